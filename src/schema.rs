@@ -1,0 +1,462 @@
+//! The data contract between runners and `docgen`: one suite document per JSON file in `data/`.
+//!
+//! Runners serialise a [`Document`]; `docgen` deserialises it and never reads anything else.
+//! The JSON Schema written next to the data (`data/schema.json`) is generated from these types
+//! with `schemars`, so the types are the single source of truth.
+//!
+//! Every case is a named parameter map ([`Row::case`]) so that later suites (sequence mixers,
+//! kernel sums, MoE, whole models) reuse the same row type with their own parameters.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Version of this schema. Bumped when a field changes meaning or a required field is added.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// One suite's measurements on one device: what `attention > data/gpu_attention.json` writes.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Document {
+    /// Must equal [`SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// Which suite the rows belong to.
+    pub suite: Suite,
+    /// The device the rows were measured on.
+    pub device: Device,
+    /// How the runner was configured and which software it ran.
+    pub config: RunConfig,
+    /// One row per (case, implementation), including cases that could not run.
+    pub rows: Vec<Row>,
+}
+
+/// The suites the project measures; each maps to a page of the site.
+#[derive(
+    Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Suite {
+    /// Softmax attention (flash, math, framework SDPA backends).
+    Attention,
+    /// Linear-attention style sequence mixers (GLA, DeltaNet, SSD).
+    SequenceMixers,
+    /// Kernel sums (Gaussian matvec, logsumexp, Sinkhorn).
+    KernelSums,
+    /// Mixture-of-experts grouped GEMM.
+    Moe,
+    /// Whole model forward and backward passes.
+    Models,
+}
+
+impl Suite {
+    /// Every suite, in page order.
+    pub const ALL: [Suite; 5] = [
+        Suite::Attention,
+        Suite::SequenceMixers,
+        Suite::KernelSums,
+        Suite::Moe,
+        Suite::Models,
+    ];
+
+    /// The snake_case name used in JSON and file names (`attention`, `kernel_sums`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Suite::Attention => "attention",
+            Suite::SequenceMixers => "sequence_mixers",
+            Suite::KernelSums => "kernel_sums",
+            Suite::Moe => "moe",
+            Suite::Models => "models",
+        }
+    }
+
+    /// Human title of the suite.
+    pub fn title(self) -> &'static str {
+        match self {
+            Suite::Attention => "Attention",
+            Suite::SequenceMixers => "Sequence mixers",
+            Suite::KernelSums => "Kernel sums",
+            Suite::Moe => "Mixture of experts",
+            Suite::Models => "Models",
+        }
+    }
+}
+
+/// Whether the rows ran on a GPU or on the host CPU.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    /// A CUDA GPU.
+    Gpu,
+    /// The host CPU.
+    Cpu,
+}
+
+/// The device a document was measured on.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Device {
+    /// GPU or CPU.
+    pub kind: DeviceKind,
+    /// Marketing name as the driver reports it, e.g. `NVIDIA H200`, or the CPU model.
+    pub name: String,
+    /// CUDA compute capability as `major.minor` (GPU only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_capability: Option<String>,
+    /// Number of streaming multiprocessors (GPU only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_count: Option<u32>,
+    /// Total device memory in MB (10^6 bytes) (GPU only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<f64>,
+    /// L2 cache size in MB (10^6 bytes) (GPU only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub l2_mb: Option<f64>,
+    /// Driver version, e.g. `580.159.04` or the CUDA driver API version `13.0`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_version: Option<String>,
+    /// CUDA version the runner was built against and loaded, e.g. `13.0`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_version: Option<String>,
+    /// Hardware threads (CPU only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_threads: Option<u32>,
+}
+
+/// How a document was produced: enough to reproduce it.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// Runner binary name, e.g. `attention`.
+    pub runner: String,
+    /// Runner (crate) version.
+    pub runner_version: String,
+    /// `git rev-parse HEAD` of the checkout the runner was built from (`unknown` outside git),
+    /// with `-dirty` appended when the tree had uncommitted changes.
+    pub git_commit: String,
+    /// Versions of every library involved, by name (`cudarc`, `cuda`, `cublas`, `nvrtc`,
+    /// `torch`, `cudnn`, `jax`, ...). A library that was looked for and not found is absent.
+    pub libraries: BTreeMap<String, String>,
+    /// Timing parameters shared by every row.
+    pub timing: TimingConfig,
+    /// The command line that produced the document, argv\[0\] reduced to the binary name.
+    pub command: Vec<String>,
+    /// Start of the run, RFC 3339 UTC.
+    pub started_at: String,
+    /// End of the run, RFC 3339 UTC; absent while the run is still writing rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<String>,
+    /// Which implementation each public entry point picks when none is named.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dispatch: Vec<DispatchRule>,
+}
+
+/// Timing parameters (see the Methodology section of the site).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TimingConfig {
+    /// Calls made before timing starts, after the case is compiled and loaded.
+    pub warmup_calls: u32,
+    /// Timed samples per case; each sample is `inner` back-to-back calls between two events.
+    pub repeats: u32,
+    /// Smallest wall time of one sample, in ms: `inner` is raised until a sample lasts this long.
+    pub min_sample_ms: f64,
+    /// Upper bound on `inner`.
+    pub max_inner: u32,
+    /// Inputs are rotated among enough copies that their total exceeds this many times the L2.
+    pub l2_rotation_factor: f64,
+    /// Per-case wall-clock limit in seconds; a case past it is a `timeout` row.
+    pub case_timeout_s: f64,
+}
+
+/// One row of the dispatch table: for inputs matching `rule` on `device`, `entry_point` runs
+/// `implementation`.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DispatchRule {
+    /// Public function, e.g. `attention::forward`.
+    pub entry_point: String,
+    /// Device class, e.g. `cuda sm_80+`.
+    pub device: String,
+    /// Dtypes the rule covers, e.g. `bf16, f16`.
+    pub dtype: String,
+    /// Shape condition in words, e.g. `head_dim in {64, 128}, seq_len % 64 == 0`.
+    pub rule: String,
+    /// Implementation picked.
+    pub implementation: String,
+}
+
+/// One named case parameter value.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(untagged)]
+pub enum Param {
+    /// A flag such as `causal`.
+    Bool(bool),
+    /// An integer size such as `seq_len`.
+    Int(i64),
+    /// A real parameter such as a blur scale.
+    Float(f64),
+    /// A name such as `dtype` or `pass`.
+    Text(String),
+}
+
+impl std::fmt::Display for Param {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Param::Bool(b) => write!(f, "{b}"),
+            Param::Int(i) => write!(f, "{i}"),
+            Param::Float(x) => write!(f, "{x}"),
+            Param::Text(s) => f.write_str(s),
+        }
+    }
+}
+
+/// Outcome of one (case, implementation).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Ran; timing and accuracy fields are set.
+    Ok,
+    /// Ran out of device memory.
+    Oom,
+    /// The implementation rejects the shape, dtype or backend; `message` says why.
+    Unsupported,
+    /// Failed; `message` keeps the error.
+    Error,
+    /// Exceeded the case time limit.
+    Timeout,
+}
+
+impl Status {
+    /// The snake_case name used in JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Oom => "oom",
+            Status::Unsupported => "unsupported",
+            Status::Error => "error",
+            Status::Timeout => "timeout",
+        }
+    }
+}
+
+/// Memory figures of one row, MB = 10^6 bytes.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Memory {
+    /// Input arguments the implementation reads (Q, K, V, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments_mb: Option<f64>,
+    /// Outputs it writes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outputs_mb: Option<f64>,
+    /// Temporaries it allocates beyond arguments and outputs (score matrices, workspaces).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temporaries_mb: Option<f64>,
+    /// Bytes kept for the backward pass (residuals); forward-only rows leave it out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residuals_mb: Option<f64>,
+    /// True device peak of the case above the process's idle baseline, read in a fresh
+    /// subprocess that runs only this case.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_mb: Option<f64>,
+    /// How `peak_mb` was read, e.g. `cuMemGetInfo delta` or `torch.cuda.max_memory_allocated`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_method: Option<String>,
+}
+
+/// Which reference an error was measured against.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Reference {
+    /// A float64 implementation on the host CPU.
+    Float64Cpu,
+    /// A float64 implementation on the device (used by the Python comparison script).
+    Float64Device,
+    /// The same computation in float32 at highest precision on the device.
+    Float32Device,
+}
+
+/// Accuracy of one row.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Accuracy {
+    /// The error, as defined by `metric`.
+    pub rel_err: f64,
+    /// `rel_l2`: ‖out − ref‖₂ / ‖ref‖₂ over every output element.
+    pub metric: String,
+    /// The reference `rel_err` is measured against.
+    pub reference: Reference,
+    /// Largest `rel_err` accepted for this dtype; a row above it is flagged on the site.
+    pub tolerance: f64,
+    /// What the reference covered when it checked a sample, e.g.
+    /// `2 of 32 (batch, head) slices x 256 of 16384 query rows`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checked: Option<String>,
+}
+
+/// One (case, implementation) result.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Row {
+    /// The case as named parameters. Attention: `batch`, `heads`, `kv_heads`, `seq_len`,
+    /// `head_dim`, `causal`, `dtype`, `pass` (`fwd` or `fwd+bwd`).
+    pub case: BTreeMap<String, Param>,
+    /// Implementation name, unique within the suite, e.g. `flash`, `math`, `torch_cudnn`.
+    pub implementation: String,
+    /// Who provides it, e.g. `kernelpages`, `cuBLAS`, `PyTorch`.
+    pub library: String,
+    /// True for the implementation the project runs when none is named.
+    pub default: bool,
+    /// Outcome.
+    pub status: Status,
+    /// Why a row is not `ok` (error text kept verbatim), or a remark on an `ok` row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Median time per call, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub median_ms: Option<f64>,
+    /// First quartile of time per call, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub q1_ms: Option<f64>,
+    /// Third quartile of time per call, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub q3_ms: Option<f64>,
+    /// Calls per timed sample.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inner_calls: Option<u32>,
+    /// Number of timed samples.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<u32>,
+    /// Input sets rotated through during timing (1 = no rotation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_sets: Option<u32>,
+    /// Time to compile (NVRTC, torch.compile, XLA) and load the case, s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compile_s: Option<f64>,
+    /// Memory figures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Memory>,
+    /// Accuracy against the reference.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accuracy: Option<Accuracy>,
+    /// Floating-point operations of one call, by the suite's counting rule (attention:
+    /// 4·B·H·T²·D, halved when causal, ×3.5 for forward + backward).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flops: Option<f64>,
+    /// `flops / median` in TFLOP/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tflops: Option<f64>,
+}
+
+impl Row {
+    /// A row for a case that did not run.
+    pub fn failed(
+        case: BTreeMap<String, Param>,
+        implementation: &str,
+        library: &str,
+        default: bool,
+        status: Status,
+        message: impl Into<String>,
+    ) -> Row {
+        Row {
+            case,
+            implementation: implementation.to_string(),
+            library: library.to_string(),
+            default,
+            status,
+            message: Some(message.into()),
+            median_ms: None,
+            q1_ms: None,
+            q3_ms: None,
+            inner_calls: None,
+            samples: None,
+            input_sets: None,
+            compile_s: None,
+            memory: None,
+            accuracy: None,
+            flops: None,
+            tflops: None,
+        }
+    }
+
+    /// Value of a case parameter.
+    pub fn param(&self, name: &str) -> Option<&Param> {
+        self.case.get(name)
+    }
+
+    /// Integer case parameter.
+    pub fn int(&self, name: &str) -> Option<i64> {
+        match self.case.get(name) {
+            Some(Param::Int(i)) => Some(*i),
+            _ => None,
+        }
+    }
+
+    /// Boolean case parameter.
+    pub fn flag(&self, name: &str) -> Option<bool> {
+        match self.case.get(name) {
+            Some(Param::Bool(b)) => Some(*b),
+            _ => None,
+        }
+    }
+
+    /// Text case parameter.
+    pub fn text(&self, name: &str) -> Option<&str> {
+        match self.case.get(name) {
+            Some(Param::Text(s)) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+/// The JSON Schema of [`Document`], pretty-printed.
+pub fn document_schema_json() -> String {
+    let schema = schemars::schema_for!(Document);
+    let mut s = serde_json::to_string_pretty(&schema).expect("schema serialises");
+    s.push('\n');
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn param_untagged_roundtrip() {
+        let mut case = BTreeMap::new();
+        case.insert("seq_len".into(), Param::Int(4096));
+        case.insert("causal".into(), Param::Bool(true));
+        case.insert("dtype".into(), Param::Text("bf16".into()));
+        let row = Row::failed(
+            case,
+            "flash",
+            "kernelpages",
+            true,
+            Status::Oom,
+            "out of memory",
+        );
+        let s = serde_json::to_string(&row).unwrap();
+        assert!(s.contains(r#""seq_len":4096"#), "{s}");
+        let back: Row = serde_json::from_str(&s).unwrap();
+        assert_eq!(back, row);
+        assert_eq!(back.int("seq_len"), Some(4096));
+        assert_eq!(back.flag("causal"), Some(true));
+        assert_eq!(back.text("dtype"), Some("bf16"));
+    }
+
+    #[test]
+    fn unknown_status_is_rejected() {
+        let s =
+            r#"{"case":{},"implementation":"x","library":"y","default":false,"status":"crashed"}"#;
+        assert!(serde_json::from_str::<Row>(s).is_err());
+    }
+
+    #[test]
+    fn schema_names_every_suite() {
+        let s = document_schema_json();
+        for suite in Suite::ALL {
+            assert!(s.contains(suite.as_str()), "{}", suite.as_str());
+        }
+    }
+}
