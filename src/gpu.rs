@@ -1,0 +1,298 @@
+//! The CUDA device as the runners see it: detection without panics, device facts for the
+//! document, NVRTC compilation timed as `compile_s`, memory readings and event timing.
+//!
+//! Everything here builds on every machine (cudarc loads the CUDA libraries at run time); a
+//! machine without them gets [`GpuError::NoDevice`], never a panic.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
+use cudarc::nvrtc::{CompileError, CompileOptions};
+
+use crate::schema::{Device, DeviceKind};
+
+/// Errors of the device layer.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// No CUDA driver library, or no device.
+    #[error("no CUDA device: {0}")]
+    NoDevice(String),
+    /// A driver call failed.
+    #[error("CUDA driver error: {0}")]
+    Driver(#[from] DriverError),
+    /// NVRTC rejected a kernel source; `log` is the compiler's output.
+    #[error("NVRTC failed to compile {name}:\n{log}")]
+    Compile {
+        /// Kernel source name.
+        name: String,
+        /// Compiler log.
+        log: String,
+    },
+    /// A cuBLAS call failed.
+    #[error("cuBLAS error: {0}")]
+    Cublas(String),
+}
+
+impl GpuError {
+    /// True when the error is the device running out of memory.
+    pub fn is_oom(&self) -> bool {
+        matches!(self, GpuError::Driver(e) if e.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY)
+            || matches!(self, GpuError::Cublas(m) if m.contains("ALLOC_FAILED"))
+    }
+}
+
+/// Checks that the CUDA driver and NVRTC libraries can be loaded and that a device exists.
+///
+/// # Errors
+/// [`GpuError::NoDevice`] naming what is missing.
+pub fn detect() -> Result<(), GpuError> {
+    // SAFETY: these only try to dlopen the libraries; they call no CUDA function.
+    let driver = unsafe { cudarc::driver::sys::is_culib_present() };
+    if !driver {
+        return Err(GpuError::NoDevice(
+            "the CUDA driver library (libcuda) is not installed on this machine".into(),
+        ));
+    }
+    let nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    if !nvrtc {
+        return Err(GpuError::NoDevice(
+            "the NVRTC library (libnvrtc) is not on the loader path; add the CUDA toolkit's lib directory to LD_LIBRARY_PATH".into(),
+        ));
+    }
+    let n = CudaContext::device_count()
+        .map_err(|e| GpuError::NoDevice(format!("cuDeviceGetCount failed: {e}")))?;
+    if n < 1 {
+        return Err(GpuError::NoDevice("the driver reports 0 devices".into()));
+    }
+    Ok(())
+}
+
+/// True when cuBLAS can be loaded.
+pub fn cublas_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
+}
+
+/// An opened device with its default stream.
+pub struct Gpu {
+    /// The primary context of device 0.
+    pub ctx: Arc<CudaContext>,
+    /// The stream every launch and event uses.
+    pub stream: Arc<CudaStream>,
+    /// Compute capability (major, minor).
+    pub cc: (i32, i32),
+}
+
+/// A compiled and loaded kernel module with the time it took.
+pub struct Compiled {
+    /// The loaded module.
+    pub module: Arc<CudaModule>,
+    /// NVRTC compile plus module load time, s.
+    pub compile_s: f64,
+}
+
+impl Gpu {
+    /// Opens device `ordinal` after [`detect`] succeeds.
+    ///
+    /// # Errors
+    /// [`GpuError::NoDevice`] on a machine without CUDA; driver errors otherwise.
+    pub fn open(ordinal: usize) -> Result<Gpu, GpuError> {
+        detect()?;
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: the runners use one stream, so cross-stream event tracking is not needed;
+        // it would add an event record per argument per launch to every timed call.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let cc = ctx.compute_capability()?;
+        Ok(Gpu { ctx, stream, cc })
+    }
+
+    /// The NVRTC architecture flag for this device: `sm_90a` on Hopper (for its own
+    /// instructions), `sm_XY` otherwise.
+    pub fn arch(&self) -> String {
+        let (ma, mi) = self.cc;
+        if (ma, mi) == (9, 0) {
+            "sm_90a".into()
+        } else {
+            format!("sm_{ma}{mi}")
+        }
+    }
+
+    /// Compiles `src` with NVRTC for this device (`-O3`, `--std=c++17`) and loads it.
+    ///
+    /// # Errors
+    /// [`GpuError::Compile`] with the compiler log; driver errors from loading.
+    pub fn compile(&self, name: &str, src: &str) -> Result<Compiled, GpuError> {
+        let t0 = Instant::now();
+        let opts = CompileOptions {
+            options: vec![
+                format!("--gpu-architecture={}", self.arch()),
+                "--std=c++17".into(),
+                "-default-device".into(),
+            ],
+            name: Some(name.to_string()),
+            ..Default::default()
+        };
+        let ptx =
+            cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| GpuError::Compile {
+                name: name.to_string(),
+                log: compile_log(&e),
+            })?;
+        let module = self.ctx.load_module(ptx)?;
+        Ok(Compiled {
+            module,
+            compile_s: t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Looks up `name` in `module` and raises its dynamic shared-memory limit to `smem_bytes`.
+    pub fn function(
+        &self,
+        module: &Arc<CudaModule>,
+        name: &str,
+        smem_bytes: u32,
+    ) -> Result<CudaFunction, GpuError> {
+        let f = module.load_function(name)?;
+        if smem_bytes > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem_bytes as i32,
+            )?;
+        }
+        Ok(f)
+    }
+
+    /// Device memory in use by every process (total − free), bytes.
+    pub fn used_bytes(&self) -> Result<u64, GpuError> {
+        let (free, total) = self.ctx.mem_get_info()?;
+        Ok((total - free) as u64)
+    }
+
+    /// Runs `f` `inner` times between two timing events on the stream and returns the elapsed
+    /// device time in ms. `f` receives the call index (for input rotation).
+    pub fn time_calls(
+        &self,
+        inner: u32,
+        mut f: impl FnMut(u32) -> Result<(), GpuError>,
+    ) -> Result<f64, GpuError> {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(flags)?;
+        let end = self.ctx.new_event(flags)?;
+        start.record(&self.stream)?;
+        for i in 0..inner {
+            f(i)?;
+        }
+        end.record(&self.stream)?;
+        let ms = start.elapsed_ms(&end)?;
+        self.ctx.check_err()?;
+        Ok(ms as f64)
+    }
+
+    /// The device's facts for the document.
+    pub fn describe(&self) -> Result<Device, GpuError> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let sm = self
+            .ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let l2 = self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?;
+        Ok(Device {
+            kind: DeviceKind::Gpu,
+            name: self.ctx.name()?,
+            compute_capability: Some(format!("{}.{}", self.cc.0, self.cc.1)),
+            sm_count: Some(sm as u32),
+            memory_mb: Some(self.ctx.total_mem()? as f64 / 1e6),
+            l2_mb: Some(l2 as f64 / 1e6),
+            driver_version: kernel_driver_version(),
+            cuda_version: driver_api_version(),
+            cpu_threads: None,
+        })
+    }
+
+    /// L2 cache size in bytes.
+    pub fn l2_bytes(&self) -> Result<u64, GpuError> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        Ok(self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as u64)
+    }
+}
+
+/// Readable NVRTC log (cudarc's `CompileError` only has a Debug form).
+fn compile_log(e: &CompileError) -> String {
+    match e {
+        CompileError::CompileError { log, options, .. } => format!(
+            "{}\n(options: {})",
+            log.to_string_lossy(),
+            options.join(" ")
+        ),
+        other => format!("{other:?}"),
+    }
+}
+
+/// CUDA driver API version as `major.minor` (what `cuDriverGetVersion` reports).
+pub fn driver_api_version() -> Option<String> {
+    let mut v = 0i32;
+    // SAFETY: only called after `detect` found the driver library; writes one int.
+    let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+    (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS)
+        .then(|| format!("{}.{}", v / 1000, (v % 1000) / 10))
+}
+
+/// Kernel-module driver version from `/proc/driver/nvidia/version` (Linux), e.g. `580.159.04`.
+pub fn kernel_driver_version() -> Option<String> {
+    let s = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    s.split_whitespace()
+        .find(|w| {
+            w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.matches('.').count() >= 1
+        })
+        .map(str::to_string)
+}
+
+/// Versions of the CUDA libraries the runner loaded: `nvrtc`, `cublas` (when present),
+/// `cuda_driver_api`, and `cudarc` (the crate).
+pub fn library_versions() -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    m.insert("cudarc".into(), "0.19".into());
+    if let Some(v) = driver_api_version() {
+        m.insert("cuda_driver_api".into(), v);
+    }
+    let (mut ma, mut mi) = (0i32, 0i32);
+    // SAFETY: `detect` checked that NVRTC loads; writes two ints.
+    if unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut ma, &mut mi) }
+        == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS
+    {
+        m.insert("nvrtc".into(), format!("{ma}.{mi}"));
+    }
+    if cublas_present() {
+        use cudarc::cublas::sys::libraryPropertyType as P;
+        let mut parts = [0i32; 3];
+        let mut ok = true;
+        for (i, p) in [P::MAJOR_VERSION, P::MINOR_VERSION, P::PATCH_LEVEL]
+            .into_iter()
+            .enumerate()
+        {
+            // SAFETY: cuBLAS loads (checked above); writes one int.
+            ok &= unsafe { cudarc::cublas::sys::cublasGetProperty(p, &mut parts[i]) }
+                == cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS;
+        }
+        if ok {
+            m.insert(
+                "cublas".into(),
+                format!("{}.{}.{}", parts[0], parts[1], parts[2]),
+            );
+        }
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn detect_never_panics() {
+        // On CI there is no libcuda: this must be a clean error. On the device it is Ok.
+        match super::detect() {
+            Ok(()) => {}
+            Err(e) => assert!(e.to_string().starts_with("no CUDA device"), "{e}"),
+        }
+    }
+}
