@@ -1,0 +1,392 @@
+//! CUDA attention implementations: `flash` (the project's kernel, the default) and `math`
+//! (cuBLAS GEMMs for S = Q Kᵀ and O = P V around the project's row-softmax kernel).
+//!
+//! Kernels live in `kernels/*.cu`, embedded here and compiled by NVRTC at run time for the
+//! device's architecture; each case compiles only the instantiation it needs.
+
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+
+use super::{AttentionCase, Dtype, Pass};
+use crate::gpu::{Gpu, GpuError};
+
+/// Source of the flash forward kernel.
+pub const FLASH_SRC: &str = include_str!("../../kernels/flash_attn_fwd.cu");
+/// Source of the row-softmax kernel of the math path.
+pub const SOFTMAX_SRC: &str = include_str!("../../kernels/softmax_rows.cu");
+
+/// Keys per step of the flash kernel (the K/V tile height).
+pub const FLASH_KEY_TILE: usize = 64;
+
+/// Warps per CTA of the flash kernel: each warp owns 16 query rows, so a CTA owns
+/// 16 × warps rows. 8 by default (see `kernels/TUNING.md`); the environment variable
+/// `KP_FLASH_WARPS` (4 or 8) overrides it for tuning runs.
+pub fn flash_warps() -> usize {
+    match std::env::var("KP_FLASH_WARPS").ok().as_deref() {
+        Some("4") => 4,
+        _ => 8,
+    }
+}
+
+/// Query rows per CTA of the flash kernel, a multiple of [`FLASH_KEY_TILE`].
+pub fn flash_query_tile() -> usize {
+    16 * flash_warps()
+}
+
+/// The project's CUDA implementations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Implementation {
+    /// Tiled flash attention with tensor-core mma and an online softmax (the default).
+    Flash,
+    /// Materialised attention: cuBLAS GEMM, softmax kernel, cuBLAS GEMM.
+    Math,
+}
+
+impl Implementation {
+    /// Every implementation, default first.
+    pub const ALL: [Implementation; 2] = [Implementation::Flash, Implementation::Math];
+
+    /// Name in documents.
+    pub fn name(self) -> &'static str {
+        match self {
+            Implementation::Flash => "flash",
+            Implementation::Math => "math",
+        }
+    }
+
+    /// Parses a name.
+    pub fn parse(s: &str) -> Option<Implementation> {
+        Self::ALL.into_iter().find(|i| i.name() == s)
+    }
+
+    /// Library column of the document.
+    pub fn library(self) -> &'static str {
+        match self {
+            Implementation::Flash => "kernelpages",
+            Implementation::Math => "cuBLAS + kernelpages softmax",
+        }
+    }
+
+    /// True for what `attention::forward` runs when no implementation is named.
+    pub fn is_default(self) -> bool {
+        self == Implementation::Flash
+    }
+
+    /// `Err(reason)` when the implementation rejects the case.
+    pub fn supports(self, c: &AttentionCase) -> Result<(), String> {
+        if c.pass != Pass::Fwd {
+            return Err("backward pass not implemented yet".into());
+        }
+        if c.kv_heads == 0 || c.heads % c.kv_heads != 0 {
+            return Err(format!(
+                "heads ({}) must be a multiple of kv_heads ({})",
+                c.heads, c.kv_heads
+            ));
+        }
+        match self {
+            Implementation::Flash => {
+                if c.head_dim != 64 && c.head_dim != 128 {
+                    return Err(format!(
+                        "head_dim {} not compiled (64 and 128 are)",
+                        c.head_dim
+                    ));
+                }
+                let tile = flash_query_tile();
+                if c.seq_len % tile != 0 {
+                    return Err(format!("seq_len {} is not a multiple of {tile}", c.seq_len));
+                }
+            }
+            Implementation::Math => {
+                if c.kv_heads != c.heads {
+                    return Err(
+                        "GQA (kv_heads < heads) not supported by the batched GEMM path".into(),
+                    );
+                }
+                if c.seq_len % 4 != 0 {
+                    return Err(format!("seq_len {} is not a multiple of 4", c.seq_len));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of temporaries beyond Q, K, V and O: the fp32 score matrix S and the 16-bit
+    /// probabilities P for `math`; nothing for `flash`.
+    pub fn temporary_bytes(self, c: &AttentionCase) -> u64 {
+        match self {
+            Implementation::Flash => 0,
+            Implementation::Math => {
+                let n = (c.batch * c.heads) as u64 * (c.seq_len as u64).pow(2);
+                n * 4 + n * 2
+            }
+        }
+    }
+}
+
+/// One input set on the device.
+pub struct DeviceInputs {
+    /// Q bits.
+    pub q: CudaSlice<u16>,
+    /// K bits.
+    pub k: CudaSlice<u16>,
+    /// V bits.
+    pub v: CudaSlice<u16>,
+}
+
+/// A compiled implementation with its temporaries, ready to launch on any input set.
+pub enum Runner {
+    /// Flash kernel.
+    Flash {
+        /// The instantiation for this case.
+        func: CudaFunction,
+        /// Grid (T/BR, H, B), 32·warps threads, dynamic shared memory.
+        cfg: LaunchConfig,
+    },
+    /// cuBLAS + softmax.
+    Math {
+        /// cuBLAS handle bound to the stream.
+        blas: Box<CudaBlas>,
+        /// Softmax instantiation.
+        softmax: CudaFunction,
+        /// fp32 scores, `[B·H, T, T]`.
+        s: CudaSlice<f32>,
+        /// 16-bit probabilities, `[B·H, T, T]`.
+        p: CudaSlice<u16>,
+    },
+}
+
+/// Shared memory of the flash kernel for `head_dim`: a Q tile of [`flash_query_tile`] rows and
+/// two K and two V tiles of [`FLASH_KEY_TILE`] rows, each row padded by 8 elements.
+pub fn flash_smem_bytes(head_dim: usize) -> u32 {
+    ((flash_query_tile() + 4 * FLASH_KEY_TILE) * (head_dim + 8) * 2) as u32
+}
+
+impl Runner {
+    /// Compiles what `imp` needs for `c` and allocates its temporaries. Returns the runner and
+    /// the NVRTC compile + load time in s.
+    ///
+    /// # Errors
+    /// Compile errors with the NVRTC log; out-of-memory for the temporaries.
+    pub fn new(
+        gpu: &Gpu,
+        imp: Implementation,
+        c: &AttentionCase,
+    ) -> Result<(Runner, f64), GpuError> {
+        let dt = match c.dtype {
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        };
+        let mask = if c.causal { "causal" } else { "full" };
+        match imp {
+            Implementation::Flash => {
+                let nw = flash_warps();
+                let name = format!("flash_fwd_{dt}_d{}_{mask}_w{nw}", c.head_dim);
+                let src = format!(
+                    "{FLASH_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
+                     const u16* Q, const u16* K, const u16* V, u16* O, int T, int H, int KVH, \
+                     float scale_log2) {{ flash_fwd<{d}, {nw}, {bf}, {causal}>(Q, K, V, O, T, H, \
+                     KVH, scale_log2); }}\n",
+                    threads = 32 * nw,
+                    d = c.head_dim,
+                    bf = c.dtype == Dtype::Bf16,
+                    causal = c.causal
+                );
+                let compiled = gpu.compile(&format!("{name}.cu"), &src)?;
+                let smem = flash_smem_bytes(c.head_dim);
+                let func = gpu.function(&compiled.module, &name, smem)?;
+                let cfg = LaunchConfig {
+                    grid_dim: (
+                        (c.seq_len / flash_query_tile()) as u32,
+                        c.heads as u32,
+                        c.batch as u32,
+                    ),
+                    block_dim: (32 * nw as u32, 1, 1),
+                    shared_mem_bytes: smem,
+                };
+                Ok((Runner::Flash { func, cfg }, compiled.compile_s))
+            }
+            Implementation::Math => {
+                let compiled = gpu.compile("softmax_rows.cu", SOFTMAX_SRC)?;
+                let softmax =
+                    gpu.function(&compiled.module, &format!("softmax_rows_{dt}_{mask}"), 0)?;
+                let blas = CudaBlas::new(gpu.stream.clone())
+                    .map_err(|e| GpuError::Cublas(format!("{e:?}")))?;
+                let n = c.batch * c.heads * c.seq_len * c.seq_len;
+                // SAFETY: S is fully written by the first GEMM and P by the softmax kernel before
+                // either is read.
+                let s = unsafe { gpu.stream.alloc::<f32>(n)? };
+                let p = unsafe { gpu.stream.alloc::<u16>(n)? };
+                Ok((
+                    Runner::Math {
+                        blas: Box::new(blas),
+                        softmax,
+                        s,
+                        p,
+                    },
+                    compiled.compile_s,
+                ))
+            }
+        }
+    }
+
+    /// Launches one forward call on the stream (asynchronously), writing `o`.
+    ///
+    /// # Errors
+    /// Launch or cuBLAS errors.
+    pub fn launch(
+        &mut self,
+        gpu: &Gpu,
+        c: &AttentionCase,
+        inp: &DeviceInputs,
+        o: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        let t = c.seq_len as i32;
+        match self {
+            Runner::Flash { func, cfg } => {
+                let (h, kvh) = (c.heads as i32, c.kv_heads as i32);
+                let scale_log2 = (c.scale() * std::f64::consts::LOG2_E) as f32;
+                let mut b = gpu.stream.launch_builder(func);
+                b.arg(&inp.q)
+                    .arg(&inp.k)
+                    .arg(&inp.v)
+                    .arg(o)
+                    .arg(&t)
+                    .arg(&h)
+                    .arg(&kvh)
+                    .arg(&scale_log2);
+                // SAFETY: the arguments match `flash_fwd_*(const u16* Q, const u16* K,
+                // const u16* V, u16* O, int T, int H, int KVH, float)`; Q and O hold
+                // B·H·T·D elements and K, V B·KVH·T·D (allocated from the same case), the grid
+                // covers T/BR query tiles × H × B, and `supports` checked T % BR == 0.
+                unsafe { b.launch(*cfg)? };
+                Ok(())
+            }
+            Runner::Math {
+                blas,
+                softmax,
+                s,
+                p,
+            } => {
+                let bh = (c.batch * c.heads) as i32;
+                let d = c.head_dim as i32;
+                let elem = match c.dtype {
+                    Dtype::Bf16 => cudaDataType_t::CUDA_R_16BF,
+                    Dtype::F16 => cudaDataType_t::CUDA_R_16F,
+                };
+                let alpha = c.scale() as f32;
+                let (one, zero) = (1.0f32, 0.0f32);
+                let tt = t as i64 * t as i64;
+                let td = t as i64 * d as i64;
+                let stream = gpu.stream.clone();
+                {
+                    let (qp, _gq) = inp.q.device_ptr(&stream);
+                    let (kp, _gk) = inp.k.device_ptr(&stream);
+                    let (sp, _gs) = s.device_ptr_mut(&stream);
+                    // S_bh (row-major T×T) = scale · Q_bh K_bhᵀ. Column-major view: Sᵀ (T×T) =
+                    // op(K)=Kᵀ... i.e. C = Aᵀ B with A = K (D×T col-major), B = Q (D×T).
+                    // SAFETY: pointers are live device allocations of the sizes implied by the
+                    // strides; alpha/beta are host f32 matching CUBLAS_COMPUTE_32F.
+                    unsafe {
+                        cudarc::cublas::result::gemm_strided_batched_ex(
+                            *blas.handle(),
+                            cublasOperation_t::CUBLAS_OP_T,
+                            cublasOperation_t::CUBLAS_OP_N,
+                            t,
+                            t,
+                            d,
+                            &alpha as *const f32 as *const _,
+                            kp as *const _,
+                            elem,
+                            d,
+                            td,
+                            qp as *const _,
+                            elem,
+                            d,
+                            td,
+                            &zero as *const f32 as *const _,
+                            sp as *mut _,
+                            cudaDataType_t::CUDA_R_32F,
+                            t,
+                            tt,
+                            bh,
+                            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                        )
+                        .map_err(|e| GpuError::Cublas(format!("{e:?}")))?;
+                    }
+                }
+                let rows = (bh as u32) * (t as u32);
+                let cfg = LaunchConfig {
+                    grid_dim: (rows, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut lb = gpu.stream.launch_builder(softmax);
+                lb.arg(&*s).arg(&mut *p).arg(&t);
+                // SAFETY: `softmax_rows_*(const float* S, u16* P, int T)` with S and P of
+                // B·H·T·T elements; one CTA per row; `supports` checked T % 4 == 0.
+                unsafe { lb.launch(cfg)? };
+                {
+                    let (pp, _gp) = p.device_ptr(&stream);
+                    let (vp, _gv) = inp.v.device_ptr(&stream);
+                    let (op, _go) = o.device_ptr_mut(&stream);
+                    // O_bh (row-major T×D) = P_bh V_bh. Column-major: Oᵀ (D×T) = Vᵀ (D×T) ·
+                    // Pᵀ (T×T): C = A B with A = V (D×T col-major, lda D), B = P (T×T, ldb T).
+                    // SAFETY: as above; output type is the 16-bit dtype.
+                    unsafe {
+                        cudarc::cublas::result::gemm_strided_batched_ex(
+                            *blas.handle(),
+                            cublasOperation_t::CUBLAS_OP_N,
+                            cublasOperation_t::CUBLAS_OP_N,
+                            d,
+                            t,
+                            t,
+                            &one as *const f32 as *const _,
+                            vp as *const _,
+                            elem,
+                            d,
+                            td,
+                            pp as *const _,
+                            elem,
+                            t,
+                            tt,
+                            &zero as *const f32 as *const _,
+                            op as *mut _,
+                            elem,
+                            d,
+                            td,
+                            bh,
+                            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                        )
+                        .map_err(|e| GpuError::Cublas(format!("{e:?}")))?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Uploads one input set.
+pub fn upload(gpu: &Gpu, q: &[u16], k: &[u16], v: &[u16]) -> Result<DeviceInputs, GpuError> {
+    Ok(DeviceInputs {
+        q: gpu.stream.clone_htod(q)?,
+        k: gpu.stream.clone_htod(k)?,
+        v: gpu.stream.clone_htod(v)?,
+    })
+}
+
+/// Device copies of `src` (distinct buffers, same values) for L2 rotation.
+pub fn replicate(gpu: &Gpu, src: &DeviceInputs) -> Result<DeviceInputs, GpuError> {
+    Ok(DeviceInputs {
+        q: gpu.stream.clone_dtod(&src.q)?,
+        k: gpu.stream.clone_dtod(&src.k)?,
+        v: gpu.stream.clone_dtod(&src.v)?,
+    })
+}
