@@ -1,0 +1,510 @@
+//! End-to-end tests of `docgen build`: a site is built from the fixture documents into a
+//! temporary folder and its pages and figures are parsed (scraper), not grepped.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kernelpages::load::{self, case_label};
+use kernelpages::schema::{Row, Status};
+use kernelpages::site::{self, format, BuildOptions};
+use scraper::{ElementRef, Html, Selector};
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn valid_dir() -> PathBuf {
+    fixtures().join("valid")
+}
+
+/// Builds a site from `data` into a fresh temporary folder; returns the folder and the site.
+fn build_site(data: &Path, base_url: Option<&str>) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("site");
+    let opts = BuildOptions {
+        data_dir: data.to_path_buf(),
+        out_dir: out.clone(),
+        base_url: base_url.map(String::from),
+    };
+    site::build(&opts).unwrap_or_else(|e| panic!("build failed: {e:#}"));
+    (tmp, out)
+}
+
+fn page(site: &Path, name: &str) -> Html {
+    let text = fs::read_to_string(site.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    Html::parse_document(&text)
+}
+
+fn sel(s: &str) -> Selector {
+    Selector::parse(s).unwrap()
+}
+
+fn text(e: ElementRef<'_>) -> String {
+    e.text()
+        .collect::<String>()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Every file under `dir`, relative path -> bytes.
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.insert(
+                    p.strip_prefix(dir).unwrap().to_path_buf(),
+                    fs::read(&p).unwrap(),
+                );
+            }
+        }
+    }
+    out
+}
+
+const PAGES: [&str; 5] = [
+    "index.html",
+    "attention.html",
+    "mixers.html",
+    "models.html",
+    "hopper.html",
+];
+
+#[test]
+fn index_has_six_sections_and_four_page_links() {
+    let (_tmp, site) = build_site(&valid_dir(), None);
+    let doc = page(&site, "index.html");
+    let h1 = doc.select(&sel("h1")).next().unwrap();
+    assert_eq!(text(h1), "GPU and CPU performance");
+    let headings: Vec<String> = doc.select(&sel("main > section > h2")).map(text).collect();
+    assert_eq!(
+        headings,
+        [
+            "At a glance",
+            "Setup",
+            "Methodology",
+            "What runs by default",
+            "Known limitations",
+            "How to reproduce"
+        ]
+    );
+    let links: BTreeSet<String> = doc
+        .select(&sel("nav.pages a"))
+        .filter_map(|a| a.value().attr("href").map(String::from))
+        .collect();
+    for p in [
+        "attention.html",
+        "mixers.html",
+        "models.html",
+        "hopper.html",
+    ] {
+        assert!(links.contains(p), "missing link to {p}: {links:?}");
+    }
+}
+
+#[test]
+fn attention_tables_show_the_fixture_values() {
+    let (_tmp, site) = build_site(&valid_dir(), None);
+    let docs = load::load_dir(&valid_dir()).unwrap();
+    let rows: Vec<&Row> = docs.iter().flat_map(|l| l.doc.rows.iter()).collect();
+    let doc = page(&site, "attention.html");
+    // Group sections by their title (every parameter but seq_len).
+    let mut groups = BTreeMap::new();
+    for g in doc.select(&sel("section.group")) {
+        groups.insert(text(g.select(&sel("h3")).next().unwrap()), g);
+    }
+    assert_eq!(groups.len(), 4, "{:?}", groups.keys());
+    let impls: BTreeSet<&str> = rows.iter().map(|r| r.implementation.as_str()).collect();
+    for (title, g) in &groups {
+        let headers: Vec<String> = g.select(&sel("th.impl")).map(text).collect();
+        for i in &impls {
+            assert!(
+                headers.iter().any(|h| h.starts_with(i)),
+                "{title}: no column {i} in {headers:?}"
+            );
+        }
+        let default = g
+            .select(&sel("th.impl.default"))
+            .map(text)
+            .collect::<Vec<_>>();
+        assert_eq!(default.len(), 1);
+        assert!(
+            default[0].starts_with("flash") && default[0].contains("default"),
+            "{default:?}"
+        );
+    }
+    let cell = |r: &Row| {
+        let mut params = r.case.clone();
+        let seq_len = params.remove("seq_len").unwrap().to_string();
+        let g = groups
+            .get(&case_label(&params))
+            .unwrap_or_else(|| panic!("no group for {:?}", r.case));
+        let tr = g
+            .select(&sel("table.results tbody tr"))
+            .find(|tr| text(tr.select(&sel("th")).next().unwrap()) == seq_len)
+            .unwrap_or_else(|| panic!("no row {seq_len}"));
+        let sel_td = format!("td[data-impl=\"{}\"]", r.implementation);
+        tr.select(&sel(&sel_td)).next().unwrap()
+    };
+    let mut seen = BTreeSet::new();
+    for r in &rows {
+        let td = cell(r);
+        let first = |s: &str| td.select(&sel(s)).next().map(text);
+        match r.status {
+            Status::Ok => {
+                assert_eq!(
+                    first(".median"),
+                    Some(format::ms(r.median_ms.unwrap())),
+                    "{r:?}"
+                );
+                assert_eq!(first(".tflops"), Some(format::tflops(r.tflops.unwrap())));
+                let iqr = format!("({})", format::iqr(r.q1_ms.unwrap(), r.q3_ms.unwrap()));
+                assert_eq!(first(".iqr"), Some(iqr));
+                let acc = r.accuracy.as_ref().unwrap();
+                let rel = first(".relerr").unwrap();
+                assert!(rel.contains(&format::rel_err(acc.rel_err)), "{rel}");
+                assert_eq!(
+                    td.select(&sel(".relerr.bad")).next().is_some(),
+                    acc.rel_err > acc.tolerance
+                );
+            }
+            other => {
+                assert_eq!(first(".status"), Some(other.as_str().to_string()));
+                assert_eq!(first(".message"), r.message.clone());
+            }
+        }
+        seen.insert(r.status.as_str());
+    }
+    assert!(seen.contains("oom") && seen.contains("unsupported"));
+    // A (case, implementation) pair without a row says so.
+    let missing: Vec<String> = doc.select(&sel("td.missing")).map(text).collect();
+    assert!(!missing.is_empty());
+    assert!(missing.iter().all(|m| m == "not measured"), "{missing:?}");
+    // Memory tables are there.
+    assert!(doc.select(&sel("table.memory")).next().is_some());
+}
+
+#[test]
+fn at_a_glance_ratio_comes_from_the_data() {
+    let (_tmp, site) = build_site(&valid_dir(), None);
+    let docs = load::load_dir(&valid_dir()).unwrap();
+    let doc = page(&site, "index.html");
+    let rows: Vec<Vec<String>> = doc
+        .select(&sel("table.glance tbody tr"))
+        .map(|tr| tr.select(&sel("td")).map(text).collect())
+        .collect();
+    assert!(!rows.is_empty());
+    let all: Vec<&Row> = docs.iter().flat_map(|l| l.doc.rows.iter()).collect();
+    for cols in rows.iter().filter(|c| c[8].ends_with('×')) {
+        // Recompute: fastest ok, accurate non-default over default, same group and seq_len.
+        let same = |r: &&&Row| {
+            let mut p = r.case.clone();
+            let x = p.remove("seq_len").unwrap().to_string();
+            case_label(&p) == cols[2] && x == cols[3]
+        };
+        let group: Vec<&&Row> = all.iter().filter(same).collect();
+        let d = group.iter().find(|r| r.default).unwrap();
+        let best = group
+            .iter()
+            .filter(|r| !r.default && r.status == Status::Ok)
+            .filter(|r| {
+                r.accuracy
+                    .as_ref()
+                    .is_some_and(|a| a.rel_err <= a.tolerance)
+            })
+            .map(|r| (r.median_ms.unwrap(), r.implementation.clone()))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .unwrap();
+        assert_eq!(cols[6], best.1);
+        assert_eq!(cols[8], format::ratio(best.0 / d.median_ms.unwrap()));
+    }
+    assert!(site.join("figures/at-a-glance.svg").is_file());
+}
+
+/// Tags open and close in order (self-closing and `<?...?>` ignored): a well-formedness check.
+fn assert_balanced_xml(name: &str, s: &str) {
+    let mut stack: Vec<String> = Vec::new();
+    let mut rest = s;
+    while let Some(i) = rest.find('<') {
+        rest = &rest[i + 1..];
+        let end = rest
+            .find('>')
+            .unwrap_or_else(|| panic!("{name}: unclosed tag"));
+        let tag = &rest[..end];
+        rest = &rest[end + 1..];
+        if tag.starts_with('?') || tag.starts_with('!') || tag.ends_with('/') {
+            continue;
+        }
+        let tag_name = |t: &str| t.split_whitespace().next().unwrap_or("").to_string();
+        if let Some(closing) = tag.strip_prefix('/') {
+            assert_eq!(
+                stack.pop().as_deref(),
+                Some(closing),
+                "{name}: mismatched </{closing}>"
+            );
+        } else {
+            stack.push(tag_name(tag));
+        }
+    }
+    assert!(stack.is_empty(), "{name}: unclosed {stack:?}");
+}
+
+#[test]
+fn figures_are_svg_with_title_and_desc() {
+    let (_tmp, site) = build_site(&valid_dir(), None);
+    let figures: Vec<PathBuf> = fs::read_dir(site.join("figures"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    // One per group plus the At a glance chart.
+    assert_eq!(figures.len(), 5, "{figures:?}");
+    for f in figures {
+        let s = fs::read_to_string(&f).unwrap();
+        assert_balanced_xml(&f.display().to_string(), &s);
+        let svg = Html::parse_fragment(&s);
+        assert!(svg.select(&sel("svg")).next().is_some(), "{}", f.display());
+        let title = svg
+            .select(&sel("svg > title"))
+            .next()
+            .map(text)
+            .unwrap_or_default();
+        assert!(!title.is_empty(), "{} has no <title>", f.display());
+        assert!(svg.select(&sel("svg > desc")).next().is_some());
+    }
+}
+
+#[test]
+fn script_in_a_message_is_shown_as_text() {
+    let (_tmp, site) = build_site(&valid_dir(), None);
+    for name in PAGES {
+        let doc = page(&site, name);
+        assert!(
+            doc.select(&sel("script")).next().is_none(),
+            "{name} has a <script> element"
+        );
+    }
+    let doc = page(&site, "attention.html");
+    let messages: Vec<String> = doc.select(&sel(".message")).map(text).collect();
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.contains("<script>alert(1)</script>")),
+        "{messages:?}"
+    );
+}
+
+#[test]
+fn every_internal_link_and_asset_exists() {
+    let (_tmp, site) = build_site(&valid_dir(), None);
+    let mut checked = 0;
+    for name in PAGES {
+        let doc = page(&site, name);
+        for e in doc.select(&sel("a[href], img[src], link[href]")) {
+            let target = e.value().attr("href").or(e.value().attr("src")).unwrap();
+            if target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            let (file, fragment) = match target.split_once('#') {
+                Some((f, frag)) => (if f.is_empty() { name } else { f }, Some(frag)),
+                None => (target, None),
+            };
+            let path = site.join(file);
+            assert!(path.is_file(), "{name} links to missing {target}");
+            if let Some(frag) = fragment {
+                let linked = page(&site, file);
+                let id = format!("[id=\"{frag}\"]");
+                assert!(
+                    linked.select(&sel(&id)).next().is_some(),
+                    "{name}: no #{frag} in {file}"
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 20, "only {checked} links checked");
+}
+
+#[test]
+fn base_url_prefixes_internal_links() {
+    let (_tmp, site) = build_site(&valid_dir(), Some("/perf"));
+    let doc = page(&site, "index.html");
+    for e in doc.select(&sel("nav a[href], link[href], img[src]")) {
+        let target = e.value().attr("href").or(e.value().attr("src")).unwrap();
+        assert!(target.starts_with("/perf/"), "{target}");
+    }
+}
+
+#[test]
+fn two_builds_are_byte_identical() {
+    let (_a, site_a) = build_site(&valid_dir(), None);
+    let (_b, site_b) = build_site(&valid_dir(), None);
+    let (a, b) = (snapshot(&site_a), snapshot(&site_b));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (k, v) in &a {
+        assert!(v == &b[k], "{} differs between builds", k.display());
+    }
+}
+
+fn docgen() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_docgen"))
+}
+
+#[test]
+fn malformed_document_fails_and_leaves_the_site_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("site");
+    fs::create_dir_all(out.join("figures")).unwrap();
+    fs::write(out.join("index.html"), "previous site").unwrap();
+    fs::write(out.join("figures/old.svg"), "<svg/>").unwrap();
+    let before = snapshot(&out);
+    for case in fs::read_dir(fixtures().join("invalid")).unwrap() {
+        let data = case.unwrap().path();
+        let output = docgen()
+            .arg("build")
+            .arg("--data")
+            .arg(&data)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            !output.status.success(),
+            "{}: build succeeded",
+            data.display()
+        );
+        assert!(stderr.starts_with("Error: "), "{stderr}");
+        assert!(
+            stderr.contains("gpu_attention"),
+            "{}: {stderr}",
+            data.display()
+        );
+        assert_eq!(snapshot(&out), before, "{}: site changed", data.display());
+        let leftovers: Vec<_> = fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(leftovers.len(), 1, "temporary folders left: {leftovers:?}");
+    }
+    // The truncated document's error carries file:line:column.
+    let data = fixtures().join("invalid/truncated");
+    let output = docgen()
+        .arg("build")
+        .arg("--data")
+        .arg(&data)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let after = stderr
+        .split("gpu_attention.json:")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{stderr}"));
+    let mut parts = after.splitn(3, ':');
+    let line: usize = parts
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("no line in {stderr}"));
+    let column: usize = parts
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("no column in {stderr}"));
+    assert!(line > 1 && column > 0);
+}
+
+#[test]
+fn duplicate_rows_name_both_files() {
+    let err = load::load_dir(&fixtures().join("invalid/duplicate")).unwrap_err();
+    let s = format!("{err:#}");
+    assert!(
+        s.contains("gpu_attention.json") && s.contains("gpu_attention_rerun.json"),
+        "{s}"
+    );
+}
+
+#[test]
+fn successful_build_replaces_the_previous_site() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("site");
+    fs::create_dir_all(&out).unwrap();
+    fs::write(out.join("stale.html"), "old").unwrap();
+    let status = docgen()
+        .arg("build")
+        .arg("--data")
+        .arg(valid_dir())
+        .arg("--out")
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(!out.join("stale.html").exists());
+    assert!(out.join("index.html").is_file());
+    let entries: Vec<_> = fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(entries, vec![std::ffi::OsString::from("site")]);
+}
+
+#[test]
+fn empty_data_dir_says_not_measured_yet() {
+    let data = tempfile::tempdir().unwrap();
+    // The schema file is not a document.
+    load::write_schema(data.path()).unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    for name in PAGES {
+        let body = text(page(&site, name).select(&sel("main")).next().unwrap());
+        assert!(
+            body.to_lowercase().contains("not measured yet"),
+            "{name}: {body}"
+        );
+    }
+    let attention = text(
+        page(&site, "attention.html")
+            .select(&sel("main"))
+            .next()
+            .unwrap(),
+    );
+    assert!(attention.contains("cargo run --release --bin attention -- --compare torch --output data/gpu_attention.json"), "{attention}");
+    let mixers = text(
+        page(&site, "mixers.html")
+            .select(&sel("main"))
+            .next()
+            .unwrap(),
+    );
+    assert!(
+        mixers.contains("runner for this suite does not exist yet"),
+        "{mixers}"
+    );
+    let index = page(&site, "index.html");
+    assert_eq!(index.select(&sel("main > section > h2")).count(), 6);
+    assert!(
+        !site.join("figures").exists()
+            || fs::read_dir(site.join("figures")).unwrap().next().is_none()
+    );
+}
+
+#[test]
+fn schema_subcommand_writes_json_schema() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("schema.json");
+    let status = docgen()
+        .arg("schema")
+        .arg("--out")
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let v: serde_json::Value = serde_json::from_str(&fs::read_to_string(&out).unwrap()).unwrap();
+    assert!(v.get("properties").is_some());
+}
