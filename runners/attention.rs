@@ -212,8 +212,9 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
-                "head_dim in {{64, 128}} and seq_len % {} == 0",
-                kernelpages::attention::cuda::flash_query_tile()
+                "head_dim 64 with seq_len % {} == 0, or head_dim 128 with seq_len % {} == 0",
+                kernelpages::attention::cuda::flash_query_tile(64),
+                kernelpages::attention::cuda::flash_query_tile(128)
             ),
             implementation: Implementation::Flash.name().into(),
         },

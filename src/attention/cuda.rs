@@ -23,19 +23,22 @@ pub const SOFTMAX_SRC: &str = include_str!("../../kernels/softmax_rows.cu");
 /// Keys per step of the flash kernel (the K/V tile height).
 pub const FLASH_KEY_TILE: usize = 64;
 
-/// Warps per CTA of the flash kernel: each warp owns 16 query rows, so a CTA owns
-/// 16 × warps rows. 8 by default (see `kernels/TUNING.md`); the environment variable
-/// `KP_FLASH_WARPS` (4 or 8) overrides it for tuning runs.
-pub fn flash_warps() -> usize {
+/// Warps per CTA of the flash kernel for `head_dim`: each warp owns 16 query rows, so a CTA
+/// owns 16 × warps rows. 4 for head_dim 64 and 8 for head_dim 128, the faster of the two on the
+/// H200 (`kernels/TUNING.md`); the environment variable `KP_FLASH_WARPS` (4 or 8) overrides it
+/// for tuning runs.
+pub fn flash_warps(head_dim: usize) -> usize {
     match std::env::var("KP_FLASH_WARPS").ok().as_deref() {
         Some("4") => 4,
-        _ => 8,
+        Some("8") => 8,
+        _ if head_dim >= 128 => 8,
+        _ => 4,
     }
 }
 
-/// Query rows per CTA of the flash kernel, a multiple of [`FLASH_KEY_TILE`].
-pub fn flash_query_tile() -> usize {
-    16 * flash_warps()
+/// Query rows per CTA of the flash kernel for `head_dim`, a multiple of [`FLASH_KEY_TILE`].
+pub fn flash_query_tile(head_dim: usize) -> usize {
+    16 * flash_warps(head_dim)
 }
 
 /// The project's CUDA implementations.
@@ -96,7 +99,7 @@ impl Implementation {
                         c.head_dim
                     ));
                 }
-                let tile = flash_query_tile();
+                let tile = flash_query_tile(c.head_dim);
                 if c.seq_len % tile != 0 {
                     return Err(format!("seq_len {} is not a multiple of {tile}", c.seq_len));
                 }
@@ -163,7 +166,7 @@ pub enum Runner {
 /// Shared memory of the flash kernel for `head_dim`: a Q tile of [`flash_query_tile`] rows and
 /// two K and two V tiles of [`FLASH_KEY_TILE`] rows, each row padded by 8 elements.
 pub fn flash_smem_bytes(head_dim: usize) -> u32 {
-    ((flash_query_tile() + 4 * FLASH_KEY_TILE) * (head_dim + 8) * 2) as u32
+    ((flash_query_tile(head_dim) + 4 * FLASH_KEY_TILE) * (head_dim + 8) * 2) as u32
 }
 
 impl Runner {
@@ -184,7 +187,7 @@ impl Runner {
         let mask = if c.causal { "causal" } else { "full" };
         match imp {
             Implementation::Flash => {
-                let nw = flash_warps();
+                let nw = flash_warps(c.head_dim);
                 let name = format!("flash_fwd_{dt}_d{}_{mask}_w{nw}", c.head_dim);
                 let src = format!(
                     "{FLASH_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
@@ -201,7 +204,7 @@ impl Runner {
                 let func = gpu.function(&compiled.module, &name, smem)?;
                 let cfg = LaunchConfig {
                     grid_dim: (
-                        (c.seq_len / flash_query_tile()) as u32,
+                        (c.seq_len / flash_query_tile(c.head_dim)) as u32,
                         c.heads as u32,
                         c.batch as u32,
                     ),
