@@ -89,6 +89,11 @@ struct Cli {
     /// Query rows per checked slice for the float64 reference.
     #[arg(long, default_value_t = 256)]
     check_rows: usize,
+    /// Read the alternatives' peak memory in a fresh process per case (`subprocess`, slower:
+    /// each one imports torch) or in the comparison process after resetting the allocator's
+    /// peak statistics (`in-process`).
+    #[arg(long, default_value = "subprocess", value_parser = ["subprocess", "in-process"])]
+    compare_memory: String,
     /// Python interpreter for --compare.
     #[arg(long, default_value = "python3")]
     python: String,
@@ -722,7 +727,7 @@ fn compare_torch(
         "l2_bytes": l2_bytes,
         "seed": cli.seed,
         "implementations": TORCH_IMPLS,
-        "memory_subprocess": true,
+        "memory_subprocess": cli.compare_memory == "subprocess",
         "check_rows": cli.check_rows,
         "check_slices": 2,
         "cases": cases.iter().map(|c| c.params()).collect::<Vec<_>>(),
