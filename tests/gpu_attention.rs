@@ -1,0 +1,102 @@
+//! GPU correctness of the attention kernels against the float64 CPU reference.
+//!
+//! Runs on a machine with an NVIDIA GPU; elsewhere each test says it is skipping and passes.
+//! The output is poisoned with NaN before each launch, so an element the kernel never writes
+//! fails the check, and every query row of two (batch, head) slices is compared.
+
+use kernelpages::attention::cpu::{check_output, normal_bits, CheckPlan};
+use kernelpages::attention::cuda::{upload, Implementation, Runner};
+use kernelpages::attention::{AttentionCase, Dtype, Pass};
+use kernelpages::gpu::{self, Gpu};
+
+fn gpu_or_skip(test: &str) -> Option<Gpu> {
+    match gpu::detect() {
+        Err(e) => {
+            eprintln!("{test}: skipping: {e}");
+            None
+        }
+        Ok(()) => Some(Gpu::open(0).expect("device opens")),
+    }
+}
+
+fn run_case(gpu: &Gpu, imp: Implementation, c: &AttentionCase, seed: u64) -> f64 {
+    let q = normal_bits(c.q_elems(), c.dtype, seed);
+    let k = normal_bits(c.kv_elems(), c.dtype, seed + 1);
+    let v = normal_bits(c.kv_elems(), c.dtype, seed + 2);
+    let (mut runner, _) = Runner::new(gpu, imp, c).expect("compiles");
+    let inp = upload(gpu, &q, &k, &v).expect("upload");
+    let mut out = gpu.stream.clone_htod(&vec![0xFFFFu16; c.q_elems()]).expect("alloc");
+    runner.launch(gpu, c, &inp, &mut out).expect("launch");
+    gpu.stream.synchronize().expect("sync");
+    let got = gpu.stream.clone_dtoh(&out).expect("download");
+    let plan = CheckPlan::new(c, c.seq_len, seed);
+    check_output(c, &q, &k, &v, &got, &plan)
+}
+
+fn cases(kv_heads: usize) -> Vec<AttentionCase> {
+    let mut v = Vec::new();
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for head_dim in [64, 128] {
+            for causal in [false, true] {
+                for seq_len in [128, 384] {
+                    v.push(AttentionCase {
+                        batch: 2,
+                        heads: 4,
+                        kv_heads,
+                        seq_len,
+                        head_dim,
+                        causal,
+                        dtype,
+                        pass: Pass::Fwd,
+                    });
+                }
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn flash_matches_float64_reference() {
+    let Some(gpu) = gpu_or_skip("flash_matches_float64_reference") else {
+        return;
+    };
+    for (i, c) in cases(4).into_iter().chain(cases(2)).enumerate() {
+        let err = run_case(&gpu, Implementation::Flash, &c, 100 + i as u64);
+        eprintln!("flash {c:?}: rel_err {err:.2e}");
+        assert!(err <= c.dtype.tolerance(), "flash {c:?}: rel_err {err}");
+    }
+}
+
+#[test]
+fn math_matches_float64_reference() {
+    let Some(gpu) = gpu_or_skip("math_matches_float64_reference") else {
+        return;
+    };
+    for (i, c) in cases(4).into_iter().enumerate() {
+        let err = run_case(&gpu, Implementation::Math, &c, 200 + i as u64);
+        eprintln!("math {c:?}: rel_err {err:.2e}");
+        assert!(err <= c.dtype.tolerance(), "math {c:?}: rel_err {err}");
+    }
+}
+
+#[test]
+fn unsupported_shapes_are_refused_before_launch() {
+    let c = AttentionCase {
+        batch: 1,
+        heads: 2,
+        kv_heads: 2,
+        seq_len: 100,
+        head_dim: 96,
+        causal: false,
+        dtype: Dtype::Bf16,
+        pass: Pass::Fwd,
+    };
+    let why = Implementation::Flash.supports(&c).unwrap_err();
+    assert!(why.contains("head_dim 96"), "{why}");
+    let c = AttentionCase { head_dim: 64, ..c };
+    assert!(Implementation::Flash.supports(&c).unwrap_err().contains("seq_len 100"));
+    let gqa = AttentionCase { kv_heads: 1, seq_len: 128, ..c };
+    assert!(Implementation::Math.supports(&gqa).is_err());
+    assert!(Implementation::Flash.supports(&gqa).is_ok());
+}
