@@ -213,6 +213,8 @@ pub struct TimingView {
     pub references: String,
     /// Samples the accuracy checks covered, as recorded.
     pub checked: String,
+    /// How `peak_mb` was read, each method with the implementations that used it.
+    pub peak_methods: String,
 }
 
 /// One dispatch rule with its document.
@@ -1143,7 +1145,25 @@ fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
                 .filter_map(|r| r.accuracy.as_ref()?.checked.as_deref())
         })
         .collect();
+    let mut methods: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for l in docs {
+        for r in &l.doc.rows {
+            if let Some(m) = r.memory.as_ref().and_then(|m| m.peak_method.as_deref()) {
+                methods.entry(m).or_default().insert(r.implementation.as_str());
+            }
+        }
+    }
+    let peak_methods = if methods.is_empty() {
+        "no row recorded a peak".to_string()
+    } else {
+        methods
+            .into_iter()
+            .map(|(m, imps)| format!("{m} ({})", imps.into_iter().collect::<Vec<_>>().join(", ")))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
     TimingView {
+        peak_methods,
         files: docs
             .iter()
             .map(|l| l.file_name())
