@@ -94,7 +94,7 @@ pub struct Measurement {
 
 /// Calls per sample so that one sample lasts at least `min_sample_ms`, given one call's time.
 pub fn choose_inner(one_call_ms: f64, min_sample_ms: f64, max_inner: u32) -> u32 {
-    if !(one_call_ms > 0.0) {
+    if one_call_ms.is_nan() || one_call_ms <= 0.0 {
         return max_inner.max(1);
     }
     let n = (min_sample_ms / one_call_ms).ceil();
@@ -137,7 +137,7 @@ fn measure_with_clock<T: SampleTimer>(
     }
     check(now())?;
     let one = timer.time_calls(1).map_err(MeasureError::Timer)?;
-    if !(one.is_finite() && one > 0.0) {
+    if !one.is_finite() || one <= 0.0 {
         return Err(MeasureError::BadTime(one));
     }
     let inner = choose_inner(one, cfg.min_sample_ms, cfg.max_inner);
@@ -151,7 +151,7 @@ fn measure_with_clock<T: SampleTimer>(
             break;
         }
         let total = timer.time_calls(inner).map_err(MeasureError::Timer)?;
-        if !(total.is_finite() && total > 0.0) {
+        if !total.is_finite() || total <= 0.0 {
             return Err(MeasureError::BadTime(total));
         }
         samples.push(total / inner as f64);
@@ -197,7 +197,7 @@ mod tests {
         type Error = ();
         fn time_calls(&mut self, inner: u32) -> Result<f64, ()> {
             self.calls.push(inner);
-            let outlier = if self.calls.len() % 5 == 0 { 10.0 } else { 0.0 };
+            let outlier = if self.calls.len().is_multiple_of(5) { 10.0 } else { 0.0 };
             Ok(self.per_call * inner as f64 + outlier)
         }
     }

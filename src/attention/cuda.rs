@@ -85,7 +85,7 @@ impl Implementation {
         if c.pass != Pass::Fwd {
             return Err("backward pass not implemented yet".into());
         }
-        if c.kv_heads == 0 || c.heads % c.kv_heads != 0 {
+        if c.kv_heads == 0 || !c.heads.is_multiple_of(c.kv_heads) {
             return Err(format!(
                 "heads ({}) must be a multiple of kv_heads ({})",
                 c.heads, c.kv_heads
@@ -100,7 +100,7 @@ impl Implementation {
                     ));
                 }
                 let tile = flash_query_tile(c.head_dim);
-                if c.seq_len % tile != 0 {
+                if !c.seq_len.is_multiple_of(tile) {
                     return Err(format!("seq_len {} is not a multiple of {tile}", c.seq_len));
                 }
             }
@@ -110,7 +110,7 @@ impl Implementation {
                         "GQA (kv_heads < heads) not supported by the batched GEMM path".into(),
                     );
                 }
-                if c.seq_len % 4 != 0 {
+                if !c.seq_len.is_multiple_of(4) {
                     return Err(format!("seq_len {} is not a multiple of 4", c.seq_len));
                 }
             }
