@@ -197,7 +197,11 @@ mod tests {
         type Error = ();
         fn time_calls(&mut self, inner: u32) -> Result<f64, ()> {
             self.calls.push(inner);
-            let outlier = if self.calls.len().is_multiple_of(5) { 10.0 } else { 0.0 };
+            let outlier = if self.calls.len().is_multiple_of(5) {
+                10.0
+            } else {
+                0.0
+            };
             Ok(self.per_call * inner as f64 + outlier)
         }
     }

@@ -25,7 +25,10 @@ fn run_case(gpu: &Gpu, imp: Implementation, c: &AttentionCase, seed: u64) -> f64
     let v = normal_bits(c.kv_elems(), c.dtype, seed + 2);
     let (mut runner, _) = Runner::new(gpu, imp, c).expect("compiles");
     let inp = upload(gpu, &q, &k, &v).expect("upload");
-    let mut out = gpu.stream.clone_htod(&vec![0xFFFFu16; c.q_elems()]).expect("alloc");
+    let mut out = gpu
+        .stream
+        .clone_htod(&vec![0xFFFFu16; c.q_elems()])
+        .expect("alloc");
     runner.launch(gpu, c, &inp, &mut out).expect("launch");
     gpu.stream.synchronize().expect("sync");
     let got = gpu.stream.clone_dtoh(&out).expect("download");
@@ -95,8 +98,15 @@ fn unsupported_shapes_are_refused_before_launch() {
     let why = Implementation::Flash.supports(&c).unwrap_err();
     assert!(why.contains("head_dim 96"), "{why}");
     let c = AttentionCase { head_dim: 64, ..c };
-    assert!(Implementation::Flash.supports(&c).unwrap_err().contains("seq_len 100"));
-    let gqa = AttentionCase { kv_heads: 1, seq_len: 128, ..c };
+    assert!(Implementation::Flash
+        .supports(&c)
+        .unwrap_err()
+        .contains("seq_len 100"));
+    let gqa = AttentionCase {
+        kv_heads: 1,
+        seq_len: 128,
+        ..c
+    };
     assert!(Implementation::Math.supports(&gqa).is_err());
     assert!(Implementation::Flash.supports(&gqa).is_ok());
 }

@@ -1149,7 +1149,10 @@ fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
     for l in docs {
         for r in &l.doc.rows {
             if let Some(m) = r.memory.as_ref().and_then(|m| m.peak_method.as_deref()) {
-                methods.entry(m).or_default().insert(r.implementation.as_str());
+                methods
+                    .entry(m)
+                    .or_default()
+                    .insert(r.implementation.as_str());
             }
         }
     }
