@@ -23,7 +23,7 @@ use clap::Parser;
 use serde::{Deserialize, Serialize};
 
 use kernelpages::attention::cpu::{check_output, normal_bits, CheckPlan};
-use kernelpages::attention::cuda::{replicate, upload, Implementation, Runner};
+use kernelpages::attention::cuda::{replicate, upload, FlashConfig, Implementation, Runner};
 use kernelpages::attention::{AttentionCase, Dtype, Pass};
 use kernelpages::gpu::{self, Gpu, GpuError};
 use kernelpages::harness::{self, MeasureError, SampleTimer};
@@ -34,7 +34,11 @@ use kernelpages::schema::{
 
 /// Measure attention implementations on the GPU and write a suite document.
 #[derive(Parser, Debug)]
-#[command(name = "attention", version, about)]
+#[command(
+    name = "attention",
+    version,
+    about = "Measure attention implementations on the GPU and write a suite document (data/gpu_attention.json)"
+)]
 struct Cli {
     /// Write the document here (atomically, after every row) instead of standard output.
     #[arg(long)]
@@ -94,12 +98,55 @@ struct Cli {
     /// peak statistics (`in-process`).
     #[arg(long, default_value = "subprocess", value_parser = ["subprocess", "in-process"])]
     compare_memory: String,
+    /// Flash kernel configuration per head_dim, e.g. `64=v2w4,128=v3w4m2b32` (see
+    /// `kernels/TUNING.md`); the measured defaults otherwise.
+    #[arg(long)]
+    flash_config: Option<String>,
     /// Python interpreter for --compare.
     #[arg(long, default_value = "python3")]
     python: String,
+    /// Measure only shard `i` of `n` (`--shard 2/3`): the cases of the grid whose 0-based
+    /// index modulo `n` is `i - 1`. The shards of one grid, written to separate documents (e.g.
+    /// `gpu_attention.shard2.json`), are merged by `docgen` into one page; the option is
+    /// recorded in the document's `config.command` with the rest of the command line.
+    #[arg(long, value_parser = parse_shard)]
+    shard: Option<Shard>,
     /// Internal: run one case in this process and print its row (JSON) on stdout.
     #[arg(long, hide = true)]
     run_case: Option<String>,
+}
+
+/// Shard `index` (1-based) of `count`, from `--shard index/count`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Shard {
+    /// 1-based shard number, `1..=count`.
+    index: usize,
+    /// Number of shards, at least 1.
+    count: usize,
+}
+
+impl Shard {
+    /// True when the case at 0-based grid position `position` belongs to this shard.
+    fn takes(self, position: usize) -> bool {
+        position % self.count == self.index - 1
+    }
+}
+
+/// Parses `i/n` with `1 <= i <= n`.
+fn parse_shard(s: &str) -> Result<Shard, String> {
+    let (i, n) = s
+        .split_once('/')
+        .ok_or_else(|| format!("`{s}` is not of the form i/n (e.g. 1/2)"))?;
+    let parse = |v: &str, what: &str| {
+        v.trim()
+            .parse::<usize>()
+            .map_err(|e| format!("`{s}`: {what} `{v}` is not a whole number: {e}"))
+    };
+    let (index, count) = (parse(i, "shard")?, parse(n, "count")?);
+    if count == 0 || index == 0 || index > count {
+        return Err(format!("`{s}`: need 1 <= i <= n"));
+    }
+    Ok(Shard { index, count })
 }
 
 /// What the parent sends a `--run-case` child.
@@ -190,7 +237,11 @@ fn now_rfc3339() -> String {
     )
 }
 
+/// The commit the binary was built from (set by `build.rs`), else the working directory's.
 fn git_commit() -> String {
+    if let Some(c) = option_env!("KP_GIT_COMMIT").filter(|c| !c.is_empty()) {
+        return c.to_string();
+    }
     let rev = Command::new("git").args(["rev-parse", "HEAD"]).output();
     match rev {
         Ok(o) if o.status.success() => {
@@ -204,22 +255,24 @@ fn git_commit() -> String {
             }
             s
         }
-        _ => option_env!("KP_GIT_COMMIT")
-            .unwrap_or("unknown")
-            .to_string(),
+        _ => "unknown".to_string(),
     }
 }
 
 fn dispatch_rules() -> Vec<DispatchRule> {
+    let flash64 = FlashConfig::for_head_dim(64).expect("checked at start");
+    let flash128 = FlashConfig::for_head_dim(128).expect("checked at start");
     vec![
         DispatchRule {
             entry_point: "attention::forward".into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
-                "head_dim 64 with seq_len % {} == 0, or head_dim 128 with seq_len % {} == 0",
-                kernelpages::attention::cuda::flash_query_tile(64),
-                kernelpages::attention::cuda::flash_query_tile(128)
+                "head_dim 64 with seq_len % {} == 0 (config {}), or head_dim 128 with seq_len % {} == 0 (config {})",
+                flash64.query_tile(),
+                flash64.name(),
+                flash128.query_tile(),
+                flash128.name()
             ),
             implementation: Implementation::Flash.name().into(),
         },
@@ -261,8 +314,32 @@ fn write_atomic(path: &Path, doc: &Document) -> Result<()> {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     let started_at = now_rfc3339();
+    if let Some(spec) = &cli.flash_config {
+        // Children inherit the environment; FlashConfig::for_head_dim reads it.
+        std::env::set_var("KP_FLASH_CONFIG", spec);
+    }
+    for d in [64, 128] {
+        FlashConfig::for_head_dim(d)
+            .map_err(anyhow::Error::msg)
+            .context("--flash-config")?;
+    }
     let timing = timing_from(&cli);
-    let cases = grid(&cli)?;
+    let mut cases = grid(&cli)?;
+    if let Some(shard) = cli.shard {
+        let all = cases.len();
+        cases = cases
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| shard.takes(*i))
+            .map(|(_, c)| c)
+            .collect();
+        eprintln!(
+            "shard {}/{}: {} of {all} cases",
+            shard.index,
+            shard.count,
+            cases.len()
+        );
+    }
     let imps: Vec<Implementation> = cli
         .implementations
         .iter()
@@ -277,6 +354,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
     }
 
+    let script = if cli.compare.iter().any(|c| c == "torch") {
+        Some(locate_script()?)
+    } else {
+        None
+    };
     // Device facts, from a short-lived context in this process (dropped before the children run).
     let (device, mut libraries, l2_bytes) = match Gpu::open(0) {
         Ok(g) => {
@@ -306,6 +388,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             command,
             started_at,
             finished_at: None,
+            flop_rule: Some(AttentionCase::FLOP_RULE.into()),
             dispatch: dispatch_rules(),
         },
         rows: Vec::new(),
@@ -329,9 +412,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
     }
 
-    if cli.compare.iter().any(|c| c == "torch") {
-        let script = locate_script()?;
-        let (rows, libs) = compare_torch(&cli, &script, &cases, &timing, l2_bytes);
+    if let Some(script) = &script {
+        let (rows, libs) = compare_torch(&cli, script, &cases, &timing, l2_bytes);
         for r in rows {
             log_row(0, 0, &r);
             doc.rows.push(r);
@@ -575,8 +657,23 @@ fn measure_case(c: &AttentionCase, imp: Implementation, job: &CaseJob) -> Result
     gpu.stream.synchronize()?;
     let peak = gpu.used_bytes()?.saturating_sub(base);
 
-    // Accuracy on the first call's output.
+    // Accuracy on the first call's output: every element must be finite (the output was
+    // poisoned with NaN, so this also proves every element was written), then the float64
+    // reference on a sample of slices and rows.
     let got = gpu.stream.clone_dtoh(&out)?;
+    if let Some(i) = got.iter().position(|&x| !c.dtype.from_bits(x).is_finite()) {
+        return Ok(Row::failed(
+            c.params(),
+            imp.name(),
+            imp.library(),
+            imp.is_default(),
+            Status::Error,
+            format!(
+                "non-finite output at element {i} of {} (unwritten or overflowed)",
+                got.len()
+            ),
+        ));
+    }
     let plan = CheckPlan::new(c, job.check_rows, job.seed ^ 0x5eed);
     let rel_err = check_output(c, &q, &k, &v, &got, &plan);
 
@@ -672,6 +769,15 @@ fn measure_case(c: &AttentionCase, imp: Implementation, job: &CaseJob) -> Result
     Ok(row)
 }
 
+/// A `Stdio` writing to this process's standard error.
+fn stderr_stdio() -> Stdio {
+    use std::os::fd::AsFd;
+    match std::io::stderr().as_fd().try_clone_to_owned() {
+        Ok(fd) => Stdio::from(fd),
+        Err(_) => Stdio::null(),
+    }
+}
+
 fn locate_script() -> Result<PathBuf> {
     let candidates = [
         PathBuf::from("runners/compare_attention.py"),
@@ -744,7 +850,8 @@ fn compare_torch(
         .arg(&req_path)
         .arg("--output")
         .arg(&out_path)
-        .stdout(Stdio::inherit())
+        // Its stdout goes to our stderr: our stdout may be the document itself.
+        .stdout(stderr_stdio())
         .stderr(Stdio::inherit())
         .spawn();
     let mut child = match child {
@@ -821,4 +928,31 @@ fn compare_torch(
     rows.extend(missing);
     let _ = std::fs::remove_dir_all(&dir);
     (rows, libs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_parses_and_partitions_the_grid() {
+        assert_eq!(parse_shard("2/3"), Ok(Shard { index: 2, count: 3 }));
+        for bad in ["0/2", "3/2", "1/0", "1", "a/2", "1/b"] {
+            assert!(parse_shard(bad).is_err(), "{bad}");
+        }
+        // Every position lands in exactly one shard.
+        let shards: Vec<Shard> = (1..=3).map(|i| Shard { index: i, count: 3 }).collect();
+        for pos in 0..20 {
+            assert_eq!(shards.iter().filter(|s| s.takes(pos)).count(), 1);
+        }
+        assert!(Shard { index: 1, count: 1 }.takes(7));
+    }
+
+    #[test]
+    fn shard_option_parses_without_touching_the_grid() {
+        let cli = Cli::try_parse_from(["attention", "--shard", "1/2"]).unwrap();
+        assert_eq!(cli.shard, Some(Shard { index: 1, count: 2 }));
+        let grid_all = grid(&cli).unwrap();
+        assert_eq!(grid_all.len(), 2 * 2 * 6);
+    }
 }

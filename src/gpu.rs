@@ -30,6 +30,9 @@ pub enum GpuError {
         /// Compiler log.
         log: String,
     },
+    /// A kernel configuration was rejected.
+    #[error("kernel configuration: {0}")]
+    Config(String),
     /// A cuBLAS call failed.
     #[error("cuBLAS error: {0}")]
     Cublas(String),

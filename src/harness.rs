@@ -144,12 +144,12 @@ fn measure_with_clock<T: SampleTimer>(
     let mut samples = Vec::with_capacity(cfg.repeats as usize);
     for _ in 0..cfg.repeats.max(1) {
         let t = now();
-        check(t)?;
         // Stop early rather than cross the limit: keep the samples taken if there are 3 or more.
         let projected = t.duration_since(start).as_secs_f64() + one * inner as f64 * 1e-3;
         if projected > cfg.case_timeout_s && samples.len() >= 3 {
             break;
         }
+        check(t)?;
         let total = timer.time_calls(inner).map_err(MeasureError::Timer)?;
         if !total.is_finite() || total <= 0.0 {
             return Err(MeasureError::BadTime(total));

@@ -146,6 +146,10 @@ pub struct RunConfig {
     /// End of the run, RFC 3339 UTC; absent while the run is still writing rows.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<String>,
+    /// How the runner counts the FLOPs of one call (the suite's rule, in words), e.g.
+    /// `4·B·H·T²·D, halved when causal, ×3.5 for forward + backward`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flop_rule: Option<String>,
     /// Which implementation each public entry point picks when none is named.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dispatch: Vec<DispatchRule>,
@@ -212,7 +216,9 @@ impl std::fmt::Display for Param {
 }
 
 /// Outcome of one (case, implementation).
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(
+    Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Status {
     /// Ran; timing and accuracy fields are set.
@@ -256,8 +262,8 @@ pub struct Memory {
     /// Bytes kept for the backward pass (residuals); forward-only rows leave it out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub residuals_mb: Option<f64>,
-    /// True device peak of the case above the process's idle baseline, read in a fresh
-    /// subprocess that runs only this case.
+    /// Device memory of one call above the process's idle baseline; `peak_method` says how it
+    /// was read (a fresh process per case, or the comparison process's allocator statistics).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_mb: Option<f64>,
     /// How `peak_mb` was read, e.g. `cuMemGetInfo delta` or `torch.cuda.max_memory_allocated`.
@@ -283,7 +289,7 @@ pub enum Reference {
 pub struct Accuracy {
     /// The error, as defined by `metric`.
     pub rel_err: f64,
-    /// `rel_l2`: ‖out − ref‖₂ / ‖ref‖₂ over every output element.
+    /// `rel_l2`: ‖out − ref‖₂ / ‖ref‖₂ over the checked output elements (`checked`).
     pub metric: String,
     /// The reference `rel_err` is measured against.
     pub reference: Reference,

@@ -59,16 +59,42 @@ fn cases(kv_heads: usize) -> Vec<AttentionCase> {
     v
 }
 
+/// Every flash configuration the runner can be told to use (`--flash-config`), including the
+/// defaults. The configuration reaches `Runner::new` through `KP_FLASH_CONFIG`, so this is the
+/// only test in this binary that sets it.
 #[test]
 fn flash_matches_float64_reference() {
     let Some(gpu) = gpu_or_skip("flash_matches_float64_reference") else {
         return;
     };
-    for (i, c) in cases(4).into_iter().chain(cases(2)).enumerate() {
-        let err = run_case(&gpu, Implementation::Flash, &c, 100 + i as u64);
-        eprintln!("flash {c:?}: rel_err {err:.2e}");
-        assert!(err <= c.dtype.tolerance(), "flash {c:?}: rel_err {err}");
+    for cfg in [
+        "",
+        "v2w4",
+        "v2w8",
+        "v3w4m2b64",
+        "v3w4m2b32",
+        "v3w8m2b32",
+        "v3w4m1b64",
+    ] {
+        if cfg.is_empty() {
+            std::env::remove_var("KP_FLASH_CONFIG");
+        } else {
+            std::env::set_var("KP_FLASH_CONFIG", format!("64={cfg},128={cfg}"));
+        }
+        for (i, c) in cases(4).into_iter().chain(cases(2)).enumerate() {
+            let c = AttentionCase {
+                seq_len: c.seq_len * 2,
+                ..c
+            }; // multiples of 256 rows
+            let err = run_case(&gpu, Implementation::Flash, &c, 100 + i as u64);
+            eprintln!("flash [{cfg}] {c:?}: rel_err {err:.2e}");
+            assert!(
+                err <= c.dtype.tolerance(),
+                "flash [{cfg}] {c:?}: rel_err {err}"
+            );
+        }
     }
+    std::env::remove_var("KP_FLASH_CONFIG");
 }
 
 #[test]

@@ -20,25 +20,110 @@ pub const FLASH_SRC: &str = include_str!("../../kernels/flash_attn_fwd.cu");
 /// Source of the row-softmax kernel of the math path.
 pub const SOFTMAX_SRC: &str = include_str!("../../kernels/softmax_rows.cu");
 
-/// Keys per step of the flash kernel (the K/V tile height).
-pub const FLASH_KEY_TILE: usize = 64;
-
-/// Warps per CTA of the flash kernel for `head_dim`: each warp owns 16 query rows, so a CTA
-/// owns 16 × warps rows. 4 for head_dim 64 and 8 for head_dim 128, the faster of the two on the
-/// H200 (`kernels/TUNING.md`); the environment variable `KP_FLASH_WARPS` (4 or 8) overrides it
-/// for tuning runs.
-pub fn flash_warps(head_dim: usize) -> usize {
-    match std::env::var("KP_FLASH_WARPS").ok().as_deref() {
-        Some("4") => 4,
-        Some("8") => 8,
-        _ if head_dim >= 128 => 8,
-        _ => 4,
-    }
+/// A flash-kernel configuration: kernel version, warps per CTA, 16-row groups per warp and keys
+/// per tile. Written `v2w4` (version 2, 4 warps: 16 rows per warp, 64-key tiles, Q fragments in
+/// registers) or `v3w4m2b32` (version 3, 4 warps, 2 row groups per warp, 32-key tiles, Q
+/// re-read from shared memory); `kernels/flash_attn_fwd.cu` documents both and
+/// `kernels/TUNING.md` their measurements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashConfig {
+    /// Kernel version: 2 (`flash_fwd`) or 3 (`flash_fwd_v3`).
+    pub version: u8,
+    /// Warps per CTA (4 or 8).
+    pub warps: usize,
+    /// Groups of 16 query rows per warp (1 for version 2; 1 or 2 for version 3).
+    pub m_tiles: usize,
+    /// Keys per K/V tile (64 for version 2; 32 or 64 for version 3).
+    pub key_tile: usize,
 }
 
-/// Query rows per CTA of the flash kernel for `head_dim`, a multiple of [`FLASH_KEY_TILE`].
-pub fn flash_query_tile(head_dim: usize) -> usize {
-    16 * flash_warps(head_dim)
+impl FlashConfig {
+    /// Parses `v2w4`, `v2w8`, `v3w{4,8}m{1,2}b{32,64}`.
+    ///
+    /// # Errors
+    /// Names the string and the accepted forms.
+    pub fn parse(s: &str) -> Result<FlashConfig, String> {
+        let bad = || format!("flash config `{s}`: expected v2w4, v2w8 or v3w<4|8>m<1|2>b<32|64>");
+        let num = |t: &str| t.parse::<usize>().map_err(|_| bad());
+        if let Some(w) = s.strip_prefix("v2w") {
+            let warps = num(w)?;
+            if warps != 4 && warps != 8 {
+                return Err(bad());
+            }
+            return Ok(FlashConfig {
+                version: 2,
+                warps,
+                m_tiles: 1,
+                key_tile: 64,
+            });
+        }
+        let rest = s.strip_prefix("v3w").ok_or_else(bad)?;
+        let (w, rest) = rest.split_once('m').ok_or_else(bad)?;
+        let (m, b) = rest.split_once('b').ok_or_else(bad)?;
+        let c = FlashConfig {
+            version: 3,
+            warps: num(w)?,
+            m_tiles: num(m)?,
+            key_tile: num(b)?,
+        };
+        let ok =
+            matches!(c.warps, 4 | 8) && matches!(c.m_tiles, 1 | 2) && matches!(c.key_tile, 32 | 64);
+        if !ok || c.query_tile() % c.key_tile != 0 {
+            return Err(bad());
+        }
+        Ok(c)
+    }
+
+    /// The written form, e.g. `v3w4m2b32`.
+    pub fn name(&self) -> String {
+        if self.version == 2 {
+            format!("v2w{}", self.warps)
+        } else {
+            format!("v3w{}m{}b{}", self.warps, self.m_tiles, self.key_tile)
+        }
+    }
+
+    /// Query rows per CTA.
+    pub fn query_tile(&self) -> usize {
+        16 * self.warps * self.m_tiles
+    }
+
+    /// Dynamic shared memory for `head_dim`: a Q tile and two K and two V tiles, rows padded
+    /// by 8 elements.
+    pub fn smem_bytes(&self, head_dim: usize) -> u32 {
+        ((self.query_tile() + 4 * self.key_tile) * (head_dim + 8) * 2) as u32
+    }
+
+    /// The measured default for `head_dim` (see `kernels/TUNING.md`), unless the environment
+    /// variable `KP_FLASH_CONFIG` (`64=v2w4,128=v3w4m2b32`, set by the runner's
+    /// `--flash-config`) names another.
+    pub fn for_head_dim(head_dim: usize) -> Result<FlashConfig, String> {
+        if let Ok(spec) = std::env::var("KP_FLASH_CONFIG") {
+            for part in spec.split(',').filter(|p| !p.is_empty()) {
+                let (d, c) = part.split_once('=').ok_or_else(|| {
+                    format!("KP_FLASH_CONFIG part `{part}`: expected head_dim=config")
+                })?;
+                if d.trim().parse::<usize>().ok() == Some(head_dim) {
+                    return FlashConfig::parse(c.trim());
+                }
+            }
+        }
+        Ok(if head_dim >= 128 {
+            FlashConfig {
+                version: 2,
+                warps: 8,
+                m_tiles: 1,
+                key_tile: 64,
+            }
+        } else {
+            FlashConfig {
+                version: 2,
+                warps: 4,
+                m_tiles: 1,
+                key_tile: 64,
+            }
+        })
+    }
 }
 
 /// The project's CUDA implementations.
@@ -99,7 +184,7 @@ impl Implementation {
                         c.head_dim
                     ));
                 }
-                let tile = flash_query_tile(c.head_dim);
+                let tile = FlashConfig::for_head_dim(c.head_dim)?.query_tile();
                 if !c.seq_len.is_multiple_of(tile) {
                     return Err(format!("seq_len {} is not a multiple of {tile}", c.seq_len));
                 }
@@ -129,6 +214,33 @@ impl Implementation {
             }
         }
     }
+}
+
+/// The kernel name and the NVRTC source (the kernel file plus one `extern "C"` wrapper) of the
+/// flash instantiation for case `c` with configuration `fc`.
+pub fn flash_instance(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
+    let dt = match c.dtype {
+        Dtype::Bf16 => "bf16",
+        Dtype::F16 => "f16",
+    };
+    let mask = if c.causal { "causal" } else { "full" };
+    let name = format!("flash_fwd_{dt}_d{}_{mask}_{}", c.head_dim, fc.name());
+    let (bf, causal, d) = (c.dtype == Dtype::Bf16, c.causal, c.head_dim);
+    let call = if fc.version == 2 {
+        format!("flash_fwd<{d}, {}, {bf}, {causal}>", fc.warps)
+    } else {
+        format!(
+            "flash_fwd_v3<{d}, {}, {}, {}, {bf}, {causal}>",
+            fc.warps, fc.m_tiles, fc.key_tile
+        )
+    };
+    let src = format!(
+        "{FLASH_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
+         const u16* Q, const u16* K, const u16* V, u16* O, int T, int H, int KVH, \
+         float scale_log2) {{ {call}(Q, K, V, O, T, H, KVH, scale_log2); }}\n",
+        threads = 32 * fc.warps,
+    );
+    (name, src)
 }
 
 /// One input set on the device.
@@ -163,12 +275,6 @@ pub enum Runner {
     },
 }
 
-/// Shared memory of the flash kernel for `head_dim`: a Q tile of [`flash_query_tile`] rows and
-/// two K and two V tiles of [`FLASH_KEY_TILE`] rows, each row padded by 8 elements.
-pub fn flash_smem_bytes(head_dim: usize) -> u32 {
-    ((flash_query_tile(head_dim) + 4 * FLASH_KEY_TILE) * (head_dim + 8) * 2) as u32
-}
-
 impl Runner {
     /// Compiles what `imp` needs for `c` and allocates its temporaries. Returns the runner and
     /// the NVRTC compile + load time in s.
@@ -187,28 +293,18 @@ impl Runner {
         let mask = if c.causal { "causal" } else { "full" };
         match imp {
             Implementation::Flash => {
-                let nw = flash_warps(c.head_dim);
-                let name = format!("flash_fwd_{dt}_d{}_{mask}_w{nw}", c.head_dim);
-                let src = format!(
-                    "{FLASH_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
-                     const u16* Q, const u16* K, const u16* V, u16* O, int T, int H, int KVH, \
-                     float scale_log2) {{ flash_fwd<{d}, {nw}, {bf}, {causal}>(Q, K, V, O, T, H, \
-                     KVH, scale_log2); }}\n",
-                    threads = 32 * nw,
-                    d = c.head_dim,
-                    bf = c.dtype == Dtype::Bf16,
-                    causal = c.causal
-                );
+                let fc = FlashConfig::for_head_dim(c.head_dim).map_err(GpuError::Config)?;
+                let (name, src) = flash_instance(c, fc);
                 let compiled = gpu.compile(&format!("{name}.cu"), &src)?;
-                let smem = flash_smem_bytes(c.head_dim);
+                let smem = fc.smem_bytes(c.head_dim);
                 let func = gpu.function(&compiled.module, &name, smem)?;
                 let cfg = LaunchConfig {
                     grid_dim: (
-                        (c.seq_len / flash_query_tile(c.head_dim)) as u32,
+                        (c.seq_len / fc.query_tile()) as u32,
                         c.heads as u32,
                         c.batch as u32,
                     ),
-                    block_dim: (32 * nw as u32, 1, 1),
+                    block_dim: (32 * fc.warps as u32, 1, 1),
                     shared_mem_bytes: smem,
                 };
                 Ok((Runner::Flash { func, cfg }, compiled.compile_s))

@@ -200,6 +200,10 @@ impl AttentionCase {
         f
     }
 
+    /// The FLOP-counting rule of [`AttentionCase::flops`], in words, for the document.
+    pub const FLOP_RULE: &'static str =
+        "4·B·H·T²·D (two matrix products, 2 FLOPs per multiply-add), halved when causal, ×3.5 for forward + backward";
+
     /// Softmax scale 1/sqrt(D).
     pub fn scale(&self) -> f64 {
         1.0 / (self.head_dim as f64).sqrt()

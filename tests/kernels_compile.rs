@@ -1,0 +1,103 @@
+//! Every CUDA kernel instantiation the runners can ask for compiles with NVRTC for sm_80 and
+//! sm_90a. Needs only the NVRTC library (no GPU): it skips, saying so, where NVRTC is absent;
+//! `.ci/run` installs NVRTC from PyPI so CI runs it.
+
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use kernelpages::attention::cuda::{flash_instance, FlashConfig, SOFTMAX_SRC};
+use kernelpages::attention::{AttentionCase, Dtype, Pass};
+
+fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+fn compile(name: &str, src: &str, arch: &str) {
+    let opts = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        name: Some(name.into()),
+        ..Default::default()
+    };
+    if let Err(e) = compile_ptx_with_opts(src, opts) {
+        let log = match &e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
+            other => format!("{other:?}"),
+        };
+        panic!("{name} ({arch}) does not compile:\n{log}");
+    }
+}
+
+#[test]
+fn every_flash_instantiation_compiles() {
+    if !nvrtc_present() {
+        eprintln!("every_flash_instantiation_compiles: skipping: libnvrtc not found");
+        return;
+    }
+    let configs = [
+        "v2w4",
+        "v2w8",
+        "v3w4m2b64",
+        "v3w4m2b32",
+        "v3w8m2b32",
+        "v3w4m1b64",
+    ];
+    for cfg in configs {
+        let fc = FlashConfig::parse(cfg).unwrap();
+        for dtype in [Dtype::Bf16, Dtype::F16] {
+            for head_dim in [64, 128] {
+                for causal in [false, true] {
+                    let c = AttentionCase {
+                        batch: 1,
+                        heads: 1,
+                        kv_heads: 1,
+                        seq_len: 1024,
+                        head_dim,
+                        causal,
+                        dtype,
+                        pass: Pass::Fwd,
+                    };
+                    let (name, src) = flash_instance(&c, fc);
+                    compile(&name, &src, "sm_90a");
+                }
+            }
+        }
+    }
+    // The default instantiations also build for Ampere.
+    for head_dim in [64, 128] {
+        let c = AttentionCase {
+            batch: 1,
+            heads: 1,
+            kv_heads: 1,
+            seq_len: 1024,
+            head_dim,
+            causal: true,
+            dtype: Dtype::Bf16,
+            pass: Pass::Fwd,
+        };
+        let (name, src) = flash_instance(&c, FlashConfig::for_head_dim(head_dim).unwrap());
+        compile(&name, &src, "sm_80");
+    }
+}
+
+#[test]
+fn softmax_kernels_compile() {
+    if !nvrtc_present() {
+        eprintln!("softmax_kernels_compile: skipping: libnvrtc not found");
+        return;
+    }
+    compile("softmax_rows.cu", SOFTMAX_SRC, "sm_90a");
+    compile("softmax_rows.cu", SOFTMAX_SRC, "sm_80");
+}
+
+#[test]
+fn flash_configs_parse_and_reject() {
+    let c = FlashConfig::parse("v3w4m2b32").unwrap();
+    assert_eq!((c.version, c.warps, c.m_tiles, c.key_tile), (3, 4, 2, 32));
+    assert_eq!(c.query_tile(), 128);
+    assert_eq!(c.name(), "v3w4m2b32");
+    assert_eq!(FlashConfig::parse("v2w8").unwrap().query_tile(), 128);
+    for bad in ["v2w6", "v3w4m3b32", "v3w4m1b128", "w4", "v3w4m2", ""] {
+        assert!(FlashConfig::parse(bad).is_err(), "{bad}");
+    }
+}
