@@ -263,8 +263,8 @@ fn figures_are_svg_with_title_and_desc() {
         .unwrap()
         .map(|e| e.unwrap().path())
         .collect();
-    // One per group plus the At a glance chart.
-    assert_eq!(figures.len(), 5, "{figures:?}");
+    // Three per group (time, peak memory, relative error) plus the At a glance chart.
+    assert_eq!(figures.len(), 13, "{figures:?}");
     for f in figures {
         let s = fs::read_to_string(&f).unwrap();
         assert_balanced_xml(&f.display().to_string(), &s);

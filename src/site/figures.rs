@@ -1,15 +1,50 @@
 //! Draws the model's figures as SVG strings with Plotters; nothing here touches the disk.
 //!
 //! Each SVG gets a `<title>` and `<desc>` (inserted after the root element, which Plotters
-//! does not write) so screen readers and text browsers can read it.
+//! does not write) so screen readers and text browsers can read it, and a `<style>` whose
+//! `prefers-color-scheme: dark` rule recolours the background, text and axes: the figures are
+//! used through `<img>`, where the page's stylesheet cannot reach them. The rule matches the
+//! colours Plotters writes as attributes ([`INK`], [`PAPER`]), which no data series uses.
+//!
+//! Axes show only chosen ticks: the measured x values, and 1-2-5 steps on log y axes; no minor
+//! grid. The legend sits below the plot, so it never hides data.
+
+use std::fmt::Write as _;
 
 use anyhow::{anyhow, Context as _};
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use super::model::{FigureSpec, GlanceChart};
+use super::model::{FigureSpec, GlanceChart, Series};
 
-const WIDTH: u32 = 720;
-const HEIGHT: u32 = 420;
+/// Width of a line figure, px.
+pub const WIDTH: u32 = 720;
+/// Height of a line figure's plot (axes included, legend excluded), px.
+const PLOT_HEIGHT: u32 = 380;
+/// Height of one legend line, px.
+const LEGEND_LINE: u32 = 20;
+/// Font of every text.
+const FONT: &str = "sans-serif";
+
+/// Text, axes and the tolerance line; light grey in the dark theme.
+pub const INK: RGBColor = RGBColor(0x1d, 0x1f, 0x21);
+/// Background; near black in the dark theme.
+pub const PAPER: RGBColor = RGBColor(0xff, 0xff, 0xff);
+/// Grid lines (drawn translucent, readable on both backgrounds).
+const GRID: RGBColor = RGBColor(0x8c, 0x95, 0x9f);
+/// Bars where the default is faster (ratio above 1).
+pub const DEFAULT_FASTER: RGBColor = RGBColor(0x59, 0xa1, 0x4f);
+/// Bars where the alternative is faster (ratio below 1).
+pub const ALTERNATIVE_FASTER: RGBColor = RGBColor(0xe1, 0x57, 0x59);
+
+/// Colours of [`INK`] and [`PAPER`] in the dark theme (those of `templates/style.css`).
+const DARK_INK: &str = "#e6e6e6";
+const DARK_PAPER: &str = "#15171a";
+
+/// `#RRGGBB` as Plotters writes it in SVG attributes.
+fn svg_hex(c: RGBColor) -> String {
+    format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2)
+}
 
 /// Parses `#rrggbb` into a colour; anything else is grey.
 fn rgb(hex: &str) -> RGBColor {
@@ -41,7 +76,18 @@ fn xml_escape(s: &str) -> String {
     out
 }
 
-/// Inserts `<title>` and `<desc>` right after the opening `<svg ...>` tag.
+/// The `<style>` element of every figure: the dark theme's colours for [`INK`] and [`PAPER`].
+pub fn theme_style() -> String {
+    let (ink, paper) = (svg_hex(INK), svg_hex(PAPER));
+    format!(
+        "<style>@media (prefers-color-scheme: dark) {{ \
+         [fill=\"{paper}\"] {{ fill: {DARK_PAPER}; }} \
+         [fill=\"{ink}\"] {{ fill: {DARK_INK}; }} \
+         [stroke=\"{ink}\"] {{ stroke: {DARK_INK}; }} }}</style>"
+    )
+}
+
+/// Inserts `<title>`, `<desc>` and the [`theme_style`] right after the opening `<svg ...>` tag.
 pub fn add_title_desc(svg: &str, title: &str, desc: &str) -> anyhow::Result<String> {
     let start = svg.find("<svg").context("SVG has no <svg> element")?;
     let end = svg[start..]
@@ -50,10 +96,11 @@ pub fn add_title_desc(svg: &str, title: &str, desc: &str) -> anyhow::Result<Stri
         + start
         + 1;
     Ok(format!(
-        "{}\n<title>{}</title>\n<desc>{}</desc>{}",
+        "{}\n<title>{}</title>\n<desc>{}</desc>\n{}{}",
         &svg[..end],
         xml_escape(title),
         xml_escape(desc),
+        theme_style(),
         &svg[end..]
     ))
 }
@@ -78,41 +125,218 @@ fn log_bounds(values: impl Iterator<Item = f64>, pad: f64) -> (f64, f64) {
     (lo / pad, hi * pad)
 }
 
-/// Draws a time-against-x figure: log-log, one line with markers per implementation, a cross
-/// at the top of the plot for each case that did not run.
+/// Ticks of a log axis over `lo..hi`: 1-2-5 steps of each decade, only powers of ten when
+/// those are too many, finer steps when too few.
+pub fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let sets: [&[f64]; 3] = [
+        &[1.0, 2.0, 5.0],
+        &[1.0],
+        &[1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
+    ];
+    let within = |mantissas: &[f64]| -> Vec<f64> {
+        if !(lo > 0.0 && hi > lo && lo.is_finite() && hi.is_finite()) {
+            return Vec::new();
+        }
+        let (d0, d1) = (lo.log10().floor() as i32, hi.log10().ceil() as i32);
+        let mut v = Vec::new();
+        for d in d0..=d1 {
+            for m in mantissas {
+                // Parse the decimal form so ticks are the round numbers they print as.
+                let t: f64 = format!("{m}e{d}").parse().unwrap_or(f64::NAN);
+                if t >= lo && t <= hi {
+                    v.push(t);
+                }
+            }
+        }
+        v
+    };
+    let coarse = within(sets[0]);
+    if coarse.len() > 8 {
+        return within(sets[1]);
+    }
+    if coarse.len() < 3 {
+        let fine = within(sets[2]);
+        if fine.len() > coarse.len() {
+            return fine;
+        }
+    }
+    coarse
+}
+
+/// A tick label: plain decimal with at most three significant digits and no trailing zeros,
+/// scientific (`2e-4`) below 0.001 or from 10⁶.
+pub fn tick_label(v: f64) -> String {
+    if v != 0.0 && (v.abs() < 1e-3 || v.abs() >= 1e6) {
+        let s = format!("{v:.1e}");
+        return s.replace(".0e", "e");
+    }
+    let s = super::format::sig(v, 3);
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
+/// Splits `text` at `", "` so that lines hold at most about `max_chars` characters.
+fn wrap(text: &str, max_chars: usize) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    let mut line = String::new();
+    for part in text.split_inclusive(", ") {
+        if !line.is_empty() && line.chars().count() + part.chars().count() > max_chars {
+            lines.push(line.trim_end().to_string());
+            line.clear();
+        }
+        line.push_str(part);
+    }
+    if !line.trim().is_empty() {
+        lines.push(line.trim_end().to_string());
+    }
+    lines
+}
+
+/// Approximate width of `text` at font size `size`, px (sans-serif averages ~0.55 em).
+fn text_width(text: &str, size: f64) -> u32 {
+    (text.chars().count() as f64 * size * 0.55).ceil() as u32
+}
+
+/// One legend entry below a line figure.
+enum LegendMark {
+    /// Line with a dot, in the series colour.
+    Line(RGBColor),
+    /// A cross, in the series colour: cases that did not run.
+    Cross(RGBColor),
+    /// A dashed line: a reference value.
+    Dashed,
+}
+
+/// The legend of a figure: one entry per series that has points, one per series with cases
+/// that did not run (naming the status and where), one per reference line.
+fn legend_entries(spec: &FigureSpec) -> Vec<(LegendMark, String)> {
+    let mut v = Vec::new();
+    for s in &spec.series {
+        let colour = rgb(&s.colour);
+        if !s.points.is_empty() {
+            v.push((LegendMark::Line(colour), s.name.clone()));
+        }
+        if !s.failed.is_empty() {
+            v.push((LegendMark::Cross(colour), failed_label(s, &spec.x_label)));
+        }
+    }
+    for (_, label) in &spec.reference_lines {
+        v.push((LegendMark::Dashed, label.clone()));
+    }
+    v
+}
+
+/// `flash: did not run: oom at seq_len 8192, 16384; timeout at 4096`.
+fn failed_label(s: &Series, x_label: &str) -> String {
+    let mut by_status: Vec<(&str, Vec<String>)> = Vec::new();
+    for (x, st) in &s.failed {
+        let x = tick_label(*x);
+        match by_status.iter_mut().find(|(k, _)| k == st) {
+            Some((_, xs)) => xs.push(x),
+            None => by_status.push((st.as_str(), vec![x])),
+        }
+    }
+    let parts: Vec<String> = by_status
+        .into_iter()
+        .map(|(st, xs)| format!("{st} at {x_label} {}", xs.join(", ")))
+        .collect();
+    format!("{}: did not run: {}", s.name, parts.join("; "))
+}
+
+/// Legend layout: two columns when every entry fits half the width, otherwise one.
+fn legend_columns(entries: &[(LegendMark, String)]) -> u32 {
+    let half = (WIDTH - 40) / 2 - 30;
+    if entries.iter().all(|(_, t)| text_width(t, 12.0) <= half) {
+        2
+    } else {
+        1
+    }
+}
+
+/// Pixel height of a line figure: the plot and its legend lines.
+pub fn line_figure_height(spec: &FigureSpec) -> u32 {
+    let entries = legend_entries(spec);
+    let cols = legend_columns(&entries);
+    let lines = (entries.len() as u32).div_ceil(cols);
+    PLOT_HEIGHT + 12 + lines * LEGEND_LINE
+}
+
+/// Draws a line figure (time, peak memory or relative error against x): log-log, one line
+/// with markers per implementation, a cross at the top of the plot for each case that did not
+/// run, a dashed line per reference value, x ticks at the measured x values only.
 pub fn line_figure(spec: &FigureSpec) -> anyhow::Result<String> {
+    let entries = legend_entries(spec);
+    let height = line_figure_height(spec);
     let mut svg = String::new();
     {
         let err = plot_err(&spec.file);
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT)).into_drawing_area();
-        root.fill(&WHITE).map_err(&err)?;
-        let xs = spec.series.iter().flat_map(|s| {
-            s.points
-                .iter()
-                .map(|p| p.0)
-                .chain(s.failed.iter().map(|f| f.0))
-        });
-        let (x0, x1) = log_bounds(xs, 1.15);
-        let (y0, y1) = log_bounds(
-            spec.series
-                .iter()
-                .flat_map(|s| s.points.iter().map(|p| p.1)),
-            1.6,
-        );
-        let mut chart = ChartBuilder::on(&root)
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, height)).into_drawing_area();
+        root.fill(&PAPER).map_err(&err)?;
+        let (plot, legend) = root.split_vertically(PLOT_HEIGHT);
+
+        let mut xs: Vec<f64> = spec
+            .series
+            .iter()
+            .flat_map(|s| {
+                s.points
+                    .iter()
+                    .map(|p| p.0)
+                    .chain(s.failed.iter().map(|f| f.0))
+            })
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .collect();
+        xs.sort_by(f64::total_cmp);
+        xs.dedup();
+        let (x0, x1) = log_bounds(xs.iter().copied(), 1.15);
+        let ys = spec
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.1))
+            .chain(spec.reference_lines.iter().map(|r| r.0));
+        let (y0, mut y1) = log_bounds(ys, 1.6);
+        let any_failed = spec.series.iter().any(|s| !s.failed.is_empty());
+        if any_failed {
+            // Headroom for the crosses above the highest point.
+            y1 *= 1.5;
+        }
+        let y_ticks = log_ticks(y0, y1);
+        let mut chart = ChartBuilder::on(&plot)
             .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(60)
-            .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
+            .margin_right(24)
+            .x_label_area_size(44)
+            .y_label_area_size(64)
+            .build_cartesian_2d(
+                (x0..x1).log_scale().with_key_points(xs.clone()),
+                (y0..y1).log_scale().with_key_points(y_ticks),
+            )
             .map_err(&err)?;
         chart
             .configure_mesh()
             .x_desc(spec.x_label.as_str())
-            .y_desc("median time (ms)")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| super::format::sig(*y, 2))
+            .y_desc(spec.y_label.as_str())
+            .x_label_formatter(&|x| tick_label(*x))
+            .y_label_formatter(&|y| tick_label(*y))
+            .bold_line_style(GRID.mix(0.3))
+            .light_line_style(TRANSPARENT)
+            .axis_style(INK)
+            .label_style((FONT, 13).into_font().color(&INK))
+            .axis_desc_style((FONT, 14).into_font().color(&INK))
             .draw()
             .map_err(&err)?;
+        for (value, _) in &spec.reference_lines {
+            chart
+                .draw_series(DashedLineSeries::new(
+                    [(x0, *value), (x1, *value)],
+                    6,
+                    4,
+                    INK.stroke_width(1),
+                ))
+                .map_err(&err)?;
+        }
+        let cross_y = y1 / 1.2;
         for s in &spec.series {
             let colour = rgb(&s.colour);
             if !s.points.is_empty() {
@@ -121,107 +345,231 @@ pub fn line_figure(spec: &FigureSpec) -> anyhow::Result<String> {
                         s.points.iter().copied(),
                         colour.stroke_width(2),
                     ))
-                    .map_err(&err)?
-                    .label(s.name.as_str())
-                    .legend(move |(x, y)| {
-                        PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(2))
-                    });
+                    .map_err(&err)?;
                 chart
                     .draw_series(s.points.iter().map(|p| Circle::new(*p, 3, colour.filled())))
                     .map_err(&err)?;
             }
-            if !s.failed.is_empty() {
-                let statuses: Vec<String> = s
-                    .failed
-                    .iter()
-                    .map(|(x, st)| format!("{st} at {x}"))
-                    .collect();
-                let label = format!("{}: {}", s.name, statuses.join(", "));
-                chart
-                    .draw_series(
-                        s.failed
-                            .iter()
-                            .map(|(x, _)| Cross::new((*x, y1 / 1.12), 6, colour.stroke_width(2))),
-                    )
-                    .map_err(&err)?
-                    .label(label)
-                    .legend(move |(x, y)| Cross::new((x + 8, y), 5, colour.stroke_width(2)));
-            }
+            chart
+                .draw_series(
+                    s.failed
+                        .iter()
+                        .map(|(x, _)| Cross::new((*x, cross_y), 6, colour.stroke_width(2))),
+                )
+                .map_err(&err)?;
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK.mix(0.4))
-            .position(SeriesLabelPosition::LowerRight)
-            .draw()
-            .map_err(&err)?;
+        draw_legend(&legend, &entries).map_err(&err)?;
         root.present().map_err(&err)?;
     }
     add_title_desc(&svg, &spec.title, &spec.desc)
 }
 
-/// Draws the At a glance chart: horizontal bars from 1 to each ratio on a log x axis, a
-/// vertical line at 1, each bar labelled.
+/// [`line_figure`] of every spec, in order, spread over the available cores (figures are the
+/// bulk of a large site's build). Errors name the figure's file.
+pub fn line_figures(specs: &[FigureSpec]) -> anyhow::Result<Vec<String>> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8);
+    let chunk = specs.len().div_ceil(threads).max(16);
+    let draw = |part: &[FigureSpec]| -> anyhow::Result<Vec<String>> {
+        part.iter()
+            .map(|spec| line_figure(spec).with_context(|| format!("drawing {}", spec.file)))
+            .collect()
+    };
+    if specs.len() <= chunk {
+        return draw(specs);
+    }
+    let parts: Vec<anyhow::Result<Vec<String>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = specs
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || draw(part)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow!("a figure-drawing thread panicked")))
+            })
+            .collect()
+    });
+    let mut out = Vec::with_capacity(specs.len());
+    for part in parts {
+        out.extend(part?);
+    }
+    Ok(out)
+}
+
+fn draw_legend<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    entries: &[(LegendMark, String)],
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    let cols = legend_columns(entries);
+    let col_width = (WIDTH as i32 - 76) / cols as i32;
+    let font = (FONT, 12).into_font().color(&INK);
+    for (i, (mark, label)) in entries.iter().enumerate() {
+        let (row, col) = (i as i32 / cols as i32, i as i32 % cols as i32);
+        let x = 76 + col * col_width;
+        let y = 6 + row * LEGEND_LINE as i32 + LEGEND_LINE as i32 / 2;
+        match mark {
+            LegendMark::Line(c) => {
+                area.draw(&PathElement::new(
+                    vec![(x, y), (x + 20, y)],
+                    c.stroke_width(2),
+                ))?;
+                area.draw(&Circle::new((x + 10, y), 3, c.filled()))?;
+            }
+            LegendMark::Cross(c) => {
+                area.draw(&Cross::new((x + 10, y), 5, c.stroke_width(2)))?;
+            }
+            LegendMark::Dashed => {
+                for k in 0..2 {
+                    area.draw(&PathElement::new(
+                        vec![(x + k * 12, y), (x + k * 12 + 7, y)],
+                        INK.stroke_width(1),
+                    ))?;
+                }
+            }
+        }
+        area.draw(&Text::new(
+            label.clone(),
+            (x + 28, y),
+            font.pos(Pos::new(HPos::Left, VPos::Center)),
+        ))?;
+    }
+    Ok(())
+}
+
+/// x range of the At a glance chart: every ratio, whisker end and 1, with room on both sides.
+pub fn glance_bounds(chart: &GlanceChart) -> (f64, f64) {
+    let values = chart
+        .bars
+        .iter()
+        .flat_map(|b| [Some(b.ratio), b.range.map(|r| r.0), b.range.map(|r| r.1)])
+        .flatten()
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .chain([1.0]);
+    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+    for v in values {
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
+    // At least a factor 1.25 of room beyond the extremes, and 15 % of the span.
+    let span = (hi / lo).ln();
+    let pad = (0.15 * span).max(1.25f64.ln());
+    ((lo.ln() - pad).exp(), (hi.ln() + pad).exp())
+}
+
+/// Draws the At a glance chart: one horizontal bar per representative comparison from 1 to the
+/// ratio on a log x axis whose range comes from the data and holds 1, a whisker over the ratio
+/// range from both interquartile ranges, a vertical line at 1, the labels left of the plot.
 pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
     let n = chart_spec.bars.len();
-    let height = (80 + 34 * n as u32).max(160);
+    let label_width = chart_spec
+        .bars
+        .iter()
+        .map(|b| text_width(&b.label, 13.0))
+        .max()
+        .unwrap_or(0)
+        .clamp(120, 560)
+        + 16;
+    let width = label_width + 560;
+    let title_lines = wrap(&chart_spec.title, (width as usize - 24) / 8);
+    let top = 16 + 20 * title_lines.len() as u32 + 22;
+    let height = top + 34 * n as u32 + 56;
     let mut svg = String::new();
     {
         let err = plot_err(&chart_spec.file);
-        let root = SVGBackend::with_string(&mut svg, (WIDTH + 240, height)).into_drawing_area();
-        root.fill(&WHITE).map_err(&err)?;
-        let (mut lo, mut hi) =
-            log_bounds(chart_spec.bars.iter().map(|b| b.ratio).chain([1.0]), 1.0);
-        // Symmetric, with room for the labels on the right.
-        let span = (hi.ln().abs()).max(lo.ln().abs()).max(2f64.ln());
-        lo = (-span * 1.2).exp();
-        hi = (span * 1.2).exp();
+        let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
+        root.fill(&PAPER).map_err(&err)?;
+        for (i, line) in title_lines.iter().enumerate() {
+            root.draw(&Text::new(
+                line.clone(),
+                (12, 8 + 20 * i as i32),
+                (FONT, 15).into_font().color(&INK),
+            ))
+            .map_err(&err)?;
+        }
+        let (lo, hi) = glance_bounds(chart_spec);
+        let ticks = glance_ticks(lo, hi);
         let mut chart = ChartBuilder::on(&root)
             .margin(12)
-            .margin_top(28)
-            .x_label_area_size(40)
-            .y_label_area_size(10)
-            .build_cartesian_2d((lo..hi * 3.0).log_scale(), 0f64..n as f64)
+            .margin_top(top)
+            .margin_right(24)
+            .x_label_area_size(44)
+            .y_label_area_size(label_width)
+            .build_cartesian_2d((lo..hi).log_scale().with_key_points(ticks), 0f64..n as f64)
             .map_err(&err)?;
-        root.draw(&Text::new(
-            chart_spec.title.clone(),
-            (12, 4),
-            ("sans-serif", 14).into_font().color(&BLACK),
-        ))
-        .map_err(&err)?;
         chart
             .configure_mesh()
             .disable_y_mesh()
-            .disable_y_axis()
-            .x_desc("fastest accurate alternative time ÷ default time (right of 1: default faster)")
-            .x_label_formatter(&|x| super::format::sig(*x, 2))
+            .y_labels(0)
+            .x_desc("fastest accurate alternative time ÷ default time (log scale)")
+            .x_label_formatter(&|x| tick_label(*x))
+            .bold_line_style(GRID.mix(0.3))
+            .light_line_style(TRANSPARENT)
+            .axis_style(INK)
+            .label_style((FONT, 13).into_font().color(&INK))
+            .axis_desc_style((FONT, 14).into_font().color(&INK))
             .draw()
             .map_err(&err)?;
-        let faster = RGBColor(0x59, 0xa1, 0x4f);
-        let slower = RGBColor(0xe1, 0x57, 0x59);
+        // Which side means what, just above the plot on either side of 1.
+        let (one_x, plot_top) = chart.backend_coord(&(1.0, n as f64));
+        let side = (FONT, 12).into_font().color(&INK);
+        root.draw(&Text::new(
+            "← alternative faster",
+            (one_x - 8, plot_top - 6),
+            side.pos(Pos::new(HPos::Right, VPos::Bottom)),
+        ))
+        .map_err(&err)?;
+        root.draw(&Text::new(
+            "default faster →",
+            (one_x + 8, plot_top - 6),
+            side.pos(Pos::new(HPos::Left, VPos::Bottom)),
+        ))
+        .map_err(&err)?;
+        let label_font = (FONT, 13)
+            .into_font()
+            .color(&INK)
+            .pos(Pos::new(HPos::Right, VPos::Center));
         for (i, b) in chart_spec.bars.iter().enumerate() {
-            let y_top = n as f64 - i as f64 - 0.2;
-            let y_bottom = n as f64 - i as f64 - 0.8;
-            let colour = if b.ratio >= 1.0 { faster } else { slower };
+            let y_mid = n as f64 - i as f64 - 0.5;
+            let colour = if b.ratio >= 1.0 {
+                DEFAULT_FASTER
+            } else {
+                ALTERNATIVE_FASTER
+            };
             chart
                 .draw_series(std::iter::once(Rectangle::new(
-                    [(1.0, y_bottom), (b.ratio, y_top)],
+                    [(1.0, y_mid - 0.3), (b.ratio, y_mid + 0.3)],
                     colour.filled(),
                 )))
                 .map_err(&err)?;
-            let x_text = b.ratio.max(1.0) * 1.05;
-            chart
-                .draw_series(std::iter::once(Text::new(
-                    b.label.clone(),
-                    (x_text, y_top - 0.15),
-                    ("sans-serif", 13).into_font().color(&BLACK),
-                )))
-                .map_err(&err)?;
+            if let Some((low, high)) = b.range {
+                let cap = 0.15;
+                chart
+                    .draw_series(
+                        [
+                            vec![(low, y_mid), (high, y_mid)],
+                            vec![(low, y_mid - cap), (low, y_mid + cap)],
+                            vec![(high, y_mid - cap), (high, y_mid + cap)],
+                        ]
+                        .into_iter()
+                        .map(|p| PathElement::new(p, INK.stroke_width(1))),
+                    )
+                    .map_err(&err)?;
+            }
+            let (px, py) = chart.backend_coord(&(lo, y_mid));
+            root.draw(&Text::new(
+                b.label.clone(),
+                (px - 8, py),
+                label_font.clone(),
+            ))
+            .map_err(&err)?;
         }
         chart
             .draw_series(LineSeries::new(
                 [(1.0, 0.0), (1.0, n as f64)],
-                BLACK.stroke_width(1),
+                INK.stroke_width(2),
             ))
             .map_err(&err)?;
         root.present().map_err(&err)?;
@@ -229,16 +577,90 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
     add_title_desc(&svg, &chart_spec.title, &chart_spec.desc)
 }
 
+/// Ticks of the At a glance axis: [`log_ticks`], always with 1.
+fn glance_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let mut t = log_ticks(lo, hi);
+    if !t.contains(&1.0) {
+        t.push(1.0);
+        t.sort_by(f64::total_cmp);
+    }
+    t
+}
+
+/// A one-line summary of a figure's legend for tests and debugging (not drawn).
+pub fn legend_text(spec: &FigureSpec) -> String {
+    let mut s = String::new();
+    for (_, label) in legend_entries(spec) {
+        let _ = writeln!(s, "{label}");
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::site::model::{GlanceBar, Series};
 
     #[test]
-    fn title_goes_after_root() {
+    fn title_and_style_go_after_root() {
         let s = add_title_desc("<?xml?><svg a=\"1\"><rect/></svg>", "T<", "D").unwrap();
-        assert_eq!(
-            s,
-            "<?xml?><svg a=\"1\">\n<title>T&lt;</title>\n<desc>D</desc><rect/></svg>"
+        assert!(
+            s.starts_with("<?xml?><svg a=\"1\">\n<title>T&lt;</title>\n<desc>D</desc>\n<style>"),
+            "{s}"
         );
+        assert!(s.ends_with("</style><rect/></svg>"), "{s}");
+    }
+
+    #[test]
+    fn log_ticks_are_round_and_few() {
+        assert_eq!(log_ticks(0.015, 250.0), vec![0.1, 1.0, 10.0, 100.0]);
+        assert_eq!(log_ticks(0.3, 3.0), vec![0.5, 1.0, 2.0]);
+        assert_eq!(log_ticks(0.6, 1.4), vec![0.6, 0.7, 0.8, 1.0, 1.2]);
+        assert_eq!(tick_label(0.5), "0.5");
+        assert_eq!(tick_label(16384.0), "16384");
+        assert_eq!(tick_label(0.0002), "2e-4");
+        assert_eq!(tick_label(0.015), "0.015");
+    }
+
+    #[test]
+    fn glance_range_holds_one_with_room_on_both_sides() {
+        let chart = GlanceChart {
+            file: "g.svg".into(),
+            title: "t".into(),
+            desc: "d".into(),
+            bars: vec![GlanceBar {
+                label: "a".into(),
+                ratio: 0.4,
+                range: Some((0.35, 0.45)),
+            }],
+        };
+        let (lo, hi) = glance_bounds(&chart);
+        assert!(lo < 0.35 && hi > 1.0 * 1.2, "{lo} {hi}");
+        let t = glance_ticks(lo, hi);
+        assert!(t.contains(&1.0) && t.iter().any(|v| *v < 1.0), "{t:?}");
+    }
+
+    #[test]
+    fn legend_names_each_status() {
+        let spec = FigureSpec {
+            file: "f.svg".into(),
+            title: "t".into(),
+            desc: "d".into(),
+            x_label: "seq_len".into(),
+            y_label: "y".into(),
+            series: vec![Series {
+                name: "math".into(),
+                colour: "#f28e2b".into(),
+                points: vec![(512.0, 1.0)],
+                failed: vec![(4096.0, "oom".into()), (8192.0, "oom".into())],
+            }],
+            reference_lines: vec![(0.01, "tolerance 1.00e-2".into())],
+        };
+        assert_eq!(
+            legend_text(&spec),
+            "math\nmath: did not run: oom at seq_len 4096, 8192\ntolerance 1.00e-2\n"
+        );
+        let svg = line_figure(&spec).unwrap();
+        assert!(svg.contains("<title>t</title>"));
     }
 }

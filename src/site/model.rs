@@ -164,6 +164,13 @@ pub struct GlanceRow {
     /// The ratio itself (for the chart).
     #[serde(skip)]
     pub ratio_value: Option<f64>,
+    /// (alternative q1 ÷ default q3, alternative q3 ÷ default q1), when all four quartiles
+    /// exist (for the chart's whisker).
+    #[serde(skip)]
+    pub ratio_range: Option<(f64, f64)>,
+    /// True when the document was measured on the CPU (`device.kind == cpu`).
+    #[serde(skip)]
+    pub cpu: bool,
 }
 
 /// Where a figure is and what it shows.
@@ -317,8 +324,12 @@ pub struct GroupView {
     pub implementations: Vec<ImplHeader>,
     /// Rows.
     pub rows: Vec<TableRow>,
-    /// The group's figure.
+    /// The group's figure: median time against x.
     pub figure: Option<FigureRef>,
+    /// Peak memory against x, when some row recorded `memory.peak_mb`.
+    pub memory_figure: Option<FigureRef>,
+    /// Relative error against x with the tolerance, when some row recorded `accuracy`.
+    pub error_figure: Option<FigureRef>,
     /// Memory figures of rows that have them.
     pub memory: Vec<MemoryRow>,
 }
@@ -421,10 +432,11 @@ pub struct HopperImpl {
     pub rows_ok: String,
 }
 
-/// One line figure: time against x, log-log.
+/// One line figure: a measured quantity (time, peak memory or relative error) against x,
+/// log-log.
 #[derive(Debug, Clone)]
 pub struct FigureSpec {
-    /// Site-relative path, `figures/<suite>-<hash>.svg`.
+    /// Site-relative path, `figures/<suite>-<hash>.svg` (time), `…-memory.svg`, `…-error.svg`.
     pub file: String,
     /// SVG `<title>`.
     pub title: String,
@@ -432,8 +444,12 @@ pub struct FigureSpec {
     pub desc: String,
     /// x axis label.
     pub x_label: String,
+    /// y axis label, with its unit.
+    pub y_label: String,
     /// One line per implementation.
     pub series: Vec<Series>,
+    /// Horizontal dashed lines (value, legend label), e.g. the accuracy tolerance.
+    pub reference_lines: Vec<(f64, String)>,
 }
 
 /// One implementation in a figure.
@@ -469,6 +485,9 @@ pub struct GlanceBar {
     pub label: String,
     /// alternative ÷ default.
     pub ratio: f64,
+    /// Range of the ratio from both interquartile ranges: (alternative q1 ÷ default q3,
+    /// alternative q3 ÷ default q1); `None` when a quartile is missing.
+    pub range: Option<(f64, f64)>,
 }
 
 /// Sort key of a parameter value: numbers sort numerically, then text.
@@ -585,8 +604,44 @@ fn above_tolerance(row: &Row) -> bool {
             .is_some_and(|a| a.rel_err > a.tolerance)
 }
 
+/// Documents of one suite measured on devices of one name (shards of a grid, split by the
+/// runner's `--shard i/n` or run on several GPUs of one model) merged into one: the rows of all,
+/// in file order, with the first document's device and configuration, and a path whose file
+/// name lists every file (`a.json + b.json`). Documents alone under their key are borrowed as
+/// they are. The loader has already refused rows repeated across files.
+pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
+    let key = |l: &Loaded| (l.doc.suite, l.doc.device.name.clone());
+    let keys: BTreeSet<(Suite, String)> = docs.iter().map(key).collect();
+    if keys.len() == docs.len() {
+        return std::borrow::Cow::Borrowed(docs);
+    }
+    let mut merged: Vec<Loaded> = Vec::with_capacity(keys.len());
+    let mut names: Vec<Vec<String>> = Vec::with_capacity(keys.len());
+    for l in docs {
+        match merged.iter().position(|m| key(m) == key(l)) {
+            Some(i) => {
+                merged[i].doc.rows.extend(l.doc.rows.iter().cloned());
+                names[i].push(l.file_name());
+            }
+            None => {
+                merged.push(l.clone());
+                names.push(vec![l.file_name()]);
+            }
+        }
+    }
+    for (m, n) in merged.iter_mut().zip(names) {
+        m.path = m.path.with_file_name(n.join(" + "));
+    }
+    std::borrow::Cow::Owned(merged)
+}
+
 /// Builds the whole model. `base` is the link prefix: empty for relative links, or a base URL.
-pub fn build_model(docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
+///
+/// Setup, methodology and reproduction commands are per file; tables, figures, the At a glance
+/// comparison, dispatch rules and limitations use the documents merged by [`merge_shards`].
+pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
+    let merged = merge_shards(all_docs);
+    let docs: &[Loaded] = &merged;
     let base = match base_url {
         Some(b) if b.ends_with('/') => b.to_string(),
         Some(b) => format!("{b}/"),
@@ -648,13 +703,15 @@ pub fn build_model(docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
                 .collect();
             Some(GlanceBar {
                 label: format!(
-                    "{} vs {}{}{}",
+                    "{}{}{}{} vs {}",
+                    if g.cpu { "[CPU] " } else { "" },
+                    own.join(", "),
+                    if own.is_empty() { "" } else { ": " },
                     g.ratio.clone()?,
                     g.alternative.clone()?,
-                    if own.is_empty() { "" } else { " — " },
-                    own.join(", ")
                 ),
                 ratio: g.ratio_value?,
+                range: g.ratio_range,
             })
         })
         .collect();
@@ -705,8 +762,8 @@ pub fn build_model(docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
             alt: c.desc.clone(),
         }),
         glance,
-        setup: docs.iter().map(setup_doc).collect(),
-        methodology: methodology(docs),
+        setup: all_docs.iter().map(setup_doc).collect(),
+        methodology: methodology(all_docs),
         dispatch: docs
             .iter()
             .flat_map(|l| {
@@ -721,7 +778,7 @@ pub fn build_model(docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
             })
             .collect(),
         limitations: limitations(docs, &base),
-        reproduce: docs
+        reproduce: all_docs
             .iter()
             .map(|l| CommandView {
                 label: format!("{} ({})", l.file_name(), l.doc.suite.title()),
@@ -880,14 +937,19 @@ fn doc_section(
                     })
                 })
                 .collect();
-            let figure = figure_spec(doc, g, &id, &impls).map(|spec| {
-                let r = FigureRef {
-                    src: format!("{base}{}", spec.file),
-                    alt: spec.desc.clone(),
-                };
-                figures.push(spec);
-                r
-            });
+            let mut add = |metric: Metric| {
+                figure_spec(doc, g, &id, &impls, metric).map(|spec| {
+                    let r = FigureRef {
+                        src: format!("{base}{}", spec.file),
+                        alt: spec.desc.clone(),
+                    };
+                    figures.push(spec);
+                    r
+                })
+            };
+            let figure = add(Metric::Time);
+            let memory_figure = add(Metric::PeakMemory);
+            let error_figure = add(Metric::RelErr);
             GroupView {
                 anchor: format!("g-{id}"),
                 title: g.title(),
@@ -895,6 +957,8 @@ fn doc_section(
                 implementations: impls.clone(),
                 rows,
                 figure,
+                memory_figure,
+                error_figure,
                 memory,
             }
         })
@@ -940,14 +1004,74 @@ fn cell(implementation: &str, row: Option<&Row>) -> Cell {
     c
 }
 
+/// What a line figure plots against [`X_PARAM`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Metric {
+    /// `median_ms` of ok rows.
+    Time,
+    /// `memory.peak_mb` of ok rows.
+    PeakMemory,
+    /// `accuracy.rel_err` of ok rows, with each tolerance as a dashed line.
+    RelErr,
+}
+
+impl Metric {
+    /// The value drawn for an ok row, when it has one that a log axis can show (> 0).
+    fn value(self, row: &Row) -> Option<f64> {
+        let v = match self {
+            Metric::Time => row.median_ms?,
+            Metric::PeakMemory => row.memory.as_ref()?.peak_mb?,
+            Metric::RelErr => row.accuracy.as_ref()?.rel_err,
+        };
+        (v.is_finite() && v > 0.0).then_some(v)
+    }
+
+    fn format(self, v: f64) -> String {
+        match self {
+            Metric::Time => format!("{} ms", format::ms(v)),
+            Metric::PeakMemory => format!("{} MB", format::mb(v)),
+            Metric::RelErr => format::rel_err(v),
+        }
+    }
+
+    /// Suffix of the figure file after the group id.
+    fn file_suffix(self) -> &'static str {
+        match self {
+            Metric::Time => "",
+            Metric::PeakMemory => "-memory",
+            Metric::RelErr => "-error",
+        }
+    }
+
+    /// What the title says is plotted.
+    fn what(self) -> &'static str {
+        match self {
+            Metric::Time => "median time",
+            Metric::PeakMemory => "peak memory",
+            Metric::RelErr => "relative error",
+        }
+    }
+
+    fn y_label(self) -> &'static str {
+        match self {
+            Metric::Time => "median time (ms)",
+            Metric::PeakMemory => "peak memory (MB)",
+            Metric::RelErr => "relative error",
+        }
+    }
+}
+
+/// The figure of `metric` for group `g`, or `None` when no row has a value to draw.
 fn figure_spec(
     doc: &Document,
     g: &Group<'_>,
     id: &str,
     impls: &[ImplHeader],
+    metric: Metric,
 ) -> Option<FigureSpec> {
     let mut series = Vec::new();
     let mut any_point = false;
+    let mut tolerances: Vec<f64> = Vec::new();
     for h in impls {
         let mut s = Series {
             name: if h.is_default {
@@ -966,10 +1090,19 @@ fn figure_spec(
             if x <= 0.0 {
                 continue;
             }
-            match (row.status, row.median_ms) {
-                (Status::Ok, Some(m)) if m > 0.0 => s.points.push((x, m)),
-                (Status::Ok, _) => {}
-                (status, _) => s.failed.push((x, status.as_str().to_string())),
+            if row.status != Status::Ok {
+                s.failed.push((x, row.status.as_str().to_string()));
+                continue;
+            }
+            if let Some(v) = metric.value(row) {
+                s.points.push((x, v));
+            }
+            if metric == Metric::RelErr {
+                if let Some(t) = row.accuracy.as_ref().map(|a| a.tolerance) {
+                    if t.is_finite() && t > 0.0 && !tolerances.contains(&t) {
+                        tolerances.push(t);
+                    }
+                }
             }
         }
         any_point |= !s.points.is_empty();
@@ -980,9 +1113,15 @@ fn figure_spec(
     if !any_point {
         return None;
     }
+    tolerances.sort_by(f64::total_cmp);
+    let reference_lines: Vec<(f64, String)> = tolerances
+        .iter()
+        .map(|t| (*t, format!("tolerance {}", format::rel_err(*t))))
+        .collect();
     let title = format!(
-        "{}: median time against {X_PARAM}, {}",
+        "{}: {} against {X_PARAM}, {}",
         doc.suite.title(),
+        metric.what(),
         g.title()
     );
     let desc = series
@@ -991,19 +1130,34 @@ fn figure_spec(
             let pts: Vec<String> = s
                 .points
                 .iter()
-                .map(|(x, y)| format!("{x}: {} ms", format::ms(*y)))
+                .map(|(x, y)| format!("{x}: {}", metric.format(*y)))
                 .chain(s.failed.iter().map(|(x, st)| format!("{x}: {st}")))
                 .collect();
             format!("{}: {}", s.name, pts.join(", "))
         })
+        .chain(
+            reference_lines
+                .iter()
+                .map(|(_, l)| format!("dashed line: {l}")),
+        )
         .collect::<Vec<_>>()
         .join("; ");
     Some(FigureSpec {
-        file: format!("figures/{}-{id}.svg", doc.suite.as_str()),
+        file: format!(
+            "figures/{}-{id}{}.svg",
+            doc.suite.as_str(),
+            metric.file_suffix()
+        ),
         title,
-        desc: format!("Log-log plot on {}. {desc}.", doc.device.name),
+        desc: format!(
+            "Log-log plot of {} on {}. {desc}.",
+            metric.y_label(),
+            doc.device.name
+        ),
         x_label: X_PARAM.to_string(),
+        y_label: metric.y_label().to_string(),
         series,
+        reference_lines,
     })
 }
 
@@ -1033,6 +1187,8 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                     note: None,
                     representative: false,
                     ratio_value: None,
+                    ratio_range: None,
+                    cpu: l.doc.device.kind == crate::schema::DeviceKind::Cpu,
                 };
                 let best = by_impl
                     .values()
@@ -1047,9 +1203,16 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                     row.alternative_ms = Some(format::ms(alt_ms));
                 }
                 match (default.status, default.median_ms, best) {
-                    (Status::Ok, Some(d), Some((a, _))) if d > 0.0 => {
+                    (Status::Ok, Some(d), Some((a, alt))) if d > 0.0 => {
                         row.ratio_value = Some(a / d);
                         row.ratio = Some(format::ratio(a / d));
+                        row.ratio_range = match (alt.q1_ms, alt.q3_ms, default.q1_ms, default.q3_ms)
+                        {
+                            (Some(aq1), Some(aq3), Some(dq1), Some(dq3)) if dq1 > 0.0 => {
+                                Some((aq1 / dq3, aq3 / dq1))
+                            }
+                            _ => None,
+                        };
                     }
                     (Status::Ok, _, None) => {
                         row.note = Some("no accurate alternative ran".to_string())

@@ -15,7 +15,8 @@ use syntect::util::LinesWithEndings;
 use tera::{Kwargs, State, Tera, Value};
 
 use super::figures;
-use super::model::{IndexPage, Layout, SiteModel, TimingView};
+use super::model::{IndexPage, Layout, SiteModel, SuitePage, TimingView};
+use super::prose;
 
 /// Templates, by name, as embedded in the binary.
 pub const TEMPLATES: [(&str, &str); 5] = [
@@ -53,6 +54,17 @@ struct IndexContext<'a> {
     page: &'a IndexPage,
     /// Rendered methodology prose, one block per timing configuration.
     methodology: Vec<ProseBlock>,
+    /// Curated limitations ([`prose::LIMITATIONS_PROSE`]), HTML.
+    limitations_prose: Option<&'a str>,
+}
+
+/// Context of `suite.html`: the page and the data-checked prose shown above its tables.
+#[derive(Serialize)]
+struct SuiteContext<'a> {
+    #[serde(flatten)]
+    page: &'a SuitePage,
+    /// HTML from [`prose::SiteProse::for_page`].
+    prose_html: Option<&'a str>,
 }
 
 /// Prose rendered to HTML, with the data files it describes.
@@ -71,6 +83,8 @@ struct MethodologyContext<'a> {
 /// Tera with every template registered, and the highlighter.
 pub struct Renderer {
     tera: Tera,
+    /// The handwritten stylesheet: [`STYLE_CSS`], or its override from [`Renderer::from_dir`].
+    style_css: String,
 }
 
 impl Renderer {
@@ -78,6 +92,35 @@ impl Renderer {
     ///
     /// Errors: a template does not parse; the error names it.
     pub fn new() -> anyhow::Result<Renderer> {
+        Renderer::with_sources(TEMPLATES.to_vec(), STYLE_CSS.to_string())
+    }
+
+    /// Like [`Renderer::new`], but each of [`TEMPLATES`] and `style.css` is read from `dir`
+    /// where a file of that name exists there (the embedded one otherwise), so that
+    /// `docgen serve` shows edits of `templates/` without recompiling.
+    ///
+    /// Errors: an override cannot be read, or a template does not parse; the error names it.
+    pub fn from_dir(dir: &std::path::Path) -> anyhow::Result<Renderer> {
+        let read = |name: &str, embedded: &str| -> anyhow::Result<String> {
+            let path = dir.join(name);
+            if path.is_file() {
+                std::fs::read_to_string(&path)
+                    .with_context(|| format!("cannot read template {}", path.display()))
+            } else {
+                Ok(embedded.to_string())
+            }
+        };
+        let templates = TEMPLATES
+            .iter()
+            .map(|(name, embedded)| Ok((*name, read(name, embedded)?)))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Renderer::with_sources(templates, read("style.css", STYLE_CSS)?)
+    }
+
+    fn with_sources<C: AsRef<str>>(
+        templates: Vec<(&str, C)>,
+        style_css: String,
+    ) -> anyhow::Result<Renderer> {
         let mut tera = Tera::new();
         let syntaxes = Arc::new(SyntaxSet::load_defaults_newlines());
         tera.register_filter(
@@ -89,11 +132,11 @@ impl Renderer {
             },
         );
         // Tera's parse errors name the template and the line.
-        tera.add_raw_templates(TEMPLATES).with_context(|| {
-            let names: Vec<&str> = TEMPLATES.iter().map(|(n, _)| *n).collect();
-            format!("registering templates {}", names.join(", "))
-        })?;
-        Ok(Renderer { tera })
+        let names: Vec<&str> = templates.iter().map(|(n, _)| *n).collect();
+        let names = names.join(", ");
+        tera.add_raw_templates(templates)
+            .with_context(|| format!("registering templates {names}"))?;
+        Ok(Renderer { tera, style_css })
     }
 
     fn render<T: Serialize>(&self, name: &str, context: &T) -> anyhow::Result<String> {
@@ -104,8 +147,13 @@ impl Renderer {
             .with_context(|| format!("rendering template {name}"))
     }
 
-    /// Renders every page, figure and the stylesheet.
-    pub fn render_site(&self, model: &SiteModel) -> anyhow::Result<Vec<OutputFile>> {
+    /// Renders every page, figure and the stylesheet; `prose` is the data-checked prose
+    /// ([`prose::render_site_prose`]) placed on the pages.
+    pub fn render_site(
+        &self,
+        model: &SiteModel,
+        prose: &prose::SiteProse,
+    ) -> anyhow::Result<Vec<OutputFile>> {
         let mut out = Vec::new();
         let methodology = if model.index.methodology.is_empty() {
             vec![ProseBlock {
@@ -129,18 +177,28 @@ impl Renderer {
             layout: &model.index.layout,
             page: &model.index,
             methodology,
+            limitations_prose: prose.limitations.as_deref(),
         };
         out.push(file("index.html", self.render("index.html", &index)?));
         for page in &model.suite_pages {
-            out.push(file(&page.layout.file, self.render("suite.html", page)?));
+            let context = SuiteContext {
+                page,
+                prose_html: prose.for_page(&page.layout.file),
+            };
+            out.push(file(
+                &page.layout.file,
+                self.render("suite.html", &context)?,
+            ));
         }
         out.push(file(
             &model.hopper.layout.file,
             self.render("hopper.html", &model.hopper)?,
         ));
-        for spec in &model.figures {
-            let svg =
-                figures::line_figure(spec).with_context(|| format!("drawing {}", spec.file))?;
+        for (spec, svg) in model
+            .figures
+            .iter()
+            .zip(figures::line_figures(&model.figures)?)
+        {
             out.push(file(&spec.file, svg));
         }
         if let Some(chart) = &model.glance_chart {
@@ -148,7 +206,7 @@ impl Renderer {
                 figures::glance_chart(chart).with_context(|| format!("drawing {}", chart.file))?;
             out.push(file(&chart.file, svg));
         }
-        out.push(file("style.css", stylesheet()?));
+        out.push(file("style.css", stylesheet_for(&self.style_css)?));
         out.sort_by(|a, b| a.path.cmp(&b.path));
         for pair in out.windows(2) {
             if pair[0].path == pair[1].path {
@@ -203,6 +261,11 @@ pub fn highlight_bash(syntaxes: &SyntaxSet, code: &str) -> anyhow::Result<String
 /// The handwritten stylesheet, then syntect's classes for a light theme and, under
 /// `prefers-color-scheme: dark`, a dark one.
 pub fn stylesheet() -> anyhow::Result<String> {
+    stylesheet_for(STYLE_CSS)
+}
+
+/// [`stylesheet`] with `style_css` in place of the embedded [`STYLE_CSS`].
+pub fn stylesheet_for(style_css: &str) -> anyhow::Result<String> {
     let themes = ThemeSet::load_defaults();
     let theme = |name: &str| {
         themes
@@ -213,6 +276,6 @@ pub fn stylesheet() -> anyhow::Result<String> {
     let light = css_for_theme_with_class_style(theme(LIGHT_THEME)?, CLASS_STYLE)?;
     let dark = css_for_theme_with_class_style(theme(DARK_THEME)?, CLASS_STYLE)?;
     Ok(format!(
-        "{STYLE_CSS}\n/* Command highlighting, generated by syntect ({LIGHT_THEME} / {DARK_THEME}). */\n{light}\n@media (prefers-color-scheme: dark) {{\n{dark}\n}}\n"
+        "{style_css}\n/* Command highlighting, generated by syntect ({LIGHT_THEME} / {DARK_THEME}). */\n{light}\n@media (prefers-color-scheme: dark) {{\n{dark}\n}}\n"
     ))
 }

@@ -1,0 +1,470 @@
+//! `docgen check`: everything that must hold before the site is published, each problem
+//! reported rather than the first.
+//!
+//! 1. **Data**: every document validates against the JSON Schema generated from
+//!    [`crate::schema`] (with `jsonschema`) and passes the loader's semantic checks; the
+//!    `schema.json` on disk equals the generated one.
+//! 2. **Site**: a fresh build (in memory, the bytes `docgen build` would write) is
+//!    byte-identical to the site folder: differing, missing and extra files are listed.
+//! 3. **Links**: every `href` and `src` of every HTML page of the site folder resolves to a file
+//!    of the site, and every `#anchor` to an `id` on the target page.
+//! 4. **Prose**: every query and claim of the prose holds (a failed build; see
+//!    [`super::prose`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use scraper::{Html, Selector};
+
+use super::prose::ProseError;
+use crate::load::{self, Loaded, SCHEMA_FILE_NAME};
+use crate::schema;
+
+/// What `docgen check` looks at.
+#[derive(Debug, Clone)]
+pub struct CheckOptions {
+    /// Folder of suite documents and `schema.json`.
+    pub data_dir: PathBuf,
+    /// The built site to verify.
+    pub out_dir: PathBuf,
+    /// The base URL the site was built with (`None`: relative links).
+    pub base_url: Option<String>,
+}
+
+/// Which check found a problem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Area {
+    /// The JSON Schema, a document's shape or its semantic checks.
+    Data,
+    /// The prose's queries and claims, or another build failure.
+    Build,
+    /// The site folder differs from a fresh build.
+    Site,
+    /// A link or asset that does not resolve.
+    Link,
+}
+
+impl Area {
+    fn as_str(self) -> &'static str {
+        match self {
+            Area::Data => "data",
+            Area::Build => "build",
+            Area::Site => "site",
+            Area::Link => "link",
+        }
+    }
+}
+
+/// One problem found by [`check`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// The check that found it.
+    pub area: Area,
+    /// What is wrong, naming the file.
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[{}] {}", self.area.as_str(), self.message)
+    }
+}
+
+fn problem(area: Area, message: impl Into<String>) -> Problem {
+    Problem {
+        area,
+        message: message.into(),
+    }
+}
+
+/// Runs every check; an empty list means the site may be published. Never stops at the first
+/// problem, and turns I/O failures into problems too.
+pub fn check(opts: &CheckOptions) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    let docs = check_data(&opts.data_dir, &mut problems);
+    if let Some(docs) = docs {
+        match super::render_files(&docs, opts.base_url.as_deref()) {
+            Ok(files) => check_site(&opts.out_dir, &files, &mut problems),
+            Err(e) => match e.downcast_ref::<ProseError>() {
+                Some(prose) => problems.extend(
+                    prose
+                        .problems
+                        .iter()
+                        .map(|p| problem(Area::Build, p.to_string())),
+                ),
+                None => problems.push(problem(Area::Build, format!("the build fails: {e:#}"))),
+            },
+        }
+    } else {
+        problems.push(problem(
+            Area::Site,
+            "the site was not compared with a fresh build: the data does not load",
+        ));
+    }
+    check_links(&opts.out_dir, opts.base_url.as_deref(), &mut problems);
+    problems
+}
+
+/// Schema and loader checks of every document; returns the documents when all load.
+fn check_data(data_dir: &Path, problems: &mut Vec<Problem>) -> Option<Vec<Loaded>> {
+    let generated = schema::document_schema_json();
+    let schema_path = data_dir.join(SCHEMA_FILE_NAME);
+    match fs::read_to_string(&schema_path) {
+        Ok(on_disk) if on_disk == generated => {}
+        Ok(_) => problems.push(problem(
+            Area::Data,
+            format!(
+                "{} is stale: it differs from the schema generated from src/schema.rs \
+                 (run `docgen schema --out {}`)",
+                schema_path.display(),
+                schema_path.display()
+            ),
+        )),
+        Err(e) => problems.push(problem(
+            Area::Data,
+            format!(
+                "cannot read {}: {e} (run `docgen schema --out {}`)",
+                schema_path.display(),
+                schema_path.display()
+            ),
+        )),
+    }
+    let schema_value: serde_json::Value =
+        serde_json::from_str(&generated).expect("the generated schema is JSON");
+    let validator = match jsonschema::validator_for(&schema_value) {
+        Ok(v) => v,
+        Err(e) => {
+            problems.push(problem(
+                Area::Data,
+                format!("the generated JSON Schema does not compile: {e}"),
+            ));
+            return None;
+        }
+    };
+
+    let paths = match document_paths(data_dir) {
+        Ok(p) => p,
+        Err(e) => {
+            problems.push(problem(Area::Data, e));
+            return None;
+        }
+    };
+    let before = problems.len();
+    for path in &paths {
+        let bytes = match fs::read(path) {
+            Ok(b) => b,
+            Err(e) => {
+                problems.push(problem(
+                    Area::Data,
+                    format!("cannot read {}: {e}", path.display()),
+                ));
+                continue;
+            }
+        };
+        let value: serde_json::Value = match serde_json::from_slice(&bytes) {
+            Ok(v) => v,
+            Err(e) => {
+                problems.push(problem(
+                    Area::Data,
+                    format!("{}: not JSON: {e}", path.display()),
+                ));
+                continue;
+            }
+        };
+        let schema_errors: Vec<String> = validator
+            .iter_errors(&value)
+            .map(|e| {
+                let at = e.instance_path().to_string();
+                let at = if at.is_empty() { "/".to_string() } else { at };
+                format!(
+                    "{}: does not match the JSON Schema at {at}: {e}",
+                    path.display()
+                )
+            })
+            .collect();
+        if schema_errors.is_empty() {
+            // The loader's checks (schema version, times, duplicates within the file).
+            if let Err(e) = load::parse_document(path, &bytes) {
+                problems.push(problem(Area::Data, e.to_string()));
+            }
+        } else {
+            problems.extend(schema_errors.into_iter().map(|m| problem(Area::Data, m)));
+        }
+    }
+    if problems.len() > before {
+        return None;
+    }
+    // Rows repeated across files.
+    match load::load_dir(data_dir) {
+        Ok(docs) => Some(docs),
+        Err(e) => {
+            problems.push(problem(Area::Data, format!("{e:#}")));
+            None
+        }
+    }
+}
+
+/// The documents `load::load_dir` would read, sorted.
+fn document_paths(data_dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let entries = fs::read_dir(data_dir)
+        .map_err(|e| format!("cannot list data folder {}: {e}", data_dir.display()))?;
+    let mut paths = Vec::new();
+    for entry in entries {
+        let path = entry
+            .map_err(|e| format!("cannot list data folder {}: {e}", data_dir.display()))?
+            .path();
+        let is_json = path.extension().is_some_and(|e| e == "json");
+        let is_schema = path.file_name().is_some_and(|n| n == SCHEMA_FILE_NAME);
+        if is_json && !is_schema && path.is_file() {
+            paths.push(path);
+        }
+    }
+    paths.sort();
+    Ok(paths)
+}
+
+/// Every file under `dir`, by `/`-separated relative path.
+fn site_files(dir: &Path) -> Result<BTreeMap<String, PathBuf>, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let entries = fs::read_dir(&d).map_err(|e| format!("cannot list {}: {e}", d.display()))?;
+        for entry in entries {
+            let path = entry
+                .map_err(|e| format!("cannot list {}: {e}", d.display()))?
+                .path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if let Ok(rel) = path.strip_prefix(dir) {
+                let rel: Vec<String> = rel
+                    .components()
+                    .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                    .collect();
+                out.insert(rel.join("/"), path);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Compares the site folder with freshly rendered files.
+fn check_site(out: &Path, files: &[super::render::OutputFile], problems: &mut Vec<Problem>) {
+    let rebuild = "rebuild it with `docgen build`";
+    let on_disk = match site_files(out) {
+        Ok(f) => f,
+        Err(e) => {
+            problems.push(problem(
+                Area::Site,
+                format!("the site {} cannot be read ({e}); {rebuild}", out.display()),
+            ));
+            return;
+        }
+    };
+    let expected: BTreeSet<&str> = files.iter().map(|f| f.path.as_str()).collect();
+    let (mut differ, mut missing) = (Vec::new(), Vec::new());
+    for f in files {
+        match on_disk.get(&f.path).map(fs::read) {
+            None => missing.push(f.path.clone()),
+            Some(Ok(bytes)) if bytes == f.bytes => {}
+            Some(_) => differ.push(f.path.clone()),
+        }
+    }
+    let extra: Vec<&String> = on_disk
+        .keys()
+        .filter(|p| !expected.contains(p.as_str()))
+        .collect();
+    for (what, list) in [
+        (
+            "differs from a fresh build",
+            differ.iter().collect::<Vec<_>>(),
+        ),
+        ("is missing", missing.iter().collect()),
+        ("is not part of a fresh build", extra),
+    ] {
+        for p in list {
+            problems.push(problem(
+                Area::Site,
+                format!("{}/{p} {what}; {rebuild}", out.display()),
+            ));
+        }
+    }
+}
+
+/// Checks every `href` and `src` of every HTML page under `out`.
+fn check_links(out: &Path, base_url: Option<&str>, problems: &mut Vec<Problem>) {
+    let Ok(files) = site_files(out) else {
+        // check_site has reported the unreadable folder.
+        return;
+    };
+    let base = base_url.map(|b| {
+        if b.ends_with('/') {
+            b.to_string()
+        } else {
+            format!("{b}/")
+        }
+    });
+    let linked = Selector::parse("[href], [src]").expect("valid selector");
+    let with_id = Selector::parse("[id], a[name]").expect("valid selector");
+    let mut pages: BTreeMap<String, Html> = BTreeMap::new();
+    for (rel, path) in &files {
+        if rel.ends_with(".html") {
+            match fs::read_to_string(path) {
+                Ok(text) => {
+                    pages.insert(rel.clone(), Html::parse_document(&text));
+                }
+                Err(e) => problems.push(problem(
+                    Area::Link,
+                    format!("cannot read {}: {e}", path.display()),
+                )),
+            }
+        }
+    }
+    let ids: BTreeMap<&str, BTreeSet<&str>> = pages
+        .iter()
+        .map(|(rel, html)| {
+            let set = html
+                .select(&with_id)
+                .filter_map(|e| e.value().attr("id").or_else(|| e.value().attr("name")))
+                .collect();
+            (rel.as_str(), set)
+        })
+        .collect();
+    for (rel, html) in &pages {
+        for element in html.select(&linked) {
+            for attr in ["href", "src"] {
+                let Some(link) = element.value().attr(attr) else {
+                    continue;
+                };
+                if let Err(why) = resolve(rel, link, base.as_deref(), &files, &ids) {
+                    problems.push(problem(
+                        Area::Link,
+                        format!(
+                            "{}/{rel}: <{} {attr}=\"{link}\">: {why}",
+                            out.display(),
+                            element.value().name()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// Resolves `link` found on page `page`; external links (with a scheme or `//`) are not
+/// followed.
+fn resolve(
+    page: &str,
+    link: &str,
+    base: Option<&str>,
+    files: &BTreeMap<String, PathBuf>,
+    ids: &BTreeMap<&str, BTreeSet<&str>>,
+) -> Result<(), String> {
+    let (path, fragment) = match link.split_once('#') {
+        Some((p, f)) => (p, Some(f)),
+        None => (link, None),
+    };
+    let path = path.split('?').next().unwrap_or("");
+    let scheme = path
+        .find(':')
+        .is_some_and(|i| !path[..i].contains(['/', '?']));
+    let target = if let Some(rest) = base.and_then(|b| path.strip_prefix(b)) {
+        normalise("", rest)?
+    } else if scheme || path.starts_with("//") {
+        // External: not followed.
+        return Ok(());
+    } else if path.starts_with('/') {
+        return Err(format!(
+            "absolute link outside the base URL {}",
+            base.unwrap_or("(none: links should be relative)")
+        ));
+    } else if path.is_empty() {
+        page.to_string()
+    } else {
+        let dir = page.rsplit_once('/').map_or("", |(d, _)| d);
+        normalise(dir, path)?
+    };
+    let target = if target.is_empty() || target.ends_with('/') {
+        format!("{target}index.html")
+    } else {
+        target
+    };
+    if !files.contains_key(&target) {
+        return Err(format!("{target} is not in the site"));
+    }
+    if let Some(fragment) = fragment.filter(|f| !f.is_empty()) {
+        match ids.get(target.as_str()) {
+            Some(set) if set.contains(fragment) => {}
+            Some(_) => return Err(format!("{target} has no element with id \"{fragment}\"")),
+            None => {
+                return Err(format!(
+                    "{target} is not a page, so #{fragment} cannot resolve"
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Joins `rel` onto folder `dir` (both `/`-separated, relative to the site root), folding `.`
+/// and `..`.
+///
+/// Errors: the path climbs above the site root.
+fn normalise(dir: &str, rel: &str) -> Result<String, String> {
+    let mut parts: Vec<&str> = dir.split('/').filter(|p| !p.is_empty()).collect();
+    for part in rel.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                if parts.pop().is_none() {
+                    return Err("the link leaves the site".to_string());
+                }
+            }
+            p => parts.push(p),
+        }
+    }
+    let mut joined = parts.join("/");
+    if rel.ends_with('/') && !joined.is_empty() {
+        joined.push('/');
+    }
+    Ok(joined)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalise_folds_dots_and_refuses_escapes() {
+        assert_eq!(normalise("a/b", "../c.html").unwrap(), "a/c.html");
+        assert_eq!(normalise("", "./figures/x.svg").unwrap(), "figures/x.svg");
+        assert!(normalise("", "../x").is_err());
+    }
+
+    #[test]
+    fn resolve_checks_files_and_anchors() {
+        let files: BTreeMap<String, PathBuf> = ["index.html", "a.html", "figures/f.svg"]
+            .iter()
+            .map(|f| (f.to_string(), PathBuf::from(f)))
+            .collect();
+        let mut ids = BTreeMap::new();
+        ids.insert("index.html", BTreeSet::from(["top"]));
+        ids.insert("a.html", BTreeSet::from(["g-1"]));
+        assert!(resolve("index.html", "a.html#g-1", None, &files, &ids).is_ok());
+        assert!(resolve("index.html", "#top", None, &files, &ids).is_ok());
+        assert!(resolve("index.html", "figures/f.svg", None, &files, &ids).is_ok());
+        assert!(resolve("index.html", "https://example.org/x", None, &files, &ids).is_ok());
+        assert!(resolve("index.html", "b.html", None, &files, &ids).is_err());
+        assert!(resolve("index.html", "a.html#g-2", None, &files, &ids).is_err());
+        assert!(resolve("index.html", "/a.html", None, &files, &ids).is_err());
+        assert!(resolve(
+            "index.html",
+            "/perf/a.html#g-1",
+            Some("/perf/"),
+            &files,
+            &ids
+        )
+        .is_ok());
+    }
+}

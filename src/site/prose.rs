@@ -1,0 +1,801 @@
+//! Data-checked prose: Markdown under `templates/prose/` that quotes the measurements by query
+//! and states claims the build verifies.
+//!
+//! A prose file is a Tera template rendered with these functions, then turned into HTML by
+//! pulldown-cmark:
+//!
+//! - `value(suite, implementation, case, field)`: one row's field, formatted as the tables show
+//!   it. `case` is a where-clause ([`query::parse_filter`]) that must match exactly one row.
+//! - `ratio(suite, num, den, case, field="median_ms")`: `num`'s field over `den`'s, as `1.23×`.
+//! - `claim(suite, faster=A | slower=A, than=B, where)` and
+//!   `claim(suite, higher=A | lower=A, field, than=B, where)`: checked on every case the
+//!   where-clause keeps in which both rows ran; renders a sentence fragment that says how many
+//!   cases it covers and the range of the ratio.
+//! - `case(suite, case, implementation?)`: the matched case, as the parameters the query names
+//!   (`head_dim=128, seq_len=16384`).
+//! - `largest(suite, param, where?, implementation?)`: the largest value of a parameter among
+//!   the rows that ran.
+//! - `values(suite, param, where?, implementation?)`: the distinct values of a parameter,
+//!   ascending, joined with `, `.
+//! - `measured(suite)`: whether any row of the suite ran, to guard prose about data that may be
+//!   absent.
+//!
+//! Every function takes an optional `device` (the device name) to pick documents. A query that
+//! matches no row or several, a claim that any case contradicts or that covers no case, and a
+//! where-clause that does not parse are all collected; the build then fails with
+//! [`ProseError`], which lists each problem with its file, line, call and the offending rows.
+
+pub mod query;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use tera::{Kwargs, State, Tera, Value};
+
+use self::query::{ok_value, parse_filter, Field, Filter};
+use crate::load::{case_label, Loaded};
+use crate::schema::{Param, Row, Status, Suite};
+
+/// The site's prose files: repository path (also the template name) and source.
+pub const PROSE: [(&str, &str); 2] = [
+    (
+        ATTENTION_PROSE,
+        include_str!("../../templates/prose/attention.md"),
+    ),
+    (
+        LIMITATIONS_PROSE,
+        include_str!("../../templates/prose/limitations.md"),
+    ),
+];
+
+/// Prose shown on the Attention page.
+pub const ATTENTION_PROSE: &str = "templates/prose/attention.md";
+/// Prose shown under Known limitations on the overview.
+pub const LIMITATIONS_PROSE: &str = "templates/prose/limitations.md";
+
+/// Text that stands in for a failed call while the rest of the file is checked.
+const FAILED: &str = "⟨failed⟩";
+
+/// The site's prose rendered to HTML; `None` where a file rendered to nothing (its subject is
+/// not measured).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SiteProse {
+    /// From [`ATTENTION_PROSE`].
+    pub attention: Option<String>,
+    /// From [`LIMITATIONS_PROSE`].
+    pub limitations: Option<String>,
+}
+
+impl SiteProse {
+    /// The prose shown at the top of the suite page `file` (`attention.html`), if any.
+    pub fn for_page(&self, file: &str) -> Option<&str> {
+        match file {
+            "attention.html" => self.attention.as_deref(),
+            _ => None,
+        }
+    }
+}
+
+/// Renders [`PROSE`] against `docs`.
+///
+/// Errors: every failed query and claim of every file ([`ProseError`]).
+pub fn render_site_prose(docs: &[Loaded]) -> Result<SiteProse, ProseError> {
+    let mut rendered = render_prose(docs, &PROSE)?;
+    let mut take = |name: &str| rendered.remove(name).filter(|h| !h.trim().is_empty());
+    Ok(SiteProse {
+        attention: take(ATTENTION_PROSE),
+        limitations: take(LIMITATIONS_PROSE),
+    })
+}
+
+/// One failed query, claim or template.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProseProblem {
+    /// The prose file, as named to [`render_prose`].
+    pub file: String,
+    /// 1-based line of the call, when it could be found in the source.
+    pub line: Option<usize>,
+    /// The call as written, e.g. `claim(suite="attention", faster="flash", than="math")`.
+    pub call: String,
+    /// What is wrong, with the rows involved.
+    pub message: String,
+}
+
+impl fmt::Display for ProseProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}:{line}: ", self.file)?,
+            None => write!(f, "{}: ", self.file)?,
+        }
+        if self.call.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", self.call, self.message)
+        }
+    }
+}
+
+/// The prose does not agree with the data: every problem found, in file order.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub struct ProseError {
+    /// The problems, at least one.
+    pub problems: Vec<ProseProblem>,
+}
+
+impl fmt::Display for ProseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the prose does not agree with the data ({} problem{}):",
+            self.problems.len(),
+            if self.problems.len() == 1 { "" } else { "s" }
+        )?;
+        for p in &self.problems {
+            let text = p.to_string().replace('\n', "\n    ");
+            write!(f, "\n  - {text}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A call that failed while rendering; located in the source afterwards.
+#[derive(Debug)]
+struct Failure {
+    function: &'static str,
+    args: Vec<(String, String)>,
+    message: String,
+}
+
+impl Failure {
+    fn call(&self) -> String {
+        format_call(self.function, &self.args)
+    }
+}
+
+fn format_call(function: &str, args: &[(String, String)]) -> String {
+    let args: Vec<String> = args.iter().map(|(k, v)| format!("{k}={v:?}")).collect();
+    format!("{function}({})", args.join(", "))
+}
+
+/// Renders each `(name, source)` through Tera (with the prose functions) and pulldown-cmark.
+/// Returns the HTML by name.
+///
+/// Errors: every template that does not parse or render, and every failed call, over all
+/// files ([`ProseError`]).
+pub fn render_prose(
+    docs: &[Loaded],
+    sources: &[(&str, &str)],
+) -> Result<BTreeMap<String, String>, ProseError> {
+    let data = Arc::new(docs.to_vec());
+    let failures: Arc<Mutex<Vec<Failure>>> = Arc::default();
+    let mut tera = Tera::new();
+    register(&mut tera, "value", &data, &failures, value);
+    register(&mut tera, "ratio", &data, &failures, ratio);
+    register(&mut tera, "claim", &data, &failures, claim);
+    register(&mut tera, "case", &data, &failures, case);
+    register(&mut tera, "largest", &data, &failures, largest);
+    register(&mut tera, "values", &data, &failures, values);
+    register(&mut tera, "measured", &data, &failures, measured);
+
+    let mut problems = Vec::new();
+    let mut out = BTreeMap::new();
+    for (name, source) in sources {
+        let problem = |message: String| ProseProblem {
+            file: name.to_string(),
+            line: None,
+            call: String::new(),
+            message,
+        };
+        if let Err(e) = tera.add_raw_template(name, source) {
+            problems.push(problem(format!("template does not parse: {e}")));
+            continue;
+        }
+        let rendered = tera.render(name, &tera::Context::new());
+        let failed: Vec<Failure> = std::mem::take(
+            &mut *failures
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for f in failed {
+            problems.push(ProseProblem {
+                file: name.to_string(),
+                line: locate(source, f.function, &f.args),
+                call: f.call(),
+                message: f.message,
+            });
+        }
+        match rendered {
+            Ok(md) => {
+                out.insert(name.to_string(), super::render::markdown_to_html(&md));
+            }
+            Err(e) => problems.push(problem(format!("template does not render: {e}"))),
+        }
+    }
+    if problems.is_empty() {
+        Ok(out)
+    } else {
+        Err(ProseError { problems })
+    }
+}
+
+type Call = fn(&[Loaded], &Args) -> Result<Value, String>;
+
+/// Registers `call` as Tera function `name`: a failure is recorded and the call renders as
+/// [`FAILED`], so that one build reports every problem.
+fn register(
+    tera: &mut Tera,
+    name: &'static str,
+    data: &Arc<Vec<Loaded>>,
+    failures: &Arc<Mutex<Vec<Failure>>>,
+    call: Call,
+) {
+    let data = Arc::clone(data);
+    let failures = Arc::clone(failures);
+    tera.register_function(name, move |kwargs: Kwargs, _: &State| -> Value {
+        let args = Args::from_kwargs(&kwargs);
+        match call(&data, &args) {
+            Ok(v) => v,
+            Err(message) => {
+                failures
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(Failure {
+                        function: name,
+                        args: args.pairs,
+                        message,
+                    });
+                Value::from(FAILED)
+            }
+        }
+    });
+}
+
+/// The 1-based line of the call of `function` in `source` whose text holds the most of the
+/// quoted argument values; `None` when no call mentions any.
+fn locate(source: &str, function: &str, args: &[(String, String)]) -> Option<usize> {
+    let needle = format!("{function}(");
+    let mut best: Option<(usize, usize)> = None;
+    for (at, _) in source.match_indices(&needle) {
+        // Only a whole name: not `my_value(`.
+        if source[..at]
+            .chars()
+            .next_back()
+            .is_some_and(|c| c.is_alphanumeric() || c == '_')
+        {
+            continue;
+        }
+        let rest = &source[at..];
+        let span = &rest[..rest.find(')').map_or(rest.len(), |i| i + 1)];
+        let score = args
+            .iter()
+            .filter(|(k, v)| span.contains(&format!("\"{v}\"")) && span.contains(k.as_str()))
+            .count();
+        if score > 0 && best.is_none_or(|(s, _)| score > s) {
+            best = Some((score, source[..at].matches('\n').count() + 1));
+        }
+    }
+    best.map(|(_, line)| line)
+}
+
+/// Keyword arguments of a call, as text, in the order given.
+struct Args {
+    pairs: Vec<(String, String)>,
+}
+
+/// The order arguments are shown in (Tera does not keep the order they were written in).
+const ARG_ORDER: [&str; 14] = [
+    "suite",
+    "device",
+    "implementation",
+    "num",
+    "den",
+    "faster",
+    "slower",
+    "higher",
+    "lower",
+    "than",
+    "param",
+    "case",
+    "where",
+    "field",
+];
+
+impl Args {
+    fn from_kwargs(kwargs: &Kwargs) -> Args {
+        let mut pairs: Vec<(String, String)> = kwargs
+            .iter()
+            .map(|(k, v)| {
+                let v = v
+                    .as_str()
+                    .map(str::to_string)
+                    .unwrap_or_else(|| v.to_string());
+                (k.to_string(), v)
+            })
+            .collect();
+        let rank = |k: &str| {
+            ARG_ORDER
+                .iter()
+                .position(|o| *o == k)
+                .unwrap_or(ARG_ORDER.len())
+        };
+        pairs.sort_by(|a, b| rank(&a.0).cmp(&rank(&b.0)).then_with(|| a.0.cmp(&b.0)));
+        Args { pairs }
+    }
+
+    fn get(&self, name: &str) -> Option<&str> {
+        self.pairs
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn need(&self, name: &str) -> Result<&str, String> {
+        self.get(name)
+            .ok_or_else(|| format!("missing argument `{name}`"))
+    }
+
+    /// Errors on an argument not in `allowed` (a misspelt name would otherwise be ignored).
+    fn only(&self, allowed: &[&str]) -> Result<(), String> {
+        for (k, _) in &self.pairs {
+            if !allowed.contains(&k.as_str()) {
+                return Err(format!(
+                    "unknown argument `{k}` (arguments: {})",
+                    allowed.join(", ")
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn filter(&self, name: &str) -> Result<Filter, String> {
+        parse_filter(self.get(name).unwrap_or(""))
+            .map_err(|e| format!("{name}=\"{}\": {e}", self.get(name).unwrap_or("")))
+    }
+
+    fn field(&self, default: Option<Field>) -> Result<Field, String> {
+        match (self.get("field"), default) {
+            (Some(f), _) => Field::parse(f),
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err("missing argument `field`".to_string()),
+        }
+    }
+}
+
+/// One row with the document it belongs to.
+#[derive(Clone, Copy)]
+struct Item<'a> {
+    doc: &'a Loaded,
+    row: &'a Row,
+}
+
+/// The rows of `suite` (on `device` when given).
+///
+/// Errors: the suite name is unknown, or no document matches.
+fn suite_rows<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<Item<'a>>, String> {
+    let name = args.need("suite")?;
+    let suite = Suite::ALL
+        .into_iter()
+        .find(|s| s.as_str() == name)
+        .ok_or_else(|| {
+            let names: Vec<&str> = Suite::ALL.iter().map(|s| s.as_str()).collect();
+            format!("unknown suite `{name}` (suites: {})", names.join(", "))
+        })?;
+    let device = args.get("device");
+    let picked: Vec<&Loaded> = docs
+        .iter()
+        .filter(|l| l.doc.suite == suite && device.is_none_or(|d| l.doc.device.name == d))
+        .collect();
+    if picked.is_empty() {
+        return Err(match device {
+            Some(d) => format!("no document of suite {name} on device `{d}`"),
+            None => format!("no document of suite {name}"),
+        });
+    }
+    Ok(picked
+        .into_iter()
+        .flat_map(|doc| doc.doc.rows.iter().map(move |row| Item { doc, row }))
+        .collect())
+}
+
+/// Keeps the rows of `implementation`.
+///
+/// Errors: the suite has no row of it (the message lists those it has).
+fn of_implementation<'a>(
+    items: &[Item<'a>],
+    implementation: &str,
+) -> Result<Vec<Item<'a>>, String> {
+    let kept: Vec<Item<'a>> = items
+        .iter()
+        .filter(|i| i.row.implementation == implementation)
+        .copied()
+        .collect();
+    if kept.is_empty() {
+        let mut names: Vec<&str> = items
+            .iter()
+            .map(|i| i.row.implementation.as_str())
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        return Err(format!(
+            "no row of implementation `{implementation}` (implementations: {})",
+            names.join(", ")
+        ));
+    }
+    Ok(kept)
+}
+
+/// Where a row is: its case, and its device and file when several devices are involved.
+fn place(item: &Item<'_>, several_devices: bool) -> String {
+    if several_devices {
+        format!(
+            "{} on {} ({})",
+            case_label(&item.row.case),
+            item.doc.doc.device.name,
+            item.doc.file_name()
+        )
+    } else {
+        case_label(&item.row.case)
+    }
+}
+
+fn spans_devices(items: &[Item<'_>]) -> bool {
+    items
+        .windows(2)
+        .any(|w| w[0].doc.doc.device.name != w[1].doc.doc.device.name)
+}
+
+/// The single row of `implementation` that the `case` argument matches.
+fn one_row<'a>(docs: &'a [Loaded], args: &Args, implementation: &str) -> Result<Item<'a>, String> {
+    let all = suite_rows(docs, args)?;
+    let rows = of_implementation(&all, implementation)?;
+    let filter = args.filter("case")?;
+    let total = rows.len();
+    let many = spans_devices(&rows);
+    let kept = filter.apply(rows, |i| i.row)?;
+    match kept.as_slice() {
+        [one] => Ok(*one),
+        [] => Err(format!(
+            "matches no row: none of the {total} rows of {implementation} has {}",
+            if filter.conds.is_empty() {
+                "any case".to_string()
+            } else {
+                filter.to_string()
+            }
+        )),
+        several => {
+            let listed: Vec<String> = several.iter().take(6).map(|i| place(i, many)).collect();
+            Err(format!(
+                "matches {} rows of {implementation}, not one: {}{}",
+                several.len(),
+                listed.join("; "),
+                if several.len() > listed.len() {
+                    "; ..."
+                } else {
+                    ""
+                }
+            ))
+        }
+    }
+}
+
+fn value(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device", "implementation", "case", "field"])?;
+    let field = args.field(None)?;
+    let item = one_row(docs, args, args.need("implementation")?)?;
+    let v =
+        ok_value(item.row, field).map_err(|e| format!("{e} ({})", case_label(&item.row.case)))?;
+    Ok(Value::from(field.format(v)))
+}
+
+fn ratio(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device", "num", "den", "case", "field"])?;
+    let field = args.field(Some(Field::MedianMs))?;
+    let num = one_row(docs, args, args.need("num")?)?;
+    let den = one_row(docs, args, args.need("den")?)?;
+    if num.row.case != den.row.case || num.doc.doc.device.name != den.doc.doc.device.name {
+        return Err(format!(
+            "num and den match different cases: {} and {}",
+            place(&num, true),
+            place(&den, true)
+        ));
+    }
+    let at = |e: String| format!("{e} ({})", case_label(&num.row.case));
+    let n = ok_value(num.row, field).map_err(at)?;
+    let d = ok_value(den.row, field).map_err(at)?;
+    if d == 0.0 {
+        return Err(format!(
+            "{} of {} is zero ({})",
+            field.name(),
+            den.row.implementation,
+            case_label(&den.row.case)
+        ));
+    }
+    Ok(Value::from(super::format::ratio(n / d)))
+}
+
+fn case(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device", "implementation", "case"])?;
+    let filter = args.filter("case")?;
+    if filter.conds.is_empty() {
+        return Err("missing argument `case`".to_string());
+    }
+    let all = suite_rows(docs, args)?;
+    let rows = match args.get("implementation") {
+        Some(i) => of_implementation(&all, i)?,
+        None => all,
+    };
+    let kept = filter.apply(rows, |i| i.row)?;
+    let names = filter.params();
+    let mut labels: Vec<String> = kept
+        .iter()
+        .map(|i| {
+            names
+                .iter()
+                .filter_map(|n| i.row.case.get(*n).map(|v| format!("{n}={v}")))
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .collect();
+    labels.sort();
+    labels.dedup();
+    match labels.as_slice() {
+        [one] => Ok(Value::from(one.as_str())),
+        [] => Err(format!("matches no row with {filter}")),
+        several => Err(format!(
+            "matches {} different cases, not one: {}",
+            several.len(),
+            several.join("; ")
+        )),
+    }
+}
+
+fn largest(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device", "implementation", "param", "where"])?;
+    let param = args.need("param")?;
+    let filter = args.filter("where")?;
+    let all = suite_rows(docs, args)?;
+    let rows = match args.get("implementation") {
+        Some(i) => of_implementation(&all, i)?,
+        None => all,
+    };
+    let ran: Vec<Item<'_>> = rows
+        .into_iter()
+        .filter(|i| i.row.status == Status::Ok)
+        .collect();
+    let kept = filter.apply(ran, |i| i.row)?;
+    let largest = kept
+        .iter()
+        .filter_map(|i| match i.row.case.get(param)? {
+            Param::Int(v) => Some(*v as f64),
+            Param::Float(v) => Some(*v),
+            _ => None,
+        })
+        .max_by(f64::total_cmp)
+        .ok_or_else(|| format!("no row that ran has a numeric `{param}`"))?;
+    let shown = kept
+        .iter()
+        .filter_map(|i| i.row.case.get(param))
+        .find(|p| {
+            matches!(p, Param::Int(v) if *v as f64 == largest)
+                || matches!(p, Param::Float(v) if *v == largest)
+        })
+        .map(|p| p.to_string())
+        .unwrap_or_default();
+    Ok(Value::from(shown))
+}
+
+fn values(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device", "implementation", "param", "where"])?;
+    let param = args.need("param")?;
+    let filter = args.filter("where")?;
+    let all = suite_rows(docs, args)?;
+    let rows = match args.get("implementation") {
+        Some(i) => of_implementation(&all, i)?,
+        None => all,
+    };
+    let kept = filter.apply(rows, |i| i.row)?;
+    let mut seen: Vec<&Param> = kept.iter().filter_map(|i| i.row.case.get(param)).collect();
+    if seen.is_empty() {
+        return Err(format!("no row has a parameter `{param}`"));
+    }
+    seen.sort_by(|a, b| query::param_order(a, b));
+    seen.dedup();
+    let shown: Vec<String> = seen.iter().map(|p| p.to_string()).collect();
+    Ok(Value::from(shown.join(", ")))
+}
+
+fn measured(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device"])?;
+    // An unknown suite is an error; an absent document only means "not measured".
+    let ran = match suite_rows(docs, args) {
+        Ok(items) => items.iter().any(|i| i.row.status == Status::Ok),
+        Err(e) if e.starts_with("unknown") || e.starts_with("missing") => return Err(e),
+        Err(_) => false,
+    };
+    Ok(Value::from(ran))
+}
+
+/// How a claim compares the two implementations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Relation {
+    Faster,
+    Slower,
+    Higher,
+    Lower,
+}
+
+fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&[
+        "suite", "device", "faster", "slower", "higher", "lower", "than", "where", "field",
+    ])?;
+    let given: Vec<(Relation, &str)> = [
+        (Relation::Faster, "faster"),
+        (Relation::Slower, "slower"),
+        (Relation::Higher, "higher"),
+        (Relation::Lower, "lower"),
+    ]
+    .into_iter()
+    .filter_map(|(r, k)| args.get(k).map(|a| (r, a)))
+    .collect();
+    let [(relation, a)] = given.as_slice() else {
+        return Err("give exactly one of faster=, slower=, higher=, lower=".to_string());
+    };
+    let (relation, a) = (*relation, *a);
+    let b = args.need("than")?;
+    let field = match relation {
+        Relation::Faster | Relation::Slower => {
+            if args.get("field").is_some() {
+                return Err("faster= and slower= compare median_ms; give no field".to_string());
+            }
+            Field::MedianMs
+        }
+        Relation::Higher | Relation::Lower => args.field(None)?,
+    };
+    let filter = args.filter("where")?;
+    let where_text = if filter.conds.is_empty() {
+        String::new()
+    } else {
+        format!(" with {}", filter.describe())
+    };
+    let statement = match relation {
+        Relation::Faster => format!("{a} is faster than {b} in every measured case{where_text}"),
+        Relation::Slower => format!("{a} is slower than {b} in every measured case{where_text}"),
+        Relation::Higher => format!(
+            "{a} has a higher {} than {b} in every measured case{where_text}",
+            field.name()
+        ),
+        Relation::Lower => format!(
+            "{a} has a lower {} than {b} in every measured case{where_text}",
+            field.name()
+        ),
+    };
+
+    let all = suite_rows(docs, args)?;
+    let mut rows = of_implementation(&all, a)?;
+    rows.extend(of_implementation(&all, b)?);
+    let kept = filter.apply(rows, |i| i.row)?;
+    let many = spans_devices(&kept);
+    // Pair the rows of a and b by device and case (shards of one grid pair across files).
+    let mut pairs: BTreeMap<(String, String), (Option<Item<'_>>, Option<Item<'_>>)> =
+        BTreeMap::new();
+    for item in &kept {
+        let key = (
+            item.doc.doc.device.name.clone(),
+            serde_json::to_string(&item.row.case).unwrap_or_default(),
+        );
+        let slot = pairs.entry(key).or_default();
+        if item.row.implementation == a {
+            slot.0 = Some(*item);
+        } else {
+            slot.1 = Some(*item);
+        }
+    }
+    let mut checked = 0usize;
+    let mut left_out = 0usize;
+    let mut ratios: Vec<f64> = Vec::new();
+    let mut contradictions: Vec<String> = Vec::new();
+    for (x, y) in pairs.values() {
+        let (Some(x), Some(y)) = (x, y) else {
+            left_out += 1;
+            continue;
+        };
+        let (Some(vx), Some(vy)) = (ok_value(x.row, field).ok(), ok_value(y.row, field).ok())
+        else {
+            left_out += 1;
+            continue;
+        };
+        checked += 1;
+        let holds = match relation {
+            Relation::Faster | Relation::Lower => vx < vy,
+            Relation::Slower | Relation::Higher => vx > vy,
+        };
+        if holds {
+            // Always the larger over the smaller, so the range reads "n× to m×".
+            ratios.push(match relation {
+                Relation::Faster | Relation::Lower => vy / vx,
+                Relation::Slower | Relation::Higher => vx / vy,
+            });
+        } else {
+            contradictions.push(format!(
+                "{}: {a} {} {}, {b} {} {}",
+                place(x, many),
+                field.name(),
+                field.format(vx),
+                field.name(),
+                field.format(vy)
+            ));
+        }
+    }
+    if checked == 0 {
+        return Err(format!(
+            "claim \"{statement}\" covers no measured case ({} matching case{}, none where both {a} and {b} ran)",
+            pairs.len(),
+            if pairs.len() == 1 { "" } else { "s" }
+        ));
+    }
+    if !contradictions.is_empty() {
+        return Err(format!(
+            "claim \"{statement}\" does not hold in {} of {checked} cases:\n  {}",
+            contradictions.len(),
+            contradictions.join("\n  ")
+        ));
+    }
+    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let (lo, hi) = (super::format::ratio(lo), super::format::ratio(hi));
+    let range = if lo == hi {
+        lo
+    } else {
+        format!("{lo} to {hi}")
+    };
+    let detail = match relation {
+        Relation::Faster => format!("{b} takes {range} as long"),
+        Relation::Slower => format!("{a} takes {range} as long"),
+        Relation::Higher => format!("{range} {b}'s"),
+        Relation::Lower => format!("{b}'s is {range} {a}'s"),
+    };
+    let cases = if checked == 1 { "case" } else { "cases" };
+    let skipped = match left_out {
+        0 => String::new(),
+        1 => "; one case where either did not run is left out".to_string(),
+        n => format!("; {n} cases where either did not run are left out"),
+    };
+    Ok(Value::from(format!(
+        "{statement} ({checked} {cases}; {detail}{skipped})"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locate_finds_the_call_with_most_arguments() {
+        let src = "a\n{{ claim(suite=\"attention\", faster=\"x\", than=\"y\") }}\n{{ claim(suite=\"attention\", faster=\"x\", than=\"z\") }}\n";
+        let args = |than: &str| {
+            vec![
+                ("suite".to_string(), "attention".to_string()),
+                ("faster".to_string(), "x".to_string()),
+                ("than".to_string(), than.to_string()),
+            ]
+        };
+        assert_eq!(locate(src, "claim", &args("y")), Some(2));
+        assert_eq!(locate(src, "claim", &args("z")), Some(3));
+        assert_eq!(locate(src, "value", &args("z")), None);
+    }
+
+    #[test]
+    fn problem_display_names_file_line_and_call() {
+        let p = ProseProblem {
+            file: "p.md".into(),
+            line: Some(3),
+            call: format_call("value", &[("field".into(), "tflops".into())]),
+            message: "matches no row".into(),
+        };
+        assert_eq!(
+            p.to_string(),
+            "p.md:3: value(field=\"tflops\"): matches no row"
+        );
+    }
+}

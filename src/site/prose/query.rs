@@ -1,0 +1,543 @@
+//! The query language of data-checked prose: where-clauses over case parameters
+//! (`seq_len >= 2048, causal = true`) and the row fields a query may read (`median_ms`, ...).
+//!
+//! Pure functions over [`Row`]s; [`super`] turns their errors into build failures that name
+//! the prose file.
+
+use std::cmp::Ordering;
+use std::fmt;
+
+use crate::schema::{Param, Row, Status};
+use crate::site::format;
+
+/// A comparison operator of a where-clause.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// `=` or `==`.
+    Eq,
+    /// `!=` or `≠`.
+    Ne,
+    /// `<`.
+    Lt,
+    /// `<=` or `≤`.
+    Le,
+    /// `>`.
+    Gt,
+    /// `>=` or `≥`.
+    Ge,
+}
+
+impl Op {
+    /// Spellings, longest first so that `>=` is found before `>`.
+    const SPELLINGS: [(&'static str, Op); 10] = [
+        (">=", Op::Ge),
+        ("<=", Op::Le),
+        ("!=", Op::Ne),
+        ("==", Op::Eq),
+        ("≥", Op::Ge),
+        ("≤", Op::Le),
+        ("≠", Op::Ne),
+        ("=", Op::Eq),
+        ("<", Op::Lt),
+        (">", Op::Gt),
+    ];
+
+    /// The symbol used when a clause is shown in prose.
+    pub fn symbol(self) -> &'static str {
+        match self {
+            Op::Eq => "=",
+            Op::Ne => "≠",
+            Op::Lt => "<",
+            Op::Le => "≤",
+            Op::Gt => ">",
+            Op::Ge => "≥",
+        }
+    }
+
+    fn holds(self, ord: Ordering) -> bool {
+        match self {
+            Op::Eq => ord == Ordering::Equal,
+            Op::Ne => ord != Ordering::Equal,
+            Op::Lt => ord == Ordering::Less,
+            Op::Le => ord != Ordering::Greater,
+            Op::Gt => ord == Ordering::Greater,
+            Op::Ge => ord != Ordering::Less,
+        }
+    }
+}
+
+/// The right-hand side of a comparison.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Operand {
+    /// A literal as written (`2048`, `true`, `bf16`).
+    Literal(String),
+    /// `max`: the largest value of the parameter among the rows the other conditions keep.
+    Max,
+    /// `min`: the smallest such value.
+    Min,
+}
+
+/// One comparison `param op value`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cond {
+    /// Case parameter name.
+    pub param: String,
+    /// Operator.
+    pub op: Op,
+    /// Value.
+    pub value: Operand,
+}
+
+impl fmt::Display for Cond {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let v = match &self.value {
+            Operand::Literal(s) => s.as_str(),
+            Operand::Max => "max",
+            Operand::Min => "min",
+        };
+        write!(f, "{} {} {v}", self.param, self.op.symbol())
+    }
+}
+
+/// A conjunction of comparisons; empty matches every row.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Filter {
+    /// The comparisons, all of which must hold.
+    pub conds: Vec<Cond>,
+}
+
+impl fmt::Display for Filter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = self.conds.iter().map(|c| c.to_string()).collect();
+        f.write_str(&parts.join(" and "))
+    }
+}
+
+/// Parses `seq_len >= 2048, causal = true and head_dim = 128`: comparisons separated by `,`
+/// or the word `and`. Values may be quoted with `'`; `max` and `min` pick the extreme value of
+/// the parameter among the rows that the other comparisons keep.
+///
+/// Errors: the message names the clause that does not parse.
+pub fn parse_filter(text: &str) -> Result<Filter, String> {
+    let mut conds = Vec::new();
+    for piece in text.split(',') {
+        for clause in split_and(piece) {
+            let clause = clause.trim();
+            if clause.is_empty() {
+                if text.trim().is_empty() {
+                    continue;
+                }
+                return Err(format!("empty clause in `{text}`"));
+            }
+            conds.push(parse_clause(clause)?);
+        }
+    }
+    Ok(Filter { conds })
+}
+
+/// Splits on the word `and` (surrounded by whitespace).
+fn split_and(piece: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = piece;
+    loop {
+        let found = rest
+            .match_indices("and")
+            .find(|(i, _)| {
+                let before = rest[..*i].chars().next_back();
+                let after = rest[i + 3..].chars().next();
+                before.is_some_and(char::is_whitespace) && after.is_some_and(char::is_whitespace)
+            })
+            .map(|(i, _)| i);
+        match found {
+            Some(i) => {
+                out.push(&rest[..i]);
+                rest = &rest[i + 3..];
+            }
+            None => {
+                out.push(rest);
+                return out;
+            }
+        }
+    }
+}
+
+fn parse_clause(clause: &str) -> Result<Cond, String> {
+    let (at, spelling, op) = Op::SPELLINGS
+        .iter()
+        .filter_map(|(s, op)| clause.find(s).map(|i| (i, *s, *op)))
+        // The leftmost operator; at the same place the longest spelling (listed first).
+        .min_by_key(|(i, _, _)| *i)
+        .ok_or_else(|| format!("clause `{clause}` has no comparison (=, !=, <, <=, >, >=)"))?;
+    let param = clause[..at].trim();
+    let value = clause[at + spelling.len()..].trim();
+    let value = value
+        .strip_prefix('\'')
+        .and_then(|v| v.strip_suffix('\''))
+        .unwrap_or(value);
+    if param.is_empty() || !param.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        return Err(format!(
+            "clause `{clause}`: `{param}` is not a parameter name"
+        ));
+    }
+    if value.is_empty() {
+        return Err(format!("clause `{clause}` has no value"));
+    }
+    if Op::SPELLINGS.iter().any(|(s, _)| value.starts_with(s)) {
+        return Err(format!("clause `{clause}`: operator repeated"));
+    }
+    let value = match value {
+        "max" => Operand::Max,
+        "min" => Operand::Min,
+        v => Operand::Literal(v.to_string()),
+    };
+    if matches!(value, Operand::Max | Operand::Min) && op != Op::Eq {
+        return Err(format!("clause `{clause}`: max and min go with `=` only"));
+    }
+    Ok(Cond {
+        param: param.to_string(),
+        op,
+        value,
+    })
+}
+
+/// Compares a parameter with a literal; a literal of the wrong type is an error.
+fn compare(param: &Param, literal: &str) -> Result<Ordering, String> {
+    match param {
+        Param::Int(i) => {
+            if let Ok(v) = literal.parse::<i64>() {
+                Ok(i.cmp(&v))
+            } else {
+                let v: f64 = literal
+                    .parse()
+                    .map_err(|_| format!("`{literal}` is not a number"))?;
+                Ok((*i as f64).total_cmp(&v))
+            }
+        }
+        Param::Float(x) => {
+            let v: f64 = literal
+                .parse()
+                .map_err(|_| format!("`{literal}` is not a number"))?;
+            Ok(x.total_cmp(&v))
+        }
+        Param::Bool(b) => match literal {
+            "true" => Ok(b.cmp(&true)),
+            "false" => Ok(b.cmp(&false)),
+            _ => Err(format!("`{literal}` is not true or false")),
+        },
+        Param::Text(s) => Ok(s.as_str().cmp(literal)),
+    }
+}
+
+/// Order of two parameter values: numbers numerically, flags and names as such.
+pub fn param_order(a: &Param, b: &Param) -> Ordering {
+    match (a, b) {
+        (Param::Int(x), Param::Int(y)) => x.cmp(y),
+        (Param::Bool(x), Param::Bool(y)) => x.cmp(y),
+        (Param::Text(x), Param::Text(y)) => x.cmp(y),
+        _ => match (num(a), num(b)) {
+            (Some(x), Some(y)) => x.total_cmp(&y),
+            _ => a.to_string().cmp(&b.to_string()),
+        },
+    }
+}
+
+fn num(p: &Param) -> Option<f64> {
+    match p {
+        Param::Int(i) => Some(*i as f64),
+        Param::Float(x) => Some(*x),
+        _ => None,
+    }
+}
+
+impl Filter {
+    /// The items whose case satisfies every comparison. `case_of` gives an item's case row.
+    ///
+    /// Errors: a parameter no item has (a misspelt name), a value of the wrong type (`seq_len
+    /// = long`), an ordering on a flag or a name, or `max`/`min` when no item has the
+    /// parameter.
+    pub fn apply<'a, T>(
+        &self,
+        items: Vec<T>,
+        case_of: impl Fn(&T) -> &'a Row,
+    ) -> Result<Vec<T>, String> {
+        for c in &self.conds {
+            if !items.iter().any(|t| case_of(t).case.contains_key(&c.param)) {
+                let mut known: Vec<&str> = items
+                    .iter()
+                    .flat_map(|t| case_of(t).case.keys().map(String::as_str))
+                    .collect();
+                known.sort_unstable();
+                known.dedup();
+                return Err(format!(
+                    "no row has a parameter `{}` (parameters: {})",
+                    c.param,
+                    known.join(", ")
+                ));
+            }
+        }
+        // Plain comparisons first, then max/min among what they keep.
+        let mut kept = Vec::with_capacity(items.len());
+        for t in items {
+            let mut ok = true;
+            for c in &self.conds {
+                let Operand::Literal(lit) = &c.value else {
+                    continue;
+                };
+                let Some(p) = case_of(&t).case.get(&c.param) else {
+                    ok = false;
+                    break;
+                };
+                if matches!(p, Param::Bool(_) | Param::Text(_)) && !matches!(c.op, Op::Eq | Op::Ne)
+                {
+                    return Err(format!(
+                        "clause `{c}`: `{}` is a {}, only = and != apply",
+                        c.param,
+                        if matches!(p, Param::Bool(_)) {
+                            "flag"
+                        } else {
+                            "name"
+                        }
+                    ));
+                }
+                let ord = compare(p, lit).map_err(|e| format!("clause `{c}`: {e}"))?;
+                if !c.op.holds(ord) {
+                    ok = false;
+                    break;
+                }
+            }
+            if ok {
+                kept.push(t);
+            }
+        }
+        for c in &self.conds {
+            let pick = match c.value {
+                Operand::Max => Ordering::Greater,
+                Operand::Min => Ordering::Less,
+                Operand::Literal(_) => continue,
+            };
+            let extreme = kept
+                .iter()
+                .filter_map(|t| case_of(t).case.get(&c.param))
+                .fold(None::<&Param>, |best, p| match best {
+                    Some(b) if param_order(p, b) != pick => Some(b),
+                    _ => Some(p),
+                })
+                .cloned();
+            let Some(extreme) = extreme else {
+                return Err(format!(
+                    "clause `{c}`: no row left by the other clauses has `{}`",
+                    c.param
+                ));
+            };
+            kept.retain(|t| case_of(t).case.get(&c.param) == Some(&extreme));
+        }
+        Ok(kept)
+    }
+
+    /// The filter as words for a sentence: `seq_len ≥ 2048 and the largest head_dim`.
+    pub fn describe(&self) -> String {
+        let parts: Vec<String> = self
+            .conds
+            .iter()
+            .map(|c| match c.value {
+                Operand::Max => format!("the largest {}", c.param),
+                Operand::Min => format!("the smallest {}", c.param),
+                Operand::Literal(_) => c.to_string(),
+            })
+            .collect();
+        parts.join(" and ")
+    }
+
+    /// Parameter names the filter mentions, in order, each once.
+    pub fn params(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = Vec::new();
+        for c in &self.conds {
+            if !out.contains(&c.param.as_str()) {
+                out.push(&c.param);
+            }
+        }
+        out
+    }
+}
+
+/// A numeric field of a row that prose may quote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    /// `median_ms`.
+    MedianMs,
+    /// `q1_ms`.
+    Q1Ms,
+    /// `q3_ms`.
+    Q3Ms,
+    /// `tflops`.
+    Tflops,
+    /// `compile_s`.
+    CompileS,
+    /// `rel_err` (accuracy).
+    RelErr,
+    /// `peak_mb` (memory).
+    PeakMb,
+    /// `temporaries_mb` (memory).
+    TemporariesMb,
+}
+
+impl Field {
+    /// Every field with its name.
+    pub const ALL: [(&'static str, Field); 8] = [
+        ("median_ms", Field::MedianMs),
+        ("q1_ms", Field::Q1Ms),
+        ("q3_ms", Field::Q3Ms),
+        ("tflops", Field::Tflops),
+        ("compile_s", Field::CompileS),
+        ("rel_err", Field::RelErr),
+        ("peak_mb", Field::PeakMb),
+        ("temporaries_mb", Field::TemporariesMb),
+    ];
+
+    /// Looks a field up by name.
+    ///
+    /// Errors: the name is not one of [`Field::ALL`]; the message lists them.
+    pub fn parse(name: &str) -> Result<Field, String> {
+        Field::ALL
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, f)| *f)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Field::ALL.iter().map(|(n, _)| *n).collect();
+                format!("unknown field `{name}` (fields: {})", names.join(", "))
+            })
+    }
+
+    /// The field's name.
+    pub fn name(self) -> &'static str {
+        Field::ALL
+            .iter()
+            .find(|(_, f)| *f == self)
+            .map(|(n, _)| *n)
+            .unwrap_or("?")
+    }
+
+    /// The value in `row`, when recorded.
+    pub fn get(self, row: &Row) -> Option<f64> {
+        let mem = row.memory.as_ref();
+        match self {
+            Field::MedianMs => row.median_ms,
+            Field::Q1Ms => row.q1_ms,
+            Field::Q3Ms => row.q3_ms,
+            Field::Tflops => row.tflops,
+            Field::CompileS => row.compile_s,
+            Field::RelErr => row.accuracy.as_ref().map(|a| a.rel_err),
+            Field::PeakMb => mem.and_then(|m| m.peak_mb),
+            Field::TemporariesMb => mem.and_then(|m| m.temporaries_mb),
+        }
+    }
+
+    /// The value formatted as the tables show it.
+    pub fn format(self, x: f64) -> String {
+        match self {
+            Field::MedianMs | Field::Q1Ms | Field::Q3Ms => format::ms(x),
+            Field::Tflops => format::tflops(x),
+            Field::CompileS => format::sig(x, 3),
+            Field::RelErr => format::rel_err(x),
+            Field::PeakMb | Field::TemporariesMb => format::mb(x),
+        }
+    }
+}
+
+/// The value of `field` in an `ok` row.
+///
+/// Errors: the row did not run (its status and message), or it lacks the field.
+pub fn ok_value(row: &Row, field: Field) -> Result<f64, String> {
+    if row.status != Status::Ok {
+        return Err(format!(
+            "the row ({}) has status {}{}",
+            row.implementation,
+            row.status.as_str(),
+            row.message
+                .as_deref()
+                .map(|m| format!(": {m}"))
+                .unwrap_or_default()
+        ));
+    }
+    field.get(row).ok_or_else(|| {
+        format!(
+            "the row ({}) records no {}",
+            row.implementation,
+            field.name()
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    fn row(seq_len: i64, causal: bool) -> Row {
+        let mut case = BTreeMap::new();
+        case.insert("seq_len".to_string(), Param::Int(seq_len));
+        case.insert("causal".to_string(), Param::Bool(causal));
+        case.insert("dtype".to_string(), Param::Text("bf16".to_string()));
+        Row::failed(case, "x", "y", false, Status::Oom, "m")
+    }
+
+    fn seqs(f: &str, rows: &[Row]) -> Result<Vec<i64>, String> {
+        let filter = parse_filter(f)?;
+        let kept = filter.apply(rows.iter().collect(), |r| *r)?;
+        Ok(kept.iter().map(|r| r.int("seq_len").unwrap()).collect())
+    }
+
+    #[test]
+    fn parses_commas_and_and() {
+        let f = parse_filter("seq_len >= 2048, causal = true and dtype == 'bf16'").unwrap();
+        assert_eq!(f.conds.len(), 3);
+        assert_eq!(f.conds[0].op, Op::Ge);
+        assert_eq!(f.conds[2].value, Operand::Literal("bf16".into()));
+        assert_eq!(
+            f.to_string(),
+            "seq_len ≥ 2048 and causal = true and dtype = bf16"
+        );
+        assert!(parse_filter("").unwrap().conds.is_empty());
+    }
+
+    #[test]
+    fn parse_errors_name_the_clause() {
+        for bad in [
+            "seq_len 2048",
+            "seq_len >=",
+            ">= 3",
+            "a >= 1,, b = 2",
+            "x >> 3",
+        ] {
+            let e = parse_filter(bad).unwrap_err();
+            assert!(e.contains('`'), "{bad}: {e}");
+        }
+        let e = parse_filter("seq_len >= 1, causal true").unwrap_err();
+        assert!(e.contains("`causal true`"), "{e}");
+    }
+
+    #[test]
+    fn filters_by_number_flag_name_and_extremes() {
+        let rows: Vec<Row> = [512, 1024, 2048, 4096]
+            .iter()
+            .flat_map(|&s| [row(s, false), row(s, true)])
+            .collect();
+        assert_eq!(
+            seqs("seq_len >= 2048, causal = true", &rows).unwrap(),
+            [2048, 4096]
+        );
+        assert_eq!(
+            seqs("seq_len = max and causal = false", &rows).unwrap(),
+            [4096]
+        );
+        assert_eq!(seqs("seq_len = min, causal = true", &rows).unwrap(), [512]);
+        assert_eq!(
+            seqs("seq_len < 1024, dtype != bf16", &rows).unwrap(),
+            [0; 0]
+        );
+        assert!(seqs("seqlen = 3", &rows).unwrap_err().contains("seqlen"));
+        assert!(seqs("seq_len = long", &rows).unwrap_err().contains("long"));
+        assert!(seqs("causal > false", &rows).unwrap_err().contains("flag"));
+    }
+}

@@ -1,0 +1,223 @@
+//! `docgen check`: passes on a fresh build of the fixture, and lists every problem (non-zero
+//! exit) for a stale or hand-edited site, a broken link or anchor, a stale `schema.json` and a
+//! document the JSON Schema refuses. Everything happens in temporary folders.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kernelpages::load;
+use kernelpages::site::check::{self, Area, CheckOptions, Problem};
+use kernelpages::site::{self, BuildOptions};
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// A data folder (fixture document and a fresh schema.json) and a site built from it.
+struct Project {
+    _tmp: tempfile::TempDir,
+    data: PathBuf,
+    site: PathBuf,
+}
+
+impl Project {
+    fn new() -> Project {
+        let tmp = tempfile::tempdir().unwrap();
+        let data = tmp.path().join("data");
+        fs::create_dir(&data).unwrap();
+        fs::copy(
+            fixtures().join("valid/gpu_attention.json"),
+            data.join("gpu_attention.json"),
+        )
+        .unwrap();
+        load::write_schema(&data).unwrap();
+        let site = tmp.path().join("site");
+        site::build(&BuildOptions {
+            data_dir: data.clone(),
+            out_dir: site.clone(),
+            base_url: None,
+        })
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        Project {
+            _tmp: tmp,
+            data,
+            site,
+        }
+    }
+
+    fn check(&self) -> Vec<Problem> {
+        check::check(&CheckOptions {
+            data_dir: self.data.clone(),
+            out_dir: self.site.clone(),
+            base_url: None,
+        })
+    }
+
+    fn docgen_check(&self) -> (bool, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_docgen"))
+            .arg("check")
+            .arg("--data")
+            .arg(&self.data)
+            .arg("--out")
+            .arg(&self.site)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+}
+
+fn has(problems: &[Problem], area: Area, parts: &[&str]) -> bool {
+    problems
+        .iter()
+        .any(|p| p.area == area && parts.iter().all(|s| p.message.contains(s)))
+}
+
+fn append(path: &Path, text: &str) {
+    let mut s = fs::read_to_string(path).unwrap();
+    s.push_str(text);
+    fs::write(path, s).unwrap();
+}
+
+#[test]
+fn a_fresh_build_passes() {
+    let p = Project::new();
+    assert_eq!(p.check(), []);
+    let (ok, stderr) = p.docgen_check();
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("check passed"), "{stderr}");
+}
+
+#[test]
+fn a_stale_site_lists_differing_missing_and_extra_files() {
+    let p = Project::new();
+    append(&p.site.join("index.html"), "<!-- edited by hand -->");
+    fs::remove_file(p.site.join("style.css")).unwrap();
+    fs::write(p.site.join("figures/old.svg"), "<svg/>").unwrap();
+    let problems = p.check();
+    assert!(
+        has(&problems, Area::Site, &["index.html", "differs"]),
+        "{problems:#?}"
+    );
+    assert!(
+        has(&problems, Area::Site, &["style.css", "missing"]),
+        "{problems:#?}"
+    );
+    assert!(
+        has(&problems, Area::Site, &["figures/old.svg", "not part of"]),
+        "{problems:#?}"
+    );
+    let (ok, stderr) = p.docgen_check();
+    assert!(!ok);
+    assert!(
+        stderr.contains("index.html") && stderr.contains("style.css"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("problems"), "{stderr}");
+}
+
+#[test]
+fn broken_links_and_anchors_are_listed() {
+    let p = Project::new();
+    append(
+        &p.site.join("attention.html"),
+        r##"<a href="nope.html">x</a><a href="index.html#no-such-section">y</a><img src="figures/missing.svg"><a href="index.html#methodology">fine</a>"##,
+    );
+    let problems = p.check();
+    assert!(
+        has(
+            &problems,
+            Area::Link,
+            &["attention.html", "nope.html is not in the site"]
+        ),
+        "{problems:#?}"
+    );
+    assert!(
+        has(
+            &problems,
+            Area::Link,
+            &["no element with id \"no-such-section\""]
+        ),
+        "{problems:#?}"
+    );
+    assert!(
+        has(
+            &problems,
+            Area::Link,
+            &["<img src=\"figures/missing.svg\">"]
+        ),
+        "{problems:#?}"
+    );
+    assert!(
+        !problems.iter().any(|q| q.message.contains("#methodology")),
+        "{problems:#?}"
+    );
+    // The edit also makes the page differ from a fresh build: both are reported.
+    assert!(
+        has(&problems, Area::Site, &["attention.html"]),
+        "{problems:#?}"
+    );
+    assert!(!p.docgen_check().0);
+}
+
+#[test]
+fn a_stale_schema_fails() {
+    let p = Project::new();
+    fs::write(p.data.join("schema.json"), "{}\n").unwrap();
+    let problems = p.check();
+    assert_eq!(problems.len(), 1, "{problems:#?}");
+    assert!(
+        has(&problems, Area::Data, &["schema.json", "stale"]),
+        "{problems:#?}"
+    );
+    let (ok, stderr) = p.docgen_check();
+    assert!(!ok);
+    assert!(stderr.contains("stale"), "{stderr}");
+
+    fs::remove_file(p.data.join("schema.json")).unwrap();
+    assert!(has(&p.check(), Area::Data, &["schema.json"]));
+}
+
+#[test]
+fn a_document_the_schema_refuses_is_reported_with_every_other_problem() {
+    let p = Project::new();
+    fs::copy(
+        fixtures().join("invalid/unknown_status/gpu_attention.json"),
+        p.data.join("gpu_bad.json"),
+    )
+    .unwrap();
+    append(&p.site.join("index.html"), r#"<a href="gone.html">x</a>"#);
+    let problems = p.check();
+    assert!(
+        has(
+            &problems,
+            Area::Data,
+            &["gpu_bad.json", "JSON Schema", "/rows/"]
+        ),
+        "{problems:#?}"
+    );
+    // The site cannot be compared without the data, but its links are still checked.
+    assert!(
+        has(&problems, Area::Site, &["not compared"]),
+        "{problems:#?}"
+    );
+    assert!(has(&problems, Area::Link, &["gone.html"]), "{problems:#?}");
+}
+
+#[test]
+fn a_semantic_error_the_schema_allows_is_reported() {
+    let p = Project::new();
+    fs::copy(
+        fixtures().join("invalid/negative_median/gpu_attention.json"),
+        p.data.join("gpu_attention.json"),
+    )
+    .unwrap();
+    let problems = p.check();
+    assert!(
+        has(&problems, Area::Data, &["gpu_attention.json", "median_ms"]),
+        "{problems:#?}"
+    );
+}

@@ -1,0 +1,386 @@
+//! Figures and shards: the SVGs built from the committed data and the fixtures are parsed
+//! (scraper) and checked against the documents; shard documents are made from the valid
+//! fixture and must give the same tables as the whole.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use kernelpages::load;
+use kernelpages::site::{self, BuildOptions};
+use scraper::{ElementRef, Html, Selector};
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn valid_dir() -> PathBuf {
+    root().join("tests/fixtures/valid")
+}
+
+fn build_site(data: &Path) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("site");
+    let opts = BuildOptions {
+        data_dir: data.to_path_buf(),
+        out_dir: out.clone(),
+        base_url: None,
+    };
+    site::build(&opts).unwrap_or_else(|e| panic!("build failed: {e:#}"));
+    (tmp, out)
+}
+
+fn sel(s: &str) -> Selector {
+    Selector::parse(s).unwrap()
+}
+
+fn text(e: ElementRef<'_>) -> String {
+    e.text()
+        .collect::<String>()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn svg(path: &Path) -> Html {
+    Html::parse_fragment(&fs::read_to_string(path).unwrap())
+}
+
+fn page(site: &Path, name: &str) -> Html {
+    Html::parse_document(&fs::read_to_string(site.join(name)).unwrap())
+}
+
+/// Every `<text>` of an SVG.
+fn texts(doc: &Html) -> Vec<String> {
+    doc.select(&sel("text")).map(text).collect()
+}
+
+fn attr_f64(e: ElementRef<'_>, name: &str) -> f64 {
+    e.value().attr(name).unwrap().parse().unwrap()
+}
+
+fn figures(site: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = fs::read_dir(site.join("figures"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn time_figures_label_only_the_measured_x_values() {
+    let (_tmp, site) = build_site(&root().join("data"));
+    let docs = load::load_dir(&root().join("data")).unwrap();
+    let xs: BTreeSet<String> = docs
+        .iter()
+        .flat_map(|l| l.doc.rows.iter())
+        .map(|r| r.case["seq_len"].to_string())
+        .collect();
+    let time_figures: Vec<PathBuf> = figures(&site)
+        .into_iter()
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy().into_owned();
+            n.starts_with("attention-") && !n.contains("-memory") && !n.contains("-error")
+        })
+        .collect();
+    assert_eq!(time_figures.len(), 4);
+    for f in time_figures {
+        let doc = svg(&f);
+        let t = texts(&doc);
+        for x in &xs {
+            assert!(t.contains(x), "{}: no tick {x} in {t:?}", f.display());
+        }
+        // Numbers of 1000 and up on the x axis are only the measured ones.
+        for label in &t {
+            if let Ok(v) = label.parse::<u64>() {
+                assert!(
+                    v < 1000 || xs.contains(label),
+                    "{}: unmeasured tick {label}",
+                    f.display()
+                );
+            }
+        }
+        // A light grid: a line per tick, not a band of minor lines.
+        let lines = doc.select(&sel("line")).count();
+        assert!(lines < 40, "{}: {lines} lines", f.display());
+    }
+}
+
+#[test]
+fn every_group_has_memory_and_error_figures() {
+    let (_tmp, site) = build_site(&valid_dir());
+    let doc = page(&site, "attention.html");
+    let groups: Vec<ElementRef<'_>> = doc.select(&sel("section.group")).collect();
+    assert_eq!(groups.len(), 4);
+    for g in groups {
+        let srcs: Vec<String> = g
+            .select(&sel("figure img"))
+            .map(|i| i.value().attr("src").unwrap().to_string())
+            .collect();
+        assert_eq!(srcs.len(), 3, "{srcs:?}");
+        assert!(srcs[1].ends_with("-memory.svg") && srcs[2].ends_with("-error.svg"));
+        let memory = svg(&site.join(&srcs[1]));
+        let title = text(memory.select(&sel("svg > title")).next().unwrap());
+        assert!(title.contains("peak memory against seq_len"), "{title}");
+        let error = svg(&site.join(&srcs[2]));
+        let desc = text(error.select(&sel("svg > desc")).next().unwrap());
+        assert!(desc.contains("dashed line: tolerance"), "{desc}");
+        assert!(
+            texts(&error).iter().any(|t| t.starts_with("tolerance ")),
+            "no tolerance in the legend"
+        );
+    }
+}
+
+#[test]
+fn cases_that_did_not_run_are_crosses_named_in_the_legend() {
+    let (_tmp, site) = build_site(&valid_dir());
+    // The fixture has math out of memory at seq_len 4096 for head_dim=128, causal=false.
+    let all: Vec<String> = figures(&site).iter().flat_map(|f| texts(&svg(f))).collect();
+    assert!(
+        all.iter()
+            .any(|t| t == "math: did not run: oom at seq_len 4096"),
+        "{all:?}"
+    );
+}
+
+#[test]
+fn every_figure_has_title_desc_and_a_dark_theme() {
+    let (_tmp, site) = build_site(&root().join("data"));
+    for f in figures(&site) {
+        let doc = svg(&f);
+        for part in ["svg > title", "svg > desc", "svg > style"] {
+            assert!(
+                doc.select(&sel(part)).next().is_some(),
+                "{}: no {part}",
+                f.display()
+            );
+        }
+        let style = text(doc.select(&sel("svg > style")).next().unwrap());
+        assert!(
+            style.contains("prefers-color-scheme: dark"),
+            "{}",
+            f.display()
+        );
+        // The colours the dark rule recolours are the ones written.
+        let s = fs::read_to_string(&f).unwrap();
+        assert!(s.contains("fill=\"#1D1F21\"") && s.contains("fill=\"#FFFFFF\""));
+    }
+}
+
+/// The At a glance chart's bars: (left, right) pixel edges and fill.
+fn bars(doc: &Html) -> Vec<(f64, f64, String)> {
+    doc.select(&sel("rect"))
+        .filter_map(|r| {
+            let fill = r.value().attr("fill")?.to_string();
+            (fill == "#59A14F" || fill == "#E15759").then(|| {
+                let x = attr_f64(r, "x");
+                (x, x + attr_f64(r, "width"), fill)
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn at_a_glance_range_comes_from_the_data_and_holds_one() {
+    let (_tmp, site) = build_site(&root().join("data"));
+    let index = page(&site, "index.html");
+    let representatives: Vec<Vec<String>> = index
+        .select(&sel("table.glance tr.representative"))
+        .map(|tr| tr.select(&sel("td")).map(text).collect())
+        .collect();
+    let doc = svg(&site.join("figures/at-a-glance.svg"));
+    let found = bars(&doc);
+    assert_eq!(found.len(), representatives.len());
+    assert!(!found.is_empty());
+    let t = texts(&doc);
+    let ticks: Vec<f64> = t.iter().filter_map(|s| s.parse::<f64>().ok()).collect();
+    assert!(ticks.contains(&1.0), "{t:?}");
+    assert!(ticks.iter().any(|v| *v < 1.0), "no tick left of 1: {t:?}");
+    assert!(ticks.iter().any(|v| *v > 1.0), "no tick right of 1: {t:?}");
+    // Every bar starts or ends at the line at 1 (the tick label "1" is centred on it).
+    let one_x = doc
+        .select(&sel("text"))
+        .find(|e| text(*e) == "1")
+        .map(|e| attr_f64(e, "x"))
+        .unwrap();
+    for (left, right, fill) in &found {
+        let at_one = if fill == "#E15759" { right } else { left };
+        assert!((at_one - one_x).abs() <= 1.5, "{left}..{right} vs {one_x}");
+    }
+    // One label per representative row, naming the alternative and its ratio.
+    for cols in &representatives {
+        let (alt, ratio) = (&cols[6], &cols[8]);
+        assert!(
+            t.iter().any(|s| s.ends_with(&format!("{ratio} vs {alt}"))),
+            "no label for {ratio} vs {alt} in {t:?}"
+        );
+    }
+    // Whiskers: three path pieces per bar with quartiles.
+    assert!(doc.select(&sel("polyline")).count() >= 3 * found.len());
+}
+
+/// Writes `docs` as JSON files named by the keys into a fresh folder.
+fn write_docs(docs: &BTreeMap<&str, Value>) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, doc) in docs {
+        fs::write(
+            dir.path().join(name),
+            serde_json::to_string_pretty(doc).unwrap(),
+        )
+        .unwrap();
+    }
+    dir
+}
+
+fn valid_json() -> Value {
+    serde_json::from_str(&fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap())
+        .unwrap()
+}
+
+#[test]
+fn cpu_rows_are_marked_in_the_chart() {
+    let mut doc = valid_json();
+    doc["device"]["kind"] = Value::from("cpu");
+    doc["device"]["name"] = Value::from("Test CPU");
+    let data = write_docs(&BTreeMap::from([("cpu_attention.json", doc)]));
+    let (_tmp, site) = build_site(data.path());
+    let chart = svg(&site.join("figures/at-a-glance.svg"));
+    let labels: Vec<String> = texts(&chart)
+        .into_iter()
+        .filter(|t| t.contains(" vs "))
+        .collect();
+    assert!(!labels.is_empty());
+    assert!(labels.iter().all(|l| l.starts_with("[CPU] ")), "{labels:?}");
+}
+
+/// The valid fixture split into `n` shards the way `attention --shard i/n` splits the grid:
+/// case `k` (in order of first appearance) goes to shard `k % n + 1`.
+fn shards(n: usize) -> Vec<Value> {
+    let whole = valid_json();
+    let rows = whole["rows"].as_array().unwrap();
+    let mut cases: Vec<&Value> = Vec::new();
+    for r in rows {
+        if !cases.contains(&&r["case"]) {
+            cases.push(&r["case"]);
+        }
+    }
+    (0..n)
+        .map(|i| {
+            let mut doc = whole.clone();
+            let mine: Vec<Value> = rows
+                .iter()
+                .filter(|r| cases.iter().position(|c| *c == &r["case"]).unwrap() % n == i)
+                .cloned()
+                .collect();
+            doc["rows"] = Value::from(mine);
+            let mut command = doc["config"]["command"].as_array().unwrap().clone();
+            command.push(Value::from("--shard"));
+            command.push(Value::from(format!("{}/{n}", i + 1)));
+            doc["config"]["command"] = Value::from(command);
+            doc
+        })
+        .collect()
+}
+
+/// Text of every results table, by group title.
+fn tables(site: &Path) -> BTreeMap<String, String> {
+    let doc = page(site, "attention.html");
+    doc.select(&sel("section.group"))
+        .map(|g| {
+            (
+                text(g.select(&sel("h3")).next().unwrap()),
+                text(g.select(&sel("table.results")).next().unwrap()),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn shards_of_one_device_merge_into_one_page() {
+    let parts = shards(2);
+    let data = write_docs(&BTreeMap::from([
+        ("gpu_attention.json", parts[0].clone()),
+        ("gpu_attention.shard2.json", parts[1].clone()),
+    ]));
+    let (_a, merged) = build_site(data.path());
+    let (_b, whole) = build_site(&valid_dir());
+    assert_eq!(tables(&merged), tables(&whole));
+    let figure_names = |site: &Path| -> Vec<String> {
+        figures(site)
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect()
+    };
+    assert_eq!(figure_names(&merged), figure_names(&whole));
+    // One device section naming both files.
+    let attention = page(&merged, "attention.html");
+    let headings: Vec<String> = attention.select(&sel("main h2")).map(text).collect();
+    assert_eq!(headings.len(), 1, "{headings:?}");
+    assert!(
+        headings[0].contains("gpu_attention.json + gpu_attention.shard2.json"),
+        "{headings:?}"
+    );
+    // The At a glance table is the whole one; each shard's command is listed to reproduce it.
+    let glance = |site: &Path| {
+        text(
+            page(site, "index.html")
+                .select(&sel("table.glance"))
+                .next()
+                .unwrap(),
+        )
+    };
+    assert_eq!(glance(&merged), glance(&whole));
+    let index = text(
+        page(&merged, "index.html")
+            .select(&sel("main"))
+            .next()
+            .unwrap(),
+    );
+    assert!(index.contains("--shard 1/2") && index.contains("--shard 2/2"));
+}
+
+#[test]
+fn shards_of_two_devices_are_two_sections_of_one_page() {
+    let mut parts = shards(2);
+    parts[1]["device"]["name"] = Value::from("Second Test GPU");
+    let data = write_docs(&BTreeMap::from([
+        ("gpu_attention.json", parts[0].clone()),
+        ("gpu_attention.gpu2.json", parts[1].clone()),
+    ]));
+    let (_tmp, site) = build_site(data.path());
+    let attention = page(&site, "attention.html");
+    let headings: Vec<String> = attention.select(&sel("main h2")).map(text).collect();
+    assert_eq!(headings.len(), 2, "{headings:?}");
+    assert!(headings.iter().any(|h| h.contains("Second Test GPU")));
+}
+
+#[test]
+fn conflicting_shards_name_both_files() {
+    let mut parts = shards(2);
+    // The first row of shard 1 again in shard 2, with another time.
+    let mut dup = parts[0]["rows"][0].clone();
+    dup["median_ms"] = Value::from(dup["median_ms"].as_f64().unwrap() * 2.0);
+    dup["q3_ms"] = Value::from(dup["q3_ms"].as_f64().unwrap() * 2.0);
+    parts[1]["rows"].as_array_mut().unwrap().push(dup);
+    let data = write_docs(&BTreeMap::from([
+        ("gpu_attention.json", parts[0].clone()),
+        ("gpu_attention.shard2.json", parts[1].clone()),
+    ]));
+    let err = load::load_dir(data.path()).unwrap_err();
+    let s = format!("{err:#}");
+    assert!(
+        s.contains("gpu_attention.json") && s.contains("gpu_attention.shard2.json"),
+        "{s}"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = BuildOptions {
+        data_dir: data.path().to_path_buf(),
+        out_dir: tmp.path().join("site"),
+        base_url: None,
+    };
+    assert!(site::build(&opts).is_err());
+    assert!(!tmp.path().join("site").exists());
+}

@@ -1,0 +1,318 @@
+//! Data-checked prose: values and ratios render the fixture's numbers (computed here from the
+//! fixture rows, not typed), claims are checked against every case pair, and every failure
+//! names the prose file, the call, the claim's sentence and the offending rows.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use kernelpages::load::{self, case_label, Loaded};
+use kernelpages::schema::{Row, Status};
+use kernelpages::site::prose::{self, ProseError};
+use kernelpages::site::{self, format, BuildOptions};
+use scraper::{Html, Selector};
+
+fn fixture_docs() -> Vec<Loaded> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/valid");
+    load::load_dir(&dir).unwrap()
+}
+
+fn rows(docs: &[Loaded]) -> Vec<&Row> {
+    docs.iter().flat_map(|l| l.doc.rows.iter()).collect()
+}
+
+/// The fixture row of `implementation` at (head_dim, causal, seq_len).
+fn row<'a>(
+    docs: &'a [Loaded],
+    implementation: &str,
+    head_dim: i64,
+    causal: bool,
+    seq_len: i64,
+) -> &'a Row {
+    rows(docs)
+        .into_iter()
+        .find(|r| {
+            r.implementation == implementation
+                && r.int("head_dim") == Some(head_dim)
+                && r.flag("causal") == Some(causal)
+                && r.int("seq_len") == Some(seq_len)
+        })
+        .unwrap_or_else(|| panic!("no fixture row {implementation} {head_dim} {causal} {seq_len}"))
+}
+
+/// Renders one prose file and returns the text of each `<li>`.
+fn items(docs: &[Loaded], source: &str) -> Vec<String> {
+    let html = prose::render_prose(docs, &[("p.md", source)])
+        .unwrap_or_else(|e| panic!("{e}"))
+        .remove("p.md")
+        .unwrap();
+    let doc = Html::parse_fragment(&html);
+    doc.select(&Selector::parse("li").unwrap())
+        .map(|li| {
+            li.text()
+                .collect::<String>()
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect()
+}
+
+fn failure(docs: &[Loaded], source: &str) -> ProseError {
+    match prose::render_prose(docs, &[("p.md", source)]) {
+        Ok(html) => panic!("expected a failure, rendered {html:?}"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn values_and_ratios_are_the_fixture_numbers() {
+    let docs = fixture_docs();
+    let src = r#"
+- {{ value(suite="attention", implementation="flash", case="head_dim=128, seq_len=2048, causal=false", field="tflops") }}
+- {{ value(suite="attention", implementation="math", case="head_dim = 64 and causal = true and seq_len = 1024", field="median_ms") }}
+- {{ value(suite="attention", implementation="math", case="head_dim=64, causal=false, seq_len=2048", field="temporaries_mb") }}
+- {{ value(suite="attention", implementation="flash", case="head_dim=64, causal=false, seq_len=max", field="rel_err") }}
+- {{ ratio(suite="attention", num="torch_cudnn", den="flash", case="head_dim=128, seq_len=2048, causal=false", field="median_ms") }}
+- {{ case(suite="attention", case="head_dim=64, causal=false, seq_len=max") }}
+- {{ largest(suite="attention", param="seq_len") }}
+- {{ values(suite="attention", param="head_dim") }}
+"#;
+    let got = items(&docs, src);
+    let flash = row(&docs, "flash", 128, false, 2048);
+    let math = row(&docs, "math", 64, true, 1024);
+    let math_t = row(&docs, "math", 64, false, 2048);
+    let max_seq = rows(&docs)
+        .iter()
+        .filter_map(|r| r.int("seq_len"))
+        .max()
+        .unwrap();
+    let flash_max = row(&docs, "flash", 64, false, max_seq);
+    let cudnn = row(&docs, "torch_cudnn", 128, false, 2048);
+    let expected = [
+        format::tflops(flash.tflops.unwrap()),
+        format::ms(math.median_ms.unwrap()),
+        format::mb(math_t.memory.as_ref().unwrap().temporaries_mb.unwrap()),
+        format::rel_err(flash_max.accuracy.as_ref().unwrap().rel_err),
+        format::ratio(cudnn.median_ms.unwrap() / flash.median_ms.unwrap()),
+        format!("head_dim=64, causal=false, seq_len={max_seq}"),
+        max_seq.to_string(),
+        "64, 128".to_string(),
+    ];
+    assert_eq!(got, expected);
+}
+
+#[test]
+fn a_claim_that_holds_says_how_many_cases_it_covers() {
+    let docs = fixture_docs();
+    let got = items(
+        &docs,
+        r#"- {{ claim(suite="attention", faster="flash", than="math", where="seq_len >= 1024") }}"#,
+    );
+    // Pairs in which both ran, and pairs left out because one did not.
+    let (mut both, mut left_out) = (0, 0);
+    let mut ratios = Vec::new();
+    for f in rows(&docs)
+        .into_iter()
+        .filter(|r| r.implementation == "flash" && r.int("seq_len").unwrap() >= 1024)
+    {
+        let m = rows(&docs)
+            .into_iter()
+            .find(|r| r.implementation == "math" && r.case == f.case);
+        match m {
+            Some(m) if m.status == Status::Ok && f.status == Status::Ok => {
+                both += 1;
+                ratios.push(m.median_ms.unwrap() / f.median_ms.unwrap());
+            }
+            _ => left_out += 1,
+        }
+    }
+    assert!(both > 1 && left_out > 0, "{both} {left_out}");
+    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = ratios.iter().copied().fold(0.0, f64::max);
+    let range = if format::ratio(lo) == format::ratio(hi) {
+        format::ratio(lo)
+    } else {
+        format!("{} to {}", format::ratio(lo), format::ratio(hi))
+    };
+    assert_eq!(
+        got,
+        [format!(
+            "flash is faster than math in every measured case with seq_len ≥ 1024 ({both} cases; \
+             math takes {range} as long; {left_out} cases where either did not run are left out)"
+        )]
+    );
+}
+
+#[test]
+fn a_contradicted_claim_names_file_sentence_and_rows() {
+    let docs = fixture_docs();
+    let src = "Intro line.\n\nAt every size {{ claim(suite=\"attention\", faster=\"torch_cudnn\", than=\"flash\", where=\"causal = false\") }}.\n";
+    let err = failure(&docs, src);
+    assert_eq!(err.problems.len(), 1, "{err}");
+    let p = &err.problems[0];
+    assert_eq!(p.file, "p.md");
+    assert_eq!(p.line, Some(3));
+    assert!(
+        p.call
+            .starts_with("claim(suite=\"attention\", faster=\"torch_cudnn\""),
+        "{}",
+        p.call
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains(
+            "\"torch_cudnn is faster than flash in every measured case with causal = false\""
+        ),
+        "{text}"
+    );
+    // Every contradicting pair is listed with both medians; the others are not.
+    let mut contradicting = 0;
+    for c in rows(&docs)
+        .into_iter()
+        .filter(|r| r.implementation == "torch_cudnn" && r.flag("causal") == Some(false))
+    {
+        let Some(f) = rows(&docs)
+            .into_iter()
+            .find(|r| r.implementation == "flash" && r.case == c.case)
+        else {
+            continue;
+        };
+        let (Some(cm), Some(fm)) = (c.median_ms, f.median_ms) else {
+            continue;
+        };
+        let line = format!(
+            "{}: torch_cudnn median_ms {}, flash median_ms {}",
+            case_label(&c.case),
+            format::ms(cm),
+            format::ms(fm)
+        );
+        if cm < fm {
+            assert!(
+                !text.contains(&line),
+                "listed a case that agrees: {line}\n{text}"
+            );
+        } else {
+            contradicting += 1;
+            assert!(text.contains(&line), "missing {line}\n{text}");
+        }
+    }
+    assert!(contradicting > 0);
+    assert!(
+        text.contains(&format!("does not hold in {contradicting} of ")),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_claim_covering_no_case_fails() {
+    let docs = fixture_docs();
+    let err = failure(
+        &docs,
+        r#"{{ claim(suite="attention", faster="flash", than="math", where="seq_len > 1000000") }}"#,
+    );
+    let text = err.to_string();
+    assert!(text.contains("p.md:1:"), "{text}");
+    assert!(text.contains("covers no measured case"), "{text}");
+    assert!(text.contains("seq_len > 1000000"), "{text}");
+}
+
+#[test]
+fn queries_matching_no_row_or_several_fail_and_every_problem_is_listed() {
+    let docs = fixture_docs();
+    let src = r#"{{ value(suite="attention", implementation="flash", case="head_dim=128", field="tflops") }}
+{{ value(suite="attention", implementation="flash", case="head_dim=96, seq_len=512, causal=false", field="tflops") }}
+{{ value(suite="attention", implementation="flsh", case="head_dim=128", field="tflops") }}
+{{ claim(suite="attention", faster="flash", than="math", where="seq_len >> 3") }}
+{{ value(suite="attention", implementation="math", case="head_dim=128, seq_len=4096, causal=false", field="median_ms") }}
+"#;
+    let err = failure(&docs, src);
+    let text = err.to_string();
+    let lines: Vec<Option<usize>> = err.problems.iter().map(|p| p.line).collect();
+    assert_eq!(
+        lines,
+        [Some(1), Some(2), Some(3), Some(4), Some(5)],
+        "{text}"
+    );
+    let flash_128 = rows(&docs)
+        .iter()
+        .filter(|r| r.implementation == "flash" && r.int("head_dim") == Some(128))
+        .count();
+    assert!(
+        text.contains(&format!("matches {flash_128} rows of flash, not one")),
+        "{text}"
+    );
+    assert!(text.contains("matches no row"), "{text}");
+    assert!(text.contains("no row of implementation `flsh`"), "{text}");
+    assert!(text.contains("`seq_len >> 3`"), "{text}");
+    // math at head_dim 128, seq_len 4096, non-causal is an oom row in the fixture.
+    assert!(text.contains("has status oom"), "{text}");
+}
+
+#[test]
+fn an_unknown_argument_is_refused() {
+    let docs = fixture_docs();
+    let err = failure(
+        &docs,
+        r#"{{ claim(suite="attention", faster="flash", than="math", were="seq_len > 1") }}"#,
+    );
+    assert!(err.to_string().contains("unknown argument `were`"), "{err}");
+}
+
+fn copy_fixture_as(device: &str, dir: &Path) {
+    let src =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/valid/gpu_attention.json");
+    let text = fs::read_to_string(src).unwrap();
+    let text = text.replace("Synthetic Test GPU (fixture)", device);
+    fs::create_dir_all(dir).unwrap();
+    fs::write(dir.join("gpu_attention.json"), text).unwrap();
+}
+
+#[test]
+fn the_site_prose_is_checked_when_the_site_is_built() {
+    // The site's prose speaks of the H200; the synthetic fixture, relabelled as one,
+    // contradicts its claims, so the build fails naming the file, the claim and the rows.
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    copy_fixture_as("NVIDIA H200", &data);
+    let opts = BuildOptions {
+        data_dir: data,
+        out_dir: tmp.path().join("site"),
+        base_url: None,
+    };
+    let err = site::build(&opts).unwrap_err();
+    let text = format!("{err:#}");
+    assert!(text.contains(prose::ATTENTION_PROSE), "{text}");
+    assert!(
+        text.contains("torch_cudnn is faster than flash in every measured case"),
+        "{text}"
+    );
+    assert!(text.contains("head_dim=64"), "{text}");
+    assert!(!opts.out_dir.exists());
+}
+
+#[test]
+fn the_committed_data_builds_with_its_prose() {
+    // Reads data/ (never writes it) and builds into a temporary folder.
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    let docs = load::load_dir(&data).unwrap();
+    let site_prose = prose::render_site_prose(&docs).unwrap_or_else(|e| panic!("{e}"));
+    let attention = site_prose.attention.expect("attention prose");
+    let text: String = Html::parse_fragment(&attention)
+        .root_element()
+        .text()
+        .collect();
+    assert!(
+        text.contains("flash is faster than math in every measured case"),
+        "{text}"
+    );
+    assert!(site_prose.limitations.is_some());
+}
+
+#[test]
+fn prose_about_another_device_is_left_out() {
+    let docs = fixture_docs();
+    assert_eq!(
+        prose::render_site_prose(&docs).unwrap(),
+        prose::SiteProse::default()
+    );
+}

@@ -1,0 +1,176 @@
+//! The built overview page as a browser draws it: the site is built from the committed data,
+//! `index.html` is opened from `file://` in headless Chromium (`--screenshot`), and the PNG is
+//! decoded to check that the At a glance chart rendered: one horizontal band of bar-coloured
+//! pixels per bar, on a light background in the light theme and a dark one in the dark theme.
+//!
+//! Without Chromium the test prints `skipping: chromium not installed` and passes; `.ci/run`
+//! installs it so CI does run it.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kernelpages::site::{self, BuildOptions};
+
+/// Bar colours of the At a glance chart (`figures::DEFAULT_FASTER`, `ALTERNATIVE_FASTER`).
+const BAR_COLOURS: [[u8; 3]; 2] = [[0x59, 0xa1, 0x4f], [0xe1, 0x57, 0x59]];
+
+fn chromium() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    ["chromium", "chromium-browser", "google-chrome"]
+        .iter()
+        .flat_map(|name| std::env::split_paths(&path).map(move |d| d.join(name)))
+        .find(|p| p.is_file())
+}
+
+/// Screenshot of `page` (a file) at 1280×1600; `dark` forces the dark colour scheme.
+fn screenshot(browser: &Path, page: &Path, png: &Path, dark: bool) {
+    let profile = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(browser);
+    cmd.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        "--window-size=1280,1600",
+    ])
+    .arg(format!("--user-data-dir={}", profile.path().display()))
+    .arg(format!("--screenshot={}", png.display()));
+    if dark {
+        cmd.arg("--force-dark-mode");
+    }
+    let url = format!("file://{}", page.display());
+    let mut child = cmd
+        .arg(url)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "chromium failed: {status}");
+            break;
+        }
+        if t0.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("chromium did not finish in 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(png.is_file(), "no screenshot written");
+}
+
+/// RGB pixels, row-major, and the width.
+fn decode(png_path: &Path) -> (Vec<[u8; 3]>, usize) {
+    let file = std::io::BufReader::new(fs::File::open(png_path).unwrap());
+    let mut decoder = png::Decoder::new(file);
+    decoder.set_transformations(png::Transformations::normalize_to_color8());
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    let channels = info.color_type.samples();
+    assert!(
+        channels >= 3,
+        "unexpected colour type {:?}",
+        info.color_type
+    );
+    let pixels = buf[..info.buffer_size()]
+        .chunks_exact(channels)
+        .map(|p| [p[0], p[1], p[2]])
+        .collect();
+    (pixels, info.width as usize)
+}
+
+fn near(a: [u8; 3], b: [u8; 3]) -> bool {
+    a.iter().zip(b).all(|(x, y)| x.abs_diff(y) <= 6)
+}
+
+/// Bands of rows holding bar-coloured pixels (a band: consecutive rows with at least 20 such
+/// pixels), as (first row, last row, leftmost column, rightmost column).
+fn bar_bands(pixels: &[[u8; 3]], width: usize) -> Vec<(usize, usize, usize, usize)> {
+    let mut bands: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let mut open = false;
+    for (y, row) in pixels.chunks_exact(width).enumerate() {
+        let cols: Vec<usize> = row
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| BAR_COLOURS.iter().any(|c| near(**p, *c)))
+            .map(|(x, _)| x)
+            .collect();
+        if cols.len() >= 20 {
+            let (l, r) = (cols[0], cols[cols.len() - 1]);
+            match (open, bands.last_mut()) {
+                (true, Some(b)) => {
+                    b.1 = y;
+                    b.2 = b.2.min(l);
+                    b.3 = b.3.max(r);
+                }
+                _ => bands.push((y, y, l, r)),
+            }
+            open = true;
+        } else {
+            open = false;
+        }
+    }
+    bands
+}
+
+fn luminance(p: [u8; 3]) -> f64 {
+    0.2126 * f64::from(p[0]) + 0.7152 * f64::from(p[1]) + 0.0722 * f64::from(p[2])
+}
+
+#[test]
+fn at_a_glance_chart_renders_in_chromium() {
+    let Some(browser) = chromium() else {
+        println!("skipping: chromium not installed");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("site");
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    site::build(&BuildOptions {
+        data_dir: data.clone(),
+        out_dir: out.clone(),
+        base_url: None,
+    })
+    .unwrap();
+    let bars =
+        kernelpages::site::model::build_model(&kernelpages::load::load_dir(&data).unwrap(), None)
+            .glance_chart
+            .map_or(0, |c| c.bars.len());
+    assert!(bars > 0, "the committed data gives no At a glance bar");
+
+    for dark in [false, true] {
+        let png_path = tmp.path().join(if dark { "dark.png" } else { "light.png" });
+        screenshot(&browser, &out.join("index.html"), &png_path, dark);
+        let (pixels, width) = decode(&png_path);
+        let bands = bar_bands(&pixels, width);
+        assert_eq!(
+            bands.len(),
+            bars,
+            "dark={dark}: expected one band per bar, found {bands:?}"
+        );
+        for &(top, bottom, left, right) in &bands {
+            assert!(bottom - top >= 8, "dark={dark}: bar too thin {bands:?}");
+            assert!(right - left >= 20, "dark={dark}: bar too short {bands:?}");
+        }
+        // The chart's background just above its first bar follows the theme.
+        let (top, _, left, right) = bands[0];
+        let y = top.saturating_sub(4);
+        let row = &pixels[y * width + left..=y * width + right];
+        let mean = row.iter().map(|p| luminance(*p)).sum::<f64>() / row.len() as f64;
+        if dark {
+            assert!(mean < 80.0, "dark theme: background luminance {mean}");
+        } else {
+            assert!(mean > 200.0, "light theme: background luminance {mean}");
+        }
+    }
+}
