@@ -190,6 +190,7 @@ fn synthetic_document() -> Document {
                 "--note".to_string(),
                 "fixture run's note".to_string(),
             ],
+            flop_rule: None,
             started_at: "2000-01-01T00:00:00Z".to_string(),
             finished_at: Some("2000-01-01T00:10:00Z".to_string()),
             dispatch: vec![DispatchRule {

@@ -42,6 +42,37 @@ pub const SUITE_PAGES: [(&str, &str, &[Suite]); 3] = [
 /// File and title of the Hopper page.
 pub const HOPPER_PAGE: (&str, &str) = ("hopper.html", "Hopper (H200)");
 
+/// The command that reproduces document `l`: the recorded command line with the runner run
+/// through cargo from the repository root and `--output` pointed at the document's own file in
+/// `data/` (the recorded path was the measuring machine's).
+pub fn reproduce_command(l: &Loaded) -> String {
+    let argv = &l.doc.config.command;
+    let mut out: Vec<String> = Vec::with_capacity(argv.len() + 5);
+    let mut args = argv.iter();
+    match args.next() {
+        Some(bin) if *bin == l.doc.config.runner => {
+            out.extend(
+                ["cargo", "run", "--release", "--bin", bin.as_str(), "--"].map(String::from),
+            );
+        }
+        Some(other) => out.push(other.clone()),
+        None => return String::new(),
+    }
+    let mut replace_next = false;
+    for a in args {
+        if replace_next {
+            out.push(format!("data/{}", l.file_name()));
+            replace_next = false;
+        } else if let Some(_path) = a.strip_prefix("--output=") {
+            out.push(format!("--output=data/{}", l.file_name()));
+        } else {
+            replace_next = a == "--output";
+            out.push(a.clone());
+        }
+    }
+    format::shell_join(&out)
+}
+
 /// The command that measures `suite`, when its runner exists.
 pub fn measure_command(suite: Suite) -> Option<&'static str> {
     match suite {
@@ -222,6 +253,8 @@ pub struct TimingView {
     pub checked: String,
     /// How `peak_mb` was read, each method with the implementations that used it.
     pub peak_methods: String,
+    /// The FLOP-counting rules the runners recorded (`config.flop_rule`), or empty.
+    pub flop_rules: String,
 }
 
 /// One dispatch rule with its document.
@@ -782,7 +815,7 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
             .iter()
             .map(|l| CommandView {
                 label: format!("{} ({})", l.file_name(), l.doc.suite.title()),
-                command: format::shell_join(&l.doc.config.command),
+                command: reproduce_command(l),
             })
             .chain(std::iter::once(CommandView {
                 label: "the site".to_string(),
@@ -1280,6 +1313,26 @@ fn setup_doc(l: &Loaded) -> SetupDoc {
     }
 }
 
+/// Text from data made safe to splice into Markdown: HTML-escaped (pulldown-cmark passes raw
+/// HTML through) and with Markdown's punctuation backslash-escaped.
+fn md_text(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for ch in s.chars() {
+        match ch {
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '&' => out.push_str("&amp;"),
+            '"' => out.push_str("&quot;"),
+            '\\' | '`' | '*' | '_' | '[' | ']' | '#' | '|' | '!' | '{' | '}' => {
+                out.push('\\');
+                out.push(ch);
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
     let sets: BTreeSet<u32> = docs
         .iter()
@@ -1328,8 +1381,20 @@ fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
             .collect::<Vec<_>>()
             .join("; ")
     };
+    let flop_rules: BTreeSet<&str> = docs
+        .iter()
+        .filter_map(|l| l.doc.config.flop_rule.as_deref())
+        .collect();
+    let mut checked: Vec<&str> = checked.into_iter().collect();
+    // Natural order: by the numbers in the text (2 of 32 ... 512 before 1024).
+    checked.sort_by_key(|c| {
+        c.split(|ch: char| !ch.is_ascii_digit())
+            .filter_map(|n| n.parse::<u64>().ok())
+            .collect::<Vec<_>>()
+    });
     TimingView {
-        peak_methods,
+        flop_rules: md_text(&flop_rules.into_iter().collect::<Vec<_>>().join("; ")),
+        peak_methods: md_text(&peak_methods),
         files: docs
             .iter()
             .map(|l| l.file_name())
@@ -1350,7 +1415,7 @@ fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
         checked: if checked.is_empty() {
             "every output element".to_string()
         } else {
-            checked.into_iter().collect::<Vec<_>>().join("; ")
+            md_text(&checked.join("; "))
         },
     }
 }
