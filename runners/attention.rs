@@ -284,7 +284,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             implementation: Implementation::Math.name().into(),
         },
         DispatchRule {
-            entry_point: "attention::forward".into(),
+            entry_point: "attention::cpu::forward_f64".into(),
             device: "CPU".into(),
             dtype: "any (computed in float64)".into(),
             rule: "always".into(),
@@ -482,7 +482,7 @@ fn run_in_child(
             c.params(),
             imp.name(),
             imp.library(),
-            imp.is_default(),
+            imp.is_default_for(c),
             status,
             msg,
         )
@@ -629,7 +629,7 @@ fn run_child(job: &str) -> Result<ExitCode> {
                 c.params(),
                 imp.name(),
                 imp.library(),
-                imp.is_default(),
+                imp.is_default_for(&c),
                 status,
                 e.to_string(),
             )
@@ -666,7 +666,7 @@ fn measure_case(c: &AttentionCase, imp: Implementation, job: &CaseJob) -> Result
             c.params(),
             imp.name(),
             imp.library(),
-            imp.is_default(),
+            imp.is_default_for(c),
             Status::Error,
             format!(
                 "non-finite output at element {i} of {} (unwritten or overflowed)",
@@ -700,7 +700,7 @@ fn measure_case(c: &AttentionCase, imp: Implementation, job: &CaseJob) -> Result
                 c.params(),
                 imp.name(),
                 imp.library(),
-                imp.is_default(),
+                imp.is_default_for(c),
                 Status::Timeout,
                 format!(
                     "timing passed the {:.0} s limit after {elapsed_s:.1} s",
@@ -713,7 +713,7 @@ fn measure_case(c: &AttentionCase, imp: Implementation, job: &CaseJob) -> Result
                 c.params(),
                 imp.name(),
                 imp.library(),
-                imp.is_default(),
+                imp.is_default_for(c),
                 Status::Error,
                 format!("event timer returned {t} ms"),
             ))
@@ -728,7 +728,7 @@ fn measure_case(c: &AttentionCase, imp: Implementation, job: &CaseJob) -> Result
         case: c.params(),
         implementation: imp.name().into(),
         library: imp.library().into(),
-        default: imp.is_default(),
+        default: imp.is_default_for(c),
         status: Status::Ok,
         message: None,
         median_ms: Some(m.stats.median_ms),

@@ -316,3 +316,32 @@ fn prose_about_another_device_is_left_out() {
         prose::SiteProse::default()
     );
 }
+
+/// `docgen serve` renders with `Renderer::from_dir(templates/)`: prose edited on disk must be
+/// what the next rebuild renders, not the copy compiled into the binary.
+#[test]
+fn prose_is_read_from_the_templates_folder_when_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("prose")).unwrap();
+    std::fs::write(
+        dir.path().join("prose/attention.md"),
+        "Edited on disk: {{ 1 + 1 }}\n",
+    )
+    .unwrap();
+    let r = kernelpages::site::render::Renderer::from_dir(dir.path()).unwrap();
+    let src = r
+        .prose_sources()
+        .iter()
+        .find(|(n, _)| *n == kernelpages::site::prose::ATTENTION_PROSE)
+        .map(|(_, s)| s.as_str())
+        .unwrap();
+    assert!(src.starts_with("Edited on disk"), "{src}");
+    // Files absent from the folder keep the embedded source.
+    let lim = r
+        .prose_sources()
+        .iter()
+        .find(|(n, _)| *n == kernelpages::site::prose::LIMITATIONS_PROSE)
+        .map(|(_, s)| s.as_str())
+        .unwrap();
+    assert!(lim.contains("measured("), "{lim}");
+}

@@ -5,7 +5,7 @@
 //! fails the check, and every query row of two (batch, head) slices is compared.
 
 use kernelpages::attention::cpu::{check_output, normal_bits, CheckPlan};
-use kernelpages::attention::cuda::{upload, Implementation, Runner};
+use kernelpages::attention::cuda::{dispatch, forward, upload, Implementation, Runner};
 use kernelpages::attention::{AttentionCase, Dtype, Pass};
 use kernelpages::gpu::{self, Gpu};
 
@@ -135,4 +135,53 @@ fn unsupported_shapes_are_refused_before_launch() {
     };
     assert!(Implementation::Math.supports(&gqa).is_err());
     assert!(Implementation::Flash.supports(&gqa).is_ok());
+    // The dispatch the site's "What runs by default" table describes, and the rows' `default`.
+    assert_eq!(dispatch(&gqa), Some(Implementation::Flash));
+    assert!(Implementation::Flash.is_default_for(&gqa));
+    let odd = AttentionCase {
+        head_dim: 96,
+        seq_len: 128,
+        ..c.clone()
+    };
+    assert_eq!(dispatch(&odd), Some(Implementation::Math));
+    assert!(!Implementation::Flash.is_default_for(&odd));
+    let none = AttentionCase { kv_heads: 1, ..odd };
+    assert_eq!(dispatch(&none), None);
+}
+
+#[test]
+fn forward_runs_the_dispatched_implementation() {
+    let Some(gpu) = gpu_or_skip("forward_runs_the_dispatched_implementation") else {
+        return;
+    };
+    for head_dim in [64, 96] {
+        let c = AttentionCase {
+            batch: 1,
+            heads: 2,
+            kv_heads: 2,
+            seq_len: 256,
+            head_dim,
+            causal: true,
+            dtype: Dtype::Bf16,
+            pass: Pass::Fwd,
+        };
+        let q = normal_bits(c.q_elems(), c.dtype, 1);
+        let k = normal_bits(c.kv_elems(), c.dtype, 2);
+        let v = normal_bits(c.kv_elems(), c.dtype, 3);
+        let inp = upload(&gpu, &q, &k, &v).expect("upload");
+        let mut out = gpu
+            .stream
+            .clone_htod(&vec![0xFFFFu16; c.q_elems()])
+            .expect("alloc");
+        let ran = forward(&gpu, &c, &inp, &mut out).expect("forward");
+        assert_eq!(Some(ran), dispatch(&c));
+        gpu.stream.synchronize().expect("sync");
+        let got = gpu.stream.clone_dtoh(&out).expect("download");
+        let err = check_output(&c, &q, &k, &v, &got, &CheckPlan::new(&c, c.seq_len, 4));
+        assert!(
+            err <= c.dtype.tolerance(),
+            "forward {c:?} ({}): {err}",
+            ran.name()
+        );
+    }
 }

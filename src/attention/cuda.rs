@@ -153,9 +153,9 @@ impl Implementation {
         }
     }
 
-    /// True for what `attention::forward` runs when no implementation is named.
-    pub fn is_default(self) -> bool {
-        self == Implementation::Flash
+    /// True when [`dispatch`] picks this implementation for `c`: what [`forward`] runs.
+    pub fn is_default_for(self, c: &AttentionCase) -> bool {
+        dispatch(c) == Some(self)
     }
 
     /// `Err(reason)` when the implementation rejects the case.
@@ -234,6 +234,42 @@ pub fn flash_instance(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
         threads = 32 * fc.warps,
     );
     (name, src)
+}
+
+/// The implementation [`forward`] runs for `c`: `flash` when it supports the case, else
+/// `math` when it does, else none (the reason is in [`Implementation::supports`]).
+pub fn dispatch(c: &AttentionCase) -> Option<Implementation> {
+    Implementation::ALL
+        .into_iter()
+        .find(|i| i.supports(c).is_ok())
+}
+
+/// Attention forward on the device with the implementation [`dispatch`] picks: compiles it,
+/// launches it once on `inp` writing `o` (`[B, H, T, D]`, the case's dtype), and returns which
+/// implementation ran. For repeated calls, keep the [`Runner`] instead.
+///
+/// # Errors
+/// [`GpuError::Config`] when no implementation supports the case (with every reason);
+/// compile, launch and out-of-memory errors otherwise.
+pub fn forward(
+    gpu: &Gpu,
+    c: &AttentionCase,
+    inp: &DeviceInputs,
+    o: &mut CudaSlice<u16>,
+) -> Result<Implementation, GpuError> {
+    let Some(imp) = dispatch(c) else {
+        let why: Vec<String> = Implementation::ALL
+            .into_iter()
+            .filter_map(|i| i.supports(c).err().map(|e| format!("{}: {e}", i.name())))
+            .collect();
+        return Err(GpuError::Config(format!(
+            "no implementation supports this case ({})",
+            why.join("; ")
+        )));
+    };
+    let (mut runner, _) = Runner::new(gpu, imp, c)?;
+    runner.launch(gpu, c, inp, o)?;
+    Ok(imp)
 }
 
 /// One input set on the device.

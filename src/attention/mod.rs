@@ -14,6 +14,8 @@ use crate::schema::Param;
 pub mod cpu;
 pub mod cuda;
 
+pub use cuda::{dispatch, forward};
+
 /// Element type of Q, K, V and O.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dtype {

@@ -134,7 +134,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
             eprintln!(
-                "check passed: data, schema, site {}, links and prose",
+                "check passed: data, schema, the site in {} (up to date), links and prose",
                 out.display()
             );
         }

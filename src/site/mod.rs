@@ -67,6 +67,6 @@ pub fn render_files_with(
     base_url: Option<&str>,
 ) -> anyhow::Result<Vec<render::OutputFile>> {
     let model = model::build_model(docs, base_url);
-    let prose = prose::render_site_prose(docs)?;
+    let prose = prose::render_site_prose_from(docs, renderer.prose_sources())?;
     renderer.render_site(&model, &prose)
 }

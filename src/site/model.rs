@@ -73,6 +73,20 @@ pub fn reproduce_command(l: &Loaded) -> String {
     format::shell_join(&out)
 }
 
+/// The commands that reproduce `docs` (one per document, [`reproduce_command`]) followed by the
+/// command that builds the site, pages and figures, from them.
+fn reproduce_commands<'a>(docs: impl Iterator<Item = &'a Loaded>) -> Vec<CommandView> {
+    docs.map(|l| CommandView {
+        label: format!("{} ({})", l.file_name(), l.doc.suite.title()),
+        command: reproduce_command(l),
+    })
+    .chain(std::iter::once(CommandView {
+        label: "the site, pages and figures".to_string(),
+        command: DOCGEN_COMMAND.to_string(),
+    }))
+    .collect()
+}
+
 /// The command that measures `suite`, when its runner exists.
 pub fn measure_command(suite: Suite) -> Option<&'static str> {
     match suite {
@@ -303,6 +317,8 @@ pub struct SuitePage {
     pub layout: Layout,
     /// One section per suite of the page.
     pub sections: Vec<SuiteSection>,
+    /// The commands that reproduce this page's documents, then the page itself.
+    pub reproduce: Vec<CommandView>,
 }
 
 /// One suite on a page.
@@ -433,6 +449,8 @@ pub struct HopperPage {
     pub command: CommandView,
     /// Summary by suite.
     pub suites: Vec<HopperSuite>,
+    /// The commands that reproduce the Hopper documents, then the page itself.
+    pub reproduce: Vec<CommandView>,
 }
 
 /// Best throughput per implementation in one suite on Hopper.
@@ -705,6 +723,9 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
                 .iter()
                 .map(|s| suite_section(docs, *s, &base, &colours, &mut figures))
                 .collect(),
+            reproduce: reproduce_commands(
+                all_docs.iter().filter(|l| suites.contains(&l.doc.suite)),
+            ),
         })
         .collect();
 
@@ -811,17 +832,7 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
             })
             .collect(),
         limitations: limitations(docs, &base),
-        reproduce: all_docs
-            .iter()
-            .map(|l| CommandView {
-                label: format!("{} ({})", l.file_name(), l.doc.suite.title()),
-                command: reproduce_command(l),
-            })
-            .chain(std::iter::once(CommandView {
-                label: "the site".to_string(),
-                command: DOCGEN_COMMAND.to_string(),
-            }))
-            .collect(),
+        reproduce: reproduce_commands(all_docs.iter()),
     };
 
     let hopper = hopper_page(docs, layout(HOPPER_PAGE.0, HOPPER_PAGE.1));
@@ -1313,6 +1324,15 @@ fn setup_doc(l: &Loaded) -> SetupDoc {
     }
 }
 
+/// Words for an accuracy reference.
+fn reference_label(r: crate::schema::Reference) -> &'static str {
+    match r {
+        crate::schema::Reference::Float64Cpu => "float64 on the CPU",
+        crate::schema::Reference::Float64Device => "float64 on the device",
+        crate::schema::Reference::Float32Device => "float32 (highest precision) on the device",
+    }
+}
+
 /// Text from data made safe to splice into Markdown: HTML-escaped (pulldown-cmark passes raw
 /// HTML through) and with Markdown's punctuation backslash-escaped.
 fn md_text(s: &str) -> String {
@@ -1346,11 +1366,7 @@ fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
     let refs: BTreeSet<&'static str> = docs
         .iter()
         .flat_map(|l| l.doc.rows.iter().filter_map(|r| r.accuracy.as_ref()))
-        .map(|a| match a.reference {
-            crate::schema::Reference::Float64Cpu => "float64 on the CPU",
-            crate::schema::Reference::Float64Device => "float64 on the device",
-            crate::schema::Reference::Float32Device => "float32 (highest precision) on the device",
-        })
+        .map(|a| reference_label(a.reference))
         .collect();
     let checked: BTreeSet<&str> = docs
         .iter()
@@ -1509,11 +1525,11 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                         out.push(lim(
                             "above tolerance",
                             format!(
-                                "{} has rel_err {} above its tolerance {} (reference {:?})",
+                                "{} has rel_err {} above its tolerance {} (reference: {})",
                                 r.implementation,
                                 format::rel_err(a.rel_err),
                                 format::rel_err(a.tolerance),
-                                a.reference
+                                reference_label(a.reference)
                             ),
                         ));
                     }
@@ -1586,5 +1602,6 @@ fn hopper_page(docs: &[Loaded], layout: Layout) -> HopperPage {
             command: ATTENTION_COMMAND.to_string(),
         },
         suites,
+        reproduce: reproduce_commands(hopper.iter().copied()),
     }
 }

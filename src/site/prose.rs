@@ -81,7 +81,19 @@ impl SiteProse {
 ///
 /// Errors: every failed query and claim of every file ([`ProseError`]).
 pub fn render_site_prose(docs: &[Loaded]) -> Result<SiteProse, ProseError> {
-    let mut rendered = render_prose(docs, &PROSE)?;
+    render_site_prose_from(docs, &PROSE)
+}
+
+/// Renders the site's prose files from `sources` (name, source): [`PROSE`] itself, or the same
+/// files read from disk by `docgen serve`.
+///
+/// Errors: every failed query and claim of every file ([`ProseError`]).
+pub fn render_site_prose_from<S: AsRef<str>>(
+    docs: &[Loaded],
+    sources: &[(&str, S)],
+) -> Result<SiteProse, ProseError> {
+    let sources: Vec<(&str, &str)> = sources.iter().map(|(n, s)| (*n, s.as_ref())).collect();
+    let mut rendered = render_prose(docs, &sources)?;
     let mut take = |name: &str| rendered.remove(name).filter(|h| !h.trim().is_empty());
     Ok(SiteProse {
         attention: take(ATTENTION_PROSE),

@@ -85,6 +85,9 @@ pub struct Renderer {
     tera: Tera,
     /// The handwritten stylesheet: [`STYLE_CSS`], or its override from [`Renderer::from_dir`].
     style_css: String,
+    /// The data-checked prose files ([`prose::PROSE`]): name and source, embedded or read from
+    /// the templates folder by [`Renderer::from_dir`].
+    prose: Vec<(&'static str, String)>,
 }
 
 impl Renderer {
@@ -92,7 +95,16 @@ impl Renderer {
     ///
     /// Errors: a template does not parse; the error names it.
     pub fn new() -> anyhow::Result<Renderer> {
-        Renderer::with_sources(TEMPLATES.to_vec(), STYLE_CSS.to_string())
+        let prose = prose::PROSE
+            .iter()
+            .map(|(n, src)| (*n, src.to_string()))
+            .collect();
+        Renderer::with_sources(TEMPLATES.to_vec(), STYLE_CSS.to_string(), prose)
+    }
+
+    /// The prose files this renderer renders: name (repository path) and source.
+    pub fn prose_sources(&self) -> &[(&'static str, String)] {
+        &self.prose
     }
 
     /// Like [`Renderer::new`], but each of [`TEMPLATES`] and `style.css` is read from `dir`
@@ -114,12 +126,22 @@ impl Renderer {
             .iter()
             .map(|(name, embedded)| Ok((*name, read(name, embedded)?)))
             .collect::<anyhow::Result<Vec<_>>>()?;
-        Renderer::with_sources(templates, read("style.css", STYLE_CSS)?)
+        // Prose files are named by repository path (`templates/prose/x.md`); `dir` is the
+        // templates folder.
+        let prose = prose::PROSE
+            .iter()
+            .map(|(name, embedded)| {
+                let rel = name.strip_prefix("templates/").unwrap_or(name);
+                Ok((*name, read(rel, embedded)?))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Renderer::with_sources(templates, read("style.css", STYLE_CSS)?, prose)
     }
 
     fn with_sources<C: AsRef<str>>(
         templates: Vec<(&str, C)>,
         style_css: String,
+        prose: Vec<(&'static str, String)>,
     ) -> anyhow::Result<Renderer> {
         let mut tera = Tera::new();
         let syntaxes = Arc::new(SyntaxSet::load_defaults_newlines());
@@ -136,7 +158,11 @@ impl Renderer {
         let names = names.join(", ");
         tera.add_raw_templates(templates)
             .with_context(|| format!("registering templates {names}"))?;
-        Ok(Renderer { tera, style_css })
+        Ok(Renderer {
+            tera,
+            style_css,
+            prose,
+        })
     }
 
     fn render<T: Serialize>(&self, name: &str, context: &T) -> anyhow::Result<String> {
