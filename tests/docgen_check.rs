@@ -221,3 +221,41 @@ fn a_semantic_error_the_schema_allows_is_reported() {
         "{problems:#?}"
     );
 }
+
+/// `docgen figures` writes exactly the SVG files `build` writes under `figures/`.
+#[test]
+fn figures_command_writes_the_site_figures() {
+    let tmp = tempfile::tempdir().unwrap();
+    let site = tmp.path().join("site");
+    let figs = tmp.path().join("figs");
+    let docgen = env!("CARGO_BIN_EXE_docgen");
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/data");
+    let ok = |args: &[&str]| {
+        let st = std::process::Command::new(docgen)
+            .args(args)
+            .status()
+            .unwrap();
+        assert!(st.success(), "{args:?}");
+    };
+    ok(&["build", "--data", data, "--out", site.to_str().unwrap()]);
+    ok(&["figures", "--data", data, "--out", figs.to_str().unwrap()]);
+    let mut names: Vec<_> = std::fs::read_dir(&figs)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    names.sort();
+    assert!(!names.is_empty());
+    let mut site_names: Vec<_> = std::fs::read_dir(site.join("figures"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    site_names.sort();
+    assert_eq!(names, site_names);
+    for n in &names {
+        assert_eq!(
+            std::fs::read(figs.join(n)).unwrap(),
+            std::fs::read(site.join("figures").join(n)).unwrap(),
+            "{n:?}"
+        );
+    }
+}

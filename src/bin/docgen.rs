@@ -62,6 +62,16 @@ enum Command {
         #[arg(long)]
         base_url: Option<String>,
     },
+    /// Write only the figures (SVG) of the site into a folder of their own, replaced atomically:
+    /// the same files `build` writes under `site/figures/`.
+    Figures {
+        /// Folder of suite documents (`*.json`; `schema.json` is skipped).
+        #[arg(long, default_value = "data")]
+        data: PathBuf,
+        /// Folder for the SVG files.
+        #[arg(long, default_value = "figures")]
+        out: PathBuf,
+    },
     /// Write the JSON Schema of suite documents.
     Schema {
         /// Where to write it.
@@ -72,6 +82,21 @@ enum Command {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Figures { data, out } => {
+            let docs = kernelpages::load::load_dir(&data)?;
+            let files: Vec<_> = kernelpages::site::render_files(&docs, None)?
+                .into_iter()
+                .filter_map(|f| {
+                    let path = f.path.strip_prefix("figures/")?.to_string();
+                    Some(kernelpages::site::render::OutputFile {
+                        path,
+                        bytes: f.bytes,
+                    })
+                })
+                .collect();
+            kernelpages::site::write::write_site(&out, &files)?;
+            eprintln!("wrote {} figures to {}", files.len(), out.display());
+        }
         Command::Build {
             data,
             out,

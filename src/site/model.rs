@@ -21,6 +21,8 @@ pub const ATTENTION_COMMAND: &str =
 
 /// Command that builds the site.
 pub const DOCGEN_COMMAND: &str = "cargo run --release --bin docgen -- build";
+/// The command that writes the figures alone.
+pub const FIGURES_COMMAND: &str = "cargo run --release --bin docgen -- figures --out figures";
 
 /// Fixed palette; implementation `i` of the site-wide sorted list gets colour `i % len`.
 pub const PALETTE: [&str; 10] = [
@@ -832,7 +834,13 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
             })
             .collect(),
         limitations: limitations(docs, &base),
-        reproduce: reproduce_commands(all_docs.iter()),
+        reproduce: reproduce_commands(all_docs.iter())
+            .into_iter()
+            .chain(std::iter::once(CommandView {
+                label: "the figures alone (SVG files)".to_string(),
+                command: FIGURES_COMMAND.to_string(),
+            }))
+            .collect(),
     };
 
     let hopper = hopper_page(docs, layout(HOPPER_PAGE.0, HOPPER_PAGE.1));
