@@ -237,26 +237,13 @@ fn now_rfc3339() -> String {
     )
 }
 
-/// The commit the binary was built from (set by `build.rs`), else the working directory's.
+/// The commit the binary was built from, as `build.rs` recorded it (`-dirty` with uncommitted
+/// changes), or `unknown` when it was built outside a git checkout.
 fn git_commit() -> String {
-    if let Some(c) = option_env!("KP_GIT_COMMIT").filter(|c| !c.is_empty()) {
-        return c.to_string();
-    }
-    let rev = Command::new("git").args(["rev-parse", "HEAD"]).output();
-    match rev {
-        Ok(o) if o.status.success() => {
-            let mut s = String::from_utf8_lossy(&o.stdout).trim().to_string();
-            let dirty = Command::new("git")
-                .args(["status", "--porcelain", "--untracked-files=no"])
-                .output()
-                .is_ok_and(|o| !o.stdout.is_empty());
-            if dirty {
-                s.push_str("-dirty");
-            }
-            s
-        }
-        _ => "unknown".to_string(),
-    }
+    option_env!("KP_GIT_COMMIT")
+        .filter(|c| !c.is_empty())
+        .unwrap_or("unknown")
+        .to_string()
 }
 
 fn dispatch_rules() -> Vec<DispatchRule> {
@@ -531,17 +518,9 @@ fn run_in_child(
         let _ = stderr.read_to_string(&mut s);
         s
     });
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(st)) => break Some(st),
-            Ok(None) if t0.elapsed() > limit => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => return fail(Status::Error, format!("waiting for the case process: {e}")),
-        }
+    let status = match wait_with_limit(&mut child, t0, limit, Duration::from_millis(20)) {
+        Ok(st) => st,
+        Err(e) => return fail(Status::Error, format!("waiting for the case process: {e}")),
     };
     let out = out_reader.join().unwrap_or_default();
     let err = err_reader.join().unwrap_or_default();
@@ -581,6 +560,27 @@ fn run_in_child(
             tail.trim()
         ),
     )
+}
+
+/// Waits for `child`, polling every `poll`; kills it once `limit` has passed since `t0`.
+/// Returns its exit status, or `None` when it was killed.
+fn wait_with_limit(
+    child: &mut std::process::Child,
+    t0: Instant,
+    limit: Duration,
+    poll: Duration,
+) -> std::io::Result<Option<std::process::ExitStatus>> {
+    loop {
+        if let Some(st) = child.try_wait()? {
+            return Ok(Some(st));
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(None);
+        }
+        std::thread::sleep(poll);
+    }
 }
 
 /// Event timer over one prepared implementation, rotating among the input sets.
@@ -870,20 +870,9 @@ fn compare_torch(
         timing.case_timeout_s * 2.0 * (cases.len() * TORCH_IMPLS.len()) as f64 + 120.0,
     );
     let t0 = Instant::now();
-    let mut killed = false;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(s)) => break Some(s),
-            Ok(None) if t0.elapsed() > limit => {
-                let _ = child.kill();
-                let _ = child.wait();
-                killed = true;
-                break None;
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(200)),
-            Err(_) => break None,
-        }
-    };
+    let waited = wait_with_limit(&mut child, t0, limit, Duration::from_millis(200));
+    let killed = matches!(waited, Ok(None));
+    let status = waited.ok().flatten();
     let parsed: Option<CompareOutput> = std::fs::read_to_string(&out_path)
         .ok()
         .and_then(|s| serde_json::from_str(&s).ok());
@@ -932,6 +921,31 @@ fn compare_torch(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_child_past_its_limit_is_killed() {
+        let t0 = Instant::now();
+        let mut slow = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let waited = wait_with_limit(
+            &mut slow,
+            t0,
+            Duration::from_millis(100),
+            Duration::from_millis(10),
+        );
+        assert!(matches!(waited, Ok(None)), "{waited:?}");
+        assert!(t0.elapsed() < Duration::from_secs(4));
+        let mut quick = std::process::Command::new("true").spawn().unwrap();
+        let waited = wait_with_limit(
+            &mut quick,
+            Instant::now(),
+            Duration::from_secs(5),
+            Duration::from_millis(10),
+        );
+        assert!(waited.unwrap().unwrap().success());
+    }
+
     use super::*;
 
     #[test]
