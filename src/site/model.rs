@@ -1456,11 +1456,16 @@ fn methodology(docs: &[Loaded]) -> Vec<TimingView> {
     configs.iter().map(|(t, v)| timing_view(t, v)).collect()
 }
 
+/// One size at which an alternative beat the default: (x label, default row, alternative row).
+type FasterAt<'a> = (String, &'a Row, &'a Row);
+
 fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
     let mut out = Vec::new();
     for l in docs {
         for g in group_rows(&l.doc) {
             let href = format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, &g));
+            // Faster alternatives, gathered over the group's sizes: (size, default, alternative).
+            let mut faster: BTreeMap<(String, String), Vec<FasterAt>> = BTreeMap::new();
             for (x, by_impl) in g.by_x.values() {
                 let place = format!(
                     "{} on {}, {}, {X_PARAM}={}",
@@ -1483,19 +1488,11 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                                 .values()
                                 .filter(|r| !r.default && r.status == Status::Ok)
                             {
-                                if let Some(q3) = r.q3_ms.filter(|q3| *q3 < d_q1) {
-                                    out.push(lim(
-                                        "faster alternative",
-                                        format!(
-                                            "{} (q3 {} ms, median {} ms) beats the default {} (q1 {} ms, median {} ms) by more than the spread of both",
-                                            r.implementation,
-                                            format::ms(q3),
-                                            r.median_ms.map(format::ms).unwrap_or_default(),
-                                            d.implementation,
-                                            format::ms(d_q1),
-                                            d.median_ms.map(format::ms).unwrap_or_default(),
-                                        ),
-                                    ));
+                                if r.q3_ms.is_some_and(|q3| q3 < d_q1) {
+                                    faster
+                                        .entry((d.implementation.clone(), r.implementation.clone()))
+                                        .or_default()
+                                        .push((x_label(*x), d, r));
                                 }
                             }
                         }
@@ -1542,6 +1539,43 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                         ));
                     }
                 }
+            }
+            for ((default, alt), cases) in faster {
+                let ratios: Vec<f64> = cases
+                    .iter()
+                    .filter_map(|(_, d, r)| Some(d.median_ms? / r.median_ms?))
+                    .collect();
+                let (lo, hi) = ratios.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &q| {
+                    (lo.min(q), hi.max(q))
+                });
+                let sizes: Vec<String> = cases
+                    .iter()
+                    .map(|(x, d, r)| {
+                        format!(
+                            "{x}: {} against {} ms",
+                            d.median_ms.map(format::ms).unwrap_or_default(),
+                            r.median_ms.map(format::ms).unwrap_or_default()
+                        )
+                    })
+                    .collect();
+                out.push(Limitation {
+                    kind: "faster alternative".to_string(),
+                    place: format!(
+                        "{} on {}, {}",
+                        l.doc.suite.title(),
+                        l.doc.device.name,
+                        g.title()
+                    ),
+                    href: href.clone(),
+                    detail: format!(
+                        "{alt} beats the default {default} by more than the spread of both (its q3 below the default's q1) at {} of {} measured {X_PARAM} values; {default} takes {}× to {}× as long ({X_PARAM} {})",
+                        cases.len(),
+                        g.by_x.len(),
+                        format::sig(lo, 3),
+                        format::sig(hi, 3),
+                        sizes.join("; ")
+                    ),
+                });
             }
         }
     }
