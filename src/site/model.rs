@@ -413,6 +413,8 @@ pub struct Cell {
     pub tolerance: Option<String>,
     /// True when rel_err > tolerance.
     pub above_tolerance: bool,
+    /// Compile (or first-call) time, s.
+    pub compile_s: Option<String>,
     /// Status name.
     pub status: String,
     /// The row's message.
@@ -1032,6 +1034,7 @@ fn cell(implementation: &str, row: Option<&Row>) -> Cell {
         rel_err: None,
         tolerance: None,
         above_tolerance: false,
+        compile_s: None,
         status: "not measured".to_string(),
         message: None,
     };
@@ -1048,6 +1051,7 @@ fn cell(implementation: &str, row: Option<&Row>) -> Cell {
         c.iqr = Some(format::iqr(q1, q3));
     }
     c.tflops = row.tflops.map(format::tflops);
+    c.compile_s = row.compile_s.map(|t| format::sig(t, 2));
     if let Some(a) = &row.accuracy {
         c.rel_err = Some(format::rel_err(a.rel_err));
         c.above_tolerance = a.rel_err > a.tolerance;
