@@ -123,26 +123,13 @@ impl Gpu {
         }
     }
 
-    /// Compiles `src` with NVRTC for this device (`-O3`, `--std=c++17`) and loads it.
+    /// Compiles `src` with NVRTC for this device ([`nvrtc_compile`]) and loads it.
     ///
     /// # Errors
     /// [`GpuError::Compile`] with the compiler log; driver errors from loading.
     pub fn compile(&self, name: &str, src: &str) -> Result<Compiled, GpuError> {
         let t0 = Instant::now();
-        let opts = CompileOptions {
-            options: vec![
-                format!("--gpu-architecture={}", self.arch()),
-                "--std=c++17".into(),
-                "-default-device".into(),
-            ],
-            name: Some(name.to_string()),
-            ..Default::default()
-        };
-        let ptx =
-            cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| GpuError::Compile {
-                name: name.to_string(),
-                log: compile_log(&e),
-            })?;
+        let ptx = nvrtc_compile(name, src, &self.arch())?;
         let module = self.ctx.load_module(ptx)?;
         Ok(Compiled {
             module,
@@ -218,6 +205,28 @@ impl Gpu {
         use cudarc::driver::sys::CUdevice_attribute as A;
         Ok(self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as u64)
     }
+}
+
+/// Compiles CUDA C `src` to PTX with NVRTC for `arch` (e.g. `sm_90a`), with the options every
+/// kernel of the project is built with (`--std=c++17`, `-default-device`). Needs only the NVRTC
+/// library, no device.
+///
+/// # Errors
+/// [`GpuError::Compile`] with the compiler log.
+pub fn nvrtc_compile(name: &str, src: &str, arch: &str) -> Result<cudarc::nvrtc::Ptx, GpuError> {
+    let opts = CompileOptions {
+        options: vec![
+            format!("--gpu-architecture={arch}"),
+            "--std=c++17".into(),
+            "-default-device".into(),
+        ],
+        name: Some(name.to_string()),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| GpuError::Compile {
+        name: name.to_string(),
+        log: compile_log(&e),
+    })
 }
 
 /// Readable NVRTC log (cudarc's `CompileError` only has a Debug form).

@@ -2,7 +2,6 @@
 //! sm_90a. Needs only the NVRTC library (no GPU): it skips, saying so, where NVRTC is absent;
 //! `.ci/run` installs NVRTC from PyPI so CI runs it.
 
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use kernelpages::attention::cuda::{flash_instance, FlashConfig, SOFTMAX_SRC};
 use kernelpages::attention::{AttentionCase, Dtype, Pass};
 
@@ -11,20 +10,10 @@ fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// Compiles exactly as the runner does (`kernelpages::gpu::nvrtc_compile`).
 fn compile(name: &str, src: &str, arch: &str) {
-    let opts = CompileOptions {
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
-        name: Some(name.into()),
-        ..Default::default()
-    };
-    if let Err(e) = compile_ptx_with_opts(src, opts) {
-        let log = match &e {
-            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                log.to_string_lossy().into_owned()
-            }
-            other => format!("{other:?}"),
-        };
-        panic!("{name} ({arch}) does not compile:\n{log}");
+    if let Err(e) = kernelpages::gpu::nvrtc_compile(name, src, arch) {
+        panic!("{arch}: {e}");
     }
 }
 
