@@ -377,6 +377,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             finished_at: None,
             flop_rule: Some(AttentionCase::FLOP_RULE.into()),
             dispatch: dispatch_rules(),
+            axes: AttentionCase::AXES.iter().map(|a| a.to_string()).collect(),
+            throughput: AttentionCase::throughput_decls(),
+            amendments: Vec::new(),
         },
         rows: Vec::new(),
     };
@@ -438,7 +441,10 @@ fn log_row(i: usize, n: usize, r: &Row) {
             r.median_ms.unwrap_or(f64::NAN),
             r.q1_ms.unwrap_or(f64::NAN),
             r.q3_ms.unwrap_or(f64::NAN),
-            r.tflops.unwrap_or(f64::NAN),
+            match (r.flops, r.median_ms) {
+                (Some(f), Some(m)) => f / (m * 1e-3) / 1e12,
+                _ => f64::NAN,
+            },
             r.accuracy.as_ref().map_or(f64::NAN, |a| a.rel_err),
             r.memory
                 .as_ref()
@@ -750,7 +756,8 @@ fn measure_case(c: &AttentionCase, imp: Implementation, job: &CaseJob) -> Result
         }),
         accuracy: None,
         flops: Some(flops),
-        tflops: Some(flops / (m.stats.median_ms * 1e-3) / 1e12),
+        bytes: None,
+        items: None,
     };
     if rel_err.is_finite() {
         row.accuracy = Some(Accuracy {

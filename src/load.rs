@@ -1,11 +1,15 @@
-//! The only reader of `data/`: finds the suite documents, parses them against the
-//! [`schema`](crate::schema) types and checks what serde cannot (schema version, sane times,
-//! no duplicate rows). Also writes `data/schema.json` and owns the atomic file write the rest of
-//! the crate uses.
+//! The only reader of `data/`: finds the suite documents (recursively, so that the documents of
+//! several devices can live side by side in `data/<device>/`), parses them against the
+//! [`schema`](crate::schema) types and checks what serde cannot: schema version, times that can
+//! be true, throughput counts present where the document declares a throughput, no duplicate
+//! rows, no two runs of one suite on one device. Also writes `data/schema.json` and owns the
+//! atomic file write the rest of the crate uses.
 //!
-//! Every error names the file it came from; parse errors add the line, column and JSON path.
+//! Every problem names the file, the line and the JSON path it is at, and every problem of
+//! every file is reported, not only the first ([`LoadErrors`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
 use std::fs;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -20,30 +24,59 @@ pub const MAX_DOCUMENT_BYTES: u64 = 64 * 1024 * 1024;
 /// File name of the generated JSON Schema inside the data folder; never loaded as a document.
 pub const SCHEMA_FILE_NAME: &str = "schema.json";
 
+/// Folders of the data folder that hold no documents (the runners' logs); never descended.
+pub const SKIPPED_DIRS: [&str; 1] = ["logs"];
+
 /// One parsed and checked suite document and the file it came from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Loaded {
     /// Path of the JSON file, as found under the data folder.
     pub path: PathBuf,
+    /// The path relative to the data folder, `/`-separated (`gpu_attention.json`,
+    /// `h200/gpu_attention.json`): how pages name the document.
+    pub rel_path: String,
     /// The document.
     pub doc: Document,
 }
 
 impl Loaded {
-    /// File name of the document (`gpu_attention.json`), for display.
-    pub fn file_name(&self) -> String {
-        self.path
+    /// Wraps a document read from `path`; `rel_path` is the file name.
+    pub fn new(path: PathBuf, doc: Document) -> Loaded {
+        let rel_path = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| self.path.display().to_string())
+            .unwrap_or_else(|| path.display().to_string());
+        Loaded {
+            path,
+            rel_path,
+            doc,
+        }
     }
+
+    /// The document's path relative to the data folder (`h200/gpu_attention.json`), for
+    /// display and for the `--output` of its reproduce command.
+    pub fn file_name(&self) -> String {
+        self.rel_path.clone()
+    }
+}
+
+/// Where in a file a problem is: 1-based line and column (0 when unknown) and the JSON path
+/// (`rows[3].median_ms`, `.` for the root).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Location {
+    /// 1-based line, 0 when unknown.
+    pub line: usize,
+    /// 1-based column, 0 when unknown.
+    pub column: usize,
+    /// JSON path of the value.
+    pub json_path: String,
 }
 
 /// Why a document was refused. Every variant names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     /// The file could not be read.
-    #[error("cannot read {path}")]
+    #[error("cannot read {path}: {source}")]
     Read {
         /// The file.
         path: PathBuf,
@@ -61,7 +94,7 @@ pub enum LoadError {
         /// The limit.
         max: u64,
     },
-    /// The JSON is malformed or does not match the schema.
+    /// The JSON is malformed or does not match the schema's types.
     #[error("{path}:{line}:{column}: {message} (at JSON path `{json_path}`)")]
     Parse {
         /// The file.
@@ -76,39 +109,77 @@ pub enum LoadError {
         message: String,
     },
     /// `schema_version` is not [`SCHEMA_VERSION`].
-    #[error("{path}: schema_version is {found}, this docgen reads version {expected}")]
+    #[error(
+        "{path}:{line}: schema_version is {found}, this docgen reads version {expected} \
+         (at JSON path `schema_version`)"
+    )]
     SchemaVersion {
         /// The file.
         path: PathBuf,
+        /// Line of the field (0 when unknown).
+        line: usize,
         /// Version in the file.
-        found: u32,
+        found: u64,
         /// Version this build understands.
         expected: u32,
     },
-    /// A row's values are impossible (negative or inverted times, ok row without a time).
-    #[error("{path}: rows[{index}] ({implementation}, {case}): {problem}")]
-    BadRow {
+    /// A value is impossible or inconsistent (a time of zero, quartiles out of order, a
+    /// declared throughput whose count is missing, a negative memory figure, ...).
+    #[error("{path}:{}: {what}: {problem} (at JSON path `{}`)", at.line, at.json_path)]
+    Invalid {
         /// The file.
         path: PathBuf,
-        /// Index of the row in `rows`.
-        index: usize,
-        /// Implementation of the row.
-        implementation: String,
-        /// The case, as `name=value` pairs.
-        case: String,
+        /// Where in the file.
+        at: Location,
+        /// What the value belongs to, e.g. `rows[3] (flash, seq_len=512)` or `config`.
+        what: String,
         /// What is wrong.
         problem: String,
     },
     /// The same (suite, device, case, implementation) appears twice.
     #[error(transparent)]
     Duplicate(Box<DuplicateRow>),
+    /// Two documents of one suite and one device that are not shards of one run.
+    #[error(
+        "{} and {} both hold suite {suite} on device {device} and are not shards of one run \
+         (shards are written by `--shard i/n` with the same command, commit and n); \
+         keep one, or move the other to a folder of its own device",
+        first.display(),
+        second.display()
+    )]
+    TwoRuns {
+        /// Suite name.
+        suite: String,
+        /// Device name.
+        device: String,
+        /// One document.
+        first: PathBuf,
+        /// The other.
+        second: PathBuf,
+    },
+    /// The data folder holds no suite document with rows.
+    #[error("no suite documents in {dir}{detail}")]
+    NoDocuments {
+        /// The folder.
+        dir: PathBuf,
+        /// What was found instead, e.g. ` (2 documents, all with no rows)`.
+        detail: String,
+    },
+    /// The data folder cannot be listed.
+    #[error("cannot list data folder {dir}: {message}")]
+    List {
+        /// The folder.
+        dir: PathBuf,
+        /// The I/O error.
+        message: String,
+    },
 }
 
 /// Two rows with the same (suite, device, case, implementation), in one or two files.
 #[derive(Debug, thiserror::Error)]
 #[error(
     "duplicate row for suite {suite}, device {device}, implementation {implementation}, \
-     case {case}: in {} (rows[{first_index}]) and {} (rows[{second_index}])",
+     case {case}: in {}:{first_line} (rows[{first_index}]) and {}:{second_line} (rows[{second_index}])",
     first.display(),
     second.display()
 )]
@@ -125,43 +196,143 @@ pub struct DuplicateRow {
     pub first: PathBuf,
     /// Row index of the first occurrence.
     pub first_index: usize,
+    /// Line of the first occurrence (0 when unknown).
+    pub first_line: usize,
     /// File of the second occurrence.
     pub second: PathBuf,
     /// Row index of the second occurrence.
     pub second_index: usize,
+    /// Line of the second occurrence (0 when unknown).
+    pub second_line: usize,
 }
 
-/// Loads every `*.json` document of `dir` (not recursing, skipping [`SCHEMA_FILE_NAME`]),
-/// sorted by file name, and checks them together.
+/// Every problem found, in file order; at least one.
+#[derive(Debug)]
+pub struct LoadErrors(pub Vec<LoadError>);
+
+impl fmt::Display for LoadErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.as_slice() {
+            [one] => write!(f, "{one}"),
+            many => {
+                write!(f, "{} problems in the data:", many.len())?;
+                for e in many {
+                    write!(f, "\n  - {e}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl std::error::Error for LoadErrors {}
+
+impl From<LoadError> for LoadErrors {
+    fn from(e: LoadError) -> LoadErrors {
+        LoadErrors(vec![e])
+    }
+}
+
+/// The document files of `dir`: every `*.json` (extension matched case-insensitively) under
+/// it, recursively, skipping [`SCHEMA_FILE_NAME`], hidden files and folders, and the folders
+/// named in [`SKIPPED_DIRS`]; sorted by path.
 ///
-/// Errors: the folder cannot be listed, or any document is refused ([`LoadError`]).
-pub fn load_dir(dir: &Path) -> anyhow::Result<Vec<Loaded>> {
-    let entries =
-        fs::read_dir(dir).with_context(|| format!("cannot list data folder {}", dir.display()))?;
+/// Errors: [`LoadError::List`] when the folder or one of its folders cannot be listed.
+pub fn document_paths(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
+    let list_err = |message: String| LoadError::List {
+        dir: dir.to_path_buf(),
+        message,
+    };
+    if !dir.is_dir() {
+        return Err(list_err(if dir.exists() {
+            "not a folder".to_string()
+        } else {
+            "no such folder".to_string()
+        }));
+    }
     let mut paths = Vec::new();
-    for entry in entries {
-        let entry = entry.with_context(|| format!("cannot list data folder {}", dir.display()))?;
-        let path = entry.path();
-        let is_json = path.extension().is_some_and(|e| e == "json");
-        let is_schema = path.file_name().is_some_and(|n| n == SCHEMA_FILE_NAME);
-        if is_json && !is_schema && path.is_file() {
-            paths.push(path);
+    let walker = walkdir::WalkDir::new(dir)
+        .follow_links(true)
+        .sort_by_file_name()
+        .into_iter()
+        .filter_entry(|e| {
+            let name = e.file_name().to_string_lossy();
+            e.depth() == 0
+                || !(name.starts_with('.')
+                    || (e.file_type().is_dir() && SKIPPED_DIRS.contains(&name.as_ref())))
+        });
+    for entry in walker {
+        let entry = entry.map_err(|e| list_err(e.to_string()))?;
+        if !entry.file_type().is_file() {
+            continue;
+        }
+        let name = entry.file_name().to_string_lossy().to_lowercase();
+        if name.ends_with(".json") && name != SCHEMA_FILE_NAME {
+            paths.push(entry.into_path());
         }
     }
     paths.sort();
+    Ok(paths)
+}
+
+/// Loads every document of `dir` ([`document_paths`]) and checks them together.
+///
+/// Errors ([`LoadErrors`], every problem of every file): a document is refused; the folder
+/// holds no document with rows ([`LoadError::NoDocuments`]); two documents hold one suite on
+/// one device without being shards of one run ([`LoadError::TwoRuns`]); a row is repeated
+/// across files.
+pub fn load_dir(dir: &Path) -> Result<Vec<Loaded>, LoadErrors> {
+    let paths = document_paths(dir)?;
     let mut loaded = Vec::with_capacity(paths.len());
+    let mut errors = Vec::new();
     for path in paths {
-        let doc = load_file(&path)?;
-        loaded.push(Loaded { path, doc });
+        match load_file(&path) {
+            Ok(doc) => {
+                let rel_path = path
+                    .strip_prefix(dir)
+                    .unwrap_or(&path)
+                    .components()
+                    .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                    .collect::<Vec<_>>()
+                    .join("/");
+                loaded.push(Loaded {
+                    path,
+                    rel_path,
+                    doc,
+                });
+            }
+            Err(e) => errors.extend(e.0),
+        }
     }
-    check_duplicates(&loaded)?;
-    Ok(loaded)
+    if errors.is_empty() {
+        let rows: usize = loaded.iter().map(|l| l.doc.rows.len()).sum();
+        if rows == 0 {
+            let detail = match loaded.len() {
+                0 => " (no *.json file other than schema.json)".to_string(),
+                n => format!(
+                    " ({n} document{} with no rows)",
+                    if n == 1 { "" } else { "s" }
+                ),
+            };
+            errors.push(LoadError::NoDocuments {
+                dir: dir.to_path_buf(),
+                detail,
+            });
+        }
+        errors.extend(check_runs(&loaded));
+        errors.extend(check_duplicates(&loaded));
+    }
+    if errors.is_empty() {
+        Ok(loaded)
+    } else {
+        Err(LoadErrors(errors))
+    }
 }
 
 /// Reads and checks one document.
 ///
 /// Errors: [`LoadError::Read`], [`LoadError::TooLarge`], and those of [`parse_document`].
-pub fn load_file(path: &Path) -> Result<Document, LoadError> {
+pub fn load_file(path: &Path) -> Result<Document, LoadErrors> {
     let read_err = |source| LoadError::Read {
         path: path.to_path_buf(),
         source,
@@ -173,7 +344,8 @@ pub fn load_file(path: &Path) -> Result<Document, LoadError> {
             path: path.to_path_buf(),
             bytes: len,
             max: MAX_DOCUMENT_BYTES,
-        });
+        }
+        .into());
     }
     let mut bytes = Vec::with_capacity(len as usize);
     // Read one byte past the limit so a file that grows while being read is still refused.
@@ -185,7 +357,8 @@ pub fn load_file(path: &Path) -> Result<Document, LoadError> {
             path: path.to_path_buf(),
             bytes: bytes.len() as u64,
             max: MAX_DOCUMENT_BYTES,
-        });
+        }
+        .into());
     }
     parse_document(path, &bytes)
 }
@@ -193,9 +366,11 @@ pub fn load_file(path: &Path) -> Result<Document, LoadError> {
 /// Parses `bytes` as a [`Document`] and checks it; `path` only names the source in errors.
 /// Never panics, whatever the bytes.
 ///
-/// Errors: [`LoadError::Parse`] (with line, column and JSON path), [`LoadError::SchemaVersion`],
-/// [`LoadError::BadRow`], and [`LoadError::Duplicate`] for a row repeated within the document.
-pub fn parse_document(path: &Path, bytes: &[u8]) -> Result<Document, LoadError> {
+/// Errors: [`LoadError::Parse`] (with line, column and JSON path), or
+/// [`LoadError::SchemaVersion`] (checked first, so an older document says so rather than
+/// failing on a field that changed), or every [`LoadError::Invalid`] and
+/// [`LoadError::Duplicate`] of the document.
+pub fn parse_document(path: &Path, bytes: &[u8]) -> Result<Document, LoadErrors> {
     let parse_err = |e: serde_json::Error, json_path: String| LoadError::Parse {
         path: path.to_path_buf(),
         line: e.line(),
@@ -203,18 +378,33 @@ pub fn parse_document(path: &Path, bytes: &[u8]) -> Result<Document, LoadError> 
         json_path,
         message: strip_position(&e.to_string()),
     };
+    // The version first: a document of another version fails on the fields that changed.
+    if let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) {
+        if let Some(found) = value.get("schema_version").and_then(|v| v.as_u64()) {
+            if found != u64::from(SCHEMA_VERSION) {
+                let line = locate(bytes, &[PathSeg::Key("schema_version".into())]).line;
+                return Err(LoadError::SchemaVersion {
+                    path: path.to_path_buf(),
+                    line,
+                    found,
+                    expected: SCHEMA_VERSION,
+                }
+                .into());
+            }
+        }
+    }
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let doc: Document = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let json_path = e.path().to_string();
         parse_err(e.into_inner(), json_path)
     })?;
     de.end().map_err(|e| parse_err(e, ".".to_string()))?;
-    check_document(path, &doc)?;
-    let single = [Loaded {
-        path: path.to_path_buf(),
-        doc,
-    }];
-    check_duplicates(&single)?;
+    let mut errors = check_document(path, bytes, &doc);
+    let single = [Loaded::new(path.to_path_buf(), doc)];
+    errors.extend(check_duplicates(&single));
+    if !errors.is_empty() {
+        return Err(LoadErrors(errors));
+    }
     let [Loaded { doc, .. }] = single;
     Ok(doc)
 }
@@ -235,58 +425,329 @@ pub fn case_label(case: &BTreeMap<String, Param>) -> String {
         .join(", ")
 }
 
-fn check_document(path: &Path, doc: &Document) -> Result<(), LoadError> {
-    if doc.schema_version != SCHEMA_VERSION {
-        return Err(LoadError::SchemaVersion {
-            path: path.to_path_buf(),
-            found: doc.schema_version,
-            expected: SCHEMA_VERSION,
-        });
-    }
-    for (index, row) in doc.rows.iter().enumerate() {
-        let bad = |problem: String| LoadError::BadRow {
-            path: path.to_path_buf(),
-            index,
-            implementation: row.implementation.clone(),
-            case: case_label(&row.case),
-            problem,
-        };
-        for (name, value) in [
-            ("median_ms", row.median_ms),
-            ("q1_ms", row.q1_ms),
-            ("q3_ms", row.q3_ms),
-        ] {
-            if let Some(v) = value {
-                if !v.is_finite() || v < 0.0 {
-                    return Err(bad(format!("{name} is {v}; times must be finite and >= 0")));
+/// One step of a JSON path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathSeg {
+    /// An object member.
+    Key(String),
+    /// An array element.
+    Index(usize),
+}
+
+/// `rows[3].median_ms` from its steps (`.` for none).
+pub fn path_string(path: &[PathSeg]) -> String {
+    let mut s = String::new();
+    for seg in path {
+        match seg {
+            PathSeg::Key(k) => {
+                if !s.is_empty() {
+                    s.push('.');
                 }
+                s.push_str(k);
+            }
+            PathSeg::Index(i) => s.push_str(&format!("[{i}]")),
+        }
+    }
+    if s.is_empty() {
+        ".".to_string()
+    } else {
+        s
+    }
+}
+
+/// The steps of a JSON pointer (`/rows/3/median_ms`).
+pub fn pointer_segments(pointer: &str) -> Vec<PathSeg> {
+    pointer
+        .split('/')
+        .skip(1)
+        .map(|p| {
+            let p = p.replace("~1", "/").replace("~0", "~");
+            match p.parse::<usize>() {
+                Ok(i) => PathSeg::Index(i),
+                Err(_) => PathSeg::Key(p),
+            }
+        })
+        .collect()
+}
+
+/// Where the value at `path` starts in `bytes` (a JSON text): its line and column, and the
+/// path as text. Where the path does not reach a value (a missing field), the deepest value it
+/// reaches is located instead. Line 0 when the text does not parse.
+pub fn locate(bytes: &[u8], path: &[PathSeg]) -> Location {
+    use jsonc_parser::ast::Value;
+    use jsonc_parser::common::Ranged as _;
+    let mut at = Location {
+        line: 0,
+        column: 0,
+        json_path: path_string(path),
+    };
+    let Ok(text) = std::str::from_utf8(bytes) else {
+        return at;
+    };
+    let Ok(parsed) = jsonc_parser::parse_to_ast(
+        text,
+        &jsonc_parser::CollectOptions::default(),
+        &jsonc_parser::ParseOptions::default(),
+    ) else {
+        return at;
+    };
+    let Some(mut value) = parsed.value.as_ref() else {
+        return at;
+    };
+    for seg in path {
+        let next = match (seg, value) {
+            (PathSeg::Key(k), Value::Object(o)) => o
+                .properties
+                .iter()
+                .find(|p| p.name.as_str() == k)
+                .map(|p| &p.value),
+            (PathSeg::Index(i), Value::Array(a)) => a.elements.get(*i),
+            _ => None,
+        };
+        match next {
+            Some(v) => value = v,
+            None => break,
+        }
+    }
+    let start = value.range().start.min(text.len());
+    let before = &text[..start];
+    at.line = before.matches('\n').count() + 1;
+    at.column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    at
+}
+
+/// Every semantic problem of `doc` (read from `bytes` at `path`): the ranges the JSON Schema
+/// also states (so the two agree), and what it cannot state (quartile order, an ok row's time
+/// and declared counts, unique axes and throughput keys).
+fn check_document(path: &Path, bytes: &[u8], doc: &Document) -> Vec<LoadError> {
+    use PathSeg::{Index, Key};
+    let mut errors = Vec::new();
+    let mut bad = |segs: Vec<PathSeg>, what: String, problem: String| {
+        errors.push(LoadError::Invalid {
+            path: path.to_path_buf(),
+            at: locate(bytes, &segs),
+            what,
+            problem,
+        });
+    };
+    let key = |k: &str| Key(k.to_string());
+
+    // Device.
+    for (name, v) in [
+        ("memory_mb", doc.device.memory_mb),
+        ("l2_mb", doc.device.l2_mb),
+    ] {
+        if let Some(v) = v {
+            if !(v.is_finite() && v > 0.0) {
+                bad(
+                    vec![key("device"), key(name)],
+                    "device".into(),
+                    format!("{name} is {v}; must be finite and > 0"),
+                );
+            }
+        }
+    }
+
+    // Config: axes and throughput declarations.
+    let config = &doc.config;
+    if config.axes.is_empty() {
+        bad(
+            vec![key("config"), key("axes")],
+            "config".into(),
+            "axes is empty; name at least one case parameter to draw the figures against"
+                .into(),
+        );
+    }
+    let mut seen_axes = BTreeSet::new();
+    for (i, a) in config.axes.iter().enumerate() {
+        if !seen_axes.insert(a.as_str()) {
+            bad(
+                vec![key("config"), key("axes"), Index(i)],
+                "config".into(),
+                format!("axis {a:?} is named twice"),
+            );
+        }
+    }
+    let mut seen_keys = BTreeSet::new();
+    for (i, t) in config.throughput.iter().enumerate() {
+        let at = |f: &str| vec![key("config"), key("throughput"), Index(i), key(f)];
+        let what = format!("config.throughput[{i}] ({})", t.unit);
+        if t.key.is_empty() || !seen_keys.insert(t.key.as_str()) {
+            bad(
+                at("key"),
+                what.clone(),
+                format!("key {:?} is empty or used twice", t.key),
+            );
+        }
+        if t.unit.is_empty() {
+            bad(at("unit"), what.clone(), "unit is empty".into());
+        }
+        if !(t.per_second.is_finite() && t.per_second > 0.0) {
+            bad(
+                at("per_second"),
+                what.clone(),
+                format!("per_second is {}; must be finite and > 0", t.per_second),
+            );
+        }
+        if let Some(c) = &t.ceiling {
+            if !(c.value.is_finite() && c.value > 0.0) {
+                bad(
+                    vec![
+                        key("config"),
+                        key("throughput"),
+                        Index(i),
+                        key("ceiling"),
+                        key("value"),
+                    ],
+                    what.clone(),
+                    format!("ceiling.value is {}; must be finite and > 0", c.value),
+                );
+            }
+            if c.source.is_empty() {
+                bad(
+                    vec![
+                        key("config"),
+                        key("throughput"),
+                        Index(i),
+                        key("ceiling"),
+                        key("source"),
+                    ],
+                    what.clone(),
+                    "ceiling.source is empty".into(),
+                );
+            }
+        }
+    }
+    for (i, a) in config.amendments.iter().enumerate() {
+        for (f, v) in [("when", &a.when), ("what", &a.what), ("why", &a.why)] {
+            if v.trim().is_empty() {
+                bad(
+                    vec![key("config"), key("amendments"), Index(i), key(f)],
+                    format!("config.amendments[{i}]"),
+                    format!("{f} is empty"),
+                );
+            }
+        }
+    }
+
+    // Rows.
+    for (index, row) in doc.rows.iter().enumerate() {
+        let what = format!(
+            "rows[{index}] ({}, {})",
+            row.implementation,
+            case_label(&row.case)
+        );
+        let at = |f: &[&str]| {
+            let mut v = vec![key("rows"), Index(index)];
+            v.extend(f.iter().map(|s| key(s)));
+            v
+        };
+        let mut positive = |f: &[&str], v: Option<f64>| {
+            if let Some(v) = v {
+                if !(v.is_finite() && v > 0.0) {
+                    bad(
+                        at(f),
+                        what.clone(),
+                        format!("{} is {v}; must be finite and > 0", f.join(".")),
+                    );
+                }
+            }
+        };
+        positive(&["median_ms"], row.median_ms);
+        positive(&["q1_ms"], row.q1_ms);
+        positive(&["q3_ms"], row.q3_ms);
+        positive(&["flops"], row.flops);
+        positive(&["bytes"], row.bytes);
+        positive(&["items"], row.items);
+        if let Some(a) = &row.accuracy {
+            positive(&["accuracy", "tolerance"], Some(a.tolerance));
+        }
+        let mut non_negative = |f: &[&str], v: Option<f64>| {
+            if let Some(v) = v {
+                if !(v.is_finite() && v >= 0.0) {
+                    bad(
+                        at(f),
+                        what.clone(),
+                        format!("{} is {v}; must be finite and >= 0", f.join(".")),
+                    );
+                }
+            }
+        };
+        non_negative(&["compile_s"], row.compile_s);
+        if let Some(a) = &row.accuracy {
+            non_negative(&["accuracy", "rel_err"], Some(a.rel_err));
+        }
+        if let Some(m) = &row.memory {
+            for (f, v) in [
+                ("arguments_mb", m.arguments_mb),
+                ("outputs_mb", m.outputs_mb),
+                ("temporaries_mb", m.temporaries_mb),
+                ("residuals_mb", m.residuals_mb),
+                ("peak_mb", m.peak_mb),
+            ] {
+                non_negative(&["memory", f], v);
+            }
+        }
+        for (f, v) in [
+            ("inner_calls", row.inner_calls),
+            ("samples", row.samples),
+            ("input_sets", row.input_sets),
+        ] {
+            if v == Some(0) {
+                bad(at(&[f]), what.clone(), format!("{f} is 0; must be >= 1"));
             }
         }
         if let (Some(q1), Some(m), Some(q3)) = (row.q1_ms, row.median_ms, row.q3_ms) {
             if !(q1 <= m && m <= q3) {
-                return Err(bad(format!("quartiles out of order: q1_ms {q1} <= median_ms {m} <= q3_ms {q3} does not hold")));
+                bad(
+                    at(&["q1_ms"]),
+                    what.clone(),
+                    format!(
+                        "quartiles out of order: q1_ms {q1} <= median_ms {m} <= q3_ms {q3} \
+                         does not hold"
+                    ),
+                );
             }
         }
-        if row.status == schema::Status::Ok && row.median_ms.is_none() {
-            return Err(bad("status is ok but median_ms is missing".to_string()));
-        }
-        if let Some(acc) = &row.accuracy {
-            if !acc.rel_err.is_finite() || acc.rel_err < 0.0 {
-                return Err(bad(format!(
-                    "accuracy.rel_err is {}; must be finite and >= 0",
-                    acc.rel_err
-                )));
+        if row.status == schema::Status::Ok {
+            if row.median_ms.is_none() {
+                bad(
+                    at(&[]),
+                    what.clone(),
+                    "status is ok but median_ms is missing".into(),
+                );
+            }
+            for t in &config.throughput {
+                if t.count.of(row).is_none() {
+                    bad(
+                        at(&[]),
+                        what.clone(),
+                        format!(
+                            "status is ok but `{}` is missing, which the declared throughput \
+                             {} (config.throughput, key {:?}) is computed from",
+                            t.count.as_str(),
+                            t.unit,
+                            t.key
+                        ),
+                    );
+                }
             }
         }
     }
-    Ok(())
+    errors
 }
 
 /// Key of a row for duplicate detection: suite, device name, canonical case JSON, implementation.
 type RowKey = (Suite, String, String, String);
 
-fn check_duplicates(loaded: &[Loaded]) -> Result<(), LoadError> {
-    let mut seen: BTreeMap<RowKey, (&Path, usize)> = BTreeMap::new();
+fn check_duplicates(loaded: &[Loaded]) -> Vec<LoadError> {
+    let mut errors = Vec::new();
+    let mut seen: BTreeMap<RowKey, (&Loaded, usize)> = BTreeMap::new();
+    let line_of = |l: &Loaded, index: usize| -> usize {
+        fs::read(&l.path)
+            .map(|b| locate(&b, &[PathSeg::Key("rows".into()), PathSeg::Index(index)]).line)
+            .unwrap_or(0)
+    };
     for l in loaded {
         for (index, row) in l.doc.rows.iter().enumerate() {
             // BTreeMap serialises in key order, so equal cases give equal strings.
@@ -298,21 +759,100 @@ fn check_duplicates(loaded: &[Loaded]) -> Result<(), LoadError> {
                 row.implementation.clone(),
             );
             if let Some((first, first_index)) = seen.get(&key) {
-                return Err(LoadError::Duplicate(Box::new(DuplicateRow {
+                errors.push(LoadError::Duplicate(Box::new(DuplicateRow {
                     suite: l.doc.suite.as_str().to_string(),
                     device: l.doc.device.name.clone(),
                     implementation: row.implementation.clone(),
                     case: case_label(&row.case),
-                    first: first.to_path_buf(),
+                    first: first.path.clone(),
                     first_index: *first_index,
+                    first_line: line_of(first, *first_index),
                     second: l.path.clone(),
                     second_index: index,
+                    second_line: line_of(l, index),
                 })));
+            } else {
+                seen.insert(key, (l, index));
             }
-            seen.insert(key, (&l.path, index));
         }
     }
-    Ok(())
+    errors
+}
+
+/// `(i, n)` of a `--shard i/n` (or `--shard=i/n`) in a recorded command line.
+pub fn shard_of(command: &[String]) -> Option<(u32, u32)> {
+    let value = command.iter().enumerate().find_map(|(i, a)| {
+        if a == "--shard" {
+            command.get(i + 1).map(String::as_str)
+        } else {
+            a.strip_prefix("--shard=")
+        }
+    })?;
+    let (i, n) = value.split_once('/')?;
+    Some((i.trim().parse().ok()?, n.trim().parse().ok()?))
+}
+
+/// The command line without its `--shard` and `--output` options: equal for the shards of
+/// one run.
+fn command_without_shard(command: &[String]) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut skip = false;
+    for a in command {
+        if skip {
+            skip = false;
+            continue;
+        }
+        if a == "--shard" || a == "--output" {
+            skip = true;
+            continue;
+        }
+        if a.starts_with("--shard=") || a.starts_with("--output=") {
+            continue;
+        }
+        out.push(a.as_str());
+    }
+    out
+}
+
+/// Documents of one suite and device must be shards of one run: each written with
+/// `--shard i/n` (the same n, distinct i), from the same commit and the same command apart
+/// from `--shard` and `--output`.
+fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
+    let mut errors = Vec::new();
+    let mut by_key: BTreeMap<(Suite, &str), Vec<&Loaded>> = BTreeMap::new();
+    for l in loaded {
+        by_key
+            .entry((l.doc.suite, l.doc.device.name.as_str()))
+            .or_default()
+            .push(l);
+    }
+    for ((suite, device), docs) in by_key {
+        let Some((first, rest)) = docs.split_first() else {
+            continue;
+        };
+        for other in rest {
+            let a = &first.doc.config;
+            let b = &other.doc.config;
+            let shards = match (shard_of(&a.command), shard_of(&b.command)) {
+                (Some((ia, na)), Some((ib, nb))) => {
+                    na == nb
+                        && ia != ib
+                        && a.git_commit == b.git_commit
+                        && command_without_shard(&a.command) == command_without_shard(&b.command)
+                }
+                _ => false,
+            };
+            if !shards {
+                errors.push(LoadError::TwoRuns {
+                    suite: suite.as_str().to_string(),
+                    device: device.to_string(),
+                    first: first.path.clone(),
+                    second: other.path.clone(),
+                });
+            }
+        }
+    }
+    errors
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file beside it, flushed, then renamed over.
@@ -381,5 +921,50 @@ mod tests {
             "EOF while parsing"
         );
         assert_eq!(strip_position("plain"), "plain");
+    }
+
+    #[test]
+    fn locate_finds_nested_values() {
+        let text = b"{\n  \"rows\": [\n    {\"a\": 1},\n    {\"a\": 2,\n     \"b\": 3}\n  ]\n}";
+        let at = locate(
+            text,
+            &[
+                PathSeg::Key("rows".into()),
+                PathSeg::Index(1),
+                PathSeg::Key("b".into()),
+            ],
+        );
+        assert_eq!((at.line, at.column), (5, 11), "{at:?}");
+        assert_eq!(at.json_path, "rows[1].b");
+        // A missing member locates its parent.
+        let at = locate(
+            text,
+            &[
+                PathSeg::Key("rows".into()),
+                PathSeg::Index(0),
+                PathSeg::Key("zz".into()),
+            ],
+        );
+        assert_eq!(at.line, 3);
+        assert_eq!(
+            pointer_segments("/rows/1/b"),
+            vec![
+                PathSeg::Key("rows".into()),
+                PathSeg::Index(1),
+                PathSeg::Key("b".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn shard_options_are_read_from_the_command() {
+        let cmd = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(shard_of(&cmd(&["attention", "--shard", "1/3"])), Some((1, 3)));
+        assert_eq!(shard_of(&cmd(&["attention", "--shard=0/2"])), Some((0, 2)));
+        assert_eq!(shard_of(&cmd(&["attention"])), None);
+        assert_eq!(
+            command_without_shard(&cmd(&["a", "--shard", "1/3", "--output", "x", "--quick"])),
+            vec!["a", "--quick"]
+        );
     }
 }

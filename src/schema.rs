@@ -13,7 +13,12 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// Version of this schema. Bumped when a field changes meaning or a required field is added.
-pub const SCHEMA_VERSION: u32 = 1;
+///
+/// Version 2 added the declared figure axes ([`RunConfig::axes`]) and throughput measures
+/// ([`RunConfig::throughput`]), the `bytes` and `items` counts of a row, the record of changes
+/// made after a run ([`RunConfig::amendments`]), and dropped the stored `tflops` (docgen derives
+/// every throughput from its count and the median).
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// One suite's measurements on one device: what `attention > data/gpu_attention.json` writes.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
@@ -108,9 +113,11 @@ pub struct Device {
     pub sm_count: Option<u32>,
     /// Total device memory in MB (10^6 bytes) (GPU only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
     pub memory_mb: Option<f64>,
     /// L2 cache size in MB (10^6 bytes) (GPU only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
     pub l2_mb: Option<f64>,
     /// Driver version, e.g. `580.159.04` or the CUDA driver API version `13.0`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -153,6 +160,103 @@ pub struct RunConfig {
     /// Which implementation each public entry point picks when none is named.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dispatch: Vec<DispatchRule>,
+    /// The case parameters the figures are drawn against, most important first (attention:
+    /// `seq_len`; decoding: the cache length; kernel sums: `n`). The first is the x axis of
+    /// every figure and the row key of every table; rows that share every other parameter form
+    /// one group. Each later axis gets figures of its own, grouped the same way.
+    #[schemars(length(min = 1))]
+    pub axes: Vec<String>,
+    /// The throughput measures the rows carry, each derived by docgen from a per-call count of
+    /// the row and its median time (TFLOP/s from `flops`, GB/s from `bytes`, items/s from
+    /// `items`). Empty when the suite reports times only.
+    #[serde(default)]
+    pub throughput: Vec<Throughput>,
+    /// Changes made to the document after the runner wrote it, oldest first. A document
+    /// edited by hand must say so here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub amendments: Vec<Amendment>,
+}
+
+/// Which per-call count of a row a throughput is computed from.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Count {
+    /// [`Row::flops`]: floating-point operations of one call.
+    Flops,
+    /// [`Row::bytes`]: bytes one call must move through device memory.
+    Bytes,
+    /// [`Row::items`]: items (tokens, kernel evaluations, ...) one call processes.
+    Items,
+}
+
+impl Count {
+    /// The snake_case name used in JSON (`flops`, `bytes`, `items`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Count::Flops => "flops",
+            Count::Bytes => "bytes",
+            Count::Items => "items",
+        }
+    }
+
+    /// The count of `row`, when it has one.
+    pub fn of(self, row: &Row) -> Option<f64> {
+        match self {
+            Count::Flops => row.flops,
+            Count::Bytes => row.bytes,
+            Count::Items => row.items,
+        }
+    }
+}
+
+/// One throughput measure a document declares: `count / (median_ms / 1000) / per_second`,
+/// shown in `unit`. Attention declares `{key: "tflops", unit: "TFLOP/s", count: "flops",
+/// per_second: 1e12}`.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Throughput {
+    /// Identifier used by prose queries and anchors, e.g. `tflops`, `gb_per_s`.
+    #[schemars(length(min = 1))]
+    pub key: String,
+    /// Unit shown beside the value, e.g. `TFLOP/s`, `GB/s`, `Mtokens/s`.
+    #[schemars(length(min = 1))]
+    pub unit: String,
+    /// The row count it is computed from.
+    pub count: Count,
+    /// Divisor from count per second to the unit: `1e12` for TFLOP/s, `1e9` for GB/s.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub per_second: f64,
+    /// The device's ceiling for this measure in `unit`, when the runner knows one (dense bf16
+    /// tensor peak, HBM bandwidth); the page then shows each value as a share of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceiling: Option<Ceiling>,
+}
+
+/// A device ceiling and where the figure comes from.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Ceiling {
+    /// The ceiling, in the throughput's unit.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub value: f64,
+    /// Where it comes from, e.g. `cuBLAS bf16 GEMM 8192³ measured in this run` or a datasheet.
+    #[schemars(length(min = 1))]
+    pub source: String,
+}
+
+/// A change made to a document after its run.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Amendment {
+    /// When, RFC 3339 UTC or a date (`2026-11-30`).
+    #[schemars(length(min = 1))]
+    pub when: String,
+    /// What changed, naming the fields.
+    #[schemars(length(min = 1))]
+    pub what: String,
+    /// Why.
+    #[schemars(length(min = 1))]
+    pub why: String,
 }
 
 /// Timing parameters (see the Methodology section of the site).
@@ -252,19 +356,24 @@ impl Status {
 pub struct Memory {
     /// Input arguments the implementation reads (Q, K, V, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
     pub arguments_mb: Option<f64>,
     /// Outputs it writes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
     pub outputs_mb: Option<f64>,
     /// Temporaries it allocates beyond arguments and outputs (score matrices, workspaces).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
     pub temporaries_mb: Option<f64>,
     /// Bytes kept for the backward pass (residuals); forward-only rows leave it out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
     pub residuals_mb: Option<f64>,
     /// Device memory of one call above the process's idle baseline; `peak_method` says how it
     /// was read (a fresh process per case, or the comparison process's allocator statistics).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
     pub peak_mb: Option<f64>,
     /// How `peak_mb` was read, e.g. `cuMemGetInfo delta` or `torch.cuda.max_memory_allocated`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -288,12 +397,14 @@ pub enum Reference {
 #[serde(deny_unknown_fields)]
 pub struct Accuracy {
     /// The error, as defined by `metric`.
+    #[schemars(range(min = 0))]
     pub rel_err: f64,
     /// `rel_l2`: ‖out − ref‖₂ / ‖ref‖₂ over the checked output elements (`checked`).
     pub metric: String,
     /// The reference `rel_err` is measured against.
     pub reference: Reference,
     /// Largest `rel_err` accepted for this dtype; a row above it is flagged on the site.
+    #[schemars(extend("exclusiveMinimum" = 0))]
     pub tolerance: f64,
     /// What the reference covered when it checked a sample, e.g.
     /// `2 of 32 (batch, head) slices x 256 of 16384 query rows`.
@@ -321,24 +432,31 @@ pub struct Row {
     pub message: Option<String>,
     /// Median time per call, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
     pub median_ms: Option<f64>,
     /// First quartile of time per call, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
     pub q1_ms: Option<f64>,
     /// Third quartile of time per call, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
     pub q3_ms: Option<f64>,
     /// Calls per timed sample.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub inner_calls: Option<u32>,
     /// Number of timed samples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub samples: Option<u32>,
     /// Input sets rotated through during timing (1 = no rotation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub input_sets: Option<u32>,
     /// Time to compile (NVRTC, torch.compile, XLA) and load the case, s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
     pub compile_s: Option<f64>,
     /// Memory figures.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -346,13 +464,21 @@ pub struct Row {
     /// Accuracy against the reference.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accuracy: Option<Accuracy>,
-    /// Floating-point operations of one call, by the suite's counting rule (attention:
-    /// 4·B·H·T²·D, halved when causal, ×3.5 for forward + backward).
+    /// Floating-point operations of one call, by the suite's counting rule
+    /// ([`RunConfig::flop_rule`]; attention: 4·B·H·T²·D, halved when causal, ×3.5 for forward
+    /// + backward). Throughputs are derived from it, never stored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
     pub flops: Option<f64>,
-    /// `flops / median` in TFLOP/s.
+    /// Bytes one call must move through device memory (each input read once, each output
+    /// written once), for GB/s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tflops: Option<f64>,
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub bytes: Option<f64>,
+    /// Items one call processes (tokens, kernel evaluations, ...), for items/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub items: Option<f64>,
 }
 
 impl Row {
@@ -382,7 +508,8 @@ impl Row {
             memory: None,
             accuracy: None,
             flops: None,
-            tflops: None,
+            bytes: None,
+            items: None,
         }
     }
 

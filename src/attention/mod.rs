@@ -206,6 +206,21 @@ impl AttentionCase {
     pub const FLOP_RULE: &'static str =
         "4·B·H·T²·D (two matrix products, 2 FLOPs per multiply-add), halved when causal, ×3.5 for forward + backward";
 
+    /// The case parameters the attention figures are drawn against (`config.axes`).
+    pub const AXES: [&'static str; 1] = ["seq_len"];
+
+    /// The throughputs attention rows carry (`config.throughput`): TFLOP/s from
+    /// [`AttentionCase::flops`].
+    pub fn throughput_decls() -> Vec<crate::schema::Throughput> {
+        vec![crate::schema::Throughput {
+            key: "tflops".into(),
+            unit: "TFLOP/s".into(),
+            count: crate::schema::Count::Flops,
+            per_second: 1e12,
+            ceiling: None,
+        }]
+    }
+
     /// Softmax scale 1/sqrt(D).
     pub fn scale(&self) -> f64 {
         1.0 / (self.head_dim as f64).sqrt()

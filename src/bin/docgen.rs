@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 
 /// Publishes the performance pages from the measurements in `data/`.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(name = "docgen", version, about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -18,15 +18,23 @@ struct Cli {
 enum Command {
     /// Build the site from every suite document of the data folder.
     Build {
-        /// Folder of suite documents (`*.json`; `schema.json` is skipped).
+        /// Folder of suite documents (`*.json`, searched recursively; `schema.json` and `logs/`
+        /// are skipped).
         #[arg(long, default_value = "data")]
         data: PathBuf,
-        /// Site folder, replaced atomically on success.
+        /// Site folder, replaced atomically on success. Refused (exit code 2, nothing touched)
+        /// unless it is missing, empty or a site docgen wrote, and unless it is apart from the
+        /// data and templates folders.
         #[arg(long, default_value = "site")]
         out: PathBuf,
-        /// Prefix for internal links (e.g. `/perf/`); links are relative when not given.
-        #[arg(long)]
+        /// Prefix for internal links, absolute (`/perf/` or `https://host/perf/`); links are
+        /// relative when not given.
+        #[arg(long, value_parser = base_url)]
         base_url: Option<String>,
+        /// Folder of templates and prose; default `templates/` when it exists, else the copies
+        /// built into docgen.
+        #[arg(long)]
+        templates: Option<PathBuf>,
     },
     /// Build the site, serve it on 127.0.0.1, and rebuild when `data/` or `templates/` change
     /// (a failed rebuild keeps the last good site and prints the error).
@@ -40,12 +48,13 @@ enum Command {
         /// Port on 127.0.0.1 (0 picks a free one).
         #[arg(long, default_value_t = 8000)]
         port: u16,
-        /// Folder of templates read at each build instead of the built-in ones, where present;
-        /// also watched.
-        #[arg(long, default_value = "templates")]
-        templates: PathBuf,
-        /// Prefix for internal links; the site is then served under its path.
+        /// Folder of templates and prose, read at each build and watched; default `templates/`
+        /// when it exists, else the copies built into docgen.
         #[arg(long)]
+        templates: Option<PathBuf>,
+        /// Prefix for internal links, absolute (`/perf/`); the site is then served under its
+        /// path.
+        #[arg(long, value_parser = base_url)]
         base_url: Option<String>,
     },
     /// Check before publishing: the documents against the JSON Schema and the loader, the
@@ -59,8 +68,12 @@ enum Command {
         #[arg(long, default_value = "site")]
         out: PathBuf,
         /// The base URL the site was built with, if any.
-        #[arg(long)]
+        #[arg(long, value_parser = base_url)]
         base_url: Option<String>,
+        /// Folder of templates and prose the site is built from; default `templates/` when it
+        /// exists, else the copies built into docgen.
+        #[arg(long)]
+        templates: Option<PathBuf>,
     },
     /// Write only the figures (SVG) of the site into a folder of their own, replaced atomically:
     /// the same files `build` writes under `site/figures/`.
@@ -68,9 +81,12 @@ enum Command {
         /// Folder of suite documents (`*.json`; `schema.json` is skipped).
         #[arg(long, default_value = "data")]
         data: PathBuf,
-        /// Folder for the SVG files.
+        /// Folder for the SVG files; refused like `build --out`.
         #[arg(long, default_value = "figures")]
         out: PathBuf,
+        /// Folder of templates and prose; default `templates/` when it exists.
+        #[arg(long)]
+        templates: Option<PathBuf>,
     },
     /// Write the JSON Schema of suite documents.
     Schema {
@@ -80,35 +96,71 @@ enum Command {
     },
 }
 
+/// clap value parser for `--base-url`: absolute paths and URLs only.
+fn base_url(s: &str) -> Result<String, String> {
+    kernelpages::site::validate_base_url(s)
+        .map(|()| s.to_string())
+        .map_err(|e| e.to_string())
+}
+
+/// What `build` wrote and how to look at it.
+fn report_build(out: &std::path::Path, summary: &kernelpages::site::BuildSummary) {
+    let rows: usize = summary.documents.iter().map(|(_, n)| n).sum();
+    let docs: Vec<String> = summary
+        .documents
+        .iter()
+        .map(|(d, n)| format!("{d} ({n} rows)"))
+        .collect();
+    eprintln!(
+        "read {} document{} ({rows} rows): {}",
+        summary.documents.len(),
+        if summary.documents.len() == 1 { "" } else { "s" },
+        docs.join(", ")
+    );
+    eprintln!(
+        "wrote {}: {} pages ({}), {} figures, {} files in all; templates: {}",
+        out.display(),
+        summary.pages.len(),
+        summary.pages.join(", "),
+        summary.figures,
+        summary.files,
+        summary.templates
+    );
+    eprintln!(
+        "look at it: open {} in a browser, or run `docgen serve` (http://127.0.0.1:8000/)",
+        out.join("index.html").display()
+    );
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Figures { data, out } => {
-            let docs = kernelpages::load::load_dir(&data)?;
-            let files: Vec<_> = kernelpages::site::render_files(&docs, None)?
-                .into_iter()
-                .filter_map(|f| {
-                    let path = f.path.strip_prefix("figures/")?.to_string();
-                    Some(kernelpages::site::render::OutputFile {
-                        path,
-                        bytes: f.bytes,
-                    })
-                })
-                .collect();
-            kernelpages::site::write::write_site(&out, &files)?;
-            eprintln!("wrote {} figures to {}", files.len(), out.display());
+        Command::Figures {
+            data,
+            out,
+            templates,
+        } => {
+            let n = kernelpages::site::build_figures(&kernelpages::site::BuildOptions {
+                data_dir: data,
+                out_dir: out.clone(),
+                base_url: None,
+                templates_dir: templates,
+            })?;
+            eprintln!("wrote {n} figures to {}", out.display());
         }
         Command::Build {
             data,
             out,
             base_url,
+            templates,
         } => {
             let opts = kernelpages::site::BuildOptions {
                 data_dir: data,
                 out_dir: out,
                 base_url,
+                templates_dir: templates,
             };
-            let n = kernelpages::site::build(&opts)?;
-            eprintln!("wrote {n} files to {}", opts.out_dir.display());
+            let summary = kernelpages::site::build(&opts)?;
+            report_build(&opts.out_dir, &summary);
         }
         Command::Serve {
             data,
@@ -117,16 +169,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             templates,
             base_url,
         } => {
-            let watch = vec![data.clone(), templates.clone()];
+            let templates = templates.or_else(|| {
+                let d = PathBuf::from(kernelpages::site::templates::DEFAULT_DIR);
+                d.is_dir().then_some(d)
+            });
+            let watch = std::iter::once(data.clone())
+                .chain(templates.clone())
+                .collect();
             let opts = kernelpages::site::serve::ServeOptions {
                 build: kernelpages::site::BuildOptions {
                     data_dir: data,
                     out_dir: out,
                     base_url,
+                    templates_dir: templates.clone(),
                 },
                 port,
                 watch,
-                templates_dir: templates.is_dir().then_some(templates),
+                templates_dir: templates,
                 poll: kernelpages::site::serve::POLL,
             };
             let mount = kernelpages::site::serve::mount_path(opts.build.base_url.as_deref());
@@ -141,12 +200,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             data,
             out,
             base_url,
+            templates,
         } => {
             let problems =
                 kernelpages::site::check::check(&kernelpages::site::check::CheckOptions {
                     data_dir: data,
                     out_dir: out.clone(),
                     base_url,
+                    templates_dir: templates,
                 });
             if !problems.is_empty() {
                 for p in &problems {
@@ -171,12 +232,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Exit codes: 0 done; 1 failed (bad data, a template, a claim the data contradicts, I/O);
+/// 2 refused before any work (an output folder docgen must not write to, or bad usage).
 fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("Error: {e:#}");
-            ExitCode::FAILURE
+            if e.downcast_ref::<kernelpages::site::write::UnsafeOutput>()
+                .is_some()
+            {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

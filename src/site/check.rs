@@ -19,6 +19,8 @@ use std::path::{Path, PathBuf};
 use scraper::{Html, Selector};
 
 use super::prose::ProseError;
+use super::templates::Sources;
+use super::write::Manifest;
 use crate::load::{self, Loaded, SCHEMA_FILE_NAME};
 use crate::schema;
 
@@ -31,6 +33,8 @@ pub struct CheckOptions {
     pub out_dir: PathBuf,
     /// The base URL the site was built with (`None`: relative links).
     pub base_url: Option<String>,
+    /// Folder of templates; `None` reads `templates/` when it exists, else the built-in copies.
+    pub templates_dir: Option<PathBuf>,
 }
 
 /// Which check found a problem.
@@ -84,30 +88,96 @@ fn problem(area: Area, message: impl Into<String>) -> Problem {
 pub fn check(opts: &CheckOptions) -> Vec<Problem> {
     let mut problems = Vec::new();
     let docs = check_data(&opts.data_dir, &mut problems);
-    if let Some(docs) = docs {
-        match super::render_files(&docs, opts.base_url.as_deref()) {
-            Ok(files) => check_site(&opts.out_dir, &files, &mut problems),
-            Err(e) => match e.downcast_ref::<ProseError>() {
-                Some(prose) => problems.extend(
-                    prose
-                        .problems
-                        .iter()
-                        .map(|p| problem(Area::Build, p.to_string())),
-                ),
-                None => problems.push(problem(Area::Build, format!("the build fails: {e:#}"))),
-            },
+    let sources = match Sources::find(opts.templates_dir.as_deref()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            problems.push(problem(Area::Build, format!("{e:#}")));
+            None
         }
-    } else {
-        problems.push(problem(
+    };
+    match (docs, sources) {
+        (Some(docs), Some(sources)) => {
+            let rendered = super::render::Renderer::new(&sources).and_then(|r| {
+                super::render_files_with(&r, &sources, &docs, opts.base_url.as_deref())
+            });
+            match rendered {
+                Ok(mut files) => {
+                    let manifest =
+                        super::manifest(&docs, &sources, opts.base_url.as_deref(), &files);
+                    explain_manifest(&opts.out_dir, &manifest, &mut problems);
+                    files.push(manifest.to_file());
+                    check_site(&opts.out_dir, &files, &mut problems);
+                }
+                Err(e) => match e.downcast_ref::<ProseError>() {
+                    Some(prose) => problems.extend(
+                        prose
+                            .problems
+                            .iter()
+                            .map(|p| problem(Area::Build, p.to_string())),
+                    ),
+                    None => {
+                        problems.push(problem(Area::Build, format!("the build fails: {e:#}")))
+                    }
+                },
+            }
+        }
+        _ => problems.push(problem(
             Area::Site,
-            "the site was not compared with a fresh build: the data does not load",
-        ));
+            "the site was not compared with a fresh build: the data or the templates do not load",
+        )),
     }
     check_links(&opts.out_dir, opts.base_url.as_deref(), &mut problems);
     problems
 }
 
-/// Schema and loader checks of every document; returns the documents when all load.
+/// Says why the site differs when its manifest tells: another base URL, other templates, other
+/// data.
+fn explain_manifest(out: &Path, fresh: &Manifest, problems: &mut Vec<Problem>) {
+    let Some(built) = Manifest::read(out) else {
+        return;
+    };
+    let show = |b: &Option<String>| match b {
+        Some(b) => format!("--base-url {b}"),
+        None => "no --base-url".to_string(),
+    };
+    if built.base_url != fresh.base_url {
+        problems.push(problem(
+            Area::Site,
+            format!(
+                "{} was built with {}, and check ran with {}: that is the likely cause of the \
+                 differences below; run check with the base URL the site was built with",
+                out.display(),
+                show(&built.base_url),
+                show(&fresh.base_url)
+            ),
+        ));
+    }
+    if built.templates_sha256 != fresh.templates_sha256 {
+        problems.push(problem(
+            Area::Site,
+            format!(
+                "{} was built from other templates ({}) than this check reads ({}): a template \
+                 or prose file changed since; rebuild it with `docgen build`",
+                out.display(),
+                built.templates,
+                fresh.templates
+            ),
+        ));
+    }
+    if built.data_sha256 != fresh.data_sha256 {
+        problems.push(problem(
+            Area::Site,
+            format!(
+                "{} was built from other data than the data folder holds now; rebuild it with \
+                 `docgen build`",
+                out.display()
+            ),
+        ));
+    }
+}
+
+/// Schema and loader checks of every document, every problem of every file; returns the
+/// documents when all load.
 fn check_data(data_dir: &Path, problems: &mut Vec<Problem>) -> Option<Vec<Loaded>> {
     let generated = schema::document_schema_json();
     let schema_path = data_dir.join(SCHEMA_FILE_NAME);
@@ -144,10 +214,10 @@ fn check_data(data_dir: &Path, problems: &mut Vec<Problem>) -> Option<Vec<Loaded
         }
     };
 
-    let paths = match document_paths(data_dir) {
+    let paths = match load::document_paths(data_dir) {
         Ok(p) => p,
         Err(e) => {
-            problems.push(problem(Area::Data, e));
+            problems.push(problem(Area::Data, e.to_string()));
             return None;
         }
     };
@@ -168,61 +238,64 @@ fn check_data(data_dir: &Path, problems: &mut Vec<Problem>) -> Option<Vec<Loaded
             Err(e) => {
                 problems.push(problem(
                     Area::Data,
-                    format!("{}: not JSON: {e}", path.display()),
+                    format!(
+                        "{}:{}:{}: not JSON: {}",
+                        path.display(),
+                        e.line(),
+                        e.column(),
+                        e
+                    ),
                 ));
                 continue;
             }
         };
-        let schema_errors: Vec<String> = validator
-            .iter_errors(&value)
-            .map(|e| {
-                let at = e.instance_path().to_string();
-                let at = if at.is_empty() { "/".to_string() } else { at };
+        // The schema's errors, each located; then the loader's, except where the schema has
+        // already said something about the same value.
+        let mut flagged: BTreeSet<String> = BTreeSet::new();
+        for e in validator.iter_errors(&value) {
+            let at = load::locate(&bytes, &load::pointer_segments(e.instance_path().as_str()));
+            problems.push(problem(
+                Area::Data,
                 format!(
-                    "{}: does not match the JSON Schema at {at}: {e}",
-                    path.display()
-                )
-            })
-            .collect();
-        if schema_errors.is_empty() {
-            // The loader's checks (schema version, times, duplicates within the file).
-            if let Err(e) = load::parse_document(path, &bytes) {
+                    "{}:{}: does not match the JSON Schema: {e} (at JSON path `{}`)",
+                    path.display(),
+                    at.line,
+                    at.json_path
+                ),
+            ));
+            flagged.insert(at.json_path);
+        }
+        if let Err(errors) = load::parse_document(path, &bytes) {
+            for e in errors.0 {
+                let at = match &e {
+                    load::LoadError::Invalid { at, .. } => Some(at.json_path.clone()),
+                    load::LoadError::Parse { json_path, .. } => Some(json_path.clone()),
+                    _ => None,
+                };
+                if at.is_some_and(|p| flagged.contains(&p)) {
+                    continue;
+                }
                 problems.push(problem(Area::Data, e.to_string()));
             }
-        } else {
-            problems.extend(schema_errors.into_iter().map(|m| problem(Area::Data, m)));
         }
     }
     if problems.len() > before {
         return None;
     }
-    // Rows repeated across files.
+    // What holds between files: no two runs of one suite on one device, no repeated row, some
+    // document with rows.
     match load::load_dir(data_dir) {
         Ok(docs) => Some(docs),
-        Err(e) => {
-            problems.push(problem(Area::Data, format!("{e:#}")));
+        Err(errors) => {
+            problems.extend(
+                errors
+                    .0
+                    .into_iter()
+                    .map(|e| problem(Area::Data, e.to_string())),
+            );
             None
         }
     }
-}
-
-/// The documents `load::load_dir` would read, sorted.
-fn document_paths(data_dir: &Path) -> Result<Vec<PathBuf>, String> {
-    let entries = fs::read_dir(data_dir)
-        .map_err(|e| format!("cannot list data folder {}: {e}", data_dir.display()))?;
-    let mut paths = Vec::new();
-    for entry in entries {
-        let path = entry
-            .map_err(|e| format!("cannot list data folder {}: {e}", data_dir.display()))?
-            .path();
-        let is_json = path.extension().is_some_and(|e| e == "json");
-        let is_schema = path.file_name().is_some_and(|n| n == SCHEMA_FILE_NAME);
-        if is_json && !is_schema && path.is_file() {
-            paths.push(path);
-        }
-    }
-    paths.sort();
-    Ok(paths)
 }
 
 /// Every file under `dir`, by `/`-separated relative path.

@@ -15,7 +15,7 @@ use anyhow::{anyhow, Context as _};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use super::model::{FigureSpec, GlanceChart, Series};
+use super::model::{Dash, FigureSpec, GlanceChart, Marker, Series};
 
 /// Width of a line figure, px.
 pub const WIDTH: u32 = 720;
@@ -202,8 +202,8 @@ fn text_width(text: &str, size: f64) -> u32 {
 
 /// One legend entry below a line figure.
 enum LegendMark {
-    /// Line with a dot, in the series colour.
-    Line(RGBColor),
+    /// The series' line and marker, in its colour.
+    Line(RGBColor, Marker, Dash),
     /// A cross, in the series colour: cases that did not run.
     Cross(RGBColor),
     /// A dashed line: a reference value.
@@ -217,7 +217,7 @@ fn legend_entries(spec: &FigureSpec) -> Vec<(LegendMark, String)> {
     for s in &spec.series {
         let colour = rgb(&s.colour);
         if !s.points.is_empty() {
-            v.push((LegendMark::Line(colour), s.name.clone()));
+            v.push((LegendMark::Line(colour, s.marker, s.dash), s.name.clone()));
         }
         if !s.failed.is_empty() {
             v.push((LegendMark::Cross(colour), failed_label(s, &spec.x_label)));
@@ -264,9 +264,34 @@ pub fn line_figure_height(spec: &FigureSpec) -> u32 {
     PLOT_HEIGHT + 12 + lines * LEGEND_LINE
 }
 
-/// Draws a line figure (time, peak memory or relative error against x): log-log, one line
-/// with markers per implementation, a cross at the top of the plot for each case that did not
-/// run, a dashed line per reference value, x ticks at the measured x values only.
+/// Linear ticks over `0..hi`: 1-2-5 steps giving 4 to 8 ticks.
+pub fn linear_ticks(hi: f64) -> Vec<f64> {
+    if !(hi.is_finite() && hi > 0.0) {
+        return vec![0.0];
+    }
+    let raw = hi / 6.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .find(|s| hi / s <= 8.0)
+        .unwrap_or(10.0 * mag);
+    (0..)
+        .map(|i| {
+            // Parse the decimal form so ticks are the round numbers they print as.
+            format!("{}", i as f64 * step)
+                .parse::<f64>()
+                .unwrap_or(i as f64 * step)
+        })
+        .take_while(|t| *t <= hi * 1.0001)
+        .collect()
+}
+
+/// Draws a line figure (time, throughput, peak memory or relative error against an axis): log
+/// x; log y, or linear y from 0 for throughput; one line per implementation with its own
+/// marker and dash pattern (so lines that overlap stay apart without colour); a cross at the top
+/// of the plot for each case that did not run; a dashed line per reference value; x ticks at
+/// the measured x values only.
 pub fn line_figure(spec: &FigureSpec) -> anyhow::Result<String> {
     let entries = legend_entries(spec);
     let height = line_figure_height(spec);
@@ -291,72 +316,123 @@ pub fn line_figure(spec: &FigureSpec) -> anyhow::Result<String> {
         xs.sort_by(f64::total_cmp);
         xs.dedup();
         let (x0, x1) = log_bounds(xs.iter().copied(), 1.15);
-        let ys = spec
+        let ys: Vec<f64> = spec
             .series
             .iter()
             .flat_map(|s| s.points.iter().map(|p| p.1))
-            .chain(spec.reference_lines.iter().map(|r| r.0));
-        let (y0, mut y1) = log_bounds(ys, 1.6);
+            .chain(spec.reference_lines.iter().map(|r| r.0))
+            .collect();
         let any_failed = spec.series.iter().any(|s| !s.failed.is_empty());
-        if any_failed {
-            // Headroom for the crosses above the highest point.
-            y1 *= 1.5;
-        }
-        let y_ticks = log_ticks(y0, y1);
-        let mut chart = ChartBuilder::on(&plot)
-            .margin(12)
-            .margin_right(24)
-            .x_label_area_size(44)
-            .y_label_area_size(64)
-            .build_cartesian_2d(
-                (x0..x1).log_scale().with_key_points(xs.clone()),
-                (y0..y1).log_scale().with_key_points(y_ticks),
-            )
-            .map_err(&err)?;
-        chart
-            .configure_mesh()
-            .x_desc(spec.x_label.as_str())
-            .y_desc(spec.y_label.as_str())
-            .x_label_formatter(&|x| tick_label(*x))
-            .y_label_formatter(&|y| tick_label(*y))
-            .bold_line_style(GRID.mix(0.3))
-            .light_line_style(TRANSPARENT)
-            .axis_style(INK)
-            .label_style((FONT, 13).into_font().color(&INK))
-            .axis_desc_style((FONT, 14).into_font().color(&INK))
-            .draw()
-            .map_err(&err)?;
-        for (value, _) in &spec.reference_lines {
-            chart
-                .draw_series(DashedLineSeries::new(
-                    [(x0, *value), (x1, *value)],
-                    6,
-                    4,
-                    INK.stroke_width(1),
-                ))
-                .map_err(&err)?;
-        }
-        let cross_y = y1 / 1.2;
-        for s in &spec.series {
-            let colour = rgb(&s.colour);
-            if !s.points.is_empty() {
-                chart
-                    .draw_series(LineSeries::new(
-                        s.points.iter().copied(),
-                        colour.stroke_width(2),
-                    ))
+        // The body is the same for both y axes; only the coordinate type differs.
+        macro_rules! draw_body {
+            ($y_coord:expr, $y_labels:expr, $y1:expr, $cross_y:expr) => {{
+                let (y1, cross_y) = ($y1, $cross_y);
+                let _ = y1;
+                let mut chart = ChartBuilder::on(&plot)
+                    .margin(12)
+                    .margin_right(24)
+                    .x_label_area_size(44)
+                    .y_label_area_size(64)
+                    .build_cartesian_2d((x0..x1).log_scale().with_key_points(xs.clone()), $y_coord)
                     .map_err(&err)?;
                 chart
-                    .draw_series(s.points.iter().map(|p| Circle::new(*p, 3, colour.filled())))
+                    .configure_mesh()
+                    .x_desc(spec.x_label.as_str())
+                    .y_desc(spec.y_label.as_str())
+                    .x_label_formatter(&|x| tick_label(*x))
+                    .y_label_formatter(&|y| tick_label(*y))
+                    .y_labels($y_labels)
+                    .bold_line_style(GRID.mix(0.3))
+                    .light_line_style(TRANSPARENT)
+                    .axis_style(INK)
+                    .label_style((FONT, 13).into_font().color(&INK))
+                    .axis_desc_style((FONT, 14).into_font().color(&INK))
+                    .draw()
                     .map_err(&err)?;
+                for (value, _) in &spec.reference_lines {
+                    chart
+                        .draw_series(DashedLineSeries::new(
+                            [(x0, *value), (x1, *value)],
+                            6,
+                            4,
+                            INK.stroke_width(1),
+                        ))
+                        .map_err(&err)?;
+                }
+                for s in &spec.series {
+                    let colour = rgb(&s.colour);
+                    let line = colour.stroke_width(if s.emphasis { 3 } else { 2 });
+                    if !s.points.is_empty() {
+                        match s.dash {
+                            Dash::Solid => {
+                                chart
+                                    .draw_series(LineSeries::new(s.points.iter().copied(), line))
+                                    .map_err(&err)?;
+                            }
+                            Dash::Dashed | Dash::Dotted => {
+                                let (size, spacing) = s.dash.pattern();
+                                chart
+                                    .draw_series(DashedLineSeries::new(
+                                        s.points.iter().copied(),
+                                        size,
+                                        spacing,
+                                        line,
+                                    ))
+                                    .map_err(&err)?;
+                            }
+                        }
+                        let filled = colour.filled();
+                        let pts = s.points.iter().copied();
+                        match s.marker {
+                            Marker::Circle => chart.draw_series(
+                                pts.map(|p| EmptyElement::at(p) + Circle::new((0, 0), 4, filled)),
+                            ),
+                            Marker::Square => chart.draw_series(pts.map(|p| {
+                                EmptyElement::at(p) + Rectangle::new([(-4, -4), (4, 4)], filled)
+                            })),
+                            Marker::Triangle => chart.draw_series(pts.map(|p| {
+                                EmptyElement::at(p) + TriangleMarker::new((0, 0), 5, filled)
+                            })),
+                            Marker::Diamond => chart.draw_series(pts.map(|p| {
+                                EmptyElement::at(p)
+                                    + Polygon::new(vec![(0, -5), (5, 0), (0, 5), (-5, 0)], filled)
+                            })),
+                        }
+                        .map_err(&err)?;
+                    }
+                    chart
+                        .draw_series(
+                            s.failed
+                                .iter()
+                                .map(|(x, _)| Cross::new((*x, cross_y), 6, colour.stroke_width(2))),
+                        )
+                        .map_err(&err)?;
+                }
+            }};
+        }
+        if spec.log_y {
+            let (y0, mut y1) = log_bounds(ys.iter().copied(), 1.6);
+            if any_failed {
+                // Headroom for the crosses above the highest point.
+                y1 *= 1.5;
             }
-            chart
-                .draw_series(
-                    s.failed
-                        .iter()
-                        .map(|(x, _)| Cross::new((*x, cross_y), 6, colour.stroke_width(2))),
-                )
-                .map_err(&err)?;
+            let y_ticks = log_ticks(y0, y1);
+            draw_body!(
+                (y0..y1).log_scale().with_key_points(y_ticks),
+                10,
+                y1,
+                y1 / 1.2
+            );
+        } else {
+            let top = ys
+                .iter()
+                .copied()
+                .filter(|v| v.is_finite())
+                .fold(0.0f64, f64::max);
+            let top = if top > 0.0 { top } else { 1.0 };
+            let y1 = top * if any_failed { 1.25 } else { 1.1 };
+            let y_ticks = linear_ticks(y1).len();
+            draw_body!(0.0..y1, y_ticks, y1, top * 1.15);
         }
         draw_legend(&legend, &entries).map_err(&err)?;
         root.present().map_err(&err)?;
@@ -411,12 +487,33 @@ fn draw_legend<DB: DrawingBackend>(
         let x = 76 + col * col_width;
         let y = 6 + row * LEGEND_LINE as i32 + LEGEND_LINE as i32 / 2;
         match mark {
-            LegendMark::Line(c) => {
-                area.draw(&PathElement::new(
-                    vec![(x, y), (x + 20, y)],
-                    c.stroke_width(2),
-                ))?;
-                area.draw(&Circle::new((x + 10, y), 3, c.filled()))?;
+            LegendMark::Line(c, marker, dash) => {
+                let (size, spacing) = dash.pattern();
+                let mut x0 = x;
+                while x0 < x + 22 {
+                    let x_end = (x0 + size as i32).min(x + 22);
+                    area.draw(&PathElement::new(vec![(x0, y), (x_end, y)], c.stroke_width(2)))?;
+                    x0 = x_end + spacing as i32;
+                }
+                let filled = c.filled();
+                let at = (x + 11, y);
+                match marker {
+                    Marker::Circle => area.draw(&Circle::new(at, 4, filled))?,
+                    Marker::Square => area.draw(&Rectangle::new(
+                        [(at.0 - 4, at.1 - 4), (at.0 + 4, at.1 + 4)],
+                        filled,
+                    ))?,
+                    Marker::Triangle => area.draw(&TriangleMarker::new(at, 5, filled))?,
+                    Marker::Diamond => area.draw(&Polygon::new(
+                        vec![
+                            (at.0, at.1 - 5),
+                            (at.0 + 5, at.1),
+                            (at.0, at.1 + 5),
+                            (at.0 - 5, at.1),
+                        ],
+                        filled,
+                    ))?,
+                }
             }
             LegendMark::Cross(c) => {
                 area.draw(&Cross::new((x + 10, y), 5, c.stroke_width(2)))?;
@@ -651,10 +748,14 @@ mod tests {
             series: vec![Series {
                 name: "math".into(),
                 colour: "#f28e2b".into(),
+                marker: Marker::Square,
+                dash: Dash::Dashed,
+                emphasis: false,
                 points: vec![(512.0, 1.0)],
                 failed: vec![(4096.0, "oom".into()), (8192.0, "oom".into())],
             }],
             reference_lines: vec![(0.01, "tolerance 1.00e-2".into())],
+            log_y: true,
         };
         assert_eq!(
             legend_text(&spec),
@@ -662,5 +763,18 @@ mod tests {
         );
         let svg = line_figure(&spec).unwrap();
         assert!(svg.contains("<title>t</title>"));
+        let linear = line_figure(&FigureSpec {
+            log_y: false,
+            ..spec
+        })
+        .unwrap();
+        assert!(linear.contains("<title>t</title>"));
+    }
+
+    #[test]
+    fn linear_ticks_are_round_and_cover_the_top() {
+        assert_eq!(linear_ticks(330.0), vec![0.0, 50.0, 100.0, 150.0, 200.0, 250.0, 300.0]);
+        assert_eq!(linear_ticks(1.0), vec![0.0, 0.2, 0.4, 0.6, 0.8, 1.0]);
+        assert_eq!(linear_ticks(0.0), vec![0.0]);
     }
 }

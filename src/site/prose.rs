@@ -34,25 +34,9 @@ use std::sync::{Arc, Mutex};
 use tera::{Kwargs, State, Tera, Value};
 
 use self::query::{ok_value, parse_filter, Field, Filter};
+use super::templates::{Sources, ATTENTION_PROSE, LIMITATIONS_PROSE};
 use crate::load::{case_label, Loaded};
 use crate::schema::{Param, Row, Status, Suite};
-
-/// The site's prose files: repository path (also the template name) and source.
-pub const PROSE: [(&str, &str); 2] = [
-    (
-        ATTENTION_PROSE,
-        include_str!("../../templates/prose/attention.md"),
-    ),
-    (
-        LIMITATIONS_PROSE,
-        include_str!("../../templates/prose/limitations.md"),
-    ),
-];
-
-/// Prose shown on the Attention page.
-pub const ATTENTION_PROSE: &str = "templates/prose/attention.md";
-/// Prose shown under Known limitations on the overview.
-pub const LIMITATIONS_PROSE: &str = "templates/prose/limitations.md";
 
 /// Text that stands in for a failed call while the rest of the file is checked.
 const FAILED: &str = "⟨failed⟩";
@@ -77,23 +61,26 @@ impl SiteProse {
     }
 }
 
-/// Renders [`PROSE`] against `docs`.
+/// Renders the prose files of `sources` against `docs`. Problems name each file by its path
+/// under the templates folder it came from (`templates/prose/attention.md`).
 ///
 /// Errors: every failed query and claim of every file ([`ProseError`]).
-pub fn render_site_prose(docs: &[Loaded]) -> Result<SiteProse, ProseError> {
-    render_site_prose_from(docs, &PROSE)
-}
-
-/// Renders the site's prose files from `sources` (name, source): [`PROSE`] itself, or the same
-/// files read from disk by `docgen serve`.
-///
-/// Errors: every failed query and claim of every file ([`ProseError`]).
-pub fn render_site_prose_from<S: AsRef<str>>(
-    docs: &[Loaded],
-    sources: &[(&str, S)],
-) -> Result<SiteProse, ProseError> {
-    let sources: Vec<(&str, &str)> = sources.iter().map(|(n, s)| (*n, s.as_ref())).collect();
-    let mut rendered = render_prose(docs, &sources)?;
+pub fn render_site_prose(docs: &[Loaded], sources: &Sources) -> Result<SiteProse, ProseError> {
+    let prefix = match &sources.dir {
+        Some(d) => format!("{}/", d.display()),
+        None => "(built-in) ".to_string(),
+    };
+    let pairs: Vec<(&str, &str)> = sources
+        .prose
+        .iter()
+        .map(|(n, s)| (*n, s.as_str()))
+        .collect();
+    let mut rendered = render_prose(docs, &pairs).map_err(|mut e| {
+        for p in &mut e.problems {
+            p.file = format!("{prefix}{}", p.file);
+        }
+        e
+    })?;
     let mut take = |name: &str| rendered.remove(name).filter(|h| !h.trim().is_empty());
     Ok(SiteProse {
         attention: take(ATTENTION_PROSE),
@@ -219,7 +206,7 @@ pub fn render_prose(
         }
         match rendered {
             Ok(md) => {
-                out.insert(name.to_string(), super::render::markdown_to_html(&md));
+                out.insert(name.to_string(), super::markdown::to_html(&md));
             }
             Err(e) => problems.push(problem(format!("template does not render: {e}"))),
         }
@@ -496,7 +483,7 @@ fn value(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     let field = args.field(None)?;
     let item = one_row(docs, args, args.need("implementation")?)?;
     let v =
-        ok_value(item.row, field).map_err(|e| format!("{e} ({})", case_label(&item.row.case)))?;
+        ok_value(item.row, &item.doc.doc, &field).map_err(|e| format!("{e} ({})", case_label(&item.row.case)))?;
     Ok(Value::from(field.format(v)))
 }
 
@@ -513,8 +500,8 @@ fn ratio(docs: &[Loaded], args: &Args) -> Result<Value, String> {
         ));
     }
     let at = |e: String| format!("{e} ({})", case_label(&num.row.case));
-    let n = ok_value(num.row, field).map_err(at)?;
-    let d = ok_value(den.row, field).map_err(at)?;
+    let n = ok_value(num.row, &num.doc.doc, &field).map_err(at)?;
+    let d = ok_value(den.row, &den.doc.doc, &field).map_err(at)?;
     if d == 0.0 {
         return Err(format!(
             "{} of {} is zero ({})",
@@ -712,7 +699,7 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             left_out += 1;
             continue;
         };
-        let (Some(vx), Some(vy)) = (ok_value(x.row, field).ok(), ok_value(y.row, field).ok())
+        let (Some(vx), Some(vy)) = (ok_value(x.row, &x.doc.doc, &field).ok(), ok_value(y.row, &y.doc.doc, &field).ok())
         else {
             left_out += 1;
             continue;

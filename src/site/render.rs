@@ -1,8 +1,8 @@
 //! Renders the page model to files in memory: HTML through Tera, Markdown prose through Tera
 //! then pulldown-cmark, commands through syntect, figures through [`super::figures`].
 //!
-//! Templates are embedded with `include_str!` and all registered by [`Renderer::new`], which
-//! fails naming the template that does not parse.
+//! Every template of a [`Sources`] is registered up front by [`Renderer::new`], which fails
+//! naming the template that does not parse.
 
 use std::sync::Arc;
 
@@ -16,22 +16,9 @@ use tera::{Kwargs, State, Tera, Value};
 
 use super::figures;
 use super::model::{IndexPage, Layout, SiteModel, SuitePage, TimingView};
+use super::markdown;
 use super::prose;
-
-/// Templates, by name, as embedded in the binary.
-pub const TEMPLATES: [(&str, &str); 5] = [
-    ("base.html", include_str!("../../templates/base.html")),
-    ("index.html", include_str!("../../templates/index.html")),
-    ("suite.html", include_str!("../../templates/suite.html")),
-    ("hopper.html", include_str!("../../templates/hopper.html")),
-    (
-        "prose/methodology.md",
-        include_str!("../../templates/prose/methodology.md"),
-    ),
-];
-
-/// The handwritten stylesheet; syntect's classes are appended to it.
-pub const STYLE_CSS: &str = include_str!("../../templates/style.css");
+use super::templates::Sources;
 
 /// Prefix of syntect's CSS classes, so they cannot clash with the site's own.
 const CLASS_STYLE: ClassStyle = ClassStyle::SpacedPrefixed { prefix: "sy-" };
@@ -54,7 +41,7 @@ struct IndexContext<'a> {
     page: &'a IndexPage,
     /// Rendered methodology prose, one block per timing configuration.
     methodology: Vec<ProseBlock>,
-    /// Curated limitations ([`prose::LIMITATIONS_PROSE`]), HTML.
+    /// Curated limitations ([`super::templates::LIMITATIONS_PROSE`]), HTML.
     limitations_prose: Option<&'a str>,
 }
 
@@ -83,66 +70,15 @@ struct MethodologyContext<'a> {
 /// Tera with every template registered, and the highlighter.
 pub struct Renderer {
     tera: Tera,
-    /// The handwritten stylesheet: [`STYLE_CSS`], or its override from [`Renderer::from_dir`].
+    /// The handwritten stylesheet of the sources.
     style_css: String,
-    /// The data-checked prose files ([`prose::PROSE`]): name and source, embedded or read from
-    /// the templates folder by [`Renderer::from_dir`].
-    prose: Vec<(&'static str, String)>,
 }
 
 impl Renderer {
-    /// Registers every template and the `bash` filter (syntect-highlighted HTML).
+    /// Registers every template of `sources` and the `bash` filter (syntect-highlighted HTML).
     ///
-    /// Errors: a template does not parse; the error names it.
-    pub fn new() -> anyhow::Result<Renderer> {
-        let prose = prose::PROSE
-            .iter()
-            .map(|(n, src)| (*n, src.to_string()))
-            .collect();
-        Renderer::with_sources(TEMPLATES.to_vec(), STYLE_CSS.to_string(), prose)
-    }
-
-    /// The prose files this renderer renders: name (repository path) and source.
-    pub fn prose_sources(&self) -> &[(&'static str, String)] {
-        &self.prose
-    }
-
-    /// Like [`Renderer::new`], but each of [`TEMPLATES`] and `style.css` is read from `dir`
-    /// where a file of that name exists there (the embedded one otherwise), so that
-    /// `docgen serve` shows edits of `templates/` without recompiling.
-    ///
-    /// Errors: an override cannot be read, or a template does not parse; the error names it.
-    pub fn from_dir(dir: &std::path::Path) -> anyhow::Result<Renderer> {
-        let read = |name: &str, embedded: &str| -> anyhow::Result<String> {
-            let path = dir.join(name);
-            if path.is_file() {
-                std::fs::read_to_string(&path)
-                    .with_context(|| format!("cannot read template {}", path.display()))
-            } else {
-                Ok(embedded.to_string())
-            }
-        };
-        let templates = TEMPLATES
-            .iter()
-            .map(|(name, embedded)| Ok((*name, read(name, embedded)?)))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        // Prose files are named by repository path (`templates/prose/x.md`); `dir` is the
-        // templates folder.
-        let prose = prose::PROSE
-            .iter()
-            .map(|(name, embedded)| {
-                let rel = name.strip_prefix("templates/").unwrap_or(name);
-                Ok((*name, read(rel, embedded)?))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        Renderer::with_sources(templates, read("style.css", STYLE_CSS)?, prose)
-    }
-
-    fn with_sources<C: AsRef<str>>(
-        templates: Vec<(&str, C)>,
-        style_css: String,
-        prose: Vec<(&'static str, String)>,
-    ) -> anyhow::Result<Renderer> {
+    /// Errors: a template does not parse; the error names it and where it came from.
+    pub fn new(sources: &Sources) -> anyhow::Result<Renderer> {
         let mut tera = Tera::new();
         let syntaxes = Arc::new(SyntaxSet::load_defaults_newlines());
         tera.register_filter(
@@ -154,14 +90,19 @@ impl Renderer {
             },
         );
         // Tera's parse errors name the template and the line.
-        let names: Vec<&str> = templates.iter().map(|(n, _)| *n).collect();
+        let names: Vec<&str> = sources.templates.iter().map(|(n, _)| *n).collect();
         let names = names.join(", ");
-        tera.add_raw_templates(templates)
-            .with_context(|| format!("registering templates {names}"))?;
+        tera.add_raw_templates(
+            sources
+                .templates
+                .iter()
+                .map(|(n, s)| (*n, s.as_str()))
+                .collect::<Vec<_>>(),
+        )
+        .with_context(|| format!("registering templates {names} from {}", sources.origin()))?;
         Ok(Renderer {
             tera,
-            style_css,
-            prose,
+            style_css: sources.style_css.clone(),
         })
     }
 
@@ -216,10 +157,12 @@ impl Renderer {
                 self.render("suite.html", &context)?,
             ));
         }
-        out.push(file(
-            &model.hopper.layout.file,
-            self.render("hopper.html", &model.hopper)?,
-        ));
+        if let Some(hopper) = &model.hopper {
+            out.push(file(
+                &hopper.layout.file,
+                self.render("hopper.html", hopper)?,
+            ));
+        }
         for (spec, svg) in model
             .figures
             .iter()
@@ -245,7 +188,7 @@ impl Renderer {
     /// The methodology Markdown filled from `timing`, rendered to HTML.
     fn prose(&self, timing: Option<&TimingView>) -> anyhow::Result<String> {
         let md = self.render("prose/methodology.md", &MethodologyContext { timing })?;
-        Ok(markdown_to_html(&md))
+        Ok(markdown::to_html(&md))
     }
 }
 
@@ -254,14 +197,6 @@ fn file(path: &str, text: String) -> OutputFile {
         path: path.to_string(),
         bytes: text.into_bytes(),
     }
-}
-
-/// CommonMark (with tables) to HTML.
-pub fn markdown_to_html(md: &str) -> String {
-    let parser = pulldown_cmark::Parser::new_ext(md, pulldown_cmark::Options::ENABLE_TABLES);
-    let mut html = String::new();
-    pulldown_cmark::html::push_html(&mut html, parser);
-    html
 }
 
 /// A shell command as HTML spans with `sy-` classes (text escaped), in a `<pre><code>`.
@@ -284,13 +219,8 @@ pub fn highlight_bash(syntaxes: &SyntaxSet, code: &str) -> anyhow::Result<String
     ))
 }
 
-/// The handwritten stylesheet, then syntect's classes for a light theme and, under
+/// The handwritten stylesheet `style_css`, then syntect's classes for a light theme and, under
 /// `prefers-color-scheme: dark`, a dark one.
-pub fn stylesheet() -> anyhow::Result<String> {
-    stylesheet_for(STYLE_CSS)
-}
-
-/// [`stylesheet`] with `style_css` in place of the embedded [`STYLE_CSS`].
 pub fn stylesheet_for(style_css: &str) -> anyhow::Result<String> {
     let themes = ThemeSet::load_defaults();
     let theme = |name: &str| {

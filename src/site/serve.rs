@@ -146,10 +146,7 @@ impl Drop for Server {
 }
 
 fn build_once(opts: &ServeOptions) -> anyhow::Result<usize> {
-    match &opts.templates_dir {
-        Some(dir) => super::build_with_templates(&opts.build, dir),
-        None => super::build(&opts.build),
-    }
+    super::build(&opts.build).map(|s| s.files)
 }
 
 /// Polls the watched folders and rebuilds on change, until `stop`.

@@ -7,7 +7,7 @@
 use std::cmp::Ordering;
 use std::fmt;
 
-use crate::schema::{Param, Row, Status};
+use crate::schema::{Document, Param, Row, Status};
 use crate::site::format;
 
 /// A comparison operator of a where-clause.
@@ -361,7 +361,7 @@ impl Filter {
 }
 
 /// A numeric field of a row that prose may quote.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Field {
     /// `median_ms`.
     MedianMs,
@@ -369,8 +369,9 @@ pub enum Field {
     Q1Ms,
     /// `q3_ms`.
     Q3Ms,
-    /// `tflops`.
-    Tflops,
+    /// A throughput the row's document declares, by its key (`tflops`), computed from the
+    /// row's count and median.
+    Throughput(String),
     /// `compile_s`.
     CompileS,
     /// `rel_err` (accuracy).
@@ -382,61 +383,94 @@ pub enum Field {
 }
 
 impl Field {
-    /// Every field with its name.
-    pub const ALL: [(&'static str, Field); 8] = [
+    /// Every field stored in a row, with its name; any other name is a throughput key.
+    pub const STORED: [(&'static str, Field); 7] = [
         ("median_ms", Field::MedianMs),
         ("q1_ms", Field::Q1Ms),
         ("q3_ms", Field::Q3Ms),
-        ("tflops", Field::Tflops),
         ("compile_s", Field::CompileS),
         ("rel_err", Field::RelErr),
         ("peak_mb", Field::PeakMb),
         ("temporaries_mb", Field::TemporariesMb),
     ];
 
-    /// Looks a field up by name.
+    /// Looks a field up by name: a stored field, or else the key of a declared throughput
+    /// (checked against the row's document when read).
     ///
-    /// Errors: the name is not one of [`Field::ALL`]; the message lists them.
+    /// Errors: the name is empty or not a plain identifier.
     pub fn parse(name: &str) -> Result<Field, String> {
-        Field::ALL
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, f)| *f)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Field::ALL.iter().map(|(n, _)| *n).collect();
-                format!("unknown field `{name}` (fields: {})", names.join(", "))
-            })
+        if let Some((_, f)) = Field::STORED.iter().find(|(n, _)| *n == name) {
+            return Ok(f.clone());
+        }
+        if !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        {
+            return Ok(Field::Throughput(name.to_string()));
+        }
+        let names: Vec<&str> = Field::STORED.iter().map(|(n, _)| *n).collect();
+        Err(format!(
+            "unknown field `{name}` (fields: {}, or the key of a throughput the document \
+             declares)",
+            names.join(", ")
+        ))
     }
 
     /// The field's name.
-    pub fn name(self) -> &'static str {
-        Field::ALL
-            .iter()
-            .find(|(_, f)| *f == self)
-            .map(|(n, _)| *n)
-            .unwrap_or("?")
+    pub fn name(&self) -> String {
+        match self {
+            Field::Throughput(key) => key.clone(),
+            other => Field::STORED
+                .iter()
+                .find(|(_, f)| f == other)
+                .map(|(n, _)| n.to_string())
+                .unwrap_or_else(|| "?".to_string()),
+        }
     }
 
-    /// The value in `row`, when recorded.
-    pub fn get(self, row: &Row) -> Option<f64> {
+    /// The value in `row` of `doc`, when recorded.
+    ///
+    /// Errors: a throughput key the document does not declare.
+    pub fn get(&self, row: &Row, doc: &Document) -> Result<Option<f64>, String> {
         let mem = row.memory.as_ref();
-        match self {
+        Ok(match self {
             Field::MedianMs => row.median_ms,
             Field::Q1Ms => row.q1_ms,
             Field::Q3Ms => row.q3_ms,
-            Field::Tflops => row.tflops,
+            Field::Throughput(key) => {
+                let decl = doc
+                    .config
+                    .throughput
+                    .iter()
+                    .find(|t| &t.key == key)
+                    .ok_or_else(|| {
+                        let keys: Vec<&str> =
+                            doc.config.throughput.iter().map(|t| t.key.as_str()).collect();
+                        format!(
+                            "unknown field `{key}`: not a stored field, and the document \
+                             declares no throughput of that key (it declares: {})",
+                            if keys.is_empty() {
+                                "none".to_string()
+                            } else {
+                                keys.join(", ")
+                            }
+                        )
+                    })?;
+                super::super::model::groups::throughput(row, decl)
+            }
             Field::CompileS => row.compile_s,
             Field::RelErr => row.accuracy.as_ref().map(|a| a.rel_err),
             Field::PeakMb => mem.and_then(|m| m.peak_mb),
             Field::TemporariesMb => mem.and_then(|m| m.temporaries_mb),
-        }
+        })
     }
 
     /// The value formatted as the tables show it.
-    pub fn format(self, x: f64) -> String {
+    pub fn format(&self, x: f64) -> String {
         match self {
             Field::MedianMs | Field::Q1Ms | Field::Q3Ms => format::ms(x),
-            Field::Tflops => format::tflops(x),
+            Field::Throughput(_) => format::sig(x, 3),
             Field::CompileS => format::sig(x, 3),
             Field::RelErr => format::rel_err(x),
             Field::PeakMb | Field::TemporariesMb => format::mb(x),
@@ -444,10 +478,11 @@ impl Field {
     }
 }
 
-/// The value of `field` in an `ok` row.
+/// The value of `field` in an `ok` row of `doc`.
 ///
-/// Errors: the row did not run (its status and message), or it lacks the field.
-pub fn ok_value(row: &Row, field: Field) -> Result<f64, String> {
+/// Errors: the row did not run (its status and message), it lacks the field, or the field is a
+/// throughput the document does not declare.
+pub fn ok_value(row: &Row, doc: &Document, field: &Field) -> Result<f64, String> {
     if row.status != Status::Ok {
         return Err(format!(
             "the row ({}) has status {}{}",
@@ -459,7 +494,7 @@ pub fn ok_value(row: &Row, field: Field) -> Result<f64, String> {
                 .unwrap_or_default()
         ));
     }
-    field.get(row).ok_or_else(|| {
+    field.get(row, doc)?.ok_or_else(|| {
         format!(
             "the row ({}) records no {}",
             row.implementation,

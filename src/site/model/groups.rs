@@ -1,0 +1,231 @@
+//! The one grouping of rows every page uses: a document's rows split by every case parameter
+//! but one axis ([`group_rows`]), with the facts about a row that several pages need (its
+//! throughputs, whether it is accurate, its device's label, its group's anchor).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use super::super::format;
+use super::SUITE_PAGES;
+use crate::load::Loaded;
+use crate::schema::{Document, Param, Row, Status, Suite, Throughput};
+
+/// The axis a document's tables and main figures are drawn against: the first of
+/// `config.axes` (the loader refuses a document that declares none).
+pub fn primary_axis(doc: &Document) -> &str {
+    doc.config.axes.first().map(String::as_str).unwrap_or("")
+}
+
+/// `decl`'s value for `row`: its count over its median time, in `decl.unit`; `None` when the
+/// row has no median or no such count.
+pub fn throughput(row: &Row, decl: &Throughput) -> Option<f64> {
+    let ms = row.median_ms.filter(|m| *m > 0.0)?;
+    let count = decl.count.of(row)?;
+    Some(count / (ms * 1e-3) / decl.per_second)
+}
+
+/// Header of an implementation column.
+#[derive(Debug, Serialize, Clone)]
+pub struct ImplHeader {
+    /// Implementation.
+    pub name: String,
+    /// Library providing it.
+    pub library: String,
+    /// True for the default implementation.
+    pub is_default: bool,
+    /// Its colour (CSS hex).
+    pub colour: String,
+}
+
+/// Sort key of a parameter value: numbers sort numerically, then text.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ParamKey {
+    /// A flag.
+    Bool(bool),
+    /// A number: integer part, then the fraction's bits.
+    Num(i64, u64),
+    /// A name.
+    Text(String),
+}
+
+/// The sort key of `p`.
+pub fn param_key(p: &Param) -> ParamKey {
+    match p {
+        Param::Bool(b) => ParamKey::Bool(*b),
+        Param::Int(i) => ParamKey::Num(*i, 0),
+        Param::Float(x) => {
+            // Total order on floats: integer part, then the fraction's bits.
+            let fl = x.floor();
+            let int = if fl.is_finite() { fl as i64 } else { 0 };
+            ParamKey::Num(int, (x - fl).to_bits())
+        }
+        Param::Text(s) => ParamKey::Text(s.clone()),
+    }
+}
+
+/// `p` as a number, when it is one.
+pub fn param_f64(p: &Param) -> Option<f64> {
+    match p {
+        Param::Int(i) => Some(*i as f64),
+        Param::Float(x) => Some(*x),
+        _ => None,
+    }
+}
+
+/// Rows at one x value, by implementation, with the x parameter itself.
+pub type RowsAtX<'a> = (Option<&'a Param>, BTreeMap<&'a str, &'a Row>);
+
+/// Rows of one document sharing every parameter but the axis.
+pub struct Group<'a> {
+    /// The axis the group is drawn against.
+    pub axis: String,
+    /// The shared parameters.
+    pub params: BTreeMap<String, Param>,
+    /// x value (None when the rows have no x parameter) -> implementation -> row.
+    pub by_x: BTreeMap<Option<ParamKey>, RowsAtX<'a>>,
+}
+
+impl Group<'_> {
+    /// The shared parameters as `name=value` pairs.
+    pub fn title(&self) -> String {
+        crate::load::case_label(&self.params)
+    }
+}
+
+/// The rows of `doc` grouped by every case parameter but `axis`, groups in parameter order and
+/// each group's sizes ascending.
+pub fn group_rows<'a>(doc: &'a Document, axis: &str) -> Vec<Group<'a>> {
+    let mut groups: BTreeMap<Vec<(String, ParamKey)>, Group<'a>> = BTreeMap::new();
+    for row in &doc.rows {
+        let mut params = row.case.clone();
+        params.remove(axis);
+        let key: Vec<(String, ParamKey)> = params
+            .iter()
+            .map(|(k, v)| (k.clone(), param_key(v)))
+            .collect();
+        let x = row.case.get(axis);
+        let group = groups.entry(key).or_insert_with(|| Group {
+            axis: axis.to_string(),
+            params,
+            by_x: BTreeMap::new(),
+        });
+        let slot = group
+            .by_x
+            .entry(x.map(param_key))
+            .or_insert_with(|| (x, BTreeMap::new()));
+        slot.1.insert(row.implementation.as_str(), row);
+    }
+    groups.into_values().collect()
+}
+
+/// An axis value for display, `—` when absent.
+pub fn x_label(x: Option<&Param>) -> String {
+    x.map(|p| p.to_string()).unwrap_or_else(|| "—".to_string())
+}
+
+/// Stable identifier of a group of a document, for anchors and figure names.
+pub fn group_id(loaded: &Loaded, group: &Group<'_>) -> String {
+    let mut s = String::new();
+    if group.axis != primary_axis(&loaded.doc) {
+        // Groups along a later axis: their own ids (the primary axis keeps the ids it had).
+        s.push_str(&group.axis);
+        s.push('\0');
+    }
+    s.push_str(loaded.doc.suite.as_str());
+    s.push('\0');
+    s.push_str(&loaded.doc.device.name);
+    s.push('\0');
+    s.push_str(&serde_json::to_string(&group.params).unwrap_or_default());
+    format!("{:016x}", format::stable_hash(s.as_bytes()))
+}
+
+/// The page a suite is shown on.
+pub fn page_of(suite: Suite) -> &'static str {
+    SUITE_PAGES
+        .iter()
+        .find(|(_, _, suites)| suites.contains(&suite))
+        .map(|(file, _, _)| *file)
+        .unwrap_or("index.html")
+}
+
+/// The device's name with its compute capability, when it has one.
+pub fn device_label(doc: &Document) -> String {
+    match &doc.device.compute_capability {
+        Some(cc) => format!("{} (compute capability {cc})", doc.device.name),
+        None => doc.device.name.clone(),
+    }
+}
+
+/// True when the row's error is within its tolerance.
+pub fn is_accurate(row: &Row) -> bool {
+    row.accuracy
+        .as_ref()
+        .is_some_and(|a| a.rel_err <= a.tolerance)
+}
+
+/// True for an ok row whose error is above its tolerance.
+pub fn above_tolerance(row: &Row) -> bool {
+    row.status == Status::Ok
+        && row
+            .accuracy
+            .as_ref()
+            .is_some_and(|a| a.rel_err > a.tolerance)
+}
+
+/// Documents of one suite measured on devices of one name (shards of a grid, split by the
+/// runner's `--shard i/n` or run on several GPUs of one model) merged into one: the rows of all,
+/// in file order, with the first document's device and configuration, and a `rel_path` that
+/// lists every file (`a.json + b.json`). Documents alone under their key are borrowed as
+/// they are. The loader has already refused rows repeated across files.
+pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
+    let key = |l: &Loaded| (l.doc.suite, l.doc.device.name.clone());
+    let keys: BTreeSet<(Suite, String)> = docs.iter().map(key).collect();
+    if keys.len() == docs.len() {
+        return std::borrow::Cow::Borrowed(docs);
+    }
+    let mut merged: Vec<Loaded> = Vec::with_capacity(keys.len());
+    let mut names: Vec<Vec<String>> = Vec::with_capacity(keys.len());
+    for l in docs {
+        match merged.iter().position(|m| key(m) == key(l)) {
+            Some(i) => {
+                merged[i].doc.rows.extend(l.doc.rows.iter().cloned());
+                names[i].push(l.file_name());
+            }
+            None => {
+                merged.push(l.clone());
+                names.push(vec![l.file_name()]);
+            }
+        }
+    }
+    for (m, n) in merged.iter_mut().zip(names) {
+        m.rel_path = n.join(" + ");
+    }
+    std::borrow::Cow::Owned(merged)
+}
+
+/// Implementations of a document: default(s) first, then by name.
+pub fn implementations(doc: &Document, colours: &BTreeMap<String, String>) -> Vec<ImplHeader> {
+    let mut seen: BTreeMap<&str, ImplHeader> = BTreeMap::new();
+    for row in &doc.rows {
+        let h = seen
+            .entry(row.implementation.as_str())
+            .or_insert_with(|| ImplHeader {
+                name: row.implementation.clone(),
+                library: row.library.clone(),
+                is_default: false,
+                colour: colours
+                    .get(&row.implementation)
+                    .cloned()
+                    .unwrap_or_default(),
+            });
+        h.is_default |= row.default;
+    }
+    let mut v: Vec<ImplHeader> = seen.into_values().collect();
+    v.sort_by(|a, b| {
+        b.is_default
+            .cmp(&a.is_default)
+            .then_with(|| a.name.cmp(&b.name))
+    });
+    v
+}

@@ -1,0 +1,740 @@
+//! The overview page: the at-a-glance comparison of each default with its fastest accurate
+//! alternative, the setup of every document, the methodology, the dispatch rules, the known
+//! limitations and how to reproduce it all.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use super::super::format;
+use super::super::markdown::escape as md_text;
+use super::groups::{
+    above_tolerance, group_id, group_rows, is_accurate, page_of, primary_axis, x_label,
+};
+use super::{reproduce_commands, CommandView, FigureRef, KeyValue, Layout, FIGURES_COMMAND};
+use crate::load::Loaded;
+use crate::schema::{Row, Status, TimingConfig};
+
+/// The overview page.
+#[derive(Debug, Serialize)]
+pub struct IndexPage {
+    /// Layout.
+    pub layout: Layout,
+    /// Links to the four suite pages.
+    pub pages: Vec<PageLink>,
+    /// True when no document was loaded.
+    pub empty: bool,
+    /// Every (group, x) with a default implementation.
+    pub glance: Vec<GlanceRow>,
+    /// Site-relative path of the At a glance chart.
+    pub glance_figure: Option<FigureRef>,
+    /// One entry per document.
+    pub setup: Vec<SetupDoc>,
+    /// One entry per distinct timing configuration.
+    pub methodology: Vec<TimingView>,
+    /// Dispatch rules of every document.
+    pub dispatch: Vec<DispatchView>,
+    /// Generated list of limitations.
+    pub limitations: Vec<Limitation>,
+    /// Commands that reproduce the data, then the site.
+    pub reproduce: Vec<CommandView>,
+}
+
+/// A link to a page with a short status.
+#[derive(Debug, Serialize)]
+pub struct PageLink {
+    /// Target.
+    pub href: String,
+    /// Page title.
+    pub title: String,
+    /// Rows shown on it.
+    pub rows: usize,
+}
+
+/// One (group, x) comparison of the default against the fastest accurate alternative.
+#[derive(Debug, Serialize, Clone)]
+pub struct GlanceRow {
+    /// Suite title.
+    pub suite: String,
+    /// Device name.
+    pub device: String,
+    /// Group parameters.
+    pub group: String,
+    /// The axis the sizes are measured along (the document's first axis).
+    pub axis: String,
+    /// Link to the group's table.
+    pub href: String,
+    /// The x parameter value (`seq_len`), or `—`.
+    pub x: String,
+    /// Default implementation.
+    pub default_impl: String,
+    /// Its median, ms, or its status.
+    pub default_ms: String,
+    /// Fastest accurate alternative, when one ran.
+    pub alternative: Option<String>,
+    /// Its median, ms.
+    pub alternative_ms: Option<String>,
+    /// alternative time ÷ default time, formatted; above 1 means the default is faster.
+    pub ratio: Option<String>,
+    /// Why there is no ratio.
+    pub note: Option<String>,
+    /// True for the largest x of the group with a ratio (drawn in the chart).
+    pub representative: bool,
+    /// The ratio itself (for the chart).
+    #[serde(skip)]
+    pub ratio_value: Option<f64>,
+    /// (alternative q1 ÷ default q3, alternative q3 ÷ default q1), when all four quartiles
+    /// exist (for the chart's whisker).
+    #[serde(skip)]
+    pub ratio_range: Option<(f64, f64)>,
+    /// True when the document was measured on the CPU (`device.kind == cpu`).
+    #[serde(skip)]
+    pub cpu: bool,
+}
+
+/// What one document says about its machine and software.
+#[derive(Debug, Serialize)]
+pub struct SetupDoc {
+    /// Data file name.
+    pub file: String,
+    /// Suite title.
+    pub suite: String,
+    /// Device facts.
+    pub device: Vec<KeyValue>,
+    /// Library versions.
+    pub libraries: Vec<KeyValue>,
+    /// Runner, commit and times.
+    pub run: Vec<KeyValue>,
+}
+
+/// Timing parameters, formatted, with the documents that used them.
+#[derive(Debug, Serialize, Clone, PartialEq)]
+pub struct TimingView {
+    /// Data files using these parameters.
+    pub files: String,
+    /// Warm-up calls.
+    pub warmup_calls: String,
+    /// Timed samples.
+    pub repeats: String,
+    /// Minimum sample length, ms.
+    pub min_sample_ms: String,
+    /// Cap on calls per sample.
+    pub max_inner: String,
+    /// L2 rotation factor.
+    pub l2_rotation_factor: String,
+    /// Case timeout, s.
+    pub case_timeout_s: String,
+    /// Input sets seen in the rows (`2–8`), or `—`.
+    pub input_sets: String,
+    /// References seen in the rows.
+    pub references: String,
+    /// Samples the accuracy checks covered, as recorded.
+    pub checked: String,
+    /// How `peak_mb` was read, each method with the implementations that used it.
+    pub peak_methods: String,
+    /// The FLOP-counting rules the runners recorded (`config.flop_rule`), or empty.
+    pub flop_rules: String,
+}
+
+/// One dispatch rule with its document.
+#[derive(Debug, Serialize)]
+pub struct DispatchView {
+    /// Data file.
+    pub file: String,
+    /// Entry point.
+    pub entry_point: String,
+    /// Device class.
+    pub device: String,
+    /// Dtypes.
+    pub dtype: String,
+    /// Shape rule.
+    pub rule: String,
+    /// Implementation picked.
+    pub implementation: String,
+}
+
+/// One generated limitation.
+#[derive(Debug, Serialize, Clone)]
+pub struct Limitation {
+    /// `faster alternative`, `default did not run` or `above tolerance`.
+    pub kind: String,
+    /// Where: suite, device, group and x.
+    pub place: String,
+    /// Link to the group's table.
+    pub href: String,
+    /// What the data says, with its figures.
+    pub detail: String,
+}
+
+/// The At a glance bar chart.
+#[derive(Debug, Clone)]
+pub struct GlanceChart {
+    /// Site-relative path.
+    pub file: String,
+    /// SVG `<title>`.
+    pub title: String,
+    /// SVG `<desc>`.
+    pub desc: String,
+    /// One bar per representative comparison.
+    pub bars: Vec<GlanceBar>,
+}
+
+/// One bar.
+#[derive(Debug, Clone)]
+pub struct GlanceBar {
+    /// Label drawn beside the bar.
+    pub label: String,
+    /// alternative ÷ default.
+    pub ratio: f64,
+    /// Range of the ratio from both interquartile ranges: (alternative q1 ÷ default q3,
+    /// alternative q3 ÷ default q1); `None` when a quartile is missing.
+    pub range: Option<(f64, f64)>,
+}
+
+/// The at-a-glance rows of `docs` and the chart of their representative rows.
+pub fn glance(docs: &[Loaded], base: &str) -> (Vec<GlanceRow>, Option<GlanceChart>) {
+    let mut glance = glance_rows(docs, base);
+    mark_representatives(&mut glance);
+    let picked: Vec<&GlanceRow> = glance.iter().filter(|g| g.representative).collect();
+    // Parameters shared by every bar are said once in the title, not on each bar.
+    let parts = |g: &GlanceRow| -> Vec<String> {
+        let mut v = vec![g.suite.clone(), g.device.clone()];
+        v.extend(g.group.split(", ").map(str::to_string));
+        v.push(format!("{}={}", g.axis, g.x));
+        v
+    };
+    let shared: BTreeSet<String> = picked
+        .first()
+        .map(|first| {
+            parts(first)
+                .into_iter()
+                .filter(|p| picked.iter().all(|g| parts(g).contains(p)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let bars: Vec<GlanceBar> = picked
+        .iter()
+        .filter_map(|g| {
+            let own: Vec<String> = parts(g)
+                .into_iter()
+                .filter(|p| !shared.contains(p))
+                .collect();
+            Some(GlanceBar {
+                label: format!(
+                    "{}{}{}{} vs {}",
+                    if g.cpu { "[CPU] " } else { "" },
+                    own.join(", "),
+                    if own.is_empty() { "" } else { ": " },
+                    g.ratio.clone()?,
+                    g.alternative.clone()?,
+                ),
+                ratio: g.ratio_value?,
+                range: g.ratio_range,
+            })
+        })
+        .collect();
+    let shared_label = parts_in_order(&picked, &shared);
+    let axes: BTreeSet<&str> = picked.iter().map(|g| g.axis.as_str()).collect();
+    let axes = axes.into_iter().collect::<Vec<_>>().join(" or ");
+    let chart = (!bars.is_empty()).then(|| GlanceChart {
+        file: "figures/at-a-glance.svg".to_string(),
+        title: if shared_label.is_empty() {
+            "Fastest accurate alternative time ÷ default time".to_string()
+        } else {
+            format!("Fastest accurate alternative time ÷ default time ({shared_label})")
+        },
+        desc: format!(
+            "Horizontal bars on a log scale, one per group at its largest {axes}: {}. \
+             A bar right of 1 means the default is faster.",
+            bars.iter()
+                .map(|b| b.label.clone())
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+        bars,
+    });
+    (glance, chart)
+}
+
+/// The overview page. `all_docs` as loaded (setup, methodology and commands are per file),
+/// `docs` with shards merged (comparisons).
+pub fn index_page(
+    all_docs: &[Loaded],
+    docs: &[Loaded],
+    base: &str,
+    layout: Layout,
+    pages: Vec<PageLink>,
+    glance: Vec<GlanceRow>,
+    chart: Option<&GlanceChart>,
+) -> IndexPage {
+    IndexPage {
+        layout,
+        pages,
+        empty: docs.is_empty(),
+        glance_figure: chart.map(|c| FigureRef {
+            src: format!("{base}{}", c.file),
+            alt: c.desc.clone(),
+        }),
+        glance,
+        setup: all_docs.iter().map(setup_doc).collect(),
+        methodology: methodology(all_docs),
+        dispatch: docs
+            .iter()
+            .flat_map(|l| {
+                l.doc.config.dispatch.iter().map(|d| DispatchView {
+                    file: l.file_name(),
+                    entry_point: d.entry_point.clone(),
+                    device: d.device.clone(),
+                    dtype: d.dtype.clone(),
+                    rule: d.rule.clone(),
+                    implementation: d.implementation.clone(),
+                })
+            })
+            .collect(),
+        limitations: limitations(docs, base),
+        reproduce: reproduce_commands(all_docs.iter())
+            .into_iter()
+            .chain(std::iter::once(CommandView {
+                label: "the figures alone (SVG files)".to_string(),
+                command: FIGURES_COMMAND.to_string(),
+            }))
+            .collect(),
+    }
+}
+
+/// The shared parts, in the order the first row lists them.
+fn parts_in_order(picked: &[&GlanceRow], shared: &BTreeSet<String>) -> String {
+    let Some(first) = picked.first() else {
+        return String::new();
+    };
+    let mut v = vec![first.suite.clone(), first.device.clone()];
+    v.extend(first.group.split(", ").map(str::to_string));
+    v.push(format!("{}={}", first.axis, first.x));
+    v.into_iter()
+        .filter(|p| shared.contains(p))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
+    let mut out = Vec::new();
+    for l in docs {
+        for g in group_rows(&l.doc, primary_axis(&l.doc)) {
+            let href = format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, &g));
+            for (x, by_impl) in g.by_x.values() {
+                let Some(default) = by_impl.values().find(|r| r.default) else {
+                    continue;
+                };
+                let mut row = GlanceRow {
+                    suite: l.doc.suite.title().to_string(),
+                    device: l.doc.device.name.clone(),
+                    group: g.title(),
+                    axis: g.axis.clone(),
+                    href: href.clone(),
+                    x: x_label(*x),
+                    default_impl: default.implementation.clone(),
+                    default_ms: default
+                        .median_ms
+                        .map(format::ms)
+                        .unwrap_or_else(|| default.status.as_str().to_string()),
+                    alternative: None,
+                    alternative_ms: None,
+                    ratio: None,
+                    note: None,
+                    representative: false,
+                    ratio_value: None,
+                    ratio_range: None,
+                    cpu: l.doc.device.kind == crate::schema::DeviceKind::Cpu,
+                };
+                let best = by_impl
+                    .values()
+                    .filter(|r| !r.default && r.status == Status::Ok && is_accurate(r))
+                    .filter_map(|r| Some((r.median_ms?, *r)))
+                    .min_by(|a, b| {
+                        a.0.total_cmp(&b.0)
+                            .then_with(|| a.1.implementation.cmp(&b.1.implementation))
+                    });
+                if let Some((alt_ms, alt)) = best {
+                    row.alternative = Some(alt.implementation.clone());
+                    row.alternative_ms = Some(format::ms(alt_ms));
+                }
+                match (default.status, default.median_ms, best) {
+                    (Status::Ok, Some(d), Some((a, alt))) if d > 0.0 => {
+                        row.ratio_value = Some(a / d);
+                        row.ratio = Some(format::ratio(a / d));
+                        row.ratio_range = match (alt.q1_ms, alt.q3_ms, default.q1_ms, default.q3_ms)
+                        {
+                            (Some(aq1), Some(aq3), Some(dq1), Some(dq3)) if dq1 > 0.0 => {
+                                Some((aq1 / dq3, aq3 / dq1))
+                            }
+                            _ => None,
+                        };
+                    }
+                    (Status::Ok, _, None) => {
+                        row.note = Some("no accurate alternative ran".to_string())
+                    }
+                    (Status::Ok, _, _) => row.note = Some("default time is zero".to_string()),
+                    (status, _, _) => {
+                        row.note = Some(format!("default did not run ({})", status.as_str()))
+                    }
+                }
+                out.push(row);
+            }
+        }
+    }
+    out
+}
+
+/// Marks, per group, the row with the largest x that has a ratio.
+fn mark_representatives(rows: &mut [GlanceRow]) {
+    let mut last: BTreeMap<&str, usize> = BTreeMap::new();
+    // Rows of a group are contiguous and in ascending x.
+    for (i, r) in rows.iter().enumerate() {
+        if r.ratio_value.is_some() {
+            last.insert(r.href.as_str(), i);
+        }
+    }
+    let picks: Vec<usize> = last.into_values().collect();
+    for i in picks {
+        rows[i].representative = true;
+    }
+}
+
+fn setup_doc(l: &Loaded) -> SetupDoc {
+    let d = &l.doc.device;
+    let kv = |k: &str, v: String| KeyValue {
+        key: k.to_string(),
+        value: v,
+    };
+    let mut device = vec![
+        kv("Name", d.name.clone()),
+        kv("Kind", format!("{:?}", d.kind).to_lowercase()),
+    ];
+    let opt = |v: Option<String>| v.unwrap_or_else(|| "—".to_string());
+    device.push(kv("Compute capability", opt(d.compute_capability.clone())));
+    device.push(kv("SMs", opt(d.sm_count.map(|v| v.to_string()))));
+    device.push(kv("Memory (MB)", opt(d.memory_mb.map(format::mb))));
+    device.push(kv("L2 (MB)", opt(d.l2_mb.map(format::mb))));
+    device.push(kv("Driver", opt(d.driver_version.clone())));
+    device.push(kv("CUDA", opt(d.cuda_version.clone())));
+    if let Some(t) = d.cpu_threads {
+        device.push(kv("CPU threads", t.to_string()));
+    }
+    let c = &l.doc.config;
+    SetupDoc {
+        file: l.file_name(),
+        suite: l.doc.suite.title().to_string(),
+        device,
+        libraries: c.libraries.iter().map(|(k, v)| kv(k, v.clone())).collect(),
+        run: vec![
+            kv("Runner", format!("{} {}", c.runner, c.runner_version)),
+            kv("Git commit", c.git_commit.clone()),
+            kv("Started", c.started_at.clone()),
+            kv("Finished", opt(c.finished_at.clone())),
+            kv("Rows", l.doc.rows.len().to_string()),
+        ],
+    }
+}
+
+/// Words for an accuracy reference.
+fn reference_label(r: crate::schema::Reference) -> &'static str {
+    match r {
+        crate::schema::Reference::Float64Cpu => "float64 on the CPU",
+        crate::schema::Reference::Float64Device => "float64 on the device",
+        crate::schema::Reference::Float32Device => "float32 (highest precision) on the device",
+    }
+}
+
+fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
+    let sets: BTreeSet<u32> = docs
+        .iter()
+        .flat_map(|l| l.doc.rows.iter().filter_map(|r| r.input_sets))
+        .collect();
+    let input_sets = match (sets.first(), sets.last()) {
+        (Some(a), Some(b)) if a == b => a.to_string(),
+        (Some(a), Some(b)) => format!("{a}–{b}"),
+        _ => "—".to_string(),
+    };
+    let refs: BTreeSet<&'static str> = docs
+        .iter()
+        .flat_map(|l| l.doc.rows.iter().filter_map(|r| r.accuracy.as_ref()))
+        .map(|a| reference_label(a.reference))
+        .collect();
+    let checked: BTreeSet<&str> = docs
+        .iter()
+        .flat_map(|l| {
+            l.doc
+                .rows
+                .iter()
+                .filter_map(|r| r.accuracy.as_ref()?.checked.as_deref())
+        })
+        .collect();
+    let mut methods: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for l in docs {
+        for r in &l.doc.rows {
+            if let Some(m) = r.memory.as_ref().and_then(|m| m.peak_method.as_deref()) {
+                methods
+                    .entry(m)
+                    .or_default()
+                    .insert(r.implementation.as_str());
+            }
+        }
+    }
+    let peak_methods = if methods.is_empty() {
+        "no row recorded a peak".to_string()
+    } else {
+        methods
+            .into_iter()
+            .map(|(m, imps)| format!("{m} ({})", imps.into_iter().collect::<Vec<_>>().join(", ")))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    let flop_rules: BTreeSet<&str> = docs
+        .iter()
+        .filter_map(|l| l.doc.config.flop_rule.as_deref())
+        .collect();
+    let mut checked: Vec<&str> = checked.into_iter().collect();
+    // Natural order: by the numbers in the text (2 of 32 ... 512 before 1024).
+    checked.sort_by_key(|c| {
+        c.split(|ch: char| !ch.is_ascii_digit())
+            .filter_map(|n| n.parse::<u64>().ok())
+            .collect::<Vec<_>>()
+    });
+    TimingView {
+        flop_rules: md_text(&flop_rules.into_iter().collect::<Vec<_>>().join("; ")),
+        peak_methods: md_text(&peak_methods),
+        files: docs
+            .iter()
+            .map(|l| l.file_name())
+            .collect::<Vec<_>>()
+            .join(", "),
+        warmup_calls: t.warmup_calls.to_string(),
+        repeats: t.repeats.to_string(),
+        min_sample_ms: format::sig(t.min_sample_ms, 3),
+        max_inner: t.max_inner.to_string(),
+        l2_rotation_factor: format::sig(t.l2_rotation_factor, 3),
+        case_timeout_s: format::sig(t.case_timeout_s, 3),
+        input_sets,
+        references: if refs.is_empty() {
+            "—".to_string()
+        } else {
+            refs.into_iter().collect::<Vec<_>>().join("; ")
+        },
+        checked: if checked.is_empty() {
+            "every output element".to_string()
+        } else {
+            md_text(&checked.join("; "))
+        },
+    }
+}
+
+/// One view per distinct timing configuration, in document order.
+fn methodology(docs: &[Loaded]) -> Vec<TimingView> {
+    let mut configs: Vec<(&TimingConfig, Vec<&Loaded>)> = Vec::new();
+    for l in docs {
+        match configs.iter_mut().find(|(t, _)| **t == l.doc.config.timing) {
+            Some((_, v)) => v.push(l),
+            None => configs.push((&l.doc.config.timing, vec![l])),
+        }
+    }
+    configs.iter().map(|(t, v)| timing_view(t, v)).collect()
+}
+
+/// One size at which an alternative beat the default: (x label, default row, alternative row).
+type FasterAt<'a> = (String, &'a Row, &'a Row);
+
+/// The library name the project's own rows carry: its implementations' failures are listed
+/// as limitations.
+pub const OWN_LIBRARY: &str = env!("CARGO_PKG_NAME");
+
+fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
+    let mut out = Vec::new();
+    for l in docs {
+        let axis = primary_axis(&l.doc);
+        out.extend(own_failures(l, axis, base));
+        for g in group_rows(&l.doc, axis) {
+            let href = format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, &g));
+            // Faster alternatives, gathered over the group's sizes: (size, default, alternative).
+            let mut faster: BTreeMap<(String, String), Vec<FasterAt>> = BTreeMap::new();
+            for (x, by_impl) in g.by_x.values() {
+                let place = format!(
+                    "{} on {}, {}, {axis}={}",
+                    l.doc.suite.title(),
+                    l.doc.device.name,
+                    g.title(),
+                    x_label(*x)
+                );
+                let lim = |kind: &str, detail: String| Limitation {
+                    kind: kind.to_string(),
+                    place: place.clone(),
+                    href: href.clone(),
+                    detail,
+                };
+                let default = by_impl.values().find(|r| r.default);
+                if let Some(d) = default {
+                    if d.status == Status::Ok {
+                        if let Some(d_q1) = d.q1_ms {
+                            for r in by_impl
+                                .values()
+                                .filter(|r| !r.default && r.status == Status::Ok)
+                            {
+                                if r.q3_ms.is_some_and(|q3| q3 < d_q1) {
+                                    faster
+                                        .entry((d.implementation.clone(), r.implementation.clone()))
+                                        .or_default()
+                                        .push((x_label(*x), d, r));
+                                }
+                            }
+                        }
+                    } else {
+                        let ran: Vec<String> = by_impl
+                            .values()
+                            .filter(|r| !r.default && r.status == Status::Ok)
+                            .map(|r| {
+                                format!(
+                                    "{} ({} ms)",
+                                    r.implementation,
+                                    r.median_ms.map(format::ms).unwrap_or_default()
+                                )
+                            })
+                            .collect();
+                        if !ran.is_empty() {
+                            out.push(lim(
+                                "default did not run",
+                                format!(
+                                    "the default {} is {}{} while {} ran",
+                                    d.implementation,
+                                    d.status.as_str(),
+                                    d.message
+                                        .as_deref()
+                                        .map(|m| format!(" ({m})"))
+                                        .unwrap_or_default(),
+                                    ran.join(", ")
+                                ),
+                            ));
+                        }
+                    }
+                }
+                for r in by_impl.values().filter(|r| above_tolerance(r)) {
+                    if let Some(a) = &r.accuracy {
+                        out.push(lim(
+                            "above tolerance",
+                            format!(
+                                "{} has rel_err {} above its tolerance {} (reference: {})",
+                                r.implementation,
+                                format::rel_err(a.rel_err),
+                                format::rel_err(a.tolerance),
+                                reference_label(a.reference)
+                            ),
+                        ));
+                    }
+                }
+            }
+            for ((default, alt), cases) in faster {
+                let ratios: Vec<f64> = cases
+                    .iter()
+                    .filter_map(|(_, d, r)| Some(d.median_ms? / r.median_ms?))
+                    .collect();
+                let (lo, hi) = ratios.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &q| {
+                    (lo.min(q), hi.max(q))
+                });
+                let sizes: Vec<String> = cases
+                    .iter()
+                    .map(|(x, d, r)| {
+                        format!(
+                            "{x}: {} against {} ms",
+                            d.median_ms.map(format::ms).unwrap_or_default(),
+                            r.median_ms.map(format::ms).unwrap_or_default()
+                        )
+                    })
+                    .collect();
+                out.push(Limitation {
+                    kind: "faster alternative".to_string(),
+                    place: format!(
+                        "{} on {}, {}",
+                        l.doc.suite.title(),
+                        l.doc.device.name,
+                        g.title()
+                    ),
+                    href: href.clone(),
+                    detail: format!(
+                        "{alt} beats the default {default} by more than the spread of both (its q3 below the default's q1) at {} of {} measured {axis} values; {default} takes {}× to {}× as long ({axis} {})",
+                        cases.len(),
+                        g.by_x.len(),
+                        format::sig(lo, 3),
+                        format::sig(hi, 3),
+                        sizes.join("; ")
+                    ),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// One limitation per (own implementation, status) that did not run: the smallest size where
+/// it failed, its message there, and how many cases failed so ("math: oom from seq_len 32768").
+fn own_failures(l: &Loaded, axis: &str, base: &str) -> Vec<Limitation> {
+    // (implementation, status) -> failing rows, in document order.
+    let mut failing: BTreeMap<(&str, Status), Vec<&Row>> = BTreeMap::new();
+    for r in &l.doc.rows {
+        if r.library == OWN_LIBRARY && r.status != Status::Ok {
+            failing
+                .entry((r.implementation.as_str(), r.status))
+                .or_default()
+                .push(r);
+        }
+    }
+    let mut out = Vec::new();
+    for ((implementation, status), rows) in failing {
+        // The smallest size: by the axis value, then by the rest of the case.
+        let Some(first) = rows.iter().min_by(|a, b| {
+            let key = |r: &Row| r.case.get(axis).map(super::groups::param_key);
+            key(a).cmp(&key(b)).then_with(|| {
+                crate::load::case_label(&a.case).cmp(&crate::load::case_label(&b.case))
+            })
+        }) else {
+            continue;
+        };
+        let g = group_rows(&l.doc, axis)
+            .into_iter()
+            .find(|g| {
+                let mut params = first.case.clone();
+                params.remove(axis);
+                g.params == params
+            });
+        let href = match &g {
+            Some(g) => format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, g)),
+            None => format!("{base}{}", page_of(l.doc.suite)),
+        };
+        let size = x_label(first.case.get(axis));
+        let what = match status {
+            Status::Oom => "runs out of memory",
+            Status::Unsupported => "does not support the case",
+            Status::Error => "fails with an error",
+            Status::Timeout => "runs past the time limit",
+            Status::Ok => continue,
+        };
+        out.push(Limitation {
+            kind: format!("{implementation}: {}", status.as_str()),
+            place: format!(
+                "{} on {}, {}",
+                l.doc.suite.title(),
+                l.doc.device.name,
+                crate::load::case_label(&first.case)
+            ),
+            href,
+            detail: format!(
+                "{implementation} {what} from {axis} = {size} ({} case{} in all){}",
+                rows.len(),
+                if rows.len() == 1 { "" } else { "s" },
+                first
+                    .message
+                    .as_deref()
+                    .map(|m| format!(": {m}"))
+                    .unwrap_or_default()
+            ),
+        });
+    }
+    out
+}

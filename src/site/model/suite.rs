@@ -1,0 +1,625 @@
+//! The suite pages (Attention; Sequence mixers, kernel sums and MoE; Models): one table and
+//! its figures per group of rows, drawn against the document's declared axes, with every
+//! throughput the document declares.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::super::format;
+use super::groups::{
+    device_label, group_id, group_rows, implementations, param_f64, primary_axis, throughput,
+    x_label, Group, ImplHeader,
+};
+use super::{measure_command, CommandView, FigureRef, Layout};
+use crate::load::Loaded;
+use crate::schema::{Document, Row, Status, Suite, Throughput};
+
+/// A suite page.
+#[derive(Debug, Serialize)]
+pub struct SuitePage {
+    /// Layout.
+    pub layout: Layout,
+    /// One section per suite of the page.
+    pub sections: Vec<SuiteSection>,
+    /// The commands that reproduce this page's documents, then the page itself.
+    pub reproduce: Vec<CommandView>,
+}
+
+/// One suite on a page.
+#[derive(Debug, Serialize)]
+pub struct SuiteSection {
+    /// Suite title.
+    pub title: String,
+    /// Anchor.
+    pub anchor: String,
+    /// True when some document holds rows of the suite.
+    pub measured: bool,
+    /// Command that measures it, when a runner exists.
+    pub command: Option<CommandView>,
+    /// One entry per document of the suite.
+    pub documents: Vec<DocSection>,
+}
+
+/// The groups of one document.
+#[derive(Debug, Serialize)]
+pub struct DocSection {
+    /// Data file.
+    pub file: String,
+    /// Device name (and compute capability).
+    pub device: String,
+    /// What each cell shows, in order: `median ms (q1–q3) · TFLOP/s · rel_err · compile s`,
+    /// with the document's declared throughput units.
+    pub cell_legend: String,
+    /// Groups of rows sharing every parameter but the x parameter.
+    pub groups: Vec<GroupView>,
+}
+
+/// One table: rows by x, columns by implementation.
+#[derive(Debug, Serialize)]
+pub struct GroupView {
+    /// Anchor.
+    pub anchor: String,
+    /// Parameters shared by the group, `name=value` joined.
+    pub title: String,
+    /// Name of the x parameter.
+    pub x_name: String,
+    /// Columns.
+    pub implementations: Vec<ImplHeader>,
+    /// Rows.
+    pub rows: Vec<TableRow>,
+    /// The group's figure: median time against x.
+    pub figure: Option<FigureRef>,
+    /// One figure per declared throughput against x.
+    pub throughput_figures: Vec<FigureRef>,
+    /// Figures against the document's later axes (`config.axes[1..]`), for the groups along
+    /// them that share this group's parameters.
+    pub other_axis_figures: Vec<FigureRef>,
+    /// Peak memory against x, when some row recorded `memory.peak_mb`.
+    pub memory_figure: Option<FigureRef>,
+    /// Relative error against x with the tolerance, when some row recorded `accuracy`.
+    pub error_figure: Option<FigureRef>,
+    /// Memory figures of rows that have them.
+    pub memory: Vec<MemoryRow>,
+}
+
+/// One table row.
+#[derive(Debug, Serialize)]
+pub struct TableRow {
+    /// The x value.
+    pub x: String,
+    /// One cell per implementation, in column order.
+    pub cells: Vec<Cell>,
+}
+
+/// One table cell.
+#[derive(Debug, Serialize)]
+pub struct Cell {
+    /// `ok`, `failed` (a row that did not run) or `missing` (no row).
+    pub kind: &'static str,
+    /// Implementation.
+    pub implementation: String,
+    /// Median ms.
+    pub median: Option<String>,
+    /// `q1–q3` ms.
+    pub iqr: Option<String>,
+    /// The declared throughputs, formatted, in declaration order.
+    pub throughput: Vec<ThroughputCell>,
+    /// Relative error.
+    pub rel_err: Option<String>,
+    /// Tolerance, when above it.
+    pub tolerance: Option<String>,
+    /// True when rel_err > tolerance.
+    pub above_tolerance: bool,
+    /// Compile (or first-call) time, s.
+    pub compile_s: Option<String>,
+    /// Status name.
+    pub status: String,
+    /// The row's message.
+    pub message: Option<String>,
+}
+
+/// One throughput of a cell.
+#[derive(Debug, Serialize)]
+pub struct ThroughputCell {
+    /// The value, three significant digits.
+    pub value: String,
+    /// Its unit, as the document declares it.
+    pub unit: String,
+}
+
+/// Memory figures of one row.
+#[derive(Debug, Serialize)]
+pub struct MemoryRow {
+    /// The x value.
+    pub x: String,
+    /// Implementation.
+    pub implementation: String,
+    /// Arguments MB.
+    pub arguments_mb: String,
+    /// Outputs MB.
+    pub outputs_mb: String,
+    /// Temporaries MB.
+    pub temporaries_mb: String,
+    /// Residuals MB.
+    pub residuals_mb: String,
+    /// Peak MB.
+    pub peak_mb: String,
+    /// How the peak was read.
+    pub peak_method: String,
+}
+
+/// One line figure: a measured quantity (time, throughput, peak memory or relative error)
+/// against an axis; log x, and log y except for throughput.
+#[derive(Debug, Clone)]
+pub struct FigureSpec {
+    /// Site-relative path, `figures/<suite>-<hash>.svg` (time), `…-memory.svg`, `…-error.svg`.
+    pub file: String,
+    /// SVG `<title>`.
+    pub title: String,
+    /// SVG `<desc>`.
+    pub desc: String,
+    /// x axis label.
+    pub x_label: String,
+    /// y axis label, with its unit.
+    pub y_label: String,
+    /// One line per implementation.
+    pub series: Vec<Series>,
+    /// Horizontal dashed lines (value, legend label), e.g. the accuracy tolerance.
+    pub reference_lines: Vec<(f64, String)>,
+    /// True for a logarithmic y axis; a linear one starts at 0.
+    pub log_y: bool,
+}
+
+/// One implementation in a figure.
+#[derive(Debug, Clone)]
+pub struct Series {
+    /// Legend label.
+    pub name: String,
+    /// Colour (CSS hex).
+    pub colour: String,
+    /// Point marker, fixed per implementation name.
+    pub marker: Marker,
+    /// Line pattern, fixed per implementation name.
+    pub dash: Dash,
+    /// True for the default implementation (drawn thicker).
+    pub emphasis: bool,
+    /// (x, value) of ok rows, x ascending.
+    pub points: Vec<(f64, f64)>,
+    /// (x, status) of rows that did not run.
+    pub failed: Vec<(f64, String)>,
+}
+
+/// The section of `suite` on its page, its figures pushed onto `figures`.
+pub fn suite_section(
+    docs: &[Loaded],
+    suite: Suite,
+    base: &str,
+    colours: &BTreeMap<String, String>,
+    figures: &mut Vec<FigureSpec>,
+) -> SuiteSection {
+    let documents: Vec<DocSection> = docs
+        .iter()
+        .filter(|l| l.doc.suite == suite && !l.doc.rows.is_empty())
+        .map(|l| doc_section(l, base, colours, figures))
+        .collect();
+    SuiteSection {
+        title: suite.title().to_string(),
+        anchor: suite.as_str().to_string(),
+        measured: !documents.is_empty(),
+        command: measure_command(suite).map(|c| CommandView {
+            label: format!("measure {}", suite.title().to_lowercase()),
+            command: c.to_string(),
+        }),
+        documents,
+    }
+}
+
+fn doc_section(
+    loaded: &Loaded,
+    base: &str,
+    colours: &BTreeMap<String, String>,
+    figures: &mut Vec<FigureSpec>,
+) -> DocSection {
+    let doc = &loaded.doc;
+    let impls = implementations(doc, colours);
+    let axis = primary_axis(doc);
+    let decls = &doc.config.throughput;
+    // Groups along the later axes, keyed by the parameters they share with a primary group.
+    let mut later: Vec<(BTreeMap<String, crate::schema::Param>, FigureRef)> = Vec::new();
+    for other in doc.config.axes.iter().skip(1) {
+        for g in group_rows(doc, other) {
+            let id = group_id(loaded, &g);
+            let mut metrics = vec![Metric::Time];
+            metrics.extend(decls.iter().map(Metric::Throughput));
+            for metric in metrics {
+                if let Some(spec) = figure_spec(doc, &g, &id, &impls, metric) {
+                    let mut shared = g.params.clone();
+                    shared.remove(axis);
+                    later.push((
+                        shared,
+                        FigureRef {
+                            src: format!("{base}{}", spec.file),
+                            alt: spec.desc.clone(),
+                        },
+                    ));
+                    figures.push(spec);
+                }
+            }
+        }
+    }
+    let groups = group_rows(doc, axis)
+        .iter()
+        .map(|g| {
+            let id = group_id(loaded, g);
+            let rows = g
+                .by_x
+                .values()
+                .map(|(x, by_impl)| TableRow {
+                    x: x_label(*x),
+                    cells: impls
+                        .iter()
+                        .map(|h| cell(&h.name, by_impl.get(h.name.as_str()).copied(), decls))
+                        .collect(),
+                })
+                .collect();
+            let memory = g
+                .by_x
+                .values()
+                .flat_map(|(x, by_impl)| {
+                    impls.iter().filter_map(move |h| {
+                        let row = by_impl.get(h.name.as_str())?;
+                        let m = row.memory.as_ref()?;
+                        let f =
+                            |v: Option<f64>| v.map(format::mb).unwrap_or_else(|| "—".to_string());
+                        Some(MemoryRow {
+                            x: x_label(*x),
+                            implementation: h.name.clone(),
+                            arguments_mb: f(m.arguments_mb),
+                            outputs_mb: f(m.outputs_mb),
+                            temporaries_mb: f(m.temporaries_mb),
+                            residuals_mb: f(m.residuals_mb),
+                            peak_mb: f(m.peak_mb),
+                            peak_method: m.peak_method.clone().unwrap_or_else(|| "—".to_string()),
+                        })
+                    })
+                })
+                .collect();
+            let mut add = |metric: Metric| {
+                figure_spec(doc, g, &id, &impls, metric).map(|spec| {
+                    let r = FigureRef {
+                        src: format!("{base}{}", spec.file),
+                        alt: spec.desc.clone(),
+                    };
+                    figures.push(spec);
+                    r
+                })
+            };
+            let figure = add(Metric::Time);
+            let throughput_figures = decls
+                .iter()
+                .filter_map(|d| add(Metric::Throughput(d)))
+                .collect();
+            let memory_figure = add(Metric::PeakMemory);
+            let error_figure = add(Metric::RelErr);
+            // A later-axis group belongs here when its parameters (less this axis) are ours.
+            let other_axis_figures = later
+                .iter()
+                .filter(|(shared, _)| shared.iter().all(|(k, v)| g.params.get(k) == Some(v)))
+                .map(|(_, f)| f.clone())
+                .collect();
+            GroupView {
+                anchor: format!("g-{id}"),
+                title: g.title(),
+                x_name: axis.to_string(),
+                implementations: impls.clone(),
+                rows,
+                figure,
+                throughput_figures,
+                other_axis_figures,
+                memory_figure,
+                error_figure,
+                memory,
+            }
+        })
+        .collect();
+    let mut legend = vec!["median ms (q1–q3)".to_string()];
+    legend.extend(decls.iter().map(|d| d.unit.clone()));
+    legend.extend(["rel_err".to_string(), "compile s".to_string()]);
+    DocSection {
+        file: loaded.file_name(),
+        device: device_label(doc),
+        cell_legend: legend.join(" · "),
+        groups,
+    }
+}
+
+fn cell(implementation: &str, row: Option<&Row>, decls: &[Throughput]) -> Cell {
+    let mut c = Cell {
+        kind: "missing",
+        implementation: implementation.to_string(),
+        median: None,
+        iqr: None,
+        throughput: Vec::new(),
+        rel_err: None,
+        tolerance: None,
+        above_tolerance: false,
+        compile_s: None,
+        status: "not measured".to_string(),
+        message: None,
+    };
+    let Some(row) = row else { return c };
+    c.status = row.status.as_str().to_string();
+    c.message = row.message.clone();
+    if row.status != Status::Ok {
+        c.kind = "failed";
+        return c;
+    }
+    c.kind = "ok";
+    c.median = row.median_ms.map(format::ms);
+    if let (Some(q1), Some(q3)) = (row.q1_ms, row.q3_ms) {
+        c.iqr = Some(format::iqr(q1, q3));
+    }
+    c.throughput = decls
+        .iter()
+        .filter_map(|d| {
+            Some(ThroughputCell {
+                value: format::sig(throughput(row, d)?, 3),
+                unit: d.unit.clone(),
+            })
+        })
+        .collect();
+    c.compile_s = row.compile_s.map(|t| format::sig(t, 2));
+    if let Some(a) = &row.accuracy {
+        c.rel_err = Some(format::rel_err(a.rel_err));
+        c.above_tolerance = a.rel_err > a.tolerance;
+        c.tolerance = Some(format::rel_err(a.tolerance));
+    }
+    c
+}
+
+/// The marker of a series: a shape per implementation name, so lines stay apart without
+/// colour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Marker {
+    /// A filled circle.
+    Circle,
+    /// A filled square.
+    Square,
+    /// A filled triangle.
+    Triangle,
+    /// A filled diamond.
+    Diamond,
+}
+
+impl Marker {
+    /// The marker of implementation `name` (a stable hash of the name).
+    pub fn of(name: &str) -> Marker {
+        [
+            Marker::Circle,
+            Marker::Square,
+            Marker::Triangle,
+            Marker::Diamond,
+        ][(format::stable_hash(name.as_bytes()) % 4) as usize]
+    }
+}
+
+/// The line pattern of a series.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dash {
+    /// A solid line (the default implementation's).
+    Solid,
+    /// Long dashes.
+    Dashed,
+    /// Short dots.
+    Dotted,
+}
+
+impl Dash {
+    /// The pattern of implementation `name` other than the default (a stable hash).
+    pub fn of(name: &str) -> Dash {
+        [Dash::Solid, Dash::Dashed, Dash::Dotted]
+            [((format::stable_hash(name.as_bytes()) >> 8) % 3) as usize]
+    }
+
+    /// (dash length, gap) in px; a solid line is one long dash.
+    pub fn pattern(self) -> (u32, u32) {
+        match self {
+            Dash::Solid => (1000, 0),
+            Dash::Dashed => (8, 4),
+            Dash::Dotted => (2, 3),
+        }
+    }
+}
+
+/// What a line figure plots against its axis.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Metric<'a> {
+    /// `median_ms` of ok rows.
+    Time,
+    /// A declared throughput of ok rows.
+    Throughput(&'a Throughput),
+    /// `memory.peak_mb` of ok rows.
+    PeakMemory,
+    /// `accuracy.rel_err` of ok rows, with each tolerance as a dashed line.
+    RelErr,
+}
+
+impl Metric<'_> {
+    /// The value drawn for an ok row, when it has one that the axis can show (> 0).
+    fn value(self, row: &Row) -> Option<f64> {
+        let v = match self {
+            Metric::Time => row.median_ms?,
+            Metric::Throughput(d) => throughput(row, d)?,
+            Metric::PeakMemory => row.memory.as_ref()?.peak_mb?,
+            Metric::RelErr => row.accuracy.as_ref()?.rel_err,
+        };
+        (v.is_finite() && v > 0.0).then_some(v)
+    }
+
+    fn format(self, v: f64) -> String {
+        match self {
+            Metric::Time => format!("{} ms", format::ms(v)),
+            Metric::Throughput(d) => format!("{} {}", format::sig(v, 3), d.unit),
+            Metric::PeakMemory => format!("{} MB", format::mb(v)),
+            Metric::RelErr => format::rel_err(v),
+        }
+    }
+
+    /// Suffix of the figure file after the group id.
+    fn file_suffix(self) -> String {
+        match self {
+            Metric::Time => String::new(),
+            Metric::Throughput(d) => format!("-{}", slug(&d.key)),
+            Metric::PeakMemory => "-memory".to_string(),
+            Metric::RelErr => "-error".to_string(),
+        }
+    }
+
+    /// What the title says is plotted.
+    fn what(self) -> String {
+        match self {
+            Metric::Time => "median time".to_string(),
+            Metric::Throughput(d) => d.unit.clone(),
+            Metric::PeakMemory => "peak memory".to_string(),
+            Metric::RelErr => "relative error".to_string(),
+        }
+    }
+
+    fn y_label(self) -> String {
+        match self {
+            Metric::Time => "median time (ms)".to_string(),
+            Metric::Throughput(d) => d.unit.clone(),
+            Metric::PeakMemory => "peak memory (MB)".to_string(),
+            Metric::RelErr => "relative error".to_string(),
+        }
+    }
+
+    /// Throughput reads best on a linear axis from zero, where a 10 % gap looks like one.
+    fn log_y(self) -> bool {
+        !matches!(self, Metric::Throughput(_))
+    }
+}
+
+/// `key` reduced to letters, digits, `-` and `_`, for file names.
+fn slug(key: &str) -> String {
+    key.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The figure of `metric` for group `g`, or `None` when no row has a value to draw.
+fn figure_spec(
+    doc: &Document,
+    g: &Group<'_>,
+    id: &str,
+    impls: &[ImplHeader],
+    metric: Metric<'_>,
+) -> Option<FigureSpec> {
+    let axis = g.axis.as_str();
+    let mut series = Vec::new();
+    let mut any_point = false;
+    let mut tolerances: Vec<f64> = Vec::new();
+    for h in impls {
+        let mut s = Series {
+            name: if h.is_default {
+                format!("{} (default)", h.name)
+            } else {
+                h.name.clone()
+            },
+            colour: h.colour.clone(),
+            marker: Marker::of(&h.name),
+            dash: if h.is_default {
+                Dash::Solid
+            } else {
+                Dash::of(&h.name)
+            },
+            emphasis: h.is_default,
+            points: Vec::new(),
+            failed: Vec::new(),
+        };
+        for (x, by_impl) in g.by_x.values() {
+            let (Some(x), Some(row)) = (x.and_then(param_f64), by_impl.get(h.name.as_str())) else {
+                continue;
+            };
+            if x <= 0.0 {
+                continue;
+            }
+            if row.status != Status::Ok {
+                s.failed.push((x, row.status.as_str().to_string()));
+                continue;
+            }
+            if let Some(v) = metric.value(row) {
+                s.points.push((x, v));
+            }
+            if metric == Metric::RelErr {
+                if let Some(t) = row.accuracy.as_ref().map(|a| a.tolerance) {
+                    if t.is_finite() && t > 0.0 && !tolerances.contains(&t) {
+                        tolerances.push(t);
+                    }
+                }
+            }
+        }
+        any_point |= !s.points.is_empty();
+        if !s.points.is_empty() || !s.failed.is_empty() {
+            series.push(s);
+        }
+    }
+    if !any_point {
+        return None;
+    }
+    tolerances.sort_by(f64::total_cmp);
+    let reference_lines: Vec<(f64, String)> = tolerances
+        .iter()
+        .map(|t| (*t, format!("tolerance {}", format::rel_err(*t))))
+        .collect();
+    let title = format!(
+        "{}: {} against {axis}, {}",
+        doc.suite.title(),
+        metric.what(),
+        g.title()
+    );
+    let desc = series
+        .iter()
+        .map(|s| {
+            let pts: Vec<String> = s
+                .points
+                .iter()
+                .map(|(x, y)| format!("{x}: {}", metric.format(*y)))
+                .chain(s.failed.iter().map(|(x, st)| format!("{x}: {st}")))
+                .collect();
+            format!("{}: {}", s.name, pts.join(", "))
+        })
+        .chain(
+            reference_lines
+                .iter()
+                .map(|(_, l)| format!("dashed line: {l}")),
+        )
+        .collect::<Vec<_>>()
+        .join("; ");
+    Some(FigureSpec {
+        file: format!(
+            "figures/{}-{id}{}.svg",
+            doc.suite.as_str(),
+            metric.file_suffix()
+        ),
+        title,
+        desc: format!(
+            "{} plot of {} on {}. {desc}.",
+            if metric.log_y() { "Log-log" } else { "Log-x" },
+            metric.y_label(),
+            doc.device.name
+        ),
+        x_label: axis.to_string(),
+        y_label: metric.y_label(),
+        series,
+        reference_lines,
+        log_y: metric.log_y(),
+    })
+}

@@ -1,0 +1,170 @@
+//! The site's templates, stylesheet and data-checked prose: read from a folder on disk
+//! (`templates/`, as Zola and mdBook read theirs, so an edit shows without recompiling), with
+//! the copies built into the binary as the fallback for an installed `docgen` that has no such
+//! folder.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use sha2::{Digest, Sha256};
+
+/// The page templates, by name, as built into the binary.
+pub const BUILT_IN_TEMPLATES: [(&str, &str); 5] = [
+    ("base.html", include_str!("../../templates/base.html")),
+    ("index.html", include_str!("../../templates/index.html")),
+    ("suite.html", include_str!("../../templates/suite.html")),
+    ("hopper.html", include_str!("../../templates/hopper.html")),
+    (
+        "prose/methodology.md",
+        include_str!("../../templates/prose/methodology.md"),
+    ),
+];
+
+/// The handwritten stylesheet as built into the binary.
+pub const BUILT_IN_STYLE: &str = include_str!("../../templates/style.css");
+
+/// Prose shown on the Attention page (a path under the templates folder).
+pub const ATTENTION_PROSE: &str = "prose/attention.md";
+/// Prose shown under Known limitations on the overview.
+pub const LIMITATIONS_PROSE: &str = "prose/limitations.md";
+
+/// The data-checked prose files ([`super::prose`]), by path under the templates folder, as
+/// built into the binary.
+pub const BUILT_IN_PROSE: [(&str, &str); 2] = [
+    (
+        ATTENTION_PROSE,
+        include_str!("../../templates/prose/attention.md"),
+    ),
+    (
+        LIMITATIONS_PROSE,
+        include_str!("../../templates/prose/limitations.md"),
+    ),
+];
+
+/// The default templates folder, used when it exists and `--templates` is not given.
+pub const DEFAULT_DIR: &str = "templates";
+
+/// Every source a build renders with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sources {
+    /// Page templates: name and source.
+    pub templates: Vec<(&'static str, String)>,
+    /// The handwritten stylesheet.
+    pub style_css: String,
+    /// Prose files: path under the templates folder and source.
+    pub prose: Vec<(&'static str, String)>,
+    /// Where they came from: the folder, or `None` for the built-in copies.
+    pub dir: Option<PathBuf>,
+}
+
+impl Sources {
+    /// The copies built into the binary.
+    pub fn built_in() -> Sources {
+        Sources {
+            templates: BUILT_IN_TEMPLATES
+                .iter()
+                .map(|(n, s)| (*n, s.to_string()))
+                .collect(),
+            style_css: BUILT_IN_STYLE.to_string(),
+            prose: BUILT_IN_PROSE
+                .iter()
+                .map(|(n, s)| (*n, s.to_string()))
+                .collect(),
+            dir: None,
+        }
+    }
+
+    /// Every template, the stylesheet and the prose read from `dir`, each file that `dir` lacks
+    /// taken from the built-in copy (so a folder holding only `style.css` restyles the site).
+    ///
+    /// Errors: `dir` is not a folder, or a file in it cannot be read; the error names it.
+    pub fn from_dir(dir: &Path) -> anyhow::Result<Sources> {
+        if !dir.is_dir() {
+            anyhow::bail!("templates folder {} does not exist", dir.display());
+        }
+        let read = |name: &str, built_in: &str| -> anyhow::Result<String> {
+            let path = dir.join(name);
+            if path.is_file() {
+                std::fs::read_to_string(&path)
+                    .with_context(|| format!("cannot read template {}", path.display()))
+            } else {
+                Ok(built_in.to_string())
+            }
+        };
+        let pairs = |list: &[(&'static str, &'static str)]| {
+            list.iter()
+                .map(|(name, built_in)| Ok((*name, read(name, built_in)?)))
+                .collect::<anyhow::Result<Vec<_>>>()
+        };
+        Ok(Sources {
+            templates: pairs(&BUILT_IN_TEMPLATES)?,
+            style_css: read("style.css", BUILT_IN_STYLE)?,
+            prose: pairs(&BUILT_IN_PROSE)?,
+            dir: Some(dir.to_path_buf()),
+        })
+    }
+
+    /// [`Sources::from_dir`] for `dir` when given, else for [`DEFAULT_DIR`] when it exists,
+    /// else [`Sources::built_in`].
+    ///
+    /// Errors: those of [`Sources::from_dir`].
+    pub fn find(dir: Option<&Path>) -> anyhow::Result<Sources> {
+        match dir {
+            Some(d) => Sources::from_dir(d),
+            None if Path::new(DEFAULT_DIR).is_dir() => Sources::from_dir(Path::new(DEFAULT_DIR)),
+            None => Ok(Sources::built_in()),
+        }
+    }
+
+    /// Where the sources came from, for messages and the manifest: the folder, or `built-in`.
+    pub fn origin(&self) -> String {
+        match &self.dir {
+            Some(d) => d.display().to_string(),
+            None => "built-in".to_string(),
+        }
+    }
+
+    /// SHA-256 (hex) over every name and source, in a fixed order.
+    pub fn sha256(&self) -> String {
+        let mut h = Sha256::new();
+        for (name, src) in self.templates.iter().chain(self.prose.iter()) {
+            h.update(name.as_bytes());
+            h.update([0]);
+            h.update(src.as_bytes());
+            h.update([0]);
+        }
+        h.update(b"style.css\0");
+        h.update(self.style_css.as_bytes());
+        hex(&h.finalize())
+    }
+
+    /// The source of prose file `name` ([`ATTENTION_PROSE`], ...).
+    pub fn prose_source(&self, name: &str) -> Option<&str> {
+        self.prose
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, s)| s.as_str())
+    }
+}
+
+/// Lower-case hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_folder_overrides_only_what_it_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("prose")).unwrap();
+        std::fs::write(dir.path().join("prose/attention.md"), "edited").unwrap();
+        let s = Sources::from_dir(dir.path()).unwrap();
+        assert_eq!(s.prose_source(ATTENTION_PROSE), Some("edited"));
+        assert_eq!(s.style_css, BUILT_IN_STYLE);
+        assert_ne!(s.sha256(), Sources::built_in().sha256());
+        assert!(Sources::from_dir(&dir.path().join("missing")).is_err());
+    }
+}
