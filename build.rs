@@ -1,13 +1,86 @@
 //! Records the git commit the binaries are built from (`KP_GIT_COMMIT`), so a runner copied to
 //! another machine still reports what it runs. `-dirty` marks uncommitted changes to tracked
 //! files. Outside a git checkout nothing is set.
+//!
+//! Also tells the tests what this machine can run, as cfg flags, so that a test that cannot run
+//! here is compiled as `#[ignore = "why"]` and shows as `ignored` in `cargo test`, never as a
+//! silent `ok`:
+//! - `kp_cuda`: the CUDA driver library (`libcuda.so.1`) is present (a GPU machine);
+//! - `kp_nvrtc`: NVRTC (`libnvrtc.so.13`) is on the loader path;
+//! - `kp_chromium`: a Chromium binary is on `PATH`;
+//! - `kp_python`: `python3` runs.
+//!
+//! On the GPU machine, run the ignored tests with `cargo test -- --include-ignored` (a binary
+//! built elsewhere carries the flags of the machine it was built on).
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=.git/HEAD");
     println!("cargo:rerun-if-changed=.git/refs");
     println!("cargo:rerun-if-changed=.git/index");
+    println!("cargo:rerun-if-env-changed=PATH");
+    println!("cargo:rerun-if-env-changed=LD_LIBRARY_PATH");
+    for flag in ["kp_cuda", "kp_nvrtc", "kp_chromium", "kp_python"] {
+        println!("cargo::rustc-check-cfg=cfg({flag})");
+    }
+    if find_library("libcuda.so.1") {
+        println!("cargo:rustc-cfg=kp_cuda");
+    }
+    if find_library("libnvrtc.so.13") {
+        println!("cargo:rustc-cfg=kp_nvrtc");
+    }
+    if ["chromium", "chromium-browser", "google-chrome"]
+        .iter()
+        .any(|b| on_path(b).is_some())
+    {
+        println!("cargo:rustc-cfg=kp_chromium");
+    }
+    if Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        println!("cargo:rustc-cfg=kp_python");
+    }
+    record_commit();
+}
+
+/// `name` as a file in a folder of `PATH`.
+fn on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// True when the dynamic loader would find `name`: in `LD_LIBRARY_PATH`, the loader cache, or
+/// the usual library folders.
+fn find_library(name: &str) -> bool {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("LD_LIBRARY_PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    dirs.extend(
+        [
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib64",
+            "/usr/lib",
+            "/usr/local/cuda/lib64",
+            "/usr/local/cuda/targets/x86_64-linux/lib",
+        ]
+        .map(PathBuf::from),
+    );
+    if dirs.iter().any(|d| Path::new(d).join(name).exists()) {
+        return true;
+    }
+    Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(name))
+}
+
+fn record_commit() {
     let Ok(out) = Command::new("git").args(["rev-parse", "HEAD"]).output() else {
         return;
     };
