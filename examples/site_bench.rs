@@ -9,7 +9,7 @@
 //! The synthetic set repeats the committed rows over as many head counts as it takes to reach
 //! 10,000 rows (each head count a new group, so new tables and figures), with times scaled per
 //! copy; it is written to a temporary folder and removed afterwards. Targets on a 2-core
-//! machine: under 200 ms for the committed data, under 1 s for 10,000 rows.
+//! machine: under 100 ms for the committed data, under 1 s for 10,000 rows.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -31,7 +31,7 @@ fn main() -> anyhow::Result<()> {
         "committed data",
         &data,
         &committed,
-        Duration::from_millis(200),
+        Duration::from_millis(100),
     );
 
     let synthetic = tmp.path().join("synthetic");
@@ -50,7 +50,7 @@ fn main() -> anyhow::Result<()> {
 
 /// One build of `data`, phase by phase, printed: where the time goes.
 fn phases(data: &Path, out: &Path) -> anyhow::Result<()> {
-    use kernelpages::site::{model, prose, render, write};
+    use kernelpages::site::{model, prose, render, templates::Sources, write};
     let mut t = Instant::now();
     let mut lap = |name: &str| {
         println!("  {name:<22} {:7.1} ms", t.elapsed().as_secs_f64() * 1e3);
@@ -60,13 +60,15 @@ fn phases(data: &Path, out: &Path) -> anyhow::Result<()> {
     lap("load");
     let m = model::build_model(&docs, None);
     lap("model");
-    let p = prose::render_site_prose(&docs)?;
+    let sources = Sources::find(None)?;
+    let p = prose::render_site_prose(&docs, &sources)?;
     lap("prose");
-    let renderer = render::Renderer::new()?;
+    let renderer = render::Renderer::new(&sources)?;
     lap("renderer set-up");
     let files = renderer.render_site(&m, &p)?;
     lap("render (pages, figures)");
-    write::write_site(out, &files)?;
+    let manifest = site::manifest(&docs, &sources, None, &files);
+    write::write_site(out, &files, &manifest)?;
     lap("write");
     println!(
         "  ({} files, {} figures, {:.1} MB)",
@@ -83,6 +85,7 @@ fn time_builds(data: &Path, out: &Path, runs: usize) -> anyhow::Result<Vec<Durat
         data_dir: data.to_path_buf(),
         out_dir: out.to_path_buf(),
         base_url: None,
+        templates_dir: None,
     };
     site::build(&opts)?;
     let mut times = Vec::with_capacity(runs);

@@ -554,8 +554,7 @@ fn check_document(path: &Path, bytes: &[u8], doc: &Document) -> Vec<LoadError> {
         bad(
             vec![key("config"), key("axes")],
             "config".into(),
-            "axes is empty; name at least one case parameter to draw the figures against"
-                .into(),
+            "axes is empty; name at least one case parameter to draw the figures against".into(),
         );
     }
     let mut seen_axes = BTreeSet::new();
@@ -959,7 +958,10 @@ mod tests {
     #[test]
     fn shard_options_are_read_from_the_command() {
         let cmd = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(shard_of(&cmd(&["attention", "--shard", "1/3"])), Some((1, 3)));
+        assert_eq!(
+            shard_of(&cmd(&["attention", "--shard", "1/3"])),
+            Some((1, 3))
+        );
         assert_eq!(shard_of(&cmd(&["attention", "--shard=0/2"])), Some((0, 2)));
         assert_eq!(shard_of(&cmd(&["attention"])), None);
         assert_eq!(

@@ -118,7 +118,6 @@ fn check_document(doc: &Value) -> Vec<Row> {
                 row.q3_ms,
                 row.compile_s,
                 row.flops,
-                row.tflops,
             ] {
                 assert!(
                     field.is_some_and(f64::is_finite),

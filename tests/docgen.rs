@@ -27,6 +27,7 @@ fn build_site(data: &Path, base_url: Option<&str>) -> (tempfile::TempDir, PathBu
         data_dir: data.to_path_buf(),
         out_dir: out.clone(),
         base_url: base_url.map(String::from),
+        templates_dir: None,
     };
     site::build(&opts).unwrap_or_else(|e| panic!("build failed: {e:#}"));
     (tmp, out)
@@ -164,7 +165,8 @@ fn attention_tables_show_the_fixture_values() {
                     Some(format::ms(r.median_ms.unwrap())),
                     "{r:?}"
                 );
-                assert_eq!(first(".tflops"), Some(format::tflops(r.tflops.unwrap())));
+                let tflops = r.flops.unwrap() / (r.median_ms.unwrap() * 1e-3) / 1e12;
+                assert_eq!(first(".throughput"), Some(format::sig(tflops, 3)));
                 let iqr = format!("({})", format::iqr(r.q1_ms.unwrap(), r.q3_ms.unwrap()));
                 assert_eq!(first(".iqr"), Some(iqr));
                 let acc = r.accuracy.as_ref().unwrap();
@@ -207,7 +209,7 @@ fn at_a_glance_ratio_comes_from_the_data() {
         let same = |r: &&&Row| {
             let mut p = r.case.clone();
             let x = p.remove("seq_len").unwrap().to_string();
-            case_label(&p) == cols[2] && x == cols[3]
+            case_label(&p) == cols[2] && format!("seq_len = {x}") == cols[3]
         };
         let group: Vec<&&Row> = all.iter().filter(same).collect();
         let d = group.iter().find(|r| r.default).unwrap();
@@ -263,8 +265,8 @@ fn figures_are_svg_with_title_and_desc() {
         .unwrap()
         .map(|e| e.unwrap().path())
         .collect();
-    // Three per group (time, peak memory, relative error) plus the At a glance chart.
-    assert_eq!(figures.len(), 13, "{figures:?}");
+    // Four per group (time, TFLOP/s, peak memory, relative error) plus the At a glance chart.
+    assert_eq!(figures.len(), 17, "{figures:?}");
     for f in figures {
         let s = fs::read_to_string(&f).unwrap();
         assert_balanced_xml(&f.display().to_string(), &s);
@@ -360,9 +362,16 @@ fn docgen() -> Command {
 fn malformed_document_fails_and_leaves_the_site_alone() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("site");
-    fs::create_dir_all(out.join("figures")).unwrap();
-    fs::write(out.join("index.html"), "previous site").unwrap();
-    fs::write(out.join("figures/old.svg"), "<svg/>").unwrap();
+    // A previous site docgen wrote, so that only the data can make the build fail.
+    assert!(docgen()
+        .arg("build")
+        .arg("--data")
+        .arg(valid_dir())
+        .arg("--out")
+        .arg(&out)
+        .status()
+        .unwrap()
+        .success());
     let before = snapshot(&out);
     for case in fs::read_dir(fixtures().join("invalid")).unwrap() {
         let data = case.unwrap().path();
@@ -437,7 +446,14 @@ fn successful_build_replaces_the_previous_site() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("site");
     fs::create_dir_all(&out).unwrap();
+    // A site an earlier docgen wrote: its manifest lists the page that is no longer built.
     fs::write(out.join("stale.html"), "old").unwrap();
+    fs::write(
+        out.join(".docgen-manifest.json"),
+        r#"{"generator": "docgen", "data_sha256": "", "templates_sha256": "",
+            "templates": "built-in", "files": ["stale.html"]}"#,
+    )
+    .unwrap();
     let status = docgen()
         .arg("build")
         .arg("--data")
@@ -457,41 +473,122 @@ fn successful_build_replaces_the_previous_site() {
 }
 
 #[test]
-fn empty_data_dir_says_not_measured_yet() {
-    let data = tempfile::tempdir().unwrap();
-    // The schema file is not a document.
-    load::write_schema(data.path()).unwrap();
-    let (_tmp, site) = build_site(data.path(), None);
-    for name in PAGES {
+fn pages_without_data_say_not_measured_yet() {
+    let (_tmp, site) = build_site(&valid_dir(), None);
+    for name in ["mixers.html", "models.html"] {
         let body = text(page(&site, name).select(&sel("main")).next().unwrap());
         assert!(
             body.to_lowercase().contains("not measured yet"),
             "{name}: {body}"
         );
+        assert!(
+            body.contains("runner for this suite does not exist yet"),
+            "{name}: {body}"
+        );
+        // No claim that the page's figures come from data it does not have.
+        let footer = text(page(&site, name).select(&sel("footer")).next().unwrap());
+        assert!(!footer.contains("Every figure on this page"), "{footer}");
     }
     let attention = text(
         page(&site, "attention.html")
-            .select(&sel("main"))
-            .next()
-            .unwrap(),
-    );
-    assert!(attention.contains("cargo run --release --bin attention -- --compare torch --output data/gpu_attention.json"), "{attention}");
-    let mixers = text(
-        page(&site, "mixers.html")
-            .select(&sel("main"))
+            .select(&sel("footer"))
             .next()
             .unwrap(),
     );
     assert!(
-        mixers.contains("runner for this suite does not exist yet"),
-        "{mixers}"
+        attention.contains("Every figure on this page"),
+        "{attention}"
     );
-    let index = page(&site, "index.html");
-    assert_eq!(index.select(&sel("main > section > h2")).count(), 6);
+}
+
+/// Runs `docgen build` on `data` into a fresh folder; returns (exit code, stderr, out).
+fn build_cli(data: &Path) -> (Option<i32>, String, tempfile::TempDir) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = docgen()
+        .arg("build")
+        .arg("--data")
+        .arg(data)
+        .arg("--out")
+        .arg(tmp.path().join("site"))
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        tmp,
+    )
+}
+
+#[test]
+fn a_data_folder_without_documents_is_an_error() {
+    // Empty but for the schema file.
+    let data = tempfile::tempdir().unwrap();
+    load::write_schema(data.path()).unwrap();
+    let (code, stderr, tmp) = build_cli(data.path());
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("no suite documents in"), "{stderr}");
+    assert!(!tmp.path().join("site").exists());
+    // Only documents with no rows.
+    let text = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    doc["rows"] = serde_json::json!([]);
+    fs::write(data.path().join("gpu_attention.json"), doc.to_string()).unwrap();
+    let (code, stderr, _tmp) = build_cli(data.path());
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("no suite documents in"), "{stderr}");
+    assert!(stderr.contains("with no rows"), "{stderr}");
+}
+
+#[test]
+fn extensions_match_case_insensitively_and_folders_are_read_recursively() {
+    let data = tempfile::tempdir().unwrap();
+    fs::create_dir_all(data.path().join("h200/logs")).unwrap();
+    fs::copy(
+        valid_dir().join("gpu_attention.json"),
+        data.path().join("h200/GPU.JSON"),
+    )
+    .unwrap();
+    // Logs are never read, whatever they hold.
+    fs::write(data.path().join("h200/logs/broken.json"), "{").unwrap();
+    load::write_schema(data.path()).unwrap();
+    let docs = load::load_dir(data.path()).unwrap();
+    assert_eq!(docs.len(), 1);
+    assert_eq!(docs[0].file_name(), "h200/GPU.JSON");
+}
+
+#[test]
+fn two_runs_of_one_suite_on_one_device_are_refused_with_both_paths() {
+    let data = tempfile::tempdir().unwrap();
+    let text = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let rows = doc["rows"].as_array().unwrap().clone();
+    let (a, b) = rows.split_at(rows.len() / 2);
+    doc["rows"] = serde_json::json!(a);
+    fs::write(data.path().join("first.json"), doc.to_string()).unwrap();
+    doc["rows"] = serde_json::json!(b);
+    fs::write(data.path().join("second.json"), doc.to_string()).unwrap();
+    let err = load::load_dir(data.path()).unwrap_err().to_string();
     assert!(
-        !site.join("figures").exists()
-            || fs::read_dir(site.join("figures")).unwrap().next().is_none()
+        err.contains("first.json") && err.contains("second.json") && err.contains("not shards"),
+        "{err}"
     );
+    // The same halves written as two shards of one run load together.
+    let original = doc["config"]["command"].as_array().unwrap().clone();
+    let command = |i: u32| {
+        let mut c = original.clone();
+        c.extend([
+            serde_json::json!("--shard"),
+            serde_json::json!(format!("{i}/2")),
+        ]);
+        c
+    };
+    doc["rows"] = serde_json::json!(a);
+    doc["config"]["command"] = serde_json::json!(command(0));
+    fs::write(data.path().join("first.json"), doc.to_string()).unwrap();
+    doc["rows"] = serde_json::json!(b);
+    doc["config"]["command"] = serde_json::json!(command(1));
+    fs::write(data.path().join("second.json"), doc.to_string()).unwrap();
+    assert_eq!(load::load_dir(data.path()).unwrap().len(), 2);
 }
 
 #[test]

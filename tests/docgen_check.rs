@@ -37,6 +37,7 @@ impl Project {
             data_dir: data.clone(),
             out_dir: site.clone(),
             base_url: None,
+            templates_dir: None,
         })
         .unwrap_or_else(|e| panic!("{e:#}"));
         Project {
@@ -51,6 +52,7 @@ impl Project {
             data_dir: self.data.clone(),
             out_dir: self.site.clone(),
             base_url: None,
+            templates_dir: None,
         })
     }
 
@@ -195,7 +197,7 @@ fn a_document_the_schema_refuses_is_reported_with_every_other_problem() {
         has(
             &problems,
             Area::Data,
-            &["gpu_bad.json", "JSON Schema", "/rows/"]
+            &["gpu_bad.json:123:", "JSON Schema", "rows[1].status"]
         ),
         "{problems:#?}"
     );
@@ -239,10 +241,13 @@ fn figures_command_writes_the_site_figures() {
     };
     ok(&["build", "--data", data, "--out", site.to_str().unwrap()]);
     ok(&["figures", "--data", data, "--out", figs.to_str().unwrap()]);
+    // The figures and docgen's manifest.
     let mut names: Vec<_> = std::fs::read_dir(&figs)
         .unwrap()
         .map(|e| e.unwrap().file_name())
+        .filter(|n| n != ".docgen-manifest.json")
         .collect();
+    assert!(figs.join(".docgen-manifest.json").is_file());
     names.sort();
     assert!(!names.is_empty());
     let mut site_names: Vec<_> = std::fs::read_dir(site.join("figures"))
@@ -256,6 +261,63 @@ fn figures_command_writes_the_site_figures() {
             std::fs::read(figs.join(n)).unwrap(),
             std::fs::read(site.join("figures").join(n)).unwrap(),
             "{n:?}"
+        );
+    }
+}
+
+/// Three problems in one file, and a schema error beside loader errors: all are reported,
+/// each with file, line and JSON path.
+#[test]
+fn every_problem_of_every_file_is_reported() {
+    let p = Project::new();
+    let text = fs::read_to_string(p.data.join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    doc["rows"][0]["median_ms"] = serde_json::json!(0.0);
+    doc["rows"][1]["q1_ms"] = serde_json::json!(1e9);
+    doc["rows"][2]["accuracy"]["rel_err"] = serde_json::json!(-1.0);
+    fs::write(
+        p.data.join("gpu_attention.json"),
+        serde_json::to_string_pretty(&doc).unwrap(),
+    )
+    .unwrap();
+    // A second file with a loader-only problem (a declared count missing on an ok row).
+    doc["rows"][0]["median_ms"] = doc["rows"][3]["median_ms"].clone();
+    doc["rows"][1]["q1_ms"] = doc["rows"][3]["q1_ms"].clone();
+    doc["rows"][2]["accuracy"]["rel_err"] = serde_json::json!(0.001);
+    doc["rows"][4].as_object_mut().unwrap().remove("flops");
+    doc["device"]["name"] = serde_json::json!("Another GPU");
+    fs::write(
+        p.data.join("other.json"),
+        serde_json::to_string_pretty(&doc).unwrap(),
+    )
+    .unwrap();
+    let problems = p.check();
+    for needle in [
+        &["gpu_attention.json:", "rows[0].median_ms"][..],
+        &[
+            "gpu_attention.json:",
+            "rows[1].q1_ms",
+            "quartiles out of order",
+        ],
+        &["gpu_attention.json:", "rows[2].accuracy.rel_err"],
+        &["other.json:", "rows[4]", "`flops` is missing"],
+    ] {
+        assert!(
+            has(&problems, Area::Data, needle),
+            "{needle:?}: {problems:#?}"
+        );
+    }
+    // Each problem names a line.
+    for q in problems.iter().filter(|q| q.area == Area::Data) {
+        let after = q.message.split(".json:").nth(1).unwrap_or("");
+        assert!(
+            after
+                .split(':')
+                .next()
+                .unwrap()
+                .parse::<usize>()
+                .is_ok_and(|l| l > 1),
+            "{q:?}"
         );
     }
 }

@@ -26,6 +26,7 @@ fn build_site(data: &Path) -> (tempfile::TempDir, PathBuf) {
         data_dir: data.to_path_buf(),
         out_dir: out.clone(),
         base_url: None,
+        templates_dir: None,
     };
     site::build(&opts).unwrap_or_else(|e| panic!("build failed: {e:#}"));
     (tmp, out)
@@ -85,7 +86,8 @@ fn time_figures_label_only_the_measured_x_values() {
             n.starts_with("attention-") && !n.contains("-memory") && !n.contains("-error")
         })
         .collect();
-    assert_eq!(time_figures.len(), 4);
+    // Time and TFLOP/s, per group.
+    assert_eq!(time_figures.len(), 8);
     for f in time_figures {
         let doc = svg(&f);
         let t = texts(&doc);
@@ -119,12 +121,19 @@ fn every_group_has_memory_and_error_figures() {
             .select(&sel("figure img"))
             .map(|i| i.value().attr("src").unwrap().to_string())
             .collect();
-        assert_eq!(srcs.len(), 3, "{srcs:?}");
-        assert!(srcs[1].ends_with("-memory.svg") && srcs[2].ends_with("-error.svg"));
-        let memory = svg(&site.join(&srcs[1]));
+        assert_eq!(srcs.len(), 4, "{srcs:?}");
+        assert!(srcs[1].ends_with("-tflops.svg"), "{srcs:?}");
+        assert!(srcs[2].ends_with("-memory.svg") && srcs[3].ends_with("-error.svg"));
+        // Throughput on a linear axis, its unit from the document's declaration.
+        let tput = svg(&site.join(&srcs[1]));
+        let title = text(tput.select(&sel("svg > title")).next().unwrap());
+        assert!(title.contains("TFLOP/s against seq_len"), "{title}");
+        let desc = text(tput.select(&sel("svg > desc")).next().unwrap());
+        assert!(desc.starts_with("Log-x plot of TFLOP/s"), "{desc}");
+        let memory = svg(&site.join(&srcs[2]));
         let title = text(memory.select(&sel("svg > title")).next().unwrap());
         assert!(title.contains("peak memory against seq_len"), "{title}");
-        let error = svg(&site.join(&srcs[2]));
+        let error = svg(&site.join(&srcs[3]));
         let desc = text(error.select(&sel("svg > desc")).next().unwrap());
         assert!(desc.contains("dashed line: tolerance"), "{desc}");
         assert!(
@@ -388,6 +397,7 @@ fn conflicting_shards_name_both_files() {
         data_dir: data.path().to_path_buf(),
         out_dir: tmp.path().join("site"),
         base_url: None,
+        templates_dir: None,
     };
     assert!(site::build(&opts).is_err());
     assert!(!tmp.path().join("site").exists());

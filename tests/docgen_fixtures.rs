@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use kernelpages::schema::{
-    Accuracy, Device, DeviceKind, DispatchRule, Document, Memory, Param, Reference, Row, RunConfig,
-    Status, Suite, TimingConfig, SCHEMA_VERSION,
+    Accuracy, Count, Device, DeviceKind, DispatchRule, Document, Memory, Param, Reference, Row,
+    RunConfig, Status, Suite, Throughput, TimingConfig, SCHEMA_VERSION,
 };
 
 const IMPLS: [(&str, &str, bool); 6] = [
@@ -144,7 +144,8 @@ fn synthetic_document() -> Document {
                             ),
                         }),
                         flops: Some(flops),
-                        tflops: Some(((flops / (median * 1e-3) / 1e12) * 1e3).round() / 1e3),
+                        bytes: None,
+                        items: None,
                     });
                 }
             }
@@ -193,6 +194,15 @@ fn synthetic_document() -> Document {
             flop_rule: None,
             started_at: "2000-01-01T00:00:00Z".to_string(),
             finished_at: Some("2000-01-01T00:10:00Z".to_string()),
+            axes: vec!["seq_len".to_string()],
+            throughput: vec![Throughput {
+                key: "tflops".to_string(),
+                unit: "TFLOP/s".to_string(),
+                count: Count::Flops,
+                per_second: 1e12,
+                ceiling: None,
+            }],
+            amendments: Vec::new(),
             dispatch: vec![DispatchRule {
                 entry_point: "attention::forward".to_string(),
                 device: "cuda sm_80+".to_string(),

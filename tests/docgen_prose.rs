@@ -89,7 +89,10 @@ fn values_and_ratios_are_the_fixture_numbers() {
     let flash_max = row(&docs, "flash", 64, false, max_seq);
     let cudnn = row(&docs, "torch_cudnn", 128, false, 2048);
     let expected = [
-        format::tflops(flash.tflops.unwrap()),
+        format::sig(
+            flash.flops.unwrap() / (flash.median_ms.unwrap() * 1e-3) / 1e12,
+            3,
+        ),
         format::ms(math.median_ms.unwrap()),
         format::mb(math_t.memory.as_ref().unwrap().temporaries_mb.unwrap()),
         format::rel_err(flash_max.accuracy.as_ref().unwrap().rel_err),
@@ -278,10 +281,14 @@ fn the_site_prose_is_checked_when_the_site_is_built() {
         data_dir: data,
         out_dir: tmp.path().join("site"),
         base_url: None,
+        templates_dir: None,
     };
     let err = site::build(&opts).unwrap_err();
     let text = format!("{err:#}");
-    assert!(text.contains(prose::ATTENTION_PROSE), "{text}");
+    assert!(
+        text.contains(kernelpages::site::templates::ATTENTION_PROSE),
+        "{text}"
+    );
     assert!(
         text.contains("torch_cudnn is faster than flash in every measured case"),
         "{text}"
@@ -295,7 +302,9 @@ fn the_committed_data_builds_with_its_prose() {
     // Reads data/ (never writes it) and builds into a temporary folder.
     let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
     let docs = load::load_dir(&data).unwrap();
-    let site_prose = prose::render_site_prose(&docs).unwrap_or_else(|e| panic!("{e}"));
+    let site_prose =
+        prose::render_site_prose(&docs, &kernelpages::site::templates::Sources::built_in())
+            .unwrap_or_else(|e| panic!("{e}"));
     let attention = site_prose.attention.expect("attention prose");
     let text: String = Html::parse_fragment(&attention)
         .root_element()
@@ -312,15 +321,16 @@ fn the_committed_data_builds_with_its_prose() {
 fn prose_about_another_device_is_left_out() {
     let docs = fixture_docs();
     assert_eq!(
-        prose::render_site_prose(&docs).unwrap(),
+        prose::render_site_prose(&docs, &kernelpages::site::templates::Sources::built_in())
+            .unwrap(),
         prose::SiteProse::default()
     );
 }
 
-/// `docgen serve` renders with `Renderer::from_dir(templates/)`: prose edited on disk must be
-/// what the next rebuild renders, not the copy compiled into the binary.
+/// `build`, `check` and `serve` read the templates folder: prose edited on disk must be what
+/// the next build renders, not the copy compiled into the binary.
 #[test]
-fn prose_is_read_from_the_templates_folder_when_serving() {
+fn prose_is_read_from_the_templates_folder() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("prose")).unwrap();
     std::fs::write(
@@ -328,20 +338,14 @@ fn prose_is_read_from_the_templates_folder_when_serving() {
         "Edited on disk: {{ 1 + 1 }}\n",
     )
     .unwrap();
-    let r = kernelpages::site::render::Renderer::from_dir(dir.path()).unwrap();
-    let src = r
-        .prose_sources()
-        .iter()
-        .find(|(n, _)| *n == kernelpages::site::prose::ATTENTION_PROSE)
-        .map(|(_, s)| s.as_str())
+    let sources = kernelpages::site::templates::Sources::from_dir(dir.path()).unwrap();
+    let src = sources
+        .prose_source(kernelpages::site::templates::ATTENTION_PROSE)
         .unwrap();
     assert!(src.starts_with("Edited on disk"), "{src}");
     // Files absent from the folder keep the embedded source.
-    let lim = r
-        .prose_sources()
-        .iter()
-        .find(|(n, _)| *n == kernelpages::site::prose::LIMITATIONS_PROSE)
-        .map(|(_, s)| s.as_str())
+    let lim = sources
+        .prose_source(kernelpages::site::templates::LIMITATIONS_PROSE)
         .unwrap();
     assert!(lim.contains("measured("), "{lim}");
 }

@@ -140,6 +140,7 @@ fn at_a_glance_chart_renders_in_chromium() {
         data_dir: data.clone(),
         out_dir: out.clone(),
         base_url: None,
+        templates_dir: None,
     })
     .unwrap();
     let bars =

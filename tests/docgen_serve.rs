@@ -85,6 +85,7 @@ fn start(s: &Setup, base_url: Option<&str>) -> Server {
             data_dir: s.data.clone(),
             out_dir: s.out.clone(),
             base_url: base_url.map(String::from),
+            templates_dir: Some(s.templates.clone()),
         },
         port: 0,
         watch: vec![s.data.clone(), s.templates.clone()],
@@ -202,6 +203,7 @@ fn without_base_url_every_link_is_relative() {
         data_dir: s.data.clone(),
         out_dir: s.out.clone(),
         base_url: None,
+        templates_dir: None,
     })
     .unwrap();
     let sel = Selector::parse("a[href], img[src], link[href]").unwrap();

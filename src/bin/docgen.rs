@@ -114,7 +114,11 @@ fn report_build(out: &std::path::Path, summary: &kernelpages::site::BuildSummary
     eprintln!(
         "read {} document{} ({rows} rows): {}",
         summary.documents.len(),
-        if summary.documents.len() == 1 { "" } else { "s" },
+        if summary.documents.len() == 1 {
+            ""
+        } else {
+            "s"
+        },
         docs.join(", ")
     );
     eprintln!(

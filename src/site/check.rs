@@ -115,9 +115,7 @@ pub fn check(opts: &CheckOptions) -> Vec<Problem> {
                             .iter()
                             .map(|p| problem(Area::Build, p.to_string())),
                     ),
-                    None => {
-                        problems.push(problem(Area::Build, format!("the build fails: {e:#}")))
-                    }
+                    None => problems.push(problem(Area::Build, format!("the build fails: {e:#}"))),
                 },
             }
         }

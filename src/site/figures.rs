@@ -276,12 +276,12 @@ pub fn linear_ticks(hi: f64) -> Vec<f64> {
         .map(|m| m * mag)
         .find(|s| hi / s <= 8.0)
         .unwrap_or(10.0 * mag);
+    let decimals = (-step.log10().floor()).max(0.0) as usize;
     (0..)
         .map(|i| {
-            // Parse the decimal form so ticks are the round numbers they print as.
-            format!("{}", i as f64 * step)
-                .parse::<f64>()
-                .unwrap_or(i as f64 * step)
+            // Round through the decimal form so ticks are the round numbers they print as.
+            let t = i as f64 * step;
+            format!("{t:.decimals$}").parse::<f64>().unwrap_or(t)
         })
         .take_while(|t| *t <= hi * 1.0001)
         .collect()
@@ -492,7 +492,10 @@ fn draw_legend<DB: DrawingBackend>(
                 let mut x0 = x;
                 while x0 < x + 22 {
                     let x_end = (x0 + size as i32).min(x + 22);
-                    area.draw(&PathElement::new(vec![(x0, y), (x_end, y)], c.stroke_width(2)))?;
+                    area.draw(&PathElement::new(
+                        vec![(x0, y), (x_end, y)],
+                        c.stroke_width(2),
+                    ))?;
                     x0 = x_end + spacing as i32;
                 }
                 let filled = c.filled();
@@ -773,7 +776,10 @@ mod tests {
 
     #[test]
     fn linear_ticks_are_round_and_cover_the_top() {
-        assert_eq!(linear_ticks(330.0), vec![0.0, 50.0, 100.0, 150.0, 200.0, 250.0, 300.0]);
+        assert_eq!(
+            linear_ticks(330.0),
+            vec![0.0, 50.0, 100.0, 150.0, 200.0, 250.0, 300.0]
+        );
         assert_eq!(linear_ticks(1.0), vec![0.0, 0.2, 0.4, 0.6, 0.8, 1.0]);
         assert_eq!(linear_ticks(0.0), vec![0.0]);
     }

@@ -56,15 +56,13 @@ pub struct BuildSummary {
 ///
 /// Errors: a relative prefix such as `docs/`, which would resolve differently on every page.
 pub fn validate_base_url(base_url: &str) -> anyhow::Result<()> {
-    let is_url = base_url
-        .split_once("://")
-        .is_some_and(|(scheme, rest)| {
-            !scheme.is_empty()
-                && scheme
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
-                && !rest.is_empty()
-        });
+    let is_url = base_url.split_once("://").is_some_and(|(scheme, rest)| {
+        !scheme.is_empty()
+            && scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+            && !rest.is_empty()
+    });
     if base_url.starts_with('/') || is_url {
         Ok(())
     } else {

@@ -482,8 +482,8 @@ fn value(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     args.only(&["suite", "device", "implementation", "case", "field"])?;
     let field = args.field(None)?;
     let item = one_row(docs, args, args.need("implementation")?)?;
-    let v =
-        ok_value(item.row, &item.doc.doc, &field).map_err(|e| format!("{e} ({})", case_label(&item.row.case)))?;
+    let v = ok_value(item.row, &item.doc.doc, &field)
+        .map_err(|e| format!("{e} ({})", case_label(&item.row.case)))?;
     Ok(Value::from(field.format(v)))
 }
 
@@ -699,8 +699,10 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             left_out += 1;
             continue;
         };
-        let (Some(vx), Some(vy)) = (ok_value(x.row, &x.doc.doc, &field).ok(), ok_value(y.row, &y.doc.doc, &field).ok())
-        else {
+        let (Some(vx), Some(vy)) = (
+            ok_value(x.row, &x.doc.doc, &field).ok(),
+            ok_value(y.row, &y.doc.doc, &field).ok(),
+        ) else {
             left_out += 1;
             continue;
         };

@@ -15,8 +15,8 @@ use syntect::util::LinesWithEndings;
 use tera::{Kwargs, State, Tera, Value};
 
 use super::figures;
-use super::model::{IndexPage, Layout, SiteModel, SuitePage, TimingView};
 use super::markdown;
+use super::model::{IndexPage, Layout, SiteModel, SuitePage, TimingView};
 use super::prose;
 use super::templates::Sources;
 

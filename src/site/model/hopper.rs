@@ -56,6 +56,10 @@ pub struct HopperImpl {
     pub rows_ok: String,
 }
 
+/// Per implementation: its best row with its score, rows ok, rows in all, and any row (for
+/// the library and default flag).
+type Tally<'a> = (Option<(f64, &'a Row)>, usize, usize, &'a Row);
+
 /// True for a document measured on compute capability 9.x.
 pub fn is_hopper(doc: &Document) -> bool {
     doc.device
@@ -75,8 +79,12 @@ pub fn title(docs: &[Loaded]) -> Option<String> {
             n.strip_prefix("NVIDIA ").unwrap_or(n)
         })
         .collect();
-    (!names.is_empty())
-        .then(|| format!("Hopper ({})", names.into_iter().collect::<Vec<_>>().join(", ")))
+    (!names.is_empty()).then(|| {
+        format!(
+            "Hopper ({})",
+            names.into_iter().collect::<Vec<_>>().join(", ")
+        )
+    })
 }
 
 /// The Hopper page of `docs`.
@@ -97,8 +105,7 @@ pub fn hopper_page(docs: &[Loaded], layout: Layout) -> HopperPage {
                 None => r.median_ms.map(|m| -m),
             }
         };
-        let mut by_impl: BTreeMap<&str, (Option<(f64, &Row)>, usize, usize, &Row)> =
-            BTreeMap::new();
+        let mut by_impl: BTreeMap<&str, Tally<'_>> = BTreeMap::new();
         for l in &in_suite {
             for r in &l.doc.rows {
                 let e = by_impl

@@ -21,8 +21,8 @@ pub use self::overview::{
     TimingView,
 };
 pub use self::suite::{
-    Cell, Dash, DocSection, FigureSpec, Marker, GroupView, MemoryRow, Series, SuitePage, SuiteSection,
-    TableRow, ThroughputCell,
+    Cell, Dash, DocSection, FigureSpec, GroupView, Marker, MemoryRow, Series, SuitePage,
+    SuiteSection, TableRow, ThroughputCell,
 };
 use super::format;
 use crate::load::Loaded;
@@ -156,6 +156,9 @@ pub struct Layout {
     pub base: String,
     /// Navigation links.
     pub nav: Vec<NavLink>,
+    /// True when the page shows measured data (its footer then says where the figures come
+    /// from).
+    pub has_data: bool,
 }
 
 /// One navigation link.
@@ -210,10 +213,11 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
     };
     let colours = palette(docs);
     let hopper_title = hopper::title(docs);
-    let layout = |file: &str, title: &str| Layout {
+    let layout = |file: &str, title: &str, has_data: bool| Layout {
         title: title.to_string(),
         file: file.to_string(),
         base: base.clone(),
+        has_data,
         nav: std::iter::once(("index.html", "Overview"))
             .chain(SUITE_PAGES.iter().map(|(f, t, _)| (*f, *t)))
             .chain(hopper_title.as_deref().map(|t| (HOPPER_FILE, t)))
@@ -229,7 +233,12 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
     let suite_pages: Vec<SuitePage> = SUITE_PAGES
         .iter()
         .map(|(file, title, suites)| SuitePage {
-            layout: layout(file, title),
+            layout: layout(
+                file,
+                title,
+                docs.iter()
+                    .any(|l| suites.contains(&l.doc.suite) && !l.doc.rows.is_empty()),
+            ),
             sections: suites
                 .iter()
                 .map(|s| suite::suite_section(docs, *s, &base, &colours, &mut figures))
@@ -267,14 +276,14 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
         all_docs,
         docs,
         &base,
-        layout("index.html", "GPU and CPU performance"),
+        layout("index.html", "GPU and CPU performance", !docs.is_empty()),
         pages,
         glance,
         glance_chart.as_ref(),
     );
     let hopper = hopper_title
         .as_deref()
-        .map(|t| hopper::hopper_page(docs, layout(HOPPER_FILE, t)));
+        .map(|t| hopper::hopper_page(docs, layout(HOPPER_FILE, t, true)));
     SiteModel {
         index,
         suite_pages,

@@ -696,13 +696,11 @@ fn own_failures(l: &Loaded, axis: &str, base: &str) -> Vec<Limitation> {
         }) else {
             continue;
         };
-        let g = group_rows(&l.doc, axis)
-            .into_iter()
-            .find(|g| {
-                let mut params = first.case.clone();
-                params.remove(axis);
-                g.params == params
-            });
+        let g = group_rows(&l.doc, axis).into_iter().find(|g| {
+            let mut params = first.case.clone();
+            params.remove(axis);
+            g.params == params
+        });
         let href = match &g {
             Some(g) => format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, g)),
             None => format!("{base}{}", page_of(l.doc.suite)),

@@ -445,8 +445,12 @@ impl Field {
                     .iter()
                     .find(|t| &t.key == key)
                     .ok_or_else(|| {
-                        let keys: Vec<&str> =
-                            doc.config.throughput.iter().map(|t| t.key.as_str()).collect();
+                        let keys: Vec<&str> = doc
+                            .config
+                            .throughput
+                            .iter()
+                            .map(|t| t.key.as_str())
+                            .collect();
                         format!(
                             "unknown field `{key}`: not a stored field, and the document \
                              declares no throughput of that key (it declares: {})",
