@@ -1,11 +1,12 @@
 //! `docgen serve` on loopback: the built site is served, links resolve with and without a base
 //! URL, a data or template change rebuilds, and a failed rebuild keeps the last good site.
-//! Every wait is a bounded loop.
+//! Every wait is bounded (20 s).
 
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use kernelpages::site::serve::{ServeOptions, Server};
@@ -20,7 +21,11 @@ fn root() -> PathBuf {
 fn get(addr: SocketAddr, path: &str) -> (u16, Vec<u8>) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).unwrap();
     let split = buf
@@ -45,6 +50,14 @@ fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
         assert!(t0.elapsed() < Duration::from_secs(20), "timed out: {what}");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Writes `bytes` to `path` in one step (a write beside the watched folder, then a rename), so
+/// a rebuild never reads a half-written file.
+fn put(path: &Path, bytes: impl AsRef<[u8]>) {
+    let staging = path.parent().unwrap().parent().unwrap().join("staging.tmp");
+    fs::write(&staging, bytes).unwrap();
+    fs::rename(&staging, path).unwrap();
 }
 
 struct Setup {
@@ -89,7 +102,7 @@ fn start(s: &Setup, base_url: Option<&str>) -> Server {
         port: 0,
         watch: vec![s.data.clone(), s.templates.clone()],
         templates_dir: Some(s.templates.clone()),
-        poll: Duration::from_millis(50),
+        debounce: Duration::from_millis(100),
     })
     .unwrap()
 }
@@ -139,11 +152,10 @@ fn serves_the_site_on_loopback_and_rebuilds_on_change() {
         serde_json::from_str(&fs::read_to_string(s.data.join("gpu_attention.json")).unwrap())
             .unwrap();
     doc["device"]["name"] = serde_json::Value::from("Second Test GPU");
-    fs::write(
-        s.data.join("gpu_attention.gpu2.json"),
+    put(
+        &s.data.join("gpu_attention.gpu2.json"),
         serde_json::to_string(&doc).unwrap(),
-    )
-    .unwrap();
+    );
     wait_for("rebuild after a data change", || {
         let (code, body) = get(addr, "/attention.html");
         code == 200 && String::from_utf8_lossy(&body).contains("Second Test GPU")
@@ -151,11 +163,10 @@ fn serves_the_site_on_loopback_and_rebuilds_on_change() {
 
     // A template change shows without recompiling.
     let base = fs::read_to_string(s.templates.join("base.html")).unwrap();
-    fs::write(
-        s.templates.join("base.html"),
+    put(
+        &s.templates.join("base.html"),
         base.replace("<footer>", "<footer><p>template-marker-7431</p>"),
-    )
-    .unwrap();
+    );
     wait_for("rebuild after a template change", || {
         let (code, body) = get(addr, "/index.html");
         code == 200 && String::from_utf8_lossy(&body).contains("template-marker-7431")
@@ -163,17 +174,10 @@ fn serves_the_site_on_loopback_and_rebuilds_on_change() {
 
     // A broken document: the rebuild fails, the last good site stays served.
     let good = get_text(addr, "/index.html");
-    let failed_before = server
-        .counts()
-        .failed
-        .load(std::sync::atomic::Ordering::SeqCst);
-    fs::write(s.data.join("broken.json"), "{ not json").unwrap();
+    let failed_before = server.counts().failed.load(Ordering::SeqCst);
+    put(&s.data.join("broken.json"), "{ not json");
     wait_for("failed rebuild", || {
-        server
-            .counts()
-            .failed
-            .load(std::sync::atomic::Ordering::SeqCst)
-            > failed_before
+        server.counts().failed.load(Ordering::SeqCst) > failed_before
     });
     assert_eq!(get_text(addr, "/index.html"), good);
     server.stop();
@@ -190,7 +194,13 @@ fn base_url_mounts_the_site_under_its_path() {
     assert!(check_links(addr, "/perf/attention.html", &attention) > 5);
     assert_eq!(get(addr, "/index.html").0, 404);
     assert_eq!(get(addr, "/").0, 302);
+    assert_eq!(get(addr, "/perf").0, 302);
     assert_eq!(get_text(addr, "/perf/"), index);
+    assert_eq!(
+        get(addr, "/perf/figures").0,
+        307,
+        "folder without its slash"
+    );
     server.stop();
 }
 
