@@ -36,8 +36,9 @@ enum Command {
         #[arg(long)]
         templates: Option<PathBuf>,
     },
-    /// Build the site, serve it on 127.0.0.1, and rebuild when `data/` or `templates/` change
-    /// (a failed rebuild keeps the last good site and prints the error).
+    /// Build the site, serve it on 127.0.0.1, and rebuild when `data/` or `templates/` change;
+    /// open pages reload after each rebuild (a failed rebuild keeps the last good site and
+    /// prints the error).
     Serve {
         /// Folder of suite documents (`*.json`; `schema.json` is skipped).
         #[arg(long, default_value = "data")]
@@ -185,20 +186,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     data_dir: data,
                     out_dir: out,
                     base_url,
-                    templates_dir: templates.clone(),
+                    templates_dir: templates,
                 },
                 port,
                 watch,
-                templates_dir: templates,
-                poll: kernelpages::site::serve::POLL,
+                debounce: kernelpages::site::serve::DEBOUNCE,
             };
             let mount = kernelpages::site::serve::mount_path(opts.build.base_url.as_deref());
             let server = kernelpages::site::serve::Server::start(opts)?;
             eprintln!(
-                "serving on http://{}{mount} (Ctrl-C to stop)",
+                "serving on http://{}{mount}; pages reload after each rebuild (Ctrl-C to stop)",
                 server.addr()
             );
-            server.wait();
+            server.wait()?;
         }
         Command::Check {
             data,

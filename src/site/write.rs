@@ -226,6 +226,26 @@ fn safe_relative(rel: &str) -> anyhow::Result<PathBuf> {
     Ok(p.to_path_buf())
 }
 
+/// Whether `path` is `out` or inside it, or inside one of the sibling folders a build of `out`
+/// writes and removes ([`fresh_sibling`]: `.<name>.tmp-…`, `.<name>.old-…`).
+pub fn is_build_output(out: &Path, path: &Path) -> bool {
+    if path.starts_with(out) {
+        return true;
+    }
+    let (Some(name), Some(parent)) = (out.file_name(), out.parent()) else {
+        return false;
+    };
+    let name = name.to_string_lossy();
+    let prefixes = [format!(".{name}.tmp-"), format!(".{name}.old-")];
+    path.ancestors()
+        .filter(|a| a.parent() == Some(parent))
+        .filter_map(|a| a.file_name())
+        .any(|f| {
+            let f = f.to_string_lossy();
+            prefixes.iter().any(|p| f.starts_with(p.as_str()))
+        })
+}
+
 /// A sibling of `out` that does not exist yet: `.<name>.<what>-<pid>-<n>`.
 fn fresh_sibling(out: &Path, what: &str) -> anyhow::Result<PathBuf> {
     let name = out
