@@ -25,6 +25,7 @@ pub const SCHEMA_VERSION: u32 = 2;
 #[serde(deny_unknown_fields)]
 pub struct Document {
     /// Must equal [`SCHEMA_VERSION`].
+    #[schemars(range(max = u32::MAX))]
     pub schema_version: u32,
     /// Which suite the rows belong to.
     pub suite: Suite,
@@ -110,6 +111,7 @@ pub struct Device {
     pub compute_capability: Option<String>,
     /// Number of streaming multiprocessors (GPU only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = u32::MAX))]
     pub sm_count: Option<u32>,
     /// Total device memory in MB (10^6 bytes) (GPU only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -127,6 +129,7 @@ pub struct Device {
     pub cuda_version: Option<String>,
     /// Hardware threads (CPU only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = u32::MAX))]
     pub cpu_threads: Option<u32>,
 }
 
@@ -444,15 +447,15 @@ pub struct Row {
     pub q3_ms: Option<f64>,
     /// Calls per timed sample.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = u32::MAX))]
     pub inner_calls: Option<u32>,
     /// Number of timed samples.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = u32::MAX))]
     pub samples: Option<u32>,
     /// Input sets rotated through during timing (1 = no rotation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = u32::MAX))]
     pub input_sets: Option<u32>,
     /// Time to compile (NVRTC, torch.compile, XLA) and load the case, s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
