@@ -169,11 +169,23 @@ fn the_schema_and_the_loader_agree_on_every_range() {
 fn impossible_numbers_are_refused() {
     let base: serde_json::Value = serde_json::from_slice(&valid_fixture()).unwrap();
     let cases: &[(&str, serde_json::Value, &str)] = &[
-        ("/rows/0/median_ms", serde_json::json!(0.0), "rows[0].median_ms"),
+        (
+            "/rows/0/median_ms",
+            serde_json::json!(0.0),
+            "rows[0].median_ms",
+        ),
         ("/rows/0/q1_ms", serde_json::json!(0.0), "rows[0].q1_ms"),
         ("/rows/0/q3_ms", serde_json::json!(0.0), "rows[0].q3_ms"),
-        ("/rows/0/accuracy/rel_err", serde_json::json!(-0.5), "rows[0].accuracy.rel_err"),
-        ("/rows/0/memory/peak_mb", serde_json::json!(-3.0), "rows[0].memory.peak_mb"),
+        (
+            "/rows/0/accuracy/rel_err",
+            serde_json::json!(-0.5),
+            "rows[0].accuracy.rel_err",
+        ),
+        (
+            "/rows/0/memory/peak_mb",
+            serde_json::json!(-3.0),
+            "rows[0].memory.peak_mb",
+        ),
         // A stored throughput: docgen derives it, so a document cannot claim one.
         ("/rows/0/tflops", serde_json::json!(99999.0), "tflops"),
     ];

@@ -88,7 +88,10 @@ impl Project {
         let before = snapshot(self.path());
         let (code, stderr) = self.docgen(args);
         assert_eq!(code, Some(2), "{args:?}: {stderr}");
-        assert!(stderr.contains("refusing to write to"), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("refusing to write to"),
+            "{args:?}: {stderr}"
+        );
         assert!(stderr.contains(reason), "{args:?}: {stderr}");
         assert!(stderr.contains("Nothing was changed"), "{stderr}");
         assert_eq!(snapshot(self.path()), before, "{args:?} changed files");
@@ -126,8 +129,14 @@ fn build_and_figures_into_the_data_folder_are_refused() {
     let p = Project::new(false);
     p.refused(&["build", "--out", "data"], "it is the data folder");
     p.refused(&["figures", "--out", "data"], "it is the data folder");
-    p.refused(&["build", "--out", "data/site"], "lies inside the data folder");
-    p.refused(&["figures", "--out", "./data/../data"], "it is the data folder");
+    p.refused(
+        &["build", "--out", "data/site"],
+        "lies inside the data folder",
+    );
+    p.refused(
+        &["figures", "--out", "./data/../data"],
+        "it is the data folder",
+    );
     assert!(p.path().join("data/gpu_attention.json").is_file());
 }
 

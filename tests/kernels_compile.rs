@@ -1,6 +1,7 @@
 //! Every CUDA kernel instantiation the runners can ask for compiles with NVRTC for sm_80 and
-//! sm_90a. Needs only the NVRTC library (no GPU): it skips, saying so, where NVRTC is absent;
-//! `.ci/run` installs NVRTC from PyPI so CI runs it.
+//! sm_90a. Needs only the NVRTC library (no GPU): where build.rs found no `libnvrtc.so.13` the
+//! tests are compiled as ignored, with the reason; `.ci/run` installs NVRTC from PyPI so CI
+//! runs them.
 
 use kernelpages::attention::cuda::{flash_instance, FlashConfig, SOFTMAX_SRC};
 use kernelpages::attention::{AttentionCase, Dtype, Pass};
@@ -18,11 +19,15 @@ fn compile(name: &str, src: &str, arch: &str) {
 }
 
 #[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
 fn every_flash_instantiation_compiles() {
-    if !nvrtc_present() {
-        eprintln!("every_flash_instantiation_compiles: skipping: libnvrtc not found");
-        return;
-    }
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
     let configs = [
         "v2w4",
         "v2w8",
@@ -70,11 +75,15 @@ fn every_flash_instantiation_compiles() {
 }
 
 #[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
 fn softmax_kernels_compile() {
-    if !nvrtc_present() {
-        eprintln!("softmax_kernels_compile: skipping: libnvrtc not found");
-        return;
-    }
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
     compile("softmax_rows.cu", SOFTMAX_SRC, "sm_90a");
     compile("softmax_rows.cu", SOFTMAX_SRC, "sm_80");
 }

@@ -45,6 +45,19 @@ pub fn mb(x: f64) -> String {
     sig(x, 3)
 }
 
+/// A library version as its users know it. cuDNN reports an integer (`torch.backends.cudnn.
+/// version()`: 91900 for 9.19.0, 8907 for 8.9.7), shown dotted; anything else as recorded.
+pub fn library_version(name: &str, version: &str) -> String {
+    let is_cudnn = name.to_ascii_lowercase().contains("cudnn");
+    match version.parse::<u64>() {
+        Ok(v) if is_cudnn && v >= 90_000 => {
+            format!("{}.{}.{}", v / 10_000, (v / 100) % 100, v % 100)
+        }
+        Ok(v) if is_cudnn && v >= 1_000 => format!("{}.{}.{}", v / 1_000, (v / 100) % 10, v % 100),
+        _ => version.to_string(),
+    }
+}
+
 /// One argument quoted for a POSIX shell: left alone when it holds only safe characters,
 /// otherwise single-quoted with embedded quotes escaped.
 pub fn shell_quote(arg: &str) -> String {
@@ -98,6 +111,14 @@ mod tests {
         assert_eq!(shell_quote("a b"), "'a b'");
         assert_eq!(shell_quote("it's"), r"'it'\''s'");
         assert_eq!(shell_quote(""), "''");
+    }
+
+    #[test]
+    fn cudnn_versions_read_as_released() {
+        assert_eq!(library_version("cudnn", "91900"), "9.19.0");
+        assert_eq!(library_version("cuDNN", "8907"), "8.9.7");
+        assert_eq!(library_version("cudnn", "9.19.0"), "9.19.0");
+        assert_eq!(library_version("torch", "2110"), "2110");
     }
 
     #[test]

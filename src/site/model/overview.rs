@@ -425,7 +425,11 @@ fn setup_doc(l: &Loaded) -> SetupDoc {
         file: l.file_name(),
         suite: l.doc.suite.title().to_string(),
         device,
-        libraries: c.libraries.iter().map(|(k, v)| kv(k, v.clone())).collect(),
+        libraries: c
+            .libraries
+            .iter()
+            .map(|(k, v)| kv(k, format::library_version(k, v)))
+            .collect(),
         run: vec![
             kv("Runner", format!("{} {}", c.runner, c.runner_version)),
             kv("Git commit", c.git_commit.clone()),
