@@ -605,3 +605,143 @@ fn schema_subcommand_writes_json_schema() {
     let v: serde_json::Value = serde_json::from_str(&fs::read_to_string(&out).unwrap()).unwrap();
     assert!(v.get("properties").is_some());
 }
+
+/// A document of another suite shape: its own axis (`n`), a second axis, and GB/s from
+/// `bytes`. The pages draw and tabulate what it declares, and nothing of attention's.
+#[test]
+fn axes_and_throughputs_come_from_the_document() {
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    doc["suite"] = serde_json::json!("kernel_sums");
+    doc["config"]["axes"] = serde_json::json!(["n", "head_dim"]);
+    doc["config"]["throughput"] = serde_json::json!([
+        {"key": "gb_per_s", "unit": "GB/s", "count": "bytes", "per_second": 1e9}
+    ]);
+    for r in doc["rows"].as_array_mut().unwrap() {
+        let case = r["case"].as_object_mut().unwrap();
+        let n = case.remove("seq_len").unwrap();
+        case.insert("n".to_string(), n.clone());
+        let bytes = n.as_f64().unwrap() * 1e3;
+        r.as_object_mut().unwrap().remove("flops");
+        r["bytes"] = serde_json::json!(bytes);
+    }
+    let data = tempfile::tempdir().unwrap();
+    fs::write(data.path().join("gpu_kernel_sums.json"), doc.to_string()).unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let page_html = fs::read_to_string(site.join("mixers.html")).unwrap();
+    let main = text(
+        page(&site, "mixers.html")
+            .select(&sel("main"))
+            .next()
+            .unwrap(),
+    );
+    assert!(
+        !main.contains("seq_len") && !main.contains("TFLOP"),
+        "{main}"
+    );
+    assert!(main.contains("GB/s"), "{main}");
+    // The table's row key is the first axis.
+    let doc_html = Html::parse_document(&page_html);
+    let first_th = doc_html
+        .select(&sel("table.results thead th"))
+        .next()
+        .map(text)
+        .unwrap();
+    assert_eq!(first_th, "n");
+    // GB/s = bytes / median, formatted as the table shows it.
+    let loaded = load::load_dir(data.path()).unwrap();
+    let r = loaded[0]
+        .doc
+        .rows
+        .iter()
+        .find(|r| r.status == Status::Ok)
+        .unwrap();
+    let gbs = r.bytes.unwrap() / (r.median_ms.unwrap() * 1e-3) / 1e9;
+    assert!(
+        main.contains(&format!("{} GB/s", format::sig(gbs, 3))),
+        "{main}"
+    );
+    // Figures against n (time and GB/s), and against the second axis, head_dim.
+    let titles: Vec<String> = fs::read_dir(site.join("figures"))
+        .unwrap()
+        .map(|e| fs::read_to_string(e.unwrap().path()).unwrap())
+        .filter_map(|svg| {
+            let t = svg.split("<title>").nth(1)?.split("</title>").next()?;
+            Some(t.to_string())
+        })
+        .collect();
+    assert!(
+        titles.iter().any(|t| t.contains("GB/s against n")),
+        "{titles:?}"
+    );
+    assert!(
+        titles.iter().any(|t| t.contains("against head_dim")),
+        "{titles:?}"
+    );
+    assert!(!titles
+        .iter()
+        .any(|t| t.contains("seq_len") || t.contains("TFLOP")));
+}
+
+/// The project's own implementations that fail are known limitations: one entry per
+/// (implementation, status), from the smallest size where it fails, with the message.
+#[test]
+fn own_failures_are_listed_as_limitations() {
+    let (_tmp, site) = build_site(&valid_dir(), None);
+    let docs = load::load_dir(&valid_dir()).unwrap();
+    let failing: Vec<&Row> = docs[0]
+        .doc
+        .rows
+        .iter()
+        .filter(|r| r.library == "kernelpages" && r.status != Status::Ok)
+        .collect();
+    assert!(!failing.is_empty(), "the fixture has an own failure");
+    let items: Vec<String> = page(&site, "index.html")
+        .select(&sel(".limitations li"))
+        .map(text)
+        .collect();
+    for r in failing {
+        let kind = format!("{}: {}", r.implementation, r.status.as_str());
+        let entry = items
+            .iter()
+            .find(|i| i.contains(&kind))
+            .unwrap_or_else(|| panic!("no entry for {kind}: {items:?}"));
+        assert!(
+            entry.contains(&format!("from seq_len = {}", r.case["seq_len"])),
+            "{entry}"
+        );
+        assert!(entry.contains(r.message.as_deref().unwrap()), "{entry}");
+    }
+}
+
+/// The generator names no suite's parameters or units: those come from the documents.
+#[test]
+fn the_generator_names_no_axis_or_unit() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let mut files: Vec<PathBuf> = walkdir::WalkDir::new(root.join("src/site"))
+        .into_iter()
+        .map(|e| e.unwrap().into_path())
+        .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+        .collect();
+    files.extend(
+        fs::read_dir(root.join("templates"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "html")),
+    );
+    for f in files {
+        let text = fs::read_to_string(&f).unwrap();
+        // Unit tests may use attention's names as sample data, and comments as examples.
+        let code: String = text
+            .split("#[cfg(test)]")
+            .next()
+            .unwrap()
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        for word in ["seq_len", "TFLOP"] {
+            assert!(!code.contains(word), "{} names {word}", f.display());
+        }
+    }
+}

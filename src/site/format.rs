@@ -25,11 +25,6 @@ pub fn iqr(q1: f64, q3: f64) -> String {
     format!("{}–{}", ms(q1), ms(q3))
 }
 
-/// A throughput in TFLOP/s, three significant digits.
-pub fn tflops(x: f64) -> String {
-    sig(x, 3)
-}
-
 /// A relative error in scientific notation with two decimals (`1.23e-3`).
 pub fn rel_err(x: f64) -> String {
     format!("{x:.2e}")

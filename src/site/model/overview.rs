@@ -134,6 +134,9 @@ pub struct TimingView {
     pub peak_methods: String,
     /// The FLOP-counting rules the runners recorded (`config.flop_rule`), or empty.
     pub flop_rules: String,
+    /// The throughputs the documents declare, each with the count it is computed from
+    /// (`TFLOP/s from flops`), joined; empty when none is declared.
+    pub throughputs: String,
 }
 
 /// One dispatch rule with its document.
@@ -504,7 +507,22 @@ fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
             .filter_map(|n| n.parse::<u64>().ok())
             .collect::<Vec<_>>()
     });
+    let mut throughputs: Vec<String> = Vec::new();
+    for l in docs {
+        for t in &l.doc.config.throughput {
+            let s = format!(
+                "{} = {} of one call ÷ median time (s) ÷ {:e}",
+                t.unit,
+                t.count.as_str(),
+                t.per_second
+            );
+            if !throughputs.contains(&s) {
+                throughputs.push(s);
+            }
+        }
+    }
     TimingView {
+        throughputs: md_text(&throughputs.join("; ")),
         flop_rules: md_text(&flop_rules.into_iter().collect::<Vec<_>>().join("; ")),
         peak_methods: md_text(&peak_methods),
         files: docs
