@@ -321,3 +321,20 @@ fn every_problem_of_every_file_is_reported() {
         );
     }
 }
+
+/// The site committed in `site/` is what `docgen build` makes of the committed `data/` and
+/// `templates/`: publishing it publishes the data.
+#[test]
+fn the_committed_site_is_up_to_date() {
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let problems = check::check(&CheckOptions {
+        data_dir: root.join("data"),
+        out_dir: root.join("site"),
+        base_url: None,
+        templates_dir: Some(root.join("templates")),
+    });
+    assert!(
+        problems.is_empty(),
+        "rebuild it with `cargo run --release --bin docgen -- build`: {problems:#?}"
+    );
+}
