@@ -198,35 +198,52 @@ fn at_a_glance_ratio_comes_from_the_data() {
     let (_tmp, site) = build_site(&valid_dir(), None);
     let docs = load::load_dir(&valid_dir()).unwrap();
     let doc = page(&site, "index.html");
-    let rows: Vec<Vec<String>> = doc
-        .select(&sel("table.glance tbody tr"))
-        .map(|tr| tr.select(&sel("td")).map(text).collect())
-        .collect();
-    assert!(!rows.is_empty());
     let all: Vec<&Row> = docs.iter().flat_map(|l| l.doc.rows.iter()).collect();
-    for cols in rows.iter().filter(|c| c[8].ends_with('×')) {
-        // Recompute: fastest ok, accurate non-default over default, same group and seq_len.
-        let same = |r: &&&Row| {
-            let mut p = r.case.clone();
-            let x = p.remove("seq_len").unwrap().to_string();
-            case_label(&p) == cols[2] && format!("seq_len = {x}") == cols[3]
-        };
-        let group: Vec<&&Row> = all.iter().filter(same).collect();
-        let d = group.iter().find(|r| r.default).unwrap();
-        let best = group
-            .iter()
-            .filter(|r| !r.default && r.status == Status::Ok)
-            .filter(|r| {
-                r.accuracy
-                    .as_ref()
-                    .is_some_and(|a| a.rel_err <= a.tolerance)
-            })
-            .map(|r| (r.median_ms.unwrap(), r.implementation.clone()))
-            .min_by(|a, b| a.0.total_cmp(&b.0))
-            .unwrap();
-        assert_eq!(cols[6], best.1);
-        assert_eq!(cols[8], format::ratio(best.0 / d.median_ms.unwrap()));
+    let headers: Vec<String> = doc
+        .select(&sel("table.glance thead th"))
+        .map(text)
+        .collect();
+    let mut seen = 0;
+    for tr in doc.select(&sel("table.glance tbody tr")) {
+        let group = text(tr.select(&sel("th")).next().unwrap());
+        for (i, td) in tr.select(&sel("td")).skip(1).enumerate() {
+            let Some(span) = td.select(&sel(".ratio")).next() else {
+                continue;
+            };
+            let x = headers[i + 2].trim_start_matches("seq_len ").to_string();
+            let other = span.value().attr("data-other").unwrap();
+            // Recompute: fastest ok, accurate non-default over default, same group and size.
+            let same = |r: &&&Row| {
+                let mut p = r.case.clone();
+                let rx = p.remove("seq_len").unwrap().to_string();
+                group.split(", ").all(|g| case_label(&p).contains(g)) && rx == x
+            };
+            let in_case: Vec<&&Row> = all.iter().filter(same).collect();
+            let d = in_case.iter().find(|r| r.default).unwrap();
+            assert_eq!(
+                span.value().attr("data-reference"),
+                Some(d.implementation.as_str())
+            );
+            let best = in_case
+                .iter()
+                .filter(|r| !r.default && r.status == Status::Ok)
+                .filter(|r| {
+                    r.accuracy
+                        .as_ref()
+                        .is_some_and(|a| a.rel_err <= a.tolerance)
+                })
+                .map(|r| (r.median_ms.unwrap(), r.implementation.clone()))
+                .min_by(|a, b| a.0.total_cmp(&b.0))
+                .unwrap();
+            assert_eq!(other, best.1);
+            let r = best.0 / d.median_ms.unwrap();
+            assert_eq!(text(span), format::ratio(r));
+            let words = format::time_ratio_words(r, r, &d.implementation);
+            assert!(text(td).contains(&words), "{}", text(td));
+            seen += 1;
+        }
     }
+    assert!(seen > 10, "{seen}");
     assert!(site.join("figures/at-a-glance.svg").is_file());
 }
 

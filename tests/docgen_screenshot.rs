@@ -154,12 +154,15 @@ fn at_a_glance_chart_renders_in_chromium() {
         let png_path = tmp.path().join(if dark { "dark.png" } else { "light.png" });
         screenshot(&browser, &out.join("index.html"), &png_path, dark);
         let (pixels, width) = decode(&png_path);
-        let bands = bar_bands(&pixels, width);
+        let mut bands = bar_bands(&pixels, width);
+        // One band per bar, then the legend's row of the two bar colours.
         assert_eq!(
             bands.len(),
-            bars,
-            "dark={dark}: expected one band per bar, found {bands:?}"
+            bars + 1,
+            "dark={dark}: expected one band per bar and the legend's, found {bands:?}"
         );
+        let legend = bands.pop().unwrap();
+        assert!(legend.1 - legend.0 <= 12, "legend swatches: {legend:?}");
         for &(top, bottom, left, right) in &bands {
             assert!(bottom - top >= 8, "dark={dark}: bar too thin {bands:?}");
             assert!(right - left >= 20, "dark={dark}: bar too short {bands:?}");

@@ -104,7 +104,7 @@ pub fn check(opts: &CheckOptions) -> Vec<Problem> {
                 Ok(mut files) => {
                     let manifest =
                         super::manifest(&docs, &sources, opts.base_url.as_deref(), &files);
-                    explain_manifest(&opts.out_dir, &manifest, &mut problems);
+                    explain_manifest(&opts.out_dir, &manifest, &sources.origin(), &mut problems);
                     files.push(manifest.to_file());
                     check_site(&opts.out_dir, &files, &mut problems);
                 }
@@ -130,7 +130,7 @@ pub fn check(opts: &CheckOptions) -> Vec<Problem> {
 
 /// Says why the site differs when its manifest tells: another base URL, other templates, other
 /// data.
-fn explain_manifest(out: &Path, fresh: &Manifest, problems: &mut Vec<Problem>) {
+fn explain_manifest(out: &Path, fresh: &Manifest, templates: &str, problems: &mut Vec<Problem>) {
     let Some(built) = Manifest::read(out) else {
         return;
     };
@@ -154,11 +154,9 @@ fn explain_manifest(out: &Path, fresh: &Manifest, problems: &mut Vec<Problem>) {
         problems.push(problem(
             Area::Site,
             format!(
-                "{} was built from other templates ({}) than this check reads ({}): a template \
-                 or prose file changed since; rebuild it with `docgen build`",
-                out.display(),
-                built.templates,
-                fresh.templates
+                "{} was built from other templates than this check reads ({templates}): a \
+                 template or prose file changed since; rebuild it with `docgen build`",
+                out.display()
             ),
         ));
     }

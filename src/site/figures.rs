@@ -15,7 +15,7 @@ use anyhow::{anyhow, Context as _};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use super::model::{Dash, FigureSpec, GlanceChart, Marker, Series};
+use super::model::{BarOutcome, Dash, FigureSpec, GlanceChart, Marker, Series};
 
 /// Width of a line figure, px.
 pub const WIDTH: u32 = 720;
@@ -544,7 +544,12 @@ pub fn glance_bounds(chart: &GlanceChart) -> (f64, f64) {
     let values = chart
         .bars
         .iter()
-        .flat_map(|b| [Some(b.ratio), b.range.map(|r| r.0), b.range.map(|r| r.1)])
+        .flat_map(|b| match b.outcome {
+            BarOutcome::Ratio { ratio, range } => {
+                [Some(ratio), range.map(|r| r.0), range.map(|r| r.1)]
+            }
+            BarOutcome::DefaultInaccurate => [None, None, None],
+        })
         .flatten()
         .filter(|v| v.is_finite() && *v > 0.0)
         .chain([1.0]);
@@ -559,23 +564,25 @@ pub fn glance_bounds(chart: &GlanceChart) -> (f64, f64) {
     ((lo.ln() - pad).exp(), (hi.ln() + pad).exp())
 }
 
-/// Draws the At a glance chart: one horizontal bar per representative comparison from 1 to the
-/// ratio on a log x axis whose range comes from the data and holds 1, a whisker over the ratio
-/// range from both interquartile ranges, a vertical line at 1, the labels left of the plot.
+/// Width of the At a glance chart, px: it fits a phone's screen scrolled once at most.
+pub const GLANCE_WIDTH: u32 = 720;
+/// Height of one bar's slot (its label line above, the bar below), px.
+const GLANCE_SLOT: u32 = 46;
+
+/// Draws the At a glance chart: per representative comparison, its label on a line of its own
+/// and below it a horizontal bar from 1 to the ratio on a log x axis whose range comes from
+/// the data and holds 1 (green where the default is faster, red where the alternative is), a
+/// whisker over the ratio's range from both interquartile ranges, or a cross where the default
+/// is inaccurate; a vertical line at 1; a legend saying what colours, whiskers and crosses
+/// mean.
 pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
     let n = chart_spec.bars.len();
-    let label_width = chart_spec
-        .bars
-        .iter()
-        .map(|b| text_width(&b.label, 13.0))
-        .max()
-        .unwrap_or(0)
-        .clamp(120, 560)
-        + 16;
-    let width = label_width + 560;
+    let width = GLANCE_WIDTH;
     let title_lines = wrap(&chart_spec.title, (width as usize - 24) / 8);
     let top = 16 + 20 * title_lines.len() as u32 + 22;
-    let height = top + 34 * n as u32 + 56;
+    let legend_height = 2 * LEGEND_LINE + 8;
+    let plot_height = GLANCE_SLOT * n as u32 + 44;
+    let height = top + plot_height + legend_height + 8;
     let mut svg = String::new();
     {
         let err = plot_err(&chart_spec.file);
@@ -589,14 +596,15 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
             ))
             .map_err(&err)?;
         }
+        let (plot_area, legend_area) = root.split_vertically(top + plot_height);
         let (lo, hi) = glance_bounds(chart_spec);
         let ticks = glance_ticks(lo, hi);
-        let mut chart = ChartBuilder::on(&root)
+        let mut chart = ChartBuilder::on(&plot_area)
             .margin(12)
             .margin_top(top)
             .margin_right(24)
             .x_label_area_size(44)
-            .y_label_area_size(label_width)
+            .y_label_area_size(8)
             .build_cartesian_2d((lo..hi).log_scale().with_key_points(ticks), 0f64..n as f64)
             .map_err(&err)?;
         chart
@@ -630,38 +638,53 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
         let label_font = (FONT, 13)
             .into_font()
             .color(&INK)
-            .pos(Pos::new(HPos::Right, VPos::Center));
+            .pos(Pos::new(HPos::Left, VPos::Bottom));
         for (i, b) in chart_spec.bars.iter().enumerate() {
-            let y_mid = n as f64 - i as f64 - 0.5;
-            let colour = if b.ratio >= 1.0 {
-                DEFAULT_FASTER
-            } else {
-                ALTERNATIVE_FASTER
-            };
-            chart
-                .draw_series(std::iter::once(Rectangle::new(
-                    [(1.0, y_mid - 0.3), (b.ratio, y_mid + 0.3)],
-                    colour.filled(),
-                )))
-                .map_err(&err)?;
-            if let Some((low, high)) = b.range {
-                let cap = 0.15;
-                chart
-                    .draw_series(
-                        [
-                            vec![(low, y_mid), (high, y_mid)],
-                            vec![(low, y_mid - cap), (low, y_mid + cap)],
-                            vec![(high, y_mid - cap), (high, y_mid + cap)],
-                        ]
-                        .into_iter()
-                        .map(|p| PathElement::new(p, INK.stroke_width(1))),
-                    )
-                    .map_err(&err)?;
+            // The slot's lower part holds the bar, its upper part the label.
+            let slot_top = n as f64 - i as f64;
+            let y_mid = slot_top - 0.68;
+            match b.outcome {
+                BarOutcome::Ratio { ratio, range } => {
+                    let colour = if ratio >= 1.0 {
+                        DEFAULT_FASTER
+                    } else {
+                        ALTERNATIVE_FASTER
+                    };
+                    chart
+                        .draw_series(std::iter::once(Rectangle::new(
+                            [(1.0, y_mid - 0.2), (ratio, y_mid + 0.2)],
+                            colour.filled(),
+                        )))
+                        .map_err(&err)?;
+                    if let Some((low, high)) = range {
+                        let cap = 0.12;
+                        chart
+                            .draw_series(
+                                [
+                                    vec![(low, y_mid), (high, y_mid)],
+                                    vec![(low, y_mid - cap), (low, y_mid + cap)],
+                                    vec![(high, y_mid - cap), (high, y_mid + cap)],
+                                ]
+                                .into_iter()
+                                .map(|p| PathElement::new(p, INK.stroke_width(1))),
+                            )
+                            .map_err(&err)?;
+                    }
+                }
+                BarOutcome::DefaultInaccurate => {
+                    chart
+                        .draw_series(std::iter::once(Cross::new(
+                            (1.0, y_mid),
+                            7,
+                            ALTERNATIVE_FASTER.stroke_width(3),
+                        )))
+                        .map_err(&err)?;
+                }
             }
-            let (px, py) = chart.backend_coord(&(lo, y_mid));
+            let (px, py) = chart.backend_coord(&(lo, slot_top - 0.3));
             root.draw(&Text::new(
                 b.label.clone(),
-                (px - 8, py),
+                (px + 4, py),
                 label_font.clone(),
             ))
             .map_err(&err)?;
@@ -672,12 +695,61 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
                 INK.stroke_width(2),
             ))
             .map_err(&err)?;
+        draw_glance_legend(&legend_area).map_err(&err)?;
         root.present().map_err(&err)?;
     }
     add_title_desc(&svg, &chart_spec.title, &chart_spec.desc)
 }
 
-/// Ticks of the At a glance axis: [`log_ticks`], always with 1.
+/// The glance chart's legend: bar colours by who is faster, the whisker, the cross.
+fn draw_glance_legend<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    let font = (FONT, 12).into_font().color(&INK);
+    let row = |i: i32| 6 + i * LEGEND_LINE as i32 + LEGEND_LINE as i32 / 2;
+    let entries: [(i32, i32, &str); 4] = [
+        (0, 20, "default faster (ratio above 1)"),
+        (0, 370, "alternative faster (ratio below 1)"),
+        (1, 20, "whisker: range from both implementations' quartiles"),
+        (1, 480, "default inaccurate"),
+    ];
+    for (k, (line, x, label)) in entries.into_iter().enumerate() {
+        let y = row(line);
+        match k {
+            0 | 1 => {
+                let c = if k == 0 {
+                    DEFAULT_FASTER
+                } else {
+                    ALTERNATIVE_FASTER
+                };
+                area.draw(&Rectangle::new([(x, y - 5), (x + 22, y + 5)], c.filled()))?;
+            }
+            2 => {
+                for seg in [
+                    vec![(x, y), (x + 22, y)],
+                    vec![(x, y - 4), (x, y + 4)],
+                    vec![(x + 22, y - 4), (x + 22, y + 4)],
+                ] {
+                    area.draw(&PathElement::new(seg, INK.stroke_width(1)))?;
+                }
+            }
+            _ => {
+                area.draw(&Cross::new(
+                    (x + 11, y),
+                    6,
+                    ALTERNATIVE_FASTER.stroke_width(3),
+                ))?;
+            }
+        }
+        area.draw(&Text::new(
+            label,
+            (x + 30, y),
+            font.clone().pos(Pos::new(HPos::Left, VPos::Center)),
+        ))?;
+    }
+    Ok(())
+}
+
 fn glance_ticks(lo: f64, hi: f64) -> Vec<f64> {
     let mut t = log_ticks(lo, hi);
     if !t.contains(&1.0) {
@@ -728,16 +800,33 @@ mod tests {
             file: "g.svg".into(),
             title: "t".into(),
             desc: "d".into(),
-            bars: vec![GlanceBar {
-                label: "a".into(),
-                ratio: 0.4,
-                range: Some((0.35, 0.45)),
-            }],
+            bars: vec![
+                GlanceBar {
+                    label: "a".into(),
+                    outcome: BarOutcome::Ratio {
+                        ratio: 0.4,
+                        range: Some((0.35, 0.45)),
+                    },
+                },
+                GlanceBar {
+                    label: "b".into(),
+                    outcome: BarOutcome::DefaultInaccurate,
+                },
+            ],
         };
         let (lo, hi) = glance_bounds(&chart);
         assert!(lo < 0.35 && hi > 1.0 * 1.2, "{lo} {hi}");
         let t = glance_ticks(lo, hi);
         assert!(t.contains(&1.0) && t.iter().any(|v| *v < 1.0), "{t:?}");
+        let svg = glance_chart(&chart).unwrap();
+        for words in [
+            "default faster",
+            "alternative faster",
+            "quartiles",
+            "default inaccurate",
+        ] {
+            assert!(svg.contains(words), "legend lacks {words}");
+        }
     }
 
     #[test]

@@ -35,6 +35,63 @@ pub fn ratio(x: f64) -> String {
     format!("{x:.2}×")
 }
 
+/// The site's one direction for a ratio of times: the other implementation's time ÷ the
+/// reference's (the reference is the default whenever the default is one of the two), in
+/// words: above 1 the reference is faster. `lo..=hi` is a range of such ratios (equal for one).
+/// Returns e.g. `flash 1.61× slower` (ratio 0.62) or `flash 2.01× to 7.51× faster`.
+pub fn time_ratio_words(lo: f64, hi: f64, reference: &str) -> String {
+    let (lo, hi) = (lo.min(hi), lo.max(hi));
+    let span = |a: f64, b: f64| {
+        let (a, b) = (ratio(a), ratio(b));
+        if a == b {
+            a
+        } else {
+            format!("{a} to {b}")
+        }
+    };
+    if lo >= 1.0 {
+        if ratio(hi) == ratio(1.0) {
+            return format!("{reference} as fast");
+        }
+        format!("{reference} {} faster", span(lo, hi))
+    } else if hi <= 1.0 {
+        format!("{reference} {} slower", span(1.0 / hi, 1.0 / lo))
+    } else {
+        format!(
+            "{reference} between {} slower and {} faster",
+            ratio(1.0 / lo),
+            ratio(hi)
+        )
+    }
+}
+
+/// A time ratio (or range) as HTML: the value(s), marked with the direction every ratio on the
+/// site shares (`data-ratio="time of other ÷ time of reference"`), then the words of
+/// [`time_ratio_words`]. `other` and `reference` are implementation names (HTML-escaped here).
+pub fn time_ratio_html(lo: f64, hi: f64, other: &str, reference: &str) -> String {
+    let value = if ratio(lo) == ratio(hi) {
+        ratio(lo)
+    } else {
+        format!("{} to {}", ratio(lo.min(hi)), ratio(lo.max(hi)))
+    };
+    format!(
+        "<span class=\"ratio\" data-ratio=\"time of other ÷ time of reference\" \
+         data-other=\"{}\" data-reference=\"{}\" data-lo=\"{lo}\" data-hi=\"{hi}\">{value}</span> \
+         ({})",
+        html_escape(other),
+        html_escape(reference),
+        html_escape(&time_ratio_words(lo, hi, reference))
+    )
+}
+
+/// `s` with `&`, `<`, `>` and `"` escaped for HTML text and attribute values.
+pub fn html_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
 /// A memory figure in MB, three significant digits.
 pub fn mb(x: f64) -> String {
     sig(x, 3)
@@ -106,6 +163,26 @@ mod tests {
         assert_eq!(shell_quote("a b"), "'a b'");
         assert_eq!(shell_quote("it's"), r"'it'\''s'");
         assert_eq!(shell_quote(""), "''");
+    }
+
+    #[test]
+    fn ratios_say_which_way_they_go() {
+        assert_eq!(time_ratio_words(0.62, 0.62, "flash"), "flash 1.61× slower");
+        assert_eq!(
+            time_ratio_words(2.01, 7.51, "flash"),
+            "flash 2.01× to 7.51× faster"
+        );
+        assert_eq!(
+            time_ratio_words(0.46, 0.76, "flash"),
+            "flash 1.32× to 2.17× slower"
+        );
+        assert_eq!(time_ratio_words(1.0, 1.0, "flash"), "flash as fast");
+        let html = time_ratio_html(0.5, 0.5, "torch_cudnn", "flash");
+        assert!(html.starts_with("<span class=\"ratio\""), "{html}");
+        assert!(
+            html.contains(">0.50×</span> (flash 2.00× slower)"),
+            "{html}"
+        );
     }
 
     #[test]

@@ -499,18 +499,60 @@ fn ratio(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             place(&den, true)
         ));
     }
+    // The site's one direction: other ÷ reference, the reference being the default when it
+    // is one of the two (so `num` and `den` may be given either way round).
+    let (other, reference) = if num.row.default && !den.row.default {
+        (den, num)
+    } else {
+        (num, den)
+    };
     let at = |e: String| format!("{e} ({})", case_label(&num.row.case));
-    let n = ok_value(num.row, &num.doc.doc, &field).map_err(at)?;
-    let d = ok_value(den.row, &den.doc.doc, &field).map_err(at)?;
-    if d == 0.0 {
+    let o = ok_value(other.row, &other.doc.doc, &field).map_err(at)?;
+    let r = ok_value(reference.row, &reference.doc.doc, &field).map_err(at)?;
+    if r == 0.0 {
         return Err(format!(
             "{} of {} is zero ({})",
             field.name(),
-            den.row.implementation,
-            case_label(&den.row.case)
+            reference.row.implementation,
+            case_label(&reference.row.case)
         ));
     }
-    Ok(Value::from(super::format::ratio(n / d)))
+    Ok(Value::safe_string(&ratio_html(
+        &field,
+        o / r,
+        o / r,
+        &other.row.implementation,
+        &reference.row.implementation,
+    )))
+}
+
+/// A ratio `other ÷ reference` of `field` (or a range of them) as the site shows every ratio:
+/// times through [`format::time_ratio_html`], other fields as `r× reference's` with the same
+/// marking.
+fn ratio_html(field: &Field, lo: f64, hi: f64, other: &str, reference: &str) -> String {
+    use super::format;
+    match field {
+        Field::MedianMs | Field::Q1Ms | Field::Q3Ms => {
+            format::time_ratio_html(lo, hi, other, reference)
+        }
+        _ => {
+            let value = if format::ratio(lo) == format::ratio(hi) {
+                format::ratio(lo)
+            } else {
+                format!("{} to {}", format::ratio(lo), format::ratio(hi))
+            };
+            format!(
+                "<span class=\"ratio\" data-ratio=\"{name} of other ÷ {name} of reference\" \
+                 data-other=\"{}\" data-reference=\"{}\" data-lo=\"{lo}\" data-hi=\"{hi}\">{value}</span> \
+                 ({}'s {name} over {}'s)",
+                format::html_escape(other),
+                format::html_escape(reference),
+                format::html_escape(other),
+                format::html_escape(reference),
+                name = field.name(),
+            )
+        }
+    }
 }
 
 fn case(docs: &[Loaded], args: &Args) -> Result<Value, String> {
@@ -690,9 +732,13 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             slot.1 = Some(*item);
         }
     }
-    let mut checked = 0usize;
+    // Each case where both ran: beyond the noise (the faster side's q3 below the other's
+    // q1, for times), within it, not comparable (a launch-bound timing), or against the claim.
+    let time = matches!(field, Field::MedianMs);
+    let mut supported: Vec<(f64, bool)> = Vec::new();
+    let mut within_noise = 0usize;
+    let mut launch_bound = 0usize;
     let mut left_out = 0usize;
-    let mut ratios: Vec<f64> = Vec::new();
     let mut contradictions: Vec<String> = Vec::new();
     for (x, y) in pairs.values() {
         let (Some(x), Some(y)) = (x, y) else {
@@ -706,17 +752,38 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             left_out += 1;
             continue;
         };
-        checked += 1;
+        if time
+            && (super::model::groups::launch_bound(x.row, &x.doc.doc)
+                || super::model::groups::launch_bound(y.row, &y.doc.doc))
+        {
+            launch_bound += 1;
+            continue;
+        }
         let holds = match relation {
             Relation::Faster | Relation::Lower => vx < vy,
             Relation::Slower | Relation::Higher => vx > vy,
         };
+        // For times, "faster" must hold beyond both interquartile ranges.
+        let beyond = !time
+            || match (x.row.q1_ms, x.row.q3_ms, y.row.q1_ms, y.row.q3_ms) {
+                (Some(xq1), Some(xq3), Some(yq1), Some(yq3)) => {
+                    if vx < vy {
+                        xq3 < yq1
+                    } else {
+                        yq3 < xq1
+                    }
+                }
+                _ => true,
+            };
+        if !beyond {
+            within_noise += 1;
+            continue;
+        }
         if holds {
-            // Always the larger over the smaller, so the range reads "n× to m×".
-            ratios.push(match relation {
-                Relation::Faster | Relation::Lower => vy / vx,
-                Relation::Slower | Relation::Higher => vx / vy,
-            });
+            // other ÷ reference, the reference being the default when it is one of the two.
+            let y_is_reference = y.row.default || !x.row.default;
+            let r = if y_is_reference { vx / vy } else { vy / vx };
+            supported.push((r, y_is_reference));
         } else {
             contradictions.push(format!(
                 "{}: {a} {} {}, {b} {} {}",
@@ -728,42 +795,60 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             ));
         }
     }
-    if checked == 0 {
+    if !contradictions.is_empty() {
         return Err(format!(
-            "claim \"{statement}\" covers no measured case ({} matching case{}, none where both {a} and {b} ran)",
+            "claim \"{statement}\" does not hold in {} of {} cases:\n  {}",
+            contradictions.len(),
+            contradictions.len() + supported.len() + within_noise,
+            contradictions.join("\n  ")
+        ));
+    }
+    if supported.is_empty() {
+        return Err(format!(
+            "claim \"{statement}\" is supported by no measured case ({} matching case{}: \
+             {within_noise} within the noise, {launch_bound} launch-bound, {left_out} where \
+             either did not run)",
             pairs.len(),
             if pairs.len() == 1 { "" } else { "s" }
         ));
     }
-    if !contradictions.is_empty() {
-        return Err(format!(
-            "claim \"{statement}\" does not hold in {} of {checked} cases:\n  {}",
-            contradictions.len(),
-            contradictions.join("\n  ")
-        ));
-    }
-    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let (lo, hi) = (super::format::ratio(lo), super::format::ratio(hi));
-    let range = if lo == hi {
-        lo
+    let lo = supported.iter().map(|s| s.0).fold(f64::INFINITY, f64::min);
+    let hi = supported
+        .iter()
+        .map(|s| s.0)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let b_is_reference = supported[0].1;
+    let (other, reference) = if b_is_reference { (a, b) } else { (b, a) };
+    let detail = ratio_html(&field, lo, hi, other, reference);
+    let n = supported.len();
+    let statement = if within_noise + launch_bound == 0 {
+        statement
     } else {
-        format!("{lo} to {hi}")
+        statement.replacen(
+            "in every measured case",
+            &format!(
+                "in {n} of {} measured cases",
+                n + within_noise + launch_bound
+            ),
+            1,
+        )
     };
-    let detail = match relation {
-        Relation::Faster => format!("{b} takes {range} as long"),
-        Relation::Slower => format!("{a} takes {range} as long"),
-        Relation::Higher => format!("{range} {b}'s"),
-        Relation::Lower => format!("{b}'s is {range} {a}'s"),
-    };
-    let cases = if checked == 1 { "case" } else { "cases" };
-    let skipped = match left_out {
-        0 => String::new(),
-        1 => "; one case where either did not run is left out".to_string(),
-        n => format!("; {n} cases where either did not run are left out"),
-    };
-    Ok(Value::from(format!(
-        "{statement} ({checked} {cases}; {detail}{skipped})"
+    let cases = if n == 1 { "case" } else { "cases" };
+    let mut notes = Vec::new();
+    if within_noise > 0 {
+        notes.push(format!("within noise in {within_noise}"));
+    }
+    if launch_bound > 0 {
+        notes.push(format!("launch-bound, so not compared, in {launch_bound}"));
+    }
+    match left_out {
+        0 => {}
+        1 => notes.push("one case where either did not run is left out".to_string()),
+        k => notes.push(format!("{k} cases where either did not run are left out")),
+    }
+    let notes: String = notes.iter().map(|n| format!("; {n}")).collect();
+    Ok(Value::safe_string(&format!(
+        "{statement} ({n} {cases}; {detail}{notes})"
     )))
 }
 

@@ -44,6 +44,10 @@ pub const BUILT_IN_PROSE: [(&str, &str); 2] = [
 /// The default templates folder, used when it exists and `--templates` is not given.
 pub const DEFAULT_DIR: &str = "templates";
 
+/// The kernel tuning notes, relative to the folder that holds the templates folder (the
+/// repository root): rendered as the site's tuning page when present.
+pub const TUNING_NOTES: &str = "kernels/TUNING.md";
+
 /// Every source a build renders with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sources {
@@ -55,6 +59,8 @@ pub struct Sources {
     pub prose: Vec<(&'static str, String)>,
     /// Where they came from: the folder, or `None` for the built-in copies.
     pub dir: Option<PathBuf>,
+    /// The kernel tuning notes ([`TUNING_NOTES`] beside the templates folder), when present.
+    pub tuning_notes: Option<String>,
 }
 
 impl Sources {
@@ -71,11 +77,13 @@ impl Sources {
                 .map(|(n, s)| (*n, s.to_string()))
                 .collect(),
             dir: None,
+            tuning_notes: None,
         }
     }
 
     /// Every template, the stylesheet and the prose read from `dir`, each file that `dir` lacks
-    /// taken from the built-in copy (so a folder holding only `style.css` restyles the site).
+    /// taken from the built-in copy (so a folder holding only `style.css` restyles the site);
+    /// and the kernel tuning notes from [`TUNING_NOTES`] beside `dir`, when there.
     ///
     /// Errors: `dir` is not a folder, or a file in it cannot be read; the error names it.
     pub fn from_dir(dir: &Path) -> anyhow::Result<Sources> {
@@ -96,11 +104,23 @@ impl Sources {
                 .map(|(name, built_in)| Ok((*name, read(name, built_in)?)))
                 .collect::<anyhow::Result<Vec<_>>>()
         };
+        let notes = dir
+            .parent()
+            .map(|root| root.join(TUNING_NOTES))
+            .filter(|p| p.is_file());
+        let tuning_notes = match notes {
+            Some(p) => Some(
+                std::fs::read_to_string(&p)
+                    .with_context(|| format!("cannot read {}", p.display()))?,
+            ),
+            None => None,
+        };
         Ok(Sources {
             templates: pairs(&BUILT_IN_TEMPLATES)?,
             style_css: read("style.css", BUILT_IN_STYLE)?,
             prose: pairs(&BUILT_IN_PROSE)?,
             dir: Some(dir.to_path_buf()),
+            tuning_notes,
         })
     }
 
@@ -135,6 +155,10 @@ impl Sources {
         }
         h.update(b"style.css\0");
         h.update(self.style_css.as_bytes());
+        if let Some(notes) = &self.tuning_notes {
+            h.update(b"\0tuning notes\0");
+            h.update(notes.as_bytes());
+        }
         hex(&h.finalize())
     }
 

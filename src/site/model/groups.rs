@@ -17,6 +17,13 @@ pub fn primary_axis(doc: &Document) -> &str {
     doc.config.axes.first().map(String::as_str).unwrap_or("")
 }
 
+/// True when the row's timing is bound by the host issuing the calls rather than the device
+/// running them, so it cannot support a "faster" claim. Documents that record no host time
+/// have no launch-bound rows.
+pub fn launch_bound(_row: &Row, _doc: &Document) -> bool {
+    false
+}
+
 /// `decl`'s value for `row`: its count over its median time, in `decl.unit`; `None` when the
 /// row has no median or no such count.
 pub fn throughput(row: &Row, decl: &Throughput) -> Option<f64> {

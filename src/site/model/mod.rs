@@ -17,8 +17,8 @@ use serde::Serialize;
 pub use self::groups::{merge_shards, ImplHeader};
 pub use self::hopper::{HopperImpl, HopperPage, HopperSuite};
 pub use self::overview::{
-    DispatchView, GlanceBar, GlanceChart, GlanceRow, IndexPage, Limitation, PageLink, SetupDoc,
-    TimingView,
+    BarOutcome, DispatchView, GlanceBar, GlanceCell, GlanceChart, GlanceRow, GlanceTable,
+    GlanceTableRow, IndexPage, Limitation, PageLink, SetupDoc, TimingView,
 };
 pub use self::suite::{
     Cell, Dash, DocSection, FigureSpec, GroupView, Marker, MemoryRow, Series, SuitePage,
@@ -249,7 +249,7 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
         })
         .collect();
 
-    let (glance, glance_chart) = overview::glance(docs, &base);
+    let (glance, glance_tables, glance_chart) = overview::glance(docs, &base);
     let pages = SUITE_PAGES
         .iter()
         .map(|(f, t, suites)| {
@@ -279,6 +279,7 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
         layout("index.html", "GPU and CPU performance", !docs.is_empty()),
         pages,
         glance,
+        glance_tables,
         glance_chart.as_ref(),
     );
     let hopper = hopper_title

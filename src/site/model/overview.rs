@@ -26,6 +26,8 @@ pub struct IndexPage {
     pub empty: bool,
     /// Every (group, x) with a default implementation.
     pub glance: Vec<GlanceRow>,
+    /// The same comparisons, one table per (suite, device): a row per group, a column per size.
+    pub glance_tables: Vec<GlanceTable>,
     /// Site-relative path of the At a glance chart.
     pub glance_figure: Option<FigureRef>,
     /// One entry per document.
@@ -76,6 +78,11 @@ pub struct GlanceRow {
     pub alternative_ms: Option<String>,
     /// alternative time ÷ default time, formatted; above 1 means the default is faster.
     pub ratio: Option<String>,
+    /// The ratio as the site shows every ratio ([`format::time_ratio_html`]): value, direction
+    /// and words.
+    pub ratio_html: Option<String>,
+    /// True when the default's error is above its tolerance: no ratio is shown for it.
+    pub default_inaccurate: bool,
     /// Why there is no ratio.
     pub note: Option<String>,
     /// True for the largest x of the group with a ratio (drawn in the chart).
@@ -90,6 +97,47 @@ pub struct GlanceRow {
     /// True when the document was measured on the CPU (`device.kind == cpu`).
     #[serde(skip)]
     pub cpu: bool,
+}
+
+/// The at-a-glance comparisons of one (suite, device): a row per group, a column per size.
+#[derive(Debug, Serialize, Clone)]
+pub struct GlanceTable {
+    /// Suite title.
+    pub suite: String,
+    /// Device name.
+    pub device: String,
+    /// The axis of the columns.
+    pub axis: String,
+    /// Column headings: the sizes, ascending.
+    pub sizes: Vec<String>,
+    /// One row per group.
+    pub rows: Vec<GlanceTableRow>,
+}
+
+/// One group in a [`GlanceTable`].
+#[derive(Debug, Serialize, Clone)]
+pub struct GlanceTableRow {
+    /// Group parameters (those that vary between the table's groups).
+    pub group: String,
+    /// Link to the group's table.
+    pub href: String,
+    /// The default implementation.
+    pub default_impl: String,
+    /// One cell per size, in column order.
+    pub cells: Vec<GlanceCell>,
+}
+
+/// One (group, size) in a [`GlanceTable`].
+#[derive(Debug, Serialize, Clone)]
+pub struct GlanceCell {
+    /// The ratio's HTML, when there is one.
+    pub ratio_html: Option<String>,
+    /// The alternative it compares with.
+    pub alternative: Option<String>,
+    /// Why there is no ratio.
+    pub note: Option<String>,
+    /// True for the size the chart plots.
+    pub representative: bool,
 }
 
 /// What one document says about its machine and software.
@@ -185,19 +233,36 @@ pub struct GlanceChart {
 /// One bar.
 #[derive(Debug, Clone)]
 pub struct GlanceBar {
-    /// Label drawn beside the bar.
+    /// Label drawn above the bar: the group, the size and what it is compared with.
     pub label: String,
-    /// alternative ÷ default.
-    pub ratio: f64,
-    /// Range of the ratio from both interquartile ranges: (alternative q1 ÷ default q3,
-    /// alternative q3 ÷ default q1); `None` when a quartile is missing.
-    pub range: Option<(f64, f64)>,
+    /// What is drawn.
+    pub outcome: BarOutcome,
+}
+
+/// What one bar of the at-a-glance chart shows.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BarOutcome {
+    /// alternative time ÷ default time, with the range of that ratio from both interquartile
+    /// ranges ((alternative q1 ÷ default q3, alternative q3 ÷ default q1); `None` when a
+    /// quartile is missing).
+    Ratio {
+        /// alternative ÷ default.
+        ratio: f64,
+        /// The range from both interquartile ranges.
+        range: Option<(f64, f64)>,
+    },
+    /// The default's error is above its tolerance: a cross, no ratio.
+    DefaultInaccurate,
 }
 
 /// The at-a-glance rows of `docs` and the chart of their representative rows.
-pub fn glance(docs: &[Loaded], base: &str) -> (Vec<GlanceRow>, Option<GlanceChart>) {
+pub fn glance(
+    docs: &[Loaded],
+    base: &str,
+) -> (Vec<GlanceRow>, Vec<GlanceTable>, Option<GlanceChart>) {
     let mut glance = glance_rows(docs, base);
     mark_representatives(&mut glance);
+    let tables = glance_tables(&glance);
     let picked: Vec<&GlanceRow> = glance.iter().filter(|g| g.representative).collect();
     // Parameters shared by every bar are said once in the title, not on each bar.
     let parts = |g: &GlanceRow| -> Vec<String> {
@@ -222,17 +287,33 @@ pub fn glance(docs: &[Loaded], base: &str) -> (Vec<GlanceRow>, Option<GlanceChar
                 .into_iter()
                 .filter(|p| !shared.contains(p))
                 .collect();
+            let place = format!(
+                "{}{}",
+                if g.cpu { "[CPU] " } else { "" },
+                if own.is_empty() {
+                    g.default_impl.clone()
+                } else {
+                    own.join(", ")
+                }
+            );
+            if g.default_inaccurate {
+                return Some(GlanceBar {
+                    label: format!("{place}: default inaccurate, no ratio"),
+                    outcome: BarOutcome::DefaultInaccurate,
+                });
+            }
+            let ratio = g.ratio_value?;
             Some(GlanceBar {
                 label: format!(
-                    "{}{}{}{} vs {}",
-                    if g.cpu { "[CPU] " } else { "" },
-                    own.join(", "),
-                    if own.is_empty() { "" } else { ": " },
+                    "{place}: {} vs {} ({})",
                     g.ratio.clone()?,
                     g.alternative.clone()?,
+                    format::time_ratio_words(ratio, ratio, "default")
                 ),
-                ratio: g.ratio_value?,
-                range: g.ratio_range,
+                outcome: BarOutcome::Ratio {
+                    ratio,
+                    range: g.ratio_range,
+                },
             })
         })
         .collect();
@@ -248,7 +329,9 @@ pub fn glance(docs: &[Loaded], base: &str) -> (Vec<GlanceRow>, Option<GlanceChar
         },
         desc: format!(
             "Horizontal bars on a log scale, one per group at its largest {axes}: {}. \
-             A bar right of 1 means the default is faster.",
+             A bar right of 1 means the default is faster; a whisker spans the ratio's range \
+             from the two implementations' quartiles; a cross marks a default whose error is \
+             above its tolerance.",
             bars.iter()
                 .map(|b| b.label.clone())
                 .collect::<Vec<_>>()
@@ -256,7 +339,98 @@ pub fn glance(docs: &[Loaded], base: &str) -> (Vec<GlanceRow>, Option<GlanceChar
         ),
         bars,
     });
-    (glance, chart)
+    (glance, tables, chart)
+}
+
+/// The rows regrouped: a table per (suite, device), a row per group, a column per size. The
+/// group label keeps only the parameters that differ between the table's groups.
+fn glance_tables(rows: &[GlanceRow]) -> Vec<GlanceTable> {
+    let mut tables: Vec<GlanceTable> = Vec::new();
+    for r in rows {
+        let t = match tables
+            .iter_mut()
+            .position(|t| t.suite == r.suite && t.device == r.device)
+        {
+            Some(i) => &mut tables[i],
+            None => {
+                tables.push(GlanceTable {
+                    suite: r.suite.clone(),
+                    device: r.device.clone(),
+                    axis: r.axis.clone(),
+                    sizes: Vec::new(),
+                    rows: Vec::new(),
+                });
+                tables.last_mut().expect("just pushed")
+            }
+        };
+        if !t.sizes.contains(&r.x) {
+            t.sizes.push(r.x.clone());
+        }
+        if !t.rows.iter().any(|g| g.href == r.href) {
+            t.rows.push(GlanceTableRow {
+                group: r.group.clone(),
+                href: r.href.clone(),
+                default_impl: r.default_impl.clone(),
+                cells: Vec::new(),
+            });
+        }
+    }
+    for t in &mut tables {
+        // Sizes ascending by their numeric value where they are numbers.
+        t.sizes
+            .sort_by(|a, b| match (a.parse::<f64>(), b.parse::<f64>()) {
+                (Ok(x), Ok(y)) => x.total_cmp(&y),
+                _ => a.cmp(b),
+            });
+        // Parameters every group of the table shares are said in its heading, not per row.
+        let parts: Vec<Vec<&str>> = t
+            .rows
+            .iter()
+            .map(|g| g.group.split(", ").collect())
+            .collect();
+        let shared: BTreeSet<&str> = parts
+            .first()
+            .map(|first| {
+                first
+                    .iter()
+                    .copied()
+                    .filter(|p| parts.iter().all(|q| q.contains(p)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let labels: Vec<String> = parts
+            .iter()
+            .map(|p| {
+                p.iter()
+                    .copied()
+                    .filter(|x| !shared.contains(x) || parts.len() == 1)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .collect();
+        for (g, label) in t.rows.iter_mut().zip(labels) {
+            g.cells = t
+                .sizes
+                .iter()
+                .map(|x| {
+                    let r = rows
+                        .iter()
+                        .find(|r| r.href == g.href && &r.x == x && r.device == t.device);
+                    GlanceCell {
+                        ratio_html: r.and_then(|r| r.ratio_html.clone()),
+                        alternative: r.and_then(|r| r.alternative.clone()),
+                        note: match r {
+                            Some(r) => r.note.clone(),
+                            None => Some("not measured".to_string()),
+                        },
+                        representative: r.is_some_and(|r| r.representative),
+                    }
+                })
+                .collect();
+            g.group = label;
+        }
+    }
+    tables
 }
 
 /// The overview page. `all_docs` as loaded (setup, methodology and commands are per file),
@@ -268,11 +442,13 @@ pub fn index_page(
     layout: Layout,
     pages: Vec<PageLink>,
     glance: Vec<GlanceRow>,
+    glance_tables: Vec<GlanceTable>,
     chart: Option<&GlanceChart>,
 ) -> IndexPage {
     IndexPage {
         layout,
         pages,
+        glance_tables,
         empty: docs.is_empty(),
         glance_figure: chart.map(|c| FigureRef {
             src: format!("{base}{}", c.file),
@@ -343,6 +519,8 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                     alternative: None,
                     alternative_ms: None,
                     ratio: None,
+                    ratio_html: None,
+                    default_inaccurate: above_tolerance(default),
                     note: None,
                     representative: false,
                     ratio_value: None,
@@ -362,9 +540,18 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                     row.alternative_ms = Some(format::ms(alt_ms));
                 }
                 match (default.status, default.median_ms, best) {
+                    (Status::Ok, _, _) if row.default_inaccurate => {
+                        row.note = Some("default inaccurate (error above its tolerance)".into())
+                    }
                     (Status::Ok, Some(d), Some((a, alt))) if d > 0.0 => {
                         row.ratio_value = Some(a / d);
                         row.ratio = Some(format::ratio(a / d));
+                        row.ratio_html = Some(format::time_ratio_html(
+                            a / d,
+                            a / d,
+                            &alt.implementation,
+                            &default.implementation,
+                        ));
                         row.ratio_range = match (alt.q1_ms, alt.q3_ms, default.q1_ms, default.q3_ms)
                         {
                             (Some(aq1), Some(aq3), Some(dq1), Some(dq3)) if dq1 > 0.0 => {
@@ -388,12 +575,12 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
     out
 }
 
-/// Marks, per group, the row with the largest x that has a ratio.
+/// Marks, per group, the row with the largest x that has a ratio or an inaccurate default.
 fn mark_representatives(rows: &mut [GlanceRow]) {
     let mut last: BTreeMap<&str, usize> = BTreeMap::new();
     // Rows of a group are contiguous and in ascending x.
     for (i, r) in rows.iter().enumerate() {
-        if r.ratio_value.is_some() {
+        if r.ratio_value.is_some() || r.default_inaccurate {
             last.insert(r.href.as_str(), i);
         }
     }
