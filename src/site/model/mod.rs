@@ -249,7 +249,7 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
         })
         .collect();
 
-    let (glance, glance_tables, glance_chart) = overview::glance(docs, &base);
+    let glance = overview::glance(docs, &base);
     let pages = SUITE_PAGES
         .iter()
         .map(|(f, t, suites)| {
@@ -278,9 +278,7 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
         &base,
         layout("index.html", "GPU and CPU performance", !docs.is_empty()),
         pages,
-        glance,
-        glance_tables,
-        glance_chart.as_ref(),
+        &glance,
     );
     let hopper = hopper_title
         .as_deref()
@@ -290,7 +288,7 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
         suite_pages,
         hopper,
         figures,
-        glance_chart,
+        glance_chart: glance.chart,
     }
 }
 

@@ -256,10 +256,18 @@ pub enum BarOutcome {
 }
 
 /// The at-a-glance rows of `docs` and the chart of their representative rows.
-pub fn glance(
-    docs: &[Loaded],
-    base: &str,
-) -> (Vec<GlanceRow>, Vec<GlanceTable>, Option<GlanceChart>) {
+/// The at-a-glance comparisons: every row, the tables, the chart.
+pub struct Glance {
+    /// Every (group, size) with a default.
+    pub rows: Vec<GlanceRow>,
+    /// A table per (suite, device).
+    pub tables: Vec<GlanceTable>,
+    /// The chart of the representative rows, when any has a bar.
+    pub chart: Option<GlanceChart>,
+}
+
+/// The at-a-glance comparisons of `docs`.
+pub fn glance(docs: &[Loaded], base: &str) -> Glance {
     let mut glance = glance_rows(docs, base);
     mark_representatives(&mut glance);
     let tables = glance_tables(&glance);
@@ -339,7 +347,11 @@ pub fn glance(
         ),
         bars,
     });
-    (glance, tables, chart)
+    Glance {
+        rows: glance,
+        tables,
+        chart,
+    }
 }
 
 /// The rows regrouped: a table per (suite, device), a row per group, a column per size. The
@@ -441,20 +453,18 @@ pub fn index_page(
     base: &str,
     layout: Layout,
     pages: Vec<PageLink>,
-    glance: Vec<GlanceRow>,
-    glance_tables: Vec<GlanceTable>,
-    chart: Option<&GlanceChart>,
+    glance: &Glance,
 ) -> IndexPage {
     IndexPage {
         layout,
         pages,
-        glance_tables,
+        glance_tables: glance.tables.clone(),
         empty: docs.is_empty(),
-        glance_figure: chart.map(|c| FigureRef {
+        glance_figure: glance.chart.as_ref().map(|c| FigureRef {
             src: format!("{base}{}", c.file),
             alt: c.desc.clone(),
         }),
-        glance,
+        glance: glance.rows.clone(),
         setup: all_docs.iter().map(setup_doc).collect(),
         methodology: methodology(all_docs),
         dispatch: docs
