@@ -154,6 +154,17 @@ fn attention_tables_show_the_fixture_values() {
         let sel_td = format!("td[data-impl=\"{}\"]", r.implementation);
         tr.select(&sel(&sel_td)).next().unwrap()
     };
+    let detail = |r: &Row| {
+        let mut params = r.case.clone();
+        let seq_len = params.remove("seq_len").unwrap().to_string();
+        let g = &groups[&case_label(&params)];
+        g.select(&sel("table.details tbody tr"))
+            .find(|tr| {
+                let tds: Vec<String> = tr.select(&sel("td")).map(text).collect();
+                tds[0] == seq_len && tds[1] == r.implementation
+            })
+            .unwrap_or_else(|| panic!("no details for {:?}", r.case))
+    };
     let mut seen = BTreeSet::new();
     for r in &rows {
         let td = cell(r);
@@ -167,13 +178,18 @@ fn attention_tables_show_the_fixture_values() {
                 );
                 let tflops = r.flops.unwrap() / (r.median_ms.unwrap() * 1e-3) / 1e12;
                 assert_eq!(first(".throughput"), Some(format::sig(tflops, 3)));
-                let iqr = format!("({})", format::iqr(r.q1_ms.unwrap(), r.q3_ms.unwrap()));
-                assert_eq!(first(".iqr"), Some(iqr));
                 let acc = r.accuracy.as_ref().unwrap();
-                let rel = first(".relerr").unwrap();
-                assert!(rel.contains(&format::rel_err(acc.rel_err)), "{rel}");
                 assert_eq!(
                     td.select(&sel(".relerr.bad")).next().is_some(),
+                    acc.rel_err > acc.tolerance
+                );
+                // Spread and error in the group's details table.
+                let d = detail(r);
+                let col = |i: usize| text(d.select(&sel("td")).nth(i).unwrap());
+                assert_eq!(col(2), format::iqr(r.q1_ms.unwrap(), r.q3_ms.unwrap()));
+                assert_eq!(col(3), format::rel_err(acc.rel_err));
+                assert_eq!(
+                    d.select(&sel("td.relerr.bad")).next().is_some(),
                     acc.rel_err > acc.tolerance
                 );
             }
@@ -189,8 +205,8 @@ fn attention_tables_show_the_fixture_values() {
     let missing: Vec<String> = doc.select(&sel("td.missing")).map(text).collect();
     assert!(!missing.is_empty());
     assert!(missing.iter().all(|m| m == "not measured"), "{missing:?}");
-    // Memory tables are there.
-    assert!(doc.select(&sel("table.memory")).next().is_some());
+    // Details tables (spread, error, compile time, memory) are there.
+    assert!(doc.select(&sel("table.details")).next().is_some());
 }
 
 #[test]
@@ -282,8 +298,9 @@ fn figures_are_svg_with_title_and_desc() {
         .unwrap()
         .map(|e| e.unwrap().path())
         .collect();
-    // Four per group (time, TFLOP/s, peak memory, relative error) plus the At a glance chart.
-    assert_eq!(figures.len(), 17, "{figures:?}");
+    // Five per group (time, TFLOP/s, ratio to the default, peak memory, relative error) plus
+    // the At a glance chart.
+    assert_eq!(figures.len(), 21, "{figures:?}");
     for f in figures {
         let s = fs::read_to_string(&f).unwrap();
         assert_balanced_xml(&f.display().to_string(), &s);
@@ -354,9 +371,13 @@ fn every_internal_link_and_asset_exists() {
 fn base_url_prefixes_internal_links() {
     let (_tmp, site) = build_site(&valid_dir(), Some("/perf"));
     let doc = page(&site, "index.html");
-    for e in doc.select(&sel("nav a[href], link[href], img[src]")) {
+    for e in doc.select(&sel("header nav a[href], link[href], img[src]")) {
         let target = e.value().attr("href").or(e.value().attr("src")).unwrap();
         assert!(target.starts_with("/perf/"), "{target}");
+    }
+    // The table of contents links within the page.
+    for e in doc.select(&sel("nav.toc a[href]")) {
+        assert!(e.value().attr("href").unwrap().starts_with('#'));
     }
 }
 

@@ -86,8 +86,8 @@ fn time_figures_label_only_the_measured_x_values() {
             n.starts_with("attention-") && !n.contains("-memory") && !n.contains("-error")
         })
         .collect();
-    // Time and TFLOP/s, per group.
-    assert_eq!(time_figures.len(), 8);
+    // Time, TFLOP/s and the ratio to the default, per group.
+    assert_eq!(time_figures.len(), 12);
     for f in time_figures {
         let doc = svg(&f);
         let t = texts(&doc);
@@ -121,19 +121,26 @@ fn every_group_has_memory_and_error_figures() {
             .select(&sel("figure img"))
             .map(|i| i.value().attr("src").unwrap().to_string())
             .collect();
-        assert_eq!(srcs.len(), 4, "{srcs:?}");
+        assert_eq!(srcs.len(), 5, "{srcs:?}");
         assert!(srcs[1].ends_with("-tflops.svg"), "{srcs:?}");
-        assert!(srcs[2].ends_with("-memory.svg") && srcs[3].ends_with("-error.svg"));
+        assert!(srcs[2].ends_with("-ratio.svg"), "{srcs:?}");
+        assert!(srcs[3].ends_with("-memory.svg") && srcs[4].ends_with("-error.svg"));
+        let ratio = svg(&site.join(&srcs[2]));
+        let legend = texts(&ratio);
+        assert!(
+            legend.iter().any(|t| t.starts_with("1: as fast as the default")),
+            "{legend:?}"
+        );
         // Throughput on a linear axis, its unit from the document's declaration.
         let tput = svg(&site.join(&srcs[1]));
         let title = text(tput.select(&sel("svg > title")).next().unwrap());
         assert!(title.contains("TFLOP/s against seq_len"), "{title}");
         let desc = text(tput.select(&sel("svg > desc")).next().unwrap());
         assert!(desc.starts_with("Log-x plot of TFLOP/s"), "{desc}");
-        let memory = svg(&site.join(&srcs[2]));
+        let memory = svg(&site.join(&srcs[3]));
         let title = text(memory.select(&sel("svg > title")).next().unwrap());
         assert!(title.contains("peak memory against seq_len"), "{title}");
-        let error = svg(&site.join(&srcs[3]));
+        let error = svg(&site.join(&srcs[4]));
         let desc = text(error.select(&sel("svg > desc")).next().unwrap());
         assert!(desc.contains("dashed line: tolerance"), "{desc}");
         assert!(
@@ -184,7 +191,9 @@ fn bars(doc: &Html) -> Vec<(f64, f64, String)> {
     doc.select(&sel("rect"))
         .filter_map(|r| {
             let fill = r.value().attr("fill")?.to_string();
-            (fill == "#59A14F" || fill == "#E15759").then(|| {
+            // Bars, not the legend's swatches (10 px high).
+            let tall = attr_f64(r, "height") > 12.0;
+            (tall && (fill == "#59A14F" || fill == "#E15759")).then(|| {
                 let x = attr_f64(r, "x");
                 (x, x + attr_f64(r, "width"), fill)
             })
@@ -196,9 +205,13 @@ fn bars(doc: &Html) -> Vec<(f64, f64, String)> {
 fn at_a_glance_range_comes_from_the_data_and_holds_one() {
     let (_tmp, site) = build_site(&root().join("data"));
     let index = page(&site, "index.html");
-    let representatives: Vec<Vec<String>> = index
-        .select(&sel("table.glance tr.representative"))
-        .map(|tr| tr.select(&sel("td")).map(text).collect())
+    // (ratio, alternative) of each cell the chart plots.
+    let representatives: Vec<(String, String)> = index
+        .select(&sel("table.glance td.representative"))
+        .filter_map(|td| {
+            let span = td.select(&sel(".ratio")).next()?;
+            Some((text(span), span.value().attr("data-other")?.to_string()))
+        })
         .collect();
     let doc = svg(&site.join("figures/at-a-glance.svg"));
     let found = bars(&doc);
@@ -220,10 +233,9 @@ fn at_a_glance_range_comes_from_the_data_and_holds_one() {
         assert!((at_one - one_x).abs() <= 1.5, "{left}..{right} vs {one_x}");
     }
     // One label per representative row, naming the alternative and its ratio.
-    for cols in &representatives {
-        let (alt, ratio) = (&cols[6], &cols[8]);
+    for (ratio, alt) in &representatives {
         assert!(
-            t.iter().any(|s| s.ends_with(&format!("{ratio} vs {alt}"))),
+            t.iter().any(|s| s.contains(&format!("{ratio} vs {alt} (default "))),
             "no label for {ratio} vs {alt} in {t:?}"
         );
     }

@@ -144,10 +144,13 @@ fn at_a_glance_chart_renders_in_chromium() {
         templates_dir: None,
     })
     .unwrap();
-    let bars =
-        kernelpages::site::model::build_model(&kernelpages::load::load_dir(&data).unwrap(), None)
-            .glance_chart
-            .map_or(0, |c| c.bars.len());
+    let bars = kernelpages::site::model::build_model(
+        &kernelpages::load::load_dir(&data).unwrap(),
+        None,
+        None,
+    )
+    .glance_chart
+    .map_or(0, |c| c.bars.len());
     assert!(bars > 0, "the committed data gives no At a glance bar");
 
     for dark in [false, true] {

@@ -18,7 +18,7 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use super::model::{BarOutcome, Dash, FigureSpec, GlanceChart, Marker, Series};
 
 /// Width of a line figure, px.
-pub const WIDTH: u32 = 720;
+pub const WIDTH: u32 = 600;
 /// Height of a line figure's plot (axes included, legend excluded), px.
 const PLOT_HEIGHT: u32 = 380;
 /// Height of one legend line, px.
@@ -256,12 +256,22 @@ fn legend_columns(entries: &[(LegendMark, String)]) -> u32 {
     }
 }
 
-/// Pixel height of a line figure: the plot and its legend lines.
+/// The figure's visible title, wrapped to the figure's width.
+fn title_lines(spec: &FigureSpec) -> Vec<String> {
+    wrap(&spec.title, (WIDTH as usize - 24) / 8)
+}
+
+/// Height of the title block above the plot, px.
+fn title_height(spec: &FigureSpec) -> u32 {
+    10 + 19 * title_lines(spec).len() as u32
+}
+
+/// Pixel height of a line figure: its title, the plot and its legend lines.
 pub fn line_figure_height(spec: &FigureSpec) -> u32 {
     let entries = legend_entries(spec);
     let cols = legend_columns(&entries);
     let lines = (entries.len() as u32).div_ceil(cols);
-    PLOT_HEIGHT + 12 + lines * LEGEND_LINE
+    title_height(spec) + PLOT_HEIGHT + 12 + lines * LEGEND_LINE
 }
 
 /// Linear ticks over `0..hi`: 1-2-5 steps giving 4 to 8 ticks.
@@ -300,7 +310,16 @@ pub fn line_figure(spec: &FigureSpec) -> anyhow::Result<String> {
         let err = plot_err(&spec.file);
         let root = SVGBackend::with_string(&mut svg, (WIDTH, height)).into_drawing_area();
         root.fill(&PAPER).map_err(&err)?;
-        let (plot, legend) = root.split_vertically(PLOT_HEIGHT);
+        let (head, body) = root.split_vertically(title_height(spec));
+        for (i, line) in title_lines(spec).iter().enumerate() {
+            head.draw(&Text::new(
+                line.clone(),
+                (12, 8 + 19 * i as i32),
+                (FONT, 14).into_font().color(&INK),
+            ))
+            .map_err(&err)?;
+        }
+        let (plot, legend) = body.split_vertically(PLOT_HEIGHT);
 
         let mut xs: Vec<f64> = spec
             .series

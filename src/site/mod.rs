@@ -200,7 +200,7 @@ pub fn render_files_with(
     docs: &[Loaded],
     base_url: Option<&str>,
 ) -> anyhow::Result<Vec<render::OutputFile>> {
-    let model = model::build_model(docs, base_url);
+    let model = model::build_model(docs, base_url, sources.tuning_notes.as_deref());
     let prose = prose::render_site_prose(docs, sources)?;
     renderer.render_site(&model, &prose)
 }

@@ -163,6 +163,9 @@ impl Renderer {
                 self.render("hopper.html", hopper)?,
             ));
         }
+        if let Some(notes) = &model.tuning {
+            out.push(file(&notes.layout.file, self.render("notes.html", notes)?));
+        }
         for (spec, svg) in model
             .figures
             .iter()

@@ -9,8 +9,9 @@ use anyhow::Context as _;
 use sha2::{Digest, Sha256};
 
 /// The page templates, by name, as built into the binary.
-pub const BUILT_IN_TEMPLATES: [(&str, &str); 5] = [
+pub const BUILT_IN_TEMPLATES: [(&str, &str); 6] = [
     ("base.html", include_str!("../../templates/base.html")),
+    ("notes.html", include_str!("../../templates/notes.html")),
     ("index.html", include_str!("../../templates/index.html")),
     ("suite.html", include_str!("../../templates/suite.html")),
     ("hopper.html", include_str!("../../templates/hopper.html")),

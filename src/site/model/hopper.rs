@@ -87,6 +87,23 @@ pub fn title(docs: &[Loaded]) -> Option<String> {
     })
 }
 
+/// The Hopper page's table of contents: a section per suite, then how to reproduce.
+pub fn toc(page: &HopperPage) -> Vec<super::TocEntry> {
+    page.suites
+        .iter()
+        .map(|s| super::TocEntry {
+            href: format!("#{}", s.anchor),
+            label: s.title.clone(),
+            depth: 1,
+        })
+        .chain(std::iter::once(super::TocEntry {
+            href: "#how-to-reproduce".to_string(),
+            label: "How to reproduce".to_string(),
+            depth: 1,
+        }))
+        .collect()
+}
+
 /// The Hopper page of `docs`.
 pub fn hopper_page(docs: &[Loaded], layout: Layout) -> HopperPage {
     let hopper: Vec<&Loaded> = docs.iter().filter(|l| is_hopper(&l.doc)).collect();

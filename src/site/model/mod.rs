@@ -21,7 +21,7 @@ pub use self::overview::{
     GlanceTableRow, IndexPage, Limitation, PageLink, SetupDoc, TimingView,
 };
 pub use self::suite::{
-    Cell, Dash, DocSection, FigureSpec, GroupView, Marker, MemoryRow, Series, SuitePage,
+    Cell, Dash, DetailRow, DocSection, FigureSpec, GroupView, Marker, Series, SuitePage,
     SuiteSection, TableRow, ThroughputCell,
 };
 use super::format;
@@ -143,7 +143,12 @@ pub struct SiteModel {
     pub figures: Vec<FigureSpec>,
     /// The At a glance bar chart, when any ratio exists.
     pub glance_chart: Option<GlanceChart>,
+    /// `tuning.html`, when the kernel tuning notes were found.
+    pub tuning: Option<NotesPage>,
 }
+
+/// File of the kernel tuning notes page.
+pub const TUNING_FILE: &str = "tuning.html";
 
 /// Links and names shared by every page.
 #[derive(Debug, Serialize, Clone)]
@@ -154,11 +159,17 @@ pub struct Layout {
     pub file: String,
     /// Prefix of internal links: empty (relative) or the base URL ending in `/`.
     pub base: String,
-    /// Navigation links.
+    /// Navigation links to the pages that show data.
     pub nav: Vec<NavLink>,
+    /// Navigation links to the pages with nothing measured yet, shown together on one line.
+    pub nav_unmeasured: Vec<NavLink>,
     /// True when the page shows measured data (its footer then says where the figures come
     /// from).
     pub has_data: bool,
+    /// The page's table of contents.
+    pub toc: Vec<TocEntry>,
+    /// Link to "What runs by default" on the overview, for the `default` badges.
+    pub defaults_href: String,
 }
 
 /// One navigation link.
@@ -170,6 +181,28 @@ pub struct NavLink {
     pub label: String,
     /// True on the page it points to.
     pub current: bool,
+    /// True when the page shows measured data; pages without are listed apart, on one line.
+    pub measured: bool,
+}
+
+/// One entry of a page's table of contents.
+#[derive(Debug, Serialize, Clone)]
+pub struct TocEntry {
+    /// `#anchor` on the page.
+    pub href: String,
+    /// Text.
+    pub label: String,
+    /// 1 for a section, 2 for a subsection, 3 below that.
+    pub depth: u8,
+}
+
+/// The kernel tuning notes, rendered as a page of the site.
+#[derive(Debug, Serialize)]
+pub struct NotesPage {
+    /// Layout.
+    pub layout: Layout,
+    /// The notes as HTML, headings with ids.
+    pub html: String,
 }
 
 /// A label and a value.
@@ -200,10 +233,15 @@ pub struct CommandView {
 }
 
 /// Builds the whole model. `base` is the link prefix: empty for relative links, or a base URL.
+/// `tuning_notes_md`, the kernel tuning notes (Markdown), becomes the tuning page when given.
 ///
 /// Setup, methodology and reproduction commands are per file; tables, figures, the At a glance
 /// comparison, dispatch rules and limitations use the documents merged by [`merge_shards`].
-pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
+pub fn build_model(
+    all_docs: &[Loaded],
+    base_url: Option<&str>,
+    tuning_notes_md: Option<&str>,
+) -> SiteModel {
     let merged = merge_shards(all_docs);
     let docs: &[Loaded] = &merged;
     let base = match base_url {
@@ -213,44 +251,77 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
     };
     let colours = palette(docs);
     let hopper_title = hopper::title(docs);
-    let layout = |file: &str, title: &str, has_data: bool| Layout {
-        title: title.to_string(),
-        file: file.to_string(),
-        base: base.clone(),
-        has_data,
-        nav: std::iter::once(("index.html", "Overview"))
-            .chain(SUITE_PAGES.iter().map(|(f, t, _)| (*f, *t)))
-            .chain(hopper_title.as_deref().map(|t| (HOPPER_FILE, t)))
-            .map(|(f, t)| NavLink {
-                href: format!("{base}{f}"),
-                label: t.to_string(),
-                current: f == file,
-            })
-            .collect(),
+    // Every page with whether it has data, in navigation order.
+    let mut pages: Vec<(String, String, bool)> = vec![(
+        "index.html".to_string(),
+        "Overview".to_string(),
+        !docs.is_empty(),
+    )];
+    for (f, t, suites) in SUITE_PAGES {
+        let has = docs
+            .iter()
+            .any(|l| suites.contains(&l.doc.suite) && !l.doc.rows.is_empty());
+        pages.push((f.to_string(), t.to_string(), has));
+    }
+    if let Some(t) = &hopper_title {
+        pages.push((HOPPER_FILE.to_string(), t.clone(), true));
+    }
+    if tuning_notes_md.is_some() {
+        pages.push((
+            TUNING_FILE.to_string(),
+            "Kernel tuning notes".to_string(),
+            true,
+        ));
+    }
+    let layout = |file: &str, title: &str, toc: Vec<TocEntry>| {
+        let has_data = pages
+            .iter()
+            .find(|(f, _, _)| f == file)
+            .is_some_and(|p| p.2);
+        let links = |measured: bool| {
+            pages
+                .iter()
+                .filter(|p| p.2 == measured)
+                .map(|(f, t, has)| NavLink {
+                    href: format!("{base}{f}"),
+                    label: t.clone(),
+                    current: f == file,
+                    measured: *has,
+                })
+                .collect()
+        };
+        Layout {
+            title: title.to_string(),
+            file: file.to_string(),
+            base: base.clone(),
+            has_data: has_data && file != TUNING_FILE,
+            toc,
+            defaults_href: format!("{base}index.html#what-runs-by-default"),
+            nav: links(true),
+            nav_unmeasured: links(false),
+        }
     };
 
     let mut figures = Vec::new();
     let suite_pages: Vec<SuitePage> = SUITE_PAGES
         .iter()
-        .map(|(file, title, suites)| SuitePage {
-            layout: layout(
-                file,
-                title,
-                docs.iter()
-                    .any(|l| suites.contains(&l.doc.suite) && !l.doc.rows.is_empty()),
-            ),
-            sections: suites
+        .map(|(file, title, suites)| {
+            let sections: Vec<SuiteSection> = suites
                 .iter()
                 .map(|s| suite::suite_section(docs, *s, &base, &colours, &mut figures))
-                .collect(),
-            reproduce: reproduce_commands(
-                all_docs.iter().filter(|l| suites.contains(&l.doc.suite)),
-            ),
+                .collect();
+            SuitePage {
+                layout: layout(file, title, suite::toc(&sections)),
+                sections,
+                reproduce: reproduce_commands(
+                    all_docs.iter().filter(|l| suites.contains(&l.doc.suite)),
+                ),
+            }
         })
         .collect();
 
     let glance = overview::glance(docs, &base);
-    let pages = SUITE_PAGES
+    let page_links = SUITE_PAGES
         .iter()
         .map(|(f, t, suites)| {
             (
@@ -272,23 +343,48 @@ pub fn build_model(all_docs: &[Loaded], base_url: Option<&str>) -> SiteModel {
             rows,
         })
         .collect();
-    let index = overview::index_page(
+    let mut index = overview::index_page(
         all_docs,
         docs,
         &base,
-        layout("index.html", "GPU and CPU performance", !docs.is_empty()),
-        pages,
+        layout("index.html", "GPU and CPU performance", overview::toc()),
+        page_links,
         &glance,
     );
-    let hopper = hopper_title
-        .as_deref()
-        .map(|t| hopper::hopper_page(docs, layout(HOPPER_FILE, t, true)));
+    index.tuning_href = tuning_notes_md.map(|_| format!("{base}{TUNING_FILE}"));
+    let hopper = hopper_title.as_deref().map(|t| {
+        let page = hopper::hopper_page(docs, layout(HOPPER_FILE, t, Vec::new()));
+        HopperPage {
+            layout: Layout {
+                toc: hopper::toc(&page),
+                ..page.layout
+            },
+            ..page
+        }
+    });
+    let tuning = tuning_notes_md.map(|md| {
+        let (html, headings) = super::markdown::to_html_with_ids(md);
+        let toc = headings
+            .into_iter()
+            .filter(|(_, _, level)| *level == 2)
+            .map(|(id, label, _)| TocEntry {
+                href: format!("#{id}"),
+                label,
+                depth: 1,
+            })
+            .collect();
+        NotesPage {
+            layout: layout(TUNING_FILE, "Kernel tuning notes", toc),
+            html,
+        }
+    });
     SiteModel {
         index,
         suite_pages,
         hopper,
         figures,
         glance_chart: glance.chart,
+        tuning,
     }
 }
 

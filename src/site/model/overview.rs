@@ -40,6 +40,27 @@ pub struct IndexPage {
     pub limitations: Vec<Limitation>,
     /// Commands that reproduce the data, then the site.
     pub reproduce: Vec<CommandView>,
+    /// Link to the kernel tuning notes page, when there is one.
+    pub tuning_href: Option<String>,
+}
+
+/// The overview's table of contents: its fixed sections.
+pub fn toc() -> Vec<super::TocEntry> {
+    [
+        ("at-a-glance", "At a glance"),
+        ("setup", "Setup"),
+        ("methodology", "Methodology"),
+        ("what-runs-by-default", "What runs by default"),
+        ("known-limitations", "Known limitations"),
+        ("how-to-reproduce", "How to reproduce"),
+    ]
+    .into_iter()
+    .map(|(id, label)| super::TocEntry {
+        href: format!("#{id}"),
+        label: label.to_string(),
+        depth: 1,
+    })
+    .collect()
 }
 
 /// A link to a page with a short status.
@@ -488,6 +509,7 @@ pub fn index_page(
                 command: FIGURES_COMMAND.to_string(),
             }))
             .collect(),
+        tuning_href: None,
     }
 }
 

@@ -44,6 +44,8 @@ pub struct SuiteSection {
 /// The groups of one document.
 #[derive(Debug, Serialize)]
 pub struct DocSection {
+    /// Anchor of its heading.
+    pub anchor: String,
     /// Data file.
     pub file: String,
     /// Device name (and compute capability).
@@ -79,8 +81,11 @@ pub struct GroupView {
     pub memory_figure: Option<FigureRef>,
     /// Relative error against x with the tolerance, when some row recorded `accuracy`.
     pub error_figure: Option<FigureRef>,
-    /// Memory figures of rows that have them.
-    pub memory: Vec<MemoryRow>,
+    /// Each implementation's time over the default's, against x, when the group has a default
+    /// and another implementation that ran beside it.
+    pub ratio_figure: Option<FigureRef>,
+    /// Per (x, implementation) that ran: spread, accuracy, compile time and memory.
+    pub details: Vec<DetailRow>,
 }
 
 /// One table row.
@@ -101,18 +106,10 @@ pub struct Cell {
     pub implementation: String,
     /// Median ms.
     pub median: Option<String>,
-    /// `q1–q3` ms.
-    pub iqr: Option<String>,
     /// The declared throughputs, formatted, in declaration order.
     pub throughput: Vec<ThroughputCell>,
-    /// Relative error.
-    pub rel_err: Option<String>,
-    /// Tolerance, when above it.
-    pub tolerance: Option<String>,
-    /// True when rel_err > tolerance.
+    /// True when rel_err > tolerance (the cell says so; the details table has the figures).
     pub above_tolerance: bool,
-    /// Compile (or first-call) time, s.
-    pub compile_s: Option<String>,
     /// Status name.
     pub status: String,
     /// The row's message.
@@ -126,15 +123,27 @@ pub struct ThroughputCell {
     pub value: String,
     /// Its unit, as the document declares it.
     pub unit: String,
+    /// The value as a share of the device's ceiling (`41 %`), when the document records one.
+    pub of_peak: Option<String>,
 }
 
-/// Memory figures of one row.
+/// The details of one row that ran: spread, accuracy, compile time and memory.
 #[derive(Debug, Serialize)]
-pub struct MemoryRow {
+pub struct DetailRow {
     /// The x value.
     pub x: String,
     /// Implementation.
     pub implementation: String,
+    /// `q1–q3` ms.
+    pub iqr: String,
+    /// Relative error, or `—`.
+    pub rel_err: String,
+    /// Its tolerance, or `—`.
+    pub tolerance: String,
+    /// True when rel_err > tolerance.
+    pub above_tolerance: bool,
+    /// Compile (NVRTC, torch.compile, XLA) and load time, s, or `—`.
+    pub compile_s: String,
     /// Arguments MB.
     pub arguments_mb: String,
     /// Outputs MB.
@@ -188,6 +197,46 @@ pub struct Series {
     pub points: Vec<(f64, f64)>,
     /// (x, status) of rows that did not run.
     pub failed: Vec<(f64, String)>,
+}
+
+/// A suite page's table of contents: each suite (when the page holds several), each document
+/// (device) of it, each group; then how to reproduce. Suites not measured get one entry.
+pub fn toc(sections: &[SuiteSection]) -> Vec<super::TocEntry> {
+    let mut out = Vec::new();
+    let several = sections.len() > 1;
+    for s in sections {
+        if several {
+            out.push(super::TocEntry {
+                href: format!("#{}", s.anchor),
+                label: if s.measured {
+                    s.title.clone()
+                } else {
+                    format!("{} (not measured yet)", s.title)
+                },
+                depth: 1,
+            });
+        }
+        for d in &s.documents {
+            out.push(super::TocEntry {
+                href: format!("#{}", d.anchor),
+                label: d.device.clone(),
+                depth: if several { 2 } else { 1 },
+            });
+            for g in &d.groups {
+                out.push(super::TocEntry {
+                    href: format!("#{}", g.anchor),
+                    label: g.title.clone(),
+                    depth: if several { 3 } else { 2 },
+                });
+            }
+        }
+    }
+    out.push(super::TocEntry {
+        href: "#how-to-reproduce".to_string(),
+        label: "How to reproduce".to_string(),
+        depth: 1,
+    });
+    out
 }
 
 /// The section of `suite` on its page, its figures pushed onto `figures`.
@@ -263,25 +312,13 @@ fn doc_section(
                         .collect(),
                 })
                 .collect();
-            let memory = g
+            let details = g
                 .by_x
                 .values()
                 .flat_map(|(x, by_impl)| {
                     impls.iter().filter_map(move |h| {
                         let row = by_impl.get(h.name.as_str())?;
-                        let m = row.memory.as_ref()?;
-                        let f =
-                            |v: Option<f64>| v.map(format::mb).unwrap_or_else(|| "—".to_string());
-                        Some(MemoryRow {
-                            x: x_label(*x),
-                            implementation: h.name.clone(),
-                            arguments_mb: f(m.arguments_mb),
-                            outputs_mb: f(m.outputs_mb),
-                            temporaries_mb: f(m.temporaries_mb),
-                            residuals_mb: f(m.residuals_mb),
-                            peak_mb: f(m.peak_mb),
-                            peak_method: m.peak_method.clone().unwrap_or_else(|| "—".to_string()),
-                        })
+                        (row.status == Status::Ok).then(|| detail_row(x_label(*x), row))
                     })
                 })
                 .collect();
@@ -300,6 +337,7 @@ fn doc_section(
                 .iter()
                 .filter_map(|d| add(Metric::Throughput(d)))
                 .collect();
+            let ratio_figure = add(Metric::RatioToDefault);
             let memory_figure = add(Metric::PeakMemory);
             let error_figure = add(Metric::RelErr);
             // A later-axis group belongs here when its parameters (less this axis) are ours.
@@ -319,14 +357,24 @@ fn doc_section(
                 other_axis_figures,
                 memory_figure,
                 error_figure,
-                memory,
+                ratio_figure,
+                details,
             }
         })
         .collect();
-    let mut legend = vec!["median ms (q1–q3)".to_string()];
-    legend.extend(decls.iter().map(|d| d.unit.clone()));
-    legend.extend(["rel_err".to_string(), "compile s".to_string()]);
+    let mut legend = vec!["median time per call, ms".to_string()];
+    legend.extend(decls.iter().map(|d| {
+        if d.ceiling.is_some() {
+            format!("{} (share of the device's peak)", d.unit)
+        } else {
+            d.unit.clone()
+        }
+    }));
     DocSection {
+        anchor: format!(
+            "d-{:016x}",
+            format::stable_hash(format!("{}\0{}", loaded.file_name(), doc.device.name).as_bytes())
+        ),
         file: loaded.file_name(),
         device: device_label(doc),
         cell_legend: legend.join(" · "),
@@ -339,12 +387,8 @@ fn cell(implementation: &str, row: Option<&Row>, decls: &[Throughput]) -> Cell {
         kind: "missing",
         implementation: implementation.to_string(),
         median: None,
-        iqr: None,
         throughput: Vec::new(),
-        rel_err: None,
-        tolerance: None,
         above_tolerance: false,
-        compile_s: None,
         status: "not measured".to_string(),
         message: None,
     };
@@ -357,25 +401,57 @@ fn cell(implementation: &str, row: Option<&Row>, decls: &[Throughput]) -> Cell {
     }
     c.kind = "ok";
     c.median = row.median_ms.map(format::ms);
-    if let (Some(q1), Some(q3)) = (row.q1_ms, row.q3_ms) {
-        c.iqr = Some(format::iqr(q1, q3));
-    }
     c.throughput = decls
         .iter()
         .filter_map(|d| {
+            let v = throughput(row, d)?;
             Some(ThroughputCell {
-                value: format::sig(throughput(row, d)?, 3),
+                value: format::sig(v, 3),
                 unit: d.unit.clone(),
+                of_peak: d
+                    .ceiling
+                    .as_ref()
+                    .map(|c| format!("{} %", format::sig(100.0 * v / c.value, 2))),
             })
         })
         .collect();
-    c.compile_s = row.compile_s.map(|t| format::sig(t, 2));
-    if let Some(a) = &row.accuracy {
-        c.rel_err = Some(format::rel_err(a.rel_err));
-        c.above_tolerance = a.rel_err > a.tolerance;
-        c.tolerance = Some(format::rel_err(a.tolerance));
-    }
+    c.above_tolerance = super::groups::above_tolerance(row);
     c
+}
+
+/// The details of an ok row.
+fn detail_row(x: String, row: &Row) -> DetailRow {
+    let f = |v: Option<f64>| v.map(format::mb).unwrap_or_else(|| "—".to_string());
+    let m = row.memory.clone().unwrap_or_default();
+    DetailRow {
+        x,
+        implementation: row.implementation.clone(),
+        iqr: match (row.q1_ms, row.q3_ms) {
+            (Some(q1), Some(q3)) => format::iqr(q1, q3),
+            _ => "—".to_string(),
+        },
+        rel_err: row
+            .accuracy
+            .as_ref()
+            .map(|a| format::rel_err(a.rel_err))
+            .unwrap_or_else(|| "—".to_string()),
+        tolerance: row
+            .accuracy
+            .as_ref()
+            .map(|a| format::rel_err(a.tolerance))
+            .unwrap_or_else(|| "—".to_string()),
+        above_tolerance: super::groups::above_tolerance(row),
+        compile_s: row
+            .compile_s
+            .map(|t| format::sig(t, 2))
+            .unwrap_or_else(|| "—".to_string()),
+        arguments_mb: f(m.arguments_mb),
+        outputs_mb: f(m.outputs_mb),
+        temporaries_mb: f(m.temporaries_mb),
+        residuals_mb: f(m.residuals_mb),
+        peak_mb: f(m.peak_mb),
+        peak_method: m.peak_method.unwrap_or_else(|| "—".to_string()),
+    }
 }
 
 /// The marker of a series: a shape per implementation name, so lines stay apart without
@@ -443,6 +519,9 @@ enum Metric<'a> {
     PeakMemory,
     /// `accuracy.rel_err` of ok rows, with each tolerance as a dashed line.
     RelErr,
+    /// Each non-default implementation's median over the default's at the same x, where both
+    /// ran, with a line at 1.
+    RatioToDefault,
 }
 
 impl Metric<'_> {
@@ -453,6 +532,8 @@ impl Metric<'_> {
             Metric::Throughput(d) => throughput(row, d)?,
             Metric::PeakMemory => row.memory.as_ref()?.peak_mb?,
             Metric::RelErr => row.accuracy.as_ref()?.rel_err,
+            // Needs the default's row: computed by the caller.
+            Metric::RatioToDefault => return None,
         };
         (v.is_finite() && v > 0.0).then_some(v)
     }
@@ -463,6 +544,7 @@ impl Metric<'_> {
             Metric::Throughput(d) => format!("{} {}", format::sig(v, 3), d.unit),
             Metric::PeakMemory => format!("{} MB", format::mb(v)),
             Metric::RelErr => format::rel_err(v),
+            Metric::RatioToDefault => format::ratio(v),
         }
     }
 
@@ -473,6 +555,7 @@ impl Metric<'_> {
             Metric::Throughput(d) => format!("-{}", slug(&d.key)),
             Metric::PeakMemory => "-memory".to_string(),
             Metric::RelErr => "-error".to_string(),
+            Metric::RatioToDefault => "-ratio".to_string(),
         }
     }
 
@@ -483,6 +566,7 @@ impl Metric<'_> {
             Metric::Throughput(d) => d.unit.clone(),
             Metric::PeakMemory => "peak memory".to_string(),
             Metric::RelErr => "relative error".to_string(),
+            Metric::RatioToDefault => "time ÷ the default's time".to_string(),
         }
     }
 
@@ -492,6 +576,7 @@ impl Metric<'_> {
             Metric::Throughput(d) => d.unit.clone(),
             Metric::PeakMemory => "peak memory (MB)".to_string(),
             Metric::RelErr => "relative error".to_string(),
+            Metric::RatioToDefault => "time ÷ default's time (above 1: default faster)".to_string(),
         }
     }
 
@@ -526,7 +611,14 @@ fn figure_spec(
     let mut series = Vec::new();
     let mut any_point = false;
     let mut tolerances: Vec<f64> = Vec::new();
+    let default = impls.iter().find(|h| h.is_default).map(|h| h.name.as_str());
+    if metric == Metric::RatioToDefault && default.is_none() {
+        return None;
+    }
     for h in impls {
+        if metric == Metric::RatioToDefault && Some(h.name.as_str()) == default {
+            continue;
+        }
         let mut s = Series {
             name: if h.is_default {
                 format!("{} (default)", h.name)
@@ -555,7 +647,15 @@ fn figure_spec(
                 s.failed.push((x, row.status.as_str().to_string()));
                 continue;
             }
-            if let Some(v) = metric.value(row) {
+            let v = match metric {
+                Metric::RatioToDefault => default
+                    .and_then(|d| by_impl.get(d))
+                    .filter(|d| d.status == Status::Ok)
+                    .and_then(|d| Some(row.median_ms? / d.median_ms?))
+                    .filter(|v| v.is_finite() && *v > 0.0),
+                _ => metric.value(row),
+            };
+            if let Some(v) = v {
                 s.points.push((x, v));
             }
             if metric == Metric::RelErr {
@@ -575,13 +675,38 @@ fn figure_spec(
         return None;
     }
     tolerances.sort_by(f64::total_cmp);
-    let reference_lines: Vec<(f64, String)> = tolerances
+    let mut reference_lines: Vec<(f64, String)> = tolerances
         .iter()
         .map(|t| (*t, format!("tolerance {}", format::rel_err(*t))))
         .collect();
+    match metric {
+        Metric::RatioToDefault => reference_lines.push((
+            1.0,
+            format!(
+                "1: as fast as the default ({})",
+                default.unwrap_or_default()
+            ),
+        )),
+        Metric::Throughput(d) => {
+            if let Some(c) = &d.ceiling {
+                reference_lines.push((
+                    c.value,
+                    format!(
+                        "device peak {} {} ({})",
+                        format::sig(c.value, 3),
+                        d.unit,
+                        c.source
+                    ),
+                ));
+            }
+        }
+        _ => {}
+    }
+    // Names every fixed parameter, as Triton's perf_report names its plots.
     let title = format!(
-        "{}: {} against {axis}, {}",
+        "{} on {}: {} against {axis}; {}",
         doc.suite.title(),
+        doc.device.name,
         metric.what(),
         g.title()
     );
