@@ -783,3 +783,66 @@ fn the_generator_names_no_axis_or_unit() {
         }
     }
 }
+
+/// Every ratio on every page goes one way, the other implementation's time over the
+/// reference's (the default whenever the default is one of the two), and the words beside it
+/// say which is faster.
+#[test]
+fn every_ratio_uses_the_same_direction() {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    let (_tmp, site) = build_site(&data, None);
+    let docs = load::load_dir(&data).unwrap();
+    let defaults: BTreeSet<&str> = docs
+        .iter()
+        .flat_map(|l| l.doc.rows.iter())
+        .filter(|r| r.default)
+        .map(|r| r.implementation.as_str())
+        .collect();
+    let mut seen = 0;
+    for name in ["index.html", "attention.html", "hopper.html"] {
+        let html = fs::read_to_string(site.join(name)).unwrap();
+        let body = text(page(&site, name).select(&sel("main")).next().unwrap());
+        // The other direction's wording is gone.
+        assert!(
+            !body.contains("as long as") && !body.contains("× as long"),
+            "{name}"
+        );
+        let doc = Html::parse_document(&html);
+        for span in doc.select(&sel(".ratio")) {
+            let v = span.value();
+            let reference = v.attr("data-reference").unwrap();
+            let other = v.attr("data-other").unwrap();
+            let direction = v.attr("data-ratio").unwrap();
+            assert!(
+                direction.ends_with("of other ÷ time of reference")
+                    || direction.contains("of other ÷"),
+                "{direction}"
+            );
+            if defaults.contains(other) {
+                assert!(
+                    defaults.contains(reference),
+                    "{name}: the default {other} is not the reference of {}",
+                    text(span)
+                );
+            }
+            if direction.starts_with("time") {
+                let lo: f64 = v.attr("data-lo").unwrap().parse().unwrap();
+                let hi: f64 = v.attr("data-hi").unwrap().parse().unwrap();
+                // The words follow the span: "(flash 1.61× slower)".
+                let after: String = span
+                    .next_sibling()
+                    .and_then(|n| n.value().as_text().map(|t| t.to_string()))
+                    .unwrap_or_default();
+                let words = format::time_ratio_words(lo, hi, reference);
+                assert!(after.starts_with(&format!(" ({words})")), "{after}");
+                if lo > 1.0 {
+                    assert!(words.ends_with("faster"), "{words}");
+                } else if hi < 1.0 {
+                    assert!(words.ends_with("slower"), "{words}");
+                }
+            }
+            seen += 1;
+        }
+    }
+    assert!(seen > 20, "{seen} ratios");
+}

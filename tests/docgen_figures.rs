@@ -128,7 +128,9 @@ fn every_group_has_memory_and_error_figures() {
         let ratio = svg(&site.join(&srcs[2]));
         let legend = texts(&ratio);
         assert!(
-            legend.iter().any(|t| t.starts_with("1: as fast as the default")),
+            legend
+                .iter()
+                .any(|t| t.starts_with("1: as fast as the default")),
             "{legend:?}"
         );
         // Throughput on a linear axis, its unit from the document's declaration.
@@ -235,7 +237,8 @@ fn at_a_glance_range_comes_from_the_data_and_holds_one() {
     // One label per representative row, naming the alternative and its ratio.
     for (ratio, alt) in &representatives {
         assert!(
-            t.iter().any(|s| s.contains(&format!("{ratio} vs {alt} (default "))),
+            t.iter()
+                .any(|s| s.contains(&format!("{ratio} vs {alt} (default "))),
             "no label for {ratio} vs {alt} in {t:?}"
         );
     }

@@ -236,6 +236,8 @@ pub struct Limitation {
     pub href: String,
     /// What the data says, with its figures.
     pub detail: String,
+    /// A ratio that ends the detail, as the site shows every ratio.
+    pub ratio_html: Option<String>,
 }
 
 /// The At a glance bar chart.
@@ -810,6 +812,7 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                     place: place.clone(),
                     href: href.clone(),
                     detail,
+                    ratio_html: None,
                 };
                 let default = by_impl.values().find(|r| r.default);
                 if let Some(d) = default {
@@ -872,9 +875,10 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                 }
             }
             for ((default, alt), cases) in faster {
+                // The site's direction: alternative ÷ default.
                 let ratios: Vec<f64> = cases
                     .iter()
-                    .filter_map(|(_, d, r)| Some(d.median_ms? / r.median_ms?))
+                    .filter_map(|(_, d, r)| Some(r.median_ms? / d.median_ms?))
                     .collect();
                 let (lo, hi) = ratios.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &q| {
                     (lo.min(q), hi.max(q))
@@ -883,9 +887,9 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                     .iter()
                     .map(|(x, d, r)| {
                         format!(
-                            "{x}: {} against {} ms",
-                            d.median_ms.map(format::ms).unwrap_or_default(),
-                            r.median_ms.map(format::ms).unwrap_or_default()
+                            "{x}: {} ms against the default's {} ms",
+                            r.median_ms.map(format::ms).unwrap_or_default(),
+                            d.median_ms.map(format::ms).unwrap_or_default()
                         )
                     })
                     .collect();
@@ -899,13 +903,12 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                     ),
                     href: href.clone(),
                     detail: format!(
-                        "{alt} beats the default {default} by more than the spread of both (its q3 below the default's q1) at {} of {} measured {axis} values; {default} takes {}× to {}× as long ({axis} {})",
+                        "{alt} beats the default {default} by more than the spread of both (its q3 below the default's q1) at {} of {} measured {axis} values ({axis} {}); {alt}'s time ÷ {default}'s:",
                         cases.len(),
                         g.by_x.len(),
-                        format::sig(lo, 3),
-                        format::sig(hi, 3),
                         sizes.join("; ")
                     ),
+                    ratio_html: Some(format::time_ratio_html(lo, hi, &alt, &default)),
                 });
             }
         }
@@ -963,6 +966,7 @@ fn own_failures(l: &Loaded, axis: &str, base: &str) -> Vec<Limitation> {
                 crate::load::case_label(&first.case)
             ),
             href,
+            ratio_html: None,
             detail: format!(
                 "{implementation} {what} from {axis} = {size} ({} case{} in all){}",
                 rows.len(),
