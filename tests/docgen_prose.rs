@@ -72,7 +72,7 @@ fn values_and_ratios_are_the_fixture_numbers() {
 - {{ value(suite="attention", implementation="math", case="head_dim = 64 and causal = true and seq_len = 1024", field="median_ms") }}
 - {{ value(suite="attention", implementation="math", case="head_dim=64, causal=false, seq_len=2048", field="temporaries_mb") }}
 - {{ value(suite="attention", implementation="flash", case="head_dim=64, causal=false, seq_len=max", field="rel_err") }}
-- {{ ratio(suite="attention", num="torch_cudnn", den="flash", case="head_dim=128, seq_len=2048, causal=false", field="median_ms") }}
+- {{ ratio(suite="attention", num="flash", den="torch_cudnn", case="head_dim=128, seq_len=2048, causal=false", field="median_ms") }}
 - {{ case(suite="attention", case="head_dim=64, causal=false, seq_len=max") }}
 - {{ largest(suite="attention", param="seq_len") }}
 - {{ values(suite="attention", param="head_dim") }}
@@ -96,7 +96,15 @@ fn values_and_ratios_are_the_fixture_numbers() {
         format::ms(math.median_ms.unwrap()),
         format::mb(math_t.memory.as_ref().unwrap().temporaries_mb.unwrap()),
         format::rel_err(flash_max.accuracy.as_ref().unwrap().rel_err),
-        format::ratio(cudnn.median_ms.unwrap() / flash.median_ms.unwrap()),
+        {
+            // The alternative's time over the default's, however num and den are given.
+            let r = cudnn.median_ms.unwrap() / flash.median_ms.unwrap();
+            format!(
+                "{} ({})",
+                format::ratio(r),
+                format::time_ratio_words(r, r, "flash")
+            )
+        },
         format!("head_dim=64, causal=false, seq_len={max_seq}"),
         max_seq.to_string(),
         "64, 128".to_string(),
@@ -132,16 +140,18 @@ fn a_claim_that_holds_says_how_many_cases_it_covers() {
     assert!(both > 1 && left_out > 0, "{both} {left_out}");
     let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = ratios.iter().copied().fold(0.0, f64::max);
+    // math's time over flash's (the default is the reference), with the words.
     let range = if format::ratio(lo) == format::ratio(hi) {
         format::ratio(lo)
     } else {
         format!("{} to {}", format::ratio(lo), format::ratio(hi))
     };
+    let words = format::time_ratio_words(lo, hi, "flash");
     assert_eq!(
         got,
         [format!(
             "flash is faster than math in every measured case with seq_len ≥ 1024 ({both} cases; \
-             math takes {range} as long; {left_out} cases where either did not run are left out)"
+             {range} ({words}); {left_out} cases where either did not run are left out)"
         )]
     );
 }
@@ -215,7 +225,8 @@ fn a_claim_covering_no_case_fails() {
     );
     let text = err.to_string();
     assert!(text.contains("p.md:1:"), "{text}");
-    assert!(text.contains("covers no measured case"), "{text}");
+    assert!(text.contains("supported by no measured case"), "{text}");
+    assert!(text.contains("0 matching cases"), "{text}");
     assert!(text.contains("seq_len > 1000000"), "{text}");
 }
 
@@ -348,4 +359,44 @@ fn prose_is_read_from_the_templates_folder() {
         .prose_source(kernelpages::site::templates::LIMITATIONS_PROSE)
         .unwrap();
     assert!(lim.contains("measured("), "{lim}");
+}
+
+/// "Faster" needs the faster side's q3 below the other's q1: a case inside the noise counts
+/// for neither side and the claim says so; a claim only the noise covers fails.
+#[test]
+fn a_claim_within_the_noise_says_so() {
+    let mut docs = fixture_docs();
+    let claim = r#"- {{ claim(suite="attention", faster="flash", than="math", where="head_dim = 64, causal = false") }}"#;
+    let before = items(&docs, claim);
+    assert!(before[0].contains("in every measured case"), "{before:?}");
+    // Widen flash's spread at one size until it overlaps math's.
+    let (at, math_q1) = {
+        let r = rows(&docs)
+            .into_iter()
+            .find(|r| {
+                r.implementation == "math"
+                    && r.status == Status::Ok
+                    && r.int("head_dim") == Some(64)
+                    && r.flag("causal") == Some(false)
+            })
+            .unwrap();
+        (r.case.clone(), r.q1_ms.unwrap())
+    };
+    for r in &mut docs[0].doc.rows {
+        if r.implementation == "flash" && r.case == at {
+            r.q3_ms = Some(math_q1 * 1.01);
+        }
+    }
+    let after = items(&docs, claim);
+    let n: usize = before[0]
+        .split(" (")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap();
+    assert!(
+        after[0].contains(&format!("in {} of {n} measured cases", n - 1)),
+        "{after:?}"
+    );
+    assert!(after[0].contains("within noise in 1"), "{after:?}");
 }
