@@ -508,7 +508,8 @@ fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
             .map(|l| l.file_name())
             .collect::<Vec<_>>()
             .join(", "),
-        warmup_calls: t.warmup_calls.to_string(),
+        // Until the Methodology reads `warmup_ms` (runner branch): "warmed up with N ms of calls".
+        warmup_calls: format!("{} ms of", format::sig(t.warmup_ms, 3)),
         repeats: t.repeats.to_string(),
         min_sample_ms: format::sig(t.min_sample_ms, 3),
         max_inner: t.max_inner.to_string(),
