@@ -30,7 +30,9 @@ struct Sample {
     temp_c: Option<f64>,
     power_w: Option<f64>,
     throttle: Vec<String>,
-    pids: Vec<u32>,
+    /// Other processes on the GPU as `pid name`, classified when sampled (a case process is
+    /// recognised as ours only while it lives).
+    others: Vec<String>,
 }
 
 /// Fixed facts NVML gives about the device.
@@ -65,7 +67,7 @@ fn throttle_names(bits: nvml_wrapper::bitmasks::device::ThrottleReasons) -> Vec<
         .collect()
 }
 
-fn take_sample(dev: &nvml_wrapper::Device<'_>) -> Sample {
+fn take_sample(dev: &nvml_wrapper::Device<'_>, known_ours: &mut BTreeSet<u32>) -> Sample {
     let mut pids: Vec<u32> = Vec::new();
     for list in [
         dev.running_compute_processes(),
@@ -88,7 +90,7 @@ fn take_sample(dev: &nvml_wrapper::Device<'_>) -> Sample {
             .current_throttle_reasons()
             .map(throttle_names)
             .unwrap_or_default(),
-        pids,
+        others: others(&pids, known_ours),
     }
 }
 
@@ -141,8 +143,9 @@ impl Monitor {
                 None => nvml2.device_by_index(0),
             };
             let Ok(dev) = dev else { return };
+            let mut known_ours = BTreeSet::new();
             while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
-                let s = take_sample(&dev);
+                let s = take_sample(&dev, &mut known_ours);
                 if let Ok(mut v) = s2.lock() {
                     v.push(s);
                     // Keep about an hour of samples.
@@ -182,7 +185,7 @@ impl Monitor {
             return Vec::new();
         };
         let v = r.samples.lock().map(|v| v.last().cloned()).ok().flatten();
-        v.map(|s| others(&s.pids)).unwrap_or_default()
+        v.map(|s| s.others).unwrap_or_default()
     }
 
     /// The device's state over `[t0, t1]` (Unix seconds): median SM and memory clocks and
@@ -211,10 +214,10 @@ impl Monitor {
             (!v.is_empty()).then(|| quantile(&v, 0.5))
         };
         let mut throttle = BTreeSet::new();
-        let mut pids = BTreeSet::new();
+        let mut other = BTreeSet::new();
         for s in &picked {
             throttle.extend(s.throttle.iter().cloned());
-            pids.extend(s.pids.iter().copied());
+            other.extend(s.others.iter().cloned());
         }
         Some(MachineState {
             sm_clock_mhz: median(&|s| s.sm_mhz),
@@ -227,7 +230,7 @@ impl Monitor {
             power_w: median(&|s| s.power_w),
             power_limit_w: r.facts.power_limit_w,
             throttle_reasons: throttle.into_iter().collect(),
-            other_processes: others(&pids.into_iter().collect::<Vec<_>>()),
+            other_processes: other.into_iter().collect(),
         })
     }
 }
@@ -264,10 +267,21 @@ fn ours(pid: u32) -> bool {
     false
 }
 
-/// `pid name` of the processes in `pids` that are not this process tree.
-fn others(pids: &[u32]) -> Vec<String> {
+/// `pid name` of the processes in `pids` that are not this process tree. `known_ours`
+/// remembers the pids found to be ours while they lived, so that a case process that has just
+/// exited is not reported as another one.
+fn others(pids: &[u32], known_ours: &mut BTreeSet<u32>) -> Vec<String> {
     pids.iter()
-        .filter(|&&p| !ours(p))
+        .filter(|&&p| {
+            if known_ours.contains(&p) {
+                return false;
+            }
+            if ours(p) {
+                known_ours.insert(p);
+                return false;
+            }
+            true
+        })
         .map(|&p| {
             let name = std::fs::read_to_string(format!("/proc/{p}/comm"))
                 .map(|s| s.trim().to_string())
@@ -321,7 +335,11 @@ mod tests {
         // pid 1 is never ours (unless the test runs as init).
         if std::process::id() != 1 {
             assert!(!ours(1));
-            assert_eq!(others(&[1]).len(), 1);
+            let mut known = BTreeSet::new();
+            assert_eq!(others(&[1], &mut known).len(), 1);
+            let me = std::process::id();
+            assert!(others(&[me], &mut known).is_empty());
+            assert!(known.contains(&me), "remembered as ours");
         }
     }
 
