@@ -147,7 +147,18 @@ def cublas_workspace_bytes():
 def measure(job):
     """Measure one job in this (fresh) process; returns the reply dict."""
     case, implementation = job["case"], job["implementation"]
-    reply = {"libraries": libraries()}
+    reply = {}
+    try:
+        _measure_into(job, reply)
+    finally:
+        # After the measurement: the version queries must not load anything before the first
+        # call is timed.
+        reply["libraries"] = libraries()
+    return reply
+
+
+def _measure_into(job, reply):
+    case, implementation = job["case"], job["implementation"]
     why = IMPORT_ERROR or unsupported_reason(case, implementation)
     if why is None and not torch.cuda.is_available():
         why = "no CUDA device visible to torch"
