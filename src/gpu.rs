@@ -161,23 +161,112 @@ impl Gpu {
     }
 
     /// Runs `f` `inner` times between two timing events on the stream and returns the elapsed
-    /// device time in ms. `f` receives the call index (for input rotation).
+    /// device time and the host's time to issue the calls (from before the first to after the
+    /// last launch returned), both in ms. `f` receives the call index (for input rotation).
     pub fn time_calls(
         &self,
         inner: u32,
         mut f: impl FnMut(u32) -> Result<(), GpuError>,
-    ) -> Result<f64, GpuError> {
+    ) -> Result<crate::harness::Sample, GpuError> {
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let start = self.ctx.new_event(flags)?;
         let end = self.ctx.new_event(flags)?;
         start.record(&self.stream)?;
+        let t0 = Instant::now();
         for i in 0..inner {
             f(i)?;
         }
+        let host_ms = t0.elapsed().as_secs_f64() * 1e3;
         end.record(&self.stream)?;
         let ms = start.elapsed_ms(&end)?;
         self.ctx.check_err()?;
-        Ok(ms as f64)
+        Ok(crate::harness::Sample {
+            device_ms: ms as f64,
+            host_ms,
+        })
+    }
+
+    /// The device's current memory pool, which cudarc's stream allocations come from
+    /// (`cuMemAllocAsync` on the stream when the device supports memory pools).
+    fn mem_pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool, GpuError> {
+        // SAFETY: the device handle comes from the live context.
+        Ok(unsafe { cudarc::driver::result::device::get_mem_pool(self.ctx.cu_device())? })
+    }
+
+    fn pool_attr(&self, attr: cudarc::driver::sys::CUmemPool_attribute) -> Result<u64, GpuError> {
+        let pool = self.mem_pool()?;
+        let mut v: u64 = 0;
+        // SAFETY: the USED/RESERVED_MEM_* attributes are cuuint64_t values.
+        unsafe {
+            cudarc::driver::result::mem_pool::get_attribute(
+                pool,
+                attr,
+                &mut v as *mut u64 as *mut std::ffi::c_void,
+            )?
+        };
+        Ok(v)
+    }
+
+    /// True when allocations come from the stream-ordered memory pool, so that
+    /// [`Gpu::pool_reset_peaks`] and [`Gpu::pool_peaks`] see them.
+    pub fn has_pool(&self) -> bool {
+        self.ctx.has_async_alloc()
+    }
+
+    /// Resets the pool's high-water marks (`CU_MEMPOOL_ATTR_USED_MEM_HIGH` and
+    /// `RESERVED_MEM_HIGH`) and returns the bytes in use and reserved now, the baseline
+    /// [`Gpu::pool_peaks`] is read against.
+    pub fn pool_reset_peaks(&self) -> Result<(u64, u64), GpuError> {
+        use cudarc::driver::sys::CUmemPool_attribute as A;
+        self.stream.synchronize()?;
+        let pool = self.mem_pool()?;
+        for attr in [
+            A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+        ] {
+            let mut zero: u64 = 0;
+            // SAFETY: the high-water attributes accept a cuuint64_t 0 (reset).
+            unsafe {
+                cudarc::driver::result::mem_pool::set_attribute(
+                    pool,
+                    attr,
+                    &mut zero as *mut u64 as *mut std::ffi::c_void,
+                )?
+            };
+        }
+        Ok((
+            self.pool_attr(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            self.pool_attr(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+        ))
+    }
+
+    /// Bytes used and reserved at the pool's high-water marks since [`Gpu::pool_reset_peaks`],
+    /// above the baseline it returned.
+    pub fn pool_peaks(&self, base: (u64, u64)) -> Result<(u64, u64), GpuError> {
+        use cudarc::driver::sys::CUmemPool_attribute as A;
+        self.stream.synchronize()?;
+        let used = self.pool_attr(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?;
+        let reserved = self.pool_attr(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?;
+        Ok((used.saturating_sub(base.0), reserved.saturating_sub(base.1)))
+    }
+
+    /// The device's PCI bus id, e.g. `0000:1B:00.0` (to find it in NVML).
+    pub fn pci_bus_id(&self) -> Option<String> {
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: writes at most `len` bytes, NUL-terminated, into `buf`.
+        let r = unsafe {
+            cudarc::driver::sys::cuDeviceGetPCIBusId(
+                buf.as_mut_ptr(),
+                buf.len() as i32,
+                self.ctx.cu_device(),
+            )
+        };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        // SAFETY: NUL-terminated by the driver on success.
+        let s = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+        Some(s.to_string_lossy().into_owned())
     }
 
     /// The device's facts for the document.
@@ -197,6 +286,12 @@ impl Gpu {
             driver_version: kernel_driver_version(),
             cuda_version: driver_api_version(),
             cpu_threads: None,
+            host_cpu: None,
+            os: None,
+            nvrtc_arch: Some(self.arch()),
+            power_limit_w: None,
+            max_sm_clock_mhz: None,
+            max_mem_clock_mhz: None,
         })
     }
 

@@ -10,5 +10,6 @@ pub mod attention;
 pub mod gpu;
 pub mod harness;
 pub mod load;
+pub mod runner;
 pub mod schema;
 pub mod site;

@@ -536,6 +536,9 @@ fn check_document(path: &Path, bytes: &[u8], doc: &Document) -> Vec<LoadError> {
     for (name, v) in [
         ("memory_mb", doc.device.memory_mb),
         ("l2_mb", doc.device.l2_mb),
+        ("power_limit_w", doc.device.power_limit_w),
+        ("max_sm_clock_mhz", doc.device.max_sm_clock_mhz),
+        ("max_mem_clock_mhz", doc.device.max_mem_clock_mhz),
     ] {
         if let Some(v) = v {
             if !(v.is_finite() && v > 0.0) {
@@ -548,8 +551,40 @@ fn check_document(path: &Path, bytes: &[u8], doc: &Document) -> Vec<LoadError> {
         }
     }
 
-    // Config: axes and throughput declarations.
+    // Config: timing parameters.
     let config = &doc.config;
+    let t = &config.timing;
+    for (name, v, strict) in [
+        ("warmup_ms", t.warmup_ms, false),
+        ("min_sample_ms", t.min_sample_ms, true),
+        ("l2_rotation_factor", t.l2_rotation_factor, false),
+        ("case_timeout_s", t.case_timeout_s, true),
+        ("launch_bound_ratio", t.launch_bound_ratio, true),
+    ] {
+        if !(v.is_finite() && (v > 0.0 || (!strict && v == 0.0))) {
+            let rule = if strict { "> 0" } else { ">= 0" };
+            bad(
+                vec![key("config"), key("timing"), key(name)],
+                "config.timing".into(),
+                format!("{name} is {v}; must be finite and {rule}"),
+            );
+        }
+    }
+    for (name, v) in [
+        ("repeats", t.repeats),
+        ("max_inner", t.max_inner),
+        ("runs", t.runs),
+    ] {
+        if v == 0 {
+            bad(
+                vec![key("config"), key("timing"), key(name)],
+                "config.timing".into(),
+                format!("{name} is 0; must be >= 1"),
+            );
+        }
+    }
+
+    // Config: axes and throughput declarations.
     if config.axes.is_empty() {
         bad(
             vec![key("config"), key("axes")],
@@ -658,6 +693,17 @@ fn check_document(path: &Path, bytes: &[u8], doc: &Document) -> Vec<LoadError> {
         positive(&["flops"], row.flops);
         positive(&["bytes"], row.bytes);
         positive(&["items"], row.items);
+        positive(&["host_ms"], row.host_ms);
+        positive(&["eager_median_ms"], row.eager_median_ms);
+        if let Some(m) = &row.machine {
+            positive(&["machine", "sm_clock_mhz"], m.sm_clock_mhz);
+            positive(&["machine", "max_sm_clock_mhz"], m.max_sm_clock_mhz);
+            positive(&["machine", "mem_clock_mhz"], m.mem_clock_mhz);
+            positive(&["machine", "power_limit_w"], m.power_limit_w);
+        }
+        for &r in &row.runs_ms {
+            positive(&["runs_ms"], Some(r));
+        }
         if let Some(a) = &row.accuracy {
             positive(&["accuracy", "tolerance"], Some(a.tolerance));
         }
@@ -673,6 +719,11 @@ fn check_document(path: &Path, bytes: &[u8], doc: &Document) -> Vec<LoadError> {
             }
         };
         non_negative(&["compile_s"], row.compile_s);
+        non_negative(&["first_call_s"], row.first_call_s);
+        non_negative(&["l2_rotation_reached"], row.l2_rotation_reached);
+        if let Some(m) = &row.machine {
+            non_negative(&["machine", "power_w"], m.power_w);
+        }
         if let Some(a) = &row.accuracy {
             non_negative(&["accuracy", "rel_err"], Some(a.rel_err));
         }
@@ -683,8 +734,19 @@ fn check_document(path: &Path, bytes: &[u8], doc: &Document) -> Vec<LoadError> {
                 ("temporaries_mb", m.temporaries_mb),
                 ("residuals_mb", m.residuals_mb),
                 ("peak_mb", m.peak_mb),
+                ("reserved_peak_mb", m.reserved_peak_mb),
+                ("workspace_mb", m.workspace_mb),
             ] {
                 non_negative(&["memory", f], v);
+            }
+        }
+        if let Some(c) = row.machine.as_ref().and_then(|m| m.temperature_c) {
+            if !c.is_finite() {
+                bad(
+                    at(&["machine", "temperature_c"]),
+                    what.clone(),
+                    format!("machine.temperature_c is {c}; must be finite"),
+                );
             }
         }
         for (f, v) in [

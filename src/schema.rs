@@ -20,6 +20,12 @@ use serde::{Deserialize, Serialize};
 /// every throughput from its count and the median).
 pub const SCHEMA_VERSION: u32 = 2;
 
+/// A row is launch-bound when the host time to enqueue one call ([`Row::host_ms`]) is at least
+/// this fraction of the device time of one back-to-back call (the eager median): the timing
+/// then measures the host issuing calls, not the kernel. Recorded per document as
+/// [`TimingConfig::launch_bound_ratio`].
+pub const LAUNCH_BOUND_RATIO: f64 = 0.8;
+
 /// One suite's measurements on one device: what `attention > data/gpu_attention.json` writes.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -131,6 +137,28 @@ pub struct Device {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(max = u32::MAX))]
     pub cpu_threads: Option<u32>,
+    /// The host's CPU model (`/proc/cpuinfo` `model name`), e.g. `AMD EPYC 9654 96-Core
+    /// Processor`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_cpu: Option<String>,
+    /// The host's operating system and kernel, e.g. `Ubuntu 24.04.1 LTS, Linux 6.1.0`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub os: Option<String>,
+    /// The architecture NVRTC compiled the project's kernels for, e.g. `sm_90a` or `sm_80`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvrtc_arch: Option<String>,
+    /// Enforced power limit at the start of the run, W (NVML).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub power_limit_w: Option<f64>,
+    /// Highest SM clock the device supports, MHz (NVML `max_clock_info(SM)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub max_sm_clock_mhz: Option<f64>,
+    /// Highest memory clock the device supports, MHz (NVML `max_clock_info(Memory)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub max_mem_clock_mhz: Option<f64>,
 }
 
 /// How a document was produced: enough to reproduce it.
@@ -262,22 +290,54 @@ pub struct Amendment {
     pub why: String,
 }
 
-/// Timing parameters (see the Methodology section of the site).
+/// Timing parameters (see the Methodology section of the site). The same parameters and the
+/// same rules apply to the project's kernels and to the alternatives measured from Python.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TimingConfig {
-    /// Calls made before timing starts, after the case is compiled and loaded.
-    pub warmup_calls: u32,
+    /// Warm-up, ms: after the case is compiled and loaded and its first call made, calls are
+    /// repeated until their event time adds up to at least this long, before any sample.
+    #[schemars(range(min = 0))]
+    pub warmup_ms: f64,
     /// Timed samples per case; each sample is `inner` back-to-back calls between two events.
+    /// A case stops taking samples early only under `case_timeout_s` (see there).
+    #[schemars(range(min = 1, max = u32::MAX))]
     pub repeats: u32,
     /// Smallest wall time of one sample, in ms: `inner` is raised until a sample lasts this long.
+    #[schemars(extend("exclusiveMinimum" = 0))]
     pub min_sample_ms: f64,
     /// Upper bound on `inner`.
+    #[schemars(range(min = 1, max = u32::MAX))]
     pub max_inner: u32,
-    /// Inputs are rotated among enough copies that their total exceeds this many times the L2.
+    /// Inputs are rotated among enough copies that their total exceeds this many times the L2
+    /// (at most 64 copies, and on the Python side at most half the free device memory; a row
+    /// whose rotation was capped says so in [`Row::l2_rotation_reached`] and [`Row::notes`]).
+    #[schemars(range(min = 0))]
     pub l2_rotation_factor: f64,
-    /// Per-case wall-clock limit in seconds; a case past it is a `timeout` row.
+    /// Per-case wall-clock limit in seconds, counted from the first warm-up call: no sample is
+    /// started that would end past it once 3 samples exist (the row keeps the samples taken);
+    /// with fewer, passing it makes the row `timeout`. The case process is killed, and the row
+    /// recorded as `timeout`, at 1.5 × this limit + 60 s (input upload and checks included).
+    #[schemars(extend("exclusiveMinimum" = 0))]
     pub case_timeout_s: f64,
+    /// A row is launch-bound when [`Row::host_ms`] ≥ this × its eager device time per call
+    /// ([`LAUNCH_BOUND_RATIO`]).
+    #[serde(default = "default_launch_bound_ratio")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub launch_bound_ratio: f64,
+    /// How many times the whole grid was measured (`--runs k`); each row keeps the run whose
+    /// median is the median of the runs and lists every run's median in [`Row::runs_ms`].
+    #[serde(default = "default_runs")]
+    #[schemars(range(min = 1, max = u32::MAX))]
+    pub runs: u32,
+}
+
+fn default_launch_bound_ratio() -> f64 {
+    LAUNCH_BOUND_RATIO
+}
+
+fn default_runs() -> u32 {
+    1
 }
 
 /// One row of the dispatch table: for inputs matching `rule` on `device`, `entry_point` runs
@@ -373,14 +433,30 @@ pub struct Memory {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub residuals_mb: Option<f64>,
-    /// Device memory of one call above the process's idle baseline; `peak_method` says how it
-    /// was read (a fresh process per case, or the comparison process's allocator statistics).
+    /// The most device memory allocated at once from the case's start (its first input set
+    /// uploaded) to the end of its first call: one input set, the output and every temporary,
+    /// read in a fresh process per case; library workspaces that persist across calls are
+    /// apart (`workspace_mb`), the CUDA context is not counted. `peak_method` says how it was
+    /// read (the project: the stream-ordered memory pool's `USED_MEM_HIGH`; PyTorch:
+    /// `torch.cuda.max_memory_allocated`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub peak_mb: Option<f64>,
     /// How `peak_mb` was read, e.g. `cuMemGetInfo delta` or `torch.cuda.max_memory_allocated`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_method: Option<String>,
+    /// Peak of the memory the allocator held from the device over the same span as `peak_mb`,
+    /// its rounding and caching included (the project: the pool's `RESERVED_MEM_HIGH`;
+    /// PyTorch: `torch.cuda.max_memory_reserved`), workspaces apart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub reserved_peak_mb: Option<f64>,
+    /// Library workspaces held across calls, not in `peak_mb` (the project's `math`: the
+    /// cuBLAS workspace it gives the handle; PyTorch: the cuBLAS/cuBLASLt workspaces released by
+    /// `torch._C._cuda_clearCublasWorkspaces`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub workspace_mb: Option<f64>,
 }
 
 /// Which reference an error was measured against.
@@ -482,6 +558,90 @@ pub struct Row {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("exclusiveMinimum" = 0))]
     pub items: Option<f64>,
+    /// How `median_ms` was timed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timing: Option<TimingMethod>,
+    /// Median host time to enqueue one call, ms: the host's wall time from before the first
+    /// launch of a sample to after its last launch returned, ÷ `inner`, over the same samples as
+    /// the eager median. The row is launch-bound when `host_ms` ≥
+    /// [`TimingConfig::launch_bound_ratio`] × the eager device time per call (`median_ms`, or
+    /// `eager_median_ms` for graph-replayed rows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub host_ms: Option<f64>,
+    /// For rows timed by [`TimingMethod::GraphReplay`]: the median of the same calls made
+    /// eagerly back to back between two events, ms (the second figure).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub eager_median_ms: Option<f64>,
+    /// Wall time of the first call in a fresh process, s (frameworks: backend selection, plan
+    /// building, lazy library loading), apart from `compile_s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub first_call_s: Option<f64>,
+    /// The median of each run of `--runs k`, ms, in run order; empty for a single run.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub runs_ms: Vec<f64>,
+    /// Bytes rotated through while timing ÷ the L2 size: `input_sets` × one input set's bytes
+    /// ÷ L2. Below [`TimingConfig::l2_rotation_factor`] when a cap stopped the rotation short.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub l2_rotation_reached: Option<f64>,
+    /// The device's state while the row was timed (NVML, sampled by the runner every 25 ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine: Option<MachineState>,
+    /// Remarks the page shows beside the row (float32 accumulation, useful-work FLOPs, rotation
+    /// capped at N sets, launch-bound, ...).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
+}
+
+/// How a row's `median_ms` was timed.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum TimingMethod {
+    /// `inner` calls issued back to back between two CUDA events.
+    Events,
+    /// A CUDA graph holding `inner` calls, replayed between two CUDA events.
+    GraphReplay,
+}
+
+/// The device's state while a row was timed, from NVML samples the runner takes every 25 ms
+/// over the row's timed span.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct MachineState {
+    /// Median SM clock, MHz.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub sm_clock_mhz: Option<f64>,
+    /// Highest SM clock the device supports, MHz (to show throttling as a share).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub max_sm_clock_mhz: Option<f64>,
+    /// Median memory clock, MHz.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub mem_clock_mhz: Option<f64>,
+    /// Highest GPU temperature, °C.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature_c: Option<f64>,
+    /// Median board power, W.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub power_w: Option<f64>,
+    /// Enforced power limit, W.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub power_limit_w: Option<f64>,
+    /// Clock throttle reasons seen in any sample, other than idle and application-clock
+    /// settings (e.g. `sw_power_cap`, `hw_slowdown`, `sw_thermal_slowdown`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub throttle_reasons: Vec<String>,
+    /// Other processes seen on the GPU before or during the row, as `pid name` (the runner and
+    /// its case processes excluded). Non-empty means the GPU was shared while this row was timed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub other_processes: Vec<String>,
 }
 
 impl Row {
@@ -513,6 +673,25 @@ impl Row {
             flops: None,
             bytes: None,
             items: None,
+            timing: None,
+            host_ms: None,
+            eager_median_ms: None,
+            first_call_s: None,
+            runs_ms: Vec::new(),
+            l2_rotation_reached: None,
+            machine: None,
+            notes: Vec::new(),
+        }
+    }
+
+    /// True when the host time to enqueue one call is at least `ratio` × the eager device time
+    /// per call (`eager_median_ms` for graph-replayed rows, else `median_ms`): the timing
+    /// measured the host issuing calls. False when either figure is missing.
+    pub fn launch_bound(&self, ratio: f64) -> bool {
+        let device = self.eager_median_ms.or(self.median_ms);
+        match (self.host_ms, device) {
+            (Some(h), Some(d)) => h >= ratio * d,
+            _ => false,
         }
     }
 

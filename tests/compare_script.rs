@@ -1,19 +1,27 @@
-//! Checks `runners/compare_attention.py`, the PyTorch comparison script the `attention` runner
-//! starts with `--compare torch`: its rows must deserialise as [`kernelpages::schema::Row`], one
-//! per (case, implementation) in request order, each with the case copied exactly.
+//! The comparison modules (`runners/compare/`) through the runner's own client
+//! ([`kernelpages::runner::process::Server`]): every reply deserialises as
+//! [`kernelpages::runner::protocol::Reply`] with a [`kernelpages::schema::Row`], one per job.
 //!
 //! Without torch (the CI machine) every row is `unsupported` and names torch. With torch and a
-//! GPU the same test measures tiny cases for real. Without `python3` the tests print a skip line.
+//! GPU (the device machine) the same tests measure tiny cases for real, on the runner's input
+//! bits and reference, and a NaN planted outside the checked elements of a PyTorch output
+//! makes that row fail. Without `python3` (build.rs's `kp_python`) the tests are compiled as
+//! ignored, and the NaN test needs torch with a GPU (`kp_cuda`, the device machine).
 //!
-//! `COMPARE_ROWS_JSON=/path/rows.json cargo test --test compare_script` also validates a rows
-//! file brought back from a GPU run.
+//! `KP_RUNNERS_DIR` points the tests at another copy of `runners/` (the device machine).
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
+use std::time::Duration;
 
-use kernelpages::schema::{Param, Row, Status};
-use serde_json::{json, Value};
+use kernelpages::attention::cpu::{normal_bits, reference_values, CheckPlan};
+use kernelpages::attention::{AttentionCase, Dtype, Pass};
+use kernelpages::harness::default_timing;
+use kernelpages::runner::process::Server;
+use kernelpages::runner::protocol::{
+    write_f64, write_u16, CaseFiles, CheckSpec, Job, OutputSpec, Reply, TensorFile,
+};
+use kernelpages::schema::{Reference, Status, TimingConfig, TimingMethod};
 
 const IMPLEMENTATIONS: [&str; 4] = [
     "torch_flash",
@@ -22,305 +30,261 @@ const IMPLEMENTATIONS: [&str; 4] = [
     "torch_math",
 ];
 
-fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("runners/compare_attention.py")
+fn runners_dir() -> PathBuf {
+    kernelpages::runner::locate_runners_dir().expect("runners/compare/ exists")
 }
 
-/// True when `python3` runs; otherwise prints why the test is skipped.
+/// True when python3 runs; these tests are ignored where build.rs found none, so a missing
+/// python3 here is a failure.
 fn have_python(test: &str) -> bool {
     match Command::new("python3").arg("--version").output() {
         Ok(o) if o.status.success() => true,
-        _ => {
-            eprintln!("skipping {test}: python3 is not available");
-            false
-        }
+        _ => panic!("{test}: python3 is not available"),
     }
 }
 
-fn torch_importable() -> bool {
+fn torch_with_gpu() -> bool {
     Command::new("python3")
-        .args(["-c", "import torch"])
+        .args([
+            "-c",
+            "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)",
+        ])
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false)
 }
 
-fn run_script(args: &[&str]) -> Output {
-    Command::new("python3")
-        .arg(script())
-        .args(args)
-        .output()
-        .expect("python3 starts")
-}
-
-fn describe(o: &Output) -> String {
-    format!(
-        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn request(cases: &[Value]) -> Value {
-    json!({
-        "timing": {"warmup_calls": 1, "repeats": 3, "min_sample_ms": 0.5, "max_inner": 10,
-                   "l2_rotation_factor": 3.0, "case_timeout_s": 60.0},
-        "l2_bytes": 62914560u64,
-        "seed": 1234,
-        "implementations": IMPLEMENTATIONS,
-        "memory_subprocess": true,
-        "check_rows": 16,
-        "check_slices": 2,
-        "cases": cases,
-    })
-}
-
-fn cases() -> Vec<Value> {
-    vec![
-        json!({"batch": 1, "heads": 2, "kv_heads": 2, "seq_len": 128, "head_dim": 64,
-               "causal": true, "dtype": "bf16", "pass": "fwd"}),
-        json!({"batch": 2, "heads": 4, "kv_heads": 2, "seq_len": 256, "head_dim": 128,
-               "causal": false, "dtype": "fp16", "pass": "fwd"}),
-    ]
-}
-
-/// Checks a rows document and returns its rows.
-fn check_document(doc: &Value) -> Vec<Row> {
-    let obj = doc.as_object().expect("rows document is an object");
-    let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
-    assert_eq!(keys.len(), 3, "unexpected top-level keys {keys:?}");
-    let libraries = obj["libraries"]
-        .as_object()
-        .expect("libraries is an object");
-    assert!(libraries.contains_key("python"), "{libraries:?}");
-    for (name, version) in libraries {
-        assert!(
-            version.is_string(),
-            "library {name} version is not a string: {version}"
-        );
+fn timing() -> TimingConfig {
+    TimingConfig {
+        warmup_ms: 5.0,
+        repeats: 5,
+        min_sample_ms: 0.5,
+        max_inner: 10,
+        case_timeout_s: 20.0,
+        ..default_timing()
     }
-    assert!(obj["finished"].is_boolean(), "finished must be a boolean");
-    let rows: Vec<Row> =
-        serde_json::from_value(obj["rows"].clone()).expect("rows deserialise as schema::Row");
-    for row in &rows {
-        assert_eq!(row.library, "PyTorch");
-        assert!(!row.default);
-        assert!(
-            IMPLEMENTATIONS.contains(&row.implementation.as_str()),
-            "{}",
-            row.implementation
-        );
-        if row.status == Status::Ok {
-            for field in [
-                row.median_ms,
-                row.q1_ms,
-                row.q3_ms,
-                row.compile_s,
-                row.flops,
-            ] {
-                assert!(
-                    field.is_some_and(f64::is_finite),
-                    "ok row lacks a figure: {row:?}"
-                );
-            }
-            let (q1, med, q3) = (
-                row.q1_ms.unwrap(),
-                row.median_ms.unwrap(),
-                row.q3_ms.unwrap(),
-            );
-            assert!(q1 <= med && med <= q3 && q1 > 0.0, "{row:?}");
-            assert!(row.inner_calls.unwrap() >= 1 && row.samples.unwrap() >= 1);
-            assert!(row.input_sets.unwrap() >= 1);
-            let acc = row.accuracy.as_ref().expect("ok row has accuracy");
-            assert_eq!(acc.metric, "rel_l2");
-            assert!(acc.rel_err.is_finite() && acc.rel_err >= 0.0);
-            let mem = row.memory.as_ref().expect("ok row has memory");
-            assert!(mem.arguments_mb.is_some() && mem.outputs_mb.is_some());
-            if let Some(t) = mem.temporaries_mb {
-                assert!(t >= 0.0);
-            }
-        } else {
-            let msg = row.message.as_deref().unwrap_or("");
-            assert!(!msg.is_empty(), "a {:?} row needs a message", row.status);
-            assert!(row.median_ms.is_none() && row.accuracy.is_none(), "{row:?}");
-        }
-    }
-    rows
 }
 
-#[test]
-fn rows_follow_the_request_and_the_schema() {
-    if !have_python("rows_follow_the_request_and_the_schema") {
-        return;
+/// Writes a case's inputs and reference as the runner does and returns the job files.
+fn case_files(c: &AttentionCase, dir: &Path) -> CaseFiles {
+    let q = normal_bits(c.q_elems(), c.dtype, 11);
+    let k = normal_bits(c.kv_elems(), c.dtype, 12);
+    let v = normal_bits(c.kv_elems(), c.dtype, 13);
+    let plan = CheckPlan::new(c, 16, 5);
+    let reference = reference_values(c, &q, &k, &v, &plan);
+    let q_shape = vec![c.batch, c.heads, c.seq_len, c.head_dim];
+    let kv_shape = vec![c.batch, c.kv_heads, c.seq_len, c.head_dim];
+    let mut inputs = Vec::new();
+    for (name, bits, shape) in [
+        ("q", &q, &q_shape),
+        ("k", &k, &kv_shape),
+        ("v", &v, &kv_shape),
+    ] {
+        let path = dir.join(format!("{name}.bin"));
+        write_u16(&path, bits).unwrap();
+        inputs.push(TensorFile {
+            name: name.into(),
+            dtype: c.dtype.as_str().into(),
+            shape: shape.clone(),
+            path,
+        });
     }
-    let dir = tempfile::tempdir().unwrap();
-    let req_path = dir.path().join("request.json");
-    let out_path = dir.path().join("rows.json");
-    let cases = cases();
-    std::fs::write(
-        &req_path,
-        serde_json::to_string_pretty(&request(&cases)).unwrap(),
-    )
-    .unwrap();
-
-    let o = run_script(&[
-        "--request",
-        req_path.to_str().unwrap(),
-        "--output",
-        out_path.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", describe(&o));
-    assert!(
-        !dir.path().join("rows.json.tmp").exists(),
-        "the .tmp file was left behind"
-    );
-
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
-    assert_eq!(doc["finished"], Value::Bool(true));
-    let rows = check_document(&doc);
-    assert_eq!(
-        rows.len(),
-        cases.len() * IMPLEMENTATIONS.len(),
-        "{}",
-        describe(&o)
-    );
-
-    let torch = torch_importable();
-    let mut i = 0;
-    for case in &cases {
-        let expected: BTreeMap<String, Param> = serde_json::from_value(case.clone()).unwrap();
-        for implementation in IMPLEMENTATIONS {
-            let row = &rows[i];
-            i += 1;
-            assert_eq!(row.case, expected, "row {i}: case not copied exactly");
-            assert_eq!(row.implementation, implementation, "row {i}: order");
-            if !torch {
-                assert_eq!(row.status, Status::Unsupported, "{row:?}");
-                let msg = row.message.as_deref().unwrap_or("");
-                assert!(msg.contains("torch"), "message must name torch: {msg}");
-            }
-        }
+    let reference_path = dir.join("reference.f64");
+    write_f64(&reference_path, &reference).unwrap();
+    CaseFiles {
+        inputs,
+        output: OutputSpec {
+            dtype: c.dtype.as_str().into(),
+            shape: q_shape,
+        },
+        check: CheckSpec {
+            ranges: plan.ranges(c),
+            reference: reference_path,
+            reference_kind: Reference::Float64Cpu,
+            tolerance: c.dtype.tolerance(),
+            checked: plan.describe(c),
+        },
+        flops: Some(c.flops()),
+        bytes: None,
     }
-    // One progress line per row on stderr.
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    let progress = stderr
-        .lines()
-        .filter(|l| l.starts_with("[compare_attention] case "))
-        .count();
-    assert_eq!(progress, rows.len(), "{stderr}");
 }
 
-#[test]
-fn backward_and_unknown_dtype_rows_are_unsupported() {
-    if !have_python("backward_and_unknown_dtype_rows_are_unsupported") {
-        return;
+fn case(causal: bool, dtype: Dtype, kv_heads: usize) -> AttentionCase {
+    AttentionCase {
+        batch: 2,
+        heads: 4,
+        kv_heads,
+        seq_len: 256,
+        head_dim: 64,
+        causal,
+        dtype,
+        pass: Pass::Fwd,
     }
-    let dir = tempfile::tempdir().unwrap();
-    let req_path = dir.path().join("request.json");
-    let out_path = dir.path().join("rows.json");
-    let cases = vec![
-        json!({"batch": 1, "heads": 2, "kv_heads": 2, "seq_len": 128, "head_dim": 64,
-               "causal": true, "dtype": "bf16", "pass": "fwd+bwd"}),
-        json!({"batch": 1, "heads": 2, "kv_heads": 2, "seq_len": 128, "head_dim": 64,
-               "causal": true, "dtype": "fp8", "pass": "fwd"}),
-    ];
-    std::fs::write(&req_path, request(&cases).to_string()).unwrap();
-    let o = run_script(&[
-        "--request",
-        req_path.to_str().unwrap(),
-        "--output",
-        out_path.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", describe(&o));
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
-    let rows = check_document(&doc);
-    assert_eq!(rows.len(), 8);
-    let torch = torch_importable();
-    for (i, row) in rows.iter().enumerate() {
+}
+
+fn job(c: &AttentionCase, implementation: &str, files: &CaseFiles) -> Job {
+    Job {
+        case: c.params(),
+        implementation: implementation.into(),
+        timing: timing(),
+        l2_bytes: 62_914_560,
+        files: files.clone(),
+    }
+}
+
+fn server(envs: &[(String, String)]) -> Server {
+    Server::start("python3", &runners_dir(), "torch_sdpa", envs).expect("python3 starts")
+}
+
+/// Checks a reply's row beyond what deserialising already proved.
+fn check_reply(reply: &Reply, c: &AttentionCase, implementation: &str, gpu: bool) {
+    let row = &reply.row;
+    assert_eq!(row.case, c.params(), "case copied exactly");
+    assert_eq!(row.implementation, implementation);
+    assert_eq!(row.library, "PyTorch");
+    assert!(reply.libraries.contains_key("python"), "{reply:?}");
+    if !gpu {
         assert_eq!(row.status, Status::Unsupported, "{row:?}");
-        let msg = row.message.as_deref().unwrap();
-        if torch {
-            let want = if i < 4 {
-                "backward not implemented"
-            } else {
-                "dtype"
-            };
-            assert!(msg.contains(want), "{msg}");
-        } else {
-            assert!(msg.contains("torch"), "{msg}");
-        }
-    }
-}
-
-#[test]
-fn malformed_request_fails_naming_the_file() {
-    if !have_python("malformed_request_fails_naming_the_file") {
+        let msg = row.message.as_deref().unwrap_or("");
+        assert!(msg.contains("torch") || msg.contains("CUDA"), "{msg}");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let out_path = dir.path().join("rows.json");
-    let mut no_cases = request(&cases());
-    no_cases.as_object_mut().unwrap().remove("cases");
-    let mut bad_impl = request(&cases());
-    bad_impl["implementations"] = json!(["torch_flash", "torch_nope"]);
-    let mut bad_case = request(&cases());
-    bad_case["cases"][1]["seq_len"] = json!("long");
-    let bodies = [
-        ("not_json.json", "{\"timing\": ".to_string()),
-        ("no_cases.json", no_cases.to_string()),
-        ("bad_impl.json", bad_impl.to_string()),
-        ("bad_case.json", bad_case.to_string()),
-    ];
-    for (name, body) in bodies {
-        let req_path = dir.path().join(name);
-        std::fs::write(&req_path, body).unwrap();
-        let o = run_script(&[
-            "--request",
-            req_path.to_str().unwrap(),
-            "--output",
-            out_path.to_str().unwrap(),
-        ]);
-        assert!(!o.status.success(), "{name} was accepted: {}", describe(&o));
-        let stderr = String::from_utf8_lossy(&o.stderr);
+    if row.status != Status::Ok {
+        // A backend may refuse a shape (e.g. cuDNN with GQA); it must say why.
         assert!(
-            stderr.contains(req_path.to_str().unwrap()),
-            "{name}: {stderr}"
+            matches!(row.status, Status::Unsupported | Status::Error),
+            "{row:?}"
         );
+        assert!(!row.message.as_deref().unwrap_or("").is_empty());
+        return;
+    }
+    let (q1, m, q3) = (
+        row.q1_ms.unwrap(),
+        row.median_ms.unwrap(),
+        row.q3_ms.unwrap(),
+    );
+    assert!(0.0 < q1 && q1 <= m && m <= q3, "{row:?}");
+    assert!(row.host_ms.unwrap() > 0.0);
+    assert!(row.first_call_s.unwrap() > 0.0);
+    assert!(
+        row.compile_s.is_none(),
+        "PyTorch's first call is not a compile"
+    );
+    match row.timing.unwrap() {
+        TimingMethod::GraphReplay => assert!(row.eager_median_ms.unwrap() > 0.0),
+        TimingMethod::Events => assert!(row.notes.iter().any(|n| n.contains("graph"))),
+    }
+    let acc = row.accuracy.as_ref().unwrap();
+    assert_eq!(
+        acc.reference,
+        Reference::Float64Cpu,
+        "the runner's reference"
+    );
+    assert!(acc.rel_err < acc.tolerance, "{acc:?}");
+    let mem = row.memory.as_ref().unwrap();
+    assert!(mem.peak_mb.unwrap() > 0.0 && mem.reserved_peak_mb.unwrap() >= 0.0);
+    assert!(reply.window.is_some());
+    assert_eq!(row.flops, Some(c.flops()));
+    if implementation == "torch_math" {
         assert!(
-            !out_path.exists(),
-            "{name}: rows written for a malformed request"
+            row.notes.iter().any(|n| n.contains("float32")),
+            "{:?}",
+            row.notes
         );
     }
-    // A request file that does not exist.
-    let missing = dir.path().join("missing.json");
-    let o = run_script(&[
-        "--request",
-        missing.to_str().unwrap(),
-        "--output",
-        out_path.to_str().unwrap(),
-    ]);
-    assert!(!o.status.success(), "{}", describe(&o));
-    assert!(String::from_utf8_lossy(&o.stderr).contains(missing.to_str().unwrap()));
 }
 
 #[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
 fn self_test_passes() {
     if !have_python("self_test_passes") {
         return;
     }
-    let o = run_script(&["--self-test"]);
-    assert!(o.status.success(), "{}", describe(&o));
+    let o = Command::new("python3")
+        .args(["-m", "compare.torch_sdpa", "self-test"])
+        .env("PYTHONPATH", runners_dir())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
-/// Validates a rows file from a GPU run when `COMPARE_ROWS_JSON` names one.
 #[test]
-fn rows_file_from_a_gpu_run() {
-    let Ok(path) = std::env::var("COMPARE_ROWS_JSON") else {
-        eprintln!("skipping rows_file_from_a_gpu_run: COMPARE_ROWS_JSON is not set");
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn every_job_gets_a_reply_row() {
+    if !have_python("every_job_gets_a_reply_row") {
         return;
+    }
+    let gpu = torch_with_gpu();
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = server(&[]);
+    for (i, c) in [case(true, Dtype::Bf16, 4), case(false, Dtype::F16, 2)]
+        .iter()
+        .enumerate()
+    {
+        let d = dir.path().join(format!("case{i}"));
+        std::fs::create_dir_all(&d).unwrap();
+        let files = case_files(c, &d);
+        for imp in IMPLEMENTATIONS {
+            let reply = s
+                .request(&job(c, imp, &files), Duration::from_secs(150))
+                .unwrap();
+            eprintln!("{imp}: {:?} {:?}", reply.row.status, reply.row.median_ms);
+            check_reply(&reply, c, imp, gpu);
+        }
+    }
+    // Backward and unknown dtypes are unsupported, with the reason.
+    let c = AttentionCase {
+        pass: Pass::FwdBwd,
+        ..case(true, Dtype::Bf16, 4)
     };
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let rows = check_document(&doc);
-    eprintln!("{path}: {} rows deserialise as schema::Row", rows.len());
+    let d = dir.path().join("bwd");
+    std::fs::create_dir_all(&d).unwrap();
+    let files = case_files(&c, &d);
+    let reply = s
+        .request(&job(&c, "torch_flash", &files), Duration::from_secs(60))
+        .unwrap();
+    assert_eq!(reply.row.status, Status::Unsupported);
+    // A malformed job line is answered with an error row, and the server goes on.
+    let mut bad = job(&c, "torch_flash", &files);
+    bad.timing.case_timeout_s = f64::NAN;
+    let reply = s.request(&bad, Duration::from_secs(60)).unwrap();
+    assert_eq!(reply.row.status, Status::Error, "{:?}", reply.row);
+    assert!(s.alive());
+}
+
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs torch with a GPU: run on the GPU machine with --include-ignored"
+)]
+fn a_nan_outside_the_checked_slices_fails_the_row() {
+    if !have_python("a_nan_outside_the_checked_slices_fails_the_row") {
+        return;
+    }
+    assert!(
+        torch_with_gpu(),
+        "no torch with a GPU (the pure check runs in the self-test everywhere)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let c = case(false, Dtype::Bf16, 4);
+    let files = case_files(&c, dir.path());
+    // The last element of slice (0, 1), row 17: outside the 16 checked rows of the plan?
+    // Pick any element not covered by the ranges.
+    let covered = |i: u64| files.check.ranges.iter().any(|&[s, n]| i >= s && i < s + n);
+    let outside = (0..c.q_elems() as u64)
+        .rev()
+        .find(|&i| !covered(i))
+        .unwrap();
+    let mut s = server(&[("KP_COMPARE_PLANT_NAN".into(), outside.to_string())]);
+    for imp in ["torch_flash", "torch_math"] {
+        let reply = s
+            .request(&job(&c, imp, &files), Duration::from_secs(150))
+            .unwrap();
+        assert_eq!(reply.row.status, Status::Error, "{:?}", reply.row);
+        let msg = reply.row.message.unwrap();
+        assert!(
+            msg.contains(&format!("non-finite output at element {outside} ")),
+            "{msg}"
+        );
+    }
 }

@@ -846,3 +846,63 @@ fn every_ratio_uses_the_same_direction() {
     }
     assert!(seen > 20, "{seen} ratios");
 }
+
+/// The Methodology names no number of its own: each comes from the document or the runner's
+/// constants, so the text and the code cannot disagree.
+#[test]
+fn the_methodology_reads_every_number_from_the_code_or_the_data() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let source = fs::read_to_string(root.join("templates/prose/methodology.md")).unwrap();
+    // Outside template expressions and comments, no number stands alone ("float64", "q1_ms",
+    // "L2" are names, not numbers).
+    let mut plain = String::new();
+    let mut rest = source.as_str();
+    while let Some(i) = rest.find(['{']) {
+        plain.push_str(&rest[..i]);
+        let close = match &rest[i..i + 2] {
+            "{{" => "}}",
+            "{%" => "%}",
+            "{#" => "#}",
+            _ => {
+                plain.push('{');
+                rest = &rest[i + 1..];
+                continue;
+            }
+        };
+        let end = rest[i..].find(close).unwrap() + i + 2;
+        rest = &rest[end..];
+    }
+    plain.push_str(rest);
+    for word in plain.split(|c: char| !(c.is_alphanumeric() || c == '.' || c == '_')) {
+        let word = word.trim_matches('.');
+        assert!(
+            word.is_empty() || !word.chars().next().unwrap().is_ascii_digit(),
+            "methodology.md types the number {word:?}"
+        );
+    }
+    // And the numbers it shows are the code's and the document's.
+    let (_tmp, site) = build_site(&root.join("data"), None);
+    let text_of = text(
+        page(&site, "index.html")
+            .select(&sel("#methodology"))
+            .next()
+            .unwrap(),
+    );
+    let docs = load::load_dir(&root.join("data")).unwrap();
+    let t = &docs[0].doc.config.timing;
+    for expected in [
+        format!("{} ms", format::sig(t.warmup_ms, 3)),
+        format!("{} samples", t.repeats),
+        format!("{}×", format::sig(t.launch_bound_ratio, 3)),
+        format!("{} s", format::sig(t.case_timeout_s, 3)),
+        format!("at least {} samples", kernelpages::harness::MIN_SAMPLES),
+        format!("at most {} copies", kernelpages::harness::MAX_INPUT_SETS),
+        format!(
+            "{} s",
+            format::sig(kernelpages::harness::process_limit_s(t.case_timeout_s), 4)
+        ),
+        format!("every {} ms", kernelpages::harness::MACHINE_SAMPLE_MS),
+    ] {
+        assert!(text_of.contains(&expected), "no {expected:?} in {text_of}");
+    }
+}

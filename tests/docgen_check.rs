@@ -338,3 +338,62 @@ fn the_committed_site_is_up_to_date() {
         "rebuild it with `cargo run --release --bin docgen -- build`: {problems:#?}"
     );
 }
+
+/// A larger case faster than a smaller one beyond both IQRs, all else equal, is a warning:
+/// reported with both sizes, and the check still passes.
+#[test]
+fn a_larger_case_faster_than_a_smaller_one_is_a_warning() {
+    let p = Project::new();
+    assert!(!p.check().iter().any(|q| q.area == Area::Warning));
+    let path = p.data.join("gpu_attention.json");
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+    // flash at the second size of its first group takes a third of its time at the first.
+    let rows = doc["rows"].as_array_mut().unwrap();
+    let first = rows
+        .iter()
+        .position(|r| r["implementation"] == "flash" && r["status"] == "ok")
+        .unwrap();
+    let small = rows[first].clone();
+    let later = rows
+        .iter()
+        .position(|r| {
+            let mut a = r["case"].clone();
+            let mut b = small["case"].clone();
+            a.as_object_mut().unwrap().remove("seq_len");
+            b.as_object_mut().unwrap().remove("seq_len");
+            r["implementation"] == "flash"
+                && r["status"] == "ok"
+                && a == b
+                && r["case"]["seq_len"].as_i64() > small["case"]["seq_len"].as_i64()
+        })
+        .unwrap();
+    let m = small["median_ms"].as_f64().unwrap() / 3.0;
+    for (k, f) in [("q1_ms", 0.99), ("median_ms", 1.0), ("q3_ms", 1.01)] {
+        rows[later][k] = serde_json::json!(m * f);
+    }
+    fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
+    site::build(&BuildOptions {
+        data_dir: p.data.clone(),
+        out_dir: p.site.clone(),
+        base_url: None,
+        templates_dir: None,
+    })
+    .unwrap();
+    let problems = p.check();
+    assert!(
+        has(
+            &problems,
+            Area::Warning,
+            &["flash is faster at seq_len =", "launch-bound or cached"]
+        ),
+        "{problems:#?}"
+    );
+    assert!(problems.iter().all(|q| !q.fails()), "{problems:#?}");
+    let (ok, stderr) = p.docgen_check();
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("[warning]") && stderr.contains("1 warning"),
+        "{stderr}"
+    );
+}

@@ -133,6 +133,7 @@ fn synthetic_document() -> Document {
                             residuals_mb: None,
                             peak_mb: Some(arguments_mb * 1.5),
                             peak_method: Some("cuMemGetInfo delta".to_string()),
+                            ..Memory::default()
                         }),
                         accuracy: Some(Accuracy {
                             rel_err,
@@ -144,8 +145,7 @@ fn synthetic_document() -> Document {
                             ),
                         }),
                         flops: Some(flops),
-                        bytes: None,
-                        items: None,
+                        ..Row::failed(BTreeMap::new(), name, library, default, Status::Ok, "")
                     });
                 }
             }
@@ -168,6 +168,12 @@ fn synthetic_document() -> Document {
             driver_version: Some("000.00".to_string()),
             cuda_version: Some("13.0".to_string()),
             cpu_threads: None,
+            host_cpu: None,
+            os: None,
+            nvrtc_arch: None,
+            power_limit_w: None,
+            max_sm_clock_mhz: None,
+            max_mem_clock_mhz: None,
         },
         config: RunConfig {
             runner: "attention".to_string(),
@@ -175,12 +181,14 @@ fn synthetic_document() -> Document {
             git_commit: "0000000000000000000000000000000000000000".to_string(),
             libraries,
             timing: TimingConfig {
-                warmup_calls: 5,
+                warmup_ms: 100.0,
                 repeats: 20,
                 min_sample_ms: 2.0,
                 max_inner: 1000,
                 l2_rotation_factor: 3.0,
                 case_timeout_s: 60.0,
+                launch_bound_ratio: kernelpages::schema::LAUNCH_BOUND_RATIO,
+                runs: 1,
             },
             command: vec![
                 "attention".to_string(),

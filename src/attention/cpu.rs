@@ -236,24 +236,36 @@ impl CheckPlan {
     }
 }
 
-/// Relative L2 error of `out` (16-bit bits, `[B, H, T, D]`) against the float64 reference over
-/// the plan's slices and rows, computed on all host threads.
-pub fn check_output(
+impl CheckPlan {
+    /// The checked output elements as `[start, len]` ranges of flat `[B, H, T, D]` indices, one
+    /// per (slice, row), in the order of [`reference_values`].
+    pub fn ranges(&self, c: &AttentionCase) -> Vec<[u64; 2]> {
+        let d = c.head_dim;
+        let mut v = Vec::with_capacity(self.slices.len() * self.rows.len());
+        for &(b, h) in &self.slices {
+            let (qo, _) = slice_offsets(c, b, h);
+            for &i in &self.rows {
+                v.push([(qo + i * d) as u64, d as u64]);
+            }
+        }
+        v
+    }
+}
+
+/// Float64 reference values of the plan's output elements, in [`CheckPlan::ranges`] order,
+/// computed on all host threads.
+pub fn reference_values(
     c: &AttentionCase,
     q: &[u16],
     k: &[u16],
     v: &[u16],
-    out: &[u16],
     plan: &CheckPlan,
-) -> f64 {
+) -> Vec<f64> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |t| t.get())
         .min(32);
-    let d = c.head_dim;
-    let mut got = Vec::new();
-    let mut want = Vec::new();
+    let mut want = Vec::with_capacity(plan.slices.len() * plan.rows.len() * c.head_dim);
     for &(b, h) in &plan.slices {
-        let (qo, _) = slice_offsets(c, b, h);
         let per = plan.rows.len().div_ceil(threads).max(1);
         let parts: Vec<Vec<f64>> = std::thread::scope(|s| {
             let handles: Vec<_> = plan
@@ -269,14 +281,30 @@ pub fn check_output(
         for p in parts {
             want.extend(p);
         }
-        for &i in &plan.rows {
-            got.extend(
-                out[qo + i * d..qo + (i + 1) * d]
-                    .iter()
-                    .map(|&x| c.dtype.from_bits(x) as f64),
-            );
-        }
     }
+    want
+}
+
+/// Relative L2 error of `out` (16-bit bits, `[B, H, T, D]`) against the float64 reference over
+/// the plan's slices and rows, computed on all host threads.
+pub fn check_output(
+    c: &AttentionCase,
+    q: &[u16],
+    k: &[u16],
+    v: &[u16],
+    out: &[u16],
+    plan: &CheckPlan,
+) -> f64 {
+    let want = reference_values(c, q, k, v, plan);
+    let got: Vec<f64> = plan
+        .ranges(c)
+        .iter()
+        .flat_map(|&[start, len]| {
+            out[start as usize..(start + len) as usize]
+                .iter()
+                .map(|&x| c.dtype.from_bits(x) as f64)
+        })
+        .collect();
     rel_l2(&got, &want)
 }
 

@@ -301,8 +301,15 @@ pub enum Runner {
         s: CudaSlice<f32>,
         /// 16-bit probabilities, `[B·H, T, T]`.
         p: CudaSlice<u16>,
+        /// The cuBLAS workspace given to the handle ([`CUBLAS_WORKSPACE_BYTES`]).
+        workspace: CudaSlice<u8>,
     },
 }
+
+/// The cuBLAS workspace the `math` path gives its handle (`cublasSetWorkspace`): 32 MiB, the
+/// size cuBLAS recommends for Hopper. Allocated once per runner, so a memory reading can keep it
+/// apart from the call's own memory.
+pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 impl Runner {
     /// Compiles what `imp` needs for `c` and allocates its temporaries. Returns the runner and
@@ -344,6 +351,22 @@ impl Runner {
                     gpu.function(&compiled.module, &format!("softmax_rows_{dt}_{mask}"), 0)?;
                 let blas = CudaBlas::new(gpu.stream.clone())
                     .map_err(|e| GpuError::Cublas(format!("{e:?}")))?;
+                // SAFETY: cuBLAS only writes its workspace.
+                let mut workspace = unsafe { gpu.stream.alloc::<u8>(CUBLAS_WORKSPACE_BYTES)? };
+                {
+                    let (wp, _gw) = workspace.device_ptr_mut(&gpu.stream);
+                    // SAFETY: the workspace outlives the handle's use of it (both live in the
+                    // same Runner, and the handle is only used by `launch` on this stream).
+                    unsafe {
+                        cudarc::cublas::sys::cublasSetWorkspace_v2(
+                            *blas.handle(),
+                            wp as *mut std::ffi::c_void,
+                            CUBLAS_WORKSPACE_BYTES,
+                        )
+                        .result()
+                        .map_err(|e| GpuError::Cublas(format!("cublasSetWorkspace: {e:?}")))?;
+                    }
+                }
                 let n = c.batch * c.heads * c.seq_len * c.seq_len;
                 // SAFETY: S is fully written by the first GEMM and P by the softmax kernel before
                 // either is read.
@@ -355,10 +378,19 @@ impl Runner {
                         softmax,
                         s,
                         p,
+                        workspace,
                     },
                     compiled.compile_s,
                 ))
             }
+        }
+    }
+
+    /// Bytes of library workspace held across calls (the cuBLAS workspace of `math`).
+    pub fn workspace_bytes(&self) -> u64 {
+        match self {
+            Runner::Flash { .. } => 0,
+            Runner::Math { workspace, .. } => workspace.len() as u64,
         }
     }
 
@@ -399,6 +431,7 @@ impl Runner {
                 softmax,
                 s,
                 p,
+                ..
             } => {
                 let bh = (c.batch * c.heads) as i32;
                 let d = c.head_dim as i32;

@@ -213,19 +213,28 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     base_url,
                     templates_dir: templates,
                 });
-            if !problems.is_empty() {
-                for p in &problems {
-                    eprintln!("{p}");
-                }
+            for p in &problems {
+                eprintln!("{p}");
+            }
+            let failing = problems.iter().filter(|p| p.fails()).count();
+            let warnings = problems.len() - failing;
+            if failing > 0 {
                 anyhow::bail!(
-                    "check found {} problem{}",
-                    problems.len(),
-                    if problems.len() == 1 { "" } else { "s" }
+                    "check found {failing} problem{}{}",
+                    if failing == 1 { "" } else { "s" },
+                    match warnings {
+                        0 => String::new(),
+                        n => format!(" and {n} warning{}", if n == 1 { "" } else { "s" }),
+                    }
                 );
             }
             eprintln!(
-                "check passed: data, schema, the site in {} (up to date), links and prose",
-                out.display()
+                "check passed: data, schema, the site in {} (up to date), links and prose{}",
+                out.display(),
+                match warnings {
+                    0 => String::new(),
+                    n => format!(", with {n} warning{} above", if n == 1 { "" } else { "s" }),
+                }
             );
         }
         Command::Schema { out } => {

@@ -48,6 +48,9 @@ pub enum Area {
     Site,
     /// A link or asset that does not resolve.
     Link,
+    /// Something in the data that is suspicious but may be true (a larger case faster than a
+    /// smaller one): reported, but the check still passes.
+    Warning,
 }
 
 impl Area {
@@ -57,7 +60,15 @@ impl Area {
             Area::Build => "build",
             Area::Site => "site",
             Area::Link => "link",
+            Area::Warning => "warning",
         }
+    }
+}
+
+impl Problem {
+    /// True for a problem that fails the check (every area but [`Area::Warning`]).
+    pub fn fails(&self) -> bool {
+        self.area != Area::Warning
     }
 }
 
@@ -95,6 +106,9 @@ pub fn check(opts: &CheckOptions) -> Vec<Problem> {
             None
         }
     };
+    if let Some(docs) = &docs {
+        problems.extend(suspicious_timings(docs));
+    }
     match (docs, sources) {
         (Some(docs), Some(sources)) => {
             let rendered = super::render::Renderer::new(&sources).and_then(|r| {
@@ -126,6 +140,59 @@ pub fn check(opts: &CheckOptions) -> Vec<Problem> {
     }
     check_links(&opts.out_dir, opts.base_url.as_deref(), &mut problems);
     problems
+}
+
+/// Warnings for timings that contradict the size of the work: within a group (every case
+/// parameter equal but the document's first axis), an implementation faster at a larger size
+/// than at a smaller one by more than both interquartile ranges (its q3 at the larger size
+/// below its q1 at the smaller). That is what a launch-bound or cached timing looks like.
+pub fn suspicious_timings(docs: &[Loaded]) -> Vec<Problem> {
+    use super::model::groups::{group_rows, param_f64, primary_axis};
+    let mut out = Vec::new();
+    for l in docs {
+        let axis = primary_axis(&l.doc);
+        for g in group_rows(&l.doc, axis) {
+            let sizes: Vec<_> = g.by_x.values().collect();
+            let impls: BTreeSet<&str> = sizes
+                .iter()
+                .flat_map(|(_, by)| by.keys().copied())
+                .collect();
+            for imp in impls {
+                let ok: Vec<(f64, &schema::Row)> = sizes
+                    .iter()
+                    .filter_map(|(x, by)| {
+                        let r = by.get(imp)?;
+                        (r.status == schema::Status::Ok).then_some(((*x).and_then(param_f64)?, *r))
+                    })
+                    .collect();
+                for (i, (x_small, small)) in ok.iter().enumerate() {
+                    for (x_large, large) in &ok[i + 1..] {
+                        let (Some(q1_small), Some(q3_large)) = (small.q1_ms, large.q3_ms) else {
+                            continue;
+                        };
+                        if x_large > x_small && q3_large < q1_small {
+                            out.push(problem(
+                                Area::Warning,
+                                format!(
+                                    "{}: {imp} is faster at {axis} = {x_large} ({} ms, q3 {} ms) \
+                                     than at {axis} = {x_small} ({} ms, q1 {} ms), {}: a larger \
+                                     case beating a smaller one beyond both IQRs is what a \
+                                     launch-bound or cached timing looks like",
+                                    l.file_name(),
+                                    super::format::ms(large.median_ms.unwrap_or(f64::NAN)),
+                                    super::format::ms(q3_large),
+                                    super::format::ms(small.median_ms.unwrap_or(f64::NAN)),
+                                    super::format::ms(q1_small),
+                                    g.title()
+                                ),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Says why the site differs when its manifest tells: another base URL, other templates, other

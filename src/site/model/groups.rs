@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::super::format;
 use super::SUITE_PAGES;
 use crate::load::Loaded;
-use crate::schema::{Document, Param, Row, Status, Suite, Throughput};
+use crate::schema::{Document, Param, Row, Status, Suite, Throughput, TimingMethod};
 
 /// The axis a document's tables and main figures are drawn against: the first of
 /// `config.axes` (the loader refuses a document that declares none).
@@ -17,11 +17,52 @@ pub fn primary_axis(doc: &Document) -> &str {
     doc.config.axes.first().map(String::as_str).unwrap_or("")
 }
 
-/// True when the row's timing is bound by the host issuing the calls rather than the device
-/// running them, so it cannot support a "faster" claim. Documents that record no host time
-/// have no launch-bound rows.
-pub fn launch_bound(_row: &Row, _doc: &Document) -> bool {
-    false
+/// True when the row's reported time is bound by the host issuing the calls rather than the
+/// device running them (host time per call ≥ `launch_bound_ratio` × device time per call, for
+/// a row timed by back-to-back calls), so it cannot support a "faster" claim. A row reported
+/// from CUDA-graph replay is not: the replay issues no calls from the host; its eager figure
+/// may be ([`eager_launch_bound`]). Rows that record no host time are not launch-bound.
+pub fn launch_bound(row: &Row, doc: &Document) -> bool {
+    row.timing != Some(TimingMethod::GraphReplay)
+        && row.launch_bound(doc.config.timing.launch_bound_ratio)
+}
+
+/// True for a row reported from CUDA-graph replay whose eager back-to-back calls were
+/// launch-bound: what a caller issuing eager calls gets is the host's time.
+pub fn eager_launch_bound(row: &Row, doc: &Document) -> bool {
+    row.timing == Some(TimingMethod::GraphReplay)
+        && row.launch_bound(doc.config.timing.launch_bound_ratio)
+}
+
+/// Share of the maximum SM clock below which a row counts as throttled.
+pub const THROTTLED_CLOCK_SHARE: f64 = 0.97;
+
+/// Why the row's timing may not show the device at full speed: its SM clock below
+/// [`THROTTLED_CLOCK_SHARE`] of the maximum (with NVML's reasons), or another process on the
+/// GPU. Empty when neither.
+pub fn machine_flags(row: &Row) -> Vec<String> {
+    let mut out = Vec::new();
+    let Some(m) = &row.machine else {
+        return out;
+    };
+    if let (Some(clock), Some(max)) = (m.sm_clock_mhz, m.max_sm_clock_mhz) {
+        if clock < THROTTLED_CLOCK_SHARE * max {
+            let why = if m.throttle_reasons.is_empty() {
+                String::new()
+            } else {
+                format!(", {}", m.throttle_reasons.join(", "))
+            };
+            out.push(format!(
+                "throttled: SM clock {} of {} MHz{why}",
+                format::sig(clock, 4),
+                format::sig(max, 4)
+            ));
+        }
+    }
+    if !m.other_processes.is_empty() {
+        out.push(format!("shared GPU: {}", m.other_processes.join(", ")));
+    }
+    out
 }
 
 /// `decl`'s value for `row`: its count over its median time, in `decl.unit`; `None` when the

@@ -181,8 +181,32 @@ pub struct SetupDoc {
 pub struct TimingView {
     /// Data files using these parameters.
     pub files: String,
-    /// Warm-up calls.
-    pub warmup_calls: String,
+    /// Warm-up length, ms of calls.
+    pub warmup_ms: String,
+    /// Host time per call ÷ device time per call from which a row is launch-bound.
+    pub launch_bound_ratio: String,
+    /// Runs of the whole grid (`--runs`), in words: `once`, `3 times`.
+    pub runs: String,
+    /// Fewest samples a row keeps when the time limit stops sampling
+    /// ([`crate::harness::MIN_SAMPLES`]).
+    pub min_samples: String,
+    /// Most input copies rotated through ([`crate::harness::MAX_INPUT_SETS`]).
+    pub max_input_sets: String,
+    /// The share of free device memory the comparison scripts' copies may take, `50 %`.
+    pub rotation_memory_share: String,
+    /// The hard limit on a case process, as its formula and value
+    /// (`1.5 × 180 s + 60 s = 330 s`).
+    pub process_limit: String,
+    /// How often the machine state is sampled, ms.
+    pub machine_sample_ms: String,
+    /// The share of the maximum SM clock below which a row is marked throttled, `97 %`.
+    pub throttled_share: String,
+    /// Implementations reported from CUDA-graph replay, or empty.
+    pub graph_replayed: String,
+    /// Rows whose reported time is launch-bound, as `N of M`.
+    pub launch_bound_rows: String,
+    /// Rows reported from graph replay whose eager calls were launch-bound, as `N`.
+    pub eager_launch_bound_rows: String,
     /// Timed samples.
     pub repeats: String,
     /// Minimum sample length, ms.
@@ -561,9 +585,11 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                     ratio_range: None,
                     cpu: l.doc.device.kind == crate::schema::DeviceKind::Cpu,
                 };
+                // Launch-bound timings measure the host, not the kernel: no ratio from them.
                 let best = by_impl
                     .values()
                     .filter(|r| !r.default && r.status == Status::Ok && is_accurate(r))
+                    .filter(|r| !super::groups::launch_bound(r, &l.doc))
                     .filter_map(|r| Some((r.median_ms?, *r)))
                     .min_by(|a, b| {
                         a.0.total_cmp(&b.0)
@@ -576,6 +602,9 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                 match (default.status, default.median_ms, best) {
                     (Status::Ok, _, _) if row.default_inaccurate => {
                         row.note = Some("default inaccurate (error above its tolerance)".into())
+                    }
+                    (Status::Ok, _, _) if super::groups::launch_bound(default, &l.doc) => {
+                        row.note = Some("default's timing launch-bound".into())
                     }
                     (Status::Ok, Some(d), Some((a, alt))) if d > 0.0 => {
                         row.ratio_value = Some(a / d);
@@ -595,7 +624,10 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                         };
                     }
                     (Status::Ok, _, None) => {
-                        row.note = Some("no accurate alternative ran".to_string())
+                        row.note = Some(
+                            "no accurate alternative ran with a timing that is not launch-bound"
+                                .to_string(),
+                        )
                     }
                     (Status::Ok, _, _) => row.note = Some("default time is zero".to_string()),
                     (status, _, _) => {
@@ -641,10 +673,39 @@ fn setup_doc(l: &Loaded) -> SetupDoc {
     device.push(kv("L2 (MB)", opt(d.l2_mb.map(format::mb))));
     device.push(kv("Driver", opt(d.driver_version.clone())));
     device.push(kv("CUDA", opt(d.cuda_version.clone())));
+    device.push(kv("NVRTC target architecture", opt(d.nvrtc_arch.clone())));
+    let mhz = |v: Option<f64>| v.map(|v| format!("{} MHz", format::sig(v, 4)));
+    device.push(kv("Max SM clock", opt(mhz(d.max_sm_clock_mhz))));
+    device.push(kv("Max memory clock", opt(mhz(d.max_mem_clock_mhz))));
+    device.push(kv(
+        "Power limit",
+        opt(d.power_limit_w.map(|w| format!("{} W", format::sig(w, 3)))),
+    ));
+    device.push(kv("Host CPU", opt(d.host_cpu.clone())));
     if let Some(t) = d.cpu_threads {
         device.push(kv("CPU threads", t.to_string()));
     }
+    device.push(kv("OS", opt(d.os.clone())));
     let c = &l.doc.config;
+    // What the rows say of the machine while they ran.
+    let rows_with =
+        |f: &dyn Fn(&crate::schema::Row) -> bool| l.doc.rows.iter().filter(|r| f(r)).count();
+    let throttled = rows_with(&|r| {
+        super::groups::machine_flags(r)
+            .iter()
+            .any(|f| f.starts_with("throttled"))
+    });
+    let shared = rows_with(&|r| {
+        r.machine
+            .as_ref()
+            .is_some_and(|m| !m.other_processes.is_empty())
+    });
+    let clocks: Vec<f64> = l
+        .doc
+        .rows
+        .iter()
+        .filter_map(|r| r.machine.as_ref()?.sm_clock_mhz)
+        .collect();
     SetupDoc {
         file: l.file_name(),
         suite: l.doc.suite.title().to_string(),
@@ -660,6 +721,32 @@ fn setup_doc(l: &Loaded) -> SetupDoc {
             kv("Started", c.started_at.clone()),
             kv("Finished", opt(c.finished_at.clone())),
             kv("Rows", l.doc.rows.len().to_string()),
+            kv(
+                "SM clock during the rows",
+                match (
+                    clocks.iter().copied().reduce(f64::min),
+                    clocks.iter().copied().reduce(f64::max),
+                ) {
+                    (Some(lo), Some(hi)) => {
+                        format!("{}–{} MHz", format::sig(lo, 4), format::sig(hi, 4))
+                    }
+                    _ => "not recorded".to_string(),
+                },
+            ),
+            kv("Rows throttled", throttled.to_string()),
+            kv("Rows with another process on the GPU", shared.to_string()),
+            kv(
+                "Changed after the run",
+                if c.amendments.is_empty() {
+                    "no".to_string()
+                } else {
+                    c.amendments
+                        .iter()
+                        .map(|a| format!("{}: {} ({})", a.when, a.what, a.why))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                },
+            ),
         ],
     }
 }
@@ -742,6 +829,27 @@ fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
             }
         }
     }
+    let ok_rows = docs
+        .iter()
+        .flat_map(|l| l.doc.rows.iter())
+        .filter(|r| r.status == Status::Ok)
+        .count();
+    let launch_bound = docs
+        .iter()
+        .flat_map(|l| l.doc.rows.iter().map(move |r| (l, r)))
+        .filter(|(l, r)| super::groups::launch_bound(r, &l.doc))
+        .count();
+    let eager_launch_bound = docs
+        .iter()
+        .flat_map(|l| l.doc.rows.iter().map(move |r| (l, r)))
+        .filter(|(l, r)| super::groups::eager_launch_bound(r, &l.doc))
+        .count();
+    let graph_replayed: BTreeSet<&str> = docs
+        .iter()
+        .flat_map(|l| l.doc.rows.iter())
+        .filter(|r| r.timing == Some(crate::schema::TimingMethod::GraphReplay))
+        .map(|r| r.implementation.as_str())
+        .collect();
     TimingView {
         throughputs: md_text(&throughputs.join("; ")),
         flop_rules: md_text(&flop_rules.into_iter().collect::<Vec<_>>().join("; ")),
@@ -751,7 +859,33 @@ fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
             .map(|l| l.file_name())
             .collect::<Vec<_>>()
             .join(", "),
-        warmup_calls: t.warmup_calls.to_string(),
+        warmup_ms: format::sig(t.warmup_ms, 3),
+        launch_bound_ratio: format::sig(t.launch_bound_ratio, 3),
+        runs: match t.runs {
+            1 => "once".to_string(),
+            n => format!("{n} times"),
+        },
+        min_samples: crate::harness::MIN_SAMPLES.to_string(),
+        max_input_sets: crate::harness::MAX_INPUT_SETS.to_string(),
+        rotation_memory_share: format!(
+            "{} %",
+            format::sig(100.0 * crate::harness::ROTATION_MEMORY_FRACTION, 3)
+        ),
+        process_limit: format!(
+            "{} × {} s + {} s = {} s",
+            format::sig(crate::harness::PROCESS_LIMIT_FACTOR, 3),
+            format::sig(t.case_timeout_s, 3),
+            format::sig(crate::harness::PROCESS_LIMIT_MARGIN_S, 3),
+            format::sig(crate::harness::process_limit_s(t.case_timeout_s), 4)
+        ),
+        machine_sample_ms: crate::harness::MACHINE_SAMPLE_MS.to_string(),
+        throttled_share: format!(
+            "{} %",
+            format::sig(100.0 * super::groups::THROTTLED_CLOCK_SHARE, 3)
+        ),
+        graph_replayed: md_text(&graph_replayed.into_iter().collect::<Vec<_>>().join(", ")),
+        launch_bound_rows: format!("{launch_bound} of {ok_rows}"),
+        eager_launch_bound_rows: eager_launch_bound.to_string(),
         repeats: t.repeats.to_string(),
         min_sample_ms: format::sig(t.min_sample_ms, 3),
         max_inner: t.max_inner.to_string(),

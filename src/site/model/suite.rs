@@ -13,7 +13,7 @@ use super::groups::{
 };
 use super::{measure_command, CommandView, FigureRef, Layout};
 use crate::load::Loaded;
-use crate::schema::{Document, Row, Status, Suite, Throughput};
+use crate::schema::{Document, Row, Status, Suite, Throughput, TimingMethod};
 
 /// A suite page.
 #[derive(Debug, Serialize)]
@@ -110,6 +110,12 @@ pub struct Cell {
     pub throughput: Vec<ThroughputCell>,
     /// True when rel_err > tolerance (the cell says so; the details table has the figures).
     pub above_tolerance: bool,
+    /// How the median was timed, when not by back-to-back calls: `graph replay`.
+    pub timing: Option<String>,
+    /// For a graph-replayed row, the eager back-to-back median (`eager 0.0279 ms`).
+    pub eager: Option<String>,
+    /// Warnings on the timing: launch-bound, throttled, shared GPU.
+    pub flags: Vec<String>,
     /// Status name.
     pub status: String,
     /// The row's message.
@@ -144,6 +150,24 @@ pub struct DetailRow {
     pub above_tolerance: bool,
     /// Compile (NVRTC, torch.compile, XLA) and load time, s, or `—`.
     pub compile_s: String,
+    /// Wall time of the first call in a fresh process (frameworks), s, or `—`.
+    pub first_call_s: String,
+    /// `events` (back-to-back calls between two events) or `graph replay`.
+    pub timing: String,
+    /// Median host time to issue one call, ms, or `—`.
+    pub host_ms: String,
+    /// For graph-replayed rows, the eager back-to-back median, ms, or `—`.
+    pub eager_ms: String,
+    /// The spread of the runs' medians (`--runs k`), `min–max` ms, or `—` for one run.
+    pub runs: String,
+    /// SM clock / its maximum, MHz, temperature and power during the row, or `—`.
+    pub machine: String,
+    /// The row's notes and the warnings on its timing, joined.
+    pub notes: String,
+    /// Reserved peak (framework caching allocators), MB, or `—`.
+    pub reserved_peak_mb: String,
+    /// Library workspace held apart from the peak, MB, or `—`.
+    pub workspace_mb: String,
     /// Arguments MB.
     pub arguments_mb: String,
     /// Outputs MB.
@@ -308,7 +332,7 @@ fn doc_section(
                     x: x_label(*x),
                     cells: impls
                         .iter()
-                        .map(|h| cell(&h.name, by_impl.get(h.name.as_str()).copied(), decls))
+                        .map(|h| cell(&h.name, by_impl.get(h.name.as_str()).copied(), doc))
                         .collect(),
                 })
                 .collect();
@@ -318,7 +342,7 @@ fn doc_section(
                 .flat_map(|(x, by_impl)| {
                     impls.iter().filter_map(move |h| {
                         let row = by_impl.get(h.name.as_str())?;
-                        (row.status == Status::Ok).then(|| detail_row(x_label(*x), row))
+                        (row.status == Status::Ok).then(|| detail_row(x_label(*x), row, doc))
                     })
                 })
                 .collect();
@@ -382,13 +406,17 @@ fn doc_section(
     }
 }
 
-fn cell(implementation: &str, row: Option<&Row>, decls: &[Throughput]) -> Cell {
+fn cell(implementation: &str, row: Option<&Row>, doc: &Document) -> Cell {
+    let decls = &doc.config.throughput;
     let mut c = Cell {
         kind: "missing",
         implementation: implementation.to_string(),
         median: None,
         throughput: Vec::new(),
         above_tolerance: false,
+        timing: None,
+        eager: None,
+        flags: Vec::new(),
         status: "not measured".to_string(),
         message: None,
     };
@@ -416,14 +444,84 @@ fn cell(implementation: &str, row: Option<&Row>, decls: &[Throughput]) -> Cell {
         })
         .collect();
     c.above_tolerance = super::groups::above_tolerance(row);
+    if row.timing == Some(TimingMethod::GraphReplay) {
+        c.timing = Some("graph replay".to_string());
+        c.eager = row.eager_median_ms.map(|e| {
+            format!(
+                "eager {} ms{}",
+                format::ms(e),
+                if super::groups::eager_launch_bound(row, doc) {
+                    ", launch-bound"
+                } else {
+                    ""
+                }
+            )
+        });
+    }
+    if super::groups::launch_bound(row, doc) {
+        c.flags
+            .push("launch-bound: the host issuing calls, not the kernel".to_string());
+    }
+    c.flags.extend(super::groups::machine_flags(row));
     c
 }
 
 /// The details of an ok row.
-fn detail_row(x: String, row: &Row) -> DetailRow {
+fn detail_row(x: String, row: &Row, doc: &Document) -> DetailRow {
     let f = |v: Option<f64>| v.map(format::mb).unwrap_or_else(|| "—".to_string());
+    let dash = || "—".to_string();
     let m = row.memory.clone().unwrap_or_default();
+    let mut notes: Vec<String> = row.notes.clone();
+    if super::groups::launch_bound(row, doc) {
+        notes.push("launch-bound".to_string());
+    }
+    notes.extend(super::groups::machine_flags(row));
+    let machine = row.machine.as_ref().map_or_else(dash, |mach| {
+        let part = |v: Option<f64>, unit: &str| v.map(|v| format!("{} {unit}", format::sig(v, 3)));
+        let clock = match (mach.sm_clock_mhz, mach.max_sm_clock_mhz) {
+            (Some(c), Some(mx)) => {
+                Some(format!("{}/{} MHz", format::sig(c, 4), format::sig(mx, 4)))
+            }
+            (Some(c), None) => Some(format!("{} MHz", format::sig(c, 4))),
+            _ => None,
+        };
+        let parts: Vec<String> = [
+            clock,
+            part(mach.temperature_c, "°C"),
+            part(mach.power_w, "W"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if parts.is_empty() {
+            dash()
+        } else {
+            parts.join(", ")
+        }
+    });
+    let runs = match (
+        row.runs_ms.iter().copied().reduce(f64::min),
+        row.runs_ms.iter().copied().reduce(f64::max),
+    ) {
+        (Some(lo), Some(hi)) if row.runs_ms.len() > 1 => format::iqr(lo, hi),
+        _ => dash(),
+    };
     DetailRow {
+        first_call_s: row
+            .first_call_s
+            .map(|t| format::sig(t, 2))
+            .unwrap_or_else(dash),
+        timing: match row.timing {
+            Some(TimingMethod::GraphReplay) => "graph replay".to_string(),
+            Some(TimingMethod::Events) | None => "events".to_string(),
+        },
+        host_ms: row.host_ms.map(format::ms).unwrap_or_else(dash),
+        eager_ms: row.eager_median_ms.map(format::ms).unwrap_or_else(dash),
+        runs,
+        machine,
+        notes: notes.join("; "),
+        reserved_peak_mb: f(m.reserved_peak_mb),
+        workspace_mb: f(m.workspace_mb),
         x,
         implementation: row.implementation.clone(),
         iqr: match (row.q1_ms, row.q3_ms) {

@@ -380,11 +380,17 @@ pub enum Field {
     PeakMb,
     /// `temporaries_mb` (memory).
     TemporariesMb,
+    /// `host_ms`: host time to issue one call.
+    HostMs,
+    /// `eager_median_ms`: the eager figure of a graph-replayed row.
+    EagerMedianMs,
+    /// `first_call_s`: the first call in a fresh process.
+    FirstCallS,
 }
 
 impl Field {
     /// Every field stored in a row, with its name; any other name is a throughput key.
-    pub const STORED: [(&'static str, Field); 7] = [
+    pub const STORED: [(&'static str, Field); 10] = [
         ("median_ms", Field::MedianMs),
         ("q1_ms", Field::Q1Ms),
         ("q3_ms", Field::Q3Ms),
@@ -392,6 +398,9 @@ impl Field {
         ("rel_err", Field::RelErr),
         ("peak_mb", Field::PeakMb),
         ("temporaries_mb", Field::TemporariesMb),
+        ("host_ms", Field::HostMs),
+        ("eager_median_ms", Field::EagerMedianMs),
+        ("first_call_s", Field::FirstCallS),
     ];
 
     /// Looks a field up by name: a stored field, or else the key of a declared throughput
@@ -467,13 +476,19 @@ impl Field {
             Field::RelErr => row.accuracy.as_ref().map(|a| a.rel_err),
             Field::PeakMb => mem.and_then(|m| m.peak_mb),
             Field::TemporariesMb => mem.and_then(|m| m.temporaries_mb),
+            Field::HostMs => row.host_ms,
+            Field::EagerMedianMs => row.eager_median_ms,
+            Field::FirstCallS => row.first_call_s,
         })
     }
 
     /// The value formatted as the tables show it.
     pub fn format(&self, x: f64) -> String {
         match self {
-            Field::MedianMs | Field::Q1Ms | Field::Q3Ms => format::ms(x),
+            Field::MedianMs | Field::Q1Ms | Field::Q3Ms | Field::HostMs | Field::EagerMedianMs => {
+                format::ms(x)
+            }
+            Field::FirstCallS => format::sig(x, 2),
             Field::Throughput(_) => format::sig(x, 3),
             Field::CompileS => format::sig(x, 3),
             Field::RelErr => format::rel_err(x),

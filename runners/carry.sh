@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Copies what the GPU machine needs into DEST/.carry (default: ../main, the checkout the
+# device tool sends): the attention runner, the GPU and comparison test binaries, the Python
+# comparison package and device_run.sh. Build first: cargo build --release --bin attention --tests
+set -euo pipefail
+dest=${1:-../main}/.carry
+rm -rf "$dest" && mkdir -p "$dest/runners"
+cp target/release/attention "$dest/"
+newest() { ls -t target/release/deps/$1-* | grep -v '\.d$' | head -1; }
+cp "$(newest gpu_attention)" "$dest/gpu_attention_test"
+cp "$(newest compare_script)" "$dest/compare_script_test"
+cp -r runners/compare "$dest/runners/"
+rm -rf "$dest/runners/compare/__pycache__"
+cp runners/device_run.sh "$dest/"
+du -sh "$dest"

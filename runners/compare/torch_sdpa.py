@@ -1,0 +1,296 @@
+"""PyTorch's scaled_dot_product_attention backends, measured by the kernelpages protocol.
+
+Implementations: `torch_flash` (FlashAttention-2), `torch_cudnn` (cuDNN), `torch_efficient`
+(memory-efficient), `torch_math` (the reference composition). For each job, in a fresh
+process: the runner's Q, K, V bits are uploaded; the first call is timed by wall clock
+(`first_call_s`: backend selection, plans, lazy library loading), its peak memory read from
+the caching allocator (`max_memory_allocated` and `max_memory_reserved`, reset before the
+upload; the cuBLAS workspaces apart), its whole output scanned for non-finite values and the
+runner's checked elements compared with the runner's float64 reference; then the timing
+protocol of `timing` on eager calls (events, with the host time per call) and, where capture
+works, on a CUDA graph of the same calls (`graph_replay`, the reported time; the eager median
+is kept as `eager_median_ms`).
+
+    PYTHONPATH=runners python3 -m compare.torch_sdpa serve | self-test | job FILE
+"""
+
+import os
+import platform
+import re
+import sys
+import time
+import warnings
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from compare import protocol, timing  # noqa: E402
+else:
+    from . import protocol, timing
+
+LIBRARY = "PyTorch"
+
+# implementation name -> SDPBackend member name
+BACKENDS = {
+    "torch_flash": "FLASH_ATTENTION",
+    "torch_cudnn": "CUDNN_ATTENTION",
+    "torch_efficient": "EFFICIENT_ATTENTION",
+    "torch_math": "MATH",
+}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+PEAK_METHOD = ("torch.cuda.max_memory_allocated (reset before the inputs' upload, read after "
+               "the first call) in a fresh process running only this case; cuBLAS workspaces "
+               "apart")
+# The source location torch appends to each warning it raises from C++.
+TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)\.?")
+# Test hook: plant a NaN at this flat index of the first call's output (tests/compare_script.rs).
+PLANT_NAN_ENV = "KP_COMPARE_PLANT_NAN"
+
+try:  # imported once in the server, before any fork; CUDA is initialised in each child
+    import torch
+    import torch.nn.functional  # noqa: F401
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+    IMPORT_ERROR = None
+except BaseException as e:  # an ImportError, or whatever a broken install raises
+    if isinstance(e, KeyboardInterrupt):
+        raise
+    torch = None
+    IMPORT_ERROR = "torch is not importable: %s" % protocol.exc_text(e)
+
+
+def libraries():
+    libs = {"python": platform.python_version()}
+    if torch is None:
+        return libs
+    libs["torch"] = str(torch.__version__)
+    if getattr(torch.version, "cuda", None):
+        libs["cuda_torch"] = str(torch.version.cuda)
+    try:
+        v = torch.backends.cudnn.version()
+        if v:
+            libs["cudnn"] = str(v)
+    except Exception:
+        pass
+    try:
+        import triton
+        libs["triton"] = str(triton.__version__)
+    except Exception:
+        pass
+    return libs
+
+
+def classify(exc):
+    """(status, message) for an exception raised by a torch call."""
+    if isinstance(exc, timing.CaseTimeout):
+        return "timeout", str(exc)
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    text = str(exc)
+    if (oom is not None and isinstance(exc, oom)) or (
+            isinstance(exc, RuntimeError) and "out of memory" in text.lower()):
+        return "oom", protocol.exc_text(exc)
+    if isinstance(exc, RuntimeError) and "No available kernel" in text:
+        return "unsupported", protocol.exc_text(exc)
+    return "error", protocol.exc_text(exc)
+
+
+def with_warnings(message, caught):
+    """Append the reasons torch gave as warnings (why a backend refused) to `message`."""
+    texts = []
+    for w in caught:
+        t = TRIGGERED.sub("", str(w.message)).strip()
+        if t and t not in texts:
+            texts.append(t)
+    return message + (" | warnings: " + protocol.clip(" ".join(texts)) if texts else "")
+
+
+def unsupported_reason(case, implementation):
+    if implementation not in BACKENDS:
+        return "unknown implementation %r (known: %s)" % (implementation, ", ".join(BACKENDS))
+    if case.get("pass") != "fwd":
+        return "backward not implemented in the comparison module yet"
+    if case.get("dtype") not in DTYPES:
+        return "dtype %r is not measured by the comparison module (bf16, fp16)" % case.get("dtype")
+    if int(case["heads"]) % int(case.get("kv_heads", case["heads"])) != 0:
+        return "heads (%s) is not a multiple of kv_heads (%s)" % (case["heads"],
+                                                                  case.get("kv_heads"))
+    return None
+
+
+def load_input(t, device):
+    """A runner input file as a device tensor of its dtype and shape."""
+    with open(t["path"], "rb") as f:
+        raw = bytearray(f.read())
+    bits = torch.frombuffer(raw, dtype=torch.int16)
+    return bits.view(getattr(torch, DTYPES[t["dtype"]])).reshape(t["shape"]).to(device)
+
+
+def caller(case):
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    causal = bool(case["causal"])
+    if int(case.get("kv_heads", case["heads"])) != int(case["heads"]):
+        return lambda q, k, v: sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+    return lambda q, k, v: sdpa(q, k, v, is_causal=causal)
+
+
+def cublas_workspace_bytes():
+    """Bytes the cuBLAS/cuBLASLt workspaces hold in the caching allocator (released to
+    measure them; the next matrix product allocates them again)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    clear()
+    torch.cuda.synchronize()
+    return max(0, before - torch.cuda.memory_allocated())
+
+
+def measure(job):
+    """Measure one job in this (fresh) process; returns the reply dict."""
+    case, implementation = job["case"], job["implementation"]
+    reply = {}
+    try:
+        _measure_into(job, reply)
+    finally:
+        # After the measurement: the version queries must not load anything before the first
+        # call is timed.
+        reply["libraries"] = libraries()
+    return reply
+
+
+def _measure_into(job, reply):
+    case, implementation = job["case"], job["implementation"]
+    why = IMPORT_ERROR or unsupported_reason(case, implementation)
+    if why is None and not torch.cuda.is_available():
+        why = "no CUDA device visible to torch"
+    if why is not None:
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
+        return reply
+    caught = []
+    try:
+        with warnings.catch_warnings(record=True) as recorded:
+            warnings.simplefilter("always")
+            try:
+                fields, window = _measure(job, caught)
+            finally:
+                caught.extend(recorded)
+    except Exception as e:
+        status, msg = classify(e)
+        if status == "unsupported":
+            msg = with_warnings(msg, caught)
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
+        return reply
+    if "message" in fields:  # the check failed
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "error",
+                                         fields["message"])
+    else:
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "ok", None, **fields)
+    if window is not None:
+        reply["window"] = window
+    return reply
+
+
+def _measure(job, caught):
+    case, files, tcfg = job["case"], job["files"], job["timing"]
+    implementation = job["implementation"]
+    device = torch.device("cuda")
+    torch.zeros(1, device=device)  # CUDA context, outside every figure
+    torch.cuda.synchronize()
+    call = caller(case)
+    notes = []
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with torch.no_grad(), sdpa_kernel([getattr(SDPBackend, BACKENDS[implementation])]):
+        # Peak memory: reset before the upload, read after the first call.
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        base_reserved = torch.cuda.memory_reserved()
+        set0 = tuple(load_input(t, device) for t in files["inputs"])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = call(*set0)
+        torch.cuda.synchronize()
+        first_call_s = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() - base
+        reserved = torch.cuda.max_memory_reserved() - base_reserved
+        workspace = cublas_workspace_bytes()
+        ws = workspace or 0
+        set_bytes = sum(x.numel() * x.element_size() for x in set0)
+        out_bytes = out.numel() * out.element_size()
+
+        # The check on the first call's output: the whole output for non-finite values, then
+        # the runner's elements against the runner's float64 reference.
+        flat = out.contiguous().view(-1)  # logical [B, H, T, D] order, whatever the layout
+        plant = os.environ.get(PLANT_NAN_ENV)
+        if plant:
+            flat[int(plant)] = float("nan")
+        bad = (~torch.isfinite(flat)).nonzero()
+        bad_index = int(bad[0, 0]) if bad.numel() else None
+        check = files["check"]
+        idx = torch.tensor(protocol.flat_indices(check["ranges"]), dtype=torch.long,
+                           device=device)
+        got = flat.index_select(0, idx).double().cpu().tolist()
+        reference = protocol.read_f64(check["reference"])
+        msg, rel_err = protocol.check_output(bad_index, flat.numel(), got, reference)
+        del out, flat, idx, got
+        if msg is not None:
+            return {"message": msg}, None
+
+        # Timing over rotated copies of the inputs.
+        free = torch.cuda.mem_get_info()[0]
+        n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
+                                            float(tcfg["l2_rotation_factor"]), free)
+        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
+        torch.cuda.synchronize()
+        window0 = protocol.unix_now()
+        start = time.perf_counter()
+        eager = timing.measure(timing.EventTimer(torch, call, sets), tcfg, start=start)
+        graph, graph_error = None, None
+        try:
+            gt = timing.GraphTimer(torch, call, sets, eager["inner"])
+            try:
+                graph = timing.measure(gt, tcfg, start=start, fixed_inner=eager["inner"])
+            finally:
+                gt.close()
+        except timing.CaseTimeout:
+            raise
+        except Exception as e:
+            graph_error = protocol.exc_text(e)
+            torch.cuda.synchronize()
+        window = [window0, protocol.unix_now()]
+        del sets
+
+    if graph is not None:
+        reported, method = graph, "graph_replay"
+    else:
+        reported, method = eager, "events"
+        notes.append("CUDA graph capture failed, timed eagerly: %s" % graph_error)
+    for m, what in ((eager, "eager"), (graph, "graph")):
+        if m is not None and m["cut_short"]:
+            notes.append("%s timing: %d of %d samples, the %g s case limit stopped sampling"
+                         % (what, m["samples"], int(tcfg["repeats"]),
+                            float(tcfg["case_timeout_s"])))
+    if implementation == "torch_math":
+        allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
+        if allowed is None or not allowed():
+            notes.append("float32 accumulation: PyTorch's math backend computes bf16/fp16 "
+                         "inputs in float32 (reduced-precision reduction not allowed)")
+    fields = dict(
+        median_ms=reported["median"], q1_ms=reported["q1"], q3_ms=reported["q3"],
+        inner_calls=reported["inner"], samples=reported["samples"], input_sets=n_sets,
+        l2_rotation_reached=reached, timing=method, host_ms=eager["host_ms"],
+        eager_median_ms=eager["median"] if graph is not None else None,
+        first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
+        memory={"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6,
+                "temporaries_mb": max(0, peak - ws - set_bytes - out_bytes) / 1e6,
+                "peak_mb": max(0, peak - ws) / 1e6,
+                "reserved_peak_mb": max(0, reserved - ws) / 1e6,
+                "workspace_mb": workspace / 1e6 if workspace else None,
+                "peak_method": PEAK_METHOD},
+        accuracy={"rel_err": rel_err, "metric": "rel_l2",
+                  "reference": check.get("reference_kind", "float64_cpu"),
+                  "tolerance": check["tolerance"], "checked": check["checked"]},
+        notes=notes)
+    return fields, window
+
+
+if __name__ == "__main__":
+    sys.exit(protocol.main(measure, LIBRARY))

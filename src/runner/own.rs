@@ -1,0 +1,280 @@
+//! Measuring one of the project's implementations inside its case process: compile, the first
+//! call on the runner's input bits with the output poisoned, peak memory from the memory pool,
+//! the check over the whole output, then the timing protocol over rotated input copies.
+//!
+//! A suite supplies a [`Launcher`] (its CUDA launch code); everything else is shared.
+
+use std::collections::BTreeMap;
+
+use cudarc::driver::CudaSlice;
+
+use super::protocol::{check_output, read_f64, read_u16, unix_now, Check, Job, Reply};
+use crate::gpu::{Gpu, GpuError};
+use crate::harness::{self, MeasureError, Sample, SampleTimer};
+use crate::schema::{Accuracy, Memory, Row, Status, TimingMethod};
+
+/// How [`measure`] reads `peak_mb` for the project's implementations.
+pub const PEAK_METHOD: &str = "memory pool high-water mark (CU_MEMPOOL_ATTR_USED_MEM_HIGH, reset before the case's first allocation, read after its first call) in a fresh process running only this case; library workspaces apart";
+
+/// A suite's compiled implementation for one case.
+pub trait Launcher {
+    /// One input set on the device.
+    type Set;
+    /// Uploads the input tensors (16-bit bits, in the job's input order).
+    fn upload(&self, gpu: &Gpu, host: &[Vec<u16>]) -> Result<Self::Set, GpuError>;
+    /// A device copy of `set` (distinct buffers, same values) for the L2 rotation.
+    fn replicate(&self, gpu: &Gpu, set: &Self::Set) -> Result<Self::Set, GpuError>;
+    /// Launches one call on the stream, writing `out`.
+    fn launch(
+        &mut self,
+        gpu: &Gpu,
+        set: &Self::Set,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError>;
+    /// Bytes of temporaries one call uses beyond inputs and output.
+    fn temporary_bytes(&self) -> u64;
+    /// Bytes of library workspace allocated once and held across calls (cuBLAS).
+    fn workspace_bytes(&self) -> u64;
+}
+
+struct Timer<'a, L: Launcher> {
+    gpu: &'a Gpu,
+    launcher: &'a mut L,
+    sets: &'a [L::Set],
+    out: &'a mut CudaSlice<u16>,
+    next: usize,
+}
+
+impl<L: Launcher> SampleTimer for Timer<'_, L> {
+    type Error = GpuError;
+    fn time_calls(&mut self, inner: u32) -> Result<Sample, GpuError> {
+        let (gpu, sets) = (self.gpu, self.sets);
+        let launcher = &mut *self.launcher;
+        let out = &mut *self.out;
+        let next = &mut self.next;
+        gpu.time_calls(inner, |_| {
+            let s = &sets[*next % sets.len()];
+            *next += 1;
+            launcher.launch(gpu, s, out)
+        })
+    }
+}
+
+fn mb(bytes: u64) -> f64 {
+    bytes as f64 / 1e6
+}
+
+/// Measures `job` with the launcher `make` builds (it compiles and allocates its temporaries
+/// and workspaces, and returns the compile + load time in s). `value` converts an output
+/// element's bits to float64. Every failure becomes the reply's row.
+pub fn measure<L: Launcher>(
+    job: &Job,
+    make: impl FnOnce(&Gpu) -> Result<(L, f64), GpuError>,
+    value: impl Fn(u16) -> f64,
+) -> Reply {
+    let fail = |status: Status, msg: String| Reply {
+        row: Row::failed(
+            job.case.clone(),
+            &job.implementation,
+            "",
+            false,
+            status,
+            msg,
+        ),
+        window: None,
+        libraries: BTreeMap::new(),
+        pid: None,
+    };
+    match measure_inner(job, make, value) {
+        Ok(r) => r,
+        Err(Failure::Gpu(e)) => fail(
+            if e.is_oom() {
+                Status::Oom
+            } else {
+                Status::Error
+            },
+            e.to_string(),
+        ),
+        Err(Failure::Other(m)) => fail(Status::Error, m),
+    }
+}
+
+enum Failure {
+    Gpu(GpuError),
+    Other(String),
+}
+
+impl From<GpuError> for Failure {
+    fn from(e: GpuError) -> Self {
+        Failure::Gpu(e)
+    }
+}
+
+impl From<cudarc::driver::DriverError> for Failure {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Failure::Gpu(e.into())
+    }
+}
+
+fn measure_inner<L: Launcher>(
+    job: &Job,
+    make: impl FnOnce(&Gpu) -> Result<(L, f64), GpuError>,
+    value: impl Fn(u16) -> f64,
+) -> Result<Reply, Failure> {
+    let other = |e: anyhow::Error| Failure::Other(format!("{e:#}"));
+    let gpu = Gpu::open(0)?;
+    let host: Vec<Vec<u16>> = job
+        .files
+        .inputs
+        .iter()
+        .map(|t| read_u16(&t.path))
+        .collect::<anyhow::Result<_>>()
+        .map_err(other)?;
+    let reference = read_f64(&job.files.check.reference).map_err(other)?;
+    let out_len: usize = job.files.output.shape.iter().product();
+
+    // Peak memory: the pool's high-water mark over compile (temporaries, workspaces), one
+    // input set, the poisoned output and the first call.
+    let base = gpu.pool_reset_peaks()?;
+    let (mut launcher, compile_s) = make(&gpu)?;
+    let set0 = launcher.upload(&gpu, &host)?;
+    // Poison the output (0xFFFF is NaN in bf16 and fp16) so an unwritten element fails.
+    let mut out = gpu.stream.clone_htod(&vec![0xFFFFu16; out_len])?;
+    launcher.launch(&gpu, &set0, &mut out)?;
+    gpu.stream.synchronize()?;
+    gpu.ctx.check_err()?;
+    let (used, reserved) = gpu.pool_peaks(base)?;
+    let workspace = launcher.workspace_bytes();
+
+    // Accuracy on the first call's output.
+    let got = gpu.stream.clone_dtoh(&out)?;
+    let checked = check_output(
+        got.len(),
+        |i| value(got[i]),
+        &job.files.check.ranges,
+        &reference,
+    );
+    let rel_err = match checked {
+        Check::NonFinite { index, len } => {
+            return Ok(Reply {
+                row: Row::failed(
+                    job.case.clone(),
+                    &job.implementation,
+                    "",
+                    false,
+                    Status::Error,
+                    format!(
+                        "non-finite output at element {index} of {len} (unwritten or overflowed) in the first call"
+                    ),
+                ),
+                window: None,
+                libraries: BTreeMap::new(),
+                pid: None,
+            })
+        }
+        Check::Error(e) => e,
+    };
+    drop(host);
+
+    // Timing over enough input copies to exceed the L2 `l2_rotation_factor` times.
+    let set_bytes = job.files.input_bytes();
+    let (n_sets, reached) = super::rotation(set_bytes, job.l2_bytes, &job.timing);
+    let mut sets = vec![set0];
+    for _ in 1..n_sets {
+        sets.push(launcher.replicate(&gpu, &sets[0])?);
+    }
+    gpu.stream.synchronize()?;
+    let t0 = unix_now();
+    let mut timer = Timer {
+        gpu: &gpu,
+        launcher: &mut launcher,
+        sets: &sets,
+        out: &mut out,
+        next: 0,
+    };
+    let m = harness::measure(&mut timer, &job.timing);
+    let window = Some([t0, unix_now()]);
+    let m = match m {
+        Ok(m) => m,
+        Err(MeasureError::Timer(e)) => return Err(e.into()),
+        Err(MeasureError::Timeout { elapsed_s }) => {
+            return Ok(Reply {
+                row: Row::failed(
+                    job.case.clone(),
+                    &job.implementation,
+                    "",
+                    false,
+                    Status::Timeout,
+                    format!(
+                        "timing passed the {:.0} s limit after {elapsed_s:.1} s with fewer than {} samples",
+                        job.timing.case_timeout_s,
+                        harness::MIN_SAMPLES
+                    ),
+                ),
+                window,
+                libraries: BTreeMap::new(),
+                pid: None,
+            })
+        }
+        Err(MeasureError::BadTime(t)) => {
+            return Err(Failure::Other(format!("event timer returned {t} ms")))
+        }
+    };
+
+    let mut row = Row::failed(
+        job.case.clone(),
+        &job.implementation,
+        "",
+        false,
+        Status::Ok,
+        "",
+    );
+    row.message = None;
+    row.median_ms = Some(m.stats.median_ms);
+    row.q1_ms = Some(m.stats.q1_ms);
+    row.q3_ms = Some(m.stats.q3_ms);
+    row.inner_calls = Some(m.inner);
+    row.samples = Some(m.stats.samples);
+    row.input_sets = Some(n_sets);
+    row.l2_rotation_reached = Some(reached);
+    row.compile_s = Some(compile_s);
+    row.timing = Some(TimingMethod::Events);
+    row.host_ms = Some(m.host_ms);
+    row.flops = job.files.flops;
+    row.bytes = job.files.bytes;
+    if m.cut_short {
+        row.notes.push(format!(
+            "{} of {} samples: the {} s case limit stopped sampling",
+            m.stats.samples, job.timing.repeats, job.timing.case_timeout_s
+        ));
+    }
+    row.memory = Some(Memory {
+        arguments_mb: Some(mb(set_bytes)),
+        outputs_mb: Some(mb(out_len as u64 * 2)),
+        temporaries_mb: Some(mb(launcher.temporary_bytes())),
+        residuals_mb: None,
+        peak_mb: gpu.has_pool().then(|| mb(used.saturating_sub(workspace))),
+        peak_method: Some(PEAK_METHOD.into()),
+        reserved_peak_mb: gpu
+            .has_pool()
+            .then(|| mb(reserved.saturating_sub(workspace))),
+        workspace_mb: (workspace > 0).then(|| mb(workspace)),
+    });
+    row.accuracy = Some(Accuracy {
+        rel_err,
+        metric: "rel_l2".into(),
+        reference: job.files.check.reference_kind,
+        tolerance: job.files.check.tolerance,
+        checked: Some(job.files.check.checked.clone()),
+    });
+    if !rel_err.is_finite() {
+        row.status = Status::Error;
+        row.message = Some(format!("relative error is {rel_err} against the reference"));
+    }
+    Ok(Reply {
+        row,
+        window,
+        libraries: BTreeMap::new(),
+        pid: None,
+    })
+}

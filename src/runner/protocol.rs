@@ -1,0 +1,275 @@
+//! The JSON protocol between a suite runner, its case processes and the comparison modules
+//! (`runners/compare/`): one [`Job`] per (case, implementation), one [`Reply`] back.
+//!
+//! The runner writes each case's inputs once, as raw little-endian files, with the float64
+//! reference values of the checked output elements ([`CaseFiles`]); every implementation, the
+//! project's and the alternatives', reads the same input bits and is checked against the same
+//! reference values over the same elements. `runners/compare/protocol.py` is the Python side.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::grid::Params;
+use crate::schema::{Reference, Row, TimingConfig};
+
+/// One input tensor in a raw file: `shape` elements of `dtype`, row-major, little-endian.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct TensorFile {
+    /// Argument name, e.g. `q`.
+    pub name: String,
+    /// Element type as documents spell it (`bf16`, `fp16`, `fp32`).
+    pub dtype: String,
+    /// Dimensions.
+    pub shape: Vec<usize>,
+    /// The raw file.
+    pub path: PathBuf,
+}
+
+/// The output an implementation must produce.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct OutputSpec {
+    /// Element type.
+    pub dtype: String,
+    /// Dimensions.
+    pub shape: Vec<usize>,
+}
+
+/// Which output elements are checked, and against what.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct CheckSpec {
+    /// `[start, len]` ranges of flat (row-major) output element indices.
+    pub ranges: Vec<[u64; 2]>,
+    /// The float64 reference values of those elements, concatenated in range order, as a raw
+    /// little-endian file.
+    pub reference: PathBuf,
+    /// Where the reference came from.
+    pub reference_kind: Reference,
+    /// Largest accepted relative L2 error.
+    pub tolerance: f64,
+    /// What the ranges cover, in words (the row's `accuracy.checked`).
+    pub checked: String,
+}
+
+/// Everything an implementation needs to run and check one case.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct CaseFiles {
+    /// Input tensors, in argument order.
+    pub inputs: Vec<TensorFile>,
+    /// The output.
+    pub output: OutputSpec,
+    /// The accuracy check.
+    pub check: CheckSpec,
+    /// FLOPs of one call by the suite's rule.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flops: Option<f64>,
+    /// Bytes one call must move.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<f64>,
+}
+
+impl CaseFiles {
+    /// Bytes of one input set (every input tensor), for the L2 rotation.
+    pub fn input_bytes(&self) -> u64 {
+        self.inputs
+            .iter()
+            .map(|t| t.shape.iter().product::<usize>() as u64 * dtype_bytes(&t.dtype))
+            .sum()
+    }
+}
+
+/// Bytes per element of a dtype name (`bf16`, `fp16`: 2, `fp32`: 4, `fp64`: 8).
+pub fn dtype_bytes(dtype: &str) -> u64 {
+    match dtype {
+        "fp32" | "f32" | "float32" => 4,
+        "fp64" | "f64" | "float64" => 8,
+        _ => 2,
+    }
+}
+
+/// One (case, implementation) to measure.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Job {
+    /// The case.
+    pub case: Params,
+    /// Implementation name.
+    pub implementation: String,
+    /// Timing parameters.
+    pub timing: TimingConfig,
+    /// L2 size of the device, bytes (for the rotation).
+    pub l2_bytes: u64,
+    /// Inputs, output and check.
+    pub files: CaseFiles,
+}
+
+/// What a case process or comparison module sends back.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Reply {
+    /// The row.
+    pub row: Row,
+    /// Wall-clock span of the timed calls (warm-up to last sample), seconds since the Unix
+    /// epoch; the runner reads the device's state over it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<[f64; 2]>,
+    /// Library versions the process saw (comparison modules).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub libraries: BTreeMap<String, String>,
+    /// Process that measured the row, when not the one the runner started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+}
+
+/// Seconds since the Unix epoch, now.
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Writes `values` as raw little-endian float64.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn write_f64(path: &Path, values: &[f64]) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let mut bytes = Vec::with_capacity(values.len() * 8);
+    for v in values {
+        bytes.extend_from_slice(&v.to_le_bytes());
+    }
+    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Reads raw little-endian float64.
+///
+/// # Errors
+/// I/O errors, with the path; a length that is not a multiple of 8.
+pub fn read_f64(path: &Path) -> anyhow::Result<Vec<f64>> {
+    use anyhow::Context;
+    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    anyhow::ensure!(
+        b.len().is_multiple_of(8),
+        "{}: {} bytes is not a whole number of float64",
+        path.display(),
+        b.len()
+    );
+    Ok(b.chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect())
+}
+
+/// Writes 16-bit values as raw little-endian.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn write_u16(path: &Path, values: &[u16]) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let mut bytes = Vec::with_capacity(values.len() * 2);
+    for v in values {
+        bytes.extend_from_slice(&v.to_le_bytes());
+    }
+    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Reads raw little-endian 16-bit values.
+///
+/// # Errors
+/// I/O errors, with the path; an odd length.
+pub fn read_u16(path: &Path) -> anyhow::Result<Vec<u16>> {
+    use anyhow::Context;
+    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    anyhow::ensure!(
+        b.len().is_multiple_of(2),
+        "{}: odd length {}",
+        path.display(),
+        b.len()
+    );
+    Ok(b.chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect())
+}
+
+/// The outcome of checking an output.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Check {
+    /// Every element finite; relative L2 error over the checked ranges.
+    Error(f64),
+    /// Element `index` of `len` is NaN or infinite.
+    NonFinite {
+        /// Flat index of the first non-finite element.
+        index: usize,
+        /// Elements in the output.
+        len: usize,
+    },
+}
+
+/// Checks a whole output: every element must be finite (the scan covers all of it, so a NaN
+/// outside the checked ranges fails too), then ‖out − ref‖₂ / ‖ref‖₂ over `ranges` against
+/// `reference` (their values concatenated). `value(i)` is output element `i` as float64.
+pub fn check_output(
+    len: usize,
+    value: impl Fn(usize) -> f64,
+    ranges: &[[u64; 2]],
+    reference: &[f64],
+) -> Check {
+    if let Some(index) = (0..len).find(|&i| !value(i).is_finite()) {
+        return Check::NonFinite { index, len };
+    }
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    let mut r = 0;
+    for &[start, n] in ranges {
+        for i in start..start + n {
+            let (o, want) = (value(i as usize), reference[r]);
+            r += 1;
+            num += (o - want) * (o - want);
+            den += want * want;
+        }
+    }
+    Check::Error(if den > 0.0 {
+        (num / den).sqrt()
+    } else {
+        f64::NAN
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nan_outside_the_checked_ranges_fails() {
+        let mut out = vec![1.0; 100];
+        let ranges = [[10u64, 5u64], [50, 5]];
+        let reference = vec![1.0; 10];
+        assert_eq!(
+            check_output(out.len(), |i| out[i], &ranges, &reference),
+            Check::Error(0.0)
+        );
+        out[99] = f64::NAN;
+        assert_eq!(
+            check_output(out.len(), |i| out[i], &ranges, &reference),
+            Check::NonFinite {
+                index: 99,
+                len: 100
+            }
+        );
+        out[99] = 1.0;
+        out[12] = 1.1;
+        match check_output(out.len(), |i| out[i], &ranges, &reference) {
+            Check::Error(e) => assert!((e - 0.1 / 10f64.sqrt()).abs() < 1e-12),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn raw_files_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.f64");
+        write_f64(&p, &[1.5, -2.0]).unwrap();
+        assert_eq!(read_f64(&p).unwrap(), vec![1.5, -2.0]);
+        let p = dir.path().join("x.u16");
+        write_u16(&p, &[1, 0xFFFF]).unwrap();
+        assert_eq!(read_u16(&p).unwrap(), vec![1, 0xFFFF]);
+        assert_eq!(std::fs::read(&p).unwrap(), vec![1, 0, 0xFF, 0xFF]);
+    }
+}
