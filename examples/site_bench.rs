@@ -26,9 +26,13 @@ fn main() -> anyhow::Result<()> {
     let data = root.join("data");
     let tmp = tempfile::tempdir().context("creating a temporary folder")?;
 
+    // First, one build as `docgen build` makes it: in a fresh process, with the syntax and
+    // theme tables still to load.
+    println!("first build in this process, phase by phase (what one `docgen build` costs):");
+    phases(&data, &tmp.path().join("site-committed-phases"))?;
     let committed = time_builds(&data, &tmp.path().join("site-committed"), 11)?;
     report(
-        "committed data",
+        "committed data, later builds in the same process",
         &data,
         &committed,
         Duration::from_millis(100),

@@ -379,8 +379,13 @@ pub fn parse_document(path: &Path, bytes: &[u8]) -> Result<Document, LoadErrors>
         message: strip_position(&e.to_string()),
     };
     // The version first: a document of another version fails on the fields that changed.
-    if let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) {
-        if let Some(found) = value.get("schema_version").and_then(|v| v.as_u64()) {
+    // (Only the version is kept; every other value is skipped without being built.)
+    #[derive(serde::Deserialize)]
+    struct Version {
+        schema_version: Option<u64>,
+    }
+    if let Ok(value) = serde_json::from_slice::<Version>(bytes) {
+        if let Some(found) = value.schema_version {
             if found != u64::from(SCHEMA_VERSION) {
                 let line = locate(bytes, &[PathSeg::Key("schema_version".into())]).line;
                 return Err(LoadError::SchemaVersion {
