@@ -1,6 +1,7 @@
 //! Softmax attention: the case description shared by the runner and the site, FLOP counting,
-//! the CPU implementations (float64 reference and a tiled float32 flash model), and the CUDA
-//! implementations (`flash`, the default, and `math`, cuBLAS GEMMs around a softmax kernel).
+//! the CPU implementations (float64 reference and a tiled float32 flash model in `cpu`, the
+//! multi-threaded float32 attention in `cpu_flash`), and the CUDA implementations (`flash`, the
+//! default, and `math`, cuBLAS GEMMs around a softmax kernel).
 //!
 //! Layout everywhere: Q `[batch, heads, seq_len, head_dim]`, K and V
 //! `[batch, kv_heads, seq_len, head_dim]`, O like Q; row-major, contiguous (BHSD, the layout
@@ -12,6 +13,7 @@ use std::collections::BTreeMap;
 use crate::schema::Param;
 
 pub mod cpu;
+pub mod cpu_flash;
 pub mod cuda;
 
 pub use cuda::{dispatch, forward};
