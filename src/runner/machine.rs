@@ -300,6 +300,59 @@ pub fn host_cpu() -> Option<String> {
         .map(|(_, v)| v.trim().to_string())
 }
 
+/// The document's device for a CPU run (`--device cpu`): the CPU model, its hardware threads
+/// and the OS; and the last-level cache size in bytes (the cache rotation's target), 0 when
+/// unknown.
+pub fn cpu_device() -> (crate::schema::Device, u64) {
+    let cpu = host_cpu();
+    let device = crate::schema::Device {
+        kind: crate::schema::DeviceKind::Cpu,
+        name: cpu.clone().unwrap_or_else(|| "unknown CPU".into()),
+        compute_capability: None,
+        sm_count: None,
+        memory_mb: None,
+        l2_mb: None,
+        driver_version: None,
+        cuda_version: None,
+        cpu_threads: std::thread::available_parallelism()
+            .ok()
+            .map(|n| n.get() as u32),
+        host_cpu: cpu,
+        os: os(),
+        nvrtc_arch: None,
+        power_limit_w: None,
+        max_sm_clock_mhz: None,
+        max_mem_clock_mhz: None,
+    };
+    (device, last_level_cache_bytes().unwrap_or(0))
+}
+
+/// The libraries the project's CPU code runs on, by the versions `Cargo.toml` asks for.
+pub fn cpu_libraries() -> std::collections::BTreeMap<String, String> {
+    [("gemm", "0.18"), ("rayon", "1")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Size of the largest cache of CPU 0, bytes (`/sys/devices/system/cpu/cpu0/cache/index*/`).
+pub fn last_level_cache_bytes() -> Option<u64> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.filter_map(|e| {
+        let size = std::fs::read_to_string(e.ok()?.path().join("size")).ok()?;
+        let size = size.trim();
+        let (num, mult) = match size.strip_suffix('K') {
+            Some(n) => (n, 1024),
+            None => match size.strip_suffix('M') {
+                Some(n) => (n, 1024 * 1024),
+                None => (size, 1),
+            },
+        };
+        num.parse::<u64>().ok().map(|n| n * mult)
+    })
+    .max()
+}
+
 /// The operating system (`/etc/os-release` `PRETTY_NAME`) and kernel release.
 pub fn os() -> Option<String> {
     let pretty = std::fs::read_to_string("/etc/os-release")
@@ -365,6 +418,12 @@ mod tests {
     fn host_facts_read_on_linux() {
         if std::path::Path::new("/proc/cpuinfo").exists() {
             assert!(os().is_some());
+            let (d, llc) = cpu_device();
+            assert_eq!(d.kind, crate::schema::DeviceKind::Cpu);
+            assert!(d.cpu_threads.unwrap() >= 1 && d.os.is_some());
+            if std::path::Path::new("/sys/devices/system/cpu/cpu0/cache").exists() {
+                assert!(llc > 0);
+            }
         }
     }
 }

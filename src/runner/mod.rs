@@ -6,10 +6,12 @@
 //!
 //! A suite's binary (`runners/<suite>.rs`) declares its grid, its implementations and its
 //! counts through [`Suite`], and hands them to [`run`]; its case processes call
-//! [`child_main`]. The JSON between them is [`protocol`].
+//! [`child_main`] and measure with [`own`] (a CUDA implementation) or [`host`] (a CPU one,
+//! `--device cpu`). The JSON between them is [`protocol`].
 
 pub mod document;
 pub mod grid;
+pub mod host;
 pub mod machine;
 pub mod own;
 pub mod process;
@@ -37,6 +39,10 @@ pub struct RunnerArgs {
     /// Also measure alternatives from Python (the suite lists them, e.g. `torch`).
     #[arg(long, value_delimiter = ',')]
     pub compare: Vec<String>,
+    /// Where the project's implementations run: `gpu` (CUDA device 0) or `cpu` (the host's
+    /// cores; the document's device is the CPU).
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Gpu)]
+    pub device: DeviceChoice,
     /// Measure only the cases matching this expression, e.g. `head_dim=128,seq_len>=4096`
     /// (clauses joined by commas, all must hold; `=`, `!=`, `<`, `<=`, `>`, `>=`).
     #[arg(long)]
@@ -102,6 +108,16 @@ impl RunnerArgs {
         }
         Ok(grid::select(grid, &filter, self.shard))
     }
+}
+
+/// The device a run measures (`--device`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    /// CUDA device 0; the runner exits with code 2 without one.
+    #[default]
+    Gpu,
+    /// The host CPU, on all its hardware threads.
+    Cpu,
 }
 
 /// Where an implementation runs.
@@ -659,12 +675,13 @@ pub struct Declared {
     pub throughput: Vec<schema::Throughput>,
 }
 
-/// The standard sink: progress, NVML state, and the document saved after every row.
+/// The standard sink: progress, NVML state (GPU runs), and the document saved after every row.
 struct DocSink<'a> {
     doc: Document,
     output: Option<&'a Path>,
     progress: progress::Progress,
-    monitor: &'a machine::Monitor,
+    /// The GPU's sampler; `None` on a CPU run.
+    monitor: Option<&'a machine::Monitor>,
     suite: &'a dyn Suite,
     runs: u32,
 }
@@ -699,11 +716,11 @@ impl Sink for DocSink<'_> {
     }
 
     fn machine(&mut self, window: [f64; 2]) -> Option<schema::MachineState> {
-        self.monitor.state(window)
+        self.monitor?.state(window)
     }
 
     fn machine_note(&self) -> Option<String> {
-        self.monitor.unavailable().map(|why| {
+        self.monitor?.unavailable().map(|why| {
             format!("{why}: clocks, temperature, power and other processes not recorded")
         })
     }
@@ -725,55 +742,24 @@ pub fn run(
 ) -> Result<ExitCode> {
     let started_at = document::now_rfc3339();
     let timing = args.timing();
-    // Device facts, from a short-lived context in this process (dropped before the children run).
-    let (mut device, libraries, l2_bytes, pci) = match crate::gpu::Gpu::open(0) {
-        Ok(g) => (
-            g.describe()?,
-            crate::gpu::library_versions(),
-            g.l2_bytes()?,
-            g.pci_bus_id(),
-        ),
-        Err(crate::gpu::GpuError::NoDevice(why)) => {
-            eprintln!("no CUDA device: {why}");
-            eprintln!(
-                "The {} runner measures GPU kernels; run it on a machine with an NVIDIA GPU and driver.",
-                declared.runner
-            );
-            return Ok(ExitCode::from(2));
-        }
-        Err(e) => return Err(e.into()),
-    };
-    let monitor = machine::Monitor::start(pci.as_deref());
-    let facts = monitor.facts();
-    device.power_limit_w = facts.power_limit_w;
-    device.max_sm_clock_mhz = facts.max_sm_clock_mhz;
-    device.max_mem_clock_mhz = facts.max_mem_clock_mhz;
-    device.host_cpu = machine::host_cpu();
-    device.os = machine::os();
-    device.cpu_threads = std::thread::available_parallelism()
-        .ok()
-        .map(|n| n.get() as u32);
-    if device.driver_version.is_none() {
-        device.driver_version = facts.driver_version.clone();
-    }
-    let mut libraries = libraries;
-    match monitor.unavailable() {
-        Some(why) => {
-            eprintln!("{why}; the rows will say so");
-        }
-        None => {
-            libraries.insert("nvml".into(), "loaded".into());
-            let others = monitor.other_processes_now();
-            if others.is_empty() {
-                eprintln!("no other process on the GPU at the start");
-            } else {
-                eprintln!(
-                    "WARNING: other processes on the GPU at the start: {} (their rows will be flagged)",
-                    others.join(", ")
-                );
+    let (device, libraries, l2_bytes, monitor) = match args.device {
+        DeviceChoice::Gpu => match gpu_setup(declared.runner)? {
+            Some((device, libraries, l2_bytes, monitor)) => {
+                (device, libraries, l2_bytes, Some(monitor))
             }
+            None => return Ok(ExitCode::from(2)),
+        },
+        DeviceChoice::Cpu => {
+            let (device, llc) = machine::cpu_device();
+            eprintln!(
+                "CPU: {} ({} hardware threads); 1-minute load average {}",
+                device.name,
+                device.cpu_threads.unwrap_or(0),
+                host::load_average().map_or("unknown".into(), |l| format!("{l:.1}"))
+            );
+            (device, machine::cpu_libraries(), llc, None)
         }
-    }
+    };
     let mut command = vec![declared.runner.to_string()];
     command.extend(std::env::args().skip(1));
     let doc = Document {
@@ -814,7 +800,7 @@ pub fn run(
         doc,
         output: args.output.as_deref(),
         progress: progress::Progress::new(total as u64),
-        monitor: &monitor,
+        monitor: monitor.as_ref(),
         suite,
         runs: timing.runs,
     };
@@ -848,6 +834,72 @@ pub fn run(
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The GPU's facts, library versions, L2 size and NVML sampler for a GPU run; `None` (after
+/// saying why on standard error) when there is no CUDA device.
+///
+/// # Errors
+/// A device that opens but cannot be described.
+fn gpu_setup(
+    runner: &str,
+) -> Result<
+    Option<(
+        schema::Device,
+        BTreeMap<String, String>,
+        u64,
+        machine::Monitor,
+    )>,
+> {
+    // Device facts, from a short-lived context in this process (dropped before the children run).
+    let (mut device, libraries, l2_bytes, pci) = match crate::gpu::Gpu::open(0) {
+        Ok(g) => (
+            g.describe()?,
+            crate::gpu::library_versions(),
+            g.l2_bytes()?,
+            g.pci_bus_id(),
+        ),
+        Err(crate::gpu::GpuError::NoDevice(why)) => {
+            eprintln!("no CUDA device: {why}");
+            eprintln!(
+                "The {runner} runner measures GPU kernels; run it on a machine with an NVIDIA GPU and driver, or with --device cpu where the suite has a CPU implementation."
+            );
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let monitor = machine::Monitor::start(pci.as_deref());
+    let facts = monitor.facts();
+    device.power_limit_w = facts.power_limit_w;
+    device.max_sm_clock_mhz = facts.max_sm_clock_mhz;
+    device.max_mem_clock_mhz = facts.max_mem_clock_mhz;
+    device.host_cpu = machine::host_cpu();
+    device.os = machine::os();
+    device.cpu_threads = std::thread::available_parallelism()
+        .ok()
+        .map(|n| n.get() as u32);
+    if device.driver_version.is_none() {
+        device.driver_version = facts.driver_version.clone();
+    }
+    let mut libraries = libraries;
+    match monitor.unavailable() {
+        Some(why) => {
+            eprintln!("{why}; the rows will say so");
+        }
+        None => {
+            libraries.insert("nvml".into(), "loaded".into());
+            let others = monitor.other_processes_now();
+            if others.is_empty() {
+                eprintln!("no other process on the GPU at the start");
+            } else {
+                eprintln!(
+                    "WARNING: other processes on the GPU at the start: {} (their rows will be flagged)",
+                    others.join(", ")
+                );
+            }
+        }
+    }
+    Ok(Some((device, libraries, l2_bytes, monitor)))
 }
 
 /// Input sets to rotate for a case: enough copies of `set_bytes` to cover
