@@ -1,13 +1,19 @@
 //! `attention`: measures the attention grid for the project's kernels (`flash`, the default,
-//! and `math`) and, with `--compare torch`, PyTorch's SDPA backends (`runners/compare/
-//! torch_sdpa.py`), and writes one suite document. The machinery (processes, order, timing
+//! and `math`) and, with `--compare torch,jax`, PyTorch's SDPA backends (`runners/compare/
+//! torch_sdpa.py`) and `jax.nn.dot_product_attention` (`runners/compare/jax_attention.py`),
+//! and writes one suite document. `--device cpu` measures the CPU instead (`cpu.rs` beside
+//! this file). The machinery (processes, order, timing
 //! records, progress, document) is `kernelpages::runner`; this file is the grid, the
 //! implementations, the dispatch table and the counts.
 //!
 //! ```text
-//! attention --compare torch --output data/gpu_attention.json
+//! attention --compare torch,jax --output data/gpu_attention.json
 //! attention --quick --filter head_dim=128 --runs 2
+//! attention --device cpu --compare torch --output data/cpu_attention.json
 //! ```
+
+#[path = "attention/cpu.rs"]
+mod cpu;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -25,7 +31,7 @@ use kernelpages::runner::grid::Params;
 use kernelpages::runner::protocol::{
     write_f64, write_u16, CaseFiles, CheckSpec, OutputSpec, TensorFile,
 };
-use kernelpages::runner::{self, own, Alternative, Declared, RunnerArgs};
+use kernelpages::runner::{self, own, Alternative, Declared, DeviceChoice, RunnerArgs};
 use kernelpages::schema::{DispatchRule, Reference, Suite};
 
 /// Measure attention implementations on the GPU and write a suite document.
@@ -38,12 +44,13 @@ use kernelpages::schema::{DispatchRule, Reference, Suite};
 struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
-    /// Implementations of this project to run.
-    #[arg(long, value_delimiter = ',', default_value = "flash,math")]
-    implementations: Vec<String>,
-    /// Batch size.
-    #[arg(long, default_value_t = 4)]
-    batch: usize,
+    /// Implementations of this project to run [default: flash,math; cpu_flash with --device
+    /// cpu].
+    #[arg(long, value_delimiter = ',')]
+    implementations: Option<Vec<String>>,
+    /// Batch size [default: 4; 2 with --device cpu].
+    #[arg(long)]
+    batch: Option<usize>,
     /// Query heads.
     #[arg(long, default_value_t = 8)]
     heads: usize,
@@ -53,19 +60,17 @@ struct Cli {
     /// Head dimensions.
     #[arg(long, value_delimiter = ',', default_value = "64,128")]
     head_dims: Vec<usize>,
-    /// Sequence lengths.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "512,1024,2048,4096,8192,16384"
-    )]
-    seq_lens: Vec<usize>,
+    /// Sequence lengths [default: 512,1024,2048,4096,8192,16384; 128,256,512,1024,2048 with
+    /// --device cpu].
+    #[arg(long, value_delimiter = ',')]
+    seq_lens: Option<Vec<usize>>,
     /// Masks to run: `full`, `causal`.
     #[arg(long, value_delimiter = ',', default_value = "full,causal")]
     masks: Vec<String>,
-    /// Element types: `bf16`, `fp16`.
-    #[arg(long, value_delimiter = ',', default_value = "bf16")]
-    dtypes: Vec<String>,
+    /// Element types: `bf16`, `fp16`; `fp32` too with --device cpu [default: bf16; bf16,fp32
+    /// with --device cpu].
+    #[arg(long, value_delimiter = ',')]
+    dtypes: Option<Vec<String>>,
     /// Query rows per checked slice for the float64 reference.
     #[arg(long, default_value_t = 256)]
     check_rows: usize,
@@ -76,25 +81,41 @@ struct Cli {
 }
 
 /// The alternatives `--compare` can add.
-const ALTERNATIVES: [Alternative; 1] = [Alternative {
-    name: "torch",
-    module: "torch_sdpa",
-    library: "PyTorch",
-    implementations: &[
-        "torch_flash",
-        "torch_cudnn",
-        "torch_efficient",
-        "torch_math",
-    ],
-}];
+const ALTERNATIVES: [Alternative; 2] = [
+    Alternative {
+        name: "torch",
+        module: "torch_sdpa",
+        library: "PyTorch",
+        implementations: &[
+            "torch_flash",
+            "torch_cudnn",
+            "torch_efficient",
+            "torch_math",
+        ],
+    },
+    Alternative {
+        name: "jax",
+        module: "jax_attention",
+        library: "JAX",
+        implementations: &["jax_xla", "jax_cudnn"],
+    },
+];
 
+/// Seq lengths of the GPU grid.
+const SEQ_LENS: [usize; 6] = [512, 1024, 2048, 4096, 8192, 16384];
 /// Seq lengths of the `--quick` grid.
 const QUICK_SEQ_LENS: [usize; 2] = [512, 1024];
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.run.run_case {
-        Some(job) => runner::child_main(job, measure_own),
+        Some(job) => runner::child_main(job, |job| {
+            if job.implementation == cpu::IMPLEMENTATION {
+                cpu::measure(job)
+            } else {
+                measure_own(job)
+            }
+        }),
         None => run(&cli),
     };
     match result {
@@ -106,10 +127,38 @@ fn main() -> ExitCode {
     }
 }
 
+/// The grid's sequence lengths: `--seq-lens`, else the device's default.
+fn seq_lens(cli: &Cli) -> Vec<usize> {
+    cli.seq_lens
+        .clone()
+        .unwrap_or_else(|| match cli.run.device {
+            DeviceChoice::Gpu => SEQ_LENS.to_vec(),
+            DeviceChoice::Cpu => cpu::SEQ_LENS.to_vec(),
+        })
+}
+
+/// The `--quick` grid's sequence lengths on the device.
+fn quick_seq_lens(cli: &Cli) -> &'static [usize] {
+    match cli.run.device {
+        DeviceChoice::Gpu => &QUICK_SEQ_LENS,
+        DeviceChoice::Cpu => &cpu::QUICK_SEQ_LENS,
+    }
+}
+
 fn cases(cli: &Cli, seq_lens: &[usize]) -> Result<Vec<Params>> {
+    let on_cpu = cli.run.device == DeviceChoice::Cpu;
+    let dtypes = cli.dtypes.clone().unwrap_or_else(|| {
+        let d: &[&str] = if on_cpu { &cpu::DTYPES } else { &["bf16"] };
+        d.iter().map(|s| s.to_string()).collect()
+    });
     let mut cases = Vec::new();
-    for dt in &cli.dtypes {
-        let dtype = Dtype::parse(dt).with_context(|| format!("--dtypes: unknown dtype `{dt}`"))?;
+    for dt in &dtypes {
+        // On the CPU, fp32 too: the case's 16-bit dtype is a stand-in (see cpu.rs).
+        let element = kernelpages::attention::cpu_flash::ElementType::parse(dt)
+            .filter(|_| on_cpu)
+            .or_else(|| Dtype::parse(dt).map(Into::into))
+            .with_context(|| format!("--dtypes: unknown dtype `{dt}`"))?;
+        let dtype = Dtype::parse(dt).unwrap_or(Dtype::Bf16);
         for &head_dim in &cli.head_dims {
             for mask in &cli.masks {
                 let causal = match mask.as_str() {
@@ -119,7 +168,7 @@ fn cases(cli: &Cli, seq_lens: &[usize]) -> Result<Vec<Params>> {
                 };
                 for &seq_len in seq_lens {
                     let c = AttentionCase {
-                        batch: cli.batch,
+                        batch: cli.batch.unwrap_or(if on_cpu { cpu::BATCH } else { 4 }),
                         heads: cli.heads,
                         kv_heads: cli.kv_heads.unwrap_or(cli.heads),
                         seq_len,
@@ -128,7 +177,11 @@ fn cases(cli: &Cli, seq_lens: &[usize]) -> Result<Vec<Params>> {
                         dtype,
                         pass: Pass::Fwd,
                     };
-                    cases.push(c.params());
+                    cases.push(if on_cpu {
+                        cpu::params(&c, element)
+                    } else {
+                        c.params()
+                    });
                 }
             }
         }
@@ -174,6 +227,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
 
 struct Attention {
     check_rows: usize,
+    device: DeviceChoice,
 }
 
 fn case_of(p: &Params) -> Result<AttentionCase> {
@@ -188,6 +242,9 @@ impl runner::Suite for Attention {
     /// Q, K, V as standard normals rounded to the dtype (seeds `seed`, `seed + 1`, `seed + 2`),
     /// and the float64 reference of 4 (batch, head) slices × `check_rows` query rows.
     fn prepare(&self, p: &Params, seed: u64, dir: &Path) -> Result<CaseFiles> {
+        if self.device == DeviceChoice::Cpu {
+            return cpu::prepare(p, seed, dir, self.check_rows);
+        }
         let c = case_of(p)?;
         let q = normal_bits(c.q_elems(), c.dtype, seed);
         let k = normal_bits(c.kv_elems(), c.dtype, seed.wrapping_add(1));
@@ -232,6 +289,9 @@ impl runner::Suite for Attention {
     }
 
     fn unsupported(&self, p: &Params, implementation: &str) -> Option<String> {
+        if implementation == cpu::IMPLEMENTATION {
+            return cpu::unsupported(p);
+        }
         let imp = Implementation::parse(implementation)?;
         match case_of(p) {
             Ok(c) => imp.supports(&c).err(),
@@ -240,6 +300,9 @@ impl runner::Suite for Attention {
     }
 
     fn is_default(&self, p: &Params, implementation: &str) -> bool {
+        if self.device == DeviceChoice::Cpu {
+            return implementation == cpu::IMPLEMENTATION;
+        }
         match (case_of(p), Implementation::parse(implementation)) {
             (Ok(c), Some(imp)) => imp.is_default_for(&c),
             _ => false,
@@ -256,6 +319,9 @@ impl runner::Suite for Attention {
     }
 
     fn label(&self, p: &Params) -> String {
+        if self.device == DeviceChoice::Cpu {
+            return cpu::label(p);
+        }
         match case_of(p) {
             Ok(c) => format!(
                 "B{} H{}/{} T{} D{} {} {} {}",
@@ -283,28 +349,54 @@ fn run(cli: &Cli) -> Result<ExitCode> {
             .map_err(anyhow::Error::msg)
             .context("--flash-config")?;
     }
-    let own: Vec<(&str, &str)> = cli
-        .implementations
+    let on_cpu = cli.run.device == DeviceChoice::Cpu;
+    let names = cli.implementations.clone().unwrap_or_else(|| {
+        let d: &[&str] = if on_cpu {
+            &[cpu::IMPLEMENTATION]
+        } else {
+            &["flash", "math"]
+        };
+        d.iter().map(|s| s.to_string()).collect()
+    });
+    let own: Vec<(&str, &str)> = names
         .iter()
         .map(|n| {
+            if on_cpu {
+                return (n == cpu::IMPLEMENTATION)
+                    .then_some((cpu::IMPLEMENTATION, "kernelpages"))
+                    .with_context(|| {
+                        format!("--implementations: unknown `{n}` on the CPU (cpu_flash)")
+                    });
+            }
             Implementation::parse(n)
                 .map(|i| (i.name(), i.library()))
                 .with_context(|| format!("--implementations: unknown `{n}` (flash, math)"))
         })
         .collect::<Result<_>>()?;
-    let imps = runner::implementations(&own, &ALTERNATIVES, &cli.run.compare)?;
-    let cases = cli
-        .run
-        .select(cases(cli, &cli.seq_lens)?, cases(cli, &QUICK_SEQ_LENS)?)?;
+    let alternatives: &[Alternative] = if on_cpu {
+        &cpu::ALTERNATIVES
+    } else {
+        &ALTERNATIVES
+    };
+    let imps = runner::implementations(&own, alternatives, &cli.run.compare)?;
+    let cases = cli.run.select(
+        cases(cli, &seq_lens(cli))?,
+        cases(cli, quick_seq_lens(cli))?,
+    )?;
     let declared = Declared {
         runner: "attention",
         flop_rule: Some(AttentionCase::FLOP_RULE.into()),
-        dispatch: dispatch_rules(),
+        dispatch: if on_cpu {
+            cpu::dispatch_rules()
+        } else {
+            dispatch_rules()
+        },
         axes: AttentionCase::AXES.iter().map(|a| a.to_string()).collect(),
         throughput: AttentionCase::throughput_decls(),
     };
     let suite = Attention {
         check_rows: cli.check_rows,
+        device: cli.run.device,
     };
     runner::run(&suite, &cli.run, declared, cases, imps, Vec::new())
 }
@@ -391,17 +483,28 @@ mod tests {
     #[test]
     fn default_grid_quick_grid_and_filter() {
         let cli = Cli::try_parse_from(["attention"]).unwrap();
-        assert_eq!(cases(&cli, &cli.seq_lens).unwrap().len(), 2 * 2 * 6);
+        assert_eq!(cases(&cli, &seq_lens(&cli)).unwrap().len(), 2 * 2 * 6);
         let cli =
             Cli::try_parse_from(["attention", "--quick", "--filter", "head_dim=128"]).unwrap();
         let kept = cli
             .run
             .select(
-                cases(&cli, &cli.seq_lens).unwrap(),
-                cases(&cli, &QUICK_SEQ_LENS).unwrap(),
+                cases(&cli, &seq_lens(&cli)).unwrap(),
+                cases(&cli, quick_seq_lens(&cli)).unwrap(),
             )
             .unwrap();
         assert_eq!(kept.len(), 2 * 2);
+        // The CPU grid: bf16 and fp32, batch 2, its own lengths; fp32 only on the CPU.
+        let cli = Cli::try_parse_from(["attention", "--device", "cpu"]).unwrap();
+        let grid = cases(&cli, &seq_lens(&cli)).unwrap();
+        assert_eq!(grid.len(), 2 * 2 * 2 * 5);
+        assert!(grid
+            .iter()
+            .any(|p| cpu::case_of(p).unwrap().1
+                == kernelpages::attention::cpu_flash::ElementType::F32));
+        assert_eq!(cpu::case_of(&grid[0]).unwrap().0.batch, cpu::BATCH);
+        let cli = Cli::try_parse_from(["attention", "--dtypes", "fp32"]).unwrap();
+        assert!(cases(&cli, &seq_lens(&cli)).is_err());
         let cli = Cli::try_parse_from(["attention", "--shard", "1/2"]).unwrap();
         assert_eq!(cli.run.shard.unwrap().count, 2);
     }
@@ -422,9 +525,12 @@ mod tests {
             "causal",
         ])
         .unwrap();
-        let p = &cases(&cli, &cli.seq_lens).unwrap()[0];
+        let p = &cases(&cli, &seq_lens(&cli)).unwrap()[0];
         let dir = tempfile::tempdir().unwrap();
-        let suite = Attention { check_rows: 16 };
+        let suite = Attention {
+            check_rows: 16,
+            device: DeviceChoice::Gpu,
+        };
         let files = suite.prepare(p, 7, dir.path()).unwrap();
         let c = case_of(p).unwrap();
         let q = kernelpages::runner::protocol::read_u16(&files.inputs[0].path).unwrap();

@@ -1,0 +1,322 @@
+"""PyTorch's scaled_dot_product_attention on the CPU, measured by the kernelpages protocol
+(`attention --device cpu --compare torch`).
+
+Implementations: `torch_cpu_flash` (the CPU flash-attention kernel, SDPBackend.FLASH_ATTENTION)
+and `torch_cpu_math` (the reference composition, SDPBackend.MATH), each forced with
+`sdpa_kernel`. For each job, in a fresh process: the runner's Q, K, V bits are read (bf16,
+fp16 or fp32); the first call is timed by wall clock (`first_call_s`); its peak memory is the
+resident set's high-water mark (VmHWM, reset through /proc/self/clear_refs before the inputs
+are read) minus the resident set at the reset, the same method as the project's CPU rows; the
+whole output is scanned for non-finite values and the runner's checked elements compared with
+the runner's float64 reference; then the timing protocol of `timing` with wall time as the
+sample time.
+
+What is timed: `inner` back-to-back calls between two `time.perf_counter()` readings. On the
+CPU a call returns when its work is done, so that wall time is the compute time; there is no
+separate host time (`host_ms` is left out, as in the project's CPU rows). PyTorch uses
+`torch.get_num_threads()` intra-op threads (each row's notes say how many).
+
+    PYTHONPATH=runners python3 -m compare.torch_cpu serve | self-test | job FILE
+"""
+
+import os
+import platform
+import re
+import sys
+import time
+import warnings
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from compare import protocol, timing  # noqa: E402
+else:
+    from . import protocol, timing
+
+LIBRARY = "PyTorch"
+
+# implementation name -> SDPBackend member name
+BACKENDS = {
+    "torch_cpu_flash": "FLASH_ATTENTION",
+    "torch_cpu_math": "MATH",
+}
+DTYPES = {"bf16": ("bfloat16", "int16"), "fp16": ("float16", "int16"),
+          "fp32": ("float32", "float32")}
+PEAK_METHOD = ("resident set high-water mark (VmHWM, reset through /proc/self/clear_refs before "
+               "the inputs are read, read after the first call) minus the resident set at the "
+               "reset, in a fresh process running only this case")
+TIMING_NOTE = ("CPU: each sample is the wall time of back-to-back calls (no device clock apart "
+               "from the host's; host_ms does not apply)")
+# Test hook: plant a NaN at this flat index of the first call's output.
+PLANT_NAN_ENV = "KP_COMPARE_PLANT_NAN"
+
+try:  # imported once in the server, before any fork
+    import torch
+    import torch.nn.functional  # noqa: F401
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+    IMPORT_ERROR = None
+except BaseException as e:  # an ImportError, or whatever a broken install raises
+    if isinstance(e, KeyboardInterrupt):
+        raise
+    torch = None
+    IMPORT_ERROR = "torch is not importable: %s" % protocol.exc_text(e)
+
+
+def libraries():
+    libs = {"python": platform.python_version()}
+    if torch is None:
+        return libs
+    libs["torch"] = str(torch.__version__)
+    try:
+        m = re.search(r"oneDNN v([0-9][0-9.]*)", torch.__config__.show())
+        if m:
+            libs["onednn"] = m.group(1)
+    except Exception:
+        pass
+    return libs
+
+
+def classify(exc):
+    """(status, message) for an exception raised by a torch call."""
+    if isinstance(exc, timing.CaseTimeout):
+        return "timeout", str(exc)
+    text = str(exc)
+    if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError)
+                                        and "out of memory" in text.lower()):
+        return "oom", protocol.exc_text(exc)
+    if isinstance(exc, RuntimeError) and "No available kernel" in text:
+        return "unsupported", protocol.exc_text(exc)
+    return "error", protocol.exc_text(exc)
+
+
+def unsupported_reason(case, implementation):
+    if implementation not in BACKENDS:
+        return "unknown implementation %r (known: %s)" % (implementation, ", ".join(BACKENDS))
+    if case.get("pass") != "fwd":
+        return "backward not measured on the CPU yet"
+    if case.get("dtype") not in DTYPES:
+        return "dtype %r is not measured (%s)" % (case.get("dtype"), ", ".join(DTYPES))
+    if int(case["heads"]) % int(case.get("kv_heads", case["heads"])) != 0:
+        return "heads (%s) is not a multiple of kv_heads (%s)" % (case["heads"],
+                                                                  case.get("kv_heads"))
+    return None
+
+
+# ---- resident memory (the method of src/runner/host.rs) ----
+
+def rss_bytes():
+    """(VmRSS, VmHWM) of this process in bytes, or None."""
+    try:
+        with open("/proc/self/status") as f:
+            text = f.read()
+    except OSError:
+        return None
+    vals = {}
+    for line in text.splitlines():
+        for key in ("VmRSS:", "VmHWM:"):
+            if line.startswith(key):
+                vals[key] = int(line.split()[1]) * 1024
+    if len(vals) != 2:
+        return None
+    return vals["VmRSS:"], vals["VmHWM:"]
+
+
+def reset_peak_rss():
+    """Resets VmHWM to VmRSS and returns VmRSS then, or None where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    r = rss_bytes()
+    return r[0] if r else None
+
+
+def load_average():
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def load_note(before, after):
+    """The remark of src/runner/host.rs `load_note`."""
+    if before is None or after is None:
+        return None
+    threads = os.cpu_count() or 1
+    busy = ": other processes shared the CPU" if max(before, after) > threads + 0.5 else ""
+    return ("1-minute load average %.1f before and %.1f after this row, on %d hardware "
+            "threads%s" % (before, after, threads, busy))
+
+
+def load_input(t):
+    """A runner input file as a CPU tensor of its dtype and shape."""
+    name, raw_type = DTYPES[t["dtype"]]
+    with open(t["path"], "rb") as f:
+        raw = bytearray(f.read())
+    x = torch.frombuffer(raw, dtype=getattr(torch, raw_type))
+    return x.view(getattr(torch, name)).reshape(t["shape"])
+
+
+def caller(case):
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    causal = bool(case["causal"])
+    if int(case.get("kv_heads", case["heads"])) != int(case["heads"]):
+        return lambda q, k, v: sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+    return lambda q, k, v: sdpa(q, k, v, is_causal=causal)
+
+
+class WallTimer(object):
+    """`inner` calls back to back between two perf_counter readings: (ms, ms)."""
+
+    def __init__(self, call, sets):
+        self.call, self.sets, self.pos = call, sets, 0
+
+    def __call__(self, inner):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            self.pos = (self.pos + 1) % len(self.sets)
+            self.call(*self.sets[self.pos])
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, ms
+
+
+def measure(job):
+    """Measure one job in this (fresh) process; returns the reply dict."""
+    reply = {}
+    try:
+        _measure_into(job, reply)
+    finally:
+        reply["libraries"] = libraries()
+    return reply
+
+
+def _measure_into(job, reply):
+    case, implementation = job["case"], job["implementation"]
+    why = IMPORT_ERROR or unsupported_reason(case, implementation)
+    if why is not None:
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
+        return reply
+    try:
+        with warnings.catch_warnings(record=True) as recorded:
+            warnings.simplefilter("always")
+            fields, window = _measure(job)
+    except Exception as e:
+        status, msg = classify(e)
+        if status == "unsupported":
+            texts = [str(w.message) for w in recorded]
+            if texts:
+                msg += " | warnings: " + protocol.clip(" ".join(texts))
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
+        return reply
+    if "message" in fields:
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "error",
+                                         fields["message"])
+    else:
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "ok", None, **fields)
+    if window is not None:
+        reply["window"] = window
+    return reply
+
+
+def _measure(job):
+    case, files, tcfg = job["case"], job["files"], job["timing"]
+    implementation = job["implementation"]
+    call = caller(case)
+    load_before = load_average()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with torch.no_grad(), sdpa_kernel([getattr(SDPBackend, BACKENDS[implementation])]):
+        base = reset_peak_rss()
+        set0 = tuple(load_input(t) for t in files["inputs"])
+        t0 = time.perf_counter()
+        out = call(*set0)
+        first_call_s = time.perf_counter() - t0
+        r = rss_bytes()
+        peak = r[1] - base if (base is not None and r is not None) else None
+        set_bytes = sum(x.numel() * x.element_size() for x in set0)
+        out_bytes = out.numel() * out.element_size()
+
+        flat = out.contiguous().view(-1)
+        plant = os.environ.get(PLANT_NAN_ENV)
+        if plant:
+            flat[int(plant)] = float("nan")
+        bad = (~torch.isfinite(flat)).nonzero()
+        bad_index = int(bad[0, 0]) if bad.numel() else None
+        check = files["check"]
+        idx = torch.tensor(protocol.flat_indices(check["ranges"]), dtype=torch.long)
+        got = flat.index_select(0, idx).double().tolist()
+        reference = protocol.read_f64(check["reference"])
+        msg, rel_err = protocol.check_output(bad_index, flat.numel(), got, reference)
+        del out, flat, idx, got
+        if msg is not None:
+            return {"message": msg}, None
+
+        # Rotation over copies of the inputs past the last-level cache (the job's l2_bytes).
+        n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
+                                            float(tcfg["l2_rotation_factor"]))
+        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
+        window0 = protocol.unix_now()
+        m = timing.measure(WallTimer(call, sets), tcfg)
+        window = [window0, protocol.unix_now()]
+        del sets
+    notes = [TIMING_NOTE, "PyTorch intra-op threads: %d" % torch.get_num_threads()]
+    note = load_note(load_before, load_average())
+    if note:
+        notes.append(note)
+    if m["cut_short"]:
+        notes.append("%d of %d samples: the %g s case limit stopped sampling"
+                     % (m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"])))
+    memory = {"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6}
+    if peak is not None:
+        memory.update(peak_mb=max(0, peak) / 1e6, peak_method=PEAK_METHOD,
+                      temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
+    fields = dict(
+        median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
+        samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
+        first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
+        memory=memory,
+        accuracy={"rel_err": rel_err, "metric": "rel_l2",
+                  "reference": check.get("reference_kind", "float64_cpu"),
+                  "tolerance": check["tolerance"], "checked": check["checked"]},
+        notes=notes)
+    return fields, window
+
+
+def self_test():
+    """Pure checks of this module (no torch needed), then the shared ones."""
+    failures = protocol.self_test()
+
+    def check(cond, what):
+        if not cond:
+            failures.append("torch_cpu: " + what)
+
+    check(unsupported_reason({"pass": "fwd", "dtype": "fp32", "heads": 8, "kv_heads": 2},
+                             "torch_cpu_flash") is None, "fp32 GQA is measured")
+    check("backward" in unsupported_reason({"pass": "fwd+bwd", "dtype": "bf16", "heads": 8},
+                                           "torch_cpu_math"), "fwd+bwd is unsupported")
+    check("unknown" in unsupported_reason({}, "torch_flash"), "GPU names are unknown here")
+    n = os.cpu_count() or 1
+    check(load_note(n + 2.0, 0.0).endswith("shared the CPU"), "busy machine flagged")
+    check("shared" not in load_note(0.0, 0.0), "idle machine not flagged")
+    check(load_note(None, 1.0) is None, "no load average, no note")
+    if os.path.exists("/proc/self/status"):
+        r = rss_bytes()
+        check(r is not None and r[1] >= r[0] > 0, "resident set read: %r" % (r,))
+    return failures
+
+
+def main(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["self-test"]:
+        failures = self_test()
+        for f in failures:
+            protocol.log("self-test FAILED: " + f)
+        if not failures:
+            protocol.log("self-test passed")
+        return 1 if failures else 0
+    return protocol.main(measure, LIBRARY, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
