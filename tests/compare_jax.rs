@@ -1,0 +1,204 @@
+//! The JAX comparison module (`runners/compare/jax_attention.py`) through the runner's own
+//! client ([`kernelpages::runner::process::Server`]): its self-test (pure Python, no JAX), and
+//! every job answered with a [`kernelpages::runner::protocol::Reply`] whose row deserialises.
+//!
+//! Without JAX or a GPU (the CI machine) every row is `unsupported` and says why. With JAX and
+//! a GPU (the device machine) the same jobs are measured for real on the runner's input bits
+//! and reference. Without `python3` (build.rs's `kp_python`) the tests are compiled as ignored.
+//!
+//! `KP_RUNNERS_DIR` points the tests at another copy of `runners/` (the device machine).
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use kernelpages::attention::cpu::{normal_bits, reference_values, CheckPlan};
+use kernelpages::attention::{AttentionCase, Dtype, Pass};
+use kernelpages::harness::default_timing;
+use kernelpages::runner::process::Server;
+use kernelpages::runner::protocol::{
+    write_f64, write_u16, CaseFiles, CheckSpec, Job, OutputSpec, TensorFile,
+};
+use kernelpages::schema::{Reference, Status, TimingConfig};
+
+fn runners_dir() -> std::path::PathBuf {
+    kernelpages::runner::locate_runners_dir().expect("runners/compare/ exists")
+}
+
+/// True when JAX sees a GPU here.
+fn jax_with_gpu() -> bool {
+    Command::new("python3")
+        .args([
+            "-c",
+            "import jax, sys; sys.exit(0 if jax.devices('gpu') else 1)",
+        ])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+fn timing() -> TimingConfig {
+    TimingConfig {
+        warmup_ms: 5.0,
+        repeats: 5,
+        min_sample_ms: 0.5,
+        max_inner: 10,
+        case_timeout_s: 60.0,
+        ..default_timing()
+    }
+}
+
+/// The runner's files for a case: q, k, v (and dO, named `do`, for fwd+bwd: the protocol the
+/// module assumes) and the float64 reference of the output.
+fn case_files(c: &AttentionCase, dir: &Path) -> CaseFiles {
+    let q = normal_bits(c.q_elems(), c.dtype, 11);
+    let k = normal_bits(c.kv_elems(), c.dtype, 12);
+    let v = normal_bits(c.kv_elems(), c.dtype, 13);
+    let plan = CheckPlan::new(c, 16, 5);
+    let reference = reference_values(c, &q, &k, &v, &plan);
+    let q_shape = vec![c.batch, c.heads, c.seq_len, c.head_dim];
+    let kv_shape = vec![c.batch, c.kv_heads, c.seq_len, c.head_dim];
+    let d_o = normal_bits(c.q_elems(), c.dtype, 14);
+    let mut tensors = vec![
+        ("q", &q, &q_shape),
+        ("k", &k, &kv_shape),
+        ("v", &v, &kv_shape),
+    ];
+    if c.pass == Pass::FwdBwd {
+        tensors.push(("do", &d_o, &q_shape));
+    }
+    let inputs = tensors
+        .into_iter()
+        .map(|(name, bits, shape)| {
+            let path = dir.join(format!("{name}.bin"));
+            write_u16(&path, bits).unwrap();
+            TensorFile {
+                name: name.into(),
+                dtype: c.dtype.as_str().into(),
+                shape: shape.clone(),
+                path,
+            }
+        })
+        .collect();
+    let reference_path = dir.join("reference.f64");
+    write_f64(&reference_path, &reference).unwrap();
+    CaseFiles {
+        inputs,
+        output: OutputSpec {
+            dtype: c.dtype.as_str().into(),
+            shape: q_shape,
+        },
+        check: CheckSpec {
+            ranges: plan.ranges(c),
+            reference: reference_path,
+            reference_kind: Reference::Float64Cpu,
+            tolerance: c.dtype.tolerance(),
+            checked: plan.describe(c),
+        },
+        flops: Some(c.flops()),
+        bytes: None,
+    }
+}
+
+fn case(causal: bool, dtype: Dtype, kv_heads: usize, pass: Pass) -> AttentionCase {
+    AttentionCase {
+        batch: 2,
+        heads: 4,
+        kv_heads,
+        seq_len: 256,
+        head_dim: 64,
+        causal,
+        dtype,
+        pass,
+    }
+}
+
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn self_test_passes_without_jax() {
+    let o = Command::new("python3")
+        .args(["-m", "compare.jax_attention", "self-test"])
+        .env("PYTHONPATH", runners_dir())
+        .output()
+        .expect("python3 runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn every_job_gets_a_reply_row() {
+    let gpu = jax_with_gpu();
+    let dir = tempfile::tempdir().unwrap();
+    let mut s =
+        Server::start("python3", &runners_dir(), "jax_attention", &[]).expect("python3 starts");
+    for (i, c) in [
+        case(true, Dtype::Bf16, 2, Pass::Fwd),
+        case(false, Dtype::F16, 4, Pass::FwdBwd),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let d = dir.path().join(format!("case{i}"));
+        std::fs::create_dir_all(&d).unwrap();
+        let files = case_files(c, &d);
+        for imp in ["jax_xla", "jax_cudnn"] {
+            let job = Job {
+                case: c.params(),
+                implementation: imp.into(),
+                timing: timing(),
+                l2_bytes: 62_914_560,
+                files: files.clone(),
+            };
+            let reply = s.request(&job, Duration::from_secs(300)).unwrap();
+            let row = &reply.row;
+            eprintln!(
+                "{imp} {}: {:?} {:?}",
+                c.pass.as_str(),
+                row.status,
+                row.message
+            );
+            assert_eq!(row.case, c.params());
+            assert_eq!(
+                (row.implementation.as_str(), row.library.as_str()),
+                (imp, "JAX")
+            );
+            assert!(reply.libraries.contains_key("python"));
+            if !gpu {
+                assert_eq!(row.status, Status::Unsupported, "{row:?}");
+                let msg = row.message.as_deref().unwrap();
+                assert!(msg.contains("jax") || msg.contains("GPU"), "{msg}");
+                continue;
+            }
+            if row.status != Status::Ok {
+                assert!(!row.message.as_deref().unwrap_or("").is_empty(), "{row:?}");
+                continue;
+            }
+            let acc = row.accuracy.as_ref().unwrap();
+            assert!(acc.rel_err < acc.tolerance, "{acc:?}");
+            assert!(row.first_call_s.unwrap() > 0.0 && row.host_ms.unwrap() > 0.0);
+            assert!(row.q1_ms.unwrap() <= row.median_ms.unwrap());
+            assert!(row.timing.is_none(), "neither events nor graph replay");
+            assert!(row.notes.iter().any(|n| n.contains("XLA compilation")));
+            assert_eq!(row.flops, Some(c.flops()));
+        }
+    }
+    // A fwd+bwd job without dO is unsupported, with the reason (GPU or not).
+    let c = case(false, Dtype::Bf16, 4, Pass::FwdBwd);
+    let d = dir.path().join("nodo");
+    std::fs::create_dir_all(&d).unwrap();
+    let mut files = case_files(&c, &d);
+    files.inputs.truncate(3);
+    let job = Job {
+        case: c.params(),
+        implementation: "jax_xla".into(),
+        timing: timing(),
+        l2_bytes: 1,
+        files,
+    };
+    let row = s.request(&job, Duration::from_secs(120)).unwrap().row;
+    assert_eq!(row.status, Status::Unsupported);
+    if gpu {
+        assert!(row.message.unwrap().contains("dO"));
+    }
+    assert!(s.alive());
+}
