@@ -236,8 +236,9 @@ pub fn merge_runs(rows: &[Row]) -> Row {
     row
 }
 
-/// Remarks every suite's rows get from the shared machinery: rotation capped, launch-bound.
-pub fn common_notes(row: &Row, timing: &TimingConfig) -> Vec<String> {
+/// Remarks every suite's rows get from the shared machinery: rotation capped (past `cache`,
+/// e.g. `L2`), launch-bound.
+pub fn common_notes(row: &Row, timing: &TimingConfig, cache: &str) -> Vec<String> {
     let mut notes = Vec::new();
     if row.status != Status::Ok {
         return notes;
@@ -245,7 +246,7 @@ pub fn common_notes(row: &Row, timing: &TimingConfig) -> Vec<String> {
     if let (Some(reached), Some(sets)) = (row.l2_rotation_reached, row.input_sets) {
         if reached + 1e-9 < timing.l2_rotation_factor {
             notes.push(format!(
-                "L2 rotation capped at {sets} input sets: {reached:.2}× the L2 of the {}× asked",
+                "{cache} rotation capped at {sets} input sets: {reached:.2}× the {cache} of the {}× asked",
                 timing.l2_rotation_factor
             ));
         }
@@ -274,8 +275,10 @@ pub struct Grid<'a> {
     pub timing: &'a TimingConfig,
     /// Seed of the inputs.
     pub seed: u64,
-    /// L2 size, bytes.
+    /// L2 size, bytes (a CPU's last-level cache on `--device cpu`).
     pub l2_bytes: u64,
+    /// The cache `l2_bytes` measures, as the rows' notes name it: `L2`, `last-level cache`.
+    pub cache: &'a str,
     /// Folder for the case files (one sub-folder per case, removed after it).
     pub scratch: &'a Path,
 }
@@ -373,7 +376,7 @@ pub fn measure_grid(
                 .suite
                 .notes(case, &imp.name)
                 .into_iter()
-                .chain(common_notes(row, g.timing))
+                .chain(common_notes(row, g.timing, g.cache))
                 .chain(sink.machine_note())
             {
                 if !row.notes.contains(&n) {
@@ -811,6 +814,10 @@ pub fn run(
         timing: &timing,
         seed: args.seed,
         l2_bytes,
+        cache: match args.device {
+            DeviceChoice::Gpu => "L2",
+            DeviceChoice::Cpu => "last-level cache",
+        },
         scratch: &scratch,
     };
     let result = measure_grid(&grid, &mut exec, &mut sink);

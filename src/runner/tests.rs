@@ -162,6 +162,7 @@ fn run_fake(runs: u32) -> (Vec<Row>, FakeExec, FakeSink, Vec<i64>) {
         timing: &timing,
         seed: 1,
         l2_bytes: 60_000_000,
+        cache: "L2",
         scratch: dir.path(),
     };
     let mut exec = FakeExec {
