@@ -1,4 +1,5 @@
-//! Attention on the CPU, fast: the forward pass tiled as FlashAttention does it, on every core.
+//! Attention on the CPU, fast: forward and backward tiled as FlashAttention does them, on every
+//! core.
 //!
 //! [`dot_product_attention`] computes O = softmax(scale · Q Kᵀ + mask) V for bf16, fp16 or fp32
 //! inputs with float32 arithmetic throughout. The work is split over (batch, head, block of
@@ -14,7 +15,15 @@
 //! masking is aligned bottom-right, as FlashAttention-2 and cuDNN do: query i sees keys
 //! j ≤ i + seq_len_kv − seq_len_q, and a query that sees no key gets a zero output row.
 //!
-//! [`reference`] is the same definition in float64, for the tests and the runner's check.
+//! [`dot_product_attention_backward`] is the FlashAttention-2 backward: with the log-sum-exp
+//! the forward saved ([`dot_product_attention_lse_into`]) it recomputes P tile by tile and
+//! accumulates dV = Pᵀ·dO, dK = scale·dSᵀ·Q (tasks over key blocks) and dQ = scale·dS·K (tasks
+//! over query blocks): seven matrix products per (query block, key block) pair through `gemm`
+//! (S and dP in each of the two passes, then dV, dK and dQ); [`dot_product_attention_vjp`] runs
+//! forward and backward.
+//!
+//! [`reference`] is the same definition in float64, for the tests and the runner's check
+//! ([`reference_gradients`] for the backward).
 //! It agrees bit for bit with [`super::cpu::reference_rows`] on the shapes both accept
 //! (tested), so the two definitions cannot drift apart unnoticed.
 
@@ -324,8 +333,64 @@ pub fn dot_product_attention_into<T: Element>(
             ("out", out.len(), shape.q_elems()),
         ],
     )?;
+    let mut lse = vec![0.0f32; shape.batch * shape.heads * shape.seq_len_q];
+    forward(q, k, v, shape, options, out, &mut lse);
+    Ok(())
+}
+
+/// [`dot_product_attention_into`] that also writes the log-sum-exp of each query row's scores,
+/// `lse[b, h, i] = ln Σ_j exp(scale · q_i·k_j)` over the keys row i sees (−∞ for a row that
+/// sees none), `[B, H, T_q]`: what [`dot_product_attention_backward`] recomputes the
+/// probabilities from.
+///
+/// # Errors
+/// As [`dot_product_attention`]; `lse` of the wrong length.
+pub fn dot_product_attention_lse_into<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: &Shape,
+    options: &Options,
+    out: &mut [T],
+    lse: &mut [f32],
+) -> Result<(), AttentionError> {
+    check_lengths(
+        shape,
+        [
+            ("q", q.len(), shape.q_elems()),
+            ("k", k.len(), shape.kv_elems()),
+            ("v", v.len(), shape.kv_elems()),
+            ("out", out.len(), shape.q_elems()),
+        ],
+    )?;
+    let want = shape.batch * shape.heads * shape.seq_len_q;
+    if lse.len() != want {
+        return Err(AttentionError::Length {
+            name: "lse",
+            got: lse.len(),
+            want,
+        });
+    }
+    forward(q, k, v, shape, options, out, lse);
+    for x in lse.iter_mut() {
+        *x *= std::f32::consts::LN_2;
+    }
+    Ok(())
+}
+
+/// The forward on checked arguments; `lse` receives the base-2 log-sum-exp of the base-2
+/// scores (scale·log2(e)·q·k), `[B, H, T_q]`.
+fn forward<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: &Shape,
+    options: &Options,
+    out: &mut [T],
+    lse: &mut [f32],
+) {
     if shape.seq_len_q == 0 {
-        return Ok(());
+        return;
     }
     let kf = widen(k);
     let vf = widen(v);
@@ -335,8 +400,9 @@ pub fn dot_product_attention_into<T: Element>(
     let scale_log2 = (options.scale_for(shape) * std::f64::consts::LOG2_E) as f32;
     let causal = options.causal;
     out.par_chunks_mut(tq * d)
+        .zip(lse.par_chunks_mut(tq))
         .enumerate()
-        .for_each(|(bh, o_slice)| {
+        .for_each(|(bh, (o_slice, lse_slice))| {
             let (b, h) = (bh / s.heads, bh % s.heads);
             let q_slice = &q[bh * tq * d..(bh + 1) * tq * d];
             let kv0 = (b * s.kv_heads + h / group) * tkv * d;
@@ -344,17 +410,338 @@ pub fn dot_product_attention_into<T: Element>(
             let v_slice = &vf[kv0..kv0 + tkv * d];
             o_slice
                 .par_chunks_mut(BLOCK_Q * d)
+                .zip(lse_slice.par_chunks_mut(BLOCK_Q))
                 .enumerate()
-                .for_each(|(blk, o_block)| {
+                .for_each(|(blk, (o_block, lse_block))| {
                     let i0 = blk * BLOCK_Q;
                     let rows = o_block.len() / d;
                     let q_block = &q_slice[i0 * d..(i0 + rows) * d];
                     forward_block(
-                        &s, causal, scale_log2, i0, q_block, k_slice, v_slice, o_block,
+                        &s, causal, scale_log2, i0, q_block, k_slice, v_slice, o_block, lse_block,
                     );
                 });
         });
-    Ok(())
+}
+
+/// dQ, dK and dV of one call: gradients of a loss with respect to Q, K and V, laid out as
+/// they are.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gradients<T> {
+    /// dL/dQ, `[B, H, T_q, D]`.
+    pub dq: Vec<T>,
+    /// dL/dK, `[B, KV, T_kv, D]` (summed over the query heads that share a key head).
+    pub dk: Vec<T>,
+    /// dL/dV, `[B, KV, T_kv, D]`.
+    pub dv: Vec<T>,
+}
+
+/// The backward pass of [`dot_product_attention`], FlashAttention-2 style: the probabilities
+/// are recomputed block by block from the forward's log-sum-exp (`lse`, from
+/// [`dot_product_attention_lse_into`]), never stored. `out` is the forward's output and
+/// `d_out` dL/dO, both `[B, H, T_q, D]`. dK and dV are computed in tasks over (batch, key
+/// head, block of [`BLOCK_KV`] keys), each looping over its query heads and the query blocks
+/// that see its keys; dQ in tasks over (batch, head, block of [`BLOCK_Q`] queries). Float32
+/// arithmetic; results rounded to `T`.
+///
+/// # Errors
+/// As [`dot_product_attention`]; `out`, `d_out` or `lse` of the wrong length.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_product_attention_backward<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &[T],
+    d_out: &[T],
+    lse: &[f32],
+    shape: &Shape,
+    options: &Options,
+) -> Result<Gradients<T>, AttentionError> {
+    check_lengths(
+        shape,
+        [
+            ("q", q.len(), shape.q_elems()),
+            ("k", k.len(), shape.kv_elems()),
+            ("v", v.len(), shape.kv_elems()),
+            ("out", out.len(), shape.q_elems()),
+        ],
+    )?;
+    for (name, got, want) in [
+        ("d_out", d_out.len(), shape.q_elems()),
+        (
+            "lse",
+            lse.len(),
+            shape.batch * shape.heads * shape.seq_len_q,
+        ),
+    ] {
+        if got != want {
+            return Err(AttentionError::Length { name, got, want });
+        }
+    }
+    let zero = T::from_f32(0.0);
+    let mut g = Gradients {
+        dq: vec![zero; shape.q_elems()],
+        dk: vec![zero; shape.kv_elems()],
+        dv: vec![zero; shape.kv_elems()],
+    };
+    backward(q, k, v, out, d_out, lse, shape, options, &mut g);
+    Ok(g)
+}
+
+/// Forward then backward: the output and the gradients for `d_out` (what a training step
+/// runs; the `fwd+bwd` pass of the attention suite).
+///
+/// # Errors
+/// As [`dot_product_attention_backward`].
+pub fn dot_product_attention_vjp<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    d_out: &[T],
+    shape: &Shape,
+    options: &Options,
+) -> Result<(Vec<T>, Gradients<T>), AttentionError> {
+    let mut out = vec![T::from_f32(0.0); shape.q_elems()];
+    let mut lse = vec![0.0f32; shape.batch * shape.heads * shape.seq_len_q];
+    dot_product_attention_lse_into(q, k, v, shape, options, &mut out, &mut lse)?;
+    let g = dot_product_attention_backward(q, k, v, &out, d_out, &lse, shape, options)?;
+    Ok((out, g))
+}
+
+/// The backward on checked arguments (`lse` in natural-log units).
+#[allow(clippy::too_many_arguments)]
+fn backward<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &[T],
+    d_out: &[T],
+    lse: &[f32],
+    shape: &Shape,
+    options: &Options,
+    g: &mut Gradients<T>,
+) {
+    let s = *shape;
+    let (tq, tkv, d) = (s.seq_len_q, s.seq_len_kv, s.head_dim);
+    if tq == 0 || tkv == 0 {
+        g.dq.fill(T::from_f32(0.0));
+        g.dk.fill(T::from_f32(0.0));
+        g.dv.fill(T::from_f32(0.0));
+        return;
+    }
+    let (qf, kf, vf, dof) = (widen(q), widen(k), widen(v), widen(d_out));
+    let group = s.heads / s.kv_heads;
+    let scale = options.scale_for(shape) as f32;
+    let scale_log2 = (options.scale_for(shape) * std::f64::consts::LOG2_E) as f32;
+    let causal = options.causal;
+    // Per query row: the base-2 log-sum-exp and D_i = dO_i · O_i.
+    let lse2: Vec<f32> = lse.iter().map(|x| x * std::f32::consts::LOG2_E).collect();
+    let mut delta = vec![0.0f32; lse.len()];
+    delta.par_chunks_mut(1024).enumerate().for_each(|(c, dl)| {
+        for (r, x) in dl.iter_mut().enumerate() {
+            let row = (c * 1024 + r) * d;
+            *x = out[row..row + d]
+                .iter()
+                .zip(&dof[row..row + d])
+                .map(|(o, g)| o.to_f32() * g)
+                .sum();
+        }
+    });
+    let ctx = BackwardCtx {
+        s,
+        causal,
+        scale_log2,
+        lse2: &lse2,
+        delta: &delta,
+    };
+    // dK, dV: one task per (batch, key head, key block).
+    g.dk.par_chunks_mut(tkv * d)
+        .zip(g.dv.par_chunks_mut(tkv * d))
+        .enumerate()
+        .for_each(|(bkv, (dk_s, dv_s))| {
+            let b = bkv / s.kv_heads;
+            let kv0 = bkv * tkv * d;
+            let (k_s, v_s) = (&kf[kv0..kv0 + tkv * d], &vf[kv0..kv0 + tkv * d]);
+            dk_s.par_chunks_mut(BLOCK_KV * d)
+                .zip(dv_s.par_chunks_mut(BLOCK_KV * d))
+                .enumerate()
+                .for_each(|(blk, (dk_b, dv_b))| {
+                    let j0 = blk * BLOCK_KV;
+                    let bc = dk_b.len() / d;
+                    let mut acc_dk = vec![0.0f32; bc * d];
+                    let mut acc_dv = vec![0.0f32; bc * d];
+                    let mut p = vec![0.0f32; BLOCK_Q * bc];
+                    let mut dp = vec![0.0f32; BLOCK_Q * bc];
+                    let k_b = &k_s[j0 * d..(j0 + bc) * d];
+                    let v_b = &v_s[j0 * d..(j0 + bc) * d];
+                    // The first query that sees key j0.
+                    let first = if causal {
+                        (j0 as isize - (tkv as isize - tq as isize)).max(0) as usize
+                    } else {
+                        0
+                    };
+                    for h in (bkv % s.kv_heads) * group..(bkv % s.kv_heads + 1) * group {
+                        let bh = b * s.heads + h;
+                        let q0 = bh * tq * d;
+                        // Query blocks aligned to BLOCK_Q, from the one holding `first`.
+                        let mut i0 = first / BLOCK_Q * BLOCK_Q;
+                        while i0 < tq {
+                            let br = BLOCK_Q.min(tq - i0);
+                            let q_b = &qf[q0 + i0 * d..q0 + (i0 + br) * d];
+                            let do_b = &dof[q0 + i0 * d..q0 + (i0 + br) * d];
+                            let (p, dp) = (&mut p[..br * bc], &mut dp[..br * bc]);
+                            ctx.probabilities_and_ds(
+                                bh, i0, br, j0, bc, q_b, k_b, v_b, do_b, p, dp,
+                            );
+                            // dV += Pᵀ·dO; dK += dSᵀ·Q (dS is in dp).
+                            let pt = Mat {
+                                data: p,
+                                rs: 1,
+                                cs: bc,
+                            };
+                            matmul(bc, d, br, &mut acc_dv, true, pt, Mat::row_major(do_b, d));
+                            let dst = Mat {
+                                data: dp,
+                                rs: 1,
+                                cs: bc,
+                            };
+                            matmul(bc, d, br, &mut acc_dk, true, dst, Mat::row_major(q_b, d));
+                            i0 += br;
+                        }
+                    }
+                    for (o, a) in dk_b.iter_mut().zip(&acc_dk) {
+                        *o = T::from_f32(a * scale);
+                    }
+                    for (o, a) in dv_b.iter_mut().zip(&acc_dv) {
+                        *o = T::from_f32(*a);
+                    }
+                });
+        });
+    // dQ: one task per (batch, head, query block).
+    g.dq.par_chunks_mut(tq * d)
+        .enumerate()
+        .for_each(|(bh, dq_s)| {
+            let (b, h) = (bh / s.heads, bh % s.heads);
+            let kv0 = (b * s.kv_heads + h / group) * tkv * d;
+            let (k_s, v_s) = (&kf[kv0..kv0 + tkv * d], &vf[kv0..kv0 + tkv * d]);
+            let q0 = bh * tq * d;
+            dq_s.par_chunks_mut(BLOCK_Q * d)
+                .enumerate()
+                .for_each(|(blk, dq_b)| {
+                    let i0 = blk * BLOCK_Q;
+                    let br = dq_b.len() / d;
+                    let q_b = &qf[q0 + i0 * d..q0 + (i0 + br) * d];
+                    let do_b = &dof[q0 + i0 * d..q0 + (i0 + br) * d];
+                    let mut acc = vec![0.0f32; br * d];
+                    let mut p = vec![0.0f32; br * BLOCK_KV];
+                    let mut dp = vec![0.0f32; br * BLOCK_KV];
+                    let keys_end = s.visible_keys(i0 + br - 1, causal);
+                    let mut j0 = 0;
+                    while j0 < keys_end {
+                        let bc = BLOCK_KV.min(keys_end - j0);
+                        let k_b = &k_s[j0 * d..(j0 + bc) * d];
+                        let v_b = &v_s[j0 * d..(j0 + bc) * d];
+                        let (p, dp) = (&mut p[..br * bc], &mut dp[..br * bc]);
+                        ctx.probabilities_and_ds(bh, i0, br, j0, bc, q_b, k_b, v_b, do_b, p, dp);
+                        // dQ += dS·K.
+                        matmul(
+                            br,
+                            d,
+                            bc,
+                            &mut acc,
+                            true,
+                            Mat::row_major(dp, bc),
+                            Mat::row_major(k_b, d),
+                        );
+                        j0 += bc;
+                    }
+                    for (o, a) in dq_b.iter_mut().zip(&acc) {
+                        *o = T::from_f32(a * scale);
+                    }
+                });
+        });
+}
+
+/// What every backward tile reads.
+struct BackwardCtx<'a> {
+    s: Shape,
+    causal: bool,
+    scale_log2: f32,
+    /// Base-2 log-sum-exp per query row, `[B, H, T_q]`.
+    lse2: &'a [f32],
+    /// D_i = dO_i · O_i per query row, `[B, H, T_q]`.
+    delta: &'a [f32],
+}
+
+impl BackwardCtx<'_> {
+    /// For query rows `i0..i0 + br` of slice `bh` against keys `j0..j0 + bc`: P (recomputed
+    /// from the log-sum-exp, 0 where masked) into `p` and dS = P ∘ (dO·Vᵀ − D) into `ds`, both
+    /// `br × bc` row-major.
+    #[allow(clippy::too_many_arguments)]
+    fn probabilities_and_ds(
+        &self,
+        bh: usize,
+        i0: usize,
+        br: usize,
+        j0: usize,
+        bc: usize,
+        q_b: &[f32],
+        k_b: &[f32],
+        v_b: &[f32],
+        do_b: &[f32],
+        p: &mut [f32],
+        ds: &mut [f32],
+    ) {
+        let d = self.s.head_dim;
+        let row0 = bh * self.s.seq_len_q + i0;
+        // S = Q·Kᵀ, P = 2^(scale·log2(e)·S − lse2).
+        matmul(
+            br,
+            bc,
+            d,
+            p,
+            false,
+            Mat::row_major(q_b, d),
+            Mat {
+                data: k_b,
+                rs: 1,
+                cs: d,
+            },
+        );
+        // dP = dO·Vᵀ.
+        matmul(
+            br,
+            bc,
+            d,
+            ds,
+            false,
+            Mat::row_major(do_b, d),
+            Mat {
+                data: v_b,
+                rs: 1,
+                cs: d,
+            },
+        );
+        for r in 0..br {
+            let n_vis = self
+                .s
+                .visible_keys(i0 + r, self.causal)
+                .saturating_sub(j0)
+                .min(bc);
+            let (pr, dr) = (&mut p[r * bc..(r + 1) * bc], &mut ds[r * bc..(r + 1) * bc]);
+            if n_vis == 0 {
+                pr.fill(0.0);
+                dr.fill(0.0);
+                continue;
+            }
+            simd::scale(&mut pr[..n_vis], self.scale_log2);
+            simd::exp2_shifted(&mut pr[..n_vis], self.lse2[row0 + r]);
+            pr[n_vis..].fill(0.0);
+            let delta = self.delta[row0 + r];
+            for (dv, pv) in dr.iter_mut().zip(pr.iter()) {
+                *dv = pv * (*dv - delta);
+            }
+        }
+    }
 }
 
 /// `x` as float32: borrowed for f32, else widened on all threads.
@@ -386,6 +773,7 @@ fn forward_block<T: Element>(
     k: &[f32],
     v: &[f32],
     o_block: &mut [T],
+    lse_block: &mut [f32],
 ) {
     let d = s.head_dim;
     let rows = q_block.len() / d;
@@ -447,6 +835,11 @@ fn forward_block<T: Element>(
     for r in 0..rows {
         // A row that saw no key (l = 0) is 0, not NaN.
         let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
+        lse_block[r] = if l[r] > 0.0 {
+            m[r] + l[r].log2()
+        } else {
+            f32::NEG_INFINITY
+        };
         for (o, a) in o_block[r * d..(r + 1) * d]
             .iter_mut()
             .zip(&acc[r * d..(r + 1) * d])
@@ -744,6 +1137,67 @@ pub fn reference<T: Element>(
     out
 }
 
+/// The float64 gradients dQ, dK, dV for dL/dO = `d_out` (small shapes): P from the
+/// definition, dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)), dQ = scale·dS·K,
+/// dK = scale·dSᵀ·Q, dK and dV summed over the query heads sharing a key head.
+pub fn reference_gradients<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    d_out: &[T],
+    shape: &Shape,
+    options: &Options,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let s = shape;
+    let (tq, tkv, d) = (s.seq_len_q, s.seq_len_kv, s.head_dim);
+    let f = |x: &T| x.to_f32() as f64;
+    let scale = options.scale_for(s);
+    let (mut dq, mut dk, mut dv) = (
+        vec![0.0; s.q_elems()],
+        vec![0.0; s.kv_elems()],
+        vec![0.0; s.kv_elems()],
+    );
+    for b in 0..s.batch {
+        for h in 0..s.heads {
+            let qo = (b * s.heads + h) * tq * d;
+            let kvo = (b * s.kv_heads + h / (s.heads / s.kv_heads)) * tkv * d;
+            for i in 0..tq {
+                let n = s.visible_keys(i, options.causal);
+                if n == 0 {
+                    continue;
+                }
+                let qi = &q[qo + i * d..qo + (i + 1) * d];
+                let doi = &d_out[qo + i * d..qo + (i + 1) * d];
+                let sc: Vec<f64> = (0..n)
+                    .map(|j| {
+                        let kj = &k[kvo + j * d..kvo + (j + 1) * d];
+                        qi.iter().zip(kj).map(|(a, b)| f(a) * f(b)).sum::<f64>() * scale
+                    })
+                    .collect();
+                let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = sc.iter().map(|x| (x - mx).exp()).sum();
+                let p: Vec<f64> = sc.iter().map(|x| (x - mx).exp() / sum).collect();
+                let dp: Vec<f64> = (0..n)
+                    .map(|j| {
+                        let vj = &v[kvo + j * d..kvo + (j + 1) * d];
+                        doi.iter().zip(vj).map(|(a, b)| f(a) * f(b)).sum()
+                    })
+                    .collect();
+                let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                for j in 0..n {
+                    let ds = p[j] * (dp[j] - delta);
+                    for e in 0..d {
+                        dq[qo + i * d + e] += scale * ds * f(&k[kvo + j * d + e]);
+                        dk[kvo + j * d + e] += scale * ds * f(&qi[e]);
+                        dv[kvo + j * d + e] += p[j] * f(&doi[e]);
+                    }
+                }
+            }
+        }
+    }
+    (dq, dk, dv)
+}
+
 /// Float64 reference values of a check plan's elements, in [`CheckPlan::ranges`] order, on
 /// all of rayon's threads (self-attention shapes, as the plan is).
 pub fn reference_values<T: Element>(
@@ -1011,6 +1465,115 @@ mod tests {
                 want: 16
             }
         );
+    }
+
+    #[test]
+    fn gradients_match_float64() {
+        for (shape, causal) in [
+            (Shape::self_attention(2, 4, 2, 300, 32), true),
+            (Shape::self_attention(1, 2, 2, 65, 64), false),
+            (
+                Shape {
+                    batch: 1,
+                    heads: 2,
+                    kv_heads: 1,
+                    seq_len_q: 70,
+                    seq_len_kv: 20,
+                    head_dim: 16,
+                },
+                true,
+            ),
+            (
+                Shape {
+                    batch: 1,
+                    heads: 3,
+                    kv_heads: 3,
+                    seq_len_q: 5,
+                    seq_len_kv: 300,
+                    head_dim: 8,
+                },
+                true,
+            ),
+        ] {
+            let opts = Options {
+                causal,
+                scale: Some(0.3),
+            };
+            let (q, k, v, g) = (
+                normal_f32(shape.q_elems(), 1),
+                normal_f32(shape.kv_elems(), 2),
+                normal_f32(shape.kv_elems(), 3),
+                normal_f32(shape.q_elems(), 4),
+            );
+            let (o, grads) = dot_product_attention_vjp(&q, &k, &v, &g, &shape, &opts).unwrap();
+            let want_o = reference(&q, &k, &v, &shape, &opts);
+            assert!(err(&o, &want_o) < 2e-6);
+            let (dq, dk, dv) = reference_gradients(&q, &k, &v, &g, &shape, &opts);
+            for (name, got, want) in [
+                ("dq", &grads.dq, dq),
+                ("dk", &grads.dk, dk),
+                ("dv", &grads.dv, dv),
+            ] {
+                let e = err(got, &want);
+                assert!(e < 1e-5, "{shape:?} causal {causal} {name}: {e}");
+            }
+            // bf16 inputs: results rounded to bf16.
+            let to16 = |x: &[f32]| {
+                x.iter()
+                    .map(|&y| half::bf16::from_f32(y))
+                    .collect::<Vec<_>>()
+            };
+            let (q, k, v, g) = (to16(&q), to16(&k), to16(&v), to16(&g));
+            let (_, grads) = dot_product_attention_vjp(&q, &k, &v, &g, &shape, &opts).unwrap();
+            let (dq, dk, dv) = reference_gradients(&q, &k, &v, &g, &shape, &opts);
+            for (name, got, want) in [
+                ("dq", &grads.dq, dq),
+                ("dk", &grads.dk, dk),
+                ("dv", &grads.dv, dv),
+            ] {
+                let e = err(got, &want);
+                assert!(e < 1e-2, "bf16 {shape:?} causal {causal} {name}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn lse_is_the_log_sum_exp_and_unseen_rows_have_zero_gradients() {
+        let shape = Shape {
+            batch: 1,
+            heads: 1,
+            kv_heads: 1,
+            seq_len_q: 5,
+            seq_len_kv: 2,
+            head_dim: 4,
+        };
+        let opts = Options {
+            causal: true,
+            scale: None,
+        };
+        let (q, k, v) = (normal_f32(20, 1), normal_f32(8, 2), normal_f32(8, 3));
+        let mut o = vec![0.0f32; 20];
+        let mut lse = vec![0.0f32; 5];
+        dot_product_attention_lse_into(&q, &k, &v, &shape, &opts, &mut o, &mut lse).unwrap();
+        assert_eq!(&lse[..3], &[f32::NEG_INFINITY; 3]);
+        let s = |i: usize, j: usize| -> f64 {
+            (0..4)
+                .map(|e| q[i * 4 + e] as f64 * k[j * 4 + e] as f64)
+                .sum::<f64>()
+                * 0.5
+        };
+        let want4 = (s(4, 0).exp() + s(4, 1).exp()).ln();
+        assert!((lse[3] as f64 - s(3, 0)).abs() < 1e-5 && (lse[4] as f64 - want4).abs() < 1e-5);
+        let g = normal_f32(20, 4);
+        let grads =
+            dot_product_attention_backward(&q, &k, &v, &o, &g, &lse, &shape, &opts).unwrap();
+        assert!(grads.dq[..12].iter().all(|&x| x == 0.0));
+        assert!(grads
+            .dq
+            .iter()
+            .chain(&grads.dk)
+            .chain(&grads.dv)
+            .all(|x| x.is_finite()));
     }
 
     #[test]
