@@ -223,7 +223,7 @@ impl Shape {
         if s.batch == 0 || s.heads == 0 || s.kv_heads == 0 || s.head_dim == 0 {
             return Err(AttentionError::Shape(s, "a size is 0"));
         }
-        if s.heads % s.kv_heads != 0 {
+        if !s.heads.is_multiple_of(s.kv_heads) {
             return Err(AttentionError::Shape(
                 s,
                 "heads is not a multiple of kv_heads",
@@ -924,7 +924,7 @@ mod simd {
     fn exp2_neg(x: f32) -> f32 {
         const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer
         const C: [f32; 6] = [
-            0.693_147_2,
+            std::f32::consts::LN_2,
             0.240_226_5,
             0.055_504_11,
             0.009_618_129,
@@ -1069,7 +1069,7 @@ mod simd {
     }
 }
 
-/// The float64 definition for query `rows` of slice (`b`, `h`): `rows.len() × head_dim`
+/// The float64 definition for query `rows` of slice `(b, h)`: `rows.len() × head_dim`
 /// values. A row that sees no key is 0.
 pub fn reference_rows<T: Element>(
     q: &[T],
@@ -1077,8 +1077,7 @@ pub fn reference_rows<T: Element>(
     v: &[T],
     shape: &Shape,
     options: &Options,
-    b: usize,
-    h: usize,
+    (b, h): (usize, usize),
     rows: &[usize],
 ) -> Vec<f64> {
     let s = shape;
@@ -1131,7 +1130,7 @@ pub fn reference<T: Element>(
     let mut out = Vec::with_capacity(shape.q_elems());
     for b in 0..shape.batch {
         for h in 0..shape.heads {
-            out.extend(reference_rows(q, k, v, shape, options, b, h, &rows));
+            out.extend(reference_rows(q, k, v, shape, options, (b, h), &rows));
         }
     }
     out
@@ -1218,7 +1217,7 @@ pub fn reference_values<T: Element>(
         .flat_map(|&(b, h)| {
             plan.rows
                 .par_chunks(per)
-                .map(|rows| reference_rows(q, k, v, shape, options, b, h, rows))
+                .map(|rows| reference_rows(q, k, v, shape, options, (b, h), rows))
                 .collect::<Vec<_>>()
         })
         .flatten()

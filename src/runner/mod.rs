@@ -843,21 +843,20 @@ pub fn run(
     Ok(ExitCode::SUCCESS)
 }
 
+/// What a GPU run starts from: the device's facts, library versions, L2 size and NVML sampler.
+type GpuSetup = (
+    schema::Device,
+    BTreeMap<String, String>,
+    u64,
+    machine::Monitor,
+);
+
 /// The GPU's facts, library versions, L2 size and NVML sampler for a GPU run; `None` (after
 /// saying why on standard error) when there is no CUDA device.
 ///
 /// # Errors
 /// A device that opens but cannot be described.
-fn gpu_setup(
-    runner: &str,
-) -> Result<
-    Option<(
-        schema::Device,
-        BTreeMap<String, String>,
-        u64,
-        machine::Monitor,
-    )>,
-> {
+fn gpu_setup(runner: &str) -> Result<Option<GpuSetup>> {
     // Device facts, from a short-lived context in this process (dropped before the children run).
     let (mut device, libraries, l2_bytes, pci) = match crate::gpu::Gpu::open(0) {
         Ok(g) => (
