@@ -8,7 +8,9 @@
 //! - `kp_cuda`: the CUDA driver library (`libcuda.so.1`) is present (a GPU machine);
 //! - `kp_nvrtc`: NVRTC (`libnvrtc.so.13`) is on the loader path;
 //! - `kp_chromium`: a Chromium binary is on `PATH`;
-//! - `kp_python`: `python3` runs.
+//! - `kp_python`: `python3` runs;
+//! - `kp_torch`, `kp_jax`: `python3` imports `torch`, `jax` (on any device: the CPU
+//!   comparison modules and the JAX module's CPU test hook need no GPU).
 //!
 //! On the GPU machine, run the ignored tests with `cargo test -- --include-ignored` (a binary
 //! built elsewhere carries the flags of the machine it was built on).
@@ -22,7 +24,15 @@ fn main() {
     println!("cargo:rerun-if-changed=.git/index");
     println!("cargo:rerun-if-env-changed=PATH");
     println!("cargo:rerun-if-env-changed=LD_LIBRARY_PATH");
-    for flag in ["kp_cuda", "kp_nvrtc", "kp_chromium", "kp_python"] {
+    println!("cargo:rerun-if-env-changed=PYTHONPATH");
+    for flag in [
+        "kp_cuda",
+        "kp_nvrtc",
+        "kp_chromium",
+        "kp_python",
+        "kp_torch",
+        "kp_jax",
+    ] {
         println!("cargo::rustc-check-cfg=cfg({flag})");
     }
     if find_library("libcuda.so.1") {
@@ -43,6 +53,15 @@ fn main() {
         .is_ok_and(|o| o.status.success())
     {
         println!("cargo:rustc-cfg=kp_python");
+        for module in ["torch", "jax"] {
+            if Command::new("python3")
+                .args(["-c", &format!("import {module}")])
+                .output()
+                .is_ok_and(|o| o.status.success())
+            {
+                println!("cargo:rustc-cfg=kp_{module}");
+            }
+        }
     }
     record_commit();
 }

@@ -6,6 +6,10 @@
 //! a GPU (the device machine) the same jobs are measured for real on the runner's input bits
 //! and reference. Without `python3` (build.rs's `kp_python`) the tests are compiled as ignored.
 //!
+//! Where JAX is importable (`kp_jax`), the module's whole path (inputs, jit, vjp, checks,
+//! timing) also runs on JAX's CPU platform through its test hook
+//! (`KP_COMPARE_JAX_PLATFORM=cpu`): those rows check the code, not a GPU.
+//!
 //! `KP_RUNNERS_DIR` points the tests at another copy of `runners/` (the device machine).
 
 use std::path::Path;
@@ -201,4 +205,58 @@ fn every_job_gets_a_reply_row() {
         assert!(row.message.unwrap().contains("dO"));
     }
     assert!(s.alive());
+}
+
+#[test]
+#[cfg_attr(
+    not(kp_jax),
+    ignore = "needs jax importable by python3 (the CPU build of jaxlib is enough)"
+)]
+fn the_whole_module_runs_on_jax_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = AttentionCase {
+        batch: 1,
+        heads: 4,
+        kv_heads: 2,
+        seq_len: 100,
+        head_dim: 32,
+        causal: true,
+        dtype: Dtype::Bf16,
+        pass: Pass::FwdBwd,
+    };
+    let files = case_files(&c, dir.path());
+    let job = Job {
+        case: c.params(),
+        implementation: "jax_xla".into(),
+        timing: timing(),
+        l2_bytes: 1 << 20,
+        files: files.clone(),
+    };
+    let cpu = ("KP_COMPARE_JAX_PLATFORM".to_string(), "cpu".to_string());
+    let mut s = Server::start("python3", &runners_dir(), "jax_attention", &[cpu.clone()])
+        .expect("python3 starts");
+    let row = s.request(&job, Duration::from_secs(300)).unwrap().row;
+    assert_eq!(row.status, Status::Ok, "{row:?}");
+    let acc = row.accuracy.unwrap();
+    assert!(acc.rel_err < acc.tolerance, "{acc:?}");
+    assert!(row.host_ms.unwrap() <= row.median_ms.unwrap() * 1.5);
+    // A NaN planted outside the checked elements fails the row.
+    let covered = |i: u64| files.check.ranges.iter().any(|&[s, n]| i >= s && i < s + n);
+    let outside = (0..c.q_elems() as u64)
+        .rev()
+        .find(|&i| !covered(i))
+        .unwrap();
+    let mut s = Server::start(
+        "python3",
+        &runners_dir(),
+        "jax_attention",
+        &[cpu, ("KP_COMPARE_PLANT_NAN".into(), outside.to_string())],
+    )
+    .unwrap();
+    let row = s.request(&job, Duration::from_secs(300)).unwrap().row;
+    assert_eq!(row.status, Status::Error, "{row:?}");
+    assert!(row
+        .message
+        .unwrap()
+        .contains(&format!("non-finite output at element {outside} ")));
 }

@@ -87,6 +87,13 @@ TIMING_NOTE = ("timed by host wall clock: inner calls dispatched back to back, t
 FIRST_CALL_NOTE = "first_call_s includes jit tracing and XLA compilation"
 # Test hook: plant a NaN at this flat index of the first call's output.
 PLANT_NAN_ENV = "KP_COMPARE_PLANT_NAN"
+# Test hook: the JAX platform to measure on (`gpu`; `cpu` lets the tests run the whole module
+# on a machine without a GPU: such rows are not GPU measurements).
+PLATFORM_ENV = "KP_COMPARE_JAX_PLATFORM"
+
+
+def platform_name():
+    return os.environ.get(PLATFORM_ENV, "gpu")
 
 try:
     import numpy as np
@@ -313,7 +320,7 @@ def _measure_into(job, reply):
                % ", ".join(DO_NAMES))
     if why is None:
         try:
-            gpus = jax.devices("gpu")
+            gpus = jax.devices(platform_name())
         except Exception as e:
             gpus, why = [], "no GPU backend in JAX: %s" % protocol.exc_text(e)
         if why is None and not gpus:
@@ -340,7 +347,7 @@ def _measure_into(job, reply):
 def _measure(job, named):
     case, files, tcfg = job["case"], job["files"], job["timing"]
     implementation = job["implementation"]
-    device = jax.devices("gpu")[0]
+    device = jax.devices(platform_name())[0]
     fn = build(case, implementation)
     order = ["q", "k", "v"] + (["do"] if case["pass"] == "fwd+bwd" else [])
     host = [load_input(named[n] if n != "do" else do_input(named)) for n in order]
@@ -384,7 +391,10 @@ def _measure(job, named):
 
     notes = [TIMING_NOTE, FIRST_CALL_NOTE]
     if case.get("dtype") == "fp32":
-        precision = jax.config.jax_default_matmul_precision
+        try:
+            precision = jax.config.jax_default_matmul_precision
+        except AttributeError:
+            precision = "unknown"
         notes.append("fp32 matrix products at jax_default_matmul_precision=%s (XLA's default "
                      "on GPUs allows TF32 tensor cores)" % (precision,))
     b, h, kv, tq, tkv, d = sizes(case)
