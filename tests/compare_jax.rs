@@ -233,8 +233,13 @@ fn the_whole_module_runs_on_jax_cpu() {
         files: files.clone(),
     };
     let cpu = ("KP_COMPARE_JAX_PLATFORM".to_string(), "cpu".to_string());
-    let mut s = Server::start("python3", &runners_dir(), "jax_attention", &[cpu.clone()])
-        .expect("python3 starts");
+    let mut s = Server::start(
+        "python3",
+        &runners_dir(),
+        "jax_attention",
+        std::slice::from_ref(&cpu),
+    )
+    .expect("python3 starts");
     let row = s.request(&job, Duration::from_secs(300)).unwrap().row;
     assert_eq!(row.status, Status::Ok, "{row:?}");
     let acc = row.accuracy.unwrap();
