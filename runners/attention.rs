@@ -1,10 +1,10 @@
 //! `attention`: measures the attention grid for the project's kernels (`flash`, the default,
 //! and `math`) and, with `--compare torch,jax`, PyTorch's SDPA backends (`runners/compare/
 //! torch_sdpa.py`) and `jax.nn.dot_product_attention` (`runners/compare/jax_attention.py`),
-//! and writes one suite document. `--device cpu` measures the CPU instead (`cpu.rs` beside
-//! this file). The machinery (processes, order, timing
-//! records, progress, document) is `kernelpages::runner`; this file is the grid, the
-//! implementations, the dispatch table and the counts.
+//! and writes one suite document. `--device cpu` measures the CPU instead
+//! (`runners/attention/cpu.rs`). The machinery (processes, order, timing records, progress,
+//! document) is `kernelpages::runner`; this file is the grid, the implementations, the dispatch
+//! table and the counts.
 //!
 //! ```text
 //! attention --compare torch,jax --output data/gpu_attention.json
@@ -34,12 +34,13 @@ use kernelpages::runner::protocol::{
 use kernelpages::runner::{self, own, Alternative, Declared, DeviceChoice, RunnerArgs};
 use kernelpages::schema::{DispatchRule, Reference, Suite};
 
-/// Measure attention implementations on the GPU and write a suite document.
+/// Measure attention implementations on the GPU (or with --device cpu the CPU) and write a
+/// suite document.
 #[derive(Parser, Debug)]
 #[command(
     name = "attention",
     version,
-    about = "Measure attention implementations on the GPU and write a suite document (data/gpu_attention.json)"
+    about = "Measure attention implementations on the GPU (data/gpu_attention.json) or with --device cpu the CPU (data/cpu_attention.json) and write a suite document"
 )]
 struct Cli {
     #[command(flatten)]

@@ -198,7 +198,7 @@ pub fn label(p: &Params) -> String {
 pub fn unsupported(p: &Params) -> Option<String> {
     match case_of(p) {
         Ok((c, _)) if c.pass != kernelpages::attention::Pass::Fwd => {
-            Some("the CPU implementation has no backward pass yet".into())
+            Some("fwd+bwd is not measured on the CPU yet: the runner's fwd+bwd protocol (dO input, gradient checks) is not in place; attention::cpu_flash::dot_product_attention_vjp is".into())
         }
         Ok(_) => None,
         Err(e) => Some(format!("{e:#}")),
