@@ -186,6 +186,56 @@ impl Gpu {
         })
     }
 
+    /// Captures the calls `f` makes (its launches on [`Gpu::stream`]) into a CUDA graph, once,
+    /// and returns it ready to replay; `Ok(None)` when the stream captured nothing.
+    ///
+    /// # Errors
+    /// The capture or the instantiation fails (a call that synchronises or allocates host
+    /// memory cannot be captured); the stream is left out of capture mode.
+    pub fn capture(
+        &self,
+        f: impl FnOnce() -> Result<(), GpuError>,
+    ) -> Result<Option<cudarc::driver::CudaGraph>, GpuError> {
+        use cudarc::driver::sys;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let called = f();
+        // End the capture whatever happened, so the stream is usable again.
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        called?;
+        let graph = graph?;
+        if let Some(g) = &graph {
+            g.upload()?;
+        }
+        self.stream.synchronize()?;
+        Ok(graph)
+    }
+
+    /// Replays `graph` between two events on the stream: its device time and the host's time
+    /// to issue the replay, ms.
+    ///
+    /// # Errors
+    /// A launch, event or synchronisation error.
+    pub fn time_replay(
+        &self,
+        graph: &cudarc::driver::CudaGraph,
+    ) -> Result<crate::harness::Sample, GpuError> {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(flags)?;
+        let end = self.ctx.new_event(flags)?;
+        start.record(&self.stream)?;
+        let t0 = Instant::now();
+        graph.launch()?;
+        let host_ms = t0.elapsed().as_secs_f64() * 1e3;
+        end.record(&self.stream)?;
+        let ms = start.elapsed_ms(&end)?;
+        self.ctx.check_err()?;
+        Ok(crate::harness::Sample {
+            device_ms: ms as f64,
+            host_ms,
+        })
+    }
+
     /// The device's current memory pool, which cudarc's stream allocations come from
     /// (`cuMemAllocAsync` on the stream when the device supports memory pools).
     fn mem_pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool, GpuError> {

@@ -143,7 +143,7 @@ pub enum LoadError {
     #[error(
         "{} and {} both hold suite {suite} on device {device} and are not shards of one run \
          (shards are written by `--shard i/n` with the same command, commit and n); \
-         keep one, or move the other to a folder of its own device",
+         keep one of them (a document's device is its `device.name`, not its folder)",
         first.display(),
         second.display()
     )]
@@ -319,8 +319,12 @@ pub fn load_dir(dir: &Path) -> Result<Vec<Loaded>, LoadErrors> {
                 detail,
             });
         }
-        errors.extend(check_runs(&loaded));
-        errors.extend(check_duplicates(&loaded));
+        let runs = check_runs(&loaded);
+        if runs.is_empty() {
+            errors.extend(check_duplicates(&loaded));
+        }
+        // Two runs of one suite repeat each other's rows: the runs' error says it all.
+        errors.extend(runs);
     }
     if errors.is_empty() {
         Ok(loaded)
@@ -653,6 +657,39 @@ fn check_document(path: &Path, bytes: &[u8], doc: &Document) -> Vec<LoadError> {
                     ],
                     what.clone(),
                     "ceiling.source is empty".into(),
+                );
+            }
+        }
+    }
+    if let Some(p) = &config.protocol {
+        let at = |f: &str| vec![key("config"), key("protocol"), key(f)];
+        for (f, v, strict) in [
+            ("rotation_memory_fraction", p.rotation_memory_fraction, true),
+            ("process_limit_factor", p.process_limit_factor, true),
+            ("process_limit_margin_s", p.process_limit_margin_s, false),
+            ("machine_sample_ms", p.machine_sample_ms, true),
+        ] {
+            let ok = v.is_finite() && if strict { v > 0.0 } else { v >= 0.0 };
+            if !ok {
+                bad(
+                    at(f),
+                    "config.protocol".into(),
+                    format!(
+                        "{f} is {v}; must be finite and {}",
+                        if strict { "> 0" } else { ">= 0" }
+                    ),
+                );
+            }
+        }
+        for (f, v) in [
+            ("min_samples", p.min_samples),
+            ("max_input_sets", p.max_input_sets),
+        ] {
+            if v == 0 {
+                bad(
+                    at(f),
+                    "config.protocol".into(),
+                    format!("{f} is 0; must be >= 1"),
                 );
             }
         }

@@ -195,7 +195,7 @@ fn bars(doc: &Html) -> Vec<(f64, f64, String)> {
             let fill = r.value().attr("fill")?.to_string();
             // Bars, not the legend's swatches (10 px high).
             let tall = attr_f64(r, "height") > 12.0;
-            (tall && (fill == "#59A14F" || fill == "#E15759")).then(|| {
+            (tall && (fill == "#0072B2" || fill == "#E69F00")).then(|| {
                 let x = attr_f64(r, "x");
                 (x, x + attr_f64(r, "width"), fill)
             })
@@ -231,7 +231,7 @@ fn at_a_glance_range_comes_from_the_data_and_holds_one() {
         .map(|e| attr_f64(e, "x"))
         .unwrap();
     for (left, right, fill) in &found {
-        let at_one = if fill == "#E15759" { right } else { left };
+        let at_one = if fill == "#E69F00" { right } else { left };
         assert!((at_one - one_x).abs() <= 1.5, "{left}..{right} vs {one_x}");
     }
     // One label per representative row, naming the alternative and its ratio.
@@ -416,4 +416,21 @@ fn conflicting_shards_name_both_files() {
     };
     assert!(site::build(&opts).is_err());
     assert!(!tmp.path().join("site").exists());
+}
+
+/// Text in every figure is at least 11 px at the size the page shows it (figures are shown at
+/// the size they are drawn: tests/docgen_layout.rs).
+#[test]
+fn every_figure_text_is_at_least_11_px() {
+    let (_tmp, site) = build_site(&root().join("data"));
+    let mut sizes = 0;
+    for f in figures(&site) {
+        let text = fs::read_to_string(&f).unwrap();
+        for part in text.split("font-size=\"").skip(1) {
+            let size: f64 = part.split('"').next().unwrap().parse().unwrap();
+            assert!(size >= 11.0, "{}: font-size {size}", f.display());
+            sizes += 1;
+        }
+    }
+    assert!(sizes > 100, "{sizes}");
 }

@@ -14,7 +14,7 @@ use kernelpages::gpu::{self, Gpu};
 /// The GPU, or a failure saying why there is none (these tests are ignored without one).
 fn gpu_or_skip(test: &str) -> Option<Gpu> {
     match gpu::detect() {
-        Err(e) => panic!("{test}: no CUDA device: {e}"),
+        Err(e) => panic!("{test}: {e}"),
         Ok(()) => Some(Gpu::open(0).expect("device opens")),
     }
 }

@@ -247,7 +247,7 @@ def _measure(job, caught):
         try:
             gt = timing.GraphTimer(torch, call, sets, eager["inner"])
             try:
-                graph = timing.measure(gt, tcfg, start=start, fixed_inner=eager["inner"])
+                graph = timing.measure(gt, tcfg, start=start, fixed_inner=gt.inner)
             finally:
                 gt.close()
         except timing.CaseTimeout:

@@ -236,8 +236,14 @@ pub fn common_notes(row: &Row, timing: &TimingConfig) -> Vec<String> {
     }
     if row.launch_bound(timing.launch_bound_ratio) {
         let device = row.eager_median_ms.or(row.median_ms).unwrap_or(f64::NAN);
+        // A graph-replayed row's reported time is not launch-bound; its eager calls were.
+        let what = if row.timing == Some(crate::schema::TimingMethod::GraphReplay) {
+            "eager calls launch-bound (the graph-replayed time is not)"
+        } else {
+            "launch-bound"
+        };
         notes.push(format!(
-            "launch-bound: {:.4} ms of host time to issue a call ≥ {} × {:.4} ms of device time per eager call",
+            "{what}: {:.4} ms of host time to issue a call ≥ {} × {:.4} ms of device time per eager call",
             row.host_ms.unwrap_or(f64::NAN),
             timing.launch_bound_ratio,
             device
@@ -604,8 +610,8 @@ pub fn describe(row: &Row, throughput: &[schema::Throughput]) -> String {
                 row.q3_ms.unwrap_or(f64::NAN)
             );
             for t in throughput {
-                if let Some(c) = t.count.of(row) {
-                    s += &format!(" {:.1} {}", c / (m * 1e-3) / t.per_second, t.unit);
+                if let Some(v) = t.of(row) {
+                    s += &format!(" {v:.1} {}", t.unit);
                 }
             }
             if let (Some(e), Some(h)) = (row.eager_median_ms, row.timing) {
@@ -793,6 +799,7 @@ pub fn run(
             dispatch: declared.dispatch,
             axes: declared.axes,
             throughput: declared.throughput,
+            protocol: Some(crate::harness::protocol_constants()),
             amendments: Vec::new(),
         },
         rows: Vec::new(),

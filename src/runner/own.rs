@@ -37,6 +37,19 @@ pub trait Launcher {
     fn workspace_bytes(&self) -> u64;
 }
 
+/// Replays a captured graph of the case's calls between two events.
+struct ReplayTimer<'a> {
+    gpu: &'a Gpu,
+    graph: cudarc::driver::CudaGraph,
+}
+
+impl SampleTimer for ReplayTimer<'_> {
+    type Error = GpuError;
+    fn time_calls(&mut self, _inner: u32) -> Result<Sample, GpuError> {
+        self.gpu.time_replay(&self.graph)
+    }
+}
+
 struct Timer<'a, L: Launcher> {
     gpu: &'a Gpu,
     launcher: &'a mut L,
@@ -185,6 +198,9 @@ fn measure_inner<L: Launcher>(
     }
     gpu.stream.synchronize()?;
     let t0 = unix_now();
+    // The case's time limit counts from here, for the eager timing and the replay alike (as
+    // the comparison scripts count it).
+    let timing_start = std::time::Instant::now();
     let mut timer = Timer {
         gpu: &gpu,
         launcher: &mut launcher,
@@ -221,6 +237,53 @@ fn measure_inner<L: Launcher>(
         }
     };
 
+    // Then, as for the alternatives, a CUDA graph of the same calls (a whole number of passes
+    // over the input sets), replayed with the same sample count: the reported time, with the
+    // eager back-to-back median beside it. Where capture fails, the eager time is reported.
+    let eager = m;
+    let calls = harness::graph_calls(eager.inner, n_sets);
+    let mut next = 0usize;
+    let captured = gpu.capture(|| {
+        for _ in 0..calls {
+            let s = &sets[next % sets.len()];
+            next += 1;
+            launcher.launch(&gpu, s, &mut out)?;
+        }
+        Ok(())
+    });
+    let mut notes = Vec::new();
+    let graph = match captured {
+        Ok(Some(graph)) => {
+            let mut timer = ReplayTimer { gpu: &gpu, graph };
+            match harness::measure_replay(&mut timer, &job.timing, calls, timing_start) {
+                Ok(g) => Some(g),
+                Err(MeasureError::Timer(e)) => return Err(e.into()),
+                Err(MeasureError::Timeout { .. }) => {
+                    notes.push("graph replay passed the case limit: timed eagerly".to_string());
+                    None
+                }
+                Err(MeasureError::BadTime(t)) => {
+                    return Err(Failure::Other(format!(
+                        "graph replay timer returned {t} ms"
+                    )))
+                }
+            }
+        }
+        Ok(None) => {
+            notes.push("CUDA graph capture recorded nothing: timed eagerly".to_string());
+            None
+        }
+        Err(e) => {
+            notes.push(format!("CUDA graph capture failed, timed eagerly: {e}"));
+            None
+        }
+    };
+    let window = Some([t0, unix_now()]);
+    let (m, method) = match &graph {
+        Some(g) => (g.clone(), TimingMethod::GraphReplay),
+        None => (eager.clone(), TimingMethod::Events),
+    };
+
     let mut row = Row::failed(
         job.case.clone(),
         &job.implementation,
@@ -230,6 +293,7 @@ fn measure_inner<L: Launcher>(
         "",
     );
     row.message = None;
+    row.notes = notes;
     row.median_ms = Some(m.stats.median_ms);
     row.q1_ms = Some(m.stats.q1_ms);
     row.q3_ms = Some(m.stats.q3_ms);
@@ -238,20 +302,32 @@ fn measure_inner<L: Launcher>(
     row.input_sets = Some(n_sets);
     row.l2_rotation_reached = Some(reached);
     row.compile_s = Some(compile_s);
-    row.timing = Some(TimingMethod::Events);
-    row.host_ms = Some(m.host_ms);
+    row.timing = Some(method);
+    // The host time to issue one eager call, for every row.
+    row.host_ms = Some(eager.host_ms);
+    if graph.is_some() {
+        row.eager_median_ms = Some(eager.stats.median_ms);
+    }
     row.flops = job.files.flops;
     row.bytes = job.files.bytes;
-    if m.cut_short {
+    if m.cut_short || eager.cut_short {
         row.notes.push(format!(
             "{} of {} samples: the {} s case limit stopped sampling",
             m.stats.samples, job.timing.repeats, job.timing.case_timeout_s
         ));
     }
+    let out_bytes = out_len as u64 * 2;
+    // Temporaries as the comparison scripts measure theirs: the peak beyond the library
+    // workspace, the arguments and the output (the launcher's own count where there is no pool).
+    let temporaries = if gpu.has_pool() {
+        used.saturating_sub(workspace + set_bytes + out_bytes)
+    } else {
+        launcher.temporary_bytes()
+    };
     row.memory = Some(Memory {
         arguments_mb: Some(mb(set_bytes)),
-        outputs_mb: Some(mb(out_len as u64 * 2)),
-        temporaries_mb: Some(mb(launcher.temporary_bytes())),
+        outputs_mb: Some(mb(out_bytes)),
+        temporaries_mb: Some(mb(temporaries)),
         residuals_mb: None,
         peak_mb: gpu.has_pool().then(|| mb(used.saturating_sub(workspace))),
         peak_method: Some(PEAK_METHOD.into()),
