@@ -236,6 +236,112 @@ impl Gpu {
         })
     }
 
+    /// The dense bf16 tensor-core ceiling as cuBLAS reaches it here: a `n`×`n`×`n` bf16 GEMM
+    /// (fp32 accumulation) on uniform random inputs in [−1, 1) (never zeros or constants, which
+    /// run faster than real data), warmed up, then the median of `repeats` timed calls;
+    /// TFLOP/s (2·n³ FLOPs per call).
+    ///
+    /// # Errors
+    /// cuBLAS or a launch fails (out of memory for large `n`).
+    pub fn bf16_gemm_tflops(&self, n: usize, repeats: usize) -> Result<f64, GpuError> {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+        };
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let blas = cudarc::cublas::CudaBlas::new(self.stream.clone())
+            .map_err(|e| GpuError::Cublas(format!("{e:?}")))?;
+        // A small xorshift generator: reproducible, no dependency, good enough to toggle bits.
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut random = |len: usize| -> Vec<u16> {
+            (0..len)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    let u = (state >> 11) as f64 / (1u64 << 53) as f64;
+                    half::bf16::from_f64(2.0 * u - 1.0).to_bits()
+                })
+                .collect()
+        };
+        let a = self.stream.clone_htod(&random(n * n))?;
+        let b = self.stream.clone_htod(&random(n * n))?;
+        let mut c = self.stream.alloc_zeros::<u16>(n * n)?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let ni = n as i32;
+        let mut gemm = || -> Result<(), GpuError> {
+            let (ap, _ga) = a.device_ptr(&self.stream);
+            let (bp, _gb) = b.device_ptr(&self.stream);
+            let (cp, _gc) = c.device_ptr_mut(&self.stream);
+            // SAFETY: A, B and C are live n×n bf16 device buffers; alpha and beta are host
+            // f32, matching CUBLAS_COMPUTE_32F.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_N,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    ni,
+                    ni,
+                    ni,
+                    &alpha as *const f32 as *const _,
+                    ap as *const _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    ni,
+                    bp as *const _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    ni,
+                    &beta as *const f32 as *const _,
+                    cp as *mut _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    ni,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+                .map_err(|e| GpuError::Cublas(format!("{e:?}")))?;
+            }
+            Ok(())
+        };
+        for _ in 0..5 {
+            gemm()?;
+        }
+        self.stream.synchronize()?;
+        let mut ms = Vec::with_capacity(repeats);
+        for _ in 0..repeats.max(1) {
+            ms.push(self.time_calls(1, |_| gemm())?.device_ms);
+        }
+        let median = crate::harness::summarize(&ms)
+            .map(|s| s.median_ms)
+            .unwrap_or(f64::NAN);
+        Ok(2.0 * (n as f64).powi(3) / (median * 1e-3) / 1e12)
+    }
+
+    /// Device memory bandwidth as a device-to-device copy reaches it: `bytes` copied, the
+    /// median of `repeats` timed copies; GB/s counting bytes read plus bytes written.
+    ///
+    /// # Errors
+    /// An allocation or the copy fails.
+    pub fn copy_gbps(&self, bytes: usize, repeats: usize) -> Result<f64, GpuError> {
+        let src = self.stream.clone_htod(&vec![0x5a5a_u16; bytes / 2])?;
+        let mut dst = self.stream.alloc_zeros::<u16>(bytes / 2)?;
+        for _ in 0..3 {
+            self.stream.memcpy_dtod(&src, &mut dst)?;
+        }
+        self.stream.synchronize()?;
+        let mut ms = Vec::with_capacity(repeats);
+        for _ in 0..repeats.max(1) {
+            ms.push(
+                self.time_calls(1, |_| {
+                    self.stream.memcpy_dtod(&src, &mut dst)?;
+                    Ok(())
+                })?
+                .device_ms,
+            );
+        }
+        let median = crate::harness::summarize(&ms)
+            .map(|s| s.median_ms)
+            .unwrap_or(f64::NAN);
+        Ok(2.0 * (bytes / 2 * 2) as f64 / (median * 1e-3) / 1e9)
+    }
+
     /// The device's current memory pool, which cudarc's stream allocations come from
     /// (`cuMemAllocAsync` on the stream when the device supports memory pools).
     fn mem_pool(&self) -> Result<cudarc::driver::sys::CUmemoryPool, GpuError> {

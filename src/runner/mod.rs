@@ -598,6 +598,46 @@ pub fn implementations(
     Ok(v)
 }
 
+/// Measures, once at the start of a run, the device's ceiling for each declared throughput
+/// that has none: TFLOP/s from a dense bf16 cuBLAS GEMM, GB/s from a device-to-device copy.
+/// A ceiling that cannot be measured is left out (the page then shows no share of it).
+fn measure_ceilings(gpu: &crate::gpu::Gpu, throughput: &mut [schema::Throughput]) {
+    const GEMM_N: usize = 8192;
+    const COPY_BYTES: usize = 1 << 30;
+    for t in throughput.iter_mut().filter(|t| t.ceiling.is_none()) {
+        let measured = match t.count {
+            schema::Count::Flops => gpu.bf16_gemm_tflops(GEMM_N, 20).ok().map(|tf| {
+                (
+                    tf * 1e12 / t.per_second,
+                    format!(
+                        "dense bf16 GEMM {GEMM_N}×{GEMM_N}×{GEMM_N} through cuBLAS (fp32 \
+                         accumulation), median of 20 calls at the start of this run"
+                    ),
+                )
+            }),
+            schema::Count::Bytes => gpu.copy_gbps(COPY_BYTES, 20).ok().map(|gb| {
+                (
+                    gb * 1e9 / t.per_second,
+                    format!(
+                        "device-to-device copy of {} MB (bytes read + written), median of 20 \
+                         copies at the start of this run",
+                        COPY_BYTES / 1_000_000
+                    ),
+                )
+            }),
+            schema::Count::Items => None,
+        };
+        if let Some((value, source)) = measured.filter(|(v, _)| v.is_finite() && *v > 0.0) {
+            eprintln!(
+                "ceiling: {} {} ({source})",
+                crate::site::format::sig(value, 3),
+                t.unit
+            );
+            t.ceiling = Some(schema::Ceiling { value, source });
+        }
+    }
+}
+
 /// A short line for a finished row.
 pub fn describe(row: &Row, throughput: &[schema::Throughput]) -> String {
     match row.status {
@@ -732,13 +772,17 @@ pub fn run(
     let started_at = document::now_rfc3339();
     let timing = args.timing();
     // Device facts, from a short-lived context in this process (dropped before the children run).
+    let mut declared = declared;
     let (mut device, libraries, l2_bytes, pci) = match crate::gpu::Gpu::open(0) {
-        Ok(g) => (
-            g.describe()?,
-            crate::gpu::library_versions(),
-            g.l2_bytes()?,
-            g.pci_bus_id(),
-        ),
+        Ok(g) => {
+            measure_ceilings(&g, &mut declared.throughput);
+            (
+                g.describe()?,
+                crate::gpu::library_versions(),
+                g.l2_bytes()?,
+                g.pci_bus_id(),
+            )
+        }
         Err(crate::gpu::GpuError::NoDevice(why)) => {
             eprintln!("no CUDA device: {why}");
             eprintln!(
