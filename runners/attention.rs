@@ -15,7 +15,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 
-use kernelpages::attention::cpu::{normal_bits, reference_values, CheckPlan};
+use kernelpages::attention::cpu::{reference_values, CheckPlan, Inputs};
 use kernelpages::attention::cuda::{
     replicate, upload, DeviceInputs, FlashConfig, Implementation, Runner,
 };
@@ -119,14 +119,11 @@ fn cases(cli: &Cli, seq_lens: &[usize]) -> Result<Vec<Params>> {
                 };
                 for &seq_len in seq_lens {
                     let c = AttentionCase {
-                        batch: cli.batch,
-                        heads: cli.heads,
                         kv_heads: cli.kv_heads.unwrap_or(cli.heads),
-                        seq_len,
-                        head_dim,
                         causal,
                         dtype,
                         pass: Pass::Fwd,
+                        ..AttentionCase::new(cli.batch, cli.heads, seq_len, head_dim)
                     };
                     cases.push(c.params());
                 }
@@ -189,18 +186,16 @@ impl runner::Suite for Attention {
     /// and the float64 reference of 4 (batch, head) slices × `check_rows` query rows.
     fn prepare(&self, p: &Params, seed: u64, dir: &Path) -> Result<CaseFiles> {
         let c = case_of(p)?;
-        let q = normal_bits(c.q_elems(), c.dtype, seed);
-        let k = normal_bits(c.kv_elems(), c.dtype, seed.wrapping_add(1));
-        let v = normal_bits(c.kv_elems(), c.dtype, seed.wrapping_add(2));
+        let inp = Inputs::random(&c, seed);
         let plan = CheckPlan::new(&c, self.check_rows, seed ^ 0x5eed);
-        let reference = reference_values(&c, &q, &k, &v, &plan);
-        let q_shape = vec![c.batch, c.heads, c.seq_len, c.head_dim];
-        let kv_shape = vec![c.batch, c.kv_heads, c.seq_len, c.head_dim];
+        let reference = reference_values(&c, &inp, &plan).o;
+        let q_shape = vec![c.batch, c.heads, c.seq_len_q, c.head_dim];
+        let kv_shape = vec![c.batch, c.kv_heads, c.seq_len_kv, c.head_dim];
         let mut inputs = Vec::new();
         for (name, bits, shape) in [
-            ("q", &q, &q_shape),
-            ("k", &k, &kv_shape),
-            ("v", &v, &kv_shape),
+            ("q", &inp.q, &q_shape),
+            ("k", &inp.k, &kv_shape),
+            ("v", &inp.v, &kv_shape),
         ] {
             let path = dir.join(format!("{name}.bin"));
             write_u16(&path, bits)?;
@@ -262,7 +257,7 @@ impl runner::Suite for Attention {
                 c.batch,
                 c.heads,
                 c.kv_heads,
-                c.seq_len,
+                c.seq_len_q,
                 c.head_dim,
                 if c.causal { "causal" } else { "full" },
                 c.dtype.as_str(),
@@ -428,7 +423,7 @@ mod tests {
         let files = suite.prepare(p, 7, dir.path()).unwrap();
         let c = case_of(p).unwrap();
         let q = kernelpages::runner::protocol::read_u16(&files.inputs[0].path).unwrap();
-        assert_eq!(q, normal_bits(c.q_elems(), c.dtype, 7));
+        assert_eq!(q, Inputs::random(&c, 7).q);
         let reference = kernelpages::runner::protocol::read_f64(&files.check.reference).unwrap();
         let n: u64 = files.check.ranges.iter().map(|r| r[1]).sum();
         assert_eq!(reference.len() as u64, n);
@@ -449,21 +444,12 @@ mod tests {
     #[test]
     fn the_dispatch_table_names_what_dispatch_picks() {
         let rules = dispatch_rules();
-        let c = AttentionCase {
-            batch: 1,
-            heads: 2,
-            kv_heads: 2,
-            seq_len: 1024,
-            head_dim: 128,
-            causal: false,
-            dtype: Dtype::Bf16,
-            pass: Pass::Fwd,
-        };
+        let c = AttentionCase::new(1, 2, 1024, 128);
         assert_eq!(
             kernelpages::attention::dispatch(&c).map(|i| i.name()),
             Some(rules[0].implementation.as_str())
         );
-        let odd = AttentionCase { seq_len: 100, ..c };
+        let odd = AttentionCase::new(1, 2, 100, 128);
         assert_eq!(
             kernelpages::attention::dispatch(&odd).map(|i| i.name()),
             Some(rules[1].implementation.as_str())

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use kernelpages::attention::cpu::{normal_bits, reference_values, CheckPlan};
+use kernelpages::attention::cpu::{reference_values, CheckPlan, Inputs};
 use kernelpages::attention::{AttentionCase, Dtype, Pass};
 use kernelpages::harness::default_timing;
 use kernelpages::runner::process::Server;
@@ -67,18 +67,16 @@ fn timing() -> TimingConfig {
 
 /// Writes a case's inputs and reference as the runner does and returns the job files.
 fn case_files(c: &AttentionCase, dir: &Path) -> CaseFiles {
-    let q = normal_bits(c.q_elems(), c.dtype, 11);
-    let k = normal_bits(c.kv_elems(), c.dtype, 12);
-    let v = normal_bits(c.kv_elems(), c.dtype, 13);
+    let inp = Inputs::random(c, 11);
     let plan = CheckPlan::new(c, 16, 5);
-    let reference = reference_values(c, &q, &k, &v, &plan);
-    let q_shape = vec![c.batch, c.heads, c.seq_len, c.head_dim];
-    let kv_shape = vec![c.batch, c.kv_heads, c.seq_len, c.head_dim];
+    let reference = reference_values(c, &inp, &plan).o;
+    let q_shape = vec![c.batch, c.heads, c.seq_len_q, c.head_dim];
+    let kv_shape = vec![c.batch, c.kv_heads, c.seq_len_kv, c.head_dim];
     let mut inputs = Vec::new();
     for (name, bits, shape) in [
-        ("q", &q, &q_shape),
-        ("k", &k, &kv_shape),
-        ("v", &v, &kv_shape),
+        ("q", &inp.q, &q_shape),
+        ("k", &inp.k, &kv_shape),
+        ("v", &inp.v, &kv_shape),
     ] {
         let path = dir.join(format!("{name}.bin"));
         write_u16(&path, bits).unwrap();
@@ -111,14 +109,10 @@ fn case_files(c: &AttentionCase, dir: &Path) -> CaseFiles {
 
 fn case(causal: bool, dtype: Dtype, kv_heads: usize) -> AttentionCase {
     AttentionCase {
-        batch: 2,
-        heads: 4,
         kv_heads,
-        seq_len: 256,
-        head_dim: 64,
         causal,
         dtype,
-        pass: Pass::Fwd,
+        ..AttentionCase::new(2, 4, 256, 64)
     }
 }
 

@@ -6,9 +6,9 @@
 //! The output is poisoned with NaN before each launch, so an element the kernel never writes
 //! fails the check, and every query row of two (batch, head) slices is compared.
 
-use kernelpages::attention::cpu::{check_output, normal_bits, CheckPlan};
+use kernelpages::attention::cpu::{check_output, CheckPlan, Inputs};
 use kernelpages::attention::cuda::{dispatch, forward, upload, Implementation, Runner};
-use kernelpages::attention::{AttentionCase, Dtype, Pass};
+use kernelpages::attention::{AttentionCase, Dtype};
 use kernelpages::gpu::{self, Gpu};
 
 /// The GPU, or a failure saying why there is none (these tests are ignored without one).
@@ -20,11 +20,9 @@ fn gpu_or_skip(test: &str) -> Option<Gpu> {
 }
 
 fn run_case(gpu: &Gpu, imp: Implementation, c: &AttentionCase, seed: u64) -> f64 {
-    let q = normal_bits(c.q_elems(), c.dtype, seed);
-    let k = normal_bits(c.kv_elems(), c.dtype, seed + 1);
-    let v = normal_bits(c.kv_elems(), c.dtype, seed + 2);
+    let host = Inputs::random(c, seed);
     let (mut runner, _) = Runner::new(gpu, imp, c).expect("compiles");
-    let inp = upload(gpu, &q, &k, &v).expect("upload");
+    let inp = upload(gpu, &host.q, &host.k, &host.v).expect("upload");
     let mut out = gpu
         .stream
         .clone_htod(&vec![0xFFFFu16; c.q_elems()])
@@ -32,8 +30,8 @@ fn run_case(gpu: &Gpu, imp: Implementation, c: &AttentionCase, seed: u64) -> f64
     runner.launch(gpu, c, &inp, &mut out).expect("launch");
     gpu.stream.synchronize().expect("sync");
     let got = gpu.stream.clone_dtoh(&out).expect("download");
-    let plan = CheckPlan::new(c, c.seq_len, seed);
-    check_output(c, &q, &k, &v, &got, &plan)
+    let plan = CheckPlan::new(c, c.seq_len_q, seed);
+    check_output(c, &host, &got, &plan)
 }
 
 fn cases(kv_heads: usize) -> Vec<AttentionCase> {
@@ -43,14 +41,10 @@ fn cases(kv_heads: usize) -> Vec<AttentionCase> {
             for causal in [false, true] {
                 for seq_len in [128, 384] {
                     v.push(AttentionCase {
-                        batch: 2,
-                        heads: 4,
                         kv_heads,
-                        seq_len,
-                        head_dim,
                         causal,
                         dtype,
-                        pass: Pass::Fwd,
+                        ..AttentionCase::new(2, 4, seq_len, head_dim)
                     });
                 }
             }
@@ -87,7 +81,8 @@ fn flash_matches_float64_reference() {
         }
         for (i, c) in cases(4).into_iter().chain(cases(2)).enumerate() {
             let c = AttentionCase {
-                seq_len: c.seq_len * 2,
+                seq_len_q: c.seq_len_q * 2,
+                seq_len_kv: c.seq_len_kv * 2,
                 ..c
             }; // multiples of 256 rows
             let err = run_case(&gpu, Implementation::Flash, &c, 100 + i as u64);
@@ -119,16 +114,7 @@ fn math_matches_float64_reference() {
 
 #[test]
 fn unsupported_shapes_are_refused_before_launch() {
-    let c = AttentionCase {
-        batch: 1,
-        heads: 2,
-        kv_heads: 2,
-        seq_len: 100,
-        head_dim: 96,
-        causal: false,
-        dtype: Dtype::Bf16,
-        pass: Pass::Fwd,
-    };
+    let c = AttentionCase::new(1, 2, 100, 96);
     let why = Implementation::Flash.supports(&c).unwrap_err();
     assert!(why.contains("head_dim 96"), "{why}");
     let c = AttentionCase { head_dim: 64, ..c };
@@ -138,19 +124,14 @@ fn unsupported_shapes_are_refused_before_launch() {
         .contains("seq_len 100"));
     let gqa = AttentionCase {
         kv_heads: 1,
-        seq_len: 128,
-        ..c
+        ..AttentionCase::new(1, 2, 128, 64)
     };
     assert!(Implementation::Math.supports(&gqa).is_err());
     assert!(Implementation::Flash.supports(&gqa).is_ok());
     // The dispatch the site's "What runs by default" table describes, and the rows' `default`.
     assert_eq!(dispatch(&gqa), Some(Implementation::Flash));
     assert!(Implementation::Flash.is_default_for(&gqa));
-    let odd = AttentionCase {
-        head_dim: 96,
-        seq_len: 128,
-        ..c.clone()
-    };
+    let odd = AttentionCase::new(1, 2, 128, 96);
     assert_eq!(dispatch(&odd), Some(Implementation::Math));
     assert!(!Implementation::Flash.is_default_for(&odd));
     let none = AttentionCase { kv_heads: 1, ..odd };
@@ -168,19 +149,11 @@ fn forward_runs_the_dispatched_implementation() {
     };
     for head_dim in [64, 96] {
         let c = AttentionCase {
-            batch: 1,
-            heads: 2,
-            kv_heads: 2,
-            seq_len: 256,
-            head_dim,
             causal: true,
-            dtype: Dtype::Bf16,
-            pass: Pass::Fwd,
+            ..AttentionCase::new(1, 2, 256, head_dim)
         };
-        let q = normal_bits(c.q_elems(), c.dtype, 1);
-        let k = normal_bits(c.kv_elems(), c.dtype, 2);
-        let v = normal_bits(c.kv_elems(), c.dtype, 3);
-        let inp = upload(&gpu, &q, &k, &v).expect("upload");
+        let host = Inputs::random(&c, 1);
+        let inp = upload(&gpu, &host.q, &host.k, &host.v).expect("upload");
         let mut out = gpu
             .stream
             .clone_htod(&vec![0xFFFFu16; c.q_elems()])
@@ -189,7 +162,7 @@ fn forward_runs_the_dispatched_implementation() {
         assert_eq!(Some(ran), dispatch(&c));
         gpu.stream.synchronize().expect("sync");
         let got = gpu.stream.clone_dtoh(&out).expect("download");
-        let err = check_output(&c, &q, &k, &v, &got, &CheckPlan::new(&c, c.seq_len, 4));
+        let err = check_output(&c, &host, &got, &CheckPlan::new(&c, c.seq_len_q, 4));
         assert!(
             err <= c.dtype.tolerance(),
             "forward {c:?} ({}): {err}",

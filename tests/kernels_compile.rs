@@ -4,7 +4,7 @@
 //! runs them.
 
 use kernelpages::attention::cuda::{flash_instance, FlashConfig, SOFTMAX_SRC};
-use kernelpages::attention::{AttentionCase, Dtype, Pass};
+use kernelpages::attention::{AttentionCase, Dtype};
 
 fn nvrtc_present() -> bool {
     // SAFETY: only tries to dlopen the library.
@@ -42,14 +42,9 @@ fn every_flash_instantiation_compiles() {
             for head_dim in [64, 128] {
                 for causal in [false, true] {
                     let c = AttentionCase {
-                        batch: 1,
-                        heads: 1,
-                        kv_heads: 1,
-                        seq_len: 1024,
-                        head_dim,
                         causal,
                         dtype,
-                        pass: Pass::Fwd,
+                        ..AttentionCase::new(1, 1, 1024, head_dim)
                     };
                     let (name, src) = flash_instance(&c, fc);
                     compile(&name, &src, "sm_90a");
@@ -60,14 +55,8 @@ fn every_flash_instantiation_compiles() {
     // The default instantiations also build for Ampere.
     for head_dim in [64, 128] {
         let c = AttentionCase {
-            batch: 1,
-            heads: 1,
-            kv_heads: 1,
-            seq_len: 1024,
-            head_dim,
             causal: true,
-            dtype: Dtype::Bf16,
-            pass: Pass::Fwd,
+            ..AttentionCase::new(1, 1, 1024, head_dim)
         };
         let (name, src) = flash_instance(&c, FlashConfig::for_head_dim(head_dim).unwrap());
         compile(&name, &src, "sm_80");

@@ -163,11 +163,12 @@ impl Implementation {
         if c.pass != Pass::Fwd {
             return Err("backward pass not implemented yet".into());
         }
-        if c.kv_heads == 0 || !c.heads.is_multiple_of(c.kv_heads) {
-            return Err(format!(
-                "heads ({}) must be a multiple of kv_heads ({})",
-                c.heads, c.kv_heads
-            ));
+        c.validate()?;
+        if c.dtype == Dtype::F32 {
+            return Err("fp32 not implemented yet".into());
+        }
+        if c.seq_len_q != c.seq_len_kv || c.kv_lens.is_some() {
+            return Err("separate query and key lengths not implemented yet".into());
         }
         match self {
             Implementation::Flash => {
@@ -178,8 +179,11 @@ impl Implementation {
                     ));
                 }
                 let tile = FlashConfig::for_head_dim(c.head_dim)?.query_tile();
-                if !c.seq_len.is_multiple_of(tile) {
-                    return Err(format!("seq_len {} is not a multiple of {tile}", c.seq_len));
+                if !c.seq_len_q.is_multiple_of(tile) {
+                    return Err(format!(
+                        "seq_len {} is not a multiple of {tile}",
+                        c.seq_len_q
+                    ));
                 }
             }
             Implementation::Math => {
@@ -188,8 +192,8 @@ impl Implementation {
                         "GQA (kv_heads < heads) not supported by the batched GEMM path".into(),
                     );
                 }
-                if !c.seq_len.is_multiple_of(4) {
-                    return Err(format!("seq_len {} is not a multiple of 4", c.seq_len));
+                if !c.seq_len_q.is_multiple_of(4) {
+                    return Err(format!("seq_len {} is not a multiple of 4", c.seq_len_q));
                 }
             }
         }
@@ -202,7 +206,7 @@ impl Implementation {
         match self {
             Implementation::Flash => 0,
             Implementation::Math => {
-                let n = (c.batch * c.heads) as u64 * (c.seq_len as u64).pow(2);
+                let n = (c.batch * c.heads) as u64 * (c.seq_len_q as u64).pow(2);
                 n * 4 + n * 2
             }
         }
@@ -215,6 +219,7 @@ pub fn flash_instance(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
     let dt = match c.dtype {
         Dtype::Bf16 => "bf16",
         Dtype::F16 => "f16",
+        Dtype::F32 => "f32",
     };
     let mask = if c.causal { "causal" } else { "full" };
     let name = format!("flash_fwd_{dt}_d{}_{mask}_{}", c.head_dim, fc.name());
@@ -325,6 +330,7 @@ impl Runner {
         let dt = match c.dtype {
             Dtype::Bf16 => "bf16",
             Dtype::F16 => "f16",
+            Dtype::F32 => "f32",
         };
         let mask = if c.causal { "causal" } else { "full" };
         match imp {
@@ -336,7 +342,7 @@ impl Runner {
                 let func = gpu.function(&compiled.module, &name, smem)?;
                 let cfg = LaunchConfig {
                     grid_dim: (
-                        (c.seq_len / fc.query_tile()) as u32,
+                        (c.seq_len_q / fc.query_tile()) as u32,
                         c.heads as u32,
                         c.batch as u32,
                     ),
@@ -367,7 +373,7 @@ impl Runner {
                         .map_err(|e| GpuError::Cublas(format!("cublasSetWorkspace: {e:?}")))?;
                     }
                 }
-                let n = c.batch * c.heads * c.seq_len * c.seq_len;
+                let n = c.batch * c.heads * c.seq_len_q * c.seq_len_q;
                 // SAFETY: S is fully written by the first GEMM and P by the softmax kernel before
                 // either is read.
                 let s = unsafe { gpu.stream.alloc::<f32>(n)? };
@@ -405,7 +411,7 @@ impl Runner {
         inp: &DeviceInputs,
         o: &mut CudaSlice<u16>,
     ) -> Result<(), GpuError> {
-        let t = c.seq_len as i32;
+        let t = c.seq_len_q as i32;
         match self {
             Runner::Flash { func, cfg } => {
                 let (h, kvh) = (c.heads as i32, c.kv_heads as i32);
@@ -438,6 +444,7 @@ impl Runner {
                 let elem = match c.dtype {
                     Dtype::Bf16 => cudaDataType_t::CUDA_R_16BF,
                     Dtype::F16 => cudaDataType_t::CUDA_R_16F,
+                    Dtype::F32 => cudaDataType_t::CUDA_R_32F,
                 };
                 let alpha = c.scale() as f32;
                 let (one, zero) = (1.0f32, 0.0f32);
