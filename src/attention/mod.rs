@@ -27,6 +27,7 @@ use crate::schema::Param;
 
 pub mod cpu;
 pub mod cuda;
+pub mod files;
 
 pub use cuda::{dispatch, forward};
 

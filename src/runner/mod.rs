@@ -97,8 +97,16 @@ impl RunnerArgs {
             Some(f) => Filter::parse(f).map_err(anyhow::Error::msg)?,
             None => Filter::default(),
         };
-        if let Some(first) = grid.first() {
-            filter.check_keys(first).map_err(anyhow::Error::msg)?;
+        // A filter may name a parameter only some cases carry (attention's `seq_len_q`): check
+        // it against every key of the grid.
+        let mut keys = Params::new();
+        for case in &grid {
+            for (k, v) in case {
+                keys.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+        if !grid.is_empty() {
+            filter.check_keys(&keys).map_err(anyhow::Error::msg)?;
         }
         Ok(grid::select(grid, &filter, self.shard))
     }
