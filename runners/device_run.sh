@@ -26,10 +26,10 @@ t_start=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
 nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader
 
-step() {  # step NAME LIMIT_S COMMAND...: runs COMMAND under a time limit, says how it ended
-  local name=$1 limit=$2; shift 2
+step() {  # step NAME LIMIT_S LOG COMMAND...: runs COMMAND under a time limit, its output in LOG
+  local name=$1 limit=$2 log=$3; shift 3
   local t0; t0=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@"
+  timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
   local rc=$?
   local why="exit $rc"; [ $rc -eq 124 ] && why="TIMED OUT after ${limit} s"
   echo "$name: $why in $(( $(date +%s) - t0 )) s"
@@ -37,13 +37,12 @@ step() {  # step NAME LIMIT_S COMMAND...: runs COMMAND under a time limit, says 
 
 tests() {
   # Correctness first; the configuration sweep (the heaviest compile) last.
-  step "gpu tests" "$1" "$bin/gpu_attention_test" --include-ignored --test-threads 1 --nocapture \
-    --skip every_flash_configuration > "$out/gpu_attention.tests.log" 2>&1
-  step "compare tests" "$2" "$bin/compare_script_test" --include-ignored --test-threads 1 \
-    --nocapture > "$out/compare_script.tests.log" 2>&1
-  step "gpu config tests" "$3" "$bin/gpu_attention_test" --include-ignored --test-threads 1 \
-    --nocapture --exact every_flash_configuration_matches_float64 \
-    > "$out/gpu_configs.tests.log" 2>&1
+  step "gpu tests" "$1" "$out/gpu_attention.tests.log" "$bin/gpu_attention_test" \
+    --include-ignored --test-threads 1 --nocapture --skip every_flash_configuration
+  step "compare tests" "$2" "$out/compare_script.tests.log" "$bin/compare_script_test" \
+    --include-ignored --test-threads 1 --nocapture
+  step "gpu config tests" "$3" "$out/gpu_configs.tests.log" "$bin/gpu_attention_test" \
+    --include-ignored --test-threads 1 --nocapture --exact every_flash_configuration_matches_float64
 }
 
 quick_timing=(--warmup-ms 50 --repeats 7 --case-timeout 40)
@@ -55,20 +54,20 @@ smoke)
   tests 200 90 60
   # Non-aligned lengths (issue 9: at most 3 % below the aligned length next to them): flash,
   # B1 H24 D64, seq_len 4092, 4096, 4097, fwd and fwd+bwd, both masks.
-  step "non-aligned" 60 "$bin/attention" --grids shapes --implementations flash \
-    --filter heads=24,seq_len>=4092 "${quick_timing[@]}" \
-    --output "$out/nonaligned.json" > /dev/null 2> "$out/nonaligned.log"
+  step "non-aligned" 60 "$out/nonaligned.log" "$bin/attention" --grids shapes \
+    --implementations flash --filter heads=24,seq_len>=4092 "${quick_timing[@]}" \
+    --output "$out/nonaligned.json"
   # The headline: head_dim 128, T=16384, non-causal, fwd and fwd+bwd, flash against PyTorch's
   # FlashAttention-2 and cuDNN backends.
-  step "headline" 75 "$bin/attention" --grids main --implementations flash --compare torch \
-    --exclude torch_efficient,torch_math --filter seq_len=16384,head_dim=128,causal=false \
-    "${quick_timing[@]}" \
-    --output "$out/headline.json" > /dev/null 2> "$out/headline.log"
+  step "headline" 75 "$out/headline.log" "$bin/attention" --grids main --implementations flash \
+    --compare torch --exclude torch_efficient,torch_math \
+    --filter seq_len=16384,head_dim=128,causal=false "${quick_timing[@]}" \
+    --output "$out/headline.json"
   ;;
 full)
   extra=(); [ -n "$shard" ] && extra=(--shard "$shard")
-  step "full grid" 3600 "$bin/attention" --compare torch "${extra[@]}" \
-    --output "$out/gpu_attention.json" > /dev/null 2> "$out/run.log"
+  step "full grid" 3600 "$out/run.log" "$bin/attention" --compare torch "${extra[@]}" \
+    --output "$out/gpu_attention.json"
   ;;
 *)
   echo "unknown mode $mode (smoke, tests, full)"; exit 2

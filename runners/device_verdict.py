@@ -22,7 +22,15 @@ def tests(out):
             text = f.read()
         results = re.findall(r"test result: (\w+)\. (\d+) passed; (\d+) failed; (\d+) ignored",
                              text)
-        failed = sorted(set(re.findall(r"^test (\S+) \.\.\. FAILED", text, re.M)))
+        # The harness lists failing tests, indented, after the last "failures:" line.
+        failed = []
+        if "\nfailures:\n" in text:
+            block = text.rsplit("\nfailures:\n", 1)[1]
+            for line in block.splitlines():
+                if line.startswith("    ") and line.strip():
+                    failed.append(line.strip())
+                elif failed:
+                    break
         if not results:
             lines.append("%-22s no result (timed out or crashed; see %s)" % (name, path))
             continue
@@ -33,6 +41,10 @@ def tests(out):
         lines.append("%-22s %s: %d passed, %d failed, %d ignored%s" % (
             name, verdict, passed, nfail, ignored,
             (" -- " + ", ".join(failed)) if failed else ""))
+        # The first lines of the first few panics: what failed, in the test's own words.
+        for m in re.findall(r"panicked at [^\n]*\n([^\n]*(?:\n[^\n]*)?)", text)[:3]:
+            kept = [x.strip() for x in m.splitlines() if not x.startswith("stack backtrace")]
+            lines.append("    " + " | ".join(kept)[:200])
     return lines
 
 

@@ -24,7 +24,7 @@ fn gpu() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
     GPU.get_or_init(|| {
         if let Err(e) = gpu::detect() {
-            panic!("no CUDA device: {e}");
+            panic!("{e}");
         }
         Gpu::open(0).expect("device opens")
     })
