@@ -55,7 +55,7 @@ smoke)
   # Non-aligned lengths (issue 9: at most 3 % below the aligned length next to them): flash,
   # B1 H24 D64, seq_len 4092, 4096, 4097, fwd and fwd+bwd, both masks.
   step "non-aligned" 60 "$out/nonaligned.log" "$bin/attention" --grids shapes \
-    --implementations flash --filter heads=24,seq_len>=4092 "${quick_timing[@]}" \
+    --implementations flash --filter 'heads=24,seq_len>=4092' "${quick_timing[@]}" \
     --output "$out/nonaligned.json"
   # The headline: head_dim 128, T=16384, non-causal, fwd and fwd+bwd, flash against PyTorch's
   # FlashAttention-2 and cuDNN backends.
