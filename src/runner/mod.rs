@@ -37,6 +37,10 @@ pub struct RunnerArgs {
     /// Also measure alternatives from Python (the suite lists them, e.g. `torch`).
     #[arg(long, value_delimiter = ',')]
     pub compare: Vec<String>,
+    /// Leave these implementations out (e.g. `torch_math,torch_efficient`), whatever
+    /// `--compare` and the suite's own list name.
+    #[arg(long, value_delimiter = ',')]
+    pub exclude: Vec<String>,
     /// Measure only the cases matching this expression, e.g. `head_dim=128,seq_len>=4096`
     /// (clauses joined by commas, all must hold; `=`, `!=`, `<`, `<=`, `>`, `>=`).
     #[arg(long)]
@@ -97,8 +101,16 @@ impl RunnerArgs {
             Some(f) => Filter::parse(f).map_err(anyhow::Error::msg)?,
             None => Filter::default(),
         };
-        if let Some(first) = grid.first() {
-            filter.check_keys(first).map_err(anyhow::Error::msg)?;
+        // A filter may name a parameter only some cases carry (attention's `seq_len_q`): check
+        // it against every key of the grid.
+        let mut keys = Params::new();
+        for case in &grid {
+            for (k, v) in case {
+                keys.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+        if !grid.is_empty() {
+            filter.check_keys(&keys).map_err(anyhow::Error::msg)?;
         }
         Ok(grid::select(grid, &filter, self.shard))
     }
@@ -771,6 +783,8 @@ pub fn run(
 ) -> Result<ExitCode> {
     let started_at = document::now_rfc3339();
     let timing = args.timing();
+    let mut implementations = implementations;
+    implementations.retain(|i| !args.exclude.contains(&i.name));
     // Device facts, from a short-lived context in this process (dropped before the children run).
     let mut declared = declared;
     let (mut device, libraries, l2_bytes, pci) = match crate::gpu::Gpu::open(0) {
