@@ -917,3 +917,33 @@ fn the_methodology_reads_every_number_from_the_code_or_the_data() {
         assert!(text_of.contains(&expected), "no {expected:?} in {text_of}");
     }
 }
+
+/// A run split over several calls by `--filter` (one machine call each) is one run: its parts
+/// load together; the same parts from two commits do not.
+#[test]
+fn parts_of_one_run_split_by_filter_load_together() {
+    let data = tempfile::tempdir().unwrap();
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    let rows = doc["rows"].as_array().unwrap().clone();
+    let (full, causal): (Vec<_>, Vec<_>) =
+        rows.into_iter().partition(|r| r["case"]["causal"] == false);
+    let base = doc["config"]["command"].as_array().unwrap().clone();
+    let with_filter = |f: &str| {
+        let mut c = base.clone();
+        c.extend([serde_json::json!("--filter"), serde_json::json!(f)]);
+        c
+    };
+    doc["rows"] = serde_json::json!(full);
+    doc["config"]["command"] = serde_json::json!(with_filter("causal=false"));
+    fs::write(data.path().join("a.json"), doc.to_string()).unwrap();
+    doc["rows"] = serde_json::json!(causal);
+    doc["config"]["command"] = serde_json::json!(with_filter("causal=true"));
+    fs::write(data.path().join("b.json"), doc.to_string()).unwrap();
+    assert_eq!(load::load_dir(data.path()).unwrap().len(), 2);
+    // Another commit: two runs, refused.
+    doc["config"]["git_commit"] = serde_json::json!("1111111111111111111111111111111111111111");
+    fs::write(data.path().join("b.json"), doc.to_string()).unwrap();
+    let err = load::load_dir(data.path()).unwrap_err().to_string();
+    assert!(err.contains("not shards of one run"), "{err}");
+}
