@@ -109,7 +109,8 @@ impl Gpu {
         // SAFETY: the runners use one stream, so cross-stream event tracking is not needed;
         // it would add an event record per argument per launch to every timed call.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of its own, not the legacy default stream, which CUDA graphs cannot capture.
+        let stream = ctx.new_stream()?;
         let cc = ctx.compute_capability()?;
         Ok(Gpu {
             ctx,

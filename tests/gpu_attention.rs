@@ -416,7 +416,10 @@ fn issue_9_inputs_on_the_gpu() {
             let errs = check_outputs(&c, &reference_values(&c, &inp, &p), &ran.out, &p);
             assert!(errs.worst() <= dtype.tolerance(), "{} {errs:?}", imp.name());
 
-            // GQA: V of kv head j filled with j → output of query head h is exactly ⌊h/group⌋.
+            // GQA: V of kv head j filled with j → output of query head h is ⌊h/group⌋: exactly
+            // for flash (it divides Σ p·v by the Σ p of the same p), within one unit in the
+            // last place of the dtype for math (its P is rounded to the dtype before P·V, so
+            // the weights sum to 1 only to that rounding).
             let c = AttentionCase {
                 kv_heads: 4,
                 causal: true,
@@ -433,7 +436,16 @@ fn issue_9_inputs_on_the_gpu() {
             let per_q = c.seq_len_q * c.head_dim;
             for (i, &x) in o.iter().enumerate() {
                 let h = (i / per_q) % c.heads;
-                assert_eq!(x, (h / c.group()) as f64, "{} element {i}", imp.name());
+                let want = (h / c.group()) as f64;
+                let ulp = match imp {
+                    Implementation::Flash => 0.0,
+                    _ => want * dtype.epsilon(),
+                };
+                assert!(
+                    (x - want).abs() <= ulp,
+                    "{} element {i}: {x} vs {want}",
+                    imp.name()
+                );
             }
         }
 

@@ -239,3 +239,34 @@ fn configs_parse_and_reject() {
         );
     }
 }
+
+/// The aligned fast path of the forward (`kernels/flash_attn_fwd_aligned.cu`), in every
+/// (dtype, head dim, mask) it is dispatched for.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn the_aligned_forward_compiles() {
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for head_dim in [64, 128] {
+            for causal in [false, true] {
+                let c = case(dtype, head_dim, causal);
+                let fc = FlashConfig::for_head_dim(head_dim).unwrap();
+                assert!(kernelpages::attention::cuda::flash_aligned(&c, fc), "{c:?}");
+                let (name, src) = kernelpages::attention::cuda::flash_aligned_instance(&c, fc);
+                for arch in ["sm_80", "sm_90a"] {
+                    compile(&format!("{name}.cu"), &src, arch);
+                }
+            }
+        }
+    }
+    // Not aligned: a length off the tile, different lengths, a backward.
+    let fc = FlashConfig::for_head_dim(128).unwrap();
+    let odd = AttentionCase::new(1, 1, 1000, 128);
+    assert!(!kernelpages::attention::cuda::flash_aligned(&odd, fc));
+}

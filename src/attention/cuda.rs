@@ -26,6 +26,51 @@ use crate::gpu::{Gpu, GpuError};
 pub const PRELUDE_SRC: &str = include_str!("../../kernels/attn_prelude.cuh");
 /// Source of the flash forward kernel (after [`PRELUDE_SRC`]).
 pub const FLASH_SRC: &str = include_str!("../../kernels/flash_attn_fwd.cu");
+/// The aligned fast path of the forward (`kernels/flash_attn_fwd_aligned.cu`), self-contained.
+pub const FLASH_ALIGNED_SRC: &str = include_str!("../../kernels/flash_attn_fwd_aligned.cu");
+
+/// True when the forward of `c` can take the aligned fast path ([`flash_aligned_instance`]):
+/// forward only, equal query and key lengths that are a multiple of the 128-row query tile,
+/// head_dim 64 or 128, every key valid, 16-bit, and the tuned configuration.
+pub fn flash_aligned(c: &AttentionCase, fc: FlashConfig) -> bool {
+    c.pass == Pass::Fwd
+        && c.dtype != Dtype::F32
+        && c.seq_len_q == c.seq_len_kv
+        && (c.head_dim == 64 || c.head_dim == 128)
+        && c.kv_lens.is_none()
+        && fc
+            == (FlashConfig {
+                warps: 4,
+                m_tiles: 2,
+                key_tile: 64,
+            })
+        && c.seq_len_q.is_multiple_of(fc.query_tile())
+}
+
+/// The kernel name and the NVRTC source of the aligned fast-path forward for `c`
+/// (`flash_fwd_v3` of `kernels/flash_attn_fwd_aligned.cu` with configuration `fc`); its
+/// arguments are `(Q, K, V, O, T, H, KVH, scale_log2)`.
+pub fn flash_aligned_instance(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
+    let dt = dtype_tag(c.dtype);
+    let mask = if c.causal { "causal" } else { "full" };
+    let name = format!(
+        "flash_fwd_aligned_{dt}_d{}_{mask}_{}",
+        c.head_dim,
+        fc.name()
+    );
+    let (bf, causal, d) = (c.dtype == Dtype::Bf16, c.causal, c.head_dim);
+    let src = format!(
+        "{FLASH_ALIGNED_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
+         const u16* Q, const u16* K, const u16* V, u16* O, int T, int H, int KVH, \
+         float scale_log2) {{ flash_fwd_v3<{d}, {w}, {m}, {k}, {bf}, {causal}>(Q, K, V, O, T, H, \
+         KVH, scale_log2); }}\n",
+        threads = 32 * fc.warps,
+        w = fc.warps,
+        m = fc.m_tiles,
+        k = fc.key_tile,
+    );
+    (name, src)
+}
 /// Source of the flash backward kernels (after [`PRELUDE_SRC`]).
 pub const FLASH_BWD_SRC: &str = include_str!("../../kernels/flash_attn_bwd.cu");
 /// Source of the row kernels of the math path (softmax, its backward, row dot products).
@@ -596,6 +641,9 @@ pub enum Runner {
         lse: CudaSlice<f32>,
         /// The backward (forward + backward cases).
         bwd: Option<Box<FlashBwd>>,
+        /// True when `func` is the aligned fast path ([`flash_aligned`]): other arguments, no
+        /// log-sum-exp.
+        aligned: bool,
     },
     /// cuBLAS + row kernels.
     Math {
@@ -730,7 +778,12 @@ impl Runner {
         match imp {
             Implementation::Flash => {
                 let fc = FlashConfig::for_head_dim(c.head_dim).map_err(GpuError::Config)?;
-                let (name, src) = flash_instance(c, fc);
+                let aligned = flash_aligned(c, fc);
+                let (name, src) = if aligned {
+                    flash_aligned_instance(c, fc)
+                } else {
+                    flash_instance(c, fc)
+                };
                 let smem = fc.smem_bytes(c.head_dim);
                 check_smem(gpu, &name, smem)?;
                 let compiled = gpu.compile(&format!("{name}.cu"), &src)?;
@@ -782,6 +835,7 @@ impl Runner {
                         cfg,
                         lse,
                         bwd,
+                        aligned,
                     },
                     compile_s,
                 ))
@@ -867,11 +921,16 @@ impl Runner {
     }
 
     /// The log-sum-exp the flash forward wrote in the last call (fp32 `[B, H, Tq]`, natural
-    /// log, +∞ for rows that see no key); `None` for `math`.
+    /// log, +∞ for rows that see no key); `None` for `math` and for the aligned fast path,
+    /// which writes none.
     pub fn lse(&self) -> Option<&CudaSlice<f32>> {
         match self {
-            Runner::Flash { lse, .. } => Some(lse),
-            Runner::Math { .. } => None,
+            Runner::Flash {
+                lse,
+                aligned: false,
+                ..
+            } => Some(lse),
+            Runner::Flash { aligned: true, .. } | Runner::Math { .. } => None,
         }
     }
 
@@ -921,9 +980,27 @@ impl Runner {
                 cfg,
                 lse,
                 bwd: fb,
+                aligned,
             } => {
                 let (o, grads) = outs.split_at_mut(1);
                 let o = &mut o[0];
+                if *aligned {
+                    let mut b = gpu.stream.launch_builder(func);
+                    b.arg(&inp.q)
+                        .arg(&inp.k)
+                        .arg(&inp.v)
+                        .arg(&mut *o)
+                        .arg(&tq)
+                        .arg(&h)
+                        .arg(&kvh)
+                        .arg(&scale_log2);
+                    // SAFETY: the arguments match `flash_fwd_aligned_*(const u16* Q, const u16*
+                    // K, const u16* V, u16* O, int T, int H, int KVH, float)`; Q and O hold
+                    // B·H·T·D elements, K and V B·KVH·T·D (`flash_aligned` holds Tq = Tkv = T, a
+                    // multiple of the grid's query tile, every key valid); forward only.
+                    unsafe { b.launch(*cfg)? };
+                    return Ok(());
+                }
                 {
                     let mut b = gpu.stream.launch_builder(func);
                     b.arg(&inp.q)
