@@ -17,8 +17,8 @@
 //!   the rows that ran.
 //! - `values(suite, param, where?, implementation?)`: the distinct values of a parameter,
 //!   ascending, joined with `, `.
-//! - `measured(suite)`: whether any row of the suite ran, to guard prose about data that may be
-//!   absent.
+//! - `measured(suite, where?)`: whether any row of the suite (among those the where-clause
+//!   keeps) ran, to guard prose about data that may be absent.
 //! - `launch_bound(suite, implementation, where)`: the claim that an eager call of the
 //!   implementation is launch-bound in every case kept, with the range of host ÷ device time.
 //!
@@ -720,14 +720,24 @@ fn launch_bound(docs: &[Loaded], args: &Args) -> Result<Value, String> {
 }
 
 fn measured(docs: &[Loaded], args: &Args) -> Result<Value, String> {
-    args.only(&["suite", "device"])?;
+    args.only(&["suite", "device", "where"])?;
+    let filter = args.filter("where")?;
     // An unknown suite is an error; an absent document only means "not measured".
-    let ran = match suite_rows(docs, args) {
-        Ok(items) => items.iter().any(|i| i.row.status == Status::Ok),
+    let items = match suite_rows(docs, args) {
+        Ok(items) => items,
         Err(e) if e.starts_with("unknown") || e.starts_with("missing") => return Err(e),
-        Err(_) => false,
+        Err(_) => return Ok(Value::from(false)),
     };
-    Ok(Value::from(ran))
+    let ok: Vec<_> = items
+        .into_iter()
+        .filter(|i| i.row.status == Status::Ok)
+        .collect();
+    if ok.is_empty() {
+        return Ok(Value::from(false));
+    }
+    // A misspelt parameter is an error (the filter names it), not "not measured".
+    let kept = filter.apply(ok, |i| i.row)?;
+    Ok(Value::from(!kept.is_empty()))
 }
 
 /// How a claim compares the two implementations.
