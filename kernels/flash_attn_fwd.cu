@@ -1,286 +1,50 @@
 // Flash-attention forward (FlashAttention-2 style: Dao, 2023, "FlashAttention-2: Faster
 // Attention with Better Parallelism and Work Partitioning"), written for this project.
+// Needs attn_prelude.cuh before it (the host concatenates the two).
 //
-// O = softmax(Q K^T * scale [+ causal mask]) V for Q [B, H, T, D], K/V [B, KVH, T, D] (BHSD,
-// contiguous, 16-bit: bf16 or fp16), O [B, H, T, D] in the same dtype. Accumulation in fp32.
+// O = softmax(Q K^T * scale [+ masks]) V for Q [B, H, Tq, D], K/V [B, KVH, Tkv, D] (BHSD,
+// contiguous, 16-bit: bf16 or fp16), O [B, H, Tq, D] in the same dtype, and the log-sum-exp
+// LSE [B, H, Tq] in fp32 (natural log of sum_j exp(scale * q.k_j) over the visible keys; +inf for
+// a row that sees no key), which the backward reads. Accumulation in fp32, so scores that
+// overflow fp16 (e.g. q = k = 24, D = 128: 73 728) are exact.
 //
-// One CTA of NW warps owns BR = 16 * NW query rows of one (batch, head); each warp owns 16 rows.
-// K and V tiles of BC = 64 keys stream through shared memory, double-buffered with cp.async.
-// More warps per CTA means each K/V tile fetched from L2 serves more query rows.
-// S = Q K^T and O += P V use the tensor cores through mma.sync.m16n8k16 (sm_80+); fragments are
-// loaded with ldmatrix (the .trans form for V). The softmax is the online (streaming) one in the
-// base-2 domain: m = running max, l = running sum, O rescaled by 2^(m_old - m_new).
+// Masks (src/attention/mod.rs documents the function): batch entry b has L = kv_lens[b] valid
+// keys (padded layout); with CAUSAL, query i sees key j iff j <= i + L - Tq (bottom-right
+// alignment). A row that sees no key gets O = 0 and LSE = +inf.
 //
-// Requirements (checked by the host): T % BR == 0 and T % 64 == 0, D in {64, 128}, H % KVH == 0.
-// No headers: 16-bit values are moved as raw bits and converted with PTX cvt instructions, so
-// NVRTC needs no include path.
+// Any lengths Tq >= 1, Tkv >= 1 and 0 <= L <= Tkv: the last query tile and the last key tile
+// may be partial. Their loads are zero-filled (cp.async with src-size 0), keys at or beyond a
+// row's limit score -inf, nothing is stored beyond Tq. Warps whose 16-row groups lie wholly
+// beyond Tq, or wholly before a causal key tile, skip its matrix work; in the last key tile the
+// 8-key column blocks of Q K^T and the 16-key blocks of P V beyond the tile's last needed key are
+// skipped, so a length one past a tile multiple costs about one 16-key block, not a full tile.
 //
-// The host appends one `extern "C"` wrapper per instantiation it needs (`flash_instance` in src/attention/cuda.rs).
+// One CTA of NW warps owns BR = 16 * MT * NW query rows of one (batch, head); each warp owns MT
+// groups of 16 rows (FlashAttention-2's warp layout), so every K and V fragment read from shared
+// memory feeds MT matrix products. K and V tiles of BCT keys stream through shared memory,
+// double-buffered with cp.async; Q stays in shared memory and its fragments are re-read per key
+// tile. S = Q K^T and O += P V use mma.sync.m16n8k16 (sm_80+), fragments loaded with ldmatrix
+// (the .trans form for V). The softmax is the online one in the base-2 domain: m = running max,
+// l = running sum, O rescaled by 2^(m_old - m_new); while a row has seen no key, m = -inf and
+// the kernel subtracts 0 instead (FlashAttention-2's guard: -inf - -inf would be NaN).
+//
+// No atomics and a fixed order of every sum: outputs are bit-identical from run to run.
+// Grid: (ceil(Tq / BR), H, B); block 32 * NW threads; dynamic shared memory
+// (BR + 4 * BCT) * (D + 8) * 2 bytes. The host appends one `extern "C"` wrapper per
+// instantiation it needs (`flash_instance` in src/attention/cuda.rs).
 
-typedef unsigned short u16;
-typedef unsigned int u32;
-
-#define BC 64
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-
-// Packs two fp32 values as a pair of 16-bit values, `lo` in the low half.
-template <bool BF16>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 d;
-    if (BF16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    }
-    return d;
-}
-
-// c += a * b for one 16x8x16 tile: a row-major 16x16, b column-major 16x8, c fp32 16x8.
-template <bool BF16>
-__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
-    if (BF16) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
-
-__device__ __forceinline__ void ldmatrix_x4(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(g));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// Copies a ROWS x D tile from global (row stride D) to shared (row stride D + 8) with 16-byte
-// cp.async; the 8-element pad keeps ldmatrix's 8 row addresses in distinct bank groups.
-template <int ROWS, int D, int NTHREADS>
-__device__ __forceinline__ void load_tile(u16* s, const u16* g, int tid) {
-    constexpr int STR = D + 8;
-    constexpr int CHUNKS = ROWS * D / 8;
-#pragma unroll
-    for (int i = tid; i < CHUNKS; i += NTHREADS) {
-        int r = i / (D / 8);
-        int c = (i % (D / 8)) * 8;
-        cp_async16(smem_u32(s + r * STR + c), g + (size_t)r * D + c);
-    }
-}
-
-template <int D, int NW, bool BF16, bool CAUSAL>
-__device__ __forceinline__ void flash_fwd(const u16* __restrict__ Q, const u16* __restrict__ K,
-                                          const u16* __restrict__ V, u16* __restrict__ O, int T,
-                                          int H, int KVH, float scale_log2) {
-    constexpr int BR = 16 * NW;
-    constexpr int NTH = 32 * NW;
-    constexpr int STR = D + 8;
-    constexpr int DT = D / 8;   // n8 tiles of the output row
-    constexpr int KC = D / 16;  // k16 chunks of the head dimension
-    constexpr int NT = BC / 8;  // n8 tiles of the score row
-    static_assert(BR % BC == 0, "query tile must be a multiple of the key tile");
-    extern __shared__ __align__(16) u16 smem[];
-    u16* sQ = smem;
-    u16* sK = sQ + BR * STR;      // 2 buffers
-    u16* sV = sK + 2 * BC * STR;  // 2 buffers
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int n_qt = T / BR;
-    // Causal: heaviest query tiles first, so the tail of the grid is short work.
-    const int qt = CAUSAL ? (n_qt - 1 - (int)blockIdx.x) : (int)blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int kvh = h / (H / KVH);
-    const size_t q_off = ((size_t)(b * H + h) * T + (size_t)qt * BR) * D;
-    const size_t kv_off = (size_t)(b * KVH + kvh) * T * D;
-    const int n_kt = CAUSAL ? ((qt + 1) * BR) / BC : (T / BC);
-
-    load_tile<BR, D, NTH>(sQ, Q + q_off, tid);
-    cp_async_commit();
-    load_tile<BC, D, NTH>(sK, K + kv_off, tid);
-    load_tile<BC, D, NTH>(sV, V + kv_off, tid);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-
-    // Q fragments stay in registers for the whole loop.
-    u32 qf[KC][4];
-#pragma unroll
-    for (int kc = 0; kc < KC; ++kc) {
-        const u16* p = sQ + (warp * 16 + (lane & 15)) * STR + kc * 16 + (lane >> 4) * 8;
-        ldmatrix_x4(qf[kc], smem_u32(p));
-    }
-
-    float o[DT][4];
-#pragma unroll
-    for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m_run[2] = {NEG_INF, NEG_INF};
-    float l_run[2] = {0.f, 0.f};
-
-    const int g = lane >> 2, t4 = lane & 3;
-
-    for (int kt = 0; kt < n_kt; ++kt) {
-        const int buf = kt & 1;
-        if (kt + 1 < n_kt) {
-            load_tile<BC, D, NTH>(sK + (buf ^ 1) * BC * STR, K + kv_off + (size_t)(kt + 1) * BC * D, tid);
-            load_tile<BC, D, NTH>(sV + (buf ^ 1) * BC * STR, V + kv_off + (size_t)(kt + 1) * BC * D, tid);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const u16* k_s = sK + buf * BC * STR;
-        const u16* v_s = sV + buf * BC * STR;
-
-        // S = Q K^T for this warp's 16 rows x BC keys.
-        float s[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-        for (int kc = 0; kc < KC; kc += 2) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                u32 kb[4];
-                const u16* p = k_s + (nt * 8 + (lane & 7)) * STR + kc * 16 + (lane >> 3) * 8;
-                ldmatrix_x4(kb, smem_u32(p));
-                mma16816<BF16>(s[nt], qf[kc], kb[0], kb[1]);
-                mma16816<BF16>(s[nt], qf[kc + 1], kb[2], kb[3]);
-            }
-        }
-
-        // Scale into the log2 domain; mask keys after the query on tiles that cross the
-        // diagonal (global key index > global query index).
-        const bool diag = CAUSAL && (kt * BC + BC - 1 > qt * BR);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[nt][e] * scale_log2;
-                if (diag) {
-                    int row = qt * BR + warp * 16 + g + (e >> 1) * 8;
-                    int col = kt * BC + nt * 8 + 2 * t4 + (e & 1);
-                    if (col > row) x = NEG_INF;
-                }
-                s[nt][e] = x;
-            }
-        }
-
-        // Online softmax for the thread's two rows (g and g + 8).
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            const float m_new = fmaxf(m_run[r], mx);
-            const float alpha = fast_exp2(m_run[r] - m_new);
-            m_run[r] = m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                float p0 = fast_exp2(s[nt][2 * r] - m_new);
-                float p1 = fast_exp2(s[nt][2 * r + 1] - m_new);
-                s[nt][2 * r] = p0;
-                s[nt][2 * r + 1] = p1;
-                sum += p0 + p1;
-            }
-            l_run[r] = l_run[r] * alpha + sum;
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                o[dt][2 * r] *= alpha;
-                o[dt][2 * r + 1] *= alpha;
-            }
-        }
-
-        // O += P V: P's accumulator layout is already the A-fragment layout of the next mma.
-#pragma unroll
-        for (int kc = 0; kc < BC / 16; ++kc) {
-            u32 pa[4];
-            pa[0] = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
-            pa[1] = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
-            pa[2] = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-            pa[3] = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-#pragma unroll
-            for (int dt = 0; dt < DT; dt += 2) {
-                u32 vb[4];
-                const u16* p = v_s + (kc * 16 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
-                ldmatrix_x4_trans(vb, smem_u32(p));
-                mma16816<BF16>(o[dt], pa, vb[0], vb[1]);
-                mma16816<BF16>(o[dt + 1], pa, vb[2], vb[3]);
-            }
-        }
-        __syncthreads();  // every warp is done with `buf` before it is refilled
-    }
-
-    // Finish: the row sums were per-thread partials over the thread's columns.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffff, l, 1);
-        l += __shfl_xor_sync(0xffffffff, l, 2);
-        l_run[r] = 1.f / l;
-    }
-    u16* o_base = O + q_off;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            int row = warp * 16 + g + r * 8;
-            int col = dt * 8 + 2 * t4;
-            u32 v = pack2<BF16>(o[dt][2 * r] * l_run[r], o[dt][2 * r + 1] * l_run[r]);
-            *reinterpret_cast<u32*>(o_base + (size_t)row * D + col) = v;
-        }
-    }
-}
-
-// Version 3: each warp owns MT groups of 16 query rows (FlashAttention-2's layout for large
-// tiles), so every K and V fragment read from shared memory feeds MT matrix products instead of
-// one: the shared-memory bytes per FLOP fall by up to MT. Q stays in shared memory and its
-// fragments are re-read per key tile (registers go to the MT-fold accumulators instead).
-// BCT keys per tile (32 or 64). A warp whose rows all precede a causal tile skips its work.
-// Requirements: T % (16 * MT * NW) == 0, (16 * MT * NW) % BCT == 0.
 template <int D, int NW, int MT, int BCT, bool BF16, bool CAUSAL>
-__device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u16* __restrict__ K,
-                                             const u16* __restrict__ V, u16* __restrict__ O,
-                                             int T, int H, int KVH, float scale_log2) {
+__device__ __forceinline__ void flash_fwd(const u16* __restrict__ Q, const u16* __restrict__ K,
+                                          const u16* __restrict__ V, u16* __restrict__ O,
+                                          float* __restrict__ LSE, const int* __restrict__ kv_lens,
+                                          int Tq, int Tkv, int H, int KVH, float scale_log2) {
     constexpr int BR = 16 * MT * NW;
     constexpr int NTH = 32 * NW;
     constexpr int STR = D + 8;
     constexpr int DT = D / 8;
     constexpr int KC = D / 16;
     constexpr int NT = BCT / 8;
-    static_assert(BR % BCT == 0, "query tile must be a multiple of the key tile");
+    static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
     extern __shared__ __align__(16) u16 smem[];
     u16* sQ = smem;
     u16* sK = sQ + BR * STR;       // 2 buffers
@@ -288,20 +52,32 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int n_qt = T / BR;
+    const int n_qt = gridDim.x;
+    // Causal: heaviest query tiles first, so the tail of the grid is short work.
     const int qt = CAUSAL ? (n_qt - 1 - (int)blockIdx.x) : (int)blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (H / KVH);
-    const size_t q_off = ((size_t)(b * H + h) * T + (size_t)qt * BR) * D;
-    const size_t kv_off = (size_t)(b * KVH + kvh) * T * D;
-    const int n_kt = CAUSAL ? ((qt + 1) * BR) / BCT : (T / BCT);
-    const int warp_row0 = warp * 16 * MT;            // first row of this warp within the tile
-    const int warp_last = qt * BR + warp_row0 + 16 * MT - 1;  // its last global query row
+    const int L = kv_lens[b];
+    const int off = L - Tq;  // causal: key j visible to row i iff j <= i + off
+    const int q0 = qt * BR;
+    const int rows = min(BR, Tq - q0);
+    // Keys any row of this tile sees: [0, n_keys).
+    const int n_keys = CAUSAL ? max(0, min(L, q0 + rows + off)) : L;
+    const int n_kt = (n_keys + BCT - 1) / BCT;
+    const size_t q_off = ((size_t)(b * H + h) * Tq + q0) * D;
+    const size_t kv_off = (size_t)(b * KVH + kvh) * Tkv * D;
+    const int warp_row0 = warp * 16 * MT;  // first row of this warp within the tile
+    const int warp_rows = min(16 * MT, rows - warp_row0);  // its rows below Tq (may be <= 0)
+    // The key limits of the warp's first and last valid rows (keys [0, lim) are visible).
+    const int lim_first = CAUSAL ? max(0, min(L, q0 + warp_row0 + off + 1)) : L;
+    const int lim_last = CAUSAL ? max(0, min(L, q0 + warp_row0 + warp_rows + off)) : L;
 
-    load_tile<BR, D, NTH>(sQ, Q + q_off, tid);
+    load_tile<BR, D, NTH>(sQ, Q + q_off, rows, tid);
     cp_async_commit();
-    load_tile<BCT, D, NTH>(sK, K + kv_off, tid);
-    load_tile<BCT, D, NTH>(sV, V + kv_off, tid);
+    if (n_kt > 0) {
+        load_tile<BCT, D, NTH>(sK, K + kv_off, n_keys, tid);
+        load_tile<BCT, D, NTH>(sV, V + kv_off, n_keys, tid);
+    }
     cp_async_commit();
 
     float o[MT][DT][4];
@@ -318,9 +94,11 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
 
     for (int kt = 0; kt < n_kt; ++kt) {
         const int buf = kt & 1;
+        const int k0 = kt * BCT;
         if (kt + 1 < n_kt) {
-            load_tile<BCT, D, NTH>(sK + (buf ^ 1) * BCT * STR, K + kv_off + (size_t)(kt + 1) * BCT * D, tid);
-            load_tile<BCT, D, NTH>(sV + (buf ^ 1) * BCT * STR, V + kv_off + (size_t)(kt + 1) * BCT * D, tid);
+            const int k1 = k0 + BCT;
+            load_tile<BCT, D, NTH>(sK + (buf ^ 1) * BCT * STR, K + kv_off + (size_t)k1 * D, n_keys - k1, tid);
+            load_tile<BCT, D, NTH>(sV + (buf ^ 1) * BCT * STR, V + kv_off + (size_t)k1 * D, n_keys - k1, tid);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -329,8 +107,10 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
         __syncthreads();
         const u16* k_s = sK + buf * BCT * STR;
         const u16* v_s = sV + buf * BCT * STR;
-        // Causal: every key of this tile comes after every row of this warp -> nothing to add.
-        const bool skip = CAUSAL && (kt * BCT > warp_last);
+        const int rem = n_keys - k0;  // keys of this tile any row needs (>= 1)
+        // Nothing to add: the warp has no row below Tq, or every key of the tile is past all its
+        // rows' limits.
+        const bool skip = warp_rows <= 0 || k0 >= lim_last;
         if (!skip) {
             float s[MT][NT][4];
 #pragma unroll
@@ -348,18 +128,21 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
                 }
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    u32 kb[4];
-                    const u16* p = k_s + (nt * 8 + (lane & 7)) * STR + kc * 16 + (lane >> 3) * 8;
-                    ldmatrix_x4(kb, smem_u32(p));
+                    if (nt * 8 < rem) {
+                        u32 kb[4];
+                        const u16* p = k_s + (nt * 8 + (lane & 7)) * STR + kc * 16 + (lane >> 3) * 8;
+                        ldmatrix_x4(kb, smem_u32(p));
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma16816<BF16>(s[mt][nt], qf[mt][0], kb[0], kb[1]);
-                        mma16816<BF16>(s[mt][nt], qf[mt][1], kb[2], kb[3]);
+                        for (int mt = 0; mt < MT; ++mt) {
+                            mma16816<BF16>(s[mt][nt], qf[mt][0], kb[0], kb[1]);
+                            mma16816<BF16>(s[mt][nt], qf[mt][1], kb[2], kb[3]);
+                        }
                     }
                 }
             }
 
-            const bool diag = CAUSAL && (kt * BCT + BCT - 1 > qt * BR + warp_row0);
+            // Mask the tile when some key of it is at or past some row's limit.
+            const bool mask = k0 + BCT > lim_first;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -367,10 +150,11 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         float x = s[mt][nt][e] * scale_log2;
-                        if (diag) {
-                            int row = qt * BR + warp_row0 + mt * 16 + g + (e >> 1) * 8;
-                            int col = kt * BCT + nt * 8 + 2 * t4 + (e & 1);
-                            if (col > row) x = NEG_INF;
+                        if (mask) {
+                            const int row = q0 + warp_row0 + mt * 16 + g + (e >> 1) * 8;
+                            const int col = k0 + nt * 8 + 2 * t4 + (e & 1);
+                            const int lim = CAUSAL ? min(L, row + off + 1) : L;
+                            if (col >= lim) x = NEG_INF;
                         }
                         s[mt][nt][e] = x;
                     }
@@ -384,13 +168,14 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
                     const float m_new = fmaxf(m_run[mt][r], mx);
-                    const float alpha = fast_exp2(m_run[mt][r] - m_new);
+                    const float m_use = m_new == NEG_INF ? 0.f : m_new;
+                    const float alpha = fast_exp2(m_run[mt][r] - m_use);
                     m_run[mt][r] = m_new;
                     float sum = 0.f;
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        float p0 = fast_exp2(s[mt][nt][2 * r] - m_new);
-                        float p1 = fast_exp2(s[mt][nt][2 * r + 1] - m_new);
+                        const float p0 = fast_exp2(s[mt][nt][2 * r] - m_use);
+                        const float p1 = fast_exp2(s[mt][nt][2 * r + 1] - m_use);
                         s[mt][nt][2 * r] = p0;
                         s[mt][nt][2 * r + 1] = p1;
                         sum += p0 + p1;
@@ -404,33 +189,39 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
                 }
             }
 
+            // O += P V: P's accumulator layout is already the A-fragment layout of the next mma.
 #pragma unroll
             for (int kc = 0; kc < BCT / 16; ++kc) {
-                u32 pa[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    pa[mt][0] = pack2<BF16>(s[mt][2 * kc][0], s[mt][2 * kc][1]);
-                    pa[mt][1] = pack2<BF16>(s[mt][2 * kc][2], s[mt][2 * kc][3]);
-                    pa[mt][2] = pack2<BF16>(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
-                    pa[mt][3] = pack2<BF16>(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
-                }
-#pragma unroll
-                for (int dt = 0; dt < DT; dt += 2) {
-                    u32 vb[4];
-                    const u16* p = v_s + (kc * 16 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
-                    ldmatrix_x4_trans(vb, smem_u32(p));
+                if (kc * 16 < rem) {
+                    u32 pa[MT][4];
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
-                        mma16816<BF16>(o[mt][dt], pa[mt], vb[0], vb[1]);
-                        mma16816<BF16>(o[mt][dt + 1], pa[mt], vb[2], vb[3]);
+                        pa[mt][0] = pack2<BF16>(s[mt][2 * kc][0], s[mt][2 * kc][1]);
+                        pa[mt][1] = pack2<BF16>(s[mt][2 * kc][2], s[mt][2 * kc][3]);
+                        pa[mt][2] = pack2<BF16>(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
+                        pa[mt][3] = pack2<BF16>(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
+                    }
+#pragma unroll
+                    for (int dt = 0; dt < DT; dt += 2) {
+                        u32 vb[4];
+                        const u16* p = v_s + (kc * 16 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
+                        ldmatrix_x4_trans(vb, smem_u32(p));
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            mma16816<BF16>(o[mt][dt], pa[mt], vb[0], vb[1]);
+                            mma16816<BF16>(o[mt][dt + 1], pa[mt], vb[2], vb[3]);
+                        }
                     }
                 }
             }
         }
-        __syncthreads();
+        __syncthreads();  // every warp is done with `buf` before it is refilled
     }
+    cp_async_wait<0>();  // with no key tile (n_kt == 0) the Q copy is still in flight
 
+    // Finish: the row sums were per-thread partials over the thread's columns.
     u16* o_base = O + q_off;
+    float* lse_base = LSE + (size_t)(b * H + h) * Tq + q0;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -438,12 +229,15 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
             float l = l_run[mt][r];
             l += __shfl_xor_sync(0xffffffff, l, 1);
             l += __shfl_xor_sync(0xffffffff, l, 2);
-            const float inv = 1.f / l;
+            const float inv = l > 0.f ? 1.f / l : 0.f;
             const int row = warp_row0 + mt * 16 + g + r * 8;
+            if (row < rows) {
 #pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                u32 v = pack2<BF16>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-                *reinterpret_cast<u32*>(o_base + (size_t)row * D + dt * 8 + 2 * t4) = v;
+                for (int dt = 0; dt < DT; ++dt) {
+                    u32 v = pack2<BF16>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
+                    *reinterpret_cast<u32*>(o_base + (size_t)row * D + dt * 8 + 2 * t4) = v;
+                }
+                if (t4 == 0) lse_base[row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * LN2 : POS_INF;
             }
         }
     }

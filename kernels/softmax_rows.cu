@@ -1,11 +1,15 @@
-// Row softmax for the "math" attention path: P = softmax(S) row by row, with the causal mask.
+// Row kernels of the "math" attention path (cuBLAS GEMMs do the matrix products):
+// - softmax_rows: P = softmax(S) row by row with the masks, and rows that see no key set to 0;
+// - softmax_bwd_rows: dS = P * (dP - D_row), in place over P (the backward);
+// - rowdot: D_row = sum_d dO * O (the backward's preprocessing).
 //
-// S: fp32 [rows, T] (already scaled by 1/sqrt(head_dim) in the GEMM that produced it),
-// P: bf16 or fp16 [rows, T]. Row r is query i = r % T of its (batch, head) slice; with CAUSAL,
-// keys j > i get probability 0. One CTA of 256 threads per row, three passes over the row
-// (max, sum of exponentials, write), 16-byte loads; T % 4 == 0 (checked by the host).
+// S and dP: fp32 [rows, Tkv] with rows = B * H * Tq (S already scaled by the softmax scale in
+// the GEMM that produced it). P, dS, O and dO: the case's dtype (bf16, fp16 or fp32; OUT = 0, 1,
+// 2). Row r is query i = r % Tq of head (r / Tq) % H of batch entry b = r / (Tq * H); that entry
+// has L = kv_lens[b] valid keys and, with CAUSAL, query i sees key j iff j <= i + L - Tq
+// (bottom-right alignment). One CTA of 256 threads per row; V4: Tkv % 4 == 0, 16-byte loads.
 //
-// No headers: 16-bit outputs are produced with PTX cvt instructions.
+// No headers: 16-bit values are produced with PTX cvt instructions.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -14,15 +18,47 @@ typedef unsigned int u32;
 #define NEG_INF __int_as_float(0xff800000)
 #define LOG2E 1.4426950408889634f
 
-template <bool BF16>
+// Two fp32 values as bf16 (OUT 0) or fp16 (OUT 1) bits, `lo` in the low half.
+template <int OUT>
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
     u32 d;
-    if (BF16) {
+    if (OUT == 0) {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     } else {
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     }
     return d;
+}
+
+// Element j of a row of the case's dtype, as fp32.
+template <int OUT>
+__device__ __forceinline__ float load_elem(const u16* row, size_t j) {
+    if (OUT == 2) return reinterpret_cast<const float*>(row)[j];
+    const u16 x = row[j];
+    if (OUT == 0) return __uint_as_float(((u32)x) << 16);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+}
+
+template <int OUT>
+__device__ __forceinline__ void store_elem(u16* row, size_t j, float x) {
+    if (OUT == 2) {
+        reinterpret_cast<float*>(row)[j] = x;
+    } else {
+        row[j] = (u16)(pack2<OUT>(x, 0.f) & 0xffff);
+    }
+}
+
+template <int OUT>
+__device__ __forceinline__ void store4(u16* row, int c, float a, float b, float x, float y) {
+    if (OUT == 2) {
+        reinterpret_cast<float4*>(row)[c] = make_float4(a, b, x, y);
+    } else {
+        u32* p2 = reinterpret_cast<u32*>(row);
+        p2[2 * c] = pack2<OUT>(a, b);
+        p2[2 * c + 1] = pack2<OUT>(x, y);
+    }
 }
 
 // Reduces `v` over the CTA with `op`; every thread gets the result.
@@ -45,60 +81,137 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch) {
     return v;
 }
 
-template <bool BF16, bool CAUSAL>
-__device__ __forceinline__ void softmax_rows(const float* __restrict__ S, u16* __restrict__ P,
-                                             int T) {
-    __shared__ float scratch[THREADS / 32];
-    const size_t r = blockIdx.x;
-    const int i = (int)(r % (size_t)T);
-    const int valid = CAUSAL ? i + 1 : T;  // keys 0..valid-1 take part
-    const float4* s4 = reinterpret_cast<const float4*>(S + r * (size_t)T);
-    u32* p2 = reinterpret_cast<u32*>(P + r * (size_t)T);
+// Keys row `r` sees: [0, valid).
+template <bool CAUSAL>
+__device__ __forceinline__ int visible(const int* kv_lens, size_t r, int Tq, int H) {
+    const int i = (int)(r % (size_t)Tq);
+    const int b = (int)(r / ((size_t)Tq * H));
+    const int L = kv_lens[b];
+    return CAUSAL ? max(0, min(L, i + L - Tq + 1)) : L;
+}
 
+template <int OUT, bool CAUSAL, bool V4>
+__device__ __forceinline__ void softmax_rows(const float* __restrict__ S, u16* __restrict__ P,
+                                             const int* __restrict__ kv_lens, int Tq, int Tkv,
+                                             int H) {
+    __shared__ float scratch[THREADS / 32];
+    constexpr int W = OUT == 2 ? 2 : 1;  // 16-bit words per element
+    const size_t r = blockIdx.x;
+    const int valid = visible<CAUSAL>(kv_lens, r, Tq, H);
+    const float* s = S + r * (size_t)Tkv;
+    u16* p = P + r * (size_t)Tkv * W;
+    if (valid == 0) {
+        for (int j = threadIdx.x; j < Tkv; j += THREADS) store_elem<OUT>(p, j, 0.f);
+        return;
+    }
     float mx = NEG_INF;
-    for (int c = threadIdx.x; c * 4 < valid; c += THREADS) {
-        float4 x = s4[c];
-        int j = c * 4;
-        mx = fmaxf(mx, x.x);
-        if (j + 1 < valid) mx = fmaxf(mx, x.y);
-        if (j + 2 < valid) mx = fmaxf(mx, x.z);
-        if (j + 3 < valid) mx = fmaxf(mx, x.w);
+    if (V4) {
+        const float4* s4 = reinterpret_cast<const float4*>(s);
+        for (int c = threadIdx.x; c * 4 < valid; c += THREADS) {
+            const float4 x = s4[c];
+            const int j = c * 4;
+            mx = fmaxf(mx, x.x);
+            if (j + 1 < valid) mx = fmaxf(mx, x.y);
+            if (j + 2 < valid) mx = fmaxf(mx, x.z);
+            if (j + 3 < valid) mx = fmaxf(mx, x.w);
+        }
+    } else {
+        for (int j = threadIdx.x; j < valid; j += THREADS) mx = fmaxf(mx, s[j]);
     }
     mx = block_reduce<true>(mx, scratch);
 
     float sum = 0.f;
-    for (int c = threadIdx.x; c * 4 < valid; c += THREADS) {
-        float4 x = s4[c];
-        int j = c * 4;
-        sum += exp2f((x.x - mx) * LOG2E);
-        if (j + 1 < valid) sum += exp2f((x.y - mx) * LOG2E);
-        if (j + 2 < valid) sum += exp2f((x.z - mx) * LOG2E);
-        if (j + 3 < valid) sum += exp2f((x.w - mx) * LOG2E);
+    if (V4) {
+        const float4* s4 = reinterpret_cast<const float4*>(s);
+        for (int c = threadIdx.x; c * 4 < valid; c += THREADS) {
+            const float4 x = s4[c];
+            const int j = c * 4;
+            sum += exp2f((x.x - mx) * LOG2E);
+            if (j + 1 < valid) sum += exp2f((x.y - mx) * LOG2E);
+            if (j + 2 < valid) sum += exp2f((x.z - mx) * LOG2E);
+            if (j + 3 < valid) sum += exp2f((x.w - mx) * LOG2E);
+        }
+    } else {
+        for (int j = threadIdx.x; j < valid; j += THREADS) sum += exp2f((s[j] - mx) * LOG2E);
     }
     sum = block_reduce<false>(sum, scratch);
     const float inv = 1.f / sum;
 
-    for (int c = threadIdx.x; c * 4 < T; c += THREADS) {
-        int j = c * 4;
-        float4 x = s4[c];
-        float e0 = j < valid ? exp2f((x.x - mx) * LOG2E) * inv : 0.f;
-        float e1 = j + 1 < valid ? exp2f((x.y - mx) * LOG2E) * inv : 0.f;
-        float e2 = j + 2 < valid ? exp2f((x.z - mx) * LOG2E) * inv : 0.f;
-        float e3 = j + 3 < valid ? exp2f((x.w - mx) * LOG2E) * inv : 0.f;
-        p2[2 * c] = pack2<BF16>(e0, e1);
-        p2[2 * c + 1] = pack2<BF16>(e2, e3);
+    if (V4) {
+        const float4* s4 = reinterpret_cast<const float4*>(s);
+        for (int c = threadIdx.x; c * 4 < Tkv; c += THREADS) {
+            const int j = c * 4;
+            const float4 x = s4[c];
+            const float e0 = j < valid ? exp2f((x.x - mx) * LOG2E) * inv : 0.f;
+            const float e1 = j + 1 < valid ? exp2f((x.y - mx) * LOG2E) * inv : 0.f;
+            const float e2 = j + 2 < valid ? exp2f((x.z - mx) * LOG2E) * inv : 0.f;
+            const float e3 = j + 3 < valid ? exp2f((x.w - mx) * LOG2E) * inv : 0.f;
+            store4<OUT>(p, c, e0, e1, e2, e3);
+        }
+    } else {
+        for (int j = threadIdx.x; j < Tkv; j += THREADS) {
+            store_elem<OUT>(p, j, j < valid ? exp2f((s[j] - mx) * LOG2E) * inv : 0.f);
+        }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) softmax_rows_bf16_full(const float* S, u16* P, int T) {
-    softmax_rows<true, false>(S, P, T);
+// dS = P * (dP - D_row), written over P. Masked entries have P = 0, so dS = 0 there.
+template <int OUT>
+__device__ __forceinline__ void softmax_bwd_rows(const float* __restrict__ dP, u16* __restrict__ P,
+                                                 const float* __restrict__ Dsum, int Tkv) {
+    constexpr int W = OUT == 2 ? 2 : 1;
+    const size_t r = blockIdx.x;
+    const float d = Dsum[r];
+    const float* dp = dP + r * (size_t)Tkv;
+    u16* p = P + r * (size_t)Tkv * W;
+    for (int j = threadIdx.x; j < Tkv; j += THREADS) {
+        store_elem<OUT>(p, j, load_elem<OUT>(p, j) * (dp[j] - d));
+    }
 }
-extern "C" __global__ void __launch_bounds__(THREADS) softmax_rows_bf16_causal(const float* S, u16* P, int T) {
-    softmax_rows<true, true>(S, P, T);
+
+// D_row = sum_d dO * O, one warp per row of D elements.
+template <int OUT>
+__device__ __forceinline__ void rowdot(const u16* __restrict__ O, const u16* __restrict__ dO,
+                                       float* __restrict__ Dsum, int rows, int D) {
+    constexpr int W = OUT == 2 ? 2 : 1;
+    const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const u16* o = O + (size_t)row * D * W;
+    const u16* g = dO + (size_t)row * D * W;
+    float acc = 0.f;
+    for (int e = lane; e < D; e += 32) acc += load_elem<OUT>(o, e) * load_elem<OUT>(g, e);
+    for (int k = 16; k > 0; k >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, k);
+    if (lane == 0) Dsum[row] = acc;
 }
-extern "C" __global__ void __launch_bounds__(THREADS) softmax_rows_f16_full(const float* S, u16* P, int T) {
-    softmax_rows<false, false>(S, P, T);
-}
-extern "C" __global__ void __launch_bounds__(THREADS) softmax_rows_f16_causal(const float* S, u16* P, int T) {
-    softmax_rows<false, true>(S, P, T);
-}
+
+#define SOFTMAX(NAME, OUT, CAUSAL, V4)                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+        NAME(const float* S, u16* P, const int* kv_lens, int Tq, int Tkv, int H) {             \
+        softmax_rows<OUT, CAUSAL, V4>(S, P, kv_lens, Tq, Tkv, H);                              \
+    }
+SOFTMAX(softmax_rows_bf16_full_v4, 0, false, true)
+SOFTMAX(softmax_rows_bf16_full_v1, 0, false, false)
+SOFTMAX(softmax_rows_bf16_causal_v4, 0, true, true)
+SOFTMAX(softmax_rows_bf16_causal_v1, 0, true, false)
+SOFTMAX(softmax_rows_f16_full_v4, 1, false, true)
+SOFTMAX(softmax_rows_f16_full_v1, 1, false, false)
+SOFTMAX(softmax_rows_f16_causal_v4, 1, true, true)
+SOFTMAX(softmax_rows_f16_causal_v1, 1, true, false)
+SOFTMAX(softmax_rows_f32_full_v4, 2, false, true)
+SOFTMAX(softmax_rows_f32_full_v1, 2, false, false)
+SOFTMAX(softmax_rows_f32_causal_v4, 2, true, true)
+SOFTMAX(softmax_rows_f32_causal_v1, 2, true, false)
+
+#define ROWS_BWD(DT, OUT)                                                                       \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+        softmax_bwd_rows_##DT(const float* dP, u16* P, const float* Dsum, int Tkv) {           \
+        softmax_bwd_rows<OUT>(dP, P, Dsum, Tkv);                                               \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+        rowdot_##DT(const u16* O, const u16* dO, float* Dsum, int rows, int D) {              \
+        rowdot<OUT>(O, dO, Dsum, rows, D);                                                     \
+    }
+ROWS_BWD(bf16, 0)
+ROWS_BWD(f16, 1)
+ROWS_BWD(f32, 2)

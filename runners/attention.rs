@@ -2,13 +2,19 @@
 //! and `math`) and, with `--compare torch,jax`, PyTorch's SDPA backends (`runners/compare/
 //! torch_sdpa.py`) and `jax.nn.dot_product_attention` (`runners/compare/jax_attention.py`),
 //! and writes one suite document. `--device cpu` measures the CPU instead
-//! (`runners/attention/cpu.rs`). The machinery (processes, order, timing records, progress,
-//! document) is `kernelpages::runner`; this file is the grid, the implementations, the dispatch
-//! table and the counts.
+//! (`runners/attention/cpu.rs`: `cpu_flash` against PyTorch's CPU SDPA). The machinery
+//! (processes, order, timing records, progress, document) is `kernelpages::runner`; this file
+//! is the grid, the implementations, the dispatch table and the counts.
+//!
+//! Two grids (`--grids main,shapes`): `main`, the square self-attention sweep over seq_len,
+//! head dims and masks, forward and forward + backward; `shapes`, the shapes of issue 9 §2
+//! (short and non-aligned lengths, decoding, cross-attention, GQA/MQA, head dims 32/96/256,
+//! fp16 and fp32, scale 0.3, per-sequence key lengths), each forward and forward + backward.
 //!
 //! ```text
 //! attention --compare torch,jax --output data/gpu_attention.json
 //! attention --quick --filter head_dim=128 --runs 2
+//! attention --grids shapes --passes fwd
 //! attention --device cpu --compare torch --output data/cpu_attention.json
 //! ```
 
@@ -21,18 +27,16 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 
-use kernelpages::attention::cpu::{normal_bits, reference_values, CheckPlan};
 use kernelpages::attention::cuda::{
-    replicate, upload, DeviceInputs, FlashConfig, Implementation, Runner,
+    replicate, upload, DeviceInputs, FlashConfig, Implementation, Runner, FLASH_HEAD_DIMS,
+    MATH_FP32_NOTE,
 };
-use kernelpages::attention::{AttentionCase, Dtype, Pass};
+use kernelpages::attention::{cpu::Inputs, files, AttentionCase, Dtype, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::runner::grid::Params;
-use kernelpages::runner::protocol::{
-    write_f64, write_u16, CaseFiles, CheckSpec, OutputSpec, TensorFile,
-};
+use kernelpages::runner::protocol::CaseFiles;
 use kernelpages::runner::{self, own, Alternative, Declared, DeviceChoice, RunnerArgs};
-use kernelpages::schema::{DispatchRule, Reference, Suite};
+use kernelpages::schema::{DispatchRule, Suite};
 
 /// Measure attention implementations on the GPU (or with --device cpu the CPU) and write a
 /// suite document.
@@ -49,36 +53,46 @@ struct Cli {
     /// cpu].
     #[arg(long, value_delimiter = ',')]
     implementations: Option<Vec<String>>,
-    /// Batch size [default: 4; 2 with --device cpu].
+    /// Grids to measure: `main` (the seq_len sweep) and `shapes` (issue 9 §2's shapes)
+    /// [default: main,shapes; main with --device cpu].
+    #[arg(long, value_delimiter = ',')]
+    grids: Option<Vec<String>>,
+    /// Passes: `fwd`, `fwd+bwd` [default: fwd,fwd+bwd; fwd with --device cpu].
+    #[arg(long, value_delimiter = ',')]
+    passes: Option<Vec<String>>,
+    /// Main grid: batch size [default: 4; 2 with --device cpu].
     #[arg(long)]
     batch: Option<usize>,
-    /// Query heads.
+    /// Main grid: query heads.
     #[arg(long, default_value_t = 8)]
     heads: usize,
-    /// Key/value heads (defaults to --heads; fewer is GQA).
+    /// Main grid: key/value heads (defaults to --heads; fewer is GQA).
     #[arg(long)]
     kv_heads: Option<usize>,
-    /// Head dimensions.
+    /// Main grid: head dimensions.
     #[arg(long, value_delimiter = ',', default_value = "64,128")]
     head_dims: Vec<usize>,
-    /// Sequence lengths [default: 512,1024,2048,4096,8192,16384; 128,256,512,1024,2048 with
-    /// --device cpu].
+    /// Main grid: sequence lengths [default: 512,1024,2048,4096,8192,16384;
+    /// 128,256,512,1024,2048 with --device cpu].
     #[arg(long, value_delimiter = ',')]
     seq_lens: Option<Vec<usize>>,
-    /// Masks to run: `full`, `causal`.
+    /// Main grid: masks to run, `full`, `causal`.
     #[arg(long, value_delimiter = ',', default_value = "full,causal")]
     masks: Vec<String>,
-    /// Element types: `bf16`, `fp16`; `fp32` too with --device cpu [default: bf16; bf16,fp32
-    /// with --device cpu].
+    /// Main grid: element types, `bf16`, `fp16`, `fp32` [default: bf16; bf16,fp32 with
+    /// --device cpu].
     #[arg(long, value_delimiter = ',')]
     dtypes: Option<Vec<String>>,
-    /// Query rows per checked slice for the float64 reference.
+    /// Query rows (and key rows, for dK and dV) per checked slice for the float64 reference.
     #[arg(long, default_value_t = 256)]
     check_rows: usize,
-    /// Flash kernel configuration per head_dim, e.g. `64=v2w4,128=v3w4m2b32` (see
-    /// `kernels/TUNING.md`); the measured defaults otherwise.
+    /// Flash forward configuration per head_dim, e.g. `64=v3w4m2b64,128=v3w4m2b32` (see
+    /// `kernels/TUNING.md`); the defaults otherwise.
     #[arg(long)]
     flash_config: Option<String>,
+    /// Flash backward configuration per head_dim, e.g. `128=w8r64`.
+    #[arg(long)]
+    flash_bwd_config: Option<String>,
 }
 
 /// The alternatives `--compare` can add.
@@ -102,10 +116,44 @@ const ALTERNATIVES: [Alternative; 2] = [
     },
 ];
 
-/// Seq lengths of the GPU grid.
+/// Seq lengths of the GPU main grid.
 const SEQ_LENS: [usize; 6] = [512, 1024, 2048, 4096, 8192, 16384];
-/// Seq lengths of the `--quick` grid.
+/// Seq lengths of the GPU `--quick` main grid.
 const QUICK_SEQ_LENS: [usize; 2] = [512, 1024];
+
+/// A list option's value, else the device's default.
+fn or_default<T: Clone>(
+    given: &Option<Vec<T>>,
+    gpu: &[T],
+    cpu: &[T],
+    device: DeviceChoice,
+) -> Vec<T> {
+    given.clone().unwrap_or_else(|| match device {
+        DeviceChoice::Gpu => gpu.to_vec(),
+        DeviceChoice::Cpu => cpu.to_vec(),
+    })
+}
+
+/// A list-of-names option's value, else the device's default.
+fn names_or_default(
+    given: &Option<Vec<String>>,
+    gpu: &[&str],
+    cpu: &[&str],
+    device: DeviceChoice,
+) -> Vec<String> {
+    let d: Vec<String> = match device {
+        DeviceChoice::Gpu => gpu,
+        DeviceChoice::Cpu => cpu,
+    }
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    given.clone().unwrap_or(d)
+}
+
+fn on_cpu(cli: &Cli) -> bool {
+    cli.run.device == DeviceChoice::Cpu
+}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -128,61 +176,45 @@ fn main() -> ExitCode {
     }
 }
 
-/// The grid's sequence lengths: `--seq-lens`, else the device's default.
-fn seq_lens(cli: &Cli) -> Vec<usize> {
-    cli.seq_lens
-        .clone()
-        .unwrap_or_else(|| match cli.run.device {
-            DeviceChoice::Gpu => SEQ_LENS.to_vec(),
-            DeviceChoice::Cpu => cpu::SEQ_LENS.to_vec(),
+fn passes(cli: &Cli) -> Result<Vec<Pass>> {
+    names_or_default(&cli.passes, &["fwd", "fwd+bwd"], &["fwd"], cli.run.device)
+        .iter()
+        .map(|p| {
+            Pass::parse(p).with_context(|| format!("--passes: unknown pass `{p}` (fwd, fwd+bwd)"))
         })
+        .collect()
 }
 
-/// The `--quick` grid's sequence lengths on the device.
-fn quick_seq_lens(cli: &Cli) -> &'static [usize] {
-    match cli.run.device {
-        DeviceChoice::Gpu => &QUICK_SEQ_LENS,
-        DeviceChoice::Cpu => &cpu::QUICK_SEQ_LENS,
+fn mask(m: &str) -> Result<bool> {
+    match m {
+        "full" => Ok(false),
+        "causal" => Ok(true),
+        m => bail!("--masks: unknown mask `{m}` (full or causal)"),
     }
 }
 
-fn cases(cli: &Cli, seq_lens: &[usize]) -> Result<Vec<Params>> {
-    let on_cpu = cli.run.device == DeviceChoice::Cpu;
-    let dtypes = cli.dtypes.clone().unwrap_or_else(|| {
-        let d: &[&str] = if on_cpu { &cpu::DTYPES } else { &["bf16"] };
-        d.iter().map(|s| s.to_string()).collect()
-    });
+/// The main grid: dtypes × head dims × masks × seq_lens × passes, square self-attention.
+fn main_cases(cli: &Cli, seq_lens: &[usize]) -> Result<Vec<AttentionCase>> {
     let mut cases = Vec::new();
+    let dtypes = names_or_default(&cli.dtypes, &["bf16"], &cpu::DTYPES, cli.run.device);
+    let batch = cli
+        .batch
+        .unwrap_or(if on_cpu(cli) { cpu::BATCH } else { 4 });
     for dt in &dtypes {
-        // On the CPU, fp32 too: the case's 16-bit dtype is a stand-in (see cpu.rs).
-        let element = kernelpages::attention::cpu_flash::ElementType::parse(dt)
-            .filter(|_| on_cpu)
-            .or_else(|| Dtype::parse(dt).map(Into::into))
-            .with_context(|| format!("--dtypes: unknown dtype `{dt}`"))?;
-        let dtype = Dtype::parse(dt).unwrap_or(Dtype::Bf16);
+        let dtype = Dtype::parse(dt).with_context(|| format!("--dtypes: unknown dtype `{dt}`"))?;
         for &head_dim in &cli.head_dims {
-            for mask in &cli.masks {
-                let causal = match mask.as_str() {
-                    "full" => false,
-                    "causal" => true,
-                    m => bail!("--masks: unknown mask `{m}` (full or causal)"),
-                };
+            for m in &cli.masks {
+                let causal = mask(m)?;
                 for &seq_len in seq_lens {
-                    let c = AttentionCase {
-                        batch: cli.batch.unwrap_or(if on_cpu { cpu::BATCH } else { 4 }),
-                        heads: cli.heads,
-                        kv_heads: cli.kv_heads.unwrap_or(cli.heads),
-                        seq_len,
-                        head_dim,
-                        causal,
-                        dtype,
-                        pass: Pass::Fwd,
-                    };
-                    cases.push(if on_cpu {
-                        cpu::params(&c, element)
-                    } else {
-                        c.params()
-                    });
+                    for &pass in &passes(cli)? {
+                        cases.push(AttentionCase {
+                            kv_heads: cli.kv_heads.unwrap_or(cli.heads),
+                            causal,
+                            dtype,
+                            pass,
+                            ..AttentionCase::new(batch, cli.heads, seq_len, head_dim)
+                        });
+                    }
                 }
             }
         }
@@ -190,30 +222,134 @@ fn cases(cli: &Cli, seq_lens: &[usize]) -> Result<Vec<Params>> {
     Ok(cases)
 }
 
+/// The shapes of issue 9 §2, each in every pass of `--passes`; `quick` is a small subset
+/// with the same kinds of shape at small sizes.
+fn shape_cases(cli: &Cli, quick: bool) -> Result<Vec<AttentionCase>> {
+    let mut v: Vec<AttentionCase> = Vec::new();
+    let both = |c: AttentionCase| [c.clone(), AttentionCase { causal: true, ..c }];
+    // Short and non-aligned lengths (batch 1, 24 heads, head_dim 64), with the aligned 4096
+    // beside 4092 and 4097.
+    let lens: &[usize] = if quick {
+        &[1, 63, 65]
+    } else {
+        &[1, 7, 63, 65, 129, 192, 4092, 4096, 4097]
+    };
+    for &t in lens {
+        v.extend(both(AttentionCase::new(1, 24, t, 64)));
+    }
+    // Decoding: 1 query against 20 keys, [4, 32, 1, 128] / [4, 32, 20, 128].
+    v.extend(both(AttentionCase {
+        seq_len_q: 1,
+        seq_len_kv: 20,
+        ..AttentionCase::new(4, 32, 1, 128)
+    }));
+    let t = if quick { 512 } else { 4096 };
+    // GQA 32:8 and MQA 8:1.
+    for (h, kvh) in [(32, 8), (8, 1)] {
+        v.extend(both(AttentionCase {
+            kv_heads: kvh,
+            ..AttentionCase::new(4, h, t, 128)
+        }));
+    }
+    // Head dims beside the main grid's.
+    for d in [32, 96, 256] {
+        v.extend(both(AttentionCase::new(4, 8, t, d)));
+    }
+    // fp16 and fp32.
+    for dtype in [Dtype::F16, Dtype::F32] {
+        v.extend(both(AttentionCase {
+            dtype,
+            ..AttentionCase::new(4, 8, t, 128)
+        }));
+    }
+    // Softmax scale 0.3.
+    v.push(AttentionCase {
+        scale: Some(0.3),
+        ..AttentionCase::new(4, 8, t, 128)
+    });
+    // Cross-attention: fewer queries than keys (both masks), and more (causal: the first
+    // Tq − Tkv rows see no key).
+    let (short, long) = (t / 4, t);
+    v.extend(both(AttentionCase {
+        seq_len_q: short,
+        seq_len_kv: long,
+        ..AttentionCase::new(4, 8, 1, 128)
+    }));
+    v.push(AttentionCase {
+        seq_len_q: long,
+        seq_len_kv: short,
+        causal: true,
+        ..AttentionCase::new(4, 8, 1, 128)
+    });
+    // Per-sequence key lengths, including 1 and 0.
+    v.extend(both(AttentionCase {
+        seq_len_q: short,
+        seq_len_kv: long,
+        kv_lens: Some(vec![long, long / 2, 1, 0]),
+        ..AttentionCase::new(4, 8, 1, 128)
+    }));
+    let mut out = Vec::new();
+    for c in v {
+        for &pass in &passes(cli)? {
+            out.push(AttentionCase { pass, ..c.clone() });
+        }
+    }
+    Ok(out)
+}
+
+/// The cases of `--grids` (their `--quick` versions when `quick`), as document parameters.
+fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
+    let mut cases = Vec::new();
+    let grids = names_or_default(&cli.grids, &["main", "shapes"], &["main"], cli.run.device);
+    for g in &grids {
+        match g.as_str() {
+            "main" => {
+                let seq_lens = if quick {
+                    or_default(&None, &QUICK_SEQ_LENS, &cpu::QUICK_SEQ_LENS, cli.run.device)
+                } else {
+                    or_default(&cli.seq_lens, &SEQ_LENS, &cpu::SEQ_LENS, cli.run.device)
+                };
+                cases.extend(main_cases(cli, &seq_lens)?)
+            }
+            "shapes" => cases.extend(shape_cases(cli, quick)?),
+            g => bail!("--grids: unknown grid `{g}` (main, shapes)"),
+        }
+    }
+    Ok(cases.iter().map(AttentionCase::params).collect())
+}
+
 /// What `attention::forward` ([`kernelpages::attention::dispatch`]) picks, in words built from
-/// the same configuration it reads.
+/// the same constants it reads.
 fn dispatch_rules() -> Vec<DispatchRule> {
-    let flash = |d: usize| FlashConfig::for_head_dim(d).expect("checked at start");
-    let (f64_, f128) = (flash(64), flash(128));
+    let dims: Vec<String> = FLASH_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
+    let configs: Vec<String> = FLASH_HEAD_DIMS
+        .iter()
+        .map(|&d| {
+            format!(
+                "{d}: {}",
+                FlashConfig::for_head_dim(d)
+                    .expect("checked at start")
+                    .name()
+            )
+        })
+        .collect();
     vec![
         DispatchRule {
             entry_point: "attention::forward".into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
-                "forward pass, heads a multiple of kv_heads, and head_dim 64 with seq_len % {} == 0 (config {}) or head_dim 128 with seq_len % {} == 0 (config {})",
-                f64_.query_tile(),
-                f64_.name(),
-                f128.query_tile(),
-                f128.name()
+                "head_dim {} (forward configs {}), any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale; forward and forward + backward",
+                dims.join(", "),
+                configs.join(", ")
             ),
             implementation: Implementation::Flash.name().into(),
         },
         DispatchRule {
             entry_point: "attention::forward".into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
-            dtype: "bf16, fp16".into(),
-            rule: "otherwise, forward pass with kv_heads == heads and seq_len % 4 == 0".into(),
+            dtype: "bf16, fp16, fp32".into(),
+            rule: "otherwise: fp32 (cuBLAS SGEMM, no TF32) or another head_dim; every shape, forward and forward + backward".into(),
             implementation: Implementation::Math.name().into(),
         },
         DispatchRule {
@@ -240,53 +376,11 @@ impl runner::Suite for Attention {
         Suite::Attention
     }
 
-    /// Q, K, V as standard normals rounded to the dtype (seeds `seed`, `seed + 1`, `seed + 2`),
-    /// and the float64 reference of 4 (batch, head) slices × `check_rows` query rows.
+    /// Q, K, V (and dO for forward + backward) as standard normals rounded to the dtype
+    /// (seeds `seed` … `seed + 3`), and the float64 reference of up to 4 (batch, head) slices ×
+    /// `check_rows` rows ([`files::write_case`]).
     fn prepare(&self, p: &Params, seed: u64, dir: &Path) -> Result<CaseFiles> {
-        if self.device == DeviceChoice::Cpu {
-            return cpu::prepare(p, seed, dir, self.check_rows);
-        }
-        let c = case_of(p)?;
-        let q = normal_bits(c.q_elems(), c.dtype, seed);
-        let k = normal_bits(c.kv_elems(), c.dtype, seed.wrapping_add(1));
-        let v = normal_bits(c.kv_elems(), c.dtype, seed.wrapping_add(2));
-        let plan = CheckPlan::new(&c, self.check_rows, seed ^ 0x5eed);
-        let reference = reference_values(&c, &q, &k, &v, &plan);
-        let q_shape = vec![c.batch, c.heads, c.seq_len, c.head_dim];
-        let kv_shape = vec![c.batch, c.kv_heads, c.seq_len, c.head_dim];
-        let mut inputs = Vec::new();
-        for (name, bits, shape) in [
-            ("q", &q, &q_shape),
-            ("k", &k, &kv_shape),
-            ("v", &v, &kv_shape),
-        ] {
-            let path = dir.join(format!("{name}.bin"));
-            write_u16(&path, bits)?;
-            inputs.push(TensorFile {
-                name: name.into(),
-                dtype: c.dtype.as_str().into(),
-                shape: shape.clone(),
-                path,
-            });
-        }
-        let ref_path = dir.join("reference.f64");
-        write_f64(&ref_path, &reference)?;
-        Ok(CaseFiles {
-            inputs,
-            output: OutputSpec {
-                dtype: c.dtype.as_str().into(),
-                shape: q_shape,
-            },
-            check: CheckSpec {
-                ranges: plan.ranges(&c),
-                reference: ref_path,
-                reference_kind: Reference::Float64Cpu,
-                tolerance: c.dtype.tolerance(),
-                checked: plan.describe(&c),
-            },
-            flops: Some(c.flops()),
-            bytes: None,
-        })
+        files::write_case(&case_of(p)?, seed, self.check_rows, dir)
     }
 
     fn unsupported(&self, p: &Params, implementation: &str) -> Option<String> {
@@ -311,30 +405,52 @@ impl runner::Suite for Attention {
     }
 
     fn notes(&self, p: &Params, implementation: &str) -> Vec<String> {
-        let causal = case_of(p).is_ok_and(|c| c.causal);
-        if causal && matches!(implementation, "math" | "torch_math") {
-            vec!["computes all T×T scores and masks half of them: TFLOP/s counts the useful work (the causal half)".into()]
-        } else {
-            Vec::new()
+        let Ok(c) = case_of(p) else {
+            return Vec::new();
+        };
+        let mut notes = Vec::new();
+        let masked = c.causal || c.kv_lens.is_some();
+        if masked && matches!(implementation, "math" | "torch_math") {
+            notes.push("computes all Tq×Tkv scores and masks the invisible ones: TFLOP/s counts the useful work".into());
         }
+        if implementation == "math" && c.dtype == Dtype::F32 {
+            notes.push(MATH_FP32_NOTE.into());
+        }
+        if implementation == "flash" && c.pass == Pass::FwdBwd {
+            notes.push("dQ is summed over key tiles with fp32 atomics: its last bit may vary from run to run (O, dK and dV do not)".into());
+            if c.head_dim > 128 {
+                notes.push("head_dim 256: the backward's main kernel runs twice (dK and dV columns 0–127, then 128–255), recomputing S and dP".into());
+            }
+        }
+        notes
     }
 
     fn label(&self, p: &Params) -> String {
-        if self.device == DeviceChoice::Cpu {
-            return cpu::label(p);
-        }
         match case_of(p) {
-            Ok(c) => format!(
-                "B{} H{}/{} T{} D{} {} {} {}",
-                c.batch,
-                c.heads,
-                c.kv_heads,
-                c.seq_len,
-                c.head_dim,
-                if c.causal { "causal" } else { "full" },
-                c.dtype.as_str(),
-                c.pass.as_str()
-            ),
+            Ok(c) => {
+                let t = if c.seq_len_q == c.seq_len_kv {
+                    format!("T{}", c.seq_len_q)
+                } else {
+                    format!("Tq{} Tkv{}", c.seq_len_q, c.seq_len_kv)
+                };
+                let mut s = format!(
+                    "B{} H{}/{} {t} D{} {} {} {}",
+                    c.batch,
+                    c.heads,
+                    c.kv_heads,
+                    c.head_dim,
+                    if c.causal { "causal" } else { "full" },
+                    c.dtype.as_str(),
+                    c.pass.as_str()
+                );
+                if let Some(x) = c.scale {
+                    s += &format!(" scale {x}");
+                }
+                if let Some(l) = &c.kv_lens {
+                    s += &format!(" kv_lens {l:?}");
+                }
+                s
+            }
             Err(_) => format!("{p:?}"),
         }
     }
@@ -345,24 +461,27 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         // The case processes inherit the environment; FlashConfig::for_head_dim reads it.
         std::env::set_var("KP_FLASH_CONFIG", spec);
     }
-    for d in [64, 128] {
+    if let Some(spec) = &cli.flash_bwd_config {
+        std::env::set_var("KP_FLASH_BWD_CONFIG", spec);
+    }
+    for d in FLASH_HEAD_DIMS {
         FlashConfig::for_head_dim(d)
             .map_err(anyhow::Error::msg)
             .context("--flash-config")?;
+        kernelpages::attention::cuda::BwdConfig::for_head_dim(d)
+            .map_err(anyhow::Error::msg)
+            .context("--flash-bwd-config")?;
     }
-    let on_cpu = cli.run.device == DeviceChoice::Cpu;
-    let names = cli.implementations.clone().unwrap_or_else(|| {
-        let d: &[&str] = if on_cpu {
-            &[cpu::IMPLEMENTATION]
-        } else {
-            &["flash", "math"]
-        };
-        d.iter().map(|s| s.to_string()).collect()
-    });
+    let names = names_or_default(
+        &cli.implementations,
+        &["flash", "math"],
+        &[cpu::IMPLEMENTATION],
+        cli.run.device,
+    );
     let own: Vec<(&str, &str)> = names
         .iter()
         .map(|n| {
-            if on_cpu {
+            if on_cpu(cli) {
                 return (n == cpu::IMPLEMENTATION)
                     .then_some((cpu::IMPLEMENTATION, "kernelpages"))
                     .with_context(|| {
@@ -374,26 +493,27 @@ fn run(cli: &Cli) -> Result<ExitCode> {
                 .with_context(|| format!("--implementations: unknown `{n}` (flash, math)"))
         })
         .collect::<Result<_>>()?;
-    let alternatives: &[Alternative] = if on_cpu {
+    let alternatives: &[Alternative] = if on_cpu(cli) {
         &cpu::ALTERNATIVES
     } else {
         &ALTERNATIVES
     };
     let imps = runner::implementations(&own, alternatives, &cli.run.compare)?;
-    let cases = cli.run.select(
-        cases(cli, &seq_lens(cli))?,
-        cases(cli, quick_seq_lens(cli))?,
-    )?;
+    let cases = cli.run.select(cases(cli, false)?, cases(cli, true)?)?;
     let declared = Declared {
         runner: "attention",
         flop_rule: Some(AttentionCase::FLOP_RULE.into()),
-        dispatch: if on_cpu {
+        dispatch: if on_cpu(cli) {
             cpu::dispatch_rules()
         } else {
             dispatch_rules()
         },
         axes: AttentionCase::AXES.iter().map(|a| a.to_string()).collect(),
-        throughput: AttentionCase::throughput_decls(),
+        throughput: if on_cpu(cli) {
+            cpu::throughput_decls()
+        } else {
+            AttentionCase::throughput_decls()
+        },
     };
     let suite = Attention {
         check_rows: cli.check_rows,
@@ -412,7 +532,16 @@ struct Launch {
 impl own::Launcher for Launch {
     type Set = DeviceInputs;
     fn upload(&self, gpu: &Gpu, host: &[Vec<u16>]) -> Result<DeviceInputs, GpuError> {
-        upload(gpu, &host[0], &host[1], &host[2])
+        let [q, k, v, rest @ ..] = host else {
+            return Err(GpuError::Config("attention takes q, k, v (and do)".into()));
+        };
+        let inputs = Inputs {
+            q: q.clone(),
+            k: k.clone(),
+            v: v.clone(),
+            dout: rest.first().cloned().unwrap_or_default(),
+        };
+        upload(gpu, &self.case, &inputs)
     }
     fn replicate(&self, gpu: &Gpu, set: &DeviceInputs) -> Result<DeviceInputs, GpuError> {
         replicate(gpu, set)
@@ -421,12 +550,15 @@ impl own::Launcher for Launch {
         &mut self,
         gpu: &Gpu,
         set: &DeviceInputs,
-        out: &mut cudarc::driver::CudaSlice<u16>,
+        outs: &mut [cudarc::driver::CudaSlice<u16>],
     ) -> Result<(), GpuError> {
-        self.runner.launch(gpu, &self.case, set, out)
+        self.runner.launch(gpu, &self.case, set, outs)
     }
     fn temporary_bytes(&self) -> u64 {
         self.imp.temporary_bytes(&self.case)
+    }
+    fn residual_bytes(&self) -> Option<u64> {
+        (self.case.pass == Pass::FwdBwd).then(|| self.imp.residual_bytes(&self.case))
     }
     fn workspace_bytes(&self) -> u64 {
         self.runner.workspace_bytes()
@@ -458,22 +590,17 @@ fn measure_own(job: &runner::protocol::Job) -> runner::protocol::Reply {
             }
         }
     };
-    let dtype = c.dtype;
-    own::measure(
-        job,
-        |gpu| {
-            let (runner, compile_s) = Runner::new(gpu, imp, &c)?;
-            Ok((
-                Launch {
-                    runner,
-                    case: c.clone(),
-                    imp,
-                },
-                compile_s,
-            ))
-        },
-        move |bits| dtype.from_bits(bits) as f64,
-    )
+    own::measure(job, |gpu| {
+        let (runner, compile_s) = Runner::new(gpu, imp, &c)?;
+        Ok((
+            Launch {
+                runner,
+                case: c.clone(),
+                imp,
+            },
+            compile_s,
+        ))
+    })
 }
 
 #[cfg(test)]
@@ -483,37 +610,97 @@ mod tests {
 
     #[test]
     fn default_grid_quick_grid_and_filter() {
-        let cli = Cli::try_parse_from(["attention"]).unwrap();
-        assert_eq!(cases(&cli, &seq_lens(&cli)).unwrap().len(), 2 * 2 * 6);
-        let cli =
-            Cli::try_parse_from(["attention", "--quick", "--filter", "head_dim=128"]).unwrap();
+        let cli = Cli::try_parse_from(["attention", "--grids", "main"]).unwrap();
+        assert_eq!(cases(&cli, false).unwrap().len(), 2 * 2 * 6 * 2);
+        let cli = Cli::try_parse_from([
+            "attention",
+            "--quick",
+            "--grids",
+            "main",
+            "--filter",
+            "head_dim=128",
+        ])
+        .unwrap();
         let kept = cli
             .run
-            .select(
-                cases(&cli, &seq_lens(&cli)).unwrap(),
-                cases(&cli, quick_seq_lens(&cli)).unwrap(),
-            )
+            .select(cases(&cli, false).unwrap(), cases(&cli, true).unwrap())
             .unwrap();
-        assert_eq!(kept.len(), 2 * 2);
-        // The CPU grid: bf16 and fp32, batch 2, its own lengths; fp32 only on the CPU.
+        assert_eq!(kept.len(), 2 * 2 * 2);
+        // The CPU grid: the main grid only, forward only, bf16 and fp32, batch 2, its own
+        // lengths.
         let cli = Cli::try_parse_from(["attention", "--device", "cpu"]).unwrap();
-        let grid = cases(&cli, &seq_lens(&cli)).unwrap();
-        assert_eq!(grid.len(), 2 * 2 * 2 * 5);
+        let grid: Vec<AttentionCase> = cases(&cli, false)
+            .unwrap()
+            .iter()
+            .map(|p| case_of(p).unwrap())
+            .collect();
+        assert_eq!(grid.len(), 2 * 2 * 2 * cpu::SEQ_LENS.len());
+        assert!(grid.iter().any(|c| c.dtype == Dtype::F32));
         assert!(grid
             .iter()
-            .any(|p| cpu::case_of(p).unwrap().1
-                == kernelpages::attention::cpu_flash::ElementType::F32));
-        assert_eq!(cpu::case_of(&grid[0]).unwrap().0.batch, cpu::BATCH);
-        let cli = Cli::try_parse_from(["attention", "--dtypes", "fp32"]).unwrap();
-        assert!(cases(&cli, &seq_lens(&cli)).is_err());
+            .all(|c| c.batch == cpu::BATCH && c.pass == Pass::Fwd));
+        assert_eq!(cases(&cli, true).unwrap().len(), 2 * 2 * 2 * 2);
         let cli = Cli::try_parse_from(["attention", "--shard", "1/2"]).unwrap();
         assert_eq!(cli.run.shard.unwrap().count, 2);
+    }
+
+    #[test]
+    fn the_shapes_grid_holds_issue_9s_shapes() {
+        let cli =
+            Cli::try_parse_from(["attention", "--grids", "shapes", "--passes", "fwd"]).unwrap();
+        let all: Vec<AttentionCase> = shape_cases(&cli, false).unwrap();
+        let has = |f: &dyn Fn(&AttentionCase) -> bool| all.iter().any(f);
+        for t in [1, 7, 63, 65, 129, 192, 4092, 4096, 4097] {
+            assert!(has(&|c| c.seq_len_q == t
+                && c.seq_len_kv == t
+                && (c.batch, c.heads, c.head_dim) == (1, 24, 64)));
+        }
+        assert!(has(&|c| (
+            c.batch,
+            c.heads,
+            c.seq_len_q,
+            c.seq_len_kv,
+            c.head_dim
+        ) == (4, 32, 1, 20, 128)));
+        assert!(has(&|c| (c.heads, c.kv_heads) == (32, 8)));
+        assert!(has(&|c| (c.heads, c.kv_heads) == (8, 1)));
+        for d in [32, 96, 256] {
+            assert!(has(&|c| c.head_dim == d));
+        }
+        assert!(has(&|c| c.dtype == Dtype::F16) && has(&|c| c.dtype == Dtype::F32));
+        assert!(has(&|c| c.scale == Some(0.3)));
+        assert!(has(&|c| c
+            .kv_lens
+            .as_ref()
+            .is_some_and(|l| l.contains(&0) && l.contains(&1))));
+        assert!(has(&|c| c.seq_len_q > c.seq_len_kv && c.causal));
+        // Every case is valid, and flash takes all but fp32.
+        for c in &all {
+            c.validate().unwrap();
+            assert_eq!(
+                Implementation::Flash.supports(c).is_ok(),
+                c.dtype != Dtype::F32,
+                "{c:?}"
+            );
+            assert!(Implementation::Math.supports(c).is_ok());
+        }
+        // Both passes by default; a filter on seq_len_q reaches the cases that have it.
+        let cli =
+            Cli::try_parse_from(["attention", "--grids", "shapes", "--filter", "seq_len_q=1"])
+                .unwrap();
+        let kept = cli
+            .run
+            .select(cases(&cli, false).unwrap(), cases(&cli, true).unwrap())
+            .unwrap();
+        assert_eq!(kept.len(), 2 * 2, "decode, full and causal, two passes");
     }
 
     #[test]
     fn prepared_files_hold_the_inputs_and_the_reference() {
         let cli = Cli::try_parse_from([
             "attention",
+            "--grids",
+            "main",
             "--batch",
             "1",
             "--heads",
@@ -526,7 +713,8 @@ mod tests {
             "causal",
         ])
         .unwrap();
-        let p = &cases(&cli, &seq_lens(&cli)).unwrap()[0];
+        let all = cases(&cli, false).unwrap();
+        let p = &all[0];
         let dir = tempfile::tempdir().unwrap();
         let suite = Attention {
             check_rows: 16,
@@ -534,46 +722,76 @@ mod tests {
         };
         let files = suite.prepare(p, 7, dir.path()).unwrap();
         let c = case_of(p).unwrap();
+        assert_eq!(c.pass, Pass::Fwd);
         let q = kernelpages::runner::protocol::read_u16(&files.inputs[0].path).unwrap();
-        assert_eq!(q, normal_bits(c.q_elems(), c.dtype, 7));
+        assert_eq!(q, Inputs::random(&c, 7).q);
         let reference = kernelpages::runner::protocol::read_f64(&files.check.reference).unwrap();
         let n: u64 = files.check.ranges.iter().map(|r| r[1]).sum();
         assert_eq!(reference.len() as u64, n);
         // The reference of row 0 of a causal slice is V's row 0.
         let v = kernelpages::runner::protocol::read_u16(&files.inputs[2].path).unwrap();
         assert_eq!(files.check.ranges[0], [0, 64]);
-        for e in 0..64 {
-            assert_eq!(reference[e], c.dtype.from_bits(v[e]) as f64);
+        for (e, &r) in reference.iter().take(64).enumerate() {
+            assert_eq!(r, c.dtype.from_bits(v[e]) as f64);
         }
         assert_eq!(files.flops, Some(c.flops()));
+        assert!(files.gradients.is_empty());
+        assert_eq!(files.arguments["causal_alignment"], "bottom_right");
         assert!(suite.notes(p, "math")[0].contains("useful work"));
         assert!(suite.notes(p, "flash").is_empty());
         assert!(suite.is_default(p, "flash"));
         assert!(suite.unsupported(p, "flash").is_none());
         assert!(suite.unsupported(p, "torch_cudnn").is_none());
+        // The forward + backward case adds dO and the three gradients.
+        let p = &all[1];
+        let c = case_of(p).unwrap();
+        assert_eq!(c.pass, Pass::FwdBwd);
+        let files = suite.prepare(p, 7, dir.path()).unwrap();
+        let names: Vec<&str> = files.inputs.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["q", "k", "v", "do"]);
+        let grads: Vec<(&str, &str)> = files
+            .gradients
+            .iter()
+            .map(|g| (g.name.as_str(), g.input.as_str()))
+            .collect();
+        assert_eq!(grads, [("dQ", "q"), ("dK", "k"), ("dV", "v")]);
+        for g in &files.gradients {
+            let r = kernelpages::runner::protocol::read_f64(&g.check.reference).unwrap();
+            let n: u64 = g.check.ranges.iter().map(|r| r[1]).sum();
+            assert_eq!(r.len() as u64, n);
+            assert!(r.iter().all(|x| x.is_finite()) && r.iter().any(|&x| x != 0.0));
+        }
+        assert!(files.check.checked.contains("dK and dV"));
+        assert!(suite.notes(p, "flash")[0].contains("atomics"));
     }
 
     #[test]
     fn the_dispatch_table_names_what_dispatch_picks() {
         let rules = dispatch_rules();
-        let c = AttentionCase {
-            batch: 1,
-            heads: 2,
-            kv_heads: 2,
-            seq_len: 1024,
-            head_dim: 128,
-            causal: false,
-            dtype: Dtype::Bf16,
-            pass: Pass::Fwd,
-        };
+        let c = AttentionCase::new(1, 2, 1024, 128);
         assert_eq!(
             kernelpages::attention::dispatch(&c).map(|i| i.name()),
             Some(rules[0].implementation.as_str())
         );
-        let odd = AttentionCase { seq_len: 100, ..c };
-        assert_eq!(
-            kernelpages::attention::dispatch(&odd).map(|i| i.name()),
-            Some(rules[1].implementation.as_str())
-        );
+        // Any length is flash's now; fp32 and other head dims are math's.
+        for t in [1, 7, 100, 4097] {
+            let odd = AttentionCase::new(1, 2, t, 64);
+            assert_eq!(
+                kernelpages::attention::dispatch(&odd),
+                Some(Implementation::Flash)
+            );
+        }
+        for odd in [
+            AttentionCase {
+                dtype: Dtype::F32,
+                ..AttentionCase::new(1, 2, 100, 128)
+            },
+            AttentionCase::new(1, 2, 100, 80),
+        ] {
+            assert_eq!(
+                kernelpages::attention::dispatch(&odd).map(|i| i.name()),
+                Some(rules[1].implementation.as_str())
+            );
+        }
     }
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Copies what the GPU machine needs into DEST/.carry (default: ../main, the checkout the
-# device tool sends): the attention runner, the GPU and comparison test binaries, the Python
-# comparison package and device_run.sh. Build first: cargo build --release --bin attention --tests
+# device tool sends; `runners/carry.sh .` for this checkout): the attention runner, the GPU and
+# comparison test binaries, the Python comparison package, device_run.sh and
+# device_verdict.py. Build first: cargo build --release --bin attention --tests
 set -euo pipefail
 dest=${1:-../main}/.carry
 rm -rf "$dest" && mkdir -p "$dest/runners"
@@ -11,5 +12,5 @@ cp "$(newest gpu_attention)" "$dest/gpu_attention_test"
 cp "$(newest compare_script)" "$dest/compare_script_test"
 cp -r runners/compare "$dest/runners/"
 rm -rf "$dest/runners/compare/__pycache__"
-cp runners/device_run.sh "$dest/"
+cp runners/device_run.sh runners/device_verdict.py "$dest/"
 du -sh "$dest"

@@ -1,41 +1,77 @@
 #!/usr/bin/env bash
 # One call on the GPU machine. Binaries and the Python package travel under .carry/ (built on
 # the development machine: `cargo build --release --bin attention --tests`, then
-# runners/carry.sh).
+# `runners/carry.sh .`).
 #
-#   bash .carry/device_run.sh smoke OUTDIR   # GPU tests, comparison tests, --quick grid twice
-#   bash .carry/device_run.sh full OUTDIR    # the committed grid (fresh process per case)
+#   bash .carry/device_run.sh smoke OUTDIR        # < 9 min: GPU tests, comparison tests,
+#                                                 # non-aligned lengths and the T=16384 headline
+#   bash .carry/device_run.sh tests OUTDIR        # the GPU and comparison tests only
+#   bash .carry/device_run.sh full OUTDIR [i/n]   # the committed grid (or shard i of n)
 #
-# Leaves in OUTDIR: tests.log, quick.json + quick.log (smoke); gpu_attention.json + run.log
-# (full).
+# Leaves in OUTDIR: gpu_attention.tests.log, compare_script.tests.log, and per runner call a
+# document (*.json) and its log (*.log). Every step has a time limit, so the verdict table
+# (runners/device_verdict.py: test results, TFLOP/s at 4092/4096/4097 and at T=16384, failed
+# rows) is always printed last.
 set -uo pipefail
-mode=${1:?smoke or full}
+mode=${1:?smoke, tests or full}
 out=${2:?output folder}
+shard=${3:-}
+mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 bin=$here
 export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export KP_RUNNERS_DIR=$here/runners
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv
-nvidia-smi --query-compute-apps=pid,process_name --format=csv
+t_start=$(date +%s)
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
+nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader
+
+step() {  # step NAME LIMIT_S LOG COMMAND...: runs COMMAND under a time limit, its output in LOG
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0; t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  local why="exit $rc"; [ $rc -eq 124 ] && why="TIMED OUT after ${limit} s"
+  echo "$name: $why in $(( $(date +%s) - t0 )) s"
+}
+
+tests() {
+  # Correctness first; the configuration sweep (the heaviest compile) last.
+  step "gpu tests" "$1" "$out/gpu_attention.tests.log" "$bin/gpu_attention_test" \
+    --include-ignored --test-threads 1 --nocapture --skip every_flash_configuration
+  step "compare tests" "$2" "$out/compare_script.tests.log" "$bin/compare_script_test" \
+    --include-ignored --test-threads 1 --nocapture
+  step "gpu config tests" "$3" "$out/gpu_configs.tests.log" "$bin/gpu_attention_test" \
+    --include-ignored --test-threads 1 --nocapture --exact every_flash_configuration_matches_float64
+}
+
+quick_timing=(--warmup-ms 50 --repeats 7 --case-timeout 40)
 case $mode in
+tests)
+  tests 300 150 150
+  ;;
 smoke)
-  t0=$(date +%s)
-  "$bin/gpu_attention_test" --include-ignored --test-threads 1 > "$out/tests.log" 2>&1
-  echo "gpu_attention tests: exit $?"
-  "$bin/compare_script_test" --include-ignored --test-threads 1 --nocapture >> "$out/tests.log" 2>&1
-  echo "compare_script tests: exit $?"
-  grep -E "^test |test result" "$out/tests.log"
-  echo "tests took $(( $(date +%s) - t0 )) s"
-  t0=$(date +%s)
-  "$bin/attention" --quick --runs 2 --compare torch --output "$out/quick.json" > /dev/null 2> "$out/quick.log"
-  echo "quick grid (2 runs): exit $? in $(( $(date +%s) - t0 )) s"
-  grep -E "^\[" "$out/quick.log" | cut -c1-400 | tail -60
+  tests 200 90 60
+  # Non-aligned lengths (issue 9: at most 3 % below the aligned length next to them): flash,
+  # B1 H24 D64, seq_len 4092, 4096, 4097, fwd and fwd+bwd, both masks.
+  step "non-aligned" 60 "$out/nonaligned.log" "$bin/attention" --grids shapes \
+    --implementations flash --filter 'heads=24,seq_len>=4092' "${quick_timing[@]}" \
+    --output "$out/nonaligned.json"
+  # The headline: head_dim 128, T=16384, non-causal, fwd and fwd+bwd, flash against PyTorch's
+  # FlashAttention-2 and cuDNN backends.
+  step "headline" 75 "$out/headline.log" "$bin/attention" --grids main --implementations flash \
+    --compare torch --exclude torch_efficient,torch_math \
+    --filter seq_len=16384,head_dim=128,causal=false "${quick_timing[@]}" \
+    --output "$out/headline.json"
   ;;
 full)
-  t0=$(date +%s)
-  "$bin/attention" --compare torch --output "$out/gpu_attention.json" > /dev/null 2> "$out/run.log"
-  echo "full grid: exit $? in $(( $(date +%s) - t0 )) s"
-  grep -E "^\[" "$out/run.log" | grep -E "T512 |T1024 |T16384 " | grep "D128\|torch" | cut -c1-300
+  extra=(); [ -n "$shard" ] && extra=(--shard "$shard")
+  step "full grid" 3600 "$out/run.log" "$bin/attention" --compare torch "${extra[@]}" \
+    --output "$out/gpu_attention.json"
+  ;;
+*)
+  echo "unknown mode $mode (smoke, tests, full)"; exit 2
   ;;
 esac
+echo "total: $(( $(date +%s) - t_start )) s"
+python3 "$here/device_verdict.py" "$out"

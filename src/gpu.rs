@@ -86,6 +86,8 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     /// Compute capability (major, minor).
     pub cc: (i32, i32),
+    /// Modules compiled in this process, by name and source ([`Gpu::compile`]).
+    modules: std::sync::Mutex<BTreeMap<(String, u64), Arc<CudaModule>>>,
 }
 
 /// A compiled and loaded kernel module with the time it took.
@@ -107,9 +109,15 @@ impl Gpu {
         // SAFETY: the runners use one stream, so cross-stream event tracking is not needed;
         // it would add an event record per argument per launch to every timed call.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of its own, not the legacy default stream, which CUDA graphs cannot capture.
+        let stream = ctx.new_stream()?;
         let cc = ctx.compute_capability()?;
-        Ok(Gpu { ctx, stream, cc })
+        Ok(Gpu {
+            ctx,
+            stream,
+            cc,
+            modules: Default::default(),
+        })
     }
 
     /// The NVRTC architecture flag for this device: `sm_90a` on Hopper (for its own
@@ -123,14 +131,31 @@ impl Gpu {
         }
     }
 
-    /// Compiles `src` with NVRTC for this device ([`nvrtc_compile`]) and loads it.
+    /// Compiles `src` with NVRTC for this device ([`nvrtc_compile`]) and loads it. A source
+    /// this process already compiled under the same name is reused (`compile_s` 0): the
+    /// runner's case processes are fresh, so their first compile is always real; tests that
+    /// run many cases compile each instantiation once.
     ///
     /// # Errors
     /// [`GpuError::Compile`] with the compiler log; driver errors from loading.
     pub fn compile(&self, name: &str, src: &str) -> Result<Compiled, GpuError> {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        src.hash(&mut hasher);
+        let key = (name.to_string(), hasher.finish());
+        if let Some(m) = self.modules.lock().expect("module cache").get(&key) {
+            return Ok(Compiled {
+                module: m.clone(),
+                compile_s: 0.0,
+            });
+        }
         let t0 = Instant::now();
         let ptx = nvrtc_compile(name, src, &self.arch())?;
         let module = self.ctx.load_module(ptx)?;
+        self.modules
+            .lock()
+            .expect("module cache")
+            .insert(key, module.clone());
         Ok(Compiled {
             module,
             compile_s: t0.elapsed().as_secs_f64(),
@@ -184,6 +209,162 @@ impl Gpu {
             device_ms: ms as f64,
             host_ms,
         })
+    }
+
+    /// Captures the calls `f` makes (its launches on [`Gpu::stream`]) into a CUDA graph, once,
+    /// and returns it ready to replay; `Ok(None)` when the stream captured nothing.
+    ///
+    /// # Errors
+    /// The capture or the instantiation fails (a call that synchronises or allocates host
+    /// memory cannot be captured); the stream is left out of capture mode.
+    pub fn capture(
+        &self,
+        f: impl FnOnce() -> Result<(), GpuError>,
+    ) -> Result<Option<cudarc::driver::CudaGraph>, GpuError> {
+        use cudarc::driver::sys;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let called = f();
+        // End the capture whatever happened, so the stream is usable again.
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        called?;
+        let graph = graph?;
+        if let Some(g) = &graph {
+            g.upload()?;
+        }
+        self.stream.synchronize()?;
+        Ok(graph)
+    }
+
+    /// Replays `graph` between two events on the stream: its device time and the host's time
+    /// to issue the replay, ms.
+    ///
+    /// # Errors
+    /// A launch, event or synchronisation error.
+    pub fn time_replay(
+        &self,
+        graph: &cudarc::driver::CudaGraph,
+    ) -> Result<crate::harness::Sample, GpuError> {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(flags)?;
+        let end = self.ctx.new_event(flags)?;
+        start.record(&self.stream)?;
+        let t0 = Instant::now();
+        graph.launch()?;
+        let host_ms = t0.elapsed().as_secs_f64() * 1e3;
+        end.record(&self.stream)?;
+        let ms = start.elapsed_ms(&end)?;
+        self.ctx.check_err()?;
+        Ok(crate::harness::Sample {
+            device_ms: ms as f64,
+            host_ms,
+        })
+    }
+
+    /// The dense bf16 tensor-core ceiling as cuBLAS reaches it here: a `n`×`n`×`n` bf16 GEMM
+    /// (fp32 accumulation) on uniform random inputs in [−1, 1) (never zeros or constants, which
+    /// run faster than real data), warmed up, then the median of `repeats` timed calls;
+    /// TFLOP/s (2·n³ FLOPs per call).
+    ///
+    /// # Errors
+    /// cuBLAS or a launch fails (out of memory for large `n`).
+    pub fn bf16_gemm_tflops(&self, n: usize, repeats: usize) -> Result<f64, GpuError> {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+        };
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let blas = cudarc::cublas::CudaBlas::new(self.stream.clone())
+            .map_err(|e| GpuError::Cublas(format!("{e:?}")))?;
+        // A small xorshift generator: reproducible, no dependency, good enough to toggle bits.
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut random = |len: usize| -> Vec<u16> {
+            (0..len)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    let u = (state >> 11) as f64 / (1u64 << 53) as f64;
+                    half::bf16::from_f64(2.0 * u - 1.0).to_bits()
+                })
+                .collect()
+        };
+        let a = self.stream.clone_htod(&random(n * n))?;
+        let b = self.stream.clone_htod(&random(n * n))?;
+        let mut c = self.stream.alloc_zeros::<u16>(n * n)?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let ni = n as i32;
+        let mut gemm = || -> Result<(), GpuError> {
+            let (ap, _ga) = a.device_ptr(&self.stream);
+            let (bp, _gb) = b.device_ptr(&self.stream);
+            let (cp, _gc) = c.device_ptr_mut(&self.stream);
+            // SAFETY: A, B and C are live n×n bf16 device buffers; alpha and beta are host
+            // f32, matching CUBLAS_COMPUTE_32F.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_N,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    ni,
+                    ni,
+                    ni,
+                    &alpha as *const f32 as *const _,
+                    ap as *const _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    ni,
+                    bp as *const _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    ni,
+                    &beta as *const f32 as *const _,
+                    cp as *mut _,
+                    cudaDataType_t::CUDA_R_16BF,
+                    ni,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+                .map_err(|e| GpuError::Cublas(format!("{e:?}")))?;
+            }
+            Ok(())
+        };
+        for _ in 0..5 {
+            gemm()?;
+        }
+        self.stream.synchronize()?;
+        let mut ms = Vec::with_capacity(repeats);
+        for _ in 0..repeats.max(1) {
+            ms.push(self.time_calls(1, |_| gemm())?.device_ms);
+        }
+        let median = crate::harness::summarize(&ms)
+            .map(|s| s.median_ms)
+            .unwrap_or(f64::NAN);
+        Ok(2.0 * (n as f64).powi(3) / (median * 1e-3) / 1e12)
+    }
+
+    /// Device memory bandwidth as a device-to-device copy reaches it: `bytes` copied, the
+    /// median of `repeats` timed copies; GB/s counting bytes read plus bytes written.
+    ///
+    /// # Errors
+    /// An allocation or the copy fails.
+    pub fn copy_gbps(&self, bytes: usize, repeats: usize) -> Result<f64, GpuError> {
+        let src = self.stream.clone_htod(&vec![0x5a5a_u16; bytes / 2])?;
+        let mut dst = self.stream.alloc_zeros::<u16>(bytes / 2)?;
+        for _ in 0..3 {
+            self.stream.memcpy_dtod(&src, &mut dst)?;
+        }
+        self.stream.synchronize()?;
+        let mut ms = Vec::with_capacity(repeats);
+        for _ in 0..repeats.max(1) {
+            ms.push(
+                self.time_calls(1, |_| {
+                    self.stream.memcpy_dtod(&src, &mut dst)?;
+                    Ok(())
+                })?
+                .device_ms,
+            );
+        }
+        let median = crate::harness::summarize(&ms)
+            .map(|s| s.median_ms)
+            .unwrap_or(f64::NAN);
+        Ok(2.0 * (bytes / 2 * 2) as f64 / (median * 1e-3) / 1e9)
     }
 
     /// The device's current memory pool, which cudarc's stream allocations come from
@@ -324,6 +505,97 @@ pub fn nvrtc_compile(name: &str, src: &str, arch: &str) -> Result<cudarc::nvrtc:
     })
 }
 
+/// What ptxas reports for one kernel: registers per thread, spill bytes, stack frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PtxasReport {
+    /// Kernel (entry function) name.
+    pub kernel: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Bytes spilled to local memory (stores).
+    pub spill_bytes: u32,
+    /// Stack frame bytes.
+    pub stack_bytes: u32,
+}
+
+/// Compiles `src` with NVRTC to machine code for `arch` (a real architecture, e.g. `sm_90a`)
+/// with `--ptxas-options=-v` and returns ptxas's resource report for every kernel: no device
+/// and no `ptxas` binary needed (NVRTC links ptxas in), so kernels/TUNING.md's register and
+/// spill figures come from the development machine.
+///
+/// # Errors
+/// [`GpuError::Compile`] with the compiler log; a report that cannot be parsed.
+pub fn ptxas_report(name: &str, src: &str, arch: &str) -> Result<Vec<PtxasReport>, GpuError> {
+    use cudarc::nvrtc::result as r;
+    let fail = |log: String| GpuError::Compile {
+        name: name.to_string(),
+        log,
+    };
+    let csrc = std::ffi::CString::new(src).map_err(|e| fail(e.to_string()))?;
+    let cname = std::ffi::CString::new(name).map_err(|e| fail(e.to_string()))?;
+    let prog = r::create_program(&csrc, Some(&cname)).map_err(|e| fail(format!("{e:?}")))?;
+    let opts = [
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "-default-device".into(),
+        "--ptxas-options=-v".into(),
+    ];
+    // SAFETY: `prog` was created above and is destroyed once, below.
+    let compiled = unsafe { r::compile_program(prog, &opts) };
+    // SAFETY: as above.
+    let log = unsafe { r::get_program_log(prog) };
+    // SAFETY: as above.
+    unsafe {
+        let _ = r::destroy_program(prog);
+    }
+    let log = log
+        .map(|l| {
+            let bytes: Vec<u8> = l
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as u8)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .unwrap_or_default();
+    if compiled.is_err() {
+        return Err(fail(log));
+    }
+    parse_ptxas(&log).ok_or_else(|| fail(format!("no ptxas report in:\n{log}")))
+}
+
+/// Parses `ptxas -v` output: "Compiling entry function 'k'", "N bytes stack frame, N bytes
+/// spill stores", "Used N registers".
+fn parse_ptxas(log: &str) -> Option<Vec<PtxasReport>> {
+    let num_before = |line: &str, what: &str| -> Option<u32> {
+        let i = line.find(what)?;
+        line[..i].split_whitespace().last()?.parse().ok()
+    };
+    let mut out: Vec<PtxasReport> = Vec::new();
+    for line in log.lines() {
+        if let Some(i) = line.find("Compiling entry function '") {
+            let rest = &line[i + "Compiling entry function '".len()..];
+            out.push(PtxasReport {
+                kernel: rest.split('\'').next()?.to_string(),
+                registers: 0,
+                spill_bytes: 0,
+                stack_bytes: 0,
+            });
+        } else if let Some(last) = out.last_mut() {
+            if let Some(n) = num_before(line, "bytes stack frame") {
+                last.stack_bytes = n;
+            }
+            if let Some(n) = num_before(line, "bytes spill stores") {
+                last.spill_bytes = n;
+            }
+            if let Some(n) = num_before(line, "registers") {
+                last.registers = n;
+            }
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
 /// Readable NVRTC log (cudarc's `CompileError` only has a Debug form).
 fn compile_log(e: &CompileError) -> String {
     match e {
@@ -394,6 +666,22 @@ pub fn library_versions() -> BTreeMap<String, String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn ptxas_logs_parse() {
+        let log = "ptxas info    : 0 bytes gmem\nptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\nptxas         .     8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\nptxas info    : Used 255 registers, used 1 barriers, 8 bytes cumulative stack size\n";
+        let r = super::parse_ptxas(log).unwrap();
+        assert_eq!(
+            r,
+            vec![super::PtxasReport {
+                kernel: "k".into(),
+                registers: 255,
+                spill_bytes: 8,
+                stack_bytes: 8
+            }]
+        );
+        assert!(super::parse_ptxas("nothing").is_none());
+    }
+
     #[test]
     fn detect_never_panics() {
         // On CI there is no libcuda: this must be a clean error. On the device it is Ok.

@@ -40,6 +40,18 @@ pub fn process_limit_s(case_timeout_s: f64) -> f64 {
     case_timeout_s * PROCESS_LIMIT_FACTOR + PROCESS_LIMIT_MARGIN_S
 }
 
+/// The constants above, as a document records them.
+pub fn protocol_constants() -> crate::schema::ProtocolConstants {
+    crate::schema::ProtocolConstants {
+        min_samples: MIN_SAMPLES as u32,
+        max_input_sets: MAX_INPUT_SETS,
+        rotation_memory_fraction: ROTATION_MEMORY_FRACTION,
+        process_limit_factor: PROCESS_LIMIT_FACTOR,
+        process_limit_margin_s: PROCESS_LIMIT_MARGIN_S,
+        machine_sample_ms: MACHINE_SAMPLE_MS as f64,
+    }
+}
+
 /// The timing defaults the runners use unless told otherwise.
 pub fn default_timing() -> TimingConfig {
     TimingConfig {
@@ -257,6 +269,65 @@ pub fn measure_with_clock<T: SampleTimer>(
     })
 }
 
+/// Calls one CUDA graph holds: `inner`, raised to a whole number of passes over the `n_sets`
+/// input sets when there are more sets than calls, so that replaying it rotates through every
+/// set (a graph replays the same calls on the same buffers each time).
+/// `runners/compare/timing.py` `graph_calls` is the same rule.
+pub fn graph_calls(inner: u32, n_sets: u32) -> u32 {
+    let (inner, n_sets) = (inner.max(1), n_sets.max(1));
+    if inner >= n_sets {
+        inner
+    } else {
+        inner * n_sets.div_ceil(inner)
+    }
+}
+
+/// The samples of [`measure`] (step 3) without its warm-up and sizing, for a timer whose calls
+/// are already warm and whose sample size is fixed: a CUDA graph of `inner` calls, replayed.
+/// The time limit counts from `start`, as in [`measure`].
+pub fn measure_replay<T: SampleTimer>(
+    timer: &mut T,
+    cfg: &TimingConfig,
+    inner: u32,
+    start: Instant,
+) -> Result<Measurement, MeasureError<T::Error>> {
+    let limit_s = cfg.case_timeout_s.max(0.0);
+    let elapsed = |t: Instant| t.duration_since(start).as_secs_f64();
+    let mut device = Vec::with_capacity(cfg.repeats as usize);
+    let mut host = Vec::with_capacity(cfg.repeats as usize);
+    let mut cut_short = false;
+    let mut expected_ms = 0.0f64;
+    for _ in 0..cfg.repeats.max(1) {
+        let t = Instant::now();
+        if elapsed(t) + expected_ms * 1e-3 > limit_s && device.len() >= MIN_SAMPLES {
+            cut_short = true;
+            break;
+        }
+        if elapsed(t) > limit_s {
+            return Err(MeasureError::Timeout {
+                elapsed_s: elapsed(t),
+            });
+        }
+        let s = timer.time_calls(inner).map_err(MeasureError::Timer)?;
+        if !(s.device_ms.is_finite() && s.device_ms > 0.0) {
+            return Err(MeasureError::BadTime(s.device_ms));
+        }
+        expected_ms = s.device_ms.max(s.host_ms);
+        device.push(s.device_ms / inner as f64);
+        host.push(s.host_ms / inner as f64);
+    }
+    let stats = summarize(&device).expect("at least one finite sample");
+    let host_ms = summarize(&host).expect("as many host samples").median_ms;
+    Ok(Measurement {
+        stats,
+        host_ms,
+        inner,
+        warmup_calls: 0,
+        warmup_ms: 0.0,
+        cut_short,
+    })
+}
+
 /// Number of input sets to rotate through so that their total size is at least
 /// `factor` × `l2_bytes`, at least 1 and at most `cap`.
 pub fn input_sets(bytes_per_set: u64, l2_bytes: u64, factor: f64, cap: u32) -> u32 {
@@ -271,6 +342,14 @@ pub fn input_sets(bytes_per_set: u64, l2_bytes: u64, factor: f64, cap: u32) -> u
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_graph_rotates_through_every_set() {
+        assert_eq!(graph_calls(2, 8), 8);
+        assert_eq!(graph_calls(3, 8), 9);
+        assert_eq!(graph_calls(17, 8), 17);
+        assert_eq!(graph_calls(0, 0), 1);
+    }
 
     #[test]
     fn quantiles_match_linear_interpolation() {

@@ -142,8 +142,9 @@ pub enum LoadError {
     /// Two documents of one suite and one device that are not shards of one run.
     #[error(
         "{} and {} both hold suite {suite} on device {device} and are not shards of one run \
-         (shards are written by `--shard i/n` with the same command, commit and n); \
-         keep one, or move the other to a folder of its own device",
+         (shards come from one commit and one command, each part naming its cases with \
+         `--shard i/n` or its own `--filter`); keep one of them (a document's device is its \
+         `device.name`, not its folder)",
         first.display(),
         second.display()
     )]
@@ -319,8 +320,12 @@ pub fn load_dir(dir: &Path) -> Result<Vec<Loaded>, LoadErrors> {
                 detail,
             });
         }
-        errors.extend(check_runs(&loaded));
-        errors.extend(check_duplicates(&loaded));
+        let runs = check_runs(&loaded);
+        if runs.is_empty() {
+            errors.extend(check_duplicates(&loaded));
+        }
+        // Two runs of one suite repeat each other's rows: the runs' error says it all.
+        errors.extend(runs);
     }
     if errors.is_empty() {
         Ok(loaded)
@@ -657,6 +662,39 @@ fn check_document(path: &Path, bytes: &[u8], doc: &Document) -> Vec<LoadError> {
             }
         }
     }
+    if let Some(p) = &config.protocol {
+        let at = |f: &str| vec![key("config"), key("protocol"), key(f)];
+        for (f, v, strict) in [
+            ("rotation_memory_fraction", p.rotation_memory_fraction, true),
+            ("process_limit_factor", p.process_limit_factor, true),
+            ("process_limit_margin_s", p.process_limit_margin_s, false),
+            ("machine_sample_ms", p.machine_sample_ms, true),
+        ] {
+            let ok = v.is_finite() && if strict { v > 0.0 } else { v >= 0.0 };
+            if !ok {
+                bad(
+                    at(f),
+                    "config.protocol".into(),
+                    format!(
+                        "{f} is {v}; must be finite and {}",
+                        if strict { "> 0" } else { ">= 0" }
+                    ),
+                );
+            }
+        }
+        for (f, v) in [
+            ("min_samples", p.min_samples),
+            ("max_input_sets", p.max_input_sets),
+        ] {
+            if v == 0 {
+                bad(
+                    at(f),
+                    "config.protocol".into(),
+                    format!("{f} is 0; must be >= 1"),
+                );
+            }
+        }
+    }
     for (i, a) in config.amendments.iter().enumerate() {
         for (f, v) in [("when", &a.when), ("what", &a.what), ("why", &a.why)] {
             if v.trim().is_empty() {
@@ -858,8 +896,10 @@ pub fn shard_of(command: &[String]) -> Option<(u32, u32)> {
     Some((i.trim().parse().ok()?, n.trim().parse().ok()?))
 }
 
-/// The command line without its `--shard` and `--output` options: equal for the shards of
-/// one run.
+/// The options that split one run into parts: which cases a part measures, and where it writes.
+const PART_OPTIONS: [&str; 3] = ["--shard", "--filter", "--output"];
+
+/// The command line without its [`PART_OPTIONS`]: equal for the parts of one run.
 fn command_without_shard(command: &[String]) -> Vec<&str> {
     let mut out = Vec::new();
     let mut skip = false;
@@ -868,11 +908,11 @@ fn command_without_shard(command: &[String]) -> Vec<&str> {
             skip = false;
             continue;
         }
-        if a == "--shard" || a == "--output" {
+        if PART_OPTIONS.contains(&a.as_str()) {
             skip = true;
             continue;
         }
-        if a.starts_with("--shard=") || a.starts_with("--output=") {
+        if PART_OPTIONS.iter().any(|o| a.starts_with(&format!("{o}="))) {
             continue;
         }
         out.push(a.as_str());
@@ -880,9 +920,22 @@ fn command_without_shard(command: &[String]) -> Vec<&str> {
     out
 }
 
-/// Documents of one suite and device must be shards of one run: each written with
-/// `--shard i/n` (the same n, distinct i), from the same commit and the same command apart
-/// from `--shard` and `--output`.
+/// The `--filter` of a recorded command, if any.
+fn filter_of(command: &[String]) -> Option<&str> {
+    command.iter().enumerate().find_map(|(i, a)| {
+        if a == "--filter" {
+            command.get(i + 1).map(String::as_str)
+        } else {
+            a.strip_prefix("--filter=")
+        }
+    })
+}
+
+/// Documents of one suite and device must be parts of one run: from the same commit, with the
+/// same timing parameters and the same command apart from [`PART_OPTIONS`], each part naming
+/// its cases, by `--shard i/n` (the same n, distinct i) or by a distinct `--filter` (a run
+/// split over several calls of a time-limited machine). The duplicate-row check then holds the
+/// parts disjoint.
 fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
     let mut errors = Vec::new();
     let mut by_key: BTreeMap<(Suite, &str), Vec<&Loaded>> = BTreeMap::new();
@@ -899,15 +952,18 @@ fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
         for other in rest {
             let a = &first.doc.config;
             let b = &other.doc.config;
-            let shards = match (shard_of(&a.command), shard_of(&b.command)) {
-                (Some((ia, na)), Some((ib, nb))) => {
-                    na == nb
-                        && ia != ib
-                        && a.git_commit == b.git_commit
-                        && command_without_shard(&a.command) == command_without_shard(&b.command)
-                }
+            let same_run = a.git_commit == b.git_commit
+                && a.timing == b.timing
+                && command_without_shard(&a.command) == command_without_shard(&b.command);
+            let distinct_shards = match (shard_of(&a.command), shard_of(&b.command)) {
+                (Some((ia, na)), Some((ib, nb))) => na == nb && ia != ib,
                 _ => false,
             };
+            let distinct_filters = match (filter_of(&a.command), filter_of(&b.command)) {
+                (Some(fa), Some(fb)) => fa != fb,
+                _ => false,
+            };
+            let shards = same_run && (distinct_shards || distinct_filters);
             if !shards {
                 errors.push(LoadError::TwoRuns {
                     suite: suite.as_str().to_string(),

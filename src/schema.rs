@@ -202,10 +202,40 @@ pub struct RunConfig {
     /// `items`). Empty when the suite reports times only.
     #[serde(default)]
     pub throughput: Vec<Throughput>,
+    /// The protocol's fixed rules as the runner applied them (its constants), so that the
+    /// site describes this document by its own numbers; absent in documents written before
+    /// they were recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<ProtocolConstants>,
     /// Changes made to the document after the runner wrote it, oldest first. A document
     /// edited by hand must say so here.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub amendments: Vec<Amendment>,
+}
+
+/// The fixed rules of the measurement protocol (`src/harness.rs`), recorded per document.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ProtocolConstants {
+    /// Fewest samples a row keeps when the time limit stops sampling.
+    #[schemars(range(min = 1, max = u32::MAX))]
+    pub min_samples: u32,
+    /// Most input copies rotated through.
+    #[schemars(range(min = 1, max = u32::MAX))]
+    pub max_input_sets: u32,
+    /// Share of the free device memory the comparison scripts' input copies may take.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub rotation_memory_fraction: f64,
+    /// A case process is killed at `process_limit_factor` × `case_timeout_s` +
+    /// `process_limit_margin_s`.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub process_limit_factor: f64,
+    /// See `process_limit_factor`, s.
+    #[schemars(range(min = 0))]
+    pub process_limit_margin_s: f64,
+    /// How often the machine state was sampled while a row was timed, ms.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub machine_sample_ms: f64,
 }
 
 /// Which per-call count of a row a throughput is computed from.
@@ -261,6 +291,15 @@ pub struct Throughput {
     /// tensor peak, HBM bandwidth); the page then shows each value as a share of it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ceiling: Option<Ceiling>,
+}
+
+impl Throughput {
+    /// This measure for `row`: its count over its median time, in [`Throughput::unit`];
+    /// `None` when the row has no positive median or no such count.
+    pub fn of(&self, row: &Row) -> Option<f64> {
+        let ms = row.median_ms.filter(|m| *m > 0.0)?;
+        Some(self.count.of(row)? / (ms * 1e-3) / self.per_second)
+    }
 }
 
 /// A device ceiling and where the figure comes from.
@@ -604,6 +643,10 @@ pub enum TimingMethod {
     Events,
     /// A CUDA graph holding `inner` calls, replayed between two CUDA events.
     GraphReplay,
+    /// `inner` calls issued back to back between two readings of the host's clock, the last
+    /// reading after waiting for the results: CPU rows, and frameworks without device events
+    /// (JAX: asynchronous dispatch, then `block_until_ready`).
+    WallClock,
 }
 
 /// The device's state while a row was timed, from NVML samples the runner takes every 25 ms

@@ -16,14 +16,11 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use kernelpages::attention::cpu::{normal_bits, reference_values, CheckPlan};
-use kernelpages::attention::{AttentionCase, Dtype, Pass};
+use kernelpages::attention::{files, AttentionCase, Dtype, Pass};
 use kernelpages::harness::default_timing;
 use kernelpages::runner::process::Server;
-use kernelpages::runner::protocol::{
-    write_f64, write_u16, CaseFiles, CheckSpec, Job, OutputSpec, TensorFile,
-};
-use kernelpages::schema::{Reference, Status, TimingConfig};
+use kernelpages::runner::protocol::{CaseFiles, Job};
+use kernelpages::schema::{Status, TimingConfig};
 
 fn runners_dir() -> std::path::PathBuf {
     kernelpages::runner::locate_runners_dir().expect("runners/compare/ exists")
@@ -52,68 +49,19 @@ fn timing() -> TimingConfig {
     }
 }
 
-/// The runner's files for a case: q, k, v (and dO, named `do`, for fwd+bwd: the protocol the
-/// module assumes) and the float64 reference of the output.
+/// The runner's files for a case, as the runner writes them ([`files::write_case`]): q, k, v
+/// (and dO for fwd+bwd, with the gradients' checks) and the float64 references.
 fn case_files(c: &AttentionCase, dir: &Path) -> CaseFiles {
-    let q = normal_bits(c.q_elems(), c.dtype, 11);
-    let k = normal_bits(c.kv_elems(), c.dtype, 12);
-    let v = normal_bits(c.kv_elems(), c.dtype, 13);
-    let plan = CheckPlan::new(c, 16, 5);
-    let reference = reference_values(c, &q, &k, &v, &plan);
-    let q_shape = vec![c.batch, c.heads, c.seq_len, c.head_dim];
-    let kv_shape = vec![c.batch, c.kv_heads, c.seq_len, c.head_dim];
-    let d_o = normal_bits(c.q_elems(), c.dtype, 14);
-    let mut tensors = vec![
-        ("q", &q, &q_shape),
-        ("k", &k, &kv_shape),
-        ("v", &v, &kv_shape),
-    ];
-    if c.pass == Pass::FwdBwd {
-        tensors.push(("do", &d_o, &q_shape));
-    }
-    let inputs = tensors
-        .into_iter()
-        .map(|(name, bits, shape)| {
-            let path = dir.join(format!("{name}.bin"));
-            write_u16(&path, bits).unwrap();
-            TensorFile {
-                name: name.into(),
-                dtype: c.dtype.as_str().into(),
-                shape: shape.clone(),
-                path,
-            }
-        })
-        .collect();
-    let reference_path = dir.join("reference.f64");
-    write_f64(&reference_path, &reference).unwrap();
-    CaseFiles {
-        inputs,
-        output: OutputSpec {
-            dtype: c.dtype.as_str().into(),
-            shape: q_shape,
-        },
-        check: CheckSpec {
-            ranges: plan.ranges(c),
-            reference: reference_path,
-            reference_kind: Reference::Float64Cpu,
-            tolerance: c.dtype.tolerance(),
-            checked: plan.describe(c),
-        },
-        flops: Some(c.flops()),
-        bytes: None,
-    }
+    files::write_case(c, 11, 16, dir).unwrap()
 }
 
 fn case(causal: bool, dtype: Dtype, kv_heads: usize, pass: Pass) -> AttentionCase {
     AttentionCase {
-        batch: 2,
-        heads: 4,
         kv_heads,
-        seq_len: 256,
-        head_dim: 64,
         causal,
         dtype,
         pass,
+        ..AttentionCase::new(2, 4, 256, 64)
     }
 }
 
@@ -181,7 +129,10 @@ fn every_job_gets_a_reply_row() {
             assert!(acc.rel_err < acc.tolerance, "{acc:?}");
             assert!(row.first_call_s.unwrap() > 0.0 && row.host_ms.unwrap() > 0.0);
             assert!(row.q1_ms.unwrap() <= row.median_ms.unwrap());
-            assert!(row.timing.is_none(), "neither events nor graph replay");
+            assert_eq!(
+                row.timing,
+                Some(kernelpages::schema::TimingMethod::WallClock)
+            );
             assert!(row.notes.iter().any(|n| n.contains("XLA compilation")));
             assert_eq!(row.flops, Some(c.flops()));
         }
@@ -215,14 +166,10 @@ fn every_job_gets_a_reply_row() {
 fn the_whole_module_runs_on_jax_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let c = AttentionCase {
-        batch: 1,
-        heads: 4,
         kv_heads: 2,
-        seq_len: 100,
-        head_dim: 32,
         causal: true,
-        dtype: Dtype::Bf16,
         pass: Pass::FwdBwd,
+        ..AttentionCase::new(1, 4, 100, 32)
     };
     let files = case_files(&c, dir.path());
     let job = Job {

@@ -14,13 +14,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use kernelpages::attention::cpu::{normal_bits, reference_values, CheckPlan};
 use kernelpages::attention::{AttentionCase, Dtype, Pass};
 use kernelpages::harness::default_timing;
 use kernelpages::runner::process::Server;
-use kernelpages::runner::protocol::{
-    write_f64, write_u16, CaseFiles, CheckSpec, Job, OutputSpec, Reply, TensorFile,
-};
+use kernelpages::runner::protocol::{CaseFiles, Job, Reply};
 use kernelpages::schema::{Reference, Status, TimingConfig, TimingMethod};
 
 const IMPLEMENTATIONS: [&str; 4] = [
@@ -67,58 +64,15 @@ fn timing() -> TimingConfig {
 
 /// Writes a case's inputs and reference as the runner does and returns the job files.
 fn case_files(c: &AttentionCase, dir: &Path) -> CaseFiles {
-    let q = normal_bits(c.q_elems(), c.dtype, 11);
-    let k = normal_bits(c.kv_elems(), c.dtype, 12);
-    let v = normal_bits(c.kv_elems(), c.dtype, 13);
-    let plan = CheckPlan::new(c, 16, 5);
-    let reference = reference_values(c, &q, &k, &v, &plan);
-    let q_shape = vec![c.batch, c.heads, c.seq_len, c.head_dim];
-    let kv_shape = vec![c.batch, c.kv_heads, c.seq_len, c.head_dim];
-    let mut inputs = Vec::new();
-    for (name, bits, shape) in [
-        ("q", &q, &q_shape),
-        ("k", &k, &kv_shape),
-        ("v", &v, &kv_shape),
-    ] {
-        let path = dir.join(format!("{name}.bin"));
-        write_u16(&path, bits).unwrap();
-        inputs.push(TensorFile {
-            name: name.into(),
-            dtype: c.dtype.as_str().into(),
-            shape: shape.clone(),
-            path,
-        });
-    }
-    let reference_path = dir.join("reference.f64");
-    write_f64(&reference_path, &reference).unwrap();
-    CaseFiles {
-        inputs,
-        output: OutputSpec {
-            dtype: c.dtype.as_str().into(),
-            shape: q_shape,
-        },
-        check: CheckSpec {
-            ranges: plan.ranges(c),
-            reference: reference_path,
-            reference_kind: Reference::Float64Cpu,
-            tolerance: c.dtype.tolerance(),
-            checked: plan.describe(c),
-        },
-        flops: Some(c.flops()),
-        bytes: None,
-    }
+    kernelpages::attention::files::write_case(c, 11, 16, dir).unwrap()
 }
 
 fn case(causal: bool, dtype: Dtype, kv_heads: usize) -> AttentionCase {
     AttentionCase {
-        batch: 2,
-        heads: 4,
         kv_heads,
-        seq_len: 256,
-        head_dim: 64,
         causal,
         dtype,
-        pass: Pass::Fwd,
+        ..AttentionCase::new(2, 4, 256, 64)
     }
 }
 
@@ -173,6 +127,7 @@ fn check_reply(reply: &Reply, c: &AttentionCase, implementation: &str, gpu: bool
     match row.timing.unwrap() {
         TimingMethod::GraphReplay => assert!(row.eager_median_ms.unwrap() > 0.0),
         TimingMethod::Events => assert!(row.notes.iter().any(|n| n.contains("graph"))),
+        TimingMethod::WallClock => panic!("PyTorch on a GPU has device events: {row:?}"),
     }
     let acc = row.accuracy.as_ref().unwrap();
     assert_eq!(
@@ -232,18 +187,50 @@ fn every_job_gets_a_reply_row() {
             check_reply(&reply, c, imp, gpu);
         }
     }
-    // Backward and unknown dtypes are unsupported, with the reason.
+    // Forward + backward: dO is the 4th input and the row checks O, dQ, dK and dV; a case
+    // whose causal mask PyTorch aligns differently (seq_len_q != seq_len_kv) is run with an
+    // explicit bottom-right mask, or refused by the flash backend with the reason.
     let c = AttentionCase {
         pass: Pass::FwdBwd,
         ..case(true, Dtype::Bf16, 4)
     };
-    let d = dir.path().join("bwd");
-    std::fs::create_dir_all(&d).unwrap();
-    let files = case_files(&c, &d);
-    let reply = s
-        .request(&job(&c, "torch_flash", &files), Duration::from_secs(60))
-        .unwrap();
-    assert_eq!(reply.row.status, Status::Unsupported);
+    let cross = AttentionCase {
+        seq_len_q: 40,
+        seq_len_kv: 100,
+        kv_lens: Some(vec![100, 37]),
+        ..c.clone()
+    };
+    for (i, c) in [c.clone(), cross].iter().enumerate() {
+        let d = dir.path().join(format!("bwd{i}"));
+        std::fs::create_dir_all(&d).unwrap();
+        let files = case_files(c, &d);
+        assert_eq!(files.inputs[3].name, "do");
+        for imp in IMPLEMENTATIONS {
+            let reply = s
+                .request(&job(c, imp, &files), Duration::from_secs(150))
+                .unwrap();
+            eprintln!(
+                "{imp} fwd+bwd: {:?} {:?}",
+                reply.row.status, reply.row.message
+            );
+            check_reply(&reply, c, imp, gpu);
+            if i == 1 && imp == "torch_flash" && gpu {
+                assert_eq!(reply.row.status, Status::Unsupported);
+                assert!(reply.row.message.as_deref().unwrap().contains("top-left"));
+            }
+            if reply.row.status == Status::Ok {
+                let acc = reply.row.accuracy.as_ref().unwrap();
+                let checked = acc.checked.as_deref().unwrap();
+                assert!(
+                    checked.contains("dQ") && checked.contains("largest"),
+                    "{checked}"
+                );
+                let mem = reply.row.memory.as_ref().unwrap();
+                assert!(mem.residuals_mb.unwrap() > 0.0, "{mem:?}");
+            }
+        }
+    }
+    let files = case_files(&c, &dir.path().join("bwd0"));
     // A malformed job line is answered with an error row, and the server goes on.
     let mut bad = job(&c, "torch_flash", &files);
     bad.timing.case_timeout_s = f64::NAN;

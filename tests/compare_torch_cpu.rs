@@ -9,14 +9,11 @@
 use std::process::Command;
 use std::time::Duration;
 
-use kernelpages::attention::cpu::{normal_bits, reference_values, CheckPlan};
-use kernelpages::attention::{AttentionCase, Dtype, Pass};
+use kernelpages::attention::{files, AttentionCase, Pass};
 use kernelpages::harness::default_timing;
 use kernelpages::runner::process::Server;
-use kernelpages::runner::protocol::{
-    write_f64, write_u16, CaseFiles, CheckSpec, Job, OutputSpec, TensorFile,
-};
-use kernelpages::schema::{Reference, Status, TimingConfig};
+use kernelpages::runner::protocol::Job;
+use kernelpages::schema::{Status, TimingConfig};
 
 fn runners_dir() -> std::path::PathBuf {
     kernelpages::runner::locate_runners_dir().expect("runners/compare/ exists")
@@ -31,34 +28,7 @@ fn have_torch() -> bool {
 }
 
 fn job(c: &AttentionCase, implementation: &str, dir: &std::path::Path) -> Job {
-    let q = normal_bits(c.q_elems(), c.dtype, 1);
-    let k = normal_bits(c.kv_elems(), c.dtype, 2);
-    let v = normal_bits(c.kv_elems(), c.dtype, 3);
-    let plan = CheckPlan::new(c, 16, 5);
-    write_f64(
-        &dir.join("ref.f64"),
-        &reference_values(c, &q, &k, &v, &plan),
-    )
-    .unwrap();
-    let q_shape = vec![c.batch, c.heads, c.seq_len, c.head_dim];
-    let kv_shape = vec![c.batch, c.kv_heads, c.seq_len, c.head_dim];
-    let inputs = [
-        ("q", &q, &q_shape),
-        ("k", &k, &kv_shape),
-        ("v", &v, &kv_shape),
-    ]
-    .into_iter()
-    .map(|(name, bits, shape)| {
-        let path = dir.join(format!("{name}.bin"));
-        write_u16(&path, bits).unwrap();
-        TensorFile {
-            name: name.into(),
-            dtype: c.dtype.as_str().into(),
-            shape: shape.clone(),
-            path,
-        }
-    })
-    .collect();
+    let files = files::write_case(c, 1, 16, dir).unwrap();
     Job {
         case: c.params(),
         implementation: implementation.into(),
@@ -70,35 +40,15 @@ fn job(c: &AttentionCase, implementation: &str, dir: &std::path::Path) -> Job {
             ..default_timing()
         },
         l2_bytes: 1 << 20,
-        files: CaseFiles {
-            inputs,
-            output: OutputSpec {
-                dtype: c.dtype.as_str().into(),
-                shape: q_shape,
-            },
-            check: CheckSpec {
-                ranges: plan.ranges(c),
-                reference: dir.join("ref.f64"),
-                reference_kind: Reference::Float64Cpu,
-                tolerance: c.dtype.tolerance(),
-                checked: plan.describe(c),
-            },
-            flops: Some(c.flops()),
-            bytes: None,
-        },
+        files,
     }
 }
 
 fn case() -> AttentionCase {
     AttentionCase {
-        batch: 1,
-        heads: 4,
         kv_heads: 2,
-        seq_len: 128,
-        head_dim: 64,
         causal: true,
-        dtype: Dtype::Bf16,
-        pass: Pass::Fwd,
+        ..AttentionCase::new(1, 4, 128, 64)
     }
 }
 
@@ -141,7 +91,11 @@ fn every_job_gets_a_reply_row() {
         assert_eq!(row.status, Status::Ok, "{row:?}");
         let acc = row.accuracy.unwrap();
         assert!(acc.rel_err < acc.tolerance, "{acc:?}");
-        assert!(row.host_ms.is_none() && row.timing.is_none());
+        assert!(row.host_ms.is_none());
+        assert_eq!(
+            row.timing,
+            Some(kernelpages::schema::TimingMethod::WallClock)
+        );
         assert!(row.notes.iter().any(|n| n.contains("intra-op threads")));
     }
     let fwd_bwd = AttentionCase {

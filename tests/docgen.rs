@@ -83,7 +83,7 @@ fn index_has_six_sections_and_four_page_links() {
     let (_tmp, site) = build_site(&valid_dir(), None);
     let doc = page(&site, "index.html");
     let h1 = doc.select(&sel("h1")).next().unwrap();
-    assert_eq!(text(h1), "GPU and CPU performance");
+    assert_eq!(text(h1), "GPU performance");
     let headings: Vec<String> = doc.select(&sel("main > section > h2")).map(text).collect();
     assert_eq!(
         headings,
@@ -890,19 +890,60 @@ fn the_methodology_reads_every_number_from_the_code_or_the_data() {
     );
     let docs = load::load_dir(&root.join("data")).unwrap();
     let t = &docs[0].doc.config.timing;
-    for expected in [
+    let mut expected = vec![
         format!("{} ms", format::sig(t.warmup_ms, 3)),
         format!("{} samples", t.repeats),
         format!("{}×", format::sig(t.launch_bound_ratio, 3)),
         format!("{} s", format::sig(t.case_timeout_s, 3)),
-        format!("at least {} samples", kernelpages::harness::MIN_SAMPLES),
-        format!("at most {} copies", kernelpages::harness::MAX_INPUT_SETS),
-        format!(
-            "{} s",
-            format::sig(kernelpages::harness::process_limit_s(t.case_timeout_s), 4)
-        ),
-        format!("every {} ms", kernelpages::harness::MACHINE_SAMPLE_MS),
-    ] {
+    ];
+    // The protocol's constants as the document recorded them (the runner records
+    // kernelpages::harness::protocol_constants()).
+    match &docs[0].doc.config.protocol {
+        Some(p) => expected.extend([
+            format!("at least {} samples", p.min_samples),
+            format!("at most {} copies", p.max_input_sets),
+            format!(
+                "{} s",
+                format::sig(
+                    p.process_limit_factor * t.case_timeout_s + p.process_limit_margin_s,
+                    4
+                )
+            ),
+            format!("every {} ms", format::sig(p.machine_sample_ms, 3)),
+        ]),
+        None => expected.push("(not recorded in this document)".to_string()),
+    }
+    for expected in expected {
         assert!(text_of.contains(&expected), "no {expected:?} in {text_of}");
     }
+}
+
+/// A run split over several calls by `--filter` (one machine call each) is one run: its parts
+/// load together; the same parts from two commits do not.
+#[test]
+fn parts_of_one_run_split_by_filter_load_together() {
+    let data = tempfile::tempdir().unwrap();
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    let rows = doc["rows"].as_array().unwrap().clone();
+    let (full, causal): (Vec<_>, Vec<_>) =
+        rows.into_iter().partition(|r| r["case"]["causal"] == false);
+    let base = doc["config"]["command"].as_array().unwrap().clone();
+    let with_filter = |f: &str| {
+        let mut c = base.clone();
+        c.extend([serde_json::json!("--filter"), serde_json::json!(f)]);
+        c
+    };
+    doc["rows"] = serde_json::json!(full);
+    doc["config"]["command"] = serde_json::json!(with_filter("causal=false"));
+    fs::write(data.path().join("a.json"), doc.to_string()).unwrap();
+    doc["rows"] = serde_json::json!(causal);
+    doc["config"]["command"] = serde_json::json!(with_filter("causal=true"));
+    fs::write(data.path().join("b.json"), doc.to_string()).unwrap();
+    assert_eq!(load::load_dir(data.path()).unwrap().len(), 2);
+    // Another commit: two runs, refused.
+    doc["config"]["git_commit"] = serde_json::json!("1111111111111111111111111111111111111111");
+    fs::write(data.path().join("b.json"), doc.to_string()).unwrap();
+    let err = load::load_dir(data.path()).unwrap_err().to_string();
+    assert!(err.contains("not shards of one run"), "{err}");
 }

@@ -74,39 +74,56 @@ fn figures(site: &Path) -> Vec<PathBuf> {
 fn time_figures_label_only_the_measured_x_values() {
     let (_tmp, site) = build_site(&root().join("data"));
     let docs = load::load_dir(&root().join("data")).unwrap();
-    let xs: BTreeSet<String> = docs
+    // A group is a case with seq_len left out (the x axis), per device.
+    let groups_in_data: BTreeSet<String> = docs
         .iter()
-        .flat_map(|l| l.doc.rows.iter())
-        .map(|r| r.case["seq_len"].to_string())
-        .collect();
-    let time_figures: Vec<PathBuf> = figures(&site)
-        .into_iter()
-        .filter(|p| {
-            let n = p.file_name().unwrap().to_string_lossy().into_owned();
-            n.starts_with("attention-") && !n.contains("-memory") && !n.contains("-error")
+        .flat_map(|l| l.doc.rows.iter().map(move |r| (l, r)))
+        .map(|(l, r)| {
+            let mut c = r.case.clone();
+            c.remove("seq_len");
+            format!(
+                "{} {}",
+                l.doc.device.name,
+                serde_json::to_string(&c).unwrap()
+            )
         })
         .collect();
-    // Time, TFLOP/s and the ratio to the default, per group.
-    assert_eq!(time_figures.len(), 12);
-    for f in time_figures {
-        let doc = svg(&f);
-        let t = texts(&doc);
-        for x in &xs {
-            assert!(t.contains(x), "{}: no tick {x} in {t:?}", f.display());
-        }
-        // Numbers of 1000 and up on the x axis are only the measured ones.
-        for label in &t {
-            if let Ok(v) = label.parse::<u64>() {
-                assert!(
-                    v < 1000 || xs.contains(label),
-                    "{}: unmeasured tick {label}",
-                    f.display()
-                );
+    let doc = page(&site, "attention.html");
+    let groups: Vec<ElementRef<'_>> = doc.select(&sel("section.group")).collect();
+    assert_eq!(groups.len(), groups_in_data.len());
+    for g in groups {
+        // The sizes this group measured: the rows of its results table.
+        let xs: BTreeSet<String> = g
+            .select(&sel("table.results tbody th[scope=row]"))
+            .map(text)
+            .collect();
+        assert!(!xs.is_empty());
+        let srcs: Vec<String> = g
+            .select(&sel("figure img"))
+            .map(|i| i.value().attr("src").unwrap().to_string())
+            .collect();
+        // Time, TFLOP/s and the ratio to the default.
+        for src in &srcs[..3] {
+            let f = site.join(src);
+            let doc = svg(&f);
+            let t = texts(&doc);
+            for x in &xs {
+                assert!(t.contains(x), "{}: no tick {x} in {t:?}", f.display());
             }
+            // Numbers of 1000 and up on the x axis are only the measured ones.
+            for label in &t {
+                if let Ok(v) = label.parse::<u64>() {
+                    assert!(
+                        v < 1000 || xs.contains(label),
+                        "{}: unmeasured tick {label}",
+                        f.display()
+                    );
+                }
+            }
+            // A light grid: a line per tick, not a band of minor lines.
+            let lines = doc.select(&sel("line")).count();
+            assert!(lines < 40, "{}: {lines} lines", f.display());
         }
-        // A light grid: a line per tick, not a band of minor lines.
-        let lines = doc.select(&sel("line")).count();
-        assert!(lines < 40, "{}: {lines} lines", f.display());
     }
 }
 
@@ -195,7 +212,7 @@ fn bars(doc: &Html) -> Vec<(f64, f64, String)> {
             let fill = r.value().attr("fill")?.to_string();
             // Bars, not the legend's swatches (10 px high).
             let tall = attr_f64(r, "height") > 12.0;
-            (tall && (fill == "#59A14F" || fill == "#E15759")).then(|| {
+            (tall && (fill == "#0072B2" || fill == "#E69F00")).then(|| {
                 let x = attr_f64(r, "x");
                 (x, x + attr_f64(r, "width"), fill)
             })
@@ -231,7 +248,7 @@ fn at_a_glance_range_comes_from_the_data_and_holds_one() {
         .map(|e| attr_f64(e, "x"))
         .unwrap();
     for (left, right, fill) in &found {
-        let at_one = if fill == "#E15759" { right } else { left };
+        let at_one = if fill == "#E69F00" { right } else { left };
         assert!((at_one - one_x).abs() <= 1.5, "{left}..{right} vs {one_x}");
     }
     // One label per representative row, naming the alternative and its ratio.
@@ -416,4 +433,21 @@ fn conflicting_shards_name_both_files() {
     };
     assert!(site::build(&opts).is_err());
     assert!(!tmp.path().join("site").exists());
+}
+
+/// Text in every figure is at least 11 px at the size the page shows it (figures are shown at
+/// the size they are drawn: tests/docgen_layout.rs).
+#[test]
+fn every_figure_text_is_at_least_11_px() {
+    let (_tmp, site) = build_site(&root().join("data"));
+    let mut sizes = 0;
+    for f in figures(&site) {
+        let text = fs::read_to_string(&f).unwrap();
+        for part in text.split("font-size=\"").skip(1) {
+            let size: f64 = part.split('"').next().unwrap().parse().unwrap();
+            assert!(size >= 11.0, "{}: font-size {size}", f.display());
+            sizes += 1;
+        }
+    }
+    assert!(sizes > 100, "{sizes}");
 }

@@ -211,6 +211,7 @@ fn synthetic_document() -> Document {
                 ceiling: None,
             }],
             amendments: Vec::new(),
+            protocol: None,
             dispatch: vec![DispatchRule {
                 entry_point: "attention::forward".to_string(),
                 device: "cuda sm_80+".to_string(),

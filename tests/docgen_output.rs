@@ -296,3 +296,51 @@ fn version_names_docgen() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.starts_with("docgen "), "{text}");
 }
+
+#[test]
+fn schema_replaces_only_a_schema_docgen_wrote() {
+    let p = Project::new(false);
+    fs::write(p.path().join("notes.txt"), "mine").unwrap();
+    p.refused(&["schema", "--out", "notes.txt"], "not a document schema");
+    let (code, stderr) = p.docgen(&["schema", "--out", "data/schema.json"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let (code, stderr) = p.docgen(&["schema", "--out", "data/schema.json"]);
+    assert_eq!(code, Some(0), "its own schema is replaced: {stderr}");
+}
+
+#[test]
+fn figures_inside_a_docgen_site_say_so() {
+    let p = Project::new(false);
+    let (code, stderr) = p.docgen(&["build", "--out", "site"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    p.refused(
+        &["figures", "--out", "site/figures"],
+        "lies inside the docgen site",
+    );
+}
+
+#[test]
+fn the_build_says_how_to_serve_what_it_wrote() {
+    let p = Project::new(false);
+    let (_, stderr) = p.docgen(&["build", "--out", "elsewhere", "--base-url", "/docs/"]);
+    assert!(
+        stderr.contains("serve --out elsewhere --base-url /docs/"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("index.html in a browser"), "{stderr}");
+}
+
+#[test]
+fn a_copied_document_is_one_error_not_one_per_row() {
+    let p = Project::new(false);
+    fs::create_dir(p.path().join("data/h200")).unwrap();
+    fs::copy(
+        p.path().join("data/gpu_attention.json"),
+        p.path().join("data/h200/gpu_attention.json"),
+    )
+    .unwrap();
+    let (code, stderr) = p.docgen(&["build", "--out", "site"]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("not shards of one run"), "{stderr}");
+    assert!(!stderr.contains("duplicate row"), "{stderr}");
+}

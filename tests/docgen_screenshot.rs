@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use kernelpages::site::{self, BuildOptions};
 
 /// Bar colours of the At a glance chart (`figures::DEFAULT_FASTER`, `ALTERNATIVE_FASTER`).
-const BAR_COLOURS: [[u8; 3]; 2] = [[0x59, 0xa1, 0x4f], [0xe1, 0x57, 0x59]];
+const BAR_COLOURS: [[u8; 3]; 2] = [[0x00, 0x72, 0xb2], [0xe6, 0x9f, 0x00]];
 
 fn chromium() -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;

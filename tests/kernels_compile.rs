@@ -1,10 +1,19 @@
 //! Every CUDA kernel instantiation the runners can ask for compiles with NVRTC for sm_80 and
-//! sm_90a. Needs only the NVRTC library (no GPU): where build.rs found no `libnvrtc.so.13` the
-//! tests are compiled as ignored, with the reason; `.ci/run` installs NVRTC from PyPI so CI
-//! runs them.
+//! sm_90a, and ptxas's resource report (registers, spills) of the defaults is printed
+//! (`cargo test --test kernels_compile -- --nocapture`; kernels/TUNING.md records it). Needs
+//! only the NVRTC library (no GPU): where build.rs found no `libnvrtc.so.13` the tests are
+//! compiled as ignored, with the reason; `.ci/run` installs NVRTC from PyPI so CI runs them.
+//!
+//! Instantiations are compiled many to a source (one NVRTC call per kernel file and
+//! architecture), as fast as NVRTC allows; a failing one is named in the compiler's log.
 
-use kernelpages::attention::cuda::{flash_instance, FlashConfig, SOFTMAX_SRC};
-use kernelpages::attention::{AttentionCase, Dtype, Pass};
+use std::collections::BTreeMap;
+
+use kernelpages::attention::cuda::{
+    flash_bwd_wrappers, flash_wrapper, BwdConfig, FlashConfig, FLASH_BWD_SRC, FLASH_HEAD_DIMS,
+    FLASH_SRC, PRELUDE_SRC, SOFTMAX_SRC,
+};
+use kernelpages::attention::{AttentionCase, Dtype};
 
 fn nvrtc_present() -> bool {
     // SAFETY: only tries to dlopen the library.
@@ -18,6 +27,77 @@ fn compile(name: &str, src: &str, arch: &str) {
     }
 }
 
+fn case(dtype: Dtype, head_dim: usize, causal: bool) -> AttentionCase {
+    AttentionCase {
+        causal,
+        dtype,
+        ..AttentionCase::new(1, 1, 1024, head_dim)
+    }
+}
+
+/// Every (dtype, head dim, mask) the runners can ask flash for.
+fn flash_cases() -> Vec<AttentionCase> {
+    let mut v = Vec::new();
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for d in FLASH_HEAD_DIMS {
+            for causal in [false, true] {
+                v.push(case(dtype, d, causal));
+            }
+        }
+    }
+    v
+}
+
+/// One source with the forward kernel and the wrappers of `(case, config)` pairs.
+fn fwd_source(pairs: &[(AttentionCase, FlashConfig)]) -> String {
+    let mut src = format!("{PRELUDE_SRC}\n{FLASH_SRC}\n");
+    let mut seen = BTreeMap::new();
+    for (c, fc) in pairs {
+        let (name, w) = flash_wrapper(c, *fc);
+        seen.entry(name).or_insert(w);
+    }
+    for w in seen.values() {
+        src.push_str(w);
+    }
+    src
+}
+
+/// One source with the backward kernels and the wrappers of `(case, config)` pairs (shared
+/// wrappers once).
+fn bwd_source(pairs: &[(AttentionCase, BwdConfig)]) -> String {
+    let mut src = format!("{PRELUDE_SRC}\n{FLASH_BWD_SRC}\n");
+    let mut seen = BTreeMap::new();
+    for (c, bc) in pairs {
+        for (name, w) in flash_bwd_wrappers(c, *bc).1 {
+            seen.entry(name).or_insert(w);
+        }
+    }
+    for w in seen.values() {
+        src.push_str(w);
+    }
+    src
+}
+
+fn defaults_fwd() -> Vec<(AttentionCase, FlashConfig)> {
+    flash_cases()
+        .into_iter()
+        .map(|c| {
+            let fc = FlashConfig::for_head_dim(c.head_dim).unwrap();
+            (c, fc)
+        })
+        .collect()
+}
+
+fn defaults_bwd() -> Vec<(AttentionCase, BwdConfig)> {
+    flash_cases()
+        .into_iter()
+        .map(|c| {
+            let bc = BwdConfig::for_head_dim(c.head_dim).unwrap();
+            (c, bc)
+        })
+        .collect()
+}
+
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
@@ -28,50 +108,39 @@ fn every_flash_instantiation_compiles() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    let configs = [
-        "v2w4",
-        "v2w8",
+    // The defaults for every dtype, head dim and mask, for Hopper and for Ampere.
+    for arch in ["sm_90a", "sm_80"] {
+        compile("flash_fwd_defaults.cu", &fwd_source(&defaults_fwd()), arch);
+        compile("flash_bwd_defaults.cu", &bwd_source(&defaults_bwd()), arch);
+    }
+    // The configurations `--flash-config` and `--flash-bwd-config` can name, where they fit
+    // the head dim's registers (bf16 and fp16 share the code; bf16 stands for both).
+    let mut fwd = Vec::new();
+    for cfg in [
         "v3w4m2b64",
         "v3w4m2b32",
         "v3w8m2b32",
         "v3w4m1b64",
-    ];
-    for cfg in configs {
-        let fc = FlashConfig::parse(cfg).unwrap();
-        for dtype in [Dtype::Bf16, Dtype::F16] {
-            for head_dim in [64, 128] {
-                for causal in [false, true] {
-                    let c = AttentionCase {
-                        batch: 1,
-                        heads: 1,
-                        kv_heads: 1,
-                        seq_len: 1024,
-                        head_dim,
-                        causal,
-                        dtype,
-                        pass: Pass::Fwd,
-                    };
-                    let (name, src) = flash_instance(&c, fc);
-                    compile(&name, &src, "sm_90a");
-                }
+        "v3w8m1b64",
+    ] {
+        for d in [64, 128] {
+            for causal in [false, true] {
+                fwd.push((
+                    case(Dtype::Bf16, d, causal),
+                    FlashConfig::parse(cfg).unwrap(),
+                ));
             }
         }
     }
-    // The default instantiations also build for Ampere.
-    for head_dim in [64, 128] {
-        let c = AttentionCase {
-            batch: 1,
-            heads: 1,
-            kv_heads: 1,
-            seq_len: 1024,
-            head_dim,
-            causal: true,
-            dtype: Dtype::Bf16,
-            pass: Pass::Fwd,
-        };
-        let (name, src) = flash_instance(&c, FlashConfig::for_head_dim(head_dim).unwrap());
-        compile(&name, &src, "sm_80");
+    compile("flash_fwd_configs.cu", &fwd_source(&fwd), "sm_90a");
+    let mut bwd = Vec::new();
+    for cfg in ["w8r64", "w8r32", "w4r32", "w8r16", "w4r64"] {
+        let bc = BwdConfig::parse(cfg).unwrap();
+        for d in [64, 128].into_iter().filter(|&d| bc.check(d).is_ok()) {
+            bwd.push((case(Dtype::Bf16, d, true), bc));
+        }
     }
+    compile("flash_bwd_configs.cu", &bwd_source(&bwd), "sm_90a");
 }
 
 #[test]
@@ -88,14 +157,116 @@ fn softmax_kernels_compile() {
     compile("softmax_rows.cu", SOFTMAX_SRC, "sm_80");
 }
 
+/// ptxas's report for the default instantiations (bf16; fp16 is the same code) on sm_90a:
+/// printed for kernels/TUNING.md, and no kernel may need more than the 255 registers a thread
+/// has or spill more than a few words.
 #[test]
-fn flash_configs_parse_and_reject() {
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn default_kernels_fit_their_registers() {
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    let fwd: Vec<_> = defaults_fwd()
+        .into_iter()
+        .filter(|(c, _)| c.dtype == Dtype::Bf16)
+        .collect();
+    let bwd: Vec<_> = defaults_bwd()
+        .into_iter()
+        .filter(|(c, _)| c.dtype == Dtype::Bf16)
+        .collect();
+    let mut reports =
+        kernelpages::gpu::ptxas_report("fwd.cu", &fwd_source(&fwd), "sm_90a").unwrap();
+    reports.extend(kernelpages::gpu::ptxas_report("bwd.cu", &bwd_source(&bwd), "sm_90a").unwrap());
+    eprintln!("| kernel | registers | spill bytes | stack bytes |");
+    eprintln!("| --- | --- | --- | --- |");
+    for r in &reports {
+        eprintln!(
+            "| {} | {} | {} | {} |",
+            r.kernel, r.registers, r.spill_bytes, r.stack_bytes
+        );
+    }
+    assert!(reports.len() >= fwd.len() + bwd.len());
+    for r in &reports {
+        assert!(r.registers <= 255, "{r:?}");
+        assert!(
+            r.spill_bytes <= 64,
+            "{} spills {} bytes",
+            r.kernel,
+            r.spill_bytes
+        );
+    }
+}
+
+#[test]
+fn configs_parse_and_reject() {
     let c = FlashConfig::parse("v3w4m2b32").unwrap();
-    assert_eq!((c.version, c.warps, c.m_tiles, c.key_tile), (3, 4, 2, 32));
+    assert_eq!((c.warps, c.m_tiles, c.key_tile), (4, 2, 32));
     assert_eq!(c.query_tile(), 128);
     assert_eq!(c.name(), "v3w4m2b32");
-    assert_eq!(FlashConfig::parse("v2w8").unwrap().query_tile(), 128);
-    for bad in ["v2w6", "v3w4m3b32", "v3w4m1b128", "w4", "v3w4m2", ""] {
+    for bad in [
+        "v2w4",
+        "v3w6m2b32",
+        "v3w4m3b32",
+        "v3w4m1b128",
+        "w4",
+        "v3w4m2",
+        "",
+    ] {
         assert!(FlashConfig::parse(bad).is_err(), "{bad}");
     }
+    let b = BwdConfig::parse("w8r32").unwrap();
+    assert_eq!((b.warps, b.query_rows, b.key_tile()), (8, 32, 128));
+    assert_eq!(b.name(), "w8r32");
+    for bad in ["w8r128", "w6r32", "w8", "r32", ""] {
+        assert!(BwdConfig::parse(bad).is_err(), "{bad}");
+    }
+    let narrow = BwdConfig::parse("w8r16").unwrap();
+    assert!(narrow.check(64).unwrap_err().contains("head_dim 64"));
+    assert!(narrow.check(128).is_ok());
+    // Every default runs its head dim and fits the 163 KB of shared memory an sm_80 CTA may
+    // opt into.
+    for d in FLASH_HEAD_DIMS {
+        BwdConfig::for_head_dim(d).unwrap().check(d).unwrap();
+        let f = FlashConfig::for_head_dim(d).unwrap().smem_bytes(d);
+        let b = BwdConfig::for_head_dim(d).unwrap().smem_bytes(d);
+        assert!(
+            f <= 163 * 1024 && b <= 163 * 1024,
+            "head_dim {d}: {f} / {b} bytes"
+        );
+    }
+}
+
+/// The aligned fast path of the forward (`kernels/flash_attn_fwd_aligned.cu`), in every
+/// (dtype, head dim, mask) it is dispatched for.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn the_aligned_forward_compiles() {
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for head_dim in [64, 128] {
+            for causal in [false, true] {
+                let c = case(dtype, head_dim, causal);
+                let fc = FlashConfig::for_head_dim(head_dim).unwrap();
+                assert!(kernelpages::attention::cuda::flash_aligned(&c, fc), "{c:?}");
+                let (name, src) = kernelpages::attention::cuda::flash_aligned_instance(&c, fc);
+                for arch in ["sm_80", "sm_90a"] {
+                    compile(&format!("{name}.cu"), &src, arch);
+                }
+            }
+        }
+    }
+    // Not aligned: a length off the tile, different lengths, a backward.
+    let fc = FlashConfig::for_head_dim(128).unwrap();
+    let odd = AttentionCase::new(1, 1, 1000, 128);
+    assert!(!kernelpages::attention::cuda::flash_aligned(&odd, fc));
 }

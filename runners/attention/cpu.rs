@@ -2,31 +2,24 @@
 //! [`kernelpages::attention::cpu_flash`]), PyTorch's CPU `scaled_dot_product_attention` as
 //! the alternative (`runners/compare/torch_cpu.py`), the case files and the case process.
 //!
-//! The CPU takes fp32 besides the 16-bit types. [`AttentionCase`]'s `dtype` is 16-bit only
-//! (the CUDA code matches on it), so a CPU case is an [`AttentionCase`] for the sizes and an
-//! [`ElementType`] for the inputs: [`case_of`] and [`params`] convert, and nothing of the CPU
-//! path reads the case's `dtype` field.
+//! The case files are the GPU grid's (`files::write_case`, through the suite's `prepare`): the
+//! same input bits and float64 reference for the same case and seed.
 //!
 //! ```text
 //! attention --device cpu --compare torch --output data/cpu_attention.json
 //! ```
 
-use std::path::Path;
+use anyhow::Result;
 
-use anyhow::{Context, Result};
-
-use kernelpages::attention::cpu::{normal_bits, CheckPlan};
 use kernelpages::attention::cpu_flash::{
-    self, dot_product_attention_into, read_elements, Element, ElementType, Options, Shape,
-    BLOCK_KV, BLOCK_Q,
+    dot_product_attention_into, read_elements, Element, ElementType, Options, Shape, BLOCK_KV,
+    BLOCK_Q,
 };
-use kernelpages::attention::{AttentionCase, Dtype};
+use kernelpages::attention::{AttentionCase, Pass};
 use kernelpages::runner::grid::Params;
-use kernelpages::runner::protocol::{
-    write_f64, CaseFiles, CheckSpec, Job, OutputSpec, Reply, TensorFile,
-};
+use kernelpages::runner::protocol::{Job, Reply, TensorFile};
 use kernelpages::runner::{host, Alternative};
-use kernelpages::schema::{DispatchRule, Param, Reference};
+use kernelpages::schema::DispatchRule;
 
 /// The project's CPU implementation.
 pub const IMPLEMENTATION: &str = "cpu_flash";
@@ -48,29 +41,26 @@ pub const QUICK_SEQ_LENS: [usize; 2] = [128, 256];
 /// Element types of the CPU grid.
 pub const DTYPES: [&str; 2] = ["bf16", "fp32"];
 
-/// A CPU case's sizes and input type from its parameters.
+/// A CPU case and its element type from its parameters.
 ///
 /// # Errors
 /// A missing or mistyped parameter, an unknown dtype.
 pub fn case_of(p: &Params) -> Result<(AttentionCase, ElementType)> {
-    let element = match p.get("dtype") {
-        Some(Param::Text(s)) => {
-            ElementType::parse(s).with_context(|| format!("unknown dtype `{s}`"))?
-        }
-        other => anyhow::bail!("case parameter `dtype` must be text, got {other:?}"),
-    };
-    // The sizes through the shared parser, with a 16-bit stand-in for fp32.
-    let mut sizes = p.clone();
-    sizes.insert("dtype".into(), Param::Text(Dtype::Bf16.as_str().into()));
-    let c = AttentionCase::from_params(&sizes).map_err(anyhow::Error::msg)?;
+    let c = AttentionCase::from_params(p).map_err(anyhow::Error::msg)?;
+    let element = ElementType::from(c.dtype);
     Ok((c, element))
 }
 
-/// The parameters of a CPU case (`dtype` is the element type's name).
-pub fn params(c: &AttentionCase, element: ElementType) -> Params {
-    let mut p = c.params();
-    p.insert("dtype".into(), Param::Text(element.as_str().into()));
-    p
+/// The CPU document's throughput: GFLOP/s by the suite's FLOP rule (TFLOP/s would read 0.0
+/// on a CPU); no ceiling is measured.
+pub fn throughput_decls() -> Vec<kernelpages::schema::Throughput> {
+    vec![kernelpages::schema::Throughput {
+        key: "gflops".into(),
+        unit: "GFLOP/s".into(),
+        count: kernelpages::schema::Count::Flops,
+        per_second: 1e9,
+        ceiling: None,
+    }]
 }
 
 /// What the CPU entry point runs (one implementation for every case).
@@ -84,121 +74,14 @@ pub fn dispatch_rules() -> Vec<DispatchRule> {
     }]
 }
 
-fn write_elements(path: &Path, bytes: Vec<u8>) -> Result<()> {
-    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
-}
-
-/// Q, K, V as standard normals (seeds `seed`, `seed + 1`, `seed + 2`; the 16-bit types from
-/// the same generator as the GPU grid, fp32 from [`cpu_flash::normal_f32`]), and the float64
-/// reference of 4 (batch, head) slices × `check_rows` query rows.
-pub fn prepare(p: &Params, seed: u64, dir: &Path, check_rows: usize) -> Result<CaseFiles> {
-    let (c, element) = case_of(p)?;
-    let shape = Shape::of_case(&c);
-    let options = Options {
-        causal: c.causal,
-        scale: None,
-    };
-    let plan = CheckPlan::new(&c, check_rows, seed ^ 0x5eed);
-    let draw = |n: usize, s: u64| -> Vec<u8> {
-        match element {
-            ElementType::F32 => cpu_flash::normal_f32(n, s)
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            ElementType::Bf16 | ElementType::F16 => {
-                let dt = if element == ElementType::Bf16 {
-                    Dtype::Bf16
-                } else {
-                    Dtype::F16
-                };
-                normal_bits(n, dt, s)
-                    .iter()
-                    .flat_map(|x| x.to_le_bytes())
-                    .collect()
-            }
-        }
-    };
-    let q_shape = vec![c.batch, c.heads, c.seq_len, c.head_dim];
-    let kv_shape = vec![c.batch, c.kv_heads, c.seq_len, c.head_dim];
-    let mut inputs = Vec::new();
-    for (i, (name, n, shape)) in [
-        ("q", c.q_elems(), &q_shape),
-        ("k", c.kv_elems(), &kv_shape),
-        ("v", c.kv_elems(), &kv_shape),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let path = dir.join(format!("{name}.bin"));
-        write_elements(&path, draw(n, seed.wrapping_add(i as u64)))?;
-        inputs.push(TensorFile {
-            name: name.into(),
-            dtype: element.as_str().into(),
-            shape: shape.clone(),
-            path,
-        });
-    }
-    fn reference<T: Element>(
-        inputs: &[TensorFile],
-        shape: &Shape,
-        options: &Options,
-        plan: &CheckPlan,
-    ) -> Result<Vec<f64>> {
-        let q = read_elements::<T>(&inputs[0].path)?;
-        let k = read_elements::<T>(&inputs[1].path)?;
-        let v = read_elements::<T>(&inputs[2].path)?;
-        Ok(cpu_flash::reference_values(
-            &q, &k, &v, shape, options, plan,
-        ))
-    }
-    let values = match element {
-        ElementType::Bf16 => reference::<half::bf16>(&inputs, &shape, &options, &plan)?,
-        ElementType::F16 => reference::<half::f16>(&inputs, &shape, &options, &plan)?,
-        ElementType::F32 => reference::<f32>(&inputs, &shape, &options, &plan)?,
-    };
-    let ref_path = dir.join("reference.f64");
-    write_f64(&ref_path, &values)?;
-    Ok(CaseFiles {
-        inputs,
-        output: OutputSpec {
-            dtype: element.as_str().into(),
-            shape: q_shape,
-        },
-        check: CheckSpec {
-            ranges: plan.ranges(&c),
-            reference: ref_path,
-            reference_kind: Reference::Float64Cpu,
-            tolerance: element.tolerance(),
-            checked: plan.describe(&c),
-        },
-        flops: Some(c.flops()),
-        bytes: None,
-    })
-}
-
-/// Short label of a CPU case for progress lines.
-pub fn label(p: &Params) -> String {
-    match case_of(p) {
-        Ok((c, e)) => format!(
-            "B{} H{}/{} T{} D{} {} {} {}",
-            c.batch,
-            c.heads,
-            c.kv_heads,
-            c.seq_len,
-            c.head_dim,
-            if c.causal { "causal" } else { "full" },
-            e.as_str(),
-            c.pass.as_str()
-        ),
-        Err(_) => format!("{p:?}"),
-    }
-}
-
 /// Why the project's CPU implementation cannot run a case, when it cannot.
 pub fn unsupported(p: &Params) -> Option<String> {
     match case_of(p) {
-        Ok((c, _)) if c.pass != kernelpages::attention::Pass::Fwd => {
-            Some("fwd+bwd is not measured on the CPU yet: the runner's fwd+bwd protocol (dO input, gradient checks) is not in place; attention::cpu_flash::dot_product_attention_vjp is".into())
+        Ok((c, _)) if c.pass != Pass::Fwd => {
+            Some("fwd+bwd is not measured on the CPU yet: the CPU case process times the forward only (attention::cpu_flash::dot_product_attention_vjp is tested, not timed)".into())
+        }
+        Ok((c, _)) if c.kv_lens.is_some() => {
+            Some("per-sequence key lengths are not implemented in cpu_flash".into())
         }
         Ok(_) => None,
         Err(e) => Some(format!("{e:#}")),
@@ -274,7 +157,7 @@ pub fn measure(job: &Job) -> Reply {
         let shape = Shape::of_case(c);
         let options = Options {
             causal: c.causal,
-            scale: None,
+            scale: c.scale,
         };
         host::measure(job, || {
             Ok(Launch::<T> {
@@ -307,22 +190,24 @@ pub fn measure(job: &Job) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kernelpages::attention::Pass;
+    use kernelpages::attention::Dtype;
     use kernelpages::harness::default_timing;
+    use kernelpages::schema::Param;
     use kernelpages::schema::Status;
 
     fn case(element: ElementType) -> Params {
-        let c = AttentionCase {
-            batch: 1,
-            heads: 2,
-            kv_heads: 1,
-            seq_len: 100,
-            head_dim: 32,
-            causal: true,
-            dtype: Dtype::Bf16,
-            pass: Pass::Fwd,
+        let dtype = match element {
+            ElementType::Bf16 => Dtype::Bf16,
+            ElementType::F16 => Dtype::F16,
+            ElementType::F32 => Dtype::F32,
         };
-        params(&c, element)
+        AttentionCase {
+            kv_heads: 1,
+            causal: true,
+            dtype,
+            ..AttentionCase::new(1, 2, 100, 32)
+        }
+        .params()
     }
 
     #[test]
@@ -330,8 +215,23 @@ mod tests {
         let p = case(ElementType::F32);
         assert_eq!(p.get("dtype"), Some(&Param::Text("fp32".into())));
         let (c, e) = case_of(&p).unwrap();
-        assert_eq!((c.seq_len, e), (100, ElementType::F32));
-        assert_eq!(label(&p), "B1 H2/1 T100 D32 causal fp32 fwd");
+        assert_eq!((c.seq_len_q, e), (100, ElementType::F32));
+    }
+
+    #[test]
+    fn the_backward_and_key_lengths_are_unsupported_with_a_reason() {
+        let (c, _) = case_of(&case(ElementType::Bf16)).unwrap();
+        let bwd = AttentionCase {
+            pass: Pass::FwdBwd,
+            ..c.clone()
+        };
+        assert!(unsupported(&bwd.params()).unwrap().contains("forward only"));
+        let lens = AttentionCase {
+            kv_lens: Some(vec![50]),
+            ..c.clone()
+        };
+        assert!(unsupported(&lens.params()).unwrap().contains("key lengths"));
+        assert!(unsupported(&c.params()).is_none());
     }
 
     #[test]
@@ -339,7 +239,8 @@ mod tests {
         for e in [ElementType::Bf16, ElementType::F16, ElementType::F32] {
             let dir = tempfile::tempdir().unwrap();
             let p = case(e);
-            let files = prepare(&p, 3, dir.path(), 16).unwrap();
+            let (c, _) = case_of(&p).unwrap();
+            let files = kernelpages::attention::files::write_case(&c, 3, 16, dir.path()).unwrap();
             assert_eq!(files.inputs[0].dtype, e.as_str());
             assert_eq!(
                 std::fs::metadata(&files.inputs[0].path).unwrap().len(),

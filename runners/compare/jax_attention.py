@@ -44,15 +44,13 @@ and `timing` is left unset (neither `events` nor `graph_replay` describes it); e
 notes say how it was timed. Warm-up, calls per sample, samples, the case time limit and the
 input rotation are `timing`'s, as for PyTorch.
 
-The fwd+bwd protocol this module assumes (the runner's side is being extended; adapt
-`inputs_by_name` and `checks_of` when it lands): the job's inputs are named `q`, `k`, `v`,
-and for `pass = fwd+bwd` also `do` (dO, shaped like O, `[B, H, T_q, D]`); `files.check`
-checks O; an optional list `files.checks` adds checks of other outputs, each a CheckSpec with
-an `output` field naming `o`, `dq`, `dk` or `dv` (index ranges into that output's flat
-`[B, H, T, D]` order); the row's `rel_err` is the largest of them. Case parameters
-`seq_len_q`/`seq_len_kv` (else `seq_len`) and `scale` (else 1/sqrt(head_dim)) are read when
-present; causal with `seq_len_q != seq_len_kv` is aligned bottom-right through an explicit
-mask (JAX's `is_causal` aligns top-left).
+The job follows protocol.py: inputs `q`, `k`, `v` and, for `pass = fwd+bwd`, `do` (dO,
+shaped like O); `files.check` checks O and `files.gradients` dQ, dK, dV, each over its whole
+tensor for non-finite values and at the runner's elements against its float64 reference; the
+row's `rel_err` is the largest. The call's arguments come from `files.arguments` (seq_len_q,
+seq_len_kv, scale, causal, kv_lens). Causal with `seq_len_q != seq_len_kv`, and per-sequence
+key lengths, go through an explicit mask aligned bottom-right (JAX's `is_causal` aligns
+top-left).
 
     PYTHONPATH=runners python3 -m compare.jax_attention serve | self-test | job FILE
 """
@@ -134,6 +132,36 @@ def libraries():
 
 # ---- the case --------------------------------------------------------------------------------
 
+def arguments(files, case):
+    """The call's arguments: `files.arguments` (authoritative, protocol.py), else derived from
+    the case parameters (an older runner)."""
+    args = dict(files.get("arguments") or {})
+    b, h, kv, tq, tkv, d = sizes(case)
+    args.setdefault("seq_len_q", tq)
+    args.setdefault("seq_len_kv", tkv)
+    args.setdefault("scale", scale_of(case))
+    args.setdefault("causal", bool(case["causal"]))
+    args.setdefault("kv_lens", None)
+    return args
+
+
+def mask_of(args, batch):
+    """Boolean [B or 1, 1, Tq, Tkv] (True = attend) when the call needs an explicit mask
+    (per-sequence key lengths, or causal with different lengths), else None."""
+    tq, tkv = int(args["seq_len_q"]), int(args["seq_len_kv"])
+    lens = args.get("kv_lens")
+    if lens is None and not (args["causal"] and tq != tkv):
+        return None
+    lens = list(lens) if lens is not None else [tkv]
+    i = np.arange(tq)[None, :, None]
+    j = np.arange(tkv)[None, None, :]
+    length = np.asarray(lens)[:, None, None]
+    m = j < length
+    if args["causal"]:
+        m = m & (j <= i + length - tq)
+    return m[:, None]
+
+
 def sizes(case):
     """(B, H, KV, Tq, Tkv, D) of a case; seq_len_q/seq_len_kv when present, else seq_len."""
     t = case.get("seq_len")
@@ -191,15 +219,8 @@ def do_input(named):
 
 
 def checks_of(files):
-    """[(output name, CheckSpec)]: `files.check` for O, then `files.checks` (assumed)."""
-    out = [("o", files["check"])]
-    seen = {"o"}
-    for c in files.get("checks") or []:
-        name = c.get("output", "o")
-        if name not in seen:
-            seen.add(name)
-            out.append((name, c))
-    return out
+    """[(output name, CheckSpec)]: O, then the gradients of `files.gradients` (protocol.py)."""
+    return [(name, check) for name, _spec, check in protocol.outputs(files)]
 
 
 def classify(exc):
@@ -249,16 +270,16 @@ def load_input(t, transpose=True):
     return np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if transpose else x
 
 
-def build(case, implementation):
+def build(case, args, implementation):
     """The jitted function of the case: (q, k, v) -> (o,) or (q, k, v, do) -> (o, dq, dk, dv),
     all in [B, T, N, H]."""
-    b, h, kv, tq, tkv, d = sizes(case)
-    causal = bool(case["causal"])
-    kwargs = dict(scale=scale_of(case), implementation=IMPLEMENTATIONS[implementation])
-    if causal and tq != tkv:
-        kwargs["mask"] = jnp.asarray(bottom_right_mask(tq, tkv))[None, None]
+    b = sizes(case)[0]
+    kwargs = dict(scale=float(args["scale"]), implementation=IMPLEMENTATIONS[implementation])
+    mask = mask_of(args, b)
+    if mask is not None:
+        kwargs["mask"] = jnp.asarray(mask)
     else:
-        kwargs["is_causal"] = causal
+        kwargs["is_causal"] = bool(args["causal"])
 
     def attend(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, **kwargs)
@@ -273,7 +294,7 @@ def build(case, implementation):
     return jax.jit(fwd_bwd)
 
 
-OUTPUT_INDEX = {"o": 0, "dq": 1, "dk": 2, "dv": 3}
+OUTPUT_INDEX = {"O": 0, "dQ": 1, "dK": 2, "dV": 3}
 
 
 def check_outputs(outs, files, case):
@@ -286,7 +307,7 @@ def check_outputs(outs, files, case):
             return "the job checks output %r, which this pass does not produce" % name, None
         flat = jnp.transpose(outs[i], (0, 2, 1, 3)).reshape(-1)
         plant = os.environ.get(PLANT_NAN_ENV)
-        if plant and name == "o":
+        if plant and name == "O":
             flat = flat.at[int(plant)].set(jnp.nan)
         finite = jnp.isfinite(flat)
         bad_index = None if bool(finite.all()) else int(jnp.argmin(finite))
@@ -295,10 +316,10 @@ def check_outputs(outs, files, case):
         reference = protocol.read_f64(check["reference"])
         msg, rel_err = protocol.check_output(bad_index, int(flat.size), got, reference)
         if msg is not None:
-            return ("%s: %s" % (name, msg)) if name != "o" else msg, None
-        errors.append(rel_err)
-        words.append(check["checked"] if name == "o" else "%s: %s" % (name, check["checked"]))
-    return None, (max(errors), "; ".join(words))
+            return ("%s: %s" % (name, msg)) if name != "O" else msg, None
+        errors.append((name, rel_err))
+    return None, (protocol.worst(e for _, e in errors),
+                  protocol.checked_text(files["check"]["checked"], errors))
 
 
 def measure(job):
@@ -348,7 +369,8 @@ def _measure(job, named):
     case, files, tcfg = job["case"], job["files"], job["timing"]
     implementation = job["implementation"]
     device = jax.devices(platform_name())[0]
-    fn = build(case, implementation)
+    args = arguments(files, case)
+    fn = build(case, args, implementation)
     order = ["q", "k", "v"] + (["do"] if case["pass"] == "fwd+bwd" else [])
     host = [load_input(named[n] if n != "do" else do_input(named)) for n in order]
 
@@ -397,9 +419,9 @@ def _measure(job, named):
             precision = "unknown"
         notes.append("fp32 matrix products at jax_default_matmul_precision=%s (XLA's default "
                      "on GPUs allows TF32 tensor cores)" % (precision,))
-    b, h, kv, tq, tkv, d = sizes(case)
-    if bool(case["causal"]) and tq != tkv:
-        notes.append("causal aligned bottom-right through an explicit mask")
+    if mask_of(args, 1) is not None:
+        notes.append("an explicit mask (bottom-right causal, per-sequence key lengths): "
+                     "JAX's is_causal aligns top-left")
     if m["cut_short"]:
         notes.append("%d of %d samples: the %g s case limit stopped sampling"
                      % (m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"])))
@@ -408,6 +430,7 @@ def _measure(job, named):
         memory.update(peak_mb=max(0, peak) / 1e6, peak_method=PEAK_METHOD,
                       temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
     fields = dict(
+        timing="wall_clock",
         median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
         samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
         host_ms=m["host_ms"], first_call_s=first_call_s, flops=files.get("flops"),
@@ -446,13 +469,18 @@ def self_test():
     check("unknown" in unsupported_reason(fwd, "torch_flash"), "unknown implementation")
 
     files = {"inputs": [{"name": "q"}, {"name": "k"}, {"name": "v"}, {"name": "do"}],
-             "check": {"ranges": [], "checked": "o"}}
+             "output": {}, "check": {"ranges": [], "checked": "o"}}
     named = inputs_by_name(files)
     check(do_input(named) == {"name": "do"}, "dO found by name")
     check(do_input(inputs_by_name({"inputs": [{"name": "x"}] * 3})) is None, "no dO")
-    check([n for n, _ in checks_of(files)] == ["o"], "one check without files.checks")
-    files["checks"] = [{"output": "o"}, {"output": "dq"}, {"output": "dv"}]
-    check([n for n, _ in checks_of(files)] == ["o", "dq", "dv"], "gradient checks, deduped")
+    check([n for n, _ in checks_of(files)] == ["O"], "O alone without files.gradients")
+    files["gradients"] = [{"name": n, "input": n[1].lower(), "output": {}, "check": {}}
+                          for n in ("dQ", "dK", "dV")]
+    check([n for n, _ in checks_of(files)] == ["O", "dQ", "dK", "dV"], "gradient checks")
+    check(all(n in OUTPUT_INDEX for n, _ in checks_of(files)), "every output has an index")
+    args = arguments({"arguments": {"seq_len_q": 3, "scale": 0.3}}, fwd)
+    check(args["seq_len_q"] == 3 and args["seq_len_kv"] == 128 and args["scale"] == 0.3,
+          "files.arguments first, the case after: %r" % (args,))
 
     check(classify(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
                                 "85899345920 bytes."))[0] == "oom", "XLA OOM is oom")
@@ -485,6 +513,12 @@ def self_test():
         check(mask.sum(axis=1).tolist() == [4, 5], "bottom-right mask, Tq < Tkv")
         check(bottom_right_mask(5, 2).sum(axis=1).tolist() == [0, 0, 0, 1, 2],
               "bottom-right mask, Tq > Tkv")
+        a = {"seq_len_q": 2, "seq_len_kv": 5, "causal": True, "kv_lens": None}
+        check(mask_of(a, 1)[0, 0].sum(axis=1).tolist() == [4, 5], "mask_of: bottom-right")
+        check(mask_of(dict(a, seq_len_q=5), 1) is None, "no mask for equal lengths")
+        m = mask_of(dict(a, kv_lens=[5, 0, 3]), 3)
+        check(m.shape == (3, 1, 2, 5) and m[:, 0].sum(axis=2).tolist() == [[4, 5], [0, 0], [2, 3]],
+              "mask_of: key lengths with causal: %r" % (m[:, 0].sum(axis=2).tolist(),))
         x = np.arange(2 * 3 * 4 * 5).reshape(2, 3, 4, 5)
         y = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
         check(y[1, 2, 0, 4] == x[1, 0, 2, 4], "BHSD -> BTNH")

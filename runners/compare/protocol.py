@@ -1,12 +1,88 @@
 """The job/reply protocol with the Rust runner (`src/runner/protocol.rs`), the output check,
 and the server that measures each job in a fresh forked process.
 
-A job (one JSON line) names the case, the implementation, the timing parameters
-(schema::TimingConfig), the L2 size and the case files: the input tensors as raw
-little-endian files written by the runner (the exact bits the project's kernels get), the
-output shape, and the check: `[start, len]` ranges of flat output indices with the float64
-reference values of those elements, computed by the runner. A reply is
-`{"row": schema::Row, "window": [t0, t1], "libraries": {...}, "pid": n}`.
+This docstring is the protocol's full description: a comparison module (`torch_sdpa.py`,
+`jax_attention.py`, ...) implements `measure(job) -> reply` against it and calls
+`protocol.main(measure, LIBRARY)`.
+
+Transport
+    The runner starts `python3 -m compare.<module> serve` with PYTHONPATH=runners and writes one
+    job per line (JSON) to its standard input; the module answers one reply line (JSON) per job
+    on standard output, in order. `serve` forks a fresh process per job (each case is measured
+    in a process that ran nothing else) and kills it after
+    PROCESS_LIMIT_FACTOR x case_timeout_s + PROCESS_LIMIT_MARGIN_S seconds.
+
+Job
+    {"case": {...}, "implementation": "torch_flash", "timing": {...}, "l2_bytes": int,
+     "files": {...}}
+    - case: the document's case parameters, copied into the reply's row unchanged. Attention:
+      batch, heads, kv_heads, head_dim, causal, dtype ("bf16", "fp16", "fp32"), pass ("fwd" or
+      "fwd+bwd"); "seq_len" when the query and key lengths are equal, else "seq_len_q" and
+      "seq_len_kv"; "scale" only when it is not 1/sqrt(head_dim); "kv_lens" (text,
+      comma-separated) only for per-sequence key lengths. Do not parse these: use
+      files.arguments.
+    - timing: schema::TimingConfig (warmup_ms, repeats, min_sample_ms, max_inner,
+      l2_rotation_factor, case_timeout_s, launch_bound_ratio, runs); `timing.py` implements
+      the protocol it describes.
+    - files.inputs: [{"name", "dtype", "shape", "path"}, ...] in argument order. Raw files,
+      row-major, little-endian, 2 bytes per bf16/fp16 element and 4 per fp32 element: the exact
+      bits the project's kernels get. Attention: "q" [B, H, Tq, D], "k" and "v"
+      [B, KVH, Tkv, D], and for pass "fwd+bwd" a 4th input "do" [B, H, Tq, D]: the gradient of
+      the loss with respect to the output (standard normal values, the runner's bits).
+    - files.output: {"dtype", "shape"} of the output O.
+    - files.check: {"ranges": [[start, len], ...], "reference": path, "reference_kind",
+      "tolerance", "checked"}: flat (row-major) indices of the checked output elements and,
+      in the raw little-endian float64 file `reference`, their float64 reference values in
+      range order (computed by the runner on the CPU from the same input bits).
+    - files.gradients (pass "fwd+bwd" only, else absent): [{"name": "dQ", "input": "q",
+      "output": {"dtype", "shape"}, "check": {...}}, {"name": "dK", "input": "k", ...},
+      {"name": "dV", "input": "v", ...}]: each gradient to produce, checked exactly like O.
+    - files.arguments: the call's arguments, authoritative: batch, heads, kv_heads, head_dim,
+      seq_len_q, seq_len_kv, causal, causal_alignment ("bottom_right"), scale (the value to
+      use, default included), kv_lens (a list of B lengths, or null).
+    - files.flops: FLOPs of one call by the suite's rule (copy it into the row).
+
+The attention function
+    O = softmax(scale * Q K^T + mask) V per (batch, head); query head h reads kv head
+    h // (heads // kv_heads) (GQA). Batch entry b sees only its first L_b keys (L_b = kv_lens[b],
+    or seq_len_kv); keys at or past L_b are padding. Causal is aligned bottom-right: query i sees
+    key j iff j <= i + L_b - seq_len_q. A row that sees no key has O = 0 and zero gradients.
+    A library whose own convention differs (PyTorch's is_causal aligns top-left when the lengths
+    differ) must be given an explicit mask or answer "unsupported" with the reason.
+
+One call (what is timed)
+    - pass "fwd": O from Q, K, V.
+    - pass "fwd+bwd": the forward, then the backward of the loss sum(dO * O) with the job's dO:
+      dQ, dK, dV = vjp(O; dO) (PyTorch: out = sdpa(q, k, v, ...);
+      torch.autograd.grad(out, (q, k, v), do)). Both inside the timed call, with dO a fixed
+      input tensor (not drawn in the call). FLOPs of such a call are 3.5 x the forward's.
+    Inputs are rotated through ceil(l2_rotation_factor x L2 / bytes of one input set) copies
+    (timing.input_sets). Report CUDA-graph replay where capture works (timing "graph_replay",
+    with the eager median in eager_median_ms), else eager event timing ("events"); a module
+    with no device events times by the host's clock around the calls and a wait for their
+    results ("wall_clock": the CPU, JAX).
+
+The check (first call only, before timing)
+    For each output in order O, then each gradient of files.gradients: scan the WHOLE tensor
+    for non-finite values (a NaN anywhere fails the row: status "error", message
+    "non-finite output at element i of n of <name> ..."); then
+    rel_err_k = ||got - ref||_2 / ||ref||_2 over that output's checked elements (got read in the
+    output's dtype, as float64; the output's own L2 norm when the reference is all zero there).
+    The row's accuracy: rel_err = the largest rel_err_k (any NaN makes it NaN: never fold with
+    max(), which drops NaN), metric "rel_l2", reference = check.reference_kind, tolerance =
+    check.tolerance, checked = check.checked + "; rel_l2 O 1.23e-03, dQ ..., dK ..., dV ...;
+    largest dK" (checked_text() writes it). A non-finite rel_err is an "error" row.
+
+Reply (one JSON line)
+    {"row": schema::Row, "window": [t0, t1], "libraries": {...}, "pid": n}
+    - row: make_row(case, implementation, library, status, message, **fields) with status one of
+      "ok", "oom", "unsupported" (with the reason), "error", "timeout"; an ok row has median_ms,
+      q1_ms, q3_ms, inner_calls, samples, input_sets, l2_rotation_reached, timing, host_ms,
+      first_call_s, flops, memory (arguments_mb, outputs_mb: every output, gradients included,
+      temporaries_mb, residuals_mb: what the forward keeps for the backward, peak_mb,
+      reserved_peak_mb, workspace_mb, peak_method), accuracy, notes (e.g. whether TF32 was
+      allowed for fp32).
+    - window: wall-clock seconds (Unix) of the timed span; libraries: versions seen.
 """
 
 import argparse
@@ -35,7 +111,7 @@ ROW_F64 = ("median_ms", "q1_ms", "q3_ms", "compile_s", "flops", "bytes", "items"
 MEMORY_FIELDS = ("arguments_mb", "outputs_mb", "temporaries_mb", "residuals_mb", "peak_mb",
                  "peak_method", "reserved_peak_mb", "workspace_mb")
 ACCURACY_FIELDS = ("rel_err", "metric", "reference", "tolerance", "checked")
-TIMING_METHODS = ("events", "graph_replay")
+TIMING_METHODS = ("events", "graph_replay", "wall_clock")
 TIMING_KEYS = ("warmup_ms", "repeats", "min_sample_ms", "max_inner", "l2_rotation_factor",
                "case_timeout_s")
 
@@ -145,11 +221,60 @@ def parse_job(text):
         for key in ("name", "dtype", "shape", "path"):
             if key not in t:
                 raise JobError("files.inputs[%d] lacks %s" % (i, key))
-    check = files["check"]
-    for key in ("ranges", "reference", "tolerance", "checked"):
-        if key not in check:
-            raise JobError("files.check lacks %s" % key)
+    for where, check in [("files.check", files["check"])] + [
+            ("files.gradients[%d].check" % i, g.get("check")) for i, g in
+            enumerate(files.get("gradients") or [])]:
+        if not isinstance(check, dict):
+            raise JobError("%s is missing" % where)
+        for key in ("ranges", "reference", "tolerance", "checked"):
+            if key not in check:
+                raise JobError("%s lacks %s" % (where, key))
+    for i, g in enumerate(files.get("gradients") or []):
+        for key in ("name", "input", "output"):
+            if key not in g:
+                raise JobError("files.gradients[%d] lacks %s" % (i, key))
+    if not isinstance(files.get("arguments", {}), dict):
+        raise JobError("files.arguments is not an object")
     return job
+
+
+def outputs(files):
+    """[(name, output spec, check)]: ("O", files.output, files.check), then the gradients."""
+    return [("O", files["output"], files["check"])] + [
+        (g["name"], g["output"], g["check"]) for g in files.get("gradients") or []]
+
+
+def worst(errors):
+    """The largest error; NaN when any is NaN (max() would drop it)."""
+    w = float("-inf")
+    for e in errors:
+        if e != e:
+            return float("nan")
+        w = max(w, e)
+    return w
+
+
+def checked_text(described, errors):
+    """accuracy.checked: the runner's description and, with several outputs, each one's
+    rel_l2 and the largest (src/runner/own.rs `checked_text`)."""
+    if len(errors) < 2:
+        return described
+    largest = None
+    for name, e in errors:
+        if largest is None or (largest[1] == largest[1] and (e != e or e > largest[1])):
+            largest = (name, e)
+    each = ", ".join("%s %s" % (n, rust_exp(e)) for n, e in errors)
+    return "%s; rel_l2 %s; largest %s" % (described, each, largest[0])
+
+
+def rust_exp(x):
+    """`{:.2e}` as Rust writes it: 1.23e-3 (no zero padding, no plus sign)."""
+    if x != x:
+        return "NaN"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    m, e = ("%.2e" % x).split("e")
+    return "%se%d" % (m, int(e))
 
 
 def read_f64(path):
@@ -171,14 +296,17 @@ def flat_indices(ranges):
 
 
 def rel_l2(got, reference):
-    """||got - ref||_2 / ||ref||_2; NaN for a zero reference or a non-finite value."""
+    """||got - ref||_2 / ||ref||_2; NaN for a non-finite value; for an all-zero reference (no
+    scale of its own) the absolute error ||got||_2, as src/runner/protocol.rs does."""
     num = den = 0.0
     for g, r in zip(got, reference):
         if not math.isfinite(g):
             return float("nan")
         num += (g - r) * (g - r)
         den += r * r
-    return math.sqrt(num / den) if den > 0 else float("nan")
+    if den > 0:
+        return math.sqrt(num / den)
+    return math.sqrt(num)
 
 
 def check_output(nonfinite_index, length, got, reference):
@@ -339,6 +467,15 @@ def self_test():
     msg, e = check_output(first_bad, len(out), [out[i] for i in idx], reference)
     check(e is None and "element 99 of 100" in msg, "NaN outside the slices fails: %r" % msg)
     check(abs(rel_l2([1.1, 2.0], [1.0, 2.0]) - 0.1 / math.sqrt(5)) < 1e-12, "rel_l2")
+    check(rel_l2([0.0, 0.0], [0.0, 0.0]) == 0.0, "zero reference, zero output")
+    check(rel_l2([0.0, 1e-3], [0.0, 0.0]) == 1e-3, "zero reference: the absolute error")
+    # The row's error over several outputs keeps a NaN (max() would not).
+    check(max(1e-3, float("nan")) == 1e-3, "max can drop a NaN: why worst() exists")
+    check(worst([1e-3, float("nan"), 2e-3]) != worst([1e-3, float("nan"), 2e-3]), "worst NaN")
+    check(worst([1e-3, 4e-3]) == 4e-3, "worst")
+    text = checked_text("x", [("O", 1e-3), ("dQ", 4e-3), ("dK", 2e-3)])
+    check(text == "x; rel_l2 O 1.00e-3, dQ 4.00e-3, dK 2.00e-3; largest dQ",
+          "checked_text as Rust writes it: %r" % text)
     case = {"batch": 1, "seq_len": 8}
     ok = make_row(case, "torch_flash", "PyTorch", "ok", None, median_ms=1.5, q1_ms=1.4,
                   q3_ms=1.6, inner_calls=4, samples=10, input_sets=1, timing="graph_replay",
@@ -361,6 +498,18 @@ def self_test():
                       "check": {"ranges": [], "reference": "r", "tolerance": 0.01,
                                 "checked": "x"}}}
     parse_job(json.dumps(good))
+    bwd = json.loads(json.dumps(good))
+    bwd["files"]["gradients"] = [{"name": "dQ", "input": "q", "output": {"dtype": "bf16",
+                                  "shape": [1]}, "check": dict(good["files"]["check"])}]
+    bwd["files"]["arguments"] = {"scale": 0.125, "kv_lens": None}
+    job = parse_job(json.dumps(bwd))
+    check([n for n, _, _ in outputs(job["files"])] == ["O", "dQ"], "outputs in order")
+    del bwd["files"]["gradients"][0]["check"]["reference"]
+    try:
+        parse_job(json.dumps(bwd))
+        check(False, "parse_job accepted a gradient check without reference")
+    except JobError:
+        pass
     for broken in ("{", "[]", json.dumps(dict(good, timing={})),
                    json.dumps({k: v for k, v in good.items() if k != "files"})):
         try:

@@ -169,13 +169,24 @@ class EventTimer(object):
         return float(self.start.elapsed_time(self.end)), host
 
 
+def graph_calls(inner, n_sets):
+    """Calls a CUDA graph holds: `inner`, raised to a whole number of passes over the input
+    sets when there are more sets than calls, so that replaying it rotates through every set
+    (a graph replays the same calls on the same buffers each time)."""
+    inner, n_sets = max(1, int(inner)), max(1, int(n_sets))
+    if inner >= n_sets:
+        return inner
+    return inner * int(math.ceil(n_sets / float(inner)))
+
+
 class GraphTimer(object):
-    """A CUDA graph of `inner` calls (rotating through the input sets), captured once after a
-    warm-up on a side stream as PyTorch requires, replayed between two CUDA events."""
+    """A CUDA graph of `graph_calls(inner, len(sets))` calls (rotating through every input
+    set), captured once after a warm-up on a side stream as PyTorch requires, replayed between
+    two CUDA events. `self.inner` is the number of calls one replay makes."""
 
     def __init__(self, torch, call, sets, inner):
         self.torch = torch
-        self.inner = int(inner)
+        self.inner = graph_calls(inner, len(sets))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -225,6 +236,10 @@ def self_test(check):
             check(abs(a - b) <= 1e-12 * max(1.0, abs(b)), "quantile n=%d" % n)
     check(summarize([4.0, 1.0, 3.0, 2.0]) == (2.5, 1.75, 3.25), "summarize 1..4")
     check(choose_inner(0.3, 5.0, 100) == 17 and choose_inner(10.0, 5.0, 100) == 1, "inner")
+    # A graph of 2 calls over 8 input sets holds 8 calls, so every set is used; 17 over 8
+    # stays 17.
+    check(graph_calls(2, 8) == 8 and graph_calls(3, 8) == 9 and graph_calls(17, 8) == 17,
+          "graph_calls")
     l2 = 62914560
     check(input_sets(3 * 4 * 8 * 16384 * 128 * 2, l2, 3.0)[0] == 1, "rotation big case")
     check(input_sets(3 * 1 * 1 * 128 * 64 * 2, l2, 3.0)[0] == 64, "rotation cap 64")

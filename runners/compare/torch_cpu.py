@@ -158,12 +158,27 @@ def load_input(t):
     return x.view(getattr(torch, name)).reshape(t["shape"])
 
 
-def caller(case):
+def arguments_unsupported(args):
+    """Why PyTorch's is_causal cannot express the call's arguments (protocol.py), or None."""
+    if not args:
+        return None
+    if args.get("kv_lens") is not None:
+        return "per-sequence key lengths need an explicit mask: not measured on the CPU yet"
+    if args.get("causal") and args.get("seq_len_q") != args.get("seq_len_kv"):
+        return ("causal with seq_len_q != seq_len_kv: PyTorch's is_causal aligns top-left, the "
+                "suite bottom-right")
+    return None
+
+
+def caller(case, args):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     causal = bool(case["causal"])
+    kw = dict(is_causal=causal)
+    if args.get("scale") is not None:
+        kw["scale"] = float(args["scale"])
     if int(case.get("kv_heads", case["heads"])) != int(case["heads"]):
-        return lambda q, k, v: sdpa(q, k, v, is_causal=causal, enable_gqa=True)
-    return lambda q, k, v: sdpa(q, k, v, is_causal=causal)
+        kw["enable_gqa"] = True
+    return lambda q, k, v: sdpa(q, k, v, **kw)
 
 
 class WallTimer(object):
@@ -193,7 +208,8 @@ def measure(job):
 
 def _measure_into(job, reply):
     case, implementation = job["case"], job["implementation"]
-    why = IMPORT_ERROR or unsupported_reason(case, implementation)
+    why = (IMPORT_ERROR or unsupported_reason(case, implementation)
+           or arguments_unsupported(job["files"].get("arguments")))
     if why is not None:
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
         return reply
@@ -222,7 +238,7 @@ def _measure_into(job, reply):
 def _measure(job):
     case, files, tcfg = job["case"], job["files"], job["timing"]
     implementation = job["implementation"]
-    call = caller(case)
+    call = caller(case, files.get("arguments") or {})
     load_before = load_average()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with torch.no_grad(), sdpa_kernel([getattr(SDPBackend, BACKENDS[implementation])]):
@@ -271,6 +287,7 @@ def _measure(job):
         memory.update(peak_mb=max(0, peak) / 1e6, peak_method=PEAK_METHOD,
                       temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
     fields = dict(
+        timing="wall_clock",
         median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
         samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
         first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
@@ -295,6 +312,13 @@ def self_test():
     check("backward" in unsupported_reason({"pass": "fwd+bwd", "dtype": "bf16", "heads": 8},
                                            "torch_cpu_math"), "fwd+bwd is unsupported")
     check("unknown" in unsupported_reason({}, "torch_flash"), "GPU names are unknown here")
+    check(arguments_unsupported({"causal": True, "seq_len_q": 4, "seq_len_kv": 4,
+                                 "kv_lens": None}) is None, "square causal is measured")
+    check("top-left" in arguments_unsupported({"causal": True, "seq_len_q": 1,
+                                               "seq_len_kv": 20, "kv_lens": None}),
+          "bottom-right causal with different lengths is unsupported")
+    check("key lengths" in arguments_unsupported({"causal": False, "kv_lens": [3, 1]}),
+          "key lengths are unsupported")
     n = os.cpu_count() or 1
     check(load_note(n + 2.0, 0.0).endswith("shared the CPU"), "busy machine flagged")
     check("shared" not in load_note(0.0, 0.0), "idle machine not flagged")

@@ -2,18 +2,26 @@
 
 Implementations: `torch_flash` (FlashAttention-2), `torch_cudnn` (cuDNN), `torch_efficient`
 (memory-efficient), `torch_math` (the reference composition). For each job, in a fresh
-process: the runner's Q, K, V bits are uploaded; the first call is timed by wall clock
-(`first_call_s`: backend selection, plans, lazy library loading), its peak memory read from
-the caching allocator (`max_memory_allocated` and `max_memory_reserved`, reset before the
-upload; the cuBLAS workspaces apart), its whole output scanned for non-finite values and the
+process: the runner's Q, K, V (and dO) bits are uploaded; the first call is timed by wall
+clock (`first_call_s`: backend selection, plans, lazy library loading), its peak memory read
+from the caching allocator (`max_memory_allocated` and `max_memory_reserved`, reset before the
+upload; the cuBLAS workspaces apart), every output scanned for non-finite values and the
 runner's checked elements compared with the runner's float64 reference; then the timing
 protocol of `timing` on eager calls (events, with the host time per call) and, where capture
 works, on a CUDA graph of the same calls (`graph_replay`, the reported time; the eager median
 is kept as `eager_median_ms`).
 
+A "fwd+bwd" call is `out = sdpa(q, k, v, ...)` then `torch.autograd.grad(out, (q, k, v), do)`
+with the runner's dO (protocol.py describes the protocol). The call's arguments come from the
+job's `files.arguments`: `scale=` always, `enable_gqa=True` when kv_heads < heads. PyTorch's
+`is_causal` aligns the mask top-left when seq_len_q != seq_len_kv, and SDPA takes no key
+lengths, so those cases get an explicit boolean mask built bottom-right ([B, 1, Tq, Tkv]);
+the flash backend takes no mask and answers `unsupported` there, with the reason.
+
     PYTHONPATH=runners python3 -m compare.torch_sdpa serve | self-test | job FILE
 """
 
+import math
 import os
 import platform
 import re
@@ -36,7 +44,7 @@ BACKENDS = {
     "torch_efficient": "EFFICIENT_ATTENTION",
     "torch_math": "MATH",
 }
-DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PEAK_METHOD = ("torch.cuda.max_memory_allocated (reset before the inputs' upload, read after "
                "the first call) in a fresh process running only this case; cuBLAS workspaces "
                "apart")
@@ -102,16 +110,46 @@ def with_warnings(message, caught):
     return message + (" | warnings: " + protocol.clip(" ".join(texts)) if texts else "")
 
 
-def unsupported_reason(case, implementation):
+def arguments(job):
+    """The call's arguments (protocol.py: files.arguments), with defaults for an older runner."""
+    args = dict(job["files"].get("arguments") or {})
+    case = job["case"]
+    q_shape = job["files"]["inputs"][0]["shape"]
+    k_shape = job["files"]["inputs"][1]["shape"]
+    args.setdefault("seq_len_q", q_shape[2])
+    args.setdefault("seq_len_kv", k_shape[2])
+    args.setdefault("heads", q_shape[1])
+    args.setdefault("kv_heads", k_shape[1])
+    args.setdefault("causal", bool(case.get("causal")))
+    args.setdefault("scale", 1.0 / math.sqrt(q_shape[3]))
+    args.setdefault("kv_lens", None)
+    return args
+
+
+def needs_mask(args):
+    """True when PyTorch's own is_causal cannot express the case: bottom-right causal with
+    different lengths, or per-sequence key lengths."""
+    differ = int(args["seq_len_q"]) != int(args["seq_len_kv"])
+    return args["kv_lens"] is not None or (bool(args["causal"]) and differ)
+
+
+def unsupported_reason(job):
+    case, implementation = job["case"], job["implementation"]
     if implementation not in BACKENDS:
         return "unknown implementation %r (known: %s)" % (implementation, ", ".join(BACKENDS))
-    if case.get("pass") != "fwd":
-        return "backward not implemented in the comparison module yet"
+    if case.get("pass") not in ("fwd", "fwd+bwd"):
+        return "unknown pass %r" % case.get("pass")
     if case.get("dtype") not in DTYPES:
-        return "dtype %r is not measured by the comparison module (bf16, fp16)" % case.get("dtype")
-    if int(case["heads"]) % int(case.get("kv_heads", case["heads"])) != 0:
-        return "heads (%s) is not a multiple of kv_heads (%s)" % (case["heads"],
-                                                                  case.get("kv_heads"))
+        return "dtype %r is not measured by the comparison module (bf16, fp16, fp32)" % (
+            case.get("dtype"),)
+    args = arguments(job)
+    if int(args["heads"]) % int(args["kv_heads"]) != 0:
+        return "heads (%s) is not a multiple of kv_heads (%s)" % (args["heads"],
+                                                                  args["kv_heads"])
+    if implementation == "torch_flash" and needs_mask(args):
+        return ("PyTorch's flash backend takes no attention mask, and its is_causal aligns the "
+                "mask top-left when seq_len_q != seq_len_kv; this case needs bottom-right "
+                "causal or per-sequence key lengths")
     return None
 
 
@@ -119,16 +157,44 @@ def load_input(t, device):
     """A runner input file as a device tensor of its dtype and shape."""
     with open(t["path"], "rb") as f:
         raw = bytearray(f.read())
-    bits = torch.frombuffer(raw, dtype=torch.int16)
-    return bits.view(getattr(torch, DTYPES[t["dtype"]])).reshape(t["shape"]).to(device)
+    data = torch.frombuffer(raw, dtype=torch.uint8)
+    return data.view(getattr(torch, DTYPES[t["dtype"]])).reshape(t["shape"]).to(device)
 
 
-def caller(case):
+def bottom_right_mask(args, device):
+    """Boolean [B, 1, Tq, Tkv]: True where query i of batch entry b may see key j (j < L_b and,
+    when causal, j <= i + L_b - Tq)."""
+    b = int(args.get("batch") or (len(args["kv_lens"]) if args["kv_lens"] else 1))
+    tq, tkv = int(args["seq_len_q"]), int(args["seq_len_kv"])
+    lens = args["kv_lens"] if args["kv_lens"] is not None else [tkv] * b
+    lens = torch.tensor(lens, device=device).view(-1, 1, 1, 1)
+    i = torch.arange(tq, device=device).view(1, 1, -1, 1)
+    j = torch.arange(tkv, device=device).view(1, 1, 1, -1)
+    mask = j < lens
+    if args["causal"]:
+        mask = mask & (j <= i + lens - tq)
+    return mask
+
+
+def caller(job, device):
+    """The timed call: (q, k, v) -> out for "fwd"; (q, k, v, do) -> (out, dq, dk, dv) for
+    "fwd+bwd" (q, k, v must require grad)."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    causal = bool(case["causal"])
-    if int(case.get("kv_heads", case["heads"])) != int(case["heads"]):
-        return lambda q, k, v: sdpa(q, k, v, is_causal=causal, enable_gqa=True)
-    return lambda q, k, v: sdpa(q, k, v, is_causal=causal)
+    args = arguments(job)
+    kw = {"scale": float(args["scale"])}
+    if int(args["kv_heads"]) != int(args["heads"]):
+        kw["enable_gqa"] = True
+    if needs_mask(args):
+        kw["attn_mask"] = bottom_right_mask(args, device)
+    else:
+        kw["is_causal"] = bool(args["causal"])
+    if job["case"].get("pass") != "fwd+bwd":
+        return lambda q, k, v: sdpa(q, k, v, **kw)
+
+    def fwd_bwd(q, k, v, do):
+        out = sdpa(q, k, v, **kw)
+        return (out,) + tuple(torch.autograd.grad(out, (q, k, v), do))
+    return fwd_bwd
 
 
 def cublas_workspace_bytes():
@@ -159,7 +225,7 @@ def measure(job):
 
 def _measure_into(job, reply):
     case, implementation = job["case"], job["implementation"]
-    why = IMPORT_ERROR or unsupported_reason(case, implementation)
+    why = IMPORT_ERROR or unsupported_reason(job)
     if why is None and not torch.cuda.is_available():
         why = "no CUDA device visible to torch"
     if why is not None:
@@ -192,53 +258,76 @@ def _measure_into(job, reply):
 def _measure(job, caught):
     case, files, tcfg = job["case"], job["files"], job["timing"]
     implementation = job["implementation"]
+    bwd = case.get("pass") == "fwd+bwd"
     device = torch.device("cuda")
     torch.zeros(1, device=device)  # CUDA context, outside every figure
     torch.cuda.synchronize()
-    call = caller(case)
+    call = caller(job, device)
     notes = []
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    with torch.no_grad(), sdpa_kernel([getattr(SDPBackend, BACKENDS[implementation])]):
+    grad_mode = torch.enable_grad() if bwd else torch.no_grad()
+    with grad_mode, sdpa_kernel([getattr(SDPBackend, BACKENDS[implementation])]):
         # Peak memory: reset before the upload, read after the first call.
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         base_reserved = torch.cuda.memory_reserved()
         set0 = tuple(load_input(t, device) for t in files["inputs"])
+        if bwd:
+            set0 = tuple(x.requires_grad_(True) for x in set0[:3]) + set0[3:]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = call(*set0)
+        result = call(*set0)
         torch.cuda.synchronize()
         first_call_s = time.perf_counter() - t0
+        results = result if bwd else (result,)
         peak = torch.cuda.max_memory_allocated() - base
         reserved = torch.cuda.max_memory_reserved() - base_reserved
         workspace = cublas_workspace_bytes()
         ws = workspace or 0
         set_bytes = sum(x.numel() * x.element_size() for x in set0)
-        out_bytes = out.numel() * out.element_size()
+        out_bytes = sum(x.numel() * x.element_size() for x in results)
 
-        # The check on the first call's output: the whole output for non-finite values, then
+        # The check on the first call's outputs: each whole output for non-finite values, then
         # the runner's elements against the runner's float64 reference.
-        flat = out.contiguous().view(-1)  # logical [B, H, T, D] order, whatever the layout
         plant = os.environ.get(PLANT_NAN_ENV)
-        if plant:
-            flat[int(plant)] = float("nan")
-        bad = (~torch.isfinite(flat)).nonzero()
-        bad_index = int(bad[0, 0]) if bad.numel() else None
+        errors = []
+        for (name, _spec, check), tensor in zip(protocol.outputs(files), results):
+            flat = tensor.detach().contiguous().view(-1)  # logical order, whatever the layout
+            if plant and name == "O":
+                flat[int(plant)] = float("nan")
+            bad = (~torch.isfinite(flat)).nonzero()
+            bad_index = int(bad[0, 0]) if bad.numel() else None
+            idx = torch.tensor(protocol.flat_indices(check["ranges"]), dtype=torch.long,
+                               device=device)
+            got = flat.index_select(0, idx).double().cpu().tolist()
+            reference = protocol.read_f64(check["reference"])
+            msg, rel_err = protocol.check_output(bad_index, flat.numel(), got, reference)
+            del flat, idx, got
+            if msg is not None:
+                if name != "O":
+                    msg = msg.replace(" (unwritten", " of %s (unwritten" % name)
+                return {"message": msg}, None
+            errors.append((name, rel_err))
+        del result, results
+        rel_err = protocol.worst(e for _, e in errors)
         check = files["check"]
-        idx = torch.tensor(protocol.flat_indices(check["ranges"]), dtype=torch.long,
-                           device=device)
-        got = flat.index_select(0, idx).double().cpu().tolist()
-        reference = protocol.read_f64(check["reference"])
-        msg, rel_err = protocol.check_output(bad_index, flat.numel(), got, reference)
-        del out, flat, idx, got
-        if msg is not None:
-            return {"message": msg}, None
+        # What the forward keeps for the backward: memory still held after a forward with
+        # autograd recording (its output and the tensors its graph saved), after the first
+        # call, so that call's time is cold.
+        residuals = None
+        if bwd:
+            torch.cuda.synchronize()
+            residuals = _residual_bytes(job, set0, device, torch.cuda.memory_allocated())
 
         # Timing over rotated copies of the inputs.
         free = torch.cuda.mem_get_info()[0]
         n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
                                             float(tcfg["l2_rotation_factor"]), free)
-        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
+
+        def copy(x):
+            y = x.detach().clone()
+            return y.requires_grad_(True) if x.requires_grad else y
+        sets = [set0] + [tuple(copy(x) for x in set0) for _ in range(n_sets - 1)]
         torch.cuda.synchronize()
         window0 = protocol.unix_now()
         start = time.perf_counter()
@@ -247,7 +336,7 @@ def _measure(job, caught):
         try:
             gt = timing.GraphTimer(torch, call, sets, eager["inner"])
             try:
-                graph = timing.measure(gt, tcfg, start=start, fixed_inner=eager["inner"])
+                graph = timing.measure(gt, tcfg, start=start, fixed_inner=gt.inner)
             finally:
                 gt.close()
         except timing.CaseTimeout:
@@ -268,11 +357,20 @@ def _measure(job, caught):
             notes.append("%s timing: %d of %d samples, the %g s case limit stopped sampling"
                          % (what, m["samples"], int(tcfg["repeats"]),
                             float(tcfg["case_timeout_s"])))
-    if implementation == "torch_math":
+    if implementation == "torch_math" and case.get("dtype") != "fp32":
         allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
         if allowed is None or not allowed():
             notes.append("float32 accumulation: PyTorch's math backend computes bf16/fp16 "
                          "inputs in float32 (reduced-precision reduction not allowed)")
+    if case.get("dtype") == "fp32":
+        notes.append("fp32: TF32 %s (torch.backends.cuda.matmul.allow_tf32 = %s, "
+                     "torch.backends.cudnn.allow_tf32 = %s)" % (
+                         "allowed" if torch.backends.cuda.matmul.allow_tf32 else "not allowed",
+                         torch.backends.cuda.matmul.allow_tf32,
+                         torch.backends.cudnn.allow_tf32))
+    if needs_mask(arguments(job)):
+        notes.append("explicit boolean mask [B, 1, Tq, Tkv], built bottom-right: PyTorch's "
+                     "is_causal aligns top-left when seq_len_q != seq_len_kv")
     fields = dict(
         median_ms=reported["median"], q1_ms=reported["q1"], q3_ms=reported["q3"],
         inner_calls=reported["inner"], samples=reported["samples"], input_sets=n_sets,
@@ -281,15 +379,39 @@ def _measure(job, caught):
         first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
         memory={"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6,
                 "temporaries_mb": max(0, peak - ws - set_bytes - out_bytes) / 1e6,
+                "residuals_mb": residuals / 1e6 if residuals is not None else None,
                 "peak_mb": max(0, peak - ws) / 1e6,
                 "reserved_peak_mb": max(0, reserved - ws) / 1e6,
                 "workspace_mb": workspace / 1e6 if workspace else None,
                 "peak_method": PEAK_METHOD},
         accuracy={"rel_err": rel_err, "metric": "rel_l2",
                   "reference": check.get("reference_kind", "float64_cpu"),
-                  "tolerance": check["tolerance"], "checked": check["checked"]},
+                  "tolerance": check["tolerance"],
+                  "checked": protocol.checked_text(check["checked"], errors)},
         notes=notes)
     return fields, window
+
+
+def _residual_bytes(job, set0, device, before):
+    """Bytes a forward with autograd recording keeps until its backward: memory allocated after
+    `out = sdpa(...)` (out alive, its graph holding the saved tensors) minus `before`."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    args = arguments(job)
+    kw = {"scale": float(args["scale"])}
+    if int(args["kv_heads"]) != int(args["heads"]):
+        kw["enable_gqa"] = True
+    if needs_mask(args):
+        kw["attn_mask"] = bottom_right_mask(args, device)
+    else:
+        kw["is_causal"] = bool(args["causal"])
+    mask_bytes = kw["attn_mask"].numel() if "attn_mask" in kw else 0
+    q, k, v = set0[:3]
+    out = sdpa(q, k, v, **kw)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before - mask_bytes
+    del out
+    torch.cuda.synchronize()
+    return max(0, held)
 
 
 if __name__ == "__main__":

@@ -1,67 +1,129 @@
-//! CUDA attention implementations: `flash` (the project's kernel, the default) and `math`
-//! (cuBLAS GEMMs for S = Q Kᵀ and O = P V around the project's row-softmax kernel).
+//! CUDA attention implementations: `flash` (the project's kernels, the default: forward
+//! `kernels/flash_attn_fwd.cu`, backward `kernels/flash_attn_bwd.cu`) and `math` (cuBLAS GEMMs
+//! around the project's row kernels `kernels/softmax_rows.cu`).
 //!
-//! Kernels live in `kernels/*.cu`, embedded here and compiled by NVRTC at run time for the
-//! device's architecture; each case compiles only the instantiation it needs.
+//! Kernels are embedded here and compiled by NVRTC at run time for the device's architecture;
+//! each case compiles only the instantiations it needs. Both implementations compute every
+//! shape of [`AttentionCase`] (any lengths, separate query and key lengths with bottom-right
+//! causal, per-sequence key lengths, GQA/MQA, any scale) except that `flash` takes no fp32
+//! ([`Implementation::supports`] says why) and head dims other than
+//! [`FLASH_HEAD_DIMS`].
 
 use cudarc::cublas::sys::{
-    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+    cublasComputeType_t, cublasGemmAlgo_t, cublasMath_t, cublasOperation_t, cudaDataType_t,
 };
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
+use super::cpu::Inputs;
 use super::{AttentionCase, Dtype, Pass};
 use crate::gpu::{Gpu, GpuError};
 
-/// Source of the flash forward kernel.
+/// Helpers every flash kernel source starts with (16-bit packing, mma.sync, ldmatrix,
+/// cp.async).
+pub const PRELUDE_SRC: &str = include_str!("../../kernels/attn_prelude.cuh");
+/// Source of the flash forward kernel (after [`PRELUDE_SRC`]).
 pub const FLASH_SRC: &str = include_str!("../../kernels/flash_attn_fwd.cu");
-/// Source of the row-softmax kernel of the math path.
+/// The aligned fast path of the forward (`kernels/flash_attn_fwd_aligned.cu`), self-contained.
+pub const FLASH_ALIGNED_SRC: &str = include_str!("../../kernels/flash_attn_fwd_aligned.cu");
+
+/// True when the forward of `c` can take the aligned fast path ([`flash_aligned_instance`]):
+/// forward only, equal query and key lengths that are a multiple of the 128-row query tile,
+/// head_dim 64 or 128, every key valid, 16-bit, and the tuned configuration.
+pub fn flash_aligned(c: &AttentionCase, fc: FlashConfig) -> bool {
+    c.pass == Pass::Fwd
+        && c.dtype != Dtype::F32
+        && c.seq_len_q == c.seq_len_kv
+        && (c.head_dim == 64 || c.head_dim == 128)
+        && c.kv_lens.is_none()
+        && fc
+            == (FlashConfig {
+                warps: 4,
+                m_tiles: 2,
+                key_tile: 64,
+            })
+        && c.seq_len_q.is_multiple_of(fc.query_tile())
+}
+
+/// The kernel name and the NVRTC source of the aligned fast-path forward for `c`
+/// (`flash_fwd_v3` of `kernels/flash_attn_fwd_aligned.cu` with configuration `fc`); its
+/// arguments are `(Q, K, V, O, T, H, KVH, scale_log2)`.
+pub fn flash_aligned_instance(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
+    let dt = dtype_tag(c.dtype);
+    let mask = if c.causal { "causal" } else { "full" };
+    let name = format!(
+        "flash_fwd_aligned_{dt}_d{}_{mask}_{}",
+        c.head_dim,
+        fc.name()
+    );
+    let (bf, causal, d) = (c.dtype == Dtype::Bf16, c.causal, c.head_dim);
+    let src = format!(
+        "{FLASH_ALIGNED_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
+         const u16* Q, const u16* K, const u16* V, u16* O, int T, int H, int KVH, \
+         float scale_log2) {{ flash_fwd_v3<{d}, {w}, {m}, {k}, {bf}, {causal}>(Q, K, V, O, T, H, \
+         KVH, scale_log2); }}\n",
+        threads = 32 * fc.warps,
+        w = fc.warps,
+        m = fc.m_tiles,
+        k = fc.key_tile,
+    );
+    (name, src)
+}
+/// Source of the flash backward kernels (after [`PRELUDE_SRC`]).
+pub const FLASH_BWD_SRC: &str = include_str!("../../kernels/flash_attn_bwd.cu");
+/// Source of the row kernels of the math path (softmax, its backward, row dot products).
 pub const SOFTMAX_SRC: &str = include_str!("../../kernels/softmax_rows.cu");
 
-/// A flash-kernel configuration: kernel version, warps per CTA, 16-row groups per warp and keys
-/// per tile. Written `v2w4` (version 2, 4 warps: 16 rows per warp, 64-key tiles, Q fragments in
-/// registers) or `v3w4m2b32` (version 3, 4 warps, 2 row groups per warp, 32-key tiles, Q
-/// re-read from shared memory); `kernels/flash_attn_fwd.cu` documents both and
-/// `kernels/TUNING.md` their measurements.
+/// Head dimensions the flash kernels are instantiated for.
+pub const FLASH_HEAD_DIMS: [usize; 5] = [32, 64, 96, 128, 256];
+
+/// Why `flash` does not take fp32 inputs, in the words of an `unsupported` row.
+pub const FLASH_FP32_REASON: &str = "fp32 inputs: the flash kernels run on mma.sync m16n8k16 with 16-bit (bf16/fp16) operands; fp32 would need TF32 tensor cores (10-bit mantissa, about 3e-4 error, not an fp32 result) or a CUDA-core kernel; `math` computes fp32 with cuBLAS SGEMM";
+
+/// A flash forward configuration: warps per CTA, 16-row groups per warp and keys per tile,
+/// written `v3w4m2b64` (4 warps, 2 row groups per warp, 64-key tiles: 128 query rows per CTA).
+/// `kernels/flash_attn_fwd.cu` documents the kernel and `kernels/TUNING.md` the measurements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FlashConfig {
-    /// Kernel version: 2 (`flash_fwd`) or 3 (`flash_fwd_v3`).
-    pub version: u8,
     /// Warps per CTA (4 or 8).
     pub warps: usize,
-    /// Groups of 16 query rows per warp (1 for version 2; 1 or 2 for version 3).
+    /// Groups of 16 query rows per warp (1 or 2).
     pub m_tiles: usize,
-    /// Keys per K/V tile (64 for version 2; 32 or 64 for version 3).
+    /// Keys per K/V tile (32 or 64).
     pub key_tile: usize,
 }
 
+/// Reads `head_dim=config` pairs from the environment variable `var`, returning the config for
+/// `head_dim` when one is named.
+fn env_config(var: &str, head_dim: usize) -> Result<Option<String>, String> {
+    let Ok(spec) = std::env::var(var) else {
+        return Ok(None);
+    };
+    for part in spec.split(',').filter(|p| !p.is_empty()) {
+        let (d, c) = part
+            .split_once('=')
+            .ok_or_else(|| format!("{var} part `{part}`: expected head_dim=config"))?;
+        if d.trim().parse::<usize>().ok() == Some(head_dim) {
+            return Ok(Some(c.trim().to_string()));
+        }
+    }
+    Ok(None)
+}
+
 impl FlashConfig {
-    /// Parses `v2w4`, `v2w8`, `v3w{4,8}m{1,2}b{32,64}`.
+    /// Parses `v3w{4,8}m{1,2}b{32,64}` (the query tile must be a multiple of the key tile).
     ///
     /// # Errors
     /// Names the string and the accepted forms.
     pub fn parse(s: &str) -> Result<FlashConfig, String> {
-        let bad = || format!("flash config `{s}`: expected v2w4, v2w8 or v3w<4|8>m<1|2>b<32|64>");
+        let bad = || format!("flash config `{s}`: expected v3w<4|8>m<1|2>b<32|64>");
         let num = |t: &str| t.parse::<usize>().map_err(|_| bad());
-        if let Some(w) = s.strip_prefix("v2w") {
-            let warps = num(w)?;
-            if warps != 4 && warps != 8 {
-                return Err(bad());
-            }
-            return Ok(FlashConfig {
-                version: 2,
-                warps,
-                m_tiles: 1,
-                key_tile: 64,
-            });
-        }
         let rest = s.strip_prefix("v3w").ok_or_else(bad)?;
         let (w, rest) = rest.split_once('m').ok_or_else(bad)?;
         let (m, b) = rest.split_once('b').ok_or_else(bad)?;
         let c = FlashConfig {
-            version: 3,
             warps: num(w)?,
             m_tiles: num(m)?,
             key_tile: num(b)?,
@@ -74,13 +136,9 @@ impl FlashConfig {
         Ok(c)
     }
 
-    /// The written form, e.g. `v3w4m2b32`.
+    /// The written form, e.g. `v3w4m2b64`.
     pub fn name(&self) -> String {
-        if self.version == 2 {
-            format!("v2w{}", self.warps)
-        } else {
-            format!("v3w{}m{}b{}", self.warps, self.m_tiles, self.key_tile)
-        }
+        format!("v3w{}m{}b{}", self.warps, self.m_tiles, self.key_tile)
     }
 
     /// Query rows per CTA.
@@ -88,33 +146,138 @@ impl FlashConfig {
         16 * self.warps * self.m_tiles
     }
 
-    /// Dynamic shared memory for `head_dim`: a Q tile and two K and two V tiles, rows padded
-    /// by 8 elements.
+    /// Dynamic shared memory for `head_dim`, bytes: a Q tile and two K and two V tiles, rows
+    /// padded by 8 elements.
     pub fn smem_bytes(&self, head_dim: usize) -> u32 {
         ((self.query_tile() + 4 * self.key_tile) * (head_dim + 8) * 2) as u32
     }
 
-    /// The measured default for `head_dim` (see `kernels/TUNING.md`), unless the environment
-    /// variable `KP_FLASH_CONFIG` (`64=v2w4,128=v3w4m2b32`, set by the runner's
-    /// `--flash-config`) names another.
+    /// The default for `head_dim` (see `kernels/TUNING.md`), unless the environment variable
+    /// `KP_FLASH_CONFIG` (`64=v3w4m2b64,128=v3w4m2b32`, set by the runner's `--flash-config`)
+    /// names another.
+    ///
+    /// # Errors
+    /// A malformed `KP_FLASH_CONFIG`.
     pub fn for_head_dim(head_dim: usize) -> Result<FlashConfig, String> {
-        if let Ok(spec) = std::env::var("KP_FLASH_CONFIG") {
-            for part in spec.split(',').filter(|p| !p.is_empty()) {
-                let (d, c) = part.split_once('=').ok_or_else(|| {
-                    format!("KP_FLASH_CONFIG part `{part}`: expected head_dim=config")
-                })?;
-                if d.trim().parse::<usize>().ok() == Some(head_dim) {
-                    return FlashConfig::parse(c.trim());
-                }
-            }
+        if let Some(c) = env_config("KP_FLASH_CONFIG", head_dim)? {
+            return FlashConfig::parse(&c);
         }
-        // v3w4m2b64 was the fastest correct configuration for both head dims on the H200
-        // (kernels/TUNING.md, v3).
-        Ok(FlashConfig {
-            version: 3,
-            warps: 4,
-            m_tiles: 2,
-            key_tile: 64,
+        // v3w4m2b64 was the fastest correct configuration for head dims 64 and 128 on the H200
+        // (kernels/TUNING.md, v3); at 256 its fp32 accumulators alone would take 256
+        // registers, so one 16-row group per warp and 32-key tiles (241 registers, no spills).
+        Ok(if head_dim > 128 {
+            FlashConfig {
+                warps: 8,
+                m_tiles: 1,
+                key_tile: 32,
+            }
+        } else {
+            FlashConfig {
+                warps: 4,
+                m_tiles: 2,
+                key_tile: 64,
+            }
+        })
+    }
+}
+
+/// A flash backward configuration: warps per CTA (each owns 16 keys, so a CTA owns
+/// 16 · warps keys) and query rows per step, written `w8r32`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BwdConfig {
+    /// Warps per CTA (4 or 8).
+    pub warps: usize,
+    /// Query rows per step (16, 32 or 64); the dQ product splits them over the warps, so
+    /// `warps` must be a multiple of rows / 16.
+    pub query_rows: usize,
+}
+
+impl BwdConfig {
+    /// Parses `w{4,8}r{16,32,64}`.
+    ///
+    /// # Errors
+    /// Names the string and the accepted forms.
+    pub fn parse(s: &str) -> Result<BwdConfig, String> {
+        let bad = || format!("flash backward config `{s}`: expected w<4|8>r<16|32|64>");
+        let rest = s.strip_prefix('w').ok_or_else(bad)?;
+        let (w, r) = rest.split_once('r').ok_or_else(bad)?;
+        let c = BwdConfig {
+            warps: w.parse().map_err(|_| bad())?,
+            query_rows: r.parse().map_err(|_| bad())?,
+        };
+        let ok = matches!(c.warps, 4 | 8)
+            && matches!(c.query_rows, 16 | 32 | 64)
+            && c.warps.is_multiple_of(c.query_rows / 16);
+        if !ok {
+            return Err(bad());
+        }
+        Ok(c)
+    }
+
+    /// The written form, e.g. `w8r32`.
+    pub fn name(&self) -> String {
+        format!("w{}r{}", self.warps, self.query_rows)
+    }
+
+    /// Keys per CTA.
+    pub fn key_tile(&self) -> usize {
+        16 * self.warps
+    }
+
+    /// Checks that the configuration can run `head_dim`: the dQ product gives each warp
+    /// head_dim / (warps / (rows / 16)) columns, which must be a multiple of 16.
+    ///
+    /// # Errors
+    /// Names the configuration and the head dim.
+    pub fn check(&self, head_dim: usize) -> Result<(), String> {
+        let cols = head_dim / (self.warps / (self.query_rows / 16));
+        if cols == 0 || !cols.is_multiple_of(16) {
+            return Err(format!(
+                "flash backward config {} cannot run head_dim {head_dim} (each warp's dQ columns, {cols}, must be a multiple of 16)",
+                self.name()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Columns of dK and dV one launch accumulates: the head dim up to 128, else 128 (two
+    /// launches).
+    pub fn dkv_cols(head_dim: usize) -> usize {
+        head_dim.min(128)
+    }
+
+    /// Dynamic shared memory for `head_dim`, bytes: K and V tiles, two Q and two dO tiles, the
+    /// dS^T tile, and LSE and D for two query tiles.
+    pub fn smem_bytes(&self, head_dim: usize) -> u32 {
+        let (bc, br) = (self.key_tile(), self.query_rows);
+        ((2 * bc + 4 * br) * (head_dim + 8) * 2 + bc * (br + 8) * 2 + 4 * br * 4) as u32
+    }
+
+    /// The default for `head_dim`, unless `KP_FLASH_BWD_CONFIG` (`128=w8r64`) names another.
+    /// Chosen from ptxas's report (kernels/TUNING.md): the largest query step without spills
+    /// that fits the 163 KB of shared memory an sm_80 CTA may have.
+    ///
+    /// # Errors
+    /// A malformed `KP_FLASH_BWD_CONFIG`.
+    pub fn for_head_dim(head_dim: usize) -> Result<BwdConfig, String> {
+        if let Some(c) = env_config("KP_FLASH_BWD_CONFIG", head_dim)? {
+            let c = BwdConfig::parse(&c)?;
+            c.check(head_dim)?;
+            return Ok(c);
+        }
+        Ok(match head_dim {
+            d if d <= 96 => BwdConfig {
+                warps: 8,
+                query_rows: 64,
+            },
+            d if d <= 128 => BwdConfig {
+                warps: 8,
+                query_rows: 32,
+            },
+            _ => BwdConfig {
+                warps: 4,
+                query_rows: 32,
+            },
         })
     }
 }
@@ -124,7 +287,7 @@ impl FlashConfig {
 pub enum Implementation {
     /// Tiled flash attention with tensor-core mma and an online softmax (the default).
     Flash,
-    /// Materialised attention: cuBLAS GEMM, softmax kernel, cuBLAS GEMM.
+    /// Materialised attention: cuBLAS GEMMs around softmax kernels.
     Math,
 }
 
@@ -158,82 +321,195 @@ impl Implementation {
         dispatch(c) == Some(self)
     }
 
-    /// `Err(reason)` when the implementation rejects the case.
+    /// `Err(reason)` when the implementation rejects the case: an inconsistent case for both;
+    /// fp32 ([`FLASH_FP32_REASON`]) and head dims other than [`FLASH_HEAD_DIMS`] for `flash`.
+    /// `math` takes every valid case (memory permitting: it materialises B·H·Tq·Tkv scores).
     pub fn supports(self, c: &AttentionCase) -> Result<(), String> {
-        if c.pass != Pass::Fwd {
-            return Err("backward pass not implemented yet".into());
-        }
-        if c.kv_heads == 0 || !c.heads.is_multiple_of(c.kv_heads) {
-            return Err(format!(
-                "heads ({}) must be a multiple of kv_heads ({})",
-                c.heads, c.kv_heads
-            ));
-        }
+        c.validate()?;
         match self {
             Implementation::Flash => {
-                if c.head_dim != 64 && c.head_dim != 128 {
+                if c.dtype == Dtype::F32 {
+                    return Err(FLASH_FP32_REASON.into());
+                }
+                if !FLASH_HEAD_DIMS.contains(&c.head_dim) {
                     return Err(format!(
-                        "head_dim {} not compiled (64 and 128 are)",
+                        "head_dim {} not compiled (32, 64, 96, 128 and 256 are)",
                         c.head_dim
                     ));
                 }
-                let tile = FlashConfig::for_head_dim(c.head_dim)?.query_tile();
-                if !c.seq_len.is_multiple_of(tile) {
-                    return Err(format!("seq_len {} is not a multiple of {tile}", c.seq_len));
+                FlashConfig::for_head_dim(c.head_dim)?;
+                if c.pass == Pass::FwdBwd {
+                    BwdConfig::for_head_dim(c.head_dim)?;
                 }
             }
-            Implementation::Math => {
-                if c.kv_heads != c.heads {
-                    return Err(
-                        "GQA (kv_heads < heads) not supported by the batched GEMM path".into(),
-                    );
-                }
-                if !c.seq_len.is_multiple_of(4) {
-                    return Err(format!("seq_len {} is not a multiple of 4", c.seq_len));
-                }
-            }
+            Implementation::Math => {}
         }
         Ok(())
     }
 
-    /// Bytes of temporaries beyond Q, K, V and O: the fp32 score matrix S and the 16-bit
-    /// probabilities P for `math`; nothing for `flash`.
+    /// Bytes of device temporaries one call uses beyond inputs and outputs (the forward's
+    /// residuals included): `flash` the log-sum-exp (fp32 per query row), and for the backward
+    /// D (fp32 per row) and the fp32 dQ accumulator; `math` the fp32 scores S (reused for dP)
+    /// and the probabilities P (overwritten by dS), and D for the backward.
     pub fn temporary_bytes(self, c: &AttentionCase) -> u64 {
+        let rows = (c.batch * c.heads * c.seq_len_q) as u64;
+        let bwd = c.pass == Pass::FwdBwd;
         match self {
-            Implementation::Flash => 0,
-            Implementation::Math => {
-                let n = (c.batch * c.heads) as u64 * (c.seq_len as u64).pow(2);
-                n * 4 + n * 2
+            Implementation::Flash => {
+                let mut b = rows * 4;
+                if bwd {
+                    b += rows * 4 + rows * c.head_dim as u64 * 4;
+                }
+                b
             }
+            Implementation::Math => {
+                let n = rows * c.seq_len_kv as u64;
+                n * 4 + n * c.dtype.bytes() as u64 + if bwd { rows * 4 } else { 0 }
+            }
+        }
+    }
+
+    /// Bytes the forward keeps for the backward (forward + backward only): O and the
+    /// log-sum-exp for `flash` (the backward recomputes P from them); O and the whole
+    /// probability matrix P (B·H·Tq·Tkv elements of the dtype) for `math`.
+    pub fn residual_bytes(self, c: &AttentionCase) -> u64 {
+        let rows = (c.batch * c.heads * c.seq_len_q) as u64;
+        let o = (c.q_elems() * c.dtype.bytes()) as u64;
+        match self {
+            Implementation::Flash => o + rows * 4,
+            Implementation::Math => o + rows * c.seq_len_kv as u64 * c.dtype.bytes() as u64,
         }
     }
 }
 
-/// The kernel name and the NVRTC source (the kernel file plus one `extern "C"` wrapper) of the
-/// flash instantiation for case `c` with configuration `fc`.
-pub fn flash_instance(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
-    let dt = match c.dtype {
+fn dtype_tag(d: Dtype) -> &'static str {
+    match d {
         Dtype::Bf16 => "bf16",
         Dtype::F16 => "f16",
-    };
-    let mask = if c.causal { "causal" } else { "full" };
-    let name = format!("flash_fwd_{dt}_d{}_{mask}_{}", c.head_dim, fc.name());
-    let (bf, causal, d) = (c.dtype == Dtype::Bf16, c.causal, c.head_dim);
-    let call = if fc.version == 2 {
-        format!("flash_fwd<{d}, {}, {bf}, {causal}>", fc.warps)
+        Dtype::F32 => "f32",
+    }
+}
+
+fn mask_tag(c: &AttentionCase) -> &'static str {
+    if c.causal {
+        "causal"
     } else {
-        format!(
-            "flash_fwd_v3<{d}, {}, {}, {}, {bf}, {causal}>",
-            fc.warps, fc.m_tiles, fc.key_tile
-        )
-    };
+        "full"
+    }
+}
+
+/// The kernel name and the `extern "C"` wrapper of the flash forward instantiation for case
+/// `c` (its dtype, head dim and mask) with configuration `fc`.
+///
+/// # Panics
+/// For fp32 (no instantiation; [`Implementation::supports`] refuses it first).
+pub fn flash_wrapper(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
+    assert!(c.dtype != Dtype::F32, "{FLASH_FP32_REASON}");
+    let name = format!(
+        "flash_fwd_{}_d{}_{}_{}",
+        dtype_tag(c.dtype),
+        c.head_dim,
+        mask_tag(c),
+        fc.name()
+    );
     let src = format!(
-        "{FLASH_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
-         const u16* Q, const u16* K, const u16* V, u16* O, int T, int H, int KVH, \
-         float scale_log2) {{ {call}(Q, K, V, O, T, H, KVH, scale_log2); }}\n",
+        "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
+         const u16* Q, const u16* K, const u16* V, u16* O, float* LSE, const int* kv_lens, \
+         int Tq, int Tkv, int H, int KVH, float scale_log2) {{ \
+         flash_fwd<{d}, {w}, {m}, {bc}, {bf}, {causal}>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2); }}\n",
         threads = 32 * fc.warps,
+        d = c.head_dim,
+        w = fc.warps,
+        m = fc.m_tiles,
+        bc = fc.key_tile,
+        bf = c.dtype == Dtype::Bf16,
+        causal = c.causal,
     );
     (name, src)
+}
+
+/// The kernel name and the NVRTC source (prelude, kernel file and [`flash_wrapper`]) of the
+/// flash forward instantiation for case `c` with configuration `fc`.
+///
+/// # Panics
+/// For fp32, as [`flash_wrapper`].
+pub fn flash_instance(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
+    let (name, wrapper) = flash_wrapper(c, fc);
+    (name, format!("{PRELUDE_SRC}\n{FLASH_SRC}\n{wrapper}"))
+}
+
+/// Names of the three backward kernels of one instantiation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BwdNames {
+    /// D = rowsum(dO ∘ O) and dQacc = 0 (per dtype and head dim).
+    pub preprocess: String,
+    /// The main kernel (dK, dV, and dQacc by atomics).
+    pub main: String,
+    /// dQ = scale · dQacc, rounded (per dtype).
+    pub convert: String,
+}
+
+/// The kernel names and `extern "C"` wrappers, (name, source) each, of the flash backward
+/// instantiation for case `c` with configuration `bc`: preprocessing, main kernel, dQ
+/// conversion. The first and last are shared by every mask and configuration of a dtype and
+/// head dim, so a source holding several instantiations keeps one of each name.
+///
+/// # Panics
+/// For fp32, as [`flash_wrapper`].
+pub fn flash_bwd_wrappers(c: &AttentionCase, bc: BwdConfig) -> (BwdNames, Vec<(String, String)>) {
+    assert!(c.dtype != Dtype::F32, "{FLASH_FP32_REASON}");
+    let (dt, d) = (dtype_tag(c.dtype), c.head_dim);
+    let bf = c.dtype == Dtype::Bf16;
+    let names = BwdNames {
+        preprocess: format!("flash_bwd_pre_{dt}_d{d}"),
+        main: format!("flash_bwd_{dt}_d{d}_{}_{}", mask_tag(c), bc.name()),
+        convert: format!("flash_bwd_dq_{dt}"),
+    };
+    let pre = format!(
+        "extern \"C\" __global__ void __launch_bounds__(256) {}(const u16* O, const u16* dO, \
+         float* Dsum, float* dQacc, int rows) {{ bwd_preprocess<{d}, {bf}>(O, dO, Dsum, dQacc, rows); }}\n",
+        names.preprocess
+    );
+    let conv = format!(
+        "extern \"C\" __global__ void __launch_bounds__(256) {}(const float* dQacc, u16* dQ, \
+         unsigned long long n, float scale) {{ bwd_dq_convert<{bf}>(dQacc, dQ, n, scale); }}\n",
+        names.convert
+    );
+    let main = format!(
+        "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const u16* Q, const u16* K, \
+         const u16* V, const u16* dO, const float* LSE, const float* Dsum, const int* kv_lens, \
+         float* dQacc, u16* dK, u16* dV, int Tq, int Tkv, int H, int KVH, float scale_log2, \
+         float scale, int dkv_off, int do_dq) {{ flash_bwd<{d}, {dkv}, {w}, {br}, {bf}, {causal}>(\
+         Q, K, V, dO, LSE, Dsum, kv_lens, dQacc, dK, dV, Tq, Tkv, H, KVH, scale_log2, scale, \
+         dkv_off, do_dq); }}\n",
+        name = names.main,
+        threads = 32 * bc.warps,
+        dkv = BwdConfig::dkv_cols(d),
+        w = bc.warps,
+        br = bc.query_rows,
+        causal = c.causal,
+    );
+    let wrappers = vec![
+        (names.preprocess.clone(), pre),
+        (names.main.clone(), main),
+        (names.convert.clone(), conv),
+    ];
+    (names, wrappers)
+}
+
+/// The kernel names and the NVRTC source (prelude, `kernels/flash_attn_bwd.cu` and the three
+/// [`flash_bwd_wrappers`]) of the flash backward instantiation for case `c` with
+/// configuration `bc`.
+///
+/// # Panics
+/// For fp32, as [`flash_wrapper`].
+pub fn flash_bwd_instance(c: &AttentionCase, bc: BwdConfig) -> (BwdNames, String) {
+    let (names, wrappers) = flash_bwd_wrappers(c, bc);
+    let mut src = format!("{PRELUDE_SRC}\n{FLASH_BWD_SRC}\n");
+    for (_, w) in wrappers {
+        src.push_str(&w);
+    }
+    (names, src)
 }
 
 /// The implementation [`forward`] runs for `c`: `flash` when it supports the case, else
@@ -244,9 +520,9 @@ pub fn dispatch(c: &AttentionCase) -> Option<Implementation> {
         .find(|i| i.supports(c).is_ok())
 }
 
-/// Attention forward on the device with the implementation [`dispatch`] picks: compiles it,
-/// launches it once on `inp` writing `o` (`[B, H, T, D]`, the case's dtype), and returns which
-/// implementation ran. For repeated calls, keep the [`Runner`] instead.
+/// Attention on the device with the implementation [`dispatch`] picks: compiles it, launches
+/// one call on `inp` writing `outs` ([`Runner::launch`]: O, and dQ, dK, dV for forward +
+/// backward), and returns which implementation ran. For repeated calls, keep the [`Runner`].
 ///
 /// # Errors
 /// [`GpuError::Config`] when no implementation supports the case (with every reason);
@@ -255,7 +531,7 @@ pub fn forward(
     gpu: &Gpu,
     c: &AttentionCase,
     inp: &DeviceInputs,
-    o: &mut CudaSlice<u16>,
+    outs: &mut [CudaSlice<u16>],
 ) -> Result<Implementation, GpuError> {
     let Some(imp) = dispatch(c) else {
         let why: Vec<String> = Implementation::ALL
@@ -268,41 +544,121 @@ pub fn forward(
         )));
     };
     let (mut runner, _) = Runner::new(gpu, imp, c)?;
-    runner.launch(gpu, c, inp, o)?;
+    runner.launch(gpu, c, inp, outs)?;
     Ok(imp)
 }
 
-/// One input set on the device.
+/// One input set on the device (words of the case's dtype, see [`Dtype`]).
 pub struct DeviceInputs {
-    /// Q bits.
+    /// Q.
     pub q: CudaSlice<u16>,
-    /// K bits.
+    /// K.
     pub k: CudaSlice<u16>,
-    /// V bits.
+    /// V.
     pub v: CudaSlice<u16>,
+    /// dO (forward + backward; empty otherwise).
+    pub dout: CudaSlice<u16>,
+    /// Valid keys per batch entry (`kv_lens`, or seq_len_kv for every entry), `[B]`.
+    pub kv_lens: CudaSlice<i32>,
+}
+
+/// Uploads one input set of case `c`.
+///
+/// # Errors
+/// Out-of-memory and driver errors.
+pub fn upload(gpu: &Gpu, c: &AttentionCase, inp: &Inputs) -> Result<DeviceInputs, GpuError> {
+    let lens: Vec<i32> = (0..c.batch).map(|b| c.kv_len(b) as i32).collect();
+    // An empty dO still gets one word, so every buffer is a real allocation.
+    let dout: &[u16] = if inp.dout.is_empty() { &[0] } else { &inp.dout };
+    Ok(DeviceInputs {
+        q: gpu.stream.clone_htod(&inp.q)?,
+        k: gpu.stream.clone_htod(&inp.k)?,
+        v: gpu.stream.clone_htod(&inp.v)?,
+        dout: gpu.stream.clone_htod(dout)?,
+        kv_lens: gpu.stream.clone_htod(&lens)?,
+    })
+}
+
+/// Device copies of `src` (distinct buffers, same values) for L2 rotation.
+///
+/// # Errors
+/// Out-of-memory and driver errors.
+pub fn replicate(gpu: &Gpu, src: &DeviceInputs) -> Result<DeviceInputs, GpuError> {
+    Ok(DeviceInputs {
+        q: gpu.stream.clone_dtod(&src.q)?,
+        k: gpu.stream.clone_dtod(&src.k)?,
+        v: gpu.stream.clone_dtod(&src.v)?,
+        dout: gpu.stream.clone_dtod(&src.dout)?,
+        kv_lens: gpu.stream.clone_dtod(&src.kv_lens)?,
+    })
+}
+
+/// Allocates poisoned outputs for case `c` (every word 0xFFFF, NaN in every dtype): `[O]`, or
+/// `[O, dQ, dK, dV]` for forward + backward, the order [`Runner::launch`] writes.
+///
+/// # Errors
+/// Out-of-memory and driver errors.
+pub fn poisoned_outputs(gpu: &Gpu, c: &AttentionCase) -> Result<Vec<CudaSlice<u16>>, GpuError> {
+    let w = c.dtype.words();
+    let mut lens = vec![c.q_elems() * w];
+    if c.pass == Pass::FwdBwd {
+        lens.extend([c.q_elems() * w, c.kv_elems() * w, c.kv_elems() * w]);
+    }
+    lens.into_iter()
+        .map(|n| Ok(gpu.stream.clone_htod(&vec![Dtype::POISON_WORD; n])?))
+        .collect()
+}
+
+/// The flash backward's kernels and buffers.
+pub struct FlashBwd {
+    preprocess: CudaFunction,
+    main: CudaFunction,
+    convert: CudaFunction,
+    main_cfg: LaunchConfig,
+    /// D = rowsum(dO ∘ O), fp32 `[B, H, Tq]`.
+    dsum: CudaSlice<f32>,
+    /// The fp32 dQ accumulator, `[B, H, Tq, D]`.
+    dqacc: CudaSlice<f32>,
+}
+
+/// The math backward's row kernels and buffer.
+pub struct MathBwd {
+    rowdot: CudaFunction,
+    ds: CudaFunction,
+    /// D = rowsum(dO ∘ O), fp32 `[B, H, Tq]`.
+    dsum: CudaSlice<f32>,
 }
 
 /// A compiled implementation with its temporaries, ready to launch on any input set.
 pub enum Runner {
-    /// Flash kernel.
+    /// Flash kernels.
     Flash {
-        /// The instantiation for this case.
+        /// The forward instantiation for this case.
         func: CudaFunction,
-        /// Grid (T/BR, H, B), 32·warps threads, dynamic shared memory.
+        /// Grid (⌈Tq/BR⌉, H, B), 32·warps threads, dynamic shared memory.
         cfg: LaunchConfig,
+        /// The log-sum-exp the forward writes, fp32 `[B, H, Tq]`.
+        lse: CudaSlice<f32>,
+        /// The backward (forward + backward cases).
+        bwd: Option<Box<FlashBwd>>,
+        /// True when `func` is the aligned fast path ([`flash_aligned`]): other arguments, no
+        /// log-sum-exp.
+        aligned: bool,
     },
-    /// cuBLAS + softmax.
+    /// cuBLAS + row kernels.
     Math {
         /// cuBLAS handle bound to the stream.
         blas: Box<CudaBlas>,
         /// Softmax instantiation.
         softmax: CudaFunction,
-        /// fp32 scores, `[B·H, T, T]`.
+        /// fp32 scores, `[B·H·Tq, Tkv]` (dP in the backward).
         s: CudaSlice<f32>,
-        /// 16-bit probabilities, `[B·H, T, T]`.
+        /// Probabilities in the dtype, `[B·H·Tq, Tkv]` (dS in the backward, in place).
         p: CudaSlice<u16>,
         /// The cuBLAS workspace given to the handle ([`CUBLAS_WORKSPACE_BYTES`]).
         workspace: CudaSlice<u8>,
+        /// The backward (forward + backward cases).
+        bwd: Option<Box<MathBwd>>,
     },
 }
 
@@ -311,46 +667,205 @@ pub enum Runner {
 /// apart from the call's own memory.
 pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
+/// The math mode of the `math` path's cuBLAS handle for fp32 cases: pedantic, so neither TF32
+/// tensor cores nor fp32 emulation are used (the rows' note says so); the default mode for
+/// 16-bit cases (fp32 accumulation, `CUBLAS_COMPUTE_32F`).
+pub const MATH_FP32_NOTE: &str = "cuBLAS SGEMM with CUBLAS_COMPUTE_32F in CUBLAS_PEDANTIC_MATH mode: TF32 tensor cores not allowed";
+
+fn grid_1d(n: usize, per_block: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(per_block).max(1) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The largest dynamic shared memory a CTA may opt into on this device, bytes.
+fn smem_limit(gpu: &Gpu) -> Result<u32, GpuError> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    Ok(gpu
+        .ctx
+        .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32)
+}
+
+fn check_smem(gpu: &Gpu, what: &str, bytes: u32) -> Result<(), GpuError> {
+    let limit = smem_limit(gpu)?;
+    if bytes > limit {
+        return Err(GpuError::Config(format!(
+            "{what} needs {bytes} bytes of shared memory per CTA; this device allows {limit}"
+        )));
+    }
+    Ok(())
+}
+
+/// One strided-batched GEMM of the math path, column-major as cuBLAS sees it:
+/// C = alpha · op(A) op(B), batch `batch`.
+struct Gemm {
+    ta: cublasOperation_t,
+    tb: cublasOperation_t,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: u64,
+    lda: usize,
+    sa: usize,
+    b: u64,
+    ldb: usize,
+    sb: usize,
+    c: u64,
+    ldc: usize,
+    sc: usize,
+    batch: usize,
+    ab_type: cudaDataType_t,
+    c_type: cudaDataType_t,
+}
+
+impl Gemm {
+    /// # Safety
+    /// `a`, `b` and `c` are live device allocations holding `batch` matrices at the given
+    /// strides and leading dimensions, of the given types.
+    unsafe fn run(&self, blas: &CudaBlas) -> Result<(), GpuError> {
+        let zero = 0.0f32;
+        let i = |x: usize| -> Result<i32, GpuError> {
+            i32::try_from(x).map_err(|_| GpuError::Config(format!("GEMM size {x} exceeds i32")))
+        };
+        cudarc::cublas::result::gemm_strided_batched_ex(
+            *blas.handle(),
+            self.ta,
+            self.tb,
+            i(self.m)?,
+            i(self.n)?,
+            i(self.k)?,
+            &self.alpha as *const f32 as *const _,
+            self.a as *const _,
+            self.ab_type,
+            i(self.lda)?,
+            self.sa as i64,
+            self.b as *const _,
+            self.ab_type,
+            i(self.ldb)?,
+            self.sb as i64,
+            &zero as *const f32 as *const _,
+            self.c as *mut _,
+            self.c_type,
+            i(self.ldc)?,
+            self.sc as i64,
+            i(self.batch)?,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+        .map_err(|e| GpuError::Cublas(format!("{e:?}")))
+    }
+}
+
 impl Runner {
     /// Compiles what `imp` needs for `c` and allocates its temporaries. Returns the runner and
     /// the NVRTC compile + load time in s.
     ///
     /// # Errors
-    /// Compile errors with the NVRTC log; out-of-memory for the temporaries.
+    /// [`GpuError::Config`] for a case `imp` does not support or a configuration that needs
+    /// more shared memory than the device has; compile errors with the NVRTC log;
+    /// out-of-memory for the temporaries.
     pub fn new(
         gpu: &Gpu,
         imp: Implementation,
         c: &AttentionCase,
     ) -> Result<(Runner, f64), GpuError> {
-        let dt = match c.dtype {
-            Dtype::Bf16 => "bf16",
-            Dtype::F16 => "f16",
-        };
-        let mask = if c.causal { "causal" } else { "full" };
+        imp.supports(c).map_err(GpuError::Config)?;
+        let rows = c.batch * c.heads * c.seq_len_q;
+        let bwd = c.pass == Pass::FwdBwd;
         match imp {
             Implementation::Flash => {
                 let fc = FlashConfig::for_head_dim(c.head_dim).map_err(GpuError::Config)?;
-                let (name, src) = flash_instance(c, fc);
-                let compiled = gpu.compile(&format!("{name}.cu"), &src)?;
+                let aligned = flash_aligned(c, fc);
+                let (name, src) = if aligned {
+                    flash_aligned_instance(c, fc)
+                } else {
+                    flash_instance(c, fc)
+                };
                 let smem = fc.smem_bytes(c.head_dim);
+                check_smem(gpu, &name, smem)?;
+                let compiled = gpu.compile(&format!("{name}.cu"), &src)?;
+                let mut compile_s = compiled.compile_s;
                 let func = gpu.function(&compiled.module, &name, smem)?;
                 let cfg = LaunchConfig {
                     grid_dim: (
-                        (c.seq_len / fc.query_tile()) as u32,
+                        c.seq_len_q.div_ceil(fc.query_tile()) as u32,
                         c.heads as u32,
                         c.batch as u32,
                     ),
                     block_dim: (32 * fc.warps as u32, 1, 1),
                     shared_mem_bytes: smem,
                 };
-                Ok((Runner::Flash { func, cfg }, compiled.compile_s))
+                // SAFETY: the forward writes every row of the LSE before anything reads it.
+                let lse = unsafe { gpu.stream.alloc::<f32>(rows)? };
+                let bwd = if bwd {
+                    let bc = BwdConfig::for_head_dim(c.head_dim).map_err(GpuError::Config)?;
+                    let (names, src) = flash_bwd_instance(c, bc);
+                    let smem = bc.smem_bytes(c.head_dim);
+                    check_smem(gpu, &names.main, smem)?;
+                    let compiled = gpu.compile(&format!("{}.cu", names.main), &src)?;
+                    compile_s += compiled.compile_s;
+                    let main = gpu.function(&compiled.module, &names.main, smem)?;
+                    Some(Box::new(FlashBwd {
+                        preprocess: gpu.function(&compiled.module, &names.preprocess, 0)?,
+                        convert: gpu.function(&compiled.module, &names.convert, 0)?,
+                        main,
+                        main_cfg: LaunchConfig {
+                            grid_dim: (
+                                c.seq_len_kv.div_ceil(bc.key_tile()) as u32,
+                                c.kv_heads as u32,
+                                c.batch as u32,
+                            ),
+                            block_dim: (32 * bc.warps as u32, 1, 1),
+                            shared_mem_bytes: smem,
+                        },
+                        // SAFETY: the preprocessing kernel writes both before the main kernel
+                        // reads them.
+                        dsum: unsafe { gpu.stream.alloc::<f32>(rows)? },
+                        dqacc: unsafe { gpu.stream.alloc::<f32>(rows * c.head_dim)? },
+                    }))
+                } else {
+                    None
+                };
+                Ok((
+                    Runner::Flash {
+                        func,
+                        cfg,
+                        lse,
+                        bwd,
+                        aligned,
+                    },
+                    compile_s,
+                ))
             }
             Implementation::Math => {
                 let compiled = gpu.compile("softmax_rows.cu", SOFTMAX_SRC)?;
-                let softmax =
-                    gpu.function(&compiled.module, &format!("softmax_rows_{dt}_{mask}"), 0)?;
+                let dt = dtype_tag(c.dtype);
+                let v = if c.seq_len_kv.is_multiple_of(4) {
+                    "v4"
+                } else {
+                    "v1"
+                };
+                let softmax = gpu.function(
+                    &compiled.module,
+                    &format!("softmax_rows_{dt}_{}_{v}", mask_tag(c)),
+                    0,
+                )?;
                 let blas = CudaBlas::new(gpu.stream.clone())
                     .map_err(|e| GpuError::Cublas(format!("{e:?}")))?;
+                let mode = if c.dtype == Dtype::F32 {
+                    cublasMath_t::CUBLAS_PEDANTIC_MATH
+                } else {
+                    cublasMath_t::CUBLAS_DEFAULT_MATH
+                };
+                // SAFETY: the handle is live; the mode is a valid enumerator.
+                unsafe {
+                    cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode)
+                        .result()
+                        .map_err(|e| GpuError::Cublas(format!("cublasSetMathMode: {e:?}")))?;
+                }
                 // SAFETY: cuBLAS only writes its workspace.
                 let mut workspace = unsafe { gpu.stream.alloc::<u8>(CUBLAS_WORKSPACE_BYTES)? };
                 {
@@ -367,11 +882,21 @@ impl Runner {
                         .map_err(|e| GpuError::Cublas(format!("cublasSetWorkspace: {e:?}")))?;
                     }
                 }
-                let n = c.batch * c.heads * c.seq_len * c.seq_len;
-                // SAFETY: S is fully written by the first GEMM and P by the softmax kernel before
-                // either is read.
+                let n = rows * c.seq_len_kv;
+                // SAFETY: S is fully written by the first GEMM and P by the softmax kernel
+                // before either is read (and dP, dS likewise in the backward).
                 let s = unsafe { gpu.stream.alloc::<f32>(n)? };
-                let p = unsafe { gpu.stream.alloc::<u16>(n)? };
+                let p = unsafe { gpu.stream.alloc::<u16>(n * c.dtype.words())? };
+                let bwd = if bwd {
+                    Some(Box::new(MathBwd {
+                        rowdot: gpu.function(&compiled.module, &format!("rowdot_{dt}"), 0)?,
+                        ds: gpu.function(&compiled.module, &format!("softmax_bwd_rows_{dt}"), 0)?,
+                        // SAFETY: written by rowdot before the dS kernel reads it.
+                        dsum: unsafe { gpu.stream.alloc::<f32>(rows)? },
+                    }))
+                } else {
+                    None
+                };
                 Ok((
                     Runner::Math {
                         blas: Box::new(blas),
@@ -379,6 +904,7 @@ impl Runner {
                         s,
                         p,
                         workspace,
+                        bwd,
                     },
                     compiled.compile_s,
                 ))
@@ -394,36 +920,174 @@ impl Runner {
         }
     }
 
-    /// Launches one forward call on the stream (asynchronously), writing `o`.
+    /// The log-sum-exp the flash forward wrote in the last call (fp32 `[B, H, Tq]`, natural
+    /// log, +∞ for rows that see no key); `None` for `math` and for the aligned fast path,
+    /// which writes none.
+    pub fn lse(&self) -> Option<&CudaSlice<f32>> {
+        match self {
+            Runner::Flash {
+                lse,
+                aligned: false,
+                ..
+            } => Some(lse),
+            Runner::Flash { aligned: true, .. } | Runner::Math { .. } => None,
+        }
+    }
+
+    /// Launches one call on the stream (asynchronously): the forward, writing `outs[0]` = O,
+    /// and for a forward + backward case the backward with dO from `inp`, writing
+    /// `outs[1..4]` = dQ, dK, dV (words of the case's dtype; [`poisoned_outputs`] allocates
+    /// them).
     ///
     /// # Errors
-    /// Launch or cuBLAS errors.
+    /// [`GpuError::Config`] for a wrong number or size of outputs; launch or cuBLAS errors.
     pub fn launch(
         &mut self,
         gpu: &Gpu,
         c: &AttentionCase,
         inp: &DeviceInputs,
-        o: &mut CudaSlice<u16>,
+        outs: &mut [CudaSlice<u16>],
     ) -> Result<(), GpuError> {
-        let t = c.seq_len as i32;
+        let bwd = c.pass == Pass::FwdBwd;
+        let w = c.dtype.words();
+        let want = if bwd {
+            vec![
+                c.q_elems() * w,
+                c.q_elems() * w,
+                c.kv_elems() * w,
+                c.kv_elems() * w,
+            ]
+        } else {
+            vec![c.q_elems() * w]
+        };
+        let got: Vec<usize> = outs.iter().map(|o| o.len()).collect();
+        if got != want {
+            return Err(GpuError::Config(format!(
+                "outputs of {got:?} words; this case writes {want:?}"
+            )));
+        }
+        if bwd && inp.dout.len() != c.q_elems() * w {
+            return Err(GpuError::Config("forward + backward needs dO".into()));
+        }
+        let (tq, tkv) = (c.seq_len_q as i32, c.seq_len_kv as i32);
+        let (h, kvh) = (c.heads as i32, c.kv_heads as i32);
+        let scale_log2 = (c.scale() * std::f64::consts::LOG2_E) as f32;
+        let scale = c.scale() as f32;
+        let rows = c.batch * c.heads * c.seq_len_q;
         match self {
-            Runner::Flash { func, cfg } => {
-                let (h, kvh) = (c.heads as i32, c.kv_heads as i32);
-                let scale_log2 = (c.scale() * std::f64::consts::LOG2_E) as f32;
-                let mut b = gpu.stream.launch_builder(func);
-                b.arg(&inp.q)
-                    .arg(&inp.k)
-                    .arg(&inp.v)
-                    .arg(o)
-                    .arg(&t)
-                    .arg(&h)
-                    .arg(&kvh)
-                    .arg(&scale_log2);
-                // SAFETY: the arguments match `flash_fwd_*(const u16* Q, const u16* K,
-                // const u16* V, u16* O, int T, int H, int KVH, float)`; Q and O hold
-                // B·H·T·D elements and K, V B·KVH·T·D (allocated from the same case), the grid
-                // covers T/BR query tiles × H × B, and `supports` checked T % BR == 0.
-                unsafe { b.launch(*cfg)? };
+            Runner::Flash {
+                func,
+                cfg,
+                lse,
+                bwd: fb,
+                aligned,
+            } => {
+                let (o, grads) = outs.split_at_mut(1);
+                let o = &mut o[0];
+                if *aligned {
+                    let mut b = gpu.stream.launch_builder(func);
+                    b.arg(&inp.q)
+                        .arg(&inp.k)
+                        .arg(&inp.v)
+                        .arg(&mut *o)
+                        .arg(&tq)
+                        .arg(&h)
+                        .arg(&kvh)
+                        .arg(&scale_log2);
+                    // SAFETY: the arguments match `flash_fwd_aligned_*(const u16* Q, const u16*
+                    // K, const u16* V, u16* O, int T, int H, int KVH, float)`; Q and O hold
+                    // B·H·T·D elements, K and V B·KVH·T·D (`flash_aligned` holds Tq = Tkv = T, a
+                    // multiple of the grid's query tile, every key valid); forward only.
+                    unsafe { b.launch(*cfg)? };
+                    return Ok(());
+                }
+                {
+                    let mut b = gpu.stream.launch_builder(func);
+                    b.arg(&inp.q)
+                        .arg(&inp.k)
+                        .arg(&inp.v)
+                        .arg(&mut *o)
+                        .arg(&mut *lse)
+                        .arg(&inp.kv_lens)
+                        .arg(&tq)
+                        .arg(&tkv)
+                        .arg(&h)
+                        .arg(&kvh)
+                        .arg(&scale_log2);
+                    // SAFETY: the arguments match `flash_fwd_*(const u16* Q, const u16* K,
+                    // const u16* V, u16* O, float* LSE, const int* kv_lens, int Tq, int Tkv,
+                    // int H, int KVH, float)`; Q and O hold B·H·Tq·D elements, K and V
+                    // B·KVH·Tkv·D, LSE B·H·Tq, kv_lens B entries ≤ Tkv (all allocated from the
+                    // same case, checked above); the grid covers ⌈Tq/BR⌉ query tiles × H × B and
+                    // the kernel bounds every access by Tq and kv_lens.
+                    unsafe { b.launch(*cfg)? };
+                }
+                let Some(fb) = fb else {
+                    return Ok(());
+                };
+                let FlashBwd {
+                    preprocess,
+                    main,
+                    convert,
+                    main_cfg,
+                    dsum,
+                    dqacc,
+                } = &mut **fb;
+                let rows_i = rows as i32;
+                {
+                    let mut b = gpu.stream.launch_builder(preprocess);
+                    b.arg(&*o)
+                        .arg(&inp.dout)
+                        .arg(&mut *dsum)
+                        .arg(&mut *dqacc)
+                        .arg(&rows_i);
+                    // SAFETY: `flash_bwd_pre_*(const u16* O, const u16* dO, float* Dsum,
+                    // float* dQacc, int rows)`: O and dO hold rows·D elements, Dsum rows, dQacc
+                    // rows·D; one warp per row, 8 rows per 256-thread block.
+                    unsafe { b.launch(grid_1d(rows, 8))? };
+                }
+                let [dq, dk, dv] = grads else {
+                    unreachable!("checked: four outputs")
+                };
+                let passes: &[(i32, i32)] = if c.head_dim > 128 {
+                    &[(0, 1), (128, 0)]
+                } else {
+                    &[(0, 1)]
+                };
+                for &(dkv_off, do_dq) in passes {
+                    let mut b = gpu.stream.launch_builder(main);
+                    b.arg(&inp.q)
+                        .arg(&inp.k)
+                        .arg(&inp.v)
+                        .arg(&inp.dout)
+                        .arg(&*lse)
+                        .arg(&*dsum)
+                        .arg(&inp.kv_lens)
+                        .arg(&mut *dqacc)
+                        .arg(&mut *dk)
+                        .arg(&mut *dv)
+                        .arg(&tq)
+                        .arg(&tkv)
+                        .arg(&h)
+                        .arg(&kvh)
+                        .arg(&scale_log2)
+                        .arg(&scale)
+                        .arg(&dkv_off)
+                        .arg(&do_dq);
+                    // SAFETY: the arguments match `flash_bwd_*(const u16* Q, const u16* K,
+                    // const u16* V, const u16* dO, const float* LSE, const float* Dsum,
+                    // const int* kv_lens, float* dQacc, u16* dK, u16* dV, int Tq, int Tkv,
+                    // int H, int KVH, float scale_log2, float scale, int dkv_off, int do_dq)`
+                    // with the sizes of the forward's launch; dK and dV hold B·KVH·Tkv·D; the
+                    // grid covers ⌈Tkv/BC⌉ key tiles × KVH × B; dkv_off + 128 ≤ D when D > 128.
+                    unsafe { b.launch(*main_cfg)? };
+                }
+                let n = (rows * c.head_dim) as u64;
+                let mut b = gpu.stream.launch_builder(convert);
+                b.arg(&*dqacc).arg(dq).arg(&n).arg(&scale);
+                // SAFETY: `flash_bwd_dq_*(const float* dQacc, u16* dQ, unsigned long long n,
+                // float scale)` with n = B·H·Tq·D elements in both; 2 elements per thread.
+                unsafe { b.launch(grid_1d(n as usize, 512))? };
                 Ok(())
             }
             Runner::Math {
@@ -431,123 +1095,156 @@ impl Runner {
                 softmax,
                 s,
                 p,
+                bwd: mb,
                 ..
             } => {
-                let bh = (c.batch * c.heads) as i32;
-                let d = c.head_dim as i32;
+                let stream = gpu.stream.clone();
+                let (d, g) = (c.head_dim, c.group());
+                let (tq_u, tkv_u) = (c.seq_len_q, c.seq_len_kv);
+                let batch = c.batch * c.kv_heads;
                 let elem = match c.dtype {
                     Dtype::Bf16 => cudaDataType_t::CUDA_R_16BF,
                     Dtype::F16 => cudaDataType_t::CUDA_R_16F,
+                    Dtype::F32 => cudaDataType_t::CUDA_R_32F,
                 };
-                let alpha = c.scale() as f32;
-                let (one, zero) = (1.0f32, 0.0f32);
-                let tt = t as i64 * t as i64;
-                let td = t as i64 * d as i64;
-                let stream = gpu.stream.clone();
-                {
-                    let (qp, _gq) = inp.q.device_ptr(&stream);
-                    let (kp, _gk) = inp.k.device_ptr(&stream);
-                    let (sp, _gs) = s.device_ptr_mut(&stream);
-                    // S_bh (row-major T×T) = scale · Q_bh K_bhᵀ. Column-major view: Sᵀ (T×T) =
-                    // op(K)=Kᵀ... i.e. C = Aᵀ B with A = K (D×T col-major), B = Q (D×T).
-                    // SAFETY: pointers are live device allocations of the sizes implied by the
-                    // strides; alpha/beta are host f32 matching CUBLAS_COMPUTE_32F.
-                    unsafe {
-                        cudarc::cublas::result::gemm_strided_batched_ex(
-                            *blas.handle(),
-                            cublasOperation_t::CUBLAS_OP_T,
-                            cublasOperation_t::CUBLAS_OP_N,
-                            t,
-                            t,
-                            d,
-                            &alpha as *const f32 as *const _,
-                            kp as *const _,
-                            elem,
-                            d,
-                            td,
-                            qp as *const _,
-                            elem,
-                            d,
-                            td,
-                            &zero as *const f32 as *const _,
-                            sp as *mut _,
-                            cudaDataType_t::CUDA_R_32F,
-                            t,
-                            tt,
-                            bh,
-                            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                        )
-                        .map_err(|e| GpuError::Cublas(format!("{e:?}")))?;
-                    }
-                }
-                let rows = (bh as u32) * (t as u32);
+                let f32t = cudaDataType_t::CUDA_R_32F;
+                // Every kv head's G query heads are contiguous in Q, O, dO, dQ, S and P
+                // ([B, H, Tq, ·] with h = kvh·G + r), so one GEMM per (batch, kv head) covers
+                // the group: M = G·Tq rows.
+                let gq = g * tq_u;
+                let (op_n, op_t) = (
+                    cublasOperation_t::CUBLAS_OP_N,
+                    cublasOperation_t::CUBLAS_OP_T,
+                );
+                let (qp, _g1) = inp.q.device_ptr(&stream);
+                let (kp, _g2) = inp.k.device_ptr(&stream);
+                let (vp, _g3) = inp.v.device_ptr(&stream);
+                let (dop, _g4) = inp.dout.device_ptr(&stream);
+                let (sp, _g5) = s.device_ptr_mut(&stream);
+                let (pp, _g6) = p.device_ptr_mut(&stream);
+                let (first, grads) = outs.split_at_mut(1);
+                let (op, _g7) = first[0].device_ptr_mut(&stream);
+                // S (row-major G·Tq × Tkv) = scale · Q_blk Kᵀ; column-major: Sᵀ = op(K)=Kᵀ...
+                // i.e. C (Tkv × G·Tq) = Aᵀ B with A = K (D × Tkv, lda D), B = Q (D × G·Tq).
+                let s_gemm = |a: u64, b: u64, alpha: f32| Gemm {
+                    ta: op_t,
+                    tb: op_n,
+                    m: tkv_u,
+                    n: gq,
+                    k: d,
+                    alpha,
+                    a,
+                    lda: d,
+                    sa: tkv_u * d,
+                    b,
+                    ldb: d,
+                    sb: gq * d,
+                    c: sp,
+                    ldc: tkv_u,
+                    sc: gq * tkv_u,
+                    batch,
+                    ab_type: elem,
+                    c_type: f32t,
+                };
+                // O_blk (G·Tq × D) = P_blk V: column-major Oᵀ (D × G·Tq) = Vᵀ Pᵀ, A = V
+                // (D × Tkv, lda D), B = P (Tkv × G·Tq, ldb Tkv).
+                let o_gemm = |a: u64, c_out: u64, alpha: f32| Gemm {
+                    ta: op_n,
+                    tb: op_n,
+                    m: d,
+                    n: gq,
+                    k: tkv_u,
+                    alpha,
+                    a,
+                    lda: d,
+                    sa: tkv_u * d,
+                    b: pp,
+                    ldb: tkv_u,
+                    sb: gq * tkv_u,
+                    c: c_out,
+                    ldc: d,
+                    sc: gq * d,
+                    batch,
+                    ab_type: elem,
+                    c_type: elem,
+                };
+                // SAFETY: every pointer is a live allocation of the case's sizes (S and P
+                // B·H·Tq·Tkv, inputs and outputs as checked above), strides per (batch, kv
+                // head) block; alpha is a host f32 matching CUBLAS_COMPUTE_32F.
+                unsafe { s_gemm(kp, qp, scale).run(blas)? };
                 let cfg = LaunchConfig {
-                    grid_dim: (rows, 1, 1),
+                    grid_dim: (rows as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut lb = gpu.stream.launch_builder(softmax);
-                lb.arg(&*s).arg(&mut *p).arg(&t);
-                // SAFETY: `softmax_rows_*(const float* S, u16* P, int T)` with S and P of
-                // B·H·T·T elements; one CTA per row; `supports` checked T % 4 == 0.
+                let mut lb = stream.launch_builder(softmax);
+                lb.arg(&sp)
+                    .arg(&pp)
+                    .arg(&inp.kv_lens)
+                    .arg(&tq)
+                    .arg(&tkv)
+                    .arg(&h);
+                // SAFETY: `softmax_rows_*(const float* S, u16* P, const int* kv_lens, int Tq,
+                // int Tkv, int H)` with S and P of B·H·Tq·Tkv elements; one CTA per row; the
+                // v4 instantiation only when Tkv % 4 == 0 (chosen in `new`).
                 unsafe { lb.launch(cfg)? };
-                {
-                    let (pp, _gp) = p.device_ptr(&stream);
-                    let (vp, _gv) = inp.v.device_ptr(&stream);
-                    let (op, _go) = o.device_ptr_mut(&stream);
-                    // O_bh (row-major T×D) = P_bh V_bh. Column-major: Oᵀ (D×T) = Vᵀ (D×T) ·
-                    // Pᵀ (T×T): C = A B with A = V (D×T col-major, lda D), B = P (T×T, ldb T).
-                    // SAFETY: as above; output type is the 16-bit dtype.
-                    unsafe {
-                        cudarc::cublas::result::gemm_strided_batched_ex(
-                            *blas.handle(),
-                            cublasOperation_t::CUBLAS_OP_N,
-                            cublasOperation_t::CUBLAS_OP_N,
-                            d,
-                            t,
-                            t,
-                            &one as *const f32 as *const _,
-                            vp as *const _,
-                            elem,
-                            d,
-                            td,
-                            pp as *const _,
-                            elem,
-                            t,
-                            tt,
-                            &zero as *const f32 as *const _,
-                            op as *mut _,
-                            elem,
-                            d,
-                            td,
-                            bh,
-                            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                        )
-                        .map_err(|e| GpuError::Cublas(format!("{e:?}")))?;
-                    }
-                }
+                // SAFETY: as for S.
+                unsafe { o_gemm(vp, op, 1.0).run(blas)? };
+                let Some(mb) = mb else {
+                    return Ok(());
+                };
+                let [dq, dk, dv] = grads else {
+                    unreachable!("checked: four outputs")
+                };
+                let (dqp, _g8) = dq.device_ptr_mut(&stream);
+                let (dkp, _g9) = dk.device_ptr_mut(&stream);
+                let (dvp, _g10) = dv.device_ptr_mut(&stream);
+                let (dsp, _g11) = mb.dsum.device_ptr_mut(&stream);
+                let rows_i = rows as i32;
+                let d_i = d as i32;
+                let mut lb = stream.launch_builder(&mb.rowdot);
+                lb.arg(&op).arg(&dop).arg(&dsp).arg(&rows_i).arg(&d_i);
+                // SAFETY: `rowdot_*(const u16* O, const u16* dO, float* Dsum, int rows, int D)`
+                // with O and dO of rows·D elements and Dsum of rows; one warp per row.
+                unsafe { lb.launch(grid_1d(rows, 8))? };
+                // dV (Tkv × D) = P_blkᵀ dO_blk: column-major dVᵀ (D × Tkv) = dOᵀ (D × G·Tq) ·
+                // P (G·Tq × Tkv): A = dO (lda D), B = P read transposed (ldb Tkv).
+                let dkv_gemm = |a: u64, b: u64, c_out: u64, alpha: f32| Gemm {
+                    ta: op_n,
+                    tb: op_t,
+                    m: d,
+                    n: tkv_u,
+                    k: gq,
+                    alpha,
+                    a,
+                    lda: d,
+                    sa: gq * d,
+                    b,
+                    ldb: tkv_u,
+                    sb: gq * tkv_u,
+                    c: c_out,
+                    ldc: d,
+                    sc: tkv_u * d,
+                    batch,
+                    ab_type: elem,
+                    c_type: elem,
+                };
+                // SAFETY: as above; dV holds B·KVH·Tkv·D elements.
+                unsafe { dkv_gemm(dop, pp, dvp, 1.0).run(blas)? };
+                // dP = dO_blk Vᵀ, into S.
+                // SAFETY: as for S.
+                unsafe { s_gemm(vp, dop, 1.0).run(blas)? };
+                let mut lb = stream.launch_builder(&mb.ds);
+                lb.arg(&sp).arg(&pp).arg(&dsp).arg(&tkv);
+                // SAFETY: `softmax_bwd_rows_*(const float* dP, u16* P, const float* Dsum,
+                // int Tkv)`: dP and P of rows·Tkv elements, Dsum of rows; one CTA per row.
+                unsafe { lb.launch(cfg)? };
+                // dQ_blk = scale · dS_blk K (the O product with V → K); dK = scale · dSᵀ Q.
+                // SAFETY: as above; dQ holds B·H·Tq·D, dK B·KVH·Tkv·D elements.
+                unsafe { o_gemm(kp, dqp, scale).run(blas)? };
+                unsafe { dkv_gemm(qp, pp, dkp, scale).run(blas)? };
                 Ok(())
             }
         }
     }
-}
-
-/// Uploads one input set.
-pub fn upload(gpu: &Gpu, q: &[u16], k: &[u16], v: &[u16]) -> Result<DeviceInputs, GpuError> {
-    Ok(DeviceInputs {
-        q: gpu.stream.clone_htod(q)?,
-        k: gpu.stream.clone_htod(k)?,
-        v: gpu.stream.clone_htod(v)?,
-    })
-}
-
-/// Device copies of `src` (distinct buffers, same values) for L2 rotation.
-pub fn replicate(gpu: &Gpu, src: &DeviceInputs) -> Result<DeviceInputs, GpuError> {
-    Ok(DeviceInputs {
-        q: gpu.stream.clone_dtod(&src.q)?,
-        k: gpu.stream.clone_dtod(&src.k)?,
-        v: gpu.stream.clone_dtod(&src.v)?,
-    })
 }

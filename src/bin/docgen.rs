@@ -6,9 +6,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-/// Publishes the performance pages from the measurements in `data/`.
+/// Builds the static performance site from the measured documents in `data/`, checks it before
+/// publishing, serves it while you edit, and writes the documents' JSON Schema.
 #[derive(Parser, Debug)]
-#[command(name = "docgen", version, about)]
+#[command(name = "docgen", version, about, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -104,8 +105,13 @@ fn base_url(s: &str) -> Result<String, String> {
         .map_err(|e| e.to_string())
 }
 
-/// What `build` wrote and how to look at it.
-fn report_build(out: &std::path::Path, summary: &kernelpages::site::BuildSummary) {
+/// What `build` wrote and how to look at it: the exact command that serves this folder (with
+/// the base URL its links need), and, without a base URL, the page to open from disk.
+fn report_build(
+    out: &std::path::Path,
+    summary: &kernelpages::site::BuildSummary,
+    base_url: Option<&str>,
+) {
     let rows: usize = summary.documents.iter().map(|(_, n)| n).sum();
     let docs: Vec<String> = summary
         .documents
@@ -131,10 +137,30 @@ fn report_build(out: &std::path::Path, summary: &kernelpages::site::BuildSummary
         summary.files,
         summary.templates
     );
-    eprintln!(
-        "look at it: open {} in a browser, or run `docgen serve` (http://127.0.0.1:8000/)",
-        out.join("index.html").display()
-    );
+    for note in &summary.notes {
+        eprintln!("note: {note}");
+    }
+    let me = std::env::args()
+        .next()
+        .unwrap_or_else(|| "docgen".to_string());
+    let mut serve = vec![me, "serve".to_string()];
+    if out != std::path::Path::new("site") {
+        serve.extend(["--out".to_string(), out.display().to_string()]);
+    }
+    if let Some(b) = base_url {
+        serve.extend(["--base-url".to_string(), b.to_string()]);
+    }
+    let serve = kernelpages::site::format::shell_join(&serve);
+    match base_url {
+        None => eprintln!(
+            "look at it: open {} in a browser, or run `{serve}` (http://127.0.0.1:8000/)",
+            out.join("index.html").display()
+        ),
+        Some(b) => eprintln!(
+            "look at it: run `{serve}` (its links start with {b}, so opening the files from disk \
+             will not follow them)"
+        ),
+    }
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
@@ -165,7 +191,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 templates_dir: templates,
             };
             let summary = kernelpages::site::build(&opts)?;
-            report_build(&opts.out_dir, &summary);
+            report_build(&opts.out_dir, &summary, opts.base_url.as_deref());
         }
         Command::Serve {
             data,
@@ -229,7 +255,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
             eprintln!(
-                "check passed: data, schema, the site in {} (up to date), links and prose{}",
+                "check passed: data, schema, the site folder {} (up to date), links and prose{}",
                 out.display(),
                 match warnings {
                     0 => String::new(),
@@ -238,6 +264,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::Schema { out } => {
+            kernelpages::site::write::check_schema_target(&out)?;
             kernelpages::load::write_schema_to(&out)?;
             eprintln!("wrote {}", out.display());
         }

@@ -231,6 +231,7 @@ fn measure_inner<L: Launcher>(
     let mut row = failed(Status::Ok, String::new());
     row.message = None;
     row.median_ms = Some(m.stats.median_ms);
+    row.timing = Some(crate::schema::TimingMethod::WallClock);
     row.q1_ms = Some(m.stats.q1_ms);
     row.q3_ms = Some(m.stats.q3_ms);
     row.inner_calls = Some(m.inner);
@@ -371,6 +372,8 @@ mod tests {
                 },
                 flops: Some(1000.0),
                 bytes: None,
+                arguments: Default::default(),
+                gradients: Vec::new(),
             },
         }
     }
@@ -388,7 +391,8 @@ mod tests {
         let row = &r.row;
         assert_eq!(row.status, Status::Ok, "{row:?}");
         assert_eq!(row.accuracy.as_ref().unwrap().rel_err, 0.0);
-        assert!(row.host_ms.is_none() && row.timing.is_none() && row.compile_s.is_none());
+        assert!(row.host_ms.is_none() && row.compile_s.is_none());
+        assert_eq!(row.timing, Some(crate::schema::TimingMethod::WallClock));
         assert!(row.q1_ms.unwrap() <= row.median_ms.unwrap());
         assert!(row.first_call_s.unwrap() >= 0.0);
         assert!(row.notes.iter().any(|n| n == TIMING_NOTE));

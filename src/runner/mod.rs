@@ -43,6 +43,10 @@ pub struct RunnerArgs {
     /// cores; the document's device is the CPU).
     #[arg(long, value_enum, default_value_t = DeviceChoice::Gpu)]
     pub device: DeviceChoice,
+    /// Leave these implementations out (e.g. `torch_math,torch_efficient`), whatever
+    /// `--compare` and the suite's own list name.
+    #[arg(long, value_delimiter = ',')]
+    pub exclude: Vec<String>,
     /// Measure only the cases matching this expression, e.g. `head_dim=128,seq_len>=4096`
     /// (clauses joined by commas, all must hold; `=`, `!=`, `<`, `<=`, `>`, `>=`).
     #[arg(long)]
@@ -103,8 +107,16 @@ impl RunnerArgs {
             Some(f) => Filter::parse(f).map_err(anyhow::Error::msg)?,
             None => Filter::default(),
         };
-        if let Some(first) = grid.first() {
-            filter.check_keys(first).map_err(anyhow::Error::msg)?;
+        // A filter may name a parameter only some cases carry (attention's `seq_len_q`): check
+        // it against every key of the grid.
+        let mut keys = Params::new();
+        for case in &grid {
+            for (k, v) in case {
+                keys.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+        if !grid.is_empty() {
+            filter.check_keys(&keys).map_err(anyhow::Error::msg)?;
         }
         Ok(grid::select(grid, &filter, self.shard))
     }
@@ -253,8 +265,14 @@ pub fn common_notes(row: &Row, timing: &TimingConfig, cache: &str) -> Vec<String
     }
     if row.launch_bound(timing.launch_bound_ratio) {
         let device = row.eager_median_ms.or(row.median_ms).unwrap_or(f64::NAN);
+        // A graph-replayed row's reported time is not launch-bound; its eager calls were.
+        let what = if row.timing == Some(crate::schema::TimingMethod::GraphReplay) {
+            "eager calls launch-bound (the graph-replayed time is not)"
+        } else {
+            "launch-bound"
+        };
         notes.push(format!(
-            "launch-bound: {:.4} ms of host time to issue a call ≥ {} × {:.4} ms of device time per eager call",
+            "{what}: {:.4} ms of host time to issue a call ≥ {} × {:.4} ms of device time per eager call",
             row.host_ms.unwrap_or(f64::NAN),
             timing.launch_bound_ratio,
             device
@@ -611,6 +629,46 @@ pub fn implementations(
     Ok(v)
 }
 
+/// Measures, once at the start of a run, the device's ceiling for each declared throughput
+/// that has none: TFLOP/s from a dense bf16 cuBLAS GEMM, GB/s from a device-to-device copy.
+/// A ceiling that cannot be measured is left out (the page then shows no share of it).
+fn measure_ceilings(gpu: &crate::gpu::Gpu, throughput: &mut [schema::Throughput]) {
+    const GEMM_N: usize = 8192;
+    const COPY_BYTES: usize = 1 << 30;
+    for t in throughput.iter_mut().filter(|t| t.ceiling.is_none()) {
+        let measured = match t.count {
+            schema::Count::Flops => gpu.bf16_gemm_tflops(GEMM_N, 20).ok().map(|tf| {
+                (
+                    tf * 1e12 / t.per_second,
+                    format!(
+                        "dense bf16 GEMM {GEMM_N}×{GEMM_N}×{GEMM_N} through cuBLAS (fp32 \
+                         accumulation), median of 20 calls at the start of this run"
+                    ),
+                )
+            }),
+            schema::Count::Bytes => gpu.copy_gbps(COPY_BYTES, 20).ok().map(|gb| {
+                (
+                    gb * 1e9 / t.per_second,
+                    format!(
+                        "device-to-device copy of {} MB (bytes read + written), median of 20 \
+                         copies at the start of this run",
+                        COPY_BYTES / 1_000_000
+                    ),
+                )
+            }),
+            schema::Count::Items => None,
+        };
+        if let Some((value, source)) = measured.filter(|(v, _)| v.is_finite() && *v > 0.0) {
+            eprintln!(
+                "ceiling: {} {} ({source})",
+                crate::site::format::sig(value, 3),
+                t.unit
+            );
+            t.ceiling = Some(schema::Ceiling { value, source });
+        }
+    }
+}
+
 /// A short line for a finished row.
 pub fn describe(row: &Row, throughput: &[schema::Throughput]) -> String {
     match row.status {
@@ -623,8 +681,8 @@ pub fn describe(row: &Row, throughput: &[schema::Throughput]) -> String {
                 row.q3_ms.unwrap_or(f64::NAN)
             );
             for t in throughput {
-                if let Some(c) = t.count.of(row) {
-                    s += &format!(" {:.1} {}", c / (m * 1e-3) / t.per_second, t.unit);
+                if let Some(v) = t.of(row) {
+                    s += &format!(" {v:.1} {}", t.unit);
                 }
             }
             if let (Some(e), Some(h)) = (row.eager_median_ms, row.timing) {
@@ -745,8 +803,11 @@ pub fn run(
 ) -> Result<ExitCode> {
     let started_at = document::now_rfc3339();
     let timing = args.timing();
+    let mut implementations = implementations;
+    implementations.retain(|i| !args.exclude.contains(&i.name));
+    let mut declared = declared;
     let (device, libraries, l2_bytes, monitor) = match args.device {
-        DeviceChoice::Gpu => match gpu_setup(declared.runner)? {
+        DeviceChoice::Gpu => match gpu_setup(declared.runner, &mut declared.throughput)? {
             Some((device, libraries, l2_bytes, monitor)) => {
                 (device, libraries, l2_bytes, Some(monitor))
             }
@@ -782,6 +843,7 @@ pub fn run(
             dispatch: declared.dispatch,
             axes: declared.axes,
             throughput: declared.throughput,
+            protocol: Some(crate::harness::protocol_constants()),
             amendments: Vec::new(),
         },
         rows: Vec::new(),
@@ -856,15 +918,18 @@ type GpuSetup = (
 ///
 /// # Errors
 /// A device that opens but cannot be described.
-fn gpu_setup(runner: &str) -> Result<Option<GpuSetup>> {
+fn gpu_setup(runner: &str, throughput: &mut [schema::Throughput]) -> Result<Option<GpuSetup>> {
     // Device facts, from a short-lived context in this process (dropped before the children run).
     let (mut device, libraries, l2_bytes, pci) = match crate::gpu::Gpu::open(0) {
-        Ok(g) => (
-            g.describe()?,
-            crate::gpu::library_versions(),
-            g.l2_bytes()?,
-            g.pci_bus_id(),
-        ),
+        Ok(g) => {
+            measure_ceilings(&g, throughput);
+            (
+                g.describe()?,
+                crate::gpu::library_versions(),
+                g.l2_bytes()?,
+                g.pci_bus_id(),
+            )
+        }
         Err(crate::gpu::GpuError::NoDevice(why)) => {
             eprintln!("no CUDA device: {why}");
             eprintln!(

@@ -149,6 +149,10 @@ impl Server {
             .args(["-m", &format!("compare.{module}"), "serve"])
             .env("PYTHONPATH", path)
             .env("PYTHONUNBUFFERED", "1")
+            // Cold first calls, as for the project's case processes: without this, a library
+            // that compiles kernels at run time (cuDNN) finds them in the driver's cache after
+            // the first process, and `first_call_s` depends on the order the cases ran in.
+            .env("CUDA_CACHE_DISABLE", "1")
             .envs(envs.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -4,7 +4,10 @@
 //! The runner writes each case's inputs once, as raw little-endian files, with the float64
 //! reference values of the checked output elements ([`CaseFiles`]); every implementation, the
 //! project's and the alternatives', reads the same input bits and is checked against the same
-//! reference values over the same elements. `runners/compare/protocol.py` is the Python side.
+//! reference values over the same elements. A forward + backward job adds an input (the
+//! gradient of the loss with respect to the output, e.g. attention's `do`) and one
+//! [`GradientSpec`] per gradient to produce and check. `runners/compare/protocol.py` is the
+//! Python side; its module docstring is the protocol's full description for module authors.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -52,15 +55,37 @@ pub struct CheckSpec {
     pub checked: String,
 }
 
+/// A gradient a forward + backward job produces besides the output, and its check.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct GradientSpec {
+    /// Display name, e.g. `dQ`.
+    pub name: String,
+    /// The input tensor it is the gradient of (a [`TensorFile::name`]), e.g. `q`.
+    pub input: String,
+    /// Its element type and dimensions (those of the input).
+    pub output: OutputSpec,
+    /// Its accuracy check, as for the output.
+    pub check: CheckSpec,
+}
+
 /// Everything an implementation needs to run and check one case.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct CaseFiles {
-    /// Input tensors, in argument order.
+    /// Input tensors, in argument order (a forward + backward job ends with the gradient of
+    /// the loss with respect to the output).
     pub inputs: Vec<TensorFile>,
     /// The output.
     pub output: OutputSpec,
     /// The accuracy check.
     pub check: CheckSpec,
+    /// The gradients a forward + backward job produces, in order; empty for a forward job.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gradients: Vec<GradientSpec>,
+    /// The call's scalar arguments as the suite defines them (attention: `seq_len_q`,
+    /// `seq_len_kv`, `scale`, `causal`, `kv_lens`, ...), so a module need not rebuild them
+    /// from the case parameters.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub arguments: BTreeMap<String, serde_json::Value>,
     /// FLOPs of one call by the suite's rule.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops: Option<f64>,
@@ -70,6 +95,17 @@ pub struct CaseFiles {
 }
 
 impl CaseFiles {
+    /// Every output with its check: (`O`, the output) first, then the gradients.
+    pub fn outputs(&self) -> Vec<(&str, &OutputSpec, &CheckSpec)> {
+        std::iter::once(("O", &self.output, &self.check))
+            .chain(
+                self.gradients
+                    .iter()
+                    .map(|g| (g.name.as_str(), &g.output, &g.check)),
+            )
+            .collect()
+    }
+
     /// Bytes of one input set (every input tensor), for the L2 rotation.
     pub fn input_bytes(&self) -> u64 {
         self.inputs
@@ -85,6 +121,22 @@ pub fn dtype_bytes(dtype: &str) -> u64 {
         "fp32" | "f32" | "float32" => 4,
         "fp64" | "f64" | "float64" => 8,
         _ => 2,
+    }
+}
+
+/// Element `i` of `words` (a tensor's little-endian bytes as 16-bit words, as
+/// [`read_u16`] returns them) in `dtype` (`bf16`, `fp16`, `fp32`), as float64.
+///
+/// # Panics
+/// For another dtype name.
+pub fn decode(dtype: &str, words: &[u16], i: usize) -> f64 {
+    match dtype {
+        "bf16" => half::bf16::from_bits(words[i]).to_f64(),
+        "fp16" | "f16" => half::f16::from_bits(words[i]).to_f64(),
+        "fp32" | "f32" => {
+            f32::from_bits(words[2 * i] as u32 | (words[2 * i + 1] as u32) << 16) as f64
+        }
+        other => panic!("decode: unknown dtype `{other}`"),
     }
 }
 
@@ -205,7 +257,10 @@ pub enum Check {
 
 /// Checks a whole output: every element must be finite (the scan covers all of it, so a NaN
 /// outside the checked ranges fails too), then ‖out − ref‖₂ / ‖ref‖₂ over `ranges` against
-/// `reference` (their values concatenated). `value(i)` is output element `i` as float64.
+/// `reference` (their values concatenated). `value(i)` is output element `i` as float64. When
+/// the reference is all zeros there (rows that see no key; gradients of a softmax over one
+/// key), it has no scale of its own and the error is the output's L2 norm there (an absolute
+/// error: 0 for an exact zero, rounding residue stays small, a wrong output does not).
 pub fn check_output(
     len: usize,
     value: impl Fn(usize) -> f64,
@@ -228,7 +283,7 @@ pub fn check_output(
     Check::Error(if den > 0.0 {
         (num / den).sqrt()
     } else {
-        f64::NAN
+        num.sqrt()
     })
 }
 
@@ -259,6 +314,23 @@ mod tests {
             Check::Error(e) => assert!((e - 0.1 / 10f64.sqrt()).abs() < 1e-12),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn zero_references_and_decoding() {
+        let zeros = [0.0; 4];
+        assert_eq!(
+            check_output(4, |i| zeros[i], &[[0, 4]], &zeros),
+            Check::Error(0.0)
+        );
+        assert_eq!(
+            check_output(4, |i| [0.0, 0.0, 1e-3, 0.0][i], &[[0, 4]], &zeros),
+            Check::Error(1e-3)
+        );
+        let w = [0x3FC0u16, 0x3E00, 0x0000, 0x3FC0];
+        assert_eq!(decode("bf16", &w, 0), 1.5);
+        assert_eq!(decode("fp16", &w, 1), 1.5);
+        assert_eq!(decode("fp32", &w, 1), 1.5);
     }
 
     #[test]

@@ -39,6 +39,8 @@ impl Suite for FakeSuite {
                 tolerance: 1e-2,
                 checked: "all".into(),
             },
+            gradients: vec![],
+            arguments: Default::default(),
             flops: Some(1e9),
             bytes: None,
         })

@@ -118,7 +118,15 @@ pub fn check(opts: &CheckOptions) -> Vec<Problem> {
                 Ok(mut files) => {
                     let manifest =
                         super::manifest(&docs, &sources, opts.base_url.as_deref(), &files);
+                    let before = problems.len();
                     explain_manifest(&opts.out_dir, &manifest, &sources.origin(), &mut problems);
+                    // Another base URL changes every link of every page: the one line that
+                    // says so is the whole story.
+                    let built_with = Manifest::read(&opts.out_dir).map(|m| m.base_url);
+                    if built_with.is_some_and(|b| b != manifest.base_url) {
+                        debug_assert!(problems.len() > before);
+                        return problems;
+                    }
                     files.push(manifest.to_file());
                     check_site(&opts.out_dir, &files, &mut problems);
                 }

@@ -26,16 +26,24 @@ const LEGEND_LINE: u32 = 20;
 /// Font of every text.
 const FONT: &str = "sans-serif";
 
+/// Plotters' SVG backend writes a requested font size divided by 1.24 (its point-to-pixel
+/// factor); the font size to request for text `size` px high in the SVG.
+fn px(size: f64) -> f64 {
+    size * 1.24
+}
+
 /// Text, axes and the tolerance line; light grey in the dark theme.
 pub const INK: RGBColor = RGBColor(0x1d, 0x1f, 0x21);
 /// Background; near black in the dark theme.
 pub const PAPER: RGBColor = RGBColor(0xff, 0xff, 0xff);
 /// Grid lines (drawn translucent, readable on both backgrounds).
 const GRID: RGBColor = RGBColor(0x8c, 0x95, 0x9f);
-/// Bars where the default is faster (ratio above 1).
-pub const DEFAULT_FASTER: RGBColor = RGBColor(0x59, 0xa1, 0x4f);
+/// Bars where the default is faster (ratio above 1): blue, and orange for the other side, the
+/// pair of the Okabe-Ito palette that readers with any common colour-vision deficiency tell
+/// apart.
+pub const DEFAULT_FASTER: RGBColor = RGBColor(0x00, 0x72, 0xb2);
 /// Bars where the alternative is faster (ratio below 1).
-pub const ALTERNATIVE_FASTER: RGBColor = RGBColor(0xe1, 0x57, 0x59);
+pub const ALTERNATIVE_FASTER: RGBColor = RGBColor(0xe6, 0x9f, 0x00);
 
 /// Colours of [`INK`] and [`PAPER`] in the dark theme (those of `templates/style.css`).
 const DARK_INK: &str = "#e6e6e6";
@@ -315,7 +323,7 @@ pub fn line_figure(spec: &FigureSpec) -> anyhow::Result<String> {
             head.draw(&Text::new(
                 line.clone(),
                 (12, 8 + 19 * i as i32),
-                (FONT, 14).into_font().color(&INK),
+                (FONT, px(14.0)).into_font().color(&INK),
             ))
             .map_err(&err)?;
         }
@@ -364,8 +372,8 @@ pub fn line_figure(spec: &FigureSpec) -> anyhow::Result<String> {
                     .bold_line_style(GRID.mix(0.3))
                     .light_line_style(TRANSPARENT)
                     .axis_style(INK)
-                    .label_style((FONT, 13).into_font().color(&INK))
-                    .axis_desc_style((FONT, 14).into_font().color(&INK))
+                    .label_style((FONT, px(13.0)).into_font().color(&INK))
+                    .axis_desc_style((FONT, px(14.0)).into_font().color(&INK))
                     .draw()
                     .map_err(&err)?;
                 for (value, _) in &spec.reference_lines {
@@ -500,7 +508,7 @@ fn draw_legend<DB: DrawingBackend>(
 ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
     let cols = legend_columns(entries);
     let col_width = (WIDTH as i32 - 76) / cols as i32;
-    let font = (FONT, 12).into_font().color(&INK);
+    let font = (FONT, px(12.0)).into_font().color(&INK);
     for (i, (mark, label)) in entries.iter().enumerate() {
         let (row, col) = (i as i32 / cols as i32, i as i32 % cols as i32);
         let x = 76 + col * col_width;
@@ -611,7 +619,7 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
             root.draw(&Text::new(
                 line.clone(),
                 (12, 8 + 20 * i as i32),
-                (FONT, 15).into_font().color(&INK),
+                (FONT, px(15.0)).into_font().color(&INK),
             ))
             .map_err(&err)?;
         }
@@ -635,13 +643,13 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
             .bold_line_style(GRID.mix(0.3))
             .light_line_style(TRANSPARENT)
             .axis_style(INK)
-            .label_style((FONT, 13).into_font().color(&INK))
-            .axis_desc_style((FONT, 14).into_font().color(&INK))
+            .label_style((FONT, px(13.0)).into_font().color(&INK))
+            .axis_desc_style((FONT, px(14.0)).into_font().color(&INK))
             .draw()
             .map_err(&err)?;
         // Which side means what, just above the plot on either side of 1.
         let (one_x, plot_top) = chart.backend_coord(&(1.0, n as f64));
-        let side = (FONT, 12).into_font().color(&INK);
+        let side = (FONT, px(12.0)).into_font().color(&INK);
         root.draw(&Text::new(
             "← alternative faster",
             (one_x - 8, plot_top - 6),
@@ -654,7 +662,7 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
             side.pos(Pos::new(HPos::Left, VPos::Bottom)),
         ))
         .map_err(&err)?;
-        let label_font = (FONT, 13)
+        let label_font = (FONT, px(13.0))
             .into_font()
             .color(&INK)
             .pos(Pos::new(HPos::Left, VPos::Bottom));
@@ -724,7 +732,7 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
 fn draw_glance_legend<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
 ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
-    let font = (FONT, 12).into_font().color(&INK);
+    let font = (FONT, px(12.0)).into_font().color(&INK);
     let row = |i: i32| 6 + i * LEGEND_LINE as i32 + LEGEND_LINE as i32 / 2;
     let entries: [(i32, i32, &str); 4] = [
         (0, 20, "default faster (ratio above 1)"),

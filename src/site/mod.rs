@@ -49,6 +49,8 @@ pub struct BuildSummary {
     pub files: usize,
     /// Where the templates came from.
     pub templates: String,
+    /// Things the user may not expect, e.g. the tuning notes page left out.
+    pub notes: Vec<String>,
 }
 
 /// Checks that `base_url` is absolute: a path from the root (`/docs/`) or a URL with a scheme
@@ -120,6 +122,19 @@ pub fn build(opts: &BuildOptions) -> anyhow::Result<BuildSummary> {
             .filter(|f| f.path.starts_with("figures/"))
             .count(),
         files: files.len() + 1,
+        notes: match (&sources.dir, &sources.tuning_notes) {
+            (_, Some(_)) => Vec::new(),
+            (Some(d), None) => vec![format!(
+                "no kernel tuning notes ({}) beside {}: the site has no tuning page",
+                templates::TUNING_NOTES,
+                d.display()
+            )],
+            (None, None) => vec![format!(
+                "built with the templates built into docgen (no {} folder here): the site has no \
+                 kernel tuning notes page; run from the repository root, or pass --templates",
+                templates::DEFAULT_DIR
+            )],
+        },
         templates: sources.origin(),
     })
 }

@@ -17,8 +17,10 @@
 //!   the rows that ran.
 //! - `values(suite, param, where?, implementation?)`: the distinct values of a parameter,
 //!   ascending, joined with `, `.
-//! - `measured(suite)`: whether any row of the suite ran, to guard prose about data that may be
-//!   absent.
+//! - `measured(suite, where?)`: whether any row of the suite (among those the where-clause
+//!   keeps) ran, to guard prose about data that may be absent.
+//! - `launch_bound(suite, implementation, where)`: the claim that an eager call of the
+//!   implementation is launch-bound in every case kept, with the range of host ÷ device time.
 //!
 //! Every function takes an optional `device` (the device name) to pick documents. A query that
 //! matches no row or several, a claim that any case contradicts or that covers no case, and a
@@ -176,6 +178,7 @@ pub fn render_prose(
     register(&mut tera, "largest", &data, &failures, largest);
     register(&mut tera, "values", &data, &failures, values);
     register(&mut tera, "measured", &data, &failures, measured);
+    register(&mut tera, "launch_bound", &data, &failures, launch_bound);
 
     let mut problems = Vec::new();
     let mut out = BTreeMap::new();
@@ -646,15 +649,95 @@ fn values(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     Ok(Value::from(shown.join(", ")))
 }
 
-fn measured(docs: &[Loaded], args: &Args) -> Result<Value, String> {
-    args.only(&["suite", "device"])?;
-    // An unknown suite is an error; an absent document only means "not measured".
-    let ran = match suite_rows(docs, args) {
-        Ok(items) => items.iter().any(|i| i.row.status == Status::Ok),
-        Err(e) if e.starts_with("unknown") || e.starts_with("missing") => return Err(e),
-        Err(_) => false,
+/// `launch_bound(suite, implementation, where)`: a claim that an eager caller of
+/// `implementation` is launch-bound in every case the where-clause keeps (its host time to
+/// issue a call is at least the document's ratio × the device time of an eager call).
+/// Renders the case count and the range of host time ÷ eager device time.
+fn launch_bound(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device", "implementation", "where"])?;
+    let imp = args.need("implementation")?;
+    let filter = args.filter("where")?;
+    let all = suite_rows(docs, args)?;
+    let rows = of_implementation(&all, imp)?;
+    let kept = filter.apply(rows, |i| i.row)?;
+    let ran: Vec<&Item<'_>> = kept.iter().filter(|i| i.row.status == Status::Ok).collect();
+    if ran.is_empty() {
+        return Err(format!(
+            "no row of {imp} that ran matches {}",
+            filter.describe()
+        ));
+    }
+    let mut shares = Vec::new();
+    let mut not = Vec::new();
+    for i in &ran {
+        let ratio = i.doc.doc.config.timing.launch_bound_ratio;
+        let device = i.row.eager_median_ms.or(i.row.median_ms);
+        match (i.row.host_ms, device) {
+            (Some(h), Some(d)) if h >= ratio * d => shares.push(h / d),
+            (Some(h), Some(d)) => not.push(format!(
+                "{}: host {} ms per call against {} ms of device time (below {}×)",
+                case_label(&i.row.case),
+                super::format::ms(h),
+                super::format::ms(d),
+                ratio
+            )),
+            _ => not.push(format!(
+                "{}: no host time recorded",
+                case_label(&i.row.case)
+            )),
+        }
+    }
+    if !not.is_empty() {
+        return Err(format!(
+            "{imp} is not launch-bound in {} of {} cases:\n  {}",
+            not.len(),
+            ran.len(),
+            not.join("\n  ")
+        ));
+    }
+    let lo = shares.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = shares.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let range = if super::format::sig(lo, 2) == super::format::sig(hi, 2) {
+        super::format::sig(lo, 2)
+    } else {
+        format!(
+            "{} to {}",
+            super::format::sig(lo, 2),
+            super::format::sig(hi, 2)
+        )
     };
-    Ok(Value::from(ran))
+    Ok(Value::from(format!(
+        "an eager call of {imp} is launch-bound in every measured case {} ({} case{}; host time \
+         to issue a call ÷ its device time: {range})",
+        if filter.conds.is_empty() {
+            String::new()
+        } else {
+            format!("with {}", filter.describe())
+        },
+        ran.len(),
+        if ran.len() == 1 { "" } else { "s" }
+    )))
+}
+
+fn measured(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device", "where"])?;
+    let filter = args.filter("where")?;
+    // An unknown suite is an error; an absent document only means "not measured".
+    let items = match suite_rows(docs, args) {
+        Ok(items) => items,
+        Err(e) if e.starts_with("unknown") || e.starts_with("missing") => return Err(e),
+        Err(_) => return Ok(Value::from(false)),
+    };
+    let ok: Vec<_> = items
+        .into_iter()
+        .filter(|i| i.row.status == Status::Ok)
+        .collect();
+    if ok.is_empty() {
+        return Ok(Value::from(false));
+    }
+    // A misspelt parameter is an error (the filter names it), not "not measured".
+    let kept = filter.apply(ok, |i| i.row)?;
+    Ok(Value::from(!kept.is_empty()))
 }
 
 /// How a claim compares the two implementations.

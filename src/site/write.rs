@@ -73,6 +73,33 @@ pub struct UnsafeOutput {
     pub reason: String,
 }
 
+/// Refuses to overwrite a file at `path` that is not a JSON Schema docgen wrote (`docgen
+/// schema` replaces only its own output).
+///
+/// Errors: [`UnsafeOutput`] naming the file, when it exists and is anything else.
+pub fn check_schema_target(path: &Path) -> Result<(), UnsafeOutput> {
+    let Ok(bytes) = fs::read(path) else {
+        if path.is_dir() {
+            return Err(UnsafeOutput {
+                dir: path.to_path_buf(),
+                reason: "it is a folder; name the schema file to write".to_string(),
+            });
+        }
+        return Ok(());
+    };
+    let ours = serde_json::from_slice::<serde_json::Value>(&bytes).is_ok_and(|v| {
+        v.get("$schema").is_some() && v.get("title").and_then(|t| t.as_str()) == Some("Document")
+    });
+    if ours {
+        Ok(())
+    } else {
+        Err(UnsafeOutput {
+            dir: path.to_path_buf(),
+            reason: "it exists and is not a document schema docgen wrote".to_string(),
+        })
+    }
+}
+
 /// A folder that must not be written over, and what it is (`data`, `templates`).
 #[derive(Debug, Clone)]
 pub struct Protected<'a> {
@@ -156,16 +183,31 @@ pub fn check_output_dir(out: &Path, protected: &[Protected<'_>]) -> Result<(), U
     if out.join(".git").exists() {
         return Err(refuse("it is a git work tree (it holds .git)".to_string()));
     }
-    let present = files_under(out).map_err(|e| refuse(format!("it cannot be listed ({e})")))?;
-    if present.is_empty() {
-        return Ok(());
-    }
     let Some(manifest) = Manifest::read(out) else {
+        // Not ours: only its first few entries are needed to say so.
+        let present =
+            files_under(out, Some(6)).map_err(|e| refuse(format!("it cannot be listed ({e})")))?;
+        if present.is_empty() {
+            return Ok(());
+        }
+        if let Some(site) = out
+            .ancestors()
+            .skip(1)
+            .find(|a| Manifest::read(a).is_some())
+        {
+            return Err(refuse(format!(
+                "it lies inside the docgen site {} (its manifest does not list this folder as \
+                 one docgen writes alone); write elsewhere, or rebuild that site",
+                site.display()
+            )));
+        }
         return Err(refuse(format!(
             "it is not a docgen site: it holds {} and no {MANIFEST_FILE}",
             some_names(&present)
         )));
     };
+    let present =
+        files_under(out, None).map_err(|e| refuse(format!("it cannot be listed ({e})")))?;
     let listed: std::collections::BTreeSet<&str> =
         manifest.files.iter().map(String::as_str).collect();
     let extra: Vec<String> = present
@@ -185,16 +227,19 @@ pub fn check_output_dir(out: &Path, protected: &[Protected<'_>]) -> Result<(), U
 fn some_names(names: &[String]) -> String {
     let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();
     match names.len() {
-        n if n > 5 => format!("{} and {} more", shown.join(", "), n - 5),
+        n if n > 5 => format!("{} and more", shown.join(", ")),
         _ => shown.join(", "),
     }
 }
 
 /// Every entry under `dir` that is not a folder (files, links), and every empty folder,
-/// relative and `/`-separated, sorted.
-fn files_under(dir: &Path) -> std::io::Result<Vec<String>> {
+/// relative and `/`-separated, sorted; at most `limit` of them when given.
+fn files_under(dir: &Path, limit: Option<usize>) -> std::io::Result<Vec<String>> {
     let mut out = Vec::new();
     for entry in walkdir::WalkDir::new(dir).min_depth(1).sort_by_file_name() {
+        if limit.is_some_and(|n| out.len() >= n) {
+            break;
+        }
         let entry = entry.map_err(std::io::Error::other)?;
         let is_empty_dir = entry.file_type().is_dir()
             && fs::read_dir(entry.path())

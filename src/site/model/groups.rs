@@ -68,9 +68,7 @@ pub fn machine_flags(row: &Row) -> Vec<String> {
 /// `decl`'s value for `row`: its count over its median time, in `decl.unit`; `None` when the
 /// row has no median or no such count.
 pub fn throughput(row: &Row, decl: &Throughput) -> Option<f64> {
-    let ms = row.median_ms.filter(|m| *m > 0.0)?;
-    let count = decl.count.of(row)?;
-    Some(count / (ms * 1e-3) / decl.per_second)
+    decl.of(row)
 }
 
 /// Header of an implementation column.

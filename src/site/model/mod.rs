@@ -168,6 +168,8 @@ pub struct Layout {
     pub has_data: bool,
     /// The page's table of contents.
     pub toc: Vec<TocEntry>,
+    /// True for a page of hand-written notes (its footer says so).
+    pub hand_written: bool,
     /// Link to "What runs by default" on the overview, for the `default` badges.
     pub defaults_href: String,
 }
@@ -295,6 +297,7 @@ pub fn build_model(
             file: file.to_string(),
             base: base.clone(),
             has_data: has_data && file != TUNING_FILE,
+            hand_written: file == TUNING_FILE,
             toc,
             defaults_href: format!("{base}index.html#what-runs-by-default"),
             nav: links(true),
@@ -347,7 +350,7 @@ pub fn build_model(
         all_docs,
         docs,
         &base,
-        layout("index.html", "GPU and CPU performance", overview::toc()),
+        layout("index.html", &overview_title(docs), overview::toc()),
         page_links,
         &glance,
     );
@@ -385,6 +388,19 @@ pub fn build_model(
         figures,
         glance_chart: glance.chart,
         tuning,
+    }
+}
+
+/// The overview's title, naming the kinds of device the documents measured (`GPU
+/// performance`, `GPU and CPU performance`; `Performance` before any document).
+fn overview_title(docs: &[Loaded]) -> String {
+    use crate::schema::DeviceKind;
+    let has = |k: DeviceKind| docs.iter().any(|l| l.doc.device.kind == k);
+    match (has(DeviceKind::Gpu), has(DeviceKind::Cpu)) {
+        (true, true) => "GPU and CPU performance".to_string(),
+        (true, false) => "GPU performance".to_string(),
+        (false, true) => "CPU performance".to_string(),
+        (false, false) => "Performance".to_string(),
     }
 }
 

@@ -24,8 +24,6 @@ pub struct IndexPage {
     pub pages: Vec<PageLink>,
     /// True when no document was loaded.
     pub empty: bool,
-    /// Every (group, x) with a default implementation.
-    pub glance: Vec<GlanceRow>,
     /// The same comparisons, one table per (suite, device): a row per group, a column per size.
     pub glance_tables: Vec<GlanceTable>,
     /// Site-relative path of the At a glance chart.
@@ -104,6 +102,8 @@ pub struct GlanceRow {
     pub ratio_html: Option<String>,
     /// True when the default's error is above its tolerance: no ratio is shown for it.
     pub default_inaccurate: bool,
+    /// Warnings on either row: throttled, shared GPU, an eager call launch-bound.
+    pub flags: Vec<String>,
     /// Why there is no ratio.
     pub note: Option<String>,
     /// True for the largest x of the group with a ratio (drawn in the chart).
@@ -159,6 +159,8 @@ pub struct GlanceCell {
     pub note: Option<String>,
     /// True for the size the chart plots.
     pub representative: bool,
+    /// Warnings on the rows compared (throttled, shared GPU, eager calls launch-bound).
+    pub flags: Vec<String>,
 }
 
 /// What one document says about its machine and software.
@@ -187,6 +189,8 @@ pub struct TimingView {
     pub launch_bound_ratio: String,
     /// Runs of the whole grid (`--runs`), in words: `once`, `3 times`.
     pub runs: String,
+    /// True when the grid ran more than once.
+    pub several_runs: bool,
     /// Fewest samples a row keeps when the time limit stops sampling
     /// ([`crate::harness::MIN_SAMPLES`]).
     pub min_samples: String,
@@ -483,6 +487,7 @@ fn glance_tables(rows: &[GlanceRow]) -> Vec<GlanceTable> {
                             None => Some("not measured".to_string()),
                         },
                         representative: r.is_some_and(|r| r.representative),
+                        flags: r.map(|r| r.flags.clone()).unwrap_or_default(),
                     }
                 })
                 .collect();
@@ -511,7 +516,7 @@ pub fn index_page(
             src: format!("{base}{}", c.file),
             alt: c.desc.clone(),
         }),
-        glance: glance.rows.clone(),
+
         setup: all_docs.iter().map(setup_doc).collect(),
         methodology: methodology(all_docs),
         dispatch: docs
@@ -578,6 +583,7 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                     alternative_ms: None,
                     ratio: None,
                     ratio_html: None,
+                    flags: Vec::new(),
                     default_inaccurate: above_tolerance(default),
                     note: None,
                     representative: false,
@@ -598,6 +604,26 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                 if let Some((alt_ms, alt)) = best {
                     row.alternative = Some(alt.implementation.clone());
                     row.alternative_ms = Some(format::ms(alt_ms));
+                }
+                let flags_of = |r: &Row| {
+                    let mut f: Vec<String> = super::groups::machine_flags(r)
+                        .into_iter()
+                        .map(|m| {
+                            format!(
+                                "{}: {}",
+                                r.implementation,
+                                m.split(':').next().unwrap_or("")
+                            )
+                        })
+                        .collect();
+                    if super::groups::eager_launch_bound(r, &l.doc) {
+                        f.push(format!("{}: eager calls launch-bound", r.implementation));
+                    }
+                    f
+                };
+                row.flags = flags_of(default);
+                if let Some((_, alt)) = best {
+                    row.flags.extend(flags_of(alt));
                 }
                 match (default.status, default.median_ms, best) {
                     (Status::Ok, _, _) if row.default_inaccurate => {
@@ -760,7 +786,16 @@ fn reference_label(r: crate::schema::Reference) -> &'static str {
     }
 }
 
-fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
+/// A value the document recorded, or words saying it did not.
+fn recorded(v: Option<String>) -> String {
+    v.unwrap_or_else(|| "(not recorded in this document)".to_string())
+}
+
+fn timing_view(
+    t: &TimingConfig,
+    protocol: Option<&crate::schema::ProtocolConstants>,
+    docs: &[&Loaded],
+) -> TimingView {
     let sets: BTreeSet<u32> = docs
         .iter()
         .flat_map(|l| l.doc.rows.iter().filter_map(|r| r.input_sets))
@@ -861,24 +896,29 @@ fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
             .join(", "),
         warmup_ms: format::sig(t.warmup_ms, 3),
         launch_bound_ratio: format::sig(t.launch_bound_ratio, 3),
+        several_runs: t.runs > 1,
         runs: match t.runs {
             1 => "once".to_string(),
             n => format!("{n} times"),
         },
-        min_samples: crate::harness::MIN_SAMPLES.to_string(),
-        max_input_sets: crate::harness::MAX_INPUT_SETS.to_string(),
-        rotation_memory_share: format!(
-            "{} %",
-            format::sig(100.0 * crate::harness::ROTATION_MEMORY_FRACTION, 3)
+        min_samples: recorded(protocol.map(|p| p.min_samples.to_string())),
+        max_input_sets: recorded(protocol.map(|p| p.max_input_sets.to_string())),
+        rotation_memory_share: recorded(
+            protocol.map(|p| format!("{} %", format::sig(100.0 * p.rotation_memory_fraction, 3))),
         ),
-        process_limit: format!(
-            "{} × {} s + {} s = {} s",
-            format::sig(crate::harness::PROCESS_LIMIT_FACTOR, 3),
-            format::sig(t.case_timeout_s, 3),
-            format::sig(crate::harness::PROCESS_LIMIT_MARGIN_S, 3),
-            format::sig(crate::harness::process_limit_s(t.case_timeout_s), 4)
-        ),
-        machine_sample_ms: crate::harness::MACHINE_SAMPLE_MS.to_string(),
+        process_limit: recorded(protocol.map(|p| {
+            format!(
+                "{} × {} s + {} s = {} s",
+                format::sig(p.process_limit_factor, 3),
+                format::sig(t.case_timeout_s, 3),
+                format::sig(p.process_limit_margin_s, 3),
+                format::sig(
+                    p.process_limit_factor * t.case_timeout_s + p.process_limit_margin_s,
+                    4
+                )
+            )
+        })),
+        machine_sample_ms: recorded(protocol.map(|p| format::sig(p.machine_sample_ms, 3))),
         throttled_share: format!(
             "{} %",
             format::sig(100.0 * super::groups::THROTTLED_CLOCK_SHARE, 3)
@@ -905,16 +945,24 @@ fn timing_view(t: &TimingConfig, docs: &[&Loaded]) -> TimingView {
     }
 }
 
-/// One view per distinct timing configuration, in document order.
+/// One view per distinct timing configuration and protocol, in document order.
 fn methodology(docs: &[Loaded]) -> Vec<TimingView> {
-    let mut configs: Vec<(&TimingConfig, Vec<&Loaded>)> = Vec::new();
+    type Key<'a> = (
+        &'a TimingConfig,
+        Option<&'a crate::schema::ProtocolConstants>,
+    );
+    let mut configs: Vec<(Key, Vec<&Loaded>)> = Vec::new();
     for l in docs {
-        match configs.iter_mut().find(|(t, _)| **t == l.doc.config.timing) {
+        let key = (&l.doc.config.timing, l.doc.config.protocol.as_ref());
+        match configs.iter_mut().find(|(k, _)| *k == key) {
             Some((_, v)) => v.push(l),
-            None => configs.push((&l.doc.config.timing, vec![l])),
+            None => configs.push((key, vec![l])),
         }
     }
-    configs.iter().map(|(t, v)| timing_view(t, v)).collect()
+    configs
+        .iter()
+        .map(|((t, p), v)| timing_view(t, *p, v))
+        .collect()
 }
 
 /// One size at which an alternative beat the default: (x label, default row, alternative row).

@@ -86,6 +86,18 @@ pub struct GroupView {
     pub ratio_figure: Option<FigureRef>,
     /// Per (x, implementation) that ran: spread, accuracy, compile time and memory.
     pub details: Vec<DetailRow>,
+    /// How each implementation's `peak_mb` was read, once per implementation (the memory
+    /// table would repeat it on every row).
+    pub peak_methods: Vec<KeyText>,
+}
+
+/// An implementation and a text about it.
+#[derive(Debug, Serialize)]
+pub struct KeyText {
+    /// Implementation.
+    pub implementation: String,
+    /// The text.
+    pub text: String,
 }
 
 /// One table row.
@@ -370,7 +382,23 @@ fn doc_section(
                 .filter(|(shared, _)| shared.iter().all(|(k, v)| g.params.get(k) == Some(v)))
                 .map(|(_, f)| f.clone())
                 .collect();
+            let mut peak_methods: Vec<KeyText> = Vec::new();
+            for h in &impls {
+                let methods: std::collections::BTreeSet<&str> = g
+                    .by_x
+                    .values()
+                    .filter_map(|(_, by)| by.get(h.name.as_str()))
+                    .filter_map(|r| r.memory.as_ref()?.peak_method.as_deref())
+                    .collect();
+                if !methods.is_empty() {
+                    peak_methods.push(KeyText {
+                        implementation: h.name.clone(),
+                        text: methods.into_iter().collect::<Vec<_>>().join("; "),
+                    });
+                }
+            }
             GroupView {
+                peak_methods,
                 anchor: format!("g-{id}"),
                 title: g.title(),
                 x_name: axis.to_string(),
@@ -513,6 +541,7 @@ fn detail_row(x: String, row: &Row, doc: &Document) -> DetailRow {
             .unwrap_or_else(dash),
         timing: match row.timing {
             Some(TimingMethod::GraphReplay) => "graph replay".to_string(),
+            Some(TimingMethod::WallClock) => "wall clock".to_string(),
             Some(TimingMethod::Events) | None => "events".to_string(),
         },
         host_ms: row.host_ms.map(format::ms).unwrap_or_else(dash),

@@ -190,9 +190,6 @@ fn parse_clause(clause: &str) -> Result<Cond, String> {
         "min" => Operand::Min,
         v => Operand::Literal(v.to_string()),
     };
-    if matches!(value, Operand::Max | Operand::Min) && op != Op::Eq {
-        return Err(format!("clause `{clause}`: max and min go with `=` only"));
-    }
     Ok(Cond {
         param: param.to_string(),
         op,
@@ -329,7 +326,12 @@ impl Filter {
                     c.param
                 ));
             };
-            kept.retain(|t| case_of(t).case.get(&c.param) == Some(&extreme));
+            kept.retain(|t| {
+                case_of(t)
+                    .case
+                    .get(&c.param)
+                    .is_some_and(|p| c.op.holds(param_order(p, &extreme)))
+            });
         }
         Ok(kept)
     }
@@ -339,10 +341,21 @@ impl Filter {
         let parts: Vec<String> = self
             .conds
             .iter()
-            .map(|c| match c.value {
-                Operand::Max => format!("the largest {}", c.param),
-                Operand::Min => format!("the smallest {}", c.param),
-                Operand::Literal(_) => c.to_string(),
+            .map(|c| {
+                let extreme = match c.value {
+                    Operand::Max => "largest",
+                    Operand::Min => "smallest",
+                    Operand::Literal(_) => return c.to_string(),
+                };
+                let relation = match c.op {
+                    Op::Eq => return format!("the {extreme} {}", c.param),
+                    Op::Ne => "other than",
+                    Op::Lt => "below",
+                    Op::Le => "up to",
+                    Op::Gt => "above",
+                    Op::Ge => "from",
+                };
+                format!("{} {relation} the {extreme}", c.param)
             })
             .collect();
         parts.join(" and ")
@@ -593,5 +606,20 @@ mod tests {
         assert!(seqs("seqlen = 3", &rows).unwrap_err().contains("seqlen"));
         assert!(seqs("seq_len = long", &rows).unwrap_err().contains("long"));
         assert!(seqs("causal > false", &rows).unwrap_err().contains("flag"));
+        // The extremes take every comparison: all but the largest, from the smallest up.
+        assert_eq!(
+            seqs("seq_len < max, causal = true", &rows).unwrap(),
+            [512, 1024, 2048]
+        );
+        assert_eq!(
+            seqs("seq_len != min, causal = false", &rows).unwrap(),
+            [1024, 2048, 4096]
+        );
+        assert_eq!(
+            parse_filter("seq_len < max, head_dim = min")
+                .unwrap()
+                .describe(),
+            "seq_len below the largest and the smallest head_dim"
+        );
     }
 }

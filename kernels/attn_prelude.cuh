@@ -1,0 +1,104 @@
+// Helpers shared by the attention kernels (flash forward and backward): 16-bit packing, the
+// tensor-core matrix product mma.sync m16n8k16 (sm_80+), ldmatrix, cp.async with zero fill,
+// and tile loads with row bounds. The host prepends this file to each kernel source
+// (src/attention/cuda.rs), so NVRTC needs no include path: 16-bit values are moved as raw bits
+// and converted with PTX cvt instructions.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+#define NEG_INF __int_as_float(0xff800000)
+#define POS_INF __int_as_float(0x7f800000)
+#define LN2 0.6931471805599453f
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// Packs two fp32 values as a pair of 16-bit values (round to nearest), `lo` in the low half.
+template <bool BF16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 d;
+    if (BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    }
+    return d;
+}
+
+// The 16-bit value `x` (bf16 or fp16 bits) as fp32.
+template <bool BF16>
+__device__ __forceinline__ float to_f32(u16 x) {
+    if (BF16) {
+        return __uint_as_float(((u32)x) << 16);
+    } else {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+        return f;
+    }
+}
+
+// c += a * b for one 16x8x16 tile: a row-major 16x16, b column-major 16x8, c fp32 16x8.
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+    if (BF16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// 16-byte asynchronous copy global -> shared; with `valid` false the 16 shared bytes are
+// zero-filled and nothing is read (src-size 0; `g` must still be a valid address).
+__device__ __forceinline__ void cp_async16(u32 saddr, const void* g, bool valid) {
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Copies rows [0, ROWS) of a tile from global (row stride D elements, starting at `g`) to
+// shared (row stride D + 8) with 16-byte cp.async; rows >= `valid_rows` are zero-filled (and
+// read nothing). The 8-element pad keeps ldmatrix's 8 row addresses in distinct bank groups.
+template <int ROWS, int D, int NTHREADS>
+__device__ __forceinline__ void load_tile(u16* s, const u16* g, int valid_rows, int tid) {
+    constexpr int STR = D + 8;
+    constexpr int CHUNKS = ROWS * D / 8;
+#pragma unroll
+    for (int i = tid; i < CHUNKS; i += NTHREADS) {
+        const int r = i / (D / 8);
+        const int c = (i % (D / 8)) * 8;
+        const bool ok = r < valid_rows;
+        cp_async16(smem_u32(s + r * STR + c), ok ? g + (size_t)r * D + c : g, ok);
+    }
+}

@@ -1,0 +1,134 @@
+//! One attention case as the runner protocol's files ([`crate::runner::protocol::CaseFiles`]):
+//! the input tensors the runner draws, the float64 reference values of the checked elements of
+//! O (and of dQ, dK, dV for forward + backward), and the call's arguments. The runner and the
+//! comparison-module tests write cases through this, so every implementation sees the same
+//! bits and the same reference.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::Result;
+use serde_json::json;
+
+use super::cpu::{reference_values, CheckPlan, Inputs};
+use super::{AttentionCase, Pass};
+use crate::runner::protocol::{
+    write_f64, write_u16, CaseFiles, CheckSpec, GradientSpec, OutputSpec, TensorFile,
+};
+use crate::schema::Reference;
+
+/// The call's arguments for the comparison modules (`CaseFiles::arguments`): `batch`, `heads`,
+/// `kv_heads`, `head_dim`, `seq_len_q`, `seq_len_kv`, `causal`, `causal_alignment`
+/// (`"bottom_right"`), `scale` (the value used, default included) and `kv_lens` (a list, or
+/// null when every entry has seq_len_kv keys).
+pub fn arguments(c: &AttentionCase) -> BTreeMap<String, serde_json::Value> {
+    let mut m = BTreeMap::new();
+    m.insert("batch".into(), json!(c.batch));
+    m.insert("heads".into(), json!(c.heads));
+    m.insert("kv_heads".into(), json!(c.kv_heads));
+    m.insert("head_dim".into(), json!(c.head_dim));
+    m.insert("seq_len_q".into(), json!(c.seq_len_q));
+    m.insert("seq_len_kv".into(), json!(c.seq_len_kv));
+    m.insert("causal".into(), json!(c.causal));
+    m.insert("causal_alignment".into(), json!("bottom_right"));
+    m.insert("scale".into(), json!(c.scale()));
+    m.insert("kv_lens".into(), json!(c.kv_lens));
+    m
+}
+
+/// Writes case `c`'s inputs ([`Inputs::random`] from `seed`: `q`, `k`, `v`, and `do` for
+/// forward + backward) and the float64 references of a [`CheckPlan`] of up to four
+/// (batch, head) slices × `check_rows` rows into `dir`, and returns the files.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn write_case(
+    c: &AttentionCase,
+    seed: u64,
+    check_rows: usize,
+    dir: &Path,
+) -> Result<CaseFiles> {
+    let inp = Inputs::random(c, seed);
+    let plan = CheckPlan::new(c, check_rows, seed ^ 0x5eed);
+    let refs = reference_values(c, &inp, &plan);
+    let dtype = c.dtype.as_str().to_string();
+    let q_shape = vec![c.batch, c.heads, c.seq_len_q, c.head_dim];
+    let kv_shape = vec![c.batch, c.kv_heads, c.seq_len_kv, c.head_dim];
+    let mut inputs = Vec::new();
+    let mut tensors = vec![
+        ("q", &inp.q, &q_shape),
+        ("k", &inp.k, &kv_shape),
+        ("v", &inp.v, &kv_shape),
+    ];
+    if c.pass == Pass::FwdBwd {
+        tensors.push(("do", &inp.dout, &q_shape));
+    }
+    for (name, words, shape) in tensors {
+        let path = dir.join(format!("{name}.bin"));
+        write_u16(&path, words)?;
+        inputs.push(TensorFile {
+            name: name.into(),
+            dtype: dtype.clone(),
+            shape: shape.clone(),
+            path,
+        });
+    }
+    let check = |file: &str, values: &[f64], ranges: Vec<[u64; 2]>, checked: String| {
+        let path = dir.join(file);
+        write_f64(&path, values).map(|_| CheckSpec {
+            ranges,
+            reference: path,
+            reference_kind: Reference::Float64Cpu,
+            tolerance: c.dtype.tolerance(),
+            checked,
+        })
+    };
+    let o_check = check("reference.f64", &refs.o, plan.ranges(c), plan.describe(c))?;
+    let mut gradients = Vec::new();
+    if c.pass == Pass::FwdBwd {
+        let fwd = AttentionCase {
+            pass: Pass::Fwd,
+            ..c.clone()
+        };
+        let q_text = plan.describe(&fwd);
+        let kv_text = format!(
+            "{} of {} (batch, kv head) slices x {} of {} key rows",
+            plan.kv_slices.len(),
+            c.batch * c.kv_heads,
+            plan.key_rows.len(),
+            c.seq_len_kv
+        );
+        for (name, input, values, ranges, text, shape) in [
+            ("dQ", "q", &refs.dq, plan.ranges(c), &q_text, &q_shape),
+            ("dK", "k", &refs.dk, plan.kv_ranges(c), &kv_text, &kv_shape),
+            ("dV", "v", &refs.dv, plan.kv_ranges(c), &kv_text, &kv_shape),
+        ] {
+            gradients.push(GradientSpec {
+                name: name.into(),
+                input: input.into(),
+                output: OutputSpec {
+                    dtype: dtype.clone(),
+                    shape: shape.clone(),
+                },
+                check: check(
+                    &format!("reference_{}.f64", name.to_lowercase()),
+                    values,
+                    ranges,
+                    text.clone(),
+                )?,
+            });
+        }
+    }
+    Ok(CaseFiles {
+        inputs,
+        output: OutputSpec {
+            dtype,
+            shape: q_shape,
+        },
+        check: o_check,
+        gradients,
+        arguments: arguments(c),
+        flops: Some(c.flops()),
+        bytes: None,
+    })
+}
