@@ -566,7 +566,9 @@ fn draw_legend<DB: DrawingBackend>(
     Ok(())
 }
 
-/// x range of the At a glance chart: every ratio, whisker end and 1, with room on both sides.
+/// x range of the At a glance chart: every ratio, whisker end, 1, and at least 0.5 to 2, so both
+/// sides of 1 ("alternative faster", "default faster") carry a tick whatever the data; with room
+/// beyond the extremes.
 pub fn glance_bounds(chart: &GlanceChart) -> (f64, f64) {
     let values = chart
         .bars
@@ -579,7 +581,7 @@ pub fn glance_bounds(chart: &GlanceChart) -> (f64, f64) {
         })
         .flatten()
         .filter(|v| v.is_finite() && *v > 0.0)
-        .chain([1.0]);
+        .chain([0.5, 1.0, 2.0]);
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for v in values {
         lo = lo.min(v);
@@ -844,7 +846,11 @@ mod tests {
         let (lo, hi) = glance_bounds(&chart);
         assert!(lo < 0.35 && hi > 1.0 * 1.2, "{lo} {hi}");
         let t = glance_ticks(lo, hi);
-        assert!(t.contains(&1.0) && t.iter().any(|v| *v < 1.0), "{t:?}");
+        // Every ratio below 1, yet the "default faster" side still has a tick.
+        assert!(
+            t.contains(&1.0) && t.iter().any(|v| *v < 1.0) && t.iter().any(|v| *v > 1.0),
+            "{t:?}"
+        );
         let svg = glance_chart(&chart).unwrap();
         for words in [
             "default faster",
