@@ -79,6 +79,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, u32 addr) {
 __device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(g));
 }
+// As cp_async16, but when `valid` is false no byte is read and the 16 bytes are zero-filled
+// (src-size 0): partial tiles past the sequence end become zeros, never stale data.
+__device__ __forceinline__ void cp_async16_zfill(u32 saddr, const void* g, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g),
+                 "r"(valid ? 16 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -102,6 +108,26 @@ __device__ __forceinline__ void load_tile(u16* s, const u16* g, int tid) {
         int r = i / (D / 8);
         int c = (i % (D / 8)) * 8;
         cp_async16(smem_u32(s + r * STR + c), g + (size_t)r * D + c);
+    }
+}
+
+// load_tile for a tile that may run past the sequence end: rows r >= `valid` are zero-filled
+// and their global address is never formed past the tile's first row. With EVEN the bound is
+// known to hold and this is load_tile.
+template <int ROWS, int D, int NTHREADS, bool EVEN>
+__device__ __forceinline__ void load_tile_bounded(u16* s, const u16* g, int tid, int valid) {
+    if (EVEN) {
+        load_tile<ROWS, D, NTHREADS>(s, g, tid);
+        return;
+    }
+    constexpr int STR = D + 8;
+    constexpr int CHUNKS = ROWS * D / 8;
+#pragma unroll
+    for (int i = tid; i < CHUNKS; i += NTHREADS) {
+        int r = i / (D / 8);
+        int c = (i % (D / 8)) * 8;
+        const bool ok = r < valid;
+        cp_async16_zfill(smem_u32(s + r * STR + c), g + (ok ? (size_t)r * D + c : 0), ok);
     }
 }
 
@@ -276,8 +302,11 @@ __device__ __forceinline__ void flash_fwd(const u16* __restrict__ Q, const u16* 
 // one: the shared-memory bytes per FLOP fall by up to MT. Q stays in shared memory and its
 // fragments are re-read per key tile (registers go to the MT-fold accumulators instead).
 // BCT keys per tile (32 or 64). A warp whose rows all precede a causal tile skips its work.
-// Requirements: T % (16 * MT * NW) == 0, (16 * MT * NW) % BCT == 0.
-template <int D, int NW, int MT, int BCT, bool BF16, bool CAUSAL>
+// EVEN: T is a multiple of the query tile (so of BCT). Without it any T >= 1 runs: the last query
+// and key tiles are loaded zero-filled past T, keys >= T score -inf (on the last key tile only;
+// with CAUSAL the mask already removes them for every stored row), rows >= T are not stored.
+// Requirements: (16 * MT * NW) % BCT == 0; with EVEN, T % (16 * MT * NW) == 0.
+template <int D, int NW, int MT, int BCT, bool BF16, bool CAUSAL, bool EVEN>
 __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u16* __restrict__ K,
                                              const u16* __restrict__ V, u16* __restrict__ O,
                                              int T, int H, int KVH, float scale_log2) {
@@ -295,20 +324,21 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int n_qt = T / BR;
+    const int n_qt = EVEN ? T / BR : (T + BR - 1) / BR;
     const int qt = CAUSAL ? (n_qt - 1 - (int)blockIdx.x) : (int)blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (H / KVH);
     const size_t q_off = ((size_t)(b * H + h) * T + (size_t)qt * BR) * D;
     const size_t kv_off = (size_t)(b * KVH + kvh) * T * D;
-    const int n_kt = CAUSAL ? ((qt + 1) * BR) / BCT : (T / BCT);
+    const int n_kt_all = EVEN ? T / BCT : (T + BCT - 1) / BCT;  // key tiles in the sequence
+    const int n_kt = CAUSAL ? min(((qt + 1) * BR) / BCT, n_kt_all) : n_kt_all;
     const int warp_row0 = warp * 16 * MT;            // first row of this warp within the tile
     const int warp_last = qt * BR + warp_row0 + 16 * MT - 1;  // its last global query row
 
-    load_tile<BR, D, NTH>(sQ, Q + q_off, tid);
+    load_tile_bounded<BR, D, NTH, EVEN>(sQ, Q + q_off, tid, T - qt * BR);
     cp_async_commit();
-    load_tile<BCT, D, NTH>(sK, K + kv_off, tid);
-    load_tile<BCT, D, NTH>(sV, V + kv_off, tid);
+    load_tile_bounded<BCT, D, NTH, EVEN>(sK, K + kv_off, tid, T);
+    load_tile_bounded<BCT, D, NTH, EVEN>(sV, V + kv_off, tid, T);
     cp_async_commit();
 
     float o[MT][DT][4];
@@ -326,8 +356,11 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
     for (int kt = 0; kt < n_kt; ++kt) {
         const int buf = kt & 1;
         if (kt + 1 < n_kt) {
-            load_tile<BCT, D, NTH>(sK + (buf ^ 1) * BCT * STR, K + kv_off + (size_t)(kt + 1) * BCT * D, tid);
-            load_tile<BCT, D, NTH>(sV + (buf ^ 1) * BCT * STR, V + kv_off + (size_t)(kt + 1) * BCT * D, tid);
+            const int rest = T - (kt + 1) * BCT;  // keys left from the next tile on
+            load_tile_bounded<BCT, D, NTH, EVEN>(sK + (buf ^ 1) * BCT * STR,
+                                                 K + kv_off + (size_t)(kt + 1) * BCT * D, tid, rest);
+            load_tile_bounded<BCT, D, NTH, EVEN>(sV + (buf ^ 1) * BCT * STR,
+                                                 V + kv_off + (size_t)(kt + 1) * BCT * D, tid, rest);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -367,6 +400,8 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
             }
 
             const bool diag = CAUSAL && (kt * BCT + BCT - 1 > qt * BR + warp_row0);
+            // Keys past T on the last key tile (non-causal; causal masks them through diag).
+            const bool tail = !EVEN && !CAUSAL && (kt * BCT + BCT > T);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -379,6 +414,7 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
                             int col = kt * BCT + nt * 8 + 2 * t4 + (e & 1);
                             if (col > row) x = NEG_INF;
                         }
+                        if (tail && kt * BCT + nt * 8 + 2 * t4 + (e & 1) >= T) x = NEG_INF;
                         s[mt][nt][e] = x;
                     }
                 }
@@ -447,6 +483,7 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
             l += __shfl_xor_sync(0xffffffff, l, 2);
             const float inv = 1.f / l;
             const int row = warp_row0 + mt * 16 + g + r * 8;
+            if (!EVEN && qt * BR + row >= T) continue;  // past the sequence end: not stored
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 u32 v = pack2<BF16>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);

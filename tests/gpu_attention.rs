@@ -330,6 +330,12 @@ fn outputs_are_bit_identical_over_five_runs() {
             pass: Pass::FwdBwd,
             ..AttentionCase::new(1, 24, 1, 64)
         },
+        // The fast path's masked last tile (equal lengths off the tile, forward only).
+        AttentionCase {
+            causal: true,
+            ..AttentionCase::new(1, 24, 4097, 64)
+        },
+        AttentionCase::new(1, 3, 63, 128),
     ];
     for c in &cases {
         let inp = Inputs::random(c, 7);

@@ -29,9 +29,10 @@ pub const FLASH_SRC: &str = include_str!("../../kernels/flash_attn_fwd.cu");
 /// The aligned fast path of the forward (`kernels/flash_attn_fwd_aligned.cu`), self-contained.
 pub const FLASH_ALIGNED_SRC: &str = include_str!("../../kernels/flash_attn_fwd_aligned.cu");
 
-/// True when the forward of `c` can take the aligned fast path ([`flash_aligned_instance`]):
-/// forward only, equal query and key lengths that are a multiple of the 128-row query tile,
-/// head_dim 64 or 128, every key valid, 16-bit, and the tuned configuration.
+/// True when the forward of `c` can take the fast path ([`flash_aligned_instance`]): forward
+/// only, equal query and key lengths (any length ≥ 1: a length that is not a multiple of the
+/// 128-row query tile takes the instance with a masked last tile), head_dim 64 or 128, every key
+/// valid, 16-bit, and the tuned configuration.
 pub fn flash_aligned(c: &AttentionCase, fc: FlashConfig) -> bool {
     c.pass == Pass::Fwd
         && c.dtype != Dtype::F32
@@ -44,26 +45,35 @@ pub fn flash_aligned(c: &AttentionCase, fc: FlashConfig) -> bool {
                 m_tiles: 2,
                 key_tile: 64,
             })
-        && c.seq_len_q.is_multiple_of(fc.query_tile())
+        && c.seq_len_q >= 1
 }
 
-/// The kernel name and the NVRTC source of the aligned fast-path forward for `c`
-/// (`flash_fwd_v3` of `kernels/flash_attn_fwd_aligned.cu` with configuration `fc`); its
-/// arguments are `(Q, K, V, O, T, H, KVH, scale_log2)`.
+/// True when `c`'s length is a multiple of `fc`'s query tile, so the fast path needs no masked
+/// last tile (the `EVEN` instance of `flash_fwd_v3`).
+pub fn flash_even(c: &AttentionCase, fc: FlashConfig) -> bool {
+    c.seq_len_q.is_multiple_of(fc.query_tile()) && c.seq_len_kv.is_multiple_of(fc.key_tile)
+}
+
+/// The kernel name and the NVRTC source of the fast-path forward for `c` (`flash_fwd_v3` of
+/// `kernels/flash_attn_fwd_aligned.cu` with configuration `fc`, `EVEN` from [`flash_even`]: one
+/// compile serves every non-aligned length); its arguments are
+/// `(Q, K, V, O, T, H, KVH, scale_log2)`.
 pub fn flash_aligned_instance(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
     let dt = dtype_tag(c.dtype);
     let mask = if c.causal { "causal" } else { "full" };
+    let even = flash_even(c, fc);
     let name = format!(
-        "flash_fwd_aligned_{dt}_d{}_{mask}_{}",
+        "flash_fwd_aligned_{dt}_d{}_{mask}_{}{}",
         c.head_dim,
-        fc.name()
+        fc.name(),
+        if even { "" } else { "_tail" }
     );
     let (bf, causal, d) = (c.dtype == Dtype::Bf16, c.causal, c.head_dim);
     let src = format!(
         "{FLASH_ALIGNED_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
          const u16* Q, const u16* K, const u16* V, u16* O, int T, int H, int KVH, \
-         float scale_log2) {{ flash_fwd_v3<{d}, {w}, {m}, {k}, {bf}, {causal}>(Q, K, V, O, T, H, \
-         KVH, scale_log2); }}\n",
+         float scale_log2) {{ flash_fwd_v3<{d}, {w}, {m}, {k}, {bf}, {causal}, {even}>(Q, K, V, O, T, \
+         H, KVH, scale_log2); }}\n",
         threads = 32 * fc.warps,
         w = fc.warps,
         m = fc.m_tiles,
@@ -996,8 +1006,9 @@ impl Runner {
                         .arg(&scale_log2);
                     // SAFETY: the arguments match `flash_fwd_aligned_*(const u16* Q, const u16*
                     // K, const u16* V, u16* O, int T, int H, int KVH, float)`; Q and O hold
-                    // B·H·T·D elements, K and V B·KVH·T·D (`flash_aligned` holds Tq = Tkv = T, a
-                    // multiple of the grid's query tile, every key valid); forward only.
+                    // B·H·T·D elements, K and V B·KVH·T·D (`flash_aligned` holds Tq = Tkv = T,
+                    // every key valid); the grid covers ⌈T/BR⌉ query tiles and a non-EVEN
+                    // instance bounds its loads and stores by T; forward only.
                     unsafe { b.launch(*cfg)? };
                     return Ok(());
                 }
