@@ -7,13 +7,11 @@
 #                                                 # non-aligned lengths and the T=16384 headline
 #   bash .carry/device_run.sh tests OUTDIR        # the GPU and comparison tests only
 #   bash .carry/device_run.sh full OUTDIR [i/n]   # the committed grid (or shard i of n)
-#   bash .carry/device_run.sh shapes OUTDIR i/n LIMIT_S [tests]
-#                                                 # (the GPU tests first, then) the non-aligned
-#                                                 # verdict rows and shard i/n of the forward
-#                                                 # shapes grid against PyTorch and JAX
-#   bash .carry/device_run.sh rest OUTDIR LIMIT_S # the forward+backward rows a full run's time
-#                                                 # limit left out (causal, T=16384), JAX on the
-#                                                 # forward main grid, the configuration test
+#   bash .carry/device_run.sh part OUTDIR NAME LIMIT_S FILTER [i/n]
+#                                                 # one part of a run split over calls or GPUs:
+#                                                 # `attention --compare torch,jax --filter
+#                                                 # FILTER [--shard i/n]` into OUTDIR/NAME.json
+#                                                 # (CUDA_VISIBLE_DEVICES picks the GPU)
 #
 # Leaves in OUTDIR: gpu_attention.tests.log, compare_script.tests.log, and per runner call a
 # document (*.json) and its log (*.log). Every step has a time limit, so the verdict table
@@ -48,14 +46,15 @@ tests() {
     --include-ignored --test-threads 1 --nocapture --skip every_flash_configuration
   step "compare tests" "$2" "$out/compare_script.tests.log" "$bin/compare_script_test" \
     --include-ignored --test-threads 1 --nocapture
-  step "gpu config tests" "$3" "$out/gpu_configs.tests.log" "$bin/gpu_attention_test" \
+ [ "$3" = 0 ] || step "gpu config tests" "$3" "$out/gpu_configs.tests.log" "$bin/gpu_attention_test" \
     --include-ignored --test-threads 1 --nocapture --exact every_flash_configuration_matches_float64
 }
 
 quick_timing=(--warmup-ms 50 --repeats 7 --case-timeout 40)
 case $mode in
 tests)
-  tests 300 150 150
+  # Optional limits: gpu tests, comparison tests, configuration test (0 skips it), s.
+  tests "${3:-300}" "${4:-150}" "${5:-150}"
   ;;
 smoke)
   tests 200 90 60
@@ -71,30 +70,11 @@ smoke)
     --filter seq_len=16384,head_dim=128,causal=false "${quick_timing[@]}" \
     --output "$out/headline.json"
   ;;
-shapes)
-  limit=${4:?time limit for the shapes shard, s}
-  if [ "${5:-}" = tests ]; then
-    step "gpu tests" 150 "$out/gpu_attention.tests.log" "$bin/gpu_attention_test" \
-      --include-ignored --test-threads 1 --nocapture --skip every_flash_configuration
-    step "compare tests" 60 "$out/compare_script.tests.log" "$bin/compare_script_test" \
-      --include-ignored --test-threads 1 --nocapture
-  fi
-  step "non-aligned" 60 "$out/nonaligned.log" "$bin/attention" --grids shapes \
-    --implementations flash --filter 'heads=24,seq_len>=4092' "${quick_timing[@]}" \
-    --output "$out/nonaligned.json"
-  step "shapes $shard" "$limit" "$out/gpu_attention_shapes_${shard%/*}.log" "$bin/attention" \
-    --grids shapes --passes fwd --compare torch,jax --shard "$shard" --repeats 10 \
-    --warmup-ms 50 --case-timeout 60 --output "$out/gpu_attention_shapes_${shard%/*}.json"
-  ;;
-rest)
-  limit=${3:?time limit, s}
-  step "fwd+bwd causal T16384" "$limit" "$out/gpu_attention_bwd_3.log" "$bin/attention" \
-    --compare torch --grids main --head-dims 128 --filter 'pass=fwd+bwd,causal=true,seq_len=16384' \
-    --output "$out/gpu_attention_bwd_3.json"
-  step "jax main" 200 "$out/gpu_attention_jax.log" "$bin/attention" --grids main \
-    --implementations flash --compare jax --filter pass=fwd --output "$out/gpu_attention_jax.json"
-  step "gpu config tests" 120 "$out/gpu_configs.tests.log" "$bin/gpu_attention_test" \
-    --include-ignored --test-threads 1 --nocapture --exact every_flash_configuration_matches_float64
+part)
+  name=${3:?part name}; limit=${4:?time limit, s}; filter=${5:?filter}; part_shard=${6:-}
+  extra=(); [ -n "$part_shard" ] && extra=(--shard "$part_shard")
+  step "part $name" "$limit" "$out/$name.log" "$bin/attention" --compare torch,jax \
+    --filter "$filter" "${extra[@]}" --output "$out/$name.json"
   ;;
 full)
   extra=(); [ -n "$shard" ] && extra=(--shard "$shard")
