@@ -116,7 +116,7 @@ __device__ __forceinline__ void load_tile(u16* s, const u16* g, int tid) {
 // known to hold and this is load_tile.
 template <int ROWS, int D, int NTHREADS, bool EVEN>
 __device__ __forceinline__ void load_tile_bounded(u16* s, const u16* g, int tid, int valid) {
-    if (EVEN) {
+    if (EVEN || valid >= ROWS) {  // a uniform branch: only the last tile takes the bounds
         load_tile<ROWS, D, NTHREADS>(s, g, tid);
         return;
     }
@@ -414,9 +414,17 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
                             int col = kt * BCT + nt * 8 + 2 * t4 + (e & 1);
                             if (col > row) x = NEG_INF;
                         }
-                        if (tail && kt * BCT + nt * 8 + 2 * t4 + (e & 1) >= T) x = NEG_INF;
                         s[mt][nt][e] = x;
                     }
+                }
+                // A block of its own, so full tiles branch around it once instead of paying a
+                // compare per score.
+                if (tail) {
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (kt * BCT + nt * 8 + 2 * t4 + (e & 1) >= T) s[mt][nt][e] = NEG_INF;
                 }
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
