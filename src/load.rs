@@ -934,8 +934,9 @@ fn filter_of(command: &[String]) -> Option<&str> {
 /// Documents of one suite and device must be parts of one run: from the same commit, with the
 /// same timing parameters and the same command apart from [`PART_OPTIONS`], each part naming
 /// its cases, by `--shard i/n` (the same n, distinct i) or by a distinct `--filter` (a run
-/// split over several calls of a time-limited machine). The duplicate-row check then holds the
-/// parts disjoint.
+/// split over several calls of a time-limited machine). Every pair of documents is compared,
+/// so a copied part is caught whichever part comes first. The duplicate-row check then holds
+/// the parts disjoint.
 fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
     let mut errors = Vec::new();
     let mut by_key: BTreeMap<(Suite, &str), Vec<&Loaded>> = BTreeMap::new();
@@ -946,31 +947,30 @@ fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
             .push(l);
     }
     for ((suite, device), docs) in by_key {
-        let Some((first, rest)) = docs.split_first() else {
-            continue;
-        };
-        for other in rest {
-            let a = &first.doc.config;
-            let b = &other.doc.config;
-            let same_run = a.git_commit == b.git_commit
-                && a.timing == b.timing
-                && command_without_shard(&a.command) == command_without_shard(&b.command);
-            let distinct_shards = match (shard_of(&a.command), shard_of(&b.command)) {
-                (Some((ia, na)), Some((ib, nb))) => na == nb && ia != ib,
-                _ => false,
-            };
-            let distinct_filters = match (filter_of(&a.command), filter_of(&b.command)) {
-                (Some(fa), Some(fb)) => fa != fb,
-                _ => false,
-            };
-            let shards = same_run && (distinct_shards || distinct_filters);
-            if !shards {
-                errors.push(LoadError::TwoRuns {
-                    suite: suite.as_str().to_string(),
-                    device: device.to_string(),
-                    first: first.path.clone(),
-                    second: other.path.clone(),
-                });
+        for (i, first) in docs.iter().enumerate() {
+            for other in &docs[i + 1..] {
+                let a = &first.doc.config;
+                let b = &other.doc.config;
+                let same_run = a.git_commit == b.git_commit
+                    && a.timing == b.timing
+                    && command_without_shard(&a.command) == command_without_shard(&b.command);
+                let distinct_shards = match (shard_of(&a.command), shard_of(&b.command)) {
+                    (Some((ia, na)), Some((ib, nb))) => na == nb && ia != ib,
+                    _ => false,
+                };
+                let distinct_filters = match (filter_of(&a.command), filter_of(&b.command)) {
+                    (Some(fa), Some(fb)) => fa != fb,
+                    _ => false,
+                };
+                let shards = same_run && (distinct_shards || distinct_filters);
+                if !shards {
+                    errors.push(LoadError::TwoRuns {
+                        suite: suite.as_str().to_string(),
+                        device: device.to_string(),
+                        first: first.path.clone(),
+                        second: other.path.clone(),
+                    });
+                }
             }
         }
     }

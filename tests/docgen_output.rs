@@ -26,7 +26,7 @@ fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
         .collect()
 }
 
-/// A project folder: `data/` with the committed attention document, optionally a git
+/// A project folder: `data/` with the committed GPU attention run, optionally a git
 /// repository with it committed.
 struct Project {
     dir: tempfile::TempDir,
@@ -36,11 +36,17 @@ impl Project {
     fn new(git: bool) -> Project {
         let dir = tempfile::tempdir().unwrap();
         fs::create_dir(dir.path().join("data")).unwrap();
-        fs::copy(
-            root().join("data/gpu_attention.json"),
-            dir.path().join("data/gpu_attention.json"),
-        )
-        .unwrap();
+        // The committed GPU run: its parts (the prose needs all of them).
+        for e in fs::read_dir(root().join("data")).unwrap() {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            if name.starts_with("gpu_attention") && name.ends_with(".json") {
+                fs::copy(
+                    root().join("data").join(&name),
+                    dir.path().join("data").join(&name),
+                )
+                .unwrap();
+            }
+        }
         if git {
             let git = |args: &[&str]| {
                 let ok = Command::new("git")
@@ -112,7 +118,7 @@ fn build_into_a_git_repository_that_holds_the_data_is_refused() {
     p.refused(&["build", "--out", &here], "holds the data folder");
     p.refused(&["build", "--out", "."], "holds the data folder");
     assert!(p.path().join(".git").is_dir());
-    assert!(p.path().join("data/gpu_attention.json").is_file());
+    assert!(p.path().join("data/gpu_attention_fwd_1.json").is_file());
     // With the data elsewhere, the repository is still refused as a git work tree.
     let elsewhere = tempfile::tempdir().unwrap();
     fs::rename(p.path().join("data"), elsewhere.path().join("data")).unwrap();
@@ -137,7 +143,7 @@ fn build_and_figures_into_the_data_folder_are_refused() {
         &["figures", "--out", "./data/../data"],
         "it is the data folder",
     );
-    assert!(p.path().join("data/gpu_attention.json").is_file());
+    assert!(p.path().join("data/gpu_attention_fwd_1.json").is_file());
 }
 
 #[test]
@@ -145,8 +151,8 @@ fn the_parent_of_the_data_folder_and_unrelated_files_are_refused() {
     let p = Project::new(false);
     fs::create_dir_all(p.path().join("work/data")).unwrap();
     fs::copy(
-        p.path().join("data/gpu_attention.json"),
-        p.path().join("work/data/gpu_attention.json"),
+        p.path().join("data/gpu_attention_fwd_1.json"),
+        p.path().join("work/data/gpu_attention_fwd_1.json"),
     )
     .unwrap();
     p.refused(
@@ -205,9 +211,11 @@ fn missing_and_empty_folders_are_written() {
     assert!(p.path().join("empty/at-a-glance.svg").is_file());
     // What build says it wrote, and how to look at it.
     let (_, stderr) = p.docgen(&["build", "--out", "new/site"]);
+    let documents = fs::read_dir(p.path().join("data")).unwrap().count();
+    let read = format!("read {documents} documents");
     for needle in [
-        "read 1 document",
-        "gpu_attention.json",
+        read.as_str(),
+        "gpu_attention_fwd_1.json",
         "pages (",
         "figures",
         "docgen serve",
@@ -335,8 +343,8 @@ fn a_copied_document_is_one_error_not_one_per_row() {
     let p = Project::new(false);
     fs::create_dir(p.path().join("data/h200")).unwrap();
     fs::copy(
-        p.path().join("data/gpu_attention.json"),
-        p.path().join("data/h200/gpu_attention.json"),
+        p.path().join("data/gpu_attention_fwd_1.json"),
+        p.path().join("data/h200/gpu_attention_fwd_1.json"),
     )
     .unwrap();
     let (code, stderr) = p.docgen(&["build", "--out", "site"]);
