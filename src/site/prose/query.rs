@@ -75,6 +75,9 @@ pub enum Operand {
     Max,
     /// `min`: the smallest such value.
     Min,
+    /// `none`: the row's case does not have the parameter (`scale = none`: the default
+    /// scale; `scale != none`: a scale was given). Only `=` and `!=` apply.
+    Absent,
 }
 
 /// One comparison `param op value`.
@@ -94,6 +97,7 @@ impl fmt::Display for Cond {
             Operand::Literal(s) => s.as_str(),
             Operand::Max => "max",
             Operand::Min => "min",
+            Operand::Absent => "none",
         };
         write!(f, "{} {} {v}", self.param, self.op.symbol())
     }
@@ -115,7 +119,8 @@ impl fmt::Display for Filter {
 
 /// Parses `seq_len >= 2048, causal = true and head_dim = 128`: comparisons separated by `,`
 /// or the word `and`. Values may be quoted with `'`; `max` and `min` pick the extreme value of
-/// the parameter among the rows that the other comparisons keep.
+/// the parameter among the rows that the other comparisons keep; `none` (with `=` or `!=`)
+/// matches the rows whose case lacks (has) the parameter.
 ///
 /// Errors: the message names the clause that does not parse.
 pub fn parse_filter(text: &str) -> Result<Filter, String> {
@@ -188,6 +193,8 @@ fn parse_clause(clause: &str) -> Result<Cond, String> {
     let value = match value {
         "max" => Operand::Max,
         "min" => Operand::Min,
+        "none" if matches!(op, Op::Eq | Op::Ne) => Operand::Absent,
+        "none" => return Err(format!("clause `{clause}`: only = and != apply to none")),
         v => Operand::Literal(v.to_string()),
     };
     Ok(Cond {
@@ -258,7 +265,9 @@ impl Filter {
         case_of: impl Fn(&T) -> &'a Row,
     ) -> Result<Vec<T>, String> {
         for c in &self.conds {
-            if !items.iter().any(|t| case_of(t).case.contains_key(&c.param)) {
+            if c.value != Operand::Absent
+                && !items.iter().any(|t| case_of(t).case.contains_key(&c.param))
+            {
                 let mut known: Vec<&str> = items
                     .iter()
                     .flat_map(|t| case_of(t).case.keys().map(String::as_str))
@@ -277,6 +286,14 @@ impl Filter {
         for t in items {
             let mut ok = true;
             for c in &self.conds {
+                if c.value == Operand::Absent {
+                    let has = case_of(&t).case.contains_key(&c.param);
+                    if has != (c.op == Op::Ne) {
+                        ok = false;
+                        break;
+                    }
+                    continue;
+                }
                 let Operand::Literal(lit) = &c.value else {
                     continue;
                 };
@@ -310,7 +327,7 @@ impl Filter {
             let pick = match c.value {
                 Operand::Max => Ordering::Greater,
                 Operand::Min => Ordering::Less,
-                Operand::Literal(_) => continue,
+                Operand::Literal(_) | Operand::Absent => continue,
             };
             let extreme = kept
                 .iter()
@@ -346,6 +363,8 @@ impl Filter {
                     Operand::Max => "largest",
                     Operand::Min => "smallest",
                     Operand::Literal(_) => return c.to_string(),
+                    Operand::Absent if c.op == Op::Eq => return format!("no {}", c.param),
+                    Operand::Absent => return format!("a {}", c.param),
                 };
                 let relation = match c.op {
                     Op::Eq => return format!("the {extreme} {}", c.param),
@@ -566,6 +585,25 @@ mod tests {
             "seq_len ≥ 2048 and causal = true and dtype = bf16"
         );
         assert!(parse_filter("").unwrap().conds.is_empty());
+    }
+
+    #[test]
+    fn none_matches_rows_without_the_parameter() {
+        let mut rows: Vec<Row> = [512, 1024].iter().map(|&s| row(s, false)).collect();
+        let mut scaled = row(2048, false);
+        scaled.case.insert("scale".to_string(), Param::Float(0.3));
+        rows.push(scaled);
+        assert_eq!(seqs("scale = none", &rows).unwrap(), [512, 1024]);
+        assert_eq!(seqs("scale != none", &rows).unwrap(), [2048]);
+        // A parameter no row has: every row lacks it.
+        assert_eq!(seqs("kv_lens = none", &rows).unwrap(), [512, 1024, 2048]);
+        assert!(parse_filter("scale < none").unwrap_err().contains("none"));
+        assert_eq!(
+            parse_filter("scale = none, kv_lens != none")
+                .unwrap()
+                .describe(),
+            "no scale and a kv_lens"
+        );
     }
 
     #[test]
