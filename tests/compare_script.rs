@@ -197,7 +197,11 @@ fn every_job_gets_a_reply_row() {
     let cross = AttentionCase {
         seq_len_q: 40,
         seq_len_kv: 100,
-        kv_lens: Some(vec![100, 37]),
+        // 57 keys for 40 queries: with the causal mask every row sees a key. (With fewer keys
+        // than queries the first rows see none; cuDNN's explicit-mask path then disagrees with
+        // the reference's O = 0 on those rows, which the row's notes say:
+        // protocol.empty_rows_note.)
+        kv_lens: Some(vec![100, 57]),
         ..c.clone()
     };
     for (i, c) in [c.clone(), cross].iter().enumerate() {

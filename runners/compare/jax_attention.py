@@ -422,6 +422,9 @@ def _measure(job, named):
     if mask_of(args, 1) is not None:
         notes.append("an explicit mask (bottom-right causal, per-sequence key lengths): "
                      "JAX's is_causal aligns top-left")
+    empty = protocol.empty_rows_note(args)
+    if empty:
+        notes.append(empty)
     if m["cut_short"]:
         notes.append("%d of %d samples: the %g s case limit stopped sampling"
                      % (m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"])))

@@ -324,6 +324,32 @@ def check_output(nonfinite_index, length, got, reference):
     return None, e
 
 
+def empty_rows(args):
+    """How many (batch entry, query row) pairs of a call see no key: all seq_len_q rows of an
+    entry whose key length is 0, and with the causal mask (aligned bottom-right) the first
+    seq_len_q - L rows of an entry with L < seq_len_q keys. The reference gives those rows O = 0
+    and no gradient; a library's masked softmax over a row with every key masked may not."""
+    tq, tkv = int(args["seq_len_q"]), int(args["seq_len_kv"])
+    lens = args.get("kv_lens") or [tkv] * int(args["batch"])
+    n = 0
+    for length in lens:
+        if length == 0:
+            n += tq
+        elif args["causal"]:
+            n += max(0, tq - int(length))
+    return n
+
+
+def empty_rows_note(args):
+    """The row note for a call with rows that see no key ([`empty_rows`]), or None."""
+    n = empty_rows(args)
+    if n == 0:
+        return None
+    return ("%d of %d query rows (per head) see no key: the reference gives them O = 0 and no "
+            "gradient, so a library that writes anything else there is off by those rows' share "
+            "of the error" % (n, int(args["batch"]) * int(args["seq_len_q"])))
+
+
 def unix_now():
     return time.time()
 
@@ -468,6 +494,12 @@ def self_test():
     check(e is None and "element 99 of 100" in msg, "NaN outside the slices fails: %r" % msg)
     check(abs(rel_l2([1.1, 2.0], [1.0, 2.0]) - 0.1 / math.sqrt(5)) < 1e-12, "rel_l2")
     check(rel_l2([0.0, 0.0], [0.0, 0.0]) == 0.0, "zero reference, zero output")
+    base = dict(batch=2, seq_len_q=40, seq_len_kv=100, causal=True, kv_lens=[100, 37])
+    check(empty_rows(base) == 3, "causal with 37 keys for 40 queries: 3 empty rows")
+    check(empty_rows(dict(base, causal=False)) == 0, "no causal mask: no empty row")
+    check(empty_rows(dict(base, causal=False, kv_lens=[0, 5])) == 40, "key length 0")
+    check(empty_rows(dict(base, kv_lens=None)) == 0, "no key lengths, more keys than queries")
+    check("3 of 80" in empty_rows_note(base), "empty-row note")
     check(rel_l2([0.0, 1e-3], [0.0, 0.0]) == 1e-3, "zero reference: the absolute error")
     # The row's error over several outputs keeps a NaN (max() would not).
     check(max(1e-3, float("nan")) == 1e-3, "max can drop a NaN: why worst() exists")

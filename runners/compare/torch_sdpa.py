@@ -371,6 +371,9 @@ def _measure(job, caught):
     if needs_mask(arguments(job)):
         notes.append("explicit boolean mask [B, 1, Tq, Tkv], built bottom-right: PyTorch's "
                      "is_causal aligns top-left when seq_len_q != seq_len_kv")
+    empty = protocol.empty_rows_note(arguments(job))
+    if empty:
+        notes.append(empty)
     fields = dict(
         median_ms=reported["median"], q1_ms=reported["q1"], q3_ms=reported["q3"],
         inner_calls=reported["inner"], samples=reported["samples"], input_sets=n_sets,
