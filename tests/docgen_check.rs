@@ -333,9 +333,17 @@ fn the_committed_site_is_up_to_date() {
         base_url: None,
         templates_dir: Some(root.join("templates")),
     });
+    // Warnings (a larger case faster than a smaller one: launch-bound JAX rows at tiny sizes,
+    // cuBLAS choosing differently at 4092 and 4097) are observations about the measurements,
+    // shown by `docgen check`; anything else means the site or the data is wrong.
+    let (warnings, errors): (Vec<_>, Vec<_>) =
+        problems.into_iter().partition(|p| p.area == Area::Warning);
+    for w in &warnings {
+        eprintln!("{w:?}");
+    }
     assert!(
-        problems.is_empty(),
-        "rebuild it with `cargo run --release --bin docgen -- build`: {problems:#?}"
+        errors.is_empty(),
+        "rebuild it with `cargo run --release --bin docgen -- build`: {errors:#?}"
     );
 }
 
