@@ -74,24 +74,47 @@ fn figures(site: &Path) -> Vec<PathBuf> {
 fn time_figures_label_only_the_measured_x_values() {
     let (_tmp, site) = build_site(&root().join("data"));
     let docs = load::load_dir(&root().join("data")).unwrap();
-    // A group is a case with seq_len left out (the x axis), per device.
-    let groups_in_data: BTreeSet<String> = docs
-        .iter()
-        .flat_map(|l| l.doc.rows.iter().map(move |r| (l, r)))
-        .map(|(l, r)| {
+    // A group is a case with seq_len left out (the x axis), per device; its sizes.
+    let mut groups_in_data: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
+    for l in &docs {
+        for r in &l.doc.rows {
             let mut c = r.case.clone();
-            c.remove("seq_len");
-            format!(
-                "{} {}",
-                l.doc.device.name,
-                serde_json::to_string(&c).unwrap()
-            )
-        })
-        .collect();
+            let x = c.remove("seq_len").map(|p| p.to_string());
+            groups_in_data
+                .entry((
+                    l.doc.device.name.clone(),
+                    serde_json::to_string(&c).unwrap(),
+                ))
+                .or_default()
+                .insert(x.unwrap_or_default());
+        }
+    }
+    // Groups of one size share one table per device ("Cases measured at one size").
+    let mut singles: BTreeMap<String, usize> = BTreeMap::new();
+    let mut sweeps = 0;
+    for ((device, _), xs) in &groups_in_data {
+        if xs.len() < 2 {
+            *singles.entry(device.clone()).or_default() += 1;
+        } else {
+            sweeps += 1;
+        }
+    }
+    let tables = singles
+        .values()
+        .map(|&n| if n >= 2 { 1 } else { n })
+        .sum::<usize>();
     let doc = page(&site, "attention.html");
     let groups: Vec<ElementRef<'_>> = doc.select(&sel("section.group")).collect();
-    assert_eq!(groups.len(), groups_in_data.len());
+    assert_eq!(groups.len(), sweeps + tables);
+    let mut single_rows = 0;
     for g in groups {
+        let title = text(g.select(&sel("h3")).next().unwrap());
+        if title.starts_with("Cases measured at one size") {
+            // One row per case, no figure (a single point draws no line).
+            single_rows += g.select(&sel("table.results tbody tr")).count();
+            assert_eq!(g.select(&sel("figure")).count(), 0, "{title}");
+            continue;
+        }
         // The sizes this group measured: the rows of its results table.
         let xs: BTreeSet<String> = g
             .select(&sel("table.results tbody th[scope=row]"))
@@ -102,11 +125,6 @@ fn time_figures_label_only_the_measured_x_values() {
             .select(&sel("figure img"))
             .map(|i| i.value().attr("src").unwrap().to_string())
             .collect();
-        if srcs.is_empty() {
-            // A case with no seq_len (separate query and key lengths) has no x axis to draw.
-            assert!(xs.iter().all(|x| x == "—"), "no figure for {xs:?}");
-            continue;
-        }
         // Time, TFLOP/s and the ratio to the default.
         for src in &srcs[..3] {
             let f = site.join(src);
@@ -150,6 +168,8 @@ fn time_figures_label_only_the_measured_x_values() {
             assert!(lines < 40, "{}: {lines} lines", f.display());
         }
     }
+    let cases_alone: usize = singles.values().filter(|&&n| n >= 2).sum();
+    assert_eq!(single_rows, cases_alone);
 }
 
 #[test]

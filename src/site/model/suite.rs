@@ -105,6 +105,9 @@ pub struct KeyText {
 pub struct TableRow {
     /// The x value.
     pub x: String,
+    /// Its own anchor, for a case of the table of cases measured at one size (the anchor its
+    /// group would have had, so links to the group still land on it).
+    pub anchor: Option<String>,
     /// One cell per implementation, in column order.
     pub cells: Vec<Cell>,
 }
@@ -333,15 +336,19 @@ fn doc_section(
             }
         }
     }
-    let groups = group_rows(doc, axis)
+    let grouped = group_rows(doc, axis);
+    let mut groups: Vec<GroupView> = grouped
         .iter()
         .map(|g| {
             let id = group_id(loaded, g);
+            // A case measured at one size has no line to draw: it joins the table of such cases.
+            let single = g.by_x.len() < 2;
             let rows = g
                 .by_x
                 .values()
                 .map(|(x, by_impl)| TableRow {
                     x: x_label(*x),
+                    anchor: None,
                     cells: impls
                         .iter()
                         .map(|h| cell(&h.name, by_impl.get(h.name.as_str()).copied(), doc))
@@ -359,6 +366,9 @@ fn doc_section(
                 })
                 .collect();
             let mut add = |metric: Metric| {
+                if single {
+                    return None;
+                }
                 figure_spec(doc, g, &id, &impls, metric).map(|spec| {
                     let r = FigureRef {
                         src: format!("{base}{}", spec.file),
@@ -414,6 +424,7 @@ fn doc_section(
             }
         })
         .collect();
+    merge_single_cases(loaded, &grouped, &mut groups, axis);
     let mut legend = vec!["median time per call, ms".to_string()];
     legend.extend(decls.iter().map(|d| {
         if d.ceiling.is_some() {
@@ -432,6 +443,108 @@ fn doc_section(
         cell_legend: legend.join(" · "),
         groups,
     }
+}
+
+/// Replaces the groups measured at one size each (`groups[i]` is the view of `grouped[i]`) with
+/// one table, placed after the sweeps: a row per case, labelled by the parameters in which the
+/// cases differ (the ones they all share go to the title), columns as in every other table.
+fn merge_single_cases(
+    loaded: &Loaded,
+    grouped: &[super::groups::Group<'_>],
+    groups: &mut Vec<GroupView>,
+    axis: &str,
+) {
+    let singles: Vec<usize> = (0..grouped.len())
+        .filter(|&i| grouped[i].by_x.len() < 2)
+        .collect();
+    if singles.len() < 2 {
+        return;
+    }
+    // Each case's parameters, the axis value included when it has one.
+    let params: Vec<BTreeMap<String, String>> = singles
+        .iter()
+        .map(|&i| {
+            let g = &grouped[i];
+            let mut m: BTreeMap<String, String> = g
+                .params
+                .iter()
+                .map(|(k, v)| (k.clone(), v.to_string()))
+                .collect();
+            if let Some(x) = g.by_x.values().next().and_then(|(x, _)| *x) {
+                m.insert(axis.to_string(), x.to_string());
+            }
+            m
+        })
+        .collect();
+    let shared: BTreeMap<String, String> = params[0]
+        .iter()
+        .filter(|(k, v)| params.iter().all(|p| p.get(*k) == Some(*v)))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let label = |p: &BTreeMap<String, String>| -> String {
+        let parts: Vec<String> = p
+            .iter()
+            .filter(|(k, _)| !shared.contains_key(*k))
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        parts.join(", ")
+    };
+    let mut taken: Vec<Option<GroupView>> = std::mem::take(groups).into_iter().map(Some).collect();
+    let mut rows = Vec::new();
+    let mut details = Vec::new();
+    let mut peak_methods: Vec<KeyText> = Vec::new();
+    let mut implementations = Vec::new();
+    for (&i, p) in singles.iter().zip(&params) {
+        let g = taken[i].take().expect("each group once");
+        let case = label(p);
+        for mut r in g.rows {
+            r.x = case.clone();
+            r.anchor = Some(g.anchor.clone());
+            rows.push(r);
+        }
+        for mut d in g.details {
+            d.x = case.clone();
+            details.push(d);
+        }
+        for m in g.peak_methods {
+            match peak_methods
+                .iter_mut()
+                .find(|k| k.implementation == m.implementation)
+            {
+                Some(k) if !k.text.split("; ").any(|t| t == m.text) => {
+                    k.text = format!("{}; {}", k.text, m.text)
+                }
+                Some(_) => {}
+                None => peak_methods.push(m),
+            }
+        }
+        implementations = g.implementations;
+    }
+    let shared_text: Vec<String> = shared.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let mut out: Vec<GroupView> = taken.into_iter().flatten().collect();
+    out.push(GroupView {
+        anchor: format!(
+            "g-{:016x}",
+            format::stable_hash(format!("{}\0single cases", loaded.file_name()).as_bytes())
+        ),
+        title: if shared_text.is_empty() {
+            "Cases measured at one size".to_string()
+        } else {
+            format!("Cases measured at one size ({})", shared_text.join(", "))
+        },
+        x_name: "case".to_string(),
+        implementations,
+        rows,
+        figure: None,
+        throughput_figures: Vec::new(),
+        other_axis_figures: Vec::new(),
+        memory_figure: None,
+        error_figure: None,
+        ratio_figure: None,
+        details,
+        peak_methods,
+    });
+    *groups = out;
 }
 
 fn cell(implementation: &str, row: Option<&Row>, doc: &Document) -> Cell {
