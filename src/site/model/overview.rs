@@ -327,7 +327,10 @@ pub fn glance(docs: &[Loaded], base: &str) -> Glance {
     let parts = |g: &GlanceRow| -> Vec<String> {
         let mut v = vec![g.suite.clone(), g.device.clone()];
         v.extend(g.group.split(", ").map(str::to_string));
-        v.push(format!("{}={}", g.axis, g.x));
+        // A case without the axis (separate query and key lengths) has no size to name.
+        if g.x != "—" {
+            v.push(format!("{}={}", g.axis, g.x));
+        }
         v
     };
     let shared: BTreeSet<String> = picked
@@ -551,7 +554,9 @@ fn parts_in_order(picked: &[&GlanceRow], shared: &BTreeSet<String>) -> String {
     };
     let mut v = vec![first.suite.clone(), first.device.clone()];
     v.extend(first.group.split(", ").map(str::to_string));
-    v.push(format!("{}={}", first.axis, first.x));
+    if first.x != "—" {
+        v.push(format!("{}={}", first.axis, first.x));
+    }
     v.into_iter()
         .filter(|p| shared.contains(p))
         .collect::<Vec<_>>()
@@ -982,13 +987,16 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
             // Faster alternatives, gathered over the group's sizes: (size, default, alternative).
             let mut faster: BTreeMap<(String, String), Vec<FasterAt>> = BTreeMap::new();
             for (x, by_impl) in g.by_x.values() {
-                let place = format!(
-                    "{} on {}, {}, {axis}={}",
+                let mut place = format!(
+                    "{} on {}, {}",
                     l.doc.suite.title(),
                     l.doc.device.name,
-                    g.title(),
-                    x_label(*x)
+                    g.title()
                 );
+                // A case without the axis (separate query and key lengths) has no size to name.
+                if let Some(x) = x {
+                    place.push_str(&format!(", {axis}={x}"));
+                }
                 let lim = |kind: &str, detail: String| Limitation {
                     kind: kind.to_string(),
                     place: place.clone(),
