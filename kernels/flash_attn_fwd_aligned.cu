@@ -1,9 +1,11 @@
-// The aligned fast path of the flash forward: the measured v3 kernel of kernels/TUNING.md, kept
-// as it was tuned for the shapes it was tuned on (equal query and key lengths, a multiple of the
-// 128-row query tile, head_dim 64 or 128, every key valid, forward only: it writes no
-// log-sum-exp). The general kernel (flash_attn_fwd.cu) bounds every load, mask and store by the
-// lengths, which costs 30 % on these shapes (kernels/TUNING.md, "aligned fast path"); dispatch
-// (src/attention/cuda.rs) sends the aligned forward here and everything else there.
+// The fast path of the flash forward: the measured v3 kernel of kernels/TUNING.md, for equal
+// query and key lengths T (any T >= 1), head_dim 64 or 128, every key valid, forward only (it
+// writes no log-sum-exp). The general kernel (flash_attn_fwd.cu) bounds every load, mask and
+// store by the lengths, which cost 30 % on aligned shapes (kernels/TUNING.md, "aligned fast
+// path"); here the instance with EVEN = true (T a multiple of the 128-row query tile) has no
+// bounds at all, and the EVEN = false instance bounds only the last query and key tiles.
+// Dispatch (src/attention/cuda.rs, `flash_aligned`) sends such forwards here and every other
+// case (separate lengths, key lengths, other head dims, the LSE for the backward) there.
 //
 // Flash-attention forward (FlashAttention-2 style: Dao, 2023, "FlashAttention-2: Faster
 // Attention with Better Parallelism and Work Partitioning"), written for this project.
@@ -11,23 +13,23 @@
 // O = softmax(Q K^T * scale [+ causal mask]) V for Q [B, H, T, D], K/V [B, KVH, T, D] (BHSD,
 // contiguous, 16-bit: bf16 or fp16), O [B, H, T, D] in the same dtype. Accumulation in fp32.
 //
-// One CTA of NW warps owns BR = 16 * NW query rows of one (batch, head); each warp owns 16 rows.
-// K and V tiles of BC = 64 keys stream through shared memory, double-buffered with cp.async.
-// More warps per CTA means each K/V tile fetched from L2 serves more query rows.
-// S = Q K^T and O += P V use the tensor cores through mma.sync.m16n8k16 (sm_80+); fragments are
-// loaded with ldmatrix (the .trans form for V). The softmax is the online (streaming) one in the
-// base-2 domain: m = running max, l = running sum, O rescaled by 2^(m_old - m_new).
+// One CTA of NW warps owns BR = 16 * MT * NW query rows of one (batch, head); each warp owns
+// MT blocks of 16 rows. K and V tiles of BCT keys stream through shared memory,
+// double-buffered with cp.async. S = Q K^T and O += P V use the tensor cores through
+// mma.sync.m16n8k16 (sm_80+); fragments are loaded with ldmatrix (the .trans form for V). The
+// softmax is the online (streaming) one in the base-2 domain: m = running max, l = running
+// sum, O rescaled by 2^(m_old - m_new).
 //
-// Requirements (checked by the host): T % BR == 0 and T % 64 == 0, D in {64, 128}, H % KVH == 0.
-// No headers: 16-bit values are moved as raw bits and converted with PTX cvt instructions, so
-// NVRTC needs no include path.
+// Requirements (checked by the host): D in {64, 128}, H % KVH == 0, (16 * MT * NW) % BCT == 0;
+// with EVEN, T % (16 * MT * NW) == 0. No headers: 16-bit values are moved as raw bits and
+// converted with PTX cvt instructions, so NVRTC needs no include path.
 //
-// The host appends one `extern "C"` wrapper per instantiation it needs (`flash_instance` in src/attention/cuda.rs).
+// The host appends one `extern "C"` wrapper per instantiation it needs
+// (`flash_aligned_instance` in src/attention/cuda.rs).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
 
-#define BC 64
 #define NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
@@ -128,172 +130,6 @@ __device__ __forceinline__ void load_tile_bounded(u16* s, const u16* g, int tid,
         int c = (i % (D / 8)) * 8;
         const bool ok = r < valid;
         cp_async16_zfill(smem_u32(s + r * STR + c), g + (ok ? (size_t)r * D + c : 0), ok);
-    }
-}
-
-template <int D, int NW, bool BF16, bool CAUSAL>
-__device__ __forceinline__ void flash_fwd(const u16* __restrict__ Q, const u16* __restrict__ K,
-                                          const u16* __restrict__ V, u16* __restrict__ O, int T,
-                                          int H, int KVH, float scale_log2) {
-    constexpr int BR = 16 * NW;
-    constexpr int NTH = 32 * NW;
-    constexpr int STR = D + 8;
-    constexpr int DT = D / 8;   // n8 tiles of the output row
-    constexpr int KC = D / 16;  // k16 chunks of the head dimension
-    constexpr int NT = BC / 8;  // n8 tiles of the score row
-    static_assert(BR % BC == 0, "query tile must be a multiple of the key tile");
-    extern __shared__ __align__(16) u16 smem[];
-    u16* sQ = smem;
-    u16* sK = sQ + BR * STR;      // 2 buffers
-    u16* sV = sK + 2 * BC * STR;  // 2 buffers
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int n_qt = T / BR;
-    // Causal: heaviest query tiles first, so the tail of the grid is short work.
-    const int qt = CAUSAL ? (n_qt - 1 - (int)blockIdx.x) : (int)blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int kvh = h / (H / KVH);
-    const size_t q_off = ((size_t)(b * H + h) * T + (size_t)qt * BR) * D;
-    const size_t kv_off = (size_t)(b * KVH + kvh) * T * D;
-    const int n_kt = CAUSAL ? ((qt + 1) * BR) / BC : (T / BC);
-
-    load_tile<BR, D, NTH>(sQ, Q + q_off, tid);
-    cp_async_commit();
-    load_tile<BC, D, NTH>(sK, K + kv_off, tid);
-    load_tile<BC, D, NTH>(sV, V + kv_off, tid);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-
-    // Q fragments stay in registers for the whole loop.
-    u32 qf[KC][4];
-#pragma unroll
-    for (int kc = 0; kc < KC; ++kc) {
-        const u16* p = sQ + (warp * 16 + (lane & 15)) * STR + kc * 16 + (lane >> 4) * 8;
-        ldmatrix_x4(qf[kc], smem_u32(p));
-    }
-
-    float o[DT][4];
-#pragma unroll
-    for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m_run[2] = {NEG_INF, NEG_INF};
-    float l_run[2] = {0.f, 0.f};
-
-    const int g = lane >> 2, t4 = lane & 3;
-
-    for (int kt = 0; kt < n_kt; ++kt) {
-        const int buf = kt & 1;
-        if (kt + 1 < n_kt) {
-            load_tile<BC, D, NTH>(sK + (buf ^ 1) * BC * STR, K + kv_off + (size_t)(kt + 1) * BC * D, tid);
-            load_tile<BC, D, NTH>(sV + (buf ^ 1) * BC * STR, V + kv_off + (size_t)(kt + 1) * BC * D, tid);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const u16* k_s = sK + buf * BC * STR;
-        const u16* v_s = sV + buf * BC * STR;
-
-        // S = Q K^T for this warp's 16 rows x BC keys.
-        float s[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-        for (int kc = 0; kc < KC; kc += 2) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                u32 kb[4];
-                const u16* p = k_s + (nt * 8 + (lane & 7)) * STR + kc * 16 + (lane >> 3) * 8;
-                ldmatrix_x4(kb, smem_u32(p));
-                mma16816<BF16>(s[nt], qf[kc], kb[0], kb[1]);
-                mma16816<BF16>(s[nt], qf[kc + 1], kb[2], kb[3]);
-            }
-        }
-
-        // Scale into the log2 domain; mask keys after the query on tiles that cross the
-        // diagonal (global key index > global query index).
-        const bool diag = CAUSAL && (kt * BC + BC - 1 > qt * BR);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[nt][e] * scale_log2;
-                if (diag) {
-                    int row = qt * BR + warp * 16 + g + (e >> 1) * 8;
-                    int col = kt * BC + nt * 8 + 2 * t4 + (e & 1);
-                    if (col > row) x = NEG_INF;
-                }
-                s[nt][e] = x;
-            }
-        }
-
-        // Online softmax for the thread's two rows (g and g + 8).
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            const float m_new = fmaxf(m_run[r], mx);
-            const float alpha = fast_exp2(m_run[r] - m_new);
-            m_run[r] = m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                float p0 = fast_exp2(s[nt][2 * r] - m_new);
-                float p1 = fast_exp2(s[nt][2 * r + 1] - m_new);
-                s[nt][2 * r] = p0;
-                s[nt][2 * r + 1] = p1;
-                sum += p0 + p1;
-            }
-            l_run[r] = l_run[r] * alpha + sum;
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                o[dt][2 * r] *= alpha;
-                o[dt][2 * r + 1] *= alpha;
-            }
-        }
-
-        // O += P V: P's accumulator layout is already the A-fragment layout of the next mma.
-#pragma unroll
-        for (int kc = 0; kc < BC / 16; ++kc) {
-            u32 pa[4];
-            pa[0] = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
-            pa[1] = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
-            pa[2] = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-            pa[3] = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-#pragma unroll
-            for (int dt = 0; dt < DT; dt += 2) {
-                u32 vb[4];
-                const u16* p = v_s + (kc * 16 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
-                ldmatrix_x4_trans(vb, smem_u32(p));
-                mma16816<BF16>(o[dt], pa, vb[0], vb[1]);
-                mma16816<BF16>(o[dt + 1], pa, vb[2], vb[3]);
-            }
-        }
-        __syncthreads();  // every warp is done with `buf` before it is refilled
-    }
-
-    // Finish: the row sums were per-thread partials over the thread's columns.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffff, l, 1);
-        l += __shfl_xor_sync(0xffffffff, l, 2);
-        l_run[r] = 1.f / l;
-    }
-    u16* o_base = O + q_off;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            int row = warp * 16 + g + r * 8;
-            int col = dt * 8 + 2 * t4;
-            u32 v = pack2<BF16>(o[dt][2 * r] * l_run[r], o[dt][2 * r + 1] * l_run[r]);
-            *reinterpret_cast<u32*>(o_base + (size_t)row * D + col) = v;
-        }
     }
 }
 
