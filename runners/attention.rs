@@ -339,7 +339,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
-                "head_dim {} (forward configs {}), any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale; forward and forward + backward. Kernel: a forward with seq_len_q = seq_len_kv, head_dim 64 or 128 and every key valid runs the tuned v3 kernel (kernels/flash_attn_fwd_aligned.cu; its last tile masked when the length is not a multiple of its 128-row query tile), every other case the general kernel (kernels/flash_attn_fwd.cu) and the backward kernels (kernels/flash_attn_bwd.cu)",
+                "head_dim {} (forward configs {}), any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale; forward and forward + backward. Kernel: a forward with seq_len_q = seq_len_kv, head_dim 64 or 128, every key valid and the default configuration runs the tuned v3 kernel (kernels/flash_attn_fwd_aligned.cu; its last tile masked when the length is not a multiple of its 128-row query tile), every other case the general kernel (kernels/flash_attn_fwd.cu) and the backward kernels (kernels/flash_attn_bwd.cu)",
                 dims.join(", "),
                 configs.join(", ")
             ),
