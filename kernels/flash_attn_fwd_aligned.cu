@@ -4,7 +4,7 @@
 // store by the lengths, which cost 30 % on aligned shapes (kernels/TUNING.md, "aligned fast
 // path"); here the instance with EVEN = true (T a multiple of the 128-row query tile) has no
 // bounds at all, and the EVEN = false instance bounds only the last query and key tiles.
-// Dispatch (src/attention/cuda.rs, `flash_aligned`) sends such forwards here and every other
+// Dispatch (src/attention/cuda.rs, `flash_fast_path`) sends such forwards here and every other
 // case (separate lengths, key lengths, other head dims, the LSE for the backward) there.
 //
 // Flash-attention forward (FlashAttention-2 style: Dao, 2023, "FlashAttention-2: Faster
@@ -25,7 +25,7 @@
 // converted with PTX cvt instructions, so NVRTC needs no include path.
 //
 // The host appends one `extern "C"` wrapper per instantiation it needs
-// (`flash_aligned_instance` in src/attention/cuda.rs).
+// (`flash_fast_instance` in src/attention/cuda.rs).
 
 typedef unsigned short u16;
 typedef unsigned int u32;

@@ -240,19 +240,19 @@ fn configs_parse_and_reject() {
     }
 }
 
-/// The aligned fast path of the forward (`kernels/flash_attn_fwd_aligned.cu`), in every
+/// The fast path of the forward (equal query and key lengths) (`kernels/flash_attn_fwd_aligned.cu`), in every
 /// (dtype, head dim, mask) it is dispatched for.
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
     ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
 )]
-fn the_aligned_forward_compiles() {
+fn the_fast_path_forward_compiles() {
     assert!(
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    use kernelpages::attention::cuda::{flash_aligned, flash_aligned_instance, flash_even};
+    use kernelpages::attention::cuda::{flash_even, flash_fast_instance, flash_fast_path};
     let mut names = std::collections::BTreeSet::new();
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for head_dim in [64, 128] {
@@ -263,9 +263,9 @@ fn the_aligned_forward_compiles() {
                     c.seq_len_q = seq_len;
                     c.seq_len_kv = seq_len;
                     let fc = FlashConfig::for_head_dim(head_dim).unwrap();
-                    assert!(flash_aligned(&c, fc), "{c:?}");
+                    assert!(flash_fast_path(&c, fc), "{c:?}");
                     assert_eq!(flash_even(&c, fc), seq_len == 256, "{c:?}");
-                    let (name, src) = flash_aligned_instance(&c, fc);
+                    let (name, src) = flash_fast_instance(&c, fc);
                     compile(&format!("{name}.cu"), &src, "sm_80");
                     let reports =
                         kernelpages::gpu::ptxas_report(&format!("{name}.cu"), &src, "sm_90a")
@@ -290,13 +290,16 @@ fn the_aligned_forward_compiles() {
     // Not the fast path: different lengths, a head_dim it is not built for, a backward.
     let fc = FlashConfig::for_head_dim(128).unwrap();
     let odd = AttentionCase::new(1, 1, 1000, 128);
-    assert!(flash_aligned(&odd, fc) && !flash_even(&odd, fc));
+    assert!(flash_fast_path(&odd, fc) && !flash_even(&odd, fc));
     let mut cross = odd.clone();
     cross.seq_len_kv = 1024;
-    assert!(!flash_aligned(&cross, fc));
+    assert!(!flash_fast_path(&cross, fc));
     let mut bwd = odd.clone();
     bwd.pass = kernelpages::attention::Pass::FwdBwd;
-    assert!(!flash_aligned(&bwd, fc));
+    assert!(!flash_fast_path(&bwd, fc));
     let d96 = AttentionCase::new(1, 1, 1024, 96);
-    assert!(!flash_aligned(&d96, FlashConfig::for_head_dim(96).unwrap()));
+    assert!(!flash_fast_path(
+        &d96,
+        FlashConfig::for_head_dim(96).unwrap()
+    ));
 }

@@ -26,14 +26,14 @@ use crate::gpu::{Gpu, GpuError};
 pub const PRELUDE_SRC: &str = include_str!("../../kernels/attn_prelude.cuh");
 /// Source of the flash forward kernel (after [`PRELUDE_SRC`]).
 pub const FLASH_SRC: &str = include_str!("../../kernels/flash_attn_fwd.cu");
-/// The aligned fast path of the forward (`kernels/flash_attn_fwd_aligned.cu`), self-contained.
-pub const FLASH_ALIGNED_SRC: &str = include_str!("../../kernels/flash_attn_fwd_aligned.cu");
+/// The fast path of the forward (equal query and key lengths) (`kernels/flash_attn_fwd_aligned.cu`), self-contained.
+pub const FLASH_FAST_SRC: &str = include_str!("../../kernels/flash_attn_fwd_aligned.cu");
 
-/// True when the forward of `c` can take the fast path ([`flash_aligned_instance`]): forward
+/// True when the forward of `c` can take the fast path ([`flash_fast_instance`]): forward
 /// only, equal query and key lengths (any length ≥ 1: a length that is not a multiple of the
 /// 128-row query tile takes the instance with a masked last tile), head_dim 64 or 128, every key
 /// valid, 16-bit, and the tuned configuration.
-pub fn flash_aligned(c: &AttentionCase, fc: FlashConfig) -> bool {
+pub fn flash_fast_path(c: &AttentionCase, fc: FlashConfig) -> bool {
     c.pass == Pass::Fwd
         && c.dtype != Dtype::F32
         && c.seq_len_q == c.seq_len_kv
@@ -58,7 +58,7 @@ pub fn flash_even(c: &AttentionCase, fc: FlashConfig) -> bool {
 /// `kernels/flash_attn_fwd_aligned.cu` with configuration `fc`, `EVEN` from [`flash_even`]: one
 /// compile serves every non-aligned length); its arguments are
 /// `(Q, K, V, O, T, H, KVH, scale_log2)`.
-pub fn flash_aligned_instance(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
+pub fn flash_fast_instance(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
     let dt = dtype_tag(c.dtype);
     let mask = if c.causal { "causal" } else { "full" };
     let even = flash_even(c, fc);
@@ -70,7 +70,7 @@ pub fn flash_aligned_instance(c: &AttentionCase, fc: FlashConfig) -> (String, St
     );
     let (bf, causal, d) = (c.dtype == Dtype::Bf16, c.causal, c.head_dim);
     let src = format!(
-        "{FLASH_ALIGNED_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
+        "{FLASH_FAST_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
          const u16* Q, const u16* K, const u16* V, u16* O, int T, int H, int KVH, \
          float scale_log2) {{ flash_fwd_v3<{d}, {w}, {m}, {k}, {bf}, {causal}, {even}>(Q, K, V, O, T, \
          H, KVH, scale_log2); }}\n",
@@ -651,9 +651,9 @@ pub enum Runner {
         lse: CudaSlice<f32>,
         /// The backward (forward + backward cases).
         bwd: Option<Box<FlashBwd>>,
-        /// True when `func` is the aligned fast path ([`flash_aligned`]): other arguments, no
+        /// True when `func` is the fast path ([`flash_fast_path`]): other arguments, no
         /// log-sum-exp.
-        aligned: bool,
+        fast: bool,
     },
     /// cuBLAS + row kernels.
     Math {
@@ -788,9 +788,9 @@ impl Runner {
         match imp {
             Implementation::Flash => {
                 let fc = FlashConfig::for_head_dim(c.head_dim).map_err(GpuError::Config)?;
-                let aligned = flash_aligned(c, fc);
-                let (name, src) = if aligned {
-                    flash_aligned_instance(c, fc)
+                let fast = flash_fast_path(c, fc);
+                let (name, src) = if fast {
+                    flash_fast_instance(c, fc)
                 } else {
                     flash_instance(c, fc)
                 };
@@ -845,7 +845,7 @@ impl Runner {
                         cfg,
                         lse,
                         bwd,
-                        aligned,
+                        fast,
                     },
                     compile_s,
                 ))
@@ -931,16 +931,14 @@ impl Runner {
     }
 
     /// The log-sum-exp the flash forward wrote in the last call (fp32 `[B, H, Tq]`, natural
-    /// log, +∞ for rows that see no key); `None` for `math` and for the aligned fast path,
+    /// log, +∞ for rows that see no key); `None` for `math` and for the fast path,
     /// which writes none.
     pub fn lse(&self) -> Option<&CudaSlice<f32>> {
         match self {
             Runner::Flash {
-                lse,
-                aligned: false,
-                ..
+                lse, fast: false, ..
             } => Some(lse),
-            Runner::Flash { aligned: true, .. } | Runner::Math { .. } => None,
+            Runner::Flash { fast: true, .. } | Runner::Math { .. } => None,
         }
     }
 
@@ -990,11 +988,11 @@ impl Runner {
                 cfg,
                 lse,
                 bwd: fb,
-                aligned,
+                fast,
             } => {
                 let (o, grads) = outs.split_at_mut(1);
                 let o = &mut o[0];
-                if *aligned {
+                if *fast {
                     let mut b = gpu.stream.launch_builder(func);
                     b.arg(&inp.q)
                         .arg(&inp.k)
@@ -1006,7 +1004,7 @@ impl Runner {
                         .arg(&scale_log2);
                     // SAFETY: the arguments match `flash_fwd_aligned_*(const u16* Q, const u16*
                     // K, const u16* V, u16* O, int T, int H, int KVH, float)`; Q and O hold
-                    // B·H·T·D elements, K and V B·KVH·T·D (`flash_aligned` holds Tq = Tkv = T,
+                    // B·H·T·D elements, K and V B·KVH·T·D (`flash_fast_path` holds Tq = Tkv = T,
                     // every key valid); the grid covers ⌈T/BR⌉ query tiles and a non-EVEN
                     // instance bounds its loads and stores by T; forward only.
                     unsafe { b.launch(*cfg)? };
