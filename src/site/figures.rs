@@ -595,8 +595,13 @@ pub fn glance_bounds(chart: &GlanceChart) -> (f64, f64) {
 
 /// Width of the At a glance chart, px: it fits a phone's screen scrolled once at most.
 pub const GLANCE_WIDTH: u32 = 720;
-/// Height of one bar's slot (its label line above, the bar below), px.
+/// Height of one bar's slot with a one-line label (the label above, the bar below), px.
 const GLANCE_SLOT: u32 = 46;
+/// Height of each further label line, px: a label too long for the chart's width wraps at its
+/// commas, and every slot grows by this much per extra line of the longest label.
+const GLANCE_LINE: u32 = 16;
+/// Most label lines: the label of a case has a dozen parameters at most.
+const GLANCE_MAX_LINES: usize = 3;
 
 /// Draws the At a glance chart: per representative comparison, its label on a line of its own
 /// and below it a horizontal bar from 1 to the ratio on a log x axis whose range comes from
@@ -610,7 +615,22 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
     let title_lines = wrap(&chart_spec.title, (width as usize - 24) / 8);
     let top = 16 + 20 * title_lines.len() as u32 + 22;
     let legend_height = 2 * LEGEND_LINE + 8;
-    let plot_height = GLANCE_SLOT * n as u32 + 44;
+    // Bar labels at 13 px, wrapped to the plot's width.
+    let label_chars = ((width - 48) as f64 / (13.0 * 0.55)) as usize;
+    let labels: Vec<Vec<String>> = chart_spec
+        .bars
+        .iter()
+        .map(|b| {
+            let mut lines = wrap(&b.label, label_chars);
+            lines.truncate(GLANCE_MAX_LINES);
+            lines
+        })
+        .collect();
+    let label_lines = labels.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let slot = GLANCE_SLOT + GLANCE_LINE * (label_lines as u32 - 1);
+    // Slot-relative positions (1 = one slot), from its top: label baselines, the bar's middle.
+    let unit = |px: u32| f64::from(px) / f64::from(slot);
+    let plot_height = slot * n as u32 + 44;
     let height = top + plot_height + legend_height + 8;
     let mut svg = String::new();
     {
@@ -671,7 +691,7 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
         for (i, b) in chart_spec.bars.iter().enumerate() {
             // The slot's lower part holds the bar, its upper part the label.
             let slot_top = n as f64 - i as f64;
-            let y_mid = slot_top - 0.68;
+            let y_mid = slot_top - unit(31 + GLANCE_LINE * (label_lines as u32 - 1));
             match b.outcome {
                 BarOutcome::Ratio { ratio, range } => {
                     let colour = if ratio >= 1.0 {
@@ -681,12 +701,12 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
                     };
                     chart
                         .draw_series(std::iter::once(Rectangle::new(
-                            [(1.0, y_mid - 0.2), (ratio, y_mid + 0.2)],
+                            [(1.0, y_mid - unit(9)), (ratio, y_mid + unit(9))],
                             colour.filled(),
                         )))
                         .map_err(&err)?;
                     if let Some((low, high)) = range {
-                        let cap = 0.12;
+                        let cap = unit(6);
                         chart
                             .draw_series(
                                 [
@@ -710,13 +730,12 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
                         .map_err(&err)?;
                 }
             }
-            let (px, py) = chart.backend_coord(&(lo, slot_top - 0.3));
-            root.draw(&Text::new(
-                b.label.clone(),
-                (px + 4, py),
-                label_font.clone(),
-            ))
-            .map_err(&err)?;
+            for (k, line) in labels[i].iter().enumerate() {
+                let (px, py) =
+                    chart.backend_coord(&(lo, slot_top - unit(14 + GLANCE_LINE * k as u32)));
+                root.draw(&Text::new(line.clone(), (px + 4, py), label_font.clone()))
+                    .map_err(&err)?;
+            }
         }
         chart
             .draw_series(LineSeries::new(
