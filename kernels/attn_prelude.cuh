@@ -75,6 +75,11 @@ __device__ __forceinline__ void cp_async16(u32 saddr, const void* g, bool valid)
     const int n = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g), "r"(n));
 }
+// 16-byte asynchronous copy global -> shared of a row known to be in bounds (no src-size
+// operand: the fast path's full tiles).
+__device__ __forceinline__ void cp_async16_full(u32 saddr, const void* g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(g));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -21,116 +21,37 @@
 // sum, O rescaled by 2^(m_old - m_new).
 //
 // Requirements (checked by the host): D in {64, 128}, H % KVH == 0, (16 * MT * NW) % BCT == 0;
-// with EVEN, T % (16 * MT * NW) == 0. No headers: 16-bit values are moved as raw bits and
-// converted with PTX cvt instructions, so NVRTC needs no include path.
+// with EVEN, T % (16 * MT * NW) == 0. The host prepends kernels/attn_prelude.cuh (16-bit
+// packing, mma.sync, ldmatrix, cp.async, the bounded tile load), so NVRTC needs no include path.
 //
 // The host appends one `extern "C"` wrapper per instantiation it needs
 // (`flash_fast_instance` in src/attention/cuda.rs).
 
-typedef unsigned short u16;
-typedef unsigned int u32;
-
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-
-// Packs two fp32 values as a pair of 16-bit values, `lo` in the low half.
-template <bool BF16>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 d;
-    if (BF16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    }
-    return d;
-}
-
-// c += a * b for one 16x8x16 tile: a row-major 16x16, b column-major 16x8, c fp32 16x8.
-template <bool BF16>
-__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
-    if (BF16) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
-
-__device__ __forceinline__ void ldmatrix_x4(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(g));
-}
-// As cp_async16, but when `valid` is false no byte is read and the 16 bytes are zero-filled
-// (src-size 0): partial tiles past the sequence end become zeros, never stale data.
-__device__ __forceinline__ void cp_async16_zfill(u32 saddr, const void* g, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(g),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// Copies a ROWS x D tile from global (row stride D) to shared (row stride D + 8) with 16-byte
-// cp.async; the 8-element pad keeps ldmatrix's 8 row addresses in distinct bank groups.
+// Copies a ROWS x D tile known to lie within the sequence from global (row stride D) to shared
+// (row stride D + 8) with 16-byte cp.async and no bounds (the prelude's load_tile bounds every
+// row); the 8-element pad keeps ldmatrix's 8 row addresses in distinct bank groups.
 template <int ROWS, int D, int NTHREADS>
-__device__ __forceinline__ void load_tile(u16* s, const u16* g, int tid) {
+__device__ __forceinline__ void load_tile_full(u16* s, const u16* g, int tid) {
     constexpr int STR = D + 8;
     constexpr int CHUNKS = ROWS * D / 8;
 #pragma unroll
     for (int i = tid; i < CHUNKS; i += NTHREADS) {
         int r = i / (D / 8);
         int c = (i % (D / 8)) * 8;
-        cp_async16(smem_u32(s + r * STR + c), g + (size_t)r * D + c);
+        cp_async16_full(smem_u32(s + r * STR + c), g + (size_t)r * D + c);
     }
 }
 
-// load_tile for a tile that may run past the sequence end: rows r >= `valid` are zero-filled
-// and their global address is never formed past the tile's first row. With EVEN the bound is
-// known to hold and this is load_tile.
+// A tile that may run past the sequence end: rows r >= `valid` are zero-filled (the prelude's
+// bounded load_tile) and read nothing. Only the last tile takes the bounds (a uniform branch);
+// with EVEN the bound is known to hold and this is load_tile_full.
 template <int ROWS, int D, int NTHREADS, bool EVEN>
 __device__ __forceinline__ void load_tile_bounded(u16* s, const u16* g, int tid, int valid) {
-    if (EVEN || valid >= ROWS) {  // a uniform branch: only the last tile takes the bounds
-        load_tile<ROWS, D, NTHREADS>(s, g, tid);
+    if (EVEN || valid >= ROWS) {
+        load_tile_full<ROWS, D, NTHREADS>(s, g, tid);
         return;
     }
-    constexpr int STR = D + 8;
-    constexpr int CHUNKS = ROWS * D / 8;
-#pragma unroll
-    for (int i = tid; i < CHUNKS; i += NTHREADS) {
-        int r = i / (D / 8);
-        int c = (i % (D / 8)) * 8;
-        const bool ok = r < valid;
-        cp_async16_zfill(smem_u32(s + r * STR + c), g + (ok ? (size_t)r * D + c : 0), ok);
-    }
+    load_tile<ROWS, D, NTHREADS>(s, g, valid, tid);
 }
 
 // Version 3: each warp owns MT groups of 16 query rows (FlashAttention-2's layout for large

@@ -26,7 +26,8 @@ use crate::gpu::{Gpu, GpuError};
 pub const PRELUDE_SRC: &str = include_str!("../../kernels/attn_prelude.cuh");
 /// Source of the flash forward kernel (after [`PRELUDE_SRC`]).
 pub const FLASH_SRC: &str = include_str!("../../kernels/flash_attn_fwd.cu");
-/// The fast path of the forward (equal query and key lengths) (`kernels/flash_attn_fwd_aligned.cu`), self-contained.
+/// The fast path of the forward for equal query and key lengths
+/// (`kernels/flash_attn_fwd_aligned.cu`, after [`PRELUDE_SRC`]).
 pub const FLASH_FAST_SRC: &str = include_str!("../../kernels/flash_attn_fwd_aligned.cu");
 
 /// True when the forward of `c` can take the fast path ([`flash_fast_instance`]): forward
@@ -70,7 +71,7 @@ pub fn flash_fast_instance(c: &AttentionCase, fc: FlashConfig) -> (String, Strin
     );
     let (bf, causal, d) = (c.dtype == Dtype::Bf16, c.causal, c.head_dim);
     let src = format!(
-        "{FLASH_FAST_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
+        "{PRELUDE_SRC}\n{FLASH_FAST_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
          const u16* Q, const u16* K, const u16* V, u16* O, int T, int H, int KVH, \
          float scale_log2) {{ flash_fwd_v3<{d}, {w}, {m}, {k}, {bf}, {causal}, {even}>(Q, K, V, O, T, \
          H, KVH, scale_log2); }}\n",
