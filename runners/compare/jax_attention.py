@@ -528,18 +528,5 @@ def self_test():
     return failures
 
 
-def main(argv=None):
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["self-test"]:
-        failures = self_test()
-        for f in failures:
-            protocol.log("self-test FAILED: " + f)
-        if not failures:
-            protocol.log("self-test passed")
-        return 1 if failures else 0
-    return protocol.main(measure, LIBRARY, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(protocol.main(measure, LIBRARY, module_self_test=self_test))

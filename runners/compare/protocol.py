@@ -552,15 +552,16 @@ def self_test():
     return failures
 
 
-def main(measure, library, argv=None):
+def main(measure, library, argv=None, module_self_test=None):
     """Entry point of a library module: `serve`, `self-test`, or `job FILE` (measure one job
-    in this process and print the reply)."""
+    in this process and print the reply). `module_self_test` is the module's own self-test
+    (returning failures, this module's checks included), or None for this module's alone."""
     ap = argparse.ArgumentParser(description="kernelpages comparison module (%s)" % library)
     ap.add_argument("command", choices=("serve", "self-test", "job"))
     ap.add_argument("file", nargs="?", help="job JSON file (for `job`)")
     args = ap.parse_args(argv)
     if args.command == "self-test":
-        failures = self_test()
+        failures = (module_self_test or self_test)()
         for f in failures:
             log("self-test FAILED: " + f)
         if not failures:
