@@ -424,7 +424,7 @@ fn doc_section(
             }
         })
         .collect();
-    merge_single_cases(loaded, &grouped, &mut groups, axis);
+    merge_single_cases(loaded, &grouped, &mut groups, axis, &impls);
     let mut legend = vec!["median time per call, ms".to_string()];
     legend.extend(decls.iter().map(|d| {
         if d.ceiling.is_some() {
@@ -450,9 +450,10 @@ fn doc_section(
 /// cases differ (the ones they all share go to the title), columns as in every other table.
 fn merge_single_cases(
     loaded: &Loaded,
-    grouped: &[super::groups::Group<'_>],
+    grouped: &[Group<'_>],
     groups: &mut Vec<GroupView>,
     axis: &str,
+    impls: &[ImplHeader],
 ) {
     let singles: Vec<usize> = (0..grouped.len())
         .filter(|&i| grouped[i].by_x.len() < 2)
@@ -493,7 +494,6 @@ fn merge_single_cases(
     let mut rows = Vec::new();
     let mut details = Vec::new();
     let mut peak_methods: Vec<KeyText> = Vec::new();
-    let mut implementations = Vec::new();
     for (&i, p) in singles.iter().zip(&params) {
         let g = taken[i].take().expect("each group once");
         let case = label(p);
@@ -518,7 +518,6 @@ fn merge_single_cases(
                 None => peak_methods.push(m),
             }
         }
-        implementations = g.implementations;
     }
     let shared_text: Vec<String> = shared.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let mut out: Vec<GroupView> = taken.into_iter().flatten().collect();
@@ -533,7 +532,7 @@ fn merge_single_cases(
             format!("Cases measured at one size ({})", shared_text.join(", "))
         },
         x_name: "case".to_string(),
-        implementations,
+        implementations: impls.to_vec(),
         rows,
         figure: None,
         throughput_figures: Vec::new(),
