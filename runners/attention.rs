@@ -318,9 +318,12 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     Ok(cases.iter().map(AttentionCase::params).collect())
 }
 
-/// What `attention::forward` ([`kernelpages::attention::dispatch`]) picks, in words built from
-/// the same constants it reads.
+/// What the public entry points (`attention::dot_product_attention` and its vjp, and `mha`)
+/// run on a CUDA device ([`kernelpages::attention::dispatch`]), in words built from the same
+/// constants it reads.
 fn dispatch_rules() -> Vec<DispatchRule> {
+    const ENTRY: &str =
+        "attention::dot_product_attention, attention::dot_product_attention_vjp (Device::Cuda)";
     let dims: Vec<String> = FLASH_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
     let configs: Vec<String> = FLASH_HEAD_DIMS
         .iter()
@@ -335,7 +338,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
         .collect();
     vec![
         DispatchRule {
-            entry_point: "attention::forward".into(),
+            entry_point: ENTRY.into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
@@ -346,11 +349,18 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             implementation: Implementation::Flash.name().into(),
         },
         DispatchRule {
-            entry_point: "attention::forward".into(),
+            entry_point: ENTRY.into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16, fp32".into(),
             rule: "otherwise: fp32 (cuBLAS SGEMM, no TF32) or another head_dim; every shape, forward and forward + backward".into(),
             implementation: Implementation::Math.name().into(),
+        },
+        DispatchRule {
+            entry_point: "attention::mha (Device::Cuda)".into(),
+            device: "CUDA, compute capability 8.0 or newer".into(),
+            dtype: "bf16, fp16, fp32".into(),
+            rule: "always: the four projections as cuBLAS GEMMs over all batch · seq_len tokens (cublasGemmEx, float32 compute; fp32 with pedantic math, no TF32), heads moved by kernels/heads_layout.cu, the attention by the rules above".into(),
+            implementation: format!("cuBLAS + {} or {}", Implementation::Flash.name(), Implementation::Math.name()),
         },
         DispatchRule {
             entry_point: "attention::cpu::forward_f64".into(),

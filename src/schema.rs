@@ -384,7 +384,7 @@ fn default_runs() -> u32 {
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DispatchRule {
-    /// Public function, e.g. `attention::forward`.
+    /// Public function, e.g. `attention::dot_product_attention`.
     pub entry_point: String,
     /// Device class, e.g. `cuda sm_80+`.
     pub device: String,

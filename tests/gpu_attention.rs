@@ -547,3 +547,142 @@ fn forward_runs_the_dispatched_implementation() {
         );
     }
 }
+
+/// The public entry points on the device: `dot_product_attention` and its vjp (GQA, a
+/// non-aligned causal cross-length case, fp32 through `math`, head_dim 96) and `mha` against
+/// their float64 definitions, and the implementation each names is the one the dispatch picks.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU and its driver; run on the GPU machine with --include-ignored"
+)]
+fn public_entry_points_on_the_device() {
+    use half::bf16;
+    use kernelpages::attention::api::{
+        dot_product_attention, dot_product_attention_vjp, implementation, mha, mha_reference,
+        Device, MhaShape, MhaWeights,
+    };
+    use kernelpages::attention::cpu_flash::{
+        normal_f32, reference, reference_gradients, Element, ElementType, Options, Shape,
+    };
+    use kernelpages::attention::rel_l2;
+
+    fn random<T: Element>(n: usize, seed: u64, scale: f32) -> Vec<T> {
+        normal_f32(n, seed)
+            .into_iter()
+            .map(|x| T::from_f32(x * scale))
+            .collect()
+    }
+    fn widen<T: Element>(xs: &[T]) -> Vec<f64> {
+        xs.iter().map(|x| x.to_f32() as f64).collect()
+    }
+    fn attention_case<T: Element>(shape: Shape, opts: Options, tol: f64) {
+        let dev = Device::Cuda(gpu());
+        let q: Vec<T> = random(shape.q_elems(), 1, 1.0);
+        let k: Vec<T> = random(shape.kv_elems(), 2, 1.0);
+        let v: Vec<T> = random(shape.kv_elems(), 3, 1.0);
+        let dout: Vec<T> = random(shape.q_elems(), 4, 1.0);
+        let name = implementation(dev, T::TYPE, &shape, &opts).expect("dispatch");
+        let o = dot_product_attention(dev, &q, &k, &v, &shape, &opts).expect("forward");
+        let want = reference(&q, &k, &v, &shape, &opts);
+        let e = rel_l2(&widen(&o), &want);
+        println!(
+            "dot_product_attention {shape:?} {opts:?} {}: {name}, error {e:.2e}",
+            T::TYPE.as_str()
+        );
+        assert!(e <= tol, "{shape:?} {opts:?} ({name}): error {e}");
+        let (o2, g) =
+            dot_product_attention_vjp(dev, &q, &k, &v, &dout, &shape, &opts).expect("vjp");
+        assert!(rel_l2(&widen(&o2), &want) <= tol);
+        let (dq, dk, dv) = reference_gradients(&q, &k, &v, &dout, &shape, &opts);
+        for (what, got, want) in [("dq", &g.dq, dq), ("dk", &g.dk, dk), ("dv", &g.dv, dv)] {
+            let e = rel_l2(&widen(got), &want);
+            assert!(
+                e <= 2.0 * tol,
+                "{shape:?} {opts:?} ({name}) {what}: error {e}"
+            );
+        }
+    }
+    let causal = Options {
+        causal: true,
+        scale: None,
+    };
+    attention_case::<bf16>(Shape::self_attention(2, 8, 2, 127, 64), causal, 1e-2);
+    attention_case::<bf16>(
+        Shape {
+            seq_len_q: 33,
+            ..Shape::self_attention(1, 4, 4, 200, 128)
+        },
+        causal,
+        1e-2,
+    );
+    attention_case::<bf16>(
+        Shape::self_attention(1, 2, 1, 65, 96),
+        Options {
+            causal: false,
+            scale: Some(0.3),
+        },
+        1e-2,
+    );
+    attention_case::<f32>(Shape::self_attention(1, 4, 2, 65, 64), causal, 1e-4);
+    assert_eq!(
+        implementation(
+            Device::Cuda(gpu()),
+            ElementType::F32,
+            &Shape::self_attention(1, 1, 1, 8, 64),
+            &causal
+        )
+        .unwrap(),
+        "math"
+    );
+
+    let s = MhaShape {
+        batch: 2,
+        seq_len_q: 70,
+        seq_len_kv: 130,
+        d_model: 256,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let (hd, kvd) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
+    for causal in [false, true] {
+        let opts = Options {
+            causal,
+            scale: None,
+        };
+        fn layer<T: Element>(s: &MhaShape, hd: usize, kvd: usize) -> [Vec<T>; 6] {
+            let ws = 1.0 / (s.d_model as f32).sqrt();
+            [
+                random(s.batch * s.seq_len_q * s.d_model, 11, 1.0),
+                random(s.batch * s.seq_len_kv * s.d_model, 12, 1.0),
+                random(s.d_model * hd, 13, ws),
+                random(s.d_model * kvd, 14, ws),
+                random(s.d_model * kvd, 15, ws),
+                random(hd * s.d_model, 16, 1.0 / (hd as f32).sqrt()),
+            ]
+        }
+        let [xq, xkv, wq, wk, wv, wo] = layer::<bf16>(&s, hd, kvd);
+        let w = MhaWeights {
+            wq: &wq,
+            wk: &wk,
+            wv: &wv,
+            wo: &wo,
+        };
+        let y = mha(Device::Cuda(gpu()), &xq, &xkv, &w, &s, &opts).expect("mha bf16");
+        let e = rel_l2(&widen(&y), &mha_reference(&xq, &xkv, &w, &s, &opts));
+        println!("mha bf16 causal {causal}: error {e:.2e}");
+        assert!(e <= 2e-2, "mha bf16 causal {causal}: error {e}");
+        let [xq, xkv, wq, wk, wv, wo] = layer::<f32>(&s, hd, kvd);
+        let w = MhaWeights {
+            wq: &wq,
+            wk: &wk,
+            wv: &wv,
+            wo: &wo,
+        };
+        let y = mha(Device::Cuda(gpu()), &xq, &xkv, &w, &s, &opts).expect("mha fp32");
+        let e = rel_l2(&widen(&y), &mha_reference(&xq, &xkv, &w, &s, &opts));
+        println!("mha fp32 causal {causal}: error {e:.2e}");
+        assert!(e <= 1e-4, "mha fp32 causal {causal}: error {e}");
+    }
+}

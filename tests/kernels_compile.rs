@@ -157,6 +157,33 @@ fn softmax_kernels_compile() {
     compile("softmax_rows.cu", SOFTMAX_SRC, "sm_80");
 }
 
+/// The head-layout kernels `attention::mha` launches on the device.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn heads_layout_kernels_compile() {
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    let src = kernelpages::attention::api::HEADS_LAYOUT_SRC;
+    for arch in ["sm_90a", "sm_80"] {
+        let ptx = kernelpages::gpu::nvrtc_compile("heads_layout.cu", src, arch)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let text = ptx.to_src();
+        for f in [
+            "split_heads_w1",
+            "split_heads_w2",
+            "merge_heads_w1",
+            "merge_heads_w2",
+        ] {
+            assert!(text.contains(f), "{f} missing from the {arch} PTX");
+        }
+    }
+}
+
 /// ptxas's report for the default instantiations (bf16; fp16 is the same code) on sm_90a:
 /// printed for kernels/TUNING.md, and no kernel may need more than the 255 registers a thread
 /// has or spill more than a few words.

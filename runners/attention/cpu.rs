@@ -63,15 +63,26 @@ pub fn throughput_decls() -> Vec<kernelpages::schema::Throughput> {
     }]
 }
 
-/// What the CPU entry point runs (one implementation for every case).
+/// What the public entry points run on the CPU (one implementation for every case;
+/// [`kernelpages::attention::api::implementation`] with `Device::Cpu`).
 pub fn dispatch_rules() -> Vec<DispatchRule> {
-    vec![DispatchRule {
-        entry_point: "attention::cpu_flash::dot_product_attention".into(),
-        device: "CPU (x86-64 or any other target; AVX2 + FMA used where present)".into(),
-        dtype: "bf16, fp16, fp32 (computed in float32)".into(),
-        rule: "always: any shape, heads a multiple of kv_heads".into(),
-        implementation: IMPLEMENTATION.into(),
-    }]
+    let device = "CPU (x86-64 or any other target; AVX2 + FMA used where present)";
+    vec![
+        DispatchRule {
+            entry_point: "attention::dot_product_attention, attention::dot_product_attention_vjp (Device::Cpu)".into(),
+            device: device.into(),
+            dtype: "bf16, fp16, fp32 (computed in float32)".into(),
+            rule: "always: any shape, heads a multiple of kv_heads; forward and forward + backward".into(),
+            implementation: IMPLEMENTATION.into(),
+        },
+        DispatchRule {
+            entry_point: "attention::mha (Device::Cpu)".into(),
+            device: device.into(),
+            dtype: "bf16, fp16, fp32 (computed in float32)".into(),
+            rule: "always: the four projections through the gemm crate on rayon's threads (float32, rounded to the input type), the attention as dot_product_attention".into(),
+            implementation: format!("gemm + {IMPLEMENTATION}"),
+        },
+    ]
 }
 
 /// Why the project's CPU implementation cannot run a case, when it cannot.

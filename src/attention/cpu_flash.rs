@@ -226,7 +226,11 @@ impl Shape {
         n.clamp(0, self.seq_len_kv as isize) as usize
     }
 
-    fn check(&self) -> Result<(), AttentionError> {
+    /// Checks that the sizes describe an attention call.
+    ///
+    /// # Errors
+    /// [`AttentionError::Shape`] when a size is 0 or heads is not a multiple of kv_heads.
+    pub fn validate(&self) -> Result<(), AttentionError> {
         let s = *self;
         if s.batch == 0 || s.heads == 0 || s.kv_heads == 0 || s.head_dim == 0 {
             return Err(AttentionError::Shape(s, "a size is 0"));
@@ -280,7 +284,7 @@ fn check_lengths(
     shape: &Shape,
     lens: [(&'static str, usize, usize); 4],
 ) -> Result<(), AttentionError> {
-    shape.check()?;
+    shape.validate()?;
     for (name, got, want) in lens {
         if got != want {
             return Err(AttentionError::Length { name, got, want });
@@ -917,6 +921,20 @@ fn matmul(m: usize, n: usize, k: usize, c: &mut [f32], accumulate: bool, a: Mat,
             gemm::Parallelism::None,
         );
     }
+}
+
+/// Row-major contiguous C `[m, n]` = A `[m, k]` · B `[k, n]` in float32 on this thread
+/// (the `mha` projections run it on row blocks in parallel).
+pub(crate) fn matmul_f32(m: usize, n: usize, k: usize, c: &mut [f32], a: &[f32], b: &[f32]) {
+    matmul(
+        m,
+        n,
+        k,
+        c,
+        false,
+        Mat::row_major(a, k),
+        Mat::row_major(b, n),
+    );
 }
 
 /// The element-wise steps of the online softmax, compiled for AVX2 + FMA where the CPU has

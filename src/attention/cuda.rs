@@ -711,32 +711,32 @@ fn check_smem(gpu: &Gpu, what: &str, bytes: u32) -> Result<(), GpuError> {
 
 /// One strided-batched GEMM of the math path, column-major as cuBLAS sees it:
 /// C = alpha · op(A) op(B), batch `batch`.
-struct Gemm {
-    ta: cublasOperation_t,
-    tb: cublasOperation_t,
-    m: usize,
-    n: usize,
-    k: usize,
-    alpha: f32,
-    a: u64,
-    lda: usize,
-    sa: usize,
-    b: u64,
-    ldb: usize,
-    sb: usize,
-    c: u64,
-    ldc: usize,
-    sc: usize,
-    batch: usize,
-    ab_type: cudaDataType_t,
-    c_type: cudaDataType_t,
+pub(crate) struct Gemm {
+    pub(crate) ta: cublasOperation_t,
+    pub(crate) tb: cublasOperation_t,
+    pub(crate) m: usize,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) alpha: f32,
+    pub(crate) a: u64,
+    pub(crate) lda: usize,
+    pub(crate) sa: usize,
+    pub(crate) b: u64,
+    pub(crate) ldb: usize,
+    pub(crate) sb: usize,
+    pub(crate) c: u64,
+    pub(crate) ldc: usize,
+    pub(crate) sc: usize,
+    pub(crate) batch: usize,
+    pub(crate) ab_type: cudaDataType_t,
+    pub(crate) c_type: cudaDataType_t,
 }
 
 impl Gemm {
     /// # Safety
     /// `a`, `b` and `c` are live device allocations holding `batch` matrices at the given
     /// strides and leading dimensions, of the given types.
-    unsafe fn run(&self, blas: &CudaBlas) -> Result<(), GpuError> {
+    pub(crate) unsafe fn run(&self, blas: &CudaBlas) -> Result<(), GpuError> {
         let zero = 0.0f32;
         let i = |x: usize| -> Result<i32, GpuError> {
             i32::try_from(x).map_err(|_| GpuError::Config(format!("GEMM size {x} exceeds i32")))

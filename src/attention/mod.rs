@@ -25,11 +25,15 @@ use std::collections::BTreeMap;
 
 use crate::schema::Param;
 
+pub mod api;
 pub mod cpu;
 pub mod cpu_flash;
 pub mod cuda;
 pub mod files;
 
+pub use api::{
+    dot_product_attention, dot_product_attention_vjp, mha, Device, MhaShape, MhaWeights,
+};
 pub use cuda::{dispatch, forward};
 
 /// Element type of Q, K, V, O and the gradients.
