@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod gpu;
 pub mod harness;
+pub mod kernel_sums;
 pub mod load;
 pub mod runner;
 pub mod schema;

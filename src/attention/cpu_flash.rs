@@ -863,14 +863,14 @@ fn forward_block<T: Element>(
 
 /// A read-only matrix view: element (i, j) at `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]
-struct Mat<'a> {
-    data: &'a [f32],
-    rs: usize,
-    cs: usize,
+pub(crate) struct Mat<'a> {
+    pub(crate) data: &'a [f32],
+    pub(crate) rs: usize,
+    pub(crate) cs: usize,
 }
 
 impl<'a> Mat<'a> {
-    fn row_major(data: &'a [f32], cols: usize) -> Mat<'a> {
+    pub(crate) fn row_major(data: &'a [f32], cols: usize) -> Mat<'a> {
         Mat {
             data,
             rs: cols,
@@ -889,7 +889,15 @@ impl<'a> Mat<'a> {
 ///
 /// # Panics
 /// When a view does not fit its slice (a bug in the caller).
-fn matmul(m: usize, n: usize, k: usize, c: &mut [f32], accumulate: bool, a: Mat, b: Mat) {
+pub(crate) fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: &mut [f32],
+    accumulate: bool,
+    a: Mat,
+    b: Mat,
+) {
     assert!(c.len() >= m * n, "C too short");
     assert!(a.holds(m, k) && b.holds(k, n), "matrix view out of bounds");
     if m == 0 || n == 0 {
@@ -939,7 +947,7 @@ pub(crate) fn matmul_f32(m: usize, n: usize, k: usize, c: &mut [f32], a: &[f32],
 
 /// The element-wise steps of the online softmax, compiled for AVX2 + FMA where the CPU has
 /// them (chosen at run time) and for the baseline target otherwise.
-mod simd {
+pub(crate) mod simd {
     /// Lanes of the partial reductions (so that the compiler vectorises them).
     const LANES: usize = 16;
 

@@ -1,0 +1,475 @@
+//! Kernel sums: sums over every pair of two point clouds of a Gaussian kernel, computed
+//! without ever holding the N × M matrix (the "online" or "map-reduce" scheme of KeOps,
+//! Charlier et al., JMLR 2021), and the entropic optimal transport built on them.
+//!
+//! Points are row-major float32: X `[N, D]`, Y `[M, D]`. The operations ([`Op`]):
+//! - **`rbf_mv`**, the Gaussian kernel matrix–vector (or matrix–matrix) product:
+//!   out\[i, c\] = Σ_j exp(−‖x_i − y_j‖² / 2σ²) · b\[j, c\], with b `[M, C]`, out `[N, C]`.
+//! - **`kde`**, the Gaussian kernel density estimate of the cloud Y at the points X:
+//!   out\[i\] = (1/M) Σ_j (2πσ²)^(−D/2) exp(−‖x_i − y_j‖² / 2σ²), `rbf_mv` with b = 1/M and
+//!   the normalisation; σ by Scott's rule, σ = M^(−1/(D+4)) · s̄ with s̄ the mean per-axis
+//!   standard deviation of Y ([`scott_bandwidth`]).
+//! - **`kernel_lse`**, the kernel log-sum-exp: out\[i\] = log Σ_j exp(−‖x_i − y_j‖² / ε + g_j),
+//!   with g `[M]`, computed with a running maximum (stable for any spread of g); its gradient
+//!   with respect to x is ∂out_i/∂x_i = −(2/ε) (x_i − Σ_j p_ij y_j), p_ij the softmax weights
+//!   of row i.
+//!
+//! Counts: one **kernel evaluation** is one (i, j) pair; throughput is reported in kernel
+//! evaluations per second ([`KernelSumCase::evaluations`]), the unit KeOps and the issue's
+//! targets use, with FLOPs as counted in [`KernelSumCase::flops`].
+//!
+//! [`reference`] is the float64 definition; [`cpu`] the multi-threaded float32 implementation;
+//! [`sinkhorn`] the log-domain Sinkhorn solver on top of `kernel_lse`.
+
+use std::collections::BTreeMap;
+
+use crate::schema::Param;
+
+pub mod cpu;
+
+/// What a case computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Gaussian kernel times a matrix `b` `[M, C]`.
+    RbfMv,
+    /// Gaussian kernel density estimate (normalised).
+    Kde,
+    /// Kernel log-sum-exp with a weight vector `g` `[M]`.
+    KernelLse,
+}
+
+impl Op {
+    /// Every operation.
+    pub const ALL: [Op; 3] = [Op::RbfMv, Op::Kde, Op::KernelLse];
+
+    /// Name in documents: `rbf_mv`, `kde`, `kernel_lse`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::RbfMv => "rbf_mv",
+            Op::Kde => "kde",
+            Op::KernelLse => "kernel_lse",
+        }
+    }
+
+    /// The operation named `s`.
+    pub fn parse(s: &str) -> Option<Op> {
+        Op::ALL.into_iter().find(|o| o.as_str() == s)
+    }
+}
+
+/// One kernel-sum case: float32 points X `[n, dim]` and Y `[m, dim]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelSumCase {
+    /// The operation.
+    pub op: Op,
+    /// Points in X (output rows) N.
+    pub n: usize,
+    /// Points in Y (summed over) M.
+    pub m: usize,
+    /// Dimension D of each point.
+    pub dim: usize,
+    /// Columns C of `b` (`rbf_mv`; 1 for the others).
+    pub cols: usize,
+    /// Forward, or forward + the gradient with respect to X (`kernel_lse` only).
+    pub grad: bool,
+}
+
+impl KernelSumCase {
+    /// A forward case with one column.
+    pub fn new(op: Op, n: usize, m: usize, dim: usize) -> KernelSumCase {
+        KernelSumCase {
+            op,
+            n,
+            m,
+            dim,
+            cols: 1,
+            grad: false,
+        }
+    }
+
+    /// The case as named parameters for a document row: `op`, `n`, `m`, `dim`, `dtype`
+    /// (`fp32`), `pass` (`fwd`, or `fwd+bwd` with the gradient), and `cols` for `rbf_mv`.
+    pub fn params(&self) -> BTreeMap<String, Param> {
+        let mut p = BTreeMap::new();
+        p.insert("op".into(), Param::Text(self.op.as_str().into()));
+        p.insert("n".into(), Param::Int(self.n as i64));
+        p.insert("m".into(), Param::Int(self.m as i64));
+        p.insert("dim".into(), Param::Int(self.dim as i64));
+        p.insert("dtype".into(), Param::Text("fp32".into()));
+        p.insert(
+            "pass".into(),
+            Param::Text(if self.grad { "fwd+bwd" } else { "fwd" }.into()),
+        );
+        if self.op == Op::RbfMv {
+            p.insert("cols".into(), Param::Int(self.cols as i64));
+        }
+        p
+    }
+
+    /// The case named by `p` ([`KernelSumCase::params`]).
+    ///
+    /// # Errors
+    /// A missing or mistyped parameter, an unknown op, a dtype other than fp32.
+    pub fn from_params(p: &BTreeMap<String, Param>) -> Result<KernelSumCase, String> {
+        let int = |k: &str| -> Result<usize, String> {
+            match p.get(k) {
+                Some(Param::Int(i)) if *i >= 0 => Ok(*i as usize),
+                Some(other) => Err(format!("parameter `{k}` = {other} is not a size")),
+                None => Err(format!("parameter `{k}` is missing")),
+            }
+        };
+        let text = |k: &str| -> Result<&str, String> {
+            match p.get(k) {
+                Some(Param::Text(s)) => Ok(s.as_str()),
+                Some(other) => Err(format!("parameter `{k}` = {other} is not a name")),
+                None => Err(format!("parameter `{k}` is missing")),
+            }
+        };
+        let op = text("op")?;
+        let op = Op::parse(op).ok_or_else(|| format!("unknown op `{op}`"))?;
+        if text("dtype")? != "fp32" {
+            return Err(format!(
+                "dtype `{}`: kernel sums take fp32 points",
+                text("dtype")?
+            ));
+        }
+        let grad = match text("pass")? {
+            "fwd" => false,
+            "fwd+bwd" => true,
+            other => return Err(format!("unknown pass `{other}`")),
+        };
+        let c = KernelSumCase {
+            op,
+            n: int("n")?,
+            m: int("m")?,
+            dim: int("dim")?,
+            cols: if op == Op::RbfMv { int("cols")? } else { 1 },
+            grad,
+        };
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks the sizes.
+    ///
+    /// # Errors
+    /// A zero size, or the gradient asked of an operation other than `kernel_lse`.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.n == 0 || self.m == 0 || self.dim == 0 || self.cols == 0 {
+            return Err(format!("a size is 0: {self:?}"));
+        }
+        if self.grad && self.op != Op::KernelLse {
+            return Err(format!(
+                "the gradient is implemented for kernel_lse only, not {}",
+                self.op.as_str()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Kernel evaluations of one call: N · M (the forward; the gradient pass evaluates each
+    /// pair once more, so a `fwd+bwd` call counts 2 · N · M).
+    pub fn evaluations(&self) -> f64 {
+        let pairs = self.n as f64 * self.m as f64;
+        if self.grad {
+            2.0 * pairs
+        } else {
+            pairs
+        }
+    }
+
+    /// FLOPs of one call, per pair: 3·D for the squared distance (subtract, multiply, add),
+    /// 1 for the exponential and its scaling, 2·C for the product with b (`rbf_mv`, `kde`) or
+    /// 2 for the running sum (`kernel_lse`), plus 2·D for Σ p·y with the gradient.
+    pub fn flops(&self) -> f64 {
+        let d = self.dim as f64;
+        let per_pair = 3.0 * d
+            + 1.0
+            + match self.op {
+                Op::RbfMv | Op::Kde => 2.0 * self.cols as f64,
+                Op::KernelLse => 2.0,
+            }
+            + if self.grad { 2.0 * d } else { 0.0 };
+        per_pair * self.n as f64 * self.m as f64
+    }
+
+    /// Bytes one call must read and write at least: X, Y, b or g, and the output (and the
+    /// gradient), float32.
+    pub fn bytes(&self) -> f64 {
+        let (n, m, d, c) = (
+            self.n as f64,
+            self.m as f64,
+            self.dim as f64,
+            self.cols as f64,
+        );
+        let out = match self.op {
+            Op::RbfMv => n * c,
+            Op::Kde => n,
+            Op::KernelLse => n + if self.grad { n * d } else { 0.0 },
+        };
+        let weights = match self.op {
+            Op::RbfMv => m * c,
+            Op::Kde => 0.0,
+            Op::KernelLse => m,
+        };
+        4.0 * ((n + m) * d + weights + out)
+    }
+
+    /// Elements of the output: N·C (`rbf_mv`), N (`kde`, `kernel_lse`), and N·D more for the
+    /// gradient.
+    pub fn output_len(&self) -> usize {
+        match self.op {
+            Op::RbfMv => self.n * self.cols,
+            Op::Kde => self.n,
+            Op::KernelLse => self.n + if self.grad { self.n * self.dim } else { 0 },
+        }
+    }
+
+    /// The bandwidth σ of `rbf_mv` for this case's random inputs (uniform in the unit cube):
+    /// σ = 0.25·√D, so that a typical pair (‖x − y‖² ≈ D/6) has weight about exp(−1.3) and
+    /// sums are dominated by neither the nearest nor all points.
+    pub fn sigma(&self) -> f64 {
+        0.25 * (self.dim as f64).sqrt()
+    }
+
+    /// The ε of `kernel_lse` for this case: 2σ², the same scale as `rbf_mv`'s exponent.
+    pub fn epsilon(&self) -> f64 {
+        2.0 * self.sigma() * self.sigma()
+    }
+}
+
+/// Scott's rule bandwidth of the cloud `y` (`[m, dim]`): σ = m^(−1/(dim+4)) · s̄, s̄ the mean
+/// over axes of the per-axis standard deviation (Scott, 1992, "Multivariate Density
+/// Estimation", §6.3). A cloud with no spread (one point, or all equal) takes s̄ = 1.
+pub fn scott_bandwidth(y: &[f32], m: usize, dim: usize) -> f64 {
+    let mut sd = 0.0;
+    for a in 0..dim {
+        let mean = (0..m).map(|j| y[j * dim + a] as f64).sum::<f64>() / m as f64;
+        let var = (0..m)
+            .map(|j| (y[j * dim + a] as f64 - mean).powi(2))
+            .sum::<f64>()
+            / m.max(2).saturating_sub(1) as f64;
+        sd += var.sqrt();
+    }
+    let sd = if sd > 0.0 { sd / dim as f64 } else { 1.0 };
+    (m as f64).powf(-1.0 / (dim as f64 + 4.0)) * sd
+}
+
+/// The inputs of a case: X, Y and the weights (b `[M, C]` for `rbf_mv`, g `[M]` for
+/// `kernel_lse`, empty for `kde`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Inputs {
+    /// X, `[N, D]`.
+    pub x: Vec<f32>,
+    /// Y, `[M, D]`.
+    pub y: Vec<f32>,
+    /// b or g.
+    pub w: Vec<f32>,
+}
+
+impl Inputs {
+    /// The runner's inputs: X and Y uniform in [0, 1)^D, b standard normal, g uniform in
+    /// [−1, 1); each tensor from its own stream of `seed` (SplitMix64).
+    pub fn random(c: &KernelSumCase, seed: u64) -> Inputs {
+        let uniform = |n: usize, s: u64| -> Vec<f32> {
+            let mut st = s;
+            (0..n).map(|_| unit(&mut st) as f32).collect()
+        };
+        let w = match c.op {
+            Op::RbfMv => crate::attention::cpu_flash::normal_f32(c.m * c.cols, seed + 2),
+            Op::Kde => Vec::new(),
+            Op::KernelLse => uniform(c.m, seed + 2)
+                .into_iter()
+                .map(|u| 2.0 * u - 1.0)
+                .collect(),
+        };
+        Inputs {
+            x: uniform(c.n * c.dim, seed),
+            y: uniform(c.m * c.dim, seed + 1),
+            w,
+        }
+    }
+}
+
+/// A uniform draw in [0, 1) from a SplitMix64 state.
+fn unit(state: &mut u64) -> f64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The parameters a call takes besides the points: σ (`rbf_mv`, `kde`) or ε (`kernel_lse`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scale {
+    /// Gaussian bandwidth σ.
+    pub sigma: f64,
+    /// Log-sum-exp temperature ε.
+    pub epsilon: f64,
+}
+
+impl Scale {
+    /// The case's own: σ = [`KernelSumCase::sigma`] (`kde`: Scott's rule on Y) and
+    /// ε = [`KernelSumCase::epsilon`].
+    pub fn of(c: &KernelSumCase, inp: &Inputs) -> Scale {
+        let sigma = if c.op == Op::Kde {
+            scott_bandwidth(&inp.y, c.m, c.dim)
+        } else {
+            c.sigma()
+        };
+        Scale {
+            sigma,
+            epsilon: c.epsilon(),
+        }
+    }
+}
+
+/// The float64 value of output `rows` (each row's `C` values, or the log-sum-exp followed by
+/// the D gradient components when the case has the gradient, laid out as
+/// [`KernelSumCase::output_len`] does: all N values first, then the N × D gradient).
+/// O(rows · M · D): the runner samples rows for large N.
+pub fn reference_rows(c: &KernelSumCase, inp: &Inputs, s: Scale, rows: &[usize]) -> Vec<f64> {
+    let d = c.dim;
+    let sq = |i: usize, j: usize| -> f64 {
+        (0..d)
+            .map(|a| {
+                let t = inp.x[i * d + a] as f64 - inp.y[j * d + a] as f64;
+                t * t
+            })
+            .sum()
+    };
+    let mut vals = Vec::new();
+    let mut grads = Vec::new();
+    for &i in rows {
+        match c.op {
+            Op::RbfMv | Op::Kde => {
+                let mut acc = vec![0.0f64; c.cols];
+                for j in 0..c.m {
+                    let k = (-sq(i, j) / (2.0 * s.sigma * s.sigma)).exp();
+                    if c.op == Op::Kde {
+                        acc[0] += k;
+                    } else {
+                        for (a, col) in acc.iter_mut().enumerate() {
+                            *col += k * inp.w[j * c.cols + a] as f64;
+                        }
+                    }
+                }
+                if c.op == Op::Kde {
+                    let norm = (2.0 * std::f64::consts::PI * s.sigma * s.sigma)
+                        .powf(-(d as f64) / 2.0)
+                        / c.m as f64;
+                    acc[0] *= norm;
+                }
+                vals.extend(acc);
+            }
+            Op::KernelLse => {
+                let e: Vec<f64> = (0..c.m)
+                    .map(|j| -sq(i, j) / s.epsilon + inp.w[j] as f64)
+                    .collect();
+                let mx = e.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = e.iter().map(|v| (v - mx).exp()).sum();
+                vals.push(mx + sum.ln());
+                if c.grad {
+                    for a in 0..d {
+                        let py: f64 = (0..c.m)
+                            .map(|j| (e[j] - mx).exp() / sum * inp.y[j * d + a] as f64)
+                            .sum();
+                        grads.push(-2.0 / s.epsilon * (inp.x[i * d + a] as f64 - py));
+                    }
+                }
+            }
+        }
+    }
+    vals.extend(grads);
+    vals
+}
+
+/// The float64 definition of the whole output (small cases), laid out as
+/// [`KernelSumCase::output_len`].
+pub fn reference(c: &KernelSumCase, inp: &Inputs, s: Scale) -> Vec<f64> {
+    let rows: Vec<usize> = (0..c.n).collect();
+    reference_rows(c, inp, s, &rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_round_trip_and_bad_ones_are_refused() {
+        for op in Op::ALL {
+            let c = KernelSumCase {
+                cols: if op == Op::RbfMv { 4 } else { 1 },
+                grad: op == Op::KernelLse,
+                ..KernelSumCase::new(op, 7, 9, 3)
+            };
+            assert_eq!(KernelSumCase::from_params(&c.params()).unwrap(), c);
+        }
+        let mut p = KernelSumCase::new(Op::Kde, 7, 9, 3).params();
+        p.insert("pass".into(), Param::Text("fwd+bwd".into()));
+        assert!(KernelSumCase::from_params(&p)
+            .unwrap_err()
+            .contains("kernel_lse only"));
+        p.insert("op".into(), Param::Text("sinc".into()));
+        assert!(KernelSumCase::from_params(&p).unwrap_err().contains("sinc"));
+    }
+
+    /// One point each: the kernel is exp(−d²/2σ²) exactly, the log-sum-exp −d²/ε + g.
+    #[test]
+    fn one_pair_matches_the_closed_form() {
+        let c = KernelSumCase::new(Op::RbfMv, 1, 1, 2);
+        let inp = Inputs {
+            x: vec![0.0, 0.0],
+            y: vec![3.0, 4.0],
+            w: vec![2.0],
+        };
+        let s = Scale {
+            sigma: 5.0,
+            epsilon: 25.0,
+        };
+        let r = reference(&c, &inp, s);
+        assert!((r[0] - 2.0 * (-0.5f64).exp()).abs() < 1e-15);
+        let c = KernelSumCase {
+            grad: true,
+            ..KernelSumCase::new(Op::KernelLse, 1, 1, 2)
+        };
+        let r = reference(&c, &inp, s);
+        assert!((r[0] - (-1.0 + 2.0)).abs() < 1e-15);
+        // One key: p = 1, the gradient is −(2/ε)(x − y).
+        assert!((r[1] - 2.0 / 25.0 * 3.0).abs() < 1e-15);
+        assert!((r[2] - 2.0 / 25.0 * 4.0).abs() < 1e-15);
+    }
+
+    /// The density of many points integrates to about 1 over a grid (1-D).
+    #[test]
+    fn kde_is_a_density() {
+        let m = 400;
+        let y: Vec<f32> = (0..m).map(|j| 0.3 + 0.4 * j as f32 / m as f32).collect();
+        let n = 2001;
+        let x: Vec<f32> = (0..n)
+            .map(|i| -1.0 + 3.0 * i as f32 / (n - 1) as f32)
+            .collect();
+        let c = KernelSumCase::new(Op::Kde, n, m, 1);
+        let inp = Inputs {
+            x,
+            y,
+            w: Vec::new(),
+        };
+        let s = Scale::of(&c, &inp);
+        let dens = reference(&c, &inp, s);
+        let integral: f64 = dens.iter().sum::<f64>() * 3.0 / (n - 1) as f64;
+        assert!((integral - 1.0).abs() < 1e-3, "{integral}");
+    }
+
+    #[test]
+    fn counts_follow_the_sizes() {
+        let c = KernelSumCase::new(Op::KernelLse, 1000, 2000, 3);
+        assert_eq!(c.evaluations(), 2e6);
+        assert_eq!(c.flops(), 2e6 * (9.0 + 1.0 + 2.0));
+        let g = KernelSumCase { grad: true, ..c };
+        assert_eq!(g.evaluations(), 4e6);
+        assert_eq!(g.output_len(), 4000);
+    }
+}
