@@ -130,5 +130,6 @@ pub fn write_case(
         arguments: arguments(c),
         flops: Some(c.flops()),
         bytes: None,
+        items: None,
     })
 }

@@ -31,7 +31,7 @@ const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// flight.
 pub fn temporary_bytes(c: &KernelSumCase, threads: usize) -> u64 {
     let tile = BLOCK_ROWS * BLOCK_COLS;
-    let norms = BLOCK_ROWS + BLOCK_COLS;
+    let norms = BLOCK_ROWS + BLOCK_COLS * GEMM_DIM;
     let acc = match c.op {
         Op::RbfMv => BLOCK_ROWS * c.cols,
         Op::Kde => BLOCK_ROWS,
@@ -41,21 +41,28 @@ pub fn temporary_bytes(c: &KernelSumCase, threads: usize) -> u64 {
 }
 
 /// Squared distances of the rows of `xb` (`r × d`) to the rows of `yb` (`cols × d`) into
-/// `t` (`r × cols`, row-major).
+/// `t` (`r × cols`, row-major); `xn` (≥ r) and `yn` (≥ BLOCK_COLS · GEMM_DIM) are scratch.
 fn sq_dists(xb: &[f32], yb: &[f32], d: usize, t: &mut [f32], xn: &mut [f32], yn: &mut [f32]) {
     let (r, cols) = (xb.len() / d, yb.len() / d);
     if d < GEMM_DIM {
+        // Y's tile transposed (one row per axis, `yn` as scratch: cols ≤ BLOCK_COLS, d < 8
+        // rows), so that each axis adds (x_a − y_a)² to a whole row of `t` at once, a loop
+        // the compiler vectorises.
+        let yt = &mut yn[..d * cols];
+        for j in 0..cols {
+            for a in 0..d {
+                yt[a * cols + j] = yb[j * d + a];
+            }
+        }
         for i in 0..r {
-            let xi = &xb[i * d..(i + 1) * d];
             let row = &mut t[i * cols..(i + 1) * cols];
-            for (j, out) in row.iter_mut().enumerate() {
-                let yj = &yb[j * d..(j + 1) * d];
-                let mut s = 0.0f32;
-                for a in 0..d {
-                    let v = xi[a] - yj[a];
-                    s += v * v;
+            row.fill(0.0);
+            for a in 0..d {
+                let xa = xb[i * d + a];
+                for (o, y) in row.iter_mut().zip(&yt[a * cols..(a + 1) * cols]) {
+                    let v = xa - y;
+                    *o += v * v;
                 }
-                *out = s;
             }
         }
         return;
@@ -111,7 +118,7 @@ pub fn compute(c: &KernelSumCase, inp: &Inputs, s: Scale, out: &mut [f32]) {
                     let r = ob.len() / c.cols;
                     let xb = &inp.x[r0 * d..(r0 + r) * d];
                     let mut t = vec![0.0f32; r * BLOCK_COLS];
-                    let (mut xn, mut yn) = (vec![0.0f32; r], vec![0.0f32; BLOCK_COLS]);
+                    let (mut xn, mut yn) = (vec![0.0f32; r], vec![0.0f32; BLOCK_COLS * GEMM_DIM]);
                     ob.fill(0.0);
                     for j0 in (0..m).step_by(BLOCK_COLS) {
                         let cols = BLOCK_COLS.min(m - j0);
@@ -144,7 +151,7 @@ pub fn compute(c: &KernelSumCase, inp: &Inputs, s: Scale, out: &mut [f32]) {
                     let r = ob.len();
                     let xb = &inp.x[r0 * d..(r0 + r) * d];
                     let mut t = vec![0.0f32; r * BLOCK_COLS];
-                    let (mut xn, mut yn) = (vec![0.0f32; r], vec![0.0f32; BLOCK_COLS]);
+                    let (mut xn, mut yn) = (vec![0.0f32; r], vec![0.0f32; BLOCK_COLS * GEMM_DIM]);
                     ob.fill(0.0);
                     for j0 in (0..m).step_by(BLOCK_COLS) {
                         let cols = BLOCK_COLS.min(m - j0);
@@ -218,7 +225,7 @@ fn lse_block(
     let xb = &x[r0 * d..(r0 + r) * d];
     let k = LOG2E / epsilon as f32;
     let mut t = vec![0.0f32; r * BLOCK_COLS];
-    let (mut xn, mut yn) = (vec![0.0f32; r], vec![0.0f32; BLOCK_COLS]);
+    let (mut xn, mut yn) = (vec![0.0f32; r], vec![0.0f32; BLOCK_COLS * GEMM_DIM]);
     let mut mx = vec![f32::NEG_INFINITY; r];
     let mut sum = vec![0.0f32; r];
     let mut acc = vec![0.0f32; if gb.is_some() { r * d } else { 0 }];

@@ -46,6 +46,17 @@ pub trait Launcher {
     fn value(&self, i: usize) -> f64;
     /// Elements in the output.
     fn output_len(&self) -> usize;
+    /// Element `i` of gradient `k` (the job's `gradients[k]`, in order), as float64. The
+    /// default has no gradients: a forward + backward job then fails with a clear error.
+    fn gradient_value(&self, k: usize, i: usize) -> f64 {
+        let _ = (k, i);
+        f64::NAN
+    }
+    /// Elements in gradient `k`; 0 (the default) when the implementation writes none.
+    fn gradient_len(&self, k: usize) -> usize {
+        let _ = k;
+        0
+    }
     /// Bytes of temporaries one call allocates beyond inputs and output.
     fn temporary_bytes(&self) -> u64;
 }
@@ -168,28 +179,55 @@ fn measure_inner<L: Launcher>(
     let first_call_s = t0.elapsed().as_secs_f64();
     let peak = base.and_then(|b| rss().map(|(_, hwm)| hwm.saturating_sub(b)));
 
-    // Accuracy on the first call's output.
-    let rel_err = match check_output(
-        launcher.output_len(),
-        |i| launcher.value(i),
-        &job.files.check.ranges,
-        &reference,
-    ) {
-        Check::NonFinite { index, len } => {
-            return Ok(Reply {
-                row: failed(
-                    Status::Error,
-                    format!(
-                        "non-finite output at element {index} of {len} (unwritten or overflowed) in the first call"
+    // Accuracy on the first call's output and gradients: every element of each finite, then
+    // the relative error of each over its checked elements; the row keeps the largest
+    // (NaN-propagating), as the GPU case process does.
+    let mut errors = Vec::new();
+    for (k, (name, _, check)) in job.files.outputs().into_iter().enumerate() {
+        let reference = if k == 0 {
+            reference.clone()
+        } else {
+            read_f64(&check.reference)?
+        };
+        let result = if k == 0 {
+            check_output(
+                launcher.output_len(),
+                |i| launcher.value(i),
+                &check.ranges,
+                &reference,
+            )
+        } else {
+            let len = launcher.gradient_len(k - 1);
+            anyhow::ensure!(
+                len > 0,
+                "{} writes no {name}: it has no backward",
+                job.implementation
+            );
+            check_output(
+                len,
+                |i| launcher.gradient_value(k - 1, i),
+                &check.ranges,
+                &reference,
+            )
+        };
+        match result {
+            Check::NonFinite { index, len } => {
+                return Ok(Reply {
+                    row: failed(
+                        Status::Error,
+                        format!(
+                            "non-finite output at element {index} of {len} of {name} (unwritten or overflowed) in the first call"
+                        ),
                     ),
-                ),
-                window: None,
-                libraries: BTreeMap::new(),
-                pid: None,
-            })
+                    window: None,
+                    libraries: BTreeMap::new(),
+                    pid: None,
+                })
+            }
+            Check::Error(e) => errors.push((name, e)),
         }
-        Check::Error(e) => e,
-    };
+    }
+    let rel_err = super::own::worst(errors.iter().map(|e| e.1));
 
     // Timing over enough input copies to exceed the last-level cache `l2_rotation_factor`
     // times (the job's `l2_bytes` is the CPU's last-level cache).
@@ -241,6 +279,7 @@ fn measure_inner<L: Launcher>(
     row.first_call_s = Some(first_call_s);
     row.flops = job.files.flops;
     row.bytes = job.files.bytes;
+    row.items = job.files.items;
     row.notes.push(TIMING_NOTE.into());
     if let Some(note) = load_note(load_before, load_average()) {
         row.notes.push(note);
@@ -251,7 +290,14 @@ fn measure_inner<L: Launcher>(
             m.stats.samples, job.timing.repeats, job.timing.case_timeout_s
         ));
     }
-    let out_bytes = launcher.output_len() as u64 * dtype_bytes(&job.files.output.dtype);
+    let out_bytes = launcher.output_len() as u64 * dtype_bytes(&job.files.output.dtype)
+        + job
+            .files
+            .gradients
+            .iter()
+            .enumerate()
+            .map(|(k, g)| launcher.gradient_len(k) as u64 * dtype_bytes(&g.output.dtype))
+            .sum::<u64>();
     row.memory = Some(Memory {
         arguments_mb: Some(mb(set_bytes)),
         outputs_mb: Some(mb(out_bytes)),
@@ -265,7 +311,7 @@ fn measure_inner<L: Launcher>(
         metric: "rel_l2".into(),
         reference: job.files.check.reference_kind,
         tolerance: job.files.check.tolerance,
-        checked: Some(job.files.check.checked.clone()),
+        checked: Some(super::own::checked_text(&job.files.check.checked, &errors)),
     });
     if !rel_err.is_finite() {
         row.status = Status::Error;
@@ -372,6 +418,7 @@ mod tests {
                 },
                 flops: Some(1000.0),
                 bytes: None,
+                items: None,
                 arguments: Default::default(),
                 gradients: Vec::new(),
             },

@@ -365,6 +365,7 @@ fn measure_inner<L: Launcher>(
     }
     row.flops = job.files.flops;
     row.bytes = job.files.bytes;
+    row.items = job.files.items;
     if m.cut_short || eager.cut_short {
         row.notes.push(format!(
             "{} of {} samples: the {} s case limit stopped sampling",

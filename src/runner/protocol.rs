@@ -92,6 +92,9 @@ pub struct CaseFiles {
     /// Bytes one call must move.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes: Option<f64>,
+    /// Items one call processes by the suite's rule (kernel sums: kernel evaluations).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub items: Option<f64>,
 }
 
 impl CaseFiles {

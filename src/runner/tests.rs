@@ -43,6 +43,7 @@ impl Suite for FakeSuite {
             arguments: Default::default(),
             flops: Some(1e9),
             bytes: None,
+            items: None,
         })
     }
     fn unsupported(&self, case: &Params, imp: &str) -> Option<String> {

@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use tera::{Kwargs, State, Tera, Value};
 
 use self::query::{ok_value, parse_filter, Field, Filter};
-use super::templates::{Sources, ATTENTION_PROSE, LIMITATIONS_PROSE};
+use super::templates::{Sources, ATTENTION_PROSE, LIMITATIONS_PROSE, MIXERS_PROSE};
 use crate::load::{case_label, Loaded};
 use crate::schema::{Param, Row, Status, Suite};
 
@@ -49,6 +49,8 @@ const FAILED: &str = "⟨failed⟩";
 pub struct SiteProse {
     /// From [`ATTENTION_PROSE`].
     pub attention: Option<String>,
+    /// From [`MIXERS_PROSE`].
+    pub mixers: Option<String>,
     /// From [`LIMITATIONS_PROSE`].
     pub limitations: Option<String>,
 }
@@ -58,6 +60,7 @@ impl SiteProse {
     pub fn for_page(&self, file: &str) -> Option<&str> {
         match file {
             "attention.html" => self.attention.as_deref(),
+            "mixers.html" => self.mixers.as_deref(),
             _ => None,
         }
     }
@@ -86,6 +89,7 @@ pub fn render_site_prose(docs: &[Loaded], sources: &Sources) -> Result<SiteProse
     let mut take = |name: &str| rendered.remove(name).filter(|h| !h.trim().is_empty());
     Ok(SiteProse {
         attention: take(ATTENTION_PROSE),
+        mixers: take(MIXERS_PROSE),
         limitations: take(LIMITATIONS_PROSE),
     })
 }

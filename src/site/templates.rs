@@ -26,15 +26,21 @@ pub const BUILT_IN_STYLE: &str = include_str!("../../templates/style.css");
 
 /// Prose shown on the Attention page (a path under the templates folder).
 pub const ATTENTION_PROSE: &str = "prose/attention.md";
+/// Prose shown on the Sequence mixers, kernel sums and MoE page.
+pub const MIXERS_PROSE: &str = "prose/mixers.md";
 /// Prose shown under Known limitations on the overview.
 pub const LIMITATIONS_PROSE: &str = "prose/limitations.md";
 
 /// The data-checked prose files ([`super::prose`]), by path under the templates folder, as
 /// built into the binary.
-pub const BUILT_IN_PROSE: [(&str, &str); 2] = [
+pub const BUILT_IN_PROSE: [(&str, &str); 3] = [
     (
         ATTENTION_PROSE,
         include_str!("../../templates/prose/attention.md"),
+    ),
+    (
+        MIXERS_PROSE,
+        include_str!("../../templates/prose/mixers.md"),
     ),
     (
         LIMITATIONS_PROSE,

@@ -1,0 +1,222 @@
+"""PyTorch's dense kernel sums on the CPU, measured by the kernelpages protocol
+(`kernel_sums --device cpu --compare torch`).
+
+Implementation `torch_dense`: the formulation a PyTorch user writes, holding the N x M matrix:
+- `rbf_mv`: `torch.exp(torch.cdist(x, y).square() * (-1 / (2 sigma^2))) @ b`;
+- `kde`: the same kernel's row sums times (2 pi sigma^2)^(-dim/2) / M;
+- `kernel_lse`: `torch.logsumexp(g - torch.cdist(x, y).square() / epsilon, dim=1)`, and with
+  the gradient (`pass = fwd+bwd`) `torch.autograd.grad(out.sum(), x)` after it in every call.
+sigma and epsilon are the runner's (`files.arguments`), so every implementation computes the
+same function. For each job, in a fresh process: the runner's fp32 inputs are read; the first
+call is timed by wall clock; peak memory is the resident set's high-water mark over the inputs
+and the first call (the method of the project's CPU rows, `torch_cpu.rss_bytes`); every
+output (and dX) is scanned for non-finite values and the runner's checked elements compared
+with the runner's float64 reference; then the shared timing protocol with wall time as the
+sample time. A case whose N x M matrix does not fit is an `oom` row with the size asked.
+
+    PYTHONPATH=runners python3 -m compare.torch_kernel_sums serve | self-test | job FILE
+"""
+
+import math
+import os
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from compare import protocol, timing, torch_cpu  # noqa: E402
+else:
+    from . import protocol, timing, torch_cpu
+
+LIBRARY = "PyTorch"
+IMPLEMENTATIONS = ("torch_dense",)
+OPS = ("rbf_mv", "kde", "kernel_lse")
+DENSE_NOTE = "holds the N x M matrix of distances and kernel values"
+
+torch = torch_cpu.torch
+IMPORT_ERROR = torch_cpu.IMPORT_ERROR
+
+
+def unsupported_reason(case, implementation):
+    if implementation not in IMPLEMENTATIONS:
+        return "unknown implementation %r (known: %s)" % (implementation,
+                                                          ", ".join(IMPLEMENTATIONS))
+    if case.get("op") not in OPS:
+        return "unknown op %r (%s)" % (case.get("op"), ", ".join(OPS))
+    if case.get("dtype") != "fp32":
+        return "dtype %r: kernel sums take fp32 points" % (case.get("dtype"),)
+    return None
+
+
+def dense_bytes(args):
+    """Bytes of one float32 N x M matrix."""
+    return 4 * int(args["n"]) * int(args["m"])
+
+
+def caller(args):
+    """The call on (x, y[, b or g]) returning a tuple of outputs (out[, dX])."""
+    op, grad = args["op"], bool(args.get("grad"))
+    sigma, eps, dim, m = float(args["sigma"]), float(args["epsilon"]), int(args["dim"]), \
+        int(args["m"])
+
+    def sq(x, y):
+        return torch.cdist(x, y).square()
+
+    if op == "rbf_mv":
+        k = -1.0 / (2.0 * sigma * sigma)
+        return lambda x, y, b: (torch.exp(sq(x, y) * k) @ b,)
+    if op == "kde":
+        k = -1.0 / (2.0 * sigma * sigma)
+        norm = (2.0 * math.pi * sigma * sigma) ** (-dim / 2.0) / m
+        return lambda x, y: (torch.exp(sq(x, y) * k).sum(dim=1) * norm,)
+    if not grad:
+        return lambda x, y, g: (torch.logsumexp(g - sq(x, y) / eps, dim=1),)
+
+    def with_grad(x, y, g):
+        with torch.enable_grad():
+            xr = x.detach().requires_grad_(True)
+            out = torch.logsumexp(g - sq(xr, y) / eps, dim=1)
+            (dx,) = torch.autograd.grad(out.sum(), xr)
+        return out.detach(), dx
+    return with_grad
+
+
+def classify(exc):
+    status, msg = torch_cpu.classify(exc)
+    if isinstance(exc, RuntimeError) and "not enough memory" in str(exc).lower():
+        status = "oom"
+    return status, msg
+
+
+def measure(job):
+    """Measure one job in this (fresh) process; returns the reply dict."""
+    reply = {}
+    try:
+        _measure_into(job, reply)
+    finally:
+        reply["libraries"] = torch_cpu.libraries()
+    return reply
+
+
+def _measure_into(job, reply):
+    case, implementation = job["case"], job["implementation"]
+    why = IMPORT_ERROR or unsupported_reason(case, implementation)
+    if why is not None:
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
+        return
+    try:
+        fields, window = _measure(job)
+    except Exception as e:
+        status, msg = classify(e)
+        if status == "oom":
+            msg = "the dense N x M matrix alone is %.2f GB: %s" % (
+                dense_bytes(job["files"]["arguments"]) / 1e9, msg)
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
+        return
+    if "message" in fields:
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "error",
+                                         fields["message"])
+    else:
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "ok", None, **fields)
+    if window is not None:
+        reply["window"] = window
+
+
+def _measure(job):
+    files, tcfg = job["files"], job["timing"]
+    call = caller(files["arguments"])
+    load_before = torch_cpu.load_average()
+    with torch.no_grad():
+        base = torch_cpu.reset_peak_rss()
+        set0 = tuple(torch_cpu.load_input(t) for t in files["inputs"])
+        t0 = time.perf_counter()
+        results = call(*set0)
+        first_call_s = time.perf_counter() - t0
+        r = torch_cpu.rss_bytes()
+        peak = r[1] - base if (base is not None and r is not None) else None
+        set_bytes = sum(x.numel() * x.element_size() for x in set0)
+        out_bytes = sum(x.numel() * x.element_size() for x in results)
+
+        errors = []
+        for (name, _spec, check), tensor in zip(protocol.outputs(files), results):
+            flat = tensor.detach().contiguous().view(-1)
+            bad = (~torch.isfinite(flat)).nonzero()
+            bad_index = int(bad[0, 0]) if bad.numel() else None
+            idx = torch.tensor(protocol.flat_indices(check["ranges"]), dtype=torch.long)
+            got = flat.index_select(0, idx).double().tolist()
+            reference = protocol.read_f64(check["reference"])
+            msg, rel_err = protocol.check_output(bad_index, flat.numel(), got, reference)
+            if msg is not None:
+                if name != "O":
+                    msg = msg.replace(" (unwritten", " of %s (unwritten" % name)
+                return {"message": msg}, None
+            errors.append((name, rel_err))
+        del results
+        rel_err = protocol.worst(e for _, e in errors)
+
+        n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
+                                            float(tcfg["l2_rotation_factor"]))
+        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
+        window0 = protocol.unix_now()
+        m = timing.measure(torch_cpu.WallTimer(call, sets), tcfg)
+        window = [window0, protocol.unix_now()]
+        del sets
+    notes = [torch_cpu.TIMING_NOTE, "PyTorch intra-op threads: %d" % torch.get_num_threads(),
+             DENSE_NOTE]
+    note = torch_cpu.load_note(load_before, torch_cpu.load_average())
+    if note:
+        notes.append(note)
+    if m["cut_short"]:
+        notes.append("%d of %d samples: the %g s case limit stopped sampling"
+                     % (m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"])))
+    memory = {"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6}
+    if peak is not None:
+        memory.update(peak_mb=max(0, peak) / 1e6, peak_method=torch_cpu.PEAK_METHOD,
+                      temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
+    check = files["check"]
+    fields = dict(
+        timing="wall_clock",
+        median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
+        samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
+        first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
+        items=files.get("items"), memory=memory,
+        accuracy={"rel_err": rel_err, "metric": "rel_l2",
+                  "reference": check.get("reference_kind", "float64_cpu"),
+                  "tolerance": check["tolerance"],
+                  "checked": protocol.checked_text(check["checked"], errors)},
+        notes=notes)
+    return fields, window
+
+
+def self_test():
+    """Pure checks of this module (no torch needed), then torch_cpu's and the shared ones."""
+    failures = torch_cpu.self_test()
+
+    def check(cond, what):
+        if not cond:
+            failures.append("torch_kernel_sums: " + what)
+
+    check(unsupported_reason({"op": "kde", "dtype": "fp32"}, "torch_dense") is None,
+          "kde fp32 is measured")
+    check("fp32" in unsupported_reason({"op": "kde", "dtype": "bf16"}, "torch_dense"),
+          "bf16 points are refused")
+    check("sinc" in unsupported_reason({"op": "sinc", "dtype": "fp32"}, "torch_dense"),
+          "unknown ops are refused")
+    check("unknown" in unsupported_reason({}, "torch_flash"), "other names are unknown")
+    check(dense_bytes({"n": 1000, "m": 2000}) == 8e6, "dense size")
+    if torch is not None:
+        args = {"op": "kernel_lse", "grad": True, "sigma": 1.0, "epsilon": 2.0, "dim": 2,
+                "m": 1, "n": 1}
+        x = torch.tensor([[0.0, 0.0]])
+        y = torch.tensor([[3.0, 4.0]])
+        g = torch.tensor([1.0])
+        out, dx = caller(args)(x, y, g)
+        # One point: lse = g - |x - y|^2 / eps = 1 - 12.5; dX = -(2/eps)(x - y) = (3, 4).
+        check(abs(float(out[0]) + 11.5) < 1e-5, "lse of one pair: %r" % float(out[0]))
+        check(abs(float(dx[0, 0]) - 3.0) < 1e-5 and abs(float(dx[0, 1]) - 4.0) < 1e-5,
+              "gradient of one pair: %r" % dx.tolist())
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(protocol.main(measure, LIBRARY, module_self_test=self_test))

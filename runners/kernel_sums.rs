@@ -1,0 +1,373 @@
+//! `kernel_sums`: measures Gaussian kernel sums over point clouds (`rbf_mv`, `kde`,
+//! `kernel_lse` and its gradient; [`kernelpages::kernel_sums`]) for the project's
+//! implementation and, with `--compare torch`, PyTorch's dense formulation
+//! (`runners/compare/torch_kernel_sums.py`: `cdist`, `exp`, matmul / `logsumexp`, which holds
+//! the N × M matrix), and writes one suite document. The machinery (processes, order, timing
+//! records, progress, document) is `kernelpages::runner`; this file is the grid, the
+//! implementations, the dispatch table and the counts.
+//!
+//! Today the project's implementation is the CPU one (`cpu_tiled`, `--device cpu`); the CUDA
+//! kernels are the next step (issue 13).
+//!
+//! ```text
+//! kernel_sums --device cpu --compare torch --output data/cpu_kernel_sums.json
+//! kernel_sums --device cpu --quick --ops kernel_lse
+//! ```
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+
+use kernelpages::attention::cpu_flash::read_elements;
+use kernelpages::kernel_sums::cpu::{self as ks_cpu, BLOCK_COLS, BLOCK_ROWS, GEMM_DIM};
+use kernelpages::kernel_sums::{files, Inputs, KernelSumCase, Op, Scale};
+use kernelpages::runner::grid::Params;
+use kernelpages::runner::protocol::{CaseFiles, Job, Reply, TensorFile};
+use kernelpages::runner::{self, host, Alternative, Declared, DeviceChoice, RunnerArgs};
+use kernelpages::schema::{Count, DispatchRule, Row, Status, Suite, Throughput};
+
+/// Measure kernel sums on the CPU (`--device cpu`) and write a suite document.
+#[derive(Parser, Debug)]
+#[command(
+    name = "kernel_sums",
+    version,
+    about = "Measure Gaussian kernel sums (rbf_mv, kde, kernel_lse) on the CPU (--device cpu: data/cpu_kernel_sums.json) and write a suite document"
+)]
+struct Cli {
+    #[command(flatten)]
+    run: RunnerArgs,
+    /// Operations: `rbf_mv`, `kde`, `kernel_lse`, `kernel_lse_grad` (the log-sum-exp and its
+    /// gradient with respect to X) [default: all].
+    #[arg(long, value_delimiter = ',')]
+    ops: Option<Vec<String>>,
+    /// Point counts N = M [default: 1000,4000,16000 on the CPU; 1000 with --quick].
+    #[arg(long, value_delimiter = ',')]
+    sizes: Option<Vec<usize>>,
+    /// Point dimensions (kde runs at the ones ≤ 3) [default: 3,64].
+    #[arg(long, value_delimiter = ',', default_value = "3,64")]
+    dims: Vec<usize>,
+    /// Columns of b for `rbf_mv`.
+    #[arg(long, default_value_t = 1)]
+    cols: usize,
+    /// Output rows checked against float64 per case (evenly spaced, first and last included).
+    #[arg(long, default_value_t = 256)]
+    check_rows: usize,
+}
+
+/// The project's CPU implementation.
+const CPU_IMPLEMENTATION: &str = "cpu_tiled";
+
+/// The alternatives `--compare` can add on the CPU.
+const CPU_ALTERNATIVES: [Alternative; 1] = [Alternative {
+    name: "torch",
+    module: "torch_kernel_sums",
+    library: "PyTorch",
+    implementations: &["torch_dense"],
+}];
+
+/// Point counts of the CPU grid.
+const CPU_SIZES: [usize; 3] = [1000, 4000, 16000];
+/// Point counts of the CPU `--quick` grid.
+const CPU_QUICK_SIZES: [usize; 1] = [1000];
+/// Every operation name `--ops` takes.
+const OPS: [&str; 4] = ["rbf_mv", "kde", "kernel_lse", "kernel_lse_grad"];
+
+/// How FLOPs are counted (the document's `flop_rule`).
+const FLOP_RULE: &str = "per (x, y) pair: 3·dim for the squared distance, 1 for the exponential, 2·cols for the product with b (rbf_mv, kde) or 2 for the running sum (kernel_lse), 2·dim more for the gradient's Σ p·y; throughput counts kernel evaluations, N·M per call (2·N·M with the gradient)";
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.run.run_case {
+        Some(job) => runner::child_main(job, measure_cpu),
+        None => run(&cli),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("Error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The cases of the grid (or the quick grid).
+fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
+    if cli.run.device == DeviceChoice::Gpu {
+        bail!("kernel_sums: only --device cpu is implemented so far (the CUDA kernels are issue 13's next step)");
+    }
+    let ops: Vec<String> = cli
+        .ops
+        .clone()
+        .unwrap_or_else(|| OPS.iter().map(|s| s.to_string()).collect());
+    let sizes: Vec<usize> = match (&cli.sizes, quick) {
+        (Some(s), _) => s.clone(),
+        (None, true) => CPU_QUICK_SIZES.to_vec(),
+        (None, false) => CPU_SIZES.to_vec(),
+    };
+    let mut out = Vec::new();
+    for op in &ops {
+        let (op, grad) = match op.as_str() {
+            "kernel_lse_grad" => (Op::KernelLse, true),
+            name => (
+                Op::parse(name)
+                    .with_context(|| format!("--ops: unknown op `{name}` ({})", OPS.join(", ")))?,
+                false,
+            ),
+        };
+        for &dim in &cli.dims {
+            if op == Op::Kde && dim > 3 {
+                continue;
+            }
+            for &n in &sizes {
+                let c = KernelSumCase {
+                    cols: if op == Op::RbfMv { cli.cols } else { 1 },
+                    grad,
+                    ..KernelSumCase::new(op, n, n, dim)
+                };
+                c.validate().map_err(anyhow::Error::msg)?;
+                out.push(c.params());
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// What the CPU entry point runs.
+fn dispatch_rules() -> Vec<DispatchRule> {
+    vec![DispatchRule {
+        entry_point: "kernel_sums::cpu::compute, kernel_sums::cpu::kernel_lse".into(),
+        device: "CPU (x86-64 or any other target; AVX2 + FMA used where present)".into(),
+        dtype: "fp32".into(),
+        rule: format!(
+            "always: rows of X in blocks of {BLOCK_ROWS} over rayon's threads, Y in tiles of {BLOCK_COLS} points, never an N × M matrix; squared distances directly below dim {GEMM_DIM}, through a gemm-crate matrix product from dim {GEMM_DIM}"
+        ),
+        implementation: CPU_IMPLEMENTATION.into(),
+    }]
+}
+
+/// The document's throughput: kernel evaluations per second.
+fn throughput_decls() -> Vec<Throughput> {
+    vec![Throughput {
+        key: "gevals".into(),
+        unit: "G evaluations/s".into(),
+        count: Count::Items,
+        per_second: 1e9,
+        ceiling: None,
+    }]
+}
+
+struct KernelSums {
+    check_rows: usize,
+}
+
+fn case_of(p: &Params) -> Result<KernelSumCase> {
+    KernelSumCase::from_params(p).map_err(anyhow::Error::msg)
+}
+
+impl runner::Suite for KernelSums {
+    fn suite(&self) -> Suite {
+        Suite::KernelSums
+    }
+
+    /// X and Y uniform in the unit cube, b standard normal or g uniform in [−1, 1)
+    /// ([`Inputs::random`]), and the float64 reference of `check_rows` rows.
+    fn prepare(&self, p: &Params, seed: u64, dir: &Path) -> Result<CaseFiles> {
+        files::write_case(&case_of(p)?, seed, self.check_rows, dir)
+    }
+
+    fn unsupported(&self, p: &Params, _implementation: &str) -> Option<String> {
+        case_of(p).err().map(|e| format!("{e:#}"))
+    }
+
+    fn is_default(&self, _p: &Params, implementation: &str) -> bool {
+        implementation == CPU_IMPLEMENTATION
+    }
+
+    fn notes(&self, p: &Params, implementation: &str) -> Vec<String> {
+        let Ok(c) = case_of(p) else {
+            return Vec::new();
+        };
+        let mut notes = Vec::new();
+        if implementation == CPU_IMPLEMENTATION && c.dim >= GEMM_DIM {
+            notes.push(format!("dim ≥ {GEMM_DIM}: squared distances as ‖x‖² + ‖y‖² − 2 x·y with the cross term a float32 matrix product"));
+        }
+        notes
+    }
+
+    fn label(&self, p: &Params) -> String {
+        match case_of(p) {
+            Ok(c) => format!(
+                "{}{} N{} M{} D{}{}",
+                c.op.as_str(),
+                if c.grad { "+grad" } else { "" },
+                c.n,
+                c.m,
+                c.dim,
+                if c.op == Op::RbfMv {
+                    format!(" C{}", c.cols)
+                } else {
+                    String::new()
+                }
+            ),
+            Err(_) => format!("{p:?}"),
+        }
+    }
+}
+
+fn run(cli: &Cli) -> Result<ExitCode> {
+    let imps = runner::implementations(
+        &[(CPU_IMPLEMENTATION, "kernelpages")],
+        &CPU_ALTERNATIVES,
+        &cli.run.compare,
+    )?;
+    let cases = cli.run.select(cases(cli, false)?, cases(cli, true)?)?;
+    let declared = Declared {
+        runner: "kernel_sums",
+        flop_rule: Some(FLOP_RULE.into()),
+        dispatch: dispatch_rules(),
+        axes: vec!["n".into()],
+        throughput: throughput_decls(),
+    };
+    let suite = KernelSums {
+        check_rows: cli.check_rows,
+    };
+    runner::run(&suite, &cli.run, declared, cases, imps, Vec::new())
+}
+
+/// `cpu_tiled` on one case, as the shared CPU case process drives it.
+struct Launch {
+    case: KernelSumCase,
+    scale: Scale,
+    out: Vec<f32>,
+}
+
+impl host::Launcher for Launch {
+    type Set = Inputs;
+    fn load(&self, inputs: &[TensorFile]) -> Result<Inputs> {
+        for t in inputs {
+            anyhow::ensure!(
+                t.dtype == "fp32",
+                "input {} is {}, expected fp32",
+                t.name,
+                t.dtype
+            );
+        }
+        let read = |k: usize| -> Result<Vec<f32>> {
+            match inputs.get(k) {
+                Some(t) => read_elements(&t.path),
+                None => Ok(Vec::new()),
+            }
+        };
+        Ok(Inputs {
+            x: read(0)?,
+            y: read(1)?,
+            w: read(2)?,
+        })
+    }
+    fn replicate(&self, set: &Inputs) -> Inputs {
+        set.clone()
+    }
+    fn poison(&mut self) {
+        self.out.fill(f32::NAN);
+    }
+    fn call(&mut self, set: &Inputs) -> Result<()> {
+        ks_cpu::compute(&self.case, set, self.scale, &mut self.out);
+        Ok(())
+    }
+    fn value(&self, i: usize) -> f64 {
+        self.out[i] as f64
+    }
+    fn output_len(&self) -> usize {
+        self.case.output_len() - self.gradient_len(0)
+    }
+    fn gradient_value(&self, k: usize, i: usize) -> f64 {
+        if k == 0 {
+            self.out[self.output_len() + i] as f64
+        } else {
+            f64::NAN
+        }
+    }
+    fn gradient_len(&self, k: usize) -> usize {
+        if k == 0 && self.case.grad {
+            self.case.n * self.case.dim
+        } else {
+            0
+        }
+    }
+    fn temporary_bytes(&self) -> u64 {
+        ks_cpu::temporary_bytes(&self.case, rayon::current_num_threads())
+    }
+}
+
+/// The case process for `cpu_tiled`: σ and ε are the ones the runner wrote into the case's
+/// arguments, so every implementation uses the same values.
+fn measure_cpu(job: &Job) -> Reply {
+    let failed = |msg: String| Reply {
+        row: Row::failed(
+            job.case.clone(),
+            &job.implementation,
+            "",
+            false,
+            Status::Error,
+            msg,
+        ),
+        window: None,
+        libraries: Default::default(),
+        pid: None,
+    };
+    if job.implementation != CPU_IMPLEMENTATION {
+        return failed(format!("unknown implementation `{}`", job.implementation));
+    }
+    let case = match case_of(&job.case) {
+        Ok(c) => c,
+        Err(e) => return failed(format!("{e:#}")),
+    };
+    let arg = |k: &str| job.files.arguments.get(k).and_then(|v| v.as_f64());
+    let (Some(sigma), Some(epsilon)) = (arg("sigma"), arg("epsilon")) else {
+        return failed("the case's arguments lack sigma or epsilon".into());
+    };
+    let len = case.output_len();
+    host::measure(job, || {
+        Ok(Launch {
+            case,
+            scale: Scale { sigma, epsilon },
+            out: vec![0.0; len],
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_grid_and_its_selection() {
+        let cli = Cli::try_parse_from(["kernel_sums", "--device", "cpu"]).unwrap();
+        let all = cases(&cli, false).unwrap();
+        // rbf_mv, kernel_lse and its gradient at dims 3 and 64, kde at dim 3; 3 sizes each.
+        assert_eq!(all.len(), (3 * 2 + 1) * CPU_SIZES.len());
+        let cli = Cli::try_parse_from([
+            "kernel_sums",
+            "--device",
+            "cpu",
+            "--quick",
+            "--filter",
+            "op=kernel_lse,pass=fwd+bwd",
+        ])
+        .unwrap();
+        let kept = cli
+            .run
+            .select(cases(&cli, false).unwrap(), cases(&cli, true).unwrap())
+            .unwrap();
+        assert_eq!(kept.len(), 2);
+        assert!(
+            Cli::try_parse_from(["kernel_sums", "--device", "cpu", "--ops", "sinc"])
+                .map(|c| cases(&c, false).is_err())
+                .unwrap()
+        );
+        let gpu = Cli::try_parse_from(["kernel_sums"]).unwrap();
+        assert!(cases(&gpu, false).is_err());
+    }
+}
