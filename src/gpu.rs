@@ -11,7 +11,7 @@ use std::time::Instant;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
 use cudarc::nvrtc::{CompileError, CompileOptions};
 
-use crate::schema::{Device, DeviceKind};
+use crate::schema::{self, DeviceKind};
 
 /// Errors of the device layer.
 #[derive(Debug, thiserror::Error)]
@@ -76,6 +76,16 @@ pub fn detect() -> Result<(), GpuError> {
 pub fn cublas_present() -> bool {
     // SAFETY: only tries to dlopen the library.
     unsafe { cudarc::cublas::sys::is_culib_present() }
+}
+
+/// Where a call of the project's public functions runs (`attention::dot_product_attention`,
+/// `kernel_sums::kernel_logsumexp`, ...).
+#[derive(Clone, Copy)]
+pub enum Device<'g> {
+    /// This machine's cores (rayon's global pool).
+    Cpu,
+    /// An opened CUDA device; kernels compile on first use and are cached in the [`Gpu`].
+    Cuda(&'g Gpu),
 }
 
 /// An opened device with its default stream.
@@ -451,13 +461,13 @@ impl Gpu {
     }
 
     /// The device's facts for the document.
-    pub fn describe(&self) -> Result<Device, GpuError> {
+    pub fn describe(&self) -> Result<schema::Device, GpuError> {
         use cudarc::driver::sys::CUdevice_attribute as A;
         let sm = self
             .ctx
             .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let l2 = self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?;
-        Ok(Device {
+        Ok(schema::Device {
             kind: DeviceKind::Gpu,
             name: self.ctx.name()?,
             compute_capability: Some(format!("{}.{}", self.cc.0, self.cc.1)),

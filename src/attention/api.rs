@@ -27,14 +27,7 @@ use super::cuda::{self, DeviceInputs, Gemm};
 use super::{AttentionCase, Dtype, Pass};
 use crate::gpu::{Gpu, GpuError};
 
-/// Where a call runs.
-#[derive(Clone, Copy)]
-pub enum Device<'g> {
-    /// This machine's cores (rayon's global pool).
-    Cpu,
-    /// An opened CUDA device; kernels compile on first use and are cached in the [`Gpu`].
-    Cuda(&'g Gpu),
-}
+pub use crate::gpu::Device;
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
