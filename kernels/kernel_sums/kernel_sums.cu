@@ -21,10 +21,12 @@
 //   kernel_lse*_ (const float* X, const float* Y, const float* G, float* out,
 //                 long long N, long long M, int D, float k, float two_over_eps)
 // with k = log2(e) / (2 sigma^2) for rbf_mv and kde, k = log2(e) / eps for kernel_lse: every
-// exponent is computed in base 2 and exponentiated with ex2.approx.ftz.f32 (MUFU.EX2; the same
-// instruction CUDA's exp2f uses, documented at 2 ulp; subnormal results flush to 0, which only
-// drops terms below 2^-126 of the largest). The _d1/_d2/_d3 kernels ignore `D` (it is their
-// template parameter); the _dn kernels take any D >= 1.
+// exponent is computed in base 2 and exponentiated with ex2.approx.ftz.f32: one MUFU.EX2. CUDA's
+// exp2f is the same instruction plus a fix-up for results below 2^-126 (NVRTC 13's SASS), and
+// the CUDA Programming Guide lists exp2f at 2 ulp, so about 2.4e-7 relative; here subnormal
+// results flush to 0, which only drops terms below 2^-126 (relative to the running maximum for
+// kernel_lse). The _d1/_d2/_d3 kernels ignore `D` (it is their template parameter); the _dn
+// kernels take any D >= 1.
 //
 // Launch (src/kernel_sums/cuda.rs): KS_THREADS threads per block; grid.x = ceil(N / rows per
 // block), grid.y = ceil(C / CT) column tiles for rbf_mv (1 otherwise); no dynamic shared

@@ -361,6 +361,8 @@ mod tests {
     fn every_case_has_an_entry_point_in_the_source() {
         let names = entry_points();
         assert_eq!(names.len(), 28);
+        // The launch's block size is the one the kernels are written for.
+        assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_THREADS {THREADS}\n")));
         for name in &names {
             // Each entry point has its own selection guard (entry_source relies on it).
             assert!(
