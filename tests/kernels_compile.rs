@@ -330,3 +330,73 @@ fn the_fast_path_forward_compiles() {
         FlashConfig::for_head_dim(96).unwrap()
     ));
 }
+
+/// The kernel-sum kernels (`kernels/kernel_sums/kernel_sums.cu`): the whole source compiles for
+/// Hopper and Ampere with every entry point `kernel_sums::cuda` can launch in its PTX, and each
+/// entry point also compiles alone, as the runner compiles it (`entry_source`), to a module
+/// holding that entry point and no other.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn kernel_sums_kernels_compile() {
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    use kernelpages::kernel_sums::cuda::{entry_points, entry_source, KERNEL_SUMS_SRC};
+    let names = entry_points();
+    for arch in ["sm_90a", "sm_80"] {
+        let ptx = kernelpages::gpu::nvrtc_compile("kernel_sums.cu", KERNEL_SUMS_SRC, arch)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let text = ptx.to_src();
+        for f in &names {
+            // `.entry name(`: a bare substring test would take rbf_mv_d1_c16 for rbf_mv_d1_c1.
+            assert!(
+                text.contains(&format!(".entry {f}(")),
+                "{f} missing from the {arch} PTX"
+            );
+        }
+        assert_eq!(text.matches(".entry ").count(), names.len(), "{arch}");
+    }
+    for f in &names {
+        let ptx = kernelpages::gpu::nvrtc_compile(&format!("{f}.cu"), &entry_source(f), "sm_90a")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let text = ptx.to_src();
+        assert!(text.contains(&format!(".entry {f}(")), "{f} alone");
+        assert_eq!(text.matches(".entry ").count(), 1, "{f} alone");
+    }
+}
+
+/// ptxas's report for every kernel-sum entry point on sm_90a (registers, spills; printed with
+/// `--nocapture` for kernels/TUNING-kernel-sums.md): none may spill or need more than the 255
+/// registers a thread has.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn kernel_sums_fit_their_registers() {
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    use kernelpages::kernel_sums::cuda::{entry_points, KERNEL_SUMS_SRC};
+    let reports =
+        kernelpages::gpu::ptxas_report("kernel_sums.cu", KERNEL_SUMS_SRC, "sm_90a").unwrap();
+    eprintln!("| kernel | registers | spill bytes | stack bytes |");
+    eprintln!("| --- | --- | --- | --- |");
+    for name in entry_points() {
+        let r = reports
+            .iter()
+            .find(|r| r.kernel == name)
+            .unwrap_or_else(|| panic!("no ptxas report for {name}"));
+        eprintln!(
+            "| {} | {} | {} | {} |",
+            r.kernel, r.registers, r.spill_bytes, r.stack_bytes
+        );
+        assert_eq!(r.spill_bytes, 0, "{r:?}");
+        assert!(r.registers <= 255, "{r:?}");
+    }
+}

@@ -20,3 +20,27 @@ fn kernel_control_flow_matches_the_reference() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The kernel-sum kernels' control flow (grid and rows per thread as the host plans them, Y
+/// tiles staged between barriers, the prefetched next tile, kernel_lse's online-max chunks and
+/// −∞ guard, the generic kernels' feature chunks, padding of partial tiles, store guards),
+/// emulated element by element in float64 in `kernels/kernel_sums/emulate_kernel_sums.py`,
+/// with bounds-checked global arrays and NaN-initialised shared buffers and outputs.
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn kernel_sums_control_flow_matches_the_reference() {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/kernels/kernel_sums/emulate_kernel_sums.py"
+    );
+    let out = Command::new("python3")
+        .arg(script)
+        .output()
+        .expect("python3 runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.trim_end().ends_with("ALL OK"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -19,6 +19,7 @@
 //! targets use, with FLOPs as counted in [`KernelSumCase::flops`].
 //!
 //! [`reference`] is the float64 definition; [`cpu`] the multi-threaded float32 implementation;
+//! [`cuda`] the float32 CUDA kernels (`kernels/kernel_sums/kernel_sums.cu`);
 //! [`sinkhorn`] the log-domain Sinkhorn solver on top of `kernel_lse`.
 
 use std::collections::BTreeMap;
@@ -26,6 +27,7 @@ use std::collections::BTreeMap;
 use crate::schema::Param;
 
 pub mod cpu;
+pub mod cuda;
 pub mod files;
 
 /// What a case computes.

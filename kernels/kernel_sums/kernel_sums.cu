@@ -1,0 +1,623 @@
+// Kernel sums in float32 on CUDA cores, never holding the N x M kernel matrix: each thread owns
+// one or a few rows i of X (registers), the block streams Y through shared memory in tiles,
+// and every (i, j) pair is reduced into the thread's accumulators as soon as it is computed
+// (the map-reduce scheme of KeOps: Charlier, Feydy, Glaunes, Collin, Durif, "Kernel Operations
+// on the GPU, with Autodiff, without Memory Overflows", JMLR 22(74), 2021).
+//
+// Operations (all float32, row-major, natural-log outputs; src/kernel_sums/mod.rs defines them
+// in float64):
+// - rbf_mv:     out[i, c] = sum_j exp(-|x_i - y_j|^2 / (2 sigma^2)) b[j, c]   out [N, C]
+// - kde:        out[i]    = norm * sum_j exp(-|x_i - y_j|^2 / (2 sigma^2))     out [N]
+//               (norm = (2 pi sigma^2)^(-D/2) / M, computed by the caller)
+// - kernel_lse: out[i]    = log sum_j exp(-|x_i - y_j|^2 / eps + g_j)          out [N]
+//   and with the gradient, out[N + i*D + a] = -(2/eps) (x_ia - sum_j p_ij y_ja), p_ij the
+//   softmax weights of row i: the layout of KernelSumCase::output_len (N values, then N x D).
+//
+// Arguments, the same for every dimension so the host launches them alike:
+//   rbf_mv_*     (const float* X, const float* Y, const float* B, float* out,
+//                 long long N, long long M, int D, int C, float k)
+//   kde_*        (const float* X, const float* Y, float* out,
+//                 long long N, long long M, int D, float k, float norm)
+//   kernel_lse*_ (const float* X, const float* Y, const float* G, float* out,
+//                 long long N, long long M, int D, float k, float two_over_eps)
+// with k = log2(e) / (2 sigma^2) for rbf_mv and kde, k = log2(e) / eps for kernel_lse: every
+// exponent is computed in base 2 and exponentiated with ex2.approx.ftz.f32: one MUFU.EX2. CUDA's
+// exp2f is the same instruction plus a fix-up for results below 2^-126 (NVRTC 13's SASS), and
+// the CUDA Programming Guide lists exp2f at 2 ulp, so about 2.4e-7 relative; here subnormal
+// results flush to 0, which only drops terms below 2^-126 (relative to the running maximum for
+// kernel_lse). The _d1/_d2/_d3 kernels ignore `D` (it is their template parameter); the _dn
+// kernels take any D >= 1.
+//
+// Launch (src/kernel_sums/cuda.rs): KS_THREADS threads per block; grid.x = ceil(N / rows per
+// block), grid.y = ceil(C / CT) column tiles for rbf_mv (1 otherwise); no dynamic shared
+// memory. Rows per block: KS_THREADS * R for the small-D kernels (R rows per thread,
+// rows t, t + KS_THREADS, ... of the block so stores stay coalesced), KS_THREADS for _dn.
+// Offsets into X, Y, B and out are 64-bit (N*D and N*C may pass 2^31); any N, M >= 1 works:
+// Y tiles past M are padded with points that contribute exactly 0 (weight 0, or g = -inf), rows
+// past N are computed on zeros and never stored.
+//
+// No headers (NVRTC): INFINITY is spelled with its bits.
+
+#define KS_THREADS 128
+// Y points per shared-memory tile of the small-D kernels: one per thread to load.
+#define KS_TILE 128
+// Y points per online-max step of kernel_lse (small D): the running maximum is updated once
+// per row per chunk.
+#define KS_CHUNK 16
+// Y points per tile and features per chunk of the generic-D kernels.
+#define KS_DN_TILE 32
+#define KS_DN_KD 16
+// Row stride of the staged X chunk: KS_DN_KD + 4 floats keeps the 16-byte row reads of eight
+// consecutive threads in distinct bank groups.
+#define KS_DN_XS (KS_DN_KD + 4)
+
+#define KS_NEG_INF __int_as_float(0xff800000)
+#define KS_LOG2E 1.4426950408889634f
+#define KS_LN2 0.6931471805599453f
+
+// 2^x, one MUFU.EX2.
+__device__ __forceinline__ float ks_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Point j of Y (D <= 3) multiplied by s, as (y0, y1, y2) with zeros past D, and w in .w.
+template <int D>
+__device__ __forceinline__ float4 ks_point(const float* __restrict__ Y, long long j, float s,
+                                           float w) {
+    const float* p = Y + j * D;
+    float4 v;
+    v.x = p[0] * s;
+    v.y = D > 1 ? p[1] * s : 0.f;
+    v.z = D > 2 ? p[2] * s : 0.f;
+    v.w = w;
+    return v;
+}
+
+// -|x - p|^2 + p.w for a point p from ks_point (x and p both scaled by s = sqrt(k), so the
+// result is the base-2 exponent): D subtractions and D fused multiply-adds.
+template <int D>
+__device__ __forceinline__ float ks_neg_sq(const float* x, float4 p, float start) {
+    const float d0 = x[0] - p.x;
+    float q = fmaf(-d0, d0, start);
+    if (D > 1) {
+        const float d1 = x[1] - p.y;
+        q = fmaf(-d1, d1, q);
+    }
+    if (D > 2) {
+        const float d2 = x[2] - p.z;
+        q = fmaf(-d2, d2, q);
+    }
+    return q;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small D (1, 2, 3): coordinates in registers, Y tiles as float4 broadcasts.
+//
+// Both X and Y are scaled by s = sqrt(k) once (X when loaded, Y when staged), so a pair costs
+// D FADD + D FFMA for its exponent, one MUFU.EX2, and its reduction (one FFMA per column for
+// rbf_mv). The scaling moves the exponent by at most ~2^-23 * 2k |x| |x - y| (rounding of the
+// scaled coordinates), the same order as the float32 exponent itself for points near the
+// origin.
+
+// rbf_mv and kde: CT output columns per thread (a column tile; grid.y = ceil(C / CT)), R rows.
+// With CT == 1 the weight b[j, c0] (1 for kde, 0 past M) rides in the point's .w; with CT > 1
+// the tile's weights [KS_TILE][CT] (0 past M or C) are staged in shared memory and read as
+// float4 broadcasts.
+template <int D, int CT, int R, bool KDE>
+__device__ __forceinline__ void rbf_small(const float* __restrict__ X, const float* __restrict__ Y,
+                                          const float* __restrict__ B, float* __restrict__ out,
+                                          long long N, long long M, int C, float k,
+                                          float out_scale) {
+    __shared__ float4 ys[KS_TILE];
+    __shared__ __align__(16) float bs[CT > 1 ? KS_TILE * CT : 4];
+    const int t = threadIdx.x;
+    const float s = sqrtf(k);
+    const long long row0 = (long long)blockIdx.x * (KS_THREADS * R) + t;
+    const int c0 = blockIdx.y * CT;
+
+    float x[R][D];
+    float acc[R][CT];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const long long i = row0 + (long long)r * KS_THREADS;
+#pragma unroll
+        for (int a = 0; a < D; ++a) x[r][a] = i < N ? X[i * D + a] * s : 0.f;
+#pragma unroll
+        for (int c = 0; c < CT; ++c) acc[r][c] = 0.f;
+    }
+
+    // The thread's point of the next tile, loaded while the current one is consumed.
+    long long j = t;
+    float4 next = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (j < M) next = ks_point<D>(Y, j, s, KDE ? 1.f : (CT == 1 ? B[j * C + c0] : 0.f));
+
+    for (long long j0 = 0; j0 < M; j0 += KS_TILE) {
+        __syncthreads();  // every thread is done with the previous tile
+        ys[t] = next;
+        if (CT > 1) {
+            for (int q = t; q < KS_TILE * CT; q += KS_THREADS) {
+                const int jj = q / CT, c = q % CT;
+                const long long jb = j0 + jj;
+                bs[q] = (jb < M && c0 + c < C) ? B[jb * C + c0 + c] : 0.f;
+            }
+        }
+        __syncthreads();
+        j = j0 + KS_TILE + t;
+        next = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (j < M) next = ks_point<D>(Y, j, s, KDE ? 1.f : (CT == 1 ? B[j * C + c0] : 0.f));
+
+#pragma unroll(CT == 1 ? 8 : 4)
+        for (int jj = 0; jj < KS_TILE; ++jj) {
+            const float4 p = ys[jj];
+            float kv[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) kv[r] = ks_ex2(ks_neg_sq<D>(x[r], p, 0.f));
+            if (CT == 1) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r][0] = fmaf(kv[r], p.w, acc[r][0]);
+            } else {
+                const float4* b4 = reinterpret_cast<const float4*>(bs + jj * CT);
+#pragma unroll
+                for (int c4 = 0; c4 < CT / 4; ++c4) {
+                    const float4 b = b4[c4];
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        acc[r][4 * c4 + 0] = fmaf(kv[r], b.x, acc[r][4 * c4 + 0]);
+                        acc[r][4 * c4 + 1] = fmaf(kv[r], b.y, acc[r][4 * c4 + 1]);
+                        acc[r][4 * c4 + 2] = fmaf(kv[r], b.z, acc[r][4 * c4 + 2]);
+                        acc[r][4 * c4 + 3] = fmaf(kv[r], b.w, acc[r][4 * c4 + 3]);
+                    }
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const long long i = row0 + (long long)r * KS_THREADS;
+        if (i < N) {
+#pragma unroll
+            for (int c = 0; c < CT; ++c)
+                if (c0 + c < C) out[i * C + c0 + c] = acc[r][c] * out_scale;
+        }
+    }
+}
+
+// kernel_lse (and its gradient): R rows per thread. The point's .w holds g_j log2(e) (-inf
+// past M). Per chunk of KS_CHUNK points a row computes its exponents, takes their maximum,
+// rescales its sum (and its sum of p * y) once if the maximum grew, then accumulates
+// 2^(e - max): D FADD + D FFMA, one FMNMX, one FADD, one MUFU.EX2 and one FADD per pair (+ D
+// FFMA for the gradient).
+template <int D, int R, bool GRAD>
+__device__ __forceinline__ void lse_small(const float* __restrict__ X, const float* __restrict__ Y,
+                                          const float* __restrict__ G, float* __restrict__ out,
+                                          long long N, long long M, float k, float two_over_eps) {
+    __shared__ float4 ys[KS_TILE];
+    const int t = threadIdx.x;
+    const float s = sqrtf(k);
+    const long long row0 = (long long)blockIdx.x * (KS_THREADS * R) + t;
+
+    float x[R][D], mx[R], sum[R], acc[R][D];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const long long i = row0 + (long long)r * KS_THREADS;
+#pragma unroll
+        for (int a = 0; a < D; ++a) {
+            x[r][a] = i < N ? X[i * D + a] * s : 0.f;
+            acc[r][a] = 0.f;
+        }
+        mx[r] = KS_NEG_INF;
+        sum[r] = 0.f;
+    }
+
+    long long j = t;
+    float4 next = make_float4(0.f, 0.f, 0.f, KS_NEG_INF);
+    if (j < M) next = ks_point<D>(Y, j, s, G[j] * KS_LOG2E);
+
+    for (long long j0 = 0; j0 < M; j0 += KS_TILE) {
+        __syncthreads();
+        ys[t] = next;
+        __syncthreads();
+        j = j0 + KS_TILE + t;
+        next = make_float4(0.f, 0.f, 0.f, KS_NEG_INF);
+        if (j < M) next = ks_point<D>(Y, j, s, G[j] * KS_LOG2E);
+
+#pragma unroll 1
+        for (int jc = 0; jc < KS_TILE; jc += KS_CHUNK) {
+            float e[R][KS_CHUNK];
+#pragma unroll
+            for (int c = 0; c < KS_CHUNK; ++c) {
+                const float4 p = ys[jc + c];
+#pragma unroll
+                for (int r = 0; r < R; ++r) e[r][c] = ks_neg_sq<D>(x[r], p, p.w);
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float cm = e[r][0];
+#pragma unroll
+                for (int c = 1; c < KS_CHUNK; ++c) cm = fmaxf(cm, e[r][c]);
+                if (cm > mx[r]) {
+                    // 2^(-inf) = 0 when the row had no finite term yet.
+                    const float f = ks_ex2(mx[r] - cm);
+                    sum[r] *= f;
+#pragma unroll
+                    for (int a = 0; a < D; ++a) acc[r][a] *= f;
+                    mx[r] = cm;
+                }
+                // A row whose terms are all -inf so far adds 2^(-inf - 0) = 0, not NaN.
+                const float ref = mx[r] == KS_NEG_INF ? 0.f : mx[r];
+#pragma unroll
+                for (int c = 0; c < KS_CHUNK; ++c) {
+                    const float p = ks_ex2(e[r][c] - ref);
+                    sum[r] += p;
+                    if (GRAD) {
+                        const float4 y = ys[jc + c];
+                        acc[r][0] = fmaf(p, y.x, acc[r][0]);
+                        if (D > 1) acc[r][D > 1 ? 1 : 0] = fmaf(p, y.y, acc[r][D > 1 ? 1 : 0]);
+                        if (D > 2) acc[r][D > 2 ? 2 : 0] = fmaf(p, y.z, acc[r][D > 2 ? 2 : 0]);
+                    }
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const long long i = row0 + (long long)r * KS_THREADS;
+        if (i < N) {
+            out[i] = (mx[r] + log2f(sum[r])) * KS_LN2;
+            if (GRAD) {
+                // acc holds sum_j p y_j * s: undo the scaling with the normalisation.
+                const float inv = 1.f / (sum[r] * s);
+#pragma unroll
+                for (int a = 0; a < D; ++a)
+                    out[N + i * D + a] = -two_over_eps * (X[i * D + a] - acc[r][a] * inv);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Any D (the feature path, 16-128 in the benchmarks): one row per thread. Per tile of
+// KS_DN_TILE points, the features are walked in chunks of KS_DN_KD: the block stages its rows'
+// chunk of X ([KS_THREADS][KS_DN_XS]) and the tile's chunk of Y ([KS_DN_TILE][KS_DN_KD]), zero
+// past N, M and D, and every thread adds (x_a - y_ja)^2 into its KS_DN_TILE squared distances
+// (16-byte reads: x its own row, y a broadcast). Then the tile is reduced as above. Unscaled
+// coordinates: the exponent is -k * |x - y|^2, computed once per pair.
+
+// Stages features [d0, d0 + KS_DN_KD) of rows [rb, rb + KS_THREADS) of X and of points
+// [j0, j0 + KS_DN_TILE) of Y (zeros outside).
+__device__ __forceinline__ void ks_stage(float (*xs)[KS_DN_XS], float (*ys)[KS_DN_KD],
+                                         const float* __restrict__ X,
+                                         const float* __restrict__ Y, long long rb, long long N,
+                                         long long j0, long long M, int D, int d0, bool with_x) {
+    const int t = threadIdx.x;
+    if (with_x) {
+        for (int q = t; q < KS_THREADS * KS_DN_KD; q += KS_THREADS) {
+            const int rr = q / KS_DN_KD, a = q % KS_DN_KD;
+            const long long i = rb + rr;
+            xs[rr][a] = (i < N && d0 + a < D) ? X[i * D + d0 + a] : 0.f;
+        }
+    }
+    for (int q = t; q < KS_DN_TILE * KS_DN_KD; q += KS_THREADS) {
+        const int jj = q / KS_DN_KD, a = q % KS_DN_KD;
+        const long long jy = j0 + jj;
+        ys[jj][a] = (jy < M && d0 + a < D) ? Y[jy * D + d0 + a] : 0.f;
+    }
+}
+
+// sq[jj] = |x_i - y_(j0+jj)|^2 for the tile at j0 (every thread of the block calls it: it
+// synchronises).
+__device__ __forceinline__ void ks_tile_sq(float (*xs)[KS_DN_XS], float (*ys)[KS_DN_KD],
+                                           const float* __restrict__ X,
+                                           const float* __restrict__ Y, long long rb, long long N,
+                                           long long j0, long long M, int D,
+                                           float sq[KS_DN_TILE]) {
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int jj = 0; jj < KS_DN_TILE; ++jj) sq[jj] = 0.f;
+    for (int d0 = 0; d0 < D; d0 += KS_DN_KD) {
+        __syncthreads();  // the previous chunk (or tile) is consumed
+        ks_stage(xs, ys, X, Y, rb, N, j0, M, D, d0, true);
+        __syncthreads();
+#pragma unroll
+        for (int a4 = 0; a4 < KS_DN_KD / 4; ++a4) {
+            const float4 xv = *reinterpret_cast<const float4*>(&xs[t][4 * a4]);
+#pragma unroll
+            for (int jj = 0; jj < KS_DN_TILE; ++jj) {
+                const float4 yv = *reinterpret_cast<const float4*>(&ys[jj][4 * a4]);
+                float d = xv.x - yv.x;
+                sq[jj] = fmaf(d, d, sq[jj]);
+                d = xv.y - yv.y;
+                sq[jj] = fmaf(d, d, sq[jj]);
+                d = xv.z - yv.z;
+                sq[jj] = fmaf(d, d, sq[jj]);
+                d = xv.w - yv.w;
+                sq[jj] = fmaf(d, d, sq[jj]);
+            }
+        }
+    }
+}
+
+// rbf_mv and kde, any D: CT columns per thread. The tile's weights [KS_DN_TILE][CT] (0 past M
+// or C) are staged at the start of each tile, before the distance chunks (whose first barrier
+// orders them after the previous tile's reads and before this tile's).
+template <int CT, bool KDE>
+__device__ __forceinline__ void rbf_dn(const float* __restrict__ X, const float* __restrict__ Y,
+                                       const float* __restrict__ B, float* __restrict__ out,
+                                       long long N, long long M, int D, int C, float k,
+                                       float out_scale) {
+    __shared__ __align__(16) float xs[KS_THREADS][KS_DN_XS];
+    __shared__ __align__(16) float ys[KS_DN_TILE][KS_DN_KD];
+    __shared__ __align__(16) float bs[KS_DN_TILE][CT];
+    const int t = threadIdx.x;
+    const long long rb = (long long)blockIdx.x * KS_THREADS;
+    const long long i = rb + t;
+    const int c0 = blockIdx.y * CT;
+
+    float acc[CT];
+#pragma unroll
+    for (int c = 0; c < CT; ++c) acc[c] = 0.f;
+
+    for (long long j0 = 0; j0 < M; j0 += KS_DN_TILE) {
+        __syncthreads();  // the previous tile's weights are consumed
+        for (int q = t; q < KS_DN_TILE * CT; q += KS_THREADS) {
+            const int jj = q / CT, c = q % CT;
+            const long long jb = j0 + jj;
+            float w = 0.f;
+            if (jb < M && c0 + c < C) w = KDE ? 1.f : B[jb * C + c0 + c];
+            bs[jj][c] = w;
+        }
+        float sq[KS_DN_TILE];
+        ks_tile_sq(xs, ys, X, Y, rb, N, j0, M, D, sq);
+#pragma unroll
+        for (int jj = 0; jj < KS_DN_TILE; ++jj) {
+            const float kv = ks_ex2(-k * sq[jj]);
+            if (CT == 1) {
+                acc[0] = fmaf(kv, bs[jj][0], acc[0]);
+            } else {
+#pragma unroll
+                for (int c4 = 0; c4 < CT / 4; ++c4) {
+                    const float4 b = *reinterpret_cast<const float4*>(&bs[jj][4 * c4]);
+                    acc[4 * c4 + 0] = fmaf(kv, b.x, acc[4 * c4 + 0]);
+                    acc[4 * c4 + 1] = fmaf(kv, b.y, acc[4 * c4 + 1]);
+                    acc[4 * c4 + 2] = fmaf(kv, b.z, acc[4 * c4 + 2]);
+                    acc[4 * c4 + 3] = fmaf(kv, b.w, acc[4 * c4 + 3]);
+                }
+            }
+        }
+    }
+    if (i < N) {
+#pragma unroll
+        for (int c = 0; c < CT; ++c)
+            if (c0 + c < C) out[i * C + c0 + c] = acc[c] * out_scale;
+    }
+}
+
+// kernel_lse, any D. One online-max step per tile. The gradient's running sum of p * y has D
+// entries, more than a thread's registers for large D: it is kept in the thread's own output
+// row out[N + i*D ...] (only that thread touches it), added to once per tile and feature chunk
+// after a second pass over the tile's Y chunks, rescaled in place when the maximum grows, and
+// turned into the gradient at the end.
+template <bool GRAD>
+__device__ __forceinline__ void lse_dn(const float* __restrict__ X, const float* __restrict__ Y,
+                                       const float* __restrict__ G, float* __restrict__ out,
+                                       long long N, long long M, int D, float k,
+                                       float two_over_eps) {
+    __shared__ __align__(16) float xs[KS_THREADS][KS_DN_XS];
+    __shared__ __align__(16) float ys[KS_DN_TILE][KS_DN_KD];
+    __shared__ float gs[KS_DN_TILE];
+    const int t = threadIdx.x;
+    const long long rb = (long long)blockIdx.x * KS_THREADS;
+    const long long i = rb + t;
+    float* grad = out + N + i * D;  // dereferenced only when i < N
+
+    if (GRAD && i < N)
+        for (int a = 0; a < D; ++a) grad[a] = 0.f;
+    float mx = KS_NEG_INF, sum = 0.f;
+
+    for (long long j0 = 0; j0 < M; j0 += KS_DN_TILE) {
+        __syncthreads();  // the previous tile's g values are consumed
+        if (t < KS_DN_TILE) gs[t] = j0 + t < M ? G[j0 + t] * KS_LOG2E : KS_NEG_INF;
+        float e[KS_DN_TILE];
+        ks_tile_sq(xs, ys, X, Y, rb, N, j0, M, D, e);
+        float cm = KS_NEG_INF;
+#pragma unroll
+        for (int jj = 0; jj < KS_DN_TILE; ++jj) {
+            e[jj] = fmaf(-k, e[jj], gs[jj]);
+            cm = fmaxf(cm, e[jj]);
+        }
+        if (cm > mx) {
+            const float f = ks_ex2(mx - cm);
+            sum *= f;
+            if (GRAD && i < N)
+                for (int a = 0; a < D; ++a) grad[a] *= f;
+            mx = cm;
+        }
+        const float ref = mx == KS_NEG_INF ? 0.f : mx;
+#pragma unroll
+        for (int jj = 0; jj < KS_DN_TILE; ++jj) {
+            e[jj] = ks_ex2(e[jj] - ref);  // now p_j, unnormalised
+            sum += e[jj];
+        }
+        if (GRAD) {
+            for (int d0 = 0; d0 < D; d0 += KS_DN_KD) {
+                __syncthreads();
+                ks_stage(xs, ys, X, Y, rb, N, j0, M, D, d0, false);
+                __syncthreads();
+#pragma unroll
+                for (int a4 = 0; a4 < KS_DN_KD / 4; ++a4) {
+                    float4 py = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+                    for (int jj = 0; jj < KS_DN_TILE; ++jj) {
+                        const float4 yv = *reinterpret_cast<const float4*>(&ys[jj][4 * a4]);
+                        py.x = fmaf(e[jj], yv.x, py.x);
+                        py.y = fmaf(e[jj], yv.y, py.y);
+                        py.z = fmaf(e[jj], yv.z, py.z);
+                        py.w = fmaf(e[jj], yv.w, py.w);
+                    }
+                    const int a = d0 + 4 * a4;
+                    if (i < N) {
+                        if (a + 0 < D) grad[a + 0] += py.x;
+                        if (a + 1 < D) grad[a + 1] += py.y;
+                        if (a + 2 < D) grad[a + 2] += py.z;
+                        if (a + 3 < D) grad[a + 3] += py.w;
+                    }
+                }
+            }
+        }
+    }
+    if (i < N) {
+        out[i] = (mx + log2f(sum)) * KS_LN2;
+        if (GRAD) {
+            const float inv = 1.f / sum;
+            for (int a = 0; a < D; ++a) grad[a] = -two_over_eps * (X[i * D + a] - grad[a] * inv);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points. Small D: rows per thread R = 2 (1 for 64 columns, whose accumulators fill the
+// registers). Column tiles CT of rbf_mv: 1, 4, 16, 64 (the host takes the smallest >= C, and
+// 64-column tiles past 64).
+//
+// Compiled as it is, the source defines every entry point (the NVRTC compile test does this).
+// The host compiles one at a time (all of them take ~8 s of NVRTC and ptxas): it puts
+// `#define KS_ONLY` and `#define KS_ENTRY_<name>` before the source, and only that entry point
+// and the templates it instantiates are compiled.
+
+#ifdef KS_ONLY
+#define KS_ALL 0
+#else
+#define KS_ALL 1
+#endif
+
+#define KS_RBF_SMALL(D, CT, R)                                                                 \
+    extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
+        rbf_mv_d##D##_c##CT(const float* X, const float* Y, const float* B, float* out,       \
+                            long long N, long long M, int Dn, int C, float k) {                \
+        rbf_small<D, CT, R, false>(X, Y, B, out, N, M, C, k, 1.f);                             \
+    }
+#define KS_KDE_SMALL(D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
+        kde_d##D(const float* X, const float* Y, float* out, long long N, long long M, int Dn, \
+                 float k, float norm) {                                                        \
+        rbf_small<D, 1, 2, true>(X, Y, nullptr, out, N, M, 1, k, norm);                        \
+    }
+#define KS_LSE_SMALL(D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
+        kernel_lse_d##D(const float* X, const float* Y, const float* G, float* out,           \
+                        long long N, long long M, int Dn, float k, float two_over_eps) {       \
+        lse_small<D, 2, false>(X, Y, G, out, N, M, k, two_over_eps);                           \
+    }
+#define KS_LSE_GRAD_SMALL(D)                                                                   \
+    extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
+        kernel_lse_grad_d##D(const float* X, const float* Y, const float* G, float* out,      \
+                             long long N, long long M, int Dn, float k, float two_over_eps) {  \
+        lse_small<D, 2, true>(X, Y, G, out, N, M, k, two_over_eps);                            \
+    }
+#define KS_RBF_DN(CT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
+        rbf_mv_dn_c##CT(const float* X, const float* Y, const float* B, float* out,           \
+                        long long N, long long M, int D, int C, float k) {                     \
+        rbf_dn<CT, false>(X, Y, B, out, N, M, D, C, k, 1.f);                                   \
+    }
+
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d1_c1)
+KS_RBF_SMALL(1, 1, 2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d1_c4)
+KS_RBF_SMALL(1, 4, 2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d1_c16)
+KS_RBF_SMALL(1, 16, 2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d1_c64)
+KS_RBF_SMALL(1, 64, 1)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d2_c1)
+KS_RBF_SMALL(2, 1, 2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d2_c4)
+KS_RBF_SMALL(2, 4, 2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d2_c16)
+KS_RBF_SMALL(2, 16, 2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d2_c64)
+KS_RBF_SMALL(2, 64, 1)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d3_c1)
+KS_RBF_SMALL(3, 1, 2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d3_c4)
+KS_RBF_SMALL(3, 4, 2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d3_c16)
+KS_RBF_SMALL(3, 16, 2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_d3_c64)
+KS_RBF_SMALL(3, 64, 1)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kde_d1)
+KS_KDE_SMALL(1)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kde_d2)
+KS_KDE_SMALL(2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kde_d3)
+KS_KDE_SMALL(3)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_d1)
+KS_LSE_SMALL(1)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_grad_d1)
+KS_LSE_GRAD_SMALL(1)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_d2)
+KS_LSE_SMALL(2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_grad_d2)
+KS_LSE_GRAD_SMALL(2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_d3)
+KS_LSE_SMALL(3)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_grad_d3)
+KS_LSE_GRAD_SMALL(3)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_dn_c1)
+KS_RBF_DN(1)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_dn_c4)
+KS_RBF_DN(4)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_dn_c16)
+KS_RBF_DN(16)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_dn_c64)
+KS_RBF_DN(64)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kde_dn)
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    kde_dn(const float* X, const float* Y, float* out, long long N, long long M, int D, float k,
+           float norm) {
+    rbf_dn<1, true>(X, Y, nullptr, out, N, M, D, 1, k, norm);
+}
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_dn)
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    kernel_lse_dn(const float* X, const float* Y, const float* G, float* out, long long N,
+                  long long M, int D, float k, float two_over_eps) {
+    lse_dn<false>(X, Y, G, out, N, M, D, k, two_over_eps);
+}
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_grad_dn)
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    kernel_lse_grad_dn(const float* X, const float* Y, const float* G, float* out, long long N,
+                       long long M, int D, float k, float two_over_eps) {
+    lse_dn<true>(X, Y, G, out, N, M, D, k, two_over_eps);
+}
+#endif

@@ -1,0 +1,444 @@
+//! Kernel sums on CUDA in float32: `kernels/kernel_sums/kernel_sums.cu`, compiled by NVRTC at
+//! run time, one entry point per case.
+//!
+//! The kernels follow the map-reduce scheme of KeOps (Charlier, Feydy, Glaunès, Collin, Durif,
+//! "Kernel Operations on the GPU, with Autodiff, without Memory Overflows", JMLR 22(74), 2021):
+//! each thread owns one or two rows of X in registers, the block streams Y through shared
+//! memory in tiles, and every (i, j) pair is reduced at once, so nothing of size N × M exists,
+//! on the device or anywhere else. `kernel_lse` keeps a running maximum (base-2 exponentials,
+//! rescaled when the maximum grows) and accumulates Σ p·y alongside for the gradient.
+//!
+//! Entry points ([`entry_point`]): `rbf_mv_d{1,2,3}_c{1,4,16,64}`, `kde_d{1,2,3}`,
+//! `kernel_lse_d{1,2,3}`, `kernel_lse_grad_d{1,2,3}` with the dimension a compile-time
+//! constant (point clouds), and `rbf_mv_dn_c{1,4,16,64}`, `kde_dn`, `kernel_lse_dn`,
+//! `kernel_lse_grad_dn` for any dimension (features). `c{CT}` is the column tile of `rbf_mv`:
+//! the smallest of 1, 4, 16, 64 that holds C, and tiles of 64 columns (one grid row each) past
+//! 64. `kernels/TUNING-kernel-sums.md` has the cost model, ptxas's register counts and what is
+//! not measured yet.
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{Inputs, KernelSumCase, Op, Scale};
+use crate::gpu::{Gpu, GpuError};
+
+/// The CUDA source of every kernel-sum entry point ([`entry_points`] names them).
+pub const KERNEL_SUMS_SRC: &str = include_str!("../../kernels/kernel_sums/kernel_sums.cu");
+
+/// Threads per block of every entry point (`KS_THREADS` in the source).
+pub const THREADS: u32 = 128;
+
+/// Dimensions with their own compile-time entry points; every other dimension takes the `_dn`
+/// kernels.
+pub const SMALL_DIMS: [usize; 3] = [1, 2, 3];
+
+/// Column tiles of `rbf_mv` (columns per thread, `CT` in the source).
+pub const COLUMN_TILES: [usize; 4] = [1, 4, 16, 64];
+
+const LOG2E: f64 = std::f64::consts::LOG2_E;
+
+/// Every entry point of [`KERNEL_SUMS_SRC`], in the order the source defines them.
+pub fn entry_points() -> Vec<String> {
+    let mut v = Vec::new();
+    for d in SMALL_DIMS {
+        for ct in COLUMN_TILES {
+            v.push(format!("rbf_mv_d{d}_c{ct}"));
+        }
+    }
+    for d in SMALL_DIMS {
+        v.push(format!("kde_d{d}"));
+    }
+    for d in SMALL_DIMS {
+        v.push(format!("kernel_lse_d{d}"));
+        v.push(format!("kernel_lse_grad_d{d}"));
+    }
+    for ct in COLUMN_TILES {
+        v.push(format!("rbf_mv_dn_c{ct}"));
+    }
+    v.extend(["kde_dn", "kernel_lse_dn", "kernel_lse_grad_dn"].map(String::from));
+    v
+}
+
+/// How one case is launched: the entry point, rows of X per block, the column tile and the
+/// grid.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Entry point name in [`KERNEL_SUMS_SRC`].
+    pub entry: String,
+    /// Rows of X one block computes: 256 for the small-dimension kernels (2 rows per thread)
+    /// except `rbf_mv` with 64-column tiles (128), and 128 for the `_dn` kernels.
+    pub rows_per_block: usize,
+    /// Columns of `b` per thread (1 for `kde` and `kernel_lse`).
+    pub column_tile: usize,
+    /// Grid: (⌈N / rows_per_block⌉, ⌈C / column_tile⌉, 1); blocks of [`THREADS`].
+    pub grid: (u32, u32, u32),
+}
+
+/// The entry point and launch geometry of case `c`.
+///
+/// # Errors
+/// [`GpuError::Config`] for an invalid case ([`KernelSumCase::validate`]) or one whose grid
+/// does not fit CUDA's limits (more than 2³¹ − 1 row blocks or 65,535 column tiles), or whose
+/// D or C does not fit a 32-bit int.
+pub fn entry_point(c: &KernelSumCase) -> Result<Plan, GpuError> {
+    c.validate().map_err(GpuError::Config)?;
+    if c.dim > i32::MAX as usize || c.cols > i32::MAX as usize {
+        return Err(GpuError::Config(format!(
+            "dim {} or cols {} does not fit a 32-bit int",
+            c.dim, c.cols
+        )));
+    }
+    let small = SMALL_DIMS.contains(&c.dim);
+    let dim = if small {
+        format!("d{}", c.dim)
+    } else {
+        "dn".to_string()
+    };
+    let column_tile = match c.op {
+        Op::RbfMv => COLUMN_TILES
+            .into_iter()
+            .find(|&t| t >= c.cols)
+            .unwrap_or(64),
+        Op::Kde | Op::KernelLse => 1,
+    };
+    let entry = match (c.op, c.grad) {
+        (Op::RbfMv, _) => format!("rbf_mv_{dim}_c{column_tile}"),
+        (Op::Kde, _) => format!("kde_{dim}"),
+        (Op::KernelLse, false) => format!("kernel_lse_{dim}"),
+        (Op::KernelLse, true) => format!("kernel_lse_grad_{dim}"),
+    };
+    let rows_per_thread = if small && column_tile < 64 { 2 } else { 1 };
+    let rows_per_block = THREADS as usize * rows_per_thread;
+    let blocks = c.n.div_ceil(rows_per_block);
+    let tiles = c.cols.div_ceil(column_tile);
+    if blocks > i32::MAX as usize || tiles > 65_535 {
+        return Err(GpuError::Config(format!(
+            "grid of {blocks} × {tiles} blocks is past CUDA's limits (2³¹ − 1 × 65,535)"
+        )));
+    }
+    Ok(Plan {
+        entry,
+        rows_per_block,
+        column_tile,
+        grid: (blocks as u32, tiles as u32, 1),
+    })
+}
+
+/// The source NVRTC compiles for one entry point: [`KERNEL_SUMS_SRC`] with `KS_ONLY` and
+/// `KS_ENTRY_<entry>` defined, so only that entry point (and the templates it uses) is
+/// compiled (~0.1–0.6 s instead of ~8 s for all of them).
+pub fn entry_source(entry: &str) -> String {
+    format!("#define KS_ONLY\n#define KS_ENTRY_{entry}\n{KERNEL_SUMS_SRC}")
+}
+
+/// The case's inputs on the device, uploaded once: X `[N, D]`, Y `[M, D]` and the weights
+/// (b `[M, C]` for `rbf_mv`, g `[M]` for `kernel_lse`, none for `kde`), float32 row-major.
+pub struct DeviceInputs {
+    /// X, `[N, D]`.
+    pub x: CudaSlice<f32>,
+    /// Y, `[M, D]`.
+    pub y: CudaSlice<f32>,
+    /// b or g; `None` for `kde`.
+    pub w: Option<CudaSlice<f32>>,
+}
+
+/// Uploads `inp` for case `c`.
+///
+/// # Errors
+/// [`GpuError::Config`] when a host slice does not have the case's length; driver errors
+/// (out of memory).
+pub fn upload(gpu: &Gpu, c: &KernelSumCase, inp: &Inputs) -> Result<DeviceInputs, GpuError> {
+    check_inputs(c, inp)?;
+    Ok(DeviceInputs {
+        x: gpu.stream.clone_htod(&inp.x)?,
+        y: gpu.stream.clone_htod(&inp.y)?,
+        w: if c.op == Op::Kde {
+            None
+        } else {
+            Some(gpu.stream.clone_htod(&inp.w)?)
+        },
+    })
+}
+
+fn check_inputs(c: &KernelSumCase, inp: &Inputs) -> Result<(), GpuError> {
+    let w = match c.op {
+        Op::RbfMv => c.m * c.cols,
+        Op::Kde => 0,
+        Op::KernelLse => c.m,
+    };
+    for (name, got, want) in [
+        ("x", inp.x.len(), c.n * c.dim),
+        ("y", inp.y.len(), c.m * c.dim),
+        ("w", inp.w.len(), w),
+    ] {
+        if got != want {
+            return Err(GpuError::Config(format!(
+                "{name} has {got} elements, the case needs {want}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The float32 scalars of a launch: the base-2 exponent scale k (log₂e / 2σ² for `rbf_mv` and
+/// `kde`, log₂e / ε for `kernel_lse`) and the second scalar (the `kde` normalisation
+/// (2πσ²)^(−D/2) / M, or 2/ε for `kernel_lse`; unused by `rbf_mv`), computed in float64.
+///
+/// # Errors
+/// [`GpuError::Config`] for a σ or ε that is not positive and finite, or scalars that are not
+/// finite in float32.
+pub fn scalars(c: &KernelSumCase, s: Scale) -> Result<(f32, f32), GpuError> {
+    let (k, second) = match c.op {
+        Op::RbfMv | Op::Kde => {
+            if !(s.sigma > 0.0 && s.sigma.is_finite()) {
+                return Err(GpuError::Config(format!("sigma {} is not > 0", s.sigma)));
+            }
+            let two_s2 = 2.0 * s.sigma * s.sigma;
+            let norm = (std::f64::consts::PI * two_s2).powf(-(c.dim as f64) / 2.0) / c.m as f64;
+            (LOG2E / two_s2, if c.op == Op::Kde { norm } else { 1.0 })
+        }
+        Op::KernelLse => {
+            if !(s.epsilon > 0.0 && s.epsilon.is_finite()) {
+                return Err(GpuError::Config(format!(
+                    "epsilon {} is not > 0",
+                    s.epsilon
+                )));
+            }
+            (LOG2E / s.epsilon, 2.0 / s.epsilon)
+        }
+    };
+    let (k, second) = (k as f32, second as f32);
+    if !(k.is_finite() && second.is_finite()) {
+        return Err(GpuError::Config(format!(
+            "scalars k = {k}, {second} are not finite in float32 (sigma {}, epsilon {})",
+            s.sigma, s.epsilon
+        )));
+    }
+    Ok((k, second))
+}
+
+/// One case's compiled entry point and launch geometry. Allocates nothing: the caller owns the
+/// inputs ([`upload`]) and the output.
+pub struct Runner {
+    func: CudaFunction,
+    plan: Plan,
+    /// NVRTC compile and module load time of the entry point, s (0 when this process had
+    /// compiled it already).
+    pub compile_s: f64,
+}
+
+impl Runner {
+    /// Compiles the entry point of `c` ([`entry_point`], [`entry_source`]) and loads it.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for an invalid case; [`GpuError::Compile`] with the NVRTC log;
+    /// driver errors from loading.
+    pub fn new(gpu: &Gpu, c: &KernelSumCase) -> Result<Runner, GpuError> {
+        let plan = entry_point(c)?;
+        let compiled = gpu.compile(
+            &format!("kernel_sums_{}.cu", plan.entry),
+            &entry_source(&plan.entry),
+        )?;
+        let func = gpu.function(&compiled.module, &plan.entry, 0)?;
+        Ok(Runner {
+            func,
+            plan,
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// The launch geometry.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Launches one call of `c` on `inp` with scale `s`, writing every element of `out`
+    /// (float32, [`KernelSumCase::output_len`] elements: `[N, C]`, `[N]`, or `[N]` then the
+    /// `[N, D]` gradient). Asynchronous on [`Gpu::stream`].
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for buffers of the wrong length, a case other than the runner's
+    /// entry point, or a bad σ or ε ([`scalars`]); driver errors from the launch.
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        c: &KernelSumCase,
+        s: Scale,
+        inp: &DeviceInputs,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let plan = entry_point(c)?;
+        if plan != self.plan {
+            return Err(GpuError::Config(format!(
+                "the runner was compiled for {}, not {}",
+                self.plan.entry, plan.entry
+            )));
+        }
+        let w_len = match c.op {
+            Op::RbfMv => c.m * c.cols,
+            Op::Kde => 0,
+            Op::KernelLse => c.m,
+        };
+        let lens_ok = inp.x.len() == c.n * c.dim
+            && inp.y.len() == c.m * c.dim
+            && inp.w.as_ref().map_or(0, |w| w.len()) == w_len
+            && (c.op == Op::Kde) == inp.w.is_none()
+            && out.len() == c.output_len();
+        if !lens_ok {
+            return Err(GpuError::Config(format!(
+                "device buffers do not match {c:?} (x {}, y {}, w {:?}, out {})",
+                inp.x.len(),
+                inp.y.len(),
+                inp.w.as_ref().map(|w| w.len()),
+                out.len()
+            )));
+        }
+        let (k, second) = scalars(c, s)?;
+        let (n, m) = (c.n as i64, c.m as i64);
+        let (d, cols) = (c.dim as i32, c.cols as i32);
+        let cfg = LaunchConfig {
+            grid_dim: self.plan.grid,
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream.launch_builder(&self.func);
+        b.arg(&inp.x).arg(&inp.y);
+        if let Some(w) = &inp.w {
+            b.arg(w);
+        }
+        b.arg(&mut *out).arg(&n).arg(&m).arg(&d);
+        match c.op {
+            Op::RbfMv => {
+                b.arg(&cols).arg(&k);
+            }
+            Op::Kde | Op::KernelLse => {
+                b.arg(&k).arg(&second);
+            }
+        }
+        // SAFETY: the arguments match the entry point's signature in kernel_sums.cu:
+        // rbf_mv_* (const float* X, const float* Y, const float* B, float* out, long long N,
+        // long long M, int D, int C, float k); kde_* (X, Y, out, N, M, D, k, norm);
+        // kernel_lse* (X, Y, G, out, N, M, D, k, two_over_eps). The lengths were checked
+        // above: X holds N·D floats, Y M·D, B M·C, G M, out output_len(); the kernels read and
+        // write only inside those (64-bit offsets, guarded rows, points and columns), and the
+        // grid is the plan's, which covers every row and column tile.
+        unsafe { b.launch(cfg)? };
+        Ok(())
+    }
+}
+
+/// Computes case `c` on `inp` with `s` on the device: uploads the inputs, fills the output
+/// with NaN (so an element the kernel never writes shows), launches once, waits and
+/// downloads. The output is laid out as [`KernelSumCase::output_len`] (float32), like
+/// [`super::cpu::compute`]. For tests and checks; a timed runner keeps the [`Runner`] and the
+/// device buffers instead.
+///
+/// # Errors
+/// [`GpuError::Config`] for an invalid case or inputs of the wrong length; compile and driver
+/// errors (the launch's own errors show at the synchronisation).
+pub fn compute(gpu: &Gpu, c: &KernelSumCase, inp: &Inputs, s: Scale) -> Result<Vec<f32>, GpuError> {
+    let runner = Runner::new(gpu, c)?;
+    let dev = upload(gpu, c, inp)?;
+    let mut out = gpu.stream.clone_htod(&vec![f32::NAN; c.output_len()])?;
+    runner.launch(gpu, c, s, &dev, &mut out)?;
+    gpu.stream.synchronize()?;
+    gpu.ctx.check_err()?;
+    Ok(gpu.stream.clone_dtoh(&out)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn case(op: Op, dim: usize, cols: usize, grad: bool) -> KernelSumCase {
+        KernelSumCase {
+            cols,
+            grad,
+            ..KernelSumCase::new(op, 1000, 10, dim)
+        }
+    }
+
+    #[test]
+    fn every_case_has_an_entry_point_in_the_source() {
+        let names = entry_points();
+        assert_eq!(names.len(), 28);
+        // The launch's block size is the one the kernels are written for.
+        assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_THREADS {THREADS}\n")));
+        for name in &names {
+            // Each entry point has its own selection guard (entry_source relies on it).
+            assert!(
+                KERNEL_SUMS_SRC.contains(&format!("defined(KS_ENTRY_{name})")),
+                "{name} has no KS_ENTRY guard"
+            );
+        }
+        for op in Op::ALL {
+            for dim in [1, 2, 3, 4, 16, 64, 200] {
+                for cols in [1, 2, 3, 4, 5, 16, 17, 64, 65, 300] {
+                    if op != Op::RbfMv && cols > 1 {
+                        continue;
+                    }
+                    for grad in [false, true] {
+                        if grad && op != Op::KernelLse {
+                            continue;
+                        }
+                        let p = entry_point(&case(op, dim, cols, grad)).unwrap();
+                        assert!(names.contains(&p.entry), "{p:?}");
+                        assert!(p.column_tile >= cols.min(64), "{p:?}");
+                        assert_eq!(p.grid.1 as usize, cols.div_ceil(p.column_tile));
+                        assert_eq!(p.grid.0 as usize, 1000usize.div_ceil(p.rows_per_block));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn plans_pick_dimension_columns_and_rows() {
+        let p = entry_point(&case(Op::RbfMv, 3, 3, false)).unwrap();
+        assert_eq!(
+            (p.entry.as_str(), p.column_tile, p.rows_per_block, p.grid),
+            ("rbf_mv_d3_c4", 4, 256, (4, 1, 1))
+        );
+        let p = entry_point(&case(Op::RbfMv, 3, 64, false)).unwrap();
+        assert_eq!((p.entry.as_str(), p.rows_per_block), ("rbf_mv_d3_c64", 128));
+        let p = entry_point(&case(Op::RbfMv, 16, 130, false)).unwrap();
+        assert_eq!(
+            (p.entry.as_str(), p.rows_per_block, p.grid),
+            ("rbf_mv_dn_c64", 128, (8, 3, 1))
+        );
+        assert_eq!(
+            entry_point(&case(Op::Kde, 2, 1, false)).unwrap().entry,
+            "kde_d2"
+        );
+        assert_eq!(
+            entry_point(&case(Op::KernelLse, 64, 1, true))
+                .unwrap()
+                .entry,
+            "kernel_lse_grad_dn"
+        );
+        assert!(entry_point(&case(Op::Kde, 3, 1, true)).is_err());
+        assert!(entry_point(&KernelSumCase::new(Op::Kde, 0, 3, 3)).is_err());
+        assert!(entry_source("kde_d3").starts_with("#define KS_ONLY\n#define KS_ENTRY_kde_d3\n"));
+    }
+
+    #[test]
+    fn scalars_are_the_base_2_scales() {
+        let s = Scale {
+            sigma: 0.5,
+            epsilon: 0.25,
+        };
+        let (k, one) = scalars(&case(Op::RbfMv, 3, 1, false), s).unwrap();
+        assert!((k as f64 - LOG2E / 0.5).abs() < 1e-6 && one == 1.0);
+        let c = KernelSumCase::new(Op::Kde, 5, 10, 2);
+        let (_, norm) = scalars(&c, s).unwrap();
+        // (2π · 0.25)^(−1) / 10
+        assert!((norm as f64 - 1.0 / (std::f64::consts::PI * 0.5) / 10.0).abs() < 1e-7);
+        let (k, two_over_eps) = scalars(&case(Op::KernelLse, 3, 1, true), s).unwrap();
+        assert!((k as f64 - LOG2E * 4.0).abs() < 1e-6 && two_over_eps == 8.0);
+        let bad = Scale {
+            sigma: 0.0,
+            epsilon: f64::NAN,
+        };
+        assert!(scalars(&case(Op::RbfMv, 3, 1, false), bad).is_err());
+        assert!(scalars(&case(Op::KernelLse, 3, 1, false), bad).is_err());
+    }
+}

@@ -1,0 +1,301 @@
+//! GPU correctness of the kernel-sum kernels (`kernels/kernel_sums/kernel_sums.cu`) against the
+//! float64 definition (`kernel_sums::reference_rows`).
+//!
+//! Runs on a machine with an NVIDIA GPU. Where build.rs found no CUDA driver (`kp_cuda`), the
+//! tests are compiled as ignored, with the reason; on the GPU machine run them with
+//! `cargo test --release --test gpu_kernel_sums -- --include-ignored --test-threads 1`.
+//! `kernel_sums::cuda::compute` fills every output with NaN before its launch, so an element the
+//! kernel never writes fails the finiteness check; rows are compared all for small N, sampled
+//! (first, last, around every block edge, and a stride) for large N. Each test prints one line
+//! per case (`--nocapture`) and a failing test names every failing case.
+
+use std::sync::OnceLock;
+
+use kernelpages::attention::rel_l2;
+use kernelpages::gpu::{self, Gpu};
+use kernelpages::kernel_sums::{cuda, reference_rows, Inputs, KernelSumCase, Op, Scale};
+
+/// One device for the whole test binary, so each entry point compiles once.
+fn gpu() -> &'static Gpu {
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    GPU.get_or_init(|| {
+        if let Err(e) = gpu::detect() {
+            panic!("{e}");
+        }
+        Gpu::open(0).expect("device opens")
+    })
+}
+
+/// The rows compared: all up to 64, otherwise the first and last, both sides of every block
+/// edge the kernels have (128 and 256 rows per block), and every 37th row.
+fn sample_rows(n: usize) -> Vec<usize> {
+    if n <= 64 {
+        return (0..n).collect();
+    }
+    let mut rows: Vec<usize> = [0, 1, 127, 128, 129, 255, 256, 257, 511, 512, 513]
+        .into_iter()
+        .chain((0..n).step_by(37))
+        .chain([n - 2, n - 1])
+        .filter(|&i| i < n)
+        .collect();
+    rows.sort_unstable();
+    rows.dedup();
+    rows
+}
+
+/// The device output's values at `rows`, laid out as `reference_rows` lays them out.
+fn gather(c: &KernelSumCase, out: &[f32], rows: &[usize]) -> Vec<f64> {
+    let per_row = if c.op == Op::RbfMv { c.cols } else { 1 };
+    let mut v: Vec<f64> = rows
+        .iter()
+        .flat_map(|&i| out[i * per_row..(i + 1) * per_row].iter())
+        .map(|&x| x as f64)
+        .collect();
+    if c.grad {
+        let (n, d) = (c.n, c.dim);
+        v.extend(
+            rows.iter()
+                .flat_map(|&i| out[n + i * d..n + (i + 1) * d].iter())
+                .map(|&x| x as f64),
+        );
+    }
+    v
+}
+
+/// Relative L2 error of the device result of `c` on `inp` against float64, over the sampled
+/// rows (the gradient separately, the larger of the two is returned). Every output element
+/// must be finite (the output was poisoned with NaN).
+fn error(c: &KernelSumCase, inp: &Inputs, s: Scale) -> Result<f64, String> {
+    let out = cuda::compute(gpu(), c, inp, s).map_err(|e| e.to_string())?;
+    if out.len() != c.output_len() {
+        return Err(format!("{} outputs, want {}", out.len(), c.output_len()));
+    }
+    if let Some(k) = out.iter().position(|v| !v.is_finite()) {
+        return Err(format!("output element {k} is {}", out[k]));
+    }
+    let rows = sample_rows(c.n);
+    let want = reference_rows(c, inp, s, &rows);
+    let got = gather(c, &out, &rows);
+    Ok(if c.grad {
+        let r = rows.len();
+        rel_l2(&got[..r], &want[..r]).max(rel_l2(&got[r..], &want[r..]))
+    } else {
+        rel_l2(&got, &want)
+    })
+}
+
+fn label(c: &KernelSumCase) -> String {
+    format!(
+        "{} N{} M{} D{} C{}{}",
+        c.op.as_str(),
+        c.n,
+        c.m,
+        c.dim,
+        c.cols,
+        if c.grad { " +grad" } else { "" }
+    )
+}
+
+/// The bar for float32 is 1e-5 relative to float64. `kde` at D = 64 is the exception
+/// `cpu.rs`'s test explains: Scott's bandwidth makes the exponents 45–120 there, so the float32
+/// squared distance alone (relative error a few 1e-7, whatever the order of the sums) moves
+/// each kernel value by ~1e-5; 1e-4 bounds that with margin.
+fn tolerance(c: &KernelSumCase) -> f64 {
+    if c.op == Op::Kde && c.dim > 16 {
+        1e-4
+    } else {
+        1e-5
+    }
+}
+
+/// Runs every case on fresh random inputs with the case's own scale; panics naming every
+/// failing case.
+fn check_cases(cases: &[KernelSumCase], seed: u64) {
+    let mut failures = Vec::new();
+    for (k, c) in cases.iter().enumerate() {
+        let inp = Inputs::random(c, seed + 10 * k as u64);
+        let s = Scale::of(c, &inp);
+        let entry = cuda::entry_point(c).map(|p| p.entry).unwrap_or_default();
+        match error(c, &inp, s) {
+            Ok(e) => {
+                eprintln!("{} ({entry}): {e:.2e}", label(c));
+                if e.is_nan() || e > tolerance(c) {
+                    failures.push(format!("{} ({entry}): error {e:.2e}", label(c)));
+                }
+            }
+            Err(e) => failures.push(format!("{} ({entry}): {e}", label(c))),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+/// Every op at N, M ∈ {1, 7, 1025} (equal and different), D ∈ {1, 3, 16, 64}, C ∈ {1, 3, 64}
+/// for rbf_mv, and kernel_lse with and without the gradient.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn every_op_matches_float64() {
+    let mut cases = Vec::new();
+    for n in [1, 7, 1025] {
+        for m in [1, 7, 1025] {
+            for dim in [1, 3, 16, 64] {
+                for cols in [1, 3, 64] {
+                    cases.push(KernelSumCase {
+                        cols,
+                        ..KernelSumCase::new(Op::RbfMv, n, m, dim)
+                    });
+                }
+                cases.push(KernelSumCase::new(Op::Kde, n, m, dim));
+                for grad in [false, true] {
+                    cases.push(KernelSumCase {
+                        grad,
+                        ..KernelSumCase::new(Op::KernelLse, n, m, dim)
+                    });
+                }
+            }
+        }
+    }
+    check_cases(&cases, 1);
+}
+
+/// The entry points and tiles the main grid does not reach: D = 2 (its own kernels), D = 5
+/// and 130 (the generic kernels with a feature chunk cut short, and several chunks), column
+/// counts needing 4-, 16- and several 64-column tiles, and N, M off every tile size.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn other_dimensions_and_column_tiles() {
+    let mut cases = Vec::new();
+    for dim in [2, 5, 130] {
+        let (n, m) = (300, 161);
+        for cols in [2, 4, 16, 17, 130] {
+            cases.push(KernelSumCase {
+                cols,
+                ..KernelSumCase::new(Op::RbfMv, n, m, dim)
+            });
+        }
+        cases.push(KernelSumCase::new(Op::Kde, n, m, dim));
+        for grad in [false, true] {
+            cases.push(KernelSumCase {
+                grad,
+                ..KernelSumCase::new(Op::KernelLse, n, m, dim)
+            });
+        }
+    }
+    // Rows per block 256 and 128: one past, one short.
+    for (n, m) in [(257, 129), (129, 257), (255, 33)] {
+        for dim in [3, 16] {
+            cases.push(KernelSumCase {
+                grad: true,
+                ..KernelSumCase::new(Op::KernelLse, n, m, dim)
+            });
+            cases.push(KernelSumCase {
+                cols: 64,
+                ..KernelSumCase::new(Op::RbfMv, n, m, dim)
+            });
+        }
+    }
+    check_cases(&cases, 2);
+}
+
+/// Weights spread over ±1e4: the running maximum keeps every row finite and exact to 1e-6
+/// relative (a direct exp would overflow), on the point-cloud and the generic kernels, and the
+/// gradient stays finite.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn log_sum_exp_survives_a_wide_spread() {
+    for dim in [3, 16] {
+        for grad in [false, true] {
+            let c = KernelSumCase {
+                grad,
+                ..KernelSumCase::new(Op::KernelLse, 300, 700, dim)
+            };
+            let mut inp = Inputs::random(&c, 3);
+            for (j, g) in inp.w.iter_mut().enumerate() {
+                *g = if j % 2 == 0 { 1e4 } else { -1e4 } * (j as f32 / 700.0);
+            }
+            let s = Scale::of(&c, &inp);
+            let out = cuda::compute(gpu(), &c, &inp, s).unwrap();
+            let want = reference_rows(&c, &inp, s, &(0..c.n).collect::<Vec<_>>());
+            for (i, (g, w)) in out[..c.n].iter().zip(&want).enumerate() {
+                assert!(g.is_finite(), "D{dim} row {i}: {g}");
+                assert!(
+                    ((*g as f64 - w) / w).abs() < 1e-6,
+                    "D{dim} row {i}: {g} vs {w}"
+                );
+            }
+            assert!(out.iter().all(|v| v.is_finite()), "D{dim} grad {grad}");
+        }
+    }
+}
+
+/// Weights of −∞ (a point that must not count): the first 200 points of Y are excluded, so
+/// each row's first chunks and tiles hold no finite term (the −∞ maximum guard) before the
+/// rest arrives; a row whose every weight is −∞ gets −∞, as on the CPU.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn log_sum_exp_skips_minus_infinity() {
+    for dim in [3, 16] {
+        let c = KernelSumCase {
+            grad: true,
+            ..KernelSumCase::new(Op::KernelLse, 150, 450, dim)
+        };
+        let mut inp = Inputs::random(&c, 5);
+        inp.w[..200].fill(f32::NEG_INFINITY);
+        let s = Scale::of(&c, &inp);
+        let e = error(&c, &inp, s).unwrap_or_else(|e| panic!("D{dim}: {e}"));
+        assert!(e <= 1e-5, "D{dim}: error {e:.2e}");
+
+        let c = KernelSumCase::new(Op::KernelLse, 20, 40, dim);
+        let mut inp = Inputs::random(&c, 6);
+        inp.w.fill(f32::NEG_INFINITY);
+        let s = Scale::of(&c, &inp);
+        let out = cuda::compute(gpu(), &c, &inp, s).unwrap();
+        assert!(
+            out.iter().all(|&v| v == f32::NEG_INFINITY),
+            "D{dim}: {out:?}"
+        );
+    }
+}
+
+/// A runner launched twice into the same output gives the same values: nothing accumulates
+/// into the output across calls (the generic gradient uses its output rows as accumulators and
+/// must clear them first).
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn repeated_launches_overwrite_the_output() {
+    let gpu = gpu();
+    for c in [
+        KernelSumCase {
+            grad: true,
+            ..KernelSumCase::new(Op::KernelLse, 300, 100, 16)
+        },
+        KernelSumCase {
+            grad: true,
+            ..KernelSumCase::new(Op::KernelLse, 300, 100, 3)
+        },
+        KernelSumCase {
+            cols: 3,
+            ..KernelSumCase::new(Op::RbfMv, 300, 100, 3)
+        },
+    ] {
+        let inp = Inputs::random(&c, 9);
+        let s = Scale::of(&c, &inp);
+        let runner = cuda::Runner::new(gpu, &c).unwrap();
+        let dev = cuda::upload(gpu, &c, &inp).unwrap();
+        let mut out = gpu
+            .stream
+            .clone_htod(&vec![f32::NAN; c.output_len()])
+            .unwrap();
+        runner.launch(gpu, &c, s, &dev, &mut out).unwrap();
+        let first = gpu.stream.clone_dtoh(&out).unwrap();
+        runner.launch(gpu, &c, s, &dev, &mut out).unwrap();
+        let second = gpu.stream.clone_dtoh(&out).unwrap();
+        assert_eq!(first, second, "{}", label(&c));
+        assert!(first.iter().all(|v| v.is_finite()), "{}", label(&c));
+    }
+}
