@@ -6,10 +6,13 @@
 //! records, progress, document) is `kernelpages::runner`; this file is the grid, the
 //! implementations, the dispatch table and the counts.
 //!
-//! Today the project's implementation is the CPU one (`cpu_tiled`, `--device cpu`); the CUDA
-//! kernels are the next step (issue 13).
+//! The project's implementations: `online` on a CUDA device (`kernels/kernel_sums/
+//! kernel_sums.cu`, [`kernelpages::kernel_sums::cuda`]) and `cpu_tiled` on the CPU
+//! (`--device cpu`, [`kernelpages::kernel_sums::cpu`]). The PyTorch module measures the CPU
+//! only so far.
 //!
 //! ```text
+//! kernel_sums --output data/gpu_kernel_sums.json
 //! kernel_sums --device cpu --compare torch --output data/cpu_kernel_sums.json
 //! kernel_sums --device cpu --quick --ops kernel_lse
 //! ```
@@ -17,23 +20,28 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 
+use cudarc::driver::CudaSlice;
+
 use kernelpages::attention::cpu_flash::read_elements;
+use kernelpages::attention::Dtype;
+use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::kernel_sums::cpu::{self as ks_cpu, BLOCK_COLS, BLOCK_ROWS, GEMM_DIM};
+use kernelpages::kernel_sums::cuda::{self as ks_cuda, DeviceInputs, SMALL_DIMS, THREADS};
 use kernelpages::kernel_sums::{files, Inputs, KernelSumCase, Op, Scale};
 use kernelpages::runner::grid::Params;
 use kernelpages::runner::protocol::{CaseFiles, Job, Reply, TensorFile};
-use kernelpages::runner::{self, host, Alternative, Declared, DeviceChoice, RunnerArgs};
+use kernelpages::runner::{self, host, own, Alternative, Declared, DeviceChoice, RunnerArgs};
 use kernelpages::schema::{Count, DispatchRule, Row, Status, Suite, Throughput};
 
-/// Measure kernel sums on the CPU (`--device cpu`) and write a suite document.
+/// Measure kernel sums on the GPU (or with --device cpu the CPU) and write a suite document.
 #[derive(Parser, Debug)]
 #[command(
     name = "kernel_sums",
     version,
-    about = "Measure Gaussian kernel sums (rbf_mv, kde, kernel_lse) on the CPU (--device cpu: data/cpu_kernel_sums.json) and write a suite document"
+    about = "Measure Gaussian kernel sums (rbf_mv, kde, kernel_lse) on the GPU (data/gpu_kernel_sums.json) or with --device cpu the CPU (data/cpu_kernel_sums.json) and write a suite document"
 )]
 struct Cli {
     #[command(flatten)]
@@ -42,7 +50,8 @@ struct Cli {
     /// gradient with respect to X) [default: all].
     #[arg(long, value_delimiter = ',')]
     ops: Option<Vec<String>>,
-    /// Point counts N = M [default: 1000,4000,16000 on the CPU; 1000 with --quick].
+    /// Point counts N = M [default: 1000,10000,100000,1000000 on the GPU, 1000,4000,16000 on
+    /// the CPU; the smallest two (one on the CPU) with --quick].
     #[arg(long, value_delimiter = ',')]
     sizes: Option<Vec<usize>>,
     /// Point dimensions (kde runs at the ones ≤ 3) [default: 3,64].
@@ -58,6 +67,13 @@ struct Cli {
 
 /// The project's CPU implementation.
 const CPU_IMPLEMENTATION: &str = "cpu_tiled";
+/// The project's CUDA implementation.
+const GPU_IMPLEMENTATION: &str = "online";
+
+/// Point counts of the GPU grid.
+const GPU_SIZES: [usize; 4] = [1000, 10_000, 100_000, 1_000_000];
+/// Point counts of the GPU `--quick` grid.
+const GPU_QUICK_SIZES: [usize; 2] = [1000, 10_000];
 
 /// The alternatives `--compare` can add on the CPU.
 const CPU_ALTERNATIVES: [Alternative; 1] = [Alternative {
@@ -80,7 +96,13 @@ const FLOP_RULE: &str = "per (x, y) pair: 3·dim for the squared distance, 1 for
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.run.run_case {
-        Some(job) => runner::child_main(job, measure_cpu),
+        Some(job) => runner::child_main(job, |job| {
+            if job.implementation == GPU_IMPLEMENTATION {
+                measure_gpu(job)
+            } else {
+                measure_cpu(job)
+            }
+        }),
         None => run(&cli),
     };
     match result {
@@ -94,17 +116,17 @@ fn main() -> ExitCode {
 
 /// The cases of the grid (or the quick grid).
 fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
-    if cli.run.device == DeviceChoice::Gpu {
-        bail!("kernel_sums: only --device cpu is implemented so far (the CUDA kernels are issue 13's next step)");
-    }
     let ops: Vec<String> = cli
         .ops
         .clone()
         .unwrap_or_else(|| OPS.iter().map(|s| s.to_string()).collect());
-    let sizes: Vec<usize> = match (&cli.sizes, quick) {
-        (Some(s), _) => s.clone(),
-        (None, true) => CPU_QUICK_SIZES.to_vec(),
-        (None, false) => CPU_SIZES.to_vec(),
+    let gpu = cli.run.device == DeviceChoice::Gpu;
+    let sizes: Vec<usize> = match (&cli.sizes, quick, gpu) {
+        (Some(s), _, _) => s.clone(),
+        (None, true, true) => GPU_QUICK_SIZES.to_vec(),
+        (None, false, true) => GPU_SIZES.to_vec(),
+        (None, true, false) => CPU_QUICK_SIZES.to_vec(),
+        (None, false, false) => CPU_SIZES.to_vec(),
     };
     let mut out = Vec::new();
     for op in &ops {
@@ -134,8 +156,22 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     Ok(out)
 }
 
-/// What the CPU entry point runs.
-fn dispatch_rules() -> Vec<DispatchRule> {
+/// What the entry points run: on a CUDA device one kernel per (op, dim class, column tile),
+/// on the CPU the tiled implementation.
+fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
+    if device == DeviceChoice::Gpu {
+        let dims: Vec<String> = SMALL_DIMS.iter().map(|d| d.to_string()).collect();
+        return vec![DispatchRule {
+            entry_point: "kernel_sums::cuda::Runner, kernel_sums::cuda::compute".into(),
+            device: "CUDA, compute capability 8.0 or newer".into(),
+            dtype: "fp32".into(),
+            rule: format!(
+                "always: one thread per output row ({THREADS} per block), Y streamed through shared memory in tiles, never an N × M matrix; dim {} compiled as constants with 2 rows per thread, any other dim through the generic kernel; the base-2 exponential on the special-function unit (ex2.approx)",
+                dims.join(", ")
+            ),
+            implementation: GPU_IMPLEMENTATION.into(),
+        }];
+    }
     vec![DispatchRule {
         entry_point: "kernel_sums::cpu::compute, kernel_sums::cpu::kernel_lse".into(),
         device: "CPU (x86-64 or any other target; AVX2 + FMA used where present)".into(),
@@ -182,7 +218,7 @@ impl runner::Suite for KernelSums {
     }
 
     fn is_default(&self, _p: &Params, implementation: &str) -> bool {
-        implementation == CPU_IMPLEMENTATION
+        implementation == CPU_IMPLEMENTATION || implementation == GPU_IMPLEMENTATION
     }
 
     fn notes(&self, p: &Params, implementation: &str) -> Vec<String> {
@@ -190,6 +226,9 @@ impl runner::Suite for KernelSums {
             return Vec::new();
         };
         let mut notes = Vec::new();
+        if implementation == GPU_IMPLEMENTATION {
+            notes.push("the time includes copying the output (N floats, N·(1 + dim) with the gradient) from the kernel's buffer into the runner's".into());
+        }
         if implementation == CPU_IMPLEMENTATION && c.dim >= GEMM_DIM {
             notes.push(format!("dim ≥ {GEMM_DIM}: squared distances as ‖x‖² + ‖y‖² − 2 x·y with the cross term a float32 matrix product"));
         }
@@ -217,16 +256,16 @@ impl runner::Suite for KernelSums {
 }
 
 fn run(cli: &Cli) -> Result<ExitCode> {
-    let imps = runner::implementations(
-        &[(CPU_IMPLEMENTATION, "kernelpages")],
-        &CPU_ALTERNATIVES,
-        &cli.run.compare,
-    )?;
+    let (own, alternatives): (&str, &[Alternative]) = match cli.run.device {
+        DeviceChoice::Gpu => (GPU_IMPLEMENTATION, &[]),
+        DeviceChoice::Cpu => (CPU_IMPLEMENTATION, &CPU_ALTERNATIVES),
+    };
+    let imps = runner::implementations(&[(own, "kernelpages")], alternatives, &cli.run.compare)?;
     let cases = cli.run.select(cases(cli, false)?, cases(cli, true)?)?;
     let declared = Declared {
         runner: "kernel_sums",
         flop_rule: Some(FLOP_RULE.into()),
-        dispatch: dispatch_rules(),
+        dispatch: dispatch_rules(cli.run.device),
         axes: vec!["n".into()],
         throughput: throughput_decls(),
     };
@@ -338,6 +377,126 @@ fn measure_cpu(job: &Job) -> Reply {
     })
 }
 
+/// `online` on one case, as the shared GPU case process drives it: the kernel writes one
+/// float32 buffer (the output, then the gradient), copied into the runner's outputs.
+struct GpuLaunch {
+    runner: ks_cuda::Runner,
+    case: KernelSumCase,
+    scale: Scale,
+    out: CudaSlice<f32>,
+}
+
+impl own::Launcher for GpuLaunch {
+    type Set = DeviceInputs;
+    fn upload(&self, gpu: &Gpu, host: &[Vec<u16>]) -> Result<DeviceInputs, GpuError> {
+        let f = |k: usize| -> Vec<f32> {
+            host.get(k).map_or(Vec::new(), |w| {
+                Dtype::F32
+                    .decode_all(w)
+                    .into_iter()
+                    .map(|x| x as f32)
+                    .collect()
+            })
+        };
+        ks_cuda::upload(
+            gpu,
+            &self.case,
+            &Inputs {
+                x: f(0),
+                y: f(1),
+                w: f(2),
+            },
+        )
+    }
+    fn replicate(&self, gpu: &Gpu, set: &DeviceInputs) -> Result<DeviceInputs, GpuError> {
+        Ok(DeviceInputs {
+            x: gpu.stream.clone_dtod(&set.x)?,
+            y: gpu.stream.clone_dtod(&set.y)?,
+            w: match &set.w {
+                Some(w) => Some(gpu.stream.clone_dtod(w)?),
+                None => None,
+            },
+        })
+    }
+    fn launch(
+        &mut self,
+        gpu: &Gpu,
+        set: &DeviceInputs,
+        outs: &mut [CudaSlice<u16>],
+    ) -> Result<(), GpuError> {
+        self.runner
+            .launch(gpu, &self.case, self.scale, set, &mut self.out)?;
+        let mut start = 0;
+        for o in outs.iter_mut() {
+            let len = o.len() / 2;
+            if start + len > self.out.len() {
+                return Err(GpuError::Config(format!(
+                    "outputs of {} floats; the kernel writes {}",
+                    start + len,
+                    self.out.len()
+                )));
+            }
+            // SAFETY: `o` holds 2·len 16-bit words, the bytes of `len` floats.
+            let mut dst = unsafe { o.transmute_mut::<f32>(len) }
+                .ok_or_else(|| GpuError::Config("output buffer too short".into()))?;
+            gpu.stream
+                .memcpy_dtod(&self.out.slice(start..start + len), &mut dst)?;
+            start += len;
+        }
+        Ok(())
+    }
+    fn temporary_bytes(&self) -> u64 {
+        // The kernel's own output buffer, apart from the runner's.
+        self.case.output_len() as u64 * 4
+    }
+    fn residual_bytes(&self) -> Option<u64> {
+        None
+    }
+    fn workspace_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// The case process for `online`: σ and ε from the case's arguments, as for `cpu_tiled`.
+fn measure_gpu(job: &Job) -> Reply {
+    let failed = |msg: String| Reply {
+        row: Row::failed(
+            job.case.clone(),
+            &job.implementation,
+            "",
+            false,
+            Status::Error,
+            msg,
+        ),
+        window: None,
+        libraries: Default::default(),
+        pid: None,
+    };
+    let case = match case_of(&job.case) {
+        Ok(c) => c,
+        Err(e) => return failed(format!("{e:#}")),
+    };
+    let arg = |k: &str| job.files.arguments.get(k).and_then(|v| v.as_f64());
+    let (Some(sigma), Some(epsilon)) = (arg("sigma"), arg("epsilon")) else {
+        return failed("the case's arguments lack sigma or epsilon".into());
+    };
+    own::measure(job, |gpu| {
+        let runner = ks_cuda::Runner::new(gpu, &case)?;
+        let compile_s = runner.compile_s;
+        // SAFETY: every element is written by the kernel before it is copied out.
+        let out = unsafe { gpu.stream.alloc::<f32>(case.output_len())? };
+        Ok((
+            GpuLaunch {
+                runner,
+                case: case.clone(),
+                scale: Scale { sigma, epsilon },
+                out,
+            },
+            compile_s,
+        ))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -367,7 +526,15 @@ mod tests {
                 .map(|c| cases(&c, false).is_err())
                 .unwrap()
         );
+        // The GPU grid: the same ops over its own sizes.
         let gpu = Cli::try_parse_from(["kernel_sums"]).unwrap();
-        assert!(cases(&gpu, false).is_err());
+        assert_eq!(
+            cases(&gpu, false).unwrap().len(),
+            (3 * 2 + 1) * GPU_SIZES.len()
+        );
+        assert_eq!(
+            dispatch_rules(DeviceChoice::Gpu)[0].implementation,
+            GPU_IMPLEMENTATION
+        );
     }
 }
