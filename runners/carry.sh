@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Copies what the GPU machine needs into DEST/.carry (default: ../main, the checkout the
-# device tool sends; `runners/carry.sh .` for this checkout): the attention runner, the GPU and
-# comparison test binaries, the Python comparison package, device_run.sh and
-# device_verdict.py. Build first: cargo build --release --bin attention --tests
+# device tool sends; `runners/carry.sh .` for this checkout): the attention and kernel_sums
+# runners, the GPU and comparison test binaries, the Python comparison package, device_run.sh
+# and device_verdict.py. Build first:
+#   cargo build --release --bin attention --bin kernel_sums --tests
 set -euo pipefail
 dest=${1:-../main}/.carry
 rm -rf "$dest" && mkdir -p "$dest/runners"
-cp target/release/attention "$dest/"
+cp target/release/attention target/release/kernel_sums "$dest/"
 newest() { ls -t target/release/deps/$1-* | grep -v '\.d$' | head -1; }
 cp "$(newest gpu_attention)" "$dest/gpu_attention_test"
 cp "$(newest compare_script)" "$dest/compare_script_test"
+cp "$(newest gpu_kernel_sums)" "$dest/gpu_kernel_sums_test"
 cp -r runners/compare "$dest/runners/"
 rm -rf "$dest/runners/compare/__pycache__"
 cp runners/device_run.sh runners/device_verdict.py "$dest/"

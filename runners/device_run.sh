@@ -6,6 +6,8 @@
 #   bash .carry/device_run.sh smoke OUTDIR        # < 9 min: GPU tests, comparison tests,
 #                                                 # non-aligned lengths and the T=16384 headline
 #   bash .carry/device_run.sh tests OUTDIR        # the GPU and comparison tests only
+#   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
+#                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
 #   bash .carry/device_run.sh full OUTDIR [i/n]   # the committed grid (or shard i of n)
 #   bash .carry/device_run.sh part OUTDIR NAME LIMIT_S FILTER [i/n]
 #                                                 # one part of a run split over calls or GPUs:
@@ -75,6 +77,12 @@ part)
   extra=(); [ -n "$part_shard" ] && extra=(--shard "$part_shard")
   step "part $name" "$limit" "$out/$name.log" "$bin/attention" --compare torch,jax \
     --filter "$filter" "${extra[@]}" --output "$out/$name.json"
+  ;;
+kernel_sums)
+  step "kernel-sum gpu tests" 240 "$out/gpu_kernel_sums.tests.log" "$bin/gpu_kernel_sums_test" \
+    --include-ignored --test-threads 1 --nocapture
+  step "kernel_sums grid" 300 "$out/kernel_sums.log" "$bin/kernel_sums" \
+    --output "$out/gpu_kernel_sums.json"
   ;;
 full)
   extra=(); [ -n "$shard" ] && extra=(--shard "$shard")
