@@ -396,6 +396,183 @@ pub fn reference(c: &KernelSumCase, inp: &Inputs, s: Scale) -> Vec<f64> {
     reference_rows(c, inp, s, &rows)
 }
 
+/// Why a public kernel-sum call was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelSumError {
+    /// A size, length or scale that cannot describe the call.
+    #[error("{0}")]
+    Invalid(String),
+    /// A compile, launch or out-of-memory error on the device.
+    #[error(transparent)]
+    Gpu(#[from] crate::gpu::GpuError),
+}
+
+/// Runs case `c` on `device` with checked inputs.
+fn run_case(
+    device: crate::gpu::Device,
+    c: &KernelSumCase,
+    inp: &Inputs,
+    s: Scale,
+) -> Result<Vec<f32>, KernelSumError> {
+    c.validate().map_err(KernelSumError::Invalid)?;
+    let w = match c.op {
+        Op::RbfMv => c.m * c.cols,
+        Op::Kde => 0,
+        Op::KernelLse => c.m,
+    };
+    for (name, got, want) in [
+        ("x", inp.x.len(), c.n * c.dim),
+        ("y", inp.y.len(), c.m * c.dim),
+        (if c.op == Op::RbfMv { "b" } else { "g" }, inp.w.len(), w),
+    ] {
+        if got != want {
+            return Err(KernelSumError::Invalid(format!(
+                "{name} has {got} elements; the call needs {want}"
+            )));
+        }
+    }
+    let scale = if c.op == Op::KernelLse {
+        s.epsilon
+    } else {
+        s.sigma
+    };
+    if !(scale > 0.0 && scale.is_finite()) {
+        return Err(KernelSumError::Invalid(format!(
+            "{} = {scale} is not a positive finite number",
+            if c.op == Op::KernelLse {
+                "epsilon"
+            } else {
+                "sigma"
+            }
+        )));
+    }
+    match device {
+        crate::gpu::Device::Cpu => {
+            let mut out = vec![0.0f32; c.output_len()];
+            cpu::compute(c, inp, s, &mut out);
+            Ok(out)
+        }
+        crate::gpu::Device::Cuda(gpu) => Ok(cuda::compute(gpu, c, inp, s)?),
+    }
+}
+
+fn points(len: usize, dim: usize, what: &str) -> Result<usize, KernelSumError> {
+    if dim == 0 || !len.is_multiple_of(dim) || len == 0 {
+        return Err(KernelSumError::Invalid(format!(
+            "{what} has {len} elements: not a non-empty whole number of {dim}-dimensional points"
+        )));
+    }
+    Ok(len / dim)
+}
+
+/// The Gaussian kernel matrix–matrix product without the N × M matrix:
+/// out\[i, c\] = Σ_j exp(−‖x_i − y_j‖² / 2σ²) · b\[j, c\], for float32 X `[N, dim]`, Y
+/// `[M, dim]`, b `[M, cols]` (row-major), returning `[N, cols]`. On the CPU the tiled
+/// implementation ([`cpu`]), on CUDA the `online` kernels ([`cuda`]; KeOps-style map-reduce,
+/// Charlier et al., JMLR 2021).
+///
+/// # Errors
+/// [`KernelSumError::Invalid`] for lengths that do not form whole points, b of the wrong
+/// length, σ ≤ 0; device errors.
+pub fn rbf_kernel_mv(
+    device: crate::gpu::Device,
+    x: &[f32],
+    y: &[f32],
+    b: &[f32],
+    dim: usize,
+    sigma: f64,
+) -> Result<Vec<f32>, KernelSumError> {
+    let (n, m) = (points(x.len(), dim, "x")?, points(y.len(), dim, "y")?);
+    let cols = b.len() / m;
+    let c = KernelSumCase {
+        cols: cols.max(1),
+        ..KernelSumCase::new(Op::RbfMv, n, m, dim)
+    };
+    let inp = Inputs {
+        x: x.to_vec(),
+        y: y.to_vec(),
+        w: b.to_vec(),
+    };
+    run_case(
+        device,
+        &c,
+        &inp,
+        Scale {
+            sigma,
+            epsilon: 1.0,
+        },
+    )
+}
+
+/// The Gaussian kernel density of the cloud Y at the points X, `[N]`:
+/// (1/M) Σ_j (2πσ²)^(−dim/2) exp(−‖x_i − y_j‖² / 2σ²), σ given or by Scott's rule
+/// ([`scott_bandwidth`]) when `None`.
+///
+/// # Errors
+/// As [`rbf_kernel_mv`].
+pub fn kde(
+    device: crate::gpu::Device,
+    x: &[f32],
+    y: &[f32],
+    dim: usize,
+    sigma: Option<f64>,
+) -> Result<Vec<f32>, KernelSumError> {
+    let (n, m) = (points(x.len(), dim, "x")?, points(y.len(), dim, "y")?);
+    let c = KernelSumCase::new(Op::Kde, n, m, dim);
+    let sigma = sigma.unwrap_or_else(|| scott_bandwidth(y, m, dim));
+    let inp = Inputs {
+        x: x.to_vec(),
+        y: y.to_vec(),
+        w: Vec::new(),
+    };
+    run_case(
+        device,
+        &c,
+        &inp,
+        Scale {
+            sigma,
+            epsilon: 1.0,
+        },
+    )
+}
+
+/// The kernel log-sum-exp, `[N]`: out\[i\] = log Σ_j exp(−‖x_i − y_j‖² / ε + g_j), stable for
+/// any spread of g (running maximum), with g `[M]`; with `grad`, also ∂out_i/∂x_i
+/// = −(2/ε)(x_i − Σ_j p_ij y_j) appended as `[N, dim]` (the output is then N·(1 + dim)
+/// floats).
+///
+/// # Errors
+/// As [`rbf_kernel_mv`], with ε for σ.
+pub fn kernel_logsumexp(
+    device: crate::gpu::Device,
+    x: &[f32],
+    y: &[f32],
+    g: &[f32],
+    dim: usize,
+    epsilon: f64,
+    grad: bool,
+) -> Result<Vec<f32>, KernelSumError> {
+    let (n, m) = (points(x.len(), dim, "x")?, points(y.len(), dim, "y")?);
+    let c = KernelSumCase {
+        grad,
+        ..KernelSumCase::new(Op::KernelLse, n, m, dim)
+    };
+    let inp = Inputs {
+        x: x.to_vec(),
+        y: y.to_vec(),
+        w: g.to_vec(),
+    };
+    run_case(
+        device,
+        &c,
+        &inp,
+        Scale {
+            sigma: 1.0,
+            epsilon,
+        },
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -474,5 +651,24 @@ mod tests {
         let g = KernelSumCase { grad: true, ..c };
         assert_eq!(g.evaluations(), 4e6);
         assert_eq!(g.output_len(), 4000);
+    }
+
+    #[test]
+    fn public_functions_check_their_inputs_and_agree_with_the_reference() {
+        use crate::gpu::Device;
+        let x = [0.0f32, 0.0, 1.0, 1.0];
+        let y = [3.0f32, 4.0];
+        let out = rbf_kernel_mv(Device::Cpu, &x, &y, &[2.0], 2, 5.0).unwrap();
+        assert!((out[0] as f64 - 2.0 * (-0.5f64).exp()).abs() < 1e-6);
+        let lse = kernel_logsumexp(Device::Cpu, &x, &y, &[1.0], 2, 25.0, true).unwrap();
+        assert_eq!(lse.len(), 2 * 3);
+        assert!((lse[0] as f64 - 0.0).abs() < 1e-6, "{lse:?}");
+        let e = rbf_kernel_mv(Device::Cpu, &x[..3], &y, &[2.0], 2, 5.0).unwrap_err();
+        assert!(e.to_string().starts_with("x has 3 elements"), "{e}");
+        let e = kernel_logsumexp(Device::Cpu, &x, &y, &[1.0, 2.0], 2, 1.0, false).unwrap_err();
+        assert!(e.to_string().starts_with("g has 2 elements"), "{e}");
+        let e = kde(Device::Cpu, &x, &y, 2, Some(0.0)).unwrap_err();
+        assert!(e.to_string().contains("sigma"), "{e}");
+        assert_eq!(kde(Device::Cpu, &x, &y, 2, None).unwrap().len(), 2);
     }
 }
