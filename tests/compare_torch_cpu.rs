@@ -147,3 +147,61 @@ fn a_nan_outside_the_checked_rows_fails_the_row() {
         .unwrap()
         .contains(&format!("non-finite output at element {outside} ")));
 }
+
+/// The dense kernel-sum module (`runners/compare/torch_kernel_sums.py`) on the same client:
+/// its self-test, and one job per operation (the log-sum-exp with its gradient dX included)
+/// answered with a row; with torch every row is measured and within the float32 tolerance of
+/// the runner's float64 reference, without torch every row is `unsupported` naming torch.
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn kernel_sum_module_answers_every_op() {
+    use kernelpages::kernel_sums::{files as ks_files, KernelSumCase, Op};
+    let o = Command::new("python3")
+        .args(["-m", "compare.torch_kernel_sums", "self-test"])
+        .env("PYTHONPATH", runners_dir())
+        .output()
+        .expect("python3 runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let torch = have_torch();
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Server::start("python3", &runners_dir(), "torch_kernel_sums", &[]).expect("starts");
+    let cases = [
+        KernelSumCase {
+            cols: 3,
+            ..KernelSumCase::new(Op::RbfMv, 300, 200, 3)
+        },
+        KernelSumCase::new(Op::Kde, 300, 200, 2),
+        KernelSumCase::new(Op::KernelLse, 300, 200, 16),
+        KernelSumCase {
+            grad: true,
+            ..KernelSumCase::new(Op::KernelLse, 300, 200, 3)
+        },
+    ];
+    for (k, c) in cases.iter().enumerate() {
+        let sub = dir.path().join(k.to_string());
+        std::fs::create_dir_all(&sub).unwrap();
+        let mut j = job(&case(), "torch_dense", &sub);
+        j.case = c.params();
+        j.files = ks_files::write_case(c, 3, 32, &sub).unwrap();
+        let row = s.request(&j, Duration::from_secs(120)).unwrap().row;
+        eprintln!(
+            "{c:?}: {:?} {:?} {:?}",
+            row.status, row.median_ms, row.message
+        );
+        if !torch {
+            assert_eq!(row.status, Status::Unsupported);
+            assert!(row.message.unwrap().contains("torch"));
+            continue;
+        }
+        assert_eq!(row.status, Status::Ok, "{c:?}: {row:?}");
+        let acc = row.accuracy.unwrap();
+        assert!(acc.rel_err < acc.tolerance, "{c:?}: {acc:?}");
+        assert_eq!(row.items, Some(c.evaluations()));
+        if c.grad {
+            assert!(
+                acc.checked.unwrap().contains("dX"),
+                "the gradient is checked"
+            );
+        }
+    }
+}
