@@ -26,6 +26,7 @@ use std::collections::BTreeMap;
 use crate::schema::Param;
 
 pub mod cpu;
+pub mod sinkhorn;
 
 /// What a case computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
