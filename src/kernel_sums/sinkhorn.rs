@@ -737,3 +737,471 @@ pub fn sinkhorn_divergence(
         },
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::unit;
+    use super::*;
+
+    /// `len` points uniform in [0, 1)^dim and weights 0.2 + U[0, 1), normalised (SplitMix64).
+    fn cloud(len: usize, dim: usize, seed: u64) -> (Vec<f32>, Vec<f64>) {
+        let mut s = seed;
+        let points = (0..len * dim).map(|_| unit(&mut s) as f32).collect();
+        let w: Vec<f64> = (0..len).map(|_| 0.2 + unit(&mut s)).collect();
+        let sum: f64 = w.iter().sum();
+        (points, w.iter().map(|v| v / sum).collect())
+    }
+
+    /// The n × m costs ‖x_i − y_j‖²/2 in float64 (tests only).
+    fn costs(x: &[f32], y: &[f32], dim: usize) -> Vec<f64> {
+        let mut c = Vec::new();
+        for xi in x.chunks_exact(dim) {
+            for yj in y.chunks_exact(dim) {
+                let d2: f64 = xi
+                    .iter()
+                    .zip(yj)
+                    .map(|(p, q)| (*p as f64 - *q as f64).powi(2))
+                    .sum();
+                c.push(0.5 * d2);
+            }
+        }
+        c
+    }
+
+    /// The exact optimal transport cost min ⟨π, c⟩ over the couplings of (a, b) (Σa = Σb), by
+    /// the transportation simplex in float64: a north-west-corner basis (n + m − 1 cells, a
+    /// spanning tree of rows and columns), then pivots on the most negative reduced cost
+    /// c_ij − u_i − v_j (u_i + v_j = c_ij on the basis, u_0 = 0), moving θ around the cycle the
+    /// entering cell closes in the tree, until no reduced cost is below −1e-12.
+    fn exact_ot(c: &[f64], a: &[f64], b: &[f64]) -> f64 {
+        let (n, m) = (a.len(), b.len());
+        let mut basis: Vec<(usize, usize, f64)> = Vec::with_capacity(n + m - 1);
+        let mut basic = vec![false; n * m];
+        let (mut sa, mut sb) = (a.to_vec(), b.to_vec());
+        let (mut i, mut j) = (0, 0);
+        loop {
+            let q = sa[i].min(sb[j]);
+            basis.push((i, j, q));
+            basic[i * m + j] = true;
+            sa[i] -= q;
+            sb[j] -= q;
+            if i == n - 1 && j == m - 1 {
+                break;
+            }
+            if j == m - 1 || (i < n - 1 && sa[i] <= sb[j]) {
+                i += 1;
+            } else {
+                j += 1;
+            }
+        }
+        // Tree nodes: rows 0..n, columns n..n + m; edges are basis cells.
+        for _ in 0..100_000 {
+            let mut adj = vec![Vec::new(); n + m];
+            for (k, &(i, j, _)) in basis.iter().enumerate() {
+                adj[i].push((n + j, k));
+                adj[n + j].push((i, k));
+            }
+            let mut pot = vec![f64::NAN; n + m];
+            pot[0] = 0.0;
+            let mut stack = vec![0];
+            while let Some(v) = stack.pop() {
+                for &(w, k) in &adj[v] {
+                    if pot[w].is_nan() {
+                        let (i, j, _) = basis[k];
+                        pot[w] = c[i * m + j] - pot[v];
+                        stack.push(w);
+                    }
+                }
+            }
+            let mut best = (-1e-12, None);
+            for i in 0..n {
+                for j in 0..m {
+                    let rc = c[i * m + j] - pot[i] - pot[n + j];
+                    if !basic[i * m + j] && rc < best.0 {
+                        best = (rc, Some((i, j)));
+                    }
+                }
+            }
+            let Some((ei, ej)) = best.1 else {
+                return basis.iter().map(|&(i, j, q)| q * c[i * m + j]).sum();
+            };
+            // The tree path from column ej to row ei (parent edges of a search from row ei).
+            let mut parent = vec![usize::MAX; n + m];
+            let mut seen = vec![false; n + m];
+            seen[ei] = true;
+            let mut stack = vec![ei];
+            while let Some(v) = stack.pop() {
+                for &(w, k) in &adj[v] {
+                    if !seen[w] {
+                        seen[w] = true;
+                        parent[w] = k;
+                        stack.push(w);
+                    }
+                }
+            }
+            let mut path = Vec::new();
+            let mut v = n + ej;
+            while v != ei {
+                let k = parent[v];
+                path.push(k);
+                let (i, j, _) = basis[k];
+                v = if v == i { n + j } else { i };
+            }
+            // The entering cell gains θ; along the path from its column the cells lose, gain,
+            // lose, …, the last (on row ei) loses. θ is the smallest flow of a losing cell.
+            let (mut theta, mut leave) = (f64::INFINITY, 0);
+            for &k in path.iter().step_by(2) {
+                if basis[k].2 < theta {
+                    theta = basis[k].2;
+                    leave = k;
+                }
+            }
+            for (s, &k) in path.iter().enumerate() {
+                if s % 2 == 0 {
+                    basis[k].2 -= theta;
+                } else {
+                    basis[k].2 += theta;
+                }
+            }
+            let (li, lj, _) = basis[leave];
+            basic[li * m + lj] = false;
+            basis[leave] = (ei, ej, theta);
+            basic[ei * m + ej] = true;
+        }
+        panic!("the transportation simplex did not finish in 100 000 pivots");
+    }
+
+    fn entropy(w: &[f64]) -> f64 {
+        -w.iter()
+            .filter(|v| **v > 0.0)
+            .map(|v| v * v.ln())
+            .sum::<f64>()
+    }
+
+    fn solve(x: &[f32], a: &[f64], y: &[f32], b: &[f64], dim: usize, p: &Params) -> Transport {
+        sinkhorn(
+            Cloud {
+                points: x,
+                weights: a,
+            },
+            Cloud {
+                points: y,
+                weights: b,
+            },
+            dim,
+            p,
+        )
+        .unwrap()
+    }
+
+    fn divergence(
+        x: &[f32],
+        a: &[f64],
+        y: &[f32],
+        b: &[f64],
+        dim: usize,
+        p: &Params,
+    ) -> Divergence {
+        sinkhorn_divergence(
+            Cloud {
+                points: x,
+                weights: a,
+            },
+            Cloud {
+                points: y,
+                weights: b,
+            },
+            dim,
+            p,
+        )
+        .unwrap()
+    }
+
+    /// The exact solver on answers known otherwise: a 2 × 2 problem by hand, and uniform 5 × 5
+    /// problems (a degenerate basis) whose optimum is a permutation (Birkhoff), by brute force
+    /// over all 120.
+    #[test]
+    fn exact_solver_matches_known_answers() {
+        // a = (0.3, 0.7), b = (0.6, 0.4), moving costs 1: 0.3 stays in place on row 0,
+        // 0.4 on row 1, 0.3 moves: cost 0.3.
+        let c = [0.0, 1.0, 1.0, 0.0];
+        assert!((exact_ot(&c, &[0.3, 0.7], &[0.6, 0.4]) - 0.3).abs() < 1e-15);
+        fn permutations(k: usize, rest: &mut Vec<usize>, out: &mut Vec<Vec<usize>>) {
+            if rest.len() == k {
+                out.push(rest.clone());
+                return;
+            }
+            for v in 0..k {
+                if !rest.contains(&v) {
+                    rest.push(v);
+                    permutations(k, rest, out);
+                    rest.pop();
+                }
+            }
+        }
+        let mut perms = Vec::new();
+        permutations(5, &mut Vec::new(), &mut perms);
+        assert_eq!(perms.len(), 120);
+        for seed in 0..20 {
+            let (x, _) = cloud(5, 2, 100 + seed);
+            let (y, _) = cloud(5, 2, 200 + seed);
+            let c = costs(&x, &y, 2);
+            let best = perms
+                .iter()
+                .map(|p| {
+                    p.iter()
+                        .enumerate()
+                        .map(|(i, &j)| c[i * 5 + j])
+                        .sum::<f64>()
+                        / 5.0
+                })
+                .fold(f64::INFINITY, f64::min);
+            let got = exact_ot(&c, &[0.2; 5], &[0.2; 5]);
+            assert!((got - best).abs() <= 1e-14, "seed {seed}: {got} vs {best}");
+        }
+    }
+
+    /// The case: 100 and 150 points uniform in [0, 1]^5, random weights, ε from 1e-1 to
+    /// 1e-4. Every result is finite; a converged one meets the tolerance. The (rounded) transport
+    /// cost is never below the exact optimal transport cost, and for a converged ε it is within
+    /// the entropic bound ε·min(H(a), H(b)) above it (⟨π_ε, C⟩ ≤ OT_ε ≤ OT_0 + ε·KL(π_0 | a ⊗ b)),
+    /// as is OT_ε; and it does not increase as ε shrinks, over the converged ε.
+    #[test]
+    fn transport_cost_is_bounded_by_the_exact_cost_and_falls_with_epsilon() {
+        let dim = 5;
+        let (x, a) = cloud(100, dim, 11);
+        let (y, b) = cloud(150, dim, 12);
+        let c = costs(&x, &y, dim);
+        let exact = exact_ot(&c, &a, &b);
+        let max_cost = c.iter().cloned().fold(0.0, f64::max);
+        let bias = entropy(&a).min(entropy(&b));
+        let mut last: Option<Transport> = None;
+        for eps in [1e-1, 1e-2, 1e-3, 1e-4] {
+            let p = Params {
+                max_iter: 2000,
+                ..Params::new(eps)
+            };
+            let r = solve(&x, &a, &y, &b, dim, &p);
+            let values = [
+                r.ot_eps,
+                r.transport_cost,
+                r.plan_cost,
+                r.marginal_error,
+                r.rounding_mass,
+            ];
+            assert!(values.iter().chain(&r.f).chain(&r.g).all(|v| v.is_finite()));
+            assert_eq!((r.f.len(), r.g.len()), (100, 150));
+            assert!(
+                r.marginal_error <= p.tol || r.status == Status::NotConverged,
+                "ε {eps}: {r:?}"
+            );
+            assert!(
+                r.transport_cost >= exact * (1.0 - 1e-6),
+                "ε {eps}: {} below the exact {exact}",
+                r.transport_cost
+            );
+            if r.status == Status::NotConverged {
+                continue;
+            }
+            assert_eq!(r.epsilon, eps);
+            // The rounding moves at most twice the marginal errors' worth of mass.
+            let slack = 2.0 * max_cost * r.marginal_error;
+            assert!(r.transport_cost <= exact + eps * bias + slack, "ε {eps}");
+            assert!(r.ot_eps >= exact - slack && r.ot_eps <= exact + eps * bias + slack);
+            if let Some(prev) = &last {
+                let slack = 2.0 * max_cost * (r.marginal_error + prev.marginal_error);
+                assert!(
+                    r.transport_cost <= prev.transport_cost + slack,
+                    "ε {eps}: {} after {} at ε {}",
+                    r.transport_cost,
+                    prev.transport_cost,
+                    prev.epsilon
+                );
+            }
+            last = Some(r);
+        }
+        assert_eq!(last.unwrap().epsilon, 1e-3, "ε = 1e-3 converges");
+    }
+
+    /// A single point each: the only coupling is a ⊗ b, so OT_ε = ⟨π, C⟩ = C exactly.
+    #[test]
+    fn one_point_each_costs_its_distance() {
+        let r = solve(
+            &[1.0, 2.0],
+            &[1.0],
+            &[4.0, 6.0],
+            &[1.0],
+            2,
+            &Params::new(0.1),
+        );
+        assert_eq!(r.status, Status::Converged);
+        for v in [r.ot_eps, r.transport_cost, r.plan_cost, r.f[0] + r.g[0]] {
+            assert!((v - 12.5).abs() < 1e-5 * 12.5, "{v} {r:?}");
+        }
+    }
+
+    /// A point of weight 0 changes nothing (its log-weight is −∞ throughout).
+    #[test]
+    fn a_zero_weight_point_changes_nothing() {
+        let dim = 3;
+        let (x, a) = cloud(40, dim, 5);
+        let (y, b) = cloud(30, dim, 6);
+        let p = Params::new(1e-2);
+        let r = solve(&x, &a, &y, &b, dim, &p);
+        let mut y0 = y.clone();
+        y0.extend([0.5, 0.5, 0.5]);
+        let mut b0 = b.clone();
+        b0.push(0.0);
+        let r0 = solve(&x, &a, &y0, &b0, dim, &p);
+        assert_eq!(
+            (r.status, r0.status),
+            (Status::Converged, Status::Converged)
+        );
+        assert!(r0.g.iter().chain(&r0.f).all(|v| v.is_finite()));
+        for (u, v) in [(r.ot_eps, r0.ot_eps), (r.transport_cost, r0.transport_cost)] {
+            assert!((u - v).abs() < 1e-4 * u, "{u} vs {v}");
+        }
+    }
+
+    /// S_ε(α, α) = 0 and, for a translation by τ, S_ε(α, α + τ) = ‖τ‖²/2 exactly (the cost's
+    /// cross term integrates to 0 against any coupling, the self terms are equal); S_ε ≥ 0 for
+    /// two different clouds.
+    #[test]
+    fn divergence_vanishes_on_itself_and_is_not_negative() {
+        let dim = 5;
+        let (x, a) = cloud(100, dim, 21);
+        let (y, b) = cloud(150, dim, 22);
+        let tau = [0.25f32, -0.5, 0.0, 0.125, 0.0];
+        let shifted: Vec<f32> = x
+            .chunks_exact(dim)
+            .flat_map(|p| p.iter().zip(&tau).map(|(v, t)| v + t))
+            .collect();
+        let half_tau2 = 0.5 * tau.iter().map(|t| (*t as f64).powi(2)).sum::<f64>();
+        for eps in [1e-1, 2e-2] {
+            let p = Params::new(eps);
+            let same = divergence(&x, &a, &x, &a, dim, &p);
+            assert_eq!(same.status, Status::Converged);
+            assert!(same.value.abs() <= 1e-6, "ε {eps}: {same:?}");
+            let moved = divergence(&x, &a, &shifted, &a, dim, &p);
+            assert_eq!(moved.status, Status::Converged);
+            assert!(
+                (moved.value - half_tau2).abs() <= 1e-4 * half_tau2,
+                "ε {eps}: {} vs {half_tau2}",
+                moved.value
+            );
+            let other = divergence(&x, &a, &y, &b, dim, &p);
+            assert_eq!(other.status, Status::Converged);
+            assert!(other.value >= -1e-6, "ε {eps}: {other:?}");
+            assert!(other.value < other.ot_xy);
+        }
+    }
+
+    /// Two iterations at ε = 1e-4 cannot converge, nor one more than the annealing stages.
+    #[test]
+    fn a_capped_run_reports_not_converged() {
+        let dim = 5;
+        let (x, a) = cloud(100, dim, 11);
+        let (y, b) = cloud(150, dim, 12);
+        let eps = 1e-4;
+        let stages = schedule(
+            centre_and_extent(
+                &[
+                    &Cloud {
+                        points: &x,
+                        weights: &a,
+                    },
+                    &Cloud {
+                        points: &y,
+                        weights: &b,
+                    },
+                ],
+                dim,
+            )
+            .1,
+            eps,
+            0.5,
+        );
+        for cap in [2, stages.len() + 1] {
+            let p = Params {
+                max_iter: cap,
+                ..Params::new(eps)
+            };
+            let r = solve(&x, &a, &y, &b, dim, &p);
+            assert_eq!(r.status, Status::NotConverged);
+            assert_eq!(r.iterations, cap);
+            assert!(r.marginal_error > p.tol && r.marginal_error.is_finite());
+            let d = divergence(&x, &a, &y, &b, dim, &p);
+            assert_eq!(d.status, Status::NotConverged);
+        }
+    }
+
+    #[test]
+    fn bad_input_is_refused() {
+        let x = [0.0f32, 1.0, 2.0, 3.0];
+        let a = [0.5, 0.5];
+        let p = Params::new(0.1);
+        let run = |x: &[f32], a: &[f64], dim: usize, p: &Params| {
+            let c = Cloud {
+                points: x,
+                weights: a,
+            };
+            let y = Cloud {
+                points: &[0.0, 0.0],
+                weights: &[1.0],
+            };
+            (
+                sinkhorn(c, y, dim, p).unwrap_err(),
+                sinkhorn_divergence(y, c, dim, p).unwrap_err(),
+            )
+        };
+        assert_eq!(run(&x, &a, 0, &p).0, SinkhornError::ZeroDim);
+        assert_eq!(run(&[], &[], 2, &p).0, SinkhornError::Empty { cloud: "x" });
+        assert!(matches!(run(&x, &a, 3, &p).0, SinkhornError::Shape { .. }));
+        assert!(matches!(
+            run(&x, &[1.0], 2, &p).0,
+            SinkhornError::Shape { .. }
+        ));
+        assert!(matches!(
+            run(&[0.0, f32::NAN, 2.0, 3.0], &a, 2, &p).0,
+            SinkhornError::NonFinitePoint { index: 1, .. }
+        ));
+        assert!(matches!(
+            run(&x, &[1.5, -0.5], 2, &p).0,
+            SinkhornError::BadWeight { index: 1, .. }
+        ));
+        assert!(matches!(
+            run(&x, &[f64::NAN, 1.0], 2, &p).0,
+            SinkhornError::BadWeight { index: 0, .. }
+        ));
+        let (e, d) = run(&x, &[0.5, 0.5 + 2e-5], 2, &p);
+        assert!(matches!(e, SinkhornError::NotNormalised { cloud: "x", .. }));
+        assert!(matches!(d, SinkhornError::NotNormalised { cloud: "y", .. }));
+        assert!(e.to_string().contains("within 1e-5"), "{e}");
+        // Within 1e-5 is accepted (and renormalised).
+        assert!(sinkhorn(
+            Cloud {
+                points: &x,
+                weights: &[0.5, 0.5 + 5e-6]
+            },
+            Cloud {
+                points: &x,
+                weights: &a
+            },
+            2,
+            &p
+        )
+        .is_ok());
+        for eps in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let q = Params::new(eps);
+            assert!(matches!(run(&x, &a, 2, &q).0, SinkhornError::BadEpsilon(_)));
+        }
+        for scaling in [0.0, 1.0, f64::NAN] {
+            let q = Params { scaling, ..p };
+            assert!(matches!(run(&x, &a, 2, &q).0, SinkhornError::BadScaling(_)));
+        }
+        let q = Params { tol: 0.0, ..p };
+        assert_eq!(run(&x, &a, 2, &q).0, SinkhornError::BadTolerance(0.0));
+        let q = Params { max_iter: 0, ..p };
+        assert_eq!(run(&x, &a, 2, &q).1, SinkhornError::NoIterations);
+    }
+}
