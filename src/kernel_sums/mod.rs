@@ -29,6 +29,7 @@ use crate::schema::Param;
 pub mod cpu;
 pub mod cuda;
 pub mod files;
+pub mod sinkhorn;
 
 /// What a case computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
