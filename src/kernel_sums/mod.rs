@@ -91,13 +91,16 @@ impl KernelSumCase {
         }
     }
 
-    /// The case as named parameters for a document row: `op`, `n`, `m`, `dim`, `dtype`
-    /// (`fp32`), `pass` (`fwd`, or `fwd+bwd` with the gradient), and `cols` for `rbf_mv`.
+    /// The case as named parameters for a document row: `op`, `n`, `dim`, `dtype` (`fp32`),
+    /// `pass` (`fwd`, or `fwd+bwd` with the gradient), `cols` for `rbf_mv`, and `m` only when
+    /// it differs from `n` (so that a sweep over N = M is one series along `n`).
     pub fn params(&self) -> BTreeMap<String, Param> {
         let mut p = BTreeMap::new();
         p.insert("op".into(), Param::Text(self.op.as_str().into()));
         p.insert("n".into(), Param::Int(self.n as i64));
-        p.insert("m".into(), Param::Int(self.m as i64));
+        if self.m != self.n {
+            p.insert("m".into(), Param::Int(self.m as i64));
+        }
         p.insert("dim".into(), Param::Int(self.dim as i64));
         p.insert("dtype".into(), Param::Text("fp32".into()));
         p.insert(
@@ -110,7 +113,7 @@ impl KernelSumCase {
         p
     }
 
-    /// The case named by `p` ([`KernelSumCase::params`]).
+    /// The case named by `p` ([`KernelSumCase::params`]; `m` defaults to `n`).
     ///
     /// # Errors
     /// A missing or mistyped parameter, an unknown op, a dtype other than fp32.
@@ -145,7 +148,11 @@ impl KernelSumCase {
         let c = KernelSumCase {
             op,
             n: int("n")?,
-            m: int("m")?,
+            m: if p.contains_key("m") {
+                int("m")?
+            } else {
+                int("n")?
+            },
             dim: int("dim")?,
             cols: if op == Op::RbfMv { int("cols")? } else { 1 },
             grad,
@@ -587,6 +594,12 @@ mod tests {
                 ..KernelSumCase::new(op, 7, 9, 3)
             };
             assert_eq!(KernelSumCase::from_params(&c.params()).unwrap(), c);
+            let square = KernelSumCase { m: 7, ..c };
+            assert!(!square.params().contains_key("m"));
+            assert_eq!(
+                KernelSumCase::from_params(&square.params()).unwrap(),
+                square
+            );
         }
         let mut p = KernelSumCase::new(Op::Kde, 7, 9, 3).params();
         p.insert("pass".into(), Param::Text("fwd+bwd".into()));
