@@ -74,9 +74,13 @@ fn figures(site: &Path) -> Vec<PathBuf> {
 fn time_figures_label_only_the_measured_x_values() {
     let (_tmp, site) = build_site(&root().join("data"));
     let docs = load::load_dir(&root().join("data")).unwrap();
-    // A group is a case with seq_len left out (the x axis), per device; its sizes.
+    // A group is a case with seq_len left out (the x axis), per device; its sizes. Only the
+    // attention documents draw on attention.html.
     let mut groups_in_data: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
-    for l in &docs {
+    for l in docs
+        .iter()
+        .filter(|l| l.doc.suite == kernelpages::schema::Suite::Attention)
+    {
         for r in &l.doc.rows {
             let mut c = r.case.clone();
             let x = c.remove("seq_len").map(|p| p.to_string());
