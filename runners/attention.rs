@@ -585,19 +585,11 @@ fn measure_own(job: &runner::protocol::Job) -> runner::protocol::Reply {
     let (c, imp) = match parsed {
         Ok(x) => x,
         Err(e) => {
-            return runner::protocol::Reply {
-                row: kernelpages::schema::Row::failed(
-                    job.case.clone(),
-                    &job.implementation,
-                    "",
-                    false,
-                    kernelpages::schema::Status::Error,
-                    format!("{e:#}"),
-                ),
-                window: None,
-                libraries: Default::default(),
-                pid: None,
-            }
+            return runner::protocol::Reply::failed(
+                job,
+                kernelpages::schema::Status::Error,
+                format!("{e:#}"),
+            )
         }
     };
     own::measure(job, |gpu| {

@@ -34,7 +34,7 @@ use kernelpages::kernel_sums::{files, Inputs, KernelSumCase, Op, Scale};
 use kernelpages::runner::grid::Params;
 use kernelpages::runner::protocol::{CaseFiles, Job, Reply, TensorFile};
 use kernelpages::runner::{self, host, own, Alternative, Declared, DeviceChoice, RunnerArgs};
-use kernelpages::schema::{Count, DispatchRule, Row, Status, Suite, Throughput};
+use kernelpages::schema::{Count, DispatchRule, Status, Suite, Throughput};
 
 /// Measure kernel sums on the GPU (or with --device cpu the CPU) and write a suite document.
 #[derive(Parser, Debug)]
@@ -340,38 +340,38 @@ impl host::Launcher for Launch {
     }
 }
 
-/// The case process for `cpu_tiled`: σ and ε are the ones the runner wrote into the case's
-/// arguments, so every implementation uses the same values.
-fn measure_cpu(job: &Job) -> Reply {
-    let failed = |msg: String| Reply {
-        row: Row::failed(
-            job.case.clone(),
-            &job.implementation,
-            "",
-            false,
-            Status::Error,
-            msg,
-        ),
-        window: None,
-        libraries: Default::default(),
-        pid: None,
-    };
-    if job.implementation != CPU_IMPLEMENTATION {
-        return failed(format!("unknown implementation `{}`", job.implementation));
-    }
-    let case = match case_of(&job.case) {
-        Ok(c) => c,
-        Err(e) => return failed(format!("{e:#}")),
-    };
+/// The job's case and its σ and ε, the ones the runner wrote into the case's arguments (so
+/// every implementation uses the same values).
+///
+/// # Errors
+/// A case that does not parse, or arguments without σ or ε.
+fn job_case(job: &Job) -> Result<(KernelSumCase, Scale)> {
+    let case = case_of(&job.case)?;
     let arg = |k: &str| job.files.arguments.get(k).and_then(|v| v.as_f64());
-    let (Some(sigma), Some(epsilon)) = (arg("sigma"), arg("epsilon")) else {
-        return failed("the case's arguments lack sigma or epsilon".into());
+    match (arg("sigma"), arg("epsilon")) {
+        (Some(sigma), Some(epsilon)) => Ok((case, Scale { sigma, epsilon })),
+        _ => anyhow::bail!("the case's arguments lack sigma or epsilon"),
+    }
+}
+
+/// The case process for `cpu_tiled`.
+fn measure_cpu(job: &Job) -> Reply {
+    if job.implementation != CPU_IMPLEMENTATION {
+        return Reply::failed(
+            job,
+            Status::Error,
+            format!("unknown implementation `{}`", job.implementation),
+        );
+    }
+    let (case, scale) = match job_case(job) {
+        Ok(x) => x,
+        Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
     };
     let len = case.output_len();
     host::measure(job, || {
         Ok(Launch {
             case,
-            scale: Scale { sigma, epsilon },
+            scale,
             out: vec![0.0; len],
         })
     })
@@ -459,26 +459,9 @@ impl own::Launcher for GpuLaunch {
 
 /// The case process for `online`: σ and ε from the case's arguments, as for `cpu_tiled`.
 fn measure_gpu(job: &Job) -> Reply {
-    let failed = |msg: String| Reply {
-        row: Row::failed(
-            job.case.clone(),
-            &job.implementation,
-            "",
-            false,
-            Status::Error,
-            msg,
-        ),
-        window: None,
-        libraries: Default::default(),
-        pid: None,
-    };
-    let case = match case_of(&job.case) {
-        Ok(c) => c,
-        Err(e) => return failed(format!("{e:#}")),
-    };
-    let arg = |k: &str| job.files.arguments.get(k).and_then(|v| v.as_f64());
-    let (Some(sigma), Some(epsilon)) = (arg("sigma"), arg("epsilon")) else {
-        return failed("the case's arguments lack sigma or epsilon".into());
+    let (case, scale) = match job_case(job) {
+        Ok(x) => x,
+        Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
     };
     own::measure(job, |gpu| {
         let runner = ks_cuda::Runner::new(gpu, &case)?;
@@ -489,7 +472,7 @@ fn measure_gpu(job: &Job) -> Reply {
             GpuLaunch {
                 runner,
                 case: case.clone(),
-                scale: Scale { sigma, epsilon },
+                scale,
                 out,
             },
             compile_s,

@@ -182,19 +182,7 @@ pub fn measure(job: &Job) -> Reply {
         Ok((c, ElementType::Bf16)) => run::<half::bf16>(job, &c),
         Ok((c, ElementType::F16)) => run::<half::f16>(job, &c),
         Ok((c, ElementType::F32)) => run::<f32>(job, &c),
-        Err(e) => Reply {
-            row: kernelpages::schema::Row::failed(
-                job.case.clone(),
-                &job.implementation,
-                "",
-                false,
-                kernelpages::schema::Status::Error,
-                format!("{e:#}"),
-            ),
-            window: None,
-            libraries: Default::default(),
-            pid: None,
-        },
+        Err(e) => Reply::failed(job, kernelpages::schema::Status::Error, format!("{e:#}")),
     }
 }
 

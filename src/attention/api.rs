@@ -22,7 +22,10 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use rayon::prelude::*;
 
-use super::cpu_flash::{self, AttentionError, Element, ElementType, Gradients, Options, Shape};
+use super::cpu::Inputs;
+use super::cpu_flash::{
+    self, check_lengths, AttentionError, Element, ElementType, Gradients, Options, Shape,
+};
 use super::cuda::{self, DeviceInputs, Gemm};
 use super::{AttentionCase, Dtype, Pass};
 use crate::gpu::{Gpu, GpuError};
@@ -53,16 +56,6 @@ impl From<cudarc::driver::DriverError> for Error {
 /// The name the CPU implementation has in documents.
 pub const CPU_IMPLEMENTATION: &str = "cpu_flash";
 
-impl From<ElementType> for Dtype {
-    fn from(t: ElementType) -> Dtype {
-        match t {
-            ElementType::Bf16 => Dtype::Bf16,
-            ElementType::F16 => Dtype::F16,
-            ElementType::F32 => Dtype::F32,
-        }
-    }
-}
-
 /// The attention case of a call with `pass`.
 fn case_of(dtype: ElementType, shape: &Shape, options: &Options, pass: Pass) -> AttentionCase {
     AttentionCase {
@@ -78,16 +71,6 @@ fn case_of(dtype: ElementType, shape: &Shape, options: &Options, pass: Pass) -> 
         scale: options.scale,
         kv_lens: None,
     }
-}
-
-fn check(shape: &Shape, lens: &[(&'static str, usize, usize)]) -> Result<(), AttentionError> {
-    shape.validate()?;
-    for &(name, got, want) in lens {
-        if got != want {
-            return Err(AttentionError::Length { name, got, want });
-        }
-    }
-    Ok(())
 }
 
 /// The implementation a call with these arguments runs on `device`: `cpu_flash` on the CPU;
@@ -141,26 +124,6 @@ fn from_words<T: Element>(w: &[u16]) -> Vec<T> {
         .collect()
 }
 
-/// Uploads Q, K, V (and dO, or one placeholder word) of case `c` as device words.
-fn upload_words(
-    gpu: &Gpu,
-    c: &AttentionCase,
-    q: Vec<u16>,
-    k: Vec<u16>,
-    v: Vec<u16>,
-    dout: Vec<u16>,
-) -> Result<DeviceInputs, GpuError> {
-    let lens: Vec<i32> = (0..c.batch).map(|b| c.kv_len(b) as i32).collect();
-    let dout = if dout.is_empty() { vec![0u16] } else { dout };
-    Ok(DeviceInputs {
-        q: gpu.stream.clone_htod(&q)?,
-        k: gpu.stream.clone_htod(&k)?,
-        v: gpu.stream.clone_htod(&v)?,
-        dout: gpu.stream.clone_htod(&dout)?,
-        kv_lens: gpu.stream.clone_htod(&lens)?,
-    })
-}
-
 /// Runs case `c` on the device with the implementation the dispatch picks, on outputs
 /// poisoned with NaN; returns the outputs ([O] or [O, dQ, dK, dV]) still on the device.
 fn run_on_device(
@@ -210,7 +173,7 @@ pub fn dot_product_attention<T: Element>(
     match device {
         Device::Cpu => Ok(cpu_flash::dot_product_attention(q, k, v, shape, options)?),
         Device::Cuda(gpu) => {
-            check(
+            check_lengths(
                 shape,
                 &[
                     ("q", q.len(), shape.q_elems()),
@@ -219,7 +182,16 @@ pub fn dot_product_attention<T: Element>(
                 ],
             )?;
             let c = case_of(T::TYPE, shape, options, Pass::Fwd);
-            let inp = upload_words(gpu, &c, to_words(q), to_words(k), to_words(v), vec![])?;
+            let inp = cuda::upload(
+                gpu,
+                &c,
+                &Inputs {
+                    q: to_words(q),
+                    k: to_words(k),
+                    v: to_words(v),
+                    dout: Vec::new(),
+                },
+            )?;
             let outs = run_on_device(gpu, &c, &inp)?;
             Ok(download(gpu, &outs[0])?)
         }
@@ -247,7 +219,7 @@ pub fn dot_product_attention_vjp<T: Element>(
             q, k, v, d_out, shape, options,
         )?),
         Device::Cuda(gpu) => {
-            check(
+            check_lengths(
                 shape,
                 &[
                     ("q", q.len(), shape.q_elems()),
@@ -257,13 +229,15 @@ pub fn dot_product_attention_vjp<T: Element>(
                 ],
             )?;
             let c = case_of(T::TYPE, shape, options, Pass::FwdBwd);
-            let inp = upload_words(
+            let inp = cuda::upload(
                 gpu,
                 &c,
-                to_words(q),
-                to_words(k),
-                to_words(v),
-                to_words(d_out),
+                &Inputs {
+                    q: to_words(q),
+                    k: to_words(k),
+                    v: to_words(v),
+                    dout: to_words(d_out),
+                },
             )?;
             let outs = run_on_device(gpu, &c, &inp)?;
             let o = download(gpu, &outs[0])?;
@@ -381,7 +355,7 @@ pub fn mha<T: Element>(
     if s.d_model == 0 {
         return Err(AttentionError::Shape(att, "d_model is 0").into());
     }
-    check(
+    check_lengths(
         &att,
         &[
             ("x_q", x_q.len(), s.batch * s.seq_len_q * s.d_model),

@@ -88,6 +88,16 @@ impl ElementType {
     }
 }
 
+impl From<ElementType> for Dtype {
+    fn from(t: ElementType) -> Dtype {
+        match t {
+            ElementType::Bf16 => Dtype::Bf16,
+            ElementType::F16 => Dtype::F16,
+            ElementType::F32 => Dtype::F32,
+        }
+    }
+}
+
 impl From<Dtype> for ElementType {
     fn from(d: Dtype) -> ElementType {
         match d {
@@ -280,12 +290,13 @@ pub enum AttentionError {
     },
 }
 
-fn check_lengths(
+/// Checks `shape` and each tensor's length: `(name, elements given, elements wanted)`.
+pub(crate) fn check_lengths(
     shape: &Shape,
-    lens: [(&'static str, usize, usize); 4],
+    lens: &[(&'static str, usize, usize)],
 ) -> Result<(), AttentionError> {
     shape.validate()?;
-    for (name, got, want) in lens {
+    for &(name, got, want) in lens {
         if got != want {
             return Err(AttentionError::Length { name, got, want });
         }
@@ -338,7 +349,7 @@ pub fn dot_product_attention_into<T: Element>(
 ) -> Result<(), AttentionError> {
     check_lengths(
         shape,
-        [
+        &[
             ("q", q.len(), shape.q_elems()),
             ("k", k.len(), shape.kv_elems()),
             ("v", v.len(), shape.kv_elems()),
@@ -368,7 +379,7 @@ pub fn dot_product_attention_lse_into<T: Element>(
 ) -> Result<(), AttentionError> {
     check_lengths(
         shape,
-        [
+        &[
             ("q", q.len(), shape.q_elems()),
             ("k", k.len(), shape.kv_elems()),
             ("v", v.len(), shape.kv_elems()),
@@ -470,7 +481,7 @@ pub fn dot_product_attention_backward<T: Element>(
 ) -> Result<Gradients<T>, AttentionError> {
     check_lengths(
         shape,
-        [
+        &[
             ("q", q.len(), shape.q_elems()),
             ("k", k.len(), shape.kv_elems()),
             ("v", v.len(), shape.kv_elems()),

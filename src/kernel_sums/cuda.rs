@@ -160,23 +160,7 @@ pub fn upload(gpu: &Gpu, c: &KernelSumCase, inp: &Inputs) -> Result<DeviceInputs
 }
 
 fn check_inputs(c: &KernelSumCase, inp: &Inputs) -> Result<(), GpuError> {
-    let w = match c.op {
-        Op::RbfMv => c.m * c.cols,
-        Op::Kde => 0,
-        Op::KernelLse => c.m,
-    };
-    for (name, got, want) in [
-        ("x", inp.x.len(), c.n * c.dim),
-        ("y", inp.y.len(), c.m * c.dim),
-        ("w", inp.w.len(), w),
-    ] {
-        if got != want {
-            return Err(GpuError::Config(format!(
-                "{name} has {got} elements, the case needs {want}"
-            )));
-        }
-    }
-    Ok(())
+    inp.check(c).map_err(GpuError::Config)
 }
 
 /// The float32 scalars of a launch: the base-2 exponent scale k (log₂e / 2σ² for `rbf_mv` and

@@ -302,6 +302,31 @@ impl Inputs {
     }
 }
 
+impl Inputs {
+    /// Checks each tensor's length against case `c`: X `[N, D]`, Y `[M, D]`, b `[M, C]`
+    /// (`rbf_mv`), g `[M]` (`kernel_lse`), nothing for `kde`.
+    ///
+    /// # Errors
+    /// The first tensor of the wrong length, by name, with both counts.
+    pub fn check(&self, c: &KernelSumCase) -> Result<(), String> {
+        let (w_name, w_len) = match c.op {
+            Op::RbfMv => ("b", c.m * c.cols),
+            Op::Kde => ("weights (kde takes none)", 0),
+            Op::KernelLse => ("g", c.m),
+        };
+        for (name, got, want) in [
+            ("x", self.x.len(), c.n * c.dim),
+            ("y", self.y.len(), c.m * c.dim),
+            (w_name, self.w.len(), w_len),
+        ] {
+            if got != want {
+                return Err(format!("{name} has {got} elements; the call needs {want}"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A uniform draw in [0, 1) from a SplitMix64 state.
 fn unit(state: &mut u64) -> f64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -423,22 +448,7 @@ fn run_case(
     s: Scale,
 ) -> Result<Vec<f32>, KernelSumError> {
     c.validate().map_err(KernelSumError::Invalid)?;
-    let w = match c.op {
-        Op::RbfMv => c.m * c.cols,
-        Op::Kde => 0,
-        Op::KernelLse => c.m,
-    };
-    for (name, got, want) in [
-        ("x", inp.x.len(), c.n * c.dim),
-        ("y", inp.y.len(), c.m * c.dim),
-        (if c.op == Op::RbfMv { "b" } else { "g" }, inp.w.len(), w),
-    ] {
-        if got != want {
-            return Err(KernelSumError::Invalid(format!(
-                "{name} has {got} elements; the call needs {want}"
-            )));
-        }
-    }
+    inp.check(c).map_err(KernelSumError::Invalid)?;
     let scale = if c.op == Op::KernelLse {
         s.epsilon
     } else {

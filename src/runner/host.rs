@@ -158,7 +158,12 @@ fn measure_inner<L: Launcher>(
             msg,
         )
     };
-    let reference = read_f64(&job.files.check.reference)?;
+    let references: Vec<Vec<f64>> = job
+        .files
+        .outputs()
+        .iter()
+        .map(|(_, _, check)| read_f64(&check.reference))
+        .collect::<anyhow::Result<_>>()?;
     let load_before = load_average();
 
     // Peak memory: the resident set's high-water mark over the input set, the output and the
@@ -183,18 +188,15 @@ fn measure_inner<L: Launcher>(
     // the relative error of each over its checked elements; the row keeps the largest
     // (NaN-propagating), as the GPU case process does.
     let mut errors = Vec::new();
-    for (k, (name, _, check)) in job.files.outputs().into_iter().enumerate() {
-        let reference = if k == 0 {
-            reference.clone()
-        } else {
-            read_f64(&check.reference)?
-        };
+    for (k, ((name, _, check), reference)) in
+        job.files.outputs().into_iter().zip(&references).enumerate()
+    {
         let result = if k == 0 {
             check_output(
                 launcher.output_len(),
                 |i| launcher.value(i),
                 &check.ranges,
-                &reference,
+                reference,
             )
         } else {
             let len = launcher.gradient_len(k - 1);
@@ -207,7 +209,7 @@ fn measure_inner<L: Launcher>(
                 len,
                 |i| launcher.gradient_value(k - 1, i),
                 &check.ranges,
-                &reference,
+                reference,
             )
         };
         match result {

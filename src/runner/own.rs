@@ -123,19 +123,7 @@ pub fn measure<L: Launcher>(
     job: &Job,
     make: impl FnOnce(&Gpu) -> Result<(L, f64), GpuError>,
 ) -> Reply {
-    let fail = |status: Status, msg: String| Reply {
-        row: Row::failed(
-            job.case.clone(),
-            &job.implementation,
-            "",
-            false,
-            status,
-            msg,
-        ),
-        window: None,
-        libraries: BTreeMap::new(),
-        pid: None,
-    };
+    let fail = |status: Status, msg: String| Reply::failed(job, status, msg);
     match measure_inner(job, make) {
         Ok(r) => r,
         Err(Failure::Gpu(e)) => fail(

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::grid::Params;
-use crate::schema::{Reference, Row, TimingConfig};
+use crate::schema::{Reference, Row, Status, TimingConfig};
 
 /// One input tensor in a raw file: `shape` elements of `dtype`, row-major, little-endian.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -173,6 +173,26 @@ pub struct Reply {
     /// Process that measured the row, when not the one the runner started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid: Option<u32>,
+}
+
+impl Reply {
+    /// The reply of a job that produced no measurement: a row of `status` with `message`, for
+    /// the job's case and implementation (library left empty: the runner fills it in).
+    pub fn failed(job: &Job, status: Status, message: String) -> Reply {
+        Reply {
+            row: Row::failed(
+                job.case.clone(),
+                &job.implementation,
+                "",
+                false,
+                status,
+                message,
+            ),
+            window: None,
+            libraries: BTreeMap::new(),
+            pid: None,
+        }
+    }
 }
 
 /// Seconds since the Unix epoch, now.
