@@ -96,13 +96,16 @@ fn label(c: &KernelSumCase) -> String {
     )
 }
 
-/// The bar for float32 is 1e-5 relative to float64. `kde` at D = 64 is the exception
-/// `cpu.rs`'s test explains: Scott's bandwidth makes the exponents 45–120 there, so the float32
-/// squared distance alone (relative error a few 1e-7, whatever the order of the sums) moves
-/// each kernel value by ~1e-5; 1e-4 bounds that with margin.
-fn tolerance(c: &KernelSumCase) -> f64 {
+/// The bar for float32 is 1e-5 relative to float64. `kde` in many dimensions is the
+/// exception `cpu.rs`'s test explains: Scott's bandwidth σ makes the typical exponent
+/// E = E‖x − y‖² / 2σ² = (dim / 6) / 2σ² (points uniform in the unit cube) large, 45–120 at
+/// dim 64 and ~140 at dim 130, and a float32 squared distance (relative error a few 1e-7,
+/// whatever the order of the sums) moves each kernel value by about 1e-6·E. The bound allows
+/// 4e-6·E on top of 1e-5 (measured on the H200: 1.9e-4 at dim 130, E ≈ 140).
+fn tolerance(c: &KernelSumCase, s: Scale) -> f64 {
     if c.op == Op::Kde && c.dim > 16 {
-        1e-4
+        let typical_exponent = c.dim as f64 / 6.0 / (2.0 * s.sigma * s.sigma);
+        1e-5 + 4e-6 * typical_exponent
     } else {
         1e-5
     }
@@ -119,7 +122,7 @@ fn check_cases(cases: &[KernelSumCase], seed: u64) {
         match error(c, &inp, s) {
             Ok(e) => {
                 eprintln!("{} ({entry}): {e:.2e}", label(c));
-                if e.is_nan() || e > tolerance(c) {
+                if e.is_nan() || e > tolerance(c, s) {
                     failures.push(format!("{} ({entry}): error {e:.2e}", label(c)));
                 }
             }
