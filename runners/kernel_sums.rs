@@ -8,11 +8,11 @@
 //!
 //! The project's implementations: `online` on a CUDA device (`kernels/kernel_sums/
 //! kernel_sums.cu`, [`kernelpages::kernel_sums::cuda`]) and `cpu_tiled` on the CPU
-//! (`--device cpu`, [`kernelpages::kernel_sums::cpu`]). The PyTorch module measures the CPU
-//! only so far.
+//! (`--device cpu`, [`kernelpages::kernel_sums::cpu`]). The PyTorch module measures on the
+//! run's device (the job's `device`).
 //!
 //! ```text
-//! kernel_sums --output data/gpu_kernel_sums.json
+//! kernel_sums --compare torch --output data/gpu_kernel_sums.json
 //! kernel_sums --device cpu --compare torch --output data/cpu_kernel_sums.json
 //! kernel_sums --device cpu --quick --ops kernel_lse
 //! ```
@@ -50,13 +50,14 @@ struct Cli {
     /// gradient with respect to X) [default: all].
     #[arg(long, value_delimiter = ',')]
     ops: Option<Vec<String>>,
-    /// Point counts N = M [default: 1000,10000,100000,1000000 on the GPU, 1000,4000,16000 on
-    /// the CPU; the smallest two (one on the CPU) with --quick].
+    /// Point counts N = M [default: 1000,10000,100000,1000000 on the GPU (up to 100000 from
+    /// dim 16), 1000,4000,16000 on the CPU; the smallest two (one on the CPU) with --quick].
     #[arg(long, value_delimiter = ',')]
     sizes: Option<Vec<usize>>,
-    /// Point dimensions (kde runs at the ones ≤ 3) [default: 3,64].
-    #[arg(long, value_delimiter = ',', default_value = "3,64")]
-    dims: Vec<usize>,
+    /// Point dimensions (kde runs at the ones ≤ 3) [default: 1,3,16,64 on the GPU, 3,64 on the
+    /// CPU].
+    #[arg(long, value_delimiter = ',')]
+    dims: Option<Vec<usize>>,
     /// Columns of b for `rbf_mv`.
     #[arg(long, default_value_t = 1)]
     cols: usize,
@@ -72,11 +73,18 @@ const GPU_IMPLEMENTATION: &str = "online";
 
 /// Point counts of the GPU grid.
 const GPU_SIZES: [usize; 4] = [1000, 10_000, 100_000, 1_000_000];
+/// Largest default N = M on the GPU from dim 16 (the feature kernels make ~1e11 evaluations/s,
+/// so 10⁶ points would take ~10 s a call).
+const GPU_FEATURE_MAX_SIZE: usize = 100_000;
+/// Point dimensions of the GPU grid: point clouds (1, 3) and features (16, 64).
+const GPU_DIMS: [usize; 4] = [1, 3, 16, 64];
+/// Point dimensions of the CPU grid.
+const CPU_DIMS: [usize; 2] = [3, 64];
 /// Point counts of the GPU `--quick` grid.
 const GPU_QUICK_SIZES: [usize; 2] = [1000, 10_000];
 
-/// The alternatives `--compare` can add on the CPU.
-const CPU_ALTERNATIVES: [Alternative; 1] = [Alternative {
+/// The alternatives `--compare` can add (the module measures on the run's device).
+const ALTERNATIVES: [Alternative; 1] = [Alternative {
     name: "torch",
     module: "torch_kernel_sums",
     library: "PyTorch",
@@ -128,6 +136,11 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
         (None, true, false) => CPU_QUICK_SIZES.to_vec(),
         (None, false, false) => CPU_SIZES.to_vec(),
     };
+    let dims = match (&cli.dims, gpu) {
+        (Some(d), _) => d.clone(),
+        (None, true) => GPU_DIMS.to_vec(),
+        (None, false) => CPU_DIMS.to_vec(),
+    };
     let mut out = Vec::new();
     for op in &ops {
         let (op, grad) = match op.as_str() {
@@ -138,11 +151,14 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
                 false,
             ),
         };
-        for &dim in &cli.dims {
+        for &dim in &dims {
             if op == Op::Kde && dim > 3 {
                 continue;
             }
             for &n in &sizes {
+                if gpu && cli.sizes.is_none() && dim > 3 && n > GPU_FEATURE_MAX_SIZE {
+                    continue;
+                }
                 let c = KernelSumCase {
                     cols: if op == Op::RbfMv { cli.cols } else { 1 },
                     grad,
@@ -255,12 +271,28 @@ impl runner::Suite for KernelSums {
     }
 }
 
+/// The GPU suite's L2 rotation factor when `--l2-rotation-factor` is not given: none. A kernel
+/// sum reads Y from L2 once per block of rows (N/256 times a call) by design, so whether the
+/// first read comes from HBM changes nothing, while rotating through 64 copies of small inputs
+/// turns one CUDA graph of a 0.1–0.3 s call into 64 of them.
+const GPU_L2_ROTATION_FACTOR: f64 = 0.0;
+
+/// The run's arguments with the suite's own defaults filled in.
+fn run_args(cli: &Cli) -> RunnerArgs {
+    let mut args = cli.run.clone();
+    if args.device == DeviceChoice::Gpu && args.l2_rotation_factor.is_none() {
+        args.l2_rotation_factor = Some(GPU_L2_ROTATION_FACTOR);
+    }
+    args
+}
+
 fn run(cli: &Cli) -> Result<ExitCode> {
-    let (own, alternatives): (&str, &[Alternative]) = match cli.run.device {
-        DeviceChoice::Gpu => (GPU_IMPLEMENTATION, &[]),
-        DeviceChoice::Cpu => (CPU_IMPLEMENTATION, &CPU_ALTERNATIVES),
+    let args = run_args(cli);
+    let own = match cli.run.device {
+        DeviceChoice::Gpu => GPU_IMPLEMENTATION,
+        DeviceChoice::Cpu => CPU_IMPLEMENTATION,
     };
-    let imps = runner::implementations(&[(own, "kernelpages")], alternatives, &cli.run.compare)?;
+    let imps = runner::implementations(&[(own, "kernelpages")], &ALTERNATIVES, &cli.run.compare)?;
     let cases = cli.run.select(cases(cli, false)?, cases(cli, true)?)?;
     let declared = Declared {
         runner: "kernel_sums",
@@ -272,7 +304,7 @@ fn run(cli: &Cli) -> Result<ExitCode> {
     let suite = KernelSums {
         check_rows: cli.check_rows,
     };
-    runner::run(&suite, &cli.run, declared, cases, imps, Vec::new())
+    runner::run(&suite, &args, declared, cases, imps, Vec::new())
 }
 
 /// `cpu_tiled` on one case, as the shared CPU case process drives it.
@@ -509,15 +541,24 @@ mod tests {
                 .map(|c| cases(&c, false).is_err())
                 .unwrap()
         );
-        // The GPU grid: the same ops over its own sizes.
+        // The GPU grid: the same ops over its own sizes and dims, the feature dims (16, 64)
+        // without 10⁶ points; kde at dims 1 and 3.
         let gpu = Cli::try_parse_from(["kernel_sums"]).unwrap();
         assert_eq!(
             cases(&gpu, false).unwrap().len(),
-            (3 * 2 + 1) * GPU_SIZES.len()
+            3 * (2 * GPU_SIZES.len() + 2 * (GPU_SIZES.len() - 1)) + 2 * GPU_SIZES.len()
         );
         assert_eq!(
             dispatch_rules(DeviceChoice::Gpu)[0].implementation,
             GPU_IMPLEMENTATION
+        );
+        // No L2 rotation on the GPU unless asked; the CPU keeps the shared default.
+        assert_eq!(run_args(&gpu).timing().l2_rotation_factor, 0.0);
+        let asked = Cli::try_parse_from(["kernel_sums", "--l2-rotation-factor", "2"]).unwrap();
+        assert_eq!(run_args(&asked).timing().l2_rotation_factor, 2.0);
+        assert_eq!(
+            run_args(&cli).timing().l2_rotation_factor,
+            kernelpages::harness::default_timing().l2_rotation_factor
         );
     }
 }

@@ -20,6 +20,7 @@ use kernelpages::attention::{files, AttentionCase, Dtype, Pass};
 use kernelpages::harness::default_timing;
 use kernelpages::runner::process::Server;
 use kernelpages::runner::protocol::{CaseFiles, Job};
+use kernelpages::runner::DeviceChoice;
 use kernelpages::schema::{Status, TimingConfig};
 
 fn runners_dir() -> std::path::PathBuf {
@@ -97,6 +98,7 @@ fn every_job_gets_a_reply_row() {
             let job = Job {
                 case: c.params(),
                 implementation: imp.into(),
+                device: DeviceChoice::Gpu,
                 timing: timing(),
                 l2_bytes: 62_914_560,
                 files: files.clone(),
@@ -146,6 +148,7 @@ fn every_job_gets_a_reply_row() {
     let job = Job {
         case: c.params(),
         implementation: "jax_xla".into(),
+        device: DeviceChoice::Gpu,
         timing: timing(),
         l2_bytes: 1,
         files,
@@ -175,6 +178,7 @@ fn the_whole_module_runs_on_jax_cpu() {
     let job = Job {
         case: c.params(),
         implementation: "jax_xla".into(),
+        device: DeviceChoice::Gpu,
         timing: timing(),
         l2_bytes: 1 << 20,
         files: files.clone(),

@@ -18,6 +18,7 @@ use kernelpages::attention::{AttentionCase, Dtype, Pass};
 use kernelpages::harness::default_timing;
 use kernelpages::runner::process::Server;
 use kernelpages::runner::protocol::{CaseFiles, Job, Reply};
+use kernelpages::runner::DeviceChoice;
 use kernelpages::schema::{Reference, Status, TimingConfig, TimingMethod};
 
 const IMPLEMENTATIONS: [&str; 4] = [
@@ -80,6 +81,7 @@ fn job(c: &AttentionCase, implementation: &str, files: &CaseFiles) -> Job {
     Job {
         case: c.params(),
         implementation: implementation.into(),
+        device: DeviceChoice::Gpu,
         timing: timing(),
         l2_bytes: 62_914_560,
         files: files.clone(),
@@ -277,5 +279,61 @@ fn a_nan_outside_the_checked_slices_fails_the_row() {
             msg.contains(&format!("non-finite output at element {outside} ")),
             "{msg}"
         );
+    }
+}
+
+/// The dense kernel-sum module (`runners/compare/torch_kernel_sums.py`) on the GPU: a job whose
+/// `device` is `gpu` is measured on CUDA (allocator peak, graph-replay timing) and checked
+/// against the runner's float64 reference, for every op and the gradient.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs torch with a GPU: run on the GPU machine with --include-ignored"
+)]
+fn kernel_sum_module_runs_on_the_gpu() {
+    use kernelpages::kernel_sums::{files as ks_files, KernelSumCase, Op};
+    if !have_python("kernel_sum_module_runs_on_the_gpu") {
+        return;
+    }
+    assert!(torch_with_gpu(), "no torch with a GPU");
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Server::start("python3", &runners_dir(), "torch_kernel_sums", &[]).unwrap();
+    let cases = [
+        KernelSumCase {
+            cols: 4,
+            ..KernelSumCase::new(Op::RbfMv, 3000, 2000, 3)
+        },
+        KernelSumCase::new(Op::Kde, 3000, 2000, 2),
+        KernelSumCase::new(Op::KernelLse, 3000, 2000, 64),
+        KernelSumCase {
+            grad: true,
+            ..KernelSumCase::new(Op::KernelLse, 3000, 2000, 3)
+        },
+    ];
+    for (k, c) in cases.iter().enumerate() {
+        let sub = dir.path().join(k.to_string());
+        std::fs::create_dir_all(&sub).unwrap();
+        let files = ks_files::write_case(c, 3, 32, &sub).unwrap();
+        let j = Job {
+            case: c.params(),
+            implementation: "torch_dense".into(),
+            device: DeviceChoice::Gpu,
+            timing: timing(),
+            l2_bytes: 62_914_560,
+            files,
+        };
+        let row = s.request(&j, Duration::from_secs(150)).unwrap().row;
+        eprintln!(
+            "{c:?}: {:?} {:?} {:?}",
+            row.status, row.median_ms, row.timing
+        );
+        assert_eq!(row.status, Status::Ok, "{c:?}: {row:?}");
+        assert_eq!(row.timing, Some(TimingMethod::GraphReplay), "{row:?}");
+        let acc = row.accuracy.unwrap();
+        assert!(acc.rel_err < acc.tolerance, "{c:?}: {acc:?}");
+        let mem = row.memory.unwrap();
+        // The dense N x M float32 matrix is on the device during the call.
+        let dense_mb = 4.0 * (c.n * c.m) as f64 / 1e6;
+        assert!(mem.peak_mb.unwrap() >= dense_mb, "{c:?}: {mem:?}");
     }
 }

@@ -13,6 +13,7 @@ use kernelpages::attention::{files, AttentionCase, Pass};
 use kernelpages::harness::default_timing;
 use kernelpages::runner::process::Server;
 use kernelpages::runner::protocol::Job;
+use kernelpages::runner::DeviceChoice;
 use kernelpages::schema::{Status, TimingConfig};
 
 fn runners_dir() -> std::path::PathBuf {
@@ -32,6 +33,7 @@ fn job(c: &AttentionCase, implementation: &str, dir: &std::path::Path) -> Job {
     Job {
         case: c.params(),
         implementation: implementation.into(),
+        device: DeviceChoice::Cpu,
         timing: TimingConfig {
             warmup_ms: 5.0,
             repeats: 5,

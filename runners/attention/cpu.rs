@@ -191,6 +191,7 @@ mod tests {
     use super::*;
     use kernelpages::attention::Dtype;
     use kernelpages::harness::default_timing;
+    use kernelpages::runner::DeviceChoice;
     use kernelpages::schema::Param;
     use kernelpages::schema::Status;
 
@@ -248,6 +249,7 @@ mod tests {
             let job = Job {
                 case: p,
                 implementation: IMPLEMENTATION.into(),
+                device: DeviceChoice::Cpu,
                 timing: kernelpages::schema::TimingConfig {
                     warmup_ms: 2.0,
                     repeats: 3,

@@ -1,5 +1,6 @@
-"""PyTorch's dense kernel sums on the CPU, measured by the kernelpages protocol
-(`kernel_sums --device cpu --compare torch`).
+"""PyTorch's dense kernel sums, measured by the kernelpages protocol (`kernel_sums --compare
+torch` on the GPU, `kernel_sums --device cpu --compare torch` on the CPU; the job's `device`
+says which).
 
 Implementation `torch_dense`: the formulation a PyTorch user writes, holding the N x M matrix:
 - `rbf_mv`: `torch.exp(torch.cdist(x, y).square() * (-1 / (2 sigma^2))) @ b`;
@@ -7,16 +8,21 @@ Implementation `torch_dense`: the formulation a PyTorch user writes, holding the
 - `kernel_lse`: `torch.logsumexp(g - torch.cdist(x, y).square() / epsilon, dim=1)`, and with
   the gradient (`pass = fwd+bwd`) `torch.autograd.grad(out.sum(), x)` after it in every call.
 sigma and epsilon are the runner's (`files.arguments`), so every implementation computes the
-same function. For each job, in a fresh process: the runner's fp32 inputs are read; the first
-call is timed by wall clock; peak memory is the resident set's high-water mark over the inputs
-and the first call (the method of the project's CPU rows, `torch_cpu.rss_bytes`); every
-output (and dX) is scanned for non-finite values and the runner's checked elements compared
-with the runner's float64 reference; then the shared timing protocol with wall time as the
-sample time. A case whose N x M matrix does not fit is an `oom` row with the size asked.
+same function. For each job, in a fresh process: the runner's fp32 inputs are read (and on the
+GPU uploaded); the first call is timed by wall clock; every output (and dX) is scanned for
+non-finite values and the runner's checked elements compared with the runner's float64
+reference; then the shared timing protocol.
+- CPU: peak memory is the resident set's high-water mark over the inputs and the first call
+  (the method of the project's CPU rows, `torch_cpu.rss_bytes`); wall time is the sample time.
+- GPU: peak memory from the caching allocator (`max_memory_allocated`, reset before the upload,
+  read after the first call; cuBLAS workspaces apart, as `torch_sdpa` does); eager calls timed
+  between CUDA events, then a CUDA graph of the same calls replayed (`graph_replay`, the
+  reported time; the eager median kept as `eager_median_ms`), since short dense calls are
+  bounded by the host's launches.
+A case whose N x M matrix does not fit is an `oom` row with the size asked.
 
     PYTHONPATH=runners python3 -m compare.torch_kernel_sums serve | self-test | job FILE
 """
-
 import math
 import os
 import sys
@@ -24,9 +30,9 @@ import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import protocol, timing, torch_cpu  # noqa: E402
+    from compare import protocol, timing, torch_cpu, torch_sdpa  # noqa: E402
 else:
-    from . import protocol, timing, torch_cpu
+    from . import protocol, timing, torch_cpu, torch_sdpa
 
 LIBRARY = "PyTorch"
 IMPLEMENTATIONS = ("torch_dense",)
@@ -88,24 +94,35 @@ def classify(exc):
     return status, msg
 
 
+def on_gpu(job):
+    """True when the job comes from a GPU run (the job's `device`, `gpu` when absent, as the
+    runner's `Job` reads it)."""
+    return job.get("device", "gpu") == "gpu"
+
+
 def measure(job):
     """Measure one job in this (fresh) process; returns the reply dict."""
     reply = {}
     try:
         _measure_into(job, reply)
     finally:
-        reply["libraries"] = torch_cpu.libraries()
+        # After the measurement: the version queries must not load anything before the first
+        # call is timed.
+        reply["libraries"] = (torch_sdpa.libraries() if on_gpu(job)
+                              else torch_cpu.libraries())
     return reply
 
 
 def _measure_into(job, reply):
     case, implementation = job["case"], job["implementation"]
     why = IMPORT_ERROR or unsupported_reason(case, implementation)
+    if why is None and on_gpu(job) and not torch.cuda.is_available():
+        why = "no CUDA device visible to torch"
     if why is not None:
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
         return
     try:
-        fields, window = _measure(job)
+        fields, window = (_measure_gpu if on_gpu(job) else _measure_cpu)(job)
     except Exception as e:
         status, msg = classify(e)
         if status == "oom":
@@ -122,7 +139,39 @@ def _measure_into(job, reply):
         reply["window"] = window
 
 
-def _measure(job):
+def _check(files, results):
+    """Each whole output scanned for non-finite values, then the runner's checked elements
+    against its float64 reference: ({"message": ...}, None) on a failure, else (None, the
+    accuracy dict)."""
+    errors = []
+    for (name, _spec, check), tensor in zip(protocol.outputs(files), results):
+        flat = tensor.detach().contiguous().view(-1)
+        bad = (~torch.isfinite(flat)).nonzero()
+        bad_index = int(bad[0, 0]) if bad.numel() else None
+        idx = torch.tensor(protocol.flat_indices(check["ranges"]), dtype=torch.long,
+                           device=flat.device)
+        got = flat.index_select(0, idx).double().cpu().tolist()
+        reference = protocol.read_f64(check["reference"])
+        msg, rel_err = protocol.check_output(bad_index, flat.numel(), got, reference)
+        if msg is not None:
+            if name != "O":
+                msg = msg.replace(" (unwritten", " of %s (unwritten" % name)
+            return {"message": msg}, None
+        errors.append((name, rel_err))
+    check = files["check"]
+    return None, {"rel_err": protocol.worst(e for _, e in errors), "metric": "rel_l2",
+                  "reference": check.get("reference_kind", "float64_cpu"),
+                  "tolerance": check["tolerance"],
+                  "checked": protocol.checked_text(check["checked"], errors)}
+
+
+def _cut_short_notes(measurements, tcfg):
+    return ["%s timing: %d of %d samples, the %g s case limit stopped sampling"
+            % (what, m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"]))
+            for m, what in measurements if m is not None and m["cut_short"]]
+
+
+def _measure_cpu(job):
     files, tcfg = job["files"], job["timing"]
     call = caller(files["arguments"])
     load_before = torch_cpu.load_average()
@@ -136,23 +185,10 @@ def _measure(job):
         peak = r[1] - base if (base is not None and r is not None) else None
         set_bytes = sum(x.numel() * x.element_size() for x in set0)
         out_bytes = sum(x.numel() * x.element_size() for x in results)
-
-        errors = []
-        for (name, _spec, check), tensor in zip(protocol.outputs(files), results):
-            flat = tensor.detach().contiguous().view(-1)
-            bad = (~torch.isfinite(flat)).nonzero()
-            bad_index = int(bad[0, 0]) if bad.numel() else None
-            idx = torch.tensor(protocol.flat_indices(check["ranges"]), dtype=torch.long)
-            got = flat.index_select(0, idx).double().tolist()
-            reference = protocol.read_f64(check["reference"])
-            msg, rel_err = protocol.check_output(bad_index, flat.numel(), got, reference)
-            if msg is not None:
-                if name != "O":
-                    msg = msg.replace(" (unwritten", " of %s (unwritten" % name)
-                return {"message": msg}, None
-            errors.append((name, rel_err))
+        failed, accuracy = _check(files, results)
+        if failed:
+            return failed, None
         del results
-        rel_err = protocol.worst(e for _, e in errors)
 
         n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
                                             float(tcfg["l2_rotation_factor"]))
@@ -166,25 +202,92 @@ def _measure(job):
     note = torch_cpu.load_note(load_before, torch_cpu.load_average())
     if note:
         notes.append(note)
-    if m["cut_short"]:
-        notes.append("%d of %d samples: the %g s case limit stopped sampling"
-                     % (m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"])))
+    notes += _cut_short_notes([(m, "wall-clock")], tcfg)
     memory = {"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6}
     if peak is not None:
         memory.update(peak_mb=max(0, peak) / 1e6, peak_method=torch_cpu.PEAK_METHOD,
                       temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
-    check = files["check"]
     fields = dict(
         timing="wall_clock",
         median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
         samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
         first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
-        items=files.get("items"), memory=memory,
-        accuracy={"rel_err": rel_err, "metric": "rel_l2",
-                  "reference": check.get("reference_kind", "float64_cpu"),
-                  "tolerance": check["tolerance"],
-                  "checked": protocol.checked_text(check["checked"], errors)},
-        notes=notes)
+        items=files.get("items"), memory=memory, accuracy=accuracy, notes=notes)
+    return fields, window
+
+
+def _measure_gpu(job):
+    files, tcfg = job["files"], job["timing"]
+    call = caller(files["arguments"])
+    device = torch.device("cuda")
+    torch.zeros(1, device=device)  # CUDA context, outside every figure
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        base_reserved = torch.cuda.memory_reserved()
+        set0 = tuple(torch_sdpa.load_input(t, device) for t in files["inputs"])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        results = call(*set0)
+        torch.cuda.synchronize()
+        first_call_s = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() - base
+        reserved = torch.cuda.max_memory_reserved() - base_reserved
+        workspace = torch_sdpa.cublas_workspace_bytes()
+        ws = workspace or 0
+        set_bytes = sum(x.numel() * x.element_size() for x in set0)
+        out_bytes = sum(x.numel() * x.element_size() for x in results)
+        failed, accuracy = _check(files, results)
+        if failed:
+            return failed, None
+        del results
+
+        free = torch.cuda.mem_get_info()[0]
+        n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
+                                            float(tcfg["l2_rotation_factor"]), free)
+        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
+        torch.cuda.synchronize()
+        window0 = protocol.unix_now()
+        start = time.perf_counter()
+        eager = timing.measure(timing.EventTimer(torch, call, sets), tcfg, start=start)
+        graph, graph_error = None, None
+        try:
+            gt = timing.GraphTimer(torch, call, sets, eager["inner"])
+            try:
+                graph = timing.measure(gt, tcfg, start=start, fixed_inner=gt.inner)
+            finally:
+                gt.close()
+        except timing.CaseTimeout:
+            raise
+        except Exception as e:
+            graph_error = protocol.exc_text(e)
+            torch.cuda.synchronize()
+        window = [window0, protocol.unix_now()]
+        del sets
+    notes = [DENSE_NOTE, "fp32: TF32 %s (torch.backends.cuda.matmul.allow_tf32 = %s)" % (
+        "allowed" if torch.backends.cuda.matmul.allow_tf32 else "not allowed",
+        torch.backends.cuda.matmul.allow_tf32)]
+    if graph is not None:
+        reported, method = graph, "graph_replay"
+    else:
+        reported, method = eager, "events"
+        notes.append("CUDA graph capture failed, timed eagerly: %s" % graph_error)
+    notes += _cut_short_notes([(eager, "eager"), (graph, "graph")], tcfg)
+    fields = dict(
+        median_ms=reported["median"], q1_ms=reported["q1"], q3_ms=reported["q3"],
+        inner_calls=reported["inner"], samples=reported["samples"], input_sets=n_sets,
+        l2_rotation_reached=reached, timing=method, host_ms=eager["host_ms"],
+        eager_median_ms=eager["median"] if graph is not None else None,
+        first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
+        items=files.get("items"),
+        memory={"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6,
+                "temporaries_mb": max(0, peak - ws - set_bytes - out_bytes) / 1e6,
+                "peak_mb": max(0, peak - ws) / 1e6,
+                "reserved_peak_mb": max(0, reserved - ws) / 1e6,
+                "workspace_mb": workspace / 1e6 if workspace else None,
+                "peak_method": torch_sdpa.PEAK_METHOD},
+        accuracy=accuracy, notes=notes)
     return fields, window
 
 
@@ -204,6 +307,8 @@ def self_test():
           "unknown ops are refused")
     check("unknown" in unsupported_reason({}, "torch_flash"), "other names are unknown")
     check(dense_bytes({"n": 1000, "m": 2000}) == 8e6, "dense size")
+    check(on_gpu({"device": "gpu"}) and not on_gpu({"device": "cpu"}) and on_gpu({}),
+          "the job's device picks the path; no device is the GPU")
     if torch is not None:
         args = {"op": "kernel_lse", "grad": True, "sigma": 1.0, "epsilon": 2.0, "dim": 2,
                 "m": 1, "n": 1}

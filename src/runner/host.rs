@@ -393,6 +393,7 @@ mod tests {
         Job {
             case: Default::default(),
             implementation: "double".into(),
+            device: crate::runner::DeviceChoice::Cpu,
             timing: crate::schema::TimingConfig {
                 warmup_ms: 1.0,
                 repeats: 5,

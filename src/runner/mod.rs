@@ -73,6 +73,10 @@ pub struct RunnerArgs {
     /// Per-case time limit, s.
     #[arg(long, default_value_t = default_timing().case_timeout_s)]
     pub case_timeout: f64,
+    /// The timed calls cycle through copies of the inputs that together exceed this multiple
+    /// of the L2 size (at most 64 copies); 0 times one copy [default: 3, or the suite's own].
+    #[arg(long)]
+    pub l2_rotation_factor: Option<f64>,
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 20261129)]
     pub seed: u64,
@@ -93,6 +97,9 @@ impl RunnerArgs {
             min_sample_ms: self.min_sample_ms,
             case_timeout_s: self.case_timeout,
             runs: self.runs,
+            l2_rotation_factor: self
+                .l2_rotation_factor
+                .unwrap_or(default_timing().l2_rotation_factor),
             ..default_timing()
         }
     }
@@ -122,8 +129,19 @@ impl RunnerArgs {
     }
 }
 
-/// The device a run measures (`--device`).
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// The device a run measures (`--device`); in a [`Job`] as `"gpu"` or `"cpu"`.
+#[derive(
+    clap::ValueEnum,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum DeviceChoice {
     /// CUDA device 0; the runner exits with code 2 without one.
     #[default]
@@ -293,6 +311,8 @@ pub struct Grid<'a> {
     pub timing: &'a TimingConfig,
     /// Seed of the inputs.
     pub seed: u64,
+    /// The device measured (each job carries it).
+    pub device: DeviceChoice,
     /// L2 size, bytes (a CPU's last-level cache on `--device cpu`).
     pub l2_bytes: u64,
     /// The cache `l2_bytes` measures, as the rows' notes name it: `L2`, `last-level cache`.
@@ -372,6 +392,7 @@ pub fn measure_grid(
                     let job = Job {
                         case: case.clone(),
                         implementation: imp.name.clone(),
+                        device: g.device,
                         timing: g.timing.clone(),
                         l2_bytes: g.l2_bytes,
                         files: files.clone(),
@@ -875,6 +896,7 @@ pub fn run(
         implementations: &implementations,
         timing: &timing,
         seed: args.seed,
+        device: args.device,
         l2_bytes,
         cache: match args.device {
             DeviceChoice::Gpu => "L2",

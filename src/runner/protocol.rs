@@ -150,6 +150,10 @@ pub struct Job {
     pub case: Params,
     /// Implementation name.
     pub implementation: String,
+    /// The device the run measures: a comparison module that can measure either (e.g.
+    /// `torch_kernel_sums`) runs on this one. A job without it is a GPU run's.
+    #[serde(default)]
+    pub device: super::DeviceChoice,
     /// Timing parameters.
     pub timing: TimingConfig,
     /// L2 size of the device, bytes (for the rotation).

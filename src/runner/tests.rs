@@ -164,6 +164,7 @@ fn run_fake(runs: u32) -> (Vec<Row>, FakeExec, FakeSink, Vec<i64>) {
         implementations: &imps,
         timing: &timing,
         seed: 1,
+        device: DeviceChoice::Gpu,
         l2_bytes: 60_000_000,
         cache: "L2",
         scratch: dir.path(),
