@@ -185,7 +185,7 @@ def lse_small(K, D, R, GRAD, X, Y, G, out, N, M, k, two_over_eps, grid):
                             sm[t, r] += p
                             if GRAD:
                                 for a in range(D):
-                                    acc[t, r][a] += p * ys[jc + c][a]
+                                    acc[t, r][a] += p * (ys[jc + c][a] - x[t, r][a])
             j0 += T
         for t in range(T):
             for r in range(R):
@@ -196,7 +196,7 @@ def lse_small(K, D, R, GRAD, X, Y, G, out, N, M, k, two_over_eps, grid):
                     if GRAD:
                         inv = 1.0 / (sm[t, r] * s)
                         for a in range(D):
-                            out[N + i * D + a] = -two_over_eps * (X[i * D + a] - acc[t, r][a] * inv)
+                            out[N + i * D + a] = two_over_eps * (acc[t, r][a] * inv)
 
 
 # ---- any D: ks_stage, ks_tile_sq, rbf_dn<CT, KDE>, lse_dn<GRAD> ----

@@ -62,6 +62,17 @@ __device__ __forceinline__ float ks_ex2(float x) {
     return y;
 }
 
+// s += v, compensated (Kahan 1965): c carries the low-order bits the running sum has lost, so
+// the total's error stays a few ulp whatever the number of additions (a plain float32 sum over
+// M = 10^6 terms drifts by ~sqrt(M) ulp, ~1e-4 relative). Only additions: nothing to contract
+// into a fused multiply-add.
+__device__ __forceinline__ void ks_kahan_add(float& s, float& c, float v) {
+    const float y = v - c;
+    const float t = s + y;
+    c = (t - s) - y;
+    s = t;
+}
+
 // Point j of Y (D <= 3) multiplied by s, as (y0, y1, y2) with zeros past D, and w in .w.
 template <int D>
 __device__ __forceinline__ float4 ks_point(const float* __restrict__ Y, long long j, float s,
@@ -117,8 +128,12 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
     const long long row0 = (long long)blockIdx.x * (KS_THREADS * R) + t;
     const int c0 = blockIdx.y * CT;
 
+    // Each tile's terms are summed apart (tacc), then added to the row's total (acc),
+    // compensated (comp) up to 4 columns; 16 and 64 columns add plainly (the registers of a
+    // third accumulator per column would spill), so their error grows with M / KS_TILE.
+    constexpr bool KAHAN = CT <= 4;
     float x[R][D];
-    float acc[R][CT];
+    float acc[R][CT], tacc[R][CT], comp[R][KAHAN ? CT : 1];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const long long i = row0 + (long long)r * KS_THREADS;
@@ -126,6 +141,8 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
         for (int a = 0; a < D; ++a) x[r][a] = i < N ? X[i * D + a] * s : 0.f;
 #pragma unroll
         for (int c = 0; c < CT; ++c) acc[r][c] = 0.f;
+#pragma unroll
+        for (int c = 0; c < (KAHAN ? CT : 1); ++c) comp[r][c] = 0.f;
     }
 
     // The thread's point of the next tile, loaded while the current one is consumed.
@@ -148,6 +165,10 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
         next = make_float4(0.f, 0.f, 0.f, 0.f);
         if (j < M) next = ks_point<D>(Y, j, s, KDE ? 1.f : (CT == 1 ? B[j * C + c0] : 0.f));
 
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int c = 0; c < CT; ++c) tacc[r][c] = 0.f;
 #pragma unroll(CT == 1 ? 8 : 4)
         for (int jj = 0; jj < KS_TILE; ++jj) {
             const float4 p = ys[jj];
@@ -156,7 +177,7 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
             for (int r = 0; r < R; ++r) kv[r] = ks_ex2(ks_neg_sq<D>(x[r], p, 0.f));
             if (CT == 1) {
 #pragma unroll
-                for (int r = 0; r < R; ++r) acc[r][0] = fmaf(kv[r], p.w, acc[r][0]);
+                for (int r = 0; r < R; ++r) tacc[r][0] = fmaf(kv[r], p.w, tacc[r][0]);
             } else {
                 const float4* b4 = reinterpret_cast<const float4*>(bs + jj * CT);
 #pragma unroll
@@ -164,14 +185,23 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
                     const float4 b = b4[c4];
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
-                        acc[r][4 * c4 + 0] = fmaf(kv[r], b.x, acc[r][4 * c4 + 0]);
-                        acc[r][4 * c4 + 1] = fmaf(kv[r], b.y, acc[r][4 * c4 + 1]);
-                        acc[r][4 * c4 + 2] = fmaf(kv[r], b.z, acc[r][4 * c4 + 2]);
-                        acc[r][4 * c4 + 3] = fmaf(kv[r], b.w, acc[r][4 * c4 + 3]);
+                        tacc[r][4 * c4 + 0] = fmaf(kv[r], b.x, tacc[r][4 * c4 + 0]);
+                        tacc[r][4 * c4 + 1] = fmaf(kv[r], b.y, tacc[r][4 * c4 + 1]);
+                        tacc[r][4 * c4 + 2] = fmaf(kv[r], b.z, tacc[r][4 * c4 + 2]);
+                        tacc[r][4 * c4 + 3] = fmaf(kv[r], b.w, tacc[r][4 * c4 + 3]);
                     }
                 }
             }
         }
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int c = 0; c < CT; ++c) {
+                if (KAHAN)
+                    ks_kahan_add(acc[r][c], comp[r][KAHAN ? c : 0], tacc[r][c]);
+                else
+                    acc[r][c] += tacc[r][c];
+            }
     }
 
 #pragma unroll
@@ -188,7 +218,7 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
 // kernel_lse (and its gradient): R rows per thread. The point's .w holds g_j log2(e) (-inf
 // past M). Per chunk of KS_CHUNK points a row computes its exponents, takes their maximum,
 // rescales its sum (and its sum of p * y) once if the maximum grew, then accumulates
-// 2^(e - max): D FADD + D FFMA, one FMNMX, one FADD, one MUFU.EX2 and one FADD per pair (+ D
+// 2^(e - max): D FADD + D FFMA, one FMNMX, one FADD, one MUFU.EX2 and one FADD per pair (+ 2D
 // FFMA for the gradient).
 template <int D, int R, bool GRAD>
 __device__ __forceinline__ void lse_small(const float* __restrict__ X, const float* __restrict__ Y,
@@ -199,7 +229,12 @@ __device__ __forceinline__ void lse_small(const float* __restrict__ X, const flo
     const float s = sqrtf(k);
     const long long row0 = (long long)blockIdx.x * (KS_THREADS * R) + t;
 
-    float x[R][D], mx[R], sum[R], acc[R][D];
+    // Each chunk's terms are summed apart, then added to the row's totals compensated
+    // (sum_c, acc_c; ks_kahan_add). The gradient accumulates p (y - x), centred on the row's
+    // own point, so dX = (2 / eps) sum_j p (y_j - x) / sum_j p takes no difference of two
+    // nearly equal sums (x - sum_j p y_j / sum_j p cancels where x sits near the weighted
+    // mean).
+    float x[R][D], mx[R], sum[R], sum_c[R], acc[R][D], acc_c[R][D];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const long long i = row0 + (long long)r * KS_THREADS;
@@ -207,9 +242,11 @@ __device__ __forceinline__ void lse_small(const float* __restrict__ X, const flo
         for (int a = 0; a < D; ++a) {
             x[r][a] = i < N ? X[i * D + a] * s : 0.f;
             acc[r][a] = 0.f;
+            acc_c[r][a] = 0.f;
         }
         mx[r] = KS_NEG_INF;
         sum[r] = 0.f;
+        sum_c[r] = 0.f;
     }
 
     long long j = t;
@@ -242,22 +279,36 @@ __device__ __forceinline__ void lse_small(const float* __restrict__ X, const flo
                     // 2^(-inf) = 0 when the row had no finite term yet.
                     const float f = ks_ex2(mx[r] - cm);
                     sum[r] *= f;
+                    sum_c[r] *= f;
+                    if (GRAD) {
 #pragma unroll
-                    for (int a = 0; a < D; ++a) acc[r][a] *= f;
+                        for (int a = 0; a < D; ++a) {
+                            acc[r][a] *= f;
+                            acc_c[r][a] *= f;
+                        }
+                    }
                     mx[r] = cm;
                 }
                 // A row whose terms are all -inf so far adds 2^(-inf - 0) = 0, not NaN.
                 const float ref = mx[r] == KS_NEG_INF ? 0.f : mx[r];
+                float cs = 0.f, ca[D];
+#pragma unroll
+                for (int a = 0; a < D; ++a) ca[a] = 0.f;
 #pragma unroll
                 for (int c = 0; c < KS_CHUNK; ++c) {
                     const float p = ks_ex2(e[r][c] - ref);
-                    sum[r] += p;
+                    cs += p;
                     if (GRAD) {
                         const float4 y = ys[jc + c];
-                        acc[r][0] = fmaf(p, y.x, acc[r][0]);
-                        if (D > 1) acc[r][D > 1 ? 1 : 0] = fmaf(p, y.y, acc[r][D > 1 ? 1 : 0]);
-                        if (D > 2) acc[r][D > 2 ? 2 : 0] = fmaf(p, y.z, acc[r][D > 2 ? 2 : 0]);
+                        ca[0] = fmaf(p, y.x - x[r][0], ca[0]);
+                        if (D > 1) ca[D > 1 ? 1 : 0] = fmaf(p, y.y - x[r][D > 1 ? 1 : 0], ca[D > 1 ? 1 : 0]);
+                        if (D > 2) ca[D > 2 ? 2 : 0] = fmaf(p, y.z - x[r][D > 2 ? 2 : 0], ca[D > 2 ? 2 : 0]);
                     }
+                }
+                ks_kahan_add(sum[r], sum_c[r], cs);
+                if (GRAD) {
+#pragma unroll
+                    for (int a = 0; a < D; ++a) ks_kahan_add(acc[r][a], acc_c[r][a], ca[a]);
                 }
             }
         }
@@ -269,11 +320,10 @@ __device__ __forceinline__ void lse_small(const float* __restrict__ X, const flo
         if (i < N) {
             out[i] = (mx[r] + log2f(sum[r])) * KS_LN2;
             if (GRAD) {
-                // acc holds sum_j p y_j * s: undo the scaling with the normalisation.
+                // acc holds sum_j p (y_j - x) * s: undo the scaling with the normalisation.
                 const float inv = 1.f / (sum[r] * s);
 #pragma unroll
-                for (int a = 0; a < D; ++a)
-                    out[N + i * D + a] = -two_over_eps * (X[i * D + a] - acc[r][a] * inv);
+                for (int a = 0; a < D; ++a) out[N + i * D + a] = two_over_eps * (acc[r][a] * inv);
             }
         }
     }
@@ -357,9 +407,13 @@ __device__ __forceinline__ void rbf_dn(const float* __restrict__ X, const float*
     const long long i = rb + t;
     const int c0 = blockIdx.y * CT;
 
-    float acc[CT];
+    // Tile partials added to the totals compensated up to 4 columns, as in rbf_small.
+    constexpr bool KAHAN = CT <= 4;
+    float acc[CT], tacc[CT], comp[KAHAN ? CT : 1];
 #pragma unroll
     for (int c = 0; c < CT; ++c) acc[c] = 0.f;
+#pragma unroll
+    for (int c = 0; c < (KAHAN ? CT : 1); ++c) comp[c] = 0.f;
 
     for (long long j0 = 0; j0 < M; j0 += KS_DN_TILE) {
         __syncthreads();  // the previous tile's weights are consumed
@@ -373,20 +427,29 @@ __device__ __forceinline__ void rbf_dn(const float* __restrict__ X, const float*
         float sq[KS_DN_TILE];
         ks_tile_sq(xs, ys, X, Y, rb, N, j0, M, D, sq);
 #pragma unroll
+        for (int c = 0; c < CT; ++c) tacc[c] = 0.f;
+#pragma unroll
         for (int jj = 0; jj < KS_DN_TILE; ++jj) {
             const float kv = ks_ex2(-k * sq[jj]);
             if (CT == 1) {
-                acc[0] = fmaf(kv, bs[jj][0], acc[0]);
+                tacc[0] = fmaf(kv, bs[jj][0], tacc[0]);
             } else {
 #pragma unroll
                 for (int c4 = 0; c4 < CT / 4; ++c4) {
                     const float4 b = *reinterpret_cast<const float4*>(&bs[jj][4 * c4]);
-                    acc[4 * c4 + 0] = fmaf(kv, b.x, acc[4 * c4 + 0]);
-                    acc[4 * c4 + 1] = fmaf(kv, b.y, acc[4 * c4 + 1]);
-                    acc[4 * c4 + 2] = fmaf(kv, b.z, acc[4 * c4 + 2]);
-                    acc[4 * c4 + 3] = fmaf(kv, b.w, acc[4 * c4 + 3]);
+                    tacc[4 * c4 + 0] = fmaf(kv, b.x, tacc[4 * c4 + 0]);
+                    tacc[4 * c4 + 1] = fmaf(kv, b.y, tacc[4 * c4 + 1]);
+                    tacc[4 * c4 + 2] = fmaf(kv, b.z, tacc[4 * c4 + 2]);
+                    tacc[4 * c4 + 3] = fmaf(kv, b.w, tacc[4 * c4 + 3]);
                 }
             }
+        }
+#pragma unroll
+        for (int c = 0; c < CT; ++c) {
+            if (KAHAN)
+                ks_kahan_add(acc[c], comp[KAHAN ? c : 0], tacc[c]);
+            else
+                acc[c] += tacc[c];
         }
     }
     if (i < N) {
@@ -416,7 +479,7 @@ __device__ __forceinline__ void lse_dn(const float* __restrict__ X, const float*
 
     if (GRAD && i < N)
         for (int a = 0; a < D; ++a) grad[a] = 0.f;
-    float mx = KS_NEG_INF, sum = 0.f;
+    float mx = KS_NEG_INF, sum = 0.f, sum_c = 0.f;  // sum_c: ks_kahan_add's compensation
 
     for (long long j0 = 0; j0 < M; j0 += KS_DN_TILE) {
         __syncthreads();  // the previous tile's g values are consumed
@@ -432,16 +495,19 @@ __device__ __forceinline__ void lse_dn(const float* __restrict__ X, const float*
         if (cm > mx) {
             const float f = ks_ex2(mx - cm);
             sum *= f;
+            sum_c *= f;
             if (GRAD && i < N)
                 for (int a = 0; a < D; ++a) grad[a] *= f;
             mx = cm;
         }
         const float ref = mx == KS_NEG_INF ? 0.f : mx;
+        float ts = 0.f;
 #pragma unroll
         for (int jj = 0; jj < KS_DN_TILE; ++jj) {
             e[jj] = ks_ex2(e[jj] - ref);  // now p_j, unnormalised
-            sum += e[jj];
+            ts += e[jj];
         }
+        ks_kahan_add(sum, sum_c, ts);
         if (GRAD) {
             for (int d0 = 0; d0 < D; d0 += KS_DN_KD) {
                 __syncthreads();
