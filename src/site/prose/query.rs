@@ -418,11 +418,13 @@ pub enum Field {
     EagerMedianMs,
     /// `first_call_s`: the first call in a fresh process.
     FirstCallS,
+    /// `input_sets`: copies of the inputs the timed calls cycled through (L2 rotation).
+    InputSets,
 }
 
 impl Field {
     /// Every field stored in a row, with its name; any other name is a throughput key.
-    pub const STORED: [(&'static str, Field); 10] = [
+    pub const STORED: [(&'static str, Field); 11] = [
         ("median_ms", Field::MedianMs),
         ("q1_ms", Field::Q1Ms),
         ("q3_ms", Field::Q3Ms),
@@ -433,6 +435,7 @@ impl Field {
         ("host_ms", Field::HostMs),
         ("eager_median_ms", Field::EagerMedianMs),
         ("first_call_s", Field::FirstCallS),
+        ("input_sets", Field::InputSets),
     ];
 
     /// Looks a field up by name: a stored field, or else the key of a declared throughput
@@ -511,6 +514,7 @@ impl Field {
             Field::HostMs => row.host_ms,
             Field::EagerMedianMs => row.eager_median_ms,
             Field::FirstCallS => row.first_call_s,
+            Field::InputSets => row.input_sets.map(f64::from),
         })
     }
 
@@ -521,6 +525,7 @@ impl Field {
                 format::ms(x)
             }
             Field::FirstCallS => format::sig(x, 2),
+            Field::InputSets => format!("{x:.0}"),
             Field::Throughput(_) => format::sig(x, 3),
             Field::CompileS => format::sig(x, 3),
             Field::RelErr => format::rel_err(x),
