@@ -156,13 +156,14 @@ fn at_a_glance_chart_renders_in_chromium() {
 
     for dark in [false, true] {
         let png_path = tmp.path().join(if dark { "dark.png" } else { "light.png" });
-        // Tall enough for the whole chart: a 46 px slot per bar, below the page's header.
+        // Tall enough for the whole chart: a slot of 46 px per bar, more where a long case
+        // label wraps (78 px seen with kernel-sum labels), below the page's header.
         screenshot(
             &browser,
             &out.join("index.html"),
             &png_path,
             dark,
-            1600 + 60 * bars,
+            1600 + 100 * bars,
         );
         let (pixels, width) = decode(&png_path);
         let mut bands = bar_bands(&pixels, width);
