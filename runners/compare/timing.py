@@ -169,6 +169,27 @@ class EventTimer(object):
         return float(self.start.elapsed_time(self.end)), host
 
 
+def measure_eager_then_graph(torch, call, sets, timing, start):
+    """The GPU modules' timing: the protocol on eager calls (`EventTimer`), then on a CUDA graph
+    of the same calls (`GraphTimer`, sized by the eager inner count) when capture works, both
+    counted against the case limit from `start`. Returns (reported, method, eager, graph_error):
+    the graph's measurement and "graph_replay", or the eager one and "events" with the
+    exception that stopped the capture. A CaseTimeout from either passes through."""
+    eager = measure(EventTimer(torch, call, sets), timing, start=start)
+    try:
+        gt = GraphTimer(torch, call, sets, eager["inner"])
+        try:
+            graph = measure(gt, timing, start=start, fixed_inner=gt.inner)
+        finally:
+            gt.close()
+    except CaseTimeout:
+        raise
+    except Exception as e:
+        torch.cuda.synchronize()
+        return eager, "events", eager, e
+    return graph, "graph_replay", eager, None
+
+
 def graph_calls(inner, n_sets):
     """Calls a CUDA graph holds: `inner`, raised to a whole number of passes over the input
     sets when there are more sets than calls, so that replaying it rotates through every set

@@ -249,30 +249,16 @@ def _measure_gpu(job):
         sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
         torch.cuda.synchronize()
         window0 = protocol.unix_now()
-        start = time.perf_counter()
-        eager = timing.measure(timing.EventTimer(torch, call, sets), tcfg, start=start)
-        graph, graph_error = None, None
-        try:
-            gt = timing.GraphTimer(torch, call, sets, eager["inner"])
-            try:
-                graph = timing.measure(gt, tcfg, start=start, fixed_inner=gt.inner)
-            finally:
-                gt.close()
-        except timing.CaseTimeout:
-            raise
-        except Exception as e:
-            graph_error = protocol.exc_text(e)
-            torch.cuda.synchronize()
+        reported, method, eager, graph_error = timing.measure_eager_then_graph(
+            torch, call, sets, tcfg, time.perf_counter())
         window = [window0, protocol.unix_now()]
         del sets
     notes = [DENSE_NOTE, "fp32: TF32 %s (torch.backends.cuda.matmul.allow_tf32 = %s)" % (
         "allowed" if torch.backends.cuda.matmul.allow_tf32 else "not allowed",
         torch.backends.cuda.matmul.allow_tf32)]
-    if graph is not None:
-        reported, method = graph, "graph_replay"
-    else:
-        reported, method = eager, "events"
-        notes.append("CUDA graph capture failed, timed eagerly: %s" % graph_error)
+    graph = reported if graph_error is None else None
+    if graph_error is not None:
+        notes.append("CUDA graph capture failed, timed eagerly: %s" % protocol.exc_text(graph_error))
     notes += _cut_short_notes([(eager, "eager"), (graph, "graph")], tcfg)
     fields = dict(
         median_ms=reported["median"], q1_ms=reported["q1"], q3_ms=reported["q3"],
