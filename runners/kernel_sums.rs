@@ -1,14 +1,15 @@
 //! `kernel_sums`: measures Gaussian kernel sums over point clouds (`rbf_mv`, `kde`,
 //! `kernel_lse` and its gradient; [`kernelpages::kernel_sums`]) for the project's
-//! implementation and, with `--compare torch`, PyTorch's dense formulation
-//! (`runners/compare/torch_kernel_sums.py`: `cdist`, `exp`, matmul / `logsumexp`, which holds
+//! implementation and, with `--compare torch,jax`, PyTorch's and JAX's dense formulations
+//! (`runners/compare/torch_kernel_sums.py`: `cdist`, `exp`, matmul / `logsumexp`;
+//! `runners/compare/jax_kernel_sums.py`: the same through a matrix product, jitted; both hold
 //! the N × M matrix), and writes one suite document. The machinery (processes, order, timing
 //! records, progress, document) is `kernelpages::runner`; this file is the grid, the
 //! implementations, the dispatch table and the counts.
 //!
 //! The project's implementations: `online` on a CUDA device (`kernels/kernel_sums/
 //! kernel_sums.cu`, [`kernelpages::kernel_sums::cuda`]) and `cpu_tiled` on the CPU
-//! (`--device cpu`, [`kernelpages::kernel_sums::cpu`]). The PyTorch module measures on the
+//! (`--device cpu`, [`kernelpages::kernel_sums::cpu`]). The comparison modules measure on the
 //! run's device (the job's `device`).
 //!
 //! ```text
@@ -83,13 +84,21 @@ const CPU_DIMS: [usize; 2] = [3, 64];
 /// Point counts of the GPU `--quick` grid.
 const GPU_QUICK_SIZES: [usize; 2] = [1000, 10_000];
 
-/// The alternatives `--compare` can add (the module measures on the run's device).
-const ALTERNATIVES: [Alternative; 1] = [Alternative {
-    name: "torch",
-    module: "torch_kernel_sums",
-    library: "PyTorch",
-    implementations: &["torch_dense"],
-}];
+/// The alternatives `--compare` can add (each module measures on the run's device).
+const ALTERNATIVES: [Alternative; 2] = [
+    Alternative {
+        name: "torch",
+        module: "torch_kernel_sums",
+        library: "PyTorch",
+        implementations: &["torch_dense"],
+    },
+    Alternative {
+        name: "jax",
+        module: "jax_kernel_sums",
+        library: "JAX",
+        implementations: &["jax_dense"],
+    },
+];
 
 /// Point counts of the CPU grid.
 const CPU_SIZES: [usize; 3] = [1000, 4000, 16000];

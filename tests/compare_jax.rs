@@ -216,3 +216,53 @@ fn the_whole_module_runs_on_jax_cpu() {
         .unwrap()
         .contains(&format!("non-finite output at element {outside} ")));
 }
+
+/// The dense kernel-sum module (`runners/compare/jax_kernel_sums.py`) on JAX's CPU platform,
+/// picked by the job's `device`: every op and the gradient checked against the runner's
+/// float64 reference, peak memory from the resident set, no host time (it does not apply on
+/// the CPU).
+#[test]
+#[cfg_attr(
+    not(kp_jax),
+    ignore = "needs jax importable by python3 (the CPU build of jaxlib is enough)"
+)]
+fn kernel_sum_module_runs_on_jax_cpu() {
+    use kernelpages::kernel_sums::{files as ks_files, KernelSumCase, Op};
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Server::start("python3", &runners_dir(), "jax_kernel_sums", &[]).unwrap();
+    let cases = [
+        KernelSumCase {
+            cols: 3,
+            ..KernelSumCase::new(Op::RbfMv, 300, 200, 3)
+        },
+        KernelSumCase::new(Op::Kde, 300, 200, 2),
+        KernelSumCase::new(Op::KernelLse, 300, 200, 16),
+        KernelSumCase {
+            grad: true,
+            ..KernelSumCase::new(Op::KernelLse, 300, 200, 3)
+        },
+    ];
+    for (k, c) in cases.iter().enumerate() {
+        let sub = dir.path().join(k.to_string());
+        std::fs::create_dir_all(&sub).unwrap();
+        let job = Job {
+            case: c.params(),
+            implementation: "jax_dense".into(),
+            device: DeviceChoice::Cpu,
+            timing: timing(),
+            l2_bytes: 1 << 20,
+            files: ks_files::write_case(c, 3, 32, &sub).unwrap(),
+        };
+        let row = s.request(&job, Duration::from_secs(300)).unwrap().row;
+        eprintln!(
+            "{c:?}: {:?} {:?} {:?}",
+            row.status, row.median_ms, row.message
+        );
+        assert_eq!(row.status, Status::Ok, "{c:?}: {row:?}");
+        assert_eq!(row.host_ms, None, "{row:?}");
+        let acc = row.accuracy.unwrap();
+        assert!(acc.rel_err < acc.tolerance, "{c:?}: {acc:?}");
+        let mem = row.memory.unwrap();
+        assert!(mem.peak_mb.is_some(), "{mem:?}");
+    }
+}

@@ -29,8 +29,12 @@ import warnings
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from compare import protocol, timing  # noqa: E402
+    from compare.cpu_host import (PEAK_METHOD, TIMING_NOTE, load_average,  # noqa: E402,F401
+                                  load_note, reset_peak_rss, rss_bytes)
 else:
     from . import protocol, timing
+    from .cpu_host import (PEAK_METHOD, TIMING_NOTE, load_average, load_note,  # noqa: F401
+                           reset_peak_rss, rss_bytes)
 
 LIBRARY = "PyTorch"
 
@@ -41,11 +45,6 @@ BACKENDS = {
 }
 DTYPES = {"bf16": ("bfloat16", "int16"), "fp16": ("float16", "int16"),
           "fp32": ("float32", "float32")}
-PEAK_METHOD = ("resident set high-water mark (VmHWM, reset through /proc/self/clear_refs before "
-               "the inputs are read, read after the first call) minus the resident set at the "
-               "reset, in a fresh process running only this case")
-TIMING_NOTE = ("CPU: each sample is the wall time of back-to-back calls (no device clock apart "
-               "from the host's; host_ms does not apply)")
 # Test hook: plant a NaN at this flat index of the first call's output.
 PLANT_NAN_ENV = "KP_COMPARE_PLANT_NAN"
 
@@ -99,54 +98,6 @@ def unsupported_reason(case, implementation):
         return "heads (%s) is not a multiple of kv_heads (%s)" % (case["heads"],
                                                                   case.get("kv_heads"))
     return None
-
-
-# ---- resident memory (the method of src/runner/host.rs) ----
-
-def rss_bytes():
-    """(VmRSS, VmHWM) of this process in bytes, or None."""
-    try:
-        with open("/proc/self/status") as f:
-            text = f.read()
-    except OSError:
-        return None
-    vals = {}
-    for line in text.splitlines():
-        for key in ("VmRSS:", "VmHWM:"):
-            if line.startswith(key):
-                vals[key] = int(line.split()[1]) * 1024
-    if len(vals) != 2:
-        return None
-    return vals["VmRSS:"], vals["VmHWM:"]
-
-
-def reset_peak_rss():
-    """Resets VmHWM to VmRSS and returns VmRSS then, or None where that cannot be done."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    r = rss_bytes()
-    return r[0] if r else None
-
-
-def load_average():
-    try:
-        with open("/proc/loadavg") as f:
-            return float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def load_note(before, after):
-    """The remark of src/runner/host.rs `load_note`."""
-    if before is None or after is None:
-        return None
-    threads = os.cpu_count() or 1
-    busy = ": other processes shared the CPU" if max(before, after) > threads + 0.5 else ""
-    return ("1-minute load average %.1f before and %.1f after this row, on %d hardware "
-            "threads%s" % (before, after, threads, busy))
 
 
 def load_input(t):
