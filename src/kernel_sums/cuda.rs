@@ -310,6 +310,84 @@ impl Runner {
     }
 }
 
+/// Repeated kernel log-sum-exp calls over fixed points with new weights each call, as
+/// Sinkhorn's soft-min makes them: X `[n, dim]` and Y `[m, dim]` uploaded once and the entry
+/// point compiled once; each [`LseSession::call`] copies g `[m]` in, launches, and copies
+/// out\[i\] = log Σ_j exp(−‖x_i − y_j‖² / ε + g_j) `[n]` back (synchronising the stream).
+pub struct LseSession<'g> {
+    gpu: &'g Gpu,
+    case: KernelSumCase,
+    runner: Runner,
+    inp: DeviceInputs,
+    out: CudaSlice<f32>,
+}
+
+impl<'g> LseSession<'g> {
+    /// Uploads `x` `[n, dim]` and `y` `[m, dim]` (float32, row-major) and compiles the entry
+    /// point of `kernel_lse` for (n, m, dim).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for lengths that are not whole points or an empty cloud; compile
+    /// and driver errors.
+    pub fn new(gpu: &'g Gpu, x: &[f32], y: &[f32], dim: usize) -> Result<Self, GpuError> {
+        if dim == 0
+            || x.is_empty()
+            || y.is_empty()
+            || !x.len().is_multiple_of(dim)
+            || !y.len().is_multiple_of(dim)
+        {
+            return Err(GpuError::Config(format!(
+                "LseSession: {} and {} coordinates are not whole, non-empty clouds of dimension {dim}",
+                x.len(),
+                y.len()
+            )));
+        }
+        let case = KernelSumCase::new(Op::KernelLse, x.len() / dim, y.len() / dim, dim);
+        let runner = Runner::new(gpu, &case)?;
+        let inp = DeviceInputs {
+            x: gpu.stream.clone_htod(x)?,
+            y: gpu.stream.clone_htod(y)?,
+            w: Some(gpu.stream.alloc_zeros::<f32>(case.m)?),
+        };
+        let out = gpu.stream.alloc_zeros::<f32>(case.n)?;
+        Ok(LseSession {
+            gpu,
+            case,
+            runner,
+            inp,
+            out,
+        })
+    }
+
+    /// One call with weights `g` `[m]` and temperature `epsilon`, into `out` `[n]`.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for slices of the wrong length or a bad ε ([`scalars`]); driver
+    /// errors.
+    pub fn call(&mut self, g: &[f32], epsilon: f64, out: &mut [f32]) -> Result<(), GpuError> {
+        if g.len() != self.case.m || out.len() != self.case.n {
+            return Err(GpuError::Config(format!(
+                "LseSession::call: g has {} values for {} points, out {} for {}",
+                g.len(),
+                self.case.m,
+                out.len(),
+                self.case.n
+            )));
+        }
+        let stream = &self.gpu.stream;
+        stream.memcpy_htod(g, self.inp.w.as_mut().expect("kernel_lse has weights"))?;
+        let s = Scale {
+            sigma: 1.0,
+            epsilon,
+        };
+        self.runner
+            .launch(self.gpu, &self.case, s, &self.inp, &mut self.out)?;
+        stream.memcpy_dtoh(&self.out, out)?;
+        stream.synchronize()?;
+        Ok(())
+    }
+}
+
 /// Computes case `c` on `inp` with `s` on the device: uploads the inputs, fills the output
 /// with NaN (so an element the kernel never writes shows), launches once, waits and
 /// downloads. The output is laid out as [`KernelSumCase::output_len`] (float32), like

@@ -1,6 +1,10 @@
 //! Balanced entropic optimal transport between two weighted point clouds, in the log domain,
-//! on top of [`cpu::kernel_lse`] (float32 kernel sums, never an N × M matrix), and the debiased
-//! Sinkhorn divergence.
+//! on top of the float32 kernel log-sum-exp ([`cpu::kernel_lse`] on the CPU, the CUDA kernels
+//! through [`cuda::LseSession`] on a GPU: never an N × M matrix), and the debiased Sinkhorn
+//! divergence. [`sinkhorn_on`] and [`sinkhorn_divergence_on`] take the device; on CUDA only
+//! the kernel sums move there (the clouds uploaded once, the weights and the results copied
+//! each call), and the float64 potentials, the convergence confirmation and the final float64
+//! evaluation stay on the host.
 //!
 //! # The problem
 //! Clouds α = Σ_i a_i δ(x_i) and β = Σ_j b_j δ(y_j): points x `[n, dim]` and y `[m, dim]`
@@ -81,7 +85,8 @@
 
 use rayon::prelude::*;
 
-use super::cpu;
+use super::{cpu, cuda};
+use crate::gpu::{Device, GpuError};
 
 /// Why a call was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -147,6 +152,9 @@ pub enum SinkhornError {
     /// The iteration cap is 0.
     #[error("max_iter is 0: at least one iteration is needed")]
     NoIterations,
+    /// The CUDA device failed (compile, allocation, launch or copy).
+    #[error("the CUDA device failed: {0}")]
+    Device(String),
     /// The potentials became infinite or NaN (ε far too small for float32 kernel sums on these
     /// coordinates: g/ε overflows).
     #[error("the potentials became non-finite at iteration {iteration} (epsilon = {epsilon}): epsilon is too small for float32 kernel sums at this scale")]
@@ -378,36 +386,58 @@ fn schedule(eps0: f64, target: f64, scaling: f64) -> Vec<f64> {
 }
 
 /// One side's soft-min: out_i = −ε log Σ_j w_j exp((pot_j − C(x_i, z_j))/ε), through
-/// float32 `kernel_lse` with ε' = 2ε and h_j = pot_j/ε + log w_j.
-struct SoftMin<'a> {
+/// float32 `kernel_lse` with ε' = 2ε and h_j = pot_j/ε + log w_j, on the CPU or on a CUDA
+/// device (`session`).
+struct SoftMin<'a, 'g> {
     x: &'a [f32],
     z: &'a [f32],
     log_w: &'a [f64],
     dim: usize,
+    session: Option<cuda::LseSession<'g>>,
     h: Vec<f32>,
     lse: Vec<f32>,
 }
 
-impl<'a> SoftMin<'a> {
-    fn new(x: &'a Prepared, z: &'a Prepared, dim: usize) -> SoftMin<'a> {
-        SoftMin {
+impl From<GpuError> for SinkhornError {
+    fn from(e: GpuError) -> Self {
+        SinkhornError::Device(e.to_string())
+    }
+}
+
+impl<'a, 'g> SoftMin<'a, 'g> {
+    fn new(
+        device: Device<'g>,
+        x: &'a Prepared,
+        z: &'a Prepared,
+        dim: usize,
+    ) -> Result<SoftMin<'a, 'g>, SinkhornError> {
+        let session = match device {
+            Device::Cpu => None,
+            Device::Cuda(gpu) => Some(cuda::LseSession::new(gpu, &x.centred, &z.centred, dim)?),
+        };
+        Ok(SoftMin {
             x: &x.centred,
             z: &z.centred,
             log_w: &z.log_weights,
             dim,
+            session,
             h: vec![0.0; z.weights.len()],
             lse: vec![0.0; x.weights.len()],
-        }
+        })
     }
 
-    fn apply(&mut self, pot: &[f64], eps: f64, out: &mut [f64]) {
+    fn apply(&mut self, pot: &[f64], eps: f64, out: &mut [f64]) -> Result<(), SinkhornError> {
         for ((h, p), lw) in self.h.iter_mut().zip(pot).zip(self.log_w) {
             *h = (p / eps + lw) as f32;
         }
-        cpu::kernel_lse(self.x, self.z, &self.h, self.dim, 2.0 * eps, &mut self.lse);
+        match &mut self.session {
+            None => cpu::kernel_lse(self.x, self.z, &self.h, self.dim, 2.0 * eps, &mut self.lse),
+            Some(s) => s.call(&self.h, 2.0 * eps, &mut self.lse)?,
+        }
         for (o, l) in out.iter_mut().zip(&self.lse) {
             *o = -eps * *l as f64;
         }
+        Ok(())
     }
 }
 
@@ -587,6 +617,24 @@ pub fn sinkhorn(
     dim: usize,
     params: &Params,
 ) -> Result<Transport, SinkhornError> {
+    sinkhorn_on(Device::Cpu, x, y, dim, params)
+}
+
+/// [`sinkhorn`] with its kernel sums on `device`: the CPU's [`cpu::kernel_lse`], or a CUDA
+/// device's kernels through [`cuda::LseSession`] (two sessions, x against y and y against x;
+/// each update copies m or n weights in and n or m sums out). The float64 potentials, the
+/// confirmation of convergence and the final evaluation run on the host either way, so the two
+/// devices agree up to the float32 kernel sums' rounding.
+///
+/// # Errors
+/// As [`sinkhorn`], and [`SinkhornError::Device`] when the CUDA device fails.
+pub fn sinkhorn_on(
+    device: Device,
+    x: Cloud,
+    y: Cloud,
+    dim: usize,
+    params: &Params,
+) -> Result<Transport, SinkhornError> {
     if dim == 0 {
         return Err(SinkhornError::ZeroDim);
     }
@@ -596,19 +644,19 @@ pub fn sinkhorn(
     let (centre, eps0) = centre_and_extent(&[&x, &y], dim);
     let (xp, yp) = (prepare(&x, dim, &centre), prepare(&y, dim, &centre));
     let stages = schedule(eps0, params.epsilon, params.scaling);
-    let mut on_x = SoftMin::new(&xp, &yp, dim);
-    let mut on_y = SoftMin::new(&yp, &xp, dim);
+    let mut on_x = SoftMin::new(device, &xp, &yp, dim)?;
+    let mut on_y = SoftMin::new(device, &yp, &xp, dim)?;
 
     let mut f = vec![0.0f64; n];
     let mut g = vec![0.0f64; m];
     let mut f_next = vec![0.0f64; n];
-    on_x.apply(&g, stages[0], &mut f);
+    on_x.apply(&g, stages[0], &mut f)?;
     let mut iterations = 0;
     let mut first_pass = None;
     let (status, eps) = loop {
         let eps = stages[iterations.min(stages.len() - 1)];
-        on_y.apply(&f, eps, &mut g);
-        on_x.apply(&g, eps, &mut f_next);
+        on_y.apply(&f, eps, &mut g)?;
+        on_x.apply(&g, eps, &mut f_next)?;
         iterations += 1;
         if !(g.iter().all(|v| v.is_finite()) && f_next.iter().all(|v| v.is_finite())) {
             return Err(SinkhornError::NonFinite {
@@ -661,20 +709,21 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 /// One self term OT_ε(α, α) by the symmetric update p ← ½(p + T(p)), T the soft-min of p on
 /// the cloud itself: (dual value 2⟨a, p⟩ − ε(mass − 1), row marginal error, iterations, status).
 fn self_transport(
+    device: Device,
     c: &Prepared,
     dim: usize,
     stages: &[f64],
     params: &Params,
 ) -> Result<(f64, f64, usize, Status), SinkhornError> {
     let n = c.weights.len();
-    let mut soft = SoftMin::new(c, c, dim);
+    let mut soft = SoftMin::new(device, c, c, dim)?;
     let mut p = vec![0.0f64; n];
     let mut t = vec![0.0f64; n];
-    soft.apply(&vec![0.0; n], stages[0], &mut p);
+    soft.apply(&vec![0.0; n], stages[0], &mut p)?;
     let mut iterations = 0;
     let (status, eps, rows) = loop {
         let eps = stages[iterations.min(stages.len() - 1)];
-        soft.apply(&p, eps, &mut t);
+        soft.apply(&p, eps, &mut t)?;
         iterations += 1;
         if !t.iter().all(|v| v.is_finite()) {
             return Err(SinkhornError::NonFinite {
@@ -728,11 +777,27 @@ pub fn sinkhorn_divergence(
     dim: usize,
     params: &Params,
 ) -> Result<Divergence, SinkhornError> {
-    let xy = sinkhorn(x, y, dim, params)?;
+    sinkhorn_divergence_on(Device::Cpu, x, y, dim, params)
+}
+
+/// [`sinkhorn_divergence`] with its kernel sums on `device` (as [`sinkhorn_on`]).
+///
+/// # Errors
+/// As [`sinkhorn_on`].
+pub fn sinkhorn_divergence_on(
+    device: Device,
+    x: Cloud,
+    y: Cloud,
+    dim: usize,
+    params: &Params,
+) -> Result<Divergence, SinkhornError> {
+    let xy = sinkhorn_on(device, x, y, dim, params)?;
     let (centre, eps0) = centre_and_extent(&[&x, &y], dim);
     let stages = schedule(eps0, params.epsilon, params.scaling);
-    let (xx, err_x, it_x, st_x) = self_transport(&prepare(&x, dim, &centre), dim, &stages, params)?;
-    let (yy, err_y, it_y, st_y) = self_transport(&prepare(&y, dim, &centre), dim, &stages, params)?;
+    let (xx, err_x, it_x, st_x) =
+        self_transport(device, &prepare(&x, dim, &centre), dim, &stages, params)?;
+    let (yy, err_y, it_y, st_y) =
+        self_transport(device, &prepare(&y, dim, &centre), dim, &stages, params)?;
     let all = [xy.status, st_x, st_y];
     Ok(Divergence {
         value: xy.ot_eps - 0.5 * xx - 0.5 * yy,
