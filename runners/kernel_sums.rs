@@ -21,6 +21,9 @@
 use std::path::Path;
 use std::process::ExitCode;
 
+#[path = "kernel_sums/sinkhorn.rs"]
+mod sinkhorn;
+
 use anyhow::{Context, Result};
 use clap::Parser;
 
@@ -48,7 +51,8 @@ struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
     /// Operations: `rbf_mv`, `kde`, `kernel_lse`, `kernel_lse_grad` (the log-sum-exp and its
-    /// gradient with respect to X) [default: all].
+    /// gradient with respect to X), `sinkhorn` (one iteration and a solve, at dims ≤ 3; the
+    /// CPU only so far) [default: all on the CPU, all but sinkhorn on the GPU].
     #[arg(long, value_delimiter = ',')]
     ops: Option<Vec<String>>,
     /// Point counts N = M [default: 1000,10000,100000,1000000 on the GPU (up to 100000 from
@@ -105,7 +109,16 @@ const CPU_SIZES: [usize; 3] = [1000, 4000, 16000];
 /// Point counts of the CPU `--quick` grid.
 const CPU_QUICK_SIZES: [usize; 1] = [1000];
 /// Every operation name `--ops` takes.
-const OPS: [&str; 4] = ["rbf_mv", "kde", "kernel_lse", "kernel_lse_grad"];
+const OPS: [&str; 5] = [
+    "rbf_mv",
+    "kde",
+    "kernel_lse",
+    "kernel_lse_grad",
+    sinkhorn::OP,
+];
+/// Largest default N of the Sinkhorn `solve` rows on the CPU (a solve at 16000 points takes
+/// minutes on a few cores: each sample repeats it).
+const CPU_SOLVE_MAX_SIZE: usize = 4000;
 
 /// How FLOPs are counted (the document's `flop_rule`).
 const FLOP_RULE: &str = "per (x, y) pair: 3·dim for the squared distance, 1 for the exponential, 2·cols for the product with b (rbf_mv, kde) or 2 for the running sum (kernel_lse), 2·dim more for the gradient's Σ p·y; throughput counts kernel evaluations, N·M per call (2·N·M with the gradient)";
@@ -133,11 +146,13 @@ fn main() -> ExitCode {
 
 /// The cases of the grid (or the quick grid).
 fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
-    let ops: Vec<String> = cli
-        .ops
-        .clone()
-        .unwrap_or_else(|| OPS.iter().map(|s| s.to_string()).collect());
     let gpu = cli.run.device == DeviceChoice::Gpu;
+    let ops: Vec<String> = cli.ops.clone().unwrap_or_else(|| {
+        OPS.iter()
+            .filter(|op| !(gpu && **op == sinkhorn::OP))
+            .map(|s| s.to_string())
+            .collect()
+    });
     let sizes: Vec<usize> = match (&cli.sizes, quick, gpu) {
         (Some(s), _, _) => s.clone(),
         (None, true, true) => GPU_QUICK_SIZES.to_vec(),
@@ -152,6 +167,30 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     };
     let mut out = Vec::new();
     for op in &ops {
+        if op == sinkhorn::OP {
+            for &dim in dims.iter().filter(|&&d| d <= 3) {
+                for pass in [sinkhorn::Pass::Iteration, sinkhorn::Pass::Solve] {
+                    for &n in &sizes {
+                        let default_sizes = cli.sizes.is_none();
+                        if pass == sinkhorn::Pass::Solve
+                            && default_sizes
+                            && !gpu
+                            && n > CPU_SOLVE_MAX_SIZE
+                        {
+                            continue;
+                        }
+                        let c = sinkhorn::SinkhornCase {
+                            n,
+                            dim,
+                            pass,
+                            epsilon: sinkhorn::EPSILON,
+                        };
+                        out.push(c.params());
+                    }
+                }
+            }
+            continue;
+        }
         let (op, grad) = match op.as_str() {
             "kernel_lse_grad" => (Op::KernelLse, true),
             name => (
@@ -233,13 +272,21 @@ impl runner::Suite for KernelSums {
     }
 
     /// X and Y uniform in the unit cube, b standard normal or g uniform in [−1, 1)
-    /// ([`Inputs::random`]), and the float64 reference of `check_rows` rows.
+    /// ([`Inputs::random`]), and the float64 reference of `check_rows` rows; Sinkhorn cases
+    /// as [`sinkhorn::write_case`].
     fn prepare(&self, p: &Params, seed: u64, dir: &Path) -> Result<CaseFiles> {
+        if let Some(c) = sinkhorn::SinkhornCase::from_params(p)? {
+            return sinkhorn::write_case(&c, seed, self.check_rows, dir);
+        }
         files::write_case(&case_of(p)?, seed, self.check_rows, dir)
     }
 
-    fn unsupported(&self, p: &Params, _implementation: &str) -> Option<String> {
-        case_of(p).err().map(|e| format!("{e:#}"))
+    fn unsupported(&self, p: &Params, implementation: &str) -> Option<String> {
+        match sinkhorn::SinkhornCase::from_params(p) {
+            Ok(Some(_)) => sinkhorn::unsupported(implementation, CPU_IMPLEMENTATION),
+            Ok(None) => case_of(p).err().map(|e| format!("{e:#}")),
+            Err(e) => Some(format!("{e:#}")),
+        }
     }
 
     fn is_default(&self, _p: &Params, implementation: &str) -> bool {
@@ -247,6 +294,17 @@ impl runner::Suite for KernelSums {
     }
 
     fn notes(&self, p: &Params, implementation: &str) -> Vec<String> {
+        if let Ok(Some(c)) = sinkhorn::SinkhornCase::from_params(p) {
+            let mut notes = vec![format!(
+                "ε = {:e} (blur {:.2}), uniform weights, points uniform in the unit cube",
+                c.epsilon,
+                c.epsilon.sqrt()
+            )];
+            if c.pass == sinkhorn::Pass::Iteration {
+                notes.push("the iteration keeps its own centred copy of the points from the first call, so the input rotation does not reach it".into());
+            }
+            return notes;
+        }
         let Ok(c) = case_of(p) else {
             return Vec::new();
         };
@@ -261,6 +319,9 @@ impl runner::Suite for KernelSums {
     }
 
     fn label(&self, p: &Params) -> String {
+        if let Ok(Some(c)) = sinkhorn::SinkhornCase::from_params(p) {
+            return c.label();
+        }
         match case_of(p) {
             Ok(c) => format!(
                 "{}{} N{} M{} D{}{}",
@@ -404,6 +465,11 @@ fn measure_cpu(job: &Job) -> Reply {
             format!("unknown implementation `{}`", job.implementation),
         );
     }
+    match sinkhorn::SinkhornCase::from_params(&job.case) {
+        Ok(Some(c)) => return sinkhorn::measure_cpu(job, c),
+        Ok(None) => {}
+        Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
+    }
     let (case, scale) = match job_case(job) {
         Ok(x) => x,
         Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
@@ -529,8 +595,28 @@ mod tests {
     fn the_cpu_grid_and_its_selection() {
         let cli = Cli::try_parse_from(["kernel_sums", "--device", "cpu"]).unwrap();
         let all = cases(&cli, false).unwrap();
-        // rbf_mv, kernel_lse and its gradient at dims 3 and 64, kde at dim 3; 3 sizes each.
-        assert_eq!(all.len(), (3 * 2 + 1) * CPU_SIZES.len());
+        // rbf_mv, kernel_lse and its gradient at dims 3 and 64, kde at dim 3; 3 sizes each;
+        // Sinkhorn at dim 3: an iteration at every size, a solve up to CPU_SOLVE_MAX_SIZE.
+        let solves = CPU_SIZES
+            .iter()
+            .filter(|&&n| n <= CPU_SOLVE_MAX_SIZE)
+            .count();
+        assert_eq!(
+            all.len(),
+            (3 * 2 + 1) * CPU_SIZES.len() + CPU_SIZES.len() + solves
+        );
+        let sk: Vec<_> = all
+            .iter()
+            .filter_map(|p| sinkhorn::SinkhornCase::from_params(p).unwrap())
+            .collect();
+        assert_eq!(sk.len(), CPU_SIZES.len() + solves);
+        assert!(sk
+            .iter()
+            .all(|c| c.dim == 3 && c.epsilon == sinkhorn::EPSILON));
+        assert_eq!(
+            sinkhorn::SinkhornCase::from_params(&sk[0].params()).unwrap(),
+            Some(sk[0])
+        );
         let cli = Cli::try_parse_from([
             "kernel_sums",
             "--device",

@@ -244,6 +244,9 @@ pub struct Transport {
     pub rounding_mass: f64,
     /// L1 norm of the row marginal violation, Σ_i |Σ_j π_ij − a_i|, in float64.
     pub marginal_error: f64,
+    /// The plan's row marginal Σ_j π_ij, `[n]`, float64 (a, the weights normalised, at
+    /// convergence).
+    pub row_marginal: Vec<f64>,
     /// Iterations run, annealing stages included.
     pub iterations: usize,
     /// [`Status::Converged`] or [`Status::NotConverged`].
@@ -388,10 +391,10 @@ fn schedule(eps0: f64, target: f64, scaling: f64) -> Vec<f64> {
 /// One side's soft-min: out_i = −ε log Σ_j w_j exp((pot_j − C(x_i, z_j))/ε), through
 /// float32 `kernel_lse` with ε' = 2ε and h_j = pot_j/ε + log w_j, on the CPU or on a CUDA
 /// device (`session`).
-struct SoftMin<'a, 'g> {
-    x: &'a [f32],
-    z: &'a [f32],
-    log_w: &'a [f64],
+struct SoftMin<'g> {
+    x: Vec<f32>,
+    z: Vec<f32>,
+    log_w: Vec<f64>,
     dim: usize,
     session: Option<cuda::LseSession<'g>>,
     h: Vec<f32>,
@@ -404,21 +407,21 @@ impl From<GpuError> for SinkhornError {
     }
 }
 
-impl<'a, 'g> SoftMin<'a, 'g> {
+impl<'g> SoftMin<'g> {
     fn new(
         device: Device<'g>,
-        x: &'a Prepared,
-        z: &'a Prepared,
+        x: &Prepared,
+        z: &Prepared,
         dim: usize,
-    ) -> Result<SoftMin<'a, 'g>, SinkhornError> {
+    ) -> Result<SoftMin<'g>, SinkhornError> {
         let session = match device {
             Device::Cpu => None,
             Device::Cuda(gpu) => Some(cuda::LseSession::new(gpu, &x.centred, &z.centred, dim)?),
         };
         Ok(SoftMin {
-            x: &x.centred,
-            z: &z.centred,
-            log_w: &z.log_weights,
+            x: x.centred.clone(),
+            z: z.centred.clone(),
+            log_w: z.log_weights.clone(),
             dim,
             session,
             h: vec![0.0; z.weights.len()],
@@ -427,11 +430,18 @@ impl<'a, 'g> SoftMin<'a, 'g> {
     }
 
     fn apply(&mut self, pot: &[f64], eps: f64, out: &mut [f64]) -> Result<(), SinkhornError> {
-        for ((h, p), lw) in self.h.iter_mut().zip(pot).zip(self.log_w) {
+        for ((h, p), lw) in self.h.iter_mut().zip(pot).zip(&self.log_w) {
             *h = (p / eps + lw) as f32;
         }
         match &mut self.session {
-            None => cpu::kernel_lse(self.x, self.z, &self.h, self.dim, 2.0 * eps, &mut self.lse),
+            None => cpu::kernel_lse(
+                &self.x,
+                &self.z,
+                &self.h,
+                self.dim,
+                2.0 * eps,
+                &mut self.lse,
+            ),
             Some(s) => s.call(&self.h, 2.0 * eps, &mut self.lse)?,
         }
         for (o, l) in out.iter_mut().zip(&self.lse) {
@@ -520,6 +530,7 @@ fn l1_error(r: &[f64], a: &[f64]) -> f64 {
 
 /// What the float64 evaluation of a plan gives.
 struct Evaluation {
+    row_marginal: Vec<f64>,
     marginal_error: f64,
     mass: f64,
     plan_cost: f64,
@@ -585,6 +596,7 @@ fn evaluate(
         cost += cross / rounding_mass;
     }
     Evaluation {
+        row_marginal: r,
         marginal_error,
         mass,
         plan_cost,
@@ -693,9 +705,100 @@ pub fn sinkhorn_on(
         plan_cost: ev.plan_cost,
         rounding_mass: ev.rounding_mass,
         marginal_error: ev.marginal_error,
+        row_marginal: ev.row_marginal,
         iterations,
         status,
     })
+}
+
+/// Sinkhorn's iteration at one fixed ε, a step at a time (what a per-iteration timing
+/// measures): f⁰ = the soft-min of g = 0, then each [`SinkhornIterations::step`] updates
+/// g ← soft-min of f, f ← soft-min of g (two kernel log-sum-exps on `device`, as in
+/// [`sinkhorn_on`], without ε-scaling or any convergence test).
+pub struct SinkhornIterations<'g> {
+    on_x: SoftMin<'g>,
+    on_y: SoftMin<'g>,
+    f: Vec<f64>,
+    g: Vec<f64>,
+    epsilon: f64,
+}
+
+impl<'g> SinkhornIterations<'g> {
+    /// Prepares the clouds (checked as [`sinkhorn`] checks them, centred on their common mean)
+    /// and sets f to its first update.
+    ///
+    /// # Errors
+    /// As [`sinkhorn_on`] for the clouds and ε.
+    pub fn new(
+        device: Device<'g>,
+        x: Cloud,
+        y: Cloud,
+        dim: usize,
+        epsilon: f64,
+    ) -> Result<SinkhornIterations<'g>, SinkhornError> {
+        if dim == 0 {
+            return Err(SinkhornError::ZeroDim);
+        }
+        check_cloud(&x, "x", dim)?;
+        let m = check_cloud(&y, "y", dim)?;
+        check_params(&Params::new(epsilon))?;
+        let (centre, _) = centre_and_extent(&[&x, &y], dim);
+        let (xp, yp) = (prepare(&x, dim, &centre), prepare(&y, dim, &centre));
+        let mut it = SinkhornIterations {
+            on_x: SoftMin::new(device, &xp, &yp, dim)?,
+            on_y: SoftMin::new(device, &yp, &xp, dim)?,
+            f: vec![0.0; xp.weights.len()],
+            g: vec![0.0; m],
+            epsilon,
+        };
+        it.on_x.apply(&it.g, epsilon, &mut it.f)?;
+        Ok(it)
+    }
+
+    /// One iteration: g from f, then f from g.
+    ///
+    /// # Errors
+    /// [`SinkhornError::Device`] when the CUDA device fails.
+    pub fn step(&mut self) -> Result<(), SinkhornError> {
+        self.on_y.apply(&self.f, self.epsilon, &mut self.g)?;
+        self.on_x.apply(&self.g, self.epsilon, &mut self.f)
+    }
+
+    /// The potentials (f `[n]`, g `[m]`) after the last step.
+    pub fn potentials(&self) -> (&[f64], &[f64]) {
+        (&self.f, &self.g)
+    }
+}
+
+/// The float64 definition of [`SinkhornIterations`] after its first step, at `rows` of x: f¹
+/// from g¹ from f⁰ (f⁰ the soft-min of g = 0), every soft-min a float64 log-sum-exp over all
+/// points (2·n·m pair evaluations, then |rows|·m). Clouds and ε as [`SinkhornIterations::new`],
+/// unchecked (the caller's to check); the weights normalised by their sum.
+pub fn first_step_reference(
+    x: Cloud,
+    y: Cloud,
+    dim: usize,
+    epsilon: f64,
+    rows: &[usize],
+) -> Vec<f64> {
+    let norm = |w: &[f64]| -> Vec<f64> {
+        let s: f64 = w.iter().sum();
+        w.iter().map(|v| (v / s).ln()).collect()
+    };
+    let (log_a, log_b) = (norm(x.weights), norm(y.weights));
+    let soft = |p: &[f32], z: &[f32], pot: &[f64], log_w: &[f64]| -> Vec<f64> {
+        row_pass(p, z, dim, &log_scaling(pot, log_w, epsilon), epsilon, None)
+            .iter()
+            .map(|r| -epsilon * r.0)
+            .collect()
+    };
+    let f0 = soft(x.points, y.points, &vec![0.0; log_b.len()], &log_b);
+    let g1 = soft(y.points, x.points, &f0, &log_a);
+    let picked: Vec<f32> = rows
+        .iter()
+        .flat_map(|&i| x.points[i * dim..(i + 1) * dim].iter().copied())
+        .collect();
+    soft(&picked, y.points, &g1, &log_b)
 }
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {
@@ -972,6 +1075,48 @@ mod tests {
     /// The exact solver on answers known otherwise: a 2 × 2 problem by hand, and uniform 5 × 5
     /// problems (a degenerate basis) whose optimum is a permutation (Birkhoff), by brute force
     /// over all 120.
+    /// One step of the fixed-ε iteration against its float64 definition, on every row and on
+    /// a few, and the solver's row marginal sums to the plan's mass.
+    #[test]
+    fn one_step_matches_float64_and_the_marginal_is_kept() {
+        let dim = 3;
+        let (xp, xw) = cloud(300, dim, 11);
+        let (yp, yw) = cloud(200, dim, 12);
+        let (x, y) = (Cloud::new(&xp, &xw), Cloud::new(&yp, &yw));
+        let eps = 2.5e-3;
+        let mut it = SinkhornIterations::new(Device::Cpu, x, y, dim, eps).unwrap();
+        it.step().unwrap();
+        let rows: Vec<usize> = (0..300).collect();
+        let want = first_step_reference(x, y, dim, eps, &rows);
+        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let err = it
+            .potentials()
+            .0
+            .iter()
+            .zip(&want)
+            .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            err <= 1e-5 * scale,
+            "f after one step off by {err:e} (scale {scale:e})"
+        );
+        let some = first_step_reference(x, y, dim, eps, &[299, 0, 17]);
+        assert_eq!(some, vec![want[299], want[0], want[17]]);
+        let t = sinkhorn(x, y, dim, &Params::new(0.05)).unwrap();
+        assert_eq!(t.status, Status::Converged);
+        assert_eq!(t.row_marginal.len(), 300);
+        let l1: f64 = t
+            .row_marginal
+            .iter()
+            .zip(&xw)
+            .map(|(r, a)| (r - a).abs())
+            .sum();
+        assert!(
+            (l1 - t.marginal_error).abs() <= 1e-12,
+            "{l1} vs {}",
+            t.marginal_error
+        );
+    }
+
     #[test]
     fn exact_solver_matches_known_answers() {
         // a = (0.3, 0.7), b = (0.6, 0.4), moving costs 1: 0.3 stays in place on row 0,

@@ -1,0 +1,406 @@
+//! The Sinkhorn rows of the `kernel_sums` runner: balanced entropic optimal transport between
+//! two point clouds of N points each, uniform weights, built on the kernel log-sum-exp
+//! ([`kernelpages::kernel_sums::sinkhorn`]).
+//!
+//! Two passes:
+//! - `iteration`: one Sinkhorn iteration at the target ε (g from f, then f from g: two kernel
+//!   log-sum-exps over N × N pairs, [`SinkhornIterations::step`]), timed call by call from the
+//!   first update f⁰. The first call's f is checked against its float64 definition
+//!   ([`first_step_reference`]) at the checked rows. Throughput counts 2·N² kernel
+//!   evaluations per call.
+//! - `solve`: [`sinkhorn_on`] from scratch to an L1 row-marginal error of [`SOLVE_TOL`], with
+//!   ε-scaling (factor [`SCALING`]) from the clouds' squared diameter down to ε, its float64
+//!   confirmation and evaluation included. The output is the plan's row marginal, checked
+//!   against the weights it must equal (1/N each); its tolerance is [`SOLVE_TOL`]·√N, what
+//!   the L1 bound implies for the relative L2 error (‖r − a‖₂ ≤ ‖r − a‖₁ ≤ tol and
+//!   ‖a‖₂ = 1/√N). The row's notes give the iterations and the marginal error reached.
+//!
+//! ε is [`EPSILON`] (blur 0.05 in geomloss's convention ε = blur², cost ‖x − y‖²/2), the
+//! points uniform in the unit cube ([`Inputs::random`]).
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::rc::Rc;
+
+use anyhow::Result;
+use serde_json::json;
+
+use kernelpages::attention::cpu_flash::read_elements;
+use kernelpages::attention::Dtype;
+use kernelpages::gpu::Device;
+use kernelpages::kernel_sums::files::checked_rows;
+use kernelpages::kernel_sums::sinkhorn::{
+    first_step_reference, sinkhorn_on, Cloud, Params as SolveParams, SinkhornIterations, Status,
+    Transport,
+};
+use kernelpages::kernel_sums::{Inputs, KernelSumCase, Op};
+use kernelpages::runner::grid::Params;
+use kernelpages::runner::host;
+use kernelpages::runner::protocol::{
+    write_f64, write_u16, CaseFiles, CheckSpec, Job, OutputSpec, Reply, TensorFile,
+};
+use kernelpages::schema::{Param, Reference, Status as RowStatus};
+
+/// The op name of the Sinkhorn rows.
+pub const OP: &str = "sinkhorn";
+/// Target ε, in the cost's unit (squared coordinates): blur 0.05.
+pub const EPSILON: f64 = 2.5e-3;
+/// L1 row-marginal tolerance of the `solve` rows.
+pub const SOLVE_TOL: f64 = 1e-3;
+/// ε-scaling factor of the `solve` rows.
+pub const SCALING: f64 = 0.5;
+/// Relative L2 tolerance of one iteration's f against float64.
+pub const ITERATION_TOLERANCE: f64 = 1e-5;
+
+/// What a Sinkhorn row times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    /// One iteration at the target ε.
+    Iteration,
+    /// A whole solve to [`SOLVE_TOL`].
+    Solve,
+}
+
+impl Pass {
+    fn as_str(self) -> &'static str {
+        match self {
+            Pass::Iteration => "iteration",
+            Pass::Solve => "solve",
+        }
+    }
+}
+
+/// One Sinkhorn case: N points against N, dimension `dim`, float32 coordinates.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SinkhornCase {
+    /// Points per cloud.
+    pub n: usize,
+    /// Point dimension.
+    pub dim: usize,
+    /// What is timed.
+    pub pass: Pass,
+    /// Target ε.
+    pub epsilon: f64,
+}
+
+impl SinkhornCase {
+    /// The case's parameters: op, n, dim, dtype, pass, epsilon.
+    pub fn params(&self) -> Params {
+        let mut p = BTreeMap::new();
+        p.insert("op".into(), Param::Text(OP.into()));
+        p.insert("n".into(), Param::Int(self.n as i64));
+        p.insert("dim".into(), Param::Int(self.dim as i64));
+        p.insert("dtype".into(), Param::Text("fp32".into()));
+        p.insert("pass".into(), Param::Text(self.pass.as_str().into()));
+        p.insert("epsilon".into(), Param::Float(self.epsilon));
+        p
+    }
+
+    /// The case `p` names, or `None` when `p` is not a Sinkhorn case.
+    ///
+    /// # Errors
+    /// A Sinkhorn case with a missing or mistyped parameter.
+    pub fn from_params(p: &Params) -> Result<Option<SinkhornCase>> {
+        if p.get("op") != Some(&Param::Text(OP.into())) {
+            return Ok(None);
+        }
+        let int = |k: &str| match p.get(k) {
+            Some(Param::Int(i)) if *i > 0 => Ok(*i as usize),
+            other => anyhow::bail!("sinkhorn parameter `{k}` is {other:?}, not a positive size"),
+        };
+        let pass = match p.get("pass") {
+            Some(Param::Text(t)) if t == "iteration" => Pass::Iteration,
+            Some(Param::Text(t)) if t == "solve" => Pass::Solve,
+            other => {
+                anyhow::bail!("sinkhorn parameter `pass` is {other:?}, not iteration or solve")
+            }
+        };
+        let epsilon = match p.get("epsilon") {
+            Some(Param::Float(e)) if *e > 0.0 => *e,
+            other => anyhow::bail!("sinkhorn parameter `epsilon` is {other:?}, not > 0"),
+        };
+        Ok(Some(SinkhornCase {
+            n: int("n")?,
+            dim: int("dim")?,
+            pass,
+            epsilon,
+        }))
+    }
+
+    /// Kernel evaluations of one iteration: 2·N² (the two log-sum-exps).
+    pub fn evaluations_per_iteration(&self) -> f64 {
+        2.0 * (self.n as f64) * (self.n as f64)
+    }
+
+    /// The label of progress lines.
+    pub fn label(&self) -> String {
+        format!(
+            "sinkhorn {} N{} D{} eps {:e}",
+            self.pass.as_str(),
+            self.n,
+            self.dim,
+            self.epsilon
+        )
+    }
+
+    /// The two clouds' points, uniform in the unit cube (as the kernel sums' X and Y).
+    fn points(&self, seed: u64) -> (Vec<f32>, Vec<f32>) {
+        let inp = Inputs::random(&KernelSumCase::new(Op::Kde, self.n, self.n, self.dim), seed);
+        (inp.x, inp.y)
+    }
+}
+
+/// Writes the case's points (`x`, `y`, float32 `[N, dim]`) and the float64 reference of its
+/// check into `dir`: f after one iteration at [`checked_rows`] (`iteration`), or the uniform
+/// weights 1/N the row marginal must meet (`solve`).
+///
+/// # Errors
+/// I/O errors.
+pub fn write_case(c: &SinkhornCase, seed: u64, check_rows: usize, dir: &Path) -> Result<CaseFiles> {
+    let (x, y) = c.points(seed);
+    let weights = vec![1.0 / c.n as f64; c.n];
+    let rows = checked_rows(c.n, check_rows);
+    let (reference, tolerance, what) = match c.pass {
+        Pass::Iteration => (
+            first_step_reference(
+                Cloud::new(&x, &weights),
+                Cloud::new(&y, &weights),
+                c.dim,
+                c.epsilon,
+                &rows,
+            ),
+            ITERATION_TOLERANCE,
+            "f after one iteration",
+        ),
+        Pass::Solve => (
+            vec![1.0 / c.n as f64; rows.len()],
+            SOLVE_TOL * (c.n as f64).sqrt(),
+            "the plan's row marginal (against the weights 1/N)",
+        ),
+    };
+    let mut inputs = Vec::new();
+    for (name, pts) in [("x", &x), ("y", &y)] {
+        let path = dir.join(format!("{name}.bin"));
+        write_u16(&path, &Dtype::F32.encode_all(pts))?;
+        inputs.push(TensorFile {
+            name: name.into(),
+            dtype: "fp32".into(),
+            shape: vec![c.n, c.dim],
+            path,
+        });
+    }
+    let ref_path = dir.join("reference.f64");
+    write_f64(&ref_path, &reference)?;
+    let mut arguments = BTreeMap::new();
+    arguments.insert("op".into(), json!(OP));
+    arguments.insert("n".into(), json!(c.n));
+    arguments.insert("m".into(), json!(c.n));
+    arguments.insert("dim".into(), json!(c.dim));
+    arguments.insert("epsilon".into(), json!(c.epsilon));
+    arguments.insert("weights".into(), json!("uniform"));
+    arguments.insert("tol".into(), json!(SOLVE_TOL));
+    arguments.insert("scaling".into(), json!(SCALING));
+    let per_iteration = c.evaluations_per_iteration();
+    Ok(CaseFiles {
+        inputs,
+        output: OutputSpec {
+            dtype: "fp64".into(),
+            shape: vec![c.n],
+        },
+        check: CheckSpec {
+            ranges: rows.iter().map(|&i| [i as u64, 1]).collect(),
+            reference: ref_path,
+            reference_kind: Reference::Float64Cpu,
+            tolerance,
+            checked: format!("{} of {} rows of {what}", rows.len(), c.n),
+        },
+        gradients: Vec::new(),
+        arguments,
+        // Per iteration: the log-sum-exps' FLOPs (3·dim + 4 per pair) and their evaluations;
+        // a solve's count depends on the iterations it takes, unknown before it runs.
+        flops: (c.pass == Pass::Iteration).then_some(per_iteration * (3.0 * c.dim as f64 + 4.0)),
+        bytes: Some(2.0 * 4.0 * (c.n * c.dim) as f64),
+        items: (c.pass == Pass::Iteration).then_some(per_iteration),
+    })
+}
+
+/// Why an implementation has no Sinkhorn row: only the project's CPU path is wired in.
+pub fn unsupported(implementation: &str, cpu_implementation: &str) -> Option<String> {
+    if implementation == cpu_implementation {
+        return None;
+    }
+    Some(match implementation {
+        "online" => "the GPU runner does not time Sinkhorn yet (its updates copy the potentials through the host, which its CUDA-graph timing cannot capture); sinkhorn_on(Device::Cuda) runs it".into(),
+        _ => "no Sinkhorn in this library; ott-jax and geomloss are not installed here".into(),
+    })
+}
+
+/// The CPU case process's calls: one iteration or one solve, the output f or the row
+/// marginal.
+struct Launch {
+    case: SinkhornCase,
+    weights: Vec<f64>,
+    iterations: Option<SinkhornIterations<'static>>,
+    out: Vec<f64>,
+    /// The last solve's result, read after the measurement for the row's notes.
+    last: Rc<RefCell<Option<Transport>>>,
+}
+
+impl host::Launcher for Launch {
+    type Set = (Vec<f32>, Vec<f32>);
+    fn load(&self, inputs: &[TensorFile]) -> Result<Self::Set> {
+        anyhow::ensure!(
+            inputs.len() == 2,
+            "sinkhorn takes x and y, got {}",
+            inputs.len()
+        );
+        Ok((
+            read_elements(&inputs[0].path)?,
+            read_elements(&inputs[1].path)?,
+        ))
+    }
+    fn replicate(&self, set: &Self::Set) -> Self::Set {
+        set.clone()
+    }
+    fn poison(&mut self) {
+        self.out.fill(f64::NAN);
+    }
+    fn call(&mut self, set: &Self::Set) -> Result<()> {
+        let c = self.case;
+        let (x, y) = (
+            Cloud::new(&set.0, &self.weights),
+            Cloud::new(&set.1, &self.weights),
+        );
+        match c.pass {
+            Pass::Iteration => {
+                // The state starts from f⁰ on the first call's set and steps on from there:
+                // the potentials do not depend on which copy of the points a call reads.
+                if self.iterations.is_none() {
+                    self.iterations = Some(SinkhornIterations::new(
+                        Device::Cpu,
+                        x,
+                        y,
+                        c.dim,
+                        c.epsilon,
+                    )?);
+                }
+                let it = self.iterations.as_mut().expect("set above");
+                it.step()?;
+                self.out.copy_from_slice(it.potentials().0);
+            }
+            Pass::Solve => {
+                let p = SolveParams {
+                    tol: SOLVE_TOL,
+                    scaling: SCALING,
+                    ..SolveParams::new(c.epsilon)
+                };
+                let t = sinkhorn_on(Device::Cpu, x, y, c.dim, &p)?;
+                self.out.copy_from_slice(&t.row_marginal);
+                *self.last.borrow_mut() = Some(t);
+            }
+        }
+        Ok(())
+    }
+    fn value(&self, i: usize) -> f64 {
+        self.out[i]
+    }
+    fn output_len(&self) -> usize {
+        self.out.len()
+    }
+    fn temporary_bytes(&self) -> u64 {
+        // Potentials, their float32 copies and sums, the log-weights: O(N) per cloud.
+        (self.case.n as u64) * 2 * (8 * 3 + 4 * 2)
+    }
+}
+
+/// The case process of a Sinkhorn case on the CPU (`cpu_tiled` kernel sums underneath).
+pub fn measure_cpu(job: &Job, c: SinkhornCase) -> Reply {
+    let weights = vec![1.0 / c.n as f64; c.n];
+    let last = Rc::new(RefCell::new(None));
+    let mut reply = host::measure(job, || {
+        Ok(Launch {
+            case: c,
+            weights: weights.clone(),
+            iterations: None,
+            out: vec![0.0; c.n],
+            last: Rc::clone(&last),
+        })
+    });
+    if let Some(t) = last.borrow().as_ref() {
+        if reply.row.status == RowStatus::Ok {
+            reply.row.notes.push(solve_note(t));
+        }
+    }
+    reply
+}
+
+/// How a solve went: status, iterations, the marginal error and the transport cost.
+fn solve_note(t: &Transport) -> String {
+    format!(
+        "{} in {} iterations (ε-scaling by {SCALING} from the squared diameter), L1 row-marginal error {:.2e} (tolerance {SOLVE_TOL:e}), transport cost {:.6e}",
+        if t.status == Status::Converged {
+            "converged"
+        } else {
+            "NOT converged"
+        },
+        t.iterations,
+        t.marginal_error,
+        t.transport_cost
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kernelpages::harness::default_timing;
+    use kernelpages::runner::DeviceChoice;
+    use kernelpages::schema::TimingConfig;
+
+    fn job(c: &SinkhornCase, dir: &Path) -> Job {
+        Job {
+            case: c.params(),
+            implementation: "cpu_tiled".into(),
+            device: DeviceChoice::Cpu,
+            timing: TimingConfig {
+                warmup_ms: 1.0,
+                repeats: 3,
+                min_sample_ms: 0.5,
+                ..default_timing()
+            },
+            l2_bytes: 1 << 20,
+            files: write_case(c, 7, 16, dir).unwrap(),
+        }
+    }
+
+    /// Both passes end to end in the CPU case process: the files, the check against float64
+    /// (one iteration) or the weights (a solve), and the solve's note.
+    #[test]
+    fn both_passes_run_and_pass_their_checks() {
+        for pass in [Pass::Iteration, Pass::Solve] {
+            let dir = tempfile::tempdir().unwrap();
+            let c = SinkhornCase {
+                n: 150,
+                dim: 3,
+                pass,
+                epsilon: 1e-2,
+            };
+            assert_eq!(SinkhornCase::from_params(&c.params()).unwrap(), Some(c));
+            let j = job(&c, dir.path());
+            assert_eq!(j.files.check.ranges.len(), 16);
+            assert_eq!(
+                j.files.items,
+                (pass == Pass::Iteration).then_some(2.0 * 150.0 * 150.0)
+            );
+            let row = measure_cpu(&j, c).row;
+            assert_eq!(row.status, RowStatus::Ok, "{pass:?}: {row:?}");
+            let acc = row.accuracy.unwrap();
+            assert!(acc.rel_err <= acc.tolerance, "{pass:?}: {acc:?}");
+            let converged = row.notes.iter().any(|n| n.starts_with("converged in "));
+            assert_eq!(converged, pass == Pass::Solve, "{:?}", row.notes);
+        }
+        let not_ours = unsupported("torch_dense", "cpu_tiled").unwrap();
+        assert!(not_ours.contains("ott-jax"));
+        assert!(unsupported("cpu_tiled", "cpu_tiled").is_none());
+    }
+}
