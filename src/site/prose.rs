@@ -17,8 +17,9 @@
 //!   the rows that ran.
 //! - `values(suite, param, where?, implementation?)`: the distinct values of a parameter,
 //!   ascending, joined with `, `.
-//! - `measured(suite, where?)`: whether any row of the suite (among those the where-clause
-//!   keeps) ran, to guard prose about data that may be absent.
+//! - `measured(suite, where?, implementation?)`: whether any row of the suite (of that
+//!   implementation, among those the where-clause keeps) ran, to guard prose about data that
+//!   may be absent.
 //! - `launch_bound(suite, implementation, where)`: the claim that an eager call of the
 //!   implementation is launch-bound in every case kept, with the range of host ÷ device time.
 //!
@@ -724,8 +725,9 @@ fn launch_bound(docs: &[Loaded], args: &Args) -> Result<Value, String> {
 }
 
 fn measured(docs: &[Loaded], args: &Args) -> Result<Value, String> {
-    args.only(&["suite", "device", "where"])?;
+    args.only(&["suite", "device", "where", "implementation"])?;
     let filter = args.filter("where")?;
+    let implementation = args.get("implementation");
     // An unknown suite is an error; an absent document only means "not measured".
     let items = match suite_rows(docs, args) {
         Ok(items) => items,
@@ -735,6 +737,7 @@ fn measured(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     let ok: Vec<_> = items
         .into_iter()
         .filter(|i| i.row.status == Status::Ok)
+        .filter(|i| implementation.is_none_or(|imp| i.row.implementation == imp))
         .collect();
     if ok.is_empty() {
         return Ok(Value::from(false));
