@@ -217,9 +217,9 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
 
 // kernel_lse (and its gradient): R rows per thread. The point's .w holds g_j log2(e) (-inf
 // past M). Per chunk of KS_CHUNK points a row computes its exponents, takes their maximum,
-// rescales its sum (and its sum of p * y) once if the maximum grew, then accumulates
-// 2^(e - max): D FADD + D FFMA, one FMNMX, one FADD, one MUFU.EX2 and one FADD per pair (+ 2D
-// FFMA for the gradient).
+// rescales its sums (and its sum of p * (y - x)) once if the maximum grew, then accumulates
+// 2^(e - max): D FADD + D FFMA, one FMNMX, one FADD, one MUFU.EX2 and one FADD per pair (+ D
+// FADD + D FFMA for the gradient), and adds the chunk's sums to the totals compensated.
 template <int D, int R, bool GRAD>
 __device__ __forceinline__ void lse_small(const float* __restrict__ X, const float* __restrict__ Y,
                                           const float* __restrict__ G, float* __restrict__ out,

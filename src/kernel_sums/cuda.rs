@@ -6,7 +6,10 @@
 //! each thread owns one or two rows of X in registers, the block streams Y through shared
 //! memory in tiles, and every (i, j) pair is reduced at once, so nothing of size N × M exists,
 //! on the device or anywhere else. `kernel_lse` keeps a running maximum (base-2 exponentials,
-//! rescaled when the maximum grows) and accumulates Σ p·y alongside for the gradient.
+//! rescaled when the maximum grows) and accumulates Σ p·(y − x) alongside for the gradient
+//! (Σ p·y in the any-dimension kernel); each tile's or chunk's partial sums are added to the
+//! totals with Kahan compensation (up to 4 columns of b; the any-dimension gradient, kept in
+//! global memory, adds plainly).
 //!
 //! Entry points ([`entry_point`]): `rbf_mv_d{1,2,3}_c{1,4,16,64}`, `kde_d{1,2,3}`,
 //! `kernel_lse_d{1,2,3}`, `kernel_lse_grad_d{1,2,3}` with the dimension a compile-time
