@@ -29,13 +29,13 @@ import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import cpu_host, jax_attention, protocol, timing  # noqa: E402
+    from compare import cpu_host, dense_kernel_sums, jax_attention, protocol, timing  # noqa: E402
 else:
-    from . import cpu_host, jax_attention, protocol, timing
+    from . import cpu_host, dense_kernel_sums, jax_attention, protocol, timing
 
 LIBRARY = "JAX"
 IMPLEMENTATIONS = ("jax_dense",)
-OPS = ("rbf_mv", "kde", "kernel_lse")
+OPS = dense_kernel_sums.OPS
 DENSE_NOTE = ("holds the N x M matrix of squared distances (from a matrix product at "
               "precision HIGHEST) and kernel values")
 
@@ -45,23 +45,14 @@ IMPORT_ERROR = jax_attention.IMPORT_ERROR
 
 def platform_of(job):
     """JAX's platform for the job's device (`gpu` when the job names none)."""
-    return "cpu" if job.get("device") == "cpu" else "gpu"
+    return "gpu" if dense_kernel_sums.on_gpu(job) else "cpu"
 
 
 def unsupported_reason(case, implementation):
-    if implementation not in IMPLEMENTATIONS:
-        return "unknown implementation %r (known: %s)" % (implementation,
-                                                          ", ".join(IMPLEMENTATIONS))
-    if case.get("op") not in OPS:
-        return "unknown op %r (%s)" % (case.get("op"), ", ".join(OPS))
-    if case.get("dtype") != "fp32":
-        return "dtype %r: kernel sums take fp32 points" % (case.get("dtype"),)
-    return None
+    return dense_kernel_sums.unsupported_reason(case, implementation, IMPLEMENTATIONS)
 
 
-def dense_bytes(args):
-    """Bytes of one float32 N x M matrix."""
-    return 4 * int(args["n"]) * int(args["m"])
+dense_bytes = dense_kernel_sums.dense_bytes
 
 
 def build(args):
@@ -153,8 +144,7 @@ def _measure_into(job, reply):
     except Exception as e:
         status, msg = jax_attention.classify(e)
         if status == "oom":
-            msg = "the dense N x M matrix alone is %.2f GB: %s" % (
-                dense_bytes(job["files"]["arguments"]) / 1e9, msg)
+            msg = dense_kernel_sums.oom_message(job["files"]["arguments"], msg)
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
         return
     if "message" in fields:

@@ -30,13 +30,13 @@ import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import protocol, timing, torch_cpu, torch_sdpa  # noqa: E402
+    from compare import dense_kernel_sums, protocol, timing, torch_cpu, torch_sdpa  # noqa: E402
 else:
-    from . import protocol, timing, torch_cpu, torch_sdpa
+    from . import dense_kernel_sums, protocol, timing, torch_cpu, torch_sdpa
 
 LIBRARY = "PyTorch"
 IMPLEMENTATIONS = ("torch_dense",)
-OPS = ("rbf_mv", "kde", "kernel_lse")
+OPS = dense_kernel_sums.OPS
 DENSE_NOTE = "holds the N x M matrix of distances and kernel values"
 
 torch = torch_cpu.torch
@@ -44,19 +44,10 @@ IMPORT_ERROR = torch_cpu.IMPORT_ERROR
 
 
 def unsupported_reason(case, implementation):
-    if implementation not in IMPLEMENTATIONS:
-        return "unknown implementation %r (known: %s)" % (implementation,
-                                                          ", ".join(IMPLEMENTATIONS))
-    if case.get("op") not in OPS:
-        return "unknown op %r (%s)" % (case.get("op"), ", ".join(OPS))
-    if case.get("dtype") != "fp32":
-        return "dtype %r: kernel sums take fp32 points" % (case.get("dtype"),)
-    return None
+    return dense_kernel_sums.unsupported_reason(case, implementation, IMPLEMENTATIONS)
 
 
-def dense_bytes(args):
-    """Bytes of one float32 N x M matrix."""
-    return 4 * int(args["n"]) * int(args["m"])
+dense_bytes = dense_kernel_sums.dense_bytes
 
 
 def caller(args):
@@ -94,10 +85,7 @@ def classify(exc):
     return status, msg
 
 
-def on_gpu(job):
-    """True when the job comes from a GPU run (the job's `device`, `gpu` when absent, as the
-    runner's `Job` reads it)."""
-    return job.get("device", "gpu") == "gpu"
+on_gpu = dense_kernel_sums.on_gpu
 
 
 def measure(job):
@@ -126,8 +114,7 @@ def _measure_into(job, reply):
     except Exception as e:
         status, msg = classify(e)
         if status == "oom":
-            msg = "the dense N x M matrix alone is %.2f GB: %s" % (
-                dense_bytes(job["files"]["arguments"]) / 1e9, msg)
+            msg = dense_kernel_sums.oom_message(job["files"]["arguments"], msg)
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
         return
     if "message" in fields:
