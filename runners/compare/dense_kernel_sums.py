@@ -2,6 +2,15 @@
 they take, the case checks, the device a job names, and the size an out-of-memory row reports.
 """
 
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from compare import protocol  # noqa: E402
+else:
+    from . import protocol
+
 # The ops a dense module computes (the runner's `op` parameter).
 OPS = ("rbf_mv", "kde", "kernel_lse")
 
@@ -32,3 +41,29 @@ def dense_bytes(args):
 def oom_message(args, msg):
     """An `oom` row's message: the dense matrix's size, then the framework's words."""
     return "the dense N x M matrix alone is %.2f GB: %s" % (dense_bytes(args) / 1e9, msg)
+
+
+def measure_into(job, reply, library, why, run, classify):
+    """Fills `reply["row"]` (and `reply["window"]`) for one job: `unsupported` with `why` when
+    it is not None; else `run(job)` -> (fields, window), an `error` row when the fields carry
+    the check's `message`, `ok` otherwise; an exception from `run` becomes the row
+    `classify(exc)` names, an `oom` message prefixed with the dense matrix's size."""
+    case, implementation = job["case"], job["implementation"]
+    if why is not None:
+        reply["row"] = protocol.make_row(case, implementation, library, "unsupported", why)
+        return
+    try:
+        fields, window = run(job)
+    except Exception as e:
+        status, msg = classify(e)
+        if status == "oom":
+            msg = oom_message(job["files"]["arguments"], msg)
+        reply["row"] = protocol.make_row(case, implementation, library, status, msg)
+        return
+    if "message" in fields:
+        reply["row"] = protocol.make_row(case, implementation, library, "error",
+                                         fields["message"])
+    else:
+        reply["row"] = protocol.make_row(case, implementation, library, "ok", None, **fields)
+    if window is not None:
+        reply["window"] = window

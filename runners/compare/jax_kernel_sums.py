@@ -136,24 +136,7 @@ def _measure_into(job, reply):
                 why = "no %s device visible to JAX" % platform_of(job)
         except Exception as e:
             why = "no %s backend in JAX: %s" % (platform_of(job), protocol.exc_text(e))
-    if why is not None:
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
-        return
-    try:
-        fields, window = _measure(job)
-    except Exception as e:
-        status, msg = jax_attention.classify(e)
-        if status == "oom":
-            msg = dense_kernel_sums.oom_message(job["files"]["arguments"], msg)
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
-        return
-    if "message" in fields:
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "error",
-                                         fields["message"])
-    else:
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "ok", None, **fields)
-    if window is not None:
-        reply["window"] = window
+    dense_kernel_sums.measure_into(job, reply, LIBRARY, why, _measure, jax_attention.classify)
 
 
 def _measure(job):

@@ -106,24 +106,8 @@ def _measure_into(job, reply):
     why = IMPORT_ERROR or unsupported_reason(case, implementation)
     if why is None and on_gpu(job) and not torch.cuda.is_available():
         why = "no CUDA device visible to torch"
-    if why is not None:
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
-        return
-    try:
-        fields, window = (_measure_gpu if on_gpu(job) else _measure_cpu)(job)
-    except Exception as e:
-        status, msg = classify(e)
-        if status == "oom":
-            msg = dense_kernel_sums.oom_message(job["files"]["arguments"], msg)
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
-        return
-    if "message" in fields:
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "error",
-                                         fields["message"])
-    else:
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "ok", None, **fields)
-    if window is not None:
-        reply["window"] = window
+    run = _measure_gpu if on_gpu(job) else _measure_cpu
+    dense_kernel_sums.measure_into(job, reply, LIBRARY, why, run, classify)
 
 
 def _check(files, results):
@@ -245,7 +229,8 @@ def _measure_gpu(job):
         torch.backends.cuda.matmul.allow_tf32)]
     graph = reported if graph_error is None else None
     if graph_error is not None:
-        notes.append("CUDA graph capture failed, timed eagerly: %s" % protocol.exc_text(graph_error))
+        notes.append("CUDA graph capture failed, timed eagerly: %s"
+                     % protocol.exc_text(graph_error))
     notes += _cut_short_notes([(eager, "eager"), (graph, "graph")], tcfg)
     fields = dict(
         median_ms=reported["median"], q1_ms=reported["q1"], q3_ms=reported["q3"],

@@ -337,7 +337,8 @@ def _measure(job, caught):
 
     graph = reported if graph_error is None else None
     if graph_error is not None:
-        notes.append("CUDA graph capture failed, timed eagerly: %s" % protocol.exc_text(graph_error))
+        notes.append("CUDA graph capture failed, timed eagerly: %s"
+                     % protocol.exc_text(graph_error))
     for m, what in ((eager, "eager"), (graph, "graph")):
         if m is not None and m["cut_short"]:
             notes.append("%s timing: %d of %d samples, the %g s case limit stopped sampling"
