@@ -82,10 +82,13 @@ __device__ __forceinline__ void acc_to_a(const float (&c)[N][4], u32 (&a)[N / 2]
 // acc (16 rows x NT*8 columns) += A (16 rows, from the warp's rows `a_rows` of shared memory,
 // row stride STR, k = D columns) times B^T where B's rows are `b_rows` (NT * 8 rows of shared
 // memory, k = D columns): the "row x col" product of two row-major tiles over their D columns.
-template <int D, int NT, int STR, bool BF16>
+// UNR: how many 32-column steps of the loop over D the compiler may unroll (1 keeps it rolled,
+// which holds registers down; more lets ptxas issue the next step's ldmatrix under this step's
+// mma, at the price of the registers those fragments take).
+template <int D, int NT, int STR, bool BF16, int UNR>
 __device__ __forceinline__ void mma_rows_rows(float (&acc)[NT][4], const u16* a_rows,
                                               const u16* b_rows, int lane) {
-#pragma unroll 1
+#pragma unroll UNR
     for (int kc = 0; kc < D / 16; kc += 2) {
         u32 af[2][4];
         const u16* pa = a_rows + (lane & 15) * STR + kc * 16 + (lane >> 4) * 8;
@@ -120,7 +123,24 @@ __device__ __forceinline__ void mma_regs_rows(float (&acc)[DT][4], const u32 (&a
     }
 }
 
-template <int D, int DKV, int NW, int BR, bool BF16, bool CAUSAL>
+// fp32 adds of two adjacent dQ columns: one vector reduction (`red.global.add.v2.f32`, 8 bytes)
+// on compute capability 9.0 and newer when VRED, else two scalar ones. Both are unordered
+// adds to L2; the vector form halves the instructions and the L2 requests.
+template <bool VRED>
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (VRED) {
+        asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+        return;
+    }
+#endif
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+}
+
+// UNR: unroll of the S^T and dP^T products' loop over D (mma_rows_rows); VRED: dQ adds as
+// 8-byte vector reductions on sm_90 (red_add2).
+template <int D, int DKV, int NW, int BR, bool BF16, bool CAUSAL, int UNR, bool VRED>
 __device__ __forceinline__ void flash_bwd(
     const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
     const u16* __restrict__ dO, const float* __restrict__ LSE, const float* __restrict__ Dsum,
@@ -225,7 +245,7 @@ __device__ __forceinline__ void flash_bwd(
             float p[NQ][4];
 #pragma unroll
             for (int i = 0; i < NQ; ++i) p[i][0] = p[i][1] = p[i][2] = p[i][3] = 0.f;
-            mma_rows_rows<D, NQ, STR, BF16>(p, sK + 16 * warp * STR, q_s, lane);
+            mma_rows_rows<D, NQ, STR, BF16, UNR>(p, sK + 16 * warp * STR, q_s, lane);
             const bool mask = kw0 + 16 > lim_first;
 #pragma unroll
             for (int nt = 0; nt < NQ; ++nt) {
@@ -245,7 +265,7 @@ __device__ __forceinline__ void flash_bwd(
             float ds[NQ][4];
 #pragma unroll
             for (int i = 0; i < NQ; ++i) ds[i][0] = ds[i][1] = ds[i][2] = ds[i][3] = 0.f;
-            mma_rows_rows<D, NQ, STR, BF16>(ds, sV + 16 * warp * STR, do_s, lane);
+            mma_rows_rows<D, NQ, STR, BF16, UNR>(ds, sV + 16 * warp * STR, do_s, lane);
 #pragma unroll
             for (int nt = 0; nt < NQ; ++nt) {
 #pragma unroll
@@ -301,8 +321,7 @@ __device__ __forceinline__ void flash_bwd(
                         const int row = rg * 16 + g + r * 8;
                         if (q0 + row < Tq) {
                             float* p2 = dq_base + (size_t)row * D + col0 + dt * 8 + 2 * t4;
-                            atomicAdd(p2, acc[dt][2 * r]);
-                            atomicAdd(p2 + 1, acc[dt][2 * r + 1]);
+                            red_add2<VRED>(p2, acc[dt][2 * r], acc[dt][2 * r + 1]);
                         }
                     }
                 }

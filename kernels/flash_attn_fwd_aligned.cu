@@ -1,11 +1,12 @@
 // The fast path of the flash forward: the measured v3 kernel of kernels/TUNING.md, for equal
-// query and key lengths T (any T >= 1), head_dim 64 or 128, every key valid, forward only (it
-// writes no log-sum-exp). The general kernel (flash_attn_fwd.cu) bounds every load, mask and
+// query and key lengths T (any T >= 1), head_dim 64 or 128, every key valid; with LSE_OUT it
+// also writes the log-sum-exp the backward needs (fp32 [B, H, T], natural log, as the general
+// kernel writes it; every row sees at least one key here, so it is finite). The general kernel (flash_attn_fwd.cu) bounds every load, mask and
 // store by the lengths, which cost 30 % on aligned shapes (kernels/TUNING.md, "aligned fast
 // path"); here the instance with EVEN = true (T a multiple of the 128-row query tile) has no
 // bounds at all, and the EVEN = false instance bounds only the last query and key tiles.
 // Dispatch (src/attention/cuda.rs, `flash_fast_path`) sends such forwards here and every other
-// case (separate lengths, key lengths, other head dims, the LSE for the backward) there.
+// case (separate lengths, key lengths, other head dims, another configuration) there.
 //
 // Flash-attention forward (FlashAttention-2 style: Dao, 2023, "FlashAttention-2: Faster
 // Attention with Better Parallelism and Work Partitioning"), written for this project.
@@ -63,10 +64,12 @@ __device__ __forceinline__ void load_tile_bounded(u16* s, const u16* g, int tid,
 // and key tiles are loaded zero-filled past T, keys >= T score -inf (on the last key tile only;
 // with CAUSAL the mask already removes them for every stored row), rows >= T are not stored.
 // Requirements: (16 * MT * NW) % BCT == 0; with EVEN, T % (16 * MT * NW) == 0.
-template <int D, int NW, int MT, int BCT, bool BF16, bool CAUSAL, bool EVEN>
+// LSE_OUT: write the log-sum-exp of every stored row to LSE (otherwise LSE is not touched).
+template <int D, int NW, int MT, int BCT, bool BF16, bool CAUSAL, bool EVEN, bool LSE_OUT>
 __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u16* __restrict__ K,
                                              const u16* __restrict__ V, u16* __restrict__ O,
-                                             int T, int H, int KVH, float scale_log2) {
+                                             float* __restrict__ LSE, int T, int H, int KVH,
+                                             float scale_log2) {
     constexpr int BR = 16 * MT * NW;
     constexpr int NTH = 32 * NW;
     constexpr int STR = D + 8;
@@ -249,6 +252,8 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
             const float inv = 1.f / l;
             const int row = warp_row0 + mt * 16 + g + r * 8;
             if (!EVEN && qt * BR + row >= T) continue;  // past the sequence end: not stored
+            if (LSE_OUT && t4 == 0)
+                LSE[(size_t)(b * H + h) * T + (size_t)qt * BR + row] = (m_run[mt][r] + log2f(l)) * LN2;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 u32 v = pack2<BF16>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);

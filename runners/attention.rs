@@ -10,11 +10,15 @@
 //! head dims and masks, forward and forward + backward; `shapes`, the shapes of issue 9 §2
 //! (short and non-aligned lengths, decoding, cross-attention, GQA/MQA, head dims 32/96/256,
 //! fp16 and fp32, scale 0.3, per-sequence key lengths), each forward and forward + backward.
+//! A third, `tiles`, is the tile sweep behind the defaults (`gpu_attention_tiles.json`): the
+//! flash kernel in each configuration of `FWD_SWEEP` and `BWD_SWEEP`, the configuration a case
+//! parameter (`config`); run it alone with `--implementations flash`.
 //!
 //! ```text
 //! attention --compare torch,jax --output data/gpu_attention.json
 //! attention --quick --filter head_dim=128 --runs 2
 //! attention --grids shapes --passes fwd
+//! attention --grids tiles --implementations flash --output data/gpu_attention_tiles.json
 //! attention --device cpu --compare torch --output data/cpu_attention.json
 //! ```
 
@@ -28,15 +32,15 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 
 use kernelpages::attention::cuda::{
-    replicate, upload, DeviceInputs, FlashConfig, Implementation, Runner, FLASH_HEAD_DIMS,
-    MATH_FP32_NOTE,
+    replicate, upload, BwdConfig, DeviceInputs, FlashConfig, Implementation, Runner, BWD_SWEEP,
+    FLASH_HEAD_DIMS, FWD_SWEEP, MATH_FP32_NOTE,
 };
 use kernelpages::attention::{cpu::Inputs, files, AttentionCase, Dtype, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::runner::grid::Params;
 use kernelpages::runner::protocol::CaseFiles;
 use kernelpages::runner::{self, own, Alternative, Declared, DeviceChoice, RunnerArgs};
-use kernelpages::schema::{DispatchRule, Suite};
+use kernelpages::schema::{DispatchRule, Param, Suite};
 
 /// Measure attention implementations on the GPU (or with --device cpu the CPU) and write a
 /// suite document.
@@ -53,7 +57,8 @@ struct Cli {
     /// cpu].
     #[arg(long, value_delimiter = ',')]
     implementations: Option<Vec<String>>,
-    /// Grids to measure: `main` (the seq_len sweep) and `shapes` (issue 9 §2's shapes)
+    /// Grids to measure: `main` (the seq_len sweep), `shapes` (issue 9 §2's shapes) and
+    /// `tiles` (the flash configurations behind the defaults, seq_len 16384 or `--seq-lens`)
     /// [default: main,shapes; main with --device cpu].
     #[arg(long, value_delimiter = ',')]
     grids: Option<Vec<String>>,
@@ -312,10 +317,85 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
                 cases.extend(main_cases(cli, &seq_lens)?)
             }
             "shapes" => cases.extend(shape_cases(cli, quick)?),
-            g => bail!("--grids: unknown grid `{g}` (main, shapes)"),
+            "tiles" => {}
+            g => bail!("--grids: unknown grid `{g}` (main, shapes, tiles)"),
         }
     }
-    Ok(cases.iter().map(AttentionCase::params).collect())
+    let mut params: Vec<Params> = cases.iter().map(AttentionCase::params).collect();
+    if grids.iter().any(|g| g == "tiles") {
+        params.extend(tile_cases(cli, quick)?);
+    }
+    Ok(params)
+}
+
+/// The case parameter naming a flash configuration in the tile sweep (`v3w4m2b64` for a
+/// forward, `w8r32v` for a backward).
+const CONFIG_PARAM: &str = "config";
+
+/// The tile sweep (issue 9 §4): every forward configuration of [`FWD_SWEEP`] (forward pass) and
+/// every backward configuration of [`BWD_SWEEP`] (forward + backward, the forward in its
+/// default configuration) that the head dim can run, at B4 H8, head_dim 64 and 128, both
+/// masks, bf16, seq_len 16384 (or `--seq-lens`; 1024 with `--quick`). Each case carries its
+/// configuration as the `config` parameter.
+fn tile_cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
+    let seq_lens = if quick {
+        vec![1024]
+    } else {
+        cli.seq_lens.clone().unwrap_or_else(|| vec![16384])
+    };
+    let mut out = Vec::new();
+    for &head_dim in &[64, 128] {
+        for causal in [false, true] {
+            for &seq_len in &seq_lens {
+                let base = AttentionCase {
+                    causal,
+                    ..AttentionCase::new(4, 8, seq_len, head_dim)
+                };
+                let mut push = |pass: Pass, name: &str| {
+                    let mut p = AttentionCase {
+                        pass,
+                        ..base.clone()
+                    }
+                    .params();
+                    p.insert(CONFIG_PARAM.into(), Param::Text(name.into()));
+                    out.push(p);
+                };
+                for name in FWD_SWEEP {
+                    push(Pass::Fwd, name);
+                }
+                for name in BWD_SWEEP {
+                    let bc = BwdConfig::parse(name).map_err(anyhow::Error::msg)?;
+                    if bc.check(head_dim).is_ok() {
+                        push(Pass::FwdBwd, name);
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The flash configurations a tile-sweep case names (forward, backward), `None` each for the
+/// default.
+fn case_configs(p: &Params) -> Result<(Option<FlashConfig>, Option<BwdConfig>)> {
+    match p.get(CONFIG_PARAM) {
+        None => Ok((None, None)),
+        Some(Param::Text(s)) if s.starts_with("v3") => Ok((
+            Some(FlashConfig::parse(s).map_err(anyhow::Error::msg)?),
+            None,
+        )),
+        Some(Param::Text(s)) => Ok((None, Some(BwdConfig::parse(s).map_err(anyhow::Error::msg)?))),
+        Some(other) => bail!("case parameter `config` must be text, got {other:?}"),
+    }
+}
+
+/// The configuration name the default dispatch runs for `c` in the tile sweep's terms: the
+/// forward's for a forward, the backward's for forward + backward.
+fn default_config_name(c: &AttentionCase) -> Option<String> {
+    match c.pass {
+        Pass::Fwd => FlashConfig::for_head_dim(c.head_dim).ok().map(|f| f.name()),
+        Pass::FwdBwd => BwdConfig::for_head_dim(c.head_dim).ok().map(|b| b.name()),
+    }
 }
 
 /// What the public entry points (`attention::dot_product_attention` and its vjp, and `mha`)
@@ -336,15 +416,25 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             )
         })
         .collect();
+    let bwd_configs: Vec<String> = FLASH_HEAD_DIMS
+        .iter()
+        .map(|&d| {
+            format!(
+                "{d}: {}",
+                BwdConfig::for_head_dim(d).expect("checked at start").name()
+            )
+        })
+        .collect();
     vec![
         DispatchRule {
             entry_point: ENTRY.into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
-                "head_dim {} (forward configs {}), any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale; forward and forward + backward. Kernel: a forward with seq_len_q = seq_len_kv, head_dim 64 or 128, every key valid and the default configuration runs the tuned v3 kernel (kernels/flash_attn_fwd_aligned.cu; its last tile masked when the length is not a multiple of its 128-row query tile), every other case the general kernel (kernels/flash_attn_fwd.cu) and the backward kernels (kernels/flash_attn_bwd.cu)",
+                "head_dim {} (forward configs {}), any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale; forward and forward + backward. Kernels: with seq_len_q = seq_len_kv, head_dim 64 or 128 and every key valid the forward is the tuned v3 kernel (kernels/flash_attn_fwd_aligned.cu; its last tile masked when the length is not a multiple of its 128-row query tile; it also writes the log-sum-exp when a backward follows), every other forward the general kernel (kernels/flash_attn_fwd.cu); the backward kernels (kernels/flash_attn_bwd.cu, backward configs {})",
                 dims.join(", "),
-                configs.join(", ")
+                configs.join(", "),
+                bwd_configs.join(", ")
             ),
             implementation: Implementation::Flash.name().into(),
         },
@@ -397,6 +487,11 @@ impl runner::Suite for Attention {
         if implementation == cpu::IMPLEMENTATION {
             return cpu::unsupported(p);
         }
+        if p.contains_key(CONFIG_PARAM) && implementation != Implementation::Flash.name() {
+            return Some(format!(
+                "the tile sweep measures the flash kernel's configurations; {implementation} has none"
+            ));
+        }
         let imp = Implementation::parse(implementation)?;
         match case_of(p) {
             Ok(c) => imp.supports(&c).err(),
@@ -409,7 +504,13 @@ impl runner::Suite for Attention {
             return implementation == cpu::IMPLEMENTATION;
         }
         match (case_of(p), Implementation::parse(implementation)) {
-            (Ok(c), Some(imp)) => imp.is_default_for(&c),
+            (Ok(c), Some(imp)) => {
+                let named = match p.get(CONFIG_PARAM) {
+                    Some(Param::Text(s)) => Some(s.clone()),
+                    _ => None,
+                };
+                imp.is_default_for(&c) && (named.is_none() || named == default_config_name(&c))
+            }
             _ => false,
         }
     }
@@ -459,6 +560,9 @@ impl runner::Suite for Attention {
                 if let Some(l) = &c.kv_lens {
                     s += &format!(" kv_lens {l:?}");
                 }
+                if let Some(Param::Text(cfg)) = p.get(CONFIG_PARAM) {
+                    s += &format!(" config {cfg}");
+                }
                 s
             }
             Err(_) => format!("{p:?}"),
@@ -478,7 +582,7 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         FlashConfig::for_head_dim(d)
             .map_err(anyhow::Error::msg)
             .context("--flash-config")?;
-        kernelpages::attention::cuda::BwdConfig::for_head_dim(d)
+        BwdConfig::for_head_dim(d)
             .map_err(anyhow::Error::msg)
             .context("--flash-bwd-config")?;
     }
@@ -592,8 +696,18 @@ fn measure_own(job: &runner::protocol::Job) -> runner::protocol::Reply {
             )
         }
     };
+    let (fwd, bwd) = match case_configs(&job.case) {
+        Ok(x) => x,
+        Err(e) => {
+            return runner::protocol::Reply::failed(
+                job,
+                kernelpages::schema::Status::Error,
+                format!("{e:#}"),
+            )
+        }
+    };
     own::measure(job, |gpu| {
-        let (runner, compile_s) = Runner::new(gpu, imp, &c)?;
+        let (runner, compile_s) = Runner::with_configs(gpu, imp, &c, fwd, bwd)?;
         Ok((
             Launch {
                 runner,
@@ -644,6 +758,61 @@ mod tests {
         assert_eq!(cases(&cli, true).unwrap().len(), 2 * 2 * 2 * 2);
         let cli = Cli::try_parse_from(["attention", "--shard", "1/2"]).unwrap();
         assert_eq!(cli.run.shard.unwrap().count, 2);
+    }
+
+    #[test]
+    fn the_tile_sweep_names_every_configuration_once_and_marks_the_defaults() {
+        let cli = Cli::try_parse_from(["attention", "--grids", "tiles"]).unwrap();
+        let tiles = cases(&cli, false).unwrap();
+        let suite = Attention {
+            check_rows: 16,
+            device: DeviceChoice::Gpu,
+        };
+        for d in [64, 128] {
+            for causal in [false, true] {
+                let of = |pass: Pass| -> Vec<&Params> {
+                    tiles
+                        .iter()
+                        .filter(|p| {
+                            let c = case_of(p).unwrap();
+                            c.head_dim == d && c.causal == causal && c.pass == pass
+                        })
+                        .collect()
+                };
+                assert_eq!(of(Pass::Fwd).len(), FWD_SWEEP.len());
+                let runnable = BWD_SWEEP
+                    .iter()
+                    .filter(|n| BwdConfig::parse(n).unwrap().check(d).is_ok())
+                    .count();
+                assert_eq!(of(Pass::FwdBwd).len(), runnable);
+                // Exactly one default per (pass, head dim, mask): the dispatch's configuration.
+                for pass in [Pass::Fwd, Pass::FwdBwd] {
+                    let defaults: Vec<_> = of(pass)
+                        .into_iter()
+                        .filter(|p| suite.is_default(p, "flash"))
+                        .collect();
+                    assert_eq!(defaults.len(), 1, "d{d} causal {causal} {pass:?}");
+                    let c = case_of(defaults[0]).unwrap();
+                    assert_eq!(
+                        defaults[0].get(CONFIG_PARAM),
+                        Some(&Param::Text(default_config_name(&c).unwrap()))
+                    );
+                }
+            }
+        }
+        // Each case names its configuration, parsed back as the child reads it; math has none.
+        for p in &tiles {
+            let (f, b) = case_configs(p).unwrap();
+            assert!(f.is_some() != b.is_some());
+            assert!(suite.unsupported(p, "math").is_some());
+        }
+        assert!(case_configs(&tiles[0]).unwrap().0.is_some());
+        let bad = {
+            let mut p = tiles[0].clone();
+            p.insert(CONFIG_PARAM.into(), Param::Text("w9r7".into()));
+            p
+        };
+        assert!(case_configs(&bad).is_err());
     }
 
     #[test]

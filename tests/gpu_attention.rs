@@ -274,26 +274,35 @@ fn non_aligned_lengths_match_float64() {
     ignore = "needs an NVIDIA GPU and its driver; run on the GPU machine with --include-ignored"
 )]
 fn every_flash_configuration_matches_float64() {
+    // Unequal lengths run the general forward; equal lengths (300: not a multiple of any query
+    // tile) the fast path, in forward + backward with its log-sum-exp.
     let cases: Vec<AttentionCase> = [64, 128]
         .into_iter()
         .flat_map(|d| {
-            [false, true].map(|causal| AttentionCase {
-                kv_heads: 1,
-                seq_len_q: 300,
-                seq_len_kv: 333,
-                causal,
-                pass: Pass::FwdBwd,
-                ..AttentionCase::new(2, 2, 1, d)
-            })
+            [(300, 333), (300, 300)]
+                .into_iter()
+                .flat_map(move |(tq, tkv)| {
+                    [false, true].map(|causal| AttentionCase {
+                        kv_heads: 1,
+                        seq_len_q: tq,
+                        seq_len_kv: tkv,
+                        causal,
+                        pass: Pass::FwdBwd,
+                        ..AttentionCase::new(2, 2, 1, d)
+                    })
+                })
         })
         .collect();
-    for cfg in ["v3w4m2b32", "v3w8m2b32", "v3w4m1b64", "v3w8m1b64"] {
+    for cfg in kernelpages::attention::cuda::FWD_SWEEP {
         std::env::set_var("KP_FLASH_CONFIG", format!("64={cfg},128={cfg}"));
         eprintln!("forward config {cfg}");
         check_cases(Implementation::Flash, &cases, 500);
     }
     std::env::remove_var("KP_FLASH_CONFIG");
-    for cfg in ["w8r64", "w8r32", "w4r32", "w8r16", "w4r64"] {
+    for cfg in kernelpages::attention::cuda::BWD_SWEEP
+        .into_iter()
+        .chain(["w4r32", "w8r16", "w4r64"])
+    {
         let bc = kernelpages::attention::cuda::BwdConfig::parse(cfg).unwrap();
         let fits: Vec<AttentionCase> = cases
             .iter()

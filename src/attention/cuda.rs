@@ -30,22 +30,18 @@ pub const FLASH_SRC: &str = include_str!("../../kernels/flash_attn_fwd.cu");
 /// (`kernels/flash_attn_fwd_aligned.cu`, after [`PRELUDE_SRC`]).
 pub const FLASH_FAST_SRC: &str = include_str!("../../kernels/flash_attn_fwd_aligned.cu");
 
-/// True when the forward of `c` can take the fast path ([`flash_fast_instance`]): forward
-/// only, equal query and key lengths (any length ≥ 1: a length that is not a multiple of the
-/// 128-row query tile takes the instance with a masked last tile), head_dim 64 or 128, every key
-/// valid, 16-bit, and the tuned configuration.
+/// True when the forward of `c` can take the fast path ([`flash_fast_instance`]): equal query
+/// and key lengths (any length ≥ 1: a length that is not a multiple of the 128-row query tile
+/// takes the instance with a masked last tile), head_dim 64 or 128, every key valid, 16-bit, in
+/// any configuration [`FlashConfig::parse`] accepts. For forward + backward the instance also
+/// writes the log-sum-exp.
 pub fn flash_fast_path(c: &AttentionCase, fc: FlashConfig) -> bool {
-    c.pass == Pass::Fwd
-        && c.dtype != Dtype::F32
+    c.dtype != Dtype::F32
         && c.seq_len_q == c.seq_len_kv
         && (c.head_dim == 64 || c.head_dim == 128)
         && c.kv_lens.is_none()
-        && fc
-            == (FlashConfig {
-                warps: 4,
-                m_tiles: 2,
-                key_tile: 64,
-            })
+        && c.heads.is_multiple_of(c.kv_heads.max(1))
+        && fc.query_tile().is_multiple_of(fc.key_tile)
         && c.seq_len_q >= 1
 }
 
@@ -57,24 +53,26 @@ pub fn flash_even(c: &AttentionCase, fc: FlashConfig) -> bool {
 
 /// The kernel name and the NVRTC source of the fast-path forward for `c` (`flash_fwd_v3` of
 /// `kernels/flash_attn_fwd_aligned.cu` with configuration `fc`, `EVEN` from [`flash_even`]: one
-/// compile serves every non-aligned length); its arguments are
-/// `(Q, K, V, O, T, H, KVH, scale_log2)`.
+/// compile serves every non-aligned length; `LSE_OUT` for forward + backward); its arguments
+/// are `(Q, K, V, O, LSE, T, H, KVH, scale_log2)`.
 pub fn flash_fast_instance(c: &AttentionCase, fc: FlashConfig) -> (String, String) {
     let dt = dtype_tag(c.dtype);
     let mask = if c.causal { "causal" } else { "full" };
     let even = flash_even(c, fc);
+    let lse = c.pass == Pass::FwdBwd;
     let name = format!(
-        "flash_fwd_aligned_{dt}_d{}_{mask}_{}{}",
+        "flash_fwd_aligned_{dt}_d{}_{mask}_{}{}{}",
         c.head_dim,
         fc.name(),
-        if even { "" } else { "_tail" }
+        if even { "" } else { "_tail" },
+        if lse { "_lse" } else { "" }
     );
     let (bf, causal, d) = (c.dtype == Dtype::Bf16, c.causal, c.head_dim);
     let src = format!(
         "{PRELUDE_SRC}\n{FLASH_FAST_SRC}\nextern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
-         const u16* Q, const u16* K, const u16* V, u16* O, int T, int H, int KVH, \
-         float scale_log2) {{ flash_fwd_v3<{d}, {w}, {m}, {k}, {bf}, {causal}, {even}>(Q, K, V, O, T, \
-         H, KVH, scale_log2); }}\n",
+         const u16* Q, const u16* K, const u16* V, u16* O, float* LSE, int T, int H, int KVH, \
+         float scale_log2) {{ flash_fwd_v3<{d}, {w}, {m}, {k}, {bf}, {causal}, {even}, {lse}>(Q, K, V, O, \
+         LSE, T, H, KVH, scale_log2); }}\n",
         threads = 32 * fc.warps,
         w = fc.warps,
         m = fc.m_tiles,
@@ -89,6 +87,23 @@ pub const SOFTMAX_SRC: &str = include_str!("../../kernels/softmax_rows.cu");
 
 /// Head dimensions the flash kernels are instantiated for.
 pub const FLASH_HEAD_DIMS: [usize; 5] = [32, 64, 96, 128, 256];
+
+/// The forward configurations the tile sweep measures (`attention --grids tiles`, the document
+/// `gpu_attention_tiles.json`), head_dim 64 and 128, each on the fast path
+/// ([`flash_fast_path`]).
+pub const FWD_SWEEP: [&str; 5] = [
+    "v3w4m2b64",
+    "v3w4m2b32",
+    "v3w4m1b64",
+    "v3w8m1b64",
+    "v3w8m2b32",
+];
+
+/// The backward configurations the tile sweep measures (forward + backward, the forward in its
+/// default configuration); [`BwdConfig::check`] drops those a head dim cannot run.
+pub const BWD_SWEEP: [&str; 8] = [
+    "w8r32", "w8r32v", "w8r32u2v", "w8r16v", "w8r16u2v", "w4r32v", "w8r64", "w8r64v",
+];
 
 /// Why `flash` does not take fp32 inputs, in the words of an `unsupported` row.
 pub const FLASH_FP32_REASON: &str = "fp32 inputs: the flash kernels run on mma.sync m16n8k16 with 16-bit (bf16/fp16) operands; fp32 would need TF32 tensor cores (10-bit mantissa, about 3e-4 error, not an fp32 result) or a CUDA-core kernel; `math` computes fp32 with cuBLAS SGEMM";
@@ -193,7 +208,9 @@ impl FlashConfig {
 }
 
 /// A flash backward configuration: warps per CTA (each owns 16 keys, so a CTA owns
-/// 16 · warps keys) and query rows per step, written `w8r32`.
+/// 16 · warps keys), query rows per step, the unroll of the S^T and dP^T products' loop over
+/// head_dim, and whether dQ's fp32 adds are 8-byte vector reductions; written `w8r32`,
+/// `w8r32u2` or `w8r32u2v` (`kernels/flash_attn_bwd.cu` documents the kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BwdConfig {
     /// Warps per CTA (4 or 8).
@@ -201,23 +218,41 @@ pub struct BwdConfig {
     /// Query rows per step (16, 32 or 64); the dQ product splits them over the warps, so
     /// `warps` must be a multiple of rows / 16.
     pub query_rows: usize,
+    /// 32-column steps of the products' loop over head_dim the compiler may unroll (1, 2 or
+    /// 4; 1 keeps it rolled).
+    pub unroll: usize,
+    /// dQ's adds as `red.global.add.v2.f32` on compute capability 9.0 and newer (two scalar
+    /// adds elsewhere).
+    pub vec_red: bool,
 }
 
 impl BwdConfig {
-    /// Parses `w{4,8}r{16,32,64}`.
+    /// Parses `w{4,8}r{16,32,64}[u{1,2,4}][v]`.
     ///
     /// # Errors
     /// Names the string and the accepted forms.
     pub fn parse(s: &str) -> Result<BwdConfig, String> {
-        let bad = || format!("flash backward config `{s}`: expected w<4|8>r<16|32|64>");
+        let bad =
+            || format!("flash backward config `{s}`: expected w<4|8>r<16|32|64>[u<1|2|4>][v]");
         let rest = s.strip_prefix('w').ok_or_else(bad)?;
-        let (w, r) = rest.split_once('r').ok_or_else(bad)?;
+        let (w, rest) = rest.split_once('r').ok_or_else(bad)?;
+        let (rest, vec_red) = match rest.strip_suffix('v') {
+            Some(r) => (r, true),
+            None => (rest, false),
+        };
+        let (r, u) = match rest.split_once('u') {
+            Some((r, u)) => (r, u.parse().map_err(|_| bad())?),
+            None => (rest, 1),
+        };
         let c = BwdConfig {
             warps: w.parse().map_err(|_| bad())?,
             query_rows: r.parse().map_err(|_| bad())?,
+            unroll: u,
+            vec_red,
         };
         let ok = matches!(c.warps, 4 | 8)
             && matches!(c.query_rows, 16 | 32 | 64)
+            && matches!(c.unroll, 1 | 2 | 4)
             && c.warps.is_multiple_of(c.query_rows / 16);
         if !ok {
             return Err(bad());
@@ -225,9 +260,16 @@ impl BwdConfig {
         Ok(c)
     }
 
-    /// The written form, e.g. `w8r32`.
+    /// The written form, e.g. `w8r32` (unroll 1, scalar adds) or `w8r32u2v`.
     pub fn name(&self) -> String {
-        format!("w{}r{}", self.warps, self.query_rows)
+        let mut s = format!("w{}r{}", self.warps, self.query_rows);
+        if self.unroll != 1 {
+            s += &format!("u{}", self.unroll);
+        }
+        if self.vec_red {
+            s.push('v');
+        }
+        s
     }
 
     /// Keys per CTA.
@@ -280,14 +322,20 @@ impl BwdConfig {
             d if d <= 96 => BwdConfig {
                 warps: 8,
                 query_rows: 64,
+                unroll: 1,
+                vec_red: false,
             },
             d if d <= 128 => BwdConfig {
                 warps: 8,
                 query_rows: 32,
+                unroll: 1,
+                vec_red: false,
             },
             _ => BwdConfig {
                 warps: 4,
                 query_rows: 32,
+                unroll: 1,
+                vec_red: false,
             },
         })
     }
@@ -490,7 +538,7 @@ pub fn flash_bwd_wrappers(c: &AttentionCase, bc: BwdConfig) -> (BwdNames, Vec<(S
         "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const u16* Q, const u16* K, \
          const u16* V, const u16* dO, const float* LSE, const float* Dsum, const int* kv_lens, \
          float* dQacc, u16* dK, u16* dV, int Tq, int Tkv, int H, int KVH, float scale_log2, \
-         float scale, int dkv_off, int do_dq) {{ flash_bwd<{d}, {dkv}, {w}, {br}, {bf}, {causal}>(\
+         float scale, int dkv_off, int do_dq) {{ flash_bwd<{d}, {dkv}, {w}, {br}, {bf}, {causal}, {u}, {vr}>(\
          Q, K, V, dO, LSE, Dsum, kv_lens, dQacc, dK, dV, Tq, Tkv, H, KVH, scale_log2, scale, \
          dkv_off, do_dq); }}\n",
         name = names.main,
@@ -499,6 +547,8 @@ pub fn flash_bwd_wrappers(c: &AttentionCase, bc: BwdConfig) -> (BwdNames, Vec<(S
         w = bc.warps,
         br = bc.query_rows,
         causal = c.causal,
+        u = bc.unroll,
+        vr = bc.vec_red,
     );
     let wrappers = vec![
         (names.preprocess.clone(), pre),
@@ -652,9 +702,11 @@ pub enum Runner {
         lse: CudaSlice<f32>,
         /// The backward (forward + backward cases).
         bwd: Option<Box<FlashBwd>>,
-        /// True when `func` is the fast path ([`flash_fast_path`]): other arguments, no
-        /// log-sum-exp.
+        /// True when `func` is the fast path ([`flash_fast_path`]): other arguments.
         fast: bool,
+        /// True when the forward writes `lse`: always for the general kernel, for forward +
+        /// backward on the fast path.
+        writes_lse: bool,
     },
     /// cuBLAS + row kernels.
     Math {
@@ -771,8 +823,9 @@ impl Gemm {
 }
 
 impl Runner {
-    /// Compiles what `imp` needs for `c` and allocates its temporaries. Returns the runner and
-    /// the NVRTC compile + load time in s.
+    /// Compiles what `imp` needs for `c` and allocates its temporaries, in the default
+    /// configurations ([`FlashConfig::for_head_dim`], [`BwdConfig::for_head_dim`]). Returns the
+    /// runner and the NVRTC compile + load time in s.
     ///
     /// # Errors
     /// [`GpuError::Config`] for a case `imp` does not support or a configuration that needs
@@ -783,12 +836,31 @@ impl Runner {
         imp: Implementation,
         c: &AttentionCase,
     ) -> Result<(Runner, f64), GpuError> {
+        Runner::with_configs(gpu, imp, c, None, None)
+    }
+
+    /// As [`Runner::new`], with the flash forward configuration `fwd` and the backward
+    /// configuration `bwd` where given (the defaults where `None`; `math` ignores both): the
+    /// tile sweep's entry.
+    ///
+    /// # Errors
+    /// As [`Runner::new`]; [`GpuError::Config`] when `bwd` cannot run the head dim.
+    pub fn with_configs(
+        gpu: &Gpu,
+        imp: Implementation,
+        c: &AttentionCase,
+        fwd: Option<FlashConfig>,
+        bwd_config: Option<BwdConfig>,
+    ) -> Result<(Runner, f64), GpuError> {
         imp.supports(c).map_err(GpuError::Config)?;
         let rows = c.batch * c.heads * c.seq_len_q;
         let bwd = c.pass == Pass::FwdBwd;
         match imp {
             Implementation::Flash => {
-                let fc = FlashConfig::for_head_dim(c.head_dim).map_err(GpuError::Config)?;
+                let fc = match fwd {
+                    Some(fc) => fc,
+                    None => FlashConfig::for_head_dim(c.head_dim).map_err(GpuError::Config)?,
+                };
                 let fast = flash_fast_path(c, fc);
                 let (name, src) = if fast {
                     flash_fast_instance(c, fc)
@@ -812,7 +884,13 @@ impl Runner {
                 // SAFETY: the forward writes every row of the LSE before anything reads it.
                 let lse = unsafe { gpu.stream.alloc::<f32>(rows)? };
                 let bwd = if bwd {
-                    let bc = BwdConfig::for_head_dim(c.head_dim).map_err(GpuError::Config)?;
+                    let bc = match bwd_config {
+                        Some(bc) => {
+                            bc.check(c.head_dim).map_err(GpuError::Config)?;
+                            bc
+                        }
+                        None => BwdConfig::for_head_dim(c.head_dim).map_err(GpuError::Config)?,
+                    };
                     let (names, src) = flash_bwd_instance(c, bc);
                     let smem = bc.smem_bytes(c.head_dim);
                     check_smem(gpu, &names.main, smem)?;
@@ -847,6 +925,7 @@ impl Runner {
                         lse,
                         bwd,
                         fast,
+                        writes_lse: !fast || c.pass == Pass::FwdBwd,
                     },
                     compile_s,
                 ))
@@ -932,14 +1011,16 @@ impl Runner {
     }
 
     /// The log-sum-exp the flash forward wrote in the last call (fp32 `[B, H, Tq]`, natural
-    /// log, +∞ for rows that see no key); `None` for `math` and for the fast path,
-    /// which writes none.
+    /// log, +∞ for rows that see no key); `None` for `math` and for a fast-path forward
+    /// without backward, which writes none.
     pub fn lse(&self) -> Option<&CudaSlice<f32>> {
         match self {
             Runner::Flash {
-                lse, fast: false, ..
+                lse,
+                writes_lse: true,
+                ..
             } => Some(lse),
-            Runner::Flash { fast: true, .. } | Runner::Math { .. } => None,
+            Runner::Flash { .. } | Runner::Math { .. } => None,
         }
     }
 
@@ -990,6 +1071,7 @@ impl Runner {
                 lse,
                 bwd: fb,
                 fast,
+                ..
             } => {
                 let (o, grads) = outs.split_at_mut(1);
                 let o = &mut o[0];
@@ -999,19 +1081,18 @@ impl Runner {
                         .arg(&inp.k)
                         .arg(&inp.v)
                         .arg(&mut *o)
+                        .arg(&mut *lse)
                         .arg(&tq)
                         .arg(&h)
                         .arg(&kvh)
                         .arg(&scale_log2);
                     // SAFETY: the arguments match `flash_fwd_aligned_*(const u16* Q, const u16*
-                    // K, const u16* V, u16* O, int T, int H, int KVH, float)`; Q and O hold
-                    // B·H·T·D elements, K and V B·KVH·T·D (`flash_fast_path` holds Tq = Tkv = T,
-                    // every key valid); the grid covers ⌈T/BR⌉ query tiles and a non-EVEN
-                    // instance bounds its loads and stores by T; forward only.
+                    // K, const u16* V, u16* O, float* LSE, int T, int H, int KVH, float)`; Q
+                    // and O hold B·H·T·D elements, K and V B·KVH·T·D, LSE B·H·T
+                    // (`flash_fast_path` holds Tq = Tkv = T, every key valid); the grid covers
+                    // ⌈T/BR⌉ query tiles and a non-EVEN instance bounds its loads and stores by T.
                     unsafe { b.launch(*cfg)? };
-                    return Ok(());
-                }
-                {
+                } else {
                     let mut b = gpu.stream.launch_builder(func);
                     b.arg(&inp.q)
                         .arg(&inp.k)
