@@ -306,9 +306,10 @@ impl BwdConfig {
         ((2 * bc + 4 * br) * (head_dim + 8) * 2 + bc * (br + 8) * 2 + 4 * br * 4) as u32
     }
 
-    /// The default for `head_dim`, unless `KP_FLASH_BWD_CONFIG` (`128=w8r64`) names another.
-    /// Chosen from ptxas's report (kernels/TUNING.md): the largest query step without spills
-    /// that fits the 163 KB of shared memory an sm_80 CTA may have.
+    /// The default for `head_dim`, unless `KP_FLASH_BWD_CONFIG` (`128=w8r64`) names another:
+    /// the fastest configuration of the tile sweep on the H200 (`data/gpu_attention_tiles*.json`,
+    /// kernels/TUNING.md, backward v2): w8r64v for head_dim up to 96, w4r32v at 128; w4r32v at
+    /// 256 (the only one that fits sm_80's 163 KB of shared memory without spilling).
     ///
     /// # Errors
     /// A malformed `KP_FLASH_BWD_CONFIG`.
@@ -323,19 +324,13 @@ impl BwdConfig {
                 warps: 8,
                 query_rows: 64,
                 unroll: 1,
-                vec_red: false,
-            },
-            d if d <= 128 => BwdConfig {
-                warps: 8,
-                query_rows: 32,
-                unroll: 1,
-                vec_red: false,
+                vec_red: true,
             },
             _ => BwdConfig {
                 warps: 4,
                 query_rows: 32,
                 unroll: 1,
-                vec_red: false,
+                vec_red: true,
             },
         })
     }
