@@ -10,15 +10,16 @@
 //! head dims and masks, forward and forward + backward; `shapes`, the shapes of issue 9 §2
 //! (short and non-aligned lengths, decoding, cross-attention, GQA/MQA, head dims 32/96/256,
 //! fp16 and fp32, scale 0.3, per-sequence key lengths), each forward and forward + backward.
-//! A third, `tiles`, is the tile sweep behind the defaults (`gpu_attention_tiles.json`): the
-//! flash kernel in each configuration of `FWD_SWEEP` and `BWD_SWEEP`, the configuration a case
-//! parameter (`config`); run it alone with `--implementations flash`.
+//! A third, `tiles`, is the tile sweep behind the defaults: the flash kernel in each
+//! configuration of `FWD_SWEEP` and `BWD_SWEEP`, the configuration a case parameter (`config`);
+//! run it alone with `--implementations flash`. Its documents live in `kernels/tuning/` (the
+//! site takes one attention run per device from `data/`; kernels/TUNING.md reads them).
 //!
 //! ```text
 //! attention --compare torch,jax --output data/gpu_attention.json
 //! attention --quick --filter head_dim=128 --runs 2
 //! attention --grids shapes --passes fwd
-//! attention --grids tiles --implementations flash --output data/gpu_attention_tiles.json
+//! attention --grids tiles --implementations flash --output kernels/tuning/tiles.json
 //! attention --device cpu --compare torch --output data/cpu_attention.json
 //! ```
 
