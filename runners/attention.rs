@@ -683,21 +683,10 @@ impl own::Launcher for Launch {
 /// The case process: compile, first call, check and time one (case, implementation).
 fn measure_own(job: &runner::protocol::Job) -> runner::protocol::Reply {
     let parsed = case_of(&job.case).and_then(|c| {
-        Implementation::parse(&job.implementation)
-            .map(|i| (c, i))
-            .context("unknown implementation")
+        let imp = Implementation::parse(&job.implementation).context("unknown implementation")?;
+        Ok((c, imp, case_configs(&job.case)?))
     });
-    let (c, imp) = match parsed {
-        Ok(x) => x,
-        Err(e) => {
-            return runner::protocol::Reply::failed(
-                job,
-                kernelpages::schema::Status::Error,
-                format!("{e:#}"),
-            )
-        }
-    };
-    let (fwd, bwd) = match case_configs(&job.case) {
+    let (c, imp, (fwd, bwd)) = match parsed {
         Ok(x) => x,
         Err(e) => {
             return runner::protocol::Reply::failed(
