@@ -248,11 +248,16 @@ fn configs_parse_and_reject() {
         (v.warps, v.query_rows, v.unroll, v.vec_red),
         (8, 32, 2, true)
     );
+    let d = BwdConfig::parse("w8r64dv").unwrap();
+    assert!(d.double_ds && d.vec_red && !b.double_ds);
+    // The second dS^T buffer: 128 keys × (64 + 8) rows of 16 bits.
+    let single = BwdConfig::parse("w8r64v").unwrap();
+    assert_eq!(d.smem_bytes(64) - single.smem_bytes(64), 128 * 72 * 2);
     for name in BWD_SWEEP {
         assert_eq!(BwdConfig::parse(name).unwrap().name(), name);
     }
     for bad in [
-        "w8r128", "w6r32", "w8", "r32", "", "w8r32u3", "w8r32vu2", "w8r32u",
+        "w8r128", "w6r32", "w8", "r32", "", "w8r32u3", "w8r32vu2", "w8r32u", "w8r32vd",
     ] {
         assert!(BwdConfig::parse(bad).is_err(), "{bad}");
     }

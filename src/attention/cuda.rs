@@ -101,8 +101,9 @@ pub const FWD_SWEEP: [&str; 5] = [
 
 /// The backward configurations the tile sweep measures (forward + backward, the forward in its
 /// default configuration); [`BwdConfig::check`] drops those a head dim cannot run.
-pub const BWD_SWEEP: [&str; 8] = [
-    "w8r32", "w8r32v", "w8r32u2v", "w8r16v", "w8r16u2v", "w4r32v", "w8r64", "w8r64v",
+pub const BWD_SWEEP: [&str; 10] = [
+    "w8r32", "w8r32v", "w8r32u2v", "w8r16v", "w8r16u2v", "w4r32v", "w8r64", "w8r64v", "w8r64dv",
+    "w4r32dv",
 ];
 
 /// Why `flash` does not take fp32 inputs, in the words of an `unsupported` row.
@@ -224,19 +225,25 @@ pub struct BwdConfig {
     /// dQ's adds as `red.global.add.v2.f32` on compute capability 9.0 and newer (two scalar
     /// adds elsewhere).
     pub vec_red: bool,
+    /// Two dS^T buffers, one barrier fewer per step (`d` in the name).
+    pub double_ds: bool,
 }
 
 impl BwdConfig {
-    /// Parses `w{4,8}r{16,32,64}[u{1,2,4}][v]`.
+    /// Parses `w{4,8}r{16,32,64}[u{1,2,4}][d][v]`.
     ///
     /// # Errors
     /// Names the string and the accepted forms.
     pub fn parse(s: &str) -> Result<BwdConfig, String> {
         let bad =
-            || format!("flash backward config `{s}`: expected w<4|8>r<16|32|64>[u<1|2|4>][v]");
+            || format!("flash backward config `{s}`: expected w<4|8>r<16|32|64>[u<1|2|4>][d][v]");
         let rest = s.strip_prefix('w').ok_or_else(bad)?;
         let (w, rest) = rest.split_once('r').ok_or_else(bad)?;
         let (rest, vec_red) = match rest.strip_suffix('v') {
+            Some(r) => (r, true),
+            None => (rest, false),
+        };
+        let (rest, double_ds) = match rest.strip_suffix('d') {
             Some(r) => (r, true),
             None => (rest, false),
         };
@@ -249,6 +256,7 @@ impl BwdConfig {
             query_rows: r.parse().map_err(|_| bad())?,
             unroll: u,
             vec_red,
+            double_ds,
         };
         let ok = matches!(c.warps, 4 | 8)
             && matches!(c.query_rows, 16 | 32 | 64)
@@ -265,6 +273,9 @@ impl BwdConfig {
         let mut s = format!("w{}r{}", self.warps, self.query_rows);
         if self.unroll != 1 {
             s += &format!("u{}", self.unroll);
+        }
+        if self.double_ds {
+            s.push('d');
         }
         if self.vec_red {
             s.push('v');
@@ -300,10 +311,11 @@ impl BwdConfig {
     }
 
     /// Dynamic shared memory for `head_dim`, bytes: K and V tiles, two Q and two dO tiles, the
-    /// dS^T tile, and LSE and D for two query tiles.
+    /// dS^T tile (two with `double_ds`), and LSE and D for two query tiles.
     pub fn smem_bytes(&self, head_dim: usize) -> u32 {
         let (bc, br) = (self.key_tile(), self.query_rows);
-        ((2 * bc + 4 * br) * (head_dim + 8) * 2 + bc * (br + 8) * 2 + 4 * br * 4) as u32
+        let ds = if self.double_ds { 2 } else { 1 };
+        ((2 * bc + 4 * br) * (head_dim + 8) * 2 + ds * bc * (br + 8) * 2 + 4 * br * 4) as u32
     }
 
     /// The default for `head_dim`, unless `KP_FLASH_BWD_CONFIG` (`128=w8r64`) names another:
@@ -325,12 +337,14 @@ impl BwdConfig {
                 query_rows: 64,
                 unroll: 1,
                 vec_red: true,
+                double_ds: false,
             },
             _ => BwdConfig {
                 warps: 4,
                 query_rows: 32,
                 unroll: 1,
                 vec_red: true,
+                double_ds: false,
             },
         })
     }
@@ -533,7 +547,7 @@ pub fn flash_bwd_wrappers(c: &AttentionCase, bc: BwdConfig) -> (BwdNames, Vec<(S
         "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const u16* Q, const u16* K, \
          const u16* V, const u16* dO, const float* LSE, const float* Dsum, const int* kv_lens, \
          float* dQacc, u16* dK, u16* dV, int Tq, int Tkv, int H, int KVH, float scale_log2, \
-         float scale, int dkv_off, int do_dq) {{ flash_bwd<{d}, {dkv}, {w}, {br}, {bf}, {causal}, {u}, {vr}>(\
+         float scale, int dkv_off, int do_dq) {{ flash_bwd<{d}, {dkv}, {w}, {br}, {bf}, {causal}, {u}, {vr}, {dsb}>(\
          Q, K, V, dO, LSE, Dsum, kv_lens, dQacc, dK, dV, Tq, Tkv, H, KVH, scale_log2, scale, \
          dkv_off, do_dq); }}\n",
         name = names.main,
@@ -544,6 +558,7 @@ pub fn flash_bwd_wrappers(c: &AttentionCase, bc: BwdConfig) -> (BwdNames, Vec<(S
         causal = c.causal,
         u = bc.unroll,
         vr = bc.vec_red,
+        dsb = if bc.double_ds { 2 } else { 1 },
     );
     let wrappers = vec![
         (names.preprocess.clone(), pre),
