@@ -33,7 +33,7 @@
 //
 // The host appends `extern "C"` wrappers (`flash_bwd_instance` in src/attention/cuda.rs).
 // flash_bwd grid: (ceil(Tkv / BC), KVH, B), block 32 * NW, dynamic shared memory
-// (2 * BC + 4 * BR) * (D + 8) * 2 + DSB * BC * (BR + 8) * 2 + 4 * BR * 4 bytes.
+// (2 * BC + 4 * BR) * (D + 8) * 2 + BC * (BR + 8) * 2 + 4 * BR * 4 bytes.
 
 template <int D, bool BF16>
 __device__ __forceinline__ void bwd_preprocess(const u16* __restrict__ O, const u16* __restrict__ dO,
@@ -139,13 +139,12 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 }
 
 // UNR: unroll of the S^T and dP^T products' loop over D (mma_rows_rows); VRED: dQ adds as
-// 8-byte vector reductions on sm_90 (red_add2); DSB: dS^T buffers (1 or 2). With two, step
-// it + 1 writes the other buffer while a slower warp may still read step it's in the dQ
-// product, so the barrier that closed each step goes: Q, dO, LSE and D of step it are read
-// only before the dS^T barrier, which every warp passes before any warp refills them (the
-// prefetch of step it + 2 is issued at the top of step it + 1), and a warp writes step it's
-// buffer again only after the next step's first barrier, which waits for every warp's dQ.
-template <int D, int DKV, int NW, int BR, bool BF16, bool CAUSAL, int UNR, bool VRED, int DSB>
+// 8-byte vector reductions on sm_90 (red_add2); END_SYNC: the barrier that closes each step.
+// It is redundant: Q, dO, LSE and D of step it are read only before the dS^T barrier, which
+// every warp passes before any warp refills them (the prefetch of step it + 2 is issued at the
+// top of step it + 1), and the next dS^T write comes after the next step's first barrier,
+// which waits for every warp's dQ product. END_SYNC = false drops it (`d` in the config name).
+template <int D, int DKV, int NW, int BR, bool BF16, bool CAUSAL, int UNR, bool VRED, bool END_SYNC>
 __device__ __forceinline__ void flash_bwd(
     const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
     const u16* __restrict__ dO, const float* __restrict__ LSE, const float* __restrict__ Dsum,
@@ -169,8 +168,8 @@ __device__ __forceinline__ void flash_bwd(
     u16* sV = sK + BC * STR;            // BC x STR
     u16* sQ = sV + BC * STR;            // 2 x BR x STR
     u16* sdO = sQ + 2 * BR * STR;       // 2 x BR x STR
-    u16* sdS0 = sdO + 2 * BR * STR;     // DSB x BC x STRS (dS^T: keys x queries)
-    float* sL = reinterpret_cast<float*>(sdS0 + DSB * BC * STRS);  // 2 x BR: LSE * log2(e)
+    u16* sdS = sdO + 2 * BR * STR;      // BC x STRS (dS^T: keys x queries)
+    float* sL = reinterpret_cast<float*>(sdS + BC * STRS);  // 2 x BR: LSE * log2(e)
     float* sD = sL + 2 * BR;                                // 2 x BR: D
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -238,7 +237,6 @@ __device__ __forceinline__ void flash_bwd(
         // or past the limit of the tile's last row (limits grow with the row).
         const int lim_last = CAUSAL ? max(0, min(L, min(q0 + BR, Tq) + off)) : L;
         const int lim_first = CAUSAL ? max(0, min(L, q0 + off + 1)) : L;
-        u16* sdS = sdS0 + (DSB == 2 ? buf : 0) * BC * STRS;
         u16* ds_w = sdS + (16 * warp) * STRS;
         if (kw0 >= lim_last) {
             // No contribution: dS^T rows of this warp are 0 for the dQ product.
@@ -333,7 +331,7 @@ __device__ __forceinline__ void flash_bwd(
                 }
             }
         }
-        if (DSB == 1) __syncthreads();  // every warp is done with `buf` and the dS^T tile
+        if (END_SYNC) __syncthreads();  // every warp is done with `buf` and the dS^T tile
     }
 
     // Write this warp's 16 rows of dK (scaled) and dV; keys past L get 0 (no contribution).

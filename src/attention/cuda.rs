@@ -225,8 +225,9 @@ pub struct BwdConfig {
     /// dQ's adds as `red.global.add.v2.f32` on compute capability 9.0 and newer (two scalar
     /// adds elsewhere).
     pub vec_red: bool,
-    /// Two dS^T buffers, one barrier fewer per step (`d` in the name).
-    pub double_ds: bool,
+    /// Drops the redundant barrier that closes each step (`d` in the name; the kernel's
+    /// comment on `END_SYNC` says why it is redundant).
+    pub drop_end_sync: bool,
 }
 
 impl BwdConfig {
@@ -243,7 +244,7 @@ impl BwdConfig {
             Some(r) => (r, true),
             None => (rest, false),
         };
-        let (rest, double_ds) = match rest.strip_suffix('d') {
+        let (rest, drop_end_sync) = match rest.strip_suffix('d') {
             Some(r) => (r, true),
             None => (rest, false),
         };
@@ -256,7 +257,7 @@ impl BwdConfig {
             query_rows: r.parse().map_err(|_| bad())?,
             unroll: u,
             vec_red,
-            double_ds,
+            drop_end_sync,
         };
         let ok = matches!(c.warps, 4 | 8)
             && matches!(c.query_rows, 16 | 32 | 64)
@@ -274,7 +275,7 @@ impl BwdConfig {
         if self.unroll != 1 {
             s += &format!("u{}", self.unroll);
         }
-        if self.double_ds {
+        if self.drop_end_sync {
             s.push('d');
         }
         if self.vec_red {
@@ -311,11 +312,10 @@ impl BwdConfig {
     }
 
     /// Dynamic shared memory for `head_dim`, bytes: K and V tiles, two Q and two dO tiles, the
-    /// dS^T tile (two with `double_ds`), and LSE and D for two query tiles.
+    /// dS^T tile, and LSE and D for two query tiles.
     pub fn smem_bytes(&self, head_dim: usize) -> u32 {
         let (bc, br) = (self.key_tile(), self.query_rows);
-        let ds = if self.double_ds { 2 } else { 1 };
-        ((2 * bc + 4 * br) * (head_dim + 8) * 2 + ds * bc * (br + 8) * 2 + 4 * br * 4) as u32
+        ((2 * bc + 4 * br) * (head_dim + 8) * 2 + bc * (br + 8) * 2 + 4 * br * 4) as u32
     }
 
     /// The default for `head_dim`, unless `KP_FLASH_BWD_CONFIG` (`128=w8r64`) names another:
@@ -337,14 +337,14 @@ impl BwdConfig {
                 query_rows: 64,
                 unroll: 1,
                 vec_red: true,
-                double_ds: false,
+                drop_end_sync: false,
             },
             _ => BwdConfig {
                 warps: 4,
                 query_rows: 32,
                 unroll: 1,
                 vec_red: true,
-                double_ds: false,
+                drop_end_sync: false,
             },
         })
     }
@@ -547,7 +547,7 @@ pub fn flash_bwd_wrappers(c: &AttentionCase, bc: BwdConfig) -> (BwdNames, Vec<(S
         "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const u16* Q, const u16* K, \
          const u16* V, const u16* dO, const float* LSE, const float* Dsum, const int* kv_lens, \
          float* dQacc, u16* dK, u16* dV, int Tq, int Tkv, int H, int KVH, float scale_log2, \
-         float scale, int dkv_off, int do_dq) {{ flash_bwd<{d}, {dkv}, {w}, {br}, {bf}, {causal}, {u}, {vr}, {dsb}>(\
+         float scale, int dkv_off, int do_dq) {{ flash_bwd<{d}, {dkv}, {w}, {br}, {bf}, {causal}, {u}, {vr}, {es}>(\
          Q, K, V, dO, LSE, Dsum, kv_lens, dQacc, dK, dV, Tq, Tkv, H, KVH, scale_log2, scale, \
          dkv_off, do_dq); }}\n",
         name = names.main,
@@ -558,7 +558,7 @@ pub fn flash_bwd_wrappers(c: &AttentionCase, bc: BwdConfig) -> (BwdNames, Vec<(S
         causal = c.causal,
         u = bc.unroll,
         vr = bc.vec_red,
-        dsb = if bc.double_ds { 2 } else { 1 },
+        es = !bc.drop_end_sync,
     );
     let wrappers = vec![
         (names.preprocess.clone(), pre),
