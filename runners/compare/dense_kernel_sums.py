@@ -60,10 +60,4 @@ def measure_into(job, reply, library, why, run, classify):
             msg = oom_message(job["files"]["arguments"], msg)
         reply["row"] = protocol.make_row(case, implementation, library, status, msg)
         return
-    if "message" in fields:
-        reply["row"] = protocol.make_row(case, implementation, library, "error",
-                                         fields["message"])
-    else:
-        reply["row"] = protocol.make_row(case, implementation, library, "ok", None, **fields)
-    if window is not None:
-        reply["window"] = window
+    protocol.finish_reply(reply, case, implementation, library, fields, window)

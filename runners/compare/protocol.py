@@ -197,6 +197,18 @@ class JobError(Exception):
     pass
 
 
+def finish_reply(reply, case, implementation, library, fields, window):
+    """Sets reply["row"] from a measurement's `fields`: an `error` row with its message when the
+    output check failed (`fields["message"]`), else an `ok` row with the fields; and
+    reply["window"] (the machine-state window of the timed loop) when there is one."""
+    if "message" in fields:
+        reply["row"] = make_row(case, implementation, library, "error", fields["message"])
+    else:
+        reply["row"] = make_row(case, implementation, library, "ok", None, **fields)
+    if window is not None:
+        reply["window"] = window
+
+
 def parse_job(text):
     """Validate one job line; raises JobError naming what is wrong."""
     try:

@@ -176,13 +176,7 @@ def _measure_into(job, reply):
                 msg += " | warnings: " + protocol.clip(" ".join(texts))
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
         return reply
-    if "message" in fields:
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "error",
-                                         fields["message"])
-    else:
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "ok", None, **fields)
-    if window is not None:
-        reply["window"] = window
+    protocol.finish_reply(reply, case, implementation, LIBRARY, fields, window)
     return reply
 
 

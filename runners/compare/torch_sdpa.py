@@ -245,13 +245,7 @@ def _measure_into(job, reply):
             msg = with_warnings(msg, caught)
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
         return reply
-    if "message" in fields:  # the check failed
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "error",
-                                         fields["message"])
-    else:
-        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "ok", None, **fields)
-    if window is not None:
-        reply["window"] = window
+    protocol.finish_reply(reply, case, implementation, LIBRARY, fields, window)
     return reply
 
 
