@@ -12,14 +12,16 @@
 //! fp16 and fp32, scale 0.3, per-sequence key lengths), each forward and forward + backward.
 //! A third, `tiles`, is the tile sweep behind the defaults: the flash kernel in each
 //! configuration of `FWD_SWEEP` and `BWD_SWEEP`, the configuration a case parameter (`config`);
-//! run it alone with `--implementations flash`. Its documents live in `kernels/tuning/` (the
-//! site takes one attention run per device from `data/`; kernels/TUNING.md reads them).
+//! it runs alone (with `--implementations flash`) and writes a document of its own kind
+//! (`config.kind = tile_sweep`, `data/gpu_attention_tiles.json`), which the site draws in the
+//! Attention page's tile sweep section. The configurations of one shape share their inputs and
+//! float64 reference, prepared once.
 //!
 //! ```text
 //! attention --compare torch,jax --output data/gpu_attention.json
 //! attention --quick --filter head_dim=128 --runs 2
 //! attention --grids shapes --passes fwd
-//! attention --grids tiles --implementations flash --output kernels/tuning/tiles.json
+//! attention --grids tiles --implementations flash --output data/gpu_attention_tiles.json
 //! attention --device cpu --compare torch --output data/cpu_attention.json
 //! ```
 
@@ -41,7 +43,7 @@ use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::runner::grid::Params;
 use kernelpages::runner::protocol::CaseFiles;
 use kernelpages::runner::{self, own, Alternative, Declared, DeviceChoice, RunnerArgs};
-use kernelpages::schema::{DispatchRule, Param, Suite};
+use kernelpages::schema::{DispatchRule, Param, RunKind, Suite};
 
 /// Measure attention implementations on the GPU (or with --device cpu the CPU) and write a
 /// suite document.
@@ -324,14 +326,34 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     }
     let mut params: Vec<Params> = cases.iter().map(AttentionCase::params).collect();
     if grids.iter().any(|g| g == "tiles") {
+        if grids.len() > 1 {
+            bail!(
+                "--grids: `tiles` runs alone (a tile sweep is a document of its own, \
+                 data/gpu_attention_tiles.json), not with {}",
+                grids
+                    .iter()
+                    .filter(|g| *g != "tiles")
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
         params.extend(tile_cases(cli, quick)?);
     }
     Ok(params)
 }
 
+/// The kind of document `--grids` makes: a tile sweep for `tiles`, else the grid.
+fn run_kind(cli: &Cli) -> RunKind {
+    match &cli.grids {
+        Some(g) if g.iter().any(|g| g == "tiles") => RunKind::TileSweep,
+        _ => RunKind::Grid,
+    }
+}
+
 /// The case parameter naming a flash configuration in the tile sweep (`v3w4m2b64` for a
 /// forward, `w8r32v` for a backward).
-const CONFIG_PARAM: &str = "config";
+const CONFIG_PARAM: &str = kernelpages::schema::TILE_CONFIG_PARAM;
 
 /// The tile sweep (issue 9 §4): every forward configuration of [`FWD_SWEEP`] (forward pass) and
 /// every backward configuration of [`BWD_SWEEP`] (forward + backward, the forward in its
@@ -484,6 +506,14 @@ impl runner::Suite for Attention {
         files::write_case(&case_of(p)?, seed, self.check_rows, dir)
     }
 
+    /// The case without its tile-sweep `config`: every configuration of one shape runs on the
+    /// same inputs against the same reference, prepared once.
+    fn inputs_key(&self, p: &Params) -> Params {
+        let mut key = p.clone();
+        key.remove(CONFIG_PARAM);
+        key
+    }
+
     fn unsupported(&self, p: &Params, implementation: &str) -> Option<String> {
         if implementation == cpu::IMPLEMENTATION {
             return cpu::unsupported(p);
@@ -629,6 +659,7 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         } else {
             AttentionCase::throughput_decls()
         },
+        kind: run_kind(cli),
     };
     let suite = Attention {
         check_rows: cli.check_rows,
@@ -748,6 +779,35 @@ mod tests {
         assert_eq!(cases(&cli, true).unwrap().len(), 2 * 2 * 2 * 2);
         let cli = Cli::try_parse_from(["attention", "--shard", "1/2"]).unwrap();
         assert_eq!(cli.run.shard.unwrap().count, 2);
+    }
+
+    #[test]
+    fn the_tile_sweep_runs_alone_as_a_document_of_its_own_kind() {
+        let cli = Cli::try_parse_from(["attention", "--grids", "tiles"]).unwrap();
+        assert_eq!(run_kind(&cli), RunKind::TileSweep);
+        let cli = Cli::try_parse_from(["attention", "--grids", "main,shapes"]).unwrap();
+        assert_eq!(run_kind(&cli), RunKind::Grid);
+        assert_eq!(
+            run_kind(&Cli::try_parse_from(["attention"]).unwrap()),
+            RunKind::Grid
+        );
+        let cli = Cli::try_parse_from(["attention", "--grids", "main,tiles"]).unwrap();
+        let err = cases(&cli, false).unwrap_err().to_string();
+        assert!(err.contains("runs alone") && err.contains("main"), "{err}");
+        // Its configurations of one shape share one preparation of the inputs.
+        let suite = Attention {
+            check_rows: 64,
+            device: DeviceChoice::Gpu,
+        };
+        let cli = Cli::try_parse_from(["attention", "--grids", "tiles"]).unwrap();
+        let tiles = cases(&cli, false).unwrap();
+        let keys: std::collections::BTreeSet<String> = tiles
+            .iter()
+            .map(|p| format!("{:?}", suite.inputs_key(p)))
+            .collect();
+        // head_dim 64/128 × full/causal × fwd/fwd+bwd.
+        assert_eq!(keys.len(), 2 * 2 * 2, "{keys:?}");
+        assert!(tiles.iter().all(|p| p.contains_key(CONFIG_PARAM)));
     }
 
     #[test]

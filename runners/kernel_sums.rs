@@ -38,7 +38,7 @@ use kernelpages::kernel_sums::{files, Inputs, KernelSumCase, Op, Scale};
 use kernelpages::runner::grid::Params;
 use kernelpages::runner::protocol::{CaseFiles, Job, Reply, TensorFile};
 use kernelpages::runner::{self, host, own, Alternative, Declared, DeviceChoice, RunnerArgs};
-use kernelpages::schema::{Count, DispatchRule, Status, Suite, Throughput};
+use kernelpages::schema::{Count, DispatchRule, RunKind, Status, Suite, Throughput};
 
 /// Measure kernel sums on the GPU (or with --device cpu the CPU) and write a suite document.
 #[derive(Parser, Debug)]
@@ -370,6 +370,7 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         dispatch: dispatch_rules(cli.run.device),
         axes: vec!["n".into()],
         throughput: throughput_decls(),
+        kind: RunKind::Grid,
     };
     let suite = KernelSums {
         check_rows: cli.check_rows,

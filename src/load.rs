@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 
-use crate::schema::{self, Document, Param, Suite, SCHEMA_VERSION};
+use crate::schema::{self, Document, Param, RunKind, Suite, SCHEMA_VERSION, TILE_CONFIG_PARAM};
 
 /// Largest document accepted, in bytes (64 MiB). Larger files are refused before parsing.
 pub const MAX_DOCUMENT_BYTES: u64 = 64 * 1024 * 1024;
@@ -139,16 +139,19 @@ pub enum LoadError {
     /// The same (suite, device, case, implementation) appears twice.
     #[error(transparent)]
     Duplicate(Box<DuplicateRow>),
-    /// Two documents of one suite and one device that are not shards of one run.
+    /// Two documents of one suite, one device and one kind of run that are not shards of one
+    /// run.
     #[error(
-        "{} and {} both hold suite {suite} on device {device} and are not shards of one run \
-         (shards come from one commit and one command, each part naming its cases with \
-         `--shard i/n` or its own `--filter`); keep one of them (a document's device is its \
-         `device.name`, not its folder)",
+        "{} and {} both hold a {kind} of suite {suite} on device {device} and are not shards \
+         of one run (shards come from one commit and one command, each part naming its cases \
+         with `--shard i/n` or its own `--filter`); keep one of them (a document's device is \
+         its `device.name`, not its folder; its kind is `config.kind`, `grid` when absent)",
         first.display(),
         second.display()
     )]
     TwoRuns {
+        /// `grid` or `tile_sweep` (`config.kind`).
+        kind: &'static str,
         /// Suite name.
         suite: String,
         /// Device name.
@@ -719,6 +722,18 @@ fn check_document(path: &Path, bytes: &[u8], doc: &Document) -> Vec<LoadError> {
             v.extend(f.iter().map(|s| key(s)));
             v
         };
+        if doc.config.kind == RunKind::TileSweep
+            && !matches!(row.case.get(TILE_CONFIG_PARAM), Some(Param::Text(t)) if !t.is_empty())
+        {
+            bad(
+                at(&["case"]),
+                what.clone(),
+                format!(
+                    "a tile sweep's row must name its configuration in the case parameter \
+                     `{TILE_CONFIG_PARAM}` (text)"
+                ),
+            );
+        }
         let mut positive = |f: &[&str], v: Option<f64>| {
             if let Some(v) = v {
                 if !(v.is_finite() && v > 0.0) {
@@ -931,7 +946,9 @@ fn filter_of(command: &[String]) -> Option<&str> {
     })
 }
 
-/// Documents of one suite and device must be parts of one run: from the same commit, with the
+/// Documents of one suite, device and kind of run (`config.kind`: the grid, or a tile sweep,
+/// which may come from another commit than the grid) must be parts of one run: from the same
+/// commit, with the
 /// same timing parameters and the same command apart from [`PART_OPTIONS`], each part naming
 /// its cases, by `--shard i/n` (the same n, distinct i) or by a distinct `--filter` (a run
 /// split over several calls of a time-limited machine). Every pair of documents is compared,
@@ -939,14 +956,14 @@ fn filter_of(command: &[String]) -> Option<&str> {
 /// the parts disjoint.
 fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
     let mut errors = Vec::new();
-    let mut by_key: BTreeMap<(Suite, &str), Vec<&Loaded>> = BTreeMap::new();
+    let mut by_key: BTreeMap<(Suite, &str, RunKind), Vec<&Loaded>> = BTreeMap::new();
     for l in loaded {
         by_key
-            .entry((l.doc.suite, l.doc.device.name.as_str()))
+            .entry((l.doc.suite, l.doc.device.name.as_str(), l.doc.config.kind))
             .or_default()
             .push(l);
     }
-    for ((suite, device), docs) in by_key {
+    for ((suite, device, kind), docs) in by_key {
         for (i, first) in docs.iter().enumerate() {
             for other in &docs[i + 1..] {
                 let a = &first.doc.config;
@@ -965,6 +982,7 @@ fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
                 let shards = same_run && (distinct_shards || distinct_filters);
                 if !shards {
                     errors.push(LoadError::TwoRuns {
+                        kind: kind.as_str(),
                         suite: suite.as_str().to_string(),
                         device: device.to_string(),
                         first: first.path.clone(),

@@ -211,6 +211,43 @@ pub struct RunConfig {
     /// edited by hand must say so here.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub amendments: Vec<Amendment>,
+    /// What the run measured: the suite's comparison grid (the default, and absent from the
+    /// JSON) or a tile sweep. The site keeps one run of each kind per suite and device.
+    #[serde(default, skip_serializing_if = "RunKind::is_grid")]
+    pub kind: RunKind,
+}
+
+/// The case parameter naming a tile sweep row's configuration ([`RunKind::TileSweep`]).
+pub const TILE_CONFIG_PARAM: &str = "config";
+
+/// The kind of a run.
+#[derive(
+    Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum RunKind {
+    /// The suite's grid: the project's implementations beside the alternatives, case by case.
+    #[default]
+    Grid,
+    /// One kernel in each configuration tried while tuning it (tile sizes, warps, options),
+    /// every case naming its configuration in the case parameter `config` and the
+    /// configuration the dispatch picks marked `default`: why the default is what it is.
+    TileSweep,
+}
+
+impl RunKind {
+    /// True for [`RunKind::Grid`].
+    pub fn is_grid(&self) -> bool {
+        *self == RunKind::Grid
+    }
+
+    /// The snake_case name used in JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunKind::Grid => "grid",
+            RunKind::TileSweep => "tile_sweep",
+        }
+    }
 }
 
 /// The fixed rules of the measurement protocol (`src/harness.rs`), recorded per document.

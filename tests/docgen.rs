@@ -947,3 +947,139 @@ fn parts_of_one_run_split_by_filter_load_together() {
     let err = load::load_dir(data.path()).unwrap_err().to_string();
     assert!(err.contains("not shards of one run"), "{err}");
 }
+
+/// A tile sweep made from the fixture's first flash row: configurations `a` (the default, the
+/// row's time), `b` (faster: 0.8 of it), `c` (slower: 1.25) and `d` (unsupported), at commit
+/// `commit`.
+fn tile_sweep(commit: &str) -> serde_json::Value {
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    let flash = doc["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["implementation"] == "flash" && r["status"] == "ok")
+        .unwrap()
+        .clone();
+    let rows: Vec<serde_json::Value> = [
+        ("a", Some(1.0)),
+        ("b", Some(0.8)),
+        ("c", Some(1.25)),
+        ("d", None),
+    ]
+    .into_iter()
+    .map(|(name, scale)| {
+        let mut r = flash.clone();
+        r["case"]["config"] = serde_json::json!(name);
+        r["default"] = serde_json::json!(name == "a");
+        match scale {
+            Some(s) => {
+                for k in ["median_ms", "q1_ms", "q3_ms"] {
+                    r[k] = serde_json::json!(r[k].as_f64().unwrap() * s);
+                }
+            }
+            None => {
+                r = serde_json::json!({
+                    "case": r["case"].clone(), "implementation": "flash",
+                    "library": r["library"].clone(), "default": false,
+                    "status": "unsupported", "message": "configuration d needs head_dim 128",
+                });
+            }
+        }
+        r
+    })
+    .collect();
+    doc["rows"] = serde_json::json!(rows);
+    doc["config"]["kind"] = serde_json::json!("tile_sweep");
+    doc["config"]["git_commit"] = serde_json::json!(commit);
+    doc
+}
+
+#[test]
+fn a_tile_sweep_is_a_run_of_its_own_with_its_own_section() {
+    let data = tempfile::tempdir().unwrap();
+    fs::copy(
+        valid_dir().join("gpu_attention.json"),
+        data.path().join("gpu_attention.json"),
+    )
+    .unwrap();
+    let sweep_commit = "2222222222222222222222222222222222222222";
+    fs::write(
+        data.path().join("gpu_attention_tiles.json"),
+        tile_sweep(sweep_commit).to_string(),
+    )
+    .unwrap();
+    // Another commit than the grid's, yet not a second run of the grid.
+    assert_eq!(load::load_dir(data.path()).unwrap().len(), 2);
+    let (_tmp, site) = build_site(data.path(), None);
+    let attention = page(&site, "attention.html");
+    let sections: Vec<_> = attention.select(&sel("section.tile-sweep")).collect();
+    assert_eq!(sections.len(), 1, "one sweep, one section");
+    let section = sections[0];
+    assert!(
+        text(section).contains("2222222") && text(section).contains("0000000"),
+        "the section names both commits: {}",
+        text(section)
+    );
+    let configs: Vec<String> = section
+        .select(&sel("table.tiles tbody th"))
+        .map(|th| text(th))
+        .collect();
+    assert_eq!(
+        configs,
+        ["b", "a default", "c", "d"],
+        "fastest first, failed last"
+    );
+    let verdict = text(section.select(&sel("section.group > p")).next().unwrap());
+    assert!(
+        verdict.contains("not the fastest")
+            && verdict.contains("b reaches")
+            && verdict.contains("1.25"),
+        "{verdict}"
+    );
+    assert!(text(section).contains("configuration d needs head_dim 128"));
+    let img = section.select(&sel("img")).next().unwrap();
+    let svg = fs::read_to_string(site.join(img.value().attr("src").unwrap())).unwrap();
+    assert!(
+        svg.contains("<desc>") && svg.contains("a (default)"),
+        "{svg}"
+    );
+    // The grid's tables hold no configuration rows: no group title names `config`.
+    for h in attention.select(&sel("section.group h3")) {
+        let in_sweep = h.ancestors().filter_map(ElementRef::wrap).any(|e| {
+            e.value()
+                .has_class("tile-sweep", scraper::CaseSensitivity::CaseSensitive)
+        });
+        assert!(in_sweep || !text(h).contains("config="), "{}", text(h));
+    }
+
+    // Two sweeps of one suite on one device from two commits are two runs.
+    fs::write(
+        data.path().join("gpu_attention_tiles_2.json"),
+        tile_sweep("3333333333333333333333333333333333333333").to_string(),
+    )
+    .unwrap();
+    let err = load::load_dir(data.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("tile_sweep") && err.contains("not shards"),
+        "{err}"
+    );
+    fs::remove_file(data.path().join("gpu_attention_tiles_2.json")).unwrap();
+
+    // A sweep's row must name its configuration.
+    let mut bad = tile_sweep(sweep_commit);
+    bad["rows"][1]["case"]
+        .as_object_mut()
+        .unwrap()
+        .remove("config");
+    fs::write(
+        data.path().join("gpu_attention_tiles.json"),
+        bad.to_string(),
+    )
+    .unwrap();
+    let err = load::load_dir(data.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("gpu_attention_tiles.json") && err.contains("`config`"),
+        "{err}"
+    );
+}

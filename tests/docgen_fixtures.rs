@@ -211,6 +211,7 @@ fn synthetic_document() -> Document {
                 ceiling: None,
             }],
             amendments: Vec::new(),
+            kind: Default::default(),
             protocol: None,
             dispatch: vec![DispatchRule {
                 entry_point: "attention::forward".to_string(),

@@ -319,9 +319,10 @@ impl BwdConfig {
     }
 
     /// The default for `head_dim`, unless `KP_FLASH_BWD_CONFIG` (`128=w8r64`) names another:
-    /// the fastest configuration of the tile sweep on the H200 (`data/gpu_attention_tiles*.json`,
-    /// kernels/TUNING.md, backward v2): w8r64v for head_dim up to 96, w4r32v at 128; w4r32v at
-    /// 256 (the only one that fits sm_80's 163 KB of shared memory without spilling).
+    /// the fastest configuration of the tile sweep on the H200 (`data/gpu_attention_tiles.json`,
+    /// kernels/TUNING.md, backward v2): w8r64v up to head_dim 128 (at 128 it measured 215
+    /// TFLOP/s against w4r32v's 207, non-causal, T = 16384); w4r32v at 256 (the only one that
+    /// fits sm_80's 163 KB of shared memory without spilling).
     ///
     /// # Errors
     /// A malformed `KP_FLASH_BWD_CONFIG`.
@@ -332,7 +333,7 @@ impl BwdConfig {
             return Ok(c);
         }
         Ok(match head_dim {
-            d if d <= 96 => BwdConfig {
+            d if d <= 128 => BwdConfig {
                 warps: 8,
                 query_rows: 64,
                 unroll: 1,

@@ -202,6 +202,12 @@ pub trait Suite {
     fn is_default(&self, case: &Params, implementation: &str) -> bool;
     /// Remarks for an `ok` row (float32 accumulation, useful-work FLOPs, ...).
     fn notes(&self, case: &Params, implementation: &str) -> Vec<String>;
+    /// The parameters that decide a case's prepared files: cases with equal keys share one
+    /// [`Suite::prepare`] when they run one after the other (a tile sweep's configurations of
+    /// one shape). The whole case by default.
+    fn inputs_key(&self, case: &Params) -> Params {
+        case.clone()
+    }
     /// Short label of a case for progress lines.
     fn label(&self, case: &Params) -> String {
         case.iter()
@@ -347,7 +353,8 @@ pub fn measure_grid(
 ) -> Result<Vec<Row>> {
     let n_imp = g.implementations.len();
     let mut runs: Vec<Vec<Row>> = vec![Vec::new(); g.cases.len() * n_imp];
-    let mut prepared: Option<(usize, u32, Result<CaseFiles, String>, PathBuf)> = None;
+    // The files of the last prepared case: its inputs key, run, files and folder.
+    let mut prepared: Option<(Params, u32, Result<CaseFiles, String>, PathBuf)> = None;
     for (run, ci, ii) in schedule(g.cases.len(), n_imp, g.timing.runs) {
         let case = &g.cases[ci];
         let imp = &g.implementations[ii];
@@ -370,16 +377,17 @@ pub fn measure_grid(
                 pid: None,
             }
         } else {
-            if !matches!(&prepared, Some((c, r, _, _)) if *c == ci && *r == run) {
+            let key = g.suite.inputs_key(case);
+            if !matches!(&prepared, Some((k, r, _, _)) if *k == key && *r == run) {
                 if let Some((_, _, _, dir)) = prepared.take() {
                     let _ = std::fs::remove_dir_all(dir);
                 }
                 let dir = g.scratch.join(format!("case{ci}"));
                 let files = std::fs::create_dir_all(&dir)
                     .map_err(anyhow::Error::from)
-                    .and_then(|_| g.suite.prepare(case, g.seed, &dir))
+                    .and_then(|_| g.suite.prepare(&key, g.seed, &dir))
                     .map_err(|e| format!("{e:#}"));
-                prepared = Some((ci, run, files, dir));
+                prepared = Some((key, run, files, dir));
             }
             match &prepared.as_ref().expect("prepared above").2 {
                 Err(why) => Reply {
@@ -755,6 +763,8 @@ pub struct Declared {
     pub axes: Vec<String>,
     /// Throughputs.
     pub throughput: Vec<schema::Throughput>,
+    /// What the run measures: the suite's grid, or a tile sweep.
+    pub kind: schema::RunKind,
 }
 
 /// The standard sink: progress, NVML state (GPU runs), and the document saved after every row.
@@ -866,6 +876,7 @@ pub fn run(
             throughput: declared.throughput,
             protocol: Some(crate::harness::protocol_constants()),
             amendments: Vec::new(),
+            kind: declared.kind,
         },
         rows: Vec::new(),
     };

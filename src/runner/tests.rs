@@ -52,6 +52,12 @@ impl Suite for FakeSuite {
     fn is_default(&self, _case: &Params, imp: &str) -> bool {
         imp == "flash"
     }
+    /// Configurations of one shape share their inputs, as in a tile sweep.
+    fn inputs_key(&self, case: &Params) -> Params {
+        let mut key = case.clone();
+        key.remove("config");
+        key
+    }
     fn notes(&self, _case: &Params, imp: &str) -> Vec<String> {
         if imp == "torch_math" {
             vec!["float32 accumulation".into()]
@@ -149,6 +155,10 @@ fn imps() -> Vec<Implementation> {
 }
 
 fn run_fake(runs: u32) -> (Vec<Row>, FakeExec, FakeSink, Vec<i64>) {
+    run_fake_on(runs, cases())
+}
+
+fn run_fake_on(runs: u32, cases: Vec<Params>) -> (Vec<Row>, FakeExec, FakeSink, Vec<i64>) {
     let suite = FakeSuite {
         prepared: RefCell::new(vec![]),
     };
@@ -157,7 +167,7 @@ fn run_fake(runs: u32) -> (Vec<Row>, FakeExec, FakeSink, Vec<i64>) {
         ..default_timing()
     };
     let dir = tempfile::tempdir().unwrap();
-    let (cases, imps) = (cases(), imps());
+    let imps = imps();
     let g = Grid {
         suite: &suite,
         cases: &cases,
@@ -211,6 +221,35 @@ fn implementations_of_one_case_run_back_to_back() {
     assert!(rows[0].default && !rows[2].default);
     assert_eq!(rows[2].library, "PyTorch");
     assert_eq!(rows[0].machine.as_ref().unwrap().sm_clock_mhz, Some(1980.0));
+}
+
+#[test]
+fn cases_with_one_inputs_key_are_prepared_once_and_keep_their_own_parameters() {
+    let with_config = |t: i64, c: &str| {
+        Params::from([
+            ("seq_len".to_string(), Param::Int(t)),
+            ("config".to_string(), Param::Text(c.into())),
+        ])
+    };
+    let cases = vec![
+        with_config(512, "a"),
+        with_config(512, "b"),
+        with_config(2048, "a"),
+        with_config(512, "c"),
+    ];
+    let (rows, exec, _, prepared) = run_fake_on(1, cases.clone());
+    // 512 a and b share one preparation; 2048 needs its own; 512 c follows 2048, so the
+    // folder of 512 is gone and it is prepared again.
+    assert_eq!(prepared, vec![512, 2048, 512]);
+    // Every (case, implementation) but math at 2048 (unsupported, never started) ran.
+    assert_eq!(exec.order.len(), cases.len() * imps().len() - 1);
+    for (i, case) in cases.iter().enumerate() {
+        for (j, imp) in imps().iter().enumerate() {
+            let row = &rows[i * imps().len() + j];
+            assert_eq!(&row.case, case, "a row keeps its own configuration");
+            assert_eq!(row.implementation, imp.name);
+        }
+    }
 }
 
 #[test]

@@ -15,7 +15,7 @@ use anyhow::{anyhow, Context as _};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use super::model::{BarOutcome, Dash, FigureSpec, GlanceChart, Marker, Series};
+use super::model::{BarOutcome, Dash, FigureSpec, GlanceChart, Marker, Series, TileChart};
 
 /// Width of a line figure, px.
 pub const WIDTH: u32 = 600;
@@ -805,6 +805,150 @@ fn glance_ticks(lo: f64, hi: f64) -> Vec<f64> {
         t.sort_by(f64::total_cmp);
     }
     t
+}
+
+/// Height of one bar's slot in a tile sweep chart, px.
+const TILE_SLOT: u32 = 26;
+
+/// The x range of a tile sweep chart: 0 to a round tick above every value and whisker end.
+pub fn tile_bounds(chart: &TileChart) -> f64 {
+    let hi = chart
+        .bars
+        .iter()
+        .flat_map(|b| [b.value, b.range.map(|r| r.1)])
+        .flatten()
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .fold(0.0f64, f64::max);
+    if hi <= 0.0 {
+        return 1.0;
+    }
+    let ticks = linear_ticks(hi * 1.12);
+    ticks
+        .last()
+        .copied()
+        .filter(|t| *t >= hi)
+        .unwrap_or(hi * 1.12)
+}
+
+/// Draws a tile sweep chart: one horizontal bar per configuration on a linear axis from 0,
+/// labelled with the configuration's name on the left and its value at the bar's end; the
+/// default's bar in [`DEFAULT_FASTER`] and labelled `(default)`, the others grey; a whisker
+/// over the interquartile range; a configuration that did not run shows its status instead of
+/// a bar.
+pub fn tile_chart(spec: &TileChart) -> anyhow::Result<String> {
+    let n = spec.bars.len().max(1);
+    let width = WIDTH;
+    let title_lines = wrap(&spec.title, (width as usize - 24) / 8);
+    let top = 12 + 20 * title_lines.len() as u32;
+    let plot_height = TILE_SLOT * n as u32 + 56;
+    let height = top + plot_height + 8;
+    let label_width = spec
+        .bars
+        .iter()
+        .map(|b| text_width(&format!("{} (default)", b.label), 13.0))
+        .max()
+        .unwrap_or(60)
+        + 16;
+    let mut svg = String::new();
+    {
+        let err = plot_err(&spec.file);
+        let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
+        root.fill(&PAPER).map_err(&err)?;
+        for (i, line) in title_lines.iter().enumerate() {
+            root.draw(&Text::new(
+                line.clone(),
+                (12, 8 + 20 * i as i32),
+                (FONT, px(15.0)).into_font().color(&INK),
+            ))
+            .map_err(&err)?;
+        }
+        let hi = tile_bounds(spec);
+        let ticks = linear_ticks(hi);
+        let (_, plot_area) = root.split_vertically(top);
+        let mut chart = ChartBuilder::on(&plot_area)
+            .margin(12)
+            .margin_right(56)
+            .x_label_area_size(44)
+            .y_label_area_size(label_width)
+            .build_cartesian_2d(0f64..hi, 0f64..n as f64)
+            .map_err(&err)?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(0)
+            .x_labels(ticks.len())
+            .x_desc(spec.x_label.clone())
+            .x_label_formatter(&|x| tick_label(*x))
+            .bold_line_style(GRID.mix(0.3))
+            .light_line_style(TRANSPARENT)
+            .axis_style(INK)
+            .label_style((FONT, px(13.0)).into_font().color(&INK))
+            .axis_desc_style((FONT, px(13.0)).into_font().color(&INK))
+            .draw()
+            .map_err(&err)?;
+        let label_font = (FONT, px(13.0)).into_font().color(&INK);
+        for (i, b) in spec.bars.iter().enumerate() {
+            let y_mid = n as f64 - i as f64 - 0.5;
+            let (x0, y0) = chart.backend_coord(&(0.0, y_mid));
+            let name = if b.is_default {
+                format!("{} (default)", b.label)
+            } else {
+                b.label.clone()
+            };
+            plot_area
+                .draw(&Text::new(
+                    name,
+                    (x0 - 8 - 12, y0),
+                    label_font.clone().pos(Pos::new(HPos::Right, VPos::Center)),
+                ))
+                .map_err(&err)?;
+            match b.value {
+                Some(v) => {
+                    let colour = if b.is_default { DEFAULT_FASTER } else { GRID };
+                    chart
+                        .draw_series(std::iter::once(Rectangle::new(
+                            [(0.0, y_mid - 0.32), (v, y_mid + 0.32)],
+                            colour.filled(),
+                        )))
+                        .map_err(&err)?;
+                    let mut end = v;
+                    if let Some((lo, hi)) = b.range {
+                        end = end.max(hi);
+                        chart
+                            .draw_series(
+                                [
+                                    vec![(lo, y_mid), (hi, y_mid)],
+                                    vec![(lo, y_mid - 0.2), (lo, y_mid + 0.2)],
+                                    vec![(hi, y_mid - 0.2), (hi, y_mid + 0.2)],
+                                ]
+                                .into_iter()
+                                .map(|p| PathElement::new(p, INK.stroke_width(1))),
+                            )
+                            .map_err(&err)?;
+                    }
+                    let (ex, ey) = chart.backend_coord(&(end, y_mid));
+                    plot_area
+                        .draw(&Text::new(
+                            tick_label(v),
+                            (ex + 6 - 12, ey),
+                            label_font.clone().pos(Pos::new(HPos::Left, VPos::Center)),
+                        ))
+                        .map_err(&err)?;
+                }
+                None => {
+                    plot_area
+                        .draw(&Text::new(
+                            b.status.clone().unwrap_or_else(|| "not measured".into()),
+                            (x0 + 6 - 12, y0),
+                            label_font.clone().pos(Pos::new(HPos::Left, VPos::Center)),
+                        ))
+                        .map_err(&err)?;
+                }
+            }
+        }
+        root.present().map_err(&err)?;
+    }
+    add_title_desc(&svg, &spec.title, &spec.desc)
 }
 
 /// A one-line summary of a figure's legend for tests and debugging (not drawn).

@@ -376,7 +376,8 @@ struct Item<'a> {
     row: &'a Row,
 }
 
-/// The rows of `suite` (on `device` when given).
+/// The rows of `suite` (on `device` when given) in its grid documents: a tile sweep has its own
+/// section, generated whole from its rows, and is never read by prose.
 ///
 /// Errors: the suite name is unknown, or no document matches.
 fn suite_rows<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<Item<'a>>, String> {
@@ -391,7 +392,11 @@ fn suite_rows<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<Item<'a>>, Stri
     let device = args.get("device");
     let picked: Vec<&Loaded> = docs
         .iter()
-        .filter(|l| l.doc.suite == suite && device.is_none_or(|d| l.doc.device.name == d))
+        .filter(|l| {
+            l.doc.suite == suite
+                && l.doc.config.kind == crate::schema::RunKind::Grid
+                && device.is_none_or(|d| l.doc.device.name == d)
+        })
         .collect();
     if picked.is_empty() {
         return Err(match device {

@@ -175,6 +175,11 @@ impl Renderer {
         {
             out.push(file(&spec.file, svg));
         }
+        for chart in &model.tile_charts {
+            let svg =
+                figures::tile_chart(chart).with_context(|| format!("drawing {}", chart.file))?;
+            out.push(file(&chart.file, svg));
+        }
         if let Some(chart) = &model.glance_chart {
             let svg =
                 figures::glance_chart(chart).with_context(|| format!("drawing {}", chart.file))?;

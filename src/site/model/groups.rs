@@ -225,8 +225,8 @@ pub fn above_tolerance(row: &Row) -> bool {
 /// lists every file (`a.json + b.json`). Documents alone under their key are borrowed as
 /// they are. The loader has already refused rows repeated across files.
 pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
-    let key = |l: &Loaded| (l.doc.suite, l.doc.device.name.clone());
-    let keys: BTreeSet<(Suite, String)> = docs.iter().map(key).collect();
+    let key = |l: &Loaded| (l.doc.suite, l.doc.device.name.clone(), l.doc.config.kind);
+    let keys: BTreeSet<(Suite, String, crate::schema::RunKind)> = docs.iter().map(key).collect();
     if keys.len() == docs.len() {
         return std::borrow::Cow::Borrowed(docs);
     }

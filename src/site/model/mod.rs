@@ -9,6 +9,7 @@ pub mod groups;
 pub mod hopper;
 pub mod overview;
 pub mod suite;
+pub mod tiles;
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -24,6 +25,7 @@ pub use self::suite::{
     Cell, Dash, DetailRow, DocSection, FigureSpec, GroupView, Marker, Series, SuitePage,
     SuiteSection, TableRow, ThroughputCell,
 };
+pub use self::tiles::{TileBar, TileChart, TileGroup, TileRow, TileSweepSection};
 use super::format;
 use crate::load::Loaded;
 use crate::schema::{Document, Suite};
@@ -143,6 +145,8 @@ pub struct SiteModel {
     pub figures: Vec<FigureSpec>,
     /// The At a glance bar chart, when any ratio exists.
     pub glance_chart: Option<GlanceChart>,
+    /// The tile sweeps' bar charts.
+    pub tile_charts: Vec<TileChart>,
     /// `tuning.html`, when the kernel tuning notes were found.
     pub tuning: Option<NotesPage>,
 }
@@ -245,7 +249,13 @@ pub fn build_model(
     tuning_notes_md: Option<&str>,
 ) -> SiteModel {
     let merged = merge_shards(all_docs);
-    let docs: &[Loaded] = &merged;
+    // Tile sweeps have their own section on their suite's page; every table, figure, comparison
+    // and rule elsewhere reads the grids.
+    let (sweeps, grids): (Vec<Loaded>, Vec<Loaded>) = merged
+        .iter()
+        .cloned()
+        .partition(|l| l.doc.config.kind == crate::schema::RunKind::TileSweep);
+    let docs: &[Loaded] = &grids;
     let base = match base_url {
         Some(b) if b.ends_with('/') => b.to_string(),
         Some(b) => format!("{b}/"),
@@ -306,12 +316,19 @@ pub fn build_model(
     };
 
     let mut figures = Vec::new();
+    let mut tile_charts = Vec::new();
     let suite_pages: Vec<SuitePage> = SUITE_PAGES
         .iter()
         .map(|(file, title, suites)| {
             let sections: Vec<SuiteSection> = suites
                 .iter()
-                .map(|s| suite::suite_section(docs, *s, &base, &colours, &mut figures))
+                .map(|s| {
+                    let mut section = suite::suite_section(docs, *s, &base, &colours, &mut figures);
+                    section.tile_sweeps =
+                        tiles::tile_sweeps(&sweeps, docs, *s, &base, &mut tile_charts);
+                    section.measured |= !section.tile_sweeps.is_empty();
+                    section
+                })
                 .collect();
             SuitePage {
                 layout: layout(file, title, suite::toc(&sections)),
@@ -387,6 +404,7 @@ pub fn build_model(
         hopper,
         figures,
         glance_chart: glance.chart,
+        tile_charts,
         tuning,
     }
 }

@@ -39,6 +39,8 @@ pub struct SuiteSection {
     pub command: Option<CommandView>,
     /// One entry per document of the suite.
     pub documents: Vec<DocSection>,
+    /// The suite's tile sweeps (one per device), after its grids.
+    pub tile_sweeps: Vec<super::tiles::TileSweepSection>,
 }
 
 /// The groups of one document.
@@ -269,6 +271,13 @@ pub fn toc(sections: &[SuiteSection]) -> Vec<super::TocEntry> {
                 });
             }
         }
+        for t in &s.tile_sweeps {
+            out.push(super::TocEntry {
+                href: format!("#{}", t.anchor),
+                label: format!("Tile sweep: {}", t.device),
+                depth: if several { 2 } else { 1 },
+            });
+        }
     }
     out.push(super::TocEntry {
         href: "#how-to-reproduce".to_string(),
@@ -300,6 +309,7 @@ pub fn suite_section(
             command: c.to_string(),
         }),
         documents,
+        tile_sweeps: Vec::new(),
     }
 }
 

@@ -1,0 +1,387 @@
+//! The tile sweep section of a suite page: one kernel in each configuration tried while tuning
+//! it ([`RunKind::TileSweep`] documents), per shape a bar chart and a table ranked by
+//! throughput, the configuration the dispatch picks marked, and a sentence from the data
+//! saying whether it is the fastest.
+
+use serde::Serialize;
+
+use super::super::format;
+use super::groups::{device_label, group_rows, throughput};
+use super::FigureRef;
+use crate::load::{case_label, Loaded};
+use crate::schema::{Document, Param, Row, RunKind, Status, Suite, TILE_CONFIG_PARAM};
+
+/// The tile sweeps of one suite on its page, one per device.
+#[derive(Debug, Serialize)]
+pub struct TileSweepSection {
+    /// Anchor of its heading.
+    pub anchor: String,
+    /// Data file(s).
+    pub file: String,
+    /// Device name (and compute capability).
+    pub device: String,
+    /// The sweep's commit, short.
+    pub commit: String,
+    /// When the suite's grid on the same device ran at another commit: that commit, short.
+    pub grid_commit: Option<String>,
+    /// The unit of `value` (the document's first declared throughput, else `ms`).
+    pub unit: String,
+    /// One entry per shape.
+    pub groups: Vec<TileGroup>,
+}
+
+/// The configurations of one shape.
+#[derive(Debug, Serialize)]
+pub struct TileGroup {
+    /// Anchor.
+    pub anchor: String,
+    /// The shape: every case parameter but the configuration.
+    pub title: String,
+    /// The bar chart.
+    pub figure: FigureRef,
+    /// What the data says about the default, one sentence.
+    pub verdict: String,
+    /// Rows, fastest first; rows that did not run last.
+    pub rows: Vec<TileRow>,
+}
+
+/// One configuration of a shape.
+#[derive(Debug, Serialize, Clone)]
+pub struct TileRow {
+    /// The configuration's name (the case parameter `config`).
+    pub config: String,
+    /// True for the configuration the dispatch picks.
+    pub is_default: bool,
+    /// `ok`, or the status of a row that did not run.
+    pub status: String,
+    /// The failure message, for a row that did not run.
+    pub message: Option<String>,
+    /// Median time per call, ms.
+    pub median: String,
+    /// Interquartile range, ms.
+    pub iqr: String,
+    /// Throughput in the section's unit.
+    pub value: String,
+    /// This row's time over the default's (`1.04×`), when both ran.
+    pub vs_default: String,
+    /// Relative error against the reference.
+    pub rel_err: String,
+    /// Compile time, s.
+    pub compile_s: String,
+    /// Peak device memory, MB.
+    pub peak_mb: String,
+}
+
+/// One bar chart to draw.
+#[derive(Debug, Clone)]
+pub struct TileChart {
+    /// Site-relative path.
+    pub file: String,
+    /// SVG `<title>`.
+    pub title: String,
+    /// SVG `<desc>`.
+    pub desc: String,
+    /// The value axis' label.
+    pub x_label: String,
+    /// One bar per configuration, in table order.
+    pub bars: Vec<TileBar>,
+}
+
+/// One bar: a configuration's throughput (or time) with its interquartile range.
+#[derive(Debug, Clone)]
+pub struct TileBar {
+    /// The configuration.
+    pub label: String,
+    /// Its value, `None` for a row that did not run (its status then labels the slot).
+    pub value: Option<f64>,
+    /// The value's range from the interquartile range of the time.
+    pub range: Option<(f64, f64)>,
+    /// True for the configuration the dispatch picks.
+    pub is_default: bool,
+    /// Status of a row that did not run.
+    pub status: Option<String>,
+}
+
+/// A row's value in the section's measure: the first declared throughput, else the median
+/// time; with the range from the quartiles of the time.
+fn measure(row: &Row, doc: &Document) -> Option<(f64, Option<(f64, f64)>)> {
+    if row.status != Status::Ok {
+        return None;
+    }
+    match doc.config.throughput.first() {
+        Some(decl) => {
+            let v = throughput(row, decl)?;
+            let m = row.median_ms?;
+            let range = match (row.q1_ms, row.q3_ms) {
+                (Some(q1), Some(q3)) if q1 > 0.0 && q3 > 0.0 => Some((v * m / q3, v * m / q1)),
+                _ => None,
+            };
+            Some((v, range))
+        }
+        None => Some((row.median_ms?, row.q1_ms.zip(row.q3_ms))),
+    }
+}
+
+/// The tile sweeps of `suite` in `docs` (shards already merged), their charts pushed onto
+/// `charts`. `grids` are the grid documents, to say when a sweep ran at another commit.
+pub fn tile_sweeps(
+    docs: &[Loaded],
+    grids: &[Loaded],
+    suite: Suite,
+    base: &str,
+    charts: &mut Vec<TileChart>,
+) -> Vec<TileSweepSection> {
+    docs.iter()
+        .filter(|l| {
+            l.doc.suite == suite
+                && l.doc.config.kind == RunKind::TileSweep
+                && !l.doc.rows.is_empty()
+        })
+        .map(|l| sweep_section(l, grids, base, charts))
+        .collect()
+}
+
+/// The text of a cell without a value.
+fn dash() -> String {
+    "—".to_string()
+}
+
+fn short(commit: &str) -> String {
+    commit.chars().take(7).collect()
+}
+
+fn sweep_section(
+    loaded: &Loaded,
+    grids: &[Loaded],
+    base: &str,
+    charts: &mut Vec<TileChart>,
+) -> TileSweepSection {
+    let doc = &loaded.doc;
+    let higher_is_better = !doc.config.throughput.is_empty();
+    let unit = doc
+        .config
+        .throughput
+        .first()
+        .map_or_else(|| "ms".to_string(), |d| d.unit.clone());
+    let grid_commit = grids
+        .iter()
+        .find(|g| g.doc.suite == doc.suite && g.doc.device.name == doc.device.name)
+        .map(|g| g.doc.config.git_commit.as_str())
+        .filter(|c| *c != doc.config.git_commit)
+        .map(short);
+    let mut groups = Vec::new();
+    for g in group_rows(doc, TILE_CONFIG_PARAM) {
+        let id = format!(
+            "{:016x}",
+            format::stable_hash(
+                format!(
+                    "tiles\0{}\0{}\0{}",
+                    doc.suite.as_str(),
+                    doc.device.name,
+                    serde_json::to_string(&g.params).unwrap_or_default()
+                )
+                .as_bytes()
+            )
+        );
+        // One row per configuration (a sweep measures one implementation).
+        let mut rows: Vec<&Row> = g
+            .by_x
+            .values()
+            .flat_map(|(_, by_impl)| by_impl.values().copied())
+            .collect();
+        let key = |r: &Row| measure(r, doc).map(|(v, _)| v);
+        rows.sort_by(|a, b| match (key(a), key(b)) {
+            (Some(x), Some(y)) if higher_is_better => y.total_cmp(&x),
+            (Some(x), Some(y)) => x.total_cmp(&y),
+            (Some(_), None) => std::cmp::Ordering::Less,
+            (None, Some(_)) => std::cmp::Ordering::Greater,
+            (None, None) => std::cmp::Ordering::Equal,
+        });
+        let config_of = |r: &Row| match r.case.get(TILE_CONFIG_PARAM) {
+            Some(Param::Text(t)) => t.clone(),
+            Some(p) => p.to_string(),
+            None => "—".to_string(),
+        };
+        let default = rows
+            .iter()
+            .find(|r| r.default && r.status == Status::Ok)
+            .copied();
+        let title = case_label(&g.params);
+        let views: Vec<TileRow> = rows
+            .iter()
+            .map(|r| {
+                let ok = r.status == Status::Ok;
+                TileRow {
+                    config: config_of(r),
+                    is_default: r.default,
+                    status: r.status.as_str().to_string(),
+                    message: r.message.clone().filter(|_| !ok),
+                    median: r
+                        .median_ms
+                        .filter(|_| ok)
+                        .map(format::ms)
+                        .unwrap_or_else(dash),
+                    iqr: r
+                        .q1_ms
+                        .zip(r.q3_ms)
+                        .filter(|_| ok)
+                        .map(|(a, b)| format::iqr(a, b))
+                        .unwrap_or_else(dash),
+                    value: measure(r, doc)
+                        .map(|(v, _)| format::sig(v, 4))
+                        .unwrap_or_else(dash),
+                    vs_default: default
+                        .and_then(|d| Some(r.median_ms? / d.median_ms?))
+                        .filter(|_| ok)
+                        .map(|x| format!("{}×", format::sig(x, 3)))
+                        .unwrap_or_else(dash),
+                    rel_err: r
+                        .accuracy
+                        .as_ref()
+                        .filter(|_| ok)
+                        .map(|a| format::rel_err(a.rel_err))
+                        .unwrap_or_else(dash),
+                    compile_s: r
+                        .compile_s
+                        .filter(|_| ok)
+                        .map(|s| format::sig(s, 2))
+                        .unwrap_or_else(dash),
+                    peak_mb: r
+                        .memory
+                        .as_ref()
+                        .and_then(|m| m.peak_mb)
+                        .filter(|_| ok)
+                        .map(format::mb)
+                        .unwrap_or_else(dash),
+                }
+            })
+            .collect();
+        let verdict = verdict(&rows, default, doc, &unit, config_of);
+        let file = format!("figures/tiles-{id}.svg");
+        let x_label = if higher_is_better {
+            format!("{unit} (higher is faster); whiskers: from the time's interquartile range")
+        } else {
+            "median time per call, ms (lower is faster); whiskers: interquartile range".to_string()
+        };
+        let chart_title = format!("{} — {title}", device_label(doc));
+        let desc = format!(
+            "{} configurations of one shape ({title}), {unit} each: {}",
+            rows.len(),
+            views
+                .iter()
+                .map(|v| if v.status == "ok" {
+                    format!(
+                        "{}{} {}",
+                        v.config,
+                        if v.is_default { " (default)" } else { "" },
+                        v.value
+                    )
+                } else {
+                    format!("{} {}", v.config, v.status)
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        charts.push(TileChart {
+            file: file.clone(),
+            title: chart_title,
+            desc: desc.clone(),
+            x_label,
+            bars: rows
+                .iter()
+                .map(|r| {
+                    let m = measure(r, doc);
+                    TileBar {
+                        label: config_of(r),
+                        value: m.map(|(v, _)| v),
+                        range: m.and_then(|(_, range)| range),
+                        is_default: r.default,
+                        status: (r.status != Status::Ok).then(|| r.status.as_str().to_string()),
+                    }
+                })
+                .collect(),
+        });
+        groups.push(TileGroup {
+            anchor: format!("t-{id}"),
+            title,
+            figure: FigureRef {
+                src: format!("{base}{file}"),
+                alt: desc,
+            },
+            verdict,
+            rows: views,
+        });
+    }
+    TileSweepSection {
+        anchor: format!(
+            "tiles-{:016x}",
+            format::stable_hash(format!("{}\0{}", loaded.file_name(), doc.device.name).as_bytes())
+        ),
+        file: loaded.file_name(),
+        device: device_label(doc),
+        commit: short(&doc.config.git_commit),
+        grid_commit,
+        unit,
+        groups,
+    }
+}
+
+/// One sentence on the default of a shape, from the rows: whether it is the fastest that ran,
+/// and if not, which is and by how much.
+fn verdict(
+    rows: &[&Row],
+    default: Option<&Row>,
+    doc: &Document,
+    unit: &str,
+    config_of: impl Fn(&Row) -> String,
+) -> String {
+    let ran = rows.iter().filter(|r| r.status == Status::Ok).count();
+    let Some(d) = default else {
+        return if rows.iter().any(|r| r.default) {
+            "The default configuration did not run here (see its row).".to_string()
+        } else {
+            "No configuration of this shape is marked as the default.".to_string()
+        };
+    };
+    let value = |r: &Row| measure(r, doc).map(|(v, _)| v);
+    let (Some(best), Some(dv)) = (rows.first(), value(d)) else {
+        return String::new();
+    };
+    let shown = |v: f64| format!("{} {unit}", format::sig(v, 4));
+    if std::ptr::eq(*best, d) || best.median_ms == d.median_ms {
+        let second = rows
+            .iter()
+            .filter(|r| !std::ptr::eq(**r, d))
+            .find_map(|r| Some((r, value(r)?)));
+        match second {
+            Some((r, v)) => format!(
+                "The default, {}, is the fastest of the {ran} configurations that ran: {} \
+                 against {} for the next, {}, which takes {} times as long.",
+                config_of(d),
+                shown(dv),
+                shown(v),
+                config_of(r),
+                format::sig(
+                    r.median_ms.unwrap_or(f64::NAN) / d.median_ms.unwrap_or(f64::NAN),
+                    3
+                )
+            ),
+            None => format!(
+                "The default, {}, is the only configuration that ran.",
+                config_of(d)
+            ),
+        }
+    } else {
+        let bv = value(best).unwrap_or(f64::NAN);
+        let faster = d.median_ms.unwrap_or(f64::NAN) / best.median_ms.unwrap_or(f64::NAN);
+        format!(
+            "The default, {}, is not the fastest here: {} reaches {} against the default's {} \
+             (the default takes {} times its time).",
+            config_of(d),
+            config_of(best),
+            shown(bv),
+            shown(dv),
+            format::sig(faster, 3)
+        )
+    }
+}
