@@ -55,6 +55,147 @@ __device__ __forceinline__ void load_tile_bounded(u16* s, const u16* g, int tid,
     load_tile<ROWS, D, NTHREADS>(s, g, valid, tid);
 }
 
+// One key tile of flash_fwd_v3 (its loop body): prefetch tile kt + 1, wait for tile kt, then
+// S = Q K^T, the mask, the online softmax and O += P V for this warp's MT row groups. TAIL
+// (non-causal, non-EVEN instances only, for the last key tile alone) masks keys >= T; the
+// loop's tiles run with TAIL = false and so carry no tail code (the kernel's loop stays the
+// EVEN instance's: kernels/TUNING.md, "the peeled tail").
+template <int D, int NW, int MT, int BCT, bool BF16, bool CAUSAL, bool EVEN, bool TAIL>
+__device__ __forceinline__ void flash_fwd_v3_step(
+    int kt, int n_kt, int T, int qt, int tid, int lane, int g, int t4, int warp_row0, int warp_last,
+    float scale_log2, const u16* __restrict__ K, const u16* __restrict__ V, size_t kv_off,
+    const u16* sQ, u16* sK, u16* sV, float (&o)[MT][D / 8][4], float (&m_run)[MT][2],
+    float (&l_run)[MT][2]) {
+    constexpr int BR = 16 * MT * NW;
+    constexpr int NTH = 32 * NW;
+    constexpr int STR = D + 8;
+    constexpr int DT = D / 8;
+    constexpr int KC = D / 16;
+    constexpr int NT = BCT / 8;
+    const int buf = kt & 1;
+    if (kt + 1 < n_kt) {
+        const int rest = T - (kt + 1) * BCT;  // keys left from the next tile on
+        load_tile_bounded<BCT, D, NTH, EVEN>(sK + (buf ^ 1) * BCT * STR,
+                                             K + kv_off + (size_t)(kt + 1) * BCT * D, tid, rest);
+        load_tile_bounded<BCT, D, NTH, EVEN>(sV + (buf ^ 1) * BCT * STR,
+                                             V + kv_off + (size_t)(kt + 1) * BCT * D, tid, rest);
+        cp_async_commit();
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+    const u16* k_s = sK + buf * BCT * STR;
+    const u16* v_s = sV + buf * BCT * STR;
+    // Causal: every key of this tile comes after every row of this warp -> nothing to add.
+    const bool skip = CAUSAL && (kt * BCT > warp_last);
+    if (!skip) {
+        float s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < KC; kc += 2) {
+            u32 qf[MT][2][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const u16* p = sQ + (warp_row0 + mt * 16 + (lane & 15)) * STR + kc * 16 + (lane >> 4) * 8;
+                ldmatrix_x4(qf[mt][0], smem_u32(p));
+                ldmatrix_x4(qf[mt][1], smem_u32(p + 16));
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                u32 kb[4];
+                const u16* p = k_s + (nt * 8 + (lane & 7)) * STR + kc * 16 + (lane >> 3) * 8;
+                ldmatrix_x4(kb, smem_u32(p));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816<BF16>(s[mt][nt], qf[mt][0], kb[0], kb[1]);
+                    mma16816<BF16>(s[mt][nt], qf[mt][1], kb[2], kb[3]);
+                }
+            }
+        }
+
+        const bool diag = CAUSAL && (kt * BCT + BCT - 1 > qt * BR + warp_row0);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[mt][nt][e] * scale_log2;
+                    if (diag) {
+                        int row = qt * BR + warp_row0 + mt * 16 + g + (e >> 1) * 8;
+                        int col = kt * BCT + nt * 8 + 2 * t4 + (e & 1);
+                        if (col > row) x = NEG_INF;
+                    }
+                    s[mt][nt][e] = x;
+                }
+            }
+            // Keys past T: only the peeled last key tile of a non-causal tail instance.
+            if (TAIL) {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (kt * BCT + nt * 8 + 2 * t4 + (e & 1) >= T) s[mt][nt][e] = NEG_INF;
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = NEG_INF;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+                const float m_new = fmaxf(m_run[mt][r], mx);
+                const float alpha = fast_exp2(m_run[mt][r] - m_new);
+                m_run[mt][r] = m_new;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    float p0 = fast_exp2(s[mt][nt][2 * r] - m_new);
+                    float p1 = fast_exp2(s[mt][nt][2 * r + 1] - m_new);
+                    s[mt][nt][2 * r] = p0;
+                    s[mt][nt][2 * r + 1] = p1;
+                    sum += p0 + p1;
+                }
+                l_run[mt][r] = l_run[mt][r] * alpha + sum;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    o[mt][dt][2 * r] *= alpha;
+                    o[mt][dt][2 * r + 1] *= alpha;
+                }
+            }
+        }
+
+#pragma unroll
+        for (int kc = 0; kc < BCT / 16; ++kc) {
+            u32 pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = pack2<BF16>(s[mt][2 * kc][0], s[mt][2 * kc][1]);
+                pa[mt][1] = pack2<BF16>(s[mt][2 * kc][2], s[mt][2 * kc][3]);
+                pa[mt][2] = pack2<BF16>(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
+                pa[mt][3] = pack2<BF16>(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
+            }
+#pragma unroll
+            for (int dt = 0; dt < DT; dt += 2) {
+                u32 vb[4];
+                const u16* p = v_s + (kc * 16 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
+                ldmatrix_x4_trans(vb, smem_u32(p));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816<BF16>(o[mt][dt], pa[mt], vb[0], vb[1]);
+                    mma16816<BF16>(o[mt][dt + 1], pa[mt], vb[2], vb[3]);
+                }
+            }
+        }
+    }
+    __syncthreads();
+}
+
 // Version 3: each warp owns MT groups of 16 query rows (FlashAttention-2's layout for large
 // tiles), so every K and V fragment read from shared memory feeds MT matrix products instead of
 // one: the shared-memory bytes per FLOP fall by up to MT. Q stays in shared memory and its
@@ -113,133 +254,18 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
         l_run[mt][0] = l_run[mt][1] = 0.f;
     }
 
-    for (int kt = 0; kt < n_kt; ++kt) {
-        const int buf = kt & 1;
-        if (kt + 1 < n_kt) {
-            const int rest = T - (kt + 1) * BCT;  // keys left from the next tile on
-            load_tile_bounded<BCT, D, NTH, EVEN>(sK + (buf ^ 1) * BCT * STR,
-                                                 K + kv_off + (size_t)(kt + 1) * BCT * D, tid, rest);
-            load_tile_bounded<BCT, D, NTH, EVEN>(sV + (buf ^ 1) * BCT * STR,
-                                                 V + kv_off + (size_t)(kt + 1) * BCT * D, tid, rest);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const u16* k_s = sK + buf * BCT * STR;
-        const u16* v_s = sV + buf * BCT * STR;
-        // Causal: every key of this tile comes after every row of this warp -> nothing to add.
-        const bool skip = CAUSAL && (kt * BCT > warp_last);
-        if (!skip) {
-            float s[MT][NT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
-#pragma unroll
-            for (int kc = 0; kc < KC; kc += 2) {
-                u32 qf[MT][2][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const u16* p = sQ + (warp_row0 + mt * 16 + (lane & 15)) * STR + kc * 16 + (lane >> 4) * 8;
-                    ldmatrix_x4(qf[mt][0], smem_u32(p));
-                    ldmatrix_x4(qf[mt][1], smem_u32(p + 16));
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    u32 kb[4];
-                    const u16* p = k_s + (nt * 8 + (lane & 7)) * STR + kc * 16 + (lane >> 3) * 8;
-                    ldmatrix_x4(kb, smem_u32(p));
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma16816<BF16>(s[mt][nt], qf[mt][0], kb[0], kb[1]);
-                        mma16816<BF16>(s[mt][nt], qf[mt][1], kb[2], kb[3]);
-                    }
-                }
-            }
-
-            const bool diag = CAUSAL && (kt * BCT + BCT - 1 > qt * BR + warp_row0);
-            // Keys past T on the last key tile (non-causal; causal masks them through diag).
-            const bool tail = !EVEN && !CAUSAL && (kt * BCT + BCT > T);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        float x = s[mt][nt][e] * scale_log2;
-                        if (diag) {
-                            int row = qt * BR + warp_row0 + mt * 16 + g + (e >> 1) * 8;
-                            int col = kt * BCT + nt * 8 + 2 * t4 + (e & 1);
-                            if (col > row) x = NEG_INF;
-                        }
-                        s[mt][nt][e] = x;
-                    }
-                }
-                // A block of its own, so full tiles branch around it once instead of paying a
-                // compare per score.
-                if (tail) {
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            if (kt * BCT + nt * 8 + 2 * t4 + (e & 1) >= T) s[mt][nt][e] = NEG_INF;
-                }
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float mx = NEG_INF;
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-                    const float m_new = fmaxf(m_run[mt][r], mx);
-                    const float alpha = fast_exp2(m_run[mt][r] - m_new);
-                    m_run[mt][r] = m_new;
-                    float sum = 0.f;
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        float p0 = fast_exp2(s[mt][nt][2 * r] - m_new);
-                        float p1 = fast_exp2(s[mt][nt][2 * r + 1] - m_new);
-                        s[mt][nt][2 * r] = p0;
-                        s[mt][nt][2 * r + 1] = p1;
-                        sum += p0 + p1;
-                    }
-                    l_run[mt][r] = l_run[mt][r] * alpha + sum;
-#pragma unroll
-                    for (int dt = 0; dt < DT; ++dt) {
-                        o[mt][dt][2 * r] *= alpha;
-                        o[mt][dt][2 * r + 1] *= alpha;
-                    }
-                }
-            }
-
-#pragma unroll
-            for (int kc = 0; kc < BCT / 16; ++kc) {
-                u32 pa[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    pa[mt][0] = pack2<BF16>(s[mt][2 * kc][0], s[mt][2 * kc][1]);
-                    pa[mt][1] = pack2<BF16>(s[mt][2 * kc][2], s[mt][2 * kc][3]);
-                    pa[mt][2] = pack2<BF16>(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
-                    pa[mt][3] = pack2<BF16>(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
-                }
-#pragma unroll
-                for (int dt = 0; dt < DT; dt += 2) {
-                    u32 vb[4];
-                    const u16* p = v_s + (kc * 16 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
-                    ldmatrix_x4_trans(vb, smem_u32(p));
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma16816<BF16>(o[mt][dt], pa[mt], vb[0], vb[1]);
-                        mma16816<BF16>(o[mt][dt + 1], pa[mt], vb[2], vb[3]);
-                    }
-                }
-            }
-        }
-        __syncthreads();
-    }
+    // The last key tile of a non-causal tail instance is peeled off the loop, so the loop's
+    // code is the EVEN instance's (the masking versions of the softmax stay out of it).
+    const bool has_tail = !EVEN && !CAUSAL && (T % BCT != 0);
+    const int n_main = has_tail ? n_kt - 1 : n_kt;
+    for (int kt = 0; kt < n_main; ++kt)
+        flash_fwd_v3_step<D, NW, MT, BCT, BF16, CAUSAL, EVEN, false>(
+            kt, n_kt, T, qt, tid, lane, g, t4, warp_row0, warp_last, scale_log2, K, V, kv_off, sQ,
+            sK, sV, o, m_run, l_run);
+    if (!EVEN && !CAUSAL && has_tail)
+        flash_fwd_v3_step<D, NW, MT, BCT, BF16, CAUSAL, EVEN, !EVEN && !CAUSAL>(
+            n_main, n_kt, T, qt, tid, lane, g, t4, warp_row0, warp_last, scale_log2, K, V, kv_off,
+            sQ, sK, sV, o, m_run, l_run);
 
     u16* o_base = O + q_off;
 #pragma unroll

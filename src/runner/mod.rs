@@ -776,10 +776,13 @@ struct DocSink<'a> {
     monitor: Option<&'a machine::Monitor>,
     suite: &'a dyn Suite,
     runs: u32,
+    /// When the row in flight started (its case's preparation included).
+    started: Option<std::time::Instant>,
 }
 
 impl Sink for DocSink<'_> {
     fn start(&mut self, run: u32, case: &Params, imp: &Implementation) {
+        self.started = Some(std::time::Instant::now());
         let r = if self.runs > 1 {
             format!("run {}/{} ", run + 1, self.runs)
         } else {
@@ -795,8 +798,19 @@ impl Sink for DocSink<'_> {
         }
         self.doc.rows = rows.to_vec();
         let r = &reply.row;
+        // Where a row's time went: all of it (preparation, process start, compile, check,
+        // timing) and the timing window alone, for planning a grid's wall time.
+        let wall = self
+            .started
+            .map(|t| format!(" [row {:.1} s", t.elapsed().as_secs_f64()))
+            .unwrap_or_default();
+        let timed = match reply.window {
+            Some([a, b]) if !wall.is_empty() => format!(", timed {:.1} s]", b - a),
+            _ if !wall.is_empty() => "]".to_string(),
+            _ => String::new(),
+        };
         self.progress.done(&format!(
-            "{:<16} {}: {}",
+            "{:<16} {}: {}{wall}{timed}",
             r.implementation,
             self.suite.label(&r.case),
             describe(r, &self.doc.config.throughput)
@@ -900,6 +914,7 @@ pub fn run(
         monitor: monitor.as_ref(),
         suite,
         runs: timing.runs,
+        started: None,
     };
     let grid = Grid {
         suite,
