@@ -88,10 +88,7 @@ __device__ __forceinline__ void flash_fwd_v3_step(
     const u16* k_s = sK + buf * BCT * STR;
     const u16* v_s = sV + buf * BCT * STR;
     // Causal: every key of this tile comes after every row of this warp -> nothing to add.
-    // Non-aligned: every row of this warp lies past T (the last query tile of T = 4097 holds
-    // one row) -> nothing is stored, so nothing to compute; the warp still loads and syncs.
-    const bool skip = (CAUSAL && (kt * BCT > warp_last)) ||
-                      (!EVEN && warp_last - (16 * MT - 1) >= T);
+    const bool skip = CAUSAL && (kt * BCT > warp_last);
     if (!skip) {
         float s[MT][NT][4];
 #pragma unroll
