@@ -234,11 +234,7 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
     const int n_kt_all = EVEN ? T / BCT : (T + BCT - 1) / BCT;  // key tiles in the sequence
     const int n_kt = CAUSAL ? min(((qt + 1) * BR) / BCT, n_kt_all) : n_kt_all;
     const int warp_row0 = warp * 16 * MT;            // first row of this warp within the tile
-    // Its last global query row; -1 for a causal warp whose rows all lie past T (the last query
-    // tile of T = 4097 holds one row), so that the loop's causal skip drops every key tile of it.
-    const int warp_last = (CAUSAL && !EVEN && qt * BR + warp_row0 >= T)
-                              ? -1
-                              : qt * BR + warp_row0 + 16 * MT - 1;
+    const int warp_last = qt * BR + warp_row0 + 16 * MT - 1;  // its last global query row
 
     load_tile_bounded<BR, D, NTH, EVEN>(sQ, Q + q_off, tid, T - qt * BR);
     cp_async_commit();
