@@ -1030,7 +1030,12 @@ fn a_tile_sweep_is_a_run_of_its_own_with_its_own_section() {
         ["b", "a default", "c", "d"],
         "fastest first, failed last"
     );
-    let verdict = text(section.select(&sel("section.group > p")).next().unwrap());
+    let verdict = text(
+        section
+            .select(&sel("section.tile-group > p"))
+            .next()
+            .unwrap(),
+    );
     assert!(
         verdict.contains("not the fastest")
             && verdict.contains("b reaches")
@@ -1044,14 +1049,23 @@ fn a_tile_sweep_is_a_run_of_its_own_with_its_own_section() {
         svg.contains("<desc>") && svg.contains("a (default)"),
         "{svg}"
     );
-    // The grid's tables hold no configuration rows: no group title names `config`.
-    for h in attention.select(&sel("section.group h3")) {
-        let in_sweep = h.ancestors().filter_map(ElementRef::wrap).any(|e| {
-            e.value()
-                .has_class("tile-sweep", scraper::CaseSensitivity::CaseSensitive)
-        });
-        assert!(in_sweep || !text(h).contains("config="), "{}", text(h));
-    }
+    // The grid's tables hold no configuration rows: no group title names `config`, and the
+    // grid's groups are as many as without the sweep.
+    let grid_groups: Vec<String> = attention
+        .select(&sel("section.group h3"))
+        .map(|h| text(h))
+        .collect();
+    assert!(
+        grid_groups.iter().all(|t| !t.contains("config=")),
+        "{grid_groups:?}"
+    );
+    let (_tmp2, alone) = build_site(&valid_dir(), None);
+    assert_eq!(
+        grid_groups.len(),
+        page(&alone, "attention.html")
+            .select(&sel("section.group"))
+            .count()
+    );
 
     // Two sweeps of one suite on one device from two commits are two runs.
     fs::write(

@@ -77,10 +77,11 @@ fn time_figures_label_only_the_measured_x_values() {
     // A group is a case with seq_len left out (the x axis), per device; its sizes. Only the
     // attention documents draw on attention.html.
     let mut groups_in_data: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
-    for l in docs
-        .iter()
-        .filter(|l| l.doc.suite == kernelpages::schema::Suite::Attention)
-    {
+    // Tile sweeps have a section of their own (`section.tile-group`), not groups.
+    for l in docs.iter().filter(|l| {
+        l.doc.suite == kernelpages::schema::Suite::Attention
+            && l.doc.config.kind == kernelpages::schema::RunKind::Grid
+    }) {
         for r in &l.doc.rows {
             let mut c = r.case.clone();
             let x = c.remove("seq_len").map(|p| p.to_string());
