@@ -4,8 +4,7 @@
 // kernel writes it; every row sees at least one key here, so it is finite). The general kernel (flash_attn_fwd.cu) bounds every load, mask and
 // store by the lengths, which cost 30 % on aligned shapes (kernels/TUNING.md, "aligned fast
 // path"); here the instance with EVEN = true (T a multiple of the 128-row query tile) has no
-// bounds at all, and the EVEN = false instance bounds only the partial query tile (the last
-// one; the first one when causal) and the last key tile.
+// bounds at all, and the EVEN = false instance bounds only the last query and key tiles.
 // Dispatch (src/attention/cuda.rs, `flash_fast_path`) sends such forwards here and every other
 // case (separate lengths, key lengths, other head dims, another configuration) there.
 //
@@ -57,9 +56,7 @@ __device__ __forceinline__ void load_tile_bounded(u16* s, const u16* g, int tid,
 }
 
 // One key tile of flash_fwd_v3 (its loop body): prefetch tile kt + 1, wait for tile kt, then
-// S = Q K^T, the mask, the online softmax and O += P V for this warp's MT row groups; r0 is the
-// global row of the query tile's first row (negative for the first tile of a shifted causal
-// instance: see flash_fwd_v3). TAIL
+// S = Q K^T, the mask, the online softmax and O += P V for this warp's MT row groups. TAIL
 // (non-causal, non-EVEN instances only, for the last key tile alone) masks keys >= T;
 // PF_BOUNDED lets the prefetched tile be the partial last one (zero-filled past T). The loop's
 // tiles run with both false, so the loop carries neither the mask nor the bounded loads and is
@@ -67,7 +64,7 @@ __device__ __forceinline__ void load_tile_bounded(u16* s, const u16* g, int tid,
 template <int D, int NW, int MT, int BCT, bool BF16, bool CAUSAL, bool EVEN, bool TAIL,
           bool PF_BOUNDED>
 __device__ __forceinline__ void flash_fwd_v3_step(
-    int kt, int n_kt, int T, int r0, int tid, int lane, int g, int t4, int warp_row0, int warp_last,
+    int kt, int n_kt, int T, int qt, int tid, int lane, int g, int t4, int warp_row0, int warp_last,
     float scale_log2, const u16* __restrict__ K, const u16* __restrict__ V, size_t kv_off,
     const u16* sQ, u16* sK, u16* sV, float (&o)[MT][D / 8][4], float (&m_run)[MT][2],
     float (&l_run)[MT][2]) {
@@ -122,7 +119,7 @@ __device__ __forceinline__ void flash_fwd_v3_step(
             }
         }
 
-        const bool diag = CAUSAL && (kt * BCT + BCT - 1 > r0 + warp_row0);
+        const bool diag = CAUSAL && (kt * BCT + BCT - 1 > qt * BR + warp_row0);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -131,7 +128,7 @@ __device__ __forceinline__ void flash_fwd_v3_step(
                 for (int e = 0; e < 4; ++e) {
                     float x = s[mt][nt][e] * scale_log2;
                     if (diag) {
-                        int row = r0 + warp_row0 + mt * 16 + g + (e >> 1) * 8;
+                        int row = qt * BR + warp_row0 + mt * 16 + g + (e >> 1) * 8;
                         int col = kt * BCT + nt * 8 + 2 * t4 + (e & 1);
                         if (col > row) x = NEG_INF;
                     }
@@ -201,34 +198,14 @@ __device__ __forceinline__ void flash_fwd_v3_step(
     __syncthreads();
 }
 
-// A BR-row query tile whose first row lies `-r0` rows before row 0 of the head (r0 < 0): rows
-// r < -r0 are zero-filled and read nothing; `head` points at row 0.
-template <int ROWS, int D, int NTHREADS>
-__device__ __forceinline__ void load_tile_shifted(u16* s, const u16* head, int r0, int tid) {
-    constexpr int STR = D + 8;
-    constexpr int CHUNKS = ROWS * D / 8;
-#pragma unroll
-    for (int i = tid; i < CHUNKS; i += NTHREADS) {
-        const int r = i / (D / 8);
-        const int c = (i % (D / 8)) * 8;
-        const bool ok = r0 + r >= 0;
-        cp_async16(smem_u32(s + r * STR + c), ok ? head + (size_t)(r0 + r) * D + c : head, ok);
-    }
-}
-
 // Version 3: each warp owns MT groups of 16 query rows (FlashAttention-2's layout for large
 // tiles), so every K and V fragment read from shared memory feeds MT matrix products instead of
 // one: the shared-memory bytes per FLOP fall by up to MT. Q stays in shared memory and its
 // fragments are re-read per key tile (registers go to the MT-fold accumulators instead).
 // BCT keys per tile (32 or 64). A warp whose rows all precede a causal tile skips its work.
-// EVEN: T is a multiple of the query tile (so of BCT). Without it any T >= 1 runs: the last key
-// tile is loaded zero-filled past T and keys >= T score -inf (on the last key tile only; with
-// CAUSAL the mask already removes them for every stored row). Non-causal: the last query tile
-// is the partial one, zero-filled past T, its rows >= T not stored. Causal: the query tiles are
-// aligned to the end of the sequence instead (the first tile starts `shift` rows before row 0,
-// those rows zero-filled and not stored), so the partial tile is the one that sees the fewest
-// keys (one key tile at T = 4097) rather than the most, and a warp whose rows all precede row 0
-// skips every key tile through the causal skip.
+// EVEN: T is a multiple of the query tile (so of BCT). Without it any T >= 1 runs: the last query
+// and key tiles are loaded zero-filled past T, keys >= T score -inf (on the last key tile only;
+// with CAUSAL the mask already removes them for every stored row), rows >= T are not stored.
 // Requirements: (16 * MT * NW) % BCT == 0; with EVEN, T % (16 * MT * NW) == 0.
 // LSE_OUT: write the log-sum-exp of every stored row to LSE (otherwise LSE is not touched).
 template <int D, int NW, int MT, int BCT, bool BF16, bool CAUSAL, bool EVEN, bool LSE_OUT>
@@ -254,27 +231,14 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
     const int qt = CAUSAL ? (n_qt - 1 - (int)blockIdx.x) : (int)blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (H / KVH);
-    // Causal and non-aligned: the query tiles end at T, the first one starting `shift` rows
-    // before row 0. Every other instance keeps the tiles at 0, its code as it was measured.
-    constexpr bool SHIFTED = CAUSAL && !EVEN;
-    const int shift = SHIFTED ? n_qt * BR - T : 0;
-    const int r0 = qt * BR - shift;                   // global row of the tile's first row
-    const size_t q_head = (size_t)(b * H + h) * T;    // row 0 of this (batch, head), in rows
-    const size_t q_off = ((size_t)(b * H + h) * T + (size_t)qt * BR) * D;  // unshifted tile
+    const size_t q_off = ((size_t)(b * H + h) * T + (size_t)qt * BR) * D;
     const size_t kv_off = (size_t)(b * KVH + kvh) * T * D;
     const int n_kt_all = EVEN ? T / BCT : (T + BCT - 1) / BCT;  // key tiles in the sequence
-    const int n_kt = !CAUSAL ? n_kt_all
-                     : SHIFTED ? min((r0 + BR + BCT - 1) / BCT, n_kt_all)
-                               : min(((qt + 1) * BR) / BCT, n_kt_all);
+    const int n_kt = CAUSAL ? min(((qt + 1) * BR) / BCT, n_kt_all) : n_kt_all;
     const int warp_row0 = warp * 16 * MT;            // first row of this warp within the tile
-    const int warp_last = r0 + warp_row0 + 16 * MT - 1;  // its last global query row
+    const int warp_last = qt * BR + warp_row0 + 16 * MT - 1;  // its last global query row
 
-    if (SHIFTED && r0 < 0)
-        load_tile_shifted<BR, D, NTH>(sQ, Q + q_head * D, r0, tid);
-    else if (SHIFTED)
-        load_tile_full<BR, D, NTH>(sQ, Q + (q_head + r0) * D, tid);
-    else
-        load_tile_bounded<BR, D, NTH, EVEN>(sQ, Q + q_off, tid, T - qt * BR);
+    load_tile_bounded<BR, D, NTH, EVEN>(sQ, Q + q_off, tid, T - qt * BR);
     cp_async_commit();
     load_tile_bounded<BCT, D, NTH, EVEN>(sK, K + kv_off, tid, T);
     load_tile_bounded<BCT, D, NTH, EVEN>(sV, V + kv_off, tid, T);
@@ -300,15 +264,15 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
     const int n_loop = partial ? max(n_kt - 2, 0) : n_kt;
     for (int kt = 0; kt < n_loop; ++kt)
         flash_fwd_v3_step<D, NW, MT, BCT, BF16, CAUSAL, EVEN, false, false>(
-            kt, n_kt, T, r0, tid, lane, g, t4, warp_row0, warp_last, scale_log2, K, V, kv_off, sQ,
+            kt, n_kt, T, qt, tid, lane, g, t4, warp_row0, warp_last, scale_log2, K, V, kv_off, sQ,
             sK, sV, o, m_run, l_run);
     if (!EVEN && partial) {
         if (n_kt >= 2)
             flash_fwd_v3_step<D, NW, MT, BCT, BF16, CAUSAL, EVEN, false, true>(
-                n_kt - 2, n_kt, T, r0, tid, lane, g, t4, warp_row0, warp_last, scale_log2, K, V,
+                n_kt - 2, n_kt, T, qt, tid, lane, g, t4, warp_row0, warp_last, scale_log2, K, V,
                 kv_off, sQ, sK, sV, o, m_run, l_run);
         flash_fwd_v3_step<D, NW, MT, BCT, BF16, CAUSAL, EVEN, !EVEN && !CAUSAL, true>(
-            n_kt - 1, n_kt, T, r0, tid, lane, g, t4, warp_row0, warp_last, scale_log2, K, V,
+            n_kt - 1, n_kt, T, qt, tid, lane, g, t4, warp_row0, warp_last, scale_log2, K, V,
             kv_off, sQ, sK, sV, o, m_run, l_run);
     }
 
@@ -321,18 +285,7 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
             l += __shfl_xor_sync(0xffffffff, l, 1);
             l += __shfl_xor_sync(0xffffffff, l, 2);
             const float inv = 1.f / l;
-            const int row = warp_row0 + mt * 16 + g + r * 8;  // within the tile
-            if (SHIFTED) {
-                if (r0 + row < 0) continue;  // before row 0 (the first tile): not stored
-                const size_t grow = q_head + (size_t)(r0 + row);
-                if (LSE_OUT && t4 == 0) LSE[grow] = (m_run[mt][r] + log2f(l)) * LN2;
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    u32 v = pack2<BF16>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-                    *reinterpret_cast<u32*>(O + grow * D + dt * 8 + 2 * t4) = v;
-                }
-                continue;
-            }
+            const int row = warp_row0 + mt * 16 + g + r * 8;
             if (!EVEN && qt * BR + row >= T) continue;  // past the sequence end: not stored
             if (LSE_OUT && t4 == 0)
                 LSE[(size_t)(b * H + h) * T + (size_t)qt * BR + row] = (m_run[mt][r] + log2f(l)) * LN2;
