@@ -60,7 +60,7 @@ __device__ __forceinline__ void load_tile_bounded(u16* s, const u16* g, int tid,
 // (non-causal, non-EVEN instances only, for the last key tile alone) masks keys >= T;
 // PF_BOUNDED lets the prefetched tile be the partial last one (zero-filled past T). The loop's
 // tiles run with both false, so the loop carries neither the mask nor the bounded loads and is
-// the EVEN instance's loop (kernels/TUNING.md, "the peeled tail").
+// the EVEN instance's loop (kernels/TUNING.md, "Fast path tail v3").
 template <int D, int NW, int MT, int BCT, bool BF16, bool CAUSAL, bool EVEN, bool TAIL,
           bool PF_BOUNDED>
 __device__ __forceinline__ void flash_fwd_v3_step(

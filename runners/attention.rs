@@ -326,7 +326,7 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     }
     let mut params: Vec<Params> = cases.iter().map(AttentionCase::params).collect();
     if grids.iter().any(|g| g == "tiles") {
-        if grids.len() > 1 {
+        if grids.iter().any(|g| g != "tiles") {
             bail!(
                 "--grids: `tiles` runs alone (a tile sweep is a document of its own, \
                  data/gpu_attention_tiles.json), not with {}",

@@ -283,8 +283,8 @@ pub fn document_paths(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
 ///
 /// Errors ([`LoadErrors`], every problem of every file): a document is refused; the folder
 /// holds no document with rows ([`LoadError::NoDocuments`]); two documents hold one suite on
-/// one device without being shards of one run ([`LoadError::TwoRuns`]); a row is repeated
-/// across files.
+/// one device, of one kind of run (`config.kind`), without being shards of one run
+/// ([`LoadError::TwoRuns`]); a row is repeated across files.
 pub fn load_dir(dir: &Path) -> Result<Vec<Loaded>, LoadErrors> {
     let paths = document_paths(dir)?;
     let mut loaded = Vec::with_capacity(paths.len());

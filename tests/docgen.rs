@@ -1049,6 +1049,41 @@ fn a_tile_sweep_is_a_run_of_its_own_with_its_own_section() {
         svg.contains("<desc>") && svg.contains("a (default)"),
         "{svg}"
     );
+    // Each configuration's name sits beside its own bar, in table order (b, a, c), with the
+    // default's bar in its own colour; d did not run and has no bar.
+    let attr = |tag: &str, name: &str| -> f64 {
+        let k = tag.find(&format!(" {name}=\"")).unwrap() + name.len() + 3;
+        tag[k..].split('"').next().unwrap().parse().unwrap()
+    };
+    let bars: Vec<(f64, f64, bool)> = svg
+        .split("<rect ")
+        .skip(1)
+        .map(|r| r.split('>').next().unwrap())
+        .filter(|r| attr(r, "height") < 40.0)
+        .map(|r| {
+            (
+                attr(r, "y"),
+                attr(r, "height"),
+                r.contains("fill=\"#0072B2\""),
+            )
+        })
+        .collect();
+    assert_eq!(bars.len(), 3, "{bars:?}");
+    assert_eq!(bars.iter().filter(|b| b.2).count(), 1, "one default bar");
+    let label_y = |label: &str| -> f64 {
+        let at = svg.find(&format!(">\n{label}\n</text>")).unwrap();
+        let tag = &svg[svg[..at].rfind("<text").unwrap()..at];
+        attr(tag, "y")
+    };
+    for (label, (y, h, default)) in ["b", "a (default)", "c"].iter().zip(&bars) {
+        let ly = label_y(label);
+        assert!(
+            *y <= ly && ly <= y + h,
+            "{label} at y {ly}, its bar {y}..{}",
+            y + h
+        );
+        assert_eq!(*default, label.contains("default"), "{label}");
+    }
     // The grid's tables hold no configuration rows: no group title names `config`, and the
     // grid's groups are as many as without the sweep.
     let grid_groups: Vec<String> = attention
@@ -1066,6 +1101,25 @@ fn a_tile_sweep_is_a_run_of_its_own_with_its_own_section() {
             .select(&sel("section.group"))
             .count()
     );
+
+    // A sweep alone (no grid): its page is measured and shows it; the sweep names no grid
+    // commit; no prose sentence reads its rows (the build would fail on an ambiguous row).
+    let only = tempfile::tempdir().unwrap();
+    fs::write(
+        only.path().join("gpu_attention_tiles.json"),
+        tile_sweep(sweep_commit).to_string(),
+    )
+    .unwrap();
+    let (_tmp3, site_only) = build_site(only.path(), None);
+    let attention_only = page(&site_only, "attention.html");
+    let section = attention_only
+        .select(&sel("section.tile-sweep"))
+        .next()
+        .expect("the sweep's section");
+    assert!(!text(section).contains("tables above"), "{}", text(section));
+    let footer = text(attention_only.select(&sel("footer")).next().unwrap());
+    assert!(footer.contains("computed from"), "{footer}");
+    assert_eq!(attention_only.select(&sel("section.group")).count(), 0);
 
     // Two sweeps of one suite on one device from two commits are two runs.
     fs::write(

@@ -320,10 +320,10 @@ impl BwdConfig {
 
     /// The default for `head_dim`, unless `KP_FLASH_BWD_CONFIG` (`128=w8r64`) names another:
     /// the fastest configuration of the tile sweep on the H200 (`data/gpu_attention_tiles.json`,
-    /// kernels/TUNING.md, backward v2): w8r64dv up to head_dim 128 (at 128, T = 16384, it
-    /// measured 223 TFLOP/s non-causal and 226 causal, against w8r64v's 216 and 221 and
-    /// w4r32v's 205 and 205); w4r32v at 256 (the only one that fits sm_80's 163 KB of shared
-    /// memory without spilling).
+    /// kernels/TUNING.md, "Backward `d` measured"): w8r64dv up to head_dim 128 (at 128,
+    /// T = 16384, it measured 222.2 TFLOP/s non-causal and 224.4 causal, against w8r64v's 214.3
+    /// and 219.5 and w4r32v's 206.6 and 204.2); w4r32v at 256 (the only one that fits sm_80's
+    /// 163 KB of shared memory without spilling).
     ///
     /// # Errors
     /// A malformed `KP_FLASH_BWD_CONFIG`.

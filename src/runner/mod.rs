@@ -191,7 +191,8 @@ pub trait Suite {
     /// The document's suite.
     fn suite(&self) -> schema::Suite;
     /// Writes the case's inputs (raw files) and the float64 reference of its checked output
-    /// elements into `dir`.
+    /// elements into `dir`. `case` is the case's [`Suite::inputs_key`] (the whole case unless
+    /// the suite says otherwise).
     ///
     /// # Errors
     /// I/O errors; a case the suite cannot build.

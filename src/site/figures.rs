@@ -895,13 +895,12 @@ pub fn tile_chart(spec: &TileChart) -> anyhow::Result<String> {
             } else {
                 b.label.clone()
             };
-            plot_area
-                .draw(&Text::new(
-                    name,
-                    (x0 - 8 - 12, y0),
-                    label_font.clone().pos(Pos::new(HPos::Right, VPos::Center)),
-                ))
-                .map_err(&err)?;
+            root.draw(&Text::new(
+                name,
+                (x0 - 8, y0),
+                label_font.clone().pos(Pos::new(HPos::Right, VPos::Center)),
+            ))
+            .map_err(&err)?;
             match b.value {
                 Some(v) => {
                     let colour = if b.is_default { DEFAULT_FASTER } else { GRID };
@@ -927,22 +926,20 @@ pub fn tile_chart(spec: &TileChart) -> anyhow::Result<String> {
                             .map_err(&err)?;
                     }
                     let (ex, ey) = chart.backend_coord(&(end, y_mid));
-                    plot_area
-                        .draw(&Text::new(
-                            tick_label(v),
-                            (ex + 6 - 12, ey),
-                            label_font.clone().pos(Pos::new(HPos::Left, VPos::Center)),
-                        ))
-                        .map_err(&err)?;
+                    root.draw(&Text::new(
+                        super::format::sig(v, 4),
+                        (ex + 6, ey),
+                        label_font.clone().pos(Pos::new(HPos::Left, VPos::Center)),
+                    ))
+                    .map_err(&err)?;
                 }
                 None => {
-                    plot_area
-                        .draw(&Text::new(
-                            b.status.clone().unwrap_or_else(|| "not measured".into()),
-                            (x0 + 6 - 12, y0),
-                            label_font.clone().pos(Pos::new(HPos::Left, VPos::Center)),
-                        ))
-                        .map_err(&err)?;
+                    root.draw(&Text::new(
+                        b.status.clone().unwrap_or_else(|| "not measured".into()),
+                        (x0 + 6, y0),
+                        label_font.clone().pos(Pos::new(HPos::Left, VPos::Center)),
+                    ))
+                    .map_err(&err)?;
                 }
             }
         }

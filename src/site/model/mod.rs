@@ -270,8 +270,10 @@ pub fn build_model(
         !docs.is_empty(),
     )];
     for (f, t, suites) in SUITE_PAGES {
+        // A page with only a tile sweep still shows measurements.
         let has = docs
             .iter()
+            .chain(&sweeps)
             .any(|l| suites.contains(&l.doc.suite) && !l.doc.rows.is_empty());
         pages.push((f.to_string(), t.to_string(), has));
     }
@@ -347,7 +349,8 @@ pub fn build_model(
             (
                 f.to_string(),
                 t.to_string(),
-                count_rows(docs, |d| suites.contains(&d.suite)),
+                count_rows(docs, |d| suites.contains(&d.suite))
+                    + count_rows(&sweeps, |d| suites.contains(&d.suite)),
             )
         })
         .chain(hopper_title.as_ref().map(|t| {

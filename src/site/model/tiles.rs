@@ -256,7 +256,12 @@ fn sweep_section(
                 }
             })
             .collect();
-        let verdict = verdict(&rows, default, doc, &unit, config_of);
+        // The measure of the table: throughput, else the median time.
+        let shown = |r: &Row| match measure(r, doc) {
+            Some((v, _)) if higher_is_better => format!("{} {unit}", format::sig(v, 4)),
+            _ => format!("{} ms", format::ms(r.median_ms.unwrap_or(f64::NAN))),
+        };
+        let verdict = verdict(&rows, default, shown, config_of);
         let file = format!("figures/tiles-{id}.svg");
         let x_label = if higher_is_better {
             format!("{unit} (higher is faster); whiskers: from the time's interquartile range")
@@ -326,62 +331,175 @@ fn sweep_section(
     }
 }
 
-/// One sentence on the default of a shape, from the rows: whether it is the fastest that ran,
-/// and if not, which is and by how much.
+/// True when the two rows' interquartile ranges of time overlap (neither is faster beyond
+/// both spreads); false when a quartile is missing.
+fn within_spread(a: &Row, b: &Row) -> bool {
+    match (a.q1_ms, a.q3_ms, b.q1_ms, b.q3_ms) {
+        (Some(a1), Some(a3), Some(b1), Some(b3)) => a1 <= b3 && b1 <= a3,
+        _ => false,
+    }
+}
+
+/// One sentence on the default of a shape, from the rows (`rows` ranked, fastest first):
+/// whether it is the fastest that ran, by how much, and whether the lead is beyond both
+/// interquartile ranges.
 fn verdict(
     rows: &[&Row],
     default: Option<&Row>,
-    doc: &Document,
-    unit: &str,
+    shown: impl Fn(&Row) -> String,
     config_of: impl Fn(&Row) -> String,
 ) -> String {
     let ran = rows.iter().filter(|r| r.status == Status::Ok).count();
     let Some(d) = default else {
-        return if rows.iter().any(|r| r.default) {
-            "The default configuration did not run here (see its row).".to_string()
-        } else {
-            "No configuration of this shape is marked as the default.".to_string()
+        return match rows.iter().find(|r| r.default) {
+            Some(r) => format!(
+                "The default configuration, {}, did not run here (see its row).",
+                config_of(r)
+            ),
+            None => "No configuration of this shape is marked as the default.".to_string(),
         };
     };
-    let value = |r: &Row| measure(r, doc).map(|(v, _)| v);
-    let (Some(best), Some(dv)) = (rows.first(), value(d)) else {
+    let times = |a: &Row, b: &Row| {
+        format::sig(
+            a.median_ms.unwrap_or(f64::NAN) / b.median_ms.unwrap_or(f64::NAN),
+            3,
+        )
+    };
+    let Some(best) = rows.first().copied() else {
         return String::new();
     };
-    let shown = |v: f64| format!("{} {unit}", format::sig(v, 4));
-    if std::ptr::eq(*best, d) || best.median_ms == d.median_ms {
+    if std::ptr::eq(best, d) {
         let second = rows
             .iter()
-            .filter(|r| !std::ptr::eq(**r, d))
-            .find_map(|r| Some((r, value(r)?)));
+            .copied()
+            .find(|r| !std::ptr::eq(*r, d) && r.status == Status::Ok);
         match second {
-            Some((r, v)) => format!(
+            Some(r) if within_spread(d, r) => format!(
+                "The default, {}, and {} are the fastest of the {ran} configurations that \
+                 ran, within each other's interquartile range: {} and {}.",
+                config_of(d),
+                config_of(r),
+                shown(d),
+                shown(r)
+            ),
+            Some(r) => format!(
                 "The default, {}, is the fastest of the {ran} configurations that ran: {} \
                  against {} for the next, {}, which takes {} times as long.",
                 config_of(d),
-                shown(dv),
-                shown(v),
+                shown(d),
+                shown(r),
                 config_of(r),
-                format::sig(
-                    r.median_ms.unwrap_or(f64::NAN) / d.median_ms.unwrap_or(f64::NAN),
-                    3
-                )
+                times(r, d)
             ),
             None => format!(
                 "The default, {}, is the only configuration that ran.",
                 config_of(d)
             ),
         }
-    } else {
-        let bv = value(best).unwrap_or(f64::NAN);
-        let faster = d.median_ms.unwrap_or(f64::NAN) / best.median_ms.unwrap_or(f64::NAN);
+    } else if within_spread(d, best) {
         format!(
-            "The default, {}, is not the fastest here: {} reaches {} against the default's {} \
-             (the default takes {} times its time).",
+            "The default, {}, is within the interquartile range of the fastest of the {ran} \
+             configurations that ran, {}: {} against {}.",
             config_of(d),
             config_of(best),
-            shown(bv),
-            shown(dv),
-            format::sig(faster, 3)
+            shown(d),
+            shown(best)
         )
+    } else {
+        format!(
+            "The default, {}, is not the fastest here: {} reaches {} against the default's {} \
+             (the default takes {} times its time, beyond both interquartile ranges).",
+            config_of(d),
+            config_of(best),
+            shown(best),
+            shown(d),
+            times(d, best)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// A row of configuration `name` with median `ms` and quartiles ±`spread` ms.
+    fn row(name: &str, ms: Option<f64>, spread: f64, default: bool) -> Row {
+        let case = BTreeMap::from([(TILE_CONFIG_PARAM.to_string(), Param::Text(name.into()))]);
+        let status = if ms.is_some() {
+            Status::Ok
+        } else {
+            Status::Unsupported
+        };
+        let mut r = Row::failed(case, "flash", "kernelpages", default, status, "");
+        r.message = None;
+        r.median_ms = ms;
+        r.q1_ms = ms.map(|m| m - spread);
+        r.q3_ms = ms.map(|m| m + spread);
+        r
+    }
+
+    fn say(rows: &[Row]) -> String {
+        let refs: Vec<&Row> = rows.iter().collect();
+        let default = refs
+            .iter()
+            .copied()
+            .find(|r| r.default && r.status == Status::Ok);
+        let config = |r: &Row| match r.case.get(TILE_CONFIG_PARAM) {
+            Some(Param::Text(t)) => t.clone(),
+            _ => unreachable!(),
+        };
+        verdict(
+            &refs,
+            default,
+            |r| format!("{} ms", r.median_ms.unwrap()),
+            config,
+        )
+    }
+
+    #[test]
+    fn the_verdict_says_what_the_ranked_rows_show() {
+        // Rows come ranked, fastest first.
+        let lead = say(&[
+            row("a", Some(1.0), 0.01, true),
+            row("b", Some(1.2), 0.01, false),
+        ]);
+        assert!(
+            lead.contains("a, is the fastest of the 2") && lead.contains("1.20 times as long"),
+            "{lead}"
+        );
+        let tie = say(&[
+            row("a", Some(1.0), 0.05, true),
+            row("b", Some(1.02), 0.05, false),
+        ]);
+        assert!(
+            tie.contains("within each other's interquartile range"),
+            "{tie}"
+        );
+        let near = say(&[
+            row("b", Some(1.0), 0.05, false),
+            row("a", Some(1.02), 0.05, true),
+        ]);
+        assert!(
+            near.contains("a, is within the interquartile range of the fastest"),
+            "{near}"
+        );
+        let behind = say(&[
+            row("b", Some(0.8), 0.01, false),
+            row("a", Some(1.0), 0.01, true),
+        ]);
+        assert!(
+            behind.contains("not the fastest") && behind.contains("1.25 times its time"),
+            "{behind}"
+        );
+        let alone = say(&[row("a", Some(1.0), 0.01, true), row("b", None, 0.0, false)]);
+        assert!(alone.contains("only configuration that ran"), "{alone}");
+        let failed = say(&[row("b", Some(1.0), 0.01, false), row("a", None, 0.0, true)]);
+        assert!(
+            failed.contains("default configuration, a, did not run"),
+            "{failed}"
+        );
+        let none = say(&[row("b", Some(1.0), 0.01, false)]);
+        assert!(none.contains("No configuration"), "{none}");
     }
 }
