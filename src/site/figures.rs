@@ -637,14 +637,7 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
         let err = plot_err(&chart_spec.file);
         let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
         root.fill(&PAPER).map_err(&err)?;
-        for (i, line) in title_lines.iter().enumerate() {
-            root.draw(&Text::new(
-                line.clone(),
-                (12, 8 + 20 * i as i32),
-                (FONT, px(15.0)).into_font().color(&INK),
-            ))
-            .map_err(&err)?;
-        }
+        draw_title_lines(&root, &title_lines).map_err(&err)?;
         let (plot_area, legend_area) = root.split_vertically(top + plot_height);
         let (lo, hi) = glance_bounds(chart_spec);
         let ticks = glance_ticks(lo, hi);
@@ -807,6 +800,21 @@ fn glance_ticks(lo: f64, hi: f64) -> Vec<f64> {
     t
 }
 
+/// Draws a bar chart's wrapped title, 20 px per line from the top left.
+fn draw_title_lines<DB: DrawingBackend>(
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+    lines: &[String],
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    for (i, line) in lines.iter().enumerate() {
+        root.draw(&Text::new(
+            line.clone(),
+            (12, 8 + 20 * i as i32),
+            (FONT, px(15.0)).into_font().color(&INK),
+        ))?;
+    }
+    Ok(())
+}
+
 /// Height of one bar's slot in a tile sweep chart, px.
 const TILE_SLOT: u32 = 26;
 
@@ -854,14 +862,7 @@ pub fn tile_chart(spec: &TileChart) -> anyhow::Result<String> {
         let err = plot_err(&spec.file);
         let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
         root.fill(&PAPER).map_err(&err)?;
-        for (i, line) in title_lines.iter().enumerate() {
-            root.draw(&Text::new(
-                line.clone(),
-                (12, 8 + 20 * i as i32),
-                (FONT, px(15.0)).into_font().color(&INK),
-            ))
-            .map_err(&err)?;
-        }
+        draw_title_lines(&root, &title_lines).map_err(&err)?;
         let hi = tile_bounds(spec);
         let ticks = linear_ticks(hi);
         let (_, plot_area) = root.split_vertically(top);

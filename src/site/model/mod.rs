@@ -176,6 +176,8 @@ pub struct Layout {
     pub hand_written: bool,
     /// Link to "What runs by default" on the overview, for the `default` badges.
     pub defaults_href: String,
+    /// Link to the kernel tuning notes page, when the site has one.
+    pub tuning_href: Option<String>,
 }
 
 /// One navigation link.
@@ -312,6 +314,7 @@ pub fn build_model(
             hand_written: file == TUNING_FILE,
             toc,
             defaults_href: format!("{base}index.html#what-runs-by-default"),
+            tuning_href: tuning_notes_md.map(|_| format!("{base}{TUNING_FILE}")),
             nav: links(true),
             nav_unmeasured: links(false),
         }
