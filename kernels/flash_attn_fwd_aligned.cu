@@ -256,17 +256,19 @@ __device__ __forceinline__ void flash_fwd_v3(const u16* __restrict__ Q, const u1
         l_run[mt][0] = l_run[mt][1] = 0.f;
     }
 
-    // The partial last key tile (T % BCT != 0), when this CTA reaches it, is touched by two
-    // iterations: the one that prefetches it (kt = n_kt - 2) and the one that computes it
-    // (kt = n_kt - 1). Both are peeled off the loop, so the loop's code is the EVEN instance's:
-    // no bounded load, no key mask (non-causal only; causal masks those keys on the diagonal).
-    const bool partial = !EVEN && (T % BCT != 0) && n_kt == n_kt_all;
+    // The partial last key tile (T % BCT != 0) is touched by two iterations: the one that
+    // prefetches it (kt = n_kt - 2) and the one that computes it (kt = n_kt - 1). Non-causal:
+    // both are peeled off the loop, so the loop's code is the EVEN instance's (no bounded load,
+    // no key mask).
+    // Causal instances keep the bounded prefetch in the loop instead: peeling it measured the
+    // same on the H200 and tripled the head_dim 128 instance's spills.
+    const bool partial = !EVEN && !CAUSAL && (T % BCT != 0) && n_kt == n_kt_all;
     const int n_loop = partial ? max(n_kt - 2, 0) : n_kt;
     for (int kt = 0; kt < n_loop; ++kt)
-        flash_fwd_v3_step<D, NW, MT, BCT, BF16, CAUSAL, EVEN, false, false>(
+        flash_fwd_v3_step<D, NW, MT, BCT, BF16, CAUSAL, EVEN, false, CAUSAL && !EVEN>(
             kt, n_kt, T, qt, tid, lane, g, t4, warp_row0, warp_last, scale_log2, K, V, kv_off, sQ,
             sK, sV, o, m_run, l_run);
-    if (!EVEN && partial) {
+    if (!EVEN && !CAUSAL && partial) {
         if (n_kt >= 2)
             flash_fwd_v3_step<D, NW, MT, BCT, BF16, CAUSAL, EVEN, false, true>(
                 n_kt - 2, n_kt, T, qt, tid, lane, g, t4, warp_row0, warp_last, scale_log2, K, V,

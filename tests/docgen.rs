@@ -1043,6 +1043,23 @@ fn a_tile_sweep_is_a_run_of_its_own_with_its_own_section() {
         "{verdict}"
     );
     assert!(text(section).contains("configuration d needs head_dim 128"));
+    // The table of contents leads to the sweep and to its shape.
+    let toc: Vec<String> = attention
+        .select(&sel("nav a, aside a"))
+        .filter_map(|a| a.value().attr("href").map(String::from))
+        .collect();
+    for id in [
+        section.value().id().unwrap(),
+        section
+            .select(&sel("section.tile-group"))
+            .next()
+            .unwrap()
+            .value()
+            .id()
+            .unwrap(),
+    ] {
+        assert!(toc.contains(&format!("#{id}")), "{id} not in {toc:?}");
+    }
     let img = section.select(&sel("img")).next().unwrap();
     let svg = fs::read_to_string(site.join(img.value().attr("src").unwrap())).unwrap();
     assert!(

@@ -277,6 +277,13 @@ pub fn toc(sections: &[SuiteSection]) -> Vec<super::TocEntry> {
                 label: format!("Tile sweep: {}", t.device),
                 depth: if several { 2 } else { 1 },
             });
+            for g in &t.groups {
+                out.push(super::TocEntry {
+                    href: format!("#{}", g.anchor),
+                    label: g.title.clone(),
+                    depth: if several { 3 } else { 2 },
+                });
+            }
         }
     }
     out.push(super::TocEntry {
