@@ -1,7 +1,8 @@
 //! Softmax attention: the case description shared by the runner and the site, FLOP counting,
 //! the CPU implementations (float64 reference forward and backward, a tiled float32 flash
-//! model in `cpu`, the multi-threaded float32 attention in `cpu_flash`), and the CUDA
-//! implementations (`flash`, the default, and `math`, cuBLAS GEMMs around softmax kernels).
+//! model in `cpu`, the multi-threaded float32 attention in `cpu_flash`), the CUDA
+//! implementations (`flash`, the default, and `math`, cuBLAS GEMMs around softmax kernels), and
+//! `decode`: the float64 reference of split-KV decoding over a paged KV cache (issue 10).
 //!
 //! Layout everywhere: Q `[batch, heads, seq_len_q, head_dim]`, K and V
 //! `[batch, kv_heads, seq_len_kv, head_dim]`, O and dO like Q, dQ like Q, dK and dV like K;
@@ -29,6 +30,7 @@ pub mod api;
 pub mod cpu;
 pub mod cpu_flash;
 pub mod cuda;
+pub mod decode;
 pub mod files;
 
 pub use api::{
