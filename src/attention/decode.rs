@@ -262,19 +262,11 @@ pub fn decode_split_kv(
 mod tests {
     use super::*;
 
-    /// Deterministic values in [-2, 2) from a seed (no RNG needed for these tests).
+    /// Uniform values in [-2, 2) from `seed`.
     fn values(n: usize, seed: u64) -> Vec<f64> {
-        let mut x = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((x >> 11) as f64 / (1u64 << 53) as f64) * 4.0 - 2.0
-            })
-            .collect()
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-2.0..2.0)).collect()
     }
 
     /// A cache of `batch` sequences of lengths `lens`, its pages scattered in reverse order.

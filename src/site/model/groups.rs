@@ -186,6 +186,16 @@ pub fn group_id(loaded: &Loaded, group: &Group<'_>) -> String {
     format!("{:016x}", format::stable_hash(s.as_bytes()))
 }
 
+/// Stable identifier of a document (its file and device), for the anchor of its section.
+pub fn doc_id(loaded: &Loaded) -> String {
+    format!(
+        "{:016x}",
+        format::stable_hash(
+            format!("{}\0{}", loaded.file_name(), loaded.doc.device.name).as_bytes()
+        )
+    )
+}
+
 /// The page a suite is shown on.
 pub fn page_of(suite: Suite) -> &'static str {
     SUITE_PAGES

@@ -8,8 +8,8 @@ use serde::Serialize;
 
 use super::super::format;
 use super::groups::{
-    device_label, group_id, group_rows, implementations, param_f64, primary_axis, throughput,
-    x_label, Group, ImplHeader,
+    device_label, doc_id, group_id, group_rows, implementations, param_f64, primary_axis,
+    throughput, x_label, Group, ImplHeader,
 };
 use super::{measure_command, CommandView, FigureRef, Layout};
 use crate::load::Loaded;
@@ -451,10 +451,7 @@ fn doc_section(
         }
     }));
     DocSection {
-        anchor: format!(
-            "d-{:016x}",
-            format::stable_hash(format!("{}\0{}", loaded.file_name(), doc.device.name).as_bytes())
-        ),
+        anchor: format!("d-{}", doc_id(loaded)),
         file: loaded.file_name(),
         device: device_label(doc),
         cell_legend: legend.join(" · "),

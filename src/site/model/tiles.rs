@@ -6,7 +6,7 @@
 use serde::Serialize;
 
 use super::super::format;
-use super::groups::{device_label, group_rows, throughput};
+use super::groups::{device_label, doc_id, group_id, group_rows, throughput};
 use super::FigureRef;
 use crate::load::{case_label, Loaded};
 use crate::schema::{Document, Param, Row, RunKind, Status, Suite, TILE_CONFIG_PARAM};
@@ -171,18 +171,8 @@ fn sweep_section(
         .map(short);
     let mut groups = Vec::new();
     for g in group_rows(doc, TILE_CONFIG_PARAM) {
-        let id = format!(
-            "{:016x}",
-            format::stable_hash(
-                format!(
-                    "tiles\0{}\0{}\0{}",
-                    doc.suite.as_str(),
-                    doc.device.name,
-                    serde_json::to_string(&g.params).unwrap_or_default()
-                )
-                .as_bytes()
-            )
-        );
+        // The group's id along its own axis, `config`: distinct from every grid group's.
+        let id = group_id(loaded, &g);
         // One row per configuration (a sweep measures one implementation).
         let mut rows: Vec<&Row> = g
             .by_x
@@ -318,10 +308,7 @@ fn sweep_section(
         });
     }
     TileSweepSection {
-        anchor: format!(
-            "tiles-{:016x}",
-            format::stable_hash(format!("{}\0{}", loaded.file_name(), doc.device.name).as_bytes())
-        ),
+        anchor: format!("tiles-{}", doc_id(loaded)),
         file: loaded.file_name(),
         device: device_label(doc),
         commit: short(&doc.config.git_commit),
