@@ -801,17 +801,19 @@ impl Sink for DocSink<'_> {
         let r = &reply.row;
         // Where a row's time went: all of it (preparation, process start, compile, check,
         // timing) and the timing window alone, for planning a grid's wall time.
-        let wall = self
-            .started
-            .map(|t| format!(" [row {:.1} s", t.elapsed().as_secs_f64()))
-            .unwrap_or_default();
-        let timed = match reply.window {
-            Some([a, b]) if !wall.is_empty() => format!(", timed {:.1} s]", b - a),
-            _ if !wall.is_empty() => "]".to_string(),
-            _ => String::new(),
+        let spent = match (self.started, reply.window) {
+            (Some(t), Some([a, b])) => {
+                format!(
+                    " [row {:.1} s, timed {:.1} s]",
+                    t.elapsed().as_secs_f64(),
+                    b - a
+                )
+            }
+            (Some(t), None) => format!(" [row {:.1} s]", t.elapsed().as_secs_f64()),
+            (None, _) => String::new(),
         };
         self.progress.done(&format!(
-            "{:<16} {}: {}{wall}{timed}",
+            "{:<16} {}: {}{spent}",
             r.implementation,
             self.suite.label(&r.case),
             describe(r, &self.doc.config.throughput)
