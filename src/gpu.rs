@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
-use cudarc::nvrtc::{CompileError, CompileOptions};
 
 use crate::schema::{self, DeviceKind};
 
@@ -141,10 +140,17 @@ impl Gpu {
         }
     }
 
-    /// Compiles `src` with NVRTC for this device ([`nvrtc_compile`]) and loads it. A source
-    /// this process already compiled under the same name is reused (`compile_s` 0): the
-    /// runner's case processes are fresh, so their first compile is always real; tests that
-    /// run many cases compile each instantiation once.
+    /// Compiles `src` with NVRTC to this device's machine code ([`nvrtc_compile_cubin`]) and
+    /// loads it; `compile_s` is the compile plus the load. A source this process already
+    /// compiled under the same name is reused (`compile_s` 0): tests that run many cases compile
+    /// each instantiation once.
+    ///
+    /// With [`KERNEL_CACHE_ENV`] naming a folder (the runner sets one per run for its case
+    /// processes), a source compiled by an earlier process of the run is loaded from the machine
+    /// code kept there, and `compile_s` is the time that first compile and load took: every row
+    /// reports what compiling its kernels costs, and each source is compiled once per run. The
+    /// cache is keyed by name, source, architecture and NVRTC version; a missing or unreadable
+    /// entry is compiled again.
     ///
     /// # Errors
     /// [`GpuError::Compile`] with the compiler log; driver errors from loading.
@@ -159,17 +165,34 @@ impl Gpu {
                 compile_s: 0.0,
             });
         }
-        let t0 = Instant::now();
-        let ptx = nvrtc_compile(name, src, &self.arch())?;
-        let module = self.ctx.load_module(ptx)?;
+        let arch = self.arch();
+        let cache = std::env::var_os(KERNEL_CACHE_ENV)
+            .map(|d| KernelCache::new(std::path::PathBuf::from(d), name, src, &arch));
+        let (module, compile_s) = match cache.as_ref().and_then(KernelCache::read) {
+            Some((cubin, first_s)) => {
+                let module = self
+                    .ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
+                (module, first_s)
+            }
+            None => {
+                let t0 = Instant::now();
+                let cubin = nvrtc_compile_cubin(name, src, &arch)?;
+                let module = self
+                    .ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.clone()))?;
+                let s = t0.elapsed().as_secs_f64();
+                if let Some(c) = &cache {
+                    c.write(&cubin, s);
+                }
+                (module, s)
+            }
+        };
         self.modules
             .lock()
             .expect("module cache")
             .insert(key, module.clone());
-        Ok(Compiled {
-            module,
-            compile_s: t0.elapsed().as_secs_f64(),
-        })
+        Ok(Compiled { module, compile_s })
     }
 
     /// Looks up `name` in `module` and raises its dynamic shared-memory limit to `smem_bytes`.
@@ -493,26 +516,175 @@ impl Gpu {
     }
 }
 
+/// Environment variable naming a folder that keeps compiled kernels between the processes of
+/// one run ([`Gpu::compile`]).
+pub const KERNEL_CACHE_ENV: &str = "KP_KERNEL_CACHE";
+
+/// One source's entry in a [`KERNEL_CACHE_ENV`] folder: `<key>.cubin` (machine code) and
+/// `<key>.compile_s` (seconds the first compile and load took), `key` a SHA-256 of the name,
+/// source, architecture and NVRTC version.
+struct KernelCache {
+    cubin: std::path::PathBuf,
+    seconds: std::path::PathBuf,
+}
+
+impl KernelCache {
+    fn new(dir: std::path::PathBuf, name: &str, src: &str, arch: &str) -> KernelCache {
+        use sha2::Digest;
+        let nvrtc = nvrtc_version().unwrap_or_default();
+        let mut h = sha2::Sha256::new();
+        for part in [name, src, arch, nvrtc.as_str()] {
+            h.update(part.as_bytes());
+            h.update([0u8]);
+        }
+        let key: String = h.finalize()[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        KernelCache {
+            cubin: dir.join(format!("{key}.cubin")),
+            seconds: dir.join(format!("{key}.compile_s")),
+        }
+    }
+
+    /// The machine code and first compile time, when both are there and readable.
+    fn read(&self) -> Option<(Vec<u8>, f64)> {
+        let s: f64 = std::fs::read_to_string(&self.seconds)
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        let cubin = std::fs::read(&self.cubin).ok()?;
+        (s.is_finite() && s >= 0.0 && !cubin.is_empty()).then_some((cubin, s))
+    }
+
+    /// Keeps `cubin` and `compile_s`, each written to a temporary name and renamed (a reader
+    /// never sees half a file); the seconds last, so an entry with seconds is whole. Failures
+    /// are ignored: the next process compiles again.
+    fn write(&self, cubin: &[u8], compile_s: f64) {
+        let put = |path: &std::path::Path, bytes: &[u8]| -> std::io::Result<()> {
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            std::fs::write(&tmp, bytes)?;
+            std::fs::rename(&tmp, path)
+        };
+        if put(&self.cubin, cubin).is_ok() {
+            let _ = put(&self.seconds, format!("{compile_s}").as_bytes());
+        }
+    }
+}
+
+/// The options every kernel of the project is compiled with, for `arch`.
+fn nvrtc_options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "-default-device".into(),
+    ]
+}
+
+/// What one NVRTC compile produced.
+struct NvrtcOutput {
+    /// The compiler log (warnings; ptxas's report with `--ptxas-options=-v`).
+    log: String,
+    /// The PTX.
+    ptx: Vec<std::ffi::c_char>,
+    /// The machine code, when `arch` was a real architecture (`sm_XY`).
+    cubin: Option<Vec<u8>>,
+}
+
+/// Compiles `src` (named `name` in messages) with NVRTC and `opts`.
+///
+/// # Errors
+/// [`GpuError::Compile`] with the compiler log and the options.
+fn nvrtc_run(name: &str, src: &str, opts: &[String]) -> Result<NvrtcOutput, GpuError> {
+    use cudarc::nvrtc::result as r;
+    use cudarc::nvrtc::sys;
+    let fail = |log: String| GpuError::Compile {
+        name: name.to_string(),
+        log: format!("{log}\n(options: {})", opts.join(" ")),
+    };
+    let csrc = std::ffi::CString::new(src).map_err(|e| fail(e.to_string()))?;
+    let cname = std::ffi::CString::new(name).map_err(|e| fail(e.to_string()))?;
+    let prog = r::create_program(&csrc, Some(&cname)).map_err(|e| fail(format!("{e:?}")))?;
+    // SAFETY: `prog` was created above and is destroyed once, at the end of this function.
+    let compiled = unsafe { r::compile_program(prog, opts) };
+    // SAFETY: as above.
+    let log = unsafe { r::get_program_log(prog) }
+        .map(|l| {
+            let bytes: Vec<u8> = l
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as u8)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .unwrap_or_default();
+    let out = compiled
+        .map_err(|e| fail(format!("{log}{e:?}")))
+        .and_then(|()| {
+            // SAFETY: as above; the program compiled.
+            let ptx =
+                unsafe { r::get_ptx(prog) }.map_err(|e| fail(format!("reading the PTX: {e:?}")))?;
+            let mut size = 0usize;
+            // SAFETY: as above; writes one size. A virtual architecture has no CUBIN: size 0.
+            let has = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
+                == sys::nvrtcResult::NVRTC_SUCCESS
+                && size > 0;
+            let cubin = if has {
+                let mut buf = vec![0u8; size];
+                // SAFETY: as above; `buf` holds the `size` bytes NVRTC reported.
+                let ok = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) }
+                    == sys::nvrtcResult::NVRTC_SUCCESS;
+                ok.then_some(buf)
+            } else {
+                None
+            };
+            Ok(NvrtcOutput {
+                log: log.clone(),
+                ptx,
+                cubin,
+            })
+        });
+    // SAFETY: as above.
+    unsafe {
+        let _ = r::destroy_program(prog);
+    }
+    out
+}
+
 /// Compiles CUDA C `src` to PTX with NVRTC for `arch` (e.g. `sm_90a`), with the options every
-/// kernel of the project is built with (`--std=c++17`, `-default-device`). Needs only the NVRTC
-/// library, no device.
+/// kernel of the project is built with (`--std=c++17`, `-default-device`): what the tests read
+/// to inspect the generated code. Needs only the NVRTC library, no device.
 ///
 /// # Errors
 /// [`GpuError::Compile`] with the compiler log.
 pub fn nvrtc_compile(name: &str, src: &str, arch: &str) -> Result<cudarc::nvrtc::Ptx, GpuError> {
-    let opts = CompileOptions {
-        options: vec![
-            format!("--gpu-architecture={arch}"),
-            "--std=c++17".into(),
-            "-default-device".into(),
-        ],
-        name: Some(name.to_string()),
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| GpuError::Compile {
-        name: name.to_string(),
-        log: compile_log(&e),
-    })
+    let out = nvrtc_run(name, src, &nvrtc_options(arch))?;
+    let bytes: Vec<u8> = out
+        .ptx
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    Ok(cudarc::nvrtc::Ptx::from_src(
+        String::from_utf8_lossy(&bytes).into_owned(),
+    ))
+}
+
+/// Compiles CUDA C `src` with NVRTC to machine code (CUBIN) for the real architecture `arch`
+/// (e.g. `sm_90a`), with the options of [`nvrtc_compile`]: what [`Gpu::compile`] loads, so the
+/// driver does not compile the PTX a second time. NVRTC runs ptxas itself for a real
+/// architecture. Needs only the NVRTC library, no device.
+///
+/// # Errors
+/// [`GpuError::Compile`] with the compiler log, or when `arch` is virtual (`compute_XY`).
+pub fn nvrtc_compile_cubin(name: &str, src: &str, arch: &str) -> Result<Vec<u8>, GpuError> {
+    nvrtc_run(name, src, &nvrtc_options(arch))?
+        .cubin
+        .ok_or_else(|| GpuError::Compile {
+            name: name.to_string(),
+            log: format!("no machine code for `{arch}` (a virtual architecture?)"),
+        })
 }
 
 /// What ptxas reports for one kernel: registers per thread, spill bytes, stack frame.
@@ -536,42 +708,13 @@ pub struct PtxasReport {
 /// # Errors
 /// [`GpuError::Compile`] with the compiler log; a report that cannot be parsed.
 pub fn ptxas_report(name: &str, src: &str, arch: &str) -> Result<Vec<PtxasReport>, GpuError> {
-    use cudarc::nvrtc::result as r;
-    let fail = |log: String| GpuError::Compile {
+    let mut opts = nvrtc_options(arch);
+    opts.push("--ptxas-options=-v".into());
+    let log = nvrtc_run(name, src, &opts)?.log;
+    parse_ptxas(&log).ok_or_else(|| GpuError::Compile {
         name: name.to_string(),
-        log,
-    };
-    let csrc = std::ffi::CString::new(src).map_err(|e| fail(e.to_string()))?;
-    let cname = std::ffi::CString::new(name).map_err(|e| fail(e.to_string()))?;
-    let prog = r::create_program(&csrc, Some(&cname)).map_err(|e| fail(format!("{e:?}")))?;
-    let opts = [
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".into(),
-        "-default-device".into(),
-        "--ptxas-options=-v".into(),
-    ];
-    // SAFETY: `prog` was created above and is destroyed once, below.
-    let compiled = unsafe { r::compile_program(prog, &opts) };
-    // SAFETY: as above.
-    let log = unsafe { r::get_program_log(prog) };
-    // SAFETY: as above.
-    unsafe {
-        let _ = r::destroy_program(prog);
-    }
-    let log = log
-        .map(|l| {
-            let bytes: Vec<u8> = l
-                .iter()
-                .take_while(|&&c| c != 0)
-                .map(|&c| c as u8)
-                .collect();
-            String::from_utf8_lossy(&bytes).into_owned()
-        })
-        .unwrap_or_default();
-    if compiled.is_err() {
-        return Err(fail(log));
-    }
-    parse_ptxas(&log).ok_or_else(|| fail(format!("no ptxas report in:\n{log}")))
+        log: format!("no ptxas report in:\n{log}"),
+    })
 }
 
 /// Parses `ptxas -v` output: "Compiling entry function 'k'", "N bytes stack frame, N bytes
@@ -606,18 +749,6 @@ fn parse_ptxas(log: &str) -> Option<Vec<PtxasReport>> {
     (!out.is_empty()).then_some(out)
 }
 
-/// Readable NVRTC log (cudarc's `CompileError` only has a Debug form).
-fn compile_log(e: &CompileError) -> String {
-    match e {
-        CompileError::CompileError { log, options, .. } => format!(
-            "{}\n(options: {})",
-            log.to_string_lossy(),
-            options.join(" ")
-        ),
-        other => format!("{other:?}"),
-    }
-}
-
 /// CUDA driver API version as `major.minor` (what `cuDriverGetVersion` reports).
 pub fn driver_api_version() -> Option<String> {
     let mut v = 0i32;
@@ -637,6 +768,19 @@ pub fn kernel_driver_version() -> Option<String> {
         .map(str::to_string)
 }
 
+/// NVRTC's version as `major.minor`, when the library loads.
+pub fn nvrtc_version() -> Option<String> {
+    // SAFETY: only tries to dlopen the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return None;
+    }
+    let (mut ma, mut mi) = (0i32, 0i32);
+    // SAFETY: the library loads (checked above); writes two ints.
+    (unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut ma, &mut mi) }
+        == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS)
+        .then(|| format!("{ma}.{mi}"))
+}
+
 /// Versions of the CUDA libraries the runner loaded: `nvrtc`, `cublas` (when present),
 /// `cuda_driver_api`, and `cudarc` (the crate).
 pub fn library_versions() -> BTreeMap<String, String> {
@@ -645,12 +789,8 @@ pub fn library_versions() -> BTreeMap<String, String> {
     if let Some(v) = driver_api_version() {
         m.insert("cuda_driver_api".into(), v);
     }
-    let (mut ma, mut mi) = (0i32, 0i32);
-    // SAFETY: `detect` checked that NVRTC loads; writes two ints.
-    if unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut ma, &mut mi) }
-        == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS
-    {
-        m.insert("nvrtc".into(), format!("{ma}.{mi}"));
+    if let Some(v) = nvrtc_version() {
+        m.insert("nvrtc".into(), v);
     }
     if cublas_present() {
         use cudarc::cublas::sys::libraryPropertyType as P;
@@ -690,6 +830,33 @@ mod tests {
             }]
         );
         assert!(super::parse_ptxas("nothing").is_none());
+    }
+
+    #[test]
+    fn the_kernel_cache_keeps_machine_code_and_the_first_compile_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = super::KernelCache::new(dir.path().to_path_buf(), "k.cu", "src", "sm_90a");
+        assert!(c.read().is_none(), "an empty folder has no entry");
+        c.write(b"\x7fELF machine code", 1.25);
+        assert_eq!(c.read(), Some((b"\x7fELF machine code".to_vec(), 1.25)));
+        // Another source, name or architecture is another entry.
+        for (name, src, arch) in [
+            ("k.cu", "src2", "sm_90a"),
+            ("j.cu", "src", "sm_90a"),
+            ("k.cu", "src", "sm_80"),
+        ] {
+            let other = super::KernelCache::new(dir.path().to_path_buf(), name, src, arch);
+            assert!(other.read().is_none(), "{name} {src} {arch}");
+        }
+        // An entry without its seconds (a writer that stopped half-way) is compiled again.
+        std::fs::remove_file(&c.seconds).unwrap();
+        assert!(c.read().is_none());
+        // No temporary file is left behind.
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| n.ends_with(".cubin")), "{names:?}");
     }
 
     #[test]

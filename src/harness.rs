@@ -49,6 +49,7 @@ pub fn protocol_constants() -> crate::schema::ProtocolConstants {
         process_limit_factor: PROCESS_LIMIT_FACTOR,
         process_limit_margin_s: PROCESS_LIMIT_MARGIN_S,
         machine_sample_ms: MACHINE_SAMPLE_MS as f64,
+        kernels_compiled_once: false,
     }
 }
 

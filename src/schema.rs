@@ -273,6 +273,12 @@ pub struct ProtocolConstants {
     /// How often the machine state was sampled while a row was timed, ms.
     #[schemars(extend("exclusiveMinimum" = 0))]
     pub machine_sample_ms: f64,
+    /// True when each of the project's kernel sources was compiled to machine code once per
+    /// run and later case processes loaded that code, their rows reporting the first compile's
+    /// `compile_s` ([`crate::gpu::KERNEL_CACHE_ENV`]); false or absent when every case process
+    /// compiled its kernels.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub kernels_compiled_once: bool,
 }
 
 /// Which per-call count of a row a throughput is computed from.

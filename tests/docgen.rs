@@ -918,6 +918,34 @@ fn the_methodology_reads_every_number_from_the_code_or_the_data() {
     }
 }
 
+/// The Methodology says kernels compile once per run exactly when the document records it
+/// (`config.protocol.kernels_compiled_once`, set by GPU runs that keep a kernel cache).
+#[test]
+fn methodology_says_kernels_compile_once_per_run_only_when_recorded() {
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let methodology = |compiled_once: Option<bool>| {
+        let data = tempfile::tempdir().unwrap();
+        let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+        if let Some(once) = compiled_once {
+            let mut p = serde_json::to_value(kernelpages::harness::protocol_constants()).unwrap();
+            p["kernels_compiled_once"] = serde_json::json!(once);
+            doc["config"]["protocol"] = p;
+        }
+        fs::write(data.path().join("gpu_attention.json"), doc.to_string()).unwrap();
+        let (_tmp, site) = build_site(data.path(), None);
+        text(
+            page(&site, "index.html")
+                .select(&sel("#methodology"))
+                .next()
+                .unwrap(),
+        )
+    };
+    let said = "Each kernel source is compiled once per run";
+    assert!(methodology(Some(true)).contains(said));
+    assert!(!methodology(Some(false)).contains(said));
+    assert!(!methodology(None).contains(said));
+}
+
 /// A run split over several calls by `--filter` (one machine call each) is one run: its parts
 /// load together; the same parts from two commits do not.
 #[test]

@@ -20,9 +20,10 @@ fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// Compiles exactly as the runner does (`kernelpages::gpu::nvrtc_compile`).
+/// Compiles exactly as the runner does (`kernelpages::gpu::nvrtc_compile_cubin`: NVRTC and
+/// ptxas, to the machine code it loads).
 fn compile(name: &str, src: &str, arch: &str) {
-    if let Err(e) = kernelpages::gpu::nvrtc_compile(name, src, arch) {
+    if let Err(e) = kernelpages::gpu::nvrtc_compile_cubin(name, src, arch) {
         panic!("{arch}: {e}");
     }
 }
@@ -135,6 +136,34 @@ fn every_flash_instantiation_compiles() {
         }
     }
     compile("flash_bwd_configs.cu", &bwd_source(&bwd), "sm_90a");
+}
+
+/// The runner loads NVRTC's machine code (an ELF image for the real architecture), so the
+/// driver does not compile the PTX again; a virtual architecture has none and is refused.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn nvrtc_gives_machine_code_for_a_real_architecture_only() {
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    let cubin =
+        kernelpages::gpu::nvrtc_compile_cubin("softmax_rows.cu", SOFTMAX_SRC, "sm_90a").unwrap();
+    assert_eq!(&cubin[..4], b"\x7fELF", "not an ELF image");
+    let e = kernelpages::gpu::nvrtc_compile_cubin("softmax_rows.cu", SOFTMAX_SRC, "compute_90a")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no machine code for `compute_90a`"), "{e}");
+    let e = kernelpages::gpu::nvrtc_compile_cubin("bad.cu", "this is not C", "sm_90a")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("bad.cu") && e.contains("--gpu-architecture=sm_90a"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -505,8 +505,8 @@ impl ProcessExecutor {
         std::fs::write(&path, text)
             .map_err(|e| (Status::Error, format!("writing {}: {e}", path.display())))?;
         let mut cmd = Command::new(&self.exe);
-        // Cold compiles: without this the driver's JIT cache makes every compile after the
-        // first of a source look free.
+        // The kernels load as machine code; should any be PTX, the driver's JIT cache must not
+        // make its compile look free.
         cmd.env("CUDA_CACHE_DISABLE", "1")
             .arg("--run-case")
             .arg(&path);
@@ -891,7 +891,10 @@ pub fn run(
             dispatch: declared.dispatch,
             axes: declared.axes,
             throughput: declared.throughput,
-            protocol: Some(crate::harness::protocol_constants()),
+            protocol: Some(crate::schema::ProtocolConstants {
+                kernels_compiled_once: args.device == DeviceChoice::Gpu,
+                ..crate::harness::protocol_constants()
+            }),
             amendments: Vec::new(),
             kind: declared.kind,
         },
@@ -903,6 +906,16 @@ pub fn run(
     let exe = std::env::current_exe().context("locating the runner binary")?;
     let mut exec = ProcessExecutor::new(exe, args.python.clone(), locate_runners_dir());
     exec.env = env;
+    if args.device == DeviceChoice::Gpu {
+        // Each kernel source compiles once per run; later case processes load its machine code.
+        let kernels = scratch.join("kernels");
+        std::fs::create_dir_all(&kernels)
+            .with_context(|| format!("creating {}", kernels.display()))?;
+        exec.env.push((
+            crate::gpu::KERNEL_CACHE_ENV.to_string(),
+            kernels.display().to_string(),
+        ));
+    }
     let total = cases.len() * implementations.len() * timing.runs as usize;
     eprintln!(
         "{} cases × {} implementations × {} run(s) = {total} measurements",

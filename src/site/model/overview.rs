@@ -203,6 +203,9 @@ pub struct TimingView {
     pub process_limit: String,
     /// How often the machine state is sampled, ms.
     pub machine_sample_ms: String,
+    /// True when the documents record that each kernel source was compiled once per run and
+    /// later case processes loaded its machine code (`protocol.kernels_compiled_once`).
+    pub kernels_compiled_once: bool,
     /// The share of the maximum SM clock below which a row is marked throttled, `97 %`.
     pub throttled_share: String,
     /// Implementations reported from CUDA-graph replay, or empty.
@@ -924,6 +927,7 @@ fn timing_view(
             )
         })),
         machine_sample_ms: recorded(protocol.map(|p| format::sig(p.machine_sample_ms, 3))),
+        kernels_compiled_once: protocol.is_some_and(|p| p.kernels_compiled_once),
         throttled_share: format!(
             "{} %",
             format::sig(100.0 * super::groups::THROTTLED_CLOCK_SHARE, 3)
