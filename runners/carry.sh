@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Copies what the GPU machine needs into DEST/.carry (default: ../main, the checkout the
 # device tool sends; `runners/carry.sh .` for this checkout): the attention and kernel_sums
-# runners, the GPU and comparison test binaries, the Python comparison package, device_run.sh
-# and device_verdict.py. Build first:
+# runners, the GPU and comparison test binaries, the Python comparison package, device_run.sh,
+# device_verdict.py and grid_shards.sh. Build first:
 #   cargo build --release --bin attention --bin kernel_sums --tests
 set -euo pipefail
 dest=${1:-../main}/.carry

@@ -145,12 +145,13 @@ impl Gpu {
     /// compiled under the same name is reused (`compile_s` 0): tests that run many cases compile
     /// each instantiation once.
     ///
-    /// With [`KERNEL_CACHE_ENV`] naming a folder (the runner sets one per run for its case
-    /// processes), a source compiled by an earlier process of the run is loaded from the machine
-    /// code kept there, and `compile_s` is the time that first compile and load took: every row
-    /// reports what compiling its kernels costs, and each source is compiled once per run. The
-    /// cache is keyed by name, source, architecture and NVRTC version; a missing or unreadable
-    /// entry is compiled again.
+    /// With [`KERNEL_CACHE_ENV`] naming a folder (the runner makes a fresh one per runner
+    /// process for its case processes), a source compiled by an earlier case process is loaded
+    /// from the machine code kept there, and `compile_s` is the time that first compile and load
+    /// took: every row reports what compiling its kernels costs, and each source is compiled once
+    /// per runner process (each shard or `--filter` part compiles its own; the repetitions of
+    /// `--runs` share it). The cache is keyed by name, source, compile options and NVRTC
+    /// version; a missing or unreadable entry is compiled again.
     ///
     /// # Errors
     /// [`GpuError::Compile`] with the compiler log; driver errors from loading.
@@ -178,11 +179,12 @@ impl Gpu {
             None => {
                 let t0 = Instant::now();
                 let cubin = nvrtc_compile_cubin(name, src, &arch)?;
+                let kept = cache.as_ref().map(|_| cubin.clone());
                 let module = self
                     .ctx
-                    .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.clone()))?;
+                    .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))?;
                 let s = t0.elapsed().as_secs_f64();
-                if let Some(c) = &cache {
+                if let (Some(c), Some(cubin)) = (&cache, kept) {
                     c.write(&cubin, s);
                 }
                 (module, s)
@@ -522,7 +524,7 @@ pub const KERNEL_CACHE_ENV: &str = "KP_KERNEL_CACHE";
 
 /// One source's entry in a [`KERNEL_CACHE_ENV`] folder: `<key>.cubin` (machine code) and
 /// `<key>.compile_s` (seconds the first compile and load took), `key` a SHA-256 of the name,
-/// source, architecture and NVRTC version.
+/// source, compile options (the architecture among them) and NVRTC version.
 struct KernelCache {
     cubin: std::path::PathBuf,
     seconds: std::path::PathBuf,
@@ -532,8 +534,9 @@ impl KernelCache {
     fn new(dir: std::path::PathBuf, name: &str, src: &str, arch: &str) -> KernelCache {
         use sha2::Digest;
         let nvrtc = nvrtc_version().unwrap_or_default();
+        let options = nvrtc_options(arch).join(" ");
         let mut h = sha2::Sha256::new();
-        for part in [name, src, arch, nvrtc.as_str()] {
+        for part in [name, src, options.as_str(), nvrtc.as_str()] {
             h.update(part.as_bytes());
             h.update([0u8]);
         }
@@ -559,16 +562,24 @@ impl KernelCache {
     }
 
     /// Keeps `cubin` and `compile_s`, each written to a temporary name and renamed (a reader
-    /// never sees half a file); the seconds last, so an entry with seconds is whole. Failures
-    /// are ignored: the next process compiles again.
+    /// never sees half a file); the seconds last, so an entry with seconds is whole. A failure
+    /// is said on standard error, naming the file, and otherwise ignored: the next process
+    /// compiles again.
     fn write(&self, cubin: &[u8], compile_s: f64) {
-        let put = |path: &std::path::Path, bytes: &[u8]| -> std::io::Result<()> {
+        let put = |path: &std::path::Path, bytes: &[u8]| {
             let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            std::fs::write(&tmp, bytes)?;
-            std::fs::rename(&tmp, path)
+            let r = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+            if let Err(e) = &r {
+                let _ = std::fs::remove_file(&tmp);
+                eprintln!(
+                    "kernel cache: could not write {}: {e}; later processes compile again",
+                    path.display()
+                );
+            }
+            r.is_ok()
         };
-        if put(&self.cubin, cubin).is_ok() {
-            let _ = put(&self.seconds, format!("{compile_s}").as_bytes());
+        if put(&self.cubin, cubin) {
+            put(&self.seconds, format!("{compile_s}").as_bytes());
         }
     }
 }
@@ -620,7 +631,7 @@ fn nvrtc_run(name: &str, src: &str, opts: &[String]) -> Result<NvrtcOutput, GpuE
         })
         .unwrap_or_default();
     let out = compiled
-        .map_err(|e| fail(format!("{log}{e:?}")))
+        .map_err(|e| fail(format!("{log}\n{e:?}")))
         .and_then(|()| {
             // SAFETY: as above; the program compiled.
             let ptx =
@@ -633,9 +644,11 @@ fn nvrtc_run(name: &str, src: &str, opts: &[String]) -> Result<NvrtcOutput, GpuE
             let cubin = if has {
                 let mut buf = vec![0u8; size];
                 // SAFETY: as above; `buf` holds the `size` bytes NVRTC reported.
-                let ok = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) }
-                    == sys::nvrtcResult::NVRTC_SUCCESS;
-                ok.then_some(buf)
+                let r = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()) };
+                if r != sys::nvrtcResult::NVRTC_SUCCESS {
+                    return Err(fail(format!("reading the machine code: {r:?}")));
+                }
+                Some(buf)
             } else {
                 None
             };

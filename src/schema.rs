@@ -274,9 +274,10 @@ pub struct ProtocolConstants {
     #[schemars(extend("exclusiveMinimum" = 0))]
     pub machine_sample_ms: f64,
     /// True when each of the project's kernel sources was compiled to machine code once per
-    /// run and later case processes loaded that code, their rows reporting the first compile's
-    /// `compile_s` ([`crate::gpu::KERNEL_CACHE_ENV`]); false or absent when every case process
-    /// compiled its kernels.
+    /// runner process (each shard or `--filter` part its own) and later case processes loaded
+    /// that code, their rows reporting the first compile's `compile_s`
+    /// ([`crate::gpu::KERNEL_CACHE_ENV`]); false or absent when every case process compiled its
+    /// kernels.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub kernels_compiled_once: bool,
 }
@@ -615,7 +616,9 @@ pub struct Row {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = u32::MAX))]
     pub input_sets: Option<u32>,
-    /// Time to compile (NVRTC, torch.compile, XLA) and load the case, s.
+    /// Time to compile (NVRTC, torch.compile, XLA) and load the case, s. With
+    /// `protocol.kernels_compiled_once`, the first compile and load of the same kernel sources
+    /// in this runner process, which may have been an earlier case's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub compile_s: Option<f64>,

@@ -940,7 +940,7 @@ fn methodology_says_kernels_compile_once_per_run_only_when_recorded() {
                 .unwrap(),
         )
     };
-    let said = "Each kernel source is compiled once per run";
+    let said = "Each kernel source is compiled once per runner process";
     assert!(methodology(Some(true)).contains(said));
     assert!(!methodology(Some(false)).contains(said));
     assert!(!methodology(None).contains(said));

@@ -67,11 +67,6 @@ if __package__ in (None, ""):
 else:
     from . import protocol, timing
 
-# The backend allocates device memory as the case needs it instead of taking 75 % of the GPU at
-# start: starting a backend in each case's fresh process then costs 1 to 3 s less, and the
-# medians are unchanged (kernels/TUNING.md, "Grid wall time"). A user's own setting wins.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
 LIBRARY = "JAX"
 
 IMPLEMENTATIONS = {"jax_xla": "xla", "jax_cudnn": "cudnn"}
@@ -82,9 +77,8 @@ CUDNN_DTYPES = ("bf16", "fp16")
 DO_NAMES = ("do", "d_o", "dout", "grad_out")
 PEAK_METHOD = ("jax Device.memory_stats() peak_bytes_in_use after the first call minus "
                "bytes_in_use before the inputs' upload, in a fresh process running only this "
-               "case (XLA_PYTHON_CLIENT_PREALLOCATE="
-               + os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] + "); JAX cannot reset the peak, "
-               "so XLA's compile-time autotuning buffers are included when they were larger")
+               "case; JAX cannot reset the peak, so XLA's compile-time autotuning buffers are "
+               "included when they were larger")
 TIMING_NOTE = ("timed by host wall clock: inner calls dispatched back to back, then "
                "block_until_ready on the last (JAX has no CUDA events); includes one dispatch "
                "and one synchronisation per sample; host_ms is the dispatch time per call")

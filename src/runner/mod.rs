@@ -900,17 +900,17 @@ pub fn run(
         },
         rows: Vec::new(),
     };
-    let scratch =
-        std::env::temp_dir().join(format!("kp-{}-{}", declared.runner, std::process::id()));
-    std::fs::create_dir_all(&scratch).with_context(|| format!("creating {}", scratch.display()))?;
+    let scratch = fresh_scratch(declared.runner)?;
     let exe = std::env::current_exe().context("locating the runner binary")?;
     let mut exec = ProcessExecutor::new(exe, args.python.clone(), locate_runners_dir());
     exec.env = env;
     if args.device == DeviceChoice::Gpu {
         // Each kernel source compiles once per run; later case processes load its machine code.
         let kernels = scratch.join("kernels");
-        std::fs::create_dir_all(&kernels)
-            .with_context(|| format!("creating {}", kernels.display()))?;
+        if let Err(e) = std::fs::create_dir(&kernels) {
+            let _ = std::fs::remove_dir_all(&scratch);
+            return Err(e).with_context(|| format!("creating {}", kernels.display()));
+        }
         exec.env.push((
             crate::gpu::KERNEL_CACHE_ENV.to_string(),
             kernels.display().to_string(),
@@ -967,6 +967,32 @@ pub fn run(
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A new, empty scratch folder for one run, `kp-<runner>-<pid>-<n>` in the temporary directory:
+/// created here (never one left behind by another run, whose files the run would read and then
+/// delete), and removed by the run when it ends.
+///
+/// # Errors
+/// When no such folder can be created.
+fn fresh_scratch(runner: &str) -> Result<PathBuf> {
+    let base = std::env::temp_dir();
+    let mut last = None;
+    for n in 0..1000u32 {
+        let dir = base.join(format!("kp-{runner}-{}-{n}", std::process::id()));
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(e) => return Err(e).with_context(|| format!("creating {}", dir.display())),
+        }
+    }
+    Err(last.expect("1000 attempts")).with_context(|| {
+        format!(
+            "creating a scratch folder kp-{runner}-{}-N in {}",
+            std::process::id(),
+            base.display()
+        )
+    })
 }
 
 /// What a GPU run starts from: the device's facts, library versions, L2 size and NVML sampler.

@@ -340,3 +340,14 @@ fn selection_applies_quick_filter_and_shard() {
     let timing = cli.args.timing();
     assert_eq!((timing.runs, timing.warmup_ms), (3, 50.0));
 }
+
+#[test]
+fn every_run_gets_a_new_empty_scratch_folder() {
+    let a = fresh_scratch("test-scratch").unwrap();
+    let b = fresh_scratch("test-scratch").unwrap();
+    assert_ne!(a, b, "a folder that already exists is never reused");
+    for d in [&a, &b] {
+        assert!(d.is_dir() && std::fs::read_dir(d).unwrap().next().is_none());
+        std::fs::remove_dir(d).unwrap();
+    }
+}
