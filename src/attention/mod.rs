@@ -31,6 +31,7 @@ pub mod cpu;
 pub mod cpu_flash;
 pub mod cuda;
 pub mod decode;
+pub mod decode_gpu;
 pub mod files;
 
 pub use api::{

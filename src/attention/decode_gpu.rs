@@ -1,0 +1,439 @@
+//! Split-KV decoding on the GPU over a paged or contiguous KV cache (issue 10 §2):
+//! `kernels/flash_decode.cu` compiled by NVRTC, checked against [`super::decode`]'s float64
+//! reference.
+//!
+//! Flash-decoding (Dao, Haziza, Massa and Sizov, 2023): the keys of each sequence are split into
+//! ranges of [`DecodePlan::keys_per_split`] keys; one CTA per (split, kv head, sequence) attends
+//! the kv head's G = heads / kv_heads query heads (GQA) with all their query rows to its range
+//! and writes a partial output and log-sum-exp; a second kernel merges the partials exactly
+//! ([`super::decode::combine`]'s formula). Splitting is what fills the GPU when batch × kv_heads
+//! CTAs would not: [`DecodePlan::new`] aims at [`CTAS_PER_SM`] CTAs per SM.
+//!
+//! Shapes and dtypes: Q and O `[batch, heads, seq_len_q, head_dim]` in bf16 or fp16 (16-bit
+//! words); the cache as [`CacheLayout`] describes, in the same dtype; `block_table`
+//! `[batch, max_pages]` i32 page numbers; `seq_lens` `[batch]` i32; LSE `[batch, heads,
+//! seq_len_q]` f32, natural log, +∞ for a row that sees no key (its output 0). Causal is
+//! bottom-right: query i of sequence b sees key t when t ≤ i + seq_lens\[b\] − seq_len_q.
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::cuda::PRELUDE_SRC;
+use super::Dtype;
+use crate::gpu::{Gpu, GpuError};
+
+/// Source of the decoding kernels (after [`PRELUDE_SRC`]).
+pub const DECODE_SRC: &str = include_str!("../../kernels/flash_decode.cu");
+
+/// Keys per tile in the split kernel (`KT` in `kernels/flash_decode.cu`).
+pub const KEY_TILE: usize = 64;
+
+/// Threads per CTA of both kernels.
+pub const THREADS: usize = 128;
+
+/// Head dimensions the decoding kernels are instantiated for.
+pub const DECODE_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// CTAs per SM [`DecodePlan::new`] aims at when it chooses the number of splits.
+pub const CTAS_PER_SM: usize = 2;
+
+/// The instances' row capacities: a CTA holds G × seq_len_q ≤ `R_MAX` query rows.
+pub const ROW_CAPACITIES: [usize; 4] = [8, 16, 32, 64];
+
+/// Accumulators per thread are `R_MAX · head_dim / 128`; this bounds them: at 32, head_dim
+/// 128 takes 220 registers and no spill; at 64 it spills 204 bytes (`kernels_compile`).
+const MAX_ACCUMULATORS: usize = 32;
+
+/// Where key `t` of sequence `b` and kv head `h` lives, in elements:
+/// `page_stride · block_table[b][t / page_size] + row_stride · (t % page_size) + head_stride · h`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheLayout {
+    /// Keys per page.
+    pub page_size: usize,
+    /// Elements between pages.
+    pub page_stride: usize,
+    /// Elements between consecutive keys of a page.
+    pub row_stride: usize,
+    /// Elements between kv heads.
+    pub head_stride: usize,
+}
+
+impl CacheLayout {
+    /// vLLM's pages `[num_pages, page_size, kv_heads, head_dim]`.
+    pub fn paged(page_size: usize, kv_heads: usize, head_dim: usize) -> CacheLayout {
+        CacheLayout {
+            page_size,
+            page_stride: page_size * kv_heads * head_dim,
+            row_stride: kv_heads * head_dim,
+            head_stride: head_dim,
+        }
+    }
+
+    /// A contiguous cache `[batch, kv_heads, max_len, head_dim]` (the layout of the rest of
+    /// `crate::attention`): one page of `max_len` keys per sequence, block table `[[b]]`.
+    pub fn contiguous(max_len: usize, kv_heads: usize, head_dim: usize) -> CacheLayout {
+        CacheLayout {
+            page_size: max_len.max(1),
+            page_stride: kv_heads * max_len.max(1) * head_dim,
+            row_stride: head_dim,
+            head_stride: max_len.max(1) * head_dim,
+        }
+    }
+}
+
+/// One decoding call's shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (divides `heads`).
+    pub kv_heads: usize,
+    /// Query rows per sequence (1 for one decoding step; more for speculative decoding).
+    pub seq_len_q: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// bf16 or fp16.
+    pub dtype: Dtype,
+    /// Bottom-right causal mask among the query rows.
+    pub causal: bool,
+    /// Softmax scale (1/√head_dim by default).
+    pub scale: f64,
+}
+
+impl DecodeShape {
+    /// Query rows one CTA holds: (heads / kv_heads) · seq_len_q.
+    pub fn rows(&self) -> usize {
+        self.heads / self.kv_heads.max(1) * self.seq_len_q
+    }
+
+    /// Why the kernels cannot run this shape, or `None` when they can.
+    pub fn unsupported(&self) -> Option<String> {
+        if self.dtype == Dtype::F32 {
+            return Some("the decoding kernels take bf16 or fp16".into());
+        }
+        if !DECODE_HEAD_DIMS.contains(&self.head_dim) {
+            return Some(format!(
+                "head_dim {} (the decoding kernels are built for {DECODE_HEAD_DIMS:?})",
+                self.head_dim
+            ));
+        }
+        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
+            return Some(format!(
+                "heads {} is not a multiple of kv_heads {}",
+                self.heads, self.kv_heads
+            ));
+        }
+        if self.seq_len_q == 0 || self.batch == 0 {
+            return Some("an empty batch or query".into());
+        }
+        if row_capacity(self.rows(), self.head_dim).is_none() {
+            return Some(format!(
+                "(heads / kv_heads) · seq_len_q = {} query rows per kv head is more than one CTA \
+                 holds at head_dim {}",
+                self.rows(),
+                self.head_dim
+            ));
+        }
+        None
+    }
+}
+
+/// The smallest instance capacity holding `rows` query rows at `head_dim`, or `None`.
+pub fn row_capacity(rows: usize, head_dim: usize) -> Option<usize> {
+    ROW_CAPACITIES
+        .into_iter()
+        .find(|&c| c >= rows && c * head_dim / THREADS <= MAX_ACCUMULATORS)
+}
+
+/// How one call is split: `splits` ranges of `keys_per_split` keys (a multiple of
+/// [`KEY_TILE`]) cover the longest sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodePlan {
+    /// Ranges per sequence (CTAs along the grid's x axis).
+    pub splits: usize,
+    /// Keys per range.
+    pub keys_per_split: usize,
+}
+
+impl DecodePlan {
+    /// The split of a batch whose longest sequence has `max_len` keys on a device of
+    /// `sm_count` SMs: enough ranges that batch · kv_heads · splits reaches [`CTAS_PER_SM`] CTAs
+    /// per SM, no range shorter than one tile; `splits` forces the number of ranges (rounded so
+    /// that every range holds whole tiles; at least 1).
+    pub fn new(
+        batch: usize,
+        kv_heads: usize,
+        max_len: usize,
+        sm_count: usize,
+        splits: Option<usize>,
+    ) -> DecodePlan {
+        let tiles = max_len.div_ceil(KEY_TILE).max(1);
+        let wanted =
+            splits.unwrap_or_else(|| (CTAS_PER_SM * sm_count).div_ceil((batch * kv_heads).max(1)));
+        let wanted = wanted.clamp(1, tiles);
+        let keys_per_split = tiles.div_ceil(wanted) * KEY_TILE;
+        DecodePlan {
+            splits: max_len.div_ceil(keys_per_split).max(1),
+            keys_per_split,
+        }
+    }
+}
+
+/// Names and source of the split and combine kernels for `head_dim`, row capacity `r_max` and
+/// `dtype`.
+pub fn decode_source(head_dim: usize, r_max: usize, dtype: Dtype) -> (String, String, String) {
+    let bf = dtype == Dtype::Bf16;
+    let dt = dtype.as_str();
+    let split = format!("flash_decode_split_{dt}_d{head_dim}_r{r_max}");
+    let combine = format!("flash_decode_combine_{dt}_d{head_dim}");
+    let src = format!(
+        "{PRELUDE_SRC}\n{DECODE_SRC}\n\
+         extern \"C\" __global__ void __launch_bounds__({THREADS}) {split}(const u16* Q, \
+         const u16* K, const u16* V, const int* block_table, const int* seq_lens, float* Opart, \
+         float* Lpart, int Tq, int H, int KVH, int page_size, int max_pages, long long \
+         page_stride, long long row_stride, long long head_stride, int keys_per_split, float \
+         scale_log2, int causal) {{ flash_decode_split<{head_dim}, {r_max}, {bf}>(Q, K, V, \
+         block_table, seq_lens, Opart, Lpart, Tq, H, KVH, page_size, max_pages, page_stride, \
+         row_stride, head_stride, keys_per_split, scale_log2, causal); }}\n\
+         extern \"C\" __global__ void __launch_bounds__({THREADS}) {combine}(const float* Opart, \
+         const float* Lpart, u16* O, float* LSE, int S) {{ flash_decode_combine<{head_dim}, \
+         {bf}>(Opart, Lpart, O, LSE, S); }}\n"
+    );
+    (split, combine, src)
+}
+
+/// Dynamic shared memory of the split kernel for `rows` query rows, bytes: two K and two V
+/// tiles (rows padded by 8 elements), Q in fp32, the tile's scores and three per-row values.
+pub fn split_smem_bytes(rows: usize, head_dim: usize) -> usize {
+    4 * KEY_TILE * (head_dim + 8) * 2 + (rows * head_dim + rows * KEY_TILE + 3 * rows) * 4
+}
+
+/// The compiled kernels and partial buffers for one shape and plan.
+pub struct Decoder {
+    shape: DecodeShape,
+    plan: DecodePlan,
+    split: CudaFunction,
+    combine: CudaFunction,
+    smem: u32,
+    opart: CudaSlice<f32>,
+    lpart: CudaSlice<f32>,
+    /// NVRTC compile + load time, s.
+    pub compile_s: f64,
+}
+
+impl Decoder {
+    /// Compiles the kernels for `shape` (see [`DecodeShape::unsupported`]) and allocates the
+    /// partials for `plan`.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for an unsupported shape or one needing more shared memory than
+    /// the device allows; compile and driver errors.
+    pub fn new(gpu: &Gpu, shape: DecodeShape, plan: DecodePlan) -> Result<Decoder, GpuError> {
+        if let Some(why) = shape.unsupported() {
+            return Err(GpuError::Config(why));
+        }
+        let r_max = row_capacity(shape.rows(), shape.head_dim).expect("checked above");
+        let (split_name, combine_name, src) = decode_source(shape.head_dim, r_max, shape.dtype);
+        let compiled = gpu.compile(&format!("{split_name}.cu"), &src)?;
+        let smem = split_smem_bytes(shape.rows(), shape.head_dim) as u32;
+        let split = gpu.function(&compiled.module, &split_name, smem)?;
+        let combine = gpu.function(&compiled.module, &combine_name, 0)?;
+        let rows = shape.batch * shape.heads * shape.seq_len_q;
+        Ok(Decoder {
+            shape,
+            plan,
+            split,
+            combine,
+            smem,
+            opart: gpu
+                .stream
+                .alloc_zeros::<f32>(rows * plan.splits * shape.head_dim)?,
+            lpart: gpu.stream.alloc_zeros::<f32>(rows * plan.splits)?,
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// The plan the decoder was built for.
+    pub fn plan(&self) -> DecodePlan {
+        self.plan
+    }
+
+    /// Bytes of the partials (temporaries of one call).
+    pub fn temporary_bytes(&self) -> u64 {
+        let rows = (self.shape.batch * self.shape.heads * self.shape.seq_len_q) as u64;
+        rows * self.plan.splits as u64 * (self.shape.head_dim as u64 + 1) * 4
+    }
+
+    /// Launches one decoding call on the stream: O and LSE for Q against the cache `k`, `v`
+    /// laid out as `layout`, sequence b's pages `block_table[b * max_pages ..]`, its length
+    /// `seq_lens[b]` (at most `plan.splits · plan.keys_per_split`).
+    ///
+    /// # Errors
+    /// Driver errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(
+        &mut self,
+        gpu: &Gpu,
+        q: &CudaSlice<u16>,
+        k: &CudaSlice<u16>,
+        v: &CudaSlice<u16>,
+        block_table: &CudaSlice<i32>,
+        seq_lens: &CudaSlice<i32>,
+        layout: CacheLayout,
+        max_pages: usize,
+        o: &mut CudaSlice<u16>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let s = &self.shape;
+        let (tq, h, kvh) = (s.seq_len_q as i32, s.heads as i32, s.kv_heads as i32);
+        let (page_size, max_pages_i) = (layout.page_size as i32, max_pages as i32);
+        let (ps, rs, hs) = (
+            layout.page_stride as i64,
+            layout.row_stride as i64,
+            layout.head_stride as i64,
+        );
+        let kps = self.plan.keys_per_split as i32;
+        let scale_log2 = (s.scale * std::f64::consts::LOG2_E) as f32;
+        let causal = i32::from(s.causal);
+        let cfg = LaunchConfig {
+            grid_dim: (self.plan.splits as u32, s.kv_heads as u32, s.batch as u32),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: self.smem,
+        };
+        let mut b = gpu.stream.launch_builder(&self.split);
+        b.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(block_table)
+            .arg(seq_lens)
+            .arg(&mut self.opart)
+            .arg(&mut self.lpart)
+            .arg(&tq)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&page_size)
+            .arg(&max_pages_i)
+            .arg(&ps)
+            .arg(&rs)
+            .arg(&hs)
+            .arg(&kps)
+            .arg(&scale_log2)
+            .arg(&causal);
+        // SAFETY: the arguments match `flash_decode_split_*(const u16* Q, const u16* K, const
+        // u16* V, const int* block_table, const int* seq_lens, float* Opart, float* Lpart, int
+        // Tq, int H, int KVH, int page_size, int max_pages, long long page_stride, long long
+        // row_stride, long long head_stride, int keys_per_split, float scale_log2, int
+        // causal)`; Opart and Lpart were allocated for this shape and plan, the caller gives
+        // the cache, table and lengths `layout` and `max_pages` describe.
+        unsafe { b.launch(cfg)? };
+        let splits = self.plan.splits as i32;
+        let rows = (s.batch * s.heads * s.seq_len_q) as u32;
+        let mut c = gpu.stream.launch_builder(&self.combine);
+        c.arg(&self.opart)
+            .arg(&self.lpart)
+            .arg(o)
+            .arg(lse)
+            .arg(&splits);
+        // SAFETY: `flash_decode_combine_*(const float* Opart, const float* Lpart, u16* O,
+        // float* LSE, int S)`, one CTA per output row; O holds rows · head_dim words, LSE rows.
+        unsafe {
+            c.launch(LaunchConfig {
+                grid_dim: (rows, 1, 1),
+                block_dim: (THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            })?
+        };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_cover_the_longest_sequence_in_whole_tiles() {
+        for (batch, kvh, len, sms, forced) in [
+            (1, 8, 32768, 132, None),
+            (8, 8, 32768, 132, None),
+            (64, 8, 4096, 132, None),
+            (1, 8, 1, 132, None),
+            (1, 1, 100, 132, Some(7)),
+            (2, 8, 1000, 132, Some(64)),
+        ] {
+            let p = DecodePlan::new(batch, kvh, len, sms, forced);
+            assert_eq!(p.keys_per_split % KEY_TILE, 0, "{p:?}");
+            assert!(p.splits * p.keys_per_split >= len, "{p:?} covers {len}");
+            assert!(
+                (p.splits - 1) * p.keys_per_split < len.max(1),
+                "{p:?}: an empty split"
+            );
+            if forced.is_none() && len >= KEY_TILE * 64 {
+                assert!(
+                    batch * kvh * p.splits >= CTAS_PER_SM * sms / 2,
+                    "{p:?} leaves SMs idle"
+                );
+            }
+        }
+        // Batch 1, 8 kv heads, 32k keys on 132 SMs: 32 splits of 1024 keys, 256 CTAs.
+        let p = DecodePlan::new(1, 8, 32768, 132, None);
+        assert_eq!((p.splits, p.keys_per_split), (32, 1024));
+    }
+
+    #[test]
+    fn layouts_place_keys_as_documented() {
+        // vLLM pages [pages, page, kvh, d]: key 5 of page 16 at row 5, head 3.
+        let l = CacheLayout::paged(16, 8, 128);
+        assert_eq!(
+            (l.page_stride, l.row_stride, l.head_stride),
+            (16 * 8 * 128, 8 * 128, 128)
+        );
+        // [B, KVH, T, D]: sequence b is page b; key t of head h at (h * T + t) * D.
+        let c = CacheLayout::contiguous(20, 32, 128);
+        assert_eq!(c.page_size, 20);
+        assert_eq!(c.page_stride, 32 * 20 * 128);
+        assert_eq!(3 * c.head_stride + 7 * c.row_stride, (3 * 20 + 7) * 128);
+    }
+
+    #[test]
+    fn unsupported_shapes_say_why() {
+        let s = DecodeShape {
+            batch: 1,
+            heads: 32,
+            kv_heads: 8,
+            seq_len_q: 1,
+            head_dim: 128,
+            dtype: Dtype::Bf16,
+            causal: false,
+            scale: 128f64.powf(-0.5),
+        };
+        assert_eq!(s.unsupported(), None);
+        assert_eq!(row_capacity(s.rows(), 128), Some(8));
+        assert_eq!(row_capacity(64, 64), Some(64));
+        assert_eq!(row_capacity(32, 128), Some(32));
+        assert_eq!(row_capacity(33, 128), None);
+        assert_eq!(row_capacity(16, 256), Some(16));
+        assert_eq!(row_capacity(17, 256), None);
+        for (bad, what) in [
+            (DecodeShape { head_dim: 96, ..s }, "head_dim 96"),
+            (
+                DecodeShape {
+                    dtype: Dtype::F32,
+                    ..s
+                },
+                "bf16 or fp16",
+            ),
+            (DecodeShape { kv_heads: 5, ..s }, "not a multiple"),
+            (DecodeShape { seq_len_q: 9, ..s }, "36 query rows"),
+        ] {
+            let why = bad.unsupported().expect("unsupported");
+            assert!(why.contains(what), "{why}");
+        }
+        // Shared memory: two K and two V tiles plus Q, scores and row values.
+        assert_eq!(
+            split_smem_bytes(4, 128),
+            4 * 64 * 136 * 2 + (512 + 256 + 12) * 4
+        );
+    }
+}
