@@ -5,10 +5,8 @@
 
 use std::process::Command;
 
-#[test]
-#[cfg_attr(not(kp_python), ignore = "needs python3")]
-fn kernel_control_flow_matches_the_reference() {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/emulate_flash.py");
+/// Runs the emulation `script` with python3 and asserts it exits 0 with "ALL OK" last.
+fn runs_clean(script: &str) {
     let out = Command::new("python3")
         .arg(script)
         .output()
@@ -21,6 +19,15 @@ fn kernel_control_flow_matches_the_reference() {
     );
 }
 
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn kernel_control_flow_matches_the_reference() {
+    runs_clean(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/kernels/emulate_flash.py"
+    ));
+}
+
 /// The kernel-sum kernels' control flow (grid and rows per thread as the host plans them, Y
 /// tiles staged between barriers, the prefetched next tile, kernel_lse's online-max chunks and
 /// −∞ guard, the generic kernels' feature chunks, padding of partial tiles, store guards),
@@ -29,18 +36,23 @@ fn kernel_control_flow_matches_the_reference() {
 #[test]
 #[cfg_attr(not(kp_python), ignore = "needs python3")]
 fn kernel_sums_control_flow_matches_the_reference() {
-    let script = concat!(
+    runs_clean(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/kernels/kernel_sums/emulate_kernel_sums.py"
-    );
-    let out = Command::new("python3")
-        .arg(script)
-        .output()
-        .expect("python3 runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.trim_end().ends_with("ALL OK"),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ));
+}
+
+/// The split-KV decoding kernels' control flow (the host's split plan, paged addresses through
+/// the block table and the layout's strides, the two tile buffers and their zero fill, the
+/// score pairs, the warp-per-row online softmax, the accumulator layout, the partials and their
+/// combine, bottom-right causal, empty sequences and rows), emulated element by element in
+/// float64 in `kernels/emulate_decode.py` with bounds-checked global arrays and NaN-initialised
+/// shared buffers and outputs.
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn decode_control_flow_matches_the_reference() {
+    runs_clean(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/kernels/emulate_decode.py"
+    ));
 }
