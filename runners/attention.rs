@@ -6,10 +6,13 @@
 //! (processes, order, timing records, progress, document) is `kernelpages::runner`; this file
 //! is the grid, the implementations, the dispatch table and the counts.
 //!
-//! Two grids (`--grids main,shapes`): `main`, the square self-attention sweep over seq_len,
-//! head dims and masks, forward and forward + backward; `shapes`, the shapes of issue 9 §2
-//! (short and non-aligned lengths, decoding, cross-attention, GQA/MQA, head dims 32/96/256,
-//! fp16 and fp32, scale 0.3, per-sequence key lengths), each forward and forward + backward.
+//! Three grids (`--grids main,shapes,decode`): `main`, the square self-attention sweep over
+//! seq_len, head dims and masks, forward and forward + backward; `shapes`, the shapes of issue 9
+//! §2 (short and non-aligned lengths, decoding, cross-attention, GQA/MQA, head dims 32/96/256,
+//! fp16 and fp32, scale 0.3, per-sequence key lengths), each forward and forward + backward;
+//! `decode` (`runners/attention/decode.rs`), 1, 2 and 8 query rows against KV caches of 4k to
+//! 128k keys, where the split-KV decoding kernels (`flash_decode`, `flash_decode_paged`) run
+//! beside the others and rows carry GB/s.
 //! A third, `tiles`, is the tile sweep behind the defaults: the flash kernel in each
 //! configuration of `FWD_SWEEP` and `BWD_SWEEP`, the configuration a case parameter (`config`);
 //! it runs alone (with `--implementations flash`) and writes a document of its own kind
@@ -27,6 +30,8 @@
 
 #[path = "attention/cpu.rs"]
 mod cpu;
+#[path = "attention/decode.rs"]
+mod decode;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -56,13 +61,14 @@ use kernelpages::schema::{DispatchRule, Param, RunKind, Suite};
 struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
-    /// Implementations of this project to run [default: flash,math; cpu_flash with --device
-    /// cpu].
+    /// Implementations of this project to run [default: flash,math, and flash_decode,
+    /// flash_decode_paged with the decode grid; cpu_flash with --device cpu].
     #[arg(long, value_delimiter = ',')]
     implementations: Option<Vec<String>>,
-    /// Grids to measure: `main` (the seq_len sweep), `shapes` (issue 9 §2's shapes) and
-    /// `tiles` (the flash configurations behind the defaults, seq_len 16384 or `--seq-lens`)
-    /// [default: main,shapes; main with --device cpu].
+    /// Grids to measure: `main` (the seq_len sweep), `shapes` (issue 9 §2's shapes), `decode`
+    /// (1, 2, 8 query rows against caches of 4k to 128k keys, with the split-KV decoding
+    /// implementations) and `tiles` (the flash configurations behind the defaults, seq_len
+    /// 16384 or `--seq-lens`) [default: main,shapes,decode; main with --device cpu].
     #[arg(long, value_delimiter = ',')]
     grids: Option<Vec<String>>,
     /// Passes: `fwd`, `fwd+bwd` [default: fwd,fwd+bwd; fwd with --device cpu].
@@ -124,6 +130,9 @@ const ALTERNATIVES: [Alternative; 2] = [
     },
 ];
 
+/// The GPU grids `--grids` runs by default (the tile sweep is a document of its own).
+const GPU_GRIDS: [&str; 3] = ["main", "shapes", "decode"];
+
 /// Seq lengths of the GPU main grid.
 const SEQ_LENS: [usize; 6] = [512, 1024, 2048, 4096, 8192, 16384];
 /// Seq lengths of the GPU `--quick` main grid.
@@ -169,6 +178,8 @@ fn main() -> ExitCode {
         Some(job) => runner::child_main(job, |job| {
             if job.implementation == cpu::IMPLEMENTATION {
                 cpu::measure(job)
+            } else if job.implementation.starts_with("flash_decode") {
+                decode::measure(job)
             } else {
                 measure_own(job)
             }
@@ -308,7 +319,7 @@ fn shape_cases(cli: &Cli, quick: bool) -> Result<Vec<AttentionCase>> {
 /// The cases of `--grids` (their `--quick` versions when `quick`), as document parameters.
 fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     let mut cases = Vec::new();
-    let grids = names_or_default(&cli.grids, &["main", "shapes"], &["main"], cli.run.device);
+    let grids = names_or_default(&cli.grids, &GPU_GRIDS, &["main"], cli.run.device);
     for g in &grids {
         match g.as_str() {
             "main" => {
@@ -320,8 +331,13 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
                 cases.extend(main_cases(cli, &seq_lens)?)
             }
             "shapes" => cases.extend(shape_cases(cli, quick)?),
+            "decode" => {
+                if !on_cpu(cli) {
+                    cases.extend(decode::cases(quick))
+                }
+            }
             "tiles" => {}
-            g => bail!("--grids: unknown grid `{g}` (main, shapes, tiles)"),
+            g => bail!("--grids: unknown grid `{g}` (main, shapes, decode, tiles)"),
         }
     }
     let mut params: Vec<Params> = cases.iter().map(AttentionCase::params).collect();
@@ -518,6 +534,12 @@ impl runner::Suite for Attention {
         if implementation == cpu::IMPLEMENTATION {
             return cpu::unsupported(p);
         }
+        if implementation == decode::CONTIGUOUS || implementation == decode::PAGED {
+            return match case_of(p) {
+                Ok(c) => decode::unsupported(&c),
+                Err(e) => Some(e.to_string()),
+            };
+        }
         if p.contains_key(CONFIG_PARAM) && implementation != Implementation::Flash.name() {
             return Some(format!(
                 "the tile sweep measures the flash kernel's configurations; {implementation} has none"
@@ -617,9 +639,17 @@ fn run(cli: &Cli) -> Result<ExitCode> {
             .map_err(anyhow::Error::msg)
             .context("--flash-bwd-config")?;
     }
+    let with_decode = names_or_default(&cli.grids, &GPU_GRIDS, &["main"], cli.run.device)
+        .iter()
+        .any(|g| g == "decode");
+    let gpu_default: &[&str] = if with_decode {
+        &["flash", "math", decode::CONTIGUOUS, decode::PAGED]
+    } else {
+        &["flash", "math"]
+    };
     let names = names_or_default(
         &cli.implementations,
-        &["flash", "math"],
+        gpu_default,
         &[cpu::IMPLEMENTATION],
         cli.run.device,
     );
@@ -633,9 +663,18 @@ fn run(cli: &Cli) -> Result<ExitCode> {
                         format!("--implementations: unknown `{n}` on the CPU (cpu_flash)")
                     });
             }
+            if let Some(&d) = decode::IMPLEMENTATIONS.iter().find(|(name, _)| name == n) {
+                return Ok(d);
+            }
             Implementation::parse(n)
                 .map(|i| (i.name(), i.library()))
-                .with_context(|| format!("--implementations: unknown `{n}` (flash, math)"))
+                .with_context(|| {
+                    format!(
+                        "--implementations: unknown `{n}` (flash, math, {}, {})",
+                        decode::CONTIGUOUS,
+                        decode::PAGED
+                    )
+                })
         })
         .collect::<Result<_>>()?;
     let alternatives: &[Alternative] = if on_cpu(cli) {
@@ -647,7 +686,20 @@ fn run(cli: &Cli) -> Result<ExitCode> {
     let cases = cli.run.select(cases(cli, false)?, cases(cli, true)?)?;
     let declared = Declared {
         runner: "attention",
-        flop_rule: Some(AttentionCase::FLOP_RULE.into()),
+        flop_rule: Some(
+            if cases
+                .iter()
+                .any(|p| case_of(p).is_ok_and(|c| c.is_decoding()))
+            {
+                format!(
+                    "{}; bytes for GB/s: {}",
+                    AttentionCase::FLOP_RULE,
+                    AttentionCase::BYTE_RULE
+                )
+            } else {
+                AttentionCase::FLOP_RULE.to_string()
+            },
+        ),
         dispatch: if on_cpu(cli) {
             cpu::dispatch_rules()
         } else {
@@ -656,6 +708,11 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         axes: AttentionCase::AXES.iter().map(|a| a.to_string()).collect(),
         throughput: if on_cpu(cli) {
             cpu::throughput_decls()
+        } else if cases
+            .iter()
+            .any(|p| case_of(p).is_ok_and(|c| c.is_decoding()))
+        {
+            AttentionCase::decoding_throughput_decls()
         } else {
             AttentionCase::throughput_decls()
         },

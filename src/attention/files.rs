@@ -129,7 +129,7 @@ pub fn write_case(
         gradients,
         arguments: arguments(c),
         flops: Some(c.flops()),
-        bytes: None,
+        bytes: c.is_decoding().then(|| c.bytes_moved()),
         items: None,
     })
 }

@@ -495,6 +495,36 @@ impl AttentionCase {
         f
     }
 
+    /// True for a decoding shape: at most [`AttentionCase::DECODE_MAX_QUERIES`] query rows
+    /// against a cache of at least [`AttentionCase::DECODE_MIN_KEYS`] keys, forward only. Such
+    /// a call is a stream through the KV cache (a few FLOPs per byte), so its rows carry
+    /// [`AttentionCase::bytes_moved`] and GB/s besides TFLOP/s.
+    pub fn is_decoding(&self) -> bool {
+        self.pass == Pass::Fwd
+            && self.seq_len_q <= Self::DECODE_MAX_QUERIES
+            && self.seq_len_kv >= Self::DECODE_MIN_KEYS
+    }
+
+    /// Most query rows of a decoding shape ([`AttentionCase::is_decoding`]).
+    pub const DECODE_MAX_QUERIES: usize = 16;
+
+    /// Fewest cache keys of a decoding shape ([`AttentionCase::is_decoding`]).
+    pub const DECODE_MIN_KEYS: usize = 1024;
+
+    /// Bytes one forward call must move through device memory at least: Q and O
+    /// (B·H·seq_len_q·D elements each) and K and V over each sequence's keys
+    /// (2·KVH·D·Σ_b kv_len(b) elements), at the dtype's size. The figure GB/s is computed
+    /// from for decoding shapes.
+    pub fn bytes_moved(&self) -> f64 {
+        let qo = 2 * self.batch * self.heads * self.seq_len_q * self.head_dim;
+        let keys: usize = (0..self.batch).map(|b| self.kv_len(b)).sum();
+        let kv = 2 * self.kv_heads * self.head_dim * keys;
+        ((qo + kv) * self.dtype.bytes()) as f64
+    }
+
+    /// The byte-counting rule of [`AttentionCase::bytes_moved`], in words, for the document.
+    pub const BYTE_RULE: &'static str = "decoding shapes (at most 16 query rows, at least 1,024 cache keys, forward): Q and O (B·H·seq_len_q·D elements each) plus K and V over each sequence's keys (2·KVH·D·Σ kv_len), at the dtype's size";
+
     /// The FLOP-counting rule of [`AttentionCase::flops`], in words, for the document.
     pub const FLOP_RULE: &'static str =
         "4·B·H·T²·D (two matrix products, 2 FLOPs per multiply-add), halved when causal, ×3.5 for forward + backward; with seq_len_q ≠ seq_len_kv or per-sequence key lengths, 4·H·D per computed (query, key) pair summed over the batch, the causal pairs counted as the area of the bottom-right-aligned triangle (m·L − m²/2, m = min(seq_len_q, L))";
@@ -512,6 +542,20 @@ impl AttentionCase {
             per_second: 1e12,
             ceiling: None,
         }]
+    }
+
+    /// [`AttentionCase::throughput_decls`] plus GB/s from [`AttentionCase::bytes_moved`], for
+    /// a run that holds decoding shapes ([`AttentionCase::is_decoding`]).
+    pub fn decoding_throughput_decls() -> Vec<crate::schema::Throughput> {
+        let mut t = Self::throughput_decls();
+        t.push(crate::schema::Throughput {
+            key: "gbps".into(),
+            unit: "GB/s".into(),
+            count: crate::schema::Count::Bytes,
+            per_second: 1e9,
+            ceiling: None,
+        });
+        t
     }
 
     /// The default softmax scale, 1/√D.
