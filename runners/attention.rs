@@ -6,13 +6,14 @@
 //! (processes, order, timing records, progress, document) is `kernelpages::runner`; this file
 //! is the grid, the implementations, the dispatch table and the counts.
 //!
-//! Three grids (`--grids main,shapes,decode`): `main`, the square self-attention sweep over
+//! Two grids (`--grids main,shapes`, the default): `main`, the square self-attention sweep over
 //! seq_len, head dims and masks, forward and forward + backward; `shapes`, the shapes of issue 9
 //! §2 (short and non-aligned lengths, decoding, cross-attention, GQA/MQA, head dims 32/96/256,
-//! fp16 and fp32, scale 0.3, per-sequence key lengths), each forward and forward + backward;
-//! `decode` (`runners/attention/decode.rs`), 1, 2 and 8 query rows against KV caches of 4k to
-//! 128k keys, where the split-KV decoding kernels (`flash_decode`, `flash_decode_paged`) run
-//! beside the others and rows carry GB/s.
+//! fp16 and fp32, scale 0.3, per-sequence key lengths), each forward and forward + backward.
+//! `decode` (`runners/attention/decode.rs`) runs alone and writes a document of its own kind
+//! (`config.kind = decode`, `data/gpu_attention_decode.json`): 1, 2 and 8 query rows against
+//! KV caches of 4k to 128k keys, where the split-KV decoding kernels (`flash_decode`,
+//! `flash_decode_paged`) run beside the others and rows carry GB/s.
 //! A third, `tiles`, is the tile sweep behind the defaults: the flash kernel in each
 //! configuration of `FWD_SWEEP` and `BWD_SWEEP`, the configuration a case parameter (`config`);
 //! it runs alone (with `--implementations flash`) and writes a document of its own kind
@@ -61,14 +62,15 @@ use kernelpages::schema::{DispatchRule, Param, RunKind, Suite};
 struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
-    /// Implementations of this project to run [default: flash,math, and flash_decode,
-    /// flash_decode_paged with the decode grid; cpu_flash with --device cpu].
+    /// Implementations of this project to run [default: flash,math; with `--grids decode`
+    /// also flash_decode,flash_decode_paged; cpu_flash with --device cpu].
     #[arg(long, value_delimiter = ',')]
     implementations: Option<Vec<String>>,
     /// Grids to measure: `main` (the seq_len sweep), `shapes` (issue 9 §2's shapes), `decode`
     /// (1, 2, 8 query rows against caches of 4k to 128k keys, with the split-KV decoding
     /// implementations) and `tiles` (the flash configurations behind the defaults, seq_len
-    /// 16384 or `--seq-lens`) [default: main,shapes,decode; main with --device cpu].
+    /// 16384 or `--seq-lens`); `tiles` and `decode` run alone, each a document of its own kind
+    /// [default: main,shapes; main with --device cpu].
     #[arg(long, value_delimiter = ',')]
     grids: Option<Vec<String>>,
     /// Passes: `fwd`, `fwd+bwd` [default: fwd,fwd+bwd; fwd with --device cpu].
@@ -130,8 +132,9 @@ const ALTERNATIVES: [Alternative; 2] = [
     },
 ];
 
-/// The GPU grids `--grids` runs by default (the tile sweep is a document of its own).
-const GPU_GRIDS: [&str; 3] = ["main", "shapes", "decode"];
+/// The GPU grids `--grids` runs by default (the tile sweep and the decoding grid are
+/// documents of their own).
+const GPU_GRIDS: [&str; 2] = ["main", "shapes"];
 
 /// Seq lengths of the GPU main grid.
 const SEQ_LENS: [usize; 6] = [512, 1024, 2048, 4096, 8192, 16384];
@@ -356,13 +359,27 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
         }
         params.extend(tile_cases(cli, quick)?);
     }
+    if grids.iter().any(|g| g == "decode") && grids.len() > 1 {
+        bail!(
+            "--grids: `decode` runs alone (decoding shapes are a document of their own, \
+             data/gpu_attention_decode.json, drawn in GB/s), not with {}",
+            grids
+                .iter()
+                .filter(|g| *g != "decode")
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     Ok(params)
 }
 
-/// The kind of document `--grids` makes: a tile sweep for `tiles`, else the grid.
+/// The kind of document `--grids` makes: a tile sweep for `tiles`, the decoding grid for
+/// `decode`, else the grid.
 fn run_kind(cli: &Cli) -> RunKind {
     match &cli.grids {
         Some(g) if g.iter().any(|g| g == "tiles") => RunKind::TileSweep,
+        Some(g) if g.iter().any(|g| g == "decode") => RunKind::Decode,
         _ => RunKind::Grid,
     }
 }
@@ -705,7 +722,11 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         } else {
             dispatch_rules()
         },
-        axes: AttentionCase::AXES.iter().map(|a| a.to_string()).collect(),
+        axes: if run_kind(cli) == RunKind::Decode {
+            decode::AXES.iter().map(|a| a.to_string()).collect()
+        } else {
+            AttentionCase::AXES.iter().map(|a| a.to_string()).collect()
+        },
         throughput: if on_cpu(cli) {
             cpu::throughput_decls()
         } else if cases
@@ -865,6 +886,27 @@ mod tests {
         // head_dim 64/128 × full/causal × fwd/fwd+bwd.
         assert_eq!(keys.len(), 2 * 2 * 2, "{keys:?}");
         assert!(tiles.iter().all(|p| p.contains_key(CONFIG_PARAM)));
+    }
+
+    #[test]
+    fn the_decode_grid_runs_alone_as_a_document_of_its_own_kind() {
+        let cli = Cli::try_parse_from(["attention", "--grids", "decode"]).unwrap();
+        assert_eq!(run_kind(&cli), RunKind::Decode);
+        let all = cases(&cli, false).unwrap();
+        assert_eq!(all.len(), decode::cases(false).len());
+        assert!(all.iter().all(|p| case_of(p).unwrap().is_decoding()));
+        let cli = Cli::try_parse_from(["attention", "--grids", "main,decode"]).unwrap();
+        let e = cases(&cli, false).unwrap_err().to_string();
+        assert!(
+            e.contains("`decode` runs alone") && e.contains("main"),
+            "{e}"
+        );
+        // The default grids hold no decoding shape, so the grid document declares no GB/s.
+        let cli = Cli::try_parse_from(["attention"]).unwrap();
+        assert!(cases(&cli, false)
+            .unwrap()
+            .iter()
+            .all(|p| !case_of(p).unwrap().is_decoding()));
     }
 
     #[test]

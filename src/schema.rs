@@ -233,6 +233,10 @@ pub enum RunKind {
     /// every case naming its configuration in the case parameter `config` and the
     /// configuration the dispatch picks marked `default`: why the default is what it is.
     TileSweep,
+    /// A grid of decoding shapes (a few query rows against a long KV cache), where the
+    /// figure of merit is bandwidth: its rows carry `bytes` and the document declares GB/s.
+    /// A document of its own beside the suite's grid, drawn like a grid.
+    Decode,
 }
 
 impl RunKind {
@@ -246,6 +250,7 @@ impl RunKind {
         match self {
             RunKind::Grid => "grid",
             RunKind::TileSweep => "tile_sweep",
+            RunKind::Decode => "decode",
         }
     }
 }

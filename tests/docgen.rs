@@ -946,6 +946,60 @@ fn methodology_says_kernels_compile_once_per_run_only_when_recorded() {
     assert!(!methodology(None).contains(said));
 }
 
+/// A decoding document (`config.kind = decode`, rows with `bytes`, GB/s declared, drawn
+/// against `seq_len_kv`) loads beside the grid of the same suite and device and gets its own
+/// groups with a GB/s figure; every ok row of it must carry `bytes`.
+#[test]
+fn a_decoding_document_is_drawn_in_gb_per_s_beside_the_grid() {
+    let data = tempfile::tempdir().unwrap();
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    fs::write(data.path().join("gpu_attention.json"), &source).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    doc["config"]["kind"] = serde_json::json!("decode");
+    doc["config"]["axes"] = serde_json::json!(["seq_len_kv"]);
+    doc["config"]["throughput"].as_array_mut().unwrap().push(
+        serde_json::json!({"key": "gbps", "unit": "GB/s", "count": "bytes", "per_second": 1e9}),
+    );
+    let template: Vec<serde_json::Value> = doc["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["status"] == "ok")
+        .cloned()
+        .collect();
+    let mut rows = Vec::new();
+    for len in [4096u64, 32768] {
+        for r in template.iter().take(3) {
+            let mut r = r.clone();
+            r["case"] = serde_json::json!({"batch": 1, "causal": true, "dtype": "bf16",
+                "head_dim": 128, "heads": 32, "kv_heads": 8, "pass": "fwd",
+                "seq_len_q": 1, "seq_len_kv": len});
+            r["bytes"] = serde_json::json!((2 * 8 * len * 128 * 2) as f64);
+            rows.push(r);
+        }
+    }
+    doc["rows"] = serde_json::json!(rows);
+    let decode = data.path().join("gpu_attention_decode.json");
+    fs::write(&decode, doc.to_string()).unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let html = fs::read_to_string(site.join("attention.html")).unwrap();
+    assert!(
+        html.contains("gpu_attention_decode.json"),
+        "no decode section"
+    );
+    let gbps: Vec<_> = fs::read_dir(site.join("figures"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with("-gbps.svg"))
+        .collect();
+    assert!(!gbps.is_empty(), "no GB/s figure");
+    // An ok row without bytes is refused, naming the throughput.
+    doc["rows"][0].as_object_mut().unwrap().remove("bytes");
+    fs::write(&decode, doc.to_string()).unwrap();
+    let err = load::load_dir(data.path()).unwrap_err().to_string();
+    assert!(err.contains("`bytes` is missing"), "{err}");
+}
+
 /// A run split over several calls by `--filter` (one machine call each) is one run: its parts
 /// load together; the same parts from two commits do not.
 #[test]

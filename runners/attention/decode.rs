@@ -19,6 +19,8 @@ pub const PAGED: &str = "flash_decode_paged";
 /// Both, with their library column.
 pub const IMPLEMENTATIONS: [(&str, &str); 2] =
     [(CONTIGUOUS, "kernelpages"), (PAGED, "kernelpages")];
+/// The decoding document's figures are drawn against the cache length.
+pub const AXES: [&str; 1] = ["seq_len_kv"];
 /// Keys per page of `flash_decode_paged` (vLLM's default block size).
 pub const PAGE: usize = 16;
 
