@@ -84,7 +84,7 @@ def split_cta(s, kvh, b, S, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, H,
     assert R <= R_MAX
     L = seq_lens[b]
     start = s * kps
-    end = min(L, start + kps)
+    end = L if s == S - 1 else min(L, start + kps)
     n_tiles = ceil_div(end - start, KT) if end > start else 0
     ks = [NAN] * (2 * KT * STR)
     vs = [NAN] * (2 * KT * STR)
@@ -93,6 +93,7 @@ def split_cta(s, kvh, b, S, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, H,
     m_s = [NAN] * R
     l_s = [NAN] * R
     a_s = [NAN] * R
+    vis_s = [None] * R
     Kb = kvh * head_stride
     Vb = kvh * head_stride
     table = [block_table[b * max_pages + j] for j in range(max_pages)]
@@ -106,6 +107,7 @@ def split_cta(s, kvh, b, S, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, H,
         for r in range(tid, R, NT):
             m_s[r] = NEG
             l_s[r] = 0.0
+            vis_s[r] = r % Tq + L - Tq + 1 if causal else L
     acc = [[0.0] * ACC for _ in range(NT)]
     for t in range(n_tiles):
         buf = t & 1
@@ -118,9 +120,8 @@ def split_cta(s, kvh, b, S, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, H,
             for p in range(tid, R * KT, NT):
                 r, kk = p // KT, p % KT
                 key = k0 + kk
-                vis = r % Tq + L - Tq + 1 if causal else L
                 sc = NEG
-                if key < end and key < vis:
+                if key < end and key < vis_s[r]:
                     kr = (buf * KT + kk) * STR
                     sc = sum(qs[r * D + d] * ks[kr + d] for d in range(D))
                 ss[r * KT + kk] = sc
@@ -218,8 +219,11 @@ def case(B, H, KVH, Tq, D, R_MAX, lens, page, causal, forced, sms, seed):
         page_size, page_stride, row_stride, head_stride = max_len, KVH * max_len * D, D, max_len * D
         max_pages = 1
         table = list(range(B))
-        Kf = [x for bb in Kc for hh in bb for row in hh for x in row]
-        Vf = [x for bb in Vc for hh in bb for row in hh for x in row]
+        # Keys past a sequence's length are NaN: a read of one shows in the result.
+        Kf = [x if t < lens[bb] else NAN for bb in range(B) for hh in range(KVH)
+              for t in range(max_len) for x in Kc[bb][hh][t]]
+        Vf = [x if t < lens[bb] else NAN for bb in range(B) for hh in range(KVH)
+              for t in range(max_len) for x in Vc[bb][hh][t]]
     else:  # vLLM pages [pages, page, KVH, D], pages handed out in reverse: CacheLayout::paged
         page_size, page_stride, row_stride, head_stride = page, page * KVH * D, KVH * D, D
         max_pages = max(ceil_div(max_len, page), 1)
@@ -243,7 +247,10 @@ def case(B, H, KVH, Tq, D, R_MAX, lens, page, causal, forced, sms, seed):
                             at = pg * page_stride + r * row_stride + g * head_stride + d
                             Kf[at] = Kc[b][g][t][d]
                             Vf[at] = Vc[b][g][t][d]
-    S, kps = plan(B, KVH, max_len, sms, forced)
+    if forced == "short":  # plan for fewer keys than the sequence holds
+        S, kps = plan(B, KVH, max_len // 2, sms, 2)
+    else:
+        S, kps = plan(B, KVH, max_len, sms, forced)
     rows = B * H * Tq
     Q = Checked(Qv, "Q")
     K, V = Checked(Kf, "K"), Checked(Vf, "V")
@@ -289,6 +296,12 @@ def main():
         (1, 2, 1, 1, 16, 8, [300], 256, False, 7, 4),
         (2, 4, 4, 1, 16, 8, [20, 20], None, False, None, 4),
         (3, 8, 2, 2, 16, 8, [65, 64, 128], None, True, 2, 4),
+        # Real accumulator counts (idx = tid + 128 j for j >= 1) and several load chunks per
+        # thread: head_dim 64 and 128.
+        (2, 8, 2, 4, 64, 16, [200, 70], 16, True, None, 4),
+        (1, 4, 1, 2, 128, 8, [150], None, False, 1, 4),
+        # A sequence longer than the plan's cover: the last split takes the rest.
+        (1, 2, 1, 1, 16, 8, [300], 64, False, "short", 4),
     ]
     ok = True
     for n, c in enumerate(cases):

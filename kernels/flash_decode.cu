@@ -5,7 +5,7 @@
 // flash_decode_split: one CTA of 128 threads per (split s, kv head, sequence b). It takes the
 // G = H / KVH query heads that share the kv head, each with its Tq query rows (R = G * Tq rows,
 // row r = g * Tq + i: query head kvh * G + g, query i), and the keys [s * keys_per_split,
-// min(seq_lens[b], (s + 1) * keys_per_split)) of sequence b. Key t lives at
+// min(seq_lens[b], (s + 1) * keys_per_split)) of sequence b (the last split: to seq_lens[b]). Key t lives at
 //   page_stride * block_table[b * max_pages + t / page_size] + row_stride * (t % page_size)
 //   + head_stride * kvh
 // so one kernel reads vLLM's pages [num_pages, page_size, KVH, D] (row_stride KVH * D,
@@ -70,7 +70,9 @@ __device__ __forceinline__ void flash_decode_split(
     const int R = G * Tq;
     const int L = seq_lens[b];
     const int start = s * keys_per_split;
-    const int end = min(L, start + keys_per_split);
+    // The last split takes every key left, so a sequence longer than the plan's cover is
+    // still attended whole.
+    const int end = s == S - 1 ? L : min(L, start + keys_per_split);
     const int n_tiles = end > start ? (end - start + KT - 1) / KT : 0;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -81,6 +83,7 @@ __device__ __forceinline__ void flash_decode_split(
     float* m_s = ss + R * KT; // [R]: running max
     float* l_s = m_s + R;     // [R]: running sum
     float* a_s = l_s + R;     // [R]: this tile's rescale of the accumulator
+    int* vis_s = reinterpret_cast<int*>(a_s + R);  // [R]: keys < vis_s[r] are visible to row r
 
     const u16* Kb = K + (size_t)kvh * head_stride;
     const u16* Vb = V + (size_t)kvh * head_stride;
@@ -97,6 +100,7 @@ __device__ __forceinline__ void flash_decode_split(
     for (int r = tid; r < R; r += NT) {
         m_s[r] = NEG_INF;
         l_s[r] = 0.f;
+        vis_s[r] = causal ? r % Tq + L - Tq + 1 : L;
     }
     float acc[ACC];
 #pragma unroll
@@ -122,9 +126,8 @@ __device__ __forceinline__ void flash_decode_split(
         for (int p = tid; p < R * KT; p += NT) {
             const int r = p / KT, kk = p % KT;
             const int key = k0 + kk;
-            const int visible = causal ? r % Tq + L - Tq + 1 : L;
             float sc = NEG_INF;
-            if (key < end && key < visible) {
+            if (key < end && key < vis_s[r]) {
                 const u16* kr = ks + (buf * KT + kk) * STR;
                 const float* qr = qs + r * D;
                 float dot = 0.f;
@@ -173,18 +176,25 @@ __device__ __forceinline__ void flash_decode_split(
         }
         __syncthreads();
         // P·V: accumulator j of this thread is element tid + 128 j of the [R, D] output, so a
-        // warp reads 32 consecutive columns of one V row (no bank conflict) and one P value.
+        // warp reads 32 consecutive columns of one V row (no bank conflict) and one P value;
+        // at head_dim <= 128 every accumulator of a thread has the same column, so one V load
+        // serves them all. Keys outside, accumulators inside (fully unrolled): the
+        // accumulators stay in registers.
         const u16* vt = vs + buf * KT * STR;
 #pragma unroll
         for (int j = 0; j < ACC; ++j) {
             const int idx = tid + NT * j;
-            if (idx < R * D) {
-                const int r = idx / D, d = idx % D;
-                const float* pr = ss + r * KT;
-                float a = acc[j] * a_s[r];
-#pragma unroll 8
-                for (int kk = 0; kk < KT; ++kk) a += pr[kk] * to_f32<BF16>(vt[kk * STR + d]);
-                acc[j] = a;
+            if (idx < R * D) acc[j] *= a_s[idx / D];
+        }
+#pragma unroll 1
+        for (int kk = 0; kk < KT; ++kk) {
+#pragma unroll
+            for (int j = 0; j < ACC; ++j) {
+                const int idx = tid + NT * j;
+                if (idx < R * D) {
+                    const int r = idx / D, d = idx % D;
+                    acc[j] += ss[r * KT + kk] * to_f32<BF16>(vt[kk * STR + d]);
+                }
             }
         }
         // The next iteration's load overwrites the other buffer and the scores.
@@ -199,14 +209,14 @@ __device__ __forceinline__ void flash_decode_split(
             const int h = kvh * G + r / Tq, i = r % Tq;
             const size_t row = ((size_t)b * H + h) * Tq + i;
             const float l = l_s[r];
-            Opart[(row * S + s) * D + d] = l > 0.f ? acc[j] / l : 0.f;
+            Opart[(row * S + s) * D + d] = l > 0.f ? __fdividef(acc[j], l) : 0.f;
         }
     }
     for (int r = tid; r < R; r += NT) {
         const int h = kvh * G + r / Tq, i = r % Tq;
         const size_t row = ((size_t)b * H + h) * Tq + i;
         const float l = l_s[r];
-        Lpart[row * S + s] = l > 0.f ? m_s[r] + log2f(l) : NEG_INF;
+        Lpart[row * S + s] = l > 0.f ? m_s[r] + __log2f(l) : NEG_INF;
     }
 }
 

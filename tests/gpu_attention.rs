@@ -840,17 +840,20 @@ fn split_kv_decoding_matches_float64() {
                         if shape.unsupported().is_some() {
                             continue;
                         }
-                        for page in [16, 256] {
+                        // The device's plan (one or two tiles per split here) and one split
+                        // (16 tiles: both buffers reloaded many times).
+                        for (page, splits) in [(16, None), (256, None), (16, Some(1))] {
                             cases.push((
                                 format!(
-                                    "{} d{d} {heads}:{kvh} tq{tq} causal {causal} page {page}",
+                                    "{} d{d} {heads}:{kvh} tq{tq} causal {causal} page {page} \
+                                     splits {splits:?}",
                                     dtype.as_str()
                                 ),
                                 DecodeCase {
                                     shape,
                                     lens: vec![1000, 1, 300, 0],
                                     page: Some(page),
-                                    splits: None,
+                                    splits,
                                 },
                             ));
                         }
@@ -858,6 +861,21 @@ fn split_kv_decoding_matches_float64() {
                 }
             }
         }
+    }
+    for splits in [None, Some(1)] {
+        cases.push((
+            format!("contiguous 32:8 tq2 causal, lengths 1000/1/300/0, splits {splits:?}"),
+            DecodeCase {
+                shape: DecodeShape {
+                    seq_len_q: 2,
+                    causal: true,
+                    ..base
+                },
+                lens: vec![1000, 1, 300, 0],
+                page: None,
+                splits,
+            },
+        ));
     }
     cases.push((
         "contiguous [4, 32, 1, 128] / [4, 32, 20, 128]".into(),
@@ -896,12 +914,17 @@ fn split_kv_decoding_matches_float64() {
         }
     }
     // Splits 1, 2, 7 and 64 of one cache give one output within the dtype's rounding.
+    // 4096 keys are 64 tiles, so 1, 2, 7 and 64 splits are each exactly what the plan makes.
     let one = DecodeCase {
         shape: base,
-        lens: vec![4097, 1, 1000, 64],
+        lens: vec![4096, 1, 1000, 64],
         page: Some(16),
         splits: Some(1),
     };
+    for splits in [1, 2, 7, 64] {
+        let p = kernelpages::attention::decode_gpu::DecodePlan::new(4, 8, 4096, 132, Some(splits));
+        assert_eq!(p.splits, splits, "{p:?}");
+    }
     let (o1, _, ro, _) = decode_case(&one, 11);
     for splits in [2, 7, 64] {
         let (o, _, _, _) = decode_case(

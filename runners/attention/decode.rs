@@ -148,14 +148,22 @@ impl own::Launcher for DecodeLaunch {
         let (k, v, table) = if self.paged {
             let (kp, table) = to_pages(c, k, self.max_pages);
             let (vp, _) = to_pages(c, v, self.max_pages);
-            (kp, vp, table)
+            (
+                gpu.stream.clone_htod(&kp)?,
+                gpu.stream.clone_htod(&vp)?,
+                table,
+            )
         } else {
-            (k.clone(), v.clone(), (0..c.batch as i32).collect())
+            (
+                gpu.stream.clone_htod(k)?,
+                gpu.stream.clone_htod(v)?,
+                (0..c.batch as i32).collect(),
+            )
         };
         Ok(DecodeSet {
             q: gpu.stream.clone_htod(q)?,
-            k: gpu.stream.clone_htod(&k)?,
-            v: gpu.stream.clone_htod(&v)?,
+            k,
+            v,
             table: gpu.stream.clone_htod(&table)?,
             lens: gpu.stream.clone_htod(&lens)?,
         })

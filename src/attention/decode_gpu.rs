@@ -204,9 +204,10 @@ pub fn decode_source(head_dim: usize, r_max: usize, dtype: Dtype) -> (String, St
 }
 
 /// Dynamic shared memory of the split kernel for `rows` query rows, bytes: two K and two V
-/// tiles (rows padded by 8 elements), Q in fp32, the tile's scores and three per-row values.
+/// tiles (rows padded by 8 elements), Q in fp32, the tile's scores and four per-row values
+/// (running max and sum, the tile's rescale, the causal bound).
 pub fn split_smem_bytes(rows: usize, head_dim: usize) -> usize {
-    4 * KEY_TILE * (head_dim + 8) * 2 + (rows * head_dim + rows * KEY_TILE + 3 * rows) * 4
+    4 * KEY_TILE * (head_dim + 8) * 2 + (rows * head_dim + rows * KEY_TILE + 4 * rows) * 4
 }
 
 /// The compiled kernels and partial buffers for one shape and plan.
@@ -237,7 +238,18 @@ impl Decoder {
         let (split_name, combine_name, src) = decode_source(shape.head_dim, r_max, shape.dtype);
         let compiled = gpu.compile(&format!("{split_name}.cu"), &src)?;
         let smem = split_smem_bytes(shape.rows(), shape.head_dim) as u32;
-        let split = gpu.function(&compiled.module, &split_name, smem)?;
+        // The function is shared by every shape of this capacity (the module cache): its limit
+        // is the capacity's, so a decoder of more rows made earlier is never cut short.
+        let capacity = split_smem_bytes(r_max, shape.head_dim) as u32;
+        let limit = gpu.ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )? as u32;
+        if capacity > limit {
+            return Err(GpuError::Config(format!(
+                "{split_name} needs {capacity} bytes of shared memory per CTA; this device allows {limit}"
+            )));
+        }
+        let split = gpu.function(&compiled.module, &split_name, capacity)?;
         let combine = gpu.function(&compiled.module, &combine_name, 0)?;
         let rows = shape.batch * shape.heads * shape.seq_len_q;
         Ok(Decoder {
@@ -266,8 +278,9 @@ impl Decoder {
     }
 
     /// Launches one decoding call on the stream: O and LSE for Q against the cache `k`, `v`
-    /// laid out as `layout`, sequence b's pages `block_table[b * max_pages ..]`, its length
-    /// `seq_lens[b]` (at most `plan.splits · plan.keys_per_split`).
+    /// laid out as `layout`, sequence b's pages `block_table[b * max_pages ..]` (enough pages
+    /// for `seq_lens[b]` keys), its length `seq_lens[b]` (keys past the plan's
+    /// `splits · keys_per_split` fall to the last split).
     ///
     /// # Errors
     /// Driver errors.
@@ -433,7 +446,7 @@ mod tests {
         // Shared memory: two K and two V tiles plus Q, scores and row values.
         assert_eq!(
             split_smem_bytes(4, 128),
-            4 * 64 * 136 * 2 + (512 + 256 + 12) * 4
+            4 * 64 * 136 * 2 + (512 + 256 + 16) * 4
         );
     }
 }
