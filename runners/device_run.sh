@@ -8,6 +8,9 @@
 #   bash .carry/device_run.sh tests OUTDIR        # the GPU and comparison tests only
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
+#   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding
+#                                                 # grid or shard i of n (240 rows, 128k-key
+#                                                 # caches: more than one call; try 1/3)
 #   bash .carry/device_run.sh full OUTDIR [i/n]   # the committed grid (or shard i of n)
 #   bash .carry/device_run.sh part OUTDIR NAME LIMIT_S FILTER [i/n]
 #                                                 # one part of a run split over calls or GPUs:
@@ -84,13 +87,20 @@ kernel_sums)
   step "kernel_sums grid" 300 "$out/kernel_sums.log" "$bin/kernel_sums" \
     --output "$out/gpu_kernel_sums.json"
   ;;
+decode)
+  step "decode gpu test" 240 "$out/gpu_decode.tests.log" "$bin/gpu_attention_test" \
+    --include-ignored --test-threads 1 --nocapture --exact split_kv_decoding_matches_float64
+  extra=(); [ -n "$shard" ] && extra=(--shard "$shard")
+  step "decode grid" 330 "$out/decode.log" "$bin/attention" --grids decode --compare torch,jax \
+    "${extra[@]}" --output "$out/gpu_attention_decode.json"
+  ;;
 full)
   extra=(); [ -n "$shard" ] && extra=(--shard "$shard")
-  step "full grid" 3600 "$out/run.log" "$bin/attention" --compare torch "${extra[@]}" \
+  step "full grid" 3600 "$out/run.log" "$bin/attention" --compare torch,jax "${extra[@]}" \
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, full)"; exit 2
+  echo "unknown mode $mode (smoke, tests, part, kernel_sums, decode, full)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"
