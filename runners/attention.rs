@@ -344,32 +344,28 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
         }
     }
     let mut params: Vec<Params> = cases.iter().map(AttentionCase::params).collect();
-    if grids.iter().any(|g| g == "tiles") {
-        if grids.iter().any(|g| g != "tiles") {
+    // Grids that are documents of their own kind run alone.
+    for (alone, what) in [
+        ("tiles", "a tile sweep is a document of its own, data/gpu_attention_tiles.json"),
+        (
+            "decode",
+            "decoding shapes are a document of their own, data/gpu_attention_decode.json, drawn in GB/s",
+        ),
+    ] {
+        if grids.iter().any(|g| g == alone) && grids.iter().any(|g| g != alone) {
+            let others: Vec<&str> = grids
+                .iter()
+                .filter(|g| *g != alone)
+                .map(String::as_str)
+                .collect();
             bail!(
-                "--grids: `tiles` runs alone (a tile sweep is a document of its own, \
-                 data/gpu_attention_tiles.json), not with {}",
-                grids
-                    .iter()
-                    .filter(|g| *g != "tiles")
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                "--grids: `{alone}` runs alone ({what}), not with {}",
+                others.join(", ")
             );
         }
-        params.extend(tile_cases(cli, quick)?);
     }
-    if grids.iter().any(|g| g == "decode") && grids.len() > 1 {
-        bail!(
-            "--grids: `decode` runs alone (decoding shapes are a document of their own, \
-             data/gpu_attention_decode.json, drawn in GB/s), not with {}",
-            grids
-                .iter()
-                .filter(|g| *g != "decode")
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+    if grids.iter().any(|g| g == "tiles") {
+        params.extend(tile_cases(cli, quick)?);
     }
     Ok(params)
 }

@@ -811,16 +811,7 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
 )]
 fn split_kv_decoding_matches_float64() {
     use kernelpages::attention::decode_gpu::DecodeShape;
-    let base = DecodeShape {
-        batch: 4,
-        heads: 32,
-        kv_heads: 8,
-        seq_len_q: 1,
-        head_dim: 128,
-        dtype: Dtype::Bf16,
-        causal: false,
-        scale: 128f64.powf(-0.5),
-    };
+    let base = DecodeShape::new(4, 32, 8, 1, 128);
     let mut cases: Vec<(String, DecodeCase)> = Vec::new();
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for d in [64, 128, 256] {

@@ -102,6 +102,26 @@ pub struct DecodeShape {
 }
 
 impl DecodeShape {
+    /// A bf16 shape without a mask, its scale 1/√head_dim.
+    pub fn new(
+        batch: usize,
+        heads: usize,
+        kv_heads: usize,
+        seq_len_q: usize,
+        head_dim: usize,
+    ) -> DecodeShape {
+        DecodeShape {
+            batch,
+            heads,
+            kv_heads,
+            seq_len_q,
+            head_dim,
+            dtype: Dtype::Bf16,
+            causal: false,
+            scale: (head_dim as f64).powf(-0.5),
+        }
+    }
+
     /// Query rows one CTA holds: (heads / kv_heads) · seq_len_q.
     pub fn rows(&self) -> usize {
         self.heads / self.kv_heads.max(1) * self.seq_len_q
@@ -411,16 +431,11 @@ mod tests {
 
     #[test]
     fn unsupported_shapes_say_why() {
-        let s = DecodeShape {
-            batch: 1,
-            heads: 32,
-            kv_heads: 8,
-            seq_len_q: 1,
-            head_dim: 128,
-            dtype: Dtype::Bf16,
-            causal: false,
-            scale: 128f64.powf(-0.5),
-        };
+        let s = DecodeShape::new(1, 32, 8, 1, 128);
+        assert_eq!(
+            (s.dtype, s.causal, s.scale),
+            (Dtype::Bf16, false, 128f64.powf(-0.5))
+        );
         assert_eq!(s.unsupported(), None);
         assert_eq!(row_capacity(s.rows(), 128), Some(8));
         assert_eq!(row_capacity(64, 64), Some(64));
