@@ -75,13 +75,13 @@ def load_tile(ks, vs, base, K, V, Kb, Vb, table, k0, end, page_size, page_stride
                 vs[base + kr * STR + col + e] = V[Vb + off + e] if ok else 0.0
 
 
-def split_cta(s, kvh, b, S, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, H, KVH, page_size,
+def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, H, KVH, page_size,
               max_pages, page_stride, row_stride, head_stride, kps, scale_log2, causal, D, R_MAX):
     STR = D + 8
     ACC = R_MAX * D // NT
     G = H // KVH
-    R = G * Tq
-    assert R <= R_MAX
+    kvh, r0 = y // RB, (y % RB) * R_MAX
+    R = min(R_MAX, G * Tq - r0)
     L = seq_lens[b]
     start = s * kps
     end = L if s == S - 1 else min(L, start + kps)
@@ -102,12 +102,12 @@ def split_cta(s, kvh, b, S, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, H,
     for tid in range(NT):
         for idx in range(tid, R * D, NT):
             r, d = idx // D, idx % D
-            h, i = kvh * G + r // Tq, r % Tq
+            h, i = kvh * G + (r0 + r) // Tq, (r0 + r) % Tq
             qs[idx] = Q[((b * H + h) * Tq + i) * D + d] * scale_log2
         for r in range(tid, R, NT):
             m_s[r] = NEG
             l_s[r] = 0.0
-            vis_s[r] = r % Tq + L - Tq + 1 if causal else L
+            vis_s[r] = (r0 + r) % Tq + L - Tq + 1 if causal else L
     acc = [[0.0] * ACC for _ in range(NT)]
     for t in range(n_tiles):
         buf = t & 1
@@ -157,12 +157,12 @@ def split_cta(s, kvh, b, S, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, H,
             idx = tid + NT * j
             if idx < R * D:
                 r, d = idx // D, idx % D
-                h, i = kvh * G + r // Tq, r % Tq
+                h, i = kvh * G + (r0 + r) // Tq, (r0 + r) % Tq
                 row = (b * H + h) * Tq + i
                 l = l_s[r]
                 Opart[(row * S + s) * D + d] = acc[tid][j] / l if l > 0 else 0.0
         for r in range(tid, R, NT):
-            h, i = kvh * G + r // Tq, r % Tq
+            h, i = kvh * G + (r0 + r) // Tq, (r0 + r) % Tq
             row = (b * H + h) * Tq + i
             l = l_s[r]
             Lpart[row * S + s] = m_s[r] + math.log2(l) if l > 0 else NEG
@@ -257,10 +257,12 @@ def case(B, H, KVH, Tq, D, R_MAX, lens, page, causal, forced, sms, seed):
     BT, SL = Checked(table, "block_table"), Checked(lens, "seq_lens")
     Opart = Checked([NAN] * (rows * S * D), "Opart")
     Lpart = Checked([NAN] * (rows * S), "Lpart")
+    G = H // KVH
+    RB = ceil_div(G * Tq, R_MAX)  # row_blocks
     for b in range(B):
-        for g in range(KVH):
+        for y in range(KVH * RB):
             for s in range(S):
-                split_cta(s, g, b, S, Q, K, V, BT, SL, Opart, Lpart, Tq, H, KVH, page_size,
+                split_cta(s, y, b, S, RB, Q, K, V, BT, SL, Opart, Lpart, Tq, H, KVH, page_size,
                           max_pages, page_stride, row_stride, head_stride, kps,
                           scale * math.log2(math.e), causal, D, R_MAX)
     O = Checked([NAN] * (rows * D), "O")
@@ -300,6 +302,8 @@ def main():
         # thread: head_dim 64 and 128.
         (2, 8, 2, 4, 64, 16, [200, 70], 16, True, None, 4),
         (1, 4, 1, 2, 128, 8, [150], None, False, 1, 4),
+        # More rows than a CTA holds (G * Tq = 24 rows at R_MAX 8: three row blocks).
+        (2, 8, 1, 3, 16, 8, [90, 33], 16, True, None, 4),
         # A sequence longer than the plan's cover: the last split takes the rest.
         (1, 2, 1, 1, 16, 8, [300], 64, False, "short", 4),
     ]

@@ -2,9 +2,11 @@
 // 2023) over a paged KV cache (vLLM's PagedAttention layout: Kwon et al., 2023), in two
 // kernels. The host prepends attn_prelude.cuh (src/attention/decode_gpu.rs).
 //
-// flash_decode_split: one CTA of 128 threads per (split s, kv head, sequence b). It takes the
-// G = H / KVH query heads that share the kv head, each with its Tq query rows (R = G * Tq rows,
-// row r = g * Tq + i: query head kvh * G + g, query i), and the keys [s * keys_per_split,
+// flash_decode_split: one CTA of 128 threads per (split s, kv head and row block, sequence b).
+// The G = H / KVH query heads that share the kv head, each with its Tq query rows, are G * Tq
+// rows (row q = g * Tq + i: query head kvh * G + g, query i), taken R_MAX at a time: row block
+// rb holds rows [rb * R_MAX, min(G * Tq, (rb + 1) * R_MAX)) (grid y = KVH * row blocks, y =
+// kvh * row blocks + rb). A CTA attends its rows to the keys [s * keys_per_split,
 // min(seq_lens[b], (s + 1) * keys_per_split)) of sequence b (the last split: to seq_lens[b]). Key t lives at
 //   page_stride * block_table[b * max_pages + t / page_size] + row_stride * (t % page_size)
 //   + head_stride * kvh
@@ -64,10 +66,12 @@ __device__ __forceinline__ void flash_decode_split(
     constexpr int STR = D + 8;
     constexpr int ACC = R_MAX * D / NT;
     static_assert(R_MAX * D % NT == 0, "R_MAX * D must be a multiple of 128");
-    const int s = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+    const int s = blockIdx.x, b = blockIdx.z, tid = threadIdx.x;
+    const int RB = gridDim.y / KVH;  // row blocks per kv head
+    const int kvh = blockIdx.y / RB, r0 = (blockIdx.y % RB) * R_MAX;
     const int S = gridDim.x;
     const int G = H / KVH;
-    const int R = G * Tq;
+    const int R = min(R_MAX, G * Tq - r0);  // this CTA's rows: r0 + [0, R)
     const int L = seq_lens[b];
     const int start = s * keys_per_split;
     // The last split takes every key left, so a sequence longer than the plan's cover is
@@ -94,13 +98,13 @@ __device__ __forceinline__ void flash_decode_split(
     }
     for (int idx = tid; idx < R * D; idx += NT) {
         const int r = idx / D, d = idx % D;
-        const int h = kvh * G + r / Tq, i = r % Tq;
+        const int h = kvh * G + (r0 + r) / Tq, i = (r0 + r) % Tq;
         qs[idx] = to_f32<BF16>(Q[(((size_t)b * H + h) * Tq + i) * D + d]) * scale_log2;
     }
     for (int r = tid; r < R; r += NT) {
         m_s[r] = NEG_INF;
         l_s[r] = 0.f;
-        vis_s[r] = causal ? r % Tq + L - Tq + 1 : L;
+        vis_s[r] = causal ? (r0 + r) % Tq + L - Tq + 1 : L;
     }
     float acc[ACC];
 #pragma unroll
@@ -206,14 +210,14 @@ __device__ __forceinline__ void flash_decode_split(
         const int idx = tid + NT * j;
         if (idx < R * D) {
             const int r = idx / D, d = idx % D;
-            const int h = kvh * G + r / Tq, i = r % Tq;
+            const int h = kvh * G + (r0 + r) / Tq, i = (r0 + r) % Tq;
             const size_t row = ((size_t)b * H + h) * Tq + i;
             const float l = l_s[r];
             Opart[(row * S + s) * D + d] = l > 0.f ? __fdividef(acc[j], l) : 0.f;
         }
     }
     for (int r = tid; r < R; r += NT) {
-        const int h = kvh * G + r / Tq, i = r % Tq;
+        const int h = kvh * G + (r0 + r) / Tq, i = (r0 + r) % Tq;
         const size_t row = ((size_t)b * H + h) * Tq + i;
         const float l = l_s[r];
         Lpart[row * S + s] = l > 0.f ? m_s[r] + __log2f(l) : NEG_INF;

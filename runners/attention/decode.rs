@@ -6,7 +6,9 @@
 //! upload, outside the timing). Decoding rows carry GB/s
 //! ([`AttentionCase::bytes_moved`]) besides TFLOP/s.
 
-use kernelpages::attention::decode_gpu::{CacheLayout, DecodePlan, DecodeShape, Decoder};
+use kernelpages::attention::decode_gpu::{
+    row_blocks, row_capacity, CacheLayout, DecodePlan, DecodeShape, Decoder,
+};
 use kernelpages::attention::{AttentionCase, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::runner::own;
@@ -267,11 +269,13 @@ pub fn note(c: &AttentionCase, implementation: &str, plan: DecodePlan) -> String
     } else {
         "the contiguous [B, KVH, T, D] cache".to_string()
     };
+    let rows = shape(c).rows();
+    let blocks = row_capacity(rows, c.head_dim).map_or(1, |cap| row_blocks(rows, cap));
     format!(
         "split-KV: {} splits of {} keys per (sequence, kv head), {} CTAs, then a combine; reads {cache}",
         plan.splits,
         plan.keys_per_split,
-        plan.splits * c.batch * c.kv_heads
+        plan.splits * c.batch * c.kv_heads * blocks
     )
 }
 

@@ -4,8 +4,9 @@
 //!
 //! Flash-decoding (Dao, Haziza, Massa and Sizov, 2023): the keys of each sequence are split into
 //! ranges of [`DecodePlan::keys_per_split`] keys; one CTA per (split, kv head, sequence) attends
-//! the kv head's G = heads / kv_heads query heads (GQA) with all their query rows to its range
-//! and writes a partial output and log-sum-exp; a second kernel merges the partials exactly
+//! the kv head's G = heads / kv_heads query heads (GQA) with all their query rows (up to
+//! 4096 / head_dim rows a CTA; more take several CTAs, [`row_blocks`]) to its range and writes
+//! a partial output and log-sum-exp; a second kernel merges the partials exactly
 //! ([`super::decode::combine`]'s formula). Splitting is what fills the GPU when batch × kv_heads
 //! CTAs would not: [`DecodePlan::new`] aims at [`CTAS_PER_SM`] CTAs per SM.
 //!
@@ -147,23 +148,25 @@ impl DecodeShape {
         if self.seq_len_q == 0 || self.batch == 0 {
             return Some("an empty batch or query".into());
         }
-        if row_capacity(self.rows(), self.head_dim).is_none() {
-            return Some(format!(
-                "(heads / kv_heads) · seq_len_q = {} query rows per kv head is more than one CTA \
-                 holds at head_dim {}",
-                self.rows(),
-                self.head_dim
-            ));
-        }
         None
     }
 }
 
-/// The smallest instance capacity holding `rows` query rows at `head_dim`, or `None`.
+/// The instance capacity for `rows` query rows per kv head at `head_dim`: the smallest that
+/// holds them all, else the largest one CTA can hold (the rows then take several CTAs,
+/// [`row_blocks`]); `None` when not even the smallest fits (no supported head_dim).
 pub fn row_capacity(rows: usize, head_dim: usize) -> Option<usize> {
+    let fits = |c: &usize| c * head_dim / THREADS <= MAX_ACCUMULATORS;
     ROW_CAPACITIES
         .into_iter()
-        .find(|&c| c >= rows && c * head_dim / THREADS <= MAX_ACCUMULATORS)
+        .filter(fits)
+        .find(|&c| c >= rows)
+        .or_else(|| ROW_CAPACITIES.into_iter().rev().find(fits))
+}
+
+/// CTAs one kv head's `rows` query rows take at capacity `capacity` (each reads the keys).
+pub fn row_blocks(rows: usize, capacity: usize) -> usize {
+    rows.div_ceil(capacity.max(1)).max(1)
 }
 
 /// How one call is split: `splits` ranges of `keys_per_split` keys (a multiple of
@@ -209,7 +212,7 @@ pub fn decode_source(head_dim: usize, r_max: usize, dtype: Dtype) -> (String, St
     let combine = format!("flash_decode_combine_{dt}_d{head_dim}");
     let src = format!(
         "{PRELUDE_SRC}\n{DECODE_SRC}\n\
-         extern \"C\" __global__ void __launch_bounds__({THREADS}) {split}(const u16* Q, \
+         extern \"C\" __global__ void __launch_bounds__({THREADS}, {CTAS_PER_SM}) {split}(const u16* Q, \
          const u16* K, const u16* V, const int* block_table, const int* seq_lens, float* Opart, \
          float* Lpart, int Tq, int H, int KVH, int page_size, int max_pages, long long \
          page_stride, long long row_stride, long long head_stride, int keys_per_split, float \
@@ -237,6 +240,8 @@ pub struct Decoder {
     split: CudaFunction,
     combine: CudaFunction,
     smem: u32,
+    /// CTAs per kv head along the grid's y axis ([`row_blocks`]).
+    row_blocks: usize,
     opart: CudaSlice<f32>,
     lpart: CudaSlice<f32>,
     /// NVRTC compile + load time, s.
@@ -257,7 +262,7 @@ impl Decoder {
         let r_max = row_capacity(shape.rows(), shape.head_dim).expect("checked above");
         let (split_name, combine_name, src) = decode_source(shape.head_dim, r_max, shape.dtype);
         let compiled = gpu.compile(&format!("{split_name}.cu"), &src)?;
-        let smem = split_smem_bytes(shape.rows(), shape.head_dim) as u32;
+        let smem = split_smem_bytes(shape.rows().min(r_max), shape.head_dim) as u32;
         // The function is shared by every shape of this capacity (the module cache): its limit
         // is the capacity's, so a decoder of more rows made earlier is never cut short.
         let capacity = split_smem_bytes(r_max, shape.head_dim) as u32;
@@ -273,6 +278,7 @@ impl Decoder {
         let combine = gpu.function(&compiled.module, &combine_name, 0)?;
         let rows = shape.batch * shape.heads * shape.seq_len_q;
         Ok(Decoder {
+            row_blocks: row_blocks(shape.rows(), r_max),
             shape,
             plan,
             split,
@@ -330,7 +336,11 @@ impl Decoder {
         let scale_log2 = (s.scale * std::f64::consts::LOG2_E) as f32;
         let causal = i32::from(s.causal);
         let cfg = LaunchConfig {
-            grid_dim: (self.plan.splits as u32, s.kv_heads as u32, s.batch as u32),
+            grid_dim: (
+                self.plan.splits as u32,
+                (s.kv_heads * self.row_blocks) as u32,
+                s.batch as u32,
+            ),
             block_dim: (THREADS as u32, 1, 1),
             shared_mem_bytes: self.smem,
         };
@@ -440,9 +450,12 @@ mod tests {
         assert_eq!(row_capacity(s.rows(), 128), Some(8));
         assert_eq!(row_capacity(64, 64), Some(64));
         assert_eq!(row_capacity(32, 128), Some(32));
-        assert_eq!(row_capacity(33, 128), None);
+        // More rows than a CTA holds: the largest capacity, over several CTAs.
+        assert_eq!(row_capacity(33, 128), Some(32));
+        assert_eq!(row_blocks(33, 32), 2);
         assert_eq!(row_capacity(16, 256), Some(16));
-        assert_eq!(row_capacity(17, 256), None);
+        assert_eq!((row_capacity(64, 256), row_blocks(64, 16)), (Some(16), 4));
+        assert_eq!(row_blocks(4, 8), 1);
         for (bad, what) in [
             (DecodeShape { head_dim: 96, ..s }, "head_dim 96"),
             (
@@ -453,7 +466,6 @@ mod tests {
                 "bf16 or fp16",
             ),
             (DecodeShape { kv_heads: 5, ..s }, "not a multiple"),
-            (DecodeShape { seq_len_q: 9, ..s }, "36 query rows"),
         ] {
             let why = bad.unsupported().expect("unsupported");
             assert!(why.contains(what), "{why}");
