@@ -181,7 +181,7 @@ fn main() -> ExitCode {
         Some(job) => runner::child_main(job, |job| {
             if job.implementation == cpu::IMPLEMENTATION {
                 cpu::measure(job)
-            } else if job.implementation.starts_with("flash_decode") {
+            } else if decode::is_decode(&job.implementation) {
                 decode::measure(job)
             } else {
                 measure_own(job)
@@ -547,7 +547,7 @@ impl runner::Suite for Attention {
         if implementation == cpu::IMPLEMENTATION {
             return cpu::unsupported(p);
         }
-        if implementation == decode::CONTIGUOUS || implementation == decode::PAGED {
+        if decode::is_decode(implementation) {
             return match case_of(p) {
                 Ok(c) => decode::unsupported(&c),
                 Err(e) => Some(e.to_string()),
@@ -697,22 +697,21 @@ fn run(cli: &Cli) -> Result<ExitCode> {
     };
     let imps = runner::implementations(&own, alternatives, &cli.run.compare)?;
     let cases = cli.run.select(cases(cli, false)?, cases(cli, true)?)?;
+    // Decoding shapes carry bytes: the document then states the byte rule and declares GB/s.
+    let decoding = cases
+        .iter()
+        .any(|p| case_of(p).is_ok_and(|c| c.is_decoding()));
     let declared = Declared {
         runner: "attention",
-        flop_rule: Some(
-            if cases
-                .iter()
-                .any(|p| case_of(p).is_ok_and(|c| c.is_decoding()))
-            {
-                format!(
-                    "{}; bytes for GB/s: {}",
-                    AttentionCase::FLOP_RULE,
-                    AttentionCase::BYTE_RULE
-                )
-            } else {
-                AttentionCase::FLOP_RULE.to_string()
-            },
-        ),
+        flop_rule: Some(if decoding {
+            format!(
+                "{}; bytes for GB/s: {}",
+                AttentionCase::FLOP_RULE,
+                AttentionCase::byte_rule()
+            )
+        } else {
+            AttentionCase::FLOP_RULE.to_string()
+        }),
         dispatch: if on_cpu(cli) {
             cpu::dispatch_rules()
         } else {
@@ -725,10 +724,7 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         },
         throughput: if on_cpu(cli) {
             cpu::throughput_decls()
-        } else if cases
-            .iter()
-            .any(|p| case_of(p).is_ok_and(|c| c.is_decoding()))
-        {
+        } else if decoding {
             AttentionCase::decoding_throughput_decls()
         } else {
             AttentionCase::throughput_decls()

@@ -603,6 +603,16 @@ struct NvrtcOutput {
     cubin: Option<Vec<u8>>,
 }
 
+/// The text of NVRTC's NUL-terminated characters (a log, the PTX).
+fn c_text(chars: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = chars
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
 /// Compiles `src` (named `name` in messages) with NVRTC and `opts`.
 ///
 /// # Errors
@@ -621,14 +631,7 @@ fn nvrtc_run(name: &str, src: &str, opts: &[String]) -> Result<NvrtcOutput, GpuE
     let compiled = unsafe { r::compile_program(prog, opts) };
     // SAFETY: as above.
     let log = unsafe { r::get_program_log(prog) }
-        .map(|l| {
-            let bytes: Vec<u8> = l
-                .iter()
-                .take_while(|&&c| c != 0)
-                .map(|&c| c as u8)
-                .collect();
-            String::from_utf8_lossy(&bytes).into_owned()
-        })
+        .map(|l| c_text(&l))
         .unwrap_or_default();
     let out = compiled
         .map_err(|e| fail(format!("{log}\n{e:?}")))
@@ -673,15 +676,7 @@ fn nvrtc_run(name: &str, src: &str, opts: &[String]) -> Result<NvrtcOutput, GpuE
 /// [`GpuError::Compile`] with the compiler log.
 pub fn nvrtc_compile(name: &str, src: &str, arch: &str) -> Result<cudarc::nvrtc::Ptx, GpuError> {
     let out = nvrtc_run(name, src, &nvrtc_options(arch))?;
-    let bytes: Vec<u8> = out
-        .ptx
-        .iter()
-        .take_while(|&&c| c != 0)
-        .map(|&c| c as u8)
-        .collect();
-    Ok(cudarc::nvrtc::Ptx::from_src(
-        String::from_utf8_lossy(&bytes).into_owned(),
-    ))
+    Ok(cudarc::nvrtc::Ptx::from_src(c_text(&out.ptx)))
 }
 
 /// Compiles CUDA C `src` with NVRTC to machine code (CUBIN) for the real architecture `arch`

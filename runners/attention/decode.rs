@@ -23,6 +23,10 @@ pub const IMPLEMENTATIONS: [(&str, &str); 2] =
     [(CONTIGUOUS, "kernelpages"), (PAGED, "kernelpages")];
 /// The decoding document's figures are drawn against the cache length.
 pub const AXES: [&str; 1] = ["seq_len_kv"];
+/// True for `flash_decode` and `flash_decode_paged`.
+pub fn is_decode(implementation: &str) -> bool {
+    IMPLEMENTATIONS.iter().any(|(n, _)| *n == implementation)
+}
 /// Keys per page of `flash_decode_paged` (vLLM's default block size).
 pub const PAGE: usize = 16;
 

@@ -763,7 +763,9 @@ fn smem_limit(gpu: &Gpu) -> Result<u32, GpuError> {
         .attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32)
 }
 
-fn check_smem(gpu: &Gpu, what: &str, bytes: u32) -> Result<(), GpuError> {
+/// [`GpuError::Config`] naming `what` when `bytes` of shared memory per CTA exceed what the
+/// device allows.
+pub(crate) fn check_smem(gpu: &Gpu, what: &str, bytes: u32) -> Result<(), GpuError> {
     let limit = smem_limit(gpu)?;
     if bytes > limit {
         return Err(GpuError::Config(format!(

@@ -266,14 +266,7 @@ impl Decoder {
         // The function is shared by every shape of this capacity (the module cache): its limit
         // is the capacity's, so a decoder of more rows made earlier is never cut short.
         let capacity = split_smem_bytes(r_max, shape.head_dim) as u32;
-        let limit = gpu.ctx.attribute(
-            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-        )? as u32;
-        if capacity > limit {
-            return Err(GpuError::Config(format!(
-                "{split_name} needs {capacity} bytes of shared memory per CTA; this device allows {limit}"
-            )));
-        }
+        super::cuda::check_smem(gpu, &split_name, capacity)?;
         let split = gpu.function(&compiled.module, &split_name, capacity)?;
         let combine = gpu.function(&compiled.module, &combine_name, 0)?;
         let rows = shape.batch * shape.heads * shape.seq_len_q;

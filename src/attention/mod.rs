@@ -523,7 +523,15 @@ impl AttentionCase {
     }
 
     /// The byte-counting rule of [`AttentionCase::bytes_moved`], in words, for the document.
-    pub const BYTE_RULE: &'static str = "decoding shapes (at most 16 query rows, at least 1,024 cache keys, forward): Q and O (B·H·seq_len_q·D elements each) plus K and V over each sequence's keys (2·KVH·D·Σ kv_len), at the dtype's size";
+    pub fn byte_rule() -> String {
+        format!(
+            "decoding shapes (at most {} query rows, at least {} cache keys, forward): Q and O \
+             (B·H·seq_len_q·D elements each) plus K and V over each sequence's keys \
+             (2·KVH·D·Σ kv_len), at the dtype's size",
+            Self::DECODE_MAX_QUERIES,
+            Self::DECODE_MIN_KEYS
+        )
+    }
 
     /// The FLOP-counting rule of [`AttentionCase::flops`], in words, for the document.
     pub const FLOP_RULE: &'static str =
