@@ -7,7 +7,7 @@
 //! ([`AttentionCase::bytes_moved`]) besides TFLOP/s.
 
 use kernelpages::attention::decode_gpu::{
-    row_blocks, row_capacity, CacheLayout, DecodePlan, DecodeShape, Decoder,
+    row_blocks, CacheLayout, DecodePlan, DecodeShape, Decoder,
 };
 use kernelpages::attention::{AttentionCase, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
@@ -274,7 +274,7 @@ pub fn note(c: &AttentionCase, implementation: &str, plan: DecodePlan) -> String
         "the contiguous [B, KVH, T, D] cache".to_string()
     };
     let rows = shape(c).rows();
-    let blocks = row_capacity(rows, c.head_dim).map_or(1, |cap| row_blocks(rows, cap));
+    let blocks = row_blocks(rows);
     format!(
         "split-KV: {} splits of {} keys per (sequence, kv head), {} CTAs, then a combine; reads {cache}",
         plan.splits,

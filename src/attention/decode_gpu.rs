@@ -4,9 +4,9 @@
 //!
 //! Flash-decoding (Dao, Haziza, Massa and Sizov, 2023): the keys of each sequence are split into
 //! ranges of [`DecodePlan::keys_per_split`] keys; one CTA per (split, kv head, sequence) attends
-//! the kv head's G = heads / kv_heads query heads (GQA) with all their query rows (up to
-//! 4096 / head_dim rows a CTA; more take several CTAs, [`row_blocks`]) to its range and writes
-//! a partial output and log-sum-exp; a second kernel merges the partials exactly
+//! the kv head's G = heads / kv_heads query heads (GQA) with all their query rows
+//! ([`ROWS_PER_CTA`] rows a CTA, one tensor-core row tile; more take several CTAs,
+//! [`row_blocks`]) to its range and writes a partial output and log-sum-exp; a second kernel merges the partials exactly
 //! ([`super::decode::combine`]'s formula). Splitting is what fills the GPU when batch × kv_heads
 //! CTAs would not: [`DecodePlan::new`] aims at [`CTAS_PER_SM`] CTAs per SM.
 //!
@@ -37,12 +37,9 @@ pub const DECODE_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// CTAs per SM [`DecodePlan::new`] aims at when it chooses the number of splits.
 pub const CTAS_PER_SM: usize = 2;
 
-/// The instances' row capacities: a CTA holds G × seq_len_q ≤ `R_MAX` query rows.
-pub const ROW_CAPACITIES: [usize; 4] = [8, 16, 32, 64];
-
-/// Accumulators per thread are `R_MAX · head_dim / 128`; this bounds them: at 32, head_dim
-/// 128 takes 220 registers and no spill; at 64 it spills 204 bytes (`kernels_compile`).
-const MAX_ACCUMULATORS: usize = 32;
+/// Query rows one CTA of the split kernel attends (`RM`: the 16 rows of an mma.m16n8k16 tile;
+/// rows past G × seq_len_q are zero and never written).
+pub const ROWS_PER_CTA: usize = 16;
 
 /// Where key `t` of sequence `b` and kv head `h` lives, in elements:
 /// `page_stride · block_table[b][t / page_size] + row_stride · (t % page_size) + head_stride · h`.
@@ -152,21 +149,10 @@ impl DecodeShape {
     }
 }
 
-/// The instance capacity for `rows` query rows per kv head at `head_dim`: the smallest that
-/// holds them all, else the largest one CTA can hold (the rows then take several CTAs,
-/// [`row_blocks`]); `None` when not even the smallest fits (no supported head_dim).
-pub fn row_capacity(rows: usize, head_dim: usize) -> Option<usize> {
-    let fits = |c: &usize| c * head_dim / THREADS <= MAX_ACCUMULATORS;
-    ROW_CAPACITIES
-        .into_iter()
-        .filter(fits)
-        .find(|&c| c >= rows)
-        .or_else(|| ROW_CAPACITIES.into_iter().rev().find(fits))
-}
-
-/// CTAs one kv head's `rows` query rows take at capacity `capacity` (each reads the keys).
-pub fn row_blocks(rows: usize, capacity: usize) -> usize {
-    rows.div_ceil(capacity.max(1)).max(1)
+/// CTAs one kv head's `rows` query rows take, [`ROWS_PER_CTA`] each (each reads the keys; the
+/// row blocks of one kv head run side by side, so L2 serves the repeated reads).
+pub fn row_blocks(rows: usize) -> usize {
+    rows.div_ceil(ROWS_PER_CTA).max(1)
 }
 
 /// How one call is split: `splits` ranges of `keys_per_split` keys (a multiple of
@@ -203,12 +189,11 @@ impl DecodePlan {
     }
 }
 
-/// Names and source of the split and combine kernels for `head_dim`, row capacity `r_max` and
-/// `dtype`.
-pub fn decode_source(head_dim: usize, r_max: usize, dtype: Dtype) -> (String, String, String) {
+/// Names and source of the split and combine kernels for `head_dim` and `dtype`.
+pub fn decode_source(head_dim: usize, dtype: Dtype) -> (String, String, String) {
     let bf = dtype == Dtype::Bf16;
     let dt = dtype.as_str();
-    let split = format!("flash_decode_split_{dt}_d{head_dim}_r{r_max}");
+    let split = format!("flash_decode_split_{dt}_d{head_dim}");
     let combine = format!("flash_decode_combine_{dt}_d{head_dim}");
     let src = format!(
         "{PRELUDE_SRC}\n{DECODE_SRC}\n\
@@ -216,7 +201,7 @@ pub fn decode_source(head_dim: usize, r_max: usize, dtype: Dtype) -> (String, St
          const u16* K, const u16* V, const int* block_table, const int* seq_lens, float* Opart, \
          float* Lpart, int Tq, int H, int KVH, int page_size, int max_pages, long long \
          page_stride, long long row_stride, long long head_stride, int keys_per_split, float \
-         scale_log2, int causal) {{ flash_decode_split<{head_dim}, {r_max}, {bf}>(Q, K, V, \
+         scale_log2, int causal) {{ flash_decode_split<{head_dim}, {bf}>(Q, K, V, \
          block_table, seq_lens, Opart, Lpart, Tq, H, KVH, page_size, max_pages, page_stride, \
          row_stride, head_stride, keys_per_split, scale_log2, causal); }}\n\
          extern \"C\" __global__ void __launch_bounds__({THREADS}) {combine}(const float* Opart, \
@@ -226,11 +211,21 @@ pub fn decode_source(head_dim: usize, r_max: usize, dtype: Dtype) -> (String, St
     (split, combine, src)
 }
 
-/// Dynamic shared memory of the split kernel for `rows` query rows, bytes: two K and two V
-/// tiles (rows padded by 8 elements), Q in fp32, the tile's scores and four per-row values
-/// (running max and sum, the tile's rescale, the causal bound).
-pub fn split_smem_bytes(rows: usize, head_dim: usize) -> usize {
-    4 * KEY_TILE * (head_dim + 8) * 2 + (rows * head_dim + rows * KEY_TILE + 4 * rows) * 4
+/// Stages of the split kernel's K/V tile ring at `head_dim` (`NS`: three at head_dim ≤ 128,
+/// where two CTAs fit an SM, two at 256).
+pub fn ring_stages(head_dim: usize) -> usize {
+    if head_dim <= 128 {
+        3
+    } else {
+        2
+    }
+}
+
+/// Dynamic shared memory of the split kernel, bytes (`DecodeSmem::BYTES`): the ring's stages
+/// of a K and a V tile of [`KEY_TILE`] keys, then [`ROWS_PER_CTA`] rows of Q, every row padded
+/// by 8 elements of 2 bytes.
+pub fn split_smem_bytes(head_dim: usize) -> usize {
+    (ring_stages(head_dim) * 2 * KEY_TILE + ROWS_PER_CTA) * (head_dim + 8) * 2
 }
 
 /// The compiled kernels and partial buffers for one shape and plan.
@@ -259,19 +254,15 @@ impl Decoder {
         if let Some(why) = shape.unsupported() {
             return Err(GpuError::Config(why));
         }
-        let r_max = row_capacity(shape.rows(), shape.head_dim).expect("checked above");
-        let (split_name, combine_name, src) = decode_source(shape.head_dim, r_max, shape.dtype);
+        let (split_name, combine_name, src) = decode_source(shape.head_dim, shape.dtype);
         let compiled = gpu.compile(&format!("{split_name}.cu"), &src)?;
-        let smem = split_smem_bytes(shape.rows().min(r_max), shape.head_dim) as u32;
-        // The function is shared by every shape of this capacity (the module cache): its limit
-        // is the capacity's, so a decoder of more rows made earlier is never cut short.
-        let capacity = split_smem_bytes(r_max, shape.head_dim) as u32;
-        super::cuda::check_smem(gpu, &split_name, capacity)?;
-        let split = gpu.function(&compiled.module, &split_name, capacity)?;
+        let smem = split_smem_bytes(shape.head_dim) as u32;
+        super::cuda::check_smem(gpu, &split_name, smem)?;
+        let split = gpu.function(&compiled.module, &split_name, smem)?;
         let combine = gpu.function(&compiled.module, &combine_name, 0)?;
         let rows = shape.batch * shape.heads * shape.seq_len_q;
         Ok(Decoder {
-            row_blocks: row_blocks(shape.rows(), r_max),
+            row_blocks: row_blocks(shape.rows()),
             shape,
             plan,
             split,
@@ -440,15 +431,11 @@ mod tests {
             (Dtype::Bf16, false, 128f64.powf(-0.5))
         );
         assert_eq!(s.unsupported(), None);
-        assert_eq!(row_capacity(s.rows(), 128), Some(8));
-        assert_eq!(row_capacity(64, 64), Some(64));
-        assert_eq!(row_capacity(32, 128), Some(32));
-        // More rows than a CTA holds: the largest capacity, over several CTAs.
-        assert_eq!(row_capacity(33, 128), Some(32));
-        assert_eq!(row_blocks(33, 32), 2);
-        assert_eq!(row_capacity(16, 256), Some(16));
-        assert_eq!((row_capacity(64, 256), row_blocks(64, 16)), (Some(16), 4));
-        assert_eq!(row_blocks(4, 8), 1);
+        // GQA 4:1 with 1, 4 and 8 query rows: one CTA up to 16 rows, then one per 16.
+        assert_eq!(row_blocks(s.rows()), 1);
+        assert_eq!(row_blocks(16), 1);
+        assert_eq!(row_blocks(17), 2);
+        assert_eq!(row_blocks(32), 2);
         for (bad, what) in [
             (DecodeShape { head_dim: 96, ..s }, "head_dim 96"),
             (
@@ -463,10 +450,10 @@ mod tests {
             let why = bad.unsupported().expect("unsupported");
             assert!(why.contains(what), "{why}");
         }
-        // Shared memory: two K and two V tiles plus Q, scores and row values.
-        assert_eq!(
-            split_smem_bytes(4, 128),
-            4 * 64 * 136 * 2 + (512 + 256 + 16) * 4
-        );
+        // Shared memory: three stages of a K and a V tile plus 16 rows of Q at head_dim 128
+        // (two CTAs fit the H200's 228 KiB per SM), two stages at 256.
+        assert_eq!(split_smem_bytes(128), (3 * 2 * 64 + 16) * 136 * 2);
+        assert!(2 * (split_smem_bytes(128) + 1024) <= 228 * 1024);
+        assert_eq!(split_smem_bytes(256), (2 * 2 * 64 + 16) * 264 * 2);
     }
 }
