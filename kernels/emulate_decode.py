@@ -1,13 +1,13 @@
-"""Element-level emulation of flash_decode.cu (split-KV decoding over a paged KV cache) and of
-the host's split plan (src/attention/decode_gpu.rs, DecodePlan::new), against a naive float64
-reference. Every thread of a CTA is run phase by phase (the phases the kernel separates with
-__syncthreads), with the kernel's own index arithmetic: the paged addresses through the block
-table and the layout's strides, the two tile buffers and their zero fill, the (row, key) pairs
-of the score phase, the warp-per-row online softmax over lanes lane and lane + 32, the
-accumulator j = element tid + 128 j of the [R, D] output, the per-split partials and the
-combine. Global arrays are bounds-checked, shared buffers start as NaN (a read of a value never
-written shows up in the result), and the output starts as NaN. The 16-bit rounding and the
-hardware exp2 are not emulated (the GPU test checks those). Keep it in step with the kernel.
+"""Emulation of flash_decode.cu (split-KV decoding over a paged KV cache) and of the host's
+split plan (src/attention/decode_gpu.rs, DecodePlan::new), against a naive float64 reference.
+The kernel's own index arithmetic is run for every thread: the paged addresses through the
+block table and the layout's strides, the ring of NS tile stages and its zero fill, the
+ldmatrix addresses (ldmatrix and mma.m16n8k16 are emulated fragment by fragment from their PTX
+definitions), the per-warp key ranges, masks and online softmax over the quad, the warps' merge
+in shared memory, the per-split partials and the combine. Global arrays are bounds-checked,
+shared buffers start as NaN (a read of a value never written shows up in the result), and the
+output starts as NaN. The 16-bit rounding and the hardware exp2 are not emulated (the GPU test
+checks those). Keep it in step with the kernel.
 
     python3 kernels/emulate_decode.py      # prints one line per case, "ALL OK" last
 """
@@ -19,6 +19,7 @@ INF = float("inf")
 NAN = float("nan")
 NT = 128   # threads per CTA
 KT = 64    # keys per tile
+RM = 16    # query rows per CTA
 CTAS_PER_SM = 2
 
 
@@ -48,10 +49,10 @@ def exp2(x):
     return 0.0 if x == NEG else 2.0 ** x
 
 
-def plan(batch, kvh, max_len, sms, forced):
-    """DecodePlan::new."""
+def plan(ctas, max_len, sms, forced):
+    """DecodePlan::new: as many ranges as fill one wave of CTAS_PER_SM CTAs per SM."""
     tiles = max(ceil_div(max_len, KT), 1)
-    wanted = forced if forced is not None else ceil_div(CTAS_PER_SM * sms, max(batch * kvh, 1))
+    wanted = forced if forced is not None else (CTAS_PER_SM * sms) // max(ctas, 1)
     wanted = min(max(wanted, 1), tiles)
     kps = ceil_div(tiles, wanted) * KT
     return max(ceil_div(max_len, kps), 1), kps
@@ -59,10 +60,12 @@ def plan(batch, kvh, max_len, sms, forced):
 
 def load_tile(ks, vs, base, K, V, Kb, Vb, table, k0, end, page_size, page_stride, row_stride,
               D):
-    """decode_load_tile: `base` is the buffer's offset in the shared tile arrays."""
+    """decode_load_tile: `base` is the stage's offset in the shared ring (K tile at base, V
+    tile at base + TILE, both in `ks`/`vs`, the same list); chunk c = tid + NT * i."""
     STR = D + 8
     for tid in range(NT):
-        for c in range(tid, KT * (D // 8), NT):
+        for i in range(KT * (D // 8) // NT):
+            c = tid + NT * i
             kr = c // (D // 8)
             col = (c % (D // 8)) * 8
             key = k0 + kr
@@ -72,116 +75,191 @@ def load_tile(ks, vs, base, K, V, Kb, Vb, table, k0, end, page_size, page_stride
                 off = table[key // page_size] * page_stride + (key % page_size) * row_stride + col
             for e in range(8):
                 ks[base + kr * STR + col + e] = K[Kb + off + e] if ok else 0.0
-                vs[base + kr * STR + col + e] = V[Vb + off + e] if ok else 0.0
+                vs[base + KT * STR + kr * STR + col + e] = V[Vb + off + e] if ok else 0.0
+
+
+def ldmatrix_x4(mem, addr, trans=False):
+    """ldmatrix.m8n8.x4(.trans): lane l gives the address of row l % 8 of matrix l // 8;
+    register j of lane l is (row l // 4, columns 2 (l % 4), +1) of matrix j, or with .trans
+    (rows 2 (l % 4), +1, column l // 4)."""
+    rows = [[mem[addr(l) + c] for c in range(8)] for l in range(32)]
+    out = []
+    for l in range(32):
+        regs = []
+        for j in range(4):
+            m = rows[8 * j:8 * j + 8]
+            if trans:
+                regs.append((m[2 * (l % 4)][l // 4], m[2 * (l % 4) + 1][l // 4]))
+            else:
+                regs.append((m[l // 4][2 * (l % 4)], m[l // 4][2 * (l % 4) + 1]))
+        out.append(regs)
+    return out
+
+
+def mma16816(c, a, b0, b1):
+    """mma.sync.m16n8k16.row.col: A 16x16 from a[l] = (row g, k 2t..2t+1), (g+8, 2t..),
+    (g, 8+2t..), (g+8, 8+2t..); B 16x8 from b0[l] = (k 2t..2t+1, n g), b1[l] = (k 8+2t.., n g);
+    C c[l] = (g, n 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1); g = l // 4, t = l % 4."""
+    A = [[None] * 16 for _ in range(16)]
+    B = [[None] * 8 for _ in range(16)]
+    for l in range(32):
+        g, t = l // 4, l % 4
+        for j, (r, k) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 8 + 2 * t), (g + 8, 8 + 2 * t)]):
+            A[r][k], A[r][k + 1] = a[l][j]
+        B[2 * t][g], B[2 * t + 1][g] = b0[l]
+        B[8 + 2 * t][g], B[8 + 2 * t + 1][g] = b1[l]
+    for l in range(32):
+        g, t = l // 4, l % 4
+        for e, (r, n) in enumerate([(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]):
+            c[l][e] += sum(A[r][k] * B[k][n] for k in range(16))
 
 
 def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, H, KVH, page_size,
-              max_pages, page_stride, row_stride, head_stride, kps, scale_log2, causal, D, R_MAX):
+              max_pages, page_stride, row_stride, head_stride, kps, scale_log2, causal, D):
     STR = D + 8
-    ACC = R_MAX * D // NT
+    NS = 3 if D <= 128 else 2
+    TILE = KT * STR
+    DT = D // 8
+    NW = NT // 32
     G = H // KVH
-    kvh, r0 = y // RB, (y % RB) * R_MAX
-    R = min(R_MAX, G * Tq - r0)
+    kvh, r0 = y // RB, (y % RB) * RM
+    R = min(RM, G * Tq - r0)
     L = seq_lens[b]
     start = s * kps
     end = L if s == S - 1 else min(L, start + kps)
     n_tiles = ceil_div(end - start, KT) if end > start else 0
-    ks = [NAN] * (2 * KT * STR)
-    vs = [NAN] * (2 * KT * STR)
-    qs = [NAN] * (R * D)
-    ss = [NAN] * (R * KT)
-    m_s = [NAN] * R
-    l_s = [NAN] * R
-    a_s = [NAN] * R
-    vis_s = [None] * R
+    ring = [NAN] * (NS * 2 * TILE)
+    qs = [NAN] * (RM * STR)
     Kb = kvh * head_stride
     Vb = kvh * head_stride
     table = [block_table[b * max_pages + j] for j in range(max_pages)]
-    if n_tiles > 0:
-        load_tile(ks, vs, 0, K, V, Kb, Vb, table, start, end, page_size, page_stride, row_stride, D)
+    for tid in range(NT):
+        for c in range(tid, RM * DT, NT):
+            r, col = c // DT, (c % DT) * 8
+            ok = r < R
+            off = 0
+            if ok:
+                h, i = kvh * G + (r0 + r) // Tq, (r0 + r) % Tq
+                off = ((b * H + h) * Tq + i) * D + col
+            for e in range(8):
+                qs[r * STR + col + e] = Q[off + e] if ok else 0.0
+    for st in range(NS - 1):
+        if st < n_tiles:
+            load_tile(ring, ring, st * 2 * TILE, K, V, Kb, Vb, table, start + st * KT, end,
+                      page_size, page_stride, row_stride, D)
+    # Per lane: rows g and g + 8, their key limits, running max and sum, accumulators.
+    lim = [[None, None] for _ in range(NT)]
+    for tid in range(NT):
+        g = (tid % 32) // 4
+        for r in range(2):
+            q = r0 + g + 8 * r
+            lim[tid][r] = min(end, q % Tq + L - Tq + 1) if causal else end
+    o = [[[0.0] * 4 for _ in range(DT)] for _ in range(NT)]
+    m_run = [[NEG, NEG] for _ in range(NT)]
+    l_run = [[0.0, 0.0] for _ in range(NT)]
+    for t in range(n_tiles):
+        nxt = t + NS - 1
+        if nxt < n_tiles:
+            load_tile(ring, ring, (nxt % NS) * 2 * TILE, K, V, Kb, Vb, table, start + nxt * KT,
+                      end, page_size, page_stride, row_stride, D)
+        ksb = (t % NS) * 2 * TILE
+        vsb = ksb + TILE
+        for warp in range(NW):
+            kw = start + t * KT + warp * 16
+            if kw >= end:
+                continue
+            sc = [[[0.0] * 4 for _ in range(2)] for _ in range(32)]
+            for kc in range(0, D // 16, 2):
+                qa = ldmatrix_x4(qs, lambda l: (l % 16) * STR + kc * 16 + (l // 16) * 8)
+                qb = ldmatrix_x4(qs, lambda l: (l % 16) * STR + kc * 16 + (l // 16) * 8 + 16)
+                for nt in range(2):
+                    kb = ldmatrix_x4(ring, lambda l: ksb + (warp * 16 + nt * 8 + (l % 8)) * STR
+                                     + kc * 16 + (l // 8) * 8)
+                    acc = [sc[l][nt] for l in range(32)]
+                    mma16816(acc, qa, [kb[l][0] for l in range(32)], [kb[l][1] for l in range(32)])
+                    mma16816(acc, qb, [kb[l][2] for l in range(32)], [kb[l][3] for l in range(32)])
+            for r in range(2):
+                mx = [NEG] * 32
+                for l in range(32):
+                    t4 = l % 4
+                    for nt in range(2):
+                        for e in range(2):
+                            key = kw + nt * 8 + 2 * t4 + e
+                            x = sc[l][nt][2 * r + e] * scale_log2
+                            if key >= lim[warp * 32 + l][r]:
+                                x = NEG
+                            sc[l][nt][2 * r + e] = x
+                            mx[l] = max(mx[l], x)
+                for l in range(32):  # the quad's butterfly: lanes l ^ 1, l ^ 2
+                    q0 = l & ~3
+                    m_q = max(mx[q0:q0 + 4])
+                    tid = warp * 32 + l
+                    m_new = max(m_run[tid][r], m_q)
+                    base = 0.0 if m_new == NEG else m_new
+                    alpha = exp2(m_run[tid][r] - base)
+                    m_run[tid][r] = m_new
+                    total = 0.0
+                    for nt in range(2):
+                        for e in range(2):
+                            pv = exp2(sc[l][nt][2 * r + e] - base)
+                            sc[l][nt][2 * r + e] = pv
+                            total += pv
+                    l_run[tid][r] = l_run[tid][r] * alpha + total
+                    for dt in range(DT):
+                        o[tid][dt][2 * r] *= alpha
+                        o[tid][dt][2 * r + 1] *= alpha
+            pa = [[(sc[l][0][0], sc[l][0][1]), (sc[l][0][2], sc[l][0][3]),
+                   (sc[l][1][0], sc[l][1][1]), (sc[l][1][2], sc[l][1][3])] for l in range(32)]
+            for dt in range(0, DT, 2):
+                vb = ldmatrix_x4(ring, lambda l: vsb + (warp * 16 + (l % 16)) * STR + dt * 8
+                                 + (l // 16) * 8, trans=True)
+                for half in range(2):
+                    acc = [o[warp * 32 + l][dt + half] for l in range(32)]
+                    mma16816(acc, pa, [vb[l][2 * half] for l in range(32)],
+                             [vb[l][2 * half + 1] for l in range(32)])
+    # The warps' partials in the ring, then the merge.
+    ob = [NAN] * (NW * RM * D)
+    mw = [NAN] * (NW * RM)
+    lw = [NAN] * (NW * RM)
+    for tid in range(NT):
+        warp, l = tid // 32, tid % 32
+        g, t4 = l // 4, l % 4
+        q0 = warp * 32 + (l & ~3)
+        for r in range(2):
+            lsum = sum(l_run[q0 + k][r] for k in range(4))
+            row = g + 8 * r
+            if t4 == 0:
+                mw[warp * RM + row] = m_run[tid][r]
+                lw[warp * RM + row] = lsum
+            for dt in range(DT):
+                ob[(warp * RM + row) * D + dt * 8 + 2 * t4] = o[tid][dt][2 * r]
+                ob[(warp * RM + row) * D + dt * 8 + 2 * t4 + 1] = o[tid][dt][2 * r + 1]
     for tid in range(NT):
         for idx in range(tid, R * D, NT):
             r, d = idx // D, idx % D
-            h, i = kvh * G + (r0 + r) // Tq, (r0 + r) % Tq
-            qs[idx] = Q[((b * H + h) * Tq + i) * D + d] * scale_log2
-        for r in range(tid, R, NT):
-            m_s[r] = NEG
-            l_s[r] = 0.0
-            vis_s[r] = (r0 + r) % Tq + L - Tq + 1 if causal else L
-    acc = [[0.0] * ACC for _ in range(NT)]
-    for t in range(n_tiles):
-        buf = t & 1
-        if t + 1 < n_tiles:
-            nb = (buf ^ 1) * KT * STR
-            load_tile(ks, vs, nb, K, V, Kb, Vb, table, start + (t + 1) * KT, end, page_size,
-                      page_stride, row_stride, D)
-        k0 = start + t * KT
-        for tid in range(NT):
-            for p in range(tid, R * KT, NT):
-                r, kk = p // KT, p % KT
-                key = k0 + kk
-                sc = NEG
-                if key < end and key < vis_s[r]:
-                    kr = (buf * KT + kk) * STR
-                    sc = sum(qs[r * D + d] * ks[kr + d] for d in range(D))
-                ss[r * KT + kk] = sc
-        for warp in range(NT // 32):
-            for r in range(warp, R, NT // 32):
-                x = [(ss[r * KT + lane], ss[r * KT + lane + 32]) for lane in range(32)]
-                mx = max(max(a, c) for a, c in x)
-                m_old = m_s[r]
-                m_new = max(m_old, mx)
-                base = 0.0 if m_new == NEG else m_new
-                total = 0.0
-                for lane in range(32):
-                    p0, p1 = exp2(x[lane][0] - base), exp2(x[lane][1] - base)
-                    total += p0 + p1
-                    ss[r * KT + lane] = p0
-                    ss[r * KT + lane + 32] = p1
-                alpha = exp2(m_old - base)
-                a_s[r] = alpha
-                l_s[r] = l_s[r] * alpha + total
-                m_s[r] = m_new
-        vt = buf * KT * STR
-        for tid in range(NT):
-            for j in range(ACC):
-                idx = tid + NT * j
-                if idx < R * D:
-                    r, d = idx // D, idx % D
-                    a = acc[tid][j] * a_s[r]
-                    for kk in range(KT):
-                        a += ss[r * KT + kk] * vs[vt + kk * STR + d]
-                    acc[tid][j] = a
-    for tid in range(NT):
-        for j in range(ACC):
-            idx = tid + NT * j
-            if idx < R * D:
-                r, d = idx // D, idx % D
-                h, i = kvh * G + (r0 + r) // Tq, (r0 + r) % Tq
-                row = (b * H + h) * Tq + i
-                l = l_s[r]
-                Opart[(row * S + s) * D + d] = acc[tid][j] / l if l > 0 else 0.0
-        for r in range(tid, R, NT):
+            m = max(mw[w * RM + r] for w in range(NW))
+            lsum, acc = 0.0, 0.0
+            if m != NEG:
+                for w in range(NW):
+                    f = exp2(mw[w * RM + r] - m)
+                    lsum += f * lw[w * RM + r]
+                    acc += f * ob[(w * RM + r) * D + d]
             h, i = kvh * G + (r0 + r) // Tq, (r0 + r) % Tq
             row = (b * H + h) * Tq + i
-            l = l_s[r]
-            Lpart[row * S + s] = m_s[r] + math.log2(l) if l > 0 else NEG
+            Opart[(row * S + s) * D + d] = acc / lsum if lsum > 0 else 0.0
+            if d == 0:
+                Lpart[row * S + s] = m + math.log2(lsum) if lsum > 0 else NEG
 
 
 def combine(Opart, Lpart, O, LSE, rows, S, D):
     for row in range(rows):
-        lp = [Lpart[row * S + s] for s in range(S)]
-        m = max(lp)
-        total = sum(exp2(x - m) for x in lp) if m != NEG else 0.0
+        ws = [Lpart[row * S + s] for s in range(S)]
+        m = max(ws)
+        ws = [0.0 if m == NEG else exp2(x - m) for x in ws]
+        total = sum(ws)
         for d in range(D):
-            o = 0.0
-            if m != NEG:
-                for s in range(S):
-                    w = exp2(lp[s] - m)
-                    if w > 0:
-                        o += w * Opart[(row * S + s) * D + d]
-                o /= total
-            O[row * D + d] = o
+            o = sum(ws[s] * Opart[(row * S + s) * D + d] for s in range(S))
+            O[row * D + d] = o / total if total > 0 else 0.0
         LSE[row] = INF if m == NEG else (m + math.log2(total)) * math.log(2)
 
 
@@ -206,7 +284,7 @@ def reference(q, k_at, v_at, B, H, KVH, Tq, D, lens, causal, scale):
     return out, lse
 
 
-def case(B, H, KVH, Tq, D, R_MAX, lens, page, causal, forced, sms, seed):
+def case(B, H, KVH, Tq, D, lens, page, causal, forced, sms, seed):
     rnd = random.Random(seed)
     max_len = max(max(lens), 1)
     scale = D ** -0.5
@@ -247,24 +325,24 @@ def case(B, H, KVH, Tq, D, R_MAX, lens, page, causal, forced, sms, seed):
                             at = pg * page_stride + r * row_stride + g * head_stride + d
                             Kf[at] = Kc[b][g][t][d]
                             Vf[at] = Vc[b][g][t][d]
+    G = H // KVH
+    RB = ceil_div(G * Tq, RM)  # row_blocks
     if forced == "short":  # plan for fewer keys than the sequence holds
-        S, kps = plan(B, KVH, max_len // 2, sms, 2)
+        S, kps = plan(B * KVH * RB, max_len // 2, sms, 2)
     else:
-        S, kps = plan(B, KVH, max_len, sms, forced)
+        S, kps = plan(B * KVH * RB, max_len, sms, forced)
     rows = B * H * Tq
     Q = Checked(Qv, "Q")
     K, V = Checked(Kf, "K"), Checked(Vf, "V")
     BT, SL = Checked(table, "block_table"), Checked(lens, "seq_lens")
     Opart = Checked([NAN] * (rows * S * D), "Opart")
     Lpart = Checked([NAN] * (rows * S), "Lpart")
-    G = H // KVH
-    RB = ceil_div(G * Tq, R_MAX)  # row_blocks
     for b in range(B):
         for y in range(KVH * RB):
             for s in range(S):
                 split_cta(s, y, b, S, RB, Q, K, V, BT, SL, Opart, Lpart, Tq, H, KVH, page_size,
                           max_pages, page_stride, row_stride, head_stride, kps,
-                          scale * math.log2(math.e), causal, D, R_MAX)
+                          scale * math.log2(math.e), causal, D)
     O = Checked([NAN] * (rows * D), "O")
     LSE = Checked([NAN] * rows, "LSE")
     combine(Opart, Lpart, O, LSE, rows, S, D)
@@ -290,22 +368,24 @@ def case(B, H, KVH, Tq, D, R_MAX, lens, page, causal, forced, sms, seed):
 
 def main():
     cases = [
-        # B, H, KVH, Tq, D, R_MAX, lens, page, causal, forced splits, SMs
-        (4, 8, 2, 1, 16, 8, [150, 1, 70, 0], 16, False, None, 4),
-        (4, 8, 2, 2, 16, 8, [150, 1, 70, 0], 16, True, None, 4),
-        (2, 8, 1, 1, 16, 8, [200, 37], 32, True, 3, 4),
-        (2, 4, 2, 3, 16, 8, [130, 5], 7, True, None, 8),
-        (1, 2, 1, 1, 16, 8, [300], 256, False, 7, 4),
-        (2, 4, 4, 1, 16, 8, [20, 20], None, False, None, 4),
-        (3, 8, 2, 2, 16, 8, [65, 64, 128], None, True, 2, 4),
-        # Real accumulator counts (idx = tid + 128 j for j >= 1) and several load chunks per
-        # thread: head_dim 64 and 128.
-        (2, 8, 2, 4, 64, 16, [200, 70], 16, True, None, 4),
-        (1, 4, 1, 2, 128, 8, [150], None, False, 1, 4),
-        # More rows than a CTA holds (G * Tq = 24 rows at R_MAX 8: three row blocks).
-        (2, 8, 1, 3, 16, 8, [90, 33], 16, True, None, 4),
+        # B, H, KVH, Tq, D, lens, page, causal, forced splits, SMs
+        (4, 8, 2, 1, 32, [150, 1, 70, 0], 16, False, None, 4),
+        (4, 8, 2, 2, 32, [150, 1, 70, 0], 16, True, None, 4),
+        (2, 8, 1, 1, 32, [200, 37], 32, True, 3, 4),
+        (2, 4, 2, 3, 32, [130, 5], 7, True, None, 8),
+        # One split of five tiles: the three-stage ring wraps.
+        (1, 2, 1, 1, 32, [300], 256, False, 1, 4),
+        (2, 4, 4, 1, 32, [20, 20], None, False, None, 4),
+        (3, 8, 2, 2, 32, [65, 64, 128], None, True, 2, 4),
+        # Several column tiles of the output and several load chunks per thread: head_dim 64
+        # and 128; head_dim 256 has a two-stage ring (three tiles: it wraps).
+        (2, 8, 2, 4, 64, [200, 70], 16, True, None, 4),
+        (1, 4, 1, 2, 128, [150], None, False, 1, 4),
+        (1, 2, 1, 1, 256, [150], 16, True, 1, 4),
+        # More rows than a CTA holds (G * Tq = 24 rows: two row blocks, the second half empty).
+        (2, 8, 1, 3, 32, [90, 33], 16, True, None, 4),
         # A sequence longer than the plan's cover: the last split takes the rest.
-        (1, 2, 1, 1, 16, 8, [300], 64, False, "short", 4),
+        (1, 2, 1, 1, 32, [300], 64, False, "short", 4),
     ]
     ok = True
     for n, c in enumerate(cases):
@@ -313,7 +393,7 @@ def main():
         good = worst <= 1e-9
         ok &= good
         print("case %d B%d H%d/%d Tq%d D%d lens %s page %s causal %s: %d splits of %d keys, "
-              "max error %.1e %s" % (n, c[0], c[1], c[2], c[3], c[4], c[6], c[7], c[8], S, kps,
+              "max error %.1e %s" % (n, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], S, kps,
                                      worst, "ok" if good else "FAILED"))
     print("ALL OK" if ok else "SOME FAILED")
 

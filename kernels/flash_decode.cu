@@ -277,30 +277,51 @@ __device__ __forceinline__ void flash_decode_split(
     }
 }
 
+// One CTA per output row over S partials (`ws`: S floats of dynamic shared memory, which the
+// host sizes). The weights w_s = 2^(Lpart_s - m) are computed once into shared memory;
+// each thread then sums its columns over the splits (independent loads).
 template <int D, bool BF16>
 __device__ __forceinline__ void flash_decode_combine(const float* __restrict__ Opart,
                                                      const float* __restrict__ Lpart,
                                                      u16* __restrict__ O, float* __restrict__ LSE,
                                                      int S) {
+    extern __shared__ float ws[];  // [S]: Lpart, then the weights
+    __shared__ float red[32];
     const size_t row = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
     const float* lp = Lpart + row * S;
     float m = NEG_INF;
-    for (int s = 0; s < S; ++s) m = fmaxf(m, lp[s]);
-    float total = 0.f;
-    if (m != NEG_INF) {
-        for (int s = 0; s < S; ++s) total += fast_exp2(lp[s] - m);
+    for (int s = tid; s < S; s += blockDim.x) {
+        ws[s] = lp[s];
+        m = fmaxf(m, ws[s]);
     }
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = NEG_INF;
+    for (int w = 0; w < nw; ++w) m = fmaxf(m, red[w]);
+    float total = 0.f;
+    for (int s = tid; s < S; s += blockDim.x) {
+        const float w = m == NEG_INF ? 0.f : fast_exp2(ws[s] - m);
+        ws[s] = w;
+        total += w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    __syncthreads();  // every thread has read red[] and written its weights
+    if (lane == 0) red[warp] = total;
+    __syncthreads();
+    total = 0.f;
+    for (int w = 0; w < nw; ++w) total += red[w];
+    const float* op = Opart + row * S * D;
+    for (int d = tid; d < D; d += blockDim.x) {
         float o = 0.f;
-        if (m != NEG_INF) {
-            for (int s = 0; s < S; ++s) {
-                const float w = fast_exp2(lp[s] - m);
-                if (w > 0.f) o += w * Opart[(row * S + s) * D + d];
-            }
-            o /= total;
-        }
+#pragma unroll 8
+        for (int s = 0; s < S; ++s) o += ws[s] * op[(size_t)s * D + d];
+        o = total > 0.f ? o / total : 0.f;
         const u32 packed = pack2<BF16>(o, 0.f);
         O[row * D + d] = (u16)(packed & 0xffff);
     }
-    if (threadIdx.x == 0) LSE[row] = m == NEG_INF ? POS_INF : (m + log2f(total)) * LN2;
+    if (tid == 0) LSE[row] = m == NEG_INF ? POS_INF : (m + log2f(total)) * LN2;
 }

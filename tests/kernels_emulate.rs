@@ -43,11 +43,11 @@ fn kernel_sums_control_flow_matches_the_reference() {
 }
 
 /// The split-KV decoding kernels' control flow (the host's split plan, paged addresses through
-/// the block table and the layout's strides, the two tile buffers and their zero fill, the
-/// score pairs, the warp-per-row online softmax, the accumulator layout, the partials and their
-/// combine, bottom-right causal, empty sequences and rows), emulated element by element in
-/// float64 in `kernels/emulate_decode.py` with bounds-checked global arrays and NaN-initialised
-/// shared buffers and outputs.
+/// the block table and the layout's strides, the ring of tile stages and its zero fill, the
+/// ldmatrix addresses and mma fragments, each warp's keys, masks and online softmax over the
+/// quad, the warps' merge, the partials and their combine, bottom-right causal, empty sequences
+/// and rows, row blocks), emulated in float64 in `kernels/emulate_decode.py` with
+/// bounds-checked global arrays and NaN-initialised shared buffers and outputs.
 #[test]
 #[cfg_attr(not(kp_python), ignore = "needs python3")]
 fn decode_control_flow_matches_the_reference() {

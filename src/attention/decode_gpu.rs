@@ -8,7 +8,7 @@
 //! ([`ROWS_PER_CTA`] rows a CTA, one tensor-core row tile; more take several CTAs,
 //! [`row_blocks`]) to its range and writes a partial output and log-sum-exp; a second kernel merges the partials exactly
 //! ([`super::decode::combine`]'s formula). Splitting is what fills the GPU when batch × kv_heads
-//! CTAs would not: [`DecodePlan::new`] aims at [`CTAS_PER_SM`] CTAs per SM.
+//! CTAs would not: [`DecodePlan::new`] fills one wave of [`CTAS_PER_SM`] CTAs per SM.
 //!
 //! Shapes and dtypes: Q and O `[batch, heads, seq_len_q, head_dim]` in bf16 or fp16 (16-bit
 //! words); the cache as [`CacheLayout`] describes, in the same dtype; `block_table`
@@ -34,7 +34,8 @@ pub const THREADS: usize = 128;
 /// Head dimensions the decoding kernels are instantiated for.
 pub const DECODE_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
-/// CTAs per SM [`DecodePlan::new`] aims at when it chooses the number of splits.
+/// CTAs per SM the split kernel is built for (its launch bounds); [`DecodePlan::new`] fills one
+/// wave of them.
 pub const CTAS_PER_SM: usize = 2;
 
 /// Query rows one CTA of the split kernel attends (`RM`: the 16 rows of an mma.m16n8k16 tile;
@@ -120,9 +121,14 @@ impl DecodeShape {
         }
     }
 
-    /// Query rows one CTA holds: (heads / kv_heads) · seq_len_q.
+    /// Query rows that share a kv head: (heads / kv_heads) · seq_len_q.
     pub fn rows(&self) -> usize {
         self.heads / self.kv_heads.max(1) * self.seq_len_q
+    }
+
+    /// CTAs of the split kernel per key range: batch · kv_heads · [`row_blocks`].
+    pub fn ctas_per_split(&self) -> usize {
+        self.batch * self.kv_heads * row_blocks(self.rows())
     }
 
     /// Why the kernels cannot run this shape, or `None` when they can.
@@ -166,20 +172,23 @@ pub struct DecodePlan {
 }
 
 impl DecodePlan {
-    /// The split of a batch whose longest sequence has `max_len` keys on a device of
-    /// `sm_count` SMs: enough ranges that batch · kv_heads · splits reaches [`CTAS_PER_SM`] CTAs
-    /// per SM, no range shorter than one tile; `splits` forces the number of ranges (rounded so
-    /// that every range holds whole tiles; at least 1).
+    /// The split of a call of `ctas_per_split` CTAs per key range (batch · kv_heads · row
+    /// blocks: [`DecodeShape::ctas_per_split`]) whose longest sequence has `max_len` keys, on a
+    /// device of `sm_count` SMs. One wave of [`CTAS_PER_SM`] CTAs per SM holds
+    /// `CTAS_PER_SM · sm_count` CTAs: a call with fewer CTAs per range than that takes as many
+    /// ranges as fill the wave without starting a second one (a second, partly filled wave
+    /// would leave most SMs idle while it runs); a call that fills a wave alone takes one
+    /// range. No range is shorter than one tile. `splits` forces the number of ranges (rounded
+    /// so that every range holds whole tiles; at least 1).
     pub fn new(
-        batch: usize,
-        kv_heads: usize,
+        ctas_per_split: usize,
         max_len: usize,
         sm_count: usize,
         splits: Option<usize>,
     ) -> DecodePlan {
         let tiles = max_len.div_ceil(KEY_TILE).max(1);
-        let wanted =
-            splits.unwrap_or_else(|| (CTAS_PER_SM * sm_count).div_ceil((batch * kv_heads).max(1)));
+        let wave = CTAS_PER_SM * sm_count;
+        let wanted = splits.unwrap_or_else(|| wave / ctas_per_split.max(1));
         let wanted = wanted.clamp(1, tiles);
         let keys_per_split = tiles.div_ceil(wanted) * KEY_TILE;
         DecodePlan {
@@ -210,6 +219,10 @@ pub fn decode_source(head_dim: usize, dtype: Dtype) -> (String, String, String) 
     );
     (split, combine, src)
 }
+
+/// Most splits one call may have: the combine kernel keeps one weight per split in the 48 KiB
+/// of shared memory a CTA gets without opting in.
+pub const MAX_SPLITS: usize = 48 * 1024 / 4;
 
 /// Stages of the split kernel's K/V tile ring at `head_dim` (`NS`: three at head_dim ≤ 128,
 /// where two CTAs fit an SM, two at 256).
@@ -253,6 +266,12 @@ impl Decoder {
     pub fn new(gpu: &Gpu, shape: DecodeShape, plan: DecodePlan) -> Result<Decoder, GpuError> {
         if let Some(why) = shape.unsupported() {
             return Err(GpuError::Config(why));
+        }
+        if plan.splits > MAX_SPLITS {
+            return Err(GpuError::Config(format!(
+                "{} splits (the combine kernel holds at most {MAX_SPLITS} weights)",
+                plan.splits
+            )));
         }
         let (split_name, combine_name, src) = decode_source(shape.head_dim, shape.dtype);
         let compiled = gpu.compile(&format!("{split_name}.cu"), &src)?;
@@ -363,12 +382,14 @@ impl Decoder {
             .arg(lse)
             .arg(&splits);
         // SAFETY: `flash_decode_combine_*(const float* Opart, const float* Lpart, u16* O,
-        // float* LSE, int S)`, one CTA per output row; O holds rows · head_dim words, LSE rows.
+        // float* LSE, int S)`, one CTA per output row with S floats of dynamic shared memory
+        // (at most 48 KiB: S ≤ [`MAX_SPLITS`], checked in `new`); O holds rows · head_dim words,
+        // LSE rows.
         unsafe {
             c.launch(LaunchConfig {
                 grid_dim: (rows, 1, 1),
                 block_dim: (THREADS as u32, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: self.plan.splits as u32 * 4,
             })?
         };
         Ok(())
@@ -381,15 +402,16 @@ mod tests {
 
     #[test]
     fn plans_cover_the_longest_sequence_in_whole_tiles() {
-        for (batch, kvh, len, sms, forced) in [
-            (1, 8, 32768, 132, None),
-            (8, 8, 32768, 132, None),
-            (64, 8, 4096, 132, None),
-            (1, 8, 1, 132, None),
-            (1, 1, 100, 132, Some(7)),
-            (2, 8, 1000, 132, Some(64)),
+        for (ctas, len, sms, forced) in [
+            (8, 32768, 132, None),
+            (64, 32768, 132, None),
+            (128, 32768, 132, None),
+            (512, 4096, 132, None),
+            (8, 1, 132, None),
+            (1, 100, 132, Some(7)),
+            (16, 1000, 132, Some(64)),
         ] {
-            let p = DecodePlan::new(batch, kvh, len, sms, forced);
+            let p = DecodePlan::new(ctas, len, sms, forced);
             assert_eq!(p.keys_per_split % KEY_TILE, 0, "{p:?}");
             assert!(p.splits * p.keys_per_split >= len, "{p:?} covers {len}");
             assert!(
@@ -397,15 +419,25 @@ mod tests {
                 "{p:?}: an empty split"
             );
             if forced.is_none() && len >= KEY_TILE * 64 {
-                assert!(
-                    batch * kvh * p.splits >= CTAS_PER_SM * sms / 2,
-                    "{p:?} leaves SMs idle"
-                );
+                let wave = CTAS_PER_SM * sms;
+                // One wave, at least half full; or one range when the CTAs fill a wave alone.
+                if ctas < wave {
+                    assert!(ctas * p.splits <= wave, "{p:?}: a second wave");
+                    assert!(2 * ctas * p.splits > wave, "{p:?} leaves SMs idle");
+                } else {
+                    assert_eq!(p.splits, 1, "{p:?}");
+                }
             }
         }
-        // Batch 1, 8 kv heads, 32k keys on 132 SMs: 32 splits of 1024 keys, 256 CTAs.
-        let p = DecodePlan::new(1, 8, 32768, 132, None);
+        // Batch 1, 8 kv heads, 32k keys on 132 SMs: 32 splits of 1024 keys (33 asked, whole tiles),
+        // 256 CTAs; batch 8:
+        // 4 splits of 8192 (256 CTAs, not 5 splits and a second wave of 56).
+        let p = DecodePlan::new(8, 32768, 132, None);
         assert_eq!((p.splits, p.keys_per_split), (32, 1024));
+        let p = DecodePlan::new(64, 32768, 132, None);
+        assert_eq!((p.splits, p.keys_per_split), (4, 8192));
+        let s = DecodeShape::new(8, 32, 8, 8, 128);
+        assert_eq!(s.ctas_per_split(), 8 * 8 * 2);
     }
 
     #[test]
