@@ -77,14 +77,21 @@ fn time_figures_label_only_the_measured_x_values() {
     // A group is a case with seq_len left out (the x axis), per device; its sizes. Only the
     // attention documents draw on attention.html.
     let mut groups_in_data: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
-    // Tile sweeps have a section of their own (`section.tile-group`), not groups.
+    // Tile sweeps have a section of their own (`section.tile-group`), not groups; decoding runs
+    // draw groups along seq_len_kv.
+    use kernelpages::schema::RunKind;
     for l in docs.iter().filter(|l| {
         l.doc.suite == kernelpages::schema::Suite::Attention
-            && l.doc.config.kind == kernelpages::schema::RunKind::Grid
+            && matches!(l.doc.config.kind, RunKind::Grid | RunKind::Decode)
     }) {
+        let axis = if l.doc.config.kind == RunKind::Decode {
+            "seq_len_kv"
+        } else {
+            "seq_len"
+        };
         for r in &l.doc.rows {
             let mut c = r.case.clone();
-            let x = c.remove("seq_len").map(|p| p.to_string());
+            let x = c.remove(axis).map(|p| p.to_string());
             groups_in_data
                 .entry((
                     l.doc.device.name.clone(),
@@ -435,6 +442,44 @@ fn shards_of_one_device_merge_into_one_page() {
             .unwrap(),
     );
     assert!(index.contains("--shard 1/2") && index.contains("--shard 2/2"));
+}
+
+/// A shard cut off by a time limit (no `finished_at`) leaves the cells it never reached
+/// "not measured" with that reason; a finished run's missing cell gives none.
+#[test]
+fn cells_a_cut_off_shard_never_reached_say_so() {
+    let reason = kernelpages::site::model::CUT_OFF;
+    let cut = |finished: bool| {
+        let mut parts = shards(2);
+        let rows = parts[1]["rows"].as_array_mut().unwrap();
+        rows.pop();
+        if !finished {
+            parts[1]["config"]
+                .as_object_mut()
+                .unwrap()
+                .remove("finished_at");
+        }
+        let data = write_docs(&BTreeMap::from([
+            ("gpu_attention.json", parts[0].clone()),
+            ("gpu_attention.shard2.json", parts[1].clone()),
+        ]));
+        let (_tmp, site) = build_site(data.path());
+        page(&site, "attention.html")
+            .select(&sel("table.results td.missing"))
+            .map(text)
+            .collect::<Vec<String>>()
+    };
+    let unfinished = cut(false);
+    assert!(
+        !unfinished.is_empty() && unfinished.iter().all(|c| c.contains(reason)),
+        "{unfinished:?}"
+    );
+    let finished = cut(true);
+    assert!(
+        !finished.is_empty(),
+        "the dropped row leaves a missing cell"
+    );
+    assert!(finished.iter().all(|c| !c.contains(reason)), "{finished:?}");
 }
 
 #[test]

@@ -23,7 +23,7 @@ pub use self::overview::{
 };
 pub use self::suite::{
     Cell, Dash, DetailRow, DocSection, FigureSpec, GroupView, Marker, Series, SuitePage,
-    SuiteSection, TableRow, ThroughputCell,
+    SuiteSection, TableRow, ThroughputCell, CUT_OFF,
 };
 pub use self::tiles::{TileBar, TileChart, TileGroup, TileRow, TileSweepSection};
 use super::format;

@@ -560,6 +560,10 @@ fn merge_single_cases(
     *groups = out;
 }
 
+/// Why a cell of a run that never finished (no `finished_at`: cut off by a time limit) has no
+/// row.
+pub const CUT_OFF: &str = "the run was cut off (its document has no finished_at) before this row";
+
 fn cell(implementation: &str, row: Option<&Row>, doc: &Document) -> Cell {
     let decls = &doc.config.throughput;
     let mut c = Cell {
@@ -574,7 +578,12 @@ fn cell(implementation: &str, row: Option<&Row>, doc: &Document) -> Cell {
         status: "not measured".to_string(),
         message: None,
     };
-    let Some(row) = row else { return c };
+    let Some(row) = row else {
+        if doc.config.finished_at.is_none() {
+            c.message = Some(CUT_OFF.to_string());
+        }
+        return c;
+    };
     c.status = row.status.as_str().to_string();
     c.message = row.message.clone();
     if row.status != Status::Ok {
