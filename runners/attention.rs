@@ -44,6 +44,7 @@ use kernelpages::attention::cuda::{
     replicate, upload, BwdConfig, DeviceInputs, FlashConfig, Implementation, Runner, BWD_SWEEP,
     FLASH_HEAD_DIMS, FWD_SWEEP, MATH_FP32_NOTE,
 };
+use kernelpages::attention::decode_gpu::{self, DECODE_HEAD_DIMS};
 use kernelpages::attention::{cpu::Inputs, files, AttentionCase, Dtype, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::runner::grid::Params;
@@ -477,13 +478,28 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             )
         })
         .collect();
+    let decode_dims: Vec<String> = DECODE_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
     vec![
+        DispatchRule {
+            entry_point: "attention::dot_product_attention, attention::mha (Device::Cuda)".into(),
+            device: "CUDA, compute capability 8.0 or newer".into(),
+            dtype: "bf16, fp16".into(),
+            rule: format!(
+                "decoding shapes, forward: at most {} query rows against at least {} keys, head_dim {}, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale. Kernels: split-KV (kernels/flash_decode.cu): the keys split into ranges so that one wave of {} CTAs per SM is filled, {} query rows per CTA on mma.sync, then a combine of the ranges",
+                AttentionCase::DECODE_MAX_QUERIES,
+                AttentionCase::DECODE_MIN_KEYS,
+                decode_dims.join(", "),
+                decode_gpu::CTAS_PER_SM,
+                decode_gpu::ROWS_PER_CTA
+            ),
+            implementation: decode::CONTIGUOUS.into(),
+        },
         DispatchRule {
             entry_point: ENTRY.into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
-                "head_dim {} (forward configs {}), any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale; forward and forward + backward. Kernels: with seq_len_q = seq_len_kv, head_dim 64 or 128 and every key valid the forward is the tuned v3 kernel (kernels/flash_attn_fwd_aligned.cu; its last tile masked when the length is not a multiple of its 128-row query tile; it also writes the log-sum-exp when a backward follows), every other forward the general kernel (kernels/flash_attn_fwd.cu); the backward kernels (kernels/flash_attn_bwd.cu, backward configs {})",
+                "otherwise: head_dim {} (forward configs {}), any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale; forward and forward + backward. Kernels: with seq_len_q = seq_len_kv, head_dim 64 or 128 and every key valid the forward is the tuned v3 kernel (kernels/flash_attn_fwd_aligned.cu; its last tile masked when the length is not a multiple of its 128-row query tile; it also writes the log-sum-exp when a backward follows), every other forward the general kernel (kernels/flash_attn_fwd.cu); the backward kernels (kernels/flash_attn_bwd.cu, backward configs {})",
                 dims.join(", "),
                 configs.join(", "),
                 bwd_configs.join(", ")
@@ -568,6 +584,11 @@ impl runner::Suite for Attention {
     fn is_default(&self, p: &Params, implementation: &str) -> bool {
         if self.device == DeviceChoice::Cpu {
             return implementation == cpu::IMPLEMENTATION;
+        }
+        if decode::is_decode(implementation) {
+            // The paged kernel is not what the API calls: its cache is laid out by the caller.
+            return implementation == decode::CONTIGUOUS
+                && case_of(p).is_ok_and(|c| decode_gpu::takes(&c));
         }
         match (case_of(p), Implementation::parse(implementation)) {
             (Ok(c), Some(imp)) => {
@@ -656,7 +677,8 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         .iter()
         .any(|g| g == "decode");
     let gpu_default: &[&str] = if with_decode {
-        &["flash", "math", decode::CONTIGUOUS, decode::PAGED]
+        // `flash` is not what the API runs on decoding shapes (the split-KV kernel is).
+        &["math", decode::CONTIGUOUS, decode::PAGED]
     } else {
         &["flash", "math"]
     };
@@ -1080,10 +1102,45 @@ mod tests {
     #[test]
     fn the_dispatch_table_names_what_dispatch_picks() {
         let rules = dispatch_rules();
+        // A decoding shape (one query row, 4k keys, bf16, head_dim 128) is the split-KV
+        // kernel's: the first rule, the suite's default, and what the API reports.
+        let dec = AttentionCase {
+            seq_len_q: 1,
+            seq_len_kv: 4096,
+            kv_heads: 8,
+            causal: true,
+            ..AttentionCase::new(2, 32, 1, 128)
+        };
+        assert!(decode_gpu::takes(&dec));
+        assert_eq!(rules[0].implementation, decode::CONTIGUOUS);
+        let suite = Attention {
+            check_rows: 4,
+            device: DeviceChoice::Gpu,
+        };
+        let p = dec.params();
+        assert!(suite.is_default(&p, decode::CONTIGUOUS));
+        assert!(!suite.is_default(&p, decode::PAGED));
+        assert!(!suite.is_default(&p, "flash") && !suite.is_default(&p, "math"));
+        // Not decoding: 17 query rows, or forward + backward.
+        for other in [
+            AttentionCase {
+                seq_len_q: 17,
+                ..dec.clone()
+            },
+            AttentionCase {
+                pass: Pass::FwdBwd,
+                ..dec.clone()
+            },
+        ] {
+            assert!(!decode_gpu::takes(&other));
+            let p = other.params();
+            assert!(suite.is_default(&p, "flash"));
+            assert!(!suite.is_default(&p, decode::CONTIGUOUS));
+        }
         let c = AttentionCase::new(1, 2, 1024, 128);
         assert_eq!(
             kernelpages::attention::dispatch(&c).map(|i| i.name()),
-            Some(rules[0].implementation.as_str())
+            Some(rules[1].implementation.as_str())
         );
         // Any length is flash's now; fp32 and other head dims are math's.
         for t in [1, 7, 100, 4097] {
@@ -1102,7 +1159,7 @@ mod tests {
         ] {
             assert_eq!(
                 kernelpages::attention::dispatch(&odd).map(|i| i.name()),
-                Some(rules[1].implementation.as_str())
+                Some(rules[2].implementation.as_str())
             );
         }
     }

@@ -558,8 +558,9 @@ fn forward_runs_the_dispatched_implementation() {
 }
 
 /// The public entry points on the device: `dot_product_attention` and its vjp (GQA, a
-/// non-aligned causal cross-length case, fp32 through `math`, head_dim 96) and `mha` against
-/// their float64 definitions, and the implementation each names is the one the dispatch picks.
+/// non-aligned causal cross-length case, fp32 through `math`, head_dim 96, a decoding shape
+/// through the split-KV kernel) and `mha` against their float64 definitions, and the
+/// implementation each names is the one the dispatch picks.
 #[test]
 #[cfg_attr(
     not(kp_cuda),
@@ -634,6 +635,17 @@ fn public_entry_points_on_the_device() {
         1e-2,
     );
     attention_case::<f32>(Shape::self_attention(1, 4, 2, 65, 64), causal, 1e-4);
+    // A decoding shape (2 query rows against 1500 keys, GQA 4:1): the forward is the split-KV
+    // kernel's (its vjp is flash's), and both match the reference.
+    let decoding = Shape {
+        seq_len_q: 2,
+        ..Shape::self_attention(2, 8, 2, 1500, 128)
+    };
+    assert_eq!(
+        implementation(Device::Cuda(gpu()), ElementType::Bf16, &decoding, &causal).unwrap(),
+        "flash_decode"
+    );
+    attention_case::<bf16>(decoding, causal, 1e-2);
     assert_eq!(
         implementation(
             Device::Cuda(gpu()),

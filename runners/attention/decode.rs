@@ -7,15 +7,16 @@
 //! ([`AttentionCase::bytes_moved`]) besides TFLOP/s.
 
 use kernelpages::attention::decode_gpu::{
-    row_blocks, CacheLayout, DecodePlan, DecodeShape, Decoder,
+    self, row_blocks, CacheLayout, DecodePlan, DecodeShape, Decoder,
 };
-use kernelpages::attention::{AttentionCase, Pass};
+use kernelpages::attention::AttentionCase;
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::runner::own;
 use kernelpages::runner::protocol::{Job, Reply};
 
-/// The split-KV decoding implementation on the contiguous cache.
-pub const CONTIGUOUS: &str = "flash_decode";
+/// The split-KV decoding implementation on the contiguous cache (what `dot_product_attention`
+/// runs for a decoding shape).
+pub const CONTIGUOUS: &str = decode_gpu::IMPLEMENTATION;
 /// The split-KV decoding implementation on a paged cache.
 pub const PAGED: &str = "flash_decode_paged";
 /// Both, with their library column.
@@ -67,31 +68,14 @@ pub fn cases(quick: bool) -> Vec<AttentionCase> {
 
 /// The decoding kernels' shape for case `c`.
 pub fn shape(c: &AttentionCase) -> DecodeShape {
-    DecodeShape {
-        batch: c.batch,
-        heads: c.heads,
-        kv_heads: c.kv_heads,
-        seq_len_q: c.seq_len_q,
-        head_dim: c.head_dim,
-        dtype: c.dtype,
-        causal: c.causal,
-        scale: c.scale(),
-    }
+    decode_gpu::shape_of(c)
 }
 
-/// Why `flash_decode` and `flash_decode_paged` do not run case `c`, or `None`.
+/// Why `flash_decode` and `flash_decode_paged` do not run case `c`, or `None`
+/// ([`decode_gpu::unsupported_case`]: the cases `dot_product_attention` sends to the split-KV
+/// kernel).
 pub fn unsupported(c: &AttentionCase) -> Option<String> {
-    if c.pass != Pass::Fwd {
-        return Some("the decoding kernels are forward only".into());
-    }
-    if !c.is_decoding() {
-        return Some(format!(
-            "not a decoding shape (at most {} query rows against at least {} keys)",
-            AttentionCase::DECODE_MAX_QUERIES,
-            AttentionCase::DECODE_MIN_KEYS
-        ));
-    }
-    shape(c).unsupported()
+    decode_gpu::unsupported_case(c)
 }
 
 /// One input set on the device: Q, the cache as the implementation reads it, its block table
@@ -286,7 +270,7 @@ pub fn note(c: &AttentionCase, implementation: &str, plan: DecodePlan) -> String
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kernelpages::attention::Dtype;
+    use kernelpages::attention::{Dtype, Pass};
 
     #[test]
     fn pages_hold_each_key_once_in_reverse_order() {

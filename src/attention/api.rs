@@ -27,6 +27,7 @@ use super::cpu_flash::{
     self, check_lengths, AttentionError, Element, ElementType, Gradients, Options, Shape,
 };
 use super::cuda::{self, DeviceInputs, Gemm};
+use super::decode_gpu;
 use super::{AttentionCase, Dtype, Pass};
 use crate::gpu::{Gpu, GpuError};
 
@@ -74,7 +75,10 @@ fn case_of(dtype: ElementType, shape: &Shape, options: &Options, pass: Pass) -> 
 }
 
 /// The implementation a call with these arguments runs on `device`: `cpu_flash` on the CPU;
-/// on CUDA what [`super::cuda::dispatch`] picks (`flash` or `math`).
+/// on CUDA the split-KV kernel (`flash_decode`) for a decoding shape it takes
+/// ([`decode_gpu::takes`]: at most 16 query rows against at least 1024 keys, forward, bf16 or
+/// fp16, head_dim 64, 128 or 256), else what [`super::cuda::dispatch`] picks (`flash` or
+/// `math`).
 ///
 /// # Errors
 /// [`Error::Invalid`] for an invalid shape; [`Error::Unsupported`] when no CUDA
@@ -90,6 +94,9 @@ pub fn implementation(
         Device::Cpu => Ok(CPU_IMPLEMENTATION),
         Device::Cuda(_) => {
             let c = case_of(dtype, shape, options, Pass::Fwd);
+            if decode_gpu::takes(&c) {
+                return Ok(decode_gpu::IMPLEMENTATION);
+            }
             cuda_implementation(&c).map(|i| i.name())
         }
     }
@@ -131,8 +138,12 @@ fn run_on_device(
     c: &AttentionCase,
     inp: &DeviceInputs,
 ) -> Result<Vec<CudaSlice<u16>>, Error> {
-    cuda_implementation(c)?;
     let mut outs = cuda::poisoned_outputs(gpu, c)?;
+    if decode_gpu::takes(c) {
+        decode_gpu::forward(gpu, c, inp, &mut outs[0])?;
+        return Ok(outs);
+    }
+    cuda_implementation(c)?;
     cuda::forward(gpu, c, inp, &mut outs)?;
     Ok(outs)
 }
@@ -145,7 +156,8 @@ fn download<T: Element>(gpu: &Gpu, buf: &CudaSlice<u16>) -> Result<Vec<T>, GpuEr
 
 /// Softmax attention, O = softmax(scale · Q Kᵀ + mask) V, `[B, H, T_q, D]` in the input type,
 /// on `device` with the implementation [`implementation`] names. Every shape on the CPU; on
-/// CUDA, what `flash` or `math` supports (every shape for bf16, fp16 and fp32 today).
+/// CUDA, a decoding shape on the split-KV kernel (`flash_decode`), the rest on what `flash` or
+/// `math` supports (every shape for bf16, fp16 and fp32 today).
 ///
 /// # Errors
 /// [`Error::Invalid`] for a zero size, heads not a multiple of kv_heads, or a tensor whose

@@ -386,9 +386,11 @@ impl Implementation {
         }
     }
 
-    /// True when [`dispatch`] picks this implementation for `c`: what [`forward`] runs.
+    /// True when `api::dot_product_attention` runs this implementation for `c`: what
+    /// [`dispatch`] picks, unless the case is a decoding shape the split-KV kernel takes
+    /// ([`super::decode_gpu::takes`]: then neither is the default).
     pub fn is_default_for(self, c: &AttentionCase) -> bool {
-        dispatch(c) == Some(self)
+        !super::decode_gpu::takes(c) && dispatch(c) == Some(self)
     }
 
     /// `Err(reason)` when the implementation rejects the case: an inconsistent case for both;

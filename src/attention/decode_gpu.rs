@@ -18,8 +18,8 @@
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::cuda::PRELUDE_SRC;
-use super::Dtype;
+use super::cuda::{DeviceInputs, PRELUDE_SRC};
+use super::{AttentionCase, Dtype, Pass};
 use crate::gpu::{Gpu, GpuError};
 
 /// Source of the decoding kernels (after [`PRELUDE_SRC`]).
@@ -27,6 +27,86 @@ pub const DECODE_SRC: &str = include_str!("../../kernels/flash_decode.cu");
 
 /// Keys per tile in the split kernel (`KT` in `kernels/flash_decode.cu`).
 pub const KEY_TILE: usize = 64;
+
+/// The name of the split-KV kernel on a contiguous cache in documents and in
+/// `api::implementation`: what `dot_product_attention` runs on CUDA for a decoding shape
+/// ([`takes`]).
+pub const IMPLEMENTATION: &str = "flash_decode";
+
+/// The decoding kernels' shape for attention case `c` (its scale resolved).
+pub fn shape_of(c: &AttentionCase) -> DecodeShape {
+    DecodeShape {
+        batch: c.batch,
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        seq_len_q: c.seq_len_q,
+        head_dim: c.head_dim,
+        dtype: c.dtype,
+        causal: c.causal,
+        scale: c.scale(),
+    }
+}
+
+/// Why the split-KV kernels do not take case `c`, or `None` when they do: a forward pass of
+/// a decoding shape ([`AttentionCase::is_decoding`]) that [`DecodeShape::unsupported`]
+/// accepts. The dispatch sends exactly the cases this accepts to [`forward`].
+pub fn unsupported_case(c: &AttentionCase) -> Option<String> {
+    if c.pass != Pass::Fwd {
+        return Some("the decoding kernels are forward only".into());
+    }
+    if !c.is_decoding() {
+        return Some(format!(
+            "not a decoding shape (at most {} query rows against at least {} keys)",
+            AttentionCase::DECODE_MAX_QUERIES,
+            AttentionCase::DECODE_MIN_KEYS
+        ));
+    }
+    shape_of(c).unsupported()
+}
+
+/// True when `dot_product_attention` on CUDA runs case `c` on the split-KV kernel.
+pub fn takes(c: &AttentionCase) -> bool {
+    unsupported_case(c).is_none()
+}
+
+/// One split-KV decoding call of case `c` on the contiguous `[B, KVH, T, D]` K and V of `inp`
+/// (each sequence's length from `inp.kv_lens`), writing O (`[B, H, seq_len_q, D]` words of the
+/// case's dtype) into `out`: plans for the device's SMs, compiles (cached per process), and
+/// launches the split and combine kernels. For repeated calls keep a [`Decoder`].
+///
+/// # Errors
+/// [`GpuError::Config`] when [`unsupported_case`] refuses `c`; compile and driver errors.
+pub fn forward(
+    gpu: &Gpu,
+    c: &AttentionCase,
+    inp: &DeviceInputs,
+    out: &mut CudaSlice<u16>,
+) -> Result<(), GpuError> {
+    if let Some(why) = unsupported_case(c) {
+        return Err(GpuError::Config(why));
+    }
+    let shape = shape_of(c);
+    let sms = gpu.describe()?.sm_count.map_or(1, |n| n as usize);
+    let plan = DecodePlan::new(shape.ctas_per_split(), c.seq_len_kv, sms, None);
+    let mut dec = Decoder::new(gpu, shape, plan)?;
+    let table: Vec<i32> = (0..c.batch as i32).collect();
+    let table = gpu.stream.clone_htod(&table)?;
+    let mut lse = gpu
+        .stream
+        .alloc_zeros::<f32>(c.batch * c.heads * c.seq_len_q)?;
+    dec.launch(
+        gpu,
+        &inp.q,
+        &inp.k,
+        &inp.v,
+        &table,
+        &inp.kv_lens,
+        CacheLayout::contiguous(c.seq_len_kv, c.kv_heads, c.head_dim),
+        1,
+        out,
+        &mut lse,
+    )
+}
 
 /// Threads per CTA of both kernels.
 pub const THREADS: usize = 128;
