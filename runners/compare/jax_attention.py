@@ -150,7 +150,7 @@ def mask_of(args, batch):
     (per-sequence key lengths, or causal with different lengths), else None."""
     tq, tkv = int(args["seq_len_q"]), int(args["seq_len_kv"])
     lens = args.get("kv_lens")
-    if lens is None and not (args["causal"] and tq != tkv):
+    if lens is None and not (protocol.effective_causal(args) and tq != tkv):
         return None
     lens = list(lens) if lens is not None else [tkv]
     i = np.arange(tq)[None, :, None]
@@ -279,7 +279,7 @@ def build(case, args, implementation):
     if mask is not None:
         kwargs["mask"] = jnp.asarray(mask)
     else:
-        kwargs["is_causal"] = bool(args["causal"])
+        kwargs["is_causal"] = protocol.effective_causal(args)
 
     def attend(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, **kwargs)
@@ -416,6 +416,9 @@ def _measure(job, named):
     if mask_of(args, 1) is not None:
         notes.append("an explicit mask (bottom-right causal, per-sequence key lengths): "
                      "JAX's is_causal aligns top-left")
+    one_row = protocol.one_row_causal_note(args)
+    if one_row:
+        notes.append(one_row)
     empty = protocol.empty_rows_note(args)
     if empty:
         notes.append(empty)
@@ -513,6 +516,7 @@ def self_test():
         a = {"seq_len_q": 2, "seq_len_kv": 5, "causal": True, "kv_lens": None}
         check(mask_of(a, 1)[0, 0].sum(axis=1).tolist() == [4, 5], "mask_of: bottom-right")
         check(mask_of(dict(a, seq_len_q=5), 1) is None, "no mask for equal lengths")
+        check(mask_of(dict(a, seq_len_q=1), 1) is None, "no mask for one causal row")
         m = mask_of(dict(a, kv_lens=[5, 0, 3]), 3)
         check(m.shape == (3, 1, 2, 5) and m[:, 0].sum(axis=2).tolist() == [[4, 5], [0, 0], [2, 3]],
               "mask_of: key lengths with causal: %r" % (m[:, 0].sum(axis=2).tolist(),))

@@ -336,6 +336,25 @@ def check_output(nonfinite_index, length, got, reference):
     return None, e
 
 
+ONE_ROW_CAUSAL_NOTE = ("one query row: bottom-right causal masks no key (the row sees keys "
+                       "0..L-1), so the call is made without a mask")
+
+
+def effective_causal(args):
+    """Whether a call's causal mask hides any key: `causal` (aligned bottom-right) with more
+    than one query row. With one query row, row 0 sees every key j <= 0 + L - 1, so the
+    bottom-right mask is empty and a library is called without one (its own is_causal aligns
+    top-left, which would hide every key but the first)."""
+    return bool(args.get("causal")) and int(args.get("seq_len_q", 0)) != 1
+
+
+def one_row_causal_note(args):
+    """[`ONE_ROW_CAUSAL_NOTE`] for a causal call of one query row, else None."""
+    if bool(args.get("causal")) and not effective_causal(args):
+        return ONE_ROW_CAUSAL_NOTE
+    return None
+
+
 def empty_rows(args):
     """How many (batch entry, query row) pairs of a call see no key: all seq_len_q rows of an
     entry whose key length is 0, and with the causal mask (aligned bottom-right) the first
@@ -492,6 +511,12 @@ def self_test():
             failures.append(what)
 
     timing.self_test(check)
+    # One query row: bottom-right causal hides nothing.
+    check(not effective_causal({"causal": True, "seq_len_q": 1}), "one causal row is unmasked")
+    check(effective_causal({"causal": True, "seq_len_q": 2}), "two causal rows are masked")
+    check(not effective_causal({"causal": False, "seq_len_q": 2}), "not causal")
+    check(one_row_causal_note({"causal": True, "seq_len_q": 1}) == ONE_ROW_CAUSAL_NOTE and
+          one_row_causal_note({"causal": True, "seq_len_q": 3}) is None, "one-row note")
     # The check scans the whole output: a NaN outside the checked ranges fails the row.
     out = [1.0] * 100
     ranges = [[10, 5], [50, 5]]

@@ -115,7 +115,7 @@ def arguments_unsupported(args):
         return None
     if args.get("kv_lens") is not None:
         return "per-sequence key lengths need an explicit mask: not measured on the CPU yet"
-    if args.get("causal") and args.get("seq_len_q") != args.get("seq_len_kv"):
+    if protocol.effective_causal(args) and args.get("seq_len_q") != args.get("seq_len_kv"):
         return ("causal with seq_len_q != seq_len_kv: PyTorch's is_causal aligns top-left, the "
                 "suite bottom-right")
     return None
@@ -123,7 +123,9 @@ def arguments_unsupported(args):
 
 def caller(case, args):
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    causal = bool(case["causal"])
+    # One causal query row sees every key (bottom-right): no mask (protocol.effective_causal).
+    tq = args.get("seq_len_q", case.get("seq_len_q", case.get("seq_len", 0)))
+    causal = protocol.effective_causal({"causal": case["causal"], "seq_len_q": tq})
     kw = dict(is_causal=causal)
     if args.get("scale") is not None:
         kw["scale"] = float(args["scale"])
@@ -224,6 +226,10 @@ def _measure(job):
     note = load_note(load_before, load_average())
     if note:
         notes.append(note)
+    one_row = protocol.one_row_causal_note(
+        dict(files.get("arguments") or {}, causal=case["causal"]))
+    if one_row:
+        notes.append(one_row)
     if m["cut_short"]:
         notes.append("%d of %d samples: the %g s case limit stopped sampling"
                      % (m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"])))
@@ -259,9 +265,11 @@ def self_test():
     check("unknown" in unsupported_reason({}, "torch_flash"), "GPU names are unknown here")
     check(arguments_unsupported({"causal": True, "seq_len_q": 4, "seq_len_kv": 4,
                                  "kv_lens": None}) is None, "square causal is measured")
-    check("top-left" in arguments_unsupported({"causal": True, "seq_len_q": 1,
+    check("top-left" in arguments_unsupported({"causal": True, "seq_len_q": 2,
                                                "seq_len_kv": 20, "kv_lens": None}),
           "bottom-right causal with different lengths is unsupported")
+    check(arguments_unsupported({"causal": True, "seq_len_q": 1, "seq_len_kv": 20,
+                                 "kv_lens": None}) is None, "one causal row is measured")
     check("key lengths" in arguments_unsupported({"causal": False, "kv_lens": [3, 1]}),
           "key lengths are unsupported")
     n = os.cpu_count() or 1

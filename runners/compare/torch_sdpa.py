@@ -16,7 +16,9 @@ with the runner's dO (protocol.py describes the protocol). The call's arguments 
 job's `files.arguments`: `scale=` always, `enable_gqa=True` when kv_heads < heads. PyTorch's
 `is_causal` aligns the mask top-left when seq_len_q != seq_len_kv, and SDPA takes no key
 lengths, so those cases get an explicit boolean mask built bottom-right ([B, 1, Tq, Tkv]);
-the flash backend takes no mask and answers `unsupported` there, with the reason.
+the flash backend takes no mask and answers `unsupported` there, with the reason. One causal
+query row (a decoding step) sees every key, so it is called without a mask
+(`protocol.effective_causal`), and every backend runs it.
 
     PYTHONPATH=runners python3 -m compare.torch_sdpa serve | self-test | job FILE
 """
@@ -128,9 +130,10 @@ def arguments(job):
 
 def needs_mask(args):
     """True when PyTorch's own is_causal cannot express the case: bottom-right causal with
-    different lengths, or per-sequence key lengths."""
+    different lengths (unless one query row, which the mask leaves whole:
+    protocol.effective_causal), or per-sequence key lengths."""
     differ = int(args["seq_len_q"]) != int(args["seq_len_kv"])
-    return args["kv_lens"] is not None or (bool(args["causal"]) and differ)
+    return args["kv_lens"] is not None or (protocol.effective_causal(args) and differ)
 
 
 def unsupported_reason(job):
@@ -187,7 +190,7 @@ def caller(job, device):
     if needs_mask(args):
         kw["attn_mask"] = bottom_right_mask(args, device)
     else:
-        kw["is_causal"] = bool(args["causal"])
+        kw["is_causal"] = protocol.effective_causal(args)
     if job["case"].get("pass") != "fwd+bwd":
         return lambda q, k, v: sdpa(q, k, v, **kw)
 
@@ -352,6 +355,9 @@ def _measure(job, caught):
     if needs_mask(arguments(job)):
         notes.append("explicit boolean mask [B, 1, Tq, Tkv], built bottom-right: PyTorch's "
                      "is_causal aligns top-left when seq_len_q != seq_len_kv")
+    one_row = protocol.one_row_causal_note(arguments(job))
+    if one_row:
+        notes.append(one_row)
     empty = protocol.empty_rows_note(arguments(job))
     if empty:
         notes.append(empty)
@@ -387,7 +393,7 @@ def _residual_bytes(job, set0, device, before):
     if needs_mask(args):
         kw["attn_mask"] = bottom_right_mask(args, device)
     else:
-        kw["is_causal"] = bool(args["causal"])
+        kw["is_causal"] = protocol.effective_causal(args)
     mask_bytes = kw["attn_mask"].numel() if "attn_mask" in kw else 0
     q, k, v = set0[:3]
     out = sdpa(q, k, v, **kw)
