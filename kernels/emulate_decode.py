@@ -61,21 +61,30 @@ def plan(ctas, max_len, sms, forced):
 def load_tile(ks, vs, base, K, V, Kb, Vb, table, k0, end, page_size, page_stride, row_stride,
               D):
     """decode_load_tile: `base` is the stage's offset in the shared ring (K tile at base, V
-    tile at base + TILE, both in `ks`/`vs`, the same list); chunk c = tid + NT * i."""
+    tile at base + TILE, both in `ks`/`vs`, the same list); chunk c = tid + NT * i, the page
+    and place in it carried forward from the thread's first key."""
     STR = D + 8
+    CPR = D // 8
+    KSTEP = NT // CPR
     for tid in range(NT):
-        for i in range(KT * (D // 8) // NT):
-            c = tid + NT * i
-            kr = c // (D // 8)
-            col = (c % (D // 8)) * 8
-            key = k0 + kr
+        kr0, col = tid // CPR, (tid % CPR) * 8
+        key = k0 + kr0
+        page = key // page_size
+        within = key - page * page_size
+        for i in range(KT // KSTEP):
+            kr = kr0 + KSTEP * i
             ok = key < end
             off = 0
             if ok:
-                off = table[key // page_size] * page_stride + (key % page_size) * row_stride + col
+                off = table[page] * page_stride + within * row_stride + col
             for e in range(8):
                 ks[base + kr * STR + col + e] = K[Kb + off + e] if ok else 0.0
                 vs[base + KT * STR + kr * STR + col + e] = V[Vb + off + e] if ok else 0.0
+            key += KSTEP
+            within += KSTEP
+            while within >= page_size:
+                within -= page_size
+                page += 1
 
 
 def ldmatrix_x4(mem, addr, trans=False):

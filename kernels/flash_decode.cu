@@ -37,7 +37,8 @@
 // D + 8 elements) as 16-byte cp.async (the caller commits); keys at or past `end` are
 // zero-filled and read nothing. Key t is at `Kb`/`Vb` + page_stride * table[t / page_size] +
 // row_stride * (t % page_size). Chunk c = tid + NT * i is key c / (D / 8), column
-// (c % (D / 8)) * 8.
+// (c % (D / 8)) * 8: a thread's chunks share a column and step NT / (D / 8) keys, so its page
+// and place in the page are divided out once per tile and then carried forward.
 template <int D, int KT, int NT>
 __device__ __forceinline__ void decode_load_tile(u16* ks, u16* vs, const u16* K, const u16* V,
                                                  const u16* Kb, const u16* Vb, const int* table,
@@ -45,22 +46,30 @@ __device__ __forceinline__ void decode_load_tile(u16* ks, u16* vs, const u16* K,
                                                  long long page_stride, long long row_stride,
                                                  int tid) {
     constexpr int STR = D + 8;
-    constexpr int PER_THREAD = KT * (D / 8) / NT;
-    static_assert(KT * (D / 8) % NT == 0, "whole chunks per thread");
+    constexpr int CPR = D / 8;         // 16-byte chunks per key row
+    constexpr int KSTEP = NT / CPR;    // keys between a thread's chunks
+    constexpr int PER_THREAD = KT / KSTEP;
+    static_assert(NT % CPR == 0 && KT % KSTEP == 0, "whole chunks per thread");
+    const int kr0 = tid / CPR, col = (tid % CPR) * 8;
+    int key = k0 + kr0;
+    int page = key / page_size;
+    int within = key - page * page_size;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
-        const int c = tid + NT * i;
-        const int kr = c / (D / 8);
-        const int col = (c % (D / 8)) * 8;
-        const int key = k0 + kr;
+        const int kr = kr0 + KSTEP * i;
         const bool ok = key < end;
         size_t off = 0;
         if (ok) {
-            off = (size_t)table[key / page_size] * page_stride +
-                  (size_t)(key % page_size) * row_stride + col;
+            off = (size_t)table[page] * page_stride + (size_t)within * row_stride + col;
         }
         cp_async16(smem_u32(ks + kr * STR + col), ok ? Kb + off : K, ok);
         cp_async16(smem_u32(vs + kr * STR + col), ok ? Vb + off : V, ok);
+        key += KSTEP;
+        within += KSTEP;
+        while (within >= page_size) {  // at most once when page_size >= KSTEP
+            within -= page_size;
+            ++page;
+        }
     }
 }
 
