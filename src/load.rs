@@ -37,6 +37,23 @@ pub struct Loaded {
     pub rel_path: String,
     /// The document.
     pub doc: Document,
+    /// Cases (their parameters as JSON) of a run cut off before it finished (no `finished_at`):
+    /// a missing cell of one of these is a row the run never reached. Empty for a finished run;
+    /// shards merged by `site::model::merge_shards` keep the union.
+    pub cut_off_cases: BTreeSet<String>,
+}
+
+/// The key of a case in [`Loaded::cut_off_cases`].
+pub fn case_key(case: &BTreeMap<String, crate::schema::Param>) -> String {
+    serde_json::to_string(case).unwrap_or_default()
+}
+
+/// The cases of `doc` when it never finished (no `finished_at`), else none.
+fn cut_off_cases(doc: &Document) -> BTreeSet<String> {
+    if doc.config.finished_at.is_some() {
+        return BTreeSet::new();
+    }
+    doc.rows.iter().map(|r| case_key(&r.case)).collect()
 }
 
 impl Loaded {
@@ -49,6 +66,7 @@ impl Loaded {
         Loaded {
             path,
             rel_path,
+            cut_off_cases: cut_off_cases(&doc),
             doc,
         }
     }
@@ -302,6 +320,7 @@ pub fn load_dir(dir: &Path) -> Result<Vec<Loaded>, LoadErrors> {
                 loaded.push(Loaded {
                     path,
                     rel_path,
+                    cut_off_cases: cut_off_cases(&doc),
                     doc,
                 });
             }

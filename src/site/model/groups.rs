@@ -232,8 +232,8 @@ pub fn above_tolerance(row: &Row) -> bool {
 /// Documents of one suite measured on devices of one name (shards of a grid, split by the
 /// runner's `--shard i/n` or run on several GPUs of one model) merged into one: the rows of all,
 /// in file order, with the first document's device and configuration (without `finished_at`
-/// when any shard lacks it: the run was cut off), and a `rel_path` that lists every file
-/// (`a.json + b.json`). Documents alone under their key are borrowed as
+/// when any shard lacks it: the run was cut off), the cut-off shards' cases, and a `rel_path`
+/// that lists every file (`a.json + b.json`). Documents alone under their key are borrowed as
 /// they are. The loader has already refused rows repeated across files.
 pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
     let key = |l: &Loaded| (l.doc.suite, l.doc.device.name.clone(), l.doc.config.kind);
@@ -247,6 +247,9 @@ pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
         match merged.iter().position(|m| key(m) == key(l)) {
             Some(i) => {
                 merged[i].doc.rows.extend(l.doc.rows.iter().cloned());
+                merged[i]
+                    .cut_off_cases
+                    .extend(l.cut_off_cases.iter().cloned());
                 // One shard cut off leaves the merged run unfinished.
                 if l.doc.config.finished_at.is_none() {
                     merged[i].doc.config.finished_at = None;

@@ -366,10 +366,20 @@ fn doc_section(
                 .map(|(x, by_impl)| TableRow {
                     x: x_label(*x),
                     anchor: None,
-                    cells: impls
-                        .iter()
-                        .map(|h| cell(&h.name, by_impl.get(h.name.as_str()).copied(), doc))
-                        .collect(),
+                    cells: {
+                        // A missing cell of a case the run was cut off in is a row never reached.
+                        let cut_off = by_impl.values().next().is_some_and(|r| {
+                            loaded
+                                .cut_off_cases
+                                .contains(&crate::load::case_key(&r.case))
+                        });
+                        impls
+                            .iter()
+                            .map(|h| {
+                                cell(&h.name, by_impl.get(h.name.as_str()).copied(), doc, cut_off)
+                            })
+                            .collect()
+                    },
                 })
                 .collect();
             let details = g
@@ -560,11 +570,13 @@ fn merge_single_cases(
     *groups = out;
 }
 
-/// Why a cell of a run that never finished (no `finished_at`: cut off by a time limit) has no
-/// row.
+/// Why a cell of a case that a run cut off by a time limit (no `finished_at`) was measuring
+/// has no row.
 pub const CUT_OFF: &str = "the run was cut off (its document has no finished_at) before this row";
 
-fn cell(implementation: &str, row: Option<&Row>, doc: &Document) -> Cell {
+/// The table cell of `implementation`'s `row` (missing: `None`); `cut_off` when the case
+/// belongs to a run that never finished ([`crate::load::Loaded::cut_off_cases`]).
+fn cell(implementation: &str, row: Option<&Row>, doc: &Document, cut_off: bool) -> Cell {
     let decls = &doc.config.throughput;
     let mut c = Cell {
         kind: "missing",
@@ -579,7 +591,7 @@ fn cell(implementation: &str, row: Option<&Row>, doc: &Document) -> Cell {
         message: None,
     };
     let Some(row) = row else {
-        if doc.config.finished_at.is_none() {
+        if cut_off {
             c.message = Some(CUT_OFF.to_string());
         }
         return c;
