@@ -49,10 +49,18 @@ def exp2(x):
     return 0.0 if x == NEG else 2.0 ** x
 
 
-def plan(ctas, max_len, sms, forced):
-    """DecodePlan::new: as many ranges as fill one wave of CTAS_PER_SM CTAs per SM."""
+def ctas_per_sm(D):
+    """ctas_per_sm: CTAs whose shared memory (split_smem_bytes + 1 KiB) fits 228 KiB, at most
+    CTAS_PER_SM."""
+    ns = 3 if D <= 128 else 2
+    smem = (ns * 2 * KT + RM) * (D + 8) * 2
+    return max(1, min(CTAS_PER_SM, (228 * 1024) // (smem + 1024)))
+
+
+def plan(ctas, max_len, sms, forced, D):
+    """DecodePlan::for_shape: as many ranges as fill one wave of ctas_per_sm(D) CTAs per SM."""
     tiles = max(ceil_div(max_len, KT), 1)
-    wanted = forced if forced is not None else (CTAS_PER_SM * sms) // max(ctas, 1)
+    wanted = forced if forced is not None else (ctas_per_sm(D) * sms) // max(ctas, 1)
     wanted = min(max(wanted, 1), tiles)
     kps = ceil_div(tiles, wanted) * KT
     return max(ceil_div(max_len, kps), 1), kps
@@ -337,9 +345,9 @@ def case(B, H, KVH, Tq, D, lens, page, causal, forced, sms, seed):
     G = H // KVH
     RB = ceil_div(G * Tq, RM)  # row_blocks
     if forced == "short":  # plan for fewer keys than the sequence holds
-        S, kps = plan(B * KVH * RB, max_len // 2, sms, 2)
+        S, kps = plan(B * KVH * RB, max_len // 2, sms, 2, D)
     else:
-        S, kps = plan(B * KVH * RB, max_len, sms, forced)
+        S, kps = plan(B * KVH * RB, max_len, sms, forced, D)
     rows = B * H * Tq
     Q = Checked(Qv, "Q")
     K, V = Checked(Kf, "K"), Checked(Vf, "V")
@@ -404,6 +412,11 @@ def main():
         print("case %d B%d H%d/%d Tq%d D%d lens %s page %s causal %s: %d splits of %d keys, "
               "max error %.1e %s" % (n, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], S, kps,
                                      worst, "ok" if good else "FAILED"))
+    # The wave: two CTAs per SM at head_dim 64 and 128, one at 256 (as decode_gpu.rs asserts).
+    waves = [ctas_per_sm(d) for d in (64, 128, 256)]
+    if waves != [2, 2, 1]:
+        ok = False
+        print("ctas_per_sm(64, 128, 256) = %s, expected [2, 2, 1]: FAILED" % (waves,))
     print("ALL OK" if ok else "SOME FAILED")
 
 

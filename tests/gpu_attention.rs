@@ -786,7 +786,7 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
         }
     };
     let sms = gpu.describe().unwrap().sm_count.unwrap() as usize;
-    let plan = DecodePlan::new(s.ctas_per_split(), max_len, sms, c.splits);
+    let plan = DecodePlan::for_shape(&s, max_len, sms, c.splits);
     let mut dec = Decoder::new(gpu, s, plan).expect("decoder");
     let up16 = |x: &[u16]| gpu.stream.clone_htod(x).unwrap();
     let (qd, kd, vd) = (up16(&bits(&q)), up16(&k_dev), up16(&v_dev));
@@ -925,7 +925,7 @@ fn split_kv_decoding_matches_float64() {
         splits: Some(1),
     };
     for splits in [1, 2, 7, 64] {
-        let p = kernelpages::attention::decode_gpu::DecodePlan::new(4 * 8, 4096, 132, Some(splits));
+        let p = kernelpages::attention::decode_gpu::DecodePlan::new(4 * 8, 4096, 264, Some(splits));
         assert_eq!(p.splits, splits, "{p:?}");
     }
     let (o1, _, ro, _) = decode_case(&one, 11);

@@ -214,7 +214,7 @@ pub fn measure(job: &Job) -> Reply {
     let mut planned: Option<String> = None;
     let mut reply = own::measure(job, |gpu| {
         let sms = gpu.describe()?.sm_count.map_or(1, |n| n as usize);
-        let plan = DecodePlan::new(shape(&c).ctas_per_split(), c.seq_len_kv, sms, None);
+        let plan = DecodePlan::for_shape(&shape(&c), c.seq_len_kv, sms, None);
         planned = Some(note(&c, &job.implementation, plan));
         let dec = Decoder::new(gpu, shape(&c), plan)?;
         let compile_s = dec.compile_s;
@@ -324,7 +324,7 @@ mod tests {
             ..all[0].clone()
         };
         assert!(unsupported(&f32c).is_some());
-        let plan = DecodePlan::new(8, 32768, 132, None);
+        let plan = DecodePlan::for_shape(&shape(&all[0]), 32768, 132, None);
         let n = note(&all[0], PAGED, plan);
         assert!(
             n.contains("32 splits of 1024 keys") && n.contains("pages of 16 keys"),

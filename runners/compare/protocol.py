@@ -336,8 +336,8 @@ def check_output(nonfinite_index, length, got, reference):
     return None, e
 
 
-ONE_ROW_CAUSAL_NOTE = ("one query row: bottom-right causal masks no key (the row sees keys "
-                       "0..L-1), so the call is made without a mask")
+ONE_ROW_CAUSAL_NOTE = ("one query row: bottom-right causal hides no key (the row sees keys "
+                       "0..L-1), so no causal mask is applied")
 
 
 def effective_causal(args):

@@ -17,8 +17,9 @@ job's `files.arguments`: `scale=` always, `enable_gqa=True` when kv_heads < head
 `is_causal` aligns the mask top-left when seq_len_q != seq_len_kv, and SDPA takes no key
 lengths, so those cases get an explicit boolean mask built bottom-right ([B, 1, Tq, Tkv]);
 the flash backend takes no mask and answers `unsupported` there, with the reason. One causal
-query row (a decoding step) sees every key, so it is called without a mask
-(`protocol.effective_causal`), and every backend runs it.
+query row (a decoding step) sees every key, so it is called without a causal mask
+(`protocol.effective_causal`): every backend runs it unless per-sequence key lengths still
+need the explicit mask.
 
     PYTHONPATH=runners python3 -m compare.torch_sdpa serve | self-test | job FILE
 """

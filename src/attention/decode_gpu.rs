@@ -8,7 +8,7 @@
 //! ([`ROWS_PER_CTA`] rows a CTA, one tensor-core row tile; more take several CTAs,
 //! [`row_blocks`]) to its range and writes a partial output and log-sum-exp; a second kernel merges the partials exactly
 //! ([`super::decode::combine`]'s formula). Splitting is what fills the GPU when batch × kv_heads
-//! CTAs would not: [`DecodePlan::new`] fills one wave of [`CTAS_PER_SM`] CTAs per SM.
+//! CTAs would not: [`DecodePlan::for_shape`] fills one wave of [`ctas_per_sm`] CTAs per SM.
 //!
 //! Shapes and dtypes: Q and O `[batch, heads, seq_len_q, head_dim]` in bf16 or fp16 (16-bit
 //! words); the cache as [`CacheLayout`] describes, in the same dtype; `block_table`
@@ -87,7 +87,7 @@ pub fn forward(
     }
     let shape = shape_of(c);
     let sms = gpu.describe()?.sm_count.map_or(1, |n| n as usize);
-    let plan = DecodePlan::new(shape.ctas_per_split(), c.seq_len_kv, sms, None);
+    let plan = DecodePlan::for_shape(&shape, c.seq_len_kv, sms, None);
     let mut dec = Decoder::new(gpu, shape, plan)?;
     let table: Vec<i32> = (0..c.batch as i32).collect();
     let table = gpu.stream.clone_htod(&table)?;
@@ -114,9 +114,19 @@ pub const THREADS: usize = 128;
 /// Head dimensions the decoding kernels are instantiated for.
 pub const DECODE_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
-/// CTAs per SM the split kernel is built for (its launch bounds); [`DecodePlan::new`] fills one
-/// wave of them.
+/// Most CTAs per SM the split kernel is built for (its launch bounds at head_dim ≤ 128).
 pub const CTAS_PER_SM: usize = 2;
+
+/// Shared memory of one SM of compute capability 9.0 (228 KiB), of which each resident CTA
+/// also takes 1 KiB for the system.
+const SM_SHARED_BYTES: usize = 228 * 1024;
+
+/// CTAs of the split kernel that fit one SM at `head_dim` (by shared memory, at most
+/// [`CTAS_PER_SM`]): 2 at head_dim 64 and 128, 1 at 256 (140 KiB each). Its launch bounds and
+/// [`DecodePlan::for_shape`]'s wave use it.
+pub fn ctas_per_sm(head_dim: usize) -> usize {
+    (SM_SHARED_BYTES / (split_smem_bytes(head_dim) + 1024)).clamp(1, CTAS_PER_SM)
+}
 
 /// Query rows one CTA of the split kernel attends (`RM`: the 16 rows of an mma.m16n8k16 tile;
 /// rows past G × seq_len_q are zero and never written).
@@ -252,22 +262,32 @@ pub struct DecodePlan {
 }
 
 impl DecodePlan {
-    /// The split of a call of `ctas_per_split` CTAs per key range (batch · kv_heads · row
-    /// blocks: [`DecodeShape::ctas_per_split`]) whose longest sequence has `max_len` keys, on a
-    /// device of `sm_count` SMs. One wave of [`CTAS_PER_SM`] CTAs per SM holds
-    /// `CTAS_PER_SM · sm_count` CTAs: a call with fewer CTAs per range than that takes as many
-    /// ranges as fill the wave without starting a second one (a second, partly filled wave
-    /// would leave most SMs idle while it runs); a call that fills a wave alone takes one
-    /// range. No range is shorter than one tile. `splits` forces the number of ranges (rounded
-    /// so that every range holds whole tiles; at least 1).
-    pub fn new(
-        ctas_per_split: usize,
+    /// The split of `shape` ([`DecodePlan::new`]) whose longest sequence has `max_len` keys,
+    /// on a device of `sm_count` SMs: one wave is [`ctas_per_sm`] CTAs on every SM.
+    pub fn for_shape(
+        shape: &DecodeShape,
         max_len: usize,
         sm_count: usize,
         splits: Option<usize>,
     ) -> DecodePlan {
+        let wave = ctas_per_sm(shape.head_dim) * sm_count;
+        DecodePlan::new(shape.ctas_per_split(), max_len, wave, splits)
+    }
+
+    /// The split of a call of `ctas_per_split` CTAs per key range (batch · kv_heads · row
+    /// blocks: [`DecodeShape::ctas_per_split`]) whose longest sequence has `max_len` keys, on a
+    /// device where one wave holds `wave` CTAs (CTAs per SM · SMs): a call with fewer CTAs per
+    /// range than that takes as many ranges as fill the wave without starting a second one (a
+    /// second, partly filled wave would leave most SMs idle while it runs); a call that fills a
+    /// wave alone takes one range. No range is shorter than one tile. `splits` forces the number
+    /// of ranges (rounded so that every range holds whole tiles; at least 1).
+    pub fn new(
+        ctas_per_split: usize,
+        max_len: usize,
+        wave: usize,
+        splits: Option<usize>,
+    ) -> DecodePlan {
         let tiles = max_len.div_ceil(KEY_TILE).max(1);
-        let wave = CTAS_PER_SM * sm_count;
         let wanted = splits.unwrap_or_else(|| wave / ctas_per_split.max(1));
         let wanted = wanted.clamp(1, tiles);
         let keys_per_split = tiles.div_ceil(wanted) * KEY_TILE;
@@ -283,10 +303,11 @@ pub fn decode_source(head_dim: usize, dtype: Dtype) -> (String, String, String) 
     let bf = dtype == Dtype::Bf16;
     let dt = dtype.as_str();
     let split = format!("flash_decode_split_{dt}_d{head_dim}");
+    let ctas = ctas_per_sm(head_dim);
     let combine = format!("flash_decode_combine_{dt}_d{head_dim}");
     let src = format!(
         "{PRELUDE_SRC}\n{DECODE_SRC}\n\
-         extern \"C\" __global__ void __launch_bounds__({THREADS}, {CTAS_PER_SM}) {split}(const u16* Q, \
+         extern \"C\" __global__ void __launch_bounds__({THREADS}, {ctas}) {split}(const u16* Q, \
          const u16* K, const u16* V, const int* block_table, const int* seq_lens, float* Opart, \
          float* Lpart, int Tq, int H, int KVH, int page_size, int max_pages, long long \
          page_stride, long long row_stride, long long head_stride, int keys_per_split, float \
@@ -301,8 +322,8 @@ pub fn decode_source(head_dim: usize, dtype: Dtype) -> (String, String, String) 
 }
 
 /// Most splits one call may have: the combine kernel keeps one weight per split in the 48 KiB
-/// of shared memory a CTA gets without opting in.
-pub const MAX_SPLITS: usize = 48 * 1024 / 4;
+/// of shared memory a CTA gets without opting in, less its 128-byte reduction buffer.
+pub const MAX_SPLITS: usize = (48 * 1024 - 128) / 4;
 
 /// Stages of the split kernel's K/V tile ring at `head_dim` (`NS`: three at head_dim ≤ 128,
 /// where two CTAs fit an SM, two at 256).
@@ -491,7 +512,7 @@ mod tests {
             (1, 100, 132, Some(7)),
             (16, 1000, 132, Some(64)),
         ] {
-            let p = DecodePlan::new(ctas, len, sms, forced);
+            let p = DecodePlan::new(ctas, len, CTAS_PER_SM * sms, forced);
             assert_eq!(p.keys_per_split % KEY_TILE, 0, "{p:?}");
             assert!(p.splits * p.keys_per_split >= len, "{p:?} covers {len}");
             assert!(
@@ -512,12 +533,19 @@ mod tests {
         // Batch 1, 8 kv heads, 32k keys on 132 SMs: 32 splits of 1024 keys (33 asked, whole tiles),
         // 256 CTAs; batch 8:
         // 4 splits of 8192 (256 CTAs, not 5 splits and a second wave of 56).
-        let p = DecodePlan::new(8, 32768, 132, None);
+        let p = DecodePlan::new(8, 32768, 264, None);
         assert_eq!((p.splits, p.keys_per_split), (32, 1024));
-        let p = DecodePlan::new(64, 32768, 132, None);
+        let p = DecodePlan::new(64, 32768, 264, None);
         assert_eq!((p.splits, p.keys_per_split), (4, 8192));
         let s = DecodeShape::new(8, 32, 8, 8, 128);
         assert_eq!(s.ctas_per_split(), 8 * 8 * 2);
+        // One CTA per SM at head_dim 256 (its shared memory): the wave is one per SM.
+        assert_eq!(
+            [64, 128, 256].map(ctas_per_sm),
+            [CTAS_PER_SM, CTAS_PER_SM, 1]
+        );
+        let wide = DecodeShape::new(1, 32, 8, 1, 256);
+        assert_eq!(DecodePlan::for_shape(&wide, 32768, 132, None).splits, 16);
     }
 
     #[test]
