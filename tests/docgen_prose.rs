@@ -272,6 +272,40 @@ fn an_unknown_argument_is_refused() {
     assert!(err.to_string().contains("unknown argument `were`"), "{err}");
 }
 
+/// `kind` picks the run kind prose reads: the grid by default, `decode` for decoding
+/// documents; the grid's rows are then not read, and an unknown kind is an error.
+#[test]
+fn kind_picks_the_decoding_documents() {
+    let grid = fixture_docs();
+    let mut decode = fixture_docs();
+    for l in decode.iter_mut() {
+        l.doc.config.kind = kernelpages::schema::RunKind::Decode;
+    }
+    let r = row(&grid, "flash", 128, false, 2048);
+    let src = r#"- {{ value(suite="attention", kind="decode", implementation="flash", case="head_dim = 128, causal = false, seq_len = 2048", field="median_ms") }}"#;
+    assert_eq!(
+        items(&decode, src),
+        [format::ms(r.median_ms.unwrap())],
+        "decode documents read with kind=decode"
+    );
+    let err = failure(&grid, src);
+    assert!(
+        err.to_string().contains("no document of suite attention"),
+        "grid documents are not read with kind=decode: {err}"
+    );
+    let plain = src.replace(r#"kind="decode", "#, "");
+    assert!(
+        failure(&decode, &plain)
+            .to_string()
+            .contains("no document of suite attention"),
+        "decode documents are not read without kind"
+    );
+    let bad = src.replace(r#"kind="decode""#, r#"kind="sweep""#);
+    assert!(failure(&grid, &bad)
+        .to_string()
+        .contains("unknown kind `sweep`"));
+}
+
 fn copy_fixture_as(device: &str, dir: &Path) {
     let src =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/valid/gpu_attention.json");

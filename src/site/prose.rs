@@ -23,7 +23,8 @@
 //! - `launch_bound(suite, implementation, where)`: the claim that an eager call of the
 //!   implementation is launch-bound in every case kept, with the range of host ÷ device time.
 //!
-//! Every function takes an optional `device` (the device name) to pick documents. A query that
+//! Every function takes an optional `device` (the device name) and `kind` (`grid`, the default,
+//! or `decode`: the decoding grid's documents) to pick documents. A query that
 //! matches no row or several, a claim that any case contradicts or that covers no case, and a
 //! where-clause that does not parse are all collected; the build then fails with
 //! [`ProseError`], which lists each problem with its file, line, call and the offending rows.
@@ -291,9 +292,10 @@ struct Args {
 }
 
 /// The order arguments are shown in (Tera does not keep the order they were written in).
-const ARG_ORDER: [&str; 14] = [
+const ARG_ORDER: [&str; 15] = [
     "suite",
     "device",
+    "kind",
     "implementation",
     "num",
     "den",
@@ -342,10 +344,11 @@ impl Args {
             .ok_or_else(|| format!("missing argument `{name}`"))
     }
 
-    /// Errors on an argument not in `allowed` (a misspelt name would otherwise be ignored).
+    /// Errors on an argument not in `allowed` nor `kind`, which every function takes (a
+    /// misspelt name would otherwise be ignored).
     fn only(&self, allowed: &[&str]) -> Result<(), String> {
         for (k, _) in &self.pairs {
-            if !allowed.contains(&k.as_str()) {
+            if k != "kind" && !allowed.contains(&k.as_str()) {
                 return Err(format!(
                     "unknown argument `{k}` (arguments: {})",
                     allowed.join(", ")
@@ -376,8 +379,9 @@ struct Item<'a> {
     row: &'a Row,
 }
 
-/// The rows of `suite` (on `device` when given) in its grid documents: a tile sweep has its own
-/// section, generated whole from its rows, and is never read by prose.
+/// The rows of `suite` (on `device` when given) in its documents of run kind `kind` (`grid` when
+/// not given; `decode` for the decoding grid): a tile sweep has its own section, generated
+/// whole from its rows, and is never read by prose.
 ///
 /// Errors: the suite name is unknown, or no document matches.
 fn suite_rows<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<Item<'a>>, String> {
@@ -390,11 +394,17 @@ fn suite_rows<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<Item<'a>>, Stri
             format!("unknown suite `{name}` (suites: {})", names.join(", "))
         })?;
     let device = args.get("device");
+    use crate::schema::RunKind;
+    let kind = match args.get("kind") {
+        None | Some("grid") => RunKind::Grid,
+        Some("decode") => RunKind::Decode,
+        Some(other) => return Err(format!("unknown kind `{other}` (kinds: grid, decode)")),
+    };
     let picked: Vec<&Loaded> = docs
         .iter()
         .filter(|l| {
             l.doc.suite == suite
-                && l.doc.config.kind == crate::schema::RunKind::Grid
+                && l.doc.config.kind == kind
                 && device.is_none_or(|d| l.doc.device.name == d)
         })
         .collect();
