@@ -4,10 +4,11 @@
 //
 // flash_decode_split: one CTA of 128 threads (4 warps) per (split s, kv head and row block,
 // sequence b). The G = H / KVH query heads that share the kv head, each with its Tq query rows,
-// are G * Tq rows (row q = g * Tq + i: query head kvh * G + g, query i), taken RM = 16 at a
-// time (one mma row tile): row block rb holds rows [rb * 16, min(G * Tq, rb * 16 + 16)) (grid
-// y = KVH * row blocks, y = kvh * row blocks + rb); rows past the block's end are zero in
-// shared memory and never written. A CTA attends its rows to the keys
+// are G * Tq rows (row q = g * Tq + i: query head kvh * G + g, query i), taken RM = 16 * MT at
+// a time (MT mma row tiles; MT = 2 at head_dim <= 128 when a group has more than 16 rows): row
+// block rb holds rows [rb * RM, min(G * Tq, rb * RM + RM)) (grid y = KVH * row blocks,
+// y = kvh * row blocks + rb); rows past the block's end are zero in shared memory and never
+// written. A CTA attends its rows to the keys
 // [s * keys_per_split, min(seq_lens[b], (s + 1) * keys_per_split)) of sequence b (the last
 // split: to seq_lens[b]). Key t lives at
 //   page_stride * block_table[b * max_pages + t / page_size] + row_stride * (t % page_size)
@@ -20,7 +21,7 @@
 // by 16-byte cp.async, NS - 1 tiles in flight while one is used; keys past the range are
 // zero-filled, so a masked probability never meets garbage. Warp w owns keys 16w..16w+15 of
 // every tile and keeps its own online softmax (running max and sum per row) and output
-// accumulator over them: S = Q K^T (16 rows x 16 keys) and O += P V on the tensor cores
+// accumulator over them: S = Q K^T (RM rows x 16 keys) and O += P V on the tensor cores
 // (mma.sync m16n8k16, fp32 accumulation; fragments by ldmatrix as in flash_attn_fwd.cu), in
 // the log2 domain (S scaled by scale * log2 e), masked bottom-right when causal (query i of
 // sequence b sees keys t <= i + seq_lens[b] - Tq) and at the range's end. After the last tile
@@ -74,25 +75,30 @@ __device__ __forceinline__ void decode_load_tile(u16* ks, u16* vs, const u16* K,
 }
 
 // Shared memory of the split kernel, bytes: the ring's NS stages of a K and a V tile, then Q
-// (16 rows), all rows padded to D + 8 elements. The warps' partials reuse the ring at the end.
-template <int D>
+// (RM = 16 MT rows), all rows padded to D + 8 elements. The warps' partials reuse the ring at
+// the end.
+template <int D, int MT>
 struct DecodeSmem {
-    static constexpr int KT = 64, RM = 16, STR = D + 8, NS = D <= 128 ? 3 : 2;
+    static constexpr int KT = 64, RM = 16 * MT, STR = D + 8, NS = D <= 128 ? 3 : 2;
     static constexpr int TILE = KT * STR;
     static constexpr int BYTES = (NS * 2 * TILE + RM * STR) * 2;
     static_assert((4 * RM * D + 8 * RM) * 4 <= NS * 2 * TILE * 2, "partials fit the ring");
 };
 
-template <int D, bool BF16>
+// MT: 16-row tiles of query rows per CTA (1, or 2 at head_dim <= 128: the accumulators of
+// 32 rows fit the registers there, and both row tiles share each K and V fragment, so a GQA
+// group of 32 rows reads the cache once instead of once per 16 rows).
+template <int D, int MT, bool BF16>
 __device__ __forceinline__ void flash_decode_split(
     const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
     const int* __restrict__ block_table, const int* __restrict__ seq_lens,
     float* __restrict__ Opart, float* __restrict__ Lpart, int Tq, int H, int KVH,
     int page_size, int max_pages, long long page_stride, long long row_stride,
     long long head_stride, int keys_per_split, float scale_log2, int causal) {
-    using SM = DecodeSmem<D>;
+    using SM = DecodeSmem<D, MT>;
     constexpr int NT = 128, KT = SM::KT, RM = SM::RM, STR = SM::STR, NS = SM::NS;
     constexpr int TILE = SM::TILE, DT = D / 8, NW = NT / 32;
+    static_assert(MT == 1 || (MT == 2 && D <= 128), "two row tiles only at head_dim <= 128");
     const int s = blockIdx.x, b = blockIdx.z, tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int RB = gridDim.y / KVH;  // row blocks per kv head
@@ -135,19 +141,26 @@ __device__ __forceinline__ void flash_decode_split(
         cp_async_commit();
     }
 
-    // This thread's rows of the mma fragments: g and g + 8. Keys at or past lim[r] are masked
-    // (the range's end, and the causal bound).
-    int lim[2];
+    // This thread's rows of row tile mt's mma fragments: 16 mt + g and 16 mt + g + 8. Keys at
+    // or past lim[mt][r] are masked (the range's end, and the causal bound).
+    int lim[MT][2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int q = r0 + g + 8 * r;
-        lim[r] = causal ? min(end, q % Tq + L - Tq + 1) : end;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int q = r0 + 16 * mt + g + 8 * r;
+            lim[mt][r] = causal ? min(end, q % Tq + L - Tq + 1) : end;
+        }
     }
-    float o[DT][4];
+    float o[MT][DT][4];
+    float m_run[MT][2], l_run[MT][2];  // l_run: this thread's columns; the quad sums at the end
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
-    float m_run[2] = {NEG_INF, NEG_INF};
-    float l_run[2] = {0.f, 0.f};  // this thread's columns only; the quad sums at the end
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.f;
+        m_run[mt][0] = m_run[mt][1] = NEG_INF;
+        l_run[mt][0] = l_run[mt][1] = 0.f;
+    }
 
     for (int t = 0; t < n_tiles; ++t) {
         cp_async_wait<NS - 2>();  // tile t has landed
@@ -166,79 +179,99 @@ __device__ __forceinline__ void flash_decode_split(
         const u16* vs = ks + TILE;
         const int kw = start + t * KT + warp * 16;  // this warp's first key
         if (kw >= end) continue;                    // warp-uniform: no key of the warp's 16
-        // S = Q K^T for the warp's 16 keys: two 8-key column tiles.
-        float sc[2][4];
+        // S = Q K^T for the warp's 16 keys: per row tile, two 8-key column tiles; each K
+        // fragment serves every row tile.
+        float sc[MT][2][4];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+                sc[mt][nt][0] = sc[mt][nt][1] = sc[mt][nt][2] = sc[mt][nt][3] = 0.f;
 #pragma unroll
         for (int kc = 0; kc < D / 16; kc += 2) {
-            u32 qa[4], qb[4];
-            const u16* pq = qs + (lane & 15) * STR + kc * 16 + (lane >> 4) * 8;
-            ldmatrix_x4(qa, smem_u32(pq));
-            ldmatrix_x4(qb, smem_u32(pq + 16));
+            u32 qa[MT][4], qb[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const u16* pq = qs + (16 * mt + (lane & 15)) * STR + kc * 16 + (lane >> 4) * 8;
+                ldmatrix_x4(qa[mt], smem_u32(pq));
+                ldmatrix_x4(qb[mt], smem_u32(pq + 16));
+            }
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
                 u32 kb[4];
                 const u16* pk = ks + (warp * 16 + nt * 8 + (lane & 7)) * STR + kc * 16 +
                                 (lane >> 3) * 8;
                 ldmatrix_x4(kb, smem_u32(pk));
-                mma16816<BF16>(sc[nt], qa, kb[0], kb[1]);
-                mma16816<BF16>(sc[nt], qb, kb[2], kb[3]);
-            }
-        }
-        // Online softmax per row: element e of column tile nt is row g + 8 * (e >> 1), key
-        // kw + nt * 8 + 2 * t4 + (e & 1); the row's 16 keys are spread over the quad.
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = kw + nt * 8 + 2 * t4 + e;
-                    float x = sc[nt][2 * r + e] * scale_log2;
-                    if (key >= lim[r]) x = NEG_INF;
-                    sc[nt][2 * r + e] = x;
-                    mx = fmaxf(mx, x);
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816<BF16>(sc[mt][nt], qa[mt], kb[0], kb[1]);
+                    mma16816<BF16>(sc[mt][nt], qb[mt], kb[2], kb[3]);
                 }
             }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m_run[r], mx);
-            // A row with no visible key so far keeps base 0: every exp2 is of -inf, i.e. 0.
-            const float base = m_new == NEG_INF ? 0.f : m_new;
-            const float alpha = fast_exp2(m_run[r] - base);
-            m_run[r] = m_new;
-            float sum = 0.f;
+        }
+        // Online softmax per row: element e of column tile nt is row 16 mt + g + 8 (e >> 1),
+        // key kw + nt * 8 + 2 * t4 + (e & 1); the row's 16 keys are spread over the quad.
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = fast_exp2(sc[nt][2 * r + e] - base);
-                    sc[nt][2 * r + e] = p;
-                    sum += p;
+            for (int r = 0; r < 2; ++r) {
+                float mx = NEG_INF;
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = kw + nt * 8 + 2 * t4 + e;
+                        float x = sc[mt][nt][2 * r + e] * scale_log2;
+                        if (key >= lim[mt][r]) x = NEG_INF;
+                        sc[mt][nt][2 * r + e] = x;
+                        mx = fmaxf(mx, x);
+                    }
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m_run[mt][r], mx);
+                // A row with no visible key so far keeps base 0: every exp2 is of -inf, i.e. 0.
+                const float base = m_new == NEG_INF ? 0.f : m_new;
+                const float alpha = fast_exp2(m_run[mt][r] - base);
+                m_run[mt][r] = m_new;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = fast_exp2(sc[mt][nt][2 * r + e] - base);
+                        sc[mt][nt][2 * r + e] = p;
+                        sum += p;
+                    }
+                }
+                l_run[mt][r] = l_run[mt][r] * alpha + sum;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    o[mt][dt][2 * r] *= alpha;
+                    o[mt][dt][2 * r + 1] *= alpha;
                 }
             }
-            l_run[r] = l_run[r] * alpha + sum;
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                o[dt][2 * r] *= alpha;
-                o[dt][2 * r + 1] *= alpha;
-            }
         }
-        // O += P V: P's accumulator layout is the A fragment of the next mma (16 keys = k16).
-        u32 pa[4];
-        pa[0] = pack2<BF16>(sc[0][0], sc[0][1]);
-        pa[1] = pack2<BF16>(sc[0][2], sc[0][3]);
-        pa[2] = pack2<BF16>(sc[1][0], sc[1][1]);
-        pa[3] = pack2<BF16>(sc[1][2], sc[1][3]);
+        // O += P V: P's accumulator layout is the A fragment of the next mma (16 keys = k16);
+        // each V fragment serves every row tile.
+        u32 pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            pa[mt][0] = pack2<BF16>(sc[mt][0][0], sc[mt][0][1]);
+            pa[mt][1] = pack2<BF16>(sc[mt][0][2], sc[mt][0][3]);
+            pa[mt][2] = pack2<BF16>(sc[mt][1][0], sc[mt][1][1]);
+            pa[mt][3] = pack2<BF16>(sc[mt][1][2], sc[mt][1][3]);
+        }
 #pragma unroll
         for (int dt = 0; dt < DT; dt += 2) {
             u32 vb[4];
             const u16* pv = vs + (warp * 16 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
             ldmatrix_x4_trans(vb, smem_u32(pv));
-            mma16816<BF16>(o[dt], pa, vb[0], vb[1]);
-            mma16816<BF16>(o[dt + 1], pa, vb[2], vb[3]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816<BF16>(o[mt][dt], pa[mt], vb[0], vb[1]);
+                mma16816<BF16>(o[mt][dt + 1], pa[mt], vb[2], vb[3]);
+            }
         }
     }
     cp_async_wait<0>();
@@ -248,19 +281,22 @@ __device__ __forceinline__ void flash_decode_split(
     float* mw = ob + NW * RM * D;                    // [NW][RM]: running maxima
     float* lw = mw + NW * RM;                        // [NW][RM]: running sums
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const int row = g + 8 * r;
-        if (t4 == 0) {
-            mw[warp * RM + row] = m_run[r];
-            lw[warp * RM + row] = l;
-        }
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-            *reinterpret_cast<float2*>(ob + (warp * RM + row) * D + dt * 8 + 2 * t4) =
-                make_float2(o[dt][2 * r], o[dt][2 * r + 1]);
+        for (int r = 0; r < 2; ++r) {
+            float l = l_run[mt][r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int row = 16 * mt + g + 8 * r;
+            if (t4 == 0) {
+                mw[warp * RM + row] = m_run[mt][r];
+                lw[warp * RM + row] = l;
+            }
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                *reinterpret_cast<float2*>(ob + (warp * RM + row) * D + dt * 8 + 2 * t4) =
+                    make_float2(o[mt][dt][2 * r], o[mt][dt][2 * r + 1]);
+            }
         }
     }
     __syncthreads();

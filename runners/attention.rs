@@ -485,13 +485,14 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
-                "decoding shapes, forward: at most {} query rows against at least {} keys, head_dim {}, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale. Kernels: split-KV (kernels/flash_decode.cu): the keys split into ranges so that one wave of {} CTAs per SM ({} at head_dim 256) is filled, {} query rows per CTA on mma.sync, then a combine of the ranges",
+                "decoding shapes, forward: at most {} query rows against at least {} keys, head_dim {}, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale. Kernels: split-KV (kernels/flash_decode.cu): the keys split into ranges so that one wave of {} CTAs per SM ({} at head_dim 256) is filled, query rows in {}-row mma.sync tiles, {} tiles per CTA at head_dim <= 128 when a GQA group has more rows than one tile, then a combine of the ranges",
                 AttentionCase::DECODE_MAX_QUERIES,
                 AttentionCase::DECODE_MIN_KEYS,
                 decode_dims.join(", "),
                 decode_gpu::CTAS_PER_SM,
-                decode_gpu::ctas_per_sm(256),
-                decode_gpu::ROWS_PER_CTA
+                decode_gpu::ctas_per_sm(256, 1),
+                decode_gpu::ROW_TILE,
+                decode_gpu::row_tiles(decode_gpu::ROW_TILE + 1, 128)
             ),
             implementation: decode::CONTIGUOUS.into(),
         },

@@ -258,7 +258,7 @@ pub fn note(c: &AttentionCase, implementation: &str, plan: DecodePlan) -> String
         "the contiguous [B, KVH, T, D] cache".to_string()
     };
     let rows = shape(c).rows();
-    let blocks = row_blocks(rows);
+    let blocks = row_blocks(rows, c.head_dim);
     format!(
         "split-KV: {} splits of {} keys per (sequence, kv head), {} CTAs, then a combine; reads {cache}",
         plan.splits,

@@ -5,7 +5,7 @@
 //! Flash-decoding (Dao, Haziza, Massa and Sizov, 2023): the keys of each sequence are split into
 //! ranges of [`DecodePlan::keys_per_split`] keys; one CTA per (split, kv head, sequence) attends
 //! the kv head's G = heads / kv_heads query heads (GQA) with all their query rows
-//! ([`ROWS_PER_CTA`] rows a CTA, one tensor-core row tile; more take several CTAs,
+//! (one or two 16-row tensor-core row tiles a CTA, [`row_tiles`]; more rows take several CTAs,
 //! [`row_blocks`]) to its range and writes a partial output and log-sum-exp; a second kernel merges the partials exactly
 //! ([`super::decode::combine`]'s formula). Splitting is what fills the GPU when batch × kv_heads
 //! CTAs would not: [`DecodePlan::for_shape`] fills one wave of [`ctas_per_sm`] CTAs per SM.
@@ -121,16 +121,29 @@ pub const CTAS_PER_SM: usize = 2;
 /// also takes 1 KiB for the system.
 const SM_SHARED_BYTES: usize = 228 * 1024;
 
-/// CTAs of the split kernel that fit one SM at `head_dim` (by shared memory, at most
-/// [`CTAS_PER_SM`]): 2 at head_dim 64 and 128, 1 at 256 (140 KiB each). Its launch bounds and
-/// [`DecodePlan::for_shape`]'s wave use it.
-pub fn ctas_per_sm(head_dim: usize) -> usize {
-    (SM_SHARED_BYTES / (split_smem_bytes(head_dim) + 1024)).clamp(1, CTAS_PER_SM)
+/// CTAs of the split kernel with `row_tiles` row tiles that fit one SM at `head_dim` (by
+/// shared memory, at most [`CTAS_PER_SM`]): 2 at head_dim 64 and 128, 1 at 256 (140 KiB each).
+/// Its launch bounds and [`DecodePlan::for_shape`]'s wave use it.
+pub fn ctas_per_sm(head_dim: usize, row_tiles: usize) -> usize {
+    (SM_SHARED_BYTES / (split_smem_bytes(head_dim, row_tiles) + 1024)).clamp(1, CTAS_PER_SM)
 }
 
-/// Query rows one CTA of the split kernel attends (`RM`: the 16 rows of an mma.m16n8k16 tile;
-/// rows past G × seq_len_q are zero and never written).
-pub const ROWS_PER_CTA: usize = 16;
+/// Query rows of one mma.m16n8k16 row tile; a CTA of the split kernel attends
+/// [`row_tiles`] of them (`RM` = 16 · `MT`; rows past G × seq_len_q are zero and never
+/// written).
+pub const ROW_TILE: usize = 16;
+
+/// Row tiles per CTA (`MT`) for `rows` query rows per kv head at `head_dim`: two when the rows
+/// need more than one tile and the accumulators of 32 rows fit the registers (head_dim ≤ 128),
+/// so both tiles share every K and V fragment and the cache is read once per 32 rows; else
+/// one.
+pub fn row_tiles(rows: usize, head_dim: usize) -> usize {
+    if rows > ROW_TILE && head_dim <= 128 {
+        2
+    } else {
+        1
+    }
+}
 
 /// Where key `t` of sequence `b` and kv head `h` lives, in elements:
 /// `page_stride · block_table[b][t / page_size] + row_stride · (t % page_size) + head_stride · h`.
@@ -216,9 +229,14 @@ impl DecodeShape {
         self.heads / self.kv_heads.max(1) * self.seq_len_q
     }
 
+    /// Row tiles per CTA of the split kernel ([`row_tiles`]).
+    pub fn row_tiles(&self) -> usize {
+        row_tiles(self.rows(), self.head_dim)
+    }
+
     /// CTAs of the split kernel per key range: batch · kv_heads · [`row_blocks`].
     pub fn ctas_per_split(&self) -> usize {
-        self.batch * self.kv_heads * row_blocks(self.rows())
+        self.batch * self.kv_heads * row_blocks(self.rows(), self.head_dim)
     }
 
     /// Why the kernels cannot run this shape, or `None` when they can.
@@ -245,10 +263,11 @@ impl DecodeShape {
     }
 }
 
-/// CTAs one kv head's `rows` query rows take, [`ROWS_PER_CTA`] each (each reads the keys; the
-/// row blocks of one kv head run side by side, so L2 serves the repeated reads).
-pub fn row_blocks(rows: usize) -> usize {
-    rows.div_ceil(ROWS_PER_CTA).max(1)
+/// CTAs one kv head's `rows` query rows take at `head_dim`, 16 · [`row_tiles`] rows each (each
+/// reads the keys; the row blocks of one kv head run side by side, so L2 serves the repeated
+/// reads).
+pub fn row_blocks(rows: usize, head_dim: usize) -> usize {
+    rows.div_ceil(ROW_TILE * row_tiles(rows, head_dim)).max(1)
 }
 
 /// How one call is split: `splits` ranges of `keys_per_split` keys (a multiple of
@@ -270,7 +289,7 @@ impl DecodePlan {
         sm_count: usize,
         splits: Option<usize>,
     ) -> DecodePlan {
-        let wave = ctas_per_sm(shape.head_dim) * sm_count;
+        let wave = ctas_per_sm(shape.head_dim, shape.row_tiles()) * sm_count;
         DecodePlan::new(shape.ctas_per_split(), max_len, wave, splits)
     }
 
@@ -298,12 +317,13 @@ impl DecodePlan {
     }
 }
 
-/// Names and source of the split and combine kernels for `head_dim` and `dtype`.
-pub fn decode_source(head_dim: usize, dtype: Dtype) -> (String, String, String) {
+/// Names and source of the split and combine kernels for `head_dim`, `row_tiles` (1, or 2 at
+/// head_dim ≤ 128) and `dtype`.
+pub fn decode_source(head_dim: usize, row_tiles: usize, dtype: Dtype) -> (String, String, String) {
     let bf = dtype == Dtype::Bf16;
     let dt = dtype.as_str();
-    let split = format!("flash_decode_split_{dt}_d{head_dim}");
-    let ctas = ctas_per_sm(head_dim);
+    let split = format!("flash_decode_split_{dt}_d{head_dim}_m{row_tiles}");
+    let ctas = ctas_per_sm(head_dim, row_tiles);
     let combine = format!("flash_decode_combine_{dt}_d{head_dim}");
     let src = format!(
         "{PRELUDE_SRC}\n{DECODE_SRC}\n\
@@ -311,7 +331,7 @@ pub fn decode_source(head_dim: usize, dtype: Dtype) -> (String, String, String) 
          const u16* K, const u16* V, const int* block_table, const int* seq_lens, float* Opart, \
          float* Lpart, int Tq, int H, int KVH, int page_size, int max_pages, long long \
          page_stride, long long row_stride, long long head_stride, int keys_per_split, float \
-         scale_log2, int causal) {{ flash_decode_split<{head_dim}, {bf}>(Q, K, V, \
+         scale_log2, int causal) {{ flash_decode_split<{head_dim}, {row_tiles}, {bf}>(Q, K, V, \
          block_table, seq_lens, Opart, Lpart, Tq, H, KVH, page_size, max_pages, page_stride, \
          row_stride, head_stride, keys_per_split, scale_log2, causal); }}\n\
          extern \"C\" __global__ void __launch_bounds__({THREADS}) {combine}(const float* Opart, \
@@ -336,10 +356,10 @@ pub fn ring_stages(head_dim: usize) -> usize {
 }
 
 /// Dynamic shared memory of the split kernel, bytes (`DecodeSmem::BYTES`): the ring's stages
-/// of a K and a V tile of [`KEY_TILE`] keys, then [`ROWS_PER_CTA`] rows of Q, every row padded
+/// of a K and a V tile of [`KEY_TILE`] keys, then 16 · `row_tiles` rows of Q, every row padded
 /// by 8 elements of 2 bytes.
-pub fn split_smem_bytes(head_dim: usize) -> usize {
-    (ring_stages(head_dim) * 2 * KEY_TILE + ROWS_PER_CTA) * (head_dim + 8) * 2
+pub fn split_smem_bytes(head_dim: usize, row_tiles: usize) -> usize {
+    (ring_stages(head_dim) * 2 * KEY_TILE + ROW_TILE * row_tiles) * (head_dim + 8) * 2
 }
 
 /// The compiled kernels and partial buffers for one shape and plan.
@@ -374,15 +394,16 @@ impl Decoder {
                 plan.splits
             )));
         }
-        let (split_name, combine_name, src) = decode_source(shape.head_dim, shape.dtype);
+        let mt = shape.row_tiles();
+        let (split_name, combine_name, src) = decode_source(shape.head_dim, mt, shape.dtype);
         let compiled = gpu.compile(&format!("{split_name}.cu"), &src)?;
-        let smem = split_smem_bytes(shape.head_dim) as u32;
+        let smem = split_smem_bytes(shape.head_dim, mt) as u32;
         super::cuda::check_smem(gpu, &split_name, smem)?;
         let split = gpu.function(&compiled.module, &split_name, smem)?;
         let combine = gpu.function(&compiled.module, &combine_name, 0)?;
         let rows = shape.batch * shape.heads * shape.seq_len_q;
         Ok(Decoder {
-            row_blocks: row_blocks(shape.rows()),
+            row_blocks: row_blocks(shape.rows(), shape.head_dim),
             shape,
             plan,
             split,
@@ -538,11 +559,12 @@ mod tests {
         let p = DecodePlan::new(64, 32768, 264, None);
         assert_eq!((p.splits, p.keys_per_split), (4, 8192));
         let s = DecodeShape::new(8, 32, 8, 8, 128);
-        assert_eq!(s.ctas_per_split(), 8 * 8 * 2);
+        // GQA 4:1 with 8 tokens: 32 rows, one CTA of two row tiles per (sequence, kv head).
+        assert_eq!(s.ctas_per_split(), 8 * 8);
         // One CTA per SM at head_dim 256 (its shared memory): the wave is one per SM.
         assert_eq!(
-            [64, 128, 256].map(ctas_per_sm),
-            [CTAS_PER_SM, CTAS_PER_SM, 1]
+            [(64, 1), (64, 2), (128, 1), (128, 2), (256, 1)].map(|(d, m)| ctas_per_sm(d, m)),
+            [CTAS_PER_SM, CTAS_PER_SM, CTAS_PER_SM, CTAS_PER_SM, 1]
         );
         let wide = DecodeShape::new(1, 32, 8, 1, 256);
         assert_eq!(DecodePlan::for_shape(&wide, 32768, 132, None).splits, 16);
@@ -572,10 +594,13 @@ mod tests {
         );
         assert_eq!(s.unsupported(), None);
         // GQA 4:1 with 1, 4 and 8 query rows: one CTA up to 16 rows, then one per 16.
-        assert_eq!(row_blocks(s.rows()), 1);
-        assert_eq!(row_blocks(16), 1);
-        assert_eq!(row_blocks(17), 2);
-        assert_eq!(row_blocks(32), 2);
+        assert_eq!(row_blocks(s.rows(), 128), 1);
+        assert_eq!(row_blocks(16, 128), 1);
+        // 17 to 32 rows: one CTA of two row tiles at head_dim <= 128, two CTAs at 256.
+        assert_eq!((row_tiles(17, 128), row_blocks(17, 128)), (2, 1));
+        assert_eq!((row_tiles(32, 64), row_blocks(32, 64)), (2, 1));
+        assert_eq!((row_tiles(32, 256), row_blocks(32, 256)), (1, 2));
+        assert_eq!(row_blocks(64, 128), 2);
         for (bad, what) in [
             (DecodeShape { head_dim: 96, ..s }, "head_dim 96"),
             (
@@ -592,8 +617,8 @@ mod tests {
         }
         // Shared memory: three stages of a K and a V tile plus 16 rows of Q at head_dim 128
         // (two CTAs fit the H200's 228 KiB per SM), two stages at 256.
-        assert_eq!(split_smem_bytes(128), (3 * 2 * 64 + 16) * 136 * 2);
-        assert!(2 * (split_smem_bytes(128) + 1024) <= 228 * 1024);
-        assert_eq!(split_smem_bytes(256), (2 * 2 * 64 + 16) * 264 * 2);
+        assert_eq!(split_smem_bytes(128, 1), (3 * 2 * 64 + 16) * 136 * 2);
+        assert!(2 * (split_smem_bytes(128, 2) + 1024) <= 228 * 1024);
+        assert_eq!(split_smem_bytes(256, 1), (2 * 2 * 64 + 16) * 264 * 2);
     }
 }
