@@ -69,6 +69,36 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, u32 addr) {
                  : "r"(addr));
 }
 
+// O += P V over one 16-key step (the k16 of mma.m16n8k16), for each of MT 16-row tiles: P of
+// row tile mt is the S accumulator of its 8-key column tiles 2 kc and 2 kc + 1, s[mt][2 kc]
+// and s[mt][2 kc + 1], whose C layout packed to 16 bits is the A fragment; the 16 V rows are
+// rows row0 .. row0 + 15 of the tile `v` (row stride STR elements) and come by ldmatrix.trans,
+// each V fragment serving every row tile. o[mt][dt] is output column tile dt (DT = D / 8,
+// even).
+template <int MT, int NTILES, int DT, int STR, bool BF16>
+__device__ __forceinline__ void pv_step(float (&o)[MT][DT][4], const float (&s)[MT][NTILES][4],
+                                        int kc, const u16* v, int row0, int lane) {
+    u32 pa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = pack2<BF16>(s[mt][2 * kc][0], s[mt][2 * kc][1]);
+        pa[mt][1] = pack2<BF16>(s[mt][2 * kc][2], s[mt][2 * kc][3]);
+        pa[mt][2] = pack2<BF16>(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
+        pa[mt][3] = pack2<BF16>(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; dt += 2) {
+        u32 vb[4];
+        const u16* p = v + (row0 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
+        ldmatrix_x4_trans(vb, smem_u32(p));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            mma16816<BF16>(o[mt][dt], pa[mt], vb[0], vb[1]);
+            mma16816<BF16>(o[mt][dt + 1], pa[mt], vb[2], vb[3]);
+        }
+    }
+}
+
 // 16-byte asynchronous copy global -> shared; with `valid` false the 16 shared bytes are
 // zero-filled and nothing is read (src-size 0; `g` must still be a valid address).
 __device__ __forceinline__ void cp_async16(u32 saddr, const void* g, bool valid) {

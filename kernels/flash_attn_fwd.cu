@@ -193,25 +193,7 @@ __device__ __forceinline__ void flash_fwd(const u16* __restrict__ Q, const u16* 
 #pragma unroll
             for (int kc = 0; kc < BCT / 16; ++kc) {
                 if (kc * 16 < rem) {
-                    u32 pa[MT][4];
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        pa[mt][0] = pack2<BF16>(s[mt][2 * kc][0], s[mt][2 * kc][1]);
-                        pa[mt][1] = pack2<BF16>(s[mt][2 * kc][2], s[mt][2 * kc][3]);
-                        pa[mt][2] = pack2<BF16>(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
-                        pa[mt][3] = pack2<BF16>(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
-                    }
-#pragma unroll
-                    for (int dt = 0; dt < DT; dt += 2) {
-                        u32 vb[4];
-                        const u16* p = v_s + (kc * 16 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
-                        ldmatrix_x4_trans(vb, smem_u32(p));
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
-                            mma16816<BF16>(o[mt][dt], pa[mt], vb[0], vb[1]);
-                            mma16816<BF16>(o[mt][dt + 1], pa[mt], vb[2], vb[3]);
-                        }
-                    }
+                    pv_step<MT, NT, DT, STR, BF16>(o, s, kc, v_s, kc * 16, lane);
                 }
             }
         }

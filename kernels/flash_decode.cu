@@ -252,27 +252,8 @@ __device__ __forceinline__ void flash_decode_split(
                 }
             }
         }
-        // O += P V: P's accumulator layout is the A fragment of the next mma (16 keys = k16);
-        // each V fragment serves every row tile.
-        u32 pa[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            pa[mt][0] = pack2<BF16>(sc[mt][0][0], sc[mt][0][1]);
-            pa[mt][1] = pack2<BF16>(sc[mt][0][2], sc[mt][0][3]);
-            pa[mt][2] = pack2<BF16>(sc[mt][1][0], sc[mt][1][1]);
-            pa[mt][3] = pack2<BF16>(sc[mt][1][2], sc[mt][1][3]);
-        }
-#pragma unroll
-        for (int dt = 0; dt < DT; dt += 2) {
-            u32 vb[4];
-            const u16* pv = vs + (warp * 16 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
-            ldmatrix_x4_trans(vb, smem_u32(pv));
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                mma16816<BF16>(o[mt][dt], pa[mt], vb[0], vb[1]);
-                mma16816<BF16>(o[mt][dt + 1], pa[mt], vb[2], vb[3]);
-            }
-        }
+        // O += P V over the warp's 16 keys (pv_step: P's accumulator layout is the A fragment).
+        pv_step<MT, 2, DT, STR, BF16>(o, sc, 0, vs, warp * 16, lane);
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring is free: it takes the warps' partials

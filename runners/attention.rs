@@ -64,7 +64,7 @@ struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
     /// Implementations of this project to run [default: flash,math; with `--grids decode`
-    /// also flash_decode,flash_decode_paged; cpu_flash with --device cpu].
+    /// math,flash_decode,flash_decode_paged; cpu_flash with --device cpu].
     #[arg(long, value_delimiter = ',')]
     implementations: Option<Vec<String>>,
     /// Grids to measure: `main` (the seq_len sweep), `shapes` (issue 9 §2's shapes), `decode`
@@ -567,7 +567,7 @@ impl runner::Suite for Attention {
         }
         if decode::is_decode(implementation) {
             return match case_of(p) {
-                Ok(c) => decode::unsupported(&c),
+                Ok(c) => decode_gpu::unsupported_case(&c),
                 Err(e) => Some(e.to_string()),
             };
         }

@@ -6,9 +6,7 @@
 //! upload, outside the timing). Decoding rows carry GB/s
 //! ([`AttentionCase::bytes_moved`]) besides TFLOP/s.
 
-use kernelpages::attention::decode_gpu::{
-    self, row_blocks, CacheLayout, DecodePlan, DecodeShape, Decoder,
-};
+use kernelpages::attention::decode_gpu::{self, row_blocks, CacheLayout, DecodePlan, Decoder};
 use kernelpages::attention::AttentionCase;
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::runner::own;
@@ -64,18 +62,6 @@ pub fn cases(quick: bool) -> Vec<AttentionCase> {
         }
     }
     out
-}
-
-/// The decoding kernels' shape for case `c`.
-pub fn shape(c: &AttentionCase) -> DecodeShape {
-    decode_gpu::shape_of(c)
-}
-
-/// Why `flash_decode` and `flash_decode_paged` do not run case `c`, or `None`
-/// ([`decode_gpu::unsupported_case`]: the cases `dot_product_attention` sends to the split-KV
-/// kernel).
-pub fn unsupported(c: &AttentionCase) -> Option<String> {
-    decode_gpu::unsupported_case(c)
 }
 
 /// One input set on the device: Q, the cache as the implementation reads it, its block table
@@ -207,16 +193,17 @@ pub fn measure(job: &Job) -> Reply {
         Ok(c) => c,
         Err(e) => return Reply::failed(job, kernelpages::schema::Status::Error, e.to_string()),
     };
-    if let Some(why) = unsupported(&c) {
+    if let Some(why) = decode_gpu::unsupported_case(&c) {
         return Reply::failed(job, kernelpages::schema::Status::Unsupported, why);
     }
     let paged = job.implementation == PAGED;
     let mut planned: Option<String> = None;
     let mut reply = own::measure(job, |gpu| {
         let sms = gpu.describe()?.sm_count.map_or(1, |n| n as usize);
-        let plan = DecodePlan::for_shape(&shape(&c), c.seq_len_kv, sms, None);
+        let shape = decode_gpu::shape_of(&c);
+        let plan = DecodePlan::for_shape(&shape, c.seq_len_kv, sms, None);
         planned = Some(note(&c, &job.implementation, plan));
-        let dec = Decoder::new(gpu, shape(&c), plan)?;
+        let dec = Decoder::new(gpu, shape, plan)?;
         let compile_s = dec.compile_s;
         let (layout, max_pages) = if paged {
             (
@@ -257,7 +244,7 @@ pub fn note(c: &AttentionCase, implementation: &str, plan: DecodePlan) -> String
     } else {
         "the contiguous [B, KVH, T, D] cache".to_string()
     };
-    let rows = shape(c).rows();
+    let rows = decode_gpu::shape_of(c).rows();
     let blocks = row_blocks(rows, c.head_dim);
     format!(
         "split-KV: {} splits of {} keys per (sequence, kv head), {} CTAs, then a combine; reads {cache}",
@@ -307,24 +294,26 @@ mod tests {
         assert_eq!(all.len(), (2 * 3 + 2) * 3);
         for c in &all {
             assert!(c.is_decoding(), "{c:?}");
-            assert_eq!(unsupported(c), None, "{c:?}");
+            assert_eq!(decode_gpu::unsupported_case(c), None, "{c:?}");
             assert!(c.bytes_moved() > 0.0);
         }
         let big = AttentionCase {
             pass: Pass::FwdBwd,
             ..all[0].clone()
         };
-        assert!(unsupported(&big).unwrap().contains("forward only"));
+        assert!(decode_gpu::unsupported_case(&big)
+            .unwrap()
+            .contains("forward only"));
         let square = AttentionCase::new(4, 8, 4096, 128);
-        assert!(unsupported(&square)
+        assert!(decode_gpu::unsupported_case(&square)
             .unwrap()
             .contains("not a decoding shape"));
         let f32c = AttentionCase {
             dtype: Dtype::F32,
             ..all[0].clone()
         };
-        assert!(unsupported(&f32c).is_some());
-        let plan = DecodePlan::for_shape(&shape(&all[0]), 32768, 132, None);
+        assert!(decode_gpu::unsupported_case(&f32c).is_some());
+        let plan = DecodePlan::for_shape(&decode_gpu::shape_of(&all[0]), 32768, 132, None);
         let n = note(&all[0], PAGED, plan);
         assert!(
             n.contains("32 splits of 1024 keys") && n.contains("pages of 16 keys"),
