@@ -1,10 +1,13 @@
 """Emulation of flash_decode.cu (split-KV decoding over a paged KV cache) and of the host's
 split plan (src/attention/decode_gpu.rs, DecodePlan::new), against a naive float64 reference.
 The kernel's own index arithmetic is run for every thread: the paged addresses through the
-block table and the layout's strides, the ring of NS tile stages and its zero fill, the
+block table and the layout's strides, the ring of NS tile stages filled either way the kernel
+fills it (compute capability 9.0: one warp's bulk copies per key row, rows past the range
+repeating its last key; before 9.0: every thread's 16-byte chunks, zero fill), the
 ldmatrix addresses (ldmatrix and mma.m16n8k16 are emulated fragment by fragment from their PTX
 definitions), the per-warp key ranges, masks and online softmax over the quad, the warps' merge
-in shared memory, the per-split partials and the combine. Global arrays are bounds-checked,
+in shared memory, the per-split partials and the combine by the CTA that counts itself last
+(CTAs run in a shuffled order; the counters must end at zero). Global arrays are bounds-checked,
 shared buffers start as NaN (a read of a value never written shows up in the result), and the
 output starts as NaN. The 16-bit rounding and the hardware exp2 are not emulated (the GPU test
 checks those). Keep it in step with the kernel.
@@ -53,7 +56,7 @@ def ctas_per_sm(D, MT):
     """ctas_per_sm: CTAs whose shared memory (split_smem_bytes + 1 KiB) fits 228 KiB, at most
     CTAS_PER_SM."""
     ns = 3 if D <= 128 else 2
-    smem = (ns * 2 * KT + ROW_TILE * MT) * (D + 8) * 2
+    smem = (ns * 2 * KT + ROW_TILE * MT) * (D + 8) * 2 + ns * 8 + 16
     return max(1, min(CTAS_PER_SM, (228 * 1024) // (smem + 1024)))
 
 
@@ -93,6 +96,23 @@ def load_tile(ks, vs, base, K, V, Kb, Vb, table, k0, end, page_size, page_stride
             while within >= page_size:
                 within -= page_size
                 page += 1
+
+
+def bulk_tile(ks, vs, base, K, V, Kb, Vb, table, k0, end, page_size, page_stride, row_stride,
+              D):
+    """decode_bulk_tile: lane l of the loading warp copies key rows l, l + 32 of K and V whole;
+    keys at or past `end` copy key end - 1."""
+    STR = D + 8
+    assert end > k0
+    for lane in range(32):
+        for i in range(KT // 32):
+            kr = lane + 32 * i
+            key = min(k0 + kr, end - 1)
+            page = key // page_size
+            off = table[page] * page_stride + (key - page * page_size) * row_stride
+            for e in range(D):
+                ks[base + kr * STR + e] = K[Kb + off + e]
+                vs[base + KT * STR + kr * STR + e] = V[Vb + off + e]
 
 
 def ldmatrix_x4(mem, addr, trans=False):
@@ -136,8 +156,10 @@ def row_tiles(rows, D):
     return 2 if rows > ROW_TILE and D <= 128 else 1
 
 
-def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, H, KVH, page_size,
-              max_pages, page_stride, row_stride, head_stride, kps, scale_log2, causal, D):
+def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, counters, O, LSE, Tq,
+              H, KVH, page_size, max_pages, page_stride, row_stride, head_stride, kps,
+              scale_log2, causal, D, bulk):
+    load = bulk_tile if bulk else load_tile
     STR = D + 8
     NS = 3 if D <= 128 else 2
     TILE = KT * STR
@@ -169,8 +191,8 @@ def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, 
                 qs[r * STR + col + e] = Q[off + e] if ok else 0.0
     for st in range(NS - 1):
         if st < n_tiles:
-            load_tile(ring, ring, st * 2 * TILE, K, V, Kb, Vb, table, start + st * KT, end,
-                      page_size, page_stride, row_stride, D)
+            load(ring, ring, st * 2 * TILE, K, V, Kb, Vb, table, start + st * KT, end,
+                 page_size, page_stride, row_stride, D)
     # Per lane and row tile mt: rows 16 mt + g and 16 mt + g + 8, their key limits, running max
     # and sum, accumulators.
     lim = [[[None, None] for _ in range(MT)] for _ in range(NT)]
@@ -186,8 +208,8 @@ def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, 
     for t in range(n_tiles):
         nxt = t + NS - 1
         if nxt < n_tiles:
-            load_tile(ring, ring, (nxt % NS) * 2 * TILE, K, V, Kb, Vb, table, start + nxt * KT,
-                      end, page_size, page_stride, row_stride, D)
+            load(ring, ring, (nxt % NS) * 2 * TILE, K, V, Kb, Vb, table, start + nxt * KT,
+                 end, page_size, page_stride, row_stride, D)
         ksb = (t % NS) * 2 * TILE
         vsb = ksb + TILE
         for warp in range(NW):
@@ -281,21 +303,53 @@ def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, Tq, 
                     acc += f * ob[(w * RM + r) * D + d]
             h, i = kvh * G + (r0 + r) // Tq, (r0 + r) % Tq
             row = (b * H + h) * Tq + i
-            Opart[(row * S + s) * D + d] = acc / lsum if lsum > 0 else 0.0
-            if d == 0:
-                Lpart[row * S + s] = m + math.log2(lsum) if lsum > 0 else NEG
+            out = acc / lsum if lsum > 0 else 0.0
+            if S == 1:
+                O[row * D + d] = out
+                if d == 0:
+                    LSE[row] = (m + math.log2(lsum)) * math.log(2) if lsum > 0 else INF
+            else:
+                Opart[(row * S + s) * D + d] = out
+                if d == 0:
+                    Lpart[row * S + s] = m + math.log2(lsum) if lsum > 0 else NEG
+    if S == 1:
+        return
+    at = b * (KVH * RB) + y
+    before = counters[at]
+    counters[at] = before + 1
+    if before != S - 1:
+        return
+    counters[at] = 0
+    assert RM * S <= NS * 2 * TILE // 2, "the combine's weights fit the ring"
+    combine_rows(Opart, Lpart, O, LSE, [NAN] * (RM * S), R, b, kvh, r0, G, Tq, H, S, D)
 
 
-def combine(Opart, Lpart, O, LSE, rows, S, D):
-    for row in range(rows):
-        ws = [Lpart[row * S + s] for s in range(S)]
-        m = max(ws)
-        ws = [0.0 if m == NEG else exp2(x - m) for x in ws]
-        total = sum(ws)
-        for d in range(D):
-            o = sum(ws[s] * Opart[(row * S + s) * D + d] for s in range(S))
-            O[row * D + d] = o / total if total > 0 else 0.0
-        LSE[row] = INF if m == NEG else (m + math.log2(total)) * math.log(2)
+def combine_rows(Opart, Lpart, O, LSE, ws, R, b, kvh, r0, G, Tq, H, S, D):
+    """decode_combine_rows: warp w takes rows w, w + 4, ...; its lanes stride over the splits;
+    then each thread sums four adjacent columns of one row over the splits."""
+    NW = NT // 32
+    for warp in range(NW):
+        for r in range(warp, R, NW):
+            h, i = kvh * G + (r0 + r) // Tq, (r0 + r) % Tq
+            row = (b * H + h) * Tq + i
+            m = max([NEG] + [Lpart[row * S + s] for s in range(S)])
+            total = 0.0
+            for s in range(S):
+                w = 0.0 if m == NEG else exp2(Lpart[row * S + s] - m)
+                ws[r * S + s] = w
+                total += w
+            inv = 1.0 / total if total > 0 else 0.0
+            for s in range(S):
+                ws[r * S + s] *= inv
+            LSE[row] = INF if m == NEG else (m + math.log2(total)) * math.log(2)
+    for tid in range(NT):
+        for idx in range(tid, R * (D // 4), NT):
+            r, c = idx // (D // 4), (idx % (D // 4)) * 4
+            h, i = kvh * G + (r0 + r) // Tq, (r0 + r) % Tq
+            row = (b * H + h) * Tq + i
+            for e in range(4):
+                O[row * D + c + e] = sum(ws[r * S + s] * Opart[(row * S + s) * D + c + e]
+                                         for s in range(S))
 
 
 def reference(q, k_at, v_at, B, H, KVH, Tq, D, lens, causal, scale):
@@ -319,7 +373,7 @@ def reference(q, k_at, v_at, B, H, KVH, Tq, D, lens, causal, scale):
     return out, lse
 
 
-def case(B, H, KVH, Tq, D, lens, page, causal, forced, sms, seed):
+def case(B, H, KVH, Tq, D, lens, page, causal, forced, sms, seed, bulk):
     rnd = random.Random(seed)
     max_len = max(max(lens), 1)
     scale = D ** -0.5
@@ -371,17 +425,20 @@ def case(B, H, KVH, Tq, D, lens, page, causal, forced, sms, seed):
     Q = Checked(Qv, "Q")
     K, V = Checked(Kf, "K"), Checked(Vf, "V")
     BT, SL = Checked(table, "block_table"), Checked(lens, "seq_lens")
-    Opart = Checked([NAN] * (rows * S * D), "Opart")
-    Lpart = Checked([NAN] * (rows * S), "Lpart")
-    for b in range(B):
-        for y in range(KVH * RB):
-            for s in range(S):
-                split_cta(s, y, b, S, RB, Q, K, V, BT, SL, Opart, Lpart, Tq, H, KVH, page_size,
-                          max_pages, page_stride, row_stride, head_stride, kps,
-                          scale * math.log2(math.e), causal, D)
+    # With one split the partials are a one-element placeholder (Decoder::new).
+    Opart = Checked([NAN] * (rows * S * D if S > 1 else 1), "Opart")
+    Lpart = Checked([NAN] * (rows * S if S > 1 else 1), "Lpart")
+    counters = Checked([0] * (B * KVH * RB), "counters")
     O = Checked([NAN] * (rows * D), "O")
     LSE = Checked([NAN] * rows, "LSE")
-    combine(Opart, Lpart, O, LSE, rows, S, D)
+    ctas = [(s, y, b) for b in range(B) for y in range(KVH * RB) for s in range(S)]
+    random.Random(seed + 1).shuffle(ctas)  # any split may finish last
+    for s, y, b in ctas:
+        split_cta(s, y, b, S, RB, Q, K, V, BT, SL, Opart, Lpart, counters, O, LSE, Tq, H, KVH,
+                  page_size, max_pages, page_stride, row_stride, head_stride, kps,
+                  scale * math.log2(math.e), causal, D, bulk)
+    if any(counters.data):
+        return INF, S, kps  # a counter left non-zero breaks the next call
     ref, rlse = reference(lambda b, h, i: Qv[((b * H + h) * Tq + i) * D:][:D],
                           lambda b, g, t: Kc[b][g][t], lambda b, g, t: Vc[b][g][t],
                           B, H, KVH, Tq, D, lens, causal, scale)
@@ -428,12 +485,14 @@ def main():
     ]
     ok = True
     for n, c in enumerate(cases):
-        worst, S, kps = case(*c, seed=n)
-        good = worst <= 1e-9
-        ok &= good
-        print("case %d B%d H%d/%d Tq%d D%d lens %s page %s causal %s: %d splits of %d keys, "
-              "max error %.1e %s" % (n, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], S, kps,
-                                     worst, "ok" if good else "FAILED"))
+        for bulk in (True, False):
+            worst, S, kps = case(*c, seed=n, bulk=bulk)
+            good = worst <= 1e-9
+            ok &= good
+            print("case %d B%d H%d/%d Tq%d D%d lens %s page %s causal %s, %s: %d splits of %d "
+                  "keys, max error %.1e %s" % (n, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
+                                              "bulk" if bulk else "cp.async", S, kps, worst,
+                                              "ok" if good else "FAILED"))
     # The wave: two CTAs per SM at head_dim 64 and 128, one at 256 (as decode_gpu.rs asserts).
     waves = [ctas_per_sm(d, m) for d, m in ((64, 1), (64, 2), (128, 1), (128, 2), (256, 1))]
     if waves != [2, 2, 2, 2, 1]:

@@ -1,6 +1,6 @@
 // Decoding attention split over the key axis (flash-decoding: Dao, Haziza, Massa and Sizov,
-// 2023) over a paged KV cache (vLLM's PagedAttention layout: Kwon et al., 2023), in two
-// kernels. The host prepends attn_prelude.cuh (src/attention/decode_gpu.rs).
+// 2023) over a paged KV cache (vLLM's PagedAttention layout: Kwon et al., 2023), in one
+// kernel. The host prepends attn_prelude.cuh (src/attention/decode_gpu.rs).
 //
 // flash_decode_split: one CTA of 128 threads (4 warps) per (split s, kv head and row block,
 // sequence b). The G = H / KVH query heads that share the kv head, each with its Tq query rows,
@@ -17,22 +17,96 @@
 // head_stride D) and a contiguous [B, KVH, T, D] cache (one page of T rows per sequence:
 // page_stride KVH * T * D, row_stride D, head_stride T * D).
 //
-// K and V tiles of 64 keys stream through a ring of NS stages (3 at head_dim <= 128, 2 at 256)
-// by 16-byte cp.async, NS - 1 tiles in flight while one is used; keys past the range are
-// zero-filled, so a masked probability never meets garbage. Warp w owns keys 16w..16w+15 of
+// K and V tiles of 64 keys stream through a ring of NS stages (3 at head_dim <= 128, 2 at 256),
+// NS - 1 tiles in flight while one is used. On compute capability 9.0 one warp brings a tile as
+// 128 bulk copies (cp.async.bulk, the TMA unit: one per key row of K and of V) that complete on
+// the stage's mbarrier; rows past the range repeat its last key (finite values that the mask
+// gives probability 0). Before 9.0 every thread issues 16-byte cp.async and rows past the range
+// are zero-filled. Warp w owns keys 16w..16w+15 of
 // every tile and keeps its own online softmax (running max and sum per row) and output
 // accumulator over them: S = Q K^T (RM rows x 16 keys) and O += P V on the tensor cores
 // (mma.sync m16n8k16, fp32 accumulation; fragments by ldmatrix as in flash_attn_fwd.cu), in
 // the log2 domain (S scaled by scale * log2 e), masked bottom-right when causal (query i of
 // sequence b sees keys t <= i + seq_lens[b] - Tq) and at the range's end. After the last tile
-// the four warps' (max, sum, output) merge exactly in shared memory. Each split writes its
-// output normalised over its range, Opart [B, H, Tq, S, D] fp32, and its log2-domain
-// log-sum-exp Lpart [B, H, Tq, S] (-inf when the split sees no key of the row, the output 0).
-//
-// flash_decode_combine: one CTA per row (b, h, i) merges the S partials exactly:
-// m = max Lpart, w_s = 2^(Lpart_s - m), O = sum w_s Opart_s / sum w_s, written as bf16/fp16,
-// and LSE = (m + log2 sum w_s) * ln 2 (natural log); a row with no visible key gets O = 0 and
-// LSE = +inf.
+// the four warps' (max, sum, output) merge exactly in shared memory. With one split the CTA
+// writes O (bf16/fp16) and LSE itself. Otherwise each split writes its output normalised over
+// its range, Opart [B, H, Tq, S, D] fp32, and its log2-domain log-sum-exp Lpart [B, H, Tq, S]
+// (-inf when the split sees no key of the row, the output 0), then counts itself done on
+// `counters[b][y]`; the CTA that finishes last merges the S partials of its rows exactly (the
+// combine: m = max Lpart, w_s = 2^(Lpart_s - m), O = sum w_s Opart_s / sum w_s, LSE = (m +
+// log2 sum w_s) * ln 2, natural log; a row with no visible key gets O = 0 and LSE = +inf) and
+// sets the counter back to 0 for the next call (threadfence reduction, as in CUDA's
+// threadFenceReduction sample).
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KP_DECODE_BULK 1
+#else
+#define KP_DECODE_BULK 0
+#endif
+
+#if KP_DECODE_BULK
+// mbarrier and bulk-copy helpers (PTX ISA 8.0, sm_90).
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the barriers' initialisation visible to the async proxy (the bulk copies).
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// This thread's arrival, announcing `bytes` of transactions for the current phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+                 "r"(bytes)
+                 : "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            " selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory on
+// the TMA unit; completes `bytes` transactions on `bar`.
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+        "[%3];\n" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+
+// Keys [k0, k0 + KT) of one kv head into the K and V tile buffers `ks`, `vs` (rows padded to
+// D + 8 elements), issued by one warp (`lane`): lane l copies key rows l, l + 32, ... of K and
+// of V, one bulk copy each, after lane 0 has announced the tile's bytes on `bar`. Keys at or
+// past `end` (> k0) copy key end - 1 instead. Key t is at `Kb`/`Vb` + page_stride *
+// table[t / page_size] + row_stride * (t % page_size).
+template <int D, int KT>
+__device__ __forceinline__ void decode_bulk_tile(u16* ks, u16* vs, const u16* Kb, const u16* Vb,
+                                                 const int* table, int k0, int end,
+                                                 int page_size, long long page_stride,
+                                                 long long row_stride, u32 bar, int lane) {
+    constexpr int STR = D + 8;
+    constexpr u32 ROW = D * 2;
+    if (lane == 0) mbar_arrive_expect_tx(bar, 2 * KT * ROW);
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < KT / 32; ++i) {
+        const int kr = lane + 32 * i;
+        const int key = min(k0 + kr, end - 1);
+        const int page = key / page_size;
+        const size_t off =
+            (size_t)table[page] * page_stride + (size_t)(key - page * page_size) * row_stride;
+        bulk_g2s(smem_u32(ks + kr * STR), Kb + off, ROW, bar);
+        bulk_g2s(smem_u32(vs + kr * STR), Vb + off, ROW, bar);
+    }
+}
+#endif
 
 // Keys [k0, k0 + KT) of one kv head into the K and V tile buffers `ks`, `vs` (rows padded to
 // D + 8 elements) as 16-byte cp.async (the caller commits); keys at or past `end` are
@@ -75,26 +149,87 @@ __device__ __forceinline__ void decode_load_tile(u16* ks, u16* vs, const u16* K,
 }
 
 // Shared memory of the split kernel, bytes: the ring's NS stages of a K and a V tile, then Q
-// (RM = 16 MT rows), all rows padded to D + 8 elements. The warps' partials reuse the ring at
-// the end.
+// (RM = 16 MT rows), all rows padded to D + 8 elements, then the NS stages' mbarriers (8 bytes
+// each) and one word (the last-CTA flag). The warps' partials and the combine's weights reuse
+// the ring at the end.
 template <int D, int MT>
 struct DecodeSmem {
     static constexpr int KT = 64, RM = 16 * MT, STR = D + 8, NS = D <= 128 ? 3 : 2;
     static constexpr int TILE = KT * STR;
-    static constexpr int BYTES = (NS * 2 * TILE + RM * STR) * 2;
+    static constexpr int BARS = (NS * 2 * TILE + RM * STR) * 2;  // byte offset, 16-aligned
+    static constexpr int BYTES = BARS + NS * 8 + 16;
+    static constexpr int RING_FLOATS = NS * 2 * TILE / 2;
     static_assert((4 * RM * D + 8 * RM) * 4 <= NS * 2 * TILE * 2, "partials fit the ring");
 };
 
+// The combine of one CTA's R rows (row r: query head kvh * G + (r0 + r) / Tq, query (r0 + r)
+// % Tq of sequence b) over S partials, by the CTA's 128 threads; `ws` holds RM * S floats.
+// Warp w takes rows w, w + 4, ...: its lanes read the row's S log-sum-exps, reduce max and sum
+// by shuffles and keep the normalised weights w_s / sum w in `ws`; then every thread sums
+// four adjacent columns of one row over the splits (16-byte loads, L2: __ldcg, since the other
+// splits wrote them from other SMs).
+template <int D, int RM, bool BF16>
+__device__ __forceinline__ void decode_combine_rows(const float* __restrict__ Opart,
+                                                    const float* __restrict__ Lpart,
+                                                    u16* __restrict__ O, float* __restrict__ LSE,
+                                                    float* ws, int R, int b, int kvh, int r0,
+                                                    int G, int Tq, int H, int S, int tid) {
+    constexpr int NT = 128, NW = NT / 32;
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int r = warp; r < R; r += NW) {
+        const int h = kvh * G + (r0 + r) / Tq, i = (r0 + r) % Tq;
+        const size_t row = ((size_t)b * H + h) * Tq + i;
+        float m = NEG_INF;
+        for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(Lpart + row * S + s));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float total = 0.f;
+        for (int s = lane; s < S; s += 32) {
+            const float w = m == NEG_INF ? 0.f : fast_exp2(__ldcg(Lpart + row * S + s) - m);
+            ws[r * S + s] = w;
+            total += w;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int s = lane; s < S; s += 32) ws[r * S + s] *= inv;
+        if (lane == 0) LSE[row] = m == NEG_INF ? POS_INF : (m + log2f(total)) * LN2;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < R * (D / 4); idx += NT) {
+        const int r = idx / (D / 4), c = (idx % (D / 4)) * 4;
+        const int h = kvh * G + (r0 + r) / Tq, i = (r0 + r) % Tq;
+        const size_t row = ((size_t)b * H + h) * Tq + i;
+        const float* op = Opart + row * S * D + c;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+        for (int s = 0; s < S; ++s) {
+            const float w = ws[r * S + s];
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(op + (size_t)s * D));
+            acc.x += w * x.x;
+            acc.y += w * x.y;
+            acc.z += w * x.z;
+            acc.w += w * x.w;
+        }
+        const u32 lo = pack2<BF16>(acc.x, acc.y), hi = pack2<BF16>(acc.z, acc.w);
+        *reinterpret_cast<uint2*>(O + row * D + c) = make_uint2(lo, hi);
+    }
+}
+
 // MT: 16-row tiles of query rows per CTA (1, or 2 at head_dim <= 128: the accumulators of
 // 32 rows fit the registers there, and both row tiles share each K and V fragment, so a GQA
-// group of 32 rows reads the cache once instead of once per 16 rows).
+// group of 32 rows reads the cache once instead of once per 16 rows). O [B, H, Tq, D] and LSE
+// [B, H, Tq] are the results; Opart, Lpart and counters (B * gridDim.y words, zero before the
+// first call and left zero by every call) serve the combine when gridDim.x > 1, whose S
+// partials of RM rows must fit the ring (RM * S <= RING_FLOATS: the host checks).
 template <int D, int MT, bool BF16>
 __device__ __forceinline__ void flash_decode_split(
     const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
     const int* __restrict__ block_table, const int* __restrict__ seq_lens,
-    float* __restrict__ Opart, float* __restrict__ Lpart, int Tq, int H, int KVH,
-    int page_size, int max_pages, long long page_stride, long long row_stride,
-    long long head_stride, int keys_per_split, float scale_log2, int causal) {
+    float* __restrict__ Opart, float* __restrict__ Lpart, int* __restrict__ counters,
+    u16* __restrict__ O, float* __restrict__ LSE, int Tq, int H, int KVH, int page_size,
+    int max_pages, long long page_stride, long long row_stride, long long head_stride,
+    int keys_per_split, float scale_log2, int causal) {
     using SM = DecodeSmem<D, MT>;
     constexpr int NT = 128, KT = SM::KT, RM = SM::RM, STR = SM::STR, NS = SM::NS;
     constexpr int TILE = SM::TILE, DT = D / 8, NW = NT / 32;
@@ -116,11 +251,12 @@ __device__ __forceinline__ void flash_decode_split(
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* ring = reinterpret_cast<u16*>(smem_raw);  // [NS][K tile, V tile][KT][STR]
     u16* qs = ring + NS * 2 * TILE;                // [RM][STR]
+    int* last_flag = reinterpret_cast<int*>(smem_raw + SM::BARS + NS * 8);
 
     const u16* Kb = K + (size_t)kvh * head_stride;
     const u16* Vb = V + (size_t)kvh * head_stride;
     const int* table = block_table + (size_t)b * max_pages;
-    // Q's rows (zero past R) travel in the first commit group, with tile 0.
+    // Q's rows (zero past R) by cp.async, waited for before the first tile.
     for (int c = tid; c < RM * DT; c += NT) {
         const int r = c / DT, col = (c % DT) * 8;
         const bool ok = r < R;
@@ -131,6 +267,27 @@ __device__ __forceinline__ void flash_decode_split(
         }
         cp_async16(smem_u32(qs + r * STR + col), Q + off, ok);
     }
+    cp_async_commit();
+#if KP_DECODE_BULK
+    const u32 bars = smem_u32(smem_raw + SM::BARS);  // stage st's mbarrier: bars + 8 st
+    if (tid == 0) {
+#pragma unroll
+        for (int st = 0; st < NS; ++st) mbar_init(bars + 8 * st, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int st = 0; st < NS - 1; ++st) {
+            if (st < n_tiles) {
+                decode_bulk_tile<D, KT>(ring + st * 2 * TILE, ring + st * 2 * TILE + TILE, Kb,
+                                        Vb, table, start + st * KT, end, page_size,
+                                        page_stride, row_stride, bars + 8 * st, lane);
+            }
+        }
+    }
+    cp_async_wait<0>();  // Q
+#else
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
         if (st < n_tiles) {
@@ -140,6 +297,7 @@ __device__ __forceinline__ void flash_decode_split(
         }
         cp_async_commit();
     }
+#endif
 
     // This thread's rows of row tile mt's mma fragments: 16 mt + g and 16 mt + g + 8. Keys at
     // or past lim[mt][r] are masked (the range's end, and the causal bound).
@@ -163,6 +321,19 @@ __device__ __forceinline__ void flash_decode_split(
     }
 
     for (int t = 0; t < n_tiles; ++t) {
+#if KP_DECODE_BULK
+        __syncthreads();  // every warp is done with tile t - 1 (and, at t = 0, Q has landed)
+        {
+            const int nxt = t + NS - 1;  // into the stage tile t - 1 used
+            if (warp == 0 && nxt < n_tiles) {
+                u16* st = ring + (nxt % NS) * 2 * TILE;
+                decode_bulk_tile<D, KT>(st, st + TILE, Kb, Vb, table, start + nxt * KT, end,
+                                        page_size, page_stride, row_stride,
+                                        bars + 8 * (nxt % NS), lane);
+            }
+        }
+        mbar_wait(bars + 8 * (t % NS), (t / NS) & 1);  // tile t has landed
+#else
         cp_async_wait<NS - 2>();  // tile t has landed
         __syncthreads();          // ... for every thread, and every warp is done with tile t - 1
         {
@@ -175,6 +346,7 @@ __device__ __forceinline__ void flash_decode_split(
             }
             cp_async_commit();
         }
+#endif
         const u16* ks = ring + (t % NS) * 2 * TILE;
         const u16* vs = ks + TILE;
         const int kw = start + t * KT + warp * 16;  // this warp's first key
@@ -255,7 +427,9 @@ __device__ __forceinline__ void flash_decode_split(
         // O += P V over the warp's 16 keys (pv_step: P's accumulator layout is the A fragment).
         pv_step<MT, 2, DT, STR, BF16>(o, sc, 0, vs, warp * 16, lane);
     }
+#if !KP_DECODE_BULK
     cp_async_wait<0>();
+#endif
     __syncthreads();  // the ring is free: it takes the warps' partials
 
     float* ob = reinterpret_cast<float*>(smem_raw);  // [NW][RM][D]: unnormalised outputs
@@ -282,6 +456,7 @@ __device__ __forceinline__ void flash_decode_split(
     }
     __syncthreads();
     // Merge the warps exactly: M = max_w m_w, f_w = 2^(m_w - M), O = sum f_w O_w / sum f_w l_w.
+    // One split: the results. Else this split's partials.
     for (int idx = tid; idx < R * D; idx += NT) {
         const int r = idx / D, d = idx % D;
         float m = NEG_INF;
@@ -298,56 +473,28 @@ __device__ __forceinline__ void flash_decode_split(
         }
         const int h = kvh * G + (r0 + r) / Tq, i = (r0 + r) % Tq;
         const size_t row = ((size_t)b * H + h) * Tq + i;
-        Opart[(row * S + s) * D + d] = l > 0.f ? __fdividef(acc, l) : 0.f;
-        if (d == 0) Lpart[row * S + s] = l > 0.f ? m + __log2f(l) : NEG_INF;
+        const float out = l > 0.f ? __fdividef(acc, l) : 0.f;
+        if (S == 1) {
+            O[row * D + d] = (u16)(pack2<BF16>(out, 0.f) & 0xffff);
+            if (d == 0) LSE[row] = l > 0.f ? (m + __log2f(l)) * LN2 : POS_INF;
+        } else {
+            Opart[(row * S + s) * D + d] = out;
+            if (d == 0) Lpart[row * S + s] = l > 0.f ? m + __log2f(l) : NEG_INF;
+        }
     }
-}
-
-// One CTA per output row over S partials (`ws`: S floats of dynamic shared memory, which the
-// host sizes). The weights w_s = 2^(Lpart_s - m) are computed once into shared memory;
-// each thread then sums its columns over the splits (independent loads).
-template <int D, bool BF16>
-__device__ __forceinline__ void flash_decode_combine(const float* __restrict__ Opart,
-                                                     const float* __restrict__ Lpart,
-                                                     u16* __restrict__ O, float* __restrict__ LSE,
-                                                     int S) {
-    extern __shared__ float ws[];  // [S]: Lpart, then the weights
-    __shared__ float red[32];
-    const size_t row = blockIdx.x;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-    const float* lp = Lpart + row * S;
-    float m = NEG_INF;
-    for (int s = tid; s < S; s += blockDim.x) {
-        ws[s] = lp[s];
-        m = fmaxf(m, ws[s]);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) red[warp] = m;
+    if (S == 1) return;
+    // The combine, by the split of (b, y) that finishes last.
+    __threadfence();  // this CTA's partials are visible device-wide before it counts itself
     __syncthreads();
-    m = NEG_INF;
-    for (int w = 0; w < nw; ++w) m = fmaxf(m, red[w]);
-    float total = 0.f;
-    for (int s = tid; s < S; s += blockDim.x) {
-        const float w = m == NEG_INF ? 0.f : fast_exp2(ws[s] - m);
-        ws[s] = w;
-        total += w;
+    int* counter = counters + (size_t)b * gridDim.y + blockIdx.y;
+    if (tid == 0) {
+        const int before = atomicAdd(counter, 1);
+        *last_flag = before == S - 1;
+        if (before == S - 1) *counter = 0;  // every split has counted: ready for the next call
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-    __syncthreads();  // every thread has read red[] and written its weights
-    if (lane == 0) red[warp] = total;
     __syncthreads();
-    total = 0.f;
-    for (int w = 0; w < nw; ++w) total += red[w];
-    const float* op = Opart + row * S * D;
-    for (int d = tid; d < D; d += blockDim.x) {
-        float o = 0.f;
-#pragma unroll 8
-        for (int s = 0; s < S; ++s) o += ws[s] * op[(size_t)s * D + d];
-        o = total > 0.f ? o / total : 0.f;
-        const u32 packed = pack2<BF16>(o, 0.f);
-        O[row * D + d] = (u16)(packed & 0xffff);
-    }
-    if (tid == 0) LSE[row] = m == NEG_INF ? POS_INF : (m + log2f(total)) * LN2;
+    if (!*last_flag) return;
+    __threadfence();
+    decode_combine_rows<D, RM, BF16>(Opart, Lpart, O, LSE, reinterpret_cast<float*>(smem_raw), R,
+                                     b, kvh, r0, G, Tq, H, S, tid);
 }

@@ -481,7 +481,7 @@ fn decode_kernels_compile_without_spills() {
                 "head_dim {d}, {mt} tiles"
             );
             for dtype in [Dtype::Bf16, Dtype::F16] {
-                let (split, _, src) = decode_source(d, mt, dtype);
+                let (split, src) = decode_source(d, mt, dtype);
                 compile(&format!("{split}.cu"), &src, "sm_80");
                 let reports =
                     kernelpages::gpu::ptxas_report(&format!("{split}.cu"), &src, "sm_90a").unwrap();

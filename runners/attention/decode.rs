@@ -247,10 +247,15 @@ pub fn note(c: &AttentionCase, implementation: &str, plan: DecodePlan) -> String
     let rows = decode_gpu::shape_of(c).rows();
     let blocks = row_blocks(rows, c.head_dim);
     format!(
-        "split-KV: {} splits of {} keys per (sequence, kv head), {} CTAs, then a combine; reads {cache}",
+        "split-KV: {} splits of {} keys per (sequence, kv head), {} CTAs, {}; reads {cache}",
         plan.splits,
         plan.keys_per_split,
-        plan.splits * c.batch * c.kv_heads * blocks
+        plan.splits * c.batch * c.kv_heads * blocks,
+        if plan.splits > 1 {
+            "the last CTA of each (sequence, kv head) combining the ranges"
+        } else {
+            "each writing its rows' output"
+        }
     )
 }
 

@@ -6,8 +6,10 @@
 //! ranges of [`DecodePlan::keys_per_split`] keys; one CTA per (split, kv head, sequence) attends
 //! the kv head's G = heads / kv_heads query heads (GQA) with all their query rows
 //! (one or two 16-row tensor-core row tiles a CTA, [`row_tiles`]; more rows take several CTAs,
-//! [`row_blocks`]) to its range and writes a partial output and log-sum-exp; a second kernel merges the partials exactly
-//! ([`super::decode::combine`]'s formula). Splitting is what fills the GPU when batch × kv_heads
+//! [`row_blocks`]) to its range and writes a partial output and log-sum-exp; the CTA of a
+//! (sequence, kv head, row block) that finishes last merges its rows' partials exactly
+//! ([`super::decode::combine`]'s formula), in the same kernel (with one range the CTA writes
+//! the output directly). Splitting is what fills the GPU when batch × kv_heads
 //! CTAs would not: [`DecodePlan::for_shape`] fills one wave of [`ctas_per_sm`] CTAs per SM.
 //!
 //! Shapes and dtypes: Q and O `[batch, heads, seq_len_q, head_dim]` in bf16 or fp16 (16-bit
@@ -72,7 +74,7 @@ pub fn takes(c: &AttentionCase) -> bool {
 /// One split-KV decoding call of case `c` on the contiguous `[B, KVH, T, D]` K and V of `inp`
 /// (each sequence's length from `inp.kv_lens`), writing O (`[B, H, seq_len_q, D]` words of the
 /// case's dtype) into `out`: plans for the device's SMs, compiles (cached per process), and
-/// launches the split and combine kernels. For repeated calls keep a [`Decoder`].
+/// launches the split kernel. For repeated calls keep a [`Decoder`].
 ///
 /// # Errors
 /// [`GpuError::Config`] when [`unsupported_case`] refuses `c`; compile and driver errors.
@@ -108,7 +110,7 @@ pub fn forward(
     )
 }
 
-/// Threads per CTA of both kernels.
+/// Threads per CTA of the split kernel.
 pub const THREADS: usize = 128;
 
 /// Head dimensions the decoding kernels are instantiated for.
@@ -317,33 +319,35 @@ impl DecodePlan {
     }
 }
 
-/// Names and source of the split and combine kernels for `head_dim`, `row_tiles` (1, or 2 at
-/// head_dim ≤ 128) and `dtype`.
-pub fn decode_source(head_dim: usize, row_tiles: usize, dtype: Dtype) -> (String, String, String) {
+/// Name and source of the split kernel for `head_dim`, `row_tiles` (1, or 2 at head_dim ≤ 128)
+/// and `dtype`.
+pub fn decode_source(head_dim: usize, row_tiles: usize, dtype: Dtype) -> (String, String) {
     let bf = dtype == Dtype::Bf16;
     let dt = dtype.as_str();
     let split = format!("flash_decode_split_{dt}_d{head_dim}_m{row_tiles}");
     let ctas = ctas_per_sm(head_dim, row_tiles);
-    let combine = format!("flash_decode_combine_{dt}_d{head_dim}");
     let src = format!(
         "{PRELUDE_SRC}\n{DECODE_SRC}\n\
          extern \"C\" __global__ void __launch_bounds__({THREADS}, {ctas}) {split}(const u16* Q, \
          const u16* K, const u16* V, const int* block_table, const int* seq_lens, float* Opart, \
-         float* Lpart, int Tq, int H, int KVH, int page_size, int max_pages, long long \
-         page_stride, long long row_stride, long long head_stride, int keys_per_split, float \
-         scale_log2, int causal) {{ flash_decode_split<{head_dim}, {row_tiles}, {bf}>(Q, K, V, \
-         block_table, seq_lens, Opart, Lpart, Tq, H, KVH, page_size, max_pages, page_stride, \
-         row_stride, head_stride, keys_per_split, scale_log2, causal); }}\n\
-         extern \"C\" __global__ void __launch_bounds__({THREADS}) {combine}(const float* Opart, \
-         const float* Lpart, u16* O, float* LSE, int S) {{ flash_decode_combine<{head_dim}, \
-         {bf}>(Opart, Lpart, O, LSE, S); }}\n"
+         float* Lpart, int* counters, u16* O, float* LSE, int Tq, int H, int KVH, int \
+         page_size, int max_pages, long long page_stride, long long row_stride, long long \
+         head_stride, int keys_per_split, float scale_log2, int causal) {{ \
+         flash_decode_split<{head_dim}, {row_tiles}, {bf}>(Q, K, V, block_table, seq_lens, \
+         Opart, Lpart, counters, O, LSE, Tq, H, KVH, page_size, max_pages, page_stride, \
+         row_stride, head_stride, keys_per_split, scale_log2, causal); }}\n"
     );
-    (split, combine, src)
+    (split, src)
 }
 
-/// Most splits one call may have: the combine kernel keeps one weight per split in the 48 KiB
-/// of shared memory a CTA gets without opting in, less its 128-byte reduction buffer.
-pub const MAX_SPLITS: usize = (48 * 1024 - 128) / 4;
+/// Most splits one call may have at `head_dim` with `row_tiles` row tiles: the CTA that
+/// combines keeps the weights of its 16 · `row_tiles` rows for every split in the ring's
+/// shared memory (at least 432 at head_dim 64 with two row tiles; a plan for one wave asks
+/// for at most 264 on an H200).
+pub fn max_splits(head_dim: usize, row_tiles: usize) -> usize {
+    let ring_bytes = ring_stages(head_dim) * 2 * KEY_TILE * (head_dim + 8) * 2;
+    ring_bytes / 4 / (ROW_TILE * row_tiles)
+}
 
 /// Stages of the split kernel's K/V tile ring at `head_dim` (`NS`: three at head_dim ≤ 128,
 /// where two CTAs fit an SM, two at 256).
@@ -357,22 +361,35 @@ pub fn ring_stages(head_dim: usize) -> usize {
 
 /// Dynamic shared memory of the split kernel, bytes (`DecodeSmem::BYTES`): the ring's stages
 /// of a K and a V tile of [`KEY_TILE`] keys, then 16 · `row_tiles` rows of Q, every row padded
-/// by 8 elements of 2 bytes.
+/// by 8 elements of 2 bytes, then one 8-byte mbarrier per stage and 16 bytes for a flag.
 pub fn split_smem_bytes(head_dim: usize, row_tiles: usize) -> usize {
     (ring_stages(head_dim) * 2 * KEY_TILE + ROW_TILE * row_tiles) * (head_dim + 8) * 2
+        + ring_stages(head_dim) * 8
+        + 16
 }
 
-/// The compiled kernels and partial buffers for one shape and plan.
+/// Rows of the partial buffers for `rows` query rows under `plan`: one per row and range, or
+/// a single placeholder when one range writes the output itself.
+fn partial_rows(rows: usize, plan: DecodePlan) -> usize {
+    if plan.splits > 1 {
+        rows * plan.splits
+    } else {
+        1
+    }
+}
+
+/// The compiled kernel, partial buffers and counters for one shape and plan.
 pub struct Decoder {
     shape: DecodeShape,
     plan: DecodePlan,
     split: CudaFunction,
-    combine: CudaFunction,
     smem: u32,
     /// CTAs per kv head along the grid's y axis ([`row_blocks`]).
     row_blocks: usize,
     opart: CudaSlice<f32>,
     lpart: CudaSlice<f32>,
+    /// One completion counter per (sequence, kv head and row block): zero between calls.
+    counters: CudaSlice<i32>,
     /// NVRTC compile + load time, s.
     pub compile_s: f64,
 }
@@ -388,31 +405,35 @@ impl Decoder {
         if let Some(why) = shape.unsupported() {
             return Err(GpuError::Config(why));
         }
-        if plan.splits > MAX_SPLITS {
+        let mt = shape.row_tiles();
+        let most = max_splits(shape.head_dim, mt);
+        if plan.splits > most {
             return Err(GpuError::Config(format!(
-                "{} splits (the combine kernel holds at most {MAX_SPLITS} weights)",
-                plan.splits
+                "{} splits (the combine holds at most {most} weights per row at head_dim {})",
+                plan.splits, shape.head_dim
             )));
         }
-        let mt = shape.row_tiles();
-        let (split_name, combine_name, src) = decode_source(shape.head_dim, mt, shape.dtype);
+        let (split_name, src) = decode_source(shape.head_dim, mt, shape.dtype);
         let compiled = gpu.compile(&format!("{split_name}.cu"), &src)?;
         let smem = split_smem_bytes(shape.head_dim, mt) as u32;
         super::cuda::check_smem(gpu, &split_name, smem)?;
         let split = gpu.function(&compiled.module, &split_name, smem)?;
-        let combine = gpu.function(&compiled.module, &combine_name, 0)?;
         let rows = shape.batch * shape.heads * shape.seq_len_q;
+        let blocks = row_blocks(shape.rows(), shape.head_dim);
         Ok(Decoder {
-            row_blocks: row_blocks(shape.rows(), shape.head_dim),
+            row_blocks: blocks,
+            counters: gpu
+                .stream
+                .alloc_zeros::<i32>(shape.batch * shape.kv_heads * blocks)?,
             shape,
             plan,
             split,
-            combine,
             smem,
+            // One range writes O directly: no partials.
             opart: gpu
                 .stream
-                .alloc_zeros::<f32>(rows * plan.splits * shape.head_dim)?,
-            lpart: gpu.stream.alloc_zeros::<f32>(rows * plan.splits)?,
+                .alloc_zeros::<f32>(partial_rows(rows, plan) * shape.head_dim)?,
+            lpart: gpu.stream.alloc_zeros::<f32>(partial_rows(rows, plan))?,
             compile_s: compiled.compile_s,
         })
     }
@@ -424,8 +445,9 @@ impl Decoder {
 
     /// Bytes of the partials (temporaries of one call).
     pub fn temporary_bytes(&self) -> u64 {
-        let rows = (self.shape.batch * self.shape.heads * self.shape.seq_len_q) as u64;
-        rows * self.plan.splits as u64 * (self.shape.head_dim as u64 + 1) * 4
+        let s = &self.shape;
+        let rows = partial_rows(s.batch * s.heads * s.seq_len_q, self.plan) as u64;
+        rows * (s.head_dim as u64 + 1) * 4 + (s.batch * s.kv_heads * self.row_blocks) as u64 * 4
     }
 
     /// Launches one decoding call on the stream: O and LSE for Q against the cache `k`, `v`
@@ -477,6 +499,9 @@ impl Decoder {
             .arg(seq_lens)
             .arg(&mut self.opart)
             .arg(&mut self.lpart)
+            .arg(&mut self.counters)
+            .arg(o)
+            .arg(lse)
             .arg(&tq)
             .arg(&h)
             .arg(&kvh)
@@ -489,31 +514,15 @@ impl Decoder {
             .arg(&scale_log2)
             .arg(&causal);
         // SAFETY: the arguments match `flash_decode_split_*(const u16* Q, const u16* K, const
-        // u16* V, const int* block_table, const int* seq_lens, float* Opart, float* Lpart, int
-        // Tq, int H, int KVH, int page_size, int max_pages, long long page_stride, long long
-        // row_stride, long long head_stride, int keys_per_split, float scale_log2, int
-        // causal)`; Opart and Lpart were allocated for this shape and plan, the caller gives
-        // the cache, table and lengths `layout` and `max_pages` describe.
+        // u16* V, const int* block_table, const int* seq_lens, float* Opart, float* Lpart, int*
+        // counters, u16* O, float* LSE, int Tq, int H, int KVH, int page_size, int max_pages,
+        // long long page_stride, long long row_stride, long long head_stride, int
+        // keys_per_split, float scale_log2, int causal)`; Opart, Lpart and the counters (zero
+        // between calls: the kernel sets them back) were allocated for this shape and plan
+        // (the combine's weights fit its shared memory: `new` checked [`max_splits`]), O holds
+        // rows · head_dim words and LSE rows; the caller gives the cache, table and lengths
+        // `layout` and `max_pages` describe.
         unsafe { b.launch(cfg)? };
-        let splits = self.plan.splits as i32;
-        let rows = (s.batch * s.heads * s.seq_len_q) as u32;
-        let mut c = gpu.stream.launch_builder(&self.combine);
-        c.arg(&self.opart)
-            .arg(&self.lpart)
-            .arg(o)
-            .arg(lse)
-            .arg(&splits);
-        // SAFETY: `flash_decode_combine_*(const float* Opart, const float* Lpart, u16* O,
-        // float* LSE, int S)`, one CTA per output row with S floats of dynamic shared memory
-        // (at most 48 KiB: S ≤ [`MAX_SPLITS`], checked in `new`); O holds rows · head_dim words,
-        // LSE rows.
-        unsafe {
-            c.launch(LaunchConfig {
-                grid_dim: (rows, 1, 1),
-                block_dim: (THREADS as u32, 1, 1),
-                shared_mem_bytes: self.plan.splits as u32 * 4,
-            })?
-        };
         Ok(())
     }
 }
@@ -617,8 +626,21 @@ mod tests {
         }
         // Shared memory: three stages of a K and a V tile plus 16 rows of Q at head_dim 128
         // (two CTAs fit the H200's 228 KiB per SM), two stages at 256.
-        assert_eq!(split_smem_bytes(128, 1), (3 * 2 * 64 + 16) * 136 * 2);
+        // (+ an 8-byte mbarrier per stage and a 16-byte flag).
+        assert_eq!(
+            split_smem_bytes(128, 1),
+            (3 * 2 * 64 + 16) * 136 * 2 + 3 * 8 + 16
+        );
         assert!(2 * (split_smem_bytes(128, 2) + 1024) <= 228 * 1024);
-        assert_eq!(split_smem_bytes(256, 1), (2 * 2 * 64 + 16) * 264 * 2);
+        assert_eq!(
+            split_smem_bytes(256, 1),
+            (2 * 2 * 64 + 16) * 264 * 2 + 2 * 8 + 16
+        );
+        // The combine's weights: 16 · row tiles rows × splits floats in the ring, which a
+        // one-wave plan never exceeds (264 CTAs on an H200, 1 per kv head and sequence).
+        assert_eq!(max_splits(128, 1), 3 * 2 * 64 * 136 * 2 / 4 / 16);
+        assert!(DECODE_HEAD_DIMS
+            .iter()
+            .all(|&d| max_splits(d, row_tiles(32, d)) >= CTAS_PER_SM * 132));
     }
 }
