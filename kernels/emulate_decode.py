@@ -1,9 +1,7 @@
 """Emulation of flash_decode.cu (split-KV decoding over a paged KV cache) and of the host's
 split plan (src/attention/decode_gpu.rs, DecodePlan::new), against a naive float64 reference.
 The kernel's own index arithmetic is run for every thread: the paged addresses through the
-block table and the layout's strides, the ring of NS tile stages filled either way the kernel
-fills it (compute capability 9.0: one warp's bulk copies per key row, rows past the range
-repeating its last key; before 9.0: every thread's 16-byte chunks, zero fill), the
+block table and the layout's strides, the ring of NS tile stages and its zero fill, the
 ldmatrix addresses (ldmatrix and mma.m16n8k16 are emulated fragment by fragment from their PTX
 definitions), the per-warp key ranges, masks and online softmax over the quad, the warps' merge
 in shared memory, the per-split partials and the combine by the CTA that counts itself last
@@ -56,7 +54,7 @@ def ctas_per_sm(D, MT):
     """ctas_per_sm: CTAs whose shared memory (split_smem_bytes + 1 KiB) fits 228 KiB, at most
     CTAS_PER_SM."""
     ns = 3 if D <= 128 else 2
-    smem = (ns * 2 * KT + ROW_TILE * MT) * (D + 8) * 2 + ns * 8 + 16
+    smem = (ns * 2 * KT + ROW_TILE * MT) * (D + 8) * 2 + 16
     return max(1, min(CTAS_PER_SM, (228 * 1024) // (smem + 1024)))
 
 
@@ -96,23 +94,6 @@ def load_tile(ks, vs, base, K, V, Kb, Vb, table, k0, end, page_size, page_stride
             while within >= page_size:
                 within -= page_size
                 page += 1
-
-
-def bulk_tile(ks, vs, base, K, V, Kb, Vb, table, k0, end, page_size, page_stride, row_stride,
-              D):
-    """decode_bulk_tile: lane l of the loading warp copies key rows l, l + 32 of K and V whole;
-    keys at or past `end` copy key end - 1."""
-    STR = D + 8
-    assert end > k0
-    for lane in range(32):
-        for i in range(KT // 32):
-            kr = lane + 32 * i
-            key = min(k0 + kr, end - 1)
-            page = key // page_size
-            off = table[page] * page_stride + (key - page * page_size) * row_stride
-            for e in range(D):
-                ks[base + kr * STR + e] = K[Kb + off + e]
-                vs[base + KT * STR + kr * STR + e] = V[Vb + off + e]
 
 
 def ldmatrix_x4(mem, addr, trans=False):
@@ -158,8 +139,7 @@ def row_tiles(rows, D):
 
 def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, counters, O, LSE, Tq,
               H, KVH, page_size, max_pages, page_stride, row_stride, head_stride, kps,
-              scale_log2, causal, D, bulk):
-    load = bulk_tile if bulk else load_tile
+              scale_log2, causal, D):
     STR = D + 8
     NS = 3 if D <= 128 else 2
     TILE = KT * STR
@@ -191,8 +171,8 @@ def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, coun
                 qs[r * STR + col + e] = Q[off + e] if ok else 0.0
     for st in range(NS - 1):
         if st < n_tiles:
-            load(ring, ring, st * 2 * TILE, K, V, Kb, Vb, table, start + st * KT, end,
-                 page_size, page_stride, row_stride, D)
+            load_tile(ring, ring, st * 2 * TILE, K, V, Kb, Vb, table, start + st * KT, end,
+                      page_size, page_stride, row_stride, D)
     # Per lane and row tile mt: rows 16 mt + g and 16 mt + g + 8, their key limits, running max
     # and sum, accumulators.
     lim = [[[None, None] for _ in range(MT)] for _ in range(NT)]
@@ -208,8 +188,8 @@ def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, coun
     for t in range(n_tiles):
         nxt = t + NS - 1
         if nxt < n_tiles:
-            load(ring, ring, (nxt % NS) * 2 * TILE, K, V, Kb, Vb, table, start + nxt * KT,
-                 end, page_size, page_stride, row_stride, D)
+            load_tile(ring, ring, (nxt % NS) * 2 * TILE, K, V, Kb, Vb, table, start + nxt * KT,
+                      end, page_size, page_stride, row_stride, D)
         ksb = (t % NS) * 2 * TILE
         vsb = ksb + TILE
         for warp in range(NW):
@@ -373,7 +353,7 @@ def reference(q, k_at, v_at, B, H, KVH, Tq, D, lens, causal, scale):
     return out, lse
 
 
-def case(B, H, KVH, Tq, D, lens, page, causal, forced, sms, seed, bulk):
+def case(B, H, KVH, Tq, D, lens, page, causal, forced, sms, seed):
     rnd = random.Random(seed)
     max_len = max(max(lens), 1)
     scale = D ** -0.5
@@ -436,7 +416,7 @@ def case(B, H, KVH, Tq, D, lens, page, causal, forced, sms, seed, bulk):
     for s, y, b in ctas:
         split_cta(s, y, b, S, RB, Q, K, V, BT, SL, Opart, Lpart, counters, O, LSE, Tq, H, KVH,
                   page_size, max_pages, page_stride, row_stride, head_stride, kps,
-                  scale * math.log2(math.e), causal, D, bulk)
+                  scale * math.log2(math.e), causal, D)
     if any(counters.data):
         return INF, S, kps  # a counter left non-zero breaks the next call
     ref, rlse = reference(lambda b, h, i: Qv[((b * H + h) * Tq + i) * D:][:D],
@@ -485,14 +465,12 @@ def main():
     ]
     ok = True
     for n, c in enumerate(cases):
-        for bulk in (True, False):
-            worst, S, kps = case(*c, seed=n, bulk=bulk)
-            good = worst <= 1e-9
-            ok &= good
-            print("case %d B%d H%d/%d Tq%d D%d lens %s page %s causal %s, %s: %d splits of %d "
-                  "keys, max error %.1e %s" % (n, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
-                                              "bulk" if bulk else "cp.async", S, kps, worst,
-                                              "ok" if good else "FAILED"))
+        worst, S, kps = case(*c, seed=n)
+        good = worst <= 1e-9
+        ok &= good
+        print("case %d B%d H%d/%d Tq%d D%d lens %s page %s causal %s: %d splits of %d keys, "
+              "max error %.1e %s" % (n, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], S, kps,
+                                     worst, "ok" if good else "FAILED"))
     # The wave: two CTAs per SM at head_dim 64 and 128, one at 256 (as decode_gpu.rs asserts).
     waves = [ctas_per_sm(d, m) for d, m in ((64, 1), (64, 2), (128, 1), (128, 2), (256, 1))]
     if waves != [2, 2, 2, 2, 1]:

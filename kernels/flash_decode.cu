@@ -17,12 +17,9 @@
 // head_stride D) and a contiguous [B, KVH, T, D] cache (one page of T rows per sequence:
 // page_stride KVH * T * D, row_stride D, head_stride T * D).
 //
-// K and V tiles of 64 keys stream through a ring of NS stages (3 at head_dim <= 128, 2 at 256),
-// NS - 1 tiles in flight while one is used. On compute capability 9.0 one warp brings a tile as
-// 128 bulk copies (cp.async.bulk, the TMA unit: one per key row of K and of V) that complete on
-// the stage's mbarrier; rows past the range repeat its last key (finite values that the mask
-// gives probability 0). Before 9.0 every thread issues 16-byte cp.async and rows past the range
-// are zero-filled. Warp w owns keys 16w..16w+15 of
+// K and V tiles of 64 keys stream through a ring of NS stages (3 at head_dim <= 128, 2 at 256)
+// by 16-byte cp.async, NS - 1 tiles in flight while one is used; keys past the range are
+// zero-filled, so a masked probability never meets garbage. Warp w owns keys 16w..16w+15 of
 // every tile and keeps its own online softmax (running max and sum per row) and output
 // accumulator over them: S = Q K^T (RM rows x 16 keys) and O += P V on the tensor cores
 // (mma.sync m16n8k16, fp32 accumulation; fragments by ldmatrix as in flash_attn_fwd.cu), in
@@ -37,76 +34,6 @@
 // log2 sum w_s) * ln 2, natural log; a row with no visible key gets O = 0 and LSE = +inf) and
 // sets the counter back to 0 for the next call (threadfence reduction, as in CUDA's
 // threadFenceReduction sample).
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define KP_DECODE_BULK 1
-#else
-#define KP_DECODE_BULK 0
-#endif
-
-#if KP_DECODE_BULK
-// mbarrier and bulk-copy helpers (PTX ISA 8.0, sm_90).
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Makes the barriers' initialisation visible to the async proxy (the bulk copies).
-__device__ __forceinline__ void mbar_init_fence() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// This thread's arrival, announcing `bytes` of transactions for the current phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                 "r"(bytes)
-                 : "memory");
-}
-// Waits until the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            " selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory on
-// the TMA unit; completes `bytes` transactions on `bar`.
-__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-        "[%3];\n" ::"r"(dst),
-        "l"(src), "r"(bytes), "r"(bar)
-        : "memory");
-}
-
-// Keys [k0, k0 + KT) of one kv head into the K and V tile buffers `ks`, `vs` (rows padded to
-// D + 8 elements), issued by one warp (`lane`): lane l copies key rows l, l + 32, ... of K and
-// of V, one bulk copy each, after lane 0 has announced the tile's bytes on `bar`. Keys at or
-// past `end` (> k0) copy key end - 1 instead. Key t is at `Kb`/`Vb` + page_stride *
-// table[t / page_size] + row_stride * (t % page_size).
-template <int D, int KT>
-__device__ __forceinline__ void decode_bulk_tile(u16* ks, u16* vs, const u16* Kb, const u16* Vb,
-                                                 const int* table, int k0, int end,
-                                                 int page_size, long long page_stride,
-                                                 long long row_stride, u32 bar, int lane) {
-    constexpr int STR = D + 8;
-    constexpr u32 ROW = D * 2;
-    if (lane == 0) mbar_arrive_expect_tx(bar, 2 * KT * ROW);
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < KT / 32; ++i) {
-        const int kr = lane + 32 * i;
-        const int key = min(k0 + kr, end - 1);
-        const int page = key / page_size;
-        const size_t off =
-            (size_t)table[page] * page_stride + (size_t)(key - page * page_size) * row_stride;
-        bulk_g2s(smem_u32(ks + kr * STR), Kb + off, ROW, bar);
-        bulk_g2s(smem_u32(vs + kr * STR), Vb + off, ROW, bar);
-    }
-}
-#endif
 
 // Keys [k0, k0 + KT) of one kv head into the K and V tile buffers `ks`, `vs` (rows padded to
 // D + 8 elements) as 16-byte cp.async (the caller commits); keys at or past `end` are
@@ -149,15 +76,15 @@ __device__ __forceinline__ void decode_load_tile(u16* ks, u16* vs, const u16* K,
 }
 
 // Shared memory of the split kernel, bytes: the ring's NS stages of a K and a V tile, then Q
-// (RM = 16 MT rows), all rows padded to D + 8 elements, then the NS stages' mbarriers (8 bytes
-// each) and one word (the last-CTA flag). The warps' partials and the combine's weights reuse
-// the ring at the end.
+// (RM = 16 MT rows), all rows padded to D + 8 elements, then one word (the last-CTA flag, in
+// 16 bytes). The warps' partials and the combine's weights reuse the
+// ring at the end.
 template <int D, int MT>
 struct DecodeSmem {
     static constexpr int KT = 64, RM = 16 * MT, STR = D + 8, NS = D <= 128 ? 3 : 2;
     static constexpr int TILE = KT * STR;
-    static constexpr int BARS = (NS * 2 * TILE + RM * STR) * 2;  // byte offset, 16-aligned
-    static constexpr int BYTES = BARS + NS * 8 + 16;
+    static constexpr int FLAG = (NS * 2 * TILE + RM * STR) * 2;  // byte offset
+    static constexpr int BYTES = FLAG + 16;
     static constexpr int RING_FLOATS = NS * 2 * TILE / 2;
     static_assert((4 * RM * D + 8 * RM) * 4 <= NS * 2 * TILE * 2, "partials fit the ring");
 };
@@ -251,12 +178,12 @@ __device__ __forceinline__ void flash_decode_split(
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* ring = reinterpret_cast<u16*>(smem_raw);  // [NS][K tile, V tile][KT][STR]
     u16* qs = ring + NS * 2 * TILE;                // [RM][STR]
-    int* last_flag = reinterpret_cast<int*>(smem_raw + SM::BARS + NS * 8);
+    int* last_flag = reinterpret_cast<int*>(smem_raw + SM::FLAG);
 
     const u16* Kb = K + (size_t)kvh * head_stride;
     const u16* Vb = V + (size_t)kvh * head_stride;
     const int* table = block_table + (size_t)b * max_pages;
-    // Q's rows (zero past R) by cp.async, waited for before the first tile.
+    // Q's rows (zero past R) travel in the first commit group, with tile 0.
     for (int c = tid; c < RM * DT; c += NT) {
         const int r = c / DT, col = (c % DT) * 8;
         const bool ok = r < R;
@@ -267,27 +194,7 @@ __device__ __forceinline__ void flash_decode_split(
         }
         cp_async16(smem_u32(qs + r * STR + col), Q + off, ok);
     }
-    cp_async_commit();
-#if KP_DECODE_BULK
-    const u32 bars = smem_u32(smem_raw + SM::BARS);  // stage st's mbarrier: bars + 8 st
-    if (tid == 0) {
-#pragma unroll
-        for (int st = 0; st < NS; ++st) mbar_init(bars + 8 * st, 1);
-        mbar_init_fence();
-    }
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-        for (int st = 0; st < NS - 1; ++st) {
-            if (st < n_tiles) {
-                decode_bulk_tile<D, KT>(ring + st * 2 * TILE, ring + st * 2 * TILE + TILE, Kb,
-                                        Vb, table, start + st * KT, end, page_size,
-                                        page_stride, row_stride, bars + 8 * st, lane);
-            }
-        }
-    }
-    cp_async_wait<0>();  // Q
-#else
+    // Q's rows travel in the first commit group, with tile 0.
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {
         if (st < n_tiles) {
@@ -297,7 +204,6 @@ __device__ __forceinline__ void flash_decode_split(
         }
         cp_async_commit();
     }
-#endif
 
     // This thread's rows of row tile mt's mma fragments: 16 mt + g and 16 mt + g + 8. Keys at
     // or past lim[mt][r] are masked (the range's end, and the causal bound).
@@ -321,19 +227,6 @@ __device__ __forceinline__ void flash_decode_split(
     }
 
     for (int t = 0; t < n_tiles; ++t) {
-#if KP_DECODE_BULK
-        __syncthreads();  // every warp is done with tile t - 1 (and, at t = 0, Q has landed)
-        {
-            const int nxt = t + NS - 1;  // into the stage tile t - 1 used
-            if (warp == 0 && nxt < n_tiles) {
-                u16* st = ring + (nxt % NS) * 2 * TILE;
-                decode_bulk_tile<D, KT>(st, st + TILE, Kb, Vb, table, start + nxt * KT, end,
-                                        page_size, page_stride, row_stride,
-                                        bars + 8 * (nxt % NS), lane);
-            }
-        }
-        mbar_wait(bars + 8 * (t % NS), (t / NS) & 1);  // tile t has landed
-#else
         cp_async_wait<NS - 2>();  // tile t has landed
         __syncthreads();          // ... for every thread, and every warp is done with tile t - 1
         {
@@ -346,7 +239,6 @@ __device__ __forceinline__ void flash_decode_split(
             }
             cp_async_commit();
         }
-#endif
         const u16* ks = ring + (t % NS) * 2 * TILE;
         const u16* vs = ks + TILE;
         const int kw = start + t * KT + warp * 16;  // this warp's first key
@@ -427,9 +319,7 @@ __device__ __forceinline__ void flash_decode_split(
         // O += P V over the warp's 16 keys (pv_step: P's accumulator layout is the A fragment).
         pv_step<MT, 2, DT, STR, BF16>(o, sc, 0, vs, warp * 16, lane);
     }
-#if !KP_DECODE_BULK
     cp_async_wait<0>();
-#endif
     __syncthreads();  // the ring is free: it takes the warps' partials
 
     float* ob = reinterpret_cast<float*>(smem_raw);  // [NW][RM][D]: unnormalised outputs

@@ -361,11 +361,9 @@ pub fn ring_stages(head_dim: usize) -> usize {
 
 /// Dynamic shared memory of the split kernel, bytes (`DecodeSmem::BYTES`): the ring's stages
 /// of a K and a V tile of [`KEY_TILE`] keys, then 16 · `row_tiles` rows of Q, every row padded
-/// by 8 elements of 2 bytes, then one 8-byte mbarrier per stage and 16 bytes for a flag.
+/// by 8 elements of 2 bytes, then 16 bytes for the combine's flag.
 pub fn split_smem_bytes(head_dim: usize, row_tiles: usize) -> usize {
-    (ring_stages(head_dim) * 2 * KEY_TILE + ROW_TILE * row_tiles) * (head_dim + 8) * 2
-        + ring_stages(head_dim) * 8
-        + 16
+    (ring_stages(head_dim) * 2 * KEY_TILE + ROW_TILE * row_tiles) * (head_dim + 8) * 2 + 16
 }
 
 /// Rows of the partial buffers for `rows` query rows under `plan`: one per row and range, or
@@ -626,16 +624,10 @@ mod tests {
         }
         // Shared memory: three stages of a K and a V tile plus 16 rows of Q at head_dim 128
         // (two CTAs fit the H200's 228 KiB per SM), two stages at 256.
-        // (+ an 8-byte mbarrier per stage and a 16-byte flag).
-        assert_eq!(
-            split_smem_bytes(128, 1),
-            (3 * 2 * 64 + 16) * 136 * 2 + 3 * 8 + 16
-        );
+        // (+ a 16-byte flag).
+        assert_eq!(split_smem_bytes(128, 1), (3 * 2 * 64 + 16) * 136 * 2 + 16);
         assert!(2 * (split_smem_bytes(128, 2) + 1024) <= 228 * 1024);
-        assert_eq!(
-            split_smem_bytes(256, 1),
-            (2 * 2 * 64 + 16) * 264 * 2 + 2 * 8 + 16
-        );
+        assert_eq!(split_smem_bytes(256, 1), (2 * 2 * 64 + 16) * 264 * 2 + 16);
         // The combine's weights: 16 · row tiles rows × splits floats in the ring, which a
         // one-wave plan never exceeds (264 CTAs on an H200, 1 per kv head and sequence).
         assert_eq!(max_splits(128, 1), 3 * 2 * 64 * 136 * 2 / 4 / 16);
