@@ -974,3 +974,153 @@ fn split_kv_decoding_matches_float64() {
     }
     assert!(failed.is_empty(), "failing cases:\n{}", failed.join("\n"));
 }
+
+/// flex_attention (issue 10 §1, §3) against the float64 reference with the same modification
+/// applied densely: every modification the project names, query and key lengths that are and
+/// are not multiples of the 64-row and 64-key tiles, fewer queries than keys (decoding-like)
+/// and more (rows the bottom-right mask empties: output 0 and LSE +inf, not NaN), a key length
+/// below seq_len_kv, GQA 2:1, head_dim 64 and 128, bf16 and fp16. The device's block mask must
+/// equal the host's, O is poisoned before the call, and a second call repeats the first bit for
+/// bit.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU and its driver; run on the GPU machine with --include-ignored"
+)]
+fn flex_attention_matches_float64() {
+    use kernelpages::attention::flex::{
+        block_mask_host, flex_reference, FlexAttention, FlexMod, FlexShape,
+    };
+    use rand::{Rng, SeedableRng};
+    let gpu = gpu();
+    let mods = [
+        FlexMod::Causal,
+        FlexMod::SlidingWindow(40),
+        FlexMod::Document,
+        FlexMod::PrefixLm(30),
+        FlexMod::Alibi,
+        FlexMod::SoftCap(20.0),
+    ];
+    // (seq_len_q, seq_len_kv, key length of batch entry 1)
+    let lengths = [
+        (63, 63, 63),
+        (64, 64, 64),
+        (65, 65, 40),
+        (200, 200, 200),
+        (20, 300, 300),
+        (130, 70, 70),
+    ];
+    let mut failed = Vec::new();
+    let mut n = 0;
+    for m in mods {
+        for &(tq, tkv, len1) in &lengths {
+            if m == FlexMod::Document && tq != tkv {
+                continue; // packed sequences are self-attention
+            }
+            for (d, dtype) in [(64, Dtype::Bf16), (128, Dtype::F16), (128, Dtype::Bf16)] {
+                let shape = FlexShape {
+                    batch: 2,
+                    heads: 4,
+                    kv_heads: 2,
+                    seq_len_q: tq,
+                    seq_len_kv: tkv,
+                    head_dim: d,
+                    dtype,
+                    scale: (d as f64).powf(-0.5),
+                };
+                let mut rng = rand::rngs::StdRng::seed_from_u64(n as u64);
+                let mut draw = |len: usize| -> Vec<f64> {
+                    (0..len)
+                        .map(|_| {
+                            dtype.from_bits(dtype.to_bits(rng.random_range(-2.0f32..2.0))) as f64
+                        })
+                        .collect()
+                };
+                let q = draw(2 * 4 * tq * d);
+                let k = draw(2 * 2 * tkv * d);
+                let v = draw(2 * 2 * tkv * d);
+                let lens = [tkv, len1];
+                // Documents of 37 positions in entry 0, 50 in entry 1.
+                let aux: Vec<i32> = (0..2 * tkv)
+                    .map(|i| ((i % tkv) / if i < tkv { 37 } else { 50 }) as i32)
+                    .collect();
+                let bits = |x: &[f64]| -> Vec<u16> {
+                    x.iter().map(|&x| dtype.to_bits(x as f32)).collect()
+                };
+                let up = |x: &[f64]| gpu.stream.clone_htod(&bits(x)).unwrap();
+                let (qd, kd, vd) = (up(&q), up(&k), up(&v));
+                let lens_i: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+                let lens_d = gpu.stream.clone_htod(&lens_i).unwrap();
+                let flex = FlexAttention::new(gpu, shape, &m.spec(), &lens_d, &aux).expect("flex");
+                let label = format!(
+                    "{} {}x{} len1 {len1} d{d} {}",
+                    m.name(),
+                    tq,
+                    tkv,
+                    dtype.as_str()
+                );
+                let dev_mask = flex.block_mask(gpu).unwrap();
+                let host_mask = block_mask_host(&shape, &m, &lens, &aux);
+                let kt = flex.key_tiles();
+                let same = dev_mask.count == host_mask.count
+                    && dev_mask.count.iter().enumerate().all(|(i, &c)| {
+                        let r = i * kt..i * kt + c as usize;
+                        dev_mask.index[r.clone()] == host_mask.index[r.clone()]
+                            && dev_mask.full[r.clone()] == host_mask.full[r]
+                    });
+                let rows = 2 * 4 * tq;
+                let call = || {
+                    let mut o = gpu
+                        .stream
+                        .clone_htod(&vec![Dtype::POISON_WORD; rows * d])
+                        .unwrap();
+                    let mut lse = gpu.stream.clone_htod(&vec![f32::NAN; rows]).unwrap();
+                    flex.launch(gpu, &qd, &kd, &vd, &lens_d, &mut o, &mut lse)
+                        .expect("launch");
+                    (
+                        gpu.stream.clone_dtoh(&o).unwrap(),
+                        gpu.stream.clone_dtoh(&lse).unwrap(),
+                    )
+                };
+                let (o1, l1) = call();
+                let (o2, l2) = call();
+                let repeat =
+                    o1 == o2 && l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits());
+                let o = dtype.decode_all(&o1);
+                let (ro, rl) = flex_reference(&shape, &m, &q, &k, &v, &lens, &aux);
+                let err = kernelpages::attention::rel_l2(&o, &ro);
+                let mut bad_rows = 0;
+                let mut lse_err = 0f64;
+                for r in 0..rows {
+                    let got = &o[r * d..(r + 1) * d];
+                    if rl[r] == f64::INFINITY {
+                        if !(l1[r] == f32::INFINITY && got.iter().all(|&x| x == 0.0)) {
+                            bad_rows += 1;
+                        }
+                    } else if !got.iter().all(|x| x.is_finite()) || !l1[r].is_finite() {
+                        bad_rows += 1;
+                    } else {
+                        lse_err = lse_err.max((l1[r] as f64 - rl[r]).abs());
+                    }
+                }
+                let (vis, whole, all) = dev_mask.tiles(kt);
+                println!(
+                    "{label}: error {err:.2e}, LSE error {lse_err:.1e}, {vis} of {all} tiles ({whole} whole), block mask {}, repeat {}",
+                    if same { "same" } else { "DIFFERS" },
+                    if repeat { "same" } else { "DIFFERS" }
+                );
+                if !(same && repeat && bad_rows == 0 && err <= 1e-2 && lse_err <= 2e-2) {
+                    failed.push(format!("{label}: error {err:.2e}, LSE {lse_err:.1e}, bad rows {bad_rows}, mask same {same}, repeat {repeat}"));
+                }
+                n += 1;
+            }
+        }
+    }
+    assert!(n >= 90, "{n} cases");
+    assert!(
+        failed.is_empty(),
+        "{} of {n} cases failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+}

@@ -499,3 +499,65 @@ fn decode_kernels_compile_without_spills() {
     // head_dim 64 and 128 with one and two row tiles, 256 with one; two dtypes each.
     assert_eq!(n, 2 * 5, "instances compiled");
 }
+
+/// The flex_attention kernels compile with NVRTC for every modification the project names, at
+/// every head_dim and 16-bit dtype, for sm_80 and sm_90a, without spills, and in shared memory
+/// an sm_80 CTA may have; a bad expression is an NVRTC error that names the file.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn flex_kernels_compile_without_spills() {
+    use kernelpages::attention::flex::{
+        flex_smem_bytes, flex_source, FlexMod, FlexSpec, FLEX_HEAD_DIMS,
+    };
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    let mods = [
+        FlexMod::Causal,
+        FlexMod::SlidingWindow(256),
+        FlexMod::Document,
+        FlexMod::PrefixLm(128),
+        FlexMod::Alibi,
+        FlexMod::SoftCap(50.0),
+    ];
+    let mut n = 0;
+    for m in mods {
+        for d in FLEX_HEAD_DIMS {
+            assert!(flex_smem_bytes(d) <= 163 * 1024, "head_dim {d}");
+            for dtype in [Dtype::Bf16, Dtype::F16] {
+                let (_, fwd, src) = flex_source(&m.spec(), d, dtype);
+                let file = format!("{fwd}_{}.cu", m.name());
+                compile(&file, &src, "sm_80");
+                for rep in kernelpages::gpu::ptxas_report(&file, &src, "sm_90a").unwrap() {
+                    println!(
+                        "{} {}: {} registers, {} bytes spilled",
+                        m.name(),
+                        rep.kernel,
+                        rep.registers,
+                        rep.spill_bytes
+                    );
+                    assert_eq!(rep.spill_bytes, 0, "{} {} spills", m.name(), rep.kernel);
+                }
+                n += 1;
+            }
+        }
+    }
+    assert_eq!(n, 6 * 2 * 2, "instances compiled");
+    let bad = FlexSpec {
+        name: "bad".into(),
+        mask: Some("q_idx >= no_such_name".into()),
+        score: None,
+    };
+    let (_, _, src) = flex_source(&bad, 64, Dtype::Bf16);
+    let e = kernelpages::gpu::nvrtc_compile_cubin("flex_bad.cu", &src, "sm_90a")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("flex_bad.cu") && e.contains("no_such_name"),
+        "{e}"
+    );
+}

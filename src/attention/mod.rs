@@ -33,6 +33,7 @@ pub mod cuda;
 pub mod decode;
 pub mod decode_gpu;
 pub mod files;
+pub mod flex;
 
 pub use api::{
     dot_product_attention, dot_product_attention_vjp, mha, Device, MhaShape, MhaWeights,

@@ -1,0 +1,655 @@
+//! Attention with generated masks and score modifications on the GPU (issue 10 §1): the
+//! `flex_attention(q, k, v, score_mod, mask_mod)` interface of FlexAttention (He, Guessous,
+//! Liang, Zhang and others, 2024), with the modifications given as small CUDA C expressions that
+//! are generated into `kernels/flex_attn_fwd.cu` and compiled by NVRTC, and a float64 reference
+//! that applies the same modification densely.
+//!
+//! A mask expression is a `bool` of `b, h, q_idx, kv_idx` (batch entry, query head, query
+//! position, key position) and of `num_heads, seq_len_q, seq_len_kv` and `aux` (a `const int*`
+//! the caller fills, e.g. document ids); a score expression is a `float` of `score` (the scaled
+//! dot product q·k · scale, natural units) and the same names. Both are compiled once per
+//! (expressions, head_dim, dtype): the lengths are kernel arguments, so a sweep over seq_len
+//! compiles once. The block mask (which key tiles each query tile needs, and which of them the
+//! mask leaves whole) is computed on the device once per (mask, shape, `aux`, `kv_lens`) by
+//! evaluating the mask over every pair; the forward then never loads a tile the mask empties
+//! and evaluates the mask only in partial tiles.
+//!
+//! Shapes and dtypes: Q `[batch, heads, seq_len_q, head_dim]`, K and V `[batch, kv_heads,
+//! seq_len_kv, head_dim]` (GQA: heads a multiple of kv_heads), O like Q, all bf16 or fp16 (16-bit
+//! words); LSE `[batch, heads, seq_len_q]` f32, natural log, +∞ for a row that sees no key (its
+//! output is 0, never NaN); `kv_lens` `[batch]` i32 (keys at or past it are never visible).
+//! head_dim 64 or 128.
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::cuda::PRELUDE_SRC;
+use super::Dtype;
+use crate::gpu::{Gpu, GpuError};
+
+/// Source of the flex kernels (after [`PRELUDE_SRC`] and the generated functions).
+pub const FLEX_SRC: &str = include_str!("../../kernels/flex_attn_fwd.cu");
+
+/// Query rows per CTA of the forward (`BR` = 16 · MT · NW with MT = 1, NW = 4).
+pub const FLEX_ROWS: usize = 64;
+/// Keys per tile (`BCT`), also the block mask's key granularity.
+pub const FLEX_KEYS: usize = 64;
+/// Threads per CTA of both kernels.
+const THREADS: usize = 128;
+/// Head dimensions the forward is instantiated for.
+pub const FLEX_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// The modifications this project names, each as CUDA C for the kernel and as the float64
+/// function the reference applies. `Causal` and the masks built on it align bottom-right (query
+/// i sees key j when j ≤ i + seq_len_kv − seq_len_q), as the rest of the attention suite does.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FlexMod {
+    /// Causal (bottom-right).
+    Causal,
+    /// Causal sliding window of `w` keys (Longformer / Mistral's local attention): key j visible
+    /// to query i when 0 ≤ (i + seq_len_kv − seq_len_q) − j < w.
+    SlidingWindow(usize),
+    /// Packed sequences (a document mask), causal within each document: `aux[b · seq_len_kv +
+    /// t]` is the document of position t; query i (position i + seq_len_kv − seq_len_q) sees
+    /// key j of the same document when causal allows it.
+    Document,
+    /// Prefix-LM (T5 / UniLM): the first `p` keys are visible to every query, the rest causally.
+    PrefixLm(usize),
+    /// ALiBi (Press, Smith and Lewis, 2022) with a causal mask: score + m_h · (j − i'), i' = i +
+    /// seq_len_kv − seq_len_q, m_h = 2^(−8 (h + 1) / num_heads).
+    Alibi,
+    /// Logit soft-capping (Gemma 2): `cap · tanh(score / cap)`, no mask.
+    SoftCap(f32),
+}
+
+impl FlexMod {
+    /// Name in documents and messages, e.g. `sliding_window(256)`.
+    pub fn name(&self) -> String {
+        match self {
+            FlexMod::Causal => "causal".into(),
+            FlexMod::SlidingWindow(w) => format!("sliding_window({w})"),
+            FlexMod::Document => "document".into(),
+            FlexMod::PrefixLm(p) => format!("prefix_lm({p})"),
+            FlexMod::Alibi => "alibi".into(),
+            FlexMod::SoftCap(c) => format!("softcap({c})"),
+        }
+    }
+
+    /// The CUDA C expressions of this modification.
+    pub fn spec(&self) -> FlexSpec {
+        const CAUSAL: &str = "kv_idx <= q_idx + (seq_len_kv - seq_len_q)";
+        let (mask, score) = match *self {
+            FlexMod::Causal => (Some(CAUSAL.to_string()), None),
+            FlexMod::SlidingWindow(w) => (
+                Some(format!(
+                    "{CAUSAL} && q_idx + (seq_len_kv - seq_len_q) - kv_idx < {w}"
+                )),
+                None,
+            ),
+            FlexMod::Document => (
+                Some(format!(
+                    "{CAUSAL} && aux[b * seq_len_kv + kv_idx] == aux[b * seq_len_kv + q_idx + \
+                     (seq_len_kv - seq_len_q)]"
+                )),
+                None,
+            ),
+            FlexMod::PrefixLm(p) => (Some(format!("kv_idx < {p} || {CAUSAL}")), None),
+            FlexMod::Alibi => (
+                Some(CAUSAL.to_string()),
+                Some(
+                    "score + exp2f(-8.0f * (float)(h + 1) / (float)num_heads) * (float)(kv_idx - \
+                     q_idx - (seq_len_kv - seq_len_q))"
+                        .to_string(),
+                ),
+            ),
+            FlexMod::SoftCap(c) => (None, Some(format!("{c:?}f * tanhf(score / {c:?}f)"))),
+        };
+        FlexSpec {
+            name: self.name(),
+            mask,
+            score,
+        }
+    }
+
+    /// Whether query `q` of head `h`, batch entry `b` sees key `kv` (the reference's mask).
+    #[allow(clippy::too_many_arguments)]
+    pub fn visible(
+        &self,
+        b: usize,
+        q: usize,
+        kv: usize,
+        seq_len_q: usize,
+        seq_len_kv: usize,
+        aux: &[i32],
+    ) -> bool {
+        let qi = (q + seq_len_kv) as i64 - seq_len_q as i64; // the query's position among keys
+        let kv_i = kv as i64;
+        let causal = kv_i <= qi;
+        match *self {
+            FlexMod::Causal | FlexMod::Alibi => causal,
+            FlexMod::SlidingWindow(w) => causal && qi - kv_i < w as i64,
+            FlexMod::Document => {
+                causal && aux[b * seq_len_kv + kv] == aux[b * seq_len_kv + qi as usize]
+            }
+            FlexMod::PrefixLm(p) => kv < p || causal,
+            FlexMod::SoftCap(_) => true,
+        }
+    }
+
+    /// The modified score of `score` (scaled q·k, natural units) for query `q` of head `h` and
+    /// key `kv` (the reference's score_mod, in float64).
+    pub fn modify(
+        &self,
+        score: f64,
+        h: usize,
+        q: usize,
+        kv: usize,
+        heads: usize,
+        seq_len_q: usize,
+        seq_len_kv: usize,
+    ) -> f64 {
+        match *self {
+            FlexMod::Alibi => {
+                let slope = (-8.0 * (h + 1) as f64 / heads as f64).exp2();
+                score + slope * (kv as f64 - q as f64 - (seq_len_kv as f64 - seq_len_q as f64))
+            }
+            FlexMod::SoftCap(c) => {
+                let c = c as f64;
+                c * (score / c).tanh()
+            }
+            _ => score,
+        }
+    }
+}
+
+/// A mask and a score modification as CUDA C expressions (see the module's documentation for
+/// the names they may use); `None` is no mask (every key below `kv_lens`) or no modification.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlexSpec {
+    /// Name in documents and messages.
+    pub name: String,
+    /// `bool` expression: whether `q_idx` sees `kv_idx`.
+    pub mask: Option<String>,
+    /// `float` expression: the modified `score`.
+    pub score: Option<String>,
+}
+
+/// The attention shape of a flex call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlexShape {
+    /// Batch entries.
+    pub batch: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (a divisor of `heads`).
+    pub kv_heads: usize,
+    /// Query rows per head.
+    pub seq_len_q: usize,
+    /// Key rows per head (the K/V buffers' length; `kv_lens` may be shorter).
+    pub seq_len_kv: usize,
+    /// Head dimension (64 or 128).
+    pub head_dim: usize,
+    /// bf16 or fp16.
+    pub dtype: Dtype,
+    /// Score scale (usually head_dim^−1/2).
+    pub scale: f64,
+}
+
+impl FlexShape {
+    /// Why the kernels cannot run this shape, or `None`.
+    pub fn unsupported(&self) -> Option<String> {
+        if !FLEX_HEAD_DIMS.contains(&self.head_dim) {
+            return Some(format!(
+                "flex_attention runs head_dim {FLEX_HEAD_DIMS:?}, not {}",
+                self.head_dim
+            ));
+        }
+        if !matches!(self.dtype, Dtype::Bf16 | Dtype::F16) {
+            return Some(format!(
+                "flex_attention runs bf16 or fp16, not {}",
+                self.dtype.as_str()
+            ));
+        }
+        if self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+            return Some(format!(
+                "heads {} not a multiple of kv_heads {}",
+                self.heads, self.kv_heads
+            ));
+        }
+        if self.seq_len_q == 0 || self.seq_len_kv == 0 || self.batch == 0 {
+            return Some("an empty dimension".into());
+        }
+        None
+    }
+
+    fn query_tiles(&self) -> usize {
+        self.seq_len_q.div_ceil(FLEX_ROWS)
+    }
+
+    fn key_tiles(&self) -> usize {
+        self.seq_len_kv.div_ceil(FLEX_KEYS)
+    }
+}
+
+/// The names of the block-mask and forward kernels and their source for `spec` at `head_dim`
+/// and `dtype` (bf16 or fp16).
+pub fn flex_source(spec: &FlexSpec, head_dim: usize, dtype: Dtype) -> (String, String, String) {
+    let bf = dtype == Dtype::Bf16;
+    let has_score = spec.score.is_some();
+    let mask = spec.mask.as_deref().unwrap_or("true");
+    let score = spec.score.as_deref().unwrap_or("score");
+    let block = "flex_block_mask_kernel".to_string();
+    let fwd = format!("flex_fwd_{}_d{head_dim}", dtype.as_str());
+    let names = "int b, int h, int q_idx, int kv_idx, int num_heads, int seq_len_q, int \
+                 seq_len_kv, const int* aux";
+    let src = format!(
+        "{PRELUDE_SRC}\n\
+         // Generated: the mask and score modification of `{name}`.\n\
+         __device__ __forceinline__ bool kp_mask({names}) {{ return ({mask}); }}\n\
+         __device__ __forceinline__ float kp_score(float score, {names}) {{ return ({score}); }}\n\
+         {FLEX_SRC}\n\
+         extern \"C\" __global__ void __launch_bounds__({THREADS}) {block}(const int* kv_lens, \
+         const int* aux, int* kv_count, int* kv_index, unsigned char* kv_full, int Tq, int Tkv, \
+         int H) {{ flex_block_mask<{FLEX_ROWS}, {FLEX_KEYS}>(kv_lens, aux, kv_count, kv_index, \
+         kv_full, Tq, Tkv, H); }}\n\
+         extern \"C\" __global__ void __launch_bounds__({THREADS}) {fwd}(const u16* Q, const u16* \
+         K, const u16* V, u16* O, float* LSE, const int* kv_lens, const int* aux, const int* \
+         kv_count, const int* kv_index, const unsigned char* kv_full, int Tq, int Tkv, int H, \
+         int KVH, float scale) {{ flex_fwd<{head_dim}, 4, 1, {FLEX_KEYS}, {bf}, {has_score}>(Q, \
+         K, V, O, LSE, kv_lens, aux, kv_count, kv_index, kv_full, Tq, Tkv, H, KVH, scale); }}\n",
+        name = spec.name
+    );
+    (block, fwd, src)
+}
+
+/// Dynamic shared memory of the forward, bytes: Q's 64 rows and two K and two V tiles of 64
+/// keys, rows padded to head_dim + 8 elements of 2 bytes.
+pub fn flex_smem_bytes(head_dim: usize) -> usize {
+    (FLEX_ROWS + 4 * FLEX_KEYS) * (head_dim + 8) * 2
+}
+
+/// The block mask of a shape: per (batch entry, head, query tile) the key tiles the mask
+/// leaves any visible pair in, increasing, and whether each is whole (every pair visible and
+/// every key below `kv_lens`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockMask {
+    /// `[batch][heads][query tiles]` counts.
+    pub count: Vec<i32>,
+    /// `[batch][heads][query tiles][key tiles]` indices (the first `count` of each list).
+    pub index: Vec<i32>,
+    /// Like `index`: 1 for a whole tile, 0 for a partial one.
+    pub full: Vec<u8>,
+}
+
+impl BlockMask {
+    /// (tiles with a visible pair, whole tiles among them, all tiles) over the shape.
+    pub fn tiles(&self, key_tiles: usize) -> (usize, usize, usize) {
+        let mut visible = 0;
+        let mut whole = 0;
+        for (i, &n) in self.count.iter().enumerate() {
+            visible += n as usize;
+            whole += self.full[i * key_tiles..i * key_tiles + n as usize]
+                .iter()
+                .filter(|&&f| f == 1)
+                .count();
+        }
+        (visible, whole, self.count.len() * key_tiles)
+    }
+}
+
+/// The block mask of `m` over `shape` computed on the host (what `flex_block_mask` computes on
+/// the device), for tests and for the page's sparsity figures.
+pub fn block_mask_host(
+    shape: &FlexShape,
+    m: &FlexMod,
+    kv_lens: &[usize],
+    aux: &[i32],
+) -> BlockMask {
+    let (nq, nk) = (shape.query_tiles(), shape.key_tiles());
+    let lists = shape.batch * shape.heads * nq;
+    let mut bm = BlockMask {
+        count: vec![0; lists],
+        index: vec![0; lists * nk],
+        full: vec![0; lists * nk],
+    };
+    for b in 0..shape.batch {
+        for h in 0..shape.heads {
+            for qt in 0..nq {
+                let list = (b * shape.heads + h) * nq + qt;
+                let rows = (qt * FLEX_ROWS)..((qt + 1) * FLEX_ROWS).min(shape.seq_len_q);
+                for kt in 0..nk {
+                    let keys = (kt * FLEX_KEYS)..((kt + 1) * FLEX_KEYS).min(kv_lens[b]);
+                    let (mut any, mut all) = (false, true);
+                    for q in rows.clone() {
+                        for kv in keys.clone() {
+                            let v = m.visible(b, q, kv, shape.seq_len_q, shape.seq_len_kv, aux);
+                            any |= v;
+                            all &= v;
+                        }
+                    }
+                    if any {
+                        let n = bm.count[list] as usize;
+                        bm.index[list * nk + n] = kt as i32;
+                        bm.full[list * nk + n] = u8::from(all && keys.len() == FLEX_KEYS);
+                        bm.count[list] += 1;
+                    }
+                }
+            }
+        }
+    }
+    bm
+}
+
+/// The float64 reference: O `[batch, heads, seq_len_q, head_dim]` and LSE `[batch, heads,
+/// seq_len_q]` (natural log, +∞ for a row with no visible key, whose output is 0) of
+/// `softmax(m.modify(q·k · scale))` over the keys `m` leaves visible below `kv_lens[b]`. Q, K,
+/// V as in the module's documentation, in f64.
+pub fn flex_reference(
+    shape: &FlexShape,
+    m: &FlexMod,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    kv_lens: &[usize],
+    aux: &[i32],
+) -> (Vec<f64>, Vec<f64>) {
+    let (tq, tkv, d) = (shape.seq_len_q, shape.seq_len_kv, shape.head_dim);
+    let group = shape.heads / shape.kv_heads;
+    let mut out = vec![0.0; shape.batch * shape.heads * tq * d];
+    let mut lse = vec![f64::INFINITY; shape.batch * shape.heads * tq];
+    let mut scores = vec![0.0; tkv];
+    for b in 0..shape.batch {
+        for h in 0..shape.heads {
+            let kvh = h / group;
+            let kv_base = (b * shape.kv_heads + kvh) * tkv * d;
+            for i in 0..tq {
+                let row = (b * shape.heads + h) * tq + i;
+                let qr = &q[row * d..(row + 1) * d];
+                let mut mx = f64::NEG_INFINITY;
+                for (j, sc) in scores.iter_mut().enumerate() {
+                    *sc = f64::NEG_INFINITY;
+                    if j < kv_lens[b] && m.visible(b, i, j, tq, tkv, aux) {
+                        let kr = &k[kv_base + j * d..kv_base + (j + 1) * d];
+                        let dot: f64 = qr.iter().zip(kr).map(|(a, b)| a * b).sum();
+                        *sc = m.modify(dot * shape.scale, h, i, j, shape.heads, tq, tkv);
+                        mx = mx.max(*sc);
+                    }
+                }
+                if mx == f64::NEG_INFINITY {
+                    continue; // no visible key: O = 0, LSE = +inf
+                }
+                let mut total = 0.0;
+                let o = &mut out[row * d..(row + 1) * d];
+                for (j, &sc) in scores.iter().enumerate() {
+                    if sc == f64::NEG_INFINITY {
+                        continue;
+                    }
+                    let w = (sc - mx).exp();
+                    total += w;
+                    let vr = &v[kv_base + j * d..kv_base + (j + 1) * d];
+                    for (a, &x) in o.iter_mut().zip(vr) {
+                        *a += w * x;
+                    }
+                }
+                o.iter_mut().for_each(|a| *a /= total);
+                lse[row] = mx + total.ln();
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// The compiled kernels and the block mask of one (spec, shape, `kv_lens`, `aux`).
+pub struct FlexAttention {
+    shape: FlexShape,
+    fwd: CudaFunction,
+    smem: u32,
+    aux: CudaSlice<i32>,
+    kv_count: CudaSlice<i32>,
+    kv_index: CudaSlice<i32>,
+    kv_full: CudaSlice<u8>,
+    /// NVRTC compile + load time, s.
+    pub compile_s: f64,
+}
+
+impl FlexAttention {
+    /// Compiles `spec` for `shape` and computes the block mask on the device for the batch
+    /// entries' key lengths `kv_lens` (`[batch]` i32, each ≤ seq_len_kv) and `aux` (uploaded
+    /// as given; one zero word when empty).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for an unsupported shape or one needing more shared memory than the
+    /// device allows; NVRTC errors name the expressions' source; driver errors.
+    pub fn new(
+        gpu: &Gpu,
+        shape: FlexShape,
+        spec: &FlexSpec,
+        kv_lens: &CudaSlice<i32>,
+        aux: &[i32],
+    ) -> Result<FlexAttention, GpuError> {
+        if let Some(why) = shape.unsupported() {
+            return Err(GpuError::Config(why));
+        }
+        let (block_name, fwd_name, src) = flex_source(spec, shape.head_dim, shape.dtype);
+        let compiled = gpu.compile(&format!("{fwd_name}_{}.cu", spec.name), &src)?;
+        let smem = flex_smem_bytes(shape.head_dim) as u32;
+        super::cuda::check_smem(gpu, &fwd_name, smem)?;
+        let fwd = gpu.function(&compiled.module, &fwd_name, smem)?;
+        let block = gpu.function(&compiled.module, &block_name, 0)?;
+        let aux_d = gpu
+            .stream
+            .clone_htod(if aux.is_empty() { &[0][..] } else { aux })?;
+        let (nq, nk) = (shape.query_tiles(), shape.key_tiles());
+        let lists = shape.batch * shape.heads * nq;
+        let mut kv_count = gpu.stream.alloc_zeros::<i32>(lists)?;
+        let mut kv_index = gpu.stream.alloc_zeros::<i32>(lists * nk)?;
+        let mut kv_full = gpu.stream.alloc_zeros::<u8>(lists * nk)?;
+        let (tq, tkv, h) = (
+            shape.seq_len_q as i32,
+            shape.seq_len_kv as i32,
+            shape.heads as i32,
+        );
+        let mut l = gpu.stream.launch_builder(&block);
+        l.arg(kv_lens)
+            .arg(&aux_d)
+            .arg(&mut kv_count)
+            .arg(&mut kv_index)
+            .arg(&mut kv_full)
+            .arg(&tq)
+            .arg(&tkv)
+            .arg(&h);
+        // SAFETY: `flex_block_mask_kernel(const int* kv_lens, const int* aux, int* kv_count,
+        // int* kv_index, unsigned char* kv_full, int Tq, int Tkv, int H)`, one CTA per (query
+        // tile, head, batch entry); the lists were allocated for this shape's tiles, kv_lens
+        // holds `batch` entries and `aux` what the mask reads (the caller's contract).
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (nq as u32, shape.heads as u32, shape.batch as u32),
+                block_dim: (THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            })?
+        };
+        Ok(FlexAttention {
+            shape,
+            fwd,
+            smem,
+            aux: aux_d,
+            kv_count,
+            kv_index,
+            kv_full,
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// The block mask computed on the device.
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn block_mask(&self, gpu: &Gpu) -> Result<BlockMask, GpuError> {
+        Ok(BlockMask {
+            count: gpu.stream.clone_dtoh(&self.kv_count)?,
+            index: gpu.stream.clone_dtoh(&self.kv_index)?,
+            full: gpu.stream.clone_dtoh(&self.kv_full)?,
+        })
+    }
+
+    /// Key tiles per query tile's list (the block mask's row length).
+    pub fn key_tiles(&self) -> usize {
+        self.shape.key_tiles()
+    }
+
+    /// Launches the forward on the stream: O and LSE (shapes in the module's documentation)
+    /// for Q, K, V and the `kv_lens` the block mask was computed for.
+    ///
+    /// # Errors
+    /// Driver errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        q: &CudaSlice<u16>,
+        k: &CudaSlice<u16>,
+        v: &CudaSlice<u16>,
+        kv_lens: &CudaSlice<i32>,
+        o: &mut CudaSlice<u16>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let s = &self.shape;
+        let (tq, tkv, h, kvh) = (
+            s.seq_len_q as i32,
+            s.seq_len_kv as i32,
+            s.heads as i32,
+            s.kv_heads as i32,
+        );
+        let scale = s.scale as f32;
+        let mut l = gpu.stream.launch_builder(&self.fwd);
+        l.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(o)
+            .arg(lse)
+            .arg(kv_lens)
+            .arg(&self.aux)
+            .arg(&self.kv_count)
+            .arg(&self.kv_index)
+            .arg(&self.kv_full)
+            .arg(&tq)
+            .arg(&tkv)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&scale);
+        // SAFETY: `flex_fwd_*(const u16* Q, const u16* K, const u16* V, u16* O, float* LSE,
+        // const int* kv_lens, const int* aux, const int* kv_count, const int* kv_index, const
+        // unsigned char* kv_full, int Tq, int Tkv, int H, int KVH, float scale)`, one CTA per
+        // (query tile, head, batch entry) with the block mask `new` computed for this shape; the
+        // caller's buffers hold the shapes in the module's documentation.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (s.query_tiles() as u32, s.heads as u32, s.batch as u32),
+                block_dim: (THREADS as u32, 1, 1),
+                shared_mem_bytes: self.smem,
+            })?
+        };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(tq: usize, tkv: usize) -> FlexShape {
+        FlexShape {
+            batch: 2,
+            heads: 4,
+            kv_heads: 2,
+            seq_len_q: tq,
+            seq_len_kv: tkv,
+            head_dim: 64,
+            dtype: Dtype::Bf16,
+            scale: 0.125,
+        }
+    }
+
+    #[test]
+    fn causal_block_mask_keeps_the_lower_triangle_of_tiles() {
+        // 200 queries and keys: 4 tiles each; query tile t needs key tiles 0..=t, the diagonal
+        // one partial, those before it whole; the last key tile (8 keys) is never whole.
+        let s = shape(200, 200);
+        let bm = block_mask_host(&s, &FlexMod::Causal, &[200, 200], &[]);
+        for qt in 0..4 {
+            assert_eq!(bm.count[qt], qt as i32 + 1);
+            let full: Vec<u8> = bm.full[qt * 4..qt * 4 + qt + 1].to_vec();
+            let mut want = vec![1u8; qt];
+            want.push(0);
+            assert_eq!(full, want, "query tile {qt}");
+        }
+        let (visible, whole, all) = bm.tiles(4);
+        assert_eq!((visible, whole, all), (2 * 4 * 10, 2 * 4 * 6, 2 * 4 * 16));
+        // A key length of 70 in batch entry 1 leaves two tiles, the second partial.
+        let bm = block_mask_host(&s, &FlexMod::SoftCap(30.0), &[200, 70], &[]);
+        let list = 4 * 4; // batch 1, head 0, query tile 0
+        assert_eq!(bm.count[list], 2);
+        assert_eq!(&bm.full[list * 4..list * 4 + 2], &[1, 0]);
+    }
+
+    #[test]
+    fn sliding_window_and_documents_skip_far_tiles() {
+        let s = shape(512, 512);
+        let bm = block_mask_host(&s, &FlexMod::SlidingWindow(64), &[512, 512], &[]);
+        // Each query tile needs its own key tile and the one before (a window of 64 keys).
+        assert!(bm.count.iter().all(|&n| n <= 2));
+        let docs: Vec<i32> = (0..2 * 512).map(|t| ((t % 512) / 100) as i32).collect();
+        let bm = block_mask_host(&s, &FlexMod::Document, &[512, 512], &docs);
+        let (visible, _, all) = bm.tiles(8);
+        assert!(visible * 2 < all, "{visible} of {all}");
+        // Rows that the mask empties: 4 queries against 2 keys, bottom-right causal: rows 0
+        // and 1 see no key (q + 2 - 4 < 0).
+        let r = shape(4, 2);
+        let q = vec![0.5; 2 * 4 * 4 * 64];
+        let kv = vec![0.25; 2 * 2 * 2 * 64];
+        let (o, lse) = flex_reference(&r, &FlexMod::Causal, &q, &kv, &kv, &[2, 2], &[]);
+        assert_eq!(lse[0], f64::INFINITY);
+        assert!(o[..64].iter().all(|&x| x == 0.0));
+        assert!(lse[2].is_finite() && lse[3].is_finite());
+    }
+
+    #[test]
+    fn reference_applies_alibi_and_softcap() {
+        // One key per query (causal, 1 x 1): the output is V whatever the score.
+        let s = FlexShape {
+            batch: 1,
+            heads: 2,
+            kv_heads: 1,
+            seq_len_q: 1,
+            seq_len_kv: 3,
+            head_dim: 64,
+            dtype: Dtype::Bf16,
+            scale: 1.0,
+        };
+        let q = vec![0.0; 2 * 64];
+        let k = vec![0.0; 3 * 64];
+        let v: Vec<f64> = (0..3 * 64).map(|i| (i / 64) as f64).collect();
+        // Q = 0: scores are 0 before the modification; ALiBi adds m_h (j - 2), so the weights
+        // are 2^(m_h (j - 2)) in natural-exp terms: exp(m_h (j - 2)).
+        let (o, _) = flex_reference(&s, &FlexMod::Alibi, &q, &k, &v, &[3], &[]);
+        let m0 = (-8.0f64 / 2.0).exp2();
+        let w: Vec<f64> = (0..3).map(|j| (m0 * (j as f64 - 2.0)).exp()).collect();
+        let want = (w[1] + 2.0 * w[2]) / w.iter().sum::<f64>();
+        assert!((o[0] - want).abs() < 1e-12, "{} vs {want}", o[0]);
+        assert!((FlexMod::SoftCap(30.0).modify(300.0, 0, 0, 0, 1, 1, 1) - 30.0).abs() < 1e-6);
+        // Every modification has CUDA C for the kernel.
+        for m in [
+            FlexMod::Causal,
+            FlexMod::SlidingWindow(8),
+            FlexMod::Document,
+            FlexMod::PrefixLm(4),
+            FlexMod::Alibi,
+            FlexMod::SoftCap(30.0),
+        ] {
+            let spec = m.spec();
+            assert!(spec.mask.is_some() || spec.score.is_some(), "{}", m.name());
+            let (_, _, src) = flex_source(&spec, 64, Dtype::Bf16);
+            assert!(src.contains("kp_mask") && src.contains(&m.name()));
+        }
+    }
+}
