@@ -44,7 +44,13 @@ __device__ __forceinline__ void flex_block_mask(const int* __restrict__ kv_lens,
     int count = 0;  // thread 0's
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BCT;
-        const int keys = max(0, min(BCT, L - k0));
+        // Whether the tile holds BCT keys below L, from its own comparison: with `keys ==
+        // BCT` after `max(0, min(BCT, L - k0))`, NVRTC 13.0 for sm_90a took the predicate of
+        // the VIMNMX.RELU that computes `keys` and the H200 flagged exactly the wrong tiles
+        // whole (a tile with 40 keys whole, one with 64 not).
+        const int avail = L - k0;
+        const bool whole_keys = avail >= BCT;
+        const int keys = whole_keys ? BCT : max(avail, 0);
         int any = 0, all = 1;
         for (int e = tid; e < BR * BCT; e += blockDim.x) {
             const int r = e / BCT, c = e % BCT;
@@ -58,7 +64,7 @@ __device__ __forceinline__ void flex_block_mask(const int* __restrict__ kv_lens,
         all = __syncthreads_and(all);
         if (tid == 0 && any) {
             kv_index[list + count] = kt;
-            kv_full[list + count] = all && keys == BCT;
+            kv_full[list + count] = all && whole_keys;
             ++count;
         }
     }

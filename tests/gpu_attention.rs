@@ -1068,6 +1068,25 @@ fn flex_attention_matches_float64() {
                         dev_mask.index[r.clone()] == host_mask.index[r.clone()]
                             && dev_mask.full[r.clone()] == host_mask.full[r]
                     });
+                if !same {
+                    // The first list that differs, device against host.
+                    for (i, (&c, &hc)) in dev_mask.count.iter().zip(&host_mask.count).enumerate() {
+                        let (r, hr) = (i * kt..i * kt + c as usize, i * kt..i * kt + hc as usize);
+                        if c != hc
+                            || dev_mask.index[r.clone()] != host_mask.index[hr.clone()]
+                            || dev_mask.full[r.clone()] != host_mask.full[hr.clone()]
+                        {
+                            println!(
+                                "  list {i}: device {:?} {:?}, host {:?} {:?}",
+                                &dev_mask.index[r.clone()],
+                                &dev_mask.full[r],
+                                &host_mask.index[hr.clone()],
+                                &host_mask.full[hr]
+                            );
+                            break;
+                        }
+                    }
+                }
                 let rows = 2 * 4 * tq;
                 let call = || {
                     let mut o = gpu

@@ -137,6 +137,7 @@ impl FlexMod {
 
     /// The modified score of `score` (scaled q·k, natural units) for query `q` of head `h` and
     /// key `kv` (the reference's score_mod, in float64).
+    #[allow(clippy::too_many_arguments)]
     pub fn modify(
         &self,
         score: f64,
@@ -209,7 +210,7 @@ impl FlexShape {
                 self.dtype.as_str()
             ));
         }
-        if self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
             return Some(format!(
                 "heads {} not a multiple of kv_heads {}",
                 self.heads, self.kv_heads
@@ -298,12 +299,20 @@ impl BlockMask {
 
 /// The block mask of `m` over `shape` computed on the host (what `flex_block_mask` computes on
 /// the device), for tests and for the page's sparsity figures.
+///
+/// # Panics
+/// When `kv_lens` does not hold one length per batch entry.
 pub fn block_mask_host(
     shape: &FlexShape,
     m: &FlexMod,
     kv_lens: &[usize],
     aux: &[i32],
 ) -> BlockMask {
+    assert_eq!(
+        kv_lens.len(),
+        shape.batch,
+        "kv_lens: one length per batch entry"
+    );
     let (nq, nk) = (shape.query_tiles(), shape.key_tiles());
     let lists = shape.batch * shape.heads * nq;
     let mut bm = BlockMask {
@@ -311,13 +320,13 @@ pub fn block_mask_host(
         index: vec![0; lists * nk],
         full: vec![0; lists * nk],
     };
-    for b in 0..shape.batch {
+    for (b, &len) in kv_lens.iter().enumerate().take(shape.batch) {
         for h in 0..shape.heads {
             for qt in 0..nq {
                 let list = (b * shape.heads + h) * nq + qt;
                 let rows = (qt * FLEX_ROWS)..((qt + 1) * FLEX_ROWS).min(shape.seq_len_q);
                 for kt in 0..nk {
-                    let keys = (kt * FLEX_KEYS)..((kt + 1) * FLEX_KEYS).min(kv_lens[b]);
+                    let keys = (kt * FLEX_KEYS)..((kt + 1) * FLEX_KEYS).min(len);
                     let (mut any, mut all) = (false, true);
                     for q in rows.clone() {
                         for kv in keys.clone() {
@@ -343,6 +352,9 @@ pub fn block_mask_host(
 /// seq_len_q]` (natural log, +∞ for a row with no visible key, whose output is 0) of
 /// `softmax(m.modify(q·k · scale))` over the keys `m` leaves visible below `kv_lens[b]`. Q, K,
 /// V as in the module's documentation, in f64.
+///
+/// # Panics
+/// When `kv_lens` does not hold one length per batch entry.
 pub fn flex_reference(
     shape: &FlexShape,
     m: &FlexMod,
@@ -352,12 +364,17 @@ pub fn flex_reference(
     kv_lens: &[usize],
     aux: &[i32],
 ) -> (Vec<f64>, Vec<f64>) {
+    assert_eq!(
+        kv_lens.len(),
+        shape.batch,
+        "kv_lens: one length per batch entry"
+    );
     let (tq, tkv, d) = (shape.seq_len_q, shape.seq_len_kv, shape.head_dim);
     let group = shape.heads / shape.kv_heads;
     let mut out = vec![0.0; shape.batch * shape.heads * tq * d];
     let mut lse = vec![f64::INFINITY; shape.batch * shape.heads * tq];
     let mut scores = vec![0.0; tkv];
-    for b in 0..shape.batch {
+    for (b, &len) in kv_lens.iter().enumerate().take(shape.batch) {
         for h in 0..shape.heads {
             let kvh = h / group;
             let kv_base = (b * shape.kv_heads + kvh) * tkv * d;
@@ -367,7 +384,7 @@ pub fn flex_reference(
                 let mut mx = f64::NEG_INFINITY;
                 for (j, sc) in scores.iter_mut().enumerate() {
                     *sc = f64::NEG_INFINITY;
-                    if j < kv_lens[b] && m.visible(b, i, j, tq, tkv, aux) {
+                    if j < len && m.visible(b, i, j, tq, tkv, aux) {
                         let kr = &k[kv_base + j * d..kv_base + (j + 1) * d];
                         let dot: f64 = qr.iter().zip(kr).map(|(a, b)| a * b).sum();
                         *sc = m.modify(dot * shape.scale, h, i, j, shape.heads, tq, tkv);
@@ -598,7 +615,7 @@ mod tests {
         let bm = block_mask_host(&s, &FlexMod::SlidingWindow(64), &[512, 512], &[]);
         // Each query tile needs its own key tile and the one before (a window of 64 keys).
         assert!(bm.count.iter().all(|&n| n <= 2));
-        let docs: Vec<i32> = (0..2 * 512).map(|t| ((t % 512) / 100) as i32).collect();
+        let docs: Vec<i32> = (0..2 * 512).map(|t| (t % 512) / 100).collect();
         let bm = block_mask_host(&s, &FlexMod::Document, &[512, 512], &docs);
         let (visible, _, all) = bm.tiles(8);
         assert!(visible * 2 < all, "{visible} of {all}");
