@@ -122,6 +122,111 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// S = Q K^T for one key tile, for the warp's MT 16-row groups starting at row `row0` of the Q
+// tile `q` (row stride STR elements) against the K tile `k` (row stride STR): s[mt][nt] is the
+// accumulator of rows 16 mt .. 16 mt + 15 and keys 8 nt .. 8 nt + 7 (KC = D / 16 k-steps, even),
+// fragments by ldmatrix, each K fragment serving every row group. Column blocks with
+// nt * 8 >= n_cols are skipped (a partial last tile). The products add to s: the caller zeroes it.
+template <int MT, int NT, int KC, int STR, bool BF16>
+__device__ __forceinline__ void qk_tile(float (&s)[MT][NT][4], const u16* q, const u16* k,
+                                        int row0, int n_cols, int lane) {
+#pragma unroll
+    for (int kc = 0; kc < KC; kc += 2) {
+        u32 qf[MT][2][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const u16* p = q + (row0 + mt * 16 + (lane & 15)) * STR + kc * 16 + (lane >> 4) * 8;
+            ldmatrix_x4(qf[mt][0], smem_u32(p));
+            ldmatrix_x4(qf[mt][1], smem_u32(p + 16));
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            if (nt * 8 < n_cols) {
+                u32 kb[4];
+                const u16* p = k + (nt * 8 + (lane & 7)) * STR + kc * 16 + (lane >> 3) * 8;
+                ldmatrix_x4(kb, smem_u32(p));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816<BF16>(s[mt][nt], qf[mt][0], kb[0], kb[1]);
+                    mma16816<BF16>(s[mt][nt], qf[mt][1], kb[2], kb[3]);
+                }
+            }
+        }
+    }
+}
+
+// The online-softmax step (Milakov and Gimelshein, 2018; FlashAttention-2's form) of row group
+// mt over one tile of scores already in the log2 domain and masked (-inf): per row, over the
+// quad that holds it, the new running max m, alpha = 2^(m_old - m), s -> p = 2^(s - m), l =
+// l * alpha + sum p, and the output accumulator o scaled by alpha. GUARD: a row that has seen
+// no key yet (m = -inf) subtracts 0 instead (-inf - -inf would be NaN); without it every row
+// must see a key in its first tile.
+template <int MT, int NT, int DT, bool GUARD>
+__device__ __forceinline__ void online_softmax_rows(float (&s)[MT][NT][4],
+                                                    float (&m_run)[MT][2],
+                                                    float (&l_run)[MT][2],
+                                                    float (&o)[MT][DT][4], int mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(m_run[mt][r], mx);
+        const float m_use = GUARD && m_new == NEG_INF ? 0.f : m_new;
+        const float alpha = fast_exp2(m_run[mt][r] - m_use);
+        m_run[mt][r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const float p0 = fast_exp2(s[mt][nt][2 * r] - m_use);
+            const float p1 = fast_exp2(s[mt][nt][2 * r + 1] - m_use);
+            s[mt][nt][2 * r] = p0;
+            s[mt][nt][2 * r + 1] = p1;
+            sum += p0 + p1;
+        }
+        l_run[mt][r] = l_run[mt][r] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+            o[mt][dt][2 * r] *= alpha;
+            o[mt][dt][2 * r + 1] *= alpha;
+        }
+    }
+}
+
+// The end of a forward tile: the quad's row sums, O = o / l as 16-bit words (rows of the warp
+// starting at `row0` below `rows`, row stride D = 8 DT elements, from `o_out`; g = lane / 4 and
+// t4 = lane % 4 place the thread's fragment elements) and the natural
+// log-sum-exp (m + log2 l) ln 2 into `lse_out` (+inf and O = 0 for a row that saw no key).
+template <int MT, int DT, bool BF16>
+__device__ __forceinline__ void store_rows(const float (&o)[MT][DT][4],
+                                           const float (&m_run)[MT][2],
+                                           const float (&l_run)[MT][2], u16* o_out,
+                                           float* lse_out, int row0, int rows, int g, int t4) {
+    constexpr int D = 8 * DT;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float l = l_run[mt][r];
+            l += __shfl_xor_sync(0xffffffff, l, 1);
+            l += __shfl_xor_sync(0xffffffff, l, 2);
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const int row = row0 + mt * 16 + g + r * 8;
+            if (row < rows) {
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    u32 v = pack2<BF16>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
+                    *reinterpret_cast<u32*>(o_out + (size_t)row * D + dt * 8 + 2 * t4) = v;
+                }
+                if (t4 == 0) lse_out[row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * LN2 : POS_INF;
+            }
+        }
+    }
+}
+
 // Copies rows [0, ROWS) of a tile from global (row stride D elements, starting at `g`) to
 // shared (row stride D + 8) with 16-byte cp.async; rows >= `valid_rows` are zero-filled (and
 // read nothing). The 8-element pad keeps ldmatrix's 8 row addresses in distinct bank groups.

@@ -117,29 +117,7 @@ __device__ __forceinline__ void flash_fwd(const u16* __restrict__ Q, const u16* 
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
-#pragma unroll
-            for (int kc = 0; kc < KC; kc += 2) {
-                u32 qf[MT][2][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const u16* p = sQ + (warp_row0 + mt * 16 + (lane & 15)) * STR + kc * 16 + (lane >> 4) * 8;
-                    ldmatrix_x4(qf[mt][0], smem_u32(p));
-                    ldmatrix_x4(qf[mt][1], smem_u32(p + 16));
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    if (nt * 8 < rem) {
-                        u32 kb[4];
-                        const u16* p = k_s + (nt * 8 + (lane & 7)) * STR + kc * 16 + (lane >> 3) * 8;
-                        ldmatrix_x4(kb, smem_u32(p));
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
-                            mma16816<BF16>(s[mt][nt], qf[mt][0], kb[0], kb[1]);
-                            mma16816<BF16>(s[mt][nt], qf[mt][1], kb[2], kb[3]);
-                        }
-                    }
-                }
-            }
+            qk_tile<MT, NT, KC, STR, BF16>(s, sQ, k_s, warp_row0, rem, lane);
 
             // Mask the tile when some key of it is at or past some row's limit.
             const bool mask = k0 + BCT > lim_first;
@@ -159,34 +137,7 @@ __device__ __forceinline__ void flash_fwd(const u16* __restrict__ Q, const u16* 
                         s[mt][nt][e] = x;
                     }
                 }
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float mx = NEG_INF;
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-                    const float m_new = fmaxf(m_run[mt][r], mx);
-                    const float m_use = m_new == NEG_INF ? 0.f : m_new;
-                    const float alpha = fast_exp2(m_run[mt][r] - m_use);
-                    m_run[mt][r] = m_new;
-                    float sum = 0.f;
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const float p0 = fast_exp2(s[mt][nt][2 * r] - m_use);
-                        const float p1 = fast_exp2(s[mt][nt][2 * r + 1] - m_use);
-                        s[mt][nt][2 * r] = p0;
-                        s[mt][nt][2 * r + 1] = p1;
-                        sum += p0 + p1;
-                    }
-                    l_run[mt][r] = l_run[mt][r] * alpha + sum;
-#pragma unroll
-                    for (int dt = 0; dt < DT; ++dt) {
-                        o[mt][dt][2 * r] *= alpha;
-                        o[mt][dt][2 * r + 1] *= alpha;
-                    }
-                }
+                online_softmax_rows<MT, NT, DT, true>(s, m_run, l_run, o, mt);
             }
 
             // O += P V: P's accumulator layout is already the A-fragment layout of the next mma.
@@ -204,23 +155,5 @@ __device__ __forceinline__ void flash_fwd(const u16* __restrict__ Q, const u16* 
     // Finish: the row sums were per-thread partials over the thread's columns.
     u16* o_base = O + q_off;
     float* lse_base = LSE + (size_t)(b * H + h) * Tq + q0;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float l = l_run[mt][r];
-            l += __shfl_xor_sync(0xffffffff, l, 1);
-            l += __shfl_xor_sync(0xffffffff, l, 2);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
-            const int row = warp_row0 + mt * 16 + g + r * 8;
-            if (row < rows) {
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    u32 v = pack2<BF16>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-                    *reinterpret_cast<u32*>(o_base + (size_t)row * D + dt * 8 + 2 * t4) = v;
-                }
-                if (t4 == 0) lse_base[row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * LN2 : POS_INF;
-            }
-        }
-    }
+    store_rows<MT, DT, BF16>(o, m_run, l_run, o_base, lse_base, warp_row0, rows, g, t4);
 }
