@@ -603,9 +603,13 @@ const GLANCE_LINE: u32 = 16;
 /// Most label lines: the label of a case has a dozen parameters at most.
 const GLANCE_MAX_LINES: usize = 3;
 
+/// Shortest bar of the glance chart, px (a ratio within a few per cent of 1 would otherwise be
+/// a sliver whose colour cannot be seen).
+pub const GLANCE_MIN_BAR: i32 = 20;
+
 /// Draws the At a glance chart: per representative comparison, its label on a line of its own
-/// and below it a horizontal bar from 1 to the ratio on a log x axis whose range comes from
-/// the data and holds 1 (green where the default is faster, red where the alternative is), a
+/// and below it a horizontal bar from 1 to the ratio (at least [`GLANCE_MIN_BAR`] px long) on a
+/// log x axis whose range comes from the data and holds 1 (green where the default is faster, red where the alternative is), a
 /// whisker over the ratio's range from both interquartile ranges, or a cross where the default
 /// is inaccurate; a vertical line at 1; a legend saying what colours, whiskers and crosses
 /// mean.
@@ -692,12 +696,21 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
                     } else {
                         ALTERNATIVE_FASTER
                     };
-                    chart
-                        .draw_series(std::iter::once(Rectangle::new(
-                            [(1.0, y_mid - unit(9)), (ratio, y_mid + unit(9))],
-                            colour.filled(),
-                        )))
-                        .map_err(&err)?;
+                    // From 1 to the ratio, never shorter than GLANCE_MIN_BAR px, so that a
+                    // ratio near 1 still shows its colour (which side is faster); its value is
+                    // in the bar's label.
+                    let (x1, y_top) = chart.backend_coord(&(1.0, y_mid + unit(9)));
+                    let (xr, y_bottom) = chart.backend_coord(&(ratio, y_mid - unit(9)));
+                    let xr = if ratio >= 1.0 {
+                        xr.max(x1 + GLANCE_MIN_BAR)
+                    } else {
+                        xr.min(x1 - GLANCE_MIN_BAR)
+                    };
+                    root.draw(&Rectangle::new(
+                        [(x1.min(xr), y_top), (x1.max(xr), y_bottom)],
+                        colour.filled(),
+                    ))
+                    .map_err(&err)?;
                     if let Some((low, high)) = range {
                         let cap = unit(6);
                         chart

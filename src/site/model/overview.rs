@@ -394,13 +394,15 @@ pub fn glance(docs: &[Loaded], base: &str) -> Glance {
         },
         desc: format!(
             "Horizontal bars on a log scale, one per group at its largest {axes}: {}. \
-             A bar right of 1 means the default is faster; a whisker spans the ratio's range \
-             from the two implementations' quartiles; a cross marks a default whose error is \
-             above its tolerance.",
+             A bar right of 1 means the default is faster (bars are at least {} px long, so a \
+             ratio near 1 still shows its colour); a whisker spans the ratio's range from the two \
+             implementations' quartiles; a cross marks a default whose error is above its \
+             tolerance.",
             bars.iter()
                 .map(|b| b.label.clone())
                 .collect::<Vec<_>>()
-                .join("; ")
+                .join("; "),
+            crate::site::figures::GLANCE_MIN_BAR
         ),
         bars,
     });
