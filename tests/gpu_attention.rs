@@ -706,6 +706,50 @@ fn public_entry_points_on_the_device() {
         println!("mha fp32 causal {causal}: error {e:.2e}");
         assert!(e <= 1e-4, "mha fp32 causal {causal}: error {e}");
     }
+
+    // flex_attention: CUDA against the CPU's float64 reference through the same entry point,
+    // a named modification and the same one as custom CUDA C; fp32 is refused on CUDA.
+    {
+        use kernelpages::attention::api::{flex_attention, FlexMods};
+        use kernelpages::attention::flex::FlexMod;
+        let shape = Shape::self_attention(2, 4, 2, 150, 64);
+        let q: Vec<bf16> = random(shape.q_elems(), 21, 1.0);
+        let k: Vec<bf16> = random(shape.kv_elems(), 22, 1.0);
+        let v: Vec<bf16> = random(shape.kv_elems(), 23, 1.0);
+        let m = FlexMod::SlidingWindow(50);
+        let want = flex_attention(
+            Device::Cpu,
+            &q,
+            &k,
+            &v,
+            &shape,
+            None,
+            &FlexMods::Named(m),
+            &[],
+        )
+        .expect("flex cpu");
+        for mods in [FlexMods::Named(m), FlexMods::Custom(m.spec())] {
+            let got = flex_attention(Device::Cuda(gpu()), &q, &k, &v, &shape, None, &mods, &[])
+                .expect("flex cuda");
+            let e = rel_l2(&widen(&got), &widen(&want));
+            println!("flex_attention {mods:?}: error {e:.2e}");
+            assert!(e <= 1e-2, "flex_attention {mods:?}: error {e}");
+        }
+        let qf: Vec<f32> = random(shape.q_elems(), 21, 1.0);
+        let kf: Vec<f32> = random(shape.kv_elems(), 22, 1.0);
+        let e = flex_attention(
+            Device::Cuda(gpu()),
+            &qf,
+            &kf,
+            &kf,
+            &shape,
+            None,
+            &FlexMods::Named(m),
+            &[],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("bf16 or fp16"), "{e}");
+    }
 }
 
 /// One split-KV decoding case for [`decode_case`].

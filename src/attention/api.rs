@@ -1,6 +1,7 @@
 //! The entry points a user calls: [`dot_product_attention`] (and its training form
-//! [`dot_product_attention_vjp`]) and the multi-head attention layer [`mha`], on the CPU or on a
-//! CUDA device, with host tensors in and out.
+//! [`dot_product_attention_vjp`]), attention with generated masks and score modifications
+//! [`flex_attention`], and the multi-head attention layer [`mha`], on the CPU or on a CUDA
+//! device, with host tensors in and out.
 //!
 //! Which implementation runs is decided per call by [`implementation`] from the device, the
 //! element type and the shape; the runners record the same rules in every document
@@ -28,6 +29,7 @@ use super::cpu_flash::{
 };
 use super::cuda::{self, DeviceInputs, Gemm};
 use super::decode_gpu;
+use super::flex::{flex_reference, FlexAttention, FlexMod, FlexShape, FlexSpec};
 use super::{AttentionCase, Dtype, Pass};
 use crate::gpu::{Gpu, GpuError};
 
@@ -206,6 +208,123 @@ pub fn dot_product_attention<T: Element>(
             )?;
             let outs = run_on_device(gpu, &c, &inp)?;
             Ok(download(gpu, &outs[0])?)
+        }
+    }
+}
+
+/// The mask and score modification of a [`flex_attention`] call: one the project names (with
+/// a float64 reference, so it runs on the CPU too) or CUDA C expressions of your own (CUDA only;
+/// the names they may use are in [`super::flex`]'s documentation).
+#[derive(Clone, Debug, PartialEq)]
+pub enum FlexMods {
+    /// Causal, sliding window, document, prefix-LM, ALiBi or soft-capping.
+    Named(FlexMod),
+    /// A mask and/or score modification as CUDA C expressions.
+    Custom(FlexSpec),
+}
+
+/// Attention with a generated mask and score modification (FlexAttention's `flex_attention(q,
+/// k, v, score_mod, mask_mod)`; He, Guessous, Liang, Zhang and others, 2024):
+/// O = softmax(score_mod(scale · Q Kᵀ) where mask_mod, else −∞) V, `[B, H, T_q, D]` in the input
+/// type, layouts as [`dot_product_attention`]. `aux` is what the expressions may index (for
+/// [`FlexMod::Document`], the document of every position, `[B, T_kv]`); a query that sees no key
+/// gets a zero row. On CUDA (bf16 or fp16, head_dim 64 or 128) the modifications are compiled
+/// into `kernels/flex_attn_fwd.cu` once per (modification, head_dim, dtype), and the block mask
+/// is computed on every call (keep a [`super::flex::FlexAttention`] to reuse it); on the CPU a
+/// named modification runs the float64 reference.
+///
+/// # Errors
+/// [`Error::Invalid`] for a zero size, heads not a multiple of kv_heads or a tensor whose length
+/// does not match `shape`; [`Error::Unsupported`] for a custom modification on the CPU, another
+/// dtype or head_dim on CUDA, or a document mask with too few `aux` entries; [`Error::Gpu`] for
+/// NVRTC (an expression that does not compile names it) and driver errors.
+///
+/// ```
+/// use kernelpages::attention::api::{flex_attention, Device, FlexMods};
+/// use kernelpages::attention::cpu_flash::Shape;
+/// use kernelpages::attention::flex::FlexMod;
+/// // One query row against 3 keys, V rows 0, 1, 2, Q = 0: a sliding window of 2 keys averages
+/// // the last two.
+/// let shape = Shape { seq_len_q: 1, ..Shape::self_attention(1, 1, 1, 3, 64) };
+/// let q = vec![0.0f32; 64];
+/// let k = vec![0.0f32; 3 * 64];
+/// let v: Vec<f32> = (0..3 * 64).map(|i| (i / 64) as f32).collect();
+/// let mods = FlexMods::Named(FlexMod::SlidingWindow(2));
+/// let o = flex_attention(Device::Cpu, &q, &k, &v, &shape, None, &mods, &[])?;
+/// assert!(o.iter().all(|&x| (x - 1.5).abs() < 1e-6));
+/// # Ok::<(), kernelpages::attention::api::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn flex_attention<T: Element>(
+    device: Device,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: &Shape,
+    scale: Option<f64>,
+    mods: &FlexMods,
+    aux: &[i32],
+) -> Result<Vec<T>, Error> {
+    check_lengths(
+        shape,
+        &[
+            ("q", q.len(), shape.q_elems()),
+            ("k", k.len(), shape.kv_elems()),
+            ("v", v.len(), shape.kv_elems()),
+        ],
+    )?;
+    let scale = Options {
+        causal: false,
+        scale,
+    }
+    .scale_for(shape);
+    if mods == &FlexMods::Named(FlexMod::Document) && aux.len() < shape.batch * shape.seq_len_kv {
+        return Err(Error::Unsupported(format!(
+            "the document mask reads aux [batch, seq_len_kv] = {} entries; {} given",
+            shape.batch * shape.seq_len_kv,
+            aux.len()
+        )));
+    }
+    let fshape = FlexShape {
+        batch: shape.batch,
+        heads: shape.heads,
+        kv_heads: shape.kv_heads,
+        seq_len_q: shape.seq_len_q,
+        seq_len_kv: shape.seq_len_kv,
+        head_dim: shape.head_dim,
+        dtype: Dtype::from(T::TYPE),
+        scale,
+    };
+    let lens = vec![shape.seq_len_kv; shape.batch];
+    match device {
+        Device::Cpu => {
+            let FlexMods::Named(m) = mods else {
+                return Err(Error::Unsupported(
+                    "a custom flex modification is CUDA C: it runs on CUDA only".into(),
+                ));
+            };
+            let wide = |x: &[T]| -> Vec<f64> { x.iter().map(|&e| e.to_f32() as f64).collect() };
+            let (o, _) = flex_reference(&fshape, m, &wide(q), &wide(k), &wide(v), &lens, aux);
+            Ok(o.iter().map(|&x| T::from_f32(x as f32)).collect())
+        }
+        Device::Cuda(gpu) => {
+            if let Some(why) = fshape.unsupported() {
+                return Err(Error::Unsupported(format!("flex: {why}")));
+            }
+            let spec = match mods {
+                FlexMods::Named(m) => m.spec(),
+                FlexMods::Custom(s) => s.clone(),
+            };
+            let lens_i: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+            let lens_d = gpu.stream.clone_htod(&lens_i)?;
+            let flex = FlexAttention::new(gpu, fshape, &spec, &lens_d, aux)?;
+            let up = |x: &[T]| gpu.stream.clone_htod(&to_words(x));
+            let (qd, kd, vd) = (up(q)?, up(k)?, up(v)?);
+            let rows = shape.batch * shape.heads * shape.seq_len_q;
+            let mut o = gpu.stream.alloc_zeros::<u16>(rows * shape.head_dim)?;
+            let mut lse = gpu.stream.alloc_zeros::<f32>(rows)?;
+            flex.launch(gpu, &qd, &kd, &vd, &lens_d, &mut o, &mut lse)?;
+            Ok(download(gpu, &o)?)
         }
     }
 }
@@ -671,6 +790,36 @@ mod tests {
             .into_iter()
             .map(|x| T::from_f32(x * scale))
             .collect()
+    }
+
+    #[test]
+    fn flex_attention_on_the_cpu_is_the_reference_and_refuses_cuda_c() {
+        // Causal flex equals causal dot_product_attention on the CPU (both against float32
+        // inputs; the flex reference computes in float64).
+        let shape = Shape::self_attention(2, 4, 2, 9, 16);
+        let q: Vec<f32> = random(shape.q_elems(), 1, 1.0);
+        let k: Vec<f32> = random(shape.kv_elems(), 2, 1.0);
+        let v: Vec<f32> = random(shape.kv_elems(), 3, 1.0);
+        let causal = Options {
+            causal: true,
+            scale: None,
+        };
+        let want = dot_product_attention(Device::Cpu, &q, &k, &v, &shape, &causal).unwrap();
+        let named = FlexMods::Named(FlexMod::Causal);
+        let got = flex_attention(Device::Cpu, &q, &k, &v, &shape, None, &named, &[]).unwrap();
+        let wide = |x: &[f32]| -> Vec<f64> { x.iter().map(|&e| e as f64).collect() };
+        assert!(rel_l2(&wide(&got), &wide(&want)) < 1e-5);
+        // CUDA C has no CPU form; a document mask needs its document ids.
+        let custom = FlexMods::Custom(FlexMod::Causal.spec());
+        let e = flex_attention(Device::Cpu, &q, &k, &v, &shape, None, &custom, &[]).unwrap_err();
+        assert!(e.to_string().contains("CUDA only"), "{e}");
+        let docs = FlexMods::Named(FlexMod::Document);
+        let e = flex_attention(Device::Cpu, &q, &k, &v, &shape, None, &docs, &[0; 5]).unwrap_err();
+        assert!(e.to_string().contains("18 entries"), "{e}");
+        // A wrong tensor length is refused with its name.
+        let e =
+            flex_attention(Device::Cpu, &q[1..], &k, &v, &shape, None, &named, &[]).unwrap_err();
+        assert!(e.to_string().contains('q'), "{e}");
     }
 
     struct Layer<T> {
