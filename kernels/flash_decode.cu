@@ -366,7 +366,7 @@ __device__ __forceinline__ void flash_decode_split(
         const float out = l > 0.f ? __fdividef(acc, l) : 0.f;
         if (S == 1) {
             O[row * D + d] = (u16)(pack2<BF16>(out, 0.f) & 0xffff);
-            if (d == 0) LSE[row] = l > 0.f ? (m + __log2f(l)) * LN2 : POS_INF;
+            if (d == 0) LSE[row] = l > 0.f ? (m + log2f(l)) * LN2 : POS_INF;  // as the combine
         } else {
             Opart[(row * S + s) * D + d] = out;
             if (d == 0) Lpart[row * S + s] = l > 0.f ? m + __log2f(l) : NEG_INF;
@@ -379,6 +379,7 @@ __device__ __forceinline__ void flash_decode_split(
     int* counter = counters + (size_t)b * gridDim.y + blockIdx.y;
     if (tid == 0) {
         const int before = atomicAdd(counter, 1);
+        __threadfence();  // acquire: the other splits' partials before this CTA reads them
         *last_flag = before == S - 1;
         if (before == S - 1) *counter = 0;  // every split has counted: ready for the next call
     }

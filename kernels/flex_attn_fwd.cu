@@ -37,7 +37,7 @@ __device__ __forceinline__ void flex_block_mask(const int* __restrict__ kv_lens,
                                                 int Tkv, int H) {
     const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
     const int n_kt = (Tkv + BCT - 1) / BCT;
-    const int L = kv_lens[b];
+    const int L = min(kv_lens[b], Tkv);  // the host checks; a longer length never reads past
     const int q0 = qt * BR;
     const int rows = min(BR, Tq - q0);
     const size_t list = (((size_t)b * H + h) * gridDim.x + qt) * n_kt;
@@ -98,7 +98,7 @@ __device__ __forceinline__ void flex_fwd(const u16* __restrict__ Q, const u16* _
     const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int n_kt_all = (Tkv + BCT - 1) / BCT;
     const int kvh = h / (H / KVH);
-    const int L = kv_lens[b];
+    const int L = min(kv_lens[b], Tkv);
     const int q0 = qt * BR;
     const int rows = min(BR, Tq - q0);
     const size_t tile = ((size_t)b * H + h) * gridDim.x + qt;

@@ -1021,9 +1021,10 @@ fn split_kv_decoding_matches_float64() {
 
 /// flex_attention (issue 10 §1, §3) against the float64 reference with the same modification
 /// applied densely: every modification the project names, query and key lengths that are and
-/// are not multiples of the 64-row and 64-key tiles, fewer queries than keys (decoding-like)
-/// and more (rows the bottom-right mask empties: output 0 and LSE +inf, not NaN), a key length
-/// below seq_len_kv, GQA 2:1, head_dim 64 and 128, bf16 and fp16. The device's block mask must
+/// are not multiples of the 64-row and 64-key tiles (documents of 130 positions hold whole
+/// tiles), fewer queries than keys (decoding-like; the document mask too) and more (rows the
+/// bottom-right mask empties: output 0 and LSE +inf, not NaN), a key length below seq_len_kv,
+/// GQA 2:1, head_dim 64 and 128, bf16 and fp16; a key length past seq_len_kv is refused. The device's block mask must
 /// equal the host's, O is poisoned before the call, and a second call repeats the first bit for
 /// bit.
 #[test]
@@ -1058,9 +1059,6 @@ fn flex_attention_matches_float64() {
     let mut n = 0;
     for m in mods {
         for &(tq, tkv, len1) in &lengths {
-            if m == FlexMod::Document && tq != tkv {
-                continue; // packed sequences are self-attention
-            }
             for (d, dtype) in [(64, Dtype::Bf16), (128, Dtype::F16), (128, Dtype::Bf16)] {
                 let shape = FlexShape {
                     batch: 2,
@@ -1084,18 +1082,16 @@ fn flex_attention_matches_float64() {
                 let k = draw(2 * 2 * tkv * d);
                 let v = draw(2 * 2 * tkv * d);
                 let lens = [tkv, len1];
-                // Documents of 37 positions in entry 0, 50 in entry 1.
+                // Documents of 37 positions in entry 0, 130 in entry 1 (whole tiles inside a document).
                 let aux: Vec<i32> = (0..2 * tkv)
-                    .map(|i| ((i % tkv) / if i < tkv { 37 } else { 50 }) as i32)
+                    .map(|i| ((i % tkv) / if i < tkv { 37 } else { 130 }) as i32)
                     .collect();
                 let bits = |x: &[f64]| -> Vec<u16> {
                     x.iter().map(|&x| dtype.to_bits(x as f32)).collect()
                 };
                 let up = |x: &[f64]| gpu.stream.clone_htod(&bits(x)).unwrap();
                 let (qd, kd, vd) = (up(&q), up(&k), up(&v));
-                let lens_i: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
-                let lens_d = gpu.stream.clone_htod(&lens_i).unwrap();
-                let flex = FlexAttention::new(gpu, shape, &m.spec(), &lens_d, &aux).expect("flex");
+                let flex = FlexAttention::new(gpu, shape, &m.spec(), &lens, &aux).expect("flex");
                 let label = format!(
                     "{} {}x{} len1 {len1} d{d} {}",
                     m.name(),
@@ -1138,7 +1134,7 @@ fn flex_attention_matches_float64() {
                         .clone_htod(&vec![Dtype::POISON_WORD; rows * d])
                         .unwrap();
                     let mut lse = gpu.stream.clone_htod(&vec![f32::NAN; rows]).unwrap();
-                    flex.launch(gpu, &qd, &kd, &vd, &lens_d, &mut o, &mut lse)
+                    flex.launch(gpu, &qd, &kd, &vd, &mut o, &mut lse)
                         .expect("launch");
                     (
                         gpu.stream.clone_dtoh(&o).unwrap(),
@@ -1180,6 +1176,22 @@ fn flex_attention_matches_float64() {
         }
     }
     assert!(n >= 90, "{n} cases");
+    // A key length past seq_len_kv is refused before anything runs.
+    let shape = FlexShape {
+        batch: 1,
+        heads: 1,
+        kv_heads: 1,
+        seq_len_q: 8,
+        seq_len_kv: 8,
+        head_dim: 64,
+        dtype: Dtype::Bf16,
+        scale: 0.125,
+    };
+    let e = FlexAttention::new(gpu, shape, &FlexMod::Causal.spec(), &[9], &[])
+        .err()
+        .expect("kv_lens past seq_len_kv refused")
+        .to_string();
+    assert!(e.contains("at most seq_len_kv"), "{e}");
     assert!(
         failed.is_empty(),
         "{} of {n} cases failed:\n{}",

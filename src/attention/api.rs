@@ -236,8 +236,10 @@ pub enum FlexMods {
 /// # Errors
 /// [`Error::Invalid`] for a zero size, heads not a multiple of kv_heads or a tensor whose length
 /// does not match `shape`; [`Error::Unsupported`] for a custom modification on the CPU, another
-/// dtype or head_dim on CUDA, or a document mask with too few `aux` entries; [`Error::Gpu`] for
-/// NVRTC (an expression that does not compile names it) and driver errors.
+/// dtype or head_dim on CUDA, a document mask with too few `aux` entries or a soft-cap that is
+/// not a finite number above 0; [`Error::Gpu`] for NVRTC (an expression that does not compile
+/// names it) and driver errors. A custom expression that reads `aux` must be given what it
+/// reads: nothing checks it.
 ///
 /// ```
 /// use kernelpages::attention::api::{flex_attention, Device, FlexMods};
@@ -273,6 +275,16 @@ pub fn flex_attention<T: Element>(
             ("v", v.len(), shape.kv_elems()),
         ],
     )?;
+    if shape.seq_len_q == 0 || shape.seq_len_kv == 0 {
+        return Err(AttentionError::Shape(*shape, "a length is 0").into());
+    }
+    if let FlexMods::Named(FlexMod::SoftCap(c)) = mods {
+        if !(c.is_finite() && *c > 0.0) {
+            return Err(Error::Unsupported(format!(
+                "soft-capping needs a finite cap above 0, not {c}"
+            )));
+        }
+    }
     let scale = Options {
         causal: false,
         scale,
@@ -315,15 +327,13 @@ pub fn flex_attention<T: Element>(
                 FlexMods::Named(m) => m.spec(),
                 FlexMods::Custom(s) => s.clone(),
             };
-            let lens_i: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
-            let lens_d = gpu.stream.clone_htod(&lens_i)?;
-            let flex = FlexAttention::new(gpu, fshape, &spec, &lens_d, aux)?;
+            let flex = FlexAttention::new(gpu, fshape, &spec, &lens, aux)?;
             let up = |x: &[T]| gpu.stream.clone_htod(&to_words(x));
             let (qd, kd, vd) = (up(q)?, up(k)?, up(v)?);
             let rows = shape.batch * shape.heads * shape.seq_len_q;
             let mut o = gpu.stream.alloc_zeros::<u16>(rows * shape.head_dim)?;
             let mut lse = gpu.stream.alloc_zeros::<f32>(rows)?;
-            flex.launch(gpu, &qd, &kd, &vd, &lens_d, &mut o, &mut lse)?;
+            flex.launch(gpu, &qd, &kd, &vd, &mut o, &mut lse)?;
             Ok(download(gpu, &o)?)
         }
     }
@@ -816,6 +826,16 @@ mod tests {
         let docs = FlexMods::Named(FlexMod::Document);
         let e = flex_attention(Device::Cpu, &q, &k, &v, &shape, None, &docs, &[0; 5]).unwrap_err();
         assert!(e.to_string().contains("18 entries"), "{e}");
+        // A soft-cap must be a finite number above 0; lengths must not be 0.
+        let cap = FlexMods::Named(FlexMod::SoftCap(f32::INFINITY));
+        let e = flex_attention(Device::Cpu, &q, &k, &v, &shape, None, &cap, &[]).unwrap_err();
+        assert!(e.to_string().contains("finite cap"), "{e}");
+        let empty = Shape {
+            seq_len_q: 0,
+            ..shape
+        };
+        let e = flex_attention(Device::Cpu, &[], &k, &v, &empty, None, &named, &[]).unwrap_err();
+        assert!(matches!(e, Error::Invalid(_)), "{e}");
         // A wrong tensor length is refused with its name.
         let e =
             flex_attention(Device::Cpu, &q[1..], &k, &v, &shape, None, &named, &[]).unwrap_err();

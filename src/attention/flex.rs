@@ -57,7 +57,8 @@ pub enum FlexMod {
     /// ALiBi (Press, Smith and Lewis, 2022) with a causal mask: score + m_h · (j − i'), i' = i +
     /// seq_len_kv − seq_len_q, m_h = 2^(−8 (h + 1) / num_heads).
     Alibi,
-    /// Logit soft-capping (Gemma 2): `cap · tanh(score / cap)`, no mask.
+    /// Logit soft-capping (Gemma 2): `cap · tanh(score / cap)`, no mask; the cap a finite number
+    /// above 0.
     SoftCap(f32),
 }
 
@@ -421,6 +422,7 @@ pub struct FlexAttention {
     fwd: CudaFunction,
     smem: u32,
     aux: CudaSlice<i32>,
+    kv_lens: CudaSlice<i32>,
     kv_count: CudaSlice<i32>,
     kv_index: CudaSlice<i32>,
     kv_full: CudaSlice<u8>,
@@ -429,23 +431,34 @@ pub struct FlexAttention {
 }
 
 impl FlexAttention {
-    /// Compiles `spec` for `shape` and computes the block mask on the device for the batch
-    /// entries' key lengths `kv_lens` (`[batch]` i32, each ≤ seq_len_kv) and `aux` (uploaded
-    /// as given; one zero word when empty).
+    /// Compiles `spec` for `shape`, uploads the batch entries' key lengths `kv_lens` (one per
+    /// entry, each at most seq_len_kv; every call uses them) and `aux` (as given; one zero word
+    /// when empty: an expression that reads `aux` must be given what it reads), and computes
+    /// the block mask on the device.
     ///
     /// # Errors
-    /// [`GpuError::Config`] for an unsupported shape or one needing more shared memory than the
-    /// device allows; NVRTC errors name the expressions' source; driver errors.
+    /// [`GpuError::Config`] for an unsupported shape, key lengths that do not fit it, or a
+    /// shape needing more shared memory than the device allows; NVRTC errors name the
+    /// expressions' source; driver errors.
     pub fn new(
         gpu: &Gpu,
         shape: FlexShape,
         spec: &FlexSpec,
-        kv_lens: &CudaSlice<i32>,
+        kv_lens: &[usize],
         aux: &[i32],
     ) -> Result<FlexAttention, GpuError> {
         if let Some(why) = shape.unsupported() {
             return Err(GpuError::Config(why));
         }
+        if kv_lens.len() != shape.batch || kv_lens.iter().any(|&l| l > shape.seq_len_kv) {
+            return Err(GpuError::Config(format!(
+                "kv_lens {kv_lens:?}: one length per batch entry ({}), each at most seq_len_kv \
+                 ({})",
+                shape.batch, shape.seq_len_kv
+            )));
+        }
+        let lens_i: Vec<i32> = kv_lens.iter().map(|&l| l as i32).collect();
+        let kv_lens = gpu.stream.clone_htod(&lens_i)?;
         let (block_name, fwd_name, src) = flex_source(spec, shape.head_dim, shape.dtype);
         let compiled = gpu.compile(&format!("{fwd_name}_{}.cu", spec.name), &src)?;
         let smem = flex_smem_bytes(shape.head_dim) as u32;
@@ -466,7 +479,7 @@ impl FlexAttention {
             shape.heads as i32,
         );
         let mut l = gpu.stream.launch_builder(&block);
-        l.arg(kv_lens)
+        l.arg(&kv_lens)
             .arg(&aux_d)
             .arg(&mut kv_count)
             .arg(&mut kv_index)
@@ -490,6 +503,7 @@ impl FlexAttention {
             fwd,
             smem,
             aux: aux_d,
+            kv_lens,
             kv_count,
             kv_index,
             kv_full,
@@ -515,18 +529,16 @@ impl FlexAttention {
     }
 
     /// Launches the forward on the stream: O and LSE (shapes in the module's documentation)
-    /// for Q, K, V and the `kv_lens` the block mask was computed for.
+    /// for Q, K, V, with the key lengths and `aux` given to [`FlexAttention::new`].
     ///
     /// # Errors
     /// Driver errors.
-    #[allow(clippy::too_many_arguments)]
     pub fn launch(
         &self,
         gpu: &Gpu,
         q: &CudaSlice<u16>,
         k: &CudaSlice<u16>,
         v: &CudaSlice<u16>,
-        kv_lens: &CudaSlice<i32>,
         o: &mut CudaSlice<u16>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
@@ -544,7 +556,7 @@ impl FlexAttention {
             .arg(v)
             .arg(o)
             .arg(lse)
-            .arg(kv_lens)
+            .arg(&self.kv_lens)
             .arg(&self.aux)
             .arg(&self.kv_count)
             .arg(&self.kv_index)
