@@ -56,3 +56,105 @@ fn decode_control_flow_matches_the_reference() {
         "/kernels/emulate_decode.py"
     ));
 }
+
+/// The flex kernels' control flow (the block-mask kernel's per-thread element loop, any/all
+/// reductions and whole-tile test; the forward's walk over the tile lists, masking of partial
+/// tiles only, the score modification on in-bounds pairs), emulated in float64 in
+/// `kernels/emulate_flex.py` with the CUDA C expressions the host generates for every named
+/// modification (translated to Python), against a dense reference; the same run checks those
+/// expressions against the Rust reference (`FlexMod::visible`, `FlexMod::modify`) on every pair,
+/// and the emulated block mask against `block_mask_host`.
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn flex_control_flow_matches_the_reference() {
+    use kernelpages::attention::flex::{block_mask_host, FlexMod, FlexShape};
+    use kernelpages::attention::Dtype;
+    let mods = [
+        FlexMod::Causal,
+        FlexMod::SlidingWindow(40),
+        FlexMod::Document,
+        FlexMod::PrefixLm(30),
+        FlexMod::Alibi,
+        FlexMod::SoftCap(2.0),
+    ];
+    // (seq_len_q, seq_len_kv, key lengths): a tile and a half with a shorter second entry,
+    // fewer queries than keys, more queries than keys (rows with no key).
+    let shapes = [
+        (130, 130, vec![130, 70]),
+        (20, 150, vec![150, 150]),
+        (150, 70, vec![70, 70]),
+    ];
+    let mut out = Vec::new();
+    for m in mods {
+        let spec = m.spec();
+        let mut per_shape = Vec::new();
+        for (tq, tkv, lens) in &shapes {
+            let shape = FlexShape {
+                batch: 2,
+                heads: 2,
+                kv_heads: 1,
+                seq_len_q: *tq,
+                seq_len_kv: *tkv,
+                head_dim: 16,
+                dtype: Dtype::Bf16,
+                scale: 0.25,
+            };
+            // Documents of 30 positions in entry 0 and 100 in entry 1 (whole tiles).
+            let aux: Vec<i32> = (0..2 * tkv)
+                .map(|i| ((i % tkv) / if i < *tkv { 30 } else { 100 }) as i32)
+                .collect();
+            let visible: Vec<Vec<Vec<bool>>> = (0..2)
+                .map(|b| {
+                    (0..*tq)
+                        .map(|q| {
+                            (0..*tkv)
+                                .map(|kv| m.visible(b, q, kv, *tq, *tkv, &aux))
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect();
+            let mut modified = Vec::new();
+            for s in [-3.1, 0.7, 25.0] {
+                for h in 0..2 {
+                    for (q, kv) in [(0, 0), (5, 3), (*tq - 1, *tkv - 1), (*tq / 2, 1)] {
+                        modified.push(serde_json::json!([
+                            s,
+                            h,
+                            q,
+                            kv,
+                            m.modify(s, h, q, kv, 2, *tq, *tkv)
+                        ]));
+                    }
+                }
+            }
+            let bm = block_mask_host(&shape, &m, lens, &aux);
+            per_shape.push(serde_json::json!({
+                "batch": 2, "heads": 2, "kv_heads": 1, "seq_len_q": tq, "seq_len_kv": tkv,
+                "head_dim": 16, "scale": 0.25, "kv_lens": lens, "aux": aux,
+                "visible": visible, "modified": modified,
+                "block_mask": {"count": bm.count, "index": bm.index, "full": bm.full},
+            }));
+        }
+        out.push(serde_json::json!({
+            "name": m.name(), "mask": spec.mask, "score": spec.score, "shapes": per_shape,
+        }));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("flex_specs.json");
+    std::fs::write(&path, serde_json::json!({ "mods": out }).to_string()).unwrap();
+    let out = Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/kernels/emulate_flex.py"
+        ))
+        .arg(&path)
+        .output()
+        .expect("python3 runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.trim_end().ends_with("ALL OK"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
