@@ -33,6 +33,8 @@
 mod cpu;
 #[path = "attention/decode.rs"]
 mod decode;
+#[path = "attention/flex.rs"]
+mod flex;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -64,7 +66,8 @@ struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
     /// Implementations of this project to run [default: flash,math; with `--grids decode`
-    /// math,flash_decode,flash_decode_paged; cpu_flash with --device cpu].
+    /// math,flash_decode,flash_decode_paged; cpu_flash with --device cpu]. `flex` (never a
+    /// default) runs the flex_attention forward with the case's mask (causal or none).
     #[arg(long, value_delimiter = ',')]
     implementations: Option<Vec<String>>,
     /// Grids to measure: `main` (the seq_len sweep), `shapes` (issue 9 §2's shapes), `decode`
@@ -184,6 +187,8 @@ fn main() -> ExitCode {
                 cpu::measure(job)
             } else if decode::is_decode(&job.implementation) {
                 decode::measure(job)
+            } else if job.implementation == flex::IMPLEMENTATION {
+                flex::measure(job)
             } else {
                 measure_own(job)
             }
@@ -571,6 +576,15 @@ impl runner::Suite for Attention {
                 Err(e) => Some(e.to_string()),
             };
         }
+        if implementation == flex::IMPLEMENTATION {
+            if p.contains_key(CONFIG_PARAM) {
+                return Some("the tile sweep measures the flash kernel's configurations".into());
+            }
+            return match case_of(p) {
+                Ok(c) => flex::unsupported(&c),
+                Err(e) => Some(e.to_string()),
+            };
+        }
         if p.contains_key(CONFIG_PARAM) && implementation != Implementation::Flash.name() {
             return Some(format!(
                 "the tile sweep measures the flash kernel's configurations; {implementation} has none"
@@ -703,13 +717,17 @@ fn run(cli: &Cli) -> Result<ExitCode> {
             if let Some(&d) = decode::IMPLEMENTATIONS.iter().find(|(name, _)| name == n) {
                 return Ok(d);
             }
+            if n == flex::IMPLEMENTATION {
+                return Ok((flex::IMPLEMENTATION, "kernelpages"));
+            }
             Implementation::parse(n)
                 .map(|i| (i.name(), i.library()))
                 .with_context(|| {
                     format!(
-                        "--implementations: unknown `{n}` (flash, math, {}, {})",
+                        "--implementations: unknown `{n}` (flash, math, {}, {}, {})",
                         decode::CONTIGUOUS,
-                        decode::PAGED
+                        decode::PAGED,
+                        flex::IMPLEMENTATION
                     )
                 })
         })

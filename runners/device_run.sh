@@ -11,6 +11,9 @@
 #   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding
 #                                                 # grid or shard i of n (240 rows, 128k-key
 #                                                 # caches: more than one call; try 1/3)
+#   bash .carry/device_run.sh flex OUTDIR         # the flex GPU tests, then flex beside flash
+#                                                 # and PyTorch's SDPA backends on the main
+#                                                 # grid's bf16 forward cases at head_dim 128
 #   bash .carry/device_run.sh full OUTDIR [i/n]   # the committed grid (or shard i of n)
 #   bash .carry/device_run.sh part OUTDIR NAME LIMIT_S FILTER [i/n]
 #                                                 # one part of a run split over calls or GPUs:
@@ -98,13 +101,20 @@ decode)
     --grids decode --compare torch,jax "${extra[@]}" ${KP_DECODE_ARGS:-} \
     --output "$out/gpu_attention_decode.json"
   ;;
+flex)
+  step "flex gpu tests" 240 "$out/gpu_flex.tests.log" "$bin/gpu_attention_test" \
+    --include-ignored --test-threads 1 --nocapture flex_attention public_entry
+  step "flex grid" 300 "$out/flex.log" "$bin/attention" --grids main \
+    --implementations flash,flex --compare torch --exclude torch_math,torch_efficient \
+    --filter 'pass=fwd,head_dim=128,dtype=bf16' --output "$out/gpu_attention_flex.json"
+  ;;
 full)
   extra=(); [ -n "$shard" ] && extra=(--shard "$shard")
   step "full grid" 3600 "$out/run.log" "$bin/attention" --compare torch,jax "${extra[@]}" \
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, part, kernel_sums, decode, full)"; exit 2
+  echo "unknown mode $mode (smoke, tests, part, kernel_sums, decode, flex, full)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"

@@ -523,6 +523,13 @@ impl FlexAttention {
         })
     }
 
+    /// Device bytes of the block mask (counts, indices and whole-tile flags), key lengths and
+    /// `aux`: what a call reads beyond Q, K, V and writes beyond O and LSE.
+    pub fn block_mask_bytes(&self) -> u64 {
+        ((self.kv_count.len() + self.kv_index.len() + self.kv_lens.len() + self.aux.len()) * 4
+            + self.kv_full.len()) as u64
+    }
+
     /// Key tiles per query tile's list (the block mask's row length).
     pub fn key_tiles(&self) -> usize {
         self.shape.key_tiles()

@@ -1,0 +1,168 @@
+//! The `flex` implementation of the attention runner: the flex_attention forward
+//! (`kernels/flex_attn_fwd.cu`, issue 10 §1) on the grid's own cases, with the modification a
+//! case names through its mask: bottom-right causal (`FlexMod::Causal`, the same mask as every
+//! other implementation's causal) or none. It measures what generating the mask costs against
+//! `flash` on the same cases; the named masks beyond causal need cases of their own (not yet in
+//! a grid).
+
+use kernelpages::attention::flex::{FlexAttention, FlexMod, FlexShape, FlexSpec};
+use kernelpages::attention::{AttentionCase, Pass};
+use kernelpages::gpu::{Gpu, GpuError};
+use kernelpages::runner::own;
+use kernelpages::runner::protocol::{Job, Reply};
+
+/// The implementation's name in documents and `--implementations`.
+pub const IMPLEMENTATION: &str = "flex";
+
+/// The flex kernels' shape for case `c` (its scale resolved).
+fn shape_of(c: &AttentionCase) -> FlexShape {
+    FlexShape {
+        batch: c.batch,
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        seq_len_q: c.seq_len_q,
+        seq_len_kv: c.seq_len_kv,
+        head_dim: c.head_dim,
+        dtype: c.dtype,
+        scale: c.scale(),
+    }
+}
+
+/// The modification case `c` asks for: causal (bottom-right) or no mask.
+pub fn spec_of(c: &AttentionCase) -> FlexSpec {
+    if c.causal {
+        FlexMod::Causal.spec()
+    } else {
+        FlexSpec {
+            name: "none".into(),
+            mask: None,
+            score: None,
+        }
+    }
+}
+
+/// Why `flex` cannot run case `c`, or `None`: forward only (the flex backward is not written
+/// yet), and the flex kernels' shapes ([`FlexShape::unsupported`]).
+pub fn unsupported(c: &AttentionCase) -> Option<String> {
+    if c.pass != Pass::Fwd {
+        return Some("flex runs the forward only (its backward is not written yet)".into());
+    }
+    shape_of(c).unsupported()
+}
+
+/// Q, K, V of one input set on the device.
+pub struct FlexSet {
+    q: cudarc::driver::CudaSlice<u16>,
+    k: cudarc::driver::CudaSlice<u16>,
+    v: cudarc::driver::CudaSlice<u16>,
+}
+
+/// The case process's launcher: the compiled kernels with their block mask, and the LSE.
+struct FlexLaunch {
+    flex: FlexAttention,
+    lse: cudarc::driver::CudaSlice<f32>,
+}
+
+impl own::Launcher for FlexLaunch {
+    type Set = FlexSet;
+    fn upload(&self, gpu: &Gpu, host: &[Vec<u16>]) -> Result<FlexSet, GpuError> {
+        let [q, k, v, ..] = host else {
+            return Err(GpuError::Config("flex takes q, k, v".into()));
+        };
+        Ok(FlexSet {
+            q: gpu.stream.clone_htod(q)?,
+            k: gpu.stream.clone_htod(k)?,
+            v: gpu.stream.clone_htod(v)?,
+        })
+    }
+    fn replicate(&self, gpu: &Gpu, s: &FlexSet) -> Result<FlexSet, GpuError> {
+        Ok(FlexSet {
+            q: gpu.stream.clone_dtod(&s.q)?,
+            k: gpu.stream.clone_dtod(&s.k)?,
+            v: gpu.stream.clone_dtod(&s.v)?,
+        })
+    }
+    fn launch(
+        &mut self,
+        gpu: &Gpu,
+        s: &FlexSet,
+        outs: &mut [cudarc::driver::CudaSlice<u16>],
+    ) -> Result<(), GpuError> {
+        let [o] = outs else {
+            return Err(GpuError::Config("flex writes one output".into()));
+        };
+        self.flex.launch(gpu, &s.q, &s.k, &s.v, o, &mut self.lse)
+    }
+    fn temporary_bytes(&self) -> u64 {
+        self.flex.block_mask_bytes() + self.lse.len() as u64 * 4
+    }
+    fn residual_bytes(&self) -> Option<u64> {
+        None
+    }
+    fn workspace_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// The case process of `flex`: compile, block mask, first call, check and time one case
+/// (`own::measure`); the row's note names the modification and the block mask's tiles.
+pub fn measure(job: &Job) -> Reply {
+    let c = match AttentionCase::from_params(&job.case) {
+        Ok(c) => c,
+        Err(e) => return Reply::failed(job, kernelpages::schema::Status::Error, e.to_string()),
+    };
+    if let Some(why) = unsupported(&c) {
+        return Reply::failed(job, kernelpages::schema::Status::Unsupported, why);
+    }
+    let spec = spec_of(&c);
+    let mut noted: Option<String> = None;
+    let mut reply = own::measure(job, |gpu| {
+        let lens: Vec<usize> = (0..c.batch).map(|b| c.kv_len(b)).collect();
+        let flex = FlexAttention::new(gpu, shape_of(&c), &spec, &lens, &[])?;
+        let (listed, whole, all) = flex.block_mask(gpu)?.tiles(flex.key_tiles());
+        noted = Some(format!(
+            "flex_attention with mask `{}` ({}): the block mask lists {listed} of {all} tiles, \
+             {whole} of them whole (no mask evaluated)",
+            spec.name,
+            spec.mask.as_deref().unwrap_or("none")
+        ));
+        let compile_s = flex.compile_s;
+        let lse = gpu
+            .stream
+            .alloc_zeros::<f32>(c.batch * c.heads * c.seq_len_q)?;
+        Ok((FlexLaunch { flex, lse }, compile_s))
+    });
+    if reply.row.status == kernelpages::schema::Status::Ok {
+        reply.row.notes.extend(noted);
+    }
+    reply
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kernelpages::attention::Dtype;
+
+    #[test]
+    fn flex_takes_forward_bf16_fp16_at_head_dim_64_and_128() {
+        let c = AttentionCase {
+            causal: true,
+            ..AttentionCase::new(4, 8, 4096, 128)
+        };
+        assert_eq!(unsupported(&c), None);
+        assert_eq!(spec_of(&c), FlexMod::Causal.spec());
+        assert_eq!(spec_of(&AttentionCase::new(1, 1, 64, 64)).mask, None);
+        let bwd = AttentionCase {
+            pass: Pass::FwdBwd,
+            ..c.clone()
+        };
+        assert!(unsupported(&bwd).unwrap().contains("forward only"));
+        let wide = AttentionCase::new(1, 1, 64, 256);
+        assert!(unsupported(&wide).unwrap().contains("head_dim"));
+        let f32c = AttentionCase {
+            dtype: Dtype::F32,
+            ..c
+        };
+        assert!(unsupported(&f32c).unwrap().contains("bf16 or fp16"));
+    }
+}
