@@ -542,6 +542,25 @@ struct Attention {
     device: DeviceChoice,
 }
 
+/// The attention case of a case process's `job`, or the reply that ends the process: `error`
+/// when its parameters are not a case, `unsupported` with `why`'s reason.
+fn job_case(
+    job: &runner::protocol::Job,
+    why: impl Fn(&AttentionCase) -> Option<String>,
+) -> std::result::Result<AttentionCase, Box<runner::protocol::Reply>> {
+    use kernelpages::schema::Status;
+    let c = AttentionCase::from_params(&job.case)
+        .map_err(|e| Box::new(runner::protocol::Reply::failed(job, Status::Error, e)))?;
+    match why(&c) {
+        Some(reason) => Err(Box::new(runner::protocol::Reply::failed(
+            job,
+            Status::Unsupported,
+            reason,
+        ))),
+        None => Ok(c),
+    }
+}
+
 fn case_of(p: &Params) -> Result<AttentionCase> {
     AttentionCase::from_params(p).map_err(anyhow::Error::msg)
 }

@@ -7,8 +7,14 @@ use std::process::Command;
 
 /// Runs the emulation `script` with python3 and asserts it exits 0 with "ALL OK" last.
 fn runs_clean(script: &str) {
+    runs_clean_with(script, &[]);
+}
+
+/// [`runs_clean`] with arguments after the script.
+fn runs_clean_with(script: &str, args: &[&std::path::Path]) {
     let out = Command::new("python3")
         .arg(script)
+        .args(args)
         .output()
         .expect("python3 runs");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -143,18 +149,8 @@ fn flex_control_flow_matches_the_reference() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("flex_specs.json");
     std::fs::write(&path, serde_json::json!({ "mods": out }).to_string()).unwrap();
-    let out = Command::new("python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/kernels/emulate_flex.py"
-        ))
-        .arg(&path)
-        .output()
-        .expect("python3 runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.trim_end().ends_with("ALL OK"),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    runs_clean_with(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/emulate_flex.py"),
+        &[&path],
     );
 }

@@ -189,13 +189,10 @@ impl own::Launcher for DecodeLaunch {
 /// The case process of `flash_decode` and `flash_decode_paged`: compile, first call, check
 /// and time one case (`own::measure`).
 pub fn measure(job: &Job) -> Reply {
-    let c = match AttentionCase::from_params(&job.case) {
+    let c = match super::job_case(job, decode_gpu::unsupported_case) {
         Ok(c) => c,
-        Err(e) => return Reply::failed(job, kernelpages::schema::Status::Error, e.to_string()),
+        Err(reply) => return *reply,
     };
-    if let Some(why) = decode_gpu::unsupported_case(&c) {
-        return Reply::failed(job, kernelpages::schema::Status::Unsupported, why);
-    }
     let paged = job.implementation == PAGED;
     let mut planned: Option<String> = None;
     let mut reply = own::measure(job, |gpu| {

@@ -107,13 +107,10 @@ impl own::Launcher for FlexLaunch {
 /// The case process of `flex`: compile, block mask, first call, check and time one case
 /// (`own::measure`); the row's note names the modification and the block mask's tiles.
 pub fn measure(job: &Job) -> Reply {
-    let c = match AttentionCase::from_params(&job.case) {
+    let c = match super::job_case(job, unsupported) {
         Ok(c) => c,
-        Err(e) => return Reply::failed(job, kernelpages::schema::Status::Error, e.to_string()),
+        Err(reply) => return *reply,
     };
-    if let Some(why) = unsupported(&c) {
-        return Reply::failed(job, kernelpages::schema::Status::Unsupported, why);
-    }
     let spec = spec_of(&c);
     let mut noted: Option<String> = None;
     let mut reply = own::measure(job, |gpu| {
