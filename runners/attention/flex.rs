@@ -5,6 +5,7 @@
 //! `flash` on the same cases; the named masks beyond causal need cases of their own (not yet in
 //! a grid).
 
+use kernelpages::attention::cpu_flash::Shape;
 use kernelpages::attention::flex::{FlexAttention, FlexMod, FlexShape, FlexSpec};
 use kernelpages::attention::{AttentionCase, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
@@ -16,16 +17,7 @@ pub const IMPLEMENTATION: &str = "flex";
 
 /// The flex kernels' shape for case `c` (its scale resolved).
 fn shape_of(c: &AttentionCase) -> FlexShape {
-    FlexShape {
-        batch: c.batch,
-        heads: c.heads,
-        kv_heads: c.kv_heads,
-        seq_len_q: c.seq_len_q,
-        seq_len_kv: c.seq_len_kv,
-        head_dim: c.head_dim,
-        dtype: c.dtype,
-        scale: c.scale(),
-    }
+    FlexShape::new(&Shape::of_case(c), c.dtype, c.scale())
 }
 
 /// The modification case `c` asks for: causal (bottom-right) or no mask.

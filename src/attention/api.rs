@@ -59,6 +59,18 @@ impl From<cudarc::driver::DriverError> for Error {
 /// The name the CPU implementation has in documents.
 pub const CPU_IMPLEMENTATION: &str = "cpu_flash";
 
+/// Checks `shape` and the lengths of Q, K and V against it.
+fn check_qkv<T>(shape: &Shape, q: &[T], k: &[T], v: &[T]) -> Result<(), AttentionError> {
+    check_lengths(
+        shape,
+        &[
+            ("q", q.len(), shape.q_elems()),
+            ("k", k.len(), shape.kv_elems()),
+            ("v", v.len(), shape.kv_elems()),
+        ],
+    )
+}
+
 /// The attention case of a call with `pass`.
 fn case_of(dtype: ElementType, shape: &Shape, options: &Options, pass: Pass) -> AttentionCase {
     AttentionCase {
@@ -187,14 +199,7 @@ pub fn dot_product_attention<T: Element>(
     match device {
         Device::Cpu => Ok(cpu_flash::dot_product_attention(q, k, v, shape, options)?),
         Device::Cuda(gpu) => {
-            check_lengths(
-                shape,
-                &[
-                    ("q", q.len(), shape.q_elems()),
-                    ("k", k.len(), shape.kv_elems()),
-                    ("v", v.len(), shape.kv_elems()),
-                ],
-            )?;
+            check_qkv(shape, q, k, v)?;
             let c = case_of(T::TYPE, shape, options, Pass::Fwd);
             let inp = cuda::upload(
                 gpu,
@@ -267,14 +272,7 @@ pub fn flex_attention<T: Element>(
     mods: &FlexMods,
     aux: &[i32],
 ) -> Result<Vec<T>, Error> {
-    check_lengths(
-        shape,
-        &[
-            ("q", q.len(), shape.q_elems()),
-            ("k", k.len(), shape.kv_elems()),
-            ("v", v.len(), shape.kv_elems()),
-        ],
-    )?;
+    check_qkv(shape, q, k, v)?;
     if shape.seq_len_q == 0 || shape.seq_len_kv == 0 {
         return Err(AttentionError::Shape(*shape, "a length is 0").into());
     }
@@ -297,16 +295,7 @@ pub fn flex_attention<T: Element>(
             aux.len()
         )));
     }
-    let fshape = FlexShape {
-        batch: shape.batch,
-        heads: shape.heads,
-        kv_heads: shape.kv_heads,
-        seq_len_q: shape.seq_len_q,
-        seq_len_kv: shape.seq_len_kv,
-        head_dim: shape.head_dim,
-        dtype: Dtype::from(T::TYPE),
-        scale,
-    };
+    let fshape = FlexShape::new(shape, Dtype::from(T::TYPE), scale);
     let lens = vec![shape.seq_len_kv; shape.batch];
     match device {
         Device::Cpu => {

@@ -197,6 +197,20 @@ pub struct FlexShape {
 }
 
 impl FlexShape {
+    /// The flex shape of `shape` in `dtype` with softmax scale `scale`.
+    pub fn new(shape: &super::cpu_flash::Shape, dtype: Dtype, scale: f64) -> FlexShape {
+        FlexShape {
+            batch: shape.batch,
+            heads: shape.heads,
+            kv_heads: shape.kv_heads,
+            seq_len_q: shape.seq_len_q,
+            seq_len_kv: shape.seq_len_kv,
+            head_dim: shape.head_dim,
+            dtype,
+            scale,
+        }
+    }
+
     /// Why the kernels cannot run this shape, or `None`.
     pub fn unsupported(&self) -> Option<String> {
         if !FLEX_HEAD_DIMS.contains(&self.head_dim) {
