@@ -563,6 +563,160 @@ pub fn reference_values(c: &AttentionCase, inp: &Inputs, plan: &CheckPlan) -> Re
     references(c, &Source::Words(inp), plan)
 }
 
+/// A mask and score modification the reference applies (flex_attention's `mask_mod` and
+/// `score_mod`, He et al. 2024): which keys a query row sees and what its raw score
+/// `scale · Q_i·K_j` becomes. The reference of [`modified_reference_values`] takes one.
+pub trait ScoreRule: Sync {
+    /// Whether query row `i` of head (`b`, `h`) sees key `j` (keys at or past the batch
+    /// entry's key length are never seen, whatever this says).
+    fn visible(&self, b: usize, h: usize, i: usize, j: usize) -> bool;
+    /// The modified score of raw score `raw` (natural units).
+    fn modify(&self, raw: f64, h: usize, i: usize, j: usize) -> f64;
+    /// d modify / d raw at `raw`.
+    fn derivative(&self, raw: f64, h: usize, i: usize, j: usize) -> f64;
+}
+
+/// Forward of query row `i` of head (`b`, `h`) under `rule`: (O_i, lse_i) and the (key,
+/// probability, d modify/d raw) of every key it sees. A row that sees no key gives O_i = 0
+/// and lse_i = +∞.
+#[allow(clippy::type_complexity)]
+fn rule_row(
+    c: &AttentionCase,
+    rule: &dyn ScoreRule,
+    (b, h, i): (usize, usize, usize),
+    qi: &[f64],
+    kv: &KvHead,
+) -> (Vec<f64>, f64, Vec<(usize, f64, f64)>) {
+    let d = c.head_dim;
+    let mut seen: Vec<(usize, f64, f64)> = Vec::new();
+    let mut m = f64::NEG_INFINITY;
+    for j in 0..c.kv_len(b) {
+        if rule.visible(b, h, i, j) {
+            let raw = c.scale() * dot(qi, &kv.k[j * d..(j + 1) * d]);
+            let s = rule.modify(raw, h, i, j);
+            m = m.max(s);
+            seen.push((j, s, rule.derivative(raw, h, i, j)));
+        }
+    }
+    if seen.is_empty() {
+        return (vec![0.0; d], f64::INFINITY, seen);
+    }
+    let mut l = 0.0;
+    for e in seen.iter_mut() {
+        e.1 = (e.1 - m).exp();
+        l += e.1;
+    }
+    let mut o = vec![0.0f64; d];
+    for e in seen.iter_mut() {
+        e.1 /= l;
+        axpy(&mut o, e.1, &kv.v[e.0 * d..(e.0 + 1) * d]);
+    }
+    (o, m + l.ln(), seen)
+}
+
+/// Float64 reference values of the plan's elements under `rule` (O and the log-sum-exp; dQ, dK
+/// and dV for forward + backward), computed on all host threads from the input words. The
+/// definitions of the module documentation with s_ij = modify(scale · Q_i·K_j) over the keys
+/// `rule` leaves visible, and dS_ij multiplied by d modify/d raw before it reaches dQ and dK.
+pub fn modified_reference_values(
+    c: &AttentionCase,
+    inp: &Inputs,
+    plan: &CheckPlan,
+    rule: &dyn ScoreRule,
+) -> References {
+    let d = c.head_dim;
+    let bwd = c.pass == Pass::FwdBwd;
+    let src = Source::Words(inp);
+    let mut r = References::default();
+    for &(b, h) in &plan.slices {
+        let head = src.q_head(c, b, h);
+        let kv = src.kv_head(c, b, h / c.group());
+        let rows: Vec<(Vec<f64>, f64, Vec<f64>)> = par_map(&plan.rows, |rs| {
+            rs.iter()
+                .map(|&i| {
+                    let (o, lse, seen) =
+                        rule_row(c, rule, (b, h, i), &head.q[i * d..(i + 1) * d], &kv);
+                    let mut dq = Vec::new();
+                    if bwd {
+                        let doi = &head.dout[i * d..(i + 1) * d];
+                        let dsum = dot(doi, &o);
+                        dq = vec![0.0f64; d];
+                        for &(j, p, dmod) in &seen {
+                            let dp = dot(doi, &kv.v[j * d..(j + 1) * d]);
+                            let ds = p * (dp - dsum) * dmod;
+                            axpy(&mut dq, c.scale() * ds, &kv.k[j * d..(j + 1) * d]);
+                        }
+                    }
+                    (o, lse, dq)
+                })
+                .collect()
+        });
+        for (o, lse, dq) in rows {
+            r.o.extend(o);
+            r.lse.push(lse);
+            r.dq.extend(dq);
+        }
+    }
+    if bwd {
+        for &(b, g) in &plan.kv_slices {
+            let kv = src.kv_head(c, b, g);
+            // Per query head of the group: its rows, lse_i and D_i = dO_i·O_i.
+            let heads: Vec<(usize, HeadStats)> = (g * c.group()..(g + 1) * c.group())
+                .map(|h| {
+                    let head = src.q_head(c, b, h);
+                    let all: Vec<usize> = (0..c.seq_len_q).collect();
+                    let stats: Vec<(f64, f64)> = par_map(&all, |rs| {
+                        rs.iter()
+                            .map(|&i| {
+                                let (o, lse, _) =
+                                    rule_row(c, rule, (b, h, i), &head.q[i * d..(i + 1) * d], &kv);
+                                (lse, dot(&head.dout[i * d..(i + 1) * d], &o))
+                            })
+                            .collect()
+                    });
+                    let hs = HeadStats {
+                        head,
+                        lse: stats.iter().map(|s| s.0).collect(),
+                        dsum: stats.iter().map(|s| s.1).collect(),
+                    };
+                    (h, hs)
+                })
+                .collect();
+            let grads: Vec<(Vec<f64>, Vec<f64>)> = par_map(&plan.key_rows, |js| {
+                js.iter()
+                    .map(|&j| {
+                        let (mut dk, mut dv) = (vec![0.0f64; d], vec![0.0f64; d]);
+                        if j >= c.kv_len(b) {
+                            return (dk, dv);
+                        }
+                        let (kj, vj) = (&kv.k[j * d..(j + 1) * d], &kv.v[j * d..(j + 1) * d]);
+                        for (h, hs) in &heads {
+                            for i in 0..c.seq_len_q {
+                                if !rule.visible(b, *h, i, j) {
+                                    continue;
+                                }
+                                let qi = &hs.head.q[i * d..(i + 1) * d];
+                                let doi = &hs.head.dout[i * d..(i + 1) * d];
+                                let raw = c.scale() * dot(qi, kj);
+                                let p = (rule.modify(raw, *h, i, j) - hs.lse[i]).exp();
+                                axpy(&mut dv, p, doi);
+                                let ds = p * (dot(doi, vj) - hs.dsum[i]);
+                                axpy(&mut dk, c.scale() * ds * rule.derivative(raw, *h, i, j), qi);
+                            }
+                        }
+                        (dk, dv)
+                    })
+                    .collect()
+            });
+            for (dk, dv) in grads {
+                r.dk.extend(dk);
+                r.dv.extend(dv);
+            }
+        }
+    }
+    r
+}
+
 /// The whole float64 forward O, `[B, H, Tq, D]`, and log-sum-exp, `[B, H, Tq]` (small shapes).
 pub fn forward_f64(c: &AttentionCase, inp: &Inputs) -> (Vec<f64>, Vec<f64>) {
     let fwd = AttentionCase {

@@ -10,7 +10,8 @@ use std::path::Path;
 use anyhow::Result;
 use serde_json::json;
 
-use super::cpu::{reference_values, CheckPlan, Inputs};
+use super::cpu::{modified_reference_values, reference_values, CheckPlan, Inputs, References};
+use super::flex::{document_ids, document_lengths, FlexMod, FlexRule};
 use super::{AttentionCase, Pass};
 use crate::runner::protocol::{
     write_f64, write_u16, CaseFiles, CheckSpec, GradientSpec, OutputSpec, TensorFile,
@@ -51,6 +52,96 @@ pub fn write_case(
     let inp = Inputs::random(c, seed);
     let plan = CheckPlan::new(c, check_rows, seed ^ 0x5eed);
     let refs = reference_values(c, &inp, &plan);
+    write_files(c, &inp, &plan, &refs, dir, arguments(c), c.flops())
+}
+
+/// The FLOP rule of the masks grid's cases ([`write_masked_case`]), in words.
+pub const MASKED_FLOP_RULE: &str = "4·H·D per (query, key) pair the mask leaves visible, counted exactly over the batch, ×3.5 for forward + backward (causal: T(T+1)/2 pairs per head; a score modification adds nothing)";
+
+/// Like [`write_case`] for a case of the masks grid: the float64 reference applies `mask`
+/// ([`FlexMod`], `None` for no mask) through [`modified_reference_values`], the FLOPs count the
+/// visible pairs ([`MASKED_FLOP_RULE`]), and the arguments add `mask` (its name) and, for the
+/// document mask, `documents` (each batch entry's document lengths, [`document_lengths`]).
+/// `c.causal` is true exactly for the causal mask, and `c.kv_lens` unset.
+///
+/// # Errors
+/// I/O errors, with the path; a case that breaks those two rules.
+pub fn write_masked_case(
+    c: &AttentionCase,
+    mask: Option<FlexMod>,
+    seed: u64,
+    check_rows: usize,
+    dir: &Path,
+) -> Result<CaseFiles> {
+    anyhow::ensure!(
+        c.causal == (mask == Some(FlexMod::Causal)) && c.kv_lens.is_none(),
+        "a masks-grid case is causal exactly when its mask is `causal`, and has no kv_lens"
+    );
+    let inp = Inputs::random(c, seed);
+    let plan = CheckPlan::new(c, check_rows, seed ^ 0x5eed);
+    let lengths = document_lengths(c.batch, c.seq_len_kv);
+    let aux = match mask {
+        Some(FlexMod::Document) => document_ids(&lengths, c.seq_len_kv),
+        _ => Vec::new(),
+    };
+    let rule = FlexRule {
+        m: mask,
+        heads: c.heads,
+        seq_len_q: c.seq_len_q,
+        seq_len_kv: c.seq_len_kv,
+        aux: &aux,
+    };
+    let refs = modified_reference_values(c, &inp, &plan, &rule);
+    let mut args = arguments(c);
+    args.insert(
+        "mask".into(),
+        json!(mask.map_or("none".to_string(), |m| m.name())),
+    );
+    if mask == Some(FlexMod::Document) {
+        args.insert("documents".into(), json!(lengths));
+    }
+    write_files(c, &inp, &plan, &refs, dir, args, masked_flops(c, mask))
+}
+
+/// FLOPs of a masks-grid case by [`MASKED_FLOP_RULE`].
+pub fn masked_flops(c: &AttentionCase, mask: Option<FlexMod>) -> f64 {
+    let lengths = document_lengths(c.batch, c.seq_len_kv);
+    let aux = match mask {
+        Some(FlexMod::Document) => document_ids(&lengths, c.seq_len_kv),
+        _ => Vec::new(),
+    };
+    let rule = FlexRule {
+        m: mask,
+        heads: c.heads,
+        seq_len_q: c.seq_len_q,
+        seq_len_kv: c.seq_len_kv,
+        aux: &aux,
+    };
+    let pairs: u64 = std::thread::scope(|s| {
+        let rule = &rule;
+        let hs: Vec<_> = (0..c.batch)
+            .map(|b| s.spawn(move || rule.visible_pairs(b, c.kv_len(b))))
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("pair count")).sum()
+    });
+    let f = 4.0 * c.heads as f64 * c.head_dim as f64 * pairs as f64;
+    if c.pass == Pass::FwdBwd {
+        f * 3.5
+    } else {
+        f
+    }
+}
+
+/// Writes the inputs, the references of `plan` and the call's description.
+fn write_files(
+    c: &AttentionCase,
+    inp: &Inputs,
+    plan: &CheckPlan,
+    refs: &References,
+    dir: &Path,
+    args: BTreeMap<String, serde_json::Value>,
+    flops: f64,
+) -> Result<CaseFiles> {
     let dtype = c.dtype.as_str().to_string();
     let q_shape = vec![c.batch, c.heads, c.seq_len_q, c.head_dim];
     let kv_shape = vec![c.batch, c.kv_heads, c.seq_len_kv, c.head_dim];
@@ -127,8 +218,8 @@ pub fn write_case(
         },
         check: o_check,
         gradients,
-        arguments: arguments(c),
-        flops: Some(c.flops()),
+        arguments: args,
+        flops: Some(flops),
         bytes: c.is_decoding().then(|| c.bytes_moved()),
         items: None,
     })

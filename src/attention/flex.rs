@@ -75,6 +75,57 @@ impl FlexMod {
         }
     }
 
+    /// The modification named `name` (as [`FlexMod::name`] writes it), or `None` for `none`
+    /// (no mask, no modification).
+    ///
+    /// # Errors
+    /// An unknown name or a bad argument, with the names this parses.
+    pub fn parse(name: &str) -> Result<Option<FlexMod>, String> {
+        let arg = |prefix: &str| {
+            name.strip_prefix(prefix)
+                .and_then(|r| r.strip_prefix('('))
+                .and_then(|r| r.strip_suffix(')'))
+        };
+        let bad = || {
+            format!(
+                "unknown mask `{name}` (none, causal, sliding_window(W), document, prefix_lm(P), \
+                 alibi, softcap(C))"
+            )
+        };
+        Ok(Some(match name {
+            "none" => return Ok(None),
+            "causal" => FlexMod::Causal,
+            "document" => FlexMod::Document,
+            "alibi" => FlexMod::Alibi,
+            _ => {
+                if let Some(w) = arg("sliding_window") {
+                    FlexMod::SlidingWindow(w.parse().ok().filter(|&w| w > 0).ok_or_else(bad)?)
+                } else if let Some(p) = arg("prefix_lm") {
+                    FlexMod::PrefixLm(p.parse().map_err(|_| bad())?)
+                } else if let Some(c) = arg("softcap") {
+                    let c: f32 = c.parse().map_err(|_| bad())?;
+                    if !(c.is_finite() && c > 0.0) {
+                        return Err(bad());
+                    }
+                    FlexMod::SoftCap(c)
+                } else {
+                    return Err(bad());
+                }
+            }
+        }))
+    }
+
+    /// d [`FlexMod::modify`] / d score at `score`: 1, or 1 − tanh²(score / cap) for soft-capping.
+    pub fn derivative(&self, score: f64) -> f64 {
+        match *self {
+            FlexMod::SoftCap(c) => {
+                let t = (score / c as f64).tanh();
+                1.0 - t * t
+            }
+            _ => 1.0,
+        }
+    }
+
     /// The CUDA C expressions of this modification.
     pub fn spec(&self) -> FlexSpec {
         const CAUSAL: &str = "kv_idx <= q_idx + (seq_len_kv - seq_len_q)";
@@ -430,6 +481,85 @@ pub fn flex_reference(
     (out, lse)
 }
 
+/// Document lengths of the packed-sequence cases, per batch entry, summing to `seq_len`: drawn
+/// uniformly from [seq_len/16, 3·seq_len/16] (at least 1) by splitmix64 from (`seq_len`,
+/// entry), the last one cut to fit. Deterministic: every implementation and the reference
+/// rebuild the same documents from the shape.
+pub fn document_lengths(batch: usize, seq_len: usize) -> Vec<Vec<usize>> {
+    (0..batch)
+        .map(|b| {
+            let mut state = (seq_len as u64) << 8 ^ b as u64 ^ 0xd0c5;
+            let (lo, span) = ((seq_len / 16).max(1), (seq_len / 8).max(1));
+            let mut lens = Vec::new();
+            let mut left = seq_len;
+            while left > 0 {
+                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                let n = (lo + (z % span as u64) as usize).min(left);
+                lens.push(n);
+                left -= n;
+            }
+            lens
+        })
+        .collect()
+}
+
+/// `aux` of [`FlexMod::Document`] for documents `lengths` (one list per batch entry, each
+/// summing to `seq_len`): the document index of every position, `[batch][seq_len]`.
+pub fn document_ids(lengths: &[Vec<usize>], seq_len: usize) -> Vec<i32> {
+    let mut ids = Vec::with_capacity(lengths.len() * seq_len);
+    for lens in lengths {
+        for (d, &n) in lens.iter().enumerate() {
+            ids.extend(std::iter::repeat_n(d as i32, n));
+        }
+    }
+    ids
+}
+
+/// A [`FlexMod`] (or none) over one shape, as the float64 reference's
+/// [`super::cpu::ScoreRule`].
+pub struct FlexRule<'a> {
+    /// The modification; `None` sees every key.
+    pub m: Option<FlexMod>,
+    /// Query heads.
+    pub heads: usize,
+    /// Query rows.
+    pub seq_len_q: usize,
+    /// Key rows.
+    pub seq_len_kv: usize,
+    /// What the mask reads (document ids), `[batch][seq_len_kv]`.
+    pub aux: &'a [i32],
+}
+
+impl super::cpu::ScoreRule for FlexRule<'_> {
+    fn visible(&self, b: usize, _h: usize, i: usize, j: usize) -> bool {
+        self.m
+            .is_none_or(|m| m.visible(b, i, j, self.seq_len_q, self.seq_len_kv, self.aux))
+    }
+    fn modify(&self, raw: f64, h: usize, i: usize, j: usize) -> f64 {
+        self.m.map_or(raw, |m| {
+            m.modify(raw, h, i, j, self.heads, self.seq_len_q, self.seq_len_kv)
+        })
+    }
+    fn derivative(&self, raw: f64, _h: usize, _i: usize, _j: usize) -> f64 {
+        self.m.map_or(1.0, |m| m.derivative(raw))
+    }
+}
+
+impl FlexRule<'_> {
+    /// (query, key) pairs the rule leaves visible in batch entry `b` (one head; the named
+    /// masks do not depend on the head), keys below `kv_len`.
+    pub fn visible_pairs(&self, b: usize, kv_len: usize) -> u64 {
+        use super::cpu::ScoreRule;
+        (0..self.seq_len_q)
+            .map(|i| (0..kv_len).filter(|&j| self.visible(b, 0, i, j)).count() as u64)
+            .sum()
+    }
+}
+
 /// The compiled kernels and the block mask of one (spec, shape, `kv_lens`, `aux`).
 pub struct FlexAttention {
     shape: FlexShape,
@@ -606,6 +736,8 @@ impl FlexAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::cpu::{modified_reference_values, reference_values, CheckPlan, Inputs};
+    use crate::attention::{AttentionCase, Pass};
 
     fn shape(tq: usize, tkv: usize) -> FlexShape {
         FlexShape {
@@ -618,6 +750,195 @@ mod tests {
             dtype: Dtype::Bf16,
             scale: 0.125,
         }
+    }
+
+    /// Every named modification, and none.
+    fn all_mods() -> Vec<Option<FlexMod>> {
+        vec![
+            None,
+            Some(FlexMod::Causal),
+            Some(FlexMod::SlidingWindow(5)),
+            Some(FlexMod::Document),
+            Some(FlexMod::PrefixLm(3)),
+            Some(FlexMod::Alibi),
+            Some(FlexMod::SoftCap(2.5)),
+        ]
+    }
+
+    #[test]
+    fn names_parse_back_and_bad_names_are_refused() {
+        for m in all_mods() {
+            let name = m.map_or("none".to_string(), |m| m.name());
+            assert_eq!(FlexMod::parse(&name), Ok(m), "{name}");
+        }
+        for bad in [
+            "",
+            "causal2",
+            "sliding_window(0)",
+            "softcap(-1)",
+            "softcap(inf)",
+            "prefix_lm",
+        ] {
+            let e = FlexMod::parse(bad).unwrap_err();
+            assert!(e.contains(bad) && e.contains("sliding_window(W)"), "{e}");
+        }
+    }
+
+    #[test]
+    fn documents_cover_the_sequence_and_repeat() {
+        for t in [1, 17, 1024, 4096] {
+            let lens = document_lengths(3, t);
+            assert_eq!(lens, document_lengths(3, t));
+            for l in &lens {
+                assert_eq!(l.iter().sum::<usize>(), t);
+                assert!(l[..l.len() - 1].iter().all(|&n| n >= (t / 16).max(1)));
+                assert!(l.iter().all(|&n| n <= (3 * t / 16).max(1)), "{t}: {l:?}");
+            }
+            let ids = document_ids(&lens, t);
+            assert_eq!(ids.len(), 3 * t);
+            assert_eq!(ids[t], 0);
+            assert_eq!(ids[t - 1] as usize, lens[0].len() - 1);
+        }
+        assert_ne!(document_lengths(2, 4096)[0], document_lengths(2, 4096)[1]);
+    }
+
+    /// A small case, its inputs' words and their float64 values (q, k, v, dO).
+    fn small_case(tq: usize, tkv: usize) -> (AttentionCase, Inputs, [Vec<f64>; 4]) {
+        let c = AttentionCase {
+            seq_len_q: tq,
+            seq_len_kv: tkv,
+            kv_heads: 1,
+            pass: Pass::FwdBwd,
+            ..AttentionCase::new(2, 2, 1, 16)
+        };
+        let inp = Inputs::random(&c, 7);
+        let dec =
+            |w: &[u16]| -> Vec<f64> { (0..w.len()).map(|i| c.dtype.decode(w, i) as f64).collect() };
+        let f = [dec(&inp.q), dec(&inp.k), dec(&inp.v), dec(&inp.dout)];
+        (c, inp, f)
+    }
+
+    fn flex_shape_of(c: &AttentionCase) -> FlexShape {
+        FlexShape {
+            batch: c.batch,
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            seq_len_q: c.seq_len_q,
+            seq_len_kv: c.seq_len_kv,
+            head_dim: c.head_dim,
+            dtype: c.dtype,
+            scale: c.scale(),
+        }
+    }
+
+    #[test]
+    fn checked_rows_reference_matches_the_dense_reference_for_every_mod() {
+        // 9 queries against 12 keys: bottom-right alignment matters, and causal masks leave
+        // the first rows of nothing only when Tq > Tkv (the second shape).
+        for (tq, tkv) in [(9, 12), (12, 9)] {
+            let (c, inp, [q, k, v, _]) = small_case(tq, tkv);
+            let docs = document_ids(&document_lengths(c.batch, tkv), tkv);
+            let plan = CheckPlan::full(&c);
+            for m in all_mods() {
+                let rule = FlexRule {
+                    m,
+                    heads: c.heads,
+                    seq_len_q: tq,
+                    seq_len_kv: tkv,
+                    aux: &docs,
+                };
+                let refs = modified_reference_values(&c, &inp, &plan, &rule);
+                let dense = match m {
+                    Some(m) => flex_reference(&flex_shape_of(&c), &m, &q, &k, &v, &[tkv; 2], &docs),
+                    None => flex_reference(
+                        &flex_shape_of(&c),
+                        &FlexMod::SoftCap(1e30),
+                        &q,
+                        &k,
+                        &v,
+                        &[tkv; 2],
+                        &docs,
+                    ),
+                };
+                for (a, b) in refs.o.iter().zip(&dense.0) {
+                    assert!((a - b).abs() < 1e-9, "{m:?} {tq}x{tkv}: {a} vs {b}");
+                }
+                assert_eq!(refs.lse.len(), dense.1.len());
+                for (a, b) in refs.lse.iter().zip(&dense.1) {
+                    assert!(a == b || (a - b).abs() < 1e-9, "{m:?}: lse {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn checked_rows_backward_matches_the_causal_reference_and_finite_differences() {
+        let (c, inp, [q, k, v, dout]) = small_case(9, 12);
+        let plan = CheckPlan::full(&c);
+        // Causal through the rule against the suite's own causal reference.
+        let causal = AttentionCase {
+            causal: true,
+            ..c.clone()
+        };
+        let want = reference_values(&causal, &inp, &plan);
+        let rule = |m| FlexRule {
+            m,
+            heads: c.heads,
+            seq_len_q: 9,
+            seq_len_kv: 12,
+            aux: &[],
+        };
+        let got = modified_reference_values(&c, &inp, &plan, &rule(Some(FlexMod::Causal)));
+        for (name, a, b) in [
+            ("dq", &got.dq, &want.dq),
+            ("dk", &got.dk, &want.dk),
+            ("dv", &got.dv, &want.dv),
+        ] {
+            assert_eq!(a.len(), b.len());
+            for (x, y) in a.iter().zip(b.iter()) {
+                assert!((x - y).abs() < 1e-9, "{name}: {x} vs {y}");
+            }
+        }
+        // Score modifications: central differences of the loss Σ dO·O through the dense
+        // reference, at a few elements of Q and K.
+        let shape = flex_shape_of(&c);
+        for m in [
+            FlexMod::Alibi,
+            FlexMod::SoftCap(2.5),
+            FlexMod::SlidingWindow(5),
+        ] {
+            let refs = modified_reference_values(&c, &inp, &plan, &rule(Some(m)));
+            let loss = |q: &[f64], k: &[f64]| -> f64 {
+                let (o, _) = flex_reference(&shape, &m, q, k, &v, &[12, 12], &[]);
+                o.iter().zip(&dout).map(|(a, b)| a * b).sum()
+            };
+            let eps = 1e-6;
+            for idx in [0, 16 * 5 + 3, q.len() - 1] {
+                let (mut qp, mut qm) = (q.clone(), q.clone());
+                qp[idx] += eps;
+                qm[idx] -= eps;
+                let fd = (loss(&qp, &k) - loss(&qm, &k)) / (2.0 * eps);
+                assert!(
+                    (fd - refs.dq[idx]).abs() < 1e-6 * (1.0 + fd.abs()),
+                    "{m:?} dq[{idx}]: {fd} vs {}",
+                    refs.dq[idx]
+                );
+            }
+            for idx in [0, 16 * 7 + 9, k.len() - 1] {
+                let (mut kp, mut km) = (k.clone(), k.clone());
+                kp[idx] += eps;
+                km[idx] -= eps;
+                let fd = (loss(&q, &kp) - loss(&q, &km)) / (2.0 * eps);
+                assert!(
+                    (fd - refs.dk[idx]).abs() < 1e-6 * (1.0 + fd.abs()),
+                    "{m:?} dk[{idx}]: {fd} vs {}",
+                    refs.dk[idx]
+                );
+            }
+        }
+        // Visible pairs: causal 9 x 12 bottom-right is 9·12 − 9·8/2 = 72 per batch entry.
+        assert_eq!(rule(Some(FlexMod::Causal)).visible_pairs(0, 12), 72);
+        assert_eq!(rule(None).visible_pairs(1, 12), 108);
     }
 
     #[test]
