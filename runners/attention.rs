@@ -35,6 +35,8 @@ mod cpu;
 mod decode;
 #[path = "attention/flex.rs"]
 mod flex;
+#[path = "attention/masks.rs"]
+mod masks;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -113,10 +115,14 @@ struct Cli {
     /// Flash backward configuration per head_dim, e.g. `128=w8r64`.
     #[arg(long)]
     flash_bwd_config: Option<String>,
+    /// Masks grid: the modifications to run, by name (`none`, `causal`, `sliding_window(W)`,
+    /// `document`, `prefix_lm(P)`, `alibi`, `softcap(C)`).
+    #[arg(long, value_delimiter = ';', default_values = masks::MASKS)]
+    flex_masks: Vec<String>,
 }
 
 /// The alternatives `--compare` can add.
-const ALTERNATIVES: [Alternative; 2] = [
+const ALTERNATIVES: [Alternative; 3] = [
     Alternative {
         name: "torch",
         module: "torch_sdpa",
@@ -133,6 +139,12 @@ const ALTERNATIVES: [Alternative; 2] = [
         module: "jax_attention",
         library: "JAX",
         implementations: &["jax_xla", "jax_cudnn"],
+    },
+    Alternative {
+        name: "torch_flex",
+        module: "torch_flex",
+        library: "PyTorch",
+        implementations: &["torch_flex"],
     },
 ];
 
@@ -345,8 +357,8 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
                     cases.extend(decode::cases(quick))
                 }
             }
-            "tiles" => {}
-            g => bail!("--grids: unknown grid `{g}` (main, shapes, decode, tiles)"),
+            "tiles" | "masks" => {}
+            g => bail!("--grids: unknown grid `{g}` (main, shapes, decode, masks, tiles)"),
         }
     }
     let mut params: Vec<Params> = cases.iter().map(AttentionCase::params).collect();
@@ -356,6 +368,10 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
         (
             "decode",
             "decoding shapes are a document of their own, data/gpu_attention_decode.json, drawn in GB/s",
+        ),
+        (
+            "masks",
+            "the masks grid is a document of its own, data/gpu_attention_masks.json",
         ),
     ] {
         if grids.iter().any(|g| g == alone) && grids.iter().any(|g| g != alone) {
@@ -373,6 +389,14 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     if grids.iter().any(|g| g == "tiles") {
         params.extend(tile_cases(cli, quick)?);
     }
+    if grids.iter().any(|g| g == "masks") && !on_cpu(cli) {
+        params.extend(masks::cases(
+            &cli.flex_masks,
+            cli.seq_lens.as_deref(),
+            &passes(cli)?,
+            quick,
+        )?);
+    }
     Ok(params)
 }
 
@@ -382,6 +406,7 @@ fn run_kind(cli: &Cli) -> RunKind {
     match &cli.grids {
         Some(g) if g.iter().any(|g| g == "tiles") => RunKind::TileSweep,
         Some(g) if g.iter().any(|g| g == "decode") => RunKind::Decode,
+        Some(g) if g.iter().any(|g| g == "masks") => RunKind::Masks,
         _ => RunKind::Grid,
     }
 }
@@ -574,7 +599,16 @@ impl runner::Suite for Attention {
     /// (seeds `seed` … `seed + 3`), and the float64 reference of up to 4 (batch, head) slices ×
     /// `check_rows` rows ([`files::write_case`]).
     fn prepare(&self, p: &Params, seed: u64, dir: &Path) -> Result<CaseFiles> {
-        files::write_case(&case_of(p)?, seed, self.check_rows, dir)
+        match masks::mask_of(p) {
+            Some(m) => files::write_masked_case(
+                &case_of(p)?,
+                m.map_err(anyhow::Error::msg)?,
+                seed,
+                self.check_rows,
+                dir,
+            ),
+            None => files::write_case(&case_of(p)?, seed, self.check_rows, dir),
+        }
     }
 
     /// The case without its tile-sweep `config`: every configuration of one shape runs on the
@@ -603,6 +637,13 @@ impl runner::Suite for Attention {
                 Ok(c) => flex::unsupported(&c),
                 Err(e) => Some(e.to_string()),
             };
+        }
+        if implementation == "torch_flex" {
+            // The comparison module says what it cannot run.
+            return None;
+        }
+        if let Some(why) = masks::fixed_mask_unsupported(p, implementation) {
+            return Some(why);
         }
         if p.contains_key(CONFIG_PARAM) && implementation != Implementation::Flash.name() {
             return Some(format!(
@@ -685,6 +726,9 @@ impl runner::Suite for Attention {
                 if let Some(Param::Text(cfg)) = p.get(CONFIG_PARAM) {
                     s += &format!(" config {cfg}");
                 }
+                if let Some(Param::Text(m)) = p.get(masks::MASK_PARAM) {
+                    s += &format!(" mask {m}");
+                }
                 s
             }
             Err(_) => format!("{p:?}"),
@@ -708,14 +752,12 @@ fn run(cli: &Cli) -> Result<ExitCode> {
             .map_err(anyhow::Error::msg)
             .context("--flash-bwd-config")?;
     }
-    let with_decode = names_or_default(&cli.grids, &GPU_GRIDS, &["main"], cli.run.device)
-        .iter()
-        .any(|g| g == "decode");
-    let gpu_default: &[&str] = if with_decode {
+    let gpu_default: &[&str] = match run_kind(cli) {
         // `flash` is not what the API runs on decoding shapes (the split-KV kernel is).
-        &["math", decode::CONTIGUOUS, decode::PAGED]
-    } else {
-        &["flash", "math"]
+        RunKind::Decode => &["math", decode::CONTIGUOUS, decode::PAGED],
+        // Generated masks; flash runs the causal cases.
+        RunKind::Masks => &[flex::IMPLEMENTATION, "flash"],
+        _ => &["flash", "math"],
     };
     let names = names_or_default(
         &cli.implementations,
@@ -764,7 +806,9 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         .any(|p| case_of(p).is_ok_and(|c| c.is_decoding()));
     let declared = Declared {
         runner: "attention",
-        flop_rule: Some(if decoding {
+        flop_rule: Some(if run_kind(cli) == RunKind::Masks {
+            files::MASKED_FLOP_RULE.to_string()
+        } else if decoding {
             format!(
                 "{}; bytes for GB/s: {}",
                 AttentionCase::FLOP_RULE,

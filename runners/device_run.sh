@@ -14,6 +14,9 @@
 #   bash .carry/device_run.sh flex OUTDIR         # the flex GPU tests, then flex beside flash
 #                                                 # and PyTorch's SDPA backends on the main
 #                                                 # grid's bf16 forward cases at head_dim 128
+#   bash .carry/device_run.sh masks OUTDIR [i/n]  # the flex GPU tests and PyTorch flex module
+#                                                 # test, then the masks grid (or shard i of
+#                                                 # n): flex, flash, torch_flex, torch_cudnn
 #   bash .carry/device_run.sh full OUTDIR [i/n]   # the committed grid (or shard i of n)
 #   bash .carry/device_run.sh part OUTDIR NAME LIMIT_S FILTER [i/n]
 #                                                 # one part of a run split over calls or GPUs:
@@ -108,13 +111,26 @@ flex)
     --implementations flash,flex --compare torch --exclude torch_math,torch_efficient \
     --filter 'pass=fwd,head_dim=128,dtype=bf16' --output "$out/gpu_attention_flex.json"
   ;;
+masks)
+  # KP_MASKS_TESTS=0 skips the GPU tests (a second shard's call).
+  if [ "${KP_MASKS_TESTS:-1}" != 0 ]; then
+    step "flex gpu tests" 200 "$out/gpu_flex.tests.log" "$bin/gpu_attention_test" \
+      --include-ignored --test-threads 1 --nocapture flex_attention
+    step "torch_flex module test" 200 "$out/compare_flex.tests.log" "$bin/compare_script_test" \
+      --include-ignored --test-threads 1 --nocapture flex_module
+  fi
+  extra=(); [ -n "$shard" ] && extra=(--shard "$shard")
+  step "masks grid" "${KP_MASKS_LIMIT_S:-420}" "$out/masks.log" "$bin/attention" --grids masks \
+    --compare torch_flex,torch --exclude torch_flash,torch_math,torch_efficient "${extra[@]}" \
+    --output "$out/gpu_attention_masks.json"
+  ;;
 full)
   extra=(); [ -n "$shard" ] && extra=(--shard "$shard")
   step "full grid" 3600 "$out/run.log" "$bin/attention" --compare torch,jax "${extra[@]}" \
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, part, kernel_sums, decode, flex, full)"; exit 2
+  echo "unknown mode $mode (smoke, tests, part, kernel_sums, decode, flex, masks, full)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"

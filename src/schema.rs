@@ -237,6 +237,10 @@ pub enum RunKind {
     /// figure of merit is bandwidth: its rows carry `bytes` and the document declares GB/s.
     /// A document of its own beside the suite's grid, drawn like a grid.
     Decode,
+    /// The masks grid: generated masks and score modifications (`flex_attention`), each case
+    /// naming its modification in the case parameter `mask`, FLOPs counting the pairs the mask
+    /// leaves visible. A document of its own beside the suite's grid, drawn like a grid.
+    Masks,
 }
 
 impl RunKind {
@@ -251,6 +255,7 @@ impl RunKind {
             RunKind::Grid => "grid",
             RunKind::TileSweep => "tile_sweep",
             RunKind::Decode => "decode",
+            RunKind::Masks => "masks",
         }
     }
 }

@@ -337,3 +337,87 @@ fn kernel_sum_module_runs_on_the_gpu() {
         assert!(mem.peak_mb.unwrap() >= dense_mb, "{c:?}: {mem:?}");
     }
 }
+
+/// PyTorch's flex_attention module (`runners/compare/torch_flex.py`): its self-test everywhere;
+/// with torch and a GPU, every named modification on a small GQA case whose length is not a
+/// multiple of any block size, forward (and forward + backward for the score modifications and
+/// the document mask), checked against the runner's float64 reference with the same
+/// modification, with its compile time recorded; without them, rows that say why.
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn flex_module_runs_every_mask() {
+    use kernelpages::attention::files::{masked_flops, write_masked_case};
+    use kernelpages::attention::flex::FlexMod;
+    if !have_python("flex_module_runs_every_mask") {
+        return;
+    }
+    let o = Command::new("python3")
+        .args(["-m", "compare.torch_flex", "self-test"])
+        .env("PYTHONPATH", runners_dir())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let gpu = torch_with_gpu();
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Server::start("python3", &runners_dir(), "torch_flex", &[]).unwrap();
+    let names = [
+        "none",
+        "causal",
+        "sliding_window(64)",
+        "document",
+        "prefix_lm(100)",
+        "alibi",
+        "softcap(2.5)",
+    ];
+    for (i, name) in names.iter().enumerate() {
+        let m = FlexMod::parse(name).unwrap();
+        let mut passes = vec![Pass::Fwd];
+        if matches!(
+            m,
+            Some(FlexMod::Alibi | FlexMod::SoftCap(_) | FlexMod::Document)
+        ) {
+            passes.push(Pass::FwdBwd);
+        }
+        for pass in passes {
+            let c = AttentionCase {
+                kv_heads: 2,
+                causal: m == Some(FlexMod::Causal),
+                pass,
+                ..AttentionCase::new(2, 4, 300, 64)
+            };
+            let d = dir.path().join(format!("mask{i}{}", pass.as_str()));
+            std::fs::create_dir_all(&d).unwrap();
+            let files = write_masked_case(&c, m, 11, 16, &d).unwrap();
+            assert_eq!(files.arguments["mask"], *name);
+            let mut j = job(&c, "torch_flex", &files);
+            j.case.insert(
+                "mask".into(),
+                kernelpages::schema::Param::Text(name.to_string()),
+            );
+            let reply = s.request(&j, Duration::from_secs(200)).unwrap();
+            let row = &reply.row;
+            eprintln!(
+                "torch_flex {name} {}: {:?} {:?} compile {:?} s",
+                pass.as_str(),
+                row.status,
+                row.accuracy.as_ref().map(|a| a.rel_err),
+                row.compile_s
+            );
+            assert_eq!(row.case, j.case);
+            if !gpu {
+                assert_eq!(row.status, Status::Unsupported, "{row:?}");
+                let msg = row.message.as_deref().unwrap_or("");
+                assert!(msg.contains("torch") || msg.contains("CUDA"), "{msg}");
+                continue;
+            }
+            assert_eq!(row.status, Status::Ok, "{name}: {row:?}");
+            let acc = row.accuracy.as_ref().unwrap();
+            assert!(acc.rel_err < acc.tolerance, "{name}: {acc:?}");
+            assert!(row.compile_s.unwrap() > 0.0, "{row:?}");
+            assert_eq!(row.flops, Some(masked_flops(&c, m)));
+            if pass == Pass::FwdBwd {
+                assert!(acc.checked.as_deref().unwrap().contains("dQ"));
+            }
+        }
+    }
+}

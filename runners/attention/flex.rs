@@ -1,12 +1,15 @@
 //! The `flex` implementation of the attention runner: the flex_attention forward
-//! (`kernels/flex_attn_fwd.cu`, issue 10 §1) on the grid's own cases, with the modification a
-//! case names through its mask: bottom-right causal (`FlexMod::Causal`, the same mask as every
-//! other implementation's causal) or none. It measures what generating the mask costs against
-//! `flash` on the same cases; the named masks beyond causal need cases of their own (not yet in
-//! a grid).
+//! (`kernels/flex_attn_fwd.cu`, issue 10 §1). On a masks-grid case it runs the modification
+//! the case names (its `mask` parameter, with the document ids of
+//! [`kernelpages::attention::flex::document_lengths`] for `document`); on the other grids' cases
+//! the case's own mask: bottom-right causal (`FlexMod::Causal`, the same mask as every other
+//! implementation's causal) or none, which measures what generating the mask costs against
+//! `flash` on the same cases.
 
 use kernelpages::attention::cpu_flash::Shape;
-use kernelpages::attention::flex::{FlexAttention, FlexMod, FlexShape, FlexSpec};
+use kernelpages::attention::flex::{
+    document_ids, document_lengths, FlexAttention, FlexMod, FlexShape, FlexSpec,
+};
 use kernelpages::attention::{AttentionCase, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::runner::own;
@@ -20,17 +23,21 @@ fn shape_of(c: &AttentionCase) -> FlexShape {
     FlexShape::new(&Shape::of_case(c), c.dtype, c.scale())
 }
 
-/// The modification case `c` asks for: causal (bottom-right) or no mask.
-pub fn spec_of(c: &AttentionCase) -> FlexSpec {
-    if c.causal {
-        FlexMod::Causal.spec()
-    } else {
-        FlexSpec {
+/// The modification case `c` asks for when it names none: causal (bottom-right) or no mask.
+pub fn mod_of(c: &AttentionCase) -> Option<FlexMod> {
+    c.causal.then_some(FlexMod::Causal)
+}
+
+/// The kernel expressions of `m` (`none`: no mask, no modification).
+pub fn spec_of(m: Option<FlexMod>) -> FlexSpec {
+    m.map_or_else(
+        || FlexSpec {
             name: "none".into(),
             mask: None,
             score: None,
-        }
-    }
+        },
+        |m| m.spec(),
+    )
 }
 
 /// Why `flex` cannot run case `c`, or `None`: forward only (the flex backward is not written
@@ -103,11 +110,22 @@ pub fn measure(job: &Job) -> Reply {
         Ok(c) => c,
         Err(reply) => return *reply,
     };
-    let spec = spec_of(&c);
+    let m = match super::masks::mask_of(&job.case) {
+        None => mod_of(&c),
+        Some(Ok(m)) => m,
+        Some(Err(e)) => return Reply::failed(job, kernelpages::schema::Status::Error, e),
+    };
+    let spec = spec_of(m);
+    let aux = match m {
+        Some(FlexMod::Document) => {
+            document_ids(&document_lengths(c.batch, c.seq_len_kv), c.seq_len_kv)
+        }
+        _ => Vec::new(),
+    };
     let mut noted: Option<String> = None;
     let mut reply = own::measure(job, |gpu| {
         let lens: Vec<usize> = (0..c.batch).map(|b| c.kv_len(b)).collect();
-        let flex = FlexAttention::new(gpu, shape_of(&c), &spec, &lens, &[])?;
+        let flex = FlexAttention::new(gpu, shape_of(&c), &spec, &lens, &aux)?;
         let (listed, whole, all) = flex.block_mask(gpu)?.tiles(flex.key_tiles());
         noted = Some(format!(
             "flex_attention with mask `{}` ({}): the block mask lists {listed} of {all} tiles, \
@@ -139,8 +157,11 @@ mod tests {
             ..AttentionCase::new(4, 8, 4096, 128)
         };
         assert_eq!(unsupported(&c), None);
-        assert_eq!(spec_of(&c), FlexMod::Causal.spec());
-        assert_eq!(spec_of(&AttentionCase::new(1, 1, 64, 64)).mask, None);
+        assert_eq!(spec_of(mod_of(&c)), FlexMod::Causal.spec());
+        assert_eq!(
+            spec_of(mod_of(&AttentionCase::new(1, 1, 64, 64))).mask,
+            None
+        );
         let bwd = AttentionCase {
             pass: Pass::FwdBwd,
             ..c.clone()

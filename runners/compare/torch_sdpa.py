@@ -254,17 +254,47 @@ def _measure_into(job, reply):
 
 
 def _measure(job, caught):
-    case, files, tcfg = job["case"], job["files"], job["timing"]
-    implementation = job["implementation"]
-    bwd = case.get("pass") == "fwd+bwd"
+    case, implementation = job["case"], job["implementation"]
     device = torch.device("cuda")
     torch.zeros(1, device=device)  # CUDA context, outside every figure
     torch.cuda.synchronize()
-    call = caller(job, device)
     notes = []
+    if implementation == "torch_math" and case.get("dtype") != "fp32":
+        allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
+        if allowed is None or not allowed():
+            notes.append("float32 accumulation: PyTorch's math backend computes bf16/fp16 "
+                         "inputs in float32 (reduced-precision reduction not allowed)")
+    if case.get("dtype") == "fp32":
+        notes.append("fp32: TF32 %s (torch.backends.cuda.matmul.allow_tf32 = %s, "
+                     "torch.backends.cudnn.allow_tf32 = %s)" % (
+                         "allowed" if torch.backends.cuda.matmul.allow_tf32 else "not allowed",
+                         torch.backends.cuda.matmul.allow_tf32,
+                         torch.backends.cudnn.allow_tf32))
+    if needs_mask(arguments(job)):
+        notes.append("explicit boolean mask [B, 1, Tq, Tkv], built bottom-right: PyTorch's "
+                     "is_causal aligns top-left when seq_len_q != seq_len_kv")
+    one_row = protocol.one_row_causal_note(arguments(job))
+    if one_row:
+        notes.append(one_row)
+    empty = protocol.empty_rows_note(arguments(job))
+    if empty:
+        notes.append(empty)
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = sdpa_kernel([getattr(SDPBackend, BACKENDS[implementation])])
+    return measure_call(job, device, caller(job, device), backend,
+                        lambda set0, before: _residual_bytes(job, set0, device, before), notes)
+
+
+def measure_call(job, device, call, context, residual_bytes, notes):
+    """Measures `call` (`caller`'s form) on the job's inputs inside `context`: the first call
+    (wall time, peak memory, the check of every output), the residuals (`residual_bytes(set0,
+    allocated_before)`, forward + backward only), then the timing protocol over rotated input
+    sets, eager and as a CUDA graph. Returns (fields, window); `notes` (a list) gets the timing
+    notes appended and becomes the row's notes."""
+    case, files, tcfg = job["case"], job["files"], job["timing"]
+    bwd = case.get("pass") == "fwd+bwd"
     grad_mode = torch.enable_grad() if bwd else torch.no_grad()
-    with grad_mode, sdpa_kernel([getattr(SDPBackend, BACKENDS[implementation])]):
+    with grad_mode, context:
         # Peak memory: reset before the upload, read after the first call.
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -315,7 +345,7 @@ def _measure(job, caught):
         residuals = None
         if bwd:
             torch.cuda.synchronize()
-            residuals = _residual_bytes(job, set0, device, torch.cuda.memory_allocated())
+            residuals = residual_bytes(set0, torch.cuda.memory_allocated())
 
         # Timing over rotated copies of the inputs.
         free = torch.cuda.mem_get_info()[0]
@@ -342,26 +372,6 @@ def _measure(job, caught):
             notes.append("%s timing: %d of %d samples, the %g s case limit stopped sampling"
                          % (what, m["samples"], int(tcfg["repeats"]),
                             float(tcfg["case_timeout_s"])))
-    if implementation == "torch_math" and case.get("dtype") != "fp32":
-        allowed = getattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", None)
-        if allowed is None or not allowed():
-            notes.append("float32 accumulation: PyTorch's math backend computes bf16/fp16 "
-                         "inputs in float32 (reduced-precision reduction not allowed)")
-    if case.get("dtype") == "fp32":
-        notes.append("fp32: TF32 %s (torch.backends.cuda.matmul.allow_tf32 = %s, "
-                     "torch.backends.cudnn.allow_tf32 = %s)" % (
-                         "allowed" if torch.backends.cuda.matmul.allow_tf32 else "not allowed",
-                         torch.backends.cuda.matmul.allow_tf32,
-                         torch.backends.cudnn.allow_tf32))
-    if needs_mask(arguments(job)):
-        notes.append("explicit boolean mask [B, 1, Tq, Tkv], built bottom-right: PyTorch's "
-                     "is_causal aligns top-left when seq_len_q != seq_len_kv")
-    one_row = protocol.one_row_causal_note(arguments(job))
-    if one_row:
-        notes.append(one_row)
-    empty = protocol.empty_rows_note(arguments(job))
-    if empty:
-        notes.append(empty)
     fields = dict(
         median_ms=reported["median"], q1_ms=reported["q1"], q3_ms=reported["q3"],
         inner_calls=reported["inner"], samples=reported["samples"], input_sets=n_sets,

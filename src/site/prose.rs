@@ -24,7 +24,7 @@
 //!   implementation is launch-bound in every case kept, with the range of host ÷ device time.
 //!
 //! Every function takes an optional `device` (the device name) and `kind` (`grid`, the default,
-//! or `decode`: the decoding grid's documents) to pick documents. A query that
+//! `decode`: the decoding grid's documents, or `masks`: the masks grid's) to pick documents. A query that
 //! matches no row or several, a claim that any case contradicts or that covers no case, and a
 //! where-clause that does not parse are all collected; the build then fails with
 //! [`ProseError`], which lists each problem with its file, line, call and the offending rows.
@@ -380,7 +380,7 @@ struct Item<'a> {
 }
 
 /// The rows of `suite` (on `device` when given) in its documents of run kind `kind` (`grid` when
-/// not given; `decode` for the decoding grid): a tile sweep has its own section, generated
+/// not given; `decode` for the decoding grid, `masks` for the masks grid): a tile sweep has its own section, generated
 /// whole from its rows, and is never read by prose.
 ///
 /// Errors: the suite name is unknown, or no document matches.
@@ -398,7 +398,12 @@ fn suite_rows<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<Item<'a>>, Stri
     let kind = match args.get("kind") {
         None | Some("grid") => RunKind::Grid,
         Some("decode") => RunKind::Decode,
-        Some(other) => return Err(format!("unknown kind `{other}` (kinds: grid, decode)")),
+        Some("masks") => RunKind::Masks,
+        Some(other) => {
+            return Err(format!(
+                "unknown kind `{other}` (kinds: grid, decode, masks)"
+            ))
+        }
     };
     let picked: Vec<&Loaded> = docs
         .iter()
