@@ -23,9 +23,10 @@ import sys
 
 NEG = float("-inf")
 INF = float("inf")
-BR = 64   # FLEX_ROWS
-BCT = 64  # FLEX_KEYS
-NT = 128  # threads per CTA
+# Tile sizes: FLEX_ROWS and FLEX_KEYS, set from the specs file the Rust test writes.
+BR = None
+BCT = None
+NT = None  # threads per CTA, set from the specs file
 
 
 def cast_float(e):
@@ -174,7 +175,9 @@ def reference(visible, modified, Q, K, V, B, H, KVH, Tq, Tkv, D, lens, scale):
 
 
 def main():
+    global BR, BCT, NT
     data = json.load(open(sys.argv[1]))
+    BR, BCT, NT = int(data["rows"]), int(data["keys"]), int(data["threads"])
     ok = True
     n = 0
     for spec in data["mods"]:

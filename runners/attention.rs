@@ -68,8 +68,9 @@ struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
     /// Implementations of this project to run [default: flash,math; with `--grids decode`
-    /// math,flash_decode,flash_decode_paged; cpu_flash with --device cpu]. `flex` (never a
-    /// default) runs the flex_attention forward with the case's mask (causal or none).
+    /// math,flash_decode,flash_decode_paged; with `--grids masks` flex,flash; cpu_flash with
+    /// --device cpu]. `flex` runs flex_attention (forward, and backward for fwd+bwd) with the
+    /// case's mask: the masks grid's named modification, else causal or none.
     #[arg(long, value_delimiter = ',')]
     implementations: Option<Vec<String>>,
     /// Grids to measure: `main` (the seq_len sweep), `shapes` (issue 9 §2's shapes), `decode`
@@ -661,6 +662,10 @@ impl runner::Suite for Attention {
         if self.device == DeviceChoice::Cpu {
             return implementation == cpu::IMPLEMENTATION;
         }
+        if masks::mask_of(p).is_some() {
+            // A named mask runs through flex_attention, whose kernel is flex.
+            return implementation == flex::IMPLEMENTATION;
+        }
         if decode::is_decode(implementation) {
             // The paged kernel is not what the API calls: its cache is laid out by the caller.
             return implementation == decode::CONTIGUOUS
@@ -707,13 +712,16 @@ impl runner::Suite for Attention {
                 } else {
                     format!("Tq{} Tkv{}", c.seq_len_q, c.seq_len_kv)
                 };
+                let mask = match p.get(masks::MASK_PARAM) {
+                    Some(Param::Text(m)) => format!("mask {m}"),
+                    _ => (if c.causal { "causal" } else { "full" }).to_string(),
+                };
                 let mut s = format!(
-                    "B{} H{}/{} {t} D{} {} {} {}",
+                    "B{} H{}/{} {t} D{} {mask} {} {}",
                     c.batch,
                     c.heads,
                     c.kv_heads,
                     c.head_dim,
-                    if c.causal { "causal" } else { "full" },
                     c.dtype.as_str(),
                     c.pass.as_str()
                 );
@@ -725,9 +733,6 @@ impl runner::Suite for Attention {
                 }
                 if let Some(Param::Text(cfg)) = p.get(CONFIG_PARAM) {
                     s += &format!(" config {cfg}");
-                }
-                if let Some(Param::Text(m)) = p.get(masks::MASK_PARAM) {
-                    s += &format!(" mask {m}");
                 }
                 s
             }

@@ -148,7 +148,17 @@ fn flex_control_flow_matches_the_reference() {
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("flex_specs.json");
-    std::fs::write(&path, serde_json::json!({ "mods": out }).to_string()).unwrap();
+    std::fs::write(
+        &path,
+        serde_json::json!({
+            "mods": out,
+            "rows": kernelpages::attention::flex::FLEX_ROWS,
+            "keys": kernelpages::attention::flex::FLEX_KEYS,
+            "threads": 32 * kernelpages::attention::flex::FLEX_WARPS,
+        })
+        .to_string(),
+    )
+    .unwrap();
     runs_clean_with(
         concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/emulate_flex.py"),
         &[&path],

@@ -1,5 +1,6 @@
 //! The `flex` implementation of the attention runner: the flex_attention forward
-//! (`kernels/flex_attn_fwd.cu`, issue 10 §1). On a masks-grid case it runs the modification
+//! (`kernels/flex_attn_fwd.cu`, issue 10 §1) and, for forward + backward, its backward
+//! (`kernels/flex_attn_bwd.cu`). On a masks-grid case it runs the modification
 //! the case names (its `mask` parameter, with the document ids of
 //! [`kernelpages::attention::flex::document_lengths`] for `document`); on the other grids' cases
 //! the case's own mask: bottom-right causal (`FlexMod::Causal`, the same mask as every other
@@ -35,43 +36,47 @@ pub fn spec_of(m: Option<FlexMod>) -> FlexSpec {
             name: "none".into(),
             mask: None,
             score: None,
+            score_grad: None,
         },
         |m| m.spec(),
     )
 }
 
-/// Why `flex` cannot run case `c`, or `None`: forward only (the flex backward is not written
-/// yet), and the flex kernels' shapes ([`FlexShape::unsupported`]).
+/// Why `flex` cannot run case `c`, or `None`: the flex kernels' shapes
+/// ([`FlexShape::unsupported`]).
 pub fn unsupported(c: &AttentionCase) -> Option<String> {
-    if c.pass != Pass::Fwd {
-        return Some("flex runs the forward only (its backward is not written yet)".into());
-    }
     shape_of(c).unsupported()
 }
 
-/// Q, K, V of one input set on the device.
+/// Q, K, V (and dO for forward + backward) of one input set on the device.
 pub struct FlexSet {
     q: cudarc::driver::CudaSlice<u16>,
     k: cudarc::driver::CudaSlice<u16>,
     v: cudarc::driver::CudaSlice<u16>,
+    dout: Option<cudarc::driver::CudaSlice<u16>>,
 }
 
-/// The case process's launcher: the compiled kernels with their block mask, and the LSE.
+/// The case process's launcher: the compiled kernels with their block masks, and the LSE.
 struct FlexLaunch {
     flex: FlexAttention,
     lse: cudarc::driver::CudaSlice<f32>,
+    case: AttentionCase,
 }
 
 impl own::Launcher for FlexLaunch {
     type Set = FlexSet;
     fn upload(&self, gpu: &Gpu, host: &[Vec<u16>]) -> Result<FlexSet, GpuError> {
-        let [q, k, v, ..] = host else {
-            return Err(GpuError::Config("flex takes q, k, v".into()));
+        let [q, k, v, rest @ ..] = host else {
+            return Err(GpuError::Config("flex takes q, k, v (and do)".into()));
         };
         Ok(FlexSet {
             q: gpu.stream.clone_htod(q)?,
             k: gpu.stream.clone_htod(k)?,
             v: gpu.stream.clone_htod(v)?,
+            dout: match rest.first() {
+                Some(d) => Some(gpu.stream.clone_htod(d)?),
+                None => None,
+            },
         })
     }
     fn replicate(&self, gpu: &Gpu, s: &FlexSet) -> Result<FlexSet, GpuError> {
@@ -79,6 +84,10 @@ impl own::Launcher for FlexLaunch {
             q: gpu.stream.clone_dtod(&s.q)?,
             k: gpu.stream.clone_dtod(&s.k)?,
             v: gpu.stream.clone_dtod(&s.v)?,
+            dout: match &s.dout {
+                Some(d) => Some(gpu.stream.clone_dtod(d)?),
+                None => None,
+            },
         })
     }
     fn launch(
@@ -87,16 +96,29 @@ impl own::Launcher for FlexLaunch {
         s: &FlexSet,
         outs: &mut [cudarc::driver::CudaSlice<u16>],
     ) -> Result<(), GpuError> {
-        let [o] = outs else {
-            return Err(GpuError::Config("flex writes one output".into()));
-        };
-        self.flex.launch(gpu, &s.q, &s.k, &s.v, o, &mut self.lse)
+        match (outs, &s.dout) {
+            ([o], _) => self.flex.launch(gpu, &s.q, &s.k, &s.v, o, &mut self.lse),
+            ([o, dq, dk, dv], Some(dout)) => {
+                self.flex.launch(gpu, &s.q, &s.k, &s.v, o, &mut self.lse)?;
+                self.flex
+                    .launch_backward(gpu, (&s.q, &s.k, &s.v), o, &self.lse, dout, dq, dk, dv)
+            }
+            _ => Err(GpuError::Config(
+                "flex writes O (and dQ, dK, dV from dO for forward + backward)".into(),
+            )),
+        }
     }
     fn temporary_bytes(&self) -> u64 {
-        self.flex.block_mask_bytes() + self.lse.len() as u64 * 4
+        let lse = self.lse.len() as u64 * 4;
+        let bwd = self.flex.backward_bytes();
+        // With a backward the LSE is a residual, not a temporary.
+        self.flex.block_mask_bytes() + bwd + if bwd > 0 { 0 } else { lse }
     }
     fn residual_bytes(&self) -> Option<u64> {
-        None
+        // What the forward keeps for the backward: O and the LSE.
+        (self.case.pass == Pass::FwdBwd).then(|| {
+            (self.case.q_elems() * self.case.dtype.bytes()) as u64 + self.lse.len() as u64 * 4
+        })
     }
     fn workspace_bytes(&self) -> u64 {
         0
@@ -125,7 +147,10 @@ pub fn measure(job: &Job) -> Reply {
     let mut noted: Option<String> = None;
     let mut reply = own::measure(job, |gpu| {
         let lens: Vec<usize> = (0..c.batch).map(|b| c.kv_len(b)).collect();
-        let flex = FlexAttention::new(gpu, shape_of(&c), &spec, &lens, &aux)?;
+        let mut flex = FlexAttention::new(gpu, shape_of(&c), &spec, &lens, &aux)?;
+        if c.pass == Pass::FwdBwd {
+            flex.enable_backward(gpu)?;
+        }
         let (listed, whole, all) = flex.block_mask(gpu)?.tiles(flex.key_tiles());
         noted = Some(format!(
             "flex_attention with mask `{}` ({}): the block mask lists {listed} of {all} tiles, \
@@ -137,7 +162,14 @@ pub fn measure(job: &Job) -> Reply {
         let lse = gpu
             .stream
             .alloc_zeros::<f32>(c.batch * c.heads * c.seq_len_q)?;
-        Ok((FlexLaunch { flex, lse }, compile_s))
+        Ok((
+            FlexLaunch {
+                flex,
+                lse,
+                case: c.clone(),
+            },
+            compile_s,
+        ))
     });
     if reply.row.status == kernelpages::schema::Status::Ok {
         reply.row.notes.extend(noted);
@@ -151,7 +183,7 @@ mod tests {
     use kernelpages::attention::Dtype;
 
     #[test]
-    fn flex_takes_forward_bf16_fp16_at_head_dim_64_and_128() {
+    fn flex_takes_bf16_fp16_at_head_dim_64_and_128_both_passes() {
         let c = AttentionCase {
             causal: true,
             ..AttentionCase::new(4, 8, 4096, 128)
@@ -166,7 +198,7 @@ mod tests {
             pass: Pass::FwdBwd,
             ..c.clone()
         };
-        assert!(unsupported(&bwd).unwrap().contains("forward only"));
+        assert_eq!(unsupported(&bwd), None);
         let wide = AttentionCase::new(1, 1, 64, 256);
         assert!(unsupported(&wide).unwrap().contains("head_dim"));
         let f32c = AttentionCase {

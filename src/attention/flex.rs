@@ -22,19 +22,24 @@
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::cuda::PRELUDE_SRC;
+use super::cuda::{FLASH_BWD_SRC, PRELUDE_SRC};
 use super::Dtype;
 use crate::gpu::{Gpu, GpuError};
 
 /// Source of the flex kernels (after [`PRELUDE_SRC`] and the generated functions).
 pub const FLEX_SRC: &str = include_str!("../../kernels/flex_attn_fwd.cu");
 
-/// Query rows per CTA of the forward (`BR` = 16 · MT · NW with MT = 1, NW = 4).
-pub const FLEX_ROWS: usize = 64;
+/// Warps per CTA of the forward (`NW`).
+pub const FLEX_WARPS: usize = 4;
+/// 16-row groups per warp of the forward (`MT`). 4 × 1 measured faster than 8 × 1 (kernels/TUNING.md, flex v1.1); 4 × 2 spills at head_dim 128.
+pub const FLEX_M_TILES: usize = 1;
+/// Query rows per CTA of the forward (`BR` = 16 · MT · NW), also the block mask's query
+/// granularity.
+pub const FLEX_ROWS: usize = 16 * FLEX_M_TILES * FLEX_WARPS;
 /// Keys per tile (`BCT`), also the block mask's key granularity.
 pub const FLEX_KEYS: usize = 64;
 /// Threads per CTA of both kernels.
-const THREADS: usize = 128;
+const THREADS: usize = 32 * FLEX_WARPS;
 /// Head dimensions the forward is instantiated for.
 pub const FLEX_HEAD_DIMS: [usize; 2] = [64, 128];
 
@@ -129,12 +134,13 @@ impl FlexMod {
     /// The CUDA C expressions of this modification.
     pub fn spec(&self) -> FlexSpec {
         const CAUSAL: &str = "kv_idx <= q_idx + (seq_len_kv - seq_len_q)";
-        let (mask, score) = match *self {
-            FlexMod::Causal => (Some(CAUSAL.to_string()), None),
+        let (mask, score, score_grad) = match *self {
+            FlexMod::Causal => (Some(CAUSAL.to_string()), None, None),
             FlexMod::SlidingWindow(w) => (
                 Some(format!(
                     "{CAUSAL} && q_idx + (seq_len_kv - seq_len_q) - kv_idx < {w}"
                 )),
+                None,
                 None,
             ),
             FlexMod::Document => (
@@ -143,8 +149,9 @@ impl FlexMod {
                      (seq_len_kv - seq_len_q)]"
                 )),
                 None,
+                None,
             ),
-            FlexMod::PrefixLm(p) => (Some(format!("kv_idx < {p} || {CAUSAL}")), None),
+            FlexMod::PrefixLm(p) => (Some(format!("kv_idx < {p} || {CAUSAL}")), None, None),
             FlexMod::Alibi => (
                 Some(CAUSAL.to_string()),
                 Some(
@@ -152,13 +159,21 @@ impl FlexMod {
                      q_idx - (seq_len_kv - seq_len_q))"
                         .to_string(),
                 ),
+                Some("1.0f".to_string()),
             ),
-            FlexMod::SoftCap(c) => (None, Some(format!("{c:?}f * tanhf(score / {c:?}f)"))),
+            FlexMod::SoftCap(c) => (
+                None,
+                Some(format!("{c:?}f * tanhf(score / {c:?}f)")),
+                Some(format!(
+                    "1.0f - tanhf(score / {c:?}f) * tanhf(score / {c:?}f)"
+                )),
+            ),
         };
         FlexSpec {
             name: self.name(),
             mask,
             score,
+            score_grad,
         }
     }
 
@@ -224,6 +239,9 @@ pub struct FlexSpec {
     pub mask: Option<String>,
     /// `float` expression: the modified `score`.
     pub score: Option<String>,
+    /// `float` expression: d `score` expression / d `score`, for the backward (same names);
+    /// needed when `score` is given and the backward runs.
+    pub score_grad: Option<String>,
 }
 
 /// The attention shape of a flex call.
@@ -302,17 +320,10 @@ impl FlexShape {
 pub fn flex_source(spec: &FlexSpec, head_dim: usize, dtype: Dtype) -> (String, String, String) {
     let bf = dtype == Dtype::Bf16;
     let has_score = spec.score.is_some();
-    let mask = spec.mask.as_deref().unwrap_or("true");
-    let score = spec.score.as_deref().unwrap_or("score");
     let block = "flex_block_mask_kernel".to_string();
     let fwd = format!("flex_fwd_{}_d{head_dim}", dtype.as_str());
-    let names = "int b, int h, int q_idx, int kv_idx, int num_heads, int seq_len_q, int \
-                 seq_len_kv, const int* aux";
     let src = format!(
-        "{PRELUDE_SRC}\n\
-         // Generated: the mask and score modification of `{name}`.\n\
-         __device__ __forceinline__ bool kp_mask({names}) {{ return ({mask}); }}\n\
-         __device__ __forceinline__ float kp_score(float score, {names}) {{ return ({score}); }}\n\
+        "{PRELUDE_SRC}\n{generated}\n\
          {FLEX_SRC}\n\
          extern \"C\" __global__ void __launch_bounds__({THREADS}) {block}(const int* kv_lens, \
          const int* aux, int* kv_count, int* kv_index, unsigned char* kv_full, int Tq, int Tkv, \
@@ -321,15 +332,107 @@ pub fn flex_source(spec: &FlexSpec, head_dim: usize, dtype: Dtype) -> (String, S
          extern \"C\" __global__ void __launch_bounds__({THREADS}) {fwd}(const u16* Q, const u16* \
          K, const u16* V, u16* O, float* LSE, const int* kv_lens, const int* aux, const int* \
          kv_count, const int* kv_index, const unsigned char* kv_full, int Tq, int Tkv, int H, \
-         int KVH, float scale) {{ flex_fwd<{head_dim}, 4, 1, {FLEX_KEYS}, {bf}, {has_score}>(Q, \
+         int KVH, float scale) {{ flex_fwd<{head_dim}, {FLEX_WARPS}, {FLEX_M_TILES}, {FLEX_KEYS}, {bf}, {has_score}>(Q, \
          K, V, O, LSE, kv_lens, aux, kv_count, kv_index, kv_full, Tq, Tkv, H, KVH, scale); }}\n",
-        name = spec.name
+        generated = generated_functions(spec)
     );
     (block, fwd, src)
 }
 
-/// Dynamic shared memory of the forward, bytes: Q's 64 rows and two K and two V tiles of 64
-/// keys, rows padded to head_dim + 8 elements of 2 bytes.
+/// The generated device functions of `spec`: `kp_mask`, `kp_score` and `kp_score_grad` (1 when
+/// no gradient expression is given).
+fn generated_functions(spec: &FlexSpec) -> String {
+    let mask = spec.mask.as_deref().unwrap_or("true");
+    let score = spec.score.as_deref().unwrap_or("score");
+    let grad = spec.score_grad.as_deref().unwrap_or("1.0f");
+    let names = "int b, int h, int q_idx, int kv_idx, int num_heads, int seq_len_q, int \
+                 seq_len_kv, const int* aux";
+    format!(
+        "// Generated: the mask and score modification of `{name}`.\n\
+         __device__ __forceinline__ bool kp_mask({names}) {{ return ({mask}); }}\n\
+         __device__ __forceinline__ float kp_score(float score, {names}) {{ return ({score}); }}\n\
+         __device__ __forceinline__ float kp_score_grad(float score, {names}) {{ return ({grad}); }}\n",
+        name = spec.name
+    )
+}
+
+/// Source of the flex backward kernel (after the prelude, the generated functions and
+/// `kernels/flash_attn_bwd.cu`, whose helpers it uses).
+pub const FLEX_BWD_SRC: &str = include_str!("../../kernels/flex_attn_bwd.cu");
+
+/// Query rows per step of the backward (`BR`).
+pub const FLEX_BWD_ROWS: usize = 64;
+/// Warps per CTA of the backward, each owning 16 keys.
+pub const FLEX_BWD_WARPS: usize = 8;
+/// Keys per CTA of the backward (`BC` = 16 · NW), also its block mask's key granularity.
+pub const FLEX_BWD_KEYS: usize = 16 * FLEX_BWD_WARPS;
+/// Threads of the backward's block-mask kernel.
+const BWD_MASK_THREADS: usize = 128;
+
+/// The kernels of the flex backward: (transposed block mask, preprocessing, main, dQ
+/// conversion) names and their source for `spec` at `head_dim` and `dtype`.
+///
+/// # Errors
+/// A score modification without its gradient expression (`score_grad`).
+pub fn flex_bwd_source(
+    spec: &FlexSpec,
+    head_dim: usize,
+    dtype: Dtype,
+) -> Result<([String; 4], String), String> {
+    if spec.score.is_some() && spec.score_grad.is_none() {
+        return Err(format!(
+            "flex_attention `{}`: the backward needs the score modification's derivative \
+             (FlexSpec::score_grad)",
+            spec.name
+        ));
+    }
+    let bf = dtype == Dtype::Bf16;
+    let has_score = spec.score.is_some();
+    let dt = dtype.as_str();
+    let names = [
+        "flex_block_mask_t_kernel".to_string(),
+        format!("flex_bwd_pre_{dt}_d{head_dim}"),
+        format!("flex_bwd_{dt}_d{head_dim}"),
+        format!("flex_bwd_dq_{dt}"),
+    ];
+    let src = format!(
+        "{PRELUDE_SRC}\n{generated}\n{FLASH_BWD_SRC}\n{FLEX_BWD_SRC}\n\
+         extern \"C\" __global__ void __launch_bounds__({BWD_MASK_THREADS}) {mask}(const int* \
+         kv_lens, const int* aux, int* q_count, int* q_index, unsigned char* q_full, int Tq, int \
+         Tkv, int H) {{ flex_block_mask_t<{FLEX_BWD_ROWS}, {FLEX_BWD_KEYS}>(kv_lens, aux, \
+         q_count, q_index, q_full, Tq, Tkv, H); }}\n\
+         extern \"C\" __global__ void __launch_bounds__(256) {pre}(const u16* O, const u16* dO, \
+         float* Dsum, float* dQacc, int rows) {{ bwd_preprocess<{head_dim}, {bf}>(O, dO, Dsum, \
+         dQacc, rows); }}\n\
+         extern \"C\" __global__ void __launch_bounds__({threads}) {main}(const u16* Q, const \
+         u16* K, const u16* V, const u16* dO, const float* LSE, const float* Dsum, const int* \
+         kv_lens, const int* aux, const int* q_count, const int* q_index, const unsigned char* \
+         q_full, float* dQacc, u16* dK, u16* dV, int Tq, int Tkv, int H, int KVH, float scale) \
+         {{ flex_bwd<{head_dim}, {FLEX_BWD_WARPS}, {FLEX_BWD_ROWS}, {bf}, {has_score}>(Q, K, V, \
+         dO, LSE, Dsum, kv_lens, aux, q_count, q_index, q_full, dQacc, dK, dV, Tq, Tkv, H, KVH, \
+         scale); }}\n\
+         extern \"C\" __global__ void __launch_bounds__(256) {conv}(const float* dQacc, u16* dQ, \
+         unsigned long long n, float scale) {{ bwd_dq_convert<{bf}>(dQacc, dQ, n, scale); }}\n",
+        generated = generated_functions(spec),
+        mask = names[0],
+        pre = names[1],
+        main = names[2],
+        conv = names[3],
+        threads = 32 * FLEX_BWD_WARPS,
+    );
+    Ok((names, src))
+}
+
+/// Dynamic shared memory of the backward, bytes: the CTA's K and V (BC rows each), two buffers
+/// of Q and dO (BR rows each), rows padded to head_dim + 8 elements of 2 bytes; the dS^T tile
+/// (BC × (BR + 8) elements); two buffers of LSE and D (BR floats each).
+pub fn flex_bwd_smem_bytes(head_dim: usize) -> usize {
+    let (bc, br) = (FLEX_BWD_KEYS, FLEX_BWD_ROWS);
+    (2 * bc + 4 * br) * (head_dim + 8) * 2 + bc * (br + 8) * 2 + 4 * br * 4
+}
+
+/// Dynamic shared memory of the forward, bytes: Q's [`FLEX_ROWS`] rows and two K and two V
+/// tiles of [`FLEX_KEYS`] keys, rows padded to head_dim + 8 elements of 2 bytes.
 pub fn flex_smem_bytes(head_dim: usize) -> usize {
     (FLEX_ROWS + 4 * FLEX_KEYS) * (head_dim + 8) * 2
 }
@@ -560,9 +663,24 @@ impl FlexRule<'_> {
     }
 }
 
+/// The compiled backward kernels, the transposed block mask and the scratch of one flex call.
+struct FlexBwd {
+    pre: CudaFunction,
+    main: CudaFunction,
+    convert: CudaFunction,
+    smem: u32,
+    q_count: CudaSlice<i32>,
+    q_index: CudaSlice<i32>,
+    q_full: CudaSlice<u8>,
+    dsum: CudaSlice<f32>,
+    dqacc: CudaSlice<f32>,
+}
+
 /// The compiled kernels and the block mask of one (spec, shape, `kv_lens`, `aux`).
 pub struct FlexAttention {
     shape: FlexShape,
+    spec: FlexSpec,
+    bwd: Option<FlexBwd>,
     fwd: CudaFunction,
     smem: u32,
     aux: CudaSlice<i32>,
@@ -644,6 +762,8 @@ impl FlexAttention {
         };
         Ok(FlexAttention {
             shape,
+            spec: spec.clone(),
+            bwd: None,
             fwd,
             smem,
             aux: aux_d,
@@ -653,6 +773,174 @@ impl FlexAttention {
             kv_full,
             compile_s: compiled.compile_s,
         })
+    }
+
+    /// Compiles the backward (a second NVRTC module; its time is added to `compile_s`),
+    /// computes the transposed block mask on the device (per (batch entry, head, key tile of
+    /// [`FLEX_BWD_KEYS`]) the query tiles of [`FLEX_BWD_ROWS`] rows with a visible pair) and
+    /// allocates the backward's scratch (D and the fp32 dQ accumulator, 4·B·H·Tq·(D + 1)
+    /// bytes). Idempotent.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for a score modification without its derivative or a device
+    /// without the shared memory; NVRTC and driver errors.
+    pub fn enable_backward(&mut self, gpu: &Gpu) -> Result<(), GpuError> {
+        if self.bwd.is_some() {
+            return Ok(());
+        }
+        let s = self.shape;
+        let (names, src) =
+            flex_bwd_source(&self.spec, s.head_dim, s.dtype).map_err(GpuError::Config)?;
+        let compiled = gpu.compile(&format!("{}_{}.cu", names[2], self.spec.name), &src)?;
+        let smem = flex_bwd_smem_bytes(s.head_dim) as u32;
+        super::cuda::check_smem(gpu, &names[2], smem)?;
+        let mask = gpu.function(&compiled.module, &names[0], 0)?;
+        let (nq, nk) = (
+            s.seq_len_q.div_ceil(FLEX_BWD_ROWS),
+            s.seq_len_kv.div_ceil(FLEX_BWD_KEYS),
+        );
+        let lists = s.batch * s.heads * nk;
+        let mut q_count = gpu.stream.alloc_zeros::<i32>(lists)?;
+        let mut q_index = gpu.stream.alloc_zeros::<i32>(lists * nq)?;
+        let mut q_full = gpu.stream.alloc_zeros::<u8>(lists * nq)?;
+        let (tq, tkv, h) = (s.seq_len_q as i32, s.seq_len_kv as i32, s.heads as i32);
+        let mut l = gpu.stream.launch_builder(&mask);
+        l.arg(&self.kv_lens)
+            .arg(&self.aux)
+            .arg(&mut q_count)
+            .arg(&mut q_index)
+            .arg(&mut q_full)
+            .arg(&tq)
+            .arg(&tkv)
+            .arg(&h);
+        // SAFETY: `flex_block_mask_t_kernel(const int* kv_lens, const int* aux, int* q_count,
+        // int* q_index, unsigned char* q_full, int Tq, int Tkv, int H)`, one CTA per (key tile,
+        // head, batch entry); the lists were allocated for this shape's tiles.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (nk as u32, s.heads as u32, s.batch as u32),
+                block_dim: (BWD_MASK_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            })?
+        };
+        let rows = s.batch * s.heads * s.seq_len_q;
+        self.bwd = Some(FlexBwd {
+            pre: gpu.function(&compiled.module, &names[1], 0)?,
+            main: gpu.function(&compiled.module, &names[2], smem)?,
+            convert: gpu.function(&compiled.module, &names[3], 0)?,
+            smem,
+            q_count,
+            q_index,
+            q_full,
+            dsum: gpu.stream.alloc_zeros::<f32>(rows)?,
+            dqacc: gpu.stream.alloc_zeros::<f32>(rows * s.head_dim)?,
+        });
+        self.compile_s += compiled.compile_s;
+        Ok(())
+    }
+
+    /// Device bytes of the backward's transposed block mask and scratch (0 before
+    /// [`FlexAttention::enable_backward`]).
+    pub fn backward_bytes(&self) -> u64 {
+        self.bwd.as_ref().map_or(0, |b| {
+            ((b.q_count.len() + b.q_index.len() + b.dsum.len() + b.dqacc.len()) * 4
+                + b.q_full.len()) as u64
+        })
+    }
+
+    /// Launches the backward on the stream: dQ (like Q), dK and dV (like K) of the loss
+    /// Σ dO ∘ O for the forward's Q, K, V, its O and LSE ([`FlexAttention::launch`]) and dO
+    /// (like O). Three kernels: D = rowsum(dO ∘ O) with dQacc zeroed, the main kernel
+    /// (`kernels/flex_attn_bwd.cu`; dQ summed with fp32 atomics, so its last bit may vary from
+    /// run to run), dQ converted.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] before [`FlexAttention::enable_backward`]; driver errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_backward(
+        &mut self,
+        gpu: &Gpu,
+        (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        o: &CudaSlice<u16>,
+        lse: &CudaSlice<f32>,
+        dout: &CudaSlice<u16>,
+        dq: &mut CudaSlice<u16>,
+        dk: &mut CudaSlice<u16>,
+        dv: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        let s = self.shape;
+        let Some(fb) = self.bwd.as_mut() else {
+            return Err(GpuError::Config(
+                "flex backward: call enable_backward first".into(),
+            ));
+        };
+        let rows = s.batch * s.heads * s.seq_len_q;
+        let one_d = |n: usize, per: usize| LaunchConfig {
+            grid_dim: (n.div_ceil(per).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let rows_i = rows as i32;
+        let mut l = gpu.stream.launch_builder(&fb.pre);
+        l.arg(o)
+            .arg(dout)
+            .arg(&mut fb.dsum)
+            .arg(&mut fb.dqacc)
+            .arg(&rows_i);
+        // SAFETY: `flex_bwd_pre_*(const u16* O, const u16* dO, float* Dsum, float* dQacc, int
+        // rows)`: O and dO hold rows·D elements, Dsum rows, dQacc rows·D; a warp per row.
+        unsafe { l.launch(one_d(rows, 8))? };
+        let (tq, tkv, h, kvh) = (
+            s.seq_len_q as i32,
+            s.seq_len_kv as i32,
+            s.heads as i32,
+            s.kv_heads as i32,
+        );
+        let scale = s.scale as f32;
+        let mut l = gpu.stream.launch_builder(&fb.main);
+        l.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(dout)
+            .arg(lse)
+            .arg(&fb.dsum)
+            .arg(&self.kv_lens)
+            .arg(&self.aux)
+            .arg(&fb.q_count)
+            .arg(&fb.q_index)
+            .arg(&fb.q_full)
+            .arg(&mut fb.dqacc)
+            .arg(dk)
+            .arg(dv)
+            .arg(&tq)
+            .arg(&tkv)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&scale);
+        // SAFETY: `flex_bwd_*(const u16* Q, const u16* K, const u16* V, const u16* dO, const
+        // float* LSE, const float* Dsum, const int* kv_lens, const int* aux, const int* q_count,
+        // const int* q_index, const unsigned char* q_full, float* dQacc, u16* dK, u16* dV, int
+        // Tq, int Tkv, int H, int KVH, float scale)`, one CTA per (key tile, kv head, batch
+        // entry) with the transposed block mask enable_backward computed for this shape; the
+        // caller's buffers hold the shapes in the module's documentation.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (
+                    s.seq_len_kv.div_ceil(FLEX_BWD_KEYS) as u32,
+                    s.kv_heads as u32,
+                    s.batch as u32,
+                ),
+                block_dim: (32 * FLEX_BWD_WARPS as u32, 1, 1),
+                shared_mem_bytes: fb.smem,
+            })?
+        };
+        let n = (rows * s.head_dim) as u64;
+        let mut l = gpu.stream.launch_builder(&fb.convert);
+        l.arg(&fb.dqacc).arg(dq).arg(&n).arg(&scale);
+        // SAFETY: `flex_bwd_dq_*(const float* dQacc, u16* dQ, unsigned long long n, float
+        // scale)` with n = B·H·Tq·D elements in both; 2 elements per thread.
+        unsafe { l.launch(one_d(n as usize, 512))? };
+        Ok(())
     }
 
     /// The block mask computed on the device.
