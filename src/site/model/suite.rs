@@ -52,6 +52,9 @@ pub struct DocSection {
     pub file: String,
     /// Device name (and compute capability).
     pub device: String,
+    /// What kind of run the document holds beyond the suite's grid (`decoding grid`, `masks
+    /// grid`), or empty for the grid.
+    pub kind: String,
     /// What each cell shows, in order: `median ms (q1–q3) · TFLOP/s · rel_err · compile s`,
     /// with the document's declared throughput units.
     pub cell_legend: String,
@@ -260,7 +263,11 @@ pub fn toc(sections: &[SuiteSection]) -> Vec<super::TocEntry> {
         for d in &s.documents {
             out.push(super::TocEntry {
                 href: format!("#{}", d.anchor),
-                label: d.device.clone(),
+                label: if d.kind.is_empty() {
+                    d.device.clone()
+                } else {
+                    format!("{}: {}", d.device, d.kind)
+                },
                 depth: if several { 2 } else { 1 },
             });
             for g in &d.groups {
@@ -464,6 +471,11 @@ fn doc_section(
         anchor: format!("d-{}", doc_id(loaded)),
         file: loaded.file_name(),
         device: device_label(doc),
+        kind: match doc.config.kind {
+            crate::schema::RunKind::Decode => "decoding grid".to_string(),
+            crate::schema::RunKind::Masks => "masks grid (flex_attention)".to_string(),
+            _ => String::new(),
+        },
         cell_legend: legend.join(" · "),
         groups,
     }
