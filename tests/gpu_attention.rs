@@ -749,6 +749,42 @@ fn public_entry_points_on_the_device() {
         )
         .unwrap_err();
         assert!(e.to_string().contains("bf16 or fp16"), "{e}");
+        // flex_attention_vjp: CUDA against the CPU's float64 gradients, a score modification
+        // with its derivative.
+        use kernelpages::attention::api::flex_attention_vjp;
+        let d_out: Vec<bf16> = random(shape.q_elems(), 24, 1.0);
+        for m in [FlexMod::Alibi, FlexMod::SoftCap(5.0)] {
+            let mods = FlexMods::Named(m);
+            let (wo, wg) =
+                flex_attention_vjp(Device::Cpu, &q, &k, &v, &d_out, &shape, None, &mods, &[])
+                    .expect("flex vjp cpu");
+            let (go, gg) = flex_attention_vjp(
+                Device::Cuda(gpu()),
+                &q,
+                &k,
+                &v,
+                &d_out,
+                &shape,
+                None,
+                &mods,
+                &[],
+            )
+            .expect("flex vjp cuda");
+            for (name, a, b) in [
+                ("o", &go, &wo),
+                ("dq", &gg.dq, &wg.dq),
+                ("dk", &gg.dk, &wg.dk),
+                ("dv", &gg.dv, &wg.dv),
+            ] {
+                let e = rel_l2(&widen(a), &widen(b));
+                println!("flex_attention_vjp {} {name}: error {e:.2e}", m.name());
+                assert!(
+                    e <= 1e-2,
+                    "flex_attention_vjp {} {name}: error {e}",
+                    m.name()
+                );
+            }
+        }
     }
 }
 

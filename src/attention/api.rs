@@ -23,13 +23,13 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use rayon::prelude::*;
 
-use super::cpu::Inputs;
+use super::cpu::{modified_reference_values, CheckPlan, Inputs};
 use super::cpu_flash::{
     self, check_lengths, AttentionError, Element, ElementType, Gradients, Options, Shape,
 };
 use super::cuda::{self, DeviceInputs, Gemm};
 use super::decode_gpu;
-use super::flex::{flex_reference, FlexAttention, FlexMod, FlexShape, FlexSpec};
+use super::flex::{flex_reference, FlexAttention, FlexMod, FlexRule, FlexShape, FlexSpec};
 use super::{AttentionCase, Dtype, Pass};
 use crate::gpu::{Gpu, GpuError};
 
@@ -228,6 +228,46 @@ pub enum FlexMods {
     Custom(FlexSpec),
 }
 
+/// The checks [`flex_attention`] and [`flex_attention_vjp`] share; the flex shape (scale
+/// resolved) and every batch entry's key length.
+#[allow(clippy::too_many_arguments)]
+fn flex_checks<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    shape: &Shape,
+    scale: Option<f64>,
+    mods: &FlexMods,
+    aux: &[i32],
+) -> Result<(FlexShape, Vec<usize>), Error> {
+    check_qkv(shape, q, k, v)?;
+    if shape.seq_len_q == 0 || shape.seq_len_kv == 0 {
+        return Err(AttentionError::Shape(*shape, "a length is 0").into());
+    }
+    if let FlexMods::Named(FlexMod::SoftCap(c)) = mods {
+        if !(c.is_finite() && *c > 0.0) {
+            return Err(Error::Unsupported(format!(
+                "soft-capping needs a finite cap above 0, not {c}"
+            )));
+        }
+    }
+    let scale = Options {
+        causal: false,
+        scale,
+    }
+    .scale_for(shape);
+    if mods == &FlexMods::Named(FlexMod::Document) && aux.len() < shape.batch * shape.seq_len_kv {
+        return Err(Error::Unsupported(format!(
+            "the document mask reads aux [batch, seq_len_kv] = {} entries; {} given",
+            shape.batch * shape.seq_len_kv,
+            aux.len()
+        )));
+    }
+    let fshape = FlexShape::new(shape, Dtype::from(T::TYPE), scale);
+    let lens = vec![shape.seq_len_kv; shape.batch];
+    Ok((fshape, lens))
+}
+
 /// Attention with a generated mask and score modification (FlexAttention's `flex_attention(q,
 /// k, v, score_mod, mask_mod)`; He, Guessous, Liang, Zhang and others, 2024):
 /// O = softmax(score_mod(scale · Q Kᵀ) where mask_mod, else −∞) V, `[B, H, T_q, D]` in the input
@@ -272,31 +312,7 @@ pub fn flex_attention<T: Element>(
     mods: &FlexMods,
     aux: &[i32],
 ) -> Result<Vec<T>, Error> {
-    check_qkv(shape, q, k, v)?;
-    if shape.seq_len_q == 0 || shape.seq_len_kv == 0 {
-        return Err(AttentionError::Shape(*shape, "a length is 0").into());
-    }
-    if let FlexMods::Named(FlexMod::SoftCap(c)) = mods {
-        if !(c.is_finite() && *c > 0.0) {
-            return Err(Error::Unsupported(format!(
-                "soft-capping needs a finite cap above 0, not {c}"
-            )));
-        }
-    }
-    let scale = Options {
-        causal: false,
-        scale,
-    }
-    .scale_for(shape);
-    if mods == &FlexMods::Named(FlexMod::Document) && aux.len() < shape.batch * shape.seq_len_kv {
-        return Err(Error::Unsupported(format!(
-            "the document mask reads aux [batch, seq_len_kv] = {} entries; {} given",
-            shape.batch * shape.seq_len_kv,
-            aux.len()
-        )));
-    }
-    let fshape = FlexShape::new(shape, Dtype::from(T::TYPE), scale);
-    let lens = vec![shape.seq_len_kv; shape.batch];
+    let (fshape, lens) = flex_checks(q, k, v, shape, scale, mods, aux)?;
     match device {
         Device::Cpu => {
             let FlexMods::Named(m) = mods else {
@@ -324,6 +340,114 @@ pub fn flex_attention<T: Element>(
             let mut lse = gpu.stream.alloc_zeros::<f32>(rows)?;
             flex.launch(gpu, &qd, &kd, &vd, &mut o, &mut lse)?;
             Ok(download(gpu, &o)?)
+        }
+    }
+}
+
+/// `flex_attention` forward then backward: O and dQ, dK, dV for dL/dO = `d_out` (`[B, H, T_q,
+/// D]`), with the same modification in both passes (the mask removes pairs; a score
+/// modification's derivative scales dS: ALiBi's is 1, soft-capping's 1 − tanh²(score / cap); a
+/// custom one needs [`super::flex::FlexSpec::score_grad`]). dK and dV are summed over the query
+/// heads that share a key head. On CUDA, `kernels/flex_attn_bwd.cu` (FlashAttention-2's backward
+/// over a transposed block mask; dQ summed with fp32 atomics, so its last bit may vary from run
+/// to run); on the CPU a named modification runs the float64 reference.
+///
+/// # Errors
+/// As [`flex_attention`]; `d_out` of the wrong length; [`Error::Unsupported`] for a custom score
+/// modification without its derivative.
+#[allow(clippy::too_many_arguments)]
+pub fn flex_attention_vjp<T: Element>(
+    device: Device,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    d_out: &[T],
+    shape: &Shape,
+    scale: Option<f64>,
+    mods: &FlexMods,
+    aux: &[i32],
+) -> Result<(Vec<T>, Gradients<T>), Error> {
+    check_lengths(shape, &[("d_out", d_out.len(), shape.q_elems())])?;
+    let (fshape, lens) = flex_checks(q, k, v, shape, scale, mods, aux)?;
+    match device {
+        Device::Cpu => {
+            let FlexMods::Named(m) = mods else {
+                return Err(Error::Unsupported(
+                    "a custom flex modification is CUDA C: it runs on CUDA only".into(),
+                ));
+            };
+            let c = AttentionCase {
+                scale: Some(fshape.scale),
+                ..case_of(T::TYPE, shape, &Options::default(), Pass::FwdBwd)
+            };
+            let inp = Inputs {
+                q: to_words(q),
+                k: to_words(k),
+                v: to_words(v),
+                dout: to_words(d_out),
+            };
+            let rule = FlexRule {
+                m: Some(*m),
+                heads: shape.heads,
+                seq_len_q: shape.seq_len_q,
+                seq_len_kv: shape.seq_len_kv,
+                aux,
+            };
+            let r = modified_reference_values(&c, &inp, &CheckPlan::full(&c), &rule);
+            let back = |x: &[f64]| -> Vec<T> { x.iter().map(|&e| T::from_f32(e as f32)).collect() };
+            Ok((
+                back(&r.o),
+                Gradients {
+                    dq: back(&r.dq),
+                    dk: back(&r.dk),
+                    dv: back(&r.dv),
+                },
+            ))
+        }
+        Device::Cuda(gpu) => {
+            if let Some(why) = fshape.unsupported() {
+                return Err(Error::Unsupported(format!("flex: {why}")));
+            }
+            let spec = match mods {
+                FlexMods::Named(m) => m.spec(),
+                FlexMods::Custom(s) => s.clone(),
+            };
+            if spec.score.is_some() && spec.score_grad.is_none() {
+                return Err(Error::Unsupported(format!(
+                    "flex `{}`: the backward needs the score modification's derivative \
+                     (FlexSpec::score_grad)",
+                    spec.name
+                )));
+            }
+            let mut flex = FlexAttention::new(gpu, fshape, &spec, &lens, aux)?;
+            flex.enable_backward(gpu)?;
+            let up = |x: &[T]| gpu.stream.clone_htod(&to_words(x));
+            let (qd, kd, vd, dod) = (up(q)?, up(k)?, up(v)?, up(d_out)?);
+            let rows = shape.batch * shape.heads * shape.seq_len_q;
+            let mut o = gpu.stream.alloc_zeros::<u16>(rows * shape.head_dim)?;
+            let mut lse = gpu.stream.alloc_zeros::<f32>(rows)?;
+            let mut dq = gpu.stream.alloc_zeros::<u16>(q.len())?;
+            let mut dk = gpu.stream.alloc_zeros::<u16>(k.len())?;
+            let mut dv = gpu.stream.alloc_zeros::<u16>(v.len())?;
+            flex.launch(gpu, &qd, &kd, &vd, &mut o, &mut lse)?;
+            flex.launch_backward(
+                gpu,
+                (&qd, &kd, &vd),
+                &o,
+                &lse,
+                &dod,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+            )?;
+            Ok((
+                download(gpu, &o)?,
+                Gradients {
+                    dq: download(gpu, &dq)?,
+                    dk: download(gpu, &dk)?,
+                    dv: download(gpu, &dv)?,
+                },
+            ))
         }
     }
 }
@@ -829,6 +953,54 @@ mod tests {
         let e =
             flex_attention(Device::Cpu, &q[1..], &k, &v, &shape, None, &named, &[]).unwrap_err();
         assert!(e.to_string().contains('q'), "{e}");
+    }
+
+    #[test]
+    fn flex_attention_vjp_on_the_cpu_matches_the_causal_vjp() {
+        // Causal flex forward + backward equals causal dot_product_attention_vjp on the CPU.
+        let shape = Shape::self_attention(2, 4, 2, 9, 16);
+        let q: Vec<f32> = random(shape.q_elems(), 1, 1.0);
+        let k: Vec<f32> = random(shape.kv_elems(), 2, 1.0);
+        let v: Vec<f32> = random(shape.kv_elems(), 3, 1.0);
+        let d_out: Vec<f32> = random(shape.q_elems(), 4, 1.0);
+        let causal = Options {
+            causal: true,
+            scale: None,
+        };
+        let (wo, wg) =
+            dot_product_attention_vjp(Device::Cpu, &q, &k, &v, &d_out, &shape, &causal).unwrap();
+        let named = FlexMods::Named(FlexMod::Causal);
+        let (go, gg) =
+            flex_attention_vjp(Device::Cpu, &q, &k, &v, &d_out, &shape, None, &named, &[]).unwrap();
+        let wide = |x: &[f32]| -> Vec<f64> { x.iter().map(|&e| e as f64).collect() };
+        for (name, a, b) in [
+            ("o", &go, &wo),
+            ("dq", &gg.dq, &wg.dq),
+            ("dk", &gg.dk, &wg.dk),
+            ("dv", &gg.dv, &wg.dv),
+        ] {
+            let e = rel_l2(&wide(a), &wide(b));
+            assert!(e < 1e-5, "{name}: {e}");
+        }
+        // Soft-capping changes the gradients (its derivative is below 1), and a wrong d_out
+        // length is refused with its name.
+        let cap = FlexMods::Named(FlexMod::SoftCap(0.5));
+        let (_, cg) =
+            flex_attention_vjp(Device::Cpu, &q, &k, &v, &d_out, &shape, None, &cap, &[]).unwrap();
+        assert!(rel_l2(&wide(&cg.dq), &wide(&wg.dq)) > 1e-2);
+        let e = flex_attention_vjp(
+            Device::Cpu,
+            &q,
+            &k,
+            &v,
+            &d_out[1..],
+            &shape,
+            None,
+            &cap,
+            &[],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("d_out"), "{e}");
     }
 
     struct Layer<T> {
