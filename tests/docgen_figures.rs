@@ -78,11 +78,14 @@ fn time_figures_label_only_the_measured_x_values() {
     // attention documents draw on attention.html.
     let mut groups_in_data: BTreeMap<(String, &str, String), BTreeSet<String>> = BTreeMap::new();
     // Tile sweeps have a section of their own (`section.tile-group`), not groups; decoding runs
-    // draw groups along seq_len_kv.
+    // draw groups along seq_len_kv, the masks grid along seq_len.
     use kernelpages::schema::RunKind;
     for l in docs.iter().filter(|l| {
         l.doc.suite == kernelpages::schema::Suite::Attention
-            && matches!(l.doc.config.kind, RunKind::Grid | RunKind::Decode)
+            && matches!(
+                l.doc.config.kind,
+                RunKind::Grid | RunKind::Decode | RunKind::Masks
+            )
     }) {
         let axis = if l.doc.config.kind == RunKind::Decode {
             "seq_len_kv"

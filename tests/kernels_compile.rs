@@ -502,7 +502,7 @@ fn decode_kernels_compile_without_spills() {
 
 /// The flex_attention kernels (forward and backward) compile with NVRTC for every modification
 /// the project names, at every head_dim and 16-bit dtype, for sm_80 and sm_90a, without spills
-/// (the backward's main kernel at head_dim 128 within 128 bytes), and in shared
+/// (the forward's and the backward's main kernels at head_dim 128 within 128 bytes), and in shared
 /// memory an sm_80 CTA may have; a bad expression is an NVRTC error that names the file, and a
 /// score modification without its derivative has no backward.
 #[test]
@@ -548,15 +548,15 @@ fn flex_kernels_compile_without_spills() {
                             rep.registers,
                             rep.spill_bytes
                         );
-                        // The backward's main kernel at head_dim 128 holds 128 fp32 dK and dV
+                        // At head_dim 128 the backward's main kernel holds 128 fp32 dK and dV
                         // accumulators per thread, as flash_bwd does (which spills 16-24
-                        // bytes): 24-40 bytes with a mask, 76 with soft-capping's tanhf
-                        // (kernels/TUNING.md); a bound of 128 bytes there, none elsewhere.
-                        let allowed = if rep.kernel.starts_with("flex_bwd_") && d == 128 {
-                            128
-                        } else {
-                            0
-                        };
+                        // bytes): 24-40 bytes with a mask, 76 with soft-capping's tanhf; the
+                        // forward's two 16-row groups per warp spill 104 bytes and still
+                        // measured faster than one (kernels/TUNING.md, flex v1.2). A bound of
+                        // 128 bytes for those two kernels there, none elsewhere.
+                        let main_kernel = rep.kernel.starts_with("flex_bwd_")
+                            || rep.kernel.starts_with("flex_fwd_");
+                        let allowed = if main_kernel && d == 128 { 128 } else { 0 };
                         assert!(
                             rep.spill_bytes <= allowed,
                             "{} {} spills {} bytes",

@@ -31,8 +31,11 @@ pub const FLEX_SRC: &str = include_str!("../../kernels/flex_attn_fwd.cu");
 
 /// Warps per CTA of the forward (`NW`).
 pub const FLEX_WARPS: usize = 4;
-/// 16-row groups per warp of the forward (`MT`). 4 × 1 measured faster than 8 × 1 (kernels/TUNING.md, flex v1.1); 4 × 2 spills at head_dim 128.
-pub const FLEX_M_TILES: usize = 1;
+/// 16-row groups per warp of the forward (`MT`): 4 × 2 (128-row CTAs, flash's tuned layout)
+/// measured 3–20 % faster than 4 × 1 on five of the six named masks at head_dim 128 despite
+/// spilling 104 bytes there, and 6 % slower on the document mask; 8 × 1 was slower than both
+/// (kernels/TUNING.md, flex v1.1 and v1.2).
+pub const FLEX_M_TILES: usize = 2;
 /// Query rows per CTA of the forward (`BR` = 16 · MT · NW), also the block mask's query
 /// granularity.
 pub const FLEX_ROWS: usize = 16 * FLEX_M_TILES * FLEX_WARPS;
@@ -1231,32 +1234,54 @@ mod tests {
 
     #[test]
     fn causal_block_mask_keeps_the_lower_triangle_of_tiles() {
-        // 200 queries and keys: 4 tiles each; query tile t needs key tiles 0..=t, the diagonal
-        // one partial, those before it whole; the last key tile (8 keys) is never whole.
-        let s = shape(200, 200);
-        let bm = block_mask_host(&s, &FlexMod::Causal, &[200, 200], &[]);
-        for qt in 0..4 {
-            assert_eq!(bm.count[qt], qt as i32 + 1);
-            let full: Vec<u8> = bm.full[qt * 4..qt * 4 + qt + 1].to_vec();
-            let mut want = vec![1u8; qt];
-            want.push(0);
-            assert_eq!(full, want, "query tile {qt}");
+        // Three query tiles and a bit; query tile t (rows r0..=r1) needs the key tiles that
+        // start at or before r1, and a key tile is whole when it holds FLEX_KEYS keys below
+        // the length and its last key is at or before r0. The last key tile (8 keys) is never
+        // whole.
+        let t = 3 * FLEX_ROWS + 8;
+        let s = shape(t, t);
+        let (nq, nk) = (t.div_ceil(FLEX_ROWS), t.div_ceil(FLEX_KEYS));
+        let bm = block_mask_host(&s, &FlexMod::Causal, &[t, t], &[]);
+        let (mut want_visible, mut want_whole) = (0, 0);
+        for qt in 0..nq {
+            let (r0, r1) = (qt * FLEX_ROWS, ((qt + 1) * FLEX_ROWS).min(t) - 1);
+            let count = r1 / FLEX_KEYS + 1;
+            assert_eq!(bm.count[qt], count as i32, "query tile {qt}");
+            let want: Vec<u8> = (0..count)
+                .map(|kt| {
+                    u8::from((kt + 1) * FLEX_KEYS <= t && kt * FLEX_KEYS + FLEX_KEYS - 1 <= r0)
+                })
+                .collect();
+            assert_eq!(
+                &bm.full[qt * nk..qt * nk + count],
+                &want[..],
+                "query tile {qt}"
+            );
+            want_visible += count;
+            want_whole += want.iter().filter(|&&w| w == 1).count();
         }
-        let (visible, whole, all) = bm.tiles(4);
-        assert_eq!((visible, whole, all), (2 * 4 * 10, 2 * 4 * 6, 2 * 4 * 16));
+        let (visible, whole, all) = bm.tiles(nk);
+        assert_eq!(
+            (visible, whole, all),
+            (2 * 4 * want_visible, 2 * 4 * want_whole, 2 * 4 * nq * nk)
+        );
+        assert!(want_whole > 0 && want_whole < want_visible);
         // A key length of 70 in batch entry 1 leaves two tiles, the second partial.
-        let bm = block_mask_host(&s, &FlexMod::SoftCap(30.0), &[200, 70], &[]);
-        let list = 4 * 4; // batch 1, head 0, query tile 0
+        let bm = block_mask_host(&s, &FlexMod::SoftCap(30.0), &[t, 70], &[]);
+        let list = 4 * nq; // batch 1, head 0, query tile 0
         assert_eq!(bm.count[list], 2);
-        assert_eq!(&bm.full[list * 4..list * 4 + 2], &[1, 0]);
+        assert_eq!(&bm.full[list * nk..list * nk + 2], &[1, 0]);
     }
 
     #[test]
     fn sliding_window_and_documents_skip_far_tiles() {
         let s = shape(512, 512);
         let bm = block_mask_host(&s, &FlexMod::SlidingWindow(64), &[512, 512], &[]);
-        // Each query tile needs its own key tile and the one before (a window of 64 keys).
-        assert!(bm.count.iter().all(|&n| n <= 2));
+        // Each query tile needs the key tiles of its own rows and the one before (a window of
+        // 64 keys).
+        let most = (FLEX_ROWS / FLEX_KEYS + 1) as i32;
+        assert!(bm.count.iter().all(|&n| n <= most), "{:?}", bm.count);
+        assert!(bm.count.iter().skip(1).any(|&n| n == most));
         let docs: Vec<i32> = (0..2 * 512).map(|t| (t % 512) / 100).collect();
         let bm = block_mask_host(&s, &FlexMod::Document, &[512, 512], &docs);
         let (visible, _, all) = bm.tiles(8);
