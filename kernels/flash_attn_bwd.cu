@@ -138,6 +138,58 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {
     atomicAdd(p + 1, b);
 }
 
+// dQ_tile (BR x D) += dS (BR x BC, read transposed from the dS^T tile `sdS`: BC = 16 * NW key
+// rows of BR + 8 elements) times K (the CTA's BC x D key tile `sK`, rows of STR elements),
+// added to the fp32 rows of `dq_rows` (row-major, D per row: rows q0, q0 + 1, ... below Tq) with
+// red_add2: warp (rg, cs) owns rows [16 rg, 16 rg + 16) and columns [cs * DQC, (cs + 1) * DQC),
+// DQCH at a time.
+template <int D, int NW, int BR, int STR, bool BF16, bool VRED>
+__device__ __forceinline__ void dq_tile_add(const u16* sdS, const u16* sK, float* dq_rows,
+                                            int q0, int Tq, int warp, int lane) {
+    constexpr int BC = 16 * NW;
+    constexpr int STRS = BR + 8;
+    constexpr int RG = BR / 16;                    // 16-row groups of the query tile
+    constexpr int CS = NW / RG;                    // column splits
+    constexpr int DQC = D / CS;                    // columns per warp
+    constexpr int DQCH = DQC % 32 == 0 ? 32 : 16;  // columns per pass
+    static_assert(NW % RG == 0 && DQC % DQCH == 0, "dQ warp partition");
+    const int g = lane >> 2, t4 = lane & 3;
+    const int rg = warp % RG, cs = warp / RG;
+#pragma unroll
+    for (int c0 = 0; c0 < DQC; c0 += DQCH) {
+        const int col0 = cs * DQC + c0;
+        float acc[DQCH / 8][4];
+#pragma unroll
+        for (int i = 0; i < DQCH / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            u32 af[4];
+            const u16* pa2 = sdS + (kk * 16 + ((lane >> 4) << 3) + (lane & 7)) * STRS + rg * 16 +
+                             ((lane >> 3) & 1) * 8;
+            ldmatrix_x4_trans(af, smem_u32(pa2));
+#pragma unroll
+            for (int dt = 0; dt < DQCH / 8; dt += 2) {
+                u32 bf[4];
+                const u16* pb = sK + (kk * 16 + (lane & 15)) * STR + col0 + dt * 8 + (lane >> 4) * 8;
+                ldmatrix_x4_trans(bf, smem_u32(pb));
+                mma16816<BF16>(acc[dt], af, bf[0], bf[1]);
+                mma16816<BF16>(acc[dt + 1], af, bf[2], bf[3]);
+            }
+        }
+#pragma unroll
+        for (int dt = 0; dt < DQCH / 8; ++dt) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = rg * 16 + g + r * 8;
+                if (q0 + row < Tq) {
+                    float* p2 = dq_rows + (size_t)row * D + col0 + dt * 8 + 2 * t4;
+                    red_add2<VRED>(p2, acc[dt][2 * r], acc[dt][2 * r + 1]);
+                }
+            }
+        }
+    }
+}
+
 // UNR: unroll of the S^T and dP^T products' loop over D (mma_rows_rows); VRED: dQ adds as
 // 8-byte vector reductions on sm_90 (red_add2); END_SYNC: the barrier that closes each step.
 // It is redundant: Q, dO, LSE and D of step it are read only before the dS^T barrier, which
@@ -157,11 +209,6 @@ __device__ __forceinline__ void flash_bwd(
     constexpr int STRS = BR + 8;       // row stride of the dS^T tile
     constexpr int NQ = BR / 8;         // n8 tiles of a query tile
     constexpr int DTKV = DKV / 8;      // n8 tiles of the dK/dV accumulators
-    constexpr int RG = BR / 16;        // dQ: 16-row groups of the query tile
-    constexpr int CS = NW / RG;        // dQ: column splits
-    constexpr int DQC = D / CS;        // dQ: columns per warp
-    constexpr int DQCH = DQC % 32 == 0 ? 32 : 16;  // dQ: columns per pass
-    static_assert(NW % RG == 0 && DQC % DQCH == 0, "dQ warp partition");
     static_assert(D % 32 == 0 && DKV % 16 == 0, "head_dim");
     extern __shared__ __align__(16) u16 smem[];
     u16* sK = smem;                     // BC x STR
@@ -292,45 +339,9 @@ __device__ __forceinline__ void flash_bwd(
             }
         }
         __syncthreads();  // the dS^T tile is complete
-        if (do_dq) {
-            // dQ_tile (BR x D) += dS (BR x BC) K (BC x D): warp (rg, cs) owns rows
-            // [16 rg, 16 rg + 16) and columns [cs * DQC, (cs + 1) * DQC), DQCH at a time.
-            const int rg = warp % RG, cs = warp / RG;
-            float* dq_base = dQacc + ((size_t)(b * H + h) * Tq + q0) * D;
-#pragma unroll
-            for (int c0 = 0; c0 < DQC; c0 += DQCH) {
-                const int col0 = cs * DQC + c0;
-                float acc[DQCH / 8][4];
-#pragma unroll
-                for (int i = 0; i < DQCH / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-#pragma unroll
-                for (int kk = 0; kk < BC / 16; ++kk) {
-                    u32 af[4];
-                    const u16* pa2 = sdS + (kk * 16 + ((lane >> 4) << 3) + (lane & 7)) * STRS +
-                                     rg * 16 + ((lane >> 3) & 1) * 8;
-                    ldmatrix_x4_trans(af, smem_u32(pa2));
-#pragma unroll
-                    for (int dt = 0; dt < DQCH / 8; dt += 2) {
-                        u32 bf[4];
-                        const u16* pb = sK + (kk * 16 + (lane & 15)) * STR + col0 + dt * 8 + (lane >> 4) * 8;
-                        ldmatrix_x4_trans(bf, smem_u32(pb));
-                        mma16816<BF16>(acc[dt], af, bf[0], bf[1]);
-                        mma16816<BF16>(acc[dt + 1], af, bf[2], bf[3]);
-                    }
-                }
-#pragma unroll
-                for (int dt = 0; dt < DQCH / 8; ++dt) {
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = rg * 16 + g + r * 8;
-                        if (q0 + row < Tq) {
-                            float* p2 = dq_base + (size_t)row * D + col0 + dt * 8 + 2 * t4;
-                            red_add2<VRED>(p2, acc[dt][2 * r], acc[dt][2 * r + 1]);
-                        }
-                    }
-                }
-            }
-        }
+        if (do_dq)
+            dq_tile_add<D, NW, BR, STR, BF16, VRED>(
+                sdS, sK, dQacc + ((size_t)(b * H + h) * Tq + q0) * D, q0, Tq, warp, lane);
         if (END_SYNC) __syncthreads();  // every warp is done with `buf` and the dS^T tile
     }
 

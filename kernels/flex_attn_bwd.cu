@@ -1,7 +1,7 @@
 // Attention backward with generated masks and score modifications (the flex_attention
 // interface), written for this project on the FlashAttention-2 backward of flash_attn_bwd.cu,
 // whose helpers it uses (bwd_preprocess, bwd_dq_convert, mma_rows_rows, mma_regs_rows,
-// acc_to_a, red_add2). The host prepends attn_prelude.cuh, the generated functions and
+// acc_to_a, dq_tile_add). The host prepends attn_prelude.cuh, the generated functions and
 // flex_attn_fwd.cu and flash_attn_bwd.cu (src/attention/flex.rs); besides kp_mask and kp_score
 // the generated source has
 //
@@ -78,12 +78,7 @@ __device__ __forceinline__ void flex_bwd(
     constexpr int STRS = BR + 8;
     constexpr int NQ = BR / 8;
     constexpr int DT = D / 8;
-    constexpr int RG = BR / 16;
-    constexpr int CS = NW / RG;
-    constexpr int DQC = D / CS;
-    constexpr int DQCH = DQC % 32 == 0 ? 32 : 16;
     constexpr float LOG2E = 1.4426950408889634f;
-    static_assert(NW % RG == 0 && DQC % DQCH == 0, "dQ warp partition");
     static_assert(D % 32 == 0, "head_dim");
     extern __shared__ __align__(16) u16 smem[];
     u16* sK = smem;
@@ -220,43 +215,8 @@ __device__ __forceinline__ void flex_bwd(
             }
         }
         __syncthreads();  // the dS^T tile is complete
-        {
-            const int rg = warp % RG, cs = warp / RG;
-            float* dq_base = dQacc + ((size_t)(b * H + h) * Tq + q0) * D;
-#pragma unroll
-            for (int c0 = 0; c0 < DQC; c0 += DQCH) {
-                const int col0 = cs * DQC + c0;
-                float acc[DQCH / 8][4];
-#pragma unroll
-                for (int i = 0; i < DQCH / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-#pragma unroll
-                for (int kk = 0; kk < BC / 16; ++kk) {
-                    u32 af[4];
-                    const u16* pa2 = sdS + (kk * 16 + ((lane >> 4) << 3) + (lane & 7)) * STRS +
-                                     rg * 16 + ((lane >> 3) & 1) * 8;
-                    ldmatrix_x4_trans(af, smem_u32(pa2));
-#pragma unroll
-                    for (int dt = 0; dt < DQCH / 8; dt += 2) {
-                        u32 bf[4];
-                        const u16* pb = sK + (kk * 16 + (lane & 15)) * STR + col0 + dt * 8 + (lane >> 4) * 8;
-                        ldmatrix_x4_trans(bf, smem_u32(pb));
-                        mma16816<BF16>(acc[dt], af, bf[0], bf[1]);
-                        mma16816<BF16>(acc[dt + 1], af, bf[2], bf[3]);
-                    }
-                }
-#pragma unroll
-                for (int dt = 0; dt < DQCH / 8; ++dt) {
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = rg * 16 + g + r * 8;
-                        if (q0 + row < Tq) {
-                            float* p2 = dq_base + (size_t)row * D + col0 + dt * 8 + 2 * t4;
-                            red_add2<true>(p2, acc[dt][2 * r], acc[dt][2 * r + 1]);
-                        }
-                    }
-                }
-            }
-        }
+        dq_tile_add<D, NW, BR, STR, BF16, true>(
+            sdS, sK, dQacc + ((size_t)(b * H + h) * Tq + q0) * D, q0, Tq, warp, lane);
         // No closing barrier: the next step's first barrier orders the refills and the next
         // dS^T write after every warp's reads of this step (flash_bwd's END_SYNC = false).
     }

@@ -8,9 +8,7 @@
 //! `flash` on the same cases.
 
 use kernelpages::attention::cpu_flash::Shape;
-use kernelpages::attention::flex::{
-    document_ids, document_lengths, FlexAttention, FlexMod, FlexShape, FlexSpec,
-};
+use kernelpages::attention::flex::{aux_for, FlexAttention, FlexMod, FlexShape, FlexSpec};
 use kernelpages::attention::{AttentionCase, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::runner::own;
@@ -138,12 +136,7 @@ pub fn measure(job: &Job) -> Reply {
         Some(Err(e)) => return Reply::failed(job, kernelpages::schema::Status::Error, e),
     };
     let spec = spec_of(m);
-    let aux = match m {
-        Some(FlexMod::Document) => {
-            document_ids(&document_lengths(c.batch, c.seq_len_kv), c.seq_len_kv)
-        }
-        _ => Vec::new(),
-    };
+    let aux = aux_for(m, c.batch, c.seq_len_kv);
     let mut noted: Option<String> = None;
     let mut reply = own::measure(job, |gpu| {
         let lens: Vec<usize> = (0..c.batch).map(|b| c.kv_len(b)).collect();

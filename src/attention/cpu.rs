@@ -507,6 +507,17 @@ pub struct References {
     pub dv: Vec<f64>,
 }
 
+impl References {
+    /// Appends the (O row, lse, dQ row) of each checked query row, in plan order.
+    fn push_rows(&mut self, rows: Vec<(Vec<f64>, f64, Vec<f64>)>) {
+        for (o, lse, dq) in rows {
+            self.o.extend(o);
+            self.lse.push(lse);
+            self.dq.extend(dq);
+        }
+    }
+}
+
 fn references(c: &AttentionCase, src: &Source<'_>, plan: &CheckPlan) -> References {
     let d = c.head_dim;
     let bwd = c.pass == Pass::FwdBwd;
@@ -531,11 +542,7 @@ fn references(c: &AttentionCase, src: &Source<'_>, plan: &CheckPlan) -> Referenc
                 })
                 .collect()
         });
-        for (o, lse, dq) in rows {
-            r.o.extend(o);
-            r.lse.push(lse);
-            r.dq.extend(dq);
-        }
+        r.push_rows(rows);
     }
     if bwd {
         for &(b, g) in &plan.kv_slices {
@@ -651,11 +658,7 @@ pub fn modified_reference_values(
                 })
                 .collect()
         });
-        for (o, lse, dq) in rows {
-            r.o.extend(o);
-            r.lse.push(lse);
-            r.dq.extend(dq);
-        }
+        r.push_rows(rows);
     }
     if bwd {
         for &(b, g) in &plan.kv_slices {

@@ -11,7 +11,7 @@ use anyhow::Result;
 use serde_json::json;
 
 use super::cpu::{modified_reference_values, reference_values, CheckPlan, Inputs, References};
-use super::flex::{document_ids, document_lengths, FlexMod, FlexRule};
+use super::flex::{aux_for, document_lengths, FlexMod, FlexRule};
 use super::{AttentionCase, Pass};
 use crate::runner::protocol::{
     write_f64, write_u16, CaseFiles, CheckSpec, GradientSpec, OutputSpec, TensorFile,
@@ -79,44 +79,26 @@ pub fn write_masked_case(
     );
     let inp = Inputs::random(c, seed);
     let plan = CheckPlan::new(c, check_rows, seed ^ 0x5eed);
-    let lengths = document_lengths(c.batch, c.seq_len_kv);
-    let aux = match mask {
-        Some(FlexMod::Document) => document_ids(&lengths, c.seq_len_kv),
-        _ => Vec::new(),
-    };
-    let rule = FlexRule {
-        m: mask,
-        heads: c.heads,
-        seq_len_q: c.seq_len_q,
-        seq_len_kv: c.seq_len_kv,
-        aux: &aux,
-    };
-    let refs = modified_reference_values(c, &inp, &plan, &rule);
+    let aux = aux_for(mask, c.batch, c.seq_len_kv);
+    let refs = modified_reference_values(c, &inp, &plan, &rule_of(c, mask, &aux));
     let mut args = arguments(c);
     args.insert(
         "mask".into(),
         json!(mask.map_or("none".to_string(), |m| m.name())),
     );
     if mask == Some(FlexMod::Document) {
-        args.insert("documents".into(), json!(lengths));
+        args.insert(
+            "documents".into(),
+            json!(document_lengths(c.batch, c.seq_len_kv)),
+        );
     }
     write_files(c, &inp, &plan, &refs, dir, args, masked_flops(c, mask))
 }
 
 /// FLOPs of a masks-grid case by [`MASKED_FLOP_RULE`].
 pub fn masked_flops(c: &AttentionCase, mask: Option<FlexMod>) -> f64 {
-    let lengths = document_lengths(c.batch, c.seq_len_kv);
-    let aux = match mask {
-        Some(FlexMod::Document) => document_ids(&lengths, c.seq_len_kv),
-        _ => Vec::new(),
-    };
-    let rule = FlexRule {
-        m: mask,
-        heads: c.heads,
-        seq_len_q: c.seq_len_q,
-        seq_len_kv: c.seq_len_kv,
-        aux: &aux,
-    };
+    let aux = aux_for(mask, c.batch, c.seq_len_kv);
+    let rule = rule_of(c, mask, &aux);
     let pairs: u64 = std::thread::scope(|s| {
         let rule = &rule;
         let hs: Vec<_> = (0..c.batch)
@@ -129,6 +111,17 @@ pub fn masked_flops(c: &AttentionCase, mask: Option<FlexMod>) -> f64 {
         f * 3.5
     } else {
         f
+    }
+}
+
+/// The reference's rule for `mask` over case `c`'s shape, reading `aux`.
+fn rule_of<'a>(c: &AttentionCase, mask: Option<FlexMod>, aux: &'a [i32]) -> FlexRule<'a> {
+    FlexRule {
+        m: mask,
+        heads: c.heads,
+        seq_len_q: c.seq_len_q,
+        seq_len_kv: c.seq_len_kv,
+        aux,
     }
 }
 

@@ -309,6 +309,17 @@ impl FlexShape {
         None
     }
 
+    /// The kernels' scalar arguments: (Tq, Tkv, H, KVH, scale).
+    fn kernel_args(&self) -> (i32, i32, i32, i32, f32) {
+        (
+            self.seq_len_q as i32,
+            self.seq_len_kv as i32,
+            self.heads as i32,
+            self.kv_heads as i32,
+            self.scale as f32,
+        )
+    }
+
     fn query_tiles(&self) -> usize {
         self.seq_len_q.div_ceil(FLEX_ROWS)
     }
@@ -625,6 +636,16 @@ pub fn document_ids(lengths: &[Vec<usize>], seq_len: usize) -> Vec<i32> {
     ids
 }
 
+/// What modification `m` reads as `aux` for `batch` entries of `seq_len_kv` positions: the
+/// document ids of [`document_lengths`] for [`FlexMod::Document`], nothing otherwise. Every
+/// implementation and the reference of the masks grid use these documents.
+pub fn aux_for(m: Option<FlexMod>, batch: usize, seq_len_kv: usize) -> Vec<i32> {
+    match m {
+        Some(FlexMod::Document) => document_ids(&document_lengths(batch, seq_len_kv), seq_len_kv),
+        _ => Vec::new(),
+    }
+}
+
 /// A [`FlexMod`] (or none) over one shape, as the float64 reference's
 /// [`super::cpu::ScoreRule`].
 pub struct FlexRule<'a> {
@@ -893,13 +914,7 @@ impl FlexAttention {
         // SAFETY: `flex_bwd_pre_*(const u16* O, const u16* dO, float* Dsum, float* dQacc, int
         // rows)`: O and dO hold rows·D elements, Dsum rows, dQacc rows·D; a warp per row.
         unsafe { l.launch(one_d(rows, 8))? };
-        let (tq, tkv, h, kvh) = (
-            s.seq_len_q as i32,
-            s.seq_len_kv as i32,
-            s.heads as i32,
-            s.kv_heads as i32,
-        );
-        let scale = s.scale as f32;
+        let (tq, tkv, h, kvh, scale) = s.kernel_args();
         let mut l = gpu.stream.launch_builder(&fb.main);
         l.arg(q)
             .arg(k)
@@ -985,13 +1000,7 @@ impl FlexAttention {
         lse: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         let s = &self.shape;
-        let (tq, tkv, h, kvh) = (
-            s.seq_len_q as i32,
-            s.seq_len_kv as i32,
-            s.heads as i32,
-            s.kv_heads as i32,
-        );
-        let scale = s.scale as f32;
+        let (tq, tkv, h, kvh, scale) = s.kernel_args();
         let mut l = gpu.stream.launch_builder(&self.fwd);
         l.arg(q)
             .arg(k)
