@@ -1362,3 +1362,73 @@ fn flex_backward_matches_float64() {
         failed.join("\n")
     );
 }
+
+/// The sm_90a building blocks (`kernels/attn_wgmma_sm90.cu`, issue 11): on compute capability
+/// 9.0 the wgmma probe computes a 64 × 64 fp32 tile from bf16 operands, both K-major (Q Kᵀ's
+/// form) and A from registers times an N-major B (P V's form), at K = 64 and 128, against a
+/// float64 product; each descriptor reading of `sm90::readings` is tried and reported, and the
+/// first (the one the kernels are to use) must match. On another device the probe refuses to
+/// run, with the reason.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU and its driver; run on the GPU machine with --include-ignored"
+)]
+fn wgmma_probe_matches_float64() {
+    use kernelpages::attention::sm90::{readings, wgmma_probe, ProbeMode};
+    use rand::{Rng, SeedableRng};
+    let gpu = gpu();
+    if gpu.arch() != "sm_90a" {
+        let reading = readings(ProbeMode::KMajor, 64)[0];
+        let e = wgmma_probe(gpu, ProbeMode::KMajor, &[0; 4096], &[0; 4096], 64, reading)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("compute capability 9.0"), "{e}");
+        println!("wgmma probe: not a compute capability 9.0 device ({e})");
+        return;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(90);
+    let mut failed = Vec::new();
+    for mode in [ProbeMode::KMajor, ProbeMode::RegistersTimesNMajor] {
+        for k in [64usize, 128] {
+            let mut draw = || -> (Vec<u16>, Vec<f64>) {
+                let bits: Vec<u16> = (0..64 * k)
+                    .map(|_| Dtype::Bf16.to_bits(rng.random_range(-1.0f32..1.0)))
+                    .collect();
+                let vals = bits
+                    .iter()
+                    .map(|&w| Dtype::Bf16.from_bits(w) as f64)
+                    .collect();
+                (bits, vals)
+            };
+            let (a, af) = draw();
+            let (b, bf) = draw();
+            let mut want = vec![0.0f64; 64 * 64];
+            for r in 0..64 {
+                for c in 0..64 {
+                    want[r * 64 + c] = (0..k)
+                        .map(|i| {
+                            let bv = match mode {
+                                ProbeMode::KMajor => bf[c * k + i],
+                                ProbeMode::RegistersTimesNMajor => bf[i * 64 + c],
+                            };
+                            af[r * k + i] * bv
+                        })
+                        .sum();
+                }
+            }
+            let mut errors = Vec::new();
+            for (i, reading) in readings(mode, k).into_iter().enumerate() {
+                let got = wgmma_probe(gpu, mode, &a, &b, k, reading).expect("probe");
+                let got: Vec<f64> = got.iter().map(|&x| x as f64).collect();
+                let e = kernelpages::attention::rel_l2(&got, &want);
+                println!("wgmma probe {mode:?} k {k} reading {i} {reading:?}: error {e:.2e}");
+                errors.push(e);
+            }
+            if !(errors[0] < 1e-5) {
+                failed.push(format!("{mode:?} k {k}: errors of the readings {errors:?}"));
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}

@@ -594,3 +594,28 @@ fn flex_kernels_compile_without_spills() {
         "{e}"
     );
 }
+
+/// The sm_90a building blocks and their probe (`kernels/attn_wgmma_sm90.cu`: `wgmma` with
+/// shared-memory descriptors and a register operand, async-proxy fences) compile for sm_90a
+/// without spills.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn wgmma_probe_compiles_for_sm_90a() {
+    use kernelpages::attention::cuda::PRELUDE_SRC;
+    use kernelpages::attention::sm90::WGMMA_SRC;
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n");
+    let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
+    let probe = reports
+        .iter()
+        .find(|r| r.kernel == "wgmma_probe")
+        .expect("the probe kernel");
+    println!("wgmma_probe: {} registers", probe.registers);
+    assert_eq!(probe.spill_bytes, 0, "{probe:?}");
+}

@@ -34,6 +34,7 @@ pub mod decode;
 pub mod decode_gpu;
 pub mod files;
 pub mod flex;
+pub mod sm90;
 
 pub use api::{
     dot_product_attention, dot_product_attention_vjp, mha, Device, MhaShape, MhaWeights,
