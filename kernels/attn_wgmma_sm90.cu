@@ -21,6 +21,10 @@
 
 typedef unsigned long long uint64_t;
 
+// The dynamic shared memory of the kernels below (one declaration: a function-scope one in a
+// template conflicts with another's linkage).
+extern __shared__ __align__(128) unsigned char dyn_smem[];
+
 __device__ __forceinline__ u32 core_offset(int r, int c, int cols) {
     return (u32)((((r >> 3) * (cols >> 3) + (c >> 3)) << 7) + ((r & 7) << 4) + ((c & 7) << 1));
 }
@@ -91,6 +95,33 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
 }
 
+// As wgmma_m64n64k16_rs for a 64 x 128 D (64 accumulators per thread).
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4],
+                                                   uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+          "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
+          "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
+}
+
 // The probe: one warpgroup computes C (64 x 64, fp32, row-major) from bf16 inputs, with the
 // descriptors' leading and stride byte offsets given (so that the host can try both readings).
 // mode 0: C = A B^T, A and B both [64][K] row-major in global memory, both K-major in shared
@@ -101,9 +132,8 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a
 extern "C" __global__ void __launch_bounds__(128) wgmma_probe(
     const u16* __restrict__ A, const u16* __restrict__ B, float* __restrict__ C, int K, int mode,
     u32 lead_a, u32 stride_a, u32 lead_b, u32 stride_b) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    unsigned char* sA = smem;
-    unsigned char* sB = smem + 64 * K * 2;
+    unsigned char* sA = dyn_smem;
+    unsigned char* sB = dyn_smem + 64 * K * 2;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
     for (int e = tid; e < 64 * K; e += 128) {
@@ -152,4 +182,172 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_probe(
         C[(r + 8) * 64 + c] = d[4 * j + 2];
         C[(r + 8) * 64 + c + 1] = d[4 * j + 3];
     }
+}
+
+// Copies rows [0, ROWS) of a [rows][D] 16-bit tile from global memory (row stride D, from `g`)
+// into shared memory in the core-matrix layout (core_offset) with 16-byte cp.async; rows at or
+// past `valid_rows` are zero-filled and read nothing. Every 8-element chunk of a row is 16
+// contiguous bytes of one core matrix.
+template <int ROWS, int D, int NTH>
+__device__ __forceinline__ void load_tile_core(unsigned char* s, const u16* g, int valid_rows,
+                                               int tid) {
+    constexpr int CHUNKS = ROWS * D / 8;
+#pragma unroll
+    for (int i = tid; i < CHUNKS; i += NTH) {
+        const int r = i / (D / 8);
+        const int c = (i % (D / 8)) * 8;
+        const bool ok = r < valid_rows;
+        cp_async16(smem_u32(s + core_offset(r, c, D)), ok ? g + (size_t)r * D + c : g, ok);
+    }
+}
+
+// O (64 x D) += P (64 x 64 keys, registers: pa[ks] the A fragment of keys 16 ks .. 16 ks + 15)
+// times V (64 keys x D, N-major in shared memory at `sv`).
+template <int D>
+__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const u32 (&pa)[4][4],
+                                         const unsigned char* sv, u32 lead_v, u32 stride_v) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        const uint64_t db = smem_desc(sv + core_offset(16 * ks, 0, D), lead_v, stride_v);
+        if constexpr (D == 128) {
+            wgmma_m64n128k16_rs<1>(o, pa[ks], db, 1);
+        } else {
+            wgmma_m64n64k16_rs<1>(o, pa[ks], db, 1);
+        }
+    }
+}
+
+// Attention forward on wgmma, v1 (issue 11's first step; bf16, head_dim 64 or 128): one
+// warpgroup (128 threads) per (64-row query tile, head, batch entry). Q, K and V tiles are
+// brought by cp.async into the core-matrix layout (K and V double-buffered, 64 keys per tile),
+// S = Q K^T on wgmma with both operands in shared memory, the online softmax in registers
+// (FlashAttention-2's, in the accumulator's m16n8 layout per warp: online_softmax_rows), P
+// packed to the register A operand and O += P V on wgmma with V N-major in shared memory.
+// Masks as flash_fwd: keys at or past kv_lens[b] and, when CAUSAL, bottom-right causal; a row
+// that sees no key gets O = 0 and LSE = +inf. The descriptor offsets come from the host (what
+// the probe established): K-major Q and K (lead_k, stride_k), N-major V (lead_v, stride_v).
+// Not yet: TMA, a producer warp, warp-group ping-pong, swizzled layouts.
+template <int D, bool CAUSAL>
+__device__ __forceinline__ void attn_fwd_sm90(const u16* __restrict__ Q, const u16* __restrict__ K,
+                                              const u16* __restrict__ V, u16* __restrict__ O,
+                                              float* __restrict__ LSE,
+                                              const int* __restrict__ kv_lens, int Tq, int Tkv,
+                                              int H, int KVH, float scale_log2, u32 lead_k,
+                                              u32 stride_k, u32 lead_v, u32 stride_v) {
+    constexpr int BR = 64, BC = 64, NTH = 128, DT = D / 8, TILE = BC * D * 2;
+    unsigned char* sQ = dyn_smem;
+    unsigned char* sK = sQ + BR * D * 2;  // 2 buffers
+    unsigned char* sV = sK + 2 * TILE;    // 2 buffers
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (H / KVH);
+    const int L = min(kv_lens[b], Tkv);
+    const int off = L - Tq;  // bottom-right: row i sees keys j <= i + off
+    const int q0 = qt * BR;
+    const int rows = min(BR, Tq - q0);
+    int n_kt = (L + BC - 1) / BC;
+    if (CAUSAL) n_kt = min(n_kt, max(0, (q0 + rows - 1 + off) / BC + 1));
+    if (CAUSAL && q0 + rows - 1 + off < 0) n_kt = 0;
+    const size_t q_off = ((size_t)(b * H + h) * Tq + q0) * D;
+    const size_t kv_off = (size_t)(b * KVH + kvh) * Tkv * D;
+
+    load_tile_core<BR, D, NTH>(sQ, Q + q_off, rows, tid);
+    if (n_kt > 0) {
+        load_tile_core<BC, D, NTH>(sK, K + kv_off, L, tid);
+        load_tile_core<BC, D, NTH>(sV, V + kv_off, L, tid);
+    }
+    cp_async_commit();
+
+    float o[1][DT][4];
+    float s[1][8][4];
+#pragma unroll
+    for (int i = 0; i < DT; ++i) o[0][i][0] = o[0][i][1] = o[0][i][2] = o[0][i][3] = 0.f;
+    float m_run[1][2] = {{NEG_INF, NEG_INF}}, l_run[1][2] = {{0.f, 0.f}};
+    float(&of)[D / 2] = reinterpret_cast<float(&)[D / 2]>(o);
+    float(&sf)[32] = reinterpret_cast<float(&)[32]>(s);
+
+    for (int it = 0; it < n_kt; ++it) {
+        const int buf = it & 1;
+        const int k0 = it * BC;
+        if (it + 1 < n_kt) {
+            const int k1 = k0 + BC;
+            load_tile_core<BC, D, NTH>(sK + (buf ^ 1) * TILE, K + kv_off + (size_t)k1 * D, L - k1, tid);
+            load_tile_core<BC, D, NTH>(sV + (buf ^ 1) * TILE, V + kv_off + (size_t)k1 * D, L - k1, tid);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        fence_proxy_async();
+        __syncthreads();
+        const unsigned char* k_s = sK + buf * TILE;
+        const unsigned char* v_s = sV + buf * TILE;
+        // S = Q K^T over D / 16 k-steps.
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const uint64_t da = smem_desc(sQ + core_offset(0, 16 * ks, D), lead_k, stride_k);
+            const uint64_t db = smem_desc(k_s + core_offset(0, 16 * ks, D), lead_k, stride_k);
+            wgmma_m64n64k16_ss<0>(sf, da, db, ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        // Scale to the log2 domain and mask (the last tile past L, the causal diagonal).
+        const bool edge = k0 + BC > L || (CAUSAL && k0 + BC - 1 > q0 + off);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[0][nt][e] * scale_log2;
+                if (edge) {
+                    const int row = q0 + 16 * warp + g + (e >> 1) * 8;
+                    const int col = k0 + nt * 8 + 2 * t4 + (e & 1);
+                    if (col >= L || (CAUSAL && col > row + off)) x = NEG_INF;
+                }
+                s[0][nt][e] = x;
+            }
+        }
+        online_softmax_rows<1, 8, DT, true>(s, m_run, l_run, o, 0);
+        u32 pa[4][4];
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            pa[kc][0] = pack2<true>(s[0][2 * kc][0], s[0][2 * kc][1]);
+            pa[kc][1] = pack2<true>(s[0][2 * kc][2], s[0][2 * kc][3]);
+            pa[kc][2] = pack2<true>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
+            pa[kc][3] = pack2<true>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
+        }
+        wgmma_fence();
+        pv_wgmma<D>(of, pa, v_s, lead_v, stride_v);
+        wgmma_commit();
+        wgmma_wait<0>();
+        __syncthreads();  // every warp is done with `buf` before it is refilled
+    }
+    cp_async_wait<0>();
+    store_rows<1, DT, true>(o, m_run, l_run, O + q_off, LSE + (size_t)(b * H + h) * Tq + q0,
+                            16 * warp, rows, g, t4);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_fwd_sm90_d64(
+    const u16* Q, const u16* K, const u16* V, u16* O, float* LSE, const int* kv_lens, int Tq,
+    int Tkv, int H, int KVH, float scale_log2, u32 lead_k, u32 stride_k, u32 lead_v,
+    u32 stride_v, int causal) {
+    if (causal)
+        attn_fwd_sm90<64, true>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, lead_k,
+                                stride_k, lead_v, stride_v);
+    else
+        attn_fwd_sm90<64, false>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, lead_k,
+                                 stride_k, lead_v, stride_v);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_fwd_sm90_d128(
+    const u16* Q, const u16* K, const u16* V, u16* O, float* LSE, const int* kv_lens, int Tq,
+    int Tkv, int H, int KVH, float scale_log2, u32 lead_k, u32 stride_k, u32 lead_v,
+    u32 stride_v, int causal) {
+    if (causal)
+        attn_fwd_sm90<128, true>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, lead_k,
+                                 stride_k, lead_v, stride_v);
+    else
+        attn_fwd_sm90<128, false>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, lead_k,
+                                  stride_k, lead_v, stride_v);
 }

@@ -595,9 +595,9 @@ fn flex_kernels_compile_without_spills() {
     );
 }
 
-/// The sm_90a building blocks and their probe (`kernels/attn_wgmma_sm90.cu`: `wgmma` with
-/// shared-memory descriptors and a register operand, async-proxy fences) compile for sm_90a
-/// without spills.
+/// The sm_90a building blocks, their probe and the first wgmma attention forward
+/// (`kernels/attn_wgmma_sm90.cu`: `wgmma` with shared-memory descriptors and a register operand,
+/// async-proxy fences) compile for sm_90a without spills.
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
@@ -612,10 +612,12 @@ fn wgmma_probe_compiles_for_sm_90a() {
     );
     let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n");
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
-    let probe = reports
-        .iter()
-        .find(|r| r.kernel == "wgmma_probe")
-        .expect("the probe kernel");
-    println!("wgmma_probe: {} registers", probe.registers);
-    assert_eq!(probe.spill_bytes, 0, "{probe:?}");
+    for name in ["wgmma_probe", "attn_fwd_sm90_d64", "attn_fwd_sm90_d128"] {
+        let r = reports
+            .iter()
+            .find(|r| r.kernel == name)
+            .unwrap_or_else(|| panic!("{name} in {reports:?}"));
+        println!("{name}: {} registers", r.registers);
+        assert_eq!(r.spill_bytes, 0, "{r:?}");
+    }
 }

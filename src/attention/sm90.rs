@@ -1,10 +1,11 @@
 //! Hopper (compute capability 9.0, `sm_90a`) building blocks for the attention kernels of
 //! issue 11: `wgmma` (warpgroup matrix multiply-accumulate) with operands in shared memory
-//! through matrix descriptors, and a probe kernel that checks them on the device
-//! (`kernels/attn_wgmma_sm90.cu`). Nothing dispatches to them yet: the probe establishes the
-//! descriptor layout (which of the two core-matrix distances the descriptor's "leading" and
-//! "stride" byte offsets take, per operand majorness) and the accumulator and register-operand
-//! layouts before an attention kernel is built on them.
+//! through matrix descriptors, a probe kernel that checks them on the device, and a first
+//! attention forward on them ([`HopperForward`], `kernels/attn_wgmma_sm90.cu`). Nothing
+//! dispatches to them yet: the probe establishes the descriptor layout (which of the two
+//! core-matrix distances the descriptor's "leading" and "stride" byte offsets take, per operand
+//! majorness) and the accumulator and register-operand layouts, and the forward is checked
+//! against float64 by a GPU test before the runner measures it.
 //!
 //! Shapes: the probe computes one 64 × 64 fp32 tile `C` (row-major) from bf16 words: mode 0,
 //! `C = A Bᵀ` with `A` and `B` both `[64][K]` (Q Kᵀ's form, both K-major in shared memory);
@@ -12,6 +13,8 @@
 //! in shared memory). K is a multiple of 16 up to 128.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use cudarc::driver::{CudaFunction, CudaSlice};
 
 use super::cuda::PRELUDE_SRC;
 use crate::gpu::{Gpu, GpuError};
@@ -133,6 +136,131 @@ pub fn wgmma_probe(
     let out = gpu.stream.clone_dtoh(&c)?;
     gpu.stream.synchronize()?;
     Ok(out)
+}
+
+/// Query rows per CTA of [`HopperForward`] (one warpgroup; wgmma's M).
+pub const SM90_ROWS: usize = 64;
+/// Keys per tile of [`HopperForward`].
+pub const SM90_KEYS: usize = 64;
+
+/// The attention forward on wgmma (v1 of issue 11's kernel): bf16 Q `[batch, heads, seq_len_q,
+/// head_dim]`, K and V `[batch, kv_heads, seq_len_kv, head_dim]` (GQA: heads a multiple of
+/// kv_heads), O like Q, LSE `[batch, heads, seq_len_q]` f32 natural log (+∞ and O = 0 for a row
+/// that sees no key); per-sequence key lengths `kv_lens` `[batch]` i32 on the device; causal
+/// aligned bottom-right; head_dim 64 or 128. One warpgroup per 64-row query tile; S = Q Kᵀ and
+/// O += P V on wgmma, K and V by cp.async, FlashAttention-2's online softmax in between.
+pub struct HopperForward {
+    func: CudaFunction,
+    smem: u32,
+    head_dim: usize,
+    /// NVRTC compile + load time, s.
+    pub compile_s: f64,
+}
+
+impl HopperForward {
+    /// Compiles the kernels (once per process) and picks the one for `head_dim`.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] on a device that is not compute capability 9.0 or for a head_dim
+    /// other than 64 and 128; NVRTC and driver errors.
+    pub fn new(gpu: &Gpu, head_dim: usize) -> Result<HopperForward, GpuError> {
+        if gpu.arch() != "sm_90a" {
+            return Err(GpuError::Config(format!(
+                "the wgmma forward needs compute capability 9.0 (sm_90a), not {}",
+                gpu.arch()
+            )));
+        }
+        if head_dim != 64 && head_dim != 128 {
+            return Err(GpuError::Config(format!(
+                "the wgmma forward runs head_dim 64 or 128, not {head_dim}"
+            )));
+        }
+        let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n");
+        let compiled = gpu.compile("attn_wgmma_sm90.cu", &src)?;
+        let smem = ((SM90_ROWS + 4 * SM90_KEYS) * head_dim * 2) as u32;
+        let name = format!("attn_fwd_sm90_d{head_dim}");
+        super::cuda::check_smem(gpu, &name, smem)?;
+        let func = gpu.function(&compiled.module, &name, smem)?;
+        Ok(HopperForward {
+            func,
+            smem,
+            head_dim,
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// Launches one forward on the stream (shapes in the type's documentation; `shape` is
+    /// (batch, heads, kv_heads, seq_len_q, seq_len_kv)), with the descriptor offsets of
+    /// [`readings`]' first reading.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for heads not a multiple of kv_heads or an empty dimension;
+    /// driver errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        (batch, heads, kv_heads, seq_len_q, seq_len_kv): (usize, usize, usize, usize, usize),
+        (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        kv_lens: &CudaSlice<i32>,
+        causal: bool,
+        scale: f64,
+        o: &mut CudaSlice<u16>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        if batch == 0 || seq_len_q == 0 || seq_len_kv == 0 || kv_heads == 0 || heads % kv_heads != 0
+        {
+            return Err(GpuError::Config(format!(
+                "wgmma forward: batch {batch}, heads {heads}, kv_heads {kv_heads}, seq_len_q \
+                 {seq_len_q}, seq_len_kv {seq_len_kv}"
+            )));
+        }
+        let d = self.head_dim;
+        let kmaj = (128u32, 16 * d as u32);
+        let nmaj = (16 * d as u32, 128u32);
+        let (tq, tkv, h, kvh) = (
+            seq_len_q as i32,
+            seq_len_kv as i32,
+            heads as i32,
+            kv_heads as i32,
+        );
+        let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
+        let causal_i = i32::from(causal);
+        let mut l = gpu.stream.launch_builder(&self.func);
+        l.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(o)
+            .arg(lse)
+            .arg(kv_lens)
+            .arg(&tq)
+            .arg(&tkv)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&scale_log2)
+            .arg(&kmaj.0)
+            .arg(&kmaj.1)
+            .arg(&nmaj.0)
+            .arg(&nmaj.1)
+            .arg(&causal_i);
+        // SAFETY: `attn_fwd_sm90_d*(const u16* Q, const u16* K, const u16* V, u16* O, float*
+        // LSE, const int* kv_lens, int Tq, int Tkv, int H, int KVH, float scale_log2, u32
+        // lead_k, u32 stride_k, u32 lead_v, u32 stride_v, int causal)`, one warpgroup per (query
+        // tile, head, batch entry); the caller's buffers hold the shapes of the type's
+        // documentation and kv_lens `batch` entries of at most seq_len_kv.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (
+                    seq_len_q.div_ceil(SM90_ROWS) as u32,
+                    heads as u32,
+                    batch as u32,
+                ),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: self.smem,
+            })?
+        };
+        Ok(())
+    }
 }
 
 #[cfg(test)]
