@@ -17,6 +17,9 @@
 #   bash .carry/device_run.sh masks OUTDIR [i/n]  # the flex GPU tests and PyTorch flex module
 #                                                 # test, then the masks grid (or shard i of
 #                                                 # n): flex, flash, torch_flex, torch_cudnn
+#   bash .carry/device_run.sh hopper OUTDIR       # the sm_90a tests: the wgmma probe (which
+#                                                 # descriptor reading holds) and the first
+#                                                 # wgmma forward against float64, with a timing
 #   bash .carry/device_run.sh full OUTDIR [i/n]   # the committed grid (or shard i of n)
 #   bash .carry/device_run.sh part OUTDIR NAME LIMIT_S FILTER [i/n]
 #                                                 # one part of a run split over calls or GPUs:
@@ -111,6 +114,10 @@ flex)
     --implementations flash,flex --compare torch --exclude torch_math,torch_efficient \
     --filter 'pass=fwd,head_dim=128,dtype=bf16' --output "$out/gpu_attention_flex.json"
   ;;
+hopper)
+  step "hopper gpu tests" 240 "$out/gpu_hopper.tests.log" "$bin/gpu_attention_test" \
+    --include-ignored --test-threads 1 --nocapture wgmma_
+  ;;
 masks)
   # KP_MASKS_TESTS=0 skips the GPU tests (a second shard's call).
   if [ "${KP_MASKS_TESTS:-1}" != 0 ]; then
@@ -130,7 +137,7 @@ full)
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, part, kernel_sums, decode, flex, masks, full)"; exit 2
+  echo "unknown mode $mode (smoke, tests, part, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"
