@@ -152,6 +152,21 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_probe(
     float d[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) d[i] = 0.f;
+    // Register A: every k-step's fragments are written before the fence, and none is written
+    // again before the wait (a register an in-flight wgmma reads must not change).
+    u32 a[8][4];
+    if (mode == 1) {
+        const int row = 16 * warp + g;
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+            const int c0 = 16 * s + 2 * t4;
+            const bool in = 16 * s < K;
+            a[s][0] = in ? (u32)A[row * K + c0] | ((u32)A[row * K + c0 + 1] << 16) : 0u;
+            a[s][1] = in ? (u32)A[(row + 8) * K + c0] | ((u32)A[(row + 8) * K + c0 + 1] << 16) : 0u;
+            a[s][2] = in ? (u32)A[row * K + c0 + 8] | ((u32)A[row * K + c0 + 9] << 16) : 0u;
+            a[s][3] = in ? (u32)A[(row + 8) * K + c0 + 8] | ((u32)A[(row + 8) * K + c0 + 9] << 16) : 0u;
+        }
+    }
     wgmma_fence();
     if (mode == 0) {
         for (int s = 0; s < K / 16; ++s) {
@@ -160,16 +175,12 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_probe(
             wgmma_m64n64k16_ss<0>(d, da, db, 1);
         }
     } else {
-        const int row = 16 * warp + g;
-        for (int s = 0; s < K / 16; ++s) {
-            const int c0 = 16 * s + 2 * t4;
-            u32 a[4];
-            a[0] = (u32)A[row * K + c0] | ((u32)A[row * K + c0 + 1] << 16);
-            a[1] = (u32)A[(row + 8) * K + c0] | ((u32)A[(row + 8) * K + c0 + 1] << 16);
-            a[2] = (u32)A[row * K + c0 + 8] | ((u32)A[row * K + c0 + 9] << 16);
-            a[3] = (u32)A[(row + 8) * K + c0 + 8] | ((u32)A[(row + 8) * K + c0 + 9] << 16);
-            const uint64_t db = smem_desc(sB + core_offset(16 * s, 0, 64), lead_b, stride_b);
-            wgmma_m64n64k16_rs<1>(d, a, db, 1);
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+            if (16 * s < K) {
+                const uint64_t db = smem_desc(sB + core_offset(16 * s, 0, 64), lead_b, stride_b);
+                wgmma_m64n64k16_rs<1>(d, a[s], db, 1);
+            }
         }
     }
     wgmma_commit();

@@ -340,9 +340,10 @@ fn kernel_sum_module_runs_on_the_gpu() {
 
 /// PyTorch's flex_attention module (`runners/compare/torch_flex.py`): its self-test everywhere;
 /// with torch and a GPU, every named modification on a small GQA case whose length is not a
-/// multiple of any block size, forward (and forward + backward for the score modifications and
-/// the document mask), checked against the runner's float64 reference with the same
-/// modification, with its compile time recorded; without them, rows that say why.
+/// multiple of any block size, forward with equal, fewer and more queries than keys (the
+/// bottom-right alignment must match the reference's), and forward + backward for the score
+/// modifications and the document mask, checked against the runner's float64 reference with
+/// the same modification, with its compile time recorded; without them, rows that say why.
 #[test]
 #[cfg_attr(not(kp_python), ignore = "needs python3")]
 fn flex_module_runs_every_mask() {
@@ -371,21 +372,32 @@ fn flex_module_runs_every_mask() {
     ];
     for (i, name) in names.iter().enumerate() {
         let m = FlexMod::parse(name).unwrap();
-        let mut passes = vec![Pass::Fwd];
+        // (pass, seq_len_q, seq_len_kv): square, then fewer and more queries than keys, where
+        // the bottom-right alignment decides which keys a row sees (rows before the first key
+        // see none).
+        let mut runs = vec![
+            (Pass::Fwd, 300, 300),
+            (Pass::Fwd, 200, 300),
+            (Pass::Fwd, 300, 130),
+        ];
         if matches!(
             m,
             Some(FlexMod::Alibi | FlexMod::SoftCap(_) | FlexMod::Document)
         ) {
-            passes.push(Pass::FwdBwd);
+            runs.push((Pass::FwdBwd, 300, 300));
         }
-        for pass in passes {
+        for (pass, tq, tkv) in runs {
             let c = AttentionCase {
                 kv_heads: 2,
                 causal: m == Some(FlexMod::Causal),
                 pass,
-                ..AttentionCase::new(2, 4, 300, 64)
+                seq_len_q: tq,
+                seq_len_kv: tkv,
+                ..AttentionCase::new(2, 4, 1, 64)
             };
-            let d = dir.path().join(format!("mask{i}{}", pass.as_str()));
+            let d = dir
+                .path()
+                .join(format!("mask{i}{}_{tq}x{tkv}", pass.as_str()));
             std::fs::create_dir_all(&d).unwrap();
             let files = write_masked_case(&c, m, 11, 16, &d).unwrap();
             assert_eq!(files.arguments["mask"], *name);
@@ -397,7 +409,7 @@ fn flex_module_runs_every_mask() {
             let reply = s.request(&j, Duration::from_secs(200)).unwrap();
             let row = &reply.row;
             eprintln!(
-                "torch_flex {name} {}: {:?} {:?} compile {:?} s",
+                "torch_flex {name} {} {tq}x{tkv}: {:?} {:?} compile {:?} s",
                 pass.as_str(),
                 row.status,
                 row.accuracy.as_ref().map(|a| a.rel_err),

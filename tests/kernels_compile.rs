@@ -550,12 +550,14 @@ fn flex_kernels_compile_without_spills() {
                         );
                         // At head_dim 128 the backward's main kernel holds 128 fp32 dK and dV
                         // accumulators per thread, as flash_bwd does (which spills 16-24
-                        // bytes): 24-40 bytes with a mask, 76 with soft-capping's tanhf; the
-                        // forward's two 16-row groups per warp spill 104 bytes and still
+                        // bytes): 24-40 bytes with a mask, 88 with soft-capping's tanhf; the
+                        // forward's two 16-row groups per warp spill 88-124 bytes and still
                         // measured faster than one (kernels/TUNING.md, flex v1.2). A bound of
                         // 128 bytes for those two kernels there, none elsewhere.
-                        let main_kernel = rep.kernel.starts_with("flex_bwd_")
-                            || rep.kernel.starts_with("flex_fwd_");
+                        let main_kernel = (rep.kernel.starts_with("flex_bwd_")
+                            || rep.kernel.starts_with("flex_fwd_"))
+                            && !rep.kernel.contains("_pre_")
+                            && !rep.kernel.contains("_dq_");
                         let allowed = if main_kernel && d == 128 { 128 } else { 0 };
                         assert!(
                             rep.spill_bytes <= allowed,

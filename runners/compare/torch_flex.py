@@ -20,6 +20,7 @@ tracing and Inductor's and Triton's compilation, forward and (for "fwd+bwd") bac
     PYTHONPATH=runners python3 -m compare.torch_flex serve | self-test | job FILE
 """
 
+import math
 import os
 import re
 import shutil
@@ -56,9 +57,15 @@ def parse_mask(name):
     if m is None:
         raise ValueError("unknown mask %r" % (name,))
     kind, arg = m.group(1), m.group(2)
-    value = float(arg) if kind == "softcap" else int(arg)
-    if not value > 0 and kind != "prefix_lm":
-        raise ValueError("mask %r: the argument must be above 0" % (name,))
+    try:
+        value = float(arg) if kind == "softcap" else int(arg)
+    except ValueError:
+        raise ValueError("mask %r: %r is not a number" % (name, arg)) from None
+    if kind == "prefix_lm":
+        if value < 0:
+            raise ValueError("mask %r: the prefix length must not be negative" % (name,))
+    elif not (math.isfinite(value) and value > 0):
+        raise ValueError("mask %r: the argument must be a finite number above 0" % (name,))
     return kind, value
 
 
@@ -95,7 +102,10 @@ def mods(args, device):
             for ls in lengths]).view(len(lengths), tkv).to(device)
 
         def document(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx + off) & (ids[b, kv_idx] == ids[b, q_idx + off])
+            # The query's position among the keys, clamped: a row before the first key
+            # (Tq > Tkv) sees nothing through the causal term, but `&` evaluates both sides.
+            pos = torch.clamp(q_idx + off, min=0)
+            return (kv_idx <= q_idx + off) & (ids[b, kv_idx] == ids[b, pos])
         return document, None, True
     if kind == "alibi":
         slopes = torch.exp2(-8.0 * (torch.arange(heads, dtype=torch.float32, device=device)
@@ -240,7 +250,8 @@ def self_test():
     check(parse_mask("sliding_window(1024)") == ("sliding_window", 1024), "sliding_window")
     check(parse_mask("softcap(30)") == ("softcap", 30.0), "softcap")
     check(parse_mask("prefix_lm(0)") == ("prefix_lm", 0), "prefix_lm(0)")
-    for bad in ("diagonal", "softcap(0)", "sliding_window(x)", "softcap"):
+    for bad in ("diagonal", "softcap(0)", "sliding_window(x)", "softcap", "softcap(inf)",
+                "prefix_lm(-5)"):
         try:
             parse_mask(bad)
             check(False, "accepted %r" % bad)

@@ -344,13 +344,15 @@ pub fn flex_attention<T: Element>(
     }
 }
 
-/// `flex_attention` forward then backward: O and dQ, dK, dV for dL/dO = `d_out` (`[B, H, T_q,
-/// D]`), with the same modification in both passes (the mask removes pairs; a score
-/// modification's derivative scales dS: ALiBi's is 1, soft-capping's 1 − tanh²(score / cap); a
-/// custom one needs [`super::flex::FlexSpec::score_grad`]). dK and dV are summed over the query
-/// heads that share a key head. On CUDA, `kernels/flex_attn_bwd.cu` (FlashAttention-2's backward
-/// over a transposed block mask; dQ summed with fp32 atomics, so its last bit may vary from run
-/// to run); on the CPU a named modification runs the float64 reference.
+/// `flex_attention` forward then backward: O `[B, H, T_q, D]` and dQ (like Q), dK and dV (like
+/// K and V, `[B, KVH, T_kv, D]`, summed over the query heads that share a key head) for dL/dO =
+/// `d_out` (`[B, H, T_q, D]`), with the same modification in both passes (the mask removes
+/// pairs; a score modification's derivative scales dS: ALiBi's is 1, soft-capping's
+/// 1 − tanh²(score / cap); a custom one needs [`super::flex::FlexSpec::score_grad`]). `aux` as in
+/// [`flex_attention`] (the document mask's `[B, T_kv]` document ids). On CUDA (bf16 or fp16,
+/// head_dim 64 or 128), `kernels/flex_attn_bwd.cu` (FlashAttention-2's backward over a
+/// transposed block mask; dQ summed with fp32 atomics, so its last bit may vary from run to
+/// run); on the CPU a named modification runs the float64 reference.
 ///
 /// # Errors
 /// As [`flex_attention`]; `d_out` of the wrong length; [`Error::Unsupported`] for a custom score
