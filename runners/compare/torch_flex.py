@@ -220,8 +220,8 @@ def _measure(job):
     call, mask_s, kw = caller(job, device, compiled)
     args = torch_sdpa.arguments(job)
     notes = [COMPILE_NOTE,
-             "modification `%s`; block mask by create_block_mask in %.3f s, outside the figures"
-             % (mask_name(args), mask_s)]
+             "modification `%s`; block mask by create_block_mask in %.3f s, before the first "
+             "call: outside the time and the memory figures" % (mask_name(args), mask_s)]
 
     def residual_bytes(set0, before):
         q, k, v = set0[:3]

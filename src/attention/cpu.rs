@@ -625,6 +625,10 @@ fn rule_row(
 /// and dV for forward + backward), computed on all host threads from the input words. The
 /// definitions of the module documentation with s_ij = modify(scale · Q_i·K_j) over the keys
 /// `rule` leaves visible, and dS_ij multiplied by d modify/d raw before it reaches dQ and dK.
+///
+/// # Panics
+/// Where `rule` panics (e.g. a document mask given fewer document ids than the shape has
+/// positions).
 pub fn modified_reference_values(
     c: &AttentionCase,
     inp: &Inputs,

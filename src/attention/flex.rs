@@ -180,7 +180,11 @@ impl FlexMod {
         }
     }
 
-    /// Whether query `q` of head `h`, batch entry `b` sees key `kv` (the reference's mask).
+    /// Whether query `q` of batch entry `b` sees key `kv` (the reference's mask; the named masks
+    /// do not depend on the head).
+    ///
+    /// # Panics
+    /// For [`FlexMod::Document`] when `aux` holds fewer than `(b + 1) · seq_len_kv` ids.
     #[allow(clippy::too_many_arguments)]
     pub fn visible(
         &self,
@@ -626,9 +630,17 @@ pub fn document_lengths(batch: usize, seq_len: usize) -> Vec<Vec<usize>> {
 
 /// `aux` of [`FlexMod::Document`] for documents `lengths` (one list per batch entry, each
 /// summing to `seq_len`): the document index of every position, `[batch][seq_len]`.
+///
+/// # Panics
+/// When a batch entry's lengths do not sum to `seq_len`.
 pub fn document_ids(lengths: &[Vec<usize>], seq_len: usize) -> Vec<i32> {
     let mut ids = Vec::with_capacity(lengths.len() * seq_len);
     for lens in lengths {
+        assert_eq!(
+            lens.iter().sum::<usize>(),
+            seq_len,
+            "document lengths must cover the sequence"
+        );
         for (d, &n) in lens.iter().enumerate() {
             ids.extend(std::iter::repeat_n(d as i32, n));
         }
@@ -1173,6 +1185,33 @@ mod tests {
 
     #[test]
     fn checked_rows_backward_matches_the_causal_reference_and_finite_differences() {
+        // More queries than keys: bottom-right causal leaves the first 3 rows no key, whose
+        // gradients must be 0 through both references.
+        let (c, inp, _) = small_case(12, 9);
+        let plan = CheckPlan::full(&c);
+        let causal = AttentionCase {
+            causal: true,
+            ..c.clone()
+        };
+        let want = reference_values(&causal, &inp, &plan);
+        let rule = FlexRule {
+            m: Some(FlexMod::Causal),
+            heads: c.heads,
+            seq_len_q: 12,
+            seq_len_kv: 9,
+            aux: &[],
+        };
+        let got = modified_reference_values(&c, &inp, &plan, &rule);
+        assert!(got.dq[..3 * 16].iter().all(|&x| x == 0.0), "empty rows' dQ");
+        assert!(got.lse[..3].iter().all(|&x| x == f64::INFINITY));
+        for (a, b) in got
+            .dq
+            .iter()
+            .zip(&want.dq)
+            .chain(got.dk.iter().zip(&want.dk))
+        {
+            assert!((a - b).abs() < 1e-9, "{a} vs {b}");
+        }
         let (c, inp, [q, k, v, dout]) = small_case(9, 12);
         let plan = CheckPlan::full(&c);
         // Causal through the rule against the suite's own causal reference.
