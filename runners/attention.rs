@@ -37,6 +37,8 @@ mod decode;
 mod flex;
 #[path = "attention/masks.rs"]
 mod masks;
+#[path = "attention/sm90.rs"]
+mod sm90;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -70,7 +72,8 @@ struct Cli {
     /// Implementations of this project to run [default: flash,math; with `--grids decode`
     /// math,flash_decode,flash_decode_paged; with `--grids masks` flex,flash; cpu_flash with
     /// --device cpu]. `flex` runs flex_attention (forward, and backward for fwd+bwd) with the
-    /// case's mask: the masks grid's named modification, else causal or none.
+    /// case's mask: the masks grid's named modification, else causal or none. `flash_sm90`
+    /// (never a default) runs the first wgmma forward (compute capability 9.0, bf16).
     #[arg(long, value_delimiter = ',')]
     implementations: Option<Vec<String>>,
     /// Grids to measure: `main` (the seq_len sweep), `shapes` (issue 9 §2's shapes), `decode`
@@ -202,6 +205,8 @@ fn main() -> ExitCode {
                 decode::measure(job)
             } else if job.implementation == flex::IMPLEMENTATION {
                 flex::measure(job)
+            } else if job.implementation == sm90::IMPLEMENTATION {
+                sm90::measure(job)
             } else {
                 measure_own(job)
             }
@@ -639,6 +644,18 @@ impl runner::Suite for Attention {
                 Err(e) => Some(e.to_string()),
             };
         }
+        if implementation == sm90::IMPLEMENTATION {
+            if p.contains_key(CONFIG_PARAM) {
+                return Some("the tile sweep measures the flash kernel's configurations".into());
+            }
+            if let Some(why) = masks::fixed_mask_unsupported(p, implementation) {
+                return Some(why);
+            }
+            return match case_of(p) {
+                Ok(c) => sm90::unsupported(&c),
+                Err(e) => Some(e.to_string()),
+            };
+        }
         if implementation == "torch_flex" {
             // The comparison module says what it cannot run.
             return None;
@@ -786,14 +803,18 @@ fn run(cli: &Cli) -> Result<ExitCode> {
             if n == flex::IMPLEMENTATION {
                 return Ok((flex::IMPLEMENTATION, "kernelpages"));
             }
+            if n == sm90::IMPLEMENTATION {
+                return Ok((sm90::IMPLEMENTATION, "kernelpages"));
+            }
             Implementation::parse(n)
                 .map(|i| (i.name(), i.library()))
                 .with_context(|| {
                     format!(
-                        "--implementations: unknown `{n}` (flash, math, {}, {}, {})",
+                        "--implementations: unknown `{n}` (flash, math, {}, {}, {}, {})",
                         decode::CONTIGUOUS,
                         decode::PAGED,
-                        flex::IMPLEMENTATION
+                        flex::IMPLEMENTATION,
+                        sm90::IMPLEMENTATION
                     )
                 })
         })

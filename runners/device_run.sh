@@ -19,7 +19,8 @@
 #                                                 # n): flex, flash, torch_flex, torch_cudnn
 #   bash .carry/device_run.sh hopper OUTDIR       # the sm_90a tests: the wgmma probe (which
 #                                                 # descriptor reading holds) and the first
-#                                                 # wgmma forward against float64, with a timing
+#                                                 # wgmma forward against float64, then
+#                                                 # flash_sm90 beside flash and SDPA
 #   bash .carry/device_run.sh full OUTDIR [i/n]   # the committed grid (or shard i of n)
 #   bash .carry/device_run.sh part OUTDIR NAME LIMIT_S FILTER [i/n]
 #                                                 # one part of a run split over calls or GPUs:
@@ -117,6 +118,11 @@ flex)
 hopper)
   step "hopper gpu tests" 240 "$out/gpu_hopper.tests.log" "$bin/gpu_attention_test" \
     --include-ignored --test-threads 1 --nocapture wgmma_
+  # Then flash_sm90 beside flash and SDPA's cuDNN and FlashAttention-2 backends on the main
+  # grid's bf16 forward cases at head_dim 128 (not site data until it is a full run).
+  step "flash_sm90 grid" 300 "$out/sm90.log" "$bin/attention" --grids main \
+    --implementations flash,flash_sm90 --compare torch --exclude torch_math,torch_efficient \
+    --filter 'pass=fwd,head_dim=128,dtype=bf16' --output "$out/gpu_attention_sm90.json"
   ;;
 masks)
   # KP_MASKS_TESTS=0 skips the GPU tests (a second shard's call).
