@@ -752,6 +752,55 @@ fn own_failures_are_listed_as_limitations() {
     }
 }
 
+/// A default that did not run at several sizes of one group while alternatives did is one known
+/// limitation for the group, naming each size and what ran there (not one entry per size).
+#[test]
+fn a_default_that_did_not_run_is_one_limitation_per_group() {
+    use kernelpages::schema::{Document, Param};
+    let data = tempfile::tempdir().unwrap();
+    let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: Document = serde_json::from_str(&json).unwrap();
+    let mut n = 0;
+    for r in doc.rows.iter_mut().filter(|r| {
+        r.default
+            && r.case.get("head_dim") == Some(&Param::Int(64))
+            && r.case.get("causal") == Some(&Param::Bool(false))
+            && r.case.get("pass") == Some(&Param::Text("fwd".into()))
+            && matches!(r.case.get("seq_len"), Some(Param::Int(512 | 1024)))
+    }) {
+        *r = Row::failed(
+            r.case.clone(),
+            &r.implementation,
+            &r.library,
+            true,
+            Status::Unsupported,
+            "no kernel for this test",
+        );
+        n += 1;
+    }
+    assert_eq!(n, 2, "the fixture's group has seq_len 512 and 1024");
+    fs::write(
+        data.path().join("gpu_attention.json"),
+        serde_json::to_string(&doc).unwrap(),
+    )
+    .unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let items: Vec<String> = page(&site, "index.html")
+        .select(&sel(".limitations li"))
+        .map(text)
+        .collect();
+    let hits: Vec<&String> = items
+        .iter()
+        .filter(|i| i.contains("default did not run") && i.contains("no kernel for this test"))
+        .collect();
+    assert_eq!(hits.len(), 1, "{hits:?}");
+    let entry = hits[0];
+    assert!(
+        entry.contains("at 2 of") && entry.contains("512:") && entry.contains("1024:"),
+        "{entry}"
+    );
+}
+
 /// The generator names no suite's parameters or units: those come from the documents.
 #[test]
 fn the_generator_names_no_axis_or_unit() {

@@ -992,6 +992,10 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
             let href = format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, &g));
             // Faster alternatives, gathered over the group's sizes: (size, default, alternative).
             let mut faster: BTreeMap<(String, String), Vec<FasterAt>> = BTreeMap::new();
+            // Sizes where the default did not run while an alternative did, gathered over the
+            // group per (default, status, message): (size, what ran there).
+            let mut not_run: BTreeMap<(String, String, String), Vec<(String, String)>> =
+                BTreeMap::new();
             for (x, by_impl) in g.by_x.values() {
                 let mut place = format!(
                     "{} on {}, {}",
@@ -1039,19 +1043,14 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                             })
                             .collect();
                         if !ran.is_empty() {
-                            out.push(lim(
-                                "default did not run",
-                                format!(
-                                    "the default {} is {}{} while {} ran",
-                                    d.implementation,
-                                    d.status.as_str(),
-                                    d.message
-                                        .as_deref()
-                                        .map(|m| format!(" ({m})"))
-                                        .unwrap_or_default(),
-                                    ran.join(", ")
-                                ),
-                            ));
+                            not_run
+                                .entry((
+                                    d.implementation.clone(),
+                                    d.status.as_str().to_string(),
+                                    d.message.clone().unwrap_or_default(),
+                                ))
+                                .or_default()
+                                .push((x_label(*x), ran.join(", ")));
                         }
                     }
                 }
@@ -1069,6 +1068,39 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                         ));
                     }
                 }
+            }
+            for ((default, status, message), sizes) in not_run {
+                let mut place = format!(
+                    "{} on {}, {}",
+                    l.doc.suite.title(),
+                    l.doc.device.name,
+                    g.title()
+                );
+                let detail = if let [(x, ran)] = &sizes[..] {
+                    place.push_str(&format!(", {axis}={x}"));
+                    format!("while {ran} ran")
+                } else {
+                    let at: Vec<String> =
+                        sizes.iter().map(|(x, ran)| format!("{x}: {ran}")).collect();
+                    format!(
+                        "at {} of {} measured {axis} values, while others ran ({axis} {})",
+                        sizes.len(),
+                        g.by_x.len(),
+                        at.join("; ")
+                    )
+                };
+                let why = if message.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({message})")
+                };
+                out.push(Limitation {
+                    kind: "default did not run".to_string(),
+                    place,
+                    href: href.clone(),
+                    detail: format!("the default {default} is {status}{why} {detail}"),
+                    ratio_html: None,
+                });
             }
             for ((default, alt), cases) in faster {
                 // The site's direction: alternative ÷ default.
