@@ -194,8 +194,8 @@ impl HopperForward {
     /// [`readings`]' first reading.
     ///
     /// # Errors
-    /// [`GpuError::Config`] for heads not a multiple of kv_heads or an empty dimension;
-    /// driver errors.
+    /// [`GpuError::Config`] for heads not a multiple of kv_heads, an empty dimension or a buffer
+    /// whose length does not fit the shape; driver errors.
     #[allow(clippy::too_many_arguments)]
     pub fn launch(
         &self,
@@ -216,6 +216,29 @@ impl HopperForward {
             )));
         }
         let d = self.head_dim;
+        let (q_len, kv_len) = (
+            batch * heads * seq_len_q * d,
+            batch * kv_heads * seq_len_kv * d,
+        );
+        if q.len() != q_len
+            || o.len() != q_len
+            || k.len() != kv_len
+            || v.len() != kv_len
+            || lse.len() != batch * heads * seq_len_q
+            || kv_lens.len() != batch
+        {
+            return Err(GpuError::Config(format!(
+                "wgmma forward: buffer lengths q {}, k {}, v {}, o {}, lse {}, kv_lens {} do not \
+                 fit the shape (q and o {q_len}, k and v {kv_len}, lse {}, kv_lens {batch})",
+                q.len(),
+                k.len(),
+                v.len(),
+                o.len(),
+                lse.len(),
+                kv_lens.len(),
+                batch * heads * seq_len_q
+            )));
+        }
         let kmaj = (128u32, 16 * d as u32);
         let nmaj = (16 * d as u32, 128u32);
         let (tq, tkv, h, kvh) = (
