@@ -313,6 +313,32 @@ impl FlexShape {
         None
     }
 
+    /// Elements of Q (and O, dO, dQ) and of K (and V, dK, dV).
+    fn elems(&self) -> (usize, usize) {
+        (
+            self.batch * self.heads * self.seq_len_q * self.head_dim,
+            self.batch * self.kv_heads * self.seq_len_kv * self.head_dim,
+        )
+    }
+
+    /// [`GpuError::Config`] naming the buffers whose lengths (`(name, length, words or floats
+    /// wanted)`) do not fit this shape.
+    fn check_lengths(&self, what: &str, lens: &[(&str, usize, usize)]) -> Result<(), GpuError> {
+        let bad: Vec<String> = lens
+            .iter()
+            .filter(|(_, got, want)| got != want)
+            .map(|(name, got, want)| format!("{name} {got} (wants {want})"))
+            .collect();
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(GpuError::Config(format!(
+                "{what}: buffer lengths do not fit the shape: {}",
+                bad.join(", ")
+            )))
+        }
+    }
+
     /// The kernels' scalar arguments: (Tq, Tkv, H, KVH, scale).
     fn kernel_args(&self) -> (i32, i32, i32, i32, f32) {
         (
@@ -891,7 +917,8 @@ impl FlexAttention {
     /// run to run), dQ converted.
     ///
     /// # Errors
-    /// [`GpuError::Config`] before [`FlexAttention::enable_backward`]; driver errors.
+    /// [`GpuError::Config`] before [`FlexAttention::enable_backward`] or for a buffer whose
+    /// length does not fit the shape; driver errors.
     #[allow(clippy::too_many_arguments)]
     pub fn launch_backward(
         &mut self,
@@ -905,6 +932,22 @@ impl FlexAttention {
         dv: &mut CudaSlice<u16>,
     ) -> Result<(), GpuError> {
         let s = self.shape;
+        let (qn, kn) = s.elems();
+        let rows = s.batch * s.heads * s.seq_len_q;
+        s.check_lengths(
+            "flex backward",
+            &[
+                ("q", q.len(), qn),
+                ("k", k.len(), kn),
+                ("v", v.len(), kn),
+                ("o", o.len(), qn),
+                ("lse", lse.len(), rows),
+                ("dout", dout.len(), qn),
+                ("dq", dq.len(), qn),
+                ("dk", dk.len(), kn),
+                ("dv", dv.len(), kn),
+            ],
+        )?;
         let Some(fb) = self.bwd.as_mut() else {
             return Err(GpuError::Config(
                 "flex backward: call enable_backward first".into(),
@@ -1001,7 +1044,7 @@ impl FlexAttention {
     /// for Q, K, V, with the key lengths and `aux` given to [`FlexAttention::new`].
     ///
     /// # Errors
-    /// Driver errors.
+    /// [`GpuError::Config`] for a buffer whose length does not fit the shape; driver errors.
     pub fn launch(
         &self,
         gpu: &Gpu,
@@ -1012,6 +1055,17 @@ impl FlexAttention {
         lse: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         let s = &self.shape;
+        let (qn, kn) = s.elems();
+        s.check_lengths(
+            "flex forward",
+            &[
+                ("q", q.len(), qn),
+                ("k", k.len(), kn),
+                ("v", v.len(), kn),
+                ("o", o.len(), qn),
+                ("lse", lse.len(), s.batch * s.heads * s.seq_len_q),
+            ],
+        )?;
         let (tq, tkv, h, kvh, scale) = s.kernel_args();
         let mut l = gpu.stream.launch_builder(&self.fwd);
         l.arg(q)
