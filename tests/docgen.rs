@@ -801,6 +801,46 @@ fn a_default_that_did_not_run_is_one_limitation_per_group() {
     );
 }
 
+/// The Methodology names the alternatives whose rows record a compile time beside their first
+/// call (a compiler on the first call), and says nothing of it when none does.
+#[test]
+fn methodology_names_alternatives_that_compile() {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    for dir in [data, valid_dir()] {
+        let (_tmp, site) = build_site(&dir, None);
+        let docs = load::load_dir(&dir).unwrap();
+        let compiling: BTreeSet<&str> = docs
+            .iter()
+            .flat_map(|l| l.doc.rows.iter())
+            .filter(|r| r.first_call_s.is_some() && r.compile_s.is_some())
+            .map(|r| r.implementation.as_str())
+            .collect();
+        let body = text(
+            page(&site, "index.html")
+                .select(&sel("body"))
+                .next()
+                .unwrap(),
+        );
+        if compiling.is_empty() {
+            assert!(
+                !body.contains("compiles on its first call"),
+                "{}",
+                dir.display()
+            );
+        } else {
+            let names: Vec<&str> = compiling.into_iter().collect();
+            assert!(
+                body.contains(&format!(
+                    "compiles on its first call (here: {})",
+                    names.join(", ")
+                )),
+                "{}: {names:?}",
+                dir.display()
+            );
+        }
+    }
+}
+
 /// The generator names no suite's parameters or units: those come from the documents.
 #[test]
 fn the_generator_names_no_axis_or_unit() {

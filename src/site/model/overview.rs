@@ -210,6 +210,9 @@ pub struct TimingView {
     pub throttled_share: String,
     /// Implementations reported from CUDA-graph replay, or empty.
     pub graph_replayed: String,
+    /// Alternatives (rows with a `first_call_s`) whose rows also record a `compile_s` (a JIT
+    /// compiler on their first call, e.g. `torch.compile`), or empty.
+    pub alternative_compiles: String,
     /// Rows whose reported time is launch-bound, as `N of M`.
     pub launch_bound_rows: String,
     /// Rows reported from graph replay whose eager calls were launch-bound, as `N`.
@@ -895,6 +898,14 @@ fn timing_view(
         .filter(|r| r.timing == Some(crate::schema::TimingMethod::GraphReplay))
         .map(|r| r.implementation.as_str())
         .collect();
+    let alternative_compiles: BTreeSet<&str> = docs
+        .iter()
+        .flat_map(|l| l.doc.rows.iter())
+        // An alternative's first call is recorded apart (`first_call_s`); the project's rows
+        // record their compile only.
+        .filter(|r| r.first_call_s.is_some() && r.compile_s.is_some())
+        .map(|r| r.implementation.as_str())
+        .collect();
     TimingView {
         throughputs: md_text(&throughputs.join("; ")),
         flop_rules: md_text(&flop_rules.into_iter().collect::<Vec<_>>().join("; ")),
@@ -935,6 +946,12 @@ fn timing_view(
             format::sig(100.0 * super::groups::THROTTLED_CLOCK_SHARE, 3)
         ),
         graph_replayed: md_text(&graph_replayed.into_iter().collect::<Vec<_>>().join(", ")),
+        alternative_compiles: md_text(
+            &alternative_compiles
+                .into_iter()
+                .collect::<Vec<_>>()
+                .join(", "),
+        ),
         launch_bound_rows: format!("{launch_bound} of {ok_rows}"),
         eager_launch_bound_rows: eager_launch_bound.to_string(),
         repeats: t.repeats.to_string(),
