@@ -725,6 +725,56 @@ impl FlexRule<'_> {
     }
 }
 
+/// Allocates and fills a block mask's tile lists on the device: per (batch entry, head, tile
+/// of the outer axis) the count, the indices of the inner-axis tiles with a visible pair and
+/// their whole-tile flags, `outer` × `inner` tiles (query × key tiles for the forward's mask,
+/// key × query tiles for the backward's). `func` is `flex_block_mask_kernel` or
+/// `flex_block_mask_t_kernel`: `(const int* kv_lens, const int* aux, int* count, int* index,
+/// unsigned char* full, int Tq, int Tkv, int H)`, one CTA of `threads` per (outer tile, head,
+/// batch entry).
+///
+/// # Errors
+/// Driver errors.
+#[allow(clippy::type_complexity)]
+fn tile_lists(
+    gpu: &Gpu,
+    func: &CudaFunction,
+    shape: &FlexShape,
+    (kv_lens, aux): (&CudaSlice<i32>, &CudaSlice<i32>),
+    (outer, inner): (usize, usize),
+    threads: usize,
+) -> Result<(CudaSlice<i32>, CudaSlice<i32>, CudaSlice<u8>), GpuError> {
+    let lists = shape.batch * shape.heads * outer;
+    let mut count = gpu.stream.alloc_zeros::<i32>(lists)?;
+    let mut index = gpu.stream.alloc_zeros::<i32>(lists * inner)?;
+    let mut full = gpu.stream.alloc_zeros::<u8>(lists * inner)?;
+    let (tq, tkv, h) = (
+        shape.seq_len_q as i32,
+        shape.seq_len_kv as i32,
+        shape.heads as i32,
+    );
+    let mut l = gpu.stream.launch_builder(func);
+    l.arg(kv_lens)
+        .arg(aux)
+        .arg(&mut count)
+        .arg(&mut index)
+        .arg(&mut full)
+        .arg(&tq)
+        .arg(&tkv)
+        .arg(&h);
+    // SAFETY: the signature above; the lists were allocated here for `outer` × `inner` tiles of
+    // this shape; kv_lens holds `batch` entries and `aux` what the mask reads (the callers'
+    // contract, checked where the buffers are made).
+    unsafe {
+        l.launch(LaunchConfig {
+            grid_dim: (outer as u32, shape.heads as u32, shape.batch as u32),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        })?
+    };
+    Ok((count, index, full))
+}
+
 /// The compiled backward kernels, the transposed block mask and the scratch of one flex call.
 struct FlexBwd {
     pre: CudaFunction,
@@ -793,35 +843,9 @@ impl FlexAttention {
             .stream
             .clone_htod(if aux.is_empty() { &[0][..] } else { aux })?;
         let (nq, nk) = (shape.query_tiles(), shape.key_tiles());
-        let lists = shape.batch * shape.heads * nq;
-        let mut kv_count = gpu.stream.alloc_zeros::<i32>(lists)?;
-        let mut kv_index = gpu.stream.alloc_zeros::<i32>(lists * nk)?;
-        let mut kv_full = gpu.stream.alloc_zeros::<u8>(lists * nk)?;
-        let (tq, tkv, h) = (
-            shape.seq_len_q as i32,
-            shape.seq_len_kv as i32,
-            shape.heads as i32,
-        );
-        let mut l = gpu.stream.launch_builder(&block);
-        l.arg(&kv_lens)
-            .arg(&aux_d)
-            .arg(&mut kv_count)
-            .arg(&mut kv_index)
-            .arg(&mut kv_full)
-            .arg(&tq)
-            .arg(&tkv)
-            .arg(&h);
-        // SAFETY: `flex_block_mask_kernel(const int* kv_lens, const int* aux, int* kv_count,
-        // int* kv_index, unsigned char* kv_full, int Tq, int Tkv, int H)`, one CTA per (query
-        // tile, head, batch entry); the lists were allocated for this shape's tiles, kv_lens
-        // holds `batch` entries and `aux` what the mask reads (the caller's contract).
-        unsafe {
-            l.launch(LaunchConfig {
-                grid_dim: (nq as u32, shape.heads as u32, shape.batch as u32),
-                block_dim: (THREADS as u32, 1, 1),
-                shared_mem_bytes: 0,
-            })?
-        };
+        // Per query tile the key tiles with a visible pair.
+        let (kv_count, kv_index, kv_full) =
+            tile_lists(gpu, &block, &shape, (&kv_lens, &aux_d), (nq, nk), THREADS)?;
         Ok(FlexAttention {
             shape,
             spec: spec.clone(),
@@ -861,30 +885,15 @@ impl FlexAttention {
             s.seq_len_q.div_ceil(FLEX_BWD_ROWS),
             s.seq_len_kv.div_ceil(FLEX_BWD_KEYS),
         );
-        let lists = s.batch * s.heads * nk;
-        let mut q_count = gpu.stream.alloc_zeros::<i32>(lists)?;
-        let mut q_index = gpu.stream.alloc_zeros::<i32>(lists * nq)?;
-        let mut q_full = gpu.stream.alloc_zeros::<u8>(lists * nq)?;
-        let (tq, tkv, h) = (s.seq_len_q as i32, s.seq_len_kv as i32, s.heads as i32);
-        let mut l = gpu.stream.launch_builder(&mask);
-        l.arg(&self.kv_lens)
-            .arg(&self.aux)
-            .arg(&mut q_count)
-            .arg(&mut q_index)
-            .arg(&mut q_full)
-            .arg(&tq)
-            .arg(&tkv)
-            .arg(&h);
-        // SAFETY: `flex_block_mask_t_kernel(const int* kv_lens, const int* aux, int* q_count,
-        // int* q_index, unsigned char* q_full, int Tq, int Tkv, int H)`, one CTA per (key tile,
-        // head, batch entry); the lists were allocated for this shape's tiles.
-        unsafe {
-            l.launch(LaunchConfig {
-                grid_dim: (nk as u32, s.heads as u32, s.batch as u32),
-                block_dim: (BWD_MASK_THREADS as u32, 1, 1),
-                shared_mem_bytes: 0,
-            })?
-        };
+        // Per key tile (the outer axis here) the query tiles with a visible pair.
+        let (q_count, q_index, q_full) = tile_lists(
+            gpu,
+            &mask,
+            &s,
+            (&self.kv_lens, &self.aux),
+            (nk, nq),
+            BWD_MASK_THREADS,
+        )?;
         let rows = s.batch * s.heads * s.seq_len_q;
         self.bwd = Some(FlexBwd {
             pre: gpu.function(&compiled.module, &names[1], 0)?,
