@@ -362,3 +362,290 @@ extern "C" __global__ void __launch_bounds__(128) attn_fwd_sm90_d128(
         attn_fwd_sm90<128, false>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, lead_k,
                                   stride_k, lead_v, stride_v);
 }
+
+// ---------------------------------------------------------------------------------------------
+// v2: the tensor memory accelerator, mbarriers, warp specialisation and 128-byte swizzling.
+//
+// Shared-memory tiles here are TMA's 128-byte-swizzled layout: a tile of R rows x D columns of
+// 16-bit elements is stored as D / 64 column panels of R rows x 128 bytes (panel p at byte
+// p * R * 128), and within a panel the 16-byte chunk c of row r sits at chunk c ^ (r % 8) of
+// that row (the hardware swizzles on the way in, and wgmma unswizzles on the way out, given a
+// 1024-byte-aligned panel). Descriptors (layout type 1, 128-byte swizzle): a K-major operand
+// (Q, K: rows = M or N, columns = the reduction) advances along K by 32 bytes per k16 step
+// inside a panel, its stride offset is the 1024 bytes between 8-row groups and its leading
+// offset is unused; an MN-major operand (V: rows = keys = the reduction, columns = head_dim =
+// N) advances along K by 2048 bytes (16 rows) per k16 step, its stride offset is the 1024 bytes
+// between 8-row groups along K and its leading offset the distance between 64-column panels
+// along N (CUTLASS's canonical GMMA layouts name the same two strides).
+
+// A CUtensorMap (cuTensorMapEncodeTiled's 128-byte opaque object), passed by value as a
+// __grid_constant__ kernel parameter so that TMA can read it from parameter space.
+struct __align__(64) TmaMap {
+    unsigned long long w[16];
+};
+
+__device__ __forceinline__ uint64_t smem_desc_sw128(u32 saddr, u32 lead_bytes, u32 stride_bytes) {
+    uint64_t d = (uint64_t)((saddr & 0x3FFFF) >> 4);
+    d |= (uint64_t)((lead_bytes & 0x3FFFF) >> 4) << 16;
+    d |= (uint64_t)((stride_bytes & 0x3FFFF) >> 4) << 32;
+    d |= 1ull << 62;
+    return d;
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// The producer's arrival that also announces `bytes` of TMA transactions for this phase.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase with parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// A 3-D tile (box) of the tensor map `map` at element coordinates (c0, c1, c2), innermost
+// first, into shared memory at `dst`; its bytes count towards barrier `bar`'s transactions.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, u32 bar, int c0, int c1,
+                                            int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+
+// D (64 x 128, fp32) += A (64 x 16) * B (16 x 128), both from shared memory, B K-major (S = Q
+// K^T with 128 keys per tile).
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a,
+                                                    uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+          "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
+          "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// Shared-memory plan of attn_fwd_sm90_ws (bytes from the 1024-aligned base): two 64-row Q
+// tiles, ST stages of K and of V (BC keys each), then the mbarriers.
+template <int D, int BC, int ST>
+struct WsPlan {
+    static constexpr u32 Q_TILE = 64 * D * 2;
+    static constexpr u32 KV_TILE = BC * D * 2;
+    static constexpr u32 Q = 0;
+    static constexpr u32 K = 2 * Q_TILE;
+    static constexpr u32 V = K + ST * KV_TILE;
+    static constexpr u32 BARS = V + ST * KV_TILE;
+    // Q, then per stage: K full, V full, K empty, V empty.
+    static constexpr u32 BYTES = BARS + 8 * (1 + 4 * ST);
+};
+
+// Attention forward on wgmma, v2 (issue 11; bf16, head_dim 64 or 128): three warpgroups per
+// 128-row query tile. Warpgroup 0 is the producer: it gives up registers (setmaxnreg) and one
+// of its threads brings Q once and K and V tiles (BC keys) through ST stages by TMA, each stage
+// with a "full" mbarrier (TMA's transaction count) and an "empty" one (every consumer thread
+// arrives when its warpgroup's wgmma has read the tile). Warpgroups 1 and 2 are consumers,
+// with more registers, each owning 64 query rows: S = Q K^T on wgmma (both operands from
+// shared memory), FlashAttention-2's online softmax in registers, O += P V on wgmma with P from
+// registers. The two consumers run independently, so the scheduler overlaps one's softmax with
+// the other's GEMMs (no explicit ping-pong yet, and no overlap within a warpgroup). Masks as
+// attn_fwd_sm90: keys at or past kv_lens[b], bottom-right causal; a row that sees no key gets
+// O = 0 and LSE = +inf. Rows and keys past the tensor's end are TMA's zero fill.
+template <int D, int BC, int ST, bool CAUSAL>
+__device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap* tk,
+                                                 const TmaMap* tv, u16* __restrict__ O,
+                                                 float* __restrict__ LSE,
+                                                 const int* __restrict__ kv_lens, int Tq,
+                                                 int Tkv, int H, int KVH, float scale_log2) {
+    using P = WsPlan<D, BC, ST>;
+    constexpr int PANELS = D / 64, DT = D / 8, NT = BC / 8;
+    const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
+    const u32 bar_q = base + P::BARS;
+    auto full_k = [&](int s) { return base + P::BARS + 8u * (1 + 4 * s); };
+    auto full_v = [&](int s) { return base + P::BARS + 8u * (2 + 4 * s); };
+    auto empty_k = [&](int s) { return base + P::BARS + 8u * (3 + 4 * s); };
+    auto empty_v = [&](int s) { return base + P::BARS + 8u * (4 + 4 * s); };
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (H / KVH);
+    const int L = min(kv_lens[b], Tkv);
+    const int off = L - Tq;
+    const int q0 = qt * 128;
+    const int rows_cta = min(128, Tq - q0);
+    int n_kt = (L + BC - 1) / BC;
+    if (CAUSAL) n_kt = q0 + rows_cta - 1 + off < 0 ? 0 : min(n_kt, (q0 + rows_cta - 1 + off) / BC + 1);
+
+    if (tid == 0) {
+        mbar_init(bar_q, 1);
+        for (int s = 0; s < ST; ++s) {
+            mbar_init(full_k(s), 1);
+            mbar_init(full_v(s), 1);
+            mbar_init(empty_k(s), 256);
+            mbar_init(empty_v(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid == 0) {
+            mbar_expect_tx(bar_q, 2 * P::Q_TILE);
+#pragma unroll
+            for (int w = 0; w < 2; ++w)
+#pragma unroll
+                for (int p = 0; p < PANELS; ++p)
+                    tma_load_3d(base + P::Q + w * P::Q_TILE + p * 64 * 128, tq, bar_q, 64 * p,
+                                q0 + 64 * w, b * H + h);
+            for (int it = 0; it < n_kt; ++it) {
+                const int s = it % ST;
+                const u32 ph = ((it / ST) + 1) & 1;
+                if (it >= ST) mbar_wait(empty_k(s), ph);
+                mbar_expect_tx(full_k(s), P::KV_TILE);
+#pragma unroll
+                for (int p = 0; p < PANELS; ++p)
+                    tma_load_3d(base + P::K + s * P::KV_TILE + p * BC * 128, tk, full_k(s), 64 * p,
+                                it * BC, b * KVH + kvh);
+                if (it >= ST) mbar_wait(empty_v(s), ph);
+                mbar_expect_tx(full_v(s), P::KV_TILE);
+#pragma unroll
+                for (int p = 0; p < PANELS; ++p)
+                    tma_load_3d(base + P::V + s * P::KV_TILE + p * BC * 128, tv, full_v(s), 64 * p,
+                                it * BC, b * KVH + kvh);
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int c = wg - 1;                 // consumer warpgroup: query rows 64 c .. 64 c + 63
+    const int warp = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int q0w = q0 + 64 * c;
+    const int rows_w = max(0, min(64, Tq - q0w));
+    const u32 sq = base + P::Q + c * P::Q_TILE;
+
+    float o[1][DT][4];
+    float s[1][NT][4];
+#pragma unroll
+    for (int i = 0; i < DT; ++i) o[0][i][0] = o[0][i][1] = o[0][i][2] = o[0][i][3] = 0.f;
+    float m_run[1][2] = {{NEG_INF, NEG_INF}}, l_run[1][2] = {{0.f, 0.f}};
+    float(&of)[D / 2] = reinterpret_cast<float(&)[D / 2]>(o);
+    float(&sf)[BC / 2] = reinterpret_cast<float(&)[BC / 2]>(s);
+
+    mbar_wait(bar_q, 0);
+    for (int it = 0; it < n_kt; ++it) {
+        const int st = it % ST;
+        const u32 ph = (it / ST) & 1;
+        const int k0 = it * BC;
+        const u32 sk = base + P::K + st * P::KV_TILE;
+        const u32 sv = base + P::V + st * P::KV_TILE;
+        mbar_wait(full_k(st), ph);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const u32 koff = (u32)(ks & 3) * 32u;
+            const uint64_t da = smem_desc_sw128(sq + (ks >> 2) * 64 * 128 + koff, 16, 1024);
+            const uint64_t db = smem_desc_sw128(sk + (ks >> 2) * BC * 128 + koff, 16, 1024);
+            wgmma_m64n128k16_ss(sf, da, db, ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        mbar_arrive(empty_k(st));
+        const bool edge = k0 + BC > L || (CAUSAL && k0 + BC - 1 > q0w + off);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[0][nt][e] * scale_log2;
+                if (edge) {
+                    const int row = q0w + 16 * warp + g + (e >> 1) * 8;
+                    const int col = k0 + nt * 8 + 2 * t4 + (e & 1);
+                    if (col >= L || (CAUSAL && col > row + off)) x = NEG_INF;
+                }
+                s[0][nt][e] = x;
+            }
+        }
+        online_softmax_rows<1, NT, DT, true>(s, m_run, l_run, o, 0);
+        u32 pa[BC / 16][4];
+#pragma unroll
+        for (int kc = 0; kc < BC / 16; ++kc) {
+            pa[kc][0] = pack2<true>(s[0][2 * kc][0], s[0][2 * kc][1]);
+            pa[kc][1] = pack2<true>(s[0][2 * kc][2], s[0][2 * kc][3]);
+            pa[kc][2] = pack2<true>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
+            pa[kc][3] = pack2<true>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
+        }
+        mbar_wait(full_v(st), ph);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < BC / 16; ++ks) {
+            const uint64_t db = smem_desc_sw128(sv + ks * 16 * 128, BC * 128, 1024);
+            if constexpr (D == 128) {
+                wgmma_m64n128k16_rs<1>(of, pa[ks], db, 1);
+            } else {
+                wgmma_m64n64k16_rs<1>(of, pa[ks], db, 1);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        mbar_arrive(empty_v(st));
+    }
+    if (rows_w > 0)
+        store_rows<1, DT, true>(o, m_run, l_run, O + ((size_t)(b * H + h) * Tq + q0w) * D,
+                                LSE + (size_t)(b * H + h) * Tq + q0w, 16 * warp, rows_w, g, t4);
+}
+
+// Keys per tile and stages of attn_fwd_sm90_ws (the host's WS_KEYS and WS_STAGES agree).
+#define WS_BC 128
+#define WS_ST 2
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_fwd_sm90_ws_d64(
+    const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+    const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens, int Tq, int Tkv,
+    int H, int KVH, float scale_log2, int causal) {
+    if (causal)
+        attn_fwd_sm90_ws<64, WS_BC, WS_ST, true>(&tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH,
+                                                 scale_log2);
+    else
+        attn_fwd_sm90_ws<64, WS_BC, WS_ST, false>(&tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH,
+                                                  scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) attn_fwd_sm90_ws_d128(
+    const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+    const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens, int Tq, int Tkv,
+    int H, int KVH, float scale_log2, int causal) {
+    if (causal)
+        attn_fwd_sm90_ws<128, WS_BC, WS_ST, true>(&tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH,
+                                                  scale_log2);
+    else
+        attn_fwd_sm90_ws<128, WS_BC, WS_ST, false>(&tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H,
+                                                   KVH, scale_log2);
+}

@@ -614,7 +614,13 @@ fn wgmma_probe_compiles_for_sm_90a() {
     );
     let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n");
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
-    for name in ["wgmma_probe", "attn_fwd_sm90_d64", "attn_fwd_sm90_d128"] {
+    for name in [
+        "wgmma_probe",
+        "attn_fwd_sm90_d64",
+        "attn_fwd_sm90_d128",
+        "attn_fwd_sm90_ws_d64",
+        "attn_fwd_sm90_ws_d128",
+    ] {
         let r = reports
             .iter()
             .find(|r| r.kernel == name)

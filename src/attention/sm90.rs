@@ -12,9 +12,8 @@
 //! mode 1, `C = A V` with `A` `[64][K]` from registers and `V` `[K][64]` (P V's form, V N-major
 //! in shared memory). K is a multiple of 16 up to 128.
 
+use cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-
-use cudarc::driver::{CudaFunction, CudaSlice};
 
 use super::cuda::PRELUDE_SRC;
 use crate::gpu::{Gpu, GpuError};
@@ -138,32 +137,122 @@ pub fn wgmma_probe(
     Ok(out)
 }
 
-/// Query rows per CTA of [`HopperForward`] (one warpgroup; wgmma's M).
+/// Query rows per CTA of [`Sm90Version::V1`] (one warpgroup; wgmma's M).
 pub const SM90_ROWS: usize = 64;
-/// Keys per tile of [`HopperForward`].
+/// Keys per tile of [`Sm90Version::V1`].
 pub const SM90_KEYS: usize = 64;
+/// Query rows per CTA of [`Sm90Version::V2`] (two consumer warpgroups of 64 rows).
+pub const WS_ROWS: usize = 128;
+/// Keys per tile of [`Sm90Version::V2`] (`WS_BC` in the kernel source).
+pub const WS_KEYS: usize = 128;
+/// K and V stages of [`Sm90Version::V2`] (`WS_ST` in the kernel source).
+pub const WS_STAGES: usize = 2;
 
-/// The attention forward on wgmma (v1 of issue 11's kernel): bf16 Q `[batch, heads, seq_len_q,
-/// head_dim]`, K and V `[batch, kv_heads, seq_len_kv, head_dim]` (GQA: heads a multiple of
-/// kv_heads), O like Q, LSE `[batch, heads, seq_len_q]` f32 natural log (+∞ and O = 0 for a row
-/// that sees no key); per-sequence key lengths `kv_lens` `[batch]` i32 on the device; causal
-/// aligned bottom-right; head_dim 64 or 128. One warpgroup per 64-row query tile; S = Q Kᵀ and
-/// O += P V on wgmma, K and V by cp.async, FlashAttention-2's online softmax in between.
+/// Which wgmma forward kernel [`HopperForward`] runs (both in `kernels/attn_wgmma_sm90.cu`;
+/// `kernels/TUNING.md` has each version's measurements).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sm90Version {
+    /// One warpgroup per 64-row query tile, K and V by cp.async (no swizzle), 64 keys per tile,
+    /// every GEMM waited for before the softmax.
+    V1,
+    /// Three warpgroups per 128-row query tile: a producer that brings Q, K and V by TMA (128-byte
+    /// swizzle, [`WS_STAGES`] stages on mbarriers, registers handed to the consumers with
+    /// `setmaxnreg`) and two consumers of 64 rows each, [`WS_KEYS`] keys per tile.
+    V2,
+}
+
+/// A `CUtensorMap` (the driver's 128-byte tensor-map object, 64-byte aligned) as a kernel
+/// argument: the kernels take it by value as a `__grid_constant__` parameter.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub struct TmaMap(sys::CUtensorMap);
+
+// SAFETY: a plain 128-byte value; the kernel's parameter is the same 128 bytes (`TmaMap` in
+// kernels/attn_wgmma_sm90.cu, `__align__(64)`).
+unsafe impl DeviceRepr for TmaMap {}
+
+/// The tensor map of a bf16 tensor `[planes][rows][head_dim]` at device address `ptr` for TMA
+/// boxes of 64 columns (128 bytes, the 128-byte swizzle's width) × `box_rows` rows × 1 plane,
+/// 128-byte swizzled in shared memory; boxes past the tensor's end read zeros.
+///
+/// # Errors
+/// [`GpuError::Config`] for a head_dim that is not a multiple of 64 or a box of more than 256
+/// rows; the driver's error for what it refuses.
+pub fn tma_map_bf16(
+    ptr: sys::CUdeviceptr,
+    (planes, rows, head_dim): (usize, usize, usize),
+    box_rows: u32,
+) -> Result<TmaMap, GpuError> {
+    if !head_dim.is_multiple_of(64) || box_rows == 0 || box_rows > 256 {
+        return Err(GpuError::Config(format!(
+            "tensor map: head_dim {head_dim} must be a multiple of 64 and the box 1..=256 rows \
+             (not {box_rows})"
+        )));
+    }
+    let dims = [head_dim as u64, rows as u64, planes as u64];
+    let strides = [(head_dim * 2) as u64, (rows * head_dim * 2) as u64];
+    let boxes = [64u32, box_rows, 1];
+    let element_strides = [1u32; 3];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: `map` is a writable CUtensorMap; the arrays hold `rank` (3) entries (strides 2:
+    // the innermost is implied) and live across the call; `ptr` is a device allocation of at
+    // least planes · rows · head_dim bf16 words (the caller's buffer, checked against the
+    // shape by the launch).
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            3,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()?;
+        Ok(TmaMap(map.assume_init()))
+    }
+}
+
+/// The attention forward on wgmma (issue 11): bf16 Q `[batch, heads, seq_len_q, head_dim]`, K
+/// and V `[batch, kv_heads, seq_len_kv, head_dim]` (GQA: heads a multiple of kv_heads), O like
+/// Q, LSE `[batch, heads, seq_len_q]` f32 natural log (+∞ and O = 0 for a row that sees no
+/// key); per-sequence key lengths `kv_lens` `[batch]` i32 on the device; causal aligned
+/// bottom-right; head_dim 64 or 128. S = Q Kᵀ and O += P V on wgmma, FlashAttention-2's online
+/// softmax in between (Dao, 2023); [`Sm90Version`] says how the tiles are brought and who
+/// computes them.
 pub struct HopperForward {
     func: CudaFunction,
     smem: u32,
     head_dim: usize,
+    version: Sm90Version,
     /// NVRTC compile + load time, s.
     pub compile_s: f64,
 }
 
 impl HopperForward {
-    /// Compiles the kernels (once per process) and picks the one for `head_dim`.
+    /// Compiles the kernels (once per process) and picks [`Sm90Version::V2`] for `head_dim`.
+    ///
+    /// # Errors
+    /// As [`HopperForward::with_version`].
+    pub fn new(gpu: &Gpu, head_dim: usize) -> Result<HopperForward, GpuError> {
+        HopperForward::with_version(gpu, head_dim, Sm90Version::V2)
+    }
+
+    /// Compiles the kernels (once per process) and picks `version`'s for `head_dim`.
     ///
     /// # Errors
     /// [`GpuError::Config`] on a device that is not compute capability 9.0 or for a head_dim
     /// other than 64 and 128; NVRTC and driver errors.
-    pub fn new(gpu: &Gpu, head_dim: usize) -> Result<HopperForward, GpuError> {
+    pub fn with_version(
+        gpu: &Gpu,
+        head_dim: usize,
+        version: Sm90Version,
+    ) -> Result<HopperForward, GpuError> {
         if gpu.arch() != "sm_90a" {
             return Err(GpuError::Config(format!(
                 "the wgmma forward needs compute capability 9.0 (sm_90a), not {}",
@@ -177,21 +266,33 @@ impl HopperForward {
         }
         let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n");
         let compiled = gpu.compile("attn_wgmma_sm90.cu", &src)?;
-        let smem = ((SM90_ROWS + 4 * SM90_KEYS) * head_dim * 2) as u32;
-        let name = format!("attn_fwd_sm90_d{head_dim}");
+        let (name, smem) = match version {
+            Sm90Version::V1 => (
+                format!("attn_fwd_sm90_d{head_dim}"),
+                ((SM90_ROWS + 4 * SM90_KEYS) * head_dim * 2) as u32,
+            ),
+            // Two 64-row Q tiles, the K and V stages, 8-byte mbarriers (Q, then four per
+            // stage), and up to 1023 bytes to align the base for the 128-byte swizzle.
+            Sm90Version::V2 => (
+                format!("attn_fwd_sm90_ws_d{head_dim}"),
+                ((WS_ROWS + 2 * WS_STAGES * WS_KEYS) * head_dim * 2
+                    + 8 * (1 + 4 * WS_STAGES)
+                    + 1024) as u32,
+            ),
+        };
         super::cuda::check_smem(gpu, &name, smem)?;
         let func = gpu.function(&compiled.module, &name, smem)?;
         Ok(HopperForward {
             func,
             smem,
             head_dim,
+            version,
             compile_s: compiled.compile_s,
         })
     }
 
     /// Launches one forward on the stream (shapes in the type's documentation; `shape` is
-    /// (batch, heads, kv_heads, seq_len_q, seq_len_kv)), with the descriptor offsets of
-    /// [`readings`]' first reading.
+    /// (batch, heads, kv_heads, seq_len_q, seq_len_kv)).
     ///
     /// # Errors
     /// [`GpuError::Config`] for heads not a multiple of kv_heads, an empty dimension or a buffer
@@ -239,8 +340,6 @@ impl HopperForward {
                 batch * heads * seq_len_q
             )));
         }
-        let kmaj = (128u32, 16 * d as u32);
-        let nmaj = (16 * d as u32, 128u32);
         let (tq, tkv, h, kvh) = (
             seq_len_q as i32,
             seq_len_kv as i32,
@@ -249,6 +348,52 @@ impl HopperForward {
         );
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         let causal_i = i32::from(causal);
+        if self.version == Sm90Version::V2 {
+            let maps = {
+                let (qp, _gq) = q.device_ptr(&gpu.stream);
+                let (kp, _gk) = k.device_ptr(&gpu.stream);
+                let (vp, _gv) = v.device_ptr(&gpu.stream);
+                [
+                    tma_map_bf16(qp, (batch * heads, seq_len_q, d), 64)?,
+                    tma_map_bf16(kp, (batch * kv_heads, seq_len_kv, d), WS_KEYS as u32)?,
+                    tma_map_bf16(vp, (batch * kv_heads, seq_len_kv, d), WS_KEYS as u32)?,
+                ]
+            };
+            let mut l = gpu.stream.launch_builder(&self.func);
+            l.arg(&maps[0])
+                .arg(&maps[1])
+                .arg(&maps[2])
+                .arg(o)
+                .arg(lse)
+                .arg(kv_lens)
+                .arg(&tq)
+                .arg(&tkv)
+                .arg(&h)
+                .arg(&kvh)
+                .arg(&scale_log2)
+                .arg(&causal_i);
+            // SAFETY: `attn_fwd_sm90_ws_d*(TmaMap tq, TmaMap tk, TmaMap tv, u16* O, float* LSE,
+            // const int* kv_lens, int Tq, int Tkv, int H, int KVH, float scale_log2, int
+            // causal)`, three warpgroups per (128-row query tile, head, batch entry); the maps
+            // describe q, k and v with the shapes checked above (TMA reads inside them only,
+            // zero-filling past their ends), o and lse hold those shapes, kv_lens `batch`
+            // entries; the reads of q, k and v are ordered on this stream like the other
+            // arguments' (the maps carry raw addresses of buffers that outlive the launch).
+            unsafe {
+                l.launch(LaunchConfig {
+                    grid_dim: (
+                        seq_len_q.div_ceil(WS_ROWS) as u32,
+                        heads as u32,
+                        batch as u32,
+                    ),
+                    block_dim: (384, 1, 1),
+                    shared_mem_bytes: self.smem,
+                })?
+            };
+            return Ok(());
+        }
+        let kmaj = (128u32, 16 * d as u32);
+        let nmaj = (16 * d as u32, 128u32);
         let mut l = gpu.stream.launch_builder(&self.func);
         l.arg(q)
             .arg(k)
