@@ -467,18 +467,111 @@ struct WsPlan {
     static constexpr u32 BYTES = BARS + 8 * (1 + 4 * ST);
 };
 
-// Attention forward on wgmma, v2 (issue 11; bf16, head_dim 64 or 128): three warpgroups per
-// 128-row query tile. Warpgroup 0 is the producer: it gives up registers (setmaxnreg) and one
-// of its threads brings Q once and K and V tiles (BC keys) through ST stages by TMA, each stage
-// with a "full" mbarrier (TMA's transaction count) and an "empty" one (every consumer thread
-// arrives when its warpgroup's wgmma has read the tile). Warpgroups 1 and 2 are consumers,
-// with more registers, each owning 64 query rows: S = Q K^T on wgmma (both operands from
-// shared memory), FlashAttention-2's online softmax in registers, O += P V on wgmma with P from
-// registers. The two consumers run independently, so the scheduler overlaps one's softmax with
-// the other's GEMMs (no explicit ping-pong yet, and no overlap within a warpgroup). Masks as
-// attn_fwd_sm90: keys at or past kv_lens[b], bottom-right causal; a row that sees no key gets
-// O = 0 and LSE = +inf. Rows and keys past the tensor's end are TMA's zero fill.
-template <int D, int BC, int ST, bool CAUSAL>
+// The score tile of one consumer warpgroup, 64 rows x BC keys, in the accumulator layout:
+// masks it (keys at or past L, bottom-right causal with offset `off`; raw scores, so -inf
+// stays -inf after the scale) when the tile touches an edge.
+template <int NT, bool CAUSAL>
+__device__ __forceinline__ void ws_mask(float (&s)[1][NT][4], int k0, int L, int off, int row0,
+                                        bool edge, int g, int t4) {
+    if (!edge) return;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = row0 + g + (e >> 1) * 8;
+            const int col = k0 + nt * 8 + 2 * t4 + (e & 1);
+            if (col >= L || (CAUSAL && col > row + off)) s[0][nt][e] = NEG_INF;
+        }
+}
+
+// The online softmax (FlashAttention-2's) over one raw score tile, without touching O: per row
+// (two per thread, reduced over the quad), the new running max in the log2 domain, alpha =
+// 2^(m_old - m_new) for the caller to rescale O with once the P V product that reads O has
+// finished, p = 2^(s * scale_log2 - m) (one FFMA and one EX2 per score), l = l alpha + sum p.
+// A row that has seen no key (m = -inf) subtracts 0 instead.
+template <int NT>
+__device__ __forceinline__ void ws_softmax(float (&s)[1][NT][4], float (&m_run)[1][2],
+                                           float (&l_run)[1][2], float (&alpha)[2],
+                                           float scale_log2) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[0][nt][2 * r], s[0][nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(m_run[0][r], mx * scale_log2);
+        const float m_use = m_new == NEG_INF ? 0.f : m_new;
+        alpha[r] = fast_exp2(m_run[0][r] - m_use);
+        m_run[0][r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const float p0 = fast_exp2(fmaf(s[0][nt][2 * r], scale_log2, -m_use));
+            const float p1 = fast_exp2(fmaf(s[0][nt][2 * r + 1], scale_log2, -m_use));
+            s[0][nt][2 * r] = p0;
+            s[0][nt][2 * r + 1] = p1;
+            sum += p0 + p1;
+        }
+        l_run[0][r] = l_run[0][r] * alpha[r] + sum;
+    }
+}
+
+// S (64 x BC) = Q K^T for one consumer warpgroup: D / 16 k-steps, both operands K-major and
+// 128-byte swizzled (Q's panels 64 rows apart, K's BC rows), issued, not waited for.
+template <int D, int BC>
+__device__ __forceinline__ void ws_qk(float (&sf)[BC / 2], u32 sq, u32 sk) {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        const u32 koff = (u32)(ks & 3) * 32u;
+        const uint64_t da = smem_desc_sw128(sq + (ks >> 2) * 64 * 128 + koff, 16, 1024);
+        const uint64_t db = smem_desc_sw128(sk + (ks >> 2) * BC * 128 + koff, 16, 1024);
+        wgmma_m64n128k16_ss(sf, da, db, ks > 0);
+    }
+}
+
+// O (64 x D) += P (registers) V (BC keys x D, MN-major, 128-byte swizzled: panels BC rows
+// apart), issued, not waited for.
+template <int D, int BC>
+__device__ __forceinline__ void ws_pv(float (&of)[D / 2], const u32 (&pa)[BC / 16][4], u32 sv) {
+#pragma unroll
+    for (int ks = 0; ks < BC / 16; ++ks) {
+        const uint64_t db = smem_desc_sw128(sv + ks * 16 * 128, BC * 128, 1024);
+        if constexpr (D == 128) {
+            wgmma_m64n128k16_rs<1>(of, pa[ks], db, 1);
+        } else {
+            wgmma_m64n64k16_rs<1>(of, pa[ks], db, 1);
+        }
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void ws_pack(const float (&s)[1][NT][4], u32 (&pa)[NT / 2][4]) {
+#pragma unroll
+    for (int kc = 0; kc < NT / 2; ++kc) {
+        pa[kc][0] = pack2<true>(s[0][2 * kc][0], s[0][2 * kc][1]);
+        pa[kc][1] = pack2<true>(s[0][2 * kc][2], s[0][2 * kc][3]);
+        pa[kc][2] = pack2<true>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
+        pa[kc][3] = pack2<true>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
+    }
+}
+
+// Attention forward on wgmma, v2 and v3 (issue 11; bf16, head_dim 64 or 128): three
+// warpgroups per 128-row query tile. Warpgroup 0 is the producer: it gives up registers
+// (setmaxnreg) and one of its threads brings Q once and K and V tiles (BC keys) through ST
+// stages by TMA, each stage with a "full" mbarrier (TMA's transaction count) and an "empty"
+// one (every consumer thread arrives when its warpgroup's wgmma has read the tile). Warpgroups
+// 1 and 2 are consumers, with more registers, each owning 64 query rows: S = Q K^T on wgmma
+// (both operands from shared memory), FlashAttention-2's online softmax in registers, O += P V
+// on wgmma with P from registers. The two consumers run independently, so the scheduler
+// overlaps one's softmax with the other's products (no explicit ping-pong).
+// PIPE = false (v2): each tile's S is waited for, then its softmax, then its P V, waited for.
+// PIPE = true (v3, FlashAttention-3's intra-warpgroup overlap): tile j's S = Q K^T and tile
+// j-1's O += P V are issued together, the softmax of tile j runs while P V is in flight, and O
+// is rescaled after it lands; causal query tiles go heaviest first.
+// Masks as attn_fwd_sm90: keys at or past kv_lens[b], bottom-right causal; a row that sees no
+// key gets O = 0 and LSE = +inf. Rows and keys past the tensor's end are TMA's zero fill.
+template <int D, int BC, int ST, bool CAUSAL, bool PIPE>
 __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap* tk,
                                                  const TmaMap* tv, u16* __restrict__ O,
                                                  float* __restrict__ LSE,
@@ -493,7 +586,8 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
     auto empty_k = [&](int s) { return base + P::BARS + 8u * (3 + 4 * s); };
     auto empty_v = [&](int s) { return base + P::BARS + 8u * (4 + 4 * s); };
     const int tid = threadIdx.x, wg = tid >> 7;
-    const int qt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int qt = PIPE && CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (H / KVH);
     const int L = min(kv_lens[b], Tkv);
     const int off = L - Tq;
@@ -550,72 +644,91 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
     const int g = lane >> 2, t4 = lane & 3;
     const int q0w = q0 + 64 * c;
     const int rows_w = max(0, min(64, Tq - q0w));
+    const int row0 = q0w + 16 * warp;
     const u32 sq = base + P::Q + c * P::Q_TILE;
+    auto k_at = [&](int it) { return base + P::K + (it % ST) * P::KV_TILE; };
+    auto v_at = [&](int it) { return base + P::V + (it % ST) * P::KV_TILE; };
+    auto edge_at = [&](int k0) { return k0 + BC > L || (CAUSAL && k0 + BC - 1 > q0w + off); };
 
     float o[1][DT][4];
     float s[1][NT][4];
 #pragma unroll
     for (int i = 0; i < DT; ++i) o[0][i][0] = o[0][i][1] = o[0][i][2] = o[0][i][3] = 0.f;
     float m_run[1][2] = {{NEG_INF, NEG_INF}}, l_run[1][2] = {{0.f, 0.f}};
+    float alpha[2];
     float(&of)[D / 2] = reinterpret_cast<float(&)[D / 2]>(o);
     float(&sf)[BC / 2] = reinterpret_cast<float(&)[BC / 2]>(s);
+    u32 pa[BC / 16][4];
 
     mbar_wait(bar_q, 0);
-    for (int it = 0; it < n_kt; ++it) {
-        const int st = it % ST;
-        const u32 ph = (it / ST) & 1;
-        const int k0 = it * BC;
-        const u32 sk = base + P::K + st * P::KV_TILE;
-        const u32 sv = base + P::V + st * P::KV_TILE;
-        mbar_wait(full_k(st), ph);
-        wgmma_fence();
+    if constexpr (!PIPE) {
+        for (int it = 0; it < n_kt; ++it) {
+            const u32 ph = (it / ST) & 1;
+            mbar_wait(full_k(it % ST), ph);
+            wgmma_fence();
+            ws_qk<D, BC>(sf, sq, k_at(it));
+            wgmma_commit();
+            wgmma_wait<0>();
+            mbar_arrive(empty_k(it % ST));
+            ws_mask<NT, CAUSAL>(s, it * BC, L, off, row0, edge_at(it * BC), g, t4);
+            ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            const u32 koff = (u32)(ks & 3) * 32u;
-            const uint64_t da = smem_desc_sw128(sq + (ks >> 2) * 64 * 128 + koff, 16, 1024);
-            const uint64_t db = smem_desc_sw128(sk + (ks >> 2) * BC * 128 + koff, 16, 1024);
-            wgmma_m64n128k16_ss(sf, da, db, ks > 0);
+            for (int dt = 0; dt < DT; ++dt) {
+                o[0][dt][0] *= alpha[0];
+                o[0][dt][1] *= alpha[0];
+                o[0][dt][2] *= alpha[1];
+                o[0][dt][3] *= alpha[1];
+            }
+            ws_pack<NT>(s, pa);
+            mbar_wait(full_v(it % ST), ph);
+            wgmma_fence();
+            ws_pv<D, BC>(of, pa, v_at(it));
+            wgmma_commit();
+            wgmma_wait<0>();
+            mbar_arrive(empty_v(it % ST));
         }
+    } else if (n_kt > 0) {
+        // Tile 0: S alone (O is zero, nothing to rescale).
+        mbar_wait(full_k(0), 0);
+        wgmma_fence();
+        ws_qk<D, BC>(sf, sq, k_at(0));
         wgmma_commit();
         wgmma_wait<0>();
-        mbar_arrive(empty_k(st));
-        const bool edge = k0 + BC > L || (CAUSAL && k0 + BC - 1 > q0w + off);
+        mbar_arrive(empty_k(0));
+        ws_mask<NT, CAUSAL>(s, 0, L, off, row0, edge_at(0), g, t4);
+        ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
+        ws_pack<NT>(s, pa);
+        for (int it = 1; it < n_kt; ++it) {
+            const int prev = it - 1;
+            mbar_wait(full_k(it % ST), (it / ST) & 1);
+            wgmma_fence();
+            ws_qk<D, BC>(sf, sq, k_at(it));
+            wgmma_commit();
+            mbar_wait(full_v(prev % ST), (prev / ST) & 1);
+            ws_pv<D, BC>(of, pa, v_at(prev));
+            wgmma_commit();
+            wgmma_wait<1>();  // S of tile it has landed; P V of tile it-1 may be in flight
+            mbar_arrive(empty_k(it % ST));
+            ws_mask<NT, CAUSAL>(s, it * BC, L, off, row0, edge_at(it * BC), g, t4);
+            ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
+            wgmma_wait<0>();  // P V of tile it-1 has landed: O and pa are free
+            mbar_arrive(empty_v(prev % ST));
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[0][nt][e] * scale_log2;
-                if (edge) {
-                    const int row = q0w + 16 * warp + g + (e >> 1) * 8;
-                    const int col = k0 + nt * 8 + 2 * t4 + (e & 1);
-                    if (col >= L || (CAUSAL && col > row + off)) x = NEG_INF;
-                }
-                s[0][nt][e] = x;
+            for (int dt = 0; dt < DT; ++dt) {
+                o[0][dt][0] *= alpha[0];
+                o[0][dt][1] *= alpha[0];
+                o[0][dt][2] *= alpha[1];
+                o[0][dt][3] *= alpha[1];
             }
+            ws_pack<NT>(s, pa);
         }
-        online_softmax_rows<1, NT, DT, true>(s, m_run, l_run, o, 0);
-        u32 pa[BC / 16][4];
-#pragma unroll
-        for (int kc = 0; kc < BC / 16; ++kc) {
-            pa[kc][0] = pack2<true>(s[0][2 * kc][0], s[0][2 * kc][1]);
-            pa[kc][1] = pack2<true>(s[0][2 * kc][2], s[0][2 * kc][3]);
-            pa[kc][2] = pack2<true>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
-            pa[kc][3] = pack2<true>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
-        }
-        mbar_wait(full_v(st), ph);
+        const int last = n_kt - 1;
+        mbar_wait(full_v(last % ST), (last / ST) & 1);
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < BC / 16; ++ks) {
-            const uint64_t db = smem_desc_sw128(sv + ks * 16 * 128, BC * 128, 1024);
-            if constexpr (D == 128) {
-                wgmma_m64n128k16_rs<1>(of, pa[ks], db, 1);
-            } else {
-                wgmma_m64n64k16_rs<1>(of, pa[ks], db, 1);
-            }
-        }
+        ws_pv<D, BC>(of, pa, v_at(last));
         wgmma_commit();
         wgmma_wait<0>();
-        mbar_arrive(empty_v(st));
+        mbar_arrive(empty_v(last % ST));
     }
     if (rows_w > 0)
         store_rows<1, DT, true>(o, m_run, l_run, O + ((size_t)(b * H + h) * Tq + q0w) * D,
@@ -626,26 +739,21 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
 #define WS_BC 128
 #define WS_ST 2
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_fwd_sm90_ws_d64(
-    const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
-    const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens, int Tq, int Tkv,
-    int H, int KVH, float scale_log2, int causal) {
-    if (causal)
-        attn_fwd_sm90_ws<64, WS_BC, WS_ST, true>(&tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH,
-                                                 scale_log2);
-    else
-        attn_fwd_sm90_ws<64, WS_BC, WS_ST, false>(&tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH,
-                                                  scale_log2);
-}
+#define WS_ENTRY(NAME, D, PIPE)                                                                 \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                        \
+        NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,              \
+             const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens, int Tq, \
+             int Tkv, int H, int KVH, float scale_log2, int causal) {                          \
+        if (causal)                                                                             \
+            attn_fwd_sm90_ws<D, WS_BC, WS_ST, true, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens, Tq,   \
+                                                          Tkv, H, KVH, scale_log2);             \
+        else                                                                                    \
+            attn_fwd_sm90_ws<D, WS_BC, WS_ST, false, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens, Tq,  \
+                                                           Tkv, H, KVH, scale_log2);            \
+    }
 
-extern "C" __global__ void __launch_bounds__(384, 1) attn_fwd_sm90_ws_d128(
-    const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
-    const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens, int Tq, int Tkv,
-    int H, int KVH, float scale_log2, int causal) {
-    if (causal)
-        attn_fwd_sm90_ws<128, WS_BC, WS_ST, true>(&tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH,
-                                                  scale_log2);
-    else
-        attn_fwd_sm90_ws<128, WS_BC, WS_ST, false>(&tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H,
-                                                   KVH, scale_log2);
-}
+// v2: attn_fwd_sm90_ws_d*; v3 (the intra-warpgroup overlap): attn_fwd_sm90_wsp_d*.
+WS_ENTRY(attn_fwd_sm90_ws_d64, 64, false)
+WS_ENTRY(attn_fwd_sm90_ws_d128, 128, false)
+WS_ENTRY(attn_fwd_sm90_wsp_d64, 64, true)
+WS_ENTRY(attn_fwd_sm90_wsp_d128, 128, true)

@@ -620,6 +620,8 @@ fn wgmma_probe_compiles_for_sm_90a() {
         "attn_fwd_sm90_d128",
         "attn_fwd_sm90_ws_d64",
         "attn_fwd_sm90_ws_d128",
+        "attn_fwd_sm90_wsp_d64",
+        "attn_fwd_sm90_wsp_d128",
     ] {
         let r = reports
             .iter()

@@ -141,7 +141,7 @@ pub fn wgmma_probe(
 pub const SM90_ROWS: usize = 64;
 /// Keys per tile of [`Sm90Version::V1`].
 pub const SM90_KEYS: usize = 64;
-/// Query rows per CTA of [`Sm90Version::V2`] (two consumer warpgroups of 64 rows).
+/// Query rows per CTA of [`Sm90Version::V2`] and V3 (two consumer warpgroups of 64 rows).
 pub const WS_ROWS: usize = 128;
 /// Keys per tile of [`Sm90Version::V2`] (`WS_BC` in the kernel source).
 pub const WS_KEYS: usize = 128;
@@ -159,6 +159,10 @@ pub enum Sm90Version {
     /// swizzle, [`WS_STAGES`] stages on mbarriers, registers handed to the consumers with
     /// `setmaxnreg`) and two consumers of 64 rows each, [`WS_KEYS`] keys per tile.
     V2,
+    /// V2 with FlashAttention-3's intra-warpgroup overlap: tile j's S = Q Kᵀ and tile j−1's
+    /// O += P V issued together, the softmax of tile j while P V is in flight; causal query
+    /// tiles heaviest first.
+    V3,
 }
 
 /// A `CUtensorMap` (the driver's 128-byte tensor-map object, 64-byte aligned) as a kernel
@@ -235,12 +239,12 @@ pub struct HopperForward {
 }
 
 impl HopperForward {
-    /// Compiles the kernels (once per process) and picks [`Sm90Version::V2`] for `head_dim`.
+    /// Compiles the kernels (once per process) and picks [`Sm90Version::V3`] for `head_dim`.
     ///
     /// # Errors
     /// As [`HopperForward::with_version`].
     pub fn new(gpu: &Gpu, head_dim: usize) -> Result<HopperForward, GpuError> {
-        HopperForward::with_version(gpu, head_dim, Sm90Version::V2)
+        HopperForward::with_version(gpu, head_dim, Sm90Version::V3)
     }
 
     /// Compiles the kernels (once per process) and picks `version`'s for `head_dim`.
@@ -273,8 +277,15 @@ impl HopperForward {
             ),
             // Two 64-row Q tiles, the K and V stages, 8-byte mbarriers (Q, then four per
             // stage), and up to 1023 bytes to align the base for the 128-byte swizzle.
-            Sm90Version::V2 => (
-                format!("attn_fwd_sm90_ws_d{head_dim}"),
+            Sm90Version::V2 | Sm90Version::V3 => (
+                format!(
+                    "attn_fwd_sm90_{}_d{head_dim}",
+                    if version == Sm90Version::V2 {
+                        "ws"
+                    } else {
+                        "wsp"
+                    }
+                ),
                 ((WS_ROWS + 2 * WS_STAGES * WS_KEYS) * head_dim * 2
                     + 8 * (1 + 4 * WS_STAGES)
                     + 1024) as u32,
@@ -348,7 +359,7 @@ impl HopperForward {
         );
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         let causal_i = i32::from(causal);
-        if self.version == Sm90Version::V2 {
+        if self.version != Sm90Version::V1 {
             let maps = {
                 let (qp, _gq) = q.device_ptr(&gpu.stream);
                 let (kp, _gk) = k.device_ptr(&gpu.stream);
