@@ -453,14 +453,15 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t des
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-// Shared-memory plan of attn_fwd_sm90_ws (bytes from the 1024-aligned base): two 64-row Q
-// tiles, ST stages of K and of V (BC keys each), then the mbarriers.
-template <int D, int BC, int ST>
+// Shared-memory plan of attn_fwd_sm90_ws (bytes from the 1024-aligned base): NC 64-row Q
+// tiles (one per consumer warpgroup), ST stages of K and of V (BC keys each), then the
+// mbarriers.
+template <int D, int BC, int ST, int NC>
 struct WsPlan {
     static constexpr u32 Q_TILE = 64 * D * 2;
     static constexpr u32 KV_TILE = BC * D * 2;
     static constexpr u32 Q = 0;
-    static constexpr u32 K = 2 * Q_TILE;
+    static constexpr u32 K = NC * Q_TILE;
     static constexpr u32 V = K + ST * KV_TILE;
     static constexpr u32 BARS = V + ST * KV_TILE;
     // Q, then per stage: K full, V full, K empty, V empty.
@@ -556,29 +557,30 @@ __device__ __forceinline__ void ws_pack(const float (&s)[1][NT][4], u32 (&pa)[NT
     }
 }
 
-// Attention forward on wgmma, v2 and v3 (issue 11; bf16, head_dim 64 or 128): three
-// warpgroups per 128-row query tile. Warpgroup 0 is the producer: it gives up registers
+// Attention forward on wgmma, v2 to v4 (issue 11; bf16, head_dim 64 or 128): 1 + NC
+// warpgroups per 64 NC-row query tile. Warpgroup 0 is the producer: it gives up registers
 // (setmaxnreg) and one of its threads brings Q once and K and V tiles (BC keys) through ST
 // stages by TMA, each stage with a "full" mbarrier (TMA's transaction count) and an "empty"
 // one (every consumer thread arrives when its warpgroup's wgmma has read the tile). Warpgroups
-// 1 and 2 are consumers, with more registers, each owning 64 query rows: S = Q K^T on wgmma
+// 1 .. NC are consumers, with more registers, each owning 64 query rows: S = Q K^T on wgmma
 // (both operands from shared memory), FlashAttention-2's online softmax in registers, O += P V
-// on wgmma with P from registers. The two consumers run independently, so the scheduler
-// overlaps one's softmax with the other's products (no explicit ping-pong).
+// on wgmma with P from registers. The consumers run independently, so the scheduler overlaps
+// one's softmax with another's products (no explicit ping-pong). NC = 2 (v2, v3) or 3 (v4,
+// FlashAttention-3's 192-row tile for head_dim 64).
 // PIPE = false (v2): each tile's S is waited for, then its softmax, then its P V, waited for.
 // PIPE = true (v3, FlashAttention-3's intra-warpgroup overlap): tile j's S = Q K^T and tile
 // j-1's O += P V are issued together, the softmax of tile j runs while P V is in flight, and O
 // is rescaled after it lands; causal query tiles go heaviest first.
 // Masks as attn_fwd_sm90: keys at or past kv_lens[b], bottom-right causal; a row that sees no
 // key gets O = 0 and LSE = +inf. Rows and keys past the tensor's end are TMA's zero fill.
-template <int D, int BC, int ST, bool CAUSAL, bool PIPE>
+template <int D, int BC, int ST, int NC, bool CAUSAL, bool PIPE>
 __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap* tk,
                                                  const TmaMap* tv, u16* __restrict__ O,
                                                  float* __restrict__ LSE,
                                                  const int* __restrict__ kv_lens, int Tq,
                                                  int Tkv, int H, int KVH, float scale_log2) {
-    using P = WsPlan<D, BC, ST>;
-    constexpr int PANELS = D / 64, DT = D / 8, NT = BC / 8;
+    using P = WsPlan<D, BC, ST, NC>;
+    constexpr int PANELS = D / 64, DT = D / 8, NT = BC / 8, BR = 64 * NC;
     const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
     const u32 bar_q = base + P::BARS;
     auto full_k = [&](int s) { return base + P::BARS + 8u * (1 + 4 * s); };
@@ -591,8 +593,8 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
     const int kvh = h / (H / KVH);
     const int L = min(kv_lens[b], Tkv);
     const int off = L - Tq;
-    const int q0 = qt * 128;
-    const int rows_cta = min(128, Tq - q0);
+    const int q0 = qt * BR;
+    const int rows_cta = min(BR, Tq - q0);
     int n_kt = (L + BC - 1) / BC;
     if (CAUSAL) n_kt = q0 + rows_cta - 1 + off < 0 ? 0 : min(n_kt, (q0 + rows_cta - 1 + off) / BC + 1);
 
@@ -601,19 +603,25 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         for (int s = 0; s < ST; ++s) {
             mbar_init(full_k(s), 1);
             mbar_init(full_v(s), 1);
-            mbar_init(empty_k(s), 256);
-            mbar_init(empty_v(s), 256);
+            mbar_init(empty_k(s), 128 * NC);
+            mbar_init(empty_v(s), 128 * NC);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
 
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        // 128 x 40 + 256 x 232 (NC = 2) and 128 x 32 + 384 x 160 (NC = 3): at most the 64 K
+        // registers of one SM.
+        if constexpr (NC == 2) {
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        } else {
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+        }
         if (tid == 0) {
-            mbar_expect_tx(bar_q, 2 * P::Q_TILE);
+            mbar_expect_tx(bar_q, NC * P::Q_TILE);
 #pragma unroll
-            for (int w = 0; w < 2; ++w)
+            for (int w = 0; w < NC; ++w)
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
                     tma_load_3d(base + P::Q + w * P::Q_TILE + p * 64 * 128, tq, bar_q, 64 * p,
@@ -638,7 +646,11 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         return;
     }
 
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    if constexpr (NC == 2) {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
+    }
     const int c = wg - 1;                 // consumer warpgroup: query rows 64 c .. 64 c + 63
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
@@ -739,21 +751,23 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
 #define WS_BC 128
 #define WS_ST 2
 
-#define WS_ENTRY(NAME, D, PIPE)                                                                 \
-    extern "C" __global__ void __launch_bounds__(384, 1)                                        \
+#define WS_ENTRY(NAME, D, NC, PIPE)                                                             \
+    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1)                             \
         NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,              \
              const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens, int Tq, \
              int Tkv, int H, int KVH, float scale_log2, int causal) {                          \
         if (causal)                                                                             \
-            attn_fwd_sm90_ws<D, WS_BC, WS_ST, true, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens, Tq,   \
-                                                          Tkv, H, KVH, scale_log2);             \
+            attn_fwd_sm90_ws<D, WS_BC, WS_ST, NC, true, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,   \
+                                                              Tq, Tkv, H, KVH, scale_log2);     \
         else                                                                                    \
-            attn_fwd_sm90_ws<D, WS_BC, WS_ST, false, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens, Tq,  \
-                                                           Tkv, H, KVH, scale_log2);            \
+            attn_fwd_sm90_ws<D, WS_BC, WS_ST, NC, false, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,  \
+                                                               Tq, Tkv, H, KVH, scale_log2);    \
     }
 
-// v2: attn_fwd_sm90_ws_d*; v3 (the intra-warpgroup overlap): attn_fwd_sm90_wsp_d*.
-WS_ENTRY(attn_fwd_sm90_ws_d64, 64, false)
-WS_ENTRY(attn_fwd_sm90_ws_d128, 128, false)
-WS_ENTRY(attn_fwd_sm90_wsp_d64, 64, true)
-WS_ENTRY(attn_fwd_sm90_wsp_d128, 128, true)
+// v2: attn_fwd_sm90_ws_d*; v3 (the intra-warpgroup overlap): attn_fwd_sm90_wsp_d*; v4 (v3
+// with three consumer warpgroups): attn_fwd_sm90_wsp3_d*.
+WS_ENTRY(attn_fwd_sm90_ws_d64, 64, 2, false)
+WS_ENTRY(attn_fwd_sm90_ws_d128, 128, 2, false)
+WS_ENTRY(attn_fwd_sm90_wsp_d64, 64, 2, true)
+WS_ENTRY(attn_fwd_sm90_wsp_d128, 128, 2, true)
+WS_ENTRY(attn_fwd_sm90_wsp3_d64, 64, 3, true)

@@ -163,6 +163,30 @@ pub enum Sm90Version {
     /// O += P V issued together, the softmax of tile j while P V is in flight; causal query
     /// tiles heaviest first.
     V3,
+    /// V3 with three consumer warpgroups (192-row query tiles, 512 threads; registers 32 for
+    /// the producer, 160 for each consumer): FlashAttention-3's shape for head_dim 64, the
+    /// only head_dim it runs.
+    V4,
+}
+
+impl Sm90Version {
+    /// Query rows per CTA: 64 (V1), 128 (V2, V3), 192 (V4).
+    pub fn rows(self) -> usize {
+        match self {
+            Sm90Version::V1 => SM90_ROWS,
+            Sm90Version::V2 | Sm90Version::V3 => WS_ROWS,
+            Sm90Version::V4 => 192,
+        }
+    }
+
+    /// The version [`HopperForward::new`] picks for `head_dim` (64: V4, otherwise V3).
+    pub fn for_head_dim(head_dim: usize) -> Sm90Version {
+        if head_dim == 64 {
+            Sm90Version::V4
+        } else {
+            Sm90Version::V3
+        }
+    }
 }
 
 /// A `CUtensorMap` (the driver's 128-byte tensor-map object, 64-byte aligned) as a kernel
@@ -239,19 +263,20 @@ pub struct HopperForward {
 }
 
 impl HopperForward {
-    /// Compiles the kernels (once per process) and picks [`Sm90Version::V3`] for `head_dim`.
+    /// Compiles the kernels (once per process) and picks [`Sm90Version::for_head_dim`]'s
+    /// version.
     ///
     /// # Errors
     /// As [`HopperForward::with_version`].
     pub fn new(gpu: &Gpu, head_dim: usize) -> Result<HopperForward, GpuError> {
-        HopperForward::with_version(gpu, head_dim, Sm90Version::V3)
+        HopperForward::with_version(gpu, head_dim, Sm90Version::for_head_dim(head_dim))
     }
 
     /// Compiles the kernels (once per process) and picks `version`'s for `head_dim`.
     ///
     /// # Errors
-    /// [`GpuError::Config`] on a device that is not compute capability 9.0 or for a head_dim
-    /// other than 64 and 128; NVRTC and driver errors.
+    /// [`GpuError::Config`] on a device that is not compute capability 9.0, for a head_dim
+    /// other than 64 and 128, or [`Sm90Version::V4`] at head_dim 128; NVRTC and driver errors.
     pub fn with_version(
         gpu: &Gpu,
         head_dim: usize,
@@ -268,6 +293,11 @@ impl HopperForward {
                 "the wgmma forward runs head_dim 64 or 128, not {head_dim}"
             )));
         }
+        if version == Sm90Version::V4 && head_dim != 64 {
+            return Err(GpuError::Config(format!(
+                "the wgmma forward v4 (three consumer warpgroups) runs head_dim 64, not {head_dim}"
+            )));
+        }
         let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n");
         let compiled = gpu.compile("attn_wgmma_sm90.cu", &src)?;
         let (name, smem) = match version {
@@ -275,18 +305,18 @@ impl HopperForward {
                 format!("attn_fwd_sm90_d{head_dim}"),
                 ((SM90_ROWS + 4 * SM90_KEYS) * head_dim * 2) as u32,
             ),
-            // Two 64-row Q tiles, the K and V stages, 8-byte mbarriers (Q, then four per
+            // One 64-row Q tile per consumer, the K and V stages, 8-byte mbarriers (Q, then four per
             // stage), and up to 1023 bytes to align the base for the 128-byte swizzle.
-            Sm90Version::V2 | Sm90Version::V3 => (
+            Sm90Version::V2 | Sm90Version::V3 | Sm90Version::V4 => (
                 format!(
                     "attn_fwd_sm90_{}_d{head_dim}",
-                    if version == Sm90Version::V2 {
-                        "ws"
-                    } else {
-                        "wsp"
+                    match version {
+                        Sm90Version::V2 => "ws",
+                        Sm90Version::V3 => "wsp",
+                        _ => "wsp3",
                     }
                 ),
-                ((WS_ROWS + 2 * WS_STAGES * WS_KEYS) * head_dim * 2
+                ((version.rows() + 2 * WS_STAGES * WS_KEYS) * head_dim * 2
                     + 8 * (1 + 4 * WS_STAGES)
                     + 1024) as u32,
             ),
@@ -385,7 +415,7 @@ impl HopperForward {
                 .arg(&causal_i);
             // SAFETY: `attn_fwd_sm90_ws_d*(TmaMap tq, TmaMap tk, TmaMap tv, u16* O, float* LSE,
             // const int* kv_lens, int Tq, int Tkv, int H, int KVH, float scale_log2, int
-            // causal)`, three warpgroups per (128-row query tile, head, batch entry); the maps
+            // causal)`, 1 + rows / 64 warpgroups per (query tile, head, batch entry); the maps
             // describe q, k and v with the shapes checked above (TMA reads inside them only,
             // zero-filling past their ends), o and lse hold those shapes, kv_lens `batch`
             // entries; the reads of q, k and v are ordered on this stream like the other
@@ -393,11 +423,11 @@ impl HopperForward {
             unsafe {
                 l.launch(LaunchConfig {
                     grid_dim: (
-                        seq_len_q.div_ceil(WS_ROWS) as u32,
+                        seq_len_q.div_ceil(self.version.rows()) as u32,
                         heads as u32,
                         batch as u32,
                     ),
-                    block_dim: (384, 1, 1),
+                    block_dim: (128 * (self.version.rows() / 64 + 1) as u32, 1, 1),
                     shared_mem_bytes: self.smem,
                 })?
             };
