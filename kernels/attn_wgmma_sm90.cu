@@ -747,27 +747,28 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
                                 LSE + (size_t)(b * H + h) * Tq + q0w, 16 * warp, rows_w, g, t4);
 }
 
-// Keys per tile and stages of attn_fwd_sm90_ws (the host's WS_KEYS and WS_STAGES agree).
+// Keys per tile of attn_fwd_sm90_ws (the host's WS_KEYS agrees).
 #define WS_BC 128
-#define WS_ST 2
 
-#define WS_ENTRY(NAME, D, NC, PIPE)                                                             \
+#define WS_ENTRY(NAME, D, NC, ST, PIPE)                                                         \
     extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1)                             \
         NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,              \
              const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens, int Tq, \
              int Tkv, int H, int KVH, float scale_log2, int causal) {                          \
         if (causal)                                                                             \
-            attn_fwd_sm90_ws<D, WS_BC, WS_ST, NC, true, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,   \
+            attn_fwd_sm90_ws<D, WS_BC, ST, NC, true, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,      \
                                                               Tq, Tkv, H, KVH, scale_log2);     \
         else                                                                                    \
-            attn_fwd_sm90_ws<D, WS_BC, WS_ST, NC, false, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,  \
+            attn_fwd_sm90_ws<D, WS_BC, ST, NC, false, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,     \
                                                                Tq, Tkv, H, KVH, scale_log2);    \
     }
 
 // v2: attn_fwd_sm90_ws_d*; v3 (the intra-warpgroup overlap): attn_fwd_sm90_wsp_d*; v4 (v3
-// with three consumer warpgroups): attn_fwd_sm90_wsp3_d*.
-WS_ENTRY(attn_fwd_sm90_ws_d64, 64, 2, false)
-WS_ENTRY(attn_fwd_sm90_ws_d128, 128, 2, false)
-WS_ENTRY(attn_fwd_sm90_wsp_d64, 64, 2, true)
-WS_ENTRY(attn_fwd_sm90_wsp_d128, 128, 2, true)
-WS_ENTRY(attn_fwd_sm90_wsp3_d64, 64, 3, true)
+// with three consumer warpgroups): attn_fwd_sm90_wsp3_d*; v5 (v3 with three K/V stages,
+// 225 KB of shared memory at head_dim 128): attn_fwd_sm90_wsps3_d*. Consumers, stages:
+WS_ENTRY(attn_fwd_sm90_ws_d64, 64, 2, 2, false)
+WS_ENTRY(attn_fwd_sm90_ws_d128, 128, 2, 2, false)
+WS_ENTRY(attn_fwd_sm90_wsp_d64, 64, 2, 2, true)
+WS_ENTRY(attn_fwd_sm90_wsp_d128, 128, 2, 2, true)
+WS_ENTRY(attn_fwd_sm90_wsp3_d64, 64, 3, 2, true)
+WS_ENTRY(attn_fwd_sm90_wsps3_d128, 128, 2, 3, true)

@@ -1458,7 +1458,10 @@ fn wgmma_forward_matches_float64() {
     use kernelpages::attention::sm90::{HopperForward, Sm90Version};
     let gpu = gpu();
     if gpu.arch() != "sm_90a" {
-        let e = HopperForward::new(gpu, 128).err().unwrap().to_string();
+        let e = HopperForward::new(gpu, 128, 4096)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("compute capability 9.0"), "{e}");
         println!("wgmma forward: not a compute capability 9.0 device ({e})");
         return;
@@ -1468,7 +1471,7 @@ fn wgmma_forward_matches_float64() {
     for (version, d) in [Sm90Version::V1, Sm90Version::V2, Sm90Version::V3]
         .into_iter()
         .flat_map(|v| [(v, 64usize), (v, 128)])
-        .chain([(Sm90Version::V4, 64)])
+        .chain([(Sm90Version::V4, 64), (Sm90Version::V5, 128)])
     {
         let fwd = HopperForward::with_version(gpu, d, version).expect("wgmma forward");
         for (tq, tkv, len1) in [
@@ -1564,6 +1567,6 @@ fn wgmma_forward_matches_float64() {
             }
         }
     }
-    assert_eq!(n, 98);
+    assert_eq!(n, 112);
     assert!(failed.is_empty(), "{}", failed.join("\n"));
 }

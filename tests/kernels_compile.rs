@@ -623,6 +623,7 @@ fn wgmma_probe_compiles_for_sm_90a() {
         "attn_fwd_sm90_wsp_d64",
         "attn_fwd_sm90_wsp_d128",
         "attn_fwd_sm90_wsp3_d64",
+        "attn_fwd_sm90_wsps3_d128",
     ] {
         let r = reports
             .iter()

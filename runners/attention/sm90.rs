@@ -1,9 +1,10 @@
-//! The `flash_sm90` implementation of the attention runner: the first wgmma forward for compute
-//! capability 9.0 (`kernels/attn_wgmma_sm90.cu`, [`kernelpages::attention::sm90`], issue 11),
-//! measured beside `flash` on the same cases. Never a default: the dispatch keeps `flash` until
-//! this kernel has passed its GPU tests and beaten it. Forward, bf16, head_dim 64 and 128, any
-//! lengths, causal or not, key lengths, GQA; `unsupported` with the reason otherwise (and on
-//! any other device).
+//! The `flash_sm90` implementation of the attention runner: the wgmma forward for compute
+//! capability 9.0 (`kernels/attn_wgmma_sm90.cu`, [`kernelpages::attention::sm90`], issue 11;
+//! the version [`kernelpages::attention::sm90::Sm90Version::for_shape`] picks), measured beside
+//! `flash` on the same cases. Never a default yet: the dispatch keeps `flash` until the
+//! document names the sm_80 kernel apart (`flash_sm80`) and this one has a backward. Forward,
+//! bf16, head_dim 64 and 128, any lengths, causal or not, key lengths, GQA; `unsupported` with
+//! the reason otherwise (and on any other device).
 
 use kernelpages::attention::sm90::HopperForward;
 use kernelpages::attention::{AttentionCase, Dtype, Pass};
@@ -104,7 +105,7 @@ pub fn measure(job: &Job) -> Reply {
         Err(reply) => return *reply,
     };
     own::measure(job, |gpu| {
-        let fwd = HopperForward::new(gpu, c.head_dim)?;
+        let fwd = HopperForward::new(gpu, c.head_dim, c.seq_len_q)?;
         let compile_s = fwd.compile_s;
         let lens: Vec<i32> = (0..c.batch).map(|b| c.kv_len(b) as i32).collect();
         let kv_lens = gpu.stream.clone_htod(&lens)?;

@@ -145,7 +145,7 @@ pub const SM90_KEYS: usize = 64;
 pub const WS_ROWS: usize = 128;
 /// Keys per tile of [`Sm90Version::V2`] (`WS_BC` in the kernel source).
 pub const WS_KEYS: usize = 128;
-/// K and V stages of [`Sm90Version::V2`] (`WS_ST` in the kernel source).
+/// K and V stages of [`Sm90Version::V2`] to V4 (V5: 3).
 pub const WS_STAGES: usize = 2;
 
 /// Which wgmma forward kernel [`HopperForward`] runs (both in `kernels/attn_wgmma_sm90.cu`;
@@ -167,6 +167,9 @@ pub enum Sm90Version {
     /// the producer, 160 for each consumer): FlashAttention-3's shape for head_dim 64, the
     /// only head_dim it runs.
     V4,
+    /// V3 with three K and V stages instead of two (225 KB of shared memory at head_dim 128,
+    /// the only head_dim it runs).
+    V5,
 }
 
 impl Sm90Version {
@@ -174,14 +177,27 @@ impl Sm90Version {
     pub fn rows(self) -> usize {
         match self {
             Sm90Version::V1 => SM90_ROWS,
-            Sm90Version::V2 | Sm90Version::V3 => WS_ROWS,
+            Sm90Version::V2 | Sm90Version::V3 | Sm90Version::V5 => WS_ROWS,
             Sm90Version::V4 => 192,
         }
     }
 
-    /// The version [`HopperForward::new`] picks for `head_dim` (64: V4, otherwise V3).
-    pub fn for_head_dim(head_dim: usize) -> Sm90Version {
-        if head_dim == 64 {
+    /// K and V stages: [`WS_STAGES`], 3 for V5 (V1 double-buffers by cp.async: 2).
+    pub fn stages(self) -> usize {
+        if self == Sm90Version::V5 {
+            3
+        } else {
+            WS_STAGES
+        }
+    }
+
+    /// The version [`HopperForward::new`] picks for `head_dim` and `seq_len_q`: V4 at head_dim
+    /// 64 with at least 2048 queries, otherwise V3. Measured on the H200 (10ffead, B4 H8,
+    /// forward): at head_dim 64 V4 beats V3 from T = 2048 up (382 against 336 TFLOP/s there, 483
+    /// against 388 at 16384), and loses below (247 against 285 at T = 1024: a 192-row tile
+    /// leaves a third of the last CTA of each head idle and fewer CTAs fill the SMs).
+    pub fn for_shape(head_dim: usize, seq_len_q: usize) -> Sm90Version {
+        if head_dim == 64 && seq_len_q >= 2048 {
             Sm90Version::V4
         } else {
             Sm90Version::V3
@@ -263,20 +279,21 @@ pub struct HopperForward {
 }
 
 impl HopperForward {
-    /// Compiles the kernels (once per process) and picks [`Sm90Version::for_head_dim`]'s
-    /// version.
+    /// Compiles the kernels (once per process) and picks [`Sm90Version::for_shape`]'s version
+    /// for `head_dim` and `seq_len_q`.
     ///
     /// # Errors
     /// As [`HopperForward::with_version`].
-    pub fn new(gpu: &Gpu, head_dim: usize) -> Result<HopperForward, GpuError> {
-        HopperForward::with_version(gpu, head_dim, Sm90Version::for_head_dim(head_dim))
+    pub fn new(gpu: &Gpu, head_dim: usize, seq_len_q: usize) -> Result<HopperForward, GpuError> {
+        HopperForward::with_version(gpu, head_dim, Sm90Version::for_shape(head_dim, seq_len_q))
     }
 
     /// Compiles the kernels (once per process) and picks `version`'s for `head_dim`.
     ///
     /// # Errors
     /// [`GpuError::Config`] on a device that is not compute capability 9.0, for a head_dim
-    /// other than 64 and 128, or [`Sm90Version::V4`] at head_dim 128; NVRTC and driver errors.
+    /// other than 64 and 128, [`Sm90Version::V4`] at head_dim 128 or V5 at 64; NVRTC and driver
+    /// errors.
     pub fn with_version(
         gpu: &Gpu,
         head_dim: usize,
@@ -293,9 +310,12 @@ impl HopperForward {
                 "the wgmma forward runs head_dim 64 or 128, not {head_dim}"
             )));
         }
-        if version == Sm90Version::V4 && head_dim != 64 {
+        if (version == Sm90Version::V4 && head_dim != 64)
+            || (version == Sm90Version::V5 && head_dim != 128)
+        {
             return Err(GpuError::Config(format!(
-                "the wgmma forward v4 (three consumer warpgroups) runs head_dim 64, not {head_dim}"
+                "the wgmma forward {version:?} runs head_dim {}, not {head_dim}",
+                if version == Sm90Version::V4 { 64 } else { 128 }
             )));
         }
         let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n");
@@ -307,17 +327,18 @@ impl HopperForward {
             ),
             // One 64-row Q tile per consumer, the K and V stages, 8-byte mbarriers (Q, then four per
             // stage), and up to 1023 bytes to align the base for the 128-byte swizzle.
-            Sm90Version::V2 | Sm90Version::V3 | Sm90Version::V4 => (
+            _ => (
                 format!(
                     "attn_fwd_sm90_{}_d{head_dim}",
                     match version {
                         Sm90Version::V2 => "ws",
                         Sm90Version::V3 => "wsp",
-                        _ => "wsp3",
+                        Sm90Version::V4 => "wsp3",
+                        _ => "wsps3",
                     }
                 ),
-                ((version.rows() + 2 * WS_STAGES * WS_KEYS) * head_dim * 2
-                    + 8 * (1 + 4 * WS_STAGES)
+                ((version.rows() + 2 * version.stages() * WS_KEYS) * head_dim * 2
+                    + 8 * (1 + 4 * version.stages())
                     + 1024) as u32,
             ),
         };
