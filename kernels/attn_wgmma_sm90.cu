@@ -557,7 +557,7 @@ __device__ __forceinline__ void ws_pack(const float (&s)[1][NT][4], u32 (&pa)[NT
     }
 }
 
-// Attention forward on wgmma, v2 to v4 (issue 11; bf16, head_dim 64 or 128): 1 + NC
+// Attention forward on wgmma, v2 to v5 (issue 11; bf16, head_dim 64 or 128): 1 + NC
 // warpgroups per 64 NC-row query tile. Warpgroup 0 is the producer: it gives up registers
 // (setmaxnreg) and one of its threads brings Q once and K and V tiles (BC keys) through ST
 // stages by TMA, each stage with a "full" mbarrier (TMA's transaction count) and an "empty"
@@ -573,6 +573,9 @@ __device__ __forceinline__ void ws_pack(const float (&s)[1][NT][4], u32 (&pa)[NT
 // is rescaled after it lands; causal query tiles go heaviest first.
 // Masks as attn_fwd_sm90: keys at or past kv_lens[b], bottom-right causal; a row that sees no
 // key gets O = 0 and LSE = +inf. Rows and keys past the tensor's end are TMA's zero fill.
+// scale_log2 must be positive (ws_softmax scales each row's raw maximum).
+// The consumers' setmaxnreg.inc succeeds only if ptxas allocated the whole per-thread cap of
+// the launch bounds (168 registers at NC = 2, 128 at NC = 3): the compile test checks it.
 template <int D, int BC, int ST, int NC, bool CAUSAL, bool PIPE>
 __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap* tk,
                                                  const TmaMap* tv, u16* __restrict__ O,

@@ -597,9 +597,10 @@ fn flex_kernels_compile_without_spills() {
     );
 }
 
-/// The sm_90a building blocks, their probe and the first wgmma attention forward
+/// The sm_90a building blocks, their probe and the wgmma attention forwards v1–v5
 /// (`kernels/attn_wgmma_sm90.cu`: `wgmma` with shared-memory descriptors and a register operand,
-/// async-proxy fences) compile for sm_90a without spills.
+/// TMA, mbarriers, setmaxnreg) compile for sm_90a without spills, the warp-specialised ones at
+/// their launch bounds' whole register cap (what setmaxnreg's hand-over needs).
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
@@ -631,5 +632,12 @@ fn wgmma_probe_compiles_for_sm_90a() {
             .unwrap_or_else(|| panic!("{name} in {reports:?}"));
         println!("{name}: {} registers", r.registers);
         assert_eq!(r.spill_bytes, 0, "{r:?}");
+        // The warp-specialised kernels raise their consumers' registers with setmaxnreg.inc,
+        // which waits for registers the producer gave back: it can succeed only when ptxas
+        // allocated the whole per-thread cap of the launch bounds (384 threads: 168, 512: 128).
+        if name.contains("_ws") {
+            let cap = if name.contains("wsp3") { 128 } else { 168 };
+            assert_eq!(r.registers, cap, "{r:?}");
+        }
     }
 }

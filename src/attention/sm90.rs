@@ -141,9 +141,9 @@ pub fn wgmma_probe(
 pub const SM90_ROWS: usize = 64;
 /// Keys per tile of [`Sm90Version::V1`].
 pub const SM90_KEYS: usize = 64;
-/// Query rows per CTA of [`Sm90Version::V2`] and V3 (two consumer warpgroups of 64 rows).
+/// Query rows per CTA of [`Sm90Version::V2`], V3 and V5 (two consumer warpgroups of 64 rows).
 pub const WS_ROWS: usize = 128;
-/// Keys per tile of [`Sm90Version::V2`] (`WS_BC` in the kernel source).
+/// Keys per tile of [`Sm90Version::V2`] to V5 (`WS_BC` in the kernel source).
 pub const WS_KEYS: usize = 128;
 /// K and V stages of [`Sm90Version::V2`] to V4 (V5: 3).
 pub const WS_STAGES: usize = 2;
@@ -173,7 +173,7 @@ pub enum Sm90Version {
 }
 
 impl Sm90Version {
-    /// Query rows per CTA: 64 (V1), 128 (V2, V3), 192 (V4).
+    /// Query rows per CTA: 64 (V1), 128 (V2, V3, V5), 192 (V4).
     pub fn rows(self) -> usize {
         match self {
             Sm90Version::V1 => SM90_ROWS,
@@ -411,16 +411,24 @@ impl HopperForward {
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         let causal_i = i32::from(causal);
         if self.version != Sm90Version::V1 {
-            let maps = {
-                let (qp, _gq) = q.device_ptr(&gpu.stream);
-                let (kp, _gk) = k.device_ptr(&gpu.stream);
-                let (vp, _gv) = v.device_ptr(&gpu.stream);
-                [
-                    tma_map_bf16(qp, (batch * heads, seq_len_q, d), 64)?,
-                    tma_map_bf16(kp, (batch * kv_heads, seq_len_kv, d), WS_KEYS as u32)?,
-                    tma_map_bf16(vp, (batch * kv_heads, seq_len_kv, d), WS_KEYS as u32)?,
-                ]
-            };
+            if !(scale > 0.0 && scale.is_finite()) {
+                // The kernels take each row's maximum over the raw scores and scale it after
+                // (one FFMA per score): right for a positive scale only.
+                return Err(GpuError::Config(format!(
+                    "the wgmma forward {:?} takes a positive finite scale, not {scale}",
+                    self.version
+                )));
+            }
+            // The guards live until after the launch: dropping one records the buffer's read
+            // on this stream, which must come after the kernel that reads it through TMA.
+            let (qp, _gq) = q.device_ptr(&gpu.stream);
+            let (kp, _gk) = k.device_ptr(&gpu.stream);
+            let (vp, _gv) = v.device_ptr(&gpu.stream);
+            let maps = [
+                tma_map_bf16(qp, (batch * heads, seq_len_q, d), 64)?,
+                tma_map_bf16(kp, (batch * kv_heads, seq_len_kv, d), WS_KEYS as u32)?,
+                tma_map_bf16(vp, (batch * kv_heads, seq_len_kv, d), WS_KEYS as u32)?,
+            ];
             let mut l = gpu.stream.launch_builder(&self.func);
             l.arg(&maps[0])
                 .arg(&maps[1])
@@ -439,8 +447,8 @@ impl HopperForward {
             // causal)`, 1 + rows / 64 warpgroups per (query tile, head, batch entry); the maps
             // describe q, k and v with the shapes checked above (TMA reads inside them only,
             // zero-filling past their ends), o and lse hold those shapes, kv_lens `batch`
-            // entries; the reads of q, k and v are ordered on this stream like the other
-            // arguments' (the maps carry raw addresses of buffers that outlive the launch).
+            // entries; q, k and v stay borrowed, and their read events are recorded on this
+            // stream after the launch (the guards above), like the other arguments'.
             unsafe {
                 l.launch(LaunchConfig {
                     grid_dim: (
