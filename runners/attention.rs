@@ -37,8 +37,10 @@ mod decode;
 mod flex;
 #[path = "attention/masks.rs"]
 mod masks;
-#[path = "attention/sm90.rs"]
-mod sm90;
+use kernelpages::attention::sm90;
+
+#[path = "attention/sm80.rs"]
+mod sm80;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -69,11 +71,13 @@ use kernelpages::schema::{DispatchRule, Param, RunKind, Suite};
 struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
-    /// Implementations of this project to run [default: flash,math; with `--grids decode`
-    /// math,flash_decode,flash_decode_paged; with `--grids masks` flex,flash; cpu_flash with
-    /// --device cpu]. `flex` runs flex_attention (forward, and backward for fwd+bwd) with the
-    /// case's mask: the masks grid's named modification, else causal or none. `flash_sm90`
-    /// (never a default) runs the first wgmma forward (compute capability 9.0, bf16).
+    /// Implementations of this project to run [default: flash,flash_sm80,math; with `--grids
+    /// decode` math,flash_decode,flash_decode_paged; with `--grids masks` flex,flash; cpu_flash
+    /// with --device cpu]. `flex` runs flex_attention (forward, and backward for fwd+bwd) with
+    /// the case's mask: the masks grid's named modification, else causal or none. `flash` runs
+    /// what the dispatch picks on the device (on compute capability 9.0 the wgmma forward for
+    /// the bf16 forward at head_dim 64 and 128); `flash_sm80` the portable kernel on those
+    /// cases, measured on compute capability 9.0 only (`unsupported` elsewhere).
     #[arg(long, value_delimiter = ',')]
     implementations: Option<Vec<String>>,
     /// Grids to measure: `main` (the seq_len sweep), `shapes` (issue 9 §2's shapes), `decode`
@@ -205,8 +209,8 @@ fn main() -> ExitCode {
                 decode::measure(job)
             } else if job.implementation == flex::IMPLEMENTATION {
                 flex::measure(job)
-            } else if job.implementation == sm90::IMPLEMENTATION {
-                sm90::measure(job)
+            } else if job.implementation == sm80::IMPLEMENTATION {
+                sm80::measure(job)
             } else {
                 measure_own(job)
             }
@@ -534,6 +538,20 @@ fn dispatch_rules() -> Vec<DispatchRule> {
         },
         DispatchRule {
             entry_point: ENTRY.into(),
+            device: "CUDA, compute capability 9.0 (sm_90a)".into(),
+            dtype: "bf16".into(),
+            rule: format!(
+                "otherwise, the forward alone at head_dim 64 or 128 with a positive scale: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one; {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise. The rows of {} measure the portable kernel below on the same cases",
+                sm90::WS_KEYS,
+                sm90::Sm90Version::V4.rows(),
+                sm90::V4_MIN_QUERIES,
+                sm90::Sm90Version::V3.rows(),
+                sm80::IMPLEMENTATION
+            ),
+            implementation: Implementation::Flash.name().into(),
+        },
+        DispatchRule {
+            entry_point: ENTRY.into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
@@ -644,7 +662,7 @@ impl runner::Suite for Attention {
                 Err(e) => Some(e.to_string()),
             };
         }
-        if implementation == sm90::IMPLEMENTATION {
+        if implementation == sm80::IMPLEMENTATION {
             if p.contains_key(CONFIG_PARAM) {
                 return Some("the tile sweep measures the flash kernel's configurations".into());
             }
@@ -652,7 +670,7 @@ impl runner::Suite for Attention {
                 return Some(why);
             }
             return match case_of(p) {
-                Ok(c) => sm90::unsupported(&c),
+                Ok(c) => sm80::unsupported(&c),
                 Err(e) => Some(e.to_string()),
             };
         }
@@ -779,7 +797,7 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         RunKind::Decode => &["math", decode::CONTIGUOUS, decode::PAGED],
         // Generated masks; flash runs the causal cases.
         RunKind::Masks => &[flex::IMPLEMENTATION, "flash"],
-        _ => &["flash", "math"],
+        _ => &["flash", sm80::IMPLEMENTATION, "math"],
     };
     let names = names_or_default(
         &cli.implementations,
@@ -803,8 +821,8 @@ fn run(cli: &Cli) -> Result<ExitCode> {
             if n == flex::IMPLEMENTATION {
                 return Ok((flex::IMPLEMENTATION, "kernelpages"));
             }
-            if n == sm90::IMPLEMENTATION {
-                return Ok((sm90::IMPLEMENTATION, "kernelpages"));
+            if n == sm80::IMPLEMENTATION {
+                return Ok((sm80::IMPLEMENTATION, "kernelpages"));
             }
             Implementation::parse(n)
                 .map(|i| (i.name(), i.library()))
@@ -814,7 +832,7 @@ fn run(cli: &Cli) -> Result<ExitCode> {
                         decode::CONTIGUOUS,
                         decode::PAGED,
                         flex::IMPLEMENTATION,
-                        sm90::IMPLEMENTATION
+                        sm80::IMPLEMENTATION
                     )
                 })
         })
@@ -1249,7 +1267,7 @@ mod tests {
         let c = AttentionCase::new(1, 2, 1024, 128);
         assert_eq!(
             kernelpages::attention::dispatch(&c).map(|i| i.name()),
-            Some(rules[1].implementation.as_str())
+            Some(rules[2].implementation.as_str())
         );
         // Any length is flash's now; fp32 and other head dims are math's.
         for t in [1, 7, 100, 4097] {
@@ -1268,8 +1286,22 @@ mod tests {
         ] {
             assert_eq!(
                 kernelpages::attention::dispatch(&odd).map(|i| i.name()),
-                Some(rules[2].implementation.as_str())
+                Some(rules[3].implementation.as_str())
             );
         }
+        // On compute capability 9.0 the bf16 forward at head_dim 64 and 128 is still `flash`
+        // (its wgmma kernel: the second rule, for that device only); fp16 is not.
+        assert!(rules[1].device.contains("9.0") && rules[2].device.contains("8.0"));
+        assert_eq!(rules[1].implementation, Implementation::Flash.name());
+        assert!(sm90::takes("sm_90a", &c) && !sm90::takes("sm_89", &c));
+        assert!(rules[1].rule.contains(&sm90::V4_MIN_QUERIES.to_string()));
+        let fp16 = AttentionCase {
+            dtype: Dtype::F16,
+            ..c.clone()
+        };
+        assert!(!sm90::takes("sm_90a", &fp16));
+        // flash_sm80 runs where flash may run the wgmma kernel, never as the default.
+        assert!(!suite.is_default(&c.params(), sm80::IMPLEMENTATION));
+        assert!(sm80::unsupported(&c).is_none() && sm80::unsupported(&fp16).is_some());
     }
 }

@@ -35,6 +35,10 @@ pub enum GpuError {
     /// A cuBLAS call failed.
     #[error("cuBLAS error: {0}")]
     Cublas(String),
+    /// This device does not run what was asked (a kernel for another architecture): the
+    /// runners record the case as `unsupported` with this reason.
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 impl GpuError {

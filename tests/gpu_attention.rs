@@ -557,6 +557,82 @@ fn forward_runs_the_dispatched_implementation() {
     }
 }
 
+/// `flash` on compute capability 9.0 (issue 11's dispatch): the runner holds the wgmma forward
+/// exactly for the cases `sm90::takes` names (bf16 forward at head_dim 64 and 128), the
+/// portable kernels for the rest (fp16, forward + backward, head_dim 96) and whenever a
+/// configuration is given (the runner's `flash_sm80`); the two kernels on one case agree with
+/// float64. On another device `flash` never holds the wgmma forward.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU and its driver; run on the GPU machine with --include-ignored"
+)]
+fn flash_dispatches_to_the_wgmma_forward_on_sm_90a() {
+    use kernelpages::attention::cuda::{FlashConfig, Runner};
+    use kernelpages::attention::sm90;
+    let gpu = gpu();
+    let arch = gpu.arch();
+    let base = AttentionCase {
+        causal: true,
+        kv_heads: 2,
+        ..AttentionCase::new(2, 4, 300, 128)
+    };
+    let cases = [
+        base.clone(),
+        AttentionCase {
+            head_dim: 64,
+            seq_len_q: 2100,
+            seq_len_kv: 2100,
+            ..base.clone()
+        },
+        AttentionCase {
+            dtype: Dtype::F16,
+            ..base.clone()
+        },
+        AttentionCase {
+            pass: Pass::FwdBwd,
+            ..base.clone()
+        },
+        AttentionCase {
+            head_dim: 96,
+            ..base.clone()
+        },
+    ];
+    let mut hopper_cases = 0;
+    for c in &cases {
+        let (runner, _) = Runner::new(gpu, Implementation::Flash, c).expect("runner");
+        let is_hopper = matches!(runner, Runner::Hopper { .. });
+        assert_eq!(is_hopper, sm90::takes(&arch, c), "{arch} {c:?}");
+        hopper_cases += usize::from(is_hopper);
+        let fc = FlashConfig::for_head_dim(c.head_dim).expect("config");
+        let (portable, _) = Runner::with_configs(gpu, Implementation::Flash, c, Some(fc), None)
+            .expect("portable runner");
+        assert!(matches!(portable, Runner::Flash { .. }), "{c:?}");
+        if c.pass == Pass::Fwd {
+            let host = Inputs::random(c, 7);
+            let inp = upload(gpu, c, &host).expect("upload");
+            let p = CheckPlan::full(c);
+            let refs = reference_values(c, &host, &p);
+            for (name, mut r) in [("flash", runner), ("portable", portable)] {
+                let mut outs = poisoned_outputs(gpu, c).expect("alloc");
+                r.launch(gpu, c, &inp, &mut outs).expect("launch");
+                gpu.stream.synchronize().expect("sync");
+                let out = Outputs {
+                    o: gpu.stream.clone_dtoh(&outs[0]).expect("download"),
+                    ..Outputs::default()
+                };
+                let errs = check_outputs(c, &refs, &out, &p);
+                println!("{arch} {name} {}: {errs:?}", label(c));
+                assert!(
+                    errs.worst() <= c.dtype.tolerance(),
+                    "{name} {c:?}: {errs:?}"
+                );
+            }
+        }
+    }
+    assert_eq!(hopper_cases, if arch == "sm_90a" { 2 } else { 0 });
+}
+
 /// The public entry points on the device: `dot_product_attention` and its vjp (GQA, a
 /// non-aligned causal cross-length case, fp32 through `math`, head_dim 96, a decoding shape
 /// through the split-KV kernel) and `mha` against their float64 definitions, and the

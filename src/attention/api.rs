@@ -92,7 +92,8 @@ fn case_of(dtype: ElementType, shape: &Shape, options: &Options, pass: Pass) -> 
 /// on CUDA the split-KV kernel (`flash_decode`) for a decoding shape it takes
 /// ([`decode_gpu::takes`]: at most 16 query rows against at least 1024 keys, forward, bf16 or
 /// fp16, head_dim 64, 128 or 256), else what [`super::cuda::dispatch`] picks (`flash` or
-/// `math`).
+/// `math`; `flash` on compute capability 9.0 runs the wgmma forward where
+/// [`super::sm90::takes`] the call, the portable kernels otherwise).
 ///
 /// # Errors
 /// [`Error::Invalid`] for an invalid shape; [`Error::Unsupported`] when no CUDA
@@ -171,7 +172,8 @@ fn download<T: Element>(gpu: &Gpu, buf: &CudaSlice<u16>) -> Result<Vec<T>, GpuEr
 /// Softmax attention, O = softmax(scale · Q Kᵀ + mask) V, `[B, H, T_q, D]` in the input type,
 /// on `device` with the implementation [`implementation`] names. Every shape on the CPU; on
 /// CUDA, a decoding shape on the split-KV kernel (`flash_decode`), the rest on what `flash` or
-/// `math` supports (every shape for bf16, fp16 and fp32 today).
+/// `math` supports (every shape for bf16, fp16 and fp32 today); on compute capability 9.0 the
+/// bf16 forward at head_dim 64 and 128 runs the wgmma kernel ([`super::sm90`]).
 ///
 /// # Errors
 /// [`Error::Invalid`] for a zero size, heads not a multiple of kv_heads, or a tensor whose

@@ -355,7 +355,9 @@ impl BwdConfig {
 /// The project's CUDA implementations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Implementation {
-    /// Tiled flash attention with tensor-core mma and an online softmax (the default).
+    /// Tiled flash attention with tensor-core matrix products and an online softmax (the
+    /// default): mma.sync kernels for compute capability 8.0 and newer, and on 9.0 the wgmma
+    /// forward where [`super::sm90::takes`] says so.
     Flash,
     /// Materialised attention: cuBLAS GEMMs around softmax kernels.
     Math,
@@ -588,7 +590,10 @@ pub fn flash_bwd_instance(c: &AttentionCase, bc: BwdConfig) -> (BwdNames, String
 }
 
 /// The implementation [`forward`] runs for `c`: `flash` when it supports the case, else
-/// `math` when it does, else none (the reason is in [`Implementation::supports`]).
+/// `math` when it does, else none (the reason is in [`Implementation::supports`]). Which
+/// kernels `flash` runs depends on the device: on compute capability 9.0 the cases
+/// [`super::sm90::takes`] names run the wgmma forward, everything else the portable sm_80
+/// kernels ([`Runner::with_configs`]).
 pub fn dispatch(c: &AttentionCase) -> Option<Implementation> {
     Implementation::ALL
         .into_iter()
@@ -721,6 +726,13 @@ pub enum Runner {
         /// True when the forward writes `lse`: always for the general kernel, for forward +
         /// backward on the fast path.
         writes_lse: bool,
+    },
+    /// The wgmma forward on compute capability 9.0 ([`super::sm90::takes`]).
+    Hopper {
+        /// The kernel [`super::sm90::Sm90Version::for_shape`] picks.
+        fwd: Box<super::sm90::HopperForward>,
+        /// The log-sum-exp it writes, fp32 `[B, H, Tq]`.
+        lse: CudaSlice<f32>,
     },
     /// cuBLAS + row kernels.
     Math {
@@ -857,7 +869,9 @@ impl Runner {
 
     /// As [`Runner::new`], with the flash forward configuration `fwd` and the backward
     /// configuration `bwd` where given (the defaults where `None`; `math` ignores both): the
-    /// tile sweep's entry.
+    /// tile sweep's entry. `flash` with neither given runs the wgmma forward where
+    /// [`super::sm90::takes`] the case on this device; a configuration given always runs the
+    /// portable kernels (the runner's `flash_sm80` passes the default one).
     ///
     /// # Errors
     /// As [`Runner::new`]; [`GpuError::Config`] when `bwd` cannot run the head dim.
@@ -872,6 +886,21 @@ impl Runner {
         let rows = c.batch * c.heads * c.seq_len_q;
         let bwd = c.pass == Pass::FwdBwd;
         match imp {
+            Implementation::Flash
+                if fwd.is_none() && bwd_config.is_none() && super::sm90::takes(&gpu.arch(), c) =>
+            {
+                let hopper = super::sm90::HopperForward::new(gpu, c.head_dim, c.seq_len_q)?;
+                let compile_s = hopper.compile_s;
+                // SAFETY: the forward writes every row of the LSE before anything reads it.
+                let lse = unsafe { gpu.stream.alloc::<f32>(rows)? };
+                Ok((
+                    Runner::Hopper {
+                        fwd: Box::new(hopper),
+                        lse,
+                    },
+                    compile_s,
+                ))
+            }
             Implementation::Flash => {
                 let fc = match fwd {
                     Some(fc) => fc,
@@ -1021,7 +1050,7 @@ impl Runner {
     /// Bytes of library workspace held across calls (the cuBLAS workspace of `math`).
     pub fn workspace_bytes(&self) -> u64 {
         match self {
-            Runner::Flash { .. } => 0,
+            Runner::Flash { .. } | Runner::Hopper { .. } => 0,
             Runner::Math { workspace, .. } => workspace.len() as u64,
         }
     }
@@ -1036,6 +1065,7 @@ impl Runner {
                 writes_lse: true,
                 ..
             } => Some(lse),
+            Runner::Hopper { lse, .. } => Some(lse),
             Runner::Flash { .. } | Runner::Math { .. } => None,
         }
     }
@@ -1081,6 +1111,19 @@ impl Runner {
         let scale = c.scale() as f32;
         let rows = c.batch * c.heads * c.seq_len_q;
         match self {
+            Runner::Hopper { fwd, lse } => {
+                fwd.launch(
+                    gpu,
+                    (c.batch, c.heads, c.kv_heads, c.seq_len_q, c.seq_len_kv),
+                    (&inp.q, &inp.k, &inp.v),
+                    &inp.kv_lens,
+                    c.causal,
+                    c.scale(),
+                    &mut outs[0],
+                    lse,
+                )?;
+                Ok(())
+            }
             Runner::Flash {
                 func,
                 cfg,

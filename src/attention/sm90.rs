@@ -16,7 +16,23 @@ use cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::cuda::PRELUDE_SRC;
+use super::{AttentionCase, Dtype, Pass};
 use crate::gpu::{Gpu, GpuError};
+
+/// True when `flash` (the dispatch of `attention::cuda`) runs the wgmma forward
+/// ([`HopperForward`]) for case `c` on a device of architecture `arch` ([`Gpu::arch`]):
+/// compute capability 9.0 (`sm_90a`), bf16, the forward alone, head_dim 64 or 128, a positive
+/// finite scale. Everything else (fp16, forward + backward, other head dims, other devices)
+/// runs the portable sm_80 kernels.
+pub fn takes(arch: &str, c: &AttentionCase) -> bool {
+    let scale = c.scale();
+    arch == "sm_90a"
+        && c.dtype == Dtype::Bf16
+        && c.pass == Pass::Fwd
+        && (c.head_dim == 64 || c.head_dim == 128)
+        && scale > 0.0
+        && scale.is_finite()
+}
 
 /// Source of the sm_90a building blocks and the probe (after [`PRELUDE_SRC`]).
 pub const WGMMA_SRC: &str = include_str!("../../kernels/attn_wgmma_sm90.cu");
@@ -148,6 +164,9 @@ pub const WS_KEYS: usize = 128;
 /// K and V stages of [`Sm90Version::V2`] to V4 (V5: 3).
 pub const WS_STAGES: usize = 2;
 
+/// The fewest queries for which [`Sm90Version::for_shape`] picks V4 at head_dim 64.
+pub const V4_MIN_QUERIES: usize = 2048;
+
 /// Which wgmma forward kernel [`HopperForward`] runs (both in `kernels/attn_wgmma_sm90.cu`;
 /// `kernels/TUNING.md` has each version's measurements).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -197,7 +216,7 @@ impl Sm90Version {
     /// against 388 at 16384), and loses below (247 against 285 at T = 1024: a 192-row tile
     /// leaves a third of the last CTA of each head idle and fewer CTAs fill the SMs).
     pub fn for_shape(head_dim: usize, seq_len_q: usize) -> Sm90Version {
-        if head_dim == 64 && seq_len_q >= 2048 {
+        if head_dim == 64 && seq_len_q >= V4_MIN_QUERIES {
             Sm90Version::V4
         } else {
             Sm90Version::V3
@@ -504,6 +523,36 @@ impl HopperForward {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_wgmma_forward_takes_the_bf16_forward_at_head_dim_64_and_128_on_sm_90a_only() {
+        let c = AttentionCase::new(1, 2, 100, 128);
+        assert!(takes("sm_90a", &c));
+        assert!(takes("sm_90a", &AttentionCase::new(1, 2, 100, 64)));
+        assert!(!takes("sm_89", &c));
+        assert!(!takes("sm_100", &c));
+        assert!(!takes("sm_90a", &AttentionCase::new(1, 2, 100, 256)));
+        for other in [
+            AttentionCase {
+                dtype: Dtype::F16,
+                ..c.clone()
+            },
+            AttentionCase {
+                pass: Pass::FwdBwd,
+                ..c.clone()
+            },
+            AttentionCase {
+                scale: Some(-0.1),
+                ..c.clone()
+            },
+            AttentionCase {
+                scale: Some(0.0),
+                ..c.clone()
+            },
+        ] {
+            assert!(!takes("sm_90a", &other), "{other:?}");
+        }
+    }
 
     #[test]
     fn the_two_readings_swap_each_pair() {

@@ -129,6 +129,8 @@ pub fn measure<L: Launcher>(
         Err(Failure::Gpu(e)) => fail(
             if e.is_oom() {
                 Status::Oom
+            } else if matches!(e, GpuError::Unsupported(_)) {
+                Status::Unsupported
             } else {
                 Status::Error
             },
