@@ -1,5 +1,7 @@
-//! The Hopper page: what ran on devices of compute capability 9.x, summarised by suite. The
-//! page exists only when such a document is present, and its title names the device found.
+//! The Hopper page: what ran on devices of compute capability 9.x, summarised by suite: each
+//! implementation's best row, the dispatch rules specific to the device, and each
+//! device-specific implementation against its portable kernel on the same card. The page
+//! exists only when such a document is present, and its title names the device found.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -9,7 +11,7 @@ use super::super::format;
 use super::groups::{device_label, throughput};
 use super::{reproduce_commands, CommandView, Layout};
 use crate::load::Loaded;
-use crate::schema::{Document, Row, Status, Suite};
+use crate::schema::{DispatchRule, Document, Row, Status, Suite};
 
 /// The Hopper page.
 #[derive(Debug, Serialize)]
@@ -36,6 +38,62 @@ pub struct HopperSuite {
     pub unit: String,
     /// One line per implementation.
     pub implementations: Vec<HopperImpl>,
+    /// The documents' dispatch rules for compute capability 9 ([`is_hopper_rule`]): the
+    /// kernels specific to this device and when they run.
+    pub rules: Vec<HopperRule>,
+    /// Each device-specific implementation against its portable counterpart measured in the
+    /// same document ([`PORTABLE_SUFFIX`]).
+    pub gains: Vec<PortableGain>,
+}
+
+/// The name suffix of an implementation that measures the portable kernel of another: rows of
+/// `flash_sm80` are `flash`'s portable (compute capability 8.0) kernel on the cases where
+/// `flash` runs a device-specific one.
+pub const PORTABLE_SUFFIX: &str = "_sm80";
+
+/// One dispatch rule specific to compute capability 9.
+#[derive(Debug, Serialize, PartialEq)]
+pub struct HopperRule {
+    /// Public entry points.
+    pub entry_point: String,
+    /// Device class as the document words it.
+    pub device: String,
+    /// Dtypes.
+    pub dtype: String,
+    /// When it applies, in words.
+    pub rule: String,
+    /// Implementation it picks.
+    pub implementation: String,
+}
+
+/// A device-specific implementation against its portable counterpart on the same card.
+#[derive(Debug, Serialize)]
+pub struct PortableGain {
+    /// The implementation (what the dispatch runs).
+    pub implementation: String,
+    /// Its portable counterpart (`implementation` + [`PORTABLE_SUFFIX`]).
+    pub portable: String,
+    /// Unit of the two value columns (the suite's throughput, or `ms` for medians).
+    pub unit: String,
+    /// `1.51–1.98× over 24 cases` (device-specific over portable), or why there is none.
+    pub summary: String,
+    /// One line per case where both ran.
+    pub cases: Vec<GainCase>,
+    /// Where the portable counterpart was not measured, with the rows' reason and count.
+    pub not_measured: Vec<String>,
+}
+
+/// One case of a [`PortableGain`].
+#[derive(Debug, Serialize)]
+pub struct GainCase {
+    /// Case label.
+    pub case: String,
+    /// The device-specific implementation's value.
+    pub specific: String,
+    /// The portable kernel's value.
+    pub portable: String,
+    /// How many times faster the device-specific implementation is (`1.97×`).
+    pub gain: String,
 }
 
 /// One implementation's best row on Hopper.
@@ -66,6 +124,99 @@ pub fn is_hopper(doc: &Document) -> bool {
         .compute_capability
         .as_deref()
         .is_some_and(|cc| cc.starts_with("9."))
+}
+
+/// True for a dispatch rule that names compute capability 9 (`compute capability 9.0`,
+/// `sm_90a`): a kernel specific to Hopper.
+pub fn is_hopper_rule(r: &DispatchRule) -> bool {
+    r.device.contains("capability 9") || r.device.contains("sm_90")
+}
+
+/// The device-specific implementations of `docs` (one suite's Hopper documents) against their
+/// portable counterparts, case by case: `score` ranks rows (higher is better) and `unit` names
+/// it; `ms` marks a median, where the gain is portable ÷ specific.
+fn portable_gains(
+    docs: &[&&Loaded],
+    score: &dyn Fn(&Row) -> Option<f64>,
+    unit: &str,
+) -> Vec<PortableGain> {
+    let names: BTreeSet<&str> = docs
+        .iter()
+        .flat_map(|l| l.doc.rows.iter().map(|r| r.implementation.as_str()))
+        .collect();
+    let mut out = Vec::new();
+    for portable in names.iter().filter(|n| n.ends_with(PORTABLE_SUFFIX)) {
+        let base = &portable[..portable.len() - PORTABLE_SUFFIX.len()];
+        if !names.contains(base) {
+            continue;
+        }
+        let mut cases = Vec::new();
+        let mut gains = Vec::new();
+        let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
+        for l in docs {
+            let by_case: BTreeMap<String, &Row> = l
+                .doc
+                .rows
+                .iter()
+                .filter(|r| r.implementation == base)
+                .map(|r| (crate::load::case_key(&r.case), r))
+                .collect();
+            for p in l.doc.rows.iter().filter(|r| r.implementation == *portable) {
+                if p.status != Status::Ok {
+                    let why = format!(
+                        "{}: {}",
+                        p.status.as_str(),
+                        p.message.as_deref().unwrap_or("no message")
+                    );
+                    *reasons.entry(why).or_default() += 1;
+                    continue;
+                }
+                let Some(b) = by_case.get(&crate::load::case_key(&p.case)) else {
+                    continue;
+                };
+                let (Some(vb), Some(vp)) = (score(b), score(p)) else {
+                    continue;
+                };
+                if b.status != Status::Ok || vb == 0.0 || vp == 0.0 {
+                    continue;
+                }
+                // Scores are throughputs (higher is better) or negated medians.
+                let gain = vb / vp;
+                let gain = if vb < 0.0 { 1.0 / gain } else { gain };
+                gains.push(gain);
+                cases.push(GainCase {
+                    case: crate::load::case_label(&p.case),
+                    specific: format::sig(vb.abs(), 3),
+                    portable: format::sig(vp.abs(), 3),
+                    gain: format!("{}×", format::sig(gain, 3)),
+                });
+            }
+        }
+        let summary = match (
+            gains.iter().copied().reduce(f64::min),
+            gains.iter().copied().reduce(f64::max),
+        ) {
+            (Some(lo), Some(hi)) => format!(
+                "{base} is {}–{}× as fast as its portable kernel over {} cases measured in the same run",
+                format::sig(lo, 3),
+                format::sig(hi, 3),
+                gains.len()
+            ),
+            _ => format!("no case where both {base} and {portable} ran"),
+        };
+        out.push(PortableGain {
+            implementation: base.to_string(),
+            portable: portable.to_string(),
+            unit: unit.to_string(),
+            summary,
+            cases,
+            not_measured: reasons
+                .into_iter()
+                .map(|(why, n)| format!("{n} case{}: {why}", if n == 1 { "" } else { "s" }))
+                .collect(),
+        });
+    }
+    out
 }
 
 /// The page's title, naming the Hopper devices present (`Hopper (H200)`); `None` when no
@@ -159,17 +310,143 @@ pub fn hopper_page(docs: &[Loaded], layout: Layout) -> HopperPage {
                 .cmp(&a.is_default)
                 .then_with(|| a.name.cmp(&b.name))
         });
+        let mut rules: Vec<HopperRule> = Vec::new();
+        for r in in_suite
+            .iter()
+            .flat_map(|l| l.doc.config.dispatch.iter())
+            .filter(|r| is_hopper_rule(r))
+        {
+            let rule = HopperRule {
+                entry_point: r.entry_point.clone(),
+                device: r.device.clone(),
+                dtype: r.dtype.clone(),
+                rule: r.rule.clone(),
+                implementation: r.implementation.clone(),
+            };
+            if !rules.contains(&rule) {
+                rules.push(rule);
+            }
+        }
+        let unit = decl.map(|d| d.unit.clone()).unwrap_or_default();
+        let gains = portable_gains(
+            &in_suite,
+            &score,
+            if unit.is_empty() { "ms" } else { &unit },
+        );
         suites.push(HopperSuite {
             title: suite.title().to_string(),
             anchor: suite.as_str().to_string(),
             devices: devices.into_iter().collect::<Vec<_>>().join(", "),
-            unit: decl.map(|d| d.unit.clone()).unwrap_or_default(),
+            unit,
             implementations,
+            rules,
+            gains,
         });
     }
     HopperPage {
         layout,
         suites,
         reproduce: reproduce_commands(hopper.iter().copied()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The synthetic fixture (a compute capability 9.0 document) with `flash_sm80` rows: each of
+    /// flash's ok rows again at twice the median, and one case not measured, with its reason.
+    fn with_portable_rows() -> Loaded {
+        let mut doc: Document = serde_json::from_str(include_str!(
+            "../../../tests/fixtures/valid/gpu_attention.json"
+        ))
+        .expect("fixture");
+        let mut extra: Vec<Row> = doc
+            .rows
+            .iter()
+            .filter(|r| r.implementation == "flash" && r.status == Status::Ok)
+            .map(|r| {
+                let mut p = r.clone();
+                p.implementation = "flash_sm80".into();
+                p.default = false;
+                p.median_ms = r.median_ms.map(|m| 2.0 * m);
+                p
+            })
+            .collect();
+        let mut skipped = extra.pop().expect("a flash row");
+        skipped.status = Status::Unsupported;
+        skipped.median_ms = None;
+        skipped.message = Some("flash runs this same portable kernel here".into());
+        extra.push(skipped);
+        doc.rows.extend(extra);
+        doc.config.dispatch.push(DispatchRule {
+            entry_point: "attention::dot_product_attention".into(),
+            device: "CUDA, compute capability 9.0 (sm_90a)".into(),
+            dtype: "bf16".into(),
+            rule: "the forward at head_dim 64 or 128".into(),
+            implementation: "flash".into(),
+        });
+        Loaded {
+            path: "gpu_attention.json".into(),
+            rel_path: "gpu_attention.json".into(),
+            doc,
+            cut_off_cases: BTreeSet::new(),
+        }
+    }
+
+    #[test]
+    fn the_device_specific_implementation_is_set_against_its_portable_kernel() {
+        let l = with_portable_rows();
+        let docs = [&l];
+        let in_suite: Vec<&&Loaded> = docs.iter().collect();
+        let ok_flash = l
+            .doc
+            .rows
+            .iter()
+            .filter(|r| r.implementation == "flash" && r.status == Status::Ok)
+            .count();
+        let gains = portable_gains(&in_suite, &|r: &Row| r.median_ms.map(|m| -m), "ms");
+        assert_eq!(gains.len(), 1);
+        let g = &gains[0];
+        assert_eq!(
+            (g.implementation.as_str(), g.portable.as_str()),
+            ("flash", "flash_sm80")
+        );
+        assert_eq!(g.cases.len(), ok_flash - 1);
+        assert!(g.cases.iter().all(|c| c.gain == "2.00×"), "{:?}", g.cases);
+        assert!(
+            g.summary.contains(&format!(
+                "2.00–2.00× as fast as its portable kernel over {}",
+                ok_flash - 1
+            )),
+            "{}",
+            g.summary
+        );
+        assert_eq!(
+            g.not_measured,
+            vec!["1 case: unsupported: flash runs this same portable kernel here".to_string()]
+        );
+        // The rules: the fixture's own are not specific to compute capability 9; the added
+        // one is.
+        let specific: Vec<&DispatchRule> = l
+            .doc
+            .config
+            .dispatch
+            .iter()
+            .filter(|r| is_hopper_rule(r))
+            .collect();
+        assert_eq!(specific.len(), 1);
+        assert_eq!(specific[0].implementation, "flash");
+        // Without the portable rows there is nothing to set against.
+        let plain: Loaded = Loaded {
+            doc: serde_json::from_str(include_str!(
+                "../../../tests/fixtures/valid/gpu_attention.json"
+            ))
+            .expect("fixture"),
+            ..with_portable_rows()
+        };
+        let docs = [&plain];
+        let in_suite: Vec<&&Loaded> = docs.iter().collect();
+        assert!(portable_gains(&in_suite, &|r: &Row| r.median_ms.map(|m| -m), "ms").is_empty());
     }
 }
