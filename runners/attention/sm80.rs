@@ -1,12 +1,13 @@
 //! The `flash_sm80` implementation of the attention runner: the portable flash kernels
 //! (mma.sync, compute capability 8.0 and newer) measured on their own where `flash` runs
 //! another kernel, so that the page compares the two on the same card. Today that is compute
-//! capability 9.0, where `flash` runs the wgmma forward for the bf16 forward at head_dim 64 and
-//! 128 ([`kernelpages::attention::sm90::takes`], issue 11). Elsewhere `flash` is this kernel,
-//! and the row is `unsupported` with that reason (on another device, when the case runs).
+//! capability 9.0, where `flash` runs the wgmma forward for bf16 at head_dim 64 and 128 (alone,
+//! or before the portable backward: [`kernelpages::attention::sm90::takes`], issue 11).
+//! Elsewhere `flash` is this kernel, and the row is `unsupported` with that reason (on another
+//! device, when the case runs).
 
 use kernelpages::attention::cuda::{FlashConfig, Implementation, Runner};
-use kernelpages::attention::{sm90, AttentionCase, Dtype, Pass};
+use kernelpages::attention::{sm90, AttentionCase, Dtype};
 use kernelpages::gpu::GpuError;
 use kernelpages::runner::own;
 use kernelpages::runner::protocol::{Job, Reply};
@@ -17,11 +18,10 @@ pub const IMPLEMENTATION: &str = "flash_sm80";
 /// Why `flash_sm80` is not measured for case `c` on any device, or `None` (the device is
 /// checked when the case runs).
 pub fn unsupported(c: &AttentionCase) -> Option<String> {
-    if c.dtype != Dtype::Bf16 || c.pass != Pass::Fwd || !(c.head_dim == 64 || c.head_dim == 128) {
+    if c.dtype != Dtype::Bf16 || !(c.head_dim == 64 || c.head_dim == 128) {
         return Some(format!(
             "flash runs this same portable kernel here; {IMPLEMENTATION} is measured where \
-             flash runs the wgmma kernel (bf16 forward, head_dim 64 or 128, compute capability \
-             9.0)"
+             flash runs the wgmma forward (bf16, head_dim 64 or 128, compute capability 9.0)"
         ));
     }
     Implementation::Flash.supports(c).err()
@@ -59,6 +59,7 @@ pub fn measure(job: &Job) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kernelpages::attention::Pass;
 
     #[test]
     fn flash_sm80_is_measured_where_flash_may_run_the_wgmma_kernel() {
@@ -70,11 +71,13 @@ mod tests {
         };
         assert_eq!(unsupported(&c), None);
         assert!(sm90::takes("sm_90a", &c));
+        let both = AttentionCase {
+            pass: Pass::FwdBwd,
+            ..c.clone()
+        };
+        assert_eq!(unsupported(&both), None);
+        assert!(sm90::takes("sm_90a", &both));
         for other in [
-            AttentionCase {
-                pass: Pass::FwdBwd,
-                ..c.clone()
-            },
             AttentionCase {
                 dtype: Dtype::F16,
                 ..c.clone()

@@ -701,6 +701,143 @@ pub struct FlashBwd {
     dqacc: CudaSlice<f32>,
 }
 
+impl FlashBwd {
+    /// Compiles the backward of case `c` in configuration `config` (the default for its
+    /// head_dim when `None`) and allocates its temporaries; returns it with the NVRTC compile
+    /// + load time in s.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] when the configuration cannot run the head dim or needs more
+    /// shared memory than the device has; compile errors; out-of-memory.
+    fn new(
+        gpu: &Gpu,
+        c: &AttentionCase,
+        config: Option<BwdConfig>,
+    ) -> Result<(Box<FlashBwd>, f64), GpuError> {
+        let rows = c.batch * c.heads * c.seq_len_q;
+        let bc = match config {
+            Some(bc) => {
+                bc.check(c.head_dim).map_err(GpuError::Config)?;
+                bc
+            }
+            None => BwdConfig::for_head_dim(c.head_dim).map_err(GpuError::Config)?,
+        };
+        let (names, src) = flash_bwd_instance(c, bc);
+        let smem = bc.smem_bytes(c.head_dim);
+        check_smem(gpu, &names.main, smem)?;
+        let compiled = gpu.compile(&format!("{}.cu", names.main), &src)?;
+        let main = gpu.function(&compiled.module, &names.main, smem)?;
+        Ok((
+            Box::new(FlashBwd {
+                preprocess: gpu.function(&compiled.module, &names.preprocess, 0)?,
+                convert: gpu.function(&compiled.module, &names.convert, 0)?,
+                main,
+                main_cfg: LaunchConfig {
+                    grid_dim: (
+                        c.seq_len_kv.div_ceil(bc.key_tile()) as u32,
+                        c.kv_heads as u32,
+                        c.batch as u32,
+                    ),
+                    block_dim: (32 * bc.warps as u32, 1, 1),
+                    shared_mem_bytes: smem,
+                },
+                // SAFETY: the preprocessing kernel writes both before the main kernel reads
+                // them.
+                dsum: unsafe { gpu.stream.alloc::<f32>(rows)? },
+                dqacc: unsafe { gpu.stream.alloc::<f32>(rows * c.head_dim)? },
+            }),
+            compiled.compile_s,
+        ))
+    }
+
+    /// Launches the backward of case `c` on the stream after a forward that wrote `o` and its
+    /// log-sum-exp `lse` (fp32 `[B, H, Tq]`, natural log, +∞ for a row that sees no key: the
+    /// portable and the wgmma forwards write the same), with dO from `inp`, writing `grads` =
+    /// dQ, dK, dV (words of the case's dtype).
+    ///
+    /// # Errors
+    /// Launch errors.
+    fn launch(
+        &mut self,
+        gpu: &Gpu,
+        c: &AttentionCase,
+        inp: &DeviceInputs,
+        o: &CudaSlice<u16>,
+        lse: &CudaSlice<f32>,
+        grads: &mut [CudaSlice<u16>],
+    ) -> Result<(), GpuError> {
+        let (tq, tkv) = (c.seq_len_q as i32, c.seq_len_kv as i32);
+        let (h, kvh) = (c.heads as i32, c.kv_heads as i32);
+        let scale_log2 = (c.scale() * std::f64::consts::LOG2_E) as f32;
+        let scale = c.scale() as f32;
+        let rows = c.batch * c.heads * c.seq_len_q;
+        let FlashBwd {
+            preprocess,
+            main,
+            convert,
+            main_cfg,
+            dsum,
+            dqacc,
+        } = self;
+        let rows_i = rows as i32;
+        {
+            let mut b = gpu.stream.launch_builder(preprocess);
+            b.arg(o)
+                .arg(&inp.dout)
+                .arg(&mut *dsum)
+                .arg(&mut *dqacc)
+                .arg(&rows_i);
+            // SAFETY: `flash_bwd_pre_*(const u16* O, const u16* dO, float* Dsum,
+            // float* dQacc, int rows)`: O and dO hold rows·D elements, Dsum rows, dQacc
+            // rows·D; one warp per row, 8 rows per 256-thread block.
+            unsafe { b.launch(grid_1d(rows, 8))? };
+        }
+        let [dq, dk, dv] = grads else {
+            unreachable!("checked: four outputs")
+        };
+        let passes: &[(i32, i32)] = if c.head_dim > 128 {
+            &[(0, 1), (128, 0)]
+        } else {
+            &[(0, 1)]
+        };
+        for &(dkv_off, do_dq) in passes {
+            let mut b = gpu.stream.launch_builder(main);
+            b.arg(&inp.q)
+                .arg(&inp.k)
+                .arg(&inp.v)
+                .arg(&inp.dout)
+                .arg(lse)
+                .arg(&*dsum)
+                .arg(&inp.kv_lens)
+                .arg(&mut *dqacc)
+                .arg(&mut *dk)
+                .arg(&mut *dv)
+                .arg(&tq)
+                .arg(&tkv)
+                .arg(&h)
+                .arg(&kvh)
+                .arg(&scale_log2)
+                .arg(&scale)
+                .arg(&dkv_off)
+                .arg(&do_dq);
+            // SAFETY: the arguments match `flash_bwd_*(const u16* Q, const u16* K,
+            // const u16* V, const u16* dO, const float* LSE, const float* Dsum,
+            // const int* kv_lens, float* dQacc, u16* dK, u16* dV, int Tq, int Tkv,
+            // int H, int KVH, float scale_log2, float scale, int dkv_off, int do_dq)`
+            // with the sizes of the forward's launch; dK and dV hold B·KVH·Tkv·D; the
+            // grid covers ⌈Tkv/BC⌉ key tiles × KVH × B; dkv_off + 128 ≤ D when D > 128.
+            unsafe { b.launch(*main_cfg)? };
+        }
+        let n = (rows * c.head_dim) as u64;
+        let mut b = gpu.stream.launch_builder(convert);
+        b.arg(&*dqacc).arg(dq).arg(&n).arg(&scale);
+        // SAFETY: `flash_bwd_dq_*(const float* dQacc, u16* dQ, unsigned long long n,
+        // float scale)` with n = B·H·Tq·D elements in both; 2 elements per thread.
+        unsafe { b.launch(grid_1d(n as usize, 512))? };
+        Ok(())
+    }
+}
+
 /// The math backward's row kernels and buffer.
 pub struct MathBwd {
     rowdot: CudaFunction,
@@ -727,12 +864,15 @@ pub enum Runner {
         /// backward on the fast path.
         writes_lse: bool,
     },
-    /// The wgmma forward on compute capability 9.0 ([`super::sm90::takes`]).
+    /// The wgmma forward on compute capability 9.0 ([`super::sm90::takes`]), then for forward
+    /// + backward the portable backward on its log-sum-exp.
     Hopper {
         /// The kernel [`super::sm90::Sm90Version::for_shape`] picks.
         fwd: Box<super::sm90::HopperForward>,
         /// The log-sum-exp it writes, fp32 `[B, H, Tq]`.
         lse: CudaSlice<f32>,
+        /// The backward (forward + backward cases).
+        bwd: Option<Box<FlashBwd>>,
     },
     /// cuBLAS + row kernels.
     Math {
@@ -890,13 +1030,21 @@ impl Runner {
                 if fwd.is_none() && bwd_config.is_none() && super::sm90::takes(&gpu.arch(), c) =>
             {
                 let hopper = super::sm90::HopperForward::new(gpu, c.head_dim, c.seq_len_q)?;
-                let compile_s = hopper.compile_s;
+                let mut compile_s = hopper.compile_s;
                 // SAFETY: the forward writes every row of the LSE before anything reads it.
                 let lse = unsafe { gpu.stream.alloc::<f32>(rows)? };
+                let bwd = if bwd {
+                    let (fb, s) = FlashBwd::new(gpu, c, None)?;
+                    compile_s += s;
+                    Some(fb)
+                } else {
+                    None
+                };
                 Ok((
                     Runner::Hopper {
                         fwd: Box::new(hopper),
                         lse,
+                        bwd,
                     },
                     compile_s,
                 ))
@@ -929,37 +1077,9 @@ impl Runner {
                 // SAFETY: the forward writes every row of the LSE before anything reads it.
                 let lse = unsafe { gpu.stream.alloc::<f32>(rows)? };
                 let bwd = if bwd {
-                    let bc = match bwd_config {
-                        Some(bc) => {
-                            bc.check(c.head_dim).map_err(GpuError::Config)?;
-                            bc
-                        }
-                        None => BwdConfig::for_head_dim(c.head_dim).map_err(GpuError::Config)?,
-                    };
-                    let (names, src) = flash_bwd_instance(c, bc);
-                    let smem = bc.smem_bytes(c.head_dim);
-                    check_smem(gpu, &names.main, smem)?;
-                    let compiled = gpu.compile(&format!("{}.cu", names.main), &src)?;
-                    compile_s += compiled.compile_s;
-                    let main = gpu.function(&compiled.module, &names.main, smem)?;
-                    Some(Box::new(FlashBwd {
-                        preprocess: gpu.function(&compiled.module, &names.preprocess, 0)?,
-                        convert: gpu.function(&compiled.module, &names.convert, 0)?,
-                        main,
-                        main_cfg: LaunchConfig {
-                            grid_dim: (
-                                c.seq_len_kv.div_ceil(bc.key_tile()) as u32,
-                                c.kv_heads as u32,
-                                c.batch as u32,
-                            ),
-                            block_dim: (32 * bc.warps as u32, 1, 1),
-                            shared_mem_bytes: smem,
-                        },
-                        // SAFETY: the preprocessing kernel writes both before the main kernel
-                        // reads them.
-                        dsum: unsafe { gpu.stream.alloc::<f32>(rows)? },
-                        dqacc: unsafe { gpu.stream.alloc::<f32>(rows * c.head_dim)? },
-                    }))
+                    let (fb, s) = FlashBwd::new(gpu, c, bwd_config)?;
+                    compile_s += s;
+                    Some(fb)
                 } else {
                     None
                 };
@@ -1111,7 +1231,9 @@ impl Runner {
         let scale = c.scale() as f32;
         let rows = c.batch * c.heads * c.seq_len_q;
         match self {
-            Runner::Hopper { fwd, lse } => {
+            Runner::Hopper { fwd, lse, bwd: fb } => {
+                let (o, grads) = outs.split_at_mut(1);
+                let o = &mut o[0];
                 fwd.launch(
                     gpu,
                     (c.batch, c.heads, c.kv_heads, c.seq_len_q, c.seq_len_kv),
@@ -1119,10 +1241,13 @@ impl Runner {
                     &inp.kv_lens,
                     c.causal,
                     c.scale(),
-                    &mut outs[0],
+                    o,
                     lse,
                 )?;
-                Ok(())
+                match fb {
+                    Some(fb) => fb.launch(gpu, c, inp, o, lse, grads),
+                    None => Ok(()),
+                }
             }
             Runner::Flash {
                 func,
@@ -1172,73 +1297,10 @@ impl Runner {
                     // the kernel bounds every access by Tq and kv_lens.
                     unsafe { b.launch(*cfg)? };
                 }
-                let Some(fb) = fb else {
-                    return Ok(());
-                };
-                let FlashBwd {
-                    preprocess,
-                    main,
-                    convert,
-                    main_cfg,
-                    dsum,
-                    dqacc,
-                } = &mut **fb;
-                let rows_i = rows as i32;
-                {
-                    let mut b = gpu.stream.launch_builder(preprocess);
-                    b.arg(&*o)
-                        .arg(&inp.dout)
-                        .arg(&mut *dsum)
-                        .arg(&mut *dqacc)
-                        .arg(&rows_i);
-                    // SAFETY: `flash_bwd_pre_*(const u16* O, const u16* dO, float* Dsum,
-                    // float* dQacc, int rows)`: O and dO hold rows·D elements, Dsum rows, dQacc
-                    // rows·D; one warp per row, 8 rows per 256-thread block.
-                    unsafe { b.launch(grid_1d(rows, 8))? };
+                match fb {
+                    Some(fb) => fb.launch(gpu, c, inp, o, lse, grads),
+                    None => Ok(()),
                 }
-                let [dq, dk, dv] = grads else {
-                    unreachable!("checked: four outputs")
-                };
-                let passes: &[(i32, i32)] = if c.head_dim > 128 {
-                    &[(0, 1), (128, 0)]
-                } else {
-                    &[(0, 1)]
-                };
-                for &(dkv_off, do_dq) in passes {
-                    let mut b = gpu.stream.launch_builder(main);
-                    b.arg(&inp.q)
-                        .arg(&inp.k)
-                        .arg(&inp.v)
-                        .arg(&inp.dout)
-                        .arg(&*lse)
-                        .arg(&*dsum)
-                        .arg(&inp.kv_lens)
-                        .arg(&mut *dqacc)
-                        .arg(&mut *dk)
-                        .arg(&mut *dv)
-                        .arg(&tq)
-                        .arg(&tkv)
-                        .arg(&h)
-                        .arg(&kvh)
-                        .arg(&scale_log2)
-                        .arg(&scale)
-                        .arg(&dkv_off)
-                        .arg(&do_dq);
-                    // SAFETY: the arguments match `flash_bwd_*(const u16* Q, const u16* K,
-                    // const u16* V, const u16* dO, const float* LSE, const float* Dsum,
-                    // const int* kv_lens, float* dQacc, u16* dK, u16* dV, int Tq, int Tkv,
-                    // int H, int KVH, float scale_log2, float scale, int dkv_off, int do_dq)`
-                    // with the sizes of the forward's launch; dK and dV hold B·KVH·Tkv·D; the
-                    // grid covers ⌈Tkv/BC⌉ key tiles × KVH × B; dkv_off + 128 ≤ D when D > 128.
-                    unsafe { b.launch(*main_cfg)? };
-                }
-                let n = (rows * c.head_dim) as u64;
-                let mut b = gpu.stream.launch_builder(convert);
-                b.arg(&*dqacc).arg(dq).arg(&n).arg(&scale);
-                // SAFETY: `flash_bwd_dq_*(const float* dQacc, u16* dQ, unsigned long long n,
-                // float scale)` with n = B·H·Tq·D elements in both; 2 elements per thread.
-                unsafe { b.launch(grid_1d(n as usize, 512))? };
-                Ok(())
             }
             Runner::Math {
                 blas,

@@ -16,19 +16,18 @@ use cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::cuda::PRELUDE_SRC;
-use super::{AttentionCase, Dtype, Pass};
+use super::{AttentionCase, Dtype};
 use crate::gpu::{Gpu, GpuError};
 
 /// True when `flash` (the dispatch of `attention::cuda`) runs the wgmma forward
 /// ([`HopperForward`]) for case `c` on a device of architecture `arch` ([`Gpu::arch`]):
-/// compute capability 9.0 (`sm_90a`), bf16, the forward alone, head_dim 64 or 128, a positive
-/// finite scale. Everything else (fp16, forward + backward, other head dims, other devices)
-/// runs the portable sm_80 kernels.
+/// compute capability 9.0 (`sm_90a`), bf16, head_dim 64 or 128, a positive finite scale; the
+/// forward alone, or before the portable backward (which reads the log-sum-exp it writes).
+/// Everything else (fp16, other head dims, other devices) runs the portable sm_80 kernels.
 pub fn takes(arch: &str, c: &AttentionCase) -> bool {
     let scale = c.scale();
     arch == "sm_90a"
         && c.dtype == Dtype::Bf16
-        && c.pass == Pass::Fwd
         && (c.head_dim == 64 || c.head_dim == 128)
         && scale > 0.0
         && scale.is_finite()
@@ -523,22 +522,26 @@ impl HopperForward {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::Pass;
 
     #[test]
-    fn the_wgmma_forward_takes_the_bf16_forward_at_head_dim_64_and_128_on_sm_90a_only() {
+    fn the_wgmma_forward_takes_bf16_at_head_dim_64_and_128_on_sm_90a_only() {
         let c = AttentionCase::new(1, 2, 100, 128);
         assert!(takes("sm_90a", &c));
         assert!(takes("sm_90a", &AttentionCase::new(1, 2, 100, 64)));
+        assert!(takes(
+            "sm_90a",
+            &AttentionCase {
+                pass: Pass::FwdBwd,
+                ..c.clone()
+            }
+        ));
         assert!(!takes("sm_89", &c));
         assert!(!takes("sm_100", &c));
         assert!(!takes("sm_90a", &AttentionCase::new(1, 2, 100, 256)));
         for other in [
             AttentionCase {
                 dtype: Dtype::F16,
-                ..c.clone()
-            },
-            AttentionCase {
-                pass: Pass::FwdBwd,
                 ..c.clone()
             },
             AttentionCase {
