@@ -20,8 +20,83 @@ pub struct HopperPage {
     pub layout: Layout,
     /// Summary by suite.
     pub suites: Vec<HopperSuite>,
+    /// Every device with documents in the data folder, Hopper or not, one line each.
+    pub devices: Vec<DeviceLine>,
     /// The commands that reproduce the Hopper documents, then the page itself.
     pub reproduce: Vec<CommandView>,
+}
+
+/// One device of the comparison table: what its documents record about it.
+#[derive(Debug, Serialize, PartialEq)]
+pub struct DeviceLine {
+    /// Device name.
+    pub name: String,
+    /// `GPU` or `CPU`.
+    pub kind: String,
+    /// Compute capability (GPU), or `—`.
+    pub compute_capability: String,
+    /// Streaming multiprocessors (GPU) or hardware threads (CPU), or `—`.
+    pub units: String,
+    /// Device memory in GB (GPU), or `—`.
+    pub memory_gb: String,
+    /// L2 cache in MB (GPU), or `—`.
+    pub l2_mb: String,
+    /// The architecture NVRTC compiled the project's kernels for, or `—`.
+    pub arch: String,
+    /// Suites measured on it (titles).
+    pub suites: String,
+    /// `ok rows / rows` over its documents.
+    pub rows_ok: String,
+}
+
+/// The device comparison table: one line per device name over all of `docs`, in the order
+/// of first appearance (GPUs first); the first document of a device gives its details.
+pub fn device_lines(docs: &[Loaded]) -> Vec<DeviceLine> {
+    let mut names: Vec<&str> = Vec::new();
+    for l in docs {
+        if !names.contains(&l.doc.device.name.as_str()) {
+            names.push(&l.doc.device.name);
+        }
+    }
+    let dash = || "—".to_string();
+    let mut lines: Vec<(bool, DeviceLine)> = names
+        .into_iter()
+        .map(|name| {
+            let of: Vec<&Loaded> = docs.iter().filter(|l| l.doc.device.name == name).collect();
+            let d = &of[0].doc.device;
+            let gpu = d.kind == crate::schema::DeviceKind::Gpu;
+            let suites: BTreeSet<&str> = of.iter().map(|l| l.doc.suite.title()).collect();
+            let rows: usize = of.iter().map(|l| l.doc.rows.len()).sum();
+            let ok: usize = of
+                .iter()
+                .map(|l| l.doc.rows.iter().filter(|r| r.status == Status::Ok).count())
+                .sum();
+            let units = if gpu {
+                d.sm_count.map(|n| format!("{n} SMs"))
+            } else {
+                d.cpu_threads.map(|n| format!("{n} threads"))
+            };
+            (
+                gpu,
+                DeviceLine {
+                    name: name.to_string(),
+                    kind: if gpu { "GPU" } else { "CPU" }.to_string(),
+                    compute_capability: d.compute_capability.clone().unwrap_or_else(dash),
+                    units: units.unwrap_or_else(dash),
+                    memory_gb: d
+                        .memory_mb
+                        .map(|m| format::sig(m / 1000.0, 3))
+                        .unwrap_or_else(dash),
+                    l2_mb: d.l2_mb.map(|m| format::sig(m, 3)).unwrap_or_else(dash),
+                    arch: d.nvrtc_arch.clone().unwrap_or_else(dash),
+                    suites: suites.into_iter().collect::<Vec<_>>().join(", "),
+                    rows_ok: format!("{ok} / {rows}"),
+                },
+            )
+        })
+        .collect();
+    lines.sort_by_key(|(gpu, _)| !*gpu);
+    lines.into_iter().map(|(_, l)| l).collect()
 }
 
 /// Best throughput per implementation in one suite on Hopper.
@@ -247,11 +322,18 @@ pub fn toc(page: &HopperPage) -> Vec<super::TocEntry> {
             label: s.title.clone(),
             depth: 1,
         })
-        .chain(std::iter::once(super::TocEntry {
-            href: "#how-to-reproduce".to_string(),
-            label: "How to reproduce".to_string(),
-            depth: 1,
-        }))
+        .chain([
+            super::TocEntry {
+                href: "#devices".to_string(),
+                label: "Devices compared".to_string(),
+                depth: 1,
+            },
+            super::TocEntry {
+                href: "#how-to-reproduce".to_string(),
+                label: "How to reproduce".to_string(),
+                depth: 1,
+            },
+        ])
         .collect()
 }
 
@@ -346,6 +428,7 @@ pub fn hopper_page(docs: &[Loaded], layout: Layout) -> HopperPage {
     HopperPage {
         layout,
         suites,
+        devices: device_lines(docs),
         reproduce: reproduce_commands(hopper.iter().copied()),
     }
 }
@@ -448,5 +531,37 @@ mod tests {
         let docs = [&plain];
         let in_suite: Vec<&&Loaded> = docs.iter().collect();
         assert!(portable_gains(&in_suite, &|r: &Row| r.median_ms.map(|m| -m), "ms").is_empty());
+    }
+
+    #[test]
+    fn the_device_table_has_one_line_per_device_gpus_first() {
+        let gpu = with_portable_rows();
+        let mut cpu_doc = gpu.doc.clone();
+        cpu_doc.device.kind = crate::schema::DeviceKind::Cpu;
+        cpu_doc.device.name = "Some CPU".into();
+        cpu_doc.device.compute_capability = None;
+        cpu_doc.device.cpu_threads = Some(8);
+        cpu_doc.rows.truncate(3);
+        let cpu = Loaded {
+            doc: cpu_doc,
+            ..with_portable_rows()
+        };
+        let lines = device_lines(&[cpu, gpu.clone()]);
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0].kind, "GPU");
+        assert_eq!(lines[0].name, gpu.doc.device.name);
+        assert_eq!(lines[0].compute_capability, "9.0");
+        let ok = gpu
+            .doc
+            .rows
+            .iter()
+            .filter(|r| r.status == Status::Ok)
+            .count();
+        assert_eq!(lines[0].rows_ok, format!("{ok} / {}", gpu.doc.rows.len()));
+        assert_eq!(
+            (lines[1].kind.as_str(), lines[1].units.as_str()),
+            ("CPU", "8 threads")
+        );
+        assert!(lines[1].rows_ok.ends_with("/ 3"));
     }
 }
