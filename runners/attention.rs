@@ -71,9 +71,9 @@ use kernelpages::schema::{DispatchRule, Param, RunKind, Suite};
 struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
-    /// Implementations of this project to run [default: flash,flash_sm80,math; with `--grids
-    /// decode` math,flash_decode,flash_decode_paged; with `--grids masks` flex,flash; cpu_flash
-    /// with --device cpu]. `flex` runs flex_attention (forward, and backward for fwd+bwd) with
+    /// Implementations of this project to run [default: flash,math, and flash_sm80 on compute
+    /// capability 9.0; with `--grids decode` math,flash_decode,flash_decode_paged; with
+    /// `--grids masks` flex,flash; cpu_flash with --device cpu]. `flex` runs flex_attention (forward, and backward for fwd+bwd) with
     /// the case's mask: the masks grid's named modification, else causal or none. `flash` runs
     /// what the dispatch picks on the device (on compute capability 9.0 the wgmma forward for
     /// bf16 at head_dim 64 and 128, before the portable backward for fwd+bwd); `flash_sm80` the
@@ -118,7 +118,9 @@ struct Cli {
     #[arg(long, default_value_t = 256)]
     check_rows: usize,
     /// Flash forward configuration per head_dim, e.g. `64=v3w4m2b64,128=v3w4m2b32` (see
-    /// `kernels/TUNING.md`); the defaults otherwise.
+    /// `kernels/TUNING.md`); the defaults otherwise. A configuration names the portable
+    /// kernel: on compute capability 9.0 flash then runs it instead of the wgmma forward for
+    /// that head_dim.
     #[arg(long)]
     flash_config: Option<String>,
     /// Flash backward configuration per head_dim, e.g. `128=w8r64`.
@@ -798,7 +800,15 @@ fn run(cli: &Cli) -> Result<ExitCode> {
         RunKind::Decode => &["math", decode::CONTIGUOUS, decode::PAGED],
         // Generated masks; flash runs the causal cases.
         RunKind::Masks => &[flex::IMPLEMENTATION, "flash"],
-        _ => &["flash", sm80::IMPLEMENTATION, "math"],
+        // flash_sm80 runs by default only where flash runs another kernel (compute
+        // capability 9.0: a short-lived context asks the device, as the run's setup does).
+        _ if !on_cpu(cli)
+            && cli.implementations.is_none()
+            && kernelpages::gpu::Gpu::open(0).is_ok_and(|g| g.arch() == "sm_90a") =>
+        {
+            &["flash", sm80::IMPLEMENTATION, "math"]
+        }
+        _ => &["flash", "math"],
     };
     let names = names_or_default(
         &cli.implementations,

@@ -1009,9 +1009,10 @@ impl Runner {
 
     /// As [`Runner::new`], with the flash forward configuration `fwd` and the backward
     /// configuration `bwd` where given (the defaults where `None`; `math` ignores both): the
-    /// tile sweep's entry. `flash` with neither given runs the wgmma forward where
-    /// [`super::sm90::takes`] the case on this device; a configuration given always runs the
-    /// portable kernels (the runner's `flash_sm80` passes the default one).
+    /// tile sweep's entry. `flash` with neither given (and no forward configuration for the
+    /// head dim in `KP_FLASH_CONFIG`) runs the wgmma forward where [`super::sm90::takes`] the
+    /// case on this device; a configuration given always runs the portable kernels (the
+    /// runner's `flash_sm80` passes the default one).
     ///
     /// # Errors
     /// As [`Runner::new`]; [`GpuError::Config`] when `bwd` cannot run the head dim.
@@ -1026,8 +1027,15 @@ impl Runner {
         let rows = c.batch * c.heads * c.seq_len_q;
         let bwd = c.pass == Pass::FwdBwd;
         match imp {
+            // A forward configuration given here or by `KP_FLASH_CONFIG` (the runner's
+            // `--flash-config`) names the portable kernel, which then runs.
             Implementation::Flash
-                if fwd.is_none() && bwd_config.is_none() && super::sm90::takes(&gpu.arch(), c) =>
+                if fwd.is_none()
+                    && bwd_config.is_none()
+                    && env_config("KP_FLASH_CONFIG", c.head_dim)
+                        .map_err(GpuError::Config)?
+                        .is_none()
+                    && super::sm90::takes(&gpu.arch(), c) =>
             {
                 let hopper = super::sm90::HopperForward::new(gpu, c.head_dim, c.seq_len_q)?;
                 let mut compile_s = hopper.compile_s;

@@ -154,7 +154,9 @@ pub struct PortableGain {
     pub summary: String,
     /// One line per case where both ran.
     pub cases: Vec<GainCase>,
-    /// Where the portable counterpart was not measured, with the rows' reason and count.
+    /// Cases without a comparison, with the rows' status, reason and count: where the
+    /// portable counterpart did not run (`unsupported`: the device-specific path does not
+    /// apply there; or a failure), and where the device-specific implementation failed.
     pub not_measured: Vec<String>,
 }
 
@@ -236,23 +238,30 @@ fn portable_gains(
                 .filter(|r| r.implementation == base)
                 .map(|r| (crate::load::case_key(&r.case), r))
                 .collect();
+            let said = |r: &Row| {
+                format!(
+                    "{} {}: {}",
+                    r.implementation,
+                    r.status.as_str(),
+                    r.message.as_deref().unwrap_or("no message")
+                )
+            };
             for p in l.doc.rows.iter().filter(|r| r.implementation == *portable) {
                 if p.status != Status::Ok {
-                    let why = format!(
-                        "{}: {}",
-                        p.status.as_str(),
-                        p.message.as_deref().unwrap_or("no message")
-                    );
-                    *reasons.entry(why).or_default() += 1;
+                    *reasons.entry(said(p)).or_default() += 1;
                     continue;
                 }
                 let Some(b) = by_case.get(&crate::load::case_key(&p.case)) else {
                     continue;
                 };
+                if b.status != Status::Ok {
+                    *reasons.entry(said(b)).or_default() += 1;
+                    continue;
+                }
                 let (Some(vb), Some(vp)) = (score(b), score(p)) else {
                     continue;
                 };
-                if b.status != Status::Ok || vb == 0.0 || vp == 0.0 {
+                if vb == 0.0 || vp == 0.0 {
                     continue;
                 }
                 // Scores are throughputs (higher is better) or negated medians.
@@ -507,7 +516,30 @@ mod tests {
         );
         assert_eq!(
             g.not_measured,
-            vec!["1 case: unsupported: flash runs this same portable kernel here".to_string()]
+            vec![
+                "1 case: flash_sm80 unsupported: flash runs this same portable kernel here"
+                    .to_string()
+            ]
+        );
+        // A device-specific failure is listed, not dropped.
+        let mut failing = with_portable_rows();
+        let first = failing
+            .doc
+            .rows
+            .iter_mut()
+            .find(|r| r.implementation == "flash" && r.status == Status::Ok)
+            .expect("a flash row");
+        first.status = Status::Error;
+        first.message = Some("boom".into());
+        let docs = [&failing];
+        let in_suite: Vec<&&Loaded> = docs.iter().collect();
+        let g = &portable_gains(&in_suite, &|r: &Row| r.median_ms.map(|m| -m), "ms")[0];
+        assert_eq!(g.cases.len(), ok_flash - 2);
+        assert!(
+            g.not_measured
+                .contains(&"1 case: flash error: boom".to_string()),
+            "{:?}",
+            g.not_measured
         );
         // The rules: the fixture's own are not specific to compute capability 9; the added
         // one is.
