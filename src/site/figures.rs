@@ -15,7 +15,9 @@ use anyhow::{anyhow, Context as _};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use super::model::{BarOutcome, Dash, FigureSpec, GlanceChart, Marker, Series, TileChart};
+use super::model::{
+    BarOutcome, Dash, FigureSpec, GlanceChart, Marker, RatioWords, Series, TileChart,
+};
 
 /// Width of a line figure, px.
 pub const WIDTH: u32 = 600;
@@ -657,7 +659,7 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
             .configure_mesh()
             .disable_y_mesh()
             .y_labels(0)
-            .x_desc("fastest accurate alternative time ÷ default time (log scale)")
+            .x_desc(chart_spec.words.axis.as_str())
             .x_label_formatter(&|x| tick_label(*x))
             .bold_line_style(GRID.mix(0.3))
             .light_line_style(TRANSPARENT)
@@ -670,13 +672,13 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
         let (one_x, plot_top) = chart.backend_coord(&(1.0, n as f64));
         let side = (FONT, px(12.0)).into_font().color(&INK);
         root.draw(&Text::new(
-            "← alternative faster",
+            chart_spec.words.left.as_str(),
             (one_x - 8, plot_top - 6),
             side.pos(Pos::new(HPos::Right, VPos::Bottom)),
         ))
         .map_err(&err)?;
         root.draw(&Text::new(
-            "default faster →",
+            chart_spec.words.right.as_str(),
             (one_x + 8, plot_top - 6),
             side.pos(Pos::new(HPos::Left, VPos::Bottom)),
         ))
@@ -749,7 +751,7 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
                 INK.stroke_width(2),
             ))
             .map_err(&err)?;
-        draw_glance_legend(&legend_area).map_err(&err)?;
+        draw_glance_legend(&legend_area, &chart_spec.words).map_err(&err)?;
         root.present().map_err(&err)?;
     }
     add_title_desc(&svg, &chart_spec.title, &chart_spec.desc)
@@ -758,16 +760,18 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
 /// The glance chart's legend: bar colours by who is faster, the whisker, the cross.
 fn draw_glance_legend<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
+    words: &RatioWords,
 ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
     let font = (FONT, px(12.0)).into_font().color(&INK);
     let row = |i: i32| 6 + i * LEGEND_LINE as i32 + LEGEND_LINE as i32 / 2;
     let entries: [(i32, i32, &str); 4] = [
-        (0, 20, "default faster (ratio above 1)"),
-        (0, 370, "alternative faster (ratio below 1)"),
+        (0, 20, words.above.as_str()),
+        (0, 370, words.below.as_str()),
         (1, 20, "whisker: range from both implementations' quartiles"),
         (1, 480, "default inaccurate"),
     ];
-    for (k, (line, x, label)) in entries.into_iter().enumerate() {
+    let shown = if words.crosses { 4 } else { 3 };
+    for (k, (line, x, label)) in entries.into_iter().take(shown).enumerate() {
         let y = row(line);
         match k {
             0 | 1 => {
@@ -1003,6 +1007,7 @@ mod tests {
             file: "g.svg".into(),
             title: "t".into(),
             desc: "d".into(),
+            words: RatioWords::glance(),
             bars: vec![
                 GlanceBar {
                     label: "a".into(),

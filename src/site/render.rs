@@ -180,7 +180,8 @@ impl Renderer {
                 figures::tile_chart(chart).with_context(|| format!("drawing {}", chart.file))?;
             out.push(file(&chart.file, svg));
         }
-        if let Some(chart) = &model.glance_chart {
+        let hopper_charts = model.hopper.iter().flat_map(|h| h.charts.iter());
+        for chart in model.glance_chart.iter().chain(hopper_charts) {
             let svg =
                 figures::glance_chart(chart).with_context(|| format!("drawing {}", chart.file))?;
             out.push(file(&chart.file, svg));

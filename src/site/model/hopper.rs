@@ -9,7 +9,8 @@ use serde::Serialize;
 
 use super::super::format;
 use super::groups::{device_label, throughput};
-use super::{reproduce_commands, CommandView, Layout};
+use super::overview::{BarOutcome, GlanceBar, GlanceChart, RatioWords};
+use super::{reproduce_commands, CommandView, FigureRef, Layout};
 use crate::load::Loaded;
 use crate::schema::{DispatchRule, Document, Row, Status, Suite};
 
@@ -22,6 +23,9 @@ pub struct HopperPage {
     pub suites: Vec<HopperSuite>,
     /// Every device with documents in the data folder, Hopper or not, one line each.
     pub devices: Vec<DeviceLine>,
+    /// The gain charts the page shows (drawn by the renderer).
+    #[serde(skip)]
+    pub charts: Vec<GlanceChart>,
     /// The commands that reproduce the Hopper documents, then the page itself.
     pub reproduce: Vec<CommandView>,
 }
@@ -154,6 +158,8 @@ pub struct PortableGain {
     pub summary: String,
     /// One line per case where both ran.
     pub cases: Vec<GainCase>,
+    /// The bar chart of the gains, when there are cases.
+    pub figure: Option<FigureRef>,
     /// Cases without a comparison, with the rows' status, reason and count: where the
     /// portable counterpart did not run (`unsupported`: the device-specific path does not
     /// apply there; or a failure), and where the device-specific implementation failed.
@@ -216,7 +222,7 @@ fn portable_gains(
     docs: &[&&Loaded],
     score: &dyn Fn(&Row) -> Option<f64>,
     unit: &str,
-) -> Vec<PortableGain> {
+) -> Vec<(PortableGain, Vec<GlanceBar>)> {
     let names: BTreeSet<&str> = docs
         .iter()
         .flat_map(|l| l.doc.rows.iter().map(|r| r.implementation.as_str()))
@@ -229,6 +235,7 @@ fn portable_gains(
         }
         let mut cases = Vec::new();
         let mut gains = Vec::new();
+        let mut bars = Vec::new();
         let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
         for l in docs {
             let by_case: BTreeMap<String, &Row> = l
@@ -268,6 +275,18 @@ fn portable_gains(
                 let gain = vb / vp;
                 let gain = if vb < 0.0 { 1.0 / gain } else { gain };
                 gains.push(gain);
+                // The range from both quartiles, in time: portable q1 ÷ specific q3 to portable
+                // q3 ÷ specific q1 (the gain is the time ratio for either score).
+                let range = match (p.q1_ms, p.q3_ms, b.q1_ms, b.q3_ms) {
+                    (Some(p1), Some(p3), Some(b1), Some(b3)) if b1 > 0.0 && b3 > 0.0 => {
+                        Some((p1 / b3, p3 / b1))
+                    }
+                    _ => None,
+                };
+                bars.push(GlanceBar {
+                    label: crate::load::case_label(&p.case),
+                    outcome: BarOutcome::Ratio { ratio: gain, range },
+                });
                 cases.push(GainCase {
                     case: crate::load::case_label(&p.case),
                     specific: format::sig(vb.abs(), 3),
@@ -288,17 +307,21 @@ fn portable_gains(
             ),
             _ => format!("no case where both {base} and {portable} ran"),
         };
-        out.push(PortableGain {
-            implementation: base.to_string(),
-            portable: portable.to_string(),
-            unit: unit.to_string(),
-            summary,
-            cases,
-            not_measured: reasons
-                .into_iter()
-                .map(|(why, n)| format!("{n} case{}: {why}", if n == 1 { "" } else { "s" }))
-                .collect(),
-        });
+        out.push((
+            PortableGain {
+                implementation: base.to_string(),
+                portable: portable.to_string(),
+                unit: unit.to_string(),
+                summary,
+                cases,
+                figure: None,
+                not_measured: reasons
+                    .into_iter()
+                    .map(|(why, n)| format!("{n} case{}: {why}", if n == 1 { "" } else { "s" }))
+                    .collect(),
+            },
+            bars,
+        ));
     }
     out
 }
@@ -350,6 +373,7 @@ pub fn toc(page: &HopperPage) -> Vec<super::TocEntry> {
 pub fn hopper_page(docs: &[Loaded], layout: Layout) -> HopperPage {
     let hopper: Vec<&Loaded> = docs.iter().filter(|l| is_hopper(&l.doc)).collect();
     let mut suites = Vec::new();
+    let mut charts = Vec::new();
     for suite in Suite::ALL {
         let in_suite: Vec<&&Loaded> = hopper.iter().filter(|l| l.doc.suite == suite).collect();
         let Some(first) = in_suite.first() else {
@@ -419,11 +443,54 @@ pub fn hopper_page(docs: &[Loaded], layout: Layout) -> HopperPage {
             }
         }
         let unit = decl.map(|d| d.unit.clone()).unwrap_or_default();
-        let gains = portable_gains(
+        let mut gains = Vec::new();
+        for (mut g, bars) in portable_gains(
             &in_suite,
             &score,
             if unit.is_empty() { "ms" } else { &unit },
-        );
+        ) {
+            if !bars.is_empty() {
+                let file = format!("figures/hopper-{}-{}.svg", suite.as_str(), g.implementation);
+                let title = format!(
+                    "{} time ÷ {} time, {}",
+                    g.portable,
+                    g.implementation,
+                    suite.title()
+                );
+                let desc = format!(
+                    "Horizontal bars on a log scale, one per case where both ran: {}. A bar right \
+                     of 1 means {} (the device-specific kernel) is faster; a whisker spans the \
+                     ratio's range from the two implementations' quartiles.",
+                    bars.iter()
+                        .map(|b| b.label.clone())
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                    g.implementation
+                );
+                g.figure = Some(FigureRef {
+                    src: format!("{}{file}", layout.base),
+                    alt: desc.clone(),
+                });
+                charts.push(GlanceChart {
+                    file,
+                    title,
+                    desc,
+                    bars,
+                    words: RatioWords {
+                        axis: format!(
+                            "{} time ÷ {} time (log scale)",
+                            g.portable, g.implementation
+                        ),
+                        left: format!("← {} faster", g.portable),
+                        right: format!("{} faster →", g.implementation),
+                        above: format!("{} faster (ratio above 1)", g.implementation),
+                        below: format!("{} faster (ratio below 1)", g.portable),
+                        crosses: false,
+                    },
+                });
+            }
+            gains.push(g);
+        }
         suites.push(HopperSuite {
             title: suite.title().to_string(),
             anchor: suite.as_str().to_string(),
@@ -438,6 +505,7 @@ pub fn hopper_page(docs: &[Loaded], layout: Layout) -> HopperPage {
         layout,
         suites,
         devices: device_lines(docs),
+        charts,
         reproduce: reproduce_commands(hopper.iter().copied()),
     }
 }
@@ -499,7 +567,11 @@ mod tests {
             .count();
         let gains = portable_gains(&in_suite, &|r: &Row| r.median_ms.map(|m| -m), "ms");
         assert_eq!(gains.len(), 1);
-        let g = &gains[0];
+        let (g, bars) = &gains[0];
+        assert_eq!(bars.len(), g.cases.len());
+        assert!(bars.iter().all(
+            |b| matches!(b.outcome, BarOutcome::Ratio { ratio, .. } if (ratio - 2.0).abs() < 1e-9)
+        ));
         assert_eq!(
             (g.implementation.as_str(), g.portable.as_str()),
             ("flash", "flash_sm80")
@@ -533,7 +605,7 @@ mod tests {
         first.message = Some("boom".into());
         let docs = [&failing];
         let in_suite: Vec<&&Loaded> = docs.iter().collect();
-        let g = &portable_gains(&in_suite, &|r: &Row| r.median_ms.map(|m| -m), "ms")[0];
+        let g = &portable_gains(&in_suite, &|r: &Row| r.median_ms.map(|m| -m), "ms")[0].0;
         assert_eq!(g.cases.len(), ok_flash - 2);
         assert!(
             g.not_measured

@@ -19,7 +19,7 @@ pub use self::groups::{merge_shards, ImplHeader};
 pub use self::hopper::{HopperImpl, HopperPage, HopperSuite};
 pub use self::overview::{
     BarOutcome, DispatchView, GlanceBar, GlanceCell, GlanceChart, GlanceRow, GlanceTable,
-    GlanceTableRow, IndexPage, Limitation, PageLink, SetupDoc, TimingView,
+    GlanceTableRow, IndexPage, Limitation, PageLink, RatioWords, SetupDoc, TimingView,
 };
 pub use self::suite::{
     Cell, Dash, DetailRow, DocSection, FigureSpec, GroupView, Marker, Series, SuitePage,

@@ -285,6 +285,40 @@ pub struct GlanceChart {
     pub desc: String,
     /// One bar per representative comparison.
     pub bars: Vec<GlanceBar>,
+    /// What the axis, the sides of 1 and the legend say.
+    pub words: RatioWords,
+}
+
+/// The words of a ratio bar chart ([`GlanceChart`]): its axis, the two sides of 1, the legend's
+/// two colours, and whether the legend explains the cross of an inaccurate default.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RatioWords {
+    /// Axis description.
+    pub axis: String,
+    /// Above the plot, left of 1 (`← alternative faster`).
+    pub left: String,
+    /// Above the plot, right of 1 (`default faster →`).
+    pub right: String,
+    /// Legend of a ratio above 1.
+    pub above: String,
+    /// Legend of a ratio below 1.
+    pub below: String,
+    /// True when bars can be crosses (an inaccurate default).
+    pub crosses: bool,
+}
+
+impl RatioWords {
+    /// The at-a-glance chart's: the fastest accurate alternative's time over the default's.
+    pub fn glance() -> RatioWords {
+        RatioWords {
+            axis: "fastest accurate alternative time ÷ default time (log scale)".into(),
+            left: "← alternative faster".into(),
+            right: "default faster →".into(),
+            above: "default faster (ratio above 1)".into(),
+            below: "alternative faster (ratio below 1)".into(),
+            crosses: true,
+        }
+    }
 }
 
 /// One bar.
@@ -408,6 +442,7 @@ pub fn glance(docs: &[Loaded], base: &str) -> Glance {
             crate::site::figures::GLANCE_MIN_BAR
         ),
         bars,
+        words: RatioWords::glance(),
     });
     Glance {
         rows: glance,
