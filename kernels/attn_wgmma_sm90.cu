@@ -200,6 +200,19 @@ __device__ __forceinline__ void load_tile_core(unsigned char* s, const u16* g, i
     }
 }
 
+// P (the 64 x NT*8 probabilities in the accumulator layout) as bf16 register A operands of
+// wgmma, one per 16 keys: mma.sync's A fragment per warp, from the 8-column blocks 2 kc, 2 kc+1.
+template <int NT>
+__device__ __forceinline__ void pack_p(const float (&s)[1][NT][4], u32 (&pa)[NT / 2][4]) {
+#pragma unroll
+    for (int kc = 0; kc < NT / 2; ++kc) {
+        pa[kc][0] = pack2<true>(s[0][2 * kc][0], s[0][2 * kc][1]);
+        pa[kc][1] = pack2<true>(s[0][2 * kc][2], s[0][2 * kc][3]);
+        pa[kc][2] = pack2<true>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
+        pa[kc][3] = pack2<true>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
+    }
+}
+
 // O (64 x D) += P (64 x 64 keys, registers: pa[ks] the A fragment of keys 16 ks .. 16 ks + 15)
 // times V (64 keys x D, N-major in shared memory at `sv`).
 template <int D>
@@ -309,13 +322,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const u16* __restrict__ Q, const u
         }
         online_softmax_rows<1, 8, DT, true>(s, m_run, l_run, o, 0);
         u32 pa[4][4];
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) {
-            pa[kc][0] = pack2<true>(s[0][2 * kc][0], s[0][2 * kc][1]);
-            pa[kc][1] = pack2<true>(s[0][2 * kc][2], s[0][2 * kc][3]);
-            pa[kc][2] = pack2<true>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
-            pa[kc][3] = pack2<true>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
-        }
+        pack_p<8>(s, pa);
         wgmma_fence();
         pv_wgmma<D>(of, pa, v_s, lead_v, stride_v);
         wgmma_commit();
@@ -327,29 +334,21 @@ __device__ __forceinline__ void attn_fwd_sm90(const u16* __restrict__ Q, const u
                             16 * warp, rows, g, t4);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attn_fwd_sm90_d64(
-    const u16* Q, const u16* K, const u16* V, u16* O, float* LSE, const int* kv_lens, int Tq,
-    int Tkv, int H, int KVH, float scale_log2, u32 lead_k, u32 stride_k, u32 lead_v,
-    u32 stride_v, int causal) {
-    if (causal)
-        attn_fwd_sm90<64, true>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, lead_k,
-                                stride_k, lead_v, stride_v);
-    else
-        attn_fwd_sm90<64, false>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, lead_k,
-                                 stride_k, lead_v, stride_v);
-}
+#define V1_ENTRY(NAME, D)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128)                                           \
+        NAME(const u16* Q, const u16* K, const u16* V, u16* O, float* LSE, const int* kv_lens,  \
+             int Tq, int Tkv, int H, int KVH, float scale_log2, u32 lead_k, u32 stride_k,       \
+             u32 lead_v, u32 stride_v, int causal) {                                            \
+        if (causal)                                                                             \
+            attn_fwd_sm90<D, true>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2,       \
+                                   lead_k, stride_k, lead_v, stride_v);                         \
+        else                                                                                    \
+            attn_fwd_sm90<D, false>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2,      \
+                                    lead_k, stride_k, lead_v, stride_v);                        \
+    }
 
-extern "C" __global__ void __launch_bounds__(128) attn_fwd_sm90_d128(
-    const u16* Q, const u16* K, const u16* V, u16* O, float* LSE, const int* kv_lens, int Tq,
-    int Tkv, int H, int KVH, float scale_log2, u32 lead_k, u32 stride_k, u32 lead_v,
-    u32 stride_v, int causal) {
-    if (causal)
-        attn_fwd_sm90<128, true>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, lead_k,
-                                 stride_k, lead_v, stride_v);
-    else
-        attn_fwd_sm90<128, false>(Q, K, V, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, lead_k,
-                                  stride_k, lead_v, stride_v);
-}
+V1_ENTRY(attn_fwd_sm90_d64, 64)
+V1_ENTRY(attn_fwd_sm90_d128, 128)
 
 // ---------------------------------------------------------------------------------------------
 // v2: the tensor memory accelerator, mbarriers, warp specialisation and 128-byte swizzling.
@@ -491,6 +490,18 @@ __device__ __forceinline__ void ws_softmax(float (&s)[1][NT][4], float (&m_run)[
     }
 }
 
+// O *= alpha per row (the two rows a thread holds), after the P V product reading O landed.
+template <int DT>
+__device__ __forceinline__ void ws_rescale(float (&o)[1][DT][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+        o[0][dt][0] *= alpha[0];
+        o[0][dt][1] *= alpha[0];
+        o[0][dt][2] *= alpha[1];
+        o[0][dt][3] *= alpha[1];
+    }
+}
+
 // S (64 x BC) = Q K^T for one consumer warpgroup: D / 16 k-steps, both operands K-major and
 // 128-byte swizzled (Q's panels 64 rows apart, K's BC rows), issued, not waited for.
 template <int D, int BC>
@@ -519,16 +530,6 @@ __device__ __forceinline__ void ws_pv(float (&of)[D / 2], const u32 (&pa)[BC / 1
     }
 }
 
-template <int NT>
-__device__ __forceinline__ void ws_pack(const float (&s)[1][NT][4], u32 (&pa)[NT / 2][4]) {
-#pragma unroll
-    for (int kc = 0; kc < NT / 2; ++kc) {
-        pa[kc][0] = pack2<true>(s[0][2 * kc][0], s[0][2 * kc][1]);
-        pa[kc][1] = pack2<true>(s[0][2 * kc][2], s[0][2 * kc][3]);
-        pa[kc][2] = pack2<true>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
-        pa[kc][3] = pack2<true>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
-    }
-}
 
 // Attention forward on wgmma, v2 to v5 (issue 11; bf16, head_dim 64 or 128): 1 + NC
 // warpgroups per 64 NC-row query tile. Warpgroup 0 is the producer: it gives up registers
@@ -660,14 +661,8 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             mbar_arrive(empty_k(it % ST));
             ws_mask<NT, CAUSAL>(s, it * BC, L, off, row0, edge_at(it * BC), g, t4);
             ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                o[0][dt][0] *= alpha[0];
-                o[0][dt][1] *= alpha[0];
-                o[0][dt][2] *= alpha[1];
-                o[0][dt][3] *= alpha[1];
-            }
-            ws_pack<NT>(s, pa);
+            ws_rescale<DT>(o, alpha);
+            pack_p<NT>(s, pa);
             mbar_wait(full_v(it % ST), ph);
             wgmma_fence();
             ws_pv<D, BC>(of, pa, v_at(it));
@@ -685,7 +680,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         mbar_arrive(empty_k(0));
         ws_mask<NT, CAUSAL>(s, 0, L, off, row0, edge_at(0), g, t4);
         ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
-        ws_pack<NT>(s, pa);
+        pack_p<NT>(s, pa);
         for (int it = 1; it < n_kt; ++it) {
             const int prev = it - 1;
             mbar_wait(full_k(it % ST), (it / ST) & 1);
@@ -701,14 +696,8 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
             wgmma_wait<0>();  // P V of tile it-1 has landed: O and pa are free
             mbar_arrive(empty_v(prev % ST));
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                o[0][dt][0] *= alpha[0];
-                o[0][dt][1] *= alpha[0];
-                o[0][dt][2] *= alpha[1];
-                o[0][dt][3] *= alpha[1];
-            }
-            ws_pack<NT>(s, pa);
+            ws_rescale<DT>(o, alpha);
+            pack_p<NT>(s, pa);
         }
         const int last = n_kt - 1;
         mbar_wait(full_v(last % ST), (last / ST) & 1);
