@@ -7,7 +7,7 @@
 //! device, when the case runs).
 
 use kernelpages::attention::cuda::{FlashConfig, Implementation, Runner};
-use kernelpages::attention::{sm90, AttentionCase, Dtype};
+use kernelpages::attention::{sm90, AttentionCase};
 use kernelpages::gpu::GpuError;
 use kernelpages::runner::own;
 use kernelpages::runner::protocol::{Job, Reply};
@@ -18,10 +18,13 @@ pub const IMPLEMENTATION: &str = "flash_sm80";
 /// Why `flash_sm80` is not measured for case `c` on any device, or `None` (the device is
 /// checked when the case runs).
 pub fn unsupported(c: &AttentionCase) -> Option<String> {
-    if c.dtype != Dtype::Bf16 || !(c.head_dim == 64 || c.head_dim == 128) {
+    // The cases flash would give the wgmma forward on compute capability 9.0 (one rule:
+    // sm90::takes); the device itself is checked when the case runs.
+    if !sm90::takes("sm_90a", c) {
         return Some(format!(
             "flash runs this same portable kernel here; {IMPLEMENTATION} is measured where \
-             flash runs the wgmma forward (bf16, head_dim 64 or 128, compute capability 9.0)"
+             flash runs the wgmma forward (bf16, head_dim 64 or 128, a positive scale, compute \
+             capability 9.0)"
         ));
     }
     Implementation::Flash.supports(c).err()
@@ -59,7 +62,7 @@ pub fn measure(job: &Job) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kernelpages::attention::Pass;
+    use kernelpages::attention::{Dtype, Pass};
 
     #[test]
     fn flash_sm80_is_measured_where_flash_may_run_the_wgmma_kernel() {
@@ -83,6 +86,10 @@ mod tests {
                 ..c.clone()
             },
             AttentionCase::new(1, 1, 64, 256),
+            AttentionCase {
+                scale: Some(-0.1),
+                ..c.clone()
+            },
         ] {
             let why = unsupported(&other).expect("not measured");
             assert!(why.contains("same portable kernel"), "{why}");
