@@ -1647,3 +1647,85 @@ fn wgmma_forward_matches_float64() {
     assert_eq!(n, 112);
     assert!(failed.is_empty(), "{}", failed.join("\n"));
 }
+
+/// The wgmma backward (`flash` forward + backward on compute capability 9.0, bf16, head_dim 64
+/// and 128) against float64: dQ, dK and dV (and O, LSE) on lengths on and off its 128-key and
+/// 64-query tiles, separate query and key lengths both ways, decoding, GQA, per-sequence key
+/// lengths (one shorter than a tile), a non-default scale, both masks. Then a first timing of
+/// forward + backward at B4 H8 T16384 (wall clock, not a measurement for the pages).
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU and its driver; run on the GPU machine with --include-ignored"
+)]
+fn wgmma_backward_matches_float64() {
+    use kernelpages::attention::sm90::{self, HopperBackward};
+    let gpu = gpu();
+    if gpu.arch() != "sm_90a" {
+        let e = HopperBackward::new(gpu, 128, (1, 1, 64))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("compute capability 9.0"), "{e}");
+        println!("wgmma backward: not a compute capability 9.0 device ({e})");
+        return;
+    }
+    let mut cases = Vec::new();
+    for d in [64, 128] {
+        for (tq, tkv, len1, scale) in [
+            (64, 128, 128, None),
+            (200, 200, 200, None),
+            (1000, 1000, 517, None),
+            (50, 300, 300, None),
+            (300, 100, 100, Some(0.3)),
+            (1, 20, 20, None),
+            (130, 257, 129, None),
+        ] {
+            for causal in [false, true] {
+                cases.push(AttentionCase {
+                    kv_heads: 2,
+                    seq_len_q: tq,
+                    seq_len_kv: tkv,
+                    causal,
+                    scale,
+                    pass: Pass::FwdBwd,
+                    kv_lens: (len1 < tkv).then(|| vec![tkv, len1]),
+                    ..AttentionCase::new(2, 4, 1, d)
+                });
+            }
+        }
+    }
+    assert_eq!(cases.len(), 28);
+    for c in &cases {
+        assert!(sm90::takes(&gpu.arch(), c), "{c:?}");
+    }
+    check_cases(Implementation::Flash, &cases, 900);
+    for d in [64, 128] {
+        for causal in [false, true] {
+            let c = AttentionCase {
+                causal,
+                pass: Pass::FwdBwd,
+                ..AttentionCase::new(4, 8, 16384, d)
+            };
+            let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
+            assert!(matches!(runner, Runner::Hopper { .. }));
+            let inp = upload(gpu, &c, &Inputs::random(&c, 5)).expect("upload");
+            let mut outs = poisoned_outputs(gpu, &c).expect("alloc");
+            runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
+            gpu.stream.synchronize().unwrap();
+            let t0 = std::time::Instant::now();
+            for _ in 0..5 {
+                runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
+            }
+            gpu.stream.synchronize().unwrap();
+            let ms = t0.elapsed().as_secs_f64() * 1e3 / 5.0;
+            let flops = 3.5 * 4.0 * (4 * 8) as f64 * (16384.0f64).powi(2) * d as f64
+                / if causal { 2.0 } else { 1.0 };
+            println!(
+                "wgmma fwd+bwd B4 H8 T16384 D{d} causal {causal}: {ms:.3} ms, {:.1} TFLOP/s \
+                 (wall clock over 5 calls)",
+                flops / ms / 1e9
+            );
+        }
+    }
+}

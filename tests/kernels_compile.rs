@@ -641,3 +641,39 @@ fn wgmma_probe_compiles_for_sm_90a() {
         }
     }
 }
+
+/// The wgmma backward (`kernels/attn_wgmma_bwd_sm90.cu`) compiles for sm_90a without spills,
+/// its main kernel at the whole register cap of 384 threads (168, what the consumers'
+/// setmaxnreg.inc to 240 needs).
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn wgmma_backward_compiles_for_sm_90a() {
+    use kernelpages::attention::cuda::PRELUDE_SRC;
+    use kernelpages::attention::sm90::{WGMMA_BWD_SRC, WGMMA_SRC};
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n{WGMMA_BWD_SRC}\n");
+    let reports = kernelpages::gpu::ptxas_report("attn_wgmma_bwd_sm90.cu", &src, "sm_90a").unwrap();
+    for name in [
+        "attn_bwd_sm90_pre_d64",
+        "attn_bwd_sm90_pre_d128",
+        "attn_bwd_sm90_d64",
+        "attn_bwd_sm90_d128",
+        "attn_bwd_sm90_dq_convert",
+    ] {
+        let r = reports
+            .iter()
+            .find(|r| r.kernel == name)
+            .unwrap_or_else(|| panic!("{name} in {reports:?}"));
+        println!("{name}: {} registers", r.registers);
+        assert_eq!(r.spill_bytes, 0, "{r:?}");
+        if !name.contains("pre") && !name.contains("convert") {
+            assert_eq!(r.registers, 168, "{r:?}");
+        }
+    }
+}

@@ -2,7 +2,7 @@
 //! (mma.sync, compute capability 8.0 and newer) measured on their own where `flash` runs
 //! another kernel, so that the page compares the two on the same card. Today that is compute
 //! capability 9.0, where `flash` runs the wgmma forward for bf16 at head_dim 64 and 128 (alone,
-//! or before the portable backward: [`kernelpages::attention::sm90::takes`], issue 11).
+//! or with the wgmma backward: [`kernelpages::attention::sm90::takes`], issue 11).
 //! Elsewhere `flash` is this kernel, and the row is `unsupported` with that reason (on another
 //! device, when the case runs).
 

@@ -865,14 +865,14 @@ pub enum Runner {
         writes_lse: bool,
     },
     /// The wgmma forward on compute capability 9.0 ([`super::sm90::takes`]), then for forward
-    /// + backward the portable backward on its log-sum-exp.
+    /// + backward the wgmma backward on its log-sum-exp.
     Hopper {
         /// The kernel [`super::sm90::Sm90Version::for_shape`] picks.
         fwd: Box<super::sm90::HopperForward>,
         /// The log-sum-exp it writes, fp32 `[B, H, Tq]`.
         lse: CudaSlice<f32>,
         /// The backward (forward + backward cases).
-        bwd: Option<Box<FlashBwd>>,
+        bwd: Option<Box<super::sm90::HopperBackward>>,
     },
     /// cuBLAS + row kernels.
     Math {
@@ -1042,9 +1042,13 @@ impl Runner {
                 // SAFETY: the forward writes every row of the LSE before anything reads it.
                 let lse = unsafe { gpu.stream.alloc::<f32>(rows)? };
                 let bwd = if bwd {
-                    let (fb, s) = FlashBwd::new(gpu, c, None)?;
-                    compile_s += s;
-                    Some(fb)
+                    let hb = super::sm90::HopperBackward::new(
+                        gpu,
+                        c.head_dim,
+                        (c.batch, c.heads, c.seq_len_q),
+                    )?;
+                    compile_s += hb.compile_s;
+                    Some(Box::new(hb))
                 } else {
                     None
                 };
@@ -1252,9 +1256,19 @@ impl Runner {
                     o,
                     lse,
                 )?;
-                match fb {
-                    Some(fb) => fb.launch(gpu, c, inp, o, lse, grads),
-                    None => Ok(()),
+                match (fb, grads) {
+                    (Some(fb), [dq, dk, dv]) => fb.launch(
+                        gpu,
+                        (c.batch, c.heads, c.kv_heads, c.seq_len_q, c.seq_len_kv),
+                        (&inp.q, &inp.k, &inp.v, &inp.dout),
+                        &inp.kv_lens,
+                        c.causal,
+                        c.scale(),
+                        (o, lse),
+                        [dq, dk, dv],
+                    ),
+                    (Some(_), _) => unreachable!("checked: four outputs"),
+                    (None, _) => Ok(()),
                 }
             }
             Runner::Flash {

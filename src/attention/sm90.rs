@@ -22,7 +22,7 @@ use crate::gpu::{Gpu, GpuError};
 /// True when `flash` (the dispatch of `attention::cuda`) runs the wgmma forward
 /// ([`HopperForward`]) for case `c` on a device of architecture `arch` ([`Gpu::arch`]):
 /// compute capability 9.0 (`sm_90a`), bf16, head_dim 64 or 128, a positive finite scale; the
-/// forward alone, or before the portable backward (which reads the log-sum-exp it writes).
+/// forward alone, or with the wgmma backward ([`HopperBackward`]) after it.
 /// Everything else (fp16, other head dims, other devices) runs the portable sm_80 kernels.
 pub fn takes(arch: &str, c: &AttentionCase) -> bool {
     let scale = c.scale();
@@ -513,6 +513,254 @@ impl HopperForward {
                 ),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: self.smem,
+            })?
+        };
+        Ok(())
+    }
+}
+
+/// Source of the wgmma backward (after [`PRELUDE_SRC`] and [`WGMMA_SRC`]).
+pub const WGMMA_BWD_SRC: &str = include_str!("../../kernels/attn_wgmma_bwd_sm90.cu");
+
+/// Keys per CTA of the wgmma backward (`BW_BN` in the kernel source).
+pub const BWD_KEYS: usize = 128;
+/// Query rows per step of the wgmma backward (`BW_BM`; the padding of its LSE and D buffers).
+pub const BWD_QUERIES: usize = 64;
+/// Q and dO stages of the wgmma backward (`BW_ST`).
+pub const BWD_STAGES: usize = 2;
+
+/// The attention backward on wgmma (issue 11; `kernels/attn_wgmma_bwd_sm90.cu` says how): bf16,
+/// head_dim 64 or 128, the shapes and masks of [`HopperForward`], after a forward that wrote O
+/// and its log-sum-exp (natural log, +∞ for a row that sees no key; either forward). dQ `[batch,
+/// heads, seq_len_q, head_dim]`, dK and dV `[batch, kv_heads, seq_len_kv, head_dim]`, the
+/// gradients of `sum(dO ∘ O)`. FlashAttention-2's algorithm (Dao, 2023) with FlashAttention-3's
+/// warp specialisation (Shah et al., 2024): one CTA per 128 keys keeps dK and dV in registers,
+/// dQ is summed over key tiles by fp32 atomics (its last bit may vary from run to run; dK and dV
+/// do not).
+pub struct HopperBackward {
+    pre: CudaFunction,
+    main: CudaFunction,
+    convert: CudaFunction,
+    smem: u32,
+    head_dim: usize,
+    /// D = rowsum(dO ∘ O), fp32 `[batch · heads, seq_len_q padded to 64]`.
+    dsum: CudaSlice<f32>,
+    /// LSE · log2(e), fp32, padded as `dsum` (+∞ in the padding).
+    lse2: CudaSlice<f32>,
+    /// The fp32 dQ accumulator, `[batch, heads, seq_len_q, head_dim]`.
+    dqacc: CudaSlice<f32>,
+    /// NVRTC compile + load time, s.
+    pub compile_s: f64,
+}
+
+impl HopperBackward {
+    /// Compiles the kernels and allocates the temporaries for `(batch, heads, seq_len_q)` rows
+    /// at `head_dim`.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] on a device that is not compute capability 9.0 or a head_dim other
+    /// than 64 and 128; NVRTC, driver and out-of-memory errors.
+    pub fn new(
+        gpu: &Gpu,
+        head_dim: usize,
+        (batch, heads, seq_len_q): (usize, usize, usize),
+    ) -> Result<HopperBackward, GpuError> {
+        if gpu.arch() != "sm_90a" {
+            return Err(GpuError::Config(format!(
+                "the wgmma backward needs compute capability 9.0 (sm_90a), not {}",
+                gpu.arch()
+            )));
+        }
+        if head_dim != 64 && head_dim != 128 {
+            return Err(GpuError::Config(format!(
+                "the wgmma backward runs head_dim 64 or 128, not {head_dim}"
+            )));
+        }
+        let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n{WGMMA_BWD_SRC}\n");
+        let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
+        let name = format!("attn_bwd_sm90_d{head_dim}");
+        // K and V, the Q and dO stages, two dS^T buffers (128 × 64 bf16), 512 bytes of LSE and
+        // D per stage, the mbarriers, and up to 1023 bytes to align the base.
+        let smem = (2 * BWD_KEYS * head_dim * 2
+            + 2 * BWD_STAGES * BWD_QUERIES * head_dim * 2
+            + 2 * BWD_KEYS * BWD_QUERIES * 2
+            + 512 * BWD_STAGES
+            + 8 * (1 + 2 * BWD_STAGES)
+            + 1024) as u32;
+        super::cuda::check_smem(gpu, &name, smem)?;
+        let main = gpu.function(&compiled.module, &name, smem)?;
+        let padded = batch * heads * seq_len_q.div_ceil(BWD_QUERIES) * BWD_QUERIES;
+        Ok(HopperBackward {
+            pre: gpu.function(
+                &compiled.module,
+                &format!("attn_bwd_sm90_pre_d{head_dim}"),
+                0,
+            )?,
+            convert: gpu.function(&compiled.module, "attn_bwd_sm90_dq_convert", 0)?,
+            main,
+            smem,
+            head_dim,
+            // SAFETY: the preprocessing kernel writes all three before the main kernel reads
+            // them.
+            dsum: unsafe { gpu.stream.alloc::<f32>(padded)? },
+            lse2: unsafe { gpu.stream.alloc::<f32>(padded)? },
+            dqacc: unsafe {
+                gpu.stream
+                    .alloc::<f32>(batch * heads * seq_len_q * head_dim)?
+            },
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// Launches the backward on the stream: `shape` is (batch, heads, kv_heads, seq_len_q,
+    /// seq_len_kv) as at [`HopperBackward::new`], `o` and `lse` the forward's, `dout` dO (like
+    /// Q), `grads` = dQ, dK, dV.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for a shape other than the one allocated for, heads not a multiple
+    /// of kv_heads, a buffer whose length does not fit, a non-positive scale; driver errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(
+        &mut self,
+        gpu: &Gpu,
+        (batch, heads, kv_heads, seq_len_q, seq_len_kv): (usize, usize, usize, usize, usize),
+        (q, k, v, dout): (
+            &CudaSlice<u16>,
+            &CudaSlice<u16>,
+            &CudaSlice<u16>,
+            &CudaSlice<u16>,
+        ),
+        kv_lens: &CudaSlice<i32>,
+        causal: bool,
+        scale: f64,
+        (o, lse): (&CudaSlice<u16>, &CudaSlice<f32>),
+        [dq, dk, dv]: [&mut CudaSlice<u16>; 3],
+    ) -> Result<(), GpuError> {
+        let d = self.head_dim;
+        let rows = batch * heads * seq_len_q;
+        let padded = batch * heads * seq_len_q.div_ceil(BWD_QUERIES) * BWD_QUERIES;
+        let (q_len, kv_len) = (rows * d, batch * kv_heads * seq_len_kv * d);
+        if kv_heads == 0
+            || heads % kv_heads != 0
+            || seq_len_kv == 0
+            || self.dqacc.len() != q_len
+            || self.dsum.len() != padded
+            || [q.len(), dout.len(), o.len(), dq.len()] != [q_len; 4]
+            || [k.len(), v.len(), dk.len(), dv.len()] != [kv_len; 4]
+            || lse.len() != rows
+            || kv_lens.len() != batch
+        {
+            return Err(GpuError::Config(format!(
+                "wgmma backward: batch {batch}, heads {heads}, kv_heads {kv_heads}, seq_len_q \
+                 {seq_len_q}, seq_len_kv {seq_len_kv} do not fit the buffers (q {}, k {}, dO {}, \
+                 lse {}, accumulator {})",
+                q.len(),
+                k.len(),
+                dout.len(),
+                lse.len(),
+                self.dqacc.len()
+            )));
+        }
+        if !(scale > 0.0 && scale.is_finite()) {
+            return Err(GpuError::Config(format!(
+                "the wgmma backward takes a positive finite scale, not {scale}"
+            )));
+        }
+        let (tq, tkv, h, kvh) = (
+            seq_len_q as i32,
+            seq_len_kv as i32,
+            heads as i32,
+            kv_heads as i32,
+        );
+        let tq_pad = (seq_len_q.div_ceil(BWD_QUERIES) * BWD_QUERIES) as i32;
+        let padded_i = padded as i32;
+        let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
+        let scale_f = scale as f32;
+        {
+            let mut b = gpu.stream.launch_builder(&self.pre);
+            b.arg(o)
+                .arg(dout)
+                .arg(lse)
+                .arg(&mut self.dsum)
+                .arg(&mut self.lse2)
+                .arg(&mut self.dqacc)
+                .arg(&tq)
+                .arg(&tq_pad)
+                .arg(&padded_i);
+            // SAFETY: `attn_bwd_sm90_pre_d*(const u16* O, const u16* dO, const float* LSE,
+            // float* dsum, float* lse2, float* dqacc, int Tq, int Tq_pad, int rows_pad)`: O and
+            // dO hold rows · D words, LSE rows, dsum and lse2 rows_pad floats, dqacc rows · D;
+            // one warp per padded row, 8 per 256-thread block.
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (padded.div_ceil(8) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })?
+            };
+        }
+        {
+            // The guards live until after the launch (as in HopperForward::launch).
+            let (qp, _gq) = q.device_ptr(&gpu.stream);
+            let (kp, _gk) = k.device_ptr(&gpu.stream);
+            let (vp, _gv) = v.device_ptr(&gpu.stream);
+            let (dop, _gdo) = dout.device_ptr(&gpu.stream);
+            let maps = [
+                tma_map_bf16(qp, (batch * heads, seq_len_q, d), BWD_QUERIES as u32)?,
+                tma_map_bf16(kp, (batch * kv_heads, seq_len_kv, d), BWD_KEYS as u32)?,
+                tma_map_bf16(vp, (batch * kv_heads, seq_len_kv, d), BWD_KEYS as u32)?,
+                tma_map_bf16(dop, (batch * heads, seq_len_q, d), BWD_QUERIES as u32)?,
+            ];
+            let causal_i = i32::from(causal);
+            let mut b = gpu.stream.launch_builder(&self.main);
+            b.arg(&maps[0])
+                .arg(&maps[1])
+                .arg(&maps[2])
+                .arg(&maps[3])
+                .arg(&self.lse2)
+                .arg(&self.dsum)
+                .arg(kv_lens)
+                .arg(&mut self.dqacc)
+                .arg(&mut *dk)
+                .arg(&mut *dv)
+                .arg(&tq)
+                .arg(&tkv)
+                .arg(&h)
+                .arg(&kvh)
+                .arg(&tq_pad)
+                .arg(&scale_log2)
+                .arg(&scale_f)
+                .arg(&causal_i);
+            // SAFETY: `attn_bwd_sm90_d*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap tdo, const
+            // float* lse2, const float* dsum, const int* kv_lens, float* dqacc, u16* dK, u16*
+            // dV, int Tq, int Tkv, int H, int KVH, int Tq_pad, float scale_log2, float scale, int
+            // causal)`: the maps describe q, k, v and dO with the shapes checked above (TMA
+            // reads inside them only, zero-filling past their ends), lse2 and dsum hold
+            // B·H·Tq_pad floats (whole 64-row slices for the bulk copies), dqacc B·H·Tq·D, dK and
+            // dV B·KVH·Tkv·D words, kv_lens `batch` entries; 3 warpgroups per (128-key tile, kv
+            // head, batch entry).
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (
+                        seq_len_kv.div_ceil(BWD_KEYS) as u32,
+                        kv_heads as u32,
+                        batch as u32,
+                    ),
+                    block_dim: (384, 1, 1),
+                    shared_mem_bytes: self.smem,
+                })?
+            };
+        }
+        let n = q_len as u64;
+        let mut b = gpu.stream.launch_builder(&self.convert);
+        b.arg(&self.dqacc).arg(dq).arg(&n).arg(&scale_f);
+        // SAFETY: `attn_bwd_sm90_dq_convert(const float* dqacc, u16* dQ, unsigned long long n,
+        // float scale)` with n = B·H·Tq·D elements in both; 2 elements per thread.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (q_len.div_ceil(2 * 256) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
             })?
         };
         Ok(())

@@ -1,0 +1,399 @@
+// Attention backward on wgmma for compute capability 9.0 (issue 11), written for this project
+// after the FlashAttention-2 backward (Dao, 2023, Algorithm 2) with FlashAttention-3's Hopper
+// arrangement (Shah et al., 2024: a TMA producer warpgroup, consumer warpgroups that keep dK and
+// dV in registers, dQ accumulated in fp32 by atomics). Needs attn_prelude.cuh and
+// attn_wgmma_sm90.cu before it (descriptors, mbarriers, TMA, the wgmma wrappers) and
+// `-arch=sm_90a`.
+//
+// Inputs: Q, dO [B, H, Tq, D] and K, V [B, KVH, Tkv, D], bf16, through 3-D tensor maps
+// (128-byte swizzle; 64-row boxes for Q and dO, 128-row boxes for K and V); LSE [B, H, Tq]
+// (fp32, natural log, +inf for a row that sees no key) and O from the forward; kv_lens [B].
+// Masks as the forwards: keys at or past kv_lens[b], bottom-right causal. Outputs dQ (through the
+// fp32 accumulator dQacc [B, H, Tq, D] and the convert kernel), dK, dV [B, KVH, Tkv, D] (bf16).
+//
+// Three kernels per call:
+// 1. `attn_bwd_sm90_pre_d*`: per query row, Dsum = sum(dO * O) and LSE2 = LSE * log2(e) into
+//    buffers padded to Tq_pad = 64 * ceil(Tq / 64) rows per (batch, head) (padding rows get
+//    LSE2 = +inf, so their P is 0, and Dsum = 0), so that the main kernel brings each 64-row
+//    slice with one 256-byte bulk copy; dQacc = 0.
+// 2. `attn_bwd_sm90_d*`: one CTA per (128-key tile, kv head, batch entry), 3 warpgroups.
+//    Warpgroup 0, the producer (setmaxnreg down to 24): one thread brings the K and V tile once,
+//    then per step the 64-row tiles of Q and dO and the 64 LSE2 and Dsum values through BW_ST
+//    stages (full/empty mbarriers). Warpgroups 1 and 2, the consumers (setmaxnreg up to 240),
+//    own 64 keys each and walk every query head of the kv head's group (GQA) and every 64-row
+//    query tile that sees one of the CTA's keys. Per step, for its 64 keys:
+//      S^T = K Q^T and dP^T = V dO^T (m64n64, both operands from shared memory),
+//      P^T = 2^(S^T * scale * log2(e) - LSE2) masked, dS^T = P^T (dP^T - Dsum),
+//      dV += P^T dO and dK += dS^T Q with P^T and dS^T rounded to bf16 as register A operands,
+//    then dS^T goes to shared memory (double-buffered) for dQ = dS K: at head_dim 128 the two
+//    consumers each take 64 of dQ's columns over all 128 keys (after a named barrier over
+//    both), at head_dim 64 each takes its own 64 keys for all columns. The fp32 dQ tile is added
+//    to dQacc with 8-byte vector reductions (red.global.add.v2.f32): every CTA of the same
+//    (batch, head) adds to the same rows, so the sum's order, and possibly dQ's last bit, vary
+//    from run to run (as the portable backward's and FlashAttention's). The alternative, a
+//    second pass over query tiles that recomputes S and dP, costs 7 matrix products per tile
+//    pair instead of 5. dK and dV are written once at the end (dK times the scale).
+// 3. `attn_bwd_sm90_dq_convert`: dQ = scale * dQacc in bf16.
+
+// 128 keys per CTA, 64 queries per step, stages of Q/dO/LSE2/Dsum.
+#define BW_BN 128
+#define BW_BM 64
+#define BW_ST 2
+
+// Shared-memory plan of attn_bwd_sm90 (bytes from the 1024-aligned base): the K and V tile,
+// BW_ST stages of Q and of dO, two dS^T buffers (128 keys x 64 queries, one 128-byte panel),
+// BW_ST stages of LSE2 and Dsum (64 floats each), then the mbarriers (K/V, then per stage full
+// and empty).
+template <int D>
+struct BwPlan {
+    static constexpr u32 KV_TILE = BW_BN * D * 2;
+    static constexpr u32 Q_TILE = BW_BM * D * 2;
+    static constexpr u32 DS_TILE = BW_BN * BW_BM * 2;
+    static constexpr u32 K = 0;
+    static constexpr u32 V = KV_TILE;
+    static constexpr u32 Q = 2 * KV_TILE;
+    static constexpr u32 DO = Q + BW_ST * Q_TILE;
+    static constexpr u32 DS = DO + BW_ST * Q_TILE;
+    static constexpr u32 LD = DS + 2 * DS_TILE;
+    static constexpr u32 BARS = LD + BW_ST * 512;
+    static constexpr u32 BYTES = BARS + 8 * (1 + 2 * BW_ST);
+};
+
+// D (64 x 64, fp32) += A (64 x 16) * B (16 x 64), both from shared memory and both MN-major
+// (transposed): A's 64 rows contiguous per k, B's 64 columns contiguous per k.
+__device__ __forceinline__ void wgmma_m64n64k16_ss_tt(float (&d)[32], uint64_t desc_a,
+                                                      uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        WG_REGS32 ", %32, %33, p, 1, 1, 1, 1;\n}\n"
+        : WG_ACC32(d)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// A bulk copy of `bytes` (a multiple of 16, 16-byte aligned both ends) from global memory into
+// shared memory, counted towards barrier `bar`'s transactions.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+        ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+
+// A barrier over `count` threads (a multiple of 32) with id `id` (1..15; 0 is __syncthreads).
+__device__ __forceinline__ void named_barrier(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+
+// One warp per padded query row r of [B * H][Tq_pad]: Dsum and LSE2 as the file's header says;
+// the row's dQacc zeroed.
+template <int D>
+__device__ __forceinline__ void attn_bwd_sm90_pre(const u16* __restrict__ O,
+                                                  const u16* __restrict__ dO,
+                                                  const float* __restrict__ LSE,
+                                                  float* __restrict__ dsum, float* __restrict__ lse2,
+                                                  float* __restrict__ dqacc, int Tq, int Tq_pad,
+                                                  int rows_pad) {
+    const int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (r >= rows_pad) return;
+    const int bh = r / Tq_pad, i = r % Tq_pad;
+    if (i >= Tq) {
+        if (lane == 0) {
+            dsum[r] = 0.f;
+            lse2[r] = POS_INF;
+        }
+        return;
+    }
+    const size_t row = (size_t)bh * Tq + i;
+    float acc = 0.f;
+#pragma unroll
+    for (int e = lane; e < D; e += 32) {
+        acc += to_f32<true>(O[row * D + e]) * to_f32<true>(dO[row * D + e]);
+        dqacc[row * D + e] = 0.f;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+    if (lane == 0) {
+        dsum[r] = acc;
+        lse2[r] = LSE[row] * 1.4426950408889634f;
+    }
+}
+
+// The main kernel (the file's header, 2.).
+template <int D, bool CAUSAL>
+__device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
+                                              const TmaMap* tdo, const float* __restrict__ lse2,
+                                              const float* __restrict__ dsum,
+                                              const int* __restrict__ kv_lens,
+                                              float* __restrict__ dqacc, u16* __restrict__ dK,
+                                              u16* __restrict__ dV, int Tq, int Tkv, int H, int KVH,
+                                              int Tq_pad, float scale_log2, float scale) {
+    using P = BwPlan<D>;
+    constexpr int PANELS = D / 64, DT = D / 8;
+    constexpr bool DQ_SPLIT = D == 128;  // dQ's columns split between the consumers
+    const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
+    const u32 bar_kv = base + P::BARS;
+    auto full = [&](int s) { return base + P::BARS + 8u * (1 + 2 * s); };
+    auto empty = [&](int s) { return base + P::BARS + 8u * (2 + 2 * s); };
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int kt = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+    const int group = H / KVH;
+    const int L = min(kv_lens[b], Tkv);
+    const int off = L - Tq;  // bottom-right: row i sees keys j <= i + off
+    const int k0 = kt * BW_BN;
+    const int i_min = CAUSAL ? max(0, k0 - off) : 0;
+    const int qt_first = i_min / BW_BM;
+    const int n_qt = (Tq + BW_BM - 1) / BW_BM;
+    const int per_head = (L > k0 && qt_first < n_qt) ? n_qt - qt_first : 0;
+    const int n_it = per_head * group;
+
+    if (tid == 0) {
+        mbar_init(bar_kv, 1);
+        for (int s = 0; s < BW_ST; ++s) {
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // 128 x 24 + 256 x 240 registers: at most the 64 K of one SM.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (tid == 0 && n_it > 0) {
+            mbar_expect_tx(bar_kv, 2 * P::KV_TILE);
+#pragma unroll
+            for (int p = 0; p < PANELS; ++p) {
+                tma_load_3d(base + P::K + p * BW_BN * 128, tk, bar_kv, 64 * p, k0, b * KVH + kvh);
+                tma_load_3d(base + P::V + p * BW_BN * 128, tv, bar_kv, 64 * p, k0, b * KVH + kvh);
+            }
+            for (int it = 0; it < n_it; ++it) {
+                const int s = it % BW_ST;
+                if (it >= BW_ST) mbar_wait(empty(s), ((it / BW_ST) + 1) & 1);
+                const int h = kvh * group + it / per_head;
+                const int q0 = (qt_first + it % per_head) * BW_BM;
+                mbar_expect_tx(full(s), 2 * P::Q_TILE + 512);
+#pragma unroll
+                for (int p = 0; p < PANELS; ++p) {
+                    tma_load_3d(base + P::Q + s * P::Q_TILE + p * BW_BM * 128, tq, full(s), 64 * p,
+                                q0, b * H + h);
+                    tma_load_3d(base + P::DO + s * P::Q_TILE + p * BW_BM * 128, tdo, full(s),
+                                64 * p, q0, b * H + h);
+                }
+                const size_t lrow = (size_t)(b * H + h) * Tq_pad + q0;
+                bulk_load(base + P::LD + s * 512, lse2 + lrow, 256, full(s));
+                bulk_load(base + P::LD + s * 512 + 256, dsum + lrow, 256, full(s));
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    const int c = wg - 1;  // consumer: keys k0 + 64 c .. k0 + 64 c + 63
+    const int warp = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int kc0 = k0 + 64 * c;
+    const int key0 = kc0 + 16 * warp + g;  // this thread's keys: key0, key0 + 8
+    const u32 sk = base + P::K + 64 * c * 128;  // this consumer's 64 rows of K (panel 0)
+    const u32 sv = base + P::V + 64 * c * 128;
+
+    float dk[1][DT][4], dv[1][DT][4];
+#pragma unroll
+    for (int i = 0; i < DT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[0][i][e] = dv[0][i][e] = 0.f;
+    float(&dkf)[D / 2] = reinterpret_cast<float(&)[D / 2]>(dk);
+    float(&dvf)[D / 2] = reinterpret_cast<float(&)[D / 2]>(dv);
+
+    if (n_it > 0) mbar_wait(bar_kv, 0);
+    for (int it = 0; it < n_it; ++it) {
+        const int s = it % BW_ST;
+        const int h = kvh * group + it / per_head;
+        const int q0 = (qt_first + it % per_head) * BW_BM;
+        const u32 sq = base + P::Q + s * P::Q_TILE;
+        const u32 sdo = base + P::DO + s * P::Q_TILE;
+        const u32 sds = base + P::DS + (it & 1) * P::DS_TILE;
+        mbar_wait(full(s), (it / BW_ST) & 1);
+
+        // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each), two groups.
+        float st[1][8][4], dpt[1][8][4];
+        float(&stf)[32] = reinterpret_cast<float(&)[32]>(st);
+        float(&dpf)[32] = reinterpret_cast<float(&)[32]>(dpt);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const u32 koff = (u32)(ks & 3) * 32u;
+            const uint64_t da = smem_desc_sw128(sk + (ks >> 2) * BW_BN * 128 + koff, 16, 1024);
+            const uint64_t db = smem_desc_sw128(sq + (ks >> 2) * BW_BM * 128 + koff, 16, 1024);
+            wgmma_m64n64k16_ss<0>(stf, da, db, ks > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const u32 koff = (u32)(ks & 3) * 32u;
+            const uint64_t da = smem_desc_sw128(sv + (ks >> 2) * BW_BN * 128 + koff, 16, 1024);
+            const uint64_t db = smem_desc_sw128(sdo + (ks >> 2) * BW_BM * 128 + koff, 16, 1024);
+            wgmma_m64n64k16_ss<0>(dpf, da, db, ks > 0);
+        }
+        wgmma_commit();
+
+        // P^T while dP^T is in flight; LSE2 and Dsum of the step's 64 queries from shared memory.
+        const float* l_s = reinterpret_cast<const float*>(dyn_smem + (base - smem_u32(dyn_smem)) +
+                                                          P::LD + s * 512);
+        const float* d_s = l_s + 64;
+        wgmma_wait<1>();
+        const bool edge = kc0 + 64 > L || (CAUSAL && kc0 + 63 > q0 + off);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int ql = 8 * j + 2 * t4 + (e & 1);
+                float x = fast_exp2(fmaf(st[0][j][e], scale_log2, -l_s[ql]));
+                if (edge) {
+                    const int key = key0 + (e >> 1) * 8;
+                    if (key >= L || (CAUSAL && key > q0 + ql + off)) x = 0.f;
+                }
+                st[0][j][e] = x;
+            }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int ql = 8 * j + 2 * t4 + (e & 1);
+                dpt[0][j][e] = st[0][j][e] * (dpt[0][j][e] - d_s[ql]);
+            }
+        u32 pa[4][4], dsa[4][4];
+        pack_p<8>(st, pa);
+        pack_p<8>(dpt, dsa);
+        // dS^T to shared memory (128-byte swizzle: 16-byte chunk j of key row r at j ^ (r % 8)).
+        {
+            const int r0 = 64 * c + 16 * warp + g;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int r = r0 + 8 * hf;
+                    const u32 addr = sds + r * 128 + ((j ^ (r & 7)) << 4) + 4 * t4;
+                    const u32 w = dsa[j >> 1][(j & 1) * 2 + hf];
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(w) : "memory");
+                }
+        }
+        fence_proxy_async();
+        if constexpr (DQ_SPLIT) {
+            named_barrier(1, 256);
+        } else {
+            named_barrier(1 + c, 128);
+        }
+
+        // dV += P^T dO, dK += dS^T Q (queries = the reduction; dO and Q MN-major), then dQ.
+        float dq[32];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            const uint64_t ddo = smem_desc_sw128(sdo + ks * 16 * 128, BW_BM * 128, 1024);
+            const uint64_t dq_ = smem_desc_sw128(sq + ks * 16 * 128, BW_BM * 128, 1024);
+            if constexpr (D == 128) {
+                wgmma_m64n128k16_rs<1>(dvf, pa[ks], ddo, 1);
+                wgmma_m64n128k16_rs<1>(dkf, dsa[ks], dq_, 1);
+            } else {
+                wgmma_m64n64k16_rs<1>(dvf, pa[ks], ddo, 1);
+                wgmma_m64n64k16_rs<1>(dkf, dsa[ks], dq_, 1);
+            }
+        }
+        if constexpr (DQ_SPLIT) {
+            // dQ[:, 64 c .. 64 c + 63] = dS (64 x 128 keys) K[:, panel c].
+#pragma unroll
+            for (int ks = 0; ks < BW_BN / 16; ++ks) {
+                const uint64_t da = smem_desc_sw128(sds + ks * 16 * 128, 64 * 128, 1024);
+                const uint64_t db = smem_desc_sw128(base + P::K + c * BW_BN * 128 + ks * 16 * 128,
+                                                    BW_BN * 128, 1024);
+                wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
+            }
+        } else {
+            // dQ (64 x 64) over this consumer's 64 keys.
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                const u32 roff = (64 * c + 16 * ks) * 128;
+                const uint64_t da = smem_desc_sw128(sds + roff, 64 * 128, 1024);
+                const uint64_t db = smem_desc_sw128(base + P::K + roff, BW_BN * 128, 1024);
+                wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        mbar_arrive(empty(s));
+        // dQacc += dQ: rows q0 + 16 warp + g (+ 8), columns col0 + 8 j + 2 t4.
+        {
+            const int col0 = DQ_SPLIT ? 64 * c : 0;
+            float* rows = dqacc + ((size_t)(b * H + h) * Tq + q0) * D;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int ql = 16 * warp + g + 8 * hf;
+                if (q0 + ql < Tq) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+                        red_add_v2(rows + (size_t)ql * D + col0 + 8 * j + 2 * t4, dq[4 * j + 2 * hf],
+                                   dq[4 * j + 2 * hf + 1]);
+                }
+            }
+        }
+    }
+
+    // dK (scaled) and dV, this thread's two keys; keys past L hold 0 (no contribution).
+    const size_t kv_base = (size_t)(b * KVH + kvh) * Tkv * D;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int key = key0 + 8 * hf;
+        if (key < Tkv) {
+#pragma unroll
+            for (int j = 0; j < DT; ++j) {
+                const size_t o = kv_base + (size_t)key * D + 8 * j + 2 * t4;
+                *reinterpret_cast<u32*>(dK + o) =
+                    pack2<true>(dk[0][j][2 * hf] * scale, dk[0][j][2 * hf + 1] * scale);
+                *reinterpret_cast<u32*>(dV + o) = pack2<true>(dv[0][j][2 * hf], dv[0][j][2 * hf + 1]);
+            }
+        }
+    }
+}
+
+#define BW_ENTRY(D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) attn_bwd_sm90_pre_d##D(                   \
+        const u16* O, const u16* dO, const float* LSE, float* dsum, float* lse2, float* dqacc,  \
+        int Tq, int Tq_pad, int rows_pad) {                                                      \
+        attn_bwd_sm90_pre<D>(O, dO, LSE, dsum, lse2, dqacc, Tq, Tq_pad, rows_pad);              \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_bwd_sm90_d##D(                    \
+        const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                    \
+        const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,                   \
+        const float* lse2, const float* dsum, const int* kv_lens, float* dqacc, u16* dK,        \
+        u16* dV, int Tq, int Tkv, int H, int KVH, int Tq_pad, float scale_log2, float scale,    \
+        int causal) {                                                                            \
+        if (causal)                                                                              \
+            attn_bwd_sm90<D, true>(&tq, &tk, &tv, &tdo, lse2, dsum, kv_lens, dqacc, dK, dV, Tq, \
+                                   Tkv, H, KVH, Tq_pad, scale_log2, scale);                      \
+        else                                                                                     \
+            attn_bwd_sm90<D, false>(&tq, &tk, &tv, &tdo, lse2, dsum, kv_lens, dqacc, dK, dV,    \
+                                    Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale);                 \
+    }
+
+BW_ENTRY(64)
+BW_ENTRY(128)
+
+// dQ = scale * dQacc in bf16, two elements per thread.
+extern "C" __global__ void attn_bwd_sm90_dq_convert(const float* __restrict__ dqacc,
+                                                    u16* __restrict__ dQ, unsigned long long n,
+                                                    float scale) {
+    const size_t i = 2 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i + 1 < n) {
+        const float2 x = *reinterpret_cast<const float2*>(dqacc + i);
+        *reinterpret_cast<u32*>(dQ + i) = pack2<true>(x.x * scale, x.y * scale);
+    } else if (i < n) {
+        dQ[i] = (u16)(pack2<true>(dqacc[i] * scale, 0.f) & 0xffff);
+    }
+}
