@@ -25,12 +25,12 @@
 //      S^T = K Q^T and dP^T = V dO^T (m64n64, both operands from shared memory),
 //      P^T = 2^(S^T * scale * log2(e) - LSE2) masked, dS^T = P^T (dP^T - Dsum),
 //      dV += P^T dO and dK += dS^T Q with P^T and dS^T rounded to bf16 as register A operands,
-//    then dS^T goes to shared memory (double-buffered) for dQ = dS K: at head_dim 128 the two
-//    consumers each take 64 of dQ's columns over all 128 keys (after a named barrier over
-//    both), at head_dim 64 each takes its own 64 keys for all columns. The fp32 dQ tile is added
-//    to dQacc with 8-byte vector reductions (red.global.add.v2.f32): every CTA of the same
-//    (batch, head) adds to the same rows, so the sum's order, and possibly dQ's last bit, vary
-//    from run to run (as the portable backward's and FlashAttention's). The alternative, a
+//    then dS^T goes to shared memory (double-buffered) for dQ = dS K: after a named barrier over
+//    both consumers each takes half of dQ's columns over all 128 keys. The fp32 dQ tile goes to
+//    dQacc by TMA reduce-adds from a shared-memory staging tile (v2, the default, as
+//    FlashAttention-3 does) or by 8-byte vector reductions from the registers (v1): every CTA of
+//    the same (batch, head) adds to the same rows, so the sum's order, and possibly dQ's last
+//    bit, vary from run to run (as the portable backward's and FlashAttention's). The alternative, a
 //    second pass over query tiles that recomputes S and dP, costs 7 matrix products per tile
 //    pair instead of 5. dK and dV are written once at the end (dK times the scale).
 // 3. `attn_bwd_sm90_dq_convert`: dQ = scale * dQacc in bf16.
@@ -55,7 +55,11 @@ struct BwPlan {
     static constexpr u32 DO = Q + BW_ST * Q_TILE;
     static constexpr u32 DS = DO + BW_ST * Q_TILE;
     static constexpr u32 LD = DS + 2 * DS_TILE;
-    static constexpr u32 BARS = LD + BW_ST * 512;
+    // v2: each consumer's fp32 dQ tile (64 rows x D / 2 columns) for the TMA reduce-add, in
+    // boxes of 32 columns (128-byte swizzled rows), 1024-aligned.
+    static constexpr u32 DQ_TILE = 64 * (D / 2) * 4;
+    static constexpr u32 DQ = LD + BW_ST * 512;
+    static constexpr u32 BARS = DQ + 2 * DQ_TILE;
     static constexpr u32 BYTES = BARS + 8 * (1 + 2 * BW_ST);
 };
 
@@ -71,6 +75,20 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss_tt(float (&d)[32], uint64_t d
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+#define WG_REGS16                                                                                \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+
+// As wgmma_m64n64k16_ss_tt for a 64 x 32 D (16 accumulators per thread).
+__device__ __forceinline__ void wgmma_m64n32k16_ss_tt(float (&d)[16], uint64_t desc_a,
+                                                      uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        WG_REGS16 ", %16, %17, p, 1, 1, 1, 1;\n}\n"
+        : WG_ACC8(d, 0), WG_ACC8(d, 8)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
 // A bulk copy of `bytes` (a multiple of 16, 16-byte aligned both ends) from global memory into
 // shared memory, counted towards barrier `bar`'s transactions.
 __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
@@ -78,6 +96,24 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
         ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
         : "memory");
+}
+
+// Adds the fp32 box at `src` (shared memory) into the tensor of `map` at element coordinates
+// (c0, c1, c2) (TMA reduce-add; out-of-bounds elements are skipped), as one bulk group.
+__device__ __forceinline__ void tma_reduce_add_3d(const TmaMap* map, u32 src, int c0, int c1,
+                                                  int c2) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group "
+        "[%0, {%1, %2, %3}], [%4];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+        "r"(c0), "r"(c1), "r"(c2), "r"(src)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until every bulk group this thread committed has finished reading shared memory.
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
 // A barrier over `count` threads (a multiple of 32) with id `id` (1..15; 0 is __syncthreads).
@@ -125,9 +161,10 @@ __device__ __forceinline__ void attn_bwd_sm90_pre(const u16* __restrict__ O,
 }
 
 // The main kernel (the file's header, 2.).
-template <int D, bool CAUSAL>
+template <int D, bool CAUSAL, int BV>
 __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
-                                              const TmaMap* tdo, const float* __restrict__ lse2,
+                                              const TmaMap* tdo, const TmaMap* tdq,
+                                              const float* __restrict__ lse2,
                                               const float* __restrict__ dsum,
                                               const int* __restrict__ kv_lens,
                                               float* __restrict__ dqacc, u16* __restrict__ dK,
@@ -135,7 +172,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                                               int Tq_pad, float scale_log2, float scale) {
     using P = BwPlan<D>;
     constexpr int PANELS = D / 64, DT = D / 8;
-    constexpr bool DQ_SPLIT = D == 128;  // dQ's columns split between the consumers
+    constexpr int DQN = D / 2;  // dQ columns per consumer
     const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
     const u32 bar_kv = base + P::BARS;
     auto full = [&](int s) { return base + P::BARS + 8u * (1 + 2 * s); };
@@ -210,43 +247,62 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     float(&dkf)[D / 2] = reinterpret_cast<float(&)[D / 2]>(dk);
     float(&dvf)[D / 2] = reinterpret_cast<float(&)[D / 2]>(dv);
 
-    if (n_it > 0) mbar_wait(bar_kv, 0);
-    for (int it = 0; it < n_it; ++it) {
-        const int s = it % BW_ST;
-        const int h = kvh * group + it / per_head;
-        const int q0 = (qt_first + it % per_head) * BW_BM;
-        const u32 sq = base + P::Q + s * P::Q_TILE;
-        const u32 sdo = base + P::DO + s * P::Q_TILE;
-        const u32 sds = base + P::DS + (it & 1) * P::DS_TILE;
-        mbar_wait(full(s), (it / BW_ST) & 1);
+    // This consumer's dQ columns [DQN c, DQN c + DQN) of a step, and their addition to dQacc
+    // (rows q0 + 16 warp + g (+ 8) below Tq; `rows` points at column DQN c of row q0).
+    float dq[DQN / 2];
+    auto dq_add = [&](float* rows, int valid) {
+        if (rows == nullptr) return;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int ql = 16 * warp + g + 8 * hf;
+            if (ql < valid) {
+#pragma unroll
+                for (int j = 0; j < DQN / 8; ++j)
+                    red_add_v2(rows + (size_t)ql * D + 8 * j + 2 * t4, dq[4 * j + 2 * hf],
+                               dq[4 * j + 2 * hf + 1]);
+            }
+        }
+    };
+    // K's columns [DQN c, ...): panel c at head_dim 128, 64 bytes into panel 0 at 64 (inside
+    // the swizzle atom: the hardware swizzles the absolute address).
+    const u32 sk_dq = base + P::K + (D == 128 ? c * BW_BN * 128 : c * 64);
 
-        // S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries each), two groups.
-        float st[1][8][4], dpt[1][8][4];
-        float(&stf)[32] = reinterpret_cast<float(&)[32]>(st);
-        float(&dpf)[32] = reinterpret_cast<float(&)[32]>(dpt);
+    // S^T = K Q^T and dP^T = V dO^T of step `it` (64 keys x 64 queries each), each its own
+    // commit group, issued, not waited for.
+    float st[1][8][4], dpt[1][8][4];
+    float(&stf)[32] = reinterpret_cast<float(&)[32]>(st);
+    float(&dpf)[32] = reinterpret_cast<float(&)[32]>(dpt);
+    auto q_at = [&](int it) { return base + P::Q + (it % BW_ST) * P::Q_TILE; };
+    auto do_at = [&](int it) { return base + P::DO + (it % BW_ST) * P::Q_TILE; };
+    auto issue_s = [&](int it) {
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
             const u32 koff = (u32)(ks & 3) * 32u;
             const uint64_t da = smem_desc_sw128(sk + (ks >> 2) * BW_BN * 128 + koff, 16, 1024);
-            const uint64_t db = smem_desc_sw128(sq + (ks >> 2) * BW_BM * 128 + koff, 16, 1024);
+            const uint64_t db =
+                smem_desc_sw128(q_at(it) + (ks >> 2) * BW_BM * 128 + koff, 16, 1024);
             wgmma_m64n64k16_ss<0>(stf, da, db, ks > 0);
         }
         wgmma_commit();
+    };
+    auto issue_dp = [&](int it) {
+        wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
             const u32 koff = (u32)(ks & 3) * 32u;
             const uint64_t da = smem_desc_sw128(sv + (ks >> 2) * BW_BN * 128 + koff, 16, 1024);
-            const uint64_t db = smem_desc_sw128(sdo + (ks >> 2) * BW_BM * 128 + koff, 16, 1024);
+            const uint64_t db =
+                smem_desc_sw128(do_at(it) + (ks >> 2) * BW_BM * 128 + koff, 16, 1024);
             wgmma_m64n64k16_ss<0>(dpf, da, db, ks > 0);
         }
         wgmma_commit();
-
-        // P^T while dP^T is in flight; LSE2 and Dsum of the step's 64 queries from shared memory.
-        const float* l_s = reinterpret_cast<const float*>(dyn_smem + (base - smem_u32(dyn_smem)) +
-                                                          P::LD + s * 512);
-        const float* d_s = l_s + 64;
-        wgmma_wait<1>();
+    };
+    // P^T = 2^(S^T scale log2(e) - LSE2) in place, masked (keys at or past L, bottom-right
+    // causal), with LSE2 of the step's queries from shared memory.
+    auto softmax_p = [&](int it, int q0) {
+        const float* l_s = reinterpret_cast<const float*>(
+            dyn_smem + (base - smem_u32(dyn_smem)) + P::LD + (it % BW_ST) * 512);
         const bool edge = kc0 + 64 > L || (CAUSAL && kc0 + 63 > q0 + off);
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -260,7 +316,14 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                 }
                 st[0][j][e] = x;
             }
-        wgmma_wait<0>();
+    };
+    // dS^T = P^T (dP^T - Dsum) in place in dpt, rounded to bf16 into dsa and stored to the dS^T
+    // buffer `sds` (128-byte swizzle: 16-byte chunk j of key row r at j ^ (r % 8)), then made
+    // visible to wgmma and both consumers (named barrier).
+    auto ds_store = [&](int it, u32 sds, u32 (&dsa)[4][4]) {
+        const float* d_s = reinterpret_cast<const float*>(
+                               dyn_smem + (base - smem_u32(dyn_smem)) + P::LD + (it % BW_ST) * 512) +
+                           64;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -268,82 +331,111 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                 const int ql = 8 * j + 2 * t4 + (e & 1);
                 dpt[0][j][e] = st[0][j][e] * (dpt[0][j][e] - d_s[ql]);
             }
+        pack_p<8>(dpt, dsa);
+        const int r0 = 64 * c + 16 * warp + g;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int r = r0 + 8 * hf;
+                const u32 addr = sds + r * 128 + ((j ^ (r & 7)) << 4) + 4 * t4;
+                const u32 w = dsa[j >> 1][(j & 1) * 2 + hf];
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(w) : "memory");
+            }
+        fence_proxy_async();
+        named_barrier(1, 256);  // both consumers' dS^T rows are in
+    };
+    // This consumer's DQN columns of dQ = dS (64 queries x 128 keys) K over the CTA's keys,
+    // both operands transposed from shared memory.
+    auto issue_dq = [&](u32 sds) {
+#pragma unroll
+        for (int ks = 0; ks < BW_BN / 16; ++ks) {
+            const uint64_t da = smem_desc_sw128(sds + ks * 16 * 128, 64 * 128, 1024);
+            const uint64_t db = smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
+            if constexpr (D == 128) {
+                wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
+            } else {
+                wgmma_m64n32k16_ss_tt(dq, da, db, ks > 0);
+            }
+        }
+    };
+    auto dq_rows_at = [&](int it) {
+        return dqacc + ((size_t)(b * H + kvh * group + it / per_head) * Tq +
+                        (qt_first + it % per_head) * BW_BM) *
+                           D +
+               DQN * c;
+    };
+
+    // v2: this consumer's dQ staging tile; its elected thread issues the reduce-adds.
+    const u32 sdq = base + P::DQ + c * P::DQ_TILE;
+    const bool elected = (tid & 127) == 0;
+
+    if (n_it > 0) mbar_wait(bar_kv, 0);
+    for (int it = 0; it < n_it; ++it) {
+        const int s = it % BW_ST;
+        const int h = kvh * group + it / per_head;
+        const int q0 = (qt_first + it % per_head) * BW_BM;
+        const u32 sds = base + P::DS + (it & 1) * P::DS_TILE;
+        mbar_wait(full(s), (it / BW_ST) & 1);
+        issue_s(it);
+        issue_dp(it);
+        wgmma_wait<1>();
+        softmax_p(it, q0);
+        wgmma_wait<0>();
         u32 pa[4][4], dsa[4][4];
         pack_p<8>(st, pa);
-        pack_p<8>(dpt, dsa);
-        // dS^T to shared memory (128-byte swizzle: 16-byte chunk j of key row r at j ^ (r % 8)).
-        {
-            const int r0 = 64 * c + 16 * warp + g;
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int r = r0 + 8 * hf;
-                    const u32 addr = sds + r * 128 + ((j ^ (r & 7)) << 4) + 4 * t4;
-                    const u32 w = dsa[j >> 1][(j & 1) * 2 + hf];
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(w) : "memory");
-                }
-        }
-        fence_proxy_async();
-        if constexpr (DQ_SPLIT) {
-            named_barrier(1, 256);
-        } else {
-            named_barrier(1 + c, 128);
-        }
-
-        // dV += P^T dO, dK += dS^T Q (queries = the reduction; dO and Q MN-major), then dQ.
-        float dq[32];
+        // v2: the previous step's reduce-add has read the staging tile before anyone passes
+        // the barrier in ds_store (and so before the tile is written again below).
+        if (BV == 2 && elected) bulk_wait_read();
+        ds_store(it, sds, dsa);
+        // dV += P^T dO, dK += dS^T Q (queries = the reduction; dO and Q MN-major), dQ.
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
-            const uint64_t ddo = smem_desc_sw128(sdo + ks * 16 * 128, BW_BM * 128, 1024);
-            const uint64_t dq_ = smem_desc_sw128(sq + ks * 16 * 128, BW_BM * 128, 1024);
+            const uint64_t ddo = smem_desc_sw128(do_at(it) + ks * 16 * 128, BW_BM * 128, 1024);
+            const uint64_t dqo = smem_desc_sw128(q_at(it) + ks * 16 * 128, BW_BM * 128, 1024);
             if constexpr (D == 128) {
                 wgmma_m64n128k16_rs<1>(dvf, pa[ks], ddo, 1);
-                wgmma_m64n128k16_rs<1>(dkf, dsa[ks], dq_, 1);
+                wgmma_m64n128k16_rs<1>(dkf, dsa[ks], dqo, 1);
             } else {
                 wgmma_m64n64k16_rs<1>(dvf, pa[ks], ddo, 1);
-                wgmma_m64n64k16_rs<1>(dkf, dsa[ks], dq_, 1);
+                wgmma_m64n64k16_rs<1>(dkf, dsa[ks], dqo, 1);
             }
         }
-        if constexpr (DQ_SPLIT) {
-            // dQ[:, 64 c .. 64 c + 63] = dS (64 x 128 keys) K[:, panel c].
-#pragma unroll
-            for (int ks = 0; ks < BW_BN / 16; ++ks) {
-                const uint64_t da = smem_desc_sw128(sds + ks * 16 * 128, 64 * 128, 1024);
-                const uint64_t db = smem_desc_sw128(base + P::K + c * BW_BN * 128 + ks * 16 * 128,
-                                                    BW_BN * 128, 1024);
-                wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
-            }
-        } else {
-            // dQ (64 x 64) over this consumer's 64 keys.
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
-                const u32 roff = (64 * c + 16 * ks) * 128;
-                const uint64_t da = smem_desc_sw128(sds + roff, 64 * 128, 1024);
-                const uint64_t db = smem_desc_sw128(base + P::K + roff, BW_BN * 128, 1024);
-                wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
-            }
-        }
+        issue_dq(sds);
         wgmma_commit();
         wgmma_wait<0>();
         mbar_arrive(empty(s));
-        // dQacc += dQ: rows q0 + 16 warp + g (+ 8), columns col0 + 8 j + 2 t4.
-        {
-            const int col0 = DQ_SPLIT ? 64 * c : 0;
-            float* rows = dqacc + ((size_t)(b * H + h) * Tq + q0) * D;
+        if constexpr (BV == 1) {
+            // v1: 8-byte vector reductions straight from the registers.
+            dq_add(dq_rows_at(it), Tq - q0);
+        } else {
+            // v2: the tile to shared memory (boxes of 32 columns, 16-byte chunk k of row r at
+            // k ^ (r % 8)), then one TMA reduce-add per box (rows past Tq are out of the
+            // tensor map's bounds: skipped).
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int ql = 16 * warp + g + 8 * hf;
-                if (q0 + ql < Tq) {
+            for (int j = 0; j < DQN / 8; ++j)
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
-                        red_add_v2(rows + (size_t)ql * D + col0 + 8 * j + 2 * t4, dq[4 * j + 2 * hf],
-                                   dq[4 * j + 2 * hf + 1]);
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int r = 16 * warp + g + 8 * hf;
+                    const int col = 8 * j + 2 * t4, cc = col & 31;
+                    const u32 addr = sdq + (col >> 5) * (64 * 128) + r * 128 +
+                                     (((cc >> 2) ^ (r & 7)) << 4) + (cc & 3) * 4;
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr),
+                                 "f"(dq[4 * j + 2 * hf]), "f"(dq[4 * j + 2 * hf + 1])
+                                 : "memory");
                 }
+            fence_proxy_async();
+            named_barrier(2 + c, 128);
+            if (elected) {
+#pragma unroll
+                for (int bx = 0; bx < DQN / 32; ++bx)
+                    tma_reduce_add_3d(tdq, sdq + bx * (64 * 128), DQN * c + 32 * bx, q0, b * H + h);
+                bulk_commit();
             }
         }
     }
+    if (BV == 2 && elected) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 
     // dK (scaled) and dV, this thread's two keys; keys past L hold 0 (no contribution).
     const size_t kv_base = (size_t)(b * KVH + kvh) * Tkv * D;
@@ -362,28 +454,36 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     }
 }
 
-#define BW_ENTRY(D)                                                                              \
+#define BW_PRE_ENTRY(D)                                                                          \
     extern "C" __global__ void __launch_bounds__(256) attn_bwd_sm90_pre_d##D(                   \
         const u16* O, const u16* dO, const float* LSE, float* dsum, float* lse2, float* dqacc,  \
         int Tq, int Tq_pad, int rows_pad) {                                                      \
         attn_bwd_sm90_pre<D>(O, dO, LSE, dsum, lse2, dqacc, Tq, Tq_pad, rows_pad);              \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(384, 1) attn_bwd_sm90_d##D(                    \
-        const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                    \
-        const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,                   \
-        const float* lse2, const float* dsum, const int* kv_lens, float* dqacc, u16* dK,        \
-        u16* dV, int Tq, int Tkv, int H, int KVH, int Tq_pad, float scale_log2, float scale,    \
-        int causal) {                                                                            \
-        if (causal)                                                                              \
-            attn_bwd_sm90<D, true>(&tq, &tk, &tv, &tdo, lse2, dsum, kv_lens, dqacc, dK, dV, Tq, \
-                                   Tkv, H, KVH, Tq_pad, scale_log2, scale);                      \
-        else                                                                                     \
-            attn_bwd_sm90<D, false>(&tq, &tk, &tv, &tdo, lse2, dsum, kv_lens, dqacc, dK, dV,    \
-                                    Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale);                 \
     }
 
-BW_ENTRY(64)
-BW_ENTRY(128)
+#define BW_ENTRY(NAME, D, BV)                                                                    \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                  \
+        const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                    \
+        const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,                   \
+        const __grid_constant__ TmaMap tdq, const float* lse2, const float* dsum,                \
+        const int* kv_lens, float* dqacc, u16* dK, u16* dV, int Tq, int Tkv, int H, int KVH,     \
+        int Tq_pad, float scale_log2, float scale, int causal) {                                 \
+        if (causal)                                                                              \
+            attn_bwd_sm90<D, true, BV>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dqacc,   \
+                                       dK, dV, Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale);      \
+        else                                                                                     \
+            attn_bwd_sm90<D, false, BV>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dqacc,  \
+                                        dK, dV, Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale);     \
+    }
+
+BW_PRE_ENTRY(64)
+BW_PRE_ENTRY(128)
+// The versions (kernels/TUNING.md): v1 adds dQ to dQacc with vector reductions from the
+// registers at the end of each step, v2 stages it in shared memory for TMA reduce-adds.
+BW_ENTRY(attn_bwd_sm90_v1_d64, 64, 1)
+BW_ENTRY(attn_bwd_sm90_v1_d128, 128, 1)
+BW_ENTRY(attn_bwd_sm90_v2_d64, 64, 2)
+BW_ENTRY(attn_bwd_sm90_v2_d128, 128, 2)
 
 // dQ = scale * dQacc in bf16, two elements per thread.
 extern "C" __global__ void attn_bwd_sm90_dq_convert(const float* __restrict__ dqacc,

@@ -12,7 +12,7 @@
 //! mode 1, `C = A V` with `A` `[64][K]` from registers and `V` `[K][64]` (P V's form, V N-major
 //! in shared memory). K is a multiple of 16 up to 128.
 
-use cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::cuda::PRELUDE_SRC;
@@ -251,19 +251,64 @@ pub fn tma_map_bf16(
              (not {box_rows})"
         )));
     }
-    let dims = [head_dim as u64, rows as u64, planes as u64];
-    let strides = [(head_dim * 2) as u64, (rows * head_dim * 2) as u64];
-    let boxes = [64u32, box_rows, 1];
+    tma_map_3d(
+        ptr,
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        2,
+        (planes, rows, head_dim),
+        [64, box_rows],
+    )
+}
+
+/// The tensor map of an fp32 tensor `[planes][rows][cols]` at `ptr` for boxes of 32 columns
+/// (128 bytes) × `box_rows` rows × 1 plane, 128-byte swizzled in shared memory (the wgmma
+/// backward's dQ accumulator, for TMA reduce-adds; elements past the tensor's end are skipped).
+///
+/// # Errors
+/// [`GpuError::Config`] for `cols` not a multiple of 32 or a box of more than 256 rows; the
+/// driver's error for what it refuses.
+pub fn tma_map_f32(
+    ptr: sys::CUdeviceptr,
+    (planes, rows, cols): (usize, usize, usize),
+    box_rows: u32,
+) -> Result<TmaMap, GpuError> {
+    if !cols.is_multiple_of(32) || box_rows == 0 || box_rows > 256 {
+        return Err(GpuError::Config(format!(
+            "tensor map: {cols} columns must be a multiple of 32 and the box 1..=256 rows (not \
+             {box_rows})"
+        )));
+    }
+    tma_map_3d(
+        ptr,
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+        4,
+        (planes, rows, cols),
+        [32, box_rows],
+    )
+}
+
+/// A 3-D tiled tensor map (innermost dimension `cols`, 128-byte swizzle, boxes of `bx[0]`
+/// columns × `bx[1]` rows × 1 plane) over elements of `bytes` bytes.
+fn tma_map_3d(
+    ptr: sys::CUdeviceptr,
+    dtype: sys::CUtensorMapDataType,
+    bytes: usize,
+    (planes, rows, cols): (usize, usize, usize),
+    bx: [u32; 2],
+) -> Result<TmaMap, GpuError> {
+    let dims = [cols as u64, rows as u64, planes as u64];
+    let strides = [(cols * bytes) as u64, (rows * cols * bytes) as u64];
+    let boxes = [bx[0], bx[1], 1];
     let element_strides = [1u32; 3];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: `map` is a writable CUtensorMap; the arrays hold `rank` (3) entries (strides 2:
     // the innermost is implied) and live across the call; `ptr` is a device allocation of at
-    // least planes · rows · head_dim bf16 words (the caller's buffer, checked against the
-    // shape by the launch).
+    // least planes · rows · cols elements (the caller's buffer, checked against the shape by
+    // the launch).
     unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            dtype,
             3,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
@@ -529,6 +574,31 @@ pub const BWD_QUERIES: usize = 64;
 /// Q and dO stages of the wgmma backward (`BW_ST`).
 pub const BWD_STAGES: usize = 2;
 
+/// Which wgmma backward kernel [`HopperBackward`] runs (`kernels/attn_wgmma_bwd_sm90.cu`;
+/// `kernels/TUNING.md` has each version's measurements). Both share the CTA layout and differ
+/// in how the dQ tile reaches the fp32 accumulator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sm90BwdVersion {
+    /// 8-byte vector reductions (`red.global.add.v2.f32`) from the consumers' registers at the
+    /// end of each step.
+    V1,
+    /// Staged in shared memory, added by TMA reduce-adds (one per 32-column box) that one
+    /// thread of each consumer issues.
+    V2,
+}
+
+impl Sm90BwdVersion {
+    /// The version [`HopperBackward::new`] runs.
+    pub const DEFAULT: Sm90BwdVersion = Sm90BwdVersion::V2;
+
+    fn tag(self) -> &'static str {
+        match self {
+            Sm90BwdVersion::V1 => "v1",
+            Sm90BwdVersion::V2 => "v2",
+        }
+    }
+}
+
 /// The attention backward on wgmma (issue 11; `kernels/attn_wgmma_bwd_sm90.cu` says how): bf16,
 /// head_dim 64 or 128, the shapes and masks of [`HopperForward`], after a forward that wrote O
 /// and its log-sum-exp (natural log, +∞ for a row that sees no key; either forward). dQ `[batch,
@@ -563,7 +633,20 @@ impl HopperBackward {
     pub fn new(
         gpu: &Gpu,
         head_dim: usize,
+        rows: (usize, usize, usize),
+    ) -> Result<HopperBackward, GpuError> {
+        HopperBackward::with_version(gpu, head_dim, rows, Sm90BwdVersion::DEFAULT)
+    }
+
+    /// As [`HopperBackward::new`], running `version`.
+    ///
+    /// # Errors
+    /// As [`HopperBackward::new`].
+    pub fn with_version(
+        gpu: &Gpu,
+        head_dim: usize,
         (batch, heads, seq_len_q): (usize, usize, usize),
+        version: Sm90BwdVersion,
     ) -> Result<HopperBackward, GpuError> {
         if gpu.arch() != "sm_90a" {
             return Err(GpuError::Config(format!(
@@ -578,13 +661,15 @@ impl HopperBackward {
         }
         let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n{WGMMA_BWD_SRC}\n");
         let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
-        let name = format!("attn_bwd_sm90_d{head_dim}");
+        let name = format!("attn_bwd_sm90_{}_d{head_dim}", version.tag());
         // K and V, the Q and dO stages, two dS^T buffers (128 × 64 bf16), 512 bytes of LSE and
-        // D per stage, the mbarriers, and up to 1023 bytes to align the base.
+        // D per stage, two fp32 dQ tiles (64 × head_dim / 2, v2), the mbarriers, and up to 1023
+        // bytes to align the base.
         let smem = (2 * BWD_KEYS * head_dim * 2
             + 2 * BWD_STAGES * BWD_QUERIES * head_dim * 2
             + 2 * BWD_KEYS * BWD_QUERIES * 2
             + 512 * BWD_STAGES
+            + 2 * BWD_QUERIES * (head_dim / 2) * 4
             + 8 * (1 + 2 * BWD_STAGES)
             + 1024) as u32;
         super::cuda::check_smem(gpu, &name, smem)?;
@@ -711,16 +796,21 @@ impl HopperBackward {
                 tma_map_bf16(vp, (batch * kv_heads, seq_len_kv, d), BWD_KEYS as u32)?,
                 tma_map_bf16(dop, (batch * heads, seq_len_q, d), BWD_QUERIES as u32)?,
             ];
+            // dqacc by raw address (its guard records the kernel's write on drop): the kernel
+            // takes it both as a pointer (v1) and through the tensor map (v2).
+            let (dqp, _gdq) = self.dqacc.device_ptr_mut(&gpu.stream);
+            let dq_map = tma_map_f32(dqp, (batch * heads, seq_len_q, d), BWD_QUERIES as u32)?;
             let causal_i = i32::from(causal);
             let mut b = gpu.stream.launch_builder(&self.main);
             b.arg(&maps[0])
                 .arg(&maps[1])
                 .arg(&maps[2])
                 .arg(&maps[3])
+                .arg(&dq_map)
                 .arg(&self.lse2)
                 .arg(&self.dsum)
                 .arg(kv_lens)
-                .arg(&mut self.dqacc)
+                .arg(&dqp)
                 .arg(&mut *dk)
                 .arg(&mut *dv)
                 .arg(&tq)
@@ -731,11 +821,11 @@ impl HopperBackward {
                 .arg(&scale_log2)
                 .arg(&scale_f)
                 .arg(&causal_i);
-            // SAFETY: `attn_bwd_sm90_d*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap tdo, const
-            // float* lse2, const float* dsum, const int* kv_lens, float* dqacc, u16* dK, u16*
+            // SAFETY: `attn_bwd_sm90_v*_d*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap tdo, TmaMap
+            // tdq, const float* lse2, const float* dsum, const int* kv_lens, float* dqacc, u16* dK, u16*
             // dV, int Tq, int Tkv, int H, int KVH, int Tq_pad, float scale_log2, float scale, int
-            // causal)`: the maps describe q, k, v and dO with the shapes checked above (TMA
-            // reads inside them only, zero-filling past their ends), lse2 and dsum hold
+            // causal)`: the maps describe q, k, v, dO and dqacc with the shapes checked above
+            // (TMA reads and reduce-adds inside them only, zero-filling past their ends), lse2 and dsum hold
             // B·H·Tq_pad floats (whole 64-row slices for the bulk copies), dqacc B·H·Tq·D, dK and
             // dV B·KVH·Tkv·D words, kv_lens `batch` entries; 3 warpgroups per (128-key tile, kv
             // head, batch entry).
