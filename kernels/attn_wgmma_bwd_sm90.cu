@@ -35,30 +35,39 @@
 //    pair instead of 5. dK and dV are written once at the end (dK times the scale).
 // 3. `attn_bwd_sm90_dq_convert`: dQ = scale * dQacc in bf16.
 
-// 128 keys per CTA, 64 queries per step, stages of Q/dO/LSE2/Dsum.
+// 128 keys per CTA, stages of Q/dO/LSE2/Dsum; queries per step: 128 at head_dim 64, 64 at
+// 128 (the registers of S^T and dP^T: 2 x BM / 2 per thread besides dK and dV's D).
 #define BW_BN 128
-#define BW_BM 64
 #define BW_ST 2
+template <int D>
+struct BwShape {
+    static constexpr int BM = D == 64 ? 128 : 64;  // queries per step
+    // dQ of a step per consumer: BM = 64, half of the columns for all 64 rows; BM = 128, all
+    // columns for the consumer's half of the rows (64 each).
+    static constexpr int DQN = BM == 64 ? D / 2 : D;
+};
 
 // Shared-memory plan of attn_bwd_sm90 (bytes from the 1024-aligned base): the K and V tile,
-// BW_ST stages of Q and of dO, two dS^T buffers (128 keys x 64 queries, one 128-byte panel),
-// BW_ST stages of LSE2 and Dsum (64 floats each), then the mbarriers (K/V, then per stage full
-// and empty).
+// BW_ST stages of Q and of dO (BM rows), two dS^T buffers (128 keys x BM queries, BM / 64
+// 128-byte panels), BW_ST stages of LSE2 and Dsum (BM floats each), two fp32 dQ staging tiles,
+// then the mbarriers (K/V, then per stage full and empty).
 template <int D>
 struct BwPlan {
+    static constexpr int BM = BwShape<D>::BM;
     static constexpr u32 KV_TILE = BW_BN * D * 2;
-    static constexpr u32 Q_TILE = BW_BM * D * 2;
-    static constexpr u32 DS_TILE = BW_BN * BW_BM * 2;
+    static constexpr u32 Q_TILE = BM * D * 2;
+    static constexpr u32 DS_TILE = BW_BN * BM * 2;
+    static constexpr u32 LD_STAGE = 2 * BM * 4;
     static constexpr u32 K = 0;
     static constexpr u32 V = KV_TILE;
     static constexpr u32 Q = 2 * KV_TILE;
     static constexpr u32 DO = Q + BW_ST * Q_TILE;
     static constexpr u32 DS = DO + BW_ST * Q_TILE;
     static constexpr u32 LD = DS + 2 * DS_TILE;
-    // v2: each consumer's fp32 dQ tile (64 rows x D / 2 columns) for the TMA reduce-add, in
+    // v2: each consumer's fp32 dQ tile (64 rows x DQN columns) for the TMA reduce-add, in
     // boxes of 32 columns (128-byte swizzled rows), 1024-aligned.
-    static constexpr u32 DQ_TILE = 64 * (D / 2) * 4;
-    static constexpr u32 DQ = LD + BW_ST * 512;
+    static constexpr u32 DQ_TILE = 64 * BwShape<D>::DQN * 4;
+    static constexpr u32 DQ = LD + BW_ST * LD_STAGE;
     static constexpr u32 BARS = DQ + 2 * DQ_TILE;
     static constexpr u32 BYTES = BARS + 8 * (1 + 2 * BW_ST);
 };
@@ -172,7 +181,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                                               int Tq_pad, float scale_log2, float scale) {
     using P = BwPlan<D>;
     constexpr int PANELS = D / 64, DT = D / 8;
-    constexpr int DQN = D / 2;  // dQ columns per consumer
+    constexpr int BM = P::BM, NQ = BM / 8, DQN = BwShape<D>::DQN;
     const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
     const u32 bar_kv = base + P::BARS;
     auto full = [&](int s) { return base + P::BARS + 8u * (1 + 2 * s); };
@@ -184,8 +193,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     const int off = L - Tq;  // bottom-right: row i sees keys j <= i + off
     const int k0 = kt * BW_BN;
     const int i_min = CAUSAL ? max(0, k0 - off) : 0;
-    const int qt_first = i_min / BW_BM;
-    const int n_qt = (Tq + BW_BM - 1) / BW_BM;
+    const int qt_first = i_min / BM;
+    const int n_qt = (Tq + BM - 1) / BM;
     const int per_head = (L > k0 && qt_first < n_qt) ? n_qt - qt_first : 0;
     const int n_it = per_head * group;
 
@@ -213,18 +222,18 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                 const int s = it % BW_ST;
                 if (it >= BW_ST) mbar_wait(empty(s), ((it / BW_ST) + 1) & 1);
                 const int h = kvh * group + it / per_head;
-                const int q0 = (qt_first + it % per_head) * BW_BM;
-                mbar_expect_tx(full(s), 2 * P::Q_TILE + 512);
+                const int q0 = (qt_first + it % per_head) * BM;
+                mbar_expect_tx(full(s), 2 * P::Q_TILE + P::LD_STAGE);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p) {
-                    tma_load_3d(base + P::Q + s * P::Q_TILE + p * BW_BM * 128, tq, full(s), 64 * p,
+                    tma_load_3d(base + P::Q + s * P::Q_TILE + p * BM * 128, tq, full(s), 64 * p,
                                 q0, b * H + h);
-                    tma_load_3d(base + P::DO + s * P::Q_TILE + p * BW_BM * 128, tdo, full(s),
+                    tma_load_3d(base + P::DO + s * P::Q_TILE + p * BM * 128, tdo, full(s),
                                 64 * p, q0, b * H + h);
                 }
                 const size_t lrow = (size_t)(b * H + h) * Tq_pad + q0;
-                bulk_load(base + P::LD + s * 512, lse2 + lrow, 256, full(s));
-                bulk_load(base + P::LD + s * 512 + 256, dsum + lrow, 256, full(s));
+                bulk_load(base + P::LD + s * P::LD_STAGE, lse2 + lrow, BM * 4, full(s));
+                bulk_load(base + P::LD + s * P::LD_STAGE + BM * 4, dsum + lrow, BM * 4, full(s));
             }
         }
         return;
@@ -247,11 +256,14 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     float(&dkf)[D / 2] = reinterpret_cast<float(&)[D / 2]>(dk);
     float(&dvf)[D / 2] = reinterpret_cast<float(&)[D / 2]>(dv);
 
-    // This consumer's dQ columns [DQN c, DQN c + DQN) of a step, and their addition to dQacc
-    // (rows q0 + 16 warp + g (+ 8) below Tq; `rows` points at column DQN c of row q0).
+    // This consumer's part of a step's dQ: rows [dq_r0, dq_r0 + 64) and columns [dq_c0,
+    // dq_c0 + DQN) of the step's BM x D tile (BwShape), as an m64 accumulator.
+    const int dq_r0 = BM == 64 ? 0 : 64 * c;
+    const int dq_c0 = BM == 64 ? DQN * c : 0;
     float dq[DQN / 2];
+    // v1: the adds to dQacc from the registers (`rows` points at row q0 + dq_r0, column dq_c0;
+    // rows at or past `valid` are skipped).
     auto dq_add = [&](float* rows, int valid) {
-        if (rows == nullptr) return;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             const int ql = 16 * warp + g + 8 * hf;
@@ -263,49 +275,46 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
             }
         }
     };
-    // K's columns [DQN c, ...): panel c at head_dim 128, 64 bytes into panel 0 at 64 (inside
-    // the swizzle atom: the hardware swizzles the absolute address).
-    const u32 sk_dq = base + P::K + (D == 128 ? c * BW_BN * 128 : c * 64);
+    // dQ's operands: A = dS, the dS^T buffer read transposed (panel c when BM = 128); B = K's
+    // columns [dq_c0, dq_c0 + DQN): panel c at head_dim 128, 64 bytes into panel 0 when DQN is
+    // 32 (inside the swizzle atom: the hardware swizzles the absolute address).
+    const u32 sds_off = BM == 64 ? 0u : (u32)c * BW_BN * 128;
+    const u32 sk_dq = base + P::K + (dq_c0 / 64) * BW_BN * 128 + (dq_c0 % 64) * 2;
 
-    // S^T = K Q^T and dP^T = V dO^T of step `it` (64 keys x 64 queries each), each its own
+    // S^T = K Q^T and dP^T = V dO^T of step `it` (64 keys x BM queries each), each its own
     // commit group, issued, not waited for.
-    float st[1][8][4], dpt[1][8][4];
-    float(&stf)[32] = reinterpret_cast<float(&)[32]>(st);
-    float(&dpf)[32] = reinterpret_cast<float(&)[32]>(dpt);
+    float st[1][NQ][4], dpt[1][NQ][4];
+    float(&stf)[BM / 2] = reinterpret_cast<float(&)[BM / 2]>(st);
+    float(&dpf)[BM / 2] = reinterpret_cast<float(&)[BM / 2]>(dpt);
     auto q_at = [&](int it) { return base + P::Q + (it % BW_ST) * P::Q_TILE; };
     auto do_at = [&](int it) { return base + P::DO + (it % BW_ST) * P::Q_TILE; };
-    auto issue_s = [&](int it) {
+    auto issue_kq = [&](float(&acc)[BM / 2], u32 sa, u32 sb) {
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
             const u32 koff = (u32)(ks & 3) * 32u;
-            const uint64_t da = smem_desc_sw128(sk + (ks >> 2) * BW_BN * 128 + koff, 16, 1024);
-            const uint64_t db =
-                smem_desc_sw128(q_at(it) + (ks >> 2) * BW_BM * 128 + koff, 16, 1024);
-            wgmma_m64n64k16_ss<0>(stf, da, db, ks > 0);
+            const uint64_t da = smem_desc_sw128(sa + (ks >> 2) * BW_BN * 128 + koff, 16, 1024);
+            const uint64_t db = smem_desc_sw128(sb + (ks >> 2) * BM * 128 + koff, 16, 1024);
+            if constexpr (BM == 128) {
+                wgmma_m64n128k16_ss(acc, da, db, ks > 0);
+            } else {
+                wgmma_m64n64k16_ss<0>(acc, da, db, ks > 0);
+            }
         }
         wgmma_commit();
     };
-    auto issue_dp = [&](int it) {
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            const u32 koff = (u32)(ks & 3) * 32u;
-            const uint64_t da = smem_desc_sw128(sv + (ks >> 2) * BW_BN * 128 + koff, 16, 1024);
-            const uint64_t db =
-                smem_desc_sw128(do_at(it) + (ks >> 2) * BW_BM * 128 + koff, 16, 1024);
-            wgmma_m64n64k16_ss<0>(dpf, da, db, ks > 0);
-        }
-        wgmma_commit();
+    // LSE2 and Dsum of step `it`'s queries (shared memory, generic addresses).
+    auto ld_at = [&](int it) {
+        return reinterpret_cast<const float*>(dyn_smem + (base - smem_u32(dyn_smem)) + P::LD +
+                                              (it % BW_ST) * P::LD_STAGE);
     };
     // P^T = 2^(S^T scale log2(e) - LSE2) in place, masked (keys at or past L, bottom-right
-    // causal), with LSE2 of the step's queries from shared memory.
+    // causal).
     auto softmax_p = [&](int it, int q0) {
-        const float* l_s = reinterpret_cast<const float*>(
-            dyn_smem + (base - smem_u32(dyn_smem)) + P::LD + (it % BW_ST) * 512);
+        const float* l_s = ld_at(it);
         const bool edge = kc0 + 64 > L || (CAUSAL && kc0 + 63 > q0 + off);
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < NQ; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int ql = 8 * j + 2 * t4 + (e & 1);
@@ -318,52 +327,31 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
             }
     };
     // dS^T = P^T (dP^T - Dsum) in place in dpt, rounded to bf16 into dsa and stored to the dS^T
-    // buffer `sds` (128-byte swizzle: 16-byte chunk j of key row r at j ^ (r % 8)), then made
-    // visible to wgmma and both consumers (named barrier).
-    auto ds_store = [&](int it, u32 sds, u32 (&dsa)[4][4]) {
-        const float* d_s = reinterpret_cast<const float*>(
-                               dyn_smem + (base - smem_u32(dyn_smem)) + P::LD + (it % BW_ST) * 512) +
-                           64;
+    // buffer `sds` (panels of 64 queries; 128-byte swizzle: 16-byte chunk k of key row r at
+    // k ^ (r % 8)), then made visible to wgmma and both consumers (named barrier).
+    auto ds_store = [&](int it, u32 sds, u32 (&dsa)[BM / 16][4]) {
+        const float* d_s = ld_at(it) + BM;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < NQ; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int ql = 8 * j + 2 * t4 + (e & 1);
                 dpt[0][j][e] = st[0][j][e] * (dpt[0][j][e] - d_s[ql]);
             }
-        pack_p<8>(dpt, dsa);
+        pack_p<NQ>(dpt, dsa);
         const int r0 = 64 * c + 16 * warp + g;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < NQ; ++j)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const int r = r0 + 8 * hf;
-                const u32 addr = sds + r * 128 + ((j ^ (r & 7)) << 4) + 4 * t4;
+                const u32 addr = sds + (j >> 3) * (BW_BN * 128) + r * 128 +
+                                 (((j & 7) ^ (r & 7)) << 4) + 4 * t4;
                 const u32 w = dsa[j >> 1][(j & 1) * 2 + hf];
                 asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(w) : "memory");
             }
         fence_proxy_async();
         named_barrier(1, 256);  // both consumers' dS^T rows are in
-    };
-    // This consumer's DQN columns of dQ = dS (64 queries x 128 keys) K over the CTA's keys,
-    // both operands transposed from shared memory.
-    auto issue_dq = [&](u32 sds) {
-#pragma unroll
-        for (int ks = 0; ks < BW_BN / 16; ++ks) {
-            const uint64_t da = smem_desc_sw128(sds + ks * 16 * 128, 64 * 128, 1024);
-            const uint64_t db = smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
-            if constexpr (D == 128) {
-                wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
-            } else {
-                wgmma_m64n32k16_ss_tt(dq, da, db, ks > 0);
-            }
-        }
-    };
-    auto dq_rows_at = [&](int it) {
-        return dqacc + ((size_t)(b * H + kvh * group + it / per_head) * Tq +
-                        (qt_first + it % per_head) * BW_BM) *
-                           D +
-               DQN * c;
     };
 
     // v2: this consumer's dQ staging tile; its elected thread issues the reduce-adds.
@@ -374,26 +362,27 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     for (int it = 0; it < n_it; ++it) {
         const int s = it % BW_ST;
         const int h = kvh * group + it / per_head;
-        const int q0 = (qt_first + it % per_head) * BW_BM;
+        const int q0 = (qt_first + it % per_head) * BM;
         const u32 sds = base + P::DS + (it & 1) * P::DS_TILE;
         mbar_wait(full(s), (it / BW_ST) & 1);
-        issue_s(it);
-        issue_dp(it);
+        issue_kq(stf, sk, q_at(it));
+        issue_kq(dpf, sv, do_at(it));
         wgmma_wait<1>();
         softmax_p(it, q0);
         wgmma_wait<0>();
-        u32 pa[4][4], dsa[4][4];
-        pack_p<8>(st, pa);
+        u32 pa[BM / 16][4], dsa[BM / 16][4];
+        pack_p<NQ>(st, pa);
         // v2: the previous step's reduce-add has read the staging tile before anyone passes
         // the barrier in ds_store (and so before the tile is written again below).
         if (BV == 2 && elected) bulk_wait_read();
         ds_store(it, sds, dsa);
-        // dV += P^T dO, dK += dS^T Q (queries = the reduction; dO and Q MN-major), dQ.
+        // dV += P^T dO, dK += dS^T Q (queries = the reduction; dO and Q MN-major), dQ = dS K
+        // (both operands transposed from shared memory).
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            const uint64_t ddo = smem_desc_sw128(do_at(it) + ks * 16 * 128, BW_BM * 128, 1024);
-            const uint64_t dqo = smem_desc_sw128(q_at(it) + ks * 16 * 128, BW_BM * 128, 1024);
+        for (int ks = 0; ks < BM / 16; ++ks) {
+            const uint64_t ddo = smem_desc_sw128(do_at(it) + ks * 16 * 128, BM * 128, 1024);
+            const uint64_t dqo = smem_desc_sw128(q_at(it) + ks * 16 * 128, BM * 128, 1024);
             if constexpr (D == 128) {
                 wgmma_m64n128k16_rs<1>(dvf, pa[ks], ddo, 1);
                 wgmma_m64n128k16_rs<1>(dkf, dsa[ks], dqo, 1);
@@ -402,13 +391,22 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                 wgmma_m64n64k16_rs<1>(dkf, dsa[ks], dqo, 1);
             }
         }
-        issue_dq(sds);
+#pragma unroll
+        for (int ks = 0; ks < BW_BN / 16; ++ks) {
+            const uint64_t da = smem_desc_sw128(sds + sds_off + ks * 16 * 128, 64 * 128, 1024);
+            const uint64_t db = smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
+            if constexpr (DQN == 64) {
+                wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
+            } else {
+                wgmma_m64n32k16_ss_tt(dq, da, db, ks > 0);
+            }
+        }
         wgmma_commit();
         wgmma_wait<0>();
         mbar_arrive(empty(s));
         if constexpr (BV == 1) {
             // v1: 8-byte vector reductions straight from the registers.
-            dq_add(dq_rows_at(it), Tq - q0);
+            dq_add(dqacc + ((size_t)(b * H + h) * Tq + q0 + dq_r0) * D + dq_c0, Tq - q0 - dq_r0);
         } else {
             // v2: the tile to shared memory (boxes of 32 columns, 16-byte chunk k of row r at
             // k ^ (r % 8)), then one TMA reduce-add per box (rows past Tq are out of the
@@ -430,7 +428,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
             if (elected) {
 #pragma unroll
                 for (int bx = 0; bx < DQN / 32; ++bx)
-                    tma_reduce_add_3d(tdq, sdq + bx * (64 * 128), DQN * c + 32 * bx, q0, b * H + h);
+                    tma_reduce_add_3d(tdq, sdq + bx * (64 * 128), dq_c0 + 32 * bx, q0 + dq_r0,
+                                      b * H + h);
                 bulk_commit();
             }
         }

@@ -2,7 +2,9 @@
 // project from the PTX ISA's description of the warpgroup-level matrix instructions
 // (`wgmma.mma_async`, shared-memory matrix descriptors, async-proxy fences), and a probe kernel
 // that checks them on the device before any attention kernel relies on them. Needs
-// attn_prelude.cuh before it (u16, u32, smem_u32, pack2) and `-arch=sm_90a`.
+// attn_prelude.cuh before it (u16, u32, smem_u32, pack2) and `-arch=sm_90a`. With
+// KP_SM90_NO_ENTRIES defined it declares no kernel (the backward's source reuses the helpers
+// without compiling the forwards again).
 //
 // Shared-memory operand layout used here ("no swizzle"): a tile of 16-bit elements with `cols`
 // columns is stored as 8 x 8 core matrices of 128 contiguous bytes (8 rows of 16 bytes), the
@@ -117,6 +119,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&
 // mode 1: C = A V, A [64][K] in registers (P's form), V [K][64] row-major, N-major in shared
 //         memory (P V's form, transposed B).
 // K is a multiple of 16 up to 128. Dynamic shared memory: 2 * 64 * K * 2 bytes.
+#ifndef KP_SM90_NO_ENTRIES
 extern "C" __global__ void __launch_bounds__(128) wgmma_probe(
     const u16* __restrict__ A, const u16* __restrict__ B, float* __restrict__ C, int K, int mode,
     u32 lead_a, u32 stride_a, u32 lead_b, u32 stride_b) {
@@ -182,6 +185,7 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_probe(
         C[(r + 8) * 64 + c + 1] = d[4 * j + 3];
     }
 }
+#endif
 
 // Copies rows [0, ROWS) of a [rows][D] 16-bit tile from global memory (row stride D, from `g`)
 // into shared memory in the core-matrix layout (core_offset) with 16-byte cp.async; rows at or
@@ -347,8 +351,10 @@ __device__ __forceinline__ void attn_fwd_sm90(const u16* __restrict__ Q, const u
                                     lead_k, stride_k, lead_v, stride_v);                        \
     }
 
+#ifndef KP_SM90_NO_ENTRIES
 V1_ENTRY(attn_fwd_sm90_d64, 64)
 V1_ENTRY(attn_fwd_sm90_d128, 128)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // v2: the tensor memory accelerator, mbarriers, warp specialisation and 128-byte swizzling.
@@ -731,9 +737,11 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
 // v2: attn_fwd_sm90_ws_d*; v3 (the intra-warpgroup overlap): attn_fwd_sm90_wsp_d*; v4 (v3
 // with three consumer warpgroups): attn_fwd_sm90_wsp3_d*; v5 (v3 with three K/V stages,
 // 225 KB of shared memory at head_dim 128): attn_fwd_sm90_wsps3_d*. Consumers, stages:
+#ifndef KP_SM90_NO_ENTRIES
 WS_ENTRY(attn_fwd_sm90_ws_d64, 64, 2, 2, false)
 WS_ENTRY(attn_fwd_sm90_ws_d128, 128, 2, 2, false)
 WS_ENTRY(attn_fwd_sm90_wsp_d64, 64, 2, 2, true)
 WS_ENTRY(attn_fwd_sm90_wsp_d128, 128, 2, 2, true)
 WS_ENTRY(attn_fwd_sm90_wsp3_d64, 64, 3, 2, true)
 WS_ENTRY(attn_fwd_sm90_wsps3_d128, 128, 2, 3, true)
+#endif

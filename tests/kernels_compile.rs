@@ -657,8 +657,16 @@ fn wgmma_backward_compiles_for_sm_90a() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n{WGMMA_BWD_SRC}\n");
+    let src = kernelpages::attention::sm90::bwd_source();
+    assert!(src.contains(WGMMA_SRC) && src.contains(WGMMA_BWD_SRC) && src.contains(PRELUDE_SRC));
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_bwd_sm90.cu", &src, "sm_90a").unwrap();
+    // The forward kernels are not compiled again in the backward's module.
+    assert!(
+        reports
+            .iter()
+            .all(|r| !r.kernel.starts_with("attn_fwd") && r.kernel != "wgmma_probe"),
+        "{reports:?}"
+    );
     for name in [
         "attn_bwd_sm90_pre_d64",
         "attn_bwd_sm90_pre_d128",

@@ -567,10 +567,24 @@ impl HopperForward {
 /// Source of the wgmma backward (after [`PRELUDE_SRC`] and [`WGMMA_SRC`]).
 pub const WGMMA_BWD_SRC: &str = include_str!("../../kernels/attn_wgmma_bwd_sm90.cu");
 
+/// The wgmma backward's whole source: [`PRELUDE_SRC`], the helpers of [`WGMMA_SRC`] without its
+/// kernels (`KP_SM90_NO_ENTRIES`), [`WGMMA_BWD_SRC`].
+pub fn bwd_source() -> String {
+    format!("{PRELUDE_SRC}\n#define KP_SM90_NO_ENTRIES\n{WGMMA_SRC}\n{WGMMA_BWD_SRC}\n")
+}
+
 /// Keys per CTA of the wgmma backward (`BW_BN` in the kernel source).
 pub const BWD_KEYS: usize = 128;
-/// Query rows per step of the wgmma backward (`BW_BM`; the padding of its LSE and D buffers).
-pub const BWD_QUERIES: usize = 64;
+/// Query rows per step of the wgmma backward at `head_dim` (`BwShape::BM` in the kernel
+/// source; the padding of its LSE and D buffers): 128 at head_dim 64, 64 at 128 (where S^T and
+/// dP^T of 128 queries would not fit in the registers beside dK and dV).
+pub fn bwd_queries(head_dim: usize) -> usize {
+    if head_dim == 64 {
+        128
+    } else {
+        64
+    }
+}
 /// Q and dO stages of the wgmma backward (`BW_ST`).
 pub const BWD_STAGES: usize = 2;
 
@@ -659,22 +673,24 @@ impl HopperBackward {
                 "the wgmma backward runs head_dim 64 or 128, not {head_dim}"
             )));
         }
-        let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n{WGMMA_BWD_SRC}\n");
+        let src = bwd_source();
         let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
         let name = format!("attn_bwd_sm90_{}_d{head_dim}", version.tag());
-        // K and V, the Q and dO stages, two dS^T buffers (128 × 64 bf16), 512 bytes of LSE and
-        // D per stage, two fp32 dQ tiles (64 × head_dim / 2, v2), the mbarriers, and up to 1023
-        // bytes to align the base.
+        // K and V, the Q and dO stages (bm rows), two dS^T buffers (128 × bm bf16), LSE and D
+        // per stage (bm floats each), two fp32 dQ tiles (64 × 64, v2: 64 rows × half the
+        // columns at head_dim 128, 64 rows × all at 64), the mbarriers, and up to 1023 bytes to
+        // align the base.
+        let bm = bwd_queries(head_dim);
         let smem = (2 * BWD_KEYS * head_dim * 2
-            + 2 * BWD_STAGES * BWD_QUERIES * head_dim * 2
-            + 2 * BWD_KEYS * BWD_QUERIES * 2
-            + 512 * BWD_STAGES
-            + 2 * BWD_QUERIES * (head_dim / 2) * 4
+            + 2 * BWD_STAGES * bm * head_dim * 2
+            + 2 * BWD_KEYS * bm * 2
+            + 2 * bm * 4 * BWD_STAGES
+            + 2 * 64 * 64 * 4
             + 8 * (1 + 2 * BWD_STAGES)
             + 1024) as u32;
         super::cuda::check_smem(gpu, &name, smem)?;
         let main = gpu.function(&compiled.module, &name, smem)?;
-        let padded = batch * heads * seq_len_q.div_ceil(BWD_QUERIES) * BWD_QUERIES;
+        let padded = batch * heads * seq_len_q.div_ceil(bm) * bm;
         Ok(HopperBackward {
             pre: gpu.function(
                 &compiled.module,
@@ -723,7 +739,8 @@ impl HopperBackward {
     ) -> Result<(), GpuError> {
         let d = self.head_dim;
         let rows = batch * heads * seq_len_q;
-        let padded = batch * heads * seq_len_q.div_ceil(BWD_QUERIES) * BWD_QUERIES;
+        let bm = bwd_queries(d);
+        let padded = batch * heads * seq_len_q.div_ceil(bm) * bm;
         let (q_len, kv_len) = (rows * d, batch * kv_heads * seq_len_kv * d);
         if kv_heads == 0
             || heads % kv_heads != 0
@@ -757,7 +774,7 @@ impl HopperBackward {
             heads as i32,
             kv_heads as i32,
         );
-        let tq_pad = (seq_len_q.div_ceil(BWD_QUERIES) * BWD_QUERIES) as i32;
+        let tq_pad = (seq_len_q.div_ceil(bm) * bm) as i32;
         let padded_i = padded as i32;
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         let scale_f = scale as f32;
@@ -791,15 +808,15 @@ impl HopperBackward {
             let (vp, _gv) = v.device_ptr(&gpu.stream);
             let (dop, _gdo) = dout.device_ptr(&gpu.stream);
             let maps = [
-                tma_map_bf16(qp, (batch * heads, seq_len_q, d), BWD_QUERIES as u32)?,
+                tma_map_bf16(qp, (batch * heads, seq_len_q, d), bm as u32)?,
                 tma_map_bf16(kp, (batch * kv_heads, seq_len_kv, d), BWD_KEYS as u32)?,
                 tma_map_bf16(vp, (batch * kv_heads, seq_len_kv, d), BWD_KEYS as u32)?,
-                tma_map_bf16(dop, (batch * heads, seq_len_q, d), BWD_QUERIES as u32)?,
+                tma_map_bf16(dop, (batch * heads, seq_len_q, d), bm as u32)?,
             ];
             // dqacc by raw address (its guard records the kernel's write on drop): the kernel
             // takes it both as a pointer (v1) and through the tensor map (v2).
             let (dqp, _gdq) = self.dqacc.device_ptr_mut(&gpu.stream);
-            let dq_map = tma_map_f32(dqp, (batch * heads, seq_len_q, d), BWD_QUERIES as u32)?;
+            let dq_map = tma_map_f32(dqp, (batch * heads, seq_len_q, d), 64)?;
             let causal_i = i32::from(causal);
             let mut b = gpu.stream.launch_builder(&self.main);
             b.arg(&maps[0])
