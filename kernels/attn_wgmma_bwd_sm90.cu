@@ -11,28 +11,30 @@
 // Masks as the forwards: keys at or past kv_lens[b], bottom-right causal. Outputs dQ (through the
 // fp32 accumulator dQacc [B, H, Tq, D] and the convert kernel), dK, dV [B, KVH, Tkv, D] (bf16).
 //
-// Three kernels per call:
+// Three kernels per call. BM, the queries per step, is 128 at head_dim 64 and 64 at 128
+// (BwShape):
 // 1. `attn_bwd_sm90_pre_d*`: per query row, Dsum = sum(dO * O) and LSE2 = LSE * log2(e) into
-//    buffers padded to Tq_pad = 64 * ceil(Tq / 64) rows per (batch, head) (padding rows get
-//    LSE2 = +inf, so their P is 0, and Dsum = 0), so that the main kernel brings each 64-row
-//    slice with one 256-byte bulk copy; dQacc = 0.
-// 2. `attn_bwd_sm90_d*`: one CTA per (128-key tile, kv head, batch entry), 3 warpgroups.
+//    buffers padded to Tq_pad = BM * ceil(Tq / BM) rows per (batch, head) (padding rows get
+//    LSE2 = +inf, so their P is 0, and Dsum = 0), so that the main kernel brings each BM-row
+//    slice with one bulk copy; dQacc = 0.
+// 2. `attn_bwd_sm90_v*_d*`: one CTA per (128-key tile, kv head, batch entry), 3 warpgroups.
 //    Warpgroup 0, the producer (setmaxnreg down to 24): one thread brings the K and V tile once,
-//    then per step the 64-row tiles of Q and dO and the 64 LSE2 and Dsum values through BW_ST
+//    then per step the BM-row tiles of Q and dO and the BM LSE2 and Dsum values through BW_ST
 //    stages (full/empty mbarriers). Warpgroups 1 and 2, the consumers (setmaxnreg up to 240),
-//    own 64 keys each and walk every query head of the kv head's group (GQA) and every 64-row
+//    own 64 keys each and walk every query head of the kv head's group (GQA) and every BM-row
 //    query tile that sees one of the CTA's keys. Per step, for its 64 keys:
-//      S^T = K Q^T and dP^T = V dO^T (m64n64, both operands from shared memory),
+//      S^T = K Q^T and dP^T = V dO^T (m64nBM, both operands from shared memory),
 //      P^T = 2^(S^T * scale * log2(e) - LSE2) masked, dS^T = P^T (dP^T - Dsum),
 //      dV += P^T dO and dK += dS^T Q with P^T and dS^T rounded to bf16 as register A operands,
-//    then dS^T goes to shared memory (double-buffered) for dQ = dS K: after a named barrier over
-//    both consumers each takes half of dQ's columns over all 128 keys. The fp32 dQ tile goes to
-//    dQacc by TMA reduce-adds from a shared-memory staging tile (v2, the default, as
-//    FlashAttention-3 does) or by 8-byte vector reductions from the registers (v1): every CTA of
-//    the same (batch, head) adds to the same rows, so the sum's order, and possibly dQ's last
-//    bit, vary from run to run (as the portable backward's and FlashAttention's). The alternative, a
-//    second pass over query tiles that recomputes S and dP, costs 7 matrix products per tile
-//    pair instead of 5. dK and dV are written once at the end (dK times the scale).
+//    then dS^T goes to shared memory (double-buffered) for dQ = dS K over all 128 keys, after a
+//    named barrier over both consumers: at BM = 64 each consumer takes half of dQ's columns, at
+//    BM = 128 half of its rows. The fp32 dQ tile goes to dQacc by TMA reduce-adds from a
+//    shared-memory staging tile (v2, the default, as FlashAttention-3 does) or by 8-byte vector
+//    reductions from the registers (v1): every CTA of the same (batch, head) adds to the same
+//    rows, so the sum's order, and possibly dQ's last bit, vary from run to run (as the
+//    portable backward's and FlashAttention's). The alternative, a second pass over query
+//    tiles that recomputes S and dP, costs 7 matrix products per tile pair instead of 5. dK and
+//    dV are written once at the end (dK times the scale).
 // 3. `attn_bwd_sm90_dq_convert`: dQ = scale * dQacc in bf16.
 
 // 128 keys per CTA, stages of Q/dO/LSE2/Dsum; queries per step: 128 at head_dim 64, 64 at

@@ -17,10 +17,11 @@
 #   bash .carry/device_run.sh masks OUTDIR [i/n]  # the flex GPU tests and PyTorch flex module
 #                                                 # test, then the masks grid (or shard i of
 #                                                 # n): flex, flash, torch_flex, torch_cudnn
-#   bash .carry/device_run.sh hopper OUTDIR       # the sm_90a tests: the wgmma probe and the
-#                                                 # wgmma forwards against float64, then flash
-#                                                 # (the wgmma kernel there) beside flash_sm80
-#                                                 # and SDPA
+#   bash .carry/device_run.sh hopper OUTDIR       # the sm_90a tests: the wgmma probe, the
+#                                                 # wgmma forwards and backward against
+#                                                 # float64, then flash (the wgmma kernels
+#                                                 # there) beside flash_sm80 and SDPA, fwd and
+#                                                 # fwd+bwd at T = 4096 and 16384
 #   bash .carry/device_run.sh full OUTDIR [i/n]   # the committed grid (or shard i of n)
 #   bash .carry/device_run.sh part OUTDIR NAME LIMIT_S FILTER [i/n]
 #                                                 # one part of a run split over calls or GPUs:
@@ -118,12 +119,13 @@ flex)
 hopper)
   step "hopper gpu tests" 240 "$out/gpu_hopper.tests.log" "$bin/gpu_attention_test" \
     --include-ignored --test-threads 1 --nocapture wgmma_
-  # Then flash (the wgmma kernel on these cases) beside flash_sm80 and SDPA's cuDNN and
-  # FlashAttention-2 backends on the main grid's bf16 forward cases at head_dim 64 and 128 (not
-  # site data until it is a full run).
-  step "sm90 grid" 300 "$out/sm90.log" "$bin/attention" --grids main \
+  # Then flash (the wgmma kernels on these cases) beside flash_sm80 and SDPA's cuDNN and
+  # FlashAttention-2 backends on the main grid's bf16 cases at head_dim 64 and 128, T = 4096
+  # and 16384, forward and forward + backward (not site data until it is a full run).
+  step "sm90 grid" 420 "$out/sm90.log" "$bin/attention" --grids main \
     --implementations flash,flash_sm80 --compare torch --exclude torch_math,torch_efficient \
-    --filter "pass=fwd,head_dim<=128,dtype=bf16" --output "$out/gpu_attention_sm90.json"
+    --filter "head_dim<=128,dtype=bf16,seq_len>=4096,seq_len!=8192" \
+    --output "$out/gpu_attention_sm90.json"
   ;;
 masks)
   # KP_MASKS_TESTS=0 skips the GPU tests (a second shard's call).
