@@ -17,7 +17,7 @@
 //    buffers padded to Tq_pad = BM * ceil(Tq / BM) rows per (batch, head) (padding rows get
 //    LSE2 = +inf, so their P is 0, and Dsum = 0), so that the main kernel brings each BM-row
 //    slice with one bulk copy; dQacc = 0.
-// 2. `attn_bwd_sm90_v*_d*`: one CTA per (128-key tile, kv head, batch entry), 3 warpgroups.
+// 2. `attn_bwd_sm90_d*`: one CTA per (128-key tile, kv head, batch entry), 3 warpgroups.
 //    Warpgroup 0, the producer (setmaxnreg down to 24): one thread brings the K and V tile once,
 //    then per step the BM-row tiles of Q and dO and the BM LSE2 and Dsum values through BW_ST
 //    stages (full/empty mbarriers). Warpgroups 1 and 2, the consumers (setmaxnreg up to 240),
@@ -29,10 +29,10 @@
 //    then dS^T goes to shared memory (double-buffered) for dQ = dS K over all 128 keys, after a
 //    named barrier over both consumers: at BM = 64 each consumer takes half of dQ's columns, at
 //    BM = 128 half of its rows. The fp32 dQ tile goes to dQacc by TMA reduce-adds from a
-//    shared-memory staging tile (v2, the default, as FlashAttention-3 does) or by 8-byte vector
-//    reductions from the registers (v1): every CTA of the same (batch, head) adds to the same
-//    rows, so the sum's order, and possibly dQ's last bit, vary from run to run (as the
-//    portable backward's and FlashAttention's). The alternative, a second pass over query
+//    shared-memory staging tile, as FlashAttention-3 does (kernels/TUNING.md has the register
+//    atomics this replaced): every CTA of the same (batch, head) adds to the same rows, so the
+//    sum's order, and possibly dQ's last bit, vary from run to run (as the portable backward's
+//    and FlashAttention's). The alternative, a second pass over query
 //    tiles that recomputes S and dP, costs 7 matrix products per tile pair instead of 5. dK and
 //    dV are written once at the end (dK times the scale).
 // 3. `attn_bwd_sm90_dq_convert`: dQ = scale * dQacc in bf16.
@@ -47,6 +47,11 @@ struct BwShape {
     // dQ of a step per consumer: BM = 64, half of the columns for all 64 rows; BM = 128, all
     // columns for the consumer's half of the rows (64 each).
     static constexpr int DQN = BM == 64 ? D / 2 : D;
+};
+
+template <bool B>
+struct BoolTag {
+    static constexpr bool value = B;
 };
 
 // Shared-memory plan of attn_bwd_sm90 (bytes from the 1024-aligned base): the K and V tile,
@@ -66,7 +71,7 @@ struct BwPlan {
     static constexpr u32 DO = Q + BW_ST * Q_TILE;
     static constexpr u32 DS = DO + BW_ST * Q_TILE;
     static constexpr u32 LD = DS + 2 * DS_TILE;
-    // v2: each consumer's fp32 dQ tile (64 rows x DQN columns) for the TMA reduce-add, in
+    // Each consumer's fp32 dQ tile (64 rows x DQN columns) for the TMA reduce-add, in
     // boxes of 32 columns (128-byte swizzled rows), 1024-aligned.
     static constexpr u32 DQ_TILE = 64 * BwShape<D>::DQN * 4;
     static constexpr u32 DQ = LD + BW_ST * LD_STAGE;
@@ -132,10 +137,6 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-__device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
-}
-
 // One warp per padded query row r of [B * H][Tq_pad]: Dsum and LSE2 as the file's header says;
 // the row's dQacc zeroed.
 template <int D>
@@ -172,13 +173,13 @@ __device__ __forceinline__ void attn_bwd_sm90_pre(const u16* __restrict__ O,
 }
 
 // The main kernel (the file's header, 2.).
-template <int D, bool CAUSAL, int BV>
+template <int D, bool CAUSAL>
 __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
                                               const TmaMap* tdo, const TmaMap* tdq,
                                               const float* __restrict__ lse2,
                                               const float* __restrict__ dsum,
                                               const int* __restrict__ kv_lens,
-                                              float* __restrict__ dqacc, u16* __restrict__ dK,
+                                              u16* __restrict__ dK,
                                               u16* __restrict__ dV, int Tq, int Tkv, int H, int KVH,
                                               int Tq_pad, float scale_log2, float scale) {
     using P = BwPlan<D>;
@@ -263,128 +264,116 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     const int dq_r0 = BM == 64 ? 0 : 64 * c;
     const int dq_c0 = BM == 64 ? DQN * c : 0;
     float dq[DQN / 2];
-    // v1: the adds to dQacc from the registers (`rows` points at row q0 + dq_r0, column dq_c0;
-    // rows at or past `valid` are skipped).
-    auto dq_add = [&](float* rows, int valid) {
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int ql = 16 * warp + g + 8 * hf;
-            if (ql < valid) {
-#pragma unroll
-                for (int j = 0; j < DQN / 8; ++j)
-                    red_add_v2(rows + (size_t)ql * D + 8 * j + 2 * t4, dq[4 * j + 2 * hf],
-                               dq[4 * j + 2 * hf + 1]);
-            }
-        }
-    };
     // dQ's operands: A = dS, the dS^T buffer read transposed (panel c when BM = 128); B = K's
     // columns [dq_c0, dq_c0 + DQN): panel c at head_dim 128, 64 bytes into panel 0 when DQN is
     // 32 (inside the swizzle atom: the hardware swizzles the absolute address).
     const u32 sds_off = BM == 64 ? 0u : (u32)c * BW_BN * 128;
     const u32 sk_dq = base + P::K + (dq_c0 / 64) * BW_BN * 128 + (dq_c0 % 64) * 2;
+    // This consumer's dQ staging tile (fp32, boxes of 32 columns); its elected thread issues
+    // the reduce-adds.
+    const u32 sdq = base + P::DQ + c * P::DQ_TILE;
+    const bool elected = (tid & 127) == 0;
 
-    // S^T = K Q^T and dP^T = V dO^T of step `it` (64 keys x BM queries each), each its own
-    // commit group, issued, not waited for.
     float st[1][NQ][4], dpt[1][NQ][4];
-    float(&stf)[BM / 2] = reinterpret_cast<float(&)[BM / 2]>(st);
-    float(&dpf)[BM / 2] = reinterpret_cast<float(&)[BM / 2]>(dpt);
-    auto q_at = [&](int it) { return base + P::Q + (it % BW_ST) * P::Q_TILE; };
-    auto do_at = [&](int it) { return base + P::DO + (it % BW_ST) * P::Q_TILE; };
-    auto issue_kq = [&](float(&acc)[BM / 2], u32 sa, u32 sb) {
-        wgmma_fence();
+    // One step: the queries [q0, q0 + 8 NS) of step `it` (NS = NQ, or NQ / 2 for a last tile of
+    // at most 64 valid rows at BM = 128, which then costs half a step; the other consumer's dQ
+    // rows are all past Tq there and it skips them).
+    auto step = [&](int it, auto half_tag, auto dq_tag) {
+        constexpr int NS = decltype(half_tag)::value ? NQ / 2 : NQ;
+        constexpr bool do_dq = decltype(dq_tag)::value;
+        constexpr int SQ = 8 * NS;  // queries computed
+        float(&sts)[1][NS][4] = reinterpret_cast<float(&)[1][NS][4]>(st);
+        float(&dps)[1][NS][4] = reinterpret_cast<float(&)[1][NS][4]>(dpt);
+        float(&stf)[SQ / 2] = reinterpret_cast<float(&)[SQ / 2]>(st);
+        float(&dpf)[SQ / 2] = reinterpret_cast<float(&)[SQ / 2]>(dpt);
+        const int s = it % BW_ST;
+        const int h = kvh * group + it / per_head;
+        const int q0 = (qt_first + it % per_head) * BM;
+        const u32 sq = base + P::Q + s * P::Q_TILE;
+        const u32 sdo = base + P::DO + s * P::Q_TILE;
+        const u32 sds = base + P::DS + (it & 1) * P::DS_TILE;
+        const float* l_s = reinterpret_cast<const float*>(dyn_smem + (base - smem_u32(dyn_smem)) +
+                                                          P::LD + s * P::LD_STAGE);
+        const float* d_s = l_s + BM;
+        mbar_wait(full(s), (it / BW_ST) & 1);
+
+        // S^T = K Q^T and dP^T = V dO^T (64 keys x SQ queries each), two commit groups.
+        auto kq = [&](float(&acc)[SQ / 2], u32 sa, u32 sb) {
+            wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            const u32 koff = (u32)(ks & 3) * 32u;
-            const uint64_t da = smem_desc_sw128(sa + (ks >> 2) * BW_BN * 128 + koff, 16, 1024);
-            const uint64_t db = smem_desc_sw128(sb + (ks >> 2) * BM * 128 + koff, 16, 1024);
-            if constexpr (BM == 128) {
-                wgmma_m64n128k16_ss(acc, da, db, ks > 0);
-            } else {
-                wgmma_m64n64k16_ss<0>(acc, da, db, ks > 0);
+            for (int ks = 0; ks < D / 16; ++ks) {
+                const u32 koff = (u32)(ks & 3) * 32u;
+                const uint64_t da =
+                    smem_desc_sw128(sa + (ks >> 2) * BW_BN * 128 + koff, 16, 1024);
+                const uint64_t db = smem_desc_sw128(sb + (ks >> 2) * BM * 128 + koff, 16, 1024);
+                if constexpr (SQ == 128) {
+                    wgmma_m64n128k16_ss(acc, da, db, ks > 0);
+                } else {
+                    wgmma_m64n64k16_ss<0>(acc, da, db, ks > 0);
+                }
             }
-        }
-        wgmma_commit();
-    };
-    // LSE2 and Dsum of step `it`'s queries (shared memory, generic addresses).
-    auto ld_at = [&](int it) {
-        return reinterpret_cast<const float*>(dyn_smem + (base - smem_u32(dyn_smem)) + P::LD +
-                                              (it % BW_ST) * P::LD_STAGE);
-    };
-    // P^T = 2^(S^T scale log2(e) - LSE2) in place, masked (keys at or past L, bottom-right
-    // causal).
-    auto softmax_p = [&](int it, int q0) {
-        const float* l_s = ld_at(it);
+            wgmma_commit();
+        };
+        kq(stf, sk, sq);
+        kq(dpf, sv, sdo);
+
+        // P^T = 2^(S^T scale log2(e) - LSE2), masked (keys at or past L, bottom-right causal),
+        // while dP^T is in flight.
+        wgmma_wait<1>();
         const bool edge = kc0 + 64 > L || (CAUSAL && kc0 + 63 > q0 + off);
 #pragma unroll
-        for (int j = 0; j < NQ; ++j)
+        for (int j = 0; j < NS; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int ql = 8 * j + 2 * t4 + (e & 1);
-                float x = fast_exp2(fmaf(st[0][j][e], scale_log2, -l_s[ql]));
+                float x = fast_exp2(fmaf(sts[0][j][e], scale_log2, -l_s[ql]));
                 if (edge) {
                     const int key = key0 + (e >> 1) * 8;
                     if (key >= L || (CAUSAL && key > q0 + ql + off)) x = 0.f;
                 }
-                st[0][j][e] = x;
+                sts[0][j][e] = x;
             }
-    };
-    // dS^T = P^T (dP^T - Dsum) in place in dpt, rounded to bf16 into dsa and stored to the dS^T
-    // buffer `sds` (panels of 64 queries; 128-byte swizzle: 16-byte chunk k of key row r at
-    // k ^ (r % 8)), then made visible to wgmma and both consumers (named barrier).
-    auto ds_store = [&](int it, u32 sds, u32 (&dsa)[BM / 16][4]) {
-        const float* d_s = ld_at(it) + BM;
+        wgmma_wait<0>();
+        // dS^T = P^T (dP^T - Dsum), both rounded to bf16 as register A operands.
 #pragma unroll
-        for (int j = 0; j < NQ; ++j)
+        for (int j = 0; j < NS; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int ql = 8 * j + 2 * t4 + (e & 1);
-                dpt[0][j][e] = st[0][j][e] * (dpt[0][j][e] - d_s[ql]);
+                dps[0][j][e] = sts[0][j][e] * (dps[0][j][e] - d_s[ql]);
             }
-        pack_p<NQ>(dpt, dsa);
-        const int r0 = 64 * c + 16 * warp + g;
+        u32 pa[SQ / 16][4], dsa[SQ / 16][4];
+        pack_p<NS>(sts, pa);
+        pack_p<NS>(dps, dsa);
+        // The previous step's reduce-add has read the staging tile before anyone passes the
+        // barrier below (and so before the tile is written again).
+        if (elected) bulk_wait_read();
+        // dS^T to its buffer (panels of 64 queries; 128-byte swizzle: 16-byte chunk k of key row
+        // r at k ^ (r % 8)), visible to wgmma and to both consumers.
+        {
+            const int r0 = 64 * c + 16 * warp + g;
 #pragma unroll
-        for (int j = 0; j < NQ; ++j)
+            for (int j = 0; j < NS; ++j)
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int r = r0 + 8 * hf;
-                const u32 addr = sds + (j >> 3) * (BW_BN * 128) + r * 128 +
-                                 (((j & 7) ^ (r & 7)) << 4) + 4 * t4;
-                const u32 w = dsa[j >> 1][(j & 1) * 2 + hf];
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(w) : "memory");
-            }
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int r = r0 + 8 * hf;
+                    const u32 addr = sds + (j >> 3) * (BW_BN * 128) + r * 128 +
+                                     (((j & 7) ^ (r & 7)) << 4) + 4 * t4;
+                    const u32 w = dsa[j >> 1][(j & 1) * 2 + hf];
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(w) : "memory");
+                }
+        }
         fence_proxy_async();
-        named_barrier(1, 256);  // both consumers' dS^T rows are in
-    };
+        named_barrier(1, 256);
 
-    // v2: this consumer's dQ staging tile; its elected thread issues the reduce-adds.
-    const u32 sdq = base + P::DQ + c * P::DQ_TILE;
-    const bool elected = (tid & 127) == 0;
-
-    if (n_it > 0) mbar_wait(bar_kv, 0);
-    for (int it = 0; it < n_it; ++it) {
-        const int s = it % BW_ST;
-        const int h = kvh * group + it / per_head;
-        const int q0 = (qt_first + it % per_head) * BM;
-        const u32 sds = base + P::DS + (it & 1) * P::DS_TILE;
-        mbar_wait(full(s), (it / BW_ST) & 1);
-        issue_kq(stf, sk, q_at(it));
-        issue_kq(dpf, sv, do_at(it));
-        wgmma_wait<1>();
-        softmax_p(it, q0);
-        wgmma_wait<0>();
-        u32 pa[BM / 16][4], dsa[BM / 16][4];
-        pack_p<NQ>(st, pa);
-        // v2: the previous step's reduce-add has read the staging tile before anyone passes
-        // the barrier in ds_store (and so before the tile is written again below).
-        if (BV == 2 && elected) bulk_wait_read();
-        ds_store(it, sds, dsa);
         // dV += P^T dO, dK += dS^T Q (queries = the reduction; dO and Q MN-major), dQ = dS K
-        // (both operands transposed from shared memory).
+        // (both operands transposed from shared memory) unless this consumer's dQ rows are all
+        // past the step's computed queries (do_dq false: the second consumer in a half step).
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < BM / 16; ++ks) {
-            const uint64_t ddo = smem_desc_sw128(do_at(it) + ks * 16 * 128, BM * 128, 1024);
-            const uint64_t dqo = smem_desc_sw128(q_at(it) + ks * 16 * 128, BM * 128, 1024);
+        for (int ks = 0; ks < SQ / 16; ++ks) {
+            const uint64_t ddo = smem_desc_sw128(sdo + ks * 16 * 128, BM * 128, 1024);
+            const uint64_t dqo = smem_desc_sw128(sq + ks * 16 * 128, BM * 128, 1024);
             if constexpr (D == 128) {
                 wgmma_m64n128k16_rs<1>(dvf, pa[ks], ddo, 1);
                 wgmma_m64n128k16_rs<1>(dkf, dsa[ks], dqo, 1);
@@ -393,50 +382,64 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                 wgmma_m64n64k16_rs<1>(dkf, dsa[ks], dqo, 1);
             }
         }
+        if constexpr (do_dq) {
 #pragma unroll
-        for (int ks = 0; ks < BW_BN / 16; ++ks) {
-            const uint64_t da = smem_desc_sw128(sds + sds_off + ks * 16 * 128, 64 * 128, 1024);
-            const uint64_t db = smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
-            if constexpr (DQN == 64) {
-                wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
-            } else {
-                wgmma_m64n32k16_ss_tt(dq, da, db, ks > 0);
+            for (int ks = 0; ks < BW_BN / 16; ++ks) {
+                const uint64_t da =
+                    smem_desc_sw128(sds + sds_off + ks * 16 * 128, 64 * 128, 1024);
+                const uint64_t db = smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
+                if constexpr (DQN == 64) {
+                    wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
+                } else {
+                    wgmma_m64n32k16_ss_tt(dq, da, db, ks > 0);
+                }
             }
         }
         wgmma_commit();
         wgmma_wait<0>();
         mbar_arrive(empty(s));
-        if constexpr (BV == 1) {
-            // v1: 8-byte vector reductions straight from the registers.
-            dq_add(dqacc + ((size_t)(b * H + h) * Tq + q0 + dq_r0) * D + dq_c0, Tq - q0 - dq_r0);
-        } else {
-            // v2: the tile to shared memory (boxes of 32 columns, 16-byte chunk k of row r at
-            // k ^ (r % 8)), then one TMA reduce-add per box (rows past Tq are out of the
-            // tensor map's bounds: skipped).
+        if constexpr (!do_dq) return;
+        // The dQ tile to shared memory (boxes of 32 columns, 16-byte chunk k of row r at
+        // k ^ (r % 8)), then one TMA reduce-add per box (rows past Tq are out of the tensor
+        // map's bounds: skipped).
 #pragma unroll
-            for (int j = 0; j < DQN / 8; ++j)
+        for (int j = 0; j < DQN / 8; ++j)
 #pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int r = 16 * warp + g + 8 * hf;
-                    const int col = 8 * j + 2 * t4, cc = col & 31;
-                    const u32 addr = sdq + (col >> 5) * (64 * 128) + r * 128 +
-                                     (((cc >> 2) ^ (r & 7)) << 4) + (cc & 3) * 4;
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr),
-                                 "f"(dq[4 * j + 2 * hf]), "f"(dq[4 * j + 2 * hf + 1])
-                                 : "memory");
-                }
-            fence_proxy_async();
-            named_barrier(2 + c, 128);
-            if (elected) {
+            for (int hf = 0; hf < 2; ++hf) {
+                const int r = 16 * warp + g + 8 * hf;
+                const int col = 8 * j + 2 * t4, cc = col & 31;
+                const u32 addr = sdq + (col >> 5) * (64 * 128) + r * 128 +
+                                 (((cc >> 2) ^ (r & 7)) << 4) + (cc & 3) * 4;
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr),
+                             "f"(dq[4 * j + 2 * hf]), "f"(dq[4 * j + 2 * hf + 1])
+                             : "memory");
+            }
+        fence_proxy_async();
+        named_barrier(2 + c, 128);
+        if (elected) {
 #pragma unroll
-                for (int bx = 0; bx < DQN / 32; ++bx)
-                    tma_reduce_add_3d(tdq, sdq + bx * (64 * 128), dq_c0 + 32 * bx, q0 + dq_r0,
-                                      b * H + h);
-                bulk_commit();
+            for (int bx = 0; bx < DQN / 32; ++bx)
+                tma_reduce_add_3d(tdq, sdq + bx * (64 * 128), dq_c0 + 32 * bx, q0 + dq_r0,
+                                  b * H + h);
+            bulk_commit();
+        }
+    };
+
+    if (n_it > 0) mbar_wait(bar_kv, 0);
+    for (int it = 0; it < n_it; ++it) {
+        if constexpr (BM == 128) {
+            if (Tq - (qt_first + it % per_head) * BM <= 64) {
+                // The second consumer's dQ rows are all at or past Tq here: it computes them
+                // from the stale half of the dS^T buffer, and the reduce-add skips them (out of
+                // the tensor map's bounds). One instantiation for both consumers keeps the
+                // kernel's code small (a third copy of the step cost 4-6 % at head_dim 64).
+                step(it, BoolTag<true>{}, BoolTag<true>{});
+                continue;
             }
         }
+        step(it, BoolTag<false>{}, BoolTag<true>{});
     }
-    if (BV == 2 && elected) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    if (elected) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 
     // dK (scaled) and dV, this thread's two keys; keys past L hold 0 (no contribution).
     const size_t kv_base = (size_t)(b * KVH + kvh) * Tkv * D;
@@ -462,29 +465,25 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         attn_bwd_sm90_pre<D>(O, dO, LSE, dsum, lse2, dqacc, Tq, Tq_pad, rows_pad);              \
     }
 
-#define BW_ENTRY(NAME, D, BV)                                                                    \
-    extern "C" __global__ void __launch_bounds__(384, 1) NAME(                                  \
+#define BW_ENTRY(D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_bwd_sm90_d##D(                    \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                    \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,                   \
         const __grid_constant__ TmaMap tdq, const float* lse2, const float* dsum,                \
-        const int* kv_lens, float* dqacc, u16* dK, u16* dV, int Tq, int Tkv, int H, int KVH,     \
-        int Tq_pad, float scale_log2, float scale, int causal) {                                 \
+        const int* kv_lens, u16* dK, u16* dV, int Tq, int Tkv, int H, int KVH, int Tq_pad,       \
+        float scale_log2, float scale, int causal) {                                             \
         if (causal)                                                                              \
-            attn_bwd_sm90<D, true, BV>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dqacc,   \
-                                       dK, dV, Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale);      \
+            attn_bwd_sm90<D, true>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV, Tq,   \
+                                   Tkv, H, KVH, Tq_pad, scale_log2, scale);                      \
         else                                                                                     \
-            attn_bwd_sm90<D, false, BV>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dqacc,  \
-                                        dK, dV, Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale);     \
+            attn_bwd_sm90<D, false>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV, Tq,  \
+                                    Tkv, H, KVH, Tq_pad, scale_log2, scale);                     \
     }
 
 BW_PRE_ENTRY(64)
 BW_PRE_ENTRY(128)
-// The versions (kernels/TUNING.md): v1 adds dQ to dQacc with vector reductions from the
-// registers at the end of each step, v2 stages it in shared memory for TMA reduce-adds.
-BW_ENTRY(attn_bwd_sm90_v1_d64, 64, 1)
-BW_ENTRY(attn_bwd_sm90_v1_d128, 128, 1)
-BW_ENTRY(attn_bwd_sm90_v2_d64, 64, 2)
-BW_ENTRY(attn_bwd_sm90_v2_d128, 128, 2)
+BW_ENTRY(64)
+BW_ENTRY(128)
 
 // dQ = scale * dQacc in bf16, two elements per thread.
 extern "C" __global__ void attn_bwd_sm90_dq_convert(const float* __restrict__ dqacc,

@@ -670,10 +670,8 @@ fn wgmma_backward_compiles_for_sm_90a() {
     for name in [
         "attn_bwd_sm90_pre_d64",
         "attn_bwd_sm90_pre_d128",
-        "attn_bwd_sm90_v1_d64",
-        "attn_bwd_sm90_v1_d128",
-        "attn_bwd_sm90_v2_d64",
-        "attn_bwd_sm90_v2_d128",
+        "attn_bwd_sm90_d64",
+        "attn_bwd_sm90_d128",
         "attn_bwd_sm90_dq_convert",
     ] {
         let r = reports

@@ -588,31 +588,6 @@ pub fn bwd_queries(head_dim: usize) -> usize {
 /// Q and dO stages of the wgmma backward (`BW_ST`).
 pub const BWD_STAGES: usize = 2;
 
-/// Which wgmma backward kernel [`HopperBackward`] runs (`kernels/attn_wgmma_bwd_sm90.cu`;
-/// `kernels/TUNING.md` has each version's measurements). Both share the CTA layout and differ
-/// in how the dQ tile reaches the fp32 accumulator.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Sm90BwdVersion {
-    /// 8-byte vector reductions (`red.global.add.v2.f32`) from the consumers' registers at the
-    /// end of each step.
-    V1,
-    /// Staged in shared memory, added by TMA reduce-adds (one per 32-column box) that one
-    /// thread of each consumer issues.
-    V2,
-}
-
-impl Sm90BwdVersion {
-    /// The version [`HopperBackward::new`] runs.
-    pub const DEFAULT: Sm90BwdVersion = Sm90BwdVersion::V2;
-
-    fn tag(self) -> &'static str {
-        match self {
-            Sm90BwdVersion::V1 => "v1",
-            Sm90BwdVersion::V2 => "v2",
-        }
-    }
-}
-
 /// The attention backward on wgmma (issue 11; `kernels/attn_wgmma_bwd_sm90.cu` says how): bf16,
 /// head_dim 64 or 128, the shapes and masks of [`HopperForward`], after a forward that wrote O
 /// and its log-sum-exp (natural log, +∞ for a row that sees no key; either forward). dQ `[batch,
@@ -647,20 +622,7 @@ impl HopperBackward {
     pub fn new(
         gpu: &Gpu,
         head_dim: usize,
-        rows: (usize, usize, usize),
-    ) -> Result<HopperBackward, GpuError> {
-        HopperBackward::with_version(gpu, head_dim, rows, Sm90BwdVersion::DEFAULT)
-    }
-
-    /// As [`HopperBackward::new`], running `version`.
-    ///
-    /// # Errors
-    /// As [`HopperBackward::new`].
-    pub fn with_version(
-        gpu: &Gpu,
-        head_dim: usize,
         (batch, heads, seq_len_q): (usize, usize, usize),
-        version: Sm90BwdVersion,
     ) -> Result<HopperBackward, GpuError> {
         if gpu.arch() != "sm_90a" {
             return Err(GpuError::Config(format!(
@@ -675,7 +637,7 @@ impl HopperBackward {
         }
         let src = bwd_source();
         let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
-        let name = format!("attn_bwd_sm90_{}_d{head_dim}", version.tag());
+        let name = format!("attn_bwd_sm90_d{head_dim}");
         // K and V, the Q and dO stages (bm rows), two dS^T buffers (128 × bm bf16), LSE and D
         // per stage (bm floats each), two fp32 dQ tiles (64 × 64, v2: 64 rows × half the
         // columns at head_dim 128, 64 rows × all at 64), the mbarriers, and up to 1023 bytes to
@@ -813,8 +775,7 @@ impl HopperBackward {
                 tma_map_bf16(vp, (batch * kv_heads, seq_len_kv, d), BWD_KEYS as u32)?,
                 tma_map_bf16(dop, (batch * heads, seq_len_q, d), bm as u32)?,
             ];
-            // dqacc by raw address (its guard records the kernel's write on drop): the kernel
-            // takes it both as a pointer (v1) and through the tensor map (v2).
+            // The guard records the kernel's reduce-adds into dqacc on drop.
             let (dqp, _gdq) = self.dqacc.device_ptr_mut(&gpu.stream);
             let dq_map = tma_map_f32(dqp, (batch * heads, seq_len_q, d), 64)?;
             let causal_i = i32::from(causal);
@@ -827,7 +788,6 @@ impl HopperBackward {
                 .arg(&self.lse2)
                 .arg(&self.dsum)
                 .arg(kv_lens)
-                .arg(&dqp)
                 .arg(&mut *dk)
                 .arg(&mut *dv)
                 .arg(&tq)
@@ -838,14 +798,14 @@ impl HopperBackward {
                 .arg(&scale_log2)
                 .arg(&scale_f)
                 .arg(&causal_i);
-            // SAFETY: `attn_bwd_sm90_v*_d*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap tdo, TmaMap
-            // tdq, const float* lse2, const float* dsum, const int* kv_lens, float* dqacc, u16* dK, u16*
-            // dV, int Tq, int Tkv, int H, int KVH, int Tq_pad, float scale_log2, float scale, int
+            // SAFETY: `attn_bwd_sm90_d*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap tdo, TmaMap
+            // tdq, const float* lse2, const float* dsum, const int* kv_lens, u16* dK, u16* dV,
+            // int Tq, int Tkv, int H, int KVH, int Tq_pad, float scale_log2, float scale, int
             // causal)`: the maps describe q, k, v, dO and dqacc with the shapes checked above
-            // (TMA reads and reduce-adds inside them only, zero-filling past their ends), lse2 and dsum hold
-            // B·H·Tq_pad floats (whole 64-row slices for the bulk copies), dqacc B·H·Tq·D, dK and
-            // dV B·KVH·Tkv·D words, kv_lens `batch` entries; 3 warpgroups per (128-key tile, kv
-            // head, batch entry).
+            // (TMA reads and reduce-adds inside them only; reads past their ends zero-fill,
+            // adds there are skipped), lse2 and dsum hold B·H·Tq_pad floats (whole slices of
+            // queries-per-step floats for the bulk copies), dK and dV B·KVH·Tkv·D words,
+            // kv_lens `batch` entries; 3 warpgroups per (128-key tile, kv head, batch entry).
             unsafe {
                 b.launch(LaunchConfig {
                     grid_dim: (
