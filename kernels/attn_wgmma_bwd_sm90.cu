@@ -1,12 +1,12 @@
 // Attention backward on wgmma for compute capability 9.0 (issue 11), written for this project
 // after the FlashAttention-2 backward (Dao, 2023, Algorithm 2) with FlashAttention-3's Hopper
 // arrangement (Shah et al., 2024: a TMA producer warpgroup, consumer warpgroups that keep dK and
-// dV in registers, dQ accumulated in fp32 by atomics). Needs attn_prelude.cuh and
+// dV in registers, dQ accumulated in fp32 by TMA reduce-adds). Needs attn_prelude.cuh and
 // attn_wgmma_sm90.cu before it (descriptors, mbarriers, TMA, the wgmma wrappers) and
 // `-arch=sm_90a`.
 //
 // Inputs: Q, dO [B, H, Tq, D] and K, V [B, KVH, Tkv, D], bf16, through 3-D tensor maps
-// (128-byte swizzle; 64-row boxes for Q and dO, 128-row boxes for K and V); LSE [B, H, Tq]
+// (128-byte swizzle; BM-row boxes for Q and dO, 128-row boxes for K and V); LSE [B, H, Tq]
 // (fp32, natural log, +inf for a row that sees no key) and O from the forward; kv_lens [B].
 // Masks as the forwards: keys at or past kv_lens[b], bottom-right causal. Outputs dQ (through the
 // fp32 accumulator dQacc [B, H, Tq, D] and the convert kernel), dK, dV [B, KVH, Tkv, D] (bf16).
@@ -45,8 +45,9 @@ template <int D>
 struct BwShape {
     static constexpr int BM = D == 64 ? 128 : 64;  // queries per step
     // dQ of a step per consumer: BM = 64, half of the columns for all 64 rows; BM = 128, all
-    // columns for the consumer's half of the rows (64 each).
+    // columns for the consumer's half of the rows (64 each). 64 columns either way.
     static constexpr int DQN = BM == 64 ? D / 2 : D;
+    static_assert(DQN == 64, "dQ's product is m64n64 per consumer");
 };
 
 template <bool B>
@@ -88,20 +89,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss_tt(float (&d)[32], uint64_t d
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         WG_REGS32 ", %32, %33, p, 1, 1, 1, 1;\n}\n"
         : WG_ACC32(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-#define WG_REGS16                                                                                \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-
-// As wgmma_m64n64k16_ss_tt for a 64 x 32 D (16 accumulators per thread).
-__device__ __forceinline__ void wgmma_m64n32k16_ss_tt(float (&d)[16], uint64_t desc_a,
-                                                      uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        WG_REGS16 ", %16, %17, p, 1, 1, 1, 1;\n}\n"
-        : WG_ACC8(d, 0), WG_ACC8(d, 8)
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
@@ -265,10 +252,9 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     const int dq_c0 = BM == 64 ? DQN * c : 0;
     float dq[DQN / 2];
     // dQ's operands: A = dS, the dS^T buffer read transposed (panel c when BM = 128); B = K's
-    // columns [dq_c0, dq_c0 + DQN): panel c at head_dim 128, 64 bytes into panel 0 when DQN is
-    // 32 (inside the swizzle atom: the hardware swizzles the absolute address).
+    // columns [dq_c0, dq_c0 + 64): panel c at head_dim 128, panel 0 at 64.
     const u32 sds_off = BM == 64 ? 0u : (u32)c * BW_BN * 128;
-    const u32 sk_dq = base + P::K + (dq_c0 / 64) * BW_BN * 128 + (dq_c0 % 64) * 2;
+    const u32 sk_dq = base + P::K + (dq_c0 / 64) * BW_BN * 128;
     // This consumer's dQ staging tile (fp32, boxes of 32 columns); its elected thread issues
     // the reduce-adds.
     const u32 sdq = base + P::DQ + c * P::DQ_TILE;
@@ -276,11 +262,10 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
 
     float st[1][NQ][4], dpt[1][NQ][4];
     // One step: the queries [q0, q0 + 8 NS) of step `it` (NS = NQ, or NQ / 2 for a last tile of
-    // at most 64 valid rows at BM = 128, which then costs half a step; the other consumer's dQ
-    // rows are all past Tq there and it skips them).
-    auto step = [&](int it, auto half_tag, auto dq_tag) {
+    // at most 64 valid rows at BM = 128, which then costs half a step; the second consumer's dQ
+    // rows are all at or past Tq there: see the loop below).
+    auto step = [&](int it, auto half_tag) {
         constexpr int NS = decltype(half_tag)::value ? NQ / 2 : NQ;
-        constexpr bool do_dq = decltype(dq_tag)::value;
         constexpr int SQ = 8 * NS;  // queries computed
         float(&sts)[1][NS][4] = reinterpret_cast<float(&)[1][NS][4]>(st);
         float(&dps)[1][NS][4] = reinterpret_cast<float(&)[1][NS][4]>(dpt);
@@ -367,8 +352,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         named_barrier(1, 256);
 
         // dV += P^T dO, dK += dS^T Q (queries = the reduction; dO and Q MN-major), dQ = dS K
-        // (both operands transposed from shared memory) unless this consumer's dQ rows are all
-        // past the step's computed queries (do_dq false: the second consumer in a half step).
+        // (both operands transposed from shared memory).
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < SQ / 16; ++ks) {
@@ -382,23 +366,15 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                 wgmma_m64n64k16_rs<1>(dkf, dsa[ks], dqo, 1);
             }
         }
-        if constexpr (do_dq) {
 #pragma unroll
-            for (int ks = 0; ks < BW_BN / 16; ++ks) {
-                const uint64_t da =
-                    smem_desc_sw128(sds + sds_off + ks * 16 * 128, 64 * 128, 1024);
-                const uint64_t db = smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
-                if constexpr (DQN == 64) {
-                    wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
-                } else {
-                    wgmma_m64n32k16_ss_tt(dq, da, db, ks > 0);
-                }
-            }
+        for (int ks = 0; ks < BW_BN / 16; ++ks) {
+            const uint64_t da = smem_desc_sw128(sds + sds_off + ks * 16 * 128, 64 * 128, 1024);
+            const uint64_t db = smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
+            wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
         mbar_arrive(empty(s));
-        if constexpr (!do_dq) return;
         // The dQ tile to shared memory (boxes of 32 columns, 16-byte chunk k of row r at
         // k ^ (r % 8)), then one TMA reduce-add per box (rows past Tq are out of the tensor
         // map's bounds: skipped).
@@ -433,11 +409,11 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                 // from the stale half of the dS^T buffer, and the reduce-add skips them (out of
                 // the tensor map's bounds). One instantiation for both consumers keeps the
                 // kernel's code small (a third copy of the step cost 4-6 % at head_dim 64).
-                step(it, BoolTag<true>{}, BoolTag<true>{});
+                step(it, BoolTag<true>{});
                 continue;
             }
         }
-        step(it, BoolTag<false>{}, BoolTag<true>{});
+        step(it, BoolTag<false>{});
     }
     if (elected) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 

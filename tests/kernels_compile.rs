@@ -597,6 +597,21 @@ fn flex_kernels_compile_without_spills() {
     );
 }
 
+/// The ptxas report of kernel `name` among `reports`, printed, after checking that it spills
+/// nothing; panics naming the kernel otherwise.
+fn spill_free<'a>(
+    reports: &'a [kernelpages::gpu::PtxasReport],
+    name: &str,
+) -> &'a kernelpages::gpu::PtxasReport {
+    let r = reports
+        .iter()
+        .find(|r| r.kernel == name)
+        .unwrap_or_else(|| panic!("{name} in {reports:?}"));
+    println!("{name}: {} registers", r.registers);
+    assert_eq!(r.spill_bytes, 0, "{r:?}");
+    r
+}
+
 /// The sm_90a building blocks, their probe and the wgmma attention forwards v1–v5
 /// (`kernels/attn_wgmma_sm90.cu`: `wgmma` with shared-memory descriptors and a register operand,
 /// TMA, mbarriers, setmaxnreg) compile for sm_90a without spills, the warp-specialised ones at
@@ -626,12 +641,7 @@ fn wgmma_probe_compiles_for_sm_90a() {
         "attn_fwd_sm90_wsp3_d64",
         "attn_fwd_sm90_wsps3_d128",
     ] {
-        let r = reports
-            .iter()
-            .find(|r| r.kernel == name)
-            .unwrap_or_else(|| panic!("{name} in {reports:?}"));
-        println!("{name}: {} registers", r.registers);
-        assert_eq!(r.spill_bytes, 0, "{r:?}");
+        let r = spill_free(&reports, name);
         // The warp-specialised kernels raise their consumers' registers with setmaxnreg.inc,
         // which waits for registers the producer gave back: it can succeed only when ptxas
         // allocated the whole per-thread cap of the launch bounds (384 threads: 168, 512: 128).
@@ -674,12 +684,7 @@ fn wgmma_backward_compiles_for_sm_90a() {
         "attn_bwd_sm90_d128",
         "attn_bwd_sm90_dq_convert",
     ] {
-        let r = reports
-            .iter()
-            .find(|r| r.kernel == name)
-            .unwrap_or_else(|| panic!("{name} in {reports:?}"));
-        println!("{name}: {} registers", r.registers);
-        assert_eq!(r.spill_bytes, 0, "{r:?}");
+        let r = spill_free(&reports, name);
         if !name.contains("pre") && !name.contains("convert") {
             assert_eq!(r.registers, 168, "{r:?}");
         }
