@@ -119,8 +119,8 @@ struct Cli {
     check_rows: usize,
     /// Flash forward configuration per head_dim, e.g. `64=v3w4m2b64,128=v3w4m2b32` (see
     /// `kernels/TUNING.md`); the defaults otherwise. A configuration names the portable
-    /// kernel: on compute capability 9.0 flash then runs it instead of the wgmma forward for
-    /// that head_dim.
+    /// kernel: on compute capability 9.0 flash then runs it instead of the wgmma forward (and
+    /// backward) for that head_dim.
     #[arg(long)]
     flash_config: Option<String>,
     /// Flash backward configuration per head_dim, e.g. `128=w8r64`.
@@ -737,7 +737,7 @@ impl runner::Suite for Attention {
             notes.push(MATH_FP32_NOTE.into());
         }
         if implementation == "flash" && c.pass == Pass::FwdBwd {
-            notes.push("dQ is summed over key tiles with fp32 atomics: its last bit may vary from run to run (O, dK and dV do not)".into());
+            notes.push("dQ is summed over key tiles in fp32 by unordered adds (atomics; TMA reduce-adds on compute capability 9.0): its last bit may vary from run to run (O, dK and dV do not)".into());
             if c.head_dim > 128 {
                 notes.push("head_dim 256: the backward's main kernel runs twice (dK and dV columns 0–127, then 128–255), recomputing S and dP".into());
             }

@@ -318,8 +318,9 @@ fn every_flash_configuration_matches_float64() {
 
 /// Five launches on the same inputs give the same bits: O and the LSE of the forward (no
 /// atomics), dK and dV of the flash backward (registers, fixed order), all four outputs of
-/// math (cuBLAS is deterministic on one stream). Flash's dQ is summed with fp32 atomics, so
-/// its runs may differ in the last bits: they must agree to within 1e-3 relative L2.
+/// math (cuBLAS is deterministic on one stream). Flash's dQ is summed by unordered fp32 adds
+/// (atomics; TMA reduce-adds in the wgmma backward), so its runs may differ in the last bits:
+/// they must agree to within 1e-3 relative L2.
 #[test]
 #[cfg_attr(
     not(kp_cuda),
@@ -559,9 +560,10 @@ fn forward_runs_the_dispatched_implementation() {
 
 /// `flash` on compute capability 9.0 (issue 11's dispatch): the runner holds the wgmma forward
 /// exactly for the cases `sm90::takes` names (bf16 at head_dim 64 and 128, forward alone or
-/// before the portable backward), the portable kernels for the rest (fp16, head_dim 96) and
+/// with the wgmma backward), the portable kernels for the rest (fp16, head_dim 96) and
 /// whenever a configuration is given (the runner's `flash_sm80`); the two on one forward case
-/// agree with float64 (the backward after the wgmma forward is checked by the shape suite).
+/// agree with float64 (the wgmma backward is checked by `wgmma_backward_matches_float64` and
+/// the shape suite).
 /// On another device `flash` never holds the wgmma forward.
 #[test]
 #[cfg_attr(
@@ -1649,9 +1651,11 @@ fn wgmma_forward_matches_float64() {
 }
 
 /// The wgmma backward (`flash` forward + backward on compute capability 9.0, bf16, head_dim 64
-/// and 128) against float64: dQ, dK and dV (and O, LSE) on lengths on and off its 128-key and
-/// 64-query tiles, separate query and key lengths both ways, decoding, GQA, per-sequence key
-/// lengths (one shorter than a tile), a non-default scale, both masks. Then a first timing of
+/// and 128) against float64: dQ, dK and dV (and O, LSE) on lengths on and off its 128-key tiles
+/// and its query steps (128 queries at head_dim 64, 64 at 128; last steps of 1 to 64 valid rows
+/// at 64, which run as half steps), separate query and key lengths both ways, decoding, GQA,
+/// per-sequence key lengths (517 of 1000, 129 of 257; the shape suite has 0 and 1), a
+/// non-default scale, both masks; every case runs on the wgmma path. Then a first timing of
 /// forward + backward at B4 H8 T16384 (wall clock, not a measurement for the pages).
 #[test]
 #[cfg_attr(
@@ -1698,6 +1702,11 @@ fn wgmma_backward_matches_float64() {
     assert_eq!(cases.len(), 28);
     for c in &cases {
         assert!(sm90::takes(&gpu.arch(), c), "{c:?}");
+        let (runner, _) = Runner::new(gpu, Implementation::Flash, c).expect("runner");
+        assert!(
+            matches!(runner, Runner::Hopper { bwd: Some(_), .. }),
+            "not the wgmma backward: {c:?}"
+        );
     }
     check_cases(Implementation::Flash, &cases, 900);
     for d in [64, 128] {

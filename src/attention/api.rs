@@ -92,7 +92,7 @@ fn case_of(dtype: ElementType, shape: &Shape, options: &Options, pass: Pass) -> 
 /// on CUDA the split-KV kernel (`flash_decode`) for a decoding shape it takes
 /// ([`decode_gpu::takes`]: at most 16 query rows against at least 1024 keys, forward, bf16 or
 /// fp16, head_dim 64, 128 or 256), else what [`super::cuda::dispatch`] picks (`flash` or
-/// `math`; `flash` on compute capability 9.0 runs the wgmma forward where
+/// `math`; `flash` on compute capability 9.0 runs the wgmma forward (and backward) where
 /// [`super::sm90::takes`] the call, the portable kernels otherwise).
 ///
 /// # Errors

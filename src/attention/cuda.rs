@@ -592,8 +592,8 @@ pub fn flash_bwd_instance(c: &AttentionCase, bc: BwdConfig) -> (BwdNames, String
 /// The implementation [`forward`] runs for `c`: `flash` when it supports the case, else
 /// `math` when it does, else none (the reason is in [`Implementation::supports`]). Which
 /// kernels `flash` runs depends on the device: on compute capability 9.0 the cases
-/// [`super::sm90::takes`] names run the wgmma forward, everything else the portable sm_80
-/// kernels ([`Runner::with_configs`]).
+/// [`super::sm90::takes`] names run the wgmma forward (and backward), everything else the
+/// portable sm_80 kernels ([`Runner::with_configs`]).
 pub fn dispatch(c: &AttentionCase) -> Option<Implementation> {
     Implementation::ALL
         .into_iter()
@@ -1010,9 +1010,10 @@ impl Runner {
     /// As [`Runner::new`], with the flash forward configuration `fwd` and the backward
     /// configuration `bwd` where given (the defaults where `None`; `math` ignores both): the
     /// tile sweep's entry. `flash` with neither given (and no forward configuration for the
-    /// head dim in `KP_FLASH_CONFIG`) runs the wgmma forward where [`super::sm90::takes`] the
-    /// case on this device; a configuration given always runs the portable kernels (the
-    /// runner's `flash_sm80` passes the default one).
+    /// head dim in `KP_FLASH_CONFIG`, nor for forward + backward in `KP_FLASH_BWD_CONFIG`) runs
+    /// the wgmma forward and backward where [`super::sm90::takes`] the case on this device; a
+    /// configuration given always runs the portable kernels (the runner's `flash_sm80` passes
+    /// the default one).
     ///
     /// # Errors
     /// As [`Runner::new`]; [`GpuError::Config`] when `bwd` cannot run the head dim.
@@ -1028,13 +1029,18 @@ impl Runner {
         let bwd = c.pass == Pass::FwdBwd;
         match imp {
             // A forward configuration given here or by `KP_FLASH_CONFIG` (the runner's
-            // `--flash-config`) names the portable kernel, which then runs.
+            // `--flash-config`), or for forward + backward a backward one (`KP_FLASH_BWD_CONFIG`,
+            // `--flash-bwd-config`), names the portable kernels, which then run.
             Implementation::Flash
                 if fwd.is_none()
                     && bwd_config.is_none()
                     && env_config("KP_FLASH_CONFIG", c.head_dim)
                         .map_err(GpuError::Config)?
                         .is_none()
+                    && (c.pass != Pass::FwdBwd
+                        || env_config("KP_FLASH_BWD_CONFIG", c.head_dim)
+                            .map_err(GpuError::Config)?
+                            .is_none())
                     && super::sm90::takes(&gpu.arch(), c) =>
             {
                 let hopper = super::sm90::HopperForward::new(gpu, c.head_dim, c.seq_len_q)?;

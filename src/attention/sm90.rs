@@ -1,11 +1,12 @@
-//! Hopper (compute capability 9.0, `sm_90a`) building blocks for the attention kernels of
-//! issue 11: `wgmma` (warpgroup matrix multiply-accumulate) with operands in shared memory
-//! through matrix descriptors, a probe kernel that checks them on the device, and a first
-//! attention forward on them ([`HopperForward`], `kernels/attn_wgmma_sm90.cu`). Nothing
-//! dispatches to them yet: the probe establishes the descriptor layout (which of the two
+//! Hopper (compute capability 9.0, `sm_90a`) attention kernels of issue 11: `wgmma` (warpgroup
+//! matrix multiply-accumulate) with operands in shared memory through matrix descriptors, a
+//! probe kernel that checks them on the device, the attention forward on them
+//! ([`HopperForward`], `kernels/attn_wgmma_sm90.cu`) and the backward ([`HopperBackward`],
+//! `kernels/attn_wgmma_bwd_sm90.cu`). `flash` dispatches to both where [`takes`] says so
+//! (`attention::cuda`). The probe establishes the descriptor layout (which of the two
 //! core-matrix distances the descriptor's "leading" and "stride" byte offsets take, per operand
-//! majorness) and the accumulator and register-operand layouts, and the forward is checked
-//! against float64 by a GPU test before the runner measures it.
+//! majorness) and the accumulator and register-operand layouts; GPU tests check the forward and
+//! the backward against float64.
 //!
 //! Shapes: the probe computes one 64 × 64 fp32 tile `C` (row-major) from bf16 words: mode 0,
 //! `C = A Bᵀ` with `A` and `B` both `[64][K]` (Q Kᵀ's form, both K-major in shared memory);
@@ -594,15 +595,16 @@ pub const BWD_STAGES: usize = 2;
 /// heads, seq_len_q, head_dim]`, dK and dV `[batch, kv_heads, seq_len_kv, head_dim]`, the
 /// gradients of `sum(dO ∘ O)`. FlashAttention-2's algorithm (Dao, 2023) with FlashAttention-3's
 /// warp specialisation (Shah et al., 2024): one CTA per 128 keys keeps dK and dV in registers,
-/// dQ is summed over key tiles by fp32 atomics (its last bit may vary from run to run; dK and dV
-/// do not).
+/// dQ is summed over key tiles in fp32 by TMA reduce-adds (their order, and so possibly dQ's
+/// last bit, varies from run to run; dK and dV do not).
 pub struct HopperBackward {
     pre: CudaFunction,
     main: CudaFunction,
     convert: CudaFunction,
     smem: u32,
     head_dim: usize,
-    /// D = rowsum(dO ∘ O), fp32 `[batch · heads, seq_len_q padded to 64]`.
+    /// D = rowsum(dO ∘ O), fp32 `[batch · heads, seq_len_q padded to a multiple of
+    /// bwd_queries(head_dim)]`.
     dsum: CudaSlice<f32>,
     /// LSE · log2(e), fp32, padded as `dsum` (+∞ in the padding).
     lse2: CudaSlice<f32>,
@@ -639,15 +641,16 @@ impl HopperBackward {
         let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
         let name = format!("attn_bwd_sm90_d{head_dim}");
         // K and V, the Q and dO stages (bm rows), two dS^T buffers (128 × bm bf16), LSE and D
-        // per stage (bm floats each), two fp32 dQ tiles (64 × 64, v2: 64 rows × half the
-        // columns at head_dim 128, 64 rows × all at 64), the mbarriers, and up to 1023 bytes to
-        // align the base.
+        // per stage (bm floats each), each consumer's fp32 dQ staging tile (64 rows × 64
+        // columns: half the columns at head_dim 128, where bm is 64; half the rows at 64, where
+        // bm is 128), the mbarriers, and up to 1023 bytes to align the base.
         let bm = bwd_queries(head_dim);
+        let dq_cols = if bm == 64 { head_dim / 2 } else { head_dim };
         let smem = (2 * BWD_KEYS * head_dim * 2
             + 2 * BWD_STAGES * bm * head_dim * 2
             + 2 * BWD_KEYS * bm * 2
             + 2 * bm * 4 * BWD_STAGES
-            + 2 * 64 * 64 * 4
+            + 2 * 64 * dq_cols * 4
             + 8 * (1 + 2 * BWD_STAGES)
             + 1024) as u32;
         super::cuda::check_smem(gpu, &name, smem)?;
@@ -680,8 +683,10 @@ impl HopperBackward {
     /// Q), `grads` = dQ, dK, dV.
     ///
     /// # Errors
-    /// [`GpuError::Config`] for a shape other than the one allocated for, heads not a multiple
-    /// of kv_heads, a buffer whose length does not fit, a non-positive scale; driver errors.
+    /// [`GpuError::Config`] for a shape other than the one allocated for, an empty dimension,
+    /// heads not a multiple of kv_heads, a buffer whose length does not fit, a grid past the
+    /// device's limits (more than 65,535 kv heads or batch entries, 2^31 padded rows), a
+    /// non-positive or non-finite scale; driver errors.
     #[allow(clippy::too_many_arguments)]
     pub fn launch(
         &mut self,
@@ -704,7 +709,10 @@ impl HopperBackward {
         let bm = bwd_queries(d);
         let padded = batch * heads * seq_len_q.div_ceil(bm) * bm;
         let (q_len, kv_len) = (rows * d, batch * kv_heads * seq_len_kv * d);
-        if kv_heads == 0
+        if batch == 0
+            || heads == 0
+            || seq_len_q == 0
+            || kv_heads == 0
             || heads % kv_heads != 0
             || seq_len_kv == 0
             || self.dqacc.len() != q_len
@@ -728,6 +736,18 @@ impl HopperBackward {
         if !(scale > 0.0 && scale.is_finite()) {
             return Err(GpuError::Config(format!(
                 "the wgmma backward takes a positive finite scale, not {scale}"
+            )));
+        }
+        // The preprocessing kernel numbers its threads (32 per padded row) in 32 bits, and the
+        // main kernel's grid has kv_heads and batch in its y and z dimensions.
+        if padded.saturating_mul(32) > u32::MAX as usize
+            || kv_heads > 65_535
+            || batch > 65_535
+            || seq_len_kv > i32::MAX as usize
+        {
+            return Err(GpuError::Config(format!(
+                "wgmma backward: {padded} padded query rows, {kv_heads} kv heads, batch {batch}, \
+                 seq_len_kv {seq_len_kv}: past the kernels' index and grid limits"
             )));
         }
         let (tq, tkv, h, kvh) = (
