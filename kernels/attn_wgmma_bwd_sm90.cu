@@ -456,10 +456,16 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                                     Tkv, H, KVH, Tq_pad, scale_log2, scale);                     \
     }
 
+// The kernels of head_dim D where the source before this defines KP_SM90_BWD_ALL or
+// KP_SM90_BWD_D<D> (the host compiles the head_dim it runs).
+#if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_D64)
 BW_PRE_ENTRY(64)
-BW_PRE_ENTRY(128)
 BW_ENTRY(64)
+#endif
+#if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_D128)
+BW_PRE_ENTRY(128)
 BW_ENTRY(128)
+#endif
 
 // dQ = scale * dQacc in bf16, two elements per thread.
 extern "C" __global__ void attn_bwd_sm90_dq_convert(const float* __restrict__ dqacc,

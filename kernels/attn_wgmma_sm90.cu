@@ -2,9 +2,10 @@
 // project from the PTX ISA's description of the warpgroup-level matrix instructions
 // (`wgmma.mma_async`, shared-memory matrix descriptors, async-proxy fences), and a probe kernel
 // that checks them on the device before any attention kernel relies on them. Needs
-// attn_prelude.cuh before it (u16, u32, smem_u32, pack2) and `-arch=sm_90a`. With
-// KP_SM90_NO_ENTRIES defined it declares no kernel (the backward's source reuses the helpers
-// without compiling the forwards again).
+// attn_prelude.cuh before it (u16, u32, smem_u32, pack2) and `-arch=sm_90a`. It declares a
+// kernel only where the source before it defines KP_SM90_ALL or KP_SM90_<the kernel's name>
+// (the host compiles the one forward it runs, and the backward's source reuses the helpers
+// without compiling any forward).
 //
 // Shared-memory operand layout used here ("no swizzle"): a tile of 16-bit elements with `cols`
 // columns is stored as 8 x 8 core matrices of 128 contiguous bytes (8 rows of 16 bytes), the
@@ -119,7 +120,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&
 // mode 1: C = A V, A [64][K] in registers (P's form), V [K][64] row-major, N-major in shared
 //         memory (P V's form, transposed B).
 // K is a multiple of 16 up to 128. Dynamic shared memory: 2 * 64 * K * 2 bytes.
-#ifndef KP_SM90_NO_ENTRIES
+#if defined(KP_SM90_ALL) || defined(KP_SM90_wgmma_probe)
 extern "C" __global__ void __launch_bounds__(128) wgmma_probe(
     const u16* __restrict__ A, const u16* __restrict__ B, float* __restrict__ C, int K, int mode,
     u32 lead_a, u32 stride_a, u32 lead_b, u32 stride_b) {
@@ -351,8 +352,10 @@ __device__ __forceinline__ void attn_fwd_sm90(const u16* __restrict__ Q, const u
                                     lead_k, stride_k, lead_v, stride_v);                        \
     }
 
-#ifndef KP_SM90_NO_ENTRIES
+#if defined(KP_SM90_ALL) || defined(KP_SM90_attn_fwd_sm90_d64)
 V1_ENTRY(attn_fwd_sm90_d64, 64)
+#endif
+#if defined(KP_SM90_ALL) || defined(KP_SM90_attn_fwd_sm90_d128)
 V1_ENTRY(attn_fwd_sm90_d128, 128)
 #endif
 
@@ -737,11 +740,21 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
 // v2: attn_fwd_sm90_ws_d*; v3 (the intra-warpgroup overlap): attn_fwd_sm90_wsp_d*; v4 (v3
 // with three consumer warpgroups): attn_fwd_sm90_wsp3_d*; v5 (v3 with three K/V stages,
 // 225 KB of shared memory at head_dim 128): attn_fwd_sm90_wsps3_d*. Consumers, stages:
-#ifndef KP_SM90_NO_ENTRIES
+#if defined(KP_SM90_ALL) || defined(KP_SM90_attn_fwd_sm90_ws_d64)
 WS_ENTRY(attn_fwd_sm90_ws_d64, 64, 2, 2, false)
+#endif
+#if defined(KP_SM90_ALL) || defined(KP_SM90_attn_fwd_sm90_ws_d128)
 WS_ENTRY(attn_fwd_sm90_ws_d128, 128, 2, 2, false)
+#endif
+#if defined(KP_SM90_ALL) || defined(KP_SM90_attn_fwd_sm90_wsp_d64)
 WS_ENTRY(attn_fwd_sm90_wsp_d64, 64, 2, 2, true)
+#endif
+#if defined(KP_SM90_ALL) || defined(KP_SM90_attn_fwd_sm90_wsp_d128)
 WS_ENTRY(attn_fwd_sm90_wsp_d128, 128, 2, 2, true)
+#endif
+#if defined(KP_SM90_ALL) || defined(KP_SM90_attn_fwd_sm90_wsp3_d64)
 WS_ENTRY(attn_fwd_sm90_wsp3_d64, 64, 3, 2, true)
+#endif
+#if defined(KP_SM90_ALL) || defined(KP_SM90_attn_fwd_sm90_wsps3_d128)
 WS_ENTRY(attn_fwd_sm90_wsps3_d128, 128, 2, 3, true)
 #endif

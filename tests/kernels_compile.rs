@@ -628,7 +628,8 @@ fn wgmma_probe_compiles_for_sm_90a() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n");
+    let src = kernelpages::attention::sm90::wgmma_source(None);
+    assert!(src.contains(PRELUDE_SRC) && src.contains(WGMMA_SRC));
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
     for name in [
         "wgmma_probe",
@@ -667,7 +668,21 @@ fn wgmma_backward_compiles_for_sm_90a() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    let src = kernelpages::attention::sm90::bwd_source();
+    let src = kernelpages::attention::sm90::bwd_source(None);
+    for d in [64, 128] {
+        // The source for one head_dim holds its two kernels and the conversion, nothing else.
+        let one = kernelpages::attention::sm90::bwd_source(Some(d));
+        let reports =
+            kernelpages::gpu::ptxas_report("attn_wgmma_bwd_sm90.cu", &one, "sm_90a").unwrap();
+        let mut kernels: Vec<&str> = reports.iter().map(|r| r.kernel.as_str()).collect();
+        kernels.sort_unstable();
+        let want = [
+            format!("attn_bwd_sm90_d{d}"),
+            "attn_bwd_sm90_dq_convert".to_string(),
+            format!("attn_bwd_sm90_pre_d{d}"),
+        ];
+        assert_eq!(kernels, want.iter().map(String::as_str).collect::<Vec<_>>());
+    }
     assert!(src.contains(WGMMA_SRC) && src.contains(WGMMA_BWD_SRC) && src.contains(PRELUDE_SRC));
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_bwd_sm90.cu", &src, "sm_90a").unwrap();
     // The forward kernels are not compiled again in the backward's module.
@@ -688,5 +703,33 @@ fn wgmma_backward_compiles_for_sm_90a() {
         if !name.contains("pre") && !name.contains("convert") {
             assert_eq!(r.registers, 168, "{r:?}");
         }
+    }
+}
+
+/// Each process compiles the one wgmma forward it runs: the source `HopperForward` compiles for
+/// every version and head_dim it accepts (and the probe's) holds that kernel and no other.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn each_wgmma_forward_compiles_alone() {
+    use kernelpages::attention::sm90::{wgmma_source, Sm90Version};
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    let mut names = vec!["wgmma_probe".to_string()];
+    for v in [Sm90Version::V1, Sm90Version::V2, Sm90Version::V3] {
+        names.push(v.kernel_name(64));
+        names.push(v.kernel_name(128));
+    }
+    names.push(Sm90Version::V4.kernel_name(64));
+    names.push(Sm90Version::V5.kernel_name(128));
+    for name in &names {
+        let src = wgmma_source(Some(name));
+        let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
+        let kernels: Vec<&str> = reports.iter().map(|r| r.kernel.as_str()).collect();
+        assert_eq!(kernels, [name.as_str()], "{name}");
     }
 }

@@ -34,8 +34,20 @@ pub fn takes(arch: &str, c: &AttentionCase) -> bool {
         && scale.is_finite()
 }
 
-/// Source of the sm_90a building blocks and the probe (after [`PRELUDE_SRC`]).
+/// Source of the sm_90a building blocks, the probe and the wgmma forwards (after
+/// [`PRELUDE_SRC`]); it declares a kernel only where the source before it defines
+/// `KP_SM90_ALL` or `KP_SM90_<kernel name>` ([`wgmma_source`]).
 pub const WGMMA_SRC: &str = include_str!("../../kernels/attn_wgmma_sm90.cu");
+
+/// The whole source of a module of [`WGMMA_SRC`]'s kernels: [`PRELUDE_SRC`], then the kernel
+/// `entry` alone (each process compiles the one forward it runs), or every kernel for `None`.
+pub fn wgmma_source(entry: Option<&str>) -> String {
+    let select = match entry {
+        Some(name) => format!("#define KP_SM90_{name}"),
+        None => "#define KP_SM90_ALL".to_string(),
+    };
+    format!("{PRELUDE_SRC}\n{select}\n{WGMMA_SRC}\n")
+}
 
 /// The probe's operand forms.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,8 +127,7 @@ pub fn wgmma_probe(
             b.len()
         )));
     }
-    let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n");
-    let compiled = gpu.compile("attn_wgmma_sm90.cu", &src)?;
+    let compiled = gpu.compile("attn_wgmma_sm90.cu", &wgmma_source(Some("wgmma_probe")))?;
     let smem = (2 * 64 * k * 2) as u32;
     let f = gpu.function(&compiled.module, "wgmma_probe", smem)?;
     let (ad, bd) = (gpu.stream.clone_htod(a)?, gpu.stream.clone_htod(b)?);
@@ -207,6 +218,19 @@ impl Sm90Version {
             3
         } else {
             WS_STAGES
+        }
+    }
+
+    /// The name of this version's kernel for `head_dim` in `kernels/attn_wgmma_sm90.cu` (V1
+    /// `attn_fwd_sm90_d<head_dim>`, V2 `attn_fwd_sm90_ws_d…`, V3 `…_wsp_…`, V4 `…_wsp3_…`, V5
+    /// `…_wsps3_…`); the source has V4 at head_dim 64 and V5 at 128 only.
+    pub fn kernel_name(self, head_dim: usize) -> String {
+        match self {
+            Sm90Version::V1 => format!("attn_fwd_sm90_d{head_dim}"),
+            Sm90Version::V2 => format!("attn_fwd_sm90_ws_d{head_dim}"),
+            Sm90Version::V3 => format!("attn_fwd_sm90_wsp_d{head_dim}"),
+            Sm90Version::V4 => format!("attn_fwd_sm90_wsp3_d{head_dim}"),
+            Sm90Version::V5 => format!("attn_fwd_sm90_wsps3_d{head_dim}"),
         }
     }
 
@@ -343,8 +367,8 @@ pub struct HopperForward {
 }
 
 impl HopperForward {
-    /// Compiles the kernels (once per process) and picks [`Sm90Version::for_shape`]'s version
-    /// for `head_dim` and `seq_len_q`.
+    /// Compiles the kernel of [`Sm90Version::for_shape`]'s version for `head_dim` and
+    /// `seq_len_q` (once per process).
     ///
     /// # Errors
     /// As [`HopperForward::with_version`].
@@ -352,7 +376,7 @@ impl HopperForward {
         HopperForward::with_version(gpu, head_dim, Sm90Version::for_shape(head_dim, seq_len_q))
     }
 
-    /// Compiles the kernels (once per process) and picks `version`'s for `head_dim`.
+    /// Compiles `version`'s kernel for `head_dim` (once per process; that kernel alone).
     ///
     /// # Errors
     /// [`GpuError::Config`] on a device that is not compute capability 9.0, for a head_dim
@@ -382,31 +406,19 @@ impl HopperForward {
                 if version == Sm90Version::V4 { 64 } else { 128 }
             )));
         }
-        let src = format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n");
-        let compiled = gpu.compile("attn_wgmma_sm90.cu", &src)?;
-        let (name, smem) = match version {
-            Sm90Version::V1 => (
-                format!("attn_fwd_sm90_d{head_dim}"),
-                ((SM90_ROWS + 4 * SM90_KEYS) * head_dim * 2) as u32,
-            ),
+        let name = version.kernel_name(head_dim);
+        let smem = match version {
+            Sm90Version::V1 => ((SM90_ROWS + 4 * SM90_KEYS) * head_dim * 2) as u32,
             // One 64-row Q tile per consumer, the K and V stages, 8-byte mbarriers (Q, then four per
             // stage), and up to 1023 bytes to align the base for the 128-byte swizzle.
-            _ => (
-                format!(
-                    "attn_fwd_sm90_{}_d{head_dim}",
-                    match version {
-                        Sm90Version::V2 => "ws",
-                        Sm90Version::V3 => "wsp",
-                        Sm90Version::V4 => "wsp3",
-                        _ => "wsps3",
-                    }
-                ),
+            _ => {
                 ((version.rows() + 2 * version.stages() * WS_KEYS) * head_dim * 2
                     + 8 * (1 + 4 * version.stages())
-                    + 1024) as u32,
-            ),
+                    + 1024) as u32
+            }
         };
         super::cuda::check_smem(gpu, &name, smem)?;
+        let compiled = gpu.compile("attn_wgmma_sm90.cu", &wgmma_source(Some(&name)))?;
         let func = gpu.function(&compiled.module, &name, smem)?;
         Ok(HopperForward {
             func,
@@ -568,10 +580,16 @@ impl HopperForward {
 /// Source of the wgmma backward (after [`PRELUDE_SRC`] and [`WGMMA_SRC`]).
 pub const WGMMA_BWD_SRC: &str = include_str!("../../kernels/attn_wgmma_bwd_sm90.cu");
 
-/// The wgmma backward's whole source: [`PRELUDE_SRC`], the helpers of [`WGMMA_SRC`] without its
-/// kernels (`KP_SM90_NO_ENTRIES`), [`WGMMA_BWD_SRC`].
-pub fn bwd_source() -> String {
-    format!("{PRELUDE_SRC}\n#define KP_SM90_NO_ENTRIES\n{WGMMA_SRC}\n{WGMMA_BWD_SRC}\n")
+/// The wgmma backward's whole source: [`PRELUDE_SRC`], the helpers of [`WGMMA_SRC`] without any
+/// of its kernels (nothing selects one), [`WGMMA_BWD_SRC`] with the kernels of `head_dim` (the
+/// preprocessing and main kernels; the dQ conversion is always there), or of both head dims for
+/// `None`.
+pub fn bwd_source(head_dim: Option<usize>) -> String {
+    let select = match head_dim {
+        Some(d) => format!("#define KP_SM90_BWD_D{d}"),
+        None => "#define KP_SM90_BWD_ALL".to_string(),
+    };
+    format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n{select}\n{WGMMA_BWD_SRC}\n")
 }
 
 /// Keys per CTA of the wgmma backward (`BW_BN` in the kernel source).
@@ -637,7 +655,7 @@ impl HopperBackward {
                 "the wgmma backward runs head_dim 64 or 128, not {head_dim}"
             )));
         }
-        let src = bwd_source();
+        let src = bwd_source(Some(head_dim));
         let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
         let name = format!("attn_bwd_sm90_d{head_dim}");
         // K and V, the Q and dO stages (bm rows), two dS^T buffers (128 × bm bf16), LSE and D
