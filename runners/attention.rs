@@ -595,6 +595,22 @@ fn dispatch_rules() -> Vec<DispatchRule> {
 struct Attention {
     check_rows: usize,
     device: DeviceChoice,
+    /// The GPU's architecture ([`kernelpages::gpu::Gpu::arch`], e.g. `sm_90a`) for a tile
+    /// sweep on the GPU (its rows' notes depend on it); `None` otherwise or where the device
+    /// did not open.
+    sweep_arch: Option<String>,
+}
+
+/// The note of a tile-sweep row of `flash` for case `c` on a device of architecture `arch`
+/// where `flash` itself runs another kernel ([`sm90::takes`]): the swept configurations are the
+/// portable kernel's, and `default` marks that kernel's default (what `flash_sm80` runs).
+fn sweep_note(arch: &str, c: &AttentionCase) -> Option<String> {
+    sm90::takes(arch, c).then(|| {
+        format!(
+            "on this device ({arch}) flash runs its wgmma kernels for this case: the swept configurations are the portable kernel's, and default marks the portable kernel's default ({} runs it)",
+            sm80::IMPLEMENTATION
+        )
+    })
 }
 
 /// The attention case of a case process's `job`, or the reply that ends the process: `error`
@@ -736,8 +752,13 @@ impl runner::Suite for Attention {
         if implementation == "math" && c.dtype == Dtype::F32 {
             notes.push(MATH_FP32_NOTE.into());
         }
+        if implementation == "flash" && p.contains_key(CONFIG_PARAM) {
+            if let Some(note) = self.sweep_arch.as_deref().and_then(|a| sweep_note(a, &c)) {
+                notes.push(note);
+            }
+        }
         if implementation == "flash" && c.pass == Pass::FwdBwd {
-            notes.push("dQ is summed over key tiles in fp32 by unordered adds (atomics; TMA reduce-adds on compute capability 9.0): its last bit may vary from run to run (O, dK and dV do not)".into());
+            notes.push("dQ is summed over key tiles in fp32 by unordered adds (atomics in the portable backward, TMA reduce-adds in the wgmma backward): its last bit may vary from run to run (O, dK and dV do not)".into());
             if c.head_dim > 128 {
                 notes.push("head_dim 256: the backward's main kernel runs twice (dK and dV columns 0–127, then 128–255), recomputing S and dP".into());
             }
@@ -897,6 +918,10 @@ fn run(cli: &Cli) -> Result<ExitCode> {
     let suite = Attention {
         check_rows: cli.check_rows,
         device: cli.run.device,
+        // A short-lived context asks the device, as the run's setup does.
+        sweep_arch: (run_kind(cli) == RunKind::TileSweep && !on_cpu(cli))
+            .then(|| kernelpages::gpu::Gpu::open(0).ok().map(|g| g.arch()))
+            .flatten(),
     };
     runner::run(&suite, &cli.run, declared, cases, imps, Vec::new())
 }
@@ -1031,6 +1056,7 @@ mod tests {
         let suite = Attention {
             check_rows: 64,
             device: DeviceChoice::Gpu,
+            sweep_arch: None,
         };
         let cli = Cli::try_parse_from(["attention", "--grids", "tiles"]).unwrap();
         let tiles = cases(&cli, false).unwrap();
@@ -1065,12 +1091,45 @@ mod tests {
     }
 
     #[test]
+    fn the_tile_sweep_says_where_flash_runs_another_kernel() {
+        let cli = Cli::try_parse_from(["attention", "--grids", "tiles"]).unwrap();
+        let tiles = cases(&cli, false).unwrap();
+        let on = |arch: Option<&str>| Attention {
+            check_rows: 16,
+            device: DeviceChoice::Gpu,
+            sweep_arch: arch.map(String::from),
+        };
+        let has_note = |suite: &Attention, p: &Params| {
+            suite
+                .notes(p, "flash")
+                .iter()
+                .any(|n| n.contains("the swept configurations are the portable kernel's"))
+        };
+        let hopper = on(Some("sm_90a"));
+        let mut noted = 0;
+        for p in &tiles {
+            let c = case_of(p).unwrap();
+            let want = sm90::takes("sm_90a", &c);
+            assert_eq!(has_note(&hopper, p), want, "{c:?}");
+            noted += usize::from(want);
+            assert!(!has_note(&on(Some("sm_89")), p), "{c:?}");
+            assert!(!has_note(&on(None), p), "{c:?}");
+        }
+        assert!(noted > 0, "the sweep has cases the wgmma kernels take");
+        // Only the sweep's rows: a grid case of the same shape, without a configuration.
+        let mut grid_case = tiles[0].clone();
+        grid_case.remove(CONFIG_PARAM);
+        assert!(!has_note(&hopper, &grid_case));
+    }
+
+    #[test]
     fn the_tile_sweep_names_every_configuration_once_and_marks_the_defaults() {
         let cli = Cli::try_parse_from(["attention", "--grids", "tiles"]).unwrap();
         let tiles = cases(&cli, false).unwrap();
         let suite = Attention {
             check_rows: 16,
             device: DeviceChoice::Gpu,
+            sweep_arch: None,
         };
         for d in [64, 128] {
             for causal in [false, true] {
@@ -1194,6 +1253,7 @@ mod tests {
         let suite = Attention {
             check_rows: 16,
             device: DeviceChoice::Gpu,
+            sweep_arch: None,
         };
         let files = suite.prepare(p, 7, dir.path()).unwrap();
         let c = case_of(p).unwrap();
@@ -1257,6 +1317,7 @@ mod tests {
         let suite = Attention {
             check_rows: 4,
             device: DeviceChoice::Gpu,
+            sweep_arch: None,
         };
         let p = dec.params();
         assert!(suite.is_default(&p, decode::CONTIGUOUS));

@@ -41,6 +41,9 @@ pub struct TileGroup {
     pub figure: FigureRef,
     /// What the data says about the default, one sentence.
     pub verdict: String,
+    /// The notes the runner gave the shape's rows, each once, in row order (for example that
+    /// on this device the dispatch runs another kernel than the swept one).
+    pub notes: Vec<String>,
     /// Rows, fastest first; rows that did not run last.
     pub rows: Vec<TileRow>,
 }
@@ -148,6 +151,17 @@ fn dash() -> String {
 
 fn short(commit: &str) -> String {
     commit.chars().take(7).collect()
+}
+
+/// The notes of `rows`, each once, in the order they first appear.
+fn distinct_notes(rows: &[&Row]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for n in rows.iter().flat_map(|r| r.notes.iter()) {
+        if !out.contains(n) {
+            out.push(n.clone());
+        }
+    }
+    out
 }
 
 fn sweep_section(
@@ -304,6 +318,7 @@ fn sweep_section(
                 alt: desc,
             },
             verdict,
+            notes: distinct_notes(&rows),
             rows: views,
         });
     }
@@ -442,6 +457,16 @@ mod tests {
             |r| format!("{} ms", r.median_ms.unwrap()),
             config,
         )
+    }
+
+    #[test]
+    fn a_shapes_notes_are_listed_once_in_row_order() {
+        let mut a = row("a", Some(1.0), 0.0, true);
+        let mut b = row("b", Some(2.0), 0.0, false);
+        a.notes = vec!["portable".into(), "dQ".into()];
+        b.notes = vec!["dQ".into(), "other".into()];
+        assert_eq!(distinct_notes(&[&a, &b]), ["portable", "dQ", "other"]);
+        assert!(distinct_notes(&[&row("c", None, 0.0, false)]).is_empty());
     }
 
     #[test]
