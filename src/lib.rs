@@ -13,4 +13,5 @@ pub mod kernel_sums;
 pub mod load;
 pub mod runner;
 pub mod schema;
+pub mod sequence_mixers;
 pub mod site;

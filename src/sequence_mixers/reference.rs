@@ -1,0 +1,767 @@
+//! Float64 references of the sequence mixers, each the sequential recurrence its paper
+//! defines, one time step after another (no chunking, no parallel scan): slow, and what the
+//! chunked kernels and the alternatives are checked against. Every function takes an optional
+//! initial state and returns the final state, so that a sequence run in two halves (the state
+//! of the first passed to the second) equals one run over the whole sequence.
+//!
+//! Layouts are row-major, batch first, then time: `[batch, seq_len, heads, width]` for
+//! per-head sequences (the layout of flash-linear-attention and of Mamba-2's reference code).
+
+/// Checks that `data` (the input named `what`) holds `want` elements.
+fn check_len(what: &str, data: &[f64], want: usize) -> Result<(), String> {
+    if data.len() == want {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what}: {} elements, expected {want} for this shape",
+            data.len()
+        ))
+    }
+}
+
+/// Sizes of an SSD call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SsdShape {
+    /// Batch entries, B.
+    pub batch: usize,
+    /// Time steps, T.
+    pub seq_len: usize,
+    /// Heads, H (a multiple of `groups`).
+    pub heads: usize,
+    /// Value width per head, P (head_dim).
+    pub head_dim: usize,
+    /// State size per head, N (d_state).
+    pub state: usize,
+    /// Groups of heads sharing B and C, G.
+    pub groups: usize,
+}
+
+/// Inputs of [`ssd`], float64.
+#[derive(Clone, Copy, Debug)]
+pub struct SsdInputs<'a> {
+    /// X, `[B, T, H, P]`.
+    pub x: &'a [f64],
+    /// Δ (the step, after the softplus; positive), `[B, T, H]`.
+    pub dt: &'a [f64],
+    /// A (one scalar per head; negative for a decaying state), `[H]`.
+    pub a: &'a [f64],
+    /// B (the input projection into the state), `[B, T, G, N]`.
+    pub b: &'a [f64],
+    /// C (the state's read-out), `[B, T, G, N]`.
+    pub c: &'a [f64],
+    /// D (the skip connection), `[H]`, or none.
+    pub d: Option<&'a [f64]>,
+    /// The state before the first step, `[B, H, P, N]`, or zeros.
+    pub initial_state: Option<&'a [f64]>,
+}
+
+/// SSD, the state-space dual layer of Mamba-2 (Dao and Gu, 2024, "Transformers are SSMs:
+/// Generalized Models and Efficient Algorithms Through Structured State Space Duality", the
+/// scalar-times-identity A of its sections 3 and 7), as its recurrence: for each batch entry
+/// and head h (group g = h / (H / G)), with the state S (P × N, float64),
+///
+/// S_t = exp(Δ_t A_h) S_{t−1} + Δ_t x_t B_tᵀ,  y_t = S_t C_t + D_h x_t.
+///
+/// Returns Y `[B, T, H, P]` and the final state `[B, H, P, N]`.
+///
+/// # Errors
+/// A message naming the input whose length does not fit `shape`, or the shape's fault (heads
+/// not a multiple of groups, an empty dimension).
+pub fn ssd(shape: SsdShape, inp: SsdInputs) -> Result<(Vec<f64>, Vec<f64>), String> {
+    let SsdShape {
+        batch,
+        seq_len: t_len,
+        heads,
+        head_dim: p_dim,
+        state: n_dim,
+        groups,
+    } = shape;
+    if batch == 0 || heads == 0 || p_dim == 0 || n_dim == 0 || groups == 0 {
+        return Err(format!("ssd: empty dimension in {shape:?}"));
+    }
+    if heads % groups != 0 {
+        return Err(format!(
+            "ssd: heads {heads} is not a multiple of groups {groups}"
+        ));
+    }
+    check_len("x", inp.x, batch * t_len * heads * p_dim)?;
+    check_len("dt", inp.dt, batch * t_len * heads)?;
+    check_len("a", inp.a, heads)?;
+    check_len("b", inp.b, batch * t_len * groups * n_dim)?;
+    check_len("c", inp.c, batch * t_len * groups * n_dim)?;
+    if let Some(d) = inp.d {
+        check_len("d", d, heads)?;
+    }
+    let state_len = batch * heads * p_dim * n_dim;
+    if let Some(s0) = inp.initial_state {
+        check_len("initial_state", s0, state_len)?;
+    }
+    let mut state = inp
+        .initial_state
+        .map_or_else(|| vec![0.0; state_len], <[f64]>::to_vec);
+    let mut y = vec![0.0; batch * t_len * heads * p_dim];
+    let per_group = heads / groups;
+    for b in 0..batch {
+        for h in 0..heads {
+            let g = h / per_group;
+            let s = &mut state[(b * heads + h) * p_dim * n_dim..][..p_dim * n_dim];
+            for t in 0..t_len {
+                let bt = b * t_len + t;
+                let dt = inp.dt[bt * heads + h];
+                let decay = (dt * inp.a[h]).exp();
+                let x = &inp.x[(bt * heads + h) * p_dim..][..p_dim];
+                let bv = &inp.b[(bt * groups + g) * n_dim..][..n_dim];
+                let cv = &inp.c[(bt * groups + g) * n_dim..][..n_dim];
+                let skip = inp.d.map_or(0.0, |d| d[h]);
+                let out = &mut y[(bt * heads + h) * p_dim..][..p_dim];
+                for p in 0..p_dim {
+                    let row = &mut s[p * n_dim..][..n_dim];
+                    let mut acc = 0.0;
+                    for n in 0..n_dim {
+                        row[n] = decay * row[n] + dt * x[p] * bv[n];
+                        acc += row[n] * cv[n];
+                    }
+                    out[p] = acc + skip * x[p];
+                }
+            }
+        }
+    }
+    Ok((y, state))
+}
+
+/// Sizes of a selective scan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScanShape {
+    /// Batch entries, B.
+    pub batch: usize,
+    /// Time steps, T.
+    pub seq_len: usize,
+    /// Channels, D (d_inner).
+    pub channels: usize,
+    /// State size per channel, N (d_state).
+    pub state: usize,
+}
+
+/// Inputs of [`selective_scan`], float64.
+#[derive(Clone, Copy, Debug)]
+pub struct ScanInputs<'a> {
+    /// The input u, `[B, T, D]`.
+    pub u: &'a [f64],
+    /// Δ (the step, after the softplus; positive), `[B, T, D]`.
+    pub delta: &'a [f64],
+    /// A (diagonal, one row per channel; negative for a decaying state), `[D, N]`.
+    pub a: &'a [f64],
+    /// B (input-dependent, shared by the channels), `[B, T, N]`.
+    pub b: &'a [f64],
+    /// C (input-dependent, shared by the channels), `[B, T, N]`.
+    pub c: &'a [f64],
+    /// D (the skip connection), `[D]`, or none.
+    pub d: Option<&'a [f64]>,
+    /// The state before the first step, `[B, D, N]`, or zeros.
+    pub initial_state: Option<&'a [f64]>,
+}
+
+/// The selective scan of Mamba (Gu and Dao, 2023, "Mamba: Linear-Time Sequence Modeling with
+/// Selective State Spaces", Algorithm 2, zero-order-hold A and Euler B as its reference code
+/// does), as its recurrence: for each batch entry and channel d, with the state h (N entries),
+///
+/// h_t = exp(Δ_{t,d} A_d) ∘ h_{t−1} + Δ_{t,d} u_{t,d} B_t,  y_{t,d} = ⟨C_t, h_t⟩ + D_d u_{t,d}.
+///
+/// (The block's gate, y ∘ silu(z), is outside the scan.) Returns y `[B, T, D]` and the final
+/// state `[B, D, N]`.
+///
+/// # Errors
+/// A message naming the input whose length does not fit `shape`, or an empty dimension.
+pub fn selective_scan(shape: ScanShape, inp: ScanInputs) -> Result<(Vec<f64>, Vec<f64>), String> {
+    let ScanShape {
+        batch,
+        seq_len: t_len,
+        channels,
+        state: n_dim,
+    } = shape;
+    if batch == 0 || channels == 0 || n_dim == 0 {
+        return Err(format!("selective_scan: empty dimension in {shape:?}"));
+    }
+    check_len("u", inp.u, batch * t_len * channels)?;
+    check_len("delta", inp.delta, batch * t_len * channels)?;
+    check_len("a", inp.a, channels * n_dim)?;
+    check_len("b", inp.b, batch * t_len * n_dim)?;
+    check_len("c", inp.c, batch * t_len * n_dim)?;
+    if let Some(d) = inp.d {
+        check_len("d", d, channels)?;
+    }
+    let state_len = batch * channels * n_dim;
+    if let Some(s0) = inp.initial_state {
+        check_len("initial_state", s0, state_len)?;
+    }
+    let mut state = inp
+        .initial_state
+        .map_or_else(|| vec![0.0; state_len], <[f64]>::to_vec);
+    let mut y = vec![0.0; batch * t_len * channels];
+    for b in 0..batch {
+        for ch in 0..channels {
+            let h = &mut state[(b * channels + ch) * n_dim..][..n_dim];
+            let a = &inp.a[ch * n_dim..][..n_dim];
+            for t in 0..t_len {
+                let bt = b * t_len + t;
+                let i = bt * channels + ch;
+                let (u, dt) = (inp.u[i], inp.delta[i]);
+                let bv = &inp.b[bt * n_dim..][..n_dim];
+                let cv = &inp.c[bt * n_dim..][..n_dim];
+                let mut acc = 0.0;
+                for n in 0..n_dim {
+                    h[n] = (dt * a[n]).exp() * h[n] + dt * u * bv[n];
+                    acc += cv[n] * h[n];
+                }
+                y[i] = acc + inp.d.map_or(0.0, |d| d[ch]) * u;
+            }
+        }
+    }
+    Ok((y, state))
+}
+
+/// Sizes of a Gated DeltaNet call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaShape {
+    /// Batch entries, B.
+    pub batch: usize,
+    /// Time steps, T.
+    pub seq_len: usize,
+    /// Heads, H.
+    pub heads: usize,
+    /// Query and key width per head, K.
+    pub key_dim: usize,
+    /// Value width per head, V.
+    pub value_dim: usize,
+}
+
+/// Inputs of [`gated_delta_rule`], float64.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaInputs<'a> {
+    /// Queries, `[B, T, H, K]` (any scale: the caller applies 1/√K if it wants one).
+    pub q: &'a [f64],
+    /// Keys, `[B, T, H, K]` (L2-normalised by the caller, as the paper's layer does).
+    pub k: &'a [f64],
+    /// Values, `[B, T, H, V]`.
+    pub v: &'a [f64],
+    /// The decay gate α in (0, 1], `[B, T, H]`.
+    pub alpha: &'a [f64],
+    /// The writing strength β in [0, 1], `[B, T, H]`.
+    pub beta: &'a [f64],
+    /// The state before the first step, `[B, H, V, K]`, or zeros.
+    pub initial_state: Option<&'a [f64]>,
+}
+
+/// The gated delta rule of Gated DeltaNet (Yang, Kautz and Hatamizadeh, 2024, "Gated Delta
+/// Networks: Improving Mamba2 with Delta Rule", equation (10)), as its recurrence: for each
+/// batch entry and head, with the state S (V × K, float64),
+///
+/// S_t = α_t S_{t−1} (I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ,  o_t = S_t q_t.
+///
+/// Returns O `[B, T, H, V]` and the final state `[B, H, V, K]`.
+///
+/// # Errors
+/// A message naming the input whose length does not fit `shape`, or an empty dimension.
+pub fn gated_delta_rule(
+    shape: DeltaShape,
+    inp: DeltaInputs,
+) -> Result<(Vec<f64>, Vec<f64>), String> {
+    let DeltaShape {
+        batch,
+        seq_len: t_len,
+        heads,
+        key_dim: kd,
+        value_dim: vd,
+    } = shape;
+    if batch == 0 || heads == 0 || kd == 0 || vd == 0 {
+        return Err(format!("gated_delta_rule: empty dimension in {shape:?}"));
+    }
+    check_len("q", inp.q, batch * t_len * heads * kd)?;
+    check_len("k", inp.k, batch * t_len * heads * kd)?;
+    check_len("v", inp.v, batch * t_len * heads * vd)?;
+    check_len("alpha", inp.alpha, batch * t_len * heads)?;
+    check_len("beta", inp.beta, batch * t_len * heads)?;
+    let state_len = batch * heads * vd * kd;
+    if let Some(s0) = inp.initial_state {
+        check_len("initial_state", s0, state_len)?;
+    }
+    let mut state = inp
+        .initial_state
+        .map_or_else(|| vec![0.0; state_len], <[f64]>::to_vec);
+    let mut o = vec![0.0; batch * t_len * heads * vd];
+    let mut sk = vec![0.0; vd];
+    for b in 0..batch {
+        for h in 0..heads {
+            let s = &mut state[(b * heads + h) * vd * kd..][..vd * kd];
+            for t in 0..t_len {
+                let i = (b * t_len + t) * heads + h;
+                let (alpha, beta) = (inp.alpha[i], inp.beta[i]);
+                let q = &inp.q[i * kd..][..kd];
+                let k = &inp.k[i * kd..][..kd];
+                let v = &inp.v[i * vd..][..vd];
+                // S k with the old state, then S ← α S − α β (S k) kᵀ + β v kᵀ, row by row.
+                for (r, skr) in sk.iter_mut().enumerate() {
+                    *skr = (0..kd).map(|j| s[r * kd + j] * k[j]).sum();
+                }
+                let out = &mut o[i * vd..][..vd];
+                for r in 0..vd {
+                    let row = &mut s[r * kd..][..kd];
+                    let w = beta * (v[r] - alpha * sk[r]);
+                    let mut acc = 0.0;
+                    for j in 0..kd {
+                        row[j] = alpha * row[j] + w * k[j];
+                        acc += row[j] * q[j];
+                    }
+                    out[r] = acc;
+                }
+            }
+        }
+    }
+    Ok((o, state))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn uniform(n: usize, lo: f64, hi: f64, seed: u64) -> Vec<f64> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(lo..hi)).collect()
+    }
+
+    fn max_rel(a: &[f64], b: &[f64]) -> f64 {
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-300);
+        a.iter()
+            .zip(b)
+            .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
+            / scale
+    }
+
+    const SSD: SsdShape = SsdShape {
+        batch: 2,
+        seq_len: 9,
+        heads: 4,
+        head_dim: 3,
+        state: 5,
+        groups: 2,
+    };
+
+    struct SsdData {
+        x: Vec<f64>,
+        dt: Vec<f64>,
+        a: Vec<f64>,
+        b: Vec<f64>,
+        c: Vec<f64>,
+        d: Vec<f64>,
+    }
+
+    fn ssd_data(s: SsdShape, seed: u64) -> SsdData {
+        let (bt, h) = (s.batch * s.seq_len, s.heads);
+        SsdData {
+            x: uniform(bt * h * s.head_dim, -1.0, 1.0, seed),
+            dt: uniform(bt * h, 0.05, 0.5, seed + 1),
+            a: uniform(h, -2.0, -0.1, seed + 2),
+            b: uniform(bt * s.groups * s.state, -1.0, 1.0, seed + 3),
+            c: uniform(bt * s.groups * s.state, -1.0, 1.0, seed + 4),
+            d: uniform(h, -1.0, 1.0, seed + 5),
+        }
+    }
+
+    fn ssd_inputs(d: &SsdData) -> SsdInputs<'_> {
+        SsdInputs {
+            x: &d.x,
+            dt: &d.dt,
+            a: &d.a,
+            b: &d.b,
+            c: &d.c,
+            d: Some(&d.d),
+            initial_state: None,
+        }
+    }
+
+    /// The dual (quadratic, attention-like) form of the same layer, from a zero state:
+    /// y_t = Σ_{s ≤ t} ⟨C_t, B_s⟩ exp(A Σ_{r=s+1..t} Δ_r) Δ_s x_s + D x_t.
+    fn ssd_dual(s: SsdShape, d: &SsdData) -> Vec<f64> {
+        let (t_len, heads, p_dim, n_dim, groups) =
+            (s.seq_len, s.heads, s.head_dim, s.state, s.groups);
+        let mut y = vec![0.0; s.batch * t_len * heads * p_dim];
+        for b in 0..s.batch {
+            for h in 0..heads {
+                let g = h / (heads / groups);
+                for t in 0..t_len {
+                    for p in 0..p_dim {
+                        let mut acc = 0.0;
+                        for u in 0..=t {
+                            let dt_sum: f64 =
+                                (u + 1..=t).map(|r| d.dt[(b * t_len + r) * heads + h]).sum();
+                            let cb: f64 = (0..n_dim)
+                                .map(|n| {
+                                    d.c[((b * t_len + t) * groups + g) * n_dim + n]
+                                        * d.b[((b * t_len + u) * groups + g) * n_dim + n]
+                                })
+                                .sum();
+                            let du = d.dt[(b * t_len + u) * heads + h];
+                            acc += cb
+                                * (d.a[h] * dt_sum).exp()
+                                * du
+                                * d.x[((b * t_len + u) * heads + h) * p_dim + p];
+                        }
+                        let xt = d.x[((b * t_len + t) * heads + h) * p_dim + p];
+                        y[((b * t_len + t) * heads + h) * p_dim + p] = acc + d.d[h] * xt;
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn ssd_recurrence_equals_its_dual_quadratic_form() {
+        let d = ssd_data(SSD, 1);
+        let (y, _) = ssd(SSD, ssd_inputs(&d)).unwrap();
+        let e = max_rel(&y, &ssd_dual(SSD, &d));
+        assert!(e < 1e-12, "{e}");
+        assert!(y.iter().any(|v| v.abs() > 1e-3), "a non-trivial output");
+    }
+
+    /// Runs `whole` over the sequence, then over its first `cut` steps and the rest with the
+    /// first part's final state: outputs and final states agree.
+    fn halves_agree<F>(t_len: usize, cut: usize, per_step: &[usize], run: F)
+    where
+        F: Fn(usize, usize, Option<&[f64]>) -> (Vec<f64>, Vec<f64>),
+    {
+        let (y, s) = run(0, t_len, None);
+        let (y1, s1) = run(0, cut, None);
+        let (y2, s2) = run(cut, t_len, Some(&s1));
+        // Outputs per step of `per_step[0]` values per batch entry, batch-major.
+        let (batch, width) = (per_step[0], per_step[1]);
+        for b in 0..batch {
+            let whole = &y[b * t_len * width..][..t_len * width];
+            let first = &y1[b * cut * width..][..cut * width];
+            let second = &y2[b * (t_len - cut) * width..][..(t_len - cut) * width];
+            assert!(max_rel(&whole[..cut * width], first) < 1e-13);
+            assert!(max_rel(&whole[cut * width..], second) < 1e-13);
+        }
+        assert!(max_rel(&s2, &s) < 1e-13);
+    }
+
+    /// The time steps [t0, t1) of a `[B, T, rest]` tensor.
+    fn steps(x: &[f64], batch: usize, t_len: usize, t0: usize, t1: usize) -> Vec<f64> {
+        let rest = x.len() / (batch * t_len);
+        (0..batch)
+            .flat_map(|b| x[(b * t_len + t0) * rest..(b * t_len + t1) * rest].to_vec())
+            .collect()
+    }
+
+    #[test]
+    fn ssd_in_two_halves_equals_one_pass() {
+        let d = ssd_data(SSD, 7);
+        let t = SSD.seq_len;
+        halves_agree(
+            t,
+            4,
+            &[SSD.batch, SSD.heads * SSD.head_dim],
+            |t0, t1, s0| {
+                let sl = |v: &[f64]| steps(v, SSD.batch, t, t0, t1);
+                let (x, dt, b, c) = (sl(&d.x), sl(&d.dt), sl(&d.b), sl(&d.c));
+                let shape = SsdShape {
+                    seq_len: t1 - t0,
+                    ..SSD
+                };
+                ssd(
+                    shape,
+                    SsdInputs {
+                        x: &x,
+                        dt: &dt,
+                        a: &d.a,
+                        b: &b,
+                        c: &c,
+                        d: Some(&d.d),
+                        initial_state: s0,
+                    },
+                )
+                .unwrap()
+            },
+        );
+    }
+
+    /// With A the same for every state entry of a channel, B and C shared (one group) and the
+    /// channels of a head stepping by the head's Δ, Mamba-1's scan is SSD.
+    #[test]
+    fn the_selective_scan_with_a_scalar_a_per_head_is_ssd() {
+        let s = SsdShape { groups: 1, ..SSD };
+        let d = ssd_data(s, 3);
+        let (y, state) = ssd(s, ssd_inputs(&d)).unwrap();
+        let channels = s.heads * s.head_dim;
+        let delta: Vec<f64> = (0..s.batch * s.seq_len)
+            .flat_map(|bt| (0..channels).map(move |ch| (bt, ch / s.head_dim)))
+            .map(|(bt, h)| d.dt[bt * s.heads + h])
+            .collect();
+        let a: Vec<f64> = (0..channels)
+            .flat_map(|ch| std::iter::repeat_n(d.a[ch / s.head_dim], s.state))
+            .collect();
+        let dd: Vec<f64> = (0..channels).map(|ch| d.d[ch / s.head_dim]).collect();
+        let (y2, state2) = selective_scan(
+            ScanShape {
+                batch: s.batch,
+                seq_len: s.seq_len,
+                channels,
+                state: s.state,
+            },
+            ScanInputs {
+                u: &d.x,
+                delta: &delta,
+                a: &a,
+                b: &d.b,
+                c: &d.c,
+                d: Some(&dd),
+                initial_state: None,
+            },
+        )
+        .unwrap();
+        assert!(max_rel(&y2, &y) < 1e-13);
+        assert!(max_rel(&state2, &state) < 1e-13);
+    }
+
+    #[test]
+    fn the_selective_scan_in_two_halves_equals_one_pass() {
+        let sh = ScanShape {
+            batch: 2,
+            seq_len: 11,
+            channels: 6,
+            state: 4,
+        };
+        let bt = sh.batch * sh.seq_len;
+        let u = uniform(bt * sh.channels, -1.0, 1.0, 20);
+        let delta = uniform(bt * sh.channels, 0.05, 0.5, 21);
+        let a = uniform(sh.channels * sh.state, -2.0, -0.1, 22);
+        let b = uniform(bt * sh.state, -1.0, 1.0, 23);
+        let c = uniform(bt * sh.state, -1.0, 1.0, 24);
+        halves_agree(sh.seq_len, 5, &[sh.batch, sh.channels], |t0, t1, s0| {
+            let sl = |v: &[f64]| steps(v, sh.batch, sh.seq_len, t0, t1);
+            let (u, delta, b, c) = (sl(&u), sl(&delta), sl(&b), sl(&c));
+            selective_scan(
+                ScanShape {
+                    seq_len: t1 - t0,
+                    ..sh
+                },
+                ScanInputs {
+                    u: &u,
+                    delta: &delta,
+                    a: &a,
+                    b: &b,
+                    c: &c,
+                    d: None,
+                    initial_state: s0,
+                },
+            )
+            .unwrap()
+        });
+    }
+
+    const DELTA: DeltaShape = DeltaShape {
+        batch: 2,
+        seq_len: 8,
+        heads: 3,
+        key_dim: 4,
+        value_dim: 5,
+    };
+
+    fn unit_keys(n: usize, kd: usize, seed: u64) -> Vec<f64> {
+        let mut k = uniform(n * kd, -1.0, 1.0, seed);
+        for row in k.chunks_mut(kd) {
+            let norm = row.iter().map(|x| x * x).sum::<f64>().sqrt();
+            row.iter_mut().for_each(|x| *x /= norm);
+        }
+        k
+    }
+
+    /// With α = β = 1 and unit keys the delta rule replaces what the state holds for k_t by v_t:
+    /// S_t k_t = v_t, so querying with the key returns the value just written.
+    #[test]
+    fn the_delta_rule_writes_the_value_under_its_key() {
+        let s = DELTA;
+        let n = s.batch * s.seq_len * s.heads;
+        let k = unit_keys(n, s.key_dim, 30);
+        let v = uniform(n * s.value_dim, -1.0, 1.0, 31);
+        let ones = vec![1.0; n];
+        let s0 = uniform(s.batch * s.heads * s.value_dim * s.key_dim, -1.0, 1.0, 32);
+        let (o, _) = gated_delta_rule(
+            s,
+            DeltaInputs {
+                q: &k,
+                k: &k,
+                v: &v,
+                alpha: &ones,
+                beta: &ones,
+                initial_state: Some(&s0),
+            },
+        )
+        .unwrap();
+        assert!(max_rel(&o, &v) < 1e-12);
+    }
+
+    /// With β = 0 nothing is written: the state only decays, o_t = (Π_{r ≤ t} α_r) S_0 q_t.
+    #[test]
+    fn without_writes_the_gated_state_only_decays() {
+        let s = DeltaShape {
+            batch: 1,
+            heads: 1,
+            ..DELTA
+        };
+        let n = s.seq_len;
+        let q = uniform(n * s.key_dim, -1.0, 1.0, 40);
+        let k = unit_keys(n, s.key_dim, 41);
+        let v = uniform(n * s.value_dim, -1.0, 1.0, 42);
+        let alpha = uniform(n, 0.5, 1.0, 43);
+        let zeros = vec![0.0; n];
+        let s0 = uniform(s.value_dim * s.key_dim, -1.0, 1.0, 44);
+        let (o, last) = gated_delta_rule(
+            s,
+            DeltaInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                alpha: &alpha,
+                beta: &zeros,
+                initial_state: Some(&s0),
+            },
+        )
+        .unwrap();
+        let mut decay = 1.0;
+        for t in 0..n {
+            decay *= alpha[t];
+            for r in 0..s.value_dim {
+                let want: f64 = decay
+                    * (0..s.key_dim)
+                        .map(|j| s0[r * s.key_dim + j] * q[t * s.key_dim + j])
+                        .sum::<f64>();
+                let got = o[t * s.value_dim + r];
+                assert!((got - want).abs() < 1e-12, "t {t} r {r}: {got} vs {want}");
+            }
+        }
+        let scaled: Vec<f64> = s0.iter().map(|x| x * decay).collect();
+        assert!(max_rel(&last, &scaled) < 1e-12);
+    }
+
+    /// The recurrence against the paper's matrix form, computed as written: the transition
+    /// M_t = α_t (I − β_t k_t k_tᵀ) as a K × K matrix, S_t = S_{t−1} M_t + β_t v_t k_tᵀ.
+    #[test]
+    fn the_gated_delta_rule_matches_its_matrix_form() {
+        let s = DeltaShape {
+            batch: 1,
+            heads: 1,
+            ..DELTA
+        };
+        let (n, kd, vd) = (s.seq_len, s.key_dim, s.value_dim);
+        let q = uniform(n * kd, -1.0, 1.0, 60);
+        let k = unit_keys(n, kd, 61);
+        let v = uniform(n * vd, -1.0, 1.0, 62);
+        let alpha = uniform(n, 0.3, 0.9, 63);
+        let beta = uniform(n, 0.2, 1.0, 64);
+        let s0 = uniform(vd * kd, -1.0, 1.0, 65);
+        let (o, last) = gated_delta_rule(
+            s,
+            DeltaInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                alpha: &alpha,
+                beta: &beta,
+                initial_state: Some(&s0),
+            },
+        )
+        .unwrap();
+        let mut st = s0.clone();
+        for t in 0..n {
+            let kt = &k[t * kd..][..kd];
+            let m: Vec<f64> = (0..kd * kd)
+                .map(|e| {
+                    let (i, j) = (e / kd, e % kd);
+                    let id = if i == j { 1.0 } else { 0.0 };
+                    alpha[t] * (id - beta[t] * kt[i] * kt[j])
+                })
+                .collect();
+            let mut next = vec![0.0; vd * kd];
+            for r in 0..vd {
+                for j in 0..kd {
+                    let sm: f64 = (0..kd).map(|i| st[r * kd + i] * m[i * kd + j]).sum();
+                    next[r * kd + j] = sm + beta[t] * v[t * vd + r] * kt[j];
+                }
+            }
+            st = next;
+            for r in 0..vd {
+                let want: f64 = (0..kd).map(|j| st[r * kd + j] * q[t * kd + j]).sum();
+                assert!((o[t * vd + r] - want).abs() < 1e-12, "t {t} r {r}");
+            }
+        }
+        assert!(max_rel(&last, &st) < 1e-12);
+    }
+
+    #[test]
+    fn the_gated_delta_rule_in_two_halves_equals_one_pass() {
+        let s = DELTA;
+        let n = s.batch * s.seq_len * s.heads;
+        let q = uniform(n * s.key_dim, -1.0, 1.0, 50);
+        let k = unit_keys(n, s.key_dim, 51);
+        let v = uniform(n * s.value_dim, -1.0, 1.0, 52);
+        let alpha = uniform(n, 0.5, 1.0, 53);
+        let beta = uniform(n, 0.0, 1.0, 54);
+        halves_agree(
+            s.seq_len,
+            3,
+            &[s.batch, s.heads * s.value_dim],
+            |t0, t1, s0| {
+                let sl = |x: &[f64]| steps(x, s.batch, s.seq_len, t0, t1);
+                let (q, k, v, alpha, beta) = (sl(&q), sl(&k), sl(&v), sl(&alpha), sl(&beta));
+                gated_delta_rule(
+                    DeltaShape {
+                        seq_len: t1 - t0,
+                        ..s
+                    },
+                    DeltaInputs {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        alpha: &alpha,
+                        beta: &beta,
+                        initial_state: s0,
+                    },
+                )
+                .unwrap()
+            },
+        );
+    }
+
+    #[test]
+    fn bad_lengths_name_the_input() {
+        let d = ssd_data(SSD, 9);
+        let short = &d.b[1..];
+        let e = ssd(
+            SSD,
+            SsdInputs {
+                b: short,
+                ..ssd_inputs(&d)
+            },
+        )
+        .unwrap_err();
+        assert!(e.starts_with("b:"), "{e}");
+        let e = ssd(SsdShape { groups: 3, ..SSD }, ssd_inputs(&d)).unwrap_err();
+        assert!(e.contains("multiple of groups"), "{e}");
+        let e = gated_delta_rule(
+            DELTA,
+            DeltaInputs {
+                q: &[],
+                k: &[],
+                v: &[],
+                alpha: &[],
+                beta: &[],
+                initial_state: None,
+            },
+        )
+        .unwrap_err();
+        assert!(e.starts_with("q:"), "{e}");
+    }
+}
