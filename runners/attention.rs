@@ -123,7 +123,9 @@ struct Cli {
     /// backward) for that head_dim.
     #[arg(long)]
     flash_config: Option<String>,
-    /// Flash backward configuration per head_dim, e.g. `128=w8r64`.
+    /// Flash backward configuration per head_dim, e.g. `128=w8r64`. A configuration names the
+    /// portable kernels: on compute capability 9.0 flash's forward + backward then runs them
+    /// instead of the wgmma forward and backward for that head_dim.
     #[arg(long)]
     flash_bwd_config: Option<String>,
     /// Masks grid: the modifications to run, by name (`none`, `causal`, `sliding_window(W)`,
@@ -918,10 +920,14 @@ fn run(cli: &Cli) -> Result<ExitCode> {
     let suite = Attention {
         check_rows: cli.check_rows,
         device: cli.run.device,
-        // A short-lived context asks the device, as the run's setup does.
-        sweep_arch: (run_kind(cli) == RunKind::TileSweep && !on_cpu(cli))
-            .then(|| kernelpages::gpu::Gpu::open(0).ok().map(|g| g.arch()))
-            .flatten(),
+        // A short-lived context asks the device, as the run's setup does. A configuration given
+        // for the run makes flash run the portable kernels itself: no note then.
+        sweep_arch: (run_kind(cli) == RunKind::TileSweep
+            && !on_cpu(cli)
+            && cli.flash_config.is_none()
+            && cli.flash_bwd_config.is_none())
+        .then(|| kernelpages::gpu::Gpu::open(0).ok().map(|g| g.arch()))
+        .flatten(),
     };
     runner::run(&suite, &cli.run, declared, cases, imps, Vec::new())
 }

@@ -721,11 +721,18 @@ fn each_wgmma_forward_compiles_alone() {
     );
     let mut names = vec!["wgmma_probe".to_string()];
     for v in [Sm90Version::V1, Sm90Version::V2, Sm90Version::V3] {
-        names.push(v.kernel_name(64));
-        names.push(v.kernel_name(128));
+        names.push(v.kernel_name(64).unwrap());
+        names.push(v.kernel_name(128).unwrap());
     }
-    names.push(Sm90Version::V4.kernel_name(64));
-    names.push(Sm90Version::V5.kernel_name(128));
+    names.push(Sm90Version::V4.kernel_name(64).unwrap());
+    names.push(Sm90Version::V5.kernel_name(128).unwrap());
+    for (v, d) in [
+        (Sm90Version::V4, 128),
+        (Sm90Version::V5, 64),
+        (Sm90Version::V3, 96),
+    ] {
+        assert_eq!(v.kernel_name(d), None, "{v:?} d{d}");
+    }
     for name in &names {
         let src = wgmma_source(Some(name));
         let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();

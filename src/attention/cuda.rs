@@ -122,6 +122,16 @@ pub struct FlashConfig {
     pub key_tile: usize,
 }
 
+/// True when `flash` runs the wgmma kernels for case `c` on a device of architecture `arch`:
+/// where [`super::sm90::takes`] the case, unless a configuration names the portable kernels
+/// (`named_fwd`: a forward or backward configuration given to [`Runner::with_configs`], or a
+/// forward one in `KP_FLASH_CONFIG`; `named_bwd`: a backward one in `KP_FLASH_BWD_CONFIG`,
+/// which counts for forward + backward only).
+fn wgmma_path(arch: &str, c: &AttentionCase, named_fwd: bool, named_bwd: bool) -> bool {
+    let named = named_fwd || (named_bwd && c.pass == Pass::FwdBwd);
+    !named && super::sm90::takes(arch, c)
+}
+
 /// Reads `head_dim=config` pairs from the environment variable `var`, returning the config for
 /// `head_dim` when one is named.
 fn env_config(var: &str, head_dim: usize) -> Result<Option<String>, String> {
@@ -1032,16 +1042,19 @@ impl Runner {
             // `--flash-config`), or for forward + backward a backward one (`KP_FLASH_BWD_CONFIG`,
             // `--flash-bwd-config`), names the portable kernels, which then run.
             Implementation::Flash
-                if fwd.is_none()
-                    && bwd_config.is_none()
-                    && env_config("KP_FLASH_CONFIG", c.head_dim)
-                        .map_err(GpuError::Config)?
-                        .is_none()
-                    && (c.pass != Pass::FwdBwd
-                        || env_config("KP_FLASH_BWD_CONFIG", c.head_dim)
+                if wgmma_path(
+                    &gpu.arch(),
+                    c,
+                    fwd.is_some()
+                        || bwd_config.is_some()
+                        || env_config("KP_FLASH_CONFIG", c.head_dim)
                             .map_err(GpuError::Config)?
-                            .is_none())
-                    && super::sm90::takes(&gpu.arch(), c) =>
+                            .is_some(),
+                    c.pass == Pass::FwdBwd
+                        && env_config("KP_FLASH_BWD_CONFIG", c.head_dim)
+                            .map_err(GpuError::Config)?
+                            .is_some(),
+                ) =>
             {
                 let hopper = super::sm90::HopperForward::new(gpu, c.head_dim, c.seq_len_q)?;
                 let mut compile_s = hopper.compile_s;
@@ -1486,5 +1499,33 @@ impl Runner {
                 Ok(())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_named_configuration_sends_flash_to_the_portable_kernels() {
+        let fwd = AttentionCase::new(2, 4, 300, 128);
+        let bwd = AttentionCase {
+            pass: Pass::FwdBwd,
+            ..fwd.clone()
+        };
+        for c in [&fwd, &bwd] {
+            assert!(wgmma_path("sm_90a", c, false, false), "{c:?}");
+            assert!(!wgmma_path("sm_90a", c, true, false), "{c:?}");
+            assert!(!wgmma_path("sm_89", c, false, false), "{c:?}");
+        }
+        // A backward configuration matters where a backward runs.
+        assert!(!wgmma_path("sm_90a", &bwd, false, true));
+        assert!(wgmma_path("sm_90a", &fwd, false, true));
+        // The rest follows sm90::takes: fp16 runs the portable kernels.
+        let fp16 = AttentionCase {
+            dtype: Dtype::F16,
+            ..bwd.clone()
+        };
+        assert!(!wgmma_path("sm_90a", &fp16, false, false));
     }
 }

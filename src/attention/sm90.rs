@@ -223,15 +223,19 @@ impl Sm90Version {
 
     /// The name of this version's kernel for `head_dim` in `kernels/attn_wgmma_sm90.cu` (V1
     /// `attn_fwd_sm90_d<head_dim>`, V2 `attn_fwd_sm90_ws_d…`, V3 `…_wsp_…`, V4 `…_wsp3_…`, V5
-    /// `…_wsps3_…`); the source has V4 at head_dim 64 and V5 at 128 only.
-    pub fn kernel_name(self, head_dim: usize) -> String {
-        match self {
-            Sm90Version::V1 => format!("attn_fwd_sm90_d{head_dim}"),
-            Sm90Version::V2 => format!("attn_fwd_sm90_ws_d{head_dim}"),
-            Sm90Version::V3 => format!("attn_fwd_sm90_wsp_d{head_dim}"),
-            Sm90Version::V4 => format!("attn_fwd_sm90_wsp3_d{head_dim}"),
-            Sm90Version::V5 => format!("attn_fwd_sm90_wsps3_d{head_dim}"),
-        }
+    /// `…_wsps3_…`), or `None` where the source has no such kernel: head dims other than 64
+    /// and 128, V4 other than at 64, V5 other than at 128.
+    pub fn kernel_name(self, head_dim: usize) -> Option<String> {
+        let tag = match (self, head_dim) {
+            (_, d) if d != 64 && d != 128 => return None,
+            (Sm90Version::V4, 128) | (Sm90Version::V5, 64) => return None,
+            (Sm90Version::V1, _) => "",
+            (Sm90Version::V2, _) => "ws_",
+            (Sm90Version::V3, _) => "wsp_",
+            (Sm90Version::V4, _) => "wsp3_",
+            (Sm90Version::V5, _) => "wsps3_",
+        };
+        Some(format!("attn_fwd_sm90_{tag}d{head_dim}"))
     }
 
     /// The version [`HopperForward::new`] picks for `head_dim` and `seq_len_q`: V4 at head_dim
@@ -398,15 +402,12 @@ impl HopperForward {
                 "the wgmma forward runs head_dim 64 or 128, not {head_dim}"
             )));
         }
-        if (version == Sm90Version::V4 && head_dim != 64)
-            || (version == Sm90Version::V5 && head_dim != 128)
-        {
+        let Some(name) = version.kernel_name(head_dim) else {
             return Err(GpuError::Config(format!(
                 "the wgmma forward {version:?} runs head_dim {}, not {head_dim}",
                 if version == Sm90Version::V4 { 64 } else { 128 }
             )));
-        }
-        let name = version.kernel_name(head_dim);
+        };
         let smem = match version {
             Sm90Version::V1 => ((SM90_ROWS + 4 * SM90_KEYS) * head_dim * 2) as u32,
             // One 64-row Q tile per consumer, the K and V stages, 8-byte mbarriers (Q, then four per
@@ -577,7 +578,8 @@ impl HopperForward {
     }
 }
 
-/// Source of the wgmma backward (after [`PRELUDE_SRC`] and [`WGMMA_SRC`]).
+/// Source of the wgmma backward (after [`PRELUDE_SRC`] and [`WGMMA_SRC`]); its kernels need a
+/// `KP_SM90_BWD_D<head_dim>` or `KP_SM90_BWD_ALL` define before it ([`bwd_source`]).
 pub const WGMMA_BWD_SRC: &str = include_str!("../../kernels/attn_wgmma_bwd_sm90.cu");
 
 /// The wgmma backward's whole source: [`PRELUDE_SRC`], the helpers of [`WGMMA_SRC`] without any
@@ -703,7 +705,7 @@ impl HopperBackward {
     /// # Errors
     /// [`GpuError::Config`] for a shape other than the one allocated for, an empty dimension,
     /// heads not a multiple of kv_heads, a buffer whose length does not fit, a grid past the
-    /// device's limits (more than 65,535 kv heads or batch entries, 2^31 padded rows), a
+    /// device's limits (more than 65,535 kv heads or batch entries, 2^27 padded rows), a
     /// non-positive or non-finite scale; driver errors.
     #[allow(clippy::too_many_arguments)]
     pub fn launch(

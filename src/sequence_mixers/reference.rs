@@ -6,6 +6,9 @@
 //!
 //! Layouts are row-major, batch first, then time: `[batch, seq_len, heads, width]` for
 //! per-head sequences (the layout of flash-linear-attention and of Mamba-2's reference code).
+//! Value ranges the docs state (Δ > 0, A < 0, α in (0, 1], β in [0, 1]) are the models', not
+//! checked: the recurrences are computed for any finite input. A sequence of length 0 returns
+//! no output and the initial state.
 
 /// Checks that `data` (the input named `what`) holds `want` elements.
 fn check_len(what: &str, data: &[f64], want: usize) -> Result<(), String> {
@@ -66,7 +69,7 @@ pub struct SsdInputs<'a> {
 ///
 /// # Errors
 /// A message naming the input whose length does not fit `shape`, or the shape's fault (heads
-/// not a multiple of groups, an empty dimension).
+/// not a multiple of groups, an empty dimension other than seq_len).
 pub fn ssd(shape: SsdShape, inp: SsdInputs) -> Result<(Vec<f64>, Vec<f64>), String> {
     let SsdShape {
         batch,
@@ -171,7 +174,8 @@ pub struct ScanInputs<'a> {
 /// state `[B, D, N]`.
 ///
 /// # Errors
-/// A message naming the input whose length does not fit `shape`, or an empty dimension.
+/// A message naming the input whose length does not fit `shape`, or an empty dimension other
+/// than seq_len.
 pub fn selective_scan(shape: ScanShape, inp: ScanInputs) -> Result<(Vec<f64>, Vec<f64>), String> {
     let ScanShape {
         batch,
@@ -248,7 +252,8 @@ pub struct DeltaInputs<'a> {
     pub alpha: &'a [f64],
     /// The writing strength β in [0, 1], `[B, T, H]`.
     pub beta: &'a [f64],
-    /// The state before the first step, `[B, H, V, K]`, or zeros.
+    /// The state before the first step, `[B, H, V, K]` (value-major: the transpose of
+    /// flash-linear-attention's `[B, H, K, V]` state), or zeros.
     pub initial_state: Option<&'a [f64]>,
 }
 
@@ -261,7 +266,8 @@ pub struct DeltaInputs<'a> {
 /// Returns O `[B, T, H, V]` and the final state `[B, H, V, K]`.
 ///
 /// # Errors
-/// A message naming the input whose length does not fit `shape`, or an empty dimension.
+/// A message naming the input whose length does not fit `shape`, or an empty dimension other
+/// than seq_len.
 pub fn gated_delta_rule(
     shape: DeltaShape,
     inp: DeltaInputs,
@@ -426,8 +432,10 @@ mod tests {
         assert!(y.iter().any(|v| v.abs() > 1e-3), "a non-trivial output");
     }
 
-    /// Runs `whole` over the sequence, then over its first `cut` steps and the rest with the
-    /// first part's final state: outputs and final states agree.
+    /// Runs the mixer (`run(t0, t1, initial_state)` over steps [t0, t1)) over the whole
+    /// sequence, then over its first `cut` steps and the rest with the first part's final
+    /// state: outputs and final states agree. `per_step` is [batch, outputs per step and batch
+    /// entry].
     fn halves_agree<F>(t_len: usize, cut: usize, per_step: &[usize], run: F)
     where
         F: Fn(usize, usize, Option<&[f64]>) -> (Vec<f64>, Vec<f64>),
@@ -435,16 +443,21 @@ mod tests {
         let (y, s) = run(0, t_len, None);
         let (y1, s1) = run(0, cut, None);
         let (y2, s2) = run(cut, t_len, Some(&s1));
-        // Outputs per step of `per_step[0]` values per batch entry, batch-major.
+        // Outputs are batch-major, `width` values per step.
         let (batch, width) = (per_step[0], per_step[1]);
         for b in 0..batch {
             let whole = &y[b * t_len * width..][..t_len * width];
             let first = &y1[b * cut * width..][..cut * width];
             let second = &y2[b * (t_len - cut) * width..][..(t_len - cut) * width];
-            assert!(max_rel(&whole[..cut * width], first) < 1e-13);
-            assert!(max_rel(&whole[cut * width..], second) < 1e-13);
+            let e1 = max_rel(&whole[..cut * width], first);
+            let e2 = max_rel(&whole[cut * width..], second);
+            assert!(
+                e1 < 1e-13 && e2 < 1e-13,
+                "batch {b}: first part {e1}, second {e2}"
+            );
         }
-        assert!(max_rel(&s2, &s) < 1e-13);
+        let es = max_rel(&s2, &s);
+        assert!(es < 1e-13, "final state {es}");
     }
 
     /// The time steps [t0, t1) of a `[B, T, rest]` tensor.
@@ -523,6 +536,62 @@ mod tests {
         .unwrap();
         assert!(max_rel(&y2, &y) < 1e-13);
         assert!(max_rel(&state2, &state) < 1e-13);
+    }
+
+    /// The scan against its closed form from a zero state, with a different A for every state
+    /// entry: y_t = Σ_{s ≤ t} Σ_n C_t[n] exp(A_n Σ_{r=s+1..t} Δ_r) Δ_s B_s[n] u_s + D u_t.
+    #[test]
+    fn the_selective_scan_matches_its_closed_form() {
+        let sh = ScanShape {
+            batch: 2,
+            seq_len: 7,
+            channels: 3,
+            state: 4,
+        };
+        let bt = sh.batch * sh.seq_len;
+        let (t_len, ch, nd) = (sh.seq_len, sh.channels, sh.state);
+        let u = uniform(bt * ch, -1.0, 1.0, 70);
+        let delta = uniform(bt * ch, 0.05, 0.5, 71);
+        let a = uniform(ch * nd, -2.0, -0.1, 72);
+        let b = uniform(bt * nd, -1.0, 1.0, 73);
+        let c = uniform(bt * nd, -1.0, 1.0, 74);
+        let d = uniform(ch, -1.0, 1.0, 75);
+        let (y, _) = selective_scan(
+            sh,
+            ScanInputs {
+                u: &u,
+                delta: &delta,
+                a: &a,
+                b: &b,
+                c: &c,
+                d: Some(&d),
+                initial_state: None,
+            },
+        )
+        .unwrap();
+        for bb in 0..sh.batch {
+            for t in 0..t_len {
+                for k in 0..ch {
+                    let at = |s: usize| (bb * t_len + s) * ch + k;
+                    let mut want = d[k] * u[at(t)];
+                    for s in 0..=t {
+                        let dsum: f64 = (s + 1..=t).map(|r| delta[at(r)]).sum();
+                        for n in 0..nd {
+                            want += c[(bb * t_len + t) * nd + n]
+                                * (a[k * nd + n] * dsum).exp()
+                                * delta[at(s)]
+                                * b[(bb * t_len + s) * nd + n]
+                                * u[at(s)];
+                        }
+                    }
+                    let got = y[at(t)];
+                    assert!(
+                        (got - want).abs() < 1e-12,
+                        "b {bb} t {t} ch {k}: {got} vs {want}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
@@ -733,6 +802,27 @@ mod tests {
                 .unwrap()
             },
         );
+    }
+
+    #[test]
+    fn an_empty_sequence_returns_the_initial_state() {
+        let s = SsdShape { seq_len: 0, ..SSD };
+        let s0 = uniform(s.batch * s.heads * s.head_dim * s.state, -1.0, 1.0, 80);
+        let (y, last) = ssd(
+            s,
+            SsdInputs {
+                x: &[],
+                dt: &[],
+                a: &[-1.0; 4],
+                b: &[],
+                c: &[],
+                d: None,
+                initial_state: Some(&s0),
+            },
+        )
+        .unwrap();
+        assert!(y.is_empty());
+        assert_eq!(last, s0);
     }
 
     #[test]
