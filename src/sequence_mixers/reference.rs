@@ -538,6 +538,18 @@ mod tests {
         assert!(max_rel(&state2, &state) < 1e-13);
     }
 
+    /// Random inputs of a scan: u, Δ, A, B and C from seeds `seed` to `seed + 4`.
+    fn scan_data(sh: ScanShape, seed: u64) -> [Vec<f64>; 5] {
+        let bt = sh.batch * sh.seq_len;
+        [
+            uniform(bt * sh.channels, -1.0, 1.0, seed),
+            uniform(bt * sh.channels, 0.05, 0.5, seed + 1),
+            uniform(sh.channels * sh.state, -2.0, -0.1, seed + 2),
+            uniform(bt * sh.state, -1.0, 1.0, seed + 3),
+            uniform(bt * sh.state, -1.0, 1.0, seed + 4),
+        ]
+    }
+
     /// The scan against its closed form from a zero state, with a different A for every state
     /// entry: y_t = Σ_{s ≤ t} Σ_n C_t[n] exp(A_n Σ_{r=s+1..t} Δ_r) Δ_s B_s[n] u_s + D u_t.
     #[test]
@@ -548,13 +560,8 @@ mod tests {
             channels: 3,
             state: 4,
         };
-        let bt = sh.batch * sh.seq_len;
         let (t_len, ch, nd) = (sh.seq_len, sh.channels, sh.state);
-        let u = uniform(bt * ch, -1.0, 1.0, 70);
-        let delta = uniform(bt * ch, 0.05, 0.5, 71);
-        let a = uniform(ch * nd, -2.0, -0.1, 72);
-        let b = uniform(bt * nd, -1.0, 1.0, 73);
-        let c = uniform(bt * nd, -1.0, 1.0, 74);
+        let [u, delta, a, b, c] = scan_data(sh, 70);
         let d = uniform(ch, -1.0, 1.0, 75);
         let (y, _) = selective_scan(
             sh,
@@ -602,12 +609,7 @@ mod tests {
             channels: 6,
             state: 4,
         };
-        let bt = sh.batch * sh.seq_len;
-        let u = uniform(bt * sh.channels, -1.0, 1.0, 20);
-        let delta = uniform(bt * sh.channels, 0.05, 0.5, 21);
-        let a = uniform(sh.channels * sh.state, -2.0, -0.1, 22);
-        let b = uniform(bt * sh.state, -1.0, 1.0, 23);
-        let c = uniform(bt * sh.state, -1.0, 1.0, 24);
+        let [u, delta, a, b, c] = scan_data(sh, 20);
         halves_agree(sh.seq_len, 5, &[sh.batch, sh.channels], |t0, t1, s0| {
             let sl = |v: &[f64]| steps(v, sh.batch, sh.seq_len, t0, t1);
             let (u, delta, b, c) = (sl(&u), sl(&delta), sl(&b), sl(&c));
