@@ -27,6 +27,20 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return d;
 }
 
+// The last kernel of the flash backwards (portable, flex and wgmma): dQ = scale * dQacc (fp32,
+// n elements) rounded to the 16-bit dtype, two elements per thread.
+template <bool BF16>
+__device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ dQacc, u16* __restrict__ dQ,
+                                               size_t n, float scale) {
+    const size_t i = 2 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i + 1 < n) {
+        const float2 x = *reinterpret_cast<const float2*>(dQacc + i);
+        *reinterpret_cast<u32*>(dQ + i) = pack2<BF16>(x.x * scale, x.y * scale);
+    } else if (i < n) {
+        dQ[i] = (u16)(pack2<BF16>(dQacc[i] * scale, 0.f) & 0xffff);
+    }
+}
+
 // The 16-bit value `x` (bf16 or fp16 bits) as fp32.
 template <bool BF16>
 __device__ __forceinline__ float to_f32(u16 x) {

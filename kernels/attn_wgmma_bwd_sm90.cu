@@ -467,15 +467,9 @@ BW_PRE_ENTRY(128)
 BW_ENTRY(128)
 #endif
 
-// dQ = scale * dQacc in bf16, two elements per thread.
+// dQ = scale * dQacc in bf16 (the prelude's bwd_dq_convert).
 extern "C" __global__ void attn_bwd_sm90_dq_convert(const float* __restrict__ dqacc,
                                                     u16* __restrict__ dQ, unsigned long long n,
                                                     float scale) {
-    const size_t i = 2 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
-    if (i + 1 < n) {
-        const float2 x = *reinterpret_cast<const float2*>(dqacc + i);
-        *reinterpret_cast<u32*>(dQ + i) = pack2<true>(x.x * scale, x.y * scale);
-    } else if (i < n) {
-        dQ[i] = (u16)(pack2<true>(dqacc[i] * scale, 0.f) & 0xffff);
-    }
+    bwd_dq_convert<true>(dqacc, dQ, n, scale);
 }

@@ -29,7 +29,7 @@
 //    registers per thread, so the host launches the kernel twice, for columns [0, 128) and
 //    [128, 256) of dK and dV (`dkv_off`), recomputing S and dP in the second launch; only the
 //    first adds to dQ.
-// 3. `bwd_dq_convert`: dQ = scale * dQacc, rounded to the 16-bit dtype.
+// 3. `bwd_dq_convert` (attn_prelude.cuh): dQ = scale * dQacc, rounded to the 16-bit dtype.
 //
 // The host appends `extern "C"` wrappers (`flash_bwd_instance` in src/attention/cuda.rs).
 // flash_bwd grid: (ceil(Tkv / BC), KVH, B), block 32 * NW, dynamic shared memory
@@ -52,18 +52,6 @@ __device__ __forceinline__ void bwd_preprocess(const u16* __restrict__ O, const 
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
     if (lane == 0) Dsum[warp] = acc;
-}
-
-template <bool BF16>
-__device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ dQacc, u16* __restrict__ dQ,
-                                               size_t n, float scale) {
-    const size_t i = 2 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
-    if (i + 1 < n) {
-        const float2 x = *reinterpret_cast<const float2*>(dQacc + i);
-        *reinterpret_cast<u32*>(dQ + i) = pack2<BF16>(x.x * scale, x.y * scale);
-    } else if (i < n) {
-        dQ[i] = (u16)(pack2<BF16>(dQacc[i] * scale, 0.f) & 0xffff);
-    }
 }
 
 // A warp's 16 x (N * 8) accumulator tile rounded to 16 bits, as the A fragments of the next

@@ -22,6 +22,14 @@ fn check_len(what: &str, data: &[f64], want: usize) -> Result<(), String> {
     }
 }
 
+/// The state to start from: `given` (checked to hold `len` elements), or zeros.
+fn initial_state(given: Option<&[f64]>, len: usize) -> Result<Vec<f64>, String> {
+    match given {
+        Some(s0) => check_len("initial_state", s0, len).map(|()| s0.to_vec()),
+        None => Ok(vec![0.0; len]),
+    }
+}
+
 /// Sizes of an SSD call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SsdShape {
@@ -95,13 +103,7 @@ pub fn ssd(shape: SsdShape, inp: SsdInputs) -> Result<(Vec<f64>, Vec<f64>), Stri
     if let Some(d) = inp.d {
         check_len("d", d, heads)?;
     }
-    let state_len = batch * heads * p_dim * n_dim;
-    if let Some(s0) = inp.initial_state {
-        check_len("initial_state", s0, state_len)?;
-    }
-    let mut state = inp
-        .initial_state
-        .map_or_else(|| vec![0.0; state_len], <[f64]>::to_vec);
+    let mut state = initial_state(inp.initial_state, batch * heads * p_dim * n_dim)?;
     let mut y = vec![0.0; batch * t_len * heads * p_dim];
     let per_group = heads / groups;
     for b in 0..batch {
@@ -194,13 +196,7 @@ pub fn selective_scan(shape: ScanShape, inp: ScanInputs) -> Result<(Vec<f64>, Ve
     if let Some(d) = inp.d {
         check_len("d", d, channels)?;
     }
-    let state_len = batch * channels * n_dim;
-    if let Some(s0) = inp.initial_state {
-        check_len("initial_state", s0, state_len)?;
-    }
-    let mut state = inp
-        .initial_state
-        .map_or_else(|| vec![0.0; state_len], <[f64]>::to_vec);
+    let mut state = initial_state(inp.initial_state, batch * channels * n_dim)?;
     let mut y = vec![0.0; batch * t_len * channels];
     for b in 0..batch {
         for ch in 0..channels {
@@ -287,13 +283,7 @@ pub fn gated_delta_rule(
     check_len("v", inp.v, batch * t_len * heads * vd)?;
     check_len("alpha", inp.alpha, batch * t_len * heads)?;
     check_len("beta", inp.beta, batch * t_len * heads)?;
-    let state_len = batch * heads * vd * kd;
-    if let Some(s0) = inp.initial_state {
-        check_len("initial_state", s0, state_len)?;
-    }
-    let mut state = inp
-        .initial_state
-        .map_or_else(|| vec![0.0; state_len], <[f64]>::to_vec);
+    let mut state = initial_state(inp.initial_state, batch * heads * vd * kd)?;
     let mut o = vec![0.0; batch * t_len * heads * vd];
     let mut sk = vec![0.0; vd];
     for b in 0..batch {
