@@ -6,7 +6,9 @@
 # $KP_SHARD_RESERVE_S (default 250 s: a 16th of the grid took 103-230 s on an H200) and the
 # longest shard so far plus 20 s. A shard cut off by the budget leaves its document as
 # gpu_attention_I.partial.json. The shards of one build are one run (`config.command` differs
-# only in --shard and --output), so they may span machine calls.
+# only in --shard and --output), so they may span machine calls. Optional: KP_SHARD_FILTER (a
+# `--filter` expression, e.g. `pass=fwd`: the shards then split that part of the grid) and
+# KP_SHARD_NAME (the documents' name before `_I.json`, default gpu_attention).
 set -uo pipefail
 out=${1:?output folder}; count=${2:?shard count}; budget=${3:?budget, s}; shift 3
 mkdir -p "$out"
@@ -15,6 +17,8 @@ export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/cuda/
 export KP_RUNNERS_DIR=$here/runners
 export PYTHONUNBUFFERED=1
 reserve=${KP_SHARD_RESERVE_S:-250}
+name=${KP_SHARD_NAME:-gpu_attention}
+filter=(); [ -n "${KP_SHARD_FILTER:-}" ] && filter=(--filter "$KP_SHARD_FILTER")
 t_start=$(date +%s); longest=0
 for i in "$@"; do
   left=$(( budget - ($(date +%s) - t_start) ))
@@ -23,14 +27,14 @@ for i in "$@"; do
     echo "shard $i/$count: not started ($left s left, $need s needed)"; continue
   fi
   t0=$(date +%s)
-  doc="$out/gpu_attention_$i.json"
-  timeout --kill-after=10 "$left" "$here/attention" --compare torch,jax --shard "$i/$count" \
-    --output "$doc" > "$out/gpu_attention_$i.log" 2>&1
+  doc="$out/${name}_$i.json"
+  timeout --kill-after=10 "$left" "$here/attention" --compare torch,jax "${filter[@]}" \
+    --shard "$i/$count" --output "$doc" > "$out/${name}_$i.log" 2>&1
   rc=$?; took=$(( $(date +%s) - t0 ))
   [ $took -gt $longest ] && longest=$took
   if { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ -f "$doc" ]; then
-    mv "$doc" "$out/gpu_attention_$i.partial.json"
+    mv "$doc" "$out/${name}_$i.partial.json"
   fi
-  echo "shard $i/$count: exit $rc in $took s ($(grep -c '^\[' "$out/gpu_attention_$i.log") rows)"
+  echo "shard $i/$count: exit $rc in $took s ($(grep -c '^\[' "$out/${name}_$i.log") rows)"
 done
 echo "total: $(( $(date +%s) - t_start )) s"
