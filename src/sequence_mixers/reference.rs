@@ -1,8 +1,12 @@
 //! Float64 references of the sequence mixers, each the sequential recurrence its paper
 //! defines, one time step after another (no chunking, no parallel scan): slow, and what the
-//! chunked kernels and the alternatives are checked against. Every function takes an optional
-//! initial state and returns the final state, so that a sequence run in two halves (the state
-//! of the first passed to the second) equals one run over the whole sequence.
+//! chunked kernels and the alternatives are checked against. The file holds SSD, Mamba-2's
+//! layer ([`ssd`]), Mamba's selective scan ([`selective_scan`]), Gated DeltaNet's gated delta
+//! rule ([`gated_delta_rule`]) and Based's causal linear attention with a sliding-window
+//! softmax branch ([`based`]). Every function takes an optional initial state and returns the
+//! final state (for [`based`], the linear state and the window's cache of recent keys and
+//! values, [`BasedState`]), so that a sequence run in two halves (the state of the first passed
+//! to the second) equals one run over the whole sequence.
 //!
 //! Layouts are row-major, batch first, then time: `[batch, seq_len, heads, width]` for
 //! per-head sequences (the layout of flash-linear-attention and of Mamba-2's reference code).
@@ -10,8 +14,8 @@
 //! checked: the recurrences are computed for any finite input. A sequence of length 0 returns
 //! no output and the initial state.
 
-/// Checks that `data` (the input named `what`) holds `want` elements.
-fn check_len(what: &str, data: &[f64], want: usize) -> Result<(), String> {
+/// Checks that `data` (the input named `what`) holds `want` elements; the error names it.
+pub(super) fn check_len(what: &str, data: &[f64], want: usize) -> Result<(), String> {
     if data.len() == want {
         Ok(())
     } else {
@@ -22,10 +26,11 @@ fn check_len(what: &str, data: &[f64], want: usize) -> Result<(), String> {
     }
 }
 
-/// The state to start from: `given` (checked to hold `len` elements), or zeros.
-fn initial_state(given: Option<&[f64]>, len: usize) -> Result<Vec<f64>, String> {
+/// `given` (checked to hold `len` elements, `what` naming it in the error), or zeros: an
+/// initial state, or the cotangent of a final state.
+pub(super) fn or_zeros(what: &str, given: Option<&[f64]>, len: usize) -> Result<Vec<f64>, String> {
     match given {
-        Some(s0) => check_len("initial_state", s0, len).map(|()| s0.to_vec()),
+        Some(v) => check_len(what, v, len).map(|()| v.to_vec()),
         None => Ok(vec![0.0; len]),
     }
 }
@@ -103,7 +108,11 @@ pub fn ssd(shape: SsdShape, inp: SsdInputs) -> Result<(Vec<f64>, Vec<f64>), Stri
     if let Some(d) = inp.d {
         check_len("d", d, heads)?;
     }
-    let mut state = initial_state(inp.initial_state, batch * heads * p_dim * n_dim)?;
+    let mut state = or_zeros(
+        "initial_state",
+        inp.initial_state,
+        batch * heads * p_dim * n_dim,
+    )?;
     let mut y = vec![0.0; batch * t_len * heads * p_dim];
     let per_group = heads / groups;
     for b in 0..batch {
@@ -196,7 +205,7 @@ pub fn selective_scan(shape: ScanShape, inp: ScanInputs) -> Result<(Vec<f64>, Ve
     if let Some(d) = inp.d {
         check_len("d", d, channels)?;
     }
-    let mut state = initial_state(inp.initial_state, batch * channels * n_dim)?;
+    let mut state = or_zeros("initial_state", inp.initial_state, batch * channels * n_dim)?;
     let mut y = vec![0.0; batch * t_len * channels];
     for b in 0..batch {
         for ch in 0..channels {
@@ -283,7 +292,7 @@ pub fn gated_delta_rule(
     check_len("v", inp.v, batch * t_len * heads * vd)?;
     check_len("alpha", inp.alpha, batch * t_len * heads)?;
     check_len("beta", inp.beta, batch * t_len * heads)?;
-    let mut state = initial_state(inp.initial_state, batch * heads * vd * kd)?;
+    let mut state = or_zeros("initial_state", inp.initial_state, batch * heads * vd * kd)?;
     let mut o = vec![0.0; batch * t_len * heads * vd];
     let mut sk = vec![0.0; vd];
     for b in 0..batch {
@@ -311,6 +320,204 @@ pub fn gated_delta_rule(
                     out[r] = acc;
                 }
             }
+        }
+    }
+    Ok((o, state))
+}
+
+/// Sizes of a Based call (linear attention plus a sliding-window softmax branch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BasedShape {
+    /// Batch entries, B.
+    pub batch: usize,
+    /// Time steps, T.
+    pub seq_len: usize,
+    /// Heads, H.
+    pub heads: usize,
+    /// Query and key width per head, K (after the caller's feature map).
+    pub key_dim: usize,
+    /// Value width per head, V.
+    pub value_dim: usize,
+    /// Window, W ≥ 1: how many of the most recent keys the softmax branch sees, the current
+    /// one included.
+    pub window: usize,
+}
+
+/// The state [`based`] carries from one call to the next, float64: the linear branch's state
+/// and the window branch's cache of recent keys and values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BasedState {
+    /// The linear state S = Σ_s v_s k_sᵀ, `[B, H, V, K]` (value-major, as the delta rule's
+    /// state above).
+    pub s: Vec<f64>,
+    /// The last `cached` keys of each batch entry and head, oldest first, `[B, H, cached, K]`.
+    pub keys: Vec<f64>,
+    /// The values that go with `keys`, oldest first, `[B, H, cached, V]`.
+    pub values: Vec<f64>,
+    /// How many recent steps the cache holds, the same for every batch entry and head: at
+    /// most W − 1 (the current key makes the W-th). After a call it is min(W − 1, the initial
+    /// state's `cached` + T).
+    pub cached: usize,
+}
+
+impl BasedState {
+    /// The state before any step: S = 0 and an empty cache, for `shape`'s B, H, K and V.
+    pub fn zeros(shape: BasedShape) -> Self {
+        let BasedShape {
+            batch,
+            heads,
+            key_dim,
+            value_dim,
+            ..
+        } = shape;
+        Self {
+            s: vec![0.0; batch * heads * value_dim * key_dim],
+            keys: Vec::new(),
+            values: Vec::new(),
+            cached: 0,
+        }
+    }
+}
+
+/// Inputs of [`based`], float64.
+#[derive(Clone, Copy, Debug)]
+pub struct BasedInputs<'a> {
+    /// Queries, `[B, T, H, K]`, already through the feature map (see [`based`]).
+    pub q: &'a [f64],
+    /// Keys, `[B, T, H, K]`, already through the feature map.
+    pub k: &'a [f64],
+    /// Values, `[B, T, H, V]`.
+    pub v: &'a [f64],
+    /// The factor on both branches' scores q·k (1/√K if the caller wants the usual one).
+    pub scale: f64,
+    /// The state before the first step (see [`BasedState`]), or S = 0 and an empty cache.
+    pub initial_state: Option<&'a BasedState>,
+}
+
+/// Causal linear attention with a sliding-window softmax branch, after the design of Based
+/// (Arora et al., 2024, "Simple linear attention language models balance the
+/// recall-throughput tradeoff"): a linear-attention branch plus exact softmax attention over
+/// a short sliding window, here summed in one mixer. For each batch entry and head, with the
+/// linear state S (V × K, float64), the window W and the scale c,
+///
+/// S_t = S_{t−1} + v_t k_tᵀ,  la_t = c · S_t q_t,
+///
+/// sw_t = Σ_{s = max(0, t−W+1)}^{t} softmax_s(c · q_t·k_s) v_s,
+///
+/// o_t = la_t + sw_t,
+///
+/// the softmax exact (max-subtracted) over those keys only, and the linear branch
+/// unnormalised (as flash-linear-attention's `chunk_linear_attn` with `normalize=False`).
+/// Based applies a Taylor feature map to q and k before the linear branch; this reference
+/// leaves it to the caller: q and k arrive already mapped (K is the mapped width), so the
+/// identity map is the reference's, and both branches read the same q and k. Keys and
+/// values before the first step, up to W − 1 of them, come from the initial state's cache.
+///
+/// Returns O `[B, T, H, V]` and the final state: S `[B, H, V, K]` and the last
+/// min(W − 1, cached + T) keys and values (see [`BasedState`]), so that a sequence run in two
+/// parts, the first's state passed to the second, equals one run.
+///
+/// # Errors
+/// A message naming the input whose length does not fit `shape` (`initial_state.s`,
+/// `initial_state.keys` and `initial_state.values` for the state's fields), an initial cache
+/// longer than W − 1, or an empty dimension other than seq_len (W = 0 included).
+pub fn based(shape: BasedShape, inp: BasedInputs) -> Result<(Vec<f64>, BasedState), String> {
+    let BasedShape {
+        batch,
+        seq_len: t_len,
+        heads,
+        key_dim: kd,
+        value_dim: vd,
+        window,
+    } = shape;
+    if batch == 0 || heads == 0 || kd == 0 || vd == 0 || window == 0 {
+        return Err(format!("based: empty dimension in {shape:?}"));
+    }
+    check_len("q", inp.q, batch * t_len * heads * kd)?;
+    check_len("k", inp.k, batch * t_len * heads * kd)?;
+    check_len("v", inp.v, batch * t_len * heads * vd)?;
+    let zeros;
+    let s0 = match inp.initial_state {
+        Some(s0) => s0,
+        None => {
+            zeros = BasedState::zeros(shape);
+            &zeros
+        }
+    };
+    let c0 = s0.cached;
+    if c0 >= window {
+        return Err(format!(
+            "initial_state: {c0} cached steps, at most window − 1 = {} fit",
+            window - 1
+        ));
+    }
+    check_len("initial_state.s", &s0.s, batch * heads * vd * kd)?;
+    check_len("initial_state.keys", &s0.keys, batch * heads * c0 * kd)?;
+    check_len("initial_state.values", &s0.values, batch * heads * c0 * vd)?;
+    let c1 = (c0 + t_len).min(window - 1);
+    let mut state = BasedState {
+        s: s0.s.clone(),
+        keys: vec![0.0; batch * heads * c1 * kd],
+        values: vec![0.0; batch * heads * c1 * vd],
+        cached: c1,
+    };
+    let mut o = vec![0.0; batch * t_len * heads * vd];
+    // Per batch entry and head: the cached keys and values followed by this call's, so that
+    // step t sits at position c0 + t of the history.
+    let mut hist_k = vec![0.0; (c0 + t_len) * kd];
+    let mut hist_v = vec![0.0; (c0 + t_len) * vd];
+    let mut scores = vec![0.0; window];
+    for b in 0..batch {
+        for h in 0..heads {
+            let bh = b * heads + h;
+            hist_k[..c0 * kd].copy_from_slice(&s0.keys[bh * c0 * kd..][..c0 * kd]);
+            hist_v[..c0 * vd].copy_from_slice(&s0.values[bh * c0 * vd..][..c0 * vd]);
+            for t in 0..t_len {
+                let i = (b * t_len + t) * heads + h;
+                hist_k[(c0 + t) * kd..][..kd].copy_from_slice(&inp.k[i * kd..][..kd]);
+                hist_v[(c0 + t) * vd..][..vd].copy_from_slice(&inp.v[i * vd..][..vd]);
+            }
+            let s = &mut state.s[bh * vd * kd..][..vd * kd];
+            for t in 0..t_len {
+                let i = (b * t_len + t) * heads + h;
+                let q = &inp.q[i * kd..][..kd];
+                let k = &inp.k[i * kd..][..kd];
+                let v = &inp.v[i * vd..][..vd];
+                let out = &mut o[i * vd..][..vd];
+                // Linear branch: S ← S + v kᵀ, then c · S q, row by row.
+                for r in 0..vd {
+                    let row = &mut s[r * kd..][..kd];
+                    let mut acc = 0.0;
+                    for j in 0..kd {
+                        row[j] += v[r] * k[j];
+                        acc += row[j] * q[j];
+                    }
+                    out[r] = inp.scale * acc;
+                }
+                // Window branch: softmax over history positions [last + 1 − W, last].
+                let last = c0 + t;
+                let first = (last + 1).saturating_sub(window);
+                let sc = &mut scores[..=last - first];
+                for (e, p) in sc.iter_mut().zip(first..=last) {
+                    let kp = &hist_k[p * kd..][..kd];
+                    *e = inp.scale * (0..kd).map(|j| q[j] * kp[j]).sum::<f64>();
+                }
+                let top = sc.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+                sc.iter_mut().for_each(|e| *e = (*e - top).exp());
+                let total: f64 = sc.iter().sum();
+                for (e, p) in sc.iter().zip(first..=last) {
+                    let w = e / total;
+                    let vp = &hist_v[p * vd..][..vd];
+                    for r in 0..vd {
+                        out[r] += w * vp[r];
+                    }
+                }
+            }
+            // The cache to hand on: the last c1 positions of the history.
+            let from = c0 + t_len - c1;
+            state.keys[bh * c1 * kd..][..c1 * kd].copy_from_slice(&hist_k[from * kd..][..c1 * kd]);
+            state.values[bh * c1 * vd..][..c1 * vd]
+                .copy_from_slice(&hist_v[from * vd..][..c1 * vd]);
         }
     }
     Ok((o, state))
@@ -845,5 +1052,368 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.starts_with("q:"), "{e}");
+    }
+
+    const BASED: BasedShape = BasedShape {
+        batch: 2,
+        seq_len: 13,
+        heads: 3,
+        key_dim: 4,
+        value_dim: 5,
+        window: 4,
+    };
+
+    /// The scale the Based tests use, 1/√K for K = 4.
+    const BASED_SCALE: f64 = 0.5;
+
+    /// Random q, k and v of a Based call, from seeds `seed` to `seed + 2`.
+    fn based_data(s: BasedShape, seed: u64) -> [Vec<f64>; 3] {
+        let n = s.batch * s.seq_len * s.heads;
+        [
+            uniform(n * s.key_dim, -1.0, 1.0, seed),
+            uniform(n * s.key_dim, -1.0, 1.0, seed + 1),
+            uniform(n * s.value_dim, -1.0, 1.0, seed + 2),
+        ]
+    }
+
+    fn based_run(
+        s: BasedShape,
+        [q, k, v]: &[Vec<f64>; 3],
+        s0: Option<&BasedState>,
+    ) -> (Vec<f64>, BasedState) {
+        based(
+            s,
+            BasedInputs {
+                q,
+                k,
+                v,
+                scale: BASED_SCALE,
+                initial_state: s0,
+            },
+        )
+        .unwrap()
+    }
+
+    /// Full causal softmax attention, each output a direct sum over all earlier steps (no
+    /// window, no max subtraction: the scores are small), `[B, T, H, V]`.
+    fn causal_softmax(s: BasedShape, [q, k, v]: &[Vec<f64>; 3]) -> Vec<f64> {
+        let (t_len, heads, kd, vd) = (s.seq_len, s.heads, s.key_dim, s.value_dim);
+        let at = |b: usize, t: usize, h: usize| (b * t_len + t) * heads + h;
+        let mut o = vec![0.0; s.batch * t_len * heads * vd];
+        for b in 0..s.batch {
+            for h in 0..heads {
+                for t in 0..t_len {
+                    let w: Vec<f64> = (0..=t)
+                        .map(|u| {
+                            let dot: f64 = (0..kd)
+                                .map(|j| q[at(b, t, h) * kd + j] * k[at(b, u, h) * kd + j])
+                                .sum();
+                            (BASED_SCALE * dot).exp()
+                        })
+                        .collect();
+                    let z: f64 = w.iter().sum();
+                    for r in 0..vd {
+                        o[at(b, t, h) * vd + r] =
+                            (0..=t).map(|u| w[u] * v[at(b, u, h) * vd + r]).sum::<f64>() / z;
+                    }
+                }
+            }
+        }
+        o
+    }
+
+    /// The linear branch in matrix form, scale · (Q Kᵀ ∘ M) V with M the causal mask
+    /// (M[t, u] = 1 for u ≤ t), one batch entry and head at a time, `[B, T, H, V]`.
+    fn linear_matrix_form(s: BasedShape, [q, k, v]: &[Vec<f64>; 3]) -> Vec<f64> {
+        let (t_len, heads, kd, vd) = (s.seq_len, s.heads, s.key_dim, s.value_dim);
+        let at = |b: usize, t: usize, h: usize| (b * t_len + t) * heads + h;
+        let mut o = vec![0.0; s.batch * t_len * heads * vd];
+        for b in 0..s.batch {
+            for h in 0..heads {
+                // A = Q Kᵀ ∘ M, T × T.
+                let mut a = vec![0.0; t_len * t_len];
+                for t in 0..t_len {
+                    for u in 0..t_len {
+                        let qk: f64 = (0..kd)
+                            .map(|j| q[at(b, t, h) * kd + j] * k[at(b, u, h) * kd + j])
+                            .sum();
+                        a[t * t_len + u] = if u <= t { qk } else { 0.0 };
+                    }
+                }
+                for t in 0..t_len {
+                    for r in 0..vd {
+                        let av: f64 = (0..t_len)
+                            .map(|u| a[t * t_len + u] * v[at(b, u, h) * vd + r])
+                            .sum();
+                        o[at(b, t, h) * vd + r] = BASED_SCALE * av;
+                    }
+                }
+            }
+        }
+        o
+    }
+
+    /// With W ≥ T the window sees every earlier key: the output is full causal softmax
+    /// attention plus the linear branch's matrix form, the final S is Vᵀ K per head, and the
+    /// cache holds the last min(W − 1, T) keys and values.
+    #[test]
+    fn based_with_a_window_covering_the_sequence_is_softmax_plus_linear_attention() {
+        for window in [BASED.seq_len, BASED.seq_len + 5] {
+            let s = BasedShape { window, ..BASED };
+            let d = based_data(s, 90);
+            let (o, last) = based_run(s, &d, None);
+            let want: Vec<f64> = causal_softmax(s, &d)
+                .iter()
+                .zip(linear_matrix_form(s, &d))
+                .map(|(a, b)| a + b)
+                .collect();
+            let e = max_rel(&o, &want);
+            assert!(e < 1e-12, "window {window}: {e}");
+            let (t_len, heads, kd, vd) = (s.seq_len, s.heads, s.key_dim, s.value_dim);
+            let [_, k, v] = &d;
+            let at = |b: usize, t: usize, h: usize| (b * t_len + t) * heads + h;
+            let mut vk = vec![0.0; s.batch * heads * vd * kd];
+            for b in 0..s.batch {
+                for h in 0..heads {
+                    for r in 0..vd {
+                        for j in 0..kd {
+                            vk[((b * heads + h) * vd + r) * kd + j] = (0..t_len)
+                                .map(|t| v[at(b, t, h) * vd + r] * k[at(b, t, h) * kd + j])
+                                .sum();
+                        }
+                    }
+                }
+            }
+            assert!(max_rel(&last.s, &vk) < 1e-12, "window {window}: final S");
+            let c = (window - 1).min(t_len);
+            assert_eq!(last.cached, c);
+            assert_eq!(last.keys, steps_per_head(k, s, kd, t_len - c));
+            assert_eq!(last.values, steps_per_head(v, s, vd, t_len - c));
+        }
+    }
+
+    /// Steps [from, T) of a `[B, T, H, width]` tensor, regrouped `[B, H, T − from, width]`.
+    fn steps_per_head(x: &[f64], s: BasedShape, width: usize, from: usize) -> Vec<f64> {
+        let (t_len, heads) = (s.seq_len, s.heads);
+        let mut out = Vec::new();
+        for b in 0..s.batch {
+            for h in 0..heads {
+                for t in from..t_len {
+                    out.extend_from_slice(&x[((b * t_len + t) * heads + h) * width..][..width]);
+                }
+            }
+        }
+        out
+    }
+
+    /// With W = 1 the window holds only the current key, whose softmax weight is 1: the window
+    /// branch is v_t, the output v_t plus the linear branch, and nothing is cached.
+    #[test]
+    fn based_with_a_window_of_one_returns_the_value() {
+        let s = BasedShape { window: 1, ..BASED };
+        let d = based_data(s, 100);
+        let (o, last) = based_run(s, &d, None);
+        let window_branch: Vec<f64> = o
+            .iter()
+            .zip(linear_matrix_form(s, &d))
+            .map(|(a, b)| a - b)
+            .collect();
+        let e = max_rel(&window_branch, &d[2]);
+        assert!(e < 1e-12, "{e}");
+        assert_eq!(last.cached, 0);
+        assert!(last.keys.is_empty() && last.values.is_empty());
+    }
+
+    /// Runs `s` over the whole sequence and over steps [0, cut) then [cut, T) with the first
+    /// part's final state, both from `s0`: outputs and final states agree within 1e-12.
+    fn based_halves_agree(s: BasedShape, cut: usize, s0: Option<&BasedState>, seed: u64) {
+        let d = based_data(s, seed);
+        let t_len = s.seq_len;
+        let part = |t0: usize, t1: usize, init: Option<&BasedState>| {
+            let sl = |x: &[f64]| steps(x, s.batch, t_len, t0, t1);
+            let dd = [sl(&d[0]), sl(&d[1]), sl(&d[2])];
+            based_run(
+                BasedShape {
+                    seq_len: t1 - t0,
+                    ..s
+                },
+                &dd,
+                init,
+            )
+        };
+        let (o, last) = based_run(s, &d, s0);
+        let (o1, last1) = part(0, cut, s0);
+        let (o2, last2) = part(cut, t_len, Some(&last1));
+        let width = s.heads * s.value_dim;
+        let tag = format!("window {} cut {cut}", s.window);
+        for b in 0..s.batch {
+            let whole = &o[b * t_len * width..][..t_len * width];
+            let first = &o1[b * cut * width..][..cut * width];
+            let second = &o2[b * (t_len - cut) * width..][..(t_len - cut) * width];
+            let e1 = max_rel(&whole[..cut * width], first);
+            let e2 = max_rel(&whole[cut * width..], second);
+            assert!(e1 < 1e-12 && e2 < 1e-12, "{tag}, batch {b}: {e1}, {e2}");
+        }
+        assert_eq!(last2.cached, last.cached, "{tag}");
+        for (name, x, y) in [
+            ("S", &last2.s, &last.s),
+            ("keys", &last2.keys, &last.keys),
+            ("values", &last2.values, &last.values),
+        ] {
+            let e = max_rel(x, y);
+            assert!(e < 1e-12, "{tag}: final {name} {e}");
+        }
+    }
+
+    /// Cuts at every step with W = 4 (inside the first W − 1 steps, at the ends and beyond),
+    /// and windows longer than the first part, from a zero state and from a random state with
+    /// a cache.
+    #[test]
+    fn based_in_two_parts_equals_one_pass() {
+        for cut in 0..=BASED.seq_len {
+            based_halves_agree(BASED, cut, None, 110);
+        }
+        for (window, cut) in [(9, 2), (9, 5), (9, 8), (15, 6), (2, 1), (2, 7)] {
+            based_halves_agree(BasedShape { window, ..BASED }, cut, None, 111);
+        }
+        for (window, cached, cut) in [(4, 3, 1), (4, 2, 6), (9, 5, 3), (3, 1, 0)] {
+            let s = BasedShape { window, ..BASED };
+            let (bh, kd, vd) = (s.batch * s.heads, s.key_dim, s.value_dim);
+            let s0 = BasedState {
+                s: uniform(bh * vd * kd, -1.0, 1.0, 112),
+                keys: uniform(bh * cached * kd, -1.0, 1.0, 113),
+                values: uniform(bh * cached * vd, -1.0, 1.0, 114),
+                cached,
+            };
+            based_halves_agree(s, cut, Some(&s0), 115);
+        }
+    }
+
+    /// An initial linear state S0 (and no cache) adds scale · S0 q_t to every output and S0 to
+    /// the final state.
+    #[test]
+    fn based_initial_linear_state_adds_its_read_out() {
+        let s = BASED;
+        let d = based_data(s, 120);
+        let (t_len, heads, kd, vd) = (s.seq_len, s.heads, s.key_dim, s.value_dim);
+        let s0 = BasedState {
+            s: uniform(s.batch * heads * vd * kd, -1.0, 1.0, 123),
+            ..BasedState::zeros(s)
+        };
+        let (o, last) = based_run(s, &d, None);
+        let (o0, last0) = based_run(s, &d, Some(&s0));
+        let q = &d[0];
+        for b in 0..s.batch {
+            for t in 0..t_len {
+                for h in 0..heads {
+                    let i = (b * t_len + t) * heads + h;
+                    for r in 0..vd {
+                        let read: f64 = (0..kd)
+                            .map(|j| s0.s[((b * heads + h) * vd + r) * kd + j] * q[i * kd + j])
+                            .sum();
+                        let got = o0[i * vd + r] - o[i * vd + r];
+                        let want = BASED_SCALE * read;
+                        assert!(
+                            (got - want).abs() < 1e-12,
+                            "b {b} t {t} h {h} r {r}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+        let plus: Vec<f64> = last.s.iter().zip(&s0.s).map(|(a, b)| a + b).collect();
+        assert!(max_rel(&last0.s, &plus) < 1e-12);
+        assert_eq!((&last0.keys, &last0.values), (&last.keys, &last.values));
+    }
+
+    #[test]
+    fn based_bad_lengths_name_the_input_and_an_empty_sequence_keeps_the_state() {
+        let s = BASED;
+        let [q, k, v] = based_data(s, 130);
+        let inp = BasedInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            scale: BASED_SCALE,
+            initial_state: None,
+        };
+        let err = |s: BasedShape, inp: BasedInputs| based(s, inp).unwrap_err();
+        let e = err(s, BasedInputs { q: &q[1..], ..inp });
+        assert!(e.starts_with("q:"), "{e}");
+        let e = err(s, BasedInputs { k: &k[1..], ..inp });
+        assert!(e.starts_with("k:"), "{e}");
+        let e = err(s, BasedInputs { v: &q, ..inp });
+        assert!(e.starts_with("v:"), "{e}");
+        let e = err(BasedShape { window: 0, ..s }, inp);
+        assert!(e.contains("empty dimension"), "{e}");
+        let (bh, kd, vd) = (s.batch * s.heads, s.key_dim, s.value_dim);
+        let good = BasedState {
+            s: uniform(bh * vd * kd, -1.0, 1.0, 133),
+            keys: uniform(bh * 2 * kd, -1.0, 1.0, 134),
+            values: uniform(bh * 2 * vd, -1.0, 1.0, 135),
+            cached: 2,
+        };
+        let bad = [
+            (
+                BasedState {
+                    s: good.s[1..].to_vec(),
+                    ..good.clone()
+                },
+                "initial_state.s:",
+            ),
+            (
+                BasedState {
+                    keys: good.keys[kd..].to_vec(),
+                    ..good.clone()
+                },
+                "initial_state.keys:",
+            ),
+            (
+                BasedState {
+                    values: good.keys.clone(),
+                    ..good.clone()
+                },
+                "initial_state.values:",
+            ),
+            (
+                BasedState {
+                    keys: uniform(bh * 4 * kd, -1.0, 1.0, 136),
+                    values: uniform(bh * 4 * vd, -1.0, 1.0, 137),
+                    cached: 4,
+                    ..good.clone()
+                },
+                "initial_state:",
+            ),
+        ];
+        for (state, name) in &bad {
+            let e = err(
+                s,
+                BasedInputs {
+                    initial_state: Some(state),
+                    ..inp
+                },
+            );
+            assert!(e.starts_with(name), "{name}: {e}");
+        }
+        let empty = BasedShape { seq_len: 0, ..s };
+        let none = BasedInputs {
+            q: &[],
+            k: &[],
+            v: &[],
+            ..inp
+        };
+        let (o, last) = based(
+            empty,
+            BasedInputs {
+                initial_state: Some(&good),
+                ..none
+            },
+        )
+        .unwrap();
+        assert!(o.is_empty());
+        assert_eq!(last, good);
+        let (o, last) = based(empty, none).unwrap();
+        assert!(o.is_empty());
+        assert_eq!(last, BasedState::zeros(s));
     }
 }
