@@ -1172,6 +1172,42 @@ fn tile_sweep(commit: &str) -> serde_json::Value {
 }
 
 #[test]
+fn a_tile_sweep_names_the_grids_commit_not_another_kinds() {
+    let data = tempfile::tempdir().unwrap();
+    fs::copy(
+        valid_dir().join("gpu_attention.json"),
+        data.path().join("gpu_attention.json"),
+    )
+    .unwrap();
+    fs::write(
+        data.path().join("gpu_attention_tiles.json"),
+        tile_sweep("2222222222222222222222222222222222222222").to_string(),
+    )
+    .unwrap();
+    // A masks grid at a third commit whose file sorts before the grid's.
+    let mut other: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap())
+            .unwrap();
+    other["config"]["kind"] = serde_json::json!("masks");
+    other["config"]["git_commit"] = serde_json::json!("4444444444444444444444444444444444444444");
+    for row in other["rows"].as_array_mut().unwrap() {
+        // Cases of its own: no row repeats the grid's.
+        row["case"]["heads"] = serde_json::json!(99);
+        row["case"]["kv_heads"] = serde_json::json!(99);
+    }
+    fs::write(data.path().join("a_masks.json"), other.to_string()).unwrap();
+    assert_eq!(load::load_dir(data.path()).unwrap().len(), 3);
+    let (_tmp, site) = build_site(data.path(), None);
+    let attention = page(&site, "attention.html");
+    let section = attention.select(&sel("section.tile-sweep")).next().unwrap();
+    let t = text(section);
+    assert!(
+        t.contains("2222222") && t.contains("0000000") && !t.contains("4444444"),
+        "the sweep names its own commit and the grid's: {t}"
+    );
+}
+
+#[test]
 fn a_tile_sweep_is_a_run_of_its_own_with_its_own_section() {
     let data = tempfile::tempdir().unwrap();
     fs::copy(

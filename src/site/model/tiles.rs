@@ -179,7 +179,11 @@ fn sweep_section(
         .map_or_else(|| "ms".to_string(), |d| d.unit.clone());
     let grid_commit = grids
         .iter()
-        .find(|g| g.doc.suite == doc.suite && g.doc.device.name == doc.device.name)
+        .find(|g| {
+            g.doc.suite == doc.suite
+                && g.doc.device.name == doc.device.name
+                && g.doc.config.kind == RunKind::Grid
+        })
         .map(|g| g.doc.config.git_commit.as_str())
         .filter(|c| *c != doc.config.git_commit)
         .map(short);
