@@ -3,7 +3,7 @@
 //! against the sequential recurrences of [`super::reference`]. A kernel's tiling is then a
 //! question of where these products run, not of what they compute.
 
-use super::reference::{check_len, or_zeros, DeltaInputs, DeltaShape, SsdInputs, SsdShape};
+use super::reference::{or_zeros, DeltaInputs, DeltaShape, SsdInputs, SsdShape};
 
 /// SSD (Mamba-2's state-space dual layer, scalar decay per head, B and C shared by groups of
 /// heads) computed chunk by chunk, as Dao and Gu (2024, "Transformers are SSMs", §6, the block
@@ -40,22 +40,7 @@ pub fn ssd(shape: SsdShape, inp: SsdInputs, chunk: usize) -> Result<(Vec<f64>, V
     if chunk == 0 {
         return Err("ssd: chunk of 0 time steps".into());
     }
-    if batch == 0 || heads == 0 || p_dim == 0 || n_dim == 0 || groups == 0 {
-        return Err(format!("ssd: empty dimension in {shape:?}"));
-    }
-    if heads % groups != 0 {
-        return Err(format!(
-            "ssd: heads {heads} is not a multiple of groups {groups}"
-        ));
-    }
-    check_len("x", inp.x, batch * t_len * heads * p_dim)?;
-    check_len("dt", inp.dt, batch * t_len * heads)?;
-    check_len("a", inp.a, heads)?;
-    check_len("b", inp.b, batch * t_len * groups * n_dim)?;
-    check_len("c", inp.c, batch * t_len * groups * n_dim)?;
-    if let Some(d) = inp.d {
-        check_len("d", d, heads)?;
-    }
+    shape.check("ssd", &inp)?;
     let states = batch * heads * p_dim * n_dim;
     let mut state = or_zeros("initial_state", inp.initial_state, states)?;
     let mut y = vec![0.0; batch * t_len * heads * p_dim];
@@ -172,14 +157,7 @@ pub fn gated_delta_rule(
     if chunk == 0 {
         return Err("gated_delta_rule: chunk of 0 time steps".into());
     }
-    if batch == 0 || heads == 0 || kd == 0 || vd == 0 {
-        return Err(format!("gated_delta_rule: empty dimension in {shape:?}"));
-    }
-    check_len("q", inp.q, batch * t_len * heads * kd)?;
-    check_len("k", inp.k, batch * t_len * heads * kd)?;
-    check_len("v", inp.v, batch * t_len * heads * vd)?;
-    check_len("alpha", inp.alpha, batch * t_len * heads)?;
-    check_len("beta", inp.beta, batch * t_len * heads)?;
+    shape.check("gated_delta_rule", &inp)?;
     let states = batch * heads * vd * kd;
     let mut state = or_zeros("initial_state", inp.initial_state, states)?;
     let mut o = vec![0.0; batch * t_len * heads * vd];

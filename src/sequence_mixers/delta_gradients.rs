@@ -89,17 +89,8 @@ pub fn gated_delta_rule_backward(
         key_dim: kd,
         value_dim: vd,
     } = shape;
-    if batch == 0 || heads == 0 || kd == 0 || vd == 0 {
-        return Err(format!(
-            "gated_delta_rule_backward: empty dimension in {shape:?}"
-        ));
-    }
+    shape.check("gated_delta_rule_backward", &inp)?;
     let steps = batch * t_len * heads;
-    check_len("q", inp.q, steps * kd)?;
-    check_len("k", inp.k, steps * kd)?;
-    check_len("v", inp.v, steps * vd)?;
-    check_len("alpha", inp.alpha, steps)?;
-    check_len("beta", inp.beta, steps)?;
     check_len("d_out", d_out, steps * vd)?;
     let state_len = batch * heads * vd * kd;
     let s0 = or_zeros("initial_state", inp.initial_state, state_len)?;

@@ -82,22 +82,7 @@ pub fn ssd_backward(
         state: n_dim,
         groups,
     } = shape;
-    if batch == 0 || heads == 0 || p_dim == 0 || n_dim == 0 || groups == 0 {
-        return Err(format!("ssd_backward: empty dimension in {shape:?}"));
-    }
-    if heads % groups != 0 {
-        return Err(format!(
-            "ssd_backward: heads {heads} is not a multiple of groups {groups}"
-        ));
-    }
-    check_len("x", inp.x, batch * t_len * heads * p_dim)?;
-    check_len("dt", inp.dt, batch * t_len * heads)?;
-    check_len("a", inp.a, heads)?;
-    check_len("b", inp.b, batch * t_len * groups * n_dim)?;
-    check_len("c", inp.c, batch * t_len * groups * n_dim)?;
-    if let Some(d) = inp.d {
-        check_len("d", d, heads)?;
-    }
+    shape.check("ssd_backward", &inp)?;
     check_len("dy", dy, batch * t_len * heads * p_dim)?;
     let pn = p_dim * n_dim;
     let s0 = or_zeros("initial_state", inp.initial_state, batch * heads * pn)?;
@@ -243,19 +228,7 @@ pub fn selective_scan_backward(
         channels,
         state: n_dim,
     } = shape;
-    if batch == 0 || channels == 0 || n_dim == 0 {
-        return Err(format!(
-            "selective_scan_backward: empty dimension in {shape:?}"
-        ));
-    }
-    check_len("u", inp.u, batch * t_len * channels)?;
-    check_len("delta", inp.delta, batch * t_len * channels)?;
-    check_len("a", inp.a, channels * n_dim)?;
-    check_len("b", inp.b, batch * t_len * n_dim)?;
-    check_len("c", inp.c, batch * t_len * n_dim)?;
-    if let Some(d) = inp.d {
-        check_len("d", d, channels)?;
-    }
+    shape.check("selective_scan_backward", &inp)?;
     check_len("dy", dy, batch * t_len * channels)?;
     let h0 = or_zeros("initial_state", inp.initial_state, batch * channels * n_dim)?;
     // The adjoint of the state, d_final_state to start with, ā_1 ∘ ĥ_1 once the loop is done.

@@ -71,6 +71,34 @@ pub struct SsdInputs<'a> {
     pub initial_state: Option<&'a [f64]>,
 }
 
+impl SsdShape {
+    /// Checks `inp` against this shape: no empty dimension other than seq_len, heads a
+    /// multiple of groups, and every input's length (the error names the input, or starts
+    /// with `function` for the shape's fault).
+    pub(super) fn check(&self, function: &str, inp: &SsdInputs) -> Result<(), String> {
+        let s = *self;
+        if s.batch == 0 || s.heads == 0 || s.head_dim == 0 || s.state == 0 || s.groups == 0 {
+            return Err(format!("{function}: empty dimension in {s:?}"));
+        }
+        if !s.heads.is_multiple_of(s.groups) {
+            return Err(format!(
+                "{function}: heads {} is not a multiple of groups {}",
+                s.heads, s.groups
+            ));
+        }
+        let bt = s.batch * s.seq_len;
+        check_len("x", inp.x, bt * s.heads * s.head_dim)?;
+        check_len("dt", inp.dt, bt * s.heads)?;
+        check_len("a", inp.a, s.heads)?;
+        check_len("b", inp.b, bt * s.groups * s.state)?;
+        check_len("c", inp.c, bt * s.groups * s.state)?;
+        match inp.d {
+            Some(d) => check_len("d", d, s.heads),
+            None => Ok(()),
+        }
+    }
+}
+
 /// SSD, the state-space dual layer of Mamba-2 (Dao and Gu, 2024, "Transformers are SSMs:
 /// Generalized Models and Efficient Algorithms Through Structured State Space Duality", the
 /// scalar-times-identity A of its sections 3 and 7), as its recurrence: for each batch entry
@@ -92,22 +120,7 @@ pub fn ssd(shape: SsdShape, inp: SsdInputs) -> Result<(Vec<f64>, Vec<f64>), Stri
         state: n_dim,
         groups,
     } = shape;
-    if batch == 0 || heads == 0 || p_dim == 0 || n_dim == 0 || groups == 0 {
-        return Err(format!("ssd: empty dimension in {shape:?}"));
-    }
-    if heads % groups != 0 {
-        return Err(format!(
-            "ssd: heads {heads} is not a multiple of groups {groups}"
-        ));
-    }
-    check_len("x", inp.x, batch * t_len * heads * p_dim)?;
-    check_len("dt", inp.dt, batch * t_len * heads)?;
-    check_len("a", inp.a, heads)?;
-    check_len("b", inp.b, batch * t_len * groups * n_dim)?;
-    check_len("c", inp.c, batch * t_len * groups * n_dim)?;
-    if let Some(d) = inp.d {
-        check_len("d", d, heads)?;
-    }
+    shape.check("ssd", &inp)?;
     let mut state = or_zeros(
         "initial_state",
         inp.initial_state,
@@ -175,6 +188,28 @@ pub struct ScanInputs<'a> {
     pub initial_state: Option<&'a [f64]>,
 }
 
+impl ScanShape {
+    /// Checks `inp` against this shape: no empty dimension other than seq_len, and every
+    /// input's length (the error names the input, or starts with `function` for the shape's
+    /// fault).
+    pub(super) fn check(&self, function: &str, inp: &ScanInputs) -> Result<(), String> {
+        let s = *self;
+        if s.batch == 0 || s.channels == 0 || s.state == 0 {
+            return Err(format!("{function}: empty dimension in {s:?}"));
+        }
+        let bt = s.batch * s.seq_len;
+        check_len("u", inp.u, bt * s.channels)?;
+        check_len("delta", inp.delta, bt * s.channels)?;
+        check_len("a", inp.a, s.channels * s.state)?;
+        check_len("b", inp.b, bt * s.state)?;
+        check_len("c", inp.c, bt * s.state)?;
+        match inp.d {
+            Some(d) => check_len("d", d, s.channels),
+            None => Ok(()),
+        }
+    }
+}
+
 /// The selective scan of Mamba (Gu and Dao, 2023, "Mamba: Linear-Time Sequence Modeling with
 /// Selective State Spaces", Algorithm 2, zero-order-hold A and Euler B as its reference code
 /// does), as its recurrence: for each batch entry and channel d, with the state h (N entries),
@@ -194,17 +229,7 @@ pub fn selective_scan(shape: ScanShape, inp: ScanInputs) -> Result<(Vec<f64>, Ve
         channels,
         state: n_dim,
     } = shape;
-    if batch == 0 || channels == 0 || n_dim == 0 {
-        return Err(format!("selective_scan: empty dimension in {shape:?}"));
-    }
-    check_len("u", inp.u, batch * t_len * channels)?;
-    check_len("delta", inp.delta, batch * t_len * channels)?;
-    check_len("a", inp.a, channels * n_dim)?;
-    check_len("b", inp.b, batch * t_len * n_dim)?;
-    check_len("c", inp.c, batch * t_len * n_dim)?;
-    if let Some(d) = inp.d {
-        check_len("d", d, channels)?;
-    }
+    shape.check("selective_scan", &inp)?;
     let mut state = or_zeros("initial_state", inp.initial_state, batch * channels * n_dim)?;
     let mut y = vec![0.0; batch * t_len * channels];
     for b in 0..batch {
@@ -262,6 +287,24 @@ pub struct DeltaInputs<'a> {
     pub initial_state: Option<&'a [f64]>,
 }
 
+impl DeltaShape {
+    /// Checks `inp` against this shape: no empty dimension other than seq_len, and every
+    /// input's length (the error names the input, or starts with `function` for the shape's
+    /// fault).
+    pub(super) fn check(&self, function: &str, inp: &DeltaInputs) -> Result<(), String> {
+        let s = *self;
+        if s.batch == 0 || s.heads == 0 || s.key_dim == 0 || s.value_dim == 0 {
+            return Err(format!("{function}: empty dimension in {s:?}"));
+        }
+        let n = s.batch * s.seq_len * s.heads;
+        check_len("q", inp.q, n * s.key_dim)?;
+        check_len("k", inp.k, n * s.key_dim)?;
+        check_len("v", inp.v, n * s.value_dim)?;
+        check_len("alpha", inp.alpha, n)?;
+        check_len("beta", inp.beta, n)
+    }
+}
+
 /// The gated delta rule of Gated DeltaNet (Yang, Kautz and Hatamizadeh, 2024, "Gated Delta
 /// Networks: Improving Mamba2 with Delta Rule", equation (10)), as its recurrence: for each
 /// batch entry and head, with the state S (V × K, float64),
@@ -284,14 +327,7 @@ pub fn gated_delta_rule(
         key_dim: kd,
         value_dim: vd,
     } = shape;
-    if batch == 0 || heads == 0 || kd == 0 || vd == 0 {
-        return Err(format!("gated_delta_rule: empty dimension in {shape:?}"));
-    }
-    check_len("q", inp.q, batch * t_len * heads * kd)?;
-    check_len("k", inp.k, batch * t_len * heads * kd)?;
-    check_len("v", inp.v, batch * t_len * heads * vd)?;
-    check_len("alpha", inp.alpha, batch * t_len * heads)?;
-    check_len("beta", inp.beta, batch * t_len * heads)?;
+    shape.check("gated_delta_rule", &inp)?;
     let mut state = or_zeros("initial_state", inp.initial_state, batch * heads * vd * kd)?;
     let mut o = vec![0.0; batch * t_len * heads * vd];
     let mut sk = vec![0.0; vd];
