@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Copies what the GPU machine needs into DEST/.carry (default: ../main, the checkout the
 # device tool sends; `runners/carry.sh .` for this checkout): the attention and kernel_sums
-# runners, the GPU and comparison test binaries, the Python comparison package, device_run.sh,
+# runners, the GPU and comparison test binaries (attention, kernel sums, sequence mixers), the Python comparison package, device_run.sh,
 # device_verdict.py and grid_shards.sh. Build first:
 #   cargo build --release --bin attention --bin kernel_sums --tests
 set -euo pipefail
@@ -12,6 +12,7 @@ newest() { ls -t target/release/deps/$1-* | grep -v '\.d$' | head -1; }
 cp "$(newest gpu_attention)" "$dest/gpu_attention_test"
 cp "$(newest compare_script)" "$dest/compare_script_test"
 cp "$(newest gpu_kernel_sums)" "$dest/gpu_kernel_sums_test"
+cp "$(newest gpu_sequence_mixers)" "$dest/gpu_sequence_mixers_test"
 cp -r runners/compare "$dest/runners/"
 rm -rf "$dest/runners/compare/__pycache__"
 cp runners/device_run.sh runners/device_verdict.py runners/grid_shards.sh "$dest/"

@@ -6,6 +6,8 @@
 #   bash .carry/device_run.sh smoke OUTDIR        # < 9 min: GPU tests, comparison tests,
 #                                                 # non-aligned lengths and the T=16384 headline
 #   bash .carry/device_run.sh tests OUTDIR        # the GPU and comparison tests only
+#   bash .carry/device_run.sh mixers OUTDIR       # the sequence-mixer GPU tests (SSD v1
+#                                                 # against float64)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
 #   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding
@@ -92,6 +94,10 @@ part)
   step "part $name" "$limit" "$out/$name.log" "$bin/attention" --compare torch,jax \
     --filter "$filter" "${extra[@]}" --output "$out/$name.json"
   ;;
+mixers)
+  step "sequence-mixer gpu tests" 240 "$out/gpu_sequence_mixers.tests.log" \
+    "$bin/gpu_sequence_mixers_test" --include-ignored --test-threads 1 --nocapture
+  ;;
 kernel_sums)
   step "kernel-sum gpu tests" 240 "$out/gpu_kernel_sums.tests.log" "$bin/gpu_kernel_sums_test" \
     --include-ignored --test-threads 1 --nocapture
@@ -146,7 +152,7 @@ full)
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, part, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
+  echo "unknown mode $mode (smoke, tests, part, mixers, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"

@@ -740,3 +740,46 @@ fn each_wgmma_forward_compiles_alone() {
         assert_eq!(kernels, [name.as_str()], "{name}");
     }
 }
+
+/// The SSD kernels (`kernels/sequence_mixers/ssd.cu`): the source compiles for Hopper and
+/// Ampere with every entry point `sequence_mixers::cuda` launches in its PTX, and ptxas on
+/// sm_90a reports no spill and at most 255 registers for each (printed with `--nocapture`).
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn ssd_kernels_compile_without_spills() {
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    use kernelpages::sequence_mixers::cuda::{entry_points, SSD_SRC};
+    let names = entry_points();
+    for arch in ["sm_90a", "sm_80"] {
+        let ptx = kernelpages::gpu::nvrtc_compile("ssd.cu", SSD_SRC, arch)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let text = ptx.to_src();
+        for f in &names {
+            assert!(
+                text.contains(&format!(".entry {f}(")),
+                "{f} missing from the {arch} PTX"
+            );
+        }
+        assert_eq!(text.matches(".entry ").count(), names.len(), "{arch}");
+        compile("ssd.cu", SSD_SRC, arch);
+    }
+    let reports = kernelpages::gpu::ptxas_report("ssd.cu", SSD_SRC, "sm_90a").unwrap();
+    for name in &names {
+        let r = reports
+            .iter()
+            .find(|r| &r.kernel == name)
+            .unwrap_or_else(|| panic!("no ptxas report for {name}"));
+        eprintln!(
+            "{}: {} registers, {} spill bytes",
+            r.kernel, r.registers, r.spill_bytes
+        );
+        assert_eq!(r.spill_bytes, 0, "{r:?}");
+        assert!(r.registers <= 255, "{r:?}");
+    }
+}

@@ -1,0 +1,325 @@
+//! SSD on CUDA: `kernels/sequence_mixers/ssd.cu`, compiled by NVRTC at run time. Version 1
+//! runs the chunked algorithm of [`super::chunked::ssd`] (Dao and Gu, 2024, §6) on CUDA cores
+//! in float32, in three launches: each chunk's own state ([`CHUNK`] steps), the states passed
+//! from chunk to chunk, then each chunk's output from its inputs and its entering state.
+//! Correctness first: the matrix products are plain loops over shared memory, not tensor-core
+//! tiles yet.
+
+use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::reference::SsdShape;
+use crate::gpu::{Gpu, GpuError};
+
+/// The CUDA source of the SSD kernels ([`entry_points`] names them).
+pub const SSD_SRC: &str = include_str!("../../kernels/sequence_mixers/ssd.cu");
+
+/// Time steps per chunk (`SSD_CHUNK` in the source).
+pub const CHUNK: usize = 64;
+
+/// Threads per block of every SSD kernel (`SSD_THREADS` in the source).
+pub const THREADS: u32 = 256;
+
+/// Element type of X, B, C and Y on the device (Δ, A, D and the states are float32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    /// float32.
+    F32,
+    /// bfloat16, as its 16 bits (`u16`), rounded to nearest even.
+    Bf16,
+}
+
+impl Dtype {
+    fn tag(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// Every entry point of [`SSD_SRC`].
+pub fn entry_points() -> Vec<String> {
+    let mut v = vec!["ssd_state_passing".to_string()];
+    for d in [Dtype::F32, Dtype::Bf16] {
+        v.push(format!("ssd_chunk_state_{}", d.tag()));
+        v.push(format!("ssd_chunk_scan_{}", d.tag()));
+    }
+    v
+}
+
+/// Dynamic shared memory of the chunk-state and chunk-scan kernels for `shape`, bytes:
+/// (L·P + L·N + L) and (2·L·N + P·N + L·L + L·P + L) floats, L = [`CHUNK`].
+pub fn shared_bytes(shape: SsdShape) -> (u32, u32) {
+    let (l, p, n) = (CHUNK, shape.head_dim, shape.state);
+    let state = (l * p + l * n + l) * 4;
+    let scan = (2 * l * n + p * n + l * l + l * p + l) * 4;
+    (state as u32, scan as u32)
+}
+
+/// The shared memory one block may have on compute capability 9.0 (227 KiB). Version 1 needs
+/// up to 180 KiB (head_dim 128 with state 128); a device with less (sm_80: 163 KiB) refuses
+/// those shapes when the kernel's limit is raised (a driver error), smaller shapes run.
+const MAX_SHARED: u32 = 227 * 1024;
+
+/// SSD's compiled kernels and scratch for one shape: `states` `[B, H, n_chunks, P, N]` and the
+/// chunks' log decays `[B, H, n_chunks]` (float32).
+pub struct Ssd {
+    shape: SsdShape,
+    dtype: Dtype,
+    chunk_state: CudaFunction,
+    chunk_scan: CudaFunction,
+    passing: CudaFunction,
+    states: CudaSlice<f32>,
+    decay: CudaSlice<f32>,
+    /// Stands in for D or the initial state when none is given (never read).
+    unused: CudaSlice<f32>,
+    /// NVRTC compile and module load time, s (0 when this process had compiled the source).
+    pub compile_s: f64,
+}
+
+impl Ssd {
+    /// Compiles the kernels and allocates the scratch for `shape` and `dtype`.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for a shape the reference refuses (an empty dimension other than
+    /// seq_len, heads not a multiple of groups), dimensions past 32-bit ints, or P and N whose
+    /// shared memory passes [`MAX_SHARED`]; [`GpuError::Compile`] with the NVRTC log; driver
+    /// errors (out of memory).
+    pub fn new(gpu: &Gpu, shape: SsdShape, dtype: Dtype) -> Result<Ssd, GpuError> {
+        let s = shape;
+        if s.batch == 0 || s.heads == 0 || s.head_dim == 0 || s.state == 0 || s.groups == 0 {
+            return Err(GpuError::Config(format!("ssd: empty dimension in {s:?}")));
+        }
+        if !s.heads.is_multiple_of(s.groups) {
+            return Err(GpuError::Config(format!(
+                "ssd: heads {} is not a multiple of groups {}",
+                s.heads, s.groups
+            )));
+        }
+        let fits = |v: usize| v <= i32::MAX as usize;
+        if !(fits(s.seq_len) && fits(s.heads) && fits(s.head_dim) && fits(s.state)) {
+            return Err(GpuError::Config(format!(
+                "ssd: {s:?} does not fit 32-bit ints"
+            )));
+        }
+        let (state_smem, scan_smem) = shared_bytes(s);
+        if scan_smem > MAX_SHARED {
+            return Err(GpuError::Config(format!(
+                "ssd: head_dim {} and state {} need {scan_smem} bytes of shared memory per \
+                 block, more than {MAX_SHARED}",
+                s.head_dim, s.state
+            )));
+        }
+        let compiled = gpu.compile("ssd.cu", SSD_SRC)?;
+        let tag = dtype.tag();
+        let chunk_state = gpu.function(
+            &compiled.module,
+            &format!("ssd_chunk_state_{tag}"),
+            state_smem,
+        )?;
+        let chunk_scan = gpu.function(
+            &compiled.module,
+            &format!("ssd_chunk_scan_{tag}"),
+            scan_smem,
+        )?;
+        let passing = gpu.function(&compiled.module, "ssd_state_passing", 0)?;
+        let n_chunks = s.seq_len.div_ceil(CHUNK);
+        let states = gpu
+            .stream
+            .alloc_zeros::<f32>((s.batch * s.heads * n_chunks * s.head_dim * s.state).max(1))?;
+        let decay = gpu
+            .stream
+            .alloc_zeros::<f32>((s.batch * s.heads * n_chunks).max(1))?;
+        let unused = gpu.stream.alloc_zeros::<f32>(1)?;
+        Ok(Ssd {
+            shape,
+            dtype,
+            chunk_state,
+            chunk_scan,
+            passing,
+            states,
+            decay,
+            unused,
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// Bytes of scratch one call uses beyond its inputs and outputs.
+    pub fn temporary_bytes(&self) -> u64 {
+        (self.states.len() + self.decay.len()) as u64 * 4
+    }
+
+    /// Launches one SSD call: Y and the final state from X `[B, T, H, P]`, Δ `[B, T, H]`,
+    /// A `[H]`, B and C `[B, T, G, N]`, D `[H]` (optional) and the initial state
+    /// `[B, H, P, N]` (optional: zeros), the layouts of [`super::reference::ssd`]. X, B, C
+    /// and Y are of the runner's [`Dtype`] (`f32`, or `u16` holding bf16 bits); the rest is
+    /// float32. Asynchronous on [`Gpu::stream`].
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for a buffer whose length does not fit the shape or an element
+    /// type other than the runner's dtype; driver errors from the launches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch<T: DeviceRepr>(
+        &mut self,
+        gpu: &Gpu,
+        x: &CudaSlice<T>,
+        dt: &CudaSlice<f32>,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<T>,
+        c: &CudaSlice<T>,
+        d: Option<&CudaSlice<f32>>,
+        initial_state: Option<&CudaSlice<f32>>,
+        y: &mut CudaSlice<T>,
+        final_state: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let s = self.shape;
+        let want = match self.dtype {
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
+        };
+        if std::mem::size_of::<T>() != want {
+            return Err(GpuError::Config(format!(
+                "ssd: the runner was built for {:?}, not {}-byte elements",
+                self.dtype,
+                std::mem::size_of::<T>()
+            )));
+        }
+        let bt = s.batch * s.seq_len;
+        let state_len = s.batch * s.heads * s.head_dim * s.state;
+        let checks = [
+            ("x", x.len(), bt * s.heads * s.head_dim),
+            ("dt", dt.len(), bt * s.heads),
+            ("a", a.len(), s.heads),
+            ("b", b.len(), bt * s.groups * s.state),
+            ("c", c.len(), bt * s.groups * s.state),
+            ("d", d.map_or(s.heads, |d| d.len()), s.heads),
+            (
+                "initial_state",
+                initial_state.map_or(state_len, |v| v.len()),
+                state_len,
+            ),
+            ("y", y.len(), bt * s.heads * s.head_dim),
+            ("final_state", final_state.len(), state_len),
+        ];
+        for (what, got, want) in checks {
+            if got != want {
+                return Err(GpuError::Config(format!(
+                    "ssd: {what} holds {got} elements, expected {want} for {s:?}"
+                )));
+            }
+        }
+        if s.seq_len == 0 {
+            // No step: the final state is the initial one.
+            match initial_state {
+                Some(s0) => gpu.stream.memcpy_dtod(s0, final_state)?,
+                None => gpu.stream.memset_zeros(final_state)?,
+            }
+            return Ok(());
+        }
+        let n_chunks = s.seq_len.div_ceil(CHUNK);
+        let (state_smem, scan_smem) = shared_bytes(s);
+        let (t_len, heads, groups) = (s.seq_len as i32, s.heads as i32, s.groups as i32);
+        let (p, n, chunks) = (s.head_dim as i32, s.state as i32, n_chunks as i32);
+        let grid = (n_chunks as u32, s.heads as u32, s.batch as u32);
+        let cfg = |smem: u32, grid: (u32, u32, u32)| LaunchConfig {
+            grid_dim: grid,
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let mut l = gpu.stream.launch_builder(&self.chunk_state);
+        l.arg(x)
+            .arg(dt)
+            .arg(a)
+            .arg(b)
+            .arg(&mut self.states)
+            .arg(&mut self.decay)
+            .arg(&t_len)
+            .arg(&heads)
+            .arg(&groups)
+            .arg(&p)
+            .arg(&n);
+        // SAFETY: ssd_chunk_state_<t>(const T* x, const float* dt, const float* A, const T* Bm,
+        // float* states, float* chunk_log_decay, int T_len, int heads, int groups, int P,
+        // int N); the lengths were checked above and the scratch was sized for this shape in
+        // `new`; the kernel reads chunk rows below T only and writes its (chunk, head, batch)
+        // slice of the scratch.
+        unsafe { l.launch(cfg(state_smem, grid))? };
+        let has_initial = i32::from(initial_state.is_some());
+        let mut l = gpu.stream.launch_builder(&self.passing);
+        l.arg(&mut self.states)
+            .arg(&self.decay)
+            .arg(initial_state.unwrap_or(&self.unused))
+            .arg(&has_initial)
+            .arg(&mut *final_state)
+            .arg(&heads)
+            .arg(&chunks)
+            .arg(&p)
+            .arg(&n);
+        // SAFETY: ssd_state_passing(float* states, const float* chunk_log_decay,
+        // const float* initial_state, int has_initial, float* final_state, int heads,
+        // int n_chunks, int P, int N): one block per (head, batch entry) over the checked
+        // buffers; the initial state is read only when has_initial is 1, and then holds
+        // B·H·P·N floats.
+        unsafe { l.launch(cfg(0, (s.heads as u32, s.batch as u32, 1)))? };
+        let has_d = i32::from(d.is_some());
+        let mut l = gpu.stream.launch_builder(&self.chunk_scan);
+        l.arg(x)
+            .arg(dt)
+            .arg(a)
+            .arg(b)
+            .arg(c)
+            .arg(d.unwrap_or(&self.unused))
+            .arg(&has_d)
+            .arg(&self.states)
+            .arg(&mut *y)
+            .arg(&t_len)
+            .arg(&heads)
+            .arg(&groups)
+            .arg(&p)
+            .arg(&n);
+        // SAFETY: ssd_chunk_scan_<t>(const T* x, const float* dt, const float* A, const T* Bm,
+        // const T* Cm, const float* D, int has_d, const float* states, T* y, int T_len,
+        // int heads, int groups, int P, int N): the checked buffers; D is read only when
+        // has_d is 1 and then holds H floats; each block writes the rows of its chunk.
+        unsafe { l.launch(cfg(scan_smem, grid))? };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_is_counted_in_floats() {
+        let s = SsdShape {
+            batch: 1,
+            seq_len: 1,
+            heads: 1,
+            head_dim: 64,
+            state: 128,
+            groups: 1,
+        };
+        let (state, scan) = shared_bytes(s);
+        assert_eq!(state, ((64 * 64 + 64 * 128 + 64) * 4) as u32);
+        assert_eq!(
+            scan,
+            ((2 * 64 * 128 + 64 * 128 + 64 * 64 + 64 * 64 + 64) * 4) as u32
+        );
+        // head_dim 128 with state 128, the grid's largest, fits.
+        let big = SsdShape { head_dim: 128, ..s };
+        assert!(shared_bytes(big).1 <= MAX_SHARED);
+    }
+
+    #[test]
+    fn entry_points_are_named_once() {
+        let e = entry_points();
+        assert_eq!(e.len(), 5);
+        for name in &e {
+            assert!(
+                SSD_SRC.contains(name.trim_end_matches("_f32").trim_end_matches("_bf16")),
+                "{name}"
+            );
+        }
+    }
+}

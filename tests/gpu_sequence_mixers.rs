@@ -1,0 +1,213 @@
+//! GPU correctness of the sequence-mixer kernels against their float64 references
+//! (`sequence_mixers::reference`).
+//!
+//! Runs on a machine with an NVIDIA GPU. Where build.rs found no CUDA driver (`kp_cuda`), the
+//! tests are compiled as ignored, with the reason; on the GPU machine run them with
+//! `cargo test --release --test gpu_sequence_mixers -- --include-ignored --test-threads 1`.
+//! Outputs are filled with NaN before each launch, so an element the kernels never write fails
+//! the finiteness check. Each case prints one line (`--nocapture`); a failing test names every
+//! failing case.
+
+use std::sync::OnceLock;
+
+use kernelpages::gpu::{self, Gpu};
+use kernelpages::sequence_mixers::cuda::{Dtype, Ssd};
+use kernelpages::sequence_mixers::reference::{self, SsdInputs, SsdShape};
+use rand::{Rng, SeedableRng};
+
+/// One device for the whole test binary, so the source compiles once.
+fn gpu() -> &'static Gpu {
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    GPU.get_or_init(|| {
+        if let Err(e) = gpu::detect() {
+            panic!("{e}");
+        }
+        Gpu::open(0).expect("device opens")
+    })
+}
+
+fn uniform(n: usize, lo: f64, hi: f64, seed: u64) -> Vec<f64> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// bf16 bits of `x`, rounded to nearest even (finite values).
+fn bf16_bits(x: f64) -> u16 {
+    half::bf16::from_f32(x as f32).to_bits()
+}
+
+fn bf16_value(b: u16) -> f64 {
+    half::bf16::from_bits(b).to_f32() as f64
+}
+
+/// ‖got − want‖₂ / ‖want‖₂, NaN when any element of `got` is not finite.
+fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
+    if got.iter().any(|x| !x.is_finite()) {
+        return f64::NAN;
+    }
+    let num: f64 = got.iter().zip(want).map(|(a, b)| (a - b) * (a - b)).sum();
+    let den: f64 = want.iter().map(|b| b * b).sum();
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// One SSD case on the device against the float64 recurrence on the same (rounded) inputs:
+/// returns (error of Y, error of the final state).
+fn ssd_case(shape: SsdShape, dtype: Dtype, skip: bool, start: bool, seed: u64) -> (f64, f64) {
+    let g = gpu();
+    let bt = shape.batch * shape.seq_len;
+    let x = uniform(bt * shape.heads * shape.head_dim, -1.0, 1.0, seed);
+    let dt = uniform(bt * shape.heads, 0.01, 0.2, seed + 1);
+    let a = uniform(shape.heads, -4.0, -0.5, seed + 2);
+    let b = uniform(bt * shape.groups * shape.state, -1.0, 1.0, seed + 3);
+    let c = uniform(bt * shape.groups * shape.state, -1.0, 1.0, seed + 4);
+    let d = uniform(shape.heads, -1.0, 1.0, seed + 5);
+    let state_len = shape.batch * shape.heads * shape.head_dim * shape.state;
+    let s0 = uniform(state_len, -1.0, 1.0, seed + 6);
+    // The reference reads the values the device gets: float32 or bf16, and float32 Δ, A, D.
+    let round = |v: &[f64]| -> Vec<f64> {
+        match dtype {
+            Dtype::F32 => v.iter().map(|&x| x as f32 as f64).collect(),
+            Dtype::Bf16 => v.iter().map(|&x| bf16_value(bf16_bits(x))).collect(),
+        }
+    };
+    let f32_round = |v: &[f64]| -> Vec<f64> { v.iter().map(|&x| x as f32 as f64).collect() };
+    let (xr, br, cr) = (round(&x), round(&b), round(&c));
+    let (dtr, ar, dr, s0r) = (f32_round(&dt), f32_round(&a), f32_round(&d), f32_round(&s0));
+    let (y_ref, s_ref) = reference::ssd(
+        shape,
+        SsdInputs {
+            x: &xr,
+            dt: &dtr,
+            a: &ar,
+            b: &br,
+            c: &cr,
+            d: skip.then_some(&dr[..]),
+            initial_state: start.then_some(&s0r[..]),
+        },
+    )
+    .unwrap();
+    let up32 = |v: &[f64]| {
+        g.stream
+            .clone_htod(&v.iter().map(|&x| x as f32).collect::<Vec<f32>>())
+            .unwrap()
+    };
+    let (dt_d, a_d, d_d, s0_d) = (up32(&dt), up32(&a), up32(&d), up32(&s0));
+    let mut fin = g.stream.clone_htod(&vec![f32::NAN; state_len]).unwrap();
+    let mut ssd = Ssd::new(g, shape, dtype).unwrap();
+    let y: Vec<f64> = match dtype {
+        Dtype::F32 => {
+            let (x_d, b_d, c_d) = (up32(&x), up32(&b), up32(&c));
+            let mut y_d = g.stream.clone_htod(&vec![f32::NAN; y_ref.len()]).unwrap();
+            ssd.launch(
+                g,
+                &x_d,
+                &dt_d,
+                &a_d,
+                &b_d,
+                &c_d,
+                skip.then_some(&d_d),
+                start.then_some(&s0_d),
+                &mut y_d,
+                &mut fin,
+            )
+            .unwrap();
+            g.stream
+                .clone_dtoh(&y_d)
+                .unwrap()
+                .iter()
+                .map(|&v| v as f64)
+                .collect()
+        }
+        Dtype::Bf16 => {
+            let up16 = |v: &[f64]| {
+                g.stream
+                    .clone_htod(&v.iter().map(|&x| bf16_bits(x)).collect::<Vec<u16>>())
+                    .unwrap()
+            };
+            let (x_d, b_d, c_d) = (up16(&x), up16(&b), up16(&c));
+            let mut y_d = g.stream.clone_htod(&vec![0xFFFFu16; y_ref.len()]).unwrap();
+            ssd.launch(
+                g,
+                &x_d,
+                &dt_d,
+                &a_d,
+                &b_d,
+                &c_d,
+                skip.then_some(&d_d),
+                start.then_some(&s0_d),
+                &mut y_d,
+                &mut fin,
+            )
+            .unwrap();
+            g.stream
+                .clone_dtoh(&y_d)
+                .unwrap()
+                .iter()
+                .map(|&v| bf16_value(v))
+                .collect()
+        }
+    };
+    let fin: Vec<f64> = g
+        .stream
+        .clone_dtoh(&fin)
+        .unwrap()
+        .iter()
+        .map(|&v| v as f64)
+        .collect();
+    (rel_l2(&y, &y_ref), rel_l2(&fin, &s_ref))
+}
+
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn ssd_matches_float64_on_every_shape() {
+    let shape = |batch, seq_len, heads, head_dim, state, groups| SsdShape {
+        batch,
+        seq_len,
+        heads,
+        head_dim,
+        state,
+        groups,
+    };
+    let cases = [
+        // One step, one partial chunk, exact chunks, and a partial last chunk.
+        shape(1, 1, 1, 8, 4, 1),
+        shape(2, 37, 4, 16, 8, 2),
+        shape(2, 128, 4, 64, 64, 1),
+        shape(1, 200, 8, 64, 128, 2),
+        shape(1, 130, 2, 128, 128, 1),
+        // Grouped B and C, one group per head.
+        shape(1, 300, 6, 32, 16, 6),
+    ];
+    let mut failures = Vec::new();
+    for (k, &s) in cases.iter().enumerate() {
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            for (skip, start) in [(false, false), (true, true)] {
+                let (ey, es) = ssd_case(s, dtype, skip, start, 100 + k as u64);
+                // float32 arithmetic on exact inputs: 1e-4; bf16 output rounding: 1e-2.
+                let tol = if dtype == Dtype::F32 { 1e-4 } else { 1e-2 };
+                println!("ssd {s:?} {dtype:?} D {skip} initial {start}: Y {ey:.2e} state {es:.2e}");
+                if !(ey <= tol && es <= 1e-4) {
+                    failures.push(format!(
+                        "{s:?} {dtype:?} D {skip} initial {start}: Y {ey:.2e}, state {es:.2e}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn ssd_with_no_step_returns_the_initial_state() {
+    let s = SsdShape {
+        batch: 1,
+        seq_len: 0,
+        heads: 2,
+        head_dim: 4,
+        state: 4,
+        groups: 1,
+    };
+    let (_, es) = ssd_case(s, Dtype::F32, true, true, 7);
+    assert_eq!(es, 0.0);
+}
