@@ -305,18 +305,22 @@ fn par_map<T: Send>(items: &[usize], f: impl Fn(&[usize]) -> Vec<T> + Sync) -> V
     })
 }
 
+/// Query rows and keys per block of [`head_stats`].
+const STAT_ROWS: usize = 64;
+const STAT_KEYS: usize = 256;
+
+/// The log-sum-exp and D_i = dO_i·O_i of every query row of head (`b`, `h`): what dK and dV
+/// need of every row. Blocks of [`STAT_ROWS`] rows in parallel, each through blocks of
+/// [`STAT_KEYS`] keys with float64 matrix products (S = scale·Q Kᵀ, then O += P V) and an
+/// online softmax, so the T² · head_dim work of a long head runs at the `gemm` crate's rate.
 fn head_stats(c: &AttentionCase, src: &Source<'_>, kv: &KvHead, b: usize, h: usize) -> HeadStats {
     let head = src.q_head(c, b, h);
-    let d = c.head_dim;
-    let rows: Vec<usize> = (0..c.seq_len_q).collect();
-    let stats: Vec<(f64, f64)> = par_map(&rows, |rs| {
-        let mut p = Vec::new();
-        rs.iter()
-            .map(|&i| {
-                let n = c.visible_keys(b, i);
-                let (o, lse) =
-                    row_forward(&head.q[i * d..(i + 1) * d], kv, n, d, c.scale(), &mut p);
-                (lse, dot(&head.dout[i * d..(i + 1) * d], &o))
+    let blocks: Vec<usize> = (0..c.seq_len_q.div_ceil(STAT_ROWS)).collect();
+    let stats: Vec<(f64, f64)> = par_map(&blocks, |bs| {
+        bs.iter()
+            .flat_map(|&k| {
+                let i0 = k * STAT_ROWS;
+                block_stats(c, &head, kv, b, i0, (i0 + STAT_ROWS).min(c.seq_len_q))
             })
             .collect()
     });
@@ -325,6 +329,71 @@ fn head_stats(c: &AttentionCase, src: &Source<'_>, kv: &KvHead, b: usize, h: usi
         lse: stats.iter().map(|s| s.0).collect(),
         dsum: stats.iter().map(|s| s.1).collect(),
     }
+}
+
+/// (log-sum-exp, dO_i·O_i) of query rows `i0..i1` of one head ([`head_stats`]); a row that
+/// sees no key gives (+∞, 0).
+fn block_stats(
+    c: &AttentionCase,
+    head: &QHead,
+    kv: &KvHead,
+    b: usize,
+    i0: usize,
+    i1: usize,
+) -> Vec<(f64, f64)> {
+    use super::cpu_flash::{matmul, Mat};
+    let d = c.head_dim;
+    let rows = i1 - i0;
+    let seen: Vec<usize> = (i0..i1).map(|i| c.visible_keys(b, i)).collect();
+    let most = seen.iter().copied().max().unwrap_or(0);
+    let mut m = vec![f64::NEG_INFINITY; rows];
+    let mut l = vec![0.0f64; rows];
+    let mut o = vec![0.0f64; rows * d];
+    let mut p = vec![0.0f64; rows * STAT_KEYS];
+    let q = &head.q[i0 * d..i1 * d];
+    for j0 in (0..most).step_by(STAT_KEYS) {
+        let bk = STAT_KEYS.min(most - j0);
+        let k_t = Mat {
+            data: &kv.k[j0 * d..(j0 + bk) * d],
+            rs: 1,
+            cs: d,
+        };
+        matmul(rows, bk, d, &mut p, false, Mat::row_major(q, d), k_t);
+        for r in 0..rows {
+            let row = &mut p[r * bk..(r + 1) * bk];
+            let visible = seen[r].saturating_sub(j0).min(bk);
+            if visible == 0 {
+                row.fill(0.0);
+                continue;
+            }
+            let mut top = m[r];
+            for x in row[..visible].iter_mut() {
+                *x *= c.scale();
+                top = top.max(*x);
+            }
+            for x in row[..visible].iter_mut() {
+                *x = (*x - top).exp();
+            }
+            row[visible..].fill(0.0);
+            let alpha = (m[r] - top).exp();
+            l[r] = l[r] * alpha + row[..visible].iter().sum::<f64>();
+            for e in &mut o[r * d..(r + 1) * d] {
+                *e *= alpha;
+            }
+            m[r] = top;
+        }
+        let v = Mat::row_major(&kv.v[j0 * d..(j0 + bk) * d], d);
+        matmul(rows, d, bk, &mut o, true, Mat::row_major(&p, bk), v);
+    }
+    (0..rows)
+        .map(|r| {
+            if seen[r] == 0 {
+                return (f64::INFINITY, 0.0);
+            }
+            let doi = &head.dout[(i0 + r) * d..(i0 + r + 1) * d];
+            (m[r] + l[r].ln(), dot(doi, &o[r * d..(r + 1) * d]) / l[r])
+        })
+        .collect()
 }
 
 /// dK_j and dV_j of key `j` of kv head (`b`, ·) from the statistics of every query head of its
@@ -895,6 +964,66 @@ pub fn flash_slice_f32(c: &AttentionCase, inp: &Inputs, b: usize, h: usize, bc: 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The blocked statistics (float64 products, online softmax) against one row at a time
+    /// through `row_forward`: causal with more queries than keys (empty rows), key lengths
+    /// with 0 and 1, GQA, and lengths past one block of rows and of keys.
+    #[test]
+    fn blocked_head_statistics_equal_the_row_by_row_ones() {
+        let cases = [
+            AttentionCase {
+                causal: true,
+                seq_len_q: 300,
+                seq_len_kv: 130,
+                pass: Pass::FwdBwd,
+                ..AttentionCase::new(1, 2, 1, 16)
+            },
+            AttentionCase {
+                kv_lens: Some(vec![600, 0, 1]),
+                seq_len_q: 70,
+                seq_len_kv: 600,
+                pass: Pass::FwdBwd,
+                ..AttentionCase::new(3, 4, 1, 8)
+            },
+            AttentionCase {
+                kv_heads: 2,
+                causal: true,
+                pass: Pass::FwdBwd,
+                ..AttentionCase::new(1, 4, 517, 32)
+            },
+        ];
+        for (n, c) in cases.iter().enumerate() {
+            let inp = Inputs::random(c, 40 + n as u64);
+            let src = Source::Words(&inp);
+            let d = c.head_dim;
+            for b in 0..c.batch {
+                for h in 0..c.heads {
+                    let kv = src.kv_head(c, b, h / c.group());
+                    let got = head_stats(c, &src, &kv, b, h);
+                    let mut p = Vec::new();
+                    for i in 0..c.seq_len_q {
+                        let n_i = c.visible_keys(b, i);
+                        let qi = &got.head.q[i * d..(i + 1) * d];
+                        let (o, lse) = row_forward(qi, &kv, n_i, d, c.scale(), &mut p);
+                        let dsum = dot(&got.head.dout[i * d..(i + 1) * d], &o);
+                        let (gl, gd) = (got.lse[i], got.dsum[i]);
+                        if n_i == 0 {
+                            assert!(gl == f64::INFINITY && gd == 0.0, "case {n} row {i}");
+                            continue;
+                        }
+                        assert!(
+                            (gl - lse).abs() <= 1e-12 * lse.abs().max(1.0),
+                            "case {n} b {b} h {h} row {i}: lse {gl} vs {lse}"
+                        );
+                        assert!(
+                            (gd - dsum).abs() <= 1e-12 * dsum.abs().max(1.0),
+                            "case {n} b {b} h {h} row {i}: D {gd} vs {dsum}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     fn small(causal: bool, dtype: Dtype) -> AttentionCase {
         AttentionCase {

@@ -874,14 +874,14 @@ fn forward_block<T: Element>(
 
 /// A read-only matrix view: element (i, j) at `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]
-pub(crate) struct Mat<'a> {
-    pub(crate) data: &'a [f32],
+pub(crate) struct Mat<'a, T = f32> {
+    pub(crate) data: &'a [T],
     pub(crate) rs: usize,
     pub(crate) cs: usize,
 }
 
-impl<'a> Mat<'a> {
-    pub(crate) fn row_major(data: &'a [f32], cols: usize) -> Mat<'a> {
+impl<'a, T> Mat<'a, T> {
+    pub(crate) fn row_major(data: &'a [T], cols: usize) -> Mat<'a, T> {
         Mat {
             data,
             rs: cols,
@@ -895,19 +895,34 @@ impl<'a> Mat<'a> {
     }
 }
 
+/// The element types [`matmul`] multiplies (float32 for the CPU implementation, float64 for
+/// the reference's statistics).
+pub(crate) trait Scalar: Copy + 'static {
+    /// 1 in this type.
+    const ONE: Self;
+}
+
+impl Scalar for f32 {
+    const ONE: f32 = 1.0;
+}
+
+impl Scalar for f64 {
+    const ONE: f64 = 1.0;
+}
+
 /// C = A·B, or C += A·B with `accumulate`, C `m × n` row-major (row stride n), A `m × k`,
 /// B `k × n`, through the `gemm` crate on this thread.
 ///
 /// # Panics
 /// When a view does not fit its slice (a bug in the caller).
-pub(crate) fn matmul(
+pub(crate) fn matmul<T: Scalar>(
     m: usize,
     n: usize,
     k: usize,
-    c: &mut [f32],
+    c: &mut [T],
     accumulate: bool,
-    a: Mat,
-    b: Mat,
+    a: Mat<T>,
+    b: Mat<T>,
 ) {
     assert!(c.len() >= m * n, "C too short");
     assert!(a.holds(m, k) && b.holds(k, n), "matrix view out of bounds");
@@ -932,8 +947,8 @@ pub(crate) fn matmul(
             b.data.as_ptr(),
             b.cs as isize,
             b.rs as isize,
-            1.0,
-            1.0,
+            T::ONE,
+            T::ONE,
             false,
             false,
             false,
