@@ -6,7 +6,8 @@
 #   bash .carry/device_run.sh smoke OUTDIR        # < 9 min: GPU tests, comparison tests,
 #                                                 # non-aligned lengths and the T=16384 headline
 #   bash .carry/device_run.sh tests OUTDIR        # the GPU and comparison tests only
-#   bash .carry/device_run.sh mixers OUTDIR       # the sequence-mixer GPU tests (SSD v1
+#   bash .carry/device_run.sh mixers OUTDIR       # the sequence-mixer GPU tests (SSD, scan,
+#                                                 # Based, gated delta rule v1 forwards
 #                                                 # against float64)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)

@@ -8,6 +8,13 @@
 //! the finiteness check. Each case prints one line (`--nocapture`); a failing test names every
 //! failing case.
 
+#[path = "gpu_sequence_mixers/based.rs"]
+mod based;
+#[path = "gpu_sequence_mixers/delta.rs"]
+mod delta;
+#[path = "gpu_sequence_mixers/scan.rs"]
+mod scan;
+
 use std::sync::OnceLock;
 
 use kernelpages::gpu::{self, Gpu};
@@ -16,7 +23,7 @@ use kernelpages::sequence_mixers::reference::{self, SsdInputs, SsdShape};
 use rand::{Rng, SeedableRng};
 
 /// One device for the whole test binary, so the source compiles once.
-fn gpu() -> &'static Gpu {
+pub(crate) fn gpu() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
     GPU.get_or_init(|| {
         if let Err(e) = gpu::detect() {
@@ -26,22 +33,22 @@ fn gpu() -> &'static Gpu {
     })
 }
 
-fn uniform(n: usize, lo: f64, hi: f64, seed: u64) -> Vec<f64> {
+pub(crate) fn uniform(n: usize, lo: f64, hi: f64, seed: u64) -> Vec<f64> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     (0..n).map(|_| rng.random_range(lo..hi)).collect()
 }
 
 /// bf16 bits of `x`, rounded to nearest even (finite values).
-fn bf16_bits(x: f64) -> u16 {
+pub(crate) fn bf16_bits(x: f64) -> u16 {
     half::bf16::from_f32(x as f32).to_bits()
 }
 
-fn bf16_value(b: u16) -> f64 {
+pub(crate) fn bf16_value(b: u16) -> f64 {
     half::bf16::from_bits(b).to_f32() as f64
 }
 
 /// ‖got − want‖₂ / ‖want‖₂, NaN when any element of `got` is not finite.
-fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
+pub(crate) fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
     if got.iter().any(|x| !x.is_finite()) {
         return f64::NAN;
     }

@@ -754,11 +754,12 @@ fn ssd_kernels_compile_without_spills() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    use kernelpages::sequence_mixers::cuda::{entry_points, SSD_SRC};
+    use kernelpages::sequence_mixers::cuda::{entry_points, source};
+    let src = source();
     let names = entry_points();
     for arch in ["sm_90a", "sm_80"] {
-        let ptx = kernelpages::gpu::nvrtc_compile("ssd.cu", SSD_SRC, arch)
-            .unwrap_or_else(|e| panic!("{e}"));
+        let ptx =
+            kernelpages::gpu::nvrtc_compile("ssd.cu", &src, arch).unwrap_or_else(|e| panic!("{e}"));
         let text = ptx.to_src();
         for f in &names {
             assert!(
@@ -767,9 +768,9 @@ fn ssd_kernels_compile_without_spills() {
             );
         }
         assert_eq!(text.matches(".entry ").count(), names.len(), "{arch}");
-        compile("ssd.cu", SSD_SRC, arch);
+        compile("ssd.cu", &src, arch);
     }
-    let reports = kernelpages::gpu::ptxas_report("ssd.cu", SSD_SRC, "sm_90a").unwrap();
+    let reports = kernelpages::gpu::ptxas_report("ssd.cu", &src, "sm_90a").unwrap();
     for name in &names {
         let r = reports
             .iter()

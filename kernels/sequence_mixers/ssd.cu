@@ -26,23 +26,7 @@
 #define SSD_THREADS 256
 #define SSD_CHUNK 64
 
-typedef unsigned short u16;
-
-__device__ __forceinline__ float ld(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ float ld(const u16* p, long long i) {
-    return __uint_as_float(((unsigned int)p[i]) << 16);
-}
-__device__ __forceinline__ void st(float* p, long long i, float v) { p[i] = v; }
-// Round to nearest even (finite inputs; NaN stays NaN).
-__device__ __forceinline__ void st(u16* p, long long i, float v) {
-    unsigned int u = __float_as_uint(v);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        p[i] = (u16)((u >> 16) | 0x40);
-        return;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    p[i] = (u16)(u >> 16);
-}
+// u16, ld and st: prelude.cuh, prepended by the host.
 
 // The cumulative log decays of one chunk into cs[0..l): one thread, l <= SSD_CHUNK steps.
 __device__ __forceinline__ void chunk_cumsum(const float* dt, float a, long long t0, int l,
@@ -81,11 +65,14 @@ __device__ void chunk_state(const T* __restrict__ x, const float* __restrict__ d
     }
     __syncthreads();
     const float last = cs[l - 1];
+    // The decay from each step to the chunk's end, folded into dt x once (not per (p, n)).
+    for (int e = threadIdx.x; e < l * P; e += SSD_THREADS) dx[e] *= __expf(last - cs[e / P]);
+    __syncthreads();
     float* out = states + (((long long)b * heads + h) * n_chunks + c) * P * N;
     for (int e = threadIdx.x; e < P * N; e += SSD_THREADS) {
         const int p = e / N, n = e % N;
         float acc = 0.f;
-        for (int j = 0; j < l; ++j) acc += __expf(last - cs[j]) * dx[j * P + p] * bs[j * N + n];
+        for (int j = 0; j < l; ++j) acc += dx[j * P + p] * bs[j * N + n];
         out[e] = acc;
     }
     if (threadIdx.x == 0) chunk_log_decay[((long long)b * heads + h) * n_chunks + c] = last;

@@ -10,8 +10,23 @@ use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKern
 use super::reference::SsdShape;
 use crate::gpu::{Gpu, GpuError};
 
-/// The CUDA source of the SSD kernels ([`entry_points`] names them).
+/// The helpers every sequence-mixer kernel shares (`kernels/sequence_mixers/prelude.cuh`:
+/// float32 and bf16 loads and stores), prepended to each source ([`with_prelude`]).
+pub const PRELUDE_SRC: &str = include_str!("../../kernels/sequence_mixers/prelude.cuh");
+
+/// A sequence-mixer kernel file as NVRTC compiles it: [`PRELUDE_SRC`], then `src`.
+pub fn with_prelude(src: &str) -> String {
+    format!("{PRELUDE_SRC}\n{src}")
+}
+
+/// The CUDA source of the SSD kernels, without the prelude ([`source`] has both;
+/// [`entry_points`] names the kernels).
 pub const SSD_SRC: &str = include_str!("../../kernels/sequence_mixers/ssd.cu");
+
+/// What NVRTC compiles for SSD: the prelude and [`SSD_SRC`].
+pub fn source() -> String {
+    with_prelude(SSD_SRC)
+}
 
 /// Time steps per chunk (`SSD_CHUNK` in the source).
 pub const CHUNK: usize = 64;
@@ -29,7 +44,8 @@ pub enum Dtype {
 }
 
 impl Dtype {
-    fn tag(self) -> &'static str {
+    /// The entry points' suffix for this type: `f32` or `bf16`.
+    pub(crate) fn tag(self) -> &'static str {
         match self {
             Dtype::F32 => "f32",
             Dtype::Bf16 => "bf16",
@@ -83,7 +99,7 @@ impl Ssd {
     /// # Errors
     /// [`GpuError::Config`] for a shape the reference refuses (an empty dimension other than
     /// seq_len, heads not a multiple of groups), dimensions past 32-bit ints, or P and N whose
-    /// shared memory passes [`MAX_SHARED`]; [`GpuError::Compile`] with the NVRTC log; driver
+    /// shared memory passes 227 KiB; [`GpuError::Compile`] with the NVRTC log; driver
     /// errors (out of memory).
     pub fn new(gpu: &Gpu, shape: SsdShape, dtype: Dtype) -> Result<Ssd, GpuError> {
         let s = shape;
@@ -110,7 +126,7 @@ impl Ssd {
                 s.head_dim, s.state
             )));
         }
-        let compiled = gpu.compile("ssd.cu", SSD_SRC)?;
+        let compiled = gpu.compile("ssd.cu", &source())?;
         let tag = dtype.tag();
         let chunk_state = gpu.function(
             &compiled.module,

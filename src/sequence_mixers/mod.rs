@@ -3,13 +3,19 @@
 //! float64 references, written as the sequential recurrence each paper defines, which every
 //! kernel and every alternative will be checked against ([`reference`](mod@reference)), their backward
 //! references ([`gradients`], [`delta_gradients`]), the chunked forms the kernels follow, run
-//! on the CPU ([`chunked`]), and the first CUDA kernel, SSD's forward ([`cuda`]).
+//! on the CPU ([`chunked`]), and version 1 of each forward on CUDA (float32 on CUDA cores,
+//! f32 and bf16 inputs): SSD ([`cuda`], which also holds the shared prelude and [`cuda::Dtype`]),
+//! the selective scan ([`scan_cuda`]), Based ([`based_cuda`]) and the gated delta rule
+//! ([`delta_cuda`]); `kernels/TUNING-sequence-mixers.md` has their designs and predictions.
 //!
-//! Not here yet: the case type and its FLOP/byte counts, the other mixers' kernels, the
-//! backward kernels, tensor-core tiles, and the runner.
+//! Not here yet: the case type and its FLOP/byte counts, the backward kernels, tensor-core
+//! tiles, and the runner.
 
+pub mod based_cuda;
 pub mod chunked;
 pub mod cuda;
+pub mod delta_cuda;
 pub mod delta_gradients;
 pub mod gradients;
 pub mod reference;
+pub mod scan_cuda;

@@ -1,0 +1,353 @@
+//! Based on CUDA: `kernels/sequence_mixers/based.cu`, compiled by NVRTC at run time. Version 1
+//! runs the forward of [`super::reference::based`] (Arora et al., 2024, "Simple linear
+//! attention language models balance the recall-throughput tradeoff"): causal linear attention
+//! plus exact softmax attention over a sliding window of W keys, summed, on CUDA cores in
+//! float32, in two launches: the linear branch, one block per (head, batch entry) walking the
+//! sequence in chunks of [`CHUNK`] steps with the state S in shared memory (the chunked form of
+//! SSD without decay), into a float32 scratch; then the window branch, one warp per query row,
+//! which adds the scratch and writes O. Correctness first: the matrix products are plain loops
+//! over shared memory, not tensor-core tiles yet.
+//!
+//! Version 1 starts every call from an empty window cache: the reference's
+//! [`BasedState`](super::reference::BasedState) also carries the last W − 1 keys and values
+//! into the next call, which a later version will read; this API takes only the initial linear
+//! state S₀ (so it has nothing to refuse) and returns only the final linear state, not the
+//! cache (the last W − 1 keys and values are the tail of the caller's own k and v).
+
+use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::cuda::Dtype;
+use super::reference::BasedShape;
+use crate::gpu::{Gpu, GpuError};
+
+/// The CUDA source of the Based kernels ([`entry_points`] names them).
+pub const BASED_SRC: &str = include_str!("../../kernels/sequence_mixers/based.cu");
+
+/// What NVRTC compiles: the shared prelude ([`super::cuda::with_prelude`]) and [`BASED_SRC`].
+pub fn source() -> String {
+    super::cuda::with_prelude(BASED_SRC)
+}
+
+/// Time steps per chunk of the linear branch (`BASED_CHUNK` in the source).
+pub const CHUNK: usize = 64;
+
+/// Threads per block of both kernels (`BASED_THREADS` in the source).
+pub const THREADS: u32 = 256;
+
+/// Query rows per block of the window kernel, one per warp (`BASED_WARPS` in the source).
+const ROWS_PER_BLOCK: u32 = THREADS / 32;
+
+/// The largest key and value width, K and V (`BASED_MAX_DIM` in the source).
+pub const MAX_DIM: usize = 128;
+
+/// The largest window W (`BASED_MAX_WINDOW` in the source).
+pub const MAX_WINDOW: usize = 256;
+
+/// The largest batch and head counts: they are grid dimensions y and z.
+const MAX_GRID_YZ: usize = 65_535;
+
+/// Every entry point of [`BASED_SRC`].
+pub fn entry_points() -> Vec<String> {
+    let mut v = Vec::new();
+    for d in [Dtype::F32, Dtype::Bf16] {
+        v.push(format!("based_linear_{}", d.tag()));
+        v.push(format!("based_window_{}", d.tag()));
+    }
+    v
+}
+
+/// Dynamic shared memory of the linear-branch kernel for `shape`, bytes:
+/// (V·K + 2·L·K + L·V + L·L) floats, L = [`CHUNK`] (the state, the chunk's q, k and v, and its
+/// masked scores). The window kernel's 12 KiB are static.
+pub fn shared_bytes(shape: BasedShape) -> u32 {
+    let (l, k, v) = (CHUNK, shape.key_dim, shape.value_dim);
+    ((v * k + 2 * l * k + l * v + l * l) * 4) as u32
+}
+
+/// The shared memory one block may have on compute capability 9.0 (227 KiB). Version 1 needs
+/// up to 176 KiB (K = V = 128); a device with less (sm_80: 163 KiB) refuses those shapes when
+/// the kernel's limit is raised (a driver error), smaller shapes run.
+const MAX_SHARED: u32 = 227 * 1024;
+
+/// The shapes version 1 runs: the reference's (no empty dimension other than seq_len, W ≥ 1),
+/// K and V ≤ [`MAX_DIM`], W ≤ [`MAX_WINDOW`], T within a 32-bit int, B and H within a grid
+/// dimension (65 535).
+fn check_shape(s: BasedShape) -> Result<(), GpuError> {
+    if s.batch == 0 || s.heads == 0 || s.key_dim == 0 || s.value_dim == 0 || s.window == 0 {
+        return Err(GpuError::Config(format!("based: empty dimension in {s:?}")));
+    }
+    if s.key_dim > MAX_DIM || s.value_dim > MAX_DIM {
+        return Err(GpuError::Config(format!(
+            "based: key_dim {} and value_dim {} must be at most {MAX_DIM} (version 1)",
+            s.key_dim, s.value_dim
+        )));
+    }
+    if s.window > MAX_WINDOW {
+        return Err(GpuError::Config(format!(
+            "based: window {} is more than {MAX_WINDOW} (version 1)",
+            s.window
+        )));
+    }
+    if s.seq_len > i32::MAX as usize || s.batch > MAX_GRID_YZ || s.heads > MAX_GRID_YZ {
+        return Err(GpuError::Config(format!(
+            "based: {s:?} does not fit 32-bit ints and the grid (batch and heads at most \
+             {MAX_GRID_YZ})"
+        )));
+    }
+    let smem = shared_bytes(s);
+    if smem > MAX_SHARED {
+        return Err(GpuError::Config(format!(
+            "based: key_dim {} and value_dim {} need {smem} bytes of shared memory per block, \
+             more than {MAX_SHARED}",
+            s.key_dim, s.value_dim
+        )));
+    }
+    Ok(())
+}
+
+/// Based's compiled kernels and scratch for one shape: the linear branch's output `lin`
+/// `[B, T, H, V]` (float32), written by the first launch and read by the second.
+pub struct Based {
+    shape: BasedShape,
+    dtype: Dtype,
+    linear: CudaFunction,
+    window: CudaFunction,
+    lin: CudaSlice<f32>,
+    /// Stands in for the initial state when none is given (never read).
+    unused: CudaSlice<f32>,
+    /// NVRTC compile and module load time, s (0 when this process had compiled the source).
+    pub compile_s: f64,
+}
+
+impl Based {
+    /// Compiles the kernels and allocates the scratch for `shape` and `dtype`.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for a shape the reference refuses (an empty dimension other than
+    /// seq_len, W = 0 included), K or V above [`MAX_DIM`], W above [`MAX_WINDOW`], T past a
+    /// 32-bit int, or B or H past 65 535; [`GpuError::Compile`] with the NVRTC log; driver
+    /// errors (out of memory).
+    pub fn new(gpu: &Gpu, shape: BasedShape, dtype: Dtype) -> Result<Based, GpuError> {
+        check_shape(shape)?;
+        let s = shape;
+        let compiled = gpu.compile("based.cu", &source())?;
+        let t = dtype.tag();
+        let linear = gpu.function(
+            &compiled.module,
+            &format!("based_linear_{t}"),
+            shared_bytes(s),
+        )?;
+        let window = gpu.function(&compiled.module, &format!("based_window_{t}"), 0)?;
+        let lin = gpu
+            .stream
+            .alloc_zeros::<f32>((s.batch * s.seq_len * s.heads * s.value_dim).max(1))?;
+        let unused = gpu.stream.alloc_zeros::<f32>(1)?;
+        Ok(Based {
+            shape,
+            dtype,
+            linear,
+            window,
+            lin,
+            unused,
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// Bytes of scratch one call uses beyond its inputs and outputs.
+    pub fn temporary_bytes(&self) -> u64 {
+        self.lin.len() as u64 * 4
+    }
+
+    /// Launches one Based forward: O `[B, T, H, V]` and the final linear state `[B, H, V, K]`
+    /// from q and k `[B, T, H, K]` (already through the caller's feature map), v
+    /// `[B, T, H, V]`, the scale on both branches' scores and the initial linear state S₀
+    /// `[B, H, V, K]` (optional: zeros), the layouts of [`super::reference::based`], with an
+    /// empty initial window cache (version 1). q, k, v and O are of the runner's [`Dtype`]
+    /// (`f32`, or `u16` holding bf16 bits); the states are float32. Asynchronous on
+    /// [`Gpu::stream`].
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for a buffer whose length does not fit the shape or an element
+    /// type other than the runner's dtype; driver errors from the launches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch<T: DeviceRepr>(
+        &mut self,
+        gpu: &Gpu,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        scale: f32,
+        initial_linear_state: Option<&CudaSlice<f32>>,
+        o: &mut CudaSlice<T>,
+        final_linear_state: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let s = self.shape;
+        let want = match self.dtype {
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
+        };
+        if std::mem::size_of::<T>() != want {
+            return Err(GpuError::Config(format!(
+                "based: the runner was built for {:?}, not {}-byte elements",
+                self.dtype,
+                std::mem::size_of::<T>()
+            )));
+        }
+        let bth = s.batch * s.seq_len * s.heads;
+        let state_len = s.batch * s.heads * s.value_dim * s.key_dim;
+        let checks = [
+            ("q", q.len(), bth * s.key_dim),
+            ("k", k.len(), bth * s.key_dim),
+            ("v", v.len(), bth * s.value_dim),
+            (
+                "initial_linear_state",
+                initial_linear_state.map_or(state_len, |x| x.len()),
+                state_len,
+            ),
+            ("o", o.len(), bth * s.value_dim),
+            ("final_linear_state", final_linear_state.len(), state_len),
+        ];
+        for (what, got, want) in checks {
+            if got != want {
+                return Err(GpuError::Config(format!(
+                    "based: {what} holds {got} elements, expected {want} for {s:?}"
+                )));
+            }
+        }
+        if s.seq_len == 0 {
+            // No step: the final state is the initial one.
+            match initial_linear_state {
+                Some(s0) => gpu.stream.memcpy_dtod(s0, final_linear_state)?,
+                None => gpu.stream.memset_zeros(final_linear_state)?,
+            }
+            return Ok(());
+        }
+        let (t_len, heads) = (s.seq_len as i32, s.heads as i32);
+        let (kd, vd, w) = (s.key_dim as i32, s.value_dim as i32, s.window as i32);
+        let has_initial = i32::from(initial_linear_state.is_some());
+        let mut l = gpu.stream.launch_builder(&self.linear);
+        l.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(&scale)
+            .arg(initial_linear_state.unwrap_or(&self.unused))
+            .arg(&has_initial)
+            .arg(&mut self.lin)
+            .arg(&mut *final_linear_state)
+            .arg(&t_len)
+            .arg(&heads)
+            .arg(&kd)
+            .arg(&vd);
+        let cfg = LaunchConfig {
+            grid_dim: (s.heads as u32, s.batch as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: shared_bytes(s),
+        };
+        // SAFETY: based_linear_<t>(const T* q, const T* k, const T* v, float scale,
+        // const float* initial_state, int has_initial, float* lin, float* final_state,
+        // int T_len, int heads, int K, int V): the lengths were checked above, the scratch was
+        // sized B·T·H·V for this shape in `new`, and `new` checked K, V ≤ 128 and raised the
+        // kernel's shared-memory limit to `shared_bytes`; one block per (head, batch entry)
+        // reads rows below T only and writes its rows of `lin` and its state; the initial state
+        // is read only when has_initial is 1, and then holds B·H·V·K floats.
+        unsafe { l.launch(cfg)? };
+        let mut l = gpu.stream.launch_builder(&self.window);
+        l.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(&scale)
+            .arg(&self.lin)
+            .arg(&mut *o)
+            .arg(&t_len)
+            .arg(&heads)
+            .arg(&kd)
+            .arg(&vd)
+            .arg(&w);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                s.seq_len.div_ceil(ROWS_PER_BLOCK as usize) as u32,
+                s.heads as u32,
+                s.batch as u32,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: based_window_<t>(const T* q, const T* k, const T* v, float scale,
+        // const float* lin, T* o, int T_len, int heads, int K, int V, int W): the checked
+        // buffers and the scratch the first launch filled (same stream, so it has finished);
+        // `new` checked K ≤ 128 and W ≤ 256, the sizes of the kernel's static shared rows;
+        // each warp reads keys and values of steps max(0, t − W + 1)..=t < T and writes row t
+        // of O, and warps past T return.
+        unsafe { l.launch(cfg)? };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(key_dim: usize, value_dim: usize, window: usize) -> BasedShape {
+        BasedShape {
+            batch: 1,
+            seq_len: 1,
+            heads: 1,
+            key_dim,
+            value_dim,
+            window,
+        }
+    }
+
+    #[test]
+    fn shared_memory_is_counted_in_floats() {
+        assert_eq!(
+            shared_bytes(shape(64, 32, 4)),
+            ((32 * 64 + 2 * 64 * 64 + 64 * 32 + 64 * 64) * 4) as u32
+        );
+        // K = V = 128, the largest, fits: 176 KiB.
+        let big = shared_bytes(shape(MAX_DIM, MAX_DIM, 4));
+        assert_eq!(big, 176 * 1024);
+        assert!(big <= MAX_SHARED);
+    }
+
+    #[test]
+    fn shapes_past_version_1_are_refused() {
+        assert!(check_shape(shape(128, 128, 256)).is_ok());
+        assert!(check_shape(BasedShape {
+            seq_len: 0,
+            ..shape(4, 4, 1)
+        })
+        .is_ok());
+        for bad in [
+            shape(0, 4, 1),
+            shape(4, 0, 1),
+            shape(4, 4, 0),
+            shape(129, 4, 1),
+            shape(4, 129, 1),
+            shape(4, 4, 257),
+            BasedShape {
+                batch: 0,
+                ..shape(4, 4, 1)
+            },
+            BasedShape {
+                heads: 65_536,
+                ..shape(4, 4, 1)
+            },
+        ] {
+            assert!(
+                matches!(check_shape(bad), Err(GpuError::Config(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn entry_points_are_named_once() {
+        let e = entry_points();
+        assert_eq!(e.len(), 4);
+        for name in &e {
+            let stem = name.trim_end_matches("_f32").trim_end_matches("_bf16");
+            assert!(BASED_SRC.contains(&format!("{stem}_##NAME(")), "{name}");
+        }
+    }
+}

@@ -1,0 +1,224 @@
+//! Based's forward (`sequence_mixers::based_cuda`, `kernels/sequence_mixers/based.cu`) on the
+//! GPU against `reference::based`, and the kernels' NVRTC compile (no GPU needed: it runs in
+//! CI).
+
+use kernelpages::sequence_mixers::based_cuda::{entry_points, source, Based};
+use kernelpages::sequence_mixers::cuda::Dtype;
+use kernelpages::sequence_mixers::reference::{self, BasedInputs, BasedShape, BasedState};
+
+use super::{bf16_bits, bf16_value, gpu, rel_l2, uniform};
+
+/// One Based case on the device against the float64 recurrence on the same (rounded) inputs,
+/// with an empty initial window cache: returns (error of O, error of the final linear state).
+fn based_case(shape: BasedShape, dtype: Dtype, start: bool, seed: u64) -> (f64, f64) {
+    let g = gpu();
+    let bth = shape.batch * shape.seq_len * shape.heads;
+    let q = uniform(bth * shape.key_dim, -1.0, 1.0, seed);
+    let k = uniform(bth * shape.key_dim, -1.0, 1.0, seed + 1);
+    let v = uniform(bth * shape.value_dim, -1.0, 1.0, seed + 2);
+    let state_len = shape.batch * shape.heads * shape.value_dim * shape.key_dim;
+    let s0 = uniform(state_len, -1.0, 1.0, seed + 3);
+    let scale = 1.0 / (shape.key_dim as f32).sqrt();
+    // The reference reads the values the device gets: float32 or bf16, and a float32 S₀.
+    let round = |x: &[f64]| -> Vec<f64> {
+        match dtype {
+            Dtype::F32 => x.iter().map(|&e| e as f32 as f64).collect(),
+            Dtype::Bf16 => x.iter().map(|&e| bf16_value(bf16_bits(e))).collect(),
+        }
+    };
+    let (qr, kr, vr) = (round(&q), round(&k), round(&v));
+    let start_state = BasedState {
+        s: s0.iter().map(|&e| e as f32 as f64).collect(),
+        ..BasedState::zeros(shape)
+    };
+    let (o_ref, last_ref) = reference::based(
+        shape,
+        BasedInputs {
+            q: &qr,
+            k: &kr,
+            v: &vr,
+            scale: scale as f64,
+            initial_state: start.then_some(&start_state),
+        },
+    )
+    .unwrap();
+    let up32 = |x: &[f64]| {
+        g.stream
+            .clone_htod(&x.iter().map(|&e| e as f32).collect::<Vec<f32>>())
+            .unwrap()
+    };
+    let s0_d = up32(&s0);
+    let mut fin = g.stream.clone_htod(&vec![f32::NAN; state_len]).unwrap();
+    let mut based = Based::new(g, shape, dtype).unwrap();
+    let o: Vec<f64> = match dtype {
+        Dtype::F32 => {
+            let (q_d, k_d, v_d) = (up32(&q), up32(&k), up32(&v));
+            let mut o_d = g.stream.clone_htod(&vec![f32::NAN; o_ref.len()]).unwrap();
+            based
+                .launch(
+                    g,
+                    &q_d,
+                    &k_d,
+                    &v_d,
+                    scale,
+                    start.then_some(&s0_d),
+                    &mut o_d,
+                    &mut fin,
+                )
+                .unwrap();
+            g.stream
+                .clone_dtoh(&o_d)
+                .unwrap()
+                .iter()
+                .map(|&e| e as f64)
+                .collect()
+        }
+        Dtype::Bf16 => {
+            let up16 = |x: &[f64]| {
+                g.stream
+                    .clone_htod(&x.iter().map(|&e| bf16_bits(e)).collect::<Vec<u16>>())
+                    .unwrap()
+            };
+            let (q_d, k_d, v_d) = (up16(&q), up16(&k), up16(&v));
+            let mut o_d = g.stream.clone_htod(&vec![0xFFFFu16; o_ref.len()]).unwrap();
+            based
+                .launch(
+                    g,
+                    &q_d,
+                    &k_d,
+                    &v_d,
+                    scale,
+                    start.then_some(&s0_d),
+                    &mut o_d,
+                    &mut fin,
+                )
+                .unwrap();
+            g.stream
+                .clone_dtoh(&o_d)
+                .unwrap()
+                .iter()
+                .map(|&e| bf16_value(e))
+                .collect()
+        }
+    };
+    let fin: Vec<f64> = g
+        .stream
+        .clone_dtoh(&fin)
+        .unwrap()
+        .iter()
+        .map(|&e| e as f64)
+        .collect();
+    (rel_l2(&o, &o_ref), rel_l2(&fin, &last_ref.s))
+}
+
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn based_matches_float64_on_every_shape() {
+    let shape = |batch, seq_len, heads, key_dim, value_dim, window| BasedShape {
+        batch,
+        seq_len,
+        heads,
+        key_dim,
+        value_dim,
+        window,
+    };
+    let cases = [
+        // One step (W > T), with the smallest and the largest window.
+        shape(1, 1, 2, 64, 64, 1),
+        shape(2, 1, 2, 64, 64, 256),
+        // One exact chunk: W = 1 (the current key alone), 4, and W = T.
+        shape(2, 64, 3, 64, 64, 1),
+        shape(2, 64, 3, 64, 64, 4),
+        shape(1, 64, 2, 64, 64, 64),
+        // Four chunks, the last partial: windows inside the sequence, and W > T.
+        shape(2, 200, 2, 64, 64, 4),
+        shape(1, 200, 3, 64, 64, 64),
+        shape(1, 200, 2, 64, 64, 256),
+        // K ≠ V, both ways, and the largest widths (176 KiB of shared memory).
+        shape(1, 200, 2, 32, 96, 64),
+        shape(2, 200, 1, 128, 16, 256),
+        shape(1, 200, 2, 128, 128, 64),
+        // Small odd widths: partial warps over V, K below a warp.
+        shape(1, 130, 3, 5, 7, 4),
+    ];
+    let mut failures = Vec::new();
+    for (n, &s) in cases.iter().enumerate() {
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            for start in [false, true] {
+                let (eo, es) = based_case(s, dtype, start, 300 + 10 * n as u64);
+                // float32 arithmetic on exact inputs: 1e-4; bf16 output rounding: 1e-2.
+                let tol = if dtype == Dtype::F32 { 1e-4 } else { 1e-2 };
+                println!("based {s:?} {dtype:?} initial {start}: O {eo:.2e} state {es:.2e}");
+                if !(eo <= tol && es <= 1e-4) {
+                    failures.push(format!(
+                        "{s:?} {dtype:?} initial {start}: O {eo:.2e}, state {es:.2e}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn based_with_no_step_returns_the_initial_state() {
+    let s = BasedShape {
+        batch: 1,
+        seq_len: 0,
+        heads: 2,
+        key_dim: 4,
+        value_dim: 8,
+        window: 4,
+    };
+    let (_, es) = based_case(s, Dtype::F32, true, 7);
+    assert_eq!(es, 0.0);
+}
+
+fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Every entry point compiles for sm_90a and sm_80 (to PTX, and to machine code as the runner
+/// loads it), and ptxas reports no spills on sm_90a.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn based_kernels_compile_without_spills() {
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    let names = entry_points();
+    for arch in ["sm_90a", "sm_80"] {
+        let ptx = kernelpages::gpu::nvrtc_compile("based.cu", &source(), arch)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let text = ptx.to_src();
+        for f in &names {
+            assert!(
+                text.contains(&format!(".entry {f}(")),
+                "{f} missing from the {arch} PTX"
+            );
+        }
+        assert_eq!(text.matches(".entry ").count(), names.len(), "{arch}");
+        if let Err(e) = kernelpages::gpu::nvrtc_compile_cubin("based.cu", &source(), arch) {
+            panic!("{arch}: {e}");
+        }
+    }
+    let reports = kernelpages::gpu::ptxas_report("based.cu", &source(), "sm_90a").unwrap();
+    for name in &names {
+        let r = reports
+            .iter()
+            .find(|r| &r.kernel == name)
+            .unwrap_or_else(|| panic!("no ptxas report for {name}"));
+        eprintln!(
+            "{}: {} registers, {} spill bytes",
+            r.kernel, r.registers, r.spill_bytes
+        );
+        assert_eq!(r.spill_bytes, 0, "{r:?}");
+        assert!(r.registers <= 255, "{r:?}");
+    }
+}

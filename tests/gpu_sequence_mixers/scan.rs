@@ -1,0 +1,221 @@
+//! Mamba's selective scan on the device (`sequence_mixers::scan_cuda`) against the float64
+//! recurrence (`reference::selective_scan`), and the NVRTC compile of its source.
+
+use kernelpages::sequence_mixers::cuda::Dtype;
+use kernelpages::sequence_mixers::reference::{self, ScanInputs, ScanShape};
+use kernelpages::sequence_mixers::scan_cuda::{entry_points, source, states_per_lane, Scan};
+
+use super::{bf16_bits, bf16_value, gpu, rel_l2, uniform};
+
+/// One selective-scan case on the device against the float64 recurrence on the same (rounded)
+/// inputs: returns (error of y, error of the final state).
+fn scan_case(shape: ScanShape, dtype: Dtype, skip: bool, start: bool, seed: u64) -> (f64, f64) {
+    let g = gpu();
+    let bt = shape.batch * shape.seq_len;
+    let (ch, n) = (shape.channels, shape.state);
+    let u = uniform(bt * ch, -1.0, 1.0, seed);
+    let delta = uniform(bt * ch, 0.01, 0.2, seed + 1);
+    let a = uniform(ch * n, -4.0, -0.5, seed + 2);
+    let b = uniform(bt * n, -1.0, 1.0, seed + 3);
+    let c = uniform(bt * n, -1.0, 1.0, seed + 4);
+    let d = uniform(ch, -1.0, 1.0, seed + 5);
+    let state_len = shape.batch * ch * n;
+    let s0 = uniform(state_len, -1.0, 1.0, seed + 6);
+    // The reference reads the values the device gets: float32 or bf16, and float32 Δ, A, D.
+    let round = |v: &[f64]| -> Vec<f64> {
+        match dtype {
+            Dtype::F32 => v.iter().map(|&x| x as f32 as f64).collect(),
+            Dtype::Bf16 => v.iter().map(|&x| bf16_value(bf16_bits(x))).collect(),
+        }
+    };
+    let f32_round = |v: &[f64]| -> Vec<f64> { v.iter().map(|&x| x as f32 as f64).collect() };
+    let (ur, br, cr) = (round(&u), round(&b), round(&c));
+    let (deltar, ar, dr, s0r) = (
+        f32_round(&delta),
+        f32_round(&a),
+        f32_round(&d),
+        f32_round(&s0),
+    );
+    let (y_ref, s_ref) = reference::selective_scan(
+        shape,
+        ScanInputs {
+            u: &ur,
+            delta: &deltar,
+            a: &ar,
+            b: &br,
+            c: &cr,
+            d: skip.then_some(&dr[..]),
+            initial_state: start.then_some(&s0r[..]),
+        },
+    )
+    .unwrap();
+    let up32 = |v: &[f64]| {
+        g.stream
+            .clone_htod(&v.iter().map(|&x| x as f32).collect::<Vec<f32>>())
+            .unwrap()
+    };
+    let (delta_d, a_d, d_d, s0_d) = (up32(&delta), up32(&a), up32(&d), up32(&s0));
+    let mut fin = g.stream.clone_htod(&vec![f32::NAN; state_len]).unwrap();
+    let mut scan = Scan::new(g, shape, dtype).unwrap();
+    assert_eq!(scan.temporary_bytes(), 0);
+    let y: Vec<f64> = match dtype {
+        Dtype::F32 => {
+            let (u_d, b_d, c_d) = (up32(&u), up32(&b), up32(&c));
+            let mut y_d = g.stream.clone_htod(&vec![f32::NAN; y_ref.len()]).unwrap();
+            scan.launch(
+                g,
+                &u_d,
+                &delta_d,
+                &a_d,
+                &b_d,
+                &c_d,
+                skip.then_some(&d_d),
+                start.then_some(&s0_d),
+                &mut y_d,
+                &mut fin,
+            )
+            .unwrap();
+            g.stream
+                .clone_dtoh(&y_d)
+                .unwrap()
+                .iter()
+                .map(|&v| v as f64)
+                .collect()
+        }
+        Dtype::Bf16 => {
+            let up16 = |v: &[f64]| {
+                g.stream
+                    .clone_htod(&v.iter().map(|&x| bf16_bits(x)).collect::<Vec<u16>>())
+                    .unwrap()
+            };
+            let (u_d, b_d, c_d) = (up16(&u), up16(&b), up16(&c));
+            let mut y_d = g.stream.clone_htod(&vec![0xFFFFu16; y_ref.len()]).unwrap();
+            scan.launch(
+                g,
+                &u_d,
+                &delta_d,
+                &a_d,
+                &b_d,
+                &c_d,
+                skip.then_some(&d_d),
+                start.then_some(&s0_d),
+                &mut y_d,
+                &mut fin,
+            )
+            .unwrap();
+            g.stream
+                .clone_dtoh(&y_d)
+                .unwrap()
+                .iter()
+                .map(|&v| bf16_value(v))
+                .collect()
+        }
+    };
+    let fin: Vec<f64> = g
+        .stream
+        .clone_dtoh(&fin)
+        .unwrap()
+        .iter()
+        .map(|&v| v as f64)
+        .collect();
+    (rel_l2(&y, &y_ref), rel_l2(&fin, &s_ref))
+}
+
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn selective_scan_matches_float64_on_every_shape() {
+    let shape = |batch, seq_len, channels, state| ScanShape {
+        batch,
+        seq_len,
+        channels,
+        state,
+    };
+    let cases = [
+        // One step, one channel, one state entry (31 idle lanes, 7 idle warps).
+        shape(1, 1, 1, 1),
+        // States per lane 1 (half the lanes idle), 2, 4 and 8; channels not a multiple of the
+        // block's 8 warps; T not a multiple of anything.
+        shape(2, 37, 13, 16),
+        shape(2, 129, 20, 64),
+        shape(3, 61, 19, 128),
+        shape(1, 257, 10, 256),
+        // N not a multiple of 32 (two entries on lanes 0..15, one on the rest), whole blocks.
+        shape(2, 50, 16, 48),
+        // A long sequence: 1000 steps of accumulated float32 rounding.
+        shape(1, 1000, 9, 16),
+    ];
+    let mut failures = Vec::new();
+    for (k, &s) in cases.iter().enumerate() {
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            for (skip, start) in [(false, false), (true, false), (false, true), (true, true)] {
+                let (ey, es) = scan_case(s, dtype, skip, start, 200 + k as u64);
+                // float32 arithmetic on exact inputs: 1e-4; bf16 output rounding: 1e-2.
+                let tol = if dtype == Dtype::F32 { 1e-4 } else { 1e-2 };
+                println!(
+                    "selective_scan {s:?} {dtype:?} states/lane {} D {skip} initial {start}: \
+                     y {ey:.2e} state {es:.2e}",
+                    states_per_lane(s.state).unwrap()
+                );
+                if !(ey <= tol && es <= 1e-4) {
+                    failures.push(format!(
+                        "{s:?} {dtype:?} D {skip} initial {start}: y {ey:.2e}, state {es:.2e}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn selective_scan_with_no_step_returns_the_initial_state() {
+    let s = ScanShape {
+        batch: 2,
+        seq_len: 0,
+        channels: 3,
+        state: 16,
+    };
+    let (_, es) = scan_case(s, Dtype::F32, true, true, 7);
+    assert_eq!(es, 0.0);
+}
+
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn scan_kernels_compile_without_spills() {
+    // SAFETY: only tries to dlopen the library.
+    let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    assert!(present, "libnvrtc.so.13 not found on the loader path");
+    let names = entry_points();
+    for arch in ["sm_90a", "sm_80"] {
+        let ptx = kernelpages::gpu::nvrtc_compile("scan.cu", &source(), arch)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let text = ptx.to_src();
+        for f in &names {
+            assert!(
+                text.contains(&format!(".entry {f}(")),
+                "{f} missing from the {arch} PTX"
+            );
+        }
+        assert_eq!(text.matches(".entry ").count(), names.len(), "{arch}");
+        if let Err(e) = kernelpages::gpu::nvrtc_compile_cubin("scan.cu", &source(), arch) {
+            panic!("{arch}: {e}");
+        }
+    }
+    let reports = kernelpages::gpu::ptxas_report("scan.cu", &source(), "sm_90a").unwrap();
+    for name in &names {
+        let r = reports
+            .iter()
+            .find(|r| &r.kernel == name)
+            .unwrap_or_else(|| panic!("no ptxas report for {name}"));
+        eprintln!(
+            "{}: {} registers, {} spill bytes",
+            r.kernel, r.registers, r.spill_bytes
+        );
+        assert_eq!(r.spill_bytes, 0, "{r:?}");
+        assert!(r.registers <= 255, "{r:?}");
+    }
+}
