@@ -17,6 +17,7 @@ mod scan;
 
 use std::sync::OnceLock;
 
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use kernelpages::gpu::{self, Gpu};
 use kernelpages::sequence_mixers::cuda::{Dtype, Ssd};
 use kernelpages::sequence_mixers::reference::{self, SsdInputs, SsdShape};
@@ -31,6 +32,17 @@ pub(crate) fn gpu() -> &'static Gpu {
         }
         Gpu::open(0).expect("device opens")
     })
+}
+
+/// `v` on the device; an empty `v` as one element (the driver refuses a zero-byte
+/// allocation; the launches accept one unread element where the shape wants none).
+pub(crate) fn upload<T: DeviceRepr + Copy + Default>(v: &[T]) -> CudaSlice<T> {
+    let g = gpu();
+    if v.is_empty() {
+        g.stream.clone_htod(&[T::default()]).unwrap()
+    } else {
+        g.stream.clone_htod(v).unwrap()
+    }
 }
 
 pub(crate) fn uniform(n: usize, lo: f64, hi: f64, seed: u64) -> Vec<f64> {
@@ -93,18 +105,14 @@ fn ssd_case(shape: SsdShape, dtype: Dtype, skip: bool, start: bool, seed: u64) -
         },
     )
     .unwrap();
-    let up32 = |v: &[f64]| {
-        g.stream
-            .clone_htod(&v.iter().map(|&x| x as f32).collect::<Vec<f32>>())
-            .unwrap()
-    };
+    let up32 = |v: &[f64]| upload(&v.iter().map(|&x| x as f32).collect::<Vec<f32>>());
     let (dt_d, a_d, d_d, s0_d) = (up32(&dt), up32(&a), up32(&d), up32(&s0));
-    let mut fin = g.stream.clone_htod(&vec![f32::NAN; state_len]).unwrap();
+    let mut fin = upload(&vec![f32::NAN; state_len]);
     let mut ssd = Ssd::new(g, shape, dtype).unwrap();
     let y: Vec<f64> = match dtype {
         Dtype::F32 => {
             let (x_d, b_d, c_d) = (up32(&x), up32(&b), up32(&c));
-            let mut y_d = g.stream.clone_htod(&vec![f32::NAN; y_ref.len()]).unwrap();
+            let mut y_d = upload(&vec![f32::NAN; y_ref.len()]);
             ssd.launch(
                 g,
                 &x_d,
@@ -126,13 +134,9 @@ fn ssd_case(shape: SsdShape, dtype: Dtype, skip: bool, start: bool, seed: u64) -
                 .collect()
         }
         Dtype::Bf16 => {
-            let up16 = |v: &[f64]| {
-                g.stream
-                    .clone_htod(&v.iter().map(|&x| bf16_bits(x)).collect::<Vec<u16>>())
-                    .unwrap()
-            };
+            let up16 = |v: &[f64]| upload(&v.iter().map(|&x| bf16_bits(x)).collect::<Vec<u16>>());
             let (x_d, b_d, c_d) = (up16(&x), up16(&b), up16(&c));
-            let mut y_d = g.stream.clone_htod(&vec![0xFFFFu16; y_ref.len()]).unwrap();
+            let mut y_d = upload(&vec![0xFFFFu16; y_ref.len()]);
             ssd.launch(
                 g,
                 &x_d,

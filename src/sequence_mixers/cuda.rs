@@ -31,6 +31,9 @@ pub fn source() -> String {
 /// Time steps per chunk (`SSD_CHUNK` in the source).
 pub const CHUNK: usize = 64;
 
+/// The largest head_dim and state of version 1 (its shared memory grows with both).
+pub const MAX_DIM: usize = 256;
+
 /// Threads per block of every SSD kernel (`SSD_THREADS` in the source).
 pub const THREADS: u32 = 256;
 
@@ -73,7 +76,7 @@ pub fn shared_bytes(shape: SsdShape) -> (u32, u32) {
 }
 
 /// The shared memory one block may have on compute capability 9.0 (227 KiB). Version 1 needs
-/// up to 180 KiB (head_dim 128 with state 128); a device with less (sm_80: 163 KiB) refuses
+/// up to 176.25 KiB (head_dim 128 with state 128); a device with less (sm_80: 163 KiB) refuses
 /// those shapes when the kernel's limit is raised (a driver error), smaller shapes run.
 const MAX_SHARED: u32 = 227 * 1024;
 
@@ -98,7 +101,8 @@ impl Ssd {
     ///
     /// # Errors
     /// [`GpuError::Config`] for a shape the reference refuses (an empty dimension other than
-    /// seq_len, heads not a multiple of groups), dimensions past 32-bit ints, or P and N whose
+    /// seq_len, heads not a multiple of groups), head_dim or state past [`MAX_DIM`], a
+    /// seq_len past 32-bit ints, batch or heads past 65,535 (grid limits), or P and N whose
     /// shared memory passes 227 KiB; [`GpuError::Compile`] with the NVRTC log; driver
     /// errors (out of memory).
     pub fn new(gpu: &Gpu, shape: SsdShape, dtype: Dtype) -> Result<Ssd, GpuError> {
@@ -112,10 +116,16 @@ impl Ssd {
                 s.heads, s.groups
             )));
         }
-        let fits = |v: usize| v <= i32::MAX as usize;
-        if !(fits(s.seq_len) && fits(s.heads) && fits(s.head_dim) && fits(s.state)) {
+        if s.head_dim > MAX_DIM || s.state > MAX_DIM {
             return Err(GpuError::Config(format!(
-                "ssd: {s:?} does not fit 32-bit ints"
+                "ssd: head_dim {} and state {} must be at most {MAX_DIM} (version 1)",
+                s.head_dim, s.state
+            )));
+        }
+        if s.seq_len + CHUNK > i32::MAX as usize || s.batch > 65_535 || s.heads > 65_535 {
+            return Err(GpuError::Config(format!(
+                "ssd: {s:?} does not fit 32-bit ints and the grid (batch and heads at most \
+                 65,535)"
             )));
         }
         let (state_smem, scan_smem) = shared_bytes(s);
@@ -218,7 +228,9 @@ impl Ssd {
             ("final_state", final_state.len(), state_len),
         ];
         for (what, got, want) in checks {
-            if got != want {
+            // A buffer the shape wants empty (seq_len 0) may hold one unread element: the
+            // driver refuses zero-byte allocations.
+            if got != want && !(want == 0 && got == 1) {
                 return Err(GpuError::Config(format!(
                     "ssd: {what} holds {got} elements, expected {want} for {s:?}"
                 )));

@@ -174,7 +174,9 @@ impl GatedDelta {
             ("final_state", final_state.len(), state_len),
         ];
         for (what, got, want) in checks {
-            if got != want {
+            // A buffer the shape wants empty (seq_len 0) may hold one unread element: the
+            // driver refuses zero-byte allocations.
+            if got != want && !(want == 0 && got == 1) {
                 return Err(GpuError::Config(format!(
                     "gated_delta_rule: {what} holds {got} elements, expected {want} for {s:?}"
                 )));

@@ -502,7 +502,8 @@ pub fn based(shape: BasedShape, inp: BasedInputs) -> Result<(Vec<f64>, BasedStat
     // step t sits at position c0 + t of the history.
     let mut hist_k = vec![0.0; (c0 + t_len) * kd];
     let mut hist_v = vec![0.0; (c0 + t_len) * vd];
-    let mut scores = vec![0.0; window];
+    // At most min(W, keys in the history) scores per step (W may be far larger).
+    let mut scores = vec![0.0; window.min(c0 + t_len)];
     for b in 0..batch {
         for h in 0..heads {
             let bh = b * heads + h;

@@ -6,7 +6,7 @@ use kernelpages::sequence_mixers::based_cuda::{entry_points, source, Based};
 use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::reference::{self, BasedInputs, BasedShape, BasedState};
 
-use super::{bf16_bits, bf16_value, gpu, rel_l2, uniform};
+use super::{bf16_bits, bf16_value, gpu, rel_l2, uniform, upload};
 
 /// One Based case on the device against the float64 recurrence on the same (rounded) inputs,
 /// with an empty initial window cache: returns (error of O, error of the final linear state).
@@ -42,18 +42,14 @@ fn based_case(shape: BasedShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
         },
     )
     .unwrap();
-    let up32 = |x: &[f64]| {
-        g.stream
-            .clone_htod(&x.iter().map(|&e| e as f32).collect::<Vec<f32>>())
-            .unwrap()
-    };
+    let up32 = |x: &[f64]| upload(&x.iter().map(|&e| e as f32).collect::<Vec<f32>>());
     let s0_d = up32(&s0);
-    let mut fin = g.stream.clone_htod(&vec![f32::NAN; state_len]).unwrap();
+    let mut fin = upload(&vec![f32::NAN; state_len]);
     let mut based = Based::new(g, shape, dtype).unwrap();
     let o: Vec<f64> = match dtype {
         Dtype::F32 => {
             let (q_d, k_d, v_d) = (up32(&q), up32(&k), up32(&v));
-            let mut o_d = g.stream.clone_htod(&vec![f32::NAN; o_ref.len()]).unwrap();
+            let mut o_d = upload(&vec![f32::NAN; o_ref.len()]);
             based
                 .launch(
                     g,
@@ -74,13 +70,9 @@ fn based_case(shape: BasedShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
                 .collect()
         }
         Dtype::Bf16 => {
-            let up16 = |x: &[f64]| {
-                g.stream
-                    .clone_htod(&x.iter().map(|&e| bf16_bits(e)).collect::<Vec<u16>>())
-                    .unwrap()
-            };
+            let up16 = |x: &[f64]| upload(&x.iter().map(|&e| bf16_bits(e)).collect::<Vec<u16>>());
             let (q_d, k_d, v_d) = (up16(&q), up16(&k), up16(&v));
-            let mut o_d = g.stream.clone_htod(&vec![0xFFFFu16; o_ref.len()]).unwrap();
+            let mut o_d = upload(&vec![0xFFFFu16; o_ref.len()]);
             based
                 .launch(
                     g,

@@ -5,7 +5,7 @@ use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::delta_cuda::{entry_points, source, GatedDelta};
 use kernelpages::sequence_mixers::reference::{self, DeltaInputs, DeltaShape};
 
-use super::{bf16_bits, bf16_value, gpu, rel_l2, uniform};
+use super::{bf16_bits, bf16_value, gpu, rel_l2, uniform, upload};
 
 /// One gated-delta-rule case on the device against the float64 recurrence on the same
 /// (rounded) inputs: returns (error of O, error of the final state).
@@ -48,19 +48,15 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
         },
     )
     .unwrap();
-    let up32 = |x: &[f64]| {
-        g.stream
-            .clone_htod(&x.iter().map(|&x| x as f32).collect::<Vec<f32>>())
-            .unwrap()
-    };
+    let up32 = |x: &[f64]| upload(&x.iter().map(|&x| x as f32).collect::<Vec<f32>>());
     let (a_d, b_d, s0_d) = (up32(&alpha), up32(&beta), up32(&s0));
-    let mut fin = g.stream.clone_htod(&vec![f32::NAN; state_len]).unwrap();
+    let mut fin = upload(&vec![f32::NAN; state_len]);
     let mut gdn = GatedDelta::new(g, shape, dtype).unwrap();
     assert_eq!(gdn.temporary_bytes(), 0);
     let o: Vec<f64> = match dtype {
         Dtype::F32 => {
             let (q_d, k_d, v_d) = (up32(&q), up32(&k), up32(&v));
-            let mut o_d = g.stream.clone_htod(&vec![f32::NAN; o_ref.len()]).unwrap();
+            let mut o_d = upload(&vec![f32::NAN; o_ref.len()]);
             gdn.launch(
                 g,
                 &q_d,
@@ -81,14 +77,10 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
                 .collect()
         }
         Dtype::Bf16 => {
-            let up16 = |x: &[f64]| {
-                g.stream
-                    .clone_htod(&x.iter().map(|&x| bf16_bits(x)).collect::<Vec<u16>>())
-                    .unwrap()
-            };
+            let up16 = |x: &[f64]| upload(&x.iter().map(|&x| bf16_bits(x)).collect::<Vec<u16>>());
             let (q_d, k_d, v_d) = (up16(&q), up16(&k), up16(&v));
             // 0xFFFF is a NaN in bf16.
-            let mut o_d = g.stream.clone_htod(&vec![0xFFFFu16; o_ref.len()]).unwrap();
+            let mut o_d = upload(&vec![0xFFFFu16; o_ref.len()]);
             gdn.launch(
                 g,
                 &q_d,

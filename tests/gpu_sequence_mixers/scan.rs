@@ -5,7 +5,7 @@ use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::reference::{self, ScanInputs, ScanShape};
 use kernelpages::sequence_mixers::scan_cuda::{entry_points, source, states_per_lane, Scan};
 
-use super::{bf16_bits, bf16_value, gpu, rel_l2, uniform};
+use super::{bf16_bits, bf16_value, gpu, rel_l2, uniform, upload};
 
 /// One selective-scan case on the device against the float64 recurrence on the same (rounded)
 /// inputs: returns (error of y, error of the final state).
@@ -49,19 +49,15 @@ fn scan_case(shape: ScanShape, dtype: Dtype, skip: bool, start: bool, seed: u64)
         },
     )
     .unwrap();
-    let up32 = |v: &[f64]| {
-        g.stream
-            .clone_htod(&v.iter().map(|&x| x as f32).collect::<Vec<f32>>())
-            .unwrap()
-    };
+    let up32 = |v: &[f64]| upload(&v.iter().map(|&x| x as f32).collect::<Vec<f32>>());
     let (delta_d, a_d, d_d, s0_d) = (up32(&delta), up32(&a), up32(&d), up32(&s0));
-    let mut fin = g.stream.clone_htod(&vec![f32::NAN; state_len]).unwrap();
+    let mut fin = upload(&vec![f32::NAN; state_len]);
     let mut scan = Scan::new(g, shape, dtype).unwrap();
     assert_eq!(scan.temporary_bytes(), 0);
     let y: Vec<f64> = match dtype {
         Dtype::F32 => {
             let (u_d, b_d, c_d) = (up32(&u), up32(&b), up32(&c));
-            let mut y_d = g.stream.clone_htod(&vec![f32::NAN; y_ref.len()]).unwrap();
+            let mut y_d = upload(&vec![f32::NAN; y_ref.len()]);
             scan.launch(
                 g,
                 &u_d,
@@ -83,13 +79,9 @@ fn scan_case(shape: ScanShape, dtype: Dtype, skip: bool, start: bool, seed: u64)
                 .collect()
         }
         Dtype::Bf16 => {
-            let up16 = |v: &[f64]| {
-                g.stream
-                    .clone_htod(&v.iter().map(|&x| bf16_bits(x)).collect::<Vec<u16>>())
-                    .unwrap()
-            };
+            let up16 = |v: &[f64]| upload(&v.iter().map(|&x| bf16_bits(x)).collect::<Vec<u16>>());
             let (u_d, b_d, c_d) = (up16(&u), up16(&b), up16(&c));
-            let mut y_d = g.stream.clone_htod(&vec![0xFFFFu16; y_ref.len()]).unwrap();
+            let mut y_d = upload(&vec![0xFFFFu16; y_ref.len()]);
             scan.launch(
                 g,
                 &u_d,
