@@ -69,6 +69,57 @@ pub(crate) fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
+/// The kernel file `name` (`src`, prelude included) compiles for sm_90a and sm_80 with
+/// exactly `entries` in its PTX, to machine code for both, and ptxas reports no spill for any
+/// entry on sm_90a (registers printed with `--nocapture`). Needs NVRTC only, not a GPU.
+pub(crate) fn compiles_without_spills(name: &str, src: &str, entries: &[String]) {
+    // SAFETY: only tries to dlopen the library.
+    let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    assert!(present, "libnvrtc.so.13 not found on the loader path");
+    for arch in ["sm_90a", "sm_80"] {
+        let text = gpu::nvrtc_compile(name, src, arch)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_src();
+        for f in entries {
+            assert!(
+                text.contains(&format!(".entry {f}(")),
+                "{f} missing from the {arch} PTX of {name}"
+            );
+        }
+        assert_eq!(
+            text.matches(".entry ").count(),
+            entries.len(),
+            "{name} {arch}"
+        );
+        if let Err(e) = gpu::nvrtc_compile_cubin(name, src, arch) {
+            panic!("{name} {arch}: {e}");
+        }
+    }
+    let reports = gpu::ptxas_report(name, src, "sm_90a").unwrap();
+    for f in entries {
+        let r = reports
+            .iter()
+            .find(|r| &r.kernel == f)
+            .unwrap_or_else(|| panic!("no ptxas report for {f}"));
+        eprintln!(
+            "{}: {} registers, {} spill bytes",
+            r.kernel, r.registers, r.spill_bytes
+        );
+        assert_eq!(r.spill_bytes, 0, "{r:?}");
+    }
+}
+
+/// The SSD kernels compile ([`compiles_without_spills`]); runs in CI.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn ssd_kernels_compile_without_spills() {
+    use kernelpages::sequence_mixers::cuda::{entry_points, source};
+    compiles_without_spills("ssd.cu", &source(), &entry_points());
+}
+
 /// One SSD case on the device against the float64 recurrence on the same (rounded) inputs:
 /// returns (error of Y, error of the final state).
 fn ssd_case(shape: SsdShape, dtype: Dtype, skip: bool, start: bool, seed: u64) -> (f64, f64) {

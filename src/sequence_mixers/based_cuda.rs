@@ -207,22 +207,9 @@ impl Based {
             ("o", o.len(), bth * s.value_dim),
             ("final_linear_state", final_linear_state.len(), state_len),
         ];
-        for (what, got, want) in checks {
-            // A buffer the shape wants empty (seq_len 0) may hold one unread element: the
-            // driver refuses zero-byte allocations.
-            if got != want && !(want == 0 && got == 1) {
-                return Err(GpuError::Config(format!(
-                    "based: {what} holds {got} elements, expected {want} for {s:?}"
-                )));
-            }
-        }
+        super::cuda::check_buffers("based", &s, &checks)?;
         if s.seq_len == 0 {
-            // No step: the final state is the initial one.
-            match initial_linear_state {
-                Some(s0) => gpu.stream.memcpy_dtod(s0, final_linear_state)?,
-                None => gpu.stream.memset_zeros(final_linear_state)?,
-            }
-            return Ok(());
+            return super::cuda::no_step(gpu, initial_linear_state, final_linear_state);
         }
         let (t_len, heads) = (s.seq_len as i32, s.heads as i32);
         let (kd, vd, w) = (s.key_dim as i32, s.value_dim as i32, s.window as i32);

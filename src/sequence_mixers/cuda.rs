@@ -80,6 +80,43 @@ pub fn shared_bytes(shape: SsdShape) -> (u32, u32) {
 /// those shapes when the kernel's limit is raised (a driver error), smaller shapes run.
 const MAX_SHARED: u32 = 227 * 1024;
 
+/// Checks each `(buffer, elements, expected)` of a launch of `mixer` for `shape`; a buffer the
+/// shape wants empty (seq_len 0) may hold one unread element, since the driver refuses
+/// zero-byte allocations.
+///
+/// # Errors
+/// [`GpuError::Config`] naming the first buffer whose length does not fit.
+pub(crate) fn check_buffers(
+    mixer: &str,
+    shape: &dyn std::fmt::Debug,
+    checks: &[(&str, usize, usize)],
+) -> Result<(), GpuError> {
+    for &(what, got, want) in checks {
+        if got != want && !(want == 0 && got == 1) {
+            return Err(GpuError::Config(format!(
+                "{mixer}: {what} holds {got} elements, expected {want} for {shape:?}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A call with no step: the final state is the initial one, or zeros without one.
+///
+/// # Errors
+/// Driver errors from the copy.
+pub(crate) fn no_step(
+    gpu: &Gpu,
+    initial: Option<&CudaSlice<f32>>,
+    final_state: &mut CudaSlice<f32>,
+) -> Result<(), GpuError> {
+    match initial {
+        Some(s0) => gpu.stream.memcpy_dtod(s0, final_state)?,
+        None => gpu.stream.memset_zeros(final_state)?,
+    }
+    Ok(())
+}
+
 /// SSD's compiled kernels and scratch for one shape: `states` `[B, H, n_chunks, P, N]` and the
 /// chunks' log decays `[B, H, n_chunks]` (float32).
 pub struct Ssd {
@@ -227,22 +264,9 @@ impl Ssd {
             ("y", y.len(), bt * s.heads * s.head_dim),
             ("final_state", final_state.len(), state_len),
         ];
-        for (what, got, want) in checks {
-            // A buffer the shape wants empty (seq_len 0) may hold one unread element: the
-            // driver refuses zero-byte allocations.
-            if got != want && !(want == 0 && got == 1) {
-                return Err(GpuError::Config(format!(
-                    "ssd: {what} holds {got} elements, expected {want} for {s:?}"
-                )));
-            }
-        }
+        check_buffers("ssd", &s, &checks)?;
         if s.seq_len == 0 {
-            // No step: the final state is the initial one.
-            match initial_state {
-                Some(s0) => gpu.stream.memcpy_dtod(s0, final_state)?,
-                None => gpu.stream.memset_zeros(final_state)?,
-            }
-            return Ok(());
+            return no_step(gpu, initial_state, final_state);
         }
         let n_chunks = s.seq_len.div_ceil(CHUNK);
         let (state_smem, scan_smem) = shared_bytes(s);

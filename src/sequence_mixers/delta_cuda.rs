@@ -173,22 +173,9 @@ impl GatedDelta {
             ("o", o.len(), n * s.value_dim),
             ("final_state", final_state.len(), state_len),
         ];
-        for (what, got, want) in checks {
-            // A buffer the shape wants empty (seq_len 0) may hold one unread element: the
-            // driver refuses zero-byte allocations.
-            if got != want && !(want == 0 && got == 1) {
-                return Err(GpuError::Config(format!(
-                    "gated_delta_rule: {what} holds {got} elements, expected {want} for {s:?}"
-                )));
-            }
-        }
+        super::cuda::check_buffers("gated_delta_rule", &s, &checks)?;
         if s.seq_len == 0 {
-            // No step: the final state is the initial one.
-            match initial_state {
-                Some(s0) => gpu.stream.memcpy_dtod(s0, final_state)?,
-                None => gpu.stream.memset_zeros(final_state)?,
-            }
-            return Ok(());
+            return super::cuda::no_step(gpu, initial_state, final_state);
         }
         let has_initial = i32::from(initial_state.is_some());
         let (t_len, heads) = (s.seq_len as i32, s.heads as i32);

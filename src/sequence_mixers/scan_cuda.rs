@@ -176,22 +176,9 @@ impl Scan {
             ("y", y.len(), bt * s.channels),
             ("final_state", final_state.len(), state_len),
         ];
-        for (what, got, want) in checks {
-            // A buffer the shape wants empty (seq_len 0) may hold one unread element: the
-            // driver refuses zero-byte allocations.
-            if got != want && !(want == 0 && got == 1) {
-                return Err(GpuError::Config(format!(
-                    "selective_scan: {what} holds {got} elements, expected {want} for {s:?}"
-                )));
-            }
-        }
+        super::cuda::check_buffers("selective_scan", &s, &checks)?;
         if s.seq_len == 0 {
-            // No step: the final state is the initial one.
-            match initial_state {
-                Some(s0) => gpu.stream.memcpy_dtod(s0, final_state)?,
-                None => gpu.stream.memset_zeros(final_state)?,
-            }
-            return Ok(());
+            return super::cuda::no_step(gpu, initial_state, final_state);
         }
         let has_d = i32::from(d.is_some());
         let has_initial = i32::from(initial_state.is_some());

@@ -6,7 +6,7 @@ use kernelpages::sequence_mixers::based_cuda::{entry_points, source, Based};
 use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::reference::{self, BasedInputs, BasedShape, BasedState};
 
-use super::{bf16_bits, bf16_value, gpu, rel_l2, uniform, upload};
+use super::{bf16_bits, bf16_value, compiles_without_spills, gpu, rel_l2, uniform, upload};
 
 /// One Based case on the device against the float64 recurrence on the same (rounded) inputs,
 /// with an empty initial window cache: returns (error of O, error of the final linear state).
@@ -167,11 +167,6 @@ fn based_with_no_step_returns_the_initial_state() {
     assert_eq!(es, 0.0);
 }
 
-fn nvrtc_present() -> bool {
-    // SAFETY: only tries to dlopen the library.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
 /// Every entry point compiles for sm_90a and sm_80 (to PTX, and to machine code as the runner
 /// loads it), and ptxas reports no spills on sm_90a.
 #[test]
@@ -180,37 +175,5 @@ fn nvrtc_present() -> bool {
     ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
 )]
 fn based_kernels_compile_without_spills() {
-    assert!(
-        nvrtc_present(),
-        "libnvrtc.so.13 not found on the loader path"
-    );
-    let names = entry_points();
-    for arch in ["sm_90a", "sm_80"] {
-        let ptx = kernelpages::gpu::nvrtc_compile("based.cu", &source(), arch)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let text = ptx.to_src();
-        for f in &names {
-            assert!(
-                text.contains(&format!(".entry {f}(")),
-                "{f} missing from the {arch} PTX"
-            );
-        }
-        assert_eq!(text.matches(".entry ").count(), names.len(), "{arch}");
-        if let Err(e) = kernelpages::gpu::nvrtc_compile_cubin("based.cu", &source(), arch) {
-            panic!("{arch}: {e}");
-        }
-    }
-    let reports = kernelpages::gpu::ptxas_report("based.cu", &source(), "sm_90a").unwrap();
-    for name in &names {
-        let r = reports
-            .iter()
-            .find(|r| &r.kernel == name)
-            .unwrap_or_else(|| panic!("no ptxas report for {name}"));
-        eprintln!(
-            "{}: {} registers, {} spill bytes",
-            r.kernel, r.registers, r.spill_bytes
-        );
-        assert_eq!(r.spill_bytes, 0, "{r:?}");
-        assert!(r.registers <= 255, "{r:?}");
-    }
+    compiles_without_spills("based.cu", &source(), &entry_points());
 }

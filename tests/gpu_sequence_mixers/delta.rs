@@ -5,7 +5,7 @@ use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::delta_cuda::{entry_points, source, GatedDelta};
 use kernelpages::sequence_mixers::reference::{self, DeltaInputs, DeltaShape};
 
-use super::{bf16_bits, bf16_value, gpu, rel_l2, uniform, upload};
+use super::{bf16_bits, bf16_value, compiles_without_spills, gpu, rel_l2, uniform, upload};
 
 /// One gated-delta-rule case on the device against the float64 recurrence on the same
 /// (rounded) inputs: returns (error of O, error of the final state).
@@ -210,48 +210,11 @@ fn gated_delta_rule_refuses_bad_shapes_and_buffers() {
     assert!(e.to_string().contains("2-byte"), "{e}");
 }
 
-fn nvrtc_present() -> bool {
-    // SAFETY: only tries to dlopen the library.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
     ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
 )]
 fn delta_kernels_compile_without_spills() {
-    assert!(
-        nvrtc_present(),
-        "libnvrtc.so.13 not found on the loader path"
-    );
-    let names = entry_points();
-    for arch in ["sm_90a", "sm_80"] {
-        let ptx = kernelpages::gpu::nvrtc_compile("delta.cu", &source(), arch)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let text = ptx.to_src();
-        for f in &names {
-            assert!(
-                text.contains(&format!(".entry {f}(")),
-                "{f} missing from the {arch} PTX"
-            );
-        }
-        assert_eq!(text.matches(".entry ").count(), names.len(), "{arch}");
-        if let Err(e) = kernelpages::gpu::nvrtc_compile_cubin("delta.cu", &source(), arch) {
-            panic!("{arch}: {e}");
-        }
-    }
-    let reports = kernelpages::gpu::ptxas_report("delta.cu", &source(), "sm_90a").unwrap();
-    for name in &names {
-        let r = reports
-            .iter()
-            .find(|r| &r.kernel == name)
-            .unwrap_or_else(|| panic!("no ptxas report for {name}"));
-        println!(
-            "{}: {} registers, {} spill bytes",
-            r.kernel, r.registers, r.spill_bytes
-        );
-        assert_eq!(r.spill_bytes, 0, "{r:?}");
-        assert!(r.registers <= 255, "{r:?}");
-    }
+    compiles_without_spills("delta.cu", &source(), &entry_points());
 }

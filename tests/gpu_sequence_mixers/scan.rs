@@ -5,7 +5,7 @@ use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::reference::{self, ScanInputs, ScanShape};
 use kernelpages::sequence_mixers::scan_cuda::{entry_points, source, states_per_lane, Scan};
 
-use super::{bf16_bits, bf16_value, gpu, rel_l2, uniform, upload};
+use super::{bf16_bits, bf16_value, compiles_without_spills, gpu, rel_l2, uniform, upload};
 
 /// One selective-scan case on the device against the float64 recurrence on the same (rounded)
 /// inputs: returns (error of y, error of the final state).
@@ -178,36 +178,5 @@ fn selective_scan_with_no_step_returns_the_initial_state() {
     ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
 )]
 fn scan_kernels_compile_without_spills() {
-    // SAFETY: only tries to dlopen the library.
-    let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
-    assert!(present, "libnvrtc.so.13 not found on the loader path");
-    let names = entry_points();
-    for arch in ["sm_90a", "sm_80"] {
-        let ptx = kernelpages::gpu::nvrtc_compile("scan.cu", &source(), arch)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let text = ptx.to_src();
-        for f in &names {
-            assert!(
-                text.contains(&format!(".entry {f}(")),
-                "{f} missing from the {arch} PTX"
-            );
-        }
-        assert_eq!(text.matches(".entry ").count(), names.len(), "{arch}");
-        if let Err(e) = kernelpages::gpu::nvrtc_compile_cubin("scan.cu", &source(), arch) {
-            panic!("{arch}: {e}");
-        }
-    }
-    let reports = kernelpages::gpu::ptxas_report("scan.cu", &source(), "sm_90a").unwrap();
-    for name in &names {
-        let r = reports
-            .iter()
-            .find(|r| &r.kernel == name)
-            .unwrap_or_else(|| panic!("no ptxas report for {name}"));
-        eprintln!(
-            "{}: {} registers, {} spill bytes",
-            r.kernel, r.registers, r.spill_bytes
-        );
-        assert_eq!(r.spill_bytes, 0, "{r:?}");
-        assert!(r.registers <= 255, "{r:?}");
-    }
+    compiles_without_spills("scan.cu", &source(), &entry_points());
 }
