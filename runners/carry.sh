@@ -15,5 +15,6 @@ cp "$(newest gpu_kernel_sums)" "$dest/gpu_kernel_sums_test"
 cp "$(newest gpu_sequence_mixers)" "$dest/gpu_sequence_mixers_test"
 cp -r runners/compare "$dest/runners/"
 rm -rf "$dest/runners/compare/__pycache__"
-cp runners/device_run.sh runners/device_verdict.py runners/grid_shards.sh "$dest/"
+cp runners/device_run.sh runners/device_verdict.py runners/grid_shards.sh \
+  runners/jax_init_probe.py "$dest/"
 du -sh "$dest"

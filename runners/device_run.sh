@@ -9,6 +9,8 @@
 #   bash .carry/device_run.sh mixers OUTDIR       # the sequence-mixer GPU tests (SSD, scan,
 #                                                 # Based, gated delta rule v1 forwards
 #                                                 # against float64)
+#   bash .carry/device_run.sh jaxinit OUTDIR      # where a JAX row's start-up goes
+#                                                 # (runners/jax_init_probe.py, < 1 min)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
 #   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding
@@ -95,6 +97,10 @@ part)
   step "part $name" "$limit" "$out/$name.log" "$bin/attention" --compare torch,jax \
     --filter "$filter" "${extra[@]}" --output "$out/$name.json"
   ;;
+jaxinit)
+  step "jax start-up probe" 120 "$out/jax_init.log" python3 "$here/jax_init_probe.py" --repeats 3
+  cat "$out/jax_init.log"
+  ;;
 mixers)
   step "sequence-mixer gpu tests" 240 "$out/gpu_sequence_mixers.tests.log" \
     "$bin/gpu_sequence_mixers_test" --include-ignored --test-threads 1 --nocapture
@@ -153,7 +159,7 @@ full)
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, part, mixers, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
+  echo "unknown mode $mode (smoke, tests, part, jaxinit, mixers, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"
