@@ -36,7 +36,7 @@ pub(crate) fn gpu() -> &'static Gpu {
 
 /// `v` on the device; an empty `v` as one element (the driver refuses a zero-byte
 /// allocation; the launches accept one unread element where the shape wants none).
-pub(crate) fn upload<T: DeviceRepr + Copy + Default>(v: &[T]) -> CudaSlice<T> {
+fn upload<T: DeviceRepr + Copy + Default>(v: &[T]) -> CudaSlice<T> {
     let g = gpu();
     if v.is_empty() {
         g.stream.clone_htod(&[T::default()]).unwrap()
@@ -51,12 +51,77 @@ pub(crate) fn uniform(n: usize, lo: f64, hi: f64, seed: u64) -> Vec<f64> {
 }
 
 /// bf16 bits of `x`, rounded to nearest even (finite values).
-pub(crate) fn bf16_bits(x: f64) -> u16 {
+fn bf16_bits(x: f64) -> u16 {
     half::bf16::from_f32(x as f32).to_bits()
 }
 
-pub(crate) fn bf16_value(b: u16) -> f64 {
+fn bf16_value(b: u16) -> f64 {
     half::bf16::from_bits(b).to_f32() as f64
+}
+
+/// An element type of the mixers' X-like tensors on the device: float32, or bf16 as its bits.
+pub(crate) trait Elem: DeviceRepr + Copy + Default {
+    /// A NaN of this type, to poison outputs.
+    const POISON: Self;
+    /// `x` rounded to this type.
+    fn from_f64(x: f64) -> Self;
+    /// The value, exactly.
+    fn to_f64(self) -> f64;
+}
+
+impl Elem for f32 {
+    const POISON: f32 = f32::NAN;
+    fn from_f64(x: f64) -> f32 {
+        x as f32
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+}
+
+impl Elem for u16 {
+    /// 0xFFFF is a NaN in bf16.
+    const POISON: u16 = 0xFFFF;
+    fn from_f64(x: f64) -> u16 {
+        bf16_bits(x)
+    }
+    fn to_f64(self) -> f64 {
+        bf16_value(self)
+    }
+}
+
+/// `v` rounded to `T` on the device ([`upload`]).
+pub(crate) fn up<T: Elem>(v: &[f64]) -> CudaSlice<T> {
+    upload(&v.iter().map(|&x| T::from_f64(x)).collect::<Vec<T>>())
+}
+
+/// `n` poisoned elements on the device ([`upload`]).
+pub(crate) fn poisoned<T: Elem>(n: usize) -> CudaSlice<T> {
+    upload(&vec![T::POISON; n])
+}
+
+/// A device buffer's values.
+pub(crate) fn down<T: Elem>(d: &CudaSlice<T>) -> Vec<f64> {
+    gpu()
+        .stream
+        .clone_dtoh(d)
+        .unwrap()
+        .into_iter()
+        .map(T::to_f64)
+        .collect()
+}
+
+/// `v` as the device holds it in `dtype` (what the float64 reference must read).
+pub(crate) fn rounded(dtype: Dtype, v: &[f64]) -> Vec<f64> {
+    match dtype {
+        Dtype::F32 => rounded_f32(v),
+        Dtype::Bf16 => v.iter().map(|&x| bf16_value(bf16_bits(x))).collect(),
+    }
+}
+
+/// `v` as the device holds it in float32.
+pub(crate) fn rounded_f32(v: &[f64]) -> Vec<f64> {
+    v.iter().map(|&x| x as f32 as f64).collect()
 }
 
 /// ‖got − want‖₂ / ‖want‖₂, NaN when any element of `got` is not finite.
@@ -134,15 +199,13 @@ fn ssd_case(shape: SsdShape, dtype: Dtype, skip: bool, start: bool, seed: u64) -
     let state_len = shape.batch * shape.heads * shape.head_dim * shape.state;
     let s0 = uniform(state_len, -1.0, 1.0, seed + 6);
     // The reference reads the values the device gets: float32 or bf16, and float32 Δ, A, D.
-    let round = |v: &[f64]| -> Vec<f64> {
-        match dtype {
-            Dtype::F32 => v.iter().map(|&x| x as f32 as f64).collect(),
-            Dtype::Bf16 => v.iter().map(|&x| bf16_value(bf16_bits(x))).collect(),
-        }
-    };
-    let f32_round = |v: &[f64]| -> Vec<f64> { v.iter().map(|&x| x as f32 as f64).collect() };
-    let (xr, br, cr) = (round(&x), round(&b), round(&c));
-    let (dtr, ar, dr, s0r) = (f32_round(&dt), f32_round(&a), f32_round(&d), f32_round(&s0));
+    let (xr, br, cr) = (rounded(dtype, &x), rounded(dtype, &b), rounded(dtype, &c));
+    let (dtr, ar, dr, s0r) = (
+        rounded_f32(&dt),
+        rounded_f32(&a),
+        rounded_f32(&d),
+        rounded_f32(&s0),
+    );
     let (y_ref, s_ref) = reference::ssd(
         shape,
         SsdInputs {
@@ -156,66 +219,35 @@ fn ssd_case(shape: SsdShape, dtype: Dtype, skip: bool, start: bool, seed: u64) -
         },
     )
     .unwrap();
-    let up32 = |v: &[f64]| upload(&v.iter().map(|&x| x as f32).collect::<Vec<f32>>());
-    let (dt_d, a_d, d_d, s0_d) = (up32(&dt), up32(&a), up32(&d), up32(&s0));
-    let mut fin = upload(&vec![f32::NAN; state_len]);
+    let (dt_d, a_d, d_d, s0_d) = (up::<f32>(&dt), up::<f32>(&a), up::<f32>(&d), up::<f32>(&s0));
+    let mut fin = poisoned::<f32>(state_len);
     let mut ssd = Ssd::new(g, shape, dtype).unwrap();
+    // The dtype-typed tensors, launched and read back as `$t` (f32, or u16 holding bf16).
+    macro_rules! run {
+        ($t:ty) => {{
+            let (x_d, b_d, c_d) = (up::<$t>(&x), up::<$t>(&b), up::<$t>(&c));
+            let mut y_d = poisoned::<$t>(y_ref.len());
+            ssd.launch(
+                g,
+                &x_d,
+                &dt_d,
+                &a_d,
+                &b_d,
+                &c_d,
+                skip.then_some(&d_d),
+                start.then_some(&s0_d),
+                &mut y_d,
+                &mut fin,
+            )
+            .unwrap();
+            down(&y_d)
+        }};
+    }
     let y: Vec<f64> = match dtype {
-        Dtype::F32 => {
-            let (x_d, b_d, c_d) = (up32(&x), up32(&b), up32(&c));
-            let mut y_d = upload(&vec![f32::NAN; y_ref.len()]);
-            ssd.launch(
-                g,
-                &x_d,
-                &dt_d,
-                &a_d,
-                &b_d,
-                &c_d,
-                skip.then_some(&d_d),
-                start.then_some(&s0_d),
-                &mut y_d,
-                &mut fin,
-            )
-            .unwrap();
-            g.stream
-                .clone_dtoh(&y_d)
-                .unwrap()
-                .iter()
-                .map(|&v| v as f64)
-                .collect()
-        }
-        Dtype::Bf16 => {
-            let up16 = |v: &[f64]| upload(&v.iter().map(|&x| bf16_bits(x)).collect::<Vec<u16>>());
-            let (x_d, b_d, c_d) = (up16(&x), up16(&b), up16(&c));
-            let mut y_d = upload(&vec![0xFFFFu16; y_ref.len()]);
-            ssd.launch(
-                g,
-                &x_d,
-                &dt_d,
-                &a_d,
-                &b_d,
-                &c_d,
-                skip.then_some(&d_d),
-                start.then_some(&s0_d),
-                &mut y_d,
-                &mut fin,
-            )
-            .unwrap();
-            g.stream
-                .clone_dtoh(&y_d)
-                .unwrap()
-                .iter()
-                .map(|&v| bf16_value(v))
-                .collect()
-        }
+        Dtype::F32 => run!(f32),
+        Dtype::Bf16 => run!(u16),
     };
-    let fin: Vec<f64> = g
-        .stream
-        .clone_dtoh(&fin)
-        .unwrap()
-        .iter()
-        .map(|&v| v as f64)
-        .collect();
+    let fin = down(&fin);
     (rel_l2(&y, &y_ref), rel_l2(&fin, &s_ref))
 }
 

@@ -188,15 +188,9 @@ pub fn gated_delta_rule_backward(
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_util::{max_rel, uniform};
     use super::*;
     use crate::sequence_mixers::reference::gated_delta_rule;
-    use rand::{Rng, SeedableRng};
-
-    /// `n` numbers drawn uniformly from [lo, hi), the same for the same seed.
-    fn uniform(n: usize, lo: f64, hi: f64, seed: u64) -> Vec<f64> {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        (0..n).map(|_| rng.random_range(lo..hi)).collect()
-    }
 
     /// `n` random keys of width `kd`, each of L2 norm 1.
     fn unit_keys(n: usize, kd: usize, seed: u64) -> Vec<f64> {
@@ -206,16 +200,6 @@ mod tests {
             row.iter_mut().for_each(|x| *x /= norm);
         }
         k
-    }
-
-    /// Largest absolute difference, over the largest magnitude of `want`.
-    fn max_rel(got: &[f64], want: &[f64]) -> f64 {
-        assert_eq!(got.len(), want.len());
-        let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-300);
-        got.iter()
-            .zip(want)
-            .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
-            / scale
     }
 
     const SHAPE: DeltaShape = DeltaShape {

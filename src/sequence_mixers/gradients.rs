@@ -308,29 +308,12 @@ pub fn selective_scan_backward(
 #[cfg(test)]
 mod tests {
     use super::super::reference::{selective_scan, ssd};
+    use super::super::test_util::{max_rel_or_abs, uniform};
     use super::*;
-    use rand::{Rng, SeedableRng};
-
-    /// `n` values uniform in [lo, hi), the same for the same seed.
-    fn uniform(n: usize, lo: f64, hi: f64, seed: u64) -> Vec<f64> {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        (0..n).map(|_| rng.random_range(lo..hi)).collect()
-    }
 
     fn dot(a: &[f64], b: &[f64]) -> f64 {
         assert_eq!(a.len(), b.len());
         a.iter().zip(b).map(|(x, y)| x * y).sum()
-    }
-
-    /// The largest |a − b| over the largest |b| (one when `b` is all zeros).
-    fn max_rel(a: &[f64], b: &[f64]) -> f64 {
-        assert_eq!(a.len(), b.len());
-        let scale = b.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-        let scale = if scale > 0.0 { scale } else { 1.0 };
-        a.iter()
-            .zip(b)
-            .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
-            / scale
     }
 
     /// The time steps [t0, t1) of a `[B, T, rest]` tensor.
@@ -587,7 +570,7 @@ mod tests {
                 .collect();
             assert_eq!(joined.len(), w.len(), "{name}");
             assert!(w.iter().any(|v| v.abs() > 1e-3), "{name}: non-trivial");
-            let e = max_rel(&joined, w);
+            let e = max_rel_or_abs(&joined, w);
             assert!(e < 1e-12, "{name}: {e}");
         }
         for (k, name) in ["da", "dd"].iter().enumerate() {
@@ -596,10 +579,10 @@ mod tests {
                 .zip(second.1[k])
                 .map(|(a, b)| a + b)
                 .collect();
-            let e = max_rel(&summed, whole.1[k]);
+            let e = max_rel_or_abs(&summed, whole.1[k]);
             assert!(e < 1e-12, "{name}: {e}");
         }
-        let e = max_rel(first.2, whole.2);
+        let e = max_rel_or_abs(first.2, whole.2);
         assert!(e < 1e-12, "d_initial_state: {e}");
     }
 

@@ -19,3 +19,5 @@ pub mod delta_gradients;
 pub mod gradients;
 pub mod reference;
 pub mod scan_cuda;
+#[cfg(test)]
+mod test_util;

@@ -562,22 +562,8 @@ pub fn based(shape: BasedShape, inp: BasedInputs) -> Result<(Vec<f64>, BasedStat
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_util::{max_rel, uniform};
     use super::*;
-    use rand::{Rng, SeedableRng};
-
-    fn uniform(n: usize, lo: f64, hi: f64, seed: u64) -> Vec<f64> {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        (0..n).map(|_| rng.random_range(lo..hi)).collect()
-    }
-
-    fn max_rel(a: &[f64], b: &[f64]) -> f64 {
-        assert_eq!(a.len(), b.len());
-        let scale = b.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-300);
-        a.iter()
-            .zip(b)
-            .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
-            / scale
-    }
 
     const SSD: SsdShape = SsdShape {
         batch: 2,

@@ -6,7 +6,7 @@ use kernelpages::sequence_mixers::based_cuda::{entry_points, source, Based};
 use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::reference::{self, BasedInputs, BasedShape, BasedState};
 
-use super::{bf16_bits, bf16_value, compiles_without_spills, gpu, rel_l2, uniform, upload};
+use super::{compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, uniform, up};
 
 /// One Based case on the device against the float64 recurrence on the same (rounded) inputs,
 /// with an empty initial window cache: returns (error of O, error of the final linear state).
@@ -20,13 +20,7 @@ fn based_case(shape: BasedShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
     let s0 = uniform(state_len, -1.0, 1.0, seed + 3);
     let scale = 1.0 / (shape.key_dim as f32).sqrt();
     // The reference reads the values the device gets: float32 or bf16, and a float32 S₀.
-    let round = |x: &[f64]| -> Vec<f64> {
-        match dtype {
-            Dtype::F32 => x.iter().map(|&e| e as f32 as f64).collect(),
-            Dtype::Bf16 => x.iter().map(|&e| bf16_value(bf16_bits(e))).collect(),
-        }
-    };
-    let (qr, kr, vr) = (round(&q), round(&k), round(&v));
+    let (qr, kr, vr) = (rounded(dtype, &q), rounded(dtype, &k), rounded(dtype, &v));
     let start_state = BasedState {
         s: s0.iter().map(|&e| e as f32 as f64).collect(),
         ..BasedState::zeros(shape)
@@ -42,64 +36,34 @@ fn based_case(shape: BasedShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
         },
     )
     .unwrap();
-    let up32 = |x: &[f64]| upload(&x.iter().map(|&e| e as f32).collect::<Vec<f32>>());
-    let s0_d = up32(&s0);
-    let mut fin = upload(&vec![f32::NAN; state_len]);
+    let s0_d = up::<f32>(&s0);
+    let mut fin = poisoned::<f32>(state_len);
     let mut based = Based::new(g, shape, dtype).unwrap();
+    // The dtype-typed tensors, launched and read back as `$t` (f32, or u16 holding bf16).
+    macro_rules! run {
+        ($t:ty) => {{
+            let (q_d, k_d, v_d) = (up::<$t>(&q), up::<$t>(&k), up::<$t>(&v));
+            let mut o_d = poisoned::<$t>(o_ref.len());
+            based
+                .launch(
+                    g,
+                    &q_d,
+                    &k_d,
+                    &v_d,
+                    scale,
+                    start.then_some(&s0_d),
+                    &mut o_d,
+                    &mut fin,
+                )
+                .unwrap();
+            down(&o_d)
+        }};
+    }
     let o: Vec<f64> = match dtype {
-        Dtype::F32 => {
-            let (q_d, k_d, v_d) = (up32(&q), up32(&k), up32(&v));
-            let mut o_d = upload(&vec![f32::NAN; o_ref.len()]);
-            based
-                .launch(
-                    g,
-                    &q_d,
-                    &k_d,
-                    &v_d,
-                    scale,
-                    start.then_some(&s0_d),
-                    &mut o_d,
-                    &mut fin,
-                )
-                .unwrap();
-            g.stream
-                .clone_dtoh(&o_d)
-                .unwrap()
-                .iter()
-                .map(|&e| e as f64)
-                .collect()
-        }
-        Dtype::Bf16 => {
-            let up16 = |x: &[f64]| upload(&x.iter().map(|&e| bf16_bits(e)).collect::<Vec<u16>>());
-            let (q_d, k_d, v_d) = (up16(&q), up16(&k), up16(&v));
-            let mut o_d = upload(&vec![0xFFFFu16; o_ref.len()]);
-            based
-                .launch(
-                    g,
-                    &q_d,
-                    &k_d,
-                    &v_d,
-                    scale,
-                    start.then_some(&s0_d),
-                    &mut o_d,
-                    &mut fin,
-                )
-                .unwrap();
-            g.stream
-                .clone_dtoh(&o_d)
-                .unwrap()
-                .iter()
-                .map(|&e| bf16_value(e))
-                .collect()
-        }
+        Dtype::F32 => run!(f32),
+        Dtype::Bf16 => run!(u16),
     };
-    let fin: Vec<f64> = g
-        .stream
-        .clone_dtoh(&fin)
-        .unwrap()
-        .iter()
-        .map(|&e| e as f64)
-        .collect();
+    let fin = down(&fin);
     (rel_l2(&o, &o_ref), rel_l2(&fin, &last_ref.s))
 }
 

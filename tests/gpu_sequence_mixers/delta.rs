@@ -5,7 +5,9 @@ use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::delta_cuda::{entry_points, source, GatedDelta};
 use kernelpages::sequence_mixers::reference::{self, DeltaInputs, DeltaShape};
 
-use super::{bf16_bits, bf16_value, compiles_without_spills, gpu, rel_l2, uniform, upload};
+use super::{
+    compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, up,
+};
 
 /// One gated-delta-rule case on the device against the float64 recurrence on the same
 /// (rounded) inputs: returns (error of O, error of the final state).
@@ -27,15 +29,8 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
     let s0 = uniform(state_len, -1.0, 1.0, seed + 5);
     // The reference reads the values the device gets: float32 or bf16 q, k, v, and float32
     // α, β and initial state.
-    let round = |x: &[f64]| -> Vec<f64> {
-        match dtype {
-            Dtype::F32 => x.iter().map(|&x| x as f32 as f64).collect(),
-            Dtype::Bf16 => x.iter().map(|&x| bf16_value(bf16_bits(x))).collect(),
-        }
-    };
-    let f32_round = |x: &[f64]| -> Vec<f64> { x.iter().map(|&x| x as f32 as f64).collect() };
-    let (qr, kr, vr) = (round(&q), round(&k), round(&v));
-    let (ar, br, s0r) = (f32_round(&alpha), f32_round(&beta), f32_round(&s0));
+    let (qr, kr, vr) = (rounded(dtype, &q), rounded(dtype, &k), rounded(dtype, &v));
+    let (ar, br, s0r) = (rounded_f32(&alpha), rounded_f32(&beta), rounded_f32(&s0));
     let (o_ref, s_ref) = reference::gated_delta_rule(
         shape,
         DeltaInputs {
@@ -48,66 +43,35 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
         },
     )
     .unwrap();
-    let up32 = |x: &[f64]| upload(&x.iter().map(|&x| x as f32).collect::<Vec<f32>>());
-    let (a_d, b_d, s0_d) = (up32(&alpha), up32(&beta), up32(&s0));
-    let mut fin = upload(&vec![f32::NAN; state_len]);
+    let (a_d, b_d, s0_d) = (up::<f32>(&alpha), up::<f32>(&beta), up::<f32>(&s0));
+    let mut fin = poisoned::<f32>(state_len);
     let mut gdn = GatedDelta::new(g, shape, dtype).unwrap();
     assert_eq!(gdn.temporary_bytes(), 0);
+    // The dtype-typed tensors, launched and read back as `$t` (f32, or u16 holding bf16).
+    macro_rules! run {
+        ($t:ty) => {{
+            let (q_d, k_d, v_d) = (up::<$t>(&q), up::<$t>(&k), up::<$t>(&v));
+            let mut o_d = poisoned::<$t>(o_ref.len());
+            gdn.launch(
+                g,
+                &q_d,
+                &k_d,
+                &v_d,
+                &a_d,
+                &b_d,
+                start.then_some(&s0_d),
+                &mut o_d,
+                &mut fin,
+            )
+            .unwrap();
+            down(&o_d)
+        }};
+    }
     let o: Vec<f64> = match dtype {
-        Dtype::F32 => {
-            let (q_d, k_d, v_d) = (up32(&q), up32(&k), up32(&v));
-            let mut o_d = upload(&vec![f32::NAN; o_ref.len()]);
-            gdn.launch(
-                g,
-                &q_d,
-                &k_d,
-                &v_d,
-                &a_d,
-                &b_d,
-                start.then_some(&s0_d),
-                &mut o_d,
-                &mut fin,
-            )
-            .unwrap();
-            g.stream
-                .clone_dtoh(&o_d)
-                .unwrap()
-                .iter()
-                .map(|&x| x as f64)
-                .collect()
-        }
-        Dtype::Bf16 => {
-            let up16 = |x: &[f64]| upload(&x.iter().map(|&x| bf16_bits(x)).collect::<Vec<u16>>());
-            let (q_d, k_d, v_d) = (up16(&q), up16(&k), up16(&v));
-            // 0xFFFF is a NaN in bf16.
-            let mut o_d = upload(&vec![0xFFFFu16; o_ref.len()]);
-            gdn.launch(
-                g,
-                &q_d,
-                &k_d,
-                &v_d,
-                &a_d,
-                &b_d,
-                start.then_some(&s0_d),
-                &mut o_d,
-                &mut fin,
-            )
-            .unwrap();
-            g.stream
-                .clone_dtoh(&o_d)
-                .unwrap()
-                .iter()
-                .map(|&x| bf16_value(x))
-                .collect()
-        }
+        Dtype::F32 => run!(f32),
+        Dtype::Bf16 => run!(u16),
     };
-    let fin: Vec<f64> = g
-        .stream
-        .clone_dtoh(&fin)
-        .unwrap()
-        .iter()
-        .map(|&x| x as f64)
-        .collect();
+    let fin = down(&fin);
     (rel_l2(&o, &o_ref), rel_l2(&fin, &s_ref))
 }
 

@@ -5,7 +5,9 @@ use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::reference::{self, ScanInputs, ScanShape};
 use kernelpages::sequence_mixers::scan_cuda::{entry_points, source, states_per_lane, Scan};
 
-use super::{bf16_bits, bf16_value, compiles_without_spills, gpu, rel_l2, uniform, upload};
+use super::{
+    compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, up,
+};
 
 /// One selective-scan case on the device against the float64 recurrence on the same (rounded)
 /// inputs: returns (error of y, error of the final state).
@@ -22,19 +24,12 @@ fn scan_case(shape: ScanShape, dtype: Dtype, skip: bool, start: bool, seed: u64)
     let state_len = shape.batch * ch * n;
     let s0 = uniform(state_len, -1.0, 1.0, seed + 6);
     // The reference reads the values the device gets: float32 or bf16, and float32 Δ, A, D.
-    let round = |v: &[f64]| -> Vec<f64> {
-        match dtype {
-            Dtype::F32 => v.iter().map(|&x| x as f32 as f64).collect(),
-            Dtype::Bf16 => v.iter().map(|&x| bf16_value(bf16_bits(x))).collect(),
-        }
-    };
-    let f32_round = |v: &[f64]| -> Vec<f64> { v.iter().map(|&x| x as f32 as f64).collect() };
-    let (ur, br, cr) = (round(&u), round(&b), round(&c));
+    let (ur, br, cr) = (rounded(dtype, &u), rounded(dtype, &b), rounded(dtype, &c));
     let (deltar, ar, dr, s0r) = (
-        f32_round(&delta),
-        f32_round(&a),
-        f32_round(&d),
-        f32_round(&s0),
+        rounded_f32(&delta),
+        rounded_f32(&a),
+        rounded_f32(&d),
+        rounded_f32(&s0),
     );
     let (y_ref, s_ref) = reference::selective_scan(
         shape,
@@ -49,67 +44,41 @@ fn scan_case(shape: ScanShape, dtype: Dtype, skip: bool, start: bool, seed: u64)
         },
     )
     .unwrap();
-    let up32 = |v: &[f64]| upload(&v.iter().map(|&x| x as f32).collect::<Vec<f32>>());
-    let (delta_d, a_d, d_d, s0_d) = (up32(&delta), up32(&a), up32(&d), up32(&s0));
-    let mut fin = upload(&vec![f32::NAN; state_len]);
+    let (delta_d, a_d, d_d, s0_d) = (
+        up::<f32>(&delta),
+        up::<f32>(&a),
+        up::<f32>(&d),
+        up::<f32>(&s0),
+    );
+    let mut fin = poisoned::<f32>(state_len);
     let mut scan = Scan::new(g, shape, dtype).unwrap();
     assert_eq!(scan.temporary_bytes(), 0);
+    // The dtype-typed tensors, launched and read back as `$t` (f32, or u16 holding bf16).
+    macro_rules! run {
+        ($t:ty) => {{
+            let (u_d, b_d, c_d) = (up::<$t>(&u), up::<$t>(&b), up::<$t>(&c));
+            let mut y_d = poisoned::<$t>(y_ref.len());
+            scan.launch(
+                g,
+                &u_d,
+                &delta_d,
+                &a_d,
+                &b_d,
+                &c_d,
+                skip.then_some(&d_d),
+                start.then_some(&s0_d),
+                &mut y_d,
+                &mut fin,
+            )
+            .unwrap();
+            down(&y_d)
+        }};
+    }
     let y: Vec<f64> = match dtype {
-        Dtype::F32 => {
-            let (u_d, b_d, c_d) = (up32(&u), up32(&b), up32(&c));
-            let mut y_d = upload(&vec![f32::NAN; y_ref.len()]);
-            scan.launch(
-                g,
-                &u_d,
-                &delta_d,
-                &a_d,
-                &b_d,
-                &c_d,
-                skip.then_some(&d_d),
-                start.then_some(&s0_d),
-                &mut y_d,
-                &mut fin,
-            )
-            .unwrap();
-            g.stream
-                .clone_dtoh(&y_d)
-                .unwrap()
-                .iter()
-                .map(|&v| v as f64)
-                .collect()
-        }
-        Dtype::Bf16 => {
-            let up16 = |v: &[f64]| upload(&v.iter().map(|&x| bf16_bits(x)).collect::<Vec<u16>>());
-            let (u_d, b_d, c_d) = (up16(&u), up16(&b), up16(&c));
-            let mut y_d = upload(&vec![0xFFFFu16; y_ref.len()]);
-            scan.launch(
-                g,
-                &u_d,
-                &delta_d,
-                &a_d,
-                &b_d,
-                &c_d,
-                skip.then_some(&d_d),
-                start.then_some(&s0_d),
-                &mut y_d,
-                &mut fin,
-            )
-            .unwrap();
-            g.stream
-                .clone_dtoh(&y_d)
-                .unwrap()
-                .iter()
-                .map(|&v| bf16_value(v))
-                .collect()
-        }
+        Dtype::F32 => run!(f32),
+        Dtype::Bf16 => run!(u16),
     };
-    let fin: Vec<f64> = g
-        .stream
-        .clone_dtoh(&fin)
-        .unwrap()
-        .iter()
-        .map(|&v| v as f64)
-        .collect();
+    let fin = down(&fin);
     (rel_l2(&y, &y_ref), rel_l2(&fin, &s_ref))
 }
 
