@@ -41,6 +41,57 @@ pub struct Loaded {
     /// a missing cell of one of these is a row the run never reached. Empty for a finished run;
     /// shards merged by `site::model::merge_shards` keep the union.
     pub cut_off_cases: BTreeSet<String>,
+    /// Shards of this document's run that `--shard i/n` names but the data folder lacks, per
+    /// part of the run ([`missing_shards`]); the same for every document of one run, filled by
+    /// [`load_dir`]. Empty when every shard is there or the run was not sharded.
+    pub missing_shards: Vec<MissingShards>,
+}
+
+/// Shards of one part of a run (`--shard i/n`, under one `--filter` or none) that no document
+/// in the data folder holds: their cases, every n-th case of the part's grid from the i-th, were
+/// never loaded, so their rows are absent rather than failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MissingShards {
+    /// The part's `--filter` expression, if the run was split by filter as well.
+    pub filter: Option<String>,
+    /// n of `--shard i/n`.
+    pub count: u32,
+    /// The missing i, ascending (1-based, as the runner counts them).
+    pub missing: Vec<u32>,
+}
+
+impl MissingShards {
+    /// `shards 9–16 of 16 (part --filter pass=fwd+bwd)`: runs of consecutive shards joined.
+    pub fn describe(&self) -> String {
+        let mut spans: Vec<(u32, u32)> = Vec::new();
+        for &i in &self.missing {
+            match spans.last_mut() {
+                Some((_, hi)) if *hi + 1 == i => *hi = i,
+                _ => spans.push((i, i)),
+            }
+        }
+        let list = spans
+            .iter()
+            .map(|&(lo, hi)| {
+                if lo == hi {
+                    lo.to_string()
+                } else {
+                    format!("{lo}\u{2013}{hi}")
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let noun = if self.missing.len() == 1 {
+            "shard"
+        } else {
+            "shards"
+        };
+        let part = match &self.filter {
+            Some(f) => format!(" of the part measured with --filter {f}"),
+            None => String::new(),
+        };
+        format!("{noun} {list} of {}{part}", self.count)
+    }
 }
 
 /// The key of a case in [`Loaded::cut_off_cases`].
@@ -67,6 +118,7 @@ impl Loaded {
             path,
             rel_path,
             cut_off_cases: cut_off_cases(&doc),
+            missing_shards: Vec::new(),
             doc,
         }
     }
@@ -321,6 +373,7 @@ pub fn load_dir(dir: &Path) -> Result<Vec<Loaded>, LoadErrors> {
                     path,
                     rel_path,
                     cut_off_cases: cut_off_cases(&doc),
+                    missing_shards: Vec::new(),
                     doc,
                 });
             }
@@ -350,6 +403,7 @@ pub fn load_dir(dir: &Path) -> Result<Vec<Loaded>, LoadErrors> {
         errors.extend(runs);
     }
     if errors.is_empty() {
+        fill_missing_shards(&mut loaded);
         Ok(loaded)
     } else {
         Err(LoadErrors(errors))
@@ -930,6 +984,44 @@ pub fn shard_of(command: &[String]) -> Option<(u32, u32)> {
     Some((i.trim().parse().ok()?, n.trim().parse().ok()?))
 }
 
+/// The shards that the documents of one run (`parts`: one suite, device and kind of run,
+/// already checked by [`check_runs`]) name but do not hold, per `--filter` part: for each part
+/// with `--shard i/n`, the i in `1..=n` that no document has.
+pub fn missing_shards(parts: &[&Loaded]) -> Vec<MissingShards> {
+    let mut by_part: BTreeMap<Option<String>, (u32, BTreeSet<u32>)> = BTreeMap::new();
+    for l in parts {
+        if let Some((i, n)) = shard_of(&l.doc.config.command) {
+            let filter = filter_of(&l.doc.config.command).map(str::to_string);
+            let entry = by_part.entry(filter).or_insert((n, BTreeSet::new()));
+            entry.1.insert(i);
+        }
+    }
+    by_part
+        .into_iter()
+        .filter_map(|(filter, (count, present))| {
+            let missing: Vec<u32> = (1..=count).filter(|i| !present.contains(i)).collect();
+            (!missing.is_empty()).then_some(MissingShards {
+                filter,
+                count,
+                missing,
+            })
+        })
+        .collect()
+}
+
+/// Sets [`Loaded::missing_shards`] on every document from the documents of its run.
+fn fill_missing_shards(loaded: &mut [Loaded]) {
+    let key = |l: &Loaded| (l.doc.suite, l.doc.device.name.clone(), l.doc.config.kind);
+    let mut found: Vec<Vec<MissingShards>> = Vec::with_capacity(loaded.len());
+    for l in loaded.iter() {
+        let run: Vec<&Loaded> = loaded.iter().filter(|o| key(o) == key(l)).collect();
+        found.push(missing_shards(&run));
+    }
+    for (l, m) in loaded.iter_mut().zip(found) {
+        l.missing_shards = m;
+    }
+}
+
 /// The options that split one run into parts: which cases a part measures, and where it writes.
 const PART_OPTIONS: [&str; 3] = ["--shard", "--filter", "--output"];
 
@@ -1112,6 +1204,24 @@ mod tests {
                 PathSeg::Index(1),
                 PathSeg::Key("b".into())
             ]
+        );
+    }
+
+    #[test]
+    fn missing_shards_are_described_as_spans() {
+        let m = |filter: Option<&str>, count, missing: &[u32]| MissingShards {
+            filter: filter.map(str::to_string),
+            count,
+            missing: missing.to_vec(),
+        };
+        assert_eq!(
+            m(Some("pass=fwd+bwd"), 16, &[9, 10, 11, 12, 13, 14, 15, 16]).describe(),
+            "shards 9\u{2013}16 of 16 of the part measured with --filter pass=fwd+bwd"
+        );
+        assert_eq!(m(None, 3, &[3]).describe(), "shard 3 of 3");
+        assert_eq!(
+            m(None, 8, &[1, 2, 4, 6, 7]).describe(),
+            "shards 1\u{2013}2, 4, 6\u{2013}7 of 8"
         );
     }
 

@@ -621,12 +621,67 @@ fn two_runs_of_one_suite_on_one_device_are_refused_with_both_paths() {
         c
     };
     doc["rows"] = serde_json::json!(a);
-    doc["config"]["command"] = serde_json::json!(command(0));
+    doc["config"]["command"] = serde_json::json!(command(1));
     fs::write(data.path().join("first.json"), doc.to_string()).unwrap();
     doc["rows"] = serde_json::json!(b);
-    doc["config"]["command"] = serde_json::json!(command(1));
+    doc["config"]["command"] = serde_json::json!(command(2));
     fs::write(data.path().join("second.json"), doc.to_string()).unwrap();
-    assert_eq!(load::load_dir(data.path()).unwrap().len(), 2);
+    let loaded = load::load_dir(data.path()).unwrap();
+    assert_eq!(loaded.len(), 2);
+    assert!(loaded.iter().all(|l| l.missing_shards.is_empty()));
+}
+
+/// Shards 1 and 3 of 4 in the data folder: the run is incomplete, and the Attention page, the
+/// overview's Known limitations and its setup record say which shards are missing; with all
+/// four there, none of them does.
+#[test]
+fn missing_shards_of_a_run_are_named_on_the_pages() {
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    let text_of = |site: &Path, name: &str| {
+        let html = page(site, name);
+        let body = html.select(&sel("body")).next().unwrap();
+        text(body)
+    };
+    let rows = doc["rows"].as_array().unwrap().clone();
+    let original = doc["config"]["command"].as_array().unwrap().clone();
+    let data = tempfile::tempdir().unwrap();
+    let write_shard = |doc: &mut serde_json::Value, i: usize| {
+        let mut c = original.clone();
+        c.extend([
+            serde_json::json!("--filter"),
+            serde_json::json!("pass=fwd"),
+            serde_json::json!(format!("--shard={i}/4")),
+        ]);
+        doc["config"]["command"] = serde_json::json!(c);
+        let part: Vec<_> = rows.iter().skip(i - 1).step_by(4).cloned().collect();
+        doc["rows"] = serde_json::json!(part);
+        fs::write(
+            data.path().join(format!("gpu_attention_{i}.json")),
+            doc.to_string(),
+        )
+        .unwrap();
+    };
+    write_shard(&mut doc, 1);
+    write_shard(&mut doc, 3);
+    let (_tmp, site) = build_site(data.path(), None);
+    let attention = text_of(&site, "attention.html");
+    let expected =
+        "shards 2, 4 of 4 of the part measured with --filter pass=fwd are not in the data folder";
+    assert!(attention.contains(expected), "{attention}");
+    let index = text_of(&site, "index.html");
+    assert!(index.contains("incomplete run"), "{index}");
+    assert!(index.contains(expected), "{index}");
+    write_shard(&mut doc, 2);
+    write_shard(&mut doc, 4);
+    let (_tmp, site) = build_site(data.path(), None);
+    for name in ["attention.html", "index.html"] {
+        let t = text_of(&site, name);
+        assert!(
+            !t.contains("Incomplete run") && !t.contains("incomplete run"),
+            "{t}"
+        );
+    }
 }
 
 #[test]

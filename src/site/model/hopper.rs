@@ -551,6 +551,7 @@ mod tests {
             rel_path: "gpu_attention.json".into(),
             doc,
             cut_off_cases: BTreeSet::new(),
+            missing_shards: Vec::new(),
         }
     }
 

@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::super::format;
 use super::super::markdown::escape as md_text;
 use super::groups::{
-    above_tolerance, group_id, group_rows, is_accurate, page_of, primary_axis, x_label,
+    above_tolerance, doc_id, group_id, group_rows, is_accurate, page_of, primary_axis, x_label,
 };
 use super::{reproduce_commands, CommandView, FigureRef, KeyValue, Layout, FIGURES_COMMAND};
 use crate::load::Loaded;
@@ -796,6 +796,18 @@ fn setup_doc(l: &Loaded) -> SetupDoc {
             kv("Finished", opt(c.finished_at.clone())),
             kv("Rows", l.doc.rows.len().to_string()),
             kv(
+                "Shards not in the data folder",
+                if l.missing_shards.is_empty() {
+                    "none".to_string()
+                } else {
+                    l.missing_shards
+                        .iter()
+                        .map(crate::load::MissingShards::describe)
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                },
+            ),
+            kv(
                 "SM clock during the rows",
                 match (
                     clocks.iter().copied().reduce(f64::min),
@@ -1039,6 +1051,20 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
     let mut out = Vec::new();
     for l in docs {
         let axis = primary_axis(&l.doc);
+        if let Some(detail) = super::suite::incomplete_run(l) {
+            out.push(Limitation {
+                kind: "incomplete run".to_string(),
+                place: format!(
+                    "{} on {} ({})",
+                    l.doc.suite.title(),
+                    l.doc.device.name,
+                    l.file_name()
+                ),
+                href: format!("{base}{}#d-{}", page_of(l.doc.suite), doc_id(l)),
+                detail,
+                ratio_html: None,
+            });
+        }
         out.extend(own_failures(l, axis, base));
         for g in group_rows(&l.doc, axis) {
             let href = format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, &g));

@@ -58,6 +58,8 @@ pub struct DocSection {
     /// What each cell shows, in order: `median ms (q1–q3) · TFLOP/s · rel_err · compile s`,
     /// with the document's declared throughput units.
     pub cell_legend: String,
+    /// Set when shards of the run are not in the data folder: which, and what that leaves out.
+    pub incomplete: Option<String>,
     /// Groups of rows sharing every parameter but the x parameter.
     pub groups: Vec<GroupView>,
 }
@@ -477,8 +479,34 @@ fn doc_section(
             _ => String::new(),
         },
         cell_legend: legend.join(" · "),
+        incomplete: incomplete_run(loaded),
         groups,
     }
+}
+
+/// The sentence saying which shards of `loaded`'s run the data folder lacks, or `None`.
+pub fn incomplete_run(loaded: &Loaded) -> Option<String> {
+    if loaded.missing_shards.is_empty() {
+        return None;
+    }
+    let parts: Vec<String> = loaded
+        .missing_shards
+        .iter()
+        .map(crate::load::MissingShards::describe)
+        .collect();
+    Some(format!(
+        "Incomplete run: {} {} not in the data folder. The cases of a missing shard have no rows \
+         here (a shard takes every n-th case of its part of the grid), so these tables and the \
+         comparisons built on them cover part of the grid; measure the rest with the same \
+         command and build (commit {}), changing only --shard and --output.",
+        parts.join("; "),
+        if parts.len() == 1 && loaded.missing_shards[0].missing.len() == 1 {
+            "is"
+        } else {
+            "are"
+        },
+        super::tiles::short(&loaded.doc.config.git_commit)
+    ))
 }
 
 /// Replaces the groups measured at one size each (`groups[i]` is the view of `grouped[i]`) with

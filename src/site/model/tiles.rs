@@ -149,7 +149,8 @@ fn dash() -> String {
     "—".to_string()
 }
 
-fn short(commit: &str) -> String {
+/// The first 7 characters of a commit hash.
+pub(super) fn short(commit: &str) -> String {
     commit.chars().take(7).collect()
 }
 
