@@ -94,8 +94,10 @@ fn near(a: [u8; 3], b: [u8; 3]) -> bool {
     a.iter().zip(b).all(|(x, y)| x.abs_diff(y) <= 6)
 }
 
-/// Bands of rows holding bar-coloured pixels (a band: consecutive rows with at least 10 such
-/// pixels), as (first row, last row, leftmost column, rightmost column).
+/// Bands of rows holding bar-coloured pixels (a band: rows with at least 10 such pixels, a gap
+/// of at most [`MAX_GAP`] rows bridged: the IQR whisker's horizontal line crosses a short bar
+/// and leaves fewer than 10 bar-coloured pixels in its row), as (first row, last row, leftmost
+/// column, rightmost column).
 fn bar_bands(pixels: &[[u8; 3]], width: usize) -> Vec<(usize, usize, usize, usize)> {
     let mut bands: Vec<(usize, usize, usize, usize)> = Vec::new();
     let mut open = false;
@@ -117,12 +119,15 @@ fn bar_bands(pixels: &[[u8; 3]], width: usize) -> Vec<(usize, usize, usize, usiz
                 _ => bands.push((y, y, l, r)),
             }
             open = true;
-        } else {
+        } else if bands.last().is_none_or(|b| y - b.1 > MAX_GAP) {
             open = false;
         }
     }
     bands
 }
+
+/// Rows a band may skip (a whisker line, antialiased: 2 rows at the screenshot's scale).
+const MAX_GAP: usize = 3;
 
 fn luminance(p: [u8; 3]) -> f64 {
     0.2126 * f64::from(p[0]) + 0.7152 * f64::from(p[1]) + 0.0722 * f64::from(p[2])
