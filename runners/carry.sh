@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Copies what the GPU machine needs into DEST/.carry (default: ../main, the checkout the
-# device tool sends; `runners/carry.sh .` for this checkout): the attention and kernel_sums
-# runners, the GPU and comparison test binaries (attention, kernel sums, sequence mixers), the Python comparison package, device_run.sh,
+# device tool sends; `runners/carry.sh .` for this checkout): the attention, kernel_sums and
+# sequence_mixers runners, the GPU and comparison test binaries (attention, kernel sums, sequence mixers), the Python comparison package, device_run.sh,
 # device_verdict.py and grid_shards.sh. Build first:
-#   cargo build --release --bin attention --bin kernel_sums --tests
+#   cargo build --release --bin attention --bin kernel_sums --bin sequence_mixers --tests
 set -euo pipefail
 dest=${1:-../main}/.carry
 rm -rf "$dest" && mkdir -p "$dest/runners"
-cp target/release/attention target/release/kernel_sums "$dest/"
+cp target/release/attention target/release/kernel_sums target/release/sequence_mixers "$dest/"
 newest() { ls -t target/release/deps/$1-* | grep -v '\.d$' | head -1; }
 cp "$(newest gpu_attention)" "$dest/gpu_attention_test"
 cp "$(newest compare_script)" "$dest/compare_script_test"

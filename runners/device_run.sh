@@ -11,6 +11,8 @@
 #                                                 # against float64)
 #   bash .carry/device_run.sh jaxinit OUTDIR      # where a JAX row's start-up goes
 #                                                 # (runners/jax_init_probe.py, < 1 min)
+#   bash .carry/device_run.sh mixers_grid OUTDIR [i/n]  # the sequence_mixers grid (or shard i
+#                                                 # of n) with --compare torch
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
 #   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding
@@ -105,6 +107,13 @@ mixers)
   step "sequence-mixer gpu tests" 240 "$out/gpu_sequence_mixers.tests.log" \
     "$bin/gpu_sequence_mixers_test" --include-ignored --test-threads 1 --nocapture
   ;;
+mixers_grid)
+  # The sequence-mixer grid, or shard $3 (e.g. 1/2) of it; KP_MIXERS_LIMIT_S caps the step.
+  shard=(); [ -n "${3:-}" ] && shard=(--shard "$3")
+  step "sequence_mixers grid" "${KP_MIXERS_LIMIT_S:-540}" "$out/sequence_mixers.log" \
+    "$bin/sequence_mixers" --compare torch "${shard[@]}" \
+    --output "$out/gpu_sequence_mixers${3:+_${3%%/*}}.json"
+  ;;
 kernel_sums)
   step "kernel-sum gpu tests" 240 "$out/gpu_kernel_sums.tests.log" "$bin/gpu_kernel_sums_test" \
     --include-ignored --test-threads 1 --nocapture
@@ -159,7 +168,7 @@ full)
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, part, jaxinit, mixers, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
+  echo "unknown mode $mode (smoke, tests, part, jaxinit, mixers, mixers_grid, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"

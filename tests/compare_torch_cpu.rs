@@ -207,3 +207,72 @@ fn kernel_sum_module_answers_every_op() {
         }
     }
 }
+
+/// The sequence-mixer module (`compare.torch_mixers`, PyTorch's eager formulations): its
+/// self-test, then one job per (mixer, dtype) with a length that is not a multiple of the
+/// chunk, and a backward job; with torch the forwards are measured and within the dtype's
+/// tolerance of the runner's float64 reference and the backward is `unsupported`, without
+/// torch every row is `unsupported` naming torch.
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn mixer_module_answers_each_mixer_and_dtype() {
+    use kernelpages::sequence_mixers::case::{MixerCase, MixerDtype};
+    use kernelpages::sequence_mixers::files as mx_files;
+    let o = Command::new("python3")
+        .args(["-m", "compare.torch_mixers", "self-test"])
+        .env("PYTHONPATH", runners_dir())
+        .output()
+        .expect("python3 runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let torch = have_torch();
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Server::start("python3", &runners_dir(), "torch_mixers", &[]).expect("starts");
+    let mut ssd = MixerCase::ssd(2, 100, 4, 8, 16);
+    ssd.groups = 2;
+    let scan = MixerCase::scan(2, 100, 24, 16);
+    let mut k = 0;
+    for base in [ssd, scan] {
+        for dtype in [MixerDtype::Fp32, MixerDtype::Bf16] {
+            let c = MixerCase { dtype, ..base };
+            k += 1;
+            let sub = dir.path().join(k.to_string());
+            std::fs::create_dir_all(&sub).unwrap();
+            let mut j = job(&case(), "torch_eager", &sub);
+            j.case = c.params();
+            j.files = mx_files::write_case(&c, 3, 16, &sub).unwrap();
+            let row = s.request(&j, Duration::from_secs(120)).unwrap().row;
+            eprintln!(
+                "{}: {:?} {:?} {:?}",
+                c.label(),
+                row.status,
+                row.median_ms,
+                row.message
+            );
+            if !torch {
+                assert_eq!(row.status, Status::Unsupported);
+                assert!(row.message.unwrap().contains("torch"));
+                continue;
+            }
+            assert_eq!(row.status, Status::Ok, "{c:?}: {row:?}");
+            let acc = row.accuracy.unwrap();
+            assert!(acc.rel_err < acc.tolerance, "{c:?}: {acc:?}");
+            assert_eq!(row.items, Some(c.tokens()));
+        }
+    }
+    if torch {
+        let sub = dir.path().join("bwd");
+        std::fs::create_dir_all(&sub).unwrap();
+        let mut j = job(&case(), "torch_eager", &sub);
+        j.files = mx_files::write_case(&scan, 3, 16, &sub).unwrap();
+        j.case = scan.params();
+        j.case.insert(
+            "pass".into(),
+            kernelpages::schema::Param::Text("fwd+bwd".into()),
+        );
+        j.files
+            .arguments
+            .insert("pass".into(), serde_json::json!("fwd+bwd"));
+        let row = s.request(&j, Duration::from_secs(120)).unwrap().row;
+        assert_eq!(row.status, Status::Unsupported, "{row:?}");
+    }
+}

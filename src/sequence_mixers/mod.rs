@@ -8,14 +8,21 @@
 //! the selective scan ([`scan_cuda`]), Based ([`based_cuda`]) and the gated delta rule
 //! ([`delta_cuda`]); `kernels/TUNING-sequence-mixers.md` has their designs and predictions.
 //!
-//! Not here yet: the case type and its FLOP/byte counts, the backward kernels, tensor-core
-//! tiles, and the runner.
+//! The runner's side: a grid case with its FLOP, byte and token counts and its random inputs
+//! ([`case`]), the protocol files of a case ([`files`]) and the float32 CPU implementation
+//! ([`cpu`]), measured by `runners/sequence_mixers.rs` (SSD and the selective scan so far).
+//!
+//! Not here yet: the backward kernels, tensor-core tiles, and Based and the gated delta rule
+//! in the runner.
 
 pub mod based_cuda;
+pub mod case;
 pub mod chunked;
+pub mod cpu;
 pub mod cuda;
 pub mod delta_cuda;
 pub mod delta_gradients;
+pub mod files;
 pub mod gradients;
 pub mod reference;
 pub mod scan_cuda;

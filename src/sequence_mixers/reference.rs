@@ -1,5 +1,7 @@
 //! Float64 references of the sequence mixers, each the sequential recurrence its paper
-//! defines, one time step after another (no chunking, no parallel scan): slow, and what the
+//! defines, one time step after another (no chunking, no parallel scan; SSD's and the
+//! scan's independent sequences, one per batch entry and head or channel, run on rayon's
+//! threads): slow, and what the
 //! chunked kernels and the alternatives are checked against. The file holds SSD, Mamba-2's
 //! layer ([`ssd`]), Mamba's selective scan ([`selective_scan`]), Gated DeltaNet's gated delta
 //! rule ([`gated_delta_rule`]) and Based's causal linear attention with a sliding-window
@@ -13,6 +15,8 @@
 //! Value ranges the docs state (Δ > 0, A < 0, α in (0, 1], β in [0, 1]) are the models', not
 //! checked: the recurrences are computed for any finite input. A sequence of length 0 returns
 //! no output and the initial state.
+
+use rayon::prelude::*;
 
 /// Checks that `data` (the input named `what`) holds `want` elements; the error names it.
 pub(super) fn check_len(what: &str, data: &[f64], want: usize) -> Result<(), String> {
@@ -128,10 +132,15 @@ pub fn ssd(shape: SsdShape, inp: SsdInputs) -> Result<(Vec<f64>, Vec<f64>), Stri
     )?;
     let mut y = vec![0.0; batch * t_len * heads * p_dim];
     let per_group = heads / groups;
-    for b in 0..batch {
-        for h in 0..heads {
+    // Each (batch entry, head) is its own sequence: computed in parallel, each in time order
+    // with the same arithmetic as one after another, then scattered into Y.
+    let outs: Vec<Vec<f64>> = state
+        .par_chunks_mut(p_dim * n_dim)
+        .enumerate()
+        .map(|(task, s)| {
+            let (b, h) = (task / heads, task % heads);
             let g = h / per_group;
-            let s = &mut state[(b * heads + h) * p_dim * n_dim..][..p_dim * n_dim];
+            let mut out = vec![0.0; t_len * p_dim];
             for t in 0..t_len {
                 let bt = b * t_len + t;
                 let dt = inp.dt[bt * heads + h];
@@ -140,7 +149,7 @@ pub fn ssd(shape: SsdShape, inp: SsdInputs) -> Result<(Vec<f64>, Vec<f64>), Stri
                 let bv = &inp.b[(bt * groups + g) * n_dim..][..n_dim];
                 let cv = &inp.c[(bt * groups + g) * n_dim..][..n_dim];
                 let skip = inp.d.map_or(0.0, |d| d[h]);
-                let out = &mut y[(bt * heads + h) * p_dim..][..p_dim];
+                let o = &mut out[t * p_dim..][..p_dim];
                 for p in 0..p_dim {
                     let row = &mut s[p * n_dim..][..n_dim];
                     let mut acc = 0.0;
@@ -148,9 +157,17 @@ pub fn ssd(shape: SsdShape, inp: SsdInputs) -> Result<(Vec<f64>, Vec<f64>), Stri
                         row[n] = decay * row[n] + dt * x[p] * bv[n];
                         acc += row[n] * cv[n];
                     }
-                    out[p] = acc + skip * x[p];
+                    o[p] = acc + skip * x[p];
                 }
             }
+            out
+        })
+        .collect();
+    for (task, out) in outs.iter().enumerate() {
+        let (b, h) = (task / heads, task % heads);
+        for t in 0..t_len {
+            let dst = ((b * t_len + t) * heads + h) * p_dim;
+            y[dst..dst + p_dim].copy_from_slice(&out[t * p_dim..][..p_dim]);
         }
     }
     Ok((y, state))
@@ -232,11 +249,16 @@ pub fn selective_scan(shape: ScanShape, inp: ScanInputs) -> Result<(Vec<f64>, Ve
     shape.check("selective_scan", &inp)?;
     let mut state = or_zeros("initial_state", inp.initial_state, batch * channels * n_dim)?;
     let mut y = vec![0.0; batch * t_len * channels];
-    for b in 0..batch {
-        for ch in 0..channels {
-            let h = &mut state[(b * channels + ch) * n_dim..][..n_dim];
+    // Each (batch entry, channel) is its own sequence: computed in parallel, each in time
+    // order with the same arithmetic as one after another, then scattered into y.
+    let outs: Vec<Vec<f64>> = state
+        .par_chunks_mut(n_dim)
+        .enumerate()
+        .map(|(task, h)| {
+            let (b, ch) = (task / channels, task % channels);
             let a = &inp.a[ch * n_dim..][..n_dim];
-            for t in 0..t_len {
+            let mut out = vec![0.0; t_len];
+            for (t, o) in out.iter_mut().enumerate() {
                 let bt = b * t_len + t;
                 let i = bt * channels + ch;
                 let (u, dt) = (inp.u[i], inp.delta[i]);
@@ -247,8 +269,15 @@ pub fn selective_scan(shape: ScanShape, inp: ScanInputs) -> Result<(Vec<f64>, Ve
                     h[n] = (dt * a[n]).exp() * h[n] + dt * u * bv[n];
                     acc += cv[n] * h[n];
                 }
-                y[i] = acc + inp.d.map_or(0.0, |d| d[ch]) * u;
+                *o = acc + inp.d.map_or(0.0, |d| d[ch]) * u;
             }
+            out
+        })
+        .collect();
+    for (task, out) in outs.iter().enumerate() {
+        let (b, ch) = (task / channels, task % channels);
+        for (t, v) in out.iter().enumerate() {
+            y[(b * t_len + t) * channels + ch] = *v;
         }
     }
     Ok((y, state))

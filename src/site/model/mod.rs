@@ -34,6 +34,14 @@ use crate::schema::{Document, Suite};
 pub const ATTENTION_COMMAND: &str =
     "cargo run --release --bin attention -- --compare torch --output data/gpu_attention.json";
 
+/// Command that produces the GPU sequence-mixer document.
+pub const SEQUENCE_MIXERS_COMMAND: &str =
+    "cargo run --release --bin sequence_mixers -- --compare torch --output data/gpu_sequence_mixers.json";
+
+/// Command that produces the GPU kernel-sum document.
+pub const KERNEL_SUMS_COMMAND: &str =
+    "cargo run --release --bin kernel_sums -- --compare torch --output data/gpu_kernel_sums.json";
+
 /// Command that builds the site.
 pub const DOCGEN_COMMAND: &str = "cargo run --release --bin docgen -- build";
 
@@ -128,7 +136,9 @@ pub(crate) fn reproduce_commands<'a>(docs: impl Iterator<Item = &'a Loaded>) -> 
 pub fn measure_command(suite: Suite) -> Option<&'static str> {
     match suite {
         Suite::Attention => Some(ATTENTION_COMMAND),
-        _ => None,
+        Suite::SequenceMixers => Some(SEQUENCE_MIXERS_COMMAND),
+        Suite::KernelSums => Some(KERNEL_SUMS_COMMAND),
+        Suite::Moe | Suite::Models => None,
     }
 }
 

@@ -1,0 +1,551 @@
+"""PyTorch's sequence mixers, written as a PyTorch user writes them without the fused CUDA
+extensions, measured by the kernelpages protocol (`sequence_mixers --compare torch` on the GPU,
+`sequence_mixers --device cpu --compare torch` on the CPU; the job's `device` says which).
+
+Implementation `torch_eager`, per mixer (the runner's `files.arguments`: `mixer`, `batch`,
+`seq_len`, `dtype`, `pass`, and the mixer's sizes):
+- `ssd` (Mamba-2; `heads` H, `head_dim` P, `state` N, `groups` G; inputs x [B, T, H, P],
+  dt [B, T, H] fp32 (the step after the softplus), a [H] fp32, b and c [B, T, G, N], d [H] fp32;
+  head h reads group h // (H / G)): the chunked "minimal SSD" of the Mamba-2 paper, chunk
+  length 64. B and C are expanded from groups to heads; inside each chunk the segment sums of
+  the log decays dt * A give the masked decay matrix L = exp(segsum), the diagonal blocks'
+  outputs are one einsum of C, B, L and dt * x, each chunk's final state another; the
+  recurrence over chunk states is the einsum of their decay matrix (segsum over the chunks'
+  total decays) with the states; the off-diagonal outputs read those states through C.
+  Then y += D x. A seq_len that is not a multiple of 64 is padded with zeros at the end (dt = 0
+  there: decay 1 and no input, so the padding changes nothing) and the output sliced.
+- `selective_scan` (Mamba; `channels` D, `state` N; inputs u [B, T, D], delta [B, T, D] fp32,
+  a [D, N] fp32, b and c [B, T, N], d [D] fp32): the formulation of Mamba's `selective_scan_ref`
+  (what a user gets without the CUDA extension): deltaA = exp(delta A) and
+  deltaB_u = delta u B precomputed for every step (each B x T x D x N float32), then a Python
+  loop over seq_len updating the state h [B, D, N] and reading y_t = <C_t, h> out; y += D u.
+Both compute in float32 (bf16 inputs are upcast) and return y in the case's dtype ([B, T, H, P]
+or [B, T, D]), from a zero initial state; `pass` is "fwd".
+
+For each job, in a fresh process: the runner's input bits are read (and on the GPU uploaded);
+a call whose float32 temporaries cannot fit (the free device memory, or half the host's
+physical memory on the CPU) is an `oom` row with the size asked, without a call; else the
+first call is timed by wall clock; the output is scanned for non-finite values and the
+runner's checked elements compared with the runner's float64 reference; then the shared timing
+protocol.
+- CPU: peak memory is the resident set's high-water mark over the inputs and the first call
+  (`torch_cpu.rss_bytes`); wall time is the sample time.
+- GPU: peak memory from the caching allocator (`max_memory_allocated`, reset before the upload,
+  read after the first call; cuBLAS workspaces apart, as `torch_sdpa` does); eager calls timed
+  between CUDA events, then a CUDA graph of the same calls replayed (`graph_replay`, the
+  reported time; the eager median kept as `eager_median_ms`): the scan's loop launches a few
+  small kernels per step, so its eager time is mostly the host's.
+
+    PYTHONPATH=runners python3 -m compare.torch_mixers serve | self-test | job FILE
+"""
+import os
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from compare import protocol, timing, torch_cpu, torch_sdpa  # noqa: E402
+else:
+    from . import protocol, timing, torch_cpu, torch_sdpa
+
+LIBRARY = "PyTorch"
+IMPLEMENTATIONS = ("torch_eager",)
+MIXERS = ("ssd", "selective_scan")
+DTYPES = ("fp32", "bf16")
+PASSES = ("fwd",)
+# The inputs each mixer takes, in argument order (files.inputs).
+INPUTS = {"ssd": ("x", "dt", "a", "b", "c", "d"),
+          "selective_scan": ("u", "delta", "a", "b", "c", "d")}
+CHUNK = 64
+UPCAST_NOTE = "float32 compute (bf16 inputs upcast)"
+MIXER_NOTES = {
+    "ssd": "chunked (chunk %d), Mamba-2's minimal formulation" % CHUNK,
+    "selective_scan": "sequential loop over seq_len in Python (selective_scan_ref formulation)",
+}
+# Share of the host's physical memory a CPU call's float32 temporaries may take.
+CPU_MEMORY_FRACTION = 0.5
+
+torch = torch_cpu.torch
+IMPORT_ERROR = torch_cpu.IMPORT_ERROR
+
+
+def unsupported_reason(case, implementation):
+    """Why `implementation` cannot compute `case` (its parameters, or the call's arguments:
+    `mixer`, `dtype`, `pass`), or None."""
+    if implementation not in IMPLEMENTATIONS:
+        return "unknown implementation %r (known: %s)" % (implementation,
+                                                          ", ".join(IMPLEMENTATIONS))
+    mixer = case.get("mixer")
+    if mixer not in MIXERS:
+        return "mixer %r is not measured (%s)" % (mixer, ", ".join(MIXERS))
+    if case.get("pass") not in PASSES:
+        return "pass %r: only the forward (fwd) is measured" % (case.get("pass"),)
+    if case.get("dtype") not in DTYPES:
+        return "dtype %r is not measured (%s)" % (case.get("dtype"), ", ".join(DTYPES))
+    if mixer == "ssd" and "heads" in case and "groups" in case:
+        heads, groups = int(case["heads"]), int(case["groups"])
+        if groups <= 0 or heads % groups != 0:
+            return "heads (%d) is not a multiple of groups (%d)" % (heads, groups)
+    return None
+
+
+def padded_len(seq_len, chunk=CHUNK):
+    """seq_len rounded up to a whole number of chunks."""
+    return -(-int(seq_len) // chunk) * chunk
+
+
+def temporaries_bytes(args):
+    """Bytes of float32 temporaries one call holds at once at least: the selective scan's
+    deltaA and deltaB_u (2 x B T D N); SSD's intra-chunk decay matrix L and the C B^T scores
+    (2 x B H T' 64, T' the padded length), or its decay matrix over chunks
+    (B H (T' / 64 + 1)^2), whichever is larger."""
+    b, t = int(args["batch"]), int(args["seq_len"])
+    if args["mixer"] == "selective_scan":
+        return 2 * 4 * b * t * int(args["channels"]) * int(args["state"])
+    heads, t_pad = int(args["heads"]), padded_len(t)
+    return 4 * b * heads * max(2 * t_pad * CHUNK, (t_pad // CHUNK + 1) ** 2)
+
+
+def temporaries_text(args):
+    """What `temporaries_bytes` counts, in words, with its size."""
+    gb = temporaries_bytes(args) / 1e9
+    if args["mixer"] == "selective_scan":
+        return "deltaA and deltaB_u (2 x B*T*D*N float32) alone are %.2f GB" % gb
+    return ("the intra-chunk decay matrix L and the C B^T scores (2 x B*H*T*%d float32), or "
+            "the decay matrix over chunks if larger, alone are %.2f GB" % (CHUNK, gb))
+
+
+class DoesNotFit(Exception):
+    """The call's float32 temporaries exceed the memory there is: an `oom` row, no call."""
+
+
+def fits(args, available, where):
+    """Raises DoesNotFit when `temporaries_bytes(args)` exceed `available` bytes (`where`
+    describes them)."""
+    need = temporaries_bytes(args)
+    if available is not None and need > available:
+        raise DoesNotFit("%s; %s is %.2f GB" % (temporaries_text(args), where, available / 1e9))
+
+
+def host_memory_bytes():
+    """The host's physical memory, bytes, or None."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def arguments(job):
+    """The call's arguments (files.arguments, authoritative) over the case's parameters."""
+    return dict(job["case"], **(job["files"].get("arguments") or {}))
+
+
+def on_gpu(job):
+    """True when the job comes from a GPU run (the job's `device`, `gpu` when absent)."""
+    return job.get("device", "gpu") == "gpu"
+
+
+def segsum(x):
+    """Segment sums along the last axis: out[..., i, j] = x[..., j+1] + ... + x[..., i] for
+    j <= i (0 on the diagonal), -inf above it; exp() of it is the causal decay matrix."""
+    n = x.size(-1)
+    below = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)
+    rows = x.unsqueeze(-1).expand(*x.shape, n).masked_fill(~below, 0.0)
+    sums = rows.cumsum(dim=-2)
+    causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(0)
+    return sums.masked_fill(~causal, float("-inf"))
+
+
+def ssd_chunked(x, dt, a, b, c, d, out_dtype, chunk=CHUNK):
+    """Mamba-2's minimal chunked SSD in float32: x [B, T, H, P], dt [B, T, H], a [H],
+    b and c [B, T, G, N], d [H]; returns y [B, T, H, P] in `out_dtype`."""
+    batch, t_len, heads, _ = x.shape
+    per_group = heads // b.shape[2]
+    x, dt, b, c = x.float(), dt.float(), b.float(), c.float()
+    pad = padded_len(t_len, chunk) - t_len
+    if pad:
+        # dt = 0 in the padding: decay exp(0) = 1 and no input; the outputs there are dropped.
+        fpad = torch.nn.functional.pad
+        xs, dts = fpad(x, (0, 0, 0, 0, 0, pad)), fpad(dt, (0, 0, 0, pad))
+        b, c = fpad(b, (0, 0, 0, 0, 0, pad)), fpad(c, (0, 0, 0, 0, 0, pad))
+    else:
+        xs, dts = x, dt
+    n_chunks = (t_len + pad) // chunk
+    groups, n_dim = b.shape[2], b.shape[3]
+
+    def per_head(v):  # [B, T', G, N] -> [B, T', H, N]: head h reads group h // per_group
+        return v.unsqueeze(3).expand(batch, t_len + pad, groups, per_group, n_dim).reshape(
+            batch, t_len + pad, heads, n_dim)
+
+    bh, ch = per_head(b), per_head(c)
+    xdt = xs * dts.unsqueeze(-1)
+
+    def chunks(v):  # [B, T', ...] -> [B, chunks, chunk, ...]
+        return v.reshape(batch, n_chunks, chunk, *v.shape[2:])
+
+    xdt, bh, ch = chunks(xdt), chunks(bh), chunks(ch)
+    log_a = chunks(dts * a.float()).permute(0, 3, 1, 2)  # [B, H, chunks, chunk]
+    cum = log_a.cumsum(dim=-1)
+
+    # 1. Diagonal blocks: the outputs from inputs of the same chunk.
+    decay = torch.exp(segsum(log_a))  # [B, H, chunks, chunk, chunk]
+    y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", ch, bh, decay, xdt)
+    # 2. Each chunk's final state from its own inputs.
+    to_end = torch.exp(cum[..., -1:] - cum)
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", bh, to_end, xdt)
+    # 3. The recurrence over chunks: the state entering each chunk (zero initial state).
+    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+    chunk_decay = torch.exp(segsum(torch.nn.functional.pad(cum[..., -1], (1, 0))))
+    entering = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)[:, :-1]
+    # 4. Off-diagonal blocks: each entering state read out through C, decayed to the step.
+    y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", ch, entering, torch.exp(cum))
+
+    y = (y_diag + y_off).reshape(batch, n_chunks * chunk, heads, -1)[:, :t_len]
+    y = y + x * d.float().reshape(heads, 1)
+    return y.to(out_dtype)
+
+
+def selective_scan_ref(u, delta, a, b, c, d, out_dtype):
+    """Mamba's selective scan as `selective_scan_ref` computes it, in float32: u and
+    delta [B, T, D], a [D, N], b and c [B, T, N], d [D]; returns y [B, T, D] in `out_dtype`."""
+    batch, t_len, channels = u.shape
+    u, delta, b, c = u.float(), delta.float(), b.float(), c.float()
+    delta_a = torch.exp(torch.einsum("btd,dn->btdn", delta, a.float()))
+    delta_b_u = torch.einsum("btd,btn,btd->btdn", delta, b, u)
+    h = u.new_zeros(batch, channels, a.shape[1])
+    ys = []
+    for i in range(t_len):
+        h = delta_a[:, i] * h + delta_b_u[:, i]
+        ys.append(torch.einsum("bdn,bn->bd", h, c[:, i]))
+    y = torch.stack(ys, dim=1) if ys else u.new_zeros(batch, 0, channels)
+    y = y + u * d.float()
+    return y.to(out_dtype)
+
+
+def caller(args):
+    """The call on the mixer's inputs (files.inputs, in order) returning a tuple (y,)."""
+    out_dtype = torch.bfloat16 if args["dtype"] == "bf16" else torch.float32
+    if args["mixer"] == "ssd":
+        return lambda x, dt, a, b, c, d: (ssd_chunked(x, dt, a, b, c, d, out_dtype),)
+    return lambda u, delta, a, b, c, d: (selective_scan_ref(u, delta, a, b, c, d, out_dtype),)
+
+
+def check_inputs(args, inputs):
+    """Raises ValueError unless the job's inputs are the mixer's, by name and in order."""
+    names = tuple(t["name"] for t in inputs)
+    want = INPUTS[args["mixer"]]
+    if names != want:
+        raise ValueError("inputs %s, expected %s for %s" % (", ".join(names), ", ".join(want),
+                                                             args["mixer"]))
+
+
+def classify(exc):
+    if isinstance(exc, DoesNotFit):
+        return "oom", str(exc)
+    status, msg = torch_cpu.classify(exc)
+    if isinstance(exc, RuntimeError) and "not enough memory" in str(exc).lower():
+        status = "oom"
+    return status, msg
+
+
+def measure(job):
+    """Measure one job in this (fresh) process; returns the reply dict."""
+    reply = {}
+    try:
+        _measure_into(job, reply)
+    finally:
+        # After the measurement: the version queries must not load anything before the first
+        # call is timed.
+        reply["libraries"] = (torch_sdpa.libraries() if on_gpu(job)
+                              else torch_cpu.libraries())
+    return reply
+
+
+def _measure_into(job, reply):
+    case, implementation = job["case"], job["implementation"]
+    args = arguments(job)
+    why = IMPORT_ERROR or unsupported_reason(args, implementation)
+    if why is None and on_gpu(job) and not torch.cuda.is_available():
+        why = "no CUDA device visible to torch"
+    if why is not None:
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
+        return
+    try:
+        fields, window = (_measure_gpu if on_gpu(job) else _measure_cpu)(job)
+    except Exception as e:
+        status, msg = classify(e)
+        if status == "oom" and not isinstance(e, DoesNotFit):
+            msg = "%s: %s" % (temporaries_text(args), msg)
+        reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
+        return
+    protocol.finish_reply(reply, case, implementation, LIBRARY, fields, window)
+
+
+def _check(files, results):
+    """Each whole output scanned for non-finite values, then the runner's checked elements
+    against its float64 reference: ({"message": ...}, None) on a failure, else (None, the
+    accuracy dict)."""
+    errors = []
+    for (name, _spec, check), tensor in zip(protocol.outputs(files), results):
+        flat = tensor.detach().contiguous().view(-1)
+        bad = (~torch.isfinite(flat)).nonzero()
+        bad_index = int(bad[0, 0]) if bad.numel() else None
+        idx = torch.tensor(protocol.flat_indices(check["ranges"]), dtype=torch.long,
+                           device=flat.device)
+        got = flat.index_select(0, idx).double().cpu().tolist()
+        reference = protocol.read_f64(check["reference"])
+        msg, rel_err = protocol.check_output(bad_index, flat.numel(), got, reference)
+        if msg is not None:
+            if name != "O":
+                msg = msg.replace(" (unwritten", " of %s (unwritten" % name)
+            return {"message": msg}, None
+        errors.append((name, rel_err))
+    check = files["check"]
+    return None, {"rel_err": protocol.worst(e for _, e in errors), "metric": "rel_l2",
+                  "reference": check.get("reference_kind", "float64_cpu"),
+                  "tolerance": check["tolerance"],
+                  "checked": protocol.checked_text(check["checked"], errors)}
+
+
+def _cut_short_notes(measurements, tcfg):
+    return ["%s timing: %d of %d samples, the %g s case limit stopped sampling"
+            % (what, m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"]))
+            for m, what in measurements if m is not None and m["cut_short"]]
+
+
+def _formulation_notes(args):
+    notes = [MIXER_NOTES[args["mixer"]]]
+    if args["dtype"] == "bf16":
+        notes.append(UPCAST_NOTE)
+    return notes
+
+
+def _measure_cpu(job):
+    files, tcfg = job["files"], job["timing"]
+    args = arguments(job)
+    check_inputs(args, files["inputs"])
+    physical = host_memory_bytes()
+    fits(args, None if physical is None else CPU_MEMORY_FRACTION * physical,
+         "half the host's physical memory")
+    call = caller(args)
+    load_before = torch_cpu.load_average()
+    with torch.no_grad():
+        base = torch_cpu.reset_peak_rss()
+        set0 = tuple(torch_cpu.load_input(t) for t in files["inputs"])
+        t0 = time.perf_counter()
+        results = call(*set0)
+        first_call_s = time.perf_counter() - t0
+        r = torch_cpu.rss_bytes()
+        peak = r[1] - base if (base is not None and r is not None) else None
+        set_bytes = sum(x.numel() * x.element_size() for x in set0)
+        out_bytes = sum(x.numel() * x.element_size() for x in results)
+        failed, accuracy = _check(files, results)
+        if failed:
+            return failed, None
+        del results
+
+        n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
+                                            float(tcfg["l2_rotation_factor"]))
+        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
+        window0 = protocol.unix_now()
+        m = timing.measure(torch_cpu.WallTimer(call, sets), tcfg)
+        window = [window0, protocol.unix_now()]
+        del sets
+    notes = [torch_cpu.TIMING_NOTE, "PyTorch intra-op threads: %d" % torch.get_num_threads()]
+    notes += _formulation_notes(args)
+    note = torch_cpu.load_note(load_before, torch_cpu.load_average())
+    if note:
+        notes.append(note)
+    notes += _cut_short_notes([(m, "wall-clock")], tcfg)
+    memory = {"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6}
+    if peak is not None:
+        memory.update(peak_mb=max(0, peak) / 1e6, peak_method=torch_cpu.PEAK_METHOD,
+                      temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
+    fields = dict(
+        timing="wall_clock",
+        median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
+        samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
+        first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
+        items=files.get("items"), memory=memory, accuracy=accuracy, notes=notes)
+    return fields, window
+
+
+def _measure_gpu(job):
+    files, tcfg = job["files"], job["timing"]
+    args = arguments(job)
+    check_inputs(args, files["inputs"])
+    call = caller(args)
+    device = torch.device("cuda")
+    torch.zeros(1, device=device)  # CUDA context, outside every figure
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        base_reserved = torch.cuda.memory_reserved()
+        set0 = tuple(torch_sdpa.load_input(t, device) for t in files["inputs"])
+        torch.cuda.synchronize()
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        fits(args, torch.cuda.mem_get_info()[0] + cached, "the free device memory")
+        t0 = time.perf_counter()
+        results = call(*set0)
+        torch.cuda.synchronize()
+        first_call_s = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() - base
+        reserved = torch.cuda.max_memory_reserved() - base_reserved
+        workspace = torch_sdpa.cublas_workspace_bytes()
+        ws = workspace or 0
+        set_bytes = sum(x.numel() * x.element_size() for x in set0)
+        out_bytes = sum(x.numel() * x.element_size() for x in results)
+        failed, accuracy = _check(files, results)
+        if failed:
+            return failed, None
+        del results
+
+        free = torch.cuda.mem_get_info()[0]
+        n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
+                                            float(tcfg["l2_rotation_factor"]), free)
+        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
+        torch.cuda.synchronize()
+        window0 = protocol.unix_now()
+        reported, method, eager, graph_error = timing.measure_eager_then_graph(
+            torch, call, sets, tcfg, time.perf_counter())
+        window = [window0, protocol.unix_now()]
+        del sets
+    notes = _formulation_notes(args)
+    notes.append("fp32: TF32 %s (torch.backends.cuda.matmul.allow_tf32 = %s)" % (
+        "allowed" if torch.backends.cuda.matmul.allow_tf32 else "not allowed",
+        torch.backends.cuda.matmul.allow_tf32))
+    graph = reported if graph_error is None else None
+    if graph_error is not None:
+        notes.append("CUDA graph capture failed, timed eagerly: %s"
+                     % protocol.exc_text(graph_error))
+    notes += _cut_short_notes([(eager, "eager"), (graph, "graph")], tcfg)
+    fields = dict(
+        median_ms=reported["median"], q1_ms=reported["q1"], q3_ms=reported["q3"],
+        inner_calls=reported["inner"], samples=reported["samples"], input_sets=n_sets,
+        l2_rotation_reached=reached, timing=method, host_ms=eager["host_ms"],
+        eager_median_ms=eager["median"] if graph is not None else None,
+        first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
+        items=files.get("items"),
+        memory={"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6,
+                "temporaries_mb": max(0, peak - ws - set_bytes - out_bytes) / 1e6,
+                "peak_mb": max(0, peak - ws) / 1e6,
+                "reserved_peak_mb": max(0, reserved - ws) / 1e6,
+                "workspace_mb": workspace / 1e6 if workspace else None,
+                "peak_method": torch_sdpa.PEAK_METHOD},
+        accuracy=accuracy, notes=notes)
+    return fields, window
+
+
+def _sequential_ssd(x, dt, a, b, c, d):
+    """SSD one step after another in float64 (the self-test's reference)."""
+    x, dt, a, b, c, d = (v.double() for v in (x, dt, a, b, c, d))
+    batch, t_len, heads, p_dim = x.shape
+    per_group = heads // b.shape[2]
+    y = torch.zeros_like(x)
+    for h in range(heads):
+        g = h // per_group
+        s = x.new_zeros(batch, p_dim, b.shape[3])
+        for t in range(t_len):
+            step = dt[:, t, h].reshape(batch, 1, 1)
+            s = torch.exp(step * a[h]) * s + step * x[:, t, h, :, None] * b[:, t, g, None, :]
+            y[:, t, h] = (s * c[:, t, g, None, :]).sum(-1) + d[h] * x[:, t, h]
+    return y
+
+
+def _sequential_scan(u, delta, a, b, c, d):
+    """The selective scan one step after another in float64 (the self-test's reference)."""
+    u, delta, a, b, c, d = (v.double() for v in (u, delta, a, b, c, d))
+    batch, t_len, channels = u.shape
+    h = u.new_zeros(batch, channels, a.shape[1])
+    y = torch.zeros_like(u)
+    for t in range(t_len):
+        dt = delta[:, t, :, None]
+        h = torch.exp(dt * a) * h + dt * u[:, t, :, None] * b[:, t, None, :]
+        y[:, t] = (h * c[:, t, None, :]).sum(-1) + d * u[:, t]
+    return y
+
+
+def _rel(got, want):
+    return float((got.double() - want).norm() / want.norm())
+
+
+def self_test():
+    """Pure checks of this module (no torch needed), then torch_cpu's and the shared ones;
+    with torch, both formulations against a float64 step-by-step recurrence."""
+    failures = torch_cpu.self_test()
+
+    def check(cond, what):
+        if not cond:
+            failures.append("torch_mixers: " + what)
+
+    ssd = {"mixer": "ssd", "pass": "fwd", "dtype": "bf16", "heads": 8, "groups": 2}
+    check(unsupported_reason(ssd, "torch_eager") is None, "ssd bf16 is measured")
+    check(unsupported_reason(dict(ssd, mixer="selective_scan", dtype="fp32"), "torch_eager")
+          is None, "the scan in fp32 is measured")
+    check("based" in unsupported_reason(dict(ssd, mixer="based"), "torch_eager"),
+          "other mixers are refused")
+    check("fwd" in unsupported_reason(dict(ssd, **{"pass": "fwd+bwd"}), "torch_eager"),
+          "the backward is refused")
+    check("fp16" in unsupported_reason(dict(ssd, dtype="fp16"), "torch_eager"),
+          "fp16 is refused")
+    check("groups" in unsupported_reason(dict(ssd, groups=3), "torch_eager"),
+          "heads not a multiple of groups")
+    check("unknown" in unsupported_reason(ssd, "torch_dense"), "other names are unknown")
+    check(padded_len(70) == 128 and padded_len(64) == 64 and padded_len(0) == 0, "padding")
+    scan_args = {"mixer": "selective_scan", "batch": 2, "seq_len": 1000, "channels": 100,
+                 "state": 16}
+    check(temporaries_bytes(scan_args) == 2 * 4 * 2 * 1000 * 100 * 16, "scan temporaries")
+    check(temporaries_bytes({"mixer": "ssd", "batch": 1, "seq_len": 70, "heads": 2})
+          == 2 * 4 * 2 * 128 * CHUNK, "ssd temporaries over the padded length")
+    try:
+        fits(scan_args, 1e6, "test memory")
+        check(False, "a scan of 25.6 MB fits in 1 MB")
+    except DoesNotFit as e:
+        check(classify(e)[0] == "oom" and "deltaA" in str(e), "oom row: %s" % e)
+    fits(scan_args, 1e9, "test memory")
+    fits(scan_args, None, "unknown memory")
+    check(on_gpu({"device": "gpu"}) and not on_gpu({"device": "cpu"}) and on_gpu({}),
+          "the job's device picks the path; no device is the GPU")
+    try:
+        check_inputs({"mixer": "ssd"}, [{"name": n} for n in INPUTS["selective_scan"]])
+        check(False, "the scan's inputs pass for ssd")
+    except ValueError:
+        pass
+    if torch is not None:
+        gen = torch.Generator().manual_seed(7)
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=gen)
+
+        def pos(*shape):  # a step after the softplus
+            return torch.nn.functional.softplus(rnd(*shape) - 1.0)
+
+        bsz, t_len, heads, groups, p_dim, n_dim = 2, 70, 4, 2, 3, 5
+        x, dt, a = rnd(bsz, t_len, heads, p_dim), pos(bsz, t_len, heads), -torch.rand(
+            heads, generator=gen) - 0.1
+        b, c, d = rnd(bsz, t_len, groups, n_dim), rnd(bsz, t_len, groups, n_dim), rnd(heads)
+        with torch.no_grad():
+            want = _sequential_ssd(x, dt, a, b, c, d)
+            (got,) = caller({"mixer": "ssd", "dtype": "fp32"})(x, dt, a, b, c, d)
+            err = _rel(got, want)
+            check(got.dtype == torch.float32 and err < 1e-5, "ssd rel_l2 %g (T = 70)" % err)
+            x16, b16, c16 = x.bfloat16(), b.bfloat16(), c.bfloat16()
+            want = _sequential_ssd(x16, dt, a, b16, c16, d)
+            (got,) = caller({"mixer": "ssd", "dtype": "bf16"})(x16, dt, a, b16, c16, d)
+            err = _rel(got, want)
+            check(got.dtype == torch.bfloat16 and err < 1e-2, "ssd bf16 rel_l2 %g" % err)
+
+            channels = 6
+            u, delta = rnd(bsz, t_len, channels), pos(bsz, t_len, channels)
+            a = -torch.rand(channels, n_dim, generator=gen) - 0.1
+            b, c, d = rnd(bsz, t_len, n_dim), rnd(bsz, t_len, n_dim), rnd(channels)
+            want = _sequential_scan(u, delta, a, b, c, d)
+            (got,) = caller({"mixer": "selective_scan", "dtype": "fp32"})(u, delta, a, b, c, d)
+            err = _rel(got, want)
+            check(got.shape == u.shape and err < 1e-5, "scan rel_l2 %g" % err)
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(protocol.main(measure, LIBRARY, module_self_test=self_test))

@@ -1,0 +1,170 @@
+//! One sequence-mixer case as the runner protocol's files ([`crate::runner::protocol::CaseFiles`]):
+//! the inputs as raw files (X, B, C in the case's dtype; Δ, A, D in float32), the float64
+//! reference of the checked tokens' outputs, and the call's arguments, so that the project's
+//! implementations and the comparison modules read the same bits and are checked against the
+//! same values.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::Result;
+use serde_json::json;
+
+use super::case::{Mixer, MixerCase, MixerDtype, MixerInputs};
+use crate::runner::protocol::{write_f64, write_u16, CaseFiles, CheckSpec, OutputSpec, TensorFile};
+use crate::schema::Reference;
+
+/// Largest accepted relative L2 error against float64 with float32 inputs and output.
+pub const TOLERANCE_FP32: f64 = 1e-4;
+/// The same with bf16 inputs and output (the output's rounding alone is about 2⁻⁹ relative).
+pub const TOLERANCE_BF16: f64 = 1e-2;
+
+/// The tokens (flat `b·T + t` indices) whose outputs are checked: every token when B·T ≤
+/// `check_tokens`, else `check_tokens` of them evenly spaced from the first to the last (the
+/// last step of the last sequence included, where a dropped tail chunk would show).
+pub fn checked_tokens(tokens: usize, check_tokens: usize) -> Vec<usize> {
+    if tokens <= check_tokens {
+        return (0..tokens).collect();
+    }
+    if check_tokens < 2 {
+        return vec![tokens - 1];
+    }
+    (0..check_tokens)
+        .map(|k| k * (tokens - 1) / (check_tokens - 1))
+        .collect()
+}
+
+/// The call's arguments for the comparison modules: `mixer`, `batch`, `seq_len`, `state`,
+/// `dtype`, `pass`, and `heads`, `head_dim`, `groups` (SSD) or `channels` (scan).
+pub fn arguments(c: &MixerCase) -> BTreeMap<String, serde_json::Value> {
+    c.params()
+        .into_iter()
+        .map(|(k, v)| (k, serde_json::to_value(v).unwrap_or(json!(null))))
+        .collect()
+}
+
+/// Writes case `c`'s inputs ([`MixerInputs::random`] from `seed`) and the float64 reference
+/// of [`checked_tokens`] into `dir`, and returns the files.
+///
+/// # Errors
+/// I/O errors, with the path; inputs the reference refuses.
+pub fn write_case(c: &MixerCase, seed: u64, check_tokens: usize, dir: &Path) -> Result<CaseFiles> {
+    let inp = MixerInputs::random(c, seed);
+    let y = inp.reference(c).map_err(anyhow::Error::msg)?;
+    let (bsz, t) = (c.batch, c.seq_len);
+    let w = c.width();
+    let n = c.state;
+    let names: [(&str, &Vec<f32>, bool, Vec<usize>); 6] = match c.mixer {
+        Mixer::Ssd => [
+            ("x", &inp.x, true, vec![bsz, t, c.heads, c.head_dim]),
+            ("dt", &inp.dt, false, vec![bsz, t, c.heads]),
+            ("a", &inp.a, false, vec![c.heads]),
+            ("b", &inp.b, true, vec![bsz, t, c.groups, n]),
+            ("c", &inp.c, true, vec![bsz, t, c.groups, n]),
+            ("d", &inp.d, false, vec![c.heads]),
+        ],
+        Mixer::SelectiveScan => [
+            ("u", &inp.x, true, vec![bsz, t, w]),
+            ("delta", &inp.dt, false, vec![bsz, t, w]),
+            ("a", &inp.a, false, vec![w, n]),
+            ("b", &inp.b, true, vec![bsz, t, n]),
+            ("c", &inp.c, true, vec![bsz, t, n]),
+            ("d", &inp.d, false, vec![w]),
+        ],
+    };
+    let mut inputs = Vec::new();
+    for (name, values, in_dtype, shape) in names {
+        let dtype = if in_dtype { c.dtype } else { MixerDtype::Fp32 };
+        let path = dir.join(format!("{name}.bin"));
+        write_u16(&path, &dtype.codec().encode_all(values))?;
+        inputs.push(TensorFile {
+            name: name.into(),
+            dtype: dtype.as_str().into(),
+            shape,
+            path,
+        });
+    }
+    let tokens = checked_tokens(bsz * t, check_tokens);
+    let values: Vec<f64> = tokens
+        .iter()
+        .flat_map(|&k| y[k * w..(k + 1) * w].iter().copied())
+        .collect();
+    let reference = dir.join("reference.f64");
+    write_f64(&reference, &values)?;
+    let check = CheckSpec {
+        ranges: tokens.iter().map(|&k| [(k * w) as u64, w as u64]).collect(),
+        reference,
+        reference_kind: Reference::Float64Cpu,
+        tolerance: match c.dtype {
+            MixerDtype::Fp32 => TOLERANCE_FP32,
+            MixerDtype::Bf16 => TOLERANCE_BF16,
+        },
+        checked: format!(
+            "{} of {} tokens (every output of each; the last token included), from a zero \
+             state",
+            tokens.len(),
+            bsz * t
+        ),
+    };
+    let out_shape = match c.mixer {
+        Mixer::Ssd => vec![bsz, t, c.heads, c.head_dim],
+        Mixer::SelectiveScan => vec![bsz, t, w],
+    };
+    Ok(CaseFiles {
+        inputs,
+        output: OutputSpec {
+            dtype: c.dtype.as_str().into(),
+            shape: out_shape,
+        },
+        check,
+        gradients: Vec::new(),
+        arguments: arguments(c),
+        flops: Some(c.flops()),
+        bytes: Some(c.bytes()),
+        items: Some(c.tokens()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checked_tokens_include_the_last() {
+        assert_eq!(checked_tokens(3, 256), vec![0, 1, 2]);
+        assert_eq!(checked_tokens(1001, 3), vec![0, 500, 1000]);
+        assert_eq!(checked_tokens(10, 1), vec![9]);
+    }
+
+    #[test]
+    fn a_case_writes_mixed_dtype_inputs_and_its_reference() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = MixerCase::ssd(2, 5, 2, 3, 4);
+        c.dtype = MixerDtype::Bf16;
+        let f = write_case(&c, 7, 4, dir.path()).unwrap();
+        let kinds: Vec<(&str, &str)> = f
+            .inputs
+            .iter()
+            .map(|t| (t.name.as_str(), t.dtype.as_str()))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("x", "bf16"),
+                ("dt", "fp32"),
+                ("a", "fp32"),
+                ("b", "bf16"),
+                ("c", "bf16"),
+                ("d", "fp32")
+            ]
+        );
+        // 10 tokens, 4 checked: 0, 3, 6, 9, each its 6 outputs.
+        assert_eq!(f.check.ranges, vec![[0, 6], [18, 6], [36, 6], [54, 6]]);
+        let r = crate::runner::protocol::read_f64(&f.check.reference).unwrap();
+        assert_eq!(r.len(), 24);
+        assert_eq!(f.output.dtype, "bf16");
+        assert_eq!(f.arguments["mixer"], json!("ssd"));
+        assert_eq!(f.arguments["head_dim"], json!(3));
+        assert_eq!(f.check.tolerance, TOLERANCE_BF16);
+    }
+}
