@@ -231,6 +231,20 @@ pub enum LoadError {
         /// The other.
         second: PathBuf,
     },
+    /// A document's command names a shard outside `1..=n` (`--shard i/n`, 1-based as the
+    /// runner counts).
+    #[error(
+        "{}: config.command has `--shard {index}/{count}`, but shards are numbered 1 to {count}",
+        path.display()
+    )]
+    BadShard {
+        /// The document.
+        path: PathBuf,
+        /// i of `--shard i/n`.
+        index: u32,
+        /// n of `--shard i/n`.
+        count: u32,
+    },
     /// The data folder holds no suite document with rows.
     #[error("no suite documents in {dir}{detail}")]
     NoDocuments {
@@ -1059,12 +1073,12 @@ fn filter_of(command: &[String]) -> Option<&str> {
 
 /// Documents of one suite, device and kind of run (`config.kind`: the grid, or a tile sweep,
 /// which may come from another commit than the grid) must be parts of one run: from the same
-/// commit, with the
-/// same timing parameters and the same command apart from [`PART_OPTIONS`], each part naming
-/// its cases, by `--shard i/n` (the same n, distinct i) or by a distinct `--filter` (a run
-/// split over several calls of a time-limited machine). Every pair of documents is compared,
-/// so a copied part is caught whichever part comes first. The duplicate-row check then holds
-/// the parts disjoint.
+/// commit, with the same timing parameters and the same command apart from
+/// [`PART_OPTIONS`], each part naming its cases, by `--shard i/n` under the same `--filter` (or
+/// none; the same n, distinct i) or by distinct `--filter`s (a run split over several calls of
+/// a time-limited machine). Every pair of documents is compared, so a copied part is caught
+/// whichever part comes first. The duplicate-row check then holds the parts disjoint. A shard
+/// number outside `1..=n` is refused ([`LoadError::BadShard`]).
 fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
     let mut errors = Vec::new();
     let mut by_key: BTreeMap<(Suite, &str, RunKind), Vec<&Loaded>> = BTreeMap::new();
@@ -1074,6 +1088,17 @@ fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
             .or_default()
             .push(l);
     }
+    for l in loaded {
+        if let Some((index, count)) = shard_of(&l.doc.config.command) {
+            if index == 0 || index > count {
+                errors.push(LoadError::BadShard {
+                    path: l.path.clone(),
+                    index,
+                    count,
+                });
+            }
+        }
+    }
     for ((suite, device, kind), docs) in by_key {
         for (i, first) in docs.iter().enumerate() {
             for other in &docs[i + 1..] {
@@ -1082,11 +1107,15 @@ fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
                 let same_run = a.git_commit == b.git_commit
                     && a.timing == b.timing
                     && command_without_shard(&a.command) == command_without_shard(&b.command);
-                let distinct_shards = match (shard_of(&a.command), shard_of(&b.command)) {
-                    (Some((ia, na)), Some((ib, nb))) => na == nb && ia != ib,
-                    _ => false,
-                };
-                let distinct_filters = match (filter_of(&a.command), filter_of(&b.command)) {
+                let (fa, fb) = (filter_of(&a.command), filter_of(&b.command));
+                // Shards of one part: the same filter (or none), the same n, distinct i. A
+                // filtered part and an unfiltered one overlap whatever their shards.
+                let distinct_shards = fa == fb
+                    && match (shard_of(&a.command), shard_of(&b.command)) {
+                        (Some((ia, na)), Some((ib, nb))) => na == nb && ia != ib,
+                        _ => false,
+                    };
+                let distinct_filters = match (fa, fb) {
                     (Some(fa), Some(fb)) => fa != fb,
                     _ => false,
                 };
@@ -1205,6 +1234,45 @@ mod tests {
                 PathSeg::Key("b".into())
             ]
         );
+    }
+
+    #[test]
+    fn shard_numbers_and_mixed_parts_are_checked() {
+        let doc: Document =
+            serde_json::from_str(include_str!("../tests/fixtures/valid/gpu_attention.json"))
+                .expect("fixture");
+        let part = |name: &str, extra: &[&str]| {
+            let mut d = doc.clone();
+            d.config.command.extend(extra.iter().map(|s| s.to_string()));
+            Loaded::new(PathBuf::from(name), d)
+        };
+        // Shard 3 of 2 is no shard.
+        let e = check_runs(&[part("a.json", &["--shard", "3/2"])]);
+        assert!(
+            matches!(
+                e[..],
+                [LoadError::BadShard {
+                    index: 3,
+                    count: 2,
+                    ..
+                }]
+            ),
+            "{e:?}"
+        );
+        assert!(e[0].to_string().contains("a.json"));
+        // An unfiltered shard beside a filtered one: the parts overlap.
+        let e = check_runs(&[
+            part("a.json", &["--shard", "1/2"]),
+            part("b.json", &["--filter", "pass=fwd", "--shard", "2/2"]),
+        ]);
+        assert!(matches!(e[..], [LoadError::TwoRuns { .. }]), "{e:?}");
+        // Distinct filters, each sharded, are parts of one run.
+        let e = check_runs(&[
+            part("a.json", &["--filter", "pass=fwd", "--shard", "1/2"]),
+            part("b.json", &["--filter", "pass=fwd", "--shard", "2/2"]),
+            part("c.json", &["--filter", "pass=fwd+bwd", "--shard", "1/2"]),
+        ]);
+        assert!(e.is_empty(), "{e:?}");
     }
 
     #[test]
