@@ -1,15 +1,18 @@
-//! `sequence_mixers`: measures the sequence mixers' forward passes (SSD, Mamba-2's layer, and
-//! Mamba's selective scan; [`kernelpages::sequence_mixers`]) for the project's implementations
+//! `sequence_mixers`: measures the sequence mixers' forward passes ([`kernelpages::sequence_mixers`]:
+//! SSD, Mamba-2's layer; Mamba's selective scan; Gated DeltaNet's gated delta rule; Based's
+//! linear attention with a sliding-window softmax branch) for the project's implementations
 //! and, with `--compare torch`, PyTorch's eager formulations (`runners/compare/torch_mixers.py`:
-//! Mamba-2's chunked minimal SSD, and the selective scan's reference loop over time), and writes
-//! one suite document. The machinery (processes, order, timing records, progress, document) is
-//! `kernelpages::runner`; this file is the grid, the implementations, the dispatch table and
-//! the counts.
+//! Mamba-2's chunked minimal SSD, the selective scan's and the gated delta rule's reference
+//! loops over time, Based chunked), and writes one suite document. The machinery (processes,
+//! order, timing records, progress, document) is `kernelpages::runner`; this file is the grid,
+//! the implementations, the dispatch table and the counts.
 //!
 //! The project's implementations: `cuda` on a CUDA device (version 1 of each kernel, float32
 //! arithmetic on CUDA cores: [`kernelpages::sequence_mixers::cuda`],
-//! [`kernelpages::sequence_mixers::scan_cuda`]) and `cpu` on the CPU (`--device cpu`, the
-//! float32 recurrence over rayon's threads: [`kernelpages::sequence_mixers::cpu`]).
+//! [`kernelpages::sequence_mixers::scan_cuda`], [`kernelpages::sequence_mixers::delta_cuda`],
+//! [`kernelpages::sequence_mixers::based_cuda`]) and `cpu` on the CPU (`--device cpu`, SSD and
+//! the selective scan: the float32 recurrence over rayon's threads,
+//! [`kernelpages::sequence_mixers::cpu`]).
 //!
 //! ```text
 //! sequence_mixers --compare torch --output data/gpu_sequence_mixers.json
@@ -22,7 +25,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaViewMut, DeviceRepr};
 
 use kernelpages::attention::cpu_flash::read_elements;
 use kernelpages::attention::Dtype as Codec;
@@ -31,8 +34,10 @@ use kernelpages::runner::grid::Params;
 use kernelpages::runner::protocol::{CaseFiles, Job, Reply, TensorFile};
 use kernelpages::runner::{self, host, own, Alternative, Declared, DeviceChoice, RunnerArgs};
 use kernelpages::schema::{Count, DispatchRule, RunKind, Status, Suite, Throughput};
-use kernelpages::sequence_mixers::case::{Mixer, MixerCase, MixerDtype, MixerInputs};
+use kernelpages::sequence_mixers::based_cuda::{self, Based};
+use kernelpages::sequence_mixers::case::{Mixer, MixerCase, MixerDtype, MixerInputs, Tensor};
 use kernelpages::sequence_mixers::cuda::{self as ssd_cuda, Dtype as DeviceDtype, Ssd};
+use kernelpages::sequence_mixers::delta_cuda::{self, GatedDelta};
 use kernelpages::sequence_mixers::scan_cuda::{self, Scan};
 use kernelpages::sequence_mixers::{cpu, files};
 
@@ -47,15 +52,16 @@ use kernelpages::sequence_mixers::{cpu, files};
 struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
-    /// Mixers: `ssd`, `selective_scan` [default: both].
+    /// Mixers: `ssd`, `selective_scan`, `gated_delta`, `based` [default: all four on the GPU,
+    /// the first two on the CPU].
     #[arg(long, value_delimiter = ',')]
     mixers: Option<Vec<String>>,
     /// Sequence lengths [default: 1024,4096,16384,65536 on the GPU, 1024,4096 on the CPU; the
     /// shortest with --quick].
     #[arg(long, value_delimiter = ',')]
     seq_lens: Option<Vec<usize>>,
-    /// SSD head_dim (= its state size N) [default: 64,128 on the GPU, 64 on the CPU]; the
-    /// selective scan runs heads × head_dim channels.
+    /// head_dim [default: 64,128 on the GPU, 64 on the CPU]: SSD's P (= its state size N), the
+    /// gated delta rule's and Based's K = V; the selective scan runs heads × head_dim channels.
     #[arg(long, value_delimiter = ',')]
     head_dims: Option<Vec<usize>>,
     /// dtypes of X, B, C and Y [default: bf16,fp32 on the GPU, fp32 on the CPU].
@@ -77,6 +83,8 @@ const BATCH: usize = 4;
 const HEADS: usize = 8;
 /// The selective scan's state per channel: Mamba-1's d_state.
 const SCAN_STATE: usize = 16;
+/// Based's sliding window: the paper's 64 most recent keys.
+const BASED_WINDOW: usize = 64;
 /// Sequence lengths of the GPU grid.
 const GPU_SEQ_LENS: [usize; 4] = [1024, 4096, 16384, 65536];
 /// Sequence lengths of the CPU grid.
@@ -125,11 +133,15 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
         Some(names) => names
             .iter()
             .map(|n| {
-                Mixer::parse(n)
-                    .with_context(|| format!("--mixers: unknown mixer `{n}` (ssd, selective_scan)"))
+                Mixer::parse(n).with_context(|| {
+                    format!(
+                        "--mixers: unknown mixer `{n}` (ssd, selective_scan, gated_delta, based)"
+                    )
+                })
             })
             .collect::<Result<_>>()?,
-        None => Mixer::ALL.to_vec(),
+        None if gpu => Mixer::ALL.to_vec(),
+        None => vec![Mixer::Ssd, Mixer::SelectiveScan],
     };
     let mut seq_lens = cli.seq_lens.clone().unwrap_or_else(|| {
         if gpu {
@@ -162,13 +174,17 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
         None => vec![MixerDtype::Fp32],
     };
     let mut out = Vec::new();
-    for &mixer in &mixers {
-        for &dtype in &dtypes {
-            for &p in &head_dims {
-                for &t in &seq_lens {
+    // seq_len outermost: `--shard i/n` takes every n-th case, so each shard gets a share of
+    // the longest (slowest) cases.
+    for &t in &seq_lens {
+        for &mixer in &mixers {
+            for &dtype in &dtypes {
+                for &p in &head_dims {
                     let mut c = match mixer {
                         Mixer::Ssd => MixerCase::ssd(BATCH, t, HEADS, p, p),
                         Mixer::SelectiveScan => MixerCase::scan(BATCH, t, HEADS * p, SCAN_STATE),
+                        Mixer::GatedDelta => MixerCase::gated_delta(BATCH, t, HEADS, p),
+                        Mixer::Based => MixerCase::based(BATCH, t, HEADS, p, BASED_WINDOW),
                     };
                     c.dtype = dtype;
                     c.validate().map_err(anyhow::Error::msg)?;
@@ -192,6 +208,29 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                     "always (head_dim and state up to {}): SSD in chunks of {} steps, three kernels (each chunk's final state from zero, the states passed between chunks, each chunk's output from its intra-chunk masked products plus the incoming state's read-out), float32 arithmetic on CUDA cores (version 1, no tensor cores)",
                     ssd_cuda::MAX_DIM,
                     ssd_cuda::CHUNK
+                ),
+                implementation: GPU_IMPLEMENTATION.into(),
+            },
+            DispatchRule {
+                entry_point: "sequence_mixers::delta_cuda::GatedDelta".into(),
+                device: "CUDA, compute capability 8.0 or newer".into(),
+                dtype: "fp32, bf16 (q, k, v, o; α, β and states fp32)".into(),
+                rule: format!(
+                    "always (K and V up to {}): the chunked WY form in chunks of {} steps, one block per (head, batch entry) carrying the V × K state in shared memory from chunk to chunk, float32 arithmetic on CUDA cores (version 1)",
+                    delta_cuda::MAX_DIM,
+                    delta_cuda::CHUNK
+                ),
+                implementation: GPU_IMPLEMENTATION.into(),
+            },
+            DispatchRule {
+                entry_point: "sequence_mixers::based_cuda::Based".into(),
+                device: "CUDA, compute capability 8.0 or newer".into(),
+                dtype: "fp32, bf16 (q, k, v, o; states fp32)".into(),
+                rule: format!(
+                    "always (K and V up to {}, window up to {}): the linear branch in chunks of {} steps (each chunk's kᵀv summed, the states passed on, each chunk's output from its masked products plus the incoming state), the window branch as exact softmax over each query's last W keys, float32 arithmetic on CUDA cores (version 1)",
+                    based_cuda::MAX_DIM,
+                    based_cuda::MAX_WINDOW,
+                    based_cuda::CHUNK
                 ),
                 implementation: GPU_IMPLEMENTATION.into(),
             },
@@ -271,6 +310,14 @@ impl runner::Suite for Mixers {
             Ok(c) => c,
             Err(e) => return Some(format!("{e:#}")),
         };
+        if implementation == CPU_IMPLEMENTATION
+            && matches!(c.mixer, Mixer::GatedDelta | Mixer::Based)
+        {
+            return Some(format!(
+                "{}: the CPU implementation runs SSD and the selective scan",
+                c.mixer.as_str()
+            ));
+        }
         if implementation == CPU_IMPLEMENTATION && c.dtype != MixerDtype::Fp32 {
             return Some(format!(
                 "dtype {}: the CPU implementation computes and stores float32 only",
@@ -289,10 +336,18 @@ impl runner::Suite for Mixers {
             return Vec::new();
         };
         let mut notes = Vec::new();
-        if c.mixer == Mixer::SelectiveScan {
-            notes.push(format!(
+        match c.mixer {
+            Mixer::SelectiveScan => notes.push(format!(
                 "channels = {HEADS} × head_dim, state {SCAN_STATE} per channel (Mamba-1's d_state)"
-            ));
+            )),
+            Mixer::GatedDelta => notes.push(
+                "q scaled by 1/√K, k L2-normalised per token and head, α in [0.8, 1), β in [0, 1)"
+                    .into(),
+            ),
+            Mixer::Based => notes.push(
+                "identity feature map (q and k taken as already mapped), scale 1/√K on both branches' scores, the linear branch unnormalised".into(),
+            ),
+            Mixer::Ssd => {}
         }
         if implementation == GPU_IMPLEMENTATION {
             notes.push("float32 arithmetic; zero initial state, the final state written".into());
@@ -338,23 +393,31 @@ struct Launch {
 impl host::Launcher for Launch {
     type Set = MixerInputs;
     fn load(&self, inputs: &[TensorFile]) -> Result<MixerInputs> {
-        anyhow::ensure!(inputs.len() == 6, "{} inputs, expected 6", inputs.len());
-        for t in inputs {
+        let specs = self.case.input_specs();
+        anyhow::ensure!(
+            inputs.len() == specs.len(),
+            "{} inputs, expected {}",
+            inputs.len(),
+            specs.len()
+        );
+        let mut tensors = Vec::with_capacity(specs.len());
+        for (t, (name, _, shape)) in inputs.iter().zip(specs) {
             anyhow::ensure!(
-                t.dtype == "fp32",
-                "input {} is {}, expected fp32",
+                t.dtype == "fp32" && t.name == name,
+                "input {} ({}), expected {name} (fp32)",
                 t.name,
                 t.dtype
             );
+            tensors.push(Tensor {
+                name,
+                values: read_elements::<f32>(&t.path)?,
+                dtype: MixerDtype::Fp32,
+                shape,
+            });
         }
-        let read = |k: usize| read_elements::<f32>(&inputs[k].path);
         Ok(MixerInputs {
-            x: read(0)?,
-            dt: read(1)?,
-            a: read(2)?,
-            b: read(3)?,
-            c: read(4)?,
-            d: read(5)?,
+            tensors,
+            scale: 1.0,
         })
     }
     fn replicate(&self, set: &MixerInputs) -> MixerInputs {
@@ -399,96 +462,154 @@ fn measure_cpu(job: &Job) -> Reply {
     })
 }
 
-/// X (u), B, C in the case's element type on the device.
-enum Seq {
+/// One input on the device: a sequence input in the case's element type, or a float32 one.
+enum Dev {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<u16>),
 }
 
-/// One input set on the device.
+impl Dev {
+    fn f32(&self) -> Result<&CudaSlice<f32>, GpuError> {
+        match self {
+            Dev::F32(v) => Ok(v),
+            Dev::Bf16(_) => Err(GpuError::Config(
+                "a bf16 input where float32 was expected".into(),
+            )),
+        }
+    }
+    fn bf16(&self) -> Result<&CudaSlice<u16>, GpuError> {
+        match self {
+            Dev::Bf16(v) => Ok(v),
+            Dev::F32(_) => Err(GpuError::Config(
+                "a float32 input where bf16 was expected".into(),
+            )),
+        }
+    }
+}
+
+/// One input set on the device, in the protocol's order.
 struct DeviceSet {
-    x: Seq,
-    b: Seq,
-    c: Seq,
-    dt: CudaSlice<f32>,
-    a: CudaSlice<f32>,
-    d: CudaSlice<f32>,
+    tensors: Vec<Dev>,
 }
 
 /// The mixer's compiled kernels.
 enum Kernels {
     Ssd(Ssd),
     Scan(Scan),
+    Delta(GatedDelta),
+    Based(Based),
 }
 
-/// `cuda` on one case: the kernels write Y (in the case's dtype) and the final state (kept in
-/// the launcher's buffer); a float32 Y is written into the launcher's buffer and copied into
-/// the runner's output.
+/// `cuda` on one case: the kernels write the output straight into the runner's buffer (its
+/// words viewed as the case's element type) and the final state into the launcher's.
 struct GpuLaunch {
     kernels: Kernels,
     case: MixerCase,
-    y32: Option<CudaSlice<f32>>,
+    /// Based's factor on q·k, from the case's arguments (1 for the others).
+    scale: f32,
     final_state: CudaSlice<f32>,
 }
 
-fn upload_seq(gpu: &Gpu, dtype: MixerDtype, words: &[u16]) -> Result<Seq, GpuError> {
-    Ok(match dtype {
-        MixerDtype::Fp32 => {
-            let v: Vec<f32> = Codec::F32
-                .decode_all(words)
-                .into_iter()
-                .map(|x| x as f32)
-                .collect();
-            Seq::F32(gpu.stream.clone_htod(&v)?)
+/// Launches `k` on the sequence inputs `seq` (X or u, B, C; or q, k, v) and the float32 ones
+/// `f` (Δ, A, D; or α, β), in the order of [`Mixer::input_names`].
+#[allow(clippy::too_many_arguments)]
+fn launch_kernels<T: DeviceRepr>(
+    k: &mut Kernels,
+    gpu: &Gpu,
+    seq: &[&CudaSlice<T>],
+    f: &[&CudaSlice<f32>],
+    scale: f32,
+    y: &mut CudaViewMut<'_, T>,
+    fs: &mut CudaSlice<f32>,
+) -> Result<(), GpuError> {
+    let want = |s: usize, n: usize| {
+        if seq.len() == s && f.len() == n {
+            Ok(())
+        } else {
+            Err(GpuError::Config(format!(
+                "{} sequence and {} float32 inputs, expected {s} and {n}",
+                seq.len(),
+                f.len()
+            )))
         }
-        MixerDtype::Bf16 => Seq::Bf16(gpu.stream.clone_htod(words)?),
-    })
-}
-
-fn upload_f32(gpu: &Gpu, words: &[u16]) -> Result<CudaSlice<f32>, GpuError> {
-    let v: Vec<f32> = Codec::F32
-        .decode_all(words)
-        .into_iter()
-        .map(|x| x as f32)
-        .collect();
-    Ok(gpu.stream.clone_htod(&v)?)
-}
-
-fn copy_seq(gpu: &Gpu, s: &Seq) -> Result<Seq, GpuError> {
-    Ok(match s {
-        Seq::F32(v) => Seq::F32(gpu.stream.clone_dtod(v)?),
-        Seq::Bf16(v) => Seq::Bf16(gpu.stream.clone_dtod(v)?),
-    })
+    };
+    match k {
+        Kernels::Ssd(k) => {
+            want(3, 3)?;
+            k.launch(
+                gpu,
+                seq[0],
+                f[0],
+                f[1],
+                seq[1],
+                seq[2],
+                Some(f[2]),
+                None,
+                y,
+                fs,
+            )
+        }
+        Kernels::Scan(k) => {
+            want(3, 3)?;
+            k.launch(
+                gpu,
+                seq[0],
+                f[0],
+                f[1],
+                seq[1],
+                seq[2],
+                Some(f[2]),
+                None,
+                y,
+                fs,
+            )
+        }
+        Kernels::Delta(k) => {
+            want(3, 2)?;
+            k.launch(gpu, seq[0], seq[1], seq[2], f[0], f[1], None, y, fs)
+        }
+        Kernels::Based(k) => {
+            want(3, 0)?;
+            k.launch(gpu, seq[0], seq[1], seq[2], scale, None, y, fs)
+        }
+    }
 }
 
 impl own::Launcher for GpuLaunch {
     type Set = DeviceSet;
     fn upload(&self, gpu: &Gpu, host: &[Vec<u16>]) -> Result<DeviceSet, GpuError> {
-        if host.len() != 6 {
+        let specs = self.case.input_specs();
+        if host.len() != specs.len() {
             return Err(GpuError::Config(format!(
-                "{} inputs, expected 6",
-                host.len()
+                "{} inputs, expected {}",
+                host.len(),
+                specs.len()
             )));
         }
-        let dt = self.case.dtype;
-        Ok(DeviceSet {
-            x: upload_seq(gpu, dt, &host[0])?,
-            dt: upload_f32(gpu, &host[1])?,
-            a: upload_f32(gpu, &host[2])?,
-            b: upload_seq(gpu, dt, &host[3])?,
-            c: upload_seq(gpu, dt, &host[4])?,
-            d: upload_f32(gpu, &host[5])?,
-        })
+        let mut tensors = Vec::with_capacity(specs.len());
+        for (words, (_, seq, _)) in host.iter().zip(&specs) {
+            tensors.push(if *seq && self.case.dtype == MixerDtype::Bf16 {
+                Dev::Bf16(gpu.stream.clone_htod(words)?)
+            } else {
+                let v: Vec<f32> = Codec::F32
+                    .decode_all(words)
+                    .into_iter()
+                    .map(|x| x as f32)
+                    .collect();
+                Dev::F32(gpu.stream.clone_htod(&v)?)
+            });
+        }
+        Ok(DeviceSet { tensors })
     }
     fn replicate(&self, gpu: &Gpu, set: &DeviceSet) -> Result<DeviceSet, GpuError> {
-        Ok(DeviceSet {
-            x: copy_seq(gpu, &set.x)?,
-            b: copy_seq(gpu, &set.b)?,
-            c: copy_seq(gpu, &set.c)?,
-            dt: gpu.stream.clone_dtod(&set.dt)?,
-            a: gpu.stream.clone_dtod(&set.a)?,
-            d: gpu.stream.clone_dtod(&set.d)?,
-        })
+        let mut tensors = Vec::with_capacity(set.tensors.len());
+        for t in &set.tensors {
+            tensors.push(match t {
+                Dev::F32(v) => Dev::F32(gpu.stream.clone_dtod(v)?),
+                Dev::Bf16(v) => Dev::Bf16(gpu.stream.clone_dtod(v)?),
+            });
+        }
+        Ok(DeviceSet { tensors })
     }
     fn launch(
         &mut self,
@@ -499,47 +620,68 @@ impl own::Launcher for GpuLaunch {
         let out = outs
             .first_mut()
             .ok_or_else(|| GpuError::Config("no output buffer".into()))?;
+        let specs = self.case.input_specs();
+        let floats: Vec<&CudaSlice<f32>> = set
+            .tensors
+            .iter()
+            .zip(&specs)
+            .filter(|(_, (_, seq, _))| !seq)
+            .map(|(t, _)| t.f32())
+            .collect::<Result<_, _>>()?;
+        let seq_of = specs.iter().map(|(_, seq, _)| *seq);
         let fs = &mut self.final_state;
-        match (&set.x, &set.b, &set.c) {
-            (Seq::F32(x), Seq::F32(b), Seq::F32(c)) => {
-                let y = self
-                    .y32
-                    .as_mut()
-                    .ok_or_else(|| GpuError::Config("no float32 output buffer".into()))?;
-                match &mut self.kernels {
-                    Kernels::Ssd(k) => {
-                        k.launch(gpu, x, &set.dt, &set.a, b, c, Some(&set.d), None, y, fs)?
-                    }
-                    Kernels::Scan(k) => {
-                        k.launch(gpu, x, &set.dt, &set.a, b, c, Some(&set.d), None, y, fs)?
-                    }
-                }
-                let len = y.len();
+        match self.case.dtype {
+            MixerDtype::Fp32 => {
+                let seq: Vec<&CudaSlice<f32>> = set
+                    .tensors
+                    .iter()
+                    .zip(seq_of)
+                    .filter(|(_, s)| *s)
+                    .map(|(t, _)| t.f32())
+                    .collect::<Result<_, _>>()?;
+                let len = out.len() / 2;
                 // SAFETY: `out` holds 2·len 16-bit words, the bytes of `len` floats.
-                let mut dst = unsafe { out.transmute_mut::<f32>(len) }
+                let mut y = unsafe { out.transmute_mut::<f32>(len) }
                     .ok_or_else(|| GpuError::Config("output buffer too short".into()))?;
-                gpu.stream.memcpy_dtod(y, &mut dst)?;
+                launch_kernels(
+                    &mut self.kernels,
+                    gpu,
+                    &seq,
+                    &floats,
+                    self.scale,
+                    &mut y,
+                    fs,
+                )
             }
-            (Seq::Bf16(x), Seq::Bf16(b), Seq::Bf16(c)) => match &mut self.kernels {
-                Kernels::Ssd(k) => {
-                    k.launch(gpu, x, &set.dt, &set.a, b, c, Some(&set.d), None, out, fs)?
-                }
-                Kernels::Scan(k) => {
-                    k.launch(gpu, x, &set.dt, &set.a, b, c, Some(&set.d), None, out, fs)?
-                }
-            },
-            _ => return Err(GpuError::Config("inputs of mixed element types".into())),
+            MixerDtype::Bf16 => {
+                let seq: Vec<&CudaSlice<u16>> = set
+                    .tensors
+                    .iter()
+                    .zip(seq_of)
+                    .filter(|(_, s)| *s)
+                    .map(|(t, _)| t.bf16())
+                    .collect::<Result<_, _>>()?;
+                let mut y = out.as_view_mut();
+                launch_kernels(
+                    &mut self.kernels,
+                    gpu,
+                    &seq,
+                    &floats,
+                    self.scale,
+                    &mut y,
+                    fs,
+                )
+            }
         }
-        Ok(())
     }
     fn temporary_bytes(&self) -> u64 {
         let kernels = match &self.kernels {
             Kernels::Ssd(k) => k.temporary_bytes(),
             Kernels::Scan(k) => k.temporary_bytes(),
+            Kernels::Delta(k) => k.temporary_bytes(),
+            Kernels::Based(k) => k.temporary_bytes(),
         };
-        kernels
-            + 4 * self.final_state.len() as u64
-            + self.y32.as_ref().map_or(0, |y| 4 * y.len() as u64)
+        kernels + 4 * self.final_state.len() as u64
     }
     fn residual_bytes(&self) -> Option<u64> {
         None
@@ -549,40 +691,48 @@ impl own::Launcher for GpuLaunch {
     }
 }
 
-/// The case process for `cuda`.
+/// The case process for `cuda`; Based's scale comes from the case's arguments (as for the
+/// comparison modules).
 fn measure_gpu(job: &Job) -> Reply {
     let case = match case_of(&job.case) {
         Ok(c) => c,
         Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
+    };
+    let scale = match (
+        case.mixer,
+        job.files.arguments.get("scale").and_then(|v| v.as_f64()),
+    ) {
+        (Mixer::Based, Some(s)) => s as f32,
+        (Mixer::Based, None) => {
+            return Reply::failed(job, Status::Error, "the case's arguments lack scale".into())
+        }
+        _ => 1.0,
     };
     own::measure(job, |gpu| {
         let dtype = match case.dtype {
             MixerDtype::Fp32 => DeviceDtype::F32,
             MixerDtype::Bf16 => DeviceDtype::Bf16,
         };
-        let (kernels, compile_s, state_len) = match case.mixer {
-            Mixer::Ssd => {
-                let k = Ssd::new(gpu, case.ssd_shape(), dtype)?;
-                let s = k.compile_s;
-                (Kernels::Ssd(k), s, case.batch * case.state_elements())
-            }
-            Mixer::SelectiveScan => {
-                let k = Scan::new(gpu, case.scan_shape(), dtype)?;
-                let s = k.compile_s;
-                (Kernels::Scan(k), s, case.batch * case.state_elements())
-            }
+        let kernels = match case.mixer {
+            Mixer::Ssd => Kernels::Ssd(Ssd::new(gpu, case.ssd_shape(), dtype)?),
+            Mixer::SelectiveScan => Kernels::Scan(Scan::new(gpu, case.scan_shape(), dtype)?),
+            Mixer::GatedDelta => Kernels::Delta(GatedDelta::new(gpu, case.delta_shape(), dtype)?),
+            Mixer::Based => Kernels::Based(Based::new(gpu, case.based_shape(), dtype)?),
         };
-        let y_len = case.batch * case.seq_len * case.width();
-        let y32 = match case.dtype {
-            MixerDtype::Fp32 => Some(gpu.stream.alloc_zeros::<f32>(y_len)?),
-            MixerDtype::Bf16 => None,
+        let compile_s = match &kernels {
+            Kernels::Ssd(k) => k.compile_s,
+            Kernels::Scan(k) => k.compile_s,
+            Kernels::Delta(k) => k.compile_s,
+            Kernels::Based(k) => k.compile_s,
         };
-        let final_state = gpu.stream.alloc_zeros::<f32>(state_len.max(1))?;
+        let final_state = gpu
+            .stream
+            .alloc_zeros::<f32>((case.batch * case.state_elements()).max(1))?;
         Ok((
             GpuLaunch {
                 kernels,
                 case,
-                y32,
+                scale,
                 final_state,
             },
             compile_s,
@@ -597,9 +747,24 @@ mod tests {
     #[test]
     fn the_grids_and_their_selection() {
         let gpu = Cli::try_parse_from(["sequence_mixers"]).unwrap();
-        // 2 mixers × 2 dtypes × 2 head dims × 4 lengths.
-        assert_eq!(cases(&gpu, false).unwrap().len(), 32);
-        assert_eq!(cases(&gpu, true).unwrap().len(), 2 * 2);
+        // 4 mixers × 2 dtypes × 2 head dims × 4 lengths, the longest spread over the shards.
+        let all_gpu = cases(&gpu, false).unwrap();
+        assert_eq!(all_gpu.len(), 64);
+        assert_eq!(cases(&gpu, true).unwrap().len(), 4 * 2);
+        let longest = |shard: usize| {
+            all_gpu
+                .iter()
+                .enumerate()
+                .filter(|(i, p)| {
+                    i % 3 == shard && MixerCase::from_params(p).unwrap().seq_len == 65536
+                })
+                .count()
+        };
+        assert!(
+            (0..3).all(|s| longest(s) >= 5),
+            "{:?}",
+            (0..3).map(longest).collect::<Vec<_>>()
+        );
         let cpu = Cli::try_parse_from(["sequence_mixers", "--device", "cpu"]).unwrap();
         let all = cases(&cpu, false).unwrap();
         assert_eq!(all.len(), 2 * CPU_SEQ_LENS.len());
@@ -639,6 +804,11 @@ mod tests {
         assert!(Cli::try_parse_from(["sequence_mixers", "--mixers", "gla"])
             .map(|c| cases(&c, false).is_err())
             .unwrap());
-        assert_eq!(dispatch_rules(DeviceChoice::Gpu).len(), 2);
+        assert_eq!(dispatch_rules(DeviceChoice::Gpu).len(), 4);
+        let based = MixerCase::based(1, 8, 2, 4, 2);
+        assert!(suite
+            .unsupported(&based.params(), CPU_IMPLEMENTATION)
+            .unwrap()
+            .contains("CPU implementation runs SSD"));
     }
 }

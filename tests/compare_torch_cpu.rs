@@ -210,7 +210,7 @@ fn kernel_sum_module_answers_every_op() {
 
 /// The sequence-mixer module (`compare.torch_mixers`, PyTorch's eager formulations): its
 /// self-test, then one job per (mixer, dtype) with a length that is not a multiple of the
-/// chunk, and a backward job; with torch the forwards are measured and within the dtype's
+/// chunk (SSD, the selective scan, the gated delta rule, Based), and a backward job; with torch the forwards are measured and within the dtype's
 /// tolerance of the runner's float64 reference and the backward is `unsupported`, without
 /// torch every row is `unsupported` naming torch.
 #[test]
@@ -230,8 +230,10 @@ fn mixer_module_answers_each_mixer_and_dtype() {
     let mut ssd = MixerCase::ssd(2, 100, 4, 8, 16);
     ssd.groups = 2;
     let scan = MixerCase::scan(2, 100, 24, 16);
+    let delta = MixerCase::gated_delta(2, 100, 3, 8);
+    let based = MixerCase::based(2, 100, 3, 8, 5);
     let mut k = 0;
-    for base in [ssd, scan] {
+    for base in [ssd, scan, delta, based] {
         for dtype in [MixerDtype::Fp32, MixerDtype::Bf16] {
             let c = MixerCase { dtype, ..base };
             k += 1;

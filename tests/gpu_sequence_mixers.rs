@@ -236,7 +236,7 @@ fn ssd_case(shape: SsdShape, dtype: Dtype, skip: bool, start: bool, seed: u64) -
                 &c_d,
                 skip.then_some(&d_d),
                 start.then_some(&s0_d),
-                &mut y_d,
+                &mut y_d.as_view_mut(),
                 &mut fin,
             )
             .unwrap();

@@ -19,8 +19,24 @@ Implementation `torch_eager`, per mixer (the runner's `files.arguments`: `mixer`
   (what a user gets without the CUDA extension): deltaA = exp(delta A) and
   deltaB_u = delta u B precomputed for every step (each B x T x D x N float32), then a Python
   loop over seq_len updating the state h [B, D, N] and reading y_t = <C_t, h> out; y += D u.
-Both compute in float32 (bf16 inputs are upcast) and return y in the case's dtype ([B, T, H, P]
-or [B, T, D]), from a zero initial state; `pass` is "fwd".
+- `gated_delta` (Gated DeltaNet's gated delta rule; `heads` H, `head_dim` K = V; inputs q, k
+  and v [B, T, H, K], k L2-normalised per head and q pre-scaled by the runner, alpha [B, T, H]
+  fp32 in (0, 1], beta [B, T, H] fp32 in [0, 1]): the naive recurrent form (as
+  flash-linear-attention's reference), a Python loop over seq_len with batched (B, H) tensor
+  ops on the state S [B, H, V, K]: S = alpha_t S; u = S k_t; S += beta_t (v_t - u) k_t^T;
+  o_t = S q_t, i.e. S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T.
+- `based` (Based's causal linear attention plus a sliding-window softmax; `heads` H,
+  `head_dim` K = V, `window` W >= 1, `scale` c; inputs q, k, v [B, T, H, K], already through
+  the (identity) feature map): o_t = c sum_{s <= t} (q_t . k_s) v_s (unnormalised) plus the
+  exact softmax over c q_t . k_s of the keys s in [t - W + 1, t], with memory linear in T, by
+  chunks of 64 steps (seq_len padded with zeros at the end, outputs sliced): the linear branch
+  as the masked intra-chunk q k^T times v plus q times the sum of the earlier chunks' k^T v
+  (an exclusive cumsum over the chunk states); the window branch as each chunk of queries
+  against the keys of its own chunk and of the ceil((W - 1) / 64) chunks before it (none for
+  W = 1, one for W <= 65, more for a longer window, never more than there are: any W is
+  computed, the score block growing with it), under a band mask.
+All compute in float32 (bf16 inputs are upcast) and return y or o in the case's dtype
+([B, T, H, P], [B, T, D] or [B, T, H, V]), from a zero initial state; `pass` is "fwd".
 
 For each job, in a fresh process: the runner's input bits are read (and on the GPU uploaded);
 a call whose float32 temporaries cannot fit (the free device memory, or half the host's
@@ -33,8 +49,9 @@ protocol.
 - GPU: peak memory from the caching allocator (`max_memory_allocated`, reset before the upload,
   read after the first call; cuBLAS workspaces apart, as `torch_sdpa` does); eager calls timed
   between CUDA events, then a CUDA graph of the same calls replayed (`graph_replay`, the
-  reported time; the eager median kept as `eager_median_ms`): the scan's loop launches a few
-  small kernels per step, so its eager time is mostly the host's.
+  reported time; the eager median kept as `eager_median_ms`): the loops of the selective scan
+  and the gated delta rule launch a few small kernels per step, so their eager time is mostly
+  the host's.
 
     PYTHONPATH=runners python3 -m compare.torch_mixers serve | self-test | job FILE
 """
@@ -50,17 +67,21 @@ else:
 
 LIBRARY = "PyTorch"
 IMPLEMENTATIONS = ("torch_eager",)
-MIXERS = ("ssd", "selective_scan")
+MIXERS = ("ssd", "selective_scan", "gated_delta", "based")
 DTYPES = ("fp32", "bf16")
 PASSES = ("fwd",)
 # The inputs each mixer takes, in argument order (files.inputs).
 INPUTS = {"ssd": ("x", "dt", "a", "b", "c", "d"),
-          "selective_scan": ("u", "delta", "a", "b", "c", "d")}
+          "selective_scan": ("u", "delta", "a", "b", "c", "d"),
+          "gated_delta": ("q", "k", "v", "alpha", "beta"),
+          "based": ("q", "k", "v")}
 CHUNK = 64
 UPCAST_NOTE = "float32 compute (bf16 inputs upcast)"
 MIXER_NOTES = {
     "ssd": "chunked (chunk %d), Mamba-2's minimal formulation" % CHUNK,
     "selective_scan": "sequential loop over seq_len in Python (selective_scan_ref formulation)",
+    "gated_delta": "sequential loop over seq_len in Python (naive recurrent gated delta rule)",
+    "based": "linear branch chunked (chunk %d) + sliding-window softmax by chunks" % CHUNK,
 }
 # Share of the host's physical memory a CPU call's float32 temporaries may take.
 CPU_MEMORY_FRACTION = 0.5
@@ -86,6 +107,9 @@ def unsupported_reason(case, implementation):
         heads, groups = int(case["heads"]), int(case["groups"])
         if groups <= 0 or heads % groups != 0:
             return "heads (%d) is not a multiple of groups (%d)" % (heads, groups)
+    if mixer == "based" and "window" in case and int(case["window"]) < 1:
+        return "window %d: the sliding window holds at least the query's own key" % int(
+            case["window"])
     return None
 
 
@@ -94,15 +118,36 @@ def padded_len(seq_len, chunk=CHUNK):
     return -(-int(seq_len) // chunk) * chunk
 
 
+def window_chunks(window, n_chunks, chunk=CHUNK):
+    """How many chunks before its own a chunk of queries reads in Based's window branch:
+    enough to reach W - 1 steps back, never more than there are."""
+    return max(0, min(-(-(int(window) - 1) // chunk), n_chunks - 1))
+
+
 def temporaries_bytes(args):
     """Bytes of float32 temporaries one call holds at once at least: the selective scan's
     deltaA and deltaB_u (2 x B T D N); SSD's intra-chunk decay matrix L and the C B^T scores
     (2 x B H T' 64, T' the padded length), or its decay matrix over chunks
-    (B H (T' / 64 + 1)^2), whichever is larger."""
+    (B H (T' / 64 + 1)^2), whichever is larger; the gated delta rule's float32 output
+    (B T H V), three states (B H V K: the state, its decayed copy, the rank-one update) and,
+    for bf16, the upcast q, k, v (3 B T H K); Based's float32 chunked q, k, v (3 B H T' K), its
+    linear branch's output (B H T' V), and the larger of two chunk states per chunk (the k^T v
+    and their exclusive cumsum, 2 B H (T' / 64) K V) and the window branch's scores and
+    probabilities (2 B H T' 64 (1 + the chunks read before))."""
     b, t = int(args["batch"]), int(args["seq_len"])
-    if args["mixer"] == "selective_scan":
+    mixer = args["mixer"]
+    if mixer == "selective_scan":
         return 2 * 4 * b * t * int(args["channels"]) * int(args["state"])
     heads, t_pad = int(args["heads"]), padded_len(t)
+    if mixer == "gated_delta":
+        dim = int(args["head_dim"])
+        upcast = 3 * t * dim if args.get("dtype") == "bf16" else 0
+        return 4 * b * heads * (t * dim + 3 * dim * dim + upcast)
+    if mixer == "based":
+        dim, n_chunks = int(args["head_dim"]), t_pad // CHUNK
+        back = window_chunks(args["window"], n_chunks)
+        return 4 * b * heads * (4 * t_pad * dim + max(2 * n_chunks * dim * dim,
+                                                      2 * t_pad * CHUNK * (1 + back)))
     return 4 * b * heads * max(2 * t_pad * CHUNK, (t_pad // CHUNK + 1) ** 2)
 
 
@@ -111,6 +156,13 @@ def temporaries_text(args):
     gb = temporaries_bytes(args) / 1e9
     if args["mixer"] == "selective_scan":
         return "deltaA and deltaB_u (2 x B*T*D*N float32) alone are %.2f GB" % gb
+    if args["mixer"] == "gated_delta":
+        return ("the float32 output (B*T*H*V), three B*H*V*K states and, for bf16, the upcast "
+                "q, k, v alone are %.2f GB" % gb)
+    if args["mixer"] == "based":
+        return ("the float32 chunked q, k, v and linear-branch output (4 x B*H*T*K), and two "
+                "k^T v states per chunk (2 x B*H*(T/%d)*K*V) or the window's scores and "
+                "probabilities if larger, alone are %.2f GB" % (CHUNK, gb))
     return ("the intra-chunk decay matrix L and the C B^T scores (2 x B*H*T*%d float32), or "
             "the decay matrix over chunks if larger, alone are %.2f GB" % (CHUNK, gb))
 
@@ -222,11 +274,101 @@ def selective_scan_ref(u, delta, a, b, c, d, out_dtype):
     return y.to(out_dtype)
 
 
+def gated_delta_recurrent(q, k, v, alpha, beta, out_dtype):
+    """The gated delta rule step by step in float32 (the naive recurrent form): q, k, v
+    [B, T, H, K or V], alpha and beta [B, T, H]; returns o [B, T, H, V] in `out_dtype`."""
+    batch, t_len, heads, k_dim = k.shape
+    q, k, v, alpha, beta = (x.float() for x in (q, k, v, alpha, beta))
+    s = v.new_zeros(batch, heads, v.shape[-1], k_dim)  # the state S [B, H, V, K]
+    o = v.new_empty(batch, t_len, heads, v.shape[-1])
+    for t in range(t_len):
+        k_t = k[:, t]
+        s = s * alpha[:, t, :, None, None]
+        u = (s @ k_t.unsqueeze(-1)).squeeze(-1)  # alpha_t S_{t-1} k_t
+        delta = beta[:, t, :, None] * (v[:, t] - u)
+        s = s + delta.unsqueeze(-1) * k_t.unsqueeze(-2)
+        o[:, t] = (s @ q[:, t].unsqueeze(-1)).squeeze(-1)
+    return o.to(out_dtype)
+
+
+def _to_chunks(x, t_pad, chunk):
+    """[B, T, H, D] -> float32 [B, H, chunks, chunk, D], zero-padded to t_pad steps."""
+    batch, t_len, heads, dim = x.shape
+    x = x.float()
+    if t_pad > t_len:
+        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, t_pad - t_len))
+    return x.transpose(1, 2).reshape(batch, heads, t_pad // chunk, chunk, dim)
+
+
+def _based_linear(q, k, v, scale):
+    """The linear branch c sum_{s <= t} (q_t . k_s) v_s on chunked [B, H, N, C, D] inputs:
+    the masked intra-chunk scores times v plus q times the earlier chunks' summed k^T v."""
+    chunk = q.shape[-2]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    out = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0) @ v
+    kv = k.transpose(-1, -2) @ v  # each chunk's k^T v [B, H, N, K, V]
+    earlier = torch.nn.functional.pad(kv[:, :, :-1], (0, 0, 0, 0, 1, 0))
+    del kv
+    earlier = earlier.cumsum(dim=2)  # the sum over the chunks before each one
+    out = out + q @ earlier
+    return out * scale
+
+
+def _based_window(q, k, v, scale, window):
+    """The sliding-window branch on chunked [B, H, N, C, D] inputs: each chunk of queries
+    against the keys of its own chunk and of the chunks before it that the window reaches,
+    the exact softmax of c q . k over the keys s with t - W < s <= t (a band mask)."""
+    n_chunks, chunk = q.shape[2], q.shape[3]
+    back = window_chunks(window, n_chunks, chunk)
+    fpad = torch.nn.functional.pad
+    # `back` zero chunks in front: chunk j of kp and vp is chunk j - back of k and v, so query
+    # chunk n reads chunks n + p of them (p = 0 ... back), column (p, i) is step (n - back) C
+    # + p C + i; the steps before 0 are masked.
+    kp, vp = fpad(k, (0, 0, 0, 0, back, 0)), fpad(v, (0, 0, 0, 0, back, 0))
+    scores = torch.cat([q @ kp[:, :, p:p + n_chunks].transpose(-1, -2)
+                        for p in range(back + 1)], dim=-1)  # [B, H, N, C, (back + 1) C]
+    dev = q.device
+    steps = torch.arange(n_chunks * chunk, device=dev).view(n_chunks, chunk, 1)
+    keys = ((torch.arange(n_chunks, device=dev) - back) * chunk).view(n_chunks, 1, 1) \
+        + torch.arange((back + 1) * chunk, device=dev)
+    lag = steps - keys  # t - s [N, C, (back + 1) C]
+    valid = (lag >= 0) & (lag < int(window)) & (keys >= 0)
+    probs = torch.softmax(scores.mul_(scale).masked_fill_(~valid, float("-inf")), dim=-1)
+    del scores
+    out = probs[..., :chunk] @ vp[:, :, :n_chunks]
+    for p in range(1, back + 1):
+        out = out + probs[..., p * chunk:(p + 1) * chunk] @ vp[:, :, p:p + n_chunks]
+    return out
+
+
+def based_chunked(q, k, v, scale, window, out_dtype, chunk=CHUNK):
+    """Based in float32, chunks of `chunk` steps: q, k, v [B, T, H, K or V]; o [B, T, H, V]
+    in `out_dtype`, the linear branch plus the sliding-window softmax branch."""
+    batch, t_len, heads, _ = q.shape
+    if t_len == 0:
+        return v.new_zeros(v.shape, dtype=out_dtype)
+    t_pad = padded_len(t_len, chunk)
+    # Zero padding at the end: its keys lie after every real query (masked out of the window,
+    # and k = v = 0 adds nothing to the linear branch); its outputs are dropped.
+    q, k, v = (_to_chunks(x, t_pad, chunk) for x in (q, k, v))
+    o = _based_linear(q, k, v, float(scale))
+    o = o + _based_window(q, k, v, float(scale), window)
+    o = o.permute(0, 2, 3, 1, 4).reshape(batch, t_pad, heads, -1)[:, :t_len]
+    return o.to(out_dtype).contiguous()
+
+
 def caller(args):
     """The call on the mixer's inputs (files.inputs, in order) returning a tuple (y,)."""
     out_dtype = torch.bfloat16 if args["dtype"] == "bf16" else torch.float32
-    if args["mixer"] == "ssd":
+    mixer = args["mixer"]
+    if mixer == "ssd":
         return lambda x, dt, a, b, c, d: (ssd_chunked(x, dt, a, b, c, d, out_dtype),)
+    if mixer == "gated_delta":
+        return lambda q, k, v, alpha, beta: (
+            gated_delta_recurrent(q, k, v, alpha, beta, out_dtype),)
+    if mixer == "based":
+        scale, window = float(args["scale"]), int(args["window"])
+        return lambda q, k, v: (based_chunked(q, k, v, scale, window, out_dtype),)
     return lambda u, delta, a, b, c, d: (selective_scan_ref(u, delta, a, b, c, d, out_dtype),)
 
 
@@ -315,6 +457,11 @@ def _cut_short_notes(measurements, tcfg):
 
 def _formulation_notes(args):
     notes = [MIXER_NOTES[args["mixer"]]]
+    if args["mixer"] == "based":
+        back = window_chunks(args["window"], padded_len(args["seq_len"]) // CHUNK)
+        if back > 1:
+            notes.append("window %d: each chunk of queries reads the keys of %d chunks before "
+                         "its own" % (int(args["window"]), back))
     if args["dtype"] == "bf16":
         notes.append(UPCAST_NOTE)
     return notes
@@ -466,6 +613,41 @@ def _sequential_scan(u, delta, a, b, c, d):
     return y
 
 
+def _sequential_gated_delta(q, k, v, alpha, beta):
+    """The gated delta rule in float64 as its definition reads, one step after another:
+    S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T, o_t = S_t q_t (the
+    self-test's reference)."""
+    q, k, v, alpha, beta = (x.double() for x in (q, k, v, alpha, beta))
+    batch, t_len, heads, k_dim = k.shape
+    eye = torch.eye(k_dim, dtype=torch.float64)
+    s = q.new_zeros(batch, heads, v.shape[-1], k_dim)
+    o = q.new_zeros(batch, t_len, heads, v.shape[-1])
+    for t in range(t_len):
+        kk = k[:, t, :, :, None] * k[:, t, :, None, :]  # k k^T [B, H, K, K]
+        b_t, a_t = beta[:, t, :, None, None], alpha[:, t, :, None, None]
+        s = a_t * s @ (eye - b_t * kk) + b_t * v[:, t, :, :, None] * k[:, t, :, None, :]
+        o[:, t] = (s * q[:, t, :, None, :]).sum(-1)
+    return o
+
+
+def _sequential_based(q, k, v, scale, window):
+    """Based in float64 one query after another: the linear branch from the running sum of
+    k_s v_s^T, the window branch as the softmax over the window's keys (the self-test's
+    reference)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    batch, t_len, heads, k_dim = k.shape
+    kv = q.new_zeros(batch, heads, k_dim, v.shape[-1])
+    o = q.new_zeros(batch, t_len, heads, v.shape[-1])
+    for t in range(t_len):
+        kv = kv + k[:, t, :, :, None] * v[:, t, :, None, :]
+        linear = scale * (q[:, t, :, :, None] * kv).sum(-2)
+        lo = max(0, t - window + 1)
+        scores = scale * torch.einsum("bhk,bshk->bhs", q[:, t], k[:, lo:t + 1])
+        window_out = torch.einsum("bhs,bshv->bhv", scores.softmax(-1), v[:, lo:t + 1])
+        o[:, t] = linear + window_out
+    return o
+
+
 def _rel(got, want):
     return float((got.double() - want).norm() / want.norm())
 
@@ -483,8 +665,41 @@ def self_test():
     check(unsupported_reason(ssd, "torch_eager") is None, "ssd bf16 is measured")
     check(unsupported_reason(dict(ssd, mixer="selective_scan", dtype="fp32"), "torch_eager")
           is None, "the scan in fp32 is measured")
-    check("based" in unsupported_reason(dict(ssd, mixer="based"), "torch_eager"),
+    check("hyena" in unsupported_reason(dict(ssd, mixer="hyena"), "torch_eager"),
           "other mixers are refused")
+    gd = {"mixer": "gated_delta", "pass": "fwd", "dtype": "bf16", "heads": 8, "head_dim": 64}
+    based = dict(gd, mixer="based", dtype="fp32", window=64, scale=0.125)
+    check(unsupported_reason(gd, "torch_eager") is None, "gated delta bf16 is measured")
+    check(unsupported_reason(based, "torch_eager") is None, "based fp32 is measured")
+    check(unsupported_reason(dict(based, window=1000), "torch_eager") is None,
+          "a long window is measured")
+    check("window" in (unsupported_reason(dict(based, window=0), "torch_eager") or ""),
+          "window 0 is refused")
+    for m in (gd, based):
+        check("fwd" in unsupported_reason(dict(m, **{"pass": "fwd+bwd"}), "torch_eager"),
+              "%s: the backward is refused" % m["mixer"])
+        check("fp16" in unsupported_reason(dict(m, dtype="fp16"), "torch_eager"),
+              "%s: fp16 is refused" % m["mixer"])
+    check([window_chunks(w, 10) for w in (1, 2, 64, 65, 66, 129, 10 ** 6)]
+          == [0, 1, 1, 1, 2, 2, 9] and window_chunks(100, 1) == 0 and window_chunks(5, 0) == 0,
+          "the chunks the window reads")
+    gd_args = dict(gd, batch=4, seq_len=1000)
+    check(temporaries_bytes(gd_args) == 4 * 4 * 8 * (1000 * 64 * 4 + 3 * 64 * 64),
+          "gated delta temporaries (bf16)")
+    check(temporaries_bytes(dict(gd_args, dtype="fp32")) == 4 * 4 * 8 * (
+        1000 * 64 + 3 * 64 * 64), "gated delta temporaries (fp32)")
+    based_args = dict(based, batch=4, seq_len=65536, head_dim=128)
+    check(temporaries_bytes(based_args) == 4 * 4 * 8 * (4 * 65536 * 128 + 2 * 1024 * 128 * 128),
+          "based temporaries, the chunk states larger")
+    check(temporaries_bytes(dict(based_args, seq_len=70, head_dim=8)) == 4 * 4 * 8 * (
+        4 * 128 * 8 + 2 * 128 * 64 * 2), "based temporaries, the window's scores larger")
+    try:
+        fits(based_args, 1e9, "test memory")
+        check(False, "based at T = 65536 fits in 1 GB")
+    except DoesNotFit as e:
+        check("k^T v" in str(e), "based oom row: %s" % e)
+    check(any("3 chunks" in n for n in _formulation_notes(dict(based, window=150, seq_len=1000)))
+          and len(_formulation_notes(dict(based, seq_len=1000))) == 1, "a long window is noted")
     check("fwd" in unsupported_reason(dict(ssd, **{"pass": "fwd+bwd"}), "torch_eager"),
           "the backward is refused")
     check("fp16" in unsupported_reason(dict(ssd, dtype="fp16"), "torch_eager"),
@@ -544,7 +759,40 @@ def self_test():
             (got,) = caller({"mixer": "selective_scan", "dtype": "fp32"})(u, delta, a, b, c, d)
             err = _rel(got, want)
             check(got.shape == u.shape and err < 1e-5, "scan rel_l2 %g" % err)
+
+            for name, err, bound in _new_mixer_errors(gen):
+                check(err < bound, "%s rel_l2 %g (bound %g)" % (name, err, bound))
     return failures
+
+
+def _new_mixer_errors(gen, bsz=2, t_len=70, heads=3, dim=8):
+    """[(what, rel_l2 against float64, bound)] of the gated delta rule and Based in fp32 and
+    bf16 (the inputs rounded to bf16, the reference on the rounded values), on random inputs
+    of [bsz, t_len, heads, dim]; Based for several windows."""
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v = rnd(bsz, t_len, heads, dim), rnd(bsz, t_len, heads, dim), rnd(bsz, t_len, heads,
+                                                                            dim)
+    k_unit = k / k.norm(dim=-1, keepdim=True)
+    alpha = 0.5 + 0.5 * torch.rand(bsz, t_len, heads, generator=gen)
+    beta = torch.rand(bsz, t_len, heads, generator=gen)
+    scale = dim ** -0.5
+    out = []
+    for dtype, name, bound in ((torch.float32, "fp32", 1e-5), (torch.bfloat16, "bf16", 1e-2)):
+        qd, kd, vd, ud = (x.to(dtype) for x in (q * scale, k, v, k_unit))
+        want = _sequential_gated_delta(qd, ud, vd, alpha, beta)
+        (got,) = caller({"mixer": "gated_delta", "dtype": name})(qd, ud, vd, alpha, beta)
+        ok = got.dtype == dtype and got.shape == want.shape
+        out.append(("gated_delta %s" % name, _rel(got, want) if ok else float("inf"), bound))
+        for window in (1, 5, 64, 65, 100, 1000):
+            want = _sequential_based(qd, kd, vd, scale, window)
+            args = {"mixer": "based", "dtype": name, "scale": scale, "window": window}
+            (got,) = caller(args)(qd, kd, vd)
+            ok = got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+            out.append(("based %s W=%d" % (name, window),
+                        _rel(got, want) if ok else float("inf"), bound))
+    return out
 
 
 if __name__ == "__main__":

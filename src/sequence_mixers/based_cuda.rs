@@ -14,7 +14,9 @@
 //! state S₀ (so it has nothing to refuse) and returns only the final linear state, not the
 //! cache (the last W − 1 keys and values are the tail of the caller's own k and v).
 
-use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 use super::cuda::Dtype;
 use super::reference::BasedShape;
@@ -178,7 +180,7 @@ impl Based {
         v: &CudaSlice<T>,
         scale: f32,
         initial_linear_state: Option<&CudaSlice<f32>>,
-        o: &mut CudaSlice<T>,
+        o: &mut CudaViewMut<'_, T>,
         final_linear_state: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         let s = self.shape;

@@ -8,7 +8,10 @@ use std::collections::BTreeMap;
 
 use crate::schema::Param;
 
-use super::reference::{self, ScanInputs, ScanShape, SsdInputs, SsdShape};
+use super::reference::{
+    self, BasedInputs, BasedShape, DeltaInputs, DeltaShape, ScanInputs, ScanShape, SsdInputs,
+    SsdShape,
+};
 
 /// The mixers the runner measures so far.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -17,17 +20,38 @@ pub enum Mixer {
     Ssd,
     /// Mamba's selective scan ([`reference::selective_scan`]).
     SelectiveScan,
+    /// Gated DeltaNet's gated delta rule ([`reference::gated_delta_rule`]).
+    GatedDelta,
+    /// Based's linear attention with a sliding-window softmax branch ([`reference::based`]).
+    Based,
 }
 
 impl Mixer {
     /// Every mixer, in grid order.
-    pub const ALL: [Mixer; 2] = [Mixer::Ssd, Mixer::SelectiveScan];
+    pub const ALL: [Mixer; 4] = [
+        Mixer::Ssd,
+        Mixer::SelectiveScan,
+        Mixer::GatedDelta,
+        Mixer::Based,
+    ];
 
-    /// The parameter value (`ssd`, `selective_scan`).
+    /// The parameter value (`ssd`, `selective_scan`, `gated_delta`, `based`).
     pub fn as_str(self) -> &'static str {
         match self {
             Mixer::Ssd => "ssd",
             Mixer::SelectiveScan => "selective_scan",
+            Mixer::GatedDelta => "gated_delta",
+            Mixer::Based => "based",
+        }
+    }
+
+    /// Names of its inputs, in the order the runner writes them (the protocol's order).
+    pub fn input_names(self) -> &'static [&'static str] {
+        match self {
+            Mixer::Ssd => &["x", "dt", "a", "b", "c", "d"],
+            Mixer::SelectiveScan => &["u", "delta", "a", "b", "c", "d"],
+            Mixer::GatedDelta => &["q", "k", "v", "alpha", "beta"],
+            Mixer::Based => &["q", "k", "v"],
         }
     }
 
@@ -75,7 +99,9 @@ impl MixerDtype {
 
 /// One forward call of a mixer: for SSD `heads` × `head_dim` values per token with a state of
 /// `head_dim` × `state` per head and B, C shared by `groups` groups; for the selective scan
-/// `channels` values per token with `state` states each and B, C shared by all channels.
+/// `channels` values per token with `state` states each and B, C shared by all channels; for
+/// the gated delta rule and Based `heads` heads with keys and values of `head_dim` (K = V) and
+/// a head_dim × head_dim state per head, Based's window branch over the last `window` keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MixerCase {
     /// Which recurrence.
@@ -84,17 +110,20 @@ pub struct MixerCase {
     pub batch: usize,
     /// Time steps, T.
     pub seq_len: usize,
-    /// SSD: heads, H (0 for the scan).
+    /// SSD, gated delta, Based: heads, H (0 for the scan).
     pub heads: usize,
-    /// SSD: value width per head, P (0 for the scan).
+    /// SSD: value width per head, P; gated delta and Based: K = V (0 for the scan).
     pub head_dim: usize,
     /// SSD: groups of heads sharing B and C, G (0 for the scan).
     pub groups: usize,
     /// Selective scan: channels, D (0 for SSD).
     pub channels: usize,
-    /// State size per head (SSD) or per channel (scan), N.
+    /// State size per head (SSD) or per channel (scan), N (0 for the others, whose state is
+    /// head_dim × head_dim).
     pub state: usize,
-    /// Element type of X (u), B, C and Y.
+    /// Based: the softmax branch's window W (0 for the others).
+    pub window: usize,
+    /// Element type of the sequence inputs (X, u, B, C, q, k, v) and the output.
     pub dtype: MixerDtype,
 }
 
@@ -110,7 +139,33 @@ impl MixerCase {
             groups: 1,
             channels: 0,
             state,
+            window: 0,
             dtype: MixerDtype::Fp32,
+        }
+    }
+
+    /// A gated-delta-rule case (K = V = `head_dim`).
+    pub fn gated_delta(batch: usize, seq_len: usize, heads: usize, head_dim: usize) -> Self {
+        MixerCase {
+            mixer: Mixer::GatedDelta,
+            state: 0,
+            groups: 0,
+            ..MixerCase::ssd(batch, seq_len, heads, head_dim, 0)
+        }
+    }
+
+    /// A Based case (K = V = `head_dim`, window W).
+    pub fn based(
+        batch: usize,
+        seq_len: usize,
+        heads: usize,
+        head_dim: usize,
+        window: usize,
+    ) -> Self {
+        MixerCase {
+            mixer: Mixer::Based,
+            window,
+            ..MixerCase::gated_delta(batch, seq_len, heads, head_dim)
         }
     }
 
@@ -125,7 +180,31 @@ impl MixerCase {
             groups: 0,
             channels,
             state,
+            window: 0,
             dtype: MixerDtype::Fp32,
+        }
+    }
+
+    /// The gated delta rule's shape (meaningful for [`Mixer::GatedDelta`]).
+    pub fn delta_shape(&self) -> DeltaShape {
+        DeltaShape {
+            batch: self.batch,
+            seq_len: self.seq_len,
+            heads: self.heads,
+            key_dim: self.head_dim,
+            value_dim: self.head_dim,
+        }
+    }
+
+    /// Based's shape (meaningful for [`Mixer::Based`]).
+    pub fn based_shape(&self) -> BasedShape {
+        BasedShape {
+            batch: self.batch,
+            seq_len: self.seq_len,
+            heads: self.heads,
+            key_dim: self.head_dim,
+            value_dim: self.head_dim,
+            window: self.window,
         }
     }
 
@@ -151,25 +230,36 @@ impl MixerCase {
         }
     }
 
-    /// The runner's parameters: `mixer`, `batch`, `seq_len`, `state`, `dtype`, `pass` (`fwd`),
-    /// and `heads`, `head_dim`, `groups` (SSD) or `channels` (scan).
+    /// The runner's parameters: `mixer`, `batch`, `seq_len`, `dtype`, `pass` (`fwd`), and
+    /// `heads`, `head_dim`, `state`, `groups` (SSD), `channels`, `state` (scan), `heads`,
+    /// `head_dim` (gated delta), `heads`, `head_dim`, `window` (Based).
     pub fn params(&self) -> BTreeMap<String, Param> {
         let mut p = BTreeMap::new();
         let int = |v: usize| Param::Int(v as i64);
         p.insert("mixer".into(), Param::Text(self.mixer.as_str().into()));
         p.insert("batch".into(), int(self.batch));
         p.insert("seq_len".into(), int(self.seq_len));
-        p.insert("state".into(), int(self.state));
         p.insert("dtype".into(), Param::Text(self.dtype.as_str().into()));
         p.insert("pass".into(), Param::Text("fwd".into()));
         match self.mixer {
             Mixer::Ssd => {
                 p.insert("heads".into(), int(self.heads));
                 p.insert("head_dim".into(), int(self.head_dim));
+                p.insert("state".into(), int(self.state));
                 p.insert("groups".into(), int(self.groups));
             }
             Mixer::SelectiveScan => {
                 p.insert("channels".into(), int(self.channels));
+                p.insert("state".into(), int(self.state));
+            }
+            Mixer::GatedDelta => {
+                p.insert("heads".into(), int(self.heads));
+                p.insert("head_dim".into(), int(self.head_dim));
+            }
+            Mixer::Based => {
+                p.insert("heads".into(), int(self.heads));
+                p.insert("head_dim".into(), int(self.head_dim));
+                p.insert("window".into(), int(self.window));
             }
         }
         p
@@ -229,23 +319,38 @@ impl MixerCase {
                 int("channels")?,
                 int("state")?,
             ),
+            Mixer::GatedDelta => MixerCase::gated_delta(
+                int("batch")?,
+                int("seq_len")?,
+                int("heads")?,
+                int("head_dim")?,
+            ),
+            Mixer::Based => MixerCase::based(
+                int("batch")?,
+                int("seq_len")?,
+                int("heads")?,
+                int("head_dim")?,
+                int("window")?,
+            ),
         };
         c.dtype = dtype;
         c.validate()?;
         Ok(c)
     }
 
-    /// Checks the sizes: none 0 (seq_len included: a grid case has at least one step), and for
-    /// SSD heads a multiple of groups.
+    /// Checks the sizes: none 0 (seq_len included: a grid case has at least one step; Based's
+    /// window too), and for SSD heads a multiple of groups.
     ///
     /// # Errors
     /// The fault, with the case.
     pub fn validate(&self) -> Result<(), String> {
         let sizes = match self.mixer {
-            Mixer::Ssd => vec![self.heads, self.head_dim, self.groups],
-            Mixer::SelectiveScan => vec![self.channels],
+            Mixer::Ssd => vec![self.heads, self.head_dim, self.groups, self.state],
+            Mixer::SelectiveScan => vec![self.channels, self.state],
+            Mixer::GatedDelta => vec![self.heads, self.head_dim],
+            Mixer::Based => vec![self.heads, self.head_dim, self.window],
         };
-        if self.batch == 0 || self.seq_len == 0 || self.state == 0 || sizes.contains(&0) {
+        if self.batch == 0 || self.seq_len == 0 || sizes.contains(&0) {
             return Err(format!("a size is 0: {self:?}"));
         }
         if self.mixer == Mixer::Ssd && !self.heads.is_multiple_of(self.groups) {
@@ -257,17 +362,74 @@ impl MixerCase {
         Ok(())
     }
 
-    /// Values per token: H·P (SSD) or D (scan).
+    /// Output values per token: H·P (SSD), D (scan), H·V (gated delta, Based).
     pub fn width(&self) -> usize {
         match self.mixer {
-            Mixer::Ssd => self.heads * self.head_dim,
             Mixer::SelectiveScan => self.channels,
+            _ => self.heads * self.head_dim,
         }
     }
 
-    /// State elements per token step: H·P·N (SSD) or D·N (scan).
+    /// State elements of one sequence: H·P·N (SSD), D·N (scan), H·V·K (gated delta, Based's
+    /// linear branch).
     pub fn state_elements(&self) -> usize {
-        self.width() * self.state
+        match self.mixer {
+            Mixer::Ssd | Mixer::SelectiveScan => self.width() * self.state,
+            Mixer::GatedDelta | Mixer::Based => self.width() * self.head_dim,
+        }
+    }
+
+    /// Its inputs in protocol order: name, whether the file holds the case's dtype (sequence
+    /// inputs) rather than float32, and shape (see [`MixerInputs`]).
+    pub fn input_specs(&self) -> Vec<(&'static str, bool, Vec<usize>)> {
+        let (bs, t, h, k) = (self.batch, self.seq_len, self.heads, self.head_dim);
+        let (g, n, d) = (self.groups, self.state, self.channels);
+        let shapes: Vec<(bool, Vec<usize>)> = match self.mixer {
+            Mixer::Ssd => vec![
+                (true, vec![bs, t, h, k]),
+                (false, vec![bs, t, h]),
+                (false, vec![h]),
+                (true, vec![bs, t, g, n]),
+                (true, vec![bs, t, g, n]),
+                (false, vec![h]),
+            ],
+            Mixer::SelectiveScan => vec![
+                (true, vec![bs, t, d]),
+                (false, vec![bs, t, d]),
+                (false, vec![d, n]),
+                (true, vec![bs, t, n]),
+                (true, vec![bs, t, n]),
+                (false, vec![d]),
+            ],
+            Mixer::GatedDelta => vec![
+                (true, vec![bs, t, h, k]),
+                (true, vec![bs, t, h, k]),
+                (true, vec![bs, t, h, k]),
+                (false, vec![bs, t, h]),
+                (false, vec![bs, t, h]),
+            ],
+            Mixer::Based => vec![
+                (true, vec![bs, t, h, k]),
+                (true, vec![bs, t, h, k]),
+                (true, vec![bs, t, h, k]),
+            ],
+        };
+        self.mixer
+            .input_names()
+            .iter()
+            .zip(shapes)
+            .map(|(name, (seq, shape))| (*name, seq, shape))
+            .collect()
+    }
+
+    /// Based: Σ over the steps of the keys the window branch sees, min(t + 1, W) summed over
+    /// t < T (0 for the other mixers).
+    pub fn window_pairs(&self) -> f64 {
+        if self.mixer != Mixer::Based {
+            return 0.0;
+        }
+        let (t, w) = (self.seq_len as f64, self.window.min(self.seq_len) as f64);
+        w * (w + 1.0) / 2.0 + (t - w) * w
     }
 
     /// Tokens of one call, B·T.
@@ -275,22 +437,30 @@ impl MixerCase {
         self.batch as f64 * self.seq_len as f64
     }
 
-    /// FLOPs of one call as the recurrence counts them, per token and state element: 3 for the
-    /// update (decay times state, plus Δ·x·B with Δ·x formed once per value) and 2 for the
-    /// read-out (times C, summed); the selective scan adds 1 for its per-element Δ·A (its
-    /// exponential is not counted). A chunked kernel does more arithmetic than this (the
-    /// intra-chunk products); the count is the same for every implementation of a case.
+    /// FLOPs of one call as the recurrence counts them, per token and state element: SSD 5
+    /// (3 for the update, decay times state plus Δ·x·B with Δ·x formed once per value; 2 for
+    /// the read-out by C), the selective scan 6 (its per-element Δ·A as well; exponentials not
+    /// counted), the gated delta rule 7 (S·k 2, the update α·S + w·kᵀ 3, the read-out S·q 2),
+    /// Based's linear branch 4 (v·kᵀ added, S·q); Based's window branch adds 4·K per (query,
+    /// key) pair it sees ([`MixerCase::window_pairs`] per batch entry and head: q·k and the
+    /// weighted sum of v). A chunked kernel does more arithmetic than this (the intra-chunk
+    /// products); the count is the same for every implementation of a case.
     pub fn flops(&self) -> f64 {
         let per = match self.mixer {
             Mixer::Ssd => 5.0,
             Mixer::SelectiveScan => 6.0,
+            Mixer::GatedDelta => 7.0,
+            Mixer::Based => 4.0,
         };
-        per * self.tokens() * self.state_elements() as f64
+        let window =
+            4.0 * self.head_dim as f64 * self.window_pairs() * (self.batch * self.heads) as f64;
+        per * self.tokens() * self.state_elements() as f64 + window
     }
 
     /// Bytes one call must move at least: X (u), B, C and Y in the case's dtype, Δ in float32
     /// (per head for SSD, per channel for the scan), A and D in float32 (A per channel and
-    /// state for the scan); no initial or final state.
+    /// state for the scan); for the gated delta rule q, k, v and o in the case's dtype and α, β
+    /// in float32 per head and token; for Based q, k, v and o; no initial or final state.
     pub fn bytes(&self) -> f64 {
         let e = self.dtype.bytes() as f64;
         let t = self.tokens();
@@ -303,6 +473,8 @@ impl MixerCase {
                 t * (2.0 * w * e + 2.0 * g * n * e + 4.0 * h) + 8.0 * h
             }
             Mixer::SelectiveScan => t * (2.0 * w * e + 2.0 * n * e + 4.0 * w) + 4.0 * w * (n + 1.0),
+            Mixer::GatedDelta => t * (4.0 * w * e + 8.0 * self.heads as f64),
+            Mixer::Based => t * 4.0 * w * e,
         }
     }
 
@@ -327,29 +499,54 @@ impl MixerCase {
                 self.state,
                 self.dtype.as_str()
             ),
+            Mixer::GatedDelta => format!(
+                "gated_delta B{} T{} H{} K=V{} {}",
+                self.batch,
+                self.seq_len,
+                self.heads,
+                self.head_dim,
+                self.dtype.as_str()
+            ),
+            Mixer::Based => format!(
+                "based B{} T{} H{} K=V{} W{} {}",
+                self.batch,
+                self.seq_len,
+                self.heads,
+                self.head_dim,
+                self.window,
+                self.dtype.as_str()
+            ),
         }
     }
 }
 
-/// The inputs of one case, as the values every implementation reads (X, B and C already
-/// rounded to the case's dtype), in the layouts of [`super::reference`]: for SSD `x`
-/// `[B, T, H, P]`, `dt` `[B, T, H]`, `a` `[H]`, `b` and `c` `[B, T, G, N]`, `d` `[H]`; for the
-/// scan `x` is u `[B, T, D]`, `dt` is Δ `[B, T, D]`, `a` `[D, N]`, `b` and `c` `[B, T, N]`,
-/// `d` `[D]`.
+/// One input tensor of a case: its name (the protocol's), values (already rounded to `dtype`),
+/// element type and shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    /// Name, from [`Mixer::input_names`].
+    pub name: &'static str,
+    /// Values, row-major.
+    pub values: Vec<f32>,
+    /// Element type of its file: the case's for sequence inputs, float32 for the rest.
+    pub dtype: MixerDtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+}
+
+/// The inputs of one case, as the values every implementation reads, in the order of
+/// [`Mixer::input_names`] and the layouts of [`super::reference`]:
+/// - SSD: `x` `[B, T, H, P]`, `dt` `[B, T, H]`, `a` `[H]`, `b` and `c` `[B, T, G, N]`, `d` `[H]`;
+/// - selective scan: `u` `[B, T, D]`, `delta` `[B, T, D]`, `a` `[D, N]`, `b` and `c` `[B, T, N]`,
+///   `d` `[D]`;
+/// - gated delta: `q`, `k` `[B, T, H, K]`, `v` `[B, T, H, V]`, `alpha`, `beta` `[B, T, H]`;
+/// - Based: `q`, `k` `[B, T, H, K]`, `v` `[B, T, H, V]`, and the score factor `scale`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MixerInputs {
-    /// X (SSD) or u (scan).
-    pub x: Vec<f32>,
-    /// Δ after the softplus, in [0.01, 0.2).
-    pub dt: Vec<f32>,
-    /// A, in [−4, −0.5): every step decays the state by exp(Δ·A) in (0.45, 0.995).
-    pub a: Vec<f32>,
-    /// B.
-    pub b: Vec<f32>,
-    /// C.
-    pub c: Vec<f32>,
-    /// D, the skip connection.
-    pub d: Vec<f32>,
+    /// The tensors, in protocol order.
+    pub tensors: Vec<Tensor>,
+    /// Based's factor on q·k (1/√K); 1 for the others.
+    pub scale: f64,
 }
 
 /// `n` draws from U[lo, hi), SplitMix64 from `seed`.
@@ -369,9 +566,13 @@ fn uniform(n: usize, lo: f64, hi: f64, seed: u64) -> Vec<f32> {
 }
 
 impl MixerInputs {
-    /// Random inputs of case `c` from `seed`: X, B, C uniform in [−1, 1) (rounded to the
-    /// case's dtype), Δ in [0.01, 0.2), A in [−4, −0.5), D in [−1, 1), each tensor from its own
-    /// stream (the ranges of the mixers' GPU tests).
+    /// Random inputs of case `c` from `seed`, each tensor from its own stream, sequence inputs
+    /// rounded to the case's dtype (the ranges of the mixers' GPU tests):
+    /// - SSD and the scan: X (u), B, C uniform in [−1, 1), Δ in [0.01, 0.2), A in
+    ///   [−4, −0.5) (every step decays the state by exp(Δ·A) in (0.45, 0.995)), D in [−1, 1);
+    /// - gated delta: q uniform in [−1, 1) times 1/√K, k uniform then L2-normalised per token
+    ///   and head (as the layer does), v in [−1, 1), α in [0.8, 1), β in [0, 1);
+    /// - Based: q, k, v uniform in [−1, 1), scale 1/√K.
     pub fn random(c: &MixerCase, seed: u64) -> MixerInputs {
         let bt = c.batch * c.seq_len;
         let round = |v: Vec<f32>| -> Vec<f32> {
@@ -387,39 +588,90 @@ impl MixerInputs {
                 }
             }
         };
-        let (steps, a_len, bc_width, d_len) = match c.mixer {
-            Mixer::Ssd => (bt * c.heads, c.heads, c.groups * c.state, c.heads),
-            Mixer::SelectiveScan => (bt * c.channels, c.channels * c.state, c.state, c.channels),
+        let (h, k) = (c.heads, c.head_dim);
+        let mut scale = 1.0;
+        // Values in protocol order (shapes and dtypes from `input_specs`).
+        let values: Vec<Vec<f32>> = match c.mixer {
+            Mixer::Ssd => {
+                let gn = c.groups * c.state;
+                vec![
+                    uniform(bt * h * k, -1.0, 1.0, seed),
+                    uniform(bt * h, 0.01, 0.2, seed + 1),
+                    uniform(h, -4.0, -0.5, seed + 2),
+                    uniform(bt * gn, -1.0, 1.0, seed + 3),
+                    uniform(bt * gn, -1.0, 1.0, seed + 4),
+                    uniform(h, -1.0, 1.0, seed + 5),
+                ]
+            }
+            Mixer::SelectiveScan => {
+                let (d, n) = (c.channels, c.state);
+                vec![
+                    uniform(bt * d, -1.0, 1.0, seed),
+                    uniform(bt * d, 0.01, 0.2, seed + 1),
+                    uniform(d * n, -4.0, -0.5, seed + 2),
+                    uniform(bt * n, -1.0, 1.0, seed + 3),
+                    uniform(bt * n, -1.0, 1.0, seed + 4),
+                    uniform(d, -1.0, 1.0, seed + 5),
+                ]
+            }
+            Mixer::GatedDelta => {
+                let inv = 1.0 / (k as f64).sqrt();
+                let mut kk = uniform(bt * h * k, -1.0, 1.0, seed + 1);
+                for row in kk.chunks_exact_mut(k) {
+                    let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+                    row.iter_mut().for_each(|x| *x /= norm);
+                }
+                vec![
+                    uniform(bt * h * k, -inv, inv, seed),
+                    kk,
+                    uniform(bt * h * k, -1.0, 1.0, seed + 2),
+                    uniform(bt * h, 0.8, 1.0, seed + 3),
+                    uniform(bt * h, 0.0, 1.0, seed + 4),
+                ]
+            }
+            Mixer::Based => {
+                scale = 1.0 / (k as f64).sqrt();
+                vec![
+                    uniform(bt * h * k, -1.0, 1.0, seed),
+                    uniform(bt * h * k, -1.0, 1.0, seed + 1),
+                    uniform(bt * h * k, -1.0, 1.0, seed + 2),
+                ]
+            }
         };
-        MixerInputs {
-            x: round(uniform(bt * c.width(), -1.0, 1.0, seed)),
-            dt: uniform(steps, 0.01, 0.2, seed + 1),
-            a: uniform(a_len, -4.0, -0.5, seed + 2),
-            b: round(uniform(bt * bc_width, -1.0, 1.0, seed + 3)),
-            c: round(uniform(bt * bc_width, -1.0, 1.0, seed + 4)),
-            d: uniform(d_len, -1.0, 1.0, seed + 5),
-        }
+        let tensors = c
+            .input_specs()
+            .into_iter()
+            .zip(values)
+            .map(|((name, seq, shape), v)| Tensor {
+                name,
+                values: if seq { round(v) } else { v },
+                dtype: if seq { c.dtype } else { MixerDtype::Fp32 },
+                shape,
+            })
+            .collect();
+        MixerInputs { tensors, scale }
     }
 
-    /// The float64 output Y of case `c` on these inputs, from a zero state: the sequential
-    /// recurrence ([`reference::ssd`], [`reference::selective_scan`]).
+    /// The values of tensor `name`, or an empty slice when the case has none of that name.
+    pub fn get(&self, name: &str) -> &[f32] {
+        self.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .map_or(&[], |t| t.values.as_slice())
+    }
+
+    /// The float64 output of case `c` on these inputs, from a zero state: the sequential
+    /// recurrence ([`reference::ssd`], [`reference::selective_scan`],
+    /// [`reference::gated_delta_rule`], [`reference::based`]).
     ///
     /// # Errors
     /// Inputs whose lengths do not fit `c` (the message names the input).
     pub fn reference(&self, c: &MixerCase) -> Result<Vec<f64>, String> {
-        let f = |v: &[f32]| -> Vec<f64> { v.iter().map(|&x| x as f64).collect() };
-        let (x, dt, a, b, cc, d) = (
-            f(&self.x),
-            f(&self.dt),
-            f(&self.a),
-            f(&self.b),
-            f(&self.c),
-            f(&self.d),
-        );
+        let f = |name: &str| -> Vec<f64> { self.get(name).iter().map(|&x| x as f64).collect() };
         match c.mixer {
-            Mixer::Ssd => reference::ssd(
-                c.ssd_shape(),
-                SsdInputs {
+            Mixer::Ssd => {
+                let (x, dt, a, b, cc, d) = (f("x"), f("dt"), f("a"), f("b"), f("c"), f("d"));
+                let inp = SsdInputs {
                     x: &x,
                     dt: &dt,
                     a: &a,
@@ -427,22 +679,45 @@ impl MixerInputs {
                     c: &cc,
                     d: Some(&d),
                     initial_state: None,
-                },
-            )
-            .map(|(y, _)| y),
-            Mixer::SelectiveScan => reference::selective_scan(
-                c.scan_shape(),
-                ScanInputs {
-                    u: &x,
+                };
+                reference::ssd(c.ssd_shape(), inp).map(|(y, _)| y)
+            }
+            Mixer::SelectiveScan => {
+                let (u, dt, a, b, cc, d) = (f("u"), f("delta"), f("a"), f("b"), f("c"), f("d"));
+                let inp = ScanInputs {
+                    u: &u,
                     delta: &dt,
                     a: &a,
                     b: &b,
                     c: &cc,
                     d: Some(&d),
                     initial_state: None,
-                },
-            )
-            .map(|(y, _)| y),
+                };
+                reference::selective_scan(c.scan_shape(), inp).map(|(y, _)| y)
+            }
+            Mixer::GatedDelta => {
+                let (q, k, v, alpha, beta) = (f("q"), f("k"), f("v"), f("alpha"), f("beta"));
+                let inp = DeltaInputs {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    alpha: &alpha,
+                    beta: &beta,
+                    initial_state: None,
+                };
+                reference::gated_delta_rule(c.delta_shape(), inp).map(|(o, _)| o)
+            }
+            Mixer::Based => {
+                let (q, k, v) = (f("q"), f("k"), f("v"));
+                let inp = BasedInputs {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    scale: self.scale,
+                    initial_state: None,
+                };
+                reference::based(c.based_shape(), inp).map(|(o, _)| o)
+            }
         }
     }
 }
@@ -459,6 +734,17 @@ mod tests {
         assert_eq!(MixerCase::from_params(&ssd.params()), Ok(ssd));
         let scan = MixerCase::scan(1, 7, 32, 16);
         assert_eq!(MixerCase::from_params(&scan.params()), Ok(scan));
+        for c in [
+            MixerCase::gated_delta(1, 9, 2, 8),
+            MixerCase::based(1, 9, 2, 8, 4),
+        ] {
+            assert_eq!(MixerCase::from_params(&c.params()), Ok(c));
+        }
+        let mut p = MixerCase::based(1, 9, 2, 8, 4).params();
+        p.insert("window".into(), Param::Int(0));
+        assert!(MixerCase::from_params(&p)
+            .unwrap_err()
+            .contains("size is 0"));
         let mut p = ssd.params();
         p.insert("groups".into(), Param::Int(3));
         assert!(MixerCase::from_params(&p)
@@ -484,6 +770,15 @@ mod tests {
         assert_eq!(s.flops(), 6.0 * 3.0 * 8.0);
         // Per token: u and y 2·2·4, B and C 2·4·4, Δ 2·4; A 2·4·4 and D 2·4 once.
         assert_eq!(s.bytes(), 3.0 * (16.0 + 32.0 + 8.0) + 4.0 * 2.0 * 5.0);
+        // Gated delta, B1 T2 H2 K=V3: 7 per token and state element (2·3·3 = 18).
+        let d = MixerCase::gated_delta(1, 2, 2, 3);
+        assert_eq!(d.flops(), 7.0 * 2.0 * 18.0);
+        assert_eq!(d.bytes(), 2.0 * (4.0 * 6.0 * 4.0 + 8.0 * 2.0));
+        // Based, T5 W3: the window sees 1 + 2 + 3 + 3 + 3 = 12 keys per head.
+        let b = MixerCase::based(1, 5, 2, 3, 3);
+        assert_eq!(b.window_pairs(), 12.0);
+        assert_eq!(b.flops(), 4.0 * 5.0 * 18.0 + 4.0 * 3.0 * 12.0 * 2.0);
+        assert_eq!(MixerCase::based(1, 2, 1, 1, 8).window_pairs(), 3.0);
     }
 
     #[test]
@@ -492,13 +787,31 @@ mod tests {
         c.dtype = MixerDtype::Bf16;
         let inp = MixerInputs::random(&c, 3);
         // bf16 keeps 8 significant bits: every X is a multiple of 2^-8 of its binade.
-        assert!(inp.x.iter().all(|&v| v.to_bits() & 0xFFFF == 0));
-        assert!(inp.dt.iter().any(|&v| v.to_bits() & 0xFFFF != 0));
-        assert!(inp.dt.iter().all(|&v| (0.01..0.2).contains(&v)));
+        assert!(inp.get("x").iter().all(|&v| v.to_bits() & 0xFFFF == 0));
+        assert!(inp.get("dt").iter().any(|&v| v.to_bits() & 0xFFFF != 0));
+        assert!(inp.get("dt").iter().all(|&v| (0.01..0.2).contains(&v)));
         let y = inp.reference(&c).unwrap();
         assert_eq!(y.len(), 5 * 8);
         assert!(y.iter().all(|v| v.is_finite()) && y.iter().any(|&v| v != 0.0));
         let s = MixerCase::scan(2, 3, 4, 8);
         assert_eq!(MixerInputs::random(&s, 1).reference(&s).unwrap().len(), 24);
+        for c in [
+            MixerCase::gated_delta(2, 5, 3, 4),
+            MixerCase::based(2, 5, 3, 4, 2),
+        ] {
+            let inp = MixerInputs::random(&c, 1);
+            let names: Vec<&str> = inp.tensors.iter().map(|t| t.name).collect();
+            assert_eq!(names, c.mixer.input_names());
+            let o = inp.reference(&c).unwrap();
+            assert_eq!(o.len(), 2 * 5 * 3 * 4);
+            assert!(o.iter().all(|v| v.is_finite()) && o.iter().any(|&v| v != 0.0));
+        }
+        // The delta rule's keys are unit vectors per token and head.
+        let c = MixerCase::gated_delta(1, 3, 2, 8);
+        let inp = MixerInputs::random(&c, 4);
+        for k in inp.get("k").chunks_exact(8) {
+            let n: f32 = k.iter().map(|x| x * x).sum();
+            assert!((n - 1.0).abs() < 1e-5, "{n}");
+        }
     }
 }

@@ -38,44 +38,61 @@ fn dot(s: &[f32], c: &[f32]) -> f32 {
 }
 
 /// Bytes of scratch one call of case `c` allocates: the tasks' outputs before the scatter,
-/// B·T·width floats, and one state per task.
+/// B·T·width floats, and one state per task (SSD and the scan; the others do not run here).
 pub fn temporary_bytes(c: &MixerCase) -> u64 {
     let out = c.batch * c.seq_len * c.width();
     let states = match c.mixer {
         Mixer::Ssd => c.batch * c.heads * c.head_dim * c.state,
         Mixer::SelectiveScan => c.batch * c.channels.next_multiple_of(SCAN_BLOCK) * c.state,
+        Mixer::GatedDelta | Mixer::Based => 0,
     };
     4 * (out + states) as u64
 }
 
-/// One forward call of case `c` on `inp`, from a zero state, writing Y (`[B, T, H, P]` or
-/// `[B, T, D]`, float32) into `y`.
+/// One forward call of case `c` (SSD or the selective scan) on `inp`, from a zero state,
+/// writing Y (`[B, T, H, P]` or `[B, T, D]`, float32) into `y`.
 ///
 /// # Errors
-/// Inputs or an output whose length does not fit `c`, or a shape `c.validate` refuses.
+/// Another mixer; inputs (by name and length, [`MixerCase::input_specs`]) or an output that do
+/// not fit `c`; a shape `c.validate` refuses.
 pub fn forward(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) -> Result<(), String> {
     c.validate()?;
+    if !matches!(c.mixer, Mixer::Ssd | Mixer::SelectiveScan) {
+        return Err(format!(
+            "{}: the CPU implementation runs SSD and the selective scan",
+            c.mixer.as_str()
+        ));
+    }
     let bt = c.batch * c.seq_len;
-    let (steps, a_len, bc_width, d_len) = match c.mixer {
-        Mixer::Ssd => (bt * c.heads, c.heads, c.groups * c.state, c.heads),
-        Mixer::SelectiveScan => (bt * c.channels, c.channels * c.state, c.state, c.channels),
-    };
-    for (name, got, want) in [
-        ("x", inp.x.len(), bt * c.width()),
-        ("dt", inp.dt.len(), steps),
-        ("a", inp.a.len(), a_len),
-        ("b", inp.b.len(), bt * bc_width),
-        ("c", inp.c.len(), bt * bc_width),
-        ("d", inp.d.len(), d_len),
-        ("y", y.len(), bt * c.width()),
-    ] {
-        if got != want {
-            return Err(format!("{name}: {got} elements, expected {want} for {c:?}"));
+    let specs = c.input_specs();
+    if inp.tensors.len() != specs.len() {
+        return Err(format!(
+            "{} inputs, expected {}",
+            inp.tensors.len(),
+            specs.len()
+        ));
+    }
+    for (t, (name, _, shape)) in inp.tensors.iter().zip(&specs) {
+        let want: usize = shape.iter().product();
+        if t.name != *name || t.values.len() != want {
+            return Err(format!(
+                "input {} of {} elements, expected {name} of {want} for {c:?}",
+                t.name,
+                t.values.len()
+            ));
         }
+    }
+    if y.len() != bt * c.width() {
+        return Err(format!(
+            "y: {} elements, expected {}",
+            y.len(),
+            bt * c.width()
+        ));
     }
     match c.mixer {
         Mixer::Ssd => ssd(c, inp, y),
         Mixer::SelectiveScan => scan(c, inp, y),
+        Mixer::GatedDelta | Mixer::Based => unreachable!("refused above"),
     }
     Ok(())
 }
@@ -83,6 +100,14 @@ pub fn forward(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) -> Result<(), St
 fn ssd(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) {
     let (t_len, heads, p_dim, n_dim, groups) = (c.seq_len, c.heads, c.head_dim, c.state, c.groups);
     let per_group = heads / groups;
+    let (xs, dts, a_h, bs, cs, ds) = (
+        inp.get("x"),
+        inp.get("dt"),
+        inp.get("a"),
+        inp.get("b"),
+        inp.get("c"),
+        inp.get("d"),
+    );
     let parts: Vec<Vec<f32>> = (0..c.batch * heads)
         .into_par_iter()
         .map(|task| {
@@ -90,14 +115,14 @@ fn ssd(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) {
             let g = h / per_group;
             let mut s = vec![0.0f32; p_dim * n_dim];
             let mut out = vec![0.0f32; t_len * p_dim];
-            let (a, skip) = (inp.a[h], inp.d[h]);
+            let (a, skip) = (a_h[h], ds[h]);
             for t in 0..t_len {
                 let bt = b * t_len + t;
-                let dt = inp.dt[bt * heads + h];
+                let dt = dts[bt * heads + h];
                 let decay = (dt * a).exp();
-                let x = &inp.x[(bt * heads + h) * p_dim..][..p_dim];
-                let bv = &inp.b[(bt * groups + g) * n_dim..][..n_dim];
-                let cv = &inp.c[(bt * groups + g) * n_dim..][..n_dim];
+                let x = &xs[(bt * heads + h) * p_dim..][..p_dim];
+                let bv = &bs[(bt * groups + g) * n_dim..][..n_dim];
+                let cv = &cs[(bt * groups + g) * n_dim..][..n_dim];
                 let o = &mut out[t * p_dim..][..p_dim];
                 for p in 0..p_dim {
                     let row = &mut s[p * n_dim..][..n_dim];
@@ -123,6 +148,14 @@ fn ssd(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) {
 fn scan(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) {
     let (t_len, channels, n_dim) = (c.seq_len, c.channels, c.state);
     let blocks = channels.div_ceil(SCAN_BLOCK);
+    let (us, deltas, a_all, bs, cs, ds) = (
+        inp.get("u"),
+        inp.get("delta"),
+        inp.get("a"),
+        inp.get("b"),
+        inp.get("c"),
+        inp.get("d"),
+    );
     let parts: Vec<Vec<f32>> = (0..c.batch * blocks)
         .into_par_iter()
         .map(|task| {
@@ -133,19 +166,19 @@ fn scan(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) {
             let mut out = vec![0.0f32; t_len * width];
             for t in 0..t_len {
                 let bt = b * t_len + t;
-                let bv = &inp.b[bt * n_dim..][..n_dim];
-                let cv = &inp.c[bt * n_dim..][..n_dim];
+                let bv = &bs[bt * n_dim..][..n_dim];
+                let cv = &cs[bt * n_dim..][..n_dim];
                 for k in 0..width {
                     let ch = ch0 + k;
                     let i = bt * channels + ch;
-                    let (u, dt) = (inp.x[i], inp.dt[i]);
-                    let a = &inp.a[ch * n_dim..][..n_dim];
+                    let (u, dt) = (us[i], deltas[i]);
+                    let a = &a_all[ch * n_dim..][..n_dim];
                     let hs = &mut h[k * n_dim..][..n_dim];
                     let du = dt * u;
                     for ((hv, &an), &bn) in hs.iter_mut().zip(a).zip(bv) {
                         *hv = (dt * an).exp() * *hv + du * bn;
                     }
-                    out[t * width + k] = dot(hs, cv) + inp.d[ch] * u;
+                    out[t * width + k] = dot(hs, cv) + ds[ch] * u;
                 }
             }
             out

@@ -5,7 +5,9 @@
 //! Correctness first: the matrix products are plain loops over shared memory, not tensor-core
 //! tiles yet.
 
-use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 use super::reference::SsdShape;
 use crate::gpu::{Gpu, GpuError};
@@ -232,7 +234,7 @@ impl Ssd {
         c: &CudaSlice<T>,
         d: Option<&CudaSlice<f32>>,
         initial_state: Option<&CudaSlice<f32>>,
-        y: &mut CudaSlice<T>,
+        y: &mut CudaViewMut<'_, T>,
         final_state: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         let s = self.shape;

@@ -9,7 +9,9 @@
 //! next state. Correctness first: the products are plain loops over shared memory, not
 //! tensor-core tiles, and the chunks of one (batch entry, head) run one after another.
 
-use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 use super::cuda::Dtype;
 use super::reference::DeltaShape;
@@ -142,7 +144,7 @@ impl GatedDelta {
         alpha: &CudaSlice<f32>,
         beta: &CudaSlice<f32>,
         initial_state: Option<&CudaSlice<f32>>,
-        o: &mut CudaSlice<T>,
+        o: &mut CudaViewMut<'_, T>,
         final_state: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         let s = self.shape;

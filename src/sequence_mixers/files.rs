@@ -1,5 +1,5 @@
 //! One sequence-mixer case as the runner protocol's files ([`crate::runner::protocol::CaseFiles`]):
-//! the inputs as raw files (X, B, C in the case's dtype; Δ, A, D in float32), the float64
+//! the inputs as raw files (sequence inputs in the case's dtype, the rest in float32), the float64
 //! reference of the checked tokens' outputs, and the call's arguments, so that the project's
 //! implementations and the comparison modules read the same bits and are checked against the
 //! same values.
@@ -34,13 +34,18 @@ pub fn checked_tokens(tokens: usize, check_tokens: usize) -> Vec<usize> {
         .collect()
 }
 
-/// The call's arguments for the comparison modules: `mixer`, `batch`, `seq_len`, `state`,
-/// `dtype`, `pass`, and `heads`, `head_dim`, `groups` (SSD) or `channels` (scan).
-pub fn arguments(c: &MixerCase) -> BTreeMap<String, serde_json::Value> {
-    c.params()
+/// The call's arguments for the comparison modules: the case's parameters
+/// ([`MixerCase::params`]), and for Based the score factor `scale` of `inp`.
+pub fn arguments(c: &MixerCase, inp: &MixerInputs) -> BTreeMap<String, serde_json::Value> {
+    let mut m: BTreeMap<String, serde_json::Value> = c
+        .params()
         .into_iter()
         .map(|(k, v)| (k, serde_json::to_value(v).unwrap_or(json!(null))))
-        .collect()
+        .collect();
+    if c.mixer == Mixer::Based {
+        m.insert("scale".into(), json!(inp.scale));
+    }
+    m
 }
 
 /// Writes case `c`'s inputs ([`MixerInputs::random`] from `seed`) and the float64 reference
@@ -53,34 +58,14 @@ pub fn write_case(c: &MixerCase, seed: u64, check_tokens: usize, dir: &Path) -> 
     let y = inp.reference(c).map_err(anyhow::Error::msg)?;
     let (bsz, t) = (c.batch, c.seq_len);
     let w = c.width();
-    let n = c.state;
-    let names: [(&str, &Vec<f32>, bool, Vec<usize>); 6] = match c.mixer {
-        Mixer::Ssd => [
-            ("x", &inp.x, true, vec![bsz, t, c.heads, c.head_dim]),
-            ("dt", &inp.dt, false, vec![bsz, t, c.heads]),
-            ("a", &inp.a, false, vec![c.heads]),
-            ("b", &inp.b, true, vec![bsz, t, c.groups, n]),
-            ("c", &inp.c, true, vec![bsz, t, c.groups, n]),
-            ("d", &inp.d, false, vec![c.heads]),
-        ],
-        Mixer::SelectiveScan => [
-            ("u", &inp.x, true, vec![bsz, t, w]),
-            ("delta", &inp.dt, false, vec![bsz, t, w]),
-            ("a", &inp.a, false, vec![w, n]),
-            ("b", &inp.b, true, vec![bsz, t, n]),
-            ("c", &inp.c, true, vec![bsz, t, n]),
-            ("d", &inp.d, false, vec![w]),
-        ],
-    };
     let mut inputs = Vec::new();
-    for (name, values, in_dtype, shape) in names {
-        let dtype = if in_dtype { c.dtype } else { MixerDtype::Fp32 };
-        let path = dir.join(format!("{name}.bin"));
-        write_u16(&path, &dtype.codec().encode_all(values))?;
+    for tensor in &inp.tensors {
+        let path = dir.join(format!("{}.bin", tensor.name));
+        write_u16(&path, &tensor.dtype.codec().encode_all(&tensor.values))?;
         inputs.push(TensorFile {
-            name: name.into(),
-            dtype: dtype.as_str().into(),
-            shape,
+            name: tensor.name.into(),
+            dtype: tensor.dtype.as_str().into(),
+            shape: tensor.shape.clone(),
             path,
         });
     }
@@ -107,8 +92,8 @@ pub fn write_case(c: &MixerCase, seed: u64, check_tokens: usize, dir: &Path) -> 
         ),
     };
     let out_shape = match c.mixer {
-        Mixer::Ssd => vec![bsz, t, c.heads, c.head_dim],
         Mixer::SelectiveScan => vec![bsz, t, w],
+        Mixer::Ssd | Mixer::GatedDelta | Mixer::Based => vec![bsz, t, c.heads, c.head_dim],
     };
     Ok(CaseFiles {
         inputs,
@@ -118,7 +103,7 @@ pub fn write_case(c: &MixerCase, seed: u64, check_tokens: usize, dir: &Path) -> 
         },
         check,
         gradients: Vec::new(),
-        arguments: arguments(c),
+        arguments: arguments(c, &inp),
         flops: Some(c.flops()),
         bytes: Some(c.bytes()),
         items: Some(c.tokens()),
@@ -166,5 +151,10 @@ mod tests {
         assert_eq!(f.arguments["mixer"], json!("ssd"));
         assert_eq!(f.arguments["head_dim"], json!(3));
         assert_eq!(f.check.tolerance, TOLERANCE_BF16);
+        let b = write_case(&MixerCase::based(1, 3, 2, 4, 2), 7, 8, dir.path()).unwrap();
+        let names: Vec<&str> = b.inputs.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["q", "k", "v"]);
+        assert_eq!(b.arguments["scale"], json!(0.5));
+        assert_eq!(b.output.shape, vec![1, 3, 2, 4]);
     }
 }

@@ -6,7 +6,9 @@
 //! adding their parts of ⟨C_t, h_t⟩ with warp shuffles. Correctness first: no chunking of the
 //! sequence, no prefetching of the next steps' inputs yet.
 
-use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 use super::cuda::Dtype;
 use super::reference::ScanShape;
@@ -144,7 +146,7 @@ impl Scan {
         c: &CudaSlice<T>,
         d: Option<&CudaSlice<f32>>,
         initial_state: Option<&CudaSlice<f32>>,
-        y: &mut CudaSlice<T>,
+        y: &mut CudaViewMut<'_, T>,
         final_state: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         let s = self.shape;

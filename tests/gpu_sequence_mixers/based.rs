@@ -52,7 +52,7 @@ fn based_case(shape: BasedShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
                     &v_d,
                     scale,
                     start.then_some(&s0_d),
-                    &mut o_d,
+                    &mut o_d.as_view_mut(),
                     &mut fin,
                 )
                 .unwrap();

@@ -60,7 +60,7 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
                 &a_d,
                 &b_d,
                 start.then_some(&s0_d),
-                &mut o_d,
+                &mut o_d.as_view_mut(),
                 &mut fin,
             )
             .unwrap();
@@ -158,18 +158,38 @@ fn gated_delta_rule_refuses_bad_shapes_and_buffers() {
     let z = |n: usize| g.stream.alloc_zeros::<f32>(n).unwrap();
     let (q, k, v, a, b) = (z(24), z(24), z(12), z(3), z(3));
     let (mut o, mut fin) = (z(12), z(32));
-    gdn.launch(g, &q, &k, &v, &a, &b, None, &mut o, &mut fin)
+    gdn.launch(g, &q, &k, &v, &a, &b, None, &mut o.as_view_mut(), &mut fin)
         .unwrap();
     let short = z(2);
     let e = gdn
-        .launch(g, &q, &k, &v, &a, &short, None, &mut o, &mut fin)
+        .launch(
+            g,
+            &q,
+            &k,
+            &v,
+            &a,
+            &short,
+            None,
+            &mut o.as_view_mut(),
+            &mut fin,
+        )
         .unwrap_err();
     assert!(e.to_string().contains("beta holds 2"), "{e}");
     // bf16 buffers for an f32 runner.
     let h = |n: usize| g.stream.alloc_zeros::<u16>(n).unwrap();
     let (qh, kh, vh, mut oh) = (h(24), h(24), h(12), h(12));
     let e = gdn
-        .launch(g, &qh, &kh, &vh, &a, &b, None, &mut oh, &mut fin)
+        .launch(
+            g,
+            &qh,
+            &kh,
+            &vh,
+            &a,
+            &b,
+            None,
+            &mut oh.as_view_mut(),
+            &mut fin,
+        )
         .unwrap_err();
     assert!(e.to_string().contains("2-byte"), "{e}");
 }
