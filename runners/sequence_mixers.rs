@@ -94,12 +94,18 @@ const GPU_HEAD_DIMS: [usize; 2] = [64, 128];
 /// SSD head dims of the CPU grid.
 const CPU_HEAD_DIMS: [usize; 1] = [64];
 
+/// PyTorch's eager implementation (`runners/compare/torch_mixers.py`).
+const TORCH_EAGER: &str = "torch_eager";
+/// Longest sequence at which PyTorch's loop formulations (the selective scan, the gated delta
+/// rule) are timed: about 40 µs of host time per step, 20 timed calls and a CUDA graph per case.
+const TORCH_LOOP_MAX_SEQ_LEN: usize = 16384;
+
 /// The alternatives `--compare` can add (each module measures on the run's device).
 const ALTERNATIVES: [Alternative; 1] = [Alternative {
     name: "torch",
     module: "torch_mixers",
     library: "PyTorch",
-    implementations: &["torch_eager"],
+    implementations: &[TORCH_EAGER],
 }];
 
 /// How FLOPs are counted (the document's `flop_rule`).
@@ -316,6 +322,19 @@ impl runner::Suite for Mixers {
             return Some(format!(
                 "{}: the CPU implementation runs SSD and the selective scan",
                 c.mixer.as_str()
+            ));
+        }
+        if implementation == TORCH_EAGER
+            && matches!(c.mixer, Mixer::SelectiveScan | Mixer::GatedDelta)
+            && c.seq_len > TORCH_LOOP_MAX_SEQ_LEN
+        {
+            return Some(format!(
+                "PyTorch's eager {} is a Python loop over time, several kernel launches per \
+                 step: at seq_len {} a timed call is seconds and a CUDA graph of it hundreds of \
+                 thousands of nodes, so the runner does not time it past seq_len {}",
+                c.mixer.as_str(),
+                c.seq_len,
+                TORCH_LOOP_MAX_SEQ_LEN
             ));
         }
         if implementation == CPU_IMPLEMENTATION && c.dtype != MixerDtype::Fp32 {
@@ -805,6 +824,16 @@ mod tests {
             .map(|c| cases(&c, false).is_err())
             .unwrap());
         assert_eq!(dispatch_rules(DeviceChoice::Gpu).len(), 4);
+        let long = MixerCase::gated_delta(4, 65536, 8, 64);
+        assert!(suite
+            .unsupported(&long.params(), TORCH_EAGER)
+            .unwrap()
+            .contains("Python loop"));
+        assert!(suite
+            .unsupported(&long.params(), GPU_IMPLEMENTATION)
+            .is_none());
+        let ssd_long = MixerCase::ssd(4, 65536, 8, 64, 64);
+        assert!(suite.unsupported(&ssd_long.params(), TORCH_EAGER).is_none());
         let based = MixerCase::based(1, 8, 2, 4, 2);
         assert!(suite
             .unsupported(&based.params(), CPU_IMPLEMENTATION)
