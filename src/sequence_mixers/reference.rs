@@ -1,7 +1,7 @@
 //! Float64 references of the sequence mixers, each the sequential recurrence its paper
-//! defines, one time step after another (no chunking, no parallel scan; SSD's and the
-//! scan's independent sequences, one per batch entry and head or channel, run on rayon's
-//! threads): slow, and what the
+//! defines, one time step after another (no chunking, no parallel scan; the independent
+//! sequences, one per batch entry and head or channel, run on rayon's threads): slow, and what
+//! the
 //! chunked kernels and the alternatives are checked against. The file holds SSD, Mamba-2's
 //! layer ([`ssd`]), Mamba's selective scan ([`selective_scan`]), Gated DeltaNet's gated delta
 //! rule ([`gated_delta_rule`]) and Based's causal linear attention with a sliding-window
@@ -359,10 +359,15 @@ pub fn gated_delta_rule(
     shape.check("gated_delta_rule", &inp)?;
     let mut state = or_zeros("initial_state", inp.initial_state, batch * heads * vd * kd)?;
     let mut o = vec![0.0; batch * t_len * heads * vd];
-    let mut sk = vec![0.0; vd];
-    for b in 0..batch {
-        for h in 0..heads {
-            let s = &mut state[(b * heads + h) * vd * kd..][..vd * kd];
+    // Each (batch entry, head) is its own sequence: computed in parallel, each in time order
+    // with the same arithmetic as one after another, then scattered into O.
+    let outs: Vec<Vec<f64>> = state
+        .par_chunks_mut(vd * kd)
+        .enumerate()
+        .map(|(task, s)| {
+            let (b, h) = (task / heads, task % heads);
+            let mut sk = vec![0.0; vd];
+            let mut out = vec![0.0; t_len * vd];
             for t in 0..t_len {
                 let i = (b * t_len + t) * heads + h;
                 let (alpha, beta) = (inp.alpha[i], inp.beta[i]);
@@ -373,7 +378,7 @@ pub fn gated_delta_rule(
                 for (r, skr) in sk.iter_mut().enumerate() {
                     *skr = (0..kd).map(|j| s[r * kd + j] * k[j]).sum();
                 }
-                let out = &mut o[i * vd..][..vd];
+                let ot = &mut out[t * vd..][..vd];
                 for r in 0..vd {
                     let row = &mut s[r * kd..][..kd];
                     let w = beta * (v[r] - alpha * sk[r]);
@@ -382,9 +387,17 @@ pub fn gated_delta_rule(
                         row[j] = alpha * row[j] + w * k[j];
                         acc += row[j] * q[j];
                     }
-                    out[r] = acc;
+                    ot[r] = acc;
                 }
             }
+            out
+        })
+        .collect();
+    for (task, out) in outs.iter().enumerate() {
+        let (b, h) = (task / heads, task % heads);
+        for t in 0..t_len {
+            let dst = ((b * t_len + t) * heads + h) * vd;
+            o[dst..dst + vd].copy_from_slice(&out[t * vd..][..vd]);
         }
     }
     Ok((o, state))
@@ -527,15 +540,23 @@ pub fn based(shape: BasedShape, inp: BasedInputs) -> Result<(Vec<f64>, BasedStat
         cached: c1,
     };
     let mut o = vec![0.0; batch * t_len * heads * vd];
-    // Per batch entry and head: the cached keys and values followed by this call's, so that
-    // step t sits at position c0 + t of the history.
-    let mut hist_k = vec![0.0; (c0 + t_len) * kd];
-    let mut hist_v = vec![0.0; (c0 + t_len) * vd];
-    // At most min(W, keys in the history) scores per step (W may be far larger).
-    let mut scores = vec![0.0; window.min(c0 + t_len)];
-    for b in 0..batch {
-        for h in 0..heads {
-            let bh = b * heads + h;
+    // Each (batch entry, head) is its own sequence: computed in parallel, each in time order
+    // with the same arithmetic as one after another; its outputs and the cache it hands on are
+    // scattered afterwards.
+    type Part = (Vec<f64>, Vec<f64>, Vec<f64>);
+    let parts: Vec<Part> = state
+        .s
+        .par_chunks_mut(vd * kd)
+        .enumerate()
+        .map(|(bh, s)| {
+            let (b, h) = (bh / heads, bh % heads);
+            // The cached keys and values followed by this call's, so that step t sits at
+            // position c0 + t of the history.
+            let mut hist_k = vec![0.0; (c0 + t_len) * kd];
+            let mut hist_v = vec![0.0; (c0 + t_len) * vd];
+            // At most min(W, keys in the history) scores per step (W may be far larger).
+            let mut scores = vec![0.0; window.min(c0 + t_len)];
+            let mut out_bh = vec![0.0; t_len * vd];
             hist_k[..c0 * kd].copy_from_slice(&s0.keys[bh * c0 * kd..][..c0 * kd]);
             hist_v[..c0 * vd].copy_from_slice(&s0.values[bh * c0 * vd..][..c0 * vd]);
             for t in 0..t_len {
@@ -543,13 +564,12 @@ pub fn based(shape: BasedShape, inp: BasedInputs) -> Result<(Vec<f64>, BasedStat
                 hist_k[(c0 + t) * kd..][..kd].copy_from_slice(&inp.k[i * kd..][..kd]);
                 hist_v[(c0 + t) * vd..][..vd].copy_from_slice(&inp.v[i * vd..][..vd]);
             }
-            let s = &mut state.s[bh * vd * kd..][..vd * kd];
             for t in 0..t_len {
                 let i = (b * t_len + t) * heads + h;
                 let q = &inp.q[i * kd..][..kd];
                 let k = &inp.k[i * kd..][..kd];
                 let v = &inp.v[i * vd..][..vd];
-                let out = &mut o[i * vd..][..vd];
+                let out = &mut out_bh[t * vd..][..vd];
                 // Linear branch: S ← S + v kᵀ, then c · S q, row by row.
                 for r in 0..vd {
                     let row = &mut s[r * kd..][..kd];
@@ -581,10 +601,19 @@ pub fn based(shape: BasedShape, inp: BasedInputs) -> Result<(Vec<f64>, BasedStat
             }
             // The cache to hand on: the last c1 positions of the history.
             let from = c0 + t_len - c1;
-            state.keys[bh * c1 * kd..][..c1 * kd].copy_from_slice(&hist_k[from * kd..][..c1 * kd]);
-            state.values[bh * c1 * vd..][..c1 * vd]
-                .copy_from_slice(&hist_v[from * vd..][..c1 * vd]);
+            let keys = hist_k[from * kd..][..c1 * kd].to_vec();
+            let values = hist_v[from * vd..][..c1 * vd].to_vec();
+            (out_bh, keys, values)
+        })
+        .collect();
+    for (bh, (out_bh, keys, values)) in parts.iter().enumerate() {
+        let (b, h) = (bh / heads, bh % heads);
+        for t in 0..t_len {
+            let dst = ((b * t_len + t) * heads + h) * vd;
+            o[dst..dst + vd].copy_from_slice(&out_bh[t * vd..][..vd]);
         }
+        state.keys[bh * c1 * kd..][..c1 * kd].copy_from_slice(keys);
+        state.values[bh * c1 * vd..][..c1 * vd].copy_from_slice(values);
     }
     Ok((o, state))
 }
