@@ -30,9 +30,10 @@ import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import dense_kernel_sums, protocol, timing, torch_cpu, torch_sdpa  # noqa: E402
+    from compare import dense_kernel_sums, protocol, timing  # noqa: E402
+    from compare import torch_cpu, torch_outputs, torch_sdpa  # noqa: E402
 else:
-    from . import dense_kernel_sums, protocol, timing, torch_cpu, torch_sdpa
+    from . import dense_kernel_sums, protocol, timing, torch_cpu, torch_outputs, torch_sdpa
 
 LIBRARY = "PyTorch"
 IMPLEMENTATIONS = ("torch_dense",)
@@ -110,38 +111,6 @@ def _measure_into(job, reply):
     dense_kernel_sums.measure_into(job, reply, LIBRARY, why, run, classify)
 
 
-def _check(files, results):
-    """Each whole output scanned for non-finite values, then the runner's checked elements
-    against its float64 reference: ({"message": ...}, None) on a failure, else (None, the
-    accuracy dict)."""
-    errors = []
-    for (name, _spec, check), tensor in zip(protocol.outputs(files), results):
-        flat = tensor.detach().contiguous().view(-1)
-        bad = (~torch.isfinite(flat)).nonzero()
-        bad_index = int(bad[0, 0]) if bad.numel() else None
-        idx = torch.tensor(protocol.flat_indices(check["ranges"]), dtype=torch.long,
-                           device=flat.device)
-        got = flat.index_select(0, idx).double().cpu().tolist()
-        reference = protocol.read_f64(check["reference"])
-        msg, rel_err = protocol.check_output(bad_index, flat.numel(), got, reference)
-        if msg is not None:
-            if name != "O":
-                msg = msg.replace(" (unwritten", " of %s (unwritten" % name)
-            return {"message": msg}, None
-        errors.append((name, rel_err))
-    check = files["check"]
-    return None, {"rel_err": protocol.worst(e for _, e in errors), "metric": "rel_l2",
-                  "reference": check.get("reference_kind", "float64_cpu"),
-                  "tolerance": check["tolerance"],
-                  "checked": protocol.checked_text(check["checked"], errors)}
-
-
-def _cut_short_notes(measurements, tcfg):
-    return ["%s timing: %d of %d samples, the %g s case limit stopped sampling"
-            % (what, m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"]))
-            for m, what in measurements if m is not None and m["cut_short"]]
-
-
 def _measure_cpu(job):
     files, tcfg = job["files"], job["timing"]
     call = caller(files["arguments"])
@@ -156,7 +125,7 @@ def _measure_cpu(job):
         peak = r[1] - base if (base is not None and r is not None) else None
         set_bytes = sum(x.numel() * x.element_size() for x in set0)
         out_bytes = sum(x.numel() * x.element_size() for x in results)
-        failed, accuracy = _check(files, results)
+        failed, accuracy = torch_outputs.check_outputs(files, results)
         if failed:
             return failed, None
         del results
@@ -173,7 +142,7 @@ def _measure_cpu(job):
     note = torch_cpu.load_note(load_before, torch_cpu.load_average())
     if note:
         notes.append(note)
-    notes += _cut_short_notes([(m, "wall-clock")], tcfg)
+    notes += torch_outputs.cut_short_notes([(m, "wall-clock")], tcfg)
     memory = {"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6}
     if peak is not None:
         memory.update(peak_mb=max(0, peak) / 1e6, peak_method=torch_cpu.PEAK_METHOD,
@@ -209,7 +178,7 @@ def _measure_gpu(job):
         ws = workspace or 0
         set_bytes = sum(x.numel() * x.element_size() for x in set0)
         out_bytes = sum(x.numel() * x.element_size() for x in results)
-        failed, accuracy = _check(files, results)
+        failed, accuracy = torch_outputs.check_outputs(files, results)
         if failed:
             return failed, None
         del results
@@ -231,7 +200,7 @@ def _measure_gpu(job):
     if graph_error is not None:
         notes.append("CUDA graph capture failed, timed eagerly: %s"
                      % protocol.exc_text(graph_error))
-    notes += _cut_short_notes([(eager, "eager"), (graph, "graph")], tcfg)
+    notes += torch_outputs.cut_short_notes([(eager, "eager"), (graph, "graph")], tcfg)
     fields = dict(
         median_ms=reported["median"], q1_ms=reported["q1"], q3_ms=reported["q3"],
         inner_calls=reported["inner"], samples=reported["samples"], input_sets=n_sets,
