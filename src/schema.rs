@@ -464,6 +464,30 @@ pub enum Param {
     Text(String),
 }
 
+/// The size named `key` in a case's parameters (a non-negative `Param::Int`).
+///
+/// # Errors
+/// The parameter is missing, or is not a non-negative integer (the message names it).
+pub fn param_size(p: &BTreeMap<String, Param>, key: &str) -> Result<usize, String> {
+    match p.get(key) {
+        Some(Param::Int(i)) if *i >= 0 => Ok(*i as usize),
+        Some(other) => Err(format!("parameter `{key}` = {other} is not a size")),
+        None => Err(format!("parameter `{key}` is missing")),
+    }
+}
+
+/// The name named `key` in a case's parameters (a `Param::Text`, such as `dtype`).
+///
+/// # Errors
+/// The parameter is missing, or is not text (the message names it).
+pub fn param_name<'a>(p: &'a BTreeMap<String, Param>, key: &str) -> Result<&'a str, String> {
+    match p.get(key) {
+        Some(Param::Text(s)) => Ok(s.as_str()),
+        Some(other) => Err(format!("parameter `{key}` = {other} is not a name")),
+        None => Err(format!("parameter `{key}` is missing")),
+    }
+}
+
 impl std::fmt::Display for Param {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -118,20 +118,8 @@ impl KernelSumCase {
     /// # Errors
     /// A missing or mistyped parameter, an unknown op, a dtype other than fp32.
     pub fn from_params(p: &BTreeMap<String, Param>) -> Result<KernelSumCase, String> {
-        let int = |k: &str| -> Result<usize, String> {
-            match p.get(k) {
-                Some(Param::Int(i)) if *i >= 0 => Ok(*i as usize),
-                Some(other) => Err(format!("parameter `{k}` = {other} is not a size")),
-                None => Err(format!("parameter `{k}` is missing")),
-            }
-        };
-        let text = |k: &str| -> Result<&str, String> {
-            match p.get(k) {
-                Some(Param::Text(s)) => Ok(s.as_str()),
-                Some(other) => Err(format!("parameter `{k}` = {other} is not a name")),
-                None => Err(format!("parameter `{k}` is missing")),
-            }
-        };
+        let int = |k: &str| crate::schema::param_size(p, k);
+        let text = |k: &str| crate::schema::param_name(p, k);
         let op = text("op")?;
         let op = Op::parse(op).ok_or_else(|| format!("unknown op `{op}`"))?;
         if text("dtype")? != "fp32" {

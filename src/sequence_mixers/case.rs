@@ -271,20 +271,8 @@ impl MixerCase {
     /// A missing or mistyped parameter, an unknown mixer or dtype, a pass other than `fwd`
     /// (the backward kernels are not written yet), or a shape [`MixerCase::validate`] refuses.
     pub fn from_params(p: &BTreeMap<String, Param>) -> Result<MixerCase, String> {
-        let int = |k: &str| -> Result<usize, String> {
-            match p.get(k) {
-                Some(Param::Int(i)) if *i >= 0 => Ok(*i as usize),
-                Some(other) => Err(format!("parameter `{k}` = {other} is not a size")),
-                None => Err(format!("parameter `{k}` is missing")),
-            }
-        };
-        let text = |k: &str| -> Result<&str, String> {
-            match p.get(k) {
-                Some(Param::Text(s)) => Ok(s.as_str()),
-                Some(other) => Err(format!("parameter `{k}` = {other} is not a name")),
-                None => Err(format!("parameter `{k}` is missing")),
-            }
-        };
+        let int = |k: &str| crate::schema::param_size(p, k);
+        let text = |k: &str| crate::schema::param_name(p, k);
         let name = text("mixer")?;
         let mixer = Mixer::parse(name)
             .ok_or_else(|| format!("unknown mixer `{name}` (ssd, selective_scan)"))?;
