@@ -669,9 +669,38 @@ fn missing_shards_of_a_run_are_named_on_the_pages() {
     let expected =
         "shards 2, 4 of 4 of the part measured with --filter pass=fwd are not in the data folder";
     assert!(attention.contains(expected), "{attention}");
+    // Said before the page's text and tables, and again above the document's tables.
+    assert_eq!(attention.matches(expected).count(), 2, "{attention}");
+    let html = page(&site, "attention.html");
+    let first = html
+        .select(&sel("main p.notice.incomplete"))
+        .next()
+        .expect("a notice");
+    assert!(text(first).contains("The text below describes the cases measured so far"));
     let index = text_of(&site, "index.html");
     assert!(index.contains("incomplete run"), "{index}");
     assert!(index.contains(expected), "{index}");
+    // Every reproduce command writes one file: a merged run's joined name is never an
+    // `--output` (the Hopper page once printed `--output 'a.json + b.json'`).
+    for name in ["index.html", "attention.html", "hopper.html"] {
+        if site.join(name).exists() {
+            let t = text_of(&site, name);
+            for (at, _) in t.match_indices("--output ") {
+                let rest = t[at + "--output ".len()..].trim_start_matches('\'');
+                let path = rest.split(['\'', ' ']).next().unwrap_or_default();
+                let after = &rest[path.len()..];
+                assert!(
+                    path.ends_with(".json") && !after.starts_with(" + "),
+                    "{name}: --output {path}{}",
+                    &after[..after.len().min(60)]
+                );
+            }
+        }
+    }
+    assert!(
+        site.join("hopper.html").exists(),
+        "the fixture is a compute capability 9.0 run"
+    );
     write_shard(&mut doc, 2);
     write_shard(&mut doc, 4);
     let (_tmp, site) = build_site(data.path(), None);

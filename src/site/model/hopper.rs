@@ -369,8 +369,9 @@ pub fn toc(page: &HopperPage) -> Vec<super::TocEntry> {
         .collect()
 }
 
-/// The Hopper page of `docs`.
-pub fn hopper_page(docs: &[Loaded], layout: Layout) -> HopperPage {
+/// The Hopper page of `docs` (shards merged), its reproduce commands from `parts` (the
+/// documents as loaded, one command each).
+pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperPage {
     let hopper: Vec<&Loaded> = docs.iter().filter(|l| is_hopper(&l.doc)).collect();
     let mut suites = Vec::new();
     let mut charts = Vec::new();
@@ -506,7 +507,9 @@ pub fn hopper_page(docs: &[Loaded], layout: Layout) -> HopperPage {
         suites,
         devices: device_lines(docs),
         charts,
-        reproduce: reproduce_commands(hopper.iter().copied()),
+        // One command per document as measured (each shard and part its own `--output`), not
+        // per merged run.
+        reproduce: reproduce_commands(parts.iter().filter(|l| is_hopper(&l.doc))),
     }
 }
 

@@ -389,7 +389,7 @@ pub fn build_model(
     );
     index.tuning_href = tuning_notes_md.map(|_| format!("{base}{TUNING_FILE}"));
     let hopper = hopper_title.as_deref().map(|t| {
-        let page = hopper::hopper_page(docs, layout(HOPPER_FILE, t, Vec::new()));
+        let page = hopper::hopper_page(docs, all_docs, layout(HOPPER_FILE, t, Vec::new()));
         HopperPage {
             layout: Layout {
                 toc: hopper::toc(&page),
