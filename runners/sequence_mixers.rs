@@ -47,7 +47,7 @@ use kernelpages::sequence_mixers::{cpu, files};
 #[command(
     name = "sequence_mixers",
     version,
-    about = "Measure the sequence mixers (SSD, the selective scan) on the GPU (data/gpu_sequence_mixers.json) or with --device cpu the CPU (data/cpu_sequence_mixers.json) and write a suite document"
+    about = "Measure the sequence mixers (SSD, the selective scan, the gated delta rule, Based) on the GPU (data/gpu_sequence_mixers.json) or with --device cpu the CPU (SSD and the selective scan: data/cpu_sequence_mixers.json) and write a suite document"
 )]
 struct Cli {
     #[command(flatten)]
@@ -173,7 +173,9 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
             .map(|n| match n.as_str() {
                 "fp32" => Ok(MixerDtype::Fp32),
                 "bf16" => Ok(MixerDtype::Bf16),
-                other => anyhow::bail!("--dtypes: `{other}` (fp32, bf16)"),
+                other => {
+                    anyhow::bail!("--dtypes: unknown dtype `{other}`; the mixers take fp32, bf16")
+                }
             })
             .collect::<Result<_>>()?,
         None if gpu => vec![MixerDtype::Bf16, MixerDtype::Fp32],

@@ -107,7 +107,8 @@ impl RunnerArgs {
     /// The cases of `grid` (or `quick` under `--quick`) selected by `--filter` and `--shard`.
     ///
     /// # Errors
-    /// A malformed filter, or one naming a parameter the cases do not have.
+    /// A malformed filter, one naming a parameter the cases do not have, or a selection that
+    /// leaves no case of a non-empty grid (the message names the filter and shard).
     pub fn select(&self, grid: Vec<Params>, quick: Vec<Params>) -> Result<Vec<Params>> {
         let grid = if self.quick { quick } else { grid };
         let filter = match &self.filter {
@@ -125,7 +126,25 @@ impl RunnerArgs {
         if !grid.is_empty() {
             filter.check_keys(&keys).map_err(anyhow::Error::msg)?;
         }
-        Ok(grid::select(grid, &filter, self.shard))
+        let total = grid.len();
+        let picked = grid::select(grid, &filter, self.shard);
+        if picked.is_empty() && total > 0 {
+            let mut how = Vec::new();
+            if let Some(f) = &self.filter {
+                how.push(format!("--filter '{f}'"));
+            }
+            if let Some(s) = self.shard {
+                how.push(format!("--shard {}/{}", s.index, s.count));
+            }
+            anyhow::bail!(
+                "the selection holds no case: {} left none of the {total} cases of the {}grid \
+                 (a value the grid never takes, such as a seq_len it does not run, selects \
+                 nothing); nothing to measure, no document written",
+                how.join(" and "),
+                if self.quick { "quick " } else { "" }
+            );
+        }
+        Ok(picked)
     }
 }
 

@@ -334,7 +334,19 @@ fn selection_applies_quick_filter_and_shard() {
     let cli = Cli::try_parse_from(["x", "--quick"]).unwrap();
     assert_eq!(cli.args.select(grid.clone(), quick.clone()).unwrap(), quick);
     let cli = Cli::try_parse_from(["x", "--filter", "seqlen=4"]).unwrap();
-    assert!(cli.args.select(grid.clone(), quick).is_err());
+    assert!(cli.args.select(grid.clone(), quick.clone()).is_err());
+    // A value the grid never takes selects nothing: an error naming the filter, not an empty
+    // document.
+    let cli = Cli::try_parse_from(["x", "--filter", "seq_len>=99999"]).unwrap();
+    let e = cli
+        .args
+        .select(grid.clone(), quick)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no case") && e.contains("seq_len>=99999") && e.contains("4 cases"),
+        "{e}"
+    );
     assert!(Cli::try_parse_from(["x", "--runs", "0"]).is_err());
     let cli = Cli::try_parse_from(["x", "--runs", "3", "--warmup-ms", "50"]).unwrap();
     let timing = cli.args.timing();
