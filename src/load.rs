@@ -123,6 +123,20 @@ impl Loaded {
         }
     }
 
+    /// [`Loaded::missing_shards`] in words, parts joined by `; ` (`shards 9–16 of 16 of the
+    /// part measured with --filter pass=fwd+bwd`), or `None` when no shard is missing.
+    pub fn missing_shards_text(&self) -> Option<String> {
+        if self.missing_shards.is_empty() {
+            return None;
+        }
+        let parts: Vec<String> = self
+            .missing_shards
+            .iter()
+            .map(MissingShards::describe)
+            .collect();
+        Some(parts.join("; "))
+    }
+
     /// The document's path relative to the data folder (`h200/gpu_attention.json`), for
     /// display and for the `--output` of its reproduce command.
     pub fn file_name(&self) -> String {

@@ -797,15 +797,8 @@ fn setup_doc(l: &Loaded) -> SetupDoc {
             kv("Rows", l.doc.rows.len().to_string()),
             kv(
                 "Shards not in the data folder",
-                if l.missing_shards.is_empty() {
-                    "none".to_string()
-                } else {
-                    l.missing_shards
-                        .iter()
-                        .map(crate::load::MissingShards::describe)
-                        .collect::<Vec<_>>()
-                        .join("; ")
-                },
+                l.missing_shards_text()
+                    .unwrap_or_else(|| "none".to_string()),
             ),
             kv(
                 "SM clock during the rows",

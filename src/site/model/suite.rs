@@ -486,21 +486,14 @@ fn doc_section(
 
 /// The sentence saying which shards of `loaded`'s run the data folder lacks, or `None`.
 pub fn incomplete_run(loaded: &Loaded) -> Option<String> {
-    if loaded.missing_shards.is_empty() {
-        return None;
-    }
-    let parts: Vec<String> = loaded
-        .missing_shards
-        .iter()
-        .map(crate::load::MissingShards::describe)
-        .collect();
+    let missing = loaded.missing_shards_text()?;
     Some(format!(
         "Incomplete run: {} {} not in the data folder. The cases of a missing shard have no rows \
          here (a shard takes every n-th case of its part of the grid), so these tables and the \
          comparisons built on them cover part of the grid; measure the rest with the same \
          command and build (commit {}), changing only --shard and --output.",
-        parts.join("; "),
-        if parts.len() == 1 && loaded.missing_shards[0].missing.len() == 1 {
+        missing,
+        if loaded.missing_shards.len() == 1 && loaded.missing_shards[0].missing.len() == 1 {
             "is"
         } else {
             "are"
