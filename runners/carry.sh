@@ -2,7 +2,8 @@
 # Copies what the GPU machine needs into DEST/.carry (default: ../main, the checkout the
 # device tool sends; `runners/carry.sh .` for this checkout): the attention, kernel_sums and
 # sequence_mixers runners, the GPU and comparison test binaries (attention, kernel sums, sequence mixers), the Python comparison package, device_run.sh,
-# device_verdict.py and grid_shards.sh. Build first:
+# device_verdict.py and grid_shards.sh, and the wheels in .whl/ (runners/fetch_wheels.sh) into
+# .carry/whl/. Build first:
 #   cargo build --release --bin attention --bin kernel_sums --bin sequence_mixers --tests
 set -euo pipefail
 dest=${1:-../main}/.carry
@@ -17,4 +18,7 @@ cp -r runners/compare "$dest/runners/"
 rm -rf "$dest/runners/compare/__pycache__"
 cp runners/device_run.sh runners/device_verdict.py runners/grid_shards.sh \
   runners/jax_init_probe.py "$dest/"
+if ls .whl/*.whl > /dev/null 2>&1; then
+  mkdir -p "$dest/whl" && cp .whl/*.whl "$dest/whl/"
+fi
 du -sh "$dest"

@@ -8,11 +8,12 @@
 #   bash .carry/device_run.sh tests OUTDIR        # the GPU and comparison tests only
 #   bash .carry/device_run.sh mixers OUTDIR       # the sequence-mixer GPU tests (SSD, scan,
 #                                                 # Based, gated delta rule v1 forwards
-#                                                 # against float64)
+#                                                 # against float64) and the fla module test
 #   bash .carry/device_run.sh jaxinit OUTDIR      # where a JAX row's start-up goes
 #                                                 # (runners/jax_init_probe.py, < 1 min)
 #   bash .carry/device_run.sh mixers_grid OUTDIR [i/n]  # the sequence_mixers grid (or shard i
-#                                                 # of n) with --compare torch
+#                                                 # of n) with --compare torch,fla (fla-core
+#                                                 # from .carry/whl/, see runners/carry.sh)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
 #   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding
@@ -63,6 +64,15 @@ step() {  # step NAME LIMIT_S LOG COMMAND...: runs COMMAND under a time limit, i
   echo "$name: $why in $(( $(date +%s) - t0 )) s"
 }
 
+install_wheels() {  # Python packages the image lacks, carried as wheels in .carry/whl/
+  if ls "$here"/whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/kp-site "$here"/whl/*.whl \
+      && export PYTHONPATH=/tmp/kp-site${PYTHONPATH:+:$PYTHONPATH} \
+      && echo "installed: $(cd "$here/whl" && ls ./*.whl | tr '\n' ' ')"
+  fi
+}
+
 tests() {
   # Correctness first; the configuration sweep (the heaviest compile) last.
   step "gpu tests" "$1" "$out/gpu_attention.tests.log" "$bin/gpu_attention_test" \
@@ -104,14 +114,18 @@ jaxinit)
   cat "$out/jax_init.log"
   ;;
 mixers)
+  install_wheels
   step "sequence-mixer gpu tests" 240 "$out/gpu_sequence_mixers.tests.log" \
     "$bin/gpu_sequence_mixers_test" --include-ignored --test-threads 1 --nocapture
+  step "fla module test" 180 "$out/fla_mixers.tests.log" "$bin/compare_script_test" \
+    --include-ignored --exact fla_module_runs_on_the_gpu --nocapture
   ;;
 mixers_grid)
   # The sequence-mixer grid, or shard $3 (e.g. 1/2) of it; KP_MIXERS_LIMIT_S caps the step.
+  install_wheels
   shard=(); [ -n "${3:-}" ] && shard=(--shard "$3")
   step "sequence_mixers grid" "${KP_MIXERS_LIMIT_S:-540}" "$out/sequence_mixers.log" \
-    "$bin/sequence_mixers" --compare torch "${shard[@]}" \
+    "$bin/sequence_mixers" --compare torch,fla "${shard[@]}" \
     --output "$out/gpu_sequence_mixers${3:+_${3%%/*}}.json"
   ;;
 kernel_sums)

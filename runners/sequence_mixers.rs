@@ -3,7 +3,10 @@
 //! linear attention with a sliding-window softmax branch) for the project's implementations
 //! and, with `--compare torch`, PyTorch's eager formulations (`runners/compare/torch_mixers.py`:
 //! Mamba-2's chunked minimal SSD, the selective scan's and the gated delta rule's reference
-//! loops over time, Based chunked), and writes one suite document. The machinery (processes,
+//! loops over time, Based chunked), with `--compare fla` flash-linear-attention's chunked
+//! Triton kernels on a GPU (`runners/compare/fla_mixers.py`: simple GLA for SSD, the gated delta
+//! rule, linear attention plus windowed attention for Based; no selective scan), and writes one
+//! suite document. The machinery (processes,
 //! order, timing records, progress, document) is `kernelpages::runner`; this file is the grid,
 //! the implementations, the dispatch table and the counts.
 //!
@@ -15,7 +18,7 @@
 //! [`kernelpages::sequence_mixers::cpu`]).
 //!
 //! ```text
-//! sequence_mixers --compare torch --output data/gpu_sequence_mixers.json
+//! sequence_mixers --compare torch,fla --output data/gpu_sequence_mixers.json
 //! sequence_mixers --device cpu --compare torch --output data/cpu_sequence_mixers.json
 //! sequence_mixers --device cpu --quick
 //! ```
@@ -100,13 +103,24 @@ const TORCH_EAGER: &str = "torch_eager";
 /// rule) are timed: about 40 µs of host time per step, 20 timed calls and a CUDA graph per case.
 const TORCH_LOOP_MAX_SEQ_LEN: usize = 16384;
 
+/// flash-linear-attention's chunked Triton kernels (`runners/compare/fla_mixers.py`).
+const FLA_CHUNK: &str = "fla_chunk";
+
 /// The alternatives `--compare` can add (each module measures on the run's device).
-const ALTERNATIVES: [Alternative; 1] = [Alternative {
-    name: "torch",
-    module: "torch_mixers",
-    library: "PyTorch",
-    implementations: &[TORCH_EAGER],
-}];
+const ALTERNATIVES: [Alternative; 2] = [
+    Alternative {
+        name: "torch",
+        module: "torch_mixers",
+        library: "PyTorch",
+        implementations: &[TORCH_EAGER],
+    },
+    Alternative {
+        name: "fla",
+        module: "fla_mixers",
+        library: "flash-linear-attention",
+        implementations: &[FLA_CHUNK],
+    },
+];
 
 /// How FLOPs are counted (the document's `flop_rule`).
 const FLOP_RULE: &str = "the recurrence's arithmetic, per token and state element: SSD 5 (the decay and input update, 3; the read-out by C, 2), the selective scan 6 (its per-element Δ·A as well; exponentials not counted); a chunked kernel does more, the count is the same for every implementation of a case. Throughput also as tokens per second (B·T per call)";
@@ -338,6 +352,13 @@ impl runner::Suite for Mixers {
                 c.seq_len,
                 TORCH_LOOP_MAX_SEQ_LEN
             ));
+        }
+        if implementation == FLA_CHUNK && c.mixer == Mixer::SelectiveScan {
+            return Some(
+                "flash-linear-attention has no Mamba-1 selective scan (a decay per channel and \
+                 state element); its SSD-like kernel (simple GLA) is the ssd row"
+                    .into(),
+            );
         }
         if implementation == CPU_IMPLEMENTATION && c.dtype != MixerDtype::Fp32 {
             return Some(format!(
@@ -836,6 +857,12 @@ mod tests {
             .is_none());
         let ssd_long = MixerCase::ssd(4, 65536, 8, 64, 64);
         assert!(suite.unsupported(&ssd_long.params(), TORCH_EAGER).is_none());
+        assert!(suite.unsupported(&ssd_long.params(), FLA_CHUNK).is_none());
+        let scan = MixerCase::scan(4, 1024, 512, 16);
+        assert!(suite
+            .unsupported(&scan.params(), FLA_CHUNK)
+            .unwrap()
+            .contains("no Mamba-1 selective scan"));
         let based = MixerCase::based(1, 8, 2, 4, 2);
         assert!(suite
             .unsupported(&based.params(), CPU_IMPLEMENTATION)

@@ -338,6 +338,85 @@ fn kernel_sum_module_runs_on_the_gpu() {
     }
 }
 
+/// flash-linear-attention's module (`runners/compare/fla_mixers.py`) on the GPU, with the library
+/// on `PYTHONPATH` (the device run installs fla-core and einops from wheels): its self-test (each
+/// kernel call against the float64 recurrences), then SSD, the gated delta rule and Based at a
+/// length that is not a multiple of the chunk, bf16 and fp32, measured and within the row's
+/// tolerance in bf16 (fp32 goes through TF32 products: its error is reported, under 2e-2), and
+/// the selective scan `unsupported`.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs torch with a GPU and flash-linear-attention: run on the GPU machine with --include-ignored"
+)]
+fn fla_module_runs_on_the_gpu() {
+    use kernelpages::sequence_mixers::case::{MixerCase, MixerDtype};
+    use kernelpages::sequence_mixers::files as mx_files;
+    if !have_python("fla_module_runs_on_the_gpu") {
+        return;
+    }
+    assert!(torch_with_gpu(), "no torch with a GPU");
+    // The runners' package first, then whatever PYTHONPATH holds (the installed wheels).
+    let mut path = vec![runners_dir()];
+    path.extend(
+        std::env::var_os("PYTHONPATH")
+            .map_or_else(Vec::new, |p| std::env::split_paths(&p).collect::<Vec<_>>()),
+    );
+    let o = Command::new("python3")
+        .args(["-m", "compare.fla_mixers", "self-test"])
+        .env("PYTHONPATH", std::env::join_paths(path).unwrap())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(!stderr.contains("not checked here"), "{stderr}");
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Server::start("python3", &runners_dir(), "fla_mixers", &[]).unwrap();
+    let bases = [
+        MixerCase::ssd(2, 200, 4, 64, 64),
+        MixerCase::gated_delta(2, 200, 4, 64),
+        MixerCase::based(2, 200, 4, 64, 64),
+        MixerCase::scan(2, 200, 64, 16),
+    ];
+    let mut k = 0;
+    for base in bases {
+        for dtype in [MixerDtype::Bf16, MixerDtype::Fp32] {
+            let c = MixerCase { dtype, ..base };
+            k += 1;
+            let sub = dir.path().join(k.to_string());
+            std::fs::create_dir_all(&sub).unwrap();
+            let j = Job {
+                case: c.params(),
+                implementation: "fla_chunk".into(),
+                device: DeviceChoice::Gpu,
+                timing: timing(),
+                l2_bytes: 62_914_560,
+                files: mx_files::write_case(&c, 3, 32, &sub).unwrap(),
+            };
+            let row = s.request(&j, Duration::from_secs(150)).unwrap().row;
+            eprintln!(
+                "{}: {:?} {:?} {:?} {:?}",
+                c.label(),
+                row.status,
+                row.median_ms,
+                row.accuracy.as_ref().map(|a| a.rel_err),
+                row.message
+            );
+            if base.mixer == kernelpages::sequence_mixers::case::Mixer::SelectiveScan {
+                assert_eq!(row.status, Status::Unsupported, "{row:?}");
+                continue;
+            }
+            assert_eq!(row.status, Status::Ok, "{c:?}: {row:?}");
+            let acc = row.accuracy.unwrap();
+            if dtype == MixerDtype::Bf16 {
+                assert!(acc.rel_err < acc.tolerance, "{c:?}: {acc:?}");
+            } else {
+                assert!(acc.rel_err < 2e-2, "{c:?}: {acc:?}");
+            }
+        }
+    }
+}
+
 /// PyTorch's flex_attention module (`runners/compare/torch_flex.py`): its self-test everywhere;
 /// with torch and a GPU, every named modification on a small GQA case whose length is not a
 /// multiple of any block size, forward with equal, fewer and more queries than keys (the

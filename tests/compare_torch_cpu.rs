@@ -278,3 +278,40 @@ fn mixer_module_answers_each_mixer_and_dtype() {
         assert_eq!(row.status, Status::Unsupported, "{row:?}");
     }
 }
+
+/// flash-linear-attention's module (`compare.fla_mixers`): its self-test passes anywhere (the
+/// kernels are checked only where torch has a GPU and the library imports), and a CPU job is an
+/// `unsupported` row for every mixer, saying that the library's kernels are Triton kernels for
+/// GPUs.
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn fla_module_answers_cpu_jobs_with_reasons() {
+    use kernelpages::sequence_mixers::case::MixerCase;
+    use kernelpages::sequence_mixers::files as mx_files;
+    let o = Command::new("python3")
+        .args(["-m", "compare.fla_mixers", "self-test"])
+        .env("PYTHONPATH", runners_dir())
+        .output()
+        .expect("python3 runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Server::start("python3", &runners_dir(), "fla_mixers", &[]).expect("starts");
+    let cases = [
+        MixerCase::ssd(1, 70, 2, 8, 8),
+        MixerCase::scan(1, 70, 8, 4),
+        MixerCase::gated_delta(1, 70, 2, 8),
+        MixerCase::based(1, 70, 2, 8, 5),
+    ];
+    for (k, c) in cases.iter().enumerate() {
+        let sub = dir.path().join(k.to_string());
+        std::fs::create_dir_all(&sub).unwrap();
+        let mut j = job(&case(), "fla_chunk", &sub);
+        j.case = c.params();
+        j.files = mx_files::write_case(c, 3, 16, &sub).unwrap();
+        let row = s.request(&j, Duration::from_secs(60)).unwrap().row;
+        assert_eq!(row.status, Status::Unsupported, "{c:?}: {row:?}");
+        assert_eq!(row.library, "flash-linear-attention");
+        let msg = row.message.unwrap();
+        assert!(msg.contains("GPU"), "{msg}");
+    }
+}

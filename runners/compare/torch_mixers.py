@@ -486,10 +486,26 @@ def _measure_cpu(job):
 
 
 def _measure_gpu(job):
+    args = arguments(job)
+    notes = _formulation_notes(args)
+    notes.append("fp32: TF32 %s (torch.backends.cuda.matmul.allow_tf32 = %s)" % (
+        "allowed" if torch.backends.cuda.matmul.allow_tf32 else "not allowed",
+        torch.backends.cuda.matmul.allow_tf32))
+    return measure_on_gpu(job, caller(args), notes, check_fit=True)
+
+
+def measure_on_gpu(job, call, notes, check_fit):
+    """Measures `call` (on the job's inputs, in `files.inputs` order, returning a tuple of
+    outputs) on CUDA: the inputs uploaded, the first call timed by wall clock, the outputs
+    scanned and checked against the runner's float64 reference, then eager calls between CUDA
+    events and a CUDA graph of them (`timing.measure_eager_then_graph`). `notes` are the
+    row's notes (the formulation's), to which the timing's are added; `check_fit` refuses a
+    call whose float32 temporaries (`temporaries_bytes`, this module's formulations) exceed
+    the free device memory. Returns (row fields, measurement window) or (failed row fields,
+    None). Shared with `fla_mixers`."""
     files, tcfg = job["files"], job["timing"]
     args = arguments(job)
     check_inputs(args, files["inputs"])
-    call = caller(args)
     device = torch.device("cuda")
     torch.zeros(1, device=device)  # CUDA context, outside every figure
     torch.cuda.synchronize()
@@ -499,8 +515,9 @@ def _measure_gpu(job):
         base_reserved = torch.cuda.memory_reserved()
         set0 = tuple(torch_sdpa.load_input(t, device) for t in files["inputs"])
         torch.cuda.synchronize()
-        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        fits(args, torch.cuda.mem_get_info()[0] + cached, "the free device memory")
+        if check_fit:
+            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            fits(args, torch.cuda.mem_get_info()[0] + cached, "the free device memory")
         t0 = time.perf_counter()
         results = call(*set0)
         torch.cuda.synchronize()
@@ -526,10 +543,7 @@ def _measure_gpu(job):
             torch, call, sets, tcfg, time.perf_counter())
         window = [window0, protocol.unix_now()]
         del sets
-    notes = _formulation_notes(args)
-    notes.append("fp32: TF32 %s (torch.backends.cuda.matmul.allow_tf32 = %s)" % (
-        "allowed" if torch.backends.cuda.matmul.allow_tf32 else "not allowed",
-        torch.backends.cuda.matmul.allow_tf32))
+    notes = list(notes)
     graph = reported if graph_error is None else None
     if graph_error is not None:
         notes.append("CUDA graph capture failed, timed eagerly: %s"
