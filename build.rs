@@ -10,7 +10,9 @@
 //! - `kp_chromium`: a Chromium binary is on `PATH`;
 //! - `kp_python`: `python3` runs;
 //! - `kp_torch`, `kp_jax`: `python3` imports `torch`, `jax` (on any device: the CPU
-//!   comparison modules and the JAX module's CPU test hook need no GPU).
+//!   comparison modules and the JAX module's CPU test hook need no GPU);
+//! - `kp_cxx`: `g++` compiles C++20 with `<barrier>` (the CPU emulation of the sequence-mixer
+//!   kernels, `kernels/sequence_mixers/emulate/`).
 //!
 //! On the GPU machine, run the ignored tests with `cargo test -- --include-ignored` (a binary
 //! built elsewhere carries the flags of the machine it was built on).
@@ -32,6 +34,7 @@ fn main() {
         "kp_python",
         "kp_torch",
         "kp_jax",
+        "kp_cxx",
     ] {
         println!("cargo::rustc-check-cfg=cfg({flag})");
     }
@@ -63,7 +66,28 @@ fn main() {
             }
         }
     }
+    if cxx20_barrier() {
+        println!("cargo:rustc-cfg=kp_cxx");
+    }
     record_commit();
+}
+
+/// True when `g++ -std=c++20` compiles a file that includes `<barrier>`.
+fn cxx20_barrier() -> bool {
+    use std::io::Write;
+    let Ok(mut child) = Command::new("g++")
+        .args(["-std=c++20", "-fsyntax-only", "-x", "c++", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+    else {
+        return false;
+    };
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(b"#include <barrier>\nint main() { std::barrier<> b(1); }\n");
+    }
+    child.wait().is_ok_and(|s| s.success())
 }
 
 /// `name` as a file in a folder of `PATH`.

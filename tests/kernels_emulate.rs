@@ -164,3 +164,46 @@ fn flex_control_flow_matches_the_reference() {
         &[&path],
     );
 }
+
+/// Compiles `kernels/sequence_mixers/emulate/<name>.cpp` (the kernel source with the CPU shim
+/// `cuda_shim.h`) with g++ and asserts that the program prints "ALL OK" last.
+fn emulated_kernel_runs_clean(name: &str) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/sequence_mixers");
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = tmp.path().join(name);
+    let built = Command::new("g++")
+        .args(["-std=c++20", "-O1", "-pthread", "-w", "-I"])
+        .arg(&dir)
+        .arg(dir.join("emulate").join(format!("{name}.cpp")))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .expect("g++ runs");
+    assert!(
+        built.status.success(),
+        "{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let out = Command::new(&exe).output().expect("the emulation runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.trim_end().ends_with("ALL OK"),
+        "{text}"
+    );
+}
+
+/// SSD's three kernels (`ssd.cu`: chunk states, state passing, chunk outputs) on the CPU
+/// against the float64 recurrence, shared memory poisoned and guarded past the host's size.
+#[test]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+fn ssd_kernels_emulated_match_the_recurrence() {
+    emulated_kernel_runs_clean("ssd_check");
+}
+
+/// Based's linear-branch kernel (`based.cu`) on the CPU against the float64 recurrence, shared
+/// memory poisoned and guarded past the host's size.
+#[test]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+fn based_linear_kernel_emulated_matches_the_recurrence() {
+    emulated_kernel_runs_clean("based_check");
+}

@@ -22,8 +22,10 @@
 // (float32 scratch: the linear branch's output, written by kernel 1, read by kernel 2).
 // <t> is f32 (float q, k, v and O) or bf16 (q, k, v and O as bf16 bits).
 // Limits (the host checks them): K, V <= BASED_MAX_DIM, W <= BASED_MAX_WINDOW.
-// Dynamic shared memory: kernel 1 (V*K + 2*L*K + L*V + L*L) floats (the host computes it:
-// src/sequence_mixers/based_cuda.rs); kernel 2 static, 8 * (BASED_MAX_DIM + BASED_MAX_WINDOW)
+// Dynamic shared memory: kernel 1 ((V + L)*(K + 1) + L*K + L*V + L*L) floats (the host
+// computes it: src/sequence_mixers/based_cuda.rs; the rows of S and of the chunk's keys are
+// padded to K + 1 floats, since a warp's lanes read one column of them, a key j or a value
+// index p per lane, and rows of K floats, K a multiple of 32, put them all on one bank); kernel 2 static, 8 * (BASED_MAX_DIM + BASED_MAX_WINDOW)
 // floats (12 KiB). Offsets are 64-bit. No headers (NVRTC).
 
 #define BASED_THREADS 256
@@ -43,13 +45,14 @@ __device__ void linear_branch(const T* __restrict__ q, const T* __restrict__ k,
     extern __shared__ float smem[];
     const int h = blockIdx.x, b = blockIdx.y;
     const long long bh = (long long)b * heads + h;
-    float* s = smem;                          // [V][K]: the running linear state
-    float* qs = s + V * K;                    // [L][K]
-    float* ks = qs + BASED_CHUNK * K;         // [L][K]
-    float* vs = ks + BASED_CHUNK * K;         // [L][V]
+    const int KP = K + 1;                     // padded row of S and of the keys
+    float* s = smem;                          // [V][KP]: the running linear state
+    float* qs = s + V * KP;                   // [L][K]
+    float* ks = qs + BASED_CHUNK * K;         // [L][KP]
+    float* vs = ks + BASED_CHUNK * KP;        // [L][V]
     float* m = vs + BASED_CHUNK * V;          // [L][L]: q_i . k_j for j <= i, else 0
     for (int e = threadIdx.x; e < V * K; e += BASED_THREADS)
-        s[e] = has_initial ? initial_state[bh * V * K + e] : 0.f;
+        s[(e / K) * KP + e % K] = has_initial ? initial_state[bh * V * K + e] : 0.f;
     const int n_chunks = (T_len + BASED_CHUNK - 1) / BASED_CHUNK;
     for (int c = 0; c < n_chunks; ++c) {
         // Row (b, c L + i) of the [B, T] steps.
@@ -59,7 +62,7 @@ __device__ void linear_branch(const T* __restrict__ q, const T* __restrict__ k,
             const int i = e / K, n = e % K;
             const long long at = ((t0 + i) * heads + h) * K + n;
             qs[e] = ld(q, at);
-            ks[e] = ld(k, at);
+            ks[i * KP + n] = ld(k, at);
         }
         for (int e = threadIdx.x; e < l * V; e += BASED_THREADS) {
             const int i = e / V, p = e % V;
@@ -71,7 +74,7 @@ __device__ void linear_branch(const T* __restrict__ q, const T* __restrict__ k,
             const int i = e / l, j = e % l;
             float dot = 0.f;
             if (j <= i)
-                for (int n = 0; n < K; ++n) dot += qs[i * K + n] * ks[j * K + n];
+                for (int n = 0; n < K; ++n) dot += qs[i * K + n] * ks[j * KP + n];
             m[i * BASED_CHUNK + j] = dot;
         }
         __syncthreads();
@@ -81,7 +84,7 @@ __device__ void linear_branch(const T* __restrict__ q, const T* __restrict__ k,
             float intra = 0.f;
             for (int j = 0; j <= i; ++j) intra += m[i * BASED_CHUNK + j] * vs[j * V + p];
             float inter = 0.f;
-            for (int n = 0; n < K; ++n) inter += s[p * K + n] * qs[i * K + n];
+            for (int n = 0; n < K; ++n) inter += s[p * KP + n] * qs[i * K + n];
             lin[((t0 + i) * heads + h) * V + p] = scale * (intra + inter);
         }
         __syncthreads();
@@ -89,13 +92,14 @@ __device__ void linear_branch(const T* __restrict__ q, const T* __restrict__ k,
         for (int e = threadIdx.x; e < V * K; e += BASED_THREADS) {
             const int p = e / K, n = e % K;
             float acc = 0.f;
-            for (int j = 0; j < l; ++j) acc += vs[j * V + p] * ks[j * K + n];
-            s[e] += acc;
+            for (int j = 0; j < l; ++j) acc += vs[j * V + p] * ks[j * KP + n];
+            s[p * KP + n] += acc;
         }
         // The next chunk overwrites qs, ks and vs, which the update above reads.
         __syncthreads();
     }
-    for (int e = threadIdx.x; e < V * K; e += BASED_THREADS) final_state[bh * V * K + e] = s[e];
+    for (int e = threadIdx.x; e < V * K; e += BASED_THREADS)
+        final_state[bh * V * K + e] = s[(e / K) * KP + e % K];
 }
 
 template <typename T>

@@ -20,7 +20,10 @@
 // states [B, H, n_chunks, P, N] and chunk_log_decay [B, H, n_chunks] (float32 scratch).
 // <t> is f32 (float inputs and output) or bf16 (x, Bm, Cm and y as bf16 bits).
 // Dynamic shared memory: kernel 1 (L*P + L*N + L) floats, kernel 3
-// (2*L*N + P*N + L*L + L*P + L) floats (the host computes both: src/sequence_mixers/cuda.rs).
+// (L*N + (L + P)*(N + 1) + L*L + L*P + L) floats (the host computes both:
+// src/sequence_mixers/cuda.rs). Kernel 3's B and entering-state rows are padded to N + 1
+// floats: its threads read one column of them at a time (a step j, or a head_dim index p, per
+// lane), which with rows of N floats (N a multiple of 32) put every lane of a warp on one bank.
 // Offsets are 64-bit. No headers (NVRTC).
 
 #define SSD_THREADS 256
@@ -90,10 +93,11 @@ __device__ void chunk_scan(const T* __restrict__ x, const float* __restrict__ dt
     const int g = h / (heads / groups);
     const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
     const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
+    const int NP = N + 1;                   // padded row of B and of the entering state
     float* cs_ = smem;                      // [L][N]: C
-    float* bs = cs_ + SSD_CHUNK * N;        // [L][N]: B
-    float* s_in = bs + SSD_CHUNK * N;       // [P][N]: the state entering the chunk
-    float* m = s_in + P * N;                // [L][L]: (C_i . B_j) exp(cs_i - cs_j), j <= i
+    float* bs = cs_ + SSD_CHUNK * N;        // [L][NP]: B
+    float* s_in = bs + SSD_CHUNK * NP;      // [P][NP]: the state entering the chunk
+    float* m = s_in + P * NP;               // [L][L]: (C_i . B_j) exp(cs_i - cs_j), j <= i
     float* dx = m + SSD_CHUNK * SSD_CHUNK;  // [L][P]
     float* cum = dx + SSD_CHUNK * P;        // [L]
     chunk_cumsum(dt, A[h], t0, l, heads, h, cum);
@@ -101,10 +105,10 @@ __device__ void chunk_scan(const T* __restrict__ x, const float* __restrict__ dt
         const int i = e / N, n = e % N;
         const long long at = ((t0 + i) * groups + g) * N + n;
         cs_[e] = ld(Cm, at);
-        bs[e] = ld(Bm, at);
+        bs[i * NP + n] = ld(Bm, at);
     }
     const float* src = states + (((long long)b * heads + h) * n_chunks + c) * P * N;
-    for (int e = threadIdx.x; e < P * N; e += SSD_THREADS) s_in[e] = src[e];
+    for (int e = threadIdx.x; e < P * N; e += SSD_THREADS) s_in[(e / N) * NP + e % N] = src[e];
     for (int e = threadIdx.x; e < l * P; e += SSD_THREADS) {
         const int i = e / P, p = e % P;
         dx[e] = dt[(t0 + i) * heads + h] * ld(x, ((t0 + i) * heads + h) * P + p);
@@ -114,7 +118,7 @@ __device__ void chunk_scan(const T* __restrict__ x, const float* __restrict__ dt
         const int i = e / l, j = e % l;
         float v = 0.f;
         if (j <= i) {
-            for (int n = 0; n < N; ++n) v += cs_[i * N + n] * bs[j * N + n];
+            for (int n = 0; n < N; ++n) v += cs_[i * N + n] * bs[j * NP + n];
             v *= __expf(cum[i] - cum[j]);
         }
         m[i * SSD_CHUNK + j] = v;
@@ -126,7 +130,7 @@ __device__ void chunk_scan(const T* __restrict__ x, const float* __restrict__ dt
         float acc = 0.f;
         for (int j = 0; j <= i; ++j) acc += m[i * SSD_CHUNK + j] * dx[j * P + p];
         float off = 0.f;
-        for (int n = 0; n < N; ++n) off += s_in[p * N + n] * cs_[i * N + n];
+        for (int n = 0; n < N; ++n) off += s_in[p * NP + n] * cs_[i * N + n];
         const long long at = ((t0 + i) * heads + h) * P + p;
         st(y, at, acc + __expf(cum[i]) * off + skip * ld(x, at));
     }

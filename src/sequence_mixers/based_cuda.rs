@@ -59,11 +59,12 @@ pub fn entry_points() -> Vec<String> {
 }
 
 /// Dynamic shared memory of the linear-branch kernel for `shape`, bytes:
-/// (V·K + 2·L·K + L·V + L·L) floats, L = [`CHUNK`] (the state, the chunk's q, k and v, and its
-/// masked scores). The window kernel's 12 KiB are static.
+/// ((V + L)·(K + 1) + L·K + L·V + L·L) floats, L = [`CHUNK`] (the state and the chunk's keys,
+/// rows padded to K + 1 floats against bank conflicts; the chunk's q and v; its masked
+/// scores). The window kernel's 12 KiB are static.
 pub fn shared_bytes(shape: BasedShape) -> u32 {
     let (l, k, v) = (CHUNK, shape.key_dim, shape.value_dim);
-    ((v * k + 2 * l * k + l * v + l * l) * 4) as u32
+    (((v + l) * (k + 1) + l * k + l * v + l * l) * 4) as u32
 }
 
 /// The shared memory one block may have on compute capability 9.0 (227 KiB). Version 1 needs
@@ -293,11 +294,11 @@ mod tests {
     fn shared_memory_is_counted_in_floats() {
         assert_eq!(
             shared_bytes(shape(64, 32, 4)),
-            ((32 * 64 + 2 * 64 * 64 + 64 * 32 + 64 * 64) * 4) as u32
+            (((32 + 64) * 65 + 64 * 64 + 64 * 32 + 64 * 64) * 4) as u32
         );
-        // K = V = 128, the largest, fits: 176 KiB.
+        // K = V = 128, the largest, fits: 176 KiB and the padding's 768 bytes.
         let big = shared_bytes(shape(MAX_DIM, MAX_DIM, 4));
-        assert_eq!(big, 176 * 1024);
+        assert_eq!(big, 176 * 1024 + (128 + 64) * 4);
         assert!(big <= MAX_SHARED);
     }
 

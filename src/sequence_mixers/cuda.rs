@@ -69,11 +69,13 @@ pub fn entry_points() -> Vec<String> {
 }
 
 /// Dynamic shared memory of the chunk-state and chunk-scan kernels for `shape`, bytes:
-/// (L·P + L·N + L) and (2·L·N + P·N + L·L + L·P + L) floats, L = [`CHUNK`].
+/// (L·P + L·N + L) and (L·N + (L + P)·(N + 1) + L·L + L·P + L) floats, L = [`CHUNK`] (the
+/// chunk-scan kernel's B and entering-state rows padded to N + 1 floats against bank
+/// conflicts).
 pub fn shared_bytes(shape: SsdShape) -> (u32, u32) {
     let (l, p, n) = (CHUNK, shape.head_dim, shape.state);
     let state = (l * p + l * n + l) * 4;
-    let scan = (2 * l * n + p * n + l * l + l * p + l) * 4;
+    let scan = (l * n + (l + p) * (n + 1) + l * l + l * p + l) * 4;
     (state as u32, scan as u32)
 }
 
@@ -358,7 +360,7 @@ mod tests {
         assert_eq!(state, ((64 * 64 + 64 * 128 + 64) * 4) as u32);
         assert_eq!(
             scan,
-            ((2 * 64 * 128 + 64 * 128 + 64 * 64 + 64 * 64 + 64) * 4) as u32
+            ((64 * 128 + (64 + 64) * 129 + 64 * 64 + 64 * 64 + 64) * 4) as u32
         );
         // head_dim 128 with state 128, the grid's largest, fits.
         let big = SsdShape { head_dim: 128, ..s };

@@ -1,0 +1,47 @@
+// A CPU emulation of the CUDA subset the sequence-mixer kernels' block-wide code uses, so
+// their index logic runs on any machine with a C++20 compiler (tests/kernels_emulate.rs): one
+// std::thread per CUDA thread, __syncthreads as a std::barrier, the blocks of a grid one after
+// another, shared memory filled with NaN before each block (a read of what no thread wrote
+// poisons the output) and guarded past the size the host gives the kernel (a write there is
+// counted in g_overrun). Float arithmetic is the host's; the GPU tests check the device's.
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <thread>
+#include <vector>
+struct dim3 { unsigned x = 0, y = 0, z = 0; };
+thread_local dim3 threadIdx;
+dim3 blockIdx, gridDim, blockDim;
+std::barrier<>* g_bar = nullptr;
+inline void __syncthreads() { g_bar->arrive_and_wait(); }
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(x)
+#define __shared__
+alignas(16) float smem[1 << 17];
+inline float __expf(float x) { return std::exp(x); }
+inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+using std::min; using std::max;
+int g_overrun = 0;
+// smem_floats: the dynamic shared memory the host gives the kernel; a write past it is counted.
+template <class F> void launch(dim3 grid, unsigned threads, F kernel, size_t smem_floats = 1 << 17) {
+    gridDim = grid; blockDim = dim3{threads, 1, 1};
+    for (unsigned z = 0; z < grid.z; ++z) for (unsigned y = 0; y < grid.y; ++y)
+    for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx = dim3{x, y, z};
+        for (auto& f : smem) f = std::numeric_limits<float>::quiet_NaN();
+        std::barrier<> bar(threads); g_bar = &bar;
+        std::vector<std::thread> ts;
+        for (size_t i = smem_floats; i < (1u << 17); ++i) smem[i] = -12345.f;
+        for (unsigned t = 0; t < threads; ++t)
+            ts.emplace_back([t, &kernel] { threadIdx = dim3{t, 0, 0}; kernel(); });
+        for (auto& th : ts) th.join();
+        for (size_t i = smem_floats; i < (1u << 17); ++i) if (smem[i] != -12345.f) { ++g_overrun; break; }
+    }
+}
