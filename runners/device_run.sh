@@ -13,7 +13,8 @@
 #                                                 # (runners/jax_init_probe.py, < 1 min)
 #   bash .carry/device_run.sh mixers_grid OUTDIR [i/n]  # the sequence_mixers grid (or shard i
 #                                                 # of n) with --compare torch,fla (fla-core
-#                                                 # from .carry/whl/, see runners/carry.sh)
+#                                                 # from .carry/whl/, see runners/carry.sh;
+#                                                 # KP_MIXERS_COMPARE overrides the list)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
 #   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding
@@ -69,7 +70,8 @@ install_wheels() {  # Python packages the image lacks, carried as wheels in .car
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/kp-site "$here"/whl/*.whl \
       && export PYTHONPATH=/tmp/kp-site${PYTHONPATH:+:$PYTHONPATH} \
-      && echo "installed: $(cd "$here/whl" && ls ./*.whl | tr '\n' ' ')"
+      && echo "installed: $(cd "$here/whl" && ls ./*.whl | tr '\n' ' ')" \
+      || echo "wheel install failed: the rows of the libraries in $here/whl will say 'not installed'"
   fi
 }
 
@@ -125,7 +127,7 @@ mixers_grid)
   install_wheels
   shard=(); [ -n "${3:-}" ] && shard=(--shard "$3")
   step "sequence_mixers grid" "${KP_MIXERS_LIMIT_S:-540}" "$out/sequence_mixers.log" \
-    "$bin/sequence_mixers" --compare torch,fla "${shard[@]}" \
+    "$bin/sequence_mixers" --compare "${KP_MIXERS_COMPARE:-torch,fla}" "${shard[@]}" \
     --output "$out/gpu_sequence_mixers${3:+_${3%%/*}}.json"
   ;;
 kernel_sums)

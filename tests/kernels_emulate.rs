@@ -166,8 +166,9 @@ fn flex_control_flow_matches_the_reference() {
 }
 
 /// Compiles `kernels/sequence_mixers/emulate/<name>.cpp` (the kernel source with the CPU shim
-/// `cuda_shim.h`) with g++ and asserts that the program prints "ALL OK" last.
-fn emulated_kernel_runs_clean(name: &str) {
+/// `cuda_shim.h`) with g++, runs it on `cases` (one argument each) and asserts that it prints
+/// "ALL OK" last.
+fn emulated_kernel_runs_clean(name: &str, cases: &[String]) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/sequence_mixers");
     let tmp = tempfile::tempdir().unwrap();
     let exe = tmp.path().join(name);
@@ -184,7 +185,10 @@ fn emulated_kernel_runs_clean(name: &str) {
         "{}",
         String::from_utf8_lossy(&built.stderr)
     );
-    let out = Command::new(&exe).output().expect("the emulation runs");
+    let out = Command::new(&exe)
+        .args(cases)
+        .output()
+        .expect("the emulation runs");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && text.trim_end().ends_with("ALL OK"),
@@ -193,17 +197,72 @@ fn emulated_kernel_runs_clean(name: &str) {
 }
 
 /// SSD's three kernels (`ssd.cu`: chunk states, state passing, chunk outputs) on the CPU
-/// against the float64 recurrence, shared memory poisoned and guarded past the host's size.
+/// against the float64 recurrence, with the host's shared-memory sizes
+/// (`sequence_mixers::cuda::shared_bytes`), shared memory poisoned and guarded past them:
+/// partial chunks, groups, one step, head_dim = state 128.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
 fn ssd_kernels_emulated_match_the_recurrence() {
-    emulated_kernel_runs_clean("ssd_check");
+    use kernelpages::sequence_mixers::cuda::shared_bytes;
+    use kernelpages::sequence_mixers::reference::SsdShape;
+    let cases: Vec<String> = [
+        (1, 150, 2, 1, 16, 8),
+        (2, 64, 4, 2, 32, 40),
+        (1, 1, 2, 2, 8, 8),
+        (1, 129, 2, 1, 64, 64),
+        (1, 70, 1, 1, 128, 128),
+    ]
+    .iter()
+    .map(|&(batch, seq_len, heads, groups, head_dim, state)| {
+        let (state_bytes, scan_bytes) = shared_bytes(SsdShape {
+            batch,
+            seq_len,
+            heads,
+            head_dim,
+            state,
+            groups,
+        });
+        format!("{batch},{seq_len},{heads},{groups},{head_dim},{state},{state_bytes},{scan_bytes}")
+    })
+    .collect();
+    emulated_kernel_runs_clean("ssd_check", &cases);
 }
 
-/// Based's linear-branch kernel (`based.cu`) on the CPU against the float64 recurrence, shared
-/// memory poisoned and guarded past the host's size.
+/// Based's two kernels (`based.cu`: the linear branch, then the window branch) on the CPU
+/// against the float64 recurrence, with the host's shared-memory sizes
+/// (`sequence_mixers::based_cuda::{shared_bytes, window_shared_bytes}`), shared memory
+/// poisoned and guarded past them: partial chunks and tiles, one step, K ≠ V, windows of 1 to
+/// 200 steps.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
-fn based_linear_kernel_emulated_matches_the_recurrence() {
-    emulated_kernel_runs_clean("based_check");
+fn based_kernels_emulated_match_the_recurrence() {
+    use kernelpages::sequence_mixers::based_cuda::{shared_bytes, window_shared_bytes};
+    use kernelpages::sequence_mixers::reference::BasedShape;
+    let cases: Vec<String> = [
+        (1, 150, 2, 16, 8, 5),
+        (2, 64, 2, 64, 32, 64),
+        (1, 1, 1, 8, 8, 1),
+        (1, 130, 1, 64, 64, 65),
+        (1, 70, 1, 40, 72, 1),
+        (1, 300, 1, 32, 128, 200),
+        (1, 129, 2, 128, 128, 64),
+    ]
+    .iter()
+    .map(|&(batch, seq_len, heads, key_dim, value_dim, window)| {
+        let shape = BasedShape {
+            batch,
+            seq_len,
+            heads,
+            key_dim,
+            value_dim,
+            window,
+        };
+        format!(
+            "{batch},{seq_len},{heads},{key_dim},{value_dim},{window},{},{}",
+            shared_bytes(shape),
+            window_shared_bytes(shape)
+        )
+    })
+    .collect();
+    emulated_kernel_runs_clean("based_check", &cases);
 }

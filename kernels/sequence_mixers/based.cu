@@ -9,9 +9,9 @@
 //    per chunk, lin_i = scale (sum_{j<=i} (q_i . k_j) v_j + S_in q_i) into `lin`, then
 //    S += sum_j v_j k_j^T. S starts at the initial state (or zeros) and ends in final_state.
 //    No decay: the chunked form of SSD (ssd.cu) with every log decay 0.
-// 2. based_window_<t>: one warp per query row t (8 rows per block, a grid over (row block,
-//    head, batch entry)): the max-subtracted softmax of scale q_t . k_s over
-//    s = max(0, t-W+1)..t, applied to those v_s, plus lin_t, into O.
+// 2. based_window_<t>: one block per tile of BASED_TILE query rows (a grid over (row tile,
+//    head, batch entry)): the softmax of scale q_t . k_s over s = max(0, t-W+1)..t, applied
+//    to those v_s, plus lin_t, into O, the keys taken BASED_TILE at a time (below).
 //
 // Version 1 starts from an empty window cache: keys and values before the first step are not
 // read (the host API takes only the initial linear state S_0; a cache is a later version).
@@ -21,18 +21,20 @@
 // given (when 0 the pointer is any valid buffer and is not read: zeros); lin [B, T, H, V]
 // (float32 scratch: the linear branch's output, written by kernel 1, read by kernel 2).
 // <t> is f32 (float q, k, v and O) or bf16 (q, k, v and O as bf16 bits).
-// Limits (the host checks them): K, V <= BASED_MAX_DIM, W <= BASED_MAX_WINDOW.
-// Dynamic shared memory: kernel 1 ((V + L)*(K + 1) + L*K + L*V + L*L) floats (the host
-// computes it: src/sequence_mixers/based_cuda.rs; the rows of S and of the chunk's keys are
-// padded to K + 1 floats, since a warp's lanes read one column of them, a key j or a value
-// index p per lane, and rows of K floats, K a multiple of 32, put them all on one bank); kernel 2 static, 8 * (BASED_MAX_DIM + BASED_MAX_WINDOW)
-// floats (12 KiB). Offsets are 64-bit. No headers (NVRTC).
+// Limits (the host checks them): K, V <= BASED_MAX_DIM (kernel 2's accumulators: V / 4 per
+// thread), W <= BASED_MAX_WINDOW.
+// Dynamic shared memory (the host computes both: src/sequence_mixers/based_cuda.rs): kernel 1
+// ((V + L)*(K + 1) + L*K + L*V + L*L) floats, the rows of S and of the chunk's keys padded to
+// K + 1 floats (a warp's lanes read one column of them, a key j or a value index p per lane,
+// and rows of K floats, K a multiple of 32, would put them all on one bank); kernel 2
+// (2*L*(K + 1) + L*V + L*(L + 1) + 3*L) floats, L = BASED_TILE = BASED_CHUNK.
+// Offsets are 64-bit. No headers (NVRTC).
 
 #define BASED_THREADS 256
 #define BASED_CHUNK 64
 #define BASED_MAX_DIM 128
 #define BASED_MAX_WINDOW 256
-#define BASED_WARPS (BASED_THREADS / 32)
+#define BASED_TILE 64
 
 // u16, ld and st: prelude.cuh, prepended by the host.
 
@@ -102,50 +104,106 @@ __device__ void linear_branch(const T* __restrict__ q, const T* __restrict__ k,
         final_state[bh * V * K + e] = s[(e / K) * KP + e % K];
 }
 
+// Kernel 2, version 1.1: a block per tile of BASED_TILE query rows (and head, batch entry)
+// walks the keys its rows can see, [max(0, t0 - W + 1), t0 + rows - 1], BASED_TILE keys per
+// step, with the tile's queries and the step's keys and values in shared memory (each key and
+// value read once per tile, coalesced, where version 1 read each key once per query row, one
+// row per lane). Per step: the scores of the visible (query, key) pairs (the rest -inf), then
+// per row the running maximum and sum of the exact softmax (online, as flash attention does),
+// then the row's accumulators rescaled and the step's probabilities times V added. Thread
+// (r, c) = (tid / 4, tid % 4) owns query row r, score columns c, c + 4, ... and value columns
+// c, c + 4, ... Rows of q, k and the probabilities are padded by one float against bank
+// conflicts. Every row sees at least its own key, so its sum is positive at the end.
 template <typename T>
 __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
                               const T* __restrict__ v, float scale,
                               const float* __restrict__ lin, T* __restrict__ o, int T_len,
                               int heads, int K, int V, int W) {
-    __shared__ float q_row[BASED_WARPS][BASED_MAX_DIM];
-    __shared__ float weight[BASED_WARPS][BASED_MAX_WINDOW];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int t = blockIdx.x * BASED_WARPS + warp;
+    extern __shared__ float smem[];
     const int h = blockIdx.y, b = blockIdx.z;
-    // A whole warp leaves together; the kernel has no block-wide barrier.
-    if (t >= T_len) return;
+    const int t0 = blockIdx.x * BASED_TILE;
+    const int rows = min(BASED_TILE, T_len - t0);
+    const int KP = K + 1, TP = BASED_TILE + 1;
+    float* qt = smem;                       // [TILE][KP]: the tile's queries
+    float* kt = qt + BASED_TILE * KP;       // [TILE][KP]: the step's keys
+    float* vt = kt + BASED_TILE * KP;       // [TILE][V]: the step's values
+    float* pr = vt + BASED_TILE * V;        // [TILE][TP]: scores, then probabilities
+    float* row_max = pr + BASED_TILE * TP;  // [TILE]
+    float* row_sum = row_max + BASED_TILE;  // [TILE]
+    float* row_fix = row_sum + BASED_TILE;  // [TILE]: exp(old max - new max)
+    const float neg_inf = __int_as_float(0xff800000);
     const long long row0 = (long long)b * T_len;  // step 0 of batch entry b
-    const long long qt = (row0 + t) * heads + h;  // (b, t, h)
-    float* qw = q_row[warp];
-    float* w = weight[warp];
-    for (int n = lane; n < K; n += 32) qw[n] = ld(q, qt * K + n);
-    __syncwarp();
-    // Keys first..t, held in w[0..count): lane r scores keys r, r + 32, ...
-    const int first = max(0, t - W + 1);
-    const int count = t - first + 1;
-    float top = __int_as_float(0xff800000);  // -inf: a lane with no key scores none
-    for (int r = lane; r < count; r += 32) {
-        const long long at = ((row0 + first + r) * heads + h) * K;
-        float dot = 0.f;
-        for (int n = 0; n < K; ++n) dot += qw[n] * ld(k, at + n);
-        const float score = scale * dot;
-        w[r] = score;
-        top = fmaxf(top, score);
+    for (int e = threadIdx.x; e < rows * K; e += BASED_THREADS) {
+        const int i = e / K, n = e % K;
+        qt[i * KP + n] = ld(q, ((row0 + t0 + i) * heads + h) * K + n);
     }
-    for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
-    float total = 0.f;
-    for (int r = lane; r < count; r += 32) {
-        const float e = expf(w[r] - top);
-        w[r] = e;
-        total += e;
+    for (int i = threadIdx.x; i < BASED_TILE; i += BASED_THREADS) {
+        row_max[i] = neg_inf;
+        row_sum[i] = 0.f;
     }
-    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-    __syncwarp();
-    const float inv = 1.f / total;
-    for (int p = lane; p < V; p += 32) {
-        float acc = 0.f;
-        for (int r = 0; r < count; ++r) acc += w[r] * ld(v, ((row0 + first + r) * heads + h) * V + p);
-        st(o, qt * V + p, lin[qt * V + p] + acc * inv);
+    const int r = threadIdx.x / 4, c = threadIdx.x % 4;
+    float acc[BASED_MAX_DIM / 4];
+    for (int m = 0; m < BASED_MAX_DIM / 4; ++m) acc[m] = 0.f;
+    const int first = max(0, t0 - W + 1), last = t0 + rows - 1;
+    for (int s0 = first; s0 <= last; s0 += BASED_TILE) {
+        const int cols = min(BASED_TILE, last - s0 + 1);
+        // The previous step's readers of kt, vt and pr are done (and, the first time, the
+        // tile's queries and row statistics are written).
+        __syncthreads();
+        for (int e = threadIdx.x; e < cols * K; e += BASED_THREADS) {
+            const int j = e / K, n = e % K;
+            kt[j * KP + n] = ld(k, ((row0 + s0 + j) * heads + h) * K + n);
+        }
+        for (int e = threadIdx.x; e < cols * V; e += BASED_THREADS) {
+            const int j = e / V, p = e % V;
+            vt[j * V + p] = ld(v, ((row0 + s0 + j) * heads + h) * V + p);
+        }
+        __syncthreads();
+        for (int j = c; j < cols; j += 4) {
+            const int t = t0 + r, s = s0 + j;
+            float score = neg_inf;
+            if (r < rows && s <= t && s > t - W) {
+                float dot = 0.f;
+                for (int n = 0; n < K; ++n) dot += qt[r * KP + n] * kt[j * KP + n];
+                score = scale * dot;
+            }
+            pr[r * TP + j] = score;
+        }
+        __syncthreads();
+        if (threadIdx.x < BASED_TILE) {
+            const int i = threadIdx.x;
+            float top = row_max[i];
+            for (int j = 0; j < cols; ++j) top = fmaxf(top, pr[i * TP + j]);
+            // A row with no visible key yet (or past T) keeps max -inf, sum 0 and adds nothing.
+            const float fix = top == neg_inf ? 1.f : __expf(row_max[i] - top);
+            float total = row_sum[i] * fix;
+            for (int j = 0; j < cols; ++j) {
+                const float e = top == neg_inf ? 0.f : __expf(pr[i * TP + j] - top);
+                pr[i * TP + j] = e;
+                total += e;
+            }
+            row_max[i] = top;
+            row_sum[i] = total;
+            row_fix[i] = fix;
+        }
+        __syncthreads();
+        // Constant indices into acc (the loops over m unrolled) keep it in registers.
+        const float fix = row_fix[r];
+#pragma unroll
+        for (int m = 0; m < BASED_MAX_DIM / 4; ++m) acc[m] *= fix;
+        for (int j = 0; j < cols; ++j) {
+            const float pj = pr[r * TP + j];
+#pragma unroll
+            for (int m = 0; m < BASED_MAX_DIM / 4; ++m)
+                if (m * 4 + c < V) acc[m] += pj * vt[j * V + m * 4 + c];
+        }
+    }
+    if (r < rows) {
+        const long long at = ((row0 + t0 + r) * heads + h) * V;
+        const float inv = 1.f / row_sum[r];
+#pragma unroll
+        for (int m = 0; m < BASED_MAX_DIM / 4; ++m)
+            if (m * 4 + c < V) st(o, at + m * 4 + c, lin[at + m * 4 + c] + acc[m] * inv);
     }
 }
 

@@ -25,7 +25,9 @@ Forward only (`pass` = fwd), from a zero initial state, output in the case's dty
 The library is imported in the job's own process, never in the server: importing `fla`
 queries the CUDA device (its hardware flags), and the server forks one process per job before
 CUDA is initialised. Measurement, memory and timing are `torch_mixers.measure_on_gpu`'s
-(allocator peak, eager calls between CUDA events, then a CUDA graph of them).
+(allocator peak, eager calls between CUDA events, then a CUDA graph of them), the peak read on
+a second call: the first compiles and autotunes the Triton kernels, whose benchmarking buffers
+are not the library's.
 
     PYTHONPATH=runners python3 -m compare.fla_mixers serve | self-test | job FILE
 """
@@ -169,12 +171,16 @@ def load_ops():
 
 
 def formulation_notes(args):
-    """The row's notes: the kernel and argument mapping, and fp32's matrix-product precision."""
-    notes = [MIXER_NOTES[args["mixer"]]]
+    """The row's notes: the kernel and argument mapping, fp32's matrix-product precision, and
+    when the peak memory is read."""
+    notes = [MIXER_NOTES[args["mixer"]],
+             "peak memory read on a second call (the first compiles and autotunes the Triton "
+             "kernels; first_call_s includes that)"]
     if args["dtype"] == "fp32":
         notes.append("fp32: the library's Triton kernels multiply with tl.dot's default input "
-                     "precision (%s)" % (os.environ.get("TRITON_F32_DEFAULT")
-                                         or "tf32 on NVIDIA GPUs: TF32 tensor cores"))
+                     "precision (%s) except where a kernel asks for more"
+                     % (os.environ.get("TRITON_F32_DEFAULT")
+                        or "tf32 on NVIDIA GPUs: TF32 tensor cores"))
     return notes
 
 
@@ -211,7 +217,8 @@ def _measure_into(job, reply):
         return
     try:
         fields, window = torch_mixers.measure_on_gpu(job, caller(args, ops),
-                                                     formulation_notes(args), check_fit=False)
+                                                     formulation_notes(args), check_fit=False,
+                                                     peak_on_second_call=True)
     except Exception as e:
         status, msg = torch_mixers.classify(e)
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)

@@ -4,8 +4,9 @@
 //! plus exact softmax attention over a sliding window of W keys, summed, on CUDA cores in
 //! float32, in two launches: the linear branch, one block per (head, batch entry) walking the
 //! sequence in chunks of [`CHUNK`] steps with the state S in shared memory (the chunked form of
-//! SSD without decay), into a float32 scratch; then the window branch, one warp per query row,
-//! which adds the scratch and writes O. Correctness first: the matrix products are plain loops
+//! SSD without decay), into a float32 scratch; then the window branch, one block per tile of
+//! [`TILE`] query rows walking the keys they see [`TILE`] at a time in shared memory (an online
+//! softmax per row), which adds the scratch and writes O. Correctness first: the matrix products are plain loops
 //! over shared memory, not tensor-core tiles yet.
 //!
 //! Version 1 starts every call from an empty window cache: the reference's
@@ -36,8 +37,8 @@ pub const CHUNK: usize = 64;
 /// Threads per block of both kernels (`BASED_THREADS` in the source).
 pub const THREADS: u32 = 256;
 
-/// Query rows per block of the window kernel, one per warp (`BASED_WARPS` in the source).
-const ROWS_PER_BLOCK: u32 = THREADS / 32;
+/// Query rows per block of the window kernel, and keys per step (`BASED_TILE` in the source).
+pub const TILE: usize = 64;
 
 /// The largest key and value width, K and V (`BASED_MAX_DIM` in the source).
 pub const MAX_DIM: usize = 128;
@@ -61,15 +62,25 @@ pub fn entry_points() -> Vec<String> {
 /// Dynamic shared memory of the linear-branch kernel for `shape`, bytes:
 /// ((V + L)·(K + 1) + L·K + L·V + L·L) floats, L = [`CHUNK`] (the state and the chunk's keys,
 /// rows padded to K + 1 floats against bank conflicts; the chunk's q and v; its masked
-/// scores). The window kernel's 12 KiB are static.
+/// scores).
 pub fn shared_bytes(shape: BasedShape) -> u32 {
     let (l, k, v) = (CHUNK, shape.key_dim, shape.value_dim);
     (((v + l) * (k + 1) + l * k + l * v + l * l) * 4) as u32
 }
 
-/// The shared memory one block may have on compute capability 9.0 (227 KiB). Version 1 needs
-/// up to 176 KiB (K = V = 128); a device with less (sm_80: 163 KiB) refuses those shapes when
-/// the kernel's limit is raised (a driver error), smaller shapes run.
+/// Dynamic shared memory of the window kernel for `shape`, bytes:
+/// (2·L·(K + 1) + L·V + L·(L + 1) + 3·L) floats, L = [`TILE`] (the tile's queries and the
+/// step's keys, rows padded; the step's values; the scores, rows padded; each row's running
+/// maximum, sum and rescaling factor).
+pub fn window_shared_bytes(shape: BasedShape) -> u32 {
+    let (l, k, v) = (TILE, shape.key_dim, shape.value_dim);
+    ((2 * l * (k + 1) + l * v + l * (l + 1) + 3 * l) * 4) as u32
+}
+
+/// The shared memory one block may have on compute capability 9.0 (227 KiB). The linear branch
+/// needs up to 177 KiB (K = V = 128), the window kernel 114 KiB; a device with less (sm_80:
+/// 163 KiB) refuses the largest shapes when the kernel's limit is raised (a driver error),
+/// smaller shapes run.
 const MAX_SHARED: u32 = 227 * 1024;
 
 /// The shapes version 1 runs: the reference's (no empty dimension other than seq_len, W ≥ 1),
@@ -97,7 +108,7 @@ fn check_shape(s: BasedShape) -> Result<(), GpuError> {
              {MAX_GRID_YZ})"
         )));
     }
-    let smem = shared_bytes(s);
+    let smem = shared_bytes(s).max(window_shared_bytes(s));
     if smem > MAX_SHARED {
         return Err(GpuError::Config(format!(
             "based: key_dim {} and value_dim {} need {smem} bytes of shared memory per block, \
@@ -140,7 +151,11 @@ impl Based {
             &format!("based_linear_{t}"),
             shared_bytes(s),
         )?;
-        let window = gpu.function(&compiled.module, &format!("based_window_{t}"), 0)?;
+        let window = gpu.function(
+            &compiled.module,
+            &format!("based_window_{t}"),
+            window_shared_bytes(s),
+        )?;
         let lin = gpu
             .stream
             .alloc_zeros::<f32>((s.batch * s.seq_len * s.heads * s.value_dim).max(1))?;
@@ -257,19 +272,20 @@ impl Based {
             .arg(&w);
         let cfg = LaunchConfig {
             grid_dim: (
-                s.seq_len.div_ceil(ROWS_PER_BLOCK as usize) as u32,
+                s.seq_len.div_ceil(TILE) as u32,
                 s.heads as u32,
                 s.batch as u32,
             ),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: window_shared_bytes(s),
         };
         // SAFETY: based_window_<t>(const T* q, const T* k, const T* v, float scale,
         // const float* lin, T* o, int T_len, int heads, int K, int V, int W): the checked
         // buffers and the scratch the first launch filled (same stream, so it has finished);
-        // `new` checked K ≤ 128 and W ≤ 256, the sizes of the kernel's static shared rows;
-        // each warp reads keys and values of steps max(0, t − W + 1)..=t < T and writes row t
-        // of O, and warps past T return.
+        // `new` checked K, V ≤ 128 (the accumulators per thread) and raised the kernel's
+        // shared-memory limit to `window_shared_bytes`; the block of tile i reads queries,
+        // keys and values of steps max(0, 64i − W + 1)..min(64i + 64, T) and writes the rows of
+        // O in its tile below T.
         unsafe { l.launch(cfg)? };
         Ok(())
     }
@@ -300,6 +316,13 @@ mod tests {
         let big = shared_bytes(shape(MAX_DIM, MAX_DIM, 4));
         assert_eq!(big, 176 * 1024 + (128 + 64) * 4);
         assert!(big <= MAX_SHARED);
+        // The window kernel: queries and keys [64][K + 1], values [64][V], scores [64][65],
+        // three row statistics.
+        assert_eq!(
+            window_shared_bytes(shape(64, 32, 4)),
+            ((2 * 64 * 65 + 64 * 32 + 64 * 65 + 3 * 64) * 4) as u32
+        );
+        assert!(window_shared_bytes(shape(MAX_DIM, MAX_DIM, 4)) <= MAX_SHARED);
     }
 
     #[test]

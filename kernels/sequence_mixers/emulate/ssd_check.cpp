@@ -1,26 +1,35 @@
 // SSD's three kernels (ssd.cu) emulated on the CPU (cuda_shim.h) against the float64
 // recurrence h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = C_t h_t + D x_t, from a given
 // initial state: outputs and final state, shapes with partial chunks, groups, one step, and
-// head_dim = state 128. Prints one line per shape, then ALL OK or FAILED.
+// head_dim = state 128. Each argument is one case, "B,T,H,G,P,N,STATE_BYTES,SCAN_BYTES": the
+// shape and the two kernels' dynamic shared memory as the host computes it
+// (tests/kernels_emulate.rs passes src/sequence_mixers/cuda.rs's shared_bytes). Prints one
+// line per case, then ALL OK or FAILED.
 #include "cuda_shim.h"
 #include <cstdio>
 #include <random>
 #include "prelude.cuh"
 #include "ssd.cu"
-int main() {
-    int fails = 0;
-    struct Sh { int B, T, H, G, P, N; };
-    for (Sh s : {Sh{1, 150, 2, 1, 16, 8}, Sh{2, 64, 4, 2, 32, 40}, Sh{1, 1, 2, 2, 8, 8}, Sh{1, 129, 2, 1, 64, 64}, Sh{1, 70, 1, 1, 128, 128}}) {
+int main(int argc, char** argv) {
+    int fails = argc < 2;
+    struct Sh { int B, T, H, G, P, N; size_t state_bytes, scan_bytes; };
+    for (int arg = 1; arg < argc; ++arg) {
+        Sh s{};
+        if (std::sscanf(argv[arg], "%d,%d,%d,%d,%d,%d,%zu,%zu", &s.B, &s.T, &s.H, &s.G, &s.P, &s.N,
+                        &s.state_bytes, &s.scan_bytes) != 8) {
+            std::printf("bad case %s\n", argv[arg]);
+            ++fails;
+            continue;
+        }
         std::mt19937 rng(1); std::normal_distribution<float> nd; std::uniform_real_distribution<float> ud(0.01f, 0.5f);
         int B = s.B, T = s.T, H = s.H, G = s.G, P = s.P, N = s.N, L = 64, nc = (T + L - 1) / L;
         std::vector<float> x(B*T*H*P), dt(B*T*H), A(H), Bm(B*T*G*N), Cm(B*T*G*N), D(H), y(B*T*H*P, NAN), init(B*H*P*N), fin(B*H*P*N, NAN);
         for (auto& v : x) v = nd(rng); for (auto& v : dt) v = ud(rng); for (auto& v : A) v = -ud(rng) * 4;
         for (auto& v : Bm) v = nd(rng); for (auto& v : Cm) v = nd(rng); for (auto& v : D) v = nd(rng); for (auto& v : init) v = nd(rng);
         std::vector<float> states(B*H*nc*P*N, NAN), cld(B*H*nc, NAN);
-        launch(dim3{(unsigned)nc, (unsigned)H, (unsigned)B}, SSD_THREADS, [&] { chunk_state<float>(x.data(), dt.data(), A.data(), Bm.data(), states.data(), cld.data(), T, H, G, P, N); }, L*P + L*N + L);
+        launch(dim3{(unsigned)nc, (unsigned)H, (unsigned)B}, SSD_THREADS, [&] { chunk_state<float>(x.data(), dt.data(), A.data(), Bm.data(), states.data(), cld.data(), T, H, G, P, N); }, s.state_bytes / 4);
         launch(dim3{(unsigned)H, (unsigned)B, 1}, SSD_THREADS, [&] { ssd_state_passing(states.data(), cld.data(), init.data(), 1, fin.data(), H, nc, P, N); });
-        launch(dim3{(unsigned)nc, (unsigned)H, (unsigned)B}, SSD_THREADS, [&] { chunk_scan<float>(x.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), 1, states.data(), y.data(), T, H, G, P, N); },
-               /* the host's size: src/sequence_mixers/cuda.rs, shared_bytes */ L*N + (L + P)*(N + 1) + L*L + L*P + L);
+        launch(dim3{(unsigned)nc, (unsigned)H, (unsigned)B}, SSD_THREADS, [&] { chunk_scan<float>(x.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), 1, states.data(), y.data(), T, H, G, P, N); }, s.scan_bytes / 4);
         double num = 0, den = 0, fnum = 0, fden = 0;
         for (int b = 0; b < B; ++b) for (int h = 0; h < H; ++h) {
             int g = h / (H / G);
