@@ -249,10 +249,11 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (q, k, v, o; states fp32)".into(),
                 rule: format!(
-                    "always (K and V up to {}, window up to {}): the linear branch in chunks of {} steps (each chunk's kᵀv summed, the states passed on, each chunk's output from its masked products plus the incoming state), the window branch as exact softmax over each query's last W keys, float32 arithmetic on CUDA cores (version 1)",
+                    "always (K and V up to {}, window up to {}): the linear branch as SSD's kernels without decay, chunks of {} steps in parallel (each chunk's kᵀv summed, the states passed on, each chunk's output from its masked products plus the incoming state), then the window branch in tiles of {} query rows, exact softmax over each query's last W keys with the keys in shared memory; float32 arithmetic on CUDA cores (version 1.2)",
                     based_cuda::MAX_DIM,
                     based_cuda::MAX_WINDOW,
-                    based_cuda::CHUNK
+                    based_cuda::CHUNK,
+                    based_cuda::TILE
                 ),
                 implementation: GPU_IMPLEMENTATION.into(),
             },
@@ -356,7 +357,7 @@ impl runner::Suite for Mixers {
         if implementation == FLA_CHUNK && c.mixer == Mixer::SelectiveScan {
             return Some(
                 "flash-linear-attention has no Mamba-1 selective scan (a decay per channel and \
-                 state element); its SSD-like kernel (simple GLA) is the ssd row"
+                 state element); on a GPU its SSD-like kernel (simple GLA) is the ssd row"
                     .into(),
             );
         }

@@ -228,7 +228,8 @@ fn ssd_kernels_emulated_match_the_recurrence() {
     emulated_kernel_runs_clean("ssd_check", &cases);
 }
 
-/// Based's two kernels (`based.cu`: the linear branch, then the window branch) on the CPU
+/// Based's four kernels (`based.cu` after `ssd.cu`: the linear branch as SSD's chunked kernels
+/// without decay, then the window branch) on the CPU
 /// against the float64 recurrence, with the host's shared-memory sizes
 /// (`sequence_mixers::based_cuda::{shared_bytes, window_shared_bytes}`), shared memory
 /// poisoned and guarded past them: partial chunks and tiles, one step, K ≠ V, windows of 1 to
@@ -257,9 +258,9 @@ fn based_kernels_emulated_match_the_recurrence() {
             value_dim,
             window,
         };
+        let (state_bytes, scan_bytes) = shared_bytes(shape);
         format!(
-            "{batch},{seq_len},{heads},{key_dim},{value_dim},{window},{},{}",
-            shared_bytes(shape),
+            "{batch},{seq_len},{heads},{key_dim},{value_dim},{window},{state_bytes},{scan_bytes},{}",
             window_shared_bytes(shape)
         )
     })

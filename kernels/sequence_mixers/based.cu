@@ -1,110 +1,42 @@
 // Based (Arora et al., 2024, "Simple linear attention language models balance the
 // recall-throughput tradeoff"): causal linear attention plus exact softmax attention over a
-// sliding window, summed, on CUDA cores in float32, version 1: correctness first, the
-// recurrence of `based` in src/sequence_mixers/reference.rs (its docstring defines it) in two
-// kernels, launched in this order on one stream:
+// sliding window, summed, on CUDA cores in float32, version 1.2: the recurrence of `based` in
+// src/sequence_mixers/reference.rs (its docstring defines it) in four launches on one stream.
+// The host compiles this file after ssd.cu (and the prelude): the linear branch is SSD's
+// chunked algorithm with every step's dt = 1 and A = 0 (no decay), B = k, C = q, x = v, one
+// group per head, so it reuses ssd.cu's kernels, chunks in parallel:
 //
-// 1. based_linear_<t>: one block per (head, batch entry), sequentially over chunks of L steps
-//    (the last one shorter), with the linear state S (V x K, value-major) in shared memory:
-//    per chunk, lin_i = scale (sum_{j<=i} (q_i . k_j) v_j + S_in q_i) into `lin`, then
-//    S += sum_j v_j k_j^T. S starts at the initial state (or zeros) and ends in final_state.
-//    No decay: the chunked form of SSD (ssd.cu) with every log decay 0.
-// 2. based_window_<t>: one block per tile of BASED_TILE query rows (a grid over (row tile,
+// 1. based_chunk_state_<t>: each chunk's own state sum_j v_j k_j^T (ssd.cu's chunk_state);
+// 2. ssd_state_passing: the states passed from chunk to chunk, from the initial state S_0 (or
+//    zeros); the final state S_T;
+// 3. based_chunk_scan_<t>: each chunk's unscaled linear output
+//    lin_i = sum_{j<=i} (q_i . k_j) v_j + S_in q_i into the float32 scratch `lin`
+//    (ssd.cu's chunk_scan with a float32 output);
+// 4. based_window_<t>: one block per tile of BASED_TILE query rows (a grid over (row tile,
 //    head, batch entry)): the softmax of scale q_t . k_s over s = max(0, t-W+1)..t, applied
-//    to those v_s, plus lin_t, into O, the keys taken BASED_TILE at a time (below).
+//    to those v_s, plus scale lin_t, into O, the keys taken BASED_TILE at a time (below).
 //
 // Version 1 starts from an empty window cache: keys and values before the first step are not
 // read (the host API takes only the initial linear state S_0; a cache is a later version).
 //
 // Layouts (row-major, as the reference): q, k [B, T, H, K]; v, O [B, T, H, V]; initial and
-// final linear state [B, H, V, K] (float32); has_initial says whether the initial state is
-// given (when 0 the pointer is any valid buffer and is not read: zeros); lin [B, T, H, V]
-// (float32 scratch: the linear branch's output, written by kernel 1, read by kernel 2).
+// final linear state [B, H, V, K] (float32, ssd.cu's [B, H, P, N]); dt [B, T, H] all 1 and
+// A [H] all 0 (float32, held by the host); ssd.cu's chunk scratch; lin [B, T, H, V] (float32).
 // <t> is f32 (float q, k, v and O) or bf16 (q, k, v and O as bf16 bits).
-// Limits (the host checks them): K, V <= BASED_MAX_DIM (kernel 2's accumulators: V / 4 per
+// Limits (the host checks them): K, V <= BASED_MAX_DIM (kernel 4's accumulators: V / 4 per
 // thread), W <= BASED_MAX_WINDOW.
-// Dynamic shared memory (the host computes both: src/sequence_mixers/based_cuda.rs): kernel 1
-// ((V + L)*(K + 1) + L*K + L*V + L*L) floats, the rows of S and of the chunk's keys padded to
-// K + 1 floats (a warp's lanes read one column of them, a key j or a value index p per lane,
-// and rows of K floats, K a multiple of 32, would put them all on one bank); kernel 2
-// (2*L*(K + 1) + L*V + L*(L + 1) + 3*L) floats, L = BASED_TILE = BASED_CHUNK.
-// Offsets are 64-bit. No headers (NVRTC).
+// Dynamic shared memory (the host computes it: src/sequence_mixers/based_cuda.rs): kernels 1
+// and 3 as ssd.cu says with P = V, N = K; kernel 4 (2*L*(K + 1) + L*V + L*(L + 1) + 3*L)
+// floats, L = BASED_TILE. Offsets are 64-bit. No headers (NVRTC).
 
 #define BASED_THREADS 256
-#define BASED_CHUNK 64
 #define BASED_MAX_DIM 128
 #define BASED_MAX_WINDOW 256
 #define BASED_TILE 64
 
 // u16, ld and st: prelude.cuh, prepended by the host.
 
-template <typename T>
-__device__ void linear_branch(const T* __restrict__ q, const T* __restrict__ k,
-                              const T* __restrict__ v, float scale,
-                              const float* __restrict__ initial_state, int has_initial,
-                              float* __restrict__ lin, float* __restrict__ final_state,
-                              int T_len, int heads, int K, int V) {
-    extern __shared__ float smem[];
-    const int h = blockIdx.x, b = blockIdx.y;
-    const long long bh = (long long)b * heads + h;
-    const int KP = K + 1;                     // padded row of S and of the keys
-    float* s = smem;                          // [V][KP]: the running linear state
-    float* qs = s + V * KP;                   // [L][K]
-    float* ks = qs + BASED_CHUNK * K;         // [L][KP]
-    float* vs = ks + BASED_CHUNK * KP;        // [L][V]
-    float* m = vs + BASED_CHUNK * V;          // [L][L]: q_i . k_j for j <= i, else 0
-    for (int e = threadIdx.x; e < V * K; e += BASED_THREADS)
-        s[(e / K) * KP + e % K] = has_initial ? initial_state[bh * V * K + e] : 0.f;
-    const int n_chunks = (T_len + BASED_CHUNK - 1) / BASED_CHUNK;
-    for (int c = 0; c < n_chunks; ++c) {
-        // Row (b, c L + i) of the [B, T] steps.
-        const long long t0 = (long long)b * T_len + (long long)c * BASED_CHUNK;
-        const int l = min(BASED_CHUNK, T_len - c * BASED_CHUNK);
-        for (int e = threadIdx.x; e < l * K; e += BASED_THREADS) {
-            const int i = e / K, n = e % K;
-            const long long at = ((t0 + i) * heads + h) * K + n;
-            qs[e] = ld(q, at);
-            ks[i * KP + n] = ld(k, at);
-        }
-        for (int e = threadIdx.x; e < l * V; e += BASED_THREADS) {
-            const int i = e / V, p = e % V;
-            vs[e] = ld(v, ((t0 + i) * heads + h) * V + p);
-        }
-        // Also orders the previous chunk's state update before this chunk's reads of s.
-        __syncthreads();
-        for (int e = threadIdx.x; e < l * l; e += BASED_THREADS) {
-            const int i = e / l, j = e % l;
-            float dot = 0.f;
-            if (j <= i)
-                for (int n = 0; n < K; ++n) dot += qs[i * K + n] * ks[j * KP + n];
-            m[i * BASED_CHUNK + j] = dot;
-        }
-        __syncthreads();
-        // lin_i = scale (sum_{j<=i} m_ij v_j + S_in q_i): S_in is s before this chunk's update.
-        for (int e = threadIdx.x; e < l * V; e += BASED_THREADS) {
-            const int i = e / V, p = e % V;
-            float intra = 0.f;
-            for (int j = 0; j <= i; ++j) intra += m[i * BASED_CHUNK + j] * vs[j * V + p];
-            float inter = 0.f;
-            for (int n = 0; n < K; ++n) inter += s[p * KP + n] * qs[i * K + n];
-            lin[((t0 + i) * heads + h) * V + p] = scale * (intra + inter);
-        }
-        __syncthreads();
-        // S += sum_j v_j k_j^T over the chunk's l steps.
-        for (int e = threadIdx.x; e < V * K; e += BASED_THREADS) {
-            const int p = e / K, n = e % K;
-            float acc = 0.f;
-            for (int j = 0; j < l; ++j) acc += vs[j * V + p] * ks[j * KP + n];
-            s[p * KP + n] += acc;
-        }
-        // The next chunk overwrites qs, ks and vs, which the update above reads.
-        __syncthreads();
-    }
-    for (int e = threadIdx.x; e < V * K; e += BASED_THREADS)
-        final_state[bh * V * K + e] = s[(e / K) * KP + e % K];
-}
-
-// Kernel 2, version 1.1: a block per tile of BASED_TILE query rows (and head, batch entry)
+// Kernel 4 (version 1.1): a block per tile of BASED_TILE query rows (and head, batch entry)
 // walks the keys its rows can see, [max(0, t0 - W + 1), t0 + rows - 1], BASED_TILE keys per
 // step, with the tile's queries and the step's keys and values in shared memory (each key and
 // value read once per tile, coalesced, where version 1 read each key once per query row, one
@@ -117,8 +49,8 @@ __device__ void linear_branch(const T* __restrict__ q, const T* __restrict__ k,
 template <typename T>
 __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
                               const T* __restrict__ v, float scale,
-                              const float* __restrict__ lin, T* __restrict__ o, int T_len,
-                              int heads, int K, int V, int W) {
+                              const float* __restrict__ lin, float lin_scale,
+                              T* __restrict__ o, int T_len, int heads, int K, int V, int W) {
     extern __shared__ float smem[];
     const int h = blockIdx.y, b = blockIdx.z;
     const int t0 = blockIdx.x * BASED_TILE;
@@ -203,22 +135,29 @@ __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
         const float inv = 1.f / row_sum[r];
 #pragma unroll
         for (int m = 0; m < BASED_MAX_DIM / 4; ++m)
-            if (m * 4 + c < V) st(o, at + m * 4 + c, lin[at + m * 4 + c] + acc[m] * inv);
+            if (m * 4 + c < V)
+                st(o, at + m * 4 + c, lin_scale * lin[at + m * 4 + c] + acc[m] * inv);
     }
 }
 
 #define BASED_ENTRIES(NAME, T)                                                                 \
-    extern "C" __global__ void __launch_bounds__(BASED_THREADS)                                \
-    based_linear_##NAME(const T* q, const T* k, const T* v, float scale,                      \
-                        const float* initial_state, int has_initial, float* lin,               \
-                        float* final_state, int T_len, int heads, int K, int V) {              \
-        linear_branch<T>(q, k, v, scale, initial_state, has_initial, lin, final_state, T_len,  \
-                         heads, K, V);                                                         \
+    extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
+    based_chunk_state_##NAME(const T* v, const float* ones, const float* zeros, const T* k,    \
+                             float* states, float* chunk_log_decay, int T_len, int heads,      \
+                             int K, int V) {                                                   \
+        chunk_state<T>(v, ones, zeros, k, states, chunk_log_decay, T_len, heads, heads, V, K); \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
+    based_chunk_scan_##NAME(const T* v, const float* ones, const float* zeros, const T* k,     \
+                            const T* q, const float* states, float* lin, int T_len, int heads, \
+                            int K, int V) {                                                    \
+        chunk_scan<T, float>(v, ones, zeros, k, q, zeros, 0, states, lin, T_len, heads, heads, \
+                             V, K);                                                            \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(BASED_THREADS)                                \
     based_window_##NAME(const T* q, const T* k, const T* v, float scale, const float* lin,    \
-                        T* o, int T_len, int heads, int K, int V, int W) {                     \
-        window_branch<T>(q, k, v, scale, lin, o, T_len, heads, K, V, W);                      \
+                        float lin_scale, T* o, int T_len, int heads, int K, int V, int W) {    \
+        window_branch<T>(q, k, v, scale, lin, lin_scale, o, T_len, heads, K, V, W);           \
     }
 
 BASED_ENTRIES(f32, float)

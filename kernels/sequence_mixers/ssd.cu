@@ -81,11 +81,13 @@ __device__ void chunk_state(const T* __restrict__ x, const float* __restrict__ d
     if (threadIdx.x == 0) chunk_log_decay[((long long)b * heads + h) * n_chunks + c] = last;
 }
 
-template <typename T>
+// TY, the type of y, is T for SSD's entry points; Based (based.cu, compiled after this file)
+// takes its linear branch in float32 from bf16 inputs.
+template <typename T, typename TY>
 __device__ void chunk_scan(const T* __restrict__ x, const float* __restrict__ dt,
                            const float* __restrict__ A, const T* __restrict__ Bm,
                            const T* __restrict__ Cm, const float* __restrict__ D, int has_d,
-                           const float* __restrict__ states, T* __restrict__ y, int T_len,
+                           const float* __restrict__ states, TY* __restrict__ y, int T_len,
                            int heads, int groups, int P, int N) {
     extern __shared__ float smem[];
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -166,7 +168,7 @@ ssd_state_passing(float* __restrict__ states, const float* __restrict__ chunk_lo
     ssd_chunk_scan_##NAME(const T* x, const float* dt, const float* A, const T* Bm,           \
                           const T* Cm, const float* D, int has_d, const float* states, T* y,  \
                           int T_len, int heads, int groups, int P, int N) {                    \
-        chunk_scan<T>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);      \
+        chunk_scan<T, T>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);   \
     }
 
 SSD_ENTRIES(f32, float)

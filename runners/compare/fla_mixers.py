@@ -47,7 +47,7 @@ MIXERS = ("ssd", "gated_delta", "based")
 DTYPES = torch_mixers.DTYPES
 PASSES = ("fwd",)
 NO_SCAN = ("flash-linear-attention has no Mamba-1 selective scan (a decay per channel and state "
-           "element); its SSD-like kernel (simple GLA) is the `ssd` row")
+           "element); on a GPU its SSD-like kernel (simple GLA) is the ssd row")
 MIXER_NOTES = {
     "ssd": "chunk_simple_gla: q = C, k = B (repeated from groups to heads), v = dt x, "
            "g = dt A, scale 1; + D x in PyTorch",

@@ -1,13 +1,14 @@
-//! Based on CUDA: `kernels/sequence_mixers/based.cu`, compiled by NVRTC at run time. Version 1
-//! runs the forward of [`super::reference::based`] (Arora et al., 2024, "Simple linear
-//! attention language models balance the recall-throughput tradeoff"): causal linear attention
-//! plus exact softmax attention over a sliding window of W keys, summed, on CUDA cores in
-//! float32, in two launches: the linear branch, one block per (head, batch entry) walking the
-//! sequence in chunks of [`CHUNK`] steps with the state S in shared memory (the chunked form of
-//! SSD without decay), into a float32 scratch; then the window branch, one block per tile of
+//! Based on CUDA: `kernels/sequence_mixers/based.cu`, compiled by NVRTC at run time after
+//! `ssd.cu`. Version 1.2 runs the forward of [`super::reference::based`] (Arora et al., 2024,
+//! "Simple linear attention language models balance the recall-throughput tradeoff"): causal
+//! linear attention plus exact softmax attention over a sliding window of W keys, summed, on
+//! CUDA cores in float32, in four launches. The linear branch is SSD's chunked algorithm
+//! ([`super::cuda`]) with no decay (every dt 1, A 0; B = k, C = q, x = v, a group per head):
+//! each chunk's own state, the states passed from chunk to chunk, each chunk's output into a
+//! float32 scratch, the chunks in parallel. Then the window branch, one block per tile of
 //! [`TILE`] query rows walking the keys they see [`TILE`] at a time in shared memory (an online
-//! softmax per row), which adds the scratch and writes O. Correctness first: the matrix products are plain loops
-//! over shared memory, not tensor-core tiles yet.
+//! softmax per row), which adds the scaled scratch and writes O. Correctness first: the matrix
+//! products are plain loops over shared memory, not tensor-core tiles yet.
 //!
 //! Version 1 starts every call from an empty window cache: the reference's
 //! [`BasedState`](super::reference::BasedState) also carries the last W − 1 keys and values
@@ -20,19 +21,21 @@ use cudarc::driver::{
 };
 
 use super::cuda::Dtype;
-use super::reference::BasedShape;
+use super::reference::{BasedShape, SsdShape};
 use crate::gpu::{Gpu, GpuError};
 
 /// The CUDA source of the Based kernels ([`entry_points`] names them).
 pub const BASED_SRC: &str = include_str!("../../kernels/sequence_mixers/based.cu");
 
-/// What NVRTC compiles: the shared prelude ([`super::cuda::with_prelude`]) and [`BASED_SRC`].
+/// What NVRTC compiles: the shared prelude ([`super::cuda::with_prelude`]), SSD's kernels
+/// ([`super::cuda::SSD_SRC`], whose chunked algorithm the linear branch reuses) and
+/// [`BASED_SRC`].
 pub fn source() -> String {
-    super::cuda::with_prelude(BASED_SRC)
+    super::cuda::with_prelude(&format!("{}\n{BASED_SRC}", super::cuda::SSD_SRC))
 }
 
-/// Time steps per chunk of the linear branch (`BASED_CHUNK` in the source).
-pub const CHUNK: usize = 64;
+/// Time steps per chunk of the linear branch (SSD's [`super::cuda::CHUNK`]).
+pub const CHUNK: usize = super::cuda::CHUNK;
 
 /// Threads per block of both kernels (`BASED_THREADS` in the source).
 pub const THREADS: u32 = 256;
@@ -49,23 +52,34 @@ pub const MAX_WINDOW: usize = 256;
 /// The largest batch and head counts: they are grid dimensions y and z.
 const MAX_GRID_YZ: usize = 65_535;
 
-/// Every entry point of [`BASED_SRC`].
+/// Every entry point of the module [`source`] compiles: SSD's ([`super::cuda::entry_points`],
+/// the state passing of which the linear branch uses) and [`BASED_SRC`]'s three per dtype.
 pub fn entry_points() -> Vec<String> {
-    let mut v = Vec::new();
+    let mut v = super::cuda::entry_points();
     for d in [Dtype::F32, Dtype::Bf16] {
-        v.push(format!("based_linear_{}", d.tag()));
+        v.push(format!("based_chunk_state_{}", d.tag()));
+        v.push(format!("based_chunk_scan_{}", d.tag()));
         v.push(format!("based_window_{}", d.tag()));
     }
     v
 }
 
-/// Dynamic shared memory of the linear-branch kernel for `shape`, bytes:
-/// ((V + L)·(K + 1) + L·K + L·V + L·L) floats, L = [`CHUNK`] (the state and the chunk's keys,
-/// rows padded to K + 1 floats against bank conflicts; the chunk's q and v; its masked
-/// scores).
-pub fn shared_bytes(shape: BasedShape) -> u32 {
-    let (l, k, v) = (CHUNK, shape.key_dim, shape.value_dim);
-    (((v + l) * (k + 1) + l * k + l * v + l * l) * 4) as u32
+/// The linear branch as SSD sees it: head_dim = V, state = K, a group per head.
+pub fn linear_shape(shape: BasedShape) -> SsdShape {
+    SsdShape {
+        batch: shape.batch,
+        seq_len: shape.seq_len,
+        heads: shape.heads,
+        head_dim: shape.value_dim,
+        state: shape.key_dim,
+        groups: shape.heads,
+    }
+}
+
+/// Dynamic shared memory of the linear branch's chunk-state and chunk-scan kernels for `shape`,
+/// bytes: SSD's ([`super::cuda::shared_bytes`]) for [`linear_shape`].
+pub fn shared_bytes(shape: BasedShape) -> (u32, u32) {
+    super::cuda::shared_bytes(linear_shape(shape))
 }
 
 /// Dynamic shared memory of the window kernel for `shape`, bytes:
@@ -108,7 +122,7 @@ fn check_shape(s: BasedShape) -> Result<(), GpuError> {
              {MAX_GRID_YZ})"
         )));
     }
-    let smem = shared_bytes(s).max(window_shared_bytes(s));
+    let smem = shared_bytes(s).1.max(window_shared_bytes(s));
     if smem > MAX_SHARED {
         return Err(GpuError::Config(format!(
             "based: key_dim {} and value_dim {} need {smem} bytes of shared memory per block, \
@@ -119,16 +133,22 @@ fn check_shape(s: BasedShape) -> Result<(), GpuError> {
     Ok(())
 }
 
-/// Based's compiled kernels and scratch for one shape: the linear branch's output `lin`
-/// `[B, T, H, V]` (float32), written by the first launch and read by the second.
+/// Based's compiled kernels and scratch for one shape: the linear branch's chunk states
+/// `[B, H, n_chunks, V, K]` and chunk log decays `[B, H, n_chunks]` (all 0), its dt (all 1,
+/// `[B, T, H]`) and A (all 0, `[H]`), and its output `lin` `[B, T, H, V]` (float32), read by
+/// the window kernel.
 pub struct Based {
     shape: BasedShape,
     dtype: Dtype,
-    linear: CudaFunction,
+    chunk_state: CudaFunction,
+    passing: CudaFunction,
+    chunk_scan: CudaFunction,
     window: CudaFunction,
+    states: CudaSlice<f32>,
+    decay: CudaSlice<f32>,
+    ones: CudaSlice<f32>,
+    zeros: CudaSlice<f32>,
     lin: CudaSlice<f32>,
-    /// Stands in for the initial state when none is given (never read).
-    unused: CudaSlice<f32>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
@@ -146,34 +166,58 @@ impl Based {
         let s = shape;
         let compiled = gpu.compile("based.cu", &source())?;
         let t = dtype.tag();
-        let linear = gpu.function(
+        let (state_smem, scan_smem) = shared_bytes(s);
+        let chunk_state = gpu.function(
             &compiled.module,
-            &format!("based_linear_{t}"),
-            shared_bytes(s),
+            &format!("based_chunk_state_{t}"),
+            state_smem,
         )?;
+        let chunk_scan = gpu.function(
+            &compiled.module,
+            &format!("based_chunk_scan_{t}"),
+            scan_smem,
+        )?;
+        let passing = gpu.function(&compiled.module, "ssd_state_passing", 0)?;
         let window = gpu.function(
             &compiled.module,
             &format!("based_window_{t}"),
             window_shared_bytes(s),
         )?;
+        let n_chunks = s.seq_len.div_ceil(CHUNK);
+        let states = gpu
+            .stream
+            .alloc_zeros::<f32>((s.batch * s.heads * n_chunks * s.value_dim * s.key_dim).max(1))?;
+        let decay = gpu
+            .stream
+            .alloc_zeros::<f32>((s.batch * s.heads * n_chunks).max(1))?;
+        let ones = gpu
+            .stream
+            .clone_htod(&vec![1f32; (s.batch * s.seq_len * s.heads).max(1)])?;
+        let zeros = gpu.stream.alloc_zeros::<f32>(s.heads)?;
         let lin = gpu
             .stream
             .alloc_zeros::<f32>((s.batch * s.seq_len * s.heads * s.value_dim).max(1))?;
-        let unused = gpu.stream.alloc_zeros::<f32>(1)?;
         Ok(Based {
             shape,
             dtype,
-            linear,
+            chunk_state,
+            passing,
+            chunk_scan,
             window,
+            states,
+            decay,
+            ones,
+            zeros,
             lin,
-            unused,
             compile_s: compiled.compile_s,
         })
     }
 
     /// Bytes of scratch one call uses beyond its inputs and outputs.
     pub fn temporary_bytes(&self) -> u64 {
-        self.lin.len() as u64 * 4
+        (self.states.len() + self.decay.len() + self.ones.len() + self.zeros.len() + self.lin.len())
+            as u64
+            * 4
     }
 
     /// Launches one Based forward: O `[B, T, H, V]` and the final linear state `[B, H, V, K]`
@@ -231,39 +275,76 @@ impl Based {
         }
         let (t_len, heads) = (s.seq_len as i32, s.heads as i32);
         let (kd, vd, w) = (s.key_dim as i32, s.value_dim as i32, s.window as i32);
-        let has_initial = i32::from(initial_linear_state.is_some());
-        let mut l = gpu.stream.launch_builder(&self.linear);
-        l.arg(q)
+        let n_chunks = s.seq_len.div_ceil(CHUNK);
+        let (state_smem, scan_smem) = shared_bytes(s);
+        let (p, n, chunks) = (vd, kd, n_chunks as i32);
+        let grid = (n_chunks as u32, s.heads as u32, s.batch as u32);
+        let cfg = |smem: u32, grid: (u32, u32, u32)| LaunchConfig {
+            grid_dim: grid,
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let mut l = gpu.stream.launch_builder(&self.chunk_state);
+        l.arg(v)
+            .arg(&self.ones)
+            .arg(&self.zeros)
             .arg(k)
-            .arg(v)
-            .arg(&scale)
-            .arg(initial_linear_state.unwrap_or(&self.unused))
-            .arg(&has_initial)
-            .arg(&mut self.lin)
-            .arg(&mut *final_linear_state)
+            .arg(&mut self.states)
+            .arg(&mut self.decay)
             .arg(&t_len)
             .arg(&heads)
             .arg(&kd)
             .arg(&vd);
-        let cfg = LaunchConfig {
-            grid_dim: (s.heads as u32, s.batch as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: shared_bytes(s),
-        };
-        // SAFETY: based_linear_<t>(const T* q, const T* k, const T* v, float scale,
-        // const float* initial_state, int has_initial, float* lin, float* final_state,
-        // int T_len, int heads, int K, int V): the lengths were checked above, the scratch was
-        // sized B·T·H·V for this shape in `new`, and `new` checked K, V ≤ 128 and raised the
-        // kernel's shared-memory limit to `shared_bytes`; one block per (head, batch entry)
-        // reads rows below T only and writes its rows of `lin` and its state; the initial state
-        // is read only when has_initial is 1, and then holds B·H·V·K floats.
-        unsafe { l.launch(cfg)? };
+        // SAFETY: based_chunk_state_<t>(const T* v, const float* ones, const float* zeros,
+        // const T* k, float* states, float* chunk_log_decay, int T_len, int heads, int K,
+        // int V), ssd.cu's chunk_state with x = v, B = k, a group per head: the lengths were
+        // checked above, `new` sized ones B·T·H, zeros H and the scratch for this shape and
+        // raised the kernel's shared-memory limit; each block reads its chunk's rows below T
+        // and writes its (chunk, head, batch) slice of the scratch.
+        unsafe { l.launch(cfg(state_smem, grid))? };
+        let has_initial = i32::from(initial_linear_state.is_some());
+        let mut l = gpu.stream.launch_builder(&self.passing);
+        l.arg(&mut self.states)
+            .arg(&self.decay)
+            .arg(initial_linear_state.unwrap_or(&self.zeros))
+            .arg(&has_initial)
+            .arg(&mut *final_linear_state)
+            .arg(&heads)
+            .arg(&chunks)
+            .arg(&p)
+            .arg(&n);
+        // SAFETY: ssd_state_passing(float* states, const float* chunk_log_decay,
+        // const float* initial_state, int has_initial, float* final_state, int heads,
+        // int n_chunks, int P, int N) with P = V, N = K: one block per (head, batch entry) over
+        // the scratch and the checked states; the initial state is read only when has_initial
+        // is 1, and then holds B·H·V·K floats.
+        unsafe { l.launch(cfg(0, (s.heads as u32, s.batch as u32, 1)))? };
+        let mut l = gpu.stream.launch_builder(&self.chunk_scan);
+        l.arg(v)
+            .arg(&self.ones)
+            .arg(&self.zeros)
+            .arg(k)
+            .arg(q)
+            .arg(&self.states)
+            .arg(&mut self.lin)
+            .arg(&t_len)
+            .arg(&heads)
+            .arg(&kd)
+            .arg(&vd);
+        // SAFETY: based_chunk_scan_<t>(const T* v, const float* ones, const float* zeros,
+        // const T* k, const T* q, const float* states, float* lin, int T_len, int heads, int K,
+        // int V), ssd.cu's chunk_scan with C = q, no D (zeros stands in, unread) and a float32
+        // output: the checked buffers and the scratch `new` sized (lin B·T·H·V); each block
+        // writes the rows of its chunk.
+        unsafe { l.launch(cfg(scan_smem, grid))? };
+        let lin_scale = scale;
         let mut l = gpu.stream.launch_builder(&self.window);
         l.arg(q)
             .arg(k)
             .arg(v)
             .arg(&scale)
             .arg(&self.lin)
+            .arg(&lin_scale)
             .arg(&mut *o)
             .arg(&t_len)
             .arg(&heads)
@@ -280,12 +361,12 @@ impl Based {
             shared_mem_bytes: window_shared_bytes(s),
         };
         // SAFETY: based_window_<t>(const T* q, const T* k, const T* v, float scale,
-        // const float* lin, T* o, int T_len, int heads, int K, int V, int W): the checked
-        // buffers and the scratch the first launch filled (same stream, so it has finished);
-        // `new` checked K, V ≤ 128 (the accumulators per thread) and raised the kernel's
-        // shared-memory limit to `window_shared_bytes`; the block of tile i reads queries,
-        // keys and values of steps max(0, 64i − W + 1)..min(64i + 64, T) and writes the rows of
-        // O in its tile below T.
+        // const float* lin, float lin_scale, T* o, int T_len, int heads, int K, int V, int W):
+        // the checked buffers and the scratch the chunk scan filled (same stream, so it has
+        // finished); `new` checked K, V ≤ 128 (the accumulators per thread) and raised the
+        // kernel's shared-memory limit to `window_shared_bytes`; the block of tile i reads
+        // queries, keys and values of steps max(0, 64i − W + 1)..min(64i + 64, T) and writes
+        // the rows of O in its tile below T.
         unsafe { l.launch(cfg)? };
         Ok(())
     }
@@ -308,14 +389,23 @@ mod tests {
 
     #[test]
     fn shared_memory_is_counted_in_floats() {
+        // The linear branch is SSD's kernels with head_dim = V and state = K: chunk state
+        // (L·V + L·K + L), chunk scan (L·K + (L + V)·(K + 1) + L·L + L·V + L) floats.
         assert_eq!(
             shared_bytes(shape(64, 32, 4)),
-            (((32 + 64) * 65 + 64 * 64 + 64 * 32 + 64 * 64) * 4) as u32
+            (
+                ((64 * 32 + 64 * 64 + 64) * 4) as u32,
+                ((64 * 64 + (64 + 32) * 65 + 64 * 64 + 64 * 32 + 64) * 4) as u32
+            )
         );
-        // K = V = 128, the largest, fits: 176 KiB and the padding's 768 bytes.
+        assert_eq!(
+            linear_shape(shape(64, 32, 4)).groups,
+            1,
+            "a group per head (one head here)"
+        );
+        // K = V = 128, the largest, fits.
         let big = shared_bytes(shape(MAX_DIM, MAX_DIM, 4));
-        assert_eq!(big, 176 * 1024 + (128 + 64) * 4);
-        assert!(big <= MAX_SHARED);
+        assert!(big.0 <= MAX_SHARED && big.1 <= MAX_SHARED);
         // The window kernel: queries and keys [64][K + 1], values [64][V], scores [64][65],
         // three row statistics.
         assert_eq!(
@@ -359,10 +449,14 @@ mod tests {
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        assert_eq!(e.len(), 4);
+        // SSD's five, and three of this file per dtype.
+        assert_eq!(e.len(), 5 + 6);
         for name in &e {
             let stem = name.trim_end_matches("_f32").trim_end_matches("_bf16");
-            assert!(BASED_SRC.contains(&format!("{stem}_##NAME(")), "{name}");
+            let here = BASED_SRC.contains(&format!("{stem}_##NAME("));
+            let ssd = super::super::cuda::SSD_SRC.contains(&format!("{stem}_##NAME("))
+                || super::super::cuda::SSD_SRC.contains(&format!("{stem}("));
+            assert!(here != ssd, "{name}: in exactly one of the two files");
         }
     }
 }
