@@ -540,7 +540,7 @@ enum Kernels {
     Ssd(Ssd),
     Scan(Scan),
     Delta(GatedDelta),
-    Based(Based),
+    Based(Box<Based>),
 }
 
 /// `cuda` on one case: the kernels write the output straight into the runner's buffer (its
@@ -760,7 +760,7 @@ fn measure_gpu(job: &Job) -> Reply {
             Mixer::Ssd => Kernels::Ssd(Ssd::new(gpu, case.ssd_shape(), dtype)?),
             Mixer::SelectiveScan => Kernels::Scan(Scan::new(gpu, case.scan_shape(), dtype)?),
             Mixer::GatedDelta => Kernels::Delta(GatedDelta::new(gpu, case.delta_shape(), dtype)?),
-            Mixer::Based => Kernels::Based(Based::new(gpu, case.based_shape(), dtype)?),
+            Mixer::Based => Kernels::Based(Box::new(Based::new(gpu, case.based_shape(), dtype)?)),
         };
         let compile_s = match &kernels {
             Kernels::Ssd(k) => k.compile_s,

@@ -228,8 +228,8 @@ fn ssd_kernels_emulated_match_the_recurrence() {
     emulated_kernel_runs_clean("ssd_check", &cases);
 }
 
-/// Based's four kernels (`based.cu` after `ssd.cu`: the linear branch as SSD's chunked kernels
-/// without decay, then the window branch) on the CPU
+/// Based's four kernels (the linear branch as `ssd.cu`'s chunked kernels without decay, then
+/// `based.cu`'s window branch) on the CPU
 /// against the float64 recurrence, with the host's shared-memory sizes
 /// (`sequence_mixers::based_cuda::{shared_bytes, window_shared_bytes}`), shared memory
 /// poisoned and guarded past them: partial chunks and tiles, one step, K ≠ V, windows of 1 to

@@ -1,33 +1,26 @@
 // Based (Arora et al., 2024, "Simple linear attention language models balance the
 // recall-throughput tradeoff"): causal linear attention plus exact softmax attention over a
 // sliding window, summed, on CUDA cores in float32, version 1.2: the recurrence of `based` in
-// src/sequence_mixers/reference.rs (its docstring defines it) in four launches on one stream.
-// The host compiles this file after ssd.cu (and the prelude): the linear branch is SSD's
+// src/sequence_mixers/reference.rs (its docstring defines it). The linear branch is SSD's
 // chunked algorithm with every step's dt = 1 and A = 0 (no decay), B = k, C = q, x = v, one
-// group per head, so it reuses ssd.cu's kernels, chunks in parallel:
+// group per head: the host runs ssd.cu's three kernels for it (src/sequence_mixers/based_cuda.rs),
+// the chunks in parallel, into the float32 scratch lin_t = sum_{s<=t} (q_t . k_s) v_s + S_0 q_t.
+// This file is the window branch, launched after them on the same stream:
 //
-// 1. based_chunk_state_<t>: each chunk's own state sum_j v_j k_j^T (ssd.cu's chunk_state);
-// 2. ssd_state_passing: the states passed from chunk to chunk, from the initial state S_0 (or
-//    zeros); the final state S_T;
-// 3. based_chunk_scan_<t>: each chunk's unscaled linear output
-//    lin_i = sum_{j<=i} (q_i . k_j) v_j + S_in q_i into the float32 scratch `lin`
-//    (ssd.cu's chunk_scan with a float32 output);
-// 4. based_window_<t>: one block per tile of BASED_TILE query rows (a grid over (row tile,
-//    head, batch entry)): the softmax of scale q_t . k_s over s = max(0, t-W+1)..t, applied
-//    to those v_s, plus scale lin_t, into O, the keys taken BASED_TILE at a time (below).
+// based_window_<t>: one block per tile of BASED_TILE query rows (a grid over (row tile, head,
+// batch entry)): the softmax of scale q_t . k_s over s = max(0, t-W+1)..t, applied to those
+// v_s, plus lin_scale * lin_t, into O, the keys taken BASED_TILE at a time (below).
 //
 // Version 1 starts from an empty window cache: keys and values before the first step are not
 // read (the host API takes only the initial linear state S_0; a cache is a later version).
 //
-// Layouts (row-major, as the reference): q, k [B, T, H, K]; v, O [B, T, H, V]; initial and
-// final linear state [B, H, V, K] (float32, ssd.cu's [B, H, P, N]); dt [B, T, H] all 1 and
-// A [H] all 0 (float32, held by the host); ssd.cu's chunk scratch; lin [B, T, H, V] (float32).
-// <t> is f32 (float q, k, v and O) or bf16 (q, k, v and O as bf16 bits).
-// Limits (the host checks them): K, V <= BASED_MAX_DIM (kernel 4's accumulators: V / 4 per
+// Layouts (row-major, as the reference): q, k [B, T, H, K]; v, O [B, T, H, V]; lin
+// [B, T, H, V] (float32). <t> is f32 (float q, k, v and O) or bf16 (q, k, v and O as bf16
+// bits). Limits (the host checks them): K, V <= BASED_MAX_DIM (the accumulators: V / 4 per
 // thread), W <= BASED_MAX_WINDOW.
-// Dynamic shared memory (the host computes it: src/sequence_mixers/based_cuda.rs): kernels 1
-// and 3 as ssd.cu says with P = V, N = K; kernel 4 (2*L*(K + 1) + L*V + L*(L + 1) + 3*L)
-// floats, L = BASED_TILE. Offsets are 64-bit. No headers (NVRTC).
+// Dynamic shared memory (the host computes it: src/sequence_mixers/based_cuda.rs,
+// window_shared_bytes): (2*L*(K + 1) + L*V + L*(L + 1) + 3*L) floats, L = BASED_TILE.
+// Offsets are 64-bit. No headers (NVRTC).
 
 #define BASED_THREADS 256
 #define BASED_MAX_DIM 128
@@ -141,19 +134,6 @@ __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
 }
 
 #define BASED_ENTRIES(NAME, T)                                                                 \
-    extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
-    based_chunk_state_##NAME(const T* v, const float* ones, const float* zeros, const T* k,    \
-                             float* states, float* chunk_log_decay, int T_len, int heads,      \
-                             int K, int V) {                                                   \
-        chunk_state<T>(v, ones, zeros, k, states, chunk_log_decay, T_len, heads, heads, V, K); \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
-    based_chunk_scan_##NAME(const T* v, const float* ones, const float* zeros, const T* k,     \
-                            const T* q, const float* states, float* lin, int T_len, int heads, \
-                            int K, int V) {                                                    \
-        chunk_scan<T, float>(v, ones, zeros, k, q, zeros, 0, states, lin, T_len, heads, heads, \
-                             V, K);                                                            \
-    }                                                                                          \
     extern "C" __global__ void __launch_bounds__(BASED_THREADS)                                \
     based_window_##NAME(const T* q, const T* k, const T* v, float scale, const float* lin,    \
                         float lin_scale, T* o, int T_len, int heads, int K, int V, int W) {    \

@@ -81,8 +81,7 @@ __device__ void chunk_state(const T* __restrict__ x, const float* __restrict__ d
     if (threadIdx.x == 0) chunk_log_decay[((long long)b * heads + h) * n_chunks + c] = last;
 }
 
-// TY, the type of y, is T for SSD's entry points; Based (based.cu, compiled after this file)
-// takes its linear branch in float32 from bf16 inputs.
+// TY, the type of y: T, or float32 for ssd_chunk_scan_bf16_f32out.
 template <typename T, typename TY>
 __device__ void chunk_scan(const T* __restrict__ x, const float* __restrict__ dt,
                            const float* __restrict__ A, const T* __restrict__ Bm,
@@ -173,3 +172,12 @@ ssd_state_passing(float* __restrict__ states, const float* __restrict__ chunk_lo
 
 SSD_ENTRIES(f32, float)
 SSD_ENTRIES(bf16, u16)
+
+// The chunk scan with a float32 y from bf16 inputs (Based's linear branch, which adds y to its
+// window branch before rounding: src/sequence_mixers/based_cuda.rs).
+extern "C" __global__ void __launch_bounds__(SSD_THREADS)
+ssd_chunk_scan_bf16_f32out(const u16* x, const float* dt, const float* A, const u16* Bm,
+                           const u16* Cm, const float* D, int has_d, const float* states,
+                           float* y, int T_len, int heads, int groups, int P, int N) {
+    chunk_scan<u16, float>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);
+}

@@ -1,11 +1,11 @@
-//! Based on CUDA: `kernels/sequence_mixers/based.cu`, compiled by NVRTC at run time after
-//! `ssd.cu`. Version 1.2 runs the forward of [`super::reference::based`] (Arora et al., 2024,
+//! Based on CUDA: SSD's kernels ([`super::cuda`]) and `kernels/sequence_mixers/based.cu`,
+//! compiled by NVRTC at run time. Version 1.2 runs the forward of [`super::reference::based`] (Arora et al., 2024,
 //! "Simple linear attention language models balance the recall-throughput tradeoff"): causal
 //! linear attention plus exact softmax attention over a sliding window of W keys, summed, on
 //! CUDA cores in float32, in four launches. The linear branch is SSD's chunked algorithm
-//! ([`super::cuda`]) with no decay (every dt 1, A 0; B = k, C = q, x = v, a group per head):
-//! each chunk's own state, the states passed from chunk to chunk, each chunk's output into a
-//! float32 scratch, the chunks in parallel. Then the window branch, one block per tile of
+//! ([`Ssd::launch_f32_out`]) with no decay (every dt 1, A 0; B = k, C = q, x = v, a group per
+//! head): each chunk's own state, the states passed from chunk to chunk, each chunk's output
+//! into a float32 scratch, the chunks in parallel. Then the window branch, one block per tile of
 //! [`TILE`] query rows walking the keys they see [`TILE`] at a time in shared memory (an online
 //! softmax per row), which adds the scaled scratch and writes O. Correctness first: the matrix
 //! products are plain loops over shared memory, not tensor-core tiles yet.
@@ -20,18 +20,18 @@ use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::cuda::Dtype;
+use super::cuda::{Dtype, Ssd};
 use super::reference::{BasedShape, SsdShape};
 use crate::gpu::{Gpu, GpuError};
 
 /// The CUDA source of the Based kernels ([`entry_points`] names them).
 pub const BASED_SRC: &str = include_str!("../../kernels/sequence_mixers/based.cu");
 
-/// What NVRTC compiles: the shared prelude ([`super::cuda::with_prelude`]), SSD's kernels
-/// ([`super::cuda::SSD_SRC`], whose chunked algorithm the linear branch reuses) and
-/// [`BASED_SRC`].
+/// What NVRTC compiles for the window kernel: the shared prelude
+/// ([`super::cuda::with_prelude`]) and [`BASED_SRC`] (the linear branch is SSD's module,
+/// [`super::cuda::source`]).
 pub fn source() -> String {
-    super::cuda::with_prelude(&format!("{}\n{BASED_SRC}", super::cuda::SSD_SRC))
+    super::cuda::with_prelude(BASED_SRC)
 }
 
 /// Time steps per chunk of the linear branch (SSD's [`super::cuda::CHUNK`]).
@@ -52,16 +52,12 @@ pub const MAX_WINDOW: usize = 256;
 /// The largest batch and head counts: they are grid dimensions y and z.
 const MAX_GRID_YZ: usize = 65_535;
 
-/// Every entry point of the module [`source`] compiles: SSD's ([`super::cuda::entry_points`],
-/// the state passing of which the linear branch uses) and [`BASED_SRC`]'s three per dtype.
+/// Every entry point of [`BASED_SRC`].
 pub fn entry_points() -> Vec<String> {
-    let mut v = super::cuda::entry_points();
-    for d in [Dtype::F32, Dtype::Bf16] {
-        v.push(format!("based_chunk_state_{}", d.tag()));
-        v.push(format!("based_chunk_scan_{}", d.tag()));
-        v.push(format!("based_window_{}", d.tag()));
-    }
-    v
+    [Dtype::F32, Dtype::Bf16]
+        .iter()
+        .map(|d| format!("based_window_{}", d.tag()))
+        .collect()
 }
 
 /// The linear branch as SSD sees it: head_dim = V, state = K, a group per head.
@@ -133,23 +129,19 @@ fn check_shape(s: BasedShape) -> Result<(), GpuError> {
     Ok(())
 }
 
-/// Based's compiled kernels and scratch for one shape: the linear branch's chunk states
-/// `[B, H, n_chunks, V, K]` and chunk log decays `[B, H, n_chunks]` (all 0), its dt (all 1,
-/// `[B, T, H]`) and A (all 0, `[H]`), and its output `lin` `[B, T, H, V]` (float32), read by
-/// the window kernel.
+/// Based's compiled kernels and scratch for one shape: the linear branch as an [`Ssd`] of
+/// [`linear_shape`] (its chunk states), its dt (all 1, `[B, T, H]`) and A (all 0, `[H]`), its
+/// output `lin` `[B, T, H, V]` (float32), and the window kernel, which reads `lin`.
 pub struct Based {
     shape: BasedShape,
     dtype: Dtype,
-    chunk_state: CudaFunction,
-    passing: CudaFunction,
-    chunk_scan: CudaFunction,
+    linear: Ssd,
     window: CudaFunction,
-    states: CudaSlice<f32>,
-    decay: CudaSlice<f32>,
     ones: CudaSlice<f32>,
     zeros: CudaSlice<f32>,
     lin: CudaSlice<f32>,
-    /// NVRTC compile and module load time, s (0 when this process had compiled the source).
+    /// NVRTC compile and module load time of both modules, s (0 for a module this process
+    /// had compiled).
     pub compile_s: f64,
 }
 
@@ -164,32 +156,13 @@ impl Based {
     pub fn new(gpu: &Gpu, shape: BasedShape, dtype: Dtype) -> Result<Based, GpuError> {
         check_shape(shape)?;
         let s = shape;
+        let linear = Ssd::new(gpu, linear_shape(s), dtype)?;
         let compiled = gpu.compile("based.cu", &source())?;
-        let t = dtype.tag();
-        let (state_smem, scan_smem) = shared_bytes(s);
-        let chunk_state = gpu.function(
-            &compiled.module,
-            &format!("based_chunk_state_{t}"),
-            state_smem,
-        )?;
-        let chunk_scan = gpu.function(
-            &compiled.module,
-            &format!("based_chunk_scan_{t}"),
-            scan_smem,
-        )?;
-        let passing = gpu.function(&compiled.module, "ssd_state_passing", 0)?;
         let window = gpu.function(
             &compiled.module,
-            &format!("based_window_{t}"),
+            &format!("based_window_{}", dtype.tag()),
             window_shared_bytes(s),
         )?;
-        let n_chunks = s.seq_len.div_ceil(CHUNK);
-        let states = gpu
-            .stream
-            .alloc_zeros::<f32>((s.batch * s.heads * n_chunks * s.value_dim * s.key_dim).max(1))?;
-        let decay = gpu
-            .stream
-            .alloc_zeros::<f32>((s.batch * s.heads * n_chunks).max(1))?;
         let ones = gpu
             .stream
             .clone_htod(&vec![1f32; (s.batch * s.seq_len * s.heads).max(1)])?;
@@ -200,24 +173,19 @@ impl Based {
         Ok(Based {
             shape,
             dtype,
-            chunk_state,
-            passing,
-            chunk_scan,
+            compile_s: linear.compile_s + compiled.compile_s,
+            linear,
             window,
-            states,
-            decay,
             ones,
             zeros,
             lin,
-            compile_s: compiled.compile_s,
         })
     }
 
     /// Bytes of scratch one call uses beyond its inputs and outputs.
     pub fn temporary_bytes(&self) -> u64 {
-        (self.states.len() + self.decay.len() + self.ones.len() + self.zeros.len() + self.lin.len())
-            as u64
-            * 4
+        self.linear.temporary_bytes()
+            + (self.ones.len() + self.zeros.len() + self.lin.len()) as u64 * 4
     }
 
     /// Launches one Based forward: O `[B, T, H, V]` and the final linear state `[B, H, V, K]`
@@ -273,70 +241,22 @@ impl Based {
         if s.seq_len == 0 {
             return super::cuda::no_step(gpu, initial_linear_state, final_linear_state);
         }
+        // The linear branch: SSD with x = v, dt = 1, A = 0, B = k, C = q, a group per head,
+        // no D; its float32 Y is the unscaled lin, its states S (V × K per head).
+        self.linear.launch_f32_out(
+            gpu,
+            v,
+            &self.ones,
+            &self.zeros,
+            k,
+            q,
+            None,
+            initial_linear_state,
+            &mut self.lin.as_view_mut(),
+            final_linear_state,
+        )?;
         let (t_len, heads) = (s.seq_len as i32, s.heads as i32);
         let (kd, vd, w) = (s.key_dim as i32, s.value_dim as i32, s.window as i32);
-        let n_chunks = s.seq_len.div_ceil(CHUNK);
-        let (state_smem, scan_smem) = shared_bytes(s);
-        let (p, n, chunks) = (vd, kd, n_chunks as i32);
-        let grid = (n_chunks as u32, s.heads as u32, s.batch as u32);
-        let cfg = |smem: u32, grid: (u32, u32, u32)| LaunchConfig {
-            grid_dim: grid,
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        let mut l = gpu.stream.launch_builder(&self.chunk_state);
-        l.arg(v)
-            .arg(&self.ones)
-            .arg(&self.zeros)
-            .arg(k)
-            .arg(&mut self.states)
-            .arg(&mut self.decay)
-            .arg(&t_len)
-            .arg(&heads)
-            .arg(&kd)
-            .arg(&vd);
-        // SAFETY: based_chunk_state_<t>(const T* v, const float* ones, const float* zeros,
-        // const T* k, float* states, float* chunk_log_decay, int T_len, int heads, int K,
-        // int V), ssd.cu's chunk_state with x = v, B = k, a group per head: the lengths were
-        // checked above, `new` sized ones B·T·H, zeros H and the scratch for this shape and
-        // raised the kernel's shared-memory limit; each block reads its chunk's rows below T
-        // and writes its (chunk, head, batch) slice of the scratch.
-        unsafe { l.launch(cfg(state_smem, grid))? };
-        let has_initial = i32::from(initial_linear_state.is_some());
-        let mut l = gpu.stream.launch_builder(&self.passing);
-        l.arg(&mut self.states)
-            .arg(&self.decay)
-            .arg(initial_linear_state.unwrap_or(&self.zeros))
-            .arg(&has_initial)
-            .arg(&mut *final_linear_state)
-            .arg(&heads)
-            .arg(&chunks)
-            .arg(&p)
-            .arg(&n);
-        // SAFETY: ssd_state_passing(float* states, const float* chunk_log_decay,
-        // const float* initial_state, int has_initial, float* final_state, int heads,
-        // int n_chunks, int P, int N) with P = V, N = K: one block per (head, batch entry) over
-        // the scratch and the checked states; the initial state is read only when has_initial
-        // is 1, and then holds B·H·V·K floats.
-        unsafe { l.launch(cfg(0, (s.heads as u32, s.batch as u32, 1)))? };
-        let mut l = gpu.stream.launch_builder(&self.chunk_scan);
-        l.arg(v)
-            .arg(&self.ones)
-            .arg(&self.zeros)
-            .arg(k)
-            .arg(q)
-            .arg(&self.states)
-            .arg(&mut self.lin)
-            .arg(&t_len)
-            .arg(&heads)
-            .arg(&kd)
-            .arg(&vd);
-        // SAFETY: based_chunk_scan_<t>(const T* v, const float* ones, const float* zeros,
-        // const T* k, const T* q, const float* states, float* lin, int T_len, int heads, int K,
-        // int V), ssd.cu's chunk_scan with C = q, no D (zeros stands in, unread) and a float32
-        // output: the checked buffers and the scratch `new` sized (lin B·T·H·V); each block
-        // writes the rows of its chunk.
-        unsafe { l.launch(cfg(scan_smem, grid))? };
         let lin_scale = scale;
         let mut l = gpu.stream.launch_builder(&self.window);
         l.arg(q)
@@ -362,7 +282,7 @@ impl Based {
         };
         // SAFETY: based_window_<t>(const T* q, const T* k, const T* v, float scale,
         // const float* lin, float lin_scale, T* o, int T_len, int heads, int K, int V, int W):
-        // the checked buffers and the scratch the chunk scan filled (same stream, so it has
+        // the checked buffers and the scratch the linear branch filled (same stream, so it has
         // finished); `new` checked K, V ≤ 128 (the accumulators per thread) and raised the
         // kernel's shared-memory limit to `window_shared_bytes`; the block of tile i reads
         // queries, keys and values of steps max(0, 64i − W + 1)..min(64i + 64, T) and writes
@@ -449,14 +369,10 @@ mod tests {
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        // SSD's five, and three of this file per dtype.
-        assert_eq!(e.len(), 5 + 6);
+        assert_eq!(e.len(), 2);
         for name in &e {
             let stem = name.trim_end_matches("_f32").trim_end_matches("_bf16");
-            let here = BASED_SRC.contains(&format!("{stem}_##NAME("));
-            let ssd = super::super::cuda::SSD_SRC.contains(&format!("{stem}_##NAME("))
-                || super::super::cuda::SSD_SRC.contains(&format!("{stem}("));
-            assert!(here != ssd, "{name}: in exactly one of the two files");
+            assert!(BASED_SRC.contains(&format!("{stem}_##NAME(")), "{name}");
         }
     }
 }

@@ -65,6 +65,7 @@ pub fn entry_points() -> Vec<String> {
         v.push(format!("ssd_chunk_state_{}", d.tag()));
         v.push(format!("ssd_chunk_scan_{}", d.tag()));
     }
+    v.push("ssd_chunk_scan_bf16_f32out".to_string());
     v
 }
 
@@ -128,6 +129,9 @@ pub struct Ssd {
     dtype: Dtype,
     chunk_state: CudaFunction,
     chunk_scan: CudaFunction,
+    /// The chunk scan writing a float32 Y (`ssd_chunk_scan_bf16_f32out` for bf16; the f32 scan
+    /// itself for f32).
+    chunk_scan_f32out: CudaFunction,
     passing: CudaFunction,
     states: CudaSlice<f32>,
     decay: CudaSlice<f32>,
@@ -189,6 +193,12 @@ impl Ssd {
             &format!("ssd_chunk_scan_{tag}"),
             scan_smem,
         )?;
+        let chunk_scan_f32out = match dtype {
+            Dtype::F32 => chunk_scan.clone(),
+            Dtype::Bf16 => {
+                gpu.function(&compiled.module, "ssd_chunk_scan_bf16_f32out", scan_smem)?
+            }
+        };
         let passing = gpu.function(&compiled.module, "ssd_state_passing", 0)?;
         let n_chunks = s.seq_len.div_ceil(CHUNK);
         let states = gpu
@@ -203,6 +213,7 @@ impl Ssd {
             dtype,
             chunk_state,
             chunk_scan,
+            chunk_scan_f32out,
             passing,
             states,
             decay,
@@ -239,16 +250,78 @@ impl Ssd {
         y: &mut CudaViewMut<'_, T>,
         final_state: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
+        self.launch_into(
+            gpu,
+            (x, dt, a, b, c),
+            d,
+            initial_state,
+            y,
+            final_state,
+            false,
+        )
+    }
+
+    /// [`Ssd::launch`] with Y in float32 whatever the inputs' dtype: the linear branch of
+    /// Based ([`super::based_cuda`]), which adds Y to its window branch before rounding.
+    ///
+    /// # Errors
+    /// As [`Ssd::launch`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_f32_out<T: DeviceRepr>(
+        &mut self,
+        gpu: &Gpu,
+        x: &CudaSlice<T>,
+        dt: &CudaSlice<f32>,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<T>,
+        c: &CudaSlice<T>,
+        d: Option<&CudaSlice<f32>>,
+        initial_state: Option<&CudaSlice<f32>>,
+        y: &mut CudaViewMut<'_, f32>,
+        final_state: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        self.launch_into(
+            gpu,
+            (x, dt, a, b, c),
+            d,
+            initial_state,
+            y,
+            final_state,
+            true,
+        )
+    }
+
+    /// The three launches of [`Ssd::launch`] into a Y of element type `Y`: `T` with
+    /// `f32_out` false, f32 with it true.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn launch_into<T: DeviceRepr, Y: DeviceRepr>(
+        &mut self,
+        gpu: &Gpu,
+        (x, dt, a, b, c): (
+            &CudaSlice<T>,
+            &CudaSlice<f32>,
+            &CudaSlice<f32>,
+            &CudaSlice<T>,
+            &CudaSlice<T>,
+        ),
+        d: Option<&CudaSlice<f32>>,
+        initial_state: Option<&CudaSlice<f32>>,
+        y: &mut CudaViewMut<'_, Y>,
+        final_state: &mut CudaSlice<f32>,
+        f32_out: bool,
+    ) -> Result<(), GpuError> {
         let s = self.shape;
         let want = match self.dtype {
             Dtype::F32 => 4,
             Dtype::Bf16 => 2,
         };
-        if std::mem::size_of::<T>() != want {
+        let want_y = if f32_out { 4 } else { want };
+        if std::mem::size_of::<T>() != want || std::mem::size_of::<Y>() != want_y {
             return Err(GpuError::Config(format!(
-                "ssd: the runner was built for {:?}, not {}-byte elements",
+                "ssd: the runner was built for {:?}, not {}-byte inputs and a {}-byte output",
                 self.dtype,
-                std::mem::size_of::<T>()
+                std::mem::size_of::<T>(),
+                std::mem::size_of::<Y>()
             )));
         }
         let bt = s.batch * s.seq_len;
@@ -318,7 +391,12 @@ impl Ssd {
         // B·H·P·N floats.
         unsafe { l.launch(cfg(0, (s.heads as u32, s.batch as u32, 1)))? };
         let has_d = i32::from(d.is_some());
-        let mut l = gpu.stream.launch_builder(&self.chunk_scan);
+        let scan = if f32_out {
+            &self.chunk_scan_f32out
+        } else {
+            &self.chunk_scan
+        };
+        let mut l = gpu.stream.launch_builder(scan);
         l.arg(x)
             .arg(dt)
             .arg(a)
@@ -335,8 +413,10 @@ impl Ssd {
             .arg(&n);
         // SAFETY: ssd_chunk_scan_<t>(const T* x, const float* dt, const float* A, const T* Bm,
         // const T* Cm, const float* D, int has_d, const float* states, T* y, int T_len,
-        // int heads, int groups, int P, int N): the checked buffers; D is read only when
-        // has_d is 1 and then holds H floats; each block writes the rows of its chunk.
+        // int heads, int groups, int P, int N), or ssd_chunk_scan_bf16_f32out, the same with
+        // float* y (the element sizes of T and Y were checked against the function above):
+        // the checked buffers; D is read only when has_d is 1 and then holds H floats; each
+        // block writes the rows of its chunk.
         unsafe { l.launch(cfg(scan_smem, grid))? };
         Ok(())
     }
@@ -370,7 +450,7 @@ mod tests {
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        assert_eq!(e.len(), 5);
+        assert_eq!(e.len(), 6);
         for name in &e {
             assert!(
                 SSD_SRC.contains(name.trim_end_matches("_f32").trim_end_matches("_bf16")),

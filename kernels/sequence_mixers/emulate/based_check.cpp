@@ -1,6 +1,6 @@
-// Based's four kernels (based.cu after ssd.cu: the linear branch's chunk states, the state
-// passing and the chunk outputs, then the window branch) emulated on the CPU (cuda_shim.h)
-// against the float64 recurrence: o_t = scale (S_t q_t) + the softmax of
+// Based's four kernels (ssd.cu's chunk states, state passing and float32-output chunk scan for
+// the linear branch, as src/sequence_mixers/based_cuda.rs launches them, then based.cu's window
+// branch) emulated on the CPU (cuda_shim.h) against the float64 recurrence: o_t = scale (S_t q_t) + the softmax of
 // scale q_t . k_s over s in [max(0, t - W + 1), t] applied to those v_s, with
 // S_t = S_{t-1} + v_t k_t^T from a given S_0; outputs and final state, on shapes with partial
 // chunks and tiles, one step, K != V, and windows of 1, 5, 64, 65 and 200 steps. Each argument
