@@ -211,6 +211,8 @@ fn ssd_kernels_emulated_match_the_recurrence() {
         (1, 1, 2, 2, 8, 8),
         (1, 129, 2, 1, 64, 64),
         (1, 70, 1, 1, 128, 128),
+        // Odd sizes: the padded rows' stride is N | 1.
+        (1, 100, 2, 1, 33, 31),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, groups, head_dim, state)| {
@@ -247,6 +249,9 @@ fn based_kernels_emulated_match_the_recurrence() {
         (1, 70, 1, 40, 72, 1),
         (1, 300, 1, 32, 128, 200),
         (1, 129, 2, 128, 128, 64),
+        // Odd key and value widths (rows of K | 1 floats), W past a tile.
+        (1, 130, 1, 31, 63, 65),
+        (2, 65, 1, 33, 97, 129),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, key_dim, value_dim, window)| {

@@ -19,7 +19,7 @@
 // bits). Limits (the host checks them): K, V <= BASED_MAX_DIM (the accumulators: V / 4 per
 // thread), W <= BASED_MAX_WINDOW.
 // Dynamic shared memory (the host computes it: src/sequence_mixers/based_cuda.rs,
-// window_shared_bytes): (2*L*(K + 1) + L*V + L*(L + 1) + 3*L) floats, L = BASED_TILE.
+// window_shared_bytes): (2*L*(K | 1) + L*V + L*(L + 1) + 3*L) floats, L = BASED_TILE.
 // Offsets are 64-bit. No headers (NVRTC).
 
 #define BASED_THREADS 256
@@ -37,8 +37,8 @@
 // per row the running maximum and sum of the exact softmax (online, as flash attention does),
 // then the row's accumulators rescaled and the step's probabilities times V added. Thread
 // (r, c) = (tid / 4, tid % 4) owns query row r, score columns c, c + 4, ... and value columns
-// c, c + 4, ... Rows of q, k and the probabilities are padded by one float against bank
-// conflicts. Every row sees at least its own key, so its sum is positive at the end.
+// c, c + 4, ... Rows of q and k are K | 1 floats and rows of the probabilities BASED_TILE + 1
+// (odd strides) against bank conflicts. Every row sees at least its own key, so its sum is positive at the end.
 template <typename T>
 __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
                               const T* __restrict__ v, float scale,
@@ -48,7 +48,7 @@ __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
     const int h = blockIdx.y, b = blockIdx.z;
     const int t0 = blockIdx.x * BASED_TILE;
     const int rows = min(BASED_TILE, T_len - t0);
-    const int KP = K + 1, TP = BASED_TILE + 1;
+    const int KP = K | 1, TP = BASED_TILE + 1;  // odd row strides: no bank shared by rows
     float* qt = smem;                       // [TILE][KP]: the tile's queries
     float* kt = qt + BASED_TILE * KP;       // [TILE][KP]: the step's keys
     float* vt = kt + BASED_TILE * KP;       // [TILE][V]: the step's values
@@ -84,15 +84,20 @@ __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
             vt[j * V + p] = ld(v, ((row0 + s0 + j) * heads + h) * V + p);
         }
         __syncthreads();
-        for (int j = c; j < cols; j += 4) {
-            const int t = t0 + r, s = s0 + j;
-            float score = neg_inf;
-            if (r < rows && s <= t && s > t - W) {
-                float dot = 0.f;
-                for (int n = 0; n < K; ++n) dot += qt[r * KP + n] * kt[j * KP + n];
-                score = scale * dot;
-            }
-            pr[r * TP + j] = score;
+        // The row's 16 dot products at once, n outermost: one load of q per 16 of k.
+        float dot[BASED_TILE / 4];
+#pragma unroll
+        for (int u = 0; u < BASED_TILE / 4; ++u) dot[u] = 0.f;
+        for (int n = 0; n < K; ++n) {
+            const float qn = qt[r * KP + n];
+#pragma unroll
+            for (int u = 0; u < BASED_TILE / 4; ++u)
+                if (c + 4 * u < cols) dot[u] += qn * kt[(c + 4 * u) * KP + n];
+        }
+#pragma unroll
+        for (int u = 0; u < BASED_TILE / 4; ++u) {
+            const int j = c + 4 * u, t = t0 + r, s = s0 + j;
+            if (j < cols) pr[r * TP + j] = r < rows && s <= t && s > t - W ? scale * dot[u] : neg_inf;
         }
         __syncthreads();
         if (threadIdx.x < BASED_TILE) {
@@ -119,8 +124,10 @@ __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
         for (int j = 0; j < cols; ++j) {
             const float pj = pr[r * TP + j];
 #pragma unroll
-            for (int m = 0; m < BASED_MAX_DIM / 4; ++m)
+            for (int m = 0; m < BASED_MAX_DIM / 4; ++m) {
+                if (m * 4 >= V) break;  // the same m for every thread
                 if (m * 4 + c < V) acc[m] += pj * vt[j * V + m * 4 + c];
+            }
         }
     }
     if (r < rows) {

@@ -20,9 +20,9 @@
 // states [B, H, n_chunks, P, N] and chunk_log_decay [B, H, n_chunks] (float32 scratch).
 // <t> is f32 (float inputs and output) or bf16 (x, Bm, Cm and y as bf16 bits).
 // Dynamic shared memory: kernel 1 (L*P + L*N + L) floats, kernel 3
-// (L*N + (L + P)*(N + 1) + L*L + L*P + L) floats (the host computes both:
-// src/sequence_mixers/cuda.rs). Kernel 3's B and entering-state rows are padded to N + 1
-// floats: its threads read one column of them at a time (a step j, or a head_dim index p, per
+// (L*N + (L + P)*(N | 1) + L*L + L*P + L) floats (the host computes both:
+// src/sequence_mixers/cuda.rs). Kernel 3's B and entering-state rows are N | 1 floats, an odd
+// stride: its threads read one column of them at a time (a step j, or a head_dim index p, per
 // lane), which with rows of N floats (N a multiple of 32) put every lane of a warp on one bank.
 // Offsets are 64-bit. No headers (NVRTC).
 
@@ -94,7 +94,7 @@ __device__ void chunk_scan(const T* __restrict__ x, const float* __restrict__ dt
     const int g = h / (heads / groups);
     const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
     const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
-    const int NP = N + 1;                   // padded row of B and of the entering state
+    const int NP = N | 1;                   // odd row of B and of the entering state
     float* cs_ = smem;                      // [L][N]: C
     float* bs = cs_ + SSD_CHUNK * N;        // [L][NP]: B
     float* s_in = bs + SSD_CHUNK * NP;      // [P][NP]: the state entering the chunk

@@ -37,7 +37,7 @@ pub fn source() -> String {
 /// Time steps per chunk of the linear branch (SSD's [`super::cuda::CHUNK`]).
 pub const CHUNK: usize = super::cuda::CHUNK;
 
-/// Threads per block of both kernels (`BASED_THREADS` in the source).
+/// Threads per block of the window kernel (`BASED_THREADS` in the source).
 pub const THREADS: u32 = 256;
 
 /// Query rows per block of the window kernel, and keys per step (`BASED_TILE` in the source).
@@ -79,12 +79,12 @@ pub fn shared_bytes(shape: BasedShape) -> (u32, u32) {
 }
 
 /// Dynamic shared memory of the window kernel for `shape`, bytes:
-/// (2·L·(K + 1) + L·V + L·(L + 1) + 3·L) floats, L = [`TILE`] (the tile's queries and the
-/// step's keys, rows padded; the step's values; the scores, rows padded; each row's running
+/// (2·L·(K | 1) + L·V + L·(L + 1) + 3·L) floats, L = [`TILE`] (the tile's queries and the
+/// step's keys, rows of an odd stride; the step's values; the scores, rows padded; each row's running
 /// maximum, sum and rescaling factor).
 pub fn window_shared_bytes(shape: BasedShape) -> u32 {
     let (l, k, v) = (TILE, shape.key_dim, shape.value_dim);
-    ((2 * l * (k + 1) + l * v + l * (l + 1) + 3 * l) * 4) as u32
+    ((2 * l * (k | 1) + l * v + l * (l + 1) + 3 * l) * 4) as u32
 }
 
 /// The shared memory one block may have on compute capability 9.0 (227 KiB). The linear branch
@@ -310,7 +310,7 @@ mod tests {
     #[test]
     fn shared_memory_is_counted_in_floats() {
         // The linear branch is SSD's kernels with head_dim = V and state = K: chunk state
-        // (L·V + L·K + L), chunk scan (L·K + (L + V)·(K + 1) + L·L + L·V + L) floats.
+        // (L·V + L·K + L), chunk scan (L·K + (L + V)·(K | 1) + L·L + L·V + L) floats.
         assert_eq!(
             shared_bytes(shape(64, 32, 4)),
             (
@@ -326,7 +326,7 @@ mod tests {
         // K = V = 128, the largest, fits.
         let big = shared_bytes(shape(MAX_DIM, MAX_DIM, 4));
         assert!(big.0 <= MAX_SHARED && big.1 <= MAX_SHARED);
-        // The window kernel: queries and keys [64][K + 1], values [64][V], scores [64][65],
+        // The window kernel: queries and keys [64][K | 1], values [64][V], scores [64][65],
         // three row statistics.
         assert_eq!(
             window_shared_bytes(shape(64, 32, 4)),

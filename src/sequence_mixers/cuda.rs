@@ -70,13 +70,13 @@ pub fn entry_points() -> Vec<String> {
 }
 
 /// Dynamic shared memory of the chunk-state and chunk-scan kernels for `shape`, bytes:
-/// (L·P + L·N + L) and (L·N + (L + P)·(N + 1) + L·L + L·P + L) floats, L = [`CHUNK`] (the
-/// chunk-scan kernel's B and entering-state rows padded to N + 1 floats against bank
+/// (L·P + L·N + L) and (L·N + (L + P)·(N | 1) + L·L + L·P + L) floats, L = [`CHUNK`] (the
+/// chunk-scan kernel's B and entering-state rows are N | 1 floats, an odd stride, against bank
 /// conflicts).
 pub fn shared_bytes(shape: SsdShape) -> (u32, u32) {
     let (l, p, n) = (CHUNK, shape.head_dim, shape.state);
     let state = (l * p + l * n + l) * 4;
-    let scan = (l * n + (l + p) * (n + 1) + l * l + l * p + l) * 4;
+    let scan = (l * n + (l + p) * (n | 1) + l * l + l * p + l) * 4;
     (state as u32, scan as u32)
 }
 
