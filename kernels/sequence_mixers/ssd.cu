@@ -7,7 +7,8 @@
 //    decays cs_i = sum_{j<=i} dt_j A_h, the chunk's own state contribution
 //    S_c = sum_j exp(cs_last - cs_j) (dt_j x_j) B_j^T (P x N) into `states`, and cs_last into
 //    `chunk_log_decay`.
-// 2. ssd_state_passing: per (batch entry, head), sequentially over chunks: the state entering
+// 2. ssd_state_passing: per (batch entry, head) and slice of the state's elements (a grid over
+//    (head, batch entry, slice)), sequentially over chunks: the state entering
 //    chunk c replaces S_c in `states` (so kernel 3 reads it), running = exp(cs_last_c) running
 //    + S_c; the state after the last chunk is the final state.
 // 3. ssd_chunk_scan_<t>: per chunk, y_i = sum_{j<=i} (C_i . B_j) exp(cs_i - cs_j) (dt_j x_j)
@@ -141,11 +142,13 @@ extern "C" __global__ void __launch_bounds__(SSD_THREADS)
 ssd_state_passing(float* __restrict__ states, const float* __restrict__ chunk_log_decay,
                   const float* __restrict__ initial_state, int has_initial,
                   float* __restrict__ final_state, int heads, int n_chunks, int P, int N) {
+    // Blocks (h, b, z) share the P x N state elements of (batch entry, head) by z: enough
+    // threads walking the chunks at once that the loads of successive chunks overlap.
     const int h = blockIdx.x, b = blockIdx.y;
     const long long bh = (long long)b * heads + h;
     float* s = states + bh * n_chunks * P * N;
     const float* decay = chunk_log_decay + bh * n_chunks;
-    for (int e = threadIdx.x; e < P * N; e += SSD_THREADS) {
+    for (int e = blockIdx.z * SSD_THREADS + threadIdx.x; e < P * N; e += SSD_THREADS * gridDim.z) {
         float running = has_initial ? initial_state[bh * P * N + e] : 0.f;
         for (int c = 0; c < n_chunks; ++c) {
             const float local = s[(long long)c * P * N + e];

@@ -384,12 +384,13 @@ impl Ssd {
             .arg(&chunks)
             .arg(&p)
             .arg(&n);
+        let slices = (s.head_dim * s.state).div_ceil(THREADS as usize) as u32;
         // SAFETY: ssd_state_passing(float* states, const float* chunk_log_decay,
         // const float* initial_state, int has_initial, float* final_state, int heads,
-        // int n_chunks, int P, int N): one block per (head, batch entry) over the checked
-        // buffers; the initial state is read only when has_initial is 1, and then holds
-        // B·H·P·N floats.
-        unsafe { l.launch(cfg(0, (s.heads as u32, s.batch as u32, 1)))? };
+        // int n_chunks, int P, int N): blocks (head, batch entry, slice), ⌈P·N / 256⌉ slices
+        // covering the P·N elements once, over the checked buffers; the initial state is read
+        // only when has_initial is 1, and then holds B·H·P·N floats.
+        unsafe { l.launch(cfg(0, (s.heads as u32, s.batch as u32, slices)))? };
         let has_d = i32::from(d.is_some());
         let scan = if f32_out {
             &self.chunk_scan_f32out

@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
         std::vector<float> ones(B*T*H, 1.f), zeros(H, 0.f), states(B*H*nc*V*K, NAN), cld(B*H*nc, NAN);
         dim3 grid{(unsigned)nc, (unsigned)H, (unsigned)B};
         launch(grid, SSD_THREADS, [&] { chunk_state<float>(v.data(), ones.data(), zeros.data(), k.data(), states.data(), cld.data(), T, H, H, V, K); }, s.state_bytes / 4);
-        launch(dim3{(unsigned)H, (unsigned)B, 1}, SSD_THREADS, [&] { ssd_state_passing(states.data(), cld.data(), init.data(), 1, fin.data(), H, nc, V, K); });
+        launch(dim3{(unsigned)H, (unsigned)B, (unsigned)((V * K + SSD_THREADS - 1) / SSD_THREADS)}, SSD_THREADS, [&] { ssd_state_passing(states.data(), cld.data(), init.data(), 1, fin.data(), H, nc, V, K); });
         launch(grid, SSD_THREADS, [&] { chunk_scan<float, float>(v.data(), ones.data(), zeros.data(), k.data(), q.data(), zeros.data(), 0, states.data(), lin.data(), T, H, H, V, K); }, s.scan_bytes / 4);
         launch(dim3{(unsigned)((T + 63) / 64), (unsigned)H, (unsigned)B}, BASED_THREADS, [&] { window_branch<float>(q.data(), k.data(), v.data(), scale, lin.data(), scale, o.data(), T, H, K, V, W); }, s.window_bytes / 4);
         double num = 0, den = 0, fnum = 0, fden = 0;

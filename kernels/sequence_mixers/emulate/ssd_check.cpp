@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
         for (auto& v : Bm) v = nd(rng); for (auto& v : Cm) v = nd(rng); for (auto& v : D) v = nd(rng); for (auto& v : init) v = nd(rng);
         std::vector<float> states(B*H*nc*P*N, NAN), cld(B*H*nc, NAN);
         launch(dim3{(unsigned)nc, (unsigned)H, (unsigned)B}, SSD_THREADS, [&] { chunk_state<float>(x.data(), dt.data(), A.data(), Bm.data(), states.data(), cld.data(), T, H, G, P, N); }, s.state_bytes / 4);
-        launch(dim3{(unsigned)H, (unsigned)B, 1}, SSD_THREADS, [&] { ssd_state_passing(states.data(), cld.data(), init.data(), 1, fin.data(), H, nc, P, N); });
+        launch(dim3{(unsigned)H, (unsigned)B, (unsigned)((P * N + SSD_THREADS - 1) / SSD_THREADS)}, SSD_THREADS, [&] { ssd_state_passing(states.data(), cld.data(), init.data(), 1, fin.data(), H, nc, P, N); });
         launch(dim3{(unsigned)nc, (unsigned)H, (unsigned)B}, SSD_THREADS, [&] { chunk_scan<float, float>(x.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), 1, states.data(), y.data(), T, H, G, P, N); }, s.scan_bytes / 4);
         double num = 0, den = 0, fnum = 0, fden = 0;
         for (int b = 0; b < B; ++b) for (int h = 0; h < H; ++h) {
