@@ -19,7 +19,7 @@
 // bits). Limits (the host checks them): K, V <= BASED_MAX_DIM (the accumulators: V / 4 per
 // thread), W <= BASED_MAX_WINDOW.
 // Dynamic shared memory (the host computes it: src/sequence_mixers/based_cuda.rs,
-// window_shared_bytes): (2*L*(K | 1) + L*V + L*(L + 1) + 3*L) floats, L = BASED_TILE.
+// window_shared_bytes): (2*L*(K | 1) + L*V + L*(L + 1)) floats, L = BASED_TILE.
 // Offsets are 64-bit. No headers (NVRTC).
 
 #define BASED_THREADS 256
@@ -37,8 +37,10 @@
 // per row the running maximum and sum of the exact softmax (online, as flash attention does),
 // then the row's accumulators rescaled and the step's probabilities times V added. Thread
 // (r, c) = (tid / 4, tid % 4) owns query row r, score columns c, c + 4, ... and value columns
-// c, c + 4, ... Rows of q and k are K | 1 floats and rows of the probabilities BASED_TILE + 1
-// (odd strides) against bank conflicts. Every row sees at least its own key, so its sum is positive at the end.
+// c, c + 4, ... A row's running maximum and sum live in its 4 threads' registers, combined by
+// shuffles within the warp. Rows of q and k are K | 1 floats and rows of the probabilities
+// BASED_TILE + 1 (odd strides) against bank conflicts. Every row sees at least its own key, so
+// its sum is positive at the end.
 template <typename T>
 __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
                               const T* __restrict__ v, float scale,
@@ -52,21 +54,16 @@ __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
     float* qt = smem;                       // [TILE][KP]: the tile's queries
     float* kt = qt + BASED_TILE * KP;       // [TILE][KP]: the step's keys
     float* vt = kt + BASED_TILE * KP;       // [TILE][V]: the step's values
-    float* pr = vt + BASED_TILE * V;        // [TILE][TP]: scores, then probabilities
-    float* row_max = pr + BASED_TILE * TP;  // [TILE]
-    float* row_sum = row_max + BASED_TILE;  // [TILE]
-    float* row_fix = row_sum + BASED_TILE;  // [TILE]: exp(old max - new max)
+    float* pr = vt + BASED_TILE * V;        // [TILE][TP]: the step's probabilities
     const float neg_inf = __int_as_float(0xff800000);
     const long long row0 = (long long)b * T_len;  // step 0 of batch entry b
     for (int e = threadIdx.x; e < rows * K; e += BASED_THREADS) {
         const int i = e / K, n = e % K;
         qt[i * KP + n] = ld(q, ((row0 + t0 + i) * heads + h) * K + n);
     }
-    for (int i = threadIdx.x; i < BASED_TILE; i += BASED_THREADS) {
-        row_max[i] = neg_inf;
-        row_sum[i] = 0.f;
-    }
     const int r = threadIdx.x / 4, c = threadIdx.x % 4;
+    // The row's running maximum and sum, the same in its 4 threads (lanes 4r..4r+3 of a warp).
+    float run_max = neg_inf, run_sum = 0.f;
     float acc[BASED_MAX_DIM / 4];
     for (int m = 0; m < BASED_MAX_DIM / 4; ++m) acc[m] = 0.f;
     const int first = max(0, t0 - W + 1), last = t0 + rows - 1;
@@ -94,31 +91,34 @@ __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
             for (int u = 0; u < BASED_TILE / 4; ++u)
                 if (c + 4 * u < cols) dot[u] += qn * kt[(c + 4 * u) * KP + n];
         }
+        // Scores of the visible pairs (the rest -inf), the row's maximum over its 4 threads.
+        float top = neg_inf;
 #pragma unroll
         for (int u = 0; u < BASED_TILE / 4; ++u) {
             const int j = c + 4 * u, t = t0 + r, s = s0 + j;
-            if (j < cols) pr[r * TP + j] = r < rows && s <= t && s > t - W ? scale * dot[u] : neg_inf;
+            dot[u] = j < cols && r < rows && s <= t && s > t - W ? scale * dot[u] : neg_inf;
+            top = fmaxf(top, dot[u]);
         }
-        __syncthreads();
-        if (threadIdx.x < BASED_TILE) {
-            const int i = threadIdx.x;
-            float top = row_max[i];
-            for (int j = 0; j < cols; ++j) top = fmaxf(top, pr[i * TP + j]);
-            // A row with no visible key yet (or past T) keeps max -inf, sum 0 and adds nothing.
-            const float fix = top == neg_inf ? 1.f : __expf(row_max[i] - top);
-            float total = row_sum[i] * fix;
-            for (int j = 0; j < cols; ++j) {
-                const float e = top == neg_inf ? 0.f : __expf(pr[i * TP + j] - top);
-                pr[i * TP + j] = e;
-                total += e;
-            }
-            row_max[i] = top;
-            row_sum[i] = total;
-            row_fix[i] = fix;
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+        top = fmaxf(top, run_max);
+        // A row with no visible key yet (or past T) keeps max -inf, sum 0 and adds nothing.
+        const float fix = top == neg_inf ? 1.f : __expf(run_max - top);
+        float part = 0.f;
+#pragma unroll
+        for (int u = 0; u < BASED_TILE / 4; ++u) {
+            const int j = c + 4 * u;
+            const float e = top == neg_inf ? 0.f : __expf(dot[u] - top);
+            if (j < cols) pr[r * TP + j] = e;
+            part += e;
         }
-        __syncthreads();
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        run_max = top;
+        run_sum = run_sum * fix + part;
+        // The row's probabilities come from the 4 lanes of this warp.
+        __syncwarp();
         // Constant indices into acc (the loops over m unrolled) keep it in registers.
-        const float fix = row_fix[r];
 #pragma unroll
         for (int m = 0; m < BASED_MAX_DIM / 4; ++m) acc[m] *= fix;
         for (int j = 0; j < cols; ++j) {
@@ -132,7 +132,7 @@ __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
     }
     if (r < rows) {
         const long long at = ((row0 + t0 + r) * heads + h) * V;
-        const float inv = 1.f / row_sum[r];
+        const float inv = 1.f / run_sum;
 #pragma unroll
         for (int m = 0; m < BASED_MAX_DIM / 4; ++m)
             if (m * 4 + c < V)

@@ -79,12 +79,11 @@ pub fn shared_bytes(shape: BasedShape) -> (u32, u32) {
 }
 
 /// Dynamic shared memory of the window kernel for `shape`, bytes:
-/// (2·L·(K | 1) + L·V + L·(L + 1) + 3·L) floats, L = [`TILE`] (the tile's queries and the
-/// step's keys, rows of an odd stride; the step's values; the scores, rows padded; each row's running
-/// maximum, sum and rescaling factor).
+/// (2·L·(K | 1) + L·V + L·(L + 1)) floats, L = [`TILE`] (the tile's queries and the step's
+/// keys, rows of an odd stride; the step's values; its probabilities, rows padded).
 pub fn window_shared_bytes(shape: BasedShape) -> u32 {
     let (l, k, v) = (TILE, shape.key_dim, shape.value_dim);
-    ((2 * l * (k | 1) + l * v + l * (l + 1) + 3 * l) * 4) as u32
+    ((2 * l * (k | 1) + l * v + l * (l + 1)) * 4) as u32
 }
 
 /// The shared memory one block may have on compute capability 9.0 (227 KiB). The linear branch
@@ -326,11 +325,11 @@ mod tests {
         // K = V = 128, the largest, fits.
         let big = shared_bytes(shape(MAX_DIM, MAX_DIM, 4));
         assert!(big.0 <= MAX_SHARED && big.1 <= MAX_SHARED);
-        // The window kernel: queries and keys [64][K | 1], values [64][V], scores [64][65],
-        // three row statistics.
+        // The window kernel: queries and keys [64][K | 1], values [64][V], probabilities
+        // [64][65].
         assert_eq!(
             window_shared_bytes(shape(64, 32, 4)),
-            ((2 * 64 * 65 + 64 * 32 + 64 * 65 + 3 * 64) * 4) as u32
+            ((2 * 64 * 65 + 64 * 32 + 64 * 65) * 4) as u32
         );
         assert!(window_shared_bytes(shape(MAX_DIM, MAX_DIM, 4)) <= MAX_SHARED);
     }

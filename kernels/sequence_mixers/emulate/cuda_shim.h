@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <thread>
 #include <vector>
 struct dim3 { unsigned x = 0, y = 0, z = 0; };
@@ -16,6 +17,23 @@ thread_local dim3 threadIdx;
 dim3 blockIdx, gridDim, blockDim;
 std::barrier<>* g_bar = nullptr;
 inline void __syncthreads() { g_bar->arrive_and_wait(); }
+// A warp: its 32 threads meet at a barrier of their own; shuffles exchange through `vals`. Every
+// lane of the warp must reach each __syncwarp and shuffle (full-mask use only).
+struct Warp {
+    std::barrier<> bar{32};
+    float vals[32];
+};
+std::vector<std::unique_ptr<Warp>> g_warps;
+inline void __syncwarp() { g_warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+    Warp& w = *g_warps[threadIdx.x / 32];
+    const unsigned lane = threadIdx.x % 32;
+    w.vals[lane] = v;
+    w.bar.arrive_and_wait();
+    const float got = w.vals[lane ^ lane_mask];
+    w.bar.arrive_and_wait();
+    return got;
+}
 #define __device__
 #define __global__
 #define __forceinline__ inline
@@ -37,6 +55,8 @@ template <class F> void launch(dim3 grid, unsigned threads, F kernel, size_t sme
         blockIdx = dim3{x, y, z};
         for (auto& f : smem) f = std::numeric_limits<float>::quiet_NaN();
         std::barrier<> bar(threads); g_bar = &bar;
+        g_warps.clear();
+        for (unsigned w = 0; w < (threads + 31) / 32; ++w) g_warps.push_back(std::make_unique<Warp>());
         std::vector<std::thread> ts;
         for (size_t i = smem_floats; i < (1u << 17); ++i) smem[i] = -12345.f;
         for (unsigned t = 0; t < threads; ++t)
