@@ -24,7 +24,7 @@ Forward only (`pass` = fwd), from a zero initial state, output in the case's dty
 
 The library is imported in the job's own process, never in the server: importing `fla`
 queries the CUDA device (its hardware flags), and the server forks one process per job before
-CUDA is initialised. Measurement, memory and timing are `torch_mixers.measure_on_gpu`'s
+CUDA is initialised. Measurement, memory and timing are `torch_outputs.measure_on_gpu`'s
 (allocator peak, eager calls between CUDA events, then a CUDA graph of them), the peak read on
 a second call: the first compiles and autotunes the Triton kernels, whose benchmarking buffers
 are not the library's.
@@ -37,9 +37,9 @@ import sys
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import protocol, torch_mixers, torch_sdpa  # noqa: E402
+    from compare import protocol, torch_mixers, torch_outputs, torch_sdpa  # noqa: E402
 else:
-    from . import protocol, torch_mixers, torch_sdpa
+    from . import protocol, torch_mixers, torch_outputs, torch_sdpa
 
 LIBRARY = "flash-linear-attention"
 IMPLEMENTATIONS = ("fla_chunk",)
@@ -216,9 +216,10 @@ def _measure_into(job, reply):
                                          % protocol.exc_text(e))
         return
     try:
-        fields, window = torch_mixers.measure_on_gpu(job, caller(args, ops),
-                                                     formulation_notes(args), check_fit=False,
-                                                     peak_on_second_call=True)
+        torch_mixers.check_inputs(args, job["files"]["inputs"])
+        fields, window = torch_outputs.measure_on_gpu(job, caller(args, ops),
+                                                      formulation_notes(args),
+                                                      peak_on_second_call=True)
     except Exception as e:
         status, msg = torch_mixers.classify(e)
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)

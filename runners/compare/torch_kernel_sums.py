@@ -157,65 +157,10 @@ def _measure_cpu(job):
 
 
 def _measure_gpu(job):
-    files, tcfg = job["files"], job["timing"]
-    call = caller(files["arguments"])
-    device = torch.device("cuda")
-    torch.zeros(1, device=device)  # CUDA context, outside every figure
-    torch.cuda.synchronize()
-    with torch.no_grad():
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        base_reserved = torch.cuda.memory_reserved()
-        set0 = tuple(torch_sdpa.load_input(t, device) for t in files["inputs"])
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        results = call(*set0)
-        torch.cuda.synchronize()
-        first_call_s = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated() - base
-        reserved = torch.cuda.max_memory_reserved() - base_reserved
-        workspace = torch_sdpa.cublas_workspace_bytes()
-        ws = workspace or 0
-        set_bytes = sum(x.numel() * x.element_size() for x in set0)
-        out_bytes = sum(x.numel() * x.element_size() for x in results)
-        failed, accuracy = torch_outputs.check_outputs(files, results)
-        if failed:
-            return failed, None
-        del results
-
-        free = torch.cuda.mem_get_info()[0]
-        n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
-                                            float(tcfg["l2_rotation_factor"]), free)
-        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
-        torch.cuda.synchronize()
-        window0 = protocol.unix_now()
-        reported, method, eager, graph_error = timing.measure_eager_then_graph(
-            torch, call, sets, tcfg, time.perf_counter())
-        window = [window0, protocol.unix_now()]
-        del sets
     notes = [DENSE_NOTE, "fp32: TF32 %s (torch.backends.cuda.matmul.allow_tf32 = %s)" % (
         "allowed" if torch.backends.cuda.matmul.allow_tf32 else "not allowed",
         torch.backends.cuda.matmul.allow_tf32)]
-    graph = reported if graph_error is None else None
-    if graph_error is not None:
-        notes.append("CUDA graph capture failed, timed eagerly: %s"
-                     % protocol.exc_text(graph_error))
-    notes += torch_outputs.cut_short_notes([(eager, "eager"), (graph, "graph")], tcfg)
-    fields = dict(
-        median_ms=reported["median"], q1_ms=reported["q1"], q3_ms=reported["q3"],
-        inner_calls=reported["inner"], samples=reported["samples"], input_sets=n_sets,
-        l2_rotation_reached=reached, timing=method, host_ms=eager["host_ms"],
-        eager_median_ms=eager["median"] if graph is not None else None,
-        first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
-        items=files.get("items"),
-        memory={"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6,
-                "temporaries_mb": max(0, peak - ws - set_bytes - out_bytes) / 1e6,
-                "peak_mb": max(0, peak - ws) / 1e6,
-                "reserved_peak_mb": max(0, reserved - ws) / 1e6,
-                "workspace_mb": workspace / 1e6 if workspace else None,
-                "peak_method": torch_sdpa.PEAK_METHOD},
-        accuracy=accuracy, notes=notes)
-    return fields, window
+    return torch_outputs.measure_on_gpu(job, caller(job["files"]["arguments"]), notes)
 
 
 def self_test():

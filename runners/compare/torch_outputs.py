@@ -1,14 +1,16 @@
 """What the PyTorch comparison modules that return whole output tensors share (`torch_kernel_sums`,
-`torch_mixers`): checking the outputs against the runner's float64 reference, and the notes
-for timings the case limit cut short. Imports torch through `torch_cpu` (None without it)."""
+`torch_mixers`, `fla_mixers`): checking the outputs against the runner's float64 reference,
+the notes for timings the case limit cut short, and the measurement of one call on CUDA.
+Imports torch through `torch_cpu` (None without it)."""
 import os
 import sys
+import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import protocol, torch_cpu  # noqa: E402
+    from compare import protocol, timing, torch_cpu, torch_sdpa  # noqa: E402
 else:
-    from . import protocol, torch_cpu
+    from . import protocol, timing, torch_cpu, torch_sdpa
 
 torch = torch_cpu.torch
 
@@ -43,3 +45,82 @@ def cut_short_notes(measurements, tcfg):
     return ["%s timing: %d of %d samples, the %g s case limit stopped sampling"
             % (what, m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"]))
             for m, what in measurements if m is not None and m["cut_short"]]
+
+
+def measure_on_gpu(job, call, notes, fit=None, peak_on_second_call=False):
+    """Measures `call` (on the job's inputs, in `files.inputs` order, returning a tuple of
+    outputs) on CUDA: the inputs uploaded, the first call timed by wall clock, the outputs
+    scanned and checked against the runner's float64 reference (`check_outputs`), then eager
+    calls between CUDA events and a CUDA graph of them (`timing.measure_eager_then_graph`).
+    Peak memory from the caching allocator (reset before the upload; cuBLAS workspaces apart).
+    `notes` are the row's notes (the formulation's), to which the timing's are added; `fit`, if
+    given, is called with the bytes the device has free (cached blocks included) after the
+    upload and raises to refuse the call; `peak_on_second_call` reads the peak (and checks the
+    outputs) on a second call, the allocator's counters reset after the first: for libraries
+    whose first call compiles and autotunes Triton kernels, whose benchmarking buffers are not
+    the call's. Returns (row fields, measurement window) or (failed row fields, None)."""
+    files, tcfg = job["files"], job["timing"]
+    device = torch.device("cuda")
+    torch.zeros(1, device=device)  # CUDA context, outside every figure
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        base_reserved = torch.cuda.memory_reserved()
+        set0 = tuple(torch_sdpa.load_input(t, device) for t in files["inputs"])
+        torch.cuda.synchronize()
+        if fit is not None:
+            cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            fit(torch.cuda.mem_get_info()[0] + cached)
+        t0 = time.perf_counter()
+        results = call(*set0)
+        torch.cuda.synchronize()
+        first_call_s = time.perf_counter() - t0
+        if peak_on_second_call:
+            # The first call compiled and autotuned; its benchmarking buffers are not the call's.
+            del results
+            torch.cuda.reset_peak_memory_stats()
+            results = call(*set0)
+            torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        reserved = torch.cuda.max_memory_reserved() - base_reserved
+        workspace = torch_sdpa.cublas_workspace_bytes()
+        ws = workspace or 0
+        set_bytes = sum(x.numel() * x.element_size() for x in set0)
+        out_bytes = sum(x.numel() * x.element_size() for x in results)
+        failed, accuracy = check_outputs(files, results)
+        if failed:
+            return failed, None
+        del results
+
+        free = torch.cuda.mem_get_info()[0]
+        n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
+                                            float(tcfg["l2_rotation_factor"]), free)
+        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
+        torch.cuda.synchronize()
+        window0 = protocol.unix_now()
+        reported, method, eager, graph_error = timing.measure_eager_then_graph(
+            torch, call, sets, tcfg, time.perf_counter())
+        window = [window0, protocol.unix_now()]
+        del sets
+    notes = list(notes)
+    graph = reported if graph_error is None else None
+    if graph_error is not None:
+        notes.append("CUDA graph capture failed, timed eagerly: %s"
+                     % protocol.exc_text(graph_error))
+    notes += cut_short_notes([(eager, "eager"), (graph, "graph")], tcfg)
+    fields = dict(
+        median_ms=reported["median"], q1_ms=reported["q1"], q3_ms=reported["q3"],
+        inner_calls=reported["inner"], samples=reported["samples"], input_sets=n_sets,
+        l2_rotation_reached=reached, timing=method, host_ms=eager["host_ms"],
+        eager_median_ms=eager["median"] if graph is not None else None,
+        first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
+        items=files.get("items"),
+        memory={"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6,
+                "temporaries_mb": max(0, peak - ws - set_bytes - out_bytes) / 1e6,
+                "peak_mb": max(0, peak - ws) / 1e6,
+                "reserved_peak_mb": max(0, reserved - ws) / 1e6,
+                "workspace_mb": workspace / 1e6 if workspace else None,
+                "peak_method": torch_sdpa.PEAK_METHOD},
+        accuracy=accuracy, notes=notes)
+    return fields, window
