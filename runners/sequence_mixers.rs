@@ -238,9 +238,10 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (q, k, v, o; α, β and states fp32)".into(),
                 rule: format!(
-                    "always (K and V up to {}): the chunked WY form in chunks of {} steps, one block per (head, batch entry) carrying the V × K state in shared memory from chunk to chunk, float32 arithmetic on CUDA cores (version 1)",
+                    "always (K and V up to {}): the chunked WY form in chunks of {} steps, three kernels (every chunk's triangular solve at once; the V × K state passed from chunk to chunk, {} of its rows per block; every chunk's output at once), float32 arithmetic on CUDA cores (version 2, no tensor cores)",
                     delta_cuda::MAX_DIM,
-                    delta_cuda::CHUNK
+                    delta_cuda::CHUNK,
+                    delta_cuda::ROWS
                 ),
                 implementation: GPU_IMPLEMENTATION.into(),
             },

@@ -271,6 +271,11 @@ fn ssd_matches_float64_on_every_shape() {
         shape(1, 130, 2, 128, 128, 1),
         // Grouped B and C, one group per head.
         shape(1, 300, 6, 32, 16, 6),
+        // Issue 12's lengths around the chunk of 64 and past 65,536 (a tail chunk once dropped
+        // there by another library).
+        shape(1, 63, 2, 16, 16, 1),
+        shape(1, 65, 2, 16, 16, 1),
+        shape(1, 65_537, 1, 16, 16, 1),
     ];
     let mut failures = Vec::new();
     for (k, &s) in cases.iter().enumerate() {

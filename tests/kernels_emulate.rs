@@ -272,3 +272,38 @@ fn based_kernels_emulated_match_the_recurrence() {
     .collect();
     emulated_kernel_runs_clean("based_check", &cases);
 }
+
+/// The gated delta rule's three kernels (`delta.cu`: every chunk's triangular solve, the state
+/// pass over the chunks by blocks of state rows, every chunk's output) on the CPU against the
+/// float64 recurrence, with the host's shared-memory sizes
+/// (`sequence_mixers::delta_cuda::shared_bytes`), shared memory poisoned and guarded past them:
+/// partial chunks, one step, K ≠ V both ways, V not a multiple of the state pass's rows per
+/// block, odd K, K = V = 128.
+#[test]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+fn gated_delta_kernels_emulated_match_the_recurrence() {
+    use kernelpages::sequence_mixers::delta_cuda::shared_bytes;
+    use kernelpages::sequence_mixers::reference::DeltaShape;
+    let cases: Vec<String> = [
+        (1, 150, 2, 16, 8),
+        (2, 64, 2, 32, 40),
+        (1, 1, 1, 8, 8),
+        (1, 129, 1, 64, 64),
+        (1, 70, 1, 128, 128),
+        (1, 100, 1, 33, 50),
+        (1, 65, 1, 72, 24),
+    ]
+    .iter()
+    .map(|&(batch, seq_len, heads, key_dim, value_dim)| {
+        let [prep, pass, out] = shared_bytes(DeltaShape {
+            batch,
+            seq_len,
+            heads,
+            key_dim,
+            value_dim,
+        });
+        format!("{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{out}")
+    })
+    .collect();
+    emulated_kernel_runs_clean("gdn_check", &cases);
+}

@@ -32,16 +32,16 @@
 
 // u16, ld and st: prelude.cuh, prepended by the host.
 
-// The cumulative log decays of one chunk into cs[0..l): one thread, l <= SSD_CHUNK steps.
+// The cumulative log decays of one chunk into cs[0..l), l <= SSD_CHUNK steps: the steps' dt a
+// loaded by all threads at once, then summed in order by one (a single thread loading them one
+// after another waited on global memory l times per block). Every thread calls it; cs is ready
+// after the caller's next barrier.
 __device__ __forceinline__ void chunk_cumsum(const float* dt, float a, long long t0, int l,
                                              int heads, int h, float* cs) {
-    if (threadIdx.x == 0) {
-        float acc = 0.f;
-        for (int i = 0; i < l; ++i) {
-            acc += dt[(t0 + i) * heads + h] * a;
-            cs[i] = acc;
-        }
-    }
+    for (int i = threadIdx.x; i < l; i += SSD_THREADS) cs[i] = dt[(t0 + i) * heads + h] * a;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int i = 1; i < l; ++i) cs[i] += cs[i - 1];
 }
 
 template <typename T>

@@ -1,13 +1,13 @@
 //! The gated delta rule (Gated DeltaNet) forward on CUDA: `kernels/sequence_mixers/delta.cu`,
-//! compiled by NVRTC at run time. Version 1 runs the chunked WY form of
+//! compiled by NVRTC at run time. Version 2 runs the chunked WY form of
 //! [`super::chunked::gated_delta_rule`] (Yang, Kautz and Hatamizadeh, 2024, "Gated Delta
 //! Networks: Improving Mamba2 with Delta Rule"; the WY form of Yang et al., 2024,
 //! "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", §3) on CUDA
-//! cores in float32, in one launch: one block per (batch entry, head) walks the chunks of
-//! [`CHUNK`] steps in order with the state in shared memory, and per chunk solves the
-//! unit-lower-triangular system by forward substitution, then computes U, the output and the
-//! next state. Correctness first: the products are plain loops over shared memory, not
-//! tensor-core tiles, and the chunks of one (batch entry, head) run one after another.
+//! cores in float32, in three launches: every chunk of [`CHUNK`] steps solves its
+//! unit-lower-triangular system at once (W and U~ into scratch); the state then walks the
+//! chunks in order, [`ROWS`] of its rows per block (U = U~ − W Sᵀ, the next state, and the state
+//! entering each chunk into scratch); every chunk then computes its output at once. The
+//! products are plain loops over shared memory, not tensor-core tiles.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -31,38 +31,58 @@ pub const CHUNK: usize = 64;
 /// Threads per block (`GDN_THREADS` in the source).
 pub const THREADS: u32 = 256;
 
-/// The largest key and value width per head version 1 takes (`GDN_MAX_DIM` in the source):
-/// the state (V × K floats) and the chunk's q, k, W and U stay in one block's shared memory.
+/// Rows of the state (value indices) per block of the state pass (`GDN_ROWS` in the source).
+pub const ROWS: usize = 16;
+
+/// The largest key and value width per head version 2 takes (`GDN_MAX_DIM` in the source): a
+/// chunk's q, k, U and the state entering it stay in one block's shared memory.
 pub const MAX_DIM: usize = 128;
 
-/// The shared memory one block may have on compute capability 9.0 (227 KiB). K = V = 128
-/// needs 210.25 KiB; a device with less (sm_80: 163 KiB) refuses the larger shapes when the
-/// kernel's limit is raised (a driver error), smaller ones run (K = V = 64: 98 KiB).
+/// The shared memory one block may have on compute capability 9.0 (227 KiB). The output
+/// kernel at K = V = 128 needs 177.25 KiB; a device with less (sm_80: 163 KiB) refuses the
+/// larger shapes when the kernel's limit is raised (a driver error), smaller ones run.
 const MAX_SHARED: u32 = 227 * 1024;
 
-/// Every entry point of [`DELTA_SRC`]: `gdn_fwd_f32` and `gdn_fwd_bf16`.
+/// The kernels of [`DELTA_SRC`] for one dtype tag (`f32`, `bf16`), in launch order.
+const KERNELS: [&str; 3] = ["gdn_prepare", "gdn_state_pass", "gdn_output"];
+
+/// Every entry point of [`DELTA_SRC`]: `gdn_prepare_<t>`, `gdn_state_pass_<t>` and
+/// `gdn_output_<t>` for `f32` and `bf16`.
 pub fn entry_points() -> Vec<String> {
     [Dtype::F32, Dtype::Bf16]
         .into_iter()
-        .map(|d| format!("gdn_fwd_{}", d.tag()))
+        .flat_map(|d| KERNELS.iter().map(move |k| format!("{k}_{}", d.tag())))
         .collect()
 }
 
-/// Dynamic shared memory of the kernel for `shape`, bytes: V·(K+1) (the state) + 3·L·(K+1)
-/// (the chunk's q, k and W) + L·V (U) + L·L (the triangular matrices) + 4·L (decays and β)
-/// floats, L = [`CHUNK`]; rows of K floats are padded to K + 1 against bank conflicts.
-pub fn shared_bytes(shape: DeltaShape) -> u32 {
+/// Dynamic shared memory of the three kernels for `shape`, bytes, in launch order, with
+/// L = [`CHUNK`], KP = K | 1 (rows of K floats padded to an odd stride against bank
+/// conflicts) and RP = [`ROWS`] + 1:
+/// - preparation: 2·L·KP (k, then W) + L·V (U~) + L·L (A) + 2·L (g, β) floats;
+/// - state pass: ROWS·KP (its rows of the state) + 2·L·KP (W, k) + L·RP (U) + 2·L floats;
+/// - output: 2·L·KP (q, k) + V·KP (the entering state) + L·V (U) + L·L (M) + L (g) floats.
+pub fn shared_bytes(shape: DeltaShape) -> [u32; 3] {
     let (l, k, v) = (CHUNK, shape.key_dim, shape.value_dim);
-    let floats = v * (k + 1) + 3 * l * (k + 1) + l * v + l * l + 4 * l;
-    (floats * 4) as u32
+    let (kp, rp) = (k | 1, ROWS + 1);
+    [
+        2 * l * kp + l * v + l * l + 2 * l,
+        ROWS * kp + 2 * l * kp + l * rp + 2 * l,
+        2 * l * kp + v * kp + l * v + l * l + l,
+    ]
+    .map(|floats| (floats * 4) as u32)
 }
 
-/// The gated-delta-rule forward kernel compiled for one shape and dtype. No scratch: the state
-/// lives in shared memory from the first chunk to the last.
+/// The gated-delta-rule forward kernels compiled for one shape and dtype, with their scratch
+/// (float32): W `[B, H, n_chunks, L, K]`, U `[B, H, n_chunks, L, V]`, the chunks' cumulative log
+/// decays `[B, H, n_chunks, L]` and the state entering each chunk `[B, H, n_chunks, V, K]`.
 pub struct GatedDelta {
     shape: DeltaShape,
     dtype: Dtype,
-    forward: CudaFunction,
+    kernels: [CudaFunction; 3],
+    w: CudaSlice<f32>,
+    u: CudaSlice<f32>,
+    g: CudaSlice<f32>,
+    states: CudaSlice<f32>,
     /// Stands in for the initial state when none is given (never read).
     unused: CudaSlice<f32>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
@@ -70,13 +90,14 @@ pub struct GatedDelta {
 }
 
 impl GatedDelta {
-    /// Compiles the kernel for `shape` and `dtype`.
+    /// Compiles the kernels and allocates the scratch for `shape` and `dtype`.
     ///
     /// # Errors
     /// [`GpuError::Config`] for a shape the reference refuses (an empty dimension other than
-    /// seq_len), a key or value width over [`MAX_DIM`], more than 65535 batch entries (the
-    /// grid's y), or dimensions past 32-bit ints; [`GpuError::Compile`] with the NVRTC log;
-    /// driver errors (a device whose blocks cannot have [`shared_bytes`]).
+    /// seq_len), a key or value width over [`MAX_DIM`], more than 65,535 batch entries or
+    /// heads (the grid's z and y), or a seq_len past 32-bit ints; [`GpuError::Compile`] with
+    /// the NVRTC log; driver errors (out of memory, a device whose blocks cannot have
+    /// [`shared_bytes`]).
     pub fn new(gpu: &Gpu, shape: DeltaShape, dtype: Dtype) -> Result<GatedDelta, GpuError> {
         let s = shape;
         if s.batch == 0 || s.heads == 0 || s.key_dim == 0 || s.value_dim == 0 {
@@ -87,41 +108,50 @@ impl GatedDelta {
         if s.key_dim > MAX_DIM || s.value_dim > MAX_DIM {
             return Err(GpuError::Config(format!(
                 "gated_delta_rule: key_dim {} and value_dim {} must be at most {MAX_DIM} \
-                 (version 1 keeps the state in shared memory)",
+                 (version 2 keeps a chunk's state in shared memory)",
                 s.key_dim, s.value_dim
             )));
         }
-        // The kernel's chunk start (an int) passes seq_len by up to one chunk.
-        let fits = |v: usize| v <= i32::MAX as usize;
-        if !(fits(s.seq_len + CHUNK) && fits(s.heads) && s.batch <= 65535) {
+        // The kernels' chunk start (an int) passes seq_len by up to one chunk.
+        if s.seq_len + CHUNK > i32::MAX as usize || s.batch > 65_535 || s.heads > 65_535 {
             return Err(GpuError::Config(format!(
-                "gated_delta_rule: {s:?} does not fit 32-bit ints and the grid"
+                "gated_delta_rule: {s:?} does not fit 32-bit ints and the grid (batch and \
+                 heads at most 65,535)"
             )));
         }
         let smem = shared_bytes(s);
-        if smem > MAX_SHARED {
+        if let Some(&over) = smem.iter().find(|&&b| b > MAX_SHARED) {
             // Unreachable with K, V ≤ MAX_DIM; kept so that a larger MAX_DIM fails here.
             return Err(GpuError::Config(format!(
-                "gated_delta_rule: key_dim {} and value_dim {} need {smem} bytes of shared \
+                "gated_delta_rule: key_dim {} and value_dim {} need {over} bytes of shared \
                  memory per block, more than {MAX_SHARED}",
                 s.key_dim, s.value_dim
             )));
         }
         let compiled = gpu.compile("delta.cu", &source())?;
-        let forward = gpu.function(&compiled.module, &format!("gdn_fwd_{}", dtype.tag()), smem)?;
-        let unused = gpu.stream.alloc_zeros::<f32>(1)?;
+        let tag = dtype.tag();
+        let function =
+            |i: usize| gpu.function(&compiled.module, &format!("{}_{tag}", KERNELS[i]), smem[i]);
+        let kernels = [function(0)?, function(1)?, function(2)?];
+        let rows = s.batch * s.heads * s.seq_len.div_ceil(CHUNK);
+        let alloc = |n: usize| gpu.stream.alloc_zeros::<f32>(n.max(1));
         Ok(GatedDelta {
             shape,
             dtype,
-            forward,
-            unused,
+            kernels,
+            w: alloc(rows * CHUNK * s.key_dim)?,
+            u: alloc(rows * CHUNK * s.value_dim)?,
+            g: alloc(rows * CHUNK)?,
+            states: alloc(rows * s.value_dim * s.key_dim)?,
+            unused: alloc(1)?,
             compile_s: compiled.compile_s,
         })
     }
 
-    /// Bytes of scratch one call uses beyond its inputs and outputs: none.
+    /// Bytes of scratch one call uses beyond its inputs and outputs: W, U, the log decays and
+    /// the chunks' entering states (float32).
     pub fn temporary_bytes(&self) -> u64 {
-        0
+        (self.w.len() + self.u.len() + self.g.len() + self.states.len()) as u64 * 4
     }
 
     /// Launches one gated-delta-rule forward: O and the final state from q and k
@@ -133,7 +163,7 @@ impl GatedDelta {
     ///
     /// # Errors
     /// [`GpuError::Config`] for a buffer whose length does not fit the shape or an element
-    /// type other than the runner's dtype; driver errors from the launch.
+    /// type other than the runner's dtype; driver errors from the launches.
     #[allow(clippy::too_many_arguments)]
     pub fn launch<T: DeviceRepr>(
         &mut self,
@@ -179,36 +209,76 @@ impl GatedDelta {
         if s.seq_len == 0 {
             return super::cuda::no_step(gpu, initial_state, final_state);
         }
+        let n_chunks = s.seq_len.div_ceil(CHUNK);
+        let smem = shared_bytes(s);
         let has_initial = i32::from(initial_state.is_some());
-        let (t_len, heads) = (s.seq_len as i32, s.heads as i32);
+        let (t_len, heads, chunks) = (s.seq_len as i32, s.heads as i32, n_chunks as i32);
         let (kd, vd) = (s.key_dim as i32, s.value_dim as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (s.heads as u32, s.batch as u32, 1),
+        let cfg = |grid: (u32, u32, u32), smem: u32| LaunchConfig {
+            grid_dim: grid,
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: shared_bytes(s),
+            shared_mem_bytes: smem,
         };
-        let mut l = gpu.stream.launch_builder(&self.forward);
-        l.arg(q)
-            .arg(k)
+        let per_chunk = (n_chunks as u32, s.heads as u32, s.batch as u32);
+        let row_blocks = (
+            s.value_dim.div_ceil(ROWS) as u32,
+            s.heads as u32,
+            s.batch as u32,
+        );
+        let mut l = gpu.stream.launch_builder(&self.kernels[0]);
+        l.arg(k)
             .arg(v)
             .arg(alpha)
             .arg(beta)
-            .arg(initial_state.unwrap_or(&self.unused))
-            .arg(&has_initial)
-            .arg(&mut *o)
-            .arg(&mut *final_state)
+            .arg(&mut self.w)
+            .arg(&mut self.u)
+            .arg(&mut self.g)
             .arg(&t_len)
             .arg(&heads)
             .arg(&kd)
             .arg(&vd);
-        // SAFETY: gdn_fwd_<t>(const T* q, const T* k, const T* v, const float* alpha,
-        // const float* beta, const float* initial_state, int has_initial, T* o,
-        // float* final_state, int T_len, int heads, int K, int V): the lengths and the element
-        // size were checked above; one block per (head, batch entry) reads its rows below T
-        // only and writes its rows of o and its slice of final_state; the initial state is
-        // read only when has_initial is 1, and then holds B·H·V·K floats; K, V ≤ MAX_DIM and
-        // the shared memory is what `new` raised the kernel's limit to.
-        unsafe { l.launch(cfg)? };
+        // SAFETY: gdn_prepare_<t>(const T* k, const T* v, const float* alpha,
+        // const float* beta, float* w, float* u, float* g, int T_len, int heads, int K,
+        // int V): blocks (chunk, head, batch entry) read their chunk's rows below T of the
+        // checked inputs and write their chunk's slots of the scratch, which `new` sized for
+        // this shape; K, V ≤ MAX_DIM and the shared memory is what `new` raised the limit to.
+        unsafe { l.launch(cfg(per_chunk, smem[0]))? };
+        let mut l = gpu.stream.launch_builder(&self.kernels[1]);
+        l.arg(k)
+            .arg(&self.w)
+            .arg(&mut self.u)
+            .arg(&self.g)
+            .arg(initial_state.unwrap_or(&self.unused))
+            .arg(&has_initial)
+            .arg(&mut self.states)
+            .arg(&mut *final_state)
+            .arg(&t_len)
+            .arg(&heads)
+            .arg(&kd)
+            .arg(&vd)
+            .arg(&chunks);
+        // SAFETY: gdn_state_pass_<t>(const T* k, const float* w, float* u, const float* g,
+        // const float* initial_state, int has_initial, float* states, float* final_state,
+        // int T_len, int heads, int K, int V, int n_chunks): blocks (⌈V / ROWS⌉ row blocks,
+        // head, batch entry) own disjoint rows of the state, of U and of the states scratch;
+        // the initial state is read only when has_initial is 1, and then holds B·H·V·K floats.
+        unsafe { l.launch(cfg(row_blocks, smem[1]))? };
+        let mut l = gpu.stream.launch_builder(&self.kernels[2]);
+        l.arg(q)
+            .arg(k)
+            .arg(&self.u)
+            .arg(&self.g)
+            .arg(&self.states)
+            .arg(&mut *o)
+            .arg(&t_len)
+            .arg(&heads)
+            .arg(&kd)
+            .arg(&vd);
+        // SAFETY: gdn_output_<t>(const T* q, const T* k, const float* u, const float* g,
+        // const float* states, T* o, int T_len, int heads, int K, int V): blocks (chunk, head,
+        // batch entry) read the scratch the two launches before wrote for their chunk and
+        // write their chunk's rows of o below T.
+        unsafe { l.launch(cfg(per_chunk, smem[2]))? };
         Ok(())
     }
 }
@@ -230,29 +300,49 @@ mod tests {
     #[test]
     fn shared_memory_is_counted_in_floats() {
         let l = CHUNK;
+        // K = 64 pads to 65 floats, K = 33 stays odd.
         assert_eq!(
             shared_bytes(shape(64, 32)),
-            ((32 * 65 + 3 * l * 65 + l * 32 + l * l + 4 * l) * 4) as u32
+            [
+                ((2 * l * 65 + l * 32 + l * l + 2 * l) * 4) as u32,
+                ((16 * 65 + 2 * l * 65 + l * 17 + 2 * l) * 4) as u32,
+                ((2 * l * 65 + 32 * 65 + l * 32 + l * l + l) * 4) as u32,
+            ]
         );
-        // K = V = 64: 98 KiB; K = V = 128, the largest, fits in 227 KiB (210.25 KiB).
-        assert_eq!(shared_bytes(shape(64, 64)), 100_352);
-        assert_eq!(shared_bytes(shape(128, 128)), 215_296);
-        assert!(shared_bytes(shape(MAX_DIM, MAX_DIM)) <= MAX_SHARED);
+        assert_eq!(
+            shared_bytes(shape(33, 8))[1],
+            ((16 + 2 * l) * 33 + l * 17 + 2 * l) as u32 * 4
+        );
+        // K = V = 128, the largest: the output kernel's 177.25 KiB fit in 227 KiB.
+        assert_eq!(shared_bytes(shape(128, 128))[2], 181_504);
+        assert!(shared_bytes(shape(MAX_DIM, MAX_DIM))
+            .iter()
+            .all(|&b| b <= MAX_SHARED));
     }
 
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        assert_eq!(e, ["gdn_fwd_f32", "gdn_fwd_bf16"]);
-        for name in &e {
-            let stem = name.trim_end_matches("_f32").trim_end_matches("_bf16");
-            assert!(DELTA_SRC.contains(stem), "{name}");
+        assert_eq!(
+            e,
+            [
+                "gdn_prepare_f32",
+                "gdn_state_pass_f32",
+                "gdn_output_f32",
+                "gdn_prepare_bf16",
+                "gdn_state_pass_bf16",
+                "gdn_output_bf16"
+            ]
+        );
+        for k in KERNELS {
+            assert!(DELTA_SRC.contains(&format!("{k}_##NAME(")), "{k}");
         }
-        assert!(DELTA_SRC.contains("GDN_ENTRY(f32, float)"));
-        assert!(DELTA_SRC.contains("GDN_ENTRY(bf16, u16)"));
+        assert!(DELTA_SRC.contains("GDN_ENTRIES(f32, float)"));
+        assert!(DELTA_SRC.contains("GDN_ENTRIES(bf16, u16)"));
         // The constants agree with the source's.
         assert!(DELTA_SRC.contains(&format!("#define GDN_CHUNK {CHUNK}")));
         assert!(DELTA_SRC.contains(&format!("#define GDN_THREADS {THREADS}")));
         assert!(DELTA_SRC.contains(&format!("#define GDN_MAX_DIM {MAX_DIM}")));
+        assert!(DELTA_SRC.contains(&format!("#define GDN_ROWS {ROWS}")));
     }
 }

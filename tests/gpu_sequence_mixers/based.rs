@@ -96,6 +96,10 @@ fn based_matches_float64_on_every_shape() {
         shape(1, 200, 2, 128, 128, 64),
         // Small odd widths: partial warps over V, K below a warp.
         shape(1, 130, 3, 5, 7, 4),
+        // Issue 12's lengths around the chunk of 64 and past 65,536.
+        shape(1, 63, 1, 16, 16, 8),
+        shape(1, 65, 1, 16, 16, 8),
+        shape(1, 65_537, 1, 16, 16, 64),
     ];
     let mut failures = Vec::new();
     for (n, &s) in cases.iter().enumerate() {

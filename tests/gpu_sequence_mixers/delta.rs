@@ -1,4 +1,4 @@
-//! The gated delta rule forward (`kernels/sequence_mixers/delta.cu`, version 1) against the
+//! The gated delta rule forward (`kernels/sequence_mixers/delta.cu`, version 2) against the
 //! float64 recurrence `reference::gated_delta_rule`, and its source compiled by NVRTC.
 
 use kernelpages::sequence_mixers::cuda::Dtype;
@@ -46,7 +46,14 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
     let (a_d, b_d, s0_d) = (up::<f32>(&alpha), up::<f32>(&beta), up::<f32>(&s0));
     let mut fin = poisoned::<f32>(state_len);
     let mut gdn = GatedDelta::new(g, shape, dtype).unwrap();
-    assert_eq!(gdn.temporary_bytes(), 0);
+    // Scratch: W, U, the log decays and the entering states of every chunk, float32 (each
+    // buffer at least one float).
+    let rows = shape.batch * shape.heads * shape.seq_len.div_ceil(64);
+    let bytes = |n: usize| n.max(1) as u64 * 4;
+    assert_eq!(
+        gdn.temporary_bytes(),
+        bytes(rows * 64 * kd) + bytes(rows * 64 * vd) + bytes(rows * 64) + bytes(rows * vd * kd)
+    );
     // The dtype-typed tensors, launched and read back as `$t` (f32, or u16 holding bf16).
     macro_rules! run {
         ($t:ty) => {{
@@ -104,6 +111,10 @@ fn gated_delta_rule_matches_float64_on_every_shape() {
         shape(2, 200, 2, 64, 128),
         shape(1, 130, 3, 128, 32),
         shape(2, 77, 2, 16, 24),
+        // Issue 12's lengths around the chunk of 64 and past 65,536.
+        shape(1, 63, 2, 16, 16),
+        shape(1, 65, 2, 16, 16),
+        shape(1, 65_537, 1, 16, 16),
     ];
     let mut failures = Vec::new();
     for (n, &s) in cases.iter().enumerate() {

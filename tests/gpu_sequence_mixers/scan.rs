@@ -104,6 +104,10 @@ fn selective_scan_matches_float64_on_every_shape() {
         shape(2, 50, 16, 48),
         // A long sequence: 1000 steps of accumulated float32 rounding.
         shape(1, 1000, 9, 16),
+        // Issue 12's lengths around 64 and past 65,536.
+        shape(1, 63, 4, 16),
+        shape(1, 65, 4, 16),
+        shape(1, 65_537, 2, 16),
     ];
     let mut failures = Vec::new();
     for (k, &s) in cases.iter().enumerate() {
