@@ -7,8 +7,10 @@
 #                                                 # non-aligned lengths and the T=16384 headline
 #   bash .carry/device_run.sh tests OUTDIR        # the GPU and comparison tests only
 #   bash .carry/device_run.sh mixers OUTDIR       # the sequence-mixer GPU tests (SSD, scan,
-#                                                 # Based, gated delta rule v1 forwards
-#                                                 # against float64) and the fla module test
+#                                                 # Based, gated delta rule forwards against
+#                                                 # float64); KP_FLA_TEST=1 adds the fla module
+#                                                 # test (it did not finish in 180 s on
+#                                                 # 2026-12-02: Triton autotunes every shape)
 #   bash .carry/device_run.sh jaxinit OUTDIR      # where a JAX row's start-up goes
 #                                                 # (runners/jax_init_probe.py, < 1 min)
 #   bash .carry/device_run.sh mixers_grid OUTDIR [i/n]  # the sequence_mixers grid (or shard i
@@ -119,8 +121,10 @@ mixers)
   install_wheels
   step "sequence-mixer gpu tests" 240 "$out/gpu_sequence_mixers.tests.log" \
     "$bin/gpu_sequence_mixers_test" --include-ignored --test-threads 1 --nocapture
-  step "fla module test" 180 "$out/fla_mixers.tests.log" "$bin/compare_script_test" \
-    --include-ignored --exact fla_module_runs_on_the_gpu --nocapture
+  if [ "${KP_FLA_TEST:-0}" = 1 ]; then
+    step "fla module test" 300 "$out/fla_mixers.tests.log" "$bin/compare_script_test" \
+      --include-ignored --exact fla_module_runs_on_the_gpu --nocapture
+  fi
   ;;
 mixers_grid)
   # The sequence-mixer grid, or shard $3 (e.g. 1/2) of it; KP_MIXERS_LIMIT_S caps the step.
