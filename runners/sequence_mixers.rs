@@ -218,7 +218,18 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     Ok(out)
 }
 
-/// What the entry points run: version 1 of each CUDA kernel, or the CPU recurrence.
+/// Whether the CUDA kernels of case `c` take SSD's tensor-core chunk kernels (version 2: bf16
+/// SSD, and Based's linear branch, which runs on them, where the shape fits).
+fn gpu_uses_tensor_cores(c: &MixerCase) -> bool {
+    let shape = match c.mixer {
+        Mixer::Ssd => c.ssd_shape(),
+        Mixer::Based => based_cuda::linear_shape(c.based_shape()),
+        _ => return false,
+    };
+    c.dtype == MixerDtype::Bf16 && ssd_cuda::tensor_core_shared_bytes(shape).is_some()
+}
+
+/// What the entry points run: the CUDA kernels' versions, or the CPU recurrence.
 fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
     if device == DeviceChoice::Gpu {
         return vec![
@@ -227,7 +238,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (X, B, C, Y; Δ, A, D and states fp32)".into(),
                 rule: format!(
-                    "always (head_dim and state up to {}): SSD in chunks of {} steps, three kernels (each chunk's final state from zero, the states passed between chunks, each chunk's output from its intra-chunk masked products plus the incoming state's read-out), float32 arithmetic on CUDA cores (version 1, no tensor cores)",
+                    "always (head_dim and state up to {}): SSD in chunks of {} steps, three kernels (each chunk's final state from zero, the states passed between chunks, each chunk's output from its intra-chunk masked products plus the incoming state's read-out), float32 arithmetic on CUDA cores (version 1.1); in bf16 with head_dim a multiple of 16 and state of 32, both up to 128, the chunk kernels' products on tensor cores instead (mma.sync m16n8k16, bf16 operands, float32 accumulation; version 2)",
                     ssd_cuda::MAX_DIM,
                     ssd_cuda::CHUNK
                 ),
@@ -250,7 +261,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (q, k, v, o; states fp32)".into(),
                 rule: format!(
-                    "always (K and V up to {}, window up to {}): the linear branch as SSD's kernels without decay, chunks of {} steps in parallel (each chunk's kᵀv summed, the states passed on, each chunk's output from its masked products plus the incoming state), then the window branch in tiles of {} query rows, exact softmax over each query's last W keys with the keys in shared memory; float32 arithmetic on CUDA cores (version 1.2)",
+                    "always (K and V up to {}, window up to {}): the linear branch as SSD's kernels without decay, chunks of {} steps in parallel (each chunk's kᵀv summed, the states passed on, each chunk's output from its masked products plus the incoming state), then the window branch in tiles of {} query rows, exact softmax over each query's last W keys with the keys in shared memory; float32 arithmetic on CUDA cores (version 1.2), except the linear branch's products in bf16 where SSD's tensor-core kernels take the shape (K a multiple of 32, V of 16, both up to 128)",
                     based_cuda::MAX_DIM,
                     based_cuda::MAX_WINDOW,
                     based_cuda::CHUNK,
@@ -394,7 +405,11 @@ impl runner::Suite for Mixers {
             Mixer::Ssd => {}
         }
         if implementation == GPU_IMPLEMENTATION {
-            notes.push("float32 arithmetic; zero initial state, the final state written".into());
+            notes.push(if gpu_uses_tensor_cores(&c) {
+                "bf16 products on tensor cores (Δ·x, the masked decayed C·Bᵀ and the entering state rounded to bf16; float32 accumulation and state passing); zero initial state, the final state written"
+            } else {
+                "float32 arithmetic; zero initial state, the final state written"
+            }.into());
         }
         if implementation == CPU_IMPLEMENTATION {
             notes.push("float32 arithmetic; zero initial state".into());

@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use kernelpages::gpu::{self, Gpu};
-use kernelpages::sequence_mixers::cuda::{Dtype, Ssd};
+use kernelpages::sequence_mixers::cuda::{tensor_core_shared_bytes, Dtype, Ssd};
 use kernelpages::sequence_mixers::reference::{self, SsdInputs, SsdShape};
 use rand::{Rng, SeedableRng};
 
@@ -282,10 +282,18 @@ fn ssd_matches_float64_on_every_shape() {
         for dtype in [Dtype::F32, Dtype::Bf16] {
             for (skip, start) in [(false, false), (true, true)] {
                 let (ey, es) = ssd_case(s, dtype, skip, start, 100 + k as u64);
-                // float32 arithmetic on exact inputs: 1e-4; bf16 output rounding: 1e-2.
+                // float32 arithmetic on exact inputs: 1e-4 for the output and the state. bf16:
+                // the output's rounding, 1e-2; the state 1e-4 from the float32 kernels, 1e-2
+                // from the tensor-core ones (version 2, the shapes `tensor_core_shared_bytes`
+                // takes), which round Δ·x and the products' operands to bf16 inside.
                 let tol = if dtype == Dtype::F32 { 1e-4 } else { 1e-2 };
+                let state_tol = if dtype == Dtype::Bf16 && tensor_core_shared_bytes(s).is_some() {
+                    1e-2
+                } else {
+                    1e-4
+                };
                 println!("ssd {s:?} {dtype:?} D {skip} initial {start}: Y {ey:.2e} state {es:.2e}");
-                if !(ey <= tol && es <= 1e-4) {
+                if !(ey <= tol && es <= state_tol) {
                     failures.push(format!(
                         "{s:?} {dtype:?} D {skip} initial {start}: Y {ey:.2e}, state {es:.2e}"
                     ));

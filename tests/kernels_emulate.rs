@@ -196,14 +196,17 @@ fn emulated_kernel_runs_clean(name: &str, cases: &[String]) {
     );
 }
 
-/// SSD's three kernels (`ssd.cu`: chunk states, state passing, chunk outputs) on the CPU
-/// against the float64 recurrence, with the host's shared-memory sizes
-/// (`sequence_mixers::cuda::shared_bytes`), shared memory poisoned and guarded past them:
-/// partial chunks, groups, one step, head_dim = state 128.
+/// SSD's kernels (`ssd.cu`: chunk states, state passing, chunk outputs) on the CPU against the
+/// float64 recurrence, with the host's shared-memory sizes
+/// (`sequence_mixers::cuda::shared_bytes`, `tensor_core_shared_bytes`), shared memory poisoned
+/// and guarded past them: the float32 kernels on every shape (partial chunks, groups, one
+/// step, head_dim = state 128, odd sizes), and the bf16 tensor-core kernels (version 2, their
+/// `mma.sync` fragments emulated lane by lane in `cuda_shim.h`) on the shapes the host gives
+/// them.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
 fn ssd_kernels_emulated_match_the_recurrence() {
-    use kernelpages::sequence_mixers::cuda::shared_bytes;
+    use kernelpages::sequence_mixers::cuda::{shared_bytes, tensor_core_shared_bytes};
     use kernelpages::sequence_mixers::reference::SsdShape;
     let cases: Vec<String> = [
         (1, 150, 2, 1, 16, 8),
@@ -213,20 +216,33 @@ fn ssd_kernels_emulated_match_the_recurrence() {
         (1, 70, 1, 1, 128, 128),
         // Odd sizes: the padded rows' stride is N | 1.
         (1, 100, 2, 1, 33, 31),
+        // The tensor-core kernels' smallest tiles, groups, one step, P not a power of two.
+        (1, 150, 2, 1, 16, 32),
+        (2, 64, 4, 2, 32, 32),
+        (1, 1, 2, 2, 16, 32),
+        (1, 200, 2, 2, 48, 96),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, groups, head_dim, state)| {
-        let (state_bytes, scan_bytes) = shared_bytes(SsdShape {
+        let shape = SsdShape {
             batch,
             seq_len,
             heads,
             head_dim,
             state,
             groups,
-        });
-        format!("{batch},{seq_len},{heads},{groups},{head_dim},{state},{state_bytes},{scan_bytes}")
+        };
+        let (state_bytes, scan_bytes) = shared_bytes(shape);
+        let (tc_state, tc_scan) = tensor_core_shared_bytes(shape).unwrap_or((0, 0));
+        format!(
+            "{batch},{seq_len},{heads},{groups},{head_dim},{state},{state_bytes},{scan_bytes},\
+             {tc_state},{tc_scan}"
+        )
     })
     .collect();
+    // Both paths ran where they should: 4 shapes without tensor-core sizes, 6 with.
+    let with_tc = cases.iter().filter(|c| !c.ends_with(",0,0")).count();
+    assert_eq!(with_tc, 6, "{cases:?}");
     emulated_kernel_runs_clean("ssd_check", &cases);
 }
 

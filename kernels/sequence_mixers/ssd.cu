@@ -138,6 +138,200 @@ __device__ void chunk_scan(const T* __restrict__ x, const float* __restrict__ dt
     }
 }
 
+// Version 2 for bf16 inputs: kernels 1 and 3 with their products on tensor cores
+// (mma.sync m16n8k16, bf16 operands, float32 accumulation; prelude.cuh's mma_bf16). The
+// operands are staged in shared memory as bf16 rows of an even stride (N + 8 or L + 8 halves,
+// so that the 8 rows a fragment load touches start 4 banks apart): B, C and x exactly, and
+// rounded to bf16 where the CUDA-core kernels keep float32: Δ x (decayed to the chunk's end in
+// kernel 1), the masked decayed C Bᵀ, and the state entering the chunk. Rows past a short
+// last chunk are zero. Needs P % 16 == 0, N % 32 == 0 and P, N <= 128 (the host checks; other
+// shapes take the float32 kernels). 8 warps.
+#define SSD_TC_MAX_TILES 8
+
+// Word (two bf16) at row r, column k (even) of a bf16 array with rows `stride` halves apart.
+__device__ __forceinline__ u32 ld2(const u16* base, int r, int stride, int k) {
+    return *reinterpret_cast<const u32*>(base + r * stride + k);
+}
+
+// Rows [0, L) of a chunk's B or C (global rows of N bf16 at `src`, row i at i * row_stride)
+// into shared rows of `stride` halves, zeros past l.
+__device__ __forceinline__ void stage_rows(const u16* __restrict__ src, long long row_stride,
+                                           int l, int N, u16* dst, int stride) {
+    const int half = N / 2;
+    for (int e = threadIdx.x; e < SSD_CHUNK * half; e += SSD_THREADS) {
+        const int i = e / half, k = 2 * (e % half);
+        u32 w = 0;
+        if (i < l) w = *reinterpret_cast<const u32*>(src + i * row_stride + k);
+        *reinterpret_cast<u32*>(dst + i * stride + k) = w;
+    }
+}
+
+// Kernel 1 on tensor cores: S_c[p][n] = sum_j (exp(cs_last - cs_j) dt_j x_j[p]) B_j[n], the
+// (P x L)(L x N) product with A = the decayed Δ x transposed ([P][L + 8]) and B's columns as
+// rows ([N][L + 8], B transposed). Each warp takes 16 x 32 output tiles in turn.
+__device__ void chunk_state_tc(const u16* __restrict__ x, const float* __restrict__ dt,
+                               const float* __restrict__ A, const u16* __restrict__ Bm,
+                               float* __restrict__ states, float* __restrict__ chunk_log_decay,
+                               int T_len, int heads, int groups, int P, int N) {
+    extern __shared__ float smem[];
+    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int n_chunks = gridDim.x;
+    const int g = h / (heads / groups);
+    const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
+    const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
+    const int LS = SSD_CHUNK + 8;
+    float* cs = smem;                                          // [L]
+    u16* dxt = reinterpret_cast<u16*>(cs + SSD_CHUNK);         // [P][LS]
+    u16* bt = dxt + P * LS;                                    // [N][LS]
+    chunk_cumsum(dt, A[h], t0, l, heads, h, cs);
+    __syncthreads();
+    const float last = cs[l - 1];
+    for (int e = threadIdx.x; e < SSD_CHUNK * P; e += SSD_THREADS) {
+        const int j = e / P, p = e % P;
+        float v = 0.f;
+        if (j < l) v = dt[(t0 + j) * heads + h] * __expf(last - cs[j]) * ld(x, ((t0 + j) * heads + h) * P + p);
+        dxt[p * LS + j] = to_bf16(v);
+    }
+    for (int e = threadIdx.x; e < SSD_CHUNK * N; e += SSD_THREADS) {
+        const int j = e / N, n = e % N;
+        bt[n * LS + j] = j < l ? Bm[((t0 + j) * groups + g) * N + n] : (u16)0;
+    }
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    float* out = states + (((long long)b * heads + h) * n_chunks + c) * P * N;
+    const int col_groups = N / 32, units = (P / 16) * col_groups;
+    for (int u = warp; u < units; u += SSD_THREADS / 32) {
+        const int r0 = (u / col_groups) * 16, c0 = (u % col_groups) * 32;
+        float acc[4][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < SSD_CHUNK / 16; ++ks) {
+            const int k = ks * 16 + 2 * ti;
+            const u32 a[4] = {ld2(dxt, r0 + gi, LS, k), ld2(dxt, r0 + gi + 8, LS, k),
+                              ld2(dxt, r0 + gi, LS, k + 8), ld2(dxt, r0 + gi + 8, LS, k + 8)};
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const int n = c0 + nt * 8 + gi;
+                mma_bf16(acc[nt], a, ld2(bt, n, LS, k), ld2(bt, n, LS, k + 8));
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int p = r0 + gi + (e >= 2 ? 8 : 0), n = c0 + nt * 8 + 2 * ti + (e & 1);
+                out[p * N + n] = acc[nt][e];
+            }
+    }
+    if (threadIdx.x == 0) chunk_log_decay[((long long)b * heads + h) * n_chunks + c] = last;
+}
+
+// Kernel 3 on tensor cores. Each warp owns 16 rows of the chunk (w % 4) and half of the P
+// columns (w / 4): first its 16 x 32 block of M = (C Bᵀ) masked (j <= i < l) and decayed
+// (exp(cs_i - cs_j)) into shared memory as bf16, then, after a barrier, its block of
+// Y = M (Δ x) + exp(cs_i) C S_inᵀ + D x (the M product over the 16-step blocks at or left of
+// the diagonal only).
+template <typename TY>
+__device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict__ dt,
+                              const float* __restrict__ A, const u16* __restrict__ Bm,
+                              const u16* __restrict__ Cm, const float* __restrict__ D, int has_d,
+                              const float* __restrict__ states, TY* __restrict__ y, int T_len,
+                              int heads, int groups, int P, int N) {
+    extern __shared__ float smem[];
+    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int n_chunks = gridDim.x;
+    const int g = h / (heads / groups);
+    const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
+    const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
+    const int NS = N + 8, LS = SSD_CHUNK + 8;
+    float* cum = smem;                                         // [L]
+    u16* cs_ = reinterpret_cast<u16*>(cum + SSD_CHUNK);        // [L][NS]: C
+    u16* bs = cs_ + SSD_CHUNK * NS;                            // [L][NS]: B
+    u16* s_in = bs + SSD_CHUNK * NS;                           // [P][NS]: entering state
+    u16* dxt = s_in + P * NS;                                  // [P][LS]: (Δ x)ᵀ
+    u16* m = dxt + P * LS;                                     // [L][LS]: M
+    chunk_cumsum(dt, A[h], t0, l, heads, h, cum);
+    const long long row_stride = (long long)groups * N;
+    stage_rows(Cm + (t0 * groups + g) * N, row_stride, l, N, cs_, NS);
+    stage_rows(Bm + (t0 * groups + g) * N, row_stride, l, N, bs, NS);
+    const float* src = states + (((long long)b * heads + h) * n_chunks + c) * P * N;
+    for (int e = threadIdx.x; e < P * N / 2; e += SSD_THREADS) {
+        const int p = e / (N / 2), k = 2 * (e % (N / 2));
+        *reinterpret_cast<u32*>(s_in + p * NS + k) = pack_bf16(src[p * N + k], src[p * N + k + 1]);
+    }
+    for (int e = threadIdx.x; e < SSD_CHUNK * P; e += SSD_THREADS) {
+        const int j = e / P, p = e % P;
+        float v = 0.f;
+        if (j < l) v = dt[(t0 + j) * heads + h] * ld(x, ((t0 + j) * heads + h) * P + p);
+        dxt[p * LS + j] = to_bf16(v);
+    }
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    const int r0 = (warp % 4) * 16;
+    {
+        const int c0 = (warp / 4) * 32;
+        float acc[4][4] = {};
+        for (int ks = 0; ks < N / 16; ++ks) {
+            const int k = ks * 16 + 2 * ti;
+            const u32 a[4] = {ld2(cs_, r0 + gi, NS, k), ld2(cs_, r0 + gi + 8, NS, k),
+                              ld2(cs_, r0 + gi, NS, k + 8), ld2(cs_, r0 + gi + 8, NS, k + 8)};
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const int j = c0 + nt * 8 + gi;
+                mma_bf16(acc[nt], a, ld2(bs, j, NS, k), ld2(bs, j, NS, k + 8));
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                const int i = r0 + gi + (e >= 2 ? 8 : 0), j = c0 + nt * 8 + 2 * ti;
+                const float v0 = (j <= i && i < l) ? acc[nt][e] * __expf(cum[i] - cum[j]) : 0.f;
+                const float v1 = (j + 1 <= i && i < l) ? acc[nt][e + 1] * __expf(cum[i] - cum[j + 1]) : 0.f;
+                *reinterpret_cast<u32*>(m + i * LS + j) = pack_bf16(v0, v1);
+            }
+    }
+    __syncthreads();
+    const int tiles = P / 16, p0 = (warp / 4) * (P / 2);
+    float diag[SSD_TC_MAX_TILES][4] = {}, off[SSD_TC_MAX_TILES][4] = {};
+    for (int ks = 0; ks <= r0 / 16; ++ks) {
+        const int k = ks * 16 + 2 * ti;
+        const u32 a[4] = {ld2(m, r0 + gi, LS, k), ld2(m, r0 + gi + 8, LS, k),
+                          ld2(m, r0 + gi, LS, k + 8), ld2(m, r0 + gi + 8, LS, k + 8)};
+#pragma unroll
+        for (int nt = 0; nt < SSD_TC_MAX_TILES; ++nt) {
+            if (nt < tiles) {
+                const int p = p0 + nt * 8 + gi;
+                mma_bf16(diag[nt], a, ld2(dxt, p, LS, k), ld2(dxt, p, LS, k + 8));
+            }
+        }
+    }
+    for (int ks = 0; ks < N / 16; ++ks) {
+        const int k = ks * 16 + 2 * ti;
+        const u32 a[4] = {ld2(cs_, r0 + gi, NS, k), ld2(cs_, r0 + gi + 8, NS, k),
+                          ld2(cs_, r0 + gi, NS, k + 8), ld2(cs_, r0 + gi + 8, NS, k + 8)};
+#pragma unroll
+        for (int nt = 0; nt < SSD_TC_MAX_TILES; ++nt) {
+            if (nt < tiles) {
+                const int p = p0 + nt * 8 + gi;
+                mma_bf16(off[nt], a, ld2(s_in, p, NS, k), ld2(s_in, p, NS, k + 8));
+            }
+        }
+    }
+    const float skip = has_d ? D[h] : 0.f;
+#pragma unroll
+    for (int nt = 0; nt < SSD_TC_MAX_TILES; ++nt) {
+        if (nt >= tiles) continue;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = r0 + gi + (e >= 2 ? 8 : 0), p = p0 + nt * 8 + 2 * ti + (e & 1);
+            if (i < l) {
+                const long long at = ((t0 + i) * heads + h) * P + p;
+                st(y, at, diag[nt][e] + __expf(cum[i]) * off[nt][e] + skip * ld(x, at));
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(SSD_THREADS)
 ssd_state_passing(float* __restrict__ states, const float* __restrict__ chunk_log_decay,
                   const float* __restrict__ initial_state, int has_initial,
@@ -183,4 +377,23 @@ ssd_chunk_scan_bf16_f32out(const u16* x, const float* dt, const float* A, const 
                            const u16* Cm, const float* D, int has_d, const float* states,
                            float* y, int T_len, int heads, int groups, int P, int N) {
     chunk_scan<u16, float>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);
+}
+
+// Version 2's entry points (bf16 only; the tensor-core kernels above).
+extern "C" __global__ void __launch_bounds__(SSD_THREADS)
+ssd_chunk_state_tc(const u16* x, const float* dt, const float* A, const u16* Bm, float* states,
+                   float* chunk_log_decay, int T_len, int heads, int groups, int P, int N) {
+    chunk_state_tc(x, dt, A, Bm, states, chunk_log_decay, T_len, heads, groups, P, N);
+}
+extern "C" __global__ void __launch_bounds__(SSD_THREADS)
+ssd_chunk_scan_tc(const u16* x, const float* dt, const float* A, const u16* Bm, const u16* Cm,
+                  const float* D, int has_d, const float* states, u16* y, int T_len, int heads,
+                  int groups, int P, int N) {
+    chunk_scan_tc<u16>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);
+}
+extern "C" __global__ void __launch_bounds__(SSD_THREADS)
+ssd_chunk_scan_tc_f32out(const u16* x, const float* dt, const float* A, const u16* Bm,
+                         const u16* Cm, const float* D, int has_d, const float* states, float* y,
+                         int T_len, int heads, int groups, int P, int N) {
+    chunk_scan_tc<float>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);
 }

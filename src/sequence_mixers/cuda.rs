@@ -66,6 +66,14 @@ pub fn entry_points() -> Vec<String> {
         v.push(format!("ssd_chunk_scan_{}", d.tag()));
     }
     v.push("ssd_chunk_scan_bf16_f32out".to_string());
+    v.extend(
+        [
+            "ssd_chunk_state_tc",
+            "ssd_chunk_scan_tc",
+            "ssd_chunk_scan_tc_f32out",
+        ]
+        .map(String::from),
+    );
     v
 }
 
@@ -78,6 +86,22 @@ pub fn shared_bytes(shape: SsdShape) -> (u32, u32) {
     let state = (l * p + l * n + l) * 4;
     let scan = (l * n + (l + p) * (n | 1) + l * l + l * p + l) * 4;
     (state as u32, scan as u32)
+}
+
+/// Dynamic shared memory of the tensor-core chunk-state and chunk-scan kernels (version 2, bf16
+/// inputs) for `shape`, bytes, or `None` when the shape does not fit them (head_dim a multiple
+/// of 16 and state of 32, both at most 128; other shapes take the float32 kernels):
+/// L floats plus (P + N)·(L + 8) bf16, and L floats plus (2·L + P)·(N + 8) + (P + L)·(L + 8)
+/// bf16 (rows padded by 8 halves so that a fragment's 8 rows start 4 banks apart).
+pub fn tensor_core_shared_bytes(shape: SsdShape) -> Option<(u32, u32)> {
+    let (l, p, n) = (CHUNK, shape.head_dim, shape.state);
+    if !(p.is_multiple_of(16) && n.is_multiple_of(32) && p <= 128 && n <= 128) {
+        return None;
+    }
+    let (ls, ns) = (l + 8, n + 8);
+    let state = l * 4 + (p + n) * ls * 2;
+    let scan = l * 4 + ((2 * l + p) * ns + (p + l) * ls) * 2;
+    Some((state as u32, scan as u32))
 }
 
 /// The shared memory one block may have on compute capability 9.0 (227 KiB). Version 1 needs
@@ -133,6 +157,10 @@ pub struct Ssd {
     /// itself for f32).
     chunk_scan_f32out: CudaFunction,
     passing: CudaFunction,
+    /// Dynamic shared memory of the chunk-state and chunk-scan kernels chosen, bytes.
+    smem: (u32, u32),
+    /// Whether the chunk kernels are version 2's tensor-core ones (bf16, shapes that fit).
+    tensor_cores: bool,
     states: CudaSlice<f32>,
     decay: CudaSlice<f32>,
     /// Stands in for D or the initial state when none is given (never read).
@@ -182,23 +210,36 @@ impl Ssd {
             )));
         }
         let compiled = gpu.compile("ssd.cu", &source())?;
-        let tag = dtype.tag();
-        let chunk_state = gpu.function(
-            &compiled.module,
-            &format!("ssd_chunk_state_{tag}"),
-            state_smem,
-        )?;
-        let chunk_scan = gpu.function(
-            &compiled.module,
-            &format!("ssd_chunk_scan_{tag}"),
-            scan_smem,
-        )?;
-        let chunk_scan_f32out = match dtype {
-            Dtype::F32 => chunk_scan.clone(),
-            Dtype::Bf16 => {
-                gpu.function(&compiled.module, "ssd_chunk_scan_bf16_f32out", scan_smem)?
-            }
+        let tc = match dtype {
+            Dtype::Bf16 => tensor_core_shared_bytes(s),
+            Dtype::F32 => None,
         };
+        let tag = dtype.tag();
+        let (names, smem) = match tc {
+            Some(sizes) => (
+                [
+                    "ssd_chunk_state_tc".to_string(),
+                    "ssd_chunk_scan_tc".to_string(),
+                    "ssd_chunk_scan_tc_f32out".to_string(),
+                ],
+                sizes,
+            ),
+            None => (
+                [
+                    format!("ssd_chunk_state_{tag}"),
+                    format!("ssd_chunk_scan_{tag}"),
+                    // For f32 the scan's y is float32 already.
+                    match dtype {
+                        Dtype::F32 => "ssd_chunk_scan_f32".to_string(),
+                        Dtype::Bf16 => "ssd_chunk_scan_bf16_f32out".to_string(),
+                    },
+                ],
+                (state_smem, scan_smem),
+            ),
+        };
+        let chunk_state = gpu.function(&compiled.module, &names[0], smem.0)?;
+        let chunk_scan = gpu.function(&compiled.module, &names[1], smem.1)?;
+        let chunk_scan_f32out = gpu.function(&compiled.module, &names[2], smem.1)?;
         let passing = gpu.function(&compiled.module, "ssd_state_passing", 0)?;
         let n_chunks = s.seq_len.div_ceil(CHUNK);
         let states = gpu
@@ -215,11 +256,19 @@ impl Ssd {
             chunk_scan,
             chunk_scan_f32out,
             passing,
+            smem,
+            tensor_cores: tc.is_some(),
             states,
             decay,
             unused,
             compile_s: compiled.compile_s,
         })
+    }
+
+    /// Whether the chunk kernels are version 2's tensor-core ones ([`tensor_core_shared_bytes`]:
+    /// bf16 and a shape that fits), rather than the float32 CUDA-core kernels.
+    pub fn uses_tensor_cores(&self) -> bool {
+        self.tensor_cores
     }
 
     /// Bytes of scratch one call uses beyond its inputs and outputs.
@@ -346,7 +395,7 @@ impl Ssd {
             return no_step(gpu, initial_state, final_state);
         }
         let n_chunks = s.seq_len.div_ceil(CHUNK);
-        let (state_smem, scan_smem) = shared_bytes(s);
+        let (state_smem, scan_smem) = self.smem;
         let (t_len, heads, groups) = (s.seq_len as i32, s.heads as i32, s.groups as i32);
         let (p, n, chunks) = (s.head_dim as i32, s.state as i32, n_chunks as i32);
         let grid = (n_chunks as u32, s.heads as u32, s.batch as u32);
@@ -446,12 +495,28 @@ mod tests {
         // head_dim 128 with state 128, the grid's largest, fits.
         let big = SsdShape { head_dim: 128, ..s };
         assert!(shared_bytes(big).1 <= MAX_SHARED);
+        // The tensor-core kernels: 64 floats plus bf16 rows of 72 and 136 halves.
+        assert_eq!(
+            tensor_core_shared_bytes(big),
+            Some((
+                (64 * 4 + 256 * 72 * 2) as u32,
+                (64 * 4 + (256 * 136 + 192 * 72) * 2) as u32
+            ))
+        );
+        for (p, n) in [(8, 32), (64, 48), (144, 64), (64, 160)] {
+            let odd = SsdShape {
+                head_dim: p,
+                state: n,
+                ..s
+            };
+            assert_eq!(tensor_core_shared_bytes(odd), None, "{p} {n}");
+        }
     }
 
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        assert_eq!(e.len(), 6);
+        assert_eq!(e.len(), 9);
         for name in &e {
             assert!(
                 SSD_SRC.contains(name.trim_end_matches("_f32").trim_end_matches("_bf16")),

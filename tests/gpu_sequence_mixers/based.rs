@@ -2,8 +2,8 @@
 //! GPU against `reference::based`, and the kernels' NVRTC compile (no GPU needed: it runs in
 //! CI).
 
-use kernelpages::sequence_mixers::based_cuda::{entry_points, source, Based};
-use kernelpages::sequence_mixers::cuda::Dtype;
+use kernelpages::sequence_mixers::based_cuda::{entry_points, linear_shape, source, Based};
+use kernelpages::sequence_mixers::cuda::{tensor_core_shared_bytes, Dtype};
 use kernelpages::sequence_mixers::reference::{self, BasedInputs, BasedShape, BasedState};
 
 use super::{compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, uniform, up};
@@ -106,10 +106,20 @@ fn based_matches_float64_on_every_shape() {
         for dtype in [Dtype::F32, Dtype::Bf16] {
             for start in [false, true] {
                 let (eo, es) = based_case(s, dtype, start, 300 + 10 * n as u64);
-                // float32 arithmetic on exact inputs: 1e-4; bf16 output rounding: 1e-2.
+                // float32 arithmetic on exact inputs: 1e-4 for the output and the state. bf16:
+                // the output's rounding, 1e-2; the state 1e-4 from the float32 kernels, 1e-2
+                // from the tensor-core ones (version 2, the shapes `tensor_core_shared_bytes`
+                // takes), which round Δ·x and the products' operands to bf16 inside.
                 let tol = if dtype == Dtype::F32 { 1e-4 } else { 1e-2 };
+                let state_tol = if dtype == Dtype::Bf16
+                    && tensor_core_shared_bytes(linear_shape(s)).is_some()
+                {
+                    1e-2
+                } else {
+                    1e-4
+                };
                 println!("based {s:?} {dtype:?} initial {start}: O {eo:.2e} state {es:.2e}");
-                if !(eo <= tol && es <= 1e-4) {
+                if !(eo <= tol && es <= state_tol) {
                     failures.push(format!(
                         "{s:?} {dtype:?} initial {start}: O {eo:.2e}, state {es:.2e}"
                     ));

@@ -24,6 +24,7 @@ struct Warp {
     float vals[32];
 };
 std::vector<std::unique_ptr<Warp>> g_warps;
+void g_mma_reset(unsigned warps);
 inline void __syncwarp() { g_warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     Warp& w = *g_warps[threadIdx.x / 32];
@@ -34,6 +35,7 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     w.bar.arrive_and_wait();
     return got;
 }
+#define KP_EMULATE 1
 #define __device__
 #define __global__
 #define __forceinline__ inline
@@ -57,6 +59,7 @@ template <class F> void launch(dim3 grid, unsigned threads, F kernel, size_t sme
         std::barrier<> bar(threads); g_bar = &bar;
         g_warps.clear();
         for (unsigned w = 0; w < (threads + 31) / 32; ++w) g_warps.push_back(std::make_unique<Warp>());
+        g_mma_reset((threads + 31) / 32);
         std::vector<std::thread> ts;
         for (size_t i = smem_floats; i < (1u << 17); ++i) smem[i] = -12345.f;
         for (unsigned t = 0; t < threads; ++t)
@@ -64,4 +67,41 @@ template <class F> void launch(dim3 grid, unsigned threads, F kernel, size_t sme
         for (auto& th : ts) th.join();
         for (size_t i = smem_floats; i < (1u << 17); ++i) if (smem[i] != -12345.f) { ++g_overrun; break; }
     }
+}
+// mma.sync m16n8k16 bf16 -> float32 (prelude.cuh's mma_bf16, whose comment gives the fragment
+// layout): every lane of the warp deposits its fragments, then computes its own four outputs
+// from the whole A and B in float64 of the bf16 values, rounded once to float32.
+struct MmaFrags { unsigned a[32][4], b[32][2]; };
+std::vector<std::unique_ptr<MmaFrags>> g_mma;
+inline float bf16_float(unsigned bits16) { return __uint_as_float((bits16 & 0xffffu) << 16); }
+inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    Warp& warp = *g_warps[w];
+    MmaFrags& f = *g_mma[w];
+    for (int j = 0; j < 4; ++j) f.a[lane][j] = a[j];
+    f.b[lane][0] = b0; f.b[lane][1] = b1;
+    warp.bar.arrive_and_wait();
+    float A[16][16], B[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, t = l % 4;
+        const int rk[4][2] = {{g, 2 * t}, {g + 8, 2 * t}, {g, 8 + 2 * t}, {g + 8, 8 + 2 * t}};
+        for (int j = 0; j < 4; ++j) {
+            A[rk[j][0]][rk[j][1]] = bf16_float(f.a[l][j]);
+            A[rk[j][0]][rk[j][1] + 1] = bf16_float(f.a[l][j] >> 16);
+        }
+        B[2 * t][g] = bf16_float(f.b[l][0]); B[2 * t + 1][g] = bf16_float(f.b[l][0] >> 16);
+        B[8 + 2 * t][g] = bf16_float(f.b[l][1]); B[8 + 2 * t + 1][g] = bf16_float(f.b[l][1] >> 16);
+    }
+    warp.bar.arrive_and_wait();
+    const int g = lane / 4, t = lane % 4;
+    const int rn[4][2] = {{g, 2 * t}, {g, 2 * t + 1}, {g + 8, 2 * t}, {g + 8, 2 * t + 1}};
+    for (int e = 0; e < 4; ++e) {
+        double acc = 0;
+        for (int k = 0; k < 16; ++k) acc += (double)A[rn[e][0]][k] * B[k][rn[e][1]];
+        c[e] = (float)(c[e] + acc);
+    }
+}
+void g_mma_reset(unsigned warps) {
+    g_mma.clear();
+    for (unsigned w = 0; w < warps; ++w) g_mma.push_back(std::make_unique<MmaFrags>());
 }
