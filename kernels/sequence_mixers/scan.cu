@@ -1,7 +1,8 @@
 // Mamba-1's selective scan (Gu and Dao, 2023, "Mamba: Linear-Time Sequence Modeling with
 // Selective State Spaces", Algorithm 2, zero-order-hold A and Euler B as its reference code
 // does) on CUDA cores in float32, version 1: correctness first, the sequential recurrence of
-// src/sequence_mixers/reference.rs's selective_scan, one warp per (batch entry, channel d):
+// src/sequence_mixers/reference.rs's selective_scan, one warp per (batch entry, channel d)
+// (version 1.1: the inputs of the next steps prefetched into registers, below):
 //
 //   h_t = exp(dt_{t,d} A_d) * h_{t-1} + dt_{t,d} u_{t,d} B_t,  y_{t,d} = <C_t, h_t> + D_d u_{t,d}.
 //
@@ -48,26 +49,59 @@ __device__ void scan_fwd(const T* __restrict__ u, const float* __restrict__ delt
         h[k] = (live && has_initial) ? initial_state[row + n] : 0.f;
     }
     const float skip = has_d ? D[d] : 0.f;
-    for (int t = 0; t < T_len; ++t) {
-        const long long bt = (long long)b * T_len + t;
-        const long long i = bt * channels + d;  // u, delta, y [B, T, D]
-        const float ut = ld(u, i);
-        const float dt = delta[i];
-        const float du = dt * ut;
-        const T* bv = Bm + bt * N;  // B_t, C_t: [B, T, N]
-        const T* cv = Cm + bt * N;
-        float part = 0.f;
+    // The steps' inputs come SCAN_AHEAD<S> steps at a time, each group loaded into registers
+    // while the one before it is computed: a step's own loads no longer stall it.
+    constexpr int AH = S <= 2 ? 8 : (S == 4 ? 4 : 2);
+    float cu[AH], cd[AH], cb[AH][S], cc[AH][S];
+    auto load = [&](int t0, float* lu, float* ldt, float (*lb)[S], float (*lc)[S]) {
 #pragma unroll
-        for (int k = 0; k < S; ++k) {
-            const int n = lane + 32 * k;
-            if (n < N) {
-                h[k] = __expf(dt * a[k]) * h[k] + du * ld(bv, n);
-                part += ld(cv, n) * h[k];
+        for (int j = 0; j < AH; ++j) {
+            const int t = t0 + j;
+            if (t < T_len) {
+                const long long bt = (long long)b * T_len + t;
+                const long long i = bt * channels + d;  // u, delta, y [B, T, D]
+                lu[j] = ld(u, i);
+                ldt[j] = delta[i];
+#pragma unroll
+                for (int k = 0; k < S; ++k) {
+                    const int n = lane + 32 * k;
+                    lb[j][k] = n < N ? ld(Bm, bt * N + n) : 0.f;  // B_t, C_t: [B, T, N]
+                    lc[j][k] = n < N ? ld(Cm, bt * N + n) : 0.f;
+                }
+            }
+        }
+    };
+    load(0, cu, cd, cb, cc);
+    for (int t0 = 0; t0 < T_len; t0 += AH) {
+        float nu[AH], nd[AH], nb[AH][S], nc[AH][S];
+        load(t0 + AH, nu, nd, nb, nc);
+#pragma unroll
+        for (int j = 0; j < AH; ++j) {
+            const int t = t0 + j;
+            if (t < T_len) {
+                const float du = cd[j] * cu[j];
+                float part = 0.f;
+#pragma unroll
+                for (int k = 0; k < S; ++k) {
+                    h[k] = __expf(cd[j] * a[k]) * h[k] + du * cb[j][k];
+                    part += cc[j][k] * h[k];
+                }
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1)
+                    part += __shfl_xor_sync(0xffffffffu, part, off);
+                if (lane == 0) st(y, ((long long)b * T_len + t) * channels + d, part + skip * cu[j]);
             }
         }
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-        if (lane == 0) st(y, i, part + skip * ut);
+        for (int j = 0; j < AH; ++j) {
+            cu[j] = nu[j];
+            cd[j] = nd[j];
+#pragma unroll
+            for (int k = 0; k < S; ++k) {
+                cb[j][k] = nb[j][k];
+                cc[j][k] = nc[j][k];
+            }
+        }
     }
 #pragma unroll
     for (int k = 0; k < S; ++k) {
@@ -77,7 +111,7 @@ __device__ void scan_fwd(const T* __restrict__ u, const float* __restrict__ delt
 }
 
 #define SCAN_ENTRY(NAME, T, S)                                                                 \
-    extern "C" __global__ void __launch_bounds__(SCAN_THREADS)                                 \
+    extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 2)                              \
     scan_fwd_##NAME##_s##S(const T* u, const float* delta, const float* A, const T* Bm,       \
                            const T* Cm, const float* D, int has_d, const float* initial_state, \
                            int has_initial, T* y, float* final_state, int T_len, int channels, \

@@ -40,7 +40,7 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
 #define __global__
 #define __forceinline__ inline
 #define __restrict__
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __shared__
 alignas(16) float smem[1 << 17];
 inline float __expf(float x) { return std::exp(x); }
