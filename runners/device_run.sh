@@ -119,7 +119,7 @@ jaxinit)
   ;;
 mixers)
   install_wheels
-  step "sequence-mixer gpu tests" 240 "$out/gpu_sequence_mixers.tests.log" \
+  step "sequence-mixer gpu tests" 420 "$out/gpu_sequence_mixers.tests.log" \
     "$bin/gpu_sequence_mixers_test" --include-ignored --test-threads 1 --nocapture
   if [ "${KP_FLA_TEST:-0}" = 1 ]; then
     step "fla module test" 300 "$out/fla_mixers.tests.log" "$bin/compare_script_test" \

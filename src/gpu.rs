@@ -201,19 +201,20 @@ impl Gpu {
         Ok(Compiled { module, compile_s })
     }
 
-    /// Looks up `name` in `module` and raises its dynamic shared-memory limit to `smem_bytes`.
+    /// Looks up `name` in `module` and raises its dynamic shared-memory limit to at least
+    /// `smem_bytes`. The limit belongs to the function, which every user of the cached module
+    /// shares, so it is only ever raised: a later user asking for less never lowers what an
+    /// earlier one launches with.
     pub fn function(
         &self,
         module: &Arc<CudaModule>,
         name: &str,
         smem_bytes: u32,
     ) -> Result<CudaFunction, GpuError> {
+        use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as LIMIT;
         let f = module.load_function(name)?;
-        if smem_bytes > 48 * 1024 {
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem_bytes as i32,
-            )?;
+        if smem_bytes > 48 * 1024 && f.get_attribute(LIMIT)? < smem_bytes as i32 {
+            f.set_attribute(LIMIT, smem_bytes as i32)?;
         }
         Ok(f)
     }

@@ -12,6 +12,8 @@
 mod based;
 #[path = "gpu_sequence_mixers/delta.rs"]
 mod delta;
+#[path = "gpu_sequence_mixers/large.rs"]
+mod large;
 #[path = "gpu_sequence_mixers/scan.rs"]
 mod scan;
 
@@ -51,11 +53,11 @@ pub(crate) fn uniform(n: usize, lo: f64, hi: f64, seed: u64) -> Vec<f64> {
 }
 
 /// bf16 bits of `x`, rounded to nearest even (finite values).
-fn bf16_bits(x: f64) -> u16 {
+pub(crate) fn bf16_bits(x: f64) -> u16 {
     half::bf16::from_f32(x as f32).to_bits()
 }
 
-fn bf16_value(b: u16) -> f64 {
+pub(crate) fn bf16_value(b: u16) -> f64 {
     half::bf16::from_bits(b).to_f32() as f64
 }
 

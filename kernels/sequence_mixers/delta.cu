@@ -43,9 +43,14 @@
 
 // The chunk's cumulative log decays into gs[0..l): the logarithms loaded by all threads, then
 // summed in order by one. Every thread calls it; gs is ready after the caller's next barrier.
+// ln alpha is floored at -20: alpha = 0 would give -inf, and -inf - -inf a NaN in the ratios
+// exp(g_i - g_j), while a deep floor would make the g_i large and their differences lose float32
+// digits (ulp(1e4) is 1e-3). A gate under exp(-20) = 2e-9 thus keeps 2e-9 of the state, below
+// float32's resolution of the terms it is added to.
 __device__ __forceinline__ void gdn_log_decays(const float* __restrict__ alpha, long long t0,
                                                int l, int heads, int h, float* gs) {
-    for (int i = threadIdx.x; i < l; i += GDN_THREADS) gs[i] = logf(alpha[(t0 + i) * heads + h]);
+    for (int i = threadIdx.x; i < l; i += GDN_THREADS)
+        gs[i] = fmaxf(logf(alpha[(t0 + i) * heads + h]), -20.f);
     __syncthreads();
     if (threadIdx.x == 0)
         for (int i = 1; i < l; ++i) gs[i] += gs[i - 1];

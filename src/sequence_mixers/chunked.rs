@@ -176,7 +176,9 @@ pub fn gated_delta_rule(
                 let v_of = |i: usize| &inp.v[at(i) * vd..][..vd];
                 let mut acc = 0.0;
                 for (i, gi) in g.iter_mut().take(l).enumerate() {
-                    acc += inp.alpha[at(i)].ln();
+                    // ln α floored at −20, as the kernel does (delta.cu says why): α = 0
+                    // would make the ratios γ_i/γ_j = exp(g_i − g_j) NaN.
+                    acc += inp.alpha[at(i)].ln().max(-20.0);
                     *gi = acc;
                 }
                 // Right-hand sides diag(β) V and diag(β γ) K, then forward substitution with

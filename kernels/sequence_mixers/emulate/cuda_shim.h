@@ -1,9 +1,10 @@
 // A CPU emulation of the CUDA subset the sequence-mixer kernels' block-wide code uses, so
 // their index logic runs on any machine with a C++20 compiler (tests/kernels_emulate.rs): one
 // std::thread per CUDA thread, __syncthreads as a std::barrier, the blocks of a grid one after
-// another, shared memory filled with NaN before each block (a read of what no thread wrote
-// poisons the output) and guarded past the size the host gives the kernel (a write there is
-// counted in g_overrun). Float arithmetic is the host's; the GPU tests check the device's.
+// another, shared memory filled with all-ones bits before each block (a NaN as float32 and as
+// either bf16 half, so a read of what no thread wrote poisons the output) and guarded past the
+// size the host gives the kernel (a write there is counted in g_overrun). Float arithmetic is
+// the host's; the GPU tests check the device's.
 #include <barrier>
 #include <cmath>
 #include <cstring>
@@ -55,7 +56,8 @@ template <class F> void launch(dim3 grid, unsigned threads, F kernel, size_t sme
     for (unsigned z = 0; z < grid.z; ++z) for (unsigned y = 0; y < grid.y; ++y)
     for (unsigned x = 0; x < grid.x; ++x) {
         blockIdx = dim3{x, y, z};
-        for (auto& f : smem) f = std::numeric_limits<float>::quiet_NaN();
+        // All ones: a NaN as a float and as either bf16 half of one.
+        std::memset(smem, 0xff, sizeof smem);
         std::barrier<> bar(threads); g_bar = &bar;
         g_warps.clear();
         for (unsigned w = 0; w < (threads + 31) / 32; ++w) g_warps.push_back(std::make_unique<Warp>());

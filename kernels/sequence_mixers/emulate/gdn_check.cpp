@@ -1,8 +1,8 @@
 // The gated delta rule's three kernels (delta.cu: chunk preparation, state pass, chunk output)
 // emulated on the CPU (cuda_shim.h) against the float64 recurrence
 // S_t = a_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T, o_t = S_t q_t, from a given initial
-// state: outputs and final state, shapes with partial chunks, one step, K != V, state rows
-// not a multiple of GDN_ROWS, and K = V = 128. Each argument is one case,
+// state: outputs and final state, a gate of exactly 0 at step 5, shapes with partial chunks,
+// one step, K != V, state rows not a multiple of GDN_ROWS, and K = V = 128. Each argument is one case,
 // "B,T,H,K,V,PREP_BYTES,PASS_BYTES,OUT_BYTES": the shape and the kernels' dynamic shared memory
 // as the host computes it (tests/kernels_emulate.rs passes
 // src/sequence_mixers/delta_cuda.rs's shared_bytes). Prints one line per case, then ALL OK or
@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
         }
         for (auto& x : v) x = nd(rng); for (auto& x : al) x = ua(rng); for (auto& x : be) x = ub(rng);
         for (auto& x : init) x = nd(rng) * 0.3f;
+        if (al.size() > 5) al[5] = 0.f;  // a gate of exactly 0: the state is cleared
         std::vector<float> w((size_t)B*H*nc*L*K, NAN), u((size_t)B*H*nc*L*V, NAN), g((size_t)B*H*nc*L, NAN);
         std::vector<float> states((size_t)B*H*nc*V*K, NAN);
         const dim3 chunks{(unsigned)nc, (unsigned)H, (unsigned)B};
