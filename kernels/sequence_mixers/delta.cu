@@ -28,7 +28,7 @@
 // o) or bf16 (q, k, v and o as bf16 bits). K, V <= GDN_MAX_DIM.
 // Dynamic shared memory, floats (the host computes each: src/sequence_mixers/delta_cuda.rs),
 // L = GDN_CHUNK, KP = K | 1, RP = GDN_ROWS + 1:
-//   prepare 2*L*KP + L*V + L*L + 2*L;  state pass GDN_ROWS*KP + 2*L*KP + L*RP + 2*L;
+//   prepare 2*L*KP + L*V + L*L + 2*L;  state pass GDN_ROWS*KP + 2*L*KP + L*RP + L;
 //   output 2*L*KP + V*KP + L*V + L*L + L.
 // Rows of K floats are KP floats apart, an odd stride: where the lanes of a warp read one
 // column of such rows (a step j or a state row r per lane) they hit distinct banks.
@@ -129,9 +129,8 @@ __device__ void gdn_state_pass(const T* __restrict__ k, const float* __restrict_
     float* s = smem;                        // [ROWS][KP]: this block's rows of the state
     float* ws = s + GDN_ROWS * KP;          // [L][KP]: W
     float* ks = ws + GDN_CHUNK * KP;        // [L][KP]
-    float* us = ks + GDN_CHUNK * KP;        // [L][RP]: U~, then U, on this block's rows
+    float* us = ks + GDN_CHUNK * KP;        // [L][RP]: U~, then exp(g_{l-1} - g_j) u_j
     float* gs = us + GDN_CHUNK * RP;        // [L]: g
-    float* dk = gs + GDN_CHUNK;             // [L]: exp(g_{l-1} - g_j)
     // Thread e holds the same element of s in every loop over rows * K below, so the first
     // chunk's copy to `states` reads what this thread wrote here.
     for (int e = threadIdx.x; e < rows * K; e += GDN_THREADS)
@@ -154,14 +153,14 @@ __device__ void gdn_state_pass(const T* __restrict__ k, const float* __restrict_
         for (int i = threadIdx.x; i < l; i += GDN_THREADS) gs[i] = g_in[base * GDN_CHUNK + i];
         __syncthreads();
         const float last = gs[l - 1];
-        for (int i = threadIdx.x; i < l; i += GDN_THREADS) dk[i] = expf(last - gs[i]);
-        // U = U~ - W S^T on this block's rows, kept for the output kernel.
+        // U = U~ - W S^T on this block's rows, kept for the output kernel; shared memory keeps
+        // it decayed to the chunk's end, as the state update below takes it.
         for (int e = threadIdx.x; e < l * rows; e += GDN_THREADS) {
             const int i = e / rows, r = e % rows;
             float dot = 0.f;
             for (int col = 0; col < K; ++col) dot += ws[i * KP + col] * s[r * KP + col];
             const float u = us[i * RP + r] - dot;
-            us[i * RP + r] = u;
+            us[i * RP + r] = expf(last - gs[i]) * u;
             u_io[(base * GDN_CHUNK + i) * V + r0 + r] = u;
         }
         __syncthreads();
@@ -170,7 +169,7 @@ __device__ void gdn_state_pass(const T* __restrict__ k, const float* __restrict_
         for (int e = threadIdx.x; e < rows * K; e += GDN_THREADS) {
             const int r = e / K, col = e % K;
             float acc = keep * s[r * KP + col];
-            for (int j = 0; j < l; ++j) acc += dk[j] * us[j * RP + r] * ks[j * KP + col];
+            for (int j = 0; j < l; ++j) acc += us[j * RP + r] * ks[j * KP + col];
             s[r * KP + col] = acc;
         }
         __syncthreads();

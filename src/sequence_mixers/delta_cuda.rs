@@ -59,14 +59,14 @@ pub fn entry_points() -> Vec<String> {
 /// L = [`CHUNK`], KP = K | 1 (rows of K floats padded to an odd stride against bank
 /// conflicts) and RP = [`ROWS`] + 1:
 /// - preparation: 2·L·KP (k, then W) + L·V (U~) + L·L (A) + 2·L (g, β) floats;
-/// - state pass: ROWS·KP (its rows of the state) + 2·L·KP (W, k) + L·RP (U) + 2·L floats;
+/// - state pass: ROWS·KP (its rows of the state) + 2·L·KP (W, k) + L·RP (U) + L (g) floats;
 /// - output: 2·L·KP (q, k) + V·KP (the entering state) + L·V (U) + L·L (M) + L (g) floats.
 pub fn shared_bytes(shape: DeltaShape) -> [u32; 3] {
     let (l, k, v) = (CHUNK, shape.key_dim, shape.value_dim);
     let (kp, rp) = (k | 1, ROWS + 1);
     [
         2 * l * kp + l * v + l * l + 2 * l,
-        ROWS * kp + 2 * l * kp + l * rp + 2 * l,
+        ROWS * kp + 2 * l * kp + l * rp + l,
         2 * l * kp + v * kp + l * v + l * l + l,
     ]
     .map(|floats| (floats * 4) as u32)
@@ -305,13 +305,13 @@ mod tests {
             shared_bytes(shape(64, 32)),
             [
                 ((2 * l * 65 + l * 32 + l * l + 2 * l) * 4) as u32,
-                ((16 * 65 + 2 * l * 65 + l * 17 + 2 * l) * 4) as u32,
+                ((16 * 65 + 2 * l * 65 + l * 17 + l) * 4) as u32,
                 ((2 * l * 65 + 32 * 65 + l * 32 + l * l + l) * 4) as u32,
             ]
         );
         assert_eq!(
             shared_bytes(shape(33, 8))[1],
-            ((16 + 2 * l) * 33 + l * 17 + 2 * l) as u32 * 4
+            ((16 + 2 * l) * 33 + l * 17 + l) as u32 * 4
         );
         // K = V = 128, the largest: the output kernel's 177.25 KiB fit in 227 KiB.
         assert_eq!(shared_bytes(shape(128, 128))[2], 181_504);
