@@ -153,6 +153,28 @@ __device__ __forceinline__ u32 ld2(const u16* base, int r, int stride, int k) {
     return *reinterpret_cast<const u32*>(base + r * stride + k);
 }
 
+// acc[nt] += A B over k_steps steps of 16 for the warp's 16 rows from r0: A's rows are rows of
+// the bf16 array `a` (`a_stride` halves apart), B's columns n0 + 8 nt + (0..7) are rows of the
+// bf16 array `b` (B transposed), for the first `tiles` of NT tiles of 8 columns.
+template <int NT>
+__device__ __forceinline__ void mma_rows(float (*acc)[4], const u16* a, int a_stride, int r0,
+                                         const u16* b, int b_stride, int n0, int k_steps,
+                                         int tiles = NT) {
+    const int lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    for (int ks = 0; ks < k_steps; ++ks) {
+        const int k = ks * 16 + 2 * ti;
+        const u32 f[4] = {ld2(a, r0 + gi, a_stride, k), ld2(a, r0 + gi + 8, a_stride, k),
+                          ld2(a, r0 + gi, a_stride, k + 8), ld2(a, r0 + gi + 8, a_stride, k + 8)};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            if (nt < tiles) {
+                const int n = n0 + nt * 8 + gi;
+                mma_bf16(acc[nt], f, ld2(b, n, b_stride, k), ld2(b, n, b_stride, k + 8));
+            }
+        }
+    }
+}
+
 // Rows [0, L) of a chunk's B or C (global rows of N bf16 at `src`, row i at i * row_stride)
 // into shared rows of `stride` halves, zeros past l.
 __device__ __forceinline__ void stage_rows(const u16* __restrict__ src, long long row_stride,
@@ -203,17 +225,7 @@ __device__ void chunk_state_tc(const u16* __restrict__ x, const float* __restric
     for (int u = warp; u < units; u += SSD_THREADS / 32) {
         const int r0 = (u / col_groups) * 16, c0 = (u % col_groups) * 32;
         float acc[4][4] = {};
-#pragma unroll
-        for (int ks = 0; ks < SSD_CHUNK / 16; ++ks) {
-            const int k = ks * 16 + 2 * ti;
-            const u32 a[4] = {ld2(dxt, r0 + gi, LS, k), ld2(dxt, r0 + gi + 8, LS, k),
-                              ld2(dxt, r0 + gi, LS, k + 8), ld2(dxt, r0 + gi + 8, LS, k + 8)};
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const int n = c0 + nt * 8 + gi;
-                mma_bf16(acc[nt], a, ld2(bt, n, LS, k), ld2(bt, n, LS, k + 8));
-            }
-        }
+        mma_rows<4>(acc, dxt, LS, r0, bt, LS, c0, SSD_CHUNK / 16);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -270,16 +282,7 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
     {
         const int c0 = (warp / 4) * 32;
         float acc[4][4] = {};
-        for (int ks = 0; ks < N / 16; ++ks) {
-            const int k = ks * 16 + 2 * ti;
-            const u32 a[4] = {ld2(cs_, r0 + gi, NS, k), ld2(cs_, r0 + gi + 8, NS, k),
-                              ld2(cs_, r0 + gi, NS, k + 8), ld2(cs_, r0 + gi + 8, NS, k + 8)};
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const int j = c0 + nt * 8 + gi;
-                mma_bf16(acc[nt], a, ld2(bs, j, NS, k), ld2(bs, j, NS, k + 8));
-            }
-        }
+        mma_rows<4>(acc, cs_, NS, r0, bs, NS, c0, N / 16);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -293,30 +296,9 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
     __syncthreads();
     const int tiles = P / 16, p0 = (warp / 4) * (P / 2);
     float diag[SSD_TC_MAX_TILES][4] = {}, off[SSD_TC_MAX_TILES][4] = {};
-    for (int ks = 0; ks <= r0 / 16; ++ks) {
-        const int k = ks * 16 + 2 * ti;
-        const u32 a[4] = {ld2(m, r0 + gi, LS, k), ld2(m, r0 + gi + 8, LS, k),
-                          ld2(m, r0 + gi, LS, k + 8), ld2(m, r0 + gi + 8, LS, k + 8)};
-#pragma unroll
-        for (int nt = 0; nt < SSD_TC_MAX_TILES; ++nt) {
-            if (nt < tiles) {
-                const int p = p0 + nt * 8 + gi;
-                mma_bf16(diag[nt], a, ld2(dxt, p, LS, k), ld2(dxt, p, LS, k + 8));
-            }
-        }
-    }
-    for (int ks = 0; ks < N / 16; ++ks) {
-        const int k = ks * 16 + 2 * ti;
-        const u32 a[4] = {ld2(cs_, r0 + gi, NS, k), ld2(cs_, r0 + gi + 8, NS, k),
-                          ld2(cs_, r0 + gi, NS, k + 8), ld2(cs_, r0 + gi + 8, NS, k + 8)};
-#pragma unroll
-        for (int nt = 0; nt < SSD_TC_MAX_TILES; ++nt) {
-            if (nt < tiles) {
-                const int p = p0 + nt * 8 + gi;
-                mma_bf16(off[nt], a, ld2(s_in, p, NS, k), ld2(s_in, p, NS, k + 8));
-            }
-        }
-    }
+    // M's blocks right of the diagonal are zero: the product stops at the rows' own block.
+    mma_rows<SSD_TC_MAX_TILES>(diag, m, LS, r0, dxt, LS, p0, r0 / 16 + 1, tiles);
+    mma_rows<SSD_TC_MAX_TILES>(off, cs_, NS, r0, s_in, NS, p0, N / 16, tiles);
     const float skip = has_d ? D[h] : 0.f;
 #pragma unroll
     for (int nt = 0; nt < SSD_TC_MAX_TILES; ++nt) {

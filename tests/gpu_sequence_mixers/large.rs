@@ -66,9 +66,24 @@ fn device_tail(d: &CudaSlice<u16>, n: usize) -> Vec<f64> {
         .collect()
 }
 
-/// Checks (error of the last outputs, error of the final state) against the bounds: bf16
-/// output rounding, 1e-2 for both (the tensor-core SSD rounds its state's operands to bf16).
-fn judge(what: &str, eo: f64, es: f64) {
+/// Compares the last `m` elements of `out` (bf16, the last [`COMPARED`] steps) with those of
+/// `want`, and the final state with `want_state`: bf16 output rounding, 1e-2 for both (the
+/// tensor-core SSD rounds its state's operands to bf16).
+fn judge(
+    what: &str,
+    (out, want): (&CudaSlice<u16>, &[f64]),
+    (fin, want_state): (&CudaSlice<f32>, &[f64]),
+    m: usize,
+) {
+    let eo = rel_l2(&device_tail(out, m), &want[want.len() - m..]);
+    let fin: Vec<f64> = gpu()
+        .stream
+        .clone_dtoh(fin)
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    let es = rel_l2(&fin, want_state);
     println!("{what}: last {COMPARED} outputs {eo:.2e}, final state {es:.2e}");
     assert!(
         eo <= 1e-2 && es <= 1e-2,
@@ -140,19 +155,11 @@ fn ssd_past_2_31_elements_keeps_its_offsets() {
         },
     )
     .unwrap();
-    let m = COMPARED * h * p;
-    let got = device_tail(&y, m);
-    let fin: Vec<f64> = g
-        .stream
-        .clone_dtoh(&fin)
-        .unwrap()
-        .into_iter()
-        .map(f64::from)
-        .collect();
     judge(
         "ssd bf16 past 2^31",
-        rel_l2(&got, &y_ref[y_ref.len() - m..]),
-        rel_l2(&fin, &s_ref),
+        (&y, &y_ref),
+        (&fin, &s_ref),
+        COMPARED * h * p,
     );
 }
 
@@ -232,19 +239,11 @@ fn gated_delta_rule_past_2_31_elements_keeps_its_offsets() {
         },
     )
     .unwrap();
-    let m = COMPARED * h * vd;
-    let got = device_tail(&o, m);
-    let fin: Vec<f64> = g
-        .stream
-        .clone_dtoh(&fin)
-        .unwrap()
-        .into_iter()
-        .map(f64::from)
-        .collect();
     judge(
         "gated delta bf16 past 2^31",
-        rel_l2(&got, &o_ref[o_ref.len() - m..]),
-        rel_l2(&fin, &s_ref),
+        (&o, &o_ref),
+        (&fin, &s_ref),
+        COMPARED * h * vd,
     );
 }
 
@@ -304,18 +303,10 @@ fn selective_scan_past_2_31_elements_keeps_its_offsets() {
         },
     )
     .unwrap();
-    let m = COMPARED * channels;
-    let got = device_tail(&y, m);
-    let fin: Vec<f64> = g
-        .stream
-        .clone_dtoh(&fin)
-        .unwrap()
-        .into_iter()
-        .map(f64::from)
-        .collect();
     judge(
         "selective scan bf16 past 2^31",
-        rel_l2(&got, &y_ref[y_ref.len() - m..]),
-        rel_l2(&fin, &s_ref),
+        (&y, &y_ref),
+        (&fin, &s_ref),
+        COMPARED * channels,
     );
 }
