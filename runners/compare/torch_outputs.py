@@ -47,6 +47,13 @@ def cut_short_notes(measurements, tcfg):
             for m, what in measurements if m is not None and m["cut_short"]]
 
 
+# The peak-memory method when the first call compiles and autotunes (measure_on_gpu's
+# peak_on_second_call).
+PEAK_ON_SECOND_CALL = ("torch.cuda.max_memory_allocated (reset before the inputs' upload and again "
+                       "after a first call, read after the second) in a fresh process running "
+                       "only this case; cuBLAS workspaces apart")
+
+
 def measure_on_gpu(job, call, notes, fit=None, peak_on_second_call=False):
     """Measures `call` (on the job's inputs, in `files.inputs` order, returning a tuple of
     outputs) on CUDA: the inputs uploaded, the first call timed by wall clock, the outputs
@@ -121,6 +128,7 @@ def measure_on_gpu(job, call, notes, fit=None, peak_on_second_call=False):
                 "peak_mb": max(0, peak - ws) / 1e6,
                 "reserved_peak_mb": max(0, reserved - ws) / 1e6,
                 "workspace_mb": workspace / 1e6 if workspace else None,
-                "peak_method": torch_sdpa.PEAK_METHOD},
+                "peak_method": (PEAK_ON_SECOND_CALL if peak_on_second_call
+                                else torch_sdpa.PEAK_METHOD)},
         accuracy=accuracy, notes=notes)
     return fields, window
