@@ -631,6 +631,38 @@ fn two_runs_of_one_suite_on_one_device_are_refused_with_both_paths() {
     assert!(loaded.iter().all(|l| l.missing_shards.is_empty()));
 }
 
+/// A document without `finished_at` (its run stopped early, as a runner killed by its time
+/// limit leaves it): the Attention page and the overview's Known limitations say the run
+/// stopped before it finished; with `finished_at` back, neither does.
+#[test]
+fn a_run_that_stopped_early_is_named_on_the_pages() {
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    let text_of = |site: &Path, name: &str| {
+        let html = page(site, name);
+        let body = html.select(&sel("body")).next().unwrap();
+        text(body)
+    };
+    let said = "The run stopped before it finished";
+    let data = tempfile::tempdir().unwrap();
+    assert!(
+        doc["config"]["finished_at"].is_string(),
+        "the fixture finished"
+    );
+    fs::write(data.path().join("gpu_attention.json"), doc.to_string()).unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    assert!(!text_of(&site, "attention.html")
+        .to_lowercase()
+        .contains(&said.to_lowercase()));
+    doc["config"].as_object_mut().unwrap().remove("finished_at");
+    fs::write(data.path().join("gpu_attention.json"), doc.to_string()).unwrap();
+    let (_tmp2, site) = build_site(data.path(), None);
+    for name in ["attention.html", "index.html"] {
+        let t = text_of(&site, name).to_lowercase();
+        assert!(t.contains(&said.to_lowercase()), "{name}: {t}");
+    }
+}
+
 /// Shards 1 and 3 of 4 in the data folder: the run is incomplete, and the Attention page, the
 /// overview's Known limitations and its setup record say which shards are missing; with all
 /// four there, none of them does.

@@ -484,22 +484,45 @@ fn doc_section(
     }
 }
 
-/// The sentence saying which shards of `loaded`'s run the data folder lacks, or `None`.
+/// The sentences saying which shards of `loaded`'s run the data folder lacks and whether the
+/// run stopped before it finished (a document without `finished_at`), or `None` when neither.
 pub fn incomplete_run(loaded: &Loaded) -> Option<String> {
-    let missing = loaded.missing_shards_text()?;
-    Some(format!(
-        "Incomplete run: {} {} not in the data folder. The cases of a missing shard have no rows \
-         here (a shard takes every n-th case of its part of the grid), so these tables and the \
-         comparisons built on them cover part of the grid; measure the rest with the same \
-         command and build (commit {}), changing only --shard and --output.",
-        missing,
-        if loaded.missing_shards.len() == 1 && loaded.missing_shards[0].missing.len() == 1 {
-            "is"
-        } else {
-            "are"
-        },
-        super::tiles::short(&loaded.doc.config.git_commit)
-    ))
+    let missing = loaded.missing_shards_text().map(|missing| {
+        format!(
+            "Incomplete run: {} {} not in the data folder. The cases of a missing shard have no \
+             rows here (a shard takes every n-th case of its part of the grid), so these tables \
+             and the comparisons built on them cover part of the grid; measure the rest with \
+             the same command and build (commit {}), changing only --shard and --output.",
+            missing,
+            if loaded.missing_shards.len() == 1 && loaded.missing_shards[0].missing.len() == 1 {
+                "is"
+            } else {
+                "are"
+            },
+            super::tiles::short(&loaded.doc.config.git_commit)
+        )
+    });
+    let stopped = (!loaded.cut_off_cases.is_empty()).then(|| {
+        "The run stopped before it finished (a document of it has no finished_at, as when its \
+         time limit ran out): the cases it never reached have no rows, and where it reached a \
+         case for some implementations only, the others' cells say so."
+            .to_string()
+    });
+    match (missing, stopped) {
+        (None, None) => None,
+        (Some(m), None) => Some(m),
+        (None, Some(s)) => Some(format!("Incomplete run: {}", lowercase_first(&s))),
+        (Some(m), Some(s)) => Some(format!("{m} {s}")),
+    }
+}
+
+/// `s` with its first letter in lower case.
+fn lowercase_first(s: &str) -> String {
+    let mut c = s.chars();
+    match c.next() {
+        Some(f) => f.to_lowercase().chain(c).collect(),
+        None => String::new(),
+    }
 }
 
 /// Replaces the groups measured at one size each (`groups[i]` is the view of `grouped[i]`) with
