@@ -226,7 +226,15 @@ fn gpu_uses_tensor_cores(c: &MixerCase) -> bool {
         Mixer::Based => based_cuda::linear_shape(c.based_shape()),
         _ => return false,
     };
-    c.dtype == MixerDtype::Bf16 && ssd_cuda::tensor_core_shared_bytes(shape).is_some()
+    ssd_cuda::tensor_core_path(shape, device_dtype(c.dtype)).is_some()
+}
+
+/// The kernels' element type for a case's dtype.
+fn device_dtype(d: MixerDtype) -> DeviceDtype {
+    match d {
+        MixerDtype::Fp32 => DeviceDtype::F32,
+        MixerDtype::Bf16 => DeviceDtype::Bf16,
+    }
 }
 
 /// What the entry points run: the CUDA kernels' versions, or the CPU recurrence.
@@ -768,10 +776,7 @@ fn measure_gpu(job: &Job) -> Reply {
         _ => 1.0,
     };
     own::measure(job, |gpu| {
-        let dtype = match case.dtype {
-            MixerDtype::Fp32 => DeviceDtype::F32,
-            MixerDtype::Bf16 => DeviceDtype::Bf16,
-        };
+        let dtype = device_dtype(case.dtype);
         let kernels = match case.mixer {
             Mixer::Ssd => Kernels::Ssd(Ssd::new(gpu, case.ssd_shape(), dtype)?),
             Mixer::SelectiveScan => Kernels::Scan(Scan::new(gpu, case.scan_shape(), dtype)?),

@@ -631,6 +631,13 @@ fn two_runs_of_one_suite_on_one_device_are_refused_with_both_paths() {
     assert!(loaded.iter().all(|l| l.missing_shards.is_empty()));
 }
 
+/// The text of the body of page `name` of the site in `site`.
+fn text_of(site: &Path, name: &str) -> String {
+    let html = page(site, name);
+    let body = html.select(&sel("body")).next().unwrap();
+    text(body)
+}
+
 /// A document without `finished_at` (its run stopped early, as a runner killed by its time
 /// limit leaves it): the Attention page and the overview's Known limitations say the run
 /// stopped before it finished; with `finished_at` back, neither does.
@@ -638,11 +645,6 @@ fn two_runs_of_one_suite_on_one_device_are_refused_with_both_paths() {
 fn a_run_that_stopped_early_is_named_on_the_pages() {
     let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
     let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
-    let text_of = |site: &Path, name: &str| {
-        let html = page(site, name);
-        let body = html.select(&sel("body")).next().unwrap();
-        text(body)
-    };
     let said = "The run stopped before it finished";
     let data = tempfile::tempdir().unwrap();
     assert!(
@@ -670,11 +672,6 @@ fn a_run_that_stopped_early_is_named_on_the_pages() {
 fn missing_shards_of_a_run_are_named_on_the_pages() {
     let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
     let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
-    let text_of = |site: &Path, name: &str| {
-        let html = page(site, name);
-        let body = html.select(&sel("body")).next().unwrap();
-        text(body)
-    };
     let rows = doc["rows"].as_array().unwrap().clone();
     let original = doc["config"]["command"].as_array().unwrap().clone();
     let data = tempfile::tempdir().unwrap();

@@ -104,6 +104,15 @@ pub fn tensor_core_shared_bytes(shape: SsdShape) -> Option<(u32, u32)> {
     Some((state as u32, scan as u32))
 }
 
+/// The tensor-core kernels' shared memory ([`tensor_core_shared_bytes`]) when [`Ssd`] takes
+/// them for `shape` and `dtype` (bf16 only), or `None` when it takes the float32 kernels.
+pub fn tensor_core_path(shape: SsdShape, dtype: Dtype) -> Option<(u32, u32)> {
+    match dtype {
+        Dtype::Bf16 => tensor_core_shared_bytes(shape),
+        Dtype::F32 => None,
+    }
+}
+
 /// The shared memory one block may have on compute capability 9.0 (227 KiB). Version 1 needs
 /// up to 176.25 KiB (head_dim 128 with state 128); a device with less (sm_80: 163 KiB) refuses
 /// those shapes when the kernel's limit is raised (a driver error), smaller shapes run.
@@ -210,10 +219,7 @@ impl Ssd {
             )));
         }
         let compiled = gpu.compile("ssd.cu", &source())?;
-        let tc = match dtype {
-            Dtype::Bf16 => tensor_core_shared_bytes(s),
-            Dtype::F32 => None,
-        };
+        let tc = tensor_core_path(s, dtype);
         let tag = dtype.tag();
         let (names, smem) = match tc {
             Some(sizes) => (
