@@ -40,3 +40,55 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 #endif
+
+// Shared-memory fragment loads and asynchronous copies (sm_80+). ldsm_x4 / ldsm_x4_t: the
+// warp-wide ldmatrix.m8n8.x4 (.trans) of four 8 x 8 bf16 matrices, lane l giving `p`, the
+// address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned); register i of lane
+// (g = lane / 4, t = lane % 4) receives row g, columns 2t and 2t + 1 of matrix i, or with .trans
+// rows 2t and 2t + 1 of column g. cp_async4 / cp_async16: 4- or 16-byte copies global -> shared
+// that zero-fill the destination instead of reading when `valid` is false (`g` must still be a
+// valid address); cp_async_commit closes a group, cp_async_wait<n> waits until at most n groups
+// are in flight. The CPU emulation (emulate/cuda_shim.h) defines its own.
+#ifndef KP_EMULATE
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void ldsm_x4(u32* r, const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32* r, const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void cp_async4(void* s, const void* g, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(s)), "l"(g),
+                 "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async16(void* s, const void* g, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(s)), "l"(g),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+#endif
+
+// Inclusive prefix sums over a warp of the pairs (v0, v1) each lane holds for steps 2 lane and
+// 2 lane + 1: s0 = sum of steps <= 2 lane, s1 = sum of steps <= 2 lane + 1; returns the total.
+__device__ __forceinline__ float warp_pair_scan(float v0, float v1, float& s0, float& s1) {
+    const int lane = threadIdx.x % 32;
+    float run = v0 + v1;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+        const float up = __shfl_up_sync(0xffffffffu, run, d);
+        if (lane >= d) run += up;
+    }
+    s1 = run;
+    s0 = run - v1;
+    return __shfl_sync(0xffffffffu, run, 31);
+}

@@ -29,6 +29,7 @@
 
 #define SSD_THREADS 256
 #define SSD_CHUNK 64
+#define SSD_PASS_AHEAD 8
 
 // u16, ld and st: prelude.cuh, prepended by the host.
 
@@ -138,182 +139,6 @@ __device__ void chunk_scan(const T* __restrict__ x, const float* __restrict__ dt
     }
 }
 
-// Version 2 for bf16 inputs: kernels 1 and 3 with their products on tensor cores
-// (mma.sync m16n8k16, bf16 operands, float32 accumulation; prelude.cuh's mma_bf16). The
-// operands are staged in shared memory as bf16 rows of an even stride (N + 8 or L + 8 halves,
-// so that the 8 rows a fragment load touches start 4 banks apart): B, C and x exactly, and
-// rounded to bf16 where the CUDA-core kernels keep float32: Δ x (decayed to the chunk's end in
-// kernel 1), the masked decayed C Bᵀ, and the state entering the chunk. Rows past a short
-// last chunk are zero. Needs P % 16 == 0, N % 32 == 0 and P, N <= 128 (the host checks; other
-// shapes take the float32 kernels). 8 warps.
-#define SSD_TC_MAX_TILES 8
-
-// Word (two bf16) at row r, column k (even) of a bf16 array with rows `stride` halves apart.
-__device__ __forceinline__ u32 ld2(const u16* base, int r, int stride, int k) {
-    return *reinterpret_cast<const u32*>(base + r * stride + k);
-}
-
-// acc[nt] += A B over k_steps steps of 16 for the warp's 16 rows from r0: A's rows are rows of
-// the bf16 array `a` (`a_stride` halves apart), B's columns n0 + 8 nt + (0..7) are rows of the
-// bf16 array `b` (B transposed), for the first `tiles` of NT tiles of 8 columns.
-template <int NT>
-__device__ __forceinline__ void mma_rows(float (*acc)[4], const u16* a, int a_stride, int r0,
-                                         const u16* b, int b_stride, int n0, int k_steps,
-                                         int tiles = NT) {
-    const int lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
-    for (int ks = 0; ks < k_steps; ++ks) {
-        const int k = ks * 16 + 2 * ti;
-        const u32 f[4] = {ld2(a, r0 + gi, a_stride, k), ld2(a, r0 + gi + 8, a_stride, k),
-                          ld2(a, r0 + gi, a_stride, k + 8), ld2(a, r0 + gi + 8, a_stride, k + 8)};
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            if (nt < tiles) {
-                const int n = n0 + nt * 8 + gi;
-                mma_bf16(acc[nt], f, ld2(b, n, b_stride, k), ld2(b, n, b_stride, k + 8));
-            }
-        }
-    }
-}
-
-// Rows [0, L) of a chunk's B or C (global rows of N bf16 at `src`, row i at i * row_stride)
-// into shared rows of `stride` halves, zeros past l.
-__device__ __forceinline__ void stage_rows(const u16* __restrict__ src, long long row_stride,
-                                           int l, int N, u16* dst, int stride) {
-    const int half = N / 2;
-    for (int e = threadIdx.x; e < SSD_CHUNK * half; e += SSD_THREADS) {
-        const int i = e / half, k = 2 * (e % half);
-        u32 w = 0;
-        if (i < l) w = *reinterpret_cast<const u32*>(src + i * row_stride + k);
-        *reinterpret_cast<u32*>(dst + i * stride + k) = w;
-    }
-}
-
-// Kernel 1 on tensor cores: S_c[p][n] = sum_j (exp(cs_last - cs_j) dt_j x_j[p]) B_j[n], the
-// (P x L)(L x N) product with A = the decayed Δ x transposed ([P][L + 8]) and B's columns as
-// rows ([N][L + 8], B transposed). Each warp takes 16 x 32 output tiles in turn.
-__device__ void chunk_state_tc(const u16* __restrict__ x, const float* __restrict__ dt,
-                               const float* __restrict__ A, const u16* __restrict__ Bm,
-                               float* __restrict__ states, float* __restrict__ chunk_log_decay,
-                               int T_len, int heads, int groups, int P, int N) {
-    extern __shared__ float smem[];
-    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int n_chunks = gridDim.x;
-    const int g = h / (heads / groups);
-    const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
-    const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
-    const int LS = SSD_CHUNK + 8;
-    float* cs = smem;                                          // [L]
-    u16* dxt = reinterpret_cast<u16*>(cs + SSD_CHUNK);         // [P][LS]
-    u16* bt = dxt + P * LS;                                    // [N][LS]
-    chunk_cumsum(dt, A[h], t0, l, heads, h, cs);
-    __syncthreads();
-    const float last = cs[l - 1];
-    for (int e = threadIdx.x; e < SSD_CHUNK * P; e += SSD_THREADS) {
-        const int j = e / P, p = e % P;
-        float v = 0.f;
-        if (j < l) v = dt[(t0 + j) * heads + h] * __expf(last - cs[j]) * ld(x, ((t0 + j) * heads + h) * P + p);
-        dxt[p * LS + j] = to_bf16(v);
-    }
-    for (int e = threadIdx.x; e < SSD_CHUNK * N; e += SSD_THREADS) {
-        const int j = e / N, n = e % N;
-        bt[n * LS + j] = j < l ? Bm[((t0 + j) * groups + g) * N + n] : (u16)0;
-    }
-    __syncthreads();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
-    float* out = states + (((long long)b * heads + h) * n_chunks + c) * P * N;
-    const int col_groups = N / 32, units = (P / 16) * col_groups;
-    for (int u = warp; u < units; u += SSD_THREADS / 32) {
-        const int r0 = (u / col_groups) * 16, c0 = (u % col_groups) * 32;
-        float acc[4][4] = {};
-        mma_rows<4>(acc, dxt, LS, r0, bt, LS, c0, SSD_CHUNK / 16);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int p = r0 + gi + (e >= 2 ? 8 : 0), n = c0 + nt * 8 + 2 * ti + (e & 1);
-                out[p * N + n] = acc[nt][e];
-            }
-    }
-    if (threadIdx.x == 0) chunk_log_decay[((long long)b * heads + h) * n_chunks + c] = last;
-}
-
-// Kernel 3 on tensor cores. Each warp owns 16 rows of the chunk (w % 4) and half of the P
-// columns (w / 4): first its 16 x 32 block of M = (C Bᵀ) masked (j <= i < l) and decayed
-// (exp(cs_i - cs_j)) into shared memory as bf16, then, after a barrier, its block of
-// Y = M (Δ x) + exp(cs_i) C S_inᵀ + D x (the M product over the 16-step blocks at or left of
-// the diagonal only).
-template <typename TY>
-__device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict__ dt,
-                              const float* __restrict__ A, const u16* __restrict__ Bm,
-                              const u16* __restrict__ Cm, const float* __restrict__ D, int has_d,
-                              const float* __restrict__ states, TY* __restrict__ y, int T_len,
-                              int heads, int groups, int P, int N) {
-    extern __shared__ float smem[];
-    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int n_chunks = gridDim.x;
-    const int g = h / (heads / groups);
-    const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
-    const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
-    const int NS = N + 8, LS = SSD_CHUNK + 8;
-    float* cum = smem;                                         // [L]
-    u16* cs_ = reinterpret_cast<u16*>(cum + SSD_CHUNK);        // [L][NS]: C
-    u16* bs = cs_ + SSD_CHUNK * NS;                            // [L][NS]: B
-    u16* s_in = bs + SSD_CHUNK * NS;                           // [P][NS]: entering state
-    u16* dxt = s_in + P * NS;                                  // [P][LS]: (Δ x)ᵀ
-    u16* m = dxt + P * LS;                                     // [L][LS]: M
-    chunk_cumsum(dt, A[h], t0, l, heads, h, cum);
-    const long long row_stride = (long long)groups * N;
-    stage_rows(Cm + (t0 * groups + g) * N, row_stride, l, N, cs_, NS);
-    stage_rows(Bm + (t0 * groups + g) * N, row_stride, l, N, bs, NS);
-    const float* src = states + (((long long)b * heads + h) * n_chunks + c) * P * N;
-    for (int e = threadIdx.x; e < P * N / 2; e += SSD_THREADS) {
-        const int p = e / (N / 2), k = 2 * (e % (N / 2));
-        *reinterpret_cast<u32*>(s_in + p * NS + k) = pack_bf16(src[p * N + k], src[p * N + k + 1]);
-    }
-    for (int e = threadIdx.x; e < SSD_CHUNK * P; e += SSD_THREADS) {
-        const int j = e / P, p = e % P;
-        float v = 0.f;
-        if (j < l) v = dt[(t0 + j) * heads + h] * ld(x, ((t0 + j) * heads + h) * P + p);
-        dxt[p * LS + j] = to_bf16(v);
-    }
-    __syncthreads();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
-    const int r0 = (warp % 4) * 16;
-    {
-        const int c0 = (warp / 4) * 32;
-        float acc[4][4] = {};
-        mma_rows<4>(acc, cs_, NS, r0, bs, NS, c0, N / 16);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-                const int i = r0 + gi + (e >= 2 ? 8 : 0), j = c0 + nt * 8 + 2 * ti;
-                const float v0 = (j <= i && i < l) ? acc[nt][e] * __expf(cum[i] - cum[j]) : 0.f;
-                const float v1 = (j + 1 <= i && i < l) ? acc[nt][e + 1] * __expf(cum[i] - cum[j + 1]) : 0.f;
-                *reinterpret_cast<u32*>(m + i * LS + j) = pack_bf16(v0, v1);
-            }
-    }
-    __syncthreads();
-    const int tiles = P / 16, p0 = (warp / 4) * (P / 2);
-    float diag[SSD_TC_MAX_TILES][4] = {}, off[SSD_TC_MAX_TILES][4] = {};
-    // M's blocks right of the diagonal are zero: the product stops at the rows' own block.
-    mma_rows<SSD_TC_MAX_TILES>(diag, m, LS, r0, dxt, LS, p0, r0 / 16 + 1, tiles);
-    mma_rows<SSD_TC_MAX_TILES>(off, cs_, NS, r0, s_in, NS, p0, N / 16, tiles);
-    const float skip = has_d ? D[h] : 0.f;
-#pragma unroll
-    for (int nt = 0; nt < SSD_TC_MAX_TILES; ++nt) {
-        if (nt >= tiles) continue;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int i = r0 + gi + (e >= 2 ? 8 : 0), p = p0 + nt * 8 + 2 * ti + (e & 1);
-            if (i < l) {
-                const long long at = ((t0 + i) * heads + h) * P + p;
-                st(y, at, diag[nt][e] + __expf(cum[i]) * off[nt][e] + skip * ld(x, at));
-            }
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(SSD_THREADS)
 ssd_state_passing(float* __restrict__ states, const float* __restrict__ chunk_log_decay,
                   const float* __restrict__ initial_state, int has_initial,
@@ -326,10 +151,23 @@ ssd_state_passing(float* __restrict__ states, const float* __restrict__ chunk_lo
     const float* decay = chunk_log_decay + bh * n_chunks;
     for (int e = blockIdx.z * SSD_THREADS + threadIdx.x; e < P * N; e += SSD_THREADS * gridDim.z) {
         float running = has_initial ? initial_state[bh * P * N + e] : 0.f;
-        for (int c = 0; c < n_chunks; ++c) {
-            const float local = s[(long long)c * P * N + e];
-            s[(long long)c * P * N + e] = running;
-            running = __expf(decay[c]) * running + local;
+        // The loads of SSD_PASS_AHEAD chunks are issued together, then the chain runs over
+        // them: one memory latency per group rather than per chunk.
+        for (int c0 = 0; c0 < n_chunks; c0 += SSD_PASS_AHEAD) {
+            float local[SSD_PASS_AHEAD], keep[SSD_PASS_AHEAD];
+#pragma unroll
+            for (int k = 0; k < SSD_PASS_AHEAD; ++k) {
+                const bool in = c0 + k < n_chunks;
+                local[k] = in ? s[(long long)(c0 + k) * P * N + e] : 0.f;
+                keep[k] = in ? __expf(decay[c0 + k]) : 0.f;
+            }
+#pragma unroll
+            for (int k = 0; k < SSD_PASS_AHEAD; ++k) {
+                if (c0 + k < n_chunks) {
+                    s[(long long)(c0 + k) * P * N + e] = running;
+                    running = keep[k] * running + local[k];
+                }
+            }
         }
         final_state[bh * P * N + e] = running;
     }
@@ -361,21 +199,318 @@ ssd_chunk_scan_bf16_f32out(const u16* x, const float* dt, const float* A, const 
     chunk_scan<u16, float>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);
 }
 
-// Version 2's entry points (bf16 only; the tensor-core kernels above).
-extern "C" __global__ void __launch_bounds__(SSD_THREADS)
-ssd_chunk_state_tc(const u16* x, const float* dt, const float* A, const u16* Bm, float* states,
-                   float* chunk_log_decay, int T_len, int heads, int groups, int P, int N) {
-    chunk_state_tc(x, dt, A, Bm, states, chunk_log_decay, T_len, heads, groups, P, N);
+// Version 3 for bf16 inputs: two kernels on tensor cores (mma.sync m16n8k16, bf16 operands,
+// float32 accumulation; prelude.cuh's mma_bf16), the operands brought by cp.async and read by
+// ldmatrix. Needs P % 16 == 0, N % 32 == 0 and P, N <= 128 (the host checks; other shapes take
+// the float32 kernels).
+//
+// A. ssd_states_tc: the chunk states and their passing in one walk, as flash-linear-attention's
+//    chunk_fwd_h does for its gated linear attention: a block of 4 warps per 16 head_dim rows
+//    of the state (SSD_TC_ROWS), head and batch entry holds its rows of the state in the
+//    warps' mma accumulators (float32; warp w owns columns [w N / 4, (w + 1) N / 4)) and walks
+//    the chunks in order: it writes the state entering chunk c to `states` as bf16 (what the
+//    output kernel's product reads anyway), then S <- exp(cs_last) S + (decayed Δ x)ᵀ B. The
+//    chunks' x rows, B rows and dt come through a ring of SSD_TC_STAGES stages, loaded
+//    SSD_TC_STAGES - 1 chunks ahead. Each warp computes the chunk's cumulative log decays itself
+//    (warp_pair_scan). The float32 state after the last chunk is the final state.
+// B. ssd_chunk_scan_tc (and _f32out): a block of 8 warps per (chunk, head, batch entry), as
+//    version 2: M = (C Bᵀ) masked to j <= i < l and scaled by exp(cs_i - cs_j) dt_j (bf16 in
+//    shared memory), then Y = M x + exp(cs_i) C S_inᵀ + D x, each warp 16 rows and half of the
+//    P columns (the M product over the 16-step blocks at or left of the diagonal only).
+// Shared rows are padded by 8 halves so that the 8 rows of an ldmatrix or fragment load fall
+// in distinct banks. Dynamic shared memory, bytes (the host computes both:
+// src/sequence_mixers/cuda.rs): A STAGES L 4 + STAGES L (ROWS + 8 + N + 8) 2; B 2 L 4 +
+// (2 L (N + 8) + L (P + 8) + P (N + 8) + L (L + 8)) 2.
+#define SSD_TC_STAGES 4
+#define SSD_TC_ROWS 16
+#define SSD_TC_STATE_THREADS 128
+#define SSD_TC_MAX_TILES 8
+#define FULL_MASK 0xffffffffu
+
+// Word (two bf16) at row r, column k (even) of a bf16 array with rows `stride` halves apart.
+__device__ __forceinline__ u32 ld2(const u16* base, int r, int stride, int k) {
+    return *reinterpret_cast<const u32*>(base + r * stride + k);
 }
+
+// The two bf16 of `v` times (lo, hi), rounded back to bf16.
+__device__ __forceinline__ u32 scale_pair(u32 v, float lo, float hi) {
+    return pack_bf16(__uint_as_float(v << 16) * lo, __uint_as_float(v & 0xffff0000u) * hi);
+}
+
+// Two adjacent elements of y (i even): a bf16 pair in one word, or two floats.
+__device__ __forceinline__ void st2(u16* y, long long i, float a, float b) {
+    *reinterpret_cast<u32*>(y + i) = pack_bf16(a, b);
+}
+__device__ __forceinline__ void st2(float* y, long long i, float a, float b) {
+    y[i] = a;
+    y[i + 1] = b;
+}
+
+// acc[nt] += A B over k_steps steps of 16 for the warp's 16 rows from r0: A's rows are rows of
+// the bf16 array `a` (`a_stride` halves apart), B's columns n0 + 8 nt + (0..7) are rows of the
+// bf16 array `b` (B transposed), for the first `tiles` of NT tiles of 8 columns.
+template <int NT>
+__device__ __forceinline__ void mma_rows(float (*acc)[4], const u16* a, int a_stride, int r0,
+                                         const u16* b, int b_stride, int n0, int k_steps,
+                                         int tiles = NT) {
+    const int lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    for (int ks = 0; ks < k_steps; ++ks) {
+        const int k = ks * 16 + 2 * ti;
+        const u32 f[4] = {ld2(a, r0 + gi, a_stride, k), ld2(a, r0 + gi + 8, a_stride, k),
+                          ld2(a, r0 + gi, a_stride, k + 8), ld2(a, r0 + gi + 8, a_stride, k + 8)};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            if (nt < tiles) {
+                const int n = n0 + nt * 8 + gi;
+                mma_bf16(acc[nt], f, ld2(b, n, b_stride, k), ld2(b, n, b_stride, k + 8));
+            }
+        }
+    }
+}
+
+// acc[nt] += A f[ks] B for the 16-step block ks of k: B's rows k (16 of them from ks 16) are
+// rows of the bf16 array `b` (`b_stride` halves apart; B not transposed, read by
+// ldmatrix.trans), its columns n0 + 8 nt + (0..7) for the first `tiles` of NT tiles. An odd last
+// tile loads its own columns twice (ldmatrix.x4 brings two tiles).
+template <int NT>
+__device__ __forceinline__ void mma_k_block(float (*acc)[4], const u32* f, const u16* b,
+                                            int b_stride, int ks, int n0, int tiles) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt += 2) {
+        if (nt < tiles) {
+            const int pair = nt + 1 < tiles ? nt + 1 : nt;
+            u32 bf[4];
+            ldsm_x4_t(bf, b + (ks * 16 + (lane & 15)) * b_stride + n0 + ((lane >> 4) ? pair : nt) * 8);
+            mma_bf16(acc[nt], f, bf[0], bf[1]);
+            if (nt + 1 < tiles) mma_bf16(acc[nt + 1], f, bf[2], bf[3]);
+        }
+    }
+}
+
+// Kernel A's loads of chunk c into ring stage `stage`: its x rows (this block's 16 columns), B
+// rows and dt, zeros past a short last chunk.
+__device__ __forceinline__ void ssd_states_load(const u16* __restrict__ x,
+                                                const float* __restrict__ dt,
+                                                const u16* __restrict__ Bm, float* dts, u16* ring,
+                                                int c, int stage, int b, int h, int g, int p0,
+                                                int T_len, int heads, int groups, int P, int N) {
+    const int XS = SSD_TC_ROWS + 8, NS = N + 8;
+    const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
+    const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
+    u16* xs = ring + stage * SSD_CHUNK * (XS + NS);
+    u16* bs = xs + SSD_CHUNK * XS;
+    float* d = dts + stage * SSD_CHUNK;
+    for (int e = threadIdx.x; e < SSD_CHUNK * 2; e += SSD_TC_STATE_THREADS) {
+        const int i = e / 2, q = (e % 2) * 8;
+        const bool ok = i < l;
+        cp_async16(xs + i * XS + q, x + ((t0 + (ok ? i : 0)) * heads + h) * P + p0 + q, ok);
+    }
+    const int pieces = N / 8;
+    for (int e = threadIdx.x; e < SSD_CHUNK * pieces; e += SSD_TC_STATE_THREADS) {
+        const int i = e / pieces, q = (e % pieces) * 8;
+        const bool ok = i < l;
+        cp_async16(bs + i * NS + q, Bm + ((t0 + (ok ? i : 0)) * groups + g) * N + q, ok);
+    }
+    for (int i = threadIdx.x; i < SSD_CHUNK; i += SSD_TC_STATE_THREADS)
+        cp_async4(d + i, dt + (t0 + (i < l ? i : 0)) * heads + h, i < l);
+}
+
+extern "C" __global__ void __launch_bounds__(SSD_TC_STATE_THREADS)
+ssd_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
+              const float* __restrict__ A, const u16* __restrict__ Bm,
+              const float* __restrict__ initial_state, int has_initial,
+              u16* __restrict__ states, float* __restrict__ final_state, int T_len, int heads,
+              int groups, int P, int N) {
+    extern __shared__ float smem[];
+    const int p0 = blockIdx.x * SSD_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
+    const int g = h / (heads / groups);
+    const int n_chunks = (T_len + SSD_CHUNK - 1) / SSD_CHUNK;
+    const int XS = SSD_TC_ROWS + 8, NS = N + 8;
+    float* dts = smem;                                                   // [STAGES][L]
+    u16* ring = reinterpret_cast<u16*>(dts + SSD_TC_STAGES * SSD_CHUNK); // [STAGES] x, B rows
+    const long long bh = (long long)b * heads + h;
+    const float a_h = A[h];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    const int tiles = N / 32, n0 = warp * (N / 4);
+    float acc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int p = p0 + gi + (e >= 2 ? 8 : 0), n = n0 + nt * 8 + 2 * ti + (e & 1);
+            acc[nt][e] = (nt < tiles && has_initial) ? initial_state[(bh * P + p) * N + n] : 0.f;
+        }
+    for (int s = 0; s < SSD_TC_STAGES - 1; ++s) {
+        if (s < n_chunks)
+            ssd_states_load(x, dt, Bm, dts, ring, s, s, b, h, g, p0, T_len, heads, groups, P, N);
+        cp_async_commit();
+    }
+    for (int c = 0; c < n_chunks; ++c) {
+        cp_async_wait<SSD_TC_STAGES - 2>();
+        __syncthreads();
+        // The stage read in the last iteration is free (every thread passed the barrier).
+        const int next = c + SSD_TC_STAGES - 1;
+        if (next < n_chunks)
+            ssd_states_load(x, dt, Bm, dts, ring, next, next % SSD_TC_STAGES, b, h, g, p0, T_len,
+                            heads, groups, P, N);
+        cp_async_commit();
+        const int stage = c % SSD_TC_STAGES;
+        const u16* xs = ring + stage * SSD_CHUNK * (XS + NS);
+        const u16* bs = xs + SSD_CHUNK * XS;
+        const float* d = dts + stage * SSD_CHUNK;
+        // Lane m holds steps 2m and 2m + 1: their decays to the chunk's end times dt (zero past
+        // a short chunk, whose last cumulative decay is then the total).
+        const float d0 = d[2 * lane], d1 = d[2 * lane + 1];
+        float s0, s1;
+        const float last = warp_pair_scan(d0 * a_h, d1 * a_h, s0, s1);
+        const float w0 = __expf(last - s0) * d0, w1 = __expf(last - s1) * d1;
+        u16* out = states + ((bh * n_chunks + c) * P + p0) * N;
+        const float keep = __expf(last);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            if (nt < tiles) {
+                const int n = n0 + nt * 8 + 2 * ti;
+                *reinterpret_cast<u32*>(out + gi * N + n) = pack_bf16(acc[nt][0], acc[nt][1]);
+                *reinterpret_cast<u32*>(out + (gi + 8) * N + n) = pack_bf16(acc[nt][2], acc[nt][3]);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] *= keep;
+        }
+#pragma unroll
+        for (int ks = 0; ks < SSD_CHUNK / 16; ++ks) {
+            // A = (decayed Δ x)ᵀ: rows p, steps k; x's rows are steps, so ldmatrix.trans, then
+            // each step's column scaled by its weight (lane ks 8 + t holds steps ks 16 + 2t, +1).
+            u32 af[4];
+            const int mi = lane / 8;
+            ldsm_x4_t(af, xs + (ks * 16 + lane % 8 + (mi >= 2 ? 8 : 0)) * XS + (mi & 1) * 8);
+            const float wa0 = __shfl_sync(FULL_MASK, w0, ks * 8 + ti);
+            const float wa1 = __shfl_sync(FULL_MASK, w1, ks * 8 + ti);
+            const float wb0 = __shfl_sync(FULL_MASK, w0, ks * 8 + 4 + ti);
+            const float wb1 = __shfl_sync(FULL_MASK, w1, ks * 8 + 4 + ti);
+            af[0] = scale_pair(af[0], wa0, wa1);
+            af[1] = scale_pair(af[1], wa0, wa1);
+            af[2] = scale_pair(af[2], wb0, wb1);
+            af[3] = scale_pair(af[3], wb0, wb1);
+            mma_k_block<4>(acc, af, bs, NS, ks, n0, tiles);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int p = p0 + gi + (e >= 2 ? 8 : 0), n = n0 + nt * 8 + 2 * ti + (e & 1);
+            if (nt < tiles) final_state[(bh * P + p) * N + n] = acc[nt][e];
+        }
+}
+
+template <typename TY>
+__device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict__ dt,
+                              const float* __restrict__ A, const u16* __restrict__ Bm,
+                              const u16* __restrict__ Cm, const float* __restrict__ D, int has_d,
+                              const u16* __restrict__ states, TY* __restrict__ y, int T_len,
+                              int heads, int groups, int P, int N) {
+    extern __shared__ float smem[];
+    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int n_chunks = gridDim.x;
+    const int g = h / (heads / groups);
+    const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
+    const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
+    const int NS = N + 8, PS = P + 8, LS = SSD_CHUNK + 8;
+    float* dts = smem;                                         // [L]: dt
+    float* cum = dts + SSD_CHUNK;                              // [L]: cs
+    u16* cm = reinterpret_cast<u16*>(cum + SSD_CHUNK);         // [L][NS]: C
+    u16* bm = cm + SSD_CHUNK * NS;                             // [L][NS]: B
+    u16* xs = bm + SSD_CHUNK * NS;                             // [L][PS]: x
+    u16* s_in = xs + SSD_CHUNK * PS;                           // [P][NS]: entering state
+    u16* m = s_in + P * NS;                                    // [L][LS]: M
+    const int pn = N / 8, pp = P / 8;
+    for (int e = threadIdx.x; e < SSD_CHUNK * pn; e += SSD_THREADS) {
+        const int i = e / pn, q = (e % pn) * 8;
+        const bool ok = i < l;
+        const long long at = ((t0 + (ok ? i : 0)) * groups + g) * N + q;
+        cp_async16(cm + i * NS + q, Cm + at, ok);
+        cp_async16(bm + i * NS + q, Bm + at, ok);
+    }
+    for (int e = threadIdx.x; e < SSD_CHUNK * pp; e += SSD_THREADS) {
+        const int i = e / pp, q = (e % pp) * 8;
+        const bool ok = i < l;
+        cp_async16(xs + i * PS + q, x + ((t0 + (ok ? i : 0)) * heads + h) * P + q, ok);
+    }
+    const u16* src = states + (((long long)b * heads + h) * n_chunks + c) * P * N;
+    for (int e = threadIdx.x; e < P * pn; e += SSD_THREADS) {
+        const int r = e / pn, q = (e % pn) * 8;
+        cp_async16(s_in + r * NS + q, src + r * N + q, true);
+    }
+    for (int i = threadIdx.x; i < SSD_CHUNK; i += SSD_THREADS)
+        cp_async4(dts + i, dt + (t0 + (i < l ? i : 0)) * heads + h, i < l);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    if (warp == 0) {
+        const float a_h = A[h];
+        float s0, s1;
+        warp_pair_scan(dts[2 * lane] * a_h, dts[2 * lane + 1] * a_h, s0, s1);
+        cum[2 * lane] = s0;
+        cum[2 * lane + 1] = s1;
+    }
+    __syncthreads();
+    const int r0 = (warp % 4) * 16;
+    {
+        const int c0 = (warp / 4) * 32;
+        float acc[4][4] = {};
+        // Blocks right of the diagonal are masked whole.
+        if (c0 <= r0 + 15) mma_rows<4>(acc, cm, NS, r0, bm, NS, c0, N / 16);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                const int i = r0 + gi + (e >= 2 ? 8 : 0), j = c0 + nt * 8 + 2 * ti;
+                const float v0 = (j <= i && i < l) ? acc[nt][e] * __expf(cum[i] - cum[j]) * dts[j] : 0.f;
+                const float v1 = (j + 1 <= i && i < l) ? acc[nt][e + 1] * __expf(cum[i] - cum[j + 1]) * dts[j + 1] : 0.f;
+                *reinterpret_cast<u32*>(m + i * LS + j) = pack_bf16(v0, v1);
+            }
+    }
+    __syncthreads();
+    const int tiles = P / 16, p0 = (warp / 4) * (P / 2);
+    float diag[SSD_TC_MAX_TILES][4] = {}, off[SSD_TC_MAX_TILES][4] = {};
+    // M's blocks right of the diagonal are zero: the product stops at the rows' own block.
+    for (int ks = 0; ks <= r0 / 16; ++ks) {
+        const int k = ks * 16 + 2 * ti;
+        const u32 f[4] = {ld2(m, r0 + gi, LS, k), ld2(m, r0 + gi + 8, LS, k),
+                          ld2(m, r0 + gi, LS, k + 8), ld2(m, r0 + gi + 8, LS, k + 8)};
+        mma_k_block<SSD_TC_MAX_TILES>(diag, f, xs, PS, ks, p0, tiles);
+    }
+    mma_rows<SSD_TC_MAX_TILES>(off, cm, NS, r0, s_in, NS, p0, N / 16, tiles);
+    const float skip = has_d ? D[h] : 0.f;
+#pragma unroll
+    for (int nt = 0; nt < SSD_TC_MAX_TILES; ++nt) {
+        if (nt >= tiles) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int i = r0 + gi + 8 * half, p = p0 + nt * 8 + 2 * ti;
+            if (i < l) {
+                const float decay = __expf(cum[i]);
+                const u32 xv = ld2(xs, i, PS, p);
+                const float y0 = diag[nt][2 * half] + decay * off[nt][2 * half] + skip * __uint_as_float(xv << 16);
+                const float y1 = diag[nt][2 * half + 1] + decay * off[nt][2 * half + 1] + skip * __uint_as_float(xv & 0xffff0000u);
+                st2(y, ((t0 + i) * heads + h) * P + p, y0, y1);
+            }
+        }
+    }
+}
+
+// Version 3's entry points (bf16 only; kernel B, kernel A above).
 extern "C" __global__ void __launch_bounds__(SSD_THREADS)
 ssd_chunk_scan_tc(const u16* x, const float* dt, const float* A, const u16* Bm, const u16* Cm,
-                  const float* D, int has_d, const float* states, u16* y, int T_len, int heads,
+                  const float* D, int has_d, const u16* states, u16* y, int T_len, int heads,
                   int groups, int P, int N) {
     chunk_scan_tc<u16>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);
 }
 extern "C" __global__ void __launch_bounds__(SSD_THREADS)
 ssd_chunk_scan_tc_f32out(const u16* x, const float* dt, const float* A, const u16* Bm,
-                         const u16* Cm, const float* D, int has_d, const float* states, float* y,
+                         const u16* Cm, const float* D, int has_d, const u16* states, float* y,
                          int T_len, int heads, int groups, int P, int N) {
     chunk_scan_tc<float>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);
 }

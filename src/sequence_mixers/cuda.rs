@@ -68,7 +68,7 @@ pub fn entry_points() -> Vec<String> {
     v.push("ssd_chunk_scan_bf16_f32out".to_string());
     v.extend(
         [
-            "ssd_chunk_state_tc",
+            "ssd_states_tc",
             "ssd_chunk_scan_tc",
             "ssd_chunk_scan_tc_f32out",
         ]
@@ -88,21 +88,33 @@ pub fn shared_bytes(shape: SsdShape) -> (u32, u32) {
     (state as u32, scan as u32)
 }
 
-/// Dynamic shared memory of the tensor-core chunk-state and chunk-scan kernels (version 2, bf16
-/// inputs) for `shape`, bytes, or `None` when the shape does not fit them (head_dim a multiple
-/// of 16 and state of 32, both at most 128; other shapes take the float32 kernels):
-/// L floats plus (P + N)·(L + 8) bf16, and L floats plus (2·L + P)·(N + 8) + (P + L)·(L + 8)
-/// bf16 (rows padded by 8 halves so that a fragment's 8 rows start 4 banks apart).
+/// Dynamic shared memory of the tensor-core kernels (version 3, bf16 inputs) for `shape`,
+/// bytes: the states walk (`ssd_states_tc`: [`TC_STAGES`] stages of L float32 Δ and L rows of
+/// [`TC_ROWS`] + 8 and N + 8 bf16) and the chunk scan (2·L float32, then bf16 rows: C and B
+/// L × (N + 8), x L × (P + 8), the entering state P × (N + 8), M L × (L + 8)); rows padded by 8
+/// halves so that the 8 rows of an ldmatrix fall in distinct banks. `None` when the shape does
+/// not fit them (head_dim a multiple of 16 and state of 32, both at most 128; other shapes take
+/// the float32 kernels).
 pub fn tensor_core_shared_bytes(shape: SsdShape) -> Option<(u32, u32)> {
     let (l, p, n) = (CHUNK, shape.head_dim, shape.state);
     if !(p.is_multiple_of(16) && n.is_multiple_of(32) && p <= 128 && n <= 128) {
         return None;
     }
-    let (ls, ns) = (l + 8, n + 8);
-    let state = l * 4 + (p + n) * ls * 2;
-    let scan = l * 4 + ((2 * l + p) * ns + (p + l) * ls) * 2;
-    Some((state as u32, scan as u32))
+    let (ls, ns, ps) = (l + 8, n + 8, p + 8);
+    let states = TC_STAGES * l * 4 + TC_STAGES * l * (TC_ROWS + 8 + ns) * 2;
+    let scan = 2 * l * 4 + (2 * l * ns + l * ps + p * ns + l * ls) * 2;
+    Some((states as u32, scan as u32))
 }
+
+/// Stages of the ring through which `ssd_states_tc` brings the chunks' inputs
+/// (`SSD_TC_STAGES`).
+const TC_STAGES: usize = 4;
+
+/// head_dim rows of the state per block of `ssd_states_tc` (`SSD_TC_ROWS`).
+const TC_ROWS: usize = 16;
+
+/// Threads per block of `ssd_states_tc` (`SSD_TC_STATE_THREADS`).
+const TC_STATE_THREADS: u32 = 128;
 
 /// The tensor-core kernels' shared memory ([`tensor_core_shared_bytes`]) when [`Ssd`] takes
 /// them for `shape` and `dtype` (bf16 only), or `None` when it takes the float32 kernels.
@@ -155,8 +167,9 @@ pub(crate) fn no_step(
     Ok(())
 }
 
-/// SSD's compiled kernels and scratch for one shape: `states` `[B, H, n_chunks, P, N]` and the
-/// chunks' log decays `[B, H, n_chunks]` (float32).
+/// SSD's compiled kernels and scratch for one shape: the states entering each chunk
+/// `[B, H, n_chunks, P, N]` (float32 with the chunks' log decays `[B, H, n_chunks]` for the
+/// float32 kernels, bf16 for the tensor-core ones).
 pub struct Ssd {
     shape: SsdShape,
     dtype: Dtype,
@@ -168,10 +181,14 @@ pub struct Ssd {
     passing: CudaFunction,
     /// Dynamic shared memory of the chunk-state and chunk-scan kernels chosen, bytes.
     smem: (u32, u32),
-    /// Whether the chunk kernels are version 2's tensor-core ones (bf16, shapes that fit).
+    /// Whether the kernels are version 3's tensor-core ones (bf16, shapes that fit):
+    /// `chunk_state` is then `ssd_states_tc` (the states and their passing), `passing` unused.
     tensor_cores: bool,
     states: CudaSlice<f32>,
     decay: CudaSlice<f32>,
+    states_bf16: CudaSlice<u16>,
+    /// Bytes of the scratch this shape uses (the placeholders of one element not counted).
+    scratch_bytes: u64,
     /// Stands in for D or the initial state when none is given (never read).
     unused: CudaSlice<f32>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
@@ -224,7 +241,7 @@ impl Ssd {
         let (names, smem) = match tc {
             Some(sizes) => (
                 [
-                    "ssd_chunk_state_tc".to_string(),
+                    "ssd_states_tc".to_string(),
                     "ssd_chunk_scan_tc".to_string(),
                     "ssd_chunk_scan_tc_f32out".to_string(),
                 ],
@@ -248,12 +265,21 @@ impl Ssd {
         let chunk_scan_f32out = gpu.function(&compiled.module, &names[2], smem.1)?;
         let passing = gpu.function(&compiled.module, "ssd_state_passing", 0)?;
         let n_chunks = s.seq_len.div_ceil(CHUNK);
-        let states = gpu
-            .stream
-            .alloc_zeros::<f32>((s.batch * s.heads * n_chunks * s.head_dim * s.state).max(1))?;
-        let decay = gpu
-            .stream
-            .alloc_zeros::<f32>((s.batch * s.heads * n_chunks).max(1))?;
+        let state_elems = s.batch * s.heads * n_chunks * s.head_dim * s.state;
+        let (f32_elems, bf16_elems) = match tc {
+            Some(_) => (1, state_elems.max(1)),
+            None => (state_elems.max(1), 1),
+        };
+        let states = gpu.stream.alloc_zeros::<f32>(f32_elems)?;
+        let decay = gpu.stream.alloc_zeros::<f32>(match tc {
+            Some(_) => 1,
+            None => (s.batch * s.heads * n_chunks).max(1),
+        })?;
+        let states_bf16 = gpu.stream.alloc_zeros::<u16>(bf16_elems)?;
+        let scratch_bytes = match tc {
+            Some(_) => state_elems as u64 * 2,
+            None => (state_elems + s.batch * s.heads * n_chunks) as u64 * 4,
+        };
         let unused = gpu.stream.alloc_zeros::<f32>(1)?;
         Ok(Ssd {
             shape,
@@ -266,12 +292,14 @@ impl Ssd {
             tensor_cores: tc.is_some(),
             states,
             decay,
+            states_bf16,
+            scratch_bytes,
             unused,
             compile_s: compiled.compile_s,
         })
     }
 
-    /// Whether the chunk kernels are version 2's tensor-core ones ([`tensor_core_shared_bytes`]:
+    /// Whether the kernels are version 3's tensor-core ones ([`tensor_core_shared_bytes`]:
     /// bf16 and a shape that fits), rather than the float32 CUDA-core kernels.
     pub fn uses_tensor_cores(&self) -> bool {
         self.tensor_cores
@@ -279,7 +307,7 @@ impl Ssd {
 
     /// Bytes of scratch one call uses beyond its inputs and outputs.
     pub fn temporary_bytes(&self) -> u64 {
-        (self.states.len() + self.decay.len()) as u64 * 4
+        self.scratch_bytes
     }
 
     /// Launches one SSD call: Y and the final state from X `[B, T, H, P]`, Δ `[B, T, H]`,
@@ -410,6 +438,68 @@ impl Ssd {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: smem,
         };
+        let has_initial = i32::from(initial_state.is_some());
+        let has_d = i32::from(d.is_some());
+        let scan = if f32_out {
+            &self.chunk_scan_f32out
+        } else {
+            &self.chunk_scan
+        };
+        if self.tensor_cores {
+            let mut l = gpu.stream.launch_builder(&self.chunk_state);
+            l.arg(x)
+                .arg(dt)
+                .arg(a)
+                .arg(b)
+                .arg(initial_state.unwrap_or(&self.unused))
+                .arg(&has_initial)
+                .arg(&mut self.states_bf16)
+                .arg(&mut *final_state)
+                .arg(&t_len)
+                .arg(&heads)
+                .arg(&groups)
+                .arg(&p)
+                .arg(&n);
+            let walk = LaunchConfig {
+                grid_dim: (
+                    (s.head_dim / TC_ROWS) as u32,
+                    s.heads as u32,
+                    s.batch as u32,
+                ),
+                block_dim: (TC_STATE_THREADS, 1, 1),
+                shared_mem_bytes: state_smem,
+            };
+            // SAFETY: ssd_states_tc(const u16* x, const float* dt, const float* A,
+            // const u16* Bm, const float* initial_state, int has_initial, u16* states,
+            // float* final_state, int T_len, int heads, int groups, int P, int N): the lengths
+            // were checked above, the bf16 scratch holds B·H·n_chunks·P·N values (sized in
+            // `new`), the initial state is read only when has_initial is 1; blocks (16 rows of
+            // P, head, batch entry) with P a multiple of 16 (`tensor_core_shared_bytes`).
+            unsafe { l.launch(walk)? };
+            let mut l = gpu.stream.launch_builder(scan);
+            l.arg(x)
+                .arg(dt)
+                .arg(a)
+                .arg(b)
+                .arg(c)
+                .arg(d.unwrap_or(&self.unused))
+                .arg(&has_d)
+                .arg(&self.states_bf16)
+                .arg(&mut *y)
+                .arg(&t_len)
+                .arg(&heads)
+                .arg(&groups)
+                .arg(&p)
+                .arg(&n);
+            // SAFETY: ssd_chunk_scan_tc(const u16* x, const float* dt, const float* A,
+            // const u16* Bm, const u16* Cm, const float* D, int has_d, const u16* states, T* y,
+            // int T_len, int heads, int groups, int P, int N) with T u16, or float for
+            // ssd_chunk_scan_tc_f32out (the element sizes were checked above): the checked
+            // buffers, the states written by the launch before; each block writes the rows of
+            // its chunk.
+            unsafe { l.launch(cfg(scan_smem, grid))? };
+            return Ok(());
+        }
         let mut l = gpu.stream.launch_builder(&self.chunk_state);
         l.arg(x)
             .arg(dt)
@@ -428,7 +518,6 @@ impl Ssd {
         // `new`; the kernel reads chunk rows below T only and writes its (chunk, head, batch)
         // slice of the scratch.
         unsafe { l.launch(cfg(state_smem, grid))? };
-        let has_initial = i32::from(initial_state.is_some());
         let mut l = gpu.stream.launch_builder(&self.passing);
         l.arg(&mut self.states)
             .arg(&self.decay)
@@ -446,12 +535,6 @@ impl Ssd {
         // covering the P·N elements once, over the checked buffers; the initial state is read
         // only when has_initial is 1, and then holds B·H·P·N floats.
         unsafe { l.launch(cfg(0, (s.heads as u32, s.batch as u32, slices)))? };
-        let has_d = i32::from(d.is_some());
-        let scan = if f32_out {
-            &self.chunk_scan_f32out
-        } else {
-            &self.chunk_scan
-        };
         let mut l = gpu.stream.launch_builder(scan);
         l.arg(x)
             .arg(dt)
@@ -501,14 +584,16 @@ mod tests {
         // head_dim 128 with state 128, the grid's largest, fits.
         let big = SsdShape { head_dim: 128, ..s };
         assert!(shared_bytes(big).1 <= MAX_SHARED);
-        // The tensor-core kernels: 64 floats plus bf16 rows of 72 and 136 halves.
+        // The tensor-core kernels: 4 stages of 64 floats and 64 rows of 24 + 136 halves; 128
+        // floats and rows of 136, 136, 136 (x), 136 (the state) and 72 halves.
         assert_eq!(
             tensor_core_shared_bytes(big),
             Some((
-                (64 * 4 + 256 * 72 * 2) as u32,
-                (64 * 4 + (256 * 136 + 192 * 72) * 2) as u32
+                (4 * 64 * 4 + 4 * 64 * (24 + 136) * 2) as u32,
+                (128 * 4 + (128 * 136 + 64 * 136 + 128 * 136 + 64 * 72) * 2) as u32
             ))
         );
+        assert!(tensor_core_shared_bytes(big).unwrap().1 <= MAX_SHARED);
         for (p, n) in [(8, 32), (64, 48), (144, 64), (64, 160)] {
             let odd = SsdShape {
                 head_dim: p,

@@ -6,6 +6,9 @@
 // size the host gives the kernel (a write there is counted in g_overrun). Float arithmetic is
 // the host's; the GPU tests check the device's.
 #include <barrier>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -23,6 +26,7 @@ inline void __syncthreads() { g_bar->arrive_and_wait(); }
 struct Warp {
     std::barrier<> bar{32};
     float vals[32];
+    const unsigned short* rows[32];
 };
 std::vector<std::unique_ptr<Warp>> g_warps;
 void g_mma_reset(unsigned warps);
@@ -36,6 +40,54 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     w.bar.arrive_and_wait();
     return got;
 }
+inline float warp_exchange(float v, int src) {
+    Warp& w = *g_warps[threadIdx.x / 32];
+    w.vals[threadIdx.x % 32] = v;
+    w.bar.arrive_and_wait();
+    const float got = w.vals[src];
+    w.bar.arrive_and_wait();
+    return got;
+}
+inline float __shfl_sync(unsigned, float v, int src) { return warp_exchange(v, src & 31); }
+inline float __shfl_up_sync(unsigned, float v, int delta) {
+    const int lane = threadIdx.x % 32;
+    const float got = warp_exchange(v, lane >= delta ? lane - delta : lane);
+    return got;
+}
+// ldmatrix.m8n8.x4 (.trans) over b16 rows: every lane deposits its row address (lane l: row
+// l % 8 of matrix l / 8), then reads its words: register i of lane (g, t) is row g, columns
+// 2t, 2t + 1 of matrix i, or with trans rows 2t, 2t + 1 of column g. Addresses must be 16-byte
+// aligned, as on the GPU.
+inline void ldsm_emulated(unsigned* r, const unsigned short* p, bool trans) {
+    Warp& w = *g_warps[threadIdx.x / 32];
+    const unsigned lane = threadIdx.x % 32;
+    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) { std::fprintf(stderr, "ldmatrix: unaligned row\n"); std::abort(); }
+    w.rows[lane] = p;
+    w.bar.arrive_and_wait();
+    const unsigned g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned short* const* m = w.rows + 8 * i;
+        unsigned lo, hi;
+        if (trans) { lo = m[2 * t][g]; hi = m[2 * t + 1][g]; }
+        else { lo = m[g][2 * t]; hi = m[g][2 * t + 1]; }
+        r[i] = lo | (hi << 16);
+    }
+    w.bar.arrive_and_wait();
+}
+inline void ldsm_x4(unsigned* r, const unsigned short* p) { ldsm_emulated(r, p, false); }
+inline void ldsm_x4_t(unsigned* r, const unsigned short* p) { ldsm_emulated(r, p, true); }
+// cp.async: copied at once (zeros when not valid); the waits have nothing to wait for.
+// Alignment as on the GPU (the size of the copy).
+inline void cp_async_emulated(void* s, const void* g, bool valid, size_t n) {
+    if (reinterpret_cast<std::uintptr_t>(s) % n != 0 || reinterpret_cast<std::uintptr_t>(g) % n != 0) {
+        std::fprintf(stderr, "cp.async: unaligned %zu-byte copy\n", n); std::abort();
+    }
+    if (valid) std::memcpy(s, g, n); else std::memset(s, 0, n);
+}
+inline void cp_async4(void* s, const void* g, bool valid) { cp_async_emulated(s, g, valid, 4); }
+inline void cp_async16(void* s, const void* g, bool valid) { cp_async_emulated(s, g, valid, 16); }
+inline void cp_async_commit() {}
+template <int N> inline void cp_async_wait() {}
 #define KP_EMULATE 1
 #define __device__
 #define __global__
