@@ -200,7 +200,7 @@ fn emulated_kernel_runs_clean(name: &str, cases: &[String]) {
 /// float64 recurrence, with the host's shared-memory sizes
 /// (`sequence_mixers::cuda::shared_bytes`, `tensor_core_shared_bytes`), shared memory poisoned
 /// and guarded past them: the float32 kernels on every shape (partial chunks, groups, one
-/// step, head_dim = state 128, odd sizes), and the bf16 tensor-core kernels (version 2, their
+/// step, head_dim = state 128, odd sizes), and the bf16 tensor-core kernels (version 3, their
 /// `mma.sync` fragments emulated lane by lane in `cuda_shim.h`) on the shapes the host gives
 /// them.
 #[test]
@@ -221,6 +221,8 @@ fn ssd_kernels_emulated_match_the_recurrence() {
         (2, 64, 4, 2, 32, 32),
         (1, 1, 2, 2, 16, 32),
         (1, 200, 2, 2, 48, 96),
+        // The states walk with its columns over two blocks (N a multiple of 64).
+        (1, 300, 2, 1, 64, 64),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, groups, head_dim, state)| {
@@ -240,9 +242,9 @@ fn ssd_kernels_emulated_match_the_recurrence() {
         )
     })
     .collect();
-    // Both paths ran where they should: 4 shapes without tensor-core sizes, 6 with.
+    // Both paths ran where they should: 4 shapes without tensor-core sizes, 7 with.
     let with_tc = cases.iter().filter(|c| !c.ends_with(",0,0")).count();
-    assert_eq!(with_tc, 6, "{cases:?}");
+    assert_eq!(with_tc, 7, "{cases:?}");
     emulated_kernel_runs_clean("ssd_check", &cases);
 }
 
@@ -251,11 +253,14 @@ fn ssd_kernels_emulated_match_the_recurrence() {
 /// against the float64 recurrence, with the host's shared-memory sizes
 /// (`sequence_mixers::based_cuda::{shared_bytes, window_shared_bytes}`), shared memory
 /// poisoned and guarded past them: partial chunks and tiles, one step, K ≠ V, windows of 1 to
-/// 200 steps.
+/// 200 steps; and the tensor-core window kernel (bf16) where the host would take it.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
 fn based_kernels_emulated_match_the_recurrence() {
-    use kernelpages::sequence_mixers::based_cuda::{shared_bytes, window_shared_bytes};
+    use kernelpages::sequence_mixers::based_cuda::{
+        shared_bytes, window_shared_bytes, window_tc_shared_bytes,
+    };
+    use kernelpages::sequence_mixers::cuda::Dtype;
     use kernelpages::sequence_mixers::reference::BasedShape;
     let cases: Vec<String> = [
         (1, 150, 2, 16, 8, 5),
@@ -281,11 +286,14 @@ fn based_kernels_emulated_match_the_recurrence() {
         };
         let (state_bytes, scan_bytes) = shared_bytes(shape);
         format!(
-            "{batch},{seq_len},{heads},{key_dim},{value_dim},{window},{state_bytes},{scan_bytes},{}",
-            window_shared_bytes(shape)
+            "{batch},{seq_len},{heads},{key_dim},{value_dim},{window},{state_bytes},{scan_bytes},{},{}",
+            window_shared_bytes(shape),
+            window_tc_shared_bytes(shape, Dtype::Bf16).unwrap_or(0)
         )
     })
     .collect();
+    // The tensor-core window ran on the shapes with K and V multiples of 16.
+    assert_eq!(cases.iter().filter(|c| !c.ends_with(",0")).count(), 4, "{cases:?}");
     emulated_kernel_runs_clean("based_check", &cases);
 }
 

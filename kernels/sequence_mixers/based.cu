@@ -149,3 +149,163 @@ __device__ void window_branch(const T* __restrict__ q, const T* __restrict__ k,
 
 BASED_ENTRIES(f32, float)
 BASED_ENTRIES(bf16, u16)
+
+// Version 2 of the window branch for bf16 (based_window_tc): the same walk over the keys a
+// tile of BASED_TILE query rows sees, on tensor cores as flash attention's forward does
+// (mma.sync m16n8k16, bf16 operands, float32 accumulation): 4 warps, each 16 query rows; per
+// step of BASED_TILE keys the scores S = Q Kᵀ (K's rows read by ldmatrix), the visible pairs
+// kept (the rest -inf), the online softmax of each row in the registers of its 4 lanes, and
+// P V with P rounded to bf16 from the score accumulators and V by ldmatrix.trans. The tile's
+// queries and the step's keys and values come by cp.async (zeros outside [0, T)). Needs K and
+// V multiples of 16, at most BASED_MAX_DIM (the host checks). Dynamic shared memory:
+// BASED_TILE ((K + 8) 2 + (V + 8)) bf16.
+#define BASED_TC_THREADS 128
+
+// A fragment of rows r0 .. r0 + 15, columns k0 .. k0 + 15 of a bf16 array (rows `stride` apart).
+__device__ __forceinline__ void based_ld_a(u32* f, const u16* a, int stride, int r0, int k0) {
+    const int lane = threadIdx.x % 32;
+    ldsm_x4(f, a + (r0 + (lane & 15)) * stride + k0 + (lane >> 4) * 8);
+}
+
+extern "C" __global__ void __launch_bounds__(BASED_TC_THREADS)
+based_window_tc(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                float scale, const float* __restrict__ lin, float lin_scale, u16* __restrict__ o,
+                int T_len, int heads, int K, int V, int W) {
+    extern __shared__ float smem[];
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int t0 = blockIdx.x * BASED_TILE;
+    const int rows = min(BASED_TILE, T_len - t0);
+    const int KS = K + 8, VS = V + 8;
+    u16* qs = reinterpret_cast<u16*>(smem);     // [TILE][KS]
+    u16* ks = qs + BASED_TILE * KS;             // [TILE][KS]
+    u16* vs = ks + BASED_TILE * KS;             // [TILE][VS]
+    const float neg_inf = __int_as_float(0xff800000);
+    const long long row0 = (long long)b * T_len;
+    const int kp = K / 8, vp = V / 8;
+    for (int e = threadIdx.x; e < BASED_TILE * kp; e += BASED_TC_THREADS) {
+        const int i = e / kp, c = (e % kp) * 8;
+        const bool ok = i < rows;
+        cp_async16(qs + i * KS + c, q + ((row0 + t0 + (ok ? i : 0)) * heads + h) * K + c, ok);
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    const int r0 = warp * 16;
+    const int vt = V / 8;  // output tiles of 8 columns
+    float acc[BASED_MAX_DIM / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BASED_MAX_DIM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+    // Rows r0 + gi (half 0) and r0 + gi + 8 (half 1): running maximum and sum.
+    float run_max[2] = {neg_inf, neg_inf}, run_sum[2] = {0.f, 0.f};
+    const int first = max(0, t0 - W + 1), last = t0 + rows - 1;
+    for (int s0 = first; s0 <= last; s0 += BASED_TILE) {
+        const int cols = min(BASED_TILE, last - s0 + 1);
+        __syncthreads();  // the previous step's readers of ks and vs are done
+        for (int e = threadIdx.x; e < BASED_TILE * kp; e += BASED_TC_THREADS) {
+            const int j = e / kp, c = (e % kp) * 8;
+            const bool ok = j < cols;
+            cp_async16(ks + j * KS + c, k + ((row0 + s0 + (ok ? j : 0)) * heads + h) * K + c, ok);
+        }
+        for (int e = threadIdx.x; e < BASED_TILE * vp; e += BASED_TC_THREADS) {
+            const int j = e / vp, c = (e % vp) * 8;
+            const bool ok = j < cols;
+            cp_async16(vs + j * VS + c, v + ((row0 + s0 + (ok ? j : 0)) * heads + h) * V + c, ok);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        // S = Q Kᵀ for the warp's 16 rows and the step's 64 keys (8 tiles of 8).
+        float sc[BASED_TILE / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BASED_TILE / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sc[nt][e] = 0.f;
+        for (int kk = 0; kk < K; kk += 16) {
+            u32 f[4];
+            based_ld_a(f, qs, KS, r0, kk);
+            const int mi = lane >> 3;
+#pragma unroll
+            for (int nt = 0; nt < BASED_TILE / 8; nt += 2) {
+                u32 bf[4];
+                ldsm_x4(bf, ks + ((nt + (mi >= 2 ? 1 : 0)) * 8 + (lane & 7)) * KS + kk + (mi & 1) * 8);
+                mma_bf16(sc[nt], f, bf[0], bf[1]);
+                mma_bf16(sc[nt + 1], f, bf[2], bf[3]);
+            }
+        }
+        // Visible pairs: key s in (t - W, t], s < T (every row t < T sees its own key).
+        float fix[2], top[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int t = t0 + r0 + gi + 8 * half;
+            float m = neg_inf;
+#pragma unroll
+            for (int nt = 0; nt < BASED_TILE / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = nt * 8 + 2 * ti + e, s = s0 + j;
+                    float& x = sc[nt][2 * half + e];
+                    x = (j < cols && t < T_len && s <= t && s > t - W) ? scale * x : neg_inf;
+                    m = fmaxf(m, x);
+                }
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            top[half] = fmaxf(m, run_max[half]);
+            // A row with no visible key yet keeps max -inf, sum 0 and adds nothing.
+            fix[half] = top[half] == neg_inf ? 1.f : __expf(run_max[half] - top[half]);
+            float part = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < BASED_TILE / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = sc[nt][2 * half + e];
+                    x = top[half] == neg_inf ? 0.f : __expf(x - top[half]);
+                    part += x;
+                }
+            part += __shfl_xor_sync(0xffffffffu, part, 1);
+            part += __shfl_xor_sync(0xffffffffu, part, 2);
+            run_max[half] = top[half];
+            run_sum[half] = run_sum[half] * fix[half] + part;
+        }
+#pragma unroll
+        for (int nt = 0; nt < BASED_MAX_DIM / 8; ++nt) {
+            acc[nt][0] *= fix[0];
+            acc[nt][1] *= fix[0];
+            acc[nt][2] *= fix[1];
+            acc[nt][3] *= fix[1];
+        }
+        // O += P V: P's A fragment for keys 16 kc .. 16 kc + 15 is the score tiles 2 kc, 2 kc + 1.
+#pragma unroll
+        for (int kc = 0; kc < BASED_TILE / 16; ++kc) {
+            const u32 pa[4] = {pack_bf16(sc[2 * kc][0], sc[2 * kc][1]),
+                               pack_bf16(sc[2 * kc][2], sc[2 * kc][3]),
+                               pack_bf16(sc[2 * kc + 1][0], sc[2 * kc + 1][1]),
+                               pack_bf16(sc[2 * kc + 1][2], sc[2 * kc + 1][3])};
+#pragma unroll
+            for (int nt = 0; nt < BASED_MAX_DIM / 8; nt += 2) {
+                if (nt < vt) {
+                    u32 bf[4];
+                    ldsm_x4_t(bf, vs + (kc * 16 + (lane & 15)) * VS + nt * 8 + (lane >> 4) * 8);
+                    mma_bf16(acc[nt], pa, bf[0], bf[1]);
+                    mma_bf16(acc[nt + 1], pa, bf[2], bf[3]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int i = r0 + gi + 8 * half;
+        if (i < rows) {
+            const long long at = ((row0 + t0 + i) * heads + h) * V;
+            const float inv = 1.f / run_sum[half];
+#pragma unroll
+            for (int nt = 0; nt < BASED_MAX_DIM / 8; ++nt) {
+                if (nt < vt) {
+                    const int c = nt * 8 + 2 * ti;
+                    const float a = lin_scale * lin[at + c] + acc[nt][2 * half] * inv;
+                    const float bb = lin_scale * lin[at + c + 1] + acc[nt][2 * half + 1] * inv;
+                    *reinterpret_cast<u32*>(o + at + c) = pack_bf16(a, bb);
+                }
+            }
+        }
+    }
+}

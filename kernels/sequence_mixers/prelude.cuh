@@ -21,9 +21,17 @@ __device__ __forceinline__ void st(u16* p, long long i, float v) { p[i] = to_bf1
 
 typedef unsigned int u32;
 
-// Two bf16 values packed as the tensor cores read them: lo in the low 16 bits.
+// Two bf16 values packed as the tensor cores read them: lo in the low 16 bits, each rounded to
+// nearest even (on the GPU one cvt.rn.bf16x2.f32, which gives the same bits as to_bf16 for
+// finite values).
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+#ifdef KP_EMULATE
     return (u32)to_bf16(lo) | ((u32)to_bf16(hi) << 16);
+#else
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+#endif
 }
 
 // The warp-wide tensor-core product c += A B (mma.sync m16n8k16, bf16 in, float32 accumulate;

@@ -206,20 +206,23 @@ ssd_chunk_scan_bf16_f32out(const u16* x, const float* dt, const float* A, const 
 //
 // A. ssd_states_tc: the chunk states and their passing in one walk, as flash-linear-attention's
 //    chunk_fwd_h does for its gated linear attention: a block of 4 warps per 16 head_dim rows
-//    of the state (SSD_TC_ROWS), head and batch entry holds its rows of the state in the
-//    warps' mma accumulators (float32; warp w owns columns [w N / 4, (w + 1) N / 4)) and walks
-//    the chunks in order: it writes the state entering chunk c to `states` as bf16 (what the
-//    output kernel's product reads anyway), then S <- exp(cs_last) S + (decayed Δ x)ᵀ B. The
-//    chunks' x rows, B rows and dt come through a ring of SSD_TC_STAGES stages, loaded
-//    SSD_TC_STAGES - 1 chunks ahead. Each warp computes the chunk's cumulative log decays itself
-//    (warp_pair_scan). The float32 state after the last chunk is the final state.
+//    of the state (SSD_TC_ROWS) and 1/n_split of its columns (n_split 2 when N is a multiple of
+//    64, else 1: more blocks walking at once), head and batch entry holds its part of the state
+//    in the warps' mma accumulators (float32; each warp a quarter of the block's columns) and
+//    walks the chunks in order: it writes the state entering chunk c to `states` as bf16 (what
+//    the output kernel's product reads anyway), then S <- exp(cs_last) S + (decayed Δ x)ᵀ B.
+//    The chunks' x rows, B rows and dt come through a ring of SSD_TC_STAGES stages, loaded
+//    SSD_TC_STAGES - 1 chunks ahead; each warp computes the chunk's cumulative log decays
+//    itself (warp_pair_scan) and scales a quarter of the stage's x rows by their steps' weights
+//    exp(cs_last - cs_j) dt_j in place. The float32 state after the last chunk is the final
+//    state.
 // B. ssd_chunk_scan_tc (and _f32out): a block of 8 warps per (chunk, head, batch entry), as
 //    version 2: M = (C Bᵀ) masked to j <= i < l and scaled by exp(cs_i - cs_j) dt_j (bf16 in
 //    shared memory), then Y = M x + exp(cs_i) C S_inᵀ + D x, each warp 16 rows and half of the
 //    P columns (the M product over the 16-step blocks at or left of the diagonal only).
 // Shared rows are padded by 8 halves so that the 8 rows of an ldmatrix or fragment load fall
 // in distinct banks. Dynamic shared memory, bytes (the host computes both:
-// src/sequence_mixers/cuda.rs): A STAGES L 4 + STAGES L (ROWS + 8 + N + 8) 2; B 2 L 4 +
+// src/sequence_mixers/cuda.rs): A STAGES L 4 + STAGES L (ROWS + 8 + N / n_split + 8) 2; B 2 L 4 +
 // (2 L (N + 8) + L (P + 8) + P (N + 8) + L (L + 8)) 2.
 #define SSD_TC_STAGES 4
 #define SSD_TC_ROWS 16
@@ -249,20 +252,32 @@ __device__ __forceinline__ void st2(float* y, long long i, float a, float b) {
 // acc[nt] += A B over k_steps steps of 16 for the warp's 16 rows from r0: A's rows are rows of
 // the bf16 array `a` (`a_stride` halves apart), B's columns n0 + 8 nt + (0..7) are rows of the
 // bf16 array `b` (B transposed), for the first `tiles` of NT tiles of 8 columns.
+// The A fragment of rows r0 .. r0 + 15 and columns k0 .. k0 + 15 of the bf16 array `a` (rows
+// `stride` halves apart), by one ldmatrix.x4.
+__device__ __forceinline__ void ld_a(u32* f, const u16* a, int stride, int r0, int k0) {
+    const int lane = threadIdx.x % 32;
+    ldsm_x4(f, a + (r0 + (lane & 15)) * stride + k0 + (lane >> 4) * 8);
+}
+
 template <int NT>
 __device__ __forceinline__ void mma_rows(float (*acc)[4], const u16* a, int a_stride, int r0,
                                          const u16* b, int b_stride, int n0, int k_steps,
                                          int tiles = NT) {
-    const int lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    const int lane = threadIdx.x % 32, mi = lane >> 3;
     for (int ks = 0; ks < k_steps; ++ks) {
-        const int k = ks * 16 + 2 * ti;
-        const u32 f[4] = {ld2(a, r0 + gi, a_stride, k), ld2(a, r0 + gi + 8, a_stride, k),
-                          ld2(a, r0 + gi, a_stride, k + 8), ld2(a, r0 + gi + 8, a_stride, k + 8)};
+        u32 f[4];
+        ld_a(f, a, a_stride, r0, ks * 16);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int nt = 0; nt < NT; nt += 2) {
             if (nt < tiles) {
-                const int n = n0 + nt * 8 + gi;
-                mma_bf16(acc[nt], f, ld2(b, n, b_stride, k), ld2(b, n, b_stride, k + 8));
+                // Matrices: tile nt's rows at k and k + 8, then the next tile's (an odd last
+                // tile loads its own rows twice).
+                const int pair = nt + 1 < tiles ? nt + 1 : nt;
+                u32 bf[4];
+                ldsm_x4(bf, b + (n0 + (mi >= 2 ? pair : nt) * 8 + (lane & 7)) * b_stride +
+                                ks * 16 + (mi & 1) * 8);
+                mma_bf16(acc[nt], f, bf[0], bf[1]);
+                if (nt + 1 < tiles) mma_bf16(acc[nt + 1], f, bf[2], bf[3]);
             }
         }
     }
@@ -294,8 +309,9 @@ __device__ __forceinline__ void ssd_states_load(const u16* __restrict__ x,
                                                 const float* __restrict__ dt,
                                                 const u16* __restrict__ Bm, float* dts, u16* ring,
                                                 int c, int stage, int b, int h, int g, int p0,
-                                                int T_len, int heads, int groups, int P, int N) {
-    const int XS = SSD_TC_ROWS + 8, NS = N + 8;
+                                                int nb, int cols, int T_len, int heads,
+                                                int groups, int P, int N) {
+    const int XS = SSD_TC_ROWS + 8, NS = cols + 8;
     const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
     const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
     u16* xs = ring + stage * SSD_CHUNK * (XS + NS);
@@ -306,11 +322,11 @@ __device__ __forceinline__ void ssd_states_load(const u16* __restrict__ x,
         const bool ok = i < l;
         cp_async16(xs + i * XS + q, x + ((t0 + (ok ? i : 0)) * heads + h) * P + p0 + q, ok);
     }
-    const int pieces = N / 8;
+    const int pieces = cols / 8;
     for (int e = threadIdx.x; e < SSD_CHUNK * pieces; e += SSD_TC_STATE_THREADS) {
         const int i = e / pieces, q = (e % pieces) * 8;
         const bool ok = i < l;
-        cp_async16(bs + i * NS + q, Bm + ((t0 + (ok ? i : 0)) * groups + g) * N + q, ok);
+        cp_async16(bs + i * NS + q, Bm + ((t0 + (ok ? i : 0)) * groups + g) * N + nb + q, ok);
     }
     for (int i = threadIdx.x; i < SSD_CHUNK; i += SSD_TC_STATE_THREADS)
         cp_async4(d + i, dt + (t0 + (i < l ? i : 0)) * heads + h, i < l);
@@ -321,18 +337,20 @@ ssd_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
               const float* __restrict__ A, const u16* __restrict__ Bm,
               const float* __restrict__ initial_state, int has_initial,
               u16* __restrict__ states, float* __restrict__ final_state, int T_len, int heads,
-              int groups, int P, int N) {
+              int groups, int P, int N, int n_split) {
     extern __shared__ float smem[];
-    const int p0 = blockIdx.x * SSD_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
+    // Block x: rows p0 .. p0 + 15 and the columns [nb, nb + cols) of the state.
+    const int p0 = (blockIdx.x / n_split) * SSD_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
+    const int cols = N / n_split, nb = (blockIdx.x % n_split) * cols;
     const int g = h / (heads / groups);
     const int n_chunks = (T_len + SSD_CHUNK - 1) / SSD_CHUNK;
-    const int XS = SSD_TC_ROWS + 8, NS = N + 8;
+    const int XS = SSD_TC_ROWS + 8, NS = cols + 8;
     float* dts = smem;                                                   // [STAGES][L]
     u16* ring = reinterpret_cast<u16*>(dts + SSD_TC_STAGES * SSD_CHUNK); // [STAGES] x, B rows
     const long long bh = (long long)b * heads + h;
     const float a_h = A[h];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
-    const int tiles = N / 32, n0 = warp * (N / 4);
+    const int tiles = cols / 32, n0 = nb + warp * (cols / 4);
     float acc[4][4];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
@@ -343,7 +361,8 @@ ssd_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
         }
     for (int s = 0; s < SSD_TC_STAGES - 1; ++s) {
         if (s < n_chunks)
-            ssd_states_load(x, dt, Bm, dts, ring, s, s, b, h, g, p0, T_len, heads, groups, P, N);
+            ssd_states_load(x, dt, Bm, dts, ring, s, s, b, h, g, p0, nb, cols, T_len, heads,
+                            groups, P, N);
         cp_async_commit();
     }
     for (int c = 0; c < n_chunks; ++c) {
@@ -352,11 +371,11 @@ ssd_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
         // The stage read in the last iteration is free (every thread passed the barrier).
         const int next = c + SSD_TC_STAGES - 1;
         if (next < n_chunks)
-            ssd_states_load(x, dt, Bm, dts, ring, next, next % SSD_TC_STAGES, b, h, g, p0, T_len,
-                            heads, groups, P, N);
+            ssd_states_load(x, dt, Bm, dts, ring, next, next % SSD_TC_STAGES, b, h, g, p0, nb,
+                            cols, T_len, heads, groups, P, N);
         cp_async_commit();
         const int stage = c % SSD_TC_STAGES;
-        const u16* xs = ring + stage * SSD_CHUNK * (XS + NS);
+        u16* xs = ring + stage * SSD_CHUNK * (XS + NS);
         const u16* bs = xs + SSD_CHUNK * XS;
         const float* d = dts + stage * SSD_CHUNK;
         // Lane m holds steps 2m and 2m + 1: their decays to the chunk's end times dt (zero past
@@ -365,6 +384,16 @@ ssd_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
         float s0, s1;
         const float last = warp_pair_scan(d0 * a_h, d1 * a_h, s0, s1);
         const float w0 = __expf(last - s0) * d0, w1 = __expf(last - s1) * d1;
+        {
+            // Warp w scales rows 16 w .. 16 w + 15 of the stage's x by their steps' weights in
+            // place (lane: row 16 w + lane / 2, 8 of its 16 columns), once for every warp.
+            const int j = warp * 16 + lane / 2;
+            const float wa = __shfl_sync(FULL_MASK, w0, j / 2), wb = __shfl_sync(FULL_MASK, w1, j / 2);
+            const float wj = (j & 1) ? wb : wa;
+            u32* row = reinterpret_cast<u32*>(xs + j * XS + (lane % 2) * 8);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) row[q] = scale_pair(row[q], wj, wj);
+        }
         u16* out = states + ((bh * n_chunks + c) * P + p0) * N;
         const float keep = __expf(last);
 #pragma unroll
@@ -377,22 +406,14 @@ ssd_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[nt][e] *= keep;
         }
+        __syncthreads();
 #pragma unroll
         for (int ks = 0; ks < SSD_CHUNK / 16; ++ks) {
-            // A = (decayed Δ x)ᵀ: rows p, steps k; x's rows are steps, so ldmatrix.trans, then
-            // each step's column scaled by its weight (lane ks 8 + t holds steps ks 16 + 2t, +1).
+            // A = (decayed Δ x)ᵀ: rows p, steps k; x's rows are steps, so ldmatrix.trans.
             u32 af[4];
             const int mi = lane / 8;
             ldsm_x4_t(af, xs + (ks * 16 + lane % 8 + (mi >= 2 ? 8 : 0)) * XS + (mi & 1) * 8);
-            const float wa0 = __shfl_sync(FULL_MASK, w0, ks * 8 + ti);
-            const float wa1 = __shfl_sync(FULL_MASK, w1, ks * 8 + ti);
-            const float wb0 = __shfl_sync(FULL_MASK, w0, ks * 8 + 4 + ti);
-            const float wb1 = __shfl_sync(FULL_MASK, w1, ks * 8 + 4 + ti);
-            af[0] = scale_pair(af[0], wa0, wa1);
-            af[1] = scale_pair(af[1], wa0, wa1);
-            af[2] = scale_pair(af[2], wb0, wb1);
-            af[3] = scale_pair(af[3], wb0, wb1);
-            mma_k_block<4>(acc, af, bs, NS, ks, n0, tiles);
+            mma_k_block<4>(acc, af, bs, NS, ks, n0 - nb, tiles);
         }
     }
 #pragma unroll
@@ -477,9 +498,8 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
     float diag[SSD_TC_MAX_TILES][4] = {}, off[SSD_TC_MAX_TILES][4] = {};
     // M's blocks right of the diagonal are zero: the product stops at the rows' own block.
     for (int ks = 0; ks <= r0 / 16; ++ks) {
-        const int k = ks * 16 + 2 * ti;
-        const u32 f[4] = {ld2(m, r0 + gi, LS, k), ld2(m, r0 + gi + 8, LS, k),
-                          ld2(m, r0 + gi, LS, k + 8), ld2(m, r0 + gi + 8, LS, k + 8)};
+        u32 f[4];
+        ld_a(f, m, LS, r0, ks * 16);
         mma_k_block<SSD_TC_MAX_TILES>(diag, f, xs, PS, ks, p0, tiles);
     }
     mma_rows<SSD_TC_MAX_TILES>(off, cm, NS, r0, s_in, NS, p0, N / 16, tiles);

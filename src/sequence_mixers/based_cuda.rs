@@ -54,10 +54,24 @@ const MAX_GRID_YZ: usize = 65_535;
 
 /// Every entry point of [`BASED_SRC`].
 pub fn entry_points() -> Vec<String> {
-    [Dtype::F32, Dtype::Bf16]
+    let mut v: Vec<String> = [Dtype::F32, Dtype::Bf16]
         .iter()
         .map(|d| format!("based_window_{}", d.tag()))
-        .collect()
+        .collect();
+    v.push("based_window_tc".to_string());
+    v
+}
+
+/// Threads per block of the tensor-core window kernel (`BASED_TC_THREADS`).
+pub const TC_THREADS: u32 = 128;
+
+/// Dynamic shared memory of the tensor-core window kernel (version 2, bf16) for `shape`,
+/// bytes: L rows of K + 8 (queries, keys) and V + 8 (values) bf16, L = [`TILE`], or `None`
+/// when the shape does not fit it (K and V multiples of 16; the float32 kernel runs those).
+pub fn window_tc_shared_bytes(shape: BasedShape, dtype: Dtype) -> Option<u32> {
+    let (l, k, v) = (TILE, shape.key_dim, shape.value_dim);
+    (dtype == Dtype::Bf16 && k.is_multiple_of(16) && v.is_multiple_of(16))
+        .then(|| (l * (2 * (k + 8) + v + 8) * 2) as u32)
 }
 
 /// The linear branch as SSD sees it: head_dim = V, state = K, a group per head.
@@ -136,6 +150,8 @@ pub struct Based {
     dtype: Dtype,
     linear: Ssd,
     window: CudaFunction,
+    /// The window kernel's threads and shared memory (the tensor-core one's or version 1.1's).
+    window_cfg: (u32, u32),
     ones: CudaSlice<f32>,
     zeros: CudaSlice<f32>,
     lin: CudaSlice<f32>,
@@ -157,11 +173,14 @@ impl Based {
         let s = shape;
         let linear = Ssd::new(gpu, linear_shape(s), dtype)?;
         let compiled = gpu.compile("based.cu", &source())?;
-        let window = gpu.function(
-            &compiled.module,
-            &format!("based_window_{}", dtype.tag()),
-            window_shared_bytes(s),
-        )?;
+        let (name, window_cfg) = match window_tc_shared_bytes(s, dtype) {
+            Some(bytes) => ("based_window_tc".to_string(), (TC_THREADS, bytes)),
+            None => (
+                format!("based_window_{}", dtype.tag()),
+                (THREADS, window_shared_bytes(s)),
+            ),
+        };
+        let window = gpu.function(&compiled.module, &name, window_cfg.1)?;
         let ones = gpu
             .stream
             .clone_htod(&vec![1f32; (s.batch * s.seq_len * s.heads).max(1)])?;
@@ -175,6 +194,7 @@ impl Based {
             compile_s: linear.compile_s + compiled.compile_s,
             linear,
             window,
+            window_cfg,
             ones,
             zeros,
             lin,
@@ -276,14 +296,15 @@ impl Based {
                 s.heads as u32,
                 s.batch as u32,
             ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: window_shared_bytes(s),
+            block_dim: (self.window_cfg.0, 1, 1),
+            shared_mem_bytes: self.window_cfg.1,
         };
         // SAFETY: based_window_<t>(const T* q, const T* k, const T* v, float scale,
-        // const float* lin, float lin_scale, T* o, int T_len, int heads, int K, int V, int W):
-        // the checked buffers and the scratch the linear branch filled (same stream, so it has
-        // finished); `new` checked K, V ≤ 128 (the accumulators per thread) and raised the
-        // kernel's shared-memory limit to `window_shared_bytes`; the block of tile i reads
+        // const float* lin, float lin_scale, T* o, int T_len, int heads, int K, int V, int W),
+        // or based_window_tc with T u16 (chosen in `new` for bf16 with K and V multiples of
+        // 16): the checked buffers and the scratch the linear branch filled (same stream, so it
+        // has finished); `new` checked K, V ≤ 128 (the accumulators per thread) and raised the
+        // kernel's shared-memory limit to the size passed here; the block of tile i reads
         // queries, keys and values of steps max(0, 64i − W + 1)..min(64i + 64, T) and writes
         // the rows of O in its tile below T.
         unsafe { l.launch(cfg)? };
@@ -332,6 +353,13 @@ mod tests {
             ((2 * 64 * 65 + 64 * 32 + 64 * 65) * 4) as u32
         );
         assert!(window_shared_bytes(shape(MAX_DIM, MAX_DIM, 4)) <= MAX_SHARED);
+        // The tensor-core window kernel: bf16 rows of K + 8 (twice) and V + 8.
+        assert_eq!(
+            window_tc_shared_bytes(shape(64, 32, 4), Dtype::Bf16),
+            Some((64 * (2 * 72 + 40) * 2) as u32)
+        );
+        assert_eq!(window_tc_shared_bytes(shape(64, 32, 4), Dtype::F32), None);
+        assert_eq!(window_tc_shared_bytes(shape(40, 32, 4), Dtype::Bf16), None);
     }
 
     #[test]
@@ -368,8 +396,9 @@ mod tests {
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        assert_eq!(e.len(), 2);
-        for name in &e {
+        assert_eq!(e.len(), 3);
+        assert!(BASED_SRC.contains("based_window_tc("));
+        for name in e.iter().take(2) {
             let stem = name.trim_end_matches("_f32").trim_end_matches("_bf16");
             assert!(BASED_SRC.contains(&format!("{stem}_##NAME(")), "{name}");
         }

@@ -90,7 +90,7 @@ pub fn shared_bytes(shape: SsdShape) -> (u32, u32) {
 
 /// Dynamic shared memory of the tensor-core kernels (version 3, bf16 inputs) for `shape`,
 /// bytes: the states walk (`ssd_states_tc`: [`TC_STAGES`] stages of L float32 Δ and L rows of
-/// [`TC_ROWS`] + 8 and N + 8 bf16) and the chunk scan (2·L float32, then bf16 rows: C and B
+/// [`TC_ROWS`] + 8 and N / [`tc_n_split`] + 8 bf16) and the chunk scan (2·L float32, then bf16 rows: C and B
 /// L × (N + 8), x L × (P + 8), the entering state P × (N + 8), M L × (L + 8)); rows padded by 8
 /// halves so that the 8 rows of an ldmatrix fall in distinct banks. `None` when the shape does
 /// not fit them (head_dim a multiple of 16 and state of 32, both at most 128; other shapes take
@@ -101,7 +101,8 @@ pub fn tensor_core_shared_bytes(shape: SsdShape) -> Option<(u32, u32)> {
         return None;
     }
     let (ls, ns, ps) = (l + 8, n + 8, p + 8);
-    let states = TC_STAGES * l * 4 + TC_STAGES * l * (TC_ROWS + 8 + ns) * 2;
+    let cols = n / tc_n_split(n);
+    let states = TC_STAGES * l * 4 + TC_STAGES * l * (TC_ROWS + 8 + cols + 8) * 2;
     let scan = 2 * l * 4 + (2 * l * ns + l * ps + p * ns + l * ls) * 2;
     Some((states as u32, scan as u32))
 }
@@ -115,6 +116,12 @@ const TC_ROWS: usize = 16;
 
 /// Threads per block of `ssd_states_tc` (`SSD_TC_STATE_THREADS`).
 const TC_STATE_THREADS: u32 = 128;
+
+/// How many blocks of `ssd_states_tc` share one 16-row slice of the state by columns: 2 when the
+/// state size N is a multiple of 64 (each warp then has at least 8 columns), else 1.
+pub fn tc_n_split(n: usize) -> usize {
+    if n.is_multiple_of(64) { 2 } else { 1 }
+}
 
 /// The tensor-core kernels' shared memory ([`tensor_core_shared_bytes`]) when [`Ssd`] takes
 /// them for `shape` and `dtype` (bf16 only), or `None` when it takes the float32 kernels.
@@ -446,6 +453,7 @@ impl Ssd {
             &self.chunk_scan
         };
         if self.tensor_cores {
+            let n_split = tc_n_split(s.state) as i32;
             let mut l = gpu.stream.launch_builder(&self.chunk_state);
             l.arg(x)
                 .arg(dt)
@@ -459,10 +467,11 @@ impl Ssd {
                 .arg(&heads)
                 .arg(&groups)
                 .arg(&p)
-                .arg(&n);
+                .arg(&n)
+                .arg(&n_split);
             let walk = LaunchConfig {
                 grid_dim: (
-                    (s.head_dim / TC_ROWS) as u32,
+                    (s.head_dim / TC_ROWS * tc_n_split(s.state)) as u32,
                     s.heads as u32,
                     s.batch as u32,
                 ),
@@ -471,10 +480,11 @@ impl Ssd {
             };
             // SAFETY: ssd_states_tc(const u16* x, const float* dt, const float* A,
             // const u16* Bm, const float* initial_state, int has_initial, u16* states,
-            // float* final_state, int T_len, int heads, int groups, int P, int N): the lengths
-            // were checked above, the bf16 scratch holds B·H·n_chunks·P·N values (sized in
-            // `new`), the initial state is read only when has_initial is 1; blocks (16 rows of
-            // P, head, batch entry) with P a multiple of 16 (`tensor_core_shared_bytes`).
+            // float* final_state, int T_len, int heads, int groups, int P, int N, int n_split):
+            // the lengths were checked above, the bf16 scratch holds B·H·n_chunks·P·N values
+            // (sized in `new`), the initial state is read only when has_initial is 1; blocks
+            // (16 rows of P times n_split column slices, head, batch entry) with P a multiple
+            // of 16 and N / n_split of 32 (`tensor_core_shared_bytes`, `tc_n_split`).
             unsafe { l.launch(walk)? };
             let mut l = gpu.stream.launch_builder(scan);
             l.arg(x)
@@ -584,12 +594,13 @@ mod tests {
         // head_dim 128 with state 128, the grid's largest, fits.
         let big = SsdShape { head_dim: 128, ..s };
         assert!(shared_bytes(big).1 <= MAX_SHARED);
-        // The tensor-core kernels: 4 stages of 64 floats and 64 rows of 24 + 136 halves; 128
+        // The tensor-core kernels: 4 stages of 64 floats and 64 rows of 24 + 72 halves (the
+        // columns in two blocks); 128
         // floats and rows of 136, 136, 136 (x), 136 (the state) and 72 halves.
         assert_eq!(
             tensor_core_shared_bytes(big),
             Some((
-                (4 * 64 * 4 + 4 * 64 * (24 + 136) * 2) as u32,
+                (4 * 64 * 4 + 4 * 64 * (24 + 72) * 2) as u32,
                 (128 * 4 + (128 * 136 + 64 * 136 + 128 * 136 + 64 * 72) * 2) as u32
             ))
         );

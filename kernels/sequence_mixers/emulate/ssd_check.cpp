@@ -48,8 +48,9 @@ int main(int argc, char** argv) {
                 // Version 3: the states walk (blocks of 16 rows of P, 4 warps), then the chunk
                 // scan reading its bf16 states.
                 std::vector<u16> st16(B*H*nc*P*N, 0xffff);
-                const dim3 walk{(unsigned)(P / SSD_TC_ROWS), (unsigned)H, (unsigned)B};
-                launch(walk, SSD_TC_STATE_THREADS, [&] { ssd_states_tc(xb.data(), dt.data(), A.data(), bb.data(), init.data(), 1, st16.data(), fin.data(), T, H, G, P, N); }, s.tc_state / 4);
+                const int split = N % 64 == 0 ? 2 : 1;  // cuda.rs's tc_n_split
+                const dim3 walk{(unsigned)(P / SSD_TC_ROWS * split), (unsigned)H, (unsigned)B};
+                launch(walk, SSD_TC_STATE_THREADS, [&] { ssd_states_tc(xb.data(), dt.data(), A.data(), bb.data(), init.data(), 1, st16.data(), fin.data(), T, H, G, P, N, split); }, s.tc_state / 4);
                 launch(chunks, SSD_THREADS, [&] { chunk_scan_tc<float>(xb.data(), dt.data(), A.data(), bb.data(), cb.data(), D.data(), 1, st16.data(), y.data(), T, H, G, P, N); }, s.tc_scan / 4);
                 // The same scan writing bf16 y (ssd_chunk_scan_tc): within one bf16 rounding of
                 // the float32 y above.
