@@ -101,7 +101,9 @@ const CPU_HEAD_DIMS: [usize; 1] = [64];
 const TORCH_EAGER: &str = "torch_eager";
 /// Longest sequence at which PyTorch's loop formulations (the selective scan, the gated delta
 /// rule) are timed: about 40 µs of host time per step, 20 timed calls and a CUDA graph per case.
-const TORCH_LOOP_MAX_SEQ_LEN: usize = 16384;
+/// At 16,384 steps one such row took 40–60 s of the H200's time on 2026-12-02 (a quarter of a
+/// shard's), for a time that grows linearly in seq_len from the 4,096-step row.
+const TORCH_LOOP_MAX_SEQ_LEN: usize = 4096;
 
 /// flash-linear-attention's chunked Triton kernels (`runners/compare/fla_mixers.py`).
 const FLA_CHUNK: &str = "fla_chunk";
