@@ -293,7 +293,11 @@ fn based_kernels_emulated_match_the_recurrence() {
     })
     .collect();
     // The tensor-core window ran on the shapes with K and V multiples of 16.
-    assert_eq!(cases.iter().filter(|c| !c.ends_with(",0")).count(), 4, "{cases:?}");
+    assert_eq!(
+        cases.iter().filter(|c| !c.ends_with(",0")).count(),
+        4,
+        "{cases:?}"
+    );
     emulated_kernel_runs_clean("based_check", &cases);
 }
 
@@ -306,7 +310,8 @@ fn based_kernels_emulated_match_the_recurrence() {
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
 fn gated_delta_kernels_emulated_match_the_recurrence() {
-    use kernelpages::sequence_mixers::delta_cuda::shared_bytes;
+    use kernelpages::sequence_mixers::cuda::Dtype;
+    use kernelpages::sequence_mixers::delta_cuda::{shared_bytes, tc_shared_bytes};
     use kernelpages::sequence_mixers::reference::DeltaShape;
     let cases: Vec<String> = [
         (1, 150, 2, 16, 8),
@@ -316,19 +321,34 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         (1, 70, 1, 128, 128),
         (1, 100, 1, 33, 50),
         (1, 65, 1, 72, 24),
+        // The tensor-core path: K = 32 (one column tile per warp), V ≠ K, a state row block
+        // per 16 values.
+        (1, 200, 2, 32, 48),
+        (2, 100, 1, 64, 32),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, key_dim, value_dim)| {
-        let [prep, pass, out] = shared_bytes(DeltaShape {
+        let shape = DeltaShape {
             batch,
             seq_len,
             heads,
             key_dim,
             value_dim,
-        });
-        format!("{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{out}")
+        };
+        let [prep, pass, out] = shared_bytes(shape);
+        let [tp, ts, to] = tc_shared_bytes(shape, Dtype::Bf16).unwrap_or([0; 3]);
+        format!(
+            "{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{out},{tp},{ts},{to}"
+        )
     })
     .collect();
+    // The tensor-core kernels ran where the host would take them: K = V = 64 and 128, and the
+    // two shapes above.
+    assert_eq!(
+        cases.iter().filter(|c| !c.ends_with(",0,0,0")).count(),
+        4,
+        "{cases:?}"
+    );
     emulated_kernel_runs_clean("gdn_check", &cases);
 }
 

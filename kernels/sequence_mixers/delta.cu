@@ -247,3 +247,395 @@ __device__ void gdn_output(const T* __restrict__ q, const T* __restrict__ k,
 
 GDN_ENTRIES(f32, float)
 GDN_ENTRIES(bf16, u16)
+
+// Version 3 for bf16 (tensor cores: mma.sync m16n8k16, bf16 operands, float32 accumulation;
+// the operands by cp.async and ldmatrix, prelude.cuh's tile helpers): 1'. gdn_prepare_tc
+// (below: the chunk's products and its inverse on tensor cores, W as bf16); then
+// 2'. gdn_state_tc: a block of 4 warps per GDN_TC_ROWS rows of the state (value indices), head
+//     and batch entry holds its rows in the warps' mma accumulators (float32; warp w owns a
+//     quarter of the K columns) and walks the chunks in order, their W, k, U~ columns and g
+//     brought a chunk ahead (2 stages): the entering state to `states` (bf16) and to shared
+//     memory; U = U~ - W S^T (16 steps per warp) to `u` (bf16, for the output kernel) and,
+//     decayed by exp(g_last - g_j), to shared memory; then S <- exp(g_last) S + U_decᵀ k.
+//     The float32 state after the last chunk is the final state.
+// 3'. gdn_output_tc: SSD's chunk scan (ssd.cu, kernel B) with C = q, B = k, x = U, no dt and
+//     no D: M = (Q Kᵀ) masked to j <= i < l and scaled by exp(g_i - g_j) into shared memory as
+//     bf16, then O = M U + exp(g_i) Q S_inᵀ, each of the 8 warps 16 rows and half of the V
+//     columns.
+// Needs K a multiple of 32 and V of 16, both at most GDN_MAX_DIM (the host checks). Scratch of
+// this path: W [B, H, n_chunks, L, K] and U [B, H, n_chunks, L, V] bf16, U~ and g float32 as
+// above, states [B, H, n_chunks, V, K] bf16. Dynamic shared memory, bytes (the host computes
+// it): state 2 (L 2 (K + 8) 2 + L (ROWS + 4) 4 + L 4) + ROWS (K + 8) 2 + L (ROWS + 8) 2;
+// output L 4 + (2 L (K + 8) + L (V + 8) + V (K + 8) + L (L + 8)) 2.
+#define GDN_TC_THREADS 128
+#define GDN_TC_ROWS 16
+#define GDN_TC_STAGES 2
+
+// The loads of chunk c into stage `st` of gdn_state_tc's ring: W and k rows, this block's 16
+// columns of U~, g; zeros past a short last chunk.
+__device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
+                                               const u16* __restrict__ w_in,
+                                               const float* __restrict__ u_in,
+                                               const float* __restrict__ g_in, u16* ws, u16* ks,
+                                               float* ut, float* gs, int c, long long bh, int b,
+                                               int h, int r0, int T_len, int heads, int K, int V,
+                                               int n_chunks) {
+    const int KS = K + 8, UTS = GDN_TC_ROWS + 4;
+    const long long t0 = (long long)b * T_len + (long long)c * GDN_CHUNK;
+    const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
+    const long long base = bh * n_chunks + c;
+    const int pk = K / 8;
+    for (int e = threadIdx.x; e < GDN_CHUNK * pk; e += GDN_TC_THREADS) {
+        const int i = e / pk, q = (e % pk) * 8;
+        const bool ok = i < l;
+        cp_async16(ws + i * KS + q, w_in + (base * GDN_CHUNK + (ok ? i : 0)) * K + q, ok);
+        cp_async16(ks + i * KS + q, k + ((t0 + (ok ? i : 0)) * heads + h) * K + q, ok);
+    }
+    for (int e = threadIdx.x; e < GDN_CHUNK * 4; e += GDN_TC_THREADS) {
+        const int i = e / 4, q = (e % 4) * 4;
+        const bool ok = i < l;
+        cp_async16(ut + i * UTS + q, u_in + (base * GDN_CHUNK + (ok ? i : 0)) * V + r0 + q, ok);
+    }
+    for (int i = threadIdx.x; i < GDN_CHUNK; i += GDN_TC_THREADS)
+        cp_async4(gs + i, g_in + base * GDN_CHUNK + (i < l ? i : 0), i < l);
+}
+
+extern "C" __global__ void __launch_bounds__(GDN_TC_THREADS)
+gdn_state_tc(const u16* __restrict__ k, const u16* __restrict__ w_in,
+             const float* __restrict__ u_in, const float* __restrict__ g_in,
+             const float* __restrict__ initial_state, int has_initial, u16* __restrict__ states,
+             u16* __restrict__ u_out, float* __restrict__ final_state, int T_len, int heads,
+             int K, int V, int n_chunks) {
+    extern __shared__ float smem[];
+    const int r0 = blockIdx.x * GDN_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
+    const long long bh = (long long)b * heads + h;
+    const int KS = K + 8, UTS = GDN_TC_ROWS + 4, RS = GDN_TC_ROWS + 8;
+    // Per stage: g [L], U~ [L][UTS] (float32), W [L][KS], k [L][KS] (bf16).
+    const int stage_floats = GDN_CHUNK + GDN_CHUNK * UTS + GDN_CHUNK * KS;  // 2 bf16 arrays
+    float* ring = smem;
+    u16* ss = reinterpret_cast<u16*>(ring + GDN_TC_STAGES * stage_floats);  // [ROWS][KS]: S
+    u16* ud = ss + GDN_TC_ROWS * KS;                                        // [L][RS]: U dec.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    const int tiles = K / 32, n0 = warp * (K / 4);
+    float acc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = r0 + gi + (e >= 2 ? 8 : 0), col = n0 + nt * 8 + 2 * ti + (e & 1);
+            acc[nt][e] = (nt < tiles && has_initial) ? initial_state[(bh * V + r) * K + col] : 0.f;
+        }
+    auto stage_ptrs = [&](int st, u16*& ws, u16*& ks, float*& ut, float*& gs) {
+        gs = ring + st * stage_floats;
+        ut = gs + GDN_CHUNK;
+        ws = reinterpret_cast<u16*>(ut + GDN_CHUNK * UTS);
+        ks = ws + GDN_CHUNK * KS;
+    };
+    {
+        u16 *ws, *ks;
+        float *ut, *gs;
+        stage_ptrs(0, ws, ks, ut, gs);
+        gdn_state_load(k, w_in, u_in, g_in, ws, ks, ut, gs, 0, bh, b, h, r0, T_len, heads, K, V,
+                       n_chunks);
+        cp_async_commit();
+    }
+    for (int c = 0; c < n_chunks; ++c) {
+        cp_async_wait<0>();
+        __syncthreads();
+        if (c + 1 < n_chunks) {
+            u16 *ws, *ks;
+            float *ut, *gs;
+            stage_ptrs((c + 1) % GDN_TC_STAGES, ws, ks, ut, gs);
+            gdn_state_load(k, w_in, u_in, g_in, ws, ks, ut, gs, c + 1, bh, b, h, r0, T_len,
+                           heads, K, V, n_chunks);
+        }
+        cp_async_commit();
+        u16 *ws, *ks;
+        float *ut, *gs;
+        stage_ptrs(c % GDN_TC_STAGES, ws, ks, ut, gs);
+        const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
+        const float last = gs[l - 1];
+        // The entering state, bf16: to `states` and to shared memory for U's product.
+        u16* out = states + ((bh * n_chunks + c) * V + r0) * K;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            if (nt < tiles) {
+                const int col = n0 + nt * 8 + 2 * ti;
+                const u32 lo = pack_bf16(acc[nt][0], acc[nt][1]), hi = pack_bf16(acc[nt][2], acc[nt][3]);
+                *reinterpret_cast<u32*>(ss + gi * KS + col) = lo;
+                *reinterpret_cast<u32*>(ss + (gi + 8) * KS + col) = hi;
+                *reinterpret_cast<u32*>(out + gi * K + col) = lo;
+                *reinterpret_cast<u32*>(out + (gi + 8) * K + col) = hi;
+            }
+        }
+        __syncthreads();
+        {
+            // U = U~ - W S^T: warp w steps 16 w .. 16 w + 15, the block's 16 rows as columns.
+            const int j0 = warp * 16;
+            float ua[2][4] = {};
+            mma_rows<2>(ua, ws, KS, j0, ss, KS, 0, K / 16);
+            u16* uo = u_out + (bh * n_chunks + c) * GDN_CHUNK * V + r0;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int j = j0 + gi + 8 * half, r = nt * 8 + 2 * ti;
+                    const float u0 = ut[j * UTS + r] - ua[nt][2 * half];
+                    const float u1 = ut[j * UTS + r + 1] - ua[nt][2 * half + 1];
+                    if (j < l) *reinterpret_cast<u32*>(uo + (long long)j * V + r) = pack_bf16(u0, u1);
+                    const float dec = j < l ? __expf(last - gs[j]) : 0.f;
+                    *reinterpret_cast<u32*>(ud + j * RS + r) = pack_bf16(dec * u0, dec * u1);
+                }
+        }
+        __syncthreads();
+        // S <- exp(g_last) S + U_decᵀ k: A = U_decᵀ (rows r, steps k) by ldmatrix.trans.
+        const float keep = __expf(last);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] *= keep;
+#pragma unroll
+        for (int kb = 0; kb < GDN_CHUNK / 16; ++kb) {
+            u32 af[4];
+            const int mi = lane / 8;
+            ldsm_x4_t(af, ud + (kb * 16 + lane % 8 + (mi >= 2 ? 8 : 0)) * RS + (mi & 1) * 8);
+            mma_k_block<4>(acc, af, ks, KS, kb, n0, tiles);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = r0 + gi + (e >= 2 ? 8 : 0), col = n0 + nt * 8 + 2 * ti + (e & 1);
+            if (nt < tiles) final_state[(bh * V + r) * K + col] = acc[nt][e];
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+gdn_output_tc(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ u,
+              const float* __restrict__ g_in, const u16* __restrict__ states,
+              u16* __restrict__ o, int T_len, int heads, int K, int V) {
+    extern __shared__ float smem[];
+    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int n_chunks = gridDim.x;
+    const long long t0 = (long long)b * T_len + (long long)c * GDN_CHUNK;
+    const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
+    const long long base = ((long long)b * heads + h) * n_chunks + c;
+    const int KS = K + 8, VS = V + 8, LS = GDN_CHUNK + 8;
+    float* gs = smem;                                        // [L]: g
+    u16* qs = reinterpret_cast<u16*>(gs + GDN_CHUNK);        // [L][KS]
+    u16* kk = qs + GDN_CHUNK * KS;                           // [L][KS]
+    u16* us = kk + GDN_CHUNK * KS;                           // [L][VS]: U
+    u16* s_in = us + GDN_CHUNK * VS;                         // [V][KS]: entering state
+    u16* m = s_in + V * KS;                                  // [L][LS]: M
+    const int pk = K / 8, pv = V / 8;
+    for (int e = threadIdx.x; e < GDN_CHUNK * pk; e += GDN_THREADS) {
+        const int i = e / pk, c8 = (e % pk) * 8;
+        const bool ok = i < l;
+        const long long at = ((t0 + (ok ? i : 0)) * heads + h) * K + c8;
+        cp_async16(qs + i * KS + c8, q + at, ok);
+        cp_async16(kk + i * KS + c8, k + at, ok);
+    }
+    for (int e = threadIdx.x; e < GDN_CHUNK * pv; e += GDN_THREADS) {
+        const int i = e / pv, c8 = (e % pv) * 8;
+        const bool ok = i < l;
+        cp_async16(us + i * VS + c8, u + (base * GDN_CHUNK + (ok ? i : 0)) * V + c8, ok);
+    }
+    for (int e = threadIdx.x; e < V * pk; e += GDN_THREADS) {
+        const int r = e / pk, c8 = (e % pk) * 8;
+        cp_async16(s_in + r * KS + c8, states + (base * V + r) * K + c8, true);
+    }
+    for (int i = threadIdx.x; i < GDN_CHUNK; i += GDN_THREADS)
+        cp_async4(gs + i, g_in + base * GDN_CHUNK + (i < l ? i : 0), i < l);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    const int r0 = (warp % 4) * 16;
+    {
+        const int c0 = (warp / 4) * 32;
+        float acc[4][4] = {};
+        if (c0 <= r0 + 15) mma_rows<4>(acc, qs, KS, r0, kk, KS, c0, K / 16);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) {
+                const int i = r0 + gi + (e >= 2 ? 8 : 0), j = c0 + nt * 8 + 2 * ti;
+                const float v0 = (j <= i && i < l) ? acc[nt][e] * __expf(gs[i] - gs[j]) : 0.f;
+                const float v1 = (j + 1 <= i && i < l) ? acc[nt][e + 1] * __expf(gs[i] - gs[j + 1]) : 0.f;
+                *reinterpret_cast<u32*>(m + i * LS + j) = pack_bf16(v0, v1);
+            }
+    }
+    __syncthreads();
+    const int tiles = V / 16, p0 = (warp / 4) * (V / 2);
+    float diag[8][4] = {}, off[8][4] = {};
+    for (int ks = 0; ks <= r0 / 16; ++ks) {
+        u32 f[4];
+        ld_a(f, m, LS, r0, ks * 16);
+        mma_k_block<8>(diag, f, us, VS, ks, p0, tiles);
+    }
+    mma_rows<8>(off, qs, KS, r0, s_in, KS, p0, K / 16, tiles);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        if (nt >= tiles) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int i = r0 + gi + 8 * half, p = p0 + nt * 8 + 2 * ti;
+            if (i < l) {
+                const float gamma = __expf(gs[i]);
+                const float o0 = diag[nt][2 * half] + gamma * off[nt][2 * half];
+                const float o1 = diag[nt][2 * half + 1] + gamma * off[nt][2 * half + 1];
+                *reinterpret_cast<u32*>(o + ((t0 + i) * heads + h) * V + p) = pack_bf16(o0, o1);
+            }
+        }
+    }
+}
+
+// Kernel 1' (gdn_prepare_tc), a block of 8 warps per (chunk, head, batch entry): g by a warp
+// scan of the floored ln α; A = β_i exp(g_i - g_j) (k_i . k_j) (j < i) from K Kᵀ on tensor
+// cores (float32 in shared memory); T = (I + A)⁻¹ by forward substitution, 4 lanes per column
+// of T (its columns are independent, each sequential in its rows); then W = T (β γ K) and
+// U~ = T (β V) on tensor cores with T and the scaled rows rounded to bf16, as
+// flash-linear-attention's chunked WY form does. W to `w` as bf16, U~ and g as float32.
+// Dynamic shared memory: L ((K + 8) + (V + 8)) bf16 + 2 L (L + 1) + 3 L floats (the host
+// computes it: src/sequence_mixers/delta_cuda.rs).
+extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+gdn_prepare_tc(const u16* __restrict__ k, const u16* __restrict__ v,
+               const float* __restrict__ alpha, const float* __restrict__ beta,
+               u16* __restrict__ w_out, float* __restrict__ u_out, float* __restrict__ g_out,
+               int T_len, int heads, int K, int V) {
+    extern __shared__ float smem[];
+    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const long long t0 = (long long)b * T_len + (long long)c * GDN_CHUNK;
+    const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
+    const long long base = ((long long)b * heads + h) * gridDim.x + c;
+    const int KS = K + 8, VS = V + 8, AP = GDN_CHUNK + 1, TS = GDN_CHUNK + 8;
+    float* af = smem;                                 // [L][AP]: A, then T in bf16 ([L][TS])
+    float* tf = af + GDN_CHUNK * AP;                  // [L][AP]: T
+    float* gs = tf + GDN_CHUNK * AP;                  // [L]: g
+    float* bs = gs + GDN_CHUNK;                       // [L]: beta
+    float* la = bs + GDN_CHUNK;                       // [L]: alpha
+    u16* ks = reinterpret_cast<u16*>(la + GDN_CHUNK); // [L][KS]: k, then beta gamma k
+    u16* vs = ks + GDN_CHUNK * KS;                    // [L][VS]: v, then beta v
+    u16* tb = reinterpret_cast<u16*>(af);             // [L][TS]: T in bf16 (over A)
+    const int pk = K / 8, pv = V / 8;
+    for (int e = threadIdx.x; e < GDN_CHUNK * pk; e += GDN_THREADS) {
+        const int i = e / pk, q = (e % pk) * 8;
+        const bool ok = i < l;
+        cp_async16(ks + i * KS + q, k + ((t0 + (ok ? i : 0)) * heads + h) * K + q, ok);
+    }
+    for (int e = threadIdx.x; e < GDN_CHUNK * pv; e += GDN_THREADS) {
+        const int i = e / pv, q = (e % pv) * 8;
+        const bool ok = i < l;
+        cp_async16(vs + i * VS + q, v + ((t0 + (ok ? i : 0)) * heads + h) * V + q, ok);
+    }
+    for (int i = threadIdx.x; i < GDN_CHUNK; i += GDN_THREADS) {
+        cp_async4(la + i, alpha + (t0 + (i < l ? i : 0)) * heads + h, i < l);
+        cp_async4(bs + i, beta + (t0 + (i < l ? i : 0)) * heads + h, i < l);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    if (warp == 0) {
+        // ln alpha floored at -20 (gdn_log_decays says why); 0 past a short chunk.
+        const float l0 = 2 * lane < l ? fmaxf(logf(la[2 * lane]), -20.f) : 0.f;
+        const float l1 = 2 * lane + 1 < l ? fmaxf(logf(la[2 * lane + 1]), -20.f) : 0.f;
+        float s0, s1;
+        warp_pair_scan(l0, l1, s0, s1);
+        gs[2 * lane] = s0;
+        gs[2 * lane + 1] = s1;
+    }
+    __syncthreads();
+    const int r0 = (warp % 4) * 16;
+    {
+        // A = K Kᵀ, masked and scaled: warp (r0, c0) its 16 x 32 block.
+        const int c0 = (warp / 4) * 32;
+        float acc[4][4] = {};
+        if (c0 <= r0 + 15) mma_rows<4>(acc, ks, KS, r0, ks, KS, c0, K / 16);
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = r0 + gi + (e >= 2 ? 8 : 0), j = c0 + nt * 8 + 2 * ti + (e & 1);
+                af[i * AP + j] = j < i ? bs[i] * __expf(gs[i] - gs[j]) * acc[nt][e] : 0.f;
+            }
+    }
+    __syncthreads();
+    {
+        // T = (I + A)⁻¹: lanes 4 col .. 4 col + 3 solve column col, rows in order; T[i][col] =
+        // -sum_{col <= j < i} A[i][j] T[j][col], split over the 4 lanes by j mod 4.
+        const int col = threadIdx.x / 4, part = threadIdx.x % 4;
+        for (int i = 0; i < GDN_CHUNK; ++i) {
+            float sum = 0.f;
+            for (int j = col + part; j < i; j += 4) sum += af[i * AP + j] * tf[j * AP + col];
+            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+            if (part == 0) tf[i * AP + col] = i < col ? 0.f : (i == col ? 1.f : -sum);
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    // T to bf16 (over A); the right-hand sides scaled in place: beta gamma k and beta v.
+    for (int e = threadIdx.x; e < GDN_CHUNK * GDN_CHUNK / 2; e += GDN_THREADS) {
+        const int i = e / (GDN_CHUNK / 2), j = 2 * (e % (GDN_CHUNK / 2));
+        *reinterpret_cast<u32*>(tb + i * TS + j) = pack_bf16(tf[i * AP + j], tf[i * AP + j + 1]);
+    }
+    for (int e = threadIdx.x; e < GDN_CHUNK * (K / 2); e += GDN_THREADS) {
+        const int i = e / (K / 2), q = 2 * (e % (K / 2));
+        const float f = bs[i] * __expf(gs[i]);
+        u32* p = reinterpret_cast<u32*>(ks + i * KS + q);
+        *p = scale_pair(*p, f, f);
+    }
+    for (int e = threadIdx.x; e < GDN_CHUNK * (V / 2); e += GDN_THREADS) {
+        const int i = e / (V / 2), q = 2 * (e % (V / 2));
+        u32* p = reinterpret_cast<u32*>(vs + i * VS + q);
+        *p = scale_pair(*p, bs[i], bs[i]);
+    }
+    __syncthreads();
+    // W = T (beta gamma K) and U~ = T (beta V): warp rows r0, half of the columns; T is lower
+    // triangular, so the product stops at the rows' own 16-step block.
+    {
+        float acc[8][4] = {};
+        const int tiles = K / 16, p0 = (warp / 4) * (K / 2);
+        for (int kb = 0; kb <= r0 / 16; ++kb) {
+            u32 f[4];
+            ld_a(f, tb, TS, r0, kb * 16);
+            mma_k_block<8>(acc, f, ks, KS, kb, p0, tiles);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            if (nt >= tiles) continue;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int i = r0 + gi + 8 * half, p = p0 + nt * 8 + 2 * ti;
+                if (i < l)
+                    *reinterpret_cast<u32*>(w_out + (base * GDN_CHUNK + i) * K + p) =
+                        pack_bf16(acc[nt][2 * half], acc[nt][2 * half + 1]);
+            }
+        }
+    }
+    {
+        float acc[8][4] = {};
+        const int tiles = V / 16, p0 = (warp / 4) * (V / 2);
+        for (int kb = 0; kb <= r0 / 16; ++kb) {
+            u32 f[4];
+            ld_a(f, tb, TS, r0, kb * 16);
+            mma_k_block<8>(acc, f, vs, VS, kb, p0, tiles);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            if (nt >= tiles) continue;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int i = r0 + gi + 8 * half, p = p0 + nt * 8 + 2 * ti;
+                if (i < l) {
+                    float* dst = u_out + (base * GDN_CHUNK + i) * V + p;
+                    dst[0] = acc[nt][2 * half];
+                    dst[1] = acc[nt][2 * half + 1];
+                }
+            }
+        }
+    }
+    for (int i = threadIdx.x; i < l; i += GDN_THREADS) g_out[base * GDN_CHUNK + i] = gs[i];
+}

@@ -100,3 +100,82 @@ __device__ __forceinline__ float warp_pair_scan(float v0, float v1, float& s0, f
     s0 = run - v1;
     return __shfl_sync(0xffffffffu, run, 31);
 }
+
+// Tile helpers of the tensor-core kernels (SSD version 3, the gated delta rule version 3): the
+// operands are bf16 rows in shared memory, padded so that the 8 rows of a fragment load fall in
+// distinct banks.
+#define FULL_MASK 0xffffffffu
+
+// Word (two bf16) at row r, column k (even) of a bf16 array with rows `stride` halves apart.
+__device__ __forceinline__ u32 ld2(const u16* base, int r, int stride, int k) {
+    return *reinterpret_cast<const u32*>(base + r * stride + k);
+}
+
+// The two bf16 of `v` times (lo, hi), rounded back to bf16.
+__device__ __forceinline__ u32 scale_pair(u32 v, float lo, float hi) {
+    return pack_bf16(__uint_as_float(v << 16) * lo, __uint_as_float(v & 0xffff0000u) * hi);
+}
+
+// Two adjacent elements of y (i even): a bf16 pair in one word, or two floats.
+__device__ __forceinline__ void st2(u16* y, long long i, float a, float b) {
+    *reinterpret_cast<u32*>(y + i) = pack_bf16(a, b);
+}
+__device__ __forceinline__ void st2(float* y, long long i, float a, float b) {
+    y[i] = a;
+    y[i + 1] = b;
+}
+
+// The A fragment of rows r0 .. r0 + 15 and columns k0 .. k0 + 15 of the bf16 array `a` (rows
+// `stride` halves apart), by one ldmatrix.x4.
+__device__ __forceinline__ void ld_a(u32* f, const u16* a, int stride, int r0, int k0) {
+    const int lane = threadIdx.x % 32;
+    ldsm_x4(f, a + (r0 + (lane & 15)) * stride + k0 + (lane >> 4) * 8);
+}
+
+// acc[nt] += A B over k_steps steps of 16 for the warp's 16 rows from r0: A's rows are rows of
+// the bf16 array `a` (`a_stride` halves apart), B's columns n0 + 8 nt + (0..7) are rows of the
+// bf16 array `b` (B transposed), for the first `tiles` of NT tiles of 8 columns.
+template <int NT>
+__device__ __forceinline__ void mma_rows(float (*acc)[4], const u16* a, int a_stride, int r0,
+                                         const u16* b, int b_stride, int n0, int k_steps,
+                                         int tiles = NT) {
+    const int lane = threadIdx.x % 32, mi = lane >> 3;
+    for (int ks = 0; ks < k_steps; ++ks) {
+        u32 f[4];
+        ld_a(f, a, a_stride, r0, ks * 16);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+            if (nt < tiles) {
+                // Matrices: tile nt's rows at k and k + 8, then the next tile's (an odd last
+                // tile loads its own rows twice).
+                const int pair = nt + 1 < tiles ? nt + 1 : nt;
+                u32 bf[4];
+                ldsm_x4(bf, b + (n0 + (mi >= 2 ? pair : nt) * 8 + (lane & 7)) * b_stride +
+                                ks * 16 + (mi & 1) * 8);
+                mma_bf16(acc[nt], f, bf[0], bf[1]);
+                if (nt + 1 < tiles) mma_bf16(acc[nt + 1], f, bf[2], bf[3]);
+            }
+        }
+    }
+}
+
+// acc[nt] += A f[ks] B for the 16-step block ks of k: B's rows k (16 of them from ks 16) are
+// rows of the bf16 array `b` (`b_stride` halves apart; B not transposed, read by
+// ldmatrix.trans), its columns n0 + 8 nt + (0..7) for the first `tiles` of NT tiles. An odd last
+// tile loads its own columns twice (ldmatrix.x4 brings two tiles).
+template <int NT>
+__device__ __forceinline__ void mma_k_block(float (*acc)[4], const u32* f, const u16* b,
+                                            int b_stride, int ks, int n0, int tiles) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt += 2) {
+        if (nt < tiles) {
+            const int pair = nt + 1 < tiles ? nt + 1 : nt;
+            u32 bf[4];
+            ldsm_x4_t(bf, b + (ks * 16 + (lane & 15)) * b_stride + n0 + ((lane >> 4) ? pair : nt) * 8);
+            mma_bf16(acc[nt], f, bf[0], bf[1]);
+            if (nt + 1 < tiles) mma_bf16(acc[nt + 1], f, bf[2], bf[3]);
+        }
+    }
+}
+

@@ -120,7 +120,11 @@ const TC_STATE_THREADS: u32 = 128;
 /// How many blocks of `ssd_states_tc` share one 16-row slice of the state by columns: 2 when the
 /// state size N is a multiple of 64 (each warp then has at least 8 columns), else 1.
 pub fn tc_n_split(n: usize) -> usize {
-    if n.is_multiple_of(64) { 2 } else { 1 }
+    if n.is_multiple_of(64) {
+        2
+    } else {
+        1
+    }
 }
 
 /// The tensor-core kernels' shared memory ([`tensor_core_shared_bytes`]) when [`Ssd`] takes

@@ -46,13 +46,45 @@ const MAX_SHARED: u32 = 227 * 1024;
 /// The kernels of [`DELTA_SRC`] for one dtype tag (`f32`, `bf16`), in launch order.
 const KERNELS: [&str; 3] = ["gdn_prepare", "gdn_state_pass", "gdn_output"];
 
+/// The tensor-core kernels (version 3, bf16), in launch order.
+const TC_KERNELS: [&str; 3] = ["gdn_prepare_tc", "gdn_state_tc", "gdn_output_tc"];
+
+/// Threads per block of `gdn_state_tc` (`GDN_TC_THREADS`).
+const TC_STATE_THREADS: u32 = 128;
+
+/// Rows of the state per block of `gdn_state_tc` (`GDN_TC_ROWS`).
+const TC_ROWS: usize = 16;
+
 /// Every entry point of [`DELTA_SRC`]: `gdn_prepare_<t>`, `gdn_state_pass_<t>` and
-/// `gdn_output_<t>` for `f32` and `bf16`.
+/// `gdn_output_<t>` for `f32` and `bf16`, then the tensor-core kernels.
 pub fn entry_points() -> Vec<String> {
     [Dtype::F32, Dtype::Bf16]
         .into_iter()
         .flat_map(|d| KERNELS.iter().map(move |k| format!("{k}_{}", d.tag())))
+        .chain(TC_KERNELS.iter().map(|k| k.to_string()))
         .collect()
+}
+
+/// Dynamic shared memory of the tensor-core kernels (version 3, bf16) for `shape`, bytes, in
+/// launch order, or `None` when the shape does not fit them (K a multiple of 32, V of 16; the
+/// float32 kernels run the others): the preparation's k and v (L rows of K + 8 and V + 8 bf16),
+/// A and T (L × (L + 1) floats each; T in bf16 over A later), g, β and α (L floats each); the
+/// state walk's
+/// two stages of g (L floats), its 16 columns of U~ (L rows of 20 floats) and W and k (L rows
+/// of K + 8 bf16 each), then its rows of the state (16 × (K + 8) bf16) and the decayed U
+/// (L × 24 bf16); the output's g (L floats) and bf16 rows: q and k L × (K + 8), U L × (V + 8),
+/// the entering state V × (K + 8), M L × (L + 8).
+pub fn tc_shared_bytes(shape: DeltaShape, dtype: Dtype) -> Option<[u32; 3]> {
+    let (l, k, v) = (CHUNK, shape.key_dim, shape.value_dim);
+    if dtype != Dtype::Bf16 || !k.is_multiple_of(32) || !v.is_multiple_of(16) {
+        return None;
+    }
+    let ks = k + 8;
+    let stage = l * 4 + l * (TC_ROWS + 4) * 4 + 2 * l * ks * 2;
+    let state = 2 * stage + TC_ROWS * ks * 2 + l * (TC_ROWS + 8) * 2;
+    let output = l * 4 + (2 * l * ks + l * (v + 8) + v * ks + l * (l + 8)) * 2;
+    let prepare = l * ((k + 8) + (v + 8)) * 2 + (2 * l * (l + 1) + 3 * l) * 4;
+    Some([prepare as u32, state as u32, output as u32])
 }
 
 /// Dynamic shared memory of the three kernels for `shape`, bytes, in launch order, with
@@ -75,14 +107,26 @@ pub fn shared_bytes(shape: DeltaShape) -> [u32; 3] {
 /// The gated-delta-rule forward kernels compiled for one shape and dtype, with their scratch
 /// (float32): W `[B, H, n_chunks, L, K]`, U `[B, H, n_chunks, L, V]`, the chunks' cumulative log
 /// decays `[B, H, n_chunks, L]` and the state entering each chunk `[B, H, n_chunks, V, K]`.
+///
+/// The tensor-core path (version 3, [`tc_shared_bytes`]) keeps W, the entering states and the
+/// final U as bf16 (`w16`, `states16`, `u16`), U~ and g as float32; the other buffers are then
+/// one-element placeholders, as are the bf16 ones on the float32 path.
 pub struct GatedDelta {
     shape: DeltaShape,
     dtype: Dtype,
     kernels: [CudaFunction; 3],
+    /// Shared memory of the three kernels chosen, bytes.
+    smem: [u32; 3],
+    tensor_cores: bool,
     w: CudaSlice<f32>,
     u: CudaSlice<f32>,
     g: CudaSlice<f32>,
     states: CudaSlice<f32>,
+    w16: CudaSlice<u16>,
+    u16: CudaSlice<u16>,
+    states16: CudaSlice<u16>,
+    /// Bytes of the scratch the chosen path uses.
+    scratch_bytes: u64,
     /// Stands in for the initial state when none is given (never read).
     unused: CudaSlice<f32>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
@@ -130,28 +174,58 @@ impl GatedDelta {
         }
         let compiled = gpu.compile("delta.cu", &source())?;
         let tag = dtype.tag();
-        let function =
-            |i: usize| gpu.function(&compiled.module, &format!("{}_{tag}", KERNELS[i]), smem[i]);
+        let tc = tc_shared_bytes(s, dtype);
+        let (names, smem) = match tc {
+            Some(bytes) => (TC_KERNELS.map(String::from), bytes),
+            None => (KERNELS.map(|k| format!("{k}_{tag}")), smem),
+        };
+        let function = |i: usize| gpu.function(&compiled.module, &names[i], smem[i]);
         let kernels = [function(0)?, function(1)?, function(2)?];
         let rows = s.batch * s.heads * s.seq_len.div_ceil(CHUNK);
-        let alloc = |n: usize| gpu.stream.alloc_zeros::<f32>(n.max(1));
+        let (w_len, u_len, g_len) = (
+            rows * CHUNK * s.key_dim,
+            rows * CHUNK * s.value_dim,
+            rows * CHUNK,
+        );
+        let state_len = rows * s.value_dim * s.key_dim;
+        let on = |yes: bool, n: usize| if yes { n.max(1) } else { 1 };
+        let alloc = |n: usize| gpu.stream.alloc_zeros::<f32>(n);
+        let alloc16 = |n: usize| gpu.stream.alloc_zeros::<u16>(n);
+        let t = tc.is_some();
+        let scratch_bytes = if t {
+            ((w_len + u_len + state_len) * 2 + (u_len + g_len) * 4) as u64
+        } else {
+            ((w_len + u_len + g_len + state_len) * 4) as u64
+        };
         Ok(GatedDelta {
             shape,
             dtype,
             kernels,
-            w: alloc(rows * CHUNK * s.key_dim)?,
-            u: alloc(rows * CHUNK * s.value_dim)?,
-            g: alloc(rows * CHUNK)?,
-            states: alloc(rows * s.value_dim * s.key_dim)?,
+            smem,
+            tensor_cores: t,
+            w: alloc(on(!t, w_len))?,
+            u: alloc(u_len.max(1))?,
+            g: alloc(g_len.max(1))?,
+            states: alloc(on(!t, state_len))?,
+            w16: alloc16(on(t, w_len))?,
+            u16: alloc16(on(t, u_len))?,
+            states16: alloc16(on(t, state_len))?,
+            scratch_bytes,
             unused: alloc(1)?,
             compile_s: compiled.compile_s,
         })
     }
 
     /// Bytes of scratch one call uses beyond its inputs and outputs: W, U, the log decays and
-    /// the chunks' entering states (float32).
+    /// the chunks' entering states (float32; on the tensor-core path W, the states and the
+    /// final U in bf16 besides U~ and g in float32).
     pub fn temporary_bytes(&self) -> u64 {
-        (self.w.len() + self.u.len() + self.g.len() + self.states.len()) as u64 * 4
+        self.scratch_bytes
+    }
+
+    /// Whether the kernels are version 3's tensor-core ones ([`tc_shared_bytes`]).
+    pub fn uses_tensor_cores(&self) -> bool {
+        self.tensor_cores
     }
 
     /// Launches one gated-delta-rule forward: O and the final state from q and k
@@ -210,7 +284,7 @@ impl GatedDelta {
             return super::cuda::no_step(gpu, initial_state, final_state);
         }
         let n_chunks = s.seq_len.div_ceil(CHUNK);
-        let smem = shared_bytes(s);
+        let smem = self.smem;
         let has_initial = i32::from(initial_state.is_some());
         let (t_len, heads, chunks) = (s.seq_len as i32, s.heads as i32, n_chunks as i32);
         let (kd, vd) = (s.key_dim as i32, s.value_dim as i32);
@@ -225,6 +299,9 @@ impl GatedDelta {
             s.heads as u32,
             s.batch as u32,
         );
+        if self.tensor_cores {
+            return self.launch_tc(gpu, (q, k, v, alpha, beta), initial_state, o, final_state);
+        }
         let mut l = gpu.stream.launch_builder(&self.kernels[0]);
         l.arg(k)
             .arg(v)
@@ -281,6 +358,96 @@ impl GatedDelta {
         unsafe { l.launch(cfg(per_chunk, smem[2]))? };
         Ok(())
     }
+
+    /// The three launches of the tensor-core path (the buffers checked by [`Self::launch`]).
+    #[allow(clippy::type_complexity)]
+    fn launch_tc<T: DeviceRepr>(
+        &mut self,
+        gpu: &Gpu,
+        (q, k, v, alpha, beta): (
+            &CudaSlice<T>,
+            &CudaSlice<T>,
+            &CudaSlice<T>,
+            &CudaSlice<f32>,
+            &CudaSlice<f32>,
+        ),
+        initial_state: Option<&CudaSlice<f32>>,
+        o: &mut CudaViewMut<'_, T>,
+        final_state: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let s = self.shape;
+        let n_chunks = s.seq_len.div_ceil(CHUNK);
+        let has_initial = i32::from(initial_state.is_some());
+        let (t_len, heads, chunks) = (s.seq_len as i32, s.heads as i32, n_chunks as i32);
+        let (kd, vd) = (s.key_dim as i32, s.value_dim as i32);
+        let cfg = |grid: (u32, u32, u32), threads: u32, smem: u32| LaunchConfig {
+            grid_dim: grid,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let per_chunk = (n_chunks as u32, s.heads as u32, s.batch as u32);
+        let mut l = gpu.stream.launch_builder(&self.kernels[0]);
+        l.arg(k)
+            .arg(v)
+            .arg(alpha)
+            .arg(beta)
+            .arg(&mut self.w16)
+            .arg(&mut self.u)
+            .arg(&mut self.g)
+            .arg(&t_len)
+            .arg(&heads)
+            .arg(&kd)
+            .arg(&vd);
+        // SAFETY: gdn_prepare_tc(const u16* k, const u16* v, const float* alpha,
+        // const float* beta, u16* w, float* u, float* g, int T_len, int heads, int K, int V):
+        // bf16 k and v (T is 2 bytes: checked by `launch`), the checked α and β; the scratch
+        // sized in `new` for this shape's chunks; each block writes its chunk's rows.
+        unsafe { l.launch(cfg(per_chunk, THREADS, self.smem[0]))? };
+        let mut l = gpu.stream.launch_builder(&self.kernels[1]);
+        l.arg(k)
+            .arg(&self.w16)
+            .arg(&self.u)
+            .arg(&self.g)
+            .arg(initial_state.unwrap_or(&self.unused))
+            .arg(&has_initial)
+            .arg(&mut self.states16)
+            .arg(&mut self.u16)
+            .arg(&mut *final_state)
+            .arg(&t_len)
+            .arg(&heads)
+            .arg(&kd)
+            .arg(&vd)
+            .arg(&chunks);
+        let row_blocks = (
+            (s.value_dim / TC_ROWS) as u32,
+            s.heads as u32,
+            s.batch as u32,
+        );
+        // SAFETY: gdn_state_tc(const u16* k, const u16* w, const float* u, const float* g,
+        // const float* initial_state, int has_initial, u16* states, u16* u_out,
+        // float* final_state, int T_len, int heads, int K, int V, int n_chunks): the scratch
+        // the launch before filled (same stream), sized in `new`; V a multiple of 16 (the
+        // blocks' rows) and K of 32 (`tc_shared_bytes`); the initial state read only when
+        // has_initial is 1.
+        unsafe { l.launch(cfg(row_blocks, TC_STATE_THREADS, self.smem[1]))? };
+        let mut l = gpu.stream.launch_builder(&self.kernels[2]);
+        l.arg(q)
+            .arg(k)
+            .arg(&self.u16)
+            .arg(&self.g)
+            .arg(&self.states16)
+            .arg(&mut *o)
+            .arg(&t_len)
+            .arg(&heads)
+            .arg(&kd)
+            .arg(&vd);
+        // SAFETY: gdn_output_tc(const u16* q, const u16* k, const u16* u, const float* g,
+        // const u16* states, u16* o, int T_len, int heads, int K, int V): the checked q, k and
+        // O (bf16) and the scratch the launches before filled; each block writes its chunk's
+        // rows of O.
+        unsafe { l.launch(cfg(per_chunk, THREADS, self.smem[2]))? };
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -318,6 +485,21 @@ mod tests {
         assert!(shared_bytes(shape(MAX_DIM, MAX_DIM))
             .iter()
             .all(|&b| b <= MAX_SHARED));
+        // The tensor-core path at K = V = 128: two stages of 64 floats, 64 rows of 20 floats
+        // and 2 × 64 rows of 136 halves, then 16 + 64 rows; the output's 64 floats and rows.
+        let tc = tc_shared_bytes(shape(128, 128), Dtype::Bf16).unwrap();
+        assert_eq!(
+            tc[1],
+            (2 * (64 * 4 + 64 * 20 * 4 + 2 * 64 * 136 * 2) + 16 * 136 * 2 + 64 * 24 * 2) as u32
+        );
+        assert_eq!(
+            tc[2],
+            (64 * 4 + (2 * 64 * 136 + 64 * 136 + 128 * 136 + 64 * 72) * 2) as u32
+        );
+        assert!(tc.iter().all(|&b| b <= MAX_SHARED));
+        assert_eq!(tc_shared_bytes(shape(128, 128), Dtype::F32), None);
+        assert_eq!(tc_shared_bytes(shape(48, 64), Dtype::Bf16), None);
+        assert_eq!(tc_shared_bytes(shape(64, 40), Dtype::Bf16), None);
     }
 
     #[test]
@@ -331,9 +513,17 @@ mod tests {
                 "gdn_output_f32",
                 "gdn_prepare_bf16",
                 "gdn_state_pass_bf16",
-                "gdn_output_bf16"
+                "gdn_output_bf16",
+                "gdn_prepare_tc",
+                "gdn_state_tc",
+                "gdn_output_tc"
             ]
         );
+        for k in TC_KERNELS {
+            assert!(DELTA_SRC.contains(&format!("{k}(")), "{k}");
+        }
+        assert!(DELTA_SRC.contains(&format!("#define GDN_TC_ROWS {TC_ROWS}")));
+        assert!(DELTA_SRC.contains(&format!("#define GDN_TC_THREADS {TC_STATE_THREADS}")));
         for k in KERNELS {
             assert!(DELTA_SRC.contains(&format!("{k}_##NAME(")), "{k}");
         }

@@ -2,7 +2,7 @@
 //! float64 recurrence `reference::gated_delta_rule`, and its source compiled by NVRTC.
 
 use kernelpages::sequence_mixers::cuda::Dtype;
-use kernelpages::sequence_mixers::delta_cuda::{entry_points, source, GatedDelta};
+use kernelpages::sequence_mixers::delta_cuda::{entry_points, source, tc_shared_bytes, GatedDelta};
 use kernelpages::sequence_mixers::reference::{self, DeltaInputs, DeltaShape};
 
 use super::{
@@ -125,13 +125,20 @@ fn gated_delta_rule_matches_float64_on_every_shape() {
                 // triangular solve needs no looser bound: unit keys and β < 1 keep |A_ij| < 1,
                 // and the substitution replays the recurrence, whose steps (I − β k kᵀ) do not
                 // grow (the kernel's source run on the CPU in float32 gave ≤ 5e-7 on these
-                // cases). bf16 output rounding (2⁻⁹ relative): 1e-2 for O; the state stays
-                // float32, 1e-4.
+                // cases). bf16 output rounding (2⁻⁹ relative): 1e-2 for O; the state 1e-4
+                // from the float32 kernels, 1e-2 from the tensor-core ones (version 3, where
+                // `tc_shared_bytes` takes them: W, the entering states and U are rounded to bf16
+                // inside).
                 let tol = if dtype == Dtype::F32 { 1e-4 } else { 1e-2 };
+                let state_tol = if tc_shared_bytes(s, dtype).is_some() {
+                    1e-2
+                } else {
+                    1e-4
+                };
                 println!(
                     "gated_delta_rule {s:?} {dtype:?} initial {start}: O {eo:.2e} state {es:.2e}"
                 );
-                if !(eo <= tol && es <= 1e-4) {
+                if !(eo <= tol && es <= state_tol) {
                     failures.push(format!(
                         "{s:?} {dtype:?} initial {start}: O {eo:.2e}, state {es:.2e}"
                     ));
