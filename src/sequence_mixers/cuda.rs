@@ -198,8 +198,6 @@ pub struct Ssd {
     states: CudaSlice<f32>,
     decay: CudaSlice<f32>,
     states_bf16: CudaSlice<u16>,
-    /// Bytes of the scratch this shape uses (the placeholders of one element not counted).
-    scratch_bytes: u64,
     /// Stands in for D or the initial state when none is given (never read).
     unused: CudaSlice<f32>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
@@ -287,10 +285,6 @@ impl Ssd {
             None => (s.batch * s.heads * n_chunks).max(1),
         })?;
         let states_bf16 = gpu.stream.alloc_zeros::<u16>(bf16_elems)?;
-        let scratch_bytes = match tc {
-            Some(_) => state_elems as u64 * 2,
-            None => (state_elems + s.batch * s.heads * n_chunks) as u64 * 4,
-        };
         let unused = gpu.stream.alloc_zeros::<f32>(1)?;
         Ok(Ssd {
             shape,
@@ -304,7 +298,6 @@ impl Ssd {
             states,
             decay,
             states_bf16,
-            scratch_bytes,
             unused,
             compile_s: compiled.compile_s,
         })
@@ -316,9 +309,10 @@ impl Ssd {
         self.tensor_cores
     }
 
-    /// Bytes of scratch one call uses beyond its inputs and outputs.
+    /// Bytes of scratch one call uses beyond its inputs and outputs (the other path's
+    /// one-element placeholders counted too).
     pub fn temporary_bytes(&self) -> u64 {
-        self.scratch_bytes
+        (self.states.len() + self.decay.len()) as u64 * 4 + self.states_bf16.len() as u64 * 2
     }
 
     /// Launches one SSD call: Y and the final state from X `[B, T, H, P]`, Δ `[B, T, H]`,

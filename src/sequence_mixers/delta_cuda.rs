@@ -125,8 +125,6 @@ pub struct GatedDelta {
     w16: CudaSlice<u16>,
     u16: CudaSlice<u16>,
     states16: CudaSlice<u16>,
-    /// Bytes of the scratch the chosen path uses.
-    scratch_bytes: u64,
     /// Stands in for the initial state when none is given (never read).
     unused: CudaSlice<f32>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
@@ -192,11 +190,6 @@ impl GatedDelta {
         let alloc = |n: usize| gpu.stream.alloc_zeros::<f32>(n);
         let alloc16 = |n: usize| gpu.stream.alloc_zeros::<u16>(n);
         let t = tc.is_some();
-        let scratch_bytes = if t {
-            ((w_len + u_len + state_len) * 2 + (u_len + g_len) * 4) as u64
-        } else {
-            ((w_len + u_len + g_len + state_len) * 4) as u64
-        };
         Ok(GatedDelta {
             shape,
             dtype,
@@ -210,7 +203,6 @@ impl GatedDelta {
             w16: alloc16(on(t, w_len))?,
             u16: alloc16(on(t, u_len))?,
             states16: alloc16(on(t, state_len))?,
-            scratch_bytes,
             unused: alloc(1)?,
             compile_s: compiled.compile_s,
         })
@@ -218,9 +210,11 @@ impl GatedDelta {
 
     /// Bytes of scratch one call uses beyond its inputs and outputs: W, U, the log decays and
     /// the chunks' entering states (float32; on the tensor-core path W, the states and the
-    /// final U in bf16 besides U~ and g in float32).
+    /// final U in bf16 besides U~ and g in float32), every buffer allocated counted (the
+    /// other path's one-element placeholders too).
     pub fn temporary_bytes(&self) -> u64 {
-        self.scratch_bytes
+        (self.w.len() + self.u.len() + self.g.len() + self.states.len()) as u64 * 4
+            + (self.w16.len() + self.u16.len() + self.states16.len()) as u64 * 2
     }
 
     /// Whether the kernels are version 3's tensor-core ones ([`tc_shared_bytes`]).

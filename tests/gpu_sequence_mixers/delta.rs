@@ -46,14 +46,19 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
     let (a_d, b_d, s0_d) = (up::<f32>(&alpha), up::<f32>(&beta), up::<f32>(&s0));
     let mut fin = poisoned::<f32>(state_len);
     let mut gdn = GatedDelta::new(g, shape, dtype).unwrap();
-    // Scratch: W, U, the log decays and the entering states of every chunk, float32 (each
-    // buffer at least one float).
+    // Scratch: W, U, the log decays and the entering states of every chunk, float32, with
+    // one-element bf16 placeholders; on the tensor-core path W, the states and U in bf16 too,
+    // U~ and g float32, one-element float32 placeholders for W and the states (each buffer at
+    // least one element).
     let rows = shape.batch * shape.heads * shape.seq_len.div_ceil(64);
-    let bytes = |n: usize| n.max(1) as u64 * 4;
-    assert_eq!(
-        gdn.temporary_bytes(),
-        bytes(rows * 64 * kd) + bytes(rows * 64 * vd) + bytes(rows * 64) + bytes(rows * vd * kd)
-    );
+    let n = |n: usize| n.max(1) as u64;
+    let (w, u, gl, st) = (rows * 64 * kd, rows * 64 * vd, rows * 64, rows * vd * kd);
+    let want = if tc_shared_bytes(shape, dtype).is_some() {
+        (1 + n(u) + n(gl) + 1) * 4 + (n(w) + n(u) + n(st)) * 2
+    } else {
+        (n(w) + n(u) + n(gl) + n(st)) * 4 + 3 * 2
+    };
+    assert_eq!(gdn.temporary_bytes(), want);
     // The dtype-typed tensors, launched and read back as `$t` (f32, or u16 holding bf16).
     macro_rules! run {
         ($t:ty) => {{
