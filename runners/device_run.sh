@@ -16,7 +16,8 @@
 #   bash .carry/device_run.sh mixers_grid OUTDIR [i/n]  # the sequence_mixers grid (or shard i
 #                                                 # of n) with --compare torch,fla (fla-core
 #                                                 # from .carry/whl/, see runners/carry.sh;
-#                                                 # KP_MIXERS_COMPARE overrides the list)
+#                                                 # KP_MIXERS_COMPARE overrides the list,
+#                                                 # KP_MIXERS_FILTER narrows the grid)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
 #   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding
@@ -119,20 +120,29 @@ jaxinit)
   ;;
 mixers)
   install_wheels
-  step "sequence-mixer gpu tests" 420 "$out/gpu_sequence_mixers.tests.log" \
-    "$bin/gpu_sequence_mixers_test" --include-ignored --test-threads 1 --nocapture
+  # KP_MIXERS_TEST_ARGS: extra test-harness arguments (e.g. `--skip large`).
+  # shellcheck disable=SC2086
+  step "sequence-mixer gpu tests" "${KP_MIXERS_TEST_LIMIT_S:-420}" \
+    "$out/gpu_sequence_mixers.tests.log" "$bin/gpu_sequence_mixers_test" --include-ignored \
+    --test-threads 1 --nocapture ${KP_MIXERS_TEST_ARGS:-}
   if [ "${KP_FLA_TEST:-0}" = 1 ]; then
     step "fla module test" 300 "$out/fla_mixers.tests.log" "$bin/compare_script_test" \
       --include-ignored --exact fla_module_runs_on_the_gpu --nocapture
   fi
   ;;
 mixers_grid)
-  # The sequence-mixer grid, or shard $3 (e.g. 1/2) of it; KP_MIXERS_LIMIT_S caps the step.
+  # The sequence-mixer grid, or shard $3 (e.g. 1/2) of it; KP_MIXERS_LIMIT_S caps the step,
+  # KP_MIXERS_FILTER narrows the grid (`--filter`), KP_MIXERS_TAG names the document and log
+  # (gpu_sequence_mixers_TAG.json; default: the shard's number).
   install_wheels
   shard=(); [ -n "${3:-}" ] && shard=(--shard "$3")
-  step "sequence_mixers grid" "${KP_MIXERS_LIMIT_S:-540}" "$out/sequence_mixers.log" \
-    "$bin/sequence_mixers" --compare "${KP_MIXERS_COMPARE:-torch,fla}" "${shard[@]}" \
-    --output "$out/gpu_sequence_mixers${3:+_${3%%/*}}.json"
+  filter=(); [ -n "${KP_MIXERS_FILTER:-}" ] && filter=(--filter "$KP_MIXERS_FILTER")
+  tag=${KP_MIXERS_TAG:-${3%%/*}}
+  # KP_MIXERS_COMPARE="" measures the project's kernels alone.
+  compare=(); [ -n "${KP_MIXERS_COMPARE-torch,fla}" ] && compare=(--compare "${KP_MIXERS_COMPARE-torch,fla}")
+  step "sequence_mixers grid ${tag}" "${KP_MIXERS_LIMIT_S:-540}" \
+    "$out/sequence_mixers${tag:+_$tag}.log" \
+    "$bin/sequence_mixers" "${compare[@]}" "${shard[@]}" "${filter[@]}" --output "$out/gpu_sequence_mixers${tag:+_$tag}.json"
   ;;
 kernel_sums)
   step "kernel-sum gpu tests" 240 "$out/gpu_kernel_sums.tests.log" "$bin/gpu_kernel_sums_test" \
