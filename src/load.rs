@@ -45,6 +45,45 @@ pub struct Loaded {
     /// part of the run ([`missing_shards`]); the same for every document of one run, filled by
     /// [`load_dir`]. Empty when every shard is there or the run was not sharded.
     pub missing_shards: Vec<MissingShards>,
+    /// Per case (its key, [`case_key`]), the part of the run that measured it: its command and
+    /// the implementations with a row in that part. Parts of one run may compare different
+    /// alternatives (`--compare`, `--exclude`), so a missing cell can be an implementation that
+    /// part never ran; merged shards keep the union.
+    pub case_parts: BTreeMap<String, std::sync::Arc<CasePart>>,
+}
+
+/// The part of a run (one document) that measured a case.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CasePart {
+    /// The part's command line without its `--output` (where the file went on the machine
+    /// that ran it), as the page shows it.
+    pub command: String,
+    /// Implementations with at least one row in the part.
+    pub implementations: BTreeSet<String>,
+}
+
+/// [`Loaded::case_parts`] of one document: every case of it mapped to the document's part.
+fn case_parts(doc: &Document) -> BTreeMap<String, std::sync::Arc<CasePart>> {
+    let mut command = Vec::new();
+    let mut skip = false;
+    for a in &doc.config.command {
+        if std::mem::take(&mut skip) {
+            continue;
+        }
+        if a == "--output" {
+            skip = true;
+        } else if !a.starts_with("--output=") {
+            command.push(a.as_str());
+        }
+    }
+    let part = std::sync::Arc::new(CasePart {
+        command: command.join(" "),
+        implementations: doc.rows.iter().map(|r| r.implementation.clone()).collect(),
+    });
+    doc.rows
+        .iter()
+        .map(|r| (case_key(&r.case), part.clone()))
+        .collect()
 }
 
 /// Shards of one part of a run (`--shard i/n`, under one `--filter` or none) that no document
@@ -119,6 +158,7 @@ impl Loaded {
             rel_path,
             cut_off_cases: cut_off_cases(&doc),
             missing_shards: Vec::new(),
+            case_parts: case_parts(&doc),
             doc,
         }
     }
@@ -402,6 +442,7 @@ pub fn load_dir(dir: &Path) -> Result<Vec<Loaded>, LoadErrors> {
                     rel_path,
                     cut_off_cases: cut_off_cases(&doc),
                     missing_shards: Vec::new(),
+                    case_parts: case_parts(&doc),
                     doc,
                 });
             }
@@ -1050,8 +1091,10 @@ fn fill_missing_shards(loaded: &mut [Loaded]) {
     }
 }
 
-/// The options that split one run into parts: which cases a part measures, and where it writes.
-const PART_OPTIONS: [&str; 3] = ["--shard", "--filter", "--output"];
+/// The options that split one run into parts: which cases a part measures, which
+/// alternatives it measures them with (an expensive alternative may be left to some parts; the
+/// page says so in its missing cells, [`Loaded::case_parts`]), and where it writes.
+const PART_OPTIONS: [&str; 5] = ["--shard", "--filter", "--compare", "--exclude", "--output"];
 
 /// The command line without its [`PART_OPTIONS`]: equal for the parts of one run.
 fn command_without_shard(command: &[String]) -> Vec<&str> {
@@ -1088,7 +1131,7 @@ fn filter_of(command: &[String]) -> Option<&str> {
 /// Documents of one suite, device and kind of run (`config.kind`: the grid, or a tile sweep,
 /// which may come from another commit than the grid) must be parts of one run: from the same
 /// commit, with the same timing parameters and the same command apart from
-/// [`PART_OPTIONS`], each part naming its cases, by `--shard i/n` under the same `--filter` (or
+/// [`PART_OPTIONS`] (the alternatives compared may differ from part to part), each part naming its cases, by `--shard i/n` under the same `--filter` (or
 /// none; the same n, distinct i) or by distinct `--filter`s (a run split over several calls of
 /// a time-limited machine). Every pair of documents is compared, so a copied part is caught
 /// whichever part comes first. The duplicate-row check then holds the parts disjoint. A shard
@@ -1287,6 +1330,23 @@ mod tests {
             part("c.json", &["--filter", "pass=fwd+bwd", "--shard", "1/2"]),
         ]);
         assert!(e.is_empty(), "{e:?}");
+        // Parts may compare different alternatives; the same filter twice is still two runs.
+        let e = check_runs(&[
+            part(
+                "a.json",
+                &["--compare", "torch,fla", "--filter", "seq_len=16384"],
+            ),
+            part("b.json", &["--filter", "seq_len=4096"]),
+        ]);
+        assert!(e.is_empty(), "{e:?}");
+        let e = check_runs(&[
+            part(
+                "a.json",
+                &["--compare", "torch", "--filter", "seq_len=4096"],
+            ),
+            part("b.json", &["--filter", "seq_len=4096"]),
+        ]);
+        assert!(matches!(e[..], [LoadError::TwoRuns { .. }]), "{e:?}");
     }
 
     #[test]

@@ -495,6 +495,75 @@ fn cells_a_cut_off_shard_never_reached_say_so() {
     );
 }
 
+/// Parts of one run may compare different alternatives (an expensive one left to some parts):
+/// the site builds, and a cell of an implementation that the part holding its case never ran
+/// says so with that part's command, while the other part's cells keep their numbers.
+#[test]
+fn parts_comparing_different_alternatives_say_which_part_left_a_cell_out() {
+    let mut parts = shards(2);
+    let left_out = parts[1]["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["default"] == false)
+        .expect("an alternative's row")["implementation"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let rows = parts[1]["rows"].as_array_mut().unwrap();
+    let before = rows.len();
+    rows.retain(|r| r["implementation"] != left_out.as_str());
+    assert!(rows.len() < before);
+    let command = parts[1]["config"]["command"].as_array_mut().unwrap();
+    command.push(Value::from("--exclude"));
+    command.push(Value::from(left_out.as_str()));
+    let data = write_docs(&BTreeMap::from([
+        ("gpu_attention.json", parts[0].clone()),
+        ("gpu_attention.shard2.json", parts[1].clone()),
+    ]));
+    let (_tmp, site) = build_site(data.path());
+    let missing: Vec<String> = page(&site, "attention.html")
+        .select(&sel("table.results td.missing"))
+        .map(text)
+        .collect();
+    let says = missing
+        .iter()
+        .filter(|c| {
+            c.contains("has no row of this implementation")
+                && c.contains(&format!("--exclude {left_out}"))
+                && c.contains("--shard 2/2")
+        })
+        .count();
+    assert!(says >= 1, "{missing:?}");
+    // Shard 1 measured the implementation: none of its cells points at shard 2's command.
+    assert!(
+        !missing.iter().any(|c| c.contains("--shard 1/2")),
+        "{missing:?}"
+    );
+    // The same alternatives left out by a second run of the same cases is still two runs.
+    let mut again = valid_json();
+    let command = again["config"]["command"].as_array_mut().unwrap();
+    command.push(Value::from("--exclude"));
+    command.push(Value::from(left_out.as_str()));
+    let data = write_docs(&BTreeMap::from([
+        ("gpu_attention.json", valid_json()),
+        ("gpu_attention.again.json", again),
+    ]));
+    let out = tempfile::tempdir().unwrap();
+    let opts = BuildOptions {
+        data_dir: data.path().to_path_buf(),
+        out_dir: out.path().join("site"),
+        base_url: None,
+        templates_dir: None,
+    };
+    let err = site::build(&opts).err().map(|e| format!("{e:#}"));
+    assert!(
+        err.as_deref()
+            .is_some_and(|e| e.contains("not shards of one run")),
+        "{err:?}"
+    );
+}
+
 #[test]
 fn shards_of_two_devices_are_two_sections_of_one_page() {
     let mut parts = shards(2);

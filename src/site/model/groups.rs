@@ -250,6 +250,9 @@ pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
                 merged[i]
                     .cut_off_cases
                     .extend(l.cut_off_cases.iter().cloned());
+                merged[i]
+                    .case_parts
+                    .extend(l.case_parts.iter().map(|(k, p)| (k.clone(), p.clone())));
                 // One shard cut off leaves the merged run unfinished.
                 if l.doc.config.finished_at.is_none() {
                     merged[i].doc.config.finished_at = None;

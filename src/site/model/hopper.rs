@@ -555,6 +555,7 @@ mod tests {
             doc,
             cut_off_cases: BTreeSet::new(),
             missing_shards: Vec::new(),
+            case_parts: Default::default(),
         }
     }
 

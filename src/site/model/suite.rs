@@ -376,16 +376,22 @@ fn doc_section(
                     x: x_label(*x),
                     anchor: None,
                     cells: {
-                        // A missing cell of a case the run was cut off in is a row never reached.
-                        let cut_off = by_impl.values().next().is_some_and(|r| {
-                            loaded
-                                .cut_off_cases
-                                .contains(&crate::load::case_key(&r.case))
-                        });
+                        // A missing cell of a case the run was cut off in is a row never
+                        // reached, unless the part of the run that measured the case never
+                        // ran that implementation.
+                        let key = by_impl
+                            .values()
+                            .next()
+                            .map(|r| crate::load::case_key(&r.case));
+                        let cut_off = key
+                            .as_ref()
+                            .is_some_and(|k| loaded.cut_off_cases.contains(k));
+                        let part = key.as_ref().and_then(|k| loaded.case_parts.get(k));
                         impls
                             .iter()
                             .map(|h| {
-                                cell(&h.name, by_impl.get(h.name.as_str()).copied(), doc, cut_off)
+                                let row = by_impl.get(h.name.as_str()).copied();
+                                cell(&h.name, row, doc, cut_off, part.map(|p| &**p))
                             })
                             .collect()
                     },
@@ -630,9 +636,26 @@ fn merge_single_cases(
 /// has no row.
 pub const CUT_OFF: &str = "the run was cut off (its document has no finished_at) before this row";
 
+/// Why a cell has no row when the part of the run that measured its case never ran the
+/// implementation (parts of one run may compare different alternatives).
+pub fn left_out(part: &crate::load::CasePart) -> String {
+    format!(
+        "the part of the run that measured this case has no row of this implementation (its \
+         command: `{}`)",
+        part.command
+    )
+}
+
 /// The table cell of `implementation`'s `row` (missing: `None`); `cut_off` when the case
-/// belongs to a run that never finished ([`crate::load::Loaded::cut_off_cases`]).
-fn cell(implementation: &str, row: Option<&Row>, doc: &Document, cut_off: bool) -> Cell {
+/// belongs to a run that never finished ([`crate::load::Loaded::cut_off_cases`]); `part`, the
+/// part of the run that measured the case ([`crate::load::Loaded::case_parts`]).
+fn cell(
+    implementation: &str,
+    row: Option<&Row>,
+    doc: &Document,
+    cut_off: bool,
+    part: Option<&crate::load::CasePart>,
+) -> Cell {
     let decls = &doc.config.throughput;
     let mut c = Cell {
         kind: "missing",
@@ -647,8 +670,16 @@ fn cell(implementation: &str, row: Option<&Row>, doc: &Document, cut_off: bool) 
         message: None,
     };
     let Some(row) = row else {
-        if cut_off {
-            c.message = Some(CUT_OFF.to_string());
+        match part {
+            Some(p) if !p.implementations.contains(implementation) => {
+                let mut m = left_out(p);
+                if cut_off {
+                    m.push_str(", and that part was cut off before it finished");
+                }
+                c.message = Some(m);
+            }
+            _ if cut_off => c.message = Some(CUT_OFF.to_string()),
+            _ => {}
         }
         return c;
     };
