@@ -10,8 +10,9 @@
 //! order, timing records, progress, document) is `kernelpages::runner`; this file is the grid,
 //! the implementations, the dispatch table and the counts.
 //!
-//! The project's implementations: `cuda` on a CUDA device (version 1 of each kernel, float32
-//! arithmetic on CUDA cores: [`kernelpages::sequence_mixers::cuda`],
+//! The project's implementations: `cuda` on a CUDA device (bf16 products on tensor cores where
+//! a kernel has a tensor-core version for the shape, float32 arithmetic on CUDA cores otherwise;
+//! the dispatch table says which: [`kernelpages::sequence_mixers::cuda`],
 //! [`kernelpages::sequence_mixers::scan_cuda`], [`kernelpages::sequence_mixers::delta_cuda`],
 //! [`kernelpages::sequence_mixers::based_cuda`]) and `cpu` on the CPU (`--device cpu`, SSD and
 //! the selective scan: the float32 recurrence over rayon's threads,
@@ -220,15 +221,39 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     Ok(out)
 }
 
-/// Whether the CUDA kernels of case `c` take SSD's tensor-core chunk kernels (version 2: bf16
-/// SSD, and Based's linear branch, which runs on them, where the shape fits).
-fn gpu_uses_tensor_cores(c: &MixerCase) -> bool {
-    let shape = match c.mixer {
-        Mixer::Ssd => c.ssd_shape(),
-        Mixer::Based => based_cuda::linear_shape(c.based_shape()),
-        _ => return false,
-    };
-    ssd_cuda::tensor_core_path(shape, device_dtype(c.dtype)).is_some()
+/// What the CUDA kernels of case `c` compute in, as a row's note: which products run on tensor
+/// cores (bf16 operands, float32 accumulation) and what they round to bf16, or float32
+/// arithmetic on CUDA cores. Follows the kernels' own choice: SSD's version 3 (and Based's
+/// linear branch on it) where [`ssd_cuda::tensor_core_path`] takes the shape, Based's window
+/// version 2 where [`based_cuda::window_tc_shared_bytes`] does, the gated delta rule's version 3
+/// where [`delta_cuda::tc_shared_bytes`] does.
+fn gpu_arithmetic_note(c: &MixerCase) -> String {
+    const SSD_TC: &str = "Δ·x scaled by its decay, the masked decayed C·Bᵀ and the states entering each chunk rounded to bf16; float32 accumulation and state passing";
+    let dtype = device_dtype(c.dtype);
+    match c.mixer {
+        Mixer::Ssd if ssd_cuda::tensor_core_path(c.ssd_shape(), dtype).is_some() => {
+            format!("bf16 products on tensor cores ({SSD_TC})")
+        }
+        Mixer::Based => {
+            let shape = c.based_shape();
+            let linear =
+                ssd_cuda::tensor_core_path(based_cuda::linear_shape(shape), dtype).is_some();
+            let window = based_cuda::window_tc_shared_bytes(shape, dtype).is_some();
+            match (linear, window) {
+                (false, false) => "float32 arithmetic".to_string(),
+                (l, w) => format!(
+                    "bf16 products on tensor cores: {}{}{}",
+                    if l { "the linear branch as SSD's (the masked q·kᵀ and the states entering each chunk rounded to bf16)" } else { "" },
+                    if l && w { "; " } else { "" },
+                    if w { "the window's QKᵀ and PV (the probabilities rounded to bf16; the softmax in float32)" } else { "" },
+                ),
+            }
+        }
+        Mixer::GatedDelta if delta_cuda::tc_shared_bytes(c.delta_shape(), dtype).is_some() => {
+            "bf16 products on tensor cores (K Kᵀ, W and U~ from the inverted triangular matrix, the state's update and read-out; that matrix, W, U and the states entering each chunk rounded to bf16; float32 accumulation, triangular solve and state carried between chunks)".to_string()
+        }
+        _ => "float32 arithmetic".to_string(),
+    }
 }
 
 /// The kernels' element type for a case's dtype.
@@ -248,7 +273,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (X, B, C, Y; Δ, A, D and states fp32)".into(),
                 rule: format!(
-                    "always (head_dim and state up to {}): SSD in chunks of {} steps, three kernels (each chunk's final state from zero, the states passed between chunks, each chunk's output from its intra-chunk masked products plus the incoming state's read-out), float32 arithmetic on CUDA cores (version 1.1); in bf16 with head_dim a multiple of 16 and state of 32, both up to 128, the chunk kernels' products on tensor cores instead (mma.sync m16n8k16, bf16 operands, float32 accumulation; version 2)",
+                    "always (head_dim and state up to {}): SSD in chunks of {} steps. bf16 with head_dim a multiple of 16 and state of 32, both up to 128: version 3 on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation), two kernels: the chunk states and their passing in one walk per 16 head_dim rows (and half the state's columns when the state is a multiple of 64), the state in the mma accumulators, the inputs through a 4-stage cp.async ring, the states entering each chunk stored as bf16; then each chunk's output (C·Bᵀ masked and decayed, times Δ·x, plus the entering state's read-out). Otherwise version 1.1, float32 arithmetic on CUDA cores, three kernels (each chunk's final state from zero, the states passed between chunks, each chunk's output from its intra-chunk masked products plus the incoming state's read-out)",
                     ssd_cuda::MAX_DIM,
                     ssd_cuda::CHUNK
                 ),
@@ -259,7 +284,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (q, k, v, o; α, β and states fp32)".into(),
                 rule: format!(
-                    "always (K and V up to {}): the chunked WY form in chunks of {} steps, three kernels (every chunk's triangular solve at once; the V × K state passed from chunk to chunk, {} of its rows per block; every chunk's output at once), float32 arithmetic on CUDA cores (version 2, no tensor cores)",
+                    "always (K and V up to {}): the chunked WY form in chunks of {} steps, three kernels: every chunk's triangular solve at once (W and U~), the V × K state walked from chunk to chunk {} of its rows per block, every chunk's output at once. bf16 with K a multiple of 32 and V of 16: version 3, the products on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation; K Kᵀ, W and U~ from the inverted triangular matrix, U = U~ − W Sᵀ and the state update, the output's products), the solve by forward substitution in float32, W, U and the entering states stored as bf16. Otherwise version 2, float32 arithmetic on CUDA cores",
                     delta_cuda::MAX_DIM,
                     delta_cuda::CHUNK,
                     delta_cuda::ROWS
@@ -271,7 +296,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (q, k, v, o; states fp32)".into(),
                 rule: format!(
-                    "always (K and V up to {}, window up to {}): the linear branch as SSD's kernels without decay, chunks of {} steps in parallel (each chunk's kᵀv summed, the states passed on, each chunk's output from its masked products plus the incoming state), then the window branch in tiles of {} query rows, exact softmax over each query's last W keys with the keys in shared memory; float32 arithmetic on CUDA cores (version 1.2), except the linear branch's products in bf16 where SSD's tensor-core kernels take the shape (K a multiple of 32, V of 16, both up to 128)",
+                    "always (K and V up to {}, window up to {}): the linear branch as SSD's kernels without decay, chunks of {} steps in parallel (each chunk's kᵀv summed, the states passed on, each chunk's output from its masked products plus the incoming state), then the window branch in tiles of {} query rows, exact softmax over each query's last W keys. bf16: the linear branch on SSD's tensor-core kernels where they take the shape (K a multiple of 32, V of 16, both up to 128), the window branch (K and V multiples of 16) as version 2, QKᵀ and PV on tensor cores with an online softmax in float32, 4 warps per tile. Otherwise version 1.2, float32 arithmetic on CUDA cores with the keys in shared memory",
                     based_cuda::MAX_DIM,
                     based_cuda::MAX_WINDOW,
                     based_cuda::CHUNK,
@@ -415,11 +440,10 @@ impl runner::Suite for Mixers {
             Mixer::Ssd => {}
         }
         if implementation == GPU_IMPLEMENTATION {
-            notes.push(if gpu_uses_tensor_cores(&c) {
-                "bf16 products on tensor cores (Δ·x, the masked decayed C·Bᵀ and the entering state rounded to bf16; float32 accumulation and state passing); zero initial state, the final state written"
-            } else {
-                "float32 arithmetic; zero initial state, the final state written"
-            }.into());
+            notes.push(format!(
+                "{}; zero initial state, the final state written",
+                gpu_arithmetic_note(&c)
+            ));
         }
         if implementation == CPU_IMPLEMENTATION {
             notes.push("float32 arithmetic; zero initial state".into());

@@ -1,7 +1,10 @@
 // SSD (Mamba-2's state-space dual layer; Dao and Gu, 2024, "Transformers are SSMs", the block
-// decomposition of section 6) on CUDA cores in float32, version 1: correctness first, the
-// chunked algorithm of src/sequence_mixers/chunked.rs (its docstring derives it) in three
-// kernels, each a grid over (chunk, head, batch entry) or (head, batch entry):
+// decomposition of section 6). Two paths, chosen by the host (src/sequence_mixers/cuda.rs,
+// `tensor_core_path`): version 3 for bf16 inputs whose sizes fit the tensor-core tiles, two
+// kernels on mma.sync described before their code below; and version 1, every other case
+// (fp32 inputs among them), on CUDA cores in float32: the chunked algorithm of
+// src/sequence_mixers/chunked.rs (its docstring derives it) in three kernels, each a grid over
+// (chunk, head, batch entry) or (head, batch entry):
 //
 // 1. ssd_chunk_state_<t>: per chunk of L steps (the last one shorter), the cumulative log
 //    decays cs_i = sum_{j<=i} dt_j A_h, the chunk's own state contribution

@@ -1,9 +1,10 @@
-//! SSD on CUDA: `kernels/sequence_mixers/ssd.cu`, compiled by NVRTC at run time. Version 1
-//! runs the chunked algorithm of [`super::chunked::ssd`] (Dao and Gu, 2024, §6) on CUDA cores
-//! in float32, in three launches: each chunk's own state ([`CHUNK`] steps), the states passed
-//! from chunk to chunk, then each chunk's output from its inputs and its entering state.
-//! Correctness first: the matrix products are plain loops over shared memory, not tensor-core
-//! tiles yet.
+//! SSD on CUDA: `kernels/sequence_mixers/ssd.cu`, compiled by NVRTC at run time, the chunked
+//! algorithm of [`super::chunked::ssd`] (Dao and Gu, 2024, §6) in chunks of [`CHUNK`] steps.
+//! bf16 inputs whose sizes fit the tiles ([`tensor_core_path`]) take version 3, two launches
+//! on tensor cores (mma.sync, bf16 operands, float32 accumulation): the chunk states and their
+//! passing in one walk per slice of the state, then each chunk's output. Every other case takes
+//! version 1, float32 on CUDA cores in three launches: each chunk's own state, the states
+//! passed from chunk to chunk, then each chunk's output from its inputs and its entering state.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
