@@ -1493,3 +1493,56 @@ fn a_tile_sweep_is_a_run_of_its_own_with_its_own_section() {
         "{err}"
     );
 }
+
+/// An at-a-glance cell without a ratio says why: no alternative's row at that size, no
+/// alternative that ran, or none accurate and not launch-bound.
+#[test]
+fn a_glance_cell_without_a_ratio_says_which_reason() {
+    use kernelpages::schema::{Document, Param};
+    let data = tempfile::tempdir().unwrap();
+    let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: Document = serde_json::from_str(&json).unwrap();
+    let group = |r: &Row, t: i64| {
+        r.case.get("head_dim") == Some(&Param::Int(64))
+            && r.case.get("causal") == Some(&Param::Bool(false))
+            && r.case.get("pass") == Some(&Param::Text("fwd".into()))
+            && r.case.get("seq_len") == Some(&Param::Int(t))
+    };
+    // At 512 no alternative has a row; at 1024 every alternative's row is unsupported.
+    let before = doc.rows.len();
+    doc.rows.retain(|r| r.default || !group(r, 512));
+    assert!(doc.rows.len() < before);
+    let mut failed = 0;
+    for r in doc.rows.iter_mut().filter(|r| !r.default && group(r, 1024)) {
+        *r = Row::failed(
+            r.case.clone(),
+            &r.implementation,
+            &r.library,
+            false,
+            Status::Unsupported,
+            "not for this test",
+        );
+        failed += 1;
+    }
+    assert!(failed >= 1);
+    fs::write(
+        data.path().join("gpu_attention.json"),
+        serde_json::to_string(&doc).unwrap(),
+    )
+    .unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let glance = text(
+        page(&site, "index.html")
+            .select(&sel("table.glance"))
+            .next()
+            .unwrap(),
+    );
+    assert!(
+        glance.contains("no alternative measured at this size"),
+        "{glance}"
+    );
+    assert!(
+        glance.contains("no alternative ran (each row says why)"),
+        "{glance}"
+    );
+}

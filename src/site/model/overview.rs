@@ -698,9 +698,19 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                         };
                     }
                     (Status::Ok, _, None) => {
+                        // Why there is no ratio: no alternative's row at all (the part of the
+                        // run holding the case compared none), none that ran, or none usable.
+                        let alternatives: Vec<&&Row> =
+                            by_impl.values().filter(|r| !r.default).collect();
                         row.note = Some(
-                            "no accurate alternative ran with a timing that is not launch-bound"
-                                .to_string(),
+                            if alternatives.is_empty() {
+                                "no alternative measured at this size"
+                            } else if alternatives.iter().all(|r| r.status != Status::Ok) {
+                                "no alternative ran (each row says why)"
+                            } else {
+                                "no accurate alternative ran with a timing that is not launch-bound"
+                            }
+                            .to_string(),
                         )
                     }
                     (Status::Ok, _, _) => row.note = Some("default time is zero".to_string()),
