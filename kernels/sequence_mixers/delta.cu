@@ -491,10 +491,84 @@ gdn_output_tc(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
     }
 }
 
+// T = (I + A)⁻¹ for a strictly lower triangular A [GDN_CHUNK][ap] (float32, shared memory)
+// into t [GDN_CHUNK][ap], by blocks of 16 rows (as flash-linear-attention's solve does): first
+// the four diagonal blocks by forward substitution, each column by 4 lanes (a chain of 16 rows,
+// not 64); then the blocks below the diagonal, one block row at a time,
+// T_bi,bj = -T_bi,bi sum_{bj <= k < bi} A_bi,k T_k,bj (from (I + A) T = I, block row bi),
+// the sum first into the block row's own place in t, then the product with T_bi,bi through
+// registers. Zeros above the diagonal. Every thread of the block (GDN_THREADS = 256) calls it;
+// t is complete after the caller's next barrier.
+__device__ __forceinline__ void gdn_unit_lower_inverse(const float* a, float* t, int ap) {
+    {
+        const int col = threadIdx.x / 4, part = threadIdx.x % 4, cb = col & ~15;
+        for (int i = part; i < cb; i += 4) t[i * ap + col] = 0.f;
+        for (int r = 0; r < 16; ++r) {
+            const int i = cb + r;
+            float sum = 0.f;
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const int j = cb + part + 4 * m;
+                if (j >= col && j < i) sum += a[i * ap + j] * t[j * ap + col];
+            }
+            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+            if (part == 0) t[i * ap + col] = i < col ? 0.f : (i == col ? 1.f : -sum);
+            __syncwarp();
+        }
+    }
+    for (int bi = 1; bi < GDN_CHUNK / 16; ++bi) {
+        __syncthreads();
+        const int width = 16 * bi, n = 16 * width;  // rows 16 bi .. 16 bi + 15, cols < width
+        // X = sum_k A_bi,k T_k,bj into t's block row bi (those places are T's later).
+        float x[GDN_CHUNK / 16 - 1];
+#pragma unroll
+        for (int s = 0; s < GDN_CHUNK / 16 - 1; ++s) {
+            const int e = threadIdx.x + s * GDN_THREADS;
+            x[s] = 0.f;
+            if (e < n) {
+                const int i = width + e / width, col = e % width;
+                for (int kb = col / 16; kb < bi; ++kb) {
+#pragma unroll
+                    for (int jj = 0; jj < 16; ++jj) {
+                        const int j = 16 * kb + jj;
+                        x[s] += a[i * ap + j] * t[j * ap + col];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < GDN_CHUNK / 16 - 1; ++s) {
+            const int e = threadIdx.x + s * GDN_THREADS;
+            if (e < n) t[(width + e / width) * ap + e % width] = x[s];
+        }
+        __syncthreads();
+        // T_bi,bj = -T_bi,bi X: row r of the block needs X's rows 0..r.
+#pragma unroll
+        for (int s = 0; s < GDN_CHUNK / 16 - 1; ++s) {
+            const int e = threadIdx.x + s * GDN_THREADS;
+            x[s] = 0.f;
+            if (e < n) {
+                const int r = e / width, col = e % width;
+#pragma unroll
+                for (int m = 0; m < 16; ++m)
+                    if (m <= r) x[s] -= t[(width + r) * ap + width + m] * t[(width + m) * ap + col];
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int s = 0; s < GDN_CHUNK / 16 - 1; ++s) {
+            const int e = threadIdx.x + s * GDN_THREADS;
+            if (e < n) t[(width + e / width) * ap + e % width] = x[s];
+        }
+    }
+}
+
 // Kernel 1' (gdn_prepare_tc), a block of 8 warps per (chunk, head, batch entry): g by a warp
 // scan of the floored ln α; A = β_i exp(g_i - g_j) (k_i . k_j) (j < i) from K Kᵀ on tensor
-// cores (float32 in shared memory); T = (I + A)⁻¹ by forward substitution, 4 lanes per column
-// of T (its columns are independent, each sequential in its rows); then W = T (β γ K) and
+// cores (float32 in shared memory); T = (I + A)⁻¹ by blocks of 16 rows
+// (gdn_unit_lower_inverse, version 3.1; version 3 ran one forward substitution down all 64
+// rows, 4 lanes per column); then W = T (β γ K) and
 // U~ = T (β V) on tensor cores with T and the scaled rows rounded to bf16, as
 // flash-linear-attention's chunked WY form does. W to `w` as bf16, U~ and g as float32.
 // Dynamic shared memory: L ((K + 8) + (V + 8)) bf16 + 2 L (L + 1) + 3 L floats (the host
@@ -562,19 +636,7 @@ gdn_prepare_tc(const u16* __restrict__ k, const u16* __restrict__ v,
             }
     }
     __syncthreads();
-    {
-        // T = (I + A)⁻¹: lanes 4 col .. 4 col + 3 solve column col, rows in order; T[i][col] =
-        // -sum_{col <= j < i} A[i][j] T[j][col], split over the 4 lanes by j mod 4.
-        const int col = threadIdx.x / 4, part = threadIdx.x % 4;
-        for (int i = 0; i < GDN_CHUNK; ++i) {
-            float sum = 0.f;
-            for (int j = col + part; j < i; j += 4) sum += af[i * AP + j] * tf[j * AP + col];
-            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
-            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
-            if (part == 0) tf[i * AP + col] = i < col ? 0.f : (i == col ? 1.f : -sum);
-            __syncwarp();
-        }
-    }
+    gdn_unit_lower_inverse(af, tf, AP);
     __syncthreads();
     // T to bf16 (over A); the right-hand sides scaled in place: beta gamma k and beta v.
     for (int e = threadIdx.x; e < GDN_CHUNK * GDN_CHUNK / 2; e += GDN_THREADS) {
