@@ -267,8 +267,9 @@ pub enum LoadError {
     /// run.
     #[error(
         "{} and {} both hold a {kind} of suite {suite} on device {device} and are not shards \
-         of one run (shards come from one commit and one command, each part naming its cases \
-         with `--shard i/n` or its own `--filter`); keep one of them (a document's device is \
+         of one run (shards come from one commit and one command, apart from the alternatives \
+         each part compares, each part naming its cases with `--shard i/n` or its own \
+         `--filter`); keep one of them (a document's device is \
          its `device.name`, not its folder; its kind is `config.kind`, `grid` when absent)",
         first.display(),
         second.display()
@@ -280,6 +281,28 @@ pub enum LoadError {
         suite: String,
         /// Device name.
         device: String,
+        /// One document.
+        first: PathBuf,
+        /// The other.
+        second: PathBuf,
+    },
+    /// Two parts of one run both hold a case, each with rows of other implementations (parts
+    /// that compare different alternatives, `--compare` or `--exclude`, under overlapping
+    /// `--filter`s): the case's rows would come from two sessions.
+    #[error(
+        "{} and {} are parts of one run of suite {suite} on device {device} but both measured \
+         the case {case} (the parts' --filter or --shard must split the cases; a part may \
+         compare other alternatives, not measure a case again); keep one of them",
+        first.display(),
+        second.display()
+    )]
+    SharedCase {
+        /// Suite name.
+        suite: String,
+        /// Device name.
+        device: String,
+        /// The first case both hold, as its parameters.
+        case: String,
         /// One document.
         first: PathBuf,
         /// The other.
@@ -1134,7 +1157,9 @@ fn filter_of(command: &[String]) -> Option<&str> {
 /// [`PART_OPTIONS`] (the alternatives compared may differ from part to part), each part naming its cases, by `--shard i/n` under the same `--filter` (or
 /// none; the same n, distinct i) or by distinct `--filter`s (a run split over several calls of
 /// a time-limited machine). Every pair of documents is compared, so a copied part is caught
-/// whichever part comes first. The duplicate-row check then holds the parts disjoint. A shard
+/// whichever part comes first. Parts must measure disjoint cases: a case whose rows the two
+/// parts split by implementation is refused here ([`LoadError::SharedCase`]), a row both hold
+/// by the duplicate-row check. A shard
 /// number outside `1..=n` is refused ([`LoadError::BadShard`]).
 fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
     let mut errors = Vec::new();
@@ -1177,7 +1202,40 @@ fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
                     _ => false,
                 };
                 let shards = same_run && (distinct_shards || distinct_filters);
-                if !shards {
+                if shards {
+                    // Distinct filters may still overlap; a case whose rows are split between
+                    // the parts by implementation is refused here, one repeated whole row by
+                    // the duplicate-row check.
+                    fn of(l: &Loaded) -> BTreeMap<String, BTreeSet<&str>> {
+                        let mut m: BTreeMap<String, BTreeSet<&str>> = BTreeMap::new();
+                        for r in &l.doc.rows {
+                            m.entry(case_key(&r.case))
+                                .or_default()
+                                .insert(r.implementation.as_str());
+                        }
+                        m
+                    }
+                    let (ca, cb) = (of(first), of(other));
+                    let shared = ca
+                        .iter()
+                        .find(|(k, ia)| cb.get(*k).is_some_and(|ib| ia.is_disjoint(ib)));
+                    if let Some((k, _)) = shared {
+                        let case = first
+                            .doc
+                            .rows
+                            .iter()
+                            .find(|r| &case_key(&r.case) == k)
+                            .map(|r| case_label(&r.case))
+                            .unwrap_or_default();
+                        errors.push(LoadError::SharedCase {
+                            suite: suite.as_str().to_string(),
+                            device: device.to_string(),
+                            case,
+                            first: first.path.clone(),
+                            second: other.path.clone(),
+                        });
+                    }
+                } else {
                     errors.push(LoadError::TwoRuns {
                         kind: kind.as_str(),
                         suite: suite.as_str().to_string(),
@@ -1347,6 +1405,23 @@ mod tests {
             part("b.json", &["--filter", "seq_len=4096"]),
         ]);
         assert!(matches!(e[..], [LoadError::TwoRuns { .. }]), "{e:?}");
+        // Distinct filters that overlap, the shared cases' rows split by implementation: the
+        // case would come from two sessions.
+        let split = |name: &str, filter: &str, keep_default: bool| {
+            let mut l = part(name, &["--filter", filter]);
+            l.doc.rows.retain(|r| r.default == keep_default);
+            l
+        };
+        let e = check_runs(&[
+            split("a.json", "seq_len>=512", true),
+            split("b.json", "seq_len>=1024", false),
+        ]);
+        assert!(matches!(e[..], [LoadError::SharedCase { .. }]), "{e:?}");
+        assert!(
+            e[0].to_string().contains("both measured the case"),
+            "{}",
+            e[0]
+        );
     }
 
     #[test]

@@ -1545,4 +1545,27 @@ fn a_glance_cell_without_a_ratio_says_which_reason() {
         glance.contains("no alternative ran (each row says why)"),
         "{glance}"
     );
+    // The same rows from a run cut off by its time limit: the alternatives missing at 512 were
+    // measured elsewhere in that run, so the run never reached them there.
+    doc.config.finished_at = None;
+    fs::write(
+        data.path().join("gpu_attention.json"),
+        serde_json::to_string(&doc).unwrap(),
+    )
+    .unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let glance = text(
+        page(&site, "index.html")
+            .select(&sel("table.glance"))
+            .next()
+            .unwrap(),
+    );
+    assert!(
+        glance.contains("the run was cut off before an alternative's row at this size"),
+        "{glance}"
+    );
+    assert!(
+        !glance.contains("no alternative measured at this size"),
+        "{glance}"
+    );
 }

@@ -529,7 +529,7 @@ fn parts_comparing_different_alternatives_say_which_part_left_a_cell_out() {
     let says = missing
         .iter()
         .filter(|c| {
-            c.contains("has no row of this implementation")
+            c.contains("measured no case with this implementation")
                 && c.contains(&format!("--exclude {left_out}"))
                 && c.contains("--shard 2/2")
         })

@@ -702,8 +702,20 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                         // run holding the case compared none), none that ran, or none usable.
                         let alternatives: Vec<&&Row> =
                             by_impl.values().filter(|r| !r.default).collect();
+                        // A run cut off in this case before the row of an implementation that
+                        // its part measured elsewhere: that alternative was never reached.
+                        let key = crate::load::case_key(&default.case);
+                        let unreached = l.cut_off_cases.contains(&key)
+                            && l.case_parts.get(&key).is_some_and(|p| {
+                                p.implementations.iter().any(|i| {
+                                    i != &default.implementation
+                                        && !by_impl.contains_key(i.as_str())
+                                })
+                            });
                         row.note = Some(
-                            if alternatives.is_empty() {
+                            if unreached {
+                                "the run was cut off before an alternative's row at this size"
+                            } else if alternatives.is_empty() {
                                 "no alternative measured at this size"
                             } else if alternatives.iter().all(|r| r.status != Status::Ok) {
                                 "no alternative ran (each row says why)"

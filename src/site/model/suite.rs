@@ -636,12 +636,14 @@ fn merge_single_cases(
 /// has no row.
 pub const CUT_OFF: &str = "the run was cut off (its document has no finished_at) before this row";
 
-/// Why a cell has no row when the part of the run that measured its case never ran the
-/// implementation (parts of one run may compare different alternatives).
+/// Why a cell has no row when the part of the run that measured its case has no row of the
+/// implementation in any case (parts of one run may compare different alternatives; a part cut
+/// off before its first row of an implementation reads the same, and its command shows whether
+/// it compared it).
 pub fn left_out(part: &crate::load::CasePart) -> String {
     format!(
-        "the part of the run that measured this case has no row of this implementation (its \
-         command: `{}`)",
+        "the part of the run that measured this case measured no case with this \
+         implementation (its command: `{}`)",
         part.command
     )
 }
@@ -672,11 +674,7 @@ fn cell(
     let Some(row) = row else {
         match part {
             Some(p) if !p.implementations.contains(implementation) => {
-                let mut m = left_out(p);
-                if cut_off {
-                    m.push_str(", and that part was cut off before it finished");
-                }
-                c.message = Some(m);
+                c.message = Some(left_out(p));
             }
             _ if cut_off => c.message = Some(CUT_OFF.to_string()),
             _ => {}
