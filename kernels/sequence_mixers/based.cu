@@ -1,11 +1,14 @@
 // Based (Arora et al., 2024, "Simple linear attention language models balance the
 // recall-throughput tradeoff"): causal linear attention plus exact softmax attention over a
-// sliding window, summed, on CUDA cores in float32, version 1.2: the recurrence of `based` in
+// sliding window, summed: the recurrence of `based` in
 // src/sequence_mixers/reference.rs (its docstring defines it). The linear branch is SSD's
 // chunked algorithm with every step's dt = 1 and A = 0 (no decay), B = k, C = q, x = v, one
 // group per head: the host runs ssd.cu's three kernels for it (src/sequence_mixers/based_cuda.rs),
 // the chunks in parallel, into the float32 scratch lin_t = sum_{s<=t} (q_t . k_s) v_s + S_0 q_t.
-// This file is the window branch, launched after them on the same stream:
+// (in bf16, on its tensor-core kernels where they take the shape). This file is the window
+// branch, launched after them on the same stream: version 2 (based_window_tc, bf16 with K and V
+// multiples of 16, on tensor cores, described before its code below) or version 1.2, on CUDA
+// cores in float32:
 //
 // based_window_<t>: one block per tile of BASED_TILE query rows (a grid over (row tile, head,
 // batch entry)): the softmax of scale q_t . k_s over s = max(0, t-W+1)..t, applied to those

@@ -1,5 +1,8 @@
 // The gated delta rule forward (Gated DeltaNet; Yang, Kautz and Hatamizadeh, 2024, "Gated
-// Delta Networks: Improving Mamba2 with Delta Rule") on CUDA cores in float32, version 2: the
+// Delta Networks: Improving Mamba2 with Delta Rule"). Two paths, chosen by the host
+// (src/sequence_mixers/delta_cuda.rs, `tc_shared_bytes`): version 3.1 for bf16 with K a multiple
+// of 32 and V of 16, on tensor cores (kernels 1'-3', described before their code below); every
+// other case version 2, on CUDA cores in float32, described here: the
 // chunked WY form of src/sequence_mixers/chunked.rs (its docstring derives it; Yang et al.,
 // 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", section
 // 3) in three kernels, so that only the state walks the chunks in order. Per chunk of l steps

@@ -1,16 +1,16 @@
 //! Based on CUDA: SSD's kernels ([`super::cuda`]) and `kernels/sequence_mixers/based.cu`,
-//! compiled by NVRTC at run time. Version 1.2 runs the forward of [`super::reference::based`] (Arora et al., 2024,
-//! "Simple linear attention language models balance the recall-throughput tradeoff"): causal
-//! linear attention plus exact softmax attention over a sliding window of W keys, summed, on
-//! CUDA cores in float32, in four launches. The linear branch is SSD's chunked algorithm
-//! ([`Ssd::launch_f32_out`]) with no decay (every dt 1, A 0; B = k, C = q, x = v, a group per
-//! head): each chunk's own state, the states passed from chunk to chunk, each chunk's output
-//! into a float32 scratch, the chunks in parallel. Then the window branch, one block per tile of
-//! [`TILE`] query rows walking the keys they see [`TILE`] at a time in shared memory (an online
-//! softmax per row), which adds the scaled scratch and writes O. Correctness first: the matrix
-//! products are plain loops over shared memory, not tensor-core tiles yet.
+//! compiled by NVRTC at run time: the forward of [`super::reference::based`] (Arora et al.,
+//! 2024, "Simple linear attention language models balance the recall-throughput tradeoff"):
+//! causal linear attention plus exact softmax attention over a sliding window of W keys, summed.
+//! The linear branch is SSD's chunked algorithm ([`Ssd::launch_f32_out`]) with no decay (every
+//! dt 1, A 0; B = k, C = q, x = v, a group per head), on SSD's tensor-core kernels in bf16
+//! where they take the shape and its float32 kernels otherwise, the chunks in parallel, into a
+//! float32 scratch. Then the window branch, one block per tile of [`TILE`] query rows walking
+//! the keys they see [`TILE`] at a time (an online softmax per row), which adds the scaled
+//! scratch and writes O: version 2 on tensor cores for bf16 with K and V multiples of 16
+//! ([`window_tc_shared_bytes`]), version 1.2 in float32 on CUDA cores otherwise.
 //!
-//! Version 1 starts every call from an empty window cache: the reference's
+//! Every version starts every call from an empty window cache: the reference's
 //! [`BasedState`](super::reference::BasedState) also carries the last W − 1 keys and values
 //! into the next call, which a later version will read; this API takes only the initial linear
 //! state S₀ (so it has nothing to refuse) and returns only the final linear state, not the
@@ -150,7 +150,8 @@ pub struct Based {
     dtype: Dtype,
     linear: Ssd,
     window: CudaFunction,
-    /// The window kernel's threads and shared memory (the tensor-core one's or version 1.1's).
+    /// The window kernel's threads and shared memory (version 2's on tensor cores, or version
+    /// 1.2's).
     window_cfg: (u32, u32),
     ones: CudaSlice<f32>,
     zeros: CudaSlice<f32>,

@@ -1,13 +1,15 @@
 //! The gated delta rule (Gated DeltaNet) forward on CUDA: `kernels/sequence_mixers/delta.cu`,
-//! compiled by NVRTC at run time. Version 2 runs the chunked WY form of
+//! compiled by NVRTC at run time: the chunked WY form of
 //! [`super::chunked::gated_delta_rule`] (Yang, Kautz and Hatamizadeh, 2024, "Gated Delta
 //! Networks: Improving Mamba2 with Delta Rule"; the WY form of Yang et al., 2024,
-//! "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", §3) on CUDA
-//! cores in float32, in three launches: every chunk of [`CHUNK`] steps solves its
-//! unit-lower-triangular system at once (W and U~ into scratch); the state then walks the
-//! chunks in order, [`ROWS`] of its rows per block (U = U~ − W Sᵀ, the next state, and the state
-//! entering each chunk into scratch); every chunk then computes its output at once. The
-//! products are plain loops over shared memory, not tensor-core tiles.
+//! "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", §3), in
+//! three launches: every chunk of [`CHUNK`] steps solves its unit-lower-triangular system at
+//! once (W and U~ into scratch); the state then walks the chunks in order, [`ROWS`] of its rows
+//! per block (U = U~ − W Sᵀ, the next state, and the state entering each chunk into scratch);
+//! every chunk then computes its output at once. bf16 with K a multiple of 32 and V of 16
+//! ([`tc_shared_bytes`]) takes version 3.1, the products on tensor cores (mma.sync, bf16
+//! operands, float32 accumulation) and the inverse by blocks of 16 rows; every other case takes
+//! version 2, plain float32 loops over shared memory on CUDA cores.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
