@@ -1502,6 +1502,21 @@ fn a_glance_cell_without_a_ratio_says_which_reason() {
     let data = tempfile::tempdir().unwrap();
     let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
     let mut doc: Document = serde_json::from_str(&json).unwrap();
+    // The text of the at-a-glance table of a site built from `doc` alone.
+    let glance_of = |doc: &Document| {
+        fs::write(
+            data.path().join("gpu_attention.json"),
+            serde_json::to_string(doc).unwrap(),
+        )
+        .unwrap();
+        let (_tmp, site) = build_site(data.path(), None);
+        text(
+            page(&site, "index.html")
+                .select(&sel("table.glance"))
+                .next()
+                .unwrap(),
+        )
+    };
     let group = |r: &Row, t: i64| {
         r.case.get("head_dim") == Some(&Param::Int(64))
             && r.case.get("causal") == Some(&Param::Bool(false))
@@ -1525,18 +1540,7 @@ fn a_glance_cell_without_a_ratio_says_which_reason() {
         failed += 1;
     }
     assert!(failed >= 1);
-    fs::write(
-        data.path().join("gpu_attention.json"),
-        serde_json::to_string(&doc).unwrap(),
-    )
-    .unwrap();
-    let (_tmp, site) = build_site(data.path(), None);
-    let glance = text(
-        page(&site, "index.html")
-            .select(&sel("table.glance"))
-            .next()
-            .unwrap(),
-    );
+    let glance = glance_of(&doc);
     assert!(
         glance.contains("no alternative measured at this size"),
         "{glance}"
@@ -1548,18 +1552,7 @@ fn a_glance_cell_without_a_ratio_says_which_reason() {
     // The same rows from a run cut off by its time limit: the alternatives missing at 512 were
     // measured elsewhere in that run, so the run never reached them there.
     doc.config.finished_at = None;
-    fs::write(
-        data.path().join("gpu_attention.json"),
-        serde_json::to_string(&doc).unwrap(),
-    )
-    .unwrap();
-    let (_tmp, site) = build_site(data.path(), None);
-    let glance = text(
-        page(&site, "index.html")
-            .select(&sel("table.glance"))
-            .next()
-            .unwrap(),
-    );
+    let glance = glance_of(&doc);
     assert!(
         glance.contains("the run was cut off before an alternative's row at this size"),
         "{glance}"

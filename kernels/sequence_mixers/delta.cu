@@ -567,6 +567,33 @@ __device__ __forceinline__ void gdn_unit_lower_inverse(const float* a, float* t,
     }
 }
 
+// out rows row0 + r0 .. row0 + r0 + 15 (of `width` columns; the chunk's first l rows only) =
+// rows r0 .. r0 + 15 of T (bf16 [GDN_CHUNK][ts], lower triangular: the product stops at the
+// rows' own 16-step block) times x (bf16 [GDN_CHUNK][xs]), the calling warp's half `half` of
+// the columns, on tensor cores; out is bf16 (W) or float32 (U~), stored in pairs.
+template <typename Out>
+__device__ __forceinline__ void gdn_t_times(Out* out, long long row0, const u16* tb, int ts,
+                                            const u16* x, int xs, int width, int r0, int half,
+                                            int l) {
+    const int lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    const int tiles = width / 16, p0 = half * (width / 2);
+    float acc[8][4] = {};
+    for (int kb = 0; kb <= r0 / 16; ++kb) {
+        u32 f[4];
+        ld_a(f, tb, ts, r0, kb * 16);
+        mma_k_block<8>(acc, f, x, xs, kb, p0, tiles);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        if (nt >= tiles) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int i = r0 + gi + 8 * h, p = p0 + nt * 8 + 2 * ti;
+            if (i < l) st2(out, (row0 + i) * width + p, acc[nt][2 * h], acc[nt][2 * h + 1]);
+        }
+    }
+}
+
 // Kernel 1' (gdn_prepare_tc), a block of 8 warps per (chunk, head, batch entry): g by a warp
 // scan of the floored ln α; A = β_i exp(g_i - g_j) (k_i . k_j) (j < i) from K Kᵀ on tensor
 // cores (float32 in shared memory); T = (I + A)⁻¹ by blocks of 16 rows
@@ -658,49 +685,8 @@ gdn_prepare_tc(const u16* __restrict__ k, const u16* __restrict__ v,
         *p = scale_pair(*p, bs[i], bs[i]);
     }
     __syncthreads();
-    // W = T (beta gamma K) and U~ = T (beta V): warp rows r0, half of the columns; T is lower
-    // triangular, so the product stops at the rows' own 16-step block.
-    {
-        float acc[8][4] = {};
-        const int tiles = K / 16, p0 = (warp / 4) * (K / 2);
-        for (int kb = 0; kb <= r0 / 16; ++kb) {
-            u32 f[4];
-            ld_a(f, tb, TS, r0, kb * 16);
-            mma_k_block<8>(acc, f, ks, KS, kb, p0, tiles);
-        }
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            if (nt >= tiles) continue;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int i = r0 + gi + 8 * half, p = p0 + nt * 8 + 2 * ti;
-                if (i < l)
-                    *reinterpret_cast<u32*>(w_out + (base * GDN_CHUNK + i) * K + p) =
-                        pack_bf16(acc[nt][2 * half], acc[nt][2 * half + 1]);
-            }
-        }
-    }
-    {
-        float acc[8][4] = {};
-        const int tiles = V / 16, p0 = (warp / 4) * (V / 2);
-        for (int kb = 0; kb <= r0 / 16; ++kb) {
-            u32 f[4];
-            ld_a(f, tb, TS, r0, kb * 16);
-            mma_k_block<8>(acc, f, vs, VS, kb, p0, tiles);
-        }
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            if (nt >= tiles) continue;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int i = r0 + gi + 8 * half, p = p0 + nt * 8 + 2 * ti;
-                if (i < l) {
-                    float* dst = u_out + (base * GDN_CHUNK + i) * V + p;
-                    dst[0] = acc[nt][2 * half];
-                    dst[1] = acc[nt][2 * half + 1];
-                }
-            }
-        }
-    }
+    // W = T (beta gamma K) and U~ = T (beta V): warp rows r0, half of the columns.
+    gdn_t_times(w_out, base * GDN_CHUNK, tb, TS, ks, KS, K, r0, warp / 4, l);
+    gdn_t_times(u_out, base * GDN_CHUNK, tb, TS, vs, VS, V, r0, warp / 4, l);
     for (int i = threadIdx.x; i < l; i += GDN_THREADS) g_out[base * GDN_CHUNK + i] = gs[i];
 }
