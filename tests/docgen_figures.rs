@@ -455,6 +455,20 @@ fn shards_of_one_device_merge_into_one_page() {
     assert!(index.contains("--shard 1/2") && index.contains("--shard 2/2"));
 }
 
+/// The text of every missing cell of the Attention page built from two shards, `parts[0]` and
+/// `parts[1]`.
+fn missing_cells_of_two_shards(parts: &[Value]) -> Vec<String> {
+    let data = write_docs(&BTreeMap::from([
+        ("gpu_attention.json", parts[0].clone()),
+        ("gpu_attention.shard2.json", parts[1].clone()),
+    ]));
+    let (_tmp, site) = build_site(data.path());
+    page(&site, "attention.html")
+        .select(&sel("table.results td.missing"))
+        .map(text)
+        .collect()
+}
+
 /// A shard cut off by a time limit (no `finished_at`) leaves the cells it never reached
 /// "not measured" with that reason; a missing cell of a finished shard (here shard 1, merged
 /// with the cut-off shard 2) gives none.
@@ -473,15 +487,7 @@ fn cells_a_cut_off_shard_never_reached_say_so() {
                 .unwrap()
                 .remove("finished_at");
         }
-        let data = write_docs(&BTreeMap::from([
-            ("gpu_attention.json", parts[0].clone()),
-            ("gpu_attention.shard2.json", parts[1].clone()),
-        ]));
-        let (_tmp, site) = build_site(data.path());
-        let missing: Vec<String> = page(&site, "attention.html")
-            .select(&sel("table.results td.missing"))
-            .map(text)
-            .collect();
+        let missing = missing_cells_of_two_shards(&parts);
         let with = missing.iter().filter(|c| c.contains(reason)).count();
         (with, missing.len() - with)
     };
@@ -517,15 +523,7 @@ fn parts_comparing_different_alternatives_say_which_part_left_a_cell_out() {
     let command = parts[1]["config"]["command"].as_array_mut().unwrap();
     command.push(Value::from("--exclude"));
     command.push(Value::from(left_out.as_str()));
-    let data = write_docs(&BTreeMap::from([
-        ("gpu_attention.json", parts[0].clone()),
-        ("gpu_attention.shard2.json", parts[1].clone()),
-    ]));
-    let (_tmp, site) = build_site(data.path());
-    let missing: Vec<String> = page(&site, "attention.html")
-        .select(&sel("table.results td.missing"))
-        .map(text)
-        .collect();
+    let missing = missing_cells_of_two_shards(&parts);
     let says = missing
         .iter()
         .filter(|c| {
