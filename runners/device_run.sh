@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine. Binaries and the Python package travel under .carry/ (built on
-# the development machine: `cargo build --release --bin attention --tests`, then
-# `runners/carry.sh .`).
+# the development machine: `cargo build --release --bin attention --bin kernel_sums
+# --bin sequence_mixers --tests`, then `bash runners/fetch_wheels.sh` and `runners/carry.sh .`).
 #
 #   bash .carry/device_run.sh smoke OUTDIR        # < 9 min: GPU tests, comparison tests,
 #                                                 # non-aligned lengths and the T=16384 headline
@@ -16,8 +16,12 @@
 #   bash .carry/device_run.sh mixers_grid OUTDIR [i/n]  # the sequence_mixers grid (or shard i
 #                                                 # of n) with --compare torch,fla (fla-core
 #                                                 # from .carry/whl/, see runners/carry.sh;
-#                                                 # KP_MIXERS_COMPARE overrides the list,
-#                                                 # KP_MIXERS_FILTER narrows the grid)
+#                                                 # KP_MIXERS_COMPARE overrides the list, empty
+#                                                 # for the kernels alone; KP_MIXERS_FILTER
+#                                                 # narrows the grid; KP_MIXERS_TAG names the
+#                                                 # files gpu_sequence_mixers_TAG.json and
+#                                                 # sequence_mixers_TAG.log; KP_MIXERS_LIMIT_S
+#                                                 # caps the step, default 540 s)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
 #   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding

@@ -126,7 +126,7 @@ const ALTERNATIVES: [Alternative; 2] = [
 ];
 
 /// How FLOPs are counted (the document's `flop_rule`).
-const FLOP_RULE: &str = "the recurrence's arithmetic, per token and state element: SSD 5 (the decay and input update, 3; the read-out by C, 2), the selective scan 6 (its per-element Δ·A as well; exponentials not counted); a chunked kernel does more, the count is the same for every implementation of a case. Throughput also as tokens per second (B·T per call)";
+const FLOP_RULE: &str = "the recurrence's arithmetic, per token and state element: SSD 5 (the decay and input update, 3; the read-out by C, 2), the selective scan 6 (its per-element Δ·A as well; exponentials not counted), the gated delta rule 7 (S·k 2, the update α·S + w·kᵀ 3, the read-out S·q 2), Based's linear branch 4 (v·kᵀ added, S·q) plus, for its window, 4·head_dim per (query, key) pair the window holds (q·k and the weighted sum of v); a chunked kernel does more, the count is the same for every implementation of a case. Throughput also as tokens per second (B·T per call)";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
