@@ -1573,3 +1573,54 @@ fn a_glance_cell_without_a_ratio_says_which_reason() {
         "{glance}"
     );
 }
+
+/// An alternative faster than the one an at-a-glance cell compares with, but left out for its
+/// error, is named in the cell.
+#[test]
+fn a_faster_alternative_above_its_tolerance_is_named_at_a_glance() {
+    use kernelpages::schema::Document;
+    let data = tempfile::tempdir().unwrap();
+    let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: Document = serde_json::from_str(&json).unwrap();
+    let flag = "faster, but its error is above its tolerance";
+    // The first case with an ok default and an ok alternative: the alternative made ten times
+    // faster than the default and ten times over its tolerance.
+    let (case, default_ms) = doc
+        .rows
+        .iter()
+        .filter(|r| r.default && r.status == Status::Ok)
+        .find_map(|d| {
+            let alt = doc.rows.iter().any(|r| {
+                !r.default && r.case == d.case && r.status == Status::Ok && r.accuracy.is_some()
+            });
+            alt.then(|| (d.case.clone(), d.median_ms.unwrap()))
+        })
+        .expect("a case with an ok alternative");
+    let alt = doc
+        .rows
+        .iter_mut()
+        .find(|r| !r.default && r.case == case && r.status == Status::Ok && r.accuracy.is_some())
+        .unwrap();
+    alt.median_ms = Some(default_ms / 10.0);
+    alt.q1_ms = Some(default_ms / 10.0);
+    alt.q3_ms = Some(default_ms / 10.0);
+    let acc = alt.accuracy.as_mut().unwrap();
+    acc.rel_err = acc.tolerance * 10.0;
+    let name = alt.implementation.clone();
+    fs::write(
+        data.path().join("gpu_attention.json"),
+        serde_json::to_string(&doc).unwrap(),
+    )
+    .unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let glance = text(
+        page(&site, "index.html")
+            .select(&sel("table.glance"))
+            .next()
+            .unwrap(),
+    );
+    assert!(glance.contains(&format!("{name}: {flag}")), "{glance}");
+    // The committed fixture has no such row.
+    let (_tmp, site) = build_site(&valid_dir(), None);
+    assert!(!text_of(&site, "index.html").contains(flag));
+}

@@ -673,6 +673,20 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
                 if let Some((_, alt)) = best {
                     row.flags.extend(flags_of(alt));
                 }
+                // An alternative left out for its error that is faster than the one compared
+                // (or than the default, when none is): the cell says so rather than hide it.
+                let bar = best.map(|(ms, _)| ms).or(default.median_ms);
+                for r in by_impl.values().filter(|r| {
+                    !r.default
+                        && r.status == Status::Ok
+                        && above_tolerance(r)
+                        && r.median_ms.zip(bar).is_some_and(|(m, b)| m < b)
+                }) {
+                    row.flags.push(format!(
+                        "{}: faster, but its error is above its tolerance",
+                        r.implementation
+                    ));
+                }
                 match (default.status, default.median_ms, best) {
                     (Status::Ok, _, _) if row.default_inaccurate => {
                         row.note = Some("default inaccurate (error above its tolerance)".into())
