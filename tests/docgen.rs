@@ -1624,3 +1624,50 @@ fn a_faster_alternative_above_its_tolerance_is_named_at_a_glance() {
     let (_tmp, site) = build_site(&valid_dir(), None);
     assert!(!text_of(&site, "index.html").contains(flag));
 }
+
+/// The table of cases measured at one size says, in a run that stopped early, that some may
+/// lack sizes the run never reached; a finished run's table does not.
+#[test]
+fn single_size_cases_of_an_incomplete_run_say_so() {
+    use kernelpages::schema::{Document, Param};
+    let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: Document = serde_json::from_str(&json).unwrap();
+    let smallest = doc
+        .rows
+        .iter()
+        .filter_map(|r| match r.case.get("seq_len") {
+            Some(Param::Int(t)) => Some(*t),
+            _ => None,
+        })
+        .min()
+        .unwrap();
+    doc.rows
+        .retain(|r| r.case.get("seq_len") == Some(&Param::Int(smallest)));
+    let phrase = "the run is incomplete, so some may lack sizes it never reached";
+    let titles = |doc: &Document| {
+        let data = tempfile::tempdir().unwrap();
+        fs::write(
+            data.path().join("gpu_attention.json"),
+            serde_json::to_string(doc).unwrap(),
+        )
+        .unwrap();
+        let (_tmp, site) = build_site(data.path(), None);
+        page(&site, "attention.html")
+            .select(&sel("section.group h3"))
+            .map(text)
+            .filter(|t| t.starts_with("Cases measured at one size"))
+            .collect::<Vec<String>>()
+    };
+    let finished = titles(&doc);
+    assert!(
+        !finished.is_empty(),
+        "the fixture cut to one size has single cases"
+    );
+    assert!(finished.iter().all(|t| !t.contains(phrase)), "{finished:?}");
+    doc.config.finished_at = None;
+    let cut = titles(&doc);
+    assert!(
+        !cut.is_empty() && cut.iter().all(|t| t.contains(phrase)),
+        "{cut:?}"
+    );
+}

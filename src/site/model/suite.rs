@@ -612,10 +612,18 @@ fn merge_single_cases(
             "g-{:016x}",
             format::stable_hash(format!("{}\0single cases", loaded.file_name()).as_bytes())
         ),
-        title: if shared_text.is_empty() {
-            "Cases measured at one size".to_string()
-        } else {
-            format!("Cases measured at one size ({})", shared_text.join(", "))
+        title: {
+            let mut t = if shared_text.is_empty() {
+                "Cases measured at one size".to_string()
+            } else {
+                format!("Cases measured at one size ({})", shared_text.join(", "))
+            };
+            // In a run that stopped early or lacks shards, a case may be here only because its
+            // other sizes were never reached.
+            if !loaded.cut_off_cases.is_empty() || !loaded.missing_shards.is_empty() {
+                t.push_str(": the run is incomplete, so some may lack sizes it never reached");
+            }
+            t
         },
         x_name: "case".to_string(),
         implementations: impls.to_vec(),
