@@ -1505,29 +1505,30 @@ fn a_tile_sweep_is_a_run_of_its_own_with_its_own_section() {
     );
 }
 
+/// The text of the at-a-glance table of a site built from `doc` alone.
+fn glance_of(doc: &kernelpages::schema::Document) -> String {
+    let data = tempfile::tempdir().unwrap();
+    fs::write(
+        data.path().join("gpu_attention.json"),
+        serde_json::to_string(doc).unwrap(),
+    )
+    .unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    text(
+        page(&site, "index.html")
+            .select(&sel("table.glance"))
+            .next()
+            .unwrap(),
+    )
+}
+
 /// An at-a-glance cell without a ratio says why: no alternative's row at that size, no
 /// alternative that ran, or none accurate and not launch-bound.
 #[test]
 fn a_glance_cell_without_a_ratio_says_which_reason() {
     use kernelpages::schema::{Document, Param};
-    let data = tempfile::tempdir().unwrap();
     let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
     let mut doc: Document = serde_json::from_str(&json).unwrap();
-    // The text of the at-a-glance table of a site built from `doc` alone.
-    let glance_of = |doc: &Document| {
-        fs::write(
-            data.path().join("gpu_attention.json"),
-            serde_json::to_string(doc).unwrap(),
-        )
-        .unwrap();
-        let (_tmp, site) = build_site(data.path(), None);
-        text(
-            page(&site, "index.html")
-                .select(&sel("table.glance"))
-                .next()
-                .unwrap(),
-        )
-    };
     let group = |r: &Row, t: i64| {
         r.case.get("head_dim") == Some(&Param::Int(64))
             && r.case.get("causal") == Some(&Param::Bool(false))
@@ -1579,7 +1580,6 @@ fn a_glance_cell_without_a_ratio_says_which_reason() {
 #[test]
 fn a_faster_alternative_above_its_tolerance_is_named_at_a_glance() {
     use kernelpages::schema::Document;
-    let data = tempfile::tempdir().unwrap();
     let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
     let mut doc: Document = serde_json::from_str(&json).unwrap();
     let flag = "faster, but its error is above its tolerance";
@@ -1607,18 +1607,7 @@ fn a_faster_alternative_above_its_tolerance_is_named_at_a_glance() {
     let acc = alt.accuracy.as_mut().unwrap();
     acc.rel_err = acc.tolerance * 10.0;
     let name = alt.implementation.clone();
-    fs::write(
-        data.path().join("gpu_attention.json"),
-        serde_json::to_string(&doc).unwrap(),
-    )
-    .unwrap();
-    let (_tmp, site) = build_site(data.path(), None);
-    let glance = text(
-        page(&site, "index.html")
-            .select(&sel("table.glance"))
-            .next()
-            .unwrap(),
-    );
+    let glance = glance_of(&doc);
     assert!(glance.contains(&format!("{name}: {flag}")), "{glance}");
     // The committed fixture has no such row.
     let (_tmp, site) = build_site(&valid_dir(), None);

@@ -485,65 +485,43 @@ impl Ssd {
             // (16 rows of P times n_split column slices, head, batch entry) with P a multiple
             // of 16 and N / n_split of 32 (`tensor_core_shared_bytes`, `tc_n_split`).
             unsafe { l.launch(walk)? };
-            let mut l = gpu.stream.launch_builder(scan);
+        } else {
+            let mut l = gpu.stream.launch_builder(&self.chunk_state);
             l.arg(x)
                 .arg(dt)
                 .arg(a)
                 .arg(b)
-                .arg(c)
-                .arg(d.unwrap_or(&self.unused))
-                .arg(&has_d)
-                .arg(&self.states_bf16)
-                .arg(&mut *y)
+                .arg(&mut self.states)
+                .arg(&mut self.decay)
                 .arg(&t_len)
                 .arg(&heads)
                 .arg(&groups)
                 .arg(&p)
                 .arg(&n);
-            // SAFETY: ssd_chunk_scan_tc(const u16* x, const float* dt, const float* A,
-            // const u16* Bm, const u16* Cm, const float* D, int has_d, const u16* states, T* y,
-            // int T_len, int heads, int groups, int P, int N) with T u16, or float for
-            // ssd_chunk_scan_tc_f32out (the element sizes were checked above): the checked
-            // buffers, the states written by the launch before; each block writes the rows of
-            // its chunk.
-            unsafe { l.launch(cfg(scan_smem, grid))? };
-            return Ok(());
+            // SAFETY: ssd_chunk_state_<t>(const T* x, const float* dt, const float* A, const T* Bm,
+            // float* states, float* chunk_log_decay, int T_len, int heads, int groups, int P,
+            // int N); the lengths were checked above and the scratch was sized for this shape in
+            // `new`; the kernel reads chunk rows below T only and writes its (chunk, head, batch)
+            // slice of the scratch.
+            unsafe { l.launch(cfg(state_smem, grid))? };
+            let mut l = gpu.stream.launch_builder(&self.passing);
+            l.arg(&mut self.states)
+                .arg(&self.decay)
+                .arg(initial_state.unwrap_or(&self.unused))
+                .arg(&has_initial)
+                .arg(&mut *final_state)
+                .arg(&heads)
+                .arg(&chunks)
+                .arg(&p)
+                .arg(&n);
+            let slices = (s.head_dim * s.state).div_ceil(THREADS as usize) as u32;
+            // SAFETY: ssd_state_passing(float* states, const float* chunk_log_decay,
+            // const float* initial_state, int has_initial, float* final_state, int heads,
+            // int n_chunks, int P, int N): blocks (head, batch entry, slice), ⌈P·N / 256⌉ slices
+            // covering the P·N elements once, over the checked buffers; the initial state is read
+            // only when has_initial is 1, and then holds B·H·P·N floats.
+            unsafe { l.launch(cfg(0, (s.heads as u32, s.batch as u32, slices)))? };
         }
-        let mut l = gpu.stream.launch_builder(&self.chunk_state);
-        l.arg(x)
-            .arg(dt)
-            .arg(a)
-            .arg(b)
-            .arg(&mut self.states)
-            .arg(&mut self.decay)
-            .arg(&t_len)
-            .arg(&heads)
-            .arg(&groups)
-            .arg(&p)
-            .arg(&n);
-        // SAFETY: ssd_chunk_state_<t>(const T* x, const float* dt, const float* A, const T* Bm,
-        // float* states, float* chunk_log_decay, int T_len, int heads, int groups, int P,
-        // int N); the lengths were checked above and the scratch was sized for this shape in
-        // `new`; the kernel reads chunk rows below T only and writes its (chunk, head, batch)
-        // slice of the scratch.
-        unsafe { l.launch(cfg(state_smem, grid))? };
-        let mut l = gpu.stream.launch_builder(&self.passing);
-        l.arg(&mut self.states)
-            .arg(&self.decay)
-            .arg(initial_state.unwrap_or(&self.unused))
-            .arg(&has_initial)
-            .arg(&mut *final_state)
-            .arg(&heads)
-            .arg(&chunks)
-            .arg(&p)
-            .arg(&n);
-        let slices = (s.head_dim * s.state).div_ceil(THREADS as usize) as u32;
-        // SAFETY: ssd_state_passing(float* states, const float* chunk_log_decay,
-        // const float* initial_state, int has_initial, float* final_state, int heads,
-        // int n_chunks, int P, int N): blocks (head, batch entry, slice), ⌈P·N / 256⌉ slices
-        // covering the P·N elements once, over the checked buffers; the initial state is read
-        // only when has_initial is 1, and then holds B·H·P·N floats.
-        unsafe { l.launch(cfg(0, (s.heads as u32, s.batch as u32, slices)))? };
         let mut l = gpu.stream.launch_builder(scan);
         l.arg(x)
             .arg(dt)
@@ -551,9 +529,14 @@ impl Ssd {
             .arg(b)
             .arg(c)
             .arg(d.unwrap_or(&self.unused))
-            .arg(&has_d)
-            .arg(&self.states)
-            .arg(&mut *y)
+            .arg(&has_d);
+        // The states entering each chunk: bf16 from the walk, or float32 from the passing.
+        if self.tensor_cores {
+            l.arg(&self.states_bf16);
+        } else {
+            l.arg(&self.states);
+        }
+        l.arg(&mut *y)
             .arg(&t_len)
             .arg(&heads)
             .arg(&groups)
@@ -562,9 +545,10 @@ impl Ssd {
         // SAFETY: ssd_chunk_scan_<t>(const T* x, const float* dt, const float* A, const T* Bm,
         // const T* Cm, const float* D, int has_d, const float* states, T* y, int T_len,
         // int heads, int groups, int P, int N), or ssd_chunk_scan_bf16_f32out, the same with
-        // float* y (the element sizes of T and Y were checked against the function above):
-        // the checked buffers; D is read only when has_d is 1 and then holds H floats; each
-        // block writes the rows of its chunk.
+        // float* y; on the tensor-core path ssd_chunk_scan_tc(_f32out), the same with
+        // const u16* states (the element sizes of T and Y were checked against the function
+        // above): the checked buffers, the states written by the launches before; D is read
+        // only when has_d is 1 and then holds H floats; each block writes the rows of its chunk.
         unsafe { l.launch(cfg(scan_smem, grid))? };
         Ok(())
     }

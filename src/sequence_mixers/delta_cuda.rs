@@ -284,27 +284,24 @@ impl GatedDelta {
         let has_initial = i32::from(initial_state.is_some());
         let (t_len, heads, chunks) = (s.seq_len as i32, s.heads as i32, n_chunks as i32);
         let (kd, vd) = (s.key_dim as i32, s.value_dim as i32);
-        let cfg = |grid: (u32, u32, u32), smem: u32| LaunchConfig {
+        let cfg = |grid: (u32, u32, u32), threads: u32, smem: u32| LaunchConfig {
             grid_dim: grid,
-            block_dim: (THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
         let per_chunk = (n_chunks as u32, s.heads as u32, s.batch as u32);
-        let row_blocks = (
-            s.value_dim.div_ceil(ROWS) as u32,
-            s.heads as u32,
-            s.batch as u32,
-        );
-        if self.tensor_cores {
-            return self.launch_tc(gpu, (q, k, v, alpha, beta), initial_state, o, final_state);
-        }
+        // Version 3.1 (tensor cores) keeps W, U and the entering states in bf16 and walks the
+        // state TC_ROWS rows per block of TC_STATE_THREADS; version 2 all in float32, ROWS rows
+        // per block of THREADS. The launches are otherwise the same.
+        let tc = self.tensor_cores;
         let mut l = gpu.stream.launch_builder(&self.kernels[0]);
-        l.arg(k)
-            .arg(v)
-            .arg(alpha)
-            .arg(beta)
-            .arg(&mut self.w)
-            .arg(&mut self.u)
+        l.arg(k).arg(v).arg(alpha).arg(beta);
+        if tc {
+            l.arg(&mut self.w16);
+        } else {
+            l.arg(&mut self.w);
+        }
+        l.arg(&mut self.u)
             .arg(&mut self.g)
             .arg(&t_len)
             .arg(&heads)
@@ -312,136 +309,67 @@ impl GatedDelta {
             .arg(&vd);
         // SAFETY: gdn_prepare_<t>(const T* k, const T* v, const float* alpha,
         // const float* beta, float* w, float* u, float* g, int T_len, int heads, int K,
-        // int V): blocks (chunk, head, batch entry) read their chunk's rows below T of the
+        // int V), or gdn_prepare_tc, the same with bf16 k, v (T is 2 bytes, checked above) and
+        // u16* w: blocks (chunk, head, batch entry) read their chunk's rows below T of the
         // checked inputs and write their chunk's slots of the scratch, which `new` sized for
         // this shape; K, V ≤ MAX_DIM and the shared memory is what `new` raised the limit to.
-        unsafe { l.launch(cfg(per_chunk, smem[0]))? };
+        unsafe { l.launch(cfg(per_chunk, THREADS, smem[0]))? };
         let mut l = gpu.stream.launch_builder(&self.kernels[1]);
-        l.arg(k)
-            .arg(&self.w)
-            .arg(&mut self.u)
-            .arg(&self.g)
+        l.arg(k);
+        if tc {
+            l.arg(&self.w16).arg(&self.u);
+        } else {
+            l.arg(&self.w).arg(&mut self.u);
+        }
+        l.arg(&self.g)
             .arg(initial_state.unwrap_or(&self.unused))
-            .arg(&has_initial)
-            .arg(&mut self.states)
-            .arg(&mut *final_state)
+            .arg(&has_initial);
+        if tc {
+            l.arg(&mut self.states16).arg(&mut self.u16);
+        } else {
+            l.arg(&mut self.states);
+        }
+        l.arg(&mut *final_state)
             .arg(&t_len)
             .arg(&heads)
             .arg(&kd)
             .arg(&vd)
             .arg(&chunks);
-        // SAFETY: gdn_state_pass_<t>(const T* k, const float* w, float* u, const float* g,
-        // const float* initial_state, int has_initial, float* states, float* final_state,
-        // int T_len, int heads, int K, int V, int n_chunks): blocks (⌈V / ROWS⌉ row blocks,
-        // head, batch entry) own disjoint rows of the state, of U and of the states scratch;
-        // the initial state is read only when has_initial is 1, and then holds B·H·V·K floats.
-        unsafe { l.launch(cfg(row_blocks, smem[1]))? };
-        let mut l = gpu.stream.launch_builder(&self.kernels[2]);
-        l.arg(q)
-            .arg(k)
-            .arg(&self.u)
-            .arg(&self.g)
-            .arg(&self.states)
-            .arg(&mut *o)
-            .arg(&t_len)
-            .arg(&heads)
-            .arg(&kd)
-            .arg(&vd);
-        // SAFETY: gdn_output_<t>(const T* q, const T* k, const float* u, const float* g,
-        // const float* states, T* o, int T_len, int heads, int K, int V): blocks (chunk, head,
-        // batch entry) read the scratch the two launches before wrote for their chunk and
-        // write their chunk's rows of o below T.
-        unsafe { l.launch(cfg(per_chunk, smem[2]))? };
-        Ok(())
-    }
-
-    /// The three launches of the tensor-core path (the buffers checked by [`Self::launch`]).
-    #[allow(clippy::type_complexity)]
-    fn launch_tc<T: DeviceRepr>(
-        &mut self,
-        gpu: &Gpu,
-        (q, k, v, alpha, beta): (
-            &CudaSlice<T>,
-            &CudaSlice<T>,
-            &CudaSlice<T>,
-            &CudaSlice<f32>,
-            &CudaSlice<f32>,
-        ),
-        initial_state: Option<&CudaSlice<f32>>,
-        o: &mut CudaViewMut<'_, T>,
-        final_state: &mut CudaSlice<f32>,
-    ) -> Result<(), GpuError> {
-        let s = self.shape;
-        let n_chunks = s.seq_len.div_ceil(CHUNK);
-        let has_initial = i32::from(initial_state.is_some());
-        let (t_len, heads, chunks) = (s.seq_len as i32, s.heads as i32, n_chunks as i32);
-        let (kd, vd) = (s.key_dim as i32, s.value_dim as i32);
-        let cfg = |grid: (u32, u32, u32), threads: u32, smem: u32| LaunchConfig {
-            grid_dim: grid,
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem,
+        let (rows, threads) = if tc {
+            (TC_ROWS, TC_STATE_THREADS)
+        } else {
+            (ROWS, THREADS)
         };
-        let per_chunk = (n_chunks as u32, s.heads as u32, s.batch as u32);
-        let mut l = gpu.stream.launch_builder(&self.kernels[0]);
-        l.arg(k)
-            .arg(v)
-            .arg(alpha)
-            .arg(beta)
-            .arg(&mut self.w16)
-            .arg(&mut self.u)
-            .arg(&mut self.g)
-            .arg(&t_len)
-            .arg(&heads)
-            .arg(&kd)
-            .arg(&vd);
-        // SAFETY: gdn_prepare_tc(const u16* k, const u16* v, const float* alpha,
-        // const float* beta, u16* w, float* u, float* g, int T_len, int heads, int K, int V):
-        // bf16 k and v (T is 2 bytes: checked by `launch`), the checked α and β; the scratch
-        // sized in `new` for this shape's chunks; each block writes its chunk's rows.
-        unsafe { l.launch(cfg(per_chunk, THREADS, self.smem[0]))? };
-        let mut l = gpu.stream.launch_builder(&self.kernels[1]);
-        l.arg(k)
-            .arg(&self.w16)
-            .arg(&self.u)
-            .arg(&self.g)
-            .arg(initial_state.unwrap_or(&self.unused))
-            .arg(&has_initial)
-            .arg(&mut self.states16)
-            .arg(&mut self.u16)
-            .arg(&mut *final_state)
-            .arg(&t_len)
-            .arg(&heads)
-            .arg(&kd)
-            .arg(&vd)
-            .arg(&chunks);
         let row_blocks = (
-            (s.value_dim / TC_ROWS) as u32,
+            s.value_dim.div_ceil(rows) as u32,
             s.heads as u32,
             s.batch as u32,
         );
-        // SAFETY: gdn_state_tc(const u16* k, const u16* w, const float* u, const float* g,
-        // const float* initial_state, int has_initial, u16* states, u16* u_out,
-        // float* final_state, int T_len, int heads, int K, int V, int n_chunks): the scratch
-        // the launch before filled (same stream), sized in `new`; V a multiple of 16 (the
-        // blocks' rows) and K of 32 (`tc_shared_bytes`); the initial state read only when
-        // has_initial is 1.
-        unsafe { l.launch(cfg(row_blocks, TC_STATE_THREADS, self.smem[1]))? };
+        // SAFETY: gdn_state_pass_<t>(const T* k, const float* w, float* u, const float* g,
+        // const float* initial_state, int has_initial, float* states, float* final_state,
+        // int T_len, int heads, int K, int V, int n_chunks), or gdn_state_tc(const u16* k,
+        // const u16* w, const float* u, const float* g, const float* initial_state,
+        // int has_initial, u16* states, u16* u_out, float* final_state, int T_len, int heads,
+        // int K, int V, int n_chunks): blocks (⌈V / rows⌉ row blocks, head, batch entry) own
+        // disjoint rows of the state, of U and of the states scratch (V a multiple of 16 and K
+        // of 32 on the tensor-core path, `tc_shared_bytes`); the scratch is what the launch
+        // before filled (same stream); the initial state is read only when has_initial is 1,
+        // and then holds B·H·V·K floats.
+        unsafe { l.launch(cfg(row_blocks, threads, smem[1]))? };
         let mut l = gpu.stream.launch_builder(&self.kernels[2]);
-        l.arg(q)
-            .arg(k)
-            .arg(&self.u16)
-            .arg(&self.g)
-            .arg(&self.states16)
-            .arg(&mut *o)
-            .arg(&t_len)
-            .arg(&heads)
-            .arg(&kd)
-            .arg(&vd);
-        // SAFETY: gdn_output_tc(const u16* q, const u16* k, const u16* u, const float* g,
-        // const u16* states, u16* o, int T_len, int heads, int K, int V): the checked q, k and
-        // O (bf16) and the scratch the launches before filled; each block writes its chunk's
-        // rows of O.
-        unsafe { l.launch(cfg(per_chunk, THREADS, self.smem[2]))? };
+        l.arg(q).arg(k);
+        if tc {
+            l.arg(&self.u16).arg(&self.g).arg(&self.states16);
+        } else {
+            l.arg(&self.u).arg(&self.g).arg(&self.states);
+        }
+        l.arg(&mut *o).arg(&t_len).arg(&heads).arg(&kd).arg(&vd);
+        // SAFETY: gdn_output_<t>(const T* q, const T* k, const float* u, const float* g,
+        // const float* states, T* o, int T_len, int heads, int K, int V), or gdn_output_tc, the
+        // same with bf16 q, k, o and u16* u and states: blocks (chunk, head, batch entry) read
+        // the scratch the two launches before wrote for their chunk and write their chunk's
+        // rows of o below T.
+        unsafe { l.launch(cfg(per_chunk, THREADS, smem[2]))? };
         Ok(())
     }
 }
