@@ -665,6 +665,58 @@ fn a_run_that_stopped_early_is_named_on_the_pages() {
     }
 }
 
+/// A run in two parts (two documents, two `--filter`s) of which one stopped early: the page
+/// names the part that stopped, by its command, and says another part may hold the cases it
+/// never reached; the part that finished is not named as stopped.
+#[test]
+fn the_part_of_a_run_that_stopped_early_is_named() {
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    let rows = doc["rows"].as_array().unwrap().clone();
+    let mut cases: Vec<&serde_json::Value> = Vec::new();
+    for r in &rows {
+        if !cases.contains(&&r["case"]) {
+            cases.push(&r["case"]);
+        }
+    }
+    assert!(cases.len() >= 2, "the fixture has two cases at least");
+    let data = tempfile::tempdir().unwrap();
+    for (i, filter) in ["first_part", "second_part"].iter().enumerate() {
+        let mut part = doc.clone();
+        let mut c = doc["config"]["command"].as_array().unwrap().clone();
+        c.extend([serde_json::json!("--filter"), serde_json::json!(filter)]);
+        part["config"]["command"] = serde_json::json!(c);
+        part["rows"] = serde_json::json!(rows
+            .iter()
+            .filter(|r| cases.iter().position(|c| *c == &r["case"]).unwrap() % 2 == i)
+            .cloned()
+            .collect::<Vec<_>>());
+        if i == 1 {
+            part["config"]
+                .as_object_mut()
+                .unwrap()
+                .remove("finished_at");
+        }
+        fs::write(
+            data.path().join(format!("gpu_attention_{}.json", i + 1)),
+            part.to_string(),
+        )
+        .unwrap();
+    }
+    let (_tmp, site) = build_site(data.path(), None);
+    let t = text_of(&site, "attention.html");
+    let said = t
+        .split("stopped before it finished in one part")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no part named as stopped: {t}"));
+    let said = &said[..said
+        .find("parts measured them")
+        .expect("the sentence goes on")];
+    assert!(said.contains("--filter second_part"), "{said}");
+    assert!(!said.contains("first_part"), "{said}");
+    assert!(said.ends_with("another of the run's 2 "), "{said}");
+}
+
 /// Shards 1 and 3 of 4 in the data folder: the run is incomplete, and the Attention page, the
 /// overview's Known limitations and its setup record say which shards are missing; with all
 /// four there, none of them does.

@@ -2,7 +2,7 @@
 //! its figures per group of rows, drawn against the document's declared axes, with every
 //! throughput the document declares.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
@@ -509,10 +509,39 @@ pub fn incomplete_run(loaded: &Loaded) -> Option<String> {
         )
     });
     let stopped = (!loaded.cut_off_cases.is_empty()).then(|| {
-        "The run stopped before it finished (a document of it has no finished_at, as when its \
-         time limit ran out): the cases it never reached have no rows, and where it reached a \
-         case for some implementations only, the others' cells say so."
-            .to_string()
+        // Which parts of the run (documents, told apart by their commands) were cut off; when
+        // the run had other parts, they may hold cases the cut-off part never reached.
+        let cut: BTreeSet<&str> = loaded
+            .cut_off_cases
+            .iter()
+            .filter_map(|k| loaded.case_parts.get(k))
+            .map(|p| p.command.as_str())
+            .collect();
+        let parts: BTreeSet<&str> = loaded
+            .case_parts
+            .values()
+            .map(|p| p.command.as_str())
+            .collect();
+        if cut.is_empty() || cut.len() == parts.len() {
+            return "The run stopped before it finished (a document of it has no finished_at, as \
+                    when its time limit ran out): the cases it never reached have no rows, and \
+                    where it reached a case for some implementations only, the others' cells say \
+                    so."
+            .to_string();
+        }
+        let one = cut.len() == 1;
+        let names: Vec<String> = cut.iter().map(|c| format!("\"{c}\"")).collect();
+        format!(
+            "The run stopped before it finished in {}: {} (its document{} no finished_at, as \
+             when a time limit ran out). Cases {} never reached have no rows unless another of \
+             the run's {} parts measured them; where a case was reached for some \
+             implementations only, the others' cells say so.",
+            if one { "one part" } else { "some parts" },
+            names.join(", "),
+            if one { " has" } else { "s have" },
+            if one { "that part" } else { "those parts" },
+            parts.len()
+        )
     });
     match (missing, stopped) {
         (None, None) => None,
