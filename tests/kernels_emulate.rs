@@ -373,3 +373,29 @@ fn selective_scan_kernel_emulated_matches_the_recurrence() {
     .collect();
     emulated_kernel_runs_clean("scan_check", &cases);
 }
+
+/// The selective scan's backward (`scan.cu`'s `scan_bwd`: checkpoints every chunk, each chunk
+/// recomputed into shared memory and walked backwards, dB and dC summed over a block's
+/// channels and added with atomics) on the CPU against a float64 adjoint, itself checked
+/// against finite differences: every gradient, with D, an initial state and a cotangent of the
+/// final state; one step, lengths shorter than, equal to and past a chunk, channels not a
+/// multiple of the block's warps, one and two states per lane, with the host's chunk
+/// (`scan_cuda::backward_chunk`) and a short one.
+#[test]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+fn selective_scan_backward_emulated_matches_the_adjoint() {
+    use kernelpages::sequence_mixers::scan_cuda::backward_chunk;
+    let mut cases: Vec<String> = [
+        (1, 1, 1, 1),
+        (2, 37, 13, 16),
+        (1, 32, 8, 16),
+        (1, 70, 9, 33),
+        (1, 64, 8, 64),
+        (1, 5, 3, 16),
+    ]
+    .iter()
+    .map(|&(b, t, d, n)| format!("{b},{t},{d},{n},{}", backward_chunk(n).unwrap()))
+    .collect();
+    cases.push("1,29,10,16,4".into());
+    emulated_kernel_runs_clean("scan_bwd_check", &cases);
+}

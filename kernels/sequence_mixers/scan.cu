@@ -128,3 +128,245 @@ SCAN_ENTRY(bf16, u16, 1)
 SCAN_ENTRY(bf16, u16, 2)
 SCAN_ENTRY(bf16, u16, 4)
 SCAN_ENTRY(bf16, u16, 8)
+
+// ---------------------------------------------------------------------------------------------
+// The selective scan's backward, version 1.1 (version 1 and the forward's prefetch): the
+// vector-Jacobian product of scan_fwd, the adjoint of the recurrence walked from the last step back to the first as in
+// src/sequence_mixers/gradients.rs's selective_scan_backward (and Mamba's own backward pass),
+// with g_t = dL/dh_t:
+//
+//   g_t = C_t dy_t + exp(dt_{t+1} A) g_{t+1}           (g_T also takes d_final_state)
+//   du_t = <g_t, dt_t B_t> + D dy_t                    ddt_t = <g_t, A e_t h_{t-1} + u_t B_t>
+//   dB_t += g_t dt_t u_t  (summed over channels)      dC_t += dy_t h_t  (summed over channels)
+//   dA += g_t dt_t e_t h_{t-1}                         dD += dy_t u_t,   dh_0 = e_1 g_1
+//
+// where e_t = exp(dt_t A). One warp per (batch entry, channel) as in the forward, the lanes
+// splitting the N <= 64 state entries (S = 1 or 2 per lane). Pass 1 runs the forward and keeps
+// the state at the start of every chunk of L steps (checkpoints [B, D, ceil(T/L), N], float32,
+// scratch). Pass 2 takes the chunks from the last: the chunk's states h_{t-1} are recomputed
+// from its checkpoint into this warp's shared rows ([L][N]), then its steps are walked
+// backwards. The per-step terms of dB and dC are parked in shared memory per warp, and after
+// each chunk the block adds its warps' terms and adds the sums to dB and dC with one atomicAdd
+// per (step, state entry) per block; dA and dD take one atomicAdd per element per (batch entry,
+// channel). dA, dB, dC and dD must be zero before the launch; every gradient is float32.
+// Dynamic shared memory: 3 * SCAN_BWD_WARPS * L * N floats. L and the grid as the host's
+// scan_cuda::ScanBackward says; T >= 1.
+
+#define SCAN_BWD_WARPS 8
+#define SCAN_BWD_THREADS (32 * SCAN_BWD_WARPS)
+#define SCAN_BWD_G 8  // steps whose inputs are loaded at once (version 1.1)
+
+template <typename T, int S>
+__device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delta,
+                         const float* __restrict__ A, const T* __restrict__ Bm,
+                         const T* __restrict__ Cm, const float* __restrict__ D, int has_d,
+                         const float* __restrict__ initial_state, int has_initial,
+                         const T* __restrict__ dy, const float* __restrict__ d_final,
+                         int has_d_final, float* __restrict__ checkpoints,
+                         float* __restrict__ du, float* __restrict__ ddelta,
+                         float* __restrict__ dA, float* __restrict__ dBm,
+                         float* __restrict__ dCm, float* __restrict__ dD,
+                         float* __restrict__ d_initial, int T_len, int channels, int N, int L) {
+    extern __shared__ float smem[];
+    const int lane = threadIdx.x & 31;
+    const int w = threadIdx.x >> 5;
+    const int d = blockIdx.x * SCAN_BWD_WARPS + w;
+    const int b = blockIdx.y;
+    const bool live = d < channels;
+    // Warps of this block with a channel: only theirs are summed into dB and dC.
+    const int live_warps = min(SCAN_BWD_WARPS, channels - (int)blockIdx.x * SCAN_BWD_WARPS);
+    const int chunks = (T_len + L - 1) / L;
+    float* hs = smem + (long long)w * L * N;                   // [L][N]: h_{t-1} per step
+    float* park_b = smem + (long long)SCAN_BWD_WARPS * L * N;  // [warps][L][N]: dB terms
+    float* park_c = park_b + (long long)SCAN_BWD_WARPS * L * N;  // [warps][L][N]: dC terms
+    const long long row = ((long long)b * channels + d) * N;    // [B, D, N] state rows
+    const long long ckpt = ((long long)b * channels + d) * chunks * N;
+    float a[S], h[S], g[S], da[S];
+#pragma unroll
+    for (int k = 0; k < S; ++k) {
+        const int n = lane + 32 * k;
+        const bool on = live && n < N;
+        a[k] = on ? A[(long long)d * N + n] : 0.f;
+        h[k] = (on && has_initial) ? initial_state[row + n] : 0.f;
+        g[k] = (on && has_d_final) ? d_final[row + n] : 0.f;
+        da[k] = 0.f;
+    }
+    const float skip = (live && has_d) ? D[d] : 0.f;
+    float dd_sum = 0.f;
+    // Pass 1: the forward, keeping the state entering every chunk.
+    // Version 1.1: every walk loads SCAN_BWD_G steps' inputs into registers before using
+    // them (the forward's prefetch, version 1.1), so a step no longer waits on its own loads.
+    if (live) {
+        for (int t0 = 0; t0 < T_len; t0 += SCAN_BWD_G) {
+            float gdt[SCAN_BWD_G], gdtu[SCAN_BWD_G], gb[SCAN_BWD_G][S];
+#pragma unroll
+            for (int q = 0; q < SCAN_BWD_G; ++q) {
+                const int t = min(t0 + q, T_len - 1);
+                const long long bt = (long long)b * T_len + t;
+                const long long i = bt * channels + d;
+                gdt[q] = delta[i];
+                gdtu[q] = gdt[q] * ld(u, i);
+#pragma unroll
+                for (int k = 0; k < S; ++k) {
+                    const int n = lane + 32 * k;
+                    gb[q][k] = n < N ? ld(Bm, bt * N + n) : 0.f;
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < SCAN_BWD_G; ++q) {
+                const int t = t0 + q;
+                if (t < T_len) {
+#pragma unroll
+                    for (int k = 0; k < S; ++k) {
+                        const int n = lane + 32 * k;
+                        if (n < N) {
+                            if (t % L == 0)
+                                checkpoints[ckpt + (long long)(t / L) * N + n] = h[k];
+                            h[k] = __expf(gdt[q] * a[k]) * h[k] + gdtu[q] * gb[q][k];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Pass 2: the chunks from the last, each walked backwards.
+    for (int c = chunks - 1; c >= 0; --c) {
+        const int t0 = c * L;
+        const int len = min(L, T_len - t0);
+        if (live) {
+#pragma unroll
+            for (int k = 0; k < S; ++k) {
+                const int n = lane + 32 * k;
+                h[k] = n < N ? checkpoints[ckpt + (long long)c * N + n] : 0.f;
+            }
+            for (int j0 = 0; j0 < len; j0 += SCAN_BWD_G) {
+                float gdt[SCAN_BWD_G], gdtu[SCAN_BWD_G], gb[SCAN_BWD_G][S];
+#pragma unroll
+                for (int q = 0; q < SCAN_BWD_G; ++q) {
+                    const long long bt = (long long)b * T_len + t0 + min(j0 + q, len - 1);
+                    const long long i = bt * channels + d;
+                    gdt[q] = delta[i];
+                    gdtu[q] = gdt[q] * ld(u, i);
+#pragma unroll
+                    for (int k = 0; k < S; ++k) {
+                        const int n = lane + 32 * k;
+                        gb[q][k] = n < N ? ld(Bm, bt * N + n) : 0.f;
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < SCAN_BWD_G; ++q) {
+                    const int j = j0 + q;
+                    if (j < len) {
+#pragma unroll
+                        for (int k = 0; k < S; ++k) {
+                            const int n = lane + 32 * k;
+                            if (n < N) {
+                                hs[j * N + n] = h[k];  // each lane reads back only its own
+                                h[k] = __expf(gdt[q] * a[k]) * h[k] + gdtu[q] * gb[q][k];
+                            }
+                        }
+                    }
+                }
+            }
+            for (int j1 = len - 1; j1 >= 0; j1 -= SCAN_BWD_G) {
+                // Steps j1, j1 - 1, ..., down to j1 - G + 1 (those >= 0), loaded first.
+                float gdt[SCAN_BWD_G], gu[SCAN_BWD_G], gdy[SCAN_BWD_G], gb[SCAN_BWD_G][S],
+                    gc[SCAN_BWD_G][S];
+#pragma unroll
+                for (int q = 0; q < SCAN_BWD_G; ++q) {
+                    const long long bt = (long long)b * T_len + t0 + max(j1 - q, 0);
+                    const long long i = bt * channels + d;
+                    gdt[q] = delta[i];
+                    gu[q] = ld(u, i);
+                    gdy[q] = ld(dy, i);
+#pragma unroll
+                    for (int k = 0; k < S; ++k) {
+                        const int n = lane + 32 * k;
+                        gb[q][k] = n < N ? ld(Bm, bt * N + n) : 0.f;
+                        gc[q][k] = n < N ? ld(Cm, bt * N + n) : 0.f;
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < SCAN_BWD_G; ++q) {
+                    const int j = j1 - q;
+                    if (j < 0) break;
+                    const long long i = ((long long)b * T_len + t0 + j) * channels + d;
+                    const float dt = gdt[q];
+                    const float uu = gu[q];
+                    const float dyy = gdy[q];
+                    float s_du = 0.f, s_ddt = 0.f;
+#pragma unroll
+                    for (int k = 0; k < S; ++k) {
+                        const int n = lane + 32 * k;
+                        if (n < N) {
+                            const float bn = gb[q][k];
+                            const float cn = gc[q][k];
+                            const float e = __expf(dt * a[k]);
+                            const float hp = hs[j * N + n];
+                            const float ht = e * hp + dt * uu * bn;
+                            g[k] += cn * dyy;
+                            park_c[((long long)w * L + j) * N + n] = dyy * ht;
+                            park_b[((long long)w * L + j) * N + n] = g[k] * dt * uu;
+                            s_du += g[k] * dt * bn;
+                            s_ddt += g[k] * (a[k] * e * hp + uu * bn);
+                            da[k] += g[k] * dt * e * hp;
+                            g[k] *= e;
+                        }
+                    }
+#pragma unroll
+                    for (int off = 16; off > 0; off >>= 1) {
+                        s_du += __shfl_xor_sync(0xffffffffu, s_du, off);
+                        s_ddt += __shfl_xor_sync(0xffffffffu, s_ddt, off);
+                    }
+                    if (lane == 0) {
+                        du[i] = s_du + skip * dyy;
+                        ddelta[i] = s_ddt;
+                        dd_sum += dyy * uu;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        // The block's warps' dB and dC terms of this chunk, added and sent on.
+        for (int e = threadIdx.x; e < len * N; e += SCAN_BWD_THREADS) {
+            float sb = 0.f, sc = 0.f;
+            for (int v = 0; v < live_warps; ++v) {
+                sb += park_b[(long long)v * L * N + e];
+                sc += park_c[(long long)v * L * N + e];
+            }
+            const long long at = ((long long)b * T_len + t0) * N + e;  // [B, T, N]
+            atomicAdd(dBm + at, sb);
+            atomicAdd(dCm + at, sc);
+        }
+        __syncthreads();
+    }
+    if (live) {
+#pragma unroll
+        for (int k = 0; k < S; ++k) {
+            const int n = lane + 32 * k;
+            if (n < N) {
+                d_initial[row + n] = g[k];
+                atomicAdd(dA + (long long)d * N + n, da[k]);
+            }
+        }
+        if (lane == 0 && has_d) atomicAdd(dD + d, dd_sum);
+    }
+}
+
+#define SCAN_BWD_ENTRY(NAME, T, S)                                                             \
+    extern "C" __global__ void __launch_bounds__(SCAN_BWD_THREADS)                             \
+    scan_bwd_##NAME##_s##S(const T* u, const float* delta, const float* A, const T* Bm,       \
+                           const T* Cm, const float* D, int has_d, const float* initial_state, \
+                           int has_initial, const T* dy, const float* d_final,                 \
+                           int has_d_final, float* checkpoints, float* du, float* ddelta,      \
+                           float* dA, float* dBm, float* dCm, float* dD, float* d_initial,     \
+                           int T_len, int channels, int N, int L) {                            \
+        scan_bwd<T, S>(u, delta, A, Bm, Cm, D, has_d, initial_state, has_initial, dy,         \
+                       d_final, has_d_final, checkpoints, du, ddelta, dA, dBm, dCm, dD,        \
+                       d_initial, T_len, channels, N, L);                                      \
+    }
+
+SCAN_BWD_ENTRY(f32, float, 1)
+SCAN_BWD_ENTRY(f32, float, 2)
+SCAN_BWD_ENTRY(bf16, u16, 1)
+SCAN_BWD_ENTRY(bf16, u16, 2)

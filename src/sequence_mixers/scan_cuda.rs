@@ -3,8 +3,9 @@
 //! (Gu and Dao, 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces",
 //! Algorithm 2) on CUDA cores in float32, in one launch: one warp per (batch entry, channel),
 //! its 32 lanes splitting the N state entries, held in registers ([`states_per_lane`] each), and
-//! adding their parts of ⟨C_t, h_t⟩ with warp shuffles. Correctness first: no chunking of the
-//! sequence, no prefetching of the next steps' inputs yet.
+//! adding their parts of ⟨C_t, h_t⟩ with warp shuffles, the next steps' inputs prefetched into
+//! registers. [`ScanBackward`] is its vector-Jacobian product (the adjoint walked backwards
+//! from checkpoints of the state), states up to [`MAX_BACKWARD_STATE`].
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -51,7 +52,7 @@ pub fn entry_point(dtype: Dtype, states_per_lane: usize) -> String {
     format!("scan_fwd_{}_s{states_per_lane}", dtype.tag())
 }
 
-/// Every entry point of [`SCAN_SRC`].
+/// Every entry point of [`SCAN_SRC`]: the forwards, then the backwards.
 pub fn entry_points() -> Vec<String> {
     let mut v = Vec::new();
     for d in [Dtype::F32, Dtype::Bf16] {
@@ -59,7 +60,44 @@ pub fn entry_points() -> Vec<String> {
             v.push(entry_point(d, s));
         }
     }
+    for d in [Dtype::F32, Dtype::Bf16] {
+        for s in BACKWARD_STATES_PER_LANE {
+            v.push(backward_entry_point(d, s));
+        }
+    }
     v
+}
+
+/// The largest state the backward holds (32 lanes × 2 entries): its chunk's states and the
+/// dB and dC terms are kept in shared memory, which a larger state would outgrow.
+pub const MAX_BACKWARD_STATE: usize = 64;
+
+/// The states-per-lane variants of the backward (`scan_bwd_<t>_s<S>`).
+pub const BACKWARD_STATES_PER_LANE: [usize; 2] = [1, 2];
+
+/// Channels (warps) per block of the backward (`SCAN_BWD_WARPS` in the source).
+pub const BACKWARD_WARPS: u32 = 8;
+
+/// The backward's entry point for `dtype` with `states_per_lane` entries per lane.
+pub fn backward_entry_point(dtype: Dtype, states_per_lane: usize) -> String {
+    format!("scan_bwd_{}_s{states_per_lane}", dtype.tag())
+}
+
+/// Steps per chunk of the backward for state size `n` (1 ≤ n ≤ [`MAX_BACKWARD_STATE`]): the
+/// largest power of two with chunk · n ≤ 512, at most 64, so that its dynamic shared memory
+/// ([`backward_shared_bytes`]) stays within 48 KiB. `None` for 0 or past the maximum.
+pub fn backward_chunk(n: usize) -> Option<usize> {
+    if n == 0 || n > MAX_BACKWARD_STATE {
+        return None;
+    }
+    let fit = 512 / n;
+    Some((1usize << (usize::BITS - 1 - fit.leading_zeros())).min(64))
+}
+
+/// Dynamic shared memory of the backward for state size `n`, bytes: per warp, the chunk's
+/// states h_{t−1} and its dB and dC terms, `chunk × n` float32 each.
+pub fn backward_shared_bytes(n: usize) -> Option<u32> {
+    backward_chunk(n).map(|l| (3 * BACKWARD_WARPS as usize * l * n * 4) as u32)
 }
 
 /// The selective scan's compiled kernel for one shape and dtype. It needs no scratch.
@@ -221,6 +259,289 @@ impl Scan {
     }
 }
 
+/// Gradients of the selective scan on the device, float32, in the layouts of
+/// [`super::gradients::ScanGradients`] (which the backward is checked against).
+pub struct ScanGradientBuffers {
+    /// ∂L/∂u, `[B, T, D]`.
+    pub du: CudaSlice<f32>,
+    /// ∂L/∂Δ, `[B, T, D]` (Δ after the softplus).
+    pub ddelta: CudaSlice<f32>,
+    /// ∂L/∂A, `[D, N]`, summed over batch and time.
+    pub da: CudaSlice<f32>,
+    /// ∂L/∂B, `[B, T, N]`, summed over the channels.
+    pub db: CudaSlice<f32>,
+    /// ∂L/∂C, `[B, T, N]`, summed over the channels.
+    pub dc: CudaSlice<f32>,
+    /// ∂L/∂D, `[D]` (zeros when the forward had no D).
+    pub dd: CudaSlice<f32>,
+    /// ∂L/∂(initial state), `[B, D, N]`.
+    pub d_initial_state: CudaSlice<f32>,
+}
+
+impl ScanGradientBuffers {
+    /// Zeroed buffers for `shape`.
+    ///
+    /// # Errors
+    /// Driver errors (out of memory).
+    pub fn new(gpu: &Gpu, shape: ScanShape) -> Result<ScanGradientBuffers, GpuError> {
+        let s = shape;
+        let bt = s.batch * s.seq_len;
+        // The driver refuses zero-byte allocations: an empty buffer is one unread element.
+        let z = |n: usize| gpu.stream.alloc_zeros::<f32>(n.max(1));
+        Ok(ScanGradientBuffers {
+            du: z(bt * s.channels)?,
+            ddelta: z(bt * s.channels)?,
+            da: z(s.channels * s.state)?,
+            db: z(bt * s.state)?,
+            dc: z(bt * s.state)?,
+            dd: z(s.channels)?,
+            d_initial_state: z(s.batch * s.channels * s.state)?,
+        })
+    }
+
+    /// Bytes of the seven buffers.
+    pub fn bytes(&self) -> u64 {
+        [
+            &self.du,
+            &self.ddelta,
+            &self.da,
+            &self.db,
+            &self.dc,
+            &self.dd,
+            &self.d_initial_state,
+        ]
+        .iter()
+        .map(|b| 4 * b.len() as u64)
+        .sum()
+    }
+}
+
+/// The selective scan's backward (`scan_bwd_<t>_s<S>` in `kernels/sequence_mixers/scan.cu`),
+/// version 1: the adjoint of the recurrence of [`super::reference::selective_scan`] (Gu and
+/// Dao, 2023, Mamba's selective scan; the same vector-Jacobian product as
+/// [`super::gradients::selective_scan_backward`]), one warp per (batch entry, channel) as the
+/// forward. The forward is recomputed: a first pass keeps the state entering every chunk of
+/// [`backward_chunk`] steps (the checkpoints, this struct's scratch), then the chunks are
+/// walked from the last, each chunk's states recomputed from its checkpoint into shared memory
+/// and its steps taken backwards. dB and dC, shared by the channels, are summed over a block's
+/// 8 channels in shared memory and added to global memory with atomics; so are dA and dD over
+/// the batch. States up to [`MAX_BACKWARD_STATE`] entries.
+pub struct ScanBackward {
+    shape: ScanShape,
+    dtype: Dtype,
+    function: CudaFunction,
+    chunk: usize,
+    shared_bytes: u32,
+    /// The state entering every chunk, `[B, D, ⌈T / chunk⌉, N]` float32.
+    checkpoints: CudaSlice<f32>,
+    /// Stands in for D, the initial state or d_final_state when none is given (never read).
+    unused: CudaSlice<f32>,
+    /// NVRTC compile and module load time, s (0 when this process had compiled the source).
+    pub compile_s: f64,
+}
+
+impl ScanBackward {
+    /// Compiles the kernels, picks the backward for `shape` and `dtype`, and allocates its
+    /// checkpoints.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for an empty dimension other than seq_len, a state past
+    /// [`MAX_BACKWARD_STATE`], more than 65 535 batch entries, or sizes past 32-bit ints;
+    /// [`GpuError::Compile`] with the NVRTC log; driver errors (out of memory).
+    pub fn new(gpu: &Gpu, shape: ScanShape, dtype: Dtype) -> Result<ScanBackward, GpuError> {
+        let s = shape;
+        if s.batch == 0 || s.channels == 0 || s.state == 0 {
+            return Err(GpuError::Config(format!(
+                "selective_scan backward: empty dimension in {s:?}"
+            )));
+        }
+        let (Some(chunk), Some(shared_bytes), Some(per_lane)) = (
+            backward_chunk(s.state),
+            backward_shared_bytes(s.state),
+            states_per_lane(s.state),
+        ) else {
+            return Err(GpuError::Config(format!(
+                "selective_scan backward: state {} is more than the {MAX_BACKWARD_STATE} the \
+                 backward keeps in shared memory",
+                s.state
+            )));
+        };
+        if s.batch > MAX_GRID_Y {
+            return Err(GpuError::Config(format!(
+                "selective_scan backward: batch {} is more than the grid's {MAX_GRID_Y}",
+                s.batch
+            )));
+        }
+        let fits = |v: usize| v <= i32::MAX as usize;
+        if !(fits(s.seq_len + chunk)
+            && fits(s.channels.next_multiple_of(BACKWARD_WARPS as usize))
+            && fits(s.seq_len * s.state))
+        {
+            return Err(GpuError::Config(format!(
+                "selective_scan backward: {s:?} does not fit 32-bit ints"
+            )));
+        }
+        let compiled = gpu.compile("scan.cu", &source())?;
+        let function = gpu.function(
+            &compiled.module,
+            &backward_entry_point(dtype, per_lane),
+            shared_bytes,
+        )?;
+        let chunks = s.seq_len.div_ceil(chunk);
+        let checkpoints = gpu
+            .stream
+            .alloc_zeros::<f32>((s.batch * s.channels * chunks * s.state).max(1))?;
+        let unused = gpu.stream.alloc_zeros::<f32>(1)?;
+        Ok(ScanBackward {
+            shape,
+            dtype,
+            function,
+            chunk,
+            shared_bytes,
+            checkpoints,
+            unused,
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// Steps per chunk ([`backward_chunk`]).
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Bytes of scratch one call uses beyond its inputs and outputs: the checkpoints.
+    pub fn temporary_bytes(&self) -> u64 {
+        4 * self.checkpoints.len() as u64
+    }
+
+    /// Launches one backward: from the forward's inputs (as [`Scan::launch`] takes them), dy
+    /// `[B, T, D]` (the runner's dtype) and d_final_state `[B, D, N]` (float32, optional:
+    /// zeros), every gradient into `grads` (float32; dA, dB, dC and dD are zeroed first, as the
+    /// kernel adds into them). Asynchronous on [`Gpu::stream`].
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for a buffer whose length does not fit the shape or an element
+    /// type other than the runner's dtype; driver errors from the launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch<T: DeviceRepr>(
+        &mut self,
+        gpu: &Gpu,
+        u: &CudaSlice<T>,
+        delta: &CudaSlice<f32>,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<T>,
+        c: &CudaSlice<T>,
+        d: Option<&CudaSlice<f32>>,
+        initial_state: Option<&CudaSlice<f32>>,
+        dy: &CudaSlice<T>,
+        d_final_state: Option<&CudaSlice<f32>>,
+        grads: &mut ScanGradientBuffers,
+    ) -> Result<(), GpuError> {
+        let s = self.shape;
+        let want = match self.dtype {
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
+        };
+        if std::mem::size_of::<T>() != want {
+            return Err(GpuError::Config(format!(
+                "selective_scan backward: built for {:?}, not {}-byte elements",
+                self.dtype,
+                std::mem::size_of::<T>()
+            )));
+        }
+        let bt = s.batch * s.seq_len;
+        let state_len = s.batch * s.channels * s.state;
+        let checks = [
+            ("u", u.len(), bt * s.channels),
+            ("delta", delta.len(), bt * s.channels),
+            ("a", a.len(), s.channels * s.state),
+            ("b", b.len(), bt * s.state),
+            ("c", c.len(), bt * s.state),
+            ("d", d.map_or(s.channels, |d| d.len()), s.channels),
+            (
+                "initial_state",
+                initial_state.map_or(state_len, |v| v.len()),
+                state_len,
+            ),
+            ("dy", dy.len(), bt * s.channels),
+            (
+                "d_final_state",
+                d_final_state.map_or(state_len, |v| v.len()),
+                state_len,
+            ),
+            ("du", grads.du.len(), bt * s.channels),
+            ("ddelta", grads.ddelta.len(), bt * s.channels),
+            ("da", grads.da.len(), s.channels * s.state),
+            ("db", grads.db.len(), bt * s.state),
+            ("dc", grads.dc.len(), bt * s.state),
+            ("dd", grads.dd.len(), s.channels),
+            ("d_initial_state", grads.d_initial_state.len(), state_len),
+        ];
+        super::cuda::check_buffers("selective_scan backward", &s, &checks)?;
+        gpu.stream.memset_zeros(&mut grads.da)?;
+        gpu.stream.memset_zeros(&mut grads.db)?;
+        gpu.stream.memset_zeros(&mut grads.dc)?;
+        gpu.stream.memset_zeros(&mut grads.dd)?;
+        if s.seq_len == 0 {
+            // No step: the initial state's gradient is d_final_state; the rest are empty or 0.
+            return super::cuda::no_step(gpu, d_final_state, &mut grads.d_initial_state);
+        }
+        let has_d = i32::from(d.is_some());
+        let has_initial = i32::from(initial_state.is_some());
+        let has_d_final = i32::from(d_final_state.is_some());
+        let (t_len, channels, n, l) = (
+            s.seq_len as i32,
+            s.channels as i32,
+            s.state as i32,
+            self.chunk as i32,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (
+                s.channels.div_ceil(BACKWARD_WARPS as usize) as u32,
+                s.batch as u32,
+                1,
+            ),
+            block_dim: (32 * BACKWARD_WARPS, 1, 1),
+            shared_mem_bytes: self.shared_bytes,
+        };
+        let mut k = gpu.stream.launch_builder(&self.function);
+        k.arg(u)
+            .arg(delta)
+            .arg(a)
+            .arg(b)
+            .arg(c)
+            .arg(d.unwrap_or(&self.unused))
+            .arg(&has_d)
+            .arg(initial_state.unwrap_or(&self.unused))
+            .arg(&has_initial)
+            .arg(dy)
+            .arg(d_final_state.unwrap_or(&self.unused))
+            .arg(&has_d_final)
+            .arg(&mut self.checkpoints)
+            .arg(&mut grads.du)
+            .arg(&mut grads.ddelta)
+            .arg(&mut grads.da)
+            .arg(&mut grads.db)
+            .arg(&mut grads.dc)
+            .arg(&mut grads.dd)
+            .arg(&mut grads.d_initial_state)
+            .arg(&t_len)
+            .arg(&channels)
+            .arg(&n)
+            .arg(&l);
+        // SAFETY: scan_bwd_<t>_s<S>(const T* u, const float* delta, const float* A,
+        // const T* Bm, const T* Cm, const float* D, int has_d, const float* initial_state,
+        // int has_initial, const T* dy, const float* d_final, int has_d_final,
+        // float* checkpoints, float* du, float* ddelta, float* dA, float* dBm, float* dCm,
+        // float* dD, float* d_initial, int T_len, int channels, int N, int L): the lengths and
+        // the element size were checked above, T_len ≥ 1, `new` picked S with 32·S ≥ N, L from
+        // backward_chunk(N), the checkpoints for ⌈T/L⌉ chunks and the shared memory of
+        // backward_shared_bytes(N); the optional inputs are read only when their flag is 1.
+        unsafe { k.launch(cfg)? };
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,9 +570,11 @@ mod tests {
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        assert_eq!(e.len(), 8);
+        assert_eq!(e.len(), 12);
         assert_eq!(e[0], "scan_fwd_f32_s1");
         assert_eq!(e[7], "scan_fwd_bf16_s8");
+        assert_eq!(e[8], "scan_bwd_f32_s1");
+        assert_eq!(e[11], "scan_bwd_bf16_s2");
         for (i, name) in e.iter().enumerate() {
             assert!(!e[..i].contains(name), "{name} twice");
         }
@@ -264,5 +587,33 @@ mod tests {
             }
         }
         assert!(SCAN_SRC.contains(&format!("#define SCAN_WARPS {WARPS}")));
+        for d in [Dtype::F32, Dtype::Bf16] {
+            for s in BACKWARD_STATES_PER_LANE {
+                let ty = if d == Dtype::F32 { "float" } else { "u16" };
+                let line = format!("SCAN_BWD_ENTRY({}, {ty}, {s})", d.tag());
+                assert!(SCAN_SRC.contains(&line), "{line}");
+            }
+        }
+        assert!(SCAN_SRC.contains(&format!("#define SCAN_BWD_WARPS {BACKWARD_WARPS}")));
+    }
+
+    #[test]
+    fn backward_chunks_fit_shared_memory() {
+        assert_eq!(backward_chunk(0), None);
+        assert_eq!(backward_chunk(65), None);
+        assert_eq!(backward_chunk(1), Some(64));
+        assert_eq!(backward_chunk(16), Some(32));
+        assert_eq!(backward_chunk(33), Some(8));
+        assert_eq!(backward_chunk(64), Some(8));
+        for n in 1..=MAX_BACKWARD_STATE {
+            let l = backward_chunk(n).unwrap();
+            assert!(
+                l.is_power_of_two() && l * n <= 512 && (l == 64 || 2 * l * n > 512),
+                "{n}"
+            );
+            assert!(backward_shared_bytes(n).unwrap() <= 48 * 1024, "{n}");
+            let per_lane = states_per_lane(n).unwrap();
+            assert!(BACKWARD_STATES_PER_LANE.contains(&per_lane), "{n}");
+        }
     }
 }

@@ -2,8 +2,11 @@
 //! recurrence (`reference::selective_scan`), and the NVRTC compile of its source.
 
 use kernelpages::sequence_mixers::cuda::Dtype;
+use kernelpages::sequence_mixers::gradients::selective_scan_backward;
 use kernelpages::sequence_mixers::reference::{self, ScanInputs, ScanShape};
-use kernelpages::sequence_mixers::scan_cuda::{entry_points, source, states_per_lane, Scan};
+use kernelpages::sequence_mixers::scan_cuda::{
+    backward_chunk, entry_points, source, states_per_lane, Scan, ScanBackward, ScanGradientBuffers,
+};
 
 use super::{
     compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, up,
@@ -152,4 +155,234 @@ fn selective_scan_with_no_step_returns_the_initial_state() {
 )]
 fn scan_kernels_compile_without_spills() {
     compiles_without_spills("scan.cu", &source(), &entry_points());
+}
+
+/// One selective-scan backward on the device against the float64 adjoint
+/// (`gradients::selective_scan_backward`) on the same rounded inputs and cotangents: the
+/// largest relative L2 error over the seven gradients, and which it was.
+fn scan_backward_case(shape: ScanShape, dtype: Dtype, seed: u64) -> (f64, &'static str) {
+    let g = gpu();
+    let bt = shape.batch * shape.seq_len;
+    let (ch, n) = (shape.channels, shape.state);
+    let state_len = shape.batch * ch * n;
+    let u = uniform(bt * ch, -1.0, 1.0, seed);
+    let delta = uniform(bt * ch, 0.01, 0.2, seed + 1);
+    let a = uniform(ch * n, -4.0, -0.5, seed + 2);
+    let b = uniform(bt * n, -1.0, 1.0, seed + 3);
+    let c = uniform(bt * n, -1.0, 1.0, seed + 4);
+    let d = uniform(ch, -1.0, 1.0, seed + 5);
+    let s0 = uniform(state_len, -1.0, 1.0, seed + 6);
+    let dy = uniform(bt * ch, -1.0, 1.0, seed + 7);
+    let dfin = uniform(state_len, -1.0, 1.0, seed + 8);
+    let (ur, br, cr, dyr) = (
+        rounded(dtype, &u),
+        rounded(dtype, &b),
+        rounded(dtype, &c),
+        rounded(dtype, &dy),
+    );
+    let (deltar, ar, dr, s0r, dfinr) = (
+        rounded_f32(&delta),
+        rounded_f32(&a),
+        rounded_f32(&d),
+        rounded_f32(&s0),
+        rounded_f32(&dfin),
+    );
+    let want = selective_scan_backward(
+        shape,
+        ScanInputs {
+            u: &ur,
+            delta: &deltar,
+            a: &ar,
+            b: &br,
+            c: &cr,
+            d: Some(&dr),
+            initial_state: Some(&s0r),
+        },
+        &dyr,
+        Some(&dfinr),
+    )
+    .unwrap();
+    let (delta_d, a_d, d_d, s0_d, dfin_d) = (
+        up::<f32>(&delta),
+        up::<f32>(&a),
+        up::<f32>(&d),
+        up::<f32>(&s0),
+        up::<f32>(&dfin),
+    );
+    let mut grads = ScanGradientBuffers::new(g, shape).unwrap();
+    // Poisoned: an element the kernel never writes fails the finiteness check (dA, dB, dC and
+    // dD are zeroed by the launch itself).
+    for buf in [&mut grads.du, &mut grads.ddelta, &mut grads.d_initial_state] {
+        let len = buf.len();
+        *buf = poisoned::<f32>(len);
+    }
+    let mut bwd = ScanBackward::new(g, shape, dtype).unwrap();
+    assert_eq!(bwd.chunk(), backward_chunk(n).unwrap());
+    macro_rules! run {
+        ($t:ty) => {{
+            let (u_d, b_d, c_d, dy_d) = (up::<$t>(&u), up::<$t>(&b), up::<$t>(&c), up::<$t>(&dy));
+            bwd.launch(
+                g,
+                &u_d,
+                &delta_d,
+                &a_d,
+                &b_d,
+                &c_d,
+                Some(&d_d),
+                Some(&s0_d),
+                &dy_d,
+                Some(&dfin_d),
+                &mut grads,
+            )
+            .unwrap();
+        }};
+    }
+    match dtype {
+        Dtype::F32 => run!(f32),
+        Dtype::Bf16 => run!(u16),
+    }
+    let pairs: [(&'static str, Vec<f64>, &[f64]); 7] = [
+        ("du", down(&grads.du), &want.du),
+        ("ddelta", down(&grads.ddelta), &want.ddelta),
+        ("da", down(&grads.da), &want.da),
+        ("db", down(&grads.db), &want.db),
+        ("dc", down(&grads.dc), &want.dc),
+        ("dd", down(&grads.dd), want.dd.as_ref().unwrap()),
+        (
+            "d_initial_state",
+            down(&grads.d_initial_state),
+            &want.d_initial_state,
+        ),
+    ];
+    let mut worst = (0.0f64, "none");
+    for (name, got, w) in pairs {
+        let got = if w.is_empty() { Vec::new() } else { got };
+        let e = if w.is_empty() { 0.0 } else { rel_l2(&got, w) };
+        // A NaN (a non-finite gradient) counts as the worst error.
+        let e = if e.is_nan() { f64::INFINITY } else { e };
+        if e > worst.0 {
+            worst = (e, name);
+        }
+    }
+    worst
+}
+
+/// The backward on the device against the float64 adjoint: both dtypes (the kernel's
+/// arithmetic is float32 either way, on the same rounded inputs), one and two states per lane,
+/// one step, lengths around a chunk, channels not a multiple of the block's 8 warps, and a
+/// long sequence.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn selective_scan_backward_matches_float64() {
+    let shape = |batch, seq_len, channels, state| ScanShape {
+        batch,
+        seq_len,
+        channels,
+        state,
+    };
+    let cases = [
+        shape(1, 1, 1, 1),
+        shape(2, 37, 13, 16),
+        shape(2, 32, 16, 16),
+        shape(1, 63, 9, 33),
+        shape(2, 129, 20, 64),
+        shape(1, 65, 4, 16),
+        shape(1, 4000, 9, 16),
+    ];
+    let mut failures = Vec::new();
+    for (k, &s) in cases.iter().enumerate() {
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            let (e, which) = scan_backward_case(s, dtype, 300 + 10 * k as u64);
+            println!("selective_scan backward {s:?} {dtype:?}: worst {which} {e:.2e}");
+            if e.is_nan() || e > 1e-4 {
+                failures.push(format!("{s:?} {dtype:?}: {which} {e:.2e}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// A state past `scan_cuda::MAX_BACKWARD_STATE` (64) is refused with the reason, not run.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn selective_scan_backward_refuses_a_state_past_64() {
+    let s = ScanShape {
+        batch: 1,
+        seq_len: 8,
+        channels: 2,
+        state: 65,
+    };
+    let e = ScanBackward::new(gpu(), s, Dtype::F32)
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("more than the 64"), "{e}");
+}
+
+/// The backward at the grid's shape (B4, T16384, D512, N16), both dtypes: every gradient
+/// finite and du not all zero (no float64 reference at this size: the shapes above check the
+/// values). Run under ncu, it gives the backward kernel's time at the grid's shape.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn selective_scan_backward_at_the_grid_shape_is_finite() {
+    let g = gpu();
+    let s = ScanShape {
+        batch: 4,
+        seq_len: 16_384,
+        channels: 512,
+        state: 16,
+    };
+    let bt = s.batch * s.seq_len;
+    let (ch, n) = (s.channels, s.state);
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        let delta = up::<f32>(&uniform(bt * ch, 0.01, 0.2, 1));
+        let a = up::<f32>(&uniform(ch * n, -4.0, -0.5, 2));
+        let d = up::<f32>(&uniform(ch, -1.0, 1.0, 3));
+        let mut grads = ScanGradientBuffers::new(g, s).unwrap();
+        let mut bwd = ScanBackward::new(g, s, dtype).unwrap();
+        macro_rules! run {
+            ($t:ty) => {{
+                let u = up::<$t>(&uniform(bt * ch, -1.0, 1.0, 4));
+                let b = up::<$t>(&uniform(bt * n, -1.0, 1.0, 5));
+                let c = up::<$t>(&uniform(bt * n, -1.0, 1.0, 6));
+                let dy = up::<$t>(&uniform(bt * ch, -1.0, 1.0, 7));
+                for _ in 0..3 {
+                    bwd.launch(
+                        g,
+                        &u,
+                        &delta,
+                        &a,
+                        &b,
+                        &c,
+                        Some(&d),
+                        None,
+                        &dy,
+                        None,
+                        &mut grads,
+                    )
+                    .unwrap();
+                }
+            }};
+        }
+        match dtype {
+            Dtype::F32 => run!(f32),
+            Dtype::Bf16 => run!(u16),
+        }
+        let du = down(&grads.du);
+        for (name, v) in [
+            ("du", &du),
+            ("ddelta", &down(&grads.ddelta)),
+            ("da", &down(&grads.da)),
+            ("db", &down(&grads.db)),
+            ("dc", &down(&grads.dc)),
+            ("dd", &down(&grads.dd)),
+            ("d_initial_state", &down(&grads.d_initial_state)),
+        ] {
+            assert!(v.iter().all(|x| x.is_finite()), "{dtype:?} {name}");
+        }
+        assert!(du.iter().any(|&x| x != 0.0), "{dtype:?}");
+        println!(
+            "selective_scan backward {s:?} {dtype:?}: finite; checkpoints {} MB",
+            bwd.temporary_bytes() as f64 / 1e6
+        );
+    }
 }

@@ -5,6 +5,7 @@
 // either bf16 half, so a read of what no thread wrote poisons the output) and guarded past the
 // size the host gives the kernel (a write there is counted in g_overrun). Float arithmetic is
 // the host's; the GPU tests check the device's.
+#include <atomic>
 #include <barrier>
 #include <cstdint>
 #include <cstdio>
@@ -97,6 +98,8 @@ template <int N> inline void cp_async_wait() {}
 #define __shared__
 alignas(16) float smem[1 << 17];
 inline float __expf(float x) { return std::exp(x); }
+// Threads of a block run at once (blocks one after another): an atomic add on the host.
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
