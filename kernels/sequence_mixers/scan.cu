@@ -131,9 +131,9 @@ SCAN_ENTRY(bf16, u16, 8)
 
 // ---------------------------------------------------------------------------------------------
 // The selective scan's backward, version 1.1 (version 1 and the forward's prefetch): the
-// vector-Jacobian product of scan_fwd, the adjoint of the recurrence walked from the last step back to the first as in
-// src/sequence_mixers/gradients.rs's selective_scan_backward (and Mamba's own backward pass),
-// with g_t = dL/dh_t:
+// vector-Jacobian product of scan_fwd, the adjoint of the recurrence walked from the last step
+// back to the first as in src/sequence_mixers/gradients.rs's selective_scan_backward (and
+// Mamba's own backward pass), with g_t = dL/dh_t:
 //
 //   g_t = C_t dy_t + exp(dt_{t+1} A) g_{t+1}           (g_T also takes d_final_state)
 //   du_t = <g_t, dt_t B_t> + D dy_t                    ddt_t = <g_t, A e_t h_{t-1} + u_t B_t>
