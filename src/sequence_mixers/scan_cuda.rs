@@ -188,34 +188,14 @@ impl Scan {
         final_state: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         let s = self.shape;
-        let want = match self.dtype {
-            Dtype::F32 => 4,
-            Dtype::Bf16 => 2,
-        };
-        if std::mem::size_of::<T>() != want {
-            return Err(GpuError::Config(format!(
-                "selective_scan: the runner was built for {:?}, not {}-byte elements",
-                self.dtype,
-                std::mem::size_of::<T>()
-            )));
-        }
+        check_element::<T>(self.dtype, "selective_scan")?;
         let bt = s.batch * s.seq_len;
         let state_len = s.batch * s.channels * s.state;
-        let checks = [
-            ("u", u.len(), bt * s.channels),
-            ("delta", delta.len(), bt * s.channels),
-            ("a", a.len(), s.channels * s.state),
-            ("b", b.len(), bt * s.state),
-            ("c", c.len(), bt * s.state),
-            ("d", d.map_or(s.channels, |d| d.len()), s.channels),
-            (
-                "initial_state",
-                initial_state.map_or(state_len, |v| v.len()),
-                state_len,
-            ),
+        let mut checks = input_checks(s, u, delta, a, b, c, d, initial_state);
+        checks.extend([
             ("y", y.len(), bt * s.channels),
             ("final_state", final_state.len(), state_len),
-        ];
+        ]);
         super::cuda::check_buffers("selective_scan", &s, &checks)?;
         if s.seq_len == 0 {
             return super::cuda::no_step(gpu, initial_state, final_state);
@@ -257,6 +237,52 @@ impl Scan {
         unsafe { l.launch(cfg)? };
         Ok(())
     }
+}
+
+/// An error unless `T` is the element of `dtype` (4 bytes for float32, 2 for bf16 bits).
+fn check_element<T>(dtype: Dtype, what: &str) -> Result<(), GpuError> {
+    let want = match dtype {
+        Dtype::F32 => 4,
+        Dtype::Bf16 => 2,
+    };
+    if std::mem::size_of::<T>() == want {
+        Ok(())
+    } else {
+        Err(GpuError::Config(format!(
+            "{what}: built for {dtype:?}, not {}-byte elements",
+            std::mem::size_of::<T>()
+        )))
+    }
+}
+
+/// (name, length, expected length) of the forward's inputs for shape `s`, as
+/// `super::cuda::check_buffers` takes them (an absent D or initial state passes).
+#[allow(clippy::too_many_arguments)]
+fn input_checks<T>(
+    s: ScanShape,
+    u: &CudaSlice<T>,
+    delta: &CudaSlice<f32>,
+    a: &CudaSlice<f32>,
+    b: &CudaSlice<T>,
+    c: &CudaSlice<T>,
+    d: Option<&CudaSlice<f32>>,
+    initial_state: Option<&CudaSlice<f32>>,
+) -> Vec<(&'static str, usize, usize)> {
+    let bt = s.batch * s.seq_len;
+    let state_len = s.batch * s.channels * s.state;
+    vec![
+        ("u", u.len(), bt * s.channels),
+        ("delta", delta.len(), bt * s.channels),
+        ("a", a.len(), s.channels * s.state),
+        ("b", b.len(), bt * s.state),
+        ("c", c.len(), bt * s.state),
+        ("d", d.map_or(s.channels, |d| d.len()), s.channels),
+        (
+            "initial_state",
+            initial_state.map_or(state_len, |v| v.len()),
+            state_len,
+        ),
+    ]
 }
 
 /// Gradients of the selective scan on the device, float32, in the layouts of
@@ -438,31 +464,11 @@ impl ScanBackward {
         grads: &mut ScanGradientBuffers,
     ) -> Result<(), GpuError> {
         let s = self.shape;
-        let want = match self.dtype {
-            Dtype::F32 => 4,
-            Dtype::Bf16 => 2,
-        };
-        if std::mem::size_of::<T>() != want {
-            return Err(GpuError::Config(format!(
-                "selective_scan backward: built for {:?}, not {}-byte elements",
-                self.dtype,
-                std::mem::size_of::<T>()
-            )));
-        }
+        check_element::<T>(self.dtype, "selective_scan backward")?;
         let bt = s.batch * s.seq_len;
         let state_len = s.batch * s.channels * s.state;
-        let checks = [
-            ("u", u.len(), bt * s.channels),
-            ("delta", delta.len(), bt * s.channels),
-            ("a", a.len(), s.channels * s.state),
-            ("b", b.len(), bt * s.state),
-            ("c", c.len(), bt * s.state),
-            ("d", d.map_or(s.channels, |d| d.len()), s.channels),
-            (
-                "initial_state",
-                initial_state.map_or(state_len, |v| v.len()),
-                state_len,
-            ),
+        let mut checks = input_checks(s, u, delta, a, b, c, d, initial_state);
+        checks.extend([
             ("dy", dy.len(), bt * s.channels),
             (
                 "d_final_state",
@@ -476,7 +482,7 @@ impl ScanBackward {
             ("dc", grads.dc.len(), bt * s.state),
             ("dd", grads.dd.len(), s.channels),
             ("d_initial_state", grads.d_initial_state.len(), state_len),
-        ];
+        ]);
         super::cuda::check_buffers("selective_scan backward", &s, &checks)?;
         gpu.stream.memset_zeros(&mut grads.da)?;
         gpu.stream.memset_zeros(&mut grads.db)?;

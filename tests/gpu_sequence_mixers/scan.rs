@@ -12,20 +12,28 @@ use super::{
     compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, up,
 };
 
+/// The forward's inputs for `shape`, drawn from `seed` on: u, Δ (0.01 to 0.2), A (−4 to
+/// −0.5), B, C, D and the initial state (−1 to 1), in [`ScanInputs`]' layouts.
+fn random_inputs(shape: ScanShape, seed: u64) -> [Vec<f64>; 7] {
+    let bt = shape.batch * shape.seq_len;
+    let (ch, n) = (shape.channels, shape.state);
+    [
+        uniform(bt * ch, -1.0, 1.0, seed),
+        uniform(bt * ch, 0.01, 0.2, seed + 1),
+        uniform(ch * n, -4.0, -0.5, seed + 2),
+        uniform(bt * n, -1.0, 1.0, seed + 3),
+        uniform(bt * n, -1.0, 1.0, seed + 4),
+        uniform(ch, -1.0, 1.0, seed + 5),
+        uniform(shape.batch * ch * n, -1.0, 1.0, seed + 6),
+    ]
+}
+
 /// One selective-scan case on the device against the float64 recurrence on the same (rounded)
 /// inputs: returns (error of y, error of the final state).
 fn scan_case(shape: ScanShape, dtype: Dtype, skip: bool, start: bool, seed: u64) -> (f64, f64) {
     let g = gpu();
-    let bt = shape.batch * shape.seq_len;
-    let (ch, n) = (shape.channels, shape.state);
-    let u = uniform(bt * ch, -1.0, 1.0, seed);
-    let delta = uniform(bt * ch, 0.01, 0.2, seed + 1);
-    let a = uniform(ch * n, -4.0, -0.5, seed + 2);
-    let b = uniform(bt * n, -1.0, 1.0, seed + 3);
-    let c = uniform(bt * n, -1.0, 1.0, seed + 4);
-    let d = uniform(ch, -1.0, 1.0, seed + 5);
-    let state_len = shape.batch * ch * n;
-    let s0 = uniform(state_len, -1.0, 1.0, seed + 6);
+    let state_len = shape.batch * shape.channels * shape.state;
+    let [u, delta, a, b, c, d, s0] = random_inputs(shape, seed);
     // The reference reads the values the device gets: float32 or bf16, and float32 Δ, A, D.
     let (ur, br, cr) = (rounded(dtype, &u), rounded(dtype, &b), rounded(dtype, &c));
     let (deltar, ar, dr, s0r) = (
@@ -165,13 +173,7 @@ fn scan_backward_case(shape: ScanShape, dtype: Dtype, seed: u64) -> (f64, &'stat
     let bt = shape.batch * shape.seq_len;
     let (ch, n) = (shape.channels, shape.state);
     let state_len = shape.batch * ch * n;
-    let u = uniform(bt * ch, -1.0, 1.0, seed);
-    let delta = uniform(bt * ch, 0.01, 0.2, seed + 1);
-    let a = uniform(ch * n, -4.0, -0.5, seed + 2);
-    let b = uniform(bt * n, -1.0, 1.0, seed + 3);
-    let c = uniform(bt * n, -1.0, 1.0, seed + 4);
-    let d = uniform(ch, -1.0, 1.0, seed + 5);
-    let s0 = uniform(state_len, -1.0, 1.0, seed + 6);
+    let [u, delta, a, b, c, d, s0] = random_inputs(shape, seed);
     let dy = uniform(bt * ch, -1.0, 1.0, seed + 7);
     let dfin = uniform(state_len, -1.0, 1.0, seed + 8);
     let (ur, br, cr, dyr) = (
