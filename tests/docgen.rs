@@ -706,15 +706,17 @@ fn the_part_of_a_run_that_stopped_early_is_named() {
     let (_tmp, site) = build_site(data.path(), None);
     let t = text_of(&site, "attention.html");
     let said = t
-        .split("stopped before it finished in one part")
+        .split("Incomplete run: one part of the run,")
         .nth(1)
         .unwrap_or_else(|| panic!("no part named as stopped: {t}"));
-    let said = &said[..said
-        .find("parts measured them")
-        .expect("the sentence goes on")];
+    let said = &said[..said.find("measured them").expect("the sentence goes on")];
     assert!(said.contains("--filter second_part"), "{said}");
+    assert!(said.contains("stopped before it finished"), "{said}");
     assert!(!said.contains("first_part"), "{said}");
-    assert!(said.ends_with("another of the run's 2 "), "{said}");
+    assert!(
+        said.ends_with("unless the other part of the run "),
+        "{said}"
+    );
 }
 
 /// Shards 1 and 3 of 4 in the data folder: the run is incomplete, and the Attention page, the

@@ -343,15 +343,15 @@ impl ScanGradientBuffers {
 }
 
 /// The selective scan's backward (`scan_bwd_<t>_s<S>` in `kernels/sequence_mixers/scan.cu`),
-/// version 1: the adjoint of the recurrence of [`super::reference::selective_scan`] (Gu and
+/// version 1.1 (each walk's inputs loaded 8 steps at a time): the adjoint of the recurrence of [`super::reference::selective_scan`] (Gu and
 /// Dao, 2023, Mamba's selective scan; the same vector-Jacobian product as
 /// [`super::gradients::selective_scan_backward`]), one warp per (batch entry, channel) as the
 /// forward. The forward is recomputed: a first pass keeps the state entering every chunk of
 /// [`backward_chunk`] steps (the checkpoints, this struct's scratch), then the chunks are
 /// walked from the last, each chunk's states recomputed from its checkpoint into shared memory
 /// and its steps taken backwards. dB and dC, shared by the channels, are summed over a block's
-/// 8 channels in shared memory and added to global memory with atomics; so are dA and dD over
-/// the batch. States up to [`MAX_BACKWARD_STATE`] entries.
+/// 8 channels in shared memory and added to global memory with atomics; dA and dD take one
+/// atomic add per (batch entry, channel). States up to [`MAX_BACKWARD_STATE`] entries.
 pub struct ScanBackward {
     shape: ScanShape,
     dtype: Dtype,

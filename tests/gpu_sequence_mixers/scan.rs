@@ -165,10 +165,30 @@ fn scan_kernels_compile_without_spills() {
     compiles_without_spills("scan.cu", &source(), &entry_points());
 }
 
+/// Fills every gradient buffer before a launch: du, dΔ and the initial state's gradient with
+/// NaN (an element never written fails), dA, dB, dC and dD with 1000 (the launch must zero
+/// them, as the kernel adds into them).
+fn poison_gradients(grads: &mut ScanGradientBuffers) {
+    for buf in [&mut grads.du, &mut grads.ddelta, &mut grads.d_initial_state] {
+        let len = buf.len();
+        *buf = poisoned::<f32>(len);
+    }
+    for buf in [&mut grads.da, &mut grads.db, &mut grads.dc, &mut grads.dd] {
+        let len = buf.len();
+        *buf = up::<f32>(&vec![1000.0; len]);
+    }
+}
+
 /// One selective-scan backward on the device against the float64 adjoint
-/// (`gradients::selective_scan_backward`) on the same rounded inputs and cotangents: the
-/// largest relative L2 error over the seven gradients, and which it was.
-fn scan_backward_case(shape: ScanShape, dtype: Dtype, seed: u64) -> (f64, &'static str) {
+/// (`gradients::selective_scan_backward`) on the same rounded inputs and cotangents, with D,
+/// an initial state and d_final_state when `optional`, without them otherwise: the largest
+/// relative L2 error over the gradients, and which it was.
+fn scan_backward_case(
+    shape: ScanShape,
+    dtype: Dtype,
+    optional: bool,
+    seed: u64,
+) -> (f64, &'static str) {
     let g = gpu();
     let bt = shape.batch * shape.seq_len;
     let (ch, n) = (shape.channels, shape.state);
@@ -197,11 +217,11 @@ fn scan_backward_case(shape: ScanShape, dtype: Dtype, seed: u64) -> (f64, &'stat
             a: &ar,
             b: &br,
             c: &cr,
-            d: Some(&dr),
-            initial_state: Some(&s0r),
+            d: optional.then_some(&dr[..]),
+            initial_state: optional.then_some(&s0r[..]),
         },
         &dyr,
-        Some(&dfinr),
+        optional.then_some(&dfinr[..]),
     )
     .unwrap();
     let (delta_d, a_d, d_d, s0_d, dfin_d) = (
@@ -212,12 +232,7 @@ fn scan_backward_case(shape: ScanShape, dtype: Dtype, seed: u64) -> (f64, &'stat
         up::<f32>(&dfin),
     );
     let mut grads = ScanGradientBuffers::new(g, shape).unwrap();
-    // Poisoned: an element the kernel never writes fails the finiteness check (dA, dB, dC and
-    // dD are zeroed by the launch itself).
-    for buf in [&mut grads.du, &mut grads.ddelta, &mut grads.d_initial_state] {
-        let len = buf.len();
-        *buf = poisoned::<f32>(len);
-    }
+    poison_gradients(&mut grads);
     let mut bwd = ScanBackward::new(g, shape, dtype).unwrap();
     assert_eq!(bwd.chunk(), backward_chunk(n).unwrap());
     macro_rules! run {
@@ -230,10 +245,10 @@ fn scan_backward_case(shape: ScanShape, dtype: Dtype, seed: u64) -> (f64, &'stat
                 &a_d,
                 &b_d,
                 &c_d,
-                Some(&d_d),
-                Some(&s0_d),
+                optional.then_some(&d_d),
+                optional.then_some(&s0_d),
                 &dy_d,
-                Some(&dfin_d),
+                optional.then_some(&dfin_d),
                 &mut grads,
             )
             .unwrap();
@@ -243,13 +258,19 @@ fn scan_backward_case(shape: ScanShape, dtype: Dtype, seed: u64) -> (f64, &'stat
         Dtype::F32 => run!(f32),
         Dtype::Bf16 => run!(u16),
     }
+    let zeros_d = vec![0.0; ch];
     let pairs: [(&'static str, Vec<f64>, &[f64]); 7] = [
         ("du", down(&grads.du), &want.du),
         ("ddelta", down(&grads.ddelta), &want.ddelta),
         ("da", down(&grads.da), &want.da),
         ("db", down(&grads.db), &want.db),
         ("dc", down(&grads.dc), &want.dc),
-        ("dd", down(&grads.dd), want.dd.as_ref().unwrap()),
+        // Without D the kernel leaves dD at the zeros the launch wrote.
+        (
+            "dd",
+            down(&grads.dd),
+            want.dd.as_deref().unwrap_or(&zeros_d),
+        ),
         (
             "d_initial_state",
             down(&grads.d_initial_state),
@@ -294,10 +315,15 @@ fn selective_scan_backward_matches_float64() {
     let mut failures = Vec::new();
     for (k, &s) in cases.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::Bf16] {
-            let (e, which) = scan_backward_case(s, dtype, 300 + 10 * k as u64);
-            println!("selective_scan backward {s:?} {dtype:?}: worst {which} {e:.2e}");
-            if e.is_nan() || e > 1e-4 {
-                failures.push(format!("{s:?} {dtype:?}: {which} {e:.2e}"));
+            for optional in [true, false] {
+                let (e, which) = scan_backward_case(s, dtype, optional, 300 + 10 * k as u64);
+                println!(
+                    "selective_scan backward {s:?} {dtype:?} D, h0, d_final {optional}: \
+                     worst {which} {e:.2e}"
+                );
+                if e.is_nan() || e > 1e-4 {
+                    failures.push(format!("{s:?} {dtype:?} {optional}: {which} {e:.2e}"));
+                }
             }
         }
     }
@@ -387,4 +413,41 @@ fn selective_scan_backward_at_the_grid_shape_is_finite() {
             bwd.temporary_bytes() as f64 / 1e6
         );
     }
+}
+
+/// No step: the initial state's gradient is d_final_state, dA and dD are zero.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn selective_scan_backward_with_no_step_passes_d_final_state_back() {
+    let g = gpu();
+    let s = ScanShape {
+        batch: 2,
+        seq_len: 0,
+        channels: 3,
+        state: 16,
+    };
+    let state_len = s.batch * s.channels * s.state;
+    let dfin = uniform(state_len, -1.0, 1.0, 9);
+    let empty = up::<f32>(&[]);
+    let a = up::<f32>(&uniform(s.channels * s.state, -4.0, -0.5, 10));
+    let mut grads = ScanGradientBuffers::new(g, s).unwrap();
+    poison_gradients(&mut grads);
+    let mut bwd = ScanBackward::new(g, s, Dtype::F32).unwrap();
+    bwd.launch(
+        g,
+        &empty,
+        &empty,
+        &a,
+        &empty,
+        &empty,
+        None,
+        None,
+        &empty,
+        Some(&up::<f32>(&dfin)),
+        &mut grads,
+    )
+    .unwrap();
+    assert_eq!(down(&grads.d_initial_state), rounded_f32(&dfin));
+    assert!(down(&grads.da).iter().all(|&x| x == 0.0));
+    assert!(down(&grads.dd).iter().all(|&x| x == 0.0));
 }

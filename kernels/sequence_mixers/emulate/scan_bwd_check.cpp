@@ -3,7 +3,8 @@
 // y_t = <C_t, h_t> + D u_t, with an initial state and a cotangent of the final state: every
 // gradient (u, dt, A, B, C, D, initial state). The float64 adjoint is itself checked against
 // central finite differences of L = <dy, y> + <dfin, final state> on a few entries of each
-// input. Each argument is one case "B,T,D,N,L" (L: steps per chunk, as the host picks it).
+// input; each case also runs without D, the initial state and d_final_state (their flags 0).
+// Each argument is one case "B,T,D,N,L" (L: steps per chunk, as the host picks it).
 // Prints one line per case, then ALL OK or FAILED.
 #include "cuda_shim.h"
 #include <cstdio>
@@ -71,8 +72,10 @@ Grad adjoint(const In& x) {
     return g;
 }
 
+// flags: 1 passes D, the initial state and d_final_state; 0 passes their (non-zero) buffers
+// with has_d = has_initial = has_d_final = 0, which the kernel must not read.
 template <int S>
-void run(const In& x, int L, std::vector<float>& out_u, std::vector<float>& out_dt, std::vector<float>& out_A,
+void run(const In& x, int L, int flags, std::vector<float>& out_u, std::vector<float>& out_dt, std::vector<float>& out_A,
          std::vector<float>& out_B, std::vector<float>& out_C, std::vector<float>& out_D, std::vector<float>& out_init) {
     auto f = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
     const auto u = f(x.u), dt = f(x.dt), A = f(x.A), Bm = f(x.Bm), Cm = f(x.Cm), D = f(x.D), init = f(x.init), dy = f(x.dy), dfin = f(x.dfin);
@@ -81,8 +84,8 @@ void run(const In& x, int L, std::vector<float>& out_u, std::vector<float>& out_
     out_u.assign(u.size(), NAN); out_dt.assign(u.size(), NAN); out_init.assign(init.size(), NAN);
     out_A.assign(A.size(), 0.f); out_B.assign(Bm.size(), 0.f); out_C.assign(Cm.size(), 0.f); out_D.assign(D.size(), 0.f);
     launch(dim3{(unsigned)((x.Dc + SCAN_BWD_WARPS - 1) / SCAN_BWD_WARPS), (unsigned)x.B, 1}, SCAN_BWD_THREADS,
-           [&] { scan_bwd<float, S>(u.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), 1, init.data(), 1,
-                                    dy.data(), dfin.data(), 1, ck.data(), out_u.data(), out_dt.data(), out_A.data(),
+           [&] { scan_bwd<float, S>(u.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), flags, init.data(),
+                                    flags, dy.data(), dfin.data(), flags, ck.data(), out_u.data(), out_dt.data(), out_A.data(),
                                     out_B.data(), out_C.data(), out_D.data(), out_init.data(), x.T, x.Dc, x.N, L); },
            (size_t)3 * SCAN_BWD_WARPS * L * x.N);
 }
@@ -113,9 +116,14 @@ int main(int argc, char** argv) {
         fill(x.Bm, btn, [&] { return r32(nd(rng)); }); fill(x.Cm, btn, [&] { return r32(nd(rng)); });
         fill(x.D, x.Dc, [&] { return r32(nd(rng)); }); fill(x.init, st, [&] { return r32(nd(rng)); });
         fill(x.dy, btd, [&] { return r32(nd(rng)); }); fill(x.dfin, st, [&] { return r32(nd(rng)); });
-        const Grad want = adjoint(x);
+        for (int flags = 1; flags >= 0; --flags) {
+        // Without the optional inputs the reference sees D, the initial state and d_final as 0.
+        In y = x;
+        if (!flags) { std::fill(y.D.begin(), y.D.end(), 0.0); std::fill(y.init.begin(), y.init.end(), 0.0); std::fill(y.dfin.begin(), y.dfin.end(), 0.0); }
+        const Grad want = adjoint(y);
         // The adjoint against finite differences, a few entries of every input.
         double fd_worst = 0;
+        if (flags) {
         auto probe = [&](std::vector<double>& v, const std::vector<double>& gv) {
             for (size_t k = 0; k < v.size(); k += 1 + v.size() / 3) {
                 const double keep = v[k], h = 1e-6 * (1 + std::fabs(keep));
@@ -126,16 +134,20 @@ int main(int argc, char** argv) {
         };
         probe(x.u, want.u); probe(x.dt, want.dt); probe(x.A, want.A); probe(x.Bm, want.Bm);
         probe(x.Cm, want.Cm); probe(x.D, want.D); probe(x.init, want.init);
+        }
         std::vector<float> gu, gdt, gA, gB, gC, gD, gi;
         const int S = x.N <= 32 ? 1 : 2;
-        if (S == 1) run<1>(x, L, gu, gdt, gA, gB, gC, gD, gi); else run<2>(x, L, gu, gdt, gA, gB, gC, gD, gi);
+        if (S == 1) run<1>(x, L, flags, gu, gdt, gA, gB, gC, gD, gi); else run<2>(x, L, flags, gu, gdt, gA, gB, gC, gD, gi);
         const double e[7] = {rel(gu, want.u), rel(gdt, want.dt), rel(gA, want.A), rel(gB, want.Bm),
-                             rel(gC, want.Cm), rel(gD, want.D), rel(gi, want.init)};
+                             rel(gC, want.Cm), flags ? rel(gD, want.D) : 0.0, rel(gi, want.init)};
+        // Without D, dD is not written (it stays at the zeros the host gives it).
+        if (!flags) for (float v : gD) if (v != 0.f) ++fails;
         double worst = 0; for (double v : e) worst = std::max(worst, std::isfinite(v) ? v : INFINITY);
-        std::printf("scan backward B%d T%d D%d N%d L%d: du %.2g ddt %.2g dA %.2g dB %.2g dC %.2g dD %.2g dh0 %.2g "
+        std::printf("scan backward B%d T%d D%d N%d L%d %s: du %.2g ddt %.2g dA %.2g dB %.2g dC %.2g dD %.2g dh0 %.2g "
                     "(float64 adjoint vs finite differences %.2g)\n",
-                    x.B, x.T, x.Dc, x.N, L, e[0], e[1], e[2], e[3], e[4], e[5], e[6], fd_worst);
+                    x.B, x.T, x.Dc, x.N, L, flags ? "with D, h0, dfin" : "without", e[0], e[1], e[2], e[3], e[4], e[5], e[6], fd_worst);
         if (!(worst < 1e-5) || !(fd_worst < 1e-5) || g_overrun) ++fails;
+        }
     }
     std::printf(fails ? "FAILED\n" : "ALL OK\n");
     return fails != 0;

@@ -531,16 +531,28 @@ pub fn incomplete_run(loaded: &Loaded) -> Option<String> {
         }
         let one = cut.len() == 1;
         let names: Vec<String> = cut.iter().map(|c| format!("\"{c}\"")).collect();
+        let others = if parts.len() - cut.len() == 1 {
+            "the other part of the run measured them".to_string()
+        } else {
+            format!("another of the run's {} parts measured them", parts.len())
+        };
         format!(
-            "The run stopped before it finished in {}: {} (its document{} no finished_at, as \
-             when a time limit ran out). Cases {} never reached have no rows unless another of \
-             the run's {} parts measured them; where a case was reached for some \
-             implementations only, the others' cells say so.",
-            if one { "one part" } else { "some parts" },
+            "{} {}, stopped before {} finished ({} no finished_at, as when a time limit ran \
+             out). Cases {} never reached have no rows unless {others}; where a case was \
+             reached for some implementations only, the others' cells say so.",
+            if one {
+                "One part of the run,"
+            } else {
+                "Some parts of the run,"
+            },
             names.join(", "),
-            if one { " has" } else { "s have" },
+            if one { "it" } else { "they" },
+            if one {
+                "its document has"
+            } else {
+                "their documents have"
+            },
             if one { "that part" } else { "those parts" },
-            parts.len()
         )
     });
     match (missing, stopped) {
