@@ -1714,3 +1714,39 @@ fn single_size_cases_of_an_incomplete_run_say_so() {
         "{cut:?}"
     );
 }
+
+/// How to reproduce names the Python packages a document's comparisons ran with, from its
+/// `config.libraries`, under their pip names (`fla` → `fla-core`); a run with no Python
+/// library gets no such note.
+#[test]
+fn reproduce_commands_name_the_python_packages_recorded() {
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let libs = doc["config"]["libraries"].as_object_mut().unwrap();
+    for k in [
+        "torch",
+        "triton",
+        "fla",
+        "jax",
+        "jaxlib",
+        "jax_cuda13_plugin",
+        "python",
+    ] {
+        libs.remove(k);
+    }
+    fs::write(data.path().join("gpu_attention.json"), doc.to_string()).unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    assert!(!text_of(&site, "attention.html").contains("its comparisons ran with"));
+    let libs = doc["config"]["libraries"].as_object_mut().unwrap();
+    libs.insert("python".into(), serde_json::json!("3.12.3"));
+    libs.insert("torch".into(), serde_json::json!("2.11.0+cu130"));
+    libs.insert("fla".into(), serde_json::json!("0.6.0"));
+    fs::write(data.path().join("gpu_attention.json"), doc.to_string()).unwrap();
+    let (_tmp2, site) = build_site(data.path(), None);
+    let t = text_of(&site, "attention.html");
+    assert!(
+        t.contains("its comparisons ran with Python 3.12.3, torch 2.11.0+cu130, fla-core 0.6.0"),
+        "{t}"
+    );
+}

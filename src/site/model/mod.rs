@@ -122,7 +122,14 @@ pub fn reproduce_command(l: &Loaded) -> String {
 /// command that builds the site, pages and figures, from them.
 pub(crate) fn reproduce_commands<'a>(docs: impl Iterator<Item = &'a Loaded>) -> Vec<CommandView> {
     docs.map(|l| CommandView {
-        label: format!("{} ({})", l.file_name(), l.doc.suite.title()),
+        label: match python_packages(l) {
+            Some(p) => format!(
+                "{} ({}; its comparisons ran with {p})",
+                l.file_name(),
+                l.doc.suite.title()
+            ),
+            None => format!("{} ({})", l.file_name(), l.doc.suite.title()),
+        },
         command: reproduce_command(l),
     })
     .chain(std::iter::once(CommandView {
@@ -130,6 +137,34 @@ pub(crate) fn reproduce_commands<'a>(docs: impl Iterator<Item = &'a Loaded>) -> 
         command: DOCGEN_COMMAND.to_string(),
     }))
     .collect()
+}
+
+/// The Python packages document `l`'s comparison scripts ran with, as recorded in its
+/// `config.libraries`, under the names pip installs them by (`fla` is the `fla-core`
+/// distribution), e.g. `Python 3.12.3, torch 2.11.0+cu130, triton 3.6.0, fla-core 0.6.0`; `None`
+/// when the run compared with no Python library.
+pub fn python_packages(l: &Loaded) -> Option<String> {
+    const PIP_NAMES: [(&str, &str); 6] = [
+        ("torch", "torch"),
+        ("triton", "triton"),
+        ("fla", "fla-core"),
+        ("jax", "jax"),
+        ("jaxlib", "jaxlib"),
+        ("jax_cuda13_plugin", "jax-cuda13-plugin"),
+    ];
+    let libs = &l.doc.config.libraries;
+    let packages: Vec<String> = PIP_NAMES
+        .iter()
+        .filter_map(|(key, pip)| libs.get(*key).map(|v| format!("{pip} {v}")))
+        .collect();
+    if packages.is_empty() {
+        return None;
+    }
+    let python = libs
+        .get("python")
+        .map(|v| format!("Python {v}, "))
+        .unwrap_or_default();
+    Some(format!("{python}{}", packages.join(", ")))
 }
 
 /// The command that measures `suite`, when its runner exists.
