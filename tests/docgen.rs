@@ -665,11 +665,9 @@ fn a_run_that_stopped_early_is_named_on_the_pages() {
     }
 }
 
-/// A run in two parts (two documents, two `--filter`s) of which one stopped early: the page
-/// names the part that stopped, by its command, and says another part may hold the cases it
-/// never reached; the part that finished is not named as stopped.
-#[test]
-fn the_part_of_a_run_that_stopped_early_is_named() {
+/// Writes the fixture's cases split over `cut.len()` parts (`--filter part_i`), part i without
+/// `finished_at` when `cut[i]`, and returns the Attention page's text.
+fn attention_text_of_parts(cut: &[bool]) -> String {
     let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
     let doc: serde_json::Value = serde_json::from_str(&source).unwrap();
     let rows = doc["rows"].as_array().unwrap().clone();
@@ -679,19 +677,22 @@ fn the_part_of_a_run_that_stopped_early_is_named() {
             cases.push(&r["case"]);
         }
     }
-    assert!(cases.len() >= 2, "the fixture has two cases at least");
+    assert!(cases.len() >= cut.len(), "the fixture has a case per part");
     let data = tempfile::tempdir().unwrap();
-    for (i, filter) in ["first_part", "second_part"].iter().enumerate() {
+    for (i, &stopped) in cut.iter().enumerate() {
         let mut part = doc.clone();
         let mut c = doc["config"]["command"].as_array().unwrap().clone();
-        c.extend([serde_json::json!("--filter"), serde_json::json!(filter)]);
+        c.extend([
+            serde_json::json!("--filter"),
+            serde_json::json!(format!("part_{i}")),
+        ]);
         part["config"]["command"] = serde_json::json!(c);
         part["rows"] = serde_json::json!(rows
             .iter()
-            .filter(|r| cases.iter().position(|c| *c == &r["case"]).unwrap() % 2 == i)
+            .filter(|r| cases.iter().position(|c| *c == &r["case"]).unwrap() % cut.len() == i)
             .cloned()
             .collect::<Vec<_>>());
-        if i == 1 {
+        if stopped {
             part["config"]
                 .as_object_mut()
                 .unwrap()
@@ -704,15 +705,43 @@ fn the_part_of_a_run_that_stopped_early_is_named() {
         .unwrap();
     }
     let (_tmp, site) = build_site(data.path(), None);
-    let t = text_of(&site, "attention.html");
+    text_of(&site, "attention.html")
+}
+
+/// Two of three parts stopped early: both are named, the sentence is in the plural, and the
+/// count of the run's parts is given.
+#[test]
+fn the_parts_of_a_run_that_stopped_early_are_named() {
+    let t = attention_text_of_parts(&[true, false, true]);
+    let said = t
+        .split("Incomplete run: some parts of the run,")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no parts named as stopped: {t}"));
+    let said = &said[..said.find("measured them").expect("the sentence goes on")];
+    assert!(said.contains("--filter part_0"), "{said}");
+    assert!(said.contains("--filter part_2"), "{said}");
+    assert!(!said.contains("part_1"), "{said}");
+    assert!(
+        said.contains("stopped before they finished (their documents have"),
+        "{said}"
+    );
+    assert!(said.ends_with("another of the run's 3 parts "), "{said}");
+}
+
+/// A run in two parts (two documents, two `--filter`s) of which one stopped early: the page
+/// names the part that stopped, by its command, and says another part may hold the cases it
+/// never reached; the part that finished is not named as stopped.
+#[test]
+fn the_part_of_a_run_that_stopped_early_is_named() {
+    let t = attention_text_of_parts(&[false, true]);
     let said = t
         .split("Incomplete run: one part of the run,")
         .nth(1)
         .unwrap_or_else(|| panic!("no part named as stopped: {t}"));
     let said = &said[..said.find("measured them").expect("the sentence goes on")];
-    assert!(said.contains("--filter second_part"), "{said}");
+    assert!(said.contains("--filter part_1"), "{said}");
     assert!(said.contains("stopped before it finished"), "{said}");
-    assert!(!said.contains("first_part"), "{said}");
+    assert!(!said.contains("part_0"), "{said}");
     assert!(
         said.ends_with("unless the other part of the run "),
         "{said}"

@@ -531,7 +531,9 @@ pub fn incomplete_run(loaded: &Loaded) -> Option<String> {
         }
         let one = cut.len() == 1;
         let names: Vec<String> = cut.iter().map(|c| format!("\"{c}\"")).collect();
-        let others = if parts.len() - cut.len() == 1 {
+        // "The other part" only when the run has two parts; with more, a case one cut-off part
+        // missed may be in any other part, cut off or not.
+        let others = if parts.len() == 2 {
             "the other part of the run measured them".to_string()
         } else {
             format!("another of the run's {} parts measured them", parts.len())
