@@ -39,10 +39,12 @@ use kernelpages::runner::protocol::{CaseFiles, Job, Reply, TensorFile};
 use kernelpages::runner::{self, host, own, Alternative, Declared, DeviceChoice, RunnerArgs};
 use kernelpages::schema::{Count, DispatchRule, RunKind, Status, Suite, Throughput};
 use kernelpages::sequence_mixers::based_cuda::{self, Based};
-use kernelpages::sequence_mixers::case::{Mixer, MixerCase, MixerDtype, MixerInputs, Tensor};
+use kernelpages::sequence_mixers::case::{
+    Mixer, MixerCase, MixerDtype, MixerInputs, MixerPass, Tensor,
+};
 use kernelpages::sequence_mixers::cuda::{self as ssd_cuda, Dtype as DeviceDtype, Ssd};
 use kernelpages::sequence_mixers::delta_cuda::{self, GatedDelta};
-use kernelpages::sequence_mixers::scan_cuda::{self, Scan};
+use kernelpages::sequence_mixers::scan_cuda::{self, Scan, ScanBackward};
 use kernelpages::sequence_mixers::{cpu, files};
 
 /// Measure the sequence mixers on the GPU (or with --device cpu the CPU) and write a suite
@@ -71,6 +73,10 @@ struct Cli {
     /// dtypes of X, B, C and Y [default: bf16,fp32 on the GPU, fp32 on the CPU].
     #[arg(long, value_delimiter = ',')]
     dtypes: Option<Vec<String>>,
+    /// Passes: `fwd`, `fwd+bwd` [default: both on the GPU, fwd on the CPU]; fwd+bwd cases are
+    /// made for the mixers with a backward (so far the selective scan).
+    #[arg(long, value_delimiter = ',')]
+    passes: Option<Vec<String>>,
     /// Tokens whose outputs are checked against float64 per case (evenly spaced, the last
     /// included).
     #[arg(long, default_value_t = 256)]
@@ -126,7 +132,7 @@ const ALTERNATIVES: [Alternative; 2] = [
 ];
 
 /// How FLOPs are counted (the document's `flop_rule`).
-const FLOP_RULE: &str = "the recurrence's arithmetic, per token and state element: SSD 5 (the decay and input update, 3; the read-out by C, 2), the selective scan 6 (its per-element Δ·A as well; exponentials not counted), the gated delta rule 7 (S·k 2, the update α·S + w·kᵀ 3, the read-out S·q 2), Based's linear branch 4 (v·kᵀ added, S·q) plus, for its window, 4·head_dim per (query, key) pair the window holds (q·k and the weighted sum of v); a chunked kernel does more, the count is the same for every implementation of a case. Throughput also as tokens per second (B·T per call)";
+const FLOP_RULE: &str = "the recurrence's arithmetic, per token and state element: SSD 5 (the decay and input update, 3; the read-out by C, 2), the selective scan 6 (its per-element Δ·A as well; exponentials not counted), the gated delta rule 7 (S·k 2, the update α·S + w·kᵀ 3, the read-out S·q 2), Based's linear branch 4 (v·kᵀ added, S·q) plus, for its window, 4·head_dim per (query, key) pair the window holds (q·k and the weighted sum of v); a chunked kernel does more, the count is the same for every implementation of a case; a forward and backward call (pass fwd+bwd) counts three times its forward (the backward as twice the forward). Throughput also as tokens per second (B·T per call)";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -198,6 +204,18 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
         None if gpu => vec![MixerDtype::Bf16, MixerDtype::Fp32],
         None => vec![MixerDtype::Fp32],
     };
+    let passes: Vec<MixerPass> = match &cli.passes {
+        Some(names) => names
+            .iter()
+            .map(|n| match n.as_str() {
+                "fwd" => Ok(MixerPass::Fwd),
+                "fwd+bwd" => Ok(MixerPass::FwdBwd),
+                other => anyhow::bail!("--passes: unknown pass `{other}` (fwd, fwd+bwd)"),
+            })
+            .collect::<Result<_>>()?,
+        None if gpu => vec![MixerPass::Fwd, MixerPass::FwdBwd],
+        None => vec![MixerPass::Fwd],
+    };
     let mut out = Vec::new();
     // seq_len outermost: `--shard i/n` takes every n-th case, so each shard gets a share of
     // the longest (slowest) cases.
@@ -213,7 +231,14 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
                     };
                     c.dtype = dtype;
                     c.validate().map_err(anyhow::Error::msg)?;
-                    out.push(c.params());
+                    for &pass in &passes {
+                        // Only the selective scan has a backward so far.
+                        if pass == MixerPass::FwdBwd && mixer != Mixer::SelectiveScan {
+                            continue;
+                        }
+                        c.pass = pass;
+                        out.push(c.params());
+                    }
                 }
             }
         }
@@ -380,6 +405,13 @@ impl runner::Suite for Mixers {
             Ok(c) => c,
             Err(e) => return Some(format!("{e:#}")),
         };
+        if c.pass == MixerPass::FwdBwd && implementation != GPU_IMPLEMENTATION {
+            return Some(format!(
+                "fwd+bwd: {implementation} has no backward of the {} measured yet (the \
+                 project's CUDA backward is the only one in the grid so far)",
+                c.mixer.as_str()
+            ));
+        }
         if implementation == CPU_IMPLEMENTATION
             && matches!(c.mixer, Mixer::GatedDelta | Mixer::Based)
         {
@@ -444,6 +476,15 @@ impl runner::Suite for Mixers {
                 "{}; zero initial state, the final state written",
                 gpu_arithmetic_note(&c)
             ));
+            if c.pass == MixerPass::FwdBwd {
+                notes.push(format!(
+                    "backward (scan_bwd, version 1.1): the adjoint walked back from the state \
+                     kept every {} steps (the forward recomputed; nothing kept by the forward \
+                     call), dB and dC summed over 8 channels per block then by atomics; \
+                     gradients in float32",
+                    scan_cuda::backward_chunk(c.state).unwrap_or(0)
+                ));
+            }
         }
         if implementation == CPU_IMPLEMENTATION {
             notes.push("float32 arithmetic; zero initial state".into());
@@ -589,6 +630,9 @@ struct DeviceSet {
 enum Kernels {
     Ssd(Ssd),
     Scan(Scan),
+    /// The selective scan's forward, then its backward (a fwd+bwd case), and the buffer the
+    /// backward writes the initial state's gradient to (not an output of the case).
+    ScanBwd(Box<(Scan, ScanBackward, CudaSlice<f32>)>),
     Delta(GatedDelta),
     Based(Box<Based>),
 }
@@ -603,8 +647,10 @@ struct GpuLaunch {
     final_state: CudaSlice<f32>,
 }
 
-/// Launches `k` on the sequence inputs `seq` (X or u, B, C; or q, k, v) and the float32 ones
-/// `f` (Δ, A, D; or α, β), in the order of [`Mixer::input_names`].
+/// Launches `k` on the sequence inputs `seq` (X or u, B, C; or q, k, v; then dy for a
+/// backward) and the float32 ones `f` (Δ, A, D; or α, β), in the order of
+/// [`Mixer::input_names`]; a backward writes its gradients into `grads` (the case's outputs
+/// after y, float32 words).
 #[allow(clippy::too_many_arguments)]
 fn launch_kernels<T: DeviceRepr>(
     k: &mut Kernels,
@@ -614,6 +660,7 @@ fn launch_kernels<T: DeviceRepr>(
     scale: f32,
     y: &mut CudaViewMut<'_, T>,
     fs: &mut CudaSlice<f32>,
+    grads: &mut [CudaSlice<u16>],
 ) -> Result<(), GpuError> {
     let want = |s: usize, n: usize| {
         if seq.len() == s && f.len() == n {
@@ -655,6 +702,49 @@ fn launch_kernels<T: DeviceRepr>(
                 None,
                 y,
                 fs,
+            )
+        }
+        Kernels::ScanBwd(k) => {
+            want(4, 3)?;
+            let (fwd, bwd, d_initial) = &mut **k;
+            fwd.launch(
+                gpu,
+                seq[0],
+                f[0],
+                f[1],
+                seq[1],
+                seq[2],
+                Some(f[2]),
+                None,
+                y,
+                fs,
+            )?;
+            // The runner's gradient buffers hold float32 words: du, dΔ, dA, dB, dC, dD.
+            let mut views = Vec::with_capacity(grads.len());
+            for g in grads.iter_mut() {
+                let len = g.len() / 2;
+                // SAFETY: `g` holds 2·len 16-bit words, the bytes of `len` floats.
+                views.push(
+                    unsafe { g.transmute_mut::<f32>(len) }
+                        .ok_or_else(|| GpuError::Config("gradient buffer too short".into()))?,
+                );
+            }
+            let mut views: [CudaViewMut<'_, f32>; 6] = views.try_into().map_err(|v: Vec<_>| {
+                GpuError::Config(format!("{} gradient buffers, expected 6", v.len()))
+            })?;
+            bwd.launch_into(
+                gpu,
+                seq[0],
+                f[0],
+                f[1],
+                seq[1],
+                seq[2],
+                Some(f[2]),
+                None,
+                seq[3],
+                None,
+                &mut views,
+                d_initial,
             )
         }
         Kernels::Delta(k) => {
@@ -710,8 +800,8 @@ impl own::Launcher for GpuLaunch {
         set: &DeviceSet,
         outs: &mut [CudaSlice<u16>],
     ) -> Result<(), GpuError> {
-        let out = outs
-            .first_mut()
+        let (out, grads) = outs
+            .split_first_mut()
             .ok_or_else(|| GpuError::Config("no output buffer".into()))?;
         let specs = self.case.input_specs();
         let floats: Vec<&CudaSlice<f32>> = set
@@ -744,6 +834,7 @@ impl own::Launcher for GpuLaunch {
                     self.scale,
                     &mut y,
                     fs,
+                    grads,
                 )
             }
             MixerDtype::Bf16 => {
@@ -763,6 +854,7 @@ impl own::Launcher for GpuLaunch {
                     self.scale,
                     &mut y,
                     fs,
+                    grads,
                 )
             }
         }
@@ -771,13 +863,17 @@ impl own::Launcher for GpuLaunch {
         let kernels = match &self.kernels {
             Kernels::Ssd(k) => k.temporary_bytes(),
             Kernels::Scan(k) => k.temporary_bytes(),
+            Kernels::ScanBwd(k) => {
+                k.0.temporary_bytes() + k.1.temporary_bytes() + 4 * k.2.len() as u64
+            }
             Kernels::Delta(k) => k.temporary_bytes(),
             Kernels::Based(k) => k.temporary_bytes(),
         };
         kernels + 4 * self.final_state.len() as u64
     }
     fn residual_bytes(&self) -> Option<u64> {
-        None
+        // The backward recomputes the forward from the inputs: the forward keeps nothing.
+        matches!(self.kernels, Kernels::ScanBwd(_)).then_some(0)
     }
     fn workspace_bytes(&self) -> u64 {
         0
@@ -805,6 +901,16 @@ fn measure_gpu(job: &Job) -> Reply {
         let dtype = device_dtype(case.dtype);
         let kernels = match case.mixer {
             Mixer::Ssd => Kernels::Ssd(Ssd::new(gpu, case.ssd_shape(), dtype)?),
+            Mixer::SelectiveScan if case.pass == MixerPass::FwdBwd => {
+                let d_initial = gpu
+                    .stream
+                    .alloc_zeros::<f32>((case.batch * case.state_elements()).max(1))?;
+                Kernels::ScanBwd(Box::new((
+                    Scan::new(gpu, case.scan_shape(), dtype)?,
+                    ScanBackward::new(gpu, case.scan_shape(), dtype)?,
+                    d_initial,
+                )))
+            }
             Mixer::SelectiveScan => Kernels::Scan(Scan::new(gpu, case.scan_shape(), dtype)?),
             Mixer::GatedDelta => Kernels::Delta(GatedDelta::new(gpu, case.delta_shape(), dtype)?),
             Mixer::Based => Kernels::Based(Box::new(Based::new(gpu, case.based_shape(), dtype)?)),
@@ -812,6 +918,8 @@ fn measure_gpu(job: &Job) -> Reply {
         let compile_s = match &kernels {
             Kernels::Ssd(k) => k.compile_s,
             Kernels::Scan(k) => k.compile_s,
+            // One source (scan.cu) holds both: compiled once.
+            Kernels::ScanBwd(k) => k.0.compile_s + k.1.compile_s,
             Kernels::Delta(k) => k.compile_s,
             Kernels::Based(k) => k.compile_s,
         };
@@ -837,10 +945,23 @@ mod tests {
     #[test]
     fn the_grids_and_their_selection() {
         let gpu = Cli::try_parse_from(["sequence_mixers"]).unwrap();
-        // 4 mixers × 2 dtypes × 2 head dims × 4 lengths, the longest spread over the shards.
+        // 4 mixers × 2 dtypes × 2 head dims × 4 lengths forward, and the selective scan's
+        // 2 × 2 × 4 forward and backward cases; the longest spread over the shards.
         let all_gpu = cases(&gpu, false).unwrap();
-        assert_eq!(all_gpu.len(), 64);
-        assert_eq!(cases(&gpu, true).unwrap().len(), 4 * 2);
+        assert_eq!(all_gpu.len(), 64 + 16);
+        assert_eq!(cases(&gpu, true).unwrap().len(), 4 * 2 + 2);
+        let backward: Vec<MixerCase> = all_gpu
+            .iter()
+            .map(|p| MixerCase::from_params(p).unwrap())
+            .filter(|c| c.pass == MixerPass::FwdBwd)
+            .collect();
+        assert_eq!(backward.len(), 16);
+        assert!(backward.iter().all(|c| c.mixer == Mixer::SelectiveScan));
+        let fwd_only = Cli::try_parse_from(["sequence_mixers", "--passes", "fwd"]).unwrap();
+        assert_eq!(cases(&fwd_only, false).unwrap().len(), 64);
+        assert!(Cli::try_parse_from(["sequence_mixers", "--passes", "bwd"])
+            .map(|c| cases(&c, false).is_err())
+            .unwrap());
         let longest = |shard: usize| {
             all_gpu
                 .iter()
@@ -875,6 +996,18 @@ mod tests {
         assert!(suite
             .unsupported(&bf.params(), GPU_IMPLEMENTATION)
             .is_none());
+        // A backward case runs on the project's CUDA kernels only, so far.
+        let mut back = bf;
+        back.pass = MixerPass::FwdBwd;
+        assert!(suite
+            .unsupported(&back.params(), GPU_IMPLEMENTATION)
+            .is_none());
+        for other in [CPU_IMPLEMENTATION, TORCH_EAGER, FLA_CHUNK] {
+            assert!(suite
+                .unsupported(&back.params(), other)
+                .unwrap()
+                .contains("fwd+bwd"));
+        }
         let picked = Cli::try_parse_from([
             "sequence_mixers",
             "--device",

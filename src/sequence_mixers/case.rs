@@ -61,6 +61,26 @@ impl Mixer {
     }
 }
 
+/// What one call computes: the forward, or the forward and the backward (the gradients of
+/// ⟨dy, y⟩ with respect to every input, dy given; so far the selective scan only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixerPass {
+    /// The forward.
+    Fwd,
+    /// The forward, then the backward from dy.
+    FwdBwd,
+}
+
+impl MixerPass {
+    /// The parameter value (`fwd`, `fwd+bwd`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MixerPass::Fwd => "fwd",
+            MixerPass::FwdBwd => "fwd+bwd",
+        }
+    }
+}
+
 /// Element type of the sequence inputs (X, B, C) and the output; Δ, A, D and the states are
 /// float32 in every case (as Mamba's kernels take them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,6 +145,8 @@ pub struct MixerCase {
     pub window: usize,
     /// Element type of the sequence inputs (X, u, B, C, q, k, v) and the output.
     pub dtype: MixerDtype,
+    /// The forward, or the forward and the backward.
+    pub pass: MixerPass,
 }
 
 impl MixerCase {
@@ -141,6 +163,7 @@ impl MixerCase {
             state,
             window: 0,
             dtype: MixerDtype::Fp32,
+            pass: MixerPass::Fwd,
         }
     }
 
@@ -182,6 +205,7 @@ impl MixerCase {
             state,
             window: 0,
             dtype: MixerDtype::Fp32,
+            pass: MixerPass::Fwd,
         }
     }
 
@@ -240,7 +264,7 @@ impl MixerCase {
         p.insert("batch".into(), int(self.batch));
         p.insert("seq_len".into(), int(self.seq_len));
         p.insert("dtype".into(), Param::Text(self.dtype.as_str().into()));
-        p.insert("pass".into(), Param::Text("fwd".into()));
+        p.insert("pass".into(), Param::Text(self.pass.as_str().into()));
         match self.mixer {
             Mixer::Ssd => {
                 p.insert("heads".into(), int(self.heads));
@@ -268,8 +292,9 @@ impl MixerCase {
     /// The case named by `p` ([`MixerCase::params`]).
     ///
     /// # Errors
-    /// A missing or mistyped parameter, an unknown mixer or dtype, a pass other than `fwd`
-    /// (the backward kernels are not written yet), or a shape [`MixerCase::validate`] refuses.
+    /// A missing or mistyped parameter, an unknown mixer or dtype, a pass other than `fwd` or
+    /// `fwd+bwd`, `fwd+bwd` for a mixer other than the selective scan (the only one with a
+    /// backward so far), or a shape [`MixerCase::validate`] refuses.
     pub fn from_params(p: &BTreeMap<String, Param>) -> Result<MixerCase, String> {
         let int = |k: &str| crate::schema::param_size(p, k);
         let text = |k: &str| crate::schema::param_name(p, k);
@@ -281,15 +306,17 @@ impl MixerCase {
             "bf16" => MixerDtype::Bf16,
             other => return Err(format!("dtype `{other}`: the mixers take fp32 or bf16")),
         };
-        match text("pass")? {
-            "fwd" => {}
-            other => {
+        let pass = match text("pass")? {
+            "fwd" => MixerPass::Fwd,
+            "fwd+bwd" if mixer == Mixer::SelectiveScan => MixerPass::FwdBwd,
+            "fwd+bwd" => {
                 return Err(format!(
-                    "pass `{other}`: only the forward is measured so far (the backward kernels \
-                     are not written yet)"
+                    "pass `fwd+bwd` of {}: only the selective scan has a backward so far",
+                    mixer.as_str()
                 ))
             }
-        }
+            other => return Err(format!("pass `{other}`: fwd or fwd+bwd")),
+        };
         let mut c = match mixer {
             Mixer::Ssd => MixerCase {
                 groups: int("groups")?,
@@ -322,6 +349,7 @@ impl MixerCase {
             ),
         };
         c.dtype = dtype;
+        c.pass = pass;
         c.validate()?;
         Ok(c)
     }
@@ -402,12 +430,18 @@ impl MixerCase {
                 (true, vec![bs, t, h, k]),
             ],
         };
-        self.mixer
+        let mut specs: Vec<(&'static str, bool, Vec<usize>)> = self
+            .mixer
             .input_names()
             .iter()
             .zip(shapes)
             .map(|(name, (seq, shape))| (*name, seq, shape))
-            .collect()
+            .collect();
+        if self.pass == MixerPass::FwdBwd {
+            // The cotangent of the output, last (the protocol's order for a backward job).
+            specs.push(("dy", true, vec![bs, t, self.width()]));
+        }
+        specs
     }
 
     /// Based: Σ over the steps of the keys the window branch sees, min(t + 1, W) summed over
@@ -432,7 +466,8 @@ impl MixerCase {
     /// Based's linear branch 4 (v·kᵀ added, S·q); Based's window branch adds 4·K per (query,
     /// key) pair it sees ([`MixerCase::window_pairs`] per batch entry and head: q·k and the
     /// weighted sum of v). A chunked kernel does more arithmetic than this (the intra-chunk
-    /// products); the count is the same for every implementation of a case.
+    /// products); the count is the same for every implementation of a case. A forward and
+    /// backward call counts three times the forward.
     pub fn flops(&self) -> f64 {
         let per = match self.mixer {
             Mixer::Ssd => 5.0,
@@ -442,13 +477,21 @@ impl MixerCase {
         };
         let window =
             4.0 * self.head_dim as f64 * self.window_pairs() * (self.batch * self.heads) as f64;
-        per * self.tokens() * self.state_elements() as f64 + window
+        let forward = per * self.tokens() * self.state_elements() as f64 + window;
+        match self.pass {
+            MixerPass::Fwd => forward,
+            // The backward counted as twice the forward (a vector-Jacobian product does about
+            // two products per product of the forward), as for attention.
+            MixerPass::FwdBwd => 3.0 * forward,
+        }
     }
 
     /// Bytes one call must move at least: X (u), B, C and Y in the case's dtype, Δ in float32
     /// (per head for SSD, per channel for the scan), A and D in float32 (A per channel and
     /// state for the scan); for the gated delta rule q, k, v and o in the case's dtype and α, β
-    /// in float32 per head and token; for Based q, k, v and o; no initial or final state.
+    /// in float32 per head and token; for Based q, k, v and o; no initial or final state. The
+    /// selective scan's forward and backward adds a second read of its inputs, dy, and its
+    /// float32 gradients.
     pub fn bytes(&self) -> f64 {
         let e = self.dtype.bytes() as f64;
         let t = self.tokens();
@@ -460,7 +503,20 @@ impl MixerCase {
                 let h = self.heads as f64;
                 t * (2.0 * w * e + 2.0 * g * n * e + 4.0 * h) + 8.0 * h
             }
-            Mixer::SelectiveScan => t * (2.0 * w * e + 2.0 * n * e + 4.0 * w) + 4.0 * w * (n + 1.0),
+            Mixer::SelectiveScan => {
+                let forward = t * (2.0 * w * e + 2.0 * n * e + 4.0 * w) + 4.0 * w * (n + 1.0);
+                match self.pass {
+                    MixerPass::Fwd => forward,
+                    // The backward reads the inputs and dy again and writes du and dΔ
+                    // ([B, T, D]), dB and dC ([B, T, N]), dA and dD in float32.
+                    MixerPass::FwdBwd => {
+                        forward
+                            + t * (2.0 * w * e + 2.0 * n * e + 4.0 * w)
+                            + t * (w * e + 8.0 * w + 8.0 * n)
+                            + 4.0 * w * (n + 1.0)
+                    }
+                }
+            }
             Mixer::GatedDelta => t * (4.0 * w * e + 8.0 * self.heads as f64),
             Mixer::Based => t * 4.0 * w * e,
         }
@@ -468,6 +524,15 @@ impl MixerCase {
 
     /// A short label for progress lines (`ssd B4 T4096 H8 P64 N64 bf16`).
     pub fn label(&self) -> String {
+        let label = self.forward_label();
+        match self.pass {
+            MixerPass::Fwd => label,
+            MixerPass::FwdBwd => format!("{label} fwd+bwd"),
+        }
+    }
+
+    /// [`MixerCase::label`] without the pass.
+    fn forward_label(&self) -> String {
         match self.mixer {
             Mixer::Ssd => format!(
                 "ssd B{} T{} H{} P{} N{} G{} {}",
@@ -560,7 +625,9 @@ impl MixerInputs {
     ///   [−4, −0.5) (every step decays the state by exp(Δ·A) in (0.45, 0.995)), D in [−1, 1);
     /// - gated delta: q uniform in [−1, 1) times 1/√K, k uniform then L2-normalised per token
     ///   and head (as the layer does), v in [−1, 1), α in [0.8, 1), β in [0, 1);
-    /// - Based: q, k, v uniform in [−1, 1), scale 1/√K.
+    /// - Based: q, k, v uniform in [−1, 1), scale 1/√K;
+    /// - a forward and backward case also dy, the output's cotangent, uniform in [−1, 1)
+    ///   (rounded to the case's dtype).
     pub fn random(c: &MixerCase, seed: u64) -> MixerInputs {
         let bt = c.batch * c.seq_len;
         let round = |v: Vec<f32>| -> Vec<f32> {
@@ -626,6 +693,10 @@ impl MixerInputs {
                 ]
             }
         };
+        let mut values = values;
+        if c.pass == MixerPass::FwdBwd {
+            values.push(uniform(bt * c.width(), -1.0, 1.0, seed + 6));
+        }
         let tensors = c
             .input_specs()
             .into_iter()
@@ -646,6 +717,49 @@ impl MixerInputs {
             .iter()
             .find(|t| t.name == name)
             .map_or(&[], |t| t.values.as_slice())
+    }
+
+    /// The float64 gradients of ⟨dy, y⟩ for a forward and backward case `c` (selective scan):
+    /// per gradient its name, the input it is the gradient of, values and shape, in the order
+    /// du `[B, T, D]`, dΔ `[B, T, D]`, dA `[D, N]`, dB and dC `[B, T, N]`, dD `[D]`
+    /// ([`super::gradients::selective_scan_backward`], zero initial state).
+    ///
+    /// # Errors
+    /// A case that is not a forward and backward selective scan; inputs whose lengths do not
+    /// fit `c`.
+    #[allow(clippy::type_complexity)]
+    pub fn gradient_references(
+        &self,
+        c: &MixerCase,
+    ) -> Result<Vec<(&'static str, &'static str, Vec<f64>, Vec<usize>)>, String> {
+        if c.mixer != Mixer::SelectiveScan || c.pass != MixerPass::FwdBwd {
+            return Err(format!(
+                "gradient references: {} has no backward case",
+                c.label()
+            ));
+        }
+        let f = |name: &str| -> Vec<f64> { self.get(name).iter().map(|&x| x as f64).collect() };
+        let (u, dt, a, b, cc, d, dy) =
+            (f("u"), f("delta"), f("a"), f("b"), f("c"), f("d"), f("dy"));
+        let inp = ScanInputs {
+            u: &u,
+            delta: &dt,
+            a: &a,
+            b: &b,
+            c: &cc,
+            d: Some(&d),
+            initial_state: None,
+        };
+        let g = super::gradients::selective_scan_backward(c.scan_shape(), inp, &dy, None)?;
+        let (ch, n) = (c.channels, c.state);
+        Ok(vec![
+            ("du", "u", g.du, vec![c.batch, c.seq_len, ch]),
+            ("ddelta", "delta", g.ddelta, vec![c.batch, c.seq_len, ch]),
+            ("dA", "a", g.da, vec![ch, n]),
+            ("dB", "b", g.db, vec![c.batch, c.seq_len, n]),
+            ("dC", "c", g.dc, vec![c.batch, c.seq_len, n]),
+            ("dD", "d", g.dd.unwrap_or_default(), vec![ch]),
+        ])
     }
 
     /// The float64 output of case `c` on these inputs, from a zero state: the sequential
@@ -738,9 +852,22 @@ mod tests {
         assert!(MixerCase::from_params(&p)
             .unwrap_err()
             .contains("multiple of groups"));
+        // The selective scan has a backward; the others refuse fwd+bwd, and any other pass.
         let mut p = scan.params();
         p.insert("pass".into(), Param::Text("fwd+bwd".into()));
-        assert!(MixerCase::from_params(&p).unwrap_err().contains("backward"));
+        let back = MixerCase::from_params(&p).unwrap();
+        assert_eq!(back.pass, MixerPass::FwdBwd);
+        assert_eq!(back.params(), p);
+        assert!(back.label().ends_with("fwd+bwd"));
+        let mut q = MixerCase::gated_delta(1, 9, 2, 8).params();
+        q.insert("pass".into(), Param::Text("fwd+bwd".into()));
+        assert!(MixerCase::from_params(&q)
+            .unwrap_err()
+            .contains("only the selective scan has a backward"));
+        q.insert("pass".into(), Param::Text("bwd".into()));
+        assert!(MixerCase::from_params(&q)
+            .unwrap_err()
+            .contains("fwd or fwd+bwd"));
         p.insert("mixer".into(), Param::Text("mamba3".into()));
         assert!(MixerCase::from_params(&p)
             .unwrap_err()

@@ -10,8 +10,10 @@ use std::path::Path;
 use anyhow::Result;
 use serde_json::json;
 
-use super::case::{Mixer, MixerCase, MixerDtype, MixerInputs};
-use crate::runner::protocol::{write_f64, write_u16, CaseFiles, CheckSpec, OutputSpec, TensorFile};
+use super::case::{Mixer, MixerCase, MixerDtype, MixerInputs, MixerPass};
+use crate::runner::protocol::{
+    write_f64, write_u16, CaseFiles, CheckSpec, GradientSpec, OutputSpec, TensorFile,
+};
 use crate::schema::Reference;
 
 /// Largest accepted relative L2 error against float64 with float32 inputs and output.
@@ -49,7 +51,9 @@ pub fn arguments(c: &MixerCase, inp: &MixerInputs) -> BTreeMap<String, serde_jso
 }
 
 /// Writes case `c`'s inputs ([`MixerInputs::random`] from `seed`) and the float64 reference
-/// of [`checked_tokens`] into `dir`, and returns the files.
+/// of [`checked_tokens`] into `dir`, and returns the files; a forward and backward case also
+/// gets dy among its inputs and its gradients' references
+/// ([`MixerInputs::gradient_references`]: the same tokens, dA and dD whole), float32 outputs.
 ///
 /// # Errors
 /// I/O errors, with the path; inputs the reference refuses.
@@ -91,6 +95,53 @@ pub fn write_case(c: &MixerCase, seed: u64, check_tokens: usize, dir: &Path) -> 
             bsz * t
         ),
     };
+    let tolerance = check.tolerance;
+    let mut gradients = Vec::new();
+    if c.pass == MixerPass::FwdBwd {
+        // Each gradient checked where the output is (the same tokens) when it has a token
+        // axis, whole otherwise (dA, dD); float32, as the kernels write them.
+        for (name, input, values, shape) in
+            inp.gradient_references(c).map_err(anyhow::Error::msg)?
+        {
+            let per_token = shape.len() == 3;
+            let (ranges, picked): (Vec<[u64; 2]>, Vec<f64>) = if per_token {
+                let width = shape[2];
+                (
+                    tokens
+                        .iter()
+                        .map(|&k| [(k * width) as u64, width as u64])
+                        .collect(),
+                    tokens
+                        .iter()
+                        .flat_map(|&k| values[k * width..(k + 1) * width].iter().copied())
+                        .collect(),
+                )
+            } else {
+                (vec![[0, values.len() as u64]], values.clone())
+            };
+            let reference = dir.join(format!("reference_{name}.f64"));
+            write_f64(&reference, &picked)?;
+            gradients.push(GradientSpec {
+                name: name.into(),
+                input: input.into(),
+                output: OutputSpec {
+                    dtype: MixerDtype::Fp32.as_str().into(),
+                    shape,
+                },
+                check: CheckSpec {
+                    ranges,
+                    reference,
+                    reference_kind: Reference::Float64Cpu,
+                    tolerance,
+                    checked: if per_token {
+                        format!("{} of {} tokens, from a zero state", tokens.len(), bsz * t)
+                    } else {
+                        "every element".into()
+                    },
+                },
+            });
+        }
+    }
     let out_shape = match c.mixer {
         Mixer::SelectiveScan => vec![bsz, t, w],
         Mixer::Ssd | Mixer::GatedDelta | Mixer::Based => vec![bsz, t, c.heads, c.head_dim],
@@ -102,7 +153,7 @@ pub fn write_case(c: &MixerCase, seed: u64, check_tokens: usize, dir: &Path) -> 
             shape: out_shape,
         },
         check,
-        gradients: Vec::new(),
+        gradients,
         arguments: arguments(c, &inp),
         flops: Some(c.flops()),
         bytes: Some(c.bytes()),
@@ -156,5 +207,48 @@ mod tests {
         assert_eq!(names, ["q", "k", "v"]);
         assert_eq!(b.arguments["scale"], json!(0.5));
         assert_eq!(b.output.shape, vec![1, 3, 2, 4]);
+    }
+
+    #[test]
+    fn a_backward_case_writes_dy_and_its_gradients() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = MixerCase::scan(2, 5, 3, 4);
+        c.pass = MixerPass::FwdBwd;
+        let f = write_case(&c, 7, 4, dir.path()).unwrap();
+        let names: Vec<&str> = f.inputs.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["u", "delta", "a", "b", "c", "d", "dy"]);
+        let g: Vec<(&str, &str)> = f
+            .gradients
+            .iter()
+            .map(|g| (g.name.as_str(), g.input.as_str()))
+            .collect();
+        assert_eq!(
+            g,
+            [
+                ("du", "u"),
+                ("ddelta", "delta"),
+                ("dA", "a"),
+                ("dB", "b"),
+                ("dC", "c"),
+                ("dD", "d")
+            ]
+        );
+        // du: the 4 checked tokens of 10, 3 channels each; dA whole (3 × 4).
+        assert_eq!(
+            f.gradients[0].check.ranges,
+            vec![[0, 3], [9, 3], [18, 3], [27, 3]]
+        );
+        assert_eq!(f.gradients[2].check.ranges, vec![[0, 12]]);
+        assert_eq!(f.gradients[3].output.shape, vec![2, 5, 4]);
+        // The references are the float64 adjoint's on the written inputs.
+        let inp = MixerInputs::random(&c, 7);
+        let want = inp.gradient_references(&c).unwrap();
+        let da = crate::runner::protocol::read_f64(&f.gradients[2].check.reference).unwrap();
+        assert_eq!(da, want[2].2);
+        assert!(da.iter().any(|&x| x != 0.0));
+        // A forward case has neither.
+        c.pass = MixerPass::Fwd;
+        let f = write_case(&c, 7, 4, dir.path()).unwrap();
+        assert!(f.gradients.is_empty() && f.inputs.len() == 6);
     }
 }

@@ -463,10 +463,66 @@ impl ScanBackward {
         d_final_state: Option<&CudaSlice<f32>>,
         grads: &mut ScanGradientBuffers,
     ) -> Result<(), GpuError> {
+        let ScanGradientBuffers {
+            du,
+            ddelta,
+            da,
+            db,
+            dc,
+            dd,
+            d_initial_state,
+        } = grads;
+        let mut views = [
+            du.as_view_mut(),
+            ddelta.as_view_mut(),
+            da.as_view_mut(),
+            db.as_view_mut(),
+            dc.as_view_mut(),
+            dd.as_view_mut(),
+        ];
+        self.launch_into(
+            gpu,
+            u,
+            delta,
+            a,
+            b,
+            c,
+            d,
+            initial_state,
+            dy,
+            d_final_state,
+            &mut views,
+            d_initial_state,
+        )
+    }
+
+    /// [`ScanBackward::launch`] into views: `grads` are du, dΔ, dA, dB, dC and dD in that order
+    /// (float32, the layouts of [`ScanGradientBuffers`]), as a runner's output buffers hold
+    /// them.
+    ///
+    /// # Errors
+    /// As [`ScanBackward::launch`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_into<T: DeviceRepr>(
+        &mut self,
+        gpu: &Gpu,
+        u: &CudaSlice<T>,
+        delta: &CudaSlice<f32>,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<T>,
+        c: &CudaSlice<T>,
+        d: Option<&CudaSlice<f32>>,
+        initial_state: Option<&CudaSlice<f32>>,
+        dy: &CudaSlice<T>,
+        d_final_state: Option<&CudaSlice<f32>>,
+        grads: &mut [CudaViewMut<'_, f32>; 6],
+        d_initial_state: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
         let s = self.shape;
         check_element::<T>(self.dtype, "selective_scan backward")?;
         let bt = s.batch * s.seq_len;
         let state_len = s.batch * s.channels * s.state;
+        let [du, ddelta, da, db, dc, dd] = grads;
         let mut checks = input_checks(s, u, delta, a, b, c, d, initial_state);
         checks.extend([
             ("dy", dy.len(), bt * s.channels),
@@ -475,22 +531,22 @@ impl ScanBackward {
                 d_final_state.map_or(state_len, |v| v.len()),
                 state_len,
             ),
-            ("du", grads.du.len(), bt * s.channels),
-            ("ddelta", grads.ddelta.len(), bt * s.channels),
-            ("da", grads.da.len(), s.channels * s.state),
-            ("db", grads.db.len(), bt * s.state),
-            ("dc", grads.dc.len(), bt * s.state),
-            ("dd", grads.dd.len(), s.channels),
-            ("d_initial_state", grads.d_initial_state.len(), state_len),
+            ("du", du.len(), bt * s.channels),
+            ("ddelta", ddelta.len(), bt * s.channels),
+            ("da", da.len(), s.channels * s.state),
+            ("db", db.len(), bt * s.state),
+            ("dc", dc.len(), bt * s.state),
+            ("dd", dd.len(), s.channels),
+            ("d_initial_state", d_initial_state.len(), state_len),
         ]);
         super::cuda::check_buffers("selective_scan backward", &s, &checks)?;
-        gpu.stream.memset_zeros(&mut grads.da)?;
-        gpu.stream.memset_zeros(&mut grads.db)?;
-        gpu.stream.memset_zeros(&mut grads.dc)?;
-        gpu.stream.memset_zeros(&mut grads.dd)?;
+        gpu.stream.memset_zeros(&mut *da)?;
+        gpu.stream.memset_zeros(&mut *db)?;
+        gpu.stream.memset_zeros(&mut *dc)?;
+        gpu.stream.memset_zeros(&mut *dd)?;
         if s.seq_len == 0 {
             // No step: the initial state's gradient is d_final_state; the rest are empty or 0.
-            return super::cuda::no_step(gpu, d_final_state, &mut grads.d_initial_state);
+            return super::cuda::no_step(gpu, d_final_state, d_initial_state);
         }
         let has_d = i32::from(d.is_some());
         let has_initial = i32::from(initial_state.is_some());
@@ -524,13 +580,13 @@ impl ScanBackward {
             .arg(d_final_state.unwrap_or(&self.unused))
             .arg(&has_d_final)
             .arg(&mut self.checkpoints)
-            .arg(&mut grads.du)
-            .arg(&mut grads.ddelta)
-            .arg(&mut grads.da)
-            .arg(&mut grads.db)
-            .arg(&mut grads.dc)
-            .arg(&mut grads.dd)
-            .arg(&mut grads.d_initial_state)
+            .arg(&mut *du)
+            .arg(&mut *ddelta)
+            .arg(&mut *da)
+            .arg(&mut *db)
+            .arg(&mut *dc)
+            .arg(&mut *dd)
+            .arg(&mut *d_initial_state)
             .arg(&t_len)
             .arg(&channels)
             .arg(&n)
