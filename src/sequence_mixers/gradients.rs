@@ -20,6 +20,8 @@
 //! inputs shared across an axis (A and D across batch and time, B and C across the heads of a
 //! group or the channels) are summed over it.
 
+use rayon::prelude::*;
+
 use super::reference::{check_len, or_zeros, ScanInputs, ScanShape, SsdInputs, SsdShape};
 
 /// Gradients of SSD's inputs ([`ssd_backward`]), float64, in the layouts of [`SsdInputs`].
@@ -236,63 +238,84 @@ pub fn selective_scan_backward(
 
     let mut du = vec![0.0; batch * t_len * channels];
     let mut ddelta = vec![0.0; batch * t_len * channels];
-    let mut da = vec![0.0; channels * n_dim];
     let mut db = vec![0.0; batch * t_len * n_dim];
     let mut dc = vec![0.0; batch * t_len * n_dim];
+    // The batch entries in parallel (rayon): each writes its own rows of du, dΔ, dB, dC and the
+    // state's adjoint, and returns its parts of dA and dD, summed over the batch afterwards.
+    let row = t_len * channels;
+    let parts: Vec<(Vec<f64>, Vec<f64>)> = du
+        .par_chunks_mut(row.max(1))
+        .zip(ddelta.par_chunks_mut(row.max(1)))
+        .zip(db.par_chunks_mut((t_len * n_dim).max(1)))
+        .zip(dc.par_chunks_mut((t_len * n_dim).max(1)))
+        .zip(adj.par_chunks_mut(channels * n_dim))
+        .enumerate()
+        .map(|(b, ((((du, ddelta), db), dc), adj))| {
+            let mut da = vec![0.0; channels * n_dim];
+            let mut dd = vec![0.0; channels];
+            // h_0 … h_T of one channel.
+            let mut states = vec![0.0; (t_len + 1) * n_dim];
+            for ch in 0..channels {
+                let bc = (b * channels + ch) * n_dim;
+                let a = &inp.a[ch * n_dim..][..n_dim];
+                let skip = inp.d.map_or(0.0, |d| d[ch]);
+
+                // The forward, keeping every state.
+                states[..n_dim].copy_from_slice(&h0[bc..][..n_dim]);
+                for t in 0..t_len {
+                    let bt = b * t_len + t;
+                    let i = bt * channels + ch;
+                    let (u, dt) = (inp.u[i], inp.delta[i]);
+                    let bv = &inp.b[bt * n_dim..][..n_dim];
+                    let (prev, next) = states[t * n_dim..(t + 2) * n_dim].split_at_mut(n_dim);
+                    for n in 0..n_dim {
+                        next[n] = (dt * a[n]).exp() * prev[n] + dt * u * bv[n];
+                    }
+                }
+
+                // The adjoint, from the last step back to the first.
+                let h_adj = &mut adj[ch * n_dim..][..n_dim];
+                let da_ch = &mut da[ch * n_dim..][..n_dim];
+                for t in (0..t_len).rev() {
+                    let bt = b * t_len + t;
+                    let i = bt * channels + ch;
+                    let (u, dt, dyv) = (inp.u[i], inp.delta[i], dy[i]);
+                    let bi = bt * n_dim;
+                    // This batch entry's rows of dB and dC start at its first step.
+                    let local = t * n_dim;
+                    let bv = &inp.b[bi..][..n_dim];
+                    let cv = &inp.c[bi..][..n_dim];
+                    let (prev, cur) = states[t * n_dim..(t + 2) * n_dim].split_at(n_dim);
+                    // ⟨ĥ_t, B_t⟩ and ⟨ĥ_t, A ∘ ā_t ∘ h_{t−1}⟩.
+                    let (mut hb, mut h_decay) = (0.0, 0.0);
+                    for n in 0..n_dim {
+                        let decay = (dt * a[n]).exp();
+                        // ĥ_t = (what came back from step t + 1) + dy_t C_t.
+                        h_adj[n] += dyv * cv[n];
+                        let ha = h_adj[n];
+                        dc[local + n] += dyv * cur[n];
+                        db[local + n] += dt * u * ha;
+                        hb += ha * bv[n];
+                        let through_decay = ha * decay * prev[n];
+                        h_decay += a[n] * through_decay;
+                        da_ch[n] += dt * through_decay;
+                        // What goes back to step t − 1.
+                        h_adj[n] = decay * ha;
+                    }
+                    let li = t * channels + ch;
+                    du[li] = dt * hb + skip * dyv;
+                    ddelta[li] = h_decay + u * hb;
+                    dd[ch] += dyv * u;
+                }
+            }
+            (da, dd)
+        })
+        .collect();
+    let mut da = vec![0.0; channels * n_dim];
     let mut dd = vec![0.0; channels];
-    // h_0 … h_T of one (batch entry, channel).
-    let mut states = vec![0.0; (t_len + 1) * n_dim];
-    for b in 0..batch {
-        for ch in 0..channels {
-            let bc = (b * channels + ch) * n_dim;
-            let a = &inp.a[ch * n_dim..][..n_dim];
-            let skip = inp.d.map_or(0.0, |d| d[ch]);
-
-            // The forward, keeping every state.
-            states[..n_dim].copy_from_slice(&h0[bc..][..n_dim]);
-            for t in 0..t_len {
-                let bt = b * t_len + t;
-                let i = bt * channels + ch;
-                let (u, dt) = (inp.u[i], inp.delta[i]);
-                let bv = &inp.b[bt * n_dim..][..n_dim];
-                let (prev, next) = states[t * n_dim..(t + 2) * n_dim].split_at_mut(n_dim);
-                for n in 0..n_dim {
-                    next[n] = (dt * a[n]).exp() * prev[n] + dt * u * bv[n];
-                }
-            }
-
-            // The adjoint, from the last step back to the first.
-            let h_adj = &mut adj[bc..][..n_dim];
-            let da_ch = &mut da[ch * n_dim..][..n_dim];
-            for t in (0..t_len).rev() {
-                let bt = b * t_len + t;
-                let i = bt * channels + ch;
-                let (u, dt, dyv) = (inp.u[i], inp.delta[i], dy[i]);
-                let bi = bt * n_dim;
-                let bv = &inp.b[bi..][..n_dim];
-                let cv = &inp.c[bi..][..n_dim];
-                let (prev, cur) = states[t * n_dim..(t + 2) * n_dim].split_at(n_dim);
-                // ⟨ĥ_t, B_t⟩ and ⟨ĥ_t, A ∘ ā_t ∘ h_{t−1}⟩.
-                let (mut hb, mut h_decay) = (0.0, 0.0);
-                for n in 0..n_dim {
-                    let decay = (dt * a[n]).exp();
-                    // ĥ_t = (what came back from step t + 1) + dy_t C_t.
-                    h_adj[n] += dyv * cv[n];
-                    let ha = h_adj[n];
-                    dc[bi + n] += dyv * cur[n];
-                    db[bi + n] += dt * u * ha;
-                    hb += ha * bv[n];
-                    let through_decay = ha * decay * prev[n];
-                    h_decay += a[n] * through_decay;
-                    da_ch[n] += dt * through_decay;
-                    // What goes back to step t − 1.
-                    h_adj[n] = decay * ha;
-                }
-                du[i] = dt * hb + skip * dyv;
-                ddelta[i] = h_decay + u * hb;
-                dd[ch] += dyv * u;
-            }
-        }
+    for (pa, pd) in &parts {
+        da.iter_mut().zip(pa).for_each(|(x, y)| *x += y);
+        dd.iter_mut().zip(pd).for_each(|(x, y)| *x += y);
     }
     Ok(ScanGradients {
         du,
