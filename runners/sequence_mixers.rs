@@ -691,6 +691,7 @@ fn launch_kernels<T: DeviceRepr>(
         }
         Kernels::Scan(k) => {
             want(3, 3)?;
+            // u, Δ, A, B, C, D; no initial state.
             k.launch(
                 gpu,
                 seq[0],

@@ -719,6 +719,27 @@ impl MixerInputs {
             .map_or(&[], |t| t.values.as_slice())
     }
 
+    /// The values of tensor `name` as float64 (empty when the case has none of that name).
+    fn float64(&self, name: &str) -> Vec<f64> {
+        self.get(name).iter().map(|&x| x as f64).collect()
+    }
+
+    /// Calls `run` with the selective scan's inputs (u, Δ, A, B, C, D; zero initial state) as
+    /// float64, as the references read them.
+    fn with_scan_inputs<R>(&self, run: impl FnOnce(ScanInputs) -> R) -> R {
+        let (u, dt, a) = (self.float64("u"), self.float64("delta"), self.float64("a"));
+        let (b, cc, d) = (self.float64("b"), self.float64("c"), self.float64("d"));
+        run(ScanInputs {
+            u: &u,
+            delta: &dt,
+            a: &a,
+            b: &b,
+            c: &cc,
+            d: Some(&d),
+            initial_state: None,
+        })
+    }
+
     /// The float64 gradients of ⟨dy, y⟩ for a forward and backward case `c` (selective scan):
     /// per gradient its name, the input it is the gradient of, values and shape, in the order
     /// du `[B, T, D]`, dΔ `[B, T, D]`, dA `[D, N]`, dB and dC `[B, T, N]`, dD `[D]`
@@ -738,19 +759,10 @@ impl MixerInputs {
                 c.label()
             ));
         }
-        let f = |name: &str| -> Vec<f64> { self.get(name).iter().map(|&x| x as f64).collect() };
-        let (u, dt, a, b, cc, d, dy) =
-            (f("u"), f("delta"), f("a"), f("b"), f("c"), f("d"), f("dy"));
-        let inp = ScanInputs {
-            u: &u,
-            delta: &dt,
-            a: &a,
-            b: &b,
-            c: &cc,
-            d: Some(&d),
-            initial_state: None,
-        };
-        let g = super::gradients::selective_scan_backward(c.scan_shape(), inp, &dy, None)?;
+        let dy = self.float64("dy");
+        let g = self.with_scan_inputs(|inp| {
+            super::gradients::selective_scan_backward(c.scan_shape(), inp, &dy, None)
+        })?;
         let (ch, n) = (c.channels, c.state);
         Ok(vec![
             ("du", "u", g.du, vec![c.batch, c.seq_len, ch]),
@@ -784,19 +796,9 @@ impl MixerInputs {
                 };
                 reference::ssd(c.ssd_shape(), inp).map(|(y, _)| y)
             }
-            Mixer::SelectiveScan => {
-                let (u, dt, a, b, cc, d) = (f("u"), f("delta"), f("a"), f("b"), f("c"), f("d"));
-                let inp = ScanInputs {
-                    u: &u,
-                    delta: &dt,
-                    a: &a,
-                    b: &b,
-                    c: &cc,
-                    d: Some(&d),
-                    initial_state: None,
-                };
+            Mixer::SelectiveScan => self.with_scan_inputs(|inp| {
                 reference::selective_scan(c.scan_shape(), inp).map(|(y, _)| y)
-            }
+            }),
             Mixer::GatedDelta => {
                 let (q, k, v, alpha, beta) = (f("q"), f("k"), f("v"), f("alpha"), f("beta"));
                 let inp = DeltaInputs {

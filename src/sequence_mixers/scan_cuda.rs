@@ -121,11 +121,7 @@ impl Scan {
     /// driver errors (out of memory).
     pub fn new(gpu: &Gpu, shape: ScanShape, dtype: Dtype) -> Result<Scan, GpuError> {
         let s = shape;
-        if s.batch == 0 || s.channels == 0 || s.state == 0 {
-            return Err(GpuError::Config(format!(
-                "selective_scan: empty dimension in {s:?}"
-            )));
-        }
+        check_dimensions("selective_scan", s)?;
         let Some(per_lane) = states_per_lane(s.state) else {
             return Err(GpuError::Config(format!(
                 "selective_scan: state {} is more than the {MAX_STATE} the kernel holds in \
@@ -133,12 +129,6 @@ impl Scan {
                 s.state
             )));
         };
-        if s.batch > MAX_GRID_Y {
-            return Err(GpuError::Config(format!(
-                "selective_scan: batch {} is more than the grid's {MAX_GRID_Y}",
-                s.batch
-            )));
-        }
         // The kernel's channel index runs to the grid's last warp, past channels by up to 7.
         let fits = |v: usize| v <= i32::MAX as usize;
         if !(fits(s.seq_len) && fits(s.channels.next_multiple_of(WARPS as usize))) {
@@ -237,6 +227,23 @@ impl Scan {
         unsafe { l.launch(cfg)? };
         Ok(())
     }
+}
+
+/// An error naming `what` for a shape with an empty dimension other than seq_len, or more
+/// batch entries than the grid's y dimension holds (one block row per batch entry).
+fn check_dimensions(what: &str, s: ScanShape) -> Result<(), GpuError> {
+    if s.batch == 0 || s.channels == 0 || s.state == 0 {
+        return Err(GpuError::Config(format!(
+            "{what}: empty dimension in {s:?}"
+        )));
+    }
+    if s.batch > MAX_GRID_Y {
+        return Err(GpuError::Config(format!(
+            "{what}: batch {} is more than the grid's {MAX_GRID_Y}",
+            s.batch
+        )));
+    }
+    Ok(())
 }
 
 /// An error unless `T` is the element of `dtype` (4 bytes for float32, 2 for bf16 bits).
@@ -376,11 +383,7 @@ impl ScanBackward {
     /// [`GpuError::Compile`] with the NVRTC log; driver errors (out of memory).
     pub fn new(gpu: &Gpu, shape: ScanShape, dtype: Dtype) -> Result<ScanBackward, GpuError> {
         let s = shape;
-        if s.batch == 0 || s.channels == 0 || s.state == 0 {
-            return Err(GpuError::Config(format!(
-                "selective_scan backward: empty dimension in {s:?}"
-            )));
-        }
+        check_dimensions("selective_scan backward", s)?;
         let (Some(chunk), Some(shared_bytes), Some(per_lane)) = (
             backward_chunk(s.state),
             backward_shared_bytes(s.state),
@@ -392,12 +395,6 @@ impl ScanBackward {
                 s.state
             )));
         };
-        if s.batch > MAX_GRID_Y {
-            return Err(GpuError::Config(format!(
-                "selective_scan backward: batch {} is more than the grid's {MAX_GRID_Y}",
-                s.batch
-            )));
-        }
         let fits = |v: usize| v <= i32::MAX as usize;
         if !(fits(s.seq_len + chunk)
             && fits(s.channels.next_multiple_of(BACKWARD_WARPS as usize))
