@@ -334,9 +334,10 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (u, B, C, y; Δ, A, D and states fp32)".into(),
                 rule: format!(
-                    "always (state up to {}): one warp per channel walking the sequence, each lane holding a slice of the channel's state in registers, the read-out summed across the warp; {} warps per block",
+                    "always (state up to {}): version 2, the sequence in chunks of 64 to 1024 steps (the longest that still gives 2,048 blocks), three launches: every (batch entry, chunk, channel) walks its chunk from a zero state at once; the chunks' maps of the state composed in order; every chunk walked again from the state entering it, writing y. One to 16 threads per channel ({} state entries each in registers), {} threads per block, the steps' inputs staged in shared memory",
                     scan_cuda::MAX_STATE,
-                    scan_cuda::WARPS
+                    scan_cuda::STATES_PER_THREAD,
+                    scan_cuda::THREADS
                 ),
                 implementation: GPU_IMPLEMENTATION.into(),
             },
@@ -476,6 +477,13 @@ impl runner::Suite for Mixers {
                 "{}; zero initial state, the final state written",
                 gpu_arithmetic_note(&c)
             ));
+            if c.mixer == Mixer::SelectiveScan {
+                notes.push(format!(
+                    "forward (version 2): chunks of {} steps walked at once, the state passed \
+                     between them",
+                    scan_cuda::forward_chunk(c.scan_shape())
+                ));
+            }
             if c.pass == MixerPass::FwdBwd {
                 notes.push(format!(
                     "backward (scan_bwd, version 1.1): the adjoint walked back from the state \

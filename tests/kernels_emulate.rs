@@ -352,24 +352,27 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
     emulated_kernel_runs_clean("gdn_check", &cases);
 }
 
-/// The selective scan's kernel (`scan.cu`, with its steps' inputs prefetched into registers a
-/// group at a time) on the CPU against the float64 recurrence: each states-per-lane variant
-/// (N up to 32, 64, 128, 256), one step, lengths shorter than, equal to and past a prefetch
-/// group, channels not a multiple of the block's warps, idle lanes.
+/// The selective scan's forward (`scan.cu`, version 2: the chunks' end states from zero, the
+/// pass between chunks, the chunks walked again for y) on the CPU against the float64
+/// recurrence: 1, 2, 4, 8 and 16 threads per channel (N up to 16, 32, 64, 128, 256), one step,
+/// one chunk, several with the last partial, chunks of the staged steps only, channels not a
+/// multiple of a block's, idle state entries.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
 fn selective_scan_kernel_emulated_matches_the_recurrence() {
     let cases: Vec<String> = [
-        (1, 1, 1, 1),
-        (2, 37, 13, 16),
-        (2, 16, 9, 33),
-        (1, 61, 19, 128),
-        (1, 100, 10, 256),
-        (1, 33, 8, 48),
-        (1, 4, 3, 16),
+        (1, 1, 1, 1, 64),
+        (2, 37, 13, 16, 32),
+        (2, 16, 9, 33, 32),
+        (1, 61, 19, 128, 16),
+        (1, 100, 10, 256, 8),
+        (1, 33, 8, 48, 32),
+        (1, 4, 3, 16, 64),
+        (1, 300, 130, 16, 64),
+        (1, 65, 5, 17, 32),
     ]
     .iter()
-    .map(|(b, t, d, n)| format!("{b},{t},{d},{n}"))
+    .map(|(b, t, d, n, l)| format!("{b},{t},{d},{n},{l}"))
     .collect();
     emulated_kernel_runs_clean("scan_check", &cases);
 }

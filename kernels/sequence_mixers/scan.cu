@@ -1,137 +1,182 @@
 // Mamba-1's selective scan (Gu and Dao, 2023, "Mamba: Linear-Time Sequence Modeling with
 // Selective State Spaces", Algorithm 2, zero-order-hold A and Euler B as its reference code
-// does) on CUDA cores in float32, version 1: correctness first, the sequential recurrence of
-// src/sequence_mixers/reference.rs's selective_scan, one warp per (batch entry, channel d)
-// (version 1.1: the inputs of the next steps prefetched into registers, below):
+// does) on CUDA cores in float32, version 2: the sequence cut into chunks walked at once.
+// The recurrence of src/sequence_mixers/reference.rs's selective_scan,
 //
-//   h_t = exp(dt_{t,d} A_d) * h_{t-1} + dt_{t,d} u_{t,d} B_t,  y_{t,d} = <C_t, h_t> + D_d u_{t,d}.
+//   h_t = exp(dt_{t,d} A_d) * h_{t-1} + dt_{t,d} u_{t,d} B_t,  y_{t,d} = <C_t, h_t> + D_d u_{t,d},
 //
-// The 32 lanes split the N state entries: lane l holds entries n = l + 32 k, k < S, in
-// registers (S, the states per lane, is a compile-time 1, 2, 4 or 8 the host picks from N, so
-// N <= 256; entries n >= N are idle). Each step, every lane updates its entries and sums its
-// part of <C_t, h_t>; a shuffle reduction adds the 32 parts and lane 0 writes y_t. Lanes read
-// consecutive n, so the B_t and C_t rows load coalesced (and stay in cache for the block's
-// other channels, which read the same rows). SCAN_WARPS channels per block; the grid is
-// (ceil(D / SCAN_WARPS), B), and a warp past the last channel returns (as a whole: no block
-// barrier is used).
+// is affine in h, so a chunk of L steps maps the state entering it to the state leaving it as
+// h -> exp(A_d * sum_t dt_{t,d}) * h + s, with s the chunk's end state from a zero start. Three
+// launches (version 1 walked all T steps in one warp per (batch entry, channel)):
+//   1. scan_chunk_state_<t>: every (batch entry, chunk, channel) at once walks its chunk from
+//      a zero state; writes s ([B, chunks, D, N]) and the chunk's sum of dt ([B, chunks, D]).
+//   2. scan_chunk_pass: one thread per (batch entry, channel, state entry) composes the chunk
+//      maps in order from the initial state, overwriting each s with the state entering its
+//      chunk, and writes the final state.
+//   3. scan_chunk_out_<t>: every (batch entry, chunk, channel) walks its chunk again from the
+//      state entering it and writes y.
+// In 1 and 3 a block of SCAN_THREADS threads takes SCAN_THREADS / G channels of one chunk of
+// one batch entry: G threads per channel (1, 2, 4, 8 or 16, from N: G * SCAN_NS >= N), thread
+// j of a channel's group holding the state entries n = j + G k, k < SCAN_NS, in registers. The
+// block stages the inputs of `ts` steps at a time in shared memory (u and dt as float32, one
+// row per step with the block's channels contiguous, so the loads coalesce; B_t and C_t rows
+// padded with zeros to G * SCAN_NS entries), then each thread walks them. The G threads of a
+// channel add their parts of <C_t, h_t> with shuffles (a group is G adjacent lanes), and the
+// first writes y_t. Dynamic shared memory: ts * (2 * channels per block + 2 * G * SCAN_NS)
+// floats. Grid (ceil(D / (SCAN_THREADS / G)), chunks, B); L is a multiple of ts.
 //
 // Layouts (row-major, as src/sequence_mixers/reference.rs): u, delta, y [B, T, D]; A [D, N];
 // Bm, Cm [B, T, N]; D [D]; initial and final state [B, D, N]. delta, A, D and the states are
 // float32 (delta after the softplus); has_d and has_initial say whether D and the initial state
 // are given (when 0 the pointer is any valid buffer and is not read: D = 0, zeros).
-// scan_fwd_<t>_s<S>: <t> is f32 (float u, Bm, Cm and y) or bf16 (u, Bm, Cm and y as bf16 bits).
-// T >= 1 (the host handles T = 0). Offsets are 64-bit. No headers (NVRTC).
+// <t> is f32 (float u, Bm, Cm and y) or bf16 (u, Bm, Cm and y as bf16 bits). T >= 1 (the host
+// handles T = 0). Offsets are 64-bit. No headers (NVRTC).
 
-#define SCAN_WARPS 8
-#define SCAN_THREADS (32 * SCAN_WARPS)
+#define SCAN_THREADS 128
+#define SCAN_NS 16
 
 // u16, ld and st: prelude.cuh, prepended by the host.
 
-template <typename T, int S>
-__device__ void scan_fwd(const T* __restrict__ u, const float* __restrict__ delta,
-                         const float* __restrict__ A, const T* __restrict__ Bm,
-                         const T* __restrict__ Cm, const float* __restrict__ D, int has_d,
-                         const float* __restrict__ initial_state, int has_initial,
-                         T* __restrict__ y, float* __restrict__ final_state, int T_len,
-                         int channels, int N) {
-    const int lane = threadIdx.x & 31;
-    const int d = blockIdx.x * SCAN_WARPS + (threadIdx.x >> 5);
-    const int b = blockIdx.y;
-    if (d >= channels) return;  // the whole warp: d depends on the warp only
-    // This (batch entry, channel)'s state row, [B, D, N].
-    const long long row = ((long long)b * channels + d) * N;
-    float a[S], h[S];
+// Steps 1 and 3: OUT false walks from zero and writes the chunk's end state and sum of dt;
+// OUT true walks from the state entering the chunk (`chunk_state`, after step 2) and writes y.
+template <typename T, bool OUT>
+__device__ void scan_chunk(const T* __restrict__ u, const float* __restrict__ delta,
+                           const float* __restrict__ A, const T* __restrict__ Bm,
+                           const T* __restrict__ Cm, const float* __restrict__ D, int has_d,
+                           float* __restrict__ chunk_state, float* __restrict__ chunk_dt,
+                           T* __restrict__ y, int T_len, int channels, int N, int G, int L,
+                           int ts) {
+    extern __shared__ float smem[];
+    const int per_block = SCAN_THREADS / G;  // channels per block
+    const int np = G * SCAN_NS;              // padded state row
+    float* su = smem;                        // [ts][per_block]
+    float* sdt = su + ts * per_block;        // [ts][per_block]
+    float* sb = sdt + ts * per_block;        // [ts][np]
+    float* sc = sb + ts * np;                // [ts][np]
+    const int j = threadIdx.x % G;
+    const int dl = threadIdx.x / G;
+    const int d0 = blockIdx.x * per_block;
+    const int d = d0 + dl;
+    const int c = blockIdx.y;
+    const int b = blockIdx.z;
+    const int chunks = gridDim.y;
+    const bool live = d < channels;
+    const int t_begin = c * L;
+    const int t_end = min(T_len, t_begin + L);
+    // This (batch entry, chunk, channel)'s rows of the chunk states and sums of dt.
+    const long long cd = ((long long)b * chunks + c) * channels + d;
+    float a[SCAN_NS], h[SCAN_NS];
 #pragma unroll
-    for (int k = 0; k < S; ++k) {
-        const int n = lane + 32 * k;
-        const bool live = n < N;
-        a[k] = live ? A[(long long)d * N + n] : 0.f;
-        h[k] = (live && has_initial) ? initial_state[row + n] : 0.f;
+    for (int k = 0; k < SCAN_NS; ++k) {
+        const int n = j + G * k;
+        const bool on = live && n < N;
+        a[k] = on ? A[(long long)d * N + n] : 0.f;
+        h[k] = (OUT && on) ? chunk_state[cd * N + n] : 0.f;
     }
-    const float skip = has_d ? D[d] : 0.f;
-    // The steps' inputs come SCAN_AHEAD<S> steps at a time, each group loaded into registers
-    // while the one before it is computed: a step's own loads no longer stall it.
-    constexpr int AH = S <= 2 ? 8 : (S == 4 ? 4 : 2);
-    float cu[AH], cd[AH], cb[AH][S], cc[AH][S];
-    auto load = [&](int t0, float* lu, float* ldt, float (*lb)[S], float (*lc)[S]) {
-#pragma unroll
-        for (int j = 0; j < AH; ++j) {
-            const int t = t0 + j;
-            if (t < T_len) {
-                const long long bt = (long long)b * T_len + t;
-                const long long i = bt * channels + d;  // u, delta, y [B, T, D]
-                lu[j] = ld(u, i);
-                ldt[j] = delta[i];
-#pragma unroll
-                for (int k = 0; k < S; ++k) {
-                    const int n = lane + 32 * k;
-                    lb[j][k] = n < N ? ld(Bm, bt * N + n) : 0.f;  // B_t, C_t: [B, T, N]
-                    lc[j][k] = n < N ? ld(Cm, bt * N + n) : 0.f;
-                }
-            }
+    const float skip = (OUT && live && has_d) ? D[d] : 0.f;
+    float dt_sum = 0.f;
+    for (int t0 = t_begin; t0 < t_end; t0 += ts) {
+        const int steps = min(ts, t_end - t0);
+        for (int i = threadIdx.x; i < ts * per_block; i += SCAN_THREADS) {
+            const int s = i / per_block, dd = d0 + i % per_block;
+            const bool on = s < steps && dd < channels;
+            const long long at = ((long long)b * T_len + t0 + s) * channels + dd;
+            su[i] = on ? ld(u, at) : 0.f;
+            sdt[i] = on ? delta[at] : 0.f;
         }
-    };
-    load(0, cu, cd, cb, cc);
-    for (int t0 = 0; t0 < T_len; t0 += AH) {
-        float nu[AH], nd[AH], nb[AH][S], nc[AH][S];
-        load(t0 + AH, nu, nd, nb, nc);
+        for (int i = threadIdx.x; i < ts * np; i += SCAN_THREADS) {
+            const int s = i / np, n = i % np;
+            const bool on = s < steps && n < N;
+            const long long at = ((long long)b * T_len + t0 + s) * N + n;
+            sb[i] = on ? ld(Bm, at) : 0.f;
+            if (OUT) sc[i] = on ? ld(Cm, at) : 0.f;
+        }
+        __syncthreads();
+        for (int s = 0; s < steps; ++s) {
+            const float dt = sdt[s * per_block + dl];
+            const float uu = su[s * per_block + dl];
+            const float x = dt * uu;
+            float part = 0.f;
 #pragma unroll
-        for (int j = 0; j < AH; ++j) {
-            const int t = t0 + j;
-            if (t < T_len) {
-                const float du = cd[j] * cu[j];
-                float part = 0.f;
-#pragma unroll
-                for (int k = 0; k < S; ++k) {
-                    h[k] = __expf(cd[j] * a[k]) * h[k] + du * cb[j][k];
-                    part += cc[j][k] * h[k];
-                }
-#pragma unroll
-                for (int off = 16; off > 0; off >>= 1)
+            for (int k = 0; k < SCAN_NS; ++k) {
+                h[k] = __expf(dt * a[k]) * h[k] + x * sb[s * np + j + G * k];
+                if (OUT) part += sc[s * np + j + G * k] * h[k];
+            }
+            if (OUT) {
+                for (int off = G >> 1; off > 0; off >>= 1)
                     part += __shfl_xor_sync(0xffffffffu, part, off);
-                if (lane == 0) st(y, ((long long)b * T_len + t) * channels + d, part + skip * cu[j]);
+                if (live && j == 0)
+                    st(y, ((long long)b * T_len + t0 + s) * channels + d, part + skip * uu);
+            } else {
+                dt_sum += dt;
             }
         }
-#pragma unroll
-        for (int j = 0; j < AH; ++j) {
-            cu[j] = nu[j];
-            cd[j] = nd[j];
-#pragma unroll
-            for (int k = 0; k < S; ++k) {
-                cb[j][k] = nb[j][k];
-                cc[j][k] = nc[j][k];
-            }
-        }
+        __syncthreads();
     }
+    if (!OUT && live) {
 #pragma unroll
-    for (int k = 0; k < S; ++k) {
-        const int n = lane + 32 * k;
-        if (n < N) final_state[row + n] = h[k];
+        for (int k = 0; k < SCAN_NS; ++k) {
+            const int n = j + G * k;
+            if (n < N) chunk_state[cd * N + n] = h[k];
+        }
+        if (j == 0) chunk_dt[cd] = dt_sum;
     }
 }
 
-#define SCAN_ENTRY(NAME, T, S)                                                                 \
-    extern "C" __global__ void __launch_bounds__(SCAN_THREADS, 2)                              \
-    scan_fwd_##NAME##_s##S(const T* u, const float* delta, const float* A, const T* Bm,       \
-                           const T* Cm, const float* D, int has_d, const float* initial_state, \
-                           int has_initial, T* y, float* final_state, int T_len, int channels, \
-                           int N) {                                                            \
-        scan_fwd<T, S>(u, delta, A, Bm, Cm, D, has_d, initial_state, has_initial, y,          \
-                       final_state, T_len, channels, N);                                       \
+// Step 2: thread i of B * D * N composes its (batch entry, channel d, entry n)'s chunk maps
+// h -> exp(A_dn * chunk_dt) h + s in order; each s is replaced by the state entering its chunk.
+__device__ void scan_pass(const float* __restrict__ A, const float* __restrict__ initial_state,
+                          int has_initial, float* __restrict__ chunk_state,
+                          const float* __restrict__ chunk_dt, float* __restrict__ final_state,
+                          int batch, int channels, int N, int chunks) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long per_batch = (long long)channels * N;
+    if (i >= batch * per_batch) return;
+    const long long b = i / per_batch, dn = i % per_batch;
+    const long long d = dn / N;
+    const float a = A[dn];
+    float h = has_initial ? initial_state[i] : 0.f;
+#pragma unroll 4
+    for (int c = 0; c < chunks; ++c) {
+        const long long row = (b * chunks + c) * channels + d;
+        const float s = chunk_state[row * N + dn % N];
+        const float decay = __expf(a * chunk_dt[row]);
+        chunk_state[row * N + dn % N] = h;
+        h = decay * h + s;
+    }
+    final_state[i] = h;
+}
+
+#define SCAN_ENTRY(NAME, T)                                                                    \
+    extern "C" __global__ void __launch_bounds__(SCAN_THREADS)                                 \
+    scan_chunk_state_##NAME(const T* u, const float* delta, const float* A, const T* Bm,      \
+                            float* chunk_state, float* chunk_dt, int T_len, int channels,     \
+                            int N, int G, int L, int ts) {                                     \
+        scan_chunk<T, false>(u, delta, A, Bm, Bm, A, 0, chunk_state, chunk_dt, (T*)0, T_len,  \
+                             channels, N, G, L, ts);                                           \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(SCAN_THREADS)                                 \
+    scan_chunk_out_##NAME(const T* u, const float* delta, const float* A, const T* Bm,        \
+                          const T* Cm, const float* D, int has_d, float* chunk_state, T* y,   \
+                          int T_len, int channels, int N, int G, int L, int ts) {             \
+        scan_chunk<T, true>(u, delta, A, Bm, Cm, D, has_d, chunk_state, (float*)0, y, T_len,  \
+                            channels, N, G, L, ts);                                            \
     }
 
-SCAN_ENTRY(f32, float, 1)
-SCAN_ENTRY(f32, float, 2)
-SCAN_ENTRY(f32, float, 4)
-SCAN_ENTRY(f32, float, 8)
-SCAN_ENTRY(bf16, u16, 1)
-SCAN_ENTRY(bf16, u16, 2)
-SCAN_ENTRY(bf16, u16, 4)
-SCAN_ENTRY(bf16, u16, 8)
+SCAN_ENTRY(f32, float)
+SCAN_ENTRY(bf16, u16)
+
+extern "C" __global__ void scan_chunk_pass(const float* A, const float* initial_state,
+                                           int has_initial, float* chunk_state,
+                                           const float* chunk_dt, float* final_state, int batch,
+                                           int channels, int N, int chunks) {
+    scan_pass(A, initial_state, has_initial, chunk_state, chunk_dt, final_state, batch,
+              channels, N, chunks);
+}
 
 // ---------------------------------------------------------------------------------------------
 // The selective scan's backward, version 1.1 (version 1 and the forward's prefetch): the
-// vector-Jacobian product of scan_fwd, the adjoint of the recurrence walked from the last step
+// vector-Jacobian product of the forward above, the adjoint of the recurrence walked from the last step
 // back to the first as in src/sequence_mixers/gradients.rs's selective_scan_backward (and
 // Mamba's own backward pass), with g_t = dL/dh_t:
 //

@@ -1,11 +1,14 @@
 //! Mamba's selective scan on CUDA: `kernels/sequence_mixers/scan.cu`, compiled by NVRTC at
-//! run time. Version 1 runs the sequential recurrence of [`super::reference::selective_scan`]
-//! (Gu and Dao, 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces",
-//! Algorithm 2) on CUDA cores in float32, in one launch: one warp per (batch entry, channel),
-//! its 32 lanes splitting the N state entries, held in registers ([`states_per_lane`] each), and
-//! adding their parts of ⟨C_t, h_t⟩ with warp shuffles, the next steps' inputs prefetched into
-//! registers. [`ScanBackward`] is its vector-Jacobian product (the adjoint walked backwards
-//! from checkpoints of the state), states up to [`MAX_BACKWARD_STATE`].
+//! run time. The forward, [`Scan`] (version 2), computes the recurrence of
+//! [`super::reference::selective_scan`] (Gu and Dao, 2023, "Mamba: Linear-Time Sequence
+//! Modeling with Selective State Spaces", Algorithm 2) on CUDA cores in float32 with the
+//! sequence cut into chunks of [`forward_chunk`] steps: (1) every (batch entry, chunk, channel)
+//! walks its chunk from a zero state at once, (2) the chunks' affine maps of the state are
+//! composed in order (the state entering each chunk), (3) every chunk is walked again from the
+//! state entering it and writes y. In (1) and (3), [`threads_per_channel`] threads share a
+//! channel's N state entries, [`STATES_PER_THREAD`] each in registers. [`ScanBackward`] is its
+//! vector-Jacobian product (version 1.1: the adjoint walked backwards from checkpoints of the
+//! state, one warp per channel), states up to [`MAX_BACKWARD_STATE`].
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -23,43 +26,84 @@ pub fn source() -> String {
     super::cuda::with_prelude(SCAN_SRC)
 }
 
-/// Channels (warps) per block (`SCAN_WARPS` in the source).
-pub const WARPS: u32 = 8;
+/// Threads per block of the forward's chunk walks (`SCAN_THREADS` in the source).
+pub const THREADS: u32 = 128;
 
-/// Threads per block (`SCAN_THREADS` in the source).
-pub const THREADS: u32 = 32 * WARPS;
+/// State entries each thread of a chunk walk holds in registers (`SCAN_NS` in the source).
+pub const STATES_PER_THREAD: usize = 16;
 
-/// The state sizes the kernels hold in registers: 32 lanes × up to 8 entries each.
+/// The largest state the forward holds: 16 threads per channel × [`STATES_PER_THREAD`].
 pub const MAX_STATE: usize = 256;
 
-/// The states-per-lane variants compiled (`s<S>` in the entry points' names).
-pub const STATES_PER_LANE: [usize; 4] = [1, 2, 4, 8];
+/// Threads per block of the pass between chunks (one per batch entry, channel and state entry).
+const PASS_THREADS: u32 = 256;
 
-/// The largest grid y dimension (batch entries per launch).
+/// The largest grid y and z dimensions (chunks and batch entries per launch).
 const MAX_GRID_Y: usize = 65_535;
 
-/// Entries of the state each lane holds for state size `n` (1 ≤ n ≤ [`MAX_STATE`]): ⌈n/32⌉
-/// rounded up to the next of [`STATES_PER_LANE`]; `None` past [`MAX_STATE`] or for 0.
-pub fn states_per_lane(n: usize) -> Option<usize> {
+/// Threads sharing one channel's state in the forward's chunk walks for state size `n`
+/// (1 ≤ n ≤ [`MAX_STATE`]): the smallest power of two G with G · [`STATES_PER_THREAD`] ≥ n
+/// (1 up to 16 entries, 16 at 256); `None` for 0 or past [`MAX_STATE`].
+pub fn threads_per_channel(n: usize) -> Option<usize> {
     if n == 0 || n > MAX_STATE {
         return None;
     }
-    Some(n.div_ceil(32).next_power_of_two())
+    Some(n.div_ceil(STATES_PER_THREAD).next_power_of_two())
 }
 
-/// The entry point that runs `dtype` with `states_per_lane` entries per lane.
-pub fn entry_point(dtype: Dtype, states_per_lane: usize) -> String {
-    format!("scan_fwd_{}_s{states_per_lane}", dtype.tag())
+/// Steps whose inputs a chunk walk stages in shared memory at once, for `g` threads per
+/// channel: 32, 16 at 8 and 8 at 16, so the staged rows stay within 48 KiB.
+pub fn staged_steps(g: usize) -> usize {
+    match g {
+        0..=4 => 32,
+        8 => 16,
+        _ => 8,
+    }
 }
 
-/// Every entry point of [`SCAN_SRC`]: the forwards, then the backwards.
+/// Dynamic shared memory of a chunk walk for `g` threads per channel, bytes: u and Δ for the
+/// block's channels and the B and C rows (padded to g · [`STATES_PER_THREAD`]), float32, for
+/// [`staged_steps`] steps.
+pub fn forward_shared_bytes(g: usize) -> u32 {
+    let per_block = THREADS as usize / g;
+    (staged_steps(g) * (2 * per_block + 2 * g * STATES_PER_THREAD) * 4) as u32
+}
+
+/// The forward's chunk length for `shape`: the largest of 64, 128, …, 1024 steps that still
+/// gives at least 2,048 chunk-walk blocks (about 2.5 waves of the H200's 132 SMs at six blocks
+/// each), 64 when none does; raised (doubling) until the chunks fit the grid's y
+/// ([`MAX_GRID_Y`]). Always a multiple of [`staged_steps`].
+pub fn forward_chunk(shape: ScanShape) -> usize {
+    let g = threads_per_channel(shape.state).unwrap_or(1);
+    let channel_blocks = shape.channels.div_ceil(THREADS as usize / g);
+    let blocks = |l: usize| channel_blocks * shape.seq_len.div_ceil(l) * shape.batch;
+    let mut l = 64;
+    while l < 1024 && blocks(2 * l) >= 2048 {
+        l *= 2;
+    }
+    while shape.seq_len.div_ceil(l) > MAX_GRID_Y {
+        l *= 2;
+    }
+    l
+}
+
+/// The forward's entry points for `dtype`: the chunk end states, then the chunk walk that
+/// writes y (the pass between chunks, `scan_chunk_pass`, is the same for both dtypes).
+pub fn forward_entry_points(dtype: Dtype) -> [String; 2] {
+    [
+        format!("scan_chunk_state_{}", dtype.tag()),
+        format!("scan_chunk_out_{}", dtype.tag()),
+    ]
+}
+
+/// Every entry point of [`SCAN_SRC`]: the forwards, the pass between chunks, then the
+/// backwards.
 pub fn entry_points() -> Vec<String> {
     let mut v = Vec::new();
     for d in [Dtype::F32, Dtype::Bf16] {
-        for s in STATES_PER_LANE {
-            v.push(entry_point(d, s));
-        }
+        v.extend(forward_entry_points(d));
     }
+    v.push("scan_chunk_pass".into());
     for d in [Dtype::F32, Dtype::Bf16] {
         for s in BACKWARD_STATES_PER_LANE {
             v.push(backward_entry_point(d, s));
@@ -74,6 +118,16 @@ pub const MAX_BACKWARD_STATE: usize = 64;
 
 /// The states-per-lane variants of the backward (`scan_bwd_<t>_s<S>`).
 pub const BACKWARD_STATES_PER_LANE: [usize; 2] = [1, 2];
+
+/// Entries of the state each lane of the backward's warp holds for state size `n`
+/// (1 ≤ n ≤ [`MAX_BACKWARD_STATE`]): ⌈n/32⌉, one of [`BACKWARD_STATES_PER_LANE`]; `None` for 0
+/// or past [`MAX_BACKWARD_STATE`].
+pub fn states_per_lane(n: usize) -> Option<usize> {
+    if n == 0 || n > MAX_BACKWARD_STATE {
+        return None;
+    }
+    Some(n.div_ceil(32))
+}
 
 /// Channels (warps) per block of the backward (`SCAN_BWD_WARPS` in the source).
 pub const BACKWARD_WARPS: u32 = 8;
@@ -100,11 +154,20 @@ pub fn backward_shared_bytes(n: usize) -> Option<u32> {
     backward_chunk(n).map(|l| (3 * BACKWARD_WARPS as usize * l * n * 4) as u32)
 }
 
-/// The selective scan's compiled kernel for one shape and dtype. It needs no scratch.
+/// The selective scan's forward (version 2) compiled for one shape and dtype, with its
+/// scratch: the chunks' states `[B, chunks, D, N]` and sums of Δ `[B, chunks, D]`, float32.
 pub struct Scan {
     shape: ScanShape,
     dtype: Dtype,
-    function: CudaFunction,
+    chunk_state_fn: CudaFunction,
+    chunk_out_fn: CudaFunction,
+    pass_fn: CudaFunction,
+    /// Steps per chunk.
+    chunk: usize,
+    /// Threads per channel in the chunk walks.
+    threads_per_channel: usize,
+    chunk_state: CudaSlice<f32>,
+    chunk_dt: CudaSlice<f32>,
     /// Stands in for D or the initial state when none is given (never read).
     unused: CudaSlice<f32>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
@@ -112,57 +175,110 @@ pub struct Scan {
 }
 
 impl Scan {
-    /// Compiles the kernels and picks the one for `shape` (its states per lane) and `dtype`.
+    /// Compiles the kernels for `shape` and `dtype`, with the chunk length
+    /// [`forward_chunk`] picks, and allocates the scratch.
+    ///
+    /// # Errors
+    /// As [`Scan::with_chunk`].
+    pub fn new(gpu: &Gpu, shape: ScanShape, dtype: Dtype) -> Result<Scan, GpuError> {
+        Scan::with_chunk(gpu, shape, dtype, forward_chunk(shape))
+    }
+
+    /// [`Scan::new`] with chunks of `chunk` steps (a positive multiple of 32, so of every
+    /// [`staged_steps`]): for tests and tuning.
     ///
     /// # Errors
     /// [`GpuError::Config`] for a shape the reference refuses (an empty dimension other than
-    /// seq_len), a state past [`MAX_STATE`], more than 65 535 batch entries (the grid's y),
-    /// or seq_len and channels (rounded up to a multiple of [`WARPS`]) past 32-bit ints; [`GpuError::Compile`] with the NVRTC log;
-    /// driver errors (out of memory).
-    pub fn new(gpu: &Gpu, shape: ScanShape, dtype: Dtype) -> Result<Scan, GpuError> {
+    /// seq_len), a state past [`MAX_STATE`], more than 65 535 batch entries or chunks (the
+    /// grid's z and y), a chunk length that is not a positive multiple of 32, or seq_len or
+    /// B · D · N past 32-bit ints; [`GpuError::Compile`] with the NVRTC log; driver errors
+    /// (out of memory for the scratch).
+    pub fn with_chunk(
+        gpu: &Gpu,
+        shape: ScanShape,
+        dtype: Dtype,
+        chunk: usize,
+    ) -> Result<Scan, GpuError> {
         let s = shape;
         check_dimensions("selective_scan", s)?;
-        let Some(per_lane) = states_per_lane(s.state) else {
+        let Some(g) = threads_per_channel(s.state) else {
             return Err(GpuError::Config(format!(
                 "selective_scan: state {} is more than the {MAX_STATE} the kernel holds in \
                  registers",
                 s.state
             )));
         };
-        // The kernel's channel index runs to the grid's last warp, past channels by up to 7.
+        if chunk == 0 || !chunk.is_multiple_of(32) {
+            return Err(GpuError::Config(format!(
+                "selective_scan: chunk length {chunk} is not a positive multiple of 32"
+            )));
+        }
+        let chunks = s.seq_len.div_ceil(chunk);
+        if chunks > MAX_GRID_Y {
+            return Err(GpuError::Config(format!(
+                "selective_scan: {chunks} chunks of {chunk} steps are more than the grid's \
+                 {MAX_GRID_Y}"
+            )));
+        }
         let fits = |v: usize| v <= i32::MAX as usize;
-        if !(fits(s.seq_len) && fits(s.channels.next_multiple_of(WARPS as usize))) {
+        let states = s.batch * s.channels * s.state;
+        if !(fits(s.seq_len + chunk) && fits(s.channels + THREADS as usize) && fits(states)) {
             return Err(GpuError::Config(format!(
                 "selective_scan: {s:?} does not fit 32-bit ints"
             )));
         }
         let compiled = gpu.compile("scan.cu", &source())?;
-        let function = gpu.function(&compiled.module, &entry_point(dtype, per_lane), 0)?;
+        let [state_name, out_name] = forward_entry_points(dtype);
+        let shared = forward_shared_bytes(g);
+        let chunk_state_fn = gpu.function(&compiled.module, &state_name, shared)?;
+        let chunk_out_fn = gpu.function(&compiled.module, &out_name, shared)?;
+        let pass_fn = gpu.function(&compiled.module, "scan_chunk_pass", 0)?;
+        let chunk_state = gpu.stream.alloc_zeros::<f32>((states * chunks).max(1))?;
+        let chunk_dt = gpu
+            .stream
+            .alloc_zeros::<f32>((s.batch * s.channels * chunks).max(1))?;
         let unused = gpu.stream.alloc_zeros::<f32>(1)?;
         Ok(Scan {
             shape,
             dtype,
-            function,
+            chunk_state_fn,
+            chunk_out_fn,
+            pass_fn,
+            chunk,
+            threads_per_channel: g,
+            chunk_state,
+            chunk_dt,
             unused,
             compile_s: compiled.compile_s,
         })
     }
 
-    /// Bytes of scratch one call uses beyond its inputs and outputs: none.
+    /// Steps per chunk.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Threads sharing a channel's state in the chunk walks ([`threads_per_channel`]).
+    pub fn threads_per_channel(&self) -> usize {
+        self.threads_per_channel
+    }
+
+    /// Bytes of scratch one call uses beyond its inputs and outputs: the chunks' states and
+    /// sums of Δ.
     pub fn temporary_bytes(&self) -> u64 {
-        0
+        4 * (self.chunk_state.len() + self.chunk_dt.len()) as u64
     }
 
     /// Launches one selective scan: y `[B, T, D]` and the final state `[B, D, N]` from u
     /// `[B, T, D]`, Δ `[B, T, D]` (after the softplus), A `[D, N]`, B and C `[B, T, N]`, D `[D]`
     /// (optional) and the initial state `[B, D, N]` (optional: zeros), the layouts of
     /// [`super::reference::selective_scan`]. u, B, C and y are of the runner's [`Dtype`]
-    /// (`f32`, or `u16` holding bf16 bits); Δ, A, D and the states are float32. Asynchronous
-    /// on [`Gpu::stream`].
+    /// (`f32`, or `u16` holding bf16 bits); Δ, A, D and the states are float32. Three kernels,
+    /// asynchronous on [`Gpu::stream`].
     ///
     /// # Errors
     /// [`GpuError::Config`] for a buffer whose length does not fit the shape or an element
-    /// type other than the runner's dtype; driver errors from the launch.
+    /// type other than the runner's dtype; driver errors from the launches.
     #[allow(clippy::too_many_arguments)]
     pub fn launch<T: DeviceRepr>(
         &mut self,
@@ -190,41 +306,86 @@ impl Scan {
         if s.seq_len == 0 {
             return super::cuda::no_step(gpu, initial_state, final_state);
         }
+        let g = self.threads_per_channel;
+        let chunks = s.seq_len.div_ceil(self.chunk);
         let has_d = i32::from(d.is_some());
         let has_initial = i32::from(initial_state.is_some());
         let (t_len, channels, n) = (s.seq_len as i32, s.channels as i32, s.state as i32);
-        let cfg = LaunchConfig {
+        let (g_i, l_i, ts_i) = (g as i32, self.chunk as i32, staged_steps(g) as i32);
+        let (batch_i, chunks_i) = (s.batch as i32, chunks as i32);
+        let walk = LaunchConfig {
             grid_dim: (
-                s.channels.div_ceil(WARPS as usize) as u32,
+                s.channels.div_ceil(THREADS as usize / g) as u32,
+                chunks as u32,
                 s.batch as u32,
-                1,
             ),
             block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: forward_shared_bytes(g),
+        };
+        let pass = LaunchConfig {
+            grid_dim: (state_len.div_ceil(PASS_THREADS as usize) as u32, 1, 1),
+            block_dim: (PASS_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut l = gpu.stream.launch_builder(&self.function);
-        l.arg(u)
+        let mut k = gpu.stream.launch_builder(&self.chunk_state_fn);
+        k.arg(u)
+            .arg(delta)
+            .arg(a)
+            .arg(b)
+            .arg(&mut self.chunk_state)
+            .arg(&mut self.chunk_dt)
+            .arg(&t_len)
+            .arg(&channels)
+            .arg(&n)
+            .arg(&g_i)
+            .arg(&l_i)
+            .arg(&ts_i);
+        // SAFETY: scan_chunk_state_<t>(const T* u, const float* delta, const float* A,
+        // const T* Bm, float* chunk_state, float* chunk_dt, int T_len, int channels, int N,
+        // int G, int L, int ts): the lengths and the element size were checked above,
+        // T_len ≥ 1; `with_chunk` sized the scratch for ⌈T/L⌉ chunks, picked G with
+        // G·SCAN_NS ≥ N, L a multiple of ts = staged_steps(G), and the shared memory of
+        // forward_shared_bytes(G); each block writes the rows of its chunk and channels only.
+        unsafe { k.launch(walk)? };
+        let mut k = gpu.stream.launch_builder(&self.pass_fn);
+        k.arg(a)
+            .arg(initial_state.unwrap_or(&self.unused))
+            .arg(&has_initial)
+            .arg(&mut self.chunk_state)
+            .arg(&self.chunk_dt)
+            .arg(&mut *final_state)
+            .arg(&batch_i)
+            .arg(&channels)
+            .arg(&n)
+            .arg(&chunks_i);
+        // SAFETY: scan_chunk_pass(const float* A, const float* initial_state, int has_initial,
+        // float* chunk_state, const float* chunk_dt, float* final_state, int batch,
+        // int channels, int N, int chunks): one thread per B·D·N state entry (a multiple of
+        // 256 threads, the rest return), the scratch as above, the initial state read only
+        // when has_initial is 1 (then B·D·N floats, checked).
+        unsafe { k.launch(pass)? };
+        let mut k = gpu.stream.launch_builder(&self.chunk_out_fn);
+        k.arg(u)
             .arg(delta)
             .arg(a)
             .arg(b)
             .arg(c)
             .arg(d.unwrap_or(&self.unused))
             .arg(&has_d)
-            .arg(initial_state.unwrap_or(&self.unused))
-            .arg(&has_initial)
+            .arg(&mut self.chunk_state)
             .arg(&mut *y)
-            .arg(&mut *final_state)
             .arg(&t_len)
             .arg(&channels)
-            .arg(&n);
-        // SAFETY: scan_fwd_<t>_s<S>(const T* u, const float* delta, const float* A,
-        // const T* Bm, const T* Cm, const float* D, int has_d, const float* initial_state,
-        // int has_initial, T* y, float* final_state, int T_len, int channels, int N): the
-        // lengths and the element size were checked above, T_len ≥ 1, and `new` picked S with
-        // 32·S ≥ N; each warp reads and writes the rows of its (batch entry, channel) only,
-        // for channels below D; D and the initial state are read only when has_d and
-        // has_initial are 1, and then hold D and B·D·N floats.
-        unsafe { l.launch(cfg)? };
+            .arg(&n)
+            .arg(&g_i)
+            .arg(&l_i)
+            .arg(&ts_i);
+        // SAFETY: scan_chunk_out_<t>(const T* u, const float* delta, const float* A,
+        // const T* Bm, const T* Cm, const float* D, int has_d, float* chunk_state, T* y,
+        // int T_len, int channels, int N, int G, int L, int ts): as the first launch; D is
+        // read only when has_d is 1 (then D floats, checked); each block writes y for its
+        // chunk's steps and its channels only.
+        unsafe { k.launch(walk)? };
         Ok(())
     }
 }
@@ -606,46 +767,86 @@ mod tests {
     use super::*;
 
     #[test]
-    fn states_per_lane_covers_the_state() {
-        assert_eq!(states_per_lane(0), None);
-        assert_eq!(states_per_lane(1), Some(1));
-        assert_eq!(states_per_lane(16), Some(1));
-        assert_eq!(states_per_lane(32), Some(1));
-        assert_eq!(states_per_lane(33), Some(2));
-        assert_eq!(states_per_lane(64), Some(2));
-        assert_eq!(states_per_lane(65), Some(4));
-        assert_eq!(states_per_lane(100), Some(4));
-        assert_eq!(states_per_lane(128), Some(4));
-        assert_eq!(states_per_lane(129), Some(8));
-        assert_eq!(states_per_lane(256), Some(8));
-        assert_eq!(states_per_lane(257), None);
+    fn threads_per_channel_cover_the_state() {
+        assert_eq!(threads_per_channel(0), None);
+        assert_eq!(threads_per_channel(1), Some(1));
+        assert_eq!(threads_per_channel(16), Some(1));
+        assert_eq!(threads_per_channel(17), Some(2));
+        assert_eq!(threads_per_channel(33), Some(4));
+        assert_eq!(threads_per_channel(64), Some(4));
+        assert_eq!(threads_per_channel(65), Some(8));
+        assert_eq!(threads_per_channel(128), Some(8));
+        assert_eq!(threads_per_channel(129), Some(16));
+        assert_eq!(threads_per_channel(256), Some(16));
+        assert_eq!(threads_per_channel(257), None);
         for n in 1..=MAX_STATE {
-            let s = states_per_lane(n).unwrap();
-            assert!(STATES_PER_LANE.contains(&s), "{n}");
-            assert!(32 * s >= n, "{n}");
+            let g = threads_per_channel(n).unwrap();
+            // A power of two dividing the warp (a channel's group is adjacent lanes), covering
+            // the state, and not twice as many threads as needed.
+            assert!(g.is_power_of_two() && 32 % g == 0, "{n}");
+            assert!(g * STATES_PER_THREAD >= n && (g == 1 || (g / 2) * STATES_PER_THREAD < n));
+            assert!(forward_shared_bytes(g) <= 48 * 1024, "{n}");
+            assert_eq!(32 % staged_steps(g), 0, "{n}");
+        }
+    }
+
+    #[test]
+    fn forward_chunks_keep_the_grid_busy_and_fit_it() {
+        let shape = |batch, seq_len, channels, state| ScanShape {
+            batch,
+            seq_len,
+            channels,
+            state,
+        };
+        // The grid's B4 D512 N16: 16 blocks per chunk, so 2,048 blocks at 128 steps.
+        assert_eq!(forward_chunk(shape(4, 16_384, 512, 16)), 128);
+        assert_eq!(forward_chunk(shape(4, 16_384, 1024, 16)), 256);
+        assert_eq!(forward_chunk(shape(4, 65_536, 1024, 16)), 1024);
+        // Short sequences keep the shortest chunk.
+        assert_eq!(forward_chunk(shape(4, 1024, 512, 16)), 64);
+        assert_eq!(forward_chunk(shape(1, 1, 1, 1)), 64);
+        // Past 65,535 chunks of 1024 steps the chunk doubles until they fit.
+        let long = shape(1, 100_000_000, 1, 16);
+        let l = forward_chunk(long);
+        assert!(
+            long.seq_len.div_ceil(l) <= MAX_GRID_Y && long.seq_len.div_ceil(l / 2) > MAX_GRID_Y
+        );
+        for n in [1, 16, 48, 64, 128, 256] {
+            for t in [1, 100, 5000, 70_000] {
+                let l = forward_chunk(shape(2, t, 100, n));
+                let g = threads_per_channel(n).unwrap();
+                assert!(l.is_power_of_two() && l >= 64 && l.is_multiple_of(staged_steps(g)));
+            }
         }
     }
 
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        assert_eq!(e.len(), 12);
-        assert_eq!(e[0], "scan_fwd_f32_s1");
-        assert_eq!(e[7], "scan_fwd_bf16_s8");
-        assert_eq!(e[8], "scan_bwd_f32_s1");
-        assert_eq!(e[11], "scan_bwd_bf16_s2");
+        assert_eq!(e.len(), 9);
+        assert_eq!(e[0], "scan_chunk_state_f32");
+        assert_eq!(e[3], "scan_chunk_out_bf16");
+        assert_eq!(e[4], "scan_chunk_pass");
+        assert_eq!(e[5], "scan_bwd_f32_s1");
+        assert_eq!(e[8], "scan_bwd_bf16_s2");
         for (i, name) in e.iter().enumerate() {
             assert!(!e[..i].contains(name), "{name} twice");
         }
-        // Each is one SCAN_ENTRY(<t>, <type>, <S>) line of the source.
+        // Each forward pair is one SCAN_ENTRY(<t>, <type>) line of the source.
         for d in [Dtype::F32, Dtype::Bf16] {
-            for s in STATES_PER_LANE {
-                let ty = if d == Dtype::F32 { "float" } else { "u16" };
-                let line = format!("SCAN_ENTRY({}, {ty}, {s})", d.tag());
-                assert!(SCAN_SRC.contains(&line), "{line}");
-            }
+            let ty = if d == Dtype::F32 { "float" } else { "u16" };
+            let line = format!("SCAN_ENTRY({}, {ty})", d.tag());
+            assert!(SCAN_SRC.contains(&line), "{line}");
         }
-        assert!(SCAN_SRC.contains(&format!("#define SCAN_WARPS {WARPS}")));
+        for stem in [
+            "scan_chunk_state_##NAME(",
+            "scan_chunk_out_##NAME(",
+            "void scan_chunk_pass(",
+        ] {
+            assert!(SCAN_SRC.contains(stem), "{stem}");
+        }
+        assert!(SCAN_SRC.contains(&format!("#define SCAN_THREADS {THREADS}")));
+        assert!(SCAN_SRC.contains(&format!("#define SCAN_NS {STATES_PER_THREAD}")));
         for d in [Dtype::F32, Dtype::Bf16] {
             for s in BACKWARD_STATES_PER_LANE {
                 let ty = if d == Dtype::F32 { "float" } else { "u16" };

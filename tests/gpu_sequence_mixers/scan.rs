@@ -5,7 +5,8 @@ use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::gradients::selective_scan_backward;
 use kernelpages::sequence_mixers::reference::{self, ScanInputs, ScanShape};
 use kernelpages::sequence_mixers::scan_cuda::{
-    backward_chunk, entry_points, source, states_per_lane, Scan, ScanBackward, ScanGradientBuffers,
+    backward_chunk, entry_points, forward_chunk, source, threads_per_channel, Scan, ScanBackward,
+    ScanGradientBuffers,
 };
 
 use super::{
@@ -28,9 +29,17 @@ fn random_inputs(shape: ScanShape, seed: u64) -> [Vec<f64>; 7] {
     ]
 }
 
-/// One selective-scan case on the device against the float64 recurrence on the same (rounded)
-/// inputs: returns (error of y, error of the final state).
-fn scan_case(shape: ScanShape, dtype: Dtype, skip: bool, start: bool, seed: u64) -> (f64, f64) {
+/// One selective-scan case on the device, in chunks of `chunk` steps (`None`: what
+/// [`forward_chunk`] picks), against the float64 recurrence on the same (rounded) inputs:
+/// returns (error of y, error of the final state).
+fn scan_case(
+    shape: ScanShape,
+    dtype: Dtype,
+    skip: bool,
+    start: bool,
+    seed: u64,
+    chunk: Option<usize>,
+) -> (f64, f64) {
     let g = gpu();
     let state_len = shape.batch * shape.channels * shape.state;
     let [u, delta, a, b, c, d, s0] = random_inputs(shape, seed);
@@ -62,8 +71,16 @@ fn scan_case(shape: ScanShape, dtype: Dtype, skip: bool, start: bool, seed: u64)
         up::<f32>(&s0),
     );
     let mut fin = poisoned::<f32>(state_len);
-    let mut scan = Scan::new(g, shape, dtype).unwrap();
-    assert_eq!(scan.temporary_bytes(), 0);
+    let chunk = chunk.unwrap_or_else(|| forward_chunk(shape));
+    let mut scan = Scan::with_chunk(g, shape, dtype, chunk).unwrap();
+    assert_eq!(scan.chunk(), chunk);
+    // The chunks' states [B, chunks, D, N] and sums of Δ [B, chunks, D], float32.
+    let chunks = shape.seq_len.div_ceil(chunk);
+    let rows = shape.batch * chunks * shape.channels;
+    assert_eq!(
+        scan.temporary_bytes(),
+        4 * ((rows * shape.state).max(1) + rows.max(1)) as u64
+    );
     // The dtype-typed tensors, launched and read back as `$t` (f32, or u16 holding bf16).
     macro_rules! run {
         ($t:ty) => {{
@@ -103,16 +120,17 @@ fn selective_scan_matches_float64_on_every_shape() {
         state,
     };
     let cases = [
-        // One step, one channel, one state entry (31 idle lanes, 7 idle warps).
+        // One step, one channel, one state entry (15 idle entries, 127 idle threads).
         shape(1, 1, 1, 1),
-        // States per lane 1 (half the lanes idle), 2, 4 and 8; channels not a multiple of the
-        // block's 8 warps; T not a multiple of anything.
+        // 1, 4, 8 and 16 threads per channel; channels not a multiple of a block's; T not a
+        // multiple of anything.
         shape(2, 37, 13, 16),
         shape(2, 129, 20, 64),
         shape(3, 61, 19, 128),
         shape(1, 257, 10, 256),
-        // N not a multiple of 32 (two entries on lanes 0..15, one on the rest), whole blocks.
+        // N not a multiple of 16: 48 on 4 threads (one idle), 17 on 2 (15 idle entries).
         shape(2, 50, 16, 48),
+        shape(1, 70, 130, 17),
         // A long sequence: 1000 steps of accumulated float32 rounding.
         shape(1, 1000, 9, 16),
         // Issue 12's lengths around 64 and past 65,536.
@@ -123,19 +141,24 @@ fn selective_scan_matches_float64_on_every_shape() {
     let mut failures = Vec::new();
     for (k, &s) in cases.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::Bf16] {
-            for (skip, start) in [(false, false), (true, false), (false, true), (true, true)] {
-                let (ey, es) = scan_case(s, dtype, skip, start, 200 + k as u64);
-                // float32 arithmetic on exact inputs: 1e-4; bf16 output rounding: 1e-2.
-                let tol = if dtype == Dtype::F32 { 1e-4 } else { 1e-2 };
-                println!(
-                    "selective_scan {s:?} {dtype:?} states/lane {} D {skip} initial {start}: \
-                     y {ey:.2e} state {es:.2e}",
-                    states_per_lane(s.state).unwrap()
-                );
-                if !(ey <= tol && es <= 1e-4) {
-                    failures.push(format!(
-                        "{s:?} {dtype:?} D {skip} initial {start}: y {ey:.2e}, state {es:.2e}"
-                    ));
+            // The chunk the host picks, and the shortest (32 steps: most chunks, the pass
+            // between them longest, the last one partial).
+            for chunk in [None, Some(32)] {
+                for (skip, start) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let (ey, es) = scan_case(s, dtype, skip, start, 200 + k as u64, chunk);
+                    // float32 arithmetic on exact inputs: 1e-4; bf16 output rounding: 1e-2.
+                    let tol = if dtype == Dtype::F32 { 1e-4 } else { 1e-2 };
+                    println!(
+                        "selective_scan {s:?} {dtype:?} threads/channel {} chunk {chunk:?} D \
+                         {skip} initial {start}: y {ey:.2e} state {es:.2e}",
+                        threads_per_channel(s.state).unwrap()
+                    );
+                    if !(ey <= tol && es <= 1e-4) {
+                        failures.push(format!(
+                            "{s:?} {dtype:?} chunk {chunk:?} D {skip} initial {start}: y \
+                             {ey:.2e}, state {es:.2e}"
+                        ));
+                    }
                 }
             }
         }
@@ -152,8 +175,36 @@ fn selective_scan_with_no_step_returns_the_initial_state() {
         channels: 3,
         state: 16,
     };
-    let (_, es) = scan_case(s, Dtype::F32, true, true, 7);
+    let (_, es) = scan_case(s, Dtype::F32, true, true, 7, None);
     assert_eq!(es, 0.0);
+}
+
+/// At the grid's shape (B4 T16384 D512 N16), every chunk length from 32 to 2048 steps gives
+/// the same y and final state as the float64 recurrence, bf16 and fp32: the chunk only splits
+/// the same float32 arithmetic differently. (Under ncu, its launches also time each length.)
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn selective_scan_chunk_lengths_agree_at_the_grid_shape() {
+    let shape = ScanShape {
+        batch: 4,
+        seq_len: 16_384,
+        channels: 512,
+        state: 16,
+    };
+    let mut failures = Vec::new();
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        for chunk in [32, 64, 128, 256, 512, 1024, 2048] {
+            let (ey, es) = scan_case(shape, dtype, true, true, 300, Some(chunk));
+            let tol = if dtype == Dtype::F32 { 1e-4 } else { 1e-2 };
+            println!("selective_scan {dtype:?} chunk {chunk}: y {ey:.2e} state {es:.2e}");
+            if !(ey <= tol && es <= 1e-4) {
+                failures.push(format!(
+                    "{dtype:?} chunk {chunk}: y {ey:.2e}, state {es:.2e}"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 #[test]
