@@ -486,10 +486,10 @@ impl runner::Suite for Mixers {
             }
             if c.pass == MixerPass::FwdBwd {
                 notes.push(format!(
-                    "backward (scan_bwd, version 1.1): the adjoint walked back from the state \
-                     kept every {} steps (the forward recomputed; nothing kept by the forward \
-                     call), dB and dC summed over 8 channels per block then by atomics; \
-                     gradients in float32",
+                    "backward (version 2): chunks of {} steps walked at once, the forward's \
+                     states entering each chunk recomputed (nothing kept by the forward call), \
+                     each chunk's adjoint passed back to the chunk before; dB and dC summed \
+                     over 8 channels per block then by atomics; gradients in float32",
                     scan_cuda::backward_chunk(c.state).unwrap_or(0)
                 ));
             }

@@ -37,22 +37,89 @@
 
 // u16, ld and st: prelude.cuh, prepended by the host.
 
+// Version 2.1: G a compile-time constant (the B and C entries of a thread at a fixed stride, the
+// shuffles unrolled; at G = 1 the 16 entries read as four 16-byte loads), the staging loads
+// issued SCAN_BATCH at a time before their stores, and the pass's loads likewise.
+#define SCAN_BATCH 8
+
+// Four consecutive floats from shared memory (16-byte aligned): one 16-byte load on the GPU.
+__device__ __forceinline__ void lds4(const float* p, float* v) {
+#ifdef KP_EMULATE
+    v[0] = p[0], v[1] = p[1], v[2] = p[2], v[3] = p[3];
+#else
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+#endif
+}
+
+// Stages `steps` (<= ts) steps from bt0 (= b * T_len + t0) for a block's channels d0 ...:
+// x and delta ([B, T, D]) into sx and sdt ([ts][per_block], float32), the rows r1 and, when
+// TWO, r2 ([B, T, N]) into s1 and s2 ([ts][G * SCAN_NS], zero-padded); entries past the steps
+// or the channels are 0. The loads go SCAN_BATCH at a time before their stores.
+template <typename T, int G, bool TWO>
+__device__ __forceinline__ void scan_stage(const T* __restrict__ x,
+                                           const float* __restrict__ delta,
+                                           const T* __restrict__ r1, const T* __restrict__ r2,
+                                           float* sx, float* sdt, float* s1, float* s2,
+                                           long long bt0, int steps, int ts, int d0,
+                                           int channels, int N) {
+    constexpr int per_block = SCAN_THREADS / G;
+    constexpr int np = G * SCAN_NS;
+    for (int i0 = threadIdx.x; i0 < ts * per_block; i0 += SCAN_BATCH * SCAN_THREADS) {
+        float vx[SCAN_BATCH], vd[SCAN_BATCH];
+#pragma unroll
+        for (int q = 0; q < SCAN_BATCH; ++q) {
+            const int i = i0 + q * SCAN_THREADS;
+            const int st_ = i / per_block, dd = d0 + i % per_block;
+            const bool on = i < ts * per_block && st_ < steps && dd < channels;
+            const long long at = (bt0 + st_) * channels + dd;
+            vx[q] = on ? ld(x, at) : 0.f;
+            vd[q] = on ? delta[at] : 0.f;
+        }
+#pragma unroll
+        for (int q = 0; q < SCAN_BATCH; ++q) {
+            const int i = i0 + q * SCAN_THREADS;
+            if (i < ts * per_block) sx[i] = vx[q], sdt[i] = vd[q];
+        }
+    }
+    for (int i0 = threadIdx.x; i0 < ts * np; i0 += SCAN_BATCH * SCAN_THREADS) {
+        float v1[SCAN_BATCH], v2[SCAN_BATCH];
+#pragma unroll
+        for (int q = 0; q < SCAN_BATCH; ++q) {
+            const int i = i0 + q * SCAN_THREADS;
+            const int st_ = i / np, n = i % np;
+            const bool on = i < ts * np && st_ < steps && n < N;
+            const long long at = (bt0 + st_) * N + n;
+            v1[q] = on ? ld(r1, at) : 0.f;
+            v2[q] = (TWO && on) ? ld(r2, at) : 0.f;
+        }
+#pragma unroll
+        for (int q = 0; q < SCAN_BATCH; ++q) {
+            const int i = i0 + q * SCAN_THREADS;
+            if (i < ts * np) {
+                s1[i] = v1[q];
+                if (TWO) s2[i] = v2[q];
+            }
+        }
+    }
+}
+
 // Steps 1 and 3: OUT false walks from zero and writes the chunk's end state and sum of dt;
 // OUT true walks from the state entering the chunk (`chunk_state`, after step 2) and writes y.
-template <typename T, bool OUT>
+// ts (the staged steps) is at most the host's staged_steps(G), which sized the shared memory.
+template <typename T, bool OUT, int G>
 __device__ void scan_chunk(const T* __restrict__ u, const float* __restrict__ delta,
                            const float* __restrict__ A, const T* __restrict__ Bm,
                            const T* __restrict__ Cm, const float* __restrict__ D, int has_d,
                            float* __restrict__ chunk_state, float* __restrict__ chunk_dt,
-                           T* __restrict__ y, int T_len, int channels, int N, int G, int L,
-                           int ts) {
-    extern __shared__ float smem[];
-    const int per_block = SCAN_THREADS / G;  // channels per block
-    const int np = G * SCAN_NS;              // padded state row
-    float* su = smem;                        // [ts][per_block]
-    float* sdt = su + ts * per_block;        // [ts][per_block]
-    float* sb = sdt + ts * per_block;        // [ts][np]
-    float* sc = sb + ts * np;                // [ts][np]
+                           T* __restrict__ y, int T_len, int channels, int N, int L, int ts) {
+    extern __shared__ __align__(16) float smem[];
+    constexpr int per_block = SCAN_THREADS / G;  // channels per block
+    constexpr int np = G * SCAN_NS;              // padded state row
+    float* su = smem;                            // [ts][per_block]
+    float* sdt = su + ts * per_block;            // [ts][per_block]
+    float* sb = sdt + ts * per_block;            // [ts][np]
+    float* sc = sb + ts * np;                    // [ts][np]
     const int j = threadIdx.x % G;
     const int dl = threadIdx.x / G;
     const int d0 = blockIdx.x * per_block;
@@ -77,36 +144,39 @@ __device__ void scan_chunk(const T* __restrict__ u, const float* __restrict__ de
     float dt_sum = 0.f;
     for (int t0 = t_begin; t0 < t_end; t0 += ts) {
         const int steps = min(ts, t_end - t0);
-        for (int i = threadIdx.x; i < ts * per_block; i += SCAN_THREADS) {
-            const int s = i / per_block, dd = d0 + i % per_block;
-            const bool on = s < steps && dd < channels;
-            const long long at = ((long long)b * T_len + t0 + s) * channels + dd;
-            su[i] = on ? ld(u, at) : 0.f;
-            sdt[i] = on ? delta[at] : 0.f;
-        }
-        for (int i = threadIdx.x; i < ts * np; i += SCAN_THREADS) {
-            const int s = i / np, n = i % np;
-            const bool on = s < steps && n < N;
-            const long long at = ((long long)b * T_len + t0 + s) * N + n;
-            sb[i] = on ? ld(Bm, at) : 0.f;
-            if (OUT) sc[i] = on ? ld(Cm, at) : 0.f;
-        }
+        const long long bt0 = (long long)b * T_len + t0;
+        scan_stage<T, G, OUT>(u, delta, Bm, Cm, su, sdt, sb, sc, bt0, steps, ts, d0, channels, N);
         __syncthreads();
         for (int s = 0; s < steps; ++s) {
             const float dt = sdt[s * per_block + dl];
             const float uu = su[s * per_block + dl];
             const float x = dt * uu;
+            float bv[SCAN_NS], cv[SCAN_NS];
+            if (G == 1) {
+#pragma unroll
+                for (int k = 0; k < SCAN_NS; k += 4) {
+                    lds4(sb + s * np + k, bv + k);
+                    if (OUT) lds4(sc + s * np + k, cv + k);
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < SCAN_NS; ++k) {
+                    bv[k] = sb[s * np + j + G * k];
+                    cv[k] = OUT ? sc[s * np + j + G * k] : 0.f;
+                }
+            }
             float part = 0.f;
 #pragma unroll
             for (int k = 0; k < SCAN_NS; ++k) {
-                h[k] = __expf(dt * a[k]) * h[k] + x * sb[s * np + j + G * k];
-                if (OUT) part += sc[s * np + j + G * k] * h[k];
+                h[k] = __expf(dt * a[k]) * h[k] + x * bv[k];
+                if (OUT) part += cv[k] * h[k];
             }
             if (OUT) {
+#pragma unroll
                 for (int off = G >> 1; off > 0; off >>= 1)
                     part += __shfl_xor_sync(0xffffffffu, part, off);
                 if (live && j == 0)
-                    st(y, ((long long)b * T_len + t0 + s) * channels + d, part + skip * uu);
+                    st(y, (bt0 + s) * channels + d, part + skip * uu);
             } else {
                 dt_sum += dt;
             }
@@ -124,78 +194,198 @@ __device__ void scan_chunk(const T* __restrict__ u, const float* __restrict__ de
 }
 
 // Step 2: thread i of B * D * N composes its (batch entry, channel d, entry n)'s chunk maps
-// h -> exp(A_dn * chunk_dt) h + s in order; each s is replaced by the state entering its chunk.
-__device__ void scan_pass(const float* __restrict__ A, const float* __restrict__ initial_state,
-                          int has_initial, float* __restrict__ chunk_state,
-                          const float* __restrict__ chunk_dt, float* __restrict__ final_state,
+// h -> exp(A_dn * chunk_dt) h + s in order from `start` (zeros unless has_start); each s is
+// replaced by the value entering its chunk, and the value past the last goes to `last`.
+// REV (the backward's adjoints, below) takes the chunks from the last to the first. The loads
+// of SCAN_BATCH chunks are issued before their stores (the stores write the same array, so
+// the compiler would not move a later load above them).
+template <bool REV>
+__device__ void scan_pass(const float* __restrict__ A, const float* __restrict__ start,
+                          int has_start, float* __restrict__ chunk_state,
+                          const float* __restrict__ chunk_dt, float* __restrict__ last,
                           int batch, int channels, int N, int chunks) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long per_batch = (long long)channels * N;
     if (i >= batch * per_batch) return;
     const long long b = i / per_batch, dn = i % per_batch;
-    const long long d = dn / N;
+    const long long d = dn / N, n = dn % N;
     const float a = A[dn];
-    float h = has_initial ? initial_state[i] : 0.f;
-#pragma unroll 4
-    for (int c = 0; c < chunks; ++c) {
-        const long long row = (b * chunks + c) * channels + d;
-        const float s = chunk_state[row * N + dn % N];
-        const float decay = __expf(a * chunk_dt[row]);
-        chunk_state[row * N + dn % N] = h;
-        h = decay * h + s;
+    float h = has_start ? start[i] : 0.f;
+    // The k-th chunk in the walk's order.
+    auto chunk = [&](int k) { return REV ? chunks - 1 - k : k; };
+    for (int k0 = 0; k0 < chunks; k0 += SCAN_BATCH) {
+        float sv[SCAN_BATCH], dv[SCAN_BATCH];
+#pragma unroll
+        for (int q = 0; q < SCAN_BATCH; ++q) {
+            const long long row = (b * chunks + chunk(min(k0 + q, chunks - 1))) * channels + d;
+            sv[q] = chunk_state[row * N + n];
+            dv[q] = chunk_dt[row];
+        }
+#pragma unroll
+        for (int q = 0; q < SCAN_BATCH; ++q) {
+            if (k0 + q < chunks) {
+                const long long row = (b * chunks + chunk(k0 + q)) * channels + d;
+                chunk_state[row * N + n] = h;
+                h = __expf(a * dv[q]) * h + sv[q];
+            }
+        }
     }
-    final_state[i] = h;
+    last[i] = h;
 }
 
-#define SCAN_ENTRY(NAME, T)                                                                    \
+#define SCAN_ENTRY(NAME, T, G)                                                                 \
     extern "C" __global__ void __launch_bounds__(SCAN_THREADS)                                 \
-    scan_chunk_state_##NAME(const T* u, const float* delta, const float* A, const T* Bm,      \
-                            float* chunk_state, float* chunk_dt, int T_len, int channels,     \
-                            int N, int G, int L, int ts) {                                     \
-        scan_chunk<T, false>(u, delta, A, Bm, Bm, A, 0, chunk_state, chunk_dt, (T*)0, T_len,  \
-                             channels, N, G, L, ts);                                           \
+    scan_chunk_state_##NAME##_g##G(const T* u, const float* delta, const float* A,            \
+                                   const T* Bm, float* chunk_state, float* chunk_dt,           \
+                                   int T_len, int channels, int N, int L, int ts) {           \
+        scan_chunk<T, false, G>(u, delta, A, Bm, Bm, A, 0, chunk_state, chunk_dt, (T*)0,      \
+                                T_len, channels, N, L, ts);                                    \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SCAN_THREADS)                                 \
-    scan_chunk_out_##NAME(const T* u, const float* delta, const float* A, const T* Bm,        \
-                          const T* Cm, const float* D, int has_d, float* chunk_state, T* y,   \
-                          int T_len, int channels, int N, int G, int L, int ts) {             \
-        scan_chunk<T, true>(u, delta, A, Bm, Cm, D, has_d, chunk_state, (float*)0, y, T_len,  \
-                            channels, N, G, L, ts);                                            \
+    scan_chunk_out_##NAME##_g##G(const T* u, const float* delta, const float* A, const T* Bm, \
+                                 const T* Cm, const float* D, int has_d, float* chunk_state,  \
+                                 T* y, int T_len, int channels, int N, int L, int ts) {       \
+        scan_chunk<T, true, G>(u, delta, A, Bm, Cm, D, has_d, chunk_state, (float*)0, y,      \
+                               T_len, channels, N, L, ts);                                     \
     }
 
-SCAN_ENTRY(f32, float)
-SCAN_ENTRY(bf16, u16)
+SCAN_ENTRY(f32, float, 1)
+SCAN_ENTRY(f32, float, 2)
+SCAN_ENTRY(f32, float, 4)
+SCAN_ENTRY(f32, float, 8)
+SCAN_ENTRY(f32, float, 16)
+SCAN_ENTRY(bf16, u16, 1)
+SCAN_ENTRY(bf16, u16, 2)
+SCAN_ENTRY(bf16, u16, 4)
+SCAN_ENTRY(bf16, u16, 8)
+SCAN_ENTRY(bf16, u16, 16)
 
 extern "C" __global__ void scan_chunk_pass(const float* A, const float* initial_state,
                                            int has_initial, float* chunk_state,
                                            const float* chunk_dt, float* final_state, int batch,
                                            int channels, int N, int chunks) {
-    scan_pass(A, initial_state, has_initial, chunk_state, chunk_dt, final_state, batch,
-              channels, N, chunks);
+    scan_pass<false>(A, initial_state, has_initial, chunk_state, chunk_dt, final_state, batch,
+                     channels, N, chunks);
 }
 
 // ---------------------------------------------------------------------------------------------
-// The selective scan's backward, version 1.1 (version 1 and the forward's prefetch): the
-// vector-Jacobian product of the forward above, the adjoint of the recurrence walked from the last step
-// back to the first as in src/sequence_mixers/gradients.rs's selective_scan_backward (and
-// Mamba's own backward pass), with g_t = dL/dh_t:
+// The selective scan's backward, version 2: the vector-Jacobian product of the forward above,
+// the adjoint of the recurrence walked from the last step back to the first as in
+// src/sequence_mixers/gradients.rs's selective_scan_backward (and Mamba's own backward pass),
+// with g_t = dL/dh_t:
 //
 //   g_t = C_t dy_t + exp(dt_{t+1} A) g_{t+1}           (g_T also takes d_final_state)
 //   du_t = <g_t, dt_t B_t> + D dy_t                    ddt_t = <g_t, A e_t h_{t-1} + u_t B_t>
 //   dB_t += g_t dt_t u_t  (summed over channels)      dC_t += dy_t h_t  (summed over channels)
 //   dA += g_t dt_t e_t h_{t-1}                         dD += dy_t u_t,   dh_0 = e_1 g_1
 //
-// where e_t = exp(dt_t A). One warp per (batch entry, channel) as in the forward, the lanes
-// splitting the N <= 64 state entries (S = 1 or 2 per lane). Pass 1 runs the forward and keeps
-// the state at the start of every chunk of L steps (checkpoints [B, D, ceil(T/L), N], float32,
-// scratch). Pass 2 takes the chunks from the last: the chunk's states h_{t-1} are recomputed
-// from its checkpoint into this warp's shared rows ([L][N]), then its steps are walked
-// backwards. The per-step terms of dB and dC are parked in shared memory per warp, and after
-// each chunk the block adds its warps' terms and adds the sums to dB and dC with one atomicAdd
-// per (step, state entry) per block; dA and dD take one atomicAdd per element per (batch entry,
-// channel). dA, dB, dC and dD must be zero before the launch; every gradient is float32.
-// Dynamic shared memory: 3 * SCAN_BWD_WARPS * L * N floats. L and the grid as the host's
+// where e_t = exp(dt_t A). The adjoint is affine in g as the forward is in h, so the chunks of
+// L steps are walked at once here too (version 1.1 walked every chunk in turn in one warp per
+// channel). Five launches:
+//   1, 2. the forward's scan_chunk_state and scan_chunk_pass with chunks of L steps: the state
+//      entering every chunk ([B, chunks, D, N], the checkpoints) and each chunk's sum of dt;
+//   3. scan_bwd_adjoint_<t>_g<G>: every (batch entry, chunk, channel) walks its chunk
+//      backwards from a zero adjoint (g += C_t dy_t, then g *= e_t), leaving the adjoint the
+//      chunk itself passes to the state before it ([B, chunks, D, N]);
+//   4. scan_bwd_pass: scan_pass<true>, from d_final_state and the last chunk: each chunk's
+//      entry replaced by the adjoint that reaches its last state from the later chunks, and
+//      the adjoint of the initial state written;
+//   5. scan_bwd_<t>_s<S>: one warp per (chunk, batch entry, channel), the lanes splitting the
+//      N <= 64 state entries (S = 1 or 2 per lane): the chunk's states h_{t-1} recomputed from
+//      its checkpoint into the warp's shared rows ([L][N]), then its steps walked backwards
+//      from the adjoint of step 4, writing du and ddt. The per-step terms of dB and dC are
+//      parked in shared memory per warp; the block adds its warps' terms and adds the sums to
+//      dB and dC with one atomicAdd per (step, state entry); dA and dD take one atomicAdd per
+//      element per (batch entry, chunk, channel).
+// dA, dB, dC and dD must be zero before the launches; every gradient is float32. Dynamic
+// shared memory of step 5: 3 * SCAN_BWD_WARPS * L * N floats. L and the grids as the host's
 // scan_cuda::ScanBackward says; T >= 1.
+
+// Step 3 (the layout and staging of scan_chunk, walked backwards): dy and dt staged as the
+// forward stages u and dt, the C rows as its B rows.
+template <typename T, int G>
+__device__ void scan_chunk_adjoint(const T* __restrict__ dy, const float* __restrict__ delta,
+                                   const float* __restrict__ A, const T* __restrict__ Cm,
+                                   float* __restrict__ chunk_adjoint, int T_len, int channels,
+                                   int N, int L, int ts) {
+    extern __shared__ __align__(16) float smem[];
+    constexpr int per_block = SCAN_THREADS / G;
+    constexpr int np = G * SCAN_NS;
+    float* sy = smem;                  // [ts][per_block]
+    float* sdt = sy + ts * per_block;  // [ts][per_block]
+    float* sc = sdt + ts * per_block;  // [ts][np]
+    const int j = threadIdx.x % G;
+    const int dl = threadIdx.x / G;
+    const int d0 = blockIdx.x * per_block;
+    const int d = d0 + dl;
+    const int c = blockIdx.y;
+    const int b = blockIdx.z;
+    const int chunks = gridDim.y;
+    const bool live = d < channels;
+    const int t_begin = c * L;
+    const int t_end = min(T_len, t_begin + L);
+    const long long cd = ((long long)b * chunks + c) * channels + d;
+    float a[SCAN_NS], g[SCAN_NS];
+#pragma unroll
+    for (int k = 0; k < SCAN_NS; ++k) {
+        const int n = j + G * k;
+        a[k] = (live && n < N) ? A[(long long)d * N + n] : 0.f;
+        g[k] = 0.f;
+    }
+    // The chunk's tiles from the last (which may be partial) to the first.
+    for (int t0 = t_begin + (t_end - 1 - t_begin) / ts * ts; t0 >= t_begin; t0 -= ts) {
+        const int steps = min(ts, t_end - t0);
+        const long long bt0 = (long long)b * T_len + t0;
+        scan_stage<T, G, false>(dy, delta, Cm, Cm, sy, sdt, sc, sc, bt0, steps, ts, d0,
+                                channels, N);
+        __syncthreads();
+        for (int s = steps - 1; s >= 0; --s) {
+            const float dt = sdt[s * per_block + dl];
+            const float yv = sy[s * per_block + dl];
+            float cv[SCAN_NS];
+            if (G == 1) {
+#pragma unroll
+                for (int k = 0; k < SCAN_NS; k += 4) lds4(sc + s * np + k, cv + k);
+            } else {
+#pragma unroll
+                for (int k = 0; k < SCAN_NS; ++k) cv[k] = sc[s * np + j + G * k];
+            }
+#pragma unroll
+            for (int k = 0; k < SCAN_NS; ++k) g[k] = (g[k] + cv[k] * yv) * __expf(dt * a[k]);
+        }
+        __syncthreads();
+    }
+    if (live) {
+#pragma unroll
+        for (int k = 0; k < SCAN_NS; ++k) {
+            const int n = j + G * k;
+            if (n < N) chunk_adjoint[cd * N + n] = g[k];
+        }
+    }
+}
+
+#define SCAN_ADJ_ENTRY(NAME, T, G)                                                             \
+    extern "C" __global__ void __launch_bounds__(SCAN_THREADS)                                 \
+    scan_bwd_adjoint_##NAME##_g##G(const T* dy, const float* delta, const float* A,           \
+                                   const T* Cm, float* chunk_adjoint, int T_len, int channels, \
+                                   int N, int L, int ts) {                                     \
+        scan_chunk_adjoint<T, G>(dy, delta, A, Cm, chunk_adjoint, T_len, channels, N, L, ts); \
+    }
+
+SCAN_ADJ_ENTRY(f32, float, 1)
+SCAN_ADJ_ENTRY(f32, float, 2)
+SCAN_ADJ_ENTRY(f32, float, 4)
+SCAN_ADJ_ENTRY(bf16, u16, 1)
+SCAN_ADJ_ENTRY(bf16, u16, 2)
+SCAN_ADJ_ENTRY(bf16, u16, 4)
+
+extern "C" __global__ void scan_bwd_pass(const float* A, const float* d_final, int has_d_final,
+                                         float* chunk_adjoint, const float* chunk_dt,
+                                         float* d_initial, int batch, int channels, int N,
+                                         int chunks) {
+    scan_pass<true>(A, d_final, has_d_final, chunk_adjoint, chunk_dt, d_initial, batch,
+                    channels, N, chunks);
+}
 
 #define SCAN_BWD_WARPS 8
 #define SCAN_BWD_THREADS (32 * SCAN_BWD_WARPS)
@@ -205,85 +395,43 @@ template <typename T, int S>
 __device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delta,
                          const float* __restrict__ A, const T* __restrict__ Bm,
                          const T* __restrict__ Cm, const float* __restrict__ D, int has_d,
-                         const float* __restrict__ initial_state, int has_initial,
-                         const T* __restrict__ dy, const float* __restrict__ d_final,
-                         int has_d_final, float* __restrict__ checkpoints,
-                         float* __restrict__ du, float* __restrict__ ddelta,
-                         float* __restrict__ dA, float* __restrict__ dBm,
-                         float* __restrict__ dCm, float* __restrict__ dD,
-                         float* __restrict__ d_initial, int T_len, int channels, int N, int L) {
+                         const T* __restrict__ dy, const float* __restrict__ checkpoints,
+                         const float* __restrict__ chunk_adjoint, float* __restrict__ du,
+                         float* __restrict__ ddelta, float* __restrict__ dA,
+                         float* __restrict__ dBm, float* __restrict__ dCm,
+                         float* __restrict__ dD, int T_len, int channels, int N, int L) {
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31;
     const int w = threadIdx.x >> 5;
-    const int d = blockIdx.x * SCAN_BWD_WARPS + w;
-    const int b = blockIdx.y;
+    const int c = blockIdx.x;
+    const int chunks = gridDim.x;
+    const int d = blockIdx.y * SCAN_BWD_WARPS + w;
+    const int b = blockIdx.z;
     const bool live = d < channels;
     // Warps of this block with a channel: only theirs are summed into dB and dC.
-    const int live_warps = min(SCAN_BWD_WARPS, channels - (int)blockIdx.x * SCAN_BWD_WARPS);
-    const int chunks = (T_len + L - 1) / L;
+    const int live_warps = min(SCAN_BWD_WARPS, channels - (int)blockIdx.y * SCAN_BWD_WARPS);
     float* hs = smem + (long long)w * L * N;                   // [L][N]: h_{t-1} per step
     float* park_b = smem + (long long)SCAN_BWD_WARPS * L * N;  // [warps][L][N]: dB terms
     float* park_c = park_b + (long long)SCAN_BWD_WARPS * L * N;  // [warps][L][N]: dC terms
-    const long long row = ((long long)b * channels + d) * N;    // [B, D, N] state rows
-    const long long ckpt = ((long long)b * channels + d) * chunks * N;
+    // This (batch entry, chunk, channel)'s checkpoint and adjoint rows, [B, chunks, D, N].
+    const long long row = (((long long)b * chunks + c) * channels + d) * N;
     float a[S], h[S], g[S], da[S];
 #pragma unroll
     for (int k = 0; k < S; ++k) {
         const int n = lane + 32 * k;
         const bool on = live && n < N;
         a[k] = on ? A[(long long)d * N + n] : 0.f;
-        h[k] = (on && has_initial) ? initial_state[row + n] : 0.f;
-        g[k] = (on && has_d_final) ? d_final[row + n] : 0.f;
+        h[k] = on ? checkpoints[row + n] : 0.f;
+        g[k] = on ? chunk_adjoint[row + n] : 0.f;
         da[k] = 0.f;
     }
     const float skip = (live && has_d) ? D[d] : 0.f;
     float dd_sum = 0.f;
-    // Pass 1: the forward, keeping the state entering every chunk.
-    // Version 1.1: every walk loads SCAN_BWD_G steps' inputs into registers before using
-    // them (the forward's prefetch, version 1.1), so a step no longer waits on its own loads.
-    if (live) {
-        for (int t0 = 0; t0 < T_len; t0 += SCAN_BWD_G) {
-            float gdt[SCAN_BWD_G], gdtu[SCAN_BWD_G], gb[SCAN_BWD_G][S];
-#pragma unroll
-            for (int q = 0; q < SCAN_BWD_G; ++q) {
-                const int t = min(t0 + q, T_len - 1);
-                const long long bt = (long long)b * T_len + t;
-                const long long i = bt * channels + d;
-                gdt[q] = delta[i];
-                gdtu[q] = gdt[q] * ld(u, i);
-#pragma unroll
-                for (int k = 0; k < S; ++k) {
-                    const int n = lane + 32 * k;
-                    gb[q][k] = n < N ? ld(Bm, bt * N + n) : 0.f;
-                }
-            }
-#pragma unroll
-            for (int q = 0; q < SCAN_BWD_G; ++q) {
-                const int t = t0 + q;
-                if (t < T_len) {
-#pragma unroll
-                    for (int k = 0; k < S; ++k) {
-                        const int n = lane + 32 * k;
-                        if (n < N) {
-                            if (t % L == 0)
-                                checkpoints[ckpt + (long long)(t / L) * N + n] = h[k];
-                            h[k] = __expf(gdt[q] * a[k]) * h[k] + gdtu[q] * gb[q][k];
-                        }
-                    }
-                }
-            }
-        }
-    }
-    // Pass 2: the chunks from the last, each walked backwards.
-    for (int c = chunks - 1; c >= 0; --c) {
+    // This chunk: its states recomputed, then its steps walked backwards.
+    {
         const int t0 = c * L;
         const int len = min(L, T_len - t0);
         if (live) {
-#pragma unroll
-            for (int k = 0; k < S; ++k) {
-                const int n = lane + 32 * k;
-                h[k] = n < N ? checkpoints[ckpt + (long long)c * N + n] : 0.f;
-            }
             for (int j0 = 0; j0 < len; j0 += SCAN_BWD_G) {
                 float gdt[SCAN_BWD_G], gdtu[SCAN_BWD_G], gb[SCAN_BWD_G][S];
 #pragma unroll
@@ -389,10 +537,7 @@ __device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delt
 #pragma unroll
         for (int k = 0; k < S; ++k) {
             const int n = lane + 32 * k;
-            if (n < N) {
-                d_initial[row + n] = g[k];
-                atomicAdd(dA + (long long)d * N + n, da[k]);
-            }
+            if (n < N) atomicAdd(dA + (long long)d * N + n, da[k]);
         }
         if (lane == 0 && has_d) atomicAdd(dD + d, dd_sum);
     }
@@ -401,14 +546,12 @@ __device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delt
 #define SCAN_BWD_ENTRY(NAME, T, S)                                                             \
     extern "C" __global__ void __launch_bounds__(SCAN_BWD_THREADS)                             \
     scan_bwd_##NAME##_s##S(const T* u, const float* delta, const float* A, const T* Bm,       \
-                           const T* Cm, const float* D, int has_d, const float* initial_state, \
-                           int has_initial, const T* dy, const float* d_final,                 \
-                           int has_d_final, float* checkpoints, float* du, float* ddelta,      \
-                           float* dA, float* dBm, float* dCm, float* dD, float* d_initial,     \
+                           const T* Cm, const float* D, int has_d, const T* dy,                \
+                           const float* checkpoints, const float* chunk_adjoint, float* du,    \
+                           float* ddelta, float* dA, float* dBm, float* dCm, float* dD,        \
                            int T_len, int channels, int N, int L) {                            \
-        scan_bwd<T, S>(u, delta, A, Bm, Cm, D, has_d, initial_state, has_initial, dy,         \
-                       d_final, has_d_final, checkpoints, du, ddelta, dA, dBm, dCm, dD,        \
-                       d_initial, T_len, channels, N, L);                                      \
+        scan_bwd<T, S>(u, delta, A, Bm, Cm, D, has_d, dy, checkpoints, chunk_adjoint, du,     \
+                       ddelta, dA, dBm, dCm, dD, T_len, channels, N, L);                       \
     }
 
 SCAN_BWD_ENTRY(f32, float, 1)

@@ -87,23 +87,35 @@ pub fn forward_chunk(shape: ScanShape) -> usize {
     l
 }
 
-/// The forward's entry points for `dtype`: the chunk end states, then the chunk walk that
-/// writes y (the pass between chunks, `scan_chunk_pass`, is the same for both dtypes).
-pub fn forward_entry_points(dtype: Dtype) -> [String; 2] {
+/// The threads-per-channel variants compiled (`g<G>` in the forward's entry points).
+pub const THREADS_PER_CHANNEL: [usize; 5] = [1, 2, 4, 8, 16];
+
+/// The forward's entry points for `dtype` and `g` threads per channel: the chunk end states,
+/// then the chunk walk that writes y (the pass between chunks, `scan_chunk_pass`, is the same
+/// for every variant).
+pub fn forward_entry_points(dtype: Dtype, g: usize) -> [String; 2] {
     [
-        format!("scan_chunk_state_{}", dtype.tag()),
-        format!("scan_chunk_out_{}", dtype.tag()),
+        format!("scan_chunk_state_{}_g{g}", dtype.tag()),
+        format!("scan_chunk_out_{}_g{g}", dtype.tag()),
     ]
 }
 
-/// Every entry point of [`SCAN_SRC`]: the forwards, the pass between chunks, then the
-/// backwards.
+/// Every entry point of [`SCAN_SRC`]: the forwards, the pass between chunks, the backward's
+/// chunk-adjoint walks and pass, then the backwards.
 pub fn entry_points() -> Vec<String> {
     let mut v = Vec::new();
     for d in [Dtype::F32, Dtype::Bf16] {
-        v.extend(forward_entry_points(d));
+        for g in THREADS_PER_CHANNEL {
+            v.extend(forward_entry_points(d, g));
+        }
     }
     v.push("scan_chunk_pass".into());
+    for d in [Dtype::F32, Dtype::Bf16] {
+        for g in BACKWARD_THREADS_PER_CHANNEL {
+            v.push(backward_adjoint_entry_point(d, g));
+        }
+    }
+    v.push("scan_bwd_pass".into());
     for d in [Dtype::F32, Dtype::Bf16] {
         for s in BACKWARD_STATES_PER_LANE {
             v.push(backward_entry_point(d, s));
@@ -131,6 +143,15 @@ pub fn states_per_lane(n: usize) -> Option<usize> {
 
 /// Channels (warps) per block of the backward (`SCAN_BWD_WARPS` in the source).
 pub const BACKWARD_WARPS: u32 = 8;
+
+/// The backward's chunk-adjoint walk for `dtype` and `g` threads per channel
+/// (`scan_bwd_adjoint_<t>_g<G>`; `g` up to 4, as the backward's states are up to 64).
+pub fn backward_adjoint_entry_point(dtype: Dtype, g: usize) -> String {
+    format!("scan_bwd_adjoint_{}_g{g}", dtype.tag())
+}
+
+/// The threads-per-channel variants of the backward's chunk-adjoint walk.
+pub const BACKWARD_THREADS_PER_CHANNEL: [usize; 3] = [1, 2, 4];
 
 /// The backward's entry point for `dtype` with `states_per_lane` entries per lane.
 pub fn backward_entry_point(dtype: Dtype, states_per_lane: usize) -> String {
@@ -228,7 +249,7 @@ impl Scan {
             )));
         }
         let compiled = gpu.compile("scan.cu", &source())?;
-        let [state_name, out_name] = forward_entry_points(dtype);
+        let [state_name, out_name] = forward_entry_points(dtype, g);
         let shared = forward_shared_bytes(g);
         let chunk_state_fn = gpu.function(&compiled.module, &state_name, shared)?;
         let chunk_out_fn = gpu.function(&compiled.module, &out_name, shared)?;
@@ -311,7 +332,7 @@ impl Scan {
         let has_d = i32::from(d.is_some());
         let has_initial = i32::from(initial_state.is_some());
         let (t_len, channels, n) = (s.seq_len as i32, s.channels as i32, s.state as i32);
-        let (g_i, l_i, ts_i) = (g as i32, self.chunk as i32, staged_steps(g) as i32);
+        let (l_i, ts_i) = (self.chunk as i32, staged_steps(g) as i32);
         let (batch_i, chunks_i) = (s.batch as i32, chunks as i32);
         let walk = LaunchConfig {
             grid_dim: (
@@ -337,13 +358,12 @@ impl Scan {
             .arg(&t_len)
             .arg(&channels)
             .arg(&n)
-            .arg(&g_i)
             .arg(&l_i)
             .arg(&ts_i);
-        // SAFETY: scan_chunk_state_<t>(const T* u, const float* delta, const float* A,
+        // SAFETY: scan_chunk_state_<t>_g<G>(const T* u, const float* delta, const float* A,
         // const T* Bm, float* chunk_state, float* chunk_dt, int T_len, int channels, int N,
-        // int G, int L, int ts): the lengths and the element size were checked above,
-        // T_len ≥ 1; `with_chunk` sized the scratch for ⌈T/L⌉ chunks, picked G with
+        // int L, int ts): the lengths and the element size were checked above, T_len ≥ 1;
+        // `with_chunk` sized the scratch for ⌈T/L⌉ chunks, picked the variant G with
         // G·SCAN_NS ≥ N, L a multiple of ts = staged_steps(G), and the shared memory of
         // forward_shared_bytes(G); each block writes the rows of its chunk and channels only.
         unsafe { k.launch(walk)? };
@@ -377,12 +397,11 @@ impl Scan {
             .arg(&t_len)
             .arg(&channels)
             .arg(&n)
-            .arg(&g_i)
             .arg(&l_i)
             .arg(&ts_i);
-        // SAFETY: scan_chunk_out_<t>(const T* u, const float* delta, const float* A,
+        // SAFETY: scan_chunk_out_<t>_g<G>(const T* u, const float* delta, const float* A,
         // const T* Bm, const T* Cm, const float* D, int has_d, float* chunk_state, T* y,
-        // int T_len, int channels, int N, int G, int L, int ts): as the first launch; D is
+        // int T_len, int channels, int N, int L, int ts): as the first launch; D is
         // read only when has_d is 1 (then D floats, checked); each block writes y for its
         // chunk's steps and its channels only.
         unsafe { k.launch(walk)? };
@@ -510,24 +529,38 @@ impl ScanGradientBuffers {
     }
 }
 
-/// The selective scan's backward (`scan_bwd_<t>_s<S>` in `kernels/sequence_mixers/scan.cu`),
-/// version 1.1 (each walk's inputs loaded 8 steps at a time): the adjoint of the recurrence of [`super::reference::selective_scan`] (Gu and
-/// Dao, 2023, Mamba's selective scan; the same vector-Jacobian product as
-/// [`super::gradients::selective_scan_backward`]), one warp per (batch entry, channel) as the
-/// forward. The forward is recomputed: a first pass keeps the state entering every chunk of
-/// [`backward_chunk`] steps (the checkpoints, this struct's scratch), then the chunks are
-/// walked from the last, each chunk's states recomputed from its checkpoint into shared memory
-/// and its steps taken backwards. dB and dC, shared by the channels, are summed over a block's
-/// 8 channels in shared memory and added to global memory with atomics; dA and dD take one
-/// atomic add per (batch entry, channel). States up to [`MAX_BACKWARD_STATE`] entries.
+/// The selective scan's backward (`kernels/sequence_mixers/scan.cu`), version 2: the adjoint
+/// of the recurrence of [`super::reference::selective_scan`] (Gu and Dao, 2023, Mamba's
+/// selective scan; the same vector-Jacobian product as
+/// [`super::gradients::selective_scan_backward`]), with the sequence cut into chunks of
+/// [`backward_chunk`] steps walked at once. Five launches: the forward's chunk end states and
+/// pass give the state entering every chunk (the checkpoints; the forward is recomputed, not
+/// kept); every chunk walks its adjoint backwards from zero; a pass from the last chunk gives
+/// the adjoint reaching each chunk's last state (and the initial state's gradient); then one
+/// warp per (chunk, batch entry, channel) recomputes its chunk's states into shared memory and
+/// walks its steps backwards, writing du and dΔ. dB and dC, shared by the channels, are summed
+/// over a block's 8 channels in shared memory and added with atomics; dA and dD take one
+/// atomic add per (batch entry, chunk, channel). States up to [`MAX_BACKWARD_STATE`] entries;
+/// at most 65 535 chunks (the walks' grid y).
 pub struct ScanBackward {
     shape: ScanShape,
     dtype: Dtype,
+    chunk_state_fn: CudaFunction,
+    pass_fn: CudaFunction,
+    adjoint_fn: CudaFunction,
+    adjoint_pass_fn: CudaFunction,
     function: CudaFunction,
     chunk: usize,
+    threads_per_channel: usize,
     shared_bytes: u32,
-    /// The state entering every chunk, `[B, D, ⌈T / chunk⌉, N]` float32.
+    /// The state entering every chunk, `[B, ⌈T / chunk⌉, D, N]` float32.
     checkpoints: CudaSlice<f32>,
+    /// Each chunk's sum of Δ, `[B, ⌈T / chunk⌉, D]`.
+    chunk_dt: CudaSlice<f32>,
+    /// The adjoint reaching each chunk's last state, `[B, ⌈T / chunk⌉, D, N]`.
+    adjoints: CudaSlice<f32>,
+    /// Where the forward's pass leaves the final state, `[B, D, N]` (not returned).
+    final_state: CudaSlice<f32>,
     /// Stands in for D, the initial state or d_final_state when none is given (never read).
     unused: CudaSlice<f32>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
@@ -536,19 +569,20 @@ pub struct ScanBackward {
 
 impl ScanBackward {
     /// Compiles the kernels, picks the backward for `shape` and `dtype`, and allocates its
-    /// checkpoints.
+    /// scratch.
     ///
     /// # Errors
     /// [`GpuError::Config`] for an empty dimension other than seq_len, a state past
-    /// [`MAX_BACKWARD_STATE`], more than 65 535 batch entries, or sizes past 32-bit ints;
-    /// [`GpuError::Compile`] with the NVRTC log; driver errors (out of memory).
+    /// [`MAX_BACKWARD_STATE`], more than 65 535 batch entries or chunks, or sizes past 32-bit
+    /// ints; [`GpuError::Compile`] with the NVRTC log; driver errors (out of memory).
     pub fn new(gpu: &Gpu, shape: ScanShape, dtype: Dtype) -> Result<ScanBackward, GpuError> {
         let s = shape;
         check_dimensions("selective_scan backward", s)?;
-        let (Some(chunk), Some(shared_bytes), Some(per_lane)) = (
+        let (Some(chunk), Some(shared_bytes), Some(per_lane), Some(g)) = (
             backward_chunk(s.state),
             backward_shared_bytes(s.state),
             states_per_lane(s.state),
+            threads_per_channel(s.state),
         ) else {
             return Err(GpuError::Config(format!(
                 "selective_scan backward: state {} is more than the {MAX_BACKWARD_STATE} the \
@@ -556,34 +590,58 @@ impl ScanBackward {
                 s.state
             )));
         };
+        let chunks = s.seq_len.div_ceil(chunk);
+        if chunks > MAX_GRID_Y {
+            return Err(GpuError::Config(format!(
+                "selective_scan backward: {chunks} chunks of {chunk} steps are more than the \
+                 grid's {MAX_GRID_Y}"
+            )));
+        }
         let fits = |v: usize| v <= i32::MAX as usize;
+        let states = s.batch * s.channels * s.state;
         if !(fits(s.seq_len + chunk)
-            && fits(s.channels.next_multiple_of(BACKWARD_WARPS as usize))
-            && fits(s.seq_len * s.state))
+            && fits(s.channels + THREADS as usize)
+            && fits(s.seq_len * s.state)
+            && fits(states)
+            && s.channels.div_ceil(BACKWARD_WARPS as usize) <= MAX_GRID_Y)
         {
             return Err(GpuError::Config(format!(
-                "selective_scan backward: {s:?} does not fit 32-bit ints"
+                "selective_scan backward: {s:?} does not fit 32-bit ints or the grid"
             )));
         }
         let compiled = gpu.compile("scan.cu", &source())?;
+        let walk_shared = forward_shared_bytes(g);
+        let [state_name, _] = forward_entry_points(dtype, g);
+        let chunk_state_fn = gpu.function(&compiled.module, &state_name, walk_shared)?;
+        let pass_fn = gpu.function(&compiled.module, "scan_chunk_pass", 0)?;
+        let adjoint_fn = gpu.function(
+            &compiled.module,
+            &backward_adjoint_entry_point(dtype, g),
+            walk_shared,
+        )?;
+        let adjoint_pass_fn = gpu.function(&compiled.module, "scan_bwd_pass", 0)?;
         let function = gpu.function(
             &compiled.module,
             &backward_entry_point(dtype, per_lane),
             shared_bytes,
         )?;
-        let chunks = s.seq_len.div_ceil(chunk);
-        let checkpoints = gpu
-            .stream
-            .alloc_zeros::<f32>((s.batch * s.channels * chunks * s.state).max(1))?;
-        let unused = gpu.stream.alloc_zeros::<f32>(1)?;
+        let alloc = |len: usize| gpu.stream.alloc_zeros::<f32>(len.max(1));
         Ok(ScanBackward {
             shape,
             dtype,
+            chunk_state_fn,
+            pass_fn,
+            adjoint_fn,
+            adjoint_pass_fn,
             function,
             chunk,
+            threads_per_channel: g,
             shared_bytes,
-            checkpoints,
-            unused,
+            checkpoints: alloc(states * chunks)?,
+            chunk_dt: alloc(s.batch * s.channels * chunks)?,
+            adjoints: alloc(states * chunks)?,
+            final_state: alloc(states)?,
+            unused: alloc(1)?,
             compile_s: compiled.compile_s,
         })
     }
@@ -593,9 +651,13 @@ impl ScanBackward {
         self.chunk
     }
 
-    /// Bytes of scratch one call uses beyond its inputs and outputs: the checkpoints.
+    /// Bytes of scratch one call uses beyond its inputs and outputs: the checkpoints, the
+    /// chunks' sums of Δ and adjoints, and the final state the forward's pass leaves.
     pub fn temporary_bytes(&self) -> u64 {
-        4 * self.checkpoints.len() as u64
+        4 * (self.checkpoints.len()
+            + self.chunk_dt.len()
+            + self.adjoints.len()
+            + self.final_state.len()) as u64
     }
 
     /// Launches one backward: from the forward's inputs (as [`Scan::launch`] takes them), dy
@@ -715,11 +777,96 @@ impl ScanBackward {
             s.state as i32,
             self.chunk as i32,
         );
+        let g = self.threads_per_channel;
+        let chunks = s.seq_len.div_ceil(self.chunk);
+        let ts = staged_steps(g).min(self.chunk) as i32;
+        let (batch_i, chunks_i) = (s.batch as i32, chunks as i32);
+        let walk = LaunchConfig {
+            grid_dim: (
+                s.channels.div_ceil(THREADS as usize / g) as u32,
+                chunks as u32,
+                s.batch as u32,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: forward_shared_bytes(g),
+        };
+        let pass = LaunchConfig {
+            grid_dim: (state_len.div_ceil(PASS_THREADS as usize) as u32, 1, 1),
+            block_dim: (PASS_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // 1. Each chunk's end state from zero and sum of Δ.
+        let mut k = gpu.stream.launch_builder(&self.chunk_state_fn);
+        k.arg(u)
+            .arg(delta)
+            .arg(a)
+            .arg(b)
+            .arg(&mut self.checkpoints)
+            .arg(&mut self.chunk_dt)
+            .arg(&t_len)
+            .arg(&channels)
+            .arg(&n)
+            .arg(&l)
+            .arg(&ts);
+        // SAFETY: scan_chunk_state_<t>_g<G>, as in Scan::launch: `new` sized the scratch for
+        // ⌈T/L⌉ chunks and picked G with G·SCAN_NS ≥ N; ts = min(staged_steps(G), L) fits the
+        // shared memory of forward_shared_bytes(G); T_len ≥ 1 and the lengths were checked.
+        unsafe { k.launch(walk)? };
+        // 2. The states entering every chunk (the checkpoints).
+        let mut k = gpu.stream.launch_builder(&self.pass_fn);
+        k.arg(a)
+            .arg(initial_state.unwrap_or(&self.unused))
+            .arg(&has_initial)
+            .arg(&mut self.checkpoints)
+            .arg(&self.chunk_dt)
+            .arg(&mut self.final_state)
+            .arg(&batch_i)
+            .arg(&channels)
+            .arg(&n)
+            .arg(&chunks_i);
+        // SAFETY: scan_chunk_pass, as in Scan::launch; the final state goes to this struct's
+        // B·D·N scratch.
+        unsafe { k.launch(pass)? };
+        // 3. Each chunk's own adjoint, walked backwards from zero.
+        let mut k = gpu.stream.launch_builder(&self.adjoint_fn);
+        k.arg(dy)
+            .arg(delta)
+            .arg(a)
+            .arg(c)
+            .arg(&mut self.adjoints)
+            .arg(&t_len)
+            .arg(&channels)
+            .arg(&n)
+            .arg(&l)
+            .arg(&ts);
+        // SAFETY: scan_bwd_adjoint_<t>_g<G>(const T* dy, const float* delta, const float* A,
+        // const T* Cm, float* chunk_adjoint, int T_len, int channels, int N, int L, int ts):
+        // the layout, grid and shared memory of the first launch; dy was checked to hold
+        // B·T·D elements of the dtype.
+        unsafe { k.launch(walk)? };
+        // 4. The adjoint reaching each chunk's last state, from d_final_state back.
+        let mut k = gpu.stream.launch_builder(&self.adjoint_pass_fn);
+        k.arg(a)
+            .arg(d_final_state.unwrap_or(&self.unused))
+            .arg(&has_d_final)
+            .arg(&mut self.adjoints)
+            .arg(&self.chunk_dt)
+            .arg(&mut *d_initial_state)
+            .arg(&batch_i)
+            .arg(&channels)
+            .arg(&n)
+            .arg(&chunks_i);
+        // SAFETY: scan_bwd_pass(const float* A, const float* d_final, int has_d_final,
+        // float* chunk_adjoint, const float* chunk_dt, float* d_initial, int batch,
+        // int channels, int N, int chunks): one thread per B·D·N entry; d_final is read only
+        // when has_d_final is 1 (then B·D·N floats, checked), d_initial holds B·D·N (checked).
+        unsafe { k.launch(pass)? };
+        // 5. Every chunk walked backwards from its adjoint: the gradients.
         let cfg = LaunchConfig {
             grid_dim: (
+                chunks as u32,
                 s.channels.div_ceil(BACKWARD_WARPS as usize) as u32,
                 s.batch as u32,
-                1,
             ),
             block_dim: (32 * BACKWARD_WARPS, 1, 1),
             shared_mem_bytes: self.shared_bytes,
@@ -732,31 +879,26 @@ impl ScanBackward {
             .arg(c)
             .arg(d.unwrap_or(&self.unused))
             .arg(&has_d)
-            .arg(initial_state.unwrap_or(&self.unused))
-            .arg(&has_initial)
             .arg(dy)
-            .arg(d_final_state.unwrap_or(&self.unused))
-            .arg(&has_d_final)
-            .arg(&mut self.checkpoints)
+            .arg(&self.checkpoints)
+            .arg(&self.adjoints)
             .arg(&mut *du)
             .arg(&mut *ddelta)
             .arg(&mut *da)
             .arg(&mut *db)
             .arg(&mut *dc)
             .arg(&mut *dd)
-            .arg(&mut *d_initial_state)
             .arg(&t_len)
             .arg(&channels)
             .arg(&n)
             .arg(&l);
         // SAFETY: scan_bwd_<t>_s<S>(const T* u, const float* delta, const float* A,
-        // const T* Bm, const T* Cm, const float* D, int has_d, const float* initial_state,
-        // int has_initial, const T* dy, const float* d_final, int has_d_final,
-        // float* checkpoints, float* du, float* ddelta, float* dA, float* dBm, float* dCm,
-        // float* dD, float* d_initial, int T_len, int channels, int N, int L): the lengths and
-        // the element size were checked above, T_len ≥ 1, `new` picked S with 32·S ≥ N, L from
-        // backward_chunk(N), the checkpoints for ⌈T/L⌉ chunks and the shared memory of
-        // backward_shared_bytes(N); the optional inputs are read only when their flag is 1.
+        // const T* Bm, const T* Cm, const float* D, int has_d, const T* dy,
+        // const float* checkpoints, const float* chunk_adjoint, float* du, float* ddelta,
+        // float* dA, float* dBm, float* dCm, float* dD, int T_len, int channels, int N, int L):
+        // the lengths and the element size were checked above, T_len ≥ 1, `new` picked S with
+        // 32·S ≥ N, L from backward_chunk(N), the scratch for ⌈T/L⌉ chunks (the grid's x) and
+        // the shared memory of backward_shared_bytes(N); D is read only when has_d is 1.
         unsafe { k.launch(cfg)? };
         Ok(())
     }
@@ -783,7 +925,7 @@ mod tests {
             let g = threads_per_channel(n).unwrap();
             // A power of two dividing the warp (a channel's group is adjacent lanes), covering
             // the state, and not twice as many threads as needed.
-            assert!(g.is_power_of_two() && 32 % g == 0, "{n}");
+            assert!(THREADS_PER_CHANNEL.contains(&g) && 32 % g == 0, "{n}");
             assert!(g * STATES_PER_THREAD >= n && (g == 1 || (g / 2) * STATES_PER_THREAD < n));
             assert!(forward_shared_bytes(g) <= 48 * 1024, "{n}");
             assert_eq!(32 % staged_steps(g), 0, "{n}");
@@ -823,25 +965,40 @@ mod tests {
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        assert_eq!(e.len(), 9);
-        assert_eq!(e[0], "scan_chunk_state_f32");
-        assert_eq!(e[3], "scan_chunk_out_bf16");
-        assert_eq!(e[4], "scan_chunk_pass");
-        assert_eq!(e[5], "scan_bwd_f32_s1");
-        assert_eq!(e[8], "scan_bwd_bf16_s2");
+        assert_eq!(e.len(), 32);
+        assert_eq!(e[0], "scan_chunk_state_f32_g1");
+        assert_eq!(e[1], "scan_chunk_out_f32_g1");
+        assert_eq!(e[19], "scan_chunk_out_bf16_g16");
+        assert_eq!(e[20], "scan_chunk_pass");
+        assert_eq!(e[21], "scan_bwd_adjoint_f32_g1");
+        assert_eq!(e[26], "scan_bwd_adjoint_bf16_g4");
+        assert_eq!(e[27], "scan_bwd_pass");
+        assert_eq!(e[28], "scan_bwd_f32_s1");
+        assert_eq!(e[31], "scan_bwd_bf16_s2");
         for (i, name) in e.iter().enumerate() {
             assert!(!e[..i].contains(name), "{name} twice");
         }
-        // Each forward pair is one SCAN_ENTRY(<t>, <type>) line of the source.
+        // Each forward pair is one SCAN_ENTRY(<t>, <type>, <G>) line of the source.
         for d in [Dtype::F32, Dtype::Bf16] {
             let ty = if d == Dtype::F32 { "float" } else { "u16" };
-            let line = format!("SCAN_ENTRY({}, {ty})", d.tag());
-            assert!(SCAN_SRC.contains(&line), "{line}");
+            for g in THREADS_PER_CHANNEL {
+                let line = format!("SCAN_ENTRY({}, {ty}, {g})", d.tag());
+                assert!(SCAN_SRC.contains(&line), "{line}");
+            }
+        }
+        for d in [Dtype::F32, Dtype::Bf16] {
+            let ty = if d == Dtype::F32 { "float" } else { "u16" };
+            for g in BACKWARD_THREADS_PER_CHANNEL {
+                let line = format!("SCAN_ADJ_ENTRY({}, {ty}, {g})", d.tag());
+                assert!(SCAN_SRC.contains(&line), "{line}");
+            }
         }
         for stem in [
-            "scan_chunk_state_##NAME(",
-            "scan_chunk_out_##NAME(",
+            "scan_chunk_state_##NAME##_g##G(",
+            "scan_chunk_out_##NAME##_g##G(",
+            "scan_bwd_adjoint_##NAME##_g##G(",
             "void scan_chunk_pass(",
+            "void scan_bwd_pass(",
         ] {
             assert!(SCAN_SRC.contains(stem), "{stem}");
         }
@@ -874,6 +1031,8 @@ mod tests {
             assert!(backward_shared_bytes(n).unwrap() <= 48 * 1024, "{n}");
             let per_lane = states_per_lane(n).unwrap();
             assert!(BACKWARD_STATES_PER_LANE.contains(&per_lane), "{n}");
+            let g = threads_per_channel(n).unwrap();
+            assert!(BACKWARD_THREADS_PER_CHANNEL.contains(&g), "{n}");
         }
     }
 }

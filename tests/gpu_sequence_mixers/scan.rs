@@ -343,8 +343,8 @@ fn scan_backward_case(
 
 /// The backward on the device against the float64 adjoint: both dtypes (the kernel's
 /// arithmetic is float32 either way, on the same rounded inputs), one and two states per lane,
-/// one step, lengths around a chunk, channels not a multiple of the block's 8 warps, and a
-/// long sequence.
+/// one step, lengths around a chunk, channels not a multiple of the block's 8 warps, a long
+/// sequence (125 chunks) and more channels than a chunk walk's block.
 #[test]
 #[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
 fn selective_scan_backward_matches_float64() {
@@ -362,6 +362,8 @@ fn selective_scan_backward_matches_float64() {
         shape(2, 129, 20, 64),
         shape(1, 65, 4, 16),
         shape(1, 4000, 9, 16),
+        // More channels than one chunk-walk block holds (128 at one thread per channel).
+        shape(1, 100, 130, 16),
     ];
     let mut failures = Vec::new();
     for (k, &s) in cases.iter().enumerate() {
@@ -460,7 +462,7 @@ fn selective_scan_backward_at_the_grid_shape_is_finite() {
         }
         assert!(du.iter().any(|&x| x != 0.0), "{dtype:?}");
         println!(
-            "selective_scan backward {s:?} {dtype:?}: finite; checkpoints {} MB",
+            "selective_scan backward {s:?} {dtype:?}: finite; scratch {} MB",
             bwd.temporary_bytes() as f64 / 1e6
         );
     }

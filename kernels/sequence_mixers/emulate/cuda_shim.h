@@ -96,6 +96,7 @@ template <int N> inline void cp_async_wait() {}
 #define __restrict__
 #define __launch_bounds__(...)
 #define __shared__
+#define __align__(x)
 alignas(16) float smem[1 << 17];
 inline float __expf(float x) { return std::exp(x); }
 // Threads of a block run at once (blocks one after another): an atomic add on the host.

@@ -1,4 +1,5 @@
-// The selective scan's backward kernel (scan.cu's scan_bwd) emulated on the CPU (cuda_shim.h)
+// The selective scan's backward (scan.cu, version 2: the forward's chunk states and pass, the
+// chunks' own adjoints, the pass of the adjoints from the last chunk, then scan_bwd per chunk) emulated on the CPU (cuda_shim.h)
 // against a float64 adjoint of the recurrence h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t,
 // y_t = <C_t, h_t> + D u_t, with an initial state and a cotangent of the final state: every
 // gradient (u, dt, A, B, C, D, initial state). The float64 adjoint is itself checked against
@@ -9,6 +10,8 @@
 #include "cuda_shim.h"
 #include <cstdio>
 #include <random>
+#include <type_traits>
+#include <algorithm>
 #include "prelude.cuh"
 #include "scan.cu"
 
@@ -80,13 +83,44 @@ void run(const In& x, int L, int flags, std::vector<float>& out_u, std::vector<f
     auto f = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
     const auto u = f(x.u), dt = f(x.dt), A = f(x.A), Bm = f(x.Bm), Cm = f(x.Cm), D = f(x.D), init = f(x.init), dy = f(x.dy), dfin = f(x.dfin);
     const int chunks = (x.T + L - 1) / L;
-    std::vector<float> ck((size_t)x.B * x.Dc * chunks * x.N, NAN);
+    // Scratch starts as NaN: every entry read must have been written.
+    std::vector<float> ck((size_t)x.B * chunks * x.Dc * x.N, NAN), adj(ck.size(), NAN),
+        cdt((size_t)x.B * chunks * x.Dc, NAN), fin(init.size(), NAN);
     out_u.assign(u.size(), NAN); out_dt.assign(u.size(), NAN); out_init.assign(init.size(), NAN);
     out_A.assign(A.size(), 0.f); out_B.assign(Bm.size(), 0.f); out_C.assign(Cm.size(), 0.f); out_D.assign(D.size(), 0.f);
-    launch(dim3{(unsigned)((x.Dc + SCAN_BWD_WARPS - 1) / SCAN_BWD_WARPS), (unsigned)x.B, 1}, SCAN_BWD_THREADS,
-           [&] { scan_bwd<float, S>(u.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), flags, init.data(),
-                                    flags, dy.data(), dfin.data(), flags, ck.data(), out_u.data(), out_dt.data(), out_A.data(),
-                                    out_B.data(), out_C.data(), out_D.data(), out_init.data(), x.T, x.Dc, x.N, L); },
+    int G = 1;
+    while (G * SCAN_NS < x.N) G *= 2;
+    const int ts = std::min(G <= 4 ? 32 : (G == 8 ? 16 : 8), L);
+    const int per_block = SCAN_THREADS / G;
+    const size_t walk_smem = (size_t)ts * (2 * per_block + 2 * G * SCAN_NS);
+    const dim3 walk_grid{(unsigned)((x.Dc + per_block - 1) / per_block), (unsigned)chunks, (unsigned)x.B};
+    const long long threads = (long long)x.B * x.Dc * x.N;
+    const dim3 pass_grid{(unsigned)((threads + 127) / 128), 1, 1};
+    auto walks = [&](auto g_const) {
+        constexpr int GC = decltype(g_const)::value;
+        launch(walk_grid, SCAN_THREADS, [&] {
+            scan_chunk<float, false, GC>(u.data(), dt.data(), A.data(), Bm.data(), Bm.data(), A.data(), 0,
+                                         ck.data(), cdt.data(), (float*)nullptr, x.T, x.Dc, x.N, L, ts);
+        }, walk_smem);
+        launch(pass_grid, 128, [&] {
+            scan_pass<false>(A.data(), init.data(), flags, ck.data(), cdt.data(), fin.data(), x.B, x.Dc, x.N, chunks);
+        });
+        launch(walk_grid, SCAN_THREADS, [&] {
+            scan_chunk_adjoint<float, GC>(dy.data(), dt.data(), A.data(), Cm.data(), adj.data(), x.T, x.Dc, x.N, L, ts);
+        }, walk_smem);
+    };
+    switch (G) {
+        case 1: walks(std::integral_constant<int, 1>{}); break;
+        case 2: walks(std::integral_constant<int, 2>{}); break;
+        default: walks(std::integral_constant<int, 4>{}); break;
+    }
+    launch(pass_grid, 128, [&] {
+        scan_pass<true>(A.data(), dfin.data(), flags, adj.data(), cdt.data(), out_init.data(), x.B, x.Dc, x.N, chunks);
+    });
+    launch(dim3{(unsigned)chunks, (unsigned)((x.Dc + SCAN_BWD_WARPS - 1) / SCAN_BWD_WARPS), (unsigned)x.B}, SCAN_BWD_THREADS,
+           [&] { scan_bwd<float, S>(u.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), flags, dy.data(),
+                                    ck.data(), adj.data(), out_u.data(), out_dt.data(), out_A.data(),
+                                    out_B.data(), out_C.data(), out_D.data(), x.T, x.Dc, x.N, L); },
            (size_t)3 * SCAN_BWD_WARPS * L * x.N);
 }
 

@@ -8,6 +8,7 @@
 #include "cuda_shim.h"
 #include <cstdio>
 #include <random>
+#include <type_traits>
 #include "prelude.cuh"
 #include "scan.cu"
 
@@ -39,18 +40,30 @@ int main(int argc, char** argv) {
         for (auto& v : Bm) v = nd(rng); for (auto& v : Cm) v = nd(rng); for (auto& v : D) v = nd(rng);
         for (auto& v : init) v = nd(rng);
         const dim3 grid{(unsigned)((Dc + per_block - 1) / per_block), (unsigned)chunks, (unsigned)B};
-        launch(grid, SCAN_THREADS, [&] {
-            scan_chunk<float, false>(u.data(), dt.data(), A.data(), Bm.data(), Bm.data(), A.data(), 0,
-                                     cstate.data(), cdt.data(), (float*)nullptr, T, Dc, N, G, L, ts);
-        }, smem_floats);
-        const long long threads = (long long)B * Dc * N;
-        launch(dim3{(unsigned)((threads + 127) / 128), 1, 1}, 128, [&] {
-            scan_pass(A.data(), init.data(), 1, cstate.data(), cdt.data(), fin.data(), B, Dc, N, chunks);
-        });
-        launch(grid, SCAN_THREADS, [&] {
-            scan_chunk<float, true>(u.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), 1,
-                                    cstate.data(), (float*)nullptr, y.data(), T, Dc, N, G, L, ts);
-        }, smem_floats);
+        auto walks = [&](auto g_const) {
+            constexpr int GC = decltype(g_const)::value;
+            launch(grid, SCAN_THREADS, [&] {
+                scan_chunk<float, false, GC>(u.data(), dt.data(), A.data(), Bm.data(), Bm.data(),
+                                             A.data(), 0, cstate.data(), cdt.data(), (float*)nullptr,
+                                             T, Dc, N, L, ts);
+            }, smem_floats);
+            const long long threads = (long long)B * Dc * N;
+            launch(dim3{(unsigned)((threads + 127) / 128), 1, 1}, 128, [&] {
+                scan_pass<false>(A.data(), init.data(), 1, cstate.data(), cdt.data(), fin.data(), B, Dc, N, chunks);
+            });
+            launch(grid, SCAN_THREADS, [&] {
+                scan_chunk<float, true, GC>(u.data(), dt.data(), A.data(), Bm.data(), Cm.data(),
+                                            D.data(), 1, cstate.data(), (float*)nullptr, y.data(), T,
+                                            Dc, N, L, ts);
+            }, smem_floats);
+        };
+        switch (G) {
+            case 1: walks(std::integral_constant<int, 1>{}); break;
+            case 2: walks(std::integral_constant<int, 2>{}); break;
+            case 4: walks(std::integral_constant<int, 4>{}); break;
+            case 8: walks(std::integral_constant<int, 8>{}); break;
+            default: walks(std::integral_constant<int, 16>{}); break;
+        }
         double num = 0, den = 0, fnum = 0, fden = 0;
         for (int b = 0; b < B; ++b) for (int d = 0; d < Dc; ++d) {
             std::vector<double> h(N); for (int n = 0; n < N; ++n) h[n] = init[(b*Dc+d)*N+n];
