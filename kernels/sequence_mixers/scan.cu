@@ -281,7 +281,7 @@ extern "C" __global__ void scan_chunk_pass(const float* A, const float* initial_
 //
 // where e_t = exp(dt_t A). The adjoint is affine in g as the forward is in h, so the chunks of
 // L steps are walked at once here too (version 1.1 walked every chunk in turn in one warp per
-// channel). Five launches:
+// channel). Six launches:
 //   1, 2. the forward's scan_chunk_state and scan_chunk_pass with chunks of L steps: the state
 //      entering every chunk ([B, chunks, D, N], the checkpoints) and each chunk's sum of dt;
 //   3. scan_bwd_adjoint_<t>_g<G>: every (batch entry, chunk, channel) walks its chunk
@@ -290,16 +290,17 @@ extern "C" __global__ void scan_chunk_pass(const float* A, const float* initial_
 //   4. scan_bwd_pass: scan_pass<true>, from d_final_state and the last chunk: each chunk's
 //      entry replaced by the adjoint that reaches its last state from the later chunks, and
 //      the adjoint of the initial state written;
-//   5. scan_bwd_<t>_s<S>: one warp per (chunk, batch entry, channel), the lanes splitting the
-//      N <= 64 state entries (S = 1 or 2 per lane): the chunk's states h_{t-1} recomputed from
-//      its checkpoint into the warp's shared rows ([L][N]), then its steps walked backwards
-//      from the adjoint of step 4, writing du and ddt. The per-step terms of dB and dC are
-//      parked in shared memory per warp; the block adds its warps' terms and adds the sums to
-//      dB and dC with one atomicAdd per (step, state entry); dA and dD take one atomicAdd per
-//      element per (batch entry, chunk, channel).
-// dA, dB, dC and dD must be zero before the launches; every gradient is float32. Dynamic
-// shared memory of step 5: 3 * SCAN_BWD_WARPS * L * N floats. L and the grids as the host's
-// scan_cuda::ScanBackward says; T >= 1.
+//   5. scan_bwd_<t>_s<S>: one block of SCAN_BWD_WARPS warps per (chunk, batch entry), its
+//      warps taking the channels in turn, the lanes splitting the N <= 64 state entries (S = 1
+//      or 2 per lane): the chunk's states h_{t-1} recomputed from the checkpoint into the
+//      warp's shared rows ([L][N]), then its steps walked backwards from the adjoint of step
+//      4, writing du and ddt. Each warp adds its terms of dB and dC into its own shared rows;
+//      the block adds its warps' rows and writes dB and dC for its chunk's steps (it alone
+//      covers them: no atomics). The parts of dA and dD of each (batch entry, chunk, channel)
+//      go in place of its adjoint and of its chunk's sum of dt;
+//   6. scan_bwd_sum, twice: dA and dD as the sums of their parts.
+// Every gradient is float32. Dynamic shared memory of step 5: 3 * SCAN_BWD_WARPS * L * N
+// floats. L and the grids as the host's scan_cuda::ScanBackward says; T >= 1.
 
 // Step 3 (the layout and staging of scan_chunk, walked backwards): dy and dt staged as the
 // forward stages u and dt, the C rows as its B rows.
@@ -396,150 +397,174 @@ __device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delt
                          const float* __restrict__ A, const T* __restrict__ Bm,
                          const T* __restrict__ Cm, const float* __restrict__ D, int has_d,
                          const T* __restrict__ dy, const float* __restrict__ checkpoints,
-                         const float* __restrict__ chunk_adjoint, float* __restrict__ du,
-                         float* __restrict__ ddelta, float* __restrict__ dA,
-                         float* __restrict__ dBm, float* __restrict__ dCm,
-                         float* __restrict__ dD, int T_len, int channels, int N, int L) {
+                         float* __restrict__ chunk_adjoint, float* __restrict__ dd_part,
+                         float* __restrict__ du, float* __restrict__ ddelta,
+                         float* __restrict__ dBm, float* __restrict__ dCm, int T_len,
+                         int channels, int N, int L) {
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31;
     const int w = threadIdx.x >> 5;
     const int c = blockIdx.x;
     const int chunks = gridDim.x;
-    const int d = blockIdx.y * SCAN_BWD_WARPS + w;
-    const int b = blockIdx.z;
-    const bool live = d < channels;
-    // Warps of this block with a channel: only theirs are summed into dB and dC.
-    const int live_warps = min(SCAN_BWD_WARPS, channels - (int)blockIdx.y * SCAN_BWD_WARPS);
+    const int b = blockIdx.y;
+    const int t0 = c * L;
+    const int len = min(L, T_len - t0);
     float* hs = smem + (long long)w * L * N;                   // [L][N]: h_{t-1} per step
     float* park_b = smem + (long long)SCAN_BWD_WARPS * L * N;  // [warps][L][N]: dB terms
     float* park_c = park_b + (long long)SCAN_BWD_WARPS * L * N;  // [warps][L][N]: dC terms
-    // This (batch entry, chunk, channel)'s checkpoint and adjoint rows, [B, chunks, D, N].
-    const long long row = (((long long)b * chunks + c) * channels + d) * N;
-    float a[S], h[S], g[S], da[S];
+    for (int e = threadIdx.x; e < 2 * SCAN_BWD_WARPS * L * N; e += SCAN_BWD_THREADS)
+        park_b[e] = 0.f;  // park_b and park_c, contiguous
+    __syncthreads();
+    // The block's warps take the channels SCAN_BWD_WARPS at a time; each warp adds its terms
+    // of dB and dC into its own parked rows, so the block ends with their sums over its warps'
+    // channels.
+    for (int d = w; d < channels; d += SCAN_BWD_WARPS) {
+        // This (batch entry, chunk, channel)'s checkpoint and adjoint rows, [B, chunks, D, N].
+        const long long cd = ((long long)b * chunks + c) * channels + d;
+        const long long row = cd * N;
+        float a[S], h[S], g[S], da[S];
 #pragma unroll
-    for (int k = 0; k < S; ++k) {
-        const int n = lane + 32 * k;
-        const bool on = live && n < N;
-        a[k] = on ? A[(long long)d * N + n] : 0.f;
-        h[k] = on ? checkpoints[row + n] : 0.f;
-        g[k] = on ? chunk_adjoint[row + n] : 0.f;
-        da[k] = 0.f;
-    }
-    const float skip = (live && has_d) ? D[d] : 0.f;
-    float dd_sum = 0.f;
-    // This chunk: its states recomputed, then its steps walked backwards.
-    {
-        const int t0 = c * L;
-        const int len = min(L, T_len - t0);
-        if (live) {
-            for (int j0 = 0; j0 < len; j0 += SCAN_BWD_G) {
-                float gdt[SCAN_BWD_G], gdtu[SCAN_BWD_G], gb[SCAN_BWD_G][S];
+        for (int k = 0; k < S; ++k) {
+            const int n = lane + 32 * k;
+            const bool on = n < N;
+            a[k] = on ? A[(long long)d * N + n] : 0.f;
+            h[k] = on ? checkpoints[row + n] : 0.f;
+            g[k] = on ? chunk_adjoint[row + n] : 0.f;
+            da[k] = 0.f;
+        }
+        const float skip = has_d ? D[d] : 0.f;
+        float dd_sum = 0.f;
+        for (int j0 = 0; j0 < len; j0 += SCAN_BWD_G) {
+            float gdt[SCAN_BWD_G], gdtu[SCAN_BWD_G], gb[SCAN_BWD_G][S];
 #pragma unroll
-                for (int q = 0; q < SCAN_BWD_G; ++q) {
-                    const long long bt = (long long)b * T_len + t0 + min(j0 + q, len - 1);
-                    const long long i = bt * channels + d;
-                    gdt[q] = delta[i];
-                    gdtu[q] = gdt[q] * ld(u, i);
+            for (int q = 0; q < SCAN_BWD_G; ++q) {
+                const long long bt = (long long)b * T_len + t0 + min(j0 + q, len - 1);
+                const long long i = bt * channels + d;
+                gdt[q] = delta[i];
+                gdtu[q] = gdt[q] * ld(u, i);
 #pragma unroll
-                    for (int k = 0; k < S; ++k) {
-                        const int n = lane + 32 * k;
-                        gb[q][k] = n < N ? ld(Bm, bt * N + n) : 0.f;
-                    }
-                }
-#pragma unroll
-                for (int q = 0; q < SCAN_BWD_G; ++q) {
-                    const int j = j0 + q;
-                    if (j < len) {
-#pragma unroll
-                        for (int k = 0; k < S; ++k) {
-                            const int n = lane + 32 * k;
-                            if (n < N) {
-                                hs[j * N + n] = h[k];  // each lane reads back only its own
-                                h[k] = __expf(gdt[q] * a[k]) * h[k] + gdtu[q] * gb[q][k];
-                            }
-                        }
-                    }
+                for (int k = 0; k < S; ++k) {
+                    const int n = lane + 32 * k;
+                    gb[q][k] = n < N ? ld(Bm, bt * N + n) : 0.f;
                 }
             }
-            for (int j1 = len - 1; j1 >= 0; j1 -= SCAN_BWD_G) {
-                // Steps j1, j1 - 1, ..., down to j1 - G + 1 (those >= 0), loaded first.
-                float gdt[SCAN_BWD_G], gu[SCAN_BWD_G], gdy[SCAN_BWD_G], gb[SCAN_BWD_G][S],
-                    gc[SCAN_BWD_G][S];
 #pragma unroll
-                for (int q = 0; q < SCAN_BWD_G; ++q) {
-                    const long long bt = (long long)b * T_len + t0 + max(j1 - q, 0);
-                    const long long i = bt * channels + d;
-                    gdt[q] = delta[i];
-                    gu[q] = ld(u, i);
-                    gdy[q] = ld(dy, i);
-#pragma unroll
-                    for (int k = 0; k < S; ++k) {
-                        const int n = lane + 32 * k;
-                        gb[q][k] = n < N ? ld(Bm, bt * N + n) : 0.f;
-                        gc[q][k] = n < N ? ld(Cm, bt * N + n) : 0.f;
-                    }
-                }
-#pragma unroll
-                for (int q = 0; q < SCAN_BWD_G; ++q) {
-                    const int j = j1 - q;
-                    if (j < 0) break;
-                    const long long i = ((long long)b * T_len + t0 + j) * channels + d;
-                    const float dt = gdt[q];
-                    const float uu = gu[q];
-                    const float dyy = gdy[q];
-                    float s_du = 0.f, s_ddt = 0.f;
+            for (int q = 0; q < SCAN_BWD_G; ++q) {
+                const int j = j0 + q;
+                if (j < len) {
 #pragma unroll
                     for (int k = 0; k < S; ++k) {
                         const int n = lane + 32 * k;
                         if (n < N) {
-                            const float bn = gb[q][k];
-                            const float cn = gc[q][k];
-                            const float e = __expf(dt * a[k]);
-                            const float hp = hs[j * N + n];
-                            const float ht = e * hp + dt * uu * bn;
-                            g[k] += cn * dyy;
-                            park_c[((long long)w * L + j) * N + n] = dyy * ht;
-                            park_b[((long long)w * L + j) * N + n] = g[k] * dt * uu;
-                            s_du += g[k] * dt * bn;
-                            s_ddt += g[k] * (a[k] * e * hp + uu * bn);
-                            da[k] += g[k] * dt * e * hp;
-                            g[k] *= e;
+                            hs[j * N + n] = h[k];  // each lane reads back only its own
+                            h[k] = __expf(gdt[q] * a[k]) * h[k] + gdtu[q] * gb[q][k];
                         }
-                    }
-#pragma unroll
-                    for (int off = 16; off > 0; off >>= 1) {
-                        s_du += __shfl_xor_sync(0xffffffffu, s_du, off);
-                        s_ddt += __shfl_xor_sync(0xffffffffu, s_ddt, off);
-                    }
-                    if (lane == 0) {
-                        du[i] = s_du + skip * dyy;
-                        ddelta[i] = s_ddt;
-                        dd_sum += dyy * uu;
                     }
                 }
             }
         }
-        __syncthreads();
-        // The block's warps' dB and dC terms of this chunk, added and sent on.
-        for (int e = threadIdx.x; e < len * N; e += SCAN_BWD_THREADS) {
-            float sb = 0.f, sc = 0.f;
-            for (int v = 0; v < live_warps; ++v) {
-                sb += park_b[(long long)v * L * N + e];
-                sc += park_c[(long long)v * L * N + e];
+        for (int j1 = len - 1; j1 >= 0; j1 -= SCAN_BWD_G) {
+            // Steps j1, j1 - 1, ..., down to j1 - G + 1 (those >= 0), loaded first.
+            float gdt[SCAN_BWD_G], gu[SCAN_BWD_G], gdy[SCAN_BWD_G], gb[SCAN_BWD_G][S],
+                gc[SCAN_BWD_G][S];
+#pragma unroll
+            for (int q = 0; q < SCAN_BWD_G; ++q) {
+                const long long bt = (long long)b * T_len + t0 + max(j1 - q, 0);
+                const long long i = bt * channels + d;
+                gdt[q] = delta[i];
+                gu[q] = ld(u, i);
+                gdy[q] = ld(dy, i);
+#pragma unroll
+                for (int k = 0; k < S; ++k) {
+                    const int n = lane + 32 * k;
+                    gb[q][k] = n < N ? ld(Bm, bt * N + n) : 0.f;
+                    gc[q][k] = n < N ? ld(Cm, bt * N + n) : 0.f;
+                }
             }
-            const long long at = ((long long)b * T_len + t0) * N + e;  // [B, T, N]
-            atomicAdd(dBm + at, sb);
-            atomicAdd(dCm + at, sc);
+#pragma unroll
+            for (int q = 0; q < SCAN_BWD_G; ++q) {
+                const int j = j1 - q;
+                if (j < 0) break;
+                const long long i = ((long long)b * T_len + t0 + j) * channels + d;
+                const float dt = gdt[q];
+                const float uu = gu[q];
+                const float dyy = gdy[q];
+                float s_du = 0.f, s_ddt = 0.f;
+#pragma unroll
+                for (int k = 0; k < S; ++k) {
+                    const int n = lane + 32 * k;
+                    if (n < N) {
+                        const float bn = gb[q][k];
+                        const float cn = gc[q][k];
+                        const float e = __expf(dt * a[k]);
+                        const float hp = hs[j * N + n];
+                        const float ht = e * hp + dt * uu * bn;
+                        g[k] += cn * dyy;
+                        park_c[((long long)w * L + j) * N + n] += dyy * ht;
+                        park_b[((long long)w * L + j) * N + n] += g[k] * dt * uu;
+                        s_du += g[k] * dt * bn;
+                        s_ddt += g[k] * (a[k] * e * hp + uu * bn);
+                        da[k] += g[k] * dt * e * hp;
+                        g[k] *= e;
+                    }
+                }
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) {
+                    s_du += __shfl_xor_sync(0xffffffffu, s_du, off);
+                    s_ddt += __shfl_xor_sync(0xffffffffu, s_ddt, off);
+                }
+                if (lane == 0) {
+                    du[i] = s_du + skip * dyy;
+                    ddelta[i] = s_ddt;
+                    dd_sum += dyy * uu;
+                }
+            }
         }
-        __syncthreads();
-    }
-    if (live) {
+        // This chunk's parts of dA and dD, in place of the adjoint just read (the same warp's
+        // row) and of the chunk's sum of dt (no longer needed); scan_bwd_sum adds them up.
 #pragma unroll
         for (int k = 0; k < S; ++k) {
             const int n = lane + 32 * k;
-            if (n < N) atomicAdd(dA + (long long)d * N + n, da[k]);
+            if (n < N) chunk_adjoint[row + n] = da[k];
         }
-        if (lane == 0 && has_d) atomicAdd(dD + d, dd_sum);
+        if (lane == 0) dd_part[cd] = has_d ? dd_sum : 0.f;
+    }
+    __syncthreads();
+    // The block's sums of dB and dC for its chunk's steps: this block alone writes them.
+    for (int e = threadIdx.x; e < len * N; e += SCAN_BWD_THREADS) {
+        float sb = 0.f, sc = 0.f;
+        for (int v = 0; v < SCAN_BWD_WARPS; ++v) {
+            sb += park_b[(long long)v * L * N + e];
+            sc += park_c[(long long)v * L * N + e];
+        }
+        const long long at = ((long long)b * T_len + t0) * N + e;  // [B, T, N]
+        dBm[at] = sb;
+        dCm[at] = sc;
+    }
+}
+
+// Step 6: out[col] = sum over rows of part[row * cols + col] (dA from the chunks' parts,
+// rows = B * chunks, cols = D * N; dD likewise with cols = D), or 0 when `enabled` is 0. A
+// block of SCAN_BWD_THREADS takes 32 columns, its warps splitting the rows; dynamic shared
+// memory: SCAN_BWD_WARPS * 32 floats.
+extern "C" __global__ void __launch_bounds__(SCAN_BWD_THREADS)
+scan_bwd_sum(const float* __restrict__ part, int rows, int cols, float* __restrict__ out,
+             int enabled) {
+    extern __shared__ float smem[];
+    float(*sums)[32] = reinterpret_cast<float(*)[32]>(smem);
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int col = blockIdx.x * 32 + lane;
+    float acc = 0.f;
+    if (col < cols && enabled) {
+#pragma unroll 8
+        for (int r = w; r < rows; r += SCAN_BWD_WARPS) acc += part[(long long)r * cols + col];
+    }
+    sums[w][lane] = acc;
+    __syncthreads();
+    if (w == 0 && col < cols) {
+        float total = 0.f;
+        for (int v = 0; v < SCAN_BWD_WARPS; ++v) total += sums[v][lane];
+        out[col] = total;
     }
 }
 
@@ -547,11 +572,11 @@ __device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delt
     extern "C" __global__ void __launch_bounds__(SCAN_BWD_THREADS)                             \
     scan_bwd_##NAME##_s##S(const T* u, const float* delta, const float* A, const T* Bm,       \
                            const T* Cm, const float* D, int has_d, const T* dy,                \
-                           const float* checkpoints, const float* chunk_adjoint, float* du,    \
-                           float* ddelta, float* dA, float* dBm, float* dCm, float* dD,        \
-                           int T_len, int channels, int N, int L) {                            \
-        scan_bwd<T, S>(u, delta, A, Bm, Cm, D, has_d, dy, checkpoints, chunk_adjoint, du,     \
-                       ddelta, dA, dBm, dCm, dD, T_len, channels, N, L);                       \
+                           const float* checkpoints, float* chunk_adjoint, float* dd_part,     \
+                           float* du, float* ddelta, float* dBm, float* dCm, int T_len,        \
+                           int channels, int N, int L) {                                       \
+        scan_bwd<T, S>(u, delta, A, Bm, Cm, D, has_d, dy, checkpoints, chunk_adjoint,         \
+                       dd_part, du, ddelta, dBm, dCm, T_len, channels, N, L);                  \
     }
 
 SCAN_BWD_ENTRY(f32, float, 1)

@@ -116,6 +116,7 @@ pub fn entry_points() -> Vec<String> {
         }
     }
     v.push("scan_bwd_pass".into());
+    v.push("scan_bwd_sum".into());
     for d in [Dtype::F32, Dtype::Bf16] {
         for s in BACKWARD_STATES_PER_LANE {
             v.push(backward_entry_point(d, s));
@@ -537,11 +538,12 @@ impl ScanGradientBuffers {
 /// pass give the state entering every chunk (the checkpoints; the forward is recomputed, not
 /// kept); every chunk walks its adjoint backwards from zero; a pass from the last chunk gives
 /// the adjoint reaching each chunk's last state (and the initial state's gradient); then one
-/// warp per (chunk, batch entry, channel) recomputes its chunk's states into shared memory and
-/// walks its steps backwards, writing du and dΔ. dB and dC, shared by the channels, are summed
-/// over a block's 8 channels in shared memory and added with atomics; dA and dD take one
-/// atomic add per (batch entry, chunk, channel). States up to [`MAX_BACKWARD_STATE`] entries;
-/// at most 65 535 chunks (the walks' grid y).
+/// block of 8 warps per (chunk, batch entry), its warps taking the channels in turn, recomputes
+/// each channel's chunk states into shared memory and walks its steps backwards, writing du
+/// and dΔ; dB and dC, shared by the channels, are summed over all channels in shared memory
+/// and written by the chunk's block alone (no atomics), and the parts of dA and dD of each
+/// (batch entry, chunk, channel) are added by a last reduction. States up to
+/// [`MAX_BACKWARD_STATE`] entries; at most 65 535 chunks (the walks' grid y).
 pub struct ScanBackward {
     shape: ScanShape,
     dtype: Dtype,
@@ -550,6 +552,7 @@ pub struct ScanBackward {
     adjoint_fn: CudaFunction,
     adjoint_pass_fn: CudaFunction,
     function: CudaFunction,
+    sum_fn: CudaFunction,
     chunk: usize,
     threads_per_channel: usize,
     shared_bytes: u32,
@@ -620,6 +623,7 @@ impl ScanBackward {
             walk_shared,
         )?;
         let adjoint_pass_fn = gpu.function(&compiled.module, "scan_bwd_pass", 0)?;
+        let sum_fn = gpu.function(&compiled.module, "scan_bwd_sum", 0)?;
         let function = gpu.function(
             &compiled.module,
             &backward_entry_point(dtype, per_lane),
@@ -634,6 +638,7 @@ impl ScanBackward {
             adjoint_fn,
             adjoint_pass_fn,
             function,
+            sum_fn,
             chunk,
             threads_per_channel: g,
             shared_bytes,
@@ -662,8 +667,8 @@ impl ScanBackward {
 
     /// Launches one backward: from the forward's inputs (as [`Scan::launch`] takes them), dy
     /// `[B, T, D]` (the runner's dtype) and d_final_state `[B, D, N]` (float32, optional:
-    /// zeros), every gradient into `grads` (float32; dA, dB, dC and dD are zeroed first, as the
-    /// kernel adds into them). Asynchronous on [`Gpu::stream`].
+    /// zeros), every gradient into `grads` (float32, each written whole whatever the buffers
+    /// held). Six launches, asynchronous on [`Gpu::stream`].
     ///
     /// # Errors
     /// [`GpuError::Config`] for a buffer whose length does not fit the shape or an element
@@ -760,11 +765,11 @@ impl ScanBackward {
             ("d_initial_state", d_initial_state.len(), state_len),
         ]);
         super::cuda::check_buffers("selective_scan backward", &s, &checks)?;
-        gpu.stream.memset_zeros(&mut *da)?;
-        gpu.stream.memset_zeros(&mut *db)?;
-        gpu.stream.memset_zeros(&mut *dc)?;
-        gpu.stream.memset_zeros(&mut *dd)?;
         if s.seq_len == 0 {
+            gpu.stream.memset_zeros(&mut *da)?;
+            gpu.stream.memset_zeros(&mut *db)?;
+            gpu.stream.memset_zeros(&mut *dc)?;
+            gpu.stream.memset_zeros(&mut *dd)?;
             // No step: the initial state's gradient is d_final_state; the rest are empty or 0.
             return super::cuda::no_step(gpu, d_final_state, d_initial_state);
         }
@@ -861,13 +866,10 @@ impl ScanBackward {
         // int channels, int N, int chunks): one thread per B·D·N entry; d_final is read only
         // when has_d_final is 1 (then B·D·N floats, checked), d_initial holds B·D·N (checked).
         unsafe { k.launch(pass)? };
-        // 5. Every chunk walked backwards from its adjoint: the gradients.
+        // 5. Every chunk walked backwards from its adjoint: du, dΔ, dB, dC and the parts of
+        // dA and dD.
         let cfg = LaunchConfig {
-            grid_dim: (
-                chunks as u32,
-                s.channels.div_ceil(BACKWARD_WARPS as usize) as u32,
-                s.batch as u32,
-            ),
+            grid_dim: (chunks as u32, s.batch as u32, 1),
             block_dim: (32 * BACKWARD_WARPS, 1, 1),
             shared_mem_bytes: self.shared_bytes,
         };
@@ -881,25 +883,46 @@ impl ScanBackward {
             .arg(&has_d)
             .arg(dy)
             .arg(&self.checkpoints)
-            .arg(&self.adjoints)
+            .arg(&mut self.adjoints)
+            .arg(&mut self.chunk_dt)
             .arg(&mut *du)
             .arg(&mut *ddelta)
-            .arg(&mut *da)
             .arg(&mut *db)
             .arg(&mut *dc)
-            .arg(&mut *dd)
             .arg(&t_len)
             .arg(&channels)
             .arg(&n)
             .arg(&l);
         // SAFETY: scan_bwd_<t>_s<S>(const T* u, const float* delta, const float* A,
         // const T* Bm, const T* Cm, const float* D, int has_d, const T* dy,
-        // const float* checkpoints, const float* chunk_adjoint, float* du, float* ddelta,
-        // float* dA, float* dBm, float* dCm, float* dD, int T_len, int channels, int N, int L):
-        // the lengths and the element size were checked above, T_len ≥ 1, `new` picked S with
-        // 32·S ≥ N, L from backward_chunk(N), the scratch for ⌈T/L⌉ chunks (the grid's x) and
-        // the shared memory of backward_shared_bytes(N); D is read only when has_d is 1.
+        // const float* checkpoints, float* chunk_adjoint, float* dd_part, float* du,
+        // float* ddelta, float* dBm, float* dCm, int T_len, int channels, int N, int L): the
+        // lengths and the element size were checked above, T_len ≥ 1, `new` picked S with
+        // 32·S ≥ N, L from backward_chunk(N), the scratch for ⌈T/L⌉ chunks (the grid's x,
+        // the batch its y) and the shared memory of backward_shared_bytes(N); D is read only
+        // when has_d is 1. Each block writes dB and dC for its own chunk's steps only.
         unsafe { k.launch(cfg)? };
+        // 6. dA and dD, the sums of their parts over the batch entries and chunks.
+        let rows = (s.batch * chunks) as i32;
+        let one = 1i32;
+        for (part, cols, out, enabled) in [
+            (&self.adjoints, s.channels * s.state, &mut *da, &one),
+            (&self.chunk_dt, s.channels, &mut *dd, &has_d),
+        ] {
+            let cols_i = cols as i32;
+            let sum = LaunchConfig {
+                grid_dim: (cols.div_ceil(32) as u32, 1, 1),
+                block_dim: (32 * BACKWARD_WARPS, 1, 1),
+                shared_mem_bytes: 32 * BACKWARD_WARPS * 4,
+            };
+            let mut k = gpu.stream.launch_builder(&self.sum_fn);
+            k.arg(part).arg(&rows).arg(&cols_i).arg(out).arg(enabled);
+            // SAFETY: scan_bwd_sum(const float* part, int rows, int cols, float* out,
+            // int enabled): `part` holds rows·cols floats (the adjoints B·chunks·D·N, the
+            // chunks' sums of Δ B·chunks·D), `out` cols (dA D·N, dD D; checked above), the
+            // grid ⌈cols/32⌉ blocks with 8·32 floats of shared memory.
+            unsafe { k.launch(sum)? };
+        }
         Ok(())
     }
 }
@@ -965,7 +988,7 @@ mod tests {
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        assert_eq!(e.len(), 32);
+        assert_eq!(e.len(), 33);
         assert_eq!(e[0], "scan_chunk_state_f32_g1");
         assert_eq!(e[1], "scan_chunk_out_f32_g1");
         assert_eq!(e[19], "scan_chunk_out_bf16_g16");
@@ -973,8 +996,9 @@ mod tests {
         assert_eq!(e[21], "scan_bwd_adjoint_f32_g1");
         assert_eq!(e[26], "scan_bwd_adjoint_bf16_g4");
         assert_eq!(e[27], "scan_bwd_pass");
-        assert_eq!(e[28], "scan_bwd_f32_s1");
-        assert_eq!(e[31], "scan_bwd_bf16_s2");
+        assert_eq!(e[28], "scan_bwd_sum");
+        assert_eq!(e[29], "scan_bwd_f32_s1");
+        assert_eq!(e[32], "scan_bwd_bf16_s2");
         for (i, name) in e.iter().enumerate() {
             assert!(!e[..i].contains(name), "{name} twice");
         }
@@ -999,6 +1023,7 @@ mod tests {
             "scan_bwd_adjoint_##NAME##_g##G(",
             "void scan_chunk_pass(",
             "void scan_bwd_pass(",
+            "void __launch_bounds__(SCAN_BWD_THREADS)\nscan_bwd_sum(",
         ] {
             assert!(SCAN_SRC.contains(stem), "{stem}");
         }

@@ -87,7 +87,7 @@ void run(const In& x, int L, int flags, std::vector<float>& out_u, std::vector<f
     std::vector<float> ck((size_t)x.B * chunks * x.Dc * x.N, NAN), adj(ck.size(), NAN),
         cdt((size_t)x.B * chunks * x.Dc, NAN), fin(init.size(), NAN);
     out_u.assign(u.size(), NAN); out_dt.assign(u.size(), NAN); out_init.assign(init.size(), NAN);
-    out_A.assign(A.size(), 0.f); out_B.assign(Bm.size(), 0.f); out_C.assign(Cm.size(), 0.f); out_D.assign(D.size(), 0.f);
+    out_A.assign(A.size(), NAN); out_B.assign(Bm.size(), NAN); out_C.assign(Cm.size(), NAN); out_D.assign(D.size(), NAN);
     int G = 1;
     while (G * SCAN_NS < x.N) G *= 2;
     const int ts = std::min(G <= 4 ? 32 : (G == 8 ? 16 : 8), L);
@@ -117,11 +117,18 @@ void run(const In& x, int L, int flags, std::vector<float>& out_u, std::vector<f
     launch(pass_grid, 128, [&] {
         scan_pass<true>(A.data(), dfin.data(), flags, adj.data(), cdt.data(), out_init.data(), x.B, x.Dc, x.N, chunks);
     });
-    launch(dim3{(unsigned)chunks, (unsigned)((x.Dc + SCAN_BWD_WARPS - 1) / SCAN_BWD_WARPS), (unsigned)x.B}, SCAN_BWD_THREADS,
+    // dB and dC start as NaN too: the blocks write them whole.
+    std::fill(out_B.begin(), out_B.end(), NAN); std::fill(out_C.begin(), out_C.end(), NAN);
+    launch(dim3{(unsigned)chunks, (unsigned)x.B, 1}, SCAN_BWD_THREADS,
            [&] { scan_bwd<float, S>(u.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), flags, dy.data(),
-                                    ck.data(), adj.data(), out_u.data(), out_dt.data(), out_A.data(),
-                                    out_B.data(), out_C.data(), out_D.data(), x.T, x.Dc, x.N, L); },
+                                    ck.data(), adj.data(), cdt.data(), out_u.data(), out_dt.data(),
+                                    out_B.data(), out_C.data(), x.T, x.Dc, x.N, L); },
            (size_t)3 * SCAN_BWD_WARPS * L * x.N);
+    const int rows = x.B * chunks;
+    launch(dim3{(unsigned)((x.Dc * x.N + 31) / 32), 1, 1}, SCAN_BWD_THREADS,
+           [&] { scan_bwd_sum(adj.data(), rows, x.Dc * x.N, out_A.data(), 1); });
+    launch(dim3{(unsigned)((x.Dc + 31) / 32), 1, 1}, SCAN_BWD_THREADS,
+           [&] { scan_bwd_sum(cdt.data(), rows, x.Dc, out_D.data(), 1); });
 }
 
 double rel(const std::vector<float>& got, const std::vector<double>& want) {
