@@ -217,8 +217,8 @@ fn scan_kernels_compile_without_spills() {
 }
 
 /// Fills every gradient buffer before a launch: du, dΔ and the initial state's gradient with
-/// NaN (an element never written fails), dA, dB, dC and dD with 1000 (the launch must zero
-/// them, as the kernel adds into them).
+/// NaN (an element never written fails), dA, dB, dC and dD with 1000 (the launch must
+/// overwrite them whole: version 1.1 added into them, version 2 writes them).
 fn poison_gradients(grads: &mut ScanGradientBuffers) {
     for buf in [&mut grads.du, &mut grads.ddelta, &mut grads.d_initial_state] {
         let len = buf.len();
