@@ -489,7 +489,8 @@ impl runner::Suite for Mixers {
                     "backward (version 2): chunks of {} steps walked at once, the forward's \
                      states entering each chunk recomputed (nothing kept by the forward call), \
                      each chunk's adjoint passed back to the chunk before; dB and dC summed \
-                     over 8 channels per block then by atomics; gradients in float32",
+                     over every channel in shared memory by one block per chunk (no atomics); \
+                     gradients in float32",
                     scan_cuda::backward_chunk(c.state).unwrap_or(0)
                 ));
             }

@@ -401,5 +401,7 @@ fn selective_scan_backward_emulated_matches_the_adjoint() {
     .map(|&(b, t, d, n)| format!("{b},{t},{d},{n},{}", backward_chunk(n).unwrap()))
     .collect();
     cases.push("1,29,10,16,4".into());
+    // An odd channel count at N <= 16: the last warp's second half has no channel.
+    cases.push("1,40,17,7,32".into());
     emulated_kernel_runs_clean("scan_bwd_check", &cases);
 }

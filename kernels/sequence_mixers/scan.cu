@@ -290,17 +290,18 @@ extern "C" __global__ void scan_chunk_pass(const float* A, const float* initial_
 //   4. scan_bwd_pass: scan_pass<true>, from d_final_state and the last chunk: each chunk's
 //      entry replaced by the adjoint that reaches its last state from the later chunks, and
 //      the adjoint of the initial state written;
-//   5. scan_bwd_<t>_s<S>: one block of SCAN_BWD_WARPS warps per (chunk, batch entry), its
-//      warps taking the channels in turn, the lanes splitting the N <= 64 state entries (S = 1
-//      or 2 per lane): the chunk's states h_{t-1} recomputed from the checkpoint into the
+//   5. scan_bwd_<t>_s<S>_l<LN>: one block of SCAN_BWD_WARPS warps per (chunk, batch entry),
+//      its warps taking the channels in turn (two at once, one per half-warp, when N <= 16),
+//      LN = 32 or 16 lanes splitting the N <= 64 state entries (S = 1 or 2 per lane): the
+//      chunk's states h_{t-1} recomputed from the checkpoint into the
 //      warp's shared rows ([L][N]), then its steps walked backwards from the adjoint of step
 //      4, writing du and ddt. Each warp adds its terms of dB and dC into its own shared rows;
 //      the block adds its warps' rows and writes dB and dC for its chunk's steps (it alone
 //      covers them: no atomics). The parts of dA and dD of each (batch entry, chunk, channel)
 //      go in place of its adjoint and of its chunk's sum of dt;
 //   6. scan_bwd_sum, twice: dA and dD as the sums of their parts.
-// Every gradient is float32. Dynamic shared memory of step 5: 3 * SCAN_BWD_WARPS * L * N
-// floats. L and the grids as the host's scan_cuda::ScanBackward says; T >= 1.
+// Every gradient is float32. Dynamic shared memory of step 5: (32 / LN + 2) * SCAN_BWD_WARPS
+// * L * N floats. L and the grids as the host's scan_cuda::ScanBackward says; T >= 1.
 
 // Step 3 (the layout and staging of scan_chunk, walked backwards): dy and dt staged as the
 // forward stages u and dt, the C rows as its B rows.
@@ -392,7 +393,9 @@ extern "C" __global__ void scan_bwd_pass(const float* A, const float* d_final, i
 #define SCAN_BWD_THREADS (32 * SCAN_BWD_WARPS)
 #define SCAN_BWD_G 8  // steps whose inputs are loaded at once (version 1.1)
 
-template <typename T, int S>
+// LN lanes per channel: 32, or 16 when N <= 16 (S = 1), the warp then taking two channels at
+// once (its halves), so that no lane idles at Mamba's N = 16 (version 2.1).
+template <typename T, int S, int LN>
 __device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delta,
                          const float* __restrict__ A, const T* __restrict__ Bm,
                          const T* __restrict__ Cm, const float* __restrict__ D, int has_d,
@@ -401,38 +404,44 @@ __device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delt
                          float* __restrict__ du, float* __restrict__ ddelta,
                          float* __restrict__ dBm, float* __restrict__ dCm, int T_len,
                          int channels, int N, int L) {
+    constexpr int CPW = 32 / LN;  // channels per warp at once
     extern __shared__ float smem[];
-    const int lane = threadIdx.x & 31;
+    const int half = (threadIdx.x & 31) / LN;
+    const int lane = threadIdx.x % LN;
     const int w = threadIdx.x >> 5;
     const int c = blockIdx.x;
     const int chunks = gridDim.x;
     const int b = blockIdx.y;
     const int t0 = c * L;
     const int len = min(L, T_len - t0);
-    float* hs = smem + (long long)w * L * N;                   // [L][N]: h_{t-1} per step
-    float* park_b = smem + (long long)SCAN_BWD_WARPS * L * N;  // [warps][L][N]: dB terms
+    // [warps * CPW][L][N]: h_{t-1} per step, one row block per channel in flight.
+    float* hs = smem + (long long)(w * CPW + half) * L * N;
+    float* park_b = smem + (long long)SCAN_BWD_WARPS * CPW * L * N;  // [warps][L][N]: dB terms
     float* park_c = park_b + (long long)SCAN_BWD_WARPS * L * N;  // [warps][L][N]: dC terms
     for (int e = threadIdx.x; e < 2 * SCAN_BWD_WARPS * L * N; e += SCAN_BWD_THREADS)
         park_b[e] = 0.f;  // park_b and park_c, contiguous
     __syncthreads();
-    // The block's warps take the channels SCAN_BWD_WARPS at a time; each warp adds its terms
-    // of dB and dC into its own parked rows, so the block ends with their sums over its warps'
-    // channels.
-    for (int d = w; d < channels; d += SCAN_BWD_WARPS) {
+    // The block's warps take the channels SCAN_BWD_WARPS * CPW at a time; each warp adds its
+    // terms of dB and dC into its own parked rows (the two halves' terms added first), so the
+    // block ends with their sums over all channels.
+    for (int dw = w * CPW; dw < channels; dw += SCAN_BWD_WARPS * CPW) {
+        const int d = dw + half;
+        const bool live = d < channels;  // both halves run every step (shuffles); a dead one
+                                         // reads nothing and adds zeros
         // This (batch entry, chunk, channel)'s checkpoint and adjoint rows, [B, chunks, D, N].
         const long long cd = ((long long)b * chunks + c) * channels + d;
         const long long row = cd * N;
         float a[S], h[S], g[S], da[S];
 #pragma unroll
         for (int k = 0; k < S; ++k) {
-            const int n = lane + 32 * k;
-            const bool on = n < N;
+            const int n = lane + LN * k;
+            const bool on = live && n < N;
             a[k] = on ? A[(long long)d * N + n] : 0.f;
             h[k] = on ? checkpoints[row + n] : 0.f;
             g[k] = on ? chunk_adjoint[row + n] : 0.f;
             da[k] = 0.f;
         }
-        const float skip = has_d ? D[d] : 0.f;
+        const float skip = (live && has_d) ? D[d] : 0.f;
         float dd_sum = 0.f;
         for (int j0 = 0; j0 < len; j0 += SCAN_BWD_G) {
             float gdt[SCAN_BWD_G], gdtu[SCAN_BWD_G], gb[SCAN_BWD_G][S];
@@ -440,11 +449,11 @@ __device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delt
             for (int q = 0; q < SCAN_BWD_G; ++q) {
                 const long long bt = (long long)b * T_len + t0 + min(j0 + q, len - 1);
                 const long long i = bt * channels + d;
-                gdt[q] = delta[i];
-                gdtu[q] = gdt[q] * ld(u, i);
+                gdt[q] = live ? delta[i] : 0.f;
+                gdtu[q] = live ? gdt[q] * ld(u, i) : 0.f;
 #pragma unroll
                 for (int k = 0; k < S; ++k) {
-                    const int n = lane + 32 * k;
+                    const int n = lane + LN * k;
                     gb[q][k] = n < N ? ld(Bm, bt * N + n) : 0.f;
                 }
             }
@@ -454,7 +463,7 @@ __device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delt
                 if (j < len) {
 #pragma unroll
                     for (int k = 0; k < S; ++k) {
-                        const int n = lane + 32 * k;
+                        const int n = lane + LN * k;
                         if (n < N) {
                             hs[j * N + n] = h[k];  // each lane reads back only its own
                             h[k] = __expf(gdt[q] * a[k]) * h[k] + gdtu[q] * gb[q][k];
@@ -471,12 +480,12 @@ __device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delt
             for (int q = 0; q < SCAN_BWD_G; ++q) {
                 const long long bt = (long long)b * T_len + t0 + max(j1 - q, 0);
                 const long long i = bt * channels + d;
-                gdt[q] = delta[i];
-                gu[q] = ld(u, i);
-                gdy[q] = ld(dy, i);
+                gdt[q] = live ? delta[i] : 0.f;
+                gu[q] = live ? ld(u, i) : 0.f;
+                gdy[q] = live ? ld(dy, i) : 0.f;
 #pragma unroll
                 for (int k = 0; k < S; ++k) {
-                    const int n = lane + 32 * k;
+                    const int n = lane + LN * k;
                     gb[q][k] = n < N ? ld(Bm, bt * N + n) : 0.f;
                     gc[q][k] = n < N ? ld(Cm, bt * N + n) : 0.f;
                 }
@@ -492,42 +501,50 @@ __device__ void scan_bwd(const T* __restrict__ u, const float* __restrict__ delt
                 float s_du = 0.f, s_ddt = 0.f;
 #pragma unroll
                 for (int k = 0; k < S; ++k) {
-                    const int n = lane + 32 * k;
-                    if (n < N) {
-                        const float bn = gb[q][k];
-                        const float cn = gc[q][k];
-                        const float e = __expf(dt * a[k]);
-                        const float hp = hs[j * N + n];
-                        const float ht = e * hp + dt * uu * bn;
-                        g[k] += cn * dyy;
-                        park_c[((long long)w * L + j) * N + n] += dyy * ht;
-                        park_b[((long long)w * L + j) * N + n] += g[k] * dt * uu;
-                        s_du += g[k] * dt * bn;
-                        s_ddt += g[k] * (a[k] * e * hp + uu * bn);
-                        da[k] += g[k] * dt * e * hp;
-                        g[k] *= e;
+                    const int n = lane + LN * k;
+                    const bool on = n < N;
+                    const float bn = gb[q][k];
+                    const float cn = gc[q][k];
+                    const float e = __expf(dt * a[k]);
+                    const float hp = on ? hs[j * N + n] : 0.f;
+                    const float ht = e * hp + dt * uu * bn;
+                    g[k] += cn * dyy;
+                    float tc = dyy * ht, tb = g[k] * dt * uu;
+                    if (CPW == 2) {  // the other half's channel, same step and entry
+                        tc += __shfl_xor_sync(0xffffffffu, tc, 16);
+                        tb += __shfl_xor_sync(0xffffffffu, tb, 16);
                     }
+                    if (on && half == 0) {
+                        park_c[((long long)w * L + j) * N + n] += tc;
+                        park_b[((long long)w * L + j) * N + n] += tb;
+                    }
+                    s_du += g[k] * dt * bn;
+                    s_ddt += g[k] * (a[k] * e * hp + uu * bn);
+                    da[k] += g[k] * dt * e * hp;
+                    g[k] *= e;
                 }
 #pragma unroll
-                for (int off = 16; off > 0; off >>= 1) {
+                for (int off = LN / 2; off > 0; off >>= 1) {
                     s_du += __shfl_xor_sync(0xffffffffu, s_du, off);
                     s_ddt += __shfl_xor_sync(0xffffffffu, s_ddt, off);
                 }
-                if (lane == 0) {
+                if (lane == 0 && live) {
                     du[i] = s_du + skip * dyy;
                     ddelta[i] = s_ddt;
                     dd_sum += dyy * uu;
                 }
             }
         }
-        // This chunk's parts of dA and dD, in place of the adjoint just read (the same warp's
+        // This chunk's parts of dA and dD, in place of the adjoint just read (the same lanes'
         // row) and of the chunk's sum of dt (no longer needed); scan_bwd_sum adds them up.
+        if (live) {
 #pragma unroll
-        for (int k = 0; k < S; ++k) {
-            const int n = lane + 32 * k;
-            if (n < N) chunk_adjoint[row + n] = da[k];
+            for (int k = 0; k < S; ++k) {
+                const int n = lane + LN * k;
+                if (n < N) chunk_adjoint[row + n] = da[k];
+            }
+            if (lane == 0) dd_part[cd] = has_d ? dd_sum : 0.f;
         }
-        if (lane == 0) dd_part[cd] = has_d ? dd_sum : 0.f;
     }
     __syncthreads();
     // The block's sums of dB and dC for its chunk's steps: this block alone writes them.
@@ -568,18 +585,21 @@ scan_bwd_sum(const float* __restrict__ part, int rows, int cols, float* __restri
     }
 }
 
-#define SCAN_BWD_ENTRY(NAME, T, S)                                                             \
+#define SCAN_BWD_ENTRY(NAME, T, S, LN)                                                         \
     extern "C" __global__ void __launch_bounds__(SCAN_BWD_THREADS)                             \
-    scan_bwd_##NAME##_s##S(const T* u, const float* delta, const float* A, const T* Bm,       \
-                           const T* Cm, const float* D, int has_d, const T* dy,                \
-                           const float* checkpoints, float* chunk_adjoint, float* dd_part,     \
-                           float* du, float* ddelta, float* dBm, float* dCm, int T_len,        \
-                           int channels, int N, int L) {                                       \
-        scan_bwd<T, S>(u, delta, A, Bm, Cm, D, has_d, dy, checkpoints, chunk_adjoint,         \
-                       dd_part, du, ddelta, dBm, dCm, T_len, channels, N, L);                  \
+    scan_bwd_##NAME##_s##S##_l##LN(const T* u, const float* delta, const float* A,            \
+                                   const T* Bm, const T* Cm, const float* D, int has_d,        \
+                                   const T* dy, const float* checkpoints,                      \
+                                   float* chunk_adjoint, float* dd_part, float* du,            \
+                                   float* ddelta, float* dBm, float* dCm, int T_len,           \
+                                   int channels, int N, int L) {                               \
+        scan_bwd<T, S, LN>(u, delta, A, Bm, Cm, D, has_d, dy, checkpoints, chunk_adjoint,     \
+                           dd_part, du, ddelta, dBm, dCm, T_len, channels, N, L);              \
     }
 
-SCAN_BWD_ENTRY(f32, float, 1)
-SCAN_BWD_ENTRY(f32, float, 2)
-SCAN_BWD_ENTRY(bf16, u16, 1)
-SCAN_BWD_ENTRY(bf16, u16, 2)
+SCAN_BWD_ENTRY(f32, float, 1, 16)
+SCAN_BWD_ENTRY(f32, float, 1, 32)
+SCAN_BWD_ENTRY(f32, float, 2, 32)
+SCAN_BWD_ENTRY(bf16, u16, 1, 16)
+SCAN_BWD_ENTRY(bf16, u16, 1, 32)
+SCAN_BWD_ENTRY(bf16, u16, 2, 32)

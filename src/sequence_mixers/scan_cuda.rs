@@ -118,8 +118,8 @@ pub fn entry_points() -> Vec<String> {
     v.push("scan_bwd_pass".into());
     v.push("scan_bwd_sum".into());
     for d in [Dtype::F32, Dtype::Bf16] {
-        for s in BACKWARD_STATES_PER_LANE {
-            v.push(backward_entry_point(d, s));
+        for (s, lanes) in BACKWARD_VARIANTS {
+            v.push(backward_entry_point(d, s, lanes));
         }
     }
     v
@@ -129,12 +129,24 @@ pub fn entry_points() -> Vec<String> {
 /// dB and dC terms are kept in shared memory, which a larger state would outgrow.
 pub const MAX_BACKWARD_STATE: usize = 64;
 
-/// The states-per-lane variants of the backward (`scan_bwd_<t>_s<S>`).
-pub const BACKWARD_STATES_PER_LANE: [usize; 2] = [1, 2];
+/// The (states per lane, lanes per channel) variants of the backward's last walk
+/// (`scan_bwd_<t>_s<S>_l<LN>`): half-warps per channel for states up to 16, whole warps with
+/// one or two entries per lane above.
+pub const BACKWARD_VARIANTS: [(usize, usize); 3] = [(1, 16), (1, 32), (2, 32)];
 
-/// Entries of the state each lane of the backward's warp holds for state size `n`
-/// (1 ≤ n ≤ [`MAX_BACKWARD_STATE`]): ⌈n/32⌉, one of [`BACKWARD_STATES_PER_LANE`]; `None` for 0
-/// or past [`MAX_BACKWARD_STATE`].
+/// Lanes per channel in the backward's last walk for state size `n`: 16 up to 16 entries (a
+/// warp then takes two channels at once), 32 above.
+pub fn backward_lanes_per_channel(n: usize) -> usize {
+    if n <= 16 {
+        16
+    } else {
+        32
+    }
+}
+
+/// Entries of the state each lane of the backward's last walk holds for state size `n`
+/// (1 ≤ n ≤ [`MAX_BACKWARD_STATE`]): ⌈n/32⌉ (1 or 2; with 16 lanes per channel at n ≤ 16,
+/// still 1); `None` for 0 or past [`MAX_BACKWARD_STATE`].
 pub fn states_per_lane(n: usize) -> Option<usize> {
     if n == 0 || n > MAX_BACKWARD_STATE {
         return None;
@@ -154,14 +166,15 @@ pub fn backward_adjoint_entry_point(dtype: Dtype, g: usize) -> String {
 /// The threads-per-channel variants of the backward's chunk-adjoint walk.
 pub const BACKWARD_THREADS_PER_CHANNEL: [usize; 3] = [1, 2, 4];
 
-/// The backward's entry point for `dtype` with `states_per_lane` entries per lane.
-pub fn backward_entry_point(dtype: Dtype, states_per_lane: usize) -> String {
-    format!("scan_bwd_{}_s{states_per_lane}", dtype.tag())
+/// The backward's last walk for `dtype` with `states_per_lane` entries on each of `lanes`
+/// lanes per channel.
+pub fn backward_entry_point(dtype: Dtype, states_per_lane: usize, lanes: usize) -> String {
+    format!("scan_bwd_{}_s{states_per_lane}_l{lanes}", dtype.tag())
 }
 
 /// Steps per chunk of the backward for state size `n` (1 ≤ n ≤ [`MAX_BACKWARD_STATE`]): the
 /// largest power of two with chunk · n ≤ 512, at most 64, so that its dynamic shared memory
-/// ([`backward_shared_bytes`]) stays within 48 KiB. `None` for 0 or past the maximum.
+/// ([`backward_shared_bytes`]) stays within 64 KiB. `None` for 0 or past the maximum.
 pub fn backward_chunk(n: usize) -> Option<usize> {
     if n == 0 || n > MAX_BACKWARD_STATE {
         return None;
@@ -170,10 +183,12 @@ pub fn backward_chunk(n: usize) -> Option<usize> {
     Some((1usize << (usize::BITS - 1 - fit.leading_zeros())).min(64))
 }
 
-/// Dynamic shared memory of the backward for state size `n`, bytes: per warp, the chunk's
-/// states h_{t−1} and its dB and dC terms, `chunk × n` float32 each.
+/// Dynamic shared memory of the backward's last walk for state size `n`, bytes: per channel
+/// in flight (one or two per warp) the chunk's states h_{t−1}, and per warp its dB and dC
+/// terms, `chunk × n` float32 each.
 pub fn backward_shared_bytes(n: usize) -> Option<u32> {
-    backward_chunk(n).map(|l| (3 * BACKWARD_WARPS as usize * l * n * 4) as u32)
+    let in_flight = 32 / backward_lanes_per_channel(n) + 2;
+    backward_chunk(n).map(|l| (in_flight * BACKWARD_WARPS as usize * l * n * 4) as u32)
 }
 
 /// The selective scan's forward (version 2) compiled for one shape and dtype, with its
@@ -538,7 +553,8 @@ impl ScanGradientBuffers {
 /// pass give the state entering every chunk (the checkpoints; the forward is recomputed, not
 /// kept); every chunk walks its adjoint backwards from zero; a pass from the last chunk gives
 /// the adjoint reaching each chunk's last state (and the initial state's gradient); then one
-/// block of 8 warps per (chunk, batch entry), its warps taking the channels in turn, recomputes
+/// block of 8 warps per (chunk, batch entry), its warps taking the channels in turn (two at
+/// once, one per half-warp, when the state has at most 16 entries), recomputes
 /// each channel's chunk states into shared memory and walks its steps backwards, writing du
 /// and dΔ; dB and dC, shared by the channels, are summed over all channels in shared memory
 /// and written by the chunk's block alone (no atomics), and the parts of dA and dD of each
@@ -626,7 +642,7 @@ impl ScanBackward {
         let sum_fn = gpu.function(&compiled.module, "scan_bwd_sum", 0)?;
         let function = gpu.function(
             &compiled.module,
-            &backward_entry_point(dtype, per_lane),
+            &backward_entry_point(dtype, per_lane, backward_lanes_per_channel(s.state)),
             shared_bytes,
         )?;
         let alloc = |len: usize| gpu.stream.alloc_zeros::<f32>(len.max(1));
@@ -988,7 +1004,7 @@ mod tests {
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        assert_eq!(e.len(), 33);
+        assert_eq!(e.len(), 35);
         assert_eq!(e[0], "scan_chunk_state_f32_g1");
         assert_eq!(e[1], "scan_chunk_out_f32_g1");
         assert_eq!(e[19], "scan_chunk_out_bf16_g16");
@@ -997,8 +1013,8 @@ mod tests {
         assert_eq!(e[26], "scan_bwd_adjoint_bf16_g4");
         assert_eq!(e[27], "scan_bwd_pass");
         assert_eq!(e[28], "scan_bwd_sum");
-        assert_eq!(e[29], "scan_bwd_f32_s1");
-        assert_eq!(e[32], "scan_bwd_bf16_s2");
+        assert_eq!(e[29], "scan_bwd_f32_s1_l16");
+        assert_eq!(e[34], "scan_bwd_bf16_s2_l32");
         for (i, name) in e.iter().enumerate() {
             assert!(!e[..i].contains(name), "{name} twice");
         }
@@ -1030,9 +1046,9 @@ mod tests {
         assert!(SCAN_SRC.contains(&format!("#define SCAN_THREADS {THREADS}")));
         assert!(SCAN_SRC.contains(&format!("#define SCAN_NS {STATES_PER_THREAD}")));
         for d in [Dtype::F32, Dtype::Bf16] {
-            for s in BACKWARD_STATES_PER_LANE {
+            for (s, lanes) in BACKWARD_VARIANTS {
                 let ty = if d == Dtype::F32 { "float" } else { "u16" };
-                let line = format!("SCAN_BWD_ENTRY({}, {ty}, {s})", d.tag());
+                let line = format!("SCAN_BWD_ENTRY({}, {ty}, {s}, {lanes})", d.tag());
                 assert!(SCAN_SRC.contains(&line), "{line}");
             }
         }
@@ -1053,9 +1069,11 @@ mod tests {
                 l.is_power_of_two() && l * n <= 512 && (l == 64 || 2 * l * n > 512),
                 "{n}"
             );
-            assert!(backward_shared_bytes(n).unwrap() <= 48 * 1024, "{n}");
+            assert!(backward_shared_bytes(n).unwrap() <= 64 * 1024, "{n}");
             let per_lane = states_per_lane(n).unwrap();
-            assert!(BACKWARD_STATES_PER_LANE.contains(&per_lane), "{n}");
+            let lanes = backward_lanes_per_channel(n);
+            assert!(BACKWARD_VARIANTS.contains(&(per_lane, lanes)), "{n}");
+            assert!(per_lane * lanes >= n, "{n}");
             let g = threads_per_channel(n).unwrap();
             assert!(BACKWARD_THREADS_PER_CHANNEL.contains(&g), "{n}");
         }

@@ -119,11 +119,18 @@ void run(const In& x, int L, int flags, std::vector<float>& out_u, std::vector<f
     });
     // dB and dC start as NaN too: the blocks write them whole.
     std::fill(out_B.begin(), out_B.end(), NAN); std::fill(out_C.begin(), out_C.end(), NAN);
-    launch(dim3{(unsigned)chunks, (unsigned)x.B, 1}, SCAN_BWD_THREADS,
-           [&] { scan_bwd<float, S>(u.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), flags, dy.data(),
-                                    ck.data(), adj.data(), cdt.data(), out_u.data(), out_dt.data(),
-                                    out_B.data(), out_C.data(), x.T, x.Dc, x.N, L); },
-           (size_t)3 * SCAN_BWD_WARPS * L * x.N);
+    constexpr int LN = S == 1 ? 16 : 32;  // as the host: half-warps when N <= 16
+    const int ln = x.N <= 16 ? 16 : 32;
+    auto bwd = [&](auto ln_const) {
+        constexpr int LC = decltype(ln_const)::value;
+        launch(dim3{(unsigned)chunks, (unsigned)x.B, 1}, SCAN_BWD_THREADS,
+               [&] { scan_bwd<float, S, LC>(u.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), flags, dy.data(),
+                                            ck.data(), adj.data(), cdt.data(), out_u.data(), out_dt.data(),
+                                            out_B.data(), out_C.data(), x.T, x.Dc, x.N, L); },
+               (size_t)(32 / LC + 2) * SCAN_BWD_WARPS * L * x.N);
+    };
+    (void)LN;
+    if (ln == 16) bwd(std::integral_constant<int, 16>{}); else bwd(std::integral_constant<int, 32>{});
     const int rows = x.B * chunks;
     launch(dim3{(unsigned)((x.Dc * x.N + 31) / 32), 1, 1}, SCAN_BWD_THREADS,
            [&] { scan_bwd_sum(adj.data(), rows, x.Dc * x.N, out_A.data(), 1); });
