@@ -370,6 +370,8 @@ fn selective_scan_kernel_emulated_matches_the_recurrence() {
         (1, 4, 3, 16, 64),
         (1, 300, 130, 16, 64),
         (1, 65, 5, 17, 32),
+        // 35 chunks: the pass's loads run 32 chunks ahead, then a partial batch.
+        (1, 1100, 3, 16, 32),
     ]
     .iter()
     .map(|(b, t, d, n, l)| format!("{b},{t},{d},{n},{l}"))
@@ -403,5 +405,7 @@ fn selective_scan_backward_emulated_matches_the_adjoint() {
     cases.push("1,29,10,16,4".into());
     // An odd channel count at N <= 16: the last warp's second half has no channel.
     cases.push("1,40,17,7,32".into());
+    // 35 chunks: both passes' loads run 32 chunks ahead, then a partial batch.
+    cases.push("1,1100,3,16,32".into());
     emulated_kernel_runs_clean("scan_bwd_check", &cases);
 }
