@@ -104,6 +104,33 @@ __device__ __forceinline__ void scan_stage(const T* __restrict__ x,
     }
 }
 
+// Where a thread of a chunk walk (grid (channel blocks, chunks, B), G threads per channel)
+// stands: its entry group j, channel d (live when below `channels`), the block's first channel
+// d0, chunk c of `chunks`, batch entry b, the chunk's steps [t_begin, t_end), and cd, its
+// (batch entry, chunk, channel) row of the [B, chunks, D, ...] scratch.
+struct ChunkThread {
+    int j, dl, d0, d, c, b, chunks, t_begin, t_end;
+    bool live;
+    long long cd;
+};
+
+template <int G>
+__device__ __forceinline__ ChunkThread chunk_thread(int T_len, int channels, int L) {
+    ChunkThread t;
+    t.j = threadIdx.x % G;
+    t.dl = threadIdx.x / G;
+    t.d0 = blockIdx.x * (SCAN_THREADS / G);
+    t.d = t.d0 + t.dl;
+    t.c = blockIdx.y;
+    t.b = blockIdx.z;
+    t.chunks = gridDim.y;
+    t.live = t.d < channels;
+    t.t_begin = t.c * L;
+    t.t_end = min(T_len, t.t_begin + L);
+    t.cd = ((long long)t.b * t.chunks + t.c) * channels + t.d;
+    return t;
+}
+
 // Steps 1 and 3: OUT false walks from zero and writes the chunk's end state and sum of dt;
 // OUT true walks from the state entering the chunk (`chunk_state`, after step 2) and writes y.
 // ts (the staged steps) is at most the host's staged_steps(G), which sized the shared memory.
@@ -120,18 +147,11 @@ __device__ void scan_chunk(const T* __restrict__ u, const float* __restrict__ de
     float* sdt = su + ts * per_block;            // [ts][per_block]
     float* sb = sdt + ts * per_block;            // [ts][np]
     float* sc = sb + ts * np;                    // [ts][np]
-    const int j = threadIdx.x % G;
-    const int dl = threadIdx.x / G;
-    const int d0 = blockIdx.x * per_block;
-    const int d = d0 + dl;
-    const int c = blockIdx.y;
-    const int b = blockIdx.z;
-    const int chunks = gridDim.y;
-    const bool live = d < channels;
-    const int t_begin = c * L;
-    const int t_end = min(T_len, t_begin + L);
-    // This (batch entry, chunk, channel)'s rows of the chunk states and sums of dt.
-    const long long cd = ((long long)b * chunks + c) * channels + d;
+    const ChunkThread ct = chunk_thread<G>(T_len, channels, L);
+    const int j = ct.j, dl = ct.dl, d0 = ct.d0, d = ct.d, b = ct.b;
+    const bool live = ct.live;
+    const int t_begin = ct.t_begin, t_end = ct.t_end;
+    const long long cd = ct.cd;  // rows of the chunk states and sums of dt
     float a[SCAN_NS], h[SCAN_NS];
 #pragma unroll
     for (int k = 0; k < SCAN_NS; ++k) {
@@ -318,17 +338,11 @@ __device__ void scan_chunk_adjoint(const T* __restrict__ dy, const float* __rest
     float* sy = smem;                  // [ts][per_block]
     float* sdt = sy + ts * per_block;  // [ts][per_block]
     float* sc = sdt + ts * per_block;  // [ts][np]
-    const int j = threadIdx.x % G;
-    const int dl = threadIdx.x / G;
-    const int d0 = blockIdx.x * per_block;
-    const int d = d0 + dl;
-    const int c = blockIdx.y;
-    const int b = blockIdx.z;
-    const int chunks = gridDim.y;
-    const bool live = d < channels;
-    const int t_begin = c * L;
-    const int t_end = min(T_len, t_begin + L);
-    const long long cd = ((long long)b * chunks + c) * channels + d;
+    const ChunkThread ct = chunk_thread<G>(T_len, channels, L);
+    const int j = ct.j, dl = ct.dl, d0 = ct.d0, d = ct.d, b = ct.b;
+    const bool live = ct.live;
+    const int t_begin = ct.t_begin, t_end = ct.t_end;
+    const long long cd = ct.cd;
     float a[SCAN_NS], g[SCAN_NS];
 #pragma unroll
     for (int k = 0; k < SCAN_NS; ++k) {

@@ -344,62 +344,19 @@ impl Scan {
             return super::cuda::no_step(gpu, initial_state, final_state);
         }
         let g = self.threads_per_channel;
-        let chunks = s.seq_len.div_ceil(self.chunk);
+        let walks = ChunkWalks::new(s, self.chunk, g, staged_steps(g));
         let has_d = i32::from(d.is_some());
-        let has_initial = i32::from(initial_state.is_some());
         let (t_len, channels, n) = (s.seq_len as i32, s.channels as i32, s.state as i32);
-        let (l_i, ts_i) = (self.chunk as i32, staged_steps(g) as i32);
-        let (batch_i, chunks_i) = (s.batch as i32, chunks as i32);
-        let walk = LaunchConfig {
-            grid_dim: (
-                s.channels.div_ceil(THREADS as usize / g) as u32,
-                chunks as u32,
-                s.batch as u32,
-            ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: forward_shared_bytes(g),
-        };
-        let pass = LaunchConfig {
-            grid_dim: (state_len.div_ceil(PASS_THREADS as usize) as u32, 1, 1),
-            block_dim: (PASS_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut k = gpu.stream.launch_builder(&self.chunk_state_fn);
-        k.arg(u)
-            .arg(delta)
-            .arg(a)
-            .arg(b)
-            .arg(&mut self.chunk_state)
-            .arg(&mut self.chunk_dt)
-            .arg(&t_len)
-            .arg(&channels)
-            .arg(&n)
-            .arg(&l_i)
-            .arg(&ts_i);
-        // SAFETY: scan_chunk_state_<t>_g<G>(const T* u, const float* delta, const float* A,
-        // const T* Bm, float* chunk_state, float* chunk_dt, int T_len, int channels, int N,
-        // int L, int ts): the lengths and the element size were checked above, T_len ≥ 1;
-        // `with_chunk` sized the scratch for ⌈T/L⌉ chunks, picked the variant G with
-        // G·SCAN_NS ≥ N, L a multiple of ts = staged_steps(G), and the shared memory of
-        // forward_shared_bytes(G); each block writes the rows of its chunk and channels only.
-        unsafe { k.launch(walk)? };
-        let mut k = gpu.stream.launch_builder(&self.pass_fn);
-        k.arg(a)
-            .arg(initial_state.unwrap_or(&self.unused))
-            .arg(&has_initial)
-            .arg(&mut self.chunk_state)
-            .arg(&self.chunk_dt)
-            .arg(&mut *final_state)
-            .arg(&batch_i)
-            .arg(&channels)
-            .arg(&n)
-            .arg(&chunks_i);
-        // SAFETY: scan_chunk_pass(const float* A, const float* initial_state, int has_initial,
-        // float* chunk_state, const float* chunk_dt, float* final_state, int batch,
-        // int channels, int N, int chunks): one thread per B·D·N state entry (a multiple of
-        // 256 threads, the rest return), the scratch as above, the initial state read only
-        // when has_initial is 1 (then B·D·N floats, checked).
-        unsafe { k.launch(pass)? };
+        let (l_i, ts_i) = (self.chunk as i32, walks.ts as i32);
+        walks.states(
+            gpu,
+            (&self.chunk_state_fn, &self.pass_fn),
+            (u, delta, a, b),
+            initial_state,
+            &self.unused,
+            (&mut self.chunk_state, &mut self.chunk_dt),
+            final_state,
+        )?;
         let mut k = gpu.stream.launch_builder(&self.chunk_out_fn);
         k.arg(u)
             .arg(delta)
@@ -420,7 +377,152 @@ impl Scan {
         // int T_len, int channels, int N, int L, int ts): as the first launch; D is
         // read only when has_d is 1 (then D floats, checked); each block writes y for its
         // chunk's steps and its channels only.
-        unsafe { k.launch(walk)? };
+        unsafe { k.launch(walks.walk())? };
+        Ok(())
+    }
+}
+
+/// The chunk walks' launch geometry for one shape: `chunk` steps per chunk, `g` threads per
+/// channel, `ts` steps staged at a time (at most [`staged_steps`]`(g)`).
+struct ChunkWalks {
+    shape: ScanShape,
+    chunk: usize,
+    g: usize,
+    ts: usize,
+}
+
+impl ChunkWalks {
+    fn new(shape: ScanShape, chunk: usize, g: usize, ts: usize) -> ChunkWalks {
+        ChunkWalks {
+            shape,
+            chunk,
+            g,
+            ts,
+        }
+    }
+
+    /// A chunk walk's grid: (channel blocks, chunks, batch entries), with its shared memory.
+    fn walk(&self) -> LaunchConfig {
+        let s = self.shape;
+        LaunchConfig {
+            grid_dim: (
+                s.channels.div_ceil(THREADS as usize / self.g) as u32,
+                s.seq_len.div_ceil(self.chunk) as u32,
+                s.batch as u32,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: forward_shared_bytes(self.g),
+        }
+    }
+
+    /// A pass's grid: one thread per batch entry, channel and state entry.
+    fn pass(&self) -> LaunchConfig {
+        let s = self.shape;
+        LaunchConfig {
+            grid_dim: (
+                (s.batch * s.channels * s.state).div_ceil(PASS_THREADS as usize) as u32,
+                1,
+                1,
+            ),
+            block_dim: (PASS_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// The forward's steps 1 and 2 (`scan_chunk_state_<t>_g<G>`, then `scan_chunk_pass`): into
+    /// `scratch` = (chunk states, chunk sums of Δ) the state entering every chunk and each
+    /// chunk's sum of Δ, into `last` the final state. `fns` are those two kernels for the
+    /// shape's dtype and G; `unused` stands in for an absent initial state. The caller has
+    /// checked the inputs' lengths against the shape and that seq_len ≥ 1, and sized the
+    /// scratch for ⌈T / chunk⌉ chunks.
+    #[allow(clippy::too_many_arguments)]
+    fn states<T: DeviceRepr>(
+        &self,
+        gpu: &Gpu,
+        fns: (&CudaFunction, &CudaFunction),
+        (u, delta, a, b): (
+            &CudaSlice<T>,
+            &CudaSlice<f32>,
+            &CudaSlice<f32>,
+            &CudaSlice<T>,
+        ),
+        initial_state: Option<&CudaSlice<f32>>,
+        unused: &CudaSlice<f32>,
+        scratch: (&mut CudaSlice<f32>, &mut CudaSlice<f32>),
+        last: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let s = self.shape;
+        let (chunk_state, chunk_dt) = scratch;
+        let (t_len, channels, n) = (s.seq_len as i32, s.channels as i32, s.state as i32);
+        let (l, ts) = (self.chunk as i32, self.ts as i32);
+        let mut k = gpu.stream.launch_builder(fns.0);
+        k.arg(u)
+            .arg(delta)
+            .arg(a)
+            .arg(b)
+            .arg(&mut *chunk_state)
+            .arg(&mut *chunk_dt)
+            .arg(&t_len)
+            .arg(&channels)
+            .arg(&n)
+            .arg(&l)
+            .arg(&ts);
+        // SAFETY: scan_chunk_state_<t>_g<G>(const T* u, const float* delta, const float* A,
+        // const T* Bm, float* chunk_state, float* chunk_dt, int T_len, int channels, int N,
+        // int L, int ts): the caller checked the inputs' lengths and element size, T_len ≥ 1,
+        // sized the scratch for ⌈T/L⌉ chunks and picked the variant G with G·SCAN_NS ≥ N; ts
+        // ≤ staged_steps(G) fits the shared memory of forward_shared_bytes(G); each block
+        // writes the rows of its chunk and channels only.
+        unsafe { k.launch(self.walk())? };
+        self.compose(
+            gpu,
+            fns.1,
+            a,
+            initial_state,
+            unused,
+            chunk_state,
+            chunk_dt,
+            last,
+        )
+    }
+
+    /// A pass between chunks (`scan_chunk_pass`, or `scan_bwd_pass` for the backward's
+    /// adjoints, the same signature): from `start` (zeros when absent; `unused` stands in),
+    /// each entry of `chunks` ([B, chunks, D, N]) replaced by the value entering its chunk,
+    /// the value past the last chunk into `last` ([B, D, N]).
+    #[allow(clippy::too_many_arguments)]
+    fn compose(
+        &self,
+        gpu: &Gpu,
+        f: &CudaFunction,
+        a: &CudaSlice<f32>,
+        start: Option<&CudaSlice<f32>>,
+        unused: &CudaSlice<f32>,
+        chunks: &mut CudaSlice<f32>,
+        chunk_dt: &CudaSlice<f32>,
+        last: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let s = self.shape;
+        let (channels, n) = (s.channels as i32, s.state as i32);
+        let (batch, count) = (s.batch as i32, s.seq_len.div_ceil(self.chunk) as i32);
+        let has_start = i32::from(start.is_some());
+        let mut k = gpu.stream.launch_builder(f);
+        k.arg(a)
+            .arg(start.unwrap_or(unused))
+            .arg(&has_start)
+            .arg(chunks)
+            .arg(chunk_dt)
+            .arg(last)
+            .arg(&batch)
+            .arg(&channels)
+            .arg(&n)
+            .arg(&count);
+        // SAFETY: scan_chunk_pass / scan_bwd_pass(const float* A, const float* start,
+        // int has_start, float* chunks, const float* chunk_dt, float* last, int batch,
+        // int channels, int N, int chunks): one thread per B·D·N entry (the rest of the last
+        // block return); the callers sized `chunks` and `chunk_dt` for ⌈T/L⌉ chunks and
+        // `last` for B·D·N floats, and checked `start` (B·D·N floats, read only when given).
+        unsafe { k.launch(self.pass())? };
         Ok(())
     }
 }
@@ -790,8 +892,6 @@ impl ScanBackward {
             return super::cuda::no_step(gpu, d_final_state, d_initial_state);
         }
         let has_d = i32::from(d.is_some());
-        let has_initial = i32::from(initial_state.is_some());
-        let has_d_final = i32::from(d_final_state.is_some());
         let (t_len, channels, n, l) = (
             s.seq_len as i32,
             s.channels as i32,
@@ -800,54 +900,18 @@ impl ScanBackward {
         );
         let g = self.threads_per_channel;
         let chunks = s.seq_len.div_ceil(self.chunk);
-        let ts = staged_steps(g).min(self.chunk) as i32;
-        let (batch_i, chunks_i) = (s.batch as i32, chunks as i32);
-        let walk = LaunchConfig {
-            grid_dim: (
-                s.channels.div_ceil(THREADS as usize / g) as u32,
-                chunks as u32,
-                s.batch as u32,
-            ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: forward_shared_bytes(g),
-        };
-        let pass = LaunchConfig {
-            grid_dim: (state_len.div_ceil(PASS_THREADS as usize) as u32, 1, 1),
-            block_dim: (PASS_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // 1. Each chunk's end state from zero and sum of Δ.
-        let mut k = gpu.stream.launch_builder(&self.chunk_state_fn);
-        k.arg(u)
-            .arg(delta)
-            .arg(a)
-            .arg(b)
-            .arg(&mut self.checkpoints)
-            .arg(&mut self.chunk_dt)
-            .arg(&t_len)
-            .arg(&channels)
-            .arg(&n)
-            .arg(&l)
-            .arg(&ts);
-        // SAFETY: scan_chunk_state_<t>_g<G>, as in Scan::launch: `new` sized the scratch for
-        // ⌈T/L⌉ chunks and picked G with G·SCAN_NS ≥ N; ts = min(staged_steps(G), L) fits the
-        // shared memory of forward_shared_bytes(G); T_len ≥ 1 and the lengths were checked.
-        unsafe { k.launch(walk)? };
-        // 2. The states entering every chunk (the checkpoints).
-        let mut k = gpu.stream.launch_builder(&self.pass_fn);
-        k.arg(a)
-            .arg(initial_state.unwrap_or(&self.unused))
-            .arg(&has_initial)
-            .arg(&mut self.checkpoints)
-            .arg(&self.chunk_dt)
-            .arg(&mut self.final_state)
-            .arg(&batch_i)
-            .arg(&channels)
-            .arg(&n)
-            .arg(&chunks_i);
-        // SAFETY: scan_chunk_pass, as in Scan::launch; the final state goes to this struct's
-        // B·D·N scratch.
-        unsafe { k.launch(pass)? };
+        let walks = ChunkWalks::new(s, self.chunk, g, staged_steps(g).min(self.chunk));
+        let ts = walks.ts as i32;
+        // 1, 2. The states entering every chunk (the checkpoints).
+        walks.states(
+            gpu,
+            (&self.chunk_state_fn, &self.pass_fn),
+            (u, delta, a, b),
+            initial_state,
+            &self.unused,
+            (&mut self.checkpoints, &mut self.chunk_dt),
+            &mut self.final_state,
+        )?;
         // 3. Each chunk's own adjoint, walked backwards from zero.
         let mut k = gpu.stream.launch_builder(&self.adjoint_fn);
         k.arg(dy)
@@ -862,26 +926,20 @@ impl ScanBackward {
             .arg(&ts);
         // SAFETY: scan_bwd_adjoint_<t>_g<G>(const T* dy, const float* delta, const float* A,
         // const T* Cm, float* chunk_adjoint, int T_len, int channels, int N, int L, int ts):
-        // the layout, grid and shared memory of the first launch; dy was checked to hold
-        // B·T·D elements of the dtype.
-        unsafe { k.launch(walk)? };
+        // the layout, grid and shared memory of ChunkWalks::states' first launch; dy was
+        // checked to hold B·T·D elements of the dtype.
+        unsafe { k.launch(walks.walk())? };
         // 4. The adjoint reaching each chunk's last state, from d_final_state back.
-        let mut k = gpu.stream.launch_builder(&self.adjoint_pass_fn);
-        k.arg(a)
-            .arg(d_final_state.unwrap_or(&self.unused))
-            .arg(&has_d_final)
-            .arg(&mut self.adjoints)
-            .arg(&self.chunk_dt)
-            .arg(&mut *d_initial_state)
-            .arg(&batch_i)
-            .arg(&channels)
-            .arg(&n)
-            .arg(&chunks_i);
-        // SAFETY: scan_bwd_pass(const float* A, const float* d_final, int has_d_final,
-        // float* chunk_adjoint, const float* chunk_dt, float* d_initial, int batch,
-        // int channels, int N, int chunks): one thread per B·D·N entry; d_final is read only
-        // when has_d_final is 1 (then B·D·N floats, checked), d_initial holds B·D·N (checked).
-        unsafe { k.launch(pass)? };
+        walks.compose(
+            gpu,
+            &self.adjoint_pass_fn,
+            a,
+            d_final_state,
+            &self.unused,
+            &mut self.adjoints,
+            &self.chunk_dt,
+            d_initial_state,
+        )?;
         // 5. Every chunk walked backwards from its adjoint: du, dΔ, dB, dC and the parts of
         // dA and dD.
         let cfg = LaunchConfig {
