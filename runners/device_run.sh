@@ -22,6 +22,9 @@
 #                                                 # files gpu_sequence_mixers_TAG.json and
 #                                                 # sequence_mixers_TAG.log; KP_MIXERS_LIMIT_S
 #                                                 # caps the step, default 540 s)
+#   bash .carry/device_run.sh mixers_rerun OUTDIR PART  # the whole sequence-mixer grid at
+#                                                 # one commit, part 1 to 4 of four calls
+#                                                 # (the README's run plan)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
 #   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding
@@ -147,6 +150,38 @@ mixers_grid)
   step "sequence_mixers grid ${tag}" "${KP_MIXERS_LIMIT_S:-540}" \
     "$out/sequence_mixers${tag:+_$tag}.log" \
     "$bin/sequence_mixers" "${compare[@]}" "${shard[@]}" "${filter[@]}" --output "$out/gpu_sequence_mixers${tag:+_$tag}.json"
+  ;;
+mixers_rerun)
+  # The whole sequence-mixer grid at one commit in four calls of at most 560 s (the README's
+  # run plan): part 1, 2, 3 or 4 (the third argument). Each piece is one --filter, its
+  # document gpu_sequence_mixers_TAG.json and log sequence_mixers_TAG.log in OUTDIR.
+  install_wheels
+  piece() {  # piece TAG LIMIT_S COMPARE FILTER
+    local compare=(); [ -n "$3" ] && compare=(--compare "$3")
+    step "sequence_mixers $1" "$2" "$out/sequence_mixers_$1.log" "$bin/sequence_mixers" \
+      "${compare[@]}" --filter "$4" --output "$out/gpu_sequence_mixers_$1.json"
+  }
+  case ${3:?part 1, 2, 3 or 4} in
+  1)
+    piece t16384_ssd 280 torch,fla 'seq_len=16384,mixer=ssd'
+    piece t16384_gated_delta 270 torch,fla 'seq_len=16384,mixer=gated_delta'
+    ;;
+  2)
+    piece t16384_based 250 torch,fla 'seq_len=16384,mixer=based'
+    piece t16384_selective_scan 110 torch,fla 'seq_len=16384,mixer=selective_scan'
+    piece t1024 80 '' 'seq_len=1024'
+    piece t4096 110 '' 'seq_len=4096'
+    ;;
+  3)
+    piece t65536_ssd 100 '' 'seq_len=65536,mixer=ssd'
+    piece t65536_selective_scan 220 '' 'seq_len=65536,mixer=selective_scan'
+    piece t65536_gated_delta 230 '' 'seq_len=65536,mixer=gated_delta'
+    ;;
+  4)
+    piece t65536_based 540 '' 'seq_len=65536,mixer=based'
+    ;;
+  *) echo "part: 1, 2, 3 or 4" ;;
+  esac
   ;;
 kernel_sums)
   step "kernel-sum gpu tests" 240 "$out/gpu_kernel_sums.tests.log" "$bin/gpu_kernel_sums_test" \
