@@ -180,7 +180,7 @@ mixers_rerun)
   4)
     piece t65536_based 540 '' 'seq_len=65536,mixer=based'
     ;;
-  *) echo "part: 1, 2, 3 or 4" ;;
+  *) echo "mixers_rerun: part 1, 2, 3 or 4, not $3"; exit 2 ;;
   esac
   ;;
 kernel_sums)
@@ -237,7 +237,7 @@ full)
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, part, jaxinit, mixers, mixers_grid, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
+  echo "unknown mode $mode (smoke, tests, part, jaxinit, mixers, mixers_grid, mixers_rerun, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"

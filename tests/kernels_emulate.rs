@@ -382,7 +382,7 @@ fn selective_scan_kernel_emulated_matches_the_recurrence() {
 /// The selective scan's backward (`scan.cu`, version 2: the forward's chunk states and pass for
 /// the checkpoints, every chunk's own adjoint, the adjoints passed back from the last chunk,
 /// then every chunk recomputed into shared memory and walked backwards, dB and dC summed over
-/// a block's channels and added with atomics) on the CPU against a float64 adjoint, itself checked
+/// all channels by the chunk's block, dA and dD from per-chunk parts) on the CPU against a float64 adjoint, itself checked
 /// against finite differences: every gradient, with D, an initial state and a cotangent of the
 /// final state; one step, lengths shorter than, equal to and past a chunk, channels not a
 /// multiple of the block's warps, one and two states per lane, with the host's chunk

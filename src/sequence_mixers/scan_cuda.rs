@@ -7,8 +7,9 @@
 //! composed in order (the state entering each chunk), (3) every chunk is walked again from the
 //! state entering it and writes y. In (1) and (3), [`threads_per_channel`] threads share a
 //! channel's N state entries, [`STATES_PER_THREAD`] each in registers. [`ScanBackward`] is its
-//! vector-Jacobian product (version 1.1: the adjoint walked backwards from checkpoints of the
-//! state, one warp per channel), states up to [`MAX_BACKWARD_STATE`].
+//! vector-Jacobian product (version 2: the adjoint in the same chunk form, each chunk's steps
+//! walked backwards from the forward's state entering it), states up to
+//! [`MAX_BACKWARD_STATE`].
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -154,7 +155,8 @@ pub fn states_per_lane(n: usize) -> Option<usize> {
     Some(n.div_ceil(32))
 }
 
-/// Channels (warps) per block of the backward (`SCAN_BWD_WARPS` in the source).
+/// Warps per block of the backward's last walk (`SCAN_BWD_WARPS` in the source; each takes one
+/// channel at a time, or two at states up to 16).
 pub const BACKWARD_WARPS: u32 = 8;
 
 /// The backward's chunk-adjoint walk for `dtype` and `g` threads per channel
@@ -528,7 +530,8 @@ impl ChunkWalks {
 }
 
 /// An error naming `what` for a shape with an empty dimension other than seq_len, or more
-/// batch entries than the grid's y dimension holds (one block row per batch entry).
+/// batch entries than a grid's y or z dimension holds (the batch is the walks' z and the
+/// backward's last walk's y).
 fn check_dimensions(what: &str, s: ScanShape) -> Result<(), GpuError> {
     if s.batch == 0 || s.channels == 0 || s.state == 0 {
         return Err(GpuError::Config(format!(
@@ -651,7 +654,7 @@ impl ScanGradientBuffers {
 /// of the recurrence of [`super::reference::selective_scan`] (Gu and Dao, 2023, Mamba's
 /// selective scan; the same vector-Jacobian product as
 /// [`super::gradients::selective_scan_backward`]), with the sequence cut into chunks of
-/// [`backward_chunk`] steps walked at once. Five launches: the forward's chunk end states and
+/// [`backward_chunk`] steps walked at once. Seven launches: the forward's chunk end states and
 /// pass give the state entering every chunk (the checkpoints; the forward is recomputed, not
 /// kept); every chunk walks its adjoint backwards from zero; a pass from the last chunk gives
 /// the adjoint reaching each chunk's last state (and the initial state's gradient); then one
@@ -660,7 +663,7 @@ impl ScanGradientBuffers {
 /// each channel's chunk states into shared memory and walks its steps backwards, writing du
 /// and dΔ; dB and dC, shared by the channels, are summed over all channels in shared memory
 /// and written by the chunk's block alone (no atomics), and the parts of dA and dD of each
-/// (batch entry, chunk, channel) are added by a last reduction. States up to
+/// (batch entry, chunk, channel) are added by two last reductions. States up to
 /// [`MAX_BACKWARD_STATE`] entries; at most 65 535 chunks (the walks' grid y).
 pub struct ScanBackward {
     shape: ScanShape,
@@ -724,10 +727,10 @@ impl ScanBackward {
             && fits(s.channels + THREADS as usize)
             && fits(s.seq_len * s.state)
             && fits(states)
-            && s.channels.div_ceil(BACKWARD_WARPS as usize) <= MAX_GRID_Y)
+            && fits(s.batch * chunks))
         {
             return Err(GpuError::Config(format!(
-                "selective_scan backward: {s:?} does not fit 32-bit ints or the grid"
+                "selective_scan backward: {s:?} does not fit 32-bit ints"
             )));
         }
         let compiled = gpu.compile("scan.cu", &source())?;
@@ -786,7 +789,7 @@ impl ScanBackward {
     /// Launches one backward: from the forward's inputs (as [`Scan::launch`] takes them), dy
     /// `[B, T, D]` (the runner's dtype) and d_final_state `[B, D, N]` (float32, optional:
     /// zeros), every gradient into `grads` (float32, each written whole whatever the buffers
-    /// held). Six launches, asynchronous on [`Gpu::stream`].
+    /// held). Seven launches, asynchronous on [`Gpu::stream`].
     ///
     /// # Errors
     /// [`GpuError::Config`] for a buffer whose length does not fit the shape or an element
@@ -967,12 +970,12 @@ impl ScanBackward {
             .arg(&channels)
             .arg(&n)
             .arg(&l);
-        // SAFETY: scan_bwd_<t>_s<S>(const T* u, const float* delta, const float* A,
+        // SAFETY: scan_bwd_<t>_s<S>_l<LN>(const T* u, const float* delta, const float* A,
         // const T* Bm, const T* Cm, const float* D, int has_d, const T* dy,
         // const float* checkpoints, float* chunk_adjoint, float* dd_part, float* du,
         // float* ddelta, float* dBm, float* dCm, int T_len, int channels, int N, int L): the
-        // lengths and the element size were checked above, T_len ≥ 1, `new` picked S with
-        // 32·S ≥ N, L from backward_chunk(N), the scratch for ⌈T/L⌉ chunks (the grid's x,
+        // lengths and the element size were checked above, T_len ≥ 1, `new` picked LN from
+        // backward_lanes_per_channel(N) and S with LN·S ≥ N, L from backward_chunk(N), the scratch for ⌈T/L⌉ chunks (the grid's x,
         // the batch its y) and the shared memory of backward_shared_bytes(N); D is read only
         // when has_d is 1. Each block writes dB and dC for its own chunk's steps only.
         unsafe { k.launch(cfg)? };

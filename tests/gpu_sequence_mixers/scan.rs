@@ -128,7 +128,8 @@ fn selective_scan_matches_float64_on_every_shape() {
         shape(2, 129, 20, 64),
         shape(3, 61, 19, 128),
         shape(1, 257, 10, 256),
-        // N not a multiple of 16: 48 on 4 threads (one idle), 17 on 2 (15 idle entries).
+        // N not a multiple of 16: 48 on 4 threads (4 idle entries each), 17 on 2 (15 idle
+        // entries in all).
         shape(2, 50, 16, 48),
         shape(1, 70, 130, 17),
         // A long sequence: 1000 steps of accumulated float32 rounding.
