@@ -236,26 +236,54 @@ pub fn selective_scan_backward(
     // The adjoint of the state, d_final_state to start with, ā_1 ∘ ĥ_1 once the loop is done.
     let mut adj = or_zeros("d_final_state", d_final_state, batch * channels * n_dim)?;
 
-    let mut du = vec![0.0; batch * t_len * channels];
-    let mut ddelta = vec![0.0; batch * t_len * channels];
-    let mut db = vec![0.0; batch * t_len * n_dim];
-    let mut dc = vec![0.0; batch * t_len * n_dim];
-    // The batch entries in parallel (rayon): each writes its own rows of du, dΔ, dB, dC and the
-    // state's adjoint, and returns its parts of dA and dD, summed over the batch afterwards.
-    let row = t_len * channels;
-    let parts: Vec<(Vec<f64>, Vec<f64>)> = du
-        .par_chunks_mut(row.max(1))
-        .zip(ddelta.par_chunks_mut(row.max(1)))
-        .zip(db.par_chunks_mut((t_len * n_dim).max(1)))
-        .zip(dc.par_chunks_mut((t_len * n_dim).max(1)))
-        .zip(adj.par_chunks_mut(channels * n_dim))
-        .enumerate()
-        .map(|(b, ((((du, ddelta), db), dc), adj))| {
-            let mut da = vec![0.0; channels * n_dim];
-            let mut dd = vec![0.0; channels];
+    // Tasks of (batch entry, group of channels) in parallel (rayon): enough groups per batch
+    // entry to give every thread one, each task walking its channels one after another into
+    // its own buffers (its columns of du and dΔ, its parts of dB and dC over the batch entry's
+    // steps, of dA and dD, and its channels' adjoints), gathered afterwards.
+    let groups = rayon::current_num_threads()
+        .div_ceil(batch.max(1))
+        .clamp(1, channels.max(1));
+    let per_group = channels.div_ceil(groups).max(1);
+    let tasks: Vec<(usize, usize, usize)> = (0..batch)
+        .flat_map(|b| {
+            (0..channels)
+                .step_by(per_group)
+                .map(move |c0| (b, c0, (c0 + per_group).min(channels)))
+        })
+        .collect();
+    struct Part {
+        b: usize,
+        c0: usize,
+        /// [T, width] columns of du and dΔ.
+        du: Vec<f64>,
+        ddelta: Vec<f64>,
+        /// [T, N] sums over the task's channels.
+        db: Vec<f64>,
+        dc: Vec<f64>,
+        /// [width, N], [width] and [width, N].
+        da: Vec<f64>,
+        dd: Vec<f64>,
+        adj: Vec<f64>,
+    }
+    let parts: Vec<Part> = tasks
+        .into_par_iter()
+        .map(|(b, c0, c1)| {
+            let width = c1 - c0;
+            let mut part = Part {
+                b,
+                c0,
+                du: vec![0.0; t_len * width],
+                ddelta: vec![0.0; t_len * width],
+                db: vec![0.0; t_len * n_dim],
+                dc: vec![0.0; t_len * n_dim],
+                da: vec![0.0; width * n_dim],
+                dd: vec![0.0; width],
+                adj: adj[(b * channels + c0) * n_dim..(b * channels + c1) * n_dim].to_vec(),
+            };
             // h_0 … h_T of one channel.
             let mut states = vec![0.0; (t_len + 1) * n_dim];
-            for ch in 0..channels {
+            for ch in c0..c1 {
+                let k = ch - c0;
                 let bc = (b * channels + ch) * n_dim;
                 let a = &inp.a[ch * n_dim..][..n_dim];
                 let skip = inp.d.map_or(0.0, |d| d[ch]);
@@ -274,14 +302,14 @@ pub fn selective_scan_backward(
                 }
 
                 // The adjoint, from the last step back to the first.
-                let h_adj = &mut adj[ch * n_dim..][..n_dim];
-                let da_ch = &mut da[ch * n_dim..][..n_dim];
+                let h_adj = &mut part.adj[k * n_dim..][..n_dim];
+                let da_ch = &mut part.da[k * n_dim..][..n_dim];
                 for t in (0..t_len).rev() {
                     let bt = b * t_len + t;
                     let i = bt * channels + ch;
                     let (u, dt, dyv) = (inp.u[i], inp.delta[i], dy[i]);
                     let bi = bt * n_dim;
-                    // This batch entry's rows of dB and dC start at its first step.
+                    // The task's rows of dB and dC start at the batch entry's first step.
                     let local = t * n_dim;
                     let bv = &inp.b[bi..][..n_dim];
                     let cv = &inp.c[bi..][..n_dim];
@@ -293,8 +321,8 @@ pub fn selective_scan_backward(
                         // ĥ_t = (what came back from step t + 1) + dy_t C_t.
                         h_adj[n] += dyv * cv[n];
                         let ha = h_adj[n];
-                        dc[local + n] += dyv * cur[n];
-                        db[local + n] += dt * u * ha;
+                        part.dc[local + n] += dyv * cur[n];
+                        part.db[local + n] += dt * u * ha;
                         hb += ha * bv[n];
                         let through_decay = ha * decay * prev[n];
                         h_decay += a[n] * through_decay;
@@ -302,20 +330,44 @@ pub fn selective_scan_backward(
                         // What goes back to step t − 1.
                         h_adj[n] = decay * ha;
                     }
-                    let li = t * channels + ch;
-                    du[li] = dt * hb + skip * dyv;
-                    ddelta[li] = h_decay + u * hb;
-                    dd[ch] += dyv * u;
+                    let li = t * width + k;
+                    part.du[li] = dt * hb + skip * dyv;
+                    part.ddelta[li] = h_decay + u * hb;
+                    part.dd[k] += dyv * u;
                 }
             }
-            (da, dd)
+            part
         })
         .collect();
+    let mut du = vec![0.0; batch * t_len * channels];
+    let mut ddelta = vec![0.0; batch * t_len * channels];
+    let mut db = vec![0.0; batch * t_len * n_dim];
+    let mut dc = vec![0.0; batch * t_len * n_dim];
     let mut da = vec![0.0; channels * n_dim];
     let mut dd = vec![0.0; channels];
-    for (pa, pd) in &parts {
-        da.iter_mut().zip(pa).for_each(|(x, y)| *x += y);
-        dd.iter_mut().zip(pd).for_each(|(x, y)| *x += y);
+    for p in &parts {
+        let width = p.dd.len();
+        for t in 0..t_len {
+            let at = (p.b * t_len + t) * channels + p.c0;
+            du[at..at + width].copy_from_slice(&p.du[t * width..][..width]);
+            ddelta[at..at + width].copy_from_slice(&p.ddelta[t * width..][..width]);
+        }
+        let rows = p.b * t_len * n_dim..(p.b + 1) * t_len * n_dim;
+        db[rows.clone()]
+            .iter_mut()
+            .zip(&p.db)
+            .for_each(|(x, y)| *x += y);
+        dc[rows].iter_mut().zip(&p.dc).for_each(|(x, y)| *x += y);
+        da[p.c0 * n_dim..][..width * n_dim]
+            .iter_mut()
+            .zip(&p.da)
+            .for_each(|(x, y)| *x += y);
+        dd[p.c0..][..width]
+            .iter_mut()
+            .zip(&p.dd)
+            .for_each(|(x, y)| *x += y);
+        let states = (p.b * channels + p.c0) * n_dim;
+        adj[states..][..width * n_dim].copy_from_slice(&p.adj);
     }
     Ok(ScanGradients {
         du,
@@ -650,6 +702,45 @@ mod tests {
             )
         }
         check_split(s.batch, parts(&whole), parts(&first), parts(&second));
+    }
+
+    /// The gradient split over (batch entry, channel group) tasks gathers the same values
+    /// whatever the number of threads: one group per batch entry (one thread) against one
+    /// channel per group (eight threads, 3 channels).
+    #[test]
+    fn selective_scan_backward_is_the_same_on_one_thread_and_on_eight() {
+        let s = SCAN;
+        let vars = scan_vars(s, 600);
+        let dy = uniform(s.batch * s.seq_len * s.channels, -1.0, 1.0, 607);
+        let dfin = uniform(vars[6].len(), -1.0, 1.0, 608);
+        let run = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| {
+                    selective_scan_backward(s, scan_inputs(&vars, true, true), &dy, Some(&dfin))
+                        .unwrap()
+                })
+        };
+        let (one, eight) = (run(1), run(8));
+        for (name, a, b) in [
+            ("du", &one.du, &eight.du),
+            ("ddelta", &one.ddelta, &eight.ddelta),
+            ("da", &one.da, &eight.da),
+            ("db", &one.db, &eight.db),
+            ("dc", &one.dc, &eight.dc),
+            ("dd", one.dd.as_ref().unwrap(), eight.dd.as_ref().unwrap()),
+            (
+                "d_initial_state",
+                &one.d_initial_state,
+                &eight.d_initial_state,
+            ),
+        ] {
+            let e = max_rel_or_abs(a, b);
+            assert!(e < 1e-12, "{name}: {e}");
+            assert!(a.iter().any(|v| *v != 0.0), "{name} all zero");
+        }
     }
 
     #[test]
