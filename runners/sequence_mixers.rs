@@ -682,6 +682,21 @@ fn launch_kernels<T: DeviceRepr>(
             )))
         }
     };
+    // The selective scan's forward: u, Δ, A, B, C, D; no initial state.
+    let mut scan_forward = |k: &mut Scan| {
+        k.launch(
+            gpu,
+            seq[0],
+            f[0],
+            f[1],
+            seq[1],
+            seq[2],
+            Some(f[2]),
+            None,
+            y,
+            fs,
+        )
+    };
     match k {
         Kernels::Ssd(k) => {
             want(3, 3)?;
@@ -700,35 +715,12 @@ fn launch_kernels<T: DeviceRepr>(
         }
         Kernels::Scan(k) => {
             want(3, 3)?;
-            // u, Δ, A, B, C, D; no initial state.
-            k.launch(
-                gpu,
-                seq[0],
-                f[0],
-                f[1],
-                seq[1],
-                seq[2],
-                Some(f[2]),
-                None,
-                y,
-                fs,
-            )
+            scan_forward(k)
         }
         Kernels::ScanBwd(k) => {
             want(4, 3)?;
             let (fwd, bwd, d_initial) = &mut **k;
-            fwd.launch(
-                gpu,
-                seq[0],
-                f[0],
-                f[1],
-                seq[1],
-                seq[2],
-                Some(f[2]),
-                None,
-                y,
-                fs,
-            )?;
+            scan_forward(fwd)?;
             // The runner's gradient buffers hold float32 words: du, dΔ, dA, dB, dC, dD.
             let mut views = Vec::with_capacity(grads.len());
             for g in grads.iter_mut() {

@@ -13,6 +13,16 @@ use super::{
     compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, up,
 };
 
+/// A selective-scan shape: B, T, D (channels), N (state).
+fn shape(batch: usize, seq_len: usize, channels: usize, state: usize) -> ScanShape {
+    ScanShape {
+        batch,
+        seq_len,
+        channels,
+        state,
+    }
+}
+
 /// The forward's inputs for `shape`, drawn from `seed` on: u, Δ (0.01 to 0.2), A (−4 to
 /// −0.5), B, C, D and the initial state (−1 to 1), in [`ScanInputs`]' layouts.
 fn random_inputs(shape: ScanShape, seed: u64) -> [Vec<f64>; 7] {
@@ -113,12 +123,6 @@ fn scan_case(
 #[test]
 #[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
 fn selective_scan_matches_float64_on_every_shape() {
-    let shape = |batch, seq_len, channels, state| ScanShape {
-        batch,
-        seq_len,
-        channels,
-        state,
-    };
     let cases = [
         // One step, one channel, one state entry (15 idle entries, 127 idle threads).
         shape(1, 1, 1, 1),
@@ -349,12 +353,6 @@ fn scan_backward_case(
 #[test]
 #[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
 fn selective_scan_backward_matches_float64() {
-    let shape = |batch, seq_len, channels, state| ScanShape {
-        batch,
-        seq_len,
-        channels,
-        state,
-    };
     let cases = [
         shape(1, 1, 1, 1),
         shape(2, 37, 13, 16),
