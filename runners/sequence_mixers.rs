@@ -45,6 +45,7 @@ use kernelpages::sequence_mixers::case::{
 use kernelpages::sequence_mixers::cuda::{self as ssd_cuda, Dtype as DeviceDtype, Ssd};
 use kernelpages::sequence_mixers::delta_cuda::{self, GatedDelta};
 use kernelpages::sequence_mixers::scan_cuda::{self, Scan, ScanBackward};
+use kernelpages::sequence_mixers::ssd_backward::SsdBackward;
 use kernelpages::sequence_mixers::{cpu, files};
 
 /// Measure the sequence mixers on the GPU (or with --device cpu the CPU) and write a suite
@@ -232,8 +233,8 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
                     c.dtype = dtype;
                     c.validate().map_err(anyhow::Error::msg)?;
                     for &pass in &passes {
-                        // Only the selective scan has a backward so far.
-                        if pass == MixerPass::FwdBwd && mixer != Mixer::SelectiveScan {
+                        // Only SSD and the selective scan have a backward so far.
+                        if pass == MixerPass::FwdBwd && !mixer.has_backward() {
                             continue;
                         }
                         c.pass = pass;
@@ -301,6 +302,17 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                     "always (head_dim and state up to {}): SSD in chunks of {} steps. bf16 with head_dim a multiple of 16 and state of 32, both up to 128: version 3 on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation), two kernels: the chunk states and their passing in one walk per 16 head_dim rows (and half the state's columns when the state is a multiple of 64), the state in the mma accumulators, the inputs through a 4-stage cp.async ring, the states entering each chunk stored as bf16; then each chunk's output (C·Bᵀ masked and decayed, times Δ·x, plus the entering state's read-out). Otherwise version 1.1, float32 arithmetic on CUDA cores, three kernels (each chunk's final state from zero, the states passed between chunks, each chunk's output from its intra-chunk masked products plus the incoming state's read-out)",
                     ssd_cuda::MAX_DIM,
                     ssd_cuda::CHUNK
+                ),
+                implementation: GPU_IMPLEMENTATION.into(),
+            },
+            DispatchRule {
+                entry_point: "sequence_mixers::ssd_backward::SsdBackward".into(),
+                device: "CUDA, compute capability 8.0 or newer".into(),
+                dtype: "fp32, bf16 (X, B, C, dy; Δ, A, D, states and gradients fp32)".into(),
+                rule: format!(
+                    "a forward and backward call: after the forward above, version 1 of the backward, float32 arithmetic on CUDA cores in chunks of {} steps (head_dim and state up to {}, shared memory permitting: both 128 fit), nine launches: the forward's chunk states recomputed and passed on, each chunk's own part of the state's adjoint and those passed from the last chunk back, then per chunk dX (with x·u and dy·x per step), dB and dC per head from the Gram matrix dy·xᵀ, the adjoint and the entering state; dΔ, dA and dD from a suffix sum over the sequence per (head, batch entry); dB and dC summed over the group's heads",
+                    ssd_cuda::CHUNK,
+                    ssd_cuda::MAX_DIM
                 ),
                 implementation: GPU_IMPLEMENTATION.into(),
             },
@@ -484,7 +496,19 @@ impl runner::Suite for Mixers {
                     scan_cuda::forward_chunk(c.scan_shape())
                 ));
             }
-            if c.pass == MixerPass::FwdBwd {
+            if c.pass == MixerPass::FwdBwd && c.mixer == Mixer::Ssd {
+                notes.push(format!(
+                    "backward (version 1): float32 arithmetic on CUDA cores whatever the \
+                     forward's path, chunks of {} steps; the forward's chunk states recomputed \
+                     (nothing kept by the forward call), the state's adjoint passed from the \
+                     last chunk back to the first, then dX, dB and dC per chunk from the two and \
+                     dΔ from a suffix sum over the sequence; dB and dC summed over the group's \
+                     heads and dA, dD over the batch in a fixed order (no atomics); gradients in \
+                     float32",
+                    ssd_cuda::CHUNK
+                ));
+            }
+            if c.pass == MixerPass::FwdBwd && c.mixer == Mixer::SelectiveScan {
                 notes.push(format!(
                     "backward (version 2): chunks of {} steps walked at once, the forward's \
                      states entering each chunk recomputed (nothing kept by the forward call), \
@@ -642,6 +666,9 @@ enum Kernels {
     /// The selective scan's forward, then its backward (a fwd+bwd case), and the buffer the
     /// backward writes the initial state's gradient to (not an output of the case).
     ScanBwd(Box<(Scan, ScanBackward, CudaSlice<f32>)>),
+    /// SSD's forward, then its backward (a fwd+bwd case), and the buffer the backward writes
+    /// the initial state's gradient to (not an output of the case).
+    SsdBwd(Box<(Ssd, SsdBackward, CudaSlice<f32>)>),
     Delta(GatedDelta),
     Based(Box<Based>),
 }
@@ -654,6 +681,26 @@ struct GpuLaunch {
     /// Based's factor on q·k, from the case's arguments (1 for the others).
     scale: f32,
     final_state: CudaSlice<f32>,
+}
+
+/// The runner's gradient buffers (float32 words: the six gradients of a backward's inputs)
+/// as float32 views.
+///
+/// # Errors
+/// [`GpuError::Config`] for other than six buffers, or one of an odd number of words.
+fn gradient_views(grads: &mut [CudaSlice<u16>]) -> Result<[CudaViewMut<'_, f32>; 6], GpuError> {
+    let mut views = Vec::with_capacity(grads.len());
+    for g in grads.iter_mut() {
+        let len = g.len() / 2;
+        // SAFETY: `g` holds 2·len 16-bit words, the bytes of `len` floats.
+        views.push(
+            unsafe { g.transmute_mut::<f32>(len) }
+                .ok_or_else(|| GpuError::Config("gradient buffer too short".into()))?,
+        );
+    }
+    views
+        .try_into()
+        .map_err(|v: Vec<_>| GpuError::Config(format!("{} gradient buffers, expected 6", v.len())))
 }
 
 /// Launches `k` on the sequence inputs `seq` (X or u, B, C; or q, k, v; then dy for a
@@ -697,20 +744,39 @@ fn launch_kernels<T: DeviceRepr>(
             fs,
         )
     };
+    // SSD's forward: X, Δ, A, B, C, D; no initial state.
+    let ssd_forward = |k: &mut Ssd, y: &mut CudaViewMut<'_, T>, fs: &mut CudaSlice<f32>| {
+        k.launch(
+            gpu,
+            seq[0],
+            f[0],
+            f[1],
+            seq[1],
+            seq[2],
+            Some(f[2]),
+            None,
+            y,
+            fs,
+        )
+    };
     match k {
         Kernels::Ssd(k) => {
             want(3, 3)?;
-            k.launch(
+            ssd_forward(k, y, fs)
+        }
+        Kernels::SsdBwd(k) => {
+            want(4, 3)?;
+            let (fwd, bwd, d_initial) = &mut **k;
+            ssd_forward(fwd, y, fs)?;
+            bwd.launch_into(
                 gpu,
-                seq[0],
-                f[0],
-                f[1],
-                seq[1],
-                seq[2],
+                (seq[0], f[0], f[1], seq[1], seq[2]),
                 Some(f[2]),
                 None,
-                y,
-                fs,
+                seq[3],
+                None,
+                &mut gradient_views(grads)?,
+                d_initial,
             )
         }
         Kernels::Scan(k) => {
@@ -721,19 +787,7 @@ fn launch_kernels<T: DeviceRepr>(
             want(4, 3)?;
             let (fwd, bwd, d_initial) = &mut **k;
             scan_forward(fwd)?;
-            // The runner's gradient buffers hold float32 words: du, dΔ, dA, dB, dC, dD.
-            let mut views = Vec::with_capacity(grads.len());
-            for g in grads.iter_mut() {
-                let len = g.len() / 2;
-                // SAFETY: `g` holds 2·len 16-bit words, the bytes of `len` floats.
-                views.push(
-                    unsafe { g.transmute_mut::<f32>(len) }
-                        .ok_or_else(|| GpuError::Config("gradient buffer too short".into()))?,
-                );
-            }
-            let mut views: [CudaViewMut<'_, f32>; 6] = views.try_into().map_err(|v: Vec<_>| {
-                GpuError::Config(format!("{} gradient buffers, expected 6", v.len()))
-            })?;
+            let mut views = gradient_views(grads)?;
             bwd.launch_into(
                 gpu,
                 seq[0],
@@ -868,6 +922,9 @@ impl own::Launcher for GpuLaunch {
             Kernels::ScanBwd(k) => {
                 k.0.temporary_bytes() + k.1.temporary_bytes() + 4 * k.2.len() as u64
             }
+            Kernels::SsdBwd(k) => {
+                k.0.temporary_bytes() + k.1.temporary_bytes() + 4 * k.2.len() as u64
+            }
             Kernels::Delta(k) => k.temporary_bytes(),
             Kernels::Based(k) => k.temporary_bytes(),
         };
@@ -875,7 +932,7 @@ impl own::Launcher for GpuLaunch {
     }
     fn residual_bytes(&self) -> Option<u64> {
         // The backward recomputes the forward from the inputs: the forward keeps nothing.
-        matches!(self.kernels, Kernels::ScanBwd(_)).then_some(0)
+        matches!(self.kernels, Kernels::ScanBwd(_) | Kernels::SsdBwd(_)).then_some(0)
     }
     fn workspace_bytes(&self) -> u64 {
         0
@@ -902,6 +959,16 @@ fn measure_gpu(job: &Job) -> Reply {
     own::measure(job, |gpu| {
         let dtype = device_dtype(case.dtype);
         let kernels = match case.mixer {
+            Mixer::Ssd if case.pass == MixerPass::FwdBwd => {
+                let d_initial = gpu
+                    .stream
+                    .alloc_zeros::<f32>((case.batch * case.state_elements()).max(1))?;
+                Kernels::SsdBwd(Box::new((
+                    Ssd::new(gpu, case.ssd_shape(), dtype)?,
+                    SsdBackward::new(gpu, case.ssd_shape(), dtype)?,
+                    d_initial,
+                )))
+            }
             Mixer::Ssd => Kernels::Ssd(Ssd::new(gpu, case.ssd_shape(), dtype)?),
             Mixer::SelectiveScan if case.pass == MixerPass::FwdBwd => {
                 let d_initial = gpu
@@ -922,6 +989,8 @@ fn measure_gpu(job: &Job) -> Reply {
             Kernels::Scan(k) => k.compile_s,
             // One source (scan.cu) holds both: compiled once.
             Kernels::ScanBwd(k) => k.0.compile_s + k.1.compile_s,
+            // Two sources (ssd.cu; ssd.cu with ssd_bwd.cu), each compiled once.
+            Kernels::SsdBwd(k) => k.0.compile_s + k.1.compile_s,
             Kernels::Delta(k) => k.compile_s,
             Kernels::Based(k) => k.compile_s,
         };
@@ -947,18 +1016,20 @@ mod tests {
     #[test]
     fn the_grids_and_their_selection() {
         let gpu = Cli::try_parse_from(["sequence_mixers"]).unwrap();
-        // 4 mixers × 2 dtypes × 2 head dims × 4 lengths forward, and the selective scan's
-        // 2 × 2 × 4 forward and backward cases; the longest spread over the shards.
+        // 4 mixers × 2 dtypes × 2 head dims × 4 lengths forward, and SSD's and the selective
+        // scan's 2 × 2 × 4 forward and backward cases each; the longest spread over the shards.
         let all_gpu = cases(&gpu, false).unwrap();
-        assert_eq!(all_gpu.len(), 64 + 16);
-        assert_eq!(cases(&gpu, true).unwrap().len(), 4 * 2 + 2);
+        assert_eq!(all_gpu.len(), 64 + 32);
+        assert_eq!(cases(&gpu, true).unwrap().len(), 4 * 2 + 2 * 2);
         let backward: Vec<MixerCase> = all_gpu
             .iter()
             .map(|p| MixerCase::from_params(p).unwrap())
             .filter(|c| c.pass == MixerPass::FwdBwd)
             .collect();
-        assert_eq!(backward.len(), 16);
-        assert!(backward.iter().all(|c| c.mixer == Mixer::SelectiveScan));
+        assert_eq!(backward.len(), 32);
+        for mixer in [Mixer::SelectiveScan, Mixer::Ssd] {
+            assert_eq!(backward.iter().filter(|c| c.mixer == mixer).count(), 16);
+        }
         let fwd_only = Cli::try_parse_from(["sequence_mixers", "--passes", "fwd"]).unwrap();
         assert_eq!(cases(&fwd_only, false).unwrap().len(), 64);
         assert!(Cli::try_parse_from(["sequence_mixers", "--passes", "bwd"])
@@ -1029,7 +1100,7 @@ mod tests {
         assert!(Cli::try_parse_from(["sequence_mixers", "--mixers", "gla"])
             .map(|c| cases(&c, false).is_err())
             .unwrap());
-        assert_eq!(dispatch_rules(DeviceChoice::Gpu).len(), 4);
+        assert_eq!(dispatch_rules(DeviceChoice::Gpu).len(), 5);
         let long = MixerCase::gated_delta(4, 65536, 8, 64);
         assert!(suite
             .unsupported(&long.params(), TORCH_EAGER)

@@ -16,6 +16,8 @@ mod delta;
 mod large;
 #[path = "gpu_sequence_mixers/scan.rs"]
 mod scan;
+#[path = "gpu_sequence_mixers/ssd_bwd.rs"]
+mod ssd_bwd;
 
 use std::sync::OnceLock;
 

@@ -409,3 +409,38 @@ fn selective_scan_backward_emulated_matches_the_adjoint() {
     cases.push("1,1100,3,16,32".into());
     emulated_kernel_runs_clean("scan_bwd_check", &cases);
 }
+
+/// SSD's backward (`ssd_bwd.cu` after `ssd.cu`: the forward's chunk states and their passing,
+/// the chunks' own adjoints and their passing back, dx, dB and dC per head, the suffix sums
+/// for dΔ, the sums over the group and the batch) on the CPU against a float64 adjoint, itself
+/// checked against finite differences: every gradient, with and without D, an initial state
+/// and a cotangent of the final state, with the host's shared-memory sizes
+/// (`sequence_mixers::ssd_backward::backward_shared_bytes`), shared memory poisoned and guarded
+/// past them: one step, partial chunks, groups, odd head_dim and state.
+#[test]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+fn ssd_backward_emulated_matches_the_adjoint() {
+    use kernelpages::sequence_mixers::reference::SsdShape;
+    use kernelpages::sequence_mixers::ssd_backward::backward_shared_bytes;
+    let cases: Vec<String> = [
+        (1, 1, 2, 1, 8, 8),
+        (1, 70, 2, 1, 16, 8),
+        (2, 150, 4, 2, 8, 16),
+        (1, 65, 1, 1, 33, 31),
+        (1, 64, 2, 2, 32, 40),
+    ]
+    .iter()
+    .map(|&(batch, seq_len, heads, groups, head_dim, state)| {
+        let [chunk, dx, dbc, ddt] = backward_shared_bytes(SsdShape {
+            batch,
+            seq_len,
+            heads,
+            head_dim,
+            state,
+            groups,
+        });
+        format!("{batch},{seq_len},{heads},{groups},{head_dim},{state},{chunk},{chunk},{dx},{dbc},{ddt}")
+    })
+    .collect();
+    emulated_kernel_runs_clean("ssd_bwd_check", &cases);
+}

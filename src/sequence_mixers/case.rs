@@ -55,6 +55,12 @@ impl Mixer {
         }
     }
 
+    /// Whether the project has a backward of this mixer (SSD and the selective scan so far):
+    /// the mixers that take a `fwd+bwd` pass.
+    pub fn has_backward(self) -> bool {
+        matches!(self, Mixer::Ssd | Mixer::SelectiveScan)
+    }
+
     /// The mixer named `s`, if any.
     pub fn parse(s: &str) -> Option<Mixer> {
         Mixer::ALL.into_iter().find(|m| m.as_str() == s)
@@ -62,7 +68,8 @@ impl Mixer {
 }
 
 /// What one call computes: the forward, or the forward and the backward (the gradients of
-/// ⟨dy, y⟩ with respect to every input, dy given; so far the selective scan only).
+/// ⟨dy, y⟩ with respect to every input, dy given; SSD and the selective scan so far:
+/// [`Mixer::has_backward`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MixerPass {
     /// The forward.
@@ -293,8 +300,8 @@ impl MixerCase {
     ///
     /// # Errors
     /// A missing or mistyped parameter, an unknown mixer or dtype, a pass other than `fwd` or
-    /// `fwd+bwd`, `fwd+bwd` for a mixer other than the selective scan (the only one with a
-    /// backward so far), or a shape [`MixerCase::validate`] refuses.
+    /// `fwd+bwd`, `fwd+bwd` for a mixer without a backward ([`Mixer::has_backward`]), or a
+    /// shape [`MixerCase::validate`] refuses.
     pub fn from_params(p: &BTreeMap<String, Param>) -> Result<MixerCase, String> {
         let int = |k: &str| crate::schema::param_size(p, k);
         let text = |k: &str| crate::schema::param_name(p, k);
@@ -308,10 +315,11 @@ impl MixerCase {
         };
         let pass = match text("pass")? {
             "fwd" => MixerPass::Fwd,
-            "fwd+bwd" if mixer == Mixer::SelectiveScan => MixerPass::FwdBwd,
+            "fwd+bwd" if mixer.has_backward() => MixerPass::FwdBwd,
             "fwd+bwd" => {
                 return Err(format!(
-                    "pass `fwd+bwd` of {}: only the selective scan has a backward so far",
+                    "pass `fwd+bwd` of {}: only SSD and the selective scan have a backward so \
+                     far",
                     mixer.as_str()
                 ))
             }
@@ -489,9 +497,9 @@ impl MixerCase {
     /// Bytes one call must move at least: X (u), B, C and Y in the case's dtype, Δ in float32
     /// (per head for SSD, per channel for the scan), A and D in float32 (A per channel and
     /// state for the scan); for the gated delta rule q, k, v and o in the case's dtype and α, β
-    /// in float32 per head and token; for Based q, k, v and o; no initial or final state. The
-    /// selective scan's forward and backward adds a second read of its inputs, dy, and its
-    /// float32 gradients.
+    /// in float32 per head and token; for Based q, k, v and o; no initial or final state. A
+    /// forward and backward (SSD, the selective scan) adds a second read of the inputs, dy, and
+    /// the float32 gradients.
     pub fn bytes(&self) -> f64 {
         let e = self.dtype.bytes() as f64;
         let t = self.tokens();
@@ -501,7 +509,18 @@ impl MixerCase {
             Mixer::Ssd => {
                 let g = self.groups as f64;
                 let h = self.heads as f64;
-                t * (2.0 * w * e + 2.0 * g * n * e + 4.0 * h) + 8.0 * h
+                let forward = t * (2.0 * w * e + 2.0 * g * n * e + 4.0 * h) + 8.0 * h;
+                match self.pass {
+                    MixerPass::Fwd => forward,
+                    // The backward reads X, B, C, Δ and dy, and writes dX ([B, T, H, P]), dΔ
+                    // ([B, T, H]), dB and dC ([B, T, G, N]), dA and dD in float32.
+                    MixerPass::FwdBwd => {
+                        forward
+                            + t * (2.0 * w * e + 2.0 * g * n * e + 4.0 * h)
+                            + t * (4.0 * w + 4.0 * h + 8.0 * g * n)
+                            + 8.0 * h
+                    }
+                }
             }
             Mixer::SelectiveScan => {
                 let forward = t * (2.0 * w * e + 2.0 * n * e + 4.0 * w) + 4.0 * w * (n + 1.0);
@@ -740,36 +759,70 @@ impl MixerInputs {
         })
     }
 
-    /// The float64 gradients of ⟨dy, y⟩ for a forward and backward case `c` (selective scan):
-    /// per gradient its name, the input it is the gradient of, values and shape, in the order
-    /// du `[B, T, D]`, dΔ `[B, T, D]`, dA `[D, N]`, dB and dC `[B, T, N]`, dD `[D]`
-    /// ([`super::gradients::selective_scan_backward`], zero initial state).
+    /// Calls `run` with SSD's inputs (X, Δ, A, B, C, D; zero initial state) as float64, as the
+    /// references read them.
+    fn with_ssd_inputs<R>(&self, run: impl FnOnce(SsdInputs) -> R) -> R {
+        let (x, dt, a) = (self.float64("x"), self.float64("dt"), self.float64("a"));
+        let (b, cc, d) = (self.float64("b"), self.float64("c"), self.float64("d"));
+        run(SsdInputs {
+            x: &x,
+            dt: &dt,
+            a: &a,
+            b: &b,
+            c: &cc,
+            d: Some(&d),
+            initial_state: None,
+        })
+    }
+
+    /// The float64 gradients of ⟨dy, y⟩ for a forward and backward case `c`, zero initial
+    /// state: per gradient its name, the input it is the gradient of, values and shape, in the
+    /// order of the inputs:
+    /// - SSD ([`super::gradients::ssd_backward`]): dX `[B, T, H, P]`, dΔ `[B, T, H]`, dA `[H]`,
+    ///   dB and dC `[B, T, G, N]`, dD `[H]`;
+    /// - the selective scan ([`super::gradients::selective_scan_backward`]): du `[B, T, D]`,
+    ///   dΔ `[B, T, D]`, dA `[D, N]`, dB and dC `[B, T, N]`, dD `[D]`.
     ///
     /// # Errors
-    /// A case that is not a forward and backward selective scan; inputs whose lengths do not
-    /// fit `c`.
+    /// A case that is not a forward and backward case of a mixer with a backward; inputs whose
+    /// lengths do not fit `c`.
     #[allow(clippy::type_complexity)]
     pub fn gradient_references(
         &self,
         c: &MixerCase,
     ) -> Result<Vec<(&'static str, &'static str, Vec<f64>, Vec<usize>)>, String> {
-        if c.mixer != Mixer::SelectiveScan || c.pass != MixerPass::FwdBwd {
+        if !c.mixer.has_backward() || c.pass != MixerPass::FwdBwd {
             return Err(format!(
                 "gradient references: {} has no backward case",
                 c.label()
             ));
         }
         let dy = self.float64("dy");
+        let (bs, t) = (c.batch, c.seq_len);
+        if c.mixer == Mixer::Ssd {
+            let g = self.with_ssd_inputs(|inp| {
+                super::gradients::ssd_backward(c.ssd_shape(), inp, &dy, None)
+            })?;
+            let (h, gn) = (c.heads, [c.groups, c.state]);
+            return Ok(vec![
+                ("dx", "x", g.dx, vec![bs, t, h, c.head_dim]),
+                ("ddt", "dt", g.ddt, vec![bs, t, h]),
+                ("dA", "a", g.da, vec![h]),
+                ("dB", "b", g.db, vec![bs, t, gn[0], gn[1]]),
+                ("dC", "c", g.dc, vec![bs, t, gn[0], gn[1]]),
+                ("dD", "d", g.dd.unwrap_or_default(), vec![h]),
+            ]);
+        }
         let g = self.with_scan_inputs(|inp| {
             super::gradients::selective_scan_backward(c.scan_shape(), inp, &dy, None)
         })?;
         let (ch, n) = (c.channels, c.state);
         Ok(vec![
-            ("du", "u", g.du, vec![c.batch, c.seq_len, ch]),
-            ("ddelta", "delta", g.ddelta, vec![c.batch, c.seq_len, ch]),
+            ("du", "u", g.du, vec![bs, t, ch]),
+            ("ddelta", "delta", g.ddelta, vec![bs, t, ch]),
             ("dA", "a", g.da, vec![ch, n]),
-            ("dB", "b", g.db, vec![c.batch, c.seq_len, n]),
-            ("dC", "c", g.dc, vec![c.batch, c.seq_len, n]),
+            ("dB", "b", g.db, vec![bs, t, n]),
+            ("dC", "c", g.dc, vec![bs, t, n]),
             ("dD", "d", g.dd.unwrap_or_default(), vec![ch]),
         ])
     }
@@ -784,17 +837,7 @@ impl MixerInputs {
         let f = |name: &str| -> Vec<f64> { self.get(name).iter().map(|&x| x as f64).collect() };
         match c.mixer {
             Mixer::Ssd => {
-                let (x, dt, a, b, cc, d) = (f("x"), f("dt"), f("a"), f("b"), f("c"), f("d"));
-                let inp = SsdInputs {
-                    x: &x,
-                    dt: &dt,
-                    a: &a,
-                    b: &b,
-                    c: &cc,
-                    d: Some(&d),
-                    initial_state: None,
-                };
-                reference::ssd(c.ssd_shape(), inp).map(|(y, _)| y)
+                self.with_ssd_inputs(|inp| reference::ssd(c.ssd_shape(), inp).map(|(y, _)| y))
             }
             Mixer::SelectiveScan => self.with_scan_inputs(|inp| {
                 reference::selective_scan(c.scan_shape(), inp).map(|(y, _)| y)
@@ -854,7 +897,8 @@ mod tests {
         assert!(MixerCase::from_params(&p)
             .unwrap_err()
             .contains("multiple of groups"));
-        // The selective scan has a backward; the others refuse fwd+bwd, and any other pass.
+        // The selective scan and SSD have a backward; the others refuse fwd+bwd, and any other
+        // pass.
         let mut p = scan.params();
         p.insert("pass".into(), Param::Text("fwd+bwd".into()));
         let back = MixerCase::from_params(&p).unwrap();
@@ -865,7 +909,7 @@ mod tests {
         q.insert("pass".into(), Param::Text("fwd+bwd".into()));
         assert!(MixerCase::from_params(&q)
             .unwrap_err()
-            .contains("only the selective scan has a backward"));
+            .contains("only SSD and the selective scan have a backward"));
         q.insert("pass".into(), Param::Text("bwd".into()));
         assert!(MixerCase::from_params(&q)
             .unwrap_err()

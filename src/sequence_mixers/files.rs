@@ -103,9 +103,11 @@ pub fn write_case(c: &MixerCase, seed: u64, check_tokens: usize, dir: &Path) -> 
         for (name, input, values, shape) in
             inp.gradient_references(c).map_err(anyhow::Error::msg)?
         {
-            let per_token = shape.len() == 3;
+            // A gradient with a token axis is [B, T, ...]: its values per token are the
+            // product of the dimensions after T.
+            let per_token = shape.len() >= 3;
             let (ranges, picked): (Vec<[u64; 2]>, Vec<f64>) = if per_token {
-                let width = shape[2];
+                let width: usize = shape[2..].iter().product();
                 (
                     tokens
                         .iter()
@@ -250,5 +252,43 @@ mod tests {
         c.pass = MixerPass::Fwd;
         let f = write_case(&c, 7, 4, dir.path()).unwrap();
         assert!(f.gradients.is_empty() && f.inputs.len() == 6);
+    }
+
+    #[test]
+    fn an_ssd_backward_case_checks_whole_tokens_of_its_4d_gradients() {
+        let dir = tempfile::tempdir().unwrap();
+        // B2 T5 H4 P3 N2, one group.
+        let mut c = MixerCase::ssd(2, 5, 4, 3, 2);
+        c.pass = MixerPass::FwdBwd;
+        let f = write_case(&c, 9, 4, dir.path()).unwrap();
+        let g: Vec<(&str, &str)> = f
+            .gradients
+            .iter()
+            .map(|g| (g.name.as_str(), g.input.as_str()))
+            .collect();
+        assert_eq!(
+            g,
+            [
+                ("dx", "x"),
+                ("ddt", "dt"),
+                ("dA", "a"),
+                ("dB", "b"),
+                ("dC", "c"),
+                ("dD", "d")
+            ]
+        );
+        // dX [2, 5, 4, 3]: 12 values per token, the 4 checked tokens of 10; dΔ 4 per token;
+        // dB [2, 5, 1, 2]: 2 per token; dA whole.
+        assert_eq!(f.gradients[0].output.shape, vec![2, 5, 4, 3]);
+        assert_eq!(
+            f.gradients[0].check.ranges,
+            vec![[0, 12], [36, 12], [72, 12], [108, 12]]
+        );
+        assert_eq!(f.gradients[1].check.ranges[1], [12, 4]);
+        assert_eq!(f.gradients[3].check.ranges[3], [18, 2]);
+        assert_eq!(f.gradients[2].check.ranges, vec![[0, 4]]);
+        let dx = crate::runner::protocol::read_f64(&f.gradients[0].check.reference).unwrap();
+        assert_eq!(dx.len(), 48);
+        assert!(dx.iter().any(|&x| x != 0.0));
     }
 }

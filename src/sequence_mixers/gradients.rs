@@ -8,7 +8,8 @@
 //! Each is the adjoint of its recurrence, run one time step after another from the last step
 //! back to the first while holding the adjoint of the state (∂L/∂S_t), as the papers' and
 //! mamba_ssm's backward passes do, not a finite difference. The forward recurrence is
-//! recomputed inside (its states S_0 … S_T kept for one batch entry and head at a time), so
+//! recomputed inside (SSD: from checkpoints every 256 steps, one task per batch entry and head
+//! in parallel; the scan: its tasks' states kept whole), so
 //! the functions take the forward's inputs ([`SsdInputs`], [`ScanInputs`]) and the cotangents
 //! of its two outputs: dy (of Y) and, optionally, d_final_state (of the final state; zeros when
 //! none). What they compute is the gradient of the scalar
@@ -88,8 +89,118 @@ pub fn ssd_backward(
     check_len("dy", dy, batch * t_len * heads * p_dim)?;
     let pn = p_dim * n_dim;
     let s0 = or_zeros("initial_state", inp.initial_state, batch * heads * pn)?;
-    // The adjoint of the state, d_final_state to start with, a_1 Ŝ_1 once the loop is done.
-    let mut adj = or_zeros("d_final_state", d_final_state, batch * heads * pn)?;
+    let d_final = or_zeros("d_final_state", d_final_state, batch * heads * pn)?;
+    let per_group = heads / groups;
+    // States are kept every SEGMENT steps (checkpoints); a segment's states are recomputed
+    // from its checkpoint when the adjoint reaches it: memory (T / SEGMENT + SEGMENT)·P·N per
+    // task rather than T·P·N, the forward run twice.
+    const SEGMENT: usize = 256;
+    // One task per (batch entry, head), in parallel; each returns its parts, gathered below.
+    struct Task {
+        dx: Vec<f64>,
+        ddt: Vec<f64>,
+        db: Vec<f64>,
+        dc: Vec<f64>,
+        da: f64,
+        dd: f64,
+        d_initial: Vec<f64>,
+    }
+    let tasks: Vec<Task> = (0..batch * heads)
+        .into_par_iter()
+        .map(|task| {
+            let (b, h) = (task / heads, task % heads);
+            let g = h / per_group;
+            let bh = task * pn;
+            let skip = inp.d.map_or(0.0, |d| d[h]);
+            let a_h = inp.a[h];
+            // One forward step from `prev` into `next`.
+            let step = |t: usize, prev: &[f64], next: &mut [f64]| {
+                let bt = b * t_len + t;
+                let dt = inp.dt[bt * heads + h];
+                let decay = (dt * a_h).exp();
+                let x = &inp.x[(bt * heads + h) * p_dim..][..p_dim];
+                let bv = &inp.b[(bt * groups + g) * n_dim..][..n_dim];
+                for p in 0..p_dim {
+                    for n in 0..n_dim {
+                        next[p * n_dim + n] = decay * prev[p * n_dim + n] + dt * x[p] * bv[n];
+                    }
+                }
+            };
+            // The forward, keeping the state entering every segment.
+            let segments = t_len.div_ceil(SEGMENT);
+            let mut checkpoints = vec![0.0; segments.max(1) * pn];
+            let mut cur = s0[bh..][..pn].to_vec();
+            let mut next = vec![0.0; pn];
+            for t in 0..t_len {
+                if t % SEGMENT == 0 {
+                    checkpoints[(t / SEGMENT) * pn..][..pn].copy_from_slice(&cur);
+                }
+                step(t, &cur, &mut next);
+                std::mem::swap(&mut cur, &mut next);
+            }
+            let mut out = Task {
+                dx: vec![0.0; t_len * p_dim],
+                ddt: vec![0.0; t_len],
+                db: vec![0.0; t_len * n_dim],
+                dc: vec![0.0; t_len * n_dim],
+                da: 0.0,
+                dd: 0.0,
+                d_initial: Vec::new(),
+            };
+            // The adjoint Ŝ, d_final_state to start with, a_1 Ŝ_1 once the loop is done.
+            let mut s_adj = d_final[bh..][..pn].to_vec();
+            // S_{t0} … S_{t1} of the segment the adjoint is in.
+            let mut states = vec![0.0; (SEGMENT + 1) * pn];
+            for seg in (0..segments).rev() {
+                let (t0, t1) = (seg * SEGMENT, ((seg + 1) * SEGMENT).min(t_len));
+                states[..pn].copy_from_slice(&checkpoints[seg * pn..][..pn]);
+                for t in t0..t1 {
+                    let (prev, rest) = states[(t - t0) * pn..].split_at_mut(pn);
+                    step(t, prev, &mut rest[..pn]);
+                }
+                for t in (t0..t1).rev() {
+                    let bt = b * t_len + t;
+                    let dt = inp.dt[bt * heads + h];
+                    let decay = (dt * a_h).exp();
+                    let xi = (bt * heads + h) * p_dim;
+                    let gi = (bt * groups + g) * n_dim;
+                    let x = &inp.x[xi..][..p_dim];
+                    let bv = &inp.b[gi..][..n_dim];
+                    let cv = &inp.c[gi..][..n_dim];
+                    let dyv = &dy[xi..][..p_dim];
+                    let (prev, cur) = states[(t - t0) * pn..(t - t0 + 2) * pn].split_at(pn);
+                    let (db_t, dc_t) = (
+                        &mut out.db[(t * n_dim)..][..n_dim],
+                        &mut out.dc[(t * n_dim)..][..n_dim],
+                    );
+                    // ⟨Ŝ_t, S_{t−1}⟩ and xᵀ Ŝ_t B.
+                    let (mut s_prev, mut s_xb) = (0.0, 0.0);
+                    for p in 0..p_dim {
+                        let mut sb = 0.0;
+                        for n in 0..n_dim {
+                            let e = p * n_dim + n;
+                            // Ŝ_t = (what came back from step t + 1) + dy_t C_tᵀ.
+                            s_adj[e] += dyv[p] * cv[n];
+                            let sa = s_adj[e];
+                            dc_t[n] += cur[e] * dyv[p];
+                            db_t[n] += dt * sa * x[p];
+                            sb += sa * bv[n];
+                            s_prev += sa * prev[e];
+                            // What goes back to step t − 1.
+                            s_adj[e] = decay * sa;
+                        }
+                        out.dx[t * p_dim + p] = dt * sb + skip * dyv[p];
+                        s_xb += x[p] * sb;
+                        out.dd += dyv[p] * x[p];
+                    }
+                    out.ddt[t] = a_h * decay * s_prev + s_xb;
+                    out.da += dt * decay * s_prev;
+                }
+            }
+            out.d_initial = s_adj;
+            out
+        })
+        .collect();
 
     let mut dx = vec![0.0; batch * t_len * heads * p_dim];
     let mut ddt = vec![0.0; batch * t_len * heads];
@@ -97,69 +208,25 @@ pub fn ssd_backward(
     let mut db = vec![0.0; batch * t_len * groups * n_dim];
     let mut dc = vec![0.0; batch * t_len * groups * n_dim];
     let mut dd = vec![0.0; heads];
-    // S_0 … S_T of one (batch entry, head).
-    let mut states = vec![0.0; (t_len + 1) * pn];
-    let per_group = heads / groups;
-    for b in 0..batch {
-        for h in 0..heads {
-            let g = h / per_group;
-            let bh = (b * heads + h) * pn;
-            let skip = inp.d.map_or(0.0, |d| d[h]);
-            let a_h = inp.a[h];
-
-            // The forward, keeping every state.
-            states[..pn].copy_from_slice(&s0[bh..][..pn]);
-            for t in 0..t_len {
-                let bt = b * t_len + t;
-                let dt = inp.dt[bt * heads + h];
-                let decay = (dt * a_h).exp();
-                let x = &inp.x[(bt * heads + h) * p_dim..][..p_dim];
-                let bv = &inp.b[(bt * groups + g) * n_dim..][..n_dim];
-                let (prev, next) = states[t * pn..(t + 2) * pn].split_at_mut(pn);
-                for p in 0..p_dim {
-                    for n in 0..n_dim {
-                        next[p * n_dim + n] = decay * prev[p * n_dim + n] + dt * x[p] * bv[n];
-                    }
-                }
-            }
-
-            // The adjoint, from the last step back to the first.
-            let s_adj = &mut adj[bh..][..pn];
-            for t in (0..t_len).rev() {
-                let bt = b * t_len + t;
-                let dt = inp.dt[bt * heads + h];
-                let decay = (dt * a_h).exp();
-                let xi = (bt * heads + h) * p_dim;
-                let gi = (bt * groups + g) * n_dim;
-                let x = &inp.x[xi..][..p_dim];
-                let bv = &inp.b[gi..][..n_dim];
-                let cv = &inp.c[gi..][..n_dim];
-                let dyv = &dy[xi..][..p_dim];
-                let (prev, cur) = states[t * pn..(t + 2) * pn].split_at(pn);
-                // ⟨Ŝ_t, S_{t−1}⟩ and xᵀ Ŝ_t B.
-                let (mut s_prev, mut s_xb) = (0.0, 0.0);
-                for p in 0..p_dim {
-                    let mut sb = 0.0;
-                    for n in 0..n_dim {
-                        let e = p * n_dim + n;
-                        // Ŝ_t = (what came back from step t + 1) + dy_t C_tᵀ.
-                        s_adj[e] += dyv[p] * cv[n];
-                        let sa = s_adj[e];
-                        dc[gi + n] += cur[e] * dyv[p];
-                        db[gi + n] += dt * sa * x[p];
-                        sb += sa * bv[n];
-                        s_prev += sa * prev[e];
-                        // What goes back to step t − 1.
-                        s_adj[e] = decay * sa;
-                    }
-                    dx[xi + p] = dt * sb + skip * dyv[p];
-                    s_xb += x[p] * sb;
-                    dd[h] += dyv[p] * x[p];
-                }
-                ddt[bt * heads + h] = a_h * decay * s_prev + s_xb;
-                da[h] += dt * decay * s_prev;
+    let mut adj = vec![0.0; batch * heads * pn];
+    // Gathered in task order (batch entry, then head): the sums over heads and batch entries
+    // are in the same order on every run.
+    for (task, part) in tasks.into_iter().enumerate() {
+        let (b, h) = (task / heads, task % heads);
+        let g = h / per_group;
+        for t in 0..t_len {
+            let bt = b * t_len + t;
+            dx[(bt * heads + h) * p_dim..][..p_dim].copy_from_slice(&part.dx[t * p_dim..][..p_dim]);
+            ddt[bt * heads + h] = part.ddt[t];
+            let gi = (bt * groups + g) * n_dim;
+            for n in 0..n_dim {
+                db[gi + n] += part.db[t * n_dim + n];
+                dc[gi + n] += part.dc[t * n_dim + n];
             }
         }
+        da[h] += part.da;
+        dd[h] += part.dd;
+        adj[task * pn..][..pn].copy_from_slice(&part.d_initial);
     }
     Ok(SsdGradients {
         dx,
@@ -473,6 +540,52 @@ mod tests {
     /// L = ⟨dy, Y⟩ + ⟨d_final, final state⟩: with D and an initial state, without D, and with
     /// neither nor a final state's cotangent (the initial state's gradient is then that of a
     /// zero state).
+    /// Past one checkpoint segment (600 steps: three segments of 256, the last partial), every
+    /// gradient's product with a random direction against the central difference of the loss
+    /// along it: a checkpoint taken or restored one step off changes every such product.
+    #[test]
+    fn ssd_backward_across_checkpoint_segments() {
+        let s = SsdShape {
+            batch: 1,
+            seq_len: 600,
+            heads: 2,
+            head_dim: 2,
+            state: 3,
+            groups: 1,
+        };
+        let vars = ssd_vars(s, 900);
+        let dy = uniform(vars[0].len(), -1.0, 1.0, 907);
+        let dfin = uniform(vars[6].len(), -1.0, 1.0, 908);
+        let g = ssd_backward(s, ssd_inputs(&vars, true, true), &dy, Some(&dfin)).unwrap();
+        let loss = |v: &[Vec<f64>]| {
+            let (y, last) = ssd(s, ssd_inputs(v, true, true)).unwrap();
+            dot(&dy, &y) + dot(&dfin, &last)
+        };
+        let grads = [
+            &g.dx,
+            &g.ddt,
+            &g.da,
+            &g.db,
+            &g.dc,
+            g.dd.as_ref().unwrap(),
+            &g.d_initial_state,
+        ];
+        for (k, grad) in grads.iter().enumerate() {
+            let dir = uniform(vars[k].len(), -1.0, 1.0, 950 + k as u64);
+            let along = |sign: f64| {
+                let mut v = vars.clone();
+                v[k].iter_mut()
+                    .zip(&dir)
+                    .for_each(|(x, d)| *x += sign * FD_STEP * d);
+                loss(&v)
+            };
+            let fd = (along(1.0) - along(-1.0)) / (2.0 * FD_STEP);
+            let analytic = dot(grad, &dir);
+            let err = (fd - analytic).abs() / analytic.abs().max(1e-3);
+            assert!(err < 1e-6, "input {k}: {analytic} vs {fd} ({err:.1e})");
+        }
+    }
+
     #[test]
     fn ssd_gradients_match_finite_differences() {
         let s = SSD;

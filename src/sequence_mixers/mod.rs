@@ -26,5 +26,6 @@ pub mod files;
 pub mod gradients;
 pub mod reference;
 pub mod scan_cuda;
+pub mod ssd_backward;
 #[cfg(test)]
 mod test_util;
