@@ -310,7 +310,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (X, B, C, dy; Δ, A, D, states and gradients fp32)".into(),
                 rule: format!(
-                    "a forward and backward call: after the forward above, version 1 of the backward, float32 arithmetic on CUDA cores in chunks of {} steps (head_dim and state up to {}, shared memory permitting: both 128 fit), nine launches: the forward's chunk states recomputed and passed on, each chunk's own part of the state's adjoint and those passed from the last chunk back, then per chunk dX (with x·u and dy·x per step), dB and dC per head from the Gram matrix dy·xᵀ, the adjoint and the entering state; dΔ, dA and dD from a suffix sum over the sequence per (head, batch entry); dB and dC summed over the group's heads",
+                    "a forward and backward call: after the forward above, version 1.1 of the backward, float32 arithmetic on CUDA cores (products register-tiled, 4 rows by up to 4 columns per thread) in chunks of {} steps (head_dim and state up to {}, shared memory permitting: both 128 fit), nine launches: the forward's chunk states recomputed and passed on, each chunk's own part of the state's adjoint and those passed from the last chunk back, then per chunk dX (with x·u and dy·x per step), dB and dC per head from the Gram matrix dy·xᵀ, the adjoint and the entering state; dΔ, dA and dD from a suffix sum over the sequence per (head, batch entry); dB and dC summed over the group's heads",
                     ssd_cuda::CHUNK,
                     ssd_cuda::MAX_DIM
                 ),
@@ -498,7 +498,7 @@ impl runner::Suite for Mixers {
             }
             if c.pass == MixerPass::FwdBwd && c.mixer == Mixer::Ssd {
                 notes.push(format!(
-                    "backward (version 1): float32 arithmetic on CUDA cores whatever the \
+                    "backward (version 1.1): float32 arithmetic on CUDA cores whatever the \
                      forward's path, chunks of {} steps; the forward's chunk states recomputed \
                      (nothing kept by the forward call), the state's adjoint passed from the \
                      last chunk back to the first, then dX, dB and dC per chunk from the two and \

@@ -416,7 +416,8 @@ fn selective_scan_backward_emulated_matches_the_adjoint() {
 /// checked against finite differences: every gradient, with and without D, an initial state
 /// and a cotangent of the final state, with the host's shared-memory sizes
 /// (`sequence_mixers::ssd_backward::backward_shared_bytes`), shared memory poisoned and guarded
-/// past them: one step, partial chunks, groups, odd head_dim and state.
+/// past them: one step, partial chunks, groups, odd head_dim and state, one, two and four
+/// columns per lane in the tiled products and more than one pass of them.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
 fn ssd_backward_emulated_matches_the_adjoint() {
@@ -428,6 +429,9 @@ fn ssd_backward_emulated_matches_the_adjoint() {
         (2, 150, 4, 2, 8, 16),
         (1, 65, 1, 1, 33, 31),
         (1, 64, 2, 2, 32, 40),
+        // Four columns per lane (head_dim 128, state 72), and two passes of them (state 160).
+        (1, 70, 1, 1, 128, 72),
+        (1, 40, 1, 1, 16, 160),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, groups, head_dim, state)| {

@@ -1,10 +1,11 @@
 //! SSD's backward on CUDA: `kernels/sequence_mixers/ssd_bwd.cu` compiled after `ssd.cu` in one
 //! NVRTC module, the vector-Jacobian product of Mamba-2's SSD (Dao and Gu, 2024, "Transformers
 //! are SSMs", the scalar-times-identity A) in chunks of [`CHUNK`] steps, float32 on CUDA cores
-//! (version 1), for f32 and bf16 inputs. The forward's chunk states are recomputed (its
-//! float32 kernels, whichever path the forward itself took), the adjoint of the state is
-//! passed from the last chunk back to the first the same way, and every gradient is formed per
-//! chunk from the two; `ssd_bwd.cu`'s header derives it. Checked against the float64 adjoint
+//! (version 1.1: the products register-tiled from shared memory), for f32 and bf16 inputs.
+//! The forward's chunk states are recomputed in float32 (whichever path the forward itself
+//! took), the adjoint of the state is passed from the last chunk back to the first the same
+//! way, and every gradient is formed per chunk from the two; `ssd_bwd.cu`'s header derives
+//! it. Checked against the float64 adjoint
 //! [`super::gradients::ssd_backward`] (GPU tests) and, on the CPU, by
 //! `kernels/sequence_mixers/emulate/ssd_bwd_check.cpp`.
 
@@ -33,7 +34,7 @@ pub fn entry_points() -> Vec<String> {
         .map(String::from)
         .to_vec();
     for d in [Dtype::F32, Dtype::Bf16] {
-        for k in ["chunk_adjoint", "dx", "db", "dc"] {
+        for k in ["chunk_state", "chunk_adjoint", "dx", "db", "dc"] {
             v.push(format!("ssd_bwd_{k}_{}", d.tag()));
         }
     }
@@ -48,13 +49,13 @@ const WARPS: usize = THREADS as usize / 32;
 
 /// Dynamic shared memory of the backward's kernels for `shape`, bytes, in launch order: the
 /// forward's chunk state and the chunks' own adjoints (the same: L·P + L·N + L floats), dx
-/// (L·N + L·(N | 1) + L·P + P·(N | 1) + L·L + L), dB and dC (2·L·(P | 1) + L·L + L·N + P·N +
-/// 2·L) and the suffix sums for dΔ ([`THREADS`] + 2·warps floats), L = [`CHUNK`].
+/// (L·N + L·(N | 1) + L·P + P·(N | 1) + L·L + L + warps), dB and dC (2·L·(P | 1) + L·L + L·N +
+/// P·N + 2·L) and the sums for dΔ (2·warps floats), L = [`CHUNK`], 8 warps.
 pub fn backward_shared_bytes(shape: SsdShape) -> [u32; 4] {
     let (l, p, n) = (CHUNK, shape.head_dim, shape.state);
-    let dx = l * n + l * (n | 1) + l * p + p * (n | 1) + l * l + l;
+    let dx = l * n + l * (n | 1) + l * p + p * (n | 1) + l * l + l + WARPS;
     let dbc = 2 * l * (p | 1) + l * l + l * n + p * n + 2 * l;
-    let ddt = THREADS as usize + 2 * WARPS;
+    let ddt = 2 * WARPS;
     [
         shared_bytes(shape).0,
         (dx * 4) as u32,
@@ -87,6 +88,8 @@ pub struct SsdBackward {
     final_state: CudaSlice<f32>,
     /// Per step and head: x·u, dy·x and C·(Sᵀ dy), `[B, T, H]` each.
     per_step: [CudaSlice<f32>; 3],
+    /// Per chunk, ⟨R_c, S_e⟩: the part of dl from every step after the chunk, `[B, H, n_chunks]`.
+    bound: CudaSlice<f32>,
     /// dB and dC per head before the group's sum, `[B, T, H, N]` each.
     per_head: [CudaSlice<f32>; 2],
     /// The parts of dA and dD per batch entry and head, `[B, H]` each.
@@ -148,7 +151,7 @@ impl SsdBackward {
         Ok(SsdBackward {
             shape,
             dtype,
-            chunk_state: f(&format!("ssd_chunk_state_{tag}"), smem[0])?,
+            chunk_state: f(&format!("ssd_bwd_chunk_state_{tag}"), smem[0])?,
             passing: f("ssd_state_passing", 0)?,
             adjoint: f(&format!("ssd_bwd_chunk_adjoint_{tag}"), smem[0])?,
             adjoint_passing: f("ssd_bwd_state_passing", 0)?,
@@ -167,6 +170,7 @@ impl SsdBackward {
                 alloc(bt * s.heads)?,
                 alloc(bt * s.heads)?,
             ],
+            bound: alloc(s.batch * s.heads * n_chunks)?,
             per_head: [
                 alloc(bt * s.heads * s.state)?,
                 alloc(bt * s.heads * s.state)?,
@@ -178,13 +182,14 @@ impl SsdBackward {
     }
 
     /// Bytes of scratch one call uses beyond its inputs and outputs: the chunks' states and
-    /// adjoints, their log decays, the forward's final state, three float32 values per step
-    /// and head, dB and dC per head, and the parts of dA and dD.
+    /// adjoints, their log decays and one more value per chunk, the forward's final state,
+    /// three float32 values per step and head, dB and dC per head, and the parts of dA and dD.
     pub fn temporary_bytes(&self) -> u64 {
         let words = self.states.len()
             + self.decay.len()
             + self.adjoints.len()
             + self.final_state.len()
+            + self.bound.len()
             + self.per_step.iter().map(|v| v.len()).sum::<usize>()
             + self.per_head.iter().map(|v| v.len()).sum::<usize>()
             + self.parts.iter().map(|v| v.len()).sum::<usize>();
@@ -281,7 +286,8 @@ impl SsdBackward {
         let [dbh, dch] = &mut self.per_head;
         let [pa, pd] = &mut self.parts;
 
-        // 1, 2. The forward's chunk states (float32) and the states entering each chunk.
+        // 1, 2. The forward's chunk states (float32, ssd.cu's kernel 1 on the backward's tiled
+        // products) and the states entering each chunk.
         let mut l = gpu.stream.launch_builder(&self.chunk_state);
         l.arg(x)
             .arg(dt)
@@ -290,7 +296,7 @@ impl SsdBackward {
             .arg(&mut self.states)
             .arg(&mut self.decay);
         l.arg(&t_len).arg(&heads).arg(&groups).arg(&p).arg(&n);
-        // SAFETY: ssd_chunk_state_<t>(const T* x, const float* dt, const float* A, const T* Bm,
+        // SAFETY: ssd_bwd_chunk_state_<t>(const T* x, const float* dt, const float* A, const T* Bm,
         // float* states, float* chunk_log_decay, int T_len, int heads, int groups, int P,
         // int N): the buffers were checked above, the scratch sized for this shape in `new`;
         // blocks (chunk, head, batch entry) write their own slice.
@@ -326,7 +332,7 @@ impl SsdBackward {
         // initial state and d_initial for the final one: the same coverage; d_final is read only
         // when has_d_final is 1 (then B·H·P·N floats, checked).
         unsafe { l.launch(cfg(0, per_slice))? };
-        // 5. dx, and per step x·u and dy·x.
+        // 5. dx, per step x·u and dy·x, and per chunk ⟨R_c, S_e⟩.
         let mut l = gpu.stream.launch_builder(&self.dx);
         l.arg(x)
             .arg(dt)
@@ -337,14 +343,18 @@ impl SsdBackward {
             .arg(&has_d);
         l.arg(dy)
             .arg(&self.adjoints)
-            .arg(&mut *dx)
+            .arg(&self.states)
+            .arg(&self.final_state);
+        l.arg(&mut *dx)
             .arg(&mut *xu)
-            .arg(&mut *dyx);
+            .arg(&mut *dyx)
+            .arg(&mut self.bound);
         l.arg(&t_len).arg(&heads).arg(&groups).arg(&p).arg(&n);
         // SAFETY: ssd_bwd_dx_<t>(const T* x, const float* dt, const float* A, const T* Bm,
-        // const T* Cm, const float* D, int has_d, const T* dy, const float* adj, float* dx,
-        // float* xu, float* dyx, int T_len, int heads, int groups, int P, int N): checked
-        // buffers and scratch of B·T·H floats; D read only when has_d is 1.
+        // const T* Cm, const float* D, int has_d, const T* dy, const float* adj,
+        // const float* states, const float* final_state, float* dx, float* xu, float* dyx,
+        // float* bound, int T_len, int heads, int groups, int P, int N): checked buffers,
+        // scratch of B·T·H floats and of B·H·n_chunks (bound); D read only when has_d is 1.
         unsafe { l.launch(cfg(self.smem[1], per_chunk))? };
         // 6. dB and dC per head, and per step C·(Sᵀ dy).
         let mut l = gpu.stream.launch_builder(&self.db);
@@ -374,20 +384,20 @@ impl SsdBackward {
         // const T* Cm, const T* dy, const float* states, float* dch, float* cdc, int T_len,
         // int heads, int groups, int P, int N): as ssd_bwd_db, cdc of B·T·H floats.
         unsafe { l.launch(cfg(self.smem[2], per_chunk))? };
-        // 7. The suffix sums: dΔ, and the parts of dA and dD.
+        // 7. dl per chunk: dΔ, and the parts of dA and dD.
         let mut l = gpu.stream.launch_builder(&self.ddt);
-        l.arg(dt).arg(a).arg(&*xu).arg(&*dyx).arg(&*cdc);
-        l.arg(d_final_state.unwrap_or(unused))
-            .arg(&has_d_final)
-            .arg(&self.final_state)
-            .arg(&mut *ddt)
-            .arg(&mut *pa)
-            .arg(&mut *pd);
-        l.arg(&t_len).arg(&heads).arg(&p).arg(&n);
+        l.arg(dt)
+            .arg(a)
+            .arg(&*xu)
+            .arg(&*dyx)
+            .arg(&*cdc)
+            .arg(&self.bound);
+        l.arg(&mut *ddt).arg(&mut *pa).arg(&mut *pd);
+        l.arg(&t_len).arg(&heads).arg(&chunks);
         // SAFETY: ssd_bwd_ddt(const float* dt, const float* A, const float* xu,
-        // const float* dyx, const float* cdc, const float* d_final, int has_d_final,
-        // const float* final_state, float* ddt, float* pa, float* pd, int T_len, int heads,
-        // int P, int N): blocks (head, batch entry); the per-step scratch written above.
+        // const float* dyx, const float* cdc, const float* bound, float* ddt, float* pa,
+        // float* pd, int T_len, int heads, int n_chunks): blocks (head, batch entry); the
+        // per-step and per-chunk scratch written above.
         unsafe { l.launch(cfg(self.smem[3], (s.heads as u32, s.batch as u32, 1)))? };
         // 8. dB and dC over the group's heads; dA and dD over the batch.
         let rows = bt as i64;
@@ -426,13 +436,13 @@ mod tests {
         assert_eq!(state, ((64 * 128 + 64 * 128 + 64) * 4) as u32);
         assert_eq!(
             dx,
-            ((64 * 128 + 64 * 129 + 64 * 128 + 128 * 129 + 64 * 64 + 64) * 4) as u32
+            ((64 * 128 + 64 * 129 + 64 * 128 + 128 * 129 + 64 * 64 + 64 + 8) * 4) as u32
         );
         assert_eq!(
             dbc,
             ((2 * 64 * 129 + 64 * 64 + 64 * 128 + 128 * 128 + 128) * 4) as u32
         );
-        assert_eq!(ddt, ((256 + 16) * 4) as u32);
+        assert_eq!(ddt, (16 * 4) as u32);
         // head_dim = state = 128, the grid's largest, fits; 256 does not.
         assert!(backward_shared_bytes(s).iter().all(|&b| b <= MAX_SHARED));
         let big = SsdShape { head_dim: 256, ..s };
@@ -442,7 +452,7 @@ mod tests {
     #[test]
     fn entry_points_are_in_the_source() {
         let e = entry_points();
-        assert_eq!(e.len(), 11);
+        assert_eq!(e.len(), 13);
         for name in &e {
             let stem = name.trim_end_matches("_f32").trim_end_matches("_bf16");
             assert!(SSD_BWD_SRC.contains(stem), "{name}");

@@ -174,7 +174,8 @@ const NAMES: [&str; 7] = ["dx", "ddt", "da", "db", "dc", "dd", "d_initial_state"
 /// the same rounded inputs), with and without D, an initial state and d_final_state; one
 /// step, 63, 64, 65 and 200 steps (partial chunks), groups, odd head_dim and state, head_dim
 /// = state = 128 (the grid's largest), and 4,097 steps (65 chunks). Relative L2 error of every
-/// gradient ≤ 1e-4; a NaN fails.
+/// gradient ≤ 1e-4 (the largest absolute value where the float64 gradient is exactly 0); a
+/// NaN fails.
 #[test]
 #[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
 fn ssd_backward_matches_float64() {
@@ -194,7 +195,15 @@ fn ssd_backward_matches_float64() {
                 let (got, want) = ssd_backward_case(s, dtype, optional, 500 + 10 * k as u64);
                 let mut worst = (0.0f64, "none");
                 for ((name, g), w) in NAMES.iter().zip(&got).zip(&want) {
-                    let e = rel_l2(g, w);
+                    // A gradient that is exactly 0 (dA after one step from a zero state: the
+                    // state before it is 0) has no relative error: the absolute one counts,
+                    // float32 rounding of terms that cancel.
+                    let zero = w.iter().all(|&v| v == 0.0);
+                    let e = if zero {
+                        g.iter().fold(0.0f64, |m, v| m.max(v.abs()))
+                    } else {
+                        rel_l2(g, w)
+                    };
                     let e = if e.is_nan() { f64::INFINITY } else { e };
                     if e > worst.0 {
                         worst = (e, name);

@@ -1,4 +1,5 @@
-// SSD's backward (ssd_bwd.cu after ssd.cu: the forward's chunk states and their passing, the
+// SSD's backward (ssd_bwd.cu after ssd.cu: the forward's chunk states (on the backward's tiled
+// products) and their passing, the
 // chunks' own adjoints and their passing from the last chunk, dx, dB and dC per head, the
 // suffix sums for dt, the sums over groups and batch) emulated on the CPU (cuda_shim.h) against
 // a float64 adjoint of S_t = exp(dt_t A_h) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t + D_h x_t,
@@ -146,19 +147,20 @@ int main(int argc, char** argv) {
             // Scratch and outputs start as NaN: every entry read must have been written.
             std::vector<float> states((size_t)B * H * nc * P * N, NAN), cld((size_t)B * H * nc, NAN), fin(st_len, NAN),
                 adj(states.size(), NAN), xu(bt * H, NAN), dyx(bt * H, NAN), cdc(bt * H, NAN),
-                dbh(bt * H * N, NAN), dch(bt * H * N, NAN), pa((size_t)B * H, NAN), pd((size_t)B * H, NAN);
+                dbh(bt * H * N, NAN), dch(bt * H * N, NAN), pa((size_t)B * H, NAN), pd((size_t)B * H, NAN),
+                bound(cld.size(), NAN);
             std::vector<float> gx(x.size(), NAN), gdt(dt.size(), NAN), gA(H, NAN), gB(Bm.size(), NAN), gC(Cm.size(), NAN),
                 gD(H, NAN), gi(st_len, NAN);
             const dim3 chunks{(unsigned)nc, (unsigned)H, (unsigned)B};
             const dim3 slices{(unsigned)H, (unsigned)B, (unsigned)((P * N + SSD_THREADS - 1) / SSD_THREADS)};
-            launch(chunks, SSD_THREADS, [&] { chunk_state<float>(x.data(), dt.data(), A.data(), Bm.data(), states.data(), cld.data(), T, H, G, P, N); }, sm1 / 4);
+            launch(chunks, SSD_THREADS, [&] { chunk_products<float, true>(x.data(), dt.data(), A.data(), Bm.data(), states.data(), cld.data(), T, H, G, P, N); }, sm1 / 4);
             launch(slices, SSD_THREADS, [&] { ssd_state_passing(states.data(), cld.data(), init.data(), flags, fin.data(), H, nc, P, N); }, 0);
-            launch(chunks, SSD_THREADS, [&] { chunk_adjoint<float>(dy.data(), dt.data(), A.data(), Cm.data(), adj.data(), T, H, G, P, N); }, sm3 / 4);
+            launch(chunks, SSD_THREADS, [&] { chunk_products<float, false>(dy.data(), dt.data(), A.data(), Cm.data(), adj.data(), nullptr, T, H, G, P, N); }, sm3 / 4);
             launch(slices, SSD_THREADS, [&] { ssd_bwd_state_passing(adj.data(), cld.data(), dfin.data(), flags, gi.data(), H, nc, P, N); }, 0);
-            launch(chunks, SSD_THREADS, [&] { bwd_dx<float>(x.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), flags, dy.data(), adj.data(), gx.data(), xu.data(), dyx.data(), T, H, G, P, N); }, sm5 / 4);
+            launch(chunks, SSD_THREADS, [&] { bwd_dx<float>(x.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), flags, dy.data(), adj.data(), states.data(), fin.data(), gx.data(), xu.data(), dyx.data(), bound.data(), T, H, G, P, N); }, sm5 / 4);
             launch(chunks, SSD_THREADS, [&] { bwd_dbc<float, false>(x.data(), dt.data(), A.data(), Cm.data(), Cm.data(), dy.data(), adj.data(), dbh.data(), nullptr, T, H, G, P, N); }, sm6 / 4);
             launch(chunks, SSD_THREADS, [&] { bwd_dbc<float, true>(x.data(), dt.data(), A.data(), Bm.data(), Cm.data(), dy.data(), states.data(), dch.data(), cdc.data(), T, H, G, P, N); }, sm6 / 4);
-            launch(dim3{(unsigned)H, (unsigned)B, 1}, SSD_THREADS, [&] { ssd_bwd_ddt(dt.data(), A.data(), xu.data(), dyx.data(), cdc.data(), dfin.data(), flags, fin.data(), gdt.data(), pa.data(), pd.data(), T, H, P, N); }, sm7 / 4);
+            launch(dim3{(unsigned)H, (unsigned)B, 1}, SSD_THREADS, [&] { ssd_bwd_ddt(dt.data(), A.data(), xu.data(), dyx.data(), cdc.data(), bound.data(), gdt.data(), pa.data(), pd.data(), T, H, nc); }, sm7 / 4);
             launch(dim3{3, 1, 1}, SSD_THREADS, [&] { ssd_bwd_sum(dbh.data(), dch.data(), pa.data(), pd.data(), flags, gB.data(), gC.data(), gA.data(), gD.data(), (long long)bt, B, H, G, N); }, 0);
             const double e[7] = {rel(gx, want.x), rel(gdt, want.dt), rel(gA, want.A), rel(gB, want.Bm),
                                  rel(gC, want.Cm), flags ? rel(gD, want.D) : 0.0, rel(gi, want.init)};
