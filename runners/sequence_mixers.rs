@@ -418,10 +418,18 @@ impl runner::Suite for Mixers {
             Ok(c) => c,
             Err(e) => return Some(format!("{e:#}")),
         };
-        if c.pass == MixerPass::FwdBwd && implementation != GPU_IMPLEMENTATION {
+        // The alternatives' backward (autograd through them) is measured for SSD: PyTorch's
+        // chunked form and flash-linear-attention's simple GLA; their selective scans are
+        // loops over seq_len (PyTorch) or absent (the library).
+        let alternative_backward =
+            c.mixer == Mixer::Ssd && [TORCH_EAGER, FLA_CHUNK].contains(&implementation);
+        if c.pass == MixerPass::FwdBwd
+            && implementation != GPU_IMPLEMENTATION
+            && !alternative_backward
+        {
             return Some(format!(
-                "fwd+bwd: {implementation} has no backward of the {} measured yet (the \
-                 project's CUDA backward is the only one in the grid so far)",
+                "fwd+bwd: {implementation} has no backward of the {} measured (PyTorch's and \
+                 flash-linear-attention's are measured for SSD)",
                 c.mixer.as_str()
             ));
         }
@@ -1080,6 +1088,21 @@ mod tests {
                 .unsupported(&back.params(), other)
                 .unwrap()
                 .contains("fwd+bwd"));
+        }
+        // SSD's backward runs for PyTorch and flash-linear-attention too, not on the CPU.
+        let mut ssd_back = MixerCase::ssd(4, 1024, 8, 64, 64);
+        ssd_back.pass = MixerPass::FwdBwd;
+        for (imp, runs) in [
+            (GPU_IMPLEMENTATION, true),
+            (TORCH_EAGER, true),
+            (FLA_CHUNK, true),
+            (CPU_IMPLEMENTATION, false),
+        ] {
+            assert_eq!(
+                suite.unsupported(&ssd_back.params(), imp).is_none(),
+                runs,
+                "{imp}"
+            );
         }
         let picked = Cli::try_parse_from([
             "sequence_mixers",

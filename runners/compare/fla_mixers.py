@@ -45,7 +45,10 @@ LIBRARY = "flash-linear-attention"
 IMPLEMENTATIONS = ("fla_chunk",)
 MIXERS = ("ssd", "gated_delta", "based")
 DTYPES = torch_mixers.DTYPES
-PASSES = ("fwd",)
+PASSES = ("fwd", "fwd+bwd")
+# The mixers whose fwd+bwd this module measures (the library's backward kernels, through
+# autograd): the SSD row's chunk_simple_gla; the others' inputs have no backward case yet.
+BACKWARD_MIXERS = ("ssd",)
 NO_SCAN = ("flash-linear-attention has no Mamba-1 selective scan (a decay per channel and state "
            "element); on a GPU its SSD-like kernel (simple GLA) is the ssd row")
 MIXER_NOTES = {
@@ -106,7 +109,10 @@ def unsupported_reason(case, implementation, device="gpu"):
     if mixer not in MIXERS:
         return "mixer %r is not measured (%s)" % (mixer, ", ".join(MIXERS))
     if case.get("pass") not in PASSES:
-        return "pass %r: only the forward (fwd) is measured" % (case.get("pass"),)
+        return "pass %r: fwd or fwd+bwd" % (case.get("pass"),)
+    if case.get("pass") == "fwd+bwd" and mixer not in BACKWARD_MIXERS:
+        return "fwd+bwd of %s: the backward is measured for %s only" % (
+            mixer, ", ".join(BACKWARD_MIXERS))
     if case.get("dtype") not in DTYPES:
         return "dtype %r is not measured (%s)" % (case.get("dtype"), ", ".join(DTYPES))
     if mixer == "ssd" and "heads" in case and "groups" in case:
@@ -217,8 +223,11 @@ def _measure_into(job, reply):
         return
     try:
         torch_mixers.check_inputs(args, job["files"]["inputs"])
-        fields, window = torch_outputs.measure_on_gpu(job, caller(args, ops),
-                                                      formulation_notes(args),
+        call, notes = caller(args, ops), formulation_notes(args)
+        if args.get("pass") == "fwd+bwd":
+            call = torch_mixers.with_backward(call)
+            notes.append(torch_mixers.BACKWARD_NOTE + " (the library's backward kernels)")
+        fields, window = torch_outputs.measure_on_gpu(job, call, notes,
                                                       peak_on_second_call=True)
     except Exception as e:
         status, msg = torch_mixers.classify(e)
@@ -246,8 +255,10 @@ def self_test():
     check(unsupported_reason(ok_case, "fla_chunk") is None, "ssd bf16 runs")
     check(unsupported_reason(dict(ok_case, groups=3), "fla_chunk") is not None,
           "heads not a multiple of groups")
-    check(unsupported_reason(dict(ok_case, **{"pass": "fwd+bwd"}), "fla_chunk") is not None,
-          "forward only")
+    check(unsupported_reason(dict(ok_case, **{"pass": "fwd+bwd"}), "fla_chunk") is None,
+          "ssd's backward runs")
+    check(unsupported_reason(dict(ok_case, mixer="based", **{"pass": "fwd+bwd"}), "fla_chunk")
+          is not None, "based: forward only")
     if IMPORT_ERROR:
         protocol.log("fla_mixers self-test: the kernels are not checked here (%s)" % IMPORT_ERROR)
         return failures

@@ -69,7 +69,12 @@ LIBRARY = "PyTorch"
 IMPLEMENTATIONS = ("torch_eager",)
 MIXERS = ("ssd", "selective_scan", "gated_delta", "based")
 DTYPES = ("fp32", "bf16")
-PASSES = ("fwd",)
+PASSES = ("fwd", "fwd+bwd")
+# The mixers whose fwd+bwd this module measures (autograd through the formulation): SSD's
+# chunked form; the sequential loops (selective scan, gated delta rule) would keep every step.
+BACKWARD_MIXERS = ("ssd",)
+BACKWARD_NOTE = ("fwd+bwd: the forward with autograd recording, then torch.autograd.grad of "
+                 "sum(dy * y) with respect to every input (dy the runner's)")
 # The inputs each mixer takes, in argument order (files.inputs).
 INPUTS = {"ssd": ("x", "dt", "a", "b", "c", "d"),
           "selective_scan": ("u", "delta", "a", "b", "c", "d"),
@@ -100,7 +105,11 @@ def unsupported_reason(case, implementation):
     if mixer not in MIXERS:
         return "mixer %r is not measured (%s)" % (mixer, ", ".join(MIXERS))
     if case.get("pass") not in PASSES:
-        return "pass %r: only the forward (fwd) is measured" % (case.get("pass"),)
+        return "pass %r: fwd or fwd+bwd" % (case.get("pass"),)
+    if case.get("pass") == "fwd+bwd" and mixer not in BACKWARD_MIXERS:
+        return ("fwd+bwd of %s: the backward is measured for %s only (autograd through a "
+                "sequential loop over seq_len keeps every step)"
+                % (mixer, ", ".join(BACKWARD_MIXERS)))
     if case.get("dtype") not in DTYPES:
         return "dtype %r is not measured (%s)" % (case.get("dtype"), ", ".join(DTYPES))
     if mixer == "ssd" and "heads" in case and "groups" in case:
@@ -372,10 +381,26 @@ def caller(args):
     return lambda u, delta, a, b, c, d: (selective_scan_ref(u, delta, a, b, c, d, out_dtype),)
 
 
+def with_backward(forward):
+    """A fwd+bwd call from `forward` (the mixer's inputs -> (y,)): takes the inputs and then dy,
+    runs the forward with autograd recording on leaves that alias the inputs, then
+    torch.autograd.grad of sum(dy * y) with respect to every input; returns y and the gradients
+    in input order (the protocol's outputs: O, then files.gradients)."""
+    def call(*args):
+        *inputs, dy = args
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            (y,) = forward(*leaves)
+            grads = torch.autograd.grad(y, leaves, dy)
+        return (y.detach(),) + tuple(grads)
+    return call
+
+
 def check_inputs(args, inputs):
-    """Raises ValueError unless the job's inputs are the mixer's, by name and in order."""
+    """Raises ValueError unless the job's inputs are the mixer's, by name and in order (then
+    dy for a fwd+bwd call)."""
     names = tuple(t["name"] for t in inputs)
-    want = INPUTS[args["mixer"]]
+    want = INPUTS[args["mixer"]] + (("dy",) if args.get("pass") == "fwd+bwd" else ())
     if names != want:
         raise ValueError("inputs %s, expected %s for %s" % (", ".join(names), ", ".join(want),
                                                              args["mixer"]))
@@ -492,8 +517,12 @@ def _measure_gpu(job):
         "allowed" if torch.backends.cuda.matmul.allow_tf32 else "not allowed",
         torch.backends.cuda.matmul.allow_tf32))
     check_inputs(args, job["files"]["inputs"])
+    call = caller(args)
+    if args.get("pass") == "fwd+bwd":
+        call = with_backward(call)
+        notes.append(BACKWARD_NOTE)
     return torch_outputs.measure_on_gpu(
-        job, caller(args), notes, fit=lambda free: fits(args, free, "the free device memory"))
+        job, call, notes, fit=lambda free: fits(args, free, "the free device memory"))
 
 
 def _sequential_ssd(x, dt, a, b, c, d):
@@ -612,8 +641,11 @@ def self_test():
         check("k^T v" in str(e), "based oom row: %s" % e)
     check(any("3 chunks" in n for n in _formulation_notes(dict(based, window=150, seq_len=1000)))
           and len(_formulation_notes(dict(based, seq_len=1000))) == 1, "a long window is noted")
-    check("fwd" in unsupported_reason(dict(ssd, **{"pass": "fwd+bwd"}), "torch_eager"),
-          "the backward is refused")
+    check(unsupported_reason(dict(ssd, **{"pass": "fwd+bwd"}), "torch_eager") is None,
+          "ssd's backward is measured")
+    check("fwd+bwd" in (unsupported_reason(dict(ssd, mixer="selective_scan",
+                                                **{"pass": "fwd+bwd"}), "torch_eager") or ""),
+          "the scan's backward (a loop over seq_len) is refused")
     check("fp16" in unsupported_reason(dict(ssd, dtype="fp16"), "torch_eager"),
           "fp16 is refused")
     check("groups" in unsupported_reason(dict(ssd, groups=3), "torch_eager"),
@@ -662,6 +694,18 @@ def self_test():
             (got,) = caller({"mixer": "ssd", "dtype": "bf16"})(x16, dt, a, b16, c16, d)
             err = _rel(got, want)
             check(got.dtype == torch.bfloat16 and err < 1e-2, "ssd bf16 rel_l2 %g" % err)
+
+            # fwd+bwd: the chunked form's gradients (with_backward) against autograd through
+            # the float64 step-by-step recurrence, the same dy.
+            dy = rnd(bsz, t_len, heads, p_dim)
+            got = with_backward(caller({"mixer": "ssd", "dtype": "fp32"}))(x, dt, a, b, c, d, dy)
+            with torch.enable_grad():
+                leaves = [v.double().requires_grad_() for v in (x, dt, a, b, c, d)]
+                want = torch.autograd.grad(_sequential_ssd(*leaves), leaves, dy.double())
+            check(len(got) == 7 and got[0].shape == x.shape, "fwd+bwd returns y and 6 gradients")
+            for name, g, w in zip(("dx", "ddt", "da", "db", "dc", "dd"), got[1:], want):
+                err = _rel(g, w)
+                check(g.shape == w.shape and err < 1e-4, "ssd %s rel_l2 %g" % (name, err))
 
             channels = 6
             u, delta = rnd(bsz, t_len, channels), pos(bsz, t_len, channels)
