@@ -23,7 +23,7 @@
 #                                                 # sequence_mixers_TAG.log; KP_MIXERS_LIMIT_S
 #                                                 # caps the step, default 540 s)
 #   bash .carry/device_run.sh mixers_rerun OUTDIR PART  # the whole sequence-mixer grid at
-#                                                 # one commit, part 1 to 4 of four calls
+#                                                 # one commit, part 1 to 5 of five calls
 #                                                 # (the README's run plan)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
@@ -152,29 +152,33 @@ mixers_grid)
     "$bin/sequence_mixers" "${compare[@]}" "${shard[@]}" "${filter[@]}" --output "$out/gpu_sequence_mixers${tag:+_$tag}.json"
   ;;
 mixers_rerun)
-  # The whole sequence-mixer grid at one commit in four calls of at most 560 s (the README's
-  # run plan): part 1, 2, 3 or 4 (the third argument). Each piece is one --filter, its
-  # document gpu_sequence_mixers_TAG.json and log sequence_mixers_TAG.log in OUTDIR.
+  # The whole sequence-mixer grid at one commit in five calls of at most 560 s (the README's
+  # run plan): part 1 to 5 (the third argument). Each piece is one --filter, its document
+  # gpu_sequence_mixers_TAG.json and log sequence_mixers_TAG.log in OUTDIR. Expected times
+  # (H200): from the run at 8c04704, plus SSD's fwd+bwd rows measured at 6712000 (cuda 15 s
+  # a row at 16,384, 20-60 s at 65,536, mostly the float64 backward reference on the host).
   install_wheels
   piece() {  # piece TAG LIMIT_S COMPARE FILTER
     local compare=(); [ -n "$3" ] && compare=(--compare "$3")
     step "sequence_mixers $1" "$2" "$out/sequence_mixers_$1.log" "$bin/sequence_mixers" \
       "${compare[@]}" --filter "$4" --output "$out/gpu_sequence_mixers_$1.json"
   }
-  case ${3:?part 1, 2, 3 or 4} in
+  case ${3:?part 1 to 5} in
   1)
-    piece t16384_ssd 280 torch,fla 'seq_len=16384,mixer=ssd'
-    piece t16384_gated_delta 270 torch,fla 'seq_len=16384,mixer=gated_delta'
+    # about 206 s forward + 4 fwd+bwd cases with torch and fla (not yet timed: ~180 s), 75 s
+    piece t16384_ssd 420 torch,fla 'seq_len=16384,mixer=ssd'
+    piece t16384_selective_scan 110 torch,fla 'seq_len=16384,mixer=selective_scan'
     ;;
   2)
-    piece t16384_based 250 torch,fla 'seq_len=16384,mixer=based'
-    piece t16384_selective_scan 110 torch,fla 'seq_len=16384,mixer=selective_scan'
-    piece t1024 80 '' 'seq_len=1024'
-    piece t4096 110 '' 'seq_len=4096'
+    # about 212 and 227 s
+    piece t16384_gated_delta 270 torch,fla 'seq_len=16384,mixer=gated_delta'
+    piece t16384_based 260 torch,fla 'seq_len=16384,mixer=based'
     ;;
   3)
-    piece t65536_ssd 120 '' 'seq_len=65536,mixer=ssd'
-    piece t65536_gated_delta 230 '' 'seq_len=65536,mixer=gated_delta'
+    # about 31 + 20, 56 + 25 and 57 + 160 s
+    piece t1024 90 '' 'seq_len=1024'
+    piece t4096 130 '' 'seq_len=4096'
+    piece t65536_ssd 300 '' 'seq_len=65536,mixer=ssd'
     ;;
   4)
     # the selective scan's fwd+bwd rows at 65,536 spend most of their time in the float64
@@ -182,7 +186,11 @@ mixers_rerun)
     piece t65536_based 180 '' 'seq_len=65536,mixer=based'
     piece t65536_selective_scan 370 '' 'seq_len=65536,mixer=selective_scan'
     ;;
-  *) echo "mixers_rerun: part 1, 2, 3 or 4, not $3"; exit 2 ;;
+  5)
+    # about 121 s
+    piece t65536_gated_delta 230 '' 'seq_len=65536,mixer=gated_delta'
+    ;;
+  *) echo "mixers_rerun: part 1 to 5, not $3"; exit 2 ;;
   esac
   ;;
 kernel_sums)

@@ -1,19 +1,20 @@
 //! The sequence-mixer suite (issue 12): recurrent token mixers that replace attention's
 //! quadratic score matrix by a state carried along the sequence. This module holds their
 //! float64 references, written as the sequential recurrence each paper defines, which every
-//! kernel and every alternative will be checked against ([`reference`](mod@reference)), their backward
+//! kernel and every alternative is checked against ([`reference`](mod@reference)), their backward
 //! references ([`gradients`], [`delta_gradients`]), the chunked forms the kernels follow, run
-//! on the CPU ([`chunked`]), and version 1 of each forward on CUDA (float32 on CUDA cores,
-//! f32 and bf16 inputs): SSD ([`cuda`], which also holds the shared prelude and [`cuda::Dtype`]),
-//! the selective scan ([`scan_cuda`]), Based ([`based_cuda`]) and the gated delta rule
-//! ([`delta_cuda`]); `kernels/TUNING-sequence-mixers.md` has their designs and predictions.
+//! on the CPU ([`chunked`]), each forward on CUDA (f32 and bf16 inputs; bf16 products on
+//! tensor cores where the shape allows): SSD ([`cuda`], which also holds the shared prelude
+//! and [`cuda::Dtype`]), the selective scan ([`scan_cuda`]), Based ([`based_cuda`]) and the
+//! gated delta rule ([`delta_cuda`]); and the backward of the selective scan
+//! ([`scan_cuda::ScanBackward`]) and of SSD ([`ssd_backward`]).
+//! `kernels/TUNING-sequence-mixers.md` has their designs, predictions and measurements.
 //!
 //! The runner's side: a grid case with its FLOP, byte and token counts and its random inputs
 //! ([`case`]), the protocol files of a case ([`files`]) and the float32 CPU implementation
-//! ([`cpu`]), measured by `runners/sequence_mixers.rs` (SSD and the selective scan so far).
+//! ([`cpu`]), measured by `runners/sequence_mixers.rs`.
 //!
-//! Not here yet: the backward kernels, tensor-core tiles, and Based and the gated delta rule
-//! in the runner.
+//! Not here yet: the backward of Based and of the gated delta rule.
 
 pub mod based_cuda;
 pub mod case;
