@@ -446,8 +446,13 @@ impl MixerCase {
             .map(|(name, (seq, shape))| (*name, seq, shape))
             .collect();
         if self.pass == MixerPass::FwdBwd {
-            // The cotangent of the output, last (the protocol's order for a backward job).
-            specs.push(("dy", true, vec![bs, t, self.width()]));
+            // The cotangent of the output, last (the protocol's order for a backward job), of
+            // the output's shape: [B, T, D] for the scan, [B, T, H, head_dim] for the others.
+            let out = match self.mixer {
+                Mixer::SelectiveScan => vec![bs, t, d],
+                Mixer::Ssd | Mixer::GatedDelta | Mixer::Based => vec![bs, t, h, k],
+            };
+            specs.push(("dy", true, out));
         }
         specs
     }

@@ -280,6 +280,9 @@ mod tests {
         // dX [2, 5, 4, 3]: 12 values per token, the 4 checked tokens of 10; dΔ 4 per token;
         // dB [2, 5, 1, 2]: 2 per token; dA whole.
         assert_eq!(f.gradients[0].output.shape, vec![2, 5, 4, 3]);
+        // dy has the output's shape (PyTorch's autograd checks it against y's).
+        let dy = f.inputs.iter().find(|t| t.name == "dy").unwrap();
+        assert_eq!(dy.shape, f.output.shape);
         assert_eq!(
             f.gradients[0].check.ranges,
             vec![[0, 12], [36, 12], [72, 12], [108, 12]]
