@@ -95,6 +95,33 @@ def library_version():
     return None
 
 
+# flash-linear-attention 0.6 refuses its gated backward (chunk_bwd_dqkwg, which simple GLA's
+# backward calls) on Hopper with Triton in [3.4.0, 3.7.1) (its issue #640: wrong results), but
+# only after the forward has compiled: about 110 s per row on the H200. The same condition,
+# checked before the call, answers those rows at once with the library's reason.
+BACKWARD_REFUSED_TRITON = ((3, 4, 0), (3, 7, 1))
+
+
+def version_tuple(text):
+    """(major, minor, patch) of a version string such as "3.6.0" or "3.5.0+git1234"."""
+    parts = []
+    for piece in str(text).split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def backward_refusal(triton_version, capability_major):
+    """The library's reason for refusing its gated backward with this Triton on a device of
+    this compute capability (major), or None where it runs."""
+    lo, hi = BACKWARD_REFUSED_TRITON
+    if capability_major == 9 and lo <= version_tuple(triton_version) < hi:
+        return ("flash-linear-attention refuses its gated backward (chunk_bwd_dqkwg) with Triton "
+                "%s on Hopper: Triton >= 3.4.0 and < 3.7.1 give wrong results there (the "
+                "library's issue #640; it asks for Triton >= 3.7.1 or tilelang)" % triton_version)
+    return None
+
+
 def unsupported_reason(case, implementation, device="gpu"):
     """Why `implementation` cannot compute `case` (its parameters, or the call's arguments:
     `mixer`, `dtype`, `pass`) on `device` ("gpu" or "cpu"), or None."""
@@ -214,6 +241,16 @@ def _measure_into(job, reply):
     if why is not None:
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
         return
+    if args.get("pass") == "fwd+bwd":
+        try:
+            import triton
+            refusal = backward_refusal(triton.__version__,
+                                       torch.cuda.get_device_capability()[0])
+        except Exception:
+            refusal = None  # the call itself will say
+        if refusal is not None:
+            reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", refusal)
+            return
     try:
         ops = load_ops()
     except Exception as e:
@@ -259,6 +296,12 @@ def self_test():
           "ssd's backward runs")
     check(unsupported_reason(dict(ok_case, mixer="based", **{"pass": "fwd+bwd"}), "fla_chunk")
           is not None, "based: forward only")
+    check(version_tuple("3.6.0") == (3, 6, 0) and version_tuple("3.5.0+git12ab") == (3, 5, 0)
+          and version_tuple("3.7") == (3, 7, 0), "version strings")
+    check("#640" in (backward_refusal("3.6.0", 9) or ""), "Triton 3.6 on Hopper: refused")
+    check(backward_refusal("3.7.1", 9) is None and backward_refusal("3.3.1", 9) is None,
+          "Triton outside [3.4.0, 3.7.1): runs")
+    check(backward_refusal("3.6.0", 8) is None, "Triton 3.6 on Ampere: runs")
     if IMPORT_ERROR:
         protocol.log("fla_mixers self-test: the kernels are not checked here (%s)" % IMPORT_ERROR)
         return failures
