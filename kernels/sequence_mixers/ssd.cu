@@ -142,10 +142,15 @@ __device__ void chunk_scan(const T* __restrict__ x, const float* __restrict__ dt
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SSD_THREADS)
-ssd_state_passing(float* __restrict__ states, const float* __restrict__ chunk_log_decay,
-                  const float* __restrict__ initial_state, int has_initial,
-                  float* __restrict__ final_state, int heads, int n_chunks, int P, int N) {
+// The walk over the chunks of ssd_state_passing, in order (REVERSE false) or from the last
+// chunk back to the first (REVERSE true: the backward's adjoints, ssd_bwd.cu): each chunk's
+// slot of `states` gets the running value entering it, then running = exp(decay_c) running +
+// (the slot's old value); `start` (or zeros when has_start is 0) begins the walk and `end`
+// gets the value after it.
+template <bool REVERSE>
+__device__ void pass_chunks(float* __restrict__ states, const float* __restrict__ chunk_log_decay,
+                            const float* __restrict__ start, int has_start,
+                            float* __restrict__ end, int heads, int n_chunks, int P, int N) {
     // Blocks (h, b, z) share the P x N state elements of (batch entry, head) by z: enough
     // threads walking the chunks at once that the loads of successive chunks overlap.
     const int h = blockIdx.x, b = blockIdx.y;
@@ -153,27 +158,37 @@ ssd_state_passing(float* __restrict__ states, const float* __restrict__ chunk_lo
     float* s = states + bh * n_chunks * P * N;
     const float* decay = chunk_log_decay + bh * n_chunks;
     for (int e = blockIdx.z * SSD_THREADS + threadIdx.x; e < P * N; e += SSD_THREADS * gridDim.z) {
-        float running = has_initial ? initial_state[bh * P * N + e] : 0.f;
+        float running = has_start ? start[bh * P * N + e] : 0.f;
         // The loads of SSD_PASS_AHEAD chunks are issued together, then the chain runs over
         // them: one memory latency per group rather than per chunk.
-        for (int c0 = 0; c0 < n_chunks; c0 += SSD_PASS_AHEAD) {
+        for (int k0 = 0; k0 < n_chunks; k0 += SSD_PASS_AHEAD) {
             float local[SSD_PASS_AHEAD], keep[SSD_PASS_AHEAD];
 #pragma unroll
             for (int k = 0; k < SSD_PASS_AHEAD; ++k) {
-                const bool in = c0 + k < n_chunks;
-                local[k] = in ? s[(long long)(c0 + k) * P * N + e] : 0.f;
-                keep[k] = in ? __expf(decay[c0 + k]) : 0.f;
+                const int c = REVERSE ? n_chunks - 1 - (k0 + k) : k0 + k;
+                const bool in = k0 + k < n_chunks;
+                local[k] = in ? s[(long long)c * P * N + e] : 0.f;
+                keep[k] = in ? __expf(decay[c]) : 0.f;
             }
 #pragma unroll
             for (int k = 0; k < SSD_PASS_AHEAD; ++k) {
-                if (c0 + k < n_chunks) {
-                    s[(long long)(c0 + k) * P * N + e] = running;
+                if (k0 + k < n_chunks) {
+                    const int c = REVERSE ? n_chunks - 1 - (k0 + k) : k0 + k;
+                    s[(long long)c * P * N + e] = running;
                     running = keep[k] * running + local[k];
                 }
             }
         }
-        final_state[bh * P * N + e] = running;
+        end[bh * P * N + e] = running;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SSD_THREADS)
+ssd_state_passing(float* __restrict__ states, const float* __restrict__ chunk_log_decay,
+                  const float* __restrict__ initial_state, int has_initial,
+                  float* __restrict__ final_state, int heads, int n_chunks, int P, int N) {
+    pass_chunks<false>(states, chunk_log_decay, initial_state, has_initial, final_state, heads,
+                       n_chunks, P, N);
 }
 
 #define SSD_ENTRIES(NAME, T)                                                                   \

@@ -157,31 +157,8 @@ extern "C" __global__ void __launch_bounds__(SSD_THREADS)
 ssd_bwd_state_passing(float* __restrict__ adj, const float* __restrict__ chunk_log_decay,
                       const float* __restrict__ d_final, int has_d_final,
                       float* __restrict__ d_initial, int heads, int n_chunks, int P, int N) {
-    const int h = blockIdx.x, b = blockIdx.y;
-    const long long bh = (long long)b * heads + h;
-    float* s = adj + bh * n_chunks * P * N;
-    const float* decay = chunk_log_decay + bh * n_chunks;
-    for (int e = blockIdx.z * SSD_THREADS + threadIdx.x; e < P * N; e += SSD_THREADS * gridDim.z) {
-        float running = has_d_final ? d_final[bh * P * N + e] : 0.f;
-        for (int k0 = 0; k0 < n_chunks; k0 += SSD_PASS_AHEAD) {
-            float local[SSD_PASS_AHEAD], keep[SSD_PASS_AHEAD];
-#pragma unroll
-            for (int k = 0; k < SSD_PASS_AHEAD; ++k) {
-                const int c = n_chunks - 1 - (k0 + k);
-                local[k] = c >= 0 ? s[(long long)c * P * N + e] : 0.f;
-                keep[k] = c >= 0 ? __expf(decay[c]) : 0.f;
-            }
-#pragma unroll
-            for (int k = 0; k < SSD_PASS_AHEAD; ++k) {
-                const int c = n_chunks - 1 - (k0 + k);
-                if (c >= 0) {
-                    s[(long long)c * P * N + e] = running;
-                    running = keep[k] * running + local[k];
-                }
-            }
-        }
-        d_initial[bh * P * N + e] = running;
-    }
+    pass_chunks<true>(adj, chunk_log_decay, d_final, has_d_final, d_initial, heads, n_chunks, P,
+                      N);
 }
 
 // Kernel 5: u_t = S^_t B_t from the chunk's C, B, dy and R_c; dx_t = dt_t u_t + D dy_t; per

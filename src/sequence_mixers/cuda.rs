@@ -179,6 +179,40 @@ pub(crate) fn no_step(
     Ok(())
 }
 
+/// The shape checks SSD's forward ([`Ssd::new`]) and backward
+/// ([`super::ssd_backward::SsdBackward::new`]) share, their messages starting with `what`.
+///
+/// # Errors
+/// [`GpuError::Config`] for an empty dimension other than seq_len, heads not a multiple of
+/// groups, head_dim or state past [`MAX_DIM`], a seq_len past 32-bit ints, or batch or heads
+/// past 65,535 (grid limits).
+pub(crate) fn check_shape(what: &str, s: SsdShape) -> Result<(), GpuError> {
+    if s.batch == 0 || s.heads == 0 || s.head_dim == 0 || s.state == 0 || s.groups == 0 {
+        return Err(GpuError::Config(format!(
+            "{what}: empty dimension in {s:?}"
+        )));
+    }
+    if !s.heads.is_multiple_of(s.groups) {
+        return Err(GpuError::Config(format!(
+            "{what}: heads {} is not a multiple of groups {}",
+            s.heads, s.groups
+        )));
+    }
+    if s.head_dim > MAX_DIM || s.state > MAX_DIM {
+        return Err(GpuError::Config(format!(
+            "{what}: head_dim {} and state {} must be at most {MAX_DIM}",
+            s.head_dim, s.state
+        )));
+    }
+    if s.seq_len + CHUNK > i32::MAX as usize || s.batch > 65_535 || s.heads > 65_535 {
+        return Err(GpuError::Config(format!(
+            "{what}: {s:?} does not fit 32-bit ints and the grid (batch and heads at most \
+             65,535)"
+        )));
+    }
+    Ok(())
+}
+
 /// SSD's compiled kernels and scratch for one shape: the states entering each chunk
 /// `[B, H, n_chunks, P, N]` (float32 with the chunks' log decays `[B, H, n_chunks]` for the
 /// float32 kernels, bf16 for the tensor-core ones).
@@ -216,27 +250,7 @@ impl Ssd {
     /// errors (out of memory).
     pub fn new(gpu: &Gpu, shape: SsdShape, dtype: Dtype) -> Result<Ssd, GpuError> {
         let s = shape;
-        if s.batch == 0 || s.heads == 0 || s.head_dim == 0 || s.state == 0 || s.groups == 0 {
-            return Err(GpuError::Config(format!("ssd: empty dimension in {s:?}")));
-        }
-        if !s.heads.is_multiple_of(s.groups) {
-            return Err(GpuError::Config(format!(
-                "ssd: heads {} is not a multiple of groups {}",
-                s.heads, s.groups
-            )));
-        }
-        if s.head_dim > MAX_DIM || s.state > MAX_DIM {
-            return Err(GpuError::Config(format!(
-                "ssd: head_dim {} and state {} must be at most {MAX_DIM} (version 1)",
-                s.head_dim, s.state
-            )));
-        }
-        if s.seq_len + CHUNK > i32::MAX as usize || s.batch > 65_535 || s.heads > 65_535 {
-            return Err(GpuError::Config(format!(
-                "ssd: {s:?} does not fit 32-bit ints and the grid (batch and heads at most \
-                 65,535)"
-            )));
-        }
+        check_shape("ssd", s)?;
         let (state_smem, scan_smem) = shared_bytes(s);
         if scan_smem > MAX_SHARED {
             return Err(GpuError::Config(format!(

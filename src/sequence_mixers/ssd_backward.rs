@@ -14,7 +14,7 @@ use cudarc::driver::{
 };
 
 use super::cuda::{
-    check_buffers, shared_bytes, Dtype, CHUNK, MAX_DIM, PRELUDE_SRC, SSD_SRC, THREADS,
+    check_buffers, check_shape, shared_bytes, Dtype, CHUNK, PRELUDE_SRC, SSD_SRC, THREADS,
 };
 use super::reference::SsdShape;
 use crate::gpu::{Gpu, GpuError};
@@ -105,34 +105,12 @@ impl SsdBackward {
     ///
     /// # Errors
     /// [`GpuError::Config`] for an empty dimension other than seq_len, heads not a multiple
-    /// of groups, head_dim or state past [`MAX_DIM`], sizes past 32-bit ints or the grid, or
-    /// P and N whose shared memory passes 227 KiB; [`GpuError::Compile`] with the NVRTC log;
-    /// driver errors (out of memory).
+    /// of groups, head_dim or state past [`MAX_DIM`](super::cuda::MAX_DIM), sizes past
+    /// 32-bit ints or the grid, or P and N whose shared memory passes 227 KiB;
+    /// [`GpuError::Compile`] with the NVRTC log; driver errors (out of memory).
     pub fn new(gpu: &Gpu, shape: SsdShape, dtype: Dtype) -> Result<SsdBackward, GpuError> {
         let s = shape;
-        if s.batch == 0 || s.heads == 0 || s.head_dim == 0 || s.state == 0 || s.groups == 0 {
-            return Err(GpuError::Config(format!(
-                "ssd backward: empty dimension in {s:?}"
-            )));
-        }
-        if !s.heads.is_multiple_of(s.groups) {
-            return Err(GpuError::Config(format!(
-                "ssd backward: heads {} is not a multiple of groups {}",
-                s.heads, s.groups
-            )));
-        }
-        if s.head_dim > MAX_DIM || s.state > MAX_DIM {
-            return Err(GpuError::Config(format!(
-                "ssd backward: head_dim {} and state {} must be at most {MAX_DIM}",
-                s.head_dim, s.state
-            )));
-        }
-        if s.seq_len + CHUNK > i32::MAX as usize || s.batch > 65_535 || s.heads > 65_535 {
-            return Err(GpuError::Config(format!(
-                "ssd backward: {s:?} does not fit 32-bit ints and the grid (batch and heads \
-                 at most 65,535)"
-            )));
-        }
+        check_shape("ssd backward", s)?;
         let smem = backward_shared_bytes(s);
         if let Some(&most) = smem.iter().max().filter(|&&m| m > MAX_SHARED) {
             return Err(GpuError::Config(format!(
