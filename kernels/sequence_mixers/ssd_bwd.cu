@@ -41,6 +41,8 @@
 //    sums, ddt, and per (b, h) the parts of dA and dD.
 // 8. ssd_bwd_sum                 (elements): dB and dC over the group's heads; dA and dD over
 //    the batch. Every sum is in a fixed order: the gradients are the same bits on every run.
+// dy_scale (kernels 3, 5 and 6): dy is read times it (1 for SSD; Based's linear branch, whose
+// output is its scale times SSD's y, passes that scale: src/sequence_mixers/based_backward.rs).
 // Layouts: those of ssd.cu; dy [B, T, H, P] of type <t>; gradients float32: dx [B, T, H, P],
 // ddt [B, T, H], dA, dD [H], dB, dC [B, T, G, N], d_initial [B, H, P, N]; scratch float32:
 // adj [B, H, n_chunks, P, N], bound [B, H, n_chunks], per step xu, dyx, cdc [B, T, H], per
@@ -107,7 +109,7 @@ template <typename T, bool STATE>
 __device__ void chunk_products(const T* __restrict__ dy, const float* __restrict__ dt,
                                const float* __restrict__ A, const T* __restrict__ Cm,
                                float* __restrict__ adj, float* __restrict__ chunk_log_decay,
-                               int T_len, int heads, int groups, int P, int N) {
+                               float scale, int T_len, int heads, int groups, int P, int N) {
     extern __shared__ float smem[];
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int n_chunks = gridDim.x;
@@ -126,7 +128,7 @@ __device__ void chunk_products(const T* __restrict__ dy, const float* __restrict
     const float last = cum[l - 1];
     for (int e = threadIdx.x; e < l * P; e += SSD_THREADS) {
         const int j = e / P;
-        dys[e] *= STATE ? dt[(t0 + j) * heads + h] * __expf(last - cum[j]) : __expf(cum[j]);
+        dys[e] *= STATE ? dt[(t0 + j) * heads + h] * __expf(last - cum[j]) : scale * __expf(cum[j]);
     }
     __syncthreads();
     float* out = adj + (((long long)b * heads + h) * n_chunks + c) * P * N;
@@ -169,7 +171,7 @@ template <typename T>
 __device__ void bwd_dx(const T* __restrict__ x, const float* __restrict__ dt,
                        const float* __restrict__ A, const T* __restrict__ Bm,
                        const T* __restrict__ Cm, const float* __restrict__ D, int has_d,
-                       const T* __restrict__ dy, const float* __restrict__ adj,
+                       const T* __restrict__ dy, float dy_scale, const float* __restrict__ adj,
                        const float* __restrict__ states, const float* __restrict__ final_state,
                        float* __restrict__ dx, float* __restrict__ xu, float* __restrict__ dyx,
                        float* __restrict__ bound, int T_len, int heads, int groups, int P,
@@ -196,7 +198,7 @@ __device__ void bwd_dx(const T* __restrict__ x, const float* __restrict__ dt,
         bs[i * NP + n] = ld(Bm, at);
     }
     for (int e = threadIdx.x; e < l * P; e += SSD_THREADS)
-        dys[e] = ld(dy, ((t0 + e / P) * heads + h) * P + e % P);
+        dys[e] = dy_scale * ld(dy, ((t0 + e / P) * heads + h) * P + e % P);
     const long long bh = (long long)b * heads + h;
     const float* src = adj + (bh * n_chunks + c) * P * N;
     const float* s_end = c + 1 < n_chunks ? states + (bh * n_chunks + c + 1) * P * N
@@ -286,7 +288,7 @@ __device__ void bwd_dx(const T* __restrict__ x, const float* __restrict__ dt,
 template <typename T, bool FOR_C>
 __device__ void bwd_dbc(const T* __restrict__ x, const float* __restrict__ dt,
                         const float* __restrict__ A, const T* __restrict__ Z,
-                        const T* __restrict__ Cm, const T* __restrict__ dy,
+                        const T* __restrict__ Cm, const T* __restrict__ dy, float dy_scale,
                         const float* __restrict__ mats, float* __restrict__ out,
                         float* __restrict__ cdc, int T_len, int heads, int groups, int P,
                         int N) {
@@ -309,7 +311,7 @@ __device__ void bwd_dbc(const T* __restrict__ x, const float* __restrict__ dt,
     for (int e = threadIdx.x; e < l * P; e += SSD_THREADS) {
         const int i = e / P, p = e % P;
         const long long at = ((t0 + i) * heads + h) * P + p;
-        dys[i * PP + p] = ld(dy, at);
+        dys[i * PP + p] = dy_scale * ld(dy, at);
         xs[i * PP + p] = ld(x, at);
     }
     const float* src = mats + (((long long)b * heads + h) * n_chunks + c) * P * N;
@@ -468,35 +470,38 @@ ssd_bwd_sum(const float* __restrict__ dbh, const float* __restrict__ dch,
     ssd_bwd_chunk_state_##NAME(const T* x, const float* dt, const float* A, const T* Bm,      \
                                float* states, float* chunk_log_decay, int T_len, int heads,    \
                                int groups, int P, int N) {                                     \
-        chunk_products<T, true>(x, dt, A, Bm, states, chunk_log_decay, T_len, heads, groups,   \
-                                P, N);                                                         \
+        chunk_products<T, true>(x, dt, A, Bm, states, chunk_log_decay, 1.f, T_len, heads,      \
+                                groups, P, N);                                                 \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
-    ssd_bwd_chunk_adjoint_##NAME(const T* dy, const float* dt, const float* A, const T* Cm,   \
-                                 float* adj, int T_len, int heads, int groups, int P, int N) { \
-        chunk_products<T, false>(dy, dt, A, Cm, adj, (float*)0, T_len, heads, groups, P, N);   \
+    ssd_bwd_chunk_adjoint_##NAME(const T* dy, float dy_scale, const float* dt, const float* A, \
+                                 const T* Cm, float* adj, int T_len, int heads, int groups,    \
+                                 int P, int N) {                                               \
+        chunk_products<T, false>(dy, dt, A, Cm, adj, (float*)0, dy_scale, T_len, heads, groups, \
+                                 P, N);                                                        \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
     ssd_bwd_dx_##NAME(const T* x, const float* dt, const float* A, const T* Bm, const T* Cm,  \
-                      const float* D, int has_d, const T* dy, const float* adj,                \
-                      const float* states, const float* final_state, float* dx, float* xu,     \
-                      float* dyx, float* bound, int T_len, int heads, int groups, int P,       \
-                      int N) {                                                                 \
-        bwd_dx<T>(x, dt, A, Bm, Cm, D, has_d, dy, adj, states, final_state, dx, xu, dyx,       \
-                  bound, T_len, heads, groups, P, N);                                          \
+                      const float* D, int has_d, const T* dy, float dy_scale,                  \
+                      const float* adj, const float* states, const float* final_state,         \
+                      float* dx, float* xu, float* dyx, float* bound, int T_len, int heads,    \
+                      int groups, int P, int N) {                                              \
+        bwd_dx<T>(x, dt, A, Bm, Cm, D, has_d, dy, dy_scale, adj, states, final_state, dx, xu,  \
+                  dyx, bound, T_len, heads, groups, P, N);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
     ssd_bwd_db_##NAME(const T* x, const float* dt, const float* A, const T* Cm, const T* dy,  \
-                      const float* adj, float* dbh, int T_len, int heads, int groups, int P,   \
-                      int N) {                                                                 \
-        bwd_dbc<T, false>(x, dt, A, Cm, Cm, dy, adj, dbh, (float*)0, T_len, heads, groups, P,  \
-                          N);                                                                  \
+                      float dy_scale, const float* adj, float* dbh, int T_len, int heads,      \
+                      int groups, int P, int N) {                                              \
+        bwd_dbc<T, false>(x, dt, A, Cm, Cm, dy, dy_scale, adj, dbh, (float*)0, T_len, heads,   \
+                          groups, P, N);                                                       \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
     ssd_bwd_dc_##NAME(const T* x, const float* dt, const float* A, const T* Bm, const T* Cm,  \
-                      const T* dy, const float* states, float* dch, float* cdc, int T_len,     \
-                      int heads, int groups, int P, int N) {                                   \
-        bwd_dbc<T, true>(x, dt, A, Bm, Cm, dy, states, dch, cdc, T_len, heads, groups, P, N);  \
+                      const T* dy, float dy_scale, const float* states, float* dch,            \
+                      float* cdc, int T_len, int heads, int groups, int P, int N) {            \
+        bwd_dbc<T, true>(x, dt, A, Bm, Cm, dy, dy_scale, states, dch, cdc, T_len, heads,       \
+                         groups, P, N);                                                        \
     }
 
 SSD_BWD_ENTRIES(f32, float)

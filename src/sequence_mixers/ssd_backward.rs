@@ -190,7 +190,7 @@ impl SsdBackward {
     pub fn launch_into<T: DeviceRepr>(
         &mut self,
         gpu: &Gpu,
-        (x, dt, a, b, c): (
+        inputs: (
             &CudaSlice<T>,
             &CudaSlice<f32>,
             &CudaSlice<f32>,
@@ -200,6 +200,42 @@ impl SsdBackward {
         d: Option<&CudaSlice<f32>>,
         initial_state: Option<&CudaSlice<f32>>,
         dy: &CudaSlice<T>,
+        d_final_state: Option<&CudaSlice<f32>>,
+        grads: &mut [CudaViewMut<'_, f32>; 6],
+        d_initial_state: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        self.launch_scaled_into(
+            gpu,
+            inputs,
+            d,
+            initial_state,
+            (dy, 1.0),
+            d_final_state,
+            grads,
+            d_initial_state,
+        )
+    }
+
+    /// [`SsdBackward::launch_into`] for the cotangent `dy_scale · dy` (dy read times the
+    /// factor, in float32): the backward of `dy_scale · y`, as Based's linear branch needs
+    /// (its output is its scale times SSD's y; `super::based_backward`).
+    ///
+    /// # Errors
+    /// As [`SsdBackward::launch_into`].
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    pub fn launch_scaled_into<T: DeviceRepr>(
+        &mut self,
+        gpu: &Gpu,
+        (x, dt, a, b, c): (
+            &CudaSlice<T>,
+            &CudaSlice<f32>,
+            &CudaSlice<f32>,
+            &CudaSlice<T>,
+            &CudaSlice<T>,
+        ),
+        d: Option<&CudaSlice<f32>>,
+        initial_state: Option<&CudaSlice<f32>>,
+        (dy, dy_scale): (&CudaSlice<T>, f32),
         d_final_state: Option<&CudaSlice<f32>>,
         grads: &mut [CudaViewMut<'_, f32>; 6],
         d_initial_state: &mut CudaSlice<f32>,
@@ -293,9 +329,14 @@ impl SsdBackward {
         unsafe { l.launch(cfg(0, per_slice))? };
         // 3, 4. The chunks' own adjoints, then the adjoint entering each chunk.
         let mut l = gpu.stream.launch_builder(&self.adjoint);
-        l.arg(dy).arg(dt).arg(a).arg(c).arg(&mut self.adjoints);
+        l.arg(dy)
+            .arg(&dy_scale)
+            .arg(dt)
+            .arg(a)
+            .arg(c)
+            .arg(&mut self.adjoints);
         l.arg(&t_len).arg(&heads).arg(&groups).arg(&p).arg(&n);
-        // SAFETY: ssd_bwd_chunk_adjoint_<t>(const T* dy, const float* dt, const float* A,
+        // SAFETY: ssd_bwd_chunk_adjoint_<t>(const T* dy, float dy_scale, const float* dt, const float* A,
         // const T* Cm, float* adj, int T_len, int heads, int groups, int P, int N): as kernel 1,
         // with dy of X's length (checked).
         unsafe { l.launch(cfg(self.smem[0], per_chunk))? };
@@ -320,6 +361,7 @@ impl SsdBackward {
             .arg(d.unwrap_or(unused))
             .arg(&has_d);
         l.arg(dy)
+            .arg(&dy_scale)
             .arg(&self.adjoints)
             .arg(&self.states)
             .arg(&self.final_state);
@@ -329,7 +371,7 @@ impl SsdBackward {
             .arg(&mut self.bound);
         l.arg(&t_len).arg(&heads).arg(&groups).arg(&p).arg(&n);
         // SAFETY: ssd_bwd_dx_<t>(const T* x, const float* dt, const float* A, const T* Bm,
-        // const T* Cm, const float* D, int has_d, const T* dy, const float* adj,
+        // const T* Cm, const float* D, int has_d, const T* dy, float dy_scale, const float* adj,
         // const float* states, const float* final_state, float* dx, float* xu, float* dyx,
         // float* bound, int T_len, int heads, int groups, int P, int N): checked buffers,
         // scratch of B·T·H floats and of B·H·n_chunks (bound); D read only when has_d is 1.
@@ -341,11 +383,12 @@ impl SsdBackward {
             .arg(a)
             .arg(c)
             .arg(dy)
+            .arg(&dy_scale)
             .arg(&self.adjoints)
             .arg(&mut *dbh);
         l.arg(&t_len).arg(&heads).arg(&groups).arg(&p).arg(&n);
         // SAFETY: ssd_bwd_db_<t>(const T* x, const float* dt, const float* A, const T* Cm,
-        // const T* dy, const float* adj, float* dbh, int T_len, int heads, int groups, int P,
+        // const T* dy, float dy_scale, const float* adj, float* dbh, int T_len, int heads, int groups, int P,
         // int N): dbh holds B·T·H·N floats (`new`).
         unsafe { l.launch(cfg(self.smem[2], per_chunk))? };
         let mut l = gpu.stream.launch_builder(&self.dc);
@@ -355,11 +398,12 @@ impl SsdBackward {
             .arg(b)
             .arg(c)
             .arg(dy)
+            .arg(&dy_scale)
             .arg(&self.states);
         l.arg(&mut *dch).arg(&mut *cdc);
         l.arg(&t_len).arg(&heads).arg(&groups).arg(&p).arg(&n);
         // SAFETY: ssd_bwd_dc_<t>(const T* x, const float* dt, const float* A, const T* Bm,
-        // const T* Cm, const T* dy, const float* states, float* dch, float* cdc, int T_len,
+        // const T* Cm, const T* dy, float dy_scale, const float* states, float* dch, float* cdc, int T_len,
         // int heads, int groups, int P, int N): as ssd_bwd_db, cdc of B·T·H floats.
         unsafe { l.launch(cfg(self.smem[2], per_chunk))? };
         // 7. dl per chunk: dΔ, and the parts of dA and dD.

@@ -153,13 +153,13 @@ int main(int argc, char** argv) {
                 gD(H, NAN), gi(st_len, NAN);
             const dim3 chunks{(unsigned)nc, (unsigned)H, (unsigned)B};
             const dim3 slices{(unsigned)H, (unsigned)B, (unsigned)((P * N + SSD_THREADS - 1) / SSD_THREADS)};
-            launch(chunks, SSD_THREADS, [&] { chunk_products<float, true>(x.data(), dt.data(), A.data(), Bm.data(), states.data(), cld.data(), T, H, G, P, N); }, sm1 / 4);
+            launch(chunks, SSD_THREADS, [&] { chunk_products<float, true>(x.data(), dt.data(), A.data(), Bm.data(), states.data(), cld.data(), 1.f, T, H, G, P, N); }, sm1 / 4);
             launch(slices, SSD_THREADS, [&] { ssd_state_passing(states.data(), cld.data(), init.data(), flags, fin.data(), H, nc, P, N); }, 0);
-            launch(chunks, SSD_THREADS, [&] { chunk_products<float, false>(dy.data(), dt.data(), A.data(), Cm.data(), adj.data(), nullptr, T, H, G, P, N); }, sm3 / 4);
+            launch(chunks, SSD_THREADS, [&] { chunk_products<float, false>(dy.data(), dt.data(), A.data(), Cm.data(), adj.data(), nullptr, 1.f, T, H, G, P, N); }, sm3 / 4);
             launch(slices, SSD_THREADS, [&] { ssd_bwd_state_passing(adj.data(), cld.data(), dfin.data(), flags, gi.data(), H, nc, P, N); }, 0);
-            launch(chunks, SSD_THREADS, [&] { bwd_dx<float>(x.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), flags, dy.data(), adj.data(), states.data(), fin.data(), gx.data(), xu.data(), dyx.data(), bound.data(), T, H, G, P, N); }, sm5 / 4);
-            launch(chunks, SSD_THREADS, [&] { bwd_dbc<float, false>(x.data(), dt.data(), A.data(), Cm.data(), Cm.data(), dy.data(), adj.data(), dbh.data(), nullptr, T, H, G, P, N); }, sm6 / 4);
-            launch(chunks, SSD_THREADS, [&] { bwd_dbc<float, true>(x.data(), dt.data(), A.data(), Bm.data(), Cm.data(), dy.data(), states.data(), dch.data(), cdc.data(), T, H, G, P, N); }, sm6 / 4);
+            launch(chunks, SSD_THREADS, [&] { bwd_dx<float>(x.data(), dt.data(), A.data(), Bm.data(), Cm.data(), D.data(), flags, dy.data(), 1.f, adj.data(), states.data(), fin.data(), gx.data(), xu.data(), dyx.data(), bound.data(), T, H, G, P, N); }, sm5 / 4);
+            launch(chunks, SSD_THREADS, [&] { bwd_dbc<float, false>(x.data(), dt.data(), A.data(), Cm.data(), Cm.data(), dy.data(), 1.f, adj.data(), dbh.data(), nullptr, T, H, G, P, N); }, sm6 / 4);
+            launch(chunks, SSD_THREADS, [&] { bwd_dbc<float, true>(x.data(), dt.data(), A.data(), Bm.data(), Cm.data(), dy.data(), 1.f, states.data(), dch.data(), cdc.data(), T, H, G, P, N); }, sm6 / 4);
             launch(dim3{(unsigned)H, (unsigned)B, 1}, SSD_THREADS, [&] { ssd_bwd_ddt(dt.data(), A.data(), xu.data(), dyx.data(), cdc.data(), bound.data(), gdt.data(), pa.data(), pd.data(), T, H, nc); }, sm7 / 4);
             launch(dim3{3, 1, 1}, SSD_THREADS, [&] { ssd_bwd_sum(dbh.data(), dch.data(), pa.data(), pd.data(), flags, gB.data(), gC.data(), gA.data(), gD.data(), (long long)bt, B, H, G, N); }, 0);
             const double e[7] = {rel(gx, want.x), rel(gdt, want.dt), rel(gA, want.A), rel(gB, want.Bm),
