@@ -10,6 +10,8 @@
 
 #[path = "gpu_sequence_mixers/based.rs"]
 mod based;
+#[path = "gpu_sequence_mixers/based_bwd.rs"]
+mod based_bwd;
 #[path = "gpu_sequence_mixers/delta.rs"]
 mod delta;
 #[path = "gpu_sequence_mixers/large.rs"]

@@ -448,3 +448,44 @@ fn ssd_backward_emulated_matches_the_adjoint() {
     .collect();
     emulated_kernel_runs_clean("ssd_bwd_check", &cases);
 }
+
+/// Based's backward as `sequence_mixers::based_backward` launches it (SSD's backward kernels
+/// for the linear branch, dt 1, A 0, dy read times the scale; then the window's dq and dk/dv
+/// kernels adding their part) on the CPU against a float64 adjoint, itself checked against
+/// finite differences: dq, dk, dv and the initial state's gradient, with and without an
+/// initial state and a final state's cotangent, with the host's shared-memory sizes, shared
+/// memory poisoned and guarded past them: one step and a window of one, partial tiles,
+/// K ≠ V and odd widths, windows of 5, 64, 65 and 200 steps.
+#[test]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+fn based_backward_emulated_matches_the_adjoint() {
+    use kernelpages::sequence_mixers::based_backward::window_backward_shared_bytes;
+    use kernelpages::sequence_mixers::based_cuda::linear_shape;
+    use kernelpages::sequence_mixers::reference::BasedShape;
+    use kernelpages::sequence_mixers::ssd_backward::backward_shared_bytes;
+    let cases: Vec<String> = [
+        (1, 1, 1, 4, 4, 1),
+        (1, 70, 2, 8, 4, 5),
+        (2, 150, 1, 16, 8, 64),
+        (1, 130, 1, 5, 7, 65),
+        (1, 200, 1, 32, 32, 200),
+    ]
+    .iter()
+    .map(|&(batch, seq_len, heads, key_dim, value_dim, window)| {
+        let s = BasedShape {
+            batch,
+            seq_len,
+            heads,
+            key_dim,
+            value_dim,
+            window,
+        };
+        let [chunk, dx, dbc, ddt] = backward_shared_bytes(linear_shape(s));
+        let [dq, dkv] = window_backward_shared_bytes(s);
+        format!(
+            "{batch},{seq_len},{heads},{key_dim},{value_dim},{window},{chunk},{chunk},{dx},{dbc},{ddt},{dq},{dkv}"
+        )
+    })
+    .collect();
+    emulated_kernel_runs_clean("based_bwd_check", &cases);
+}

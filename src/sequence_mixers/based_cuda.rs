@@ -109,7 +109,7 @@ const MAX_SHARED: u32 = 227 * 1024;
 /// The shapes version 1 runs: the reference's (no empty dimension other than seq_len, W ≥ 1),
 /// K and V ≤ [`MAX_DIM`], W ≤ [`MAX_WINDOW`], T within a 32-bit int, B and H within a grid
 /// dimension (65 535).
-fn check_shape(s: BasedShape) -> Result<(), GpuError> {
+pub(crate) fn check_shape(s: BasedShape) -> Result<(), GpuError> {
     if s.batch == 0 || s.heads == 0 || s.key_dim == 0 || s.value_dim == 0 || s.window == 0 {
         return Err(GpuError::Config(format!("based: empty dimension in {s:?}")));
     }

@@ -2,21 +2,25 @@
 //! quadratic score matrix by a state carried along the sequence. This module holds their
 //! float64 references, written as the sequential recurrence each paper defines, which every
 //! kernel and every alternative is checked against ([`reference`](mod@reference)), their backward
-//! references ([`gradients`], [`delta_gradients`]), the chunked forms the kernels follow, run
+//! references ([`gradients`], [`delta_gradients`], [`based_gradients`]), the chunked forms the kernels follow, run
 //! on the CPU ([`chunked`]), each forward on CUDA (f32 and bf16 inputs; bf16 products on
 //! tensor cores where the shape allows): SSD ([`cuda`], which also holds the shared prelude
 //! and [`cuda::Dtype`]), the selective scan ([`scan_cuda`]), Based ([`based_cuda`]) and the
 //! gated delta rule ([`delta_cuda`]); and the backward of the selective scan
-//! ([`scan_cuda::ScanBackward`]) and of SSD ([`ssd_backward`]).
+//! ([`scan_cuda::ScanBackward`]), of SSD ([`ssd_backward`]) and of Based ([`based_backward`]:
+//! SSD's backward for its linear branch, then its window's).
 //! `kernels/TUNING-sequence-mixers.md` has their designs, predictions and measurements.
 //!
 //! The runner's side: a grid case with its FLOP, byte and token counts and its random inputs
 //! ([`case`]), the protocol files of a case ([`files`]) and the float32 CPU implementation
 //! ([`cpu`]), measured by `runners/sequence_mixers.rs`.
 //!
-//! Not here yet: the backward of Based and of the gated delta rule.
+//! Not here yet: the backward of the gated delta rule (its float64 reference is
+//! [`delta_gradients`]).
 
+pub mod based_backward;
 pub mod based_cuda;
+pub mod based_gradients;
 pub mod case;
 pub mod chunked;
 pub mod cpu;

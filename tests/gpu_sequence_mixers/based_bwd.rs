@@ -1,0 +1,185 @@
+//! Based's backward (`sequence_mixers::based_backward`) on the device against the float64
+//! adjoint (`sequence_mixers::based_gradients::based_backward`).
+
+use cudarc::driver::CudaSlice;
+use kernelpages::sequence_mixers::based_backward::BasedBackward;
+use kernelpages::sequence_mixers::based_gradients::based_backward;
+use kernelpages::sequence_mixers::cuda::Dtype;
+use kernelpages::sequence_mixers::reference::{BasedInputs, BasedShape, BasedState};
+
+use super::{
+    compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, up,
+};
+
+/// The backward's window module (based.cu and based_bwd.cu) compiles
+/// ([`compiles_without_spills`]); its linear branch is SSD's backward module, compiled by
+/// `ssd_bwd::ssd_backward_kernels_compile_without_spills`. Runs in CI.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn based_backward_kernels_compile_without_spills() {
+    use kernelpages::sequence_mixers::{based_backward, based_cuda};
+    let mut entries = based_cuda::entry_points();
+    entries.extend(based_backward::entry_points());
+    compiles_without_spills("based_bwd.cu", &based_backward::source(), &entries);
+}
+
+fn shape(
+    batch: usize,
+    seq_len: usize,
+    heads: usize,
+    key_dim: usize,
+    value_dim: usize,
+    window: usize,
+) -> BasedShape {
+    BasedShape {
+        batch,
+        seq_len,
+        heads,
+        key_dim,
+        value_dim,
+        window,
+    }
+}
+
+/// One backward on the device from random inputs in [−1, 1) (scale 1/√K), with or without
+/// an initial state and d_final_state (`optional`): the gradients' values in the order dq, dk,
+/// dv, d(initial state), and the float64 adjoint's on the same rounded inputs.
+fn based_backward_case(
+    s: BasedShape,
+    dtype: Dtype,
+    optional: bool,
+    seed: u64,
+) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    let g = gpu();
+    let bth = s.batch * s.seq_len * s.heads;
+    let state_len = s.batch * s.heads * s.value_dim * s.key_dim;
+    let q = uniform(bth * s.key_dim, -1.0, 1.0, seed);
+    let k = uniform(bth * s.key_dim, -1.0, 1.0, seed + 1);
+    let v = uniform(bth * s.value_dim, -1.0, 1.0, seed + 2);
+    let s0 = uniform(state_len, -1.0, 1.0, seed + 3);
+    let dy = uniform(bth * s.value_dim, -1.0, 1.0, seed + 4);
+    let dfin = uniform(state_len, -1.0, 1.0, seed + 5);
+    let scale = 1.0 / (s.key_dim as f32).sqrt();
+    let (qr, kr, vr, dyr) = (
+        rounded(dtype, &q),
+        rounded(dtype, &k),
+        rounded(dtype, &v),
+        rounded(dtype, &dy),
+    );
+    let (s0r, dfinr) = (rounded_f32(&s0), rounded_f32(&dfin));
+    let start = BasedState {
+        s: s0r,
+        ..BasedState::zeros(s)
+    };
+    let want = based_backward(
+        s,
+        BasedInputs {
+            q: &qr,
+            k: &kr,
+            v: &vr,
+            scale: scale as f64,
+            initial_state: optional.then_some(&start),
+        },
+        &dyr,
+        optional.then_some(&dfinr[..]),
+    )
+    .unwrap();
+    let (s0_d, dfin_d) = (up::<f32>(&s0), up::<f32>(&dfin));
+    let mut grads: [CudaSlice<f32>; 3] = [
+        poisoned::<f32>(bth * s.key_dim),
+        poisoned::<f32>(bth * s.key_dim),
+        poisoned::<f32>(bth * s.value_dim),
+    ];
+    let mut d_initial = poisoned::<f32>(state_len);
+    let mut bwd = BasedBackward::new(g, s, dtype).unwrap();
+    macro_rules! run {
+        ($t:ty) => {{
+            let (q_d, k_d, v_d, dy_d) = (up::<$t>(&q), up::<$t>(&k), up::<$t>(&v), up::<$t>(&dy));
+            let [a, b, c] = &mut grads;
+            bwd.launch_into(
+                g,
+                (&q_d, &k_d, &v_d),
+                scale,
+                optional.then_some(&s0_d),
+                &dy_d,
+                optional.then_some(&dfin_d),
+                &mut [a.as_view_mut(), b.as_view_mut(), c.as_view_mut()],
+                &mut d_initial,
+            )
+            .unwrap();
+        }};
+    }
+    match dtype {
+        Dtype::F32 => run!(f32),
+        Dtype::Bf16 => run!(u16),
+    }
+    let mut got: Vec<Vec<f64>> = grads.iter().map(down).collect();
+    got.push(down(&d_initial));
+    (got, vec![want.dq, want.dk, want.dv, want.d_initial_state])
+}
+
+const NAMES: [&str; 4] = ["dq", "dk", "dv", "d_initial_state"];
+
+/// The backward against the float64 adjoint: both dtypes (float32 arithmetic either way, on
+/// the same rounded inputs), with and without an initial state and d_final_state; one step,
+/// partial chunks and tiles (63, 65, 200 steps), K ≠ V and odd widths, windows of 1, 64, 65
+/// and 256 steps, K = V = 128 (the grid's largest), and 4,097 steps. Relative L2 error of
+/// every gradient ≤ 1e-4; a NaN fails.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn based_backward_matches_float64() {
+    let cases = [
+        shape(1, 1, 2, 16, 16, 64),
+        shape(2, 63, 2, 32, 16, 1),
+        shape(1, 65, 2, 33, 31, 64),
+        shape(2, 200, 2, 64, 64, 65),
+        shape(1, 300, 1, 128, 128, 256),
+        shape(1, 130, 2, 128, 128, 64),
+        shape(1, 4097, 1, 16, 32, 64),
+    ];
+    let mut failures = Vec::new();
+    for (i, &s) in cases.iter().enumerate() {
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            for optional in [true, false] {
+                let (got, want) = based_backward_case(s, dtype, optional, 700 + 10 * i as u64);
+                let mut worst = (0.0f64, "none");
+                for ((name, g), w) in NAMES.iter().zip(&got).zip(&want) {
+                    let e = rel_l2(g, w);
+                    let e = if e.is_nan() { f64::INFINITY } else { e };
+                    if e > worst.0 {
+                        worst = (e, name);
+                    }
+                }
+                println!(
+                    "based backward {s:?} {dtype:?} S0, d_final {optional}: worst {} {:.2e}",
+                    worst.1, worst.0
+                );
+                if worst.0 > 1e-4 {
+                    failures.push(format!(
+                        "{s:?} {dtype:?} {optional}: {} {:.2e}",
+                        worst.1, worst.0
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Two calls on the same inputs give the same bits (no atomics).
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn based_backward_is_deterministic() {
+    let s = shape(2, 300, 2, 64, 64, 64);
+    let (first, _) = based_backward_case(s, Dtype::Bf16, true, 97);
+    let (second, _) = based_backward_case(s, Dtype::Bf16, true, 97);
+    for ((name, a), b) in NAMES.iter().zip(&first).zip(&second) {
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{name} differs between runs"
+        );
+    }
+}
