@@ -38,6 +38,7 @@ use kernelpages::runner::grid::Params;
 use kernelpages::runner::protocol::{CaseFiles, Job, Reply, TensorFile};
 use kernelpages::runner::{self, host, own, Alternative, Declared, DeviceChoice, RunnerArgs};
 use kernelpages::schema::{Count, DispatchRule, RunKind, Status, Suite, Throughput};
+use kernelpages::sequence_mixers::based_backward::BasedBackward;
 use kernelpages::sequence_mixers::based_cuda::{self, Based};
 use kernelpages::sequence_mixers::case::{
     Mixer, MixerCase, MixerDtype, MixerInputs, MixerPass, Tensor,
@@ -342,6 +343,16 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 implementation: GPU_IMPLEMENTATION.into(),
             },
             DispatchRule {
+                entry_point: "sequence_mixers::based_backward::BasedBackward".into(),
+                device: "CUDA, compute capability 8.0 or newer".into(),
+                dtype: "fp32, bf16 (q, k, v, dy; states and gradients fp32)".into(),
+                rule: format!(
+                    "a forward and backward call: after the forward above, version 1 of the backward, float32 arithmetic on CUDA cores: the linear branch's gradients from SSD's backward (version 1.1, dt 1, A 0, dy read times the scale; it writes dq, dk, dv and the initial state's gradient), then the window branch's added by two kernels in tiles of {} rows: per query tile the row's log-sum-exp and Σ P·dP recomputed over its window, then dq; per key tile dk and dv over the queries that see it. No atomics",
+                    based_cuda::TILE
+                ),
+                implementation: GPU_IMPLEMENTATION.into(),
+            },
+            DispatchRule {
                 entry_point: "sequence_mixers::scan_cuda::Scan".into(),
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (u, B, C, y; Δ, A, D and states fp32)".into(),
@@ -418,18 +429,19 @@ impl runner::Suite for Mixers {
             Ok(c) => c,
             Err(e) => return Some(format!("{e:#}")),
         };
-        // The alternatives' backward (autograd through them) is measured for SSD: PyTorch's
-        // chunked form and flash-linear-attention's simple GLA; their selective scans are
-        // loops over seq_len (PyTorch) or absent (the library).
-        let alternative_backward =
-            c.mixer == Mixer::Ssd && [TORCH_EAGER, FLA_CHUNK].contains(&implementation);
+        // The alternatives' backward (autograd through them) is measured for SSD and Based:
+        // PyTorch's chunked forms and flash-linear-attention's simple GLA, linear attention and
+        // windowed attention; their selective scans are loops over seq_len (PyTorch) or absent
+        // (the library).
+        let alternative_backward = matches!(c.mixer, Mixer::Ssd | Mixer::Based)
+            && [TORCH_EAGER, FLA_CHUNK].contains(&implementation);
         if c.pass == MixerPass::FwdBwd
             && implementation != GPU_IMPLEMENTATION
             && !alternative_backward
         {
             return Some(format!(
                 "fwd+bwd: {implementation} has no backward of the {} measured (PyTorch's and \
-                 flash-linear-attention's are measured for SSD)",
+                 flash-linear-attention's are measured for SSD and Based)",
                 c.mixer.as_str()
             ));
         }
@@ -514,6 +526,19 @@ impl runner::Suite for Mixers {
                      heads and dA, dD over the batch in a fixed order (no atomics); gradients in \
                      float32",
                     ssd_cuda::CHUNK
+                ));
+            }
+            if c.pass == MixerPass::FwdBwd && c.mixer == Mixer::Based {
+                notes.push(format!(
+                    "backward (version 1): float32 arithmetic on CUDA cores whatever the \
+                     forward's path; the linear branch through SSD's backward (version 1.1, \
+                     chunks of {} steps, dt 1 and A 0, dy times the scale), then the window's \
+                     softmax backward added, one block per {} query rows (their log-sum-exp and \
+                     Σ P·dP recomputed, then dq) and one per {} keys (dk, dv); nothing kept by \
+                     the forward call, no atomics; gradients in float32",
+                    ssd_cuda::CHUNK,
+                    based_cuda::TILE,
+                    based_cuda::TILE
                 ));
             }
             if c.pass == MixerPass::FwdBwd && c.mixer == Mixer::SelectiveScan {
@@ -679,6 +704,9 @@ enum Kernels {
     SsdBwd(Box<(Ssd, SsdBackward, CudaSlice<f32>)>),
     Delta(GatedDelta),
     Based(Box<Based>),
+    /// Based's forward, then its backward (a fwd+bwd case), and the buffer the backward writes
+    /// the initial linear state's gradient to (not an output of the case).
+    BasedBwd(Box<(Based, BasedBackward, CudaSlice<f32>)>),
 }
 
 /// `cuda` on one case: the kernels write the output straight into the runner's buffer (its
@@ -691,12 +719,14 @@ struct GpuLaunch {
     final_state: CudaSlice<f32>,
 }
 
-/// The runner's gradient buffers (float32 words: the six gradients of a backward's inputs)
-/// as float32 views.
+/// The runner's gradient buffers (float32 words: the N gradients of a backward's inputs, six
+/// for SSD and the scan, three for Based) as float32 views.
 ///
 /// # Errors
-/// [`GpuError::Config`] for other than six buffers, or one of an odd number of words.
-fn gradient_views(grads: &mut [CudaSlice<u16>]) -> Result<[CudaViewMut<'_, f32>; 6], GpuError> {
+/// [`GpuError::Config`] for other than N buffers, or one of an odd number of words.
+fn gradient_views<const N: usize>(
+    grads: &mut [CudaSlice<u16>],
+) -> Result<[CudaViewMut<'_, f32>; N], GpuError> {
     let mut views = Vec::with_capacity(grads.len());
     for g in grads.iter_mut() {
         let len = g.len() / 2;
@@ -706,9 +736,9 @@ fn gradient_views(grads: &mut [CudaSlice<u16>]) -> Result<[CudaViewMut<'_, f32>;
                 .ok_or_else(|| GpuError::Config("gradient buffer too short".into()))?,
         );
     }
-    views
-        .try_into()
-        .map_err(|v: Vec<_>| GpuError::Config(format!("{} gradient buffers, expected 6", v.len())))
+    views.try_into().map_err(|v: Vec<_>| {
+        GpuError::Config(format!("{} gradient buffers, expected {N}", v.len()))
+    })
 }
 
 /// Launches `k` on the sequence inputs `seq` (X or u, B, C; or q, k, v; then dy for a
@@ -818,6 +848,21 @@ fn launch_kernels<T: DeviceRepr>(
         Kernels::Based(k) => {
             want(3, 0)?;
             k.launch(gpu, seq[0], seq[1], seq[2], scale, None, y, fs)
+        }
+        Kernels::BasedBwd(k) => {
+            want(4, 0)?;
+            let (fwd, bwd, d_initial) = &mut **k;
+            fwd.launch(gpu, seq[0], seq[1], seq[2], scale, None, y, fs)?;
+            bwd.launch_into(
+                gpu,
+                (seq[0], seq[1], seq[2]),
+                scale,
+                None,
+                seq[3],
+                None,
+                &mut gradient_views(grads)?,
+                d_initial,
+            )
         }
     }
 }
@@ -935,12 +980,19 @@ impl own::Launcher for GpuLaunch {
             }
             Kernels::Delta(k) => k.temporary_bytes(),
             Kernels::Based(k) => k.temporary_bytes(),
+            Kernels::BasedBwd(k) => {
+                k.0.temporary_bytes() + k.1.temporary_bytes() + 4 * k.2.len() as u64
+            }
         };
         kernels + 4 * self.final_state.len() as u64
     }
     fn residual_bytes(&self) -> Option<u64> {
         // The backward recomputes the forward from the inputs: the forward keeps nothing.
-        matches!(self.kernels, Kernels::ScanBwd(_) | Kernels::SsdBwd(_)).then_some(0)
+        matches!(
+            self.kernels,
+            Kernels::ScanBwd(_) | Kernels::SsdBwd(_) | Kernels::BasedBwd(_)
+        )
+        .then_some(0)
     }
     fn workspace_bytes(&self) -> u64 {
         0
@@ -990,6 +1042,16 @@ fn measure_gpu(job: &Job) -> Reply {
             }
             Mixer::SelectiveScan => Kernels::Scan(Scan::new(gpu, case.scan_shape(), dtype)?),
             Mixer::GatedDelta => Kernels::Delta(GatedDelta::new(gpu, case.delta_shape(), dtype)?),
+            Mixer::Based if case.pass == MixerPass::FwdBwd => {
+                let d_initial = gpu
+                    .stream
+                    .alloc_zeros::<f32>((case.batch * case.state_elements()).max(1))?;
+                Kernels::BasedBwd(Box::new((
+                    Based::new(gpu, case.based_shape(), dtype)?,
+                    BasedBackward::new(gpu, case.based_shape(), dtype)?,
+                    d_initial,
+                )))
+            }
             Mixer::Based => Kernels::Based(Box::new(Based::new(gpu, case.based_shape(), dtype)?)),
         };
         let compile_s = match &kernels {
@@ -1001,6 +1063,8 @@ fn measure_gpu(job: &Job) -> Reply {
             Kernels::SsdBwd(k) => k.0.compile_s + k.1.compile_s,
             Kernels::Delta(k) => k.compile_s,
             Kernels::Based(k) => k.compile_s,
+            // SSD's backward module and the window's backward module besides the forward's.
+            Kernels::BasedBwd(k) => k.0.compile_s + k.1.compile_s,
         };
         let final_state = gpu
             .stream
@@ -1024,18 +1088,19 @@ mod tests {
     #[test]
     fn the_grids_and_their_selection() {
         let gpu = Cli::try_parse_from(["sequence_mixers"]).unwrap();
-        // 4 mixers × 2 dtypes × 2 head dims × 4 lengths forward, and SSD's and the selective
-        // scan's 2 × 2 × 4 forward and backward cases each; the longest spread over the shards.
+        // 4 mixers × 2 dtypes × 2 head dims × 4 lengths forward, and SSD's, the selective
+        // scan's and Based's 2 × 2 × 4 forward and backward cases each; the longest spread
+        // over the shards.
         let all_gpu = cases(&gpu, false).unwrap();
-        assert_eq!(all_gpu.len(), 64 + 32);
-        assert_eq!(cases(&gpu, true).unwrap().len(), 4 * 2 + 2 * 2);
+        assert_eq!(all_gpu.len(), 64 + 48);
+        assert_eq!(cases(&gpu, true).unwrap().len(), 4 * 2 + 3 * 2);
         let backward: Vec<MixerCase> = all_gpu
             .iter()
             .map(|p| MixerCase::from_params(p).unwrap())
             .filter(|c| c.pass == MixerPass::FwdBwd)
             .collect();
-        assert_eq!(backward.len(), 32);
-        for mixer in [Mixer::SelectiveScan, Mixer::Ssd] {
+        assert_eq!(backward.len(), 48);
+        for mixer in [Mixer::SelectiveScan, Mixer::Ssd, Mixer::Based] {
             assert_eq!(backward.iter().filter(|c| c.mixer == mixer).count(), 16);
         }
         let fwd_only = Cli::try_parse_from(["sequence_mixers", "--passes", "fwd"]).unwrap();
@@ -1092,17 +1157,22 @@ mod tests {
         // SSD's backward runs for PyTorch and flash-linear-attention too, not on the CPU.
         let mut ssd_back = MixerCase::ssd(4, 1024, 8, 64, 64);
         ssd_back.pass = MixerPass::FwdBwd;
-        for (imp, runs) in [
-            (GPU_IMPLEMENTATION, true),
-            (TORCH_EAGER, true),
-            (FLA_CHUNK, true),
-            (CPU_IMPLEMENTATION, false),
-        ] {
-            assert_eq!(
-                suite.unsupported(&ssd_back.params(), imp).is_none(),
-                runs,
-                "{imp}"
-            );
+        let mut based_back = MixerCase::based(4, 1024, 8, 64, 64);
+        based_back.pass = MixerPass::FwdBwd;
+        for back in [ssd_back, based_back] {
+            for (imp, runs) in [
+                (GPU_IMPLEMENTATION, true),
+                (TORCH_EAGER, true),
+                (FLA_CHUNK, true),
+                (CPU_IMPLEMENTATION, false),
+            ] {
+                assert_eq!(
+                    suite.unsupported(&back.params(), imp).is_none(),
+                    runs,
+                    "{imp} {}",
+                    back.label()
+                );
+            }
         }
         let picked = Cli::try_parse_from([
             "sequence_mixers",
@@ -1123,7 +1193,7 @@ mod tests {
         assert!(Cli::try_parse_from(["sequence_mixers", "--mixers", "gla"])
             .map(|c| cases(&c, false).is_err())
             .unwrap());
-        assert_eq!(dispatch_rules(DeviceChoice::Gpu).len(), 5);
+        assert_eq!(dispatch_rules(DeviceChoice::Gpu).len(), 6);
         let long = MixerCase::gated_delta(4, 65536, 8, 64);
         assert!(suite
             .unsupported(&long.params(), TORCH_EAGER)

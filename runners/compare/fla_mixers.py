@@ -47,8 +47,9 @@ MIXERS = ("ssd", "gated_delta", "based")
 DTYPES = torch_mixers.DTYPES
 PASSES = ("fwd", "fwd+bwd")
 # The mixers whose fwd+bwd this module measures (the library's backward kernels, through
-# autograd): the SSD row's chunk_simple_gla; the others' inputs have no backward case yet.
-BACKWARD_MIXERS = ("ssd",)
+# autograd): the SSD row's chunk_simple_gla and Based's chunk_linear_attn + parallel_attn; the
+# gated delta rule has no backward case in the runner yet.
+BACKWARD_MIXERS = ("ssd", "based")
 NO_SCAN = ("flash-linear-attention has no Mamba-1 selective scan (a decay per channel and state "
            "element); on a GPU its SSD-like kernel (simple GLA) is the ssd row")
 MIXER_NOTES = {
@@ -241,7 +242,9 @@ def _measure_into(job, reply):
     if why is not None:
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
         return
-    if args.get("pass") == "fwd+bwd":
+    # The refusal is of the gated backward (g given): SSD's row passes g, Based's linear
+    # branch (chunk_linear_attn: chunk_simple_gla without g) does not.
+    if args.get("pass") == "fwd+bwd" and args.get("mixer") == "ssd":
         try:
             import triton
             refusal = backward_refusal(triton.__version__,
@@ -295,7 +298,9 @@ def self_test():
     check(unsupported_reason(dict(ok_case, **{"pass": "fwd+bwd"}), "fla_chunk") is None,
           "ssd's backward runs")
     check(unsupported_reason(dict(ok_case, mixer="based", **{"pass": "fwd+bwd"}), "fla_chunk")
-          is not None, "based: forward only")
+          is None, "based's backward runs")
+    check(unsupported_reason(dict(ok_case, mixer="gated_delta", **{"pass": "fwd+bwd"}),
+                             "fla_chunk") is not None, "gated delta: forward only")
     check(version_tuple("3.6.0") == (3, 6, 0) and version_tuple("3.5.0+git12ab") == (3, 5, 0)
           and version_tuple("3.7") == (3, 7, 0), "version strings")
     check("#640" in (backward_refusal("3.6.0", 9) or ""), "Triton 3.6 on Hopper: refused")

@@ -70,9 +70,10 @@ IMPLEMENTATIONS = ("torch_eager",)
 MIXERS = ("ssd", "selective_scan", "gated_delta", "based")
 DTYPES = ("fp32", "bf16")
 PASSES = ("fwd", "fwd+bwd")
-# The mixers whose fwd+bwd this module measures (autograd through the formulation): SSD's
-# chunked form; the sequential loops (selective scan, gated delta rule) would keep every step.
-BACKWARD_MIXERS = ("ssd",)
+# The mixers whose fwd+bwd this module measures (autograd through the formulation): SSD's and
+# Based's chunked forms; the sequential loops (selective scan, gated delta rule) would keep
+# every step.
+BACKWARD_MIXERS = ("ssd", "based")
 BACKWARD_NOTE = ("fwd+bwd: the forward with autograd recording, then torch.autograd.grad of "
                  "sum(dy * y) with respect to every input (dy the runner's)")
 # The inputs each mixer takes, in argument order (files.inputs).
@@ -616,9 +617,11 @@ def self_test():
           "a long window is measured")
     check("window" in (unsupported_reason(dict(based, window=0), "torch_eager") or ""),
           "window 0 is refused")
+    check("fwd" in unsupported_reason(dict(gd, **{"pass": "fwd+bwd"}), "torch_eager"),
+          "gated_delta: the backward is refused")
+    check(unsupported_reason(dict(based, **{"pass": "fwd+bwd"}), "torch_eager") is None,
+          "based's backward is measured")
     for m in (gd, based):
-        check("fwd" in unsupported_reason(dict(m, **{"pass": "fwd+bwd"}), "torch_eager"),
-              "%s: the backward is refused" % m["mixer"])
         check("fp16" in unsupported_reason(dict(m, dtype="fp16"), "torch_eager"),
               "%s: fp16 is refused" % m["mixer"])
     check([window_chunks(w, 10) for w in (1, 2, 64, 65, 66, 129, 10 ** 6)]
@@ -715,6 +718,23 @@ def self_test():
             (got,) = caller({"mixer": "selective_scan", "dtype": "fp32"})(u, delta, a, b, c, d)
             err = _rel(got, want)
             check(got.shape == u.shape and err < 1e-5, "scan rel_l2 %g" % err)
+
+            # Based's fwd+bwd: the chunked form's gradients against autograd through the
+            # float64 query-by-query form, windows shorter and longer than a chunk.
+            q, k, v = (rnd(bsz, t_len, heads, p_dim + 5) for _ in range(3))
+            dy = rnd(bsz, t_len, heads, p_dim + 5)
+            for window in (5, 65):
+                args = {"mixer": "based", "dtype": "fp32", "scale": 0.3, "window": window}
+                got = with_backward(caller(args))(q, k, v, dy)
+                with torch.enable_grad():
+                    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+                    want = torch.autograd.grad(_sequential_based(*leaves, 0.3, window), leaves,
+                                               dy.double())
+                check(len(got) == 4, "based fwd+bwd returns O and 3 gradients")
+                for name, g, w in zip(("dq", "dk", "dv"), got[1:], want):
+                    err = _rel(g, w)
+                    check(g.shape == w.shape and err < 1e-4,
+                          "based W=%d %s rel_l2 %g" % (window, name, err))
 
             for name, err, bound in _new_mixer_errors(gen):
                 check(err < bound, "%s rel_l2 %g (bound %g)" % (name, err, bound))

@@ -55,10 +55,10 @@ impl Mixer {
         }
     }
 
-    /// Whether the project has a backward of this mixer (SSD and the selective scan so far):
-    /// the mixers that take a `fwd+bwd` pass.
+    /// Whether the project has a backward of this mixer (SSD, the selective scan and Based so
+    /// far; not the gated delta rule): the mixers that take a `fwd+bwd` pass.
     pub fn has_backward(self) -> bool {
-        matches!(self, Mixer::Ssd | Mixer::SelectiveScan)
+        matches!(self, Mixer::Ssd | Mixer::SelectiveScan | Mixer::Based)
     }
 
     /// The mixer named `s`, if any.
@@ -68,7 +68,7 @@ impl Mixer {
 }
 
 /// What one call computes: the forward, or the forward and the backward (the gradients of
-/// ⟨dy, y⟩ with respect to every input, dy given; SSD and the selective scan so far:
+/// ⟨dy, y⟩ with respect to every input, dy given; SSD, the selective scan and Based so far:
 /// [`Mixer::has_backward`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MixerPass {
@@ -318,8 +318,8 @@ impl MixerCase {
             "fwd+bwd" if mixer.has_backward() => MixerPass::FwdBwd,
             "fwd+bwd" => {
                 return Err(format!(
-                    "pass `fwd+bwd` of {}: only SSD and the selective scan have a backward so \
-                     far",
+                    "pass `fwd+bwd` of {}: only SSD, the selective scan and Based have a \
+                     backward so far",
                     mixer.as_str()
                 ))
             }
@@ -503,8 +503,8 @@ impl MixerCase {
     /// (per head for SSD, per channel for the scan), A and D in float32 (A per channel and
     /// state for the scan); for the gated delta rule q, k, v and o in the case's dtype and α, β
     /// in float32 per head and token; for Based q, k, v and o; no initial or final state. A
-    /// forward and backward (SSD, the selective scan) adds a second read of the inputs, dy, and
-    /// the float32 gradients.
+    /// forward and backward (SSD, the selective scan, Based) adds a second read of the inputs,
+    /// dy, and the float32 gradients.
     pub fn bytes(&self) -> f64 {
         let e = self.dtype.bytes() as f64;
         let t = self.tokens();
@@ -542,7 +542,11 @@ impl MixerCase {
                 }
             }
             Mixer::GatedDelta => t * (4.0 * w * e + 8.0 * self.heads as f64),
-            Mixer::Based => t * 4.0 * w * e,
+            Mixer::Based => match self.pass {
+                MixerPass::Fwd => t * 4.0 * w * e,
+                // The backward reads q, k, v and dy again and writes dq, dk and dv in float32.
+                MixerPass::FwdBwd => t * (8.0 * w * e + 12.0 * w),
+            },
         }
     }
 
@@ -786,7 +790,8 @@ impl MixerInputs {
     /// - SSD ([`super::gradients::ssd_backward`]): dX `[B, T, H, P]`, dΔ `[B, T, H]`, dA `[H]`,
     ///   dB and dC `[B, T, G, N]`, dD `[H]`;
     /// - the selective scan ([`super::gradients::selective_scan_backward`]): du `[B, T, D]`,
-    ///   dΔ `[B, T, D]`, dA `[D, N]`, dB and dC `[B, T, N]`, dD `[D]`.
+    ///   dΔ `[B, T, D]`, dA `[D, N]`, dB and dC `[B, T, N]`, dD `[D]`;
+    /// - Based ([`super::based_gradients::based_backward`]): dq, dk and dv `[B, T, H, K]`.
     ///
     /// # Errors
     /// A case that is not a forward and backward case of a mixer with a backward; inputs whose
@@ -804,6 +809,23 @@ impl MixerInputs {
         }
         let dy = self.float64("dy");
         let (bs, t) = (c.batch, c.seq_len);
+        if c.mixer == Mixer::Based {
+            let (q, k, v) = (self.float64("q"), self.float64("k"), self.float64("v"));
+            let inp = BasedInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                scale: self.scale,
+                initial_state: None,
+            };
+            let g = super::based_gradients::based_backward(c.based_shape(), inp, &dy, None)?;
+            let shape = vec![bs, t, c.heads, c.head_dim];
+            return Ok(vec![
+                ("dq", "q", g.dq, shape.clone()),
+                ("dk", "k", g.dk, shape.clone()),
+                ("dv", "v", g.dv, shape),
+            ]);
+        }
         if c.mixer == Mixer::Ssd {
             let g = self.with_ssd_inputs(|inp| {
                 super::gradients::ssd_backward(c.ssd_shape(), inp, &dy, None)
@@ -902,8 +924,8 @@ mod tests {
         assert!(MixerCase::from_params(&p)
             .unwrap_err()
             .contains("multiple of groups"));
-        // The selective scan and SSD have a backward; the others refuse fwd+bwd, and any other
-        // pass.
+        // The selective scan, SSD and Based have a backward; the gated delta rule refuses
+        // fwd+bwd, and every mixer any other pass.
         let mut p = scan.params();
         p.insert("pass".into(), Param::Text("fwd+bwd".into()));
         let back = MixerCase::from_params(&p).unwrap();
@@ -914,7 +936,7 @@ mod tests {
         q.insert("pass".into(), Param::Text("fwd+bwd".into()));
         assert!(MixerCase::from_params(&q)
             .unwrap_err()
-            .contains("only SSD and the selective scan have a backward"));
+            .contains("only SSD, the selective scan and Based have a backward"));
         q.insert("pass".into(), Param::Text("bwd".into()));
         assert!(MixerCase::from_params(&q)
             .unwrap_err()
