@@ -38,7 +38,7 @@ use kernelpages::runner::grid::Params;
 use kernelpages::runner::protocol::{CaseFiles, Job, Reply, TensorFile};
 use kernelpages::runner::{self, host, own, Alternative, Declared, DeviceChoice, RunnerArgs};
 use kernelpages::schema::{Count, DispatchRule, RunKind, Status, Suite, Throughput};
-use kernelpages::sequence_mixers::based_backward::BasedBackward;
+use kernelpages::sequence_mixers::based_backward::{self, BasedBackward};
 use kernelpages::sequence_mixers::based_cuda::{self, Based};
 use kernelpages::sequence_mixers::case::{
     Mixer, MixerCase, MixerDtype, MixerInputs, MixerPass, Tensor,
@@ -347,7 +347,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (q, k, v, dy; states and gradients fp32)".into(),
                 rule: format!(
-                    "a forward and backward call: after the forward above, version 1 of the backward, float32 arithmetic on CUDA cores: the linear branch's gradients from SSD's backward (version 1.1, dt 1, A 0, dy read times the scale; it writes dq, dk, dv and the initial state's gradient), then the window branch's added by two kernels in tiles of {} rows: per query tile the row's log-sum-exp and Σ P·dP recomputed over its window, then dq; per key tile dk and dv over the queries that see it. No atomics",
+                    "a forward and backward call: after the forward above, the linear branch's gradients from SSD's backward (version 1.1, float32 on CUDA cores, dt 1, A 0, dy read times the scale; it writes dq, dk, dv and the initial state's gradient), then the window branch's added by two kernels in tiles of {} rows: per query tile the row's log-sum-exp and Σ P·dP recomputed over its window, then dq; per key tile dk and dv over the queries that see it; no atomics. bf16 with K and V multiples of 16: the window's version 2 on tensor cores (mma.sync m16n8k16: QKᵀ, dO Vᵀ, dS K, Pᵀ dO and dSᵀ Q, P and dS rounded to bf16, float32 accumulation and softmax statistics), 4 warps per tile. Otherwise version 1, float32 arithmetic on CUDA cores",
                     based_cuda::TILE
                 ),
                 implementation: GPU_IMPLEMENTATION.into(),
@@ -530,15 +530,24 @@ impl runner::Suite for Mixers {
             }
             if c.pass == MixerPass::FwdBwd && c.mixer == Mixer::Based {
                 notes.push(format!(
-                    "backward (version 1): float32 arithmetic on CUDA cores whatever the \
-                     forward's path; the linear branch through SSD's backward (version 1.1, \
-                     chunks of {} steps, dt 1 and A 0, dy times the scale), then the window's \
-                     softmax backward added, one block per {} query rows (their log-sum-exp and \
-                     Σ P·dP recomputed, then dq) and one per {} keys (dk, dv); nothing kept by \
-                     the forward call, no atomics; gradients in float32",
+                    "backward: the linear branch through SSD's backward (version 1.1, float32 on \
+                     CUDA cores, chunks of {} steps, dt 1 and A 0, dy times the scale), then \
+                     the window's softmax backward added, one block per {} query rows (their \
+                     log-sum-exp and Σ P·dP recomputed, then dq) and one per {} keys (dk, dv), \
+                     {}; nothing kept by the forward call, no atomics; gradients in float32",
                     ssd_cuda::CHUNK,
                     based_cuda::TILE,
-                    based_cuda::TILE
+                    based_cuda::TILE,
+                    if based_backward::window_backward_tc_shared_bytes(
+                        c.based_shape(),
+                        device_dtype(c.dtype)
+                    )
+                    .is_some()
+                    {
+                        "version 2: its products on tensor cores, P and dS rounded to bf16"
+                    } else {
+                        "version 1: float32 arithmetic on CUDA cores"
+                    }
                 ));
             }
             if c.pass == MixerPass::FwdBwd && c.mixer == Mixer::SelectiveScan {

@@ -455,11 +455,16 @@ fn ssd_backward_emulated_matches_the_adjoint() {
 /// finite differences: dq, dk, dv and the initial state's gradient, with and without an
 /// initial state and a final state's cotangent, with the host's shared-memory sizes, shared
 /// memory poisoned and guarded past them: one step and a window of one, partial tiles,
-/// K ≠ V and odd widths, windows of 5, 64, 65 and 200 steps.
+/// K ≠ V and odd widths, windows of 5, 64, 65 and 200 steps; where K and V are multiples of 16,
+/// again on bf16-rounded inputs with the window's tensor-core kernels (version 2, `mma.sync`
+/// emulated lane by lane), bound 1e-3.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
 fn based_backward_emulated_matches_the_adjoint() {
-    use kernelpages::sequence_mixers::based_backward::window_backward_shared_bytes;
+    use kernelpages::sequence_mixers::based_backward::{
+        window_backward_shared_bytes, window_backward_tc_shared_bytes,
+    };
+    use kernelpages::sequence_mixers::cuda::Dtype;
     use kernelpages::sequence_mixers::based_cuda::linear_shape;
     use kernelpages::sequence_mixers::reference::BasedShape;
     use kernelpages::sequence_mixers::ssd_backward::backward_shared_bytes;
@@ -469,6 +474,11 @@ fn based_backward_emulated_matches_the_adjoint() {
         (2, 150, 1, 16, 8, 64),
         (1, 130, 1, 5, 7, 65),
         (1, 200, 1, 32, 32, 200),
+        // The tensor-core kernels: one step, K ≠ V, windows 5, 64 and 200.
+        (1, 1, 1, 16, 16, 1),
+        (1, 70, 2, 16, 32, 5),
+        (2, 150, 1, 32, 16, 64),
+        (1, 200, 1, 64, 64, 200),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, key_dim, value_dim, window)| {
@@ -482,8 +492,9 @@ fn based_backward_emulated_matches_the_adjoint() {
         };
         let [chunk, dx, dbc, ddt] = backward_shared_bytes(linear_shape(s));
         let [dq, dkv] = window_backward_shared_bytes(s);
+        let [tcq, tckv] = window_backward_tc_shared_bytes(s, Dtype::Bf16).unwrap_or([0, 0]);
         format!(
-            "{batch},{seq_len},{heads},{key_dim},{value_dim},{window},{chunk},{chunk},{dx},{dbc},{ddt},{dq},{dkv}"
+            "{batch},{seq_len},{heads},{key_dim},{value_dim},{window},{chunk},{chunk},{dx},{dbc},{ddt},{dq},{dkv},{tcq},{tckv}"
         )
     })
     .collect();

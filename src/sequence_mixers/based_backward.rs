@@ -39,7 +39,23 @@ pub fn entry_points() -> Vec<String> {
             v.push(format!("based_bwd_window_{k}_{}", d.tag()));
         }
     }
+    v.push("based_bwd_window_dq_tc".to_string());
+    v.push("based_bwd_window_dkv_tc".to_string());
     v
+}
+
+/// Dynamic shared memory of the window's tensor-core backward kernels (version 2, bf16) for
+/// `shape`, bytes: L rows of K + 8 and V + 8 bf16, twice each (the dq kernel: the tile's
+/// queries and dy, the step's keys and values; the dk/dv kernel: the tile's keys and values,
+/// the step's queries and dy), and for the dk/dv kernel 2·L floats (the step's log-sum-exp and
+/// D), L = [`TILE`]; `None` when the shape does not fit them (bf16, K and V multiples of 16;
+/// version 1 runs the rest).
+pub fn window_backward_tc_shared_bytes(shape: BasedShape, dtype: Dtype) -> Option<[u32; 2]> {
+    let (l, k, v) = (TILE, shape.key_dim, shape.value_dim);
+    (dtype == Dtype::Bf16 && k.is_multiple_of(16) && v.is_multiple_of(16)).then(|| {
+        let halves = 2 * l * (k + 8) + 2 * l * (v + 8);
+        [(halves * 2) as u32, (halves * 2 + 2 * l * 4) as u32]
+    })
 }
 
 /// The shared memory one block may have on compute capability 9.0 (227 KiB).
@@ -65,6 +81,9 @@ pub struct BasedBackward {
     linear: SsdBackward,
     dq: CudaFunction,
     dkv: CudaFunction,
+    /// The window kernels' threads per block and shared memory (version 2's on tensor cores,
+    /// or version 1's).
+    threads: u32,
     smem: [u32; 2],
     /// The linear branch's dt (all 1, `[B, T, H]`) and A (all 0, `[H]`).
     ones: CudaSlice<f32>,
@@ -89,7 +108,10 @@ impl BasedBackward {
     pub fn new(gpu: &Gpu, shape: BasedShape, dtype: Dtype) -> Result<BasedBackward, GpuError> {
         let s = shape;
         based_cuda::check_shape(s)?;
-        let smem = window_backward_shared_bytes(s);
+        let (tag, threads, smem) = match window_backward_tc_shared_bytes(s, dtype) {
+            Some(bytes) => ("tc", based_cuda::TC_THREADS, bytes),
+            None => (dtype.tag(), THREADS, window_backward_shared_bytes(s)),
+        };
         if let Some(&most) = smem.iter().max().filter(|&&m| m > MAX_SHARED) {
             return Err(GpuError::Config(format!(
                 "based backward: key_dim {} and value_dim {} need {most} bytes of shared memory \
@@ -99,7 +121,6 @@ impl BasedBackward {
         }
         let linear = SsdBackward::new(gpu, linear_shape(s), dtype)?;
         let compiled = gpu.compile("based_bwd.cu", &source())?;
-        let tag = dtype.tag();
         let dq = gpu.function(
             &compiled.module,
             &format!("based_bwd_window_dq_{tag}"),
@@ -118,6 +139,7 @@ impl BasedBackward {
             linear,
             dq,
             dkv,
+            threads,
             smem,
             ones: gpu.stream.clone_htod(&vec![1f32; bth])?,
             zeros: alloc(s.heads)?,
@@ -203,14 +225,15 @@ impl BasedBackward {
                 s.heads as u32,
                 s.batch as u32,
             ),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (self.threads, 1, 1),
             shared_mem_bytes: smem,
         };
         let mut l = gpu.stream.launch_builder(&self.dq);
         l.arg(q).arg(k).arg(v).arg(dy).arg(&scale);
         l.arg(&mut self.lse).arg(&mut self.dsum).arg(&mut *dq);
         l.arg(&t_len).arg(&heads).arg(&kd).arg(&vd).arg(&w);
-        // SAFETY: based_bwd_window_dq_<t>(const T* q, const T* k, const T* v, const T* dy,
+        // SAFETY: based_bwd_window_dq_<t>, or based_bwd_window_dq_tc with T u16 (chosen in `new`
+        // for bf16 with K and V multiples of 16), (const T* q, const T* k, const T* v, const T* dy,
         // float scale, float* lse, float* dsum, float* dq, int T_len, int heads, int K, int V,
         // int W): q, k, v and dy were checked by SSD's backward (as C, B, X and dy), dq above;
         // lse and dsum hold B·T·H floats (`new`); `new` checked K, V ≤ 128 (the accumulators
@@ -222,7 +245,7 @@ impl BasedBackward {
         l.arg(q).arg(k).arg(v).arg(dy).arg(&scale);
         l.arg(&self.lse).arg(&self.dsum).arg(&mut *dk).arg(&mut *dv);
         l.arg(&t_len).arg(&heads).arg(&kd).arg(&vd).arg(&w);
-        // SAFETY: based_bwd_window_dkv_<t>(const T* q, const T* k, const T* v, const T* dy,
+        // SAFETY: based_bwd_window_dkv_<t> or based_bwd_window_dkv_tc (as above), (const T* q, const T* k, const T* v, const T* dy,
         // float scale, const float* lse, const float* dsum, float* dk, float* dv, int T_len,
         // int heads, int K, int V, int W): as above; the block of key tile i reads queries
         // 64i..min(64i + 63 + W − 1, T − 1) and their lse and dsum (written by the dq kernel
@@ -257,13 +280,25 @@ mod tests {
         assert!(window_backward_shared_bytes(s(128, 128))
             .iter()
             .all(|&b| b <= MAX_SHARED));
+        // The tensor-core kernels: bf16 rows of K + 8 and V + 8, twice each, and 2·64 floats.
+        let halves = 2 * 64 * 72 + 2 * 64 * 40;
+        assert_eq!(
+            window_backward_tc_shared_bytes(s(64, 32), Dtype::Bf16),
+            Some([(halves * 2) as u32, (halves * 2 + 512) as u32])
+        );
+        assert_eq!(window_backward_tc_shared_bytes(s(64, 32), Dtype::F32), None);
+        assert_eq!(window_backward_tc_shared_bytes(s(40, 32), Dtype::Bf16), None);
+        assert!(
+            BASED_BWD_SRC.contains("based_bwd_window_dq_tc(")
+                && BASED_BWD_SRC.contains("based_bwd_window_dkv_tc(")
+        );
     }
 
     #[test]
     fn entry_points_are_in_the_source() {
         let e = entry_points();
-        assert_eq!(e.len(), 4);
-        for name in &e {
+        assert_eq!(e.len(), 6);
+        for name in e.iter().take(4) {
             let stem = name.trim_end_matches("_f32").trim_end_matches("_bf16");
             assert!(BASED_BWD_SRC.contains(&format!("{stem}_##NAME(")), "{name}");
         }

@@ -2,7 +2,9 @@
 //! adjoint (`sequence_mixers::based_gradients::based_backward`).
 
 use cudarc::driver::CudaSlice;
-use kernelpages::sequence_mixers::based_backward::BasedBackward;
+use kernelpages::sequence_mixers::based_backward::{
+    window_backward_tc_shared_bytes, BasedBackward,
+};
 use kernelpages::sequence_mixers::based_gradients::based_backward;
 use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::reference::{BasedInputs, BasedShape, BasedState};
@@ -127,7 +129,9 @@ const NAMES: [&str; 4] = ["dq", "dk", "dv", "d_initial_state"];
 /// the same rounded inputs), with and without an initial state and d_final_state; one step,
 /// partial chunks and tiles (63, 65, 200 steps), K ≠ V and odd widths, windows of 1, 64, 65
 /// and 256 steps, K = V = 128 (the grid's largest), and 4,097 steps. Relative L2 error of
-/// every gradient ≤ 1e-4; a NaN fails.
+/// every gradient ≤ 1e-4 where the window's kernels are version 1 (float32), ≤ 4e-3 where
+/// bf16 runs them on tensor cores (version 2: P and dS rounded to bf16 for their products); a
+/// NaN fails.
 #[test]
 #[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
 fn based_backward_matches_float64() {
@@ -145,6 +149,11 @@ fn based_backward_matches_float64() {
         for dtype in [Dtype::F32, Dtype::Bf16] {
             for optional in [true, false] {
                 let (got, want) = based_backward_case(s, dtype, optional, 700 + 10 * i as u64);
+                let bound = if window_backward_tc_shared_bytes(s, dtype).is_some() {
+                    4e-3
+                } else {
+                    1e-4
+                };
                 let mut worst = (0.0f64, "none");
                 for ((name, g), w) in NAMES.iter().zip(&got).zip(&want) {
                     let e = rel_l2(g, w);
@@ -157,7 +166,7 @@ fn based_backward_matches_float64() {
                     "based backward {s:?} {dtype:?} S0, d_final {optional}: worst {} {:.2e}",
                     worst.1, worst.0
                 );
-                if worst.0 > 1e-4 {
+                if worst.0 > bound {
                     failures.push(format!(
                         "{s:?} {dtype:?} {optional}: {} {:.2e}",
                         worst.1, worst.0

@@ -6,10 +6,15 @@
 // itself checked against central finite differences of L = <dy, O> + <dfin, S_T> on a few
 // entries of each input. Each case runs with an initial state and a final state's cotangent,
 // then without (their flags 0, the buffers non-zero and unread). Each argument is one case
-// "B,T,H,K,V,W,S1,S3,S5,S6,S7,DQ,DKV": the shape and the dynamic shared memory, bytes, the host
-// gives SSD's backward kernels 1, 3, 5, 6 and 7 and the window kernels (tests/kernels_emulate.rs
-// passes src/sequence_mixers/based_backward.rs's sizes). Prints one line per run, then ALL OK
-// or FAILED.
+// "B,T,H,K,V,W,S1,S3,S5,S6,S7,DQ,DKV,TCQ,TCKV": the shape and the dynamic shared memory, bytes,
+// the host gives SSD's backward kernels 1, 3, 5, 6 and 7, the window kernels (version 1) and the
+// tensor-core window kernels (version 2; 0 where the host would not take them)
+// (tests/kernels_emulate.rs passes src/sequence_mixers/based_backward.rs's sizes). Where the
+// tensor-core sizes are given, each run is repeated on the inputs rounded to bf16 with version 2
+// of the window kernels (the linear branch's kernels in float32 on the rounded values, as the
+// device's bf16 path reads them), against the float64 adjoint of the rounded inputs, bound 1e-3
+// (dS and P are rounded to bf16 for their products). Prints one line per run, then ALL OK or
+// FAILED.
 #include "cuda_shim.h"
 #include <cstdio>
 #include <random>
@@ -118,9 +123,9 @@ double rel(const std::vector<float>& got, const std::vector<double>& want) {
 int main(int argc, char** argv) {
     int fails = argc < 2;
     for (int arg = 1; arg < argc; ++arg) {
-        In s; size_t sm1, sm3, sm5, sm6, sm7, smq, smkv;
-        if (std::sscanf(argv[arg], "%d,%d,%d,%d,%d,%d,%zu,%zu,%zu,%zu,%zu,%zu,%zu", &s.B, &s.T, &s.H, &s.K, &s.V, &s.W,
-                        &sm1, &sm3, &sm5, &sm6, &sm7, &smq, &smkv) != 13) {
+        In s; size_t sm1, sm3, sm5, sm6, sm7, smq, smkv, tcq, tckv;
+        if (std::sscanf(argv[arg], "%d,%d,%d,%d,%d,%d,%zu,%zu,%zu,%zu,%zu,%zu,%zu,%zu,%zu", &s.B, &s.T, &s.H, &s.K, &s.V, &s.W,
+                        &sm1, &sm3, &sm5, &sm6, &sm7, &smq, &smkv, &tcq, &tckv) != 15) {
             std::printf("bad case %s\n", argv[arg]); ++fails; continue;
         }
         std::mt19937 rng(7); std::normal_distribution<double> nd;
@@ -129,12 +134,16 @@ int main(int argc, char** argv) {
         s.c = (double)(float)(1.0 / std::sqrt((double)s.K));
         fill(s.q, bt * s.H * s.K); fill(s.k, bt * s.H * s.K); fill(s.v, bt * s.H * s.V);
         fill(s.init, st_len); fill(s.dy, bt * s.H * s.V); fill(s.dfin, st_len);
-        for (int flags = 1; flags >= 0; --flags) {
+        const In s32 = s;
+        for (int run = 0; run < (tcq ? 4 : 2); ++run) {
+            const int flags = 1 - run % 2, tc = run / 2;
+            s = s32;
+            if (tc) for (auto* a : {&s.q, &s.k, &s.v, &s.dy}) for (auto& x : *a) { u16 bits = to_bf16((float)x); x = ld(&bits, 0); }
             In y = s;
             if (!flags) { std::fill(y.init.begin(), y.init.end(), 0.0); std::fill(y.dfin.begin(), y.dfin.end(), 0.0); }
             const Grad want = adjoint(y);
             double fd_worst = 0;
-            if (flags) {
+            if (flags && !tc) {
                 auto probe = [&](std::vector<double>& v, const std::vector<double>& gv) {
                     for (size_t k = 0; k < v.size(); k += 1 + v.size() / 4) {
                         const double keep = v[k], hh = 1e-6 * (1 + std::fabs(keep));
@@ -170,14 +179,23 @@ int main(int argc, char** argv) {
             launch(dim3{(unsigned)H, (unsigned)B, 1}, SSD_THREADS, [&] { ssd_bwd_ddt(ones.data(), zeros.data(), xu.data(), dyx.data(), cdc.data(), bound.data(), gdt.data(), pa.data(), pd.data(), T, H, nc); }, sm7 / 4);
             launch(dim3{3, 1, 1}, SSD_THREADS, [&] { ssd_bwd_sum(dbh.data(), dch.data(), pa.data(), pd.data(), 0, gk.data(), gq.data(), gA.data(), gD.data(), (long long)bt, B, H, G, N); }, 0);
             const dim3 tiles{(unsigned)((T + BASED_TILE - 1) / BASED_TILE), (unsigned)H, (unsigned)B};
-            launch(tiles, BASED_THREADS, [&] { window_bwd_dq<float>(q.data(), k.data(), v.data(), dy.data(), c, lse.data(), dsum.data(), gq.data(), T, H, K, V, W); }, smq / 4);
-            launch(tiles, BASED_THREADS, [&] { window_bwd_dkv<float>(q.data(), k.data(), v.data(), dy.data(), c, lse.data(), dsum.data(), gk.data(), gv.data(), T, H, K, V, W); }, smkv / 4);
+            if (tc) {
+                std::vector<u16> qb(q.size()), kb(k.size()), vb(v.size()), gb(dy.size());
+                for (size_t i = 0; i < q.size(); ++i) { qb[i] = to_bf16(q[i]); kb[i] = to_bf16(k[i]); }
+                for (size_t i = 0; i < v.size(); ++i) { vb[i] = to_bf16(v[i]); gb[i] = to_bf16(dy[i]); }
+                launch(tiles, BASED_TC_THREADS, [&] { based_bwd_window_dq_tc(qb.data(), kb.data(), vb.data(), gb.data(), c, lse.data(), dsum.data(), gq.data(), T, H, K, V, W); }, tcq / 4);
+                launch(tiles, BASED_TC_THREADS, [&] { based_bwd_window_dkv_tc(qb.data(), kb.data(), vb.data(), gb.data(), c, lse.data(), dsum.data(), gk.data(), gv.data(), T, H, K, V, W); }, tckv / 4);
+            } else {
+                launch(tiles, BASED_THREADS, [&] { window_bwd_dq<float>(q.data(), k.data(), v.data(), dy.data(), c, lse.data(), dsum.data(), gq.data(), T, H, K, V, W); }, smq / 4);
+                launch(tiles, BASED_THREADS, [&] { window_bwd_dkv<float>(q.data(), k.data(), v.data(), dy.data(), c, lse.data(), dsum.data(), gk.data(), gv.data(), T, H, K, V, W); }, smkv / 4);
+            }
             const double e[4] = {rel(gq, want.q), rel(gk, want.k), rel(gv, want.v), rel(gi, want.init)};
             double worst = 0; for (double x : e) worst = std::max(worst, std::isfinite(x) ? x : INFINITY);
-            std::printf("based backward B%d T%d H%d K%d V%d W%d %s: dq %.2g dk %.2g dv %.2g dS0 %.2g "
+            std::printf("based backward B%d T%d H%d K%d V%d W%d %s %s: dq %.2g dk %.2g dv %.2g dS0 %.2g "
                         "(float64 adjoint vs finite differences %.2g)\n",
-                        B, T, H, K, V, W, flags ? "with S0, dfin" : "without", e[0], e[1], e[2], e[3], fd_worst);
-            if (!(worst < 3e-5) || !(fd_worst < 1e-5) || g_overrun) ++fails;
+                        B, T, H, K, V, W, tc ? "bf16, window on tensor cores" : "float32",
+                        flags ? "with S0, dfin" : "without", e[0], e[1], e[2], e[3], fd_worst);
+            if (!(worst < (tc ? 1e-3 : 3e-5)) || !(fd_worst < 1e-5) || g_overrun) ++fails;
         }
     }
     std::printf(fails ? "FAILED\n" : "ALL OK\n");
