@@ -464,8 +464,8 @@ fn based_backward_emulated_matches_the_adjoint() {
     use kernelpages::sequence_mixers::based_backward::{
         window_backward_shared_bytes, window_backward_tc_shared_bytes,
     };
-    use kernelpages::sequence_mixers::cuda::Dtype;
     use kernelpages::sequence_mixers::based_cuda::linear_shape;
+    use kernelpages::sequence_mixers::cuda::Dtype;
     use kernelpages::sequence_mixers::reference::BasedShape;
     use kernelpages::sequence_mixers::ssd_backward::backward_shared_bytes;
     let cases: Vec<String> = [

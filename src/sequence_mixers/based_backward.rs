@@ -287,7 +287,10 @@ mod tests {
             Some([(halves * 2) as u32, (halves * 2 + 512) as u32])
         );
         assert_eq!(window_backward_tc_shared_bytes(s(64, 32), Dtype::F32), None);
-        assert_eq!(window_backward_tc_shared_bytes(s(40, 32), Dtype::Bf16), None);
+        assert_eq!(
+            window_backward_tc_shared_bytes(s(40, 32), Dtype::Bf16),
+            None
+        );
         assert!(
             BASED_BWD_SRC.contains("based_bwd_window_dq_tc(")
                 && BASED_BWD_SRC.contains("based_bwd_window_dkv_tc(")
