@@ -5,8 +5,9 @@
 //! Mamba-2's chunked minimal SSD, the selective scan's and the gated delta rule's reference
 //! loops over time, Based chunked), with `--compare fla` flash-linear-attention's chunked
 //! Triton kernels on a GPU (`runners/compare/fla_mixers.py`: simple GLA for SSD, the gated delta
-//! rule, linear attention plus windowed attention for Based; no selective scan), and writes one
-//! suite document. The machinery (processes,
+//! rule, linear attention plus windowed attention for Based; no selective scan), with
+//! `--compare jax` JAX's `lax.associative_scan` formulation of SSD and the selective scan
+//! (`runners/compare/jax_mixers.py`, on the run's device), and writes one suite document. The machinery (processes,
 //! order, timing records, progress, document) is `kernelpages::runner`; this file is the grid,
 //! the implementations, the dispatch table and the counts.
 //!
@@ -117,8 +118,12 @@ const TORCH_LOOP_MAX_SEQ_LEN: usize = 4096;
 /// flash-linear-attention's chunked Triton kernels (`runners/compare/fla_mixers.py`).
 const FLA_CHUNK: &str = "fla_chunk";
 
+/// JAX's associative-scan formulation of SSD and the selective scan
+/// (`runners/compare/jax_mixers.py`).
+const JAX_SCAN: &str = "jax_scan";
+
 /// The alternatives `--compare` can add (each module measures on the run's device).
-const ALTERNATIVES: [Alternative; 2] = [
+const ALTERNATIVES: [Alternative; 3] = [
     Alternative {
         name: "torch",
         module: "torch_mixers",
@@ -130,6 +135,12 @@ const ALTERNATIVES: [Alternative; 2] = [
         module: "fla_mixers",
         library: "flash-linear-attention",
         implementations: &[FLA_CHUNK],
+    },
+    Alternative {
+        name: "jax",
+        module: "jax_mixers",
+        library: "JAX",
+        implementations: &[JAX_SCAN],
     },
 ];
 
@@ -429,19 +440,29 @@ impl runner::Suite for Mixers {
             Ok(c) => c,
             Err(e) => return Some(format!("{e:#}")),
         };
+        if implementation == JAX_SCAN && matches!(c.mixer, Mixer::GatedDelta | Mixer::Based) {
+            return Some(
+                "the gated delta rule's per-step decay is a matrix (I − β k kᵀ) and Based adds a \
+                 softmax window: JAX's associative-scan formulation is measured for SSD and the \
+                 selective scan"
+                    .into(),
+            );
+        }
         // The alternatives' backward (autograd through them) is measured for SSD and Based:
         // PyTorch's chunked forms and flash-linear-attention's simple GLA, linear attention and
         // windowed attention; their selective scans are loops over seq_len (PyTorch) or absent
-        // (the library).
-        let alternative_backward = matches!(c.mixer, Mixer::Ssd | Mixer::Based)
-            && [TORCH_EAGER, FLA_CHUNK].contains(&implementation);
+        // (the library). JAX's associative scan has its vjp for SSD and the selective scan.
+        let alternative_backward = (matches!(c.mixer, Mixer::Ssd | Mixer::Based)
+            && [TORCH_EAGER, FLA_CHUNK].contains(&implementation))
+            || (matches!(c.mixer, Mixer::Ssd | Mixer::SelectiveScan) && implementation == JAX_SCAN);
         if c.pass == MixerPass::FwdBwd
             && implementation != GPU_IMPLEMENTATION
             && !alternative_backward
         {
             return Some(format!(
                 "fwd+bwd: {implementation} has no backward of the {} measured (PyTorch's and \
-                 flash-linear-attention's are measured for SSD and Based)",
+                 flash-linear-attention's are measured for SSD and Based, JAX's for SSD and \
+                 the selective scan)",
                 c.mixer.as_str()
             ));
         }
@@ -1219,6 +1240,15 @@ mod tests {
             .unsupported(&scan.params(), FLA_CHUNK)
             .unwrap()
             .contains("no Mamba-1 selective scan"));
+        // JAX's associative scan: SSD and the scan, fwd and fwd+bwd; not the other two.
+        let mut scan_back = MixerCase::scan(4, 1024, 512, 16);
+        scan_back.pass = MixerPass::FwdBwd;
+        assert!(suite.unsupported(&scan_back.params(), JAX_SCAN).is_none());
+        assert!(suite.unsupported(&ssd_back.params(), JAX_SCAN).is_none());
+        assert!(suite
+            .unsupported(&based_back.params(), JAX_SCAN)
+            .unwrap()
+            .contains("associative-scan"));
         let based = MixerCase::based(1, 8, 2, 4, 2);
         assert!(suite
             .unsupported(&based.params(), CPU_IMPLEMENTATION)

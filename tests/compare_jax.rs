@@ -266,3 +266,78 @@ fn kernel_sum_module_runs_on_jax_cpu() {
         assert!(mem.peak_mb.is_some(), "{mem:?}");
     }
 }
+
+/// The sequence-mixer module (`runners/compare/jax_mixers.py`): its self-test (the pure
+/// checks; with JAX, both formulations and dA's gradient against float64 recurrences).
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn mixer_self_test_passes() {
+    let o = Command::new("python3")
+        .args(["-m", "compare.jax_mixers", "self-test"])
+        .env("PYTHONPATH", runners_dir())
+        .output()
+        .expect("python3 runs");
+    assert!(
+        o.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// The sequence-mixer module on JAX's CPU platform, picked by the job's `device`: SSD (groups,
+/// bf16 and fp32) and the selective scan, fwd and fwd+bwd, each output and gradient checked
+/// against the runner's float64 references; the gated delta rule answered `unsupported` with
+/// the reason.
+#[test]
+#[cfg_attr(
+    not(kp_jax),
+    ignore = "needs jax importable by python3 (the CPU build of jaxlib is enough)"
+)]
+fn mixer_module_runs_on_jax_cpu() {
+    use kernelpages::sequence_mixers::case::{MixerCase, MixerDtype, MixerPass};
+    use kernelpages::sequence_mixers::files as mixer_files;
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Server::start("python3", &runners_dir(), "jax_mixers", &[]).unwrap();
+    let mut ssd = MixerCase::ssd(2, 70, 4, 8, 16);
+    ssd.groups = 2;
+    let mut ssd_bf16 = ssd;
+    ssd_bf16.dtype = MixerDtype::Bf16;
+    let mut ssd_back = ssd;
+    ssd_back.pass = MixerPass::FwdBwd;
+    let mut scan_back = MixerCase::scan(2, 50, 12, 4);
+    scan_back.pass = MixerPass::FwdBwd;
+    let delta = MixerCase::gated_delta(1, 9, 2, 8);
+    for (k, c) in [ssd, ssd_bf16, ssd_back, scan_back, delta]
+        .iter()
+        .enumerate()
+    {
+        let sub = dir.path().join(k.to_string());
+        std::fs::create_dir_all(&sub).unwrap();
+        let job = Job {
+            case: c.params(),
+            implementation: "jax_scan".into(),
+            device: DeviceChoice::Cpu,
+            timing: timing(),
+            l2_bytes: 1 << 20,
+            files: mixer_files::write_case(c, 3, 32, &sub).unwrap(),
+        };
+        let row = s.request(&job, Duration::from_secs(300)).unwrap().row;
+        eprintln!(
+            "{}: {:?} {:?} {:?}",
+            c.label(),
+            row.status,
+            row.median_ms,
+            row.message
+        );
+        if k == 4 {
+            assert_eq!(row.status, Status::Unsupported, "{row:?}");
+            assert!(row.message.unwrap().contains("associative-scan"));
+            continue;
+        }
+        assert_eq!(row.status, Status::Ok, "{}: {row:?}", c.label());
+        let acc = row.accuracy.unwrap();
+        assert!(acc.rel_err < acc.tolerance, "{}: {acc:?}", c.label());
+        assert!(row.memory.unwrap().peak_mb.is_some());
+    }
+}
