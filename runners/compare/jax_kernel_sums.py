@@ -10,14 +10,10 @@ with `precision=HIGHEST` so that no TF32 pass is taken on a GPU), then:
   (`pass = fwd+bwd`) the value and `jax.vjp`'s gradient with respect to x for a cotangent of
   ones, in one jitted call.
 sigma and epsilon are the runner's (`files.arguments`), so every implementation computes the
-same function. For each job, in a fresh process forked from the server: the runner's fp32
-inputs are read and put on the device; the first call (tracing and XLA compilation included)
-is timed by wall clock; every output is scanned for non-finite values and the runner's checked
-elements compared with the runner's float64 reference; then the shared timing protocol with
-`jax_attention.DispatchTimer` (inner calls dispatched back to back, then `block_until_ready`:
-JAX has no CUDA events). Peak memory: on a GPU, `memory_stats()` as `jax_attention` reads it;
-on the CPU, the resident set's high-water mark (`cpu_host`). A case whose N x M matrix does
-not fit is an `oom` row with the size asked.
+same function. Each job is measured as `jax_measure.measure_jitted` does (a fresh process, the
+first call timed apart, every output checked, `jax_attention.DispatchTimer`, peak memory from
+the device or the resident set). A case whose N x M matrix does not fit is an `oom` row with
+the size asked.
 
     PYTHONPATH=runners python3 -m compare.jax_kernel_sums serve | self-test | job FILE
 """
@@ -25,13 +21,12 @@ not fit is an `oom` row with the size asked.
 import math
 import os
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import cpu_host, dense_kernel_sums, jax_attention, protocol, timing  # noqa: E402
+    from compare import dense_kernel_sums, jax_attention, jax_measure, protocol  # noqa: E402
 else:
-    from . import cpu_host, dense_kernel_sums, jax_attention, protocol, timing
+    from . import dense_kernel_sums, jax_attention, jax_measure, protocol
 
 LIBRARY = "JAX"
 IMPLEMENTATIONS = ("jax_dense",)
@@ -45,7 +40,7 @@ IMPORT_ERROR = jax_attention.IMPORT_ERROR
 
 def platform_of(job):
     """JAX's platform for the job's device (`gpu` when the job names none)."""
-    return "gpu" if dense_kernel_sums.on_gpu(job) else "cpu"
+    return jax_measure.platform_of(job)
 
 
 def unsupported_reason(case, implementation):
@@ -88,35 +83,6 @@ def build(args):
     return jax.jit(with_grad)
 
 
-def load_input(t):
-    """A runner input file (fp32) as a NumPy array of its shape."""
-    with open(t["path"], "rb") as f:
-        raw = f.read()
-    return np.frombuffer(raw, dtype=np.dtype("float32").newbyteorder("<")).reshape(t["shape"])
-
-
-def check_outputs(outs, files):
-    """Whole outputs scanned for non-finite values, then the runner's elements against its
-    float64 reference: (message, None) on a failure, else (None, accuracy dict)."""
-    errors = []
-    for (name, _spec, check), out in zip(protocol.outputs(files), outs):
-        flat = jnp.reshape(out, (-1,))
-        finite = jnp.isfinite(flat)
-        bad_index = None if bool(finite.all()) else int(jnp.argmin(finite))
-        idx = np.asarray(protocol.flat_indices(check["ranges"]), dtype=np.int64)
-        got = np.asarray(flat[idx]).astype(np.float64).tolist() if idx.size else []
-        reference = protocol.read_f64(check["reference"])
-        msg, rel_err = protocol.check_output(bad_index, int(flat.size), got, reference)
-        if msg is not None:
-            return (("%s: %s" % (name, msg)) if name != "O" else msg), None
-        errors.append((name, rel_err))
-    check = files["check"]
-    return None, {"rel_err": protocol.worst(e for _, e in errors), "metric": "rel_l2",
-                  "reference": check.get("reference_kind", "float64_cpu"),
-                  "tolerance": check["tolerance"],
-                  "checked": protocol.checked_text(check["checked"], errors)}
-
-
 def measure(job):
     """Measure one job in this (fresh) process; returns the reply dict."""
     reply = {}
@@ -140,74 +106,7 @@ def _measure_into(job, reply):
 
 
 def _measure(job):
-    files, tcfg = job["files"], job["timing"]
-    on_cpu = platform_of(job) == "cpu"
-    device = jax.devices(platform_of(job))[0]
-    fn = build(files["arguments"])
-    load_before = cpu_host.load_average() if on_cpu else None
-
-    def stats():
-        try:
-            return device.memory_stats() or {}
-        except Exception:
-            return {}
-    base = cpu_host.reset_peak_rss() if on_cpu else stats().get("bytes_in_use", 0)
-    host = [load_input(t) for t in files["inputs"]]
-    set0 = tuple(jax.device_put(x, device) for x in host)
-    jax.block_until_ready(set0)
-    t0 = time.perf_counter()
-    outs = fn(*set0)
-    jax.block_until_ready(outs)
-    first_call_s = time.perf_counter() - t0
-    if on_cpu:
-        r = cpu_host.rss_bytes()
-        peak = r[1] - base if (base is not None and r is not None) else None
-    else:
-        peak_stat = stats().get("peak_bytes_in_use")
-        peak = peak_stat - base if peak_stat is not None else None
-    set_bytes = sum(x.nbytes for x in host)
-    out_bytes = sum(int(o.size) * o.dtype.itemsize for o in outs)
-    msg, accuracy = check_outputs(outs, files)
-    del outs
-    if msg is not None:
-        return {"message": msg}, None
-
-    free = None
-    s = {} if on_cpu else stats()
-    if "bytes_limit" in s:
-        free = max(0, s["bytes_limit"] - s.get("bytes_in_use", 0))
-    n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
-                                        float(tcfg["l2_rotation_factor"]), free)
-    sets = [set0] + [tuple(jax.device_put(x, device) for x in host) for _ in range(n_sets - 1)]
-    jax.block_until_ready(sets)
-    del host
-    window0 = protocol.unix_now()
-    m = timing.measure(jax_attention.DispatchTimer(fn, sets), tcfg)
-    window = [window0, protocol.unix_now()]
-    del sets
-
-    notes = [cpu_host.TIMING_NOTE if on_cpu else jax_attention.TIMING_NOTE,
-             jax_attention.FIRST_CALL_NOTE, DENSE_NOTE]
-    if on_cpu:
-        note = cpu_host.load_note(load_before, cpu_host.load_average())
-        if note:
-            notes.append(note)
-    if m["cut_short"]:
-        notes.append("%d of %d samples: the %g s case limit stopped sampling"
-                     % (m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"])))
-    memory = {"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6}
-    if peak is not None:
-        memory.update(peak_mb=max(0, peak) / 1e6,
-                      peak_method=cpu_host.PEAK_METHOD if on_cpu else jax_attention.PEAK_METHOD,
-                      temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
-    fields = dict(
-        timing="wall_clock",
-        median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
-        samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
-        host_ms=None if on_cpu else m["host_ms"], first_call_s=first_call_s,
-        flops=files.get("flops"), bytes=files.get("bytes"), items=files.get("items"),
-        memory=memory, accuracy=accuracy, notes=notes)
-    return fields, window
+    return jax_measure.measure_jitted(job, build(job["files"]["arguments"]), [DENSE_NOTE])
 
 
 def self_test():

@@ -14,10 +14,10 @@ The gated delta rule's decay is a matrix (I - beta k k^T) per step and Based is 
 a window: neither is this recurrence (`unsupported` rows). Inputs are upcast to float32 and
 the output cast to the case's dtype; `pass = fwd+bwd` adds `jax.vjp`'s gradients of
 sum(dy * y) with respect to every input, in one jitted call. Matrix products at precision
-HIGHEST (no TF32 pass on a GPU). Timing, memory and checks as `jax_kernel_sums`: a fresh
-process per job, the first call (tracing and XLA compilation included) timed apart, every
-output scanned for non-finite values and the runner's elements compared with its float64
-reference, then `jax_attention.DispatchTimer`. A case whose scanned states do not fit the
+HIGHEST (no TF32 pass on a GPU). Timing, memory and checks are `jax_measure.measure_jitted`'s
+(as for `jax_kernel_sums`): a fresh process per job, the first call (tracing and XLA
+compilation included) timed apart, every output scanned for non-finite values and the runner's
+elements compared with its float64 reference, then `jax_attention.DispatchTimer`. A case whose scanned states do not fit the
 memory there is (about three copies of B T H P N, or B T D N, float32 values) is an `oom` row
 with the size asked, without a call.
 
@@ -26,13 +26,12 @@ with the size asked, without a call.
 
 import os
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import cpu_host, jax_attention, protocol, timing  # noqa: E402
+    from compare import jax_attention, jax_measure, protocol  # noqa: E402
 else:
-    from . import cpu_host, jax_attention, protocol, timing
+    from . import jax_attention, jax_measure, protocol
 
 LIBRARY = "JAX"
 IMPLEMENTATIONS = ("jax_scan",)
@@ -62,9 +61,7 @@ def arguments(job):
     return dict(job["case"], **(job["files"].get("arguments") or {}))
 
 
-def platform_of(job):
-    """JAX's platform for the job's device (`gpu` when the job names none)."""
-    return "cpu" if job.get("device") == "cpu" else "gpu"
+platform_of = jax_measure.platform_of
 
 
 def unsupported_reason(case, implementation):
@@ -164,15 +161,6 @@ def build(args):
     return jax.jit(fwd_bwd)
 
 
-def load_input(t):
-    """A runner input file as a NumPy array of its dtype (bf16 as JAX's bfloat16)."""
-    raw_type, name = jax_attention.DTYPES[t["dtype"]]
-    with open(t["path"], "rb") as f:
-        raw = f.read()
-    x = np.frombuffer(raw, dtype=np.dtype(raw_type).newbyteorder("<"))
-    return x.view(jnp.dtype(name)).reshape(t["shape"])
-
-
 def check_inputs(args, inputs):
     """Raises ValueError unless the job's inputs are the mixer's, by name and in order (then
     dy for a fwd+bwd call)."""
@@ -181,28 +169,6 @@ def check_inputs(args, inputs):
     if names != want:
         raise ValueError("inputs %s, expected %s for %s" % (", ".join(names), ", ".join(want),
                                                              args["mixer"]))
-
-
-def check_outputs(outs, files):
-    """Whole outputs scanned for non-finite values, then the runner's elements against its
-    float64 reference: (message, None) on a failure, else (None, accuracy dict)."""
-    errors = []
-    for (name, _spec, check), out in zip(protocol.outputs(files), outs):
-        flat = jnp.reshape(out, (-1,)).astype(jnp.float32)
-        finite = jnp.isfinite(flat)
-        bad_index = None if bool(finite.all()) else int(jnp.argmin(finite))
-        idx = np.asarray(protocol.flat_indices(check["ranges"]), dtype=np.int64)
-        got = np.asarray(flat[idx]).astype(np.float64).tolist() if idx.size else []
-        reference = protocol.read_f64(check["reference"])
-        msg, rel_err = protocol.check_output(bad_index, int(flat.size), got, reference)
-        if msg is not None:
-            return (("%s: %s" % (name, msg)) if name != "O" else msg), None
-        errors.append((name, rel_err))
-    check = files["check"]
-    return None, {"rel_err": protocol.worst(e for _, e in errors), "metric": "rel_l2",
-                  "reference": check.get("reference_kind", "float64_cpu"),
-                  "tolerance": check["tolerance"],
-                  "checked": protocol.checked_text(check["checked"], errors)}
 
 
 def classify(exc):
@@ -248,17 +214,8 @@ def _measure_into(job, reply):
 
 
 def _measure(job, args):
-    files, tcfg = job["files"], job["timing"]
-    check_inputs(args, files["inputs"])
-    on_cpu = platform_of(job) == "cpu"
-    device = jax.devices(platform_of(job))[0]
-
-    def stats():
-        try:
-            return device.memory_stats() or {}
-        except Exception:
-            return {}
-    if on_cpu:
+    check_inputs(args, job["files"]["inputs"])
+    if platform_of(job) == "cpu":
         try:
             physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
@@ -266,70 +223,10 @@ def _measure(job, args):
         fits(args, None if physical is None else CPU_MEMORY_FRACTION * physical,
              "half the host's physical memory")
     else:
-        s = stats()
-        fits(args, s["bytes_limit"] - s.get("bytes_in_use", 0) if "bytes_limit" in s else None,
+        fits(args, jax_measure.free_device_bytes(jax.devices("gpu")[0]),
              "the free device memory")
-    fn = build(args)
-    load_before = cpu_host.load_average() if on_cpu else None
-    base = cpu_host.reset_peak_rss() if on_cpu else stats().get("bytes_in_use", 0)
-    host = [load_input(t) for t in files["inputs"]]
-    set0 = tuple(jax.device_put(x, device) for x in host)
-    jax.block_until_ready(set0)
-    t0 = time.perf_counter()
-    outs = fn(*set0)
-    jax.block_until_ready(outs)
-    first_call_s = time.perf_counter() - t0
-    if on_cpu:
-        r = cpu_host.rss_bytes()
-        peak = r[1] - base if (base is not None and r is not None) else None
-    else:
-        peak_stat = stats().get("peak_bytes_in_use")
-        peak = peak_stat - base if peak_stat is not None else None
-    set_bytes = sum(x.nbytes for x in host)
-    out_bytes = sum(int(o.size) * o.dtype.itemsize for o in outs)
-    msg, accuracy = check_outputs(outs, files)
-    del outs
-    if msg is not None:
-        return {"message": msg}, None
-
-    free = None
-    s = {} if on_cpu else stats()
-    if "bytes_limit" in s:
-        free = max(0, s["bytes_limit"] - s.get("bytes_in_use", 0))
-    n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
-                                        float(tcfg["l2_rotation_factor"]), free)
-    sets = [set0] + [tuple(jax.device_put(x, device) for x in host) for _ in range(n_sets - 1)]
-    jax.block_until_ready(sets)
-    del host
-    window0 = protocol.unix_now()
-    m = timing.measure(jax_attention.DispatchTimer(fn, sets), tcfg)
-    window = [window0, protocol.unix_now()]
-    del sets
-
-    notes = [cpu_host.TIMING_NOTE if on_cpu else jax_attention.TIMING_NOTE,
-             jax_attention.FIRST_CALL_NOTE, SCAN_NOTE]
-    if args.get("pass") == "fwd+bwd":
-        notes.append(BACKWARD_NOTE)
-    if on_cpu:
-        note = cpu_host.load_note(load_before, cpu_host.load_average())
-        if note:
-            notes.append(note)
-    if m["cut_short"]:
-        notes.append("%d of %d samples: the %g s case limit stopped sampling"
-                     % (m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"])))
-    memory = {"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6}
-    if peak is not None:
-        memory.update(peak_mb=max(0, peak) / 1e6,
-                      peak_method=cpu_host.PEAK_METHOD if on_cpu else jax_attention.PEAK_METHOD,
-                      temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
-    fields = dict(
-        timing="wall_clock",
-        median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
-        samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
-        host_ms=None if on_cpu else m["host_ms"], first_call_s=first_call_s,
-        flops=files.get("flops"), bytes=files.get("bytes"), items=files.get("items"),
-        memory=memory, accuracy=accuracy, notes=notes)
-    return fields, window
+    notes = [SCAN_NOTE] + ([BACKWARD_NOTE] if args.get("pass") == "fwd+bwd" else [])
+    return jax_measure.measure_jitted(job, build(args), notes)
 
 
 def _sequential(decay, inp, readout):
