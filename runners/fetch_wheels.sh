@@ -4,9 +4,19 @@
 # them into .carry/whl/ and `device_run.sh` installs them there (mixers, mixers_grid).
 #   fla-core 0.6.0: flash-linear-attention's kernels (`sequence_mixers --compare fla`); its
 #   other need, einops, is on the image.
+#   mamba_ssm 2.3.2.post1: PyPI has only its source distribution, whose build compiles CUDA
+#   extensions; runners/mamba_wheel.py packs its Python sources and Triton kernels into a wheel
+#   (`sequence_mixers --compare mamba`: the Triton SSD; the CUDA selective scan stays
+#   unsupported without the extension). packaging, which it imports, travels too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 -d .whl fla-core==0.6.0
+  --platform manylinux2014_x86_64 -d .whl fla-core==0.6.0 packaging==25.0
+sdist=$(mktemp -d)
+trap 'rm -rf "$sdist"' EXIT
+# The source distribution itself (pip download would run its setup.py, which needs torch).
+curl -sSfL -o "$sdist/mamba_ssm-2.3.2.post1.tar.gz" \
+  https://files.pythonhosted.org/packages/af/48/aa7bec0efc7453fa0512276c0069c854bf684219050294266534bfef34bb/mamba_ssm-2.3.2.post1.tar.gz
+python3 runners/mamba_wheel.py "$sdist"/mamba_ssm-2.3.2.post1.tar.gz .whl
 ls -la .whl

@@ -7,7 +7,9 @@
 //! Triton kernels on a GPU (`runners/compare/fla_mixers.py`: simple GLA for SSD, the gated delta
 //! rule, linear attention plus windowed attention for Based; no selective scan), with
 //! `--compare jax` JAX's `lax.associative_scan` formulation of SSD and the selective scan
-//! (`runners/compare/jax_mixers.py`, on the run's device), and writes one suite document. The machinery (processes,
+//! (`runners/compare/jax_mixers.py`, on the run's device), with `--compare mamba` mamba_ssm's
+//! Triton SSD and CUDA selective scan on a GPU (`runners/compare/mamba_mixers.py`), and writes
+//! one suite document. The machinery (processes,
 //! order, timing records, progress, document) is `kernelpages::runner`; this file is the grid,
 //! the implementations, the dispatch table and the counts.
 //!
@@ -122,8 +124,12 @@ const FLA_CHUNK: &str = "fla_chunk";
 /// (`runners/compare/jax_mixers.py`).
 const JAX_SCAN: &str = "jax_scan";
 
+/// mamba_ssm's kernels: Mamba-2's Triton SSD and Mamba-1's CUDA selective scan
+/// (`runners/compare/mamba_mixers.py`).
+const MAMBA_SSM: &str = "mamba_ssm";
+
 /// The alternatives `--compare` can add (each module measures on the run's device).
-const ALTERNATIVES: [Alternative; 3] = [
+const ALTERNATIVES: [Alternative; 4] = [
     Alternative {
         name: "torch",
         module: "torch_mixers",
@@ -141,6 +147,12 @@ const ALTERNATIVES: [Alternative; 3] = [
         module: "jax_mixers",
         library: "JAX",
         implementations: &[JAX_SCAN],
+    },
+    Alternative {
+        name: "mamba",
+        module: "mamba_mixers",
+        library: "mamba_ssm",
+        implementations: &[MAMBA_SSM],
     },
 ];
 
@@ -448,21 +460,32 @@ impl runner::Suite for Mixers {
                     .into(),
             );
         }
+        if implementation == MAMBA_SSM && matches!(c.mixer, Mixer::GatedDelta | Mixer::Based) {
+            return Some(format!(
+                "mamba_ssm has no {} (its kernels are Mamba-1's selective scan and Mamba-2's SSD)",
+                if c.mixer == Mixer::Based {
+                    "Based (linear attention with a window)"
+                } else {
+                    "gated delta rule"
+                }
+            ));
+        }
         // The alternatives' backward (autograd through them) is measured for SSD and Based:
         // PyTorch's chunked forms and flash-linear-attention's simple GLA, linear attention and
         // windowed attention; their selective scans are loops over seq_len (PyTorch) or absent
         // (the library). JAX's associative scan has its vjp for SSD and the selective scan.
         let alternative_backward = (matches!(c.mixer, Mixer::Ssd | Mixer::Based)
             && [TORCH_EAGER, FLA_CHUNK].contains(&implementation))
-            || (matches!(c.mixer, Mixer::Ssd | Mixer::SelectiveScan) && implementation == JAX_SCAN);
+            || (matches!(c.mixer, Mixer::Ssd | Mixer::SelectiveScan)
+                && [JAX_SCAN, MAMBA_SSM].contains(&implementation));
         if c.pass == MixerPass::FwdBwd
             && implementation != GPU_IMPLEMENTATION
             && !alternative_backward
         {
             return Some(format!(
                 "fwd+bwd: {implementation} has no backward of the {} measured (PyTorch's and \
-                 flash-linear-attention's are measured for SSD and Based, JAX's for SSD and \
-                 the selective scan)",
+                 flash-linear-attention's are measured for SSD and Based, JAX's and \
+                 mamba_ssm's for SSD and the selective scan)",
                 c.mixer.as_str()
             ));
         }
@@ -1249,6 +1272,11 @@ mod tests {
             .unsupported(&based_back.params(), JAX_SCAN)
             .unwrap()
             .contains("associative-scan"));
+        assert!(suite.unsupported(&ssd_back.params(), MAMBA_SSM).is_none());
+        assert!(suite
+            .unsupported(&based_back.params(), MAMBA_SSM)
+            .unwrap()
+            .contains("mamba_ssm has no Based"));
         let based = MixerCase::based(1, 8, 2, 4, 2);
         assert!(suite
             .unsupported(&based.params(), CPU_IMPLEMENTATION)

@@ -315,3 +315,104 @@ fn fla_module_answers_cpu_jobs_with_reasons() {
         assert!(msg.contains("GPU"), "{msg}");
     }
 }
+
+/// mamba_ssm's module (`compare.mamba_mixers`): its self-test passes anywhere, and a CPU job is
+/// an `unsupported` row saying why (no CPU rows; the gated delta rule and Based are not in the
+/// library).
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn mamba_module_answers_cpu_jobs_with_reasons() {
+    use kernelpages::sequence_mixers::case::MixerCase;
+    use kernelpages::sequence_mixers::files as mx_files;
+    let o = Command::new("python3")
+        .args(["-m", "compare.mamba_mixers", "self-test"])
+        .env("PYTHONPATH", runners_dir())
+        .output()
+        .expect("python3 runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Server::start("python3", &runners_dir(), "mamba_mixers", &[]).expect("starts");
+    for (k, c) in [MixerCase::ssd(1, 70, 2, 8, 8), MixerCase::scan(1, 70, 8, 4)]
+        .iter()
+        .enumerate()
+    {
+        let sub = dir.path().join(k.to_string());
+        std::fs::create_dir_all(&sub).unwrap();
+        let mut j = job(&case(), "mamba_ssm", &sub);
+        j.case = c.params();
+        j.files = mx_files::write_case(c, 3, 16, &sub).unwrap();
+        let row = s.request(&j, Duration::from_secs(60)).unwrap().row;
+        assert_eq!(row.status, Status::Unsupported, "{c:?}: {row:?}");
+        assert_eq!(row.library, "mamba_ssm");
+        assert!(row.message.unwrap().contains("GPU"));
+    }
+}
+
+/// `runners/mamba_wheel.py` packs a source distribution's `mamba_ssm/*.py` into a wheel whose
+/// RECORD hashes every file and whose METADATA names the version; a tarball that is not
+/// mamba_ssm's is refused.
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn mamba_wheel_packs_the_python_sources() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("mamba_ssm-9.9");
+    std::fs::create_dir_all(src.join("mamba_ssm/ops")).unwrap();
+    std::fs::write(src.join("PKG-INFO"), "Name: mamba_ssm\nVersion: 9.9\n").unwrap();
+    std::fs::write(
+        src.join("mamba_ssm/__init__.py"),
+        "import selective_scan_cuda\n",
+    )
+    .unwrap();
+    std::fs::write(src.join("mamba_ssm/ops/kernel.py"), "X = 1\n").unwrap();
+    std::fs::write(src.join("mamba_ssm/ops/ext.cu"), "// not packed\n").unwrap();
+    let tar = dir.path().join("sdist.tar.gz");
+    let ok = Command::new("tar")
+        .args(["czf"])
+        .arg(&tar)
+        .args(["-C"])
+        .arg(dir.path())
+        .arg("mamba_ssm-9.9")
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let script = runners_dir().join("mamba_wheel.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(&tar)
+        .arg(dir.path().join("whl"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let check = Command::new("python3")
+        .args([
+            "-c",
+            "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); n = sorted(z.namelist()); \
+             print('\\n'.join(n)); r = z.read('mamba_ssm-9.9.dist-info/RECORD').decode(); \
+             assert 'mamba_ssm/ops/kernel.py,sha256=' in r, r; \
+             assert 'Version: 9.9' in z.read('mamba_ssm-9.9.dist-info/METADATA').decode()",
+        ])
+        .arg(dir.path().join("whl/mamba_ssm-9.9-py3-none-any.whl"))
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        check.status.success(),
+        "{listing}{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    assert!(
+        listing.contains("mamba_ssm/__init__.py") && !listing.contains("ext.cu"),
+        "{listing}"
+    );
+    let bad = Command::new("python3")
+        .arg(&script)
+        .arg(dir.path().join("whl/mamba_ssm-9.9-py3-none-any.whl"))
+        .arg(dir.path().join("whl2"))
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+}

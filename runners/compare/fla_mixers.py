@@ -20,7 +20,9 @@ Implementation `fla_chunk`, per mixer (the runner's `files.arguments`; inputs as
   window_size=W)` (the exact softmax over the keys in [t - W + 1, t]).
 - `selective_scan`: `unsupported` (the library has no Mamba-1 selective scan: a decay per
   channel and state element).
-Forward only (`pass` = fwd), from a zero initial state, output in the case's dtype.
+From a zero initial state, output in the case's dtype; `pass = fwd+bwd` (SSD and Based) runs
+the library's backward kernels through autograd (`torch_mixers.with_backward`), after checking
+the library's own refusal of its gated backward on Hopper (`backward_refusal`).
 
 The library is imported in the job's own process, never in the server: importing `fla`
 queries the CUDA device (its hardware flags), and the server forks one process per job before
