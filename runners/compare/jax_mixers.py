@@ -153,9 +153,11 @@ def build(args):
 
     def fwd_bwd(*args_):
         *inputs, dy = args_
-        # The gradients of sum(dy * y) with y in float32: the cast to the output's dtype is the
-        # output's rounding, not part of the function differentiated.
-        y, vjp = jax.vjp(forward, *inputs)
+        # The gradients of sum(dy * y) with y in float32, with respect to float32 copies of the
+        # inputs (so that bf16 inputs get float32 gradients, as the runner's kernels write
+        # them): the casts are the inputs' and the output's rounding, not part of the function
+        # differentiated.
+        y, vjp = jax.vjp(forward, *(v.astype(jnp.float32) for v in inputs))
         grads = vjp(dy.astype(jnp.float32))
         return (y.astype(out_dtype),) + tuple(g.astype(jnp.float32) for g in grads)
     return jax.jit(fwd_bwd)

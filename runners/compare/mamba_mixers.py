@@ -8,7 +8,7 @@ Implementation `mamba_ssm`, per mixer (inputs as `torch_mixers` documents them):
   S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T, the runner's definition. Output in x's dtype.
 - `selective_scan`: `mamba_ssm.ops.selective_scan_interface.selective_scan_fn` (the CUDA
   extension `selective_scan_cuda`) on channel-first views (u, delta [B, D, T], B and C
-  [B, N, T]), delta already positive; `unsupported` with the reason where the extension is
+  [B, N, T]), delta already positive and in u's dtype; `unsupported` with the reason where the extension is
   not importable (PyPI has no binary wheel for this image's torch and CUDA, and the machine
   cannot build it: `runners/mamba_wheel.py` carries the Python sources and Triton kernels).
 - the gated delta rule and Based: `unsupported` (not in the library).
@@ -44,8 +44,10 @@ NOT_IN_LIBRARY = "mamba_ssm has no %s (its kernels are Mamba-1's selective scan 
 MIXER_NOTES = {
     "ssd": "mamba_chunk_scan_combined (Triton), chunk_size %d, dt as given (no softplus, no "
            "bias), D per head" % CHUNK,
-    "selective_scan": "selective_scan_fn (the CUDA extension) on channel-first views, delta as "
-                      "given (no softplus, no bias)",
+    "selective_scan": "selective_scan_fn (the CUDA extension) on channel-first views of the "
+                      "runner's [B, T, D] and [B, T, N] inputs (the library makes them "
+                      "contiguous: four transposing copies inside the timed call), delta as "
+                      "given in u's dtype (no softplus, no bias)",
 }
 
 torch = torch_mixers.torch
@@ -124,8 +126,11 @@ def caller(args, op):
         return ssd
 
     def scan(u, delta, a, b, c, d):
-        # Channel-first views: u, delta [B, D, T]; B, C [B, N, T]; y back to [B, T, D].
-        y = op(u.transpose(1, 2), delta.transpose(1, 2), a, b.transpose(1, 2),
+        # Channel-first views: u, delta [B, D, T]; B, C [B, N, T]; y back to [B, T, D]. The
+        # extension wants delta in u's dtype (the runner's delta is float32): rounded to bf16
+        # in bf16 cases, as Mamba's own block passes it; autograd takes the gradient back to
+        # the float32 input.
+        y = op(u.transpose(1, 2), delta.to(u.dtype).transpose(1, 2), a, b.transpose(1, 2),
                c.transpose(1, 2), D=d)
         return (y.transpose(1, 2).contiguous(),)
     return scan

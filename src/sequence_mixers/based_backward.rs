@@ -1,7 +1,6 @@
-//! Based's backward on CUDA (version 1): the vector-Jacobian product of
-//! [`super::reference::based`] (Arora et al., 2024, "Simple linear attention language models
-//! balance the recall-throughput tradeoff"), float32 on CUDA cores for f32 and bf16 inputs,
-//! checked against the float64 [`super::based_gradients::based_backward`] (GPU tests) and, on
+//! Based's backward on CUDA: the vector-Jacobian product of [`super::reference::based`] (Arora
+//! et al., 2024, "Simple linear attention language models balance the recall-throughput
+//! tradeoff"), for f32 and bf16 inputs, float32 gradients, checked against the float64 [`super::based_gradients::based_backward`] (GPU tests) and, on
 //! the CPU, by `kernels/sequence_mixers/emulate/based_bwd_check.cpp`.
 //!
 //! The linear branch is SSD with every dt 1, A 0, B = k, C = q, x = v and a group per head
@@ -10,7 +9,10 @@
 //! dk (dB), dv (dX) and dS₀ whole. The window branch's backward, `kernels/sequence_mixers/
 //! based_bwd.cu`, then adds its part: a kernel per tile of query rows (the row's log-sum-exp
 //! and D = Σ P dP, then dq) and one per tile of keys (dk, dv) — FlashAttention-2's backward
-//! restricted to the window, without atomics: the same bits on every run.
+//! restricted to the window, without atomics: the same bits on every run. The window's
+//! kernels are version 2 on tensor cores for bf16 with K and V multiples of 16
+//! ([`window_backward_tc_shared_bytes`]; P and dS rounded to bf16 for their products) and
+//! version 1, float32 on CUDA cores, otherwise; SSD's backward is float32 on CUDA cores.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
