@@ -39,9 +39,9 @@ import sys
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import protocol, torch_mixers, torch_outputs, torch_sdpa  # noqa: E402
+    from compare import protocol, torch_mixers, torch_outputs  # noqa: E402
 else:
-    from . import protocol, torch_mixers, torch_outputs, torch_sdpa
+    from . import protocol, torch_mixers, torch_outputs
 
 LIBRARY = "flash-linear-attention"
 IMPLEMENTATIONS = ("fla_chunk",)
@@ -209,29 +209,15 @@ def load_ops():
 def formulation_notes(args):
     """The row's notes: the kernel and argument mapping, fp32's matrix-product precision, and
     when the peak memory is read."""
-    notes = [MIXER_NOTES[args["mixer"]],
-             "peak memory read on a second call (the first compiles and autotunes the Triton "
-             "kernels; first_call_s includes that)"]
+    notes = [MIXER_NOTES[args["mixer"]], torch_outputs.TRITON_PEAK_NOTE]
     if args["dtype"] == "fp32":
-        notes.append("fp32: the library's Triton kernels multiply with tl.dot's default input "
-                     "precision (%s) except where a kernel asks for more"
-                     % (os.environ.get("TRITON_F32_DEFAULT")
-                        or "tf32 on NVIDIA GPUs: TF32 tensor cores"))
+        notes.append(torch_outputs.triton_fp32_note())
     return notes
 
 
 def measure(job):
     """Measure one job in this (fresh) process; returns the reply dict."""
-    reply = {}
-    try:
-        _measure_into(job, reply)
-    finally:
-        libs = torch_sdpa.libraries()
-        version = library_version()
-        if version:
-            libs["fla"] = version
-        reply["libraries"] = libs
-    return reply
+    return torch_outputs.measure_with_library(job, _measure_into, "fla", library_version)
 
 
 def _measure_into(job, reply):

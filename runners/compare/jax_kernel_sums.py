@@ -96,12 +96,7 @@ def measure(job):
 def _measure_into(job, reply):
     case, implementation = job["case"], job["implementation"]
     why = IMPORT_ERROR or unsupported_reason(case, implementation)
-    if why is None:
-        try:
-            if not jax.devices(platform_of(job)):
-                why = "no %s device visible to JAX" % platform_of(job)
-        except Exception as e:
-            why = "no %s backend in JAX: %s" % (platform_of(job), protocol.exc_text(e))
+    why = why or jax_measure.platform_problem(job)
     dense_kernel_sums.measure_into(job, reply, LIBRARY, why, _measure, jax_attention.classify)
 
 

@@ -28,6 +28,16 @@ def platform_of(job):
     return "cpu" if job.get("device") == "cpu" else "gpu"
 
 
+def platform_problem(job):
+    """Why JAX cannot run the job on its platform (no device, or no backend), or None."""
+    try:
+        if not jax.devices(platform_of(job)):
+            return "no %s device visible to JAX" % platform_of(job)
+    except Exception as e:
+        return "no %s backend in JAX: %s" % (platform_of(job), protocol.exc_text(e))
+    return None
+
+
 def load_input(t):
     """A runner input file as a NumPy array of its dtype (bf16 as JAX's bfloat16)."""
     raw_type, name = jax_attention.DTYPES[t["dtype"]]

@@ -193,12 +193,7 @@ def _measure_into(job, reply):
     case, implementation = job["case"], job["implementation"]
     args = arguments(job)
     why = IMPORT_ERROR or unsupported_reason(args, implementation)
-    if why is None:
-        try:
-            if not jax.devices(platform_of(job)):
-                why = "no %s device visible to JAX" % platform_of(job)
-        except Exception as e:
-            why = "no %s backend in JAX: %s" % (platform_of(job), protocol.exc_text(e))
+    why = why or jax_measure.platform_problem(job)
     if why is not None:
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
         return

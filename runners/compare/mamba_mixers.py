@@ -30,9 +30,9 @@ import types
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import protocol, torch_mixers, torch_outputs, torch_sdpa  # noqa: E402
+    from compare import protocol, torch_mixers, torch_outputs  # noqa: E402
 else:
-    from . import protocol, torch_mixers, torch_outputs, torch_sdpa
+    from . import protocol, torch_mixers, torch_outputs
 
 LIBRARY = "mamba_ssm"
 IMPLEMENTATIONS = ("mamba_ssm",)
@@ -138,16 +138,7 @@ def caller(args, op):
 
 def measure(job):
     """Measure one job in this (fresh) process; returns the reply dict."""
-    reply = {}
-    try:
-        _measure_into(job, reply)
-    finally:
-        libs = torch_sdpa.libraries()
-        version = library_version()
-        if version:
-            libs["mamba_ssm"] = version
-        reply["libraries"] = libs
-    return reply
+    return torch_outputs.measure_with_library(job, _measure_into, "mamba_ssm", library_version)
 
 
 def _measure_into(job, reply):
@@ -174,13 +165,9 @@ def _measure_into(job, reply):
     try:
         torch_mixers.check_inputs(args, job["files"]["inputs"])
         call = caller(args, op)
-        notes = [MIXER_NOTES[args["mixer"]],
-                 "peak memory read on a second call (the first compiles and autotunes the "
-                 "Triton kernels; first_call_s includes that)"]
+        notes = [MIXER_NOTES[args["mixer"]], torch_outputs.TRITON_PEAK_NOTE]
         if args["dtype"] == "fp32":
-            notes.append("fp32: Triton's tl.dot default input precision (%s)"
-                         % (os.environ.get("TRITON_F32_DEFAULT")
-                            or "tf32 on NVIDIA GPUs: TF32 tensor cores"))
+            notes.append(torch_outputs.triton_fp32_note())
         if args.get("pass") == "fwd+bwd":
             call = torch_mixers.with_backward(call)
             notes.append(torch_mixers.BACKWARD_NOTE + " (the library's backward kernels)")

@@ -1,6 +1,7 @@
 """What the PyTorch comparison modules that return whole output tensors share (`torch_kernel_sums`,
-`torch_mixers`, `fla_mixers`): checking the outputs against the runner's float64 reference,
-the notes for timings the case limit cut short, and the measurement of one call on CUDA.
+`torch_mixers`, `fla_mixers`, `mamba_mixers`): checking the outputs against the runner's float64
+reference, the notes for timings the case limit cut short, the measurement of one call on CUDA,
+and, for the Triton libraries, their common notes and the library's version in the reply.
 Imports torch through `torch_cpu` (None without it)."""
 import os
 import sys
@@ -13,6 +14,32 @@ else:
     from . import protocol, timing, torch_cpu, torch_sdpa
 
 torch = torch_cpu.torch
+
+
+TRITON_PEAK_NOTE = ("peak memory read on a second call (the first compiles and autotunes the "
+                    "Triton kernels; first_call_s includes that)")
+
+
+def triton_fp32_note():
+    """What fp32 means for a Triton library's matrix products on this machine."""
+    return ("fp32: the library's Triton kernels multiply with tl.dot's default input precision "
+            "(%s) except where a kernel asks for more"
+            % (os.environ.get("TRITON_F32_DEFAULT") or "tf32 on NVIDIA GPUs: TF32 tensor cores"))
+
+
+def measure_with_library(job, measure_into, name, version):
+    """`measure_into(job, reply)` in this (fresh) process; the reply's libraries are PyTorch's
+    and `name` at `version()` when it has one."""
+    reply = {}
+    try:
+        measure_into(job, reply)
+    finally:
+        libs = torch_sdpa.libraries()
+        v = version()
+        if v:
+            libs[name] = v
+        reply["libraries"] = libs
+    return reply
 
 
 def check_outputs(files, results):
