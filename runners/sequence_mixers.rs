@@ -47,6 +47,7 @@ use kernelpages::sequence_mixers::case::{
     Mixer, MixerCase, MixerDtype, MixerInputs, MixerPass, Tensor,
 };
 use kernelpages::sequence_mixers::cuda::{self as ssd_cuda, Dtype as DeviceDtype, Ssd};
+use kernelpages::sequence_mixers::delta_backward::DeltaBackward;
 use kernelpages::sequence_mixers::delta_cuda::{self, GatedDelta};
 use kernelpages::sequence_mixers::scan_cuda::{self, Scan, ScanBackward};
 use kernelpages::sequence_mixers::ssd_backward::SsdBackward;
@@ -257,7 +258,7 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
                     c.dtype = dtype;
                     c.validate().map_err(anyhow::Error::msg)?;
                     for &pass in &passes {
-                        // Only SSD and the selective scan have a backward so far.
+                        // A mixer without a backward takes the forward only.
                         if pass == MixerPass::FwdBwd && !mixer.has_backward() {
                             continue;
                         }
@@ -347,6 +348,17 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 rule: format!(
                     "always (K and V up to {}): the chunked WY form in chunks of {} steps, three kernels: every chunk's triangular solve at once (W and U~), the V × K state walked from chunk to chunk {} of its rows per block, every chunk's output at once. bf16 with K a multiple of 32 and V of 16: version 3.1, the products on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation; K Kᵀ, W and U~ from the inverted triangular matrix, U = U~ − W Sᵀ and the state update, the output's products), the inverse in float32 by blocks of 16 rows, W, U and the entering states stored as bf16. Otherwise version 2, float32 arithmetic on CUDA cores",
                     delta_cuda::MAX_DIM,
+                    delta_cuda::CHUNK,
+                    delta_cuda::ROWS
+                ),
+                implementation: GPU_IMPLEMENTATION.into(),
+            },
+            DispatchRule {
+                entry_point: "sequence_mixers::delta_backward::DeltaBackward".into(),
+                device: "CUDA, compute capability 8.0 or newer".into(),
+                dtype: "fp32, bf16 (q, k, v, dy; α, β, states and gradients fp32)".into(),
+                rule: format!(
+                    "a forward and backward call: after the forward above, version 1 of the backward, float32 arithmetic on CUDA cores whatever the forward's path, chunks of {} steps, six launches: the forward's version-2 preparation and state pass again (U, the log decays and the state entering each chunk), each chunk's unit upper-triangular solve for its part of the adjoint's G_t = (dS_t + do_t q_tᵀ) k_t, the state's gradient passed from the last chunk back to the first {} of its rows per block, then per chunk dv and dβ (value rows 16 at a time) and dq, dk and dα (its L × L and L × K products summed over the value rows); dα without dividing by α; no atomics",
                     delta_cuda::CHUNK,
                     delta_cuda::ROWS
                 ),
@@ -470,22 +482,25 @@ impl runner::Suite for Mixers {
                 }
             ));
         }
-        // The alternatives' backward (autograd through them) is measured for SSD and Based:
-        // PyTorch's chunked forms and flash-linear-attention's simple GLA, linear attention and
-        // windowed attention; their selective scans are loops over seq_len (PyTorch) or absent
-        // (the library). JAX's associative scan has its vjp for SSD and the selective scan.
-        let alternative_backward = (matches!(c.mixer, Mixer::Ssd | Mixer::Based)
-            && [TORCH_EAGER, FLA_CHUNK].contains(&implementation))
-            || (matches!(c.mixer, Mixer::Ssd | Mixer::SelectiveScan)
-                && [JAX_SCAN, MAMBA_SSM].contains(&implementation));
+        // The alternatives' backward (autograd through them) is measured for SSD, Based and
+        // the gated delta rule: PyTorch's chunked forms and its loop over the gated delta
+        // rule's steps, flash-linear-attention's simple GLA, gated delta rule, linear attention
+        // and windowed attention; their selective scans are loops over seq_len (PyTorch) or
+        // absent (the library). JAX's associative scan has its vjp for SSD and the selective
+        // scan.
+        let alternative_backward =
+            (matches!(c.mixer, Mixer::Ssd | Mixer::Based | Mixer::GatedDelta)
+                && [TORCH_EAGER, FLA_CHUNK].contains(&implementation))
+                || (matches!(c.mixer, Mixer::Ssd | Mixer::SelectiveScan)
+                    && [JAX_SCAN, MAMBA_SSM].contains(&implementation));
         if c.pass == MixerPass::FwdBwd
             && implementation != GPU_IMPLEMENTATION
             && !alternative_backward
         {
             return Some(format!(
                 "fwd+bwd: {implementation} has no backward of the {} measured (PyTorch's and \
-                 flash-linear-attention's are measured for SSD and Based, JAX's and \
-                 mamba_ssm's for SSD and the selective scan)",
+                 flash-linear-attention's are measured for SSD, Based and the gated delta \
+                 rule, JAX's and mamba_ssm's for SSD and the selective scan)",
                 c.mixer.as_str()
             ));
         }
@@ -570,6 +585,16 @@ impl runner::Suite for Mixers {
                      heads and dA, dD over the batch in a fixed order (no atomics); gradients in \
                      float32",
                     ssd_cuda::CHUNK
+                ));
+            }
+            if c.pass == MixerPass::FwdBwd && c.mixer == Mixer::GatedDelta {
+                notes.push(format!(
+                    "backward (version 1): float32 arithmetic on CUDA cores whatever the \
+                     forward's path, chunks of {} steps; the forward's U, log decays and \
+                     entering states recomputed (nothing kept by the forward call), the state's \
+                     gradient passed from the last chunk back to the first, then dv, dβ, dq, dk \
+                     and dα per chunk; no atomics; gradients in float32",
+                    delta_cuda::CHUNK
                 ));
             }
             if c.pass == MixerPass::FwdBwd && c.mixer == Mixer::Based {
@@ -756,6 +781,9 @@ enum Kernels {
     /// the initial state's gradient to (not an output of the case).
     SsdBwd(Box<(Ssd, SsdBackward, CudaSlice<f32>)>),
     Delta(GatedDelta),
+    /// The gated delta rule's forward, then its backward (a fwd+bwd case), and the buffer the
+    /// backward writes the initial state's gradient to (not an output of the case).
+    DeltaBwd(Box<(GatedDelta, DeltaBackward, CudaSlice<f32>)>),
     Based(Box<Based>),
     /// Based's forward, then its backward (a fwd+bwd case), and the buffer the backward writes
     /// the initial linear state's gradient to (not an output of the case).
@@ -773,7 +801,7 @@ struct GpuLaunch {
 }
 
 /// The runner's gradient buffers (float32 words: the N gradients of a backward's inputs, six
-/// for SSD and the scan, three for Based) as float32 views.
+/// for SSD and the scan, five for the gated delta rule, three for Based) as float32 views.
 ///
 /// # Errors
 /// [`GpuError::Config`] for other than N buffers, or one of an odd number of words.
@@ -897,6 +925,21 @@ fn launch_kernels<T: DeviceRepr>(
         Kernels::Delta(k) => {
             want(3, 2)?;
             k.launch(gpu, seq[0], seq[1], seq[2], f[0], f[1], None, y, fs)
+        }
+        Kernels::DeltaBwd(k) => {
+            want(4, 2)?;
+            let (fwd, bwd, d_initial) = &mut **k;
+            fwd.launch(gpu, seq[0], seq[1], seq[2], f[0], f[1], None, y, fs)?;
+            bwd.launch_into(
+                gpu,
+                (seq[0], seq[1], seq[2]),
+                (f[0], f[1]),
+                None,
+                seq[3],
+                None,
+                &mut gradient_views(grads)?,
+                d_initial,
+            )
         }
         Kernels::Based(k) => {
             want(3, 0)?;
@@ -1032,6 +1075,9 @@ impl own::Launcher for GpuLaunch {
                 k.0.temporary_bytes() + k.1.temporary_bytes() + 4 * k.2.len() as u64
             }
             Kernels::Delta(k) => k.temporary_bytes(),
+            Kernels::DeltaBwd(k) => {
+                k.0.temporary_bytes() + k.1.temporary_bytes() + 4 * k.2.len() as u64
+            }
             Kernels::Based(k) => k.temporary_bytes(),
             Kernels::BasedBwd(k) => {
                 k.0.temporary_bytes() + k.1.temporary_bytes() + 4 * k.2.len() as u64
@@ -1043,7 +1089,7 @@ impl own::Launcher for GpuLaunch {
         // The backward recomputes the forward from the inputs: the forward keeps nothing.
         matches!(
             self.kernels,
-            Kernels::ScanBwd(_) | Kernels::SsdBwd(_) | Kernels::BasedBwd(_)
+            Kernels::ScanBwd(_) | Kernels::SsdBwd(_) | Kernels::BasedBwd(_) | Kernels::DeltaBwd(_)
         )
         .then_some(0)
     }
@@ -1094,6 +1140,16 @@ fn measure_gpu(job: &Job) -> Reply {
                 )))
             }
             Mixer::SelectiveScan => Kernels::Scan(Scan::new(gpu, case.scan_shape(), dtype)?),
+            Mixer::GatedDelta if case.pass == MixerPass::FwdBwd => {
+                let d_initial = gpu
+                    .stream
+                    .alloc_zeros::<f32>((case.batch * case.state_elements()).max(1))?;
+                Kernels::DeltaBwd(Box::new((
+                    GatedDelta::new(gpu, case.delta_shape(), dtype)?,
+                    DeltaBackward::new(gpu, case.delta_shape(), dtype)?,
+                    d_initial,
+                )))
+            }
             Mixer::GatedDelta => Kernels::Delta(GatedDelta::new(gpu, case.delta_shape(), dtype)?),
             Mixer::Based if case.pass == MixerPass::FwdBwd => {
                 let d_initial = gpu
@@ -1115,6 +1171,8 @@ fn measure_gpu(job: &Job) -> Reply {
             // Two sources (ssd.cu; ssd.cu with ssd_bwd.cu), each compiled once.
             Kernels::SsdBwd(k) => k.0.compile_s + k.1.compile_s,
             Kernels::Delta(k) => k.compile_s,
+            // Two sources (delta.cu; delta.cu with delta_bwd.cu), each compiled once.
+            Kernels::DeltaBwd(k) => k.0.compile_s + k.1.compile_s,
             Kernels::Based(k) => k.compile_s,
             // SSD's backward module and the window's backward module besides the forward's.
             Kernels::BasedBwd(k) => k.0.compile_s + k.1.compile_s,
@@ -1141,19 +1199,18 @@ mod tests {
     #[test]
     fn the_grids_and_their_selection() {
         let gpu = Cli::try_parse_from(["sequence_mixers"]).unwrap();
-        // 4 mixers × 2 dtypes × 2 head dims × 4 lengths forward, and SSD's, the selective
-        // scan's and Based's 2 × 2 × 4 forward and backward cases each; the longest spread
-        // over the shards.
+        // 4 mixers × 2 dtypes × 2 head dims × 4 lengths forward, and every mixer's 2 × 2 × 4
+        // forward and backward cases; the longest spread over the shards.
         let all_gpu = cases(&gpu, false).unwrap();
-        assert_eq!(all_gpu.len(), 64 + 48);
-        assert_eq!(cases(&gpu, true).unwrap().len(), 4 * 2 + 3 * 2);
+        assert_eq!(all_gpu.len(), 64 + 64);
+        assert_eq!(cases(&gpu, true).unwrap().len(), 4 * 2 + 4 * 2);
         let backward: Vec<MixerCase> = all_gpu
             .iter()
             .map(|p| MixerCase::from_params(p).unwrap())
             .filter(|c| c.pass == MixerPass::FwdBwd)
             .collect();
-        assert_eq!(backward.len(), 48);
-        for mixer in [Mixer::SelectiveScan, Mixer::Ssd, Mixer::Based] {
+        assert_eq!(backward.len(), 64);
+        for mixer in Mixer::ALL {
             assert_eq!(backward.iter().filter(|c| c.mixer == mixer).count(), 16);
         }
         let fwd_only = Cli::try_parse_from(["sequence_mixers", "--passes", "fwd"]).unwrap();
@@ -1246,7 +1303,7 @@ mod tests {
         assert!(Cli::try_parse_from(["sequence_mixers", "--mixers", "gla"])
             .map(|c| cases(&c, false).is_err())
             .unwrap());
-        assert_eq!(dispatch_rules(DeviceChoice::Gpu).len(), 6);
+        assert_eq!(dispatch_rules(DeviceChoice::Gpu).len(), 7);
         let long = MixerCase::gated_delta(4, 65536, 8, 64);
         assert!(suite
             .unsupported(&long.params(), TORCH_EAGER)

@@ -14,6 +14,8 @@ mod based;
 mod based_bwd;
 #[path = "gpu_sequence_mixers/delta.rs"]
 mod delta;
+#[path = "gpu_sequence_mixers/delta_bwd.rs"]
+mod delta_bwd;
 #[path = "gpu_sequence_mixers/large.rs"]
 mod large;
 #[path = "gpu_sequence_mixers/scan.rs"]

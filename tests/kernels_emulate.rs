@@ -352,6 +352,44 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
     emulated_kernel_runs_clean("gdn_check", &cases);
 }
 
+/// The gated delta rule's backward (the forward's `gdn_prepare` and `gdn_state_pass`, then
+/// `delta_bwd.cu`'s four kernels) on the CPU against a float64 adjoint checked by central
+/// finite differences: dq, dk, dv, dα, dβ and the initial state's gradient, with and without
+/// an initial state and a final state's cotangent, a gate of exactly 0, with the host's
+/// shared-memory sizes (`delta_backward::shared_bytes`), shared memory poisoned and guarded
+/// past them: one step, partial chunks, K ≠ V, value rows not a multiple of the 16-row
+/// blocks, odd widths and K = V = 128. Bound 1e-4.
+#[test]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+fn delta_backward_emulated_matches_the_adjoint() {
+    use kernelpages::sequence_mixers::delta_backward;
+    use kernelpages::sequence_mixers::delta_cuda::shared_bytes;
+    use kernelpages::sequence_mixers::reference::DeltaShape;
+    let cases: Vec<String> = [
+        (1, 9, 1, 4, 3),
+        (1, 1, 2, 8, 8),
+        (2, 130, 1, 16, 24),
+        (1, 200, 1, 32, 48),
+        (1, 100, 1, 33, 50),
+        (1, 65, 1, 128, 128),
+    ]
+    .iter()
+    .map(|&(batch, seq_len, heads, key_dim, value_dim)| {
+        let shape = DeltaShape {
+            batch,
+            seq_len,
+            heads,
+            key_dim,
+            value_dim,
+        };
+        let [prep, pass, _] = shared_bytes(shape);
+        let [bp, bs, bv, bk] = delta_backward::shared_bytes(shape);
+        format!("{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{bp},{bs},{bv},{bk}")
+    })
+    .collect();
+    emulated_kernel_runs_clean("gdn_bwd_check", &cases);
+}
+
 /// The selective scan's forward (`scan.cu`, version 2: the chunks' end states from zero, the
 /// pass between chunks, the chunks walked again for y) on the CPU against the float64
 /// recurrence: 1, 2, 4, 8 and 16 threads per channel (N up to 16, 32, 64, 128, 256), one step,

@@ -20,9 +20,10 @@ Implementation `fla_chunk`, per mixer (the runner's `files.arguments`; inputs as
   window_size=W)` (the exact softmax over the keys in [t - W + 1, t]).
 - `selective_scan`: `unsupported` (the library has no Mamba-1 selective scan: a decay per
   channel and state element).
-From a zero initial state, output in the case's dtype; `pass = fwd+bwd` (SSD and Based) runs
-the library's backward kernels through autograd (`torch_mixers.with_backward`), after checking
-the library's own refusal of its gated backward on Hopper (`backward_refusal`).
+From a zero initial state, output in the case's dtype; `pass = fwd+bwd` (every mixer above)
+runs the library's backward kernels through autograd (`torch_mixers.with_backward`), after
+checking, for SSD and the gated delta rule, the library's own refusal of its gated backward on
+Hopper (`backward_refusal`).
 
 The library is imported in the job's own process, never in the server: importing `fla`
 queries the CUDA device (its hardware flags), and the server forks one process per job before
@@ -49,9 +50,12 @@ MIXERS = ("ssd", "gated_delta", "based")
 DTYPES = torch_mixers.DTYPES
 PASSES = ("fwd", "fwd+bwd")
 # The mixers whose fwd+bwd this module measures (the library's backward kernels, through
-# autograd): the SSD row's chunk_simple_gla and Based's chunk_linear_attn + parallel_attn; the
-# gated delta rule has no backward case in the runner yet.
-BACKWARD_MIXERS = ("ssd", "based")
+# autograd): the SSD row's chunk_simple_gla, chunk_gated_delta_rule, and Based's
+# chunk_linear_attn + parallel_attn.
+BACKWARD_MIXERS = ("ssd", "gated_delta", "based")
+# The mixers whose backward is the library's gated one (g given), which it refuses on Hopper
+# with some Triton versions (backward_refusal).
+GATED_BACKWARD = ("ssd", "gated_delta")
 NO_SCAN = ("flash-linear-attention has no Mamba-1 selective scan (a decay per channel and state "
            "element); on a GPU its SSD-like kernel (simple GLA) is the ssd row")
 MIXER_NOTES = {
@@ -230,9 +234,9 @@ def _measure_into(job, reply):
     if why is not None:
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
         return
-    # The refusal is of the gated backward (g given): SSD's row passes g, Based's linear
-    # branch (chunk_linear_attn: chunk_simple_gla without g) does not.
-    if args.get("pass") == "fwd+bwd" and args.get("mixer") == "ssd":
+    # The refusal is of the gated backward (g given): SSD's and the gated delta rule's rows
+    # pass g, Based's linear branch (chunk_linear_attn: chunk_simple_gla without g) does not.
+    if args.get("pass") == "fwd+bwd" and args.get("mixer") in GATED_BACKWARD:
         try:
             import triton
             refusal = backward_refusal(triton.__version__,
@@ -288,7 +292,7 @@ def self_test():
     check(unsupported_reason(dict(ok_case, mixer="based", **{"pass": "fwd+bwd"}), "fla_chunk")
           is None, "based's backward runs")
     check(unsupported_reason(dict(ok_case, mixer="gated_delta", **{"pass": "fwd+bwd"}),
-                             "fla_chunk") is not None, "gated delta: forward only")
+                             "fla_chunk") is None, "gated delta's backward runs")
     check(version_tuple("3.6.0") == (3, 6, 0) and version_tuple("3.5.0+git12ab") == (3, 5, 0)
           and version_tuple("3.7") == (3, 7, 0), "version strings")
     check("#640" in (backward_refusal("3.6.0", 9) or ""), "Triton 3.6 on Hopper: refused")

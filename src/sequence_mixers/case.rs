@@ -55,10 +55,13 @@ impl Mixer {
         }
     }
 
-    /// Whether the project has a backward of this mixer (SSD, the selective scan and Based so
-    /// far; not the gated delta rule): the mixers that take a `fwd+bwd` pass.
+    /// Whether the project has a backward of this mixer (all four: SSD, the selective scan,
+    /// Based and the gated delta rule): the mixers that take a `fwd+bwd` pass.
     pub fn has_backward(self) -> bool {
-        matches!(self, Mixer::Ssd | Mixer::SelectiveScan | Mixer::Based)
+        matches!(
+            self,
+            Mixer::Ssd | Mixer::SelectiveScan | Mixer::Based | Mixer::GatedDelta
+        )
     }
 
     /// The mixer named `s`, if any.
@@ -68,8 +71,7 @@ impl Mixer {
 }
 
 /// What one call computes: the forward, or the forward and the backward (the gradients of
-/// ⟨dy, y⟩ with respect to every input, dy given; SSD, the selective scan and Based so far:
-/// [`Mixer::has_backward`]).
+/// ⟨dy, y⟩ with respect to every input, dy given; every mixer: [`Mixer::has_backward`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MixerPass {
     /// The forward.
@@ -318,8 +320,7 @@ impl MixerCase {
             "fwd+bwd" if mixer.has_backward() => MixerPass::FwdBwd,
             "fwd+bwd" => {
                 return Err(format!(
-                    "pass `fwd+bwd` of {}: only SSD, the selective scan and Based have a \
-                     backward so far",
+                    "pass `fwd+bwd` of {}: the project has no backward of it",
                     mixer.as_str()
                 ))
             }
@@ -503,8 +504,7 @@ impl MixerCase {
     /// (per head for SSD, per channel for the scan), A and D in float32 (A per channel and
     /// state for the scan); for the gated delta rule q, k, v and o in the case's dtype and α, β
     /// in float32 per head and token; for Based q, k, v and o; no initial or final state. A
-    /// forward and backward (SSD, the selective scan, Based) adds a second read of the inputs,
-    /// dy, and the float32 gradients.
+    /// forward and backward adds a second read of the inputs, dy, and the float32 gradients.
     pub fn bytes(&self) -> f64 {
         let e = self.dtype.bytes() as f64;
         let t = self.tokens();
@@ -541,7 +541,19 @@ impl MixerCase {
                     }
                 }
             }
-            Mixer::GatedDelta => t * (4.0 * w * e + 8.0 * self.heads as f64),
+            Mixer::GatedDelta => {
+                let forward = t * (4.0 * w * e + 8.0 * self.heads as f64);
+                match self.pass {
+                    MixerPass::Fwd => forward,
+                    // The backward reads q, k, v, α, β and dy again and writes dq, dk, dv,
+                    // dα and dβ in float32.
+                    MixerPass::FwdBwd => {
+                        forward
+                            + t * (4.0 * w * e + 8.0 * self.heads as f64)
+                            + t * (12.0 * w + 8.0 * self.heads as f64)
+                    }
+                }
+            }
             Mixer::Based => match self.pass {
                 MixerPass::Fwd => t * 4.0 * w * e,
                 // The backward reads q, k, v and dy again and writes dq, dk and dv in float32.
@@ -791,7 +803,9 @@ impl MixerInputs {
     ///   dB and dC `[B, T, G, N]`, dD `[H]`;
     /// - the selective scan ([`super::gradients::selective_scan_backward`]): du `[B, T, D]`,
     ///   dΔ `[B, T, D]`, dA `[D, N]`, dB and dC `[B, T, N]`, dD `[D]`;
-    /// - Based ([`super::based_gradients::based_backward`]): dq, dk and dv `[B, T, H, K]`.
+    /// - Based ([`super::based_gradients::based_backward`]): dq, dk and dv `[B, T, H, K]`;
+    /// - the gated delta rule ([`super::delta_gradients::gated_delta_rule_backward`]): dq, dk
+    ///   and dv `[B, T, H, K]`, dα and dβ `[B, T, H]`.
     ///
     /// # Errors
     /// A case that is not a forward and backward case of a mixer with a backward; inputs whose
@@ -809,6 +823,28 @@ impl MixerInputs {
         }
         let dy = self.float64("dy");
         let (bs, t) = (c.batch, c.seq_len);
+        if c.mixer == Mixer::GatedDelta {
+            let (q, k, v) = (self.float64("q"), self.float64("k"), self.float64("v"));
+            let (alpha, beta) = (self.float64("alpha"), self.float64("beta"));
+            let inp = DeltaInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                alpha: &alpha,
+                beta: &beta,
+                initial_state: None,
+            };
+            let g =
+                super::delta_gradients::gated_delta_rule_backward(c.delta_shape(), inp, &dy, None)?;
+            let (shape, per_head) = (vec![bs, t, c.heads, c.head_dim], vec![bs, t, c.heads]);
+            return Ok(vec![
+                ("dq", "q", g.d_q, shape.clone()),
+                ("dk", "k", g.d_k, shape.clone()),
+                ("dv", "v", g.d_v, shape),
+                ("dalpha", "alpha", g.d_alpha, per_head.clone()),
+                ("dbeta", "beta", g.d_beta, per_head),
+            ]);
+        }
         if c.mixer == Mixer::Based {
             let (q, k, v) = (self.float64("q"), self.float64("k"), self.float64("v"));
             let inp = BasedInputs {
@@ -924,8 +960,7 @@ mod tests {
         assert!(MixerCase::from_params(&p)
             .unwrap_err()
             .contains("multiple of groups"));
-        // The selective scan, SSD and Based have a backward; the gated delta rule refuses
-        // fwd+bwd, and every mixer any other pass.
+        // Every mixer has a backward (fwd+bwd), and refuses any other pass.
         let mut p = scan.params();
         p.insert("pass".into(), Param::Text("fwd+bwd".into()));
         let back = MixerCase::from_params(&p).unwrap();
@@ -934,9 +969,7 @@ mod tests {
         assert!(back.label().ends_with("fwd+bwd"));
         let mut q = MixerCase::gated_delta(1, 9, 2, 8).params();
         q.insert("pass".into(), Param::Text("fwd+bwd".into()));
-        assert!(MixerCase::from_params(&q)
-            .unwrap_err()
-            .contains("only SSD, the selective scan and Based have a backward"));
+        assert_eq!(MixerCase::from_params(&q).unwrap().pass, MixerPass::FwdBwd);
         q.insert("pass".into(), Param::Text("bwd".into()));
         assert!(MixerCase::from_params(&q)
             .unwrap_err()
@@ -962,6 +995,12 @@ mod tests {
         let d = MixerCase::gated_delta(1, 2, 2, 3);
         assert_eq!(d.flops(), 7.0 * 2.0 * 18.0);
         assert_eq!(d.bytes(), 2.0 * (4.0 * 6.0 * 4.0 + 8.0 * 2.0));
+        // Its fwd+bwd: three times the FLOPs; the inputs read twice, dy, and dq, dk, dv (12
+        // bytes per value of a token) and dα, dβ (8 per head) in float32.
+        let mut db = d;
+        db.pass = MixerPass::FwdBwd;
+        assert_eq!(db.flops(), 3.0 * d.flops());
+        assert_eq!(db.bytes(), 2.0 * d.bytes() + 2.0 * (12.0 * 6.0 + 8.0 * 2.0));
         // Based, T5 W3: the window sees 1 + 2 + 3 + 3 + 3 = 12 keys per head.
         let b = MixerCase::based(1, 5, 2, 3, 3);
         assert_eq!(b.window_pairs(), 12.0);

@@ -163,6 +163,22 @@ pub(crate) fn check_buffers(
     Ok(())
 }
 
+/// An error unless `T` is the element of `dtype` (4 bytes for float32, 2 for bf16 bits).
+pub(crate) fn check_element<T>(dtype: Dtype, what: &str) -> Result<(), GpuError> {
+    let want = match dtype {
+        Dtype::F32 => 4,
+        Dtype::Bf16 => 2,
+    };
+    if std::mem::size_of::<T>() == want {
+        Ok(())
+    } else {
+        Err(GpuError::Config(format!(
+            "{what}: built for {dtype:?}, not {}-byte elements",
+            std::mem::size_of::<T>()
+        )))
+    }
+}
+
 /// A call with no step: the final state is the initial one, or zeros without one.
 ///
 /// # Errors

@@ -106,6 +106,35 @@ pub fn shared_bytes(shape: DeltaShape) -> [u32; 3] {
     .map(|floats| (floats * 4) as u32)
 }
 
+/// The shapes the forward and the backward ([`super::delta_backward`]) take.
+///
+/// # Errors
+/// [`GpuError::Config`] for an empty dimension other than seq_len, a key or value width over
+/// [`MAX_DIM`], more than 65,535 batch entries or heads (the grid's z and y), or a seq_len
+/// past 32-bit ints.
+pub(crate) fn check_shape(s: DeltaShape) -> Result<(), GpuError> {
+    if s.batch == 0 || s.heads == 0 || s.key_dim == 0 || s.value_dim == 0 {
+        return Err(GpuError::Config(format!(
+            "gated_delta_rule: empty dimension in {s:?}"
+        )));
+    }
+    if s.key_dim > MAX_DIM || s.value_dim > MAX_DIM {
+        return Err(GpuError::Config(format!(
+            "gated_delta_rule: key_dim {} and value_dim {} must be at most {MAX_DIM} \
+             (version 2 keeps a chunk's state in shared memory)",
+            s.key_dim, s.value_dim
+        )));
+    }
+    // The kernels' chunk start (an int) passes seq_len by up to one chunk.
+    if s.seq_len + CHUNK > i32::MAX as usize || s.batch > 65_535 || s.heads > 65_535 {
+        return Err(GpuError::Config(format!(
+            "gated_delta_rule: {s:?} does not fit 32-bit ints and the grid (batch and \
+             heads at most 65,535)"
+        )));
+    }
+    Ok(())
+}
+
 /// The gated-delta-rule forward kernels compiled for one shape and dtype, with their scratch
 /// (float32): W `[B, H, n_chunks, L, K]`, U `[B, H, n_chunks, L, V]`, the chunks' cumulative log
 /// decays `[B, H, n_chunks, L]` and the state entering each chunk `[B, H, n_chunks, V, K]`.
@@ -144,25 +173,7 @@ impl GatedDelta {
     /// [`shared_bytes`]).
     pub fn new(gpu: &Gpu, shape: DeltaShape, dtype: Dtype) -> Result<GatedDelta, GpuError> {
         let s = shape;
-        if s.batch == 0 || s.heads == 0 || s.key_dim == 0 || s.value_dim == 0 {
-            return Err(GpuError::Config(format!(
-                "gated_delta_rule: empty dimension in {s:?}"
-            )));
-        }
-        if s.key_dim > MAX_DIM || s.value_dim > MAX_DIM {
-            return Err(GpuError::Config(format!(
-                "gated_delta_rule: key_dim {} and value_dim {} must be at most {MAX_DIM} \
-                 (version 2 keeps a chunk's state in shared memory)",
-                s.key_dim, s.value_dim
-            )));
-        }
-        // The kernels' chunk start (an int) passes seq_len by up to one chunk.
-        if s.seq_len + CHUNK > i32::MAX as usize || s.batch > 65_535 || s.heads > 65_535 {
-            return Err(GpuError::Config(format!(
-                "gated_delta_rule: {s:?} does not fit 32-bit ints and the grid (batch and \
-                 heads at most 65,535)"
-            )));
-        }
+        check_shape(s)?;
         let smem = shared_bytes(s);
         if let Some(&over) = smem.iter().find(|&&b| b > MAX_SHARED) {
             // Unreachable with K, V ≤ MAX_DIM; kept so that a larger MAX_DIM fails here.
@@ -248,17 +259,7 @@ impl GatedDelta {
         final_state: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         let s = self.shape;
-        let want = match self.dtype {
-            Dtype::F32 => 4,
-            Dtype::Bf16 => 2,
-        };
-        if std::mem::size_of::<T>() != want {
-            return Err(GpuError::Config(format!(
-                "gated_delta_rule: the runner was built for {:?}, not {}-byte elements",
-                self.dtype,
-                std::mem::size_of::<T>()
-            )));
-        }
+        super::cuda::check_element::<T>(self.dtype, "gated_delta_rule")?;
         let n = s.batch * s.seq_len * s.heads;
         let state_len = s.batch * s.heads * s.value_dim * s.key_dim;
         let checks = [

@@ -7,16 +7,14 @@
 //! tensor cores where the shape allows): SSD ([`cuda`], which also holds the shared prelude
 //! and [`cuda::Dtype`]), the selective scan ([`scan_cuda`]), Based ([`based_cuda`]) and the
 //! gated delta rule ([`delta_cuda`]); and the backward of the selective scan
-//! ([`scan_cuda::ScanBackward`]), of SSD ([`ssd_backward`]) and of Based ([`based_backward`]:
-//! SSD's backward for its linear branch, then its window's).
+//! ([`scan_cuda::ScanBackward`]), of SSD ([`ssd_backward`]), of Based ([`based_backward`]:
+//! SSD's backward for its linear branch, then its window's) and of the gated delta rule
+//! ([`delta_backward`]).
 //! `kernels/TUNING-sequence-mixers.md` has their designs, predictions and measurements.
 //!
 //! The runner's side: a grid case with its FLOP, byte and token counts and its random inputs
 //! ([`case`]), the protocol files of a case ([`files`]) and the float32 CPU implementation
 //! ([`cpu`]), measured by `runners/sequence_mixers.rs`.
-//!
-//! Not here yet: the backward of the gated delta rule (its float64 reference is
-//! [`delta_gradients`]).
 
 pub mod based_backward;
 pub mod based_cuda;
@@ -25,6 +23,7 @@ pub mod case;
 pub mod chunked;
 pub mod cpu;
 pub mod cuda;
+pub mod delta_backward;
 pub mod delta_cuda;
 pub mod delta_gradients;
 pub mod files;

@@ -333,7 +333,7 @@ impl Scan {
         final_state: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         let s = self.shape;
-        check_element::<T>(self.dtype, "selective_scan")?;
+        super::cuda::check_element::<T>(self.dtype, "selective_scan")?;
         let bt = s.batch * s.seq_len;
         let state_len = s.batch * s.channels * s.state;
         let mut checks = input_checks(s, u, delta, a, b, c, d, initial_state);
@@ -545,22 +545,6 @@ fn check_dimensions(what: &str, s: ScanShape) -> Result<(), GpuError> {
         )));
     }
     Ok(())
-}
-
-/// An error unless `T` is the element of `dtype` (4 bytes for float32, 2 for bf16 bits).
-fn check_element<T>(dtype: Dtype, what: &str) -> Result<(), GpuError> {
-    let want = match dtype {
-        Dtype::F32 => 4,
-        Dtype::Bf16 => 2,
-    };
-    if std::mem::size_of::<T>() == want {
-        Ok(())
-    } else {
-        Err(GpuError::Config(format!(
-            "{what}: built for {dtype:?}, not {}-byte elements",
-            std::mem::size_of::<T>()
-        )))
-    }
 }
 
 /// (name, length, expected length) of the forward's inputs for shape `s`, as
@@ -865,7 +849,7 @@ impl ScanBackward {
         d_initial_state: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         let s = self.shape;
-        check_element::<T>(self.dtype, "selective_scan backward")?;
+        super::cuda::check_element::<T>(self.dtype, "selective_scan backward")?;
         let bt = s.batch * s.seq_len;
         let state_len = s.batch * s.channels * s.state;
         let [du, ddelta, da, db, dc, dd] = grads;
