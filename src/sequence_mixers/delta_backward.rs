@@ -14,7 +14,7 @@
 //! (ln α floored at −20) and is computed without dividing by α.
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaEvent, CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
 use super::cuda::Dtype;
@@ -33,6 +33,16 @@ pub fn source() -> String {
 
 /// Value rows per slice of the two gradient kernels (`GDN_VS` in the source).
 pub const VALUE_SLICE: usize = 16;
+
+/// The six launches of one backward, in order (what [`DeltaBackward::stage_times_ms`] names).
+pub const STAGES: [&str; 6] = [
+    "forward preparation (recomputed)",
+    "forward state pass (recomputed)",
+    "backward preparation",
+    "backward state pass",
+    "values (dv, dβ)",
+    "keys (dq, dk, dα)",
+];
 
 /// The kernels [`DELTA_BWD_SRC`] adds, per dtype tag, in launch order.
 const KERNELS: [&str; 4] = [
@@ -97,6 +107,8 @@ pub struct DeltaBackward {
     terms: CudaSlice<f32>,
     /// Stands in for an absent initial state or final state's cotangent (never read).
     unused: CudaSlice<f32>,
+    /// Events recorded before the first launch and after each ([`Self::time_stages`]).
+    marks: Option<[CudaEvent; 7]>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
@@ -156,8 +168,50 @@ impl DeltaBackward {
             uref: alloc(chunks * CHUNK * s.value_dim)?,
             terms: alloc(chunks * (2 * CHUNK + 1))?,
             unused: alloc(1)?,
+            marks: None,
             compile_s: compiled.compile_s,
         })
+    }
+
+    /// From now on, records a device event before the first launch of each call and after each
+    /// of its six ([`STAGES`]), for [`Self::stage_times_ms`]: for tuning notes, not for timed
+    /// rows (the events are launches of their own).
+    ///
+    /// # Errors
+    /// A driver error creating the events.
+    pub fn time_stages(&mut self, gpu: &Gpu) -> Result<(), GpuError> {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut marks = Vec::with_capacity(7);
+        for _ in 0..7 {
+            marks.push(gpu.ctx.new_event(flags)?);
+        }
+        self.marks = marks.try_into().ok();
+        Ok(())
+    }
+
+    /// The device time of each launch of the last call, ms, named as in [`STAGES`]; waits for
+    /// the call to finish.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] unless [`Self::time_stages`] was called before the last call;
+    /// driver errors.
+    pub fn stage_times_ms(&self) -> Result<Vec<(&'static str, f32)>, GpuError> {
+        let marks = self.marks.as_ref().ok_or_else(|| {
+            GpuError::Config("gated delta backward: time_stages was not called".into())
+        })?;
+        let mut out = Vec::with_capacity(6);
+        for (i, name) in STAGES.iter().enumerate() {
+            out.push((*name, marks[i].elapsed_ms(&marks[i + 1])?));
+        }
+        Ok(out)
+    }
+
+    /// Records mark `i` on the stream when stage timing is on.
+    fn mark(&self, gpu: &Gpu, i: usize) -> Result<(), GpuError> {
+        if let Some(m) = &self.marks {
+            m[i].record(&gpu.stream)?;
+        }
+        Ok(())
     }
 
     /// Bytes of scratch one call uses beyond its inputs and outputs (every buffer above,
@@ -248,6 +302,7 @@ impl DeltaBackward {
             s.heads as u32,
             s.batch as u32,
         );
+        self.mark(gpu, 0)?;
         let mut l = gpu.stream.launch_builder(&self.kernels[0]);
         l.arg(k).arg(v).arg(alpha).arg(beta);
         l.arg(&mut self.w).arg(&mut self.u).arg(&mut self.g);
@@ -257,6 +312,7 @@ impl DeltaBackward {
         // the inputs were checked above, the scratch sized for this shape in `new`; blocks
         // (chunk, head, batch entry) write their chunk's slots.
         unsafe { l.launch(cfg(per_chunk, smem[0]))? };
+        self.mark(gpu, 1)?;
         let mut l = gpu.stream.launch_builder(&self.kernels[1]);
         l.arg(k).arg(&self.w).arg(&mut self.u).arg(&self.g);
         l.arg(initial_state.unwrap_or(&self.unused))
@@ -269,6 +325,7 @@ impl DeltaBackward {
         // state, U and the states scratch; the initial state is read only when has_initial is
         // 1 and then holds B·H·V·K floats (checked).
         unsafe { l.launch(cfg(row_blocks, smem[1]))? };
+        self.mark(gpu, 2)?;
         let mut l = gpu.stream.launch_builder(&self.kernels[2]);
         l.arg(q).arg(k).arg(d_out).arg(beta).arg(&self.g);
         l.arg(&mut self.w).arg(&mut self.gv);
@@ -278,6 +335,7 @@ impl DeltaBackward {
         // (chunk, head, batch entry) read their chunk's rows and write W' over its W (read by
         // the launch before on this stream, not after) and G~.
         unsafe { l.launch(cfg(per_chunk, smem[2]))? };
+        self.mark(gpu, 3)?;
         let mut l = gpu.stream.launch_builder(&self.kernels[3]);
         l.arg(q).arg(k).arg(d_out).arg(beta).arg(&self.g);
         l.arg(&self.w).arg(&mut self.gv);
@@ -291,6 +349,7 @@ impl DeltaBackward {
         // int V, int n_chunks): blocks (row block, head, batch entry) own disjoint rows of dS,
         // G and dstates; d_final is read only when has_d_final is 1 (checked length).
         unsafe { l.launch(cfg(row_blocks, smem[3]))? };
+        self.mark(gpu, 4)?;
         let mut l = gpu.stream.launch_builder(&self.kernels[4]);
         l.arg(q).arg(k).arg(v).arg(d_out).arg(beta).arg(&self.g);
         l.arg(&self.u)
@@ -307,6 +366,7 @@ impl DeltaBackward {
         // read the scratch the launches before wrote for their chunk and write their chunk's
         // rows of dv, dβ, u′ and the sums.
         unsafe { l.launch(cfg(per_chunk, smem[4]))? };
+        self.mark(gpu, 5)?;
         let mut l = gpu.stream.launch_builder(&self.kernels[5]);
         l.arg(q).arg(k).arg(d_out).arg(beta).arg(&self.g);
         l.arg(&self.u)
@@ -322,6 +382,7 @@ impl DeltaBackward {
         // float* d_alpha, int T_len, int heads, int K, int V): as above; K ≤ MAX_DIM (its
         // register columns, MAX_DIM / 4 per thread).
         unsafe { l.launch(cfg(per_chunk, smem[5]))? };
+        self.mark(gpu, 6)?;
         Ok(())
     }
 }

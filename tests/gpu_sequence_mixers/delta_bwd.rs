@@ -211,3 +211,66 @@ fn delta_backward_is_deterministic() {
         );
     }
 }
+
+/// The six launches' device times at the grid's largest T = 16384 shape (B4 H8, K = V = 128,
+/// bf16), printed for kernels/TUNING-sequence-mixers.md; each must be a positive time.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn delta_backward_stage_times() {
+    let g = gpu();
+    let s = shape(4, 16384, 8, 128, 128);
+    let n = s.batch * s.seq_len * s.heads;
+    let state_len = s.batch * s.heads * s.value_dim * s.key_dim;
+    let mut k = uniform(n * s.key_dim, -1.0, 1.0, 5);
+    for row in k.chunks_mut(s.key_dim) {
+        let norm = row.iter().map(|x| x * x).sum::<f64>().sqrt();
+        row.iter_mut().for_each(|x| *x /= norm);
+    }
+    let seq = |v: &[f64]| up::<u16>(v);
+    let (q, k, v, dout) = (
+        seq(&uniform(n * s.key_dim, -0.1, 0.1, 1)),
+        seq(&k),
+        seq(&uniform(n * s.value_dim, -1.0, 1.0, 2)),
+        seq(&uniform(n * s.value_dim, -1.0, 1.0, 3)),
+    );
+    let (alpha, beta) = (
+        up::<f32>(&uniform(n, 0.8, 1.0, 4)),
+        up::<f32>(&uniform(n, 0.0, 1.0, 6)),
+    );
+    let mut grads: Vec<CudaSlice<f32>> = [s.key_dim, s.key_dim, s.value_dim, 1, 1]
+        .iter()
+        .map(|&w| poisoned::<f32>(n * w))
+        .collect();
+    let mut d_initial = poisoned::<f32>(state_len);
+    let mut bwd = DeltaBackward::new(g, s, Dtype::Bf16).unwrap();
+    bwd.time_stages(g).unwrap();
+    for _ in 0..3 {
+        let [a, b, c, d, e] = &mut grads[..] else {
+            unreachable!()
+        };
+        bwd.launch_into(
+            g,
+            (&q, &k, &v),
+            (&alpha, &beta),
+            None,
+            &dout,
+            None,
+            &mut [
+                a.as_view_mut(),
+                b.as_view_mut(),
+                c.as_view_mut(),
+                d.as_view_mut(),
+                e.as_view_mut(),
+            ],
+            &mut d_initial,
+        )
+        .unwrap();
+    }
+    let times = bwd.stage_times_ms().unwrap();
+    let total: f32 = times.iter().map(|t| t.1).sum();
+    for (name, ms) in &times {
+        println!("gated delta backward {s:?} bf16: {name}: {ms:.3} ms");
+        assert!(ms.is_finite() && *ms > 0.0, "{name}: {ms}");
+    }
+    println!("gated delta backward {s:?} bf16: all six {total:.3} ms");
+}
