@@ -358,7 +358,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (q, k, v, dy; α, β, states and gradients fp32)".into(),
                 rule: format!(
-                    "a forward and backward call: after the forward above, version 1 of the backward, float32 arithmetic on CUDA cores whatever the forward's path, chunks of {} steps, six launches: the forward's version-2 preparation and state pass again (U, the log decays and the state entering each chunk), each chunk's unit upper-triangular solve for its part of the adjoint's G_t = (dS_t + do_t q_tᵀ) k_t, the state's gradient passed from the last chunk back to the first {} of its rows per block, then per chunk dv and dβ (value rows 16 at a time) and dq, dk and dα (its L × L and L × K products summed over the value rows); dα without dividing by α; no atomics",
+                    "a forward and backward call: after the forward above, version 1.1 of the backward, float32 arithmetic on CUDA cores whatever the forward's path, chunks of {} steps, six launches: the forward's version-2 preparation and state pass again (U, the log decays and the state entering each chunk), each chunk's unit upper-triangular solve for its part of the adjoint's G_t = (dS_t + do_t q_tᵀ) k_t, the state's gradient passed from the last chunk back to the first {} of its rows per block, then per chunk dv and dβ (value rows 16 at a time) and dq, dk and dα (its L × L and L × K products summed over the value rows); dα without dividing by α; no atomics",
                     delta_cuda::CHUNK,
                     delta_cuda::ROWS
                 ),
@@ -589,7 +589,7 @@ impl runner::Suite for Mixers {
             }
             if c.pass == MixerPass::FwdBwd && c.mixer == Mixer::GatedDelta {
                 notes.push(format!(
-                    "backward (version 1): float32 arithmetic on CUDA cores whatever the \
+                    "backward (version 1.1): float32 arithmetic on CUDA cores whatever the \
                      forward's path, chunks of {} steps; the forward's U, log decays and \
                      entering states recomputed (nothing kept by the forward call), the state's \
                      gradient passed from the last chunk back to the first, then dv, dβ, dq, dk \

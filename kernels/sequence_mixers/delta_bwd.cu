@@ -1,7 +1,9 @@
-// The gated delta rule's backward (Gated DeltaNet; Yang, Kautz and Hatamizadeh, 2024), version 1:
-// float32 on CUDA cores, chunked like the forward's version 2 (delta.cu), compiled after delta.cu
-// in one module (src/sequence_mixers/delta_backward.rs). The host first reruns the forward's
-// gdn_prepare_<t> and gdn_state_pass_<t> (float32 scratch: the cumulative log decays g, the
+// The gated delta rule's backward (Gated DeltaNet; Yang, Kautz and Hatamizadeh, 2024), version
+// 1.1: float32 on CUDA cores (1.1: each thread's items summed side by side in the preparation,
+// the state pass and the values kernel, instead of one dependent chain after another), chunked
+// like the forward's version 2 (delta.cu), compiled after delta.cu in one module
+// (src/sequence_mixers/delta_backward.rs). The host first reruns the forward's gdn_prepare_<t>
+// and gdn_state_pass_<t> (float32 scratch: the cumulative log decays g, the
 // pseudo-values U, with S_t = gamma_t S_in + sum_{j<=t} exp(g_t - g_j) u_j k_j^T inside a chunk,
 // and the state S_in entering each chunk), then launches the four kernels below.
 //
@@ -65,6 +67,9 @@
 #define GDN_PP (GDN_CHUNK + 1)
 #define GDN_SP (GDN_VS + 1)
 #define GDN_MAX_COLS (GDN_MAX_DIM / 4)
+// Items per thread in the backward state pass's two loops (the most a chunk can give).
+#define GDN_G_ITEMS (GDN_CHUNK * GDN_ROWS / GDN_THREADS)
+#define GDN_D_ITEMS (GDN_ROWS * GDN_MAX_DIM / GDN_THREADS)
 
 template <typename T>
 __device__ void gdn_bwd_prepare(const T* __restrict__ q, const T* __restrict__ k,
@@ -100,17 +105,37 @@ __device__ void gdn_bwd_prepare(const T* __restrict__ q, const T* __restrict__ k
     }
     __syncthreads();
     const float last = gs[l - 1];
-    for (int e = threadIdx.x; e < l * l; e += GDN_THREADS) {
-        const int i = e / l, j = e % l;
-        if (j <= i) {
-            float qk = 0.f, kk = 0.f;
-            for (int col = 0; col < K; ++col) {
-                qk += qs[i * KP + col] * ks[j * KP + col];
-                kk += ks[i * KP + col] * ks[j * KP + col];
+    // Version 1.1: the l (l + 1) / 2 pairs j <= i numbered in rows (pair e: i the largest with
+    // i (i + 1) / 2 <= e), four per thread side by side (8 independent dot products).
+    const int pairs = l * (l + 1) / 2;
+    for (int e0 = threadIdx.x; e0 < pairs; e0 += 4 * GDN_THREADS) {
+        int ii[4], jj[4];
+        float qk[4], kk[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int e = min(e0 + m * GDN_THREADS, pairs - 1);
+            int i = (int)((sqrtf(8.f * e + 1.f) - 1.f) * 0.5f);
+            while (i * (i + 1) / 2 > e) --i;
+            while ((i + 1) * (i + 2) / 2 <= e) ++i;
+            ii[m] = i;
+            jj[m] = e - i * (i + 1) / 2;
+            qk[m] = kk[m] = 0.f;
+        }
+        for (int col = 0; col < K; ++col) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const float kj = ks[jj[m] * KP + col];
+                qk[m] += qs[ii[m] * KP + col] * kj;
+                kk[m] += ks[ii[m] * KP + col] * kj;
             }
+        }
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            if (e0 + m * GDN_THREADS >= pairs) continue;
+            const int i = ii[m], j = jj[m];
             const float decay = expf(gs[i] - gs[j]);
-            a[i * GDN_PP + j] = decay * qk;
-            if (j < i) a[j * GDN_PP + i] = bs[i] * decay * kk;
+            a[i * GDN_PP + j] = decay * qk[m];
+            if (j < i) a[j * GDN_PP + i] = bs[i] * decay * kk[m];
         }
     }
     for (int e = threadIdx.x; e < l * K; e += GDN_THREADS) {
@@ -118,12 +143,28 @@ __device__ void gdn_bwd_prepare(const T* __restrict__ q, const T* __restrict__ k
         wp[j * KP + col] = expf(last - gs[j]) * ks[j * KP + col];
     }
     __syncthreads();
-    // R_j = sum_{i >= j} M_ij do_i.
-    for (int e = threadIdx.x; e < l * V; e += GDN_THREADS) {
-        const int j = e / V, r = e % V;
-        float acc = 0.f;
-        for (int i = j; i < l; ++i) acc += a[i * GDN_PP + j] * dos[i * V + r];
-        gt[e] = acc;
+    // R_j = sum_{i >= j} M_ij do_i, four items per thread side by side (their sums start at
+    // different i: each term is taken only from its own j on).
+    for (int e0 = threadIdx.x; e0 < l * V; e0 += 4 * GDN_THREADS) {
+        int jj[4], rr[4];
+        float acc[4];
+        int first = l;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int e = min(e0 + m * GDN_THREADS, l * V - 1);
+            jj[m] = e / V;
+            rr[m] = e % V;
+            acc[m] = 0.f;
+            first = min(first, jj[m]);
+        }
+        for (int i = first; i < l; ++i) {
+#pragma unroll
+            for (int m = 0; m < 4; ++m)
+                if (i >= jj[m]) acc[m] += a[i * GDN_PP + jj[m]] * dos[i * V + rr[m]];
+        }
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+            if (e0 + m * GDN_THREADS < l * V) gt[jj[m] * V + rr[m]] = acc[m];
     }
     __syncthreads();
     // Back substitution, column col of [G~ | W']: row j minus sum_{i > j} B_ji row i.
@@ -131,9 +172,17 @@ __device__ void gdn_bwd_prepare(const T* __restrict__ q, const T* __restrict__ k
         float* x = col < V ? gt + col : wp + (col - V);
         const int stride = col < V ? V : KP;
         for (int j = l - 2; j >= 0; --j) {
-            float acc = x[j * stride];
-            for (int i = j + 1; i < l; ++i) acc -= a[j * GDN_PP + i] * x[i * stride];
-            x[j * stride] = acc;
+            // Four partial sums, so that the multiply-adds do not wait on each other.
+            float p0 = x[j * stride], p1 = 0.f, p2 = 0.f, p3 = 0.f;
+            int i = j + 1;
+            for (; i + 3 < l; i += 4) {
+                p0 -= a[j * GDN_PP + i] * x[i * stride];
+                p1 -= a[j * GDN_PP + i + 1] * x[(i + 1) * stride];
+                p2 -= a[j * GDN_PP + i + 2] * x[(i + 2) * stride];
+                p3 -= a[j * GDN_PP + i + 3] * x[(i + 3) * stride];
+            }
+            for (; i < l; ++i) p0 -= a[j * GDN_PP + i] * x[i * stride];
+            x[j * stride] = (p0 + p1) + (p2 + p3);
         }
     }
     __syncthreads();
@@ -189,24 +238,58 @@ __device__ void gdn_bwd_state_pass(const T* __restrict__ q, const T* __restrict_
             bs[i] = beta[(t0 + i) * heads + h];
         }
         __syncthreads();
-        // G = G~ + W' D^T on this block's rows, kept for the gradient kernels.
-        for (int e = threadIdx.x; e < l * rows; e += GDN_THREADS) {
-            const int i = e / rows, r = e % rows;
-            float acc = gvs[i * RP + r];
-            for (int col = 0; col < K; ++col) acc += wps[i * KP + col] * d[r * KP + col];
-            gvs[i * RP + r] = acc;
-            gv_io[(base * GDN_CHUNK + i) * V + r0 + r] = acc;
+        // G = G~ + W' D^T on this block's rows, kept for the gradient kernels. Version 1.1: a
+        // thread's GDN_G_ITEMS items (e = thread + m * GDN_THREADS) summed side by side, so
+        // that their dot products are independent chains (version 1 ran them one after the
+        // other); items past l * rows are computed on clamped indices and not stored.
+        {
+            float acc[GDN_G_ITEMS];
+            int ii[GDN_G_ITEMS], rr[GDN_G_ITEMS];
+#pragma unroll
+            for (int m = 0; m < GDN_G_ITEMS; ++m) {
+                const int e = min((int)threadIdx.x + m * GDN_THREADS, l * rows - 1);
+                ii[m] = e / rows;
+                rr[m] = e % rows;
+                acc[m] = gvs[ii[m] * RP + rr[m]];
+            }
+            for (int col = 0; col < K; ++col) {
+#pragma unroll
+                for (int m = 0; m < GDN_G_ITEMS; ++m)
+                    acc[m] += wps[ii[m] * KP + col] * d[rr[m] * KP + col];
+            }
+#pragma unroll
+            for (int m = 0; m < GDN_G_ITEMS; ++m) {
+                if ((int)threadIdx.x + m * GDN_THREADS < l * rows) {
+                    gvs[ii[m] * RP + rr[m]] = acc[m];
+                    gv_io[(base * GDN_CHUNK + ii[m]) * V + r0 + rr[m]] = acc[m];
+                }
+            }
         }
         __syncthreads();
-        // dS_in = exp(g_{l-1}) D + sum_j exp(g_j) (do_j q_j^T - b_j G_j k_j^T).
-        const float keep = eg[l - 1];
-        for (int e = threadIdx.x; e < rows * K; e += GDN_THREADS) {
-            const int r = e / K, col = e % K;
-            float acc = keep * d[r * KP + col];
-            for (int j = 0; j < l; ++j)
-                acc += eg[j] * (dos[j * RP + r] * qs[j * KP + col] -
-                                bs[j] * gvs[j * RP + r] * ks[j * KP + col]);
-            d[r * KP + col] = acc;
+        // dS_in = exp(g_{l-1}) D + sum_j exp(g_j) (do_j q_j^T - b_j G_j k_j^T), the thread's
+        // GDN_D_ITEMS elements side by side (each thread reads and writes only its own).
+        {
+            const float keep = eg[l - 1];
+            float acc[GDN_D_ITEMS];
+            int rr[GDN_D_ITEMS], cc[GDN_D_ITEMS];
+#pragma unroll
+            for (int m = 0; m < GDN_D_ITEMS; ++m) {
+                const int e = min((int)threadIdx.x + m * GDN_THREADS, rows * K - 1);
+                rr[m] = e / K;
+                cc[m] = e % K;
+                acc[m] = keep * d[rr[m] * KP + cc[m]];
+            }
+            for (int j = 0; j < l; ++j) {
+                const float ej = eg[j], bj = eg[j] * bs[j];
+#pragma unroll
+                for (int m = 0; m < GDN_D_ITEMS; ++m)
+                    acc[m] += ej * dos[j * RP + rr[m]] * qs[j * KP + cc[m]] -
+                              bj * gvs[j * RP + rr[m]] * ks[j * KP + cc[m]];
+            }
+            __syncthreads();  // every thread's clamped reads of d done before any write
+#pragma unroll
+            for (int m = 0; m < GDN_D_ITEMS; ++m)
+                if ((int)threadIdx.x + m * GDN_THREADS < rows * K) d[rr[m] * KP + cc[m]] = acc[m];
         }
         __syncthreads();
     }
@@ -306,24 +389,38 @@ __device__ void gdn_bwd_values(const T* __restrict__ q, const T* __restrict__ k,
         for (int e = threadIdx.x; e < GDN_VS * K; e += GDN_THREADS)
             inner += ds[(e / K) * KP + e % K] * se[(e / K) * KP + e % K];
         if (i < l) {
+            // Version 1.1: the four rows' dot products side by side (12 independent sums per
+            // column), then their u' sums likewise; rows past V computed on zeros, not stored.
+            float sk[GDN_VS / 4], sq[GDN_VS / 4], dk[GDN_VS / 4], ur[GDN_VS / 4];
+#pragma unroll
+            for (int m = 0; m < GDN_VS / 4; ++m) sk[m] = sq[m] = dk[m] = 0.f;
+            for (int col = 0; col < K; ++col) {
+                const float kc = ks[i * KP + col], qc = qs[i * KP + col];
+#pragma unroll
+                for (int m = 0; m < GDN_VS / 4; ++m) {
+                    const int rr = rq + 4 * m;
+                    const float sv = se[rr * KP + col];
+                    sk[m] += sv * kc;
+                    sq[m] += sv * qc;
+                    dk[m] += ds[rr * KP + col] * kc;
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < GDN_VS / 4; ++m) ur[m] = vs[i * GDN_SP + rq + 4 * m] - eg[i] * sk[m];
+            for (int j = 0; j < i; ++j) {
+                const float w = kk[i * GDN_PP + j];
+#pragma unroll
+                for (int m = 0; m < GDN_VS / 4; ++m) ur[m] -= w * us[j * GDN_SP + rq + 4 * m];
+            }
 #pragma unroll
             for (int m = 0; m < GDN_VS / 4; ++m) {
                 const int rr = rq + 4 * m, r = r0 + rr;
                 if (r >= V) continue;
-                float sk = 0.f, sq = 0.f, dk = 0.f;
-                for (int col = 0; col < K; ++col) {
-                    const float kc = ks[i * KP + col];
-                    sk += se[rr * KP + col] * kc;
-                    sq += se[rr * KP + col] * qs[i * KP + col];
-                    dk += ds[rr * KP + col] * kc;
-                }
-                float ur = vs[i * GDN_SP + rr] - eg[i] * sk;
-                for (int j = 0; j < i; ++j) ur -= kk[i * GDN_PP + j] * us[j * GDN_SP + rr];
                 const float G = gvs[i * GDN_SP + rr];
-                dbeta += G * ur;
-                z += dos[i * GDN_SP + rr] * sq - bs[i] * G * sk;
-                y += us[i * GDN_SP + rr] * dk;
-                uref[(base * GDN_CHUNK + i) * V + r] = ur;
+                dbeta += G * ur[m];
+                z += dos[i * GDN_SP + rr] * sq[m] - bs[i] * G * sk[m];
+                y += us[i * GDN_SP + rr] * dk[m];
+                uref[(base * GDN_CHUNK + i) * V + r] = ur[m];
                 dv[((t0 + i) * heads + h) * V + r] = bs[i] * G;
             }
         }

@@ -4,7 +4,7 @@
 //! against the float64 [`super::delta_gradients::gated_delta_rule_backward`] (GPU tests) and,
 //! on the CPU, by `kernels/sequence_mixers/emulate/gdn_bwd_check.cpp`.
 //!
-//! Version 1, float32 on CUDA cores (`kernels/sequence_mixers/delta_bwd.cu` derives it): the
+//! Version 1.1, float32 on CUDA cores (`kernels/sequence_mixers/delta_bwd.cu` derives it): the
 //! forward's version-2 preparation and state pass run again (U, the log decays and the state
 //! entering each chunk, float32, whatever path the forward took); each chunk then solves a
 //! unit upper-triangular system for the parts of G_t = (dS_t + do_t q_tᵀ) k_t its own inputs
