@@ -142,6 +142,51 @@ pub(crate) fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
+/// The largest error of the gradients `got` against `want` (in the order of `names`) and its
+/// gradient's name: relative L2, or where `want` is exactly 0 (dA after one step from a zero
+/// state) the largest absolute value, float32 rounding of terms that cancel; infinity for a
+/// non-finite element.
+pub(crate) fn worst_gradient_error<'a>(
+    names: &[&'a str],
+    got: &[Vec<f64>],
+    want: &[Vec<f64>],
+) -> (f64, &'a str) {
+    let mut worst = (0.0f64, "none");
+    for ((name, g), w) in names.iter().zip(got).zip(want) {
+        let e = if w.iter().all(|&v| v == 0.0) {
+            g.iter().fold(0.0f64, |m, v| m.max(v.abs()))
+        } else {
+            rel_l2(g, w)
+        };
+        let e = if e.is_nan() { f64::INFINITY } else { e };
+        if e > worst.0 {
+            worst = (e, name);
+        }
+    }
+    worst
+}
+
+/// Asserts that two runs gave the same bits for every gradient (named by `names`).
+pub(crate) fn assert_same_bits(names: &[&str], first: &[Vec<f64>], second: &[Vec<f64>]) {
+    for ((name, a), b) in names.iter().zip(first).zip(second) {
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{name} differs between runs"
+        );
+    }
+}
+
+/// `n` keys of width `kd` from [−1, 1) (`seed`), each scaled to L2 norm 1 as the layer
+/// normalises them.
+pub(crate) fn unit_keys(n: usize, kd: usize, seed: u64) -> Vec<f64> {
+    let mut k = uniform(n * kd, -1.0, 1.0, seed);
+    for row in k.chunks_mut(kd) {
+        let norm = row.iter().map(|x| x * x).sum::<f64>().sqrt();
+        row.iter_mut().for_each(|x| *x /= norm);
+    }
+    k
+}
+
 /// The kernel file `name` (`src`, prelude included) compiles for sm_90a and sm_80 with
 /// exactly `entries` in its PTX, to machine code for both, and ptxas reports no spill for any
 /// entry on sm_90a (registers printed with `--nocapture`). Needs NVRTC only, not a GPU.

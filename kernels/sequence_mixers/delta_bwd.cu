@@ -71,6 +71,21 @@
 #define GDN_G_ITEMS (GDN_CHUNK * GDN_ROWS / GDN_THREADS)
 #define GDN_D_ITEMS (GDN_ROWS * GDN_MAX_DIM / GDN_THREADS)
 
+// Loads a chunk's l rows of q and k (from step t0 of head h) into qs and ks, [L][KP] floats.
+// Every thread calls it; the rows are ready after the caller's next barrier.
+template <typename T>
+__device__ __forceinline__ void gdn_load_qk(const T* __restrict__ q, const T* __restrict__ k,
+                                            float* qs, float* ks, long long t0, int l, int heads,
+                                            int h, int K) {
+    const int KP = K | 1;
+    for (int e = threadIdx.x; e < l * K; e += GDN_THREADS) {
+        const int i = e / K, col = e % K;
+        const long long at = ((t0 + i) * heads + h) * K + col;
+        qs[i * KP + col] = ld(q, at);
+        ks[i * KP + col] = ld(k, at);
+    }
+}
+
 template <typename T>
 __device__ void gdn_bwd_prepare(const T* __restrict__ q, const T* __restrict__ k,
                                 const T* __restrict__ dout, const float* __restrict__ beta,
@@ -91,12 +106,7 @@ __device__ void gdn_bwd_prepare(const T* __restrict__ q, const T* __restrict__ k
     float* a = dos + GDN_CHUNK * V;         // [L][PP]: B above the diagonal, M on and below
     float* gs = a + GDN_CHUNK * GDN_PP;     // [L]: g
     float* bs = gs + GDN_CHUNK;             // [L]: beta
-    for (int e = threadIdx.x; e < l * K; e += GDN_THREADS) {
-        const int i = e / K, col = e % K;
-        const long long at = ((t0 + i) * heads + h) * K + col;
-        qs[i * KP + col] = ld(q, at);
-        ks[i * KP + col] = ld(k, at);
-    }
+    gdn_load_qk(q, k, qs, ks, t0, l, heads, h, K);
     for (int e = threadIdx.x; e < l * V; e += GDN_THREADS)
         dos[e] = ld(dout, ((t0 + e / V) * heads + h) * V + e % V);
     for (int i = threadIdx.x; i < l; i += GDN_THREADS) {
@@ -352,12 +362,7 @@ __device__ void gdn_bwd_values(const T* __restrict__ q, const T* __restrict__ k,
     float* eg = dos + GDN_CHUNK * GDN_SP;   // [L]: exp(g)
     float* bs = eg + GDN_CHUNK;             // [L]: beta
     float* red = bs + GDN_CHUNK;            // [THREADS]: <D, S_in> partial sums
-    for (int e = threadIdx.x; e < l * K; e += GDN_THREADS) {
-        const int i = e / K, col = e % K;
-        const long long at = ((t0 + i) * heads + h) * K + col;
-        qs[i * KP + col] = ld(q, at);
-        ks[i * KP + col] = ld(k, at);
-    }
+    gdn_load_qk(q, k, qs, ks, t0, l, heads, h, K);
     for (int i = threadIdx.x; i < l; i += GDN_THREADS) {
         eg[i] = g_in[base * GDN_CHUNK + i];  // g for now, exp(g) after the next barrier
         bs[i] = beta[(t0 + i) * heads + h];
@@ -535,12 +540,7 @@ __device__ void gdn_bwd_keys(const T* __restrict__ q, const T* __restrict__ k,
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < l * K; e += GDN_THREADS) {
-        const int a = e / K, col = e % K;
-        const long long at = ((t0 + a) * heads + h) * K + col;
-        qs[a * KP + col] = ld(q, at);
-        ks[a * KP + col] = ld(k, at);
-    }
+    gdn_load_qk(q, k, qs, ks, t0, l, heads, h, K);
     __syncthreads();
     // Y from the raw products, then the products decayed for dq and dk.
     for (int e = threadIdx.x; e < l * l; e += GDN_THREADS) {

@@ -10,7 +10,8 @@ use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::reference::{BasedInputs, BasedShape, BasedState};
 
 use super::{
-    compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, up,
+    assert_same_bits, compiles_without_spills, down, gpu, poisoned, rounded, rounded_f32, uniform,
+    up, worst_gradient_error,
 };
 
 /// The backward's window module (based.cu and based_bwd.cu) compiles
@@ -154,14 +155,7 @@ fn based_backward_matches_float64() {
                 } else {
                     1e-4
                 };
-                let mut worst = (0.0f64, "none");
-                for ((name, g), w) in NAMES.iter().zip(&got).zip(&want) {
-                    let e = rel_l2(g, w);
-                    let e = if e.is_nan() { f64::INFINITY } else { e };
-                    if e > worst.0 {
-                        worst = (e, name);
-                    }
-                }
+                let worst = worst_gradient_error(&NAMES, &got, &want);
                 println!(
                     "based backward {s:?} {dtype:?} S0, d_final {optional}: worst {} {:.2e}",
                     worst.1, worst.0
@@ -185,10 +179,5 @@ fn based_backward_is_deterministic() {
     let s = shape(2, 300, 2, 64, 64, 64);
     let (first, _) = based_backward_case(s, Dtype::Bf16, true, 97);
     let (second, _) = based_backward_case(s, Dtype::Bf16, true, 97);
-    for ((name, a), b) in NAMES.iter().zip(&first).zip(&second) {
-        assert!(
-            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{name} differs between runs"
-        );
-    }
+    assert_same_bits(&NAMES, &first, &second);
 }

@@ -6,7 +6,8 @@ use kernelpages::sequence_mixers::delta_cuda::{entry_points, source, tc_shared_b
 use kernelpages::sequence_mixers::reference::{self, DeltaInputs, DeltaShape};
 
 use super::{
-    compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, up,
+    compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, unit_keys,
+    up,
 };
 
 /// One gated-delta-rule case on the device against the float64 recurrence on the same
@@ -17,11 +18,7 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
     let (kd, vd) = (shape.key_dim, shape.value_dim);
     let q = uniform(n * kd, -1.0, 1.0, seed);
     // Unit keys, as the layer normalises them: normalised here, before the rounding.
-    let mut k = uniform(n * kd, -1.0, 1.0, seed + 1);
-    for row in k.chunks_mut(kd) {
-        let norm = row.iter().map(|x| x * x).sum::<f64>().sqrt();
-        row.iter_mut().for_each(|x| *x /= norm);
-    }
+    let k = unit_keys(n, kd, seed + 1);
     let v = uniform(n * vd, -1.0, 1.0, seed + 2);
     let alpha = uniform(n, 0.5, 1.0, seed + 3);
     let beta = uniform(n, 0.0, 1.0, seed + 4);

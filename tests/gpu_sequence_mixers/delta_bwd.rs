@@ -9,7 +9,8 @@ use kernelpages::sequence_mixers::delta_gradients::gated_delta_rule_backward;
 use kernelpages::sequence_mixers::reference::{DeltaInputs, DeltaShape};
 
 use super::{
-    compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, up,
+    assert_same_bits, compiles_without_spills, down, gpu, poisoned, rounded, rounded_f32, uniform,
+    unit_keys, up, worst_gradient_error,
 };
 
 /// The backward's module (delta.cu and delta_bwd.cu) compiles ([`compiles_without_spills`]).
@@ -58,11 +59,7 @@ fn delta_backward_case(
     let (kd, vd) = (s.key_dim, s.value_dim);
     let state_len = s.batch * s.heads * vd * kd;
     let q = uniform(n * kd, -1.0, 1.0, seed);
-    let mut k = uniform(n * kd, -1.0, 1.0, seed + 1);
-    for row in k.chunks_mut(kd) {
-        let norm = row.iter().map(|x| x * x).sum::<f64>().sqrt();
-        row.iter_mut().for_each(|x| *x /= norm);
-    }
+    let k = unit_keys(n, kd, seed + 1);
     let v = uniform(n * vd, -1.0, 1.0, seed + 2);
     let alpha = uniform(n, 0.5, 1.0, seed + 3);
     let beta = uniform(n, 0.0, 1.0, seed + 4);
@@ -173,14 +170,7 @@ fn delta_backward_matches_float64() {
         for dtype in [Dtype::F32, Dtype::Bf16] {
             for optional in [true, false] {
                 let (got, want) = delta_backward_case(s, dtype, optional, 900 + 10 * i as u64);
-                let mut worst = (0.0f64, "none");
-                for ((name, g), w) in NAMES.iter().zip(&got).zip(&want) {
-                    let e = rel_l2(g, w);
-                    let e = if e.is_nan() { f64::INFINITY } else { e };
-                    if e > worst.0 {
-                        worst = (e, name);
-                    }
-                }
+                let worst = worst_gradient_error(&NAMES, &got, &want);
                 println!(
                     "gated delta backward {s:?} {dtype:?} S0, d_final {optional}: worst {} {:.2e}",
                     worst.1, worst.0
@@ -204,12 +194,7 @@ fn delta_backward_is_deterministic() {
     let s = shape(2, 300, 2, 64, 64);
     let (first, _) = delta_backward_case(s, Dtype::Bf16, true, 97);
     let (second, _) = delta_backward_case(s, Dtype::Bf16, true, 97);
-    for ((name, a), b) in NAMES.iter().zip(&first).zip(&second) {
-        assert!(
-            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{name} differs between runs"
-        );
-    }
+    assert_same_bits(&NAMES, &first, &second);
 }
 
 /// The six launches' device times at the grid's largest T = 16384 shape (B4 H8, K = V = 128,
@@ -221,11 +206,7 @@ fn delta_backward_stage_times() {
     let s = shape(4, 16384, 8, 128, 128);
     let n = s.batch * s.seq_len * s.heads;
     let state_len = s.batch * s.heads * s.value_dim * s.key_dim;
-    let mut k = uniform(n * s.key_dim, -1.0, 1.0, 5);
-    for row in k.chunks_mut(s.key_dim) {
-        let norm = row.iter().map(|x| x * x).sum::<f64>().sqrt();
-        row.iter_mut().for_each(|x| *x /= norm);
-    }
+    let k = unit_keys(n, s.key_dim, 5);
     let seq = |v: &[f64]| up::<u16>(v);
     let (q, k, v, dout) = (
         seq(&uniform(n * s.key_dim, -0.1, 0.1, 1)),

@@ -8,7 +8,8 @@ use kernelpages::sequence_mixers::reference::{SsdInputs, SsdShape};
 use kernelpages::sequence_mixers::ssd_backward::SsdBackward;
 
 use super::{
-    compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, up,
+    assert_same_bits, compiles_without_spills, down, gpu, poisoned, rounded, rounded_f32, uniform,
+    up, worst_gradient_error,
 };
 
 /// The backward's module (the forward's kernels and the backward's) compiles
@@ -193,22 +194,7 @@ fn ssd_backward_matches_float64() {
         for dtype in [Dtype::F32, Dtype::Bf16] {
             for optional in [true, false] {
                 let (got, want) = ssd_backward_case(s, dtype, optional, 500 + 10 * k as u64);
-                let mut worst = (0.0f64, "none");
-                for ((name, g), w) in NAMES.iter().zip(&got).zip(&want) {
-                    // A gradient that is exactly 0 (dA after one step from a zero state: the
-                    // state before it is 0) has no relative error: the absolute one counts,
-                    // float32 rounding of terms that cancel.
-                    let zero = w.iter().all(|&v| v == 0.0);
-                    let e = if zero {
-                        g.iter().fold(0.0f64, |m, v| m.max(v.abs()))
-                    } else {
-                        rel_l2(g, w)
-                    };
-                    let e = if e.is_nan() { f64::INFINITY } else { e };
-                    if e > worst.0 {
-                        worst = (e, name);
-                    }
-                }
+                let worst = worst_gradient_error(&NAMES, &got, &want);
                 println!(
                     "ssd backward {s:?} {dtype:?} D, S0, d_final {optional}: worst {} {:.2e}",
                     worst.1, worst.0
@@ -232,12 +218,7 @@ fn ssd_backward_is_deterministic() {
     let s = shape(2, 300, 4, 1, 64, 64);
     let (first, _) = ssd_backward_case(s, Dtype::Bf16, true, 77);
     let (second, _) = ssd_backward_case(s, Dtype::Bf16, true, 77);
-    for ((name, a), b) in NAMES.iter().zip(&first).zip(&second) {
-        assert!(
-            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-            "{name} differs between runs"
-        );
-    }
+    assert_same_bits(&NAMES, &first, &second);
 }
 
 /// The grid's shape (B4 T16384 H8 P128 N128, one group), both dtypes: every gradient finite
