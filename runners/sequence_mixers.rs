@@ -80,7 +80,7 @@ struct Cli {
     #[arg(long, value_delimiter = ',')]
     dtypes: Option<Vec<String>>,
     /// Passes: `fwd`, `fwd+bwd` [default: both on the GPU, fwd on the CPU]; fwd+bwd cases are
-    /// made for the mixers with a backward (so far the selective scan).
+    /// made for every mixer (each has a backward).
     #[arg(long, value_delimiter = ',')]
     passes: Option<Vec<String>>,
     /// Tokens whose outputs are checked against float64 per case (evenly spaced, the last
@@ -1252,7 +1252,7 @@ mod tests {
         assert!(suite
             .unsupported(&bf.params(), GPU_IMPLEMENTATION)
             .is_none());
-        // A backward case runs on the project's CUDA kernels only, so far.
+        // The selective scan's backward case runs on the project's CUDA kernels only.
         let mut back = bf;
         back.pass = MixerPass::FwdBwd;
         assert!(suite
@@ -1264,12 +1264,15 @@ mod tests {
                 .unwrap()
                 .contains("fwd+bwd"));
         }
-        // SSD's backward runs for PyTorch and flash-linear-attention too, not on the CPU.
+        // SSD's, Based's and the gated delta rule's backward run for PyTorch and
+        // flash-linear-attention too, not on the CPU.
         let mut ssd_back = MixerCase::ssd(4, 1024, 8, 64, 64);
         ssd_back.pass = MixerPass::FwdBwd;
         let mut based_back = MixerCase::based(4, 1024, 8, 64, 64);
         based_back.pass = MixerPass::FwdBwd;
-        for back in [ssd_back, based_back] {
+        let mut delta_back = MixerCase::gated_delta(4, 1024, 8, 64);
+        delta_back.pass = MixerPass::FwdBwd;
+        for back in [ssd_back, based_back, delta_back] {
             for (imp, runs) in [
                 (GPU_IMPLEMENTATION, true),
                 (TORCH_EAGER, true),

@@ -358,7 +358,7 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
 /// an initial state and a final state's cotangent, a gate of exactly 0, with the host's
 /// shared-memory sizes (`delta_backward::shared_bytes`), shared memory poisoned and guarded
 /// past them: one step, partial chunks, K ≠ V, value rows not a multiple of the 16-row
-/// blocks, odd widths and K = V = 128. Bound 1e-4.
+/// blocks, odd widths, K = V = 64 and 128. Bound 1e-4.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
 fn delta_backward_emulated_matches_the_adjoint() {
@@ -371,6 +371,7 @@ fn delta_backward_emulated_matches_the_adjoint() {
         (2, 130, 1, 16, 24),
         (1, 200, 1, 32, 48),
         (1, 100, 1, 33, 50),
+        (1, 70, 1, 64, 64),
         (1, 65, 1, 128, 128),
     ]
     .iter()

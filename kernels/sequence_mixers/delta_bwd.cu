@@ -260,7 +260,9 @@ __device__ void gdn_bwd_state_pass(const T* __restrict__ q, const T* __restrict_
                 const int e = min((int)threadIdx.x + m * GDN_THREADS, l * rows - 1);
                 ii[m] = e / rows;
                 rr[m] = e % rows;
-                acc[m] = gvs[ii[m] * RP + rr[m]];
+                // A clamped item starts from 0: its owner may be writing gvs[e] already.
+                acc[m] = (int)threadIdx.x + m * GDN_THREADS < l * rows ? gvs[ii[m] * RP + rr[m]]
+                                                                       : 0.f;
             }
             for (int col = 0; col < K; ++col) {
 #pragma unroll
@@ -280,6 +282,9 @@ __device__ void gdn_bwd_state_pass(const T* __restrict__ q, const T* __restrict_
         // GDN_D_ITEMS elements side by side (each thread reads and writes only its own).
         {
             const float keep = eg[l - 1];
+            // The items a thread has for this K (8 at K = 128, 4 at 64): the loop below skips
+            // the rest (the test is the same for the whole block).
+            const int items = (rows * K + GDN_THREADS - 1) / GDN_THREADS;
             float acc[GDN_D_ITEMS];
             int rr[GDN_D_ITEMS], cc[GDN_D_ITEMS];
 #pragma unroll
@@ -293,8 +298,9 @@ __device__ void gdn_bwd_state_pass(const T* __restrict__ q, const T* __restrict_
                 const float ej = eg[j], bj = eg[j] * bs[j];
 #pragma unroll
                 for (int m = 0; m < GDN_D_ITEMS; ++m)
-                    acc[m] += ej * dos[j * RP + rr[m]] * qs[j * KP + cc[m]] -
-                              bj * gvs[j * RP + rr[m]] * ks[j * KP + cc[m]];
+                    if (m < items)
+                        acc[m] += ej * dos[j * RP + rr[m]] * qs[j * KP + cc[m]] -
+                                  bj * gvs[j * RP + rr[m]] * ks[j * KP + cc[m]];
             }
             __syncthreads();  // every thread's clamped reads of d done before any write
 #pragma unroll
@@ -307,9 +313,10 @@ __device__ void gdn_bwd_state_pass(const T* __restrict__ q, const T* __restrict_
         d_initial[(bh * V + r0) * K + e] = d[(e / K) * KP + e % K];
 }
 
-// Loads value rows r0 .. r0 + GDN_VS of a chunk: `n` arrays [L][V] (scratch, float32, from
-// chunk offset `base`) into [L][SP] slices (columns past V zero), and `m` state-like arrays
-// [V][K] into [VS][KP] slices (rows past V zero). Every thread calls it.
+// Value rows r0 .. r0 + GDN_VS of a chunk, rows past V as zeros; every thread calls each.
+// gdn_load_rows: one float32 scratch array [.., L, V] (chunk offset `base`) into an [L][SP]
+// slice; gdn_load_state_rows: one state-like array [.., V, K] into a [VS][KP] slice;
+// gdn_load_value_rows: one input [B, T, H, V] of type T into an [L][SP] slice.
 __device__ __forceinline__ void gdn_load_rows(const float* __restrict__ src, float* dst,
                                               long long base, int l, int V, int r0) {
     for (int e = threadIdx.x; e < l * GDN_VS; e += GDN_THREADS) {

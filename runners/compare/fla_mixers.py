@@ -20,7 +20,8 @@ Implementation `fla_chunk`, per mixer (the runner's `files.arguments`; inputs as
   window_size=W)` (the exact softmax over the keys in [t - W + 1, t]).
 - `selective_scan`: `unsupported` (the library has no Mamba-1 selective scan: a decay per
   channel and state element).
-From a zero initial state, output in the case's dtype; `pass = fwd+bwd` (every mixer above)
+From a zero initial state, output in the case's dtype; `pass = fwd+bwd` (SSD, the gated delta
+rule and Based)
 runs the library's backward kernels through autograd (`torch_mixers.with_backward`), after
 checking, for SSD and the gated delta rule, the library's own refusal of its gated backward on
 Hopper (`backward_refusal`).

@@ -347,7 +347,8 @@ impl DeltaBackward {
         // const float* beta, const float* g, const float* wp, float* gv, const float* d_final,
         // int has_d_final, float* dstates, float* d_initial, int T_len, int heads, int K,
         // int V, int n_chunks): blocks (row block, head, batch entry) own disjoint rows of dS,
-        // G and dstates; d_final is read only when has_d_final is 1 (checked length).
+        // G and dstates; d_final is read only when has_d_final is 1 (checked length); K ≤
+        // MAX_DIM (`new`), which its per-thread item arrays assume.
         unsafe { l.launch(cfg(row_blocks, smem[3]))? };
         self.mark(gpu, 4)?;
         let mut l = gpu.stream.launch_builder(&self.kernels[4]);

@@ -10,7 +10,7 @@
 //! (`chunk_gated_delta_rule_bwd`) computes the same gradients by a different route: within a
 //! chunk it uses the WY representation of the product of the transitions (a triangular solve
 //! for the pseudo-values u and the keys w), and it carries the state's adjoint only between
-//! chunks. That is what the chunked kernels will be checked against this file for. When
+//! chunks. The project's chunked kernels (`delta_backward`) are checked against this file. When
 //! comparing, mind three differences of convention: its state is key-major (`[B, H, K, V]`,
 //! the transpose of this file's `[B, H, V, K]`), its gate is g = log α (so its dg_t is
 //! α_t · dα_t here), and it multiplies q by a scale inside (here q is used as given).
