@@ -166,6 +166,42 @@ pub(crate) fn worst_gradient_error<'a>(
     worst
 }
 
+/// A backward's check against its float64 adjoint: `case(shape, dtype, optional, seed)` on
+/// every shape, both dtypes, with and without the initial state and d_final_state
+/// (`optional`), seeds `seed0 + 10 i` for shape i; prints each run's worst gradient
+/// ([`worst_gradient_error`], labelled `label` and `states`) and asserts that none passes
+/// `bound(shape, dtype)`, naming every failing run.
+pub(crate) fn assert_backward_within<S: Copy + std::fmt::Debug>(
+    label: &str,
+    states: &str,
+    names: &[&str],
+    shapes: &[S],
+    seed0: u64,
+    bound: impl Fn(S, Dtype) -> f64,
+    case: impl Fn(S, Dtype, bool, u64) -> (Vec<Vec<f64>>, Vec<Vec<f64>>),
+) {
+    let mut failures = Vec::new();
+    for (i, &s) in shapes.iter().enumerate() {
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            for optional in [true, false] {
+                let (got, want) = case(s, dtype, optional, seed0 + 10 * i as u64);
+                let worst = worst_gradient_error(names, &got, &want);
+                println!(
+                    "{label} {s:?} {dtype:?} {states} {optional}: worst {} {:.2e}",
+                    worst.1, worst.0
+                );
+                if worst.0 > bound(s, dtype) {
+                    failures.push(format!(
+                        "{s:?} {dtype:?} {optional}: {} {:.2e}",
+                        worst.1, worst.0
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 /// Asserts that two runs gave the same bits for every gradient (named by `names`).
 pub(crate) fn assert_same_bits(names: &[&str], first: &[Vec<f64>], second: &[Vec<f64>]) {
     for ((name, a), b) in names.iter().zip(first).zip(second) {

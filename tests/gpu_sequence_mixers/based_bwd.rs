@@ -10,8 +10,8 @@ use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::reference::{BasedInputs, BasedShape, BasedState};
 
 use super::{
-    assert_same_bits, compiles_without_spills, down, gpu, poisoned, rounded, rounded_f32, uniform,
-    up, worst_gradient_error,
+    assert_backward_within, assert_same_bits, compiles_without_spills, down, gpu, poisoned,
+    rounded, rounded_f32, uniform, up,
 };
 
 /// The backward's window module (based.cu and based_bwd.cu) compiles
@@ -145,31 +145,21 @@ fn based_backward_matches_float64() {
         shape(1, 130, 2, 128, 128, 64),
         shape(1, 4097, 1, 16, 32, 64),
     ];
-    let mut failures = Vec::new();
-    for (i, &s) in cases.iter().enumerate() {
-        for dtype in [Dtype::F32, Dtype::Bf16] {
-            for optional in [true, false] {
-                let (got, want) = based_backward_case(s, dtype, optional, 700 + 10 * i as u64);
-                let bound = if window_backward_tc_shared_bytes(s, dtype).is_some() {
-                    4e-3
-                } else {
-                    1e-4
-                };
-                let worst = worst_gradient_error(&NAMES, &got, &want);
-                println!(
-                    "based backward {s:?} {dtype:?} S0, d_final {optional}: worst {} {:.2e}",
-                    worst.1, worst.0
-                );
-                if worst.0 > bound {
-                    failures.push(format!(
-                        "{s:?} {dtype:?} {optional}: {} {:.2e}",
-                        worst.1, worst.0
-                    ));
-                }
+    assert_backward_within(
+        "based backward",
+        "S0, d_final",
+        &NAMES,
+        &cases,
+        700,
+        |s, dtype| {
+            if window_backward_tc_shared_bytes(s, dtype).is_some() {
+                4e-3
+            } else {
+                1e-4
             }
-        }
-    }
-    assert!(failures.is_empty(), "{failures:#?}");
+        },
+        based_backward_case,
+    );
 }
 
 /// Two calls on the same inputs give the same bits (no atomics).

@@ -9,8 +9,8 @@ use kernelpages::sequence_mixers::delta_gradients::gated_delta_rule_backward;
 use kernelpages::sequence_mixers::reference::{DeltaInputs, DeltaShape};
 
 use super::{
-    assert_same_bits, compiles_without_spills, down, gpu, poisoned, rounded, rounded_f32, uniform,
-    unit_keys, up, worst_gradient_error,
+    assert_backward_within, assert_same_bits, compiles_without_spills, down, gpu, poisoned,
+    rounded, rounded_f32, uniform, unit_keys, up,
 };
 
 /// The backward's module (delta.cu and delta_bwd.cu) compiles ([`compiles_without_spills`]).
@@ -165,26 +165,15 @@ fn delta_backward_matches_float64() {
         shape(1, 130, 2, 128, 128),
         shape(1, 4097, 1, 64, 64),
     ];
-    let mut failures = Vec::new();
-    for (i, &s) in cases.iter().enumerate() {
-        for dtype in [Dtype::F32, Dtype::Bf16] {
-            for optional in [true, false] {
-                let (got, want) = delta_backward_case(s, dtype, optional, 900 + 10 * i as u64);
-                let worst = worst_gradient_error(&NAMES, &got, &want);
-                println!(
-                    "gated delta backward {s:?} {dtype:?} S0, d_final {optional}: worst {} {:.2e}",
-                    worst.1, worst.0
-                );
-                if worst.0 > 1e-4 {
-                    failures.push(format!(
-                        "{s:?} {dtype:?} {optional}: {} {:.2e}",
-                        worst.1, worst.0
-                    ));
-                }
-            }
-        }
-    }
-    assert!(failures.is_empty(), "{failures:#?}");
+    assert_backward_within(
+        "gated delta backward",
+        "S0, d_final",
+        &NAMES,
+        &cases,
+        900,
+        |_, _| 1e-4,
+        delta_backward_case,
+    );
 }
 
 /// Two calls on the same inputs give the same bits (no atomics).

@@ -8,8 +8,8 @@ use kernelpages::sequence_mixers::reference::{SsdInputs, SsdShape};
 use kernelpages::sequence_mixers::ssd_backward::SsdBackward;
 
 use super::{
-    assert_same_bits, compiles_without_spills, down, gpu, poisoned, rounded, rounded_f32, uniform,
-    up, worst_gradient_error,
+    assert_backward_within, assert_same_bits, compiles_without_spills, down, gpu, poisoned,
+    rounded, rounded_f32, uniform, up,
 };
 
 /// The backward's module (the forward's kernels and the backward's) compiles
@@ -189,26 +189,15 @@ fn ssd_backward_matches_float64() {
         shape(1, 130, 2, 1, 128, 128),
         shape(1, 4097, 2, 1, 16, 32),
     ];
-    let mut failures = Vec::new();
-    for (k, &s) in cases.iter().enumerate() {
-        for dtype in [Dtype::F32, Dtype::Bf16] {
-            for optional in [true, false] {
-                let (got, want) = ssd_backward_case(s, dtype, optional, 500 + 10 * k as u64);
-                let worst = worst_gradient_error(&NAMES, &got, &want);
-                println!(
-                    "ssd backward {s:?} {dtype:?} D, S0, d_final {optional}: worst {} {:.2e}",
-                    worst.1, worst.0
-                );
-                if worst.0 > 1e-4 {
-                    failures.push(format!(
-                        "{s:?} {dtype:?} {optional}: {} {:.2e}",
-                        worst.1, worst.0
-                    ));
-                }
-            }
-        }
-    }
-    assert!(failures.is_empty(), "{failures:#?}");
+    assert_backward_within(
+        "ssd backward",
+        "D, S0, d_final",
+        &NAMES,
+        &cases,
+        500,
+        |_, _| 1e-4,
+        ssd_backward_case,
+    );
 }
 
 /// Two calls on the same inputs give the same bits (no atomics in the sums).
