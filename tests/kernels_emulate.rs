@@ -200,7 +200,7 @@ fn emulated_kernel_runs_clean(name: &str, cases: &[String]) {
 /// float64 recurrence, with the host's shared-memory sizes
 /// (`sequence_mixers::cuda::shared_bytes`, `tensor_core_shared_bytes`), shared memory poisoned
 /// and guarded past them: the float32 kernels on every shape (partial chunks, groups, one
-/// step, head_dim = state 128, odd sizes), and the bf16 tensor-core kernels (version 3, their
+/// step, head_dim = state 128, odd sizes), and the bf16 tensor-core kernels (version 4, their
 /// `mma.sync` fragments emulated lane by lane in `cuda_shim.h`) on the shapes the host gives
 /// them.
 #[test]
@@ -221,8 +221,12 @@ fn ssd_kernels_emulated_match_the_recurrence() {
         (2, 64, 4, 2, 32, 32),
         (1, 1, 2, 2, 16, 32),
         (1, 200, 2, 2, 48, 96),
-        // The states walk with its columns over two blocks (N a multiple of 64).
+        // The chunk states' warps: two per 16-row tile of P (P = 64), one with all 16 column
+        // tiles (P = 128), one with 4 (N = 32), and at P = 16 six warps of two tiles and two
+        // idle (N = 96).
         (1, 300, 2, 1, 64, 64),
+        (1, 90, 1, 1, 128, 32),
+        (1, 40, 2, 1, 16, 96),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, groups, head_dim, state)| {
@@ -242,9 +246,9 @@ fn ssd_kernels_emulated_match_the_recurrence() {
         )
     })
     .collect();
-    // Both paths ran where they should: 4 shapes without tensor-core sizes, 7 with.
+    // Both paths ran where they should: 4 shapes without tensor-core sizes, 9 with.
     let with_tc = cases.iter().filter(|c| !c.ends_with(",0,0")).count();
-    assert_eq!(with_tc, 7, "{cases:?}");
+    assert_eq!(with_tc, 9, "{cases:?}");
     emulated_kernel_runs_clean("ssd_check", &cases);
 }
 

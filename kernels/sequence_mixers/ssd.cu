@@ -217,155 +217,174 @@ ssd_chunk_scan_bf16_f32out(const u16* x, const float* dt, const float* A, const 
     chunk_scan<u16, float>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);
 }
 
-// Version 3 for bf16 inputs: two kernels on tensor cores (mma.sync m16n8k16, bf16 operands,
-// float32 accumulation; prelude.cuh's mma_bf16), the operands brought by cp.async and read by
-// ldmatrix. Needs P % 16 == 0, N % 32 == 0 and P, N <= 128 (the host checks; other shapes take
-// the float32 kernels).
+// Version 4 for bf16 inputs: three kernels, the chunk states and the chunk outputs on tensor
+// cores (mma.sync m16n8k16, bf16 operands, float32 accumulation; prelude.cuh's mma_bf16), the
+// operands brought by cp.async and read by ldmatrix. Needs P % 16 == 0, N % 32 == 0 and P, N <=
+// 128 (the host checks; other shapes take the float32 kernels).
 //
-// A. ssd_states_tc: the chunk states and their passing in one walk, as flash-linear-attention's
-//    chunk_fwd_h does for its gated linear attention: a block of 4 warps per 16 head_dim rows
-//    of the state (SSD_TC_ROWS) and 1/n_split of its columns (n_split 2 when N is a multiple of
-//    64, else 1: more blocks walking at once), head and batch entry holds its part of the state
-//    in the warps' mma accumulators (float32; each warp a quarter of the block's columns) and
-//    walks the chunks in order: it writes the state entering chunk c to `states` as bf16 (what
-//    the output kernel's product reads anyway), then S <- exp(cs_last) S + (decayed Δ x)ᵀ B.
-//    The chunks' x rows, B rows and dt come through a ring of SSD_TC_STAGES stages, loaded
-//    SSD_TC_STAGES - 1 chunks ahead; each warp computes the chunk's cumulative log decays
-//    itself (warp_pair_scan) and scales a quarter of the stage's x rows by their steps' weights
-//    exp(cs_last - cs_j) dt_j in place. The float32 state after the last chunk is the final
-//    state.
+// A1. ssd_chunk_states_tc: a block of 8 warps per (chunk, head, batch entry), every chunk at
+//     once: the chunk's x and B rows and dt by cp.async, the cumulative log decays by one warp
+//     (warp_pair_scan; the chunk's total into `chunk_log_decay`), x's rows scaled in place by
+//     their steps' weights exp(cs_last - cs_j) dt_j, then the chunk's own state
+//     S_c = (decayed Δ x)ᵀ B (P × N, float32 in the warps' accumulators: warp w a 16-row tile of
+//     P and 1 / (8 / (P / 16)) of N), rounded to bf16 and staged in shared memory over the x
+//     and B rows, then written out with 16-byte stores.
+// A2. ssd_state_passing_bf16: the walk over the chunks in order, each thread 8 adjacent elements
+//     of one (batch entry, head)'s state in float32 registers: it writes the state entering
+//     chunk c over S_c (bf16, what kernel B reads) and carries exp(cs_last_c) S + S_c on. The
+//     loads of the next SSD_PASS_AHEAD chunks are issued before the stores of the current
+//     ones, so the walk is bound by memory traffic rather than latency. The float32 state after
+//     the last chunk is the final state.
+// (Version 3 walked the chunks in one kernel with the state in mma accumulators, 512 blocks of
+// 4 warps at P = N = 128: bound by its per-chunk instructions and barriers, 0.49 ms at T16384;
+// kernels/TUNING-sequence-mixers.md.)
 // B. ssd_chunk_scan_tc (and _f32out): a block of 8 warps per (chunk, head, batch entry), as
 //    version 2: M = (C Bᵀ) masked to j <= i < l and scaled by exp(cs_i - cs_j) dt_j (bf16 in
 //    shared memory), then Y = M x + exp(cs_i) C S_inᵀ + D x, each warp 16 rows and half of the
 //    P columns (the M product over the 16-step blocks at or left of the diagonal only).
 // Shared rows are padded by 8 halves so that the 8 rows of an ldmatrix or fragment load fall
 // in distinct banks. Dynamic shared memory, bytes (the host computes both:
-// src/sequence_mixers/cuda.rs): A STAGES L 4 + STAGES L (ROWS + 8 + N / n_split + 8) 2; B 2 L 4 +
+// src/sequence_mixers/cuda.rs): A1 L 4 + max(L (P + 8) + L (N + 8), P (N + 8)) 2; B 2 L 4 +
 // (2 L (N + 8) + L (P + 8) + P (N + 8) + L (L + 8)) 2.
-#define SSD_TC_STAGES 4
-#define SSD_TC_ROWS 16
-#define SSD_TC_STATE_THREADS 128
 #define SSD_TC_MAX_TILES 8
-// Kernel A's loads of chunk c into ring stage `stage`: its x rows (this block's 16 columns), B
-// rows and dt, zeros past a short last chunk.
-__device__ __forceinline__ void ssd_states_load(const u16* __restrict__ x,
-                                                const float* __restrict__ dt,
-                                                const u16* __restrict__ Bm, float* dts, u16* ring,
-                                                int c, int stage, int b, int h, int g, int p0,
-                                                int nb, int cols, int T_len, int heads,
-                                                int groups, int P, int N) {
-    const int XS = SSD_TC_ROWS + 8, NS = cols + 8;
-    const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
-    const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
-    u16* xs = ring + stage * SSD_CHUNK * (XS + NS);
-    u16* bs = xs + SSD_CHUNK * XS;
-    float* d = dts + stage * SSD_CHUNK;
-    for (int e = threadIdx.x; e < SSD_CHUNK * 2; e += SSD_TC_STATE_THREADS) {
-        const int i = e / 2, q = (e % 2) * 8;
-        const bool ok = i < l;
-        cp_async16(xs + i * XS + q, x + ((t0 + (ok ? i : 0)) * heads + h) * P + p0 + q, ok);
-    }
-    const int pieces = cols / 8;
-    for (int e = threadIdx.x; e < SSD_CHUNK * pieces; e += SSD_TC_STATE_THREADS) {
-        const int i = e / pieces, q = (e % pieces) * 8;
-        const bool ok = i < l;
-        cp_async16(bs + i * NS + q, Bm + ((t0 + (ok ? i : 0)) * groups + g) * N + nb + q, ok);
-    }
-    for (int i = threadIdx.x; i < SSD_CHUNK; i += SSD_TC_STATE_THREADS)
-        cp_async4(d + i, dt + (t0 + (i < l ? i : 0)) * heads + h, i < l);
-}
+#define SSD_TC_STATE_TILES 16
+#define SSD_PASS_THREADS 128
 
-extern "C" __global__ void __launch_bounds__(SSD_TC_STATE_THREADS)
-ssd_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
-              const float* __restrict__ A, const u16* __restrict__ Bm,
-              const float* __restrict__ initial_state, int has_initial,
-              u16* __restrict__ states, float* __restrict__ final_state, int T_len, int heads,
-              int groups, int P, int N, int n_split) {
+extern "C" __global__ void __launch_bounds__(SSD_THREADS)
+ssd_chunk_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
+                    const float* __restrict__ A, const u16* __restrict__ Bm,
+                    u16* __restrict__ states, float* __restrict__ chunk_log_decay, int T_len,
+                    int heads, int groups, int P, int N) {
     extern __shared__ float smem[];
-    // Block x: rows p0 .. p0 + 15 and the columns [nb, nb + cols) of the state.
-    const int p0 = (blockIdx.x / n_split) * SSD_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
-    const int cols = N / n_split, nb = (blockIdx.x % n_split) * cols;
+    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int n_chunks = gridDim.x;
     const int g = h / (heads / groups);
-    const int n_chunks = (T_len + SSD_CHUNK - 1) / SSD_CHUNK;
-    const int XS = SSD_TC_ROWS + 8, NS = cols + 8;
-    float* dts = smem;                                                   // [STAGES][L]
-    u16* ring = reinterpret_cast<u16*>(dts + SSD_TC_STAGES * SSD_CHUNK); // [STAGES] x, B rows
+    const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
     const long long bh = (long long)b * heads + h;
-    const float a_h = A[h];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
-    const int tiles = cols / 32, n0 = nb + warp * (cols / 4);
-    float acc[4][4];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int p = p0 + gi + (e >= 2 ? 8 : 0), n = n0 + nt * 8 + 2 * ti + (e & 1);
-            acc[nt][e] = (nt < tiles && has_initial) ? initial_state[(bh * P + p) * N + n] : 0.f;
-        }
-    for (int s = 0; s < SSD_TC_STAGES - 1; ++s) {
-        if (s < n_chunks)
-            ssd_states_load(x, dt, Bm, dts, ring, s, s, b, h, g, p0, nb, cols, T_len, heads,
-                            groups, P, N);
-        cp_async_commit();
+    const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
+    const int PS = P + 8, NS = N + 8;
+    float* w = smem;                                  // [L]: dt, then the steps' weights
+    u16* xs = reinterpret_cast<u16*>(w + SSD_CHUNK);  // [L][PS]: x, then scaled
+    u16* bs = xs + SSD_CHUNK * PS;                    // [L][NS]: B
+    u16* out = xs;                                    // [P][NS]: S_c, after the product
+    const int pp = P / 8, pn = N / 8;
+    for (int e = threadIdx.x; e < SSD_CHUNK * pp; e += SSD_THREADS) {
+        const int i = e / pp, q = (e % pp) * 8;
+        const bool ok = i < l;
+        cp_async16(xs + i * PS + q, x + ((t0 + (ok ? i : 0)) * heads + h) * P + q, ok);
     }
-    for (int c = 0; c < n_chunks; ++c) {
-        cp_async_wait<SSD_TC_STAGES - 2>();
-        __syncthreads();
-        // The stage read in the last iteration is free (every thread passed the barrier).
-        const int next = c + SSD_TC_STAGES - 1;
-        if (next < n_chunks)
-            ssd_states_load(x, dt, Bm, dts, ring, next, next % SSD_TC_STAGES, b, h, g, p0, nb,
-                            cols, T_len, heads, groups, P, N);
-        cp_async_commit();
-        const int stage = c % SSD_TC_STAGES;
-        u16* xs = ring + stage * SSD_CHUNK * (XS + NS);
-        const u16* bs = xs + SSD_CHUNK * XS;
-        const float* d = dts + stage * SSD_CHUNK;
-        // Lane m holds steps 2m and 2m + 1: their decays to the chunk's end times dt (zero past
-        // a short chunk, whose last cumulative decay is then the total).
-        const float d0 = d[2 * lane], d1 = d[2 * lane + 1];
+    for (int e = threadIdx.x; e < SSD_CHUNK * pn; e += SSD_THREADS) {
+        const int i = e / pn, q = (e % pn) * 8;
+        const bool ok = i < l;
+        cp_async16(bs + i * NS + q, Bm + ((t0 + (ok ? i : 0)) * groups + g) * N + q, ok);
+    }
+    for (int i = threadIdx.x; i < SSD_CHUNK; i += SSD_THREADS)
+        cp_async4(w + i, dt + (t0 + (i < l ? i : 0)) * heads + h, i < l);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    if (warp == 0) {
+        // Lane m: steps 2m and 2m + 1 (dt zero past a short chunk, so their weights are 0 and
+        // the last cumulative decay is the chunk's total). Each lane rewrites its own two.
+        const float a_h = A[h], d0 = w[2 * lane], d1 = w[2 * lane + 1];
         float s0, s1;
         const float last = warp_pair_scan(d0 * a_h, d1 * a_h, s0, s1);
-        const float w0 = __expf(last - s0) * d0, w1 = __expf(last - s1) * d1;
-        {
-            // Warp w scales rows 16 w .. 16 w + 15 of the stage's x by their steps' weights in
-            // place (lane: row 16 w + lane / 2, 8 of its 16 columns), once for every warp.
-            const int j = warp * 16 + lane / 2;
-            const float wa = __shfl_sync(FULL_MASK, w0, j / 2), wb = __shfl_sync(FULL_MASK, w1, j / 2);
-            const float wj = (j & 1) ? wb : wa;
-            u32* row = reinterpret_cast<u32*>(xs + j * XS + (lane % 2) * 8);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) row[q] = scale_pair(row[q], wj, wj);
-        }
-        u16* out = states + ((bh * n_chunks + c) * P + p0) * N;
-        const float keep = __expf(last);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            if (nt < tiles) {
-                const int n = n0 + nt * 8 + 2 * ti;
-                *reinterpret_cast<u32*>(out + gi * N + n) = pack_bf16(acc[nt][0], acc[nt][1]);
-                *reinterpret_cast<u32*>(out + (gi + 8) * N + n) = pack_bf16(acc[nt][2], acc[nt][3]);
-            }
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[nt][e] *= keep;
-        }
-        __syncthreads();
+        w[2 * lane] = __expf(last - s0) * d0;
+        w[2 * lane + 1] = __expf(last - s1) * d1;
+        if (lane == 0) chunk_log_decay[bh * n_chunks + c] = last;
+    }
+    __syncthreads();
+    const int half_p = P / 2;
+    for (int e = threadIdx.x; e < SSD_CHUNK * half_p; e += SSD_THREADS) {
+        const int j = e / half_p, q = (e % half_p) * 2;
+        u32* v = reinterpret_cast<u32*>(xs + j * PS + q);
+        *v = scale_pair(*v, w[j], w[j]);
+    }
+    __syncthreads();
+    // Warp w: rows r0 .. r0 + 15 of P and `tiles` 8-column tiles of N from n0.
+    const int row_tiles = P / 16, per_row = SSD_THREADS / 32 / row_tiles;
+    const int r0 = (warp % row_tiles) * 16, part = warp / row_tiles;
+    const int all_tiles = N / 8, share = (all_tiles + per_row - 1) / per_row;
+    const int n0 = part * share * 8, tiles = max(0, min(share, all_tiles - part * share));
+    float acc[SSD_TC_STATE_TILES][4] = {};
+    if (tiles > 0) {
 #pragma unroll
         for (int ks = 0; ks < SSD_CHUNK / 16; ++ks) {
             // A = (decayed Δ x)ᵀ: rows p, steps k; x's rows are steps, so ldmatrix.trans.
             u32 af[4];
             const int mi = lane / 8;
-            ldsm_x4_t(af, xs + (ks * 16 + lane % 8 + (mi >= 2 ? 8 : 0)) * XS + (mi & 1) * 8);
-            mma_k_block<4>(acc, af, bs, NS, ks, n0 - nb, tiles);
+            ldsm_x4_t(af, xs + (ks * 16 + lane % 8 + (mi >= 2 ? 8 : 0)) * PS + r0 + (mi & 1) * 8);
+            mma_k_block<SSD_TC_STATE_TILES>(acc, af, bs, NS, ks, n0, tiles);
         }
     }
+    __syncthreads();
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int p = p0 + gi + (e >= 2 ? 8 : 0), n = n0 + nt * 8 + 2 * ti + (e & 1);
-            if (nt < tiles) final_state[(bh * P + p) * N + n] = acc[nt][e];
+    for (int nt = 0; nt < SSD_TC_STATE_TILES; ++nt) {
+        if (nt < tiles) {
+            const int n = n0 + nt * 8 + 2 * ti;
+            *reinterpret_cast<u32*>(out + (r0 + gi) * NS + n) = pack_bf16(acc[nt][0], acc[nt][1]);
+            *reinterpret_cast<u32*>(out + (r0 + gi + 8) * NS + n) = pack_bf16(acc[nt][2], acc[nt][3]);
         }
+    }
+    __syncthreads();
+    u16* dst = states + (bh * n_chunks + c) * P * N;
+    for (int e = threadIdx.x; e < P * pn; e += SSD_THREADS) {
+        const int r = e / pn, q = (e % pn) * 8;
+        *reinterpret_cast<uint4*>(dst + r * N + q) = *reinterpret_cast<const uint4*>(out + r * NS + q);
+    }
+}
+
+// The entering states from the chunks' own (A2 above): blocks (slice of P·N / 8 groups of 8
+// elements, head, batch entry), SSD_PASS_THREADS threads; PN = P·N, a multiple of 8.
+extern "C" __global__ void __launch_bounds__(SSD_PASS_THREADS)
+ssd_state_passing_bf16(u16* __restrict__ states, const float* __restrict__ chunk_log_decay,
+                       const float* __restrict__ initial_state, int has_initial,
+                       float* __restrict__ final_state, int heads, int n_chunks, int PN) {
+    const int h = blockIdx.y, b = blockIdx.z;
+    const long long bh = (long long)b * heads + h;
+    const int e = (blockIdx.x * SSD_PASS_THREADS + threadIdx.x) * 8;
+    if (e >= PN) return;
+    u16* s = states + bh * n_chunks * PN + e;
+    const float* decay = chunk_log_decay + bh * n_chunks;
+    float run[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) run[k] = has_initial ? initial_state[bh * PN + e + k] : 0.f;
+    uint4 cur[SSD_PASS_AHEAD] = {};
+#pragma unroll
+    for (int k = 0; k < SSD_PASS_AHEAD; ++k)
+        if (k < n_chunks) cur[k] = *reinterpret_cast<const uint4*>(s + (long long)k * PN);
+    for (int c0 = 0; c0 < n_chunks; c0 += SSD_PASS_AHEAD) {
+        uint4 next[SSD_PASS_AHEAD] = {};
+#pragma unroll
+        for (int k = 0; k < SSD_PASS_AHEAD; ++k) {
+            const int c = c0 + SSD_PASS_AHEAD + k;
+            if (c < n_chunks) next[k] = *reinterpret_cast<const uint4*>(s + (long long)c * PN);
+        }
+#pragma unroll
+        for (int k = 0; k < SSD_PASS_AHEAD; ++k) {
+            const int c = c0 + k;
+            if (c < n_chunks) {
+                const float keep = __expf(decay[c]);
+                uint4 o;
+                o.x = pack_bf16(run[0], run[1]);
+                o.y = pack_bf16(run[2], run[3]);
+                o.z = pack_bf16(run[4], run[5]);
+                o.w = pack_bf16(run[6], run[7]);
+                *reinterpret_cast<uint4*>(s + (long long)c * PN) = o;
+                const u32 v[4] = {cur[k].x, cur[k].y, cur[k].z, cur[k].w};
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    run[2 * q] = keep * run[2 * q] + __uint_as_float(v[q] << 16);
+                    run[2 * q + 1] = keep * run[2 * q + 1] + __uint_as_float(v[q] & 0xffff0000u);
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < SSD_PASS_AHEAD; ++k) cur[k] = next[k];
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) final_state[bh * PN + e + k] = run[k];
 }
 
 template <typename TY>
@@ -464,7 +483,7 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
     }
 }
 
-// Version 3's entry points (bf16 only; kernel B, kernel A above).
+// Kernel B's entry points (bf16 inputs; y as bf16 or float32).
 extern "C" __global__ void __launch_bounds__(SSD_THREADS)
 ssd_chunk_scan_tc(const u16* x, const float* dt, const float* A, const u16* Bm, const u16* Cm,
                   const float* D, int has_d, const u16* states, u16* y, int T_len, int heads,

@@ -1,8 +1,9 @@
 //! SSD on CUDA: `kernels/sequence_mixers/ssd.cu`, compiled by NVRTC at run time, the chunked
 //! algorithm of [`super::chunked::ssd`] (Dao and Gu, 2024, §6) in chunks of [`CHUNK`] steps.
-//! bf16 inputs whose sizes fit the tiles ([`tensor_core_path`]) take version 3, two launches
-//! on tensor cores (mma.sync, bf16 operands, float32 accumulation): the chunk states and their
-//! passing in one walk per slice of the state, then each chunk's output. Every other case takes
+//! bf16 inputs whose sizes fit the tiles ([`tensor_core_path`]) take version 4, three launches:
+//! every chunk's own state on tensor cores (mma.sync, bf16 operands, float32 accumulation,
+//! stored as bf16), the states passed from chunk to chunk (float32 running sum, bf16 entering
+//! states), then each chunk's output on tensor cores. Every other case takes
 //! version 1, float32 on CUDA cores in three launches: each chunk's own state, the states
 //! passed from chunk to chunk, then each chunk's output from its inputs and its entering state.
 
@@ -69,7 +70,8 @@ pub fn entry_points() -> Vec<String> {
     v.push("ssd_chunk_scan_bf16_f32out".to_string());
     v.extend(
         [
-            "ssd_states_tc",
+            "ssd_chunk_states_tc",
+            "ssd_state_passing_bf16",
             "ssd_chunk_scan_tc",
             "ssd_chunk_scan_tc_f32out",
         ]
@@ -89,44 +91,27 @@ pub fn shared_bytes(shape: SsdShape) -> (u32, u32) {
     (state as u32, scan as u32)
 }
 
-/// Dynamic shared memory of the tensor-core kernels (version 3, bf16 inputs) for `shape`,
-/// bytes: the states walk (`ssd_states_tc`: [`TC_STAGES`] stages of L float32 Δ and L rows of
-/// [`TC_ROWS`] + 8 and N / [`tc_n_split`] + 8 bf16) and the chunk scan (2·L float32, then bf16 rows: C and B
-/// L × (N + 8), x L × (P + 8), the entering state P × (N + 8), M L × (L + 8)); rows padded by 8
-/// halves so that the 8 rows of an ldmatrix fall in distinct banks. `None` when the shape does
-/// not fit them (head_dim a multiple of 16 and state of 32, both at most 128; other shapes take
-/// the float32 kernels).
+/// Dynamic shared memory of the tensor-core kernels (version 4, bf16 inputs) for `shape`,
+/// bytes: the chunk states (`ssd_chunk_states_tc`: L float32 Δ, then bf16 rows: x L × (P + 8)
+/// and B L × (N + 8), the same space then holding the state P × (N + 8)) and the chunk scan
+/// (2·L float32, then bf16 rows: C and B L × (N + 8), x L × (P + 8), the entering state
+/// P × (N + 8), M L × (L + 8)); rows padded by 8 halves so that the 8 rows of an ldmatrix fall
+/// in distinct banks. `None` when the shape does not fit them (head_dim a multiple of 16 and
+/// state of 32, both at most 128; other shapes take the float32 kernels).
 pub fn tensor_core_shared_bytes(shape: SsdShape) -> Option<(u32, u32)> {
     let (l, p, n) = (CHUNK, shape.head_dim, shape.state);
     if !(p.is_multiple_of(16) && n.is_multiple_of(32) && p <= 128 && n <= 128) {
         return None;
     }
     let (ls, ns, ps) = (l + 8, n + 8, p + 8);
-    let cols = n / tc_n_split(n);
-    let states = TC_STAGES * l * 4 + TC_STAGES * l * (TC_ROWS + 8 + cols + 8) * 2;
+    let states = l * 4 + (l * ps + l * ns).max(p * ns) * 2;
     let scan = 2 * l * 4 + (2 * l * ns + l * ps + p * ns + l * ls) * 2;
     Some((states as u32, scan as u32))
 }
 
-/// Stages of the ring through which `ssd_states_tc` brings the chunks' inputs
-/// (`SSD_TC_STAGES`).
-const TC_STAGES: usize = 4;
-
-/// head_dim rows of the state per block of `ssd_states_tc` (`SSD_TC_ROWS`).
-const TC_ROWS: usize = 16;
-
-/// Threads per block of `ssd_states_tc` (`SSD_TC_STATE_THREADS`).
-const TC_STATE_THREADS: u32 = 128;
-
-/// How many blocks of `ssd_states_tc` share one 16-row slice of the state by columns: 2 when the
-/// state size N is a multiple of 64 (each warp then has at least 8 columns), else 1.
-pub fn tc_n_split(n: usize) -> usize {
-    if n.is_multiple_of(64) {
-        2
-    } else {
-        1
-    }
-}
+/// Threads per block of the bf16 state passing (`SSD_PASS_THREADS`), each 8 adjacent elements
+/// of a state.
+const PASS_THREADS: u32 = 128;
 
 /// The tensor-core kernels' shared memory ([`tensor_core_shared_bytes`]) when [`Ssd`] takes
 /// them for `shape` and `dtype` (bf16 only), or `None` when it takes the float32 kernels.
@@ -240,11 +225,13 @@ pub struct Ssd {
     /// The chunk scan writing a float32 Y (`ssd_chunk_scan_bf16_f32out` for bf16; the f32 scan
     /// itself for f32).
     chunk_scan_f32out: CudaFunction,
+    /// The state passing: float32 (`ssd_state_passing`), or bf16 on the tensor-core path
+    /// (`ssd_state_passing_bf16`).
     passing: CudaFunction,
     /// Dynamic shared memory of the chunk-state and chunk-scan kernels chosen, bytes.
     smem: (u32, u32),
-    /// Whether the kernels are version 3's tensor-core ones (bf16, shapes that fit):
-    /// `chunk_state` is then `ssd_states_tc` (the states and their passing), `passing` unused.
+    /// Whether the kernels are version 4's tensor-core ones (bf16, shapes that fit):
+    /// `chunk_state` is then `ssd_chunk_states_tc`, writing bf16 chunk states.
     tensor_cores: bool,
     states: CudaSlice<f32>,
     decay: CudaSlice<f32>,
@@ -281,7 +268,7 @@ impl Ssd {
         let (names, smem) = match tc {
             Some(sizes) => (
                 [
-                    "ssd_states_tc".to_string(),
+                    "ssd_chunk_states_tc".to_string(),
                     "ssd_chunk_scan_tc".to_string(),
                     "ssd_chunk_scan_tc_f32out".to_string(),
                 ],
@@ -303,7 +290,15 @@ impl Ssd {
         let chunk_state = gpu.function(&compiled.module, &names[0], smem.0)?;
         let chunk_scan = gpu.function(&compiled.module, &names[1], smem.1)?;
         let chunk_scan_f32out = gpu.function(&compiled.module, &names[2], smem.1)?;
-        let passing = gpu.function(&compiled.module, "ssd_state_passing", 0)?;
+        let passing = gpu.function(
+            &compiled.module,
+            if tc.is_some() {
+                "ssd_state_passing_bf16"
+            } else {
+                "ssd_state_passing"
+            },
+            0,
+        )?;
         let n_chunks = s.seq_len.div_ceil(CHUNK);
         let state_elems = s.batch * s.heads * n_chunks * s.head_dim * s.state;
         let (f32_elems, bf16_elems) = match tc {
@@ -311,10 +306,9 @@ impl Ssd {
             None => (state_elems.max(1), 1),
         };
         let states = gpu.stream.alloc_zeros::<f32>(f32_elems)?;
-        let decay = gpu.stream.alloc_zeros::<f32>(match tc {
-            Some(_) => 1,
-            None => (s.batch * s.heads * n_chunks).max(1),
-        })?;
+        let decay = gpu
+            .stream
+            .alloc_zeros::<f32>((s.batch * s.heads * n_chunks).max(1))?;
         let states_bf16 = gpu.stream.alloc_zeros::<u16>(bf16_elems)?;
         let unused = gpu.stream.alloc_zeros::<f32>(1)?;
         Ok(Ssd {
@@ -334,7 +328,7 @@ impl Ssd {
         })
     }
 
-    /// Whether the kernels are version 3's tensor-core ones ([`tensor_core_shared_bytes`]:
+    /// Whether the kernels are version 4's tensor-core ones ([`tensor_core_shared_bytes`]:
     /// bf16 and a shape that fits), rather than the float32 CUDA-core kernels.
     pub fn uses_tensor_cores(&self) -> bool {
         self.tensor_cores
@@ -482,39 +476,48 @@ impl Ssd {
             &self.chunk_scan
         };
         if self.tensor_cores {
-            let n_split = tc_n_split(s.state) as i32;
             let mut l = gpu.stream.launch_builder(&self.chunk_state);
             l.arg(x)
                 .arg(dt)
                 .arg(a)
                 .arg(b)
-                .arg(initial_state.unwrap_or(&self.unused))
-                .arg(&has_initial)
                 .arg(&mut self.states_bf16)
-                .arg(&mut *final_state)
+                .arg(&mut self.decay)
                 .arg(&t_len)
                 .arg(&heads)
                 .arg(&groups)
                 .arg(&p)
-                .arg(&n)
-                .arg(&n_split);
-            let walk = LaunchConfig {
-                grid_dim: (
-                    (s.head_dim / TC_ROWS * tc_n_split(s.state)) as u32,
-                    s.heads as u32,
-                    s.batch as u32,
-                ),
-                block_dim: (TC_STATE_THREADS, 1, 1),
-                shared_mem_bytes: state_smem,
+                .arg(&n);
+            // SAFETY: ssd_chunk_states_tc(const u16* x, const float* dt, const float* A,
+            // const u16* Bm, u16* states, float* chunk_log_decay, int T_len, int heads,
+            // int groups, int P, int N): the lengths were checked above, the bf16 scratch holds
+            // B·H·n_chunks·P·N values and the decays B·H·n_chunks (sized in `new`); blocks
+            // (chunk, head, batch entry) with P a multiple of 16 and N of 32, both at most 128
+            // (`tensor_core_shared_bytes`).
+            unsafe { l.launch(cfg(state_smem, grid))? };
+            let pn = p * n;
+            let mut l = gpu.stream.launch_builder(&self.passing);
+            l.arg(&mut self.states_bf16)
+                .arg(&self.decay)
+                .arg(initial_state.unwrap_or(&self.unused))
+                .arg(&has_initial)
+                .arg(&mut *final_state)
+                .arg(&heads)
+                .arg(&chunks)
+                .arg(&pn);
+            let slices = (s.head_dim * s.state / 8).div_ceil(PASS_THREADS as usize) as u32;
+            // SAFETY: ssd_state_passing_bf16(u16* states, const float* chunk_log_decay,
+            // const float* initial_state, int has_initial, float* final_state, int heads,
+            // int n_chunks, int PN): blocks (slice, head, batch entry) of PASS_THREADS threads,
+            // each 8 of the P·N elements (a multiple of 8: N % 32 == 0), threads past P·N
+            // return; the initial state is read only when has_initial is 1.
+            unsafe {
+                l.launch(LaunchConfig {
+                    grid_dim: (slices, s.heads as u32, s.batch as u32),
+                    block_dim: (PASS_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                })?
             };
-            // SAFETY: ssd_states_tc(const u16* x, const float* dt, const float* A,
-            // const u16* Bm, const float* initial_state, int has_initial, u16* states,
-            // float* final_state, int T_len, int heads, int groups, int P, int N, int n_split):
-            // the lengths were checked above, the bf16 scratch holds B·H·n_chunks·P·N values
-            // (sized in `new`), the initial state is read only when has_initial is 1; blocks
-            // (16 rows of P times n_split column slices, head, batch entry) with P a multiple
-            // of 16 and N / n_split of 32 (`tensor_core_shared_bytes`, `tc_n_split`).
-            unsafe { l.launch(walk)? };
         } else {
             let mut l = gpu.stream.launch_builder(&self.chunk_state);
             l.arg(x)

@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 struct dim3 { unsigned x = 0, y = 0, z = 0; };
+// CUDA's 16-byte vector of four unsigned ints (16-byte loads and stores).
+struct alignas(16) uint4 { unsigned x, y, z, w; };
 thread_local dim3 threadIdx;
 dim3 blockIdx, gridDim, blockDim;
 std::barrier<>* g_bar = nullptr;

@@ -6,10 +6,10 @@
 // kernels' dynamic shared memory as the host computes it (tests/kernels_emulate.rs passes
 // src/sequence_mixers/cuda.rs's shared_bytes and tc_shared_bytes; the tensor-core sizes are 0
 // where the host would not take that path). The float32 kernels run on float32 inputs (error
-// bound 1e-5); where the tensor-core sizes are given, the bf16 kernels (version 3:
-// ssd_states_tc, chunk_scan_tc with a float32 y) run on the inputs rounded to bf16, against the
-// recurrence on those rounded values (bound 5e-3: Δ x, the masked C Bᵀ dt and the entering
-// state are rounded to bf16 inside), and the scan once more writing bf16 y (within 4e-3 of the float32 y). Prints one line per run, then ALL OK or FAILED.
+// bound 1e-5); where the tensor-core sizes are given, the bf16 kernels (version 4:
+// ssd_chunk_states_tc, ssd_state_passing_bf16, chunk_scan_tc with a float32 y) run on the inputs rounded to bf16, against the
+// recurrence on those rounded values (bound 5e-3: Δ x, the masked C Bᵀ dt, each chunk's own state and the
+// entering state are rounded to bf16 inside), and the scan once more writing bf16 y (within 4e-3 of the float32 y). Prints one line per run, then ALL OK or FAILED.
 #include "cuda_shim.h"
 #include <cstdio>
 #include <random>
@@ -45,12 +45,12 @@ int main(int argc, char** argv) {
                 for (size_t i = 0; i < x.size(); ++i) { xb[i] = bf16_of(x[i]); x[i] = ld(xb.data(), i); }
                 for (size_t i = 0; i < Bm.size(); ++i) { bb[i] = bf16_of(Bm[i]); Bm[i] = ld(bb.data(), i); }
                 for (size_t i = 0; i < Cm.size(); ++i) { cb[i] = bf16_of(Cm[i]); Cm[i] = ld(cb.data(), i); }
-                // Version 3: the states walk (blocks of 16 rows of P, 4 warps), then the chunk
-                // scan reading its bf16 states.
+                // Version 4: the chunks' own states (every chunk at once), their passing in
+                // bf16 (8 elements per thread), then the chunk scan reading the entering states.
                 std::vector<u16> st16(B*H*nc*P*N, 0xffff);
-                const int split = N % 64 == 0 ? 2 : 1;  // cuda.rs's tc_n_split
-                const dim3 walk{(unsigned)(P / SSD_TC_ROWS * split), (unsigned)H, (unsigned)B};
-                launch(walk, SSD_TC_STATE_THREADS, [&] { ssd_states_tc(xb.data(), dt.data(), A.data(), bb.data(), init.data(), 1, st16.data(), fin.data(), T, H, G, P, N, split); }, s.tc_state / 4);
+                launch(chunks, SSD_THREADS, [&] { ssd_chunk_states_tc(xb.data(), dt.data(), A.data(), bb.data(), st16.data(), cld.data(), T, H, G, P, N); }, s.tc_state / 4);
+                const dim3 groups{(unsigned)((P * N / 8 + SSD_PASS_THREADS - 1) / SSD_PASS_THREADS), (unsigned)H, (unsigned)B};
+                launch(groups, SSD_PASS_THREADS, [&] { ssd_state_passing_bf16(st16.data(), cld.data(), init.data(), 1, fin.data(), H, nc, P * N); }, 0);
                 launch(chunks, SSD_THREADS, [&] { chunk_scan_tc<float>(xb.data(), dt.data(), A.data(), bb.data(), cb.data(), D.data(), 1, st16.data(), y.data(), T, H, G, P, N); }, s.tc_scan / 4);
                 // The same scan writing bf16 y (ssd_chunk_scan_tc): within one bf16 rounding of
                 // the float32 y above.
