@@ -227,6 +227,8 @@ fn ssd_kernels_emulated_match_the_recurrence() {
         (1, 300, 2, 1, 64, 64),
         (1, 90, 1, 1, 128, 32),
         (1, 40, 2, 1, 16, 96),
+        // Ten chunks, two batch entries.
+        (2, 600, 2, 1, 64, 64),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, groups, head_dim, state)| {
@@ -246,9 +248,9 @@ fn ssd_kernels_emulated_match_the_recurrence() {
         )
     })
     .collect();
-    // Both paths ran where they should: 4 shapes without tensor-core sizes, 9 with.
+    // Both paths ran where they should: 4 shapes without tensor-core sizes, 10 with.
     let with_tc = cases.iter().filter(|c| !c.ends_with(",0,0")).count();
-    assert_eq!(with_tc, 9, "{cases:?}");
+    assert_eq!(with_tc, 10, "{cases:?}");
     emulated_kernel_runs_clean("ssd_check", &cases);
 }
 

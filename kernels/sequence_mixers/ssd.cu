@@ -387,13 +387,14 @@ ssd_state_passing_bf16(u16* __restrict__ states, const float* __restrict__ chunk
     for (int k = 0; k < 8; ++k) final_state[bh * PN + e + k] = run[k];
 }
 
-template <typename TY>
+template <typename TY, int PT = 0, int NT = 0>
 __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict__ dt,
                               const float* __restrict__ A, const u16* __restrict__ Bm,
                               const u16* __restrict__ Cm, const float* __restrict__ D, int has_d,
                               const u16* __restrict__ states, TY* __restrict__ y, int T_len,
-                              int heads, int groups, int P, int N) {
+                              int heads, int groups, int P_arg, int N_arg) {
     extern __shared__ float smem[];
+    const int P = PT > 0 ? PT : P_arg, N = NT > 0 ? NT : N_arg;
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int n_chunks = gridDim.x;
     const int g = h / (heads / groups);
@@ -483,16 +484,28 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
     }
 }
 
-// Kernel B's entry points (bf16 inputs; y as bf16 or float32).
-extern "C" __global__ void __launch_bounds__(SSD_THREADS)
-ssd_chunk_scan_tc(const u16* x, const float* dt, const float* A, const u16* Bm, const u16* Cm,
-                  const float* D, int has_d, const u16* states, u16* y, int T_len, int heads,
-                  int groups, int P, int N) {
-    chunk_scan_tc<u16>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);
-}
-extern "C" __global__ void __launch_bounds__(SSD_THREADS)
-ssd_chunk_scan_tc_f32out(const u16* x, const float* dt, const float* A, const u16* Bm,
-                         const u16* Cm, const float* D, int has_d, const u16* states, float* y,
-                         int T_len, int heads, int groups, int P, int N) {
-    chunk_scan_tc<float>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);
-}
+// Kernel B's entry points (bf16 inputs; y as bf16 or float32), compiled for any P and N the
+// tensor-core path takes (PT = NT = 0: the sizes read from the arguments) and again with the
+// grid's sizes as constants (P = N = 64 and P = N = 128, suffixes _p64n64 and _p128n128: the
+// index arithmetic folds, the loops unroll); the host picks by shape
+// (src/sequence_mixers/cuda.rs, `tc_suffix`) and passes P and N to both. (Kernel A1 compiled
+// the same way spilled at P = N = 128: it stays generic.)
+#define SSD_SCAN_TC(SUFFIX, PT, NT)                                                            \
+    extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
+    ssd_chunk_scan_tc##SUFFIX(const u16* x, const float* dt, const float* A, const u16* Bm,   \
+                              const u16* Cm, const float* D, int has_d, const u16* states,     \
+                              u16* y, int T_len, int heads, int groups, int P, int N) {        \
+        chunk_scan_tc<u16, PT, NT>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads,       \
+                                   groups, P, N);                                              \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
+    ssd_chunk_scan_tc_f32out##SUFFIX(const u16* x, const float* dt, const float* A,           \
+                                     const u16* Bm, const u16* Cm, const float* D, int has_d,  \
+                                     const u16* states, float* y, int T_len, int heads,        \
+                                     int groups, int P, int N) {                               \
+        chunk_scan_tc<float, PT, NT>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads,     \
+                                     groups, P, N);                                            \
+    }
+SSD_SCAN_TC(, 0, 0)
+SSD_SCAN_TC(_p64n64, 64, 64)
+SSD_SCAN_TC(_p128n128, 128, 128)

@@ -68,16 +68,25 @@ pub fn entry_points() -> Vec<String> {
         v.push(format!("ssd_chunk_scan_{}", d.tag()));
     }
     v.push("ssd_chunk_scan_bf16_f32out".to_string());
-    v.extend(
-        [
-            "ssd_chunk_states_tc",
-            "ssd_state_passing_bf16",
-            "ssd_chunk_scan_tc",
-            "ssd_chunk_scan_tc_f32out",
-        ]
-        .map(String::from),
-    );
+    v.push("ssd_chunk_states_tc".to_string());
+    v.push("ssd_state_passing_bf16".to_string());
+    for suffix in ["", "_p64n64", "_p128n128"] {
+        for kernel in ["ssd_chunk_scan_tc", "ssd_chunk_scan_tc_f32out"] {
+            v.push(format!("{kernel}{suffix}"));
+        }
+    }
     v
+}
+
+/// The suffix of the tensor-core chunk scans compiled with `shape`'s head_dim P and state N as
+/// constants (`_p64n64`, `_p128n128`: the grid's sizes), or "" for the generic ones that read
+/// them from their arguments.
+pub fn tc_suffix(shape: SsdShape) -> &'static str {
+    match (shape.head_dim, shape.state) {
+        (64, 64) => "_p64n64",
+        (128, 128) => "_p128n128",
+        _ => "",
+    }
 }
 
 /// Dynamic shared memory of the chunk-state and chunk-scan kernels for `shape`, bytes:
@@ -269,8 +278,8 @@ impl Ssd {
             Some(sizes) => (
                 [
                     "ssd_chunk_states_tc".to_string(),
-                    "ssd_chunk_scan_tc".to_string(),
-                    "ssd_chunk_scan_tc_f32out".to_string(),
+                    format!("ssd_chunk_scan_tc{}", tc_suffix(s)),
+                    format!("ssd_chunk_scan_tc_f32out{}", tc_suffix(s)),
                 ],
                 sizes,
             ),
@@ -578,8 +587,8 @@ impl Ssd {
         // SAFETY: ssd_chunk_scan_<t>(const T* x, const float* dt, const float* A, const T* Bm,
         // const T* Cm, const float* D, int has_d, const float* states, T* y, int T_len,
         // int heads, int groups, int P, int N), or ssd_chunk_scan_bf16_f32out, the same with
-        // float* y; on the tensor-core path ssd_chunk_scan_tc(_f32out), the same with
-        // const u16* states (the element sizes of T and Y were checked against the function
+        // float* y; on the tensor-core path ssd_chunk_scan_tc(_f32out)[tc_suffix], the same
+        // with const u16* states, P and N the constants of the suffix (the element sizes of T and Y were checked against the function
         // above): the checked buffers, the states written by the launches before; D is read
         // only when has_d is 1 and then holds H floats; each block writes the rows of its chunk.
         unsafe { l.launch(cfg(scan_smem, grid))? };
@@ -610,13 +619,13 @@ mod tests {
         // head_dim 128 with state 128, the grid's largest, fits.
         let big = SsdShape { head_dim: 128, ..s };
         assert!(shared_bytes(big).1 <= MAX_SHARED);
-        // The tensor-core kernels: 4 stages of 64 floats and 64 rows of 24 + 72 halves (the
-        // columns in two blocks); 128
-        // floats and rows of 136, 136, 136 (x), 136 (the state) and 72 halves.
+        // The tensor-core kernels: 64 floats and 64 rows of 136 + 136 halves (x and B, then
+        // the 128 rows of the state of 136); 128 floats and rows of 136, 136,
+        // 136 (x), 136 (the state) and 72 halves.
         assert_eq!(
             tensor_core_shared_bytes(big),
             Some((
-                (4 * 64 * 4 + 4 * 64 * (24 + 72) * 2) as u32,
+                (64 * 4 + 64 * (136 + 136) * 2) as u32,
                 (128 * 4 + (128 * 136 + 64 * 136 + 128 * 136 + 64 * 72) * 2) as u32
             ))
         );
@@ -634,12 +643,22 @@ mod tests {
     #[test]
     fn entry_points_are_named_once() {
         let e = entry_points();
-        assert_eq!(e.len(), 9);
+        assert_eq!(e.len(), 14);
         for name in &e {
+            // The chunk scans with constant sizes come from one macro line per suffix.
+            let sized = ["_p64n64", "_p128n128"]
+                .into_iter()
+                .find_map(|x| name.strip_suffix(x).map(|base| (base, x)));
+            let (base, suffix) = match sized {
+                Some((base, x)) => (base, format!("SSD_SCAN_TC({x},")),
+                None => (name.as_str(), String::new()),
+            };
             assert!(
-                SSD_SRC.contains(name.trim_end_matches("_f32").trim_end_matches("_bf16")),
+                SSD_SRC.contains(base.trim_end_matches("_f32").trim_end_matches("_bf16")),
                 "{name}"
             );
+            assert!(SSD_SRC.contains(&suffix), "{name}");
         }
+        assert!(SSD_SRC.contains(&format!("#define SSD_PASS_THREADS {PASS_THREADS}")));
     }
 }

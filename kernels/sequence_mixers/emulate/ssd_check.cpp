@@ -48,14 +48,19 @@ int main(int argc, char** argv) {
                 // Version 4: the chunks' own states (every chunk at once), their passing in
                 // bf16 (8 elements per thread), then the chunk scan reading the entering states.
                 std::vector<u16> st16(B*H*nc*P*N, 0xffff);
+                // The host's choice (cuda.rs, tc_suffix): the scan with P and N as constants for the
+                // grid's sizes.
+                const bool p64 = P == 64 && N == 64, p128 = P == 128 && N == 128;
+                auto scan_f32 = p64 ? ssd_chunk_scan_tc_f32out_p64n64 : p128 ? ssd_chunk_scan_tc_f32out_p128n128 : ssd_chunk_scan_tc_f32out;
+                auto scan_bf16 = p64 ? ssd_chunk_scan_tc_p64n64 : p128 ? ssd_chunk_scan_tc_p128n128 : ssd_chunk_scan_tc;
                 launch(chunks, SSD_THREADS, [&] { ssd_chunk_states_tc(xb.data(), dt.data(), A.data(), bb.data(), st16.data(), cld.data(), T, H, G, P, N); }, s.tc_state / 4);
                 const dim3 groups{(unsigned)((P * N / 8 + SSD_PASS_THREADS - 1) / SSD_PASS_THREADS), (unsigned)H, (unsigned)B};
                 launch(groups, SSD_PASS_THREADS, [&] { ssd_state_passing_bf16(st16.data(), cld.data(), init.data(), 1, fin.data(), H, nc, P * N); }, 0);
-                launch(chunks, SSD_THREADS, [&] { chunk_scan_tc<float>(xb.data(), dt.data(), A.data(), bb.data(), cb.data(), D.data(), 1, st16.data(), y.data(), T, H, G, P, N); }, s.tc_scan / 4);
+                launch(chunks, SSD_THREADS, [&] { scan_f32(xb.data(), dt.data(), A.data(), bb.data(), cb.data(), D.data(), 1, st16.data(), y.data(), T, H, G, P, N); }, s.tc_scan / 4);
                 // The same scan writing bf16 y (ssd_chunk_scan_tc): within one bf16 rounding of
                 // the float32 y above.
                 std::vector<u16> yb(y.size(), 0xffff);
-                launch(chunks, SSD_THREADS, [&] { chunk_scan_tc<u16>(xb.data(), dt.data(), A.data(), bb.data(), cb.data(), D.data(), 1, st16.data(), yb.data(), T, H, G, P, N); }, s.tc_scan / 4);
+                launch(chunks, SSD_THREADS, [&] { scan_bf16(xb.data(), dt.data(), A.data(), bb.data(), cb.data(), D.data(), 1, st16.data(), yb.data(), T, H, G, P, N); }, s.tc_scan / 4);
                 double bnum = 0, bden = 0;
                 for (size_t i = 0; i < y.size(); ++i) { double got = ld(yb.data(), i), want = y[i]; bnum += (got-want)*(got-want); bden += want*want; if (!std::isfinite(got)) bnum = INFINITY; }
                 const double eb = std::sqrt(bnum / bden);
