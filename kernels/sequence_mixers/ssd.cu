@@ -223,12 +223,13 @@ ssd_chunk_scan_bf16_f32out(const u16* x, const float* dt, const float* A, const 
 // 128 (the host checks; other shapes take the float32 kernels).
 //
 // A1. ssd_chunk_states_tc: a block of 8 warps per (chunk, head, batch entry), every chunk at
-//     once: the chunk's x and B rows and dt by cp.async, the cumulative log decays by one warp
-//     (warp_pair_scan; the chunk's total into `chunk_log_decay`), x's rows scaled in place by
-//     their steps' weights exp(cs_last - cs_j) dt_j, then the chunk's own state
-//     S_c = (decayed Δ x)ᵀ B (P × N, float32 in the warps' accumulators: warp w a 16-row tile of
-//     P and 1 / (8 / (P / 16)) of N), rounded to bf16 and staged in shared memory over the x
-//     and B rows, then written out with 16-byte stores.
+//     once: the chunk's x and B rows and dt by cp.async, the cumulative log decays by every
+//     warp for itself (warp_pair_scan; the chunk's total into `chunk_log_decay`), then the
+//     chunk's own state S_c = (decayed Δ x)ᵀ B (P × N, float32 in the warps' accumulators: warp
+//     w a 16-row tile of P and 1 / (8 / (P / 16)) of N), the steps' weights
+//     exp(cs_last - cs_j) dt_j applied to x's fragments as they come out of ldmatrix (version
+//     4.2; 4 scaled x's rows in shared memory first, with two more barriers), rounded to bf16
+//     and staged in shared memory over the x and B rows, then written out with 16-byte stores.
 // A2. ssd_state_passing_bf16: the walk over the chunks in order, each thread 8 adjacent elements
 //     of one (batch entry, head)'s state in float32 registers: it writes the state entering
 //     chunk c over S_c (bf16, what kernel B reads) and carries exp(cs_last_c) S + S_c on. The
@@ -263,45 +264,47 @@ ssd_chunk_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
     const long long bh = (long long)b * heads + h;
     const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
     const int PS = P + 8, NS = N + 8;
-    float* w = smem;                                  // [L]: dt, then the steps' weights
-    u16* xs = reinterpret_cast<u16*>(w + SSD_CHUNK);  // [L][PS]: x, then scaled
+    float* d = smem;                                  // [L]: dt
+    u16* xs = reinterpret_cast<u16*>(d + SSD_CHUNK);  // [L][PS]: x
     u16* bs = xs + SSD_CHUNK * PS;                    // [L][NS]: B
     u16* out = xs;                                    // [P][NS]: S_c, after the product
     const int pp = P / 8, pn = N / 8;
-    for (int e = threadIdx.x; e < SSD_CHUNK * pp; e += SSD_THREADS) {
-        const int i = e / pp, q = (e % pp) * 8;
-        const bool ok = i < l;
-        cp_async16(xs + i * PS + q, x + ((t0 + (ok ? i : 0)) * heads + h) * P + q, ok);
+    {
+        // One division per thread: thread t copies 16-byte piece t % pp of rows t / pp,
+        // t / pp + 256 / pp, ... (the threads past the last whole row of pieces idle).
+        const int step = SSD_THREADS / pp, r = threadIdx.x / pp, q = (threadIdx.x % pp) * 8;
+        if (r < step)
+            for (int i = r; i < SSD_CHUNK; i += step) {
+                const bool ok = i < l;
+                cp_async16(xs + i * PS + q, x + ((t0 + (ok ? i : 0)) * heads + h) * P + q, ok);
+            }
     }
-    for (int e = threadIdx.x; e < SSD_CHUNK * pn; e += SSD_THREADS) {
-        const int i = e / pn, q = (e % pn) * 8;
-        const bool ok = i < l;
-        cp_async16(bs + i * NS + q, Bm + ((t0 + (ok ? i : 0)) * groups + g) * N + q, ok);
+    {
+        const int step = SSD_THREADS / pn, r = threadIdx.x / pn, q = (threadIdx.x % pn) * 8;
+        if (r < step)
+            for (int i = r; i < SSD_CHUNK; i += step) {
+                const bool ok = i < l;
+                cp_async16(bs + i * NS + q, Bm + ((t0 + (ok ? i : 0)) * groups + g) * N + q, ok);
+            }
     }
     for (int i = threadIdx.x; i < SSD_CHUNK; i += SSD_THREADS)
-        cp_async4(w + i, dt + (t0 + (i < l ? i : 0)) * heads + h, i < l);
+        cp_async4(d + i, dt + (t0 + (i < l ? i : 0)) * heads + h, i < l);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
-    if (warp == 0) {
-        // Lane m: steps 2m and 2m + 1 (dt zero past a short chunk, so their weights are 0 and
-        // the last cumulative decay is the chunk's total). Each lane rewrites its own two.
-        const float a_h = A[h], d0 = w[2 * lane], d1 = w[2 * lane + 1];
+    // Every warp scans the chunk's log decays itself (no barrier): lane m holds steps 2m and
+    // 2m + 1 and their weights exp(cs_last - cs_j) dt_j (dt zero past a short chunk, so their
+    // weights are 0 and the last cumulative decay is the chunk's total).
+    float w0, w1;
+    {
+        const float a_h = A[h], d0 = d[2 * lane], d1 = d[2 * lane + 1];
         float s0, s1;
         const float last = warp_pair_scan(d0 * a_h, d1 * a_h, s0, s1);
-        w[2 * lane] = __expf(last - s0) * d0;
-        w[2 * lane + 1] = __expf(last - s1) * d1;
-        if (lane == 0) chunk_log_decay[bh * n_chunks + c] = last;
+        w0 = __expf(last - s0) * d0;
+        w1 = __expf(last - s1) * d1;
+        if (threadIdx.x == 0) chunk_log_decay[bh * n_chunks + c] = last;
     }
-    __syncthreads();
-    const int half_p = P / 2;
-    for (int e = threadIdx.x; e < SSD_CHUNK * half_p; e += SSD_THREADS) {
-        const int j = e / half_p, q = (e % half_p) * 2;
-        u32* v = reinterpret_cast<u32*>(xs + j * PS + q);
-        *v = scale_pair(*v, w[j], w[j]);
-    }
-    __syncthreads();
     // Warp w: rows r0 .. r0 + 15 of P and `tiles` 8-column tiles of N from n0.
     const int row_tiles = P / 16, per_row = SSD_THREADS / 32 / row_tiles;
     const int r0 = (warp % row_tiles) * 16, part = warp / row_tiles;
@@ -311,10 +314,21 @@ ssd_chunk_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
     if (tiles > 0) {
 #pragma unroll
         for (int ks = 0; ks < SSD_CHUNK / 16; ++ks) {
-            // A = (decayed Δ x)ᵀ: rows p, steps k; x's rows are steps, so ldmatrix.trans.
+            // A = (decayed Δ x)ᵀ: rows p, steps k; x's rows are steps, so ldmatrix.trans:
+            // registers 0 and 1 hold steps 16 ks + 2 ti and + 1, registers 2 and 3 the same
+            // plus 8, each scaled here by its steps' weights (lanes 8 ks + ti and + 4 hold
+            // them) and rounded to bf16 once, as x's value times its weight.
             u32 af[4];
             const int mi = lane / 8;
             ldsm_x4_t(af, xs + (ks * 16 + lane % 8 + (mi >= 2 ? 8 : 0)) * PS + r0 + (mi & 1) * 8);
+            const float wa0 = __shfl_sync(FULL_MASK, w0, ks * 8 + ti);
+            const float wa1 = __shfl_sync(FULL_MASK, w1, ks * 8 + ti);
+            const float wb0 = __shfl_sync(FULL_MASK, w0, ks * 8 + 4 + ti);
+            const float wb1 = __shfl_sync(FULL_MASK, w1, ks * 8 + 4 + ti);
+            af[0] = scale_pair(af[0], wa0, wa1);
+            af[1] = scale_pair(af[1], wa0, wa1);
+            af[2] = scale_pair(af[2], wb0, wb1);
+            af[3] = scale_pair(af[3], wb0, wb1);
             mma_k_block<SSD_TC_STATE_TILES>(acc, af, bs, NS, ks, n0, tiles);
         }
     }
@@ -329,9 +343,11 @@ ssd_chunk_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
     }
     __syncthreads();
     u16* dst = states + (bh * n_chunks + c) * P * N;
-    for (int e = threadIdx.x; e < P * pn; e += SSD_THREADS) {
-        const int r = e / pn, q = (e % pn) * 8;
-        *reinterpret_cast<uint4*>(dst + r * N + q) = *reinterpret_cast<const uint4*>(out + r * NS + q);
+    {
+        const int step = SSD_THREADS / pn, r = threadIdx.x / pn, q = (threadIdx.x % pn) * 8;
+        if (r < step)
+            for (int i = r; i < P; i += step)
+                *reinterpret_cast<uint4*>(dst + i * N + q) = *reinterpret_cast<const uint4*>(out + i * NS + q);
     }
 }
 
