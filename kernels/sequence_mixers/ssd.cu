@@ -240,8 +240,9 @@ ssd_chunk_scan_bf16_f32out(const u16* x, const float* dt, const float* A, const 
 // 4 warps at P = N = 128: bound by its per-chunk instructions and barriers, 0.49 ms at T16384;
 // kernels/TUNING-sequence-mixers.md.)
 // B. ssd_chunk_scan_tc (and _f32out): a block of 8 warps per (chunk, head, batch entry), as
-//    version 2: M = (C Bᵀ) masked to j <= i < l and scaled by exp(cs_i - cs_j) dt_j (bf16 in
-//    shared memory), then Y = M x + exp(cs_i) C S_inᵀ + D x, each warp 16 rows and half of the
+//    version 2 (C, B and dt loaded first, x and the entering state in a second cp.async group
+//    that lands during M's product: version 4.3): M = (C Bᵀ) masked to j <= i < l and scaled
+//    by exp(cs_i - cs_j) dt_j (bf16 in shared memory), then Y = M x + exp(cs_i) C S_inᵀ + D x, each warp 16 rows and half of the
 //    P columns (the M product over the 16-step blocks at or left of the diagonal only).
 // Shared rows are padded by 8 halves so that the 8 rows of an ldmatrix or fragment load fall
 // in distinct banks. Dynamic shared memory, bytes (the host computes both:
@@ -352,11 +353,13 @@ ssd_chunk_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
 }
 
 // The entering states from the chunks' own (A2 above): blocks (slice of P·N / 8 groups of 8
-// elements, head, batch entry), SSD_PASS_THREADS threads; PN = P·N, a multiple of 8.
+// elements, head, batch entry), SSD_PASS_THREADS threads; P·N a multiple of 8. The arguments
+// are ssd_state_passing's, with bf16 states.
 extern "C" __global__ void __launch_bounds__(SSD_PASS_THREADS)
 ssd_state_passing_bf16(u16* __restrict__ states, const float* __restrict__ chunk_log_decay,
                        const float* __restrict__ initial_state, int has_initial,
-                       float* __restrict__ final_state, int heads, int n_chunks, int PN) {
+                       float* __restrict__ final_state, int heads, int n_chunks, int P, int N) {
+    const int PN = P * N;
     const int h = blockIdx.y, b = blockIdx.z;
     const long long bh = (long long)b * heads + h;
     const int e = (blockIdx.x * SSD_PASS_THREADS + threadIdx.x) * 8;
@@ -432,6 +435,10 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
         cp_async16(cm + i * NS + q, Cm + at, ok);
         cp_async16(bm + i * NS + q, Bm + at, ok);
     }
+    for (int i = threadIdx.x; i < SSD_CHUNK; i += SSD_THREADS)
+        cp_async4(dts + i, dt + (t0 + (i < l ? i : 0)) * heads + h, i < l);
+    cp_async_commit();
+    // x and the entering state in a second group, still in flight during M's product.
     for (int e = threadIdx.x; e < SSD_CHUNK * pp; e += SSD_THREADS) {
         const int i = e / pp, q = (e % pp) * 8;
         const bool ok = i < l;
@@ -442,10 +449,8 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
         const int r = e / pn, q = (e % pn) * 8;
         cp_async16(s_in + r * NS + q, src + r * N + q, true);
     }
-    for (int i = threadIdx.x; i < SSD_CHUNK; i += SSD_THREADS)
-        cp_async4(dts + i, dt + (t0 + (i < l ? i : 0)) * heads + h, i < l);
     cp_async_commit();
-    cp_async_wait<0>();
+    cp_async_wait<1>();
     __syncthreads();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
     if (warp == 0) {
@@ -472,6 +477,7 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
                 *reinterpret_cast<u32*>(m + i * LS + j) = pack_bf16(v0, v1);
             }
     }
+    cp_async_wait<0>();
     __syncthreads();
     const int tiles = P / 16, p0 = (warp / 4) * (P / 2);
     float diag[SSD_TC_MAX_TILES][4] = {}, off[SSD_TC_MAX_TILES][4] = {};
@@ -483,6 +489,8 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
     }
     mma_rows<SSD_TC_MAX_TILES>(off, cm, NS, r0, s_in, NS, p0, N / 16, tiles);
     const float skip = has_d ? D[h] : 0.f;
+    // The decays of the lane's two rows, once rather than per tile.
+    const float decays[2] = {__expf(cum[r0 + gi]), __expf(cum[r0 + gi + 8])};
 #pragma unroll
     for (int nt = 0; nt < SSD_TC_MAX_TILES; ++nt) {
         if (nt >= tiles) continue;
@@ -490,7 +498,7 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
         for (int half = 0; half < 2; ++half) {
             const int i = r0 + gi + 8 * half, p = p0 + nt * 8 + 2 * ti;
             if (i < l) {
-                const float decay = __expf(cum[i]);
+                const float decay = decays[half];
                 const u32 xv = ld2(xs, i, PS, p);
                 const float y0 = diag[nt][2 * half] + decay * off[nt][2 * half] + skip * __uint_as_float(xv << 16);
                 const float y1 = diag[nt][2 * half + 1] + decay * off[nt][2 * half + 1] + skip * __uint_as_float(xv & 0xffff0000u);

@@ -484,86 +484,63 @@ impl Ssd {
         } else {
             &self.chunk_scan
         };
+        // The chunks' own states (float32, or bf16 on the tensor-core path) and their decays,
+        // then the states passed from chunk to chunk in place.
+        let mut l = gpu.stream.launch_builder(&self.chunk_state);
+        l.arg(x).arg(dt).arg(a).arg(b);
         if self.tensor_cores {
-            let mut l = gpu.stream.launch_builder(&self.chunk_state);
-            l.arg(x)
-                .arg(dt)
-                .arg(a)
-                .arg(b)
-                .arg(&mut self.states_bf16)
-                .arg(&mut self.decay)
-                .arg(&t_len)
-                .arg(&heads)
-                .arg(&groups)
-                .arg(&p)
-                .arg(&n);
-            // SAFETY: ssd_chunk_states_tc(const u16* x, const float* dt, const float* A,
-            // const u16* Bm, u16* states, float* chunk_log_decay, int T_len, int heads,
-            // int groups, int P, int N): the lengths were checked above, the bf16 scratch holds
-            // B·H·n_chunks·P·N values and the decays B·H·n_chunks (sized in `new`); blocks
-            // (chunk, head, batch entry) with P a multiple of 16 and N of 32, both at most 128
-            // (`tensor_core_shared_bytes`).
-            unsafe { l.launch(cfg(state_smem, grid))? };
-            let pn = p * n;
-            let mut l = gpu.stream.launch_builder(&self.passing);
-            l.arg(&mut self.states_bf16)
-                .arg(&self.decay)
-                .arg(initial_state.unwrap_or(&self.unused))
-                .arg(&has_initial)
-                .arg(&mut *final_state)
-                .arg(&heads)
-                .arg(&chunks)
-                .arg(&pn);
-            let slices = (s.head_dim * s.state / 8).div_ceil(PASS_THREADS as usize) as u32;
-            // SAFETY: ssd_state_passing_bf16(u16* states, const float* chunk_log_decay,
-            // const float* initial_state, int has_initial, float* final_state, int heads,
-            // int n_chunks, int PN): blocks (slice, head, batch entry) of PASS_THREADS threads,
-            // each 8 of the P·N elements (a multiple of 8: N % 32 == 0), threads past P·N
-            // return; the initial state is read only when has_initial is 1.
-            unsafe {
-                l.launch(LaunchConfig {
-                    grid_dim: (slices, s.heads as u32, s.batch as u32),
-                    block_dim: (PASS_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                })?
-            };
+            l.arg(&mut self.states_bf16);
         } else {
-            let mut l = gpu.stream.launch_builder(&self.chunk_state);
-            l.arg(x)
-                .arg(dt)
-                .arg(a)
-                .arg(b)
-                .arg(&mut self.states)
-                .arg(&mut self.decay)
-                .arg(&t_len)
-                .arg(&heads)
-                .arg(&groups)
-                .arg(&p)
-                .arg(&n);
-            // SAFETY: ssd_chunk_state_<t>(const T* x, const float* dt, const float* A, const T* Bm,
-            // float* states, float* chunk_log_decay, int T_len, int heads, int groups, int P,
-            // int N); the lengths were checked above and the scratch was sized for this shape in
-            // `new`; the kernel reads chunk rows below T only and writes its (chunk, head, batch)
-            // slice of the scratch.
-            unsafe { l.launch(cfg(state_smem, grid))? };
-            let mut l = gpu.stream.launch_builder(&self.passing);
-            l.arg(&mut self.states)
-                .arg(&self.decay)
-                .arg(initial_state.unwrap_or(&self.unused))
-                .arg(&has_initial)
-                .arg(&mut *final_state)
-                .arg(&heads)
-                .arg(&chunks)
-                .arg(&p)
-                .arg(&n);
-            let slices = (s.head_dim * s.state).div_ceil(THREADS as usize) as u32;
-            // SAFETY: ssd_state_passing(float* states, const float* chunk_log_decay,
-            // const float* initial_state, int has_initial, float* final_state, int heads,
-            // int n_chunks, int P, int N): blocks (head, batch entry, slice), ⌈P·N / 256⌉ slices
-            // covering the P·N elements once, over the checked buffers; the initial state is read
-            // only when has_initial is 1, and then holds B·H·P·N floats.
-            unsafe { l.launch(cfg(0, (s.heads as u32, s.batch as u32, slices)))? };
+            l.arg(&mut self.states);
         }
+        l.arg(&mut self.decay)
+            .arg(&t_len)
+            .arg(&heads)
+            .arg(&groups)
+            .arg(&p)
+            .arg(&n);
+        // SAFETY: ssd_chunk_state_<t>(const T* x, const float* dt, const float* A, const T* Bm,
+        // float* states, float* chunk_log_decay, int T_len, int heads, int groups, int P,
+        // int N), or on the tensor-core path ssd_chunk_states_tc, the same with u16 x, Bm and
+        // states: the lengths were checked above and the scratch (B·H·n_chunks·P·N states of
+        // the path's type, B·H·n_chunks decays) sized for this shape in `new`; blocks (chunk,
+        // head, batch entry) read chunk rows below T only and write their own slices; the
+        // tensor-core kernel takes P a multiple of 16 and N of 32, both at most 128
+        // (`tensor_core_shared_bytes`).
+        unsafe { l.launch(cfg(state_smem, grid))? };
+        let mut l = gpu.stream.launch_builder(&self.passing);
+        if self.tensor_cores {
+            l.arg(&mut self.states_bf16);
+        } else {
+            l.arg(&mut self.states);
+        }
+        l.arg(&self.decay)
+            .arg(initial_state.unwrap_or(&self.unused))
+            .arg(&has_initial)
+            .arg(&mut *final_state)
+            .arg(&heads)
+            .arg(&chunks)
+            .arg(&p)
+            .arg(&n);
+        let passing = if self.tensor_cores {
+            let slices = (s.head_dim * s.state / 8).div_ceil(PASS_THREADS as usize) as u32;
+            LaunchConfig {
+                grid_dim: (slices, s.heads as u32, s.batch as u32),
+                block_dim: (PASS_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            }
+        } else {
+            let slices = (s.head_dim * s.state).div_ceil(THREADS as usize) as u32;
+            cfg(0, (s.heads as u32, s.batch as u32, slices))
+        };
+        // SAFETY: ssd_state_passing(float* states, const float* chunk_log_decay,
+        // const float* initial_state, int has_initial, float* final_state, int heads,
+        // int n_chunks, int P, int N): blocks (head, batch entry, slice), ⌈P·N / 256⌉ slices
+        // covering the P·N elements once; or ssd_state_passing_bf16, the same with u16 states:
+        // blocks (slice, head, batch entry) of PASS_THREADS threads, each 8 of the P·N elements
+        // (a multiple of 8: N % 32 == 0), threads past P·N return. Over the checked buffers;
+        // the initial state is read only when has_initial is 1, and then holds B·H·P·N floats.
+        unsafe { l.launch(passing)? };
         let mut l = gpu.stream.launch_builder(scan);
         l.arg(x)
             .arg(dt)

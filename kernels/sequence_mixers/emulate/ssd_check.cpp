@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
                 auto scan_bf16 = p64 ? ssd_chunk_scan_tc_p64n64 : p128 ? ssd_chunk_scan_tc_p128n128 : ssd_chunk_scan_tc;
                 launch(chunks, SSD_THREADS, [&] { ssd_chunk_states_tc(xb.data(), dt.data(), A.data(), bb.data(), st16.data(), cld.data(), T, H, G, P, N); }, s.tc_state / 4);
                 const dim3 groups{(unsigned)((P * N / 8 + SSD_PASS_THREADS - 1) / SSD_PASS_THREADS), (unsigned)H, (unsigned)B};
-                launch(groups, SSD_PASS_THREADS, [&] { ssd_state_passing_bf16(st16.data(), cld.data(), init.data(), 1, fin.data(), H, nc, P * N); }, 0);
+                launch(groups, SSD_PASS_THREADS, [&] { ssd_state_passing_bf16(st16.data(), cld.data(), init.data(), 1, fin.data(), H, nc, P, N); }, 0);
                 launch(chunks, SSD_THREADS, [&] { scan_f32(xb.data(), dt.data(), A.data(), bb.data(), cb.data(), D.data(), 1, st16.data(), y.data(), T, H, G, P, N); }, s.tc_scan / 4);
                 // The same scan writing bf16 y (ssd_chunk_scan_tc): within one bf16 rounding of
                 // the float32 y above.
