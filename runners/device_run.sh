@@ -23,7 +23,7 @@
 #                                                 # sequence_mixers_TAG.log; KP_MIXERS_LIMIT_S
 #                                                 # caps the step, default 540 s)
 #   bash .carry/device_run.sh mixers_rerun OUTDIR PART  # the whole sequence-mixer grid at
-#                                                 # one commit, part 1 to 5 of five calls
+#                                                 # one commit, part 1 to 6 of six calls
 #                                                 # (the README's run plan)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
@@ -152,8 +152,8 @@ mixers_grid)
     "$bin/sequence_mixers" "${compare[@]}" "${shard[@]}" "${filter[@]}" --output "$out/gpu_sequence_mixers${tag:+_$tag}.json"
   ;;
 mixers_rerun)
-  # The whole sequence-mixer grid at one commit in five calls of at most 560 s (the README's
-  # run plan): part 1 to 5 (the third argument). Each piece is one --filter, its document
+  # The whole sequence-mixer grid at one commit in six calls of at most 560 s (the README's
+  # run plan): part 1 to 6 (the third argument). Each piece is one --filter, its document
   # gpu_sequence_mixers_TAG.json and log sequence_mixers_TAG.log in OUTDIR. Expected times
   # (H200): from the run at 8c04704, plus SSD's fwd+bwd rows measured at 6712000 (cuda 15 s
   # a row at 16,384, 20-60 s at 65,536, mostly the float64 backward reference on the host).
@@ -163,16 +163,16 @@ mixers_rerun)
     step "sequence_mixers $1" "$2" "$out/sequence_mixers_$1.log" "$bin/sequence_mixers" \
       "${compare[@]}" --filter "$4" --output "$out/gpu_sequence_mixers_$1.json"
   }
-  case ${3:?part 1 to 5} in
+  case ${3:?part 1 to 6} in
   1)
     # about 206 s forward + 4 fwd+bwd cases with torch and fla (not yet timed: ~180 s), 75 s
     piece t16384_ssd 420 torch,fla 'seq_len=16384,mixer=ssd'
     piece t16384_selective_scan 110 torch,fla 'seq_len=16384,mixer=selective_scan'
     ;;
   2)
-    # about 212 and 227 s
-    piece t16384_gated_delta 270 torch,fla 'seq_len=16384,mixer=gated_delta'
-    piece t16384_based 260 torch,fla 'seq_len=16384,mixer=based'
+    # the forward rows: about 212 and 227 s at 8c04704
+    piece t16384_gated_delta 270 torch,fla 'seq_len=16384,mixer=gated_delta,pass=fwd'
+    piece t16384_based 260 torch,fla 'seq_len=16384,mixer=based,pass=fwd'
     ;;
   3)
     # about 31 + 20, 56 + 25 and 57 + 160 s
@@ -187,10 +187,20 @@ mixers_rerun)
     piece t65536_selective_scan 370 '' 'seq_len=65536,mixer=selective_scan'
     ;;
   5)
-    # about 121 s
-    piece t65536_gated_delta 230 '' 'seq_len=65536,mixer=gated_delta'
+    # about 121 s for the forward rows at 76114f2; the fwd+bwd rows (newer) not yet timed at
+    # this length (23 s a row at 16,384 with the kernels alone, most of it the float64
+    # backward reference on the host)
+    piece t65536_gated_delta 400 '' 'seq_len=65536,mixer=gated_delta'
     ;;
-  *) echo "mixers_rerun: part 1 to 5, not $3"; exit 2 ;;
+  6)
+    # the fwd+bwd rows of the gated delta rule and Based at 16,384: the kernels' rows about
+    # 23 s and 10 s each (the probes at 4a1c2e8 and 65fe0b1), flash-linear-attention's gated
+    # backward refused at once (#640), its Based fwd+bwd rows autotuning over a minute each,
+    # PyTorch's step loop for the gated delta rule likely its case time limit
+    piece t16384_gated_delta_bwd 270 torch,fla 'seq_len=16384,mixer=gated_delta,pass=fwd+bwd'
+    piece t16384_based_bwd 280 torch,fla 'seq_len=16384,mixer=based,pass=fwd+bwd'
+    ;;
+  *) echo "mixers_rerun: part 1 to 6, not $3"; exit 2 ;;
   esac
   ;;
 kernel_sums)
