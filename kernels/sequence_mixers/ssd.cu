@@ -1,7 +1,7 @@
 // SSD (Mamba-2's state-space dual layer; Dao and Gu, 2024, "Transformers are SSMs", the block
 // decomposition of section 6). Two paths, chosen by the host (src/sequence_mixers/cuda.rs,
-// `tensor_core_path`): version 3 for bf16 inputs whose sizes fit the tensor-core tiles, two
-// kernels on mma.sync described before their code below; and version 1, every other case
+// `tensor_core_path`): version 4 for bf16 inputs whose sizes fit the tensor-core tiles, three
+// kernels (two on mma.sync) described before their code below; and version 1, every other case
 // (fp32 inputs among them), on CUDA cores in float32: the chunked algorithm of
 // src/sequence_mixers/chunked.rs (its docstring derives it) in three kernels, each a grid over
 // (chunk, head, batch entry) or (head, batch entry):
@@ -226,10 +226,12 @@ ssd_chunk_scan_bf16_f32out(const u16* x, const float* dt, const float* A, const 
 //     once: the chunk's x and B rows and dt by cp.async, the cumulative log decays by every
 //     warp for itself (warp_pair_scan; the chunk's total into `chunk_log_decay`), then the
 //     chunk's own state S_c = (decayed Δ x)ᵀ B (P × N, float32 in the warps' accumulators: warp
-//     w a 16-row tile of P and 1 / (8 / (P / 16)) of N), the steps' weights
-//     exp(cs_last - cs_j) dt_j applied to x's fragments as they come out of ldmatrix (version
-//     4.2; 4 scaled x's rows in shared memory first, with two more barriers), rounded to bf16
-//     and staged in shared memory over the x and B rows, then written out with 16-byte stores.
+//     w a 16-row tile of P and its share of N's 8-column tiles, 8 / (P / 16) warps per row
+//     tile in integer division: at P = 48 and 80 to 112 one to three warps get no tile), the
+//     steps' weights exp(cs_last - cs_j) dt_j applied to x's fragments as they come out of
+//     ldmatrix (version 4.2; versions 4 and 4.1 scaled x's rows in shared memory first, between
+//     two more barriers), rounded to bf16 and staged in shared memory over the x and B rows,
+//     then written out with 16-byte stores.
 // A2. ssd_state_passing_bf16: the walk over the chunks in order, each thread 8 adjacent elements
 //     of one (batch entry, head)'s state in float32 registers: it writes the state entering
 //     chunk c over S_c (bf16, what kernel B reads) and carries exp(cs_last_c) S + S_c on. The

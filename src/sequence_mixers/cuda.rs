@@ -224,8 +224,8 @@ pub(crate) fn check_shape(what: &str, s: SsdShape) -> Result<(), GpuError> {
 }
 
 /// SSD's compiled kernels and scratch for one shape: the states entering each chunk
-/// `[B, H, n_chunks, P, N]` (float32 with the chunks' log decays `[B, H, n_chunks]` for the
-/// float32 kernels, bf16 for the tensor-core ones).
+/// `[B, H, n_chunks, P, N]` (float32 for the float32 kernels, bf16 for the tensor-core ones)
+/// and the chunks' log decays `[B, H, n_chunks]` (float32, both paths).
 pub struct Ssd {
     shape: SsdShape,
     dtype: Dtype,
@@ -621,20 +621,35 @@ mod tests {
     fn entry_points_are_named_once() {
         let e = entry_points();
         assert_eq!(e.len(), 14);
+        let mut seen = std::collections::HashSet::new();
         for name in &e {
-            // The chunk scans with constant sizes come from one macro line per suffix.
+            assert!(seen.insert(name), "{name} twice");
+            // Each name is in the source as written, or made by a macro: the chunk scans with
+            // constant sizes by SSD_SCAN_TC (one line per suffix), the float32 and bf16
+            // CUDA-core kernels by SSD_ENTRIES (one line per type).
             let sized = ["_p64n64", "_p128n128"]
                 .into_iter()
-                .find_map(|x| name.strip_suffix(x).map(|base| (base, x)));
-            let (base, suffix) = match sized {
-                Some((base, x)) => (base, format!("SSD_SCAN_TC({x},")),
-                None => (name.as_str(), String::new()),
+                .find_map(|x| name.strip_suffix(x).map(|base| (base, x)))
+                .or_else(|| {
+                    ["ssd_chunk_scan_tc", "ssd_chunk_scan_tc_f32out"]
+                        .contains(&name.as_str())
+                        .then_some((name.as_str(), ""))
+                });
+            let typed = ["f32", "bf16"]
+                .into_iter()
+                .find_map(|t| name.strip_suffix(t).map(|base| (base, t)));
+            let found = if SSD_SRC.contains(&format!("{name}(")) {
+                true
+            } else if let Some((base, x)) = sized {
+                SSD_SRC.contains(&format!("{base}##SUFFIX("))
+                    && SSD_SRC.contains(&format!("SSD_SCAN_TC({x},"))
+            } else if let Some((base, t)) = typed {
+                SSD_SRC.contains(&format!("{base}##NAME("))
+                    && SSD_SRC.contains(&format!("SSD_ENTRIES({t},"))
+            } else {
+                false
             };
-            assert!(
-                SSD_SRC.contains(base.trim_end_matches("_f32").trim_end_matches("_bf16")),
-                "{name}"
-            );
-            assert!(SSD_SRC.contains(&suffix), "{name}");
+            assert!(found, "{name}");
         }
         assert!(SSD_SRC.contains(&format!("#define SSD_PASS_THREADS {PASS_THREADS}")));
     }

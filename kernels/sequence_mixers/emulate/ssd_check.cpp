@@ -4,7 +4,7 @@
 // head_dim = state 128. Each argument is one case,
 // "B,T,H,G,P,N,STATE_BYTES,SCAN_BYTES,TC_STATE_BYTES,TC_SCAN_BYTES": the shape and the
 // kernels' dynamic shared memory as the host computes it (tests/kernels_emulate.rs passes
-// src/sequence_mixers/cuda.rs's shared_bytes and tc_shared_bytes; the tensor-core sizes are 0
+// src/sequence_mixers/cuda.rs's shared_bytes and tensor_core_shared_bytes; the tensor-core sizes are 0
 // where the host would not take that path). The float32 kernels run on float32 inputs (error
 // bound 1e-5); where the tensor-core sizes are given, the bf16 kernels (version 4:
 // ssd_chunk_states_tc, ssd_state_passing_bf16, chunk_scan_tc with a float32 y) run on the inputs rounded to bf16, against the
