@@ -274,12 +274,12 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
 
 /// What the CUDA kernels of case `c` compute in, as a row's note: which products run on tensor
 /// cores (bf16 operands, float32 accumulation) and what they round to bf16, or float32
-/// arithmetic on CUDA cores. Follows the kernels' own choice: SSD's version 4 (and Based's
+/// arithmetic on CUDA cores. Follows the kernels' own choice: SSD's version 5 (and Based's
 /// linear branch on it) where [`ssd_cuda::tensor_core_path`] takes the shape, Based's window
 /// version 2 where [`based_cuda::window_tc_shared_bytes`] does, the gated delta rule's version 3
 /// where [`delta_cuda::tc_shared_bytes`] does.
 fn gpu_arithmetic_note(c: &MixerCase) -> String {
-    const SSD_TC: &str = "Δ·x scaled by its decay, the masked decayed C·Bᵀ, each chunk's own state and the states entering each chunk rounded to bf16; float32 accumulation and state passing";
+    const SSD_TC: &str = "Δ·x scaled by its decay, the masked decayed C·Bᵀ, the partial sums of the chunk states within each walk of up to 8 chunks and the states entering each walk rounded to bf16; float32 accumulation and state passing";
     let dtype = device_dtype(c.dtype);
     match c.mixer {
         Mixer::Ssd if ssd_cuda::tensor_core_path(c.ssd_shape(), dtype).is_some() => {
@@ -294,7 +294,7 @@ fn gpu_arithmetic_note(c: &MixerCase) -> String {
                 (false, false) => "float32 arithmetic".to_string(),
                 (l, w) => format!(
                     "bf16 products on tensor cores: {}{}{}",
-                    if l { "the linear branch as SSD's (the masked q·kᵀ, each chunk's own state and the states entering each chunk rounded to bf16)" } else { "" },
+                    if l { "the linear branch as SSD's (the masked q·kᵀ, the partial sums of the chunk states within each walk and the states entering each walk rounded to bf16)" } else { "" },
                     if l && w { "; " } else { "" },
                     if w { "the window's QKᵀ and PV (the probabilities rounded to bf16; the softmax in float32)" } else { "" },
                 ),
@@ -324,9 +324,11 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (X, B, C, Y; Δ, A, D and states fp32)".into(),
                 rule: format!(
-                    "always (head_dim and state up to {}): SSD in chunks of {} steps. bf16 with head_dim a multiple of 16 and state of 32, both up to 128: version 4, three kernels: every chunk's own state at once on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation; stored as bf16), the states passed from chunk to chunk (a float32 running sum per element, 8 elements per thread, the states entering each chunk stored as bf16), then each chunk's output on tensor cores (C·Bᵀ masked and decayed, times Δ·x, plus the entering state's read-out). Otherwise version 1.1, float32 arithmetic on CUDA cores, three kernels (each chunk's final state from zero, the states passed between chunks, each chunk's output from its intra-chunk masked products plus the incoming state's read-out)",
+                    "always (head_dim and state up to {}): SSD in chunks of {} steps. bf16 with head_dim a multiple of 16 and state of 32, both up to 128: version 5, three kernels: blocks walking {} chunks or fewer (as many as keep about {} blocks), each summing its chunks' states on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation) and storing the partial sums and the walk's own state as bf16, the walks' states passed from walk to walk (a float32 running sum per element, 8 elements per thread, the states entering each walk stored as bf16), then each chunk's output on tensor cores (C·Bᵀ masked and decayed, times Δ·x, plus the read-out of its entering state: the partial sum plus the walk's entering state decayed). Otherwise version 1.1, float32 arithmetic on CUDA cores, three kernels (each chunk's final state from zero, the states passed between chunks, each chunk's output from its intra-chunk masked products plus the incoming state's read-out)",
                     ssd_cuda::MAX_DIM,
-                    ssd_cuda::CHUNK
+                    ssd_cuda::CHUNK,
+                    ssd_cuda::MAX_WALK,
+                    ssd_cuda::WALK_BLOCKS
                 ),
                 implementation: GPU_IMPLEMENTATION.into(),
             },

@@ -200,7 +200,7 @@ fn emulated_kernel_runs_clean(name: &str, cases: &[String]) {
 /// float64 recurrence, with the host's shared-memory sizes
 /// (`sequence_mixers::cuda::shared_bytes`, `tensor_core_shared_bytes`), shared memory poisoned
 /// and guarded past them: the float32 kernels on every shape (partial chunks, groups, one
-/// step, head_dim = state 128, odd sizes), and the bf16 tensor-core kernels (version 4, their
+/// step, head_dim = state 128, odd sizes), and the bf16 tensor-core kernels (version 5, walks of 1, 3 and 8 chunks, their
 /// `mma.sync` fragments emulated lane by lane in `cuda_shim.h`) on the shapes the host gives
 /// them.
 #[test]

@@ -56,7 +56,8 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
 // rows 2t and 2t + 1 of column g. cp_async4 / cp_async16: 4- or 16-byte copies global -> shared
 // that zero-fill the destination instead of reading when `valid` is false (`g` must still be a
 // valid address); cp_async_commit closes a group, cp_async_wait<n> waits until at most n groups
-// are in flight. The CPU emulation (emulate/cuda_shim.h) defines its own.
+// are in flight; prefetch_l2 asks for a line of global memory in L2. The CPU emulation
+// (emulate/cuda_shim.h) defines its own.
 #ifndef KP_EMULATE
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
@@ -80,6 +81,10 @@ __device__ __forceinline__ void cp_async16(void* s, const void* g, bool valid) {
                  "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// Asks for the 128-byte line holding `g` to be brought into L2 (no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* g) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(g));
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");

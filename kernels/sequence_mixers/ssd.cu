@@ -1,6 +1,6 @@
 // SSD (Mamba-2's state-space dual layer; Dao and Gu, 2024, "Transformers are SSMs", the block
 // decomposition of section 6). Two paths, chosen by the host (src/sequence_mixers/cuda.rs,
-// `tensor_core_path`): version 4 for bf16 inputs whose sizes fit the tensor-core tiles, three
+// `tensor_core_path`): version 5 for bf16 inputs whose sizes fit the tensor-core tiles, three
 // kernels (two on mma.sync) described before their code below; and version 1, every other case
 // (fp32 inputs among them), on CUDA cores in float32: the chunked algorithm of
 // src/sequence_mixers/chunked.rs (its docstring derives it) in three kernels, each a grid over
@@ -217,35 +217,43 @@ ssd_chunk_scan_bf16_f32out(const u16* x, const float* dt, const float* A, const 
     chunk_scan<u16, float>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads, groups, P, N);
 }
 
-// Version 4 for bf16 inputs: three kernels, the chunk states and the chunk outputs on tensor
+// Version 5 for bf16 inputs: three kernels, the chunk states and the chunk outputs on tensor
 // cores (mma.sync m16n8k16, bf16 operands, float32 accumulation; prelude.cuh's mma_bf16), the
 // operands brought by cp.async and read by ldmatrix. Needs P % 16 == 0, N % 32 == 0 and P, N <=
-// 128 (the host checks; other shapes take the float32 kernels).
+// 128 (the host checks; other shapes take the float32 kernels). The chunks are taken in walks
+// of `walk` chunks (the host's chunks_per_walk: up to 8, keeping about 1024 blocks), so that
+// only one state per walk goes through the sequential passing (version 4, every chunk its own
+// block, passed 0.5 GB of states at P = N = 128, T16384: 0.136 ms of 0.585).
 //
-// A1. ssd_chunk_states_tc: a block of 8 warps per (chunk, head, batch entry), every chunk at
-//     once: the chunk's x and B rows and dt by cp.async, the cumulative log decays by every
-//     warp for itself (warp_pair_scan; the chunk's total into `chunk_log_decay`), then the
-//     chunk's own state S_c = (decayed Δ x)ᵀ B (P × N, float32 in the warps' accumulators: warp
-//     w a 16-row tile of P and its share of N's 8-column tiles, 8 / (P / 16) warps per row
-//     tile in integer division: at P = 48 and 80 to 112 one to three warps get no tile), the
-//     steps' weights exp(cs_last - cs_j) dt_j applied to x's fragments as they come out of
-//     ldmatrix (version 4.2; versions 4 and 4.1 scaled x's rows in shared memory first, between
-//     two more barriers), rounded to bf16 and staged in shared memory over the x and B rows,
-//     then written out with 16-byte stores.
-// A2. ssd_state_passing_bf16: the walk over the chunks in order, each thread 8 adjacent elements
+// A1. ssd_chunk_states_tc: a block of 8 warps per (walk, head, batch entry), the walk's chunks in
+//     order: each chunk's x and B rows and dt by cp.async (the next chunk's x rows asked into L2
+//     meanwhile), the cumulative log decays by every warp for itself (warp_pair_scan), then
+//     the running sum S = exp(cs_last) S + (decayed Δ x)ᵀ B (P × N, float32 in the warps'
+//     accumulators: warp w a 16-row tile of P and its share of N's 8-column tiles, 8 / (P / 16)
+//     warps per row tile in integer division: at P = 48 and 80 to 112 one to three warps get
+//     no tile), the steps' weights exp(cs_last - cs_j) dt_j applied to x's fragments as they
+//     come out of ldmatrix (version 4.2). After each chunk the sum is rounded to bf16, staged in
+//     shared memory over the x and B rows and written with 16-byte stores: into the next
+//     chunk's slot of `states` (the sum of the walk's chunks before it), or after the walk's
+//     last chunk into the walk's first chunk's slot (the walk's own state). chunk_log_decay[c]
+//     gets the log decay from the walk's start through chunk c.
+// A2. ssd_state_passing_bf16: the walk over the walks in order, each thread 8 adjacent elements
 //     of one (batch entry, head)'s state in float32 registers: it writes the state entering
-//     chunk c over S_c (bf16, what kernel B reads) and carries exp(cs_last_c) S + S_c on. The
-//     loads of the next SSD_PASS_AHEAD chunks are issued before the stores of the current
-//     ones, so the walk is bound by memory traffic rather than latency. The float32 state after
-//     the last chunk is the final state.
-// (Version 3 walked the chunks in one kernel with the state in mma accumulators, 512 blocks of
-// 4 warps at P = N = 128: bound by its per-chunk instructions and barriers, 0.49 ms at T16384;
-// kernels/TUNING-sequence-mixers.md.)
+//     walk k over its own state (bf16, in its first chunk's slot) and carries
+//     exp(walk decay) S + S_k on. The loads of the next SSD_PASS_AHEAD walks are issued before
+//     the stores of the current ones. The float32 state after the last walk is the final state.
+// (Version 3 walked all the chunks in one kernel with the state in mma accumulators, 512 blocks
+// of 4 warps at P = N = 128: bound by its per-chunk instructions and barriers, 0.49 ms at
+// T16384; kernels/TUNING-sequence-mixers.md.)
 // B. ssd_chunk_scan_tc (and _f32out): a block of 8 warps per (chunk, head, batch entry), as
-//    version 2 (C, B and dt loaded first, x and the entering state in a second cp.async group
-//    that lands during M's product: version 4.3): M = (C Bᵀ) masked to j <= i < l and scaled
-//    by exp(cs_i - cs_j) dt_j (bf16 in shared memory), then Y = M x + exp(cs_i) C S_inᵀ + D x, each warp 16 rows and half of the
-//    P columns (the M product over the 16-step blocks at or left of the diagonal only).
+//    version 2 (C, B and dt loaded first, x and the chunk's slot of `states` in a second cp.async
+//    group that lands during M's product: version 4.3): M = (C Bᵀ) masked to j <= i < l and
+//    scaled by exp(cs_i - cs_j) dt_j (bf16 in shared memory), then the entering state S_in:
+//    the slot itself for a walk's first chunk, else the slot (the walk's partial sum) plus
+//    exp(chunk_log_decay[c - 1]) times the walk's entering state (loaded into registers,
+//    added by each thread to the pieces its own copies brought), then Y = M x + exp(cs_i)
+//    C S_inᵀ + D x, each warp 16 rows and half of the P columns (the M product over the
+//    16-step blocks at or left of the diagonal only).
 // Shared rows are padded by 8 halves so that the 8 rows of an ldmatrix or fragment load fall
 // in distinct banks. Dynamic shared memory, bytes (the host computes both:
 // src/sequence_mixers/cuda.rs): A1 L 4 + max(L (P + 8) + L (N + 8), P (N + 8)) 2; B 2 L 4 +
@@ -253,119 +261,153 @@ ssd_chunk_scan_bf16_f32out(const u16* x, const float* dt, const float* A, const 
 #define SSD_TC_MAX_TILES 8
 #define SSD_TC_STATE_TILES 16
 #define SSD_PASS_THREADS 128
+// 16-byte pieces of the entering state per thread in the chunk scan: P·N / 8 / 256 at most.
+#define SSD_TC_CARRY 8
 
 extern "C" __global__ void __launch_bounds__(SSD_THREADS)
 ssd_chunk_states_tc(const u16* __restrict__ x, const float* __restrict__ dt,
                     const float* __restrict__ A, const u16* __restrict__ Bm,
                     u16* __restrict__ states, float* __restrict__ chunk_log_decay, int T_len,
-                    int heads, int groups, int P, int N) {
+                    int heads, int groups, int P, int N, int walk) {
     extern __shared__ float smem[];
-    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int n_chunks = gridDim.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int n_chunks = (T_len + SSD_CHUNK - 1) / SSD_CHUNK;
+    const int first = blockIdx.x * walk, end = min(n_chunks, first + walk);
     const int g = h / (heads / groups);
-    const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
     const long long bh = (long long)b * heads + h;
-    const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
     const int PS = P + 8, NS = N + 8;
     float* d = smem;                                  // [L]: dt
     u16* xs = reinterpret_cast<u16*>(d + SSD_CHUNK);  // [L][PS]: x
     u16* bs = xs + SSD_CHUNK * PS;                    // [L][NS]: B
-    u16* out = xs;                                    // [P][NS]: S_c, after the product
+    u16* out = xs;                                    // [P][NS]: the running sum, staged
     const int pp = P / 8, pn = N / 8;
-    {
-        // One division per thread: thread t copies 16-byte piece t % pp of rows t / pp,
-        // t / pp + 256 / pp, ... (the threads past the last whole row of pieces idle).
-        const int step = SSD_THREADS / pp, r = threadIdx.x / pp, q = (threadIdx.x % pp) * 8;
-        if (r < step)
-            for (int i = r; i < SSD_CHUNK; i += step) {
-                const bool ok = i < l;
-                cp_async16(xs + i * PS + q, x + ((t0 + (ok ? i : 0)) * heads + h) * P + q, ok);
-            }
-    }
-    {
-        const int step = SSD_THREADS / pn, r = threadIdx.x / pn, q = (threadIdx.x % pn) * 8;
-        if (r < step)
-            for (int i = r; i < SSD_CHUNK; i += step) {
-                const bool ok = i < l;
-                cp_async16(bs + i * NS + q, Bm + ((t0 + (ok ? i : 0)) * groups + g) * N + q, ok);
-            }
-    }
-    for (int i = threadIdx.x; i < SSD_CHUNK; i += SSD_THREADS)
-        cp_async4(d + i, dt + (t0 + (i < l ? i : 0)) * heads + h, i < l);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
-    // Every warp scans the chunk's log decays itself (no barrier): lane m holds steps 2m and
-    // 2m + 1 and their weights exp(cs_last - cs_j) dt_j (dt zero past a short chunk, so their
-    // weights are 0 and the last cumulative decay is the chunk's total).
-    float w0, w1;
-    {
-        const float a_h = A[h], d0 = d[2 * lane], d1 = d[2 * lane + 1];
-        float s0, s1;
-        const float last = warp_pair_scan(d0 * a_h, d1 * a_h, s0, s1);
-        w0 = __expf(last - s0) * d0;
-        w1 = __expf(last - s1) * d1;
-        if (threadIdx.x == 0) chunk_log_decay[bh * n_chunks + c] = last;
-    }
     // Warp w: rows r0 .. r0 + 15 of P and `tiles` 8-column tiles of N from n0.
     const int row_tiles = P / 16, per_row = SSD_THREADS / 32 / row_tiles;
     const int r0 = (warp % row_tiles) * 16, part = warp / row_tiles;
     const int all_tiles = N / 8, share = (all_tiles + per_row - 1) / per_row;
     const int n0 = part * share * 8, tiles = max(0, min(share, all_tiles - part * share));
+    // The running sum of the walk's chunk states, decayed chunk by chunk (float32), and the
+    // walk's log decay so far.
     float acc[SSD_TC_STATE_TILES][4] = {};
-    if (tiles > 0) {
-#pragma unroll
-        for (int ks = 0; ks < SSD_CHUNK / 16; ++ks) {
-            // A = (decayed Δ x)ᵀ: rows p, steps k; x's rows are steps, so ldmatrix.trans:
-            // registers 0 and 1 hold steps 16 ks + 2 ti and + 1, registers 2 and 3 the same
-            // plus 8, each scaled here by its steps' weights (lanes 8 ks + ti and + 4 hold
-            // them) and rounded to bf16 once, as x's value times its weight.
-            u32 af[4];
-            const int mi = lane / 8;
-            ldsm_x4_t(af, xs + (ks * 16 + lane % 8 + (mi >= 2 ? 8 : 0)) * PS + r0 + (mi & 1) * 8);
-            const float wa0 = __shfl_sync(FULL_MASK, w0, ks * 8 + ti);
-            const float wa1 = __shfl_sync(FULL_MASK, w1, ks * 8 + ti);
-            const float wb0 = __shfl_sync(FULL_MASK, w0, ks * 8 + 4 + ti);
-            const float wb1 = __shfl_sync(FULL_MASK, w1, ks * 8 + 4 + ti);
-            af[0] = scale_pair(af[0], wa0, wa1);
-            af[1] = scale_pair(af[1], wa0, wa1);
-            af[2] = scale_pair(af[2], wb0, wb1);
-            af[3] = scale_pair(af[3], wb0, wb1);
-            mma_k_block<SSD_TC_STATE_TILES>(acc, af, bs, NS, ks, n0, tiles);
+    float walk_decay = 0.f;
+    for (int c = first; c < end; ++c) {
+        const long long t0 = (long long)b * T_len + (long long)c * SSD_CHUNK;
+        const int l = min(SSD_CHUNK, T_len - c * SSD_CHUNK);
+        // The previous chunk's staged sum is stored before its rows are overwritten.
+        if (c > first) __syncthreads();
+        {
+            // One division per thread: thread t copies 16-byte piece t % pp of rows t / pp,
+            // t / pp + 256 / pp, ... (the threads past the last whole row of pieces idle).
+            const int step = SSD_THREADS / pp, r = threadIdx.x / pp, q = (threadIdx.x % pp) * 8;
+            if (r < step)
+                for (int i = r; i < SSD_CHUNK; i += step) {
+                    const bool ok = i < l;
+                    cp_async16(xs + i * PS + q, x + ((t0 + (ok ? i : 0)) * heads + h) * P + q, ok);
+                }
         }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int nt = 0; nt < SSD_TC_STATE_TILES; ++nt) {
-        if (nt < tiles) {
-            const int n = n0 + nt * 8 + 2 * ti;
-            *reinterpret_cast<u32*>(out + (r0 + gi) * NS + n) = pack_bf16(acc[nt][0], acc[nt][1]);
-            *reinterpret_cast<u32*>(out + (r0 + gi + 8) * NS + n) = pack_bf16(acc[nt][2], acc[nt][3]);
+        {
+            const int step = SSD_THREADS / pn, r = threadIdx.x / pn, q = (threadIdx.x % pn) * 8;
+            if (r < step)
+                for (int i = r; i < SSD_CHUNK; i += step) {
+                    const bool ok = i < l;
+                    cp_async16(bs + i * NS + q, Bm + ((t0 + (ok ? i : 0)) * groups + g) * N + q, ok);
+                }
         }
-    }
-    __syncthreads();
-    u16* dst = states + (bh * n_chunks + c) * P * N;
-    {
-        const int step = SSD_THREADS / pn, r = threadIdx.x / pn, q = (threadIdx.x % pn) * 8;
-        if (r < step)
-            for (int i = r; i < P; i += step)
-                *reinterpret_cast<uint4*>(dst + i * N + q) = *reinterpret_cast<const uint4*>(out + i * NS + q);
+        for (int i = threadIdx.x; i < SSD_CHUNK; i += SSD_THREADS)
+            cp_async4(d + i, dt + (t0 + (i < l ? i : 0)) * heads + h, i < l);
+        cp_async_commit();
+        // The next chunk's x rows asked into L2 meanwhile (P · 2 bytes a row, 128-byte lines:
+        // thread t the line t % lines of row t / lines), so its copies above wait on L2 only.
+        if (c + 1 < end) {
+            const int lines = (P * 2 + 127) / 128, i = threadIdx.x / lines;
+            if (i < SSD_CHUNK && t0 + SSD_CHUNK + i < (long long)(b + 1) * T_len)
+                prefetch_l2(x + ((t0 + SSD_CHUNK + i) * heads + h) * P + (threadIdx.x % lines) * 64);
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+        // Every warp scans the chunk's log decays itself (no barrier): lane m holds steps 2m
+        // and 2m + 1 and their weights exp(cs_last - cs_j) dt_j (dt zero past a short chunk,
+        // so their weights are 0 and the last cumulative decay is the chunk's total).
+        float w0, w1;
+        {
+            const float a_h = A[h], d0 = d[2 * lane], d1 = d[2 * lane + 1];
+            float s0, s1;
+            const float last = warp_pair_scan(d0 * a_h, d1 * a_h, s0, s1);
+            w0 = __expf(last - s0) * d0;
+            w1 = __expf(last - s1) * d1;
+            walk_decay += last;
+            if (threadIdx.x == 0) chunk_log_decay[bh * n_chunks + c] = walk_decay;
+            // The sum so far decays over this chunk before its own state is added.
+            if (c > first) {
+                const float keep = __expf(last);
+#pragma unroll
+                for (int nt = 0; nt < SSD_TC_STATE_TILES; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[nt][e] *= keep;
+            }
+        }
+        if (tiles > 0) {
+#pragma unroll
+            for (int ks = 0; ks < SSD_CHUNK / 16; ++ks) {
+                // A = (decayed Δ x)ᵀ: rows p, steps k; x's rows are steps, so ldmatrix.trans:
+                // registers 0 and 1 hold steps 16 ks + 2 ti and + 1, registers 2 and 3 the same
+                // plus 8, each scaled here by its steps' weights (lanes 8 ks + ti and + 4 hold
+                // them) and rounded to bf16 once, as x's value times its weight.
+                u32 af[4];
+                const int mi = lane / 8;
+                ldsm_x4_t(af, xs + (ks * 16 + lane % 8 + (mi >= 2 ? 8 : 0)) * PS + r0 + (mi & 1) * 8);
+                const float wa0 = __shfl_sync(FULL_MASK, w0, ks * 8 + ti);
+                const float wa1 = __shfl_sync(FULL_MASK, w1, ks * 8 + ti);
+                const float wb0 = __shfl_sync(FULL_MASK, w0, ks * 8 + 4 + ti);
+                const float wb1 = __shfl_sync(FULL_MASK, w1, ks * 8 + 4 + ti);
+                af[0] = scale_pair(af[0], wa0, wa1);
+                af[1] = scale_pair(af[1], wa0, wa1);
+                af[2] = scale_pair(af[2], wb0, wb1);
+                af[3] = scale_pair(af[3], wb0, wb1);
+                mma_k_block<SSD_TC_STATE_TILES>(acc, af, bs, NS, ks, n0, tiles);
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int nt = 0; nt < SSD_TC_STATE_TILES; ++nt) {
+            if (nt < tiles) {
+                const int n = n0 + nt * 8 + 2 * ti;
+                *reinterpret_cast<u32*>(out + (r0 + gi) * NS + n) = pack_bf16(acc[nt][0], acc[nt][1]);
+                *reinterpret_cast<u32*>(out + (r0 + gi + 8) * NS + n) = pack_bf16(acc[nt][2], acc[nt][3]);
+            }
+        }
+        __syncthreads();
+        // The sum after chunk c is what enters chunk c + 1 from within the walk; after the
+        // walk's last chunk it is the walk's own state, in its first chunk's slot.
+        u16* dst = states + (bh * n_chunks + (c + 1 < end ? c + 1 : first)) * P * N;
+        {
+            const int step = SSD_THREADS / pn, r = threadIdx.x / pn, q = (threadIdx.x % pn) * 8;
+            if (r < step)
+                for (int i = r; i < P; i += step)
+                    *reinterpret_cast<uint4*>(dst + i * N + q) = *reinterpret_cast<const uint4*>(out + i * NS + q);
+        }
     }
 }
 
-// The entering states from the chunks' own (A2 above): blocks (slice of P·N / 8 groups of 8
-// elements, head, batch entry), SSD_PASS_THREADS threads; P·N a multiple of 8. The arguments
-// are ssd_state_passing's, with bf16 states.
+// The states entering the walks from the walks' own (A2 above): blocks (slice of P·N / 8
+// groups of 8 elements, head, batch entry), SSD_PASS_THREADS threads; P·N a multiple of 8. The
+// arguments are ssd_state_passing's, with bf16 states, plus `walk`: the walk over chunks
+// `walk` k to `walk` (k + 1) - 1 has its own state in chunk `walk` k's slot, and there the
+// state entering that chunk replaces it; its log decay is its last chunk's entry of
+// `chunk_log_decay` (kernel A1 writes each chunk's sum from its walk's start).
 extern "C" __global__ void __launch_bounds__(SSD_PASS_THREADS)
 ssd_state_passing_bf16(u16* __restrict__ states, const float* __restrict__ chunk_log_decay,
                        const float* __restrict__ initial_state, int has_initial,
-                       float* __restrict__ final_state, int heads, int n_chunks, int P, int N) {
+                       float* __restrict__ final_state, int heads, int n_chunks, int P, int N,
+                       int walk) {
     const int PN = P * N;
     const int h = blockIdx.y, b = blockIdx.z;
     const long long bh = (long long)b * heads + h;
     const int e = (blockIdx.x * SSD_PASS_THREADS + threadIdx.x) * 8;
     if (e >= PN) return;
+    const int n_walks = (n_chunks + walk - 1) / walk;
+    const long long stride = (long long)walk * PN;
     u16* s = states + bh * n_chunks * PN + e;
     const float* decay = chunk_log_decay + bh * n_chunks;
     float run[8];
@@ -374,25 +416,25 @@ ssd_state_passing_bf16(u16* __restrict__ states, const float* __restrict__ chunk
     uint4 cur[SSD_PASS_AHEAD] = {};
 #pragma unroll
     for (int k = 0; k < SSD_PASS_AHEAD; ++k)
-        if (k < n_chunks) cur[k] = *reinterpret_cast<const uint4*>(s + (long long)k * PN);
-    for (int c0 = 0; c0 < n_chunks; c0 += SSD_PASS_AHEAD) {
+        if (k < n_walks) cur[k] = *reinterpret_cast<const uint4*>(s + k * stride);
+    for (int c0 = 0; c0 < n_walks; c0 += SSD_PASS_AHEAD) {
         uint4 next[SSD_PASS_AHEAD] = {};
 #pragma unroll
         for (int k = 0; k < SSD_PASS_AHEAD; ++k) {
             const int c = c0 + SSD_PASS_AHEAD + k;
-            if (c < n_chunks) next[k] = *reinterpret_cast<const uint4*>(s + (long long)c * PN);
+            if (c < n_walks) next[k] = *reinterpret_cast<const uint4*>(s + c * stride);
         }
 #pragma unroll
         for (int k = 0; k < SSD_PASS_AHEAD; ++k) {
             const int c = c0 + k;
-            if (c < n_chunks) {
-                const float keep = __expf(decay[c]);
+            if (c < n_walks) {
+                const float keep = __expf(decay[min(n_chunks, (c + 1) * walk) - 1]);
                 uint4 o;
                 o.x = pack_bf16(run[0], run[1]);
                 o.y = pack_bf16(run[2], run[3]);
                 o.z = pack_bf16(run[4], run[5]);
                 o.w = pack_bf16(run[6], run[7]);
-                *reinterpret_cast<uint4*>(s + (long long)c * PN) = o;
+                *reinterpret_cast<uint4*>(s + c * stride) = o;
                 const u32 v[4] = {cur[k].x, cur[k].y, cur[k].z, cur[k].w};
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
@@ -412,8 +454,9 @@ template <typename TY, int PT = 0, int NT = 0>
 __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict__ dt,
                               const float* __restrict__ A, const u16* __restrict__ Bm,
                               const u16* __restrict__ Cm, const float* __restrict__ D, int has_d,
-                              const u16* __restrict__ states, TY* __restrict__ y, int T_len,
-                              int heads, int groups, int P_arg, int N_arg) {
+                              const u16* __restrict__ states,
+                              const float* __restrict__ chunk_log_decay, TY* __restrict__ y,
+                              int T_len, int heads, int groups, int P_arg, int N_arg, int walk) {
     extern __shared__ float smem[];
     const int P = PT > 0 ? PT : P_arg, N = NT > 0 ? NT : N_arg;
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -446,12 +489,17 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
         const bool ok = i < l;
         cp_async16(xs + i * PS + q, x + ((t0 + (ok ? i : 0)) * heads + h) * P + q, ok);
     }
-    const u16* src = states + (((long long)b * heads + h) * n_chunks + c) * P * N;
+    // The chunk's slot: the state entering it when it starts a walk, else the sum of the walk's
+    // states before it, to which the state entering the walk is added below, decayed over the
+    // walk's chunks before this one (loaded into registers now, used after M's product).
+    const long long bh = (long long)b * heads + h;
+    const u16* src = states + (bh * n_chunks + c) * P * N;
     for (int e = threadIdx.x; e < P * pn; e += SSD_THREADS) {
         const int r = e / pn, q = (e % pn) * 8;
         cp_async16(s_in + r * NS + q, src + r * N + q, true);
     }
     cp_async_commit();
+    const int start = c - c % walk;
     cp_async_wait<1>();
     __syncthreads();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
@@ -479,7 +527,42 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
                 *reinterpret_cast<u32*>(m + i * LS + j) = pack_bf16(v0, v1);
             }
     }
+    // Each thread adds the carry to the pieces of the entering state its own copies brought
+    // (the same e = thread + 256 k), so one barrier after it serves both.
+    uint4 carry[SSD_TC_CARRY] = {};
+    float carry_log = 0.f;
+    if (c != start) {
+        // The walk's log decay from its start to this chunk's (kernel A1's running sums).
+        carry_log = chunk_log_decay[bh * n_chunks + c - 1];
+        const u16* from = states + (bh * n_chunks + start) * P * N;
+#pragma unroll
+        for (int k = 0; k < SSD_TC_CARRY; ++k) {
+            const int e = threadIdx.x + k * SSD_THREADS;
+            if (e < P * pn) carry[k] = *reinterpret_cast<const uint4*>(from + e * 8);
+        }
+    }
     cp_async_wait<0>();
+    if (c != start) {
+        const float carry_decay = __expf(carry_log);
+#pragma unroll
+        for (int k = 0; k < SSD_TC_CARRY; ++k) {
+            const int e = threadIdx.x + k * SSD_THREADS;
+            if (e < P * pn) {
+                uint4* at = reinterpret_cast<uint4*>(s_in + (e / pn) * NS + (e % pn) * 8);
+                const uint4 pv = *at;
+                const u32 p[4] = {pv.x, pv.y, pv.z, pv.w};
+                const u32 v[4] = {carry[k].x, carry[k].y, carry[k].z, carry[k].w};
+                u32 o[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    o[q] = pack_bf16(
+                        __uint_as_float(p[q] << 16) + carry_decay * __uint_as_float(v[q] << 16),
+                        __uint_as_float(p[q] & 0xffff0000u) + carry_decay * __uint_as_float(v[q] & 0xffff0000u));
+                const uint4 ov = {o[0], o[1], o[2], o[3]};
+                *at = ov;
+            }
+        }
+    }
     __syncthreads();
     const int tiles = P / 16, p0 = (warp / 4) * (P / 2);
     float diag[SSD_TC_MAX_TILES][4] = {}, off[SSD_TC_MAX_TILES][4] = {};
@@ -520,17 +603,19 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
     extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
     ssd_chunk_scan_tc##SUFFIX(const u16* x, const float* dt, const float* A, const u16* Bm,   \
                               const u16* Cm, const float* D, int has_d, const u16* states,     \
-                              u16* y, int T_len, int heads, int groups, int P, int N) {        \
-        chunk_scan_tc<u16, PT, NT>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads,       \
-                                   groups, P, N);                                              \
+                              const float* chunk_log_decay, u16* y, int T_len, int heads,      \
+                              int groups, int P, int N, int walk) {                            \
+        chunk_scan_tc<u16, PT, NT>(x, dt, A, Bm, Cm, D, has_d, states, chunk_log_decay, y,     \
+                                   T_len, heads, groups, P, N, walk);                          \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SSD_THREADS)                                  \
     ssd_chunk_scan_tc_f32out##SUFFIX(const u16* x, const float* dt, const float* A,           \
                                      const u16* Bm, const u16* Cm, const float* D, int has_d,  \
-                                     const u16* states, float* y, int T_len, int heads,        \
-                                     int groups, int P, int N) {                               \
-        chunk_scan_tc<float, PT, NT>(x, dt, A, Bm, Cm, D, has_d, states, y, T_len, heads,     \
-                                     groups, P, N);                                            \
+                                     const u16* states, const float* chunk_log_decay,          \
+                                     float* y, int T_len, int heads, int groups, int P, int N, \
+                                     int walk) {                                               \
+        chunk_scan_tc<float, PT, NT>(x, dt, A, Bm, Cm, D, has_d, states, chunk_log_decay, y,   \
+                                     T_len, heads, groups, P, N, walk);                        \
     }
 SSD_SCAN_TC(, 0, 0)
 SSD_SCAN_TC(_p64n64, 64, 64)

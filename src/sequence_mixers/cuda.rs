@@ -1,9 +1,11 @@
 //! SSD on CUDA: `kernels/sequence_mixers/ssd.cu`, compiled by NVRTC at run time, the chunked
 //! algorithm of [`super::chunked::ssd`] (Dao and Gu, 2024, §6) in chunks of [`CHUNK`] steps.
-//! bf16 inputs whose sizes fit the tiles ([`tensor_core_path`]) take version 4, three launches:
-//! every chunk's own state on tensor cores (mma.sync, bf16 operands, float32 accumulation,
-//! stored as bf16), the states passed from chunk to chunk (float32 running sum, bf16 entering
-//! states), then each chunk's output on tensor cores. Every other case takes
+//! bf16 inputs whose sizes fit the tiles ([`tensor_core_path`]) take version 5, three launches:
+//! walks of [`chunks_per_walk`] chunks, each summing its chunks' states on tensor cores
+//! (mma.sync, bf16 operands, float32 accumulation) and storing the partial sums (bf16), the
+//! walks' states passed from walk to walk (float32 running sum, bf16 entering states), then
+//! each chunk's output on tensor cores, its entering state the walk's decayed and the partial
+//! sum added. Every other case takes
 //! version 1, float32 on CUDA cores in three launches: each chunk's own state, the states
 //! passed from chunk to chunk, then each chunk's output from its inputs and its entering state.
 
@@ -100,7 +102,7 @@ pub fn shared_bytes(shape: SsdShape) -> (u32, u32) {
     (state as u32, scan as u32)
 }
 
-/// Dynamic shared memory of the tensor-core kernels (version 4, bf16 inputs) for `shape`,
+/// Dynamic shared memory of the tensor-core kernels (version 5, bf16 inputs) for `shape`,
 /// bytes: the chunk states (`ssd_chunk_states_tc`: L float32 Δ, then bf16 rows: x L × (P + 8)
 /// and B L × (N + 8), the same space then holding the state P × (N + 8)) and the chunk scan
 /// (2·L float32, then bf16 rows: C and B L × (N + 8), x L × (P + 8), the entering state
@@ -116,6 +118,23 @@ pub fn tensor_core_shared_bytes(shape: SsdShape) -> Option<(u32, u32)> {
     let states = l * 4 + (l * ps + l * ns).max(p * ns) * 2;
     let scan = 2 * l * 4 + (2 * l * ns + l * ps + p * ns + l * ls) * 2;
     Some((states as u32, scan as u32))
+}
+
+/// The most chunks one block of the tensor-core chunk-state kernel walks ([`chunks_per_walk`]).
+pub const MAX_WALK: usize = 8;
+
+/// Blocks the tensor-core chunk-state kernel is given at least, where the shape has them
+/// ([`chunks_per_walk`]): about four waves of two blocks per SM on the H200's 132 SMs.
+pub const WALK_BLOCKS: usize = 1024;
+
+/// Chunks each block of the tensor-core chunk-state kernel walks for `shape`: the walk's
+/// partial sums are what the chunk scan adds to, and only the walks' own states pass through
+/// the sequential state passing, so a walk of w chunks divides the passing's traffic by w. As
+/// many as keep at least [`WALK_BLOCKS`] blocks (B · H · ⌈n_chunks / w⌉), between 1 (version
+/// 4: every chunk a block of its own) and [`MAX_WALK`].
+pub fn chunks_per_walk(shape: SsdShape) -> usize {
+    let n_chunks = shape.seq_len.div_ceil(CHUNK).max(1);
+    (shape.batch * shape.heads * n_chunks / WALK_BLOCKS).clamp(1, MAX_WALK)
 }
 
 /// Threads per block of the bf16 state passing (`SSD_PASS_THREADS`), each 8 adjacent elements
@@ -223,9 +242,11 @@ pub(crate) fn check_shape(what: &str, s: SsdShape) -> Result<(), GpuError> {
     Ok(())
 }
 
-/// SSD's compiled kernels and scratch for one shape: the states entering each chunk
-/// `[B, H, n_chunks, P, N]` (float32 for the float32 kernels, bf16 for the tensor-core ones)
-/// and the chunks' log decays `[B, H, n_chunks]` (float32, both paths).
+/// SSD's compiled kernels and scratch for one shape: a state per chunk `[B, H, n_chunks, P, N]`
+/// (float32 for the float32 kernels: the state entering each chunk; bf16 for the tensor-core
+/// ones: the state entering each walk of [`chunks_per_walk`] chunks in its first chunk's slot,
+/// in the others the partial sum of the walk's chunk states before them) and the chunks' log
+/// decays `[B, H, n_chunks]` (float32; on the tensor-core path summed from the walk's start).
 pub struct Ssd {
     shape: SsdShape,
     dtype: Dtype,
@@ -239,9 +260,11 @@ pub struct Ssd {
     passing: CudaFunction,
     /// Dynamic shared memory of the chunk-state and chunk-scan kernels chosen, bytes.
     smem: (u32, u32),
-    /// Whether the kernels are version 4's tensor-core ones (bf16, shapes that fit):
-    /// `chunk_state` is then `ssd_chunk_states_tc`, writing bf16 chunk states.
+    /// Whether the kernels are version 5's tensor-core ones (bf16, shapes that fit):
+    /// `chunk_state` is then `ssd_chunk_states_tc`, writing bf16 partial sums and walk states.
     tensor_cores: bool,
+    /// Chunks per walk of the tensor-core kernels ([`chunks_per_walk`]; 1 on the float32 path).
+    walk: usize,
     states: CudaSlice<f32>,
     decay: CudaSlice<f32>,
     states_bf16: CudaSlice<u16>,
@@ -329,6 +352,7 @@ impl Ssd {
             passing,
             smem,
             tensor_cores: tc.is_some(),
+            walk: if tc.is_some() { chunks_per_walk(s) } else { 1 },
             states,
             decay,
             states_bf16,
@@ -337,10 +361,16 @@ impl Ssd {
         })
     }
 
-    /// Whether the kernels are version 4's tensor-core ones ([`tensor_core_shared_bytes`]:
+    /// Whether the kernels are version 5's tensor-core ones ([`tensor_core_shared_bytes`]:
     /// bf16 and a shape that fits), rather than the float32 CUDA-core kernels.
     pub fn uses_tensor_cores(&self) -> bool {
         self.tensor_cores
+    }
+
+    /// Chunks per walk of the chunk-state kernel ([`chunks_per_walk`] on the tensor-core path,
+    /// 1 on the float32 one).
+    pub fn chunks_per_walk(&self) -> usize {
+        self.walk
     }
 
     /// Bytes of scratch one call uses beyond its inputs and outputs (the other path's
@@ -478,6 +508,7 @@ impl Ssd {
             shared_mem_bytes: smem,
         };
         let has_initial = i32::from(initial_state.is_some());
+        let walk = self.walk as i32;
         let has_d = i32::from(d.is_some());
         let scan = if f32_out {
             &self.chunk_scan_f32out
@@ -499,15 +530,22 @@ impl Ssd {
             .arg(&groups)
             .arg(&p)
             .arg(&n);
+        let state_grid = if self.tensor_cores {
+            l.arg(&walk);
+            (n_chunks.div_ceil(self.walk) as u32, grid.1, grid.2)
+        } else {
+            grid
+        };
         // SAFETY: ssd_chunk_state_<t>(const T* x, const float* dt, const float* A, const T* Bm,
         // float* states, float* chunk_log_decay, int T_len, int heads, int groups, int P,
-        // int N), or on the tensor-core path ssd_chunk_states_tc, the same with u16 x, Bm and
-        // states: the lengths were checked above and the scratch (B·H·n_chunks·P·N states of
-        // the path's type, B·H·n_chunks decays) sized for this shape in `new`; blocks (chunk,
-        // head, batch entry) read chunk rows below T only and write their own slices; the
-        // tensor-core kernel takes P a multiple of 16 and N of 32, both at most 128
-        // (`tensor_core_shared_bytes`).
-        unsafe { l.launch(cfg(state_smem, grid))? };
+        // int N), blocks (chunk, head, batch entry); or on the tensor-core path
+        // ssd_chunk_states_tc, the same with u16 x, Bm and states and int walk (>= 1), blocks
+        // (walk, head, batch entry), each walking chunks walk·k to min(n_chunks, walk·(k + 1))
+        // - 1: the lengths were checked above and the scratch (B·H·n_chunks·P·N states of
+        // the path's type, B·H·n_chunks decays) sized for this shape in `new`; blocks read
+        // chunk rows below T only and write their own chunks' slices; the tensor-core kernel
+        // takes P a multiple of 16 and N of 32, both at most 128 (`tensor_core_shared_bytes`).
+        unsafe { l.launch(cfg(state_smem, state_grid))? };
         let mut l = gpu.stream.launch_builder(&self.passing);
         if self.tensor_cores {
             l.arg(&mut self.states_bf16);
@@ -522,6 +560,9 @@ impl Ssd {
             .arg(&chunks)
             .arg(&p)
             .arg(&n);
+        if self.tensor_cores {
+            l.arg(&walk);
+        }
         let passing = if self.tensor_cores {
             let slices = (s.head_dim * s.state / 8).div_ceil(PASS_THREADS as usize) as u32;
             LaunchConfig {
@@ -536,9 +577,11 @@ impl Ssd {
         // SAFETY: ssd_state_passing(float* states, const float* chunk_log_decay,
         // const float* initial_state, int has_initial, float* final_state, int heads,
         // int n_chunks, int P, int N): blocks (head, batch entry, slice), ⌈P·N / 256⌉ slices
-        // covering the P·N elements once; or ssd_state_passing_bf16, the same with u16 states:
-        // blocks (slice, head, batch entry) of PASS_THREADS threads, each 8 of the P·N elements
-        // (a multiple of 8: N % 32 == 0), threads past P·N return. Over the checked buffers;
+        // covering the P·N elements once; or ssd_state_passing_bf16, the same with u16 states
+        // and int walk (the chunk-state launch's): blocks (slice, head, batch entry) of
+        // PASS_THREADS threads, each 8 of the P·N elements (a multiple of 8: N % 32 == 0) in
+        // the slots of chunks 0, walk, 2 walk, ... below n_chunks, threads past P·N return.
+        // Over the checked buffers;
         // the initial state is read only when has_initial is 1, and then holds B·H·P·N floats.
         unsafe { l.launch(passing)? };
         let mut l = gpu.stream.launch_builder(scan);
@@ -549,9 +592,10 @@ impl Ssd {
             .arg(c)
             .arg(d.unwrap_or(&self.unused))
             .arg(&has_d);
-        // The states entering each chunk: bf16 from the walk, or float32 from the passing.
+        // The states entering each chunk: bf16 partial sums and the walks' entering states
+        // with the chunks' log decays, or float32 from the passing.
         if self.tensor_cores {
-            l.arg(&self.states_bf16);
+            l.arg(&self.states_bf16).arg(&self.decay);
         } else {
             l.arg(&self.states);
         }
@@ -561,12 +605,18 @@ impl Ssd {
             .arg(&groups)
             .arg(&p)
             .arg(&n);
+        if self.tensor_cores {
+            l.arg(&walk);
+        }
         // SAFETY: ssd_chunk_scan_<t>(const T* x, const float* dt, const float* A, const T* Bm,
         // const T* Cm, const float* D, int has_d, const float* states, T* y, int T_len,
         // int heads, int groups, int P, int N), or ssd_chunk_scan_bf16_f32out, the same with
         // float* y; on the tensor-core path ssd_chunk_scan_tc(_f32out)[tc_suffix], the same
-        // with const u16* states, P and N the constants of the suffix (the element sizes of T and Y were checked against the function
-        // above): the checked buffers, the states written by the launches before; D is read
+        // with const u16* states followed by const float* chunk_log_decay, and int walk last,
+        // P and N the constants of the suffix (the element sizes of T and Y were checked
+        // against the function above): the checked buffers, the states and decays written by
+        // the launches before (a chunk past a walk's first reads its walk's first slot and the
+        // decays of the chunks between); D is read
         // only when has_d is 1 and then holds H floats; each block writes the rows of its chunk.
         unsafe { l.launch(cfg(scan_smem, grid))? };
         Ok(())
@@ -615,6 +665,25 @@ mod tests {
             };
             assert_eq!(tensor_core_shared_bytes(odd), None, "{p} {n}");
         }
+    }
+
+    #[test]
+    fn walks_keep_a_thousand_blocks() {
+        let s = |batch, seq_len, heads| SsdShape {
+            batch,
+            seq_len,
+            heads,
+            head_dim: 128,
+            state: 128,
+            groups: 1,
+        };
+        // The grid's B4 H8: 256 chunks at T16384 give 8192 blocks of one chunk, 1024 of 8.
+        assert_eq!(chunks_per_walk(s(4, 16384, 8)), 8);
+        assert_eq!(chunks_per_walk(s(4, 65536, 8)), MAX_WALK);
+        assert_eq!(chunks_per_walk(s(4, 4096, 8)), 2);
+        assert_eq!(chunks_per_walk(s(4, 1024, 8)), 1);
+        assert_eq!(chunks_per_walk(s(1, 0, 1)), 1);
+        assert_eq!(chunks_per_walk(s(2, 16_484, 8)), 4);
     }
 
     #[test]

@@ -108,7 +108,7 @@ fn based_matches_float64_on_every_shape() {
                 let (eo, es) = based_case(s, dtype, start, 300 + 10 * n as u64);
                 // float32 arithmetic on exact inputs: 1e-4 for the output and the state. bf16:
                 // the output's rounding, 1e-2; the state 1e-4 from the float32 kernels, 1e-2
-                // from the tensor-core ones (SSD's version 4, the cases `tensor_core_path`
+                // from the tensor-core ones (SSD's version 5, the cases `tensor_core_path`
                 // takes), which round Δ·x, the chunk states and the products' operands to bf16
                 // inside.
                 let tol = if dtype == Dtype::F32 { 1e-4 } else { 1e-2 };

@@ -90,6 +90,7 @@ inline void cp_async_emulated(void* s, const void* g, bool valid, size_t n) {
 inline void cp_async4(void* s, const void* g, bool valid) { cp_async_emulated(s, g, valid, 4); }
 inline void cp_async16(void* s, const void* g, bool valid) { cp_async_emulated(s, g, valid, 16); }
 inline void cp_async_commit() {}
+inline void prefetch_l2(const void*) {}
 template <int N> inline void cp_async_wait() {}
 #define KP_EMULATE 1
 #define __device__

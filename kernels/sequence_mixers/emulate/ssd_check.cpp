@@ -6,8 +6,9 @@
 // kernels' dynamic shared memory as the host computes it (tests/kernels_emulate.rs passes
 // src/sequence_mixers/cuda.rs's shared_bytes and tensor_core_shared_bytes; the tensor-core sizes are 0
 // where the host would not take that path). The float32 kernels run on float32 inputs (error
-// bound 1e-5); where the tensor-core sizes are given, the bf16 kernels (version 4:
-// ssd_chunk_states_tc, ssd_state_passing_bf16, chunk_scan_tc with a float32 y) run on the inputs rounded to bf16, against the
+// bound 1e-5); where the tensor-core sizes are given, the bf16 kernels (version 5:
+// ssd_chunk_states_tc, ssd_state_passing_bf16, chunk_scan_tc with a float32 y; walks of 1, 3
+// and 8 chunks) run on the inputs rounded to bf16, against the
 // recurrence on those rounded values (bound 5e-3: Δ x, the masked C Bᵀ dt, each chunk's own state and the
 // entering state are rounded to bf16 inside), and the scan once more writing bf16 y (within 4e-3 of the float32 y). Prints one line per run, then ALL OK or FAILED.
 #include "cuda_shim.h"
@@ -30,7 +31,11 @@ int main(int argc, char** argv) {
             ++fails;
             continue;
         }
-        for (int tc = 0; tc < (s.tc_state ? 2 : 1); ++tc) {
+        // Run 0: the float32 kernels; runs 1 to 3 (tensor-core sizes given): the bf16 kernels
+        // walking 1, 3 and 8 chunks per block (partial walks at the end where n_chunks is not
+        // a multiple).
+        for (int run = 0; run < (s.tc_state ? 4 : 1); ++run) {
+            const int tc = run > 0, walk = run == 1 ? 1 : run == 2 ? 3 : 8;
             std::mt19937 rng(1); std::normal_distribution<float> nd; std::uniform_real_distribution<float> ud(0.01f, 0.5f);
             int B = s.B, T = s.T, H = s.H, G = s.G, P = s.P, N = s.N, L = 64, nc = (T + L - 1) / L;
             std::vector<float> x(B*T*H*P), dt(B*T*H), A(H), Bm(B*T*G*N), Cm(B*T*G*N), D(H), y(B*T*H*P, NAN), init(B*H*P*N), fin(B*H*P*N, NAN);
@@ -45,22 +50,24 @@ int main(int argc, char** argv) {
                 for (size_t i = 0; i < x.size(); ++i) { xb[i] = bf16_of(x[i]); x[i] = ld(xb.data(), i); }
                 for (size_t i = 0; i < Bm.size(); ++i) { bb[i] = bf16_of(Bm[i]); Bm[i] = ld(bb.data(), i); }
                 for (size_t i = 0; i < Cm.size(); ++i) { cb[i] = bf16_of(Cm[i]); Cm[i] = ld(cb.data(), i); }
-                // Version 4: the chunks' own states (every chunk at once), their passing in
-                // bf16 (8 elements per thread), then the chunk scan reading the entering states.
+                // Version 5: the walks' partial sums and own states, the walks' states passed
+                // on in bf16 (8 elements per thread), then the chunk scan adding the walk's
+                // entering state to the partial sum.
                 std::vector<u16> st16(B*H*nc*P*N, 0xffff);
                 // The host's choice (cuda.rs, tc_suffix): the scan with P and N as constants for the
                 // grid's sizes.
                 const bool p64 = P == 64 && N == 64, p128 = P == 128 && N == 128;
                 auto scan_f32 = p64 ? ssd_chunk_scan_tc_f32out_p64n64 : p128 ? ssd_chunk_scan_tc_f32out_p128n128 : ssd_chunk_scan_tc_f32out;
                 auto scan_bf16 = p64 ? ssd_chunk_scan_tc_p64n64 : p128 ? ssd_chunk_scan_tc_p128n128 : ssd_chunk_scan_tc;
-                launch(chunks, SSD_THREADS, [&] { ssd_chunk_states_tc(xb.data(), dt.data(), A.data(), bb.data(), st16.data(), cld.data(), T, H, G, P, N); }, s.tc_state / 4);
+                const dim3 walks{(unsigned)((nc + walk - 1) / walk), (unsigned)H, (unsigned)B};
+                launch(walks, SSD_THREADS, [&] { ssd_chunk_states_tc(xb.data(), dt.data(), A.data(), bb.data(), st16.data(), cld.data(), T, H, G, P, N, walk); }, s.tc_state / 4);
                 const dim3 groups{(unsigned)((P * N / 8 + SSD_PASS_THREADS - 1) / SSD_PASS_THREADS), (unsigned)H, (unsigned)B};
-                launch(groups, SSD_PASS_THREADS, [&] { ssd_state_passing_bf16(st16.data(), cld.data(), init.data(), 1, fin.data(), H, nc, P, N); }, 0);
-                launch(chunks, SSD_THREADS, [&] { scan_f32(xb.data(), dt.data(), A.data(), bb.data(), cb.data(), D.data(), 1, st16.data(), y.data(), T, H, G, P, N); }, s.tc_scan / 4);
+                launch(groups, SSD_PASS_THREADS, [&] { ssd_state_passing_bf16(st16.data(), cld.data(), init.data(), 1, fin.data(), H, nc, P, N, walk); }, 0);
+                launch(chunks, SSD_THREADS, [&] { scan_f32(xb.data(), dt.data(), A.data(), bb.data(), cb.data(), D.data(), 1, st16.data(), cld.data(), y.data(), T, H, G, P, N, walk); }, s.tc_scan / 4);
                 // The same scan writing bf16 y (ssd_chunk_scan_tc): within one bf16 rounding of
                 // the float32 y above.
                 std::vector<u16> yb(y.size(), 0xffff);
-                launch(chunks, SSD_THREADS, [&] { scan_bf16(xb.data(), dt.data(), A.data(), bb.data(), cb.data(), D.data(), 1, st16.data(), yb.data(), T, H, G, P, N); }, s.tc_scan / 4);
+                launch(chunks, SSD_THREADS, [&] { scan_bf16(xb.data(), dt.data(), A.data(), bb.data(), cb.data(), D.data(), 1, st16.data(), cld.data(), yb.data(), T, H, G, P, N, walk); }, s.tc_scan / 4);
                 double bnum = 0, bden = 0;
                 for (size_t i = 0; i < y.size(); ++i) { double got = ld(yb.data(), i), want = y[i]; bnum += (got-want)*(got-want); bden += want*want; if (!std::isfinite(got)) bnum = INFINITY; }
                 const double eb = std::sqrt(bnum / bden);
@@ -88,7 +95,7 @@ int main(int argc, char** argv) {
                 for (int e = 0; e < P*N; ++e) { double got = fin[(b*H+h)*P*N+e], w = st[e]; fnum += (got-w)*(got-w); fden += w*w; if (!std::isfinite(got)) fnum = INFINITY; }
             }
             double e1 = std::sqrt(num/den), e2 = std::sqrt(fnum/fden), bound = tc ? 5e-3 : 1e-5;
-            std::printf("ssd%s B%d T%d H%d G%d P%d N%d: y %.3g final %.3g\n", tc ? " tensor cores (bf16)" : "", B, T, H, G, P, N, e1, e2);
+            std::printf("ssd%s B%d T%d H%d G%d P%d N%d walk %d: y %.3g final %.3g\n", tc ? " tensor cores (bf16)" : "", B, T, H, G, P, N, tc ? walk : 1, e1, e2);
             if (!(e1 < bound && e2 < bound) || g_overrun) ++fails;
         }
     }
