@@ -165,7 +165,7 @@ mixers_rerun)
   }
   case ${3:?part 1 to 6} in
   1)
-    # about 206 s forward + 4 fwd+bwd cases with torch and fla (not yet timed: ~180 s), 75 s
+    # 312 and 82 s at 806217e
     piece t16384_ssd 420 torch,fla 'seq_len=16384,mixer=ssd'
     piece t16384_selective_scan 110 torch,fla 'seq_len=16384,mixer=selective_scan'
     ;;
@@ -175,9 +175,9 @@ mixers_rerun)
     piece t16384_based 260 torch,fla 'seq_len=16384,mixer=based,pass=fwd'
     ;;
   3)
-    # about 31 + 20, 56 + 25 and 57 + 160 s
-    piece t1024 90 '' 'seq_len=1024'
-    piece t4096 130 '' 'seq_len=4096'
+    # 73, 128 and 243 s at 806217e (the grid's fwd+bwd rows at 1024 and 4096 included)
+    piece t1024 120 '' 'seq_len=1024'
+    piece t4096 180 '' 'seq_len=4096'
     piece t65536_ssd 300 '' 'seq_len=65536,mixer=ssd'
     ;;
   4)
