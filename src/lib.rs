@@ -11,6 +11,7 @@ pub mod gpu;
 pub mod harness;
 pub mod kernel_sums;
 pub mod load;
+pub mod moe;
 pub mod runner;
 pub mod schema;
 pub mod sequence_mixers;

@@ -1,0 +1,12 @@
+//! Mixture of experts (issue 14): the grouped GEMM over ragged expert groups, top-k routing,
+//! the dispatch of tokens into expert order and the weighted combine back, and the SwiGLU
+//! expert layer built on them.
+//!
+//! Layouts are row-major. A batch of T tokens of width H is `x` `[T, H]`; E experts; each
+//! token goes to its `top_k` experts, so the dispatched rows number T · top_k (fewer under a
+//! capacity limit). Rows sorted by expert are described by `offsets` `[E + 1]`: expert e owns
+//! rows `offsets[e] .. offsets[e + 1]` (an expert with no token has an empty range).
+//!
+//! [`reference`] is the float64 definition every implementation is checked against.
+
+pub mod reference;
