@@ -279,7 +279,7 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
 /// version 2 where [`based_cuda::window_tc_shared_bytes`] does, the gated delta rule's version 3
 /// where [`delta_cuda::tc_shared_bytes`] does.
 fn gpu_arithmetic_note(c: &MixerCase) -> String {
-    const SSD_TC: &str = "Δ·x scaled by its decay, the masked decayed C·Bᵀ, the partial sums of the chunk states within each walk of up to 8 chunks and the states entering each walk rounded to bf16; float32 accumulation and state passing";
+    const SSD_TC: &str = "Δ·x scaled by its decay, the masked decayed C·Bᵀ, the partial sums of the chunk states within each walk of up to 8 chunks, the states entering each walk and each chunk's entering state (the partial sum plus the walk's, decayed) rounded to bf16; float32 accumulation and state passing";
     let dtype = device_dtype(c.dtype);
     match c.mixer {
         Mixer::Ssd if ssd_cuda::tensor_core_path(c.ssd_shape(), dtype).is_some() => {

@@ -7,6 +7,8 @@
 //! capacity limit). Rows sorted by expert are described by `offsets` `[E + 1]`: expert e owns
 //! rows `offsets[e] .. offsets[e + 1]` (an expert with no token has an empty range).
 //!
-//! [`reference`] is the float64 definition every implementation is checked against.
+//! [`reference`] is the float64 definition every implementation is checked against;
+//! [`case`] the grouped-GEMM case of the grid, its group sizes and its FLOP and byte counts.
 
+pub mod case;
 pub mod reference;

@@ -515,8 +515,9 @@ impl Ssd {
         } else {
             &self.chunk_scan
         };
-        // The chunks' own states (float32, or bf16 on the tensor-core path) and their decays,
-        // then the states passed from chunk to chunk in place.
+        // The chunks' own states and decays (float32), then the states passed from chunk to
+        // chunk in place; on the tensor-core path each walk's partial sums and own state
+        // (bf16) and the decays from the walk's start, then the states passed from walk to walk.
         let mut l = gpu.stream.launch_builder(&self.chunk_state);
         l.arg(x).arg(dt).arg(a).arg(b);
         if self.tensor_cores {

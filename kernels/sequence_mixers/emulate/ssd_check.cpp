@@ -9,8 +9,8 @@
 // bound 1e-5); where the tensor-core sizes are given, the bf16 kernels (version 5:
 // ssd_chunk_states_tc, ssd_state_passing_bf16, chunk_scan_tc with a float32 y; walks of 1, 3
 // and 8 chunks) run on the inputs rounded to bf16, against the
-// recurrence on those rounded values (bound 5e-3: Δ x, the masked C Bᵀ dt, each chunk's own state and the
-// entering state are rounded to bf16 inside), and the scan once more writing bf16 y (within 4e-3 of the float32 y). Prints one line per run, then ALL OK or FAILED.
+// recurrence on those rounded values (bound 5e-3: Δ x, the masked C Bᵀ dt, the walks' partial sums and own
+// states, the states entering the walks and each chunk's entering state are rounded to bf16 inside), and the scan once more writing bf16 y (within 4e-3 of the float32 y). Prints one line per run, then ALL OK or FAILED.
 #include "cuda_shim.h"
 #include <cstdio>
 #include <random>
