@@ -491,7 +491,7 @@ __device__ void chunk_scan_tc(const u16* __restrict__ x, const float* __restrict
     }
     // The chunk's slot: the state entering it when it starts a walk, else the sum of the walk's
     // states before it, to which the state entering the walk is added below, decayed over the
-    // walk's chunks before this one (loaded into registers now, used after M's product).
+    // walk's chunks before this one (loaded into registers after M's product: version 5.3).
     const long long bh = (long long)b * heads + h;
     const u16* src = states + (bh * n_chunks + c) * P * N;
     for (int e = threadIdx.x; e < P * pn; e += SSD_THREADS) {

@@ -219,6 +219,8 @@ pub fn route(
 pub struct DispatchPlan {
     /// Experts.
     pub experts: usize,
+    /// Experts per token of the routing planned.
+    pub top_k: usize,
     /// Rows of each expert: expert e owns dispatched rows `offsets[e] .. offsets[e + 1]`.
     pub offsets: Vec<usize>,
     /// For each dispatched row, its assignment `token · top_k + slot`, in expert order and,
@@ -270,6 +272,7 @@ pub fn plan(
     }
     Ok(DispatchPlan {
         experts,
+        top_k: routing.top_k,
         offsets,
         rows,
         row_of,
@@ -281,13 +284,9 @@ pub fn plan(
 ///
 /// # Errors
 /// [`ShapeError`] for an `x` whose length is not T·H, T the plan's tokens.
-pub fn dispatch(
-    x: &[f64],
-    plan: &DispatchPlan,
-    top_k: usize,
-    h: usize,
-) -> Result<Vec<f64>, ShapeError> {
-    let tokens = plan.row_of.len() / top_k.max(1);
+pub fn dispatch(x: &[f64], plan: &DispatchPlan, h: usize) -> Result<Vec<f64>, ShapeError> {
+    let top_k = plan.top_k.max(1);
+    let tokens = plan.row_of.len() / top_k;
     check("x", x.len(), tokens * h)?;
     let mut out = Vec::with_capacity(plan.rows.len() * h);
     for &a in &plan.rows {
@@ -393,7 +392,7 @@ pub fn moe_layer(
     }
     let routing = route(&logits, tokens, e, top_k, gate)?;
     let plan = plan(&routing, e, capacity)?;
-    let xs = dispatch(x, &plan, top_k, h)?;
+    let xs = dispatch(x, &plan, h)?;
     let ys = swiglu_experts(&xs, experts, &plan.offsets)?;
     Ok((combine(&ys, &plan, &routing, h)?, routing))
 }
@@ -530,7 +529,7 @@ mod tests {
         let r = route(&logits, tokens, e, 1, Gate::Softmax).unwrap();
         assert!(r.weights.iter().all(|&w| w == 1.0));
         let p = plan(&r, e, None).unwrap();
-        let xs = dispatch(&x, &p, 1, h).unwrap();
+        let xs = dispatch(&x, &p, h).unwrap();
         // Rows are in expert order, and within an expert in token order.
         for w in p.rows.windows(2) {
             let (a, b) = (r.experts[w[0]], r.experts[w[1]]);
@@ -540,7 +539,7 @@ mod tests {
         // Top-2 with gates summing to 1: the input within rounding.
         let r2 = route(&logits, tokens, e, 2, Gate::Sigmoid).unwrap();
         let p2 = plan(&r2, e, None).unwrap();
-        let back = combine(&dispatch(&x, &p2, 2, h).unwrap(), &p2, &r2, h).unwrap();
+        let back = combine(&dispatch(&x, &p2, h).unwrap(), &p2, &r2, h).unwrap();
         assert!(back.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-15));
     }
 
@@ -558,7 +557,7 @@ mod tests {
         assert_eq!(p.rows, vec![0, 1, 2]);
         assert_eq!(&p.row_of[3..], &[None, None, None]);
         let x = values(tokens * 2, 8);
-        let out = combine(&dispatch(&x, &p, 1, 2).unwrap(), &p, &r, 2).unwrap();
+        let out = combine(&dispatch(&x, &p, 2).unwrap(), &p, &r, 2).unwrap();
         assert_eq!(&out[..6], &x[..6]);
         assert!(out[6..].iter().all(|&v| v == 0.0));
     }
