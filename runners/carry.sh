@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Copies what the GPU machine needs into DEST/.carry (default: ../main, the checkout the
-# device tool sends; `runners/carry.sh .` for this checkout): the attention, kernel_sums and
-# sequence_mixers runners, the GPU and comparison test binaries (attention, kernel sums, sequence mixers), the Python comparison package, device_run.sh,
+# device tool sends; `runners/carry.sh .` for this checkout): the attention, kernel_sums,
+# sequence_mixers and moe runners, the GPU and comparison test binaries (attention, kernel sums, sequence mixers, MoE), the Python comparison package, device_run.sh,
 # device_verdict.py and grid_shards.sh, and the wheels in .whl/ (runners/fetch_wheels.sh) into
 # .carry/whl/. Build first:
-#   cargo build --release --bin attention --bin kernel_sums --bin sequence_mixers --tests
+#   cargo build --release --bin attention --bin kernel_sums --bin sequence_mixers --bin moe --tests
 set -euo pipefail
 dest=${1:-../main}/.carry
 rm -rf "$dest" && mkdir -p "$dest/runners"
-cp target/release/attention target/release/kernel_sums target/release/sequence_mixers "$dest/"
+cp target/release/attention target/release/kernel_sums target/release/sequence_mixers \
+  target/release/moe "$dest/"
 newest() { ls -t target/release/deps/$1-* | grep -v '\.d$' | head -1; }
 cp "$(newest gpu_attention)" "$dest/gpu_attention_test"
 cp "$(newest compare_script)" "$dest/compare_script_test"
 cp "$(newest gpu_kernel_sums)" "$dest/gpu_kernel_sums_test"
 cp "$(newest gpu_sequence_mixers)" "$dest/gpu_sequence_mixers_test"
+cp "$(newest gpu_moe)" "$dest/gpu_moe_test"
 cp -r runners/compare "$dest/runners/"
 rm -rf "$dest/runners/compare/__pycache__"
 cp runners/device_run.sh runners/device_verdict.py runners/grid_shards.sh \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine. Binaries and the Python package travel under .carry/ (built on
 # the development machine: `cargo build --release --bin attention --bin kernel_sums
-# --bin sequence_mixers --tests`, then `bash runners/fetch_wheels.sh` and `runners/carry.sh .`).
+# --bin sequence_mixers --bin moe --tests`, then `bash runners/fetch_wheels.sh` and `runners/carry.sh .`).
 #
 #   bash .carry/device_run.sh smoke OUTDIR        # < 9 min: GPU tests, comparison tests,
 #                                                 # non-aligned lengths and the T=16384 headline
@@ -27,6 +27,8 @@
 #                                                 # (the README's run plan)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
+#   bash .carry/device_run.sh moe OUTDIR          # the MoE GPU tests, then the moe grid
+#                                                 # with --compare torch (data/gpu_moe.json)
 #   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding
 #                                                 # grid or shard i of n (240 rows, 128k-key
 #                                                 # caches: more than one call; try 1/3)
@@ -208,6 +210,15 @@ kernel_sums)
     --include-ignored --test-threads 1 --nocapture
   step "kernel_sums grid" 300 "$out/kernel_sums.log" "$bin/kernel_sums" \
     --output "$out/gpu_kernel_sums.json"
+  ;;
+moe)
+  # KP_MOE_ARGS: runner arguments (default --compare torch), e.g. "--quick" or
+  # "--filter tokens=16384"; KP_MOE_LIMIT_S: the grid step's limit (default 420 s).
+  step "moe gpu tests" 240 "$out/gpu_moe.tests.log" "$bin/gpu_moe_test" \
+    --include-ignored --test-threads 1 --nocapture
+  # shellcheck disable=SC2086
+  step "moe grid" "${KP_MOE_LIMIT_S:-420}" "$out/moe.log" "$bin/moe" \
+    ${KP_MOE_ARGS:---compare torch} --output "$out/gpu_moe.json"
   ;;
 decode)
   step "decode gpu test" 240 "$out/gpu_decode.tests.log" "$bin/gpu_attention_test" \

@@ -416,3 +416,59 @@ fn mamba_wheel_packs_the_python_sources() {
         .unwrap();
     assert!(!bad.status.success());
 }
+
+/// The MoE module (`compare.torch_moe`, PyTorch's grouped-GEMM alternatives): its self-test,
+/// then a CPU job and a GPU job of a skewed case with empty experts, each answered with a row:
+/// the CPU job `unsupported` (the module measures the GPU only), the GPU job `unsupported`
+/// naming torch or CUDA where there is no torch or no device, else measured within the
+/// tolerance with dX and dW checked.
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn moe_module_answers_cpu_and_gpu_jobs() {
+    use kernelpages::moe::case::{GroupedCase, Spread};
+    use kernelpages::moe::files as moe_files;
+    let o = Command::new("python3")
+        .args(["-m", "compare.torch_moe", "self-test"])
+        .env("PYTHONPATH", runners_dir())
+        .output()
+        .expect("python3 runs");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Server::start("python3", &runners_dir(), "torch_moe", &[]).expect("starts");
+    let c = GroupedCase {
+        tokens: 100,
+        experts: 8,
+        top_k: 2,
+        hidden: 64,
+        width: 48,
+        spread: Spread::Zipf,
+        backward: true,
+    };
+    for device in [DeviceChoice::Cpu, DeviceChoice::Gpu] {
+        let sub = dir.path().join(format!("{device:?}"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let mut j = job(&case(), "torch_grouped_mm", &sub);
+        j.device = device;
+        j.case = c.params();
+        j.files = moe_files::write_case(&c, 3, 16, &sub).unwrap();
+        let row = s.request(&j, Duration::from_secs(120)).unwrap().row;
+        eprintln!("{device:?}: {:?} {:?}", row.status, row.message);
+        if device == DeviceChoice::Cpu {
+            assert_eq!(row.status, Status::Unsupported, "{row:?}");
+            continue;
+        }
+        if row.status == Status::Unsupported {
+            let m = row.message.unwrap();
+            assert!(m.contains("torch") || m.contains("CUDA"), "{m}");
+            continue;
+        }
+        assert_eq!(row.status, Status::Ok, "{row:?}");
+        let acc = row.accuracy.unwrap();
+        assert!(acc.rel_err < acc.tolerance, "{acc:?}");
+        let checked = acc.checked.unwrap();
+        assert!(
+            checked.contains("dX") && checked.contains("dW"),
+            "{checked}"
+        );
+    }
+}

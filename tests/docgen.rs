@@ -519,10 +519,19 @@ fn pages_without_data_say_not_measured_yet() {
             body.to_lowercase().contains("not measured yet"),
             "{name}: {body}"
         );
-        assert!(
-            body.contains("runner for this suite does not exist yet"),
-            "{name}: {body}"
-        );
+        // Every suite of the mixers page has a runner (MoE's since issue 14); the Models
+        // page's does not exist yet.
+        if name == "models.html" {
+            assert!(
+                body.contains("runner for this suite does not exist yet"),
+                "{name}: {body}"
+            );
+        } else {
+            assert!(
+                body.contains("--bin moe -- --compare torch"),
+                "{name}: {body}"
+            );
+        }
         // No claim that the page's figures come from data it does not have.
         let footer = text(page(&site, name).select(&sel("footer")).next().unwrap());
         assert!(!footer.contains("Every figure on this page"), "{footer}");

@@ -20,8 +20,12 @@ mod delta_bwd;
 mod large;
 #[path = "gpu_sequence_mixers/scan.rs"]
 mod scan;
+#[path = "common/spills.rs"]
+mod spills;
 #[path = "gpu_sequence_mixers/ssd_bwd.rs"]
 mod ssd_bwd;
+
+pub(crate) use spills::compiles_without_spills;
 
 use std::sync::OnceLock;
 
@@ -221,46 +225,6 @@ pub(crate) fn unit_keys(n: usize, kd: usize, seed: u64) -> Vec<f64> {
         row.iter_mut().for_each(|x| *x /= norm);
     }
     k
-}
-
-/// The kernel file `name` (`src`, prelude included) compiles for sm_90a and sm_80 with
-/// exactly `entries` in its PTX, to machine code for both, and ptxas reports no spill for any
-/// entry on sm_90a (registers printed with `--nocapture`). Needs NVRTC only, not a GPU.
-pub(crate) fn compiles_without_spills(name: &str, src: &str, entries: &[String]) {
-    // SAFETY: only tries to dlopen the library.
-    let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
-    assert!(present, "libnvrtc.so.13 not found on the loader path");
-    for arch in ["sm_90a", "sm_80"] {
-        let text = gpu::nvrtc_compile(name, src, arch)
-            .unwrap_or_else(|e| panic!("{e}"))
-            .to_src();
-        for f in entries {
-            assert!(
-                text.contains(&format!(".entry {f}(")),
-                "{f} missing from the {arch} PTX of {name}"
-            );
-        }
-        assert_eq!(
-            text.matches(".entry ").count(),
-            entries.len(),
-            "{name} {arch}"
-        );
-        if let Err(e) = gpu::nvrtc_compile_cubin(name, src, arch) {
-            panic!("{name} {arch}: {e}");
-        }
-    }
-    let reports = gpu::ptxas_report(name, src, "sm_90a").unwrap();
-    for f in entries {
-        let r = reports
-            .iter()
-            .find(|r| &r.kernel == f)
-            .unwrap_or_else(|| panic!("no ptxas report for {f}"));
-        eprintln!(
-            "{}: {} registers, {} spill bytes",
-            r.kernel, r.registers, r.spill_bytes
-        );
-        assert_eq!(r.spill_bytes, 0, "{r:?}");
-    }
 }
 
 /// The SSD kernels compile ([`compiles_without_spills`]); runs in CI.

@@ -1,8 +1,8 @@
 """What the PyTorch comparison modules that return whole output tensors share (`torch_kernel_sums`,
-`torch_mixers`, `fla_mixers`, `mamba_mixers`): checking the outputs against the runner's float64
-reference, the notes for timings the case limit cut short, the measurement of one call on CUDA,
-and, for the Triton libraries, their common notes and the library's version in the reply.
-Imports torch through `torch_cpu` (None without it)."""
+`torch_mixers`, `fla_mixers`, `mamba_mixers`, `torch_moe`): checking the outputs against the
+runner's float64 reference, the notes for timings the case limit cut short, the measurement of
+one call on CUDA, and, for the Triton libraries, their common notes and the library's version in
+the reply. Imports torch through `torch_cpu` (None without it)."""
 import os
 import sys
 import time
@@ -81,7 +81,8 @@ PEAK_ON_SECOND_CALL = ("torch.cuda.max_memory_allocated (reset before the inputs
                        "only this case; cuBLAS workspaces apart")
 
 
-def measure_on_gpu(job, call, notes, fit=None, peak_on_second_call=False):
+def measure_on_gpu(job, call, notes, fit=None, peak_on_second_call=False,
+                   check=check_outputs):
     """Measures `call` (on the job's inputs, in `files.inputs` order, returning a tuple of
     outputs) on CUDA: the inputs uploaded, the first call timed by wall clock, the outputs
     scanned and checked against the runner's float64 reference (`check_outputs`), then eager
@@ -92,7 +93,10 @@ def measure_on_gpu(job, call, notes, fit=None, peak_on_second_call=False):
     upload and raises to refuse the call; `peak_on_second_call` reads the peak (and checks the
     outputs) on a second call, the allocator's counters reset after the first: for libraries
     whose first call compiles and autotunes Triton kernels, whose benchmarking buffers are not
-    the call's. Returns (row fields, measurement window) or (failed row fields, None)."""
+    the call's; `check(files, results)` is the first call's output check, `check_outputs`'s form
+    ((failed row fields, None) or (None, the accuracy dict or None)), `check_outputs` unless a
+    call's outputs are not the reference's function (torch_moe's dense ceiling scans them only).
+    Returns (row fields, measurement window) or (failed row fields, None)."""
     files, tcfg = job["files"], job["timing"]
     device = torch.device("cuda")
     torch.zeros(1, device=device)  # CUDA context, outside every figure
@@ -122,7 +126,7 @@ def measure_on_gpu(job, call, notes, fit=None, peak_on_second_call=False):
         ws = workspace or 0
         set_bytes = sum(x.numel() * x.element_size() for x in set0)
         out_bytes = sum(x.numel() * x.element_size() for x in results)
-        failed, accuracy = check_outputs(files, results)
+        failed, accuracy = check(files, results)
         if failed:
             return failed, None
         del results

@@ -16,6 +16,10 @@ pub enum Spread {
     Zipf,
 }
 
+/// The `op` parameter of a grouped-GEMM case (the suite's later cases, dispatch, combine and
+/// the whole layer, name theirs).
+pub const OP: &str = "grouped_gemm";
+
 /// The exponent s of [`Spread::Zipf`]: expert e (0-based) gets a share ∝ 1 / (e + 1)^s.
 pub const ZIPF_EXPONENT: f64 = 1.2;
 
@@ -99,8 +103,8 @@ impl GroupedCase {
         }
     }
 
-    /// The case as named parameters for a document row: `tokens`, `experts`, `top_k`,
-    /// `hidden`, `width`, `spread`, `dtype` (`bf16`), `pass` (`fwd` or `fwd+bwd`).
+    /// The case as named parameters for a document row: `op` ([`OP`]), `tokens`, `experts`,
+    /// `top_k`, `hidden`, `width`, `spread`, `dtype` (`bf16`), `pass` (`fwd` or `fwd+bwd`).
     pub fn params(&self) -> BTreeMap<String, Param> {
         let mut p = BTreeMap::new();
         for (k, v) in [
@@ -112,6 +116,7 @@ impl GroupedCase {
         ] {
             p.insert(k.into(), Param::Int(v as i64));
         }
+        p.insert("op".into(), Param::Text(OP.into()));
         p.insert("spread".into(), Param::Text(self.spread.as_str().into()));
         p.insert("dtype".into(), Param::Text("bf16".into()));
         p.insert(
@@ -129,6 +134,11 @@ impl GroupedCase {
     pub fn from_params(p: &BTreeMap<String, Param>) -> Result<GroupedCase, String> {
         let int = |k: &str| crate::schema::param_size(p, k);
         let text = |k: &str| crate::schema::param_name(p, k);
+        if let Some(Param::Text(op)) = p.get("op") {
+            if op != OP {
+                return Err(format!("op `{op}` is not a grouped GEMM (`{OP}`)"));
+            }
+        }
         let spread = text("spread")?;
         let spread = Spread::parse(spread).ok_or_else(|| format!("unknown spread `{spread}`"))?;
         if text("dtype")? != "bf16" {

@@ -8,7 +8,11 @@
 //! rows `offsets[e] .. offsets[e + 1]` (an expert with no token has an empty range).
 //!
 //! [`reference`] is the float64 definition every implementation is checked against;
-//! [`case`] the grouped-GEMM case of the grid, its group sizes and its FLOP and byte counts.
+//! [`case`] the grouped-GEMM case of the grid, its group sizes and its FLOP and byte counts;
+//! [`cuda`] the grouped GEMM's CUDA kernels (forward, dX, dW) and their launch; [`files`] a case
+//! as the runner protocol's files.
 
 pub mod case;
+pub mod cuda;
+pub mod files;
 pub mod reference;

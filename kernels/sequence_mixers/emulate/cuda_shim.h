@@ -57,6 +57,13 @@ inline float __shfl_up_sync(unsigned, float v, int delta) {
     const float got = warp_exchange(v, lane >= delta ? lane - delta : lane);
     return got;
 }
+// The int shuffles (the grouped GEMM's tile prefix), through the float ones' exchange.
+inline int __shfl_sync(unsigned m, int v, int src) {
+    float f; std::memcpy(&f, &v, 4); f = __shfl_sync(m, f, src); std::memcpy(&v, &f, 4); return v;
+}
+inline int __shfl_up_sync(unsigned m, int v, int delta) {
+    float f; std::memcpy(&f, &v, 4); f = __shfl_up_sync(m, f, delta); std::memcpy(&v, &f, 4); return v;
+}
 // ldmatrix.m8n8.x4 (.trans) over b16 rows: every lane deposits its row address (lane l: row
 // l % 8 of matrix l / 8), then reads its words: register i of lane (g, t) is row g, columns
 // 2t, 2t + 1 of matrix i, or with trans rows 2t, 2t + 1 of column g. Addresses must be 16-byte

@@ -42,6 +42,10 @@ pub const SEQUENCE_MIXERS_COMMAND: &str =
 pub const KERNEL_SUMS_COMMAND: &str =
     "cargo run --release --bin kernel_sums -- --compare torch --output data/gpu_kernel_sums.json";
 
+/// Command that measures the MoE suite on the GPU.
+pub const MOE_COMMAND: &str =
+    "cargo run --release --bin moe -- --compare torch --output data/gpu_moe.json";
+
 /// Command that builds the site.
 pub const DOCGEN_COMMAND: &str = "cargo run --release --bin docgen -- build";
 
@@ -173,7 +177,8 @@ pub fn measure_command(suite: Suite) -> Option<&'static str> {
         Suite::Attention => Some(ATTENTION_COMMAND),
         Suite::SequenceMixers => Some(SEQUENCE_MIXERS_COMMAND),
         Suite::KernelSums => Some(KERNEL_SUMS_COMMAND),
-        Suite::Moe | Suite::Models => None,
+        Suite::Moe => Some(MOE_COMMAND),
+        Suite::Models => None,
     }
 }
 

@@ -1,0 +1,212 @@
+//! The grouped GEMM on CUDA: `kernels/moe/grouped_gemm.cu` (mma.sync, sm_80+), compiled by
+//! NVRTC at run time with the sequence-mixer prelude, launched on a persistent grid: the
+//! forward `y = x · w[e]`, and the backward's `dX = dY · w[e]ᵀ` and `dW[e] = x_eᵀ · dY_e`, one
+//! launch each for all experts whatever their row counts (empty groups included). Layouts are
+//! [`super::reference::grouped_matmul`]'s: `x` `[M, K]` rows in expert order, `w` `[E, K, N]`,
+//! `offsets` `[E + 1]` (int32), bf16 operands held as their bits (`u16`), float32
+//! accumulation, bf16 results rounded to nearest even.
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use crate::gpu::{Gpu, GpuError};
+use crate::sequence_mixers::cuda::with_prelude;
+
+/// The kernel source (`kernels/moe/grouped_gemm.cu`).
+pub const GROUPED_GEMM_SRC: &str = include_str!("../../kernels/moe/grouped_gemm.cu");
+
+/// What NVRTC compiles: the sequence-mixer prelude (bf16 packing, mma.sync, ldmatrix,
+/// cp.async), then [`GROUPED_GEMM_SRC`].
+pub fn source() -> String {
+    with_prelude(GROUPED_GEMM_SRC)
+}
+
+/// The kernels' names: the forward, dX, dW.
+pub const ENTRY_POINTS: [&str; 3] = ["grouped_gemm_fwd", "grouped_gemm_dx", "grouped_gemm_dw"];
+
+/// Threads per block (`GG_THREADS`).
+pub const THREADS: u32 = 256;
+/// The output tile, rows and columns (`GG_BM`, `GG_BN`).
+pub const TILE: usize = 128;
+/// Blocks per SM the persistent grid launches (the kernels' `__launch_bounds__` minimum).
+pub const BLOCKS_PER_SM: usize = 2;
+/// Shared memory of the pipeline's stages, bytes (`GG_SMEM_TILE_BYTES`: 4 stages of a
+/// 128 × 40 and a 32 × 136 bf16 tile, each the larger of the two).
+const STAGE_BYTES: u32 = 4 * 2 * 2 * 128 * 40;
+
+/// Dynamic shared memory of a launch over `groups` groups: the stages and the groups' tile
+/// prefix (`groups + 1` int32).
+pub fn shared_bytes(groups: usize) -> u32 {
+    STAGE_BYTES + 4 * (groups as u32 + 1)
+}
+
+/// The three products of a grouped GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Product {
+    /// `y[M, N] = x[M, K] · w[e][K, N]` per group.
+    Forward,
+    /// `dx[M, K] = dy[M, N] · w[e]ᵀ` per group.
+    Dx,
+    /// `dw[e][K, N] = x_eᵀ · dy_e` (zeros for an empty group).
+    Dw,
+}
+
+/// An upper bound on the output tiles of `product` over `groups` groups holding `rows` rows
+/// in all (the exact count needs the offsets, which stay on the device): the persistent grid
+/// never launches more blocks than this.
+pub fn max_tiles(product: Product, rows: usize, groups: usize, k: usize, n: usize) -> usize {
+    let t = |x: usize| x.div_ceil(TILE);
+    match product {
+        Product::Forward => (rows / TILE + groups.min(rows)) * t(n),
+        Product::Dx => (rows / TILE + groups.min(rows)) * t(k),
+        Product::Dw => groups * t(k) * t(n),
+    }
+}
+
+/// The compiled kernels.
+pub struct GroupedGemm {
+    fwd: CudaFunction,
+    dx: CudaFunction,
+    dw: CudaFunction,
+    /// SMs of the device (the persistent grid is [`BLOCKS_PER_SM`] blocks on each).
+    sm_count: usize,
+    /// The dynamic shared memory the functions were raised to (their tile prefix's groups).
+    groups_cap: usize,
+    /// NVRTC compile and module load time, s (0 when this process had compiled the source).
+    pub compile_s: f64,
+}
+
+impl GroupedGemm {
+    /// Compiles the kernels (once per process; [`Gpu::compile`] caches) for launches over up to
+    /// `max_groups` groups.
+    ///
+    /// # Errors
+    /// [`GpuError::Compile`] with NVRTC's log; driver errors from loading.
+    pub fn new(gpu: &Gpu, max_groups: usize) -> Result<GroupedGemm, GpuError> {
+        let compiled = gpu.compile("grouped_gemm.cu", &source())?;
+        let smem = shared_bytes(max_groups);
+        let f = |name: &str| gpu.function(&compiled.module, name, smem);
+        let sm_count = gpu.describe()?.sm_count.map_or(1, |n| n as usize);
+        Ok(GroupedGemm {
+            fwd: f(ENTRY_POINTS[0])?,
+            dx: f(ENTRY_POINTS[1])?,
+            dw: f(ENTRY_POINTS[2])?,
+            sm_count,
+            groups_cap: max_groups,
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// Launches one product (asynchronous on [`Gpu::stream`]). `a` is x (forward, dW) or dy
+    /// (dX); `b` is w (forward, dX) or dy (dW); `c` the output y `[M, N]`, dx `[M, K]` or dw
+    /// `[E, K, N]`. `offsets` `[E + 1]` must be non-decreasing from 0 to M = `rows` (the kernels
+    /// read it on the device and do not check it).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for a K or N not a multiple of 8, more groups than [`GroupedGemm::new`]
+    /// was given, or a buffer whose length does not fit; driver errors from the launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        product: Product,
+        a: &CudaSlice<u16>,
+        b: &CudaSlice<u16>,
+        c: &mut CudaSlice<u16>,
+        offsets: &CudaSlice<i32>,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), GpuError> {
+        let groups = offsets.len().saturating_sub(1);
+        if !k.is_multiple_of(8) || !n.is_multiple_of(8) || k == 0 || n == 0 {
+            return Err(GpuError::Config(format!(
+                "grouped GEMM: K = {k} and N = {n} must be positive multiples of 8"
+            )));
+        }
+        if groups == 0 || groups > self.groups_cap {
+            return Err(GpuError::Config(format!(
+                "grouped GEMM: {groups} groups, this instance takes 1 to {}",
+                self.groups_cap
+            )));
+        }
+        let (a_len, b_len, c_len) = match product {
+            Product::Forward => (rows * k, groups * k * n, rows * n),
+            Product::Dx => (rows * n, groups * k * n, rows * k),
+            Product::Dw => (rows * k, rows * n, groups * k * n),
+        };
+        for (what, have, want) in [
+            ("a", a.len(), a_len),
+            ("b", b.len(), b_len),
+            ("c", c.len(), c_len),
+        ] {
+            // An empty tensor travels as one unread element (the driver refuses zero bytes).
+            if have != want && !(want == 0 && have == 1) {
+                return Err(GpuError::Config(format!(
+                    "grouped GEMM {product:?}: `{what}` holds {have} elements, the shape needs {want}"
+                )));
+            }
+        }
+        let tiles = max_tiles(product, rows, groups, k, n);
+        if tiles == 0 {
+            return Ok(());
+        }
+        let blocks = tiles.min(self.sm_count * BLOCKS_PER_SM) as u32;
+        let f = match product {
+            Product::Forward => &self.fwd,
+            Product::Dx => &self.dx,
+            Product::Dw => &self.dw,
+        };
+        let (groups_i, k_i, n_i) = (groups as i32, k as i32, n as i32);
+        let mut l = gpu.stream.launch_builder(f);
+        l.arg(a)
+            .arg(b)
+            .arg(c)
+            .arg(offsets)
+            .arg(&groups_i)
+            .arg(&k_i)
+            .arg(&n_i);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: shared_bytes(groups),
+        };
+        // SAFETY: grouped_gemm_<fwd|dx|dw>(const u16* a, const u16* b, u16* c, const int*
+        // offsets, int groups, int K, int N): the buffer lengths were checked against the
+        // shape above, K and N are multiples of 8 (16-byte copies), the shared memory holds
+        // the stages and groups + 1 ints, and the function's limit was raised to it in `new`
+        // (groups ≤ groups_cap). The kernels read offsets[0..=groups] and rows inside them.
+        unsafe { l.launch(cfg)? };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_fits_two_blocks_per_sm() {
+        // 228 KB per SM on Hopper, 1 KB of it reserved per block.
+        assert!(2 * (shared_bytes(128) + 1024) <= 228 * 1024);
+        assert_eq!(shared_bytes(0), STAGE_BYTES + 4);
+    }
+
+    #[test]
+    fn tile_bounds_cover_every_split_of_the_rows() {
+        // Each group's ⌈rows_e / 128⌉ ≤ rows_e / 128 + 1 for a non-empty group, so the bound
+        // holds for any split; check it against a few.
+        for counts in [
+            vec![5, 0, 0, 3, 0, 1, 0, 7],
+            vec![0, 0],
+            vec![300, 1, 129],
+            vec![128; 4],
+        ] {
+            let rows: usize = counts.iter().sum();
+            let exact: usize = counts.iter().map(|c| c.div_ceil(TILE)).sum();
+            let bound = max_tiles(Product::Forward, rows, counts.len(), 256, 256);
+            assert!(exact * 2 <= bound, "{counts:?}: {exact} x 2 > {bound}");
+        }
+        assert_eq!(max_tiles(Product::Dw, 0, 3, 256, 384), 3 * 2 * 3);
+        assert_eq!(max_tiles(Product::Forward, 0, 3, 256, 384), 0);
+    }
+}

@@ -1,0 +1,41 @@
+//! The compile-and-spill check shared by the GPU test binaries (NVRTC only, no GPU).
+
+/// The kernel file `name` (`src`, prelude included) compiles for sm_90a and sm_80 with
+/// exactly `entries` in its PTX, to machine code for both, and ptxas reports no spill for any
+/// entry on sm_90a (registers printed with `--nocapture`). Needs NVRTC only, not a GPU.
+pub fn compiles_without_spills(name: &str, src: &str, entries: &[String]) {
+    // SAFETY: only tries to dlopen the library.
+    let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    assert!(present, "libnvrtc.so.13 not found on the loader path");
+    for arch in ["sm_90a", "sm_80"] {
+        let text = kernelpages::gpu::nvrtc_compile(name, src, arch)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_src();
+        for f in entries {
+            assert!(
+                text.contains(&format!(".entry {f}(")),
+                "{f} missing from the {arch} PTX of {name}"
+            );
+        }
+        assert_eq!(
+            text.matches(".entry ").count(),
+            entries.len(),
+            "{name} {arch}"
+        );
+        if let Err(e) = kernelpages::gpu::nvrtc_compile_cubin(name, src, arch) {
+            panic!("{name} {arch}: {e}");
+        }
+    }
+    let reports = kernelpages::gpu::ptxas_report(name, src, "sm_90a").unwrap();
+    for f in entries {
+        let r = reports
+            .iter()
+            .find(|r| &r.kernel == f)
+            .unwrap_or_else(|| panic!("no ptxas report for {f}"));
+        eprintln!(
+            "{}: {} registers, {} spill bytes",
+            r.kernel, r.registers, r.spill_bytes
+        );
+        assert_eq!(r.spill_bytes, 0, "{r:?}");
+    }
+}

@@ -1,0 +1,264 @@
+//! GPU correctness of the MoE kernels (issue 14) against their float64 references
+//! (`moe::reference`): the grouped GEMM's forward, dX and dW on ragged groups with empty
+//! experts.
+//!
+//! Runs on a machine with an NVIDIA GPU; where build.rs found no CUDA driver (`kp_cuda`) the
+//! tests are compiled as ignored, with the reason. On the GPU machine:
+//! `cargo test --release --test gpu_moe -- --include-ignored --test-threads 1 --nocapture`.
+//! Outputs are filled with NaN (bf16 0xFFFF) before each launch, so an element the kernels
+//! never write fails the finiteness check; every case prints one line.
+
+#[path = "common/spills.rs"]
+mod spills;
+
+use std::sync::OnceLock;
+
+use cudarc::driver::CudaSlice;
+use kernelpages::gpu::{self, Gpu};
+use kernelpages::moe::case::{GroupedCase, Spread};
+use kernelpages::moe::cuda::{self as moe_cuda, GroupedGemm, Product};
+use kernelpages::moe::reference::{grouped_matmul, grouped_matmul_backward, offsets_of};
+use rand::{Rng, SeedableRng};
+
+/// The grouped GEMM's kernels compile for sm_90a and sm_80 without spills; runs in CI.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn grouped_gemm_kernels_compile_without_spills() {
+    let entries: Vec<String> = moe_cuda::ENTRY_POINTS
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    spills::compiles_without_spills("grouped_gemm.cu", &moe_cuda::source(), &entries);
+}
+
+/// One device and one compiled instance for the whole binary.
+fn gpu() -> &'static (Gpu, GroupedGemm) {
+    static GPU: OnceLock<(Gpu, GroupedGemm)> = OnceLock::new();
+    GPU.get_or_init(|| {
+        if let Err(e) = gpu::detect() {
+            panic!("{e}");
+        }
+        let g = Gpu::open(0).expect("device opens");
+        let gg = GroupedGemm::new(&g, 256).expect("the grouped GEMM compiles");
+        (g, gg)
+    })
+}
+
+fn bf16_bits(x: f64) -> u16 {
+    half::bf16::from_f32(x as f32).to_bits()
+}
+
+fn bf16_value(b: u16) -> f64 {
+    half::bf16::from_bits(b).to_f32() as f64
+}
+
+/// `n` standard-normal-ish values (uniform in ±√3: unit variance) already rounded to bf16,
+/// so the reference reads what the device gets.
+fn inputs(n: usize, seed: u64) -> Vec<f64> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| bf16_value(bf16_bits(rng.random_range(-1.732..1.732))))
+        .collect()
+}
+
+/// `v` on the device as bf16 (an empty `v` as one element: the driver refuses zero bytes).
+fn up(v: &[f64]) -> CudaSlice<u16> {
+    let s = &gpu().0.stream;
+    let bits: Vec<u16> = v.iter().map(|&x| bf16_bits(x)).collect();
+    s.clone_htod(if bits.is_empty() { &[0u16][..] } else { &bits })
+        .unwrap()
+}
+
+fn poisoned(n: usize) -> CudaSlice<u16> {
+    gpu()
+        .0
+        .stream
+        .clone_htod(&vec![0xFFFFu16; n.max(1)])
+        .unwrap()
+}
+
+fn down(d: &CudaSlice<u16>, n: usize) -> Vec<f64> {
+    let v = gpu().0.stream.clone_dtoh(d).unwrap();
+    v[..n].iter().map(|&b| bf16_value(b)).collect()
+}
+
+/// max |got − want| / max |want| over the rows `rows` of width `width` (all rows when None),
+/// NaN when any checked element is not finite; 0 for nothing to check.
+fn rel_max(got: &[f64], want: &[f64], width: usize, rows: Option<&[usize]>) -> f64 {
+    let all: Vec<usize> = (0..want.len() / width.max(1)).collect();
+    let (mut err, mut scale) = (0.0f64, 0.0f64);
+    for &r in rows.unwrap_or(&all) {
+        for j in 0..width {
+            let (g, w) = (got[r * width + j], want[r * width + j]);
+            if !g.is_finite() {
+                return f64::NAN;
+            }
+            err = err.max((g - w).abs());
+            scale = scale.max(w.abs());
+        }
+    }
+    if scale > 0.0 {
+        err / scale
+    } else {
+        err
+    }
+}
+
+/// bf16 rounding of the result (2⁻⁸ relative) with room for float32 accumulation order.
+const BOUND: f64 = 8e-3;
+
+/// The three products on the device against float64 for rows split as `counts`, K × N
+/// weights; prints and returns the three errors (dW of an empty group must be exactly 0).
+fn case(counts: &[usize], k: usize, n: usize, seed: u64) -> [f64; 3] {
+    let (g, gg) = gpu();
+    let e = counts.len();
+    let offsets = offsets_of(counts);
+    let m = offsets[e];
+    let x = inputs(m * k, seed);
+    let w = inputs(e * k * n, seed + 1);
+    let dy = inputs(m * n, seed + 2);
+    let y_ref = grouped_matmul(&x, &w, &offsets, k, n).unwrap();
+    let (dx_ref, dw_ref) = grouped_matmul_backward(&x, &w, &offsets, &dy, k, n).unwrap();
+    let off32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
+    let d_off = g.stream.clone_htod(&off32).unwrap();
+    let (d_x, d_w, d_dy) = (up(&x), up(&w), up(&dy));
+    let (mut d_y, mut d_dx, mut d_dw) = (poisoned(m * n), poisoned(m * k), poisoned(e * k * n));
+    gg.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
+        .unwrap();
+    gg.launch(g, Product::Dx, &d_dy, &d_w, &mut d_dx, &d_off, m, k, n)
+        .unwrap();
+    gg.launch(g, Product::Dw, &d_x, &d_dy, &mut d_dw, &d_off, m, k, n)
+        .unwrap();
+    g.stream.synchronize().unwrap();
+    let dw = down(&d_dw, e * k * n);
+    for (i, &c) in counts.iter().enumerate() {
+        if c == 0 {
+            assert!(
+                dw[i * k * n..(i + 1) * k * n].iter().all(|&v| v == 0.0),
+                "dW of empty expert {i} is not zero"
+            );
+        }
+    }
+    let errs = [
+        rel_max(&down(&d_y, m * n), &y_ref, n, None),
+        rel_max(&down(&d_dx, m * k), &dx_ref, k, None),
+        rel_max(&dw, &dw_ref, n, None),
+    ];
+    println!(
+        "counts {counts:?} K {k} N {n}: y {:.2e} dx {:.2e} dw {:.2e}",
+        errs[0], errs[1], errs[2]
+    );
+    errs
+}
+
+fn assert_within(errs: [f64; 3], what: &str) {
+    for (name, e) in ["y", "dX", "dW"].iter().zip(errs) {
+        assert!(
+            e <= BOUND,
+            "{what}: {name} error {e:.3e} (bound {BOUND:.0e})"
+        );
+    }
+}
+
+/// Issue 14's inputs: 8 experts with [5, 0, 0, 3, 0, 1, 0, 7] rows, K = N = 256.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
+)]
+fn grouped_gemm_with_empty_experts_matches_float64() {
+    assert_within(
+        case(&[5, 0, 0, 3, 0, 1, 0, 7], 256, 256, 1),
+        "[5,0,0,3,0,1,0,7]",
+    );
+}
+
+/// Every count 0 (nothing to compute: y and dX empty, dW all zeros) and one token in total:
+/// the calls return.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
+)]
+fn grouped_gemm_with_no_rows_and_one_row_returns() {
+    assert_within(case(&[0; 8], 256, 256, 3), "all empty");
+    assert_within(case(&[0, 0, 0, 1, 0, 0, 0, 0], 256, 256, 4), "one token");
+}
+
+/// Skewed routing (`Spread::Zipf`: the last quarter of the experts get nothing) at sizes with
+/// partial row, column and reduction tiles, forward and both backward products.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
+)]
+fn grouped_gemm_backward_on_skewed_routing_matches_float64() {
+    for (tokens, experts, top_k, k, n) in [(1000, 8, 2, 264, 136), (700, 16, 4, 128, 392)] {
+        let c = GroupedCase {
+            tokens,
+            experts,
+            top_k,
+            hidden: k,
+            width: n,
+            spread: Spread::Zipf,
+            backward: true,
+        };
+        let counts = c.group_counts();
+        assert!(counts.contains(&0), "{counts:?}");
+        assert_within(case(&counts, k, n, tokens as u64), &format!("{c:?}"));
+    }
+}
+
+/// Outputs past 2³¹ elements (y of 151,000 rows by 14,336): the kernels' 64-bit offsets.
+/// Checked on sampled rows of every group (the float64 product of all of them is minutes).
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
+)]
+fn grouped_gemm_past_two_to_the_31_elements() {
+    let (g, gg) = gpu();
+    let (k, n) = (64, 14336);
+    let counts = [70_000usize, 0, 81_000];
+    let offsets = offsets_of(&counts);
+    let m = offsets[3];
+    assert!(m * n > 1 << 31);
+    let x = inputs(m * k, 11);
+    let w = inputs(3 * k * n, 12);
+    let off32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
+    let d_off = g.stream.clone_htod(&off32).unwrap();
+    let mut d_y = poisoned(m * n);
+    gg.launch(
+        g,
+        Product::Forward,
+        &up(&x),
+        &up(&w),
+        &mut d_y,
+        &d_off,
+        m,
+        k,
+        n,
+    )
+    .unwrap();
+    let y = down(&d_y, m * n);
+    let rows = [0, 1, 69_999, 70_000, 100_000, 150_000, m - 1];
+    // The reference on the sampled rows only: each as a one-row group of its expert.
+    let mut worst = 0.0f64;
+    for &r in &rows {
+        let e = if r < offsets[1] { 0 } else { 2 };
+        let yr = grouped_matmul(
+            &x[r * k..(r + 1) * k],
+            &w[e * k * n..(e + 1) * k * n],
+            &[0, 1],
+            k,
+            n,
+        )
+        .unwrap();
+        worst = worst.max(rel_max(&y[r * n..(r + 1) * n], &yr, n, None));
+    }
+    println!("{m} x {n} y, sampled rows {rows:?}: error {worst:.2e}");
+    assert!(worst <= BOUND, "error {worst:.3e}");
+}
