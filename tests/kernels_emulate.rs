@@ -596,3 +596,21 @@ fn grouped_gemm_emulated_matches_float64() {
     ];
     emulated_suite_kernel_runs_clean("moe", "grouped_gemm_check", &cases);
 }
+
+/// The MoE routing, plan, gather and combine kernels (`kernels/moe/dispatch.cu`) on the CPU
+/// against a direct reference: chosen experts with ties, the stable plan with and without a
+/// capacity, softmax and sigmoid gates, the identity at top_k = 1.
+#[test]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+fn moe_dispatch_emulated_matches_the_reference() {
+    let cases: Vec<String> = [
+        "37,8,2,-1,16,0",
+        "300,8,1,-1,16,0",
+        "50,200,8,-1,8,1",
+        "700,16,4,90,8,1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    emulated_suite_kernel_runs_clean("moe", "dispatch_check", &cases);
+}

@@ -168,15 +168,22 @@ __device__ void gg_tile(u16* smem_h, const u16* a, long long lda, const u16* b, 
         }
 }
 
-// The grouped GEMM (MODE 0, 1, 2 as above) over `groups` groups: x (MODE 0, 2) or dy (MODE 1)
+// The grouped GEMM (MODE 0, 1, 2 as above) over `groups` groups of M rows in all (offsets
+// clamped to [0, M]): x (MODE 0, 2) or dy (MODE 1)
 // is `a_src`; w (MODE 0, 1) or dy (MODE 2) is `b_src`; `c` is y, dx or dw. K and N as in the
 // forward (x is [M, K], w [E, K, N]). Tiles per group: MODE 0 ⌈rows/128⌉ · ⌈N/128⌉, MODE 1
 // ⌈rows/128⌉ · ⌈K/128⌉, MODE 2 ⌈K/128⌉ · ⌈N/128⌉ whatever the rows. Dynamic shared memory:
 // GG_SMEM_TILE_BYTES + (groups + 1) · 4.
+// Offset e clamped to [0, M]: whatever the offsets hold, no tile reaches past row M (a group
+// whose offsets decrease is empty).
+__device__ __forceinline__ int gg_offset(const int* offsets, int e, int M) {
+    return min(max(offsets[e], 0), M);
+}
+
 template <int MODE>
 __device__ void grouped_gemm_body(const u16* __restrict__ a_src, const u16* __restrict__ b_src,
                                   u16* __restrict__ c, const int* __restrict__ offsets,
-                                  int groups, int K, int N) {
+                                  int groups, int M, int K, int N) {
     extern __shared__ float smem[];
     u16* smem_h = reinterpret_cast<u16*>(smem);
     int* tiles_before = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(smem) +
@@ -193,7 +200,8 @@ __device__ void grouped_gemm_body(const u16* __restrict__ a_src, const u16* __re
             const int e = base + lane;
             int tiles = 0;
             if (e < groups) {
-                const int rows = MODE == 2 ? K : offsets[e + 1] - offsets[e];
+                const int rows =
+                    MODE == 2 ? K : max(gg_offset(offsets, e + 1, M) - gg_offset(offsets, e, M), 0);
                 tiles = ((rows + GG_BM - 1) / GG_BM) * tiles_n;
             }
             int incl = tiles;
@@ -216,7 +224,8 @@ __device__ void grouped_gemm_body(const u16* __restrict__ a_src, const u16* __re
             if (tiles_before[mid] <= tile) lo = mid; else hi = mid - 1;
         }
         const int e = lo;
-        const int row0 = offsets[e], rows = offsets[e + 1] - row0;
+        const int row0 = gg_offset(offsets, e, M);
+        const int rows = max(gg_offset(offsets, e + 1, M) - row0, 0);
         const int c_rows = MODE == 2 ? K : rows;
         const int tiles_m = (c_rows + GG_BM - 1) / GG_BM;
         const int local = tile - tiles_before[e];
@@ -247,18 +256,18 @@ __device__ void grouped_gemm_body(const u16* __restrict__ a_src, const u16* __re
 
 extern "C" __global__ void __launch_bounds__(GG_THREADS, 2)
 grouped_gemm_fwd(const u16* __restrict__ x, const u16* __restrict__ w, u16* __restrict__ y,
-                 const int* __restrict__ offsets, int groups, int K, int N) {
-    grouped_gemm_body<0>(x, w, y, offsets, groups, K, N);
+                 const int* __restrict__ offsets, int groups, int M, int K, int N) {
+    grouped_gemm_body<0>(x, w, y, offsets, groups, M, K, N);
 }
 
 extern "C" __global__ void __launch_bounds__(GG_THREADS, 2)
 grouped_gemm_dx(const u16* __restrict__ dy, const u16* __restrict__ w, u16* __restrict__ dx,
-                const int* __restrict__ offsets, int groups, int K, int N) {
-    grouped_gemm_body<1>(dy, w, dx, offsets, groups, K, N);
+                const int* __restrict__ offsets, int groups, int M, int K, int N) {
+    grouped_gemm_body<1>(dy, w, dx, offsets, groups, M, K, N);
 }
 
 extern "C" __global__ void __launch_bounds__(GG_THREADS, 2)
 grouped_gemm_dw(const u16* __restrict__ x, const u16* __restrict__ dy, u16* __restrict__ dw,
-                const int* __restrict__ offsets, int groups, int K, int N) {
-    grouped_gemm_body<2>(x, dy, dw, offsets, groups, K, N);
+                const int* __restrict__ offsets, int groups, int M, int K, int N) {
+    grouped_gemm_body<2>(x, dy, dw, offsets, groups, M, K, N);
 }

@@ -22,7 +22,8 @@ Implementations:
   x[offsets[e]:offsets[e + 1]] and w[e] would, but are one autograd node each, so the backward
   concatenates dX and stacks dW once instead of summing E zero-padded full-size gradients.
 - `torch_bmm_padded`: cuBLAS's strided-batched GEMM over the experts padded to the largest
-  group, C = max(counts) rows: the rows scattered into a zero [E * C, K] tensor (`index_copy`
+  group, C = max(counts) rows: the rows scattered into a zero [E * C, K] tensor (`index_copy_`,
+  in place
   with each row's padded position, an index built once per case from `counts` outside the
   timed call; the scatter and the gather are in it), `torch.bmm` of its [E, C, K] view with w,
   and the valid rows gathered back to [M, N] (`index_select`). The products compute E x C / M
@@ -287,7 +288,9 @@ def forward(implementation, args, device):
         rows = torch.tensor(padded_rows(counts, cap), dtype=torch.long, device=device)
 
         def padded(x, w):
-            xp = x.new_zeros(e * cap, x.shape[1]).index_copy(0, rows, x)
+            # In place: one padded buffer, not a zero tensor and a copy of it.
+            xp = x.new_zeros(e * cap, x.shape[1])
+            xp.index_copy_(0, rows, x)
             yp = torch.bmm(xp.view(e, cap, x.shape[1]), w)
             return yp.view(e * cap, w.shape[2]).index_select(0, rows)
         return padded

@@ -12,7 +12,9 @@ pub enum Spread {
     Balanced,
     /// Zipf's law over the experts in index order, exponent [`ZIPF_EXPONENT`], over the first
     /// E − ⌊E / 4⌋ experts; the last ⌊E / 4⌋ get no row (an empty group is part of every
-    /// skewed case from 4 experts up). Counts by largest remainder, so they sum to the rows.
+    /// skewed case from 4 experts up). Counts by largest remainder, so they sum to the rows;
+    /// then capped at the token count (a top-k router sends each token to an expert at most
+    /// once), the excess going to the next experts with room.
     Zipf,
 }
 
@@ -97,6 +99,20 @@ impl GroupedCase {
                 });
                 for &i in order.iter().take(short) {
                     counts[i] += 1;
+                }
+                // A token picks top_k distinct experts, so no expert gets more rows than there
+                // are tokens: cap each count there and hand the excess to the next experts in
+                // index order with room (the live ones first, the empty quarter only when the
+                // live ones cannot hold the rows, live · T < M).
+                let cap = self.tokens;
+                let mut excess: usize = counts.iter().map(|&c| c.saturating_sub(cap)).sum();
+                for c in counts.iter_mut() {
+                    *c = (*c).min(cap);
+                }
+                for i in (0..live).chain(live..e) {
+                    let add = excess.min(cap - counts[i]);
+                    counts[i] += add;
+                    excess -= add;
                 }
                 counts
             }
@@ -256,6 +272,33 @@ mod tests {
         assert!(hi - lo <= 1, "{counts:?}");
         assert_eq!(counts[0], 32);
         assert_eq!(counts[63], 31);
+    }
+
+    #[test]
+    fn zipf_counts_are_a_possible_routing() {
+        // No expert gets more rows than there are tokens, at every layer of the grid; the
+        // rows still sum to T · top_k and the last quarter stays empty.
+        for (tokens, experts, top_k) in [
+            (4096, 64, 8),
+            (16384, 128, 8),
+            (65536, 128, 8),
+            (4096, 8, 2),
+            (100, 4, 4),
+        ] {
+            let counts = case(tokens, experts, top_k, Spread::Zipf).group_counts();
+            assert_eq!(counts.iter().sum::<usize>(), tokens * top_k);
+            assert!(counts.iter().all(|&c| c <= tokens), "{counts:?}");
+            if (experts - experts / 4) * tokens >= tokens * top_k {
+                assert!(
+                    counts[experts - experts / 4..].iter().all(|&c| c == 0),
+                    "{counts:?}"
+                );
+            }
+            // Still skewed: the first expert is full or the largest.
+            assert_eq!(counts[0], *counts.iter().max().unwrap());
+        }
+        // 4 experts, top-4: every token reaches every expert, the empty quarter included.
+        assert_eq!(case(100, 4, 4, Spread::Zipf).group_counts(), vec![100; 4]);
     }
 
     #[test]

@@ -98,8 +98,9 @@ impl GroupedGemm {
 
     /// Launches one product (asynchronous on [`Gpu::stream`]). `a` is x (forward, dW) or dy
     /// (dX); `b` is w (forward, dX) or dy (dW); `c` the output y `[M, N]`, dx `[M, K]` or dw
-    /// `[E, K, N]`. `offsets` `[E + 1]` must be non-decreasing from 0 to M = `rows` (the kernels
-    /// read it on the device and do not check it).
+    /// `[E, K, N]`. `offsets` `[E + 1]` should be non-decreasing from 0 to M = `rows`; the
+    /// kernels read it on the device and clamp each offset to [0, M] (a group whose offsets
+    /// decrease is empty), so bad offsets give wrong rows, never an access out of bounds.
     ///
     /// # Errors
     /// [`GpuError::Config`] for a K or N not a multiple of 8, more groups than [`GroupedGemm::new`]
@@ -156,6 +157,8 @@ impl GroupedGemm {
             Product::Dx => &self.dx,
             Product::Dw => &self.dw,
         };
+        let m_i = i32::try_from(rows)
+            .map_err(|_| GpuError::Config(format!("grouped GEMM: {rows} rows, above i32::MAX")))?;
         let (groups_i, k_i, n_i) = (groups as i32, k as i32, n as i32);
         let mut l = gpu.stream.launch_builder(f);
         l.arg(a)
@@ -163,6 +166,7 @@ impl GroupedGemm {
             .arg(c)
             .arg(offsets)
             .arg(&groups_i)
+            .arg(&m_i)
             .arg(&k_i)
             .arg(&n_i);
         let cfg = LaunchConfig {
@@ -171,10 +175,11 @@ impl GroupedGemm {
             shared_mem_bytes: shared_bytes(groups),
         };
         // SAFETY: grouped_gemm_<fwd|dx|dw>(const u16* a, const u16* b, u16* c, const int*
-        // offsets, int groups, int K, int N): the buffer lengths were checked against the
-        // shape above, K and N are multiples of 8 (16-byte copies), the shared memory holds
-        // the stages and groups + 1 ints, and the function's limit was raised to it in `new`
-        // (groups ≤ groups_cap). The kernels read offsets[0..=groups] and rows inside them.
+        // offsets, int groups, int M, int K, int N): the buffer lengths were checked against
+        // the shape above (M = rows), K and N are multiples of 8 (16-byte copies), the shared
+        // memory holds the stages and groups + 1 ints, and the function's limit was raised to
+        // it in `new` (groups ≤ groups_cap). The kernels read offsets[0..=groups] and clamp
+        // each to [0, M], so whatever the offsets hold no row at or past M is read or written.
         unsafe { l.launch(cfg)? };
         Ok(())
     }
@@ -183,6 +188,25 @@ impl GroupedGemm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn constants_match_the_kernel_source() {
+        let def = |name: &str| -> usize {
+            let line = GROUPED_GEMM_SRC
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("{name} not defined"));
+            line.split_whitespace().nth(2).unwrap().parse().unwrap()
+        };
+        let (bm, bn, bk, stages) = (def("GG_BM"), def("GG_BN"), def("GG_BK"), def("GG_STAGES"));
+        assert_eq!((bm, bn, def("GG_THREADS")), (TILE, TILE, THREADS as usize));
+        // Each operand's tile is the larger of its two padded layouts (GG_A_HALVES).
+        let halves = (bm * (bk + 8)).max(bk * (bm + 8));
+        assert_eq!(STAGE_BYTES as usize, stages * 2 * halves * 2);
+        assert!(
+            GROUPED_GEMM_SRC.contains(&format!("__launch_bounds__(GG_THREADS, {BLOCKS_PER_SM})"))
+        );
+    }
 
     #[test]
     fn shared_memory_fits_two_blocks_per_sm() {

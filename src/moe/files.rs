@@ -4,7 +4,7 @@
 //! (the group counts and offsets), so that the project's kernels and the comparison modules
 //! read the same bits and are checked against the same values.
 //!
-//! Inputs are uniform in [−1, 1), rounded to bf16, drawn by a counter-based generator
+//! Inputs are uniform in [−1, 1) before rounding to bf16 (which can reach ±1), drawn by a counter-based generator
 //! (SplitMix64 of the seed and the element's index), so that any slice of a multi-gigabyte
 //! tensor is generated in parallel with the same bits as serially.
 
@@ -26,8 +26,9 @@ use crate::schema::Reference;
 /// of the result is 2⁻⁹ relative on average).
 pub const TOLERANCE: f64 = 1e-2;
 
-/// Columns of dW checked per checked (expert, k) row: a slice, since each element is a sum
-/// over the expert's rows.
+/// Columns of dW checked per checked (expert, k) row, half the first ones and half the last
+/// ones (every column when N is smaller): slices, since each element is a sum over the
+/// expert's rows, at both ends so that the first and the last column tiles are checked.
 pub const DW_COLUMNS: usize = 256;
 
 /// (k) rows of dW checked per expert.
@@ -42,7 +43,8 @@ fn splitmix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// `n` bf16 bits uniform in [−1, 1) (24 random bits each, then rounded to nearest even), the
+/// `n` bf16 bits of values uniform in [−1, 1) (24 random bits each), rounded to nearest even
+/// (so ±1 can occur), the
 /// i-th from SplitMix64 of (`seed`, i).
 pub fn uniform_bf16(n: usize, seed: u64) -> Vec<u16> {
     let base = splitmix64(seed);
@@ -138,9 +140,18 @@ fn dx_rows(
         .collect()
 }
 
+/// The column ranges `[start, len]` of a dW row checked ([`DW_COLUMNS`]): the first and the
+/// last half of them, or the whole row when N ≤ [`DW_COLUMNS`].
+fn dw_columns(n: usize) -> Vec<(usize, usize)> {
+    if n <= DW_COLUMNS {
+        vec![(0, n)]
+    } else {
+        vec![(0, DW_COLUMNS / 2), (n - DW_COLUMNS / 2, DW_COLUMNS / 2)]
+    }
+}
+
 /// dW's checked elements: for every expert, [`DW_ROWS`] k rows evenly spaced, each with the
-/// first [`DW_COLUMNS`] columns (fewer when N is smaller): `(ranges, values)`; an empty
-/// expert's are zeros.
+/// columns of [`dw_columns`]: `(ranges, values)`; an empty expert's are zeros.
 fn dw_slices(
     x: &[u16],
     dy: &[u16],
@@ -148,7 +159,7 @@ fn dw_slices(
     k: usize,
     n: usize,
 ) -> (Vec<[u64; 2]>, Vec<f64>) {
-    let cols = DW_COLUMNS.min(n);
+    let cols = dw_columns(n);
     let ks: Vec<usize> = if k <= DW_ROWS {
         (0..k).collect()
     } else {
@@ -160,19 +171,26 @@ fn dw_slices(
         .collect();
     let ranges = pairs
         .iter()
-        .map(|&(e, i)| [((e * k + i) * n) as u64, cols as u64])
+        .flat_map(|&(e, i)| {
+            cols.iter()
+                .map(move |&(c0, len)| [((e * k + i) * n + c0) as u64, len as u64])
+        })
         .collect();
     let values = pairs
         .par_iter()
         .flat_map_iter(|&(e, i)| {
-            let mut acc = vec![0.0f64; cols];
-            for r in offsets[e]..offsets[e + 1] {
-                let xv = val(x[r * k + i]);
-                for (a, &b) in acc.iter_mut().zip(&dy[r * n..r * n + cols]) {
-                    *a += xv * val(b);
+            let mut out = Vec::new();
+            for &(c0, len) in &cols {
+                let mut acc = vec![0.0f64; len];
+                for r in offsets[e]..offsets[e + 1] {
+                    let xv = val(x[r * k + i]);
+                    for (a, &b) in acc.iter_mut().zip(&dy[r * n + c0..r * n + c0 + len]) {
+                        *a += xv * val(b);
+                    }
                 }
+                out.extend(acc);
             }
-            acc
+            out
         })
         .collect();
     (ranges, values)
@@ -281,7 +299,7 @@ pub fn write_case(c: &GroupedCase, seed: u64, check_rows: usize, dir: &Path) -> 
             &values,
             ranges,
             format!(
-                "{} columns of {} k-rows of every expert's dW (empty experts' zeros included)",
+                "{} columns (the first and last) of {} k-rows of every expert's dW (empty experts' zeros included)",
                 DW_COLUMNS.min(n),
                 DW_ROWS.min(k)
             ),
@@ -382,7 +400,9 @@ mod tests {
             }
         }
         // Every expert's dW is checked, the empty ones (zipf's last quarter) as zeros.
+        // (N = 16: each checked k-row whole.)
         assert_eq!(f.gradients[1].check.ranges.len(), 8 * DW_ROWS);
+        assert_eq!(dw_columns(1408), vec![(0, 128), (1280, 128)]);
         assert_eq!(f.arguments["counts"].as_array().unwrap().len(), 8);
         assert_eq!(counts_of(&f.arguments).unwrap(), c.group_counts());
         assert_eq!(f.input_bytes(), 2 * (m * k + 8 * k * n + m * n) as u64);

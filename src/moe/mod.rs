@@ -10,9 +10,11 @@
 //! [`reference`] is the float64 definition every implementation is checked against;
 //! [`case`] the grouped-GEMM case of the grid, its group sizes and its FLOP and byte counts;
 //! [`cuda`] the grouped GEMM's CUDA kernels (forward, dX, dW) and their launch; [`files`] a case
-//! as the runner protocol's files.
+//! as the runner protocol's files; [`dispatch_cuda`] top-k routing, the dispatch plan,
+//! `moe_dispatch` and `moe_combine` on CUDA.
 
 pub mod case;
 pub mod cuda;
+pub mod dispatch_cuda;
 pub mod files;
 pub mod reference;

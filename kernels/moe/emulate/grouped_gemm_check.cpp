@@ -68,9 +68,9 @@ int main(int argc, char** argv) {
             dw((size_t)E * K * N, 0xffff);
         const size_t smem_floats = (GG_SMEM_TILE_BYTES + (E + 1) * 4 + 3) / 4;
         const dim3 grid{(unsigned)blocks, 1, 1};
-        launch(grid, GG_THREADS, [&] { grouped_gemm_fwd(x.data(), w.data(), y.data(), offsets.data(), E, K, N); }, smem_floats);
-        launch(grid, GG_THREADS, [&] { grouped_gemm_dx(dy.data(), w.data(), dx.data(), offsets.data(), E, K, N); }, smem_floats);
-        launch(grid, GG_THREADS, [&] { grouped_gemm_dw(x.data(), dy.data(), dw.data(), offsets.data(), E, K, N); }, smem_floats);
+        launch(grid, GG_THREADS, [&] { grouped_gemm_fwd(x.data(), w.data(), y.data(), offsets.data(), E, M, K, N); }, smem_floats);
+        launch(grid, GG_THREADS, [&] { grouped_gemm_dx(dy.data(), w.data(), dx.data(), offsets.data(), E, M, K, N); }, smem_floats);
+        launch(grid, GG_THREADS, [&] { grouped_gemm_dw(x.data(), dy.data(), dw.data(), offsets.data(), E, M, K, N); }, smem_floats);
         const double ey = rel_error(y, y_ref), edx = rel_error(dx, dx_ref), edw = rel_error(dw, dw_ref);
         bool empty_zero = true;
         for (int e = 0; e < E; ++e)

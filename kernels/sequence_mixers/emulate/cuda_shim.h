@@ -57,13 +57,24 @@ inline float __shfl_up_sync(unsigned, float v, int delta) {
     const float got = warp_exchange(v, lane >= delta ? lane - delta : lane);
     return got;
 }
-// The int shuffles (the grouped GEMM's tile prefix), through the float ones' exchange.
+// The int shuffles (the grouped GEMM's tile prefix, the MoE routing), through the float ones'
+// exchange.
 inline int __shfl_sync(unsigned m, int v, int src) {
     float f; std::memcpy(&f, &v, 4); f = __shfl_sync(m, f, src); std::memcpy(&v, &f, 4); return v;
+}
+inline int __shfl_xor_sync(unsigned m, int v, int lane_mask) {
+    float f; std::memcpy(&f, &v, 4); f = __shfl_xor_sync(m, f, lane_mask); std::memcpy(&v, &f, 4); return v;
 }
 inline int __shfl_up_sync(unsigned m, int v, int delta) {
     float f; std::memcpy(&f, &v, 4); f = __shfl_up_sync(m, f, delta); std::memcpy(&v, &f, 4); return v;
 }
+// __match_any_sync over ints (the MoE plan): the lanes holding the same value as this one.
+inline unsigned __match_any_sync(unsigned, int v) {
+    unsigned m = 0;
+    for (int src = 0; src < 32; ++src) m |= (unsigned)(__shfl_sync(0xffffffffu, v, src) == v) << src;
+    return m;
+}
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
 // ldmatrix.m8n8.x4 (.trans) over b16 rows: every lane deposits its row address (lane l: row
 // l % 8 of matrix l / 8), then reads its words: register i of lane (g, t) is row g, columns
 // 2t, 2t + 1 of matrix i, or with trans rows 2t, 2t + 1 of column g. Addresses must be 16-byte
@@ -111,6 +122,7 @@ alignas(16) float smem[1 << 17];
 inline float __expf(float x) { return std::exp(x); }
 // Threads of a block run at once (blocks one after another): an atomic add on the host.
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }

@@ -1,0 +1,351 @@
+//! Top-k routing, the dispatch plan, dispatch and combine on CUDA (`kernels/moe/dispatch.cu`):
+//! the GPU forms of [`super::reference::route`], [`super::reference::plan`],
+//! [`super::reference::dispatch`] and [`super::reference::combine`], with the same order (a
+//! token's experts by decreasing logit, ties to the lower index; dispatched rows sorted by
+//! expert, stably) and the same capacity rule, deterministic run to run. Assignment
+//! `a = token · top_k + slot`. bf16 activations are held as their bits (`u16`).
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::reference::Gate;
+use crate::gpu::{Gpu, GpuError};
+use crate::sequence_mixers::cuda::with_prelude;
+
+/// The kernel source (`kernels/moe/dispatch.cu`).
+pub const DISPATCH_SRC: &str = include_str!("../../kernels/moe/dispatch.cu");
+
+/// What NVRTC compiles: the sequence-mixer prelude, then [`DISPATCH_SRC`].
+pub fn source() -> String {
+    with_prelude(DISPATCH_SRC)
+}
+
+/// The kernels' names.
+pub const ENTRY_POINTS: [&str; 6] = [
+    "moe_route",
+    "moe_chunk_counts",
+    "moe_plan_offsets",
+    "moe_scatter",
+    "moe_gather",
+    "moe_combine",
+];
+
+/// Assignments per block of the plan kernels (`MD_CHUNK`).
+pub const CHUNK: usize = 1024;
+/// Most experts the kernels take: the routing holds 8 logits per lane (`MD_LANE_EXPERTS`).
+pub const MAX_EXPERTS: usize = 256;
+/// Most experts per token (`MD_MAX_TOP_K`).
+pub const MAX_TOP_K: usize = 16;
+/// Threads of the plan's offsets kernel (`MD_MAX_EXPERTS`).
+const OFFSET_THREADS: u32 = 1024;
+
+/// A routing on the device: `experts` and `weights` `[T, top_k]`.
+pub struct DeviceRouting {
+    /// Tokens.
+    pub tokens: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Chosen experts (int32), a token's in decreasing logit.
+    pub experts: CudaSlice<i32>,
+    /// Gate weights (float32), summing to 1 per token.
+    pub weights: CudaSlice<f32>,
+}
+
+/// A dispatch plan on the device ([`super::reference::DispatchPlan`]'s fields as int32).
+pub struct DevicePlan {
+    /// Experts.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// `[E + 1]`: expert e owns dispatched rows `offsets[e] .. offsets[e + 1]`.
+    pub offsets: CudaSlice<i32>,
+    /// `[T · top_k]` (the first `offsets[E]` used): each dispatched row's assignment.
+    pub rows: CudaSlice<i32>,
+    /// `[T · top_k]`: each assignment's row, or −1 where its expert's capacity was full.
+    pub row_of: CudaSlice<i32>,
+}
+
+impl DevicePlan {
+    /// Dispatched rows an output of [`MoeDispatch::dispatch`] must hold: T · top_k (with a
+    /// capacity, the kept rows are fewer: `offsets[E]`, on the device).
+    pub fn max_rows(&self) -> usize {
+        self.row_of.len()
+    }
+}
+
+/// The compiled routing, plan, dispatch and combine kernels.
+pub struct MoeDispatch {
+    f: [CudaFunction; 6],
+    /// NVRTC compile and module load time, s (0 when this process had compiled the source).
+    pub compile_s: f64,
+}
+
+fn cfg(blocks: usize, threads: u32, smem: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.max(1) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem as u32,
+    }
+}
+
+fn config_error(what: String) -> GpuError {
+    GpuError::Config(format!("MoE dispatch: {what}"))
+}
+
+impl MoeDispatch {
+    /// Compiles the kernels (once per process).
+    ///
+    /// # Errors
+    /// [`GpuError::Compile`] with NVRTC's log; driver errors from loading.
+    pub fn new(gpu: &Gpu) -> Result<MoeDispatch, GpuError> {
+        let compiled = gpu.compile("dispatch.cu", &source())?;
+        // moe_scatter's 32 · E ints at E = MAX_EXPERTS: 32 KB, under the default limit.
+        let f = |i: usize| gpu.function(&compiled.module, ENTRY_POINTS[i], 0);
+        Ok(MoeDispatch {
+            f: [f(0)?, f(1)?, f(2)?, f(3)?, f(4)?, f(5)?],
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// Top-k routing of `tokens` tokens from router logits `[T, E]` (float32, finite).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for E above [`MAX_EXPERTS`], `top_k` of 0 or above E or
+    /// [`MAX_TOP_K`], or a logits length other than T·E; driver errors.
+    pub fn route(
+        &self,
+        gpu: &Gpu,
+        logits: &CudaSlice<f32>,
+        tokens: usize,
+        experts: usize,
+        top_k: usize,
+        gate: Gate,
+    ) -> Result<DeviceRouting, GpuError> {
+        if experts == 0 || experts > MAX_EXPERTS || top_k == 0 || top_k > experts.min(MAX_TOP_K) {
+            return Err(config_error(format!(
+                "{experts} experts, top_k {top_k}: the kernels take 1 to {MAX_EXPERTS} experts and top_k from 1 to min(E, {MAX_TOP_K})"
+            )));
+        }
+        if logits.len() != tokens * experts && !(tokens == 0 && logits.len() == 1) {
+            return Err(config_error(format!(
+                "logits hold {} values, T·E = {}",
+                logits.len(),
+                tokens * experts
+            )));
+        }
+        let n = (tokens * top_k).max(1);
+        // SAFETY: every element is written by moe_route before any read (T·top_k outputs).
+        let mut ex = unsafe { gpu.stream.alloc::<i32>(n)? };
+        let mut w = unsafe { gpu.stream.alloc::<f32>(n)? };
+        if tokens > 0 {
+            let (t, e, k) = (tokens as i32, experts as i32, top_k as i32);
+            let sigmoid = i32::from(gate == Gate::Sigmoid);
+            let mut l = gpu.stream.launch_builder(&self.f[0]);
+            l.arg(logits)
+                .arg(&mut ex)
+                .arg(&mut w)
+                .arg(&t)
+                .arg(&e)
+                .arg(&k)
+                .arg(&sigmoid);
+            // SAFETY: moe_route(const float* logits, int* experts, float* weights, int T,
+            // int E, int top_k, int sigmoid), one warp per token (4 per block): lengths
+            // checked above, E ≤ 256 and top_k ≤ 16 as the kernel's arrays hold.
+            unsafe { l.launch(cfg(tokens.div_ceil(4), 128, 0))? };
+        }
+        Ok(DeviceRouting {
+            tokens,
+            top_k,
+            experts: ex,
+            weights: w,
+        })
+    }
+
+    /// The dispatch plan of `routing` over `experts` experts, keeping at most `capacity`
+    /// assignments per expert (`None`: dropless).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for E above [`MAX_EXPERTS`] or a capacity above `i32::MAX`; driver
+    /// errors. The routing's experts must lie below `experts` (the kernels do not check).
+    pub fn plan(
+        &self,
+        gpu: &Gpu,
+        routing: &DeviceRouting,
+        experts: usize,
+        capacity: Option<usize>,
+    ) -> Result<DevicePlan, GpuError> {
+        if experts == 0 || experts > MAX_EXPERTS {
+            return Err(config_error(format!(
+                "{experts} experts (1 to {MAX_EXPERTS})"
+            )));
+        }
+        let cap: i32 = match capacity {
+            None => -1,
+            Some(c) => i32::try_from(c)
+                .map_err(|_| config_error(format!("capacity {c} above i32::MAX")))?,
+        };
+        let n = routing.tokens * routing.top_k;
+        let chunks = n.div_ceil(CHUNK).max(1);
+        let mut ranks = gpu.stream.alloc_zeros::<i32>(chunks * experts)?;
+        let mut offsets = gpu.stream.alloc_zeros::<i32>(experts + 1)?;
+        let mut rows = gpu.stream.alloc_zeros::<i32>(n.max(1))?;
+        let mut row_of = gpu.stream.alloc_zeros::<i32>(n.max(1))?;
+        let (n_i, e_i, c_i) = (n as i32, experts as i32, chunks as i32);
+        let mut l = gpu.stream.launch_builder(&self.f[1]);
+        l.arg(&routing.experts).arg(&n_i).arg(&e_i).arg(&mut ranks);
+        // SAFETY: moe_chunk_counts(const int* experts, int n_assign, int E, int* counts),
+        // one block of CHUNK threads per chunk, E ints of shared memory; counts holds
+        // chunks · E.
+        unsafe { l.launch(cfg(chunks, CHUNK as u32, 4 * experts))? };
+        let mut l = gpu.stream.launch_builder(&self.f[2]);
+        l.arg(&mut ranks)
+            .arg(&c_i)
+            .arg(&e_i)
+            .arg(&cap)
+            .arg(&mut offsets);
+        // SAFETY: moe_plan_offsets(int* counts, int n_chunks, int E, int capacity,
+        // int* offsets), one block of 1024 threads with 1024 ints of shared memory; E ≤ 1024,
+        // offsets holds E + 1.
+        unsafe { l.launch(cfg(1, OFFSET_THREADS, 4 * OFFSET_THREADS as usize))? };
+        let mut l = gpu.stream.launch_builder(&self.f[3]);
+        l.arg(&routing.experts)
+            .arg(&n_i)
+            .arg(&e_i)
+            .arg(&cap)
+            .arg(&ranks)
+            .arg(&offsets)
+            .arg(&mut row_of)
+            .arg(&mut rows);
+        // SAFETY: moe_scatter(const int* experts, int n_assign, int E, int capacity,
+        // const int* ranks, const int* offsets, int* row_of, int* rows), one block of CHUNK
+        // threads per chunk, 32 · E ints of shared memory (32 KB at E = 256); rows and row_of
+        // hold n; each kept assignment writes one distinct row below offsets[E] ≤ n.
+        unsafe { l.launch(cfg(chunks, CHUNK as u32, 4 * 32 * experts))? };
+        // `ranks` is dropped on return: cudarc frees it in stream order (cuMemFreeAsync on the
+        // stream), after the kernels above that read it.
+        Ok(DevicePlan {
+            experts,
+            top_k: routing.top_k,
+            offsets,
+            rows,
+            row_of,
+        })
+    }
+
+    /// `moe_dispatch`: the tokens' rows of `x` `[T, H]` (bf16) gathered into expert order in
+    /// `xd` (`[plan.max_rows(), H]`, the first `offsets[E]` rows written).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for an H that is not a multiple of 8 or lengths that do not fit;
+    /// driver errors.
+    pub fn dispatch(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<u16>,
+        plan: &DevicePlan,
+        h: usize,
+        xd: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        let tokens = plan.row_of.len() / plan.top_k.max(1);
+        if h == 0 || !h.is_multiple_of(8) {
+            return Err(config_error(format!(
+                "H = {h} must be a positive multiple of 8"
+            )));
+        }
+        if x.len() < tokens * h || xd.len() < plan.max_rows() * h {
+            return Err(config_error(format!(
+                "x holds {} and xd {} elements; T·H = {}, rows·H = {}",
+                x.len(),
+                xd.len(),
+                tokens * h,
+                plan.max_rows() * h
+            )));
+        }
+        let (h_i, k_i) = (h as i32, plan.top_k as i32);
+        let n_rows = plan.offsets.slice(plan.experts..plan.experts + 1);
+        let mut l = gpu.stream.launch_builder(&self.f[4]);
+        l.arg(x)
+            .arg(&plan.rows)
+            .arg(&n_rows)
+            .arg(&h_i)
+            .arg(&k_i)
+            .arg(xd);
+        let pieces = plan.max_rows() * h / 8;
+        // SAFETY: moe_gather(const u16* x, const int* rows, const int* n_rows, int H,
+        // int top_k, u16* xd), grid-stride over offsets[E] · H / 8 16-byte pieces: x holds
+        // T·H, xd max_rows·H ≥ offsets[E]·H, every rows[r] < T·top_k; H a multiple of 8.
+        unsafe { l.launch(cfg(pieces.div_ceil(256).min(8192), 256, 0))? };
+        Ok(())
+    }
+
+    /// `moe_combine`: out `[T, H]` (bf16) = Σ over each token's kept slots of its gate weight
+    /// times its row of `yd` (`[plan.max_rows(), H]`, the experts' outputs in the plan's
+    /// order), summed
+    /// in float32 in slot order and rounded once.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for an odd H or lengths that do not fit; driver errors.
+    pub fn combine(
+        &self,
+        gpu: &Gpu,
+        yd: &CudaSlice<u16>,
+        plan: &DevicePlan,
+        routing: &DeviceRouting,
+        h: usize,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        let tokens = routing.tokens;
+        if h == 0 || !h.is_multiple_of(2) {
+            return Err(config_error(format!("H = {h} must be positive and even")));
+        }
+        if out.len() < tokens * h || yd.len() < plan.max_rows() * h {
+            return Err(config_error(format!(
+                "out holds {} and yd {} elements; T·H = {}, rows·H = {}",
+                out.len(),
+                yd.len(),
+                tokens * h,
+                plan.max_rows() * h
+            )));
+        }
+        if tokens == 0 {
+            return Ok(());
+        }
+        let (t_i, k_i, h_i) = (tokens as i32, routing.top_k as i32, h as i32);
+        let mut l = gpu.stream.launch_builder(&self.f[5]);
+        l.arg(yd)
+            .arg(&plan.row_of)
+            .arg(&routing.weights)
+            .arg(&t_i)
+            .arg(&k_i)
+            .arg(&h_i)
+            .arg(out);
+        let pairs = tokens * h / 2;
+        // SAFETY: moe_combine(const u16* yd, const int* row_of, const float* weights, int T,
+        // int top_k, int H, u16* out), grid-stride over T·H/2 column pairs: out holds T·H,
+        // row_of and weights T·top_k, every kept row_of < offsets[E] ≤ yd's rows.
+        unsafe { l.launch(cfg(pairs.div_ceil(256).min(8192), 256, 0))? };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_match_the_kernel_source() {
+        let def = |name: &str| -> usize {
+            let line = DISPATCH_SRC
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("{name} not defined"));
+            line.split_whitespace().nth(2).unwrap().parse().unwrap()
+        };
+        assert_eq!(def("MD_CHUNK"), CHUNK);
+        assert_eq!(def("MD_MAX_TOP_K"), MAX_TOP_K);
+        assert_eq!(def("MD_LANE_EXPERTS") * 32, MAX_EXPERTS);
+        assert_eq!(def("MD_MAX_EXPERTS"), OFFSET_THREADS as usize);
+        for f in ENTRY_POINTS {
+            assert!(DISPATCH_SRC.contains(&format!("void {f}(")), "{f}");
+        }
+    }
+}
