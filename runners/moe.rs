@@ -8,10 +8,12 @@
 //! The project's implementation: `grouped_mma_sync` (`kernels/moe/grouped_gemm.cu`,
 //! [`kernelpages::moe::cuda`]): one launch for every expert, a persistent grid of 128 × 128
 //! tiles on the tensor cores through mma.sync; a `fwd+bwd` call is the forward, dX and dW
-//! (three launches).
+//! (three launches). With `--device cpu`, `cpu_grouped` ([`kernelpages::moe::cpu`]): float32
+//! products of the bf16 operands on the host's cores (`data/cpu_moe.json`).
 //!
 //! ```text
 //! moe --compare torch --output data/gpu_moe.json
+//! moe --device cpu --output data/cpu_moe.json
 //! moe --quick --filter experts=64
 //! ```
 
@@ -22,13 +24,15 @@ use anyhow::Result;
 use clap::Parser;
 use cudarc::driver::CudaSlice;
 
+use kernelpages::attention::cpu_flash::read_elements;
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::moe::case::{GroupedCase, Spread};
+use kernelpages::moe::cpu as moe_cpu;
 use kernelpages::moe::cuda::{GroupedGemm, Product};
 use kernelpages::moe::files;
 use kernelpages::runner::grid::Params;
-use kernelpages::runner::protocol::{CaseFiles, Job, Reply};
-use kernelpages::runner::{self, own, Alternative, Declared, DeviceChoice, RunnerArgs};
+use kernelpages::runner::protocol::{CaseFiles, Job, Reply, TensorFile};
+use kernelpages::runner::{self, host, own, Alternative, Declared, DeviceChoice, RunnerArgs};
 use kernelpages::schema::{Count, DispatchRule, RunKind, Status, Suite, Throughput};
 
 /// Measure the MoE grouped GEMM on the GPU and write a suite document.
@@ -36,13 +40,13 @@ use kernelpages::schema::{Count, DispatchRule, RunKind, Status, Suite, Throughpu
 #[command(
     name = "moe",
     version,
-    about = "Measure the MoE grouped GEMM (ragged experts, forward and backward) on the GPU and write a suite document (data/gpu_moe.json)"
+    about = "Measure the MoE grouped GEMM (ragged experts, forward and backward) on the GPU (data/gpu_moe.json) or with --device cpu the CPU (data/cpu_moe.json) and write a suite document"
 )]
 struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
-    /// Token counts [default: 4096,16384,65536 for the forward, 4096,16384 with the backward;
-    /// 4096 with --quick].
+    /// Token counts [default on the GPU: 4096,16384,65536 for the forward, 4096,16384 with the
+    /// backward, 4096 with --quick; on the CPU: 256,1024, 256 with --quick].
     #[arg(long, value_delimiter = ',')]
     tokens: Option<Vec<usize>>,
     /// Rows of Y and dX checked against float64 per case (evenly spaced; each expert's first
@@ -53,6 +57,13 @@ struct Cli {
 
 /// The project's implementation.
 const IMPLEMENTATION: &str = "grouped_mma_sync";
+/// The project's CPU implementation.
+const CPU_IMPLEMENTATION: &str = "cpu_grouped";
+/// Token counts of the CPU grid (its `--quick` grid: the first).
+const CPU_TOKENS: [usize; 2] = [256, 1024];
+/// Layers of [`LAYERS`] the CPU grid leaves out: the Mixtral layer's 4096 × 14336 experts
+/// make a call of seconds on a few cores.
+const CPU_SKIP_WIDTH: usize = 14336;
 
 /// The expert layers of the grid: (experts, top_k, hidden K, expert width N, the model whose
 /// layer it is).
@@ -88,7 +99,13 @@ const FLOP_RULE: &str = "2·M·K·N for the forward (M = tokens·top_k rows, K t
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.run.run_case {
-        Some(job) => runner::child_main(job, measure_gpu),
+        Some(job) => runner::child_main(job, |job| {
+            if job.implementation == CPU_IMPLEMENTATION {
+                measure_cpu(job)
+            } else {
+                measure_gpu(job)
+            }
+        }),
         None => run(&cli),
     };
     match result {
@@ -105,13 +122,19 @@ fn main() -> ExitCode {
 fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     let mut out = Vec::new();
     for backward in [false, true] {
-        let tokens: Vec<usize> = match (&cli.tokens, quick, backward) {
-            (Some(t), _, _) => t.clone(),
-            (None, true, _) => QUICK_TOKENS.to_vec(),
-            (None, false, false) => FWD_TOKENS.to_vec(),
-            (None, false, true) => BWD_TOKENS.to_vec(),
+        let cpu = cli.run.device == DeviceChoice::Cpu;
+        let tokens: Vec<usize> = match (&cli.tokens, quick, backward, cpu) {
+            (Some(t), _, _, _) => t.clone(),
+            (None, true, _, true) => CPU_TOKENS[..1].to_vec(),
+            (None, false, _, true) => CPU_TOKENS.to_vec(),
+            (None, true, _, false) => QUICK_TOKENS.to_vec(),
+            (None, false, false, false) => FWD_TOKENS.to_vec(),
+            (None, false, true, false) => BWD_TOKENS.to_vec(),
         };
         for &(experts, top_k, hidden, width, _) in &LAYERS {
+            if cpu && width == CPU_SKIP_WIDTH {
+                continue;
+            }
             for &t in &tokens {
                 for spread in [Spread::Balanced, Spread::Zipf] {
                     let c = GroupedCase {
@@ -132,7 +155,16 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     Ok(out)
 }
 
-fn dispatch_rules() -> Vec<DispatchRule> {
+fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
+    if device == DeviceChoice::Cpu {
+        return vec![DispatchRule {
+            entry_point: "moe::cpu::grouped_matmul_f32, moe::cpu::grouped_matmul_backward_f32".into(),
+            device: "CPU (x86-64 or any other target)".into(),
+            dtype: "bf16 operands decoded to float32 once at load; float32 products and results".into(),
+            rule: format!("always: each expert's rows in blocks of {} over rayon's threads, one gemm-crate product per block; dW per expert in blocks of {} k-rows", moe_cpu::BLOCK_ROWS, moe_cpu::BLOCK_ROWS),
+            implementation: CPU_IMPLEMENTATION.into(),
+        }];
+    }
     vec![DispatchRule {
         entry_point: "moe::cuda::GroupedGemm::launch".into(),
         device: "CUDA, compute capability 8.0 or newer".into(),
@@ -142,15 +174,27 @@ fn dispatch_rules() -> Vec<DispatchRule> {
     }]
 }
 
-fn throughput_decls() -> Vec<Throughput> {
-    vec![
+/// The document's throughputs: TFLOP/s on the GPU, GFLOP/s on the CPU, and tokens per second.
+fn throughput_decls(device: DeviceChoice) -> Vec<Throughput> {
+    let flops = if device == DeviceChoice::Gpu {
         Throughput {
             key: "tflops".into(),
             unit: "TFLOP/s".into(),
             count: Count::Flops,
             per_second: 1e12,
             ceiling: None,
-        },
+        }
+    } else {
+        Throughput {
+            key: "gflops".into(),
+            unit: "GFLOP/s".into(),
+            count: Count::Flops,
+            per_second: 1e9,
+            ceiling: None,
+        }
+    };
+    vec![
+        flops,
         Throughput {
             key: "mtokens".into(),
             unit: "M tokens/s".into(),
@@ -193,7 +237,7 @@ impl runner::Suite for Moe {
     }
 
     fn is_default(&self, _p: &Params, implementation: &str) -> bool {
-        implementation == IMPLEMENTATION
+        implementation == IMPLEMENTATION || implementation == CPU_IMPLEMENTATION
     }
 
     fn notes(&self, p: &Params, implementation: &str) -> Vec<String> {
@@ -213,6 +257,9 @@ impl runner::Suite for Moe {
         }
         if implementation == IMPLEMENTATION && c.backward {
             notes.push("fwd+bwd: the forward, dX and dW, three launches".into());
+        }
+        if implementation == CPU_IMPLEMENTATION {
+            notes.push("float32 results (the GPU rows' are bf16); the operands' bf16 values decoded to float32 when loaded, outside the timed call".into());
         }
         notes
     }
@@ -235,22 +282,18 @@ impl runner::Suite for Moe {
 }
 
 fn run(cli: &Cli) -> Result<ExitCode> {
-    anyhow::ensure!(
-        cli.run.device == DeviceChoice::Gpu,
-        "moe measures the GPU only so far (--device cpu has no implementation yet)"
-    );
-    let imps = runner::implementations(
-        &[(IMPLEMENTATION, "kernelpages")],
-        &ALTERNATIVES,
-        &cli.run.compare,
-    )?;
+    let own = match cli.run.device {
+        DeviceChoice::Gpu => IMPLEMENTATION,
+        DeviceChoice::Cpu => CPU_IMPLEMENTATION,
+    };
+    let imps = runner::implementations(&[(own, "kernelpages")], &ALTERNATIVES, &cli.run.compare)?;
     let cases = cli.run.select(cases(cli, false)?, cases(cli, true)?)?;
     let declared = Declared {
         runner: "moe",
         flop_rule: Some(FLOP_RULE.into()),
-        dispatch: dispatch_rules(),
+        dispatch: dispatch_rules(cli.run.device),
         axes: vec!["tokens".into()],
-        throughput: throughput_decls(),
+        throughput: throughput_decls(cli.run.device),
         kind: RunKind::Grid,
     };
     let suite = Moe {
@@ -371,6 +414,124 @@ impl own::Launcher for Launch {
     }
 }
 
+/// One CPU input set: x, w (and dY) decoded to float32.
+struct CpuSet {
+    x: Vec<f32>,
+    w: Vec<f32>,
+    dy: Vec<f32>,
+}
+
+/// `cpu_grouped` on one case, as the shared CPU case process drives it.
+struct CpuLaunch {
+    case: GroupedCase,
+    offsets: Vec<usize>,
+    y: Vec<f32>,
+    dx: Vec<f32>,
+    dw: Vec<f32>,
+}
+
+impl host::Launcher for CpuLaunch {
+    type Set = CpuSet;
+    fn load(&self, inputs: &[TensorFile]) -> Result<CpuSet> {
+        let read = |k: usize| -> Result<Vec<f32>> {
+            match inputs.get(k) {
+                Some(t) => {
+                    anyhow::ensure!(
+                        t.dtype == "bf16",
+                        "input {} is {}, expected bf16",
+                        t.name,
+                        t.dtype
+                    );
+                    let values: Vec<half::bf16> = read_elements(&t.path)?;
+                    Ok(values.into_iter().map(half::bf16::to_f32).collect())
+                }
+                None => Ok(Vec::new()),
+            }
+        };
+        Ok(CpuSet {
+            x: read(0)?,
+            w: read(1)?,
+            dy: read(2)?,
+        })
+    }
+    fn replicate(&self, set: &CpuSet) -> CpuSet {
+        CpuSet {
+            x: set.x.clone(),
+            w: set.w.clone(),
+            dy: set.dy.clone(),
+        }
+    }
+    fn poison(&mut self) {
+        self.y.fill(f32::NAN);
+        self.dx.fill(f32::NAN);
+        self.dw.fill(f32::NAN);
+    }
+    fn call(&mut self, set: &CpuSet) -> Result<()> {
+        let (k, n) = (self.case.hidden, self.case.width);
+        moe_cpu::grouped_matmul_f32(&set.x, &set.w, &self.offsets, k, n, &mut self.y);
+        if self.case.backward {
+            moe_cpu::grouped_matmul_backward_f32(
+                &set.x,
+                &set.w,
+                &set.dy,
+                &self.offsets,
+                k,
+                n,
+                &mut self.dx,
+                &mut self.dw,
+            );
+        }
+        Ok(())
+    }
+    fn value(&self, i: usize) -> f64 {
+        f64::from(self.y[i])
+    }
+    fn output_len(&self) -> usize {
+        self.y.len()
+    }
+    fn gradient_value(&self, k: usize, i: usize) -> f64 {
+        match k {
+            0 => f64::from(self.dx[i]),
+            1 => f64::from(self.dw[i]),
+            _ => f64::NAN,
+        }
+    }
+    fn gradient_len(&self, k: usize) -> usize {
+        match k {
+            0 => self.dx.len(),
+            1 => self.dw.len(),
+            _ => 0,
+        }
+    }
+    fn temporary_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// The case process for `cpu_grouped`: the group counts from the case's arguments.
+fn measure_cpu(job: &Job) -> Reply {
+    let case = match case_of(&job.case) {
+        Ok(c) => c,
+        Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
+    };
+    let counts = match files::counts_of(&job.files.arguments) {
+        Ok(c) => c,
+        Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
+    };
+    let offsets = kernelpages::moe::reference::offsets_of(&counts);
+    let (m, k, n, e) = (case.rows(), case.hidden, case.width, case.experts);
+    let grads = case.backward;
+    host::measure(job, || {
+        Ok(CpuLaunch {
+            offsets,
+            y: vec![0.0; m * n],
+            dx: vec![0.0; if grads { m * k } else { 0 }],
+            dw: vec![0.0; if grads { e * k * n } else { 0 }],
+            case: case.clone(),
+        })
+    })
+}
+
 /// The case process for `grouped_mma_sync`: the group counts from the case's arguments.
 fn measure_gpu(job: &Job) -> Reply {
     if job.implementation != IMPLEMENTATION {
@@ -432,8 +593,19 @@ mod tests {
             .unwrap();
         // One token count, balanced and skewed, fwd and fwd+bwd.
         assert_eq!(kept.len(), 4);
-        assert!(Cli::try_parse_from(["moe", "--device", "cpu"])
-            .map(|c| run(&c).is_err())
-            .unwrap());
+        // The CPU grid: the three layers of small or square experts at its two token counts.
+        let cpu = Cli::try_parse_from(["moe", "--device", "cpu"]).unwrap();
+        let cpu_cases = cases(&cpu, false).unwrap();
+        assert_eq!(
+            cpu_cases.len(),
+            (LAYERS.len() - 1) * 2 * 2 * CPU_TOKENS.len()
+        );
+        assert!(cpu_cases
+            .iter()
+            .all(|p| case_of(p).unwrap().width != CPU_SKIP_WIDTH));
+        assert_eq!(
+            dispatch_rules(DeviceChoice::Cpu)[0].implementation,
+            CPU_IMPLEMENTATION
+        );
     }
 }

@@ -10,10 +10,12 @@
 //! [`reference`] is the float64 definition every implementation is checked against;
 //! [`case`] the grouped-GEMM case of the grid, its group sizes and its FLOP and byte counts;
 //! [`cuda`] the grouped GEMM's CUDA kernels (forward, dX, dW) and their launch; [`files`] a case
-//! as the runner protocol's files; [`dispatch_cuda`] top-k routing, the dispatch plan,
+//! as the runner protocol's files; [`cpu`] the grouped GEMM and its backward on
+//! the CPU (float32); [`dispatch_cuda`] top-k routing, the dispatch plan,
 //! `moe_dispatch` and `moe_combine` on CUDA.
 
 pub mod case;
+pub mod cpu;
 pub mod cuda;
 pub mod dispatch_cuda;
 pub mod files;
