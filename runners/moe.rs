@@ -508,14 +508,19 @@ impl host::Launcher for CpuLaunch {
     }
 }
 
+/// The job's case and its group counts (the case's arguments, so that every implementation
+/// splits the rows alike).
+///
+/// # Errors
+/// A case that does not parse, or arguments without `counts`.
+fn job_case(job: &Job) -> Result<(GroupedCase, Vec<usize>)> {
+    Ok((case_of(&job.case)?, files::counts_of(&job.files.arguments)?))
+}
+
 /// The case process for `cpu_grouped`: the group counts from the case's arguments.
 fn measure_cpu(job: &Job) -> Reply {
-    let case = match case_of(&job.case) {
-        Ok(c) => c,
-        Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
-    };
-    let counts = match files::counts_of(&job.files.arguments) {
-        Ok(c) => c,
+    let (case, counts) = match job_case(job) {
+        Ok(x) => x,
         Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
     };
     let offsets = kernelpages::moe::reference::offsets_of(&counts);
@@ -541,12 +546,8 @@ fn measure_gpu(job: &Job) -> Reply {
             format!("unknown implementation `{}`", job.implementation),
         );
     }
-    let case = match case_of(&job.case) {
-        Ok(c) => c,
-        Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
-    };
-    let counts = match files::counts_of(&job.files.arguments) {
-        Ok(c) => c,
+    let (case, counts) = match job_case(job) {
+        Ok(x) => x,
         Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
     };
     own::measure(job, |gpu| {

@@ -13,9 +13,8 @@ use serde_json::json;
 use super::{reference_rows, Inputs, KernelSumCase, Op, Scale};
 use crate::attention::Dtype;
 use crate::runner::protocol::{
-    write_f64, write_u16, CaseFiles, CheckSpec, GradientSpec, OutputSpec, TensorFile,
+    write_u16, CaseFiles, CheckSpec, GradientSpec, OutputSpec, TensorFile,
 };
-use crate::schema::Reference;
 
 /// Largest accepted relative L2 error of a float32 kernel sum against float64 (the issue's
 /// bar).
@@ -98,14 +97,7 @@ pub fn write_case(
     let ranges =
         |w: usize| -> Vec<[u64; 2]> { rows.iter().map(|&i| [(i * w) as u64, w as u64]).collect() };
     let check = |file: &str, vals: &[f64], ranges: Vec<[u64; 2]>, checked: String| {
-        let path = dir.join(file);
-        write_f64(&path, vals).map(|_| CheckSpec {
-            ranges,
-            reference: path,
-            reference_kind: Reference::Float64Cpu,
-            tolerance: TOLERANCE,
-            checked,
-        })
+        CheckSpec::write_float64(dir.join(file), vals, ranges, TOLERANCE, checked)
     };
     let o_check = check(
         "reference.f64",

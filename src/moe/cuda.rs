@@ -192,11 +192,8 @@ mod tests {
     #[test]
     fn constants_match_the_kernel_source() {
         let def = |name: &str| -> usize {
-            let line = GROUPED_GEMM_SRC
-                .lines()
-                .find(|l| l.starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("{name} not defined"));
-            line.split_whitespace().nth(2).unwrap().parse().unwrap()
+            crate::moe::source_define(GROUPED_GEMM_SRC, name)
+                .unwrap_or_else(|| panic!("{name} not defined"))
         };
         let (bm, bn, bk, stages) = (def("GG_BM"), def("GG_BN"), def("GG_BK"), def("GG_STAGES"));
         assert_eq!((bm, bn, def("GG_THREADS")), (TILE, TILE, THREADS as usize));

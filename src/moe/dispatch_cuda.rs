@@ -334,11 +334,8 @@ mod tests {
     #[test]
     fn limits_match_the_kernel_source() {
         let def = |name: &str| -> usize {
-            let line = DISPATCH_SRC
-                .lines()
-                .find(|l| l.starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("{name} not defined"));
-            line.split_whitespace().nth(2).unwrap().parse().unwrap()
+            crate::moe::source_define(DISPATCH_SRC, name)
+                .unwrap_or_else(|| panic!("{name} not defined"))
         };
         assert_eq!(def("MD_CHUNK"), CHUNK);
         assert_eq!(def("MD_MAX_TOP_K"), MAX_TOP_K);

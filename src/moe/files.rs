@@ -18,9 +18,8 @@ use serde_json::json;
 use super::case::GroupedCase;
 use super::reference::offsets_of;
 use crate::runner::protocol::{
-    write_f64, write_u16, CaseFiles, CheckSpec, GradientSpec, OutputSpec, TensorFile,
+    write_u16, CaseFiles, CheckSpec, GradientSpec, OutputSpec, TensorFile,
 };
-use crate::schema::Reference;
 
 /// Largest accepted relative L2 error of a bf16 grouped GEMM against float64 (bf16 rounding
 /// of the result is 2⁻⁹ relative on average).
@@ -267,14 +266,7 @@ pub fn write_case(c: &GroupedCase, seed: u64, check_rows: usize, dir: &Path) -> 
             .collect()
     };
     let check = |file: &str, vals: &[f64], ranges: Vec<[u64; 2]>, checked: String| {
-        let path = dir.join(file);
-        write_f64(&path, vals).map(|_| CheckSpec {
-            ranges,
-            reference: path,
-            reference_kind: Reference::Float64Cpu,
-            tolerance: TOLERANCE,
-            checked,
-        })
+        CheckSpec::write_float64(dir.join(file), vals, ranges, TOLERANCE, checked)
     };
     let y_check = check(
         "reference_y.f64",

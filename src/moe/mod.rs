@@ -20,3 +20,14 @@ pub mod cuda;
 pub mod dispatch_cuda;
 pub mod files;
 pub mod reference;
+
+/// The value of `#define NAME <integer>` in a kernel source, for the tests that tie the
+/// host's constants to the kernels' (`None` when absent or not an integer).
+#[cfg(test)]
+pub(crate) fn source_define(src: &str, name: &str) -> Option<usize> {
+    let prefix = format!("#define {name} ");
+    src.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}

@@ -55,6 +55,30 @@ pub struct CheckSpec {
     pub checked: String,
 }
 
+impl CheckSpec {
+    /// Writes `values`, the float64 reference of the elements in `ranges`, to `path` and
+    /// returns the check against it (reference kind [`Reference::Float64Cpu`]).
+    ///
+    /// # Errors
+    /// I/O errors, with the path.
+    pub fn write_float64(
+        path: PathBuf,
+        values: &[f64],
+        ranges: Vec<[u64; 2]>,
+        tolerance: f64,
+        checked: String,
+    ) -> anyhow::Result<CheckSpec> {
+        write_f64(&path, values)?;
+        Ok(CheckSpec {
+            ranges,
+            reference: path,
+            reference_kind: Reference::Float64Cpu,
+            tolerance,
+            checked,
+        })
+    }
+}
+
 /// A gradient a forward + backward job produces besides the output, and its check.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct GradientSpec {
