@@ -5,10 +5,13 @@
 //! machinery (processes, order, timing records, progress, document) is `kernelpages::runner`;
 //! this file is the grid, the implementations, the dispatch table and the counts.
 //!
-//! The project's implementation: `grouped_mma_sync` (`kernels/moe/grouped_gemm.cu`,
-//! [`kernelpages::moe::cuda`]): one launch for every expert, a persistent grid of 128 × 128
-//! tiles on the tensor cores through mma.sync; a `fwd+bwd` call is the forward, dX and dW
-//! (three launches). With `--device cpu`, `cpu_grouped` ([`kernelpages::moe::cpu`]): float32
+//! The project's implementations: `grouped_matmul`, the dispatch
+//! ([`kernelpages::moe::cuda::GroupedKernel::for_shape`]): on compute capability 9.0 the wgmma
+//! kernel (`kernels/moe/grouped_gemm_sm90.cu`, [`kernelpages::moe::sm90`]: TMA, a producer and
+//! two consumer warpgroups, 128 × 256 tiles), elsewhere the portable one; and
+//! `grouped_mma_sync`, the portable kernel on every device (`kernels/moe/grouped_gemm.cu`,
+//! [`kernelpages::moe::cuda`]: 128 × 128 tiles through mma.sync). Both run one launch for every
+//! expert on a persistent grid; a `fwd+bwd` call is the forward, dX and dW (three launches). With `--device cpu`, `cpu_grouped` ([`kernelpages::moe::cpu`]): float32
 //! products of the bf16 operands on the host's cores (`data/cpu_moe.json`).
 //!
 //! ```text
@@ -28,7 +31,7 @@ use kernelpages::attention::cpu_flash::read_elements;
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::moe::case::{GroupedCase, Spread};
 use kernelpages::moe::cpu as moe_cpu;
-use kernelpages::moe::cuda::{GroupedGemm, Product};
+use kernelpages::moe::cuda::{GroupedKernel, Product};
 use kernelpages::moe::files;
 use kernelpages::runner::grid::Params;
 use kernelpages::runner::protocol::{CaseFiles, Job, Reply, TensorFile};
@@ -55,8 +58,10 @@ struct Cli {
     check_rows: usize,
 }
 
-/// The project's implementation.
-const IMPLEMENTATION: &str = "grouped_mma_sync";
+/// The project's implementation: the dispatch of [`GroupedKernel::for_shape`].
+const IMPLEMENTATION: &str = "grouped_matmul";
+/// The portable kernel, run on every device beside the dispatch.
+const PORTABLE: &str = "grouped_mma_sync";
 /// The project's CPU implementation.
 const CPU_IMPLEMENTATION: &str = "cpu_grouped";
 /// Token counts of the CPU grid (its `--quick` grid: the first).
@@ -166,11 +171,25 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
         }];
     }
     vec![DispatchRule {
+        entry_point: "moe::cuda::GroupedKernel::for_shape".into(),
+        device: "CUDA, compute capability 9.0 (sm_90a)".into(),
+        dtype: "bf16 (float32 accumulation)".into(),
+        rule: "K and N multiples of 64: the wgmma kernel (grouped_gemm_sm90.cu): one launch over every expert's rows whatever their sizes, a persistent grid of one block per SM taking 128 × 256 output tiles in turn (bands of 8 row tiles per column step); a producer warpgroup brings 64-wide steps of A and B by TMA through 4 stages (128-byte swizzle, mbarriers) and two consumer warpgroups multiply them on wgmma m64n256k16; dW zeroes a group's rows past its end in shared memory. Otherwise the portable kernel below".into(),
+        implementation: IMPLEMENTATION.into(),
+    },
+    DispatchRule {
+        entry_point: "moe::cuda::GroupedKernel::for_shape".into(),
+        device: "CUDA, compute capability 8.0 or newer (other than 9.0)".into(),
+        dtype: "bf16 (float32 accumulation)".into(),
+        rule: "always: the portable kernel (grouped_gemm.cu), as grouped_mma_sync".into(),
+        implementation: IMPLEMENTATION.into(),
+    },
+    DispatchRule {
         entry_point: "moe::cuda::GroupedGemm::launch".into(),
         device: "CUDA, compute capability 8.0 or newer".into(),
         dtype: "bf16 (float32 accumulation)".into(),
         rule: "always: one launch over every expert's rows whatever their sizes (empty experts included), a persistent grid of 2 blocks per SM taking 128 × 128 output tiles in turn, bands of 8 row tiles per column step; mma.sync m16n8k16 from 4 cp.async stages of 32 along the reduction; dX and dW the same kernel with the weights read transposed and the reduction over each expert's rows".into(),
-        implementation: IMPLEMENTATION.into(),
+        implementation: PORTABLE.into(),
     }]
 }
 
@@ -255,7 +274,7 @@ impl runner::Suite for Moe {
         if let Some(name) = layer_name(&c) {
             notes.push(format!("layer: {name}"));
         }
-        if implementation == IMPLEMENTATION && c.backward {
+        if (implementation == IMPLEMENTATION || implementation == PORTABLE) && c.backward {
             notes.push("fwd+bwd: the forward, dX and dW, three launches".into());
         }
         if implementation == CPU_IMPLEMENTATION {
@@ -282,11 +301,11 @@ impl runner::Suite for Moe {
 }
 
 fn run(cli: &Cli) -> Result<ExitCode> {
-    let own = match cli.run.device {
-        DeviceChoice::Gpu => IMPLEMENTATION,
-        DeviceChoice::Cpu => CPU_IMPLEMENTATION,
+    let own: &[(&str, &str)] = match cli.run.device {
+        DeviceChoice::Gpu => &[(IMPLEMENTATION, "kernelpages"), (PORTABLE, "kernelpages")],
+        DeviceChoice::Cpu => &[(CPU_IMPLEMENTATION, "kernelpages")],
     };
-    let imps = runner::implementations(&[(own, "kernelpages")], &ALTERNATIVES, &cli.run.compare)?;
+    let imps = runner::implementations(own, &ALTERNATIVES, &cli.run.compare)?;
     let cases = cli.run.select(cases(cli, false)?, cases(cli, true)?)?;
     let declared = Declared {
         runner: "moe",
@@ -312,7 +331,7 @@ struct Set {
 /// `grouped_mma_sync` on one case, as the shared GPU case process drives it: the kernels write
 /// the runner's outputs directly (Y, then dX and dW).
 struct Launch {
-    gg: GroupedGemm,
+    gg: GroupedKernel,
     case: GroupedCase,
     offsets: CudaSlice<i32>,
 }
@@ -537,9 +556,10 @@ fn measure_cpu(job: &Job) -> Reply {
     })
 }
 
-/// The case process for `grouped_mma_sync`: the group counts from the case's arguments.
+/// The case process for `grouped_matmul` (the dispatch) and `grouped_mma_sync`: the group
+/// counts from the case's arguments; the row notes the kernel that ran.
 fn measure_gpu(job: &Job) -> Reply {
-    if job.implementation != IMPLEMENTATION {
+    if job.implementation != IMPLEMENTATION && job.implementation != PORTABLE {
         return Reply::failed(
             job,
             Status::Error,
@@ -550,9 +570,15 @@ fn measure_gpu(job: &Job) -> Reply {
         Ok(x) => x,
         Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
     };
-    own::measure(job, |gpu| {
-        let gg = GroupedGemm::new(gpu, case.experts)?;
-        let compile_s = gg.compile_s;
+    let mut kernel = None;
+    let mut reply = own::measure(job, |gpu| {
+        let gg = if job.implementation == PORTABLE {
+            GroupedKernel::named(gpu, PORTABLE, case.experts)?
+        } else {
+            GroupedKernel::for_shape(gpu, case.experts, case.hidden, case.width)?
+        };
+        kernel = Some(gg.implementation());
+        let compile_s = gg.compile_s();
         let offsets: Vec<i32> = kernelpages::moe::reference::offsets_of(&counts)
             .into_iter()
             .map(|o| o as i32)
@@ -566,7 +592,11 @@ fn measure_gpu(job: &Job) -> Reply {
             },
             compile_s,
         ))
-    })
+    });
+    if let (Some(k), true) = (kernel, job.implementation == IMPLEMENTATION) {
+        reply.row.notes.push(format!("kernel: {k}"));
+    }
+    reply
 }
 
 #[cfg(test)]
@@ -584,8 +614,8 @@ mod tests {
         for p in &all {
             let c = case_of(p).unwrap();
             assert!(layer_name(&c).is_some());
-            // K and N are multiples of 8 (the kernels' 16-byte copies).
-            assert_eq!((c.hidden % 8, c.width % 8), (0, 0));
+            // K and N are multiples of 64: the dispatch runs the wgmma kernel on sm_90a.
+            assert!(kernelpages::moe::sm90::takes("sm_90a", c.hidden, c.width));
         }
         let quick = Cli::try_parse_from(["moe", "--quick", "--filter", "experts=64"]).unwrap();
         let kept = quick

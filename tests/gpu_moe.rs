@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use cudarc::driver::CudaSlice;
 use kernelpages::gpu::{self, Gpu};
 use kernelpages::moe::case::{GroupedCase, Spread};
-use kernelpages::moe::cuda::{self as moe_cuda, GroupedGemm, Product};
+use kernelpages::moe::cuda::{self as moe_cuda, GroupedKernel, Product};
 use kernelpages::moe::reference::{grouped_matmul, grouped_matmul_backward, offsets_of};
 use rand::{Rng, SeedableRng};
 
@@ -34,17 +34,62 @@ fn grouped_gemm_kernels_compile_without_spills() {
     spills::compiles_without_spills("grouped_gemm.cu", &moe_cuda::source(), &entries);
 }
 
-/// One device and one compiled instance for the whole binary.
-fn gpu() -> &'static (Gpu, GroupedGemm) {
-    static GPU: OnceLock<(Gpu, GroupedGemm)> = OnceLock::new();
+/// The Hopper kernel compiles for sm_90a without spills, at the whole register cap of 384
+/// threads (168: the consumers' setmaxnreg.inc to 232 needs it); runs in CI.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn grouped_gemm_sm90_compiles_without_spills() {
+    use kernelpages::moe::sm90;
+    let entries: Vec<String> = sm90::ENTRY_POINTS.iter().map(|s| s.to_string()).collect();
+    let reports = spills::compiles_without_spills_on(
+        "grouped_gemm_sm90.cu",
+        &sm90::source(),
+        &entries,
+        &["sm_90a"],
+    );
+    for r in reports {
+        assert_eq!(r.registers, 168, "{r:?}");
+    }
+}
+
+/// One device and the compiled kernels for the whole binary: the portable kernel, and the
+/// Hopper one on compute capability 9.0 (each test runs every kernel here).
+fn gpu() -> &'static (Gpu, Vec<GroupedKernel>) {
+    static GPU: OnceLock<(Gpu, Vec<GroupedKernel>)> = OnceLock::new();
     GPU.get_or_init(|| {
         if let Err(e) = gpu::detect() {
             panic!("{e}");
         }
         let g = Gpu::open(0).expect("device opens");
-        let gg = GroupedGemm::new(&g, 256).expect("the grouped GEMM compiles");
-        (g, gg)
+        let mut kernels = vec![GroupedKernel::named(&g, "grouped_mma_sync", 256)
+            .expect("the portable grouped GEMM compiles")];
+        if g.arch() == "sm_90a" {
+            kernels.push(
+                GroupedKernel::named(&g, "grouped_wgmma", 256)
+                    .expect("the wgmma grouped GEMM compiles"),
+            );
+        } else {
+            println!(
+                "{}: the wgmma grouped GEMM is not tested (sm_90a only)",
+                g.arch()
+            );
+        }
+        (g, kernels)
     })
+}
+
+/// The kernels of [`gpu`] that take K × N weights.
+fn kernels(k: usize, n: usize) -> Vec<&'static GroupedKernel> {
+    gpu()
+        .1
+        .iter()
+        .filter(|g| {
+            matches!(g, GroupedKernel::MmaSync(_)) || kernelpages::moe::sm90::takes("sm_90a", k, n)
+        })
+        .collect()
 }
 
 fn bf16_bits(x: f64) -> u16 {
@@ -112,8 +157,8 @@ const BOUND: f64 = 8e-3;
 
 /// The three products on the device against float64 for rows split as `counts`, K × N
 /// weights; prints and returns the three errors (dW of an empty group must be exactly 0).
-fn case(counts: &[usize], k: usize, n: usize, seed: u64) -> [f64; 3] {
-    let (g, gg) = gpu();
+fn case(gg: &GroupedKernel, counts: &[usize], k: usize, n: usize, seed: u64) -> [f64; 3] {
+    let g = &gpu().0;
     let e = counts.len();
     let offsets = offsets_of(counts);
     let m = offsets[e];
@@ -148,8 +193,11 @@ fn case(counts: &[usize], k: usize, n: usize, seed: u64) -> [f64; 3] {
         rel_max(&dw, &dw_ref, n, None),
     ];
     println!(
-        "counts {counts:?} K {k} N {n}: y {:.2e} dx {:.2e} dw {:.2e}",
-        errs[0], errs[1], errs[2]
+        "{}: counts {counts:?} K {k} N {n}: y {:.2e} dx {:.2e} dw {:.2e}",
+        gg.implementation(),
+        errs[0],
+        errs[1],
+        errs[2]
     );
     errs
 }
@@ -170,10 +218,12 @@ fn assert_within(errs: [f64; 3], what: &str) {
     ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
 )]
 fn grouped_gemm_with_empty_experts_matches_float64() {
-    assert_within(
-        case(&[5, 0, 0, 3, 0, 1, 0, 7], 256, 256, 1),
-        "[5,0,0,3,0,1,0,7]",
-    );
+    for gg in kernels(256, 256) {
+        assert_within(
+            case(gg, &[5, 0, 0, 3, 0, 1, 0, 7], 256, 256, 1),
+            "[5,0,0,3,0,1,0,7]",
+        );
+    }
 }
 
 /// Every count 0 (nothing to compute: y and dX empty, dW all zeros) and one token in total:
@@ -184,8 +234,13 @@ fn grouped_gemm_with_empty_experts_matches_float64() {
     ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
 )]
 fn grouped_gemm_with_no_rows_and_one_row_returns() {
-    assert_within(case(&[0; 8], 256, 256, 3), "all empty");
-    assert_within(case(&[0, 0, 0, 1, 0, 0, 0, 0], 256, 256, 4), "one token");
+    for gg in kernels(256, 256) {
+        assert_within(case(gg, &[0; 8], 256, 256, 3), "all empty");
+        assert_within(
+            case(gg, &[0, 0, 0, 1, 0, 0, 0, 0], 256, 256, 4),
+            "one token",
+        );
+    }
 }
 
 /// Skewed routing (`Spread::Zipf`: the last quarter of the experts get nothing) at sizes with
@@ -196,7 +251,14 @@ fn grouped_gemm_with_no_rows_and_one_row_returns() {
     ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
 )]
 fn grouped_gemm_backward_on_skewed_routing_matches_float64() {
-    for (tokens, experts, top_k, k, n) in [(1000, 8, 2, 264, 136), (700, 16, 4, 128, 392)] {
+    // The first two have partial tiles for the portable kernel; the last two K and N multiples
+    // of 64 (the wgmma kernel's) with partial 128-row, 256-column and 64-row reduction tiles.
+    for (tokens, experts, top_k, k, n) in [
+        (1000, 8, 2, 264, 136),
+        (700, 16, 4, 128, 392),
+        (1000, 8, 2, 320, 192),
+        (900, 16, 4, 448, 576),
+    ] {
         let c = GroupedCase {
             tokens,
             experts,
@@ -208,7 +270,9 @@ fn grouped_gemm_backward_on_skewed_routing_matches_float64() {
         };
         let counts = c.group_counts();
         assert!(counts.contains(&0), "{counts:?}");
-        assert_within(case(&counts, k, n, tokens as u64), &format!("{c:?}"));
+        for gg in kernels(k, n) {
+            assert_within(case(gg, &counts, k, n, tokens as u64), &format!("{c:?}"));
+        }
     }
 }
 
@@ -220,7 +284,7 @@ fn grouped_gemm_backward_on_skewed_routing_matches_float64() {
     ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
 )]
 fn grouped_gemm_past_two_to_the_31_elements() {
-    let (g, gg) = gpu();
+    let g = &gpu().0;
     let (k, n) = (64, 14336);
     let counts = [70_000usize, 0, 81_000];
     let offsets = offsets_of(&counts);
@@ -230,37 +294,42 @@ fn grouped_gemm_past_two_to_the_31_elements() {
     let w = inputs(3 * k * n, 12);
     let off32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
     let d_off = g.stream.clone_htod(&off32).unwrap();
-    let mut d_y = poisoned(m * n);
-    gg.launch(
-        g,
-        Product::Forward,
-        &up(&x),
-        &up(&w),
-        &mut d_y,
-        &d_off,
-        m,
-        k,
-        n,
-    )
-    .unwrap();
-    let y = down(&d_y, m * n);
-    let rows = [0, 1, 69_999, 70_000, 100_000, 150_000, m - 1];
-    // The reference on the sampled rows only: each as a one-row group of its expert.
-    let mut worst = 0.0f64;
-    for &r in &rows {
-        let e = if r < offsets[1] { 0 } else { 2 };
-        let yr = grouped_matmul(
-            &x[r * k..(r + 1) * k],
-            &w[e * k * n..(e + 1) * k * n],
-            &[0, 1],
+    for gg in kernels(k, n) {
+        let mut d_y = poisoned(m * n);
+        gg.launch(
+            g,
+            Product::Forward,
+            &up(&x),
+            &up(&w),
+            &mut d_y,
+            &d_off,
+            m,
             k,
             n,
         )
         .unwrap();
-        worst = worst.max(rel_max(&y[r * n..(r + 1) * n], &yr, n, None));
+        let y = down(&d_y, m * n);
+        let rows = [0, 1, 69_999, 70_000, 100_000, 150_000, m - 1];
+        // The reference on the sampled rows only: each as a one-row group of its expert.
+        let mut worst = 0.0f64;
+        for &r in &rows {
+            let e = if r < offsets[1] { 0 } else { 2 };
+            let yr = grouped_matmul(
+                &x[r * k..(r + 1) * k],
+                &w[e * k * n..(e + 1) * k * n],
+                &[0, 1],
+                k,
+                n,
+            )
+            .unwrap();
+            worst = worst.max(rel_max(&y[r * n..(r + 1) * n], &yr, n, None));
+        }
+        println!(
+            "{}: {m} x {n} y, sampled rows {rows:?}: error {worst:.2e}",
+            gg.implementation()
+        );
+        assert!(worst <= BOUND, "error {worst:.3e}");
     }
-    println!("{m} x {n} y, sampled rows {rows:?}: error {worst:.2e}");
-    assert!(worst <= BOUND, "error {worst:.3e}");
 }
 
 /// The routing, plan, dispatch and combine kernels compile for sm_90a and sm_80 without

@@ -185,6 +185,99 @@ impl GroupedGemm {
     }
 }
 
+/// The grouped GEMM a launch runs: the Hopper kernel ([`super::sm90::HopperGroupedGemm`],
+/// `grouped_wgmma`) where [`super::sm90::takes`] says so, the portable one ([`GroupedGemm`],
+/// `grouped_mma_sync`) elsewhere. Both take the same arguments.
+pub enum GroupedKernel {
+    /// `kernels/moe/grouped_gemm.cu` (mma.sync, sm_80+).
+    MmaSync(GroupedGemm),
+    /// `kernels/moe/grouped_gemm_sm90.cu` (wgmma and TMA, sm_90a).
+    Wgmma(super::sm90::HopperGroupedGemm),
+}
+
+/// The implementation names of the two kernels in documents: the Hopper one, the portable one.
+pub const IMPLEMENTATIONS: [&str; 2] = ["grouped_wgmma", "grouped_mma_sync"];
+
+impl GroupedKernel {
+    /// The dispatch: compiles the kernel that runs K × N weights on this device for up to
+    /// `max_groups` groups (wgmma on compute capability 9.0 when K and N are multiples of 64,
+    /// mma.sync otherwise).
+    ///
+    /// # Errors
+    /// NVRTC's log; driver errors from loading.
+    pub fn for_shape(
+        gpu: &Gpu,
+        max_groups: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<GroupedKernel, GpuError> {
+        if super::sm90::takes(&gpu.arch(), k, n) {
+            Ok(GroupedKernel::Wgmma(super::sm90::HopperGroupedGemm::new(
+                gpu, max_groups,
+            )?))
+        } else {
+            Ok(GroupedKernel::MmaSync(GroupedGemm::new(gpu, max_groups)?))
+        }
+    }
+
+    /// The kernel by implementation name ([`IMPLEMENTATIONS`]).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for another name, or `grouped_wgmma` off compute capability 9.0;
+    /// NVRTC's log; driver errors.
+    pub fn named(gpu: &Gpu, name: &str, max_groups: usize) -> Result<GroupedKernel, GpuError> {
+        match name {
+            "grouped_wgmma" => Ok(GroupedKernel::Wgmma(super::sm90::HopperGroupedGemm::new(
+                gpu, max_groups,
+            )?)),
+            "grouped_mma_sync" => Ok(GroupedKernel::MmaSync(GroupedGemm::new(gpu, max_groups)?)),
+            other => Err(GpuError::Config(format!(
+                "no grouped GEMM kernel named `{other}` (kernels: {IMPLEMENTATIONS:?})"
+            ))),
+        }
+    }
+
+    /// The implementation's name in documents.
+    pub fn implementation(&self) -> &'static str {
+        match self {
+            GroupedKernel::Wgmma(_) => IMPLEMENTATIONS[0],
+            GroupedKernel::MmaSync(_) => IMPLEMENTATIONS[1],
+        }
+    }
+
+    /// NVRTC compile and module load time, s.
+    pub fn compile_s(&self) -> f64 {
+        match self {
+            GroupedKernel::Wgmma(k) => k.compile_s,
+            GroupedKernel::MmaSync(k) => k.compile_s,
+        }
+    }
+
+    /// One product, as [`GroupedGemm::launch`] (the Hopper kernel also needs K and N multiples
+    /// of 64).
+    ///
+    /// # Errors
+    /// As the kernel's `launch`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        product: Product,
+        a: &CudaSlice<u16>,
+        b: &CudaSlice<u16>,
+        c: &mut CudaSlice<u16>,
+        offsets: &CudaSlice<i32>,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), GpuError> {
+        match self {
+            GroupedKernel::Wgmma(g) => g.launch(gpu, product, a, b, c, offsets, rows, k, n),
+            GroupedKernel::MmaSync(g) => g.launch(gpu, product, a, b, c, offsets, rows, k, n),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

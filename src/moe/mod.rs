@@ -20,6 +20,7 @@ pub mod cuda;
 pub mod dispatch_cuda;
 pub mod files;
 pub mod reference;
+pub mod sm90;
 
 /// The value of `#define NAME <integer>` in a kernel source, for the tests that tie the
 /// host's constants to the kernels' (`None` when absent or not an integer).

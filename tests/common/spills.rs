@@ -4,10 +4,23 @@
 /// exactly `entries` in its PTX, to machine code for both, and ptxas reports no spill for any
 /// entry on sm_90a (registers printed with `--nocapture`). Needs NVRTC only, not a GPU.
 pub fn compiles_without_spills(name: &str, src: &str, entries: &[String]) {
+    compiles_without_spills_on(name, src, entries, &["sm_90a", "sm_80"]);
+}
+
+/// As [`compiles_without_spills`] for the architectures `archs` (the first must be `sm_90a`,
+/// where ptxas reports); returns the reports of `entries`.
+#[allow(dead_code)] // not every test binary that includes this file calls it
+pub fn compiles_without_spills_on(
+    name: &str,
+    src: &str,
+    entries: &[String],
+    archs: &[&str],
+) -> Vec<kernelpages::gpu::PtxasReport> {
     // SAFETY: only tries to dlopen the library.
     let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
     assert!(present, "libnvrtc.so.13 not found on the loader path");
-    for arch in ["sm_90a", "sm_80"] {
+    assert_eq!(archs.first(), Some(&"sm_90a"));
+    for &arch in archs {
         let text = kernelpages::gpu::nvrtc_compile(name, src, arch)
             .unwrap_or_else(|e| panic!("{e}"))
             .to_src();
@@ -38,4 +51,8 @@ pub fn compiles_without_spills(name: &str, src: &str, entries: &[String]) {
         );
         assert_eq!(r.spill_bytes, 0, "{r:?}");
     }
+    reports
+        .into_iter()
+        .filter(|r| entries.contains(&r.kernel))
+        .collect()
 }

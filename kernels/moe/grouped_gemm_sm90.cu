@@ -1,0 +1,302 @@
+// The grouped GEMM of the MoE layer (issue 14) for compute capability 9.0 (`-arch=sm_90a`):
+// the products of grouped_gemm.cu (forward y = x · w[e], dX = dy · w[e]ᵀ, dW[e] = x_eᵀ · dy_e,
+// one launch each over every expert, groups ragged and any of them empty) on the Hopper
+// instructions: operands brought by the tensor memory accelerator (TMA, `cp.async.bulk.tensor`
+// on mbarriers, 128-byte swizzled tiles) and multiplied by `wgmma` from shared memory, a
+// producer warpgroup and two consumer warpgroups (warp specialisation with register
+// reallocation), and a persistent tile scheduler. Written for this project from the PTX ISA and
+// the techniques of the FlashAttention-3 paper and CUTLASS's sm_90 grouped GEMM documentation;
+// the TMA, mbarrier and descriptor helpers are the attention suite's (attn_wgmma_sm90.cu, which
+// the host places before this file, after attn_prelude.cuh).
+//
+// Layouts as grouped_gemm.cu: row-major bf16 as u16 bits, float32 accumulation, bf16 results
+// rounded to nearest even; x [M, K] rows in expert order, w [E, K, N], offsets [E + 1] int32
+// (clamped to [0, M] on the device). The host builds the tensor maps (3-D, innermost first,
+// boxes of 64 columns = 128 bytes, 128-byte swizzle; boxes past a tensor's end read zeros):
+//   MODE 0 (forward): map_a = x  as (K, M, 1),  box 64 x 128;  map_b = w  as (N, K, E), box 64 x 64
+//   MODE 1 (dX):      map_a = dy as (N, M, 1),  box 64 x 128;  map_b = w  as (N, K, E), box 64 x 256
+//   MODE 2 (dW):      map_a = x  as (K, M, 1),  box 64 x 64;   map_b = dy as (N, M, 1), box 64 x 64
+//
+// Tiles: C tiles of GS_BM x GS_BN (128 x 256), the reduction in steps of 64 through GS_ST
+// stages. A stage holds A (16 KB: consumer c reads the 64-row half at c · 8 KB) and B (32 KB).
+//   forward: A = x rows, K-major (one 128-row box); B = w[e] rows k.., MN-major (four 64-column
+//            panels of 64 k-rows);
+//   dX:      A = dy rows, K-major; B = w[e] rows n.. (dX's columns) with the reduction (w's
+//            columns) contiguous, K-major (one 256-row box);
+//   dW:      A = xᵀ: two boxes of 64 token rows x 64 of x's columns, MN-major; B = dy's token
+//            rows, MN-major (four panels). Token rows past the group's end belong to the next
+//            group (or are TMA's zeros past M); the consumers zero them in shared memory before
+//            the last step's products, so a neighbour's values (even non-finite ones) never
+//            reach this group's dW.
+// Rows of a forward or dX tile past the group's end are read (they are the next group's) and
+// multiplied but never stored.
+//
+// Block: 384 threads. Warpgroup 0 is the producer (one thread issues every TMA load; the
+// warpgroup gives registers away with setmaxnreg); warpgroups 1 and 2 are the consumers, each
+// owning 64 rows of the C tile with a 64 x 256 fp32 accumulator (128 registers a thread) on
+// wgmma m64n256k16 (m64n128k16 for a tile whose columns end within 128, such as the last of
+// N = 1408). Each stage has a "full" barrier (TMA's transaction bytes) and an "empty"
+// one (one arrival per consumer warp once its products have read the stage). Both roles walk
+// the same tile list (tiles blockIdx.x, + gridDim.x, ...), the groups' tiles one after another,
+// within a group bands of GS_BAND row tiles before moving right (as grouped_gemm.cu); the stage
+// ring runs on across tiles, so the producer fills the next tile's stages while the consumers
+// store the last one.
+
+#define GS_THREADS 384
+#define GS_BM 128
+#define GS_BN 256
+#define GS_BK 64
+#define GS_ST 4
+#define GS_BAND 8
+#define GS_A_BYTES (GS_BM * GS_BK * 2)
+#define GS_B_BYTES (GS_BK * GS_BN * 2)
+#define GS_STAGE_BYTES (GS_A_BYTES + GS_B_BYTES)
+// From the 1024-aligned base: the stages, the barriers (full then empty per stage), then the
+// groups' tile prefix ((E + 1) ints).
+#define GS_BARS (GS_ST * GS_STAGE_BYTES)
+#define GS_PREFIX (GS_BARS + 16 * GS_ST)
+
+// The accumulator operands of m64n256k16 (128 fp32 registers a thread).
+#define GS_REGS128                                                                               \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+    "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
+    "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "  \
+    "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "  \
+    "%92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "     \
+    "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "  \
+    "%123, %124, %125, %126, %127}"
+#define GS_ACC128(d) WG_ACC64(d), WG_ACC8(d, 64), WG_ACC8(d, 72), WG_ACC8(d, 80), WG_ACC8(d, 88), \
+    WG_ACC8(d, 96), WG_ACC8(d, 104), WG_ACC8(d, 112), WG_ACC8(d, 120)
+
+// D (64 x 256, fp32) += A (64 x 16) · B (16 x 256), both from shared memory; TRANS_A / TRANS_B
+// = 1 for an MN-major operand. Issued, not waited for.
+template <int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a,
+                                                 uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        GS_REGS128 ", %128, %129, p, 1, 1, %131, %132;\n}\n"
+        : GS_ACC128(d)
+        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+// As wgmma_m64n256k16 for a 64 x 128 D: the first 64 accumulators of the same layout (a tile
+// whose columns end within its first 128 skips the empty half's products).
+template <int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a,
+                                                 uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        WG_REGS64 ", %64, %65, p, 1, 1, %67, %68;\n}\n"
+        : WG_ACC64(d)
+        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+__device__ __forceinline__ int gs_offset(const int* offsets, int e, int M) {
+    return min(max(offsets[e], 0), M);
+}
+
+// One tile of the launch's list: its group, the group's first row and row count, the tile's
+// origin in C (m0 rows, n0 columns) and its reduction steps.
+struct GsTile {
+    int e, row0, rows, m0, n0, steps;
+};
+
+template <int MODE>
+__device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
+                                          const int* __restrict__ offsets, int groups, int M,
+                                          int K, int N) {
+    int lo = 0, hi = groups - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (tiles_before[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    GsTile t;
+    t.e = lo;
+    t.row0 = gs_offset(offsets, lo, M);
+    t.rows = max(gs_offset(offsets, lo + 1, M) - t.row0, 0);
+    const int c_rows = MODE == 2 ? K : t.rows;
+    const int c_cols = MODE == 1 ? K : N;
+    const int tiles_n = (c_cols + GS_BN - 1) / GS_BN;
+    const int tiles_m = (c_rows + GS_BM - 1) / GS_BM;
+    const int local = tile - tiles_before[lo];
+    const int band = local / (GS_BAND * tiles_n);
+    const int band_m = min(GS_BAND, tiles_m - band * GS_BAND);
+    const int in_band = local - band * GS_BAND * tiles_n;
+    t.m0 = (band * GS_BAND + in_band % band_m) * GS_BM;
+    t.n0 = (in_band / band_m) * GS_BN;
+    const int red = MODE == 0 ? K : MODE == 1 ? N : t.rows;
+    t.steps = (red + GS_BK - 1) / GS_BK;
+    return t;
+}
+
+template <int MODE>
+__device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, const TmaMap* map_b,
+                                                       u16* __restrict__ c,
+                                                       const int* __restrict__ offsets,
+                                                       int groups, int M, int K, int N) {
+    const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
+    int* tiles_before = reinterpret_cast<int*>(dyn_smem + (base - smem_u32(dyn_smem)) + GS_PREFIX);
+    auto full = [&](int s) { return base + GS_BARS + 8u * s; };
+    auto empty = [&](int s) { return base + GS_BARS + 8u * (GS_ST + s); };
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int c_cols = MODE == 1 ? K : N;
+    const int tiles_n = (c_cols + GS_BN - 1) / GS_BN;
+
+    if (tid < 32) {
+        // The tile prefix over groups, in steps of 32 groups.
+        const int lane = tid;
+        int run = 0;
+        if (lane == 0) tiles_before[0] = 0;
+        for (int b0 = 0; b0 < groups; b0 += 32) {
+            const int e = b0 + lane;
+            int tiles = 0;
+            if (e < groups) {
+                const int rows =
+                    MODE == 2 ? K : max(gs_offset(offsets, e + 1, M) - gs_offset(offsets, e, M), 0);
+                tiles = ((rows + GS_BM - 1) / GS_BM) * tiles_n;
+            }
+            int incl = tiles;
+#pragma unroll
+            for (int d = 1; d < 32; d *= 2) {
+                const int up = __shfl_up_sync(0xffffffffu, incl, d);
+                if (lane >= d) incl += up;
+            }
+            if (e < groups) tiles_before[e + 1] = run + incl;
+            run += __shfl_sync(0xffffffffu, incl, 31);
+        }
+    } else if (tid == 32) {
+        for (int s = 0; s < GS_ST; ++s) {
+            mbar_init(full(s), 1);
+            mbar_init(empty(s), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int total = tiles_before[groups];
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (tid == 0) {
+            int it = 0;
+            for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+                const GsTile t = gs_tile<MODE>(tile, tiles_before, offsets, groups, M, K, N);
+                for (int ks = 0; ks < t.steps; ++ks, ++it) {
+                    const int s = it % GS_ST;
+                    if (it >= GS_ST) mbar_wait(empty(s), ((it / GS_ST) + 1) & 1);
+                    const u32 sa = base + s * GS_STAGE_BYTES, sb = sa + GS_A_BYTES;
+                    mbar_expect_tx(full(s), GS_STAGE_BYTES);
+                    const int k0 = ks * GS_BK;
+                    if (MODE == 0) {
+                        tma_load_3d(sa, map_a, full(s), k0, t.row0 + t.m0, 0);
+#pragma unroll
+                        for (int p = 0; p < 4; ++p)
+                            tma_load_3d(sb + p * 8192, map_b, full(s), t.n0 + 64 * p, k0, t.e);
+                    } else if (MODE == 1) {
+                        tma_load_3d(sa, map_a, full(s), k0, t.row0 + t.m0, 0);
+                        tma_load_3d(sb, map_b, full(s), k0, t.n0, t.e);
+                    } else {
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            tma_load_3d(sa + h * 8192, map_a, full(s), t.m0 + 64 * h, t.row0 + k0, 0);
+#pragma unroll
+                        for (int p = 0; p < 4; ++p)
+                            tma_load_3d(sb + p * 8192, map_b, full(s), t.n0 + 64 * p, t.row0 + k0, 0);
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int cw = wg - 1;  // consumer: C rows 64 cw .. 64 cw + 63 of each tile
+    const int ctid = tid & 127;  // the thread within its consumer warpgroup
+    const int warp = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int ldc = MODE == 1 ? K : N;
+    float acc[128];
+    int it = 0;
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const GsTile t = gs_tile<MODE>(tile, tiles_before, offsets, groups, M, K, N);
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+        const int c_rows = MODE == 2 ? K : t.rows;
+        const int m_lim = min(GS_BM, c_rows - t.m0) - 64 * cw;
+        const int n_lim = min(GS_BN, c_cols - t.n0);
+        const bool half = n_lim <= GS_BN / 2;
+        int prev = -1;
+        for (int ks = 0; ks < t.steps; ++ks, ++it) {
+            const int s = it % GS_ST;
+            mbar_wait(full(s), (it / GS_ST) & 1);
+            const u32 sa = base + s * GS_STAGE_BYTES + cw * 8192, sb = base + s * GS_STAGE_BYTES + GS_A_BYTES;
+            if (MODE == 2) {
+                const int valid = t.rows - ks * GS_BK;
+                if (valid < GS_BK) {
+                    // Zero token rows valid..63: the 128-byte line of each row in this
+                    // consumer's A panel and in B's panels 2 cw and 2 cw + 1 (16 bytes a store).
+                    const int lines = GS_BK - valid;
+                    unsigned char* smem0 = dyn_smem + (base - smem_u32(dyn_smem));
+                    for (int i = ctid; i < 3 * lines * 8; i += 128) {
+                        const int panel = i / (lines * 8), rest = i % (lines * 8);
+                        const int line = valid + rest / 8, chunk = rest % 8;
+                        const u32 at = panel == 0 ? sa : sb + (2 * cw + panel - 1) * 8192;
+                        *reinterpret_cast<uint4*>(smem0 + (at - base) + line * 128 + chunk * 16) =
+                            make_uint4(0u, 0u, 0u, 0u);
+                    }
+                    fence_proxy_async();
+                    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+                }
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                const uint64_t da = MODE == 2 ? smem_desc_sw128(sa + kk * 2048, 8192, 1024)
+                                              : smem_desc_sw128(sa + kk * 32, 16, 1024);
+                const uint64_t db = MODE == 1 ? smem_desc_sw128(sb + kk * 32, 16, 1024)
+                                              : smem_desc_sw128(sb + kk * 2048, 8192, 1024);
+                if (half)
+                    wgmma_m64n128k16<MODE == 2 ? 1 : 0, MODE == 1 ? 0 : 1>(
+                        reinterpret_cast<float(&)[64]>(acc), da, db);
+                else
+                    wgmma_m64n256k16<MODE == 2 ? 1 : 0, MODE == 1 ? 0 : 1>(acc, da, db);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();
+            if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
+            prev = s;
+        }
+        wgmma_wait<0>();
+        if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
+
+        // The accumulators, rounded to bf16, in pairs along the columns.
+        const long long row_c = MODE == 2 ? (long long)t.e * K + t.m0 + 64 * cw
+                                          : (long long)t.row0 + t.m0 + 64 * cw;
+        u16* cp = c + row_c * ldc + t.n0;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            const int col = 8 * j + 2 * t4;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 16 * warp + g + 8 * h;
+                if (r < m_lim && col < n_lim)
+                    *reinterpret_cast<u32*>(cp + (long long)r * ldc + col) =
+                        pack2<true>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            }
+        }
+    }
+}
+
+#define GS_ENTRY(NAME, MODE)                                                                    \
+    extern "C" __global__ void __launch_bounds__(GS_THREADS, 1)                                \
+        NAME(const __grid_constant__ TmaMap map_a, const __grid_constant__ TmaMap map_b,        \
+             u16* c, const int* offsets, int groups, int M, int K, int N) {                     \
+        grouped_gemm_sm90_body<MODE>(&map_a, &map_b, c, offsets, groups, M, K, N);              \
+    }
+
+GS_ENTRY(grouped_gemm_sm90_fwd, 0)
+GS_ENTRY(grouped_gemm_sm90_dx, 1)
+GS_ENTRY(grouped_gemm_sm90_dw, 2)

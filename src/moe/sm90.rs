@@ -1,0 +1,259 @@
+//! The grouped GEMM on Hopper (compute capability 9.0, `sm_90a`): `kernels/moe/grouped_gemm_sm90.cu`,
+//! the same three products as [`super::cuda::GroupedGemm`] (forward `y = x · w[e]`, `dX = dY ·
+//! w[e]ᵀ`, `dW[e] = x_eᵀ · dY_e`, one launch each for all experts, ragged and empty groups) on
+//! `wgmma` with TMA loads, a producer warpgroup and two consumer warpgroups, 128 × 256 output
+//! tiles on a persistent grid of one block per SM. Layouts are
+//! [`super::reference::grouped_matmul`]'s: `x` `[M, K]` rows in expert order, `w` `[E, K, N]`,
+//! `offsets` `[E + 1]` int32, bf16 operands as their bits (`u16`), float32 accumulation, bf16
+//! results rounded to nearest even. K and N must be multiples of 64 (the TMA boxes' width);
+//! [`takes`] says when it runs, and the portable kernel runs everything else.
+
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::cuda::Product;
+use crate::attention::cuda::PRELUDE_SRC;
+use crate::attention::sm90::{tma_map_bf16, WGMMA_SRC};
+use crate::gpu::{Gpu, GpuError};
+
+/// The kernel source (`kernels/moe/grouped_gemm_sm90.cu`).
+pub const GROUPED_GEMM_SM90_SRC: &str = include_str!("../../kernels/moe/grouped_gemm_sm90.cu");
+
+/// What NVRTC compiles (for `sm_90a` only): the attention prelude, the Hopper building blocks
+/// of `kernels/attn_wgmma_sm90.cu` (TMA, mbarriers, descriptors; none of its kernels), then
+/// [`GROUPED_GEMM_SM90_SRC`].
+pub fn source() -> String {
+    format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n{GROUPED_GEMM_SM90_SRC}\n")
+}
+
+/// The kernels' names: the forward, dX, dW.
+pub const ENTRY_POINTS: [&str; 3] = [
+    "grouped_gemm_sm90_fwd",
+    "grouped_gemm_sm90_dx",
+    "grouped_gemm_sm90_dw",
+];
+
+/// Threads per block (`GS_THREADS`: a producer and two consumer warpgroups).
+pub const THREADS: u32 = 384;
+/// The output tile, rows × columns (`GS_BM`, `GS_BN`).
+pub const TILE: (usize, usize) = (128, 256);
+/// Reduction elements per stage (`GS_BK`) and stages (`GS_ST`).
+const STEP: usize = 64;
+const STAGES: usize = 4;
+
+/// Dynamic shared memory of a launch over `groups` groups: up to 1023 bytes to align the base
+/// for the 128-byte swizzle, the stages (a 128 × 64 and a 64 × 256 bf16 tile each), two
+/// mbarriers a stage and the groups' tile prefix (`groups + 1` int32).
+pub fn shared_bytes(groups: usize) -> u32 {
+    let stage = 2 * (TILE.0 * STEP + STEP * TILE.1);
+    (1024 + STAGES * stage + 16 * STAGES + 4 * (groups + 1)) as u32
+}
+
+/// An upper bound on the output tiles of `product` over `groups` groups holding `rows` rows in
+/// all (the exact count needs the offsets, which stay on the device).
+pub fn max_tiles(product: Product, rows: usize, groups: usize, k: usize, n: usize) -> usize {
+    let (tm, tn) = (|x: usize| x.div_ceil(TILE.0), |x: usize| x.div_ceil(TILE.1));
+    match product {
+        Product::Forward => (rows / TILE.0 + groups.min(rows)) * tn(n),
+        Product::Dx => (rows / TILE.0 + groups.min(rows)) * tn(k),
+        Product::Dw => groups * tm(k) * tn(n),
+    }
+}
+
+/// True when [`HopperGroupedGemm`] runs a grouped GEMM of K × N weights on a device of
+/// architecture `arch` ([`Gpu::arch`]): `sm_90a` and K, N positive multiples of 64.
+pub fn takes(arch: &str, k: usize, n: usize) -> bool {
+    arch == "sm_90a" && k > 0 && n > 0 && k.is_multiple_of(STEP) && n.is_multiple_of(STEP)
+}
+
+/// The compiled Hopper kernels.
+pub struct HopperGroupedGemm {
+    fwd: CudaFunction,
+    dx: CudaFunction,
+    dw: CudaFunction,
+    sm_count: usize,
+    groups_cap: usize,
+    /// NVRTC compile and module load time, s (0 when this process had compiled the source).
+    pub compile_s: f64,
+}
+
+impl HopperGroupedGemm {
+    /// Compiles the kernels (once per process) for launches over up to `max_groups` groups.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] on a device that is not compute capability 9.0; NVRTC's log;
+    /// driver errors from loading.
+    pub fn new(gpu: &Gpu, max_groups: usize) -> Result<HopperGroupedGemm, GpuError> {
+        if gpu.arch() != "sm_90a" {
+            return Err(GpuError::Config(format!(
+                "the wgmma grouped GEMM needs compute capability 9.0 (sm_90a), not {}",
+                gpu.arch()
+            )));
+        }
+        let compiled = gpu.compile("grouped_gemm_sm90.cu", &source())?;
+        let smem = shared_bytes(max_groups);
+        let f = |name: &str| gpu.function(&compiled.module, name, smem);
+        let sm_count = gpu.describe()?.sm_count.map_or(1, |n| n as usize);
+        Ok(HopperGroupedGemm {
+            fwd: f(ENTRY_POINTS[0])?,
+            dx: f(ENTRY_POINTS[1])?,
+            dw: f(ENTRY_POINTS[2])?,
+            sm_count,
+            groups_cap: max_groups,
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// Launches one product (asynchronous on [`Gpu::stream`]), arguments as
+    /// [`super::cuda::GroupedGemm::launch`]: `a` is x (forward, dW) or dy (dX), `b` w (forward,
+    /// dX) or dy (dW), `c` y `[M, N]`, dx `[M, K]` or dw `[E, K, N]`; the kernels clamp each
+    /// offset to [0, M] on the device.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for K or N not a positive multiple of 64, more groups than
+    /// [`HopperGroupedGemm::new`] was given, or a buffer whose length does not fit; the driver's
+    /// errors from encoding the tensor maps and launching.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        product: Product,
+        a: &CudaSlice<u16>,
+        b: &CudaSlice<u16>,
+        c: &mut CudaSlice<u16>,
+        offsets: &CudaSlice<i32>,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), GpuError> {
+        let groups = offsets.len().saturating_sub(1);
+        if !takes("sm_90a", k, n) {
+            return Err(GpuError::Config(format!(
+                "wgmma grouped GEMM: K = {k} and N = {n} must be positive multiples of 64"
+            )));
+        }
+        if groups == 0 || groups > self.groups_cap {
+            return Err(GpuError::Config(format!(
+                "wgmma grouped GEMM: {groups} groups, this instance takes 1 to {}",
+                self.groups_cap
+            )));
+        }
+        let (a_len, b_len, c_len) = match product {
+            Product::Forward => (rows * k, groups * k * n, rows * n),
+            Product::Dx => (rows * n, groups * k * n, rows * k),
+            Product::Dw => (rows * k, rows * n, groups * k * n),
+        };
+        for (what, have, want) in [
+            ("a", a.len(), a_len),
+            ("b", b.len(), b_len),
+            ("c", c.len(), c_len),
+        ] {
+            if have != want && !(want == 0 && have == 1) {
+                return Err(GpuError::Config(format!(
+                    "wgmma grouped GEMM {product:?}: `{what}` holds {have} elements, the shape \
+                     needs {want}"
+                )));
+            }
+        }
+        let tiles = max_tiles(product, rows, groups, k, n);
+        if tiles == 0 {
+            return Ok(());
+        }
+        let m_i = i32::try_from(rows).map_err(|_| {
+            GpuError::Config(format!("wgmma grouped GEMM: {rows} rows, above i32::MAX"))
+        })?;
+        // A tensor map needs a dimension of at least one row: an empty x or dy (M = 0) has
+        // no tile to load (tiles = 0 above for forward and dX; dW's tiles all have no step).
+        let m_map = rows.max(1);
+        let (a_ptr, _ga) = a.device_ptr(&gpu.stream);
+        let (b_ptr, _gb) = b.device_ptr(&gpu.stream);
+        let (map_a, map_b) = match product {
+            Product::Forward => (
+                tma_map_bf16(a_ptr, (1, m_map, k), TILE.0 as u32)?,
+                tma_map_bf16(b_ptr, (groups, k, n), STEP as u32)?,
+            ),
+            Product::Dx => (
+                tma_map_bf16(a_ptr, (1, m_map, n), TILE.0 as u32)?,
+                tma_map_bf16(b_ptr, (groups, k, n), TILE.1 as u32)?,
+            ),
+            Product::Dw => (
+                tma_map_bf16(a_ptr, (1, m_map, k), STEP as u32)?,
+                tma_map_bf16(b_ptr, (1, m_map, n), STEP as u32)?,
+            ),
+        };
+        let f = match product {
+            Product::Forward => &self.fwd,
+            Product::Dx => &self.dx,
+            Product::Dw => &self.dw,
+        };
+        let blocks = tiles.min(self.sm_count) as u32;
+        let (groups_i, k_i, n_i) = (groups as i32, k as i32, n as i32);
+        let mut l = gpu.stream.launch_builder(f);
+        l.arg(&map_a)
+            .arg(&map_b)
+            .arg(c)
+            .arg(offsets)
+            .arg(&groups_i)
+            .arg(&m_i)
+            .arg(&k_i)
+            .arg(&n_i);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: shared_bytes(groups),
+        };
+        // SAFETY: grouped_gemm_sm90_<fwd|dx|dw>(TmaMap map_a, TmaMap map_b, u16* c, const int*
+        // offsets, int groups, int M, int K, int N): the maps describe `a` and `b` with the
+        // shapes their lengths were checked against (TMA reads nothing outside them and fills
+        // zeros past their ends); `c` holds the output's elements and the kernels store only
+        // rows below M (forward, dX) or below K in each of the `groups` planes (dW), columns
+        // below N (or K for dX); offsets holds groups + 1 ints, each clamped to [0, M]; the
+        // shared memory was raised to shared_bytes(groups_cap) ≥ shared_bytes(groups) in `new`.
+        unsafe { l.launch(cfg)? };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constants_match_the_kernel_source() {
+        let def = |name: &str| -> usize {
+            crate::moe::source_define(GROUPED_GEMM_SM90_SRC, name)
+                .unwrap_or_else(|| panic!("{name} not defined"))
+        };
+        assert_eq!((def("GS_BM"), def("GS_BN")), TILE);
+        assert_eq!((def("GS_BK"), def("GS_ST")), (STEP, STAGES));
+        assert_eq!(def("GS_THREADS"), THREADS as usize);
+    }
+
+    #[test]
+    fn shared_memory_fits_one_block_per_sm() {
+        // 227 KB of dynamic shared memory per block on Hopper.
+        assert!(shared_bytes(256) <= 227 * 1024);
+        assert_eq!(shared_bytes(0), 1024 + 4 * 49152 + 64 + 4);
+    }
+
+    #[test]
+    fn takes_sm_90a_at_multiples_of_64() {
+        assert!(takes("sm_90a", 2048, 1408));
+        assert!(!takes("sm_90a", 2048, 1400));
+        assert!(!takes("sm_90a", 0, 64));
+        assert!(!takes("sm_80", 2048, 1408));
+    }
+
+    #[test]
+    fn tile_bounds_cover_every_split_of_the_rows() {
+        for counts in [
+            vec![5, 0, 0, 3, 0, 1, 0, 7],
+            vec![300, 1, 129],
+            vec![128; 4],
+        ] {
+            let rows: usize = counts.iter().sum();
+            let exact: usize = counts.iter().map(|c| c.div_ceil(TILE.0)).sum();
+            assert!(exact * 2 <= max_tiles(Product::Forward, rows, counts.len(), 256, 512));
+        }
+        assert_eq!(max_tiles(Product::Dw, 0, 3, 256, 384), 3 * 2 * 2);
+    }
+}
