@@ -226,6 +226,44 @@ fn grouped_gemm_with_empty_experts_matches_float64() {
     }
 }
 
+/// The public `grouped_matmul` and `grouped_matmul_backward` (allocating their outputs) give the
+/// float64 results on issue 14's inputs, with each kernel.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
+)]
+fn public_grouped_matmul_matches_float64() {
+    let g = &gpu().0;
+    let (counts, k, n) = ([5usize, 0, 0, 3, 0, 1, 0, 7], 256, 256);
+    let offsets = offsets_of(&counts);
+    let m = offsets[8];
+    let (x, w, dy) = (inputs(m * k, 21), inputs(8 * k * n, 22), inputs(m * n, 23));
+    let y_ref = grouped_matmul(&x, &w, &offsets, k, n).unwrap();
+    let (dx_ref, dw_ref) = grouped_matmul_backward(&x, &w, &offsets, &dy, k, n).unwrap();
+    let off32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
+    let d_off = g.stream.clone_htod(&off32).unwrap();
+    for gg in kernels(k, n) {
+        let y = moe_cuda::grouped_matmul(g, gg, &up(&x), &up(&w), &d_off, m, k, n).unwrap();
+        let (dx, dw) =
+            moe_cuda::grouped_matmul_backward(g, gg, &up(&x), &up(&w), &up(&dy), &d_off, m, k, n)
+                .unwrap();
+        let errs = [
+            rel_max(&down(&y, m * n), &y_ref, n, None),
+            rel_max(&down(&dx, m * k), &dx_ref, k, None),
+            rel_max(&down(&dw, 8 * k * n), &dw_ref, n, None),
+        ];
+        println!(
+            "{}: public functions: y {:.2e} dx {:.2e} dw {:.2e}",
+            gg.implementation(),
+            errs[0],
+            errs[1],
+            errs[2]
+        );
+        assert_within(errs, "public functions");
+    }
+}
+
 /// Every count 0 (nothing to compute: y and dX empty, dW all zeros) and one token in total:
 /// the calls return.
 #[test]

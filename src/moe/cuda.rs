@@ -278,6 +278,61 @@ impl GroupedKernel {
     }
 }
 
+/// `grouped_matmul` on the device: y `[M, N]` = x `[M, K]` · w\[e\] `[K, N]` for each group's
+/// rows (`offsets` `[E + 1]` int32 on the device, M = `rows`), bf16 operands and result as their
+/// bits, float32 accumulation, by `kernel` (usually [`GroupedKernel::for_shape`]'s pick); y is
+/// allocated on the stream. The float64 definition is [`super::reference::grouped_matmul`].
+///
+/// # Errors
+/// As [`GroupedKernel::launch`]; an out-of-memory error from the allocation.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_matmul(
+    gpu: &Gpu,
+    kernel: &GroupedKernel,
+    x: &CudaSlice<u16>,
+    w: &CudaSlice<u16>,
+    offsets: &CudaSlice<i32>,
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<CudaSlice<u16>, GpuError> {
+    let mut y = gpu.stream.alloc_zeros::<u16>((rows * n).max(1))?;
+    if rows == 0 {
+        return Ok(y);
+    }
+    kernel.launch(gpu, Product::Forward, x, w, &mut y, offsets, rows, k, n)?;
+    Ok(y)
+}
+
+/// The backward of [`grouped_matmul`] for the output gradient `dy` `[M, N]`: dX `[M, K]` =
+/// dy · w\[e\]ᵀ per group and dW `[E, K, N]` = x_eᵀ · dy_e (zeros for an empty group), both
+/// allocated on the stream. The float64 definition is
+/// [`super::reference::grouped_matmul_backward`].
+///
+/// # Errors
+/// As [`GroupedKernel::launch`]; an out-of-memory error from the allocations.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_matmul_backward(
+    gpu: &Gpu,
+    kernel: &GroupedKernel,
+    x: &CudaSlice<u16>,
+    w: &CudaSlice<u16>,
+    dy: &CudaSlice<u16>,
+    offsets: &CudaSlice<i32>,
+    rows: usize,
+    k: usize,
+    n: usize,
+) -> Result<(CudaSlice<u16>, CudaSlice<u16>), GpuError> {
+    let groups = offsets.len().saturating_sub(1);
+    let mut dx = gpu.stream.alloc_zeros::<u16>((rows * k).max(1))?;
+    let mut dw = gpu.stream.alloc_zeros::<u16>((groups * k * n).max(1))?;
+    if rows > 0 {
+        kernel.launch(gpu, Product::Dx, dy, w, &mut dx, offsets, rows, k, n)?;
+    }
+    kernel.launch(gpu, Product::Dw, x, dy, &mut dw, offsets, rows, k, n)?;
+    Ok((dx, dw))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
