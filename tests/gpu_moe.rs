@@ -490,3 +490,86 @@ fn dispatch_and_combine_match_the_reference() {
         }
     }
 }
+
+/// `MoELayer` on the device (router GEMM, routing, plan, dispatch, the experts' gate-and-up
+/// grouped GEMM, SwiGLU, the down grouped GEMM, combine) against `moe::reference`'s layer in
+/// float64 on the same bf16 inputs, given the device's routing (bf16 router logits can break a
+/// near tie the other way than float64 ones; the routing kernels are checked exactly above).
+/// Dropless and with a capacity, softmax and sigmoid gates.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
+)]
+fn moe_layer_matches_float64() {
+    use kernelpages::moe::layer_cuda::{DeviceExperts, MoeLayer};
+    use kernelpages::moe::reference::{
+        combine, dispatch, plan, swiglu_experts, Experts, Gate, Routing,
+    };
+    let g = &gpu().0;
+    let s = &g.stream;
+    for (tokens, e, top_k, h, f, gate, capacity) in [
+        (600, 8, 2, 256, 512, Gate::Softmax, None),
+        (1000, 64, 8, 128, 200, Gate::Sigmoid, None),
+        (800, 16, 4, 128, 128, Gate::Softmax, Some(150)),
+    ] {
+        let layer = MoeLayer::new(g, e, h, f).unwrap();
+        let x = inputs(tokens * h, 31);
+        // Small weights keep the activations in a range where bf16 rounding stays relative.
+        let scale = |v: Vec<f64>, by: f64| -> Vec<f64> {
+            v.iter().map(|&a| bf16_value(bf16_bits(a * by))).collect()
+        };
+        let router = scale(inputs(h * e, 32), 0.2);
+        let wg = scale(inputs(e * h * f, 33), (1.0 / h as f64).sqrt());
+        let wu = scale(inputs(e * h * f, 34), (1.0 / h as f64).sqrt());
+        let wd = scale(inputs(e * f * h, 35), (1.0 / f as f64).sqrt());
+        let mut gate_up = Vec::with_capacity(e * h * 2 * f);
+        for row in 0..e * h {
+            gate_up.extend_from_slice(&wg[row * f..(row + 1) * f]);
+            gate_up.extend_from_slice(&wu[row * f..(row + 1) * f]);
+        }
+        let w = DeviceExperts {
+            experts: e,
+            hidden: h,
+            width: f,
+            router: up(&router),
+            gate_up: up(&gate_up),
+            down: up(&wd),
+        };
+        let (out, state) = layer
+            .forward(g, &up(&x), tokens, &w, top_k, gate, capacity)
+            .unwrap();
+        let got = down(&out, tokens * h);
+        let routing = Routing {
+            tokens,
+            top_k,
+            experts: s.clone_dtoh(&state.routing.experts).unwrap()[..tokens * top_k]
+                .iter()
+                .map(|&v| v as usize)
+                .collect(),
+            weights: s.clone_dtoh(&state.routing.weights).unwrap()[..tokens * top_k]
+                .iter()
+                .map(|&v| v as f64)
+                .collect(),
+        };
+        let p = plan(&routing, e, capacity).unwrap();
+        let experts = Experts {
+            experts: e,
+            hidden: h,
+            width: f,
+            gate: wg,
+            up: wu,
+            down: wd,
+        };
+        let ys = swiglu_experts(&dispatch(&x, &p, h).unwrap(), &experts, &p.offsets).unwrap();
+        let want = combine(&ys, &p, &routing, h).unwrap();
+        let err = rel_max(&got, &want, h, None);
+        println!(
+            "MoE layer T {tokens} E {e} top-{top_k} H {h} F {f} {gate:?} capacity {capacity:?} \
+             (experts on {}): error {err:.2e}",
+            layer.experts_kernel()
+        );
+        // Two bf16 roundings between the GEMMs (gate and up, the activation) beside the output's.
+        assert!(err <= 2e-2, "error {err:.3e}");
+    }
+}

@@ -597,9 +597,9 @@ fn grouped_gemm_emulated_matches_float64() {
     emulated_suite_kernel_runs_clean("moe", "grouped_gemm_check", &cases);
 }
 
-/// The MoE routing, plan, gather and combine kernels (`kernels/moe/dispatch.cu`) on the CPU
-/// against a direct reference: chosen experts with ties, the stable plan with and without a
-/// capacity, softmax and sigmoid gates, the identity at top_k = 1.
+/// The MoE routing, plan, gather, combine and SwiGLU kernels (`kernels/moe/dispatch.cu`) on
+/// the CPU against a direct reference: chosen experts with ties, the stable plan with and
+/// without a capacity, softmax and sigmoid gates, the identity at top_k = 1, the activation.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
 fn moe_dispatch_emulated_matches_the_reference() {

@@ -205,3 +205,33 @@ extern "C" __global__ void moe_combine(const u16* __restrict__ yd, const int* __
         *reinterpret_cast<u32*>(out + t * H + c) = pack_bf16(s0, s1);
     }
 }
+
+// The SwiGLU activation between the experts' two grouped GEMMs: gu [rows, 2F] bf16 holds per
+// row the gate projection (columns 0 .. F-1) then the up projection (F .. 2F-1); act [rows, F]
+// bf16 = silu(gate) · up, silu(z) = z / (1 + e^(-z)), in float32, rounded once. Grid-stride
+// over (row, pair of columns); F even; `n_rows` = offsets[E] read on the device.
+extern "C" __global__ void moe_swiglu(const u16* __restrict__ gu, const int* __restrict__ n_rows,
+                                      int F, u16* __restrict__ act) {
+    const int pairs = F / 2;
+    const long long total = (long long)(*n_rows) * pairs;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / pairs;
+        const int c = 2 * (int)(i - r * pairs);
+        const u32 g = *reinterpret_cast<const u32*>(gu + r * 2 * F + c);
+        const u32 u = *reinterpret_cast<const u32*>(gu + r * 2 * F + F + c);
+        const float g0 = __uint_as_float(g << 16), g1 = __uint_as_float(g & 0xffff0000u);
+        const float u0 = __uint_as_float(u << 16), u1 = __uint_as_float(u & 0xffff0000u);
+        const float a0 = g0 / (1.f + __expf(-g0)) * u0;
+        const float a1 = g1 / (1.f + __expf(-g1)) * u1;
+        *reinterpret_cast<u32*>(act + r * F + c) = pack_bf16(a0, a1);
+    }
+}
+
+// bf16 [n] -> float32 [n] (the router's logits, a bf16 GEMM's result, for moe_route).
+extern "C" __global__ void moe_bf16_to_f32(const u16* __restrict__ x, long long n,
+                                           float* __restrict__ y) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        y[i] = __uint_as_float((u32)x[i] << 16);
+}

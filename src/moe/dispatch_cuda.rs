@@ -20,13 +20,15 @@ pub fn source() -> String {
 }
 
 /// The kernels' names.
-pub const ENTRY_POINTS: [&str; 6] = [
+pub const ENTRY_POINTS: [&str; 8] = [
     "moe_route",
     "moe_chunk_counts",
     "moe_plan_offsets",
     "moe_scatter",
     "moe_gather",
     "moe_combine",
+    "moe_swiglu",
+    "moe_bf16_to_f32",
 ];
 
 /// Assignments per block of the plan kernels (`MD_CHUNK`).
@@ -74,7 +76,7 @@ impl DevicePlan {
 
 /// The compiled routing, plan, dispatch and combine kernels.
 pub struct MoeDispatch {
-    f: [CudaFunction; 6],
+    f: [CudaFunction; 8],
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
@@ -101,7 +103,7 @@ impl MoeDispatch {
         // moe_scatter's 32 · E ints at E = MAX_EXPERTS: 32 KB, under the default limit.
         let f = |i: usize| gpu.function(&compiled.module, ENTRY_POINTS[i], 0);
         Ok(MoeDispatch {
-            f: [f(0)?, f(1)?, f(2)?, f(3)?, f(4)?, f(5)?],
+            f: [f(0)?, f(1)?, f(2)?, f(3)?, f(4)?, f(5)?, f(6)?, f(7)?],
             compile_s: compiled.compile_s,
         })
     }
@@ -323,6 +325,75 @@ impl MoeDispatch {
         // int top_k, int H, u16* out), grid-stride over T·H/2 column pairs: out holds T·H,
         // row_of and weights T·top_k, every kept row_of < offsets[E] ≤ yd's rows.
         unsafe { l.launch(cfg(pairs.div_ceil(256).min(8192), 256, 0))? };
+        Ok(())
+    }
+
+    /// The SwiGLU activation between the experts' two grouped GEMMs: `gu` `[rows, 2F]` (bf16,
+    /// each row the gate projection then the up projection) to `act` `[rows, F]` = silu(gate) ·
+    /// up, in float32, rounded once; the plan's `offsets[E]` rows (read on the device).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for an odd F or lengths under the plan's rows; driver errors.
+    pub fn swiglu(
+        &self,
+        gpu: &Gpu,
+        gu: &CudaSlice<u16>,
+        plan: &DevicePlan,
+        f: usize,
+        act: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        if f == 0 || !f.is_multiple_of(2) {
+            return Err(config_error(format!("F = {f} must be positive and even")));
+        }
+        let rows = plan.max_rows();
+        if gu.len() < rows * 2 * f || act.len() < rows * f {
+            return Err(config_error(format!(
+                "gu holds {} and act {} elements; rows·2F = {}, rows·F = {}",
+                gu.len(),
+                act.len(),
+                rows * 2 * f,
+                rows * f
+            )));
+        }
+        let f_i = f as i32;
+        let n_rows = plan.offsets.slice(plan.experts..plan.experts + 1);
+        let mut l = gpu.stream.launch_builder(&self.f[6]);
+        l.arg(gu).arg(&n_rows).arg(&f_i).arg(act);
+        let pairs = rows * f / 2;
+        // SAFETY: moe_swiglu(const u16* gu, const int* n_rows, int F, u16* act), grid-stride
+        // over offsets[E] · F / 2 column pairs: offsets[E] ≤ max_rows, gu holds max_rows·2F
+        // and act max_rows·F (checked); F even.
+        unsafe { l.launch(cfg(pairs.div_ceil(256).min(8192), 256, 0))? };
+        Ok(())
+    }
+
+    /// bf16 `x` to float32 `y` (the router's logits for [`MoeDispatch::route`]), `n` elements.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for buffers under `n`; driver errors.
+    pub fn to_f32(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<u16>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        if x.len() < n || y.len() < n {
+            return Err(config_error(format!(
+                "x holds {} and y {} elements, {n} to convert",
+                x.len(),
+                y.len()
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = n as i64;
+        let mut l = gpu.stream.launch_builder(&self.f[7]);
+        l.arg(x).arg(&n_i).arg(y);
+        // SAFETY: moe_bf16_to_f32(const u16* x, long long n, float* y), grid-stride over n:
+        // both hold at least n (checked).
+        unsafe { l.launch(cfg(n.div_ceil(256).min(8192), 256, 0))? };
         Ok(())
     }
 }

@@ -5,7 +5,9 @@
 // are drawn with ties (a few values repeat) so the tie rule is exercised. Checks: the chosen
 // experts and the plan (offsets, rows, row_of) exactly; gate weights within 1e-6; the gathered
 // rows bit for bit; the combine within bf16 rounding (4e-3 relative) of the float64 sum, and
-// exactly x where top_k = 1 with a gate of 1. Prints one line per case, then ALL OK or FAILED.
+// exactly x where top_k = 1 with a gate of 1; the SwiGLU activation on the gathered rows (as
+// [M, 2F], F = H / 2) within 4e-3 of float64 and nothing past row M written; the bf16 to
+// float32 copy exact. Prints one line per case, then ALL OK or FAILED.
 #include "cuda_shim.h"
 #include <algorithm>
 #include <cstdio>
@@ -93,11 +95,32 @@ int main(int argc, char** argv) {
                 if (K == 1 && cap < 0) exact &= out[(size_t)t * H + c] == x[(size_t)t * H + c];
             }
         const double rel = scale > 0 ? err / scale : err;
-        const bool ok = route_ok && w_ok && plan_ok && gather_ok && rel <= 4e-3 && exact && g_overrun == 0;
-        std::printf("%s T=%d E=%d top_k=%d capacity=%d H=%d %s: route %s, weights %s, plan %s (rows %d), gather %s, combine %.2e%s\n",
+        // SwiGLU on the gathered rows seen as [M, 2F] (F = H / 2): silu(gate) * up against
+        // float64; rows past M (capacity) untouched. Then the logits' bf16 -> float32 copy.
+        const int F = H / 2;
+        std::vector<u16> act((size_t)std::max(M, 1) * F + F, 0xffff);
+        launch(dim3{3, 1, 1}, 128, [&] { moe_swiglu(xd.data(), &off[E], F, act.data()); });
+        double act_err = 0, act_scale = 0;
+        for (int r = 0; r < M; ++r)
+            for (int c = 0; c < F; ++c) {
+                const double g = ld(xd.data(), (size_t)r * H + c), u = ld(xd.data(), (size_t)r * H + F + c);
+                const double a = g / (1 + std::exp(-g)) * u;
+                act_err = std::max(act_err, std::fabs(ld(act.data(), (size_t)r * F + c) - a));
+                act_scale = std::max(act_scale, std::fabs(a));
+            }
+        const bool act_ok = (act_scale > 0 ? act_err / act_scale : act_err) <= 4e-3 &&
+                            act[(size_t)M * F] == 0xffff;
+        std::vector<float> xf(x.size(), NAN);
+        launch(dim3{2, 1, 1}, 64, [&] { moe_bf16_to_f32(x.data(), (long long)x.size(), xf.data()); });
+        bool f32_ok = true;
+        for (size_t i = 0; i < x.size(); ++i) f32_ok &= xf[i] == ld(x.data(), (long long)i);
+        const bool ok = route_ok && w_ok && plan_ok && gather_ok && rel <= 4e-3 && exact &&
+                        act_ok && f32_ok && g_overrun == 0;
+        std::printf("%s T=%d E=%d top_k=%d capacity=%d H=%d %s: route %s, weights %s, plan %s (rows %d), gather %s, combine %.2e%s, swiglu %s, to_f32 %s\n",
                     ok ? "ok" : "FAIL", T, E, K, cap, H, sig ? "sigmoid" : "softmax", route_ok ? "ok" : "WRONG",
                     w_ok ? "ok" : "WRONG", plan_ok ? "ok" : "WRONG", M, gather_ok ? "ok" : "WRONG", rel,
-                    K == 1 && cap < 0 ? (exact ? ", exact" : ", NOT EXACT") : "");
+                    K == 1 && cap < 0 ? (exact ? ", exact" : ", NOT EXACT") : "", act_ok ? "ok" : "WRONG",
+                    f32_ok ? "ok" : "WRONG");
         fails += !ok;
     }
     std::printf(fails ? "FAILED\n" : "ALL OK\n");

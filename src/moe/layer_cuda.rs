@@ -1,0 +1,183 @@
+//! `MoELayer` on CUDA: the whole mixture-of-experts forward of [`super::reference::moe_layer`]
+//! from the suite's kernels, one launch each: the router's logits (x · W_router, a grouped GEMM
+//! of one group on the portable kernel, bf16 logits as a bf16 `nn.Linear` gives them),
+//! [`MoeDispatch::route`] (softmax or sigmoid gates), [`MoeDispatch::plan`] (stable, dropless or
+//! with a capacity), [`MoeDispatch::dispatch`], the experts' gate and up projections as one
+//! grouped GEMM (`[E, H, 2F]` weights), [`MoeDispatch::swiglu`], the down projection as a
+//! second grouped GEMM, and [`MoeDispatch::combine`]. bf16 activations and weights as their
+//! bits (`u16`), float32 accumulation inside each GEMM, bf16 between the steps.
+
+use cudarc::driver::CudaSlice;
+
+use super::cuda::{GroupedKernel, Product};
+use super::dispatch_cuda::{DevicePlan, DeviceRouting, MoeDispatch};
+use super::reference::Gate;
+use crate::gpu::{Gpu, GpuError};
+
+/// One MoE layer's weights on the device: E SwiGLU experts of model width H and expert width
+/// F, and the router.
+pub struct DeviceExperts {
+    /// Experts E.
+    pub experts: usize,
+    /// Model width H.
+    pub hidden: usize,
+    /// Expert width F.
+    pub width: usize,
+    /// W_router `[H, E]`.
+    pub router: CudaSlice<u16>,
+    /// W_gate and W_up side by side, `[E, H, 2F]`: row i of expert e is W_gate,e\[i\] (F
+    /// values) then W_up,e\[i\] (F values).
+    pub gate_up: CudaSlice<u16>,
+    /// W_down `[E, F, H]`.
+    pub down: CudaSlice<u16>,
+}
+
+/// What one forward leaves besides its output: the routing and the plan.
+pub struct LayerState {
+    /// Each token's experts and gate weights.
+    pub routing: DeviceRouting,
+    /// The permutation into expert order.
+    pub plan: DevicePlan,
+}
+
+/// The compiled kernels of the layer, for one shape of weights.
+pub struct MoeLayer {
+    dispatch: MoeDispatch,
+    /// The experts' two grouped GEMMs (the dispatch's pick for K × N = H × 2F and F × H).
+    experts_gemm: GroupedKernel,
+    /// The router's GEMM (N = E: the portable kernel takes any multiple of 8).
+    router_gemm: GroupedKernel,
+    /// Compile and load time of every module, s.
+    pub compile_s: f64,
+}
+
+impl MoeLayer {
+    /// Compiles the layer's kernels for `experts` experts of model width `hidden` and expert
+    /// width `width` (once per process each).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for E not a multiple of 8 or above 256, or H or F not a multiple of
+    /// 8; NVRTC's log; driver errors.
+    pub fn new(
+        gpu: &Gpu,
+        experts: usize,
+        hidden: usize,
+        width: usize,
+    ) -> Result<MoeLayer, GpuError> {
+        if experts == 0 || !experts.is_multiple_of(8) || experts > super::dispatch_cuda::MAX_EXPERTS
+        {
+            return Err(GpuError::Config(format!(
+                "MoE layer: {experts} experts; the router's GEMM and the routing take multiples \
+                 of 8 up to {}",
+                super::dispatch_cuda::MAX_EXPERTS
+            )));
+        }
+        if hidden == 0 || width == 0 || !hidden.is_multiple_of(8) || !width.is_multiple_of(8) {
+            return Err(GpuError::Config(format!(
+                "MoE layer: H = {hidden} and F = {width} must be positive multiples of 8"
+            )));
+        }
+        let dispatch = MoeDispatch::new(gpu)?;
+        let takes_wgmma = super::sm90::takes(&gpu.arch(), hidden, 2 * width)
+            && super::sm90::takes(&gpu.arch(), width, hidden);
+        let experts_gemm = if takes_wgmma {
+            GroupedKernel::named(gpu, "grouped_wgmma", experts)?
+        } else {
+            GroupedKernel::named(gpu, "grouped_mma_sync", experts)?
+        };
+        let router_gemm = GroupedKernel::named(gpu, "grouped_mma_sync", experts)?;
+        let compile_s = dispatch.compile_s + experts_gemm.compile_s() + router_gemm.compile_s();
+        Ok(MoeLayer {
+            dispatch,
+            experts_gemm,
+            router_gemm,
+            compile_s,
+        })
+    }
+
+    /// The experts' GEMM kernel's name (`grouped_wgmma` or `grouped_mma_sync`).
+    pub fn experts_kernel(&self) -> &'static str {
+        self.experts_gemm.implementation()
+    }
+
+    /// The forward on `x` `[T, H]` (bf16): returns out `[T, H]` (bf16) and the routing and
+    /// plan. `capacity`: most rows an expert keeps (`None`: dropless). All work is queued on
+    /// [`Gpu::stream`]; the host reads nothing back.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for an `x` whose length is not T·H, `top_k` of 0 or above E or 16;
+    /// out-of-memory and driver errors.
+    pub fn forward(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<u16>,
+        tokens: usize,
+        w: &DeviceExperts,
+        top_k: usize,
+        gate: Gate,
+        capacity: Option<usize>,
+    ) -> Result<(CudaSlice<u16>, LayerState), GpuError> {
+        let (e, h, f) = (w.experts, w.hidden, w.width);
+        if tokens == 0 || x.len() != tokens * h {
+            return Err(GpuError::Config(format!(
+                "MoE layer: x holds {} elements; T·H = {tokens}·{h}",
+                x.len()
+            )));
+        }
+        let s = &gpu.stream;
+        // The router's logits: one group of T rows times W_router [H, E].
+        let one_group = s.clone_htod(&[0i32, tokens as i32])?;
+        let mut logits = s.alloc_zeros::<u16>(tokens * e)?;
+        self.router_gemm.launch(
+            gpu,
+            Product::Forward,
+            x,
+            &w.router,
+            &mut logits,
+            &one_group,
+            tokens,
+            h,
+            e,
+        )?;
+        let mut logits_f32 = s.alloc_zeros::<f32>(tokens * e)?;
+        self.dispatch
+            .to_f32(gpu, &logits, tokens * e, &mut logits_f32)?;
+        let routing = self
+            .dispatch
+            .route(gpu, &logits_f32, tokens, e, top_k, gate)?;
+        let plan = self.dispatch.plan(gpu, &routing, e, capacity)?;
+        let rows = plan.max_rows();
+        let mut xd = s.alloc_zeros::<u16>(rows * h)?;
+        self.dispatch.dispatch(gpu, x, &plan, h, &mut xd)?;
+        let mut gu = s.alloc_zeros::<u16>(rows * 2 * f)?;
+        self.experts_gemm.launch(
+            gpu,
+            Product::Forward,
+            &xd,
+            &w.gate_up,
+            &mut gu,
+            &plan.offsets,
+            rows,
+            h,
+            2 * f,
+        )?;
+        let mut act = s.alloc_zeros::<u16>(rows * f)?;
+        self.dispatch.swiglu(gpu, &gu, &plan, f, &mut act)?;
+        let mut yd = s.alloc_zeros::<u16>(rows * h)?;
+        self.experts_gemm.launch(
+            gpu,
+            Product::Forward,
+            &act,
+            &w.down,
+            &mut yd,
+            &plan.offsets,
+            rows,
+            f,
+            h,
+        )?;
+        let mut out = s.alloc_zeros::<u16>(tokens * h)?;
+        self.dispatch
+            .combine(gpu, &yd, &plan, &routing, h, &mut out)?;
+        Ok((out, LayerState { routing, plan }))
+    }
+}
