@@ -1155,8 +1155,8 @@ fn filter_of(command: &[String]) -> Option<&str> {
 /// which may come from another commit than the grid) must be parts of one run: from the same
 /// commit, with the same timing parameters and the same command apart from
 /// [`PART_OPTIONS`] (the alternatives compared may differ from part to part), each part naming its cases, by `--shard i/n` under the same `--filter` (or
-/// none; the same n, distinct i) or by distinct `--filter`s (a run split over several calls of
-/// a time-limited machine). Every pair of documents is compared, so a copied part is caught
+/// none; the same n, distinct i), by distinct `--filter`s, or by a mix of the two (a run split
+/// over several calls of a time-limited machine, begun in shards and finished by filters). Every pair of documents is compared, so a copied part is caught
 /// whichever part comes first. Parts must measure disjoint cases: a case whose rows the two
 /// parts split by implementation is refused here ([`LoadError::SharedCase`]), a row both hold
 /// by the duplicate-row check. A shard
@@ -1190,18 +1190,21 @@ fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
                     && a.timing == b.timing
                     && command_without_shard(&a.command) == command_without_shard(&b.command);
                 let (fa, fb) = (filter_of(&a.command), filter_of(&b.command));
-                // Shards of one part: the same filter (or none), the same n, distinct i. A
-                // filtered part and an unfiltered one overlap whatever their shards.
-                let distinct_shards = fa == fb
-                    && match (shard_of(&a.command), shard_of(&b.command)) {
+                let (sa, sb) = (shard_of(&a.command), shard_of(&b.command));
+                // Parts of one run select their cases differently: shards of one filter (or of
+                // none: the same n, distinct i), distinct filters, or a mix (a run begun in
+                // shards and finished by filters over the cases left). Selections that could
+                // overlap are held to their rows: disjoint cases, checked below and by the
+                // duplicate-row check.
+                let same_selection = fa == fb && sa == sb;
+                let shards_of_one_filter = fa == fb
+                    && match (sa, sb) {
                         (Some((ia, na)), Some((ib, nb))) => na == nb && ia != ib,
                         _ => false,
                     };
-                let distinct_filters = match (fa, fb) {
-                    (Some(fa), Some(fb)) => fa != fb,
-                    _ => false,
-                };
-                let shards = same_run && (distinct_shards || distinct_filters);
+                let shards = same_run
+                    && !same_selection
+                    && (shards_of_one_filter || fa != fb || sa.is_some() != sb.is_some());
                 if shards {
                     // Distinct filters may still overlap; a case whose rows are split between
                     // the parts by implementation is refused here, one repeated whole row by
@@ -1375,10 +1378,35 @@ mod tests {
             "{e:?}"
         );
         assert!(e[0].to_string().contains("a.json"));
-        // An unfiltered shard beside a filtered one: the parts overlap.
+        // An unfiltered shard beside a filtered part (a run begun in shards and finished by
+        // filters): parts of one run when their cases are disjoint; a case both hold, its
+        // rows split by implementation, is refused.
+        let by_case = |name: &str, extra: &[&str], first_half: bool| {
+            let mut l = part(name, extra);
+            let mut keys: Vec<String> = l.doc.rows.iter().map(|r| case_key(&r.case)).collect();
+            keys.sort();
+            keys.dedup();
+            let half: BTreeSet<String> = keys[..keys.len() / 2].iter().cloned().collect();
+            l.doc
+                .rows
+                .retain(|r| half.contains(&case_key(&r.case)) == first_half);
+            l
+        };
+        let e = check_runs(&[
+            by_case("a.json", &["--shard", "1/2"], true),
+            by_case("b.json", &["--filter", "pass=fwd"], false),
+        ]);
+        assert!(e.is_empty(), "{e:?}");
+        let mut b = part("b.json", &["--filter", "pass=fwd"]);
+        b.doc.rows.retain(|r| !r.default);
+        let mut a = part("a.json", &["--shard", "1/2"]);
+        a.doc.rows.retain(|r| r.default);
+        let e = check_runs(&[a, b]);
+        assert!(matches!(e[..], [LoadError::SharedCase { .. }]), "{e:?}");
+        // The same selection twice is two runs.
         let e = check_runs(&[
             part("a.json", &["--shard", "1/2"]),
-            part("b.json", &["--filter", "pass=fwd", "--shard", "2/2"]),
+            part("b.json", &["--shard", "1/2"]),
         ]);
         assert!(matches!(e[..], [LoadError::TwoRuns { .. }]), "{e:?}");
         // Distinct filters, each sharded, are parts of one run.
