@@ -107,6 +107,7 @@ impl MoeLayer {
     /// # Errors
     /// [`GpuError::Config`] for an `x` whose length is not T·H, `top_k` of 0 or above E or 16;
     /// out-of-memory and driver errors.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         gpu: &Gpu,
