@@ -62,6 +62,41 @@ pub fn max_tiles(product: Product, rows: usize, groups: usize, k: usize, n: usiz
     }
 }
 
+/// The launch checks both kernels share: 1 to `groups_cap` groups, and buffer lengths `lens`
+/// (a, b, c) that fit `product`'s shape at `rows` × K × N over `groups` groups (an empty tensor
+/// travels as one unread element: the driver refuses zero bytes). `kernel` names the kernel in
+/// the error.
+pub(crate) fn check_buffers(
+    kernel: &str,
+    product: Product,
+    lens: (usize, usize, usize),
+    (groups, groups_cap): (usize, usize),
+    (rows, k, n): (usize, usize, usize),
+) -> Result<(), GpuError> {
+    if groups == 0 || groups > groups_cap {
+        return Err(GpuError::Config(format!(
+            "{kernel}: {groups} groups, this instance takes 1 to {groups_cap}"
+        )));
+    }
+    let want = match product {
+        Product::Forward => (rows * k, groups * k * n, rows * n),
+        Product::Dx => (rows * n, groups * k * n, rows * k),
+        Product::Dw => (rows * k, rows * n, groups * k * n),
+    };
+    for (what, have, want) in [
+        ("a", lens.0, want.0),
+        ("b", lens.1, want.1),
+        ("c", lens.2, want.2),
+    ] {
+        if have != want && !(want == 0 && have == 1) {
+            return Err(GpuError::Config(format!(
+                "{kernel} {product:?}: `{what}` holds {have} elements, the shape needs {want}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The compiled kernels.
 pub struct GroupedGemm {
     fwd: CudaFunction,
@@ -124,29 +159,13 @@ impl GroupedGemm {
                 "grouped GEMM: K = {k} and N = {n} must be positive multiples of 8"
             )));
         }
-        if groups == 0 || groups > self.groups_cap {
-            return Err(GpuError::Config(format!(
-                "grouped GEMM: {groups} groups, this instance takes 1 to {}",
-                self.groups_cap
-            )));
-        }
-        let (a_len, b_len, c_len) = match product {
-            Product::Forward => (rows * k, groups * k * n, rows * n),
-            Product::Dx => (rows * n, groups * k * n, rows * k),
-            Product::Dw => (rows * k, rows * n, groups * k * n),
-        };
-        for (what, have, want) in [
-            ("a", a.len(), a_len),
-            ("b", b.len(), b_len),
-            ("c", c.len(), c_len),
-        ] {
-            // An empty tensor travels as one unread element (the driver refuses zero bytes).
-            if have != want && !(want == 0 && have == 1) {
-                return Err(GpuError::Config(format!(
-                    "grouped GEMM {product:?}: `{what}` holds {have} elements, the shape needs {want}"
-                )));
-            }
-        }
+        check_buffers(
+            "grouped GEMM",
+            product,
+            (a.len(), b.len(), c.len()),
+            (groups, self.groups_cap),
+            (rows, k, n),
+        )?;
         let tiles = max_tiles(product, rows, groups, k, n);
         if tiles == 0 {
             return Ok(());
@@ -351,6 +370,37 @@ mod tests {
         assert!(
             GROUPED_GEMM_SRC.contains(&format!("__launch_bounds__(GG_THREADS, {BLOCKS_PER_SM})"))
         );
+    }
+
+    #[test]
+    fn launch_checks_name_the_buffer_and_the_groups() {
+        let ok = check_buffers(
+            "k",
+            Product::Dw,
+            (6 * 8, 6 * 16, 2 * 8 * 16),
+            (2, 4),
+            (6, 8, 16),
+        );
+        assert!(ok.is_ok(), "{ok:?}");
+        // No rows: x and dy travel as one element each; dW is still E · K · N.
+        assert!(check_buffers("k", Product::Dw, (1, 1, 2 * 8 * 16), (2, 4), (0, 8, 16)).is_ok());
+        let e = check_buffers(
+            "k",
+            Product::Forward,
+            (6 * 8, 2 * 8 * 16, 6 * 15),
+            (2, 4),
+            (6, 8, 16),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`c` holds 90 elements, the shape needs 96"),
+            "{e}"
+        );
+        let e = check_buffers("k", Product::Dx, (0, 0, 0), (5, 4), (0, 8, 16))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("5 groups, this instance takes 1 to 4"), "{e}");
     }
 
     #[test]

@@ -131,29 +131,13 @@ impl HopperGroupedGemm {
                 "wgmma grouped GEMM: K = {k} and N = {n} must be positive multiples of 64"
             )));
         }
-        if groups == 0 || groups > self.groups_cap {
-            return Err(GpuError::Config(format!(
-                "wgmma grouped GEMM: {groups} groups, this instance takes 1 to {}",
-                self.groups_cap
-            )));
-        }
-        let (a_len, b_len, c_len) = match product {
-            Product::Forward => (rows * k, groups * k * n, rows * n),
-            Product::Dx => (rows * n, groups * k * n, rows * k),
-            Product::Dw => (rows * k, rows * n, groups * k * n),
-        };
-        for (what, have, want) in [
-            ("a", a.len(), a_len),
-            ("b", b.len(), b_len),
-            ("c", c.len(), c_len),
-        ] {
-            if have != want && !(want == 0 && have == 1) {
-                return Err(GpuError::Config(format!(
-                    "wgmma grouped GEMM {product:?}: `{what}` holds {have} elements, the shape \
-                     needs {want}"
-                )));
-            }
-        }
+        super::cuda::check_buffers(
+            "wgmma grouped GEMM",
+            product,
+            (a.len(), b.len(), c.len()),
+            (groups, self.groups_cap),
+            (rows, k, n),
+        )?;
         let tiles = max_tiles(product, rows, groups, k, n);
         if tiles == 0 {
             return Ok(());
