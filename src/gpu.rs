@@ -711,6 +711,10 @@ pub struct PtxasReport {
     pub spill_bytes: u32,
     /// Stack frame bytes.
     pub stack_bytes: u32,
+    /// ptxas's advisories about wgmma in this kernel (codes C7500 to C7599, e.g. C7519:
+    /// `warpgroup.arrive` injected around a wgmma, or C7510: wgmma serialized), each line as
+    /// logged: a kernel whose wgmma pipeline ptxas had to break.
+    pub wgmma_advisories: Vec<String>,
 }
 
 /// Compiles `src` with NVRTC to machine code for `arch` (a real architecture, e.g. `sm_90a`)
@@ -746,6 +750,7 @@ fn parse_ptxas(log: &str) -> Option<Vec<PtxasReport>> {
                 registers: 0,
                 spill_bytes: 0,
                 stack_bytes: 0,
+                wgmma_advisories: Vec::new(),
             });
         } else if let Some(last) = out.last_mut() {
             if let Some(n) = num_before(line, "bytes stack frame") {
@@ -757,6 +762,19 @@ fn parse_ptxas(log: &str) -> Option<Vec<PtxasReport>> {
             if let Some(n) = num_before(line, "registers") {
                 last.registers = n;
             }
+        }
+    }
+    // Advisories name their function ("... in function 'k'") and may come before its entry.
+    for line in log.lines().filter(|l| l.contains("(C75")) {
+        let Some(i) = line.find("in function '") else {
+            continue;
+        };
+        let name = line[i + "in function '".len()..]
+            .split('\'')
+            .next()
+            .unwrap_or("");
+        if let Some(r) = out.iter_mut().find(|r| r.kernel == name) {
+            r.wgmma_advisories.push(line.trim().to_string());
         }
     }
     (!out.is_empty()).then_some(out)
@@ -831,7 +849,7 @@ pub fn library_versions() -> BTreeMap<String, String> {
 mod tests {
     #[test]
     fn ptxas_logs_parse() {
-        let log = "ptxas info    : 0 bytes gmem\nptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\nptxas         .     8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\nptxas info    : Used 255 registers, used 1 barriers, 8 bytes cumulative stack size\n";
+        let log = "ptxas info    : 0 bytes gmem\nptxas info    : (C7519) warpgroup.arrive is injected in around line 12 by compiler to allow use of registers in GMMA in function 'k'\nptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\nptxas         .     8 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\nptxas info    : Used 255 registers, used 1 barriers, 8 bytes cumulative stack size\n";
         let r = super::parse_ptxas(log).unwrap();
         assert_eq!(
             r,
@@ -839,7 +857,8 @@ mod tests {
                 kernel: "k".into(),
                 registers: 255,
                 spill_bytes: 8,
-                stack_bytes: 8
+                stack_bytes: 8,
+                wgmma_advisories: vec!["ptxas info    : (C7519) warpgroup.arrive is injected in around line 12 by compiler to allow use of registers in GMMA in function 'k'".into()],
             }]
         );
         assert!(super::parse_ptxas("nothing").is_none());

@@ -133,6 +133,61 @@ __device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
     return t;
 }
 
+// One tile's reduction for one consumer warpgroup: its steps through the stage ring (`it` the
+// ring position, carried across tiles), each step's four products issued while the previous
+// step's stage is released, the accumulators `acc` (zeroed by the caller) left complete. HALF:
+// the tile's columns end within 128, so m64n128k16 on the first 64 accumulators.
+template <int MODE, bool HALF>
+__device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, int& it, u32 base,
+                                            int cw, int ctid, int lane) {
+    auto full = [&](int s) { return base + GS_BARS + 8u * s; };
+    auto empty = [&](int s) { return base + GS_BARS + 8u * (GS_ST + s); };
+    int prev = -1;
+    for (int ks = 0; ks < t.steps; ++ks, ++it) {
+        const int s = it % GS_ST;
+        mbar_wait(full(s), (it / GS_ST) & 1);
+        const u32 sa = base + s * GS_STAGE_BYTES + cw * 8192;
+        const u32 sb = base + s * GS_STAGE_BYTES + GS_A_BYTES;
+        if (MODE == 2) {
+            const int valid = t.rows - ks * GS_BK;
+            if (valid < GS_BK) {
+                // Zero token rows valid..63: the 128-byte line of each row in this
+                // consumer's A panel and in B's panels 2 cw and 2 cw + 1 (16 bytes a store).
+                const int lines = GS_BK - valid;
+                unsigned char* smem0 = dyn_smem + (base - smem_u32(dyn_smem));
+                for (int i = ctid; i < 3 * lines * 8; i += 128) {
+                    const int panel = i / (lines * 8), rest = i % (lines * 8);
+                    const int line = valid + rest / 8, chunk = rest % 8;
+                    const u32 at = panel == 0 ? sa : sb + (2 * cw + panel - 1) * 8192;
+                    *reinterpret_cast<uint4*>(smem0 + (at - base) + line * 128 + chunk * 16) =
+                        make_uint4(0u, 0u, 0u, 0u);
+                }
+                fence_proxy_async();
+                asm volatile("bar.sync 1, 256;\n" ::: "memory");
+            }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const uint64_t da = MODE == 2 ? smem_desc_sw128(sa + kk * 2048, 8192, 1024)
+                                          : smem_desc_sw128(sa + kk * 32, 16, 1024);
+            const uint64_t db = MODE == 1 ? smem_desc_sw128(sb + kk * 32, 16, 1024)
+                                          : smem_desc_sw128(sb + kk * 2048, 8192, 1024);
+            if constexpr (HALF)
+                wgmma_m64n128k16<MODE == 2 ? 1 : 0, MODE == 1 ? 0 : 1>(
+                    reinterpret_cast<float(&)[64]>(acc), da, db);
+            else
+                wgmma_m64n256k16<MODE == 2 ? 1 : 0, MODE == 1 ? 0 : 1>(acc, da, db);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
+        prev = s;
+    }
+    wgmma_wait<0>();
+    if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
+}
+
 template <int MODE>
 __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, const TmaMap* map_b,
                                                        u16* __restrict__ c,
@@ -227,50 +282,12 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
         const int c_rows = MODE == 2 ? K : t.rows;
         const int m_lim = min(GS_BM, c_rows - t.m0) - 64 * cw;
         const int n_lim = min(GS_BN, c_cols - t.n0);
-        const bool half = n_lim <= GS_BN / 2;
-        int prev = -1;
-        for (int ks = 0; ks < t.steps; ++ks, ++it) {
-            const int s = it % GS_ST;
-            mbar_wait(full(s), (it / GS_ST) & 1);
-            const u32 sa = base + s * GS_STAGE_BYTES + cw * 8192, sb = base + s * GS_STAGE_BYTES + GS_A_BYTES;
-            if (MODE == 2) {
-                const int valid = t.rows - ks * GS_BK;
-                if (valid < GS_BK) {
-                    // Zero token rows valid..63: the 128-byte line of each row in this
-                    // consumer's A panel and in B's panels 2 cw and 2 cw + 1 (16 bytes a store).
-                    const int lines = GS_BK - valid;
-                    unsigned char* smem0 = dyn_smem + (base - smem_u32(dyn_smem));
-                    for (int i = ctid; i < 3 * lines * 8; i += 128) {
-                        const int panel = i / (lines * 8), rest = i % (lines * 8);
-                        const int line = valid + rest / 8, chunk = rest % 8;
-                        const u32 at = panel == 0 ? sa : sb + (2 * cw + panel - 1) * 8192;
-                        *reinterpret_cast<uint4*>(smem0 + (at - base) + line * 128 + chunk * 16) =
-                            make_uint4(0u, 0u, 0u, 0u);
-                    }
-                    fence_proxy_async();
-                    asm volatile("bar.sync 1, 256;\n" ::: "memory");
-                }
-            }
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                const uint64_t da = MODE == 2 ? smem_desc_sw128(sa + kk * 2048, 8192, 1024)
-                                              : smem_desc_sw128(sa + kk * 32, 16, 1024);
-                const uint64_t db = MODE == 1 ? smem_desc_sw128(sb + kk * 32, 16, 1024)
-                                              : smem_desc_sw128(sb + kk * 2048, 8192, 1024);
-                if (half)
-                    wgmma_m64n128k16<MODE == 2 ? 1 : 0, MODE == 1 ? 0 : 1>(
-                        reinterpret_cast<float(&)[64]>(acc), da, db);
-                else
-                    wgmma_m64n256k16<MODE == 2 ? 1 : 0, MODE == 1 ? 0 : 1>(acc, da, db);
-            }
-            wgmma_commit();
-            wgmma_wait<1>();
-            if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
-            prev = s;
-        }
-        wgmma_wait<0>();
-        if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
+        // The width of the products is chosen per tile, outside the loop: a branch between
+        // the two wgmma shapes inside it makes ptxas fence every wgmma (warning C7519).
+        if (n_lim <= GS_BN / 2)
+            gs_mainloop<MODE, true>(acc, t, it, base, cw, ctid, lane);
+        else
+            gs_mainloop<MODE, false>(acc, t, it, base, cw, ctid, lane);
 
         // The accumulators, rounded to bf16, in pairs along the columns.
         const long long row_c = MODE == 2 ? (long long)t.e * K + t.m0 + 64 * cw

@@ -8,7 +8,8 @@ pub fn compiles_without_spills(name: &str, src: &str, entries: &[String]) {
 }
 
 /// As [`compiles_without_spills`] for the architectures `archs` (the first must be `sm_90a`,
-/// where ptxas reports); returns the reports of `entries`.
+/// where ptxas reports), and no wgmma advisory from ptxas for any entry; returns the reports of
+/// `entries`.
 #[allow(dead_code)] // not every test binary that includes this file calls it
 pub fn compiles_without_spills_on(
     name: &str,
@@ -50,6 +51,9 @@ pub fn compiles_without_spills_on(
             r.kernel, r.registers, r.spill_bytes
         );
         assert_eq!(r.spill_bytes, 0, "{r:?}");
+        // A wgmma pipeline ptxas had to break (fences injected around the products) runs,
+        // but slowly: refused like a spill.
+        assert!(r.wgmma_advisories.is_empty(), "{r:?}");
     }
     reports
         .into_iter()
