@@ -11,8 +11,9 @@
 //! two consumer warpgroups, 128 × 256 tiles), elsewhere the portable one; and
 //! `grouped_mma_sync`, the portable kernel on every device (`kernels/moe/grouped_gemm.cu`,
 //! [`kernelpages::moe::cuda`]: 128 × 128 tiles through mma.sync). Both run one launch for every
-//! expert on a persistent grid; a `fwd+bwd` call is the forward, dX and dW (three launches). With `--device cpu`, `cpu_grouped` ([`kernelpages::moe::cpu`]): float32
-//! products of the bf16 operands on the host's cores (`data/cpu_moe.json`).
+//! expert on a persistent grid; a `fwd+bwd` call is the forward, dX and dW (three launches).
+//! With `--device cpu`, `cpu_grouped` ([`kernelpages::moe::cpu`]): float32 products of the bf16
+//! operands on the host's cores (`data/cpu_moe.json`).
 //!
 //! ```text
 //! moe --compare torch --output data/gpu_moe.json
@@ -328,8 +329,8 @@ struct Set {
     dy: Option<CudaSlice<u16>>,
 }
 
-/// `grouped_mma_sync` on one case, as the shared GPU case process drives it: the kernels write
-/// the runner's outputs directly (Y, then dX and dW).
+/// `grouped_matmul` or `grouped_mma_sync` on one case, as the shared GPU case process drives
+/// it: the kernel writes the runner's outputs directly (Y, then dX and dW).
 struct Launch {
     gg: GroupedKernel,
     case: GroupedCase,

@@ -289,13 +289,15 @@ fn grouped_gemm_with_no_rows_and_one_row_returns() {
     ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
 )]
 fn grouped_gemm_backward_on_skewed_routing_matches_float64() {
-    // The first two have partial tiles for the portable kernel; the last two K and N multiples
-    // of 64 (the wgmma kernel's) with partial 128-row, 256-column and 64-row reduction tiles.
+    // The first two have partial tiles for the portable kernel; the last three K and N
+    // multiples of 64 (the wgmma kernel's) with partial 128-row and 64-row reduction tiles, and
+    // last column tiles of 64 (the wgmma kernel's 128-wide products) and 192 columns.
     for (tokens, experts, top_k, k, n) in [
         (1000, 8, 2, 264, 136),
         (700, 16, 4, 128, 392),
         (1000, 8, 2, 320, 192),
         (900, 16, 4, 448, 576),
+        (700, 8, 2, 192, 448),
     ] {
         let c = GroupedCase {
             tokens,
@@ -311,6 +313,74 @@ fn grouped_gemm_backward_on_skewed_routing_matches_float64() {
         for gg in kernels(k, n) {
             assert_within(case(gg, &counts, k, n, tokens as u64), &format!("{c:?}"));
         }
+    }
+}
+
+/// NaN in one expert's rows of x and dy stays in that expert: the neighbours' y, dX and dW
+/// (whose tiles read past their own rows into that expert's) are finite and match float64, an
+/// empty expert's dW is zeros.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
+)]
+fn non_finite_rows_of_one_expert_stay_in_it() {
+    let g = &gpu().0;
+    let (counts, k, n) = ([100usize, 37, 0, 90], 128, 192);
+    let offsets = offsets_of(&counts);
+    let (m, e) = (offsets[4], counts.len());
+    let (mut x, w, mut dy) = (inputs(m * k, 41), inputs(e * k * n, 42), inputs(m * n, 43));
+    let bad = offsets[1]..offsets[2];
+    // The reference with expert 1's rows zero; the device gets NaN there.
+    for r in bad.clone() {
+        x[r * k..(r + 1) * k].fill(0.0);
+        dy[r * n..(r + 1) * n].fill(0.0);
+    }
+    let y_ref = grouped_matmul(&x, &w, &offsets, k, n).unwrap();
+    let (dx_ref, dw_ref) = grouped_matmul_backward(&x, &w, &offsets, &dy, k, n).unwrap();
+    for r in bad.clone() {
+        x[r * k..(r + 1) * k].fill(f64::NAN);
+        dy[r * n..(r + 1) * n].fill(f64::NAN);
+    }
+    let off32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
+    let d_off = g.stream.clone_htod(&off32).unwrap();
+    let good: Vec<usize> = (0..m).filter(|r| !bad.contains(r)).collect();
+    for gg in kernels(k, n) {
+        let (d_x, d_w, d_dy) = (up(&x), up(&w), up(&dy));
+        let (mut d_y, mut d_dx, mut d_dw) = (poisoned(m * n), poisoned(m * k), poisoned(e * k * n));
+        gg.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
+            .unwrap();
+        gg.launch(g, Product::Dx, &d_dy, &d_w, &mut d_dx, &d_off, m, k, n)
+            .unwrap();
+        gg.launch(g, Product::Dw, &d_x, &d_dy, &mut d_dw, &d_off, m, k, n)
+            .unwrap();
+        let dw = down(&d_dw, e * k * n);
+        let plane = |i: usize| i * k * n..(i + 1) * k * n;
+        let errs = [
+            rel_max(&down(&d_y, m * n), &y_ref, n, Some(&good)),
+            rel_max(&down(&d_dx, m * k), &dx_ref, k, Some(&good)),
+            [0, 3]
+                .iter()
+                .map(|&i| rel_max(&dw[plane(i)], &dw_ref[plane(i)], n, None))
+                // NaN (a non-finite element) wins, unlike f64::max.
+                .fold(0.0, |a: f64, b| {
+                    if a.is_nan() || b.is_nan() {
+                        f64::NAN
+                    } else {
+                        a.max(b)
+                    }
+                }),
+        ];
+        println!(
+            "{}: NaN in expert 1: the others' y {:.2e} dx {:.2e} dw {:.2e}",
+            gg.implementation(),
+            errs[0],
+            errs[1],
+            errs[2]
+        );
+        // rel_max is NaN where a checked element is not finite, which fails the bound.
+        assert_within(errs, "NaN in expert 1");
+        assert!(dw[plane(2)].iter().all(|&v| v == 0.0), "empty expert's dW");
     }
 }
 

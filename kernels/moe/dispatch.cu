@@ -209,11 +209,12 @@ extern "C" __global__ void moe_combine(const u16* __restrict__ yd, const int* __
 // The SwiGLU activation between the experts' two grouped GEMMs: gu [rows, 2F] bf16 holds per
 // row the gate projection (columns 0 .. F-1) then the up projection (F .. 2F-1); act [rows, F]
 // bf16 = silu(gate) · up, silu(z) = z / (1 + e^(-z)), in float32, rounded once. Grid-stride
-// over (row, pair of columns); F even; `n_rows` = offsets[E] read on the device.
+// over (row, pair of columns); F even; `n_rows` = offsets[E] read on the device, clamped to
+// [0, max_rows] (the buffers' rows).
 extern "C" __global__ void moe_swiglu(const u16* __restrict__ gu, const int* __restrict__ n_rows,
-                                      int F, u16* __restrict__ act) {
+                                      int max_rows, int F, u16* __restrict__ act) {
     const int pairs = F / 2;
-    const long long total = (long long)(*n_rows) * pairs;
+    const long long total = (long long)min(max(*n_rows, 0), max_rows) * pairs;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const long long r = i / pairs;

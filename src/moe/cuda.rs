@@ -54,15 +54,29 @@ pub enum Product {
 /// in all (the exact count needs the offsets, which stay on the device): the persistent grid
 /// never launches more blocks than this.
 pub fn max_tiles(product: Product, rows: usize, groups: usize, k: usize, n: usize) -> usize {
-    let t = |x: usize| x.div_ceil(TILE);
+    tiles_bound(product, rows, groups, k, n, (TILE, TILE))
+}
+
+/// [`max_tiles`] for output tiles of `bm` rows × `bn` columns: ⌈rows_e / bm⌉ ≤ rows_e / bm + 1
+/// for each non-empty group, summed.
+pub(crate) fn tiles_bound(
+    product: Product,
+    rows: usize,
+    groups: usize,
+    k: usize,
+    n: usize,
+    (bm, bn): (usize, usize),
+) -> usize {
+    let row_tiles = rows / bm + groups.min(rows);
     match product {
-        Product::Forward => (rows / TILE + groups.min(rows)) * t(n),
-        Product::Dx => (rows / TILE + groups.min(rows)) * t(k),
-        Product::Dw => groups * t(k) * t(n),
+        Product::Forward => row_tiles * n.div_ceil(bn),
+        Product::Dx => row_tiles * k.div_ceil(bn),
+        Product::Dw => groups * k.div_ceil(bm) * n.div_ceil(bn),
     }
 }
 
-/// The launch checks both kernels share: 1 to `groups_cap` groups, and buffer lengths `lens`
+/// The launch checks both kernels share: 1 to `groups_cap` groups, M, K, N within int32, and
+/// buffer lengths `lens`
 /// (a, b, c) that fit `product`'s shape at `rows` × K × N over `groups` groups (an empty tensor
 /// travels as one unread element: the driver refuses zero bytes). `kernel` names the kernel in
 /// the error.
@@ -76,6 +90,15 @@ pub(crate) fn check_buffers(
     if groups == 0 || groups > groups_cap {
         return Err(GpuError::Config(format!(
             "{kernel}: {groups} groups, this instance takes 1 to {groups_cap}"
+        )));
+    }
+    // The kernels take M, K, N and the group count as int32.
+    if [rows, k, n, groups]
+        .iter()
+        .any(|&v| i32::try_from(v).is_err())
+    {
+        return Err(GpuError::Config(format!(
+            "{kernel}: M = {rows}, K = {k}, N = {n} or {groups} groups above i32::MAX"
         )));
     }
     let want = match product {
@@ -214,7 +237,8 @@ pub enum GroupedKernel {
     Wgmma(super::sm90::HopperGroupedGemm),
 }
 
-/// The implementation names of the two kernels in documents: the Hopper one, the portable one.
+/// The names of the two kernels: the Hopper one (in the notes of `grouped_matmul`'s rows on
+/// compute capability 9.0), the portable one (also an implementation of its own in documents).
 pub const IMPLEMENTATIONS: [&str; 2] = ["grouped_wgmma", "grouped_mma_sync"];
 
 impl GroupedKernel {

@@ -355,14 +355,18 @@ impl MoeDispatch {
                 rows * f
             )));
         }
-        let f_i = f as i32;
+        let (Ok(f_i), Ok(rows_i)) = (i32::try_from(f), i32::try_from(rows)) else {
+            return Err(config_error(format!(
+                "F = {f} or {rows} rows above i32::MAX"
+            )));
+        };
         let n_rows = plan.offsets.slice(plan.experts..plan.experts + 1);
         let mut l = gpu.stream.launch_builder(&self.f[6]);
-        l.arg(gu).arg(&n_rows).arg(&f_i).arg(act);
+        l.arg(gu).arg(&n_rows).arg(&rows_i).arg(&f_i).arg(act);
         let pairs = rows * f / 2;
-        // SAFETY: moe_swiglu(const u16* gu, const int* n_rows, int F, u16* act), grid-stride
-        // over offsets[E] · F / 2 column pairs: offsets[E] ≤ max_rows, gu holds max_rows·2F
-        // and act max_rows·F (checked); F even.
+        // SAFETY: moe_swiglu(const u16* gu, const int* n_rows, int max_rows, int F, u16* act),
+        // grid-stride over min(offsets[E], max_rows) · F / 2 column pairs (the kernel clamps):
+        // gu holds max_rows·2F and act max_rows·F (checked); F even.
         unsafe { l.launch(cfg(pairs.div_ceil(256).min(8192), 256, 0))? };
         Ok(())
     }

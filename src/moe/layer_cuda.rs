@@ -47,6 +47,8 @@ pub struct MoeLayer {
     experts_gemm: GroupedKernel,
     /// The router's GEMM (N = E: the portable kernel takes any multiple of 8).
     router_gemm: GroupedKernel,
+    /// The shape compiled for: experts E, model width H, expert width F.
+    shape: (usize, usize, usize),
     /// Compile and load time of every module, s.
     pub compile_s: f64,
 }
@@ -91,6 +93,7 @@ impl MoeLayer {
             dispatch,
             experts_gemm,
             router_gemm,
+            shape: (experts, hidden, width),
             compile_s,
         })
     }
@@ -105,8 +108,9 @@ impl MoeLayer {
     /// [`Gpu::stream`]; the host reads nothing back.
     ///
     /// # Errors
-    /// [`GpuError::Config`] for an `x` whose length is not T·H, `top_k` of 0 or above E or 16;
-    /// out-of-memory and driver errors.
+    /// [`GpuError::Config`] for weights of another shape than [`MoeLayer::new`] compiled for,
+    /// an `x` whose length is not T·H, `top_k` of 0 or above E or 16; out-of-memory and driver
+    /// errors.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
@@ -119,6 +123,18 @@ impl MoeLayer {
         capacity: Option<usize>,
     ) -> Result<(CudaSlice<u16>, LayerState), GpuError> {
         let (e, h, f) = (w.experts, w.hidden, w.width);
+        if (e, h, f) != self.shape {
+            return Err(GpuError::Config(format!(
+                "MoE layer compiled for (E, H, F) = {:?}, given weights of {:?}",
+                self.shape,
+                (e, h, f)
+            )));
+        }
+        let Ok(t_i) = i32::try_from(tokens) else {
+            return Err(GpuError::Config(format!(
+                "MoE layer: {tokens} tokens above i32::MAX"
+            )));
+        };
         if tokens == 0 || x.len() != tokens * h {
             return Err(GpuError::Config(format!(
                 "MoE layer: x holds {} elements; T·H = {tokens}·{h}",
@@ -127,7 +143,7 @@ impl MoeLayer {
         }
         let s = &gpu.stream;
         // The router's logits: one group of T rows times W_router [H, E].
-        let one_group = s.clone_htod(&[0i32, tokens as i32])?;
+        let one_group = s.clone_htod(&[0i32, t_i])?;
         let mut logits = s.alloc_zeros::<u16>(tokens * e)?;
         self.router_gemm.launch(
             gpu,

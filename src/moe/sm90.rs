@@ -51,18 +51,18 @@ pub fn shared_bytes(groups: usize) -> u32 {
 /// An upper bound on the output tiles of `product` over `groups` groups holding `rows` rows in
 /// all (the exact count needs the offsets, which stay on the device).
 pub fn max_tiles(product: Product, rows: usize, groups: usize, k: usize, n: usize) -> usize {
-    let (tm, tn) = (|x: usize| x.div_ceil(TILE.0), |x: usize| x.div_ceil(TILE.1));
-    match product {
-        Product::Forward => (rows / TILE.0 + groups.min(rows)) * tn(n),
-        Product::Dx => (rows / TILE.0 + groups.min(rows)) * tn(k),
-        Product::Dw => groups * tm(k) * tn(n),
-    }
+    super::cuda::tiles_bound(product, rows, groups, k, n, TILE)
 }
 
 /// True when [`HopperGroupedGemm`] runs a grouped GEMM of K × N weights on a device of
-/// architecture `arch` ([`Gpu::arch`]): `sm_90a` and K, N positive multiples of 64.
+/// architecture `arch` ([`Gpu::arch`]): `sm_90a` and [`shape_ok`].
 pub fn takes(arch: &str, k: usize, n: usize) -> bool {
-    arch == "sm_90a" && k > 0 && n > 0 && k.is_multiple_of(STEP) && n.is_multiple_of(STEP)
+    arch == "sm_90a" && shape_ok(k, n)
+}
+
+/// K and N positive multiples of 64 (the TMA boxes' width), the shapes the kernels take.
+pub fn shape_ok(k: usize, n: usize) -> bool {
+    k > 0 && n > 0 && k.is_multiple_of(STEP) && n.is_multiple_of(STEP)
 }
 
 /// The compiled Hopper kernels.
@@ -126,7 +126,7 @@ impl HopperGroupedGemm {
         n: usize,
     ) -> Result<(), GpuError> {
         let groups = offsets.len().saturating_sub(1);
-        if !takes("sm_90a", k, n) {
+        if !shape_ok(k, n) {
             return Err(GpuError::Config(format!(
                 "wgmma grouped GEMM: K = {k} and N = {n} must be positive multiples of 64"
             )));
@@ -142,11 +142,9 @@ impl HopperGroupedGemm {
         if tiles == 0 {
             return Ok(());
         }
-        let m_i = i32::try_from(rows).map_err(|_| {
-            GpuError::Config(format!("wgmma grouped GEMM: {rows} rows, above i32::MAX"))
-        })?;
-        // A tensor map needs a dimension of at least one row: an empty x or dy (M = 0) has
-        // no tile to load (tiles = 0 above for forward and dX; dW's tiles all have no step).
+        let m_i = rows as i32; // within int32: check_buffers above
+                               // A tensor map needs a dimension of at least one row: an empty x or dy (M = 0) has
+                               // no tile to load (tiles = 0 above for forward and dX; dW's tiles all have no step).
         let m_map = rows.max(1);
         let (a_ptr, _ga) = a.device_ptr(&gpu.stream);
         let (b_ptr, _gb) = b.device_ptr(&gpu.stream);
@@ -170,6 +168,7 @@ impl HopperGroupedGemm {
             Product::Dw => &self.dw,
         };
         let blocks = tiles.min(self.sm_count) as u32;
+        // Within int32: check_buffers above.
         let (groups_i, k_i, n_i) = (groups as i32, k as i32, n as i32);
         let mut l = gpu.stream.launch_builder(f);
         l.arg(&map_a)
@@ -188,7 +187,9 @@ impl HopperGroupedGemm {
         // SAFETY: grouped_gemm_sm90_<fwd|dx|dw>(TmaMap map_a, TmaMap map_b, u16* c, const int*
         // offsets, int groups, int M, int K, int N): the maps describe `a` and `b` with the
         // shapes their lengths were checked against (TMA reads nothing outside them and fills
-        // zeros past their ends); `c` holds the output's elements and the kernels store only
+        // zeros past their ends), except at M = 0, where a map of x or dy spans one row over a
+        // one-element buffer: then no tile has a reduction step or a row (forward and dX have
+        // no tile, dW's tiles have no step), so TMA reads nothing through it; `c` holds the output's elements and the kernels store only
         // rows below M (forward, dX) or below K in each of the `groups` planes (dW), columns
         // below N (or K for dX); offsets holds groups + 1 ints, each clamped to [0, M]; the
         // shared memory was raised to shared_bytes(groups_cap) ≥ shared_bytes(groups) in `new`.

@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
         // float64; rows past M (capacity) untouched. Then the logits' bf16 -> float32 copy.
         const int F = H / 2;
         std::vector<u16> act((size_t)std::max(M, 1) * F + F, 0xffff);
-        launch(dim3{3, 1, 1}, 128, [&] { moe_swiglu(xd.data(), &off[E], F, act.data()); });
+        launch(dim3{3, 1, 1}, 128, [&] { moe_swiglu(xd.data(), &off[E], std::max(M, 1), F, act.data()); });
         double act_err = 0, act_scale = 0;
         for (int r = 0; r < M; ++r)
             for (int c = 0; c < F; ++c) {
