@@ -1154,13 +1154,14 @@ fn filter_of(command: &[String]) -> Option<&str> {
 /// Documents of one suite, device and kind of run (`config.kind`: the grid, or a tile sweep,
 /// which may come from another commit than the grid) must be parts of one run: from the same
 /// commit, with the same timing parameters and the same command apart from
-/// [`PART_OPTIONS`] (the alternatives compared may differ from part to part), each part naming its cases, by `--shard i/n` under the same `--filter` (or
-/// none; the same n, distinct i), by distinct `--filter`s, or by a mix of the two (a run split
-/// over several calls of a time-limited machine, begun in shards and finished by filters). Every pair of documents is compared, so a copied part is caught
-/// whichever part comes first. Parts must measure disjoint cases: a case whose rows the two
-/// parts split by implementation is refused here ([`LoadError::SharedCase`]), a row both hold
-/// by the duplicate-row check. A shard
-/// number outside `1..=n` is refused ([`LoadError::BadShard`]).
+/// [`PART_OPTIONS`] (the alternatives compared may differ from part to part), each part
+/// selecting its cases its own way (`--shard i/n`, `--filter`, or both: a run split over
+/// several calls of a time-limited machine, say begun in shards and finished by filters); two
+/// documents with the same selection are two runs. Every pair of documents is compared, so a
+/// copied part is caught whichever part comes first. Parts must measure disjoint cases: a case
+/// whose rows the two parts split by implementation is refused here
+/// ([`LoadError::SharedCase`]), a row both hold by the duplicate-row check. A shard number
+/// outside `1..=n` is refused ([`LoadError::BadShard`]).
 fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
     let mut errors = Vec::new();
     let mut by_key: BTreeMap<(Suite, &str, RunKind), Vec<&Loaded>> = BTreeMap::new();
@@ -1189,22 +1190,13 @@ fn check_runs(loaded: &[Loaded]) -> Vec<LoadError> {
                 let same_run = a.git_commit == b.git_commit
                     && a.timing == b.timing
                     && command_without_shard(&a.command) == command_without_shard(&b.command);
-                let (fa, fb) = (filter_of(&a.command), filter_of(&b.command));
-                let (sa, sb) = (shard_of(&a.command), shard_of(&b.command));
-                // Parts of one run select their cases differently: shards of one filter (or of
-                // none: the same n, distinct i), distinct filters, or a mix (a run begun in
-                // shards and finished by filters over the cases left). Selections that could
-                // overlap are held to their rows: disjoint cases, checked below and by the
+                // Parts of one run select their cases differently (`--shard i/n`, `--filter`,
+                // or both); the same selection twice is two runs of the same cases. Whatever
+                // the selections, the parts are held to disjoint cases below and by the
                 // duplicate-row check.
-                let same_selection = fa == fb && sa == sb;
-                let shards_of_one_filter = fa == fb
-                    && match (sa, sb) {
-                        (Some((ia, na)), Some((ib, nb))) => na == nb && ia != ib,
-                        _ => false,
-                    };
-                let shards = same_run
-                    && !same_selection
-                    && (shards_of_one_filter || fa != fb || sa.is_some() != sb.is_some());
+                let same_selection = filter_of(&a.command) == filter_of(&b.command)
+                    && shard_of(&a.command) == shard_of(&b.command);
+                let shards = same_run && !same_selection;
                 if shards {
                     // Distinct filters may still overlap; a case whose rows are split between
                     // the parts by implementation is refused here, one repeated whole row by
