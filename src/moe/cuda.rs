@@ -120,15 +120,56 @@ pub(crate) fn check_buffers(
     Ok(())
 }
 
-/// The compiled kernels.
-pub struct GroupedGemm {
+/// The three compiled products of one grouped-GEMM source (forward, dX, dW), what both
+/// kernels' launches need beside them.
+pub(crate) struct ProductKernels {
     fwd: CudaFunction,
     dx: CudaFunction,
     dw: CudaFunction,
-    /// SMs of the device (the persistent grid is [`BLOCKS_PER_SM`] blocks on each).
-    sm_count: usize,
+    /// SMs of the device (the persistent grids are sized by it).
+    pub(crate) sm_count: usize,
     /// The dynamic shared memory the functions were raised to (their tile prefix's groups).
-    groups_cap: usize,
+    pub(crate) groups_cap: usize,
+    /// NVRTC compile and module load time, s (0 when this process had compiled the source).
+    pub(crate) compile_s: f64,
+}
+
+impl ProductKernels {
+    /// Compiles `src` (as file `name`) and loads `entries` (forward, dX, dW) with their
+    /// dynamic shared memory raised to `smem` bytes, for launches over up to `max_groups`.
+    pub(crate) fn load(
+        gpu: &Gpu,
+        name: &str,
+        src: &str,
+        entries: [&str; 3],
+        smem: u32,
+        max_groups: usize,
+    ) -> Result<ProductKernels, GpuError> {
+        let compiled = gpu.compile(name, src)?;
+        let f = |entry: &str| gpu.function(&compiled.module, entry, smem);
+        Ok(ProductKernels {
+            fwd: f(entries[0])?,
+            dx: f(entries[1])?,
+            dw: f(entries[2])?,
+            sm_count: gpu.describe()?.sm_count.map_or(1, |n| n as usize),
+            groups_cap: max_groups,
+            compile_s: compiled.compile_s,
+        })
+    }
+
+    /// The function of `product`.
+    pub(crate) fn of(&self, product: Product) -> &CudaFunction {
+        match product {
+            Product::Forward => &self.fwd,
+            Product::Dx => &self.dx,
+            Product::Dw => &self.dw,
+        }
+    }
+}
+
+/// The compiled kernels.
+pub struct GroupedGemm {
+    k: ProductKernels,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
@@ -140,17 +181,17 @@ impl GroupedGemm {
     /// # Errors
     /// [`GpuError::Compile`] with NVRTC's log; driver errors from loading.
     pub fn new(gpu: &Gpu, max_groups: usize) -> Result<GroupedGemm, GpuError> {
-        let compiled = gpu.compile("grouped_gemm.cu", &source())?;
-        let smem = shared_bytes(max_groups);
-        let f = |name: &str| gpu.function(&compiled.module, name, smem);
-        let sm_count = gpu.describe()?.sm_count.map_or(1, |n| n as usize);
+        let k = ProductKernels::load(
+            gpu,
+            "grouped_gemm.cu",
+            &source(),
+            ENTRY_POINTS,
+            shared_bytes(max_groups),
+            max_groups,
+        )?;
         Ok(GroupedGemm {
-            fwd: f(ENTRY_POINTS[0])?,
-            dx: f(ENTRY_POINTS[1])?,
-            dw: f(ENTRY_POINTS[2])?,
-            sm_count,
-            groups_cap: max_groups,
-            compile_s: compiled.compile_s,
+            compile_s: k.compile_s,
+            k,
         })
     }
 
@@ -186,19 +227,15 @@ impl GroupedGemm {
             "grouped GEMM",
             product,
             (a.len(), b.len(), c.len()),
-            (groups, self.groups_cap),
+            (groups, self.k.groups_cap),
             (rows, k, n),
         )?;
         let tiles = max_tiles(product, rows, groups, k, n);
         if tiles == 0 {
             return Ok(());
         }
-        let blocks = tiles.min(self.sm_count * BLOCKS_PER_SM) as u32;
-        let f = match product {
-            Product::Forward => &self.fwd,
-            Product::Dx => &self.dx,
-            Product::Dw => &self.dw,
-        };
+        let blocks = tiles.min(self.k.sm_count * BLOCKS_PER_SM) as u32;
+        let f = self.k.of(product);
         let m_i = i32::try_from(rows)
             .map_err(|_| GpuError::Config(format!("grouped GEMM: {rows} rows, above i32::MAX")))?;
         let (groups_i, k_i, n_i) = (groups as i32, k as i32, n as i32);

@@ -8,7 +8,7 @@
 //! results rounded to nearest even. K and N must be multiples of 64 (the TMA boxes' width);
 //! [`takes`] says when it runs, and the portable kernel runs everything else.
 
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::cuda::Product;
 use crate::attention::cuda::PRELUDE_SRC;
@@ -67,11 +67,7 @@ pub fn shape_ok(k: usize, n: usize) -> bool {
 
 /// The compiled Hopper kernels.
 pub struct HopperGroupedGemm {
-    fwd: CudaFunction,
-    dx: CudaFunction,
-    dw: CudaFunction,
-    sm_count: usize,
-    groups_cap: usize,
+    k: super::cuda::ProductKernels,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
@@ -89,17 +85,17 @@ impl HopperGroupedGemm {
                 gpu.arch()
             )));
         }
-        let compiled = gpu.compile("grouped_gemm_sm90.cu", &source())?;
-        let smem = shared_bytes(max_groups);
-        let f = |name: &str| gpu.function(&compiled.module, name, smem);
-        let sm_count = gpu.describe()?.sm_count.map_or(1, |n| n as usize);
+        let k = super::cuda::ProductKernels::load(
+            gpu,
+            "grouped_gemm_sm90.cu",
+            &source(),
+            ENTRY_POINTS,
+            shared_bytes(max_groups),
+            max_groups,
+        )?;
         Ok(HopperGroupedGemm {
-            fwd: f(ENTRY_POINTS[0])?,
-            dx: f(ENTRY_POINTS[1])?,
-            dw: f(ENTRY_POINTS[2])?,
-            sm_count,
-            groups_cap: max_groups,
-            compile_s: compiled.compile_s,
+            compile_s: k.compile_s,
+            k,
         })
     }
 
@@ -135,7 +131,7 @@ impl HopperGroupedGemm {
             "wgmma grouped GEMM",
             product,
             (a.len(), b.len(), c.len()),
-            (groups, self.groups_cap),
+            (groups, self.k.groups_cap),
             (rows, k, n),
         )?;
         let tiles = max_tiles(product, rows, groups, k, n);
@@ -162,12 +158,8 @@ impl HopperGroupedGemm {
                 tma_map_bf16(b_ptr, (1, m_map, n), STEP as u32)?,
             ),
         };
-        let f = match product {
-            Product::Forward => &self.fwd,
-            Product::Dx => &self.dx,
-            Product::Dw => &self.dw,
-        };
-        let blocks = tiles.min(self.sm_count) as u32;
+        let f = self.k.of(product);
+        let blocks = tiles.min(self.k.sm_count) as u32;
         // Within int32: check_buffers above.
         let (groups_i, k_i, n_i) = (groups as i32, k as i32, n as i32);
         let mut l = gpu.stream.launch_builder(f);
