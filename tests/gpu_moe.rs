@@ -155,21 +155,21 @@ fn rel_max(got: &[f64], want: &[f64], width: usize, rows: Option<&[usize]>) -> f
 /// bf16 rounding of the result (2⁻⁸ relative) with room for float32 accumulation order.
 const BOUND: f64 = 8e-3;
 
-/// The three products on the device against float64 for rows split as `counts`, K × N
-/// weights; prints and returns the three errors (dW of an empty group must be exactly 0).
-fn case(gg: &GroupedKernel, counts: &[usize], k: usize, n: usize, seed: u64) -> [f64; 3] {
+/// The forward, dX and dW of `gg` on host values x, w, dy (rows split by `offsets`, K × N
+/// weights) into outputs poisoned with NaN first; returns y, dX and dW as host values.
+fn three_products(
+    gg: &GroupedKernel,
+    (x, w, dy): (&[f64], &[f64], &[f64]),
+    offsets: &[usize],
+    k: usize,
+    n: usize,
+) -> [Vec<f64>; 3] {
     let g = &gpu().0;
-    let e = counts.len();
-    let offsets = offsets_of(counts);
+    let e = offsets.len() - 1;
     let m = offsets[e];
-    let x = inputs(m * k, seed);
-    let w = inputs(e * k * n, seed + 1);
-    let dy = inputs(m * n, seed + 2);
-    let y_ref = grouped_matmul(&x, &w, &offsets, k, n).unwrap();
-    let (dx_ref, dw_ref) = grouped_matmul_backward(&x, &w, &offsets, &dy, k, n).unwrap();
     let off32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
     let d_off = g.stream.clone_htod(&off32).unwrap();
-    let (d_x, d_w, d_dy) = (up(&x), up(&w), up(&dy));
+    let (d_x, d_w, d_dy) = (up(x), up(w), up(dy));
     let (mut d_y, mut d_dx, mut d_dw) = (poisoned(m * n), poisoned(m * k), poisoned(e * k * n));
     gg.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
         .unwrap();
@@ -178,7 +178,25 @@ fn case(gg: &GroupedKernel, counts: &[usize], k: usize, n: usize, seed: u64) -> 
     gg.launch(g, Product::Dw, &d_x, &d_dy, &mut d_dw, &d_off, m, k, n)
         .unwrap();
     g.stream.synchronize().unwrap();
-    let dw = down(&d_dw, e * k * n);
+    [
+        down(&d_y, m * n),
+        down(&d_dx, m * k),
+        down(&d_dw, e * k * n),
+    ]
+}
+
+/// The three products on the device against float64 for rows split as `counts`, K × N
+/// weights; prints and returns the three errors (dW of an empty group must be exactly 0).
+fn case(gg: &GroupedKernel, counts: &[usize], k: usize, n: usize, seed: u64) -> [f64; 3] {
+    let e = counts.len();
+    let offsets = offsets_of(counts);
+    let m = offsets[e];
+    let x = inputs(m * k, seed);
+    let w = inputs(e * k * n, seed + 1);
+    let dy = inputs(m * n, seed + 2);
+    let y_ref = grouped_matmul(&x, &w, &offsets, k, n).unwrap();
+    let (dx_ref, dw_ref) = grouped_matmul_backward(&x, &w, &offsets, &dy, k, n).unwrap();
+    let [y, dx, dw] = three_products(gg, (&x, &w, &dy), &offsets, k, n);
     for (i, &c) in counts.iter().enumerate() {
         if c == 0 {
             assert!(
@@ -188,8 +206,8 @@ fn case(gg: &GroupedKernel, counts: &[usize], k: usize, n: usize, seed: u64) -> 
         }
     }
     let errs = [
-        rel_max(&down(&d_y, m * n), &y_ref, n, None),
-        rel_max(&down(&d_dx, m * k), &dx_ref, k, None),
+        rel_max(&y, &y_ref, n, None),
+        rel_max(&dx, &dx_ref, k, None),
         rel_max(&dw, &dw_ref, n, None),
     ];
     println!(
@@ -325,7 +343,6 @@ fn grouped_gemm_backward_on_skewed_routing_matches_float64() {
     ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
 )]
 fn non_finite_rows_of_one_expert_stay_in_it() {
-    let g = &gpu().0;
     let (counts, k, n) = ([100usize, 37, 0, 90], 128, 192);
     let offsets = offsets_of(&counts);
     let (m, e) = (offsets[4], counts.len());
@@ -342,23 +359,13 @@ fn non_finite_rows_of_one_expert_stay_in_it() {
         x[r * k..(r + 1) * k].fill(f64::NAN);
         dy[r * n..(r + 1) * n].fill(f64::NAN);
     }
-    let off32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
-    let d_off = g.stream.clone_htod(&off32).unwrap();
     let good: Vec<usize> = (0..m).filter(|r| !bad.contains(r)).collect();
     for gg in kernels(k, n) {
-        let (d_x, d_w, d_dy) = (up(&x), up(&w), up(&dy));
-        let (mut d_y, mut d_dx, mut d_dw) = (poisoned(m * n), poisoned(m * k), poisoned(e * k * n));
-        gg.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
-            .unwrap();
-        gg.launch(g, Product::Dx, &d_dy, &d_w, &mut d_dx, &d_off, m, k, n)
-            .unwrap();
-        gg.launch(g, Product::Dw, &d_x, &d_dy, &mut d_dw, &d_off, m, k, n)
-            .unwrap();
-        let dw = down(&d_dw, e * k * n);
+        let [y, dx, dw] = three_products(gg, (&x, &w, &dy), &offsets, k, n);
         let plane = |i: usize| i * k * n..(i + 1) * k * n;
         let errs = [
-            rel_max(&down(&d_y, m * n), &y_ref, n, Some(&good)),
-            rel_max(&down(&d_dx, m * k), &dx_ref, k, Some(&good)),
+            rel_max(&y, &y_ref, n, Some(&good)),
+            rel_max(&dx, &dx_ref, k, Some(&good)),
             [0, 3]
                 .iter()
                 .map(|&i| rel_max(&dw[plane(i)], &dw_ref[plane(i)], n, None))

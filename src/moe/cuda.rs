@@ -236,9 +236,8 @@ impl GroupedGemm {
         }
         let blocks = tiles.min(self.k.sm_count * BLOCKS_PER_SM) as u32;
         let f = self.k.of(product);
-        let m_i = i32::try_from(rows)
-            .map_err(|_| GpuError::Config(format!("grouped GEMM: {rows} rows, above i32::MAX")))?;
-        let (groups_i, k_i, n_i) = (groups as i32, k as i32, n as i32);
+        // Within int32: check_buffers above.
+        let (m_i, groups_i, k_i, n_i) = (rows as i32, groups as i32, k as i32, n as i32);
         let mut l = gpu.stream.launch_builder(f);
         l.arg(a)
             .arg(b)

@@ -138,9 +138,8 @@ impl HopperGroupedGemm {
         if tiles == 0 {
             return Ok(());
         }
-        let m_i = rows as i32; // within int32: check_buffers above
-                               // A tensor map needs a dimension of at least one row: an empty x or dy (M = 0) has
-                               // no tile to load (tiles = 0 above for forward and dX; dW's tiles all have no step).
+        // A tensor map needs a dimension of at least one row: an empty x or dy (M = 0) has
+        // no tile to load (tiles = 0 above for forward and dX; dW's tiles all have no step).
         let m_map = rows.max(1);
         let (a_ptr, _ga) = a.device_ptr(&gpu.stream);
         let (b_ptr, _gb) = b.device_ptr(&gpu.stream);
@@ -161,7 +160,7 @@ impl HopperGroupedGemm {
         let f = self.k.of(product);
         let blocks = tiles.min(self.k.sm_count) as u32;
         // Within int32: check_buffers above.
-        let (groups_i, k_i, n_i) = (groups as i32, k as i32, n as i32);
+        let (m_i, groups_i, k_i, n_i) = (rows as i32, groups as i32, k as i32, n as i32);
         let mut l = gpu.stream.launch_builder(f);
         l.arg(&map_a)
             .arg(&map_b)
