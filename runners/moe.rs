@@ -175,7 +175,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
         entry_point: "moe::cuda::GroupedKernel::for_shape".into(),
         device: "CUDA, compute capability 9.0 (sm_90a)".into(),
         dtype: "bf16 (float32 accumulation)".into(),
-        rule: "K and N multiples of 64: the wgmma kernel (grouped_gemm_sm90.cu): one launch over every expert's rows whatever their sizes, a persistent grid of one block per SM taking 128 × 256 output tiles in turn (bands of 8 row tiles per column step); a producer warpgroup brings 64-wide steps of A and B by TMA through 4 stages (128-byte swizzle, mbarriers) and two consumer warpgroups multiply them on wgmma m64n256k16; dW zeroes a group's rows past its end in shared memory. Otherwise the portable kernel below".into(),
+        rule: format!("K and N multiples of 64 and at most {} experts: the wgmma kernel (grouped_gemm_sm90.cu): one launch over every expert's rows whatever their sizes, a persistent grid of one block per SM taking 128 × 256 output tiles in turn (bands of 8 row tiles per column step); a producer warpgroup brings 64-wide steps of A and B by TMA through 4 stages (128-byte swizzle, mbarriers) and two consumer warpgroups multiply them on wgmma m64n256k16, then store the tile in 64 × 64 subtiles through shared memory by TMA (from registers where a tile's rows end inside a group's neighbour); dW zeroes a group's rows past its end in shared memory. Otherwise the portable kernel below", kernelpages::moe::sm90::MAX_GROUPS),
         implementation: IMPLEMENTATION.into(),
     },
     DispatchRule {
@@ -616,7 +616,9 @@ mod tests {
             let c = case_of(p).unwrap();
             assert!(layer_name(&c).is_some());
             // K and N are multiples of 64: the dispatch runs the wgmma kernel on sm_90a.
-            assert!(kernelpages::moe::sm90::takes("sm_90a", c.hidden, c.width));
+            assert!(kernelpages::moe::sm90::takes(
+                "sm_90a", c.experts, c.hidden, c.width
+            ));
         }
         let quick = Cli::try_parse_from(["moe", "--quick", "--filter", "experts=64"]).unwrap();
         let kept = quick

@@ -87,7 +87,7 @@ fn kernels(k: usize, n: usize) -> Vec<&'static GroupedKernel> {
         .1
         .iter()
         .filter(|g| {
-            matches!(g, GroupedKernel::MmaSync(_)) || kernelpages::moe::sm90::takes("sm_90a", k, n)
+            matches!(g, GroupedKernel::MmaSync(_)) || kernelpages::moe::sm90::shape_ok(k, n)
         })
         .collect()
 }

@@ -31,6 +31,15 @@
 // Rows of a forward or dX tile past the group's end are read (they are the next group's) and
 // multiplied but never stored.
 //
+// Epilogue: each consumer rounds its 64 x 256 accumulators to bf16 and writes them, 64 columns
+// at a time, into one of its two 64 x 64 shared-memory buffers (128-byte swizzled, the layout
+// TMA expects; conflict-free 4-byte stores), from which one thread stores the subtile to global
+// memory with a TMA store (`map_c`: y as (N, M, 1), dX as (K, M, 1), dW as (N, K, E); columns
+// past N and dW rows past K are clipped by the map). The consumers go on to the next tile while
+// the stores drain; a buffer is rewritten only after its previous store has read it. A forward
+// or dX tile whose 64 rows of one consumer run past the group's end (the next group's rows, which
+// the map cannot clip) is stored from registers instead, row by row.
+//
 // Block: 384 threads. Warpgroup 0 is the producer (one thread issues every TMA load; the
 // warpgroup gives registers away with setmaxnreg); warpgroups 1 and 2 are the consumers, each
 // owning 64 rows of the C tile with a 64 x 256 fp32 accumulator (128 registers a thread) on
@@ -51,9 +60,12 @@
 #define GS_A_BYTES (GS_BM * GS_BK * 2)
 #define GS_B_BYTES (GS_BK * GS_BN * 2)
 #define GS_STAGE_BYTES (GS_A_BYTES + GS_B_BYTES)
-// From the 1024-aligned base: the stages, the barriers (full then empty per stage), then the
-// groups' tile prefix ((E + 1) ints).
-#define GS_BARS (GS_ST * GS_STAGE_BYTES)
+// One 64 x 64 bf16 subtile of the epilogue (two buffers per consumer).
+#define GS_C_BYTES (64 * 64 * 2)
+// From the 1024-aligned base: the stages, the epilogue buffers (consumer 0's two, then consumer
+// 1's), the barriers (full then empty per stage), then the groups' tile prefix ((E + 1) ints).
+#define GS_CBUF (GS_ST * GS_STAGE_BYTES)
+#define GS_BARS (GS_CBUF + 4 * GS_C_BYTES)
 #define GS_PREFIX (GS_BARS + 16 * GS_ST)
 
 // The accumulator operands of m64n256k16 (128 fp32 registers a thread).
@@ -93,6 +105,27 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
         WG_REGS64 ", %64, %65, p, 1, 1, %67, %68;\n}\n"
         : WG_ACC64(d)
         : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+// Stores the box at `src` (shared memory) to the tensor of `map` at element coordinates
+// (c0, c1, c2) (TMA; elements outside the tensor are not written), as one bulk group.
+__device__ __forceinline__ void gs_tma_store_3d(const TmaMap* map, u32 src, int c0, int c1,
+                                                int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+        ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(src)
+        : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until all but the newest N bulk groups this thread committed have read shared memory.
+template <int N>
+__device__ __forceinline__ void gs_bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+// The 128 threads of consumer warpgroup `id` - 2 (ids 2 and 3; 1 is both consumers').
+__device__ __forceinline__ void named_barrier_gs(int id) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
 
 __device__ __forceinline__ int gs_offset(const int* offsets, int e, int M) {
@@ -190,7 +223,7 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
 
 template <int MODE>
 __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, const TmaMap* map_b,
-                                                       u16* __restrict__ c,
+                                                       const TmaMap* map_c, u16* __restrict__ c,
                                                        const int* __restrict__ offsets,
                                                        int groups, int M, int K, int N) {
     const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
@@ -275,6 +308,7 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     const int ldc = MODE == 1 ? K : N;
     float acc[128];
     int it = 0;
+    int stores = 0;  // TMA stores this consumer issued (its buffer: stores & 1)
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
         const GsTile t = gs_tile<MODE>(tile, tiles_before, offsets, groups, M, K, N);
 #pragma unroll
@@ -290,28 +324,63 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
             gs_mainloop<MODE, false>(acc, t, it, base, cw, ctid, lane);
 
         // The accumulators, rounded to bf16, in pairs along the columns.
-        const long long row_c = MODE == 2 ? (long long)t.e * K + t.m0 + 64 * cw
-                                          : (long long)t.row0 + t.m0 + 64 * cw;
-        u16* cp = c + row_c * ldc + t.n0;
+        if (MODE == 2 || m_lim >= 64) {
+            if (m_lim > 0) {
+                const int c1 = MODE == 2 ? t.m0 + 64 * cw : t.row0 + t.m0 + 64 * cw;
+                const int c2 = MODE == 2 ? t.e : 0;
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            const int col = 8 * j + 2 * t4;
+                for (int sc = 0; sc < 4; ++sc) {
+                    if (64 * sc < n_lim) {
+                        const u32 buf = base + GS_CBUF + (2 * cw + (stores & 1)) * GS_C_BYTES;
+                        // The store that last read this buffer (two stores ago) is done.
+                        if (ctid == 0) gs_bulk_wait_read<1>();
+                        named_barrier_gs(2 + cw);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = 16 * warp + g + 8 * h;
-                if (r < m_lim && col < n_lim)
-                    *reinterpret_cast<u32*>(cp + (long long)r * ldc + col) =
-                        pack2<true>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                        for (int jj = 0; jj < 8; ++jj) {
+                            const int j = 8 * sc + jj;
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const int r = 16 * warp + g + 8 * h;
+                                const u32 at = buf + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * t4;
+                                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
+                                             "r"(pack2<true>(acc[4 * j + 2 * h],
+                                                             acc[4 * j + 2 * h + 1]))
+                                             : "memory");
+                            }
+                        }
+                        fence_proxy_async();
+                        named_barrier_gs(2 + cw);
+                        if (ctid == 0) gs_tma_store_3d(map_c, buf, t.n0 + 64 * sc, c1, c2);
+                        ++stores;
+                    }
+                }
+            }
+        } else {
+            const long long row_c = (long long)t.row0 + t.m0 + 64 * cw;
+            u16* cp = c + row_c * ldc + t.n0;
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int col = 8 * j + 2 * t4;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = 16 * warp + g + 8 * h;
+                    if (r < m_lim && col < n_lim)
+                        *reinterpret_cast<u32*>(cp + (long long)r * ldc + col) =
+                            pack2<true>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                }
             }
         }
     }
+    // Shared memory stays until the last stores have read it.
+    if (ctid == 0) gs_bulk_wait_read<0>();
 }
 
 #define GS_ENTRY(NAME, MODE)                                                                    \
     extern "C" __global__ void __launch_bounds__(GS_THREADS, 1)                                \
         NAME(const __grid_constant__ TmaMap map_a, const __grid_constant__ TmaMap map_b,        \
-             u16* c, const int* offsets, int groups, int M, int K, int N) {                     \
-        grouped_gemm_sm90_body<MODE>(&map_a, &map_b, c, offsets, groups, M, K, N);              \
+             const __grid_constant__ TmaMap map_c, u16* c, const int* offsets, int groups,      \
+             int M, int K, int N) {                                                             \
+        grouped_gemm_sm90_body<MODE>(&map_a, &map_b, &map_c, c, offsets, groups, M, K, N);      \
     }
 
 GS_ENTRY(grouped_gemm_sm90_fwd, 0)

@@ -279,8 +279,8 @@ pub const IMPLEMENTATIONS: [&str; 2] = ["grouped_wgmma", "grouped_mma_sync"];
 
 impl GroupedKernel {
     /// The dispatch: compiles the kernel that runs K × N weights on this device for up to
-    /// `max_groups` groups (wgmma on compute capability 9.0 when K and N are multiples of 64,
-    /// mma.sync otherwise).
+    /// `max_groups` groups (wgmma on compute capability 9.0 when K and N are multiples of 64
+    /// and the groups at most [`super::sm90::MAX_GROUPS`], mma.sync otherwise).
     ///
     /// # Errors
     /// NVRTC's log; driver errors from loading.
@@ -290,7 +290,7 @@ impl GroupedKernel {
         k: usize,
         n: usize,
     ) -> Result<GroupedKernel, GpuError> {
-        if super::sm90::takes(&gpu.arch(), k, n) {
+        if super::sm90::takes(&gpu.arch(), max_groups, k, n) {
             Ok(GroupedKernel::Wgmma(super::sm90::HopperGroupedGemm::new(
                 gpu, max_groups,
             )?))

@@ -80,8 +80,8 @@ impl MoeLayer {
             )));
         }
         let dispatch = MoeDispatch::new(gpu)?;
-        let takes_wgmma = super::sm90::takes(&gpu.arch(), hidden, 2 * width)
-            && super::sm90::takes(&gpu.arch(), width, hidden);
+        let takes_wgmma = super::sm90::takes(&gpu.arch(), experts, hidden, 2 * width)
+            && super::sm90::takes(&gpu.arch(), experts, width, hidden);
         let experts_gemm = if takes_wgmma {
             GroupedKernel::named(gpu, "grouped_wgmma", experts)?
         } else {

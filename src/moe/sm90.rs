@@ -8,7 +8,7 @@
 //! results rounded to nearest even. K and N must be multiples of 64 (the TMA boxes' width);
 //! [`takes`] says when it runs, and the portable kernel runs everything else.
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::cuda::Product;
 use crate::attention::cuda::PRELUDE_SRC;
@@ -40,12 +40,16 @@ pub const TILE: (usize, usize) = (128, 256);
 const STEP: usize = 64;
 const STAGES: usize = 4;
 
+/// The epilogue's shared-memory buffers: two 64 × 64 bf16 subtiles per consumer warpgroup.
+const EPILOGUE_BYTES: usize = 2 * 2 * 64 * 64 * 2;
+
 /// Dynamic shared memory of a launch over `groups` groups: up to 1023 bytes to align the base
-/// for the 128-byte swizzle, the stages (a 128 × 64 and a 64 × 256 bf16 tile each), two
-/// mbarriers a stage and the groups' tile prefix (`groups + 1` int32).
+/// for the 128-byte swizzle, the stages (a 128 × 64 and a 64 × 256 bf16 tile each), the
+/// epilogue's four 64 × 64 bf16 buffers, two mbarriers a stage and the groups' tile prefix
+/// (`groups + 1` int32).
 pub fn shared_bytes(groups: usize) -> u32 {
     let stage = 2 * (TILE.0 * STEP + STEP * TILE.1);
-    (1024 + STAGES * stage + 16 * STAGES + 4 * (groups + 1)) as u32
+    (1024 + STAGES * stage + EPILOGUE_BYTES + 16 * STAGES + 4 * (groups + 1)) as u32
 }
 
 /// An upper bound on the output tiles of `product` over `groups` groups holding `rows` rows in
@@ -54,10 +58,15 @@ pub fn max_tiles(product: Product, rows: usize, groups: usize, k: usize, n: usiz
     super::cuda::tiles_bound(product, rows, groups, k, n, TILE)
 }
 
-/// True when [`HopperGroupedGemm`] runs a grouped GEMM of K × N weights on a device of
-/// architecture `arch` ([`Gpu::arch`]): `sm_90a` and [`shape_ok`].
-pub fn takes(arch: &str, k: usize, n: usize) -> bool {
-    arch == "sm_90a" && shape_ok(k, n)
+/// The most groups a launch takes: their tile prefix shares the block's 227 KB of shared
+/// memory with the stages and the epilogue's buffers.
+pub const MAX_GROUPS: usize = 256;
+
+/// True when [`HopperGroupedGemm`] runs a grouped GEMM over up to `groups` groups of K × N
+/// weights on a device of architecture `arch` ([`Gpu::arch`]): `sm_90a`, at most
+/// [`MAX_GROUPS`] groups and [`shape_ok`].
+pub fn takes(arch: &str, groups: usize, k: usize, n: usize) -> bool {
+    arch == "sm_90a" && groups <= MAX_GROUPS && shape_ok(k, n)
 }
 
 /// K and N positive multiples of 64 (the TMA boxes' width), the shapes the kernels take.
@@ -76,13 +85,18 @@ impl HopperGroupedGemm {
     /// Compiles the kernels (once per process) for launches over up to `max_groups` groups.
     ///
     /// # Errors
-    /// [`GpuError::Config`] on a device that is not compute capability 9.0; NVRTC's log;
-    /// driver errors from loading.
+    /// [`GpuError::Config`] on a device that is not compute capability 9.0 or for more than
+    /// [`MAX_GROUPS`] groups; NVRTC's log; driver errors from loading.
     pub fn new(gpu: &Gpu, max_groups: usize) -> Result<HopperGroupedGemm, GpuError> {
         if gpu.arch() != "sm_90a" {
             return Err(GpuError::Config(format!(
                 "the wgmma grouped GEMM needs compute capability 9.0 (sm_90a), not {}",
                 gpu.arch()
+            )));
+        }
+        if max_groups > MAX_GROUPS {
+            return Err(GpuError::Config(format!(
+                "the wgmma grouped GEMM takes up to {MAX_GROUPS} groups, not {max_groups}"
             )));
         }
         let k = super::cuda::ProductKernels::load(
@@ -143,18 +157,24 @@ impl HopperGroupedGemm {
         let m_map = rows.max(1);
         let (a_ptr, _ga) = a.device_ptr(&gpu.stream);
         let (b_ptr, _gb) = b.device_ptr(&gpu.stream);
-        let (map_a, map_b) = match product {
+        // C travels as its address (the kernel stores to it through map_c and directly).
+        let (c_ptr, _gc) = c.device_ptr_mut(&gpu.stream);
+        // The epilogue stores 64 × 64 subtiles of C.
+        let (map_a, map_b, map_c) = match product {
             Product::Forward => (
                 tma_map_bf16(a_ptr, (1, m_map, k), TILE.0 as u32)?,
                 tma_map_bf16(b_ptr, (groups, k, n), STEP as u32)?,
+                tma_map_bf16(c_ptr, (1, m_map, n), STEP as u32)?,
             ),
             Product::Dx => (
                 tma_map_bf16(a_ptr, (1, m_map, n), TILE.0 as u32)?,
                 tma_map_bf16(b_ptr, (groups, k, n), TILE.1 as u32)?,
+                tma_map_bf16(c_ptr, (1, m_map, k), STEP as u32)?,
             ),
             Product::Dw => (
                 tma_map_bf16(a_ptr, (1, m_map, k), STEP as u32)?,
                 tma_map_bf16(b_ptr, (1, m_map, n), STEP as u32)?,
+                tma_map_bf16(c_ptr, (groups, k, n), STEP as u32)?,
             ),
         };
         let f = self.k.of(product);
@@ -164,7 +184,8 @@ impl HopperGroupedGemm {
         let mut l = gpu.stream.launch_builder(f);
         l.arg(&map_a)
             .arg(&map_b)
-            .arg(c)
+            .arg(&map_c)
+            .arg(&c_ptr)
             .arg(offsets)
             .arg(&groups_i)
             .arg(&m_i)
@@ -175,12 +196,13 @@ impl HopperGroupedGemm {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared_bytes(groups),
         };
-        // SAFETY: grouped_gemm_sm90_<fwd|dx|dw>(TmaMap map_a, TmaMap map_b, u16* c, const int*
-        // offsets, int groups, int M, int K, int N): the maps describe `a` and `b` with the
-        // shapes their lengths were checked against (TMA reads nothing outside them and fills
-        // zeros past their ends), except at M = 0, where a map of x or dy spans one row over a
-        // one-element buffer: then no tile has a reduction step or a row (forward and dX have
-        // no tile, dW's tiles have no step), so TMA reads nothing through it; `c` holds the output's elements and the kernels store only
+        // SAFETY: grouped_gemm_sm90_<fwd|dx|dw>(TmaMap map_a, TmaMap map_b, TmaMap map_c, u16*
+        // c, const int* offsets, int groups, int M, int K, int N): the maps describe `a`, `b`
+        // and `c` with the shapes their lengths were checked against (TMA reads and writes
+        // nothing outside them; loads fill zeros past their ends, stores skip those elements),
+        // except at M = 0, where a map of x or dy spans one row over a one-element buffer: then
+        // no tile has a reduction step or a row (forward and dX have no tile, dW's tiles have no
+        // step), so TMA reads nothing through it; the kernels store (through map_c or `c`) only
         // rows below M (forward, dX) or below K in each of the `groups` planes (dW), columns
         // below N (or K for dX); offsets holds groups + 1 ints, each clamped to [0, M]; the
         // shared memory was raised to shared_bytes(groups_cap) ≥ shared_bytes(groups) in `new`.
@@ -207,16 +229,18 @@ mod tests {
     #[test]
     fn shared_memory_fits_one_block_per_sm() {
         // 227 KB of dynamic shared memory per block on Hopper.
-        assert!(shared_bytes(256) <= 227 * 1024);
-        assert_eq!(shared_bytes(0), 1024 + 4 * 49152 + 64 + 4);
+        assert!(shared_bytes(MAX_GROUPS) <= 227 * 1024);
+        assert_eq!(shared_bytes(0), 1024 + 4 * 49152 + 4 * 8192 + 64 + 4);
     }
 
     #[test]
     fn takes_sm_90a_at_multiples_of_64() {
-        assert!(takes("sm_90a", 2048, 1408));
-        assert!(!takes("sm_90a", 2048, 1400));
-        assert!(!takes("sm_90a", 0, 64));
-        assert!(!takes("sm_80", 2048, 1408));
+        assert!(takes("sm_90a", 64, 2048, 1408));
+        assert!(takes("sm_90a", MAX_GROUPS, 2048, 1408));
+        assert!(!takes("sm_90a", MAX_GROUPS + 1, 2048, 1408));
+        assert!(!takes("sm_90a", 64, 2048, 1400));
+        assert!(!takes("sm_90a", 64, 0, 64));
+        assert!(!takes("sm_80", 64, 2048, 1408));
     }
 
     #[test]
