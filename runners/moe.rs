@@ -34,10 +34,13 @@ use kernelpages::moe::case::{GroupedCase, Spread};
 use kernelpages::moe::cpu as moe_cpu;
 use kernelpages::moe::cuda::{GroupedKernel, Product};
 use kernelpages::moe::files;
+use kernelpages::moe::layer_case::{self, LayerCase};
+use kernelpages::moe::layer_cuda::{DeviceExperts, MoeLayer};
+use kernelpages::moe::reference::Gate;
 use kernelpages::runner::grid::Params;
 use kernelpages::runner::protocol::{CaseFiles, Job, Reply, TensorFile};
 use kernelpages::runner::{self, host, own, Alternative, Declared, DeviceChoice, RunnerArgs};
-use kernelpages::schema::{Count, DispatchRule, RunKind, Status, Suite, Throughput};
+use kernelpages::schema::{Count, DispatchRule, Param, RunKind, Status, Suite, Throughput};
 
 /// Measure the MoE grouped GEMM on the GPU and write a suite document.
 #[derive(Parser, Debug)]
@@ -85,6 +88,17 @@ const FWD_TOKENS: [usize; 3] = [4096, 16384, 65536];
 const BWD_TOKENS: [usize; 2] = [4096, 16384];
 /// Token counts of `--quick`.
 const QUICK_TOKENS: [usize; 1] = [4096];
+/// Token counts of the whole layer's rows.
+const LAYER_TOKENS: [usize; 2] = [4096, 16384];
+/// The project's whole MoE layer ([`MoeLayer`]), on the `op = layer` cases.
+const LAYER_IMPLEMENTATION: &str = "moe_layer";
+/// The implementations of the `op = layer` cases; every other one computes the grouped GEMM.
+const LAYER_IMPLEMENTATIONS: [&str; 4] = [
+    LAYER_IMPLEMENTATION,
+    "torch_layer_eager",
+    "torch_layer_grouped",
+    "torch_layer_compile",
+];
 
 /// The alternatives `--compare` can add.
 const ALTERNATIVES: [Alternative; 1] = [Alternative {
@@ -96,11 +110,14 @@ const ALTERNATIVES: [Alternative; 1] = [Alternative {
         "torch_loop",
         "torch_bmm_padded",
         "torch_dense",
+        "torch_layer_eager",
+        "torch_layer_grouped",
+        "torch_layer_compile",
     ],
 }];
 
 /// How FLOPs are counted (the document's `flop_rule`).
-const FLOP_RULE: &str = "2·M·K·N for the forward (M = tokens·top_k rows, K the hidden size, N the expert width), whatever the split over experts; 6·M·K·N with the backward (dX and dW as many each); padding and empty experts count nothing";
+const FLOP_RULE: &str = "grouped GEMM: 2·M·K·N for the forward (M = tokens·top_k rows, K the hidden size, N the expert width), whatever the split over experts; 6·M·K·N with the backward (dX and dW as many each); padding and empty experts count nothing. Whole layer (op = layer): 2·T·H·E for the router and 6·T·top_k·H·F for the experts' three projections (T tokens, H the hidden size, F the expert width); softmax, SwiGLU and the weighted sum count nothing";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -108,6 +125,8 @@ fn main() -> ExitCode {
         Some(job) => runner::child_main(job, |job| {
             if job.implementation == CPU_IMPLEMENTATION {
                 measure_cpu(job)
+            } else if job.implementation == LAYER_IMPLEMENTATION {
+                measure_layer(job)
             } else {
                 measure_gpu(job)
             }
@@ -158,6 +177,27 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
             }
         }
     }
+    // The whole layer's forward (the GPU only: the CPU implements the grouped GEMM alone).
+    if cli.run.device == DeviceChoice::Gpu {
+        let tokens: Vec<usize> = match (&cli.tokens, quick) {
+            (Some(t), _) => t.clone(),
+            (None, true) => QUICK_TOKENS.to_vec(),
+            (None, false) => LAYER_TOKENS.to_vec(),
+        };
+        for &(experts, top_k, hidden, width, _) in &LAYERS {
+            for &t in &tokens {
+                let c = LayerCase {
+                    tokens: t,
+                    experts,
+                    top_k,
+                    hidden,
+                    width,
+                };
+                c.validate().map_err(anyhow::Error::msg)?;
+                out.push(c.params());
+            }
+        }
+    }
     Ok(out)
 }
 
@@ -184,6 +224,13 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
         dtype: "bf16 (float32 accumulation)".into(),
         rule: "always: the portable kernel (grouped_gemm.cu), as grouped_mma_sync".into(),
         implementation: IMPLEMENTATION.into(),
+    },
+    DispatchRule {
+        entry_point: "moe::layer_cuda::MoeLayer::forward".into(),
+        device: "CUDA, compute capability 8.0 or newer".into(),
+        dtype: "bf16 activations and weights (float32 accumulation; bf16 between the steps)".into(),
+        rule: "always: the router's GEMM on the portable kernel (N = E), softmax or sigmoid top-k, a stable counting sort by expert into the dispatch plan, the gather, the experts' gate and up projections as one grouped GEMM of [E, H, 2F] weights and the down projection as another (each on the dispatch above for its K × N), SwiGLU between them, and the gate-weighted combine".into(),
+        implementation: LAYER_IMPLEMENTATION.into(),
     },
     DispatchRule {
         entry_point: "moe::cuda::GroupedGemm::launch".into(),
@@ -233,11 +280,21 @@ fn case_of(p: &Params) -> Result<GroupedCase> {
     GroupedCase::from_params(p).map_err(anyhow::Error::msg)
 }
 
-/// The layer's description for a case (its row of [`LAYERS`]).
-fn layer_name(c: &GroupedCase) -> Option<&'static str> {
+/// True for a whole-layer case (`op = layer`).
+fn is_layer(p: &Params) -> bool {
+    matches!(p.get("op"), Some(Param::Text(op)) if op == layer_case::OP)
+}
+
+fn layer_case_of(p: &Params) -> Result<LayerCase> {
+    LayerCase::from_params(p).map_err(anyhow::Error::msg)
+}
+
+/// The layer's description for a case's (experts, top_k, hidden, width) (its row of
+/// [`LAYERS`]).
+fn layer_name(shape: (usize, usize, usize, usize)) -> Option<&'static str> {
     LAYERS
         .iter()
-        .find(|l| (l.0, l.1, l.2, l.3) == (c.experts, c.top_k, c.hidden, c.width))
+        .find(|l| (l.0, l.1, l.2, l.3) == shape)
         .map(|l| l.4)
 }
 
@@ -248,19 +305,49 @@ impl runner::Suite for Moe {
 
     /// x, w (and dY) uniform in [−1, 1) in bf16 ([`files::uniform_bf16`]) and the float64
     /// references of the checked elements.
+    /// A whole-layer case: [`layer_case::write_case`] (its inputs route every token alike in
+    /// every implementation).
     fn prepare(&self, p: &Params, seed: u64, dir: &Path) -> Result<CaseFiles> {
+        if is_layer(p) {
+            return layer_case::write_case(&layer_case_of(p)?, seed, self.check_rows, dir);
+        }
         files::write_case(&case_of(p)?, seed, self.check_rows, dir)
     }
 
     fn unsupported(&self, p: &Params, _implementation: &str) -> Option<String> {
+        if is_layer(p) {
+            return layer_case_of(p).err().map(|e| format!("{e:#}"));
+        }
         case_of(p).err().map(|e| format!("{e:#}"))
     }
 
+    /// The layer's implementations run the `op = layer` cases, the others the grouped GEMM's.
+    fn applies(&self, p: &Params, implementation: &str) -> bool {
+        is_layer(p) == LAYER_IMPLEMENTATIONS.contains(&implementation)
+    }
+
     fn is_default(&self, _p: &Params, implementation: &str) -> bool {
-        implementation == IMPLEMENTATION || implementation == CPU_IMPLEMENTATION
+        implementation == IMPLEMENTATION
+            || implementation == CPU_IMPLEMENTATION
+            || implementation == LAYER_IMPLEMENTATION
     }
 
     fn notes(&self, p: &Params, implementation: &str) -> Vec<String> {
+        if is_layer(p) {
+            let Ok(c) = layer_case_of(p) else {
+                return Vec::new();
+            };
+            let mut notes = vec![format!(
+                "router: {} · I on each token's first {} features (a random permutation of the levels 0, 1/E, …), 0 elsewhere: logits exact and distinct, so every implementation routes alike; softmax top-{}, dropless",
+                layer_case::ROUTER_SCALE,
+                c.experts,
+                c.top_k
+            )];
+            if let Some(name) = layer_name((c.experts, c.top_k, c.hidden, c.width)) {
+                notes.push(format!("layer: {name}"));
+            }
+            return notes;
+        }
         let Ok(c) = case_of(p) else {
             return Vec::new();
         };
@@ -272,7 +359,7 @@ impl runner::Suite for Moe {
             c.rows(),
             c.experts
         )];
-        if let Some(name) = layer_name(&c) {
+        if let Some(name) = layer_name((c.experts, c.top_k, c.hidden, c.width)) {
             notes.push(format!("layer: {name}"));
         }
         if (implementation == IMPLEMENTATION || implementation == PORTABLE) && c.backward {
@@ -285,6 +372,12 @@ impl runner::Suite for Moe {
     }
 
     fn label(&self, p: &Params) -> String {
+        if let Ok(c) = layer_case_of(p) {
+            return format!(
+                "layer T{} E{} k{} {}x{}",
+                c.tokens, c.experts, c.top_k, c.hidden, c.width
+            );
+        }
         match case_of(p) {
             Ok(c) => format!(
                 "{} T{} E{} k{} {}x{} {}",
@@ -303,7 +396,11 @@ impl runner::Suite for Moe {
 
 fn run(cli: &Cli) -> Result<ExitCode> {
     let own: &[(&str, &str)] = match cli.run.device {
-        DeviceChoice::Gpu => &[(IMPLEMENTATION, "kernelpages"), (PORTABLE, "kernelpages")],
+        DeviceChoice::Gpu => &[
+            (IMPLEMENTATION, "kernelpages"),
+            (PORTABLE, "kernelpages"),
+            (LAYER_IMPLEMENTATION, "kernelpages"),
+        ],
         DeviceChoice::Cpu => &[(CPU_IMPLEMENTATION, "kernelpages")],
     };
     let imps = runner::implementations(own, &ALTERNATIVES, &cli.run.compare)?;
@@ -600,9 +697,136 @@ fn measure_gpu(job: &Job) -> Reply {
     reply
 }
 
+/// One input set of the layer on the device: x and the weights.
+struct LayerSet {
+    x: CudaSlice<u16>,
+    w: DeviceExperts,
+}
+
+/// `moe_layer` on one case: [`MoeLayer::forward_into`] writing the runner's output.
+struct LayerLaunch {
+    layer: MoeLayer,
+    case: LayerCase,
+    router_offsets: CudaSlice<i32>,
+}
+
+impl own::Launcher for LayerLaunch {
+    type Set = LayerSet;
+    fn upload(&self, gpu: &Gpu, host: &[Vec<u16>]) -> Result<LayerSet, GpuError> {
+        let c = &self.case;
+        let [x, router, gate_up, down] = host else {
+            return Err(GpuError::Config(format!(
+                "{} input tensors; the layer takes x, router, gate_up, down",
+                host.len()
+            )));
+        };
+        let up = |v: &Vec<u16>| gpu.stream.clone_htod(v);
+        Ok(LayerSet {
+            x: up(x)?,
+            w: DeviceExperts {
+                experts: c.experts,
+                hidden: c.hidden,
+                width: c.width,
+                router: up(router)?,
+                gate_up: up(gate_up)?,
+                down: up(down)?,
+            },
+        })
+    }
+    fn replicate(&self, gpu: &Gpu, set: &LayerSet) -> Result<LayerSet, GpuError> {
+        let cp = |v: &CudaSlice<u16>| gpu.stream.clone_dtod(v);
+        Ok(LayerSet {
+            x: cp(&set.x)?,
+            w: DeviceExperts {
+                experts: set.w.experts,
+                hidden: set.w.hidden,
+                width: set.w.width,
+                router: cp(&set.w.router)?,
+                gate_up: cp(&set.w.gate_up)?,
+                down: cp(&set.w.down)?,
+            },
+        })
+    }
+    fn launch(
+        &mut self,
+        gpu: &Gpu,
+        set: &LayerSet,
+        outs: &mut [CudaSlice<u16>],
+    ) -> Result<(), GpuError> {
+        let [out] = outs else {
+            return Err(GpuError::Config(format!(
+                "{} output buffers; the layer writes 1",
+                outs.len()
+            )));
+        };
+        let c = &self.case;
+        self.layer.forward_into(
+            gpu,
+            &set.x,
+            c.tokens,
+            &set.w,
+            (c.top_k, Gate::Softmax, None),
+            &self.router_offsets,
+            out,
+        )?;
+        Ok(())
+    }
+    fn temporary_bytes(&self) -> u64 {
+        // Used where the device has no memory pool: the intermediates between the launches
+        // (logits in bf16 and float32, the routing, the dispatched rows, gate and up, the
+        // activation, the experts' outputs), the plan's small arrays apart.
+        let c = &self.case;
+        let (t, e, h, f) = (
+            c.tokens as u64,
+            c.experts as u64,
+            c.hidden as u64,
+            c.width as u64,
+        );
+        let m = t * c.top_k as u64;
+        t * e * 6 + m * 8 + 2 * (m * h + m * 2 * f + m * f + m * h)
+    }
+    fn residual_bytes(&self) -> Option<u64> {
+        None
+    }
+    fn workspace_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// The case process for `moe_layer`: the layer compiled for the case's shape (the experts'
+/// GEMMs on the dispatch's kernel, noted in the row).
+fn measure_layer(job: &Job) -> Reply {
+    let case = match layer_case_of(&job.case) {
+        Ok(c) => c,
+        Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
+    };
+    let mut kernel = None;
+    let mut reply = own::measure(job, |gpu| {
+        let layer = MoeLayer::new(gpu, case.experts, case.hidden, case.width)?;
+        kernel = Some(layer.experts_kernel());
+        let compile_s = layer.compile_s;
+        let router_offsets = MoeLayer::router_offsets(gpu, case.tokens)?;
+        Ok((
+            LayerLaunch {
+                layer,
+                case: case.clone(),
+                router_offsets,
+            },
+            compile_s,
+        ))
+    });
+    if let Some(k) = kernel {
+        reply.row.notes.push(format!(
+            "in order: the router's GEMM (grouped_mma_sync, one group), its logits to float32, softmax top-k, the plan (a counting sort by expert), the dispatch (gather), gate and up as one grouped GEMM ({k}), SwiGLU, down ({k}), the combine"
+        ));
+    }
+    reply
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kernelpages::runner::Suite as _;
 
     #[test]
     fn the_grid_and_its_selection() {
@@ -610,11 +834,25 @@ mod tests {
         let all = cases(&cli, false).unwrap();
         assert_eq!(
             all.len(),
-            LAYERS.len() * 2 * (FWD_TOKENS.len() + BWD_TOKENS.len())
+            LAYERS.len() * (2 * (FWD_TOKENS.len() + BWD_TOKENS.len()) + LAYER_TOKENS.len())
         );
-        for p in &all {
+        let suite = Moe { check_rows: 8 };
+        let (layers, grouped): (Vec<&Params>, Vec<&Params>) = all.iter().partition(|p| is_layer(p));
+        assert_eq!(layers.len(), LAYERS.len() * LAYER_TOKENS.len());
+        for p in &layers {
+            let c = layer_case_of(p).unwrap();
+            assert!(layer_name((c.experts, c.top_k, c.hidden, c.width)).is_some());
+            // Only the layer's implementations measure a layer case, and they nothing else.
+            assert!(suite.applies(p, LAYER_IMPLEMENTATION));
+            assert!(suite.applies(p, "torch_layer_compile"));
+            assert!(!suite.applies(p, IMPLEMENTATION) && !suite.applies(p, "torch_grouped_mm"));
+            assert!(suite.is_default(p, LAYER_IMPLEMENTATION));
+        }
+        for p in grouped {
             let c = case_of(p).unwrap();
-            assert!(layer_name(&c).is_some());
+            assert!(layer_name((c.experts, c.top_k, c.hidden, c.width)).is_some());
+            assert!(suite.applies(p, IMPLEMENTATION) && suite.applies(p, "torch_dense"));
+            assert!(!suite.applies(p, LAYER_IMPLEMENTATION));
             // K and N are multiples of 64: the dispatch runs the wgmma kernel on sm_90a.
             assert!(kernelpages::moe::sm90::takes(
                 "sm_90a", c.experts, c.hidden, c.width
@@ -625,8 +863,8 @@ mod tests {
             .run
             .select(cases(&quick, false).unwrap(), cases(&quick, true).unwrap())
             .unwrap();
-        // One token count, balanced and skewed, fwd and fwd+bwd.
-        assert_eq!(kept.len(), 4);
+        // One token count, balanced and skewed, fwd and fwd+bwd; the layer's forward.
+        assert_eq!(kept.len(), 5);
         // The CPU grid: the three layers of small or square experts at its two token counts.
         let cpu = Cli::try_parse_from(["moe", "--device", "cpu"]).unwrap();
         let cpu_cases = cases(&cpu, false).unwrap();

@@ -54,6 +54,10 @@ allocated before the reset); eager calls timed between CUDA events, then a CUDA 
 calls replayed (`graph_replay`, the reported time; the eager median kept as
 `eager_median_ms`), since the loop's small GEMMs are bounded by the host's launches.
 
+The whole layer's implementations (`torch_layer_eager`, `torch_layer_grouped`,
+`torch_layer_compile`, on the `op = layer` cases) are `torch_moe_layer`'s; this module hands
+their jobs over.
+
     PYTHONPATH=runners python3 -m compare.torch_moe serve | self-test | job FILE
 """
 import functools
@@ -62,9 +66,9 @@ import sys
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import protocol, torch_cpu, torch_outputs, torch_sdpa  # noqa: E402
+    from compare import protocol, torch_cpu, torch_moe_layer, torch_outputs, torch_sdpa  # noqa: E402
 else:
-    from . import protocol, torch_cpu, torch_outputs, torch_sdpa
+    from . import protocol, torch_cpu, torch_moe_layer, torch_outputs, torch_sdpa
 
 LIBRARY = "PyTorch"
 IMPLEMENTATIONS = ("torch_grouped_mm", "torch_loop", "torch_bmm_padded", "torch_dense")
@@ -374,6 +378,9 @@ def measure(job):
 def _measure_into(job, reply):
     case, implementation = job["case"], job["implementation"]
     args = arguments(job)
+    if implementation in torch_moe_layer.IMPLEMENTATIONS:
+        torch_moe_layer.measure_into(job, reply, args)
+        return
     why = unsupported_reason(args, implementation, job.get("device", "gpu")) or IMPORT_ERROR
     if why is None and not torch.cuda.is_available():
         why = "no CUDA device visible to torch"
@@ -524,6 +531,7 @@ def self_test():
           == {"pass": "fwd", "rows": 2}, "arguments over the case")
     if torch is not None:
         _torch_checks(check, args)
+    torch_moe_layer.self_test(check)
     return failures
 
 

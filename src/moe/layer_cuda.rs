@@ -122,6 +122,53 @@ impl MoeLayer {
         gate: Gate,
         capacity: Option<usize>,
     ) -> Result<(CudaSlice<u16>, LayerState), GpuError> {
+        let router_offsets = Self::router_offsets(gpu, tokens)?;
+        let mut out = gpu.stream.alloc_zeros::<u16>(tokens * w.hidden)?;
+        let state = self.forward_into(
+            gpu,
+            x,
+            tokens,
+            w,
+            (top_k, gate, capacity),
+            &router_offsets,
+            &mut out,
+        )?;
+        Ok((out, state))
+    }
+
+    /// The router GEMM's group offsets for `tokens` tokens, `[0, T]` int32 (uploaded: make
+    /// them before a CUDA graph capture of [`MoeLayer::forward_into`]).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for T above i32::MAX; driver errors.
+    pub fn router_offsets(gpu: &Gpu, tokens: usize) -> Result<CudaSlice<i32>, GpuError> {
+        let Ok(t_i) = i32::try_from(tokens) else {
+            return Err(GpuError::Config(format!(
+                "MoE layer: {tokens} tokens above i32::MAX"
+            )));
+        };
+        Ok(gpu.stream.clone_htod(&[0i32, t_i])?)
+    }
+
+    /// [`MoeLayer::forward`] into `out` `[T, H]` with the router's offsets given
+    /// ([`MoeLayer::router_offsets`]): nothing is copied from the host, so a CUDA graph can
+    /// capture it (the intermediates are stream-ordered allocations). `routing`: (top_k, gate,
+    /// capacity) as [`MoeLayer::forward`] takes them.
+    ///
+    /// # Errors
+    /// As [`MoeLayer::forward`]; [`GpuError::Config`] for an `out` or `router_offsets` of
+    /// another length.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_into(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<u16>,
+        tokens: usize,
+        w: &DeviceExperts,
+        (top_k, gate, capacity): (usize, Gate, Option<usize>),
+        router_offsets: &CudaSlice<i32>,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<LayerState, GpuError> {
         let (e, h, f) = (w.experts, w.hidden, w.width);
         if (e, h, f) != self.shape {
             return Err(GpuError::Config(format!(
@@ -130,20 +177,21 @@ impl MoeLayer {
                 (e, h, f)
             )));
         }
-        let Ok(t_i) = i32::try_from(tokens) else {
+        if tokens == 0 || x.len() != tokens * h || out.len() != tokens * h {
             return Err(GpuError::Config(format!(
-                "MoE layer: {tokens} tokens above i32::MAX"
+                "MoE layer: x holds {} elements and out {}; T·H = {tokens}·{h}",
+                x.len(),
+                out.len()
             )));
-        };
-        if tokens == 0 || x.len() != tokens * h {
+        }
+        if router_offsets.len() != 2 {
             return Err(GpuError::Config(format!(
-                "MoE layer: x holds {} elements; T·H = {tokens}·{h}",
-                x.len()
+                "MoE layer: the router's offsets hold {} values, not 2 ([0, T])",
+                router_offsets.len()
             )));
         }
         let s = &gpu.stream;
         // The router's logits: one group of T rows times W_router [H, E].
-        let one_group = s.clone_htod(&[0i32, t_i])?;
         let mut logits = s.alloc_zeros::<u16>(tokens * e)?;
         self.router_gemm.launch(
             gpu,
@@ -151,7 +199,7 @@ impl MoeLayer {
             x,
             &w.router,
             &mut logits,
-            &one_group,
+            router_offsets,
             tokens,
             h,
             e,
@@ -192,9 +240,7 @@ impl MoeLayer {
             f,
             h,
         )?;
-        let mut out = s.alloc_zeros::<u16>(tokens * h)?;
-        self.dispatch
-            .combine(gpu, &yd, &plan, &routing, h, &mut out)?;
-        Ok((out, LayerState { routing, plan }))
+        self.dispatch.combine(gpu, &yd, &plan, &routing, h, out)?;
+        Ok(LayerState { routing, plan })
     }
 }

@@ -13,13 +13,15 @@
 //! as the runner protocol's files; [`cpu`] the grouped GEMM and its backward on
 //! the CPU (float32); [`dispatch_cuda`] top-k routing, the dispatch plan,
 //! `moe_dispatch` and `moe_combine` on CUDA; [`sm90`] the grouped GEMM on Hopper (wgmma, TMA);
-//! [`layer_cuda`] `MoELayer`, the whole forward from those kernels.
+//! [`layer_cuda`] `MoELayer`, the whole forward from those kernels; [`layer_case`] a
+//! whole-layer case of the grid and its files.
 
 pub mod case;
 pub mod cpu;
 pub mod cuda;
 pub mod dispatch_cuda;
 pub mod files;
+pub mod layer_case;
 pub mod layer_cuda;
 pub mod reference;
 pub mod sm90;

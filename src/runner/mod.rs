@@ -218,6 +218,12 @@ pub trait Suite {
     fn prepare(&self, case: &Params, seed: u64, dir: &Path) -> Result<CaseFiles>;
     /// Why `implementation` cannot run `case`, when the runner can tell without starting it.
     fn unsupported(&self, case: &Params, implementation: &str) -> Option<String>;
+    /// False when `implementation` computes another function than `case` (a suite of several
+    /// ops: a grouped GEMM's implementations beside a whole layer's): the pair is not measured
+    /// and has no row, unlike an [`Suite::unsupported`] one. True by default.
+    fn applies(&self, _case: &Params, _implementation: &str) -> bool {
+        true
+    }
     /// True when `implementation` is what the project runs for `case` by default.
     fn is_default(&self, case: &Params, implementation: &str) -> bool;
     /// Remarks for an `ok` row (float32 accumulation, useful-work FLOPs, ...).
@@ -325,6 +331,19 @@ pub fn common_notes(row: &Row, timing: &TimingConfig, cache: &str) -> Vec<String
     notes
 }
 
+/// [`schedule`] without the pairs [`Suite::applies`] leaves out.
+pub fn applicable(
+    suite: &dyn Suite,
+    cases: &[Params],
+    implementations: &[Implementation],
+    runs: u32,
+) -> Vec<(u32, usize, usize)> {
+    schedule(cases.len(), implementations.len(), runs)
+        .into_iter()
+        .filter(|&(_, ci, ii)| suite.applies(&cases[ci], &implementations[ii].name))
+        .collect()
+}
+
 /// What [`measure_grid`] needs besides the executor.
 pub struct Grid<'a> {
     /// The suite.
@@ -375,7 +394,7 @@ pub fn measure_grid(
     let mut runs: Vec<Vec<Row>> = vec![Vec::new(); g.cases.len() * n_imp];
     // The files of the last prepared case: its inputs key, run, files and folder.
     let mut prepared: Option<(Params, u32, Result<CaseFiles, String>, PathBuf)> = None;
-    for (run, ci, ii) in schedule(g.cases.len(), n_imp, g.timing.runs) {
+    for (run, ci, ii) in applicable(g.suite, g.cases, g.implementations, g.timing.runs) {
         let case = &g.cases[ci];
         let imp = &g.implementations[ii];
         sink.start(run, case, imp);
@@ -935,9 +954,9 @@ pub fn run(
             kernels.display().to_string(),
         ));
     }
-    let total = cases.len() * implementations.len() * timing.runs as usize;
+    let total = applicable(suite, &cases, &implementations, timing.runs).len();
     eprintln!(
-        "{} cases × {} implementations × {} run(s) = {total} measurements",
+        "{} cases × {} implementations × {} run(s): {total} measurements",
         cases.len(),
         implementations.len(),
         timing.runs

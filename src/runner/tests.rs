@@ -52,6 +52,10 @@ impl Suite for FakeSuite {
     fn is_default(&self, _case: &Params, imp: &str) -> bool {
         imp == "flash"
     }
+    /// A case of another op (`op = layer`) is flash's alone.
+    fn applies(&self, case: &Params, imp: &str) -> bool {
+        !matches!(case.get("op"), Some(Param::Text(op)) if op == "layer") || imp == "flash"
+    }
     /// Configurations of one shape share their inputs, as in a tile sweep.
     fn inputs_key(&self, case: &Params) -> Params {
         let mut key = case.clone();
@@ -221,6 +225,25 @@ fn implementations_of_one_case_run_back_to_back() {
     assert!(rows[0].default && !rows[2].default);
     assert_eq!(rows[2].library, "PyTorch");
     assert_eq!(rows[0].machine.as_ref().unwrap().sm_clock_mhz, Some(1980.0));
+}
+
+#[test]
+fn pairs_that_do_not_apply_have_no_row_and_no_process() {
+    let mut cs = cases();
+    cs.push(Params::from([
+        ("seq_len".to_string(), Param::Int(64)),
+        ("op".to_string(), Param::Text("layer".into())),
+    ]));
+    let (rows, exec, sink, _) = run_fake_on(1, cs.clone());
+    assert_eq!(exec.order.last().unwrap(), &("flash".to_string(), 64));
+    // 8 rows of the two cases, one of the layer case (unsupported pairs do have rows).
+    assert_eq!(rows.len(), 9);
+    assert_eq!(sink.saved, 9);
+    assert_eq!(rows[8].implementation, "flash");
+    let suite = FakeSuite {
+        prepared: RefCell::new(vec![]),
+    };
+    assert_eq!(applicable(&suite, &cs, &imps(), 2).len(), 2 * 9);
 }
 
 #[test]
