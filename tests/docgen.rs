@@ -1753,6 +1753,80 @@ fn single_size_cases_of_an_incomplete_run_say_so() {
     );
 }
 
+/// Implementations that never share a case (a suite of two ops, as the MoE suite's grouped
+/// GEMM and whole layer) get tables of their own: in a run cut to one size, the cases measured
+/// at one size make one table per family of implementations, each with only its family's
+/// columns (no column of "not measured" cells for the other op's implementations).
+#[test]
+fn implementations_that_share_no_case_get_tables_of_their_own() {
+    use kernelpages::schema::{Document, Param};
+    let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: Document = serde_json::from_str(&json).unwrap();
+    let smallest = doc
+        .rows
+        .iter()
+        .filter_map(|r| match r.case.get("seq_len") {
+            Some(Param::Int(t)) => Some(*t),
+            _ => None,
+        })
+        .min()
+        .unwrap();
+    doc.rows
+        .retain(|r| r.case.get("seq_len") == Some(&Param::Int(smallest)));
+    // The causal cases become another op's, measured by other implementations.
+    let causal = Param::Bool(true);
+    let mut renamed = 0;
+    for r in doc.rows.iter_mut() {
+        if r.case.get("causal") == Some(&causal) {
+            r.implementation = format!("layer_{}", r.implementation);
+            r.case.insert("op".into(), Param::Text("layer".into()));
+            renamed += 1;
+        } else {
+            r.case.insert("op".into(), Param::Text("attention".into()));
+        }
+    }
+    assert!(
+        renamed > 0 && renamed < doc.rows.len(),
+        "both ops have rows"
+    );
+    let data = tempfile::tempdir().unwrap();
+    fs::write(
+        data.path().join("gpu_attention.json"),
+        serde_json::to_string(&doc).unwrap(),
+    )
+    .unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let html = page(&site, "attention.html");
+    let singles: Vec<(String, Vec<String>)> = html
+        .select(&sel("section.group"))
+        .map(|g| {
+            (
+                text(g.select(&sel("h3")).next().unwrap()),
+                g.select(&sel("th.impl")).map(text).collect(),
+            )
+        })
+        .filter(|(t, _)| t.starts_with("Cases measured at one size"))
+        .collect();
+    assert_eq!(singles.len(), 2, "{singles:?}");
+    for (title, headers) in &singles {
+        let layer = title.contains("op=layer");
+        assert!(
+            !headers.is_empty() && headers.iter().all(|h| h.starts_with("layer_") == layer),
+            "{title}: {headers:?}"
+        );
+    }
+    // Two different anchors.
+    let anchors: BTreeSet<String> = html
+        .select(&sel("section.group"))
+        .filter_map(|g| g.value().attr("id").map(String::from))
+        .collect();
+    assert_eq!(
+        anchors.len(),
+        html.select(&sel("section.group")).count(),
+        "every table has its own anchor"
+    );
+}
+
 /// How to reproduce names the Python packages a document's comparisons ran with, from its
 /// `config.libraries`, under their pip names (`fla` → `fla-core`); a run with no Python
 /// library gets no such note.

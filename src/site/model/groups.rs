@@ -271,6 +271,46 @@ pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
     std::borrow::Cow::Owned(merged)
 }
 
+/// The families of a document's implementations: two implementations are of one family when
+/// both have a row (of any status) of one case, and families are joined through such links.
+/// Returns each implementation's family, numbered by its first row's place in the document; a
+/// suite of one op has one family, a suite of several ops (the MoE suite's grouped GEMM and
+/// whole layer) one per op.
+pub fn families(doc: &Document) -> BTreeMap<&str, usize> {
+    let mut family: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut by_case: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+    for row in &doc.rows {
+        let next = family.len();
+        family.entry(row.implementation.as_str()).or_insert(next);
+        by_case
+            .entry(crate::load::case_key(&row.case))
+            .or_default()
+            .push(row.implementation.as_str());
+    }
+    // Join until nothing changes: every implementation of a case takes the case's lowest.
+    loop {
+        let mut changed = false;
+        for names in by_case.values() {
+            let low = names.iter().map(|n| family[n]).min().unwrap_or(0);
+            for n in names {
+                let old = family[n];
+                if old != low {
+                    // The whole family of n moves to low.
+                    for f in family.values_mut() {
+                        if *f == old {
+                            *f = low;
+                        }
+                    }
+                    changed = true;
+                }
+            }
+        }
+        if !changed {
+            return family;
+        }
+    }
+}
+
 /// Implementations of a document: default(s) first, then by name.
 pub fn implementations(doc: &Document, colours: &BTreeMap<String, String>) -> Vec<ImplHeader> {
     let mut seen: BTreeMap<&str, ImplHeader> = BTreeMap::new();

@@ -363,9 +363,29 @@ fn doc_section(
         }
     }
     let grouped = group_rows(doc, axis);
-    let mut groups: Vec<GroupView> = grouped
+    // Implementations that never share a case (a suite of several ops) get tables of their own:
+    // a group's columns are the families of the implementations it has rows of.
+    let families = super::groups::families(doc);
+    let family_of: Vec<usize> = grouped
         .iter()
         .map(|g| {
+            g.by_x
+                .values()
+                .flat_map(|(_, by)| by.keys())
+                .filter_map(|n| families.get(*n).copied())
+                .min()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut groups: Vec<GroupView> = grouped
+        .iter()
+        .zip(&family_of)
+        .map(|(g, family)| {
+            let impls: Vec<ImplHeader> = impls
+                .iter()
+                .filter(|h| families.get(h.name.as_str()) == Some(family))
+                .cloned()
+                .collect();
             let id = group_id(loaded, g);
             // A case measured at one size has no line to draw: it joins the table of such cases.
             let single = g.by_x.len() < 2;
@@ -466,7 +486,7 @@ fn doc_section(
             }
         })
         .collect();
-    merge_single_cases(loaded, &grouped, &mut groups, axis, &impls);
+    merge_single_cases(loaded, &grouped, &mut groups, axis, &family_of);
     let mut legend = vec!["median time per call, ms".to_string()];
     legend.extend(decls.iter().map(|d| {
         if d.ceiling.is_some() {
@@ -582,14 +602,37 @@ fn merge_single_cases(
     grouped: &[Group<'_>],
     groups: &mut Vec<GroupView>,
     axis: &str,
-    impls: &[ImplHeader],
+    family_of: &[usize],
 ) {
-    let singles: Vec<usize> = (0..grouped.len())
-        .filter(|&i| grouped[i].by_x.len() < 2)
-        .collect();
-    if singles.len() < 2 {
-        return;
+    let mut taken: Vec<Option<GroupView>> = std::mem::take(groups).into_iter().map(Some).collect();
+    let mut merged = Vec::new();
+    let families: std::collections::BTreeSet<usize> = family_of.iter().copied().collect();
+    for family in families {
+        let singles: Vec<usize> = (0..grouped.len())
+            .filter(|&i| grouped[i].by_x.len() < 2 && family_of[i] == family)
+            .collect();
+        if singles.len() < 2 {
+            continue;
+        }
+        let first = merged.is_empty();
+        merged.push(merge_singles(
+            loaded, grouped, &mut taken, axis, &singles, first,
+        ));
     }
+    let mut out: Vec<GroupView> = taken.into_iter().flatten().collect();
+    out.extend(merged);
+    *groups = out;
+}
+
+/// One table of the groups `singles` (taken out of `taken`), as [`merge_single_cases`] says.
+fn merge_singles(
+    loaded: &Loaded,
+    grouped: &[Group<'_>],
+    taken: &mut [Option<GroupView>],
+    axis: &str,
+    singles: &[usize],
+    first: bool,
+) -> GroupView {
     // Each case's parameters, the axis value included when it has one.
     let params: Vec<BTreeMap<String, String>> = singles
         .iter()
@@ -619,7 +662,15 @@ fn merge_single_cases(
             .collect();
         parts.join(", ")
     };
-    let mut taken: Vec<Option<GroupView>> = std::mem::take(groups).into_iter().map(Some).collect();
+    // The implementations of the merged groups, in their tables' order.
+    let mut impls: Vec<ImplHeader> = Vec::new();
+    for &i in singles {
+        for h in &taken[i].as_ref().expect("each group once").implementations {
+            if !impls.iter().any(|k| k.name == h.name) {
+                impls.push(h.clone());
+            }
+        }
+    }
     let mut rows = Vec::new();
     let mut details = Vec::new();
     let mut peak_methods: Vec<KeyText> = Vec::new();
@@ -649,11 +700,22 @@ fn merge_single_cases(
         }
     }
     let shared_text: Vec<String> = shared.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    let mut out: Vec<GroupView> = taken.into_iter().flatten().collect();
-    out.push(GroupView {
+    GroupView {
         anchor: format!(
             "g-{:016x}",
-            format::stable_hash(format!("{}\0single cases", loaded.file_name()).as_bytes())
+            format::stable_hash(
+                format!(
+                    "{}\0single cases{}",
+                    loaded.file_name(),
+                    // The first table's anchor as before; another's names what it shares.
+                    if first {
+                        String::new()
+                    } else {
+                        shared_text.join(",")
+                    }
+                )
+                .as_bytes()
+            )
         ),
         title: {
             let mut t = if shared_text.is_empty() {
@@ -669,7 +731,7 @@ fn merge_single_cases(
             t
         },
         x_name: "case".to_string(),
-        implementations: impls.to_vec(),
+        implementations: impls,
         rows,
         figure: None,
         throughput_figures: Vec::new(),
@@ -679,8 +741,7 @@ fn merge_single_cases(
         ratio_figure: None,
         details,
         peak_methods,
-    });
-    *groups = out;
+    }
 }
 
 /// Why a cell of a case that a run cut off by a time limit (no `finished_at`) was measuring
