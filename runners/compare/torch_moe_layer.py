@@ -196,9 +196,10 @@ def self_test(check):
         check("op = layer" in unsupported_reason(dict(case, op="grouped_gemm"), imp),
               "%s refuses the grouped GEMM" % imp)
     check("GPU" in unsupported_reason(case, "torch_layer_eager", "cpu"), "the CPU is refused")
-    args = {"tokens": 6, "experts": 4, "top_k": 2, "hidden": 8, "width": 4, "gate": "softmax",
+    # Leading strides of 16 bytes or more (H = 16, F = 8 bf16), as torch._grouped_mm needs.
+    args = {"tokens": 6, "experts": 4, "top_k": 2, "hidden": 16, "width": 8, "gate": "softmax",
             "capacity": None}
-    check(layout(args) == (6, 4, 2, 8, 4), "layout")
+    check(layout(args) == (6, 4, 2, 16, 8), "layout")
     for broken in (dict(args, top_k=5), dict(args, gate="sigmoid"), dict(args, capacity=3)):
         try:
             layout(broken)
@@ -206,7 +207,8 @@ def self_test(check):
         except ValueError:
             pass
     inputs = [{"name": n, "dtype": "bf16", "shape": s} for n, s in
-              (("x", [6, 8]), ("router", [8, 4]), ("gate_up", [4, 8, 8]), ("down", [4, 4, 8]))]
+              (("x", [6, 16]), ("router", [16, 4]), ("gate_up", [4, 16, 16]),
+               ("down", [4, 8, 16]))]
     check_inputs(args, inputs)
     try:
         check_inputs(args, inputs[::-1])
