@@ -1706,10 +1706,8 @@ fn a_faster_alternative_above_its_tolerance_is_named_at_a_glance() {
     assert!(!text_of(&site, "index.html").contains(flag));
 }
 
-/// The table of cases measured at one size says, in a run that stopped early, that some may
-/// lack sizes the run never reached; a finished run's table does not.
-#[test]
-fn single_size_cases_of_an_incomplete_run_say_so() {
+/// The fixture's attention document cut to its smallest seq_len: every case at one size.
+fn attention_fixture_at_one_size() -> kernelpages::schema::Document {
     use kernelpages::schema::{Document, Param};
     let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
     let mut doc: Document = serde_json::from_str(&json).unwrap();
@@ -1724,6 +1722,15 @@ fn single_size_cases_of_an_incomplete_run_say_so() {
         .unwrap();
     doc.rows
         .retain(|r| r.case.get("seq_len") == Some(&Param::Int(smallest)));
+    doc
+}
+
+/// The table of cases measured at one size says, in a run that stopped early, that some may
+/// lack sizes the run never reached; a finished run's table does not.
+#[test]
+fn single_size_cases_of_an_incomplete_run_say_so() {
+    use kernelpages::schema::Document;
+    let mut doc = attention_fixture_at_one_size();
     let phrase = "the run is incomplete, so some may lack sizes it never reached";
     let titles = |doc: &Document| {
         let data = tempfile::tempdir().unwrap();
@@ -1759,20 +1766,8 @@ fn single_size_cases_of_an_incomplete_run_say_so() {
 /// columns (no column of "not measured" cells for the other op's implementations).
 #[test]
 fn implementations_that_share_no_case_get_tables_of_their_own() {
-    use kernelpages::schema::{Document, Param};
-    let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
-    let mut doc: Document = serde_json::from_str(&json).unwrap();
-    let smallest = doc
-        .rows
-        .iter()
-        .filter_map(|r| match r.case.get("seq_len") {
-            Some(Param::Int(t)) => Some(*t),
-            _ => None,
-        })
-        .min()
-        .unwrap();
-    doc.rows
-        .retain(|r| r.case.get("seq_len") == Some(&Param::Int(smallest)));
+    use kernelpages::schema::Param;
+    let mut doc = attention_fixture_at_one_size();
     // The causal cases become another op's, measured by other implementations.
     let causal = Param::Bool(true);
     let mut renamed = 0;

@@ -169,13 +169,17 @@ class EventTimer(object):
         return float(self.start.elapsed_time(self.end)), host
 
 
-def measure_eager_then_graph(torch, call, sets, timing, start):
+def measure_eager_then_graph(torch, call, sets, timing, start, graph=True):
     """The GPU modules' timing: the protocol on eager calls (`EventTimer`), then on a CUDA graph
     of the same calls (`GraphTimer`, sized by the eager inner count) when capture works, both
     counted against the case limit from `start`. Returns (reported, method, eager, graph_error):
     the graph's measurement and "graph_replay", or the eager one and "events" with the
-    exception that stopped the capture. A CaseTimeout from either passes through."""
+    exception that stopped the capture (None when `graph` is False: a call that synchronises
+    with the host, which no graph can hold, is not tried). A CaseTimeout from either passes
+    through."""
     eager = measure(EventTimer(torch, call, sets), timing, start=start)
+    if not graph:
+        return eager, "events", eager, None
     try:
         gt = GraphTimer(torch, call, sets, eager["inner"])
         try:

@@ -82,7 +82,7 @@ PEAK_ON_SECOND_CALL = ("torch.cuda.max_memory_allocated (reset before the inputs
 
 
 def measure_on_gpu(job, call, notes, fit=None, peak_on_second_call=False,
-                   check=check_outputs):
+                   check=check_outputs, graph=True):
     """Measures `call` (on the job's inputs, in `files.inputs` order, returning a tuple of
     outputs) on CUDA: the inputs uploaded, the first call timed by wall clock, the outputs
     scanned and checked against the runner's float64 reference (`check_outputs`), then eager
@@ -95,7 +95,9 @@ def measure_on_gpu(job, call, notes, fit=None, peak_on_second_call=False,
     whose first call compiles and autotunes Triton kernels, whose benchmarking buffers are not
     the call's; `check(files, results)` is the first call's output check, `check_outputs`'s form
     ((failed row fields, None) or (None, the accuracy dict or None)), `check_outputs` unless a
-    call's outputs are not the reference's function (torch_moe's dense ceiling scans them only).
+    call's outputs are not the reference's function (torch_moe's dense ceiling scans them only);
+    `graph` False times the eager calls alone (a call that waits for the device's values on the
+    host, which no CUDA graph can capture; the caller's notes say why).
     Returns (row fields, measurement window) or (failed row fields, None)."""
     files, tcfg = job["files"], job["timing"]
     device = torch.device("cuda")
@@ -138,11 +140,11 @@ def measure_on_gpu(job, call, notes, fit=None, peak_on_second_call=False,
         torch.cuda.synchronize()
         window0 = protocol.unix_now()
         reported, method, eager, graph_error = timing.measure_eager_then_graph(
-            torch, call, sets, tcfg, time.perf_counter())
+            torch, call, sets, tcfg, time.perf_counter(), graph=graph)
         window = [window0, protocol.unix_now()]
         del sets
     notes = list(notes)
-    graph = reported if graph_error is None else None
+    graph = reported if graph_error is None and method == "graph_replay" else None
     if graph_error is not None:
         notes.append("CUDA graph capture failed, timed eagerly: %s"
                      % protocol.exc_text(graph_error))

@@ -25,6 +25,30 @@ pub const OP: &str = "grouped_gemm";
 /// The exponent s of [`Spread::Zipf`]: expert e (0-based) gets a share ∝ 1 / (e + 1)^s.
 pub const ZIPF_EXPONENT: f64 = 1.2;
 
+/// The parameters every MoE case names: `tokens`, `experts`, `top_k`, `hidden`, `width` (from
+/// `sizes`, in that order), `op`, `spread`, `pass`, and `dtype` (`bf16`).
+pub(crate) fn shape_params(
+    sizes: [usize; 5],
+    op: &str,
+    spread: &str,
+    pass: &str,
+) -> BTreeMap<String, Param> {
+    let mut p: BTreeMap<String, Param> = ["tokens", "experts", "top_k", "hidden", "width"]
+        .into_iter()
+        .zip(sizes)
+        .map(|(k, v)| (k.to_string(), Param::Int(v as i64)))
+        .collect();
+    for (k, v) in [
+        ("op", op),
+        ("spread", spread),
+        ("pass", pass),
+        ("dtype", "bf16"),
+    ] {
+        p.insert(k.into(), Param::Text(v.into()));
+    }
+    p
+}
+
 impl Spread {
     /// Name in documents: `balanced`, `zipf`.
     pub fn as_str(self) -> &'static str {
@@ -122,24 +146,18 @@ impl GroupedCase {
     /// The case as named parameters for a document row: `op` ([`OP`]), `tokens`, `experts`,
     /// `top_k`, `hidden`, `width`, `spread`, `dtype` (`bf16`), `pass` (`fwd` or `fwd+bwd`).
     pub fn params(&self) -> BTreeMap<String, Param> {
-        let mut p = BTreeMap::new();
-        for (k, v) in [
-            ("tokens", self.tokens),
-            ("experts", self.experts),
-            ("top_k", self.top_k),
-            ("hidden", self.hidden),
-            ("width", self.width),
-        ] {
-            p.insert(k.into(), Param::Int(v as i64));
-        }
-        p.insert("op".into(), Param::Text(OP.into()));
-        p.insert("spread".into(), Param::Text(self.spread.as_str().into()));
-        p.insert("dtype".into(), Param::Text("bf16".into()));
-        p.insert(
-            "pass".into(),
-            Param::Text(if self.backward { "fwd+bwd" } else { "fwd" }.into()),
-        );
-        p
+        shape_params(
+            [
+                self.tokens,
+                self.experts,
+                self.top_k,
+                self.hidden,
+                self.width,
+            ],
+            OP,
+            self.spread.as_str(),
+            if self.backward { "fwd+bwd" } else { "fwd" },
+        )
     }
 
     /// The case named by `p` ([`GroupedCase::params`]).

@@ -28,6 +28,9 @@ pub const OP: &str = "layer";
 pub const SPREAD: &str = "routed";
 /// The router's weight on a token's routing features (its logits are this times the levels).
 pub const ROUTER_SCALE: f64 = 4.0;
+/// The most experts a layer case takes: the levels l/E, l < E ≤ 256, have at most 8
+/// significant bits, exact in bf16.
+pub const MAX_EXPERTS: usize = 256;
 
 /// The forward of one MoE layer: `tokens` tokens of width `hidden` H, each routed by softmax
 /// top-k (`top_k` of `experts` E, dropless) to SwiGLU experts of width `width` F; bf16
@@ -50,21 +53,18 @@ impl LayerCase {
     /// The case as named parameters for a document row: `op` ([`OP`]), `tokens`, `experts`,
     /// `top_k`, `hidden`, `width`, `spread` ([`SPREAD`]), `dtype` (`bf16`), `pass` (`fwd`).
     pub fn params(&self) -> BTreeMap<String, Param> {
-        let mut p = BTreeMap::new();
-        for (k, v) in [
-            ("tokens", self.tokens),
-            ("experts", self.experts),
-            ("top_k", self.top_k),
-            ("hidden", self.hidden),
-            ("width", self.width),
-        ] {
-            p.insert(k.into(), Param::Int(v as i64));
-        }
-        p.insert("op".into(), Param::Text(OP.into()));
-        p.insert("spread".into(), Param::Text(SPREAD.into()));
-        p.insert("dtype".into(), Param::Text("bf16".into()));
-        p.insert("pass".into(), Param::Text("fwd".into()));
-        p
+        super::case::shape_params(
+            [
+                self.tokens,
+                self.experts,
+                self.top_k,
+                self.hidden,
+                self.width,
+            ],
+            OP,
+            SPREAD,
+            "fwd",
+        )
     }
 
     /// The case named by `p` ([`LayerCase::params`]).
@@ -104,8 +104,16 @@ impl LayerCase {
     /// Checks the sizes.
     ///
     /// # Errors
-    /// A size of 0, `top_k` above E, or H below E (the routing features are H's first E).
+    /// A size of 0, `top_k` above E, more than [`MAX_EXPERTS`] experts (the levels l/E stop
+    /// being exact in bf16's 8 significant bits), or H below E (the routing features are H's
+    /// first E).
     pub fn validate(&self) -> Result<(), String> {
+        if self.experts > MAX_EXPERTS {
+            return Err(format!(
+                "{} experts: the routing levels l/E are exact in bf16 up to {MAX_EXPERTS}",
+                self.experts
+            ));
+        }
         if self.tokens == 0 || self.experts == 0 || self.hidden == 0 || self.width == 0 {
             return Err(format!("a size is 0: {self:?}"));
         }
@@ -373,6 +381,17 @@ mod tests {
             .contains("not the whole layer"));
         let small = LayerCase { hidden: 4, ..c };
         assert!(small.validate().unwrap_err().contains("routing features"));
+        let many = LayerCase {
+            experts: MAX_EXPERTS + 8,
+            hidden: 1024,
+            ..c
+        };
+        assert!(many.validate().unwrap_err().contains("exact in bf16"));
+        // At the largest E every level is exact in bf16.
+        for l in 0..MAX_EXPERTS {
+            let v = l as f64 / MAX_EXPERTS as f64;
+            assert_eq!(val(bits(v)), v, "level {l}");
+        }
         // 2·T·H·E + 6·T·k·H·F.
         assert_eq!(
             case().flops(),

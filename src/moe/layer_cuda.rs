@@ -192,7 +192,9 @@ impl MoeLayer {
         }
         let s = &gpu.stream;
         // The router's logits: one group of T rows times W_router [H, E].
-        let mut logits = s.alloc_zeros::<u16>(tokens * e)?;
+        // SAFETY (each `alloc` below): the buffer's elements that are read are written first;
+        // the router's GEMM writes all T × E logits (one group of T rows).
+        let mut logits = unsafe { s.alloc::<u16>(tokens * e)? };
         self.router_gemm.launch(
             gpu,
             Product::Forward,
@@ -204,7 +206,8 @@ impl MoeLayer {
             h,
             e,
         )?;
-        let mut logits_f32 = s.alloc_zeros::<f32>(tokens * e)?;
+        // moe_bf16_to_f32 writes all T × E.
+        let mut logits_f32 = unsafe { s.alloc::<f32>(tokens * e)? };
         self.dispatch
             .to_f32(gpu, &logits, tokens * e, &mut logits_f32)?;
         let routing = self
@@ -212,9 +215,14 @@ impl MoeLayer {
             .route(gpu, &logits_f32, tokens, e, top_k, gate)?;
         let plan = self.dispatch.plan(gpu, &routing, e, capacity)?;
         let rows = plan.max_rows();
-        let mut xd = s.alloc_zeros::<u16>(rows * h)?;
+        // The dispatch writes every kept row (offsets[E] of them). Rows past a group's end,
+        // and past offsets[E] under a capacity, are read by the grouped GEMM's tiles but only
+        // ever multiply into output rows that are never stored, so their contents (even
+        // non-finite values) reach nothing; the same holds for act below.
+        let mut xd = unsafe { s.alloc::<u16>(rows * h)? };
         self.dispatch.dispatch(gpu, x, &plan, h, &mut xd)?;
-        let mut gu = s.alloc_zeros::<u16>(rows * 2 * f)?;
+        // The grouped GEMM writes every kept row; SwiGLU reads only those.
+        let mut gu = unsafe { s.alloc::<u16>(rows * 2 * f)? };
         self.experts_gemm.launch(
             gpu,
             Product::Forward,
@@ -226,9 +234,10 @@ impl MoeLayer {
             h,
             2 * f,
         )?;
-        let mut act = s.alloc_zeros::<u16>(rows * f)?;
+        let mut act = unsafe { s.alloc::<u16>(rows * f)? };
         self.dispatch.swiglu(gpu, &gu, &plan, f, &mut act)?;
-        let mut yd = s.alloc_zeros::<u16>(rows * h)?;
+        // The down projection writes every kept row; the combine reads only those.
+        let mut yd = unsafe { s.alloc::<u16>(rows * h)? };
         self.experts_gemm.launch(
             gpu,
             Product::Forward,
