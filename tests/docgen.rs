@@ -1820,6 +1820,34 @@ fn implementations_that_share_no_case_get_tables_of_their_own() {
         html.select(&sel("section.group")).count(),
         "every table has its own anchor"
     );
+    // The whole fixture, every case at several sizes: each sweep's table has its family's
+    // columns only.
+    let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: kernelpages::schema::Document = serde_json::from_str(&json).unwrap();
+    for r in doc.rows.iter_mut() {
+        if r.case.get("causal") == Some(&causal) {
+            r.implementation = format!("layer_{}", r.implementation);
+        }
+    }
+    fs::write(
+        data.path().join("gpu_attention.json"),
+        serde_json::to_string(&doc).unwrap(),
+    )
+    .unwrap();
+    let (_tmp2, site) = build_site(data.path(), None);
+    let html = page(&site, "attention.html");
+    let mut sweeps = 0;
+    for g in html.select(&sel("section.group")) {
+        let title = text(g.select(&sel("h3")).next().unwrap());
+        let headers: Vec<String> = g.select(&sel("th.impl")).map(text).collect();
+        let layer = title.contains("causal=true");
+        assert!(
+            !headers.is_empty() && headers.iter().all(|h| h.starts_with("layer_") == layer),
+            "{title}: {headers:?}"
+        );
+        sweeps += 1;
+    }
+    assert!(sweeps >= 2, "the fixture has sweeps of both families");
 }
 
 /// How to reproduce names the Python packages a document's comparisons ran with, from its
