@@ -35,7 +35,7 @@ pub const DW_ROWS: usize = 4;
 
 /// SplitMix64's output for `z` (Steele, Lea and Flood, "Fast splittable pseudorandom number
 /// generators", 2014).
-fn splitmix64(mut z: u64) -> u64 {
+pub(crate) fn splitmix64(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -62,7 +62,7 @@ pub fn uniform_bf16(n: usize, seed: u64) -> Vec<u16> {
 }
 
 /// The value of bf16 bits.
-fn val(b: u16) -> f64 {
+pub(crate) fn val(b: u16) -> f64 {
     f64::from(f32::from_bits(u32::from(b) << 16))
 }
 

@@ -17,7 +17,7 @@ use anyhow::Result;
 use rayon::prelude::*;
 use serde_json::json;
 
-use super::files::{uniform_bf16, TOLERANCE};
+use super::files::{checked_rows, splitmix64, uniform_bf16, val, TOLERANCE};
 use super::reference::{route, Gate};
 use crate::runner::protocol::{write_u16, CaseFiles, CheckSpec, OutputSpec, TensorFile};
 use crate::schema::Param;
@@ -167,11 +167,9 @@ fn levels(experts: usize, seed: u64, token: usize) -> Vec<usize> {
         .wrapping_add(token as u64)
         .wrapping_mul(0xBF58_476D_1CE4_E5B9);
     let mut next = || {
+        let z = splitmix64(state);
         state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        z
     };
     let mut p: Vec<usize> = (0..experts).collect();
     for i in (1..experts).rev() {
@@ -184,11 +182,6 @@ fn levels(experts: usize, seed: u64, token: usize) -> Vec<usize> {
 /// bf16 bits of `v` (round to nearest even; the values here are finite).
 fn bits(v: f64) -> u16 {
     half::bf16::from_f64(v).to_bits()
-}
-
-/// The value of bf16 bits.
-fn val(b: u16) -> f64 {
-    half::bf16::from_bits(b).to_f64()
 }
 
 /// Uniform bf16 values in [−1, 1) from `seed`, times `scale`, rounded to bf16.
@@ -273,17 +266,6 @@ impl LayerInputs {
     }
 }
 
-/// The tokens whose output rows are checked: `check_rows` evenly spaced (all when fewer).
-pub fn checked_tokens(tokens: usize, check_rows: usize) -> Vec<usize> {
-    if tokens <= check_rows || check_rows < 2 {
-        (0..tokens.min(check_rows.max(1))).collect()
-    } else {
-        (0..check_rows)
-            .map(|i| i * (tokens - 1) / (check_rows - 1))
-            .collect()
-    }
-}
-
 /// The call's arguments for the comparison modules: `tokens`, `experts`, `top_k`, `hidden`
 /// (H), `width` (F), `gate` (`softmax`), `capacity` (null: dropless).
 pub fn arguments(c: &LayerCase) -> BTreeMap<String, serde_json::Value> {
@@ -323,7 +305,8 @@ pub fn write_case(c: &LayerCase, seed: u64, check_rows: usize, dir: &Path) -> Re
             path,
         });
     }
-    let toks = checked_tokens(t, check_rows);
+    // Evenly spaced tokens: the rows of one group of T.
+    let toks = checked_rows(&[0, t], check_rows);
     let values: Vec<f64> = toks
         .par_iter()
         .flat_map_iter(|&tok| inp.output_row(c, tok))
@@ -459,7 +442,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let files = write_case(&c, 3, 5, dir.path()).unwrap();
         let got = crate::runner::protocol::read_f64(&files.check.reference).unwrap();
-        let toks = checked_tokens(c.tokens, 5);
+        let toks = checked_rows(&[0, c.tokens], 5);
         assert_eq!(toks, vec![0, 9, 19, 29, 39]);
         assert_eq!(got.len(), toks.len() * h);
         for (i, &tok) in toks.iter().enumerate() {

@@ -662,15 +662,12 @@ fn merge_singles(
             .collect();
         parts.join(", ")
     };
-    // The implementations of the merged groups, in their tables' order.
-    let mut impls: Vec<ImplHeader> = Vec::new();
-    for &i in singles {
-        for h in &taken[i].as_ref().expect("each group once").implementations {
-            if !impls.iter().any(|k| k.name == h.name) {
-                impls.push(h.clone());
-            }
-        }
-    }
+    // The groups are of one family, so they have the same columns.
+    let impls = taken[singles[0]]
+        .as_ref()
+        .expect("each group once")
+        .implementations
+        .clone();
     let mut rows = Vec::new();
     let mut details = Vec::new();
     let mut peak_methods: Vec<KeyText> = Vec::new();
