@@ -32,6 +32,7 @@ use kernelpages::attention::cpu_flash::read_elements;
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::moe::case::{GroupedCase, Spread};
 use kernelpages::moe::cpu as moe_cpu;
+use kernelpages::moe::cublas::{self, CublasLoop};
 use kernelpages::moe::cuda::{GroupedKernel, Product};
 use kernelpages::moe::files;
 use kernelpages::moe::layer_case::{self, LayerCase};
@@ -66,6 +67,8 @@ struct Cli {
 const IMPLEMENTATION: &str = "grouped_matmul";
 /// The portable kernel, run on every device beside the dispatch.
 const PORTABLE: &str = "grouped_mma_sync";
+/// The in-process alternative: one cuBLAS GEMM per non-empty expert ([`CublasLoop`]).
+const CUBLAS_LOOP: &str = "cublas_loop";
 /// The project's CPU implementation.
 const CPU_IMPLEMENTATION: &str = "cpu_grouped";
 /// Token counts of the CPU grid (its `--quick` grid: the first).
@@ -127,6 +130,8 @@ fn main() -> ExitCode {
                 measure_cpu(job)
             } else if job.implementation == LAYER_IMPLEMENTATION {
                 measure_layer(job)
+            } else if job.implementation == CUBLAS_LOOP {
+                measure_cublas(job)
             } else {
                 measure_gpu(job)
             }
@@ -365,6 +370,14 @@ impl runner::Suite for Moe {
         if (implementation == IMPLEMENTATION || implementation == PORTABLE) && c.backward {
             notes.push("fwd+bwd: the forward, dX and dW, three launches".into());
         }
+        if implementation == CUBLAS_LOOP {
+            let busy = counts.iter().filter(|&&n| n > 0).count();
+            notes.push(if c.backward {
+                format!("a loop in this process of cublasGemmEx calls, bf16 with float32 accumulation: {} GEMMs ({busy} non-empty experts × 3: Y, dX, dW) and {empty} memsets (an empty expert's dW); group sizes read on the host", 3 * busy)
+            } else {
+                format!("a loop in this process of cublasGemmEx calls, bf16 with float32 accumulation: {busy} GEMMs, one per non-empty expert; group sizes read on the host")
+            });
+        }
         if implementation == CPU_IMPLEMENTATION {
             notes.push("float32 results (the GPU rows' are bf16); the operands' bf16 values decoded to float32 when loaded, outside the timed call".into());
         }
@@ -400,6 +413,7 @@ fn run(cli: &Cli) -> Result<ExitCode> {
             (IMPLEMENTATION, "kernelpages"),
             (PORTABLE, "kernelpages"),
             (LAYER_IMPLEMENTATION, "kernelpages"),
+            (CUBLAS_LOOP, "cuBLAS"),
         ],
         DeviceChoice::Cpu => &[(CPU_IMPLEMENTATION, "kernelpages")],
     };
@@ -426,6 +440,34 @@ struct Set {
     dy: Option<CudaSlice<u16>>,
 }
 
+/// x, w and (with the backward) dY on the device from the runner's host tensors.
+fn upload_set(gpu: &Gpu, host: &[Vec<u16>], backward: bool) -> Result<Set, GpuError> {
+    let up = |k: usize| -> Result<CudaSlice<u16>, GpuError> {
+        match host.get(k) {
+            Some(v) if !v.is_empty() => Ok(gpu.stream.clone_htod(v)?),
+            // The driver refuses a zero-byte allocation; no row reads it.
+            _ => Ok(gpu.stream.clone_htod(&[0u16])?),
+        }
+    };
+    Ok(Set {
+        x: up(0)?,
+        w: up(1)?,
+        dy: if backward { Some(up(2)?) } else { None },
+    })
+}
+
+/// A device copy of an input set (the rotation of inputs larger than L2).
+fn replicate_set(gpu: &Gpu, set: &Set) -> Result<Set, GpuError> {
+    Ok(Set {
+        x: gpu.stream.clone_dtod(&set.x)?,
+        w: gpu.stream.clone_dtod(&set.w)?,
+        dy: match &set.dy {
+            Some(d) => Some(gpu.stream.clone_dtod(d)?),
+            None => None,
+        },
+    })
+}
+
 /// `grouped_matmul` or `grouped_mma_sync` on one case, as the shared GPU case process drives
 /// it: the kernel writes the runner's outputs directly (Y, then dX and dW).
 struct Launch {
@@ -437,32 +479,10 @@ struct Launch {
 impl own::Launcher for Launch {
     type Set = Set;
     fn upload(&self, gpu: &Gpu, host: &[Vec<u16>]) -> Result<Set, GpuError> {
-        let up = |k: usize| -> Result<CudaSlice<u16>, GpuError> {
-            match host.get(k) {
-                Some(v) if !v.is_empty() => Ok(gpu.stream.clone_htod(v)?),
-                // The driver refuses a zero-byte allocation; no row reads it.
-                _ => Ok(gpu.stream.clone_htod(&[0u16])?),
-            }
-        };
-        Ok(Set {
-            x: up(0)?,
-            w: up(1)?,
-            dy: if self.case.backward {
-                Some(up(2)?)
-            } else {
-                None
-            },
-        })
+        upload_set(gpu, host, self.case.backward)
     }
     fn replicate(&self, gpu: &Gpu, set: &Set) -> Result<Set, GpuError> {
-        Ok(Set {
-            x: gpu.stream.clone_dtod(&set.x)?,
-            w: gpu.stream.clone_dtod(&set.w)?,
-            dy: match &set.dy {
-                Some(d) => Some(gpu.stream.clone_dtod(d)?),
-                None => None,
-            },
-        })
+        replicate_set(gpu, set)
     }
     fn launch(
         &mut self,
@@ -529,6 +549,82 @@ impl own::Launcher for Launch {
     fn workspace_bytes(&self) -> u64 {
         0
     }
+}
+
+/// `cublas_loop` on one case: [`CublasLoop`] writing the runner's outputs (Y, then dX and dW).
+struct CublasLaunch {
+    blas: CublasLoop,
+    case: GroupedCase,
+    offsets: Vec<usize>,
+}
+
+impl own::Launcher for CublasLaunch {
+    type Set = Set;
+    fn upload(&self, gpu: &Gpu, host: &[Vec<u16>]) -> Result<Set, GpuError> {
+        upload_set(gpu, host, self.case.backward)
+    }
+    fn replicate(&self, gpu: &Gpu, set: &Set) -> Result<Set, GpuError> {
+        replicate_set(gpu, set)
+    }
+    fn launch(
+        &mut self,
+        gpu: &Gpu,
+        set: &Set,
+        outs: &mut [CudaSlice<u16>],
+    ) -> Result<(), GpuError> {
+        let c = &self.case;
+        let (k, n) = (c.hidden, c.width);
+        let want = if c.backward { 3 } else { 1 };
+        let [y, grads @ ..] = outs else {
+            return Err(GpuError::Config("no output buffer".into()));
+        };
+        if grads.len() + 1 != want {
+            return Err(GpuError::Config(format!(
+                "{} output buffers; the case writes {want}",
+                grads.len() + 1
+            )));
+        }
+        self.blas
+            .forward(gpu, &set.x, &set.w, y, &self.offsets, k, n)?;
+        if let (Some(dy), [dx, dw]) = (&set.dy, grads) {
+            self.blas
+                .backward(gpu, &set.x, &set.w, dy, dx, dw, &self.offsets, k, n)?;
+        }
+        Ok(())
+    }
+    fn temporary_bytes(&self) -> u64 {
+        0
+    }
+    fn residual_bytes(&self) -> Option<u64> {
+        // The backward reads x and w, the forward's inputs; nothing else is kept.
+        self.case.backward.then_some(0)
+    }
+    fn workspace_bytes(&self) -> u64 {
+        cublas::WORKSPACE_BYTES as u64
+    }
+}
+
+/// The case process for `cublas_loop`: the group sizes from the case's arguments, on the host.
+fn measure_cublas(job: &Job) -> Reply {
+    let (case, counts) = match job_case(job) {
+        Ok(x) => x,
+        Err(e) => return Reply::failed(job, Status::Error, format!("{e:#}")),
+    };
+    let offsets = kernelpages::moe::reference::offsets_of(&counts);
+    let mut reply = own::measure(job, |gpu| {
+        Ok((
+            CublasLaunch {
+                blas: CublasLoop::new(gpu)?,
+                case: case.clone(),
+                offsets,
+            },
+            0.0,
+        ))
+    });
+    // Nothing is compiled: cuBLAS's kernels ship built (the handle's creation is not a
+    // compile, and the column would not mean what it means for the NVRTC rows).
+    reply.row.compile_s = None;
+    reply
 }
 
 /// One CPU input set: x, w (and dY) decoded to float32.

@@ -650,3 +650,84 @@ fn moe_layer_matches_float64() {
         assert!(err <= 2e-2, "error {err:.3e}");
     }
 }
+
+/// The in-process alternative `cublas_loop` ([`kernelpages::moe::cublas::CublasLoop`]) gives
+/// the float64 results on issue 14's inputs (empty experts: dW exactly zero, from a memset
+/// into poisoned memory), with every count zero, and on skewed routing with sizes that are
+/// not multiples of the tile.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
+)]
+fn cublas_loop_matches_float64() {
+    use kernelpages::moe::cublas::CublasLoop;
+    let g = &gpu().0;
+    let blas = CublasLoop::new(g).expect("a cuBLAS handle");
+    let skewed = GroupedCase {
+        tokens: 1000,
+        experts: 8,
+        top_k: 2,
+        hidden: 264,
+        width: 136,
+        spread: Spread::Zipf,
+        backward: true,
+    };
+    for (counts, k, n, seed) in [
+        (vec![5usize, 0, 0, 3, 0, 1, 0, 7], 256, 256, 31u64),
+        (vec![0; 8], 256, 256, 32),
+        (skewed.group_counts(), 264, 136, 33),
+    ] {
+        let e = counts.len();
+        let offsets = offsets_of(&counts);
+        let m = offsets[e];
+        let (x, w, dy) = (
+            inputs(m * k, seed),
+            inputs(e * k * n, seed + 1),
+            inputs(m * n, seed + 2),
+        );
+        let y_ref = grouped_matmul(&x, &w, &offsets, k, n).unwrap();
+        let (dx_ref, dw_ref) = grouped_matmul_backward(&x, &w, &offsets, &dy, k, n).unwrap();
+        let (d_x, d_w, d_dy) = (up(&x), up(&w), up(&dy));
+        let (mut d_y, mut d_dx, mut d_dw) = (poisoned(m * n), poisoned(m * k), poisoned(e * k * n));
+        blas.forward(g, &d_x, &d_w, &mut d_y, &offsets, k, n)
+            .unwrap();
+        blas.backward(g, &d_x, &d_w, &d_dy, &mut d_dx, &mut d_dw, &offsets, k, n)
+            .unwrap();
+        g.stream.synchronize().unwrap();
+        let dw = down(&d_dw, e * k * n);
+        for (i, &c) in counts.iter().enumerate() {
+            if c == 0 {
+                assert!(
+                    dw[i * k * n..(i + 1) * k * n].iter().all(|&v| v == 0.0),
+                    "cublas_loop: dW of empty expert {i} is not zero"
+                );
+            }
+        }
+        let errs = [
+            rel_max(&down(&d_y, m * n), &y_ref, n, None),
+            rel_max(&down(&d_dx, m * k), &dx_ref, k, None),
+            rel_max(&dw, &dw_ref, n, None),
+        ];
+        println!(
+            "cublas_loop: counts {counts:?} K {k} N {n}: y {:.2e} dx {:.2e} dw {:.2e}",
+            errs[0], errs[1], errs[2]
+        );
+        assert_within(errs, &format!("cublas_loop {counts:?}"));
+    }
+    // A buffer too small for the shape is refused with its name, before any call.
+    let mut small = poisoned(10);
+    let e = blas
+        .forward(
+            g,
+            &up(&[0.0; 16]),
+            &up(&[0.0; 16]),
+            &mut small,
+            &[0, 4],
+            4,
+            4,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`y` holds"), "{e}");
+}

@@ -14,10 +14,12 @@
 //! the CPU (float32); [`dispatch_cuda`] top-k routing, the dispatch plan,
 //! `moe_dispatch` and `moe_combine` on CUDA; [`sm90`] the grouped GEMM on Hopper (wgmma, TMA);
 //! [`layer_cuda`] `MoELayer`, the whole forward from those kernels; [`layer_case`] a
-//! whole-layer case of the grid and its files.
+//! whole-layer case of the grid and its files; [`cublas`] the grouped GEMM as a loop of cuBLAS
+//! GEMMs, the in-process alternative.
 
 pub mod case;
 pub mod cpu;
+pub mod cublas;
 pub mod cuda;
 pub mod dispatch_cuda;
 pub mod files;
