@@ -12,6 +12,8 @@
 //! `grouped_mma_sync`, the portable kernel on every device (`kernels/moe/grouped_gemm.cu`,
 //! [`kernelpages::moe::cuda`]: 128 × 128 tiles through mma.sync). Both run one launch for every
 //! expert on a persistent grid; a `fwd+bwd` call is the forward, dX and dW (three launches).
+//! Beside them on the GPU, always, the in-process alternative `cublas_loop`
+//! ([`kernelpages::moe::cublas`]: one cublasGemmEx per non-empty expert).
 //! With `--device cpu`, `cpu_grouped` ([`kernelpages::moe::cpu`]): float32 products of the bf16
 //! operands on the host's cores (`data/cpu_moe.json`).
 //!
