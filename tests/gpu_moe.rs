@@ -731,3 +731,103 @@ fn cublas_loop_matches_float64() {
         .to_string();
     assert!(e.contains("`y` holds"), "{e}");
 }
+
+/// A timing probe for `kernels/TUNING-moe.md`, not a benchmark row: the Hopper kernel's forward
+/// on balanced synthetic shapes that separate the reduction length K, the width N (whether
+/// its last 256-column tile is half empty) and the group size, with `cublas_loop` beside it;
+/// prints TFLOP/s (median of 5 samples of 10 calls, no input rotation: every operand is
+/// larger than L2). Asserts what it can: sampled rows of y match float64. Ignored everywhere
+/// (run it by name with `--ignored` on an sm_90a device), so that the GPU tests stay short.
+#[test]
+#[ignore = "a timing probe for kernels/TUNING-moe.md (sm_90a): run it by name with --ignored"]
+fn grouped_wgmma_shape_probe() {
+    use kernelpages::moe::cublas::CublasLoop;
+    let (g, all) = gpu();
+    let Some(gg) = all.iter().find(|k| k.implementation() == "grouped_wgmma") else {
+        println!("no wgmma kernel on {}: nothing to probe", g.arch());
+        return;
+    };
+    let blas = CublasLoop::new(g).expect("a cuBLAS handle");
+    // (experts, rows per expert, K, N)
+    let shapes = [
+        (64usize, 2048usize, 2048usize, 1408usize),
+        (64, 2048, 4096, 1408),
+        (64, 2048, 2048, 1536),
+        (64, 2048, 2048, 1280),
+        (64, 2048, 4096, 1536),
+        (64, 8192, 2048, 1408),
+        (8, 4096, 4096, 14336),
+        (8, 4096, 2048, 14336),
+    ];
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for (e, per, k, n) in shapes {
+        let m = e * per;
+        let offsets: Vec<usize> = (0..=e).map(|i| i * per).collect();
+        let off32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
+        let d_off = g.stream.clone_htod(&off32).unwrap();
+        // Values on a small integer grid times 2^-4 (exact in bf16): a fast host fill.
+        let fill = |len: usize, seed: u64| -> Vec<u16> {
+            let mut s = seed;
+            (0..len)
+                .map(|_| {
+                    s = s
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    bf16_bits(((s >> 33) % 17) as f64 / 16.0 - 0.5)
+                })
+                .collect()
+        };
+        let (hx, hw) = (fill(m * k, 1), fill(e * k * n, 2));
+        let (d_x, d_w) = (
+            g.stream.clone_htod(&hx).unwrap(),
+            g.stream.clone_htod(&hw).unwrap(),
+        );
+        let mut d_y = poisoned(m * n);
+        let flops = 2.0 * (m * k * n) as f64;
+        let time = |f: &mut dyn FnMut()| -> f64 {
+            for _ in 0..3 {
+                f();
+            }
+            let ms: Vec<f64> = (0..5)
+                .map(|_| {
+                    g.time_calls(10, |_| {
+                        f();
+                        Ok(())
+                    })
+                    .unwrap()
+                    .device_ms
+                        / 10.0
+                })
+                .collect();
+            flops / median(ms) / 1e9
+        };
+        let ours = time(&mut || {
+            gg.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
+                .unwrap()
+        });
+        let y = g.stream.clone_dtoh(&d_y).unwrap();
+        for r in [0, per - 1, m / 2 + 3, m - 1] {
+            let ex = r / per;
+            for j in [0, n / 2 + 1, n - 1] {
+                let want: f64 = (0..k)
+                    .map(|i| bf16_value(hx[r * k + i]) * bf16_value(hw[(ex * k + i) * n + j]))
+                    .sum();
+                let got = bf16_value(y[r * n + j]);
+                assert!(
+                    (got - want).abs() <= 8e-3 * want.abs().max(1.0),
+                    "({e}, {per}, {k}, {n}) y[{r}, {j}] = {got}, float64 {want}"
+                );
+            }
+        }
+        let cublas = time(&mut || {
+            blas.forward(g, &d_x, &d_w, &mut d_y, &offsets, k, n)
+                .unwrap()
+        });
+        println!(
+            "probe: {e} experts x {per} rows, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s, cublas_loop {cublas:.0} TFLOP/s"
+        );
+    }
+}
