@@ -40,6 +40,14 @@
 // or dX tile whose 64 rows of one consumer run past the group's end (the next group's rows, which
 // the map cannot clip) is stored from registers instead, row by row.
 //
+// The tall forward (TALL, entry grouped_gemm_sm90_fwd_tall; a variant under measurement that
+// the host's dispatch does not pick): 256 x 128 tiles for N an odd multiple of 128, where the
+// 128 x 256 tiles leave every row band's last column tile half empty. A stage holds two
+// 128-row boxes of A (32 KB) and two 64-column panels of B (16 KB), the same 48 KB and maps;
+// consumer c owns rows 128 c .. 128 c + 127 as two 64-row halves, each on m64n128k16 against
+// the same B, into acc[0..63] and acc[64..127]; each half leaves as two 64 x 64 subtiles by
+// TMA (from registers where the group's rows end inside it).
+//
 // Block: 384 threads. Warpgroup 0 is the producer (one thread issues every TMA load; the
 // warpgroup gives registers away with setmaxnreg); warpgroups 1 and 2 are the consumers, each
 // owning 64 rows of the C tile with a 64 x 256 fp32 accumulator (128 registers a thread) on
@@ -138,7 +146,15 @@ struct GsTile {
     int e, row0, rows, m0, n0, steps;
 };
 
-template <int MODE>
+// The output tile of a launch: GS_BM x GS_BN, or with TALL (the forward's variant for N an odd
+// multiple of 128) 2 GS_BM x GS_BN / 2.
+template <bool TALL>
+struct GsShape {
+    static constexpr int BM = TALL ? 2 * GS_BM : GS_BM;
+    static constexpr int BN = TALL ? GS_BN / 2 : GS_BN;
+};
+
+template <int MODE, bool TALL>
 __device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
                                           const int* __restrict__ offsets, int groups, int M,
                                           int K, int N) {
@@ -151,16 +167,17 @@ __device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
     t.e = lo;
     t.row0 = gs_offset(offsets, lo, M);
     t.rows = max(gs_offset(offsets, lo + 1, M) - t.row0, 0);
+    constexpr int BM = GsShape<TALL>::BM, BN = GsShape<TALL>::BN;
     const int c_rows = MODE == 2 ? K : t.rows;
     const int c_cols = MODE == 1 ? K : N;
-    const int tiles_n = (c_cols + GS_BN - 1) / GS_BN;
-    const int tiles_m = (c_rows + GS_BM - 1) / GS_BM;
+    const int tiles_n = (c_cols + BN - 1) / BN;
+    const int tiles_m = (c_rows + BM - 1) / BM;
     const int local = tile - tiles_before[lo];
     const int band = local / (GS_BAND * tiles_n);
     const int band_m = min(GS_BAND, tiles_m - band * GS_BAND);
     const int in_band = local - band * GS_BAND * tiles_n;
-    t.m0 = (band * GS_BAND + in_band % band_m) * GS_BM;
-    t.n0 = (in_band / band_m) * GS_BN;
+    t.m0 = (band * GS_BAND + in_band % band_m) * BM;
+    t.n0 = (in_band / band_m) * BN;
     const int red = MODE == 0 ? K : MODE == 1 ? N : t.rows;
     t.steps = (red + GS_BK - 1) / GS_BK;
     return t;
@@ -170,17 +187,22 @@ __device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
 // ring position, carried across tiles), each step's four products issued while the previous
 // step's stage is released, the accumulators `acc` (zeroed by the caller) left complete. HALF:
 // the tile's columns end within 128, so m64n128k16 on the first 64 accumulators.
-template <int MODE, bool HALF>
+// TALL (forward only): the consumer's 128 rows as two 64-row halves of A, each on m64n128k16
+// against the same 128 columns of B, into acc[0..63] and acc[64..127].
+template <int MODE, bool HALF, bool TALL>
 __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, int& it, u32 base,
                                             int cw, int ctid, int lane) {
+    static_assert(!TALL || (MODE == 0 && !HALF), "the tall tile is the forward's, full width");
     auto full = [&](int s) { return base + GS_BARS + 8u * s; };
     auto empty = [&](int s) { return base + GS_BARS + 8u * (GS_ST + s); };
     int prev = -1;
     for (int ks = 0; ks < t.steps; ++ks, ++it) {
         const int s = it % GS_ST;
         mbar_wait(full(s), (it / GS_ST) & 1);
-        const u32 sa = base + s * GS_STAGE_BYTES + cw * 8192;
-        const u32 sb = base + s * GS_STAGE_BYTES + GS_A_BYTES;
+        // A stage: A (GS_A_BYTES, 128 rows; TALL: twice that, 256 rows), then B (panels of 64
+        // columns at 8 KB).
+        const u32 sa = base + s * GS_STAGE_BYTES + cw * (TALL ? 16384 : 8192);
+        const u32 sb = base + s * GS_STAGE_BYTES + (TALL ? 2 : 1) * GS_A_BYTES;
         if (MODE == 2) {
             const int valid = t.rows - ks * GS_BK;
             if (valid < GS_BK) {
@@ -206,7 +228,11 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
                                           : smem_desc_sw128(sa + kk * 32, 16, 1024);
             const uint64_t db = MODE == 1 ? smem_desc_sw128(sb + kk * 32, 16, 1024)
                                           : smem_desc_sw128(sb + kk * 2048, 8192, 1024);
-            if constexpr (HALF)
+            if constexpr (TALL) {
+                wgmma_m64n128k16<0, 1>(reinterpret_cast<float(&)[64]>(acc), da, db);
+                wgmma_m64n128k16<0, 1>(*reinterpret_cast<float(*)[64]>(acc + 64),
+                                       smem_desc_sw128(sa + 8192 + kk * 32, 16, 1024), db);
+            } else if constexpr (HALF)
                 wgmma_m64n128k16<MODE == 2 ? 1 : 0, MODE == 1 ? 0 : 1>(
                     reinterpret_cast<float(&)[64]>(acc), da, db);
             else
@@ -221,7 +247,7 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
     if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
 }
 
-template <int MODE>
+template <int MODE, bool TALL>
 __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, const TmaMap* map_b,
                                                        const TmaMap* map_c, u16* __restrict__ c,
                                                        const int* __restrict__ offsets,
@@ -231,8 +257,9 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     auto full = [&](int s) { return base + GS_BARS + 8u * s; };
     auto empty = [&](int s) { return base + GS_BARS + 8u * (GS_ST + s); };
     const int tid = threadIdx.x, wg = tid >> 7;
+    constexpr int BM = GsShape<TALL>::BM, BN = GsShape<TALL>::BN;
     const int c_cols = MODE == 1 ? K : N;
-    const int tiles_n = (c_cols + GS_BN - 1) / GS_BN;
+    const int tiles_n = (c_cols + BN - 1) / BN;
 
     if (tid < 32) {
         // The tile prefix over groups, in steps of 32 groups.
@@ -245,7 +272,7 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
             if (e < groups) {
                 const int rows =
                     MODE == 2 ? K : max(gs_offset(offsets, e + 1, M) - gs_offset(offsets, e, M), 0);
-                tiles = ((rows + GS_BM - 1) / GS_BM) * tiles_n;
+                tiles = ((rows + BM - 1) / BM) * tiles_n;
             }
             int incl = tiles;
 #pragma unroll
@@ -271,14 +298,22 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
         if (tid == 0) {
             int it = 0;
             for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-                const GsTile t = gs_tile<MODE>(tile, tiles_before, offsets, groups, M, K, N);
+                const GsTile t = gs_tile<MODE, TALL>(tile, tiles_before, offsets, groups, M, K, N);
                 for (int ks = 0; ks < t.steps; ++ks, ++it) {
                     const int s = it % GS_ST;
                     if (it >= GS_ST) mbar_wait(empty(s), ((it / GS_ST) + 1) & 1);
                     const u32 sa = base + s * GS_STAGE_BYTES, sb = sa + GS_A_BYTES;
                     mbar_expect_tx(full(s), GS_STAGE_BYTES);
                     const int k0 = ks * GS_BK;
-                    if (MODE == 0) {
+                    if (TALL) {
+                        // Two 128-row boxes of A, two 64-column panels of B after them.
+                        tma_load_3d(sa, map_a, full(s), k0, t.row0 + t.m0, 0);
+                        tma_load_3d(sa + GS_A_BYTES, map_a, full(s), k0, t.row0 + t.m0 + GS_BM, 0);
+#pragma unroll
+                        for (int p = 0; p < 2; ++p)
+                            tma_load_3d(sb + GS_A_BYTES + p * 8192, map_b, full(s), t.n0 + 64 * p,
+                                        k0, t.e);
+                    } else if (MODE == 0) {
                         tma_load_3d(sa, map_a, full(s), k0, t.row0 + t.m0, 0);
 #pragma unroll
                         for (int p = 0; p < 4; ++p)
@@ -310,18 +345,74 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     int it = 0;
     int stores = 0;  // TMA stores this consumer issued (its buffer: stores & 1)
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const GsTile t = gs_tile<MODE>(tile, tiles_before, offsets, groups, M, K, N);
+        const GsTile t = gs_tile<MODE, TALL>(tile, tiles_before, offsets, groups, M, K, N);
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
         const int c_rows = MODE == 2 ? K : t.rows;
+        const int n_lim = min(BN, c_cols - t.n0);
+        if constexpr (TALL) {
+            gs_mainloop<MODE, false, true>(acc, t, it, base, cw, ctid, lane);
+            // Two 64 x 128 blocks of rows, each stored as two 64 x 64 subtiles by TMA when
+            // all its rows are the group's, from registers otherwise.
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m_lim = min(BM, c_rows - t.m0) - 128 * cw - 64 * h;
+                const long long row_c = (long long)t.row0 + t.m0 + 128 * cw + 64 * h;
+                if (m_lim >= 64) {
+#pragma unroll
+                    for (int sc = 0; sc < 2; ++sc) {
+                        if (64 * sc < n_lim) {
+                            const u32 buf =
+                                base + GS_CBUF + (2 * cw + (stores & 1)) * GS_C_BYTES;
+                            if (ctid == 0) gs_bulk_wait_read<1>();
+                            named_barrier_gs(2 + cw);
+#pragma unroll
+                            for (int jj = 0; jj < 8; ++jj) {
+                                const int j = 8 * sc + jj;
+#pragma unroll
+                                for (int hh = 0; hh < 2; ++hh) {
+                                    const int r = 16 * warp + g + 8 * hh;
+                                    const u32 at =
+                                        buf + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * t4;
+                                    asm volatile(
+                                        "st.shared.b32 [%0], %1;\n" ::"r"(at),
+                                        "r"(pack2<true>(acc[64 * h + 4 * j + 2 * hh],
+                                                        acc[64 * h + 4 * j + 2 * hh + 1]))
+                                        : "memory");
+                                }
+                            }
+                            fence_proxy_async();
+                            named_barrier_gs(2 + cw);
+                            if (ctid == 0)
+                                gs_tma_store_3d(map_c, buf, t.n0 + 64 * sc, (int)row_c, 0);
+                            ++stores;
+                        }
+                    }
+                } else if (m_lim > 0) {
+                    u16* cp = c + row_c * ldc + t.n0;
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+                        const int col = 8 * j + 2 * t4;
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            const int r = 16 * warp + g + 8 * hh;
+                            if (r < m_lim && col < n_lim)
+                                *reinterpret_cast<u32*>(cp + (long long)r * ldc + col) =
+                                    pack2<true>(acc[64 * h + 4 * j + 2 * hh],
+                                                acc[64 * h + 4 * j + 2 * hh + 1]);
+                        }
+                    }
+                }
+            }
+            continue;
+        }
         const int m_lim = min(GS_BM, c_rows - t.m0) - 64 * cw;
-        const int n_lim = min(GS_BN, c_cols - t.n0);
         // The width of the products is chosen per tile, outside the loop: a branch between
         // the two wgmma shapes inside it makes ptxas fence every wgmma (warning C7519).
         if (n_lim <= GS_BN / 2)
-            gs_mainloop<MODE, true>(acc, t, it, base, cw, ctid, lane);
+            gs_mainloop<MODE, true, false>(acc, t, it, base, cw, ctid, lane);
         else
-            gs_mainloop<MODE, false>(acc, t, it, base, cw, ctid, lane);
+            gs_mainloop<MODE, false, false>(acc, t, it, base, cw, ctid, lane);
 
         // The accumulators, rounded to bf16, in pairs along the columns.
         if (MODE == 2 || m_lim >= 64) {
@@ -375,14 +466,18 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     if (ctid == 0) gs_bulk_wait_read<0>();
 }
 
-#define GS_ENTRY(NAME, MODE)                                                                    \
+#define GS_ENTRY(NAME, MODE, TALL)                                                              \
     extern "C" __global__ void __launch_bounds__(GS_THREADS, 1)                                \
         NAME(const __grid_constant__ TmaMap map_a, const __grid_constant__ TmaMap map_b,        \
              const __grid_constant__ TmaMap map_c, u16* c, const int* offsets, int groups,      \
              int M, int K, int N) {                                                             \
-        grouped_gemm_sm90_body<MODE>(&map_a, &map_b, &map_c, c, offsets, groups, M, K, N);      \
+        grouped_gemm_sm90_body<MODE, TALL>(&map_a, &map_b, &map_c, c, offsets, groups, M, K,    \
+                                           N);                                                  \
     }
 
-GS_ENTRY(grouped_gemm_sm90_fwd, 0)
-GS_ENTRY(grouped_gemm_sm90_dx, 1)
-GS_ENTRY(grouped_gemm_sm90_dw, 2)
+GS_ENTRY(grouped_gemm_sm90_fwd, 0, false)
+GS_ENTRY(grouped_gemm_sm90_dx, 1, false)
+GS_ENTRY(grouped_gemm_sm90_dw, 2, false)
+// The forward on 256 x 128 tiles, for N an odd multiple of 128 (1408 = 11 x 128), where the
+// 128 x 256 tiles leave the last column tile half empty.
+GS_ENTRY(grouped_gemm_sm90_fwd_tall, 0, true)

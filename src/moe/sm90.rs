@@ -32,6 +32,20 @@ pub const ENTRY_POINTS: [&str; 3] = [
     "grouped_gemm_sm90_dw",
 ];
 
+/// The forward's variant on 256 × 128 tiles (`TALL` in the kernel): for N an odd multiple of
+/// 128 (N = 1408 = 11 × 128, the small experts of the grid), where the 128 × 256 tiles leave
+/// the last column tile half empty; run only by [`HopperGroupedGemm::with_tall_forward`]
+/// (`grouped_wgmma_tall`), not by the dispatch, until it is measured.
+pub const TALL_ENTRY: &str = "grouped_gemm_sm90_fwd_tall";
+/// The tall variant's output tile, rows × columns.
+pub const TALL_TILE: (usize, usize) = (256, 128);
+
+/// True when the tall forward ([`TALL_ENTRY`]) covers N with whole tiles where the 128 × 256
+/// tiles do not: N an odd multiple of 128.
+pub fn tall_fits(n: usize) -> bool {
+    n.is_multiple_of(TALL_TILE.1) && !n.is_multiple_of(TILE.1)
+}
+
 /// Threads per block (`GS_THREADS`: a producer and two consumer warpgroups).
 pub const THREADS: u32 = 384;
 /// The output tile, rows × columns (`GS_BM`, `GS_BN`).
@@ -77,6 +91,8 @@ pub fn shape_ok(k: usize, n: usize) -> bool {
 /// The compiled Hopper kernels.
 pub struct HopperGroupedGemm {
     k: super::cuda::ProductKernels,
+    /// The tall forward ([`TALL_ENTRY`]), used for the forward where [`tall_fits`].
+    tall: Option<cudarc::driver::CudaFunction>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
@@ -110,7 +126,26 @@ impl HopperGroupedGemm {
         Ok(HopperGroupedGemm {
             compile_s: k.compile_s,
             k,
+            tall: None,
         })
+    }
+
+    /// As [`HopperGroupedGemm::new`], with the forward on 256 × 128 tiles ([`TALL_ENTRY`])
+    /// wherever [`tall_fits`] N (the implementation `grouped_wgmma_tall`).
+    ///
+    /// # Errors
+    /// As [`HopperGroupedGemm::new`].
+    pub fn with_tall_forward(gpu: &Gpu, max_groups: usize) -> Result<HopperGroupedGemm, GpuError> {
+        let mut k = HopperGroupedGemm::new(gpu, max_groups)?;
+        // The same source: the compile is the cached one.
+        let compiled = gpu.compile("grouped_gemm_sm90.cu", &source())?;
+        k.tall = Some(gpu.function(&compiled.module, TALL_ENTRY, shared_bytes(max_groups))?);
+        Ok(k)
+    }
+
+    /// True when this instance runs the forward on the tall tiles where [`tall_fits`].
+    pub fn has_tall_forward(&self) -> bool {
+        self.tall.is_some()
     }
 
     /// Launches one product (asynchronous on [`Gpu::stream`]), arguments as
@@ -148,7 +183,15 @@ impl HopperGroupedGemm {
             (groups, self.k.groups_cap),
             (rows, k, n),
         )?;
-        let tiles = max_tiles(product, rows, groups, k, n);
+        let tall = match (&self.tall, product) {
+            (Some(f), Product::Forward) if tall_fits(n) => Some(f),
+            _ => None,
+        };
+        let tiles = if tall.is_some() {
+            super::cuda::tiles_bound(product, rows, groups, k, n, TALL_TILE)
+        } else {
+            max_tiles(product, rows, groups, k, n)
+        };
         if tiles == 0 {
             return Ok(());
         }
@@ -177,7 +220,9 @@ impl HopperGroupedGemm {
                 tma_map_bf16(c_ptr, (groups, k, n), STEP as u32)?,
             ),
         };
-        let f = self.k.of(product);
+        // The tall forward reads A in the same 128-row boxes (two a stage) and B in the same
+        // 64-column panels (two a stage), and stores the same 64 × 64 subtiles: the same maps.
+        let f = tall.unwrap_or_else(|| self.k.of(product));
         let blocks = tiles.min(self.k.sm_count) as u32;
         // Within int32: check_buffers above.
         let (m_i, groups_i, k_i, n_i) = (rows as i32, groups as i32, k as i32, n as i32);
@@ -255,5 +300,18 @@ mod tests {
             assert!(exact * 2 <= max_tiles(Product::Forward, rows, counts.len(), 256, 512));
         }
         assert_eq!(max_tiles(Product::Dw, 0, 3, 256, 384), 3 * 2 * 2);
+    }
+
+    #[test]
+    fn the_tall_forward_is_for_odd_multiples_of_128() {
+        assert!(tall_fits(1408) && tall_fits(128) && tall_fits(384));
+        assert!(!tall_fits(1536) && !tall_fits(256) && !tall_fits(192) && !tall_fits(1400));
+        assert!(GROUPED_GEMM_SM90_SRC.contains(&format!("GS_ENTRY({TALL_ENTRY}, 0, true)")));
+        // Its stage holds two 128-row boxes of A and two 64-column panels of B: the same
+        // bytes as the 128 × 256 tile's stage.
+        assert_eq!(
+            2 * (TALL_TILE.0 * STEP + STEP * TALL_TILE.1),
+            2 * (TILE.0 * STEP + STEP * TILE.1)
+        );
     }
 }
