@@ -20,20 +20,19 @@ tracing and Inductor's and Triton's compilation, forward and (for "fwd+bwd") bac
     PYTHONPATH=runners python3 -m compare.torch_flex serve | self-test | job FILE
 """
 
+import contextlib
 import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import protocol, torch_sdpa  # noqa: E402
+    from compare import protocol, torch_outputs, torch_sdpa  # noqa: E402
 else:
-    from . import protocol, torch_sdpa
+    from . import protocol, torch_outputs, torch_sdpa
 
 LIBRARY = "PyTorch"
 IMPLEMENTATION = "torch_flex"
@@ -188,12 +187,10 @@ def _measure_into(job, reply):
     if why is not None:
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
         return reply
-    caches = tempfile.mkdtemp(prefix="kp_torch_flex_")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(caches, "inductor")
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
     caught = []
     try:
-        with warnings.catch_warnings(record=True) as recorded:
+        with torch_outputs.empty_compile_caches("kp_torch_flex_"), \
+                warnings.catch_warnings(record=True) as recorded:
             warnings.simplefilter("always")
             try:
                 fields, window = _measure(job)
@@ -205,8 +202,6 @@ def _measure_into(job, reply):
             msg = torch_sdpa.with_warnings(msg, caught)
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
         return reply
-    finally:
-        shutil.rmtree(caches, ignore_errors=True)
     protocol.finish_reply(reply, case, implementation, LIBRARY, fields, window)
     return reply
 
@@ -232,7 +227,6 @@ def _measure(job):
         torch.cuda.synchronize()
         return max(0, held)
 
-    import contextlib
     fields, window = torch_sdpa.measure_call(job, device, call, contextlib.nullcontext(),
                                              residual_bytes, notes)
     if fields.get("median_ms") is not None and fields.get("first_call_s") is not None:
@@ -259,6 +253,7 @@ def self_test():
             pass
     check(mask_name({"causal": True}) == "causal", "causal from the case")
     check(mask_name({"causal": False, "mask": "alibi"}) == "alibi", "mask from the arguments")
+    torch_outputs.check_empty_compile_caches(check)
     return failures
 
 

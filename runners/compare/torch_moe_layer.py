@@ -26,9 +26,7 @@ Implementations:
   options, empty Inductor and Triton caches); `compile_s` is the first call's wall time less
   the median call.
 """
-import os
-import shutil
-import tempfile
+import contextlib
 
 try:
     from . import protocol, torch_cpu, torch_outputs
@@ -167,25 +165,20 @@ def measure_into(job, reply, args):
     if why is not None:
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
         return
-    caches = None
-    if implementation == "torch_layer_compile":
-        caches = tempfile.mkdtemp(prefix="kp_torch_moe_")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(caches, "inductor")
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
+    caches = (torch_outputs.empty_compile_caches("kp_torch_moe_")
+              if implementation == "torch_layer_compile" else contextlib.nullcontext())
     try:
-        check_inputs(args, job["files"]["inputs"])
-        call = caller(implementation, args)
-        fields, window = torch_outputs.measure_on_gpu(
-            job, call, notes_of(implementation),
-            peak_on_second_call=implementation == "torch_layer_compile",
-            graph=implementation != "torch_layer_eager")
+        with caches:
+            check_inputs(args, job["files"]["inputs"])
+            call = caller(implementation, args)
+            fields, window = torch_outputs.measure_on_gpu(
+                job, call, notes_of(implementation),
+                peak_on_second_call=implementation == "torch_layer_compile",
+                graph=implementation != "torch_layer_eager")
     except Exception as e:
         status, msg = torch_cpu.classify(e)
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, status, msg)
         return
-    finally:
-        if caches is not None:
-            shutil.rmtree(caches, ignore_errors=True)
     if window is not None and implementation == "torch_layer_compile" \
             and fields.get("median_ms") is not None and fields.get("first_call_s") is not None:
         fields["compile_s"] = max(0.0, fields["first_call_s"] - fields["median_ms"] / 1e3)

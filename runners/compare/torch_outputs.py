@@ -1,10 +1,14 @@
 """What the PyTorch comparison modules that return whole output tensors share (`torch_kernel_sums`,
 `torch_mixers`, `fla_mixers`, `mamba_mixers`, `torch_moe`): checking the outputs against the
 runner's float64 reference, the notes for timings the case limit cut short, the measurement of
-one call on CUDA, and, for the Triton libraries, their common notes and the library's version in
-the reply. Imports torch through `torch_cpu` (None without it)."""
+one call on CUDA, for the Triton libraries their common notes and the library's version in the
+reply, and (`empty_compile_caches`, also `torch_flex`'s) the empty compile caches under which a
+`torch.compile` row's first call is timed. Imports torch through `torch_cpu` (None without it)."""
+import contextlib
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 if __package__ in (None, ""):
@@ -14,6 +18,44 @@ else:
     from . import protocol, timing, torch_cpu, torch_sdpa
 
 torch = torch_cpu.torch
+
+
+# The environment variables that place TorchInductor's and Triton's on-disk caches.
+COMPILE_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+@contextlib.contextmanager
+def empty_compile_caches(prefix):
+    """TorchInductor's and Triton's caches in a new empty folder (named from `prefix`) for the
+    block, so that a first call under torch.compile compiles everything (its compile_s is a cold
+    compile, not a cache hit from an earlier job); afterwards the folder is removed and the
+    variables are as before. Yields the folder."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    saved = {name: os.environ.get(name) for name in COMPILE_CACHE_VARS}
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
+    try:
+        yield folder
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def check_empty_compile_caches(check):
+    """empty_compile_caches's contract, for the modules' self-tests (no torch needed)."""
+    before = {name: os.environ.get(name) for name in COMPILE_CACHE_VARS}
+    with empty_compile_caches("kp_selftest_") as folder:
+        check(os.path.isdir(folder) and not os.listdir(folder), "the cache folder starts empty")
+        for name in COMPILE_CACHE_VARS:
+            check(os.environ.get(name, "").startswith(folder), "%s points into it" % name)
+        open(os.path.join(folder, "left.txt"), "w").close()
+    check(not os.path.exists(folder), "the cache folder is removed afterwards")
+    check({name: os.environ.get(name) for name in COMPILE_CACHE_VARS} == before,
+          "the variables are restored")
 
 
 TRITON_PEAK_NOTE = ("peak memory read on a second call (the first compiles and autotunes the "
