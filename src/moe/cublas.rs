@@ -36,8 +36,8 @@ pub struct CublasLoop {
     _workspace: CudaSlice<u8>,
 }
 
-/// One column-major `cublasGemmEx`: C `[m, n]` = op(A) · op(B), the reduction of length `k`,
-/// element offsets into the three buffers.
+/// The shape of one column-major `cublasGemmEx`: C `[m, n]` = op(A) · op(B), the reduction of
+/// length `k`, and the three leading dimensions (the buffers' addresses are passed beside it).
 struct Call {
     ta: cublasOperation_t,
     tb: cublasOperation_t,
