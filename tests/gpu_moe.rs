@@ -328,6 +328,9 @@ fn grouped_gemm_backward_on_skewed_routing_matches_float64() {
         // tiles of 64-row blocks both whole and cut by the group's end).
         (1000, 8, 2, 320, 384),
         (900, 16, 4, 448, 640),
+        // N = 1408 (the grid's small experts) with a group of more than 2048 rows: the tall
+        // tiles' bands of 8 × 256 rows, more than one of them in a group.
+        (3000, 8, 2, 128, 1408),
     ] {
         let c = GroupedCase {
             tokens,
@@ -355,7 +358,14 @@ fn grouped_gemm_backward_on_skewed_routing_matches_float64() {
     ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
 )]
 fn non_finite_rows_of_one_expert_stay_in_it() {
-    let (counts, k, n) = ([100usize, 37, 0, 90], 128, 192);
+    // N = 384: the tall forward's shape (its 256-row tiles read further into the neighbour).
+    for n in [192, 384] {
+        nan_rows_stay_in_their_expert(n);
+    }
+}
+
+fn nan_rows_stay_in_their_expert(n: usize) {
+    let (counts, k) = ([100usize, 37, 0, 90], 128);
     let offsets = offsets_of(&counts);
     let (m, e) = (offsets[4], counts.len());
     let (mut x, w, mut dy) = (inputs(m * k, 41), inputs(e * k * n, 42), inputs(m * n, 43));
@@ -391,7 +401,7 @@ fn non_finite_rows_of_one_expert_stay_in_it() {
                 }),
         ];
         println!(
-            "{}: NaN in expert 1: the others' y {:.2e} dx {:.2e} dw {:.2e}",
+            "{}: N {n}: NaN in expert 1: the others' y {:.2e} dx {:.2e} dw {:.2e}",
             gg.implementation(),
             errs[0],
             errs[1],
