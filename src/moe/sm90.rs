@@ -241,8 +241,10 @@ impl HopperGroupedGemm {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared_bytes(groups),
         };
-        // SAFETY: grouped_gemm_sm90_<fwd|dx|dw>(TmaMap map_a, TmaMap map_b, TmaMap map_c, u16*
-        // c, const int* offsets, int groups, int M, int K, int N): the maps describe `a`, `b`
+        // SAFETY: grouped_gemm_sm90_<fwd|dx|dw|fwd_tall>(TmaMap map_a, TmaMap map_b,
+        // TmaMap map_c, u16* c, const int* offsets, int groups, int M, int K, int N) (fwd_tall
+        // only for the forward where tall_fits(n), over the tall tiles' bound above): the maps
+        // describe `a`, `b`
         // and `c` with the shapes their lengths were checked against (TMA reads and writes
         // nothing outside them; loads fill zeros past their ends, stores skip those elements),
         // except at M = 0, where a map of x or dy spans one row over a one-element buffer: then
