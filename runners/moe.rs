@@ -470,6 +470,28 @@ fn replicate_set(gpu: &Gpu, set: &Set) -> Result<Set, GpuError> {
     })
 }
 
+/// dX and dW among a case's outputs (with the backward).
+type Grads<'a> = Option<(&'a mut CudaSlice<u16>, &'a mut CudaSlice<u16>)>;
+
+/// The runner's output buffers of a grouped-GEMM case: Y, and with the backward dX and dW.
+///
+/// # Errors
+/// [`GpuError::Config`] when their number is not the case's (1, or 3 with the backward).
+fn case_outputs(
+    outs: &mut [CudaSlice<u16>],
+    backward: bool,
+) -> Result<(&mut CudaSlice<u16>, Grads<'_>), GpuError> {
+    let n = outs.len();
+    match (outs, backward) {
+        ([y], false) => Ok((y, None)),
+        ([y, dx, dw], true) => Ok((y, Some((dx, dw)))),
+        _ => Err(GpuError::Config(format!(
+            "{n} output buffers; the case writes {}",
+            if backward { 3 } else { 1 }
+        ))),
+    }
+}
+
 /// `grouped_matmul` or `grouped_mma_sync` on one case, as the shared GPU case process drives
 /// it: the kernel writes the runner's outputs directly (Y, then dX and dW).
 struct Launch {
@@ -494,49 +516,23 @@ impl own::Launcher for Launch {
     ) -> Result<(), GpuError> {
         let c = &self.case;
         let (m, k, n) = (c.rows(), c.hidden, c.width);
-        let want = if c.backward { 3 } else { 1 };
-        if outs.len() != want {
-            return Err(GpuError::Config(format!(
-                "{} output buffers; the case writes {want}",
-                outs.len()
-            )));
-        }
-        let (y, grads) = outs.split_at_mut(1);
+        let (y, grads) = case_outputs(outs, c.backward)?;
         self.gg.launch(
             gpu,
             Product::Forward,
             &set.x,
             &set.w,
-            &mut y[0],
+            y,
             &self.offsets,
             m,
             k,
             n,
         )?;
-        if let Some(dy) = &set.dy {
-            let (dx, dw) = grads.split_at_mut(1);
-            self.gg.launch(
-                gpu,
-                Product::Dx,
-                dy,
-                &set.w,
-                &mut dx[0],
-                &self.offsets,
-                m,
-                k,
-                n,
-            )?;
-            self.gg.launch(
-                gpu,
-                Product::Dw,
-                &set.x,
-                dy,
-                &mut dw[0],
-                &self.offsets,
-                m,
-                k,
-                n,
-            )?;
+        if let (Some(dy), Some((dx, dw))) = (&set.dy, grads) {
+            self.gg
+                .launch(gpu, Product::Dx, dy, &set.w, dx, &self.offsets, m, k, n)?;
+            self.gg
+                .launch(gpu, Product::Dw, &set.x, dy, dw, &self.offsets, m, k, n)?;
         }
         Ok(())
     }
@@ -576,19 +572,10 @@ impl own::Launcher for CublasLaunch {
     ) -> Result<(), GpuError> {
         let c = &self.case;
         let (k, n) = (c.hidden, c.width);
-        let want = if c.backward { 3 } else { 1 };
-        let [y, grads @ ..] = outs else {
-            return Err(GpuError::Config("no output buffer".into()));
-        };
-        if grads.len() + 1 != want {
-            return Err(GpuError::Config(format!(
-                "{} output buffers; the case writes {want}",
-                grads.len() + 1
-            )));
-        }
+        let (y, grads) = case_outputs(outs, c.backward)?;
         self.blas
             .forward(gpu, &set.x, &set.w, y, &self.offsets, k, n)?;
-        if let (Some(dy), [dx, dw]) = (&set.dy, grads) {
+        if let (Some(dy), Some((dx, dw))) = (&set.dy, grads) {
             self.blas
                 .backward(gpu, &set.x, &set.w, dy, dx, dw, &self.offsets, k, n)?;
         }
