@@ -76,8 +76,8 @@ fn gpu() -> &'static (Gpu, Vec<GroupedKernel>) {
                     .expect("the wgmma grouped GEMM compiles"),
             );
             kernels.push(
-                GroupedKernel::named(&g, moe_cuda::TALL_VARIANT, 256)
-                    .expect("the wgmma grouped GEMM with the tall forward compiles"),
+                GroupedKernel::named(&g, moe_cuda::WIDE_VARIANT, 256)
+                    .expect("the wgmma grouped GEMM with the wide forward compiles"),
             );
         } else {
             println!(
@@ -755,7 +755,8 @@ fn cublas_loop_matches_float64() {
 }
 
 /// A timing probe for `kernels/TUNING-moe.md`, not a benchmark row: the Hopper kernel's forward
-/// (and its tall variant, `grouped_wgmma_tall`) on balanced synthetic shapes that separate the
+/// (tall 256 × 128 tiles where N is an odd multiple of 128) and its variant on 128 × 256 tiles
+/// everywhere (`grouped_wgmma_wide`) on balanced synthetic shapes that separate the
 /// reduction length K, the width N (whether its last 256-column tile is half empty) and the
 /// group size, with `cublas_loop` beside them; prints TFLOP/s (median of 5 samples of 10
 /// calls, no input rotation: every operand is larger than L2; short bursts run cooler than the
@@ -771,10 +772,10 @@ fn grouped_wgmma_shape_probe() {
         println!("no wgmma kernel on {}: nothing to probe", g.arch());
         return;
     };
-    let tall = all
+    let wide = all
         .iter()
-        .find(|k| k.implementation() == moe_cuda::TALL_VARIANT)
-        .expect("the tall variant beside the wgmma kernel");
+        .find(|k| k.implementation() == moe_cuda::WIDE_VARIANT)
+        .expect("the wide variant beside the wgmma kernel");
     let blas = CublasLoop::new(g).expect("a cuBLAS handle");
     // (experts, rows per expert, K, N)
     let shapes = [
@@ -786,6 +787,11 @@ fn grouped_wgmma_shape_probe() {
         (64, 8192, 2048, 1408),
         (8, 4096, 4096, 14336),
         (8, 4096, 2048, 14336),
+        // The grid's small groups at 4096 tokens (512 and 256 rows an expert: whole tall
+        // tiles) and 384 rows (a last tall tile of 128 rows: its second consumer skips).
+        (64, 512, 2048, 1408),
+        (128, 256, 2048, 1408),
+        (64, 384, 2048, 1408),
     ];
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -856,11 +862,11 @@ fn grouped_wgmma_shape_probe() {
         });
         check(&d_y, "grouped_wgmma");
         d_y = poisoned(m * n);
-        let ours_tall = time(&mut || {
-            tall.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
+        let ours_wide = time(&mut || {
+            wide.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
                 .unwrap()
         });
-        check(&d_y, moe_cuda::TALL_VARIANT);
+        check(&d_y, moe_cuda::WIDE_VARIANT);
         d_y = poisoned(m * n);
         let cublas = time(&mut || {
             blas.forward(g, &d_x, &d_w, &mut d_y, &offsets, k, n)
@@ -868,8 +874,9 @@ fn grouped_wgmma_shape_probe() {
         });
         check(&d_y, "cublas_loop");
         println!(
-            "probe: {e} experts x {per} rows, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s, {} {ours_tall:.0} (the same kernel where N is a multiple of 256), cublas_loop {cublas:.0}",
-            moe_cuda::TALL_VARIANT
+            "probe: {e} experts x {per} rows, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s ({}), {} {ours_wide:.0}, cublas_loop {cublas:.0}",
+            if kernelpages::moe::sm90::tall_fits(n) { "tall tiles" } else { "the same tiles as the wide variant" },
+            moe_cuda::WIDE_VARIANT
         );
     }
 }

@@ -29,7 +29,8 @@
 //            the last step's products, so a neighbour's values (even non-finite ones) never
 //            reach this group's dW.
 // Rows of a forward or dX tile past the group's end are read (they are the next group's) and
-// multiplied but never stored.
+// multiplied but never stored, except that a consumer warpgroup whose rows all lie past the
+// end skips its products (it only waits for each stage and releases it).
 //
 // Epilogue: each consumer rounds its 64 x 256 accumulators to bf16 and writes them, 64 columns
 // at a time, into one of its two 64 x 64 shared-memory buffers (128-byte swizzled, the layout
@@ -40,8 +41,8 @@
 // or dX tile whose 64 rows of one consumer run past the group's end (the next group's rows, which
 // the map cannot clip) is stored from registers instead, row by row.
 //
-// The tall forward (TALL, entry grouped_gemm_sm90_fwd_tall; a variant under measurement that
-// the host's dispatch does not pick): 256 x 128 tiles for N an odd multiple of 128, where the
+// The tall forward (TALL, entry grouped_gemm_sm90_fwd_tall; the host's dispatch runs it for the
+// forward where N is an odd multiple of 128): 256 x 128 tiles for N an odd multiple of 128, where the
 // 128 x 256 tiles leave every row band's last column tile half empty. A stage holds two
 // 128-row boxes of A (32 KB) and two 64-column panels of B (16 KB), the same 48 KB and maps;
 // consumer c owns rows 128 c .. 128 c + 127 as two 64-row halves, each on m64n128k16 against
@@ -247,6 +248,18 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
     if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
 }
 
+// One tile's steps for a consumer warpgroup none of whose rows the tile stores (a forward or dX
+// tile past its group's end for this consumer: at most 64 rows left, or with TALL at most
+// 128): it waits for each stage and releases it without multiplying, so the ring stays in
+// step with the producer and the other consumer.
+__device__ __forceinline__ void gs_drain(const GsTile& t, int& it, u32 base, int lane) {
+    for (int ks = 0; ks < t.steps; ++ks, ++it) {
+        const int s = it % GS_ST;
+        mbar_wait(base + GS_BARS + 8u * s, (it / GS_ST) & 1);
+        if (lane == 0) mbar_arrive(base + GS_BARS + 8u * (GS_ST + s));
+    }
+}
+
 template <int MODE, bool TALL>
 __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, const TmaMap* map_b,
                                                        const TmaMap* map_c, u16* __restrict__ c,
@@ -350,6 +363,11 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
         const int c_rows = MODE == 2 ? K : t.rows;
         const int n_lim = min(BN, c_cols - t.n0);
+        // This consumer's first row in the tile is past the group's end: nothing to store.
+        if (MODE != 2 && min(BM, c_rows - t.m0) <= (TALL ? 128 : 64) * cw) {
+            gs_drain(t, it, base, lane);
+            continue;
+        }
         if constexpr (TALL) {
             gs_mainloop<MODE, false, true>(acc, t, it, base, cw, ctid, lane);
             // Two 64 x 128 blocks of rows, each stored as two 64 x 64 subtiles by TMA when

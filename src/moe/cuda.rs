@@ -277,10 +277,10 @@ pub enum GroupedKernel {
 /// compute capability 9.0), the portable one (also an implementation of its own in documents).
 pub const IMPLEMENTATIONS: [&str; 2] = ["grouped_wgmma", "grouped_mma_sync"];
 
-/// The Hopper kernel with its forward on 256 × 128 tiles where N is an odd multiple of 128
-/// ([`super::sm90::HopperGroupedGemm::with_tall_forward`]): a variant under measurement,
-/// taken by [`GroupedKernel::named`] and never by the dispatch.
-pub const TALL_VARIANT: &str = "grouped_wgmma_tall";
+/// The Hopper kernel with its forward on 128 × 256 tiles whatever N
+/// ([`super::sm90::HopperGroupedGemm::wide_forward`], the dispatch before the tall forward):
+/// a variant for tests and probes, taken by [`GroupedKernel::named`] and never by the dispatch.
+pub const WIDE_VARIANT: &str = "grouped_wgmma_wide";
 
 impl GroupedKernel {
     /// The dispatch: compiles the kernel that runs K × N weights on this device for up to
@@ -304,7 +304,7 @@ impl GroupedKernel {
         }
     }
 
-    /// The kernel by implementation name ([`IMPLEMENTATIONS`], or [`TALL_VARIANT`]).
+    /// The kernel by implementation name ([`IMPLEMENTATIONS`], or [`WIDE_VARIANT`]).
     ///
     /// # Errors
     /// [`GpuError::Config`] for another name, or `grouped_wgmma` off compute capability 9.0;
@@ -315,11 +315,11 @@ impl GroupedKernel {
                 gpu, max_groups,
             )?)),
             "grouped_mma_sync" => Ok(GroupedKernel::MmaSync(GroupedGemm::new(gpu, max_groups)?)),
-            TALL_VARIANT => Ok(GroupedKernel::Wgmma(
-                super::sm90::HopperGroupedGemm::with_tall_forward(gpu, max_groups)?,
+            WIDE_VARIANT => Ok(GroupedKernel::Wgmma(
+                super::sm90::HopperGroupedGemm::wide_forward(gpu, max_groups)?,
             )),
             other => Err(GpuError::Config(format!(
-                "no grouped GEMM kernel named `{other}` (kernels: {IMPLEMENTATIONS:?} and the variant {TALL_VARIANT})"
+                "no grouped GEMM kernel named `{other}` (kernels: {IMPLEMENTATIONS:?} and the variant {WIDE_VARIANT})"
             ))),
         }
     }
@@ -327,7 +327,7 @@ impl GroupedKernel {
     /// The implementation's name in documents.
     pub fn implementation(&self) -> &'static str {
         match self {
-            GroupedKernel::Wgmma(k) if k.has_tall_forward() => TALL_VARIANT,
+            GroupedKernel::Wgmma(k) if !k.has_tall_forward() => WIDE_VARIANT,
             GroupedKernel::Wgmma(_) => IMPLEMENTATIONS[0],
             GroupedKernel::MmaSync(_) => IMPLEMENTATIONS[1],
         }

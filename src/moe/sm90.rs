@@ -2,7 +2,8 @@
 //! the same three products as [`super::cuda::GroupedGemm`] (forward `y = x · w[e]`, `dX = dY ·
 //! w[e]ᵀ`, `dW[e] = x_eᵀ · dY_e`, one launch each for all experts, ragged and empty groups) on
 //! `wgmma` with TMA loads, a producer warpgroup and two consumer warpgroups, 128 × 256 output
-//! tiles on a persistent grid of one block per SM. Layouts are
+//! tiles (256 × 128 for the forward where N is an odd multiple of 128, [`TALL_ENTRY`]) on a
+//! persistent grid of one block per SM. Layouts are
 //! [`super::reference::grouped_matmul`]'s: `x` `[M, K]` rows in expert order, `w` `[E, K, N]`,
 //! `offsets` `[E + 1]` int32, bf16 operands as their bits (`u16`), float32 accumulation, bf16
 //! results rounded to nearest even. K and N must be multiples of 64 (the TMA boxes' width);
@@ -34,8 +35,9 @@ pub const ENTRY_POINTS: [&str; 3] = [
 
 /// The forward's variant on 256 × 128 tiles (`TALL` in the kernel): for N an odd multiple of
 /// 128 (N = 1408 = 11 × 128, the small experts of the grid), where the 128 × 256 tiles leave
-/// the last column tile half empty; run only by [`HopperGroupedGemm::with_tall_forward`]
-/// (`grouped_wgmma_tall`), not by the dispatch, until it is measured.
+/// the last column tile half empty (which the probe in `kernels/TUNING-moe.md` found to cost
+/// 17–19 %); [`HopperGroupedGemm::new`] runs it for the forward wherever [`tall_fits`], and
+/// [`HopperGroupedGemm::wide_forward`] (`grouped_wgmma_wide`) never.
 pub const TALL_ENTRY: &str = "grouped_gemm_sm90_fwd_tall";
 /// The tall variant's output tile, rows × columns.
 pub const TALL_TILE: (usize, usize) = (256, 128);
@@ -91,14 +93,16 @@ pub fn shape_ok(k: usize, n: usize) -> bool {
 /// The compiled Hopper kernels.
 pub struct HopperGroupedGemm {
     k: super::cuda::ProductKernels,
-    /// The tall forward ([`TALL_ENTRY`]), used for the forward where [`tall_fits`].
+    /// The tall forward ([`TALL_ENTRY`]), used for the forward where [`tall_fits`] (None in
+    /// [`HopperGroupedGemm::wide_forward`]).
     tall: Option<cudarc::driver::CudaFunction>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
 
 impl HopperGroupedGemm {
-    /// Compiles the kernels (once per process) for launches over up to `max_groups` groups.
+    /// Compiles the kernels (once per process) for launches over up to `max_groups` groups;
+    /// the forward runs on the tall tiles ([`TALL_ENTRY`]) wherever [`tall_fits`] N.
     ///
     /// # Errors
     /// [`GpuError::Config`] on a device that is not compute capability 9.0 or for more than
@@ -123,23 +127,25 @@ impl HopperGroupedGemm {
             shared_bytes(max_groups),
             max_groups,
         )?;
+        // The same source: the compile is the cached one.
+        let compiled = gpu.compile("grouped_gemm_sm90.cu", &source())?;
+        let tall = gpu.function(&compiled.module, TALL_ENTRY, shared_bytes(max_groups))?;
         Ok(HopperGroupedGemm {
             compile_s: k.compile_s,
             k,
-            tall: None,
+            tall: Some(tall),
         })
     }
 
-    /// As [`HopperGroupedGemm::new`], with the forward on 256 × 128 tiles ([`TALL_ENTRY`])
-    /// wherever [`tall_fits`] N (the implementation `grouped_wgmma_tall`).
+    /// As [`HopperGroupedGemm::new`], with the forward on 128 × 256 tiles whatever N (the
+    /// implementation `grouped_wgmma_wide`, the dispatch before the tall forward; kept so
+    /// that tests and the probe compare the two).
     ///
     /// # Errors
     /// As [`HopperGroupedGemm::new`].
-    pub fn with_tall_forward(gpu: &Gpu, max_groups: usize) -> Result<HopperGroupedGemm, GpuError> {
+    pub fn wide_forward(gpu: &Gpu, max_groups: usize) -> Result<HopperGroupedGemm, GpuError> {
         let mut k = HopperGroupedGemm::new(gpu, max_groups)?;
-        // The same source: the compile is the cached one.
-        let compiled = gpu.compile("grouped_gemm_sm90.cu", &source())?;
-        k.tall = Some(gpu.function(&compiled.module, TALL_ENTRY, shared_bytes(max_groups))?);
+        k.tall = None;
         Ok(k)
     }
 
