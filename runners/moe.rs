@@ -9,7 +9,7 @@
 //! ([`kernelpages::moe::cuda::GroupedKernel::for_shape`]): on compute capability 9.0 the wgmma
 //! kernel (`kernels/moe/grouped_gemm_sm90.cu`, [`kernelpages::moe::sm90`]: TMA, a producer and
 //! two consumer warpgroups, 128 × 256 tiles, or 256 × 128 for the forward where N is an odd
-//! multiple of 128), elsewhere the portable one; and
+//! multiple of 128 and [`kernelpages::moe::sm90::tall_pays`]), elsewhere the portable one; and
 //! `grouped_mma_sync`, the portable kernel on every device (`kernels/moe/grouped_gemm.cu`,
 //! [`kernelpages::moe::cuda`]: 128 × 128 tiles through mma.sync). Both run one launch for every
 //! expert on a persistent grid; a `fwd+bwd` call is the forward, dX and dW (three launches).
@@ -223,7 +223,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
         entry_point: "moe::cuda::GroupedKernel::for_shape".into(),
         device: "CUDA, compute capability 9.0 (sm_90a)".into(),
         dtype: "bf16 (float32 accumulation)".into(),
-        rule: format!("K and N multiples of 64 and at most {} experts: the wgmma kernel (grouped_gemm_sm90.cu): one launch over every expert's rows whatever their sizes, a persistent grid of one block per SM taking 128 × 256 output tiles in turn (bands of 8 row tiles per column step), or for the forward where N is an odd multiple of 128 (such as 1408) 256 × 128 tiles, so that no column tile is half empty; a producer warpgroup brings 64-wide steps of A and B by TMA through 4 stages (128-byte swizzle, mbarriers) and two consumer warpgroups multiply them on wgmma m64n256k16 (m64n128k16 on the 256 × 128 tiles and on a last column tile of at most 128), a consumer whose rows all lie past its group's end skipping its products; they store the tile in 64 × 64 subtiles through shared memory by TMA (from registers where a tile's rows end inside a group's neighbour); dW zeroes a group's rows past its end in shared memory. Otherwise the portable kernel below", kernelpages::moe::sm90::MAX_GROUPS),
+        rule: format!("K and N multiples of 64 and at most {} experts: the wgmma kernel (grouped_gemm_sm90.cu): one launch over every expert's rows whatever their sizes, a persistent grid of one block per SM taking 128 × 256 output tiles in turn (bands of 8 row tiles per column step), or for the forward where N is an odd multiple of 128 (such as 1408) 256 × 128 tiles, so that no column tile is half empty, when a cost model on the mean group size favours them (at 256, 512 or 2048 rows a group, not at 128 or 384, where a group's last tall tile would be mostly empty); a producer warpgroup brings 64-wide steps of A and B by TMA through 4 stages (128-byte swizzle, mbarriers) and two consumer warpgroups multiply them on wgmma m64n256k16 (m64n128k16 on the 256 × 128 tiles and on a last column tile of at most 128), a consumer whose rows all lie past its group's end skipping its products; they store the tile in 64 × 64 subtiles through shared memory by TMA (from registers where a tile's rows end inside a group's neighbour); dW zeroes a group's rows past its end in shared memory. Otherwise the portable kernel below", kernelpages::moe::sm90::MAX_GROUPS),
         implementation: IMPLEMENTATION.into(),
     },
     DispatchRule {

@@ -75,10 +75,12 @@ fn gpu() -> &'static (Gpu, Vec<GroupedKernel>) {
                 GroupedKernel::named(&g, "grouped_wgmma", 256)
                     .expect("the wgmma grouped GEMM compiles"),
             );
-            kernels.push(
-                GroupedKernel::named(&g, moe_cuda::WIDE_VARIANT, 256)
-                    .expect("the wgmma grouped GEMM with the wide forward compiles"),
-            );
+            for variant in [moe_cuda::WIDE_VARIANT, moe_cuda::TALL_VARIANT] {
+                kernels.push(
+                    GroupedKernel::named(&g, variant, 256)
+                        .unwrap_or_else(|e| panic!("{variant} compiles: {e}")),
+                );
+            }
         } else {
             println!(
                 "{}: the wgmma grouped GEMM is not tested (sm_90a only)",
@@ -755,8 +757,9 @@ fn cublas_loop_matches_float64() {
 }
 
 /// A timing probe for `kernels/TUNING-moe.md`, not a benchmark row: the Hopper kernel's forward
-/// (tall 256 × 128 tiles where N is an odd multiple of 128) and its variant on 128 × 256 tiles
-/// everywhere (`grouped_wgmma_wide`) on balanced synthetic shapes that separate the
+/// (tall 256 × 128 tiles where its cost model favours them) and its variants on 128 × 256
+/// tiles everywhere (`grouped_wgmma_wide`) and on tall tiles wherever N is an odd multiple of
+/// 128 (`grouped_wgmma_tall`) on balanced synthetic shapes that separate the
 /// reduction length K, the width N (whether its last 256-column tile is half empty) and the
 /// group size, with `cublas_loop` beside them; prints TFLOP/s (median of 5 samples of 10
 /// calls, no input rotation: every operand is larger than L2; short bursts run cooler than the
@@ -776,6 +779,10 @@ fn grouped_wgmma_shape_probe() {
         .iter()
         .find(|k| k.implementation() == moe_cuda::WIDE_VARIANT)
         .expect("the wide variant beside the wgmma kernel");
+    let tall = all
+        .iter()
+        .find(|k| k.implementation() == moe_cuda::TALL_VARIANT)
+        .expect("the tall variant beside the wgmma kernel");
     let blas = CublasLoop::new(g).expect("a cuBLAS handle");
     // (experts, rows per expert, K, N)
     let shapes = [
@@ -868,15 +875,22 @@ fn grouped_wgmma_shape_probe() {
         });
         check(&d_y, moe_cuda::WIDE_VARIANT);
         d_y = poisoned(m * n);
+        let ours_tall = time(&mut || {
+            tall.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
+                .unwrap()
+        });
+        check(&d_y, moe_cuda::TALL_VARIANT);
+        d_y = poisoned(m * n);
         let cublas = time(&mut || {
             blas.forward(g, &d_x, &d_w, &mut d_y, &offsets, k, n)
                 .unwrap()
         });
         check(&d_y, "cublas_loop");
         println!(
-            "probe: {e} experts x {per} rows, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s ({}), {} {ours_wide:.0}, cublas_loop {cublas:.0}",
-            if kernelpages::moe::sm90::tall_fits(n) { "tall tiles" } else { "the same tiles as the wide variant" },
-            moe_cuda::WIDE_VARIANT
+            "probe: {e} experts x {per} rows, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s ({}), {} {ours_wide:.0}, {} {ours_tall:.0}, cublas_loop {cublas:.0}",
+            if kernelpages::moe::sm90::tall_pays(m, e, n) { "tall tiles" } else { "wide tiles" },
+            moe_cuda::WIDE_VARIANT,
+            moe_cuda::TALL_VARIANT
         );
     }
 }

@@ -42,7 +42,8 @@
 // the map cannot clip) is stored from registers instead, row by row.
 //
 // The tall forward (TALL, entry grouped_gemm_sm90_fwd_tall; the host's dispatch runs it for the
-// forward where N is an odd multiple of 128): 256 x 128 tiles for N an odd multiple of 128, where the
+// forward where N is an odd multiple of 128 and its cost model on the mean group size favours
+// it, tall_pays in src/moe/sm90.rs): 256 x 128 tiles for N an odd multiple of 128, where the
 // 128 x 256 tiles leave every row band's last column tile half empty. A stage holds two
 // 128-row boxes of A (32 KB) and two 64-column panels of B (16 KB), the same 48 KB and maps;
 // consumer c owns rows 128 c .. 128 c + 127 as two 64-row halves, each on m64n128k16 against

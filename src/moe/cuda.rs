@@ -278,9 +278,12 @@ pub enum GroupedKernel {
 pub const IMPLEMENTATIONS: [&str; 2] = ["grouped_wgmma", "grouped_mma_sync"];
 
 /// The Hopper kernel with its forward on 128 × 256 tiles whatever N
-/// ([`super::sm90::HopperGroupedGemm::wide_forward`], the dispatch before the tall forward):
-/// a variant for tests and probes, taken by [`GroupedKernel::named`] and never by the dispatch.
+/// ([`super::sm90::TallUse::Never`], the dispatch before the tall forward): a variant for tests
+/// and probes, taken by [`GroupedKernel::named`] and never by the dispatch.
 pub const WIDE_VARIANT: &str = "grouped_wgmma_wide";
+/// The Hopper kernel with its forward on 256 × 128 tiles wherever N is an odd multiple of 128
+/// ([`super::sm90::TallUse::Always`], whatever the group sizes): a variant for tests and probes.
+pub const TALL_VARIANT: &str = "grouped_wgmma_tall";
 
 impl GroupedKernel {
     /// The dispatch: compiles the kernel that runs K × N weights on this device for up to
@@ -304,7 +307,8 @@ impl GroupedKernel {
         }
     }
 
-    /// The kernel by implementation name ([`IMPLEMENTATIONS`], or [`WIDE_VARIANT`]).
+    /// The kernel by implementation name ([`IMPLEMENTATIONS`], [`WIDE_VARIANT`] or
+    /// [`TALL_VARIANT`]).
     ///
     /// # Errors
     /// [`GpuError::Config`] for another name, or `grouped_wgmma` off compute capability 9.0;
@@ -315,11 +319,18 @@ impl GroupedKernel {
                 gpu, max_groups,
             )?)),
             "grouped_mma_sync" => Ok(GroupedKernel::MmaSync(GroupedGemm::new(gpu, max_groups)?)),
-            WIDE_VARIANT => Ok(GroupedKernel::Wgmma(
-                super::sm90::HopperGroupedGemm::wide_forward(gpu, max_groups)?,
-            )),
+            WIDE_VARIANT | TALL_VARIANT => {
+                let tall_use = if name == WIDE_VARIANT {
+                    super::sm90::TallUse::Never
+                } else {
+                    super::sm90::TallUse::Always
+                };
+                Ok(GroupedKernel::Wgmma(
+                    super::sm90::HopperGroupedGemm::with_forward(gpu, max_groups, tall_use)?,
+                ))
+            }
             other => Err(GpuError::Config(format!(
-                "no grouped GEMM kernel named `{other}` (kernels: {IMPLEMENTATIONS:?} and the variant {WIDE_VARIANT})"
+                "no grouped GEMM kernel named `{other}` (kernels: {IMPLEMENTATIONS:?} and the variants {WIDE_VARIANT}, {TALL_VARIANT})"
             ))),
         }
     }
@@ -327,8 +338,11 @@ impl GroupedKernel {
     /// The implementation's name in documents.
     pub fn implementation(&self) -> &'static str {
         match self {
-            GroupedKernel::Wgmma(k) if !k.has_tall_forward() => WIDE_VARIANT,
-            GroupedKernel::Wgmma(_) => IMPLEMENTATIONS[0],
+            GroupedKernel::Wgmma(k) => match k.tall_use() {
+                super::sm90::TallUse::Never => WIDE_VARIANT,
+                super::sm90::TallUse::CostModel => IMPLEMENTATIONS[0],
+                super::sm90::TallUse::Always => TALL_VARIANT,
+            },
             GroupedKernel::MmaSync(_) => IMPLEMENTATIONS[1],
         }
     }

@@ -36,8 +36,8 @@ pub const ENTRY_POINTS: [&str; 3] = [
 /// The forward's variant on 256 × 128 tiles (`TALL` in the kernel): for N an odd multiple of
 /// 128 (N = 1408 = 11 × 128, the small experts of the grid), where the 128 × 256 tiles leave
 /// the last column tile half empty (which the probe in `kernels/TUNING-moe.md` found to cost
-/// 17–19 %); [`HopperGroupedGemm::new`] runs it for the forward wherever [`tall_fits`], and
-/// [`HopperGroupedGemm::wide_forward`] (`grouped_wgmma_wide`) never.
+/// 17–19 %); [`HopperGroupedGemm::new`] runs it for the forward wherever [`tall_pays`],
+/// [`HopperGroupedGemm::with_forward`] as told ([`TallUse`]).
 pub const TALL_ENTRY: &str = "grouped_gemm_sm90_fwd_tall";
 /// The tall variant's output tile, rows × columns.
 pub const TALL_TILE: (usize, usize) = (256, 128);
@@ -46,6 +46,29 @@ pub const TALL_TILE: (usize, usize) = (256, 128);
 /// tiles do not: N an odd multiple of 128.
 pub fn tall_fits(n: usize) -> bool {
     n.is_multiple_of(TALL_TILE.1) && !n.is_multiple_of(TILE.1)
+}
+
+/// The cost of a 128 × 256 tile whose last 128 columns are past N (run as m64n128k16), in
+/// whole tiles: the probe in `kernels/TUNING-moe.md` ran N = 1408 (5.5 × 256) 1.10–1.13×
+/// faster on the tall tiles than on the wide ones at 2,048 and 8,192 rows a group, which puts
+/// the half tile at about 1.1 whole ones (5 + h = 1.11 × 5.5).
+const HALF_TILE_COST: f64 = 1.1;
+
+/// True when the tall forward is expected to beat the wide one for `rows` rows over `groups`
+/// groups, N = `n` ([`tall_fits`] must hold too): a cost model in whole-tile times, with every
+/// group taken at the mean size r = rows / groups (the group sizes stay on the device),
+/// ⌈r / 256⌉ · N / 128 tall tiles against ⌈r / 128⌉ · (⌊N / 256⌋ + [`HALF_TILE_COST`]) wide
+/// ones. The tall tiles lose where a group's last 256 rows are mostly empty: at 384 rows a
+/// group (N = 1408) the probe measured them 1.26× slower (522 against 656 TFLOP/s), at 256
+/// and 512 rows 1.04–1.05× faster.
+pub fn tall_pays(rows: usize, groups: usize, n: usize) -> bool {
+    if groups == 0 || !tall_fits(n) {
+        return false;
+    }
+    let r = rows.div_ceil(groups).max(1);
+    let tall = (r.div_ceil(TALL_TILE.0) * (n / TALL_TILE.1)) as f64;
+    let wide = r.div_ceil(TILE.0) as f64 * ((n / TILE.1) as f64 + HALF_TILE_COST);
+    tall < wide
 }
 
 /// Threads per block (`GS_THREADS`: a producer and two consumer warpgroups).
@@ -90,19 +113,31 @@ pub fn shape_ok(k: usize, n: usize) -> bool {
     k > 0 && n > 0 && k.is_multiple_of(STEP) && n.is_multiple_of(STEP)
 }
 
+/// Where the forward runs on the tall tiles ([`TALL_ENTRY`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TallUse {
+    /// Never: 128 × 256 tiles whatever N (`grouped_wgmma_wide`).
+    Never,
+    /// Where [`tall_pays`] (the dispatch, `grouped_wgmma`).
+    CostModel,
+    /// Wherever [`tall_fits`] N (`grouped_wgmma_tall`).
+    Always,
+}
+
 /// The compiled Hopper kernels.
 pub struct HopperGroupedGemm {
     k: super::cuda::ProductKernels,
-    /// The tall forward ([`TALL_ENTRY`]), used for the forward where [`tall_fits`] (None in
-    /// [`HopperGroupedGemm::wide_forward`]).
-    tall: Option<cudarc::driver::CudaFunction>,
+    /// The tall forward ([`TALL_ENTRY`]).
+    tall: cudarc::driver::CudaFunction,
+    /// Where the forward runs on it.
+    tall_use: TallUse,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
 
 impl HopperGroupedGemm {
     /// Compiles the kernels (once per process) for launches over up to `max_groups` groups;
-    /// the forward runs on the tall tiles ([`TALL_ENTRY`]) wherever [`tall_fits`] N.
+    /// the forward runs on the tall tiles ([`TALL_ENTRY`]) wherever [`tall_pays`].
     ///
     /// # Errors
     /// [`GpuError::Config`] on a device that is not compute capability 9.0 or for more than
@@ -133,25 +168,30 @@ impl HopperGroupedGemm {
         Ok(HopperGroupedGemm {
             compile_s: k.compile_s,
             k,
-            tall: Some(tall),
+            tall,
+            tall_use: TallUse::CostModel,
         })
     }
 
-    /// As [`HopperGroupedGemm::new`], with the forward on 128 × 256 tiles whatever N (the
-    /// implementation `grouped_wgmma_wide`, the dispatch before the tall forward; kept so
-    /// that tests and the probe compare the two).
+    /// As [`HopperGroupedGemm::new`], with the forward's tiles chosen by `tall_use` (the
+    /// variants `grouped_wgmma_wide` and `grouped_wgmma_tall`, which tests and the probe run
+    /// beside the dispatch).
     ///
     /// # Errors
     /// As [`HopperGroupedGemm::new`].
-    pub fn wide_forward(gpu: &Gpu, max_groups: usize) -> Result<HopperGroupedGemm, GpuError> {
+    pub fn with_forward(
+        gpu: &Gpu,
+        max_groups: usize,
+        tall_use: TallUse,
+    ) -> Result<HopperGroupedGemm, GpuError> {
         let mut k = HopperGroupedGemm::new(gpu, max_groups)?;
-        k.tall = None;
+        k.tall_use = tall_use;
         Ok(k)
     }
 
-    /// True when this instance runs the forward on the tall tiles where [`tall_fits`].
-    pub fn has_tall_forward(&self) -> bool {
-        self.tall.is_some()
+    /// Where this instance runs the forward on the tall tiles.
+    pub fn tall_use(&self) -> TallUse {
+        self.tall_use
     }
 
     /// Launches one product (asynchronous on [`Gpu::stream`]), arguments as
@@ -189,8 +229,11 @@ impl HopperGroupedGemm {
             (groups, self.k.groups_cap),
             (rows, k, n),
         )?;
-        let tall = match (&self.tall, product) {
-            (Some(f), Product::Forward) if tall_fits(n) => Some(f),
+        let tall = match (self.tall_use, product) {
+            (TallUse::CostModel, Product::Forward) if tall_pays(rows, groups, n) => {
+                Some(&self.tall)
+            }
+            (TallUse::Always, Product::Forward) if tall_fits(n) => Some(&self.tall),
             _ => None,
         };
         let tiles = if tall.is_some() {
@@ -308,6 +351,20 @@ mod tests {
             assert!(exact * 2 <= max_tiles(Product::Forward, rows, counts.len(), 256, 512));
         }
         assert_eq!(max_tiles(Product::Dw, 0, 3, 256, 384), 3 * 2 * 2);
+    }
+
+    #[test]
+    fn the_tall_tiles_run_where_the_cost_model_favours_them() {
+        // N = 1408: the grid's groups (256 to 8192 rows) on the tall tiles; 384 and 128 rows
+        // a group (a last tall tile mostly empty) on the wide ones, as the probe measured.
+        for per in [256, 512, 1024, 2048, 8192] {
+            assert!(tall_pays(64 * per, 64, 1408), "{per}");
+        }
+        for per in [128, 384] {
+            assert!(!tall_pays(64 * per, 64, 1408), "{per}");
+        }
+        // Never where N is a multiple of 256 or for no group.
+        assert!(!tall_pays(64 * 2048, 64, 1536) && !tall_pays(0, 0, 1408));
     }
 
     #[test]
