@@ -45,7 +45,7 @@ fn grouped_gemm_sm90_compiles_without_spills() {
     use kernelpages::moe::sm90;
     let entries: Vec<String> = sm90::ENTRY_POINTS
         .iter()
-        .chain([&sm90::TALL_ENTRY])
+        .chain([&sm90::TALL_ENTRY, &sm90::TALL_DW_ENTRY])
         .map(|s| s.to_string())
         .collect();
     let reports = spills::compiles_without_spills_on(
@@ -761,10 +761,11 @@ fn cublas_loop_matches_float64() {
 /// tiles everywhere (`grouped_wgmma_wide`) and on tall tiles wherever N is an odd multiple of
 /// 128 (`grouped_wgmma_tall`) on balanced synthetic shapes that separate the
 /// reduction length K, the width N (whether its last 256-column tile is half empty) and the
-/// group size, with `cublas_loop` beside them; prints TFLOP/s (median of 5 samples of 10
-/// calls, no input rotation: every operand is larger than L2; short bursts run cooler than the
-/// runner's samples, so compare the figures with each other, not with documents). Asserts
-/// what it can: sampled rows of each implementation's y match float64. Ignored everywhere (run
+/// group size, with `cublas_loop` beside them; where N is an odd multiple of 128, dW on the
+/// wide and the tall tiles too. Prints TFLOP/s (median of 5 samples of 10 calls, no input
+/// rotation: every operand is larger than L2; short bursts run cooler than the runner's
+/// samples, so compare the figures with each other, not with documents). Asserts what it can:
+/// sampled elements of each implementation's y and dW match float64. Ignored everywhere (run
 /// it by name with `--ignored` on an sm_90a device), so that the GPU tests stay short.
 #[test]
 #[ignore = "a timing probe for kernels/TUNING-moe.md (sm_90a): run it by name with --ignored"]
@@ -889,6 +890,48 @@ fn grouped_wgmma_shape_probe() {
         println!(
             "probe: {e} experts x {per} rows, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s ({}), {} {ours_wide:.0}, {} {ours_tall:.0}, cublas_loop {cublas:.0}",
             if kernelpages::moe::sm90::tall_pays(m, e, n) { "tall tiles" } else { "wide tiles" },
+            moe_cuda::WIDE_VARIANT,
+            moe_cuda::TALL_VARIANT
+        );
+        if !kernelpages::moe::sm90::tall_fits(n) {
+            continue;
+        }
+        // dW = xᵀ · dY per expert on the wide and the tall tiles, with cuBLAS's y as dY.
+        let hy = g.stream.clone_dtoh(&d_y).unwrap();
+        let d_dy = d_y;
+        let mut d_dw = poisoned(e * k * n);
+        let check_dw = |d_dw: &CudaSlice<u16>, what: &str| {
+            let dw = g.stream.clone_dtoh(d_dw).unwrap();
+            for ex in [0, e - 1] {
+                for i in [0, k / 2 + 5, k - 1] {
+                    for j in [0, n / 2 + 1, n - 1] {
+                        let terms: Vec<f64> = (ex * per..(ex + 1) * per)
+                            .map(|r| bf16_value(hx[r * k + i]) * bf16_value(hy[r * n + j]))
+                            .collect();
+                        let want: f64 = terms.iter().sum();
+                        let norm = terms.iter().map(|t| t * t).sum::<f64>().sqrt();
+                        let got = bf16_value(dw[(ex * k + i) * n + j]);
+                        assert!(
+                            (got - want).abs() <= 8e-3 * want.abs().max(norm),
+                            "{what} ({e}, {per}, {k}, {n}) dw[{ex}, {i}, {j}] = {got}, float64 {want}"
+                        );
+                    }
+                }
+            }
+        };
+        let dw_wide = time(&mut || {
+            wide.launch(g, Product::Dw, &d_x, &d_dy, &mut d_dw, &d_off, m, k, n)
+                .unwrap()
+        });
+        check_dw(&d_dw, moe_cuda::WIDE_VARIANT);
+        d_dw = poisoned(e * k * n);
+        let dw_tall = time(&mut || {
+            tall.launch(g, Product::Dw, &d_x, &d_dy, &mut d_dw, &d_off, m, k, n)
+                .unwrap()
+        });
+        check_dw(&d_dw, moe_cuda::TALL_VARIANT);
+        println!(
+            "probe dW: {e} experts x {per} rows, K {k}, N {n}: {} {dw_wide:.0} TFLOP/s, {} {dw_tall:.0}",
             moe_cuda::WIDE_VARIANT,
             moe_cuda::TALL_VARIANT
         );

@@ -48,7 +48,12 @@
 // 128-row boxes of A (32 KB) and two 64-column panels of B (16 KB), the same 48 KB and maps;
 // consumer c owns rows 128 c .. 128 c + 127 as two 64-row halves, each on m64n128k16 against
 // the same B, into acc[0..63] and acc[64..127]; each half leaves as two 64 x 64 subtiles by
-// TMA (from registers where the group's rows end inside it).
+// TMA (from registers where the group's rows end inside it). The tall dW (entry
+// grouped_gemm_sm90_dw_tall; run by the variant grouped_wgmma_tall, and by the dispatch with K
+// rows a group once TALL_DW_DISPATCHED in src/moe/sm90.rs says so) is the same tile over K x N:
+// a stage holds four 64-column panels of x (256 of C's rows) and two of dY; consumer c takes
+// panels 2 c and 2 c + 1 (transposed, as dW's A always is) and, at a group's last partial step,
+// zeroes the token rows past its end in those two and in dY's panel c.
 //
 // Block: 384 threads. Warpgroup 0 is the producer (one thread issues every TMA load; the
 // warpgroup gives registers away with setmaxnreg); warpgroups 1 and 2 are the consumers, each
@@ -189,12 +194,12 @@ __device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
 // ring position, carried across tiles), each step's four products issued while the previous
 // step's stage is released, the accumulators `acc` (zeroed by the caller) left complete. HALF:
 // the tile's columns end within 128, so m64n128k16 on the first 64 accumulators.
-// TALL (forward only): the consumer's 128 rows as two 64-row halves of A, each on m64n128k16
-// against the same 128 columns of B, into acc[0..63] and acc[64..127].
+// TALL (forward and dW): the consumer's 128 rows of C as two 64-row halves of A, each on
+// m64n128k16 against the same 128 columns of B, into acc[0..63] and acc[64..127].
 template <int MODE, bool HALF, bool TALL>
 __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, int& it, u32 base,
                                             int cw, int ctid, int lane) {
-    static_assert(!TALL || (MODE == 0 && !HALF), "the tall tile is the forward's, full width");
+    static_assert(!TALL || (MODE != 1 && !HALF), "the tall tile is the forward's and dW's");
     auto full = [&](int s) { return base + GS_BARS + 8u * s; };
     auto empty = [&](int s) { return base + GS_BARS + 8u * (GS_ST + s); };
     int prev = -1;
@@ -209,13 +214,15 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
             const int valid = t.rows - ks * GS_BK;
             if (valid < GS_BK) {
                 // Zero token rows valid..63: the 128-byte line of each row in this
-                // consumer's A panel and in B's panels 2 cw and 2 cw + 1 (16 bytes a store).
+                // consumer's A panel and in B's panels 2 cw and 2 cw + 1 (TALL: its two A
+                // panels and B's panel cw), 16 bytes a store.
                 const int lines = GS_BK - valid;
                 unsigned char* smem0 = dyn_smem + (base - smem_u32(dyn_smem));
                 for (int i = ctid; i < 3 * lines * 8; i += 128) {
                     const int panel = i / (lines * 8), rest = i % (lines * 8);
                     const int line = valid + rest / 8, chunk = rest % 8;
-                    const u32 at = panel == 0 ? sa : sb + (2 * cw + panel - 1) * 8192;
+                    const u32 at = TALL ? (panel < 2 ? sa + panel * 8192 : sb + cw * 8192)
+                                        : (panel == 0 ? sa : sb + (2 * cw + panel - 1) * 8192);
                     *reinterpret_cast<uint4*>(smem0 + (at - base) + line * 128 + chunk * 16) =
                         make_uint4(0u, 0u, 0u, 0u);
                 }
@@ -231,9 +238,14 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
             const uint64_t db = MODE == 1 ? smem_desc_sw128(sb + kk * 32, 16, 1024)
                                           : smem_desc_sw128(sb + kk * 2048, 8192, 1024);
             if constexpr (TALL) {
-                wgmma_m64n128k16<0, 1>(reinterpret_cast<float(&)[64]>(acc), da, db);
-                wgmma_m64n128k16<0, 1>(*reinterpret_cast<float(*)[64]>(acc + 64),
-                                       smem_desc_sw128(sa + 8192 + kk * 32, 16, 1024), db);
+                // The second 64 rows: the next 128-row box's half (forward: A's rows 64..127
+                // lie 8 KB on) or the next 64-row panel (dW: A's columns, 8 KB on).
+                const uint64_t da2 = MODE == 2 ? smem_desc_sw128(sa + 8192 + kk * 2048, 8192, 1024)
+                                               : smem_desc_sw128(sa + 8192 + kk * 32, 16, 1024);
+                wgmma_m64n128k16<MODE == 2 ? 1 : 0, 1>(reinterpret_cast<float(&)[64]>(acc), da,
+                                                       db);
+                wgmma_m64n128k16<MODE == 2 ? 1 : 0, 1>(*reinterpret_cast<float(*)[64]>(acc + 64),
+                                                       da2, db);
             } else if constexpr (HALF)
                 wgmma_m64n128k16<MODE == 2 ? 1 : 0, MODE == 1 ? 0 : 1>(
                     reinterpret_cast<float(&)[64]>(acc), da, db);
@@ -319,7 +331,7 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
                     const u32 sa = base + s * GS_STAGE_BYTES, sb = sa + GS_A_BYTES;
                     mbar_expect_tx(full(s), GS_STAGE_BYTES);
                     const int k0 = ks * GS_BK;
-                    if (TALL) {
+                    if (TALL && MODE == 0) {
                         // Two 128-row boxes of A, two 64-column panels of B after them.
                         tma_load_3d(sa, map_a, full(s), k0, t.row0 + t.m0, 0);
                         tma_load_3d(sa + GS_A_BYTES, map_a, full(s), k0, t.row0 + t.m0 + GS_BM, 0);
@@ -327,6 +339,15 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
                         for (int p = 0; p < 2; ++p)
                             tma_load_3d(sb + GS_A_BYTES + p * 8192, map_b, full(s), t.n0 + 64 * p,
                                         k0, t.e);
+                    } else if (TALL) {
+                        // dW: four 64-column panels of x (256 of C's rows), two of dY after them.
+#pragma unroll
+                        for (int h = 0; h < 4; ++h)
+                            tma_load_3d(sa + h * 8192, map_a, full(s), t.m0 + 64 * h, t.row0 + k0, 0);
+#pragma unroll
+                        for (int p = 0; p < 2; ++p)
+                            tma_load_3d(sb + GS_A_BYTES + p * 8192, map_b, full(s), t.n0 + 64 * p,
+                                        t.row0 + k0, 0);
                     } else if (MODE == 0) {
                         tma_load_3d(sa, map_a, full(s), k0, t.row0 + t.m0, 0);
 #pragma unroll
@@ -375,8 +396,10 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
             // all its rows are the group's, from registers otherwise.
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
+                // dW's rows are K's (a multiple of 64: always whole 64-row blocks, or none).
                 const int m_lim = min(BM, c_rows - t.m0) - 128 * cw - 64 * h;
-                const long long row_c = (long long)t.row0 + t.m0 + 128 * cw + 64 * h;
+                const long long row_c =
+                    (MODE == 2 ? 0ll : (long long)t.row0) + t.m0 + 128 * cw + 64 * h;
                 if (m_lim >= 64) {
 #pragma unroll
                     for (int sc = 0; sc < 2; ++sc) {
@@ -403,11 +426,12 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
                             fence_proxy_async();
                             named_barrier_gs(2 + cw);
                             if (ctid == 0)
-                                gs_tma_store_3d(map_c, buf, t.n0 + 64 * sc, (int)row_c, 0);
+                                gs_tma_store_3d(map_c, buf, t.n0 + 64 * sc, (int)row_c,
+                                                MODE == 2 ? t.e : 0);
                             ++stores;
                         }
                     }
-                } else if (m_lim > 0) {
+                } else if (MODE != 2 && m_lim > 0) {
                     u16* cp = c + row_c * ldc + t.n0;
 #pragma unroll
                     for (int j = 0; j < 16; ++j) {
@@ -500,3 +524,5 @@ GS_ENTRY(grouped_gemm_sm90_dw, 2, false)
 // The forward on 256 x 128 tiles, for N an odd multiple of 128 (1408 = 11 x 128), where the
 // 128 x 256 tiles leave the last column tile half empty.
 GS_ENTRY(grouped_gemm_sm90_fwd_tall, 0, true)
+// dW on 256 x 128 tiles (256 of K's rows, 128 of N's columns), for the same N.
+GS_ENTRY(grouped_gemm_sm90_dw_tall, 2, true)

@@ -277,11 +277,11 @@ pub enum GroupedKernel {
 /// compute capability 9.0), the portable one (also an implementation of its own in documents).
 pub const IMPLEMENTATIONS: [&str; 2] = ["grouped_wgmma", "grouped_mma_sync"];
 
-/// The Hopper kernel with its forward on 128 × 256 tiles whatever N
-/// ([`super::sm90::TallUse::Never`], the dispatch before the tall forward): a variant for tests
+/// The Hopper kernel with its forward and dW on 128 × 256 tiles whatever N
+/// ([`super::sm90::TallUse::Never`], the dispatch before the tall tiles): a variant for tests
 /// and probes, taken by [`GroupedKernel::named`] and never by the dispatch.
 pub const WIDE_VARIANT: &str = "grouped_wgmma_wide";
-/// The Hopper kernel with its forward on 256 × 128 tiles wherever N is an odd multiple of 128
+/// The Hopper kernel with its forward and dW on 256 × 128 tiles wherever N is an odd multiple of 128
 /// ([`super::sm90::TallUse::Always`], whatever the group sizes): a variant for tests and probes.
 pub const TALL_VARIANT: &str = "grouped_wgmma_tall";
 
@@ -326,7 +326,7 @@ impl GroupedKernel {
                     super::sm90::TallUse::Always
                 };
                 Ok(GroupedKernel::Wgmma(
-                    super::sm90::HopperGroupedGemm::with_forward(gpu, max_groups, tall_use)?,
+                    super::sm90::HopperGroupedGemm::with_tall_use(gpu, max_groups, tall_use)?,
                 ))
             }
             other => Err(GpuError::Config(format!(

@@ -33,12 +33,19 @@ pub const ENTRY_POINTS: [&str; 3] = [
     "grouped_gemm_sm90_dw",
 ];
 
-/// The forward's variant on 256 × 128 tiles (`TALL` in the kernel): for N an odd multiple of
+/// The forward on 256 × 128 tiles (`TALL` in the kernel): for N an odd multiple of
 /// 128 (N = 1408 = 11 × 128, the small experts of the grid), where the 128 × 256 tiles leave
 /// the last column tile half empty (which the probe in `kernels/TUNING-moe.md` found to cost
 /// 17–19 %); [`HopperGroupedGemm::new`] runs it for the forward wherever [`tall_pays`],
-/// [`HopperGroupedGemm::with_forward`] as told ([`TallUse`]).
+/// [`HopperGroupedGemm::with_tall_use`] as told ([`TallUse`]).
 pub const TALL_ENTRY: &str = "grouped_gemm_sm90_fwd_tall";
+/// dW on 256 × 128 tiles (256 of K's rows, 128 of N's columns; `TALL` with MODE 2), for the
+/// same N and by the same rule ([`tall_pays`] with every group's K rows).
+pub const TALL_DW_ENTRY: &str = "grouped_gemm_sm90_dw_tall";
+/// Whether the dispatch ([`TallUse::CostModel`]) runs dW on the tall tiles: not until the GPU
+/// tests have run [`TALL_DW_ENTRY`] (written after the session's device time was spent; the
+/// variant `grouped_wgmma_tall` runs it in the tests and the probe).
+pub const TALL_DW_DISPATCHED: bool = false;
 /// The tall variant's output tile, rows × columns.
 pub const TALL_TILE: (usize, usize) = (256, 128);
 
@@ -54,9 +61,10 @@ pub fn tall_fits(n: usize) -> bool {
 /// the half tile at about 1.1 whole ones (5 + h = 1.11 × 5.5).
 const HALF_TILE_COST: f64 = 1.1;
 
-/// True when the tall forward is expected to beat the wide one for `rows` rows over `groups`
-/// groups, N = `n` ([`tall_fits`] must hold too): a cost model in whole-tile times, with every
-/// group taken at the mean size r = rows / groups (the group sizes stay on the device),
+/// True when the tall tiles are expected to beat the wide ones for `rows` rows of C over
+/// `groups` groups (the forward's rows, or K · groups for dW), N = `n` ([`tall_fits`] must
+/// hold too): a cost model in whole-tile times, with every group taken at the mean size
+/// r = rows / groups (the forward's group sizes stay on the device),
 /// ⌈r / 256⌉ · N / 128 tall tiles against ⌈r / 128⌉ · (⌊N / 256⌋ + [`HALF_TILE_COST`]) wide
 /// ones. The tall tiles lose where a group's last 256 rows are mostly empty: at 384 rows a
 /// group (N = 1408) the probe measured them 1.26× slower (522 against 656 TFLOP/s), at 256
@@ -113,22 +121,22 @@ pub fn shape_ok(k: usize, n: usize) -> bool {
     k > 0 && n > 0 && k.is_multiple_of(STEP) && n.is_multiple_of(STEP)
 }
 
-/// Where the forward runs on the tall tiles ([`TALL_ENTRY`]).
+/// Where the forward and dW run on the tall tiles ([`TALL_ENTRY`], [`TALL_DW_ENTRY`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TallUse {
-    /// Never: 128 × 256 tiles whatever N (`grouped_wgmma_wide`).
+    /// Never: 128 × 256 tiles whatever N and the group sizes (`grouped_wgmma_wide`).
     Never,
-    /// Where [`tall_pays`] (the dispatch, `grouped_wgmma`).
+    /// Where [`tall_pays`] (the dispatch, `grouped_wgmma`; dW only if [`TALL_DW_DISPATCHED`]).
     CostModel,
-    /// Wherever [`tall_fits`] N (`grouped_wgmma_tall`).
+    /// Wherever [`tall_fits`] N, whatever the group sizes (`grouped_wgmma_tall`).
     Always,
 }
 
 /// The compiled Hopper kernels.
 pub struct HopperGroupedGemm {
     k: super::cuda::ProductKernels,
-    /// The tall forward ([`TALL_ENTRY`]).
-    tall: cudarc::driver::CudaFunction,
+    /// The tall forward ([`TALL_ENTRY`]) and dW ([`TALL_DW_ENTRY`]).
+    tall: [cudarc::driver::CudaFunction; 2],
     /// Where the forward runs on it.
     tall_use: TallUse,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
@@ -137,7 +145,8 @@ pub struct HopperGroupedGemm {
 
 impl HopperGroupedGemm {
     /// Compiles the kernels (once per process) for launches over up to `max_groups` groups;
-    /// the forward runs on the tall tiles ([`TALL_ENTRY`]) wherever [`tall_pays`].
+    /// the forward and dW run on the tall tiles ([`TALL_ENTRY`], [`TALL_DW_ENTRY`]) wherever
+    /// [`tall_pays`].
     ///
     /// # Errors
     /// [`GpuError::Config`] on a device that is not compute capability 9.0 or for more than
@@ -164,7 +173,10 @@ impl HopperGroupedGemm {
         )?;
         // The same source: the compile is the cached one.
         let compiled = gpu.compile("grouped_gemm_sm90.cu", &source())?;
-        let tall = gpu.function(&compiled.module, TALL_ENTRY, shared_bytes(max_groups))?;
+        let tall = [
+            gpu.function(&compiled.module, TALL_ENTRY, shared_bytes(max_groups))?,
+            gpu.function(&compiled.module, TALL_DW_ENTRY, shared_bytes(max_groups))?,
+        ];
         Ok(HopperGroupedGemm {
             compile_s: k.compile_s,
             k,
@@ -173,13 +185,13 @@ impl HopperGroupedGemm {
         })
     }
 
-    /// As [`HopperGroupedGemm::new`], with the forward's tiles chosen by `tall_use` (the
+    /// As [`HopperGroupedGemm::new`], with the forward's and dW's tiles chosen by `tall_use` (the
     /// variants `grouped_wgmma_wide` and `grouped_wgmma_tall`, which tests and the probe run
     /// beside the dispatch).
     ///
     /// # Errors
     /// As [`HopperGroupedGemm::new`].
-    pub fn with_forward(
+    pub fn with_tall_use(
         gpu: &Gpu,
         max_groups: usize,
         tall_use: TallUse,
@@ -189,7 +201,7 @@ impl HopperGroupedGemm {
         Ok(k)
     }
 
-    /// Where this instance runs the forward on the tall tiles.
+    /// Where this instance runs the forward and dW on the tall tiles.
     pub fn tall_use(&self) -> TallUse {
         self.tall_use
     }
@@ -229,13 +241,19 @@ impl HopperGroupedGemm {
             (groups, self.k.groups_cap),
             (rows, k, n),
         )?;
-        let tall = match (self.tall_use, product) {
-            (TallUse::CostModel, Product::Forward) if tall_pays(rows, groups, n) => {
-                Some(&self.tall)
-            }
-            (TallUse::Always, Product::Forward) if tall_fits(n) => Some(&self.tall),
-            _ => None,
+        // The forward's C rows are the groups' rows; dW's are K in every group.
+        let c_rows = match product {
+            Product::Forward => Some(rows),
+            Product::Dw => Some(k * groups),
+            Product::Dx => None,
         };
+        let dispatched = product == Product::Forward || TALL_DW_DISPATCHED;
+        let tall = match (self.tall_use, c_rows) {
+            (TallUse::CostModel, Some(r)) if dispatched && tall_pays(r, groups, n) => Some(()),
+            (TallUse::Always, Some(_)) if tall_fits(n) => Some(()),
+            _ => None,
+        }
+        .map(|()| &self.tall[usize::from(product == Product::Dw)]);
         let tiles = if tall.is_some() {
             super::cuda::tiles_bound(product, rows, groups, k, n, TALL_TILE)
         } else {
@@ -270,7 +288,8 @@ impl HopperGroupedGemm {
             ),
         };
         // The tall forward reads A in the same 128-row boxes (two a stage) and B in the same
-        // 64-column panels (two a stage), and stores the same 64 × 64 subtiles: the same maps.
+        // 64-column panels (two a stage), the tall dW x and dY in the same 64-wide panels (four
+        // and two a stage), and both store the same 64 × 64 subtiles: the same maps.
         let f = tall.unwrap_or_else(|| self.k.of(product));
         let blocks = tiles.min(self.k.sm_count) as u32;
         // Within int32: check_buffers above.
@@ -290,9 +309,10 @@ impl HopperGroupedGemm {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared_bytes(groups),
         };
-        // SAFETY: grouped_gemm_sm90_<fwd|dx|dw|fwd_tall>(TmaMap map_a, TmaMap map_b,
-        // TmaMap map_c, u16* c, const int* offsets, int groups, int M, int K, int N) (fwd_tall
-        // only for the forward where tall_fits(n), over the tall tiles' bound above): the maps
+        // SAFETY: grouped_gemm_sm90_<fwd|dx|dw|fwd_tall|dw_tall>(TmaMap map_a, TmaMap map_b,
+        // TmaMap map_c, u16* c, const int* offsets, int groups, int M, int K, int N) (the tall
+        // ones only for their product where tall_fits(n), over the tall tiles' bound above;
+        // dw_tall stores only through map_c): the maps
         // describe `a`, `b`
         // and `c` with the shapes their lengths were checked against (TMA reads and writes
         // nothing outside them; loads fill zeros past their ends, stores skip those elements),
@@ -372,6 +392,7 @@ mod tests {
         assert!(tall_fits(1408) && tall_fits(128) && tall_fits(384));
         assert!(!tall_fits(1536) && !tall_fits(256) && !tall_fits(192) && !tall_fits(1400));
         assert!(GROUPED_GEMM_SM90_SRC.contains(&format!("GS_ENTRY({TALL_ENTRY}, 0, true)")));
+        assert!(GROUPED_GEMM_SM90_SRC.contains(&format!("GS_ENTRY({TALL_DW_ENTRY}, 2, true)")));
         // Its stage holds two 128-row boxes of A and two 64-column panels of B: the same
         // bytes as the 128 × 256 tile's stage.
         assert_eq!(
