@@ -153,8 +153,8 @@ struct GsTile {
     int e, row0, rows, m0, n0, steps;
 };
 
-// The output tile of a launch: GS_BM x GS_BN, or with TALL (the forward's variant for N an odd
-// multiple of 128) 2 GS_BM x GS_BN / 2.
+// The output tile of a launch: GS_BM x GS_BN, or with TALL (the forward's and dW's tiles for N
+// an odd multiple of 128) 2 GS_BM x GS_BN / 2.
 template <bool TALL>
 struct GsShape {
     static constexpr int BM = TALL ? 2 * GS_BM : GS_BM;

@@ -2,8 +2,9 @@
 //! the same three products as [`super::cuda::GroupedGemm`] (forward `y = x · w[e]`, `dX = dY ·
 //! w[e]ᵀ`, `dW[e] = x_eᵀ · dY_e`, one launch each for all experts, ragged and empty groups) on
 //! `wgmma` with TMA loads, a producer warpgroup and two consumer warpgroups, 128 × 256 output
-//! tiles (256 × 128 for the forward where N is an odd multiple of 128, [`TALL_ENTRY`]) on a
-//! persistent grid of one block per SM. Layouts are
+//! tiles (256 × 128 for the forward, and dW once [`TALL_DW_DISPATCHED`], where N is an odd
+//! multiple of 128 and [`tall_pays`]: [`TALL_ENTRY`], [`TALL_DW_ENTRY`]) on a persistent grid
+//! of one block per SM. Layouts are
 //! [`super::reference::grouped_matmul`]'s: `x` `[M, K]` rows in expert order, `w` `[E, K, N]`,
 //! `offsets` `[E + 1]` int32, bf16 operands as their bits (`u16`), float32 accumulation, bf16
 //! results rounded to nearest even. K and N must be multiples of 64 (the TMA boxes' width);
@@ -137,7 +138,7 @@ pub struct HopperGroupedGemm {
     k: super::cuda::ProductKernels,
     /// The tall forward ([`TALL_ENTRY`]) and dW ([`TALL_DW_ENTRY`]).
     tall: [cudarc::driver::CudaFunction; 2],
-    /// Where the forward runs on it.
+    /// Where the forward and dW run on them.
     tall_use: TallUse,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
@@ -145,8 +146,8 @@ pub struct HopperGroupedGemm {
 
 impl HopperGroupedGemm {
     /// Compiles the kernels (once per process) for launches over up to `max_groups` groups;
-    /// the forward and dW run on the tall tiles ([`TALL_ENTRY`], [`TALL_DW_ENTRY`]) wherever
-    /// [`tall_pays`].
+    /// the forward runs on the tall tiles ([`TALL_ENTRY`]) wherever [`tall_pays`], and dW
+    /// ([`TALL_DW_ENTRY`]) by the same rule once [`TALL_DW_DISPATCHED`].
     ///
     /// # Errors
     /// [`GpuError::Config`] on a device that is not compute capability 9.0 or for more than
