@@ -273,6 +273,64 @@ __device__ __forceinline__ void gs_drain(const GsTile& t, int& it, u32 base, int
     }
 }
 
+// One consumer's 64 rows of C, rounded to bf16, in pairs along the columns: its accumulators
+// from acc[off] (four per group of 8 columns, as wgmma leaves them), columns t.n0 ..
+// t.n0 + 64 NSUB - 1 (those below n_lim), C's rows row_c .. row_c + 63 (dW: K's rows of group
+// t.e). When all 64 rows are C's (m_lim >= 64; dW's always, K being a multiple of 64) each
+// 64 x 64 subtile goes through one of the consumer's two shared buffers (128-byte swizzled)
+// and leaves by a TMA store, which clips columns past N; otherwise the first m_lim rows are
+// stored from registers (the rest belong to the group's neighbour).
+template <int MODE, int NSUB>
+__device__ __forceinline__ void gs_store_rows(const float (&acc)[128], int off, int m_lim,
+                                              int n_lim, const GsTile& t, int row_c,
+                                              u16* __restrict__ c, int ldc, const TmaMap* map_c,
+                                              u32 base, int cw, int ctid, int& stores) {
+    const int warp = (ctid >> 5) & 3, lane = ctid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    if (m_lim >= 64 || (MODE == 2 && m_lim > 0)) {
+#pragma unroll
+        for (int sc = 0; sc < NSUB; ++sc) {
+            if (64 * sc < n_lim) {
+                const u32 buf = base + GS_CBUF + (2 * cw + (stores & 1)) * GS_C_BYTES;
+                // The store that last read this buffer (two stores ago) is done.
+                if (ctid == 0) gs_bulk_wait_read<1>();
+                named_barrier_gs(2 + cw);
+#pragma unroll
+                for (int jj = 0; jj < 8; ++jj) {
+                    const int j = 8 * sc + jj;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int r = 16 * warp + g + 8 * h;
+                        const u32 at = buf + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * t4;
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
+                                     "r"(pack2<true>(acc[off + 4 * j + 2 * h],
+                                                     acc[off + 4 * j + 2 * h + 1]))
+                                     : "memory");
+                    }
+                }
+                fence_proxy_async();
+                named_barrier_gs(2 + cw);
+                if (ctid == 0)
+                    gs_tma_store_3d(map_c, buf, t.n0 + 64 * sc, row_c, MODE == 2 ? t.e : 0);
+                ++stores;
+            }
+        }
+    } else if (MODE != 2 && m_lim > 0) {
+        u16* cp = c + (long long)row_c * ldc + t.n0;
+#pragma unroll
+        for (int j = 0; j < 8 * NSUB; ++j) {
+            const int col = 8 * j + 2 * t4;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 16 * warp + g + 8 * h;
+                if (r < m_lim && col < n_lim)
+                    *reinterpret_cast<u32*>(cp + (long long)r * ldc + col) =
+                        pack2<true>(acc[off + 4 * j + 2 * h], acc[off + 4 * j + 2 * h + 1]);
+            }
+        }
+    }
+}
+
 template <int MODE, bool TALL>
 __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, const TmaMap* map_b,
                                                        const TmaMap* map_c, u16* __restrict__ c,
@@ -373,8 +431,7 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const int cw = wg - 1;  // consumer: C rows 64 cw .. 64 cw + 63 of each tile
     const int ctid = tid & 127;  // the thread within its consumer warpgroup
-    const int warp = (tid >> 5) & 3, lane = tid & 31;
-    const int g = lane >> 2, t4 = lane & 3;
+    const int lane = tid & 31;
     const int ldc = MODE == 1 ? K : N;
     float acc[128];
     int it = 0;
@@ -392,118 +449,26 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
         }
         if constexpr (TALL) {
             gs_mainloop<MODE, false, true>(acc, t, it, base, cw, ctid, lane);
-            // Two 64 x 128 blocks of rows, each stored as two 64 x 64 subtiles by TMA when
-            // all its rows are the group's, from registers otherwise.
+            // Two blocks of 64 rows (acc[0..63], acc[64..127]), 128 columns each.
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                // dW's rows are K's (a multiple of 64: always whole 64-row blocks, or none).
                 const int m_lim = min(BM, c_rows - t.m0) - 128 * cw - 64 * h;
                 const long long row_c =
                     (MODE == 2 ? 0ll : (long long)t.row0) + t.m0 + 128 * cw + 64 * h;
-                if (m_lim >= 64) {
-#pragma unroll
-                    for (int sc = 0; sc < 2; ++sc) {
-                        if (64 * sc < n_lim) {
-                            const u32 buf =
-                                base + GS_CBUF + (2 * cw + (stores & 1)) * GS_C_BYTES;
-                            if (ctid == 0) gs_bulk_wait_read<1>();
-                            named_barrier_gs(2 + cw);
-#pragma unroll
-                            for (int jj = 0; jj < 8; ++jj) {
-                                const int j = 8 * sc + jj;
-#pragma unroll
-                                for (int hh = 0; hh < 2; ++hh) {
-                                    const int r = 16 * warp + g + 8 * hh;
-                                    const u32 at =
-                                        buf + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * t4;
-                                    asm volatile(
-                                        "st.shared.b32 [%0], %1;\n" ::"r"(at),
-                                        "r"(pack2<true>(acc[64 * h + 4 * j + 2 * hh],
-                                                        acc[64 * h + 4 * j + 2 * hh + 1]))
-                                        : "memory");
-                                }
-                            }
-                            fence_proxy_async();
-                            named_barrier_gs(2 + cw);
-                            if (ctid == 0)
-                                gs_tma_store_3d(map_c, buf, t.n0 + 64 * sc, (int)row_c,
-                                                MODE == 2 ? t.e : 0);
-                            ++stores;
-                        }
-                    }
-                } else if (MODE != 2 && m_lim > 0) {
-                    u16* cp = c + row_c * ldc + t.n0;
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) {
-                        const int col = 8 * j + 2 * t4;
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) {
-                            const int r = 16 * warp + g + 8 * hh;
-                            if (r < m_lim && col < n_lim)
-                                *reinterpret_cast<u32*>(cp + (long long)r * ldc + col) =
-                                    pack2<true>(acc[64 * h + 4 * j + 2 * hh],
-                                                acc[64 * h + 4 * j + 2 * hh + 1]);
-                        }
-                    }
-                }
+                gs_store_rows<MODE, 2>(acc, 64 * h, m_lim, n_lim, t, (int)row_c, c, ldc, map_c,
+                                       base, cw, ctid, stores);
             }
             continue;
         }
-        const int m_lim = min(GS_BM, c_rows - t.m0) - 64 * cw;
         // The width of the products is chosen per tile, outside the loop: a branch between
         // the two wgmma shapes inside it makes ptxas fence every wgmma (warning C7519).
         if (n_lim <= GS_BN / 2)
             gs_mainloop<MODE, true, false>(acc, t, it, base, cw, ctid, lane);
         else
             gs_mainloop<MODE, false, false>(acc, t, it, base, cw, ctid, lane);
-
-        // The accumulators, rounded to bf16, in pairs along the columns.
-        if (MODE == 2 || m_lim >= 64) {
-            if (m_lim > 0) {
-                const int c1 = MODE == 2 ? t.m0 + 64 * cw : t.row0 + t.m0 + 64 * cw;
-                const int c2 = MODE == 2 ? t.e : 0;
-#pragma unroll
-                for (int sc = 0; sc < 4; ++sc) {
-                    if (64 * sc < n_lim) {
-                        const u32 buf = base + GS_CBUF + (2 * cw + (stores & 1)) * GS_C_BYTES;
-                        // The store that last read this buffer (two stores ago) is done.
-                        if (ctid == 0) gs_bulk_wait_read<1>();
-                        named_barrier_gs(2 + cw);
-#pragma unroll
-                        for (int jj = 0; jj < 8; ++jj) {
-                            const int j = 8 * sc + jj;
-#pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                const int r = 16 * warp + g + 8 * h;
-                                const u32 at = buf + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * t4;
-                                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
-                                             "r"(pack2<true>(acc[4 * j + 2 * h],
-                                                             acc[4 * j + 2 * h + 1]))
-                                             : "memory");
-                            }
-                        }
-                        fence_proxy_async();
-                        named_barrier_gs(2 + cw);
-                        if (ctid == 0) gs_tma_store_3d(map_c, buf, t.n0 + 64 * sc, c1, c2);
-                        ++stores;
-                    }
-                }
-            }
-        } else {
-            const long long row_c = (long long)t.row0 + t.m0 + 64 * cw;
-            u16* cp = c + row_c * ldc + t.n0;
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-                const int col = 8 * j + 2 * t4;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = 16 * warp + g + 8 * h;
-                    if (r < m_lim && col < n_lim)
-                        *reinterpret_cast<u32*>(cp + (long long)r * ldc + col) =
-                            pack2<true>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-                }
-            }
-        }
+        const int row_c = (MODE == 2 ? 0 : t.row0) + t.m0 + 64 * cw;
+        gs_store_rows<MODE, 4>(acc, 0, min(GS_BM, c_rows - t.m0) - 64 * cw, n_lim, t, row_c, c,
+                               ldc, map_c, base, cw, ctid, stores);
     }
     // Shared memory stays until the last stores have read it.
     if (ctid == 0) gs_bulk_wait_read<0>();
