@@ -48,7 +48,11 @@
 // 128-row boxes of A (32 KB) and two 64-column panels of B (16 KB), the same 48 KB and maps;
 // consumer c owns rows 128 c .. 128 c + 127 as two 64-row halves, each on m64n128k16 against
 // the same B, into acc[0..63] and acc[64..127]; each half leaves as two 64 x 64 subtiles by
-// TMA (from registers where the group's rows end inside it). The tall dW (entry
+// TMA (from registers where the group's rows end inside it). A tall tile with at most 128 of
+// the group's rows left (a group's last, or a small group's only, tile) is short: both
+// consumers multiply the first A box, consumer c against B's panel c (two m64n64k16 a k-step),
+// and each stores its 128 x 64 half, so that neither multiplies rows past the group's end
+// while the other works (the stage still brings both A boxes). The tall dW (entry
 // grouped_gemm_sm90_dw_tall; run by the variant grouped_wgmma_tall, and by the dispatch with K
 // rows a group once TALL_DW_DISPATCHED in src/moe/sm90.rs says so) is the same tile over K x N:
 // a stage holds four 64-column panels of x (256 of C's rows) and two of dY; consumer c takes
@@ -119,6 +123,18 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
         WG_REGS64 ", %64, %65, p, 1, 1, %67, %68;\n}\n"
         : WG_ACC64(d)
+        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+// As wgmma_m64n256k16 for a 64 x 64 D (32 accumulators, the same layout).
+template <int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a,
+                                                uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        WG_REGS32 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+        : WG_ACC32(d)
         : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
 }
 
@@ -196,10 +212,14 @@ __device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
 // the tile's columns end within 128, so m64n128k16 on the first 64 accumulators.
 // TALL (forward and dW): the consumer's 128 rows of C as two 64-row halves of A, each on
 // m64n128k16 against the same 128 columns of B, into acc[0..63] and acc[64..127].
-template <int MODE, bool HALF, bool TALL>
+// SHORT (the tall forward's tile with at most 128 of the group's rows left): both consumers
+// take the first 128-row box of A, consumer cw B's panel cw (64 columns), as two m64n64k16
+// into acc[0..31] and acc[64..95], so that the two share the tile's products.
+template <int MODE, bool HALF, bool TALL, bool SHORT = false>
 __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, int& it, u32 base,
                                             int cw, int ctid, int lane) {
     static_assert(!TALL || (MODE != 1 && !HALF), "the tall tile is the forward's and dW's");
+    static_assert(!SHORT || (TALL && MODE == 0), "the short tile is the tall forward's");
     auto full = [&](int s) { return base + GS_BARS + 8u * s; };
     auto empty = [&](int s) { return base + GS_BARS + 8u * (GS_ST + s); };
     int prev = -1;
@@ -208,7 +228,7 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
         mbar_wait(full(s), (it / GS_ST) & 1);
         // A stage: A (GS_A_BYTES, 128 rows; TALL: twice that, 256 rows), then B (panels of 64
         // columns at 8 KB).
-        const u32 sa = base + s * GS_STAGE_BYTES + cw * (TALL ? 16384 : 8192);
+        const u32 sa = base + s * GS_STAGE_BYTES + (SHORT ? 0 : cw * (TALL ? 16384 : 8192));
         const u32 sb = base + s * GS_STAGE_BYTES + (TALL ? 2 : 1) * GS_A_BYTES;
         if (MODE == 2) {
             const int valid = t.rows - ks * GS_BK;
@@ -237,7 +257,12 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
                                           : smem_desc_sw128(sa + kk * 32, 16, 1024);
             const uint64_t db = MODE == 1 ? smem_desc_sw128(sb + kk * 32, 16, 1024)
                                           : smem_desc_sw128(sb + kk * 2048, 8192, 1024);
-            if constexpr (TALL) {
+            if constexpr (SHORT) {
+                const uint64_t da2 = smem_desc_sw128(sa + 8192 + kk * 32, 16, 1024);
+                const uint64_t dbc = smem_desc_sw128(sb + cw * 8192 + kk * 2048, 8192, 1024);
+                wgmma_m64n64k16<0, 1>(reinterpret_cast<float(&)[32]>(acc), da, dbc);
+                wgmma_m64n64k16<0, 1>(*reinterpret_cast<float(*)[32]>(acc + 64), da2, dbc);
+            } else if constexpr (TALL) {
                 // The second 64 rows: the next 128-row box's half (forward: A's rows 64..127
                 // lie 8 KB on) or the next 64-row panel (dW: A's columns, 8 KB on).
                 const uint64_t da2 = MODE == 2 ? smem_desc_sw128(sa + 8192 + kk * 2048, 8192, 1024)
@@ -274,15 +299,15 @@ __device__ __forceinline__ void gs_drain(const GsTile& t, int& it, u32 base, int
 }
 
 // One consumer's 64 rows of C, rounded to bf16, in pairs along the columns: its accumulators
-// from acc[off] (four per group of 8 columns, as wgmma leaves them), columns t.n0 ..
-// t.n0 + 64 NSUB - 1 (those below n_lim), C's rows row_c .. row_c + 63 (dW: K's rows of group
-// t.e). When all 64 rows are C's (m_lim >= 64; dW's always, K being a multiple of 64) each
+// from acc[off] (four per group of 8 columns, as wgmma leaves them), columns n0 ..
+// n0 + 64 NSUB - 1 (those below n0 + n_lim), C's rows row_c .. row_c + 63 (dW: K's rows of
+// group e). When all 64 rows are C's (m_lim >= 64; dW's always, K being a multiple of 64) each
 // 64 x 64 subtile goes through one of the consumer's two shared buffers (128-byte swizzled)
 // and leaves by a TMA store, which clips columns past N; otherwise the first m_lim rows are
 // stored from registers (the rest belong to the group's neighbour).
 template <int MODE, int NSUB>
 __device__ __forceinline__ void gs_store_rows(const float (&acc)[128], int off, int m_lim,
-                                              int n_lim, const GsTile& t, int row_c,
+                                              int n_lim, int n0, int e, int row_c,
                                               u16* __restrict__ c, int ldc, const TmaMap* map_c,
                                               u32 base, int cw, int ctid, int& stores) {
     const int warp = (ctid >> 5) & 3, lane = ctid & 31;
@@ -311,12 +336,12 @@ __device__ __forceinline__ void gs_store_rows(const float (&acc)[128], int off, 
                 fence_proxy_async();
                 named_barrier_gs(2 + cw);
                 if (ctid == 0)
-                    gs_tma_store_3d(map_c, buf, t.n0 + 64 * sc, row_c, MODE == 2 ? t.e : 0);
+                    gs_tma_store_3d(map_c, buf, n0 + 64 * sc, row_c, MODE == 2 ? e : 0);
                 ++stores;
             }
         }
     } else if (MODE != 2 && m_lim > 0) {
-        u16* cp = c + (long long)row_c * ldc + t.n0;
+        u16* cp = c + (long long)row_c * ldc + n0;
 #pragma unroll
         for (int j = 0; j < 8 * NSUB; ++j) {
             const int col = 8 * j + 2 * t4;
@@ -442,8 +467,23 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
         const int c_rows = MODE == 2 ? K : t.rows;
         const int n_lim = min(BN, c_cols - t.n0);
+        const int left = min(BM, c_rows - t.m0);  // the tile's rows that are C's
+        if constexpr (TALL && MODE == 0) {
+            if (left <= GS_BM) {
+                // A short tall tile: the two consumers split its 128 columns (SHORT above).
+                gs_mainloop<MODE, false, true, true>(acc, t, it, base, cw, ctid, lane);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row_c = t.row0 + t.m0 + 64 * h;
+                    gs_store_rows<MODE, 1>(acc, 64 * h, left - 64 * h, n_lim - 64 * cw,
+                                           t.n0 + 64 * cw, t.e, row_c, c, ldc, map_c, base, cw,
+                                           ctid, stores);
+                }
+                continue;
+            }
+        }
         // This consumer's first row in the tile is past the group's end: nothing to store.
-        if (MODE != 2 && min(BM, c_rows - t.m0) <= (TALL ? 128 : 64) * cw) {
+        if (MODE != 2 && left <= (TALL ? 128 : 64) * cw) {
             gs_drain(t, it, base, lane);
             continue;
         }
@@ -455,8 +495,8 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
                 const int m_lim = min(BM, c_rows - t.m0) - 128 * cw - 64 * h;
                 const long long row_c =
                     (MODE == 2 ? 0ll : (long long)t.row0) + t.m0 + 128 * cw + 64 * h;
-                gs_store_rows<MODE, 2>(acc, 64 * h, m_lim, n_lim, t, (int)row_c, c, ldc, map_c,
-                                       base, cw, ctid, stores);
+                gs_store_rows<MODE, 2>(acc, 64 * h, m_lim, n_lim, t.n0, t.e, (int)row_c, c, ldc,
+                                       map_c, base, cw, ctid, stores);
             }
             continue;
         }
@@ -467,8 +507,8 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
         else
             gs_mainloop<MODE, false, false>(acc, t, it, base, cw, ctid, lane);
         const int row_c = (MODE == 2 ? 0 : t.row0) + t.m0 + 64 * cw;
-        gs_store_rows<MODE, 4>(acc, 0, min(GS_BM, c_rows - t.m0) - 64 * cw, n_lim, t, row_c, c,
-                               ldc, map_c, base, cw, ctid, stores);
+        gs_store_rows<MODE, 4>(acc, 0, left - 64 * cw, n_lim, t.n0, t.e, row_c, c, ldc, map_c,
+                               base, cw, ctid, stores);
     }
     // Shared memory stays until the last stores have read it.
     if (ctid == 0) gs_bulk_wait_read<0>();
