@@ -258,6 +258,23 @@ fn grouped_gemm_with_empty_experts_matches_float64() {
     }
 }
 
+/// The tall tiles' boundaries (K = 256, N = 384): groups whose last tall tile has exactly 128,
+/// 64, 65 and 127 rows left (a short tile's second 64-row block stored whole by TMA, absent, or
+/// from registers), 192 rows (a full tall tile cut inside consumer 1's rows) and 300 (a full
+/// tile, then a short one of 44 rows), beside an empty group and one of a single row; every
+/// kernel, the three products.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
+)]
+fn tall_tile_boundaries_match_float64() {
+    let counts = [128, 64, 192, 65, 300, 0, 127, 1];
+    for gg in kernels(256, 384) {
+        assert_within(case(gg, &counts, 256, 384, 31), &format!("{counts:?}"));
+    }
+}
+
 /// The public `grouped_matmul` and `grouped_matmul_backward` (allocating their outputs) give the
 /// float64 results on issue 14's inputs, with each kernel.
 #[test]

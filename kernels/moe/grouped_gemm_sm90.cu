@@ -286,10 +286,10 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
     if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
 }
 
-// One tile's steps for a consumer warpgroup none of whose rows the tile stores (a forward or dX
-// tile past its group's end for this consumer: at most 64 rows left, or with TALL at most
-// 128): it waits for each stage and releases it without multiplying, so the ring stays in
-// step with the producer and the other consumer.
+// One tile's steps for a consumer warpgroup none of whose rows the tile stores (consumer 1 of a
+// wide forward or dX tile with at most 64 of the group's rows left; a tall forward tile with at
+// most 128 left is short instead, and dW's rows are K's): it waits for each stage and releases
+// it without multiplying, so the ring stays in step with the producer and the other consumer.
 __device__ __forceinline__ void gs_drain(const GsTile& t, int& it, u32 base, int lane) {
     for (int ks = 0; ks < t.steps; ++ks, ++it) {
         const int s = it % GS_ST;
@@ -454,7 +454,8 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    const int cw = wg - 1;  // consumer: C rows 64 cw .. 64 cw + 63 of each tile
+    const int cw = wg - 1;  // consumer: C rows 64 cw .. 64 cw + 63 of a wide tile (tall: 128 cw
+                            // .. 128 cw + 127; short: columns 64 cw .. 64 cw + 63)
     const int ctid = tid & 127;  // the thread within its consumer warpgroup
     const int lane = tid & 31;
     const int ldc = MODE == 1 ? K : N;
