@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use cudarc::driver::CudaSlice;
 
 use super::protocol::{
-    check_output, decode, dtype_bytes, read_f64, read_u16, unix_now, Check, Job, Reply,
+    check_output_par, decode, dtype_bytes, read_f64, read_u16, unix_now, Check, Job, Reply,
 };
 use crate::gpu::{Gpu, GpuError};
 use crate::harness::{self, MeasureError, Sample, SampleTimer};
@@ -210,7 +210,7 @@ fn measure_inner<L: Launcher>(
     for (((name, spec, check), reference), out) in specs.iter().zip(&references).zip(&outs) {
         let got = gpu.stream.clone_dtoh(out)?;
         let value = |i: usize| decode(&spec.dtype, &got, i);
-        match check_output(got.len() * 2 / dtype_bytes(&spec.dtype) as usize, value, &check.ranges, reference) {
+        match check_output_par(got.len() * 2 / dtype_bytes(&spec.dtype) as usize, value, &check.ranges, reference) {
             Check::NonFinite { index, len } => {
                 return Ok(Reply {
                     row: Row::failed(
