@@ -251,6 +251,31 @@ impl Gpu {
         })
     }
 
+    /// `n` 16-bit words on the device with every byte 0xFF (each word 0xFFFF: NaN in bf16 and
+    /// fp16, and each pair of words NaN in fp32), set on the device: the poison a case's
+    /// outputs start from, so that an element the call does not write fails the check (built on
+    /// the host, the MoE grid's largest output would need a 7.5 GB host buffer and its copy).
+    ///
+    /// # Errors
+    /// Out-of-memory and driver errors.
+    pub fn poisoned_u16(&self, n: usize) -> Result<cudarc::driver::CudaSlice<u16>, GpuError> {
+        use cudarc::driver::DevicePtrMut;
+        if n == 0 {
+            return Ok(self.stream.clone_htod(&[0u16; 0][..])?);
+        }
+        // SAFETY: every byte of the allocation is written by the memset below, on this stream,
+        // before anything can read it.
+        let mut d = unsafe { self.stream.alloc::<u16>(n) }?;
+        {
+            let (ptr, _record) = d.device_ptr_mut(&self.stream);
+            // SAFETY: `ptr` is `n` u16 (2 n bytes) of this stream's allocation.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(ptr, 0xFF, 2 * n, self.stream.cu_stream())
+            }?;
+        }
+        Ok(d)
+    }
+
     /// Captures the calls `f` makes (its launches on [`Gpu::stream`]) into a CUDA graph, once,
     /// and returns it ready to replay; `Ok(None)` when the stream captured nothing.
     ///

@@ -128,11 +128,23 @@ fn up(v: &[f64]) -> CudaSlice<u16> {
 }
 
 fn poisoned(n: usize) -> CudaSlice<u16> {
-    gpu()
-        .0
-        .stream
-        .clone_htod(&vec![0xFFFFu16; n.max(1)])
-        .unwrap()
+    gpu().0.poisoned_u16(n.max(1)).unwrap()
+}
+
+/// `Gpu::poisoned_u16`, the poison the runner's case process starts every output from, sets
+/// every word to 0xFFFF (NaN in bf16), at lengths odd and large.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
+)]
+fn poisoned_outputs_are_nan_in_every_word() {
+    let g = &gpu().0;
+    for n in [1usize, 7, (1 << 20) + 3] {
+        let v = g.stream.clone_dtoh(&g.poisoned_u16(n).unwrap()).unwrap();
+        assert_eq!(v.len(), n);
+        assert!(v.iter().all(|&w| w == 0xFFFF && bf16_value(w).is_nan()));
+    }
 }
 
 fn down(d: &CudaSlice<u16>, n: usize) -> Vec<f64> {

@@ -694,9 +694,7 @@ pub fn poisoned_outputs(gpu: &Gpu, c: &AttentionCase) -> Result<Vec<CudaSlice<u1
     if c.pass == Pass::FwdBwd {
         lens.extend([c.q_elems() * w, c.kv_elems() * w, c.kv_elems() * w]);
     }
-    lens.into_iter()
-        .map(|n| Ok(gpu.stream.clone_htod(&vec![Dtype::POISON_WORD; n])?))
-        .collect()
+    lens.into_iter().map(|n| gpu.poisoned_u16(n)).collect()
 }
 
 /// The flash backward's kernels and buffers.

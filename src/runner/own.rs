@@ -196,7 +196,7 @@ fn measure_inner<L: Launcher>(
     // element fails.
     let mut outs = words
         .iter()
-        .map(|&n| gpu.stream.clone_htod(&vec![0xFFFFu16; n]))
+        .map(|&n| gpu.poisoned_u16(n))
         .collect::<Result<Vec<_>, _>>()?;
     launcher.launch(&gpu, &set0, &mut outs)?;
     gpu.stream.synchronize()?;
