@@ -280,16 +280,33 @@ pub fn write_u16(path: &Path, values: &[u16]) -> anyhow::Result<()> {
 /// I/O errors, with the path; an odd length.
 pub fn read_u16(path: &Path) -> anyhow::Result<Vec<u16>> {
     use anyhow::Context;
-    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let bytes = f
+        .metadata()
+        .with_context(|| format!("reading {}", path.display()))?
+        .len() as usize;
     anyhow::ensure!(
-        b.len().is_multiple_of(2),
-        "{}: odd length {}",
-        path.display(),
-        b.len()
+        bytes.is_multiple_of(2),
+        "{}: odd length {bytes}",
+        path.display()
     );
-    Ok(b.chunks_exact(2)
-        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-        .collect())
+    // Read straight into the words (one buffer of the file's size, no second copy: the MoE
+    // grid's inputs reach 4 GB), then put them in this machine's byte order.
+    let mut words = vec![0u16; bytes / 2];
+    f.read_exact(bytemuck::cast_slice_mut(&mut words))
+        .with_context(|| format!("reading {}", path.display()))?;
+    anyhow::ensure!(
+        f.read(&mut [0u8; 1])
+            .with_context(|| format!("reading {}", path.display()))?
+            == 0,
+        "{}: grew while being read",
+        path.display()
+    );
+    for w in &mut words {
+        *w = u16::from_le(*w);
+    }
+    Ok(words)
 }
 
 /// The outcome of checking an output.
@@ -449,5 +466,14 @@ mod tests {
         write_u16(&p, &[1, 0xFFFF]).unwrap();
         assert_eq!(read_u16(&p).unwrap(), vec![1, 0xFFFF]);
         assert_eq!(std::fs::read(&p).unwrap(), vec![1, 0, 0xFF, 0xFF]);
+        // Little-endian words, whatever the order of the bytes' values; an empty file; an odd
+        // length named as such.
+        std::fs::write(&p, [0x34, 0x12, 0x00, 0x80]).unwrap();
+        assert_eq!(read_u16(&p).unwrap(), vec![0x1234, 0x8000]);
+        std::fs::write(&p, []).unwrap();
+        assert_eq!(read_u16(&p).unwrap(), Vec::<u16>::new());
+        std::fs::write(&p, [1, 2, 3]).unwrap();
+        let e = read_u16(&p).unwrap_err().to_string();
+        assert!(e.contains("odd length 3") && e.contains("x.u16"), "{e}");
     }
 }
