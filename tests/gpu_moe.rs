@@ -794,7 +794,7 @@ fn cublas_loop_matches_float64() {
 /// tiles everywhere (`grouped_wgmma_wide`) and on tall tiles wherever N is an odd multiple of
 /// 128 (`grouped_wgmma_tall`) on balanced synthetic shapes that separate the
 /// reduction length K, the width N (whether its last 256-column tile is half empty) and the
-/// group size, with `cublas_loop` beside them; where N is an odd multiple of 128, dW on the
+/// group size, and on the grid's skewed routing at 4096 tokens, with `cublas_loop` beside them; where N is an odd multiple of 128, dW on the
 /// wide and the tall tiles too. Prints TFLOP/s (median of 5 samples of 10 calls, no input
 /// rotation: every operand is larger than L2; short bursts run cooler than the runner's
 /// samples, so compare the figures with each other, not with documents). Asserts what it can:
@@ -818,8 +818,8 @@ fn grouped_wgmma_shape_probe() {
         .find(|k| k.implementation() == moe_cuda::TALL_VARIANT)
         .expect("the tall variant beside the wgmma kernel");
     let blas = CublasLoop::new(g).expect("a cuBLAS handle");
-    // (experts, rows per expert, K, N)
-    let shapes = [
+    // (experts, rows per expert, K, N), balanced
+    let balanced = [
         (64usize, 2048usize, 2048usize, 1408usize),
         (64, 2048, 4096, 1408),
         (64, 2048, 2048, 1536),
@@ -834,13 +834,41 @@ fn grouped_wgmma_shape_probe() {
         (128, 256, 2048, 1408),
         (64, 384, 2048, 1408),
     ];
+    // (group counts, K, N, label): the balanced shapes, then the grid's skewed routing at 4096
+    // tokens over 64 and 128 small experts (many groups of a few hundred rows or fewer: short
+    // tall tiles), where the tall tiles lost 2 % in the runner at a135a93.
+    let mut shapes: Vec<(Vec<usize>, usize, usize, String)> = balanced
+        .iter()
+        .map(|&(e, per, k, n)| (vec![per; e], k, n, format!("{e} experts x {per} rows")))
+        .collect();
+    for experts in [64, 128] {
+        let c = GroupedCase {
+            tokens: 4096,
+            experts,
+            top_k: 8,
+            hidden: 2048,
+            width: 1408,
+            spread: Spread::Zipf,
+            backward: false,
+        };
+        shapes.push((
+            c.group_counts(),
+            2048,
+            1408,
+            format!("{experts} experts, Zipf at 4096 tokens top-8"),
+        ));
+    }
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    for (e, per, k, n) in shapes {
-        let m = e * per;
-        let offsets: Vec<usize> = (0..=e).map(|i| i * per).collect();
+    for (counts, k, n, label) in shapes {
+        let e = counts.len();
+        let offsets = offsets_of(&counts);
+        let m = offsets[e];
+        // Experts checked: the first and the last with rows, and the one holding row m / 2.
+        let expert_of = |r: usize| offsets.partition_point(|&o| o <= r) - 1;
+        let last = (0..e).rev().find(|&i| counts[i] > 0).expect("rows");
         let off32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
         let d_off = g.stream.clone_htod(&off32).unwrap();
         // Uniform in [-1, 1) rounded to bf16, as the runner's inputs (full mantissas: a
@@ -883,8 +911,8 @@ fn grouped_wgmma_shape_probe() {
         };
         let check = |d_y: &CudaSlice<u16>, what: &str| {
             let y = g.stream.clone_dtoh(d_y).unwrap();
-            for r in [0, per - 1, m / 2 + 3, m - 1] {
-                let ex = r / per;
+            for r in [0, counts[0].max(1) - 1, m / 2 + 3, m - 1] {
+                let ex = expert_of(r);
                 for j in [0, n / 2 + 1, n - 1] {
                     let want: f64 = (0..k)
                         .map(|i| bf16_value(hx[r * k + i]) * bf16_value(hw[(ex * k + i) * n + j]))
@@ -892,7 +920,7 @@ fn grouped_wgmma_shape_probe() {
                     let got = bf16_value(y[r * n + j]);
                     assert!(
                         (got - want).abs() <= 8e-3 * want.abs().max((k as f64).sqrt()),
-                        "{what} ({e}, {per}, {k}, {n}) y[{r}, {j}] = {got}, float64 {want}"
+                        "{what} ({label}, {k}, {n}) y[{r}, {j}] = {got}, float64 {want}"
                     );
                 }
             }
@@ -921,7 +949,7 @@ fn grouped_wgmma_shape_probe() {
         });
         check(&d_y, "cublas_loop");
         println!(
-            "probe: {e} experts x {per} rows, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s ({}), {} {ours_wide:.0}, {} {ours_tall:.0}, cublas_loop {cublas:.0}",
+            "probe: {label}, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s ({}), {} {ours_wide:.0}, {} {ours_tall:.0}, cublas_loop {cublas:.0}",
             if kernelpages::moe::sm90::tall_pays(m, e, n) { "tall tiles" } else { "wide tiles" },
             moe_cuda::WIDE_VARIANT,
             moe_cuda::TALL_VARIANT
@@ -935,10 +963,10 @@ fn grouped_wgmma_shape_probe() {
         let mut d_dw = poisoned(e * k * n);
         let check_dw = |d_dw: &CudaSlice<u16>, what: &str| {
             let dw = g.stream.clone_dtoh(d_dw).unwrap();
-            for ex in [0, e - 1] {
+            for ex in [0, expert_of(m / 2), last] {
                 for i in [0, k / 2 + 5, k - 1] {
                     for j in [0, n / 2 + 1, n - 1] {
-                        let terms: Vec<f64> = (ex * per..(ex + 1) * per)
+                        let terms: Vec<f64> = (offsets[ex]..offsets[ex + 1])
                             .map(|r| bf16_value(hx[r * k + i]) * bf16_value(hy[r * n + j]))
                             .collect();
                         let want: f64 = terms.iter().sum();
@@ -946,7 +974,7 @@ fn grouped_wgmma_shape_probe() {
                         let got = bf16_value(dw[(ex * k + i) * n + j]);
                         assert!(
                             (got - want).abs() <= 8e-3 * want.abs().max(norm),
-                            "{what} ({e}, {per}, {k}, {n}) dw[{ex}, {i}, {j}] = {got}, float64 {want}"
+                            "{what} ({label}, {k}, {n}) dw[{ex}, {i}, {j}] = {got}, float64 {want}"
                         );
                     }
                 }
@@ -964,7 +992,7 @@ fn grouped_wgmma_shape_probe() {
         });
         check_dw(&d_dw, moe_cuda::TALL_VARIANT);
         println!(
-            "probe dW: {e} experts x {per} rows, K {k}, N {n}: {} {dw_wide:.0} TFLOP/s, {} {dw_tall:.0}",
+            "probe dW: {label}, K {k}, N {n}: {} {dw_wide:.0} TFLOP/s, {} {dw_tall:.0}",
             moe_cuda::WIDE_VARIANT,
             moe_cuda::TALL_VARIANT
         );
