@@ -255,6 +255,7 @@ impl Gpu {
     /// fp16, and each pair of words NaN in fp32), set on the device: the poison a case's
     /// outputs start from, so that an element the call does not write fails the check (built on
     /// the host, the MoE grid's largest output would need a 7.5 GB host buffer and its copy).
+    /// `n = 0` gives an empty slice, as copying an empty host slice does.
     ///
     /// # Errors
     /// Out-of-memory and driver errors.

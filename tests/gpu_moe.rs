@@ -829,7 +829,7 @@ fn grouped_wgmma_shape_probe() {
         (8, 4096, 4096, 14336),
         (8, 4096, 2048, 14336),
         // The grid's small groups at 4096 tokens (512 and 256 rows an expert: whole tall
-        // tiles) and 384 rows (a last tall tile of 128 rows: its second consumer skips).
+        // tiles) and 384 rows (a whole tall tile, then a short one of 128 rows).
         (64, 512, 2048, 1408),
         (128, 256, 2048, 1408),
         (64, 384, 2048, 1408),

@@ -311,8 +311,8 @@ impl GroupedKernel {
     /// [`TALL_VARIANT`]).
     ///
     /// # Errors
-    /// [`GpuError::Config`] for another name, or `grouped_wgmma` off compute capability 9.0;
-    /// NVRTC's log; driver errors.
+    /// [`GpuError::Config`] for another name, or a wgmma kernel (`grouped_wgmma` or either
+    /// variant) off compute capability 9.0; NVRTC's log; driver errors.
     pub fn named(gpu: &Gpu, name: &str, max_groups: usize) -> Result<GroupedKernel, GpuError> {
         match name {
             "grouped_wgmma" => Ok(GroupedKernel::Wgmma(super::sm90::HopperGroupedGemm::new(

@@ -47,11 +47,12 @@ pub const TALL_DW_ENTRY: &str = "grouped_gemm_sm90_dw_tall";
 /// tests have run [`TALL_DW_ENTRY`] (written after the session's device time was spent; the
 /// variant `grouped_wgmma_tall` runs it in the tests and the probe).
 pub const TALL_DW_DISPATCHED: bool = false;
-/// The tall variant's output tile, rows × columns.
+/// The tall tiles' shape, rows × columns (the forward's and dW's, [`TALL_ENTRY`] and
+/// [`TALL_DW_ENTRY`]).
 pub const TALL_TILE: (usize, usize) = (256, 128);
 
-/// True when the tall forward ([`TALL_ENTRY`]) covers N with whole tiles where the 128 × 256
-/// tiles do not: N an odd multiple of 128.
+/// True when the tall tiles ([`TALL_TILE`]) cover N with whole tiles where the 128 × 256 tiles
+/// do not: N an odd multiple of 128.
 pub fn tall_fits(n: usize) -> bool {
     n.is_multiple_of(TALL_TILE.1) && !n.is_multiple_of(TILE.1)
 }
@@ -67,9 +68,11 @@ const HALF_TILE_COST: f64 = 1.1;
 /// hold too): a cost model in whole-tile times, with every group taken at the mean size
 /// r = rows / groups (the forward's group sizes stay on the device),
 /// ⌈r / 256⌉ · N / 128 tall tiles against ⌈r / 128⌉ · (⌊N / 256⌋ + [`HALF_TILE_COST`]) wide
-/// ones. The tall tiles lose where a group's last 256 rows are mostly empty: at 384 rows a
-/// group (N = 1408) the probe measured them 1.26× slower (522 against 656 TFLOP/s), at 256
-/// and 512 rows 1.04–1.05× faster.
+/// ones. Fitted before the short tall tile (a last tile of at most 128 rows split between the
+/// consumers by columns), when the tall tiles lost where a group's last 256 rows were mostly
+/// empty: at 384 rows a group (N = 1408) the probe measured them 1.26× slower (522 against 656
+/// TFLOP/s), at 256 and 512 rows 1.04–1.05× faster; to be refitted once the probe has timed
+/// the short tile.
 pub fn tall_pays(rows: usize, groups: usize, n: usize) -> bool {
     if groups == 0 || !tall_fits(n) {
         return false;
@@ -249,12 +252,12 @@ impl HopperGroupedGemm {
             Product::Dx => None,
         };
         let dispatched = product == Product::Forward || TALL_DW_DISPATCHED;
-        let tall = match (self.tall_use, c_rows) {
-            (TallUse::CostModel, Some(r)) if dispatched && tall_pays(r, groups, n) => Some(()),
-            (TallUse::Always, Some(_)) if tall_fits(n) => Some(()),
-            _ => None,
-        }
-        .map(|()| &self.tall[usize::from(product == Product::Dw)]);
+        let use_tall = match (self.tall_use, c_rows) {
+            (TallUse::CostModel, Some(r)) => dispatched && tall_pays(r, groups, n),
+            (TallUse::Always, Some(_)) => tall_fits(n),
+            _ => false,
+        };
+        let tall = use_tall.then(|| &self.tall[usize::from(product == Product::Dw)]);
         let tiles = if tall.is_some() {
             super::cuda::tiles_bound(product, rows, groups, k, n, TALL_TILE)
         } else {
@@ -376,8 +379,8 @@ mod tests {
 
     #[test]
     fn the_tall_tiles_run_where_the_cost_model_favours_them() {
-        // N = 1408: the grid's groups (256 to 8192 rows) on the tall tiles; 384 and 128 rows
-        // a group (a last tall tile mostly empty) on the wide ones, as the probe measured.
+        // N = 1408: the grid's groups (256 to 8192 rows) on the tall tiles; 384 rows a group
+        // (where the probe measured the tall tiles 1.26x slower) and 128 on the wide ones.
         for per in [256, 512, 1024, 2048, 8192] {
             assert!(tall_pays(64 * per, 64, 1408), "{per}");
         }

@@ -277,7 +277,8 @@ pub fn write_u16(path: &Path, values: &[u16]) -> anyhow::Result<()> {
 /// Reads raw little-endian 16-bit values.
 ///
 /// # Errors
-/// I/O errors, with the path; an odd length.
+/// I/O errors (a short read among them), with the path; an odd length; a file that grew while
+/// it was read.
 pub fn read_u16(path: &Path) -> anyhow::Result<Vec<u16>> {
     use anyhow::Context;
     use std::io::Read;
@@ -412,8 +413,9 @@ mod tests {
 
     #[test]
     fn the_parallel_scan_reports_the_first_non_finite_element_as_the_serial_one() {
-        // Over several of the parallel scan's 65,536-element pieces, a NaN early in a late
-        // piece and an infinity in a later one: the first is the one reported, as serially.
+        // Over several of the parallel scan's pieces (at least 65,536 elements each), a NaN
+        // early in a late piece and an infinity in a later one: the first is the one reported,
+        // as serially (on a one-thread pool this checks the result, not the parallel order).
         let len = 5 * (1 << 16) + 7;
         let mut out = vec![0.5f64; len];
         let ranges = [[3u64, 4u64]];
