@@ -126,18 +126,6 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
         : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
 }
 
-// As wgmma_m64n256k16 for a 64 x 64 D (32 accumulators, the same layout).
-template <int TRANS_A, int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a,
-                                                uint64_t desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        WG_REGS32 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
-        : WG_ACC32(d)
-        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
-}
-
 // Stores the box at `src` (shared memory) to the tensor of `map` at element coordinates
 // (c0, c1, c2) (TMA; elements outside the tensor are not written), as one bulk group.
 __device__ __forceinline__ void gs_tma_store_3d(const TmaMap* map, u32 src, int c0, int c1,
@@ -260,8 +248,9 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
             if constexpr (SHORT) {
                 const uint64_t da2 = smem_desc_sw128(sa + 8192 + kk * 32, 16, 1024);
                 const uint64_t dbc = smem_desc_sw128(sb + cw * 8192 + kk * 2048, 8192, 1024);
-                wgmma_m64n64k16<0, 1>(reinterpret_cast<float(&)[32]>(acc), da, dbc);
-                wgmma_m64n64k16<0, 1>(*reinterpret_cast<float(*)[32]>(acc + 64), da2, dbc);
+                // Attention's m64n64k16 (A K-major, B N-major), accumulating (scale_d 1).
+                wgmma_m64n64k16_ss<1>(reinterpret_cast<float(&)[32]>(acc), da, dbc, 1);
+                wgmma_m64n64k16_ss<1>(*reinterpret_cast<float(*)[32]>(acc + 64), da2, dbc, 1);
             } else if constexpr (TALL) {
                 // The second 64 rows: the next 128-row box's half (forward: A's rows 64..127
                 // lie 8 KB on) or the next 64-row panel (dW: A's columns, 8 KB on).
