@@ -2,7 +2,7 @@
 //! the same three products as [`super::cuda::GroupedGemm`] (forward `y = x · w[e]`, `dX = dY ·
 //! w[e]ᵀ`, `dW[e] = x_eᵀ · dY_e`, one launch each for all experts, ragged and empty groups) on
 //! `wgmma` with TMA loads, a producer warpgroup and two consumer warpgroups, 128 × 256 output
-//! tiles (256 × 128 for the forward, and dW once [`TALL_DW_DISPATCHED`], where N is an odd
+//! tiles (256 × 128 for the forward, and dW where [`TALL_DW_DISPATCHED`], where N is an odd
 //! multiple of 128 and [`tall_pays`]: [`TALL_ENTRY`], [`TALL_DW_ENTRY`]) on a persistent grid
 //! of one block per SM. Layouts are
 //! [`super::reference::grouped_matmul`]'s: `x` `[M, K]` rows in expert order, `w` `[E, K, N]`,
@@ -43,10 +43,10 @@ pub const TALL_ENTRY: &str = "grouped_gemm_sm90_fwd_tall";
 /// dW on 256 × 128 tiles (256 of K's rows, 128 of N's columns; `TALL` with MODE 2), for the
 /// same N and by the same rule ([`tall_pays`] with every group's K rows).
 pub const TALL_DW_ENTRY: &str = "grouped_gemm_sm90_dw_tall";
-/// Whether the dispatch ([`TallUse::CostModel`]) runs dW on the tall tiles: not until the GPU
-/// tests have run [`TALL_DW_ENTRY`] (written after the session's device time was spent; the
-/// variant `grouped_wgmma_tall` runs it in the tests and the probe).
-pub const TALL_DW_DISPATCHED: bool = false;
+/// Whether the dispatch ([`TallUse::CostModel`]) runs dW on the tall tiles: yes since the GPU
+/// tests passed with [`TALL_DW_ENTRY`] (84cbece) and the probe in `kernels/TUNING-moe.md` timed
+/// it 1.01–1.13× faster than the wide tiles at N = 1408 on every shape it ran.
+pub const TALL_DW_DISPATCHED: bool = true;
 /// The tall tiles' shape, rows × columns (the forward's and dW's, [`TALL_ENTRY`] and
 /// [`TALL_DW_ENTRY`]).
 pub const TALL_TILE: (usize, usize) = (256, 128);
@@ -71,8 +71,9 @@ const HALF_TILE_COST: f64 = 1.1;
 /// ones. Fitted before the short tall tile (a last tile of at most 128 rows split between the
 /// consumers by columns), when the tall tiles lost where a group's last 256 rows were mostly
 /// empty: at 384 rows a group (N = 1408) the probe measured them 1.26× slower (522 against 656
-/// TFLOP/s), at 256 and 512 rows 1.04–1.05× faster; to be refitted once the probe has timed
-/// the short tile.
+/// TFLOP/s), at 256 and 512 rows 1.04–1.05× faster. The short tile left that unchanged (522
+/// against 658 at 84cbece: it still loads 256 rows of A for 128 rows of products), so the model
+/// stands as fitted.
 pub fn tall_pays(rows: usize, groups: usize, n: usize) -> bool {
     if groups == 0 || !tall_fits(n) {
         return false;
@@ -150,7 +151,7 @@ pub struct HopperGroupedGemm {
 impl HopperGroupedGemm {
     /// Compiles the kernels (once per process) for launches over up to `max_groups` groups;
     /// the forward runs on the tall tiles ([`TALL_ENTRY`]) wherever [`tall_pays`], and dW
-    /// ([`TALL_DW_ENTRY`]) by the same rule once [`TALL_DW_DISPATCHED`].
+    /// ([`TALL_DW_ENTRY`]) by the same rule where [`TALL_DW_DISPATCHED`].
     ///
     /// # Errors
     /// [`GpuError::Config`] on a device that is not compute capability 9.0 or for more than
