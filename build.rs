@@ -11,8 +11,9 @@
 //! - `kp_python`: `python3` runs;
 //! - `kp_torch`, `kp_jax`: `python3` imports `torch`, `jax` (on any device: the CPU
 //!   comparison modules and the JAX module's CPU test hook need no GPU);
-//! - `kp_cxx`: `g++` compiles C++20 with `<barrier>` (the CPU emulation of the sequence-mixer
-//!   kernels, `kernels/sequence_mixers/emulate/`).
+//! - `kp_cxx`: `g++` compiles C++20 with `<ucontext.h>` (the CPU emulation of the
+//!   sequence-mixer and MoE kernels, whose CUDA threads are ucontext fibers:
+//!   `kernels/sequence_mixers/emulate/cuda_shim.h`).
 //!
 //! On the GPU machine, run the ignored tests with `cargo test -- --include-ignored` (a binary
 //! built elsewhere carries the flags of the machine it was built on).
@@ -66,14 +67,14 @@ fn main() {
             }
         }
     }
-    if cxx20_barrier() {
+    if cxx20_fibers() {
         println!("cargo:rustc-cfg=kp_cxx");
     }
     record_commit();
 }
 
-/// True when `g++ -std=c++20` compiles a file that includes `<barrier>`.
-fn cxx20_barrier() -> bool {
+/// True when `g++ -std=c++20` compiles a file that makes a ucontext fiber (`<ucontext.h>`).
+fn cxx20_fibers() -> bool {
     use std::io::Write;
     let Ok(mut child) = Command::new("g++")
         .args(["-std=c++20", "-fsyntax-only", "-x", "c++", "-"])
@@ -85,7 +86,7 @@ fn cxx20_barrier() -> bool {
         return false;
     };
     if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(b"#include <barrier>\nint main() { std::barrier<> b(1); }\n");
+        let _ = stdin.write_all(b"#include <ucontext.h>\n#include <concepts>\nint main() { ucontext_t c; return getcontext(&c); }\n");
     }
     child.wait().is_ok_and(|s| s.success())
 }

@@ -176,13 +176,28 @@ fn emulated_kernel_runs_clean(name: &str, cases: &[String]) {
 /// shim and the sequence-mixer prelude (`-I kernels/sequence_mixers/emulate`,
 /// `-I kernels/sequence_mixers`) beside its suite's kernels (`-I kernels/<suite>`).
 fn emulated_suite_kernel_runs_clean(suite: &str, name: &str, cases: &[String]) {
+    let (_tmp, exe) = build_emulation(suite, name);
+    let out = Command::new(&exe)
+        .args(cases)
+        .output()
+        .expect("the emulation runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.trim_end().ends_with("ALL OK"),
+        "{text}"
+    );
+}
+
+/// Compiles `kernels/<suite>/emulate/<name>.cpp` with g++ into a temporary folder (returned
+/// with the executable's path, so that it lives as long as the caller needs it).
+fn build_emulation(suite: &str, name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
     let kernels = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
     let dir = kernels.join(suite);
     let shared = kernels.join("sequence_mixers");
     let tmp = tempfile::tempdir().unwrap();
     let exe = tmp.path().join(name);
     let built = Command::new("g++")
-        .args(["-std=c++20", "-O1", "-pthread", "-w", "-I"])
+        .args(["-std=c++20", "-O1", "-w", "-I"])
         .arg(&dir)
         .arg("-I")
         .arg(&shared)
@@ -198,14 +213,37 @@ fn emulated_suite_kernel_runs_clean(suite: &str, name: &str, cases: &[String]) {
         "{}",
         String::from_utf8_lossy(&built.stderr)
     );
+    (tmp, exe)
+}
+
+/// The shim the emulations run on (`cuda_shim.h`: CUDA threads as fibers, barriers as yields,
+/// a random order per pass): a block sum through shuffles and `__syncthreads` is exact; a
+/// read of a higher and of a lower thread's slot with no barrier after its write reads the
+/// poison; a barrier one thread skips stops the program, naming the block, instead of hanging.
+#[test]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
+fn the_shim_runs_blocks_catches_races_and_stops_at_skipped_barriers() {
+    let (_tmp, exe) = build_emulation("sequence_mixers", "shim_check");
+    for mode in ["sum", "race_up", "race_down"] {
+        let out = Command::new(&exe)
+            .arg(mode)
+            .output()
+            .expect("shim_check runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.trim_end().ends_with("ALL OK"),
+            "{mode}: {text}"
+        );
+    }
     let out = Command::new(&exe)
-        .args(cases)
+        .arg("deadlock")
         .output()
-        .expect("the emulation runs");
-    let text = String::from_utf8_lossy(&out.stdout);
+        .expect("shim_check runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a skipped barrier went unnoticed");
     assert!(
-        out.status.success() && text.trim_end().ends_with("ALL OK"),
-        "{text}"
+        err.contains("block (0, 0, 0): 127 of 128 threads wait at a barrier"),
+        "{err}"
     );
 }
 
@@ -217,7 +255,7 @@ fn emulated_suite_kernel_runs_clean(suite: &str, name: &str, cases: &[String]) {
 /// `mma.sync` fragments emulated lane by lane in `cuda_shim.h`) on the shapes the host gives
 /// them.
 #[test]
-#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn ssd_kernels_emulated_match_the_recurrence() {
     use kernelpages::sequence_mixers::cuda::{shared_bytes, tensor_core_shared_bytes};
     use kernelpages::sequence_mixers::reference::SsdShape;
@@ -274,7 +312,7 @@ fn ssd_kernels_emulated_match_the_recurrence() {
 /// poisoned and guarded past them: partial chunks and tiles, one step, K ≠ V, windows of 1 to
 /// 200 steps; and the tensor-core window kernel (bf16) where the host would take it.
 #[test]
-#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn based_kernels_emulated_match_the_recurrence() {
     use kernelpages::sequence_mixers::based_cuda::{
         shared_bytes, window_shared_bytes, window_tc_shared_bytes,
@@ -327,7 +365,7 @@ fn based_kernels_emulated_match_the_recurrence() {
 /// partial chunks, one step, K ≠ V both ways, V not a multiple of the state pass's rows per
 /// block, odd K, K = V = 128.
 #[test]
-#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn gated_delta_kernels_emulated_match_the_recurrence() {
     use kernelpages::sequence_mixers::cuda::Dtype;
     use kernelpages::sequence_mixers::delta_cuda::{shared_bytes, tc_shared_bytes};
@@ -379,7 +417,7 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
 /// past them: one step, partial chunks, K ≠ V, value rows not a multiple of the 16-row
 /// blocks, odd widths, K = V = 64 and 128. Bound 1e-4.
 #[test]
-#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn delta_backward_emulated_matches_the_adjoint() {
     use kernelpages::sequence_mixers::delta_backward;
     use kernelpages::sequence_mixers::delta_cuda::shared_bytes;
@@ -416,7 +454,7 @@ fn delta_backward_emulated_matches_the_adjoint() {
 /// one chunk, several with the last partial, chunks of the staged steps only, channels not a
 /// multiple of a block's, idle state entries.
 #[test]
-#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn selective_scan_kernel_emulated_matches_the_recurrence() {
     let cases: Vec<String> = [
         (1, 1, 1, 1, 64),
@@ -446,7 +484,7 @@ fn selective_scan_kernel_emulated_matches_the_recurrence() {
 /// multiple of the block's warps, one and two states per lane, with the host's chunk
 /// (`scan_cuda::backward_chunk`) and a short one.
 #[test]
-#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn selective_scan_backward_emulated_matches_the_adjoint() {
     use kernelpages::sequence_mixers::scan_cuda::backward_chunk;
     let mut cases: Vec<String> = [
@@ -477,7 +515,7 @@ fn selective_scan_backward_emulated_matches_the_adjoint() {
 /// past them: one step, partial chunks, groups, odd head_dim and state, one, two and four
 /// columns per lane in the tiled products and more than one pass of them.
 #[test]
-#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn ssd_backward_emulated_matches_the_adjoint() {
     use kernelpages::sequence_mixers::reference::SsdShape;
     use kernelpages::sequence_mixers::ssd_backward::backward_shared_bytes;
@@ -517,7 +555,7 @@ fn ssd_backward_emulated_matches_the_adjoint() {
 /// again on bf16-rounded inputs with the window's tensor-core kernels (version 2, `mma.sync`
 /// emulated lane by lane), bound 1e-3.
 #[test]
-#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn based_backward_emulated_matches_the_adjoint() {
     use kernelpages::sequence_mixers::based_backward::{
         window_backward_shared_bytes, window_backward_tc_shared_bytes,
@@ -566,7 +604,7 @@ fn based_backward_emulated_matches_the_adjoint() {
 /// row tiles, and the skewed counts `GroupedCase` gives (its last quarter of experts empty);
 /// persistent grids of fewer blocks than tiles.
 #[test]
-#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn grouped_gemm_emulated_matches_float64() {
     use kernelpages::moe::case::{GroupedCase, Spread};
     let join = |c: &[usize]| {
@@ -601,7 +639,7 @@ fn grouped_gemm_emulated_matches_float64() {
 /// the CPU against a direct reference: chosen experts with ties, the stable plan with and
 /// without a capacity, softmax and sigmoid gates, the identity at top_k = 1, the activation.
 #[test]
-#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 <barrier>")]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn moe_dispatch_emulated_matches_the_reference() {
     let cases: Vec<String> = [
         "37,8,2,-1,16,0",

@@ -1,5 +1,5 @@
 // The grouped GEMM's kernels (grouped_gemm.cu) emulated on the CPU (the sequence-mixer
-// shim, cuda_shim.h: one thread per CUDA thread, mma.sync and ldmatrix lane by lane, shared
+// shim, cuda_shim.h: a fiber per CUDA thread, mma.sync and ldmatrix lane by lane, shared
 // memory poisoned before each block) against float64 products of the same bf16 values: the
 // forward, dX and dW, every element, outputs poisoned with NaN beforehand. Each argument is one
 // case "K,N,BLOCKS,c0:c1:...": the widths, the persistent grid's blocks (fewer than the tiles,

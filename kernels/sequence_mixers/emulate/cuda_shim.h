@@ -1,33 +1,73 @@
 // A CPU emulation of the CUDA subset the sequence-mixer kernels' block-wide code uses, so
-// their index logic runs on any machine with a C++20 compiler (tests/kernels_emulate.rs): one
-// std::thread per CUDA thread, __syncthreads as a std::barrier, the blocks of a grid one after
-// another, shared memory filled with all-ones bits before each block (a NaN as float32 and as
-// either bf16 half, so a read of what no thread wrote poisons the output) and guarded past the
-// size the host gives the kernel (a write there is counted in g_overrun). Float arithmetic is
-// the host's; the GPU tests check the device's.
+// their index logic runs on any machine with a C++20 compiler (tests/kernels_emulate.rs): each
+// CUDA thread of a block is a fiber (a ucontext with its own stack) on the one host thread,
+// __syncthreads and the warps' exchanges are barriers at which a fiber yields until every
+// thread of the barrier has arrived, the blocks of a grid one after another, shared memory
+// filled with all-ones bits before each block (a NaN as float32 and as either bf16 half, so a
+// read of what no thread wrote poisons the output) and guarded past the size the host gives the
+// kernel (a write there is counted in g_overrun). The fibers run in turn from one barrier to
+// the next, in a new random order on every pass (deterministic: seeded by the block), so a read
+// that a missing barrier leaves unordered against another thread's write comes first on some
+// pass and reads the poison; a barrier that some thread never reaches stops the program with
+// the block and the threads left waiting. Float arithmetic is the host's; the GPU tests check the device's.
+//
+// Fibers replace one std::thread per CUDA thread (until 2026-12-04): with 128-256 threads a
+// block on a 2-core machine, every warp shuffle woke 32 sleeping threads, and the emulation
+// tests spent most of their time in the kernel's scheduler.
 #include <atomic>
-#include <barrier>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <utility>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <vector>
+#include <sys/mman.h>
+#include <ucontext.h>
 struct dim3 { unsigned x = 0, y = 0, z = 0; };
 // CUDA's 16-byte vector of four unsigned ints (16-byte loads and stores).
 struct alignas(16) uint4 { unsigned x, y, z, w; };
-thread_local dim3 threadIdx;
-dim3 blockIdx, gridDim, blockDim;
-std::barrier<>* g_bar = nullptr;
+dim3 threadIdx, blockIdx, gridDim, blockDim;
+// A barrier of `n` fibers: the last to arrive opens it (a new generation); every fiber that
+// arrives yields to the scheduler in `launch`, the others until the generation they wait on
+// has passed, so that the code after the barrier runs in the scheduler's order for all.
+struct FiberBarrier {
+    unsigned n, arrived = 0;
+    unsigned long generation = 0;
+    explicit FiberBarrier(unsigned count) : n(count) {}
+    void arrive_and_wait();
+};
+// One CUDA thread: its context, the barrier it waits at (null when runnable) and the generation.
+struct Fiber {
+    ucontext_t ctx;
+    const FiberBarrier* waits = nullptr;
+    unsigned long generation = 0;
+    bool done = false;
+};
+std::vector<Fiber> g_fibers;
+unsigned g_current = 0;
+ucontext_t g_scheduler;
+void FiberBarrier::arrive_and_wait() {
+    Fiber& f = g_fibers[g_current];
+    if (++arrived == n) {
+        arrived = 0;
+        ++generation;
+        f.waits = nullptr;
+    } else {
+        f.waits = this;
+        f.generation = generation;
+    }
+    swapcontext(&f.ctx, &g_scheduler);
+}
+FiberBarrier* g_bar = nullptr;
 inline void __syncthreads() { g_bar->arrive_and_wait(); }
 // A warp: its 32 threads meet at a barrier of their own; shuffles exchange through `vals`. Every
 // lane of the warp must reach each __syncwarp and shuffle (full-mask use only).
 struct Warp {
-    std::barrier<> bar{32};
+    FiberBarrier bar{32};
     float vals[32];
     const unsigned short* rows[32];
 };
@@ -120,33 +160,92 @@ template <int N> inline void cp_async_wait() {}
 #define __align__(x)
 alignas(16) float smem[1 << 17];
 inline float __expf(float x) { return std::exp(x); }
-// Threads of a block run at once (blocks one after another): an atomic add on the host.
-inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
-inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+// The threads of a block are fibers of one host thread (blocks one after another): an add.
+inline float atomicAdd(float* p, float v) { const float old = *p; *p = old + v; return old; }
+inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
 using std::min; using std::max;
 int g_overrun = 0;
 // smem_floats: the dynamic shared memory the host gives the kernel; a write past it is counted.
+// Each fiber's stack (1 MB, far more than the kernels' frames of a few KB), below a page that
+// may not be touched, so that an overflow stops the program instead of writing into the next
+// fiber's stack. Mapped once per launch; pages are committed only as frames grow.
+constexpr size_t kGuard = 4096;
+constexpr size_t kFiberStack = 1024 * 1024;
+struct FiberStacks {
+    char* base = nullptr;
+    size_t bytes = 0;
+    explicit FiberStacks(unsigned threads) : bytes((kFiberStack + kGuard) * threads) {
+        void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) { std::perror("mmap of the fibers' stacks"); std::abort(); }
+        base = static_cast<char*>(p);
+        for (unsigned t = 0; t < threads; ++t)
+            if (mprotect(base + (kFiberStack + kGuard) * t, kGuard, PROT_NONE) != 0) { std::perror("mprotect"); std::abort(); }
+    }
+    char* stack(unsigned t) const { return base + (kFiberStack + kGuard) * t + kGuard; }
+    ~FiberStacks() { munmap(base, bytes); }
+};
+std::function<void()>* g_kernel = nullptr;
+void fiber_main() {
+    (*g_kernel)();
+    g_fibers[g_current].done = true;
+}
 template <class F> void launch(dim3 grid, unsigned threads, F kernel, size_t smem_floats = 1 << 17) {
     gridDim = grid; blockDim = dim3{threads, 1, 1};
+    std::function<void()> body = kernel;
+    g_kernel = &body;
+    const FiberStacks stacks(threads);
     for (unsigned z = 0; z < grid.z; ++z) for (unsigned y = 0; y < grid.y; ++y)
     for (unsigned x = 0; x < grid.x; ++x) {
         blockIdx = dim3{x, y, z};
         // All ones: a NaN as a float and as either bf16 half of one.
         std::memset(smem, 0xff, sizeof smem);
-        std::barrier<> bar(threads); g_bar = &bar;
+        FiberBarrier bar(threads); g_bar = &bar;
         g_warps.clear();
         for (unsigned w = 0; w < (threads + 31) / 32; ++w) g_warps.push_back(std::make_unique<Warp>());
         g_mma_reset((threads + 31) / 32);
-        std::vector<std::thread> ts;
         for (size_t i = smem_floats; i < (1u << 17); ++i) smem[i] = -12345.f;
-        for (unsigned t = 0; t < threads; ++t)
-            ts.emplace_back([t, &kernel] { threadIdx = dim3{t, 0, 0}; kernel(); });
-        for (auto& th : ts) th.join();
+        g_fibers.assign(threads, Fiber{});
+        for (unsigned t = 0; t < threads; ++t) {
+            Fiber& f = g_fibers[t];
+            getcontext(&f.ctx);
+            f.ctx.uc_stack.ss_sp = stacks.stack(t);
+            f.ctx.uc_stack.ss_size = kFiberStack;
+            f.ctx.uc_link = &g_scheduler;
+            makecontext(&f.ctx, fiber_main, 0);
+        }
+        // Passes over the fibers, each in a new random order (xorshift, seeded by the block),
+        // each running every runnable one to its next barrier or its end.
+        unsigned left = threads;
+        std::vector<unsigned> order(threads);
+        for (unsigned t = 0; t < threads; ++t) order[t] = t;
+        uint64_t seed = 0x9e3779b97f4a7c15ull ^ (((uint64_t)z << 42) | ((uint64_t)y << 21) | x);
+        auto next = [&seed] { seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17; return seed; };
+        for (unsigned pass = 0; left > 0; ++pass) {
+            bool ran = false;
+            for (unsigned i = threads; i > 1; --i) std::swap(order[i - 1], order[next() % i]);
+            for (unsigned i = 0; i < threads; ++i) {
+                const unsigned t = order[i];
+                Fiber& f = g_fibers[t];
+                if (f.done || (f.waits != nullptr && f.waits->generation == f.generation)) continue;
+                f.waits = nullptr;
+                g_current = t;
+                threadIdx = dim3{t, 0, 0};
+                swapcontext(&g_scheduler, &f.ctx);
+                ran = true;
+                if (g_fibers[t].done) --left;
+            }
+            if (!ran) {
+                std::fprintf(stderr, "block (%u, %u, %u): %u of %u threads wait at a barrier that the others never reach\n",
+                             x, y, z, left, threads);
+                std::abort();
+            }
+        }
         for (size_t i = smem_floats; i < (1u << 17); ++i) if (smem[i] != -12345.f) { ++g_overrun; break; }
     }
+    g_kernel = nullptr;
 }
 // mma.sync m16n8k16 bf16 -> float32 (prelude.cuh's mma_bf16, whose comment gives the fragment
 // layout): every lane of the warp deposits its fragments, then computes its own four outputs
