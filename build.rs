@@ -73,11 +73,18 @@ fn main() {
     record_commit();
 }
 
-/// True when `g++ -std=c++20` compiles a file that makes a ucontext fiber (`<ucontext.h>`).
+/// True when `g++ -std=c++20` compiles and links a program that switches to a ucontext fiber
+/// and back (`getcontext`, `makecontext`, `swapcontext`: glibc has them, musl does not), as the
+/// emulation shim does; the program is written to `OUT_DIR` and not run.
 fn cxx20_fibers() -> bool {
     use std::io::Write;
+    let Some(out_dir) = std::env::var_os("OUT_DIR") else {
+        return false;
+    };
+    let exe = Path::new(&out_dir).join("kp_cxx_fiber_check");
     let Ok(mut child) = Command::new("g++")
-        .args(["-std=c++20", "-fsyntax-only", "-x", "c++", "-"])
+        .args(["-std=c++20", "-x", "c++", "-", "-o"])
+        .arg(&exe)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -86,7 +93,14 @@ fn cxx20_fibers() -> bool {
         return false;
     };
     if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(b"#include <ucontext.h>\n#include <concepts>\nint main() { ucontext_t c; return getcontext(&c); }\n");
+        let _ = stdin.write_all(
+            b"#include <ucontext.h>\n#include <concepts>\n\
+              static ucontext_t main_ctx, fiber_ctx; static char stack[65536];\n\
+              static void fiber() { swapcontext(&fiber_ctx, &main_ctx); }\n\
+              int main() { getcontext(&fiber_ctx); fiber_ctx.uc_stack.ss_sp = stack;\n\
+              fiber_ctx.uc_stack.ss_size = sizeof stack; fiber_ctx.uc_link = &main_ctx;\n\
+              makecontext(&fiber_ctx, fiber, 0); return swapcontext(&main_ctx, &fiber_ctx); }\n",
+        );
     }
     child.wait().is_ok_and(|s| s.success())
 }

@@ -99,6 +99,9 @@ fn defaults_bwd() -> Vec<(AttentionCase, BwdConfig)> {
         .collect()
 }
 
+/// Every flash instantiation the runners can ask for compiles: the defaults (each dtype, head
+/// dim and mask) for Ampere and for Hopper, where ptxas's report of them is printed and
+/// checked, and every swept forward and backward configuration for Hopper.
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
@@ -109,10 +112,40 @@ fn every_flash_instantiation_compiles() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    // The defaults for every dtype, head dim and mask, for Hopper and for Ampere.
-    for arch in ["sm_90a", "sm_80"] {
-        compile("flash_fwd_defaults.cu", &fwd_source(&defaults_fwd()), arch);
-        compile("flash_bwd_defaults.cu", &bwd_source(&defaults_bwd()), arch);
+    // The defaults for every dtype, head dim and mask, for Ampere, and for Hopper with
+    // ptxas's report (the same compile, reporting): printed for kernels/TUNING.md, and no
+    // kernel may need more than the 255 registers a thread has or spill more than a few words.
+    compile(
+        "flash_fwd_defaults.cu",
+        &fwd_source(&defaults_fwd()),
+        "sm_80",
+    );
+    compile(
+        "flash_bwd_defaults.cu",
+        &bwd_source(&defaults_bwd()),
+        "sm_80",
+    );
+    let (fwd, bwd) = (defaults_fwd(), defaults_bwd());
+    let mut reports =
+        kernelpages::gpu::ptxas_report("fwd.cu", &fwd_source(&fwd), "sm_90a").unwrap();
+    reports.extend(kernelpages::gpu::ptxas_report("bwd.cu", &bwd_source(&bwd), "sm_90a").unwrap());
+    eprintln!("| kernel | registers | spill bytes | stack bytes |");
+    eprintln!("| --- | --- | --- | --- |");
+    for r in &reports {
+        eprintln!(
+            "| {} | {} | {} | {} |",
+            r.kernel, r.registers, r.spill_bytes, r.stack_bytes
+        );
+    }
+    assert!(reports.len() >= fwd.len() + bwd.len());
+    for r in &reports {
+        assert!(r.registers <= 255, "{r:?}");
+        assert!(
+            r.spill_bytes <= 64,
+            "{} spills {} bytes",
+            r.kernel,
+            r.spill_bytes
+        );
     }
     // The configurations `--flash-config` and `--flash-bwd-config` can name, where they fit
     // the head dim's registers (bf16 and fp16 share the code; bf16 stands for both).
@@ -204,50 +237,6 @@ fn heads_layout_kernels_compile() {
         ] {
             assert!(text.contains(f), "{f} missing from the {arch} PTX");
         }
-    }
-}
-
-/// ptxas's report for the default instantiations (bf16; fp16 is the same code) on sm_90a:
-/// printed for kernels/TUNING.md, and no kernel may need more than the 255 registers a thread
-/// has or spill more than a few words.
-#[test]
-#[cfg_attr(
-    not(kp_nvrtc),
-    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
-)]
-fn default_kernels_fit_their_registers() {
-    assert!(
-        nvrtc_present(),
-        "libnvrtc.so.13 not found on the loader path"
-    );
-    let fwd: Vec<_> = defaults_fwd()
-        .into_iter()
-        .filter(|(c, _)| c.dtype == Dtype::Bf16)
-        .collect();
-    let bwd: Vec<_> = defaults_bwd()
-        .into_iter()
-        .filter(|(c, _)| c.dtype == Dtype::Bf16)
-        .collect();
-    let mut reports =
-        kernelpages::gpu::ptxas_report("fwd.cu", &fwd_source(&fwd), "sm_90a").unwrap();
-    reports.extend(kernelpages::gpu::ptxas_report("bwd.cu", &bwd_source(&bwd), "sm_90a").unwrap());
-    eprintln!("| kernel | registers | spill bytes | stack bytes |");
-    eprintln!("| --- | --- | --- | --- |");
-    for r in &reports {
-        eprintln!(
-            "| {} | {} | {} | {} |",
-            r.kernel, r.registers, r.spill_bytes, r.stack_bytes
-        );
-    }
-    assert!(reports.len() >= fwd.len() + bwd.len());
-    for r in &reports {
-        assert!(r.registers <= 255, "{r:?}");
-        assert!(
-            r.spill_bytes <= 64,
-            "{} spills {} bytes",
-            r.kernel,
-            r.spill_bytes
-        );
     }
 }
 
@@ -381,9 +370,9 @@ fn the_fast_path_forward_compiles() {
 }
 
 /// The kernel-sum kernels (`kernels/kernel_sums/kernel_sums.cu`): the whole source compiles for
-/// Hopper and Ampere with every entry point `kernel_sums::cuda` can launch in its PTX, and each
-/// entry point also compiles alone, as the runner compiles it (`entry_source`), to a module
-/// holding that entry point and no other.
+/// Ampere with every entry point `kernel_sums::cuda` can launch in its PTX, and for Hopper with
+/// each in ptxas's report (none spilling); each entry point also compiles alone, as the runner
+/// compiles it (`entry_source`), to a module holding that entry point and no other.
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
@@ -396,50 +385,29 @@ fn kernel_sums_kernels_compile() {
     );
     use kernelpages::kernel_sums::cuda::{entry_points, entry_source, KERNEL_SUMS_SRC};
     let names = entry_points();
-    for arch in ["sm_90a", "sm_80"] {
-        let ptx = kernelpages::gpu::nvrtc_compile("kernel_sums.cu", KERNEL_SUMS_SRC, arch)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let text = ptx.to_src();
-        for f in &names {
-            // `.entry name(`: a bare substring test would take rbf_mv_d1_c16 for rbf_mv_d1_c1.
-            assert!(
-                text.contains(&format!(".entry {f}(")),
-                "{f} missing from the {arch} PTX"
-            );
-        }
-        assert_eq!(text.matches(".entry ").count(), names.len(), "{arch}");
-    }
+    let ptx = kernelpages::gpu::nvrtc_compile("kernel_sums.cu", KERNEL_SUMS_SRC, "sm_80")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let text = ptx.to_src();
     for f in &names {
-        let ptx = kernelpages::gpu::nvrtc_compile(&format!("{f}.cu"), &entry_source(f), "sm_90a")
-            .unwrap_or_else(|e| panic!("{e}"));
-        let text = ptx.to_src();
-        assert!(text.contains(&format!(".entry {f}(")), "{f} alone");
-        assert_eq!(text.matches(".entry ").count(), 1, "{f} alone");
+        // `.entry name(`: a bare substring test would take rbf_mv_d1_c16 for rbf_mv_d1_c1.
+        assert!(
+            text.contains(&format!(".entry {f}(")),
+            "{f} missing from the sm_80 PTX"
+        );
     }
-}
-
-/// ptxas's report for every kernel-sum entry point on sm_90a (registers, spills; printed with
-/// `--nocapture` for kernels/TUNING-kernel-sums.md): none may spill or need more than the 255
-/// registers a thread has.
-#[test]
-#[cfg_attr(
-    not(kp_nvrtc),
-    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
-)]
-fn kernel_sums_fit_their_registers() {
-    assert!(
-        nvrtc_present(),
-        "libnvrtc.so.13 not found on the loader path"
-    );
-    use kernelpages::kernel_sums::cuda::{entry_points, KERNEL_SUMS_SRC};
+    assert_eq!(text.matches(".entry ").count(), names.len(), "sm_80");
+    // On sm_90a the same compile with ptxas's report (printed with `--nocapture` for
+    // kernels/TUNING-kernel-sums.md): every entry point and no other, none spilling or needing
+    // more than the 255 registers a thread has.
     let reports =
         kernelpages::gpu::ptxas_report("kernel_sums.cu", KERNEL_SUMS_SRC, "sm_90a").unwrap();
+    assert_eq!(reports.len(), names.len(), "sm_90a: {reports:?}");
     eprintln!("| kernel | registers | spill bytes | stack bytes |");
     eprintln!("| --- | --- | --- | --- |");
-    for name in entry_points() {
+    for name in &names {
         let r = reports
             .iter()
-            .find(|r| r.kernel == name)
+            .find(|r| &r.kernel == name)
             .unwrap_or_else(|| panic!("no ptxas report for {name}"));
         eprintln!(
             "| {} | {} | {} | {} |",
@@ -447,6 +415,13 @@ fn kernel_sums_fit_their_registers() {
         );
         assert_eq!(r.spill_bytes, 0, "{r:?}");
         assert!(r.registers <= 255, "{r:?}");
+    }
+    for f in &names {
+        let ptx = kernelpages::gpu::nvrtc_compile(&format!("{f}.cu"), &entry_source(f), "sm_90a")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let text = ptx.to_src();
+        assert!(text.contains(&format!(".entry {f}(")), "{f} alone");
+        assert_eq!(text.matches(".entry ").count(), 1, "{f} alone");
     }
 }
 

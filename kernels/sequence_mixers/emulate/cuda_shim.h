@@ -8,8 +8,10 @@
 // kernel (a write there is counted in g_overrun). The fibers run in turn from one barrier to
 // the next, in a new random order on every pass (deterministic: seeded by the block), so a read
 // that a missing barrier leaves unordered against another thread's write comes first on some
-// pass and reads the poison; a barrier that some thread never reaches stops the program with
-// the block and the threads left waiting. Float arithmetic is the host's; the GPU tests check the device's.
+// pass and reads the poison; a barrier that some thread never reaches stops the program, naming
+// the block and how many threads wait. Only whole segments between barriers are reordered: a
+// fiber is never interrupted inside one, so a lost update of a non-atomic read-modify-write by
+// several threads is not seen. Float arithmetic is the host's; the GPU tests check the device's.
 //
 // Fibers replace one std::thread per CUDA thread (until 2026-12-04): with 128-256 threads a
 // block on a 2-core machine, every warp shuffle woke 32 sleeping threads, and the emulation
@@ -27,6 +29,7 @@
 #include <vector>
 #include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 struct dim3 { unsigned x = 0, y = 0, z = 0; };
 // CUDA's 16-byte vector of four unsigned ints (16-byte loads and stores).
 struct alignas(16) uint4 { unsigned x, y, z, w; };
@@ -168,23 +171,26 @@ inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
 using std::min; using std::max;
 int g_overrun = 0;
-// smem_floats: the dynamic shared memory the host gives the kernel; a write past it is counted.
-// Each fiber's stack (1 MB, far more than the kernels' frames of a few KB), below a page that
-// may not be touched, so that an overflow stops the program instead of writing into the next
-// fiber's stack. Mapped once per launch; pages are committed only as frames grow.
-constexpr size_t kGuard = 4096;
-constexpr size_t kFiberStack = 1024 * 1024;
+// Each fiber's stack (1 MB, far more than the kernels' frames of a few KB, rounded up to whole
+// pages), above a page that may not be touched, so that an overflow stops the program instead
+// of writing into the next fiber's stack. Mapped once per launch without reserving swap; pages
+// are committed only as frames grow.
 struct FiberStacks {
+    size_t page = 0, stack_bytes = 0, bytes = 0;
     char* base = nullptr;
-    size_t bytes = 0;
-    explicit FiberStacks(unsigned threads) : bytes((kFiberStack + kGuard) * threads) {
-        void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    explicit FiberStacks(unsigned threads) {
+        page = (size_t)sysconf(_SC_PAGESIZE);
+        stack_bytes = (1024 * 1024 + page - 1) / page * page;
+        bytes = (stack_bytes + page) * threads;
+        void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (p == MAP_FAILED) { std::perror("mmap of the fibers' stacks"); std::abort(); }
         base = static_cast<char*>(p);
         for (unsigned t = 0; t < threads; ++t)
-            if (mprotect(base + (kFiberStack + kGuard) * t, kGuard, PROT_NONE) != 0) { std::perror("mprotect"); std::abort(); }
+            if (mprotect(base + (stack_bytes + page) * t, page, PROT_NONE) != 0) { std::perror("mprotect"); std::abort(); }
     }
-    char* stack(unsigned t) const { return base + (kFiberStack + kGuard) * t + kGuard; }
+    char* stack(unsigned t) const { return base + (stack_bytes + page) * t + page; }
+    FiberStacks(const FiberStacks&) = delete;
+    FiberStacks& operator=(const FiberStacks&) = delete;
     ~FiberStacks() { munmap(base, bytes); }
 };
 std::function<void()>* g_kernel = nullptr;
@@ -192,6 +198,7 @@ void fiber_main() {
     (*g_kernel)();
     g_fibers[g_current].done = true;
 }
+// smem_floats: the dynamic shared memory the host gives the kernel; a write past it is counted.
 template <class F> void launch(dim3 grid, unsigned threads, F kernel, size_t smem_floats = 1 << 17) {
     gridDim = grid; blockDim = dim3{threads, 1, 1};
     std::function<void()> body = kernel;
@@ -212,7 +219,7 @@ template <class F> void launch(dim3 grid, unsigned threads, F kernel, size_t sme
             Fiber& f = g_fibers[t];
             getcontext(&f.ctx);
             f.ctx.uc_stack.ss_sp = stacks.stack(t);
-            f.ctx.uc_stack.ss_size = kFiberStack;
+            f.ctx.uc_stack.ss_size = stacks.stack_bytes;
             f.ctx.uc_link = &g_scheduler;
             makecontext(&f.ctx, fiber_main, 0);
         }
