@@ -760,6 +760,52 @@ pub fn ptxas_report(name: &str, src: &str, arch: &str) -> Result<Vec<PtxasReport
     })
 }
 
+/// Everything one NVRTC compile for a real architecture gives: the PTX, the machine code and
+/// ptxas's report of every kernel ([`compile_with_report`]).
+#[derive(Clone, Debug)]
+pub struct CompiledWithReport {
+    /// The PTX text.
+    pub ptx: String,
+    /// The machine code (CUBIN), as [`nvrtc_compile_cubin`] returns it.
+    pub cubin: Vec<u8>,
+    /// ptxas's resource report, as [`ptxas_report`] returns it.
+    pub reports: Vec<PtxasReport>,
+}
+
+/// Compiles `src` once with NVRTC for the real architecture `arch` (e.g. `sm_90a`) with
+/// `--ptxas-options=-v`, and returns the PTX, the machine code and ptxas's report together:
+/// what [`nvrtc_compile`], [`nvrtc_compile_cubin`] and [`ptxas_report`] give one by one, for a
+/// test that checks all three at the cost of one compile. Needs only the NVRTC library.
+///
+/// # Errors
+/// [`GpuError::Compile`] with the compiler log; when `arch` is virtual (no machine code); a
+/// report that cannot be parsed.
+pub fn compile_with_report(
+    name: &str,
+    src: &str,
+    arch: &str,
+) -> Result<CompiledWithReport, GpuError> {
+    let mut opts = nvrtc_options(arch);
+    opts.push("--ptxas-options=-v".into());
+    let out = nvrtc_run(name, src, &opts)?;
+    let fail = |log: String| GpuError::Compile {
+        name: name.to_string(),
+        log,
+    };
+    let cubin = out.cubin.ok_or_else(|| {
+        fail(format!(
+            "no machine code for `{arch}` (a virtual architecture?)"
+        ))
+    })?;
+    let reports =
+        parse_ptxas(&out.log).ok_or_else(|| fail(format!("no ptxas report in:\n{}", out.log)))?;
+    Ok(CompiledWithReport {
+        ptx: c_text(&out.ptx),
+        cubin,
+        reports,
+    })
+}
+
 /// Parses `ptxas -v` output: "Compiling entry function 'k'", "N bytes stack frame, N bytes
 /// spill stores", "Used N registers".
 fn parse_ptxas(log: &str) -> Option<Vec<PtxasReport>> {
