@@ -12,15 +12,17 @@ fn runs_clean(script: &str) {
 
 /// [`runs_clean`] with arguments after the script.
 fn runs_clean_with(script: &str, args: &[&std::path::Path]) {
-    let out = Command::new("python3")
-        .arg(script)
-        .args(args)
-        .output()
-        .expect("python3 runs");
+    assert_all_ok(Command::new("python3").arg(script).args(args), script);
+}
+
+/// Runs `cmd` and asserts it exits 0 with "ALL OK" last on its standard output; the failure
+/// message names the run (`what`) and shows both outputs.
+fn assert_all_ok(cmd: &mut Command, what: &str) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && text.trim_end().ends_with("ALL OK"),
-        "{text}\n{}",
+        "{what}: {text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
 }
@@ -177,15 +179,7 @@ fn emulated_kernel_runs_clean(name: &str, cases: &[String]) {
 /// `-I kernels/sequence_mixers`) beside its suite's kernels (`-I kernels/<suite>`).
 fn emulated_suite_kernel_runs_clean(suite: &str, name: &str, cases: &[String]) {
     let (_tmp, exe) = build_emulation(suite, name);
-    let out = Command::new(&exe)
-        .args(cases)
-        .output()
-        .expect("the emulation runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.trim_end().ends_with("ALL OK"),
-        "{text}"
-    );
+    assert_all_ok(Command::new(&exe).args(cases), name);
 }
 
 /// Compiles `kernels/<suite>/emulate/<name>.cpp` with g++ into a temporary folder (returned
@@ -225,15 +219,7 @@ fn build_emulation(suite: &str, name: &str) -> (tempfile::TempDir, std::path::Pa
 fn the_shim_runs_blocks_catches_races_and_stops_at_skipped_barriers() {
     let (_tmp, exe) = build_emulation("sequence_mixers", "shim_check");
     for mode in ["sum", "race_up", "race_down"] {
-        let out = Command::new(&exe)
-            .arg(mode)
-            .output()
-            .expect("shim_check runs");
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && text.trim_end().ends_with("ALL OK"),
-            "{mode}: {text}"
-        );
+        assert_all_ok(Command::new(&exe).arg(mode), mode);
     }
     let out = Command::new(&exe)
         .arg("deadlock")
