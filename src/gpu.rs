@@ -746,18 +746,13 @@ pub struct PtxasReport {
 /// Compiles `src` with NVRTC to machine code for `arch` (a real architecture, e.g. `sm_90a`)
 /// with `--ptxas-options=-v` and returns ptxas's resource report for every kernel: no device
 /// and no `ptxas` binary needed (NVRTC links ptxas in), so kernels/TUNING.md's register and
-/// spill figures come from the development machine.
+/// spill figures come from the development machine ([`compile_with_report`]'s report alone).
 ///
 /// # Errors
-/// [`GpuError::Compile`] with the compiler log; a report that cannot be parsed.
+/// [`GpuError::Compile`] with the compiler log; a virtual `arch`; a report that cannot be
+/// parsed.
 pub fn ptxas_report(name: &str, src: &str, arch: &str) -> Result<Vec<PtxasReport>, GpuError> {
-    let mut opts = nvrtc_options(arch);
-    opts.push("--ptxas-options=-v".into());
-    let log = nvrtc_run(name, src, &opts)?.log;
-    parse_ptxas(&log).ok_or_else(|| GpuError::Compile {
-        name: name.to_string(),
-        log: format!("no ptxas report in:\n{log}"),
-    })
+    Ok(compile_with_report(name, src, arch)?.reports)
 }
 
 /// Everything one NVRTC compile for a real architecture gives: the PTX, the machine code and

@@ -794,8 +794,8 @@ fn cublas_loop_matches_float64() {
 /// tiles everywhere (`grouped_wgmma_wide`) and on tall tiles wherever N is an odd multiple of
 /// 128 (`grouped_wgmma_tall`) on balanced synthetic shapes that separate the
 /// reduction length K, the width N (whether its last 256-column tile is half empty) and the
-/// group size, and on the grid's skewed routing at 4096 tokens, with `cublas_loop` beside them; where N is an odd multiple of 128, dW on the
-/// wide and the tall tiles too. Prints TFLOP/s (median of 5 samples of 10 calls, no input
+/// group size, and on the grid's skewed routing at 4096 tokens, with `cublas_loop` beside
+/// them; where N is an odd multiple of 128, dW on the wide and the tall tiles too. Prints TFLOP/s (median of 5 samples of 10 calls, no input
 /// rotation: every operand is larger than L2; short bursts run cooler than the runner's
 /// samples, so compare the figures with each other, not with documents). Asserts what it can:
 /// sampled elements of each implementation's y and dW match float64. Ignored everywhere (run
