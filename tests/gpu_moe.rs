@@ -708,6 +708,131 @@ fn moe_layer_matches_float64() {
     }
 }
 
+/// The layer's backward ([`kernelpages::moe::layer_cuda::MoeLayer::backward`]: the combine's
+/// and the gather's backward through the permutation's inverse, SwiGLU's, the gates', the
+/// grouped GEMMs' dX and dW and the router's) against the float64 chain rule on the device's
+/// own routing (`moe_layer_backward_routed`), on the forward test's three layers: softmax and
+/// sigmoid gates, dropless and with a capacity that drops assignments. Every gradient is read
+/// back from memory the kernels wrote (no gradient buffer is pre-filled with a finite value
+/// but the weight gradients' zeros, which every expert's dW overwrites).
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
+)]
+fn moe_layer_backward_matches_float64() {
+    use kernelpages::moe::layer_cuda::{DeviceExperts, MoeLayer};
+    use kernelpages::moe::reference::{moe_layer_backward_routed, plan, Experts, Gate, Routing};
+    let g = &gpu().0;
+    let s = &g.stream;
+    for (tokens, e, top_k, h, f, gate, capacity) in [
+        (600, 8, 2, 256, 512, Gate::Softmax, None),
+        (1000, 64, 8, 128, 200, Gate::Sigmoid, None),
+        (800, 16, 4, 128, 128, Gate::Softmax, Some(150)),
+    ] {
+        let layer = MoeLayer::new(g, e, h, f).unwrap();
+        let x = inputs(tokens * h, 41);
+        let scale = |v: Vec<f64>, by: f64| -> Vec<f64> {
+            v.iter().map(|&a| bf16_value(bf16_bits(a * by))).collect()
+        };
+        let router = scale(inputs(h * e, 42), 0.2);
+        let wg = scale(inputs(e * h * f, 43), (1.0 / h as f64).sqrt());
+        let wu = scale(inputs(e * h * f, 44), (1.0 / h as f64).sqrt());
+        let wd = scale(inputs(e * f * h, 45), (1.0 / f as f64).sqrt());
+        let dy = inputs(tokens * h, 46);
+        let mut gate_up = Vec::with_capacity(e * h * 2 * f);
+        for row in 0..e * h {
+            gate_up.extend_from_slice(&wg[row * f..(row + 1) * f]);
+            gate_up.extend_from_slice(&wu[row * f..(row + 1) * f]);
+        }
+        let w = DeviceExperts {
+            experts: e,
+            hidden: h,
+            width: f,
+            router: up(&router),
+            gate_up: up(&gate_up),
+            down: up(&wd),
+        };
+        let x_dev = up(&x);
+        let (_, state) = layer
+            .forward(g, &x_dev, tokens, &w, top_k, gate, capacity)
+            .unwrap();
+        let offsets = MoeLayer::router_offsets(g, tokens).unwrap();
+        let grads = layer
+            .backward(g, &x_dev, &w, &state, &offsets, &up(&dy))
+            .unwrap();
+        let routing = Routing {
+            tokens,
+            top_k,
+            experts: s.clone_dtoh(&state.routing.experts).unwrap()[..tokens * top_k]
+                .iter()
+                .map(|&v| v as usize)
+                .collect(),
+            weights: s.clone_dtoh(&state.routing.weights).unwrap()[..tokens * top_k]
+                .iter()
+                .map(|&v| v as f64)
+                .collect(),
+        };
+        let dropped = plan(&routing, e, capacity)
+            .unwrap()
+            .row_of
+            .iter()
+            .filter(|r| r.is_none())
+            .count();
+        assert_eq!(
+            dropped > 0,
+            capacity.is_some(),
+            "{dropped} assignments dropped"
+        );
+        let experts = Experts {
+            experts: e,
+            hidden: h,
+            width: f,
+            gate: wg,
+            up: wu,
+            down: wd,
+        };
+        let want = moe_layer_backward_routed(&x, &router, &experts, &routing, gate, capacity, &dy)
+            .unwrap();
+        let gu = down(&grads.gate_up, e * h * 2 * f);
+        let (mut dg, mut du) = (Vec::new(), Vec::new());
+        for row in 0..e * h {
+            dg.extend_from_slice(&gu[row * 2 * f..row * 2 * f + f]);
+            du.extend_from_slice(&gu[row * 2 * f + f..(row + 1) * 2 * f]);
+        }
+        let errs = [
+            (
+                "dx",
+                rel_max(&down(&grads.dx, tokens * h), &want.dx, h, None),
+            ),
+            (
+                "dW_router",
+                rel_max(&down(&grads.router, h * e), &want.router, e, None),
+            ),
+            ("dW_gate", rel_max(&dg, &want.gate, f, None)),
+            ("dW_up", rel_max(&du, &want.up, f, None)),
+            (
+                "dW_down",
+                rel_max(&down(&grads.down, e * f * h), &want.down, h, None),
+            ),
+        ];
+        println!(
+            "MoE layer backward T {tokens} E {e} top-{top_k} H {h} F {f} {gate:?} capacity \
+             {capacity:?} ({dropped} dropped; experts on {}): {}",
+            layer.experts_kernel(),
+            errs.iter()
+                .map(|(n, v)| format!("{n} {v:.2e}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        // bf16 between every step (dY's rows, dact, dgu, the logits' gradient, each product's
+        // result) beside the forward's residuals, each rounded once.
+        for (name, err) in errs {
+            assert!(err <= 3e-2, "{name}: error {err:.3e}");
+        }
+    }
+}
+
 /// The in-process alternative `cublas_loop` ([`kernelpages::moe::cublas::CublasLoop`]) gives
 /// the float64 results on issue 14's inputs (empty experts: dW exactly zero, from a memset
 /// into poisoned memory), with every count zero, and on skewed routing with sizes that are

@@ -621,9 +621,11 @@ fn grouped_gemm_emulated_matches_float64() {
     emulated_suite_kernel_runs_clean("moe", "grouped_gemm_check", &cases);
 }
 
-/// The MoE routing, plan, gather, combine and SwiGLU kernels (`kernels/moe/dispatch.cu`) on
-/// the CPU against a direct reference: chosen experts with ties, the stable plan with and
-/// without a capacity, softmax and sigmoid gates, the identity at top_k = 1, the activation.
+/// The MoE routing, plan, gather, combine and SwiGLU kernels (`kernels/moe/dispatch.cu`) and
+/// their backward on the CPU against a direct reference: chosen experts with ties, the stable
+/// plan with and without a capacity, softmax and sigmoid gates, the identity at top_k = 1, the
+/// activation; the combine's, SwiGLU's and the gather's backward against float64, the gates'
+/// against central differences (dropped assignments and experts not chosen get none).
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn moe_dispatch_emulated_matches_the_reference() {
@@ -632,6 +634,7 @@ fn moe_dispatch_emulated_matches_the_reference() {
         "300,8,1,-1,16,0",
         "50,200,8,-1,8,1",
         "700,16,4,90,8,1",
+        "130,64,6,-1,96,0",
     ]
     .iter()
     .map(|s| s.to_string())

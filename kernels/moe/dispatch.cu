@@ -236,3 +236,140 @@ extern "C" __global__ void moe_bf16_to_f32(const u16* __restrict__ x, long long 
          i += (long long)gridDim.x * blockDim.x)
         y[i] = __uint_as_float((u32)x[i] << 16);
 }
+
+// ---- The backward (the layer's, src/moe/reference.rs `moe_layer_backward`) ----
+// The permutation's inverse carries the gradients back: row_of[a] takes an assignment to its
+// dispatched row, so the backward of the gather is a sum over each token's kept rows (as the
+// combine's forward), and the backward of the combine writes each kept row from its token
+// (as the gather's forward), scaled by the gate weight.
+
+// Backward of moe_combine for out's gradient dy [T, H] bf16. Per assignment a (token
+// t = a / top_k, row r = row_of[a]): dyd[r] = weights[a] · dy[t] (bf16, rounded once) and
+// dweights[a] = Σ_h dy[t, h] · yd[r, h] (float32); a dropped assignment (r < 0) gets
+// dweights[a] = 0 and writes no row. One warp per assignment; H even.
+extern "C" __global__ void moe_combine_backward(const u16* __restrict__ dy,
+                                                const u16* __restrict__ yd,
+                                                const int* __restrict__ row_of,
+                                                const float* __restrict__ weights, int n_assign,
+                                                int top_k, int H, u16* __restrict__ dyd,
+                                                float* __restrict__ dweights) {
+    const int lane = threadIdx.x % 32;
+    const long long a = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (a >= n_assign) return;
+    const int r = row_of[a];
+    if (r < 0) {
+        if (lane == 0) dweights[a] = 0.f;
+        return;
+    }
+    const long long t = a / top_k;
+    const float w = weights[a];
+    float dot = 0.f;
+    for (int c = 2 * lane; c < H; c += 64) {
+        const u32 g = *reinterpret_cast<const u32*>(dy + t * H + c);
+        const u32 y = *reinterpret_cast<const u32*>(yd + (long long)r * H + c);
+        const float g0 = __uint_as_float(g << 16), g1 = __uint_as_float(g & 0xffff0000u);
+        dot += g0 * __uint_as_float(y << 16) + g1 * __uint_as_float(y & 0xffff0000u);
+        *reinterpret_cast<u32*>(dyd + (long long)r * H + c) = pack_bf16(w * g0, w * g1);
+    }
+    for (int d = 16; d >= 1; d /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, d);
+    if (lane == 0) dweights[a] = dot;
+}
+
+// Backward of moe_swiglu: dact [rows, F] and gu [rows, 2F] (bf16) to dgu [rows, 2F] (bf16):
+// with s = sigmoid(gate), d gate = dact · up · s · (1 + gate · (1 − s)) and d up = dact ·
+// gate · s, float32, rounded once. The plan's offsets[E] rows (clamped to max_rows), as
+// moe_swiglu; F even.
+extern "C" __global__ void moe_swiglu_backward(const u16* __restrict__ dact,
+                                               const u16* __restrict__ gu,
+                                               const int* __restrict__ n_rows, int max_rows,
+                                               int F, u16* __restrict__ dgu) {
+    const int pairs = F / 2;
+    const long long total = (long long)min(max(*n_rows, 0), max_rows) * pairs;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / pairs;
+        const int c = 2 * (int)(i - r * pairs);
+        const u32 da = *reinterpret_cast<const u32*>(dact + r * F + c);
+        const u32 g = *reinterpret_cast<const u32*>(gu + r * 2 * F + c);
+        const u32 u = *reinterpret_cast<const u32*>(gu + r * 2 * F + F + c);
+        float dg[2], du[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float d = __uint_as_float(h ? (da & 0xffff0000u) : (da << 16));
+            const float z = __uint_as_float(h ? (g & 0xffff0000u) : (g << 16));
+            const float v = __uint_as_float(h ? (u & 0xffff0000u) : (u << 16));
+            const float s = 1.f / (1.f + __expf(-z));
+            dg[h] = d * v * s * (1.f + z * (1.f - s));
+            du[h] = d * z * s;
+        }
+        *reinterpret_cast<u32*>(dgu + r * 2 * F + c) = pack_bf16(dg[0], dg[1]);
+        *reinterpret_cast<u32*>(dgu + r * 2 * F + F + c) = pack_bf16(du[0], du[1]);
+    }
+}
+
+// Backward of moe_gather: dx [T, H] bf16 = base[t] (when base is not null: the router's share
+// of x's gradient) + Σ_slot dxd[row_of[t · top_k + slot]] over the kept slots, float32 in slot
+// order, rounded once. Grid-stride over (token, pair of columns); H even.
+extern "C" __global__ void moe_gather_backward(const u16* __restrict__ dxd,
+                                               const int* __restrict__ row_of,
+                                               const u16* __restrict__ base, int T, int top_k,
+                                               int H, u16* __restrict__ dx) {
+    const int pairs = H / 2;
+    const long long total = (long long)T * pairs;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long t = i / pairs;
+        const int c = 2 * (int)(i - t * pairs);
+        float s0 = 0.f, s1 = 0.f;
+        if (base != nullptr) {
+            const u32 v = *reinterpret_cast<const u32*>(base + t * H + c);
+            s0 = __uint_as_float(v << 16);
+            s1 = __uint_as_float(v & 0xffff0000u);
+        }
+        for (int j = 0; j < top_k; ++j) {
+            const int r = row_of[t * top_k + j];
+            if (r < 0) continue;
+            const u32 v = *reinterpret_cast<const u32*>(dxd + (long long)r * H + c);
+            s0 += __uint_as_float(v << 16);
+            s1 += __uint_as_float(v & 0xffff0000u);
+        }
+        *reinterpret_cast<u32*>(dx + t * H + c) = pack_bf16(s0, s1);
+    }
+}
+
+// Backward of moe_route: dlogits [T, E] bf16 from the gate weights' gradient dweights
+// [T, top_k] (float32), the routing (experts, weights) and the logits [T, E] (float32). With
+// c = Σ_k weights_k · dweights_k: softmax gates (sigmoid = 0) give chosen logit j
+// weights_j · (dweights_j − c); sigmoid gates, s_j = sigmoid(logit_j) and S = Σ s, give
+// s_j · (1 − s_j) · (dweights_j − c) / S. Experts not chosen get 0 (top-k selection passes no
+// gradient). One warp per token.
+extern "C" __global__ void moe_route_backward(const float* __restrict__ dweights,
+                                              const int* __restrict__ experts,
+                                              const float* __restrict__ weights,
+                                              const float* __restrict__ logits, int T, int E,
+                                              int top_k, int sigmoid,
+                                              u16* __restrict__ dlogits) {
+    const int lane = threadIdx.x % 32;
+    const long long t = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (t >= T) return;
+    float c = 0.f, S = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+        c += weights[t * top_k + j] * dweights[t * top_k + j];
+        if (sigmoid) S += 1.f / (1.f + expf(-logits[t * E + experts[t * top_k + j]]));
+    }
+    for (int e = lane; e < E; e += 32) {
+        float g = 0.f;
+        for (int j = 0; j < top_k; ++j) {
+            if (experts[t * top_k + j] != e) continue;
+            const float dw = dweights[t * top_k + j] - c;
+            if (sigmoid) {
+                const float s = 1.f / (1.f + expf(-logits[t * E + e]));
+                g = s * (1.f - s) * dw / S;
+            } else {
+                g = weights[t * top_k + j] * dw;
+            }
+        }
+        const u32 bits = pack_bf16(g, 0.f);
+        dlogits[t * E + e] = (u16)(bits & 0xffffu);
+    }
+}

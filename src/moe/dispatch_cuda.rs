@@ -20,7 +20,7 @@ pub fn source() -> String {
 }
 
 /// The kernels' names.
-pub const ENTRY_POINTS: [&str; 8] = [
+pub const ENTRY_POINTS: [&str; 12] = [
     "moe_route",
     "moe_chunk_counts",
     "moe_plan_offsets",
@@ -29,6 +29,10 @@ pub const ENTRY_POINTS: [&str; 8] = [
     "moe_combine",
     "moe_swiglu",
     "moe_bf16_to_f32",
+    "moe_combine_backward",
+    "moe_swiglu_backward",
+    "moe_gather_backward",
+    "moe_route_backward",
 ];
 
 /// Assignments per block of the plan kernels (`MD_CHUNK`).
@@ -76,7 +80,7 @@ impl DevicePlan {
 
 /// The compiled routing, plan, dispatch and combine kernels.
 pub struct MoeDispatch {
-    f: [CudaFunction; 8],
+    f: [CudaFunction; 12],
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
@@ -103,7 +107,20 @@ impl MoeDispatch {
         // moe_scatter's 32 · E ints at E = MAX_EXPERTS: 32 KB, under the default limit.
         let f = |i: usize| gpu.function(&compiled.module, ENTRY_POINTS[i], 0);
         Ok(MoeDispatch {
-            f: [f(0)?, f(1)?, f(2)?, f(3)?, f(4)?, f(5)?, f(6)?, f(7)?],
+            f: [
+                f(0)?,
+                f(1)?,
+                f(2)?,
+                f(3)?,
+                f(4)?,
+                f(5)?,
+                f(6)?,
+                f(7)?,
+                f(8)?,
+                f(9)?,
+                f(10)?,
+                f(11)?,
+            ],
             compile_s: compiled.compile_s,
         })
     }
@@ -399,6 +416,230 @@ impl MoeDispatch {
         // both hold at least n (checked).
         unsafe { l.launch(cfg(n.div_ceil(256).min(8192), 256, 0))? };
         Ok(())
+    }
+}
+
+/// What the backward of the combine returns ([`MoeDispatch::combine_backward`]).
+pub struct CombineGrads {
+    /// The experts' outputs' gradient `[plan.max_rows(), H]` (bf16): each kept row is its gate
+    /// weight times its token's row of dy; rows past `offsets[E]` are not written.
+    pub dyd: CudaSlice<u16>,
+    /// The gate weights' gradient `[T, top_k]` (float32): dy\[t\] · yd\[row\], 0 for a dropped
+    /// assignment.
+    pub dweights: CudaSlice<f32>,
+}
+
+impl MoeDispatch {
+    /// Backward of [`MoeDispatch::combine`] for out's gradient `dy` `[T, H]` (bf16), through the
+    /// plan's `row_of` (each assignment's row: the permutation's inverse): dyd\[row_of\[a\]\] =
+    /// weights\[a\] · dy\[a / top_k\] (rounded once) and dweights\[a\] = Σ_h dy · yd\[row\] in
+    /// float32 (`kernels/moe/dispatch.cu`, `moe_combine_backward`; float64:
+    /// [`super::reference::moe_layer_backward`]).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for an odd H or lengths that do not fit; out-of-memory and driver
+    /// errors.
+    pub fn combine_backward(
+        &self,
+        gpu: &Gpu,
+        dy: &CudaSlice<u16>,
+        yd: &CudaSlice<u16>,
+        plan: &DevicePlan,
+        routing: &DeviceRouting,
+        h: usize,
+    ) -> Result<CombineGrads, GpuError> {
+        let (tokens, top_k) = (routing.tokens, routing.top_k);
+        if h == 0 || !h.is_multiple_of(2) {
+            return Err(config_error(format!("H = {h} must be positive and even")));
+        }
+        let rows = plan.max_rows();
+        if dy.len() < tokens * h || yd.len() < rows * h {
+            return Err(config_error(format!(
+                "dy holds {} and yd {} elements; T·H = {}, rows·H = {}",
+                dy.len(),
+                yd.len(),
+                tokens * h,
+                rows * h
+            )));
+        }
+        let n = tokens * top_k;
+        // SAFETY: moe_combine_backward writes every dweights (n of them) and every kept row of
+        // dyd; rows past offsets[E] are read by no later step except as grouped-GEMM rows that
+        // belong to no group (never stored, and zeroed in shared memory for dW).
+        let mut dyd = unsafe { gpu.stream.alloc::<u16>((rows * h).max(1))? };
+        let mut dweights = unsafe { gpu.stream.alloc::<f32>(n.max(1))? };
+        if n > 0 {
+            let (n_i, k_i, h_i) = (n as i32, top_k as i32, h as i32);
+            let mut l = gpu.stream.launch_builder(&self.f[8]);
+            l.arg(dy)
+                .arg(yd)
+                .arg(&plan.row_of)
+                .arg(&routing.weights)
+                .arg(&n_i)
+                .arg(&k_i)
+                .arg(&h_i)
+                .arg(&mut dyd)
+                .arg(&mut dweights);
+            // SAFETY: moe_combine_backward(const u16* dy, const u16* yd, const int* row_of,
+            // const float* weights, int n_assign, int top_k, int H, u16* dyd, float* dweights),
+            // one warp per assignment (8 per block): lengths checked above, every kept row_of
+            // below rows.
+            unsafe { l.launch(cfg(n.div_ceil(8), 256, 0))? };
+        }
+        Ok(CombineGrads { dyd, dweights })
+    }
+
+    /// Backward of [`MoeDispatch::swiglu`]: `dact` `[rows, F]` and `gu` `[rows, 2F]` (bf16) to
+    /// `dgu` `[rows, 2F]`: with s = sigmoid(gate), d gate = dact · up · s · (1 + gate (1 − s)),
+    /// d up = dact · gate · s (float32, rounded once); the plan's `offsets[E]` rows.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for an odd F or lengths under the plan's rows; driver errors.
+    pub fn swiglu_backward(
+        &self,
+        gpu: &Gpu,
+        dact: &CudaSlice<u16>,
+        gu: &CudaSlice<u16>,
+        plan: &DevicePlan,
+        f: usize,
+        dgu: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        if f == 0 || !f.is_multiple_of(2) {
+            return Err(config_error(format!("F = {f} must be positive and even")));
+        }
+        let rows = plan.max_rows();
+        if gu.len() < rows * 2 * f || dgu.len() < rows * 2 * f || dact.len() < rows * f {
+            return Err(config_error(format!(
+                "gu holds {}, dgu {} and dact {} elements; rows·2F = {}, rows·F = {}",
+                gu.len(),
+                dgu.len(),
+                dact.len(),
+                rows * 2 * f,
+                rows * f
+            )));
+        }
+        let (Ok(f_i), Ok(rows_i)) = (i32::try_from(f), i32::try_from(rows)) else {
+            return Err(config_error(format!(
+                "F = {f} or {rows} rows above i32::MAX"
+            )));
+        };
+        let n_rows = plan.offsets.slice(plan.experts..plan.experts + 1);
+        let mut l = gpu.stream.launch_builder(&self.f[9]);
+        l.arg(dact)
+            .arg(gu)
+            .arg(&n_rows)
+            .arg(&rows_i)
+            .arg(&f_i)
+            .arg(dgu);
+        let pairs = rows * f / 2;
+        // SAFETY: moe_swiglu_backward(const u16* dact, const u16* gu, const int* n_rows,
+        // int max_rows, int F, u16* dgu), grid-stride over min(offsets[E], max_rows) · F / 2
+        // column pairs: the buffers hold max_rows rows (checked); F even.
+        unsafe { l.launch(cfg(pairs.div_ceil(256).min(8192), 256, 0))? };
+        Ok(())
+    }
+
+    /// Backward of [`MoeDispatch::dispatch`] (the gather): dx `[T, H]` (bf16) = `base`\[t\]
+    /// (when given: the router's share of x's gradient) + Σ over the token's kept slots of
+    /// `dxd`\[row_of\[a\]\], in float32, rounded once: the permutation's inverse as a sum.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for an odd H or lengths that do not fit; driver errors.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dispatch_backward(
+        &self,
+        gpu: &Gpu,
+        dxd: &CudaSlice<u16>,
+        plan: &DevicePlan,
+        routing: &DeviceRouting,
+        base: Option<&CudaSlice<u16>>,
+        h: usize,
+        dx: &mut CudaSlice<u16>,
+    ) -> Result<(), GpuError> {
+        let tokens = routing.tokens;
+        if h == 0 || !h.is_multiple_of(2) {
+            return Err(config_error(format!("H = {h} must be positive and even")));
+        }
+        let base_len = base.map_or(tokens * h, |b| b.len());
+        if dx.len() < tokens * h || dxd.len() < plan.max_rows() * h || base_len < tokens * h {
+            return Err(config_error(format!(
+                "dx holds {}, dxd {} and base {base_len} elements; T·H = {}, rows·H = {}",
+                dx.len(),
+                dxd.len(),
+                tokens * h,
+                plan.max_rows() * h
+            )));
+        }
+        if tokens == 0 {
+            return Ok(());
+        }
+        let (t_i, k_i, h_i) = (tokens as i32, routing.top_k as i32, h as i32);
+        let pairs = tokens * h / 2;
+        let launch = cfg(pairs.div_ceil(256).min(8192), 256, 0);
+        let mut l = gpu.stream.launch_builder(&self.f[10]);
+        l.arg(dxd).arg(&plan.row_of);
+        let null: u64 = 0;
+        match base {
+            Some(b) => l.arg(b),
+            None => l.arg(&null),
+        };
+        l.arg(&t_i).arg(&k_i).arg(&h_i).arg(dx);
+        // SAFETY: moe_gather_backward(const u16* dxd, const int* row_of, const u16* base,
+        // int T, int top_k, int H, u16* dx), grid-stride over T·H/2 column pairs: dx and base
+        // (or a null pointer, which the kernel does not read) hold T·H, every kept row_of is
+        // below dxd's rows (checked lengths).
+        unsafe { l.launch(launch)? };
+        Ok(())
+    }
+
+    /// Backward of [`MoeDispatch::route`]: the router logits' gradient `[T, E]` (bf16, for the
+    /// router's GEMM) from the gate weights' gradient `dweights` `[T, top_k]` and the forward's
+    /// float32 `logits`. With c = Σ_k w_k · dw_k, a chosen logit gets w_j (dw_j − c) (softmax)
+    /// or s_j (1 − s_j)(dw_j − c) / Σ s (sigmoid, s = sigmoid(logit)); the others 0.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for lengths that do not fit; out-of-memory and driver errors.
+    pub fn route_backward(
+        &self,
+        gpu: &Gpu,
+        dweights: &CudaSlice<f32>,
+        routing: &DeviceRouting,
+        logits: &CudaSlice<f32>,
+        experts: usize,
+        gate: Gate,
+    ) -> Result<CudaSlice<u16>, GpuError> {
+        let (tokens, top_k) = (routing.tokens, routing.top_k);
+        if dweights.len() < tokens * top_k || logits.len() < tokens * experts {
+            return Err(config_error(format!(
+                "dweights hold {} and logits {} values; T·top_k = {}, T·E = {}",
+                dweights.len(),
+                logits.len(),
+                tokens * top_k,
+                tokens * experts
+            )));
+        }
+        // SAFETY: moe_route_backward writes all T × E values.
+        let mut dlogits = unsafe { gpu.stream.alloc::<u16>((tokens * experts).max(1))? };
+        if tokens == 0 {
+            return Ok(dlogits);
+        }
+        let (t_i, e_i, k_i) = (tokens as i32, experts as i32, top_k as i32);
+        let sigmoid = i32::from(gate == Gate::Sigmoid);
+        let mut l = gpu.stream.launch_builder(&self.f[11]);
+        l.arg(dweights)
+            .arg(&routing.experts)
+            .arg(&routing.weights)
+            .arg(logits)
+            .arg(&t_i)
+            .arg(&e_i)
+            .arg(&k_i)
+            .arg(&sigmoid)
+            .arg(&mut dlogits);
+        // SAFETY: moe_route_backward(const float* dweights, const int* experts,
+        // const float* weights, const float* logits, int T, int E, int top_k, int sigmoid,
+        // u16* dlogits), one warp per token (4 per block): lengths checked above.
+        unsafe { l.launch(cfg(tokens.div_ceil(4), 128, 0))? };
+        Ok(dlogits)
     }
 }
 

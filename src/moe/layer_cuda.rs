@@ -32,12 +32,38 @@ pub struct DeviceExperts {
     pub down: CudaSlice<u16>,
 }
 
-/// What one forward leaves besides its output: the routing and the plan.
+/// What one forward leaves besides its output: the routing and the plan, and the activations
+/// [`MoeLayer::backward`] reads (the residuals of the backward).
 pub struct LayerState {
     /// Each token's experts and gate weights.
     pub routing: DeviceRouting,
     /// The permutation into expert order.
     pub plan: DevicePlan,
+    /// How the gates were formed.
+    pub gate: Gate,
+    /// The router's logits `[T, E]` as float32 (from its bf16 GEMM).
+    pub logits: CudaSlice<f32>,
+    /// The tokens' rows in expert order `[T · top_k, H]` (the first `offsets[E]` written).
+    pub xd: CudaSlice<u16>,
+    /// The gate and up projections `[T · top_k, 2F]`.
+    pub gu: CudaSlice<u16>,
+    /// SwiGLU's output `[T · top_k, F]`.
+    pub act: CudaSlice<u16>,
+    /// The experts' outputs `[T · top_k, H]`.
+    pub yd: CudaSlice<u16>,
+}
+
+/// The gradients [`MoeLayer::backward`] returns (bf16 bits), the float64 definitions those of
+/// [`super::reference::LayerGrads`].
+pub struct DeviceLayerGrads {
+    /// dL/dx `[T, H]`.
+    pub dx: CudaSlice<u16>,
+    /// dL/dW_router `[H, E]`.
+    pub router: CudaSlice<u16>,
+    /// dL/dW_gate and dL/dW_up side by side, `[E, H, 2F]` (as [`DeviceExperts::gate_up`]).
+    pub gate_up: CudaSlice<u16>,
+    /// dL/dW_down `[E, F, H]`.
+    pub down: CudaSlice<u16>,
 }
 
 /// The compiled kernels of the layer, for one shape of weights.
@@ -250,6 +276,160 @@ impl MoeLayer {
             h,
         )?;
         self.dispatch.combine(gpu, &yd, &plan, &routing, h, out)?;
-        Ok(LayerState { routing, plan })
+        Ok(LayerState {
+            routing,
+            plan,
+            gate,
+            logits: logits_f32,
+            xd,
+            gu,
+            act,
+            yd,
+        })
+    }
+
+    /// The backward of [`MoeLayer::forward_into`] for the output's gradient `dy` `[T, H]`
+    /// (bf16), from the forward's `state`: the combine's backward through the permutation's
+    /// inverse ([`MoeDispatch::combine_backward`]: each kept row's gradient and each gate
+    /// weight's), the down projection's dX and dW (grouped GEMMs), SwiGLU's backward, the gate
+    /// and up projections' dX and dW, the gates' backward to the router's logits
+    /// ([`MoeDispatch::route_backward`]), the router GEMM's dX and dW, and the gather's
+    /// backward, which sums each token's kept rows onto the router's share of dx
+    /// ([`MoeDispatch::dispatch_backward`]). bf16 between the steps, float32 inside each. All
+    /// work is queued on [`Gpu::stream`]; `router_offsets` as for the forward.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for weights of another shape than compiled for, or a `dy` or `x`
+    /// whose length is not T·H; out-of-memory and driver errors.
+    pub fn backward(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<u16>,
+        w: &DeviceExperts,
+        state: &LayerState,
+        router_offsets: &CudaSlice<i32>,
+        dy: &CudaSlice<u16>,
+    ) -> Result<DeviceLayerGrads, GpuError> {
+        let (e, h, f) = (w.experts, w.hidden, w.width);
+        let tokens = state.routing.tokens;
+        if (e, h, f) != self.shape {
+            return Err(GpuError::Config(format!(
+                "MoE layer compiled for (E, H, F) = {:?}, given weights of {:?}",
+                self.shape,
+                (e, h, f)
+            )));
+        }
+        if dy.len() != tokens * h || x.len() != tokens * h {
+            return Err(GpuError::Config(format!(
+                "MoE layer backward: dy holds {} and x {} elements; T·H = {tokens}·{h}",
+                dy.len(),
+                x.len()
+            )));
+        }
+        let s = &gpu.stream;
+        let (plan, routing) = (&state.plan, &state.routing);
+        let rows = plan.max_rows();
+        let cg = self
+            .dispatch
+            .combine_backward(gpu, dy, &state.yd, plan, routing, h)?;
+        // SAFETY (each `alloc` below): the grouped GEMMs' dX write every kept row, SwiGLU's
+        // backward reads only those; rows past offsets[E] reach nothing (as in the forward).
+        let mut dact = unsafe { s.alloc::<u16>((rows * f).max(1))? };
+        let mut down = s.alloc_zeros::<u16>(e * f * h)?;
+        if rows > 0 {
+            self.experts_gemm.launch(
+                gpu,
+                Product::Dx,
+                &cg.dyd,
+                &w.down,
+                &mut dact,
+                &plan.offsets,
+                rows,
+                f,
+                h,
+            )?;
+        }
+        self.experts_gemm.launch(
+            gpu,
+            Product::Dw,
+            &state.act,
+            &cg.dyd,
+            &mut down,
+            &plan.offsets,
+            rows,
+            f,
+            h,
+        )?;
+        let mut dgu = unsafe { s.alloc::<u16>((rows * 2 * f).max(1))? };
+        self.dispatch
+            .swiglu_backward(gpu, &dact, &state.gu, plan, f, &mut dgu)?;
+        let mut dxd = unsafe { s.alloc::<u16>((rows * h).max(1))? };
+        let mut gate_up = s.alloc_zeros::<u16>(e * h * 2 * f)?;
+        if rows > 0 {
+            self.experts_gemm.launch(
+                gpu,
+                Product::Dx,
+                &dgu,
+                &w.gate_up,
+                &mut dxd,
+                &plan.offsets,
+                rows,
+                h,
+                2 * f,
+            )?;
+        }
+        self.experts_gemm.launch(
+            gpu,
+            Product::Dw,
+            &state.xd,
+            &dgu,
+            &mut gate_up,
+            &plan.offsets,
+            rows,
+            h,
+            2 * f,
+        )?;
+        let dlogits = self.dispatch.route_backward(
+            gpu,
+            &cg.dweights,
+            routing,
+            &state.logits,
+            e,
+            state.gate,
+        )?;
+        // The router GEMM's dX writes all T rows (one group).
+        let mut dx_router = unsafe { s.alloc::<u16>(tokens * h)? };
+        self.router_gemm.launch(
+            gpu,
+            Product::Dx,
+            &dlogits,
+            &w.router,
+            &mut dx_router,
+            router_offsets,
+            tokens,
+            h,
+            e,
+        )?;
+        let mut router = s.alloc_zeros::<u16>(h * e)?;
+        self.router_gemm.launch(
+            gpu,
+            Product::Dw,
+            x,
+            &dlogits,
+            &mut router,
+            router_offsets,
+            tokens,
+            h,
+            e,
+        )?;
+        let mut dx = unsafe { s.alloc::<u16>(tokens * h)? };
+        self.dispatch
+            .dispatch_backward(gpu, &dxd, plan, routing, Some(&dx_router), h, &mut dx)?;
+        Ok(DeviceLayerGrads {
+            dx,
+            router,
+            gate_up,
+            down,
+        })
     }
 }

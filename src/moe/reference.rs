@@ -397,6 +397,177 @@ pub fn moe_layer(
     Ok((combine(&ys, &plan, &routing, h)?, routing))
 }
 
+/// The gradients of [`moe_layer`]'s output against its inputs and weights
+/// ([`moe_layer_backward`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerGrads {
+    /// dL/dx `[T, H]`: the experts' share through the gather's inverse plus the router's.
+    pub dx: Vec<f64>,
+    /// dL/dW_router `[H, E]`.
+    pub router: Vec<f64>,
+    /// dL/dW_gate `[E, H, F]`.
+    pub gate: Vec<f64>,
+    /// dL/dW_up `[E, H, F]`.
+    pub up: Vec<f64>,
+    /// dL/dW_down `[E, F, H]`.
+    pub down: Vec<f64>,
+}
+
+/// The backward of [`moe_layer`] for the output's gradient `dy` `[T, H]` (the loss
+/// L = Σ dy ⊙ out), by the chain rule through each step with the routing's choice held fixed
+/// (top-k selection passes no gradient; a dropped assignment passes none): the combine's
+/// backward (each kept row's gradient is its gate weight times its token's dy, each gate
+/// weight's gradient is dy · that row), the experts' (SwiGLU: with s = sigmoid(g),
+/// d/dg silu(g) = s (1 + g (1 − s)); the grouped GEMMs' by [`grouped_matmul_backward`]), the
+/// gather's inverse (each token sums its kept rows' gradients), the gates' (softmax:
+/// dl_j = w_j (dw_j − Σ_k w_k dw_k); sigmoid: s_j (1 − s_j)(dw_j − Σ_k w_k dw_k) / Σ_k s_k), and
+/// the router's GEMM.
+///
+/// # Errors
+/// [`ShapeError`] as [`moe_layer`], and for dy's length.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_layer_backward(
+    x: &[f64],
+    router: &[f64],
+    experts: &Experts,
+    top_k: usize,
+    gate: Gate,
+    capacity: Option<usize>,
+    dy: &[f64],
+) -> Result<LayerGrads, ShapeError> {
+    let (e, h) = (experts.experts, experts.hidden);
+    if h == 0 {
+        return Err(ShapeError("hidden width 0".into()));
+    }
+    let tokens = x.len() / h;
+    check("x", x.len(), tokens * h)?;
+    check("router", router.len(), h * e)?;
+    let logits = router_logits(x, router, tokens, h, e);
+    let routing = route(&logits, tokens, e, top_k, gate)?;
+    moe_layer_backward_routed(x, router, experts, &routing, gate, capacity, dy)
+}
+
+/// x · W_router: `[T, E]` from x `[T, H]` and `router` `[H, E]`.
+fn router_logits(x: &[f64], router: &[f64], tokens: usize, h: usize, e: usize) -> Vec<f64> {
+    let mut logits = vec![0.0; tokens * e];
+    for t in 0..tokens {
+        for j in 0..e {
+            logits[t * e + j] = (0..h).map(|i| x[t * h + i] * router[i * e + j]).sum();
+        }
+    }
+    logits
+}
+
+/// [`moe_layer_backward`] with the routing given (the experts chosen and their gate weights,
+/// for instance a device's, whose lower-precision logits may order near-ties otherwise); the
+/// logits (for the sigmoid gates' slopes) are recomputed from x and the router.
+///
+/// # Errors
+/// As [`moe_layer_backward`], and for a routing of another size.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_layer_backward_routed(
+    x: &[f64],
+    router: &[f64],
+    experts: &Experts,
+    routing: &Routing,
+    gate: Gate,
+    capacity: Option<usize>,
+    dy: &[f64],
+) -> Result<LayerGrads, ShapeError> {
+    let (e, h, f) = (experts.experts, experts.hidden, experts.width);
+    if h == 0 {
+        return Err(ShapeError("hidden width 0".into()));
+    }
+    let tokens = x.len() / h;
+    let top_k = routing.top_k;
+    check("x", x.len(), tokens * h)?;
+    check("router", router.len(), h * e)?;
+    check("dy", dy.len(), tokens * h)?;
+    check("routing tokens", routing.tokens, tokens)?;
+    check("experts' gate", experts.gate.len(), e * h * f)?;
+    check("experts' up", experts.up.len(), e * h * f)?;
+    check("experts' down", experts.down.len(), e * f * h)?;
+    // The forward, keeping what the backward reads.
+    let logits = router_logits(x, router, tokens, h, e);
+    let plan = plan(routing, e, capacity)?;
+    let xs = dispatch(x, &plan, h)?;
+    let g = grouped_matmul(&xs, &experts.gate, &plan.offsets, h, f)?;
+    let u = grouped_matmul(&xs, &experts.up, &plan.offsets, h, f)?;
+    let sig: Vec<f64> = g.iter().map(|&z| 1.0 / (1.0 + (-z).exp())).collect();
+    let act: Vec<f64> = (0..g.len()).map(|i| g[i] * sig[i] * u[i]).collect();
+    let ys = grouped_matmul(&act, &experts.down, &plan.offsets, f, h)?;
+    // The combine's backward.
+    let rows = plan.rows.len();
+    let mut dys = vec![0.0; rows * h];
+    let mut dweights = vec![0.0; tokens * top_k];
+    for (a, row) in plan.row_of.iter().enumerate() {
+        if let Some(r) = *row {
+            let t = a / top_k;
+            let (dyt, yr) = (&dy[t * h..(t + 1) * h], &ys[r * h..(r + 1) * h]);
+            dweights[a] = dyt.iter().zip(yr).map(|(p, q)| p * q).sum();
+            for j in 0..h {
+                dys[r * h + j] = routing.weights[a] * dyt[j];
+            }
+        }
+    }
+    // The experts.
+    let (dact, ddown) = grouped_matmul_backward(&act, &experts.down, &plan.offsets, &dys, f, h)?;
+    let dg: Vec<f64> = (0..g.len())
+        .map(|i| dact[i] * u[i] * sig[i] * (1.0 + g[i] * (1.0 - sig[i])))
+        .collect();
+    let du: Vec<f64> = (0..g.len()).map(|i| dact[i] * g[i] * sig[i]).collect();
+    let (dxs_g, dgate) = grouped_matmul_backward(&xs, &experts.gate, &plan.offsets, &dg, h, f)?;
+    let (dxs_u, dup) = grouped_matmul_backward(&xs, &experts.up, &plan.offsets, &du, h, f)?;
+    // The gather's inverse: each token sums its kept rows.
+    let mut dx = vec![0.0; tokens * h];
+    for (a, row) in plan.row_of.iter().enumerate() {
+        if let Some(r) = *row {
+            let t = a / top_k;
+            for j in 0..h {
+                dx[t * h + j] += dxs_g[r * h + j] + dxs_u[r * h + j];
+            }
+        }
+    }
+    // The gates, then the router's GEMM.
+    let mut dlogits = vec![0.0; tokens * e];
+    for t in 0..tokens {
+        let slots = t * top_k..(t + 1) * top_k;
+        let c: f64 = slots
+            .clone()
+            .map(|a| routing.weights[a] * dweights[a])
+            .sum();
+        let s = |a: usize| 1.0 / (1.0 + (-logits[t * e + routing.experts[a]]).exp());
+        let total: f64 = slots.clone().map(s).sum();
+        for a in slots {
+            let dl = match gate {
+                Gate::Softmax => routing.weights[a] * (dweights[a] - c),
+                Gate::Sigmoid => s(a) * (1.0 - s(a)) * (dweights[a] - c) / total,
+            };
+            dlogits[t * e + routing.experts[a]] = dl;
+        }
+    }
+    let mut drouter = vec![0.0; h * e];
+    for t in 0..tokens {
+        for i in 0..h {
+            let xi = x[t * h + i];
+            let mut back = 0.0;
+            for j in 0..e {
+                let d = dlogits[t * e + j];
+                drouter[i * e + j] += xi * d;
+                back += d * router[i * e + j];
+            }
+            dx[t * h + i] += back;
+        }
+    }
+    Ok(LayerGrads {
+        dx,
+        router: drouter,
+        gate: dgate,
+        up: dup,
+        down: ddown,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -498,6 +669,134 @@ mod tests {
         }
         // Expert 1 has no row: its dW is exactly zero.
         assert!(dw[k * n..2 * k * n].iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn layer_backward_matches_central_differences() {
+        // 5 tokens, H 4, 4 experts of width 3, top-2, with and without a capacity (2 rows an
+        // expert drops some assignments), softmax and sigmoid gates: L = Σ dy ⊙ out, every
+        // gradient against central differences. The routing's choice is locally constant, so
+        // the differences see the same experts (the logits' gaps are far above eps).
+        let (t, h, e, f, k) = (5, 4, 4, 3, 2);
+        let x: Vec<f64> = values(t * h, 11).iter().map(|v| 2.0 * v).collect();
+        let router = values(h * e, 12);
+        let ex = Experts {
+            experts: e,
+            hidden: h,
+            width: f,
+            gate: values(e * h * f, 13),
+            up: values(e * h * f, 14),
+            down: values(e * f * h, 15),
+        };
+        let dy = values(t * h, 16);
+        for (gate, capacity) in [
+            (Gate::Softmax, None),
+            (Gate::Sigmoid, None),
+            (Gate::Softmax, Some(2)),
+        ] {
+            let loss = |x: &[f64], router: &[f64], ex: &Experts| -> f64 {
+                let (out, _) = moe_layer(x, router, ex, k, gate, capacity).unwrap();
+                out.iter().zip(&dy).map(|(a, b)| a * b).sum()
+            };
+            let g = moe_layer_backward(&x, &router, &ex, k, gate, capacity, &dy).unwrap();
+            let (_, routing) = moe_layer(&x, &router, &ex, k, gate, capacity).unwrap();
+            let dropped = plan(&routing, e, capacity)
+                .unwrap()
+                .row_of
+                .iter()
+                .filter(|r| r.is_none())
+                .count();
+            assert_eq!(
+                dropped > 0,
+                capacity.is_some(),
+                "{gate:?} {capacity:?}: {dropped} dropped"
+            );
+            let eps = 1e-6;
+            let fd = |v: &[f64], i: usize, l: &dyn Fn(&[f64]) -> f64| {
+                let (mut p, mut q) = (v.to_vec(), v.to_vec());
+                p[i] += eps;
+                q[i] -= eps;
+                (l(&p) - l(&q)) / (2.0 * eps)
+            };
+            let close = |what: &str, got: &[f64], want: Vec<f64>| {
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() < 1e-7,
+                        "{gate:?} {capacity:?} {what}[{i}]: {a} vs {b}"
+                    );
+                }
+            };
+            close(
+                "dx",
+                &g.dx,
+                (0..x.len())
+                    .map(|i| fd(&x, i, &|v| loss(v, &router, &ex)))
+                    .collect(),
+            );
+            close(
+                "router",
+                &g.router,
+                (0..router.len())
+                    .map(|i| fd(&router, i, &|v| loss(&x, v, &ex)))
+                    .collect(),
+            );
+            close(
+                "gate",
+                &g.gate,
+                (0..ex.gate.len())
+                    .map(|i| {
+                        fd(&ex.gate, i, &|v| {
+                            loss(
+                                &x,
+                                &router,
+                                &Experts {
+                                    gate: v.to_vec(),
+                                    ..ex.clone()
+                                },
+                            )
+                        })
+                    })
+                    .collect(),
+            );
+            close(
+                "up",
+                &g.up,
+                (0..ex.up.len())
+                    .map(|i| {
+                        fd(&ex.up, i, &|v| {
+                            loss(
+                                &x,
+                                &router,
+                                &Experts {
+                                    up: v.to_vec(),
+                                    ..ex.clone()
+                                },
+                            )
+                        })
+                    })
+                    .collect(),
+            );
+            close(
+                "down",
+                &g.down,
+                (0..ex.down.len())
+                    .map(|i| {
+                        fd(&ex.down, i, &|v| {
+                            loss(
+                                &x,
+                                &router,
+                                &Experts {
+                                    down: v.to_vec(),
+                                    ..ex.clone()
+                                },
+                            )
+                        })
+                    })
+                    .collect(),
+            );
+            // The router's gradient is not zero (the gates pass one).
+            assert!(g.router.iter().any(|v| v.abs() > 1e-3), "{gate:?}");
+        }
     }
 
     #[test]

@@ -114,8 +114,110 @@ int main(int argc, char** argv) {
         launch(dim3{2, 1, 1}, 64, [&] { moe_bf16_to_f32(x.data(), (long long)x.size(), xf.data()); });
         bool f32_ok = true;
         for (size_t i = 0; i < x.size(); ++i) f32_ok &= xf[i] == ld(x.data(), (long long)i);
+        // The backward. Combine: dy random, the experts' outputs the gathered rows xd;
+        // dyd[r] = w · dy[t] within bf16 rounding, dweights against the float64 dot product,
+        // a dropped assignment's dweights 0 and rows past M untouched.
+        std::vector<u16> dy((size_t)T * H), dyd((size_t)std::max(M, 1) * H + H, 0xffff);
+        for (auto& b : dy) b = to_bf16(nd(rng));
+        std::vector<float> dwt(n, NAN);
+        launch(dim3{(unsigned)((n + 7) / 8), 1, 1}, 256,
+               [&] { moe_combine_backward(dy.data(), xd.data(), row_of.data(), w.data(), n, K, H, dyd.data(), dwt.data()); });
+        double cb_err = 0, cb_scale = 0, dw_err = 0, dw_scale = 0;
+        bool cb_ok = dyd[(size_t)std::max(M, 1) * H] == 0xffff;
+        for (int a = 0; a < n; ++a) {
+            const int r = ref_row_of[a], t = a / K;
+            if (r < 0) { cb_ok &= dwt[a] == 0.f; continue; }
+            double dot = 0;
+            for (int c = 0; c < H; ++c) {
+                const double g = ld(dy.data(), (size_t)t * H + c);
+                dot += g * ld(xd.data(), (size_t)r * H + c);
+                const double want = ref_w[a] * g;
+                cb_err = std::max(cb_err, std::fabs(ld(dyd.data(), (size_t)r * H + c) - want));
+                cb_scale = std::max(cb_scale, std::fabs(want));
+            }
+            dw_err = std::max(dw_err, std::fabs(dwt[a] - dot));
+            dw_scale = std::max(dw_scale, std::fabs(dot));
+        }
+        cb_ok &= (cb_scale > 0 ? cb_err / cb_scale : cb_err) <= 4e-3 &&
+                 (dw_scale > 0 ? dw_err / dw_scale : dw_err) <= 1e-5;
+        // SwiGLU backward on the same [M, 2F] view: dact random, against float64.
+        std::vector<u16> dact((size_t)std::max(M, 1) * F), dgu((size_t)std::max(M, 1) * H + H, 0xffff);
+        for (auto& b : dact) b = to_bf16(nd(rng));
+        launch(dim3{3, 1, 1}, 128, [&] { moe_swiglu_backward(dact.data(), xd.data(), &off[E], std::max(M, 1), F, dgu.data()); });
+        double sb_err = 0, sb_scale = 0;
+        for (int r = 0; r < M; ++r)
+            for (int c = 0; c < F; ++c) {
+                const double d = ld(dact.data(), (size_t)r * F + c);
+                const double g = ld(xd.data(), (size_t)r * H + c), u = ld(xd.data(), (size_t)r * H + F + c);
+                const double sg = 1 / (1 + std::exp(-g));
+                const double want_g = d * u * sg * (1 + g * (1 - sg)), want_u = d * g * sg;
+                sb_err = std::max({sb_err, std::fabs(ld(dgu.data(), (size_t)r * H + c) - want_g),
+                                   std::fabs(ld(dgu.data(), (size_t)r * H + F + c) - want_u)});
+                sb_scale = std::max({sb_scale, std::fabs(want_g), std::fabs(want_u)});
+            }
+        const bool sb_ok = (sb_scale > 0 ? sb_err / sb_scale : sb_err) <= 4e-3 &&
+                           dgu[(size_t)std::max(M, 1) * H] == 0xffff;
+        // Gather backward: dxd = dyd's rows, base = dy (the router's share) and none.
+        std::vector<u16> dx((size_t)T * H, 0xffff), dx0((size_t)T * H, 0xffff);
+        launch(dim3{4, 1, 1}, 128, [&] { moe_gather_backward(dyd.data(), row_of.data(), dy.data(), T, K, H, dx.data()); });
+        launch(dim3{4, 1, 1}, 128, [&] { moe_gather_backward(dyd.data(), row_of.data(), nullptr, T, K, H, dx0.data()); });
+        double gb_err = 0, gb_scale = 0;
+        for (int t = 0; t < T; ++t)
+            for (int c = 0; c < H; ++c) {
+                double s0 = 0;
+                for (int j = 0; j < K; ++j)
+                    if (ref_row_of[t * K + j] >= 0) s0 += ld(dyd.data(), (size_t)ref_row_of[t * K + j] * H + c);
+                const double s1 = s0 + ld(dy.data(), (size_t)t * H + c);
+                gb_err = std::max({gb_err, std::fabs(ld(dx0.data(), (size_t)t * H + c) - s0),
+                                   std::fabs(ld(dx.data(), (size_t)t * H + c) - s1)});
+                gb_scale = std::max({gb_scale, std::fabs(s0), std::fabs(s1)});
+            }
+        const bool gb_ok = (gb_scale > 0 ? gb_err / gb_scale : gb_err) <= 4e-3;
+        // Route backward against central differences of the float64 gate weights in the
+        // chosen logits (the selection held fixed), L = Σ_j dweights_j · w_j; 0 elsewhere.
+        // Its own dweights: above, a token's slots all combine the same gathered row, so
+        // theirs are equal and the gates' gradient would be 0.
+        for (auto& v : dwt) v = nd(rng);
+        std::vector<u16> dlog((size_t)T * E, 0xffff);
+        launch(dim3{(unsigned)((T + 3) / 4), 1, 1}, 128,
+               [&] { moe_route_backward(dwt.data(), ex.data(), w.data(), logits.data(), T, E, K, sig, dlog.data()); });
+        double rb_err = 0, rb_scale = 0;
+        bool rb_zero = true;
+        for (int t = 0; t < T; ++t) {
+            const float* row = &logits[(size_t)t * E];
+            auto loss = [&](int jj, double eps) {
+                std::vector<double> s(K);
+                double sum = 0;
+                for (int j = 0; j < K; ++j) {
+                    const double l = row[ref_e[t * K + j]] + (j == jj ? eps : 0.0);
+                    s[j] = sig ? 1 / (1 + std::exp(-l)) : std::exp(l);
+                    sum += s[j];
+                }
+                double L = 0;
+                for (int j = 0; j < K; ++j) L += (double)dwt[t * K + j] * s[j] / sum;
+                return L;
+            };
+            std::vector<char> chosen(E, 0);
+            for (int j = 0; j < K; ++j) {
+                const int e = ref_e[t * K + j];
+                chosen[e] = 1;
+                const double want = (loss(j, 1e-6) - loss(j, -1e-6)) / 2e-6;
+                rb_err = std::max(rb_err, std::fabs(ld(dlog.data(), (size_t)t * E + e) - want));
+                rb_scale = std::max(rb_scale, std::fabs(want));
+            }
+            for (int e = 0; e < E; ++e) if (!chosen[e]) rb_zero &= dlog[(size_t)t * E + e] == 0;
+        }
+        // (At top_k = 1 with softmax gates the gradient is 0: the scale's floor keeps the
+        // differences' rounding from counting as an error.)
+        rb_scale = std::max(rb_scale, 1e-3);
+        const bool rb_ok = rb_zero && rb_err / rb_scale <= 8e-3;
+        std::printf("  backward: combine %s (dyd %.1e, dweights %.1e), swiglu %s (%.1e), gather %s (%.1e), route %s (%.1e%s)\n",
+                    cb_ok ? "ok" : "WRONG", cb_scale > 0 ? cb_err / cb_scale : cb_err, dw_scale > 0 ? dw_err / dw_scale : dw_err,
+                    sb_ok ? "ok" : "WRONG", sb_scale > 0 ? sb_err / sb_scale : sb_err, gb_ok ? "ok" : "WRONG",
+                    gb_scale > 0 ? gb_err / gb_scale : gb_err, rb_ok ? "ok" : "WRONG",
+                    rb_err / rb_scale, rb_zero ? "" : ", NOT ZERO off the chosen");
         const bool ok = route_ok && w_ok && plan_ok && gather_ok && rel <= 4e-3 && exact &&
-                        act_ok && f32_ok && g_overrun == 0;
+                        act_ok && f32_ok && cb_ok && sb_ok && gb_ok && rb_ok && g_overrun == 0;
         std::printf("%s T=%d E=%d top_k=%d capacity=%d H=%d %s: route %s, weights %s, plan %s (rows %d), gather %s, combine %.2e%s, swiglu %s, to_f32 %s\n",
                     ok ? "ok" : "FAIL", T, E, K, cap, H, sig ? "sigmoid" : "softmax", route_ok ? "ok" : "WRONG",
                     w_ok ? "ok" : "WRONG", plan_ok ? "ok" : "WRONG", M, gather_ok ? "ok" : "WRONG", rel,
