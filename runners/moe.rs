@@ -95,7 +95,7 @@ const FWD_TOKENS: [usize; 3] = [4096, 16384, 131072];
 const BWD_TOKENS: [usize; 2] = [4096, 16384];
 /// Token counts of `--quick`.
 const QUICK_TOKENS: [usize; 1] = [4096];
-/// Token counts of the whole layer's rows.
+/// Token counts of the whole layer's rows (the forward, and the forward and backward).
 const LAYER_TOKENS: [usize; 2] = [4096, 16384];
 /// The project's whole MoE layer ([`MoeLayer`]), on the `op = layer` cases.
 const LAYER_IMPLEMENTATION: &str = "moe_layer";
@@ -124,7 +124,7 @@ const ALTERNATIVES: [Alternative; 1] = [Alternative {
 }];
 
 /// How FLOPs are counted (the document's `flop_rule`).
-const FLOP_RULE: &str = "grouped GEMM: 2·M·K·N for the forward (M = tokens·top_k rows, K the hidden size, N the expert width), whatever the split over experts; 6·M·K·N with the backward (dX and dW as many each); padding and empty experts count nothing. Whole layer (op = layer): 2·T·H·E for the router and 6·T·top_k·H·F for the experts' three projections (T tokens, H the hidden size, F the expert width); softmax, SwiGLU and the weighted sum count nothing";
+const FLOP_RULE: &str = "grouped GEMM: 2·M·K·N for the forward (M = tokens·top_k rows, K the hidden size, N the expert width), whatever the split over experts; 6·M·K·N with the backward (dX and dW as many each); padding and empty experts count nothing. Whole layer (op = layer): 2·T·H·E for the router and 6·T·top_k·H·F for the experts' three projections (T tokens, H the hidden size, F the expert width), three times as many with the backward (each product's dX and dW); softmax, SwiGLU and the weighted sum count nothing";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -186,24 +186,28 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
             }
         }
     }
-    // The whole layer's forward (the GPU only: the CPU implements the grouped GEMM alone).
+    // The whole layer's forward, then its forward and backward (the GPU only: the CPU
+    // implements the grouped GEMM alone).
     if cli.run.device == DeviceChoice::Gpu {
         let tokens: Vec<usize> = match (&cli.tokens, quick) {
             (Some(t), _) => t.clone(),
             (None, true) => QUICK_TOKENS.to_vec(),
             (None, false) => LAYER_TOKENS.to_vec(),
         };
-        for &(experts, top_k, hidden, width, _) in &LAYERS {
-            for &t in &tokens {
-                let c = LayerCase {
-                    tokens: t,
-                    experts,
-                    top_k,
-                    hidden,
-                    width,
-                };
-                c.validate().map_err(anyhow::Error::msg)?;
-                out.push(c.params());
+        for backward in [false, true] {
+            for &(experts, top_k, hidden, width, _) in &LAYERS {
+                for &t in &tokens {
+                    let c = LayerCase {
+                        tokens: t,
+                        experts,
+                        top_k,
+                        hidden,
+                        width,
+                        backward,
+                    };
+                    c.validate().map_err(anyhow::Error::msg)?;
+                    out.push(c.params());
+                }
             }
         }
     }
@@ -239,6 +243,13 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
         device: "CUDA, compute capability 8.0 or newer".into(),
         dtype: "bf16 activations and weights (float32 accumulation; bf16 between the steps)".into(),
         rule: "always: the router's GEMM on the portable kernel (N = E), softmax or sigmoid top-k, a stable counting sort by expert into the dispatch plan, the gather, the experts' gate and up projections as one grouped GEMM of [E, H, 2F] weights and the down projection as another (each on the dispatch above for its K × N), SwiGLU between them, and the gate-weighted combine".into(),
+        implementation: LAYER_IMPLEMENTATION.into(),
+    },
+    DispatchRule {
+        entry_point: "moe::layer_cuda::MoeLayer::backward_into".into(),
+        device: "CUDA, compute capability 8.0 or newer".into(),
+        dtype: "bf16 activations, weights and gradients (float32 accumulation; bf16 between the steps)".into(),
+        rule: "always, from the forward's saved routing, plan and activations: the combine's backward through the plan's inverse (each kept row's gradient and each gate weight's), the down projection's dX and dW and then gate and up's (the grouped GEMMs above), SwiGLU's backward between them, the gates' backward to the router's logits, the router GEMM's dX and dW on the portable kernel, and the gather's backward summing each token's rows onto the router's share of dx".into(),
         implementation: LAYER_IMPLEMENTATION.into(),
     },
     DispatchRule {
@@ -355,6 +366,9 @@ impl runner::Suite for Moe {
             if let Some(name) = layer_name((c.experts, c.top_k, c.hidden, c.width)) {
                 notes.push(format!("layer: {name}"));
             }
+            if c.backward {
+                notes.push("fwd+bwd: the forward, then the gradients of x and of every weight from the output's dy; dx, dW_gate_up and dW_down are checked, the router's weight gradient is computed but not checked (its float64 reference needs every token's expert outputs)".into());
+            }
             return notes;
         }
         let Ok(c) = case_of(p) else {
@@ -391,8 +405,13 @@ impl runner::Suite for Moe {
     fn label(&self, p: &Params) -> String {
         if let Ok(c) = layer_case_of(p) {
             return format!(
-                "layer T{} E{} k{} {}x{}",
-                c.tokens, c.experts, c.top_k, c.hidden, c.width
+                "layer {} T{} E{} k{} {}x{}",
+                if c.backward { "fwd+bwd" } else { "fwd" },
+                c.tokens,
+                c.experts,
+                c.top_k,
+                c.hidden,
+                c.width
             );
         }
         match case_of(p) {
@@ -784,31 +803,41 @@ fn measure_gpu(job: &Job) -> Reply {
     reply
 }
 
-/// One input set of the layer on the device: x and the weights.
+/// One input set of the layer on the device: x, the weights and (with the backward) dy.
 struct LayerSet {
     x: CudaSlice<u16>,
     w: DeviceExperts,
+    dy: Option<CudaSlice<u16>>,
 }
 
-/// `moe_layer` on one case: [`MoeLayer::forward_into`] writing the runner's output.
+/// `moe_layer` on one case: [`MoeLayer::forward_into`] writing the runner's output and, with
+/// the backward, [`MoeLayer::backward_into`] its dx, dW_gate_up and dW_down (the router's
+/// gradient into a buffer of its own, computed but not among the checked outputs).
 struct LayerLaunch {
     layer: MoeLayer,
     case: LayerCase,
     router_offsets: CudaSlice<i32>,
+    router_grad: Option<CudaSlice<u16>>,
 }
 
 impl own::Launcher for LayerLaunch {
     type Set = LayerSet;
     fn upload(&self, gpu: &Gpu, host: &[Vec<u16>]) -> Result<LayerSet, GpuError> {
         let c = &self.case;
-        let [x, router, gate_up, down] = host else {
-            return Err(GpuError::Config(format!(
-                "{} input tensors; the layer takes x, router, gate_up, down",
-                host.len()
-            )));
+        let (x, router, gate_up, down, dy) = match (host, c.backward) {
+            ([x, router, gate_up, down], false) => (x, router, gate_up, down, None),
+            ([x, router, gate_up, down, dy], true) => (x, router, gate_up, down, Some(dy)),
+            _ => {
+                return Err(GpuError::Config(format!(
+                    "{} input tensors; the layer takes x, router, gate_up, down{}",
+                    host.len(),
+                    if c.backward { ", dy" } else { "" }
+                )))
+            }
         };
         let up = |v: &Vec<u16>| gpu.stream.clone_htod(v);
         Ok(LayerSet {
+            dy: dy.map(up).transpose()?,
             x: up(x)?,
             w: DeviceExperts {
                 experts: c.experts,
@@ -823,6 +852,7 @@ impl own::Launcher for LayerLaunch {
     fn replicate(&self, gpu: &Gpu, set: &LayerSet) -> Result<LayerSet, GpuError> {
         let cp = |v: &CudaSlice<u16>| gpu.stream.clone_dtod(v);
         Ok(LayerSet {
+            dy: set.dy.as_ref().map(cp).transpose()?,
             x: cp(&set.x)?,
             w: DeviceExperts {
                 experts: set.w.experts,
@@ -840,14 +870,21 @@ impl own::Launcher for LayerLaunch {
         set: &LayerSet,
         outs: &mut [CudaSlice<u16>],
     ) -> Result<(), GpuError> {
-        let [out] = outs else {
-            return Err(GpuError::Config(format!(
-                "{} output buffers; the layer writes 1",
-                outs.len()
-            )));
-        };
         let c = &self.case;
-        self.layer.forward_into(
+        let n = outs.len();
+        let (out, grads) = match (outs, &set.dy, &mut self.router_grad) {
+            ([out], None, _) => (out, None),
+            ([out, dx, gate_up, down], Some(dy), Some(router)) => {
+                (out, Some((dy, [dx, router, gate_up, down])))
+            }
+            _ => {
+                return Err(GpuError::Config(format!(
+                    "{n} output buffers; the layer writes {}",
+                    if c.backward { 4 } else { 1 }
+                )))
+            }
+        };
+        let state = self.layer.forward_into(
             gpu,
             &set.x,
             c.tokens,
@@ -856,6 +893,17 @@ impl own::Launcher for LayerLaunch {
             &self.router_offsets,
             out,
         )?;
+        if let Some((dy, bufs)) = grads {
+            self.layer.backward_into(
+                gpu,
+                &set.x,
+                &set.w,
+                &state,
+                &self.router_offsets,
+                dy,
+                bufs,
+            )?;
+        }
         Ok(())
     }
     fn temporary_bytes(&self) -> u64 {
@@ -870,10 +918,28 @@ impl own::Launcher for LayerLaunch {
             c.width as u64,
         );
         let m = t * c.top_k as u64;
-        t * e * 6 + m * 8 + 2 * (m * h + m * 2 * f + m * f + m * h)
+        let fwd = t * e * 6 + m * 8 + 2 * (m * h + m * 2 * f + m * f + m * h);
+        if !c.backward {
+            return fwd;
+        }
+        // The backward's: dY's rows and the gates' gradient, dact, dgu, the rows' dx, the
+        // logits' gradient, the router's dx, and the router's weight gradient (not an output).
+        fwd + 2 * (m * h + m * f + m * 2 * f + m * h) + m * 4 + t * e * 2 + t * h * 2 + h * e * 2
     }
     fn residual_bytes(&self) -> Option<u64> {
-        None
+        // What the forward keeps for the backward (`LayerState`): the float32 logits, the
+        // routing and plan, the dispatched rows, gate and up, the activation, the experts'
+        // outputs.
+        let c = &self.case;
+        let (t, e, h, f) = (
+            c.tokens as u64,
+            c.experts as u64,
+            c.hidden as u64,
+            c.width as u64,
+        );
+        let m = t * c.top_k as u64;
+        c.backward
+            .then_some(t * e * 4 + m * 16 + 2 * (m * h + m * 2 * f + m * f + m * h))
     }
     fn workspace_bytes(&self) -> u64 {
         0
@@ -893,11 +959,17 @@ fn measure_layer(job: &Job) -> Reply {
         kernel = Some(layer.experts_kernel());
         let compile_s = layer.compile_s;
         let router_offsets = MoeLayer::router_offsets(gpu, case.tokens)?;
+        let router_grad = if case.backward {
+            Some(gpu.stream.alloc_zeros::<u16>(case.hidden * case.experts)?)
+        } else {
+            None
+        };
         Ok((
             LayerLaunch {
                 layer,
                 case: case.clone(),
                 router_offsets,
+                router_grad,
             },
             compile_s,
         ))
@@ -906,6 +978,11 @@ fn measure_layer(job: &Job) -> Reply {
         reply.row.notes.push(format!(
             "in order: the router's GEMM (grouped_mma_sync, one group), its logits to float32, softmax top-k, the plan (a counting sort by expert), the dispatch (gather), gate and up as one grouped GEMM ({k}), SwiGLU, down ({k}), the combine"
         ));
+        if case.backward {
+            reply.row.notes.push(format!(
+                "backward, in order: the combine's (each kept row's dY and each gate weight's gradient, through the plan's inverse), down's dX and dW ({k}), SwiGLU's, gate and up's dX and dW ({k}), the gates' (softmax), the router's dX and dW (grouped_mma_sync), the gather's (each token's rows summed onto the router's dx)"
+            ));
+        }
     }
     reply
 }
@@ -921,11 +998,16 @@ mod tests {
         let all = cases(&cli, false).unwrap();
         assert_eq!(
             all.len(),
-            LAYERS.len() * (2 * (FWD_TOKENS.len() + BWD_TOKENS.len()) + LAYER_TOKENS.len())
+            LAYERS.len() * (2 * (FWD_TOKENS.len() + BWD_TOKENS.len()) + 2 * LAYER_TOKENS.len())
         );
         let suite = Moe { check_rows: 8 };
         let (layers, grouped): (Vec<&Params>, Vec<&Params>) = all.iter().partition(|p| is_layer(p));
-        assert_eq!(layers.len(), LAYERS.len() * LAYER_TOKENS.len());
+        assert_eq!(layers.len(), 2 * LAYERS.len() * LAYER_TOKENS.len());
+        let backward = layers
+            .iter()
+            .filter(|p| layer_case_of(p).unwrap().backward)
+            .count();
+        assert_eq!(backward, LAYERS.len() * LAYER_TOKENS.len());
         for p in &layers {
             let c = layer_case_of(p).unwrap();
             assert!(layer_name((c.experts, c.top_k, c.hidden, c.width)).is_some());
@@ -950,8 +1032,9 @@ mod tests {
             .run
             .select(cases(&quick, false).unwrap(), cases(&quick, true).unwrap())
             .unwrap();
-        // One token count, balanced and skewed, fwd and fwd+bwd; the layer's forward.
-        assert_eq!(kept.len(), 5);
+        // One token count, balanced and skewed, fwd and fwd+bwd; the layer's forward and its
+        // forward and backward.
+        assert_eq!(kept.len(), 6);
         // The CPU grid: the three layers of small or square experts at its two token counts.
         let cpu = Cli::try_parse_from(["moe", "--device", "cpu"]).unwrap();
         let cpu_cases = cases(&cpu, false).unwrap();

@@ -713,15 +713,14 @@ fn moe_layer_matches_float64() {
 /// grouped GEMMs' dX and dW and the router's) against the float64 chain rule on the device's
 /// own routing (`moe_layer_backward_routed`), on the forward test's three layers: softmax and
 /// sigmoid gates, dropless and with a capacity that drops assignments. Every gradient is read
-/// back from memory the kernels wrote (no gradient buffer is pre-filled with a finite value
-/// but the weight gradients' zeros, which every expert's dW overwrites).
+/// back from buffers poisoned with NaN first, so an element no kernel writes fails.
 #[test]
 #[cfg_attr(
     not(kp_cuda),
     ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
 )]
 fn moe_layer_backward_matches_float64() {
-    use kernelpages::moe::layer_cuda::{DeviceExperts, MoeLayer};
+    use kernelpages::moe::layer_cuda::{DeviceExperts, DeviceLayerGrads, MoeLayer};
     use kernelpages::moe::reference::{moe_layer_backward_routed, plan, Experts, Gate, Routing};
     let g = &gpu().0;
     let s = &g.stream;
@@ -758,8 +757,27 @@ fn moe_layer_backward_matches_float64() {
             .forward(g, &x_dev, tokens, &w, top_k, gate, capacity)
             .unwrap();
         let offsets = MoeLayer::router_offsets(g, tokens).unwrap();
-        let grads = layer
-            .backward(g, &x_dev, &w, &state, &offsets, &up(&dy))
+        let mut grads = DeviceLayerGrads {
+            dx: poisoned(tokens * h),
+            router: poisoned(h * e),
+            gate_up: poisoned(e * h * 2 * f),
+            down: poisoned(e * f * h),
+        };
+        layer
+            .backward_into(
+                g,
+                &x_dev,
+                &w,
+                &state,
+                &offsets,
+                &up(&dy),
+                [
+                    &mut grads.dx,
+                    &mut grads.router,
+                    &mut grads.gate_up,
+                    &mut grads.down,
+                ],
+            )
             .unwrap();
         let routing = Routing {
             tokens,

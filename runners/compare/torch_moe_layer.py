@@ -25,6 +25,12 @@ Implementations:
 - `torch_layer_compile`: `torch_layer_grouped`'s function under `torch.compile` (default
   options, empty Inductor and Triton caches); `compile_s` is the first call's wall time less
   the median call.
+
+With `pass = fwd+bwd` (the arguments' `backward`) a call is the forward with autograd recording
+on leaves aliasing x, router, gate_up and down, then `torch.autograd.grad(out, leaves, dy)` with
+the runner's dy: it returns out, dx, dW_gate_up and dW_down (the router's gradient is computed,
+as every implementation computes it, but is not among the checked outputs). The backward is
+autograd's through each formulation (under `torch.compile`, AOTAutograd's compiled backward).
 """
 import contextlib
 
@@ -44,6 +50,9 @@ EAGER_NOTE = ("Hugging Face transformers' Mixtral sparse-MoE block: a one-hot ma
 GROUPED_NOTE = ("sorted by expert (argsort, stable), gate and up as one torch._grouped_mm over "
                 "[E, H, 2F], SwiGLU, down as another torch._grouped_mm, index_add_ back; static "
                 "shapes")
+BACKWARD_NOTE = ("fwd+bwd: autograd (torch.autograd.grad of out with the runner's dy) through the "
+                 "formulation, the gradients of x, router, gate_up and down; the router's is "
+                 "computed but not checked")
 COMPILE_NOTE = ("torch.compile of torch_layer_grouped's function, default options, empty "
                 "Inductor and Triton caches: compile_s is the first call's wall time less the "
                 "median call")
@@ -61,10 +70,15 @@ def unsupported_reason(case, implementation, device="gpu"):
     if case.get("op") != OP:
         return "%s computes the whole layer (op = layer), not op %r" % (implementation,
                                                                          case.get("op"))
-    if case.get("pass") != "fwd" or case.get("dtype") != "bf16":
-        return "the layer's rows are bf16 forwards (pass %r, dtype %r)" % (case.get("pass"),
-                                                                           case.get("dtype"))
+    if case.get("pass") not in ("fwd", "fwd+bwd") or case.get("dtype") != "bf16":
+        return "the layer's rows are bf16, fwd or fwd+bwd (pass %r, dtype %r)" % (
+            case.get("pass"), case.get("dtype"))
     return None
+
+
+def backward(args):
+    """Whether the call includes the backward (`backward`, else the case's `pass`)."""
+    return bool(args.get("backward", args.get("pass") == "fwd+bwd"))
 
 
 def layout(args):
@@ -84,6 +98,8 @@ def check_inputs(args, inputs):
     shapes, in that order."""
     t, e, _, h, f = layout(args)
     want = [("x", [t, h]), ("router", [h, e]), ("gate_up", [e, h, 2 * f]), ("down", [e, f, h])]
+    if backward(args):
+        want.append(("dy", [t, h]))
     got = [(i["name"], [int(s) for s in i["shape"]]) for i in inputs]
     if got != want or any(i["dtype"] != "bf16" for i in inputs):
         raise ValueError("inputs %s, expected %s in bf16" % (
@@ -138,19 +154,37 @@ def layer_grouped(top_k, width):
     return call
 
 
+def with_backward(fwd):
+    """A fwd+bwd call (x, router, gate_up, down, dy) -> (out, dx, dW_gate_up, dW_down) from
+    `fwd` (x, router, gate_up, down) -> (out,): the forward with autograd recording on leaves
+    aliasing the four inputs, then torch.autograd.grad of sum(dy * out) with respect to all
+    four (the router's gradient computed, not returned)."""
+    def call(x, router, gate_up, down, dy):
+        with torch.enable_grad():
+            leaves = [a.detach().requires_grad_() for a in (x, router, gate_up, down)]
+            (out,) = fwd(*leaves)
+            dx, _drouter, dgu, ddown = torch.autograd.grad(out, leaves, dy)
+        return out.detach(), dx, dgu, ddown
+    return call
+
+
 def caller(implementation, args):
-    """The timed call of `implementation` on the case `args`."""
+    """The timed call of `implementation` on the case `args`: (out,) or, with the backward,
+    (out, dx, dW_gate_up, dW_down)."""
     _, _, k, _, f = layout(args)
     if implementation == "torch_layer_eager":
-        return layer_eager(k, f)
-    if implementation == "torch_layer_grouped":
-        return layer_grouped(k, f)
-    return torch.compile(layer_grouped(k, f))
+        fwd = layer_eager(k, f)
+    elif implementation == "torch_layer_grouped":
+        fwd = layer_grouped(k, f)
+    else:
+        fwd = torch.compile(layer_grouped(k, f))
+    return with_backward(fwd) if backward(args) else fwd
 
 
-def notes_of(implementation):
-    return {"torch_layer_eager": [EAGER_NOTE], "torch_layer_grouped": [GROUPED_NOTE],
-            "torch_layer_compile": [GROUPED_NOTE, COMPILE_NOTE]}[implementation]
+def notes_of(implementation, args=None):
+    notes = {"torch_layer_eager": [EAGER_NOTE], "torch_layer_grouped": [GROUPED_NOTE],
+             "torch_layer_compile": [GROUPED_NOTE, COMPILE_NOTE]}[implementation]
+    return notes + [BACKWARD_NOTE] if args is not None and backward(args) else notes
 
 
 def measure_into(job, reply, args):
@@ -172,7 +206,7 @@ def measure_into(job, reply, args):
             check_inputs(args, job["files"]["inputs"])
             call = caller(implementation, args)
             fields, window = torch_outputs.measure_on_gpu(
-                job, call, notes_of(implementation),
+                job, call, notes_of(implementation, args),
                 peak_on_second_call=implementation == "torch_layer_compile",
                 graph=implementation != "torch_layer_eager")
     except Exception as e:
@@ -191,6 +225,12 @@ def self_test(check):
     case = {"op": "layer", "pass": "fwd", "dtype": "bf16"}
     for imp in IMPLEMENTATIONS:
         check(unsupported_reason(case, imp) is None, "%s measures the layer" % imp)
+        check(unsupported_reason(dict(case, **{"pass": "fwd+bwd"}), imp) is None,
+              "%s measures the layer's backward" % imp)
+        check(unsupported_reason(dict(case, **{"pass": "bwd"}), imp) is not None,
+              "%s refuses pass bwd" % imp)
+        check(BACKWARD_NOTE in notes_of(imp, {"backward": True})
+              and BACKWARD_NOTE not in notes_of(imp, {"backward": False}), "%s notes" % imp)
         check("op = layer" in unsupported_reason(dict(case, op="grouped_gemm"), imp),
               "%s refuses the grouped GEMM" % imp)
     check("GPU" in unsupported_reason(case, "torch_layer_eager", "cpu"), "the CPU is refused")
@@ -213,6 +253,13 @@ def self_test(check):
         check(False, "check_inputs accepted the inputs reversed")
     except ValueError:
         pass
+    try:
+        check_inputs(dict(args, backward=True), inputs)
+        check(False, "check_inputs accepted a backward without dy")
+    except ValueError:
+        pass
+    check_inputs(dict(args, backward=True),
+                 inputs + [{"name": "dy", "dtype": "bf16", "shape": [6, 16]}])
     if torch is None:
         return
     gen = torch.Generator().manual_seed(5)
@@ -247,18 +294,32 @@ def self_test(check):
         err = float((out.double().cpu() - want).norm() / want.norm())
         check(out.dtype == torch.bfloat16 and out.shape == (t, h) and err < 2e-2,
               "%s against float64: relative error %.3g" % (imp, err))
+        # The backward: against autograd through the float64 layer, with the same dy.
+        dy = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(args[0].device)
+        got = with_backward(fn)(*args, dy)
+        leaves = [a.double().cpu().requires_grad_() for a in args]
+        ref = _float64_layer(*leaves, k, f)
+        wants = torch.autograd.grad(ref, leaves, dy.double().cpu())
+        for name, g, w in zip(("dx", "dW_gate_up", "dW_down"), got[1:],
+                              (wants[0], wants[2], wants[3])):
+            gerr = float((g.double().cpu() - w).norm() / w.norm())
+            check(g.shape == w.shape and gerr < 3e-2,
+                  "%s %s against float64 autograd: relative error %.3g" % (imp, name, gerr))
 
 
 def _float64_layer(x, router, gate_up, down, top_k, width):
-    """The layer in float64, token by token."""
+    """The layer in float64, token by token (differentiable by autograd, the routing's
+    choice held fixed)."""
     xd, rd, gd, dd = (a.double() for a in (x, router, gate_up, down))
     logits = xd @ rd
     out = torch.zeros_like(xd)
     for t in range(xd.shape[0]):
         top = torch.topk(logits[t], top_k)
         w = torch.softmax(top.values, dim=0)
-        for ex, wt in zip(top.indices.tolist(), w.tolist()):
+        for j, ex in enumerate(top.indices.tolist()):
             gu = xd[t] @ gd[ex]
             act = torch.nn.functional.silu(gu[:width]) * gu[width:]
-            out[t] += wt * (act @ dd[ex])
+            # w[j], a tensor: the gate weights stay in autograd's graph (the self-test's
+            # backward reference differentiates this function).
+            out[t] = out[t] + w[j] * (act @ dd[ex])
     return out

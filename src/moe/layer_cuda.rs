@@ -312,6 +312,66 @@ impl MoeLayer {
     ) -> Result<DeviceLayerGrads, GpuError> {
         let (e, h, f) = (w.experts, w.hidden, w.width);
         let tokens = state.routing.tokens;
+        let s = &gpu.stream;
+        // SAFETY: backward_into writes all of each (checked there).
+        let mut grads = unsafe {
+            DeviceLayerGrads {
+                dx: s.alloc::<u16>(tokens * h)?,
+                router: s.alloc::<u16>(h * e)?,
+                gate_up: s.alloc::<u16>(e * h * 2 * f)?,
+                down: s.alloc::<u16>(e * f * h)?,
+            }
+        };
+        let DeviceLayerGrads {
+            dx,
+            router,
+            gate_up,
+            down,
+        } = &mut grads;
+        self.backward_into(
+            gpu,
+            x,
+            w,
+            state,
+            router_offsets,
+            dy,
+            [dx, router, gate_up, down],
+        )?;
+        Ok(grads)
+    }
+
+    /// [`MoeLayer::backward`] into given buffers `[dx, router, gate_up, down]`, each written
+    /// whole (dW of an expert with no row as zeros): dx `[T, H]`, the router's `[H, E]`, gate
+    /// and up's `[E, H, 2F]`, down's `[E, F, H]`.
+    ///
+    /// # Errors
+    /// As [`MoeLayer::backward`], and for buffers of other lengths.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_into(
+        &self,
+        gpu: &Gpu,
+        x: &CudaSlice<u16>,
+        w: &DeviceExperts,
+        state: &LayerState,
+        router_offsets: &CudaSlice<i32>,
+        dy: &CudaSlice<u16>,
+        [grad_x, grad_router, grad_gate_up, grad_down]: [&mut CudaSlice<u16>; 4],
+    ) -> Result<(), GpuError> {
+        let (e, h, f) = (w.experts, w.hidden, w.width);
+        let tokens = state.routing.tokens;
+        let lens = [
+            grad_x.len(),
+            grad_router.len(),
+            grad_gate_up.len(),
+            grad_down.len(),
+        ];
+        if lens != [tokens * h, h * e, e * h * 2 * f, e * f * h] {
+            return Err(GpuError::Config(format!(
+                "MoE layer backward: gradient buffers of {lens:?} elements; dx, router, gate_up \
+                 and down need {:?}",
+                [tokens * h, h * e, e * h * 2 * f, e * f * h]
+            )));
+        }
         if (e, h, f) != self.shape {
             return Err(GpuError::Config(format!(
                 "MoE layer compiled for (E, H, F) = {:?}, given weights of {:?}",
@@ -335,7 +395,6 @@ impl MoeLayer {
         // SAFETY (each `alloc` below): the grouped GEMMs' dX write every kept row, SwiGLU's
         // backward reads only those; rows past offsets[E] reach nothing (as in the forward).
         let mut dact = unsafe { s.alloc::<u16>((rows * f).max(1))? };
-        let mut down = s.alloc_zeros::<u16>(e * f * h)?;
         if rows > 0 {
             self.experts_gemm.launch(
                 gpu,
@@ -354,7 +413,7 @@ impl MoeLayer {
             Product::Dw,
             &state.act,
             &cg.dyd,
-            &mut down,
+            grad_down,
             &plan.offsets,
             rows,
             f,
@@ -364,7 +423,6 @@ impl MoeLayer {
         self.dispatch
             .swiglu_backward(gpu, &dact, &state.gu, plan, f, &mut dgu)?;
         let mut dxd = unsafe { s.alloc::<u16>((rows * h).max(1))? };
-        let mut gate_up = s.alloc_zeros::<u16>(e * h * 2 * f)?;
         if rows > 0 {
             self.experts_gemm.launch(
                 gpu,
@@ -383,7 +441,7 @@ impl MoeLayer {
             Product::Dw,
             &state.xd,
             &dgu,
-            &mut gate_up,
+            grad_gate_up,
             &plan.offsets,
             rows,
             h,
@@ -410,26 +468,19 @@ impl MoeLayer {
             h,
             e,
         )?;
-        let mut router = s.alloc_zeros::<u16>(h * e)?;
         self.router_gemm.launch(
             gpu,
             Product::Dw,
             x,
             &dlogits,
-            &mut router,
+            grad_router,
             router_offsets,
             tokens,
             h,
             e,
         )?;
-        let mut dx = unsafe { s.alloc::<u16>(tokens * h)? };
         self.dispatch
-            .dispatch_backward(gpu, &dxd, plan, routing, Some(&dx_router), h, &mut dx)?;
-        Ok(DeviceLayerGrads {
-            dx,
-            router,
-            gate_up,
-            down,
-        })
+            .dispatch_backward(gpu, &dxd, plan, routing, Some(&dx_router), h, grad_x)?;
+        Ok(())
     }
 }
