@@ -918,13 +918,13 @@ impl own::Launcher for LayerLaunch {
             c.width as u64,
         );
         let m = t * c.top_k as u64;
-        let fwd = t * e * 6 + m * 8 + 2 * (m * h + m * 2 * f + m * f + m * h);
         if !c.backward {
-            return fwd;
+            return t * e * 6 + m * 8 + 2 * (m * h + m * 2 * f + m * f + m * h);
         }
-        // The backward's: dY's rows and the gates' gradient, dact, dgu, the rows' dx, the
-        // logits' gradient, the router's dx, and the router's weight gradient (not an output).
-        fwd + 2 * (m * h + m * f + m * 2 * f + m * h) + m * 4 + t * e * 2 + t * h * 2 + h * e * 2
+        // With the backward the forward's intermediates are residuals (below) but for its
+        // bf16 logits; then the backward's: dY's rows and the gates' gradient, dact, dgu, the
+        // rows' dx, the logits' gradient and the router's dx.
+        t * e * 2 + 2 * (m * h + m * f + m * 2 * f + m * h) + m * 4 + t * e * 2 + t * h * 2
     }
     fn residual_bytes(&self) -> Option<u64> {
         // What the forward keeps for the backward (`LayerState`): the float32 logits, the
@@ -942,7 +942,8 @@ impl own::Launcher for LayerLaunch {
             .then_some(t * e * 4 + m * 16 + 2 * (m * h + m * 2 * f + m * f + m * h))
     }
     fn workspace_bytes(&self) -> u64 {
-        0
+        // The router's weight gradient (fwd+bwd): allocated once, held across calls.
+        self.router_grad.as_ref().map_or(0, |g| 2 * g.len() as u64)
     }
 }
 

@@ -296,7 +296,15 @@ def self_test(check):
               "%s against float64: relative error %.3g" % (imp, err))
         # The backward: against autograd through the float64 layer, with the same dy.
         dy = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(args[0].device)
-        got = with_backward(fn)(*args, dy)
+        try:
+            got = with_backward(fn)(*args, dy)
+        except (RuntimeError, NotImplementedError) as exc:
+            # As above: a CPU torch may run _grouped_mm's forward but not its backward.
+            if imp == "torch_layer_grouped" and args[0].device.type == "cpu":
+                protocol.log("self-test: torch_layer_grouped's backward not checked on the CPU: %s"
+                             % protocol.exc_text(exc))
+                continue
+            raise
         leaves = [a.double().cpu().requires_grad_() for a in args]
         ref = _float64_layer(*leaves, k, f)
         wants = torch.autograd.grad(ref, leaves, dy.double().cpu())

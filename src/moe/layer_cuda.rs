@@ -372,6 +372,12 @@ impl MoeLayer {
                 [tokens * h, h * e, e * h * 2 * f, e * f * h]
             )));
         }
+        if router_offsets.len() != 2 {
+            return Err(GpuError::Config(format!(
+                "MoE layer backward: the router's offsets hold {} values, not 2 ([0, T])",
+                router_offsets.len()
+            )));
+        }
         if (e, h, f) != self.shape {
             return Err(GpuError::Config(format!(
                 "MoE layer compiled for (E, H, F) = {:?}, given weights of {:?}",
