@@ -86,7 +86,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss_tt(float (&d)[32], uint64_t d
                                                       uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "wgmma.mma_async.sync.aligned.m64n64k16" WG_AB
         WG_REGS32 ", %32, %33, p, 1, 1, 1, 1;\n}\n"
         : WG_ACC32(d)
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
@@ -148,7 +148,7 @@ __device__ __forceinline__ void attn_bwd_sm90_pre(const u16* __restrict__ O,
     float acc = 0.f;
 #pragma unroll
     for (int e = lane; e < D; e += 32) {
-        acc += to_f32<true>(O[row * D + e]) * to_f32<true>(dO[row * D + e]);
+        acc += to_f32<KP_WG_BF16>(O[row * D + e]) * to_f32<KP_WG_BF16>(dO[row * D + e]);
         dqacc[row * D + e] = 0.f;
     }
 #pragma unroll
@@ -427,8 +427,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
             for (int j = 0; j < DT; ++j) {
                 const size_t o = kv_base + (size_t)key * D + 8 * j + 2 * t4;
                 *reinterpret_cast<u32*>(dK + o) =
-                    pack2<true>(dk[0][j][2 * hf] * scale, dk[0][j][2 * hf + 1] * scale);
-                *reinterpret_cast<u32*>(dV + o) = pack2<true>(dv[0][j][2 * hf], dv[0][j][2 * hf + 1]);
+                    pack2<KP_WG_BF16>(dk[0][j][2 * hf] * scale, dk[0][j][2 * hf + 1] * scale);
+                *reinterpret_cast<u32*>(dV + o) = pack2<KP_WG_BF16>(dv[0][j][2 * hf], dv[0][j][2 * hf + 1]);
             }
         }
     }
@@ -471,5 +471,5 @@ BW_ENTRY(128)
 extern "C" __global__ void attn_bwd_sm90_dq_convert(const float* __restrict__ dqacc,
                                                     u16* __restrict__ dQ, unsigned long long n,
                                                     float scale) {
-    bwd_dq_convert<true>(dqacc, dQ, n, scale);
+    bwd_dq_convert<KP_WG_BF16>(dqacc, dQ, n, scale);
 }

@@ -22,6 +22,19 @@
 // 8j + 2 t4), d[4j + 1] (same row, column + 1), d[4j + 2] (row + 8, column 8j + 2 t4),
 // d[4j + 3] (row + 8, column + 1): per warp, mma.sync's m16n8 layout.
 
+// The 16-bit element type of the wgmma kernels (operands and results): bf16 unless the source
+// before this file defines KP_WG_BF16 as 0 (fp16; the host's `wgmma_source` and `bwd_source`
+// do for fp16 cases). WG_AB is the instructions' operand types, KP_WG_BF16 the template
+// argument of the prelude's pack2, to_f32, store_rows and bwd_dq_convert.
+#ifndef KP_WG_BF16
+#define KP_WG_BF16 1
+#endif
+#if KP_WG_BF16
+#define WG_AB ".f32.bf16.bf16 "
+#else
+#define WG_AB ".f32.f16.f16 "
+#endif
+
 typedef unsigned long long uint64_t;
 
 // The dynamic shared memory of the kernels below (one declaration: a function-scope one in a
@@ -81,7 +94,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
                                                   int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "wgmma.mma_async.sync.aligned.m64n64k16" WG_AB
         WG_REGS32 ", %32, %33, p, 1, 1, 0, %35;\n}\n"
         : WG_ACC32(d)
         : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
@@ -95,7 +108,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a
                                                   uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "wgmma.mma_async.sync.aligned.m64n64k16" WG_AB
         WG_REGS32 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
         : WG_ACC32(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
@@ -107,7 +120,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&
                                                    uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "wgmma.mma_async.sync.aligned.m64n128k16" WG_AB
         WG_REGS64 ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
         : WG_ACC64(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B));
@@ -211,10 +224,10 @@ template <int NT>
 __device__ __forceinline__ void pack_p(const float (&s)[1][NT][4], u32 (&pa)[NT / 2][4]) {
 #pragma unroll
     for (int kc = 0; kc < NT / 2; ++kc) {
-        pa[kc][0] = pack2<true>(s[0][2 * kc][0], s[0][2 * kc][1]);
-        pa[kc][1] = pack2<true>(s[0][2 * kc][2], s[0][2 * kc][3]);
-        pa[kc][2] = pack2<true>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
-        pa[kc][3] = pack2<true>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
+        pa[kc][0] = pack2<KP_WG_BF16>(s[0][2 * kc][0], s[0][2 * kc][1]);
+        pa[kc][1] = pack2<KP_WG_BF16>(s[0][2 * kc][2], s[0][2 * kc][3]);
+        pa[kc][2] = pack2<KP_WG_BF16>(s[0][2 * kc + 1][0], s[0][2 * kc + 1][1]);
+        pa[kc][3] = pack2<KP_WG_BF16>(s[0][2 * kc + 1][2], s[0][2 * kc + 1][3]);
     }
 }
 
@@ -335,7 +348,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const u16* __restrict__ Q, const u
         __syncthreads();  // every warp is done with `buf` before it is refilled
     }
     cp_async_wait<0>();
-    store_rows<1, DT, true>(o, m_run, l_run, O + q_off, LSE + (size_t)(b * H + h) * Tq + q0,
+    store_rows<1, DT, KP_WG_BF16>(o, m_run, l_run, O + q_off, LSE + (size_t)(b * H + h) * Tq + q0,
                             16 * warp, rows, g, t4);
 }
 
@@ -428,7 +441,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t des
                                                     uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "wgmma.mma_async.sync.aligned.m64n128k16" WG_AB
         WG_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
         : WG_ACC64(d)
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
@@ -717,7 +730,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         mbar_arrive(empty_v(last % ST));
     }
     if (rows_w > 0)
-        store_rows<1, DT, true>(o, m_run, l_run, O + ((size_t)(b * H + h) * Tq + q0w) * D,
+        store_rows<1, DT, KP_WG_BF16>(o, m_run, l_run, O + ((size_t)(b * H + h) * Tq + q0w) * D,
                                 LSE + (size_t)(b * H + h) * Tq + q0w, 16 * warp, rows_w, g, t4);
 }
 

@@ -603,9 +603,24 @@ fn wgmma_probe_compiles_for_sm_90a() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
+    use kernelpages::attention::Dtype;
     let src = kernelpages::attention::sm90::wgmma_source(None);
     assert!(src.contains(PRELUDE_SRC) && src.contains(WGMMA_SRC));
-    let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
+    assert_eq!(
+        src,
+        kernelpages::attention::sm90::wgmma_source_for(None, Dtype::Bf16)
+    );
+    // bf16, then fp16 (the same kernels on f16 operands: FP16_DISPATCHED waits for the GPU).
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let src = kernelpages::attention::sm90::wgmma_source_for(None, dtype);
+        let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
+        wgmma_forwards_fit(&reports);
+    }
+}
+
+/// Every wgmma forward and the probe in `reports` compile without spills, the warp-specialised
+/// ones at their launch bounds' whole register cap.
+fn wgmma_forwards_fit(reports: &[kernelpages::gpu::PtxasReport]) {
     for name in [
         "wgmma_probe",
         "attn_fwd_sm90_d64",
@@ -617,7 +632,7 @@ fn wgmma_probe_compiles_for_sm_90a() {
         "attn_fwd_sm90_wsp3_d64",
         "attn_fwd_sm90_wsps3_d128",
     ] {
-        let r = spill_free(&reports, name);
+        let r = spill_free(reports, name);
         // The warp-specialised kernels raise their consumers' registers with setmaxnreg.inc,
         // which waits for registers the producer gave back: it can succeed only when ptxas
         // allocated the whole per-thread cap of the launch bounds (384 threads: 168, 512: 128).
@@ -643,7 +658,21 @@ fn wgmma_backward_compiles_for_sm_90a() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
+    use kernelpages::attention::Dtype;
     let src = kernelpages::attention::sm90::bwd_source(None);
+    // fp16's kernels (FP16_DISPATCHED waits for the GPU): the same names, no spills, the main
+    // kernel at the register cap.
+    for d in [64, 128] {
+        let f16 = kernelpages::attention::sm90::bwd_source_for(Some(d), Dtype::F16);
+        let reports =
+            kernelpages::gpu::ptxas_report("attn_wgmma_bwd_sm90.cu", &f16, "sm_90a").unwrap();
+        assert_eq!(
+            spill_free(&reports, &format!("attn_bwd_sm90_d{d}")).registers,
+            168
+        );
+        spill_free(&reports, &format!("attn_bwd_sm90_pre_d{d}"));
+        spill_free(&reports, "attn_bwd_sm90_dq_convert");
+    }
     for d in [64, 128] {
         // The source for one head_dim holds its two kernels and the conversion, nothing else.
         let one = kernelpages::attention::sm90::bwd_source(Some(d));

@@ -1054,15 +1054,21 @@ impl Runner {
                             .is_some(),
                 ) =>
             {
-                let hopper = super::sm90::HopperForward::new(gpu, c.head_dim, c.seq_len_q)?;
+                let hopper = super::sm90::HopperForward::with_dtype(
+                    gpu,
+                    c.head_dim,
+                    super::sm90::Sm90Version::for_shape(c.head_dim, c.seq_len_q),
+                    c.dtype,
+                )?;
                 let mut compile_s = hopper.compile_s;
                 // SAFETY: the forward writes every row of the LSE before anything reads it.
                 let lse = unsafe { gpu.stream.alloc::<f32>(rows)? };
                 let bwd = if bwd {
-                    let hb = super::sm90::HopperBackward::new(
+                    let hb = super::sm90::HopperBackward::with_dtype(
                         gpu,
                         c.head_dim,
                         (c.batch, c.heads, c.seq_len_q),
+                        c.dtype,
                     )?;
                     compile_s += hb.compile_s;
                     Some(Box::new(hb))

@@ -20,15 +20,32 @@ use super::cuda::PRELUDE_SRC;
 use super::{AttentionCase, Dtype};
 use crate::gpu::{Gpu, GpuError};
 
+/// Whether the dispatch ([`takes`]) runs fp16 cases on the wgmma kernels too. The kernels
+/// take fp16 ([`HopperForward::with_dtype`], [`HopperBackward::with_dtype`]: the same
+/// instructions on `f16` operands) and NVRTC compiles them, but until their GPU tests have
+/// passed on the device fp16 stays on the portable kernels ([`fp16_dispatched`] says what a
+/// process does).
+pub const FP16_DISPATCHED: bool = false;
+
+/// The environment variable that makes this process dispatch fp16 to the wgmma kernels before
+/// [`FP16_DISPATCHED`] does (value `1`): for the GPU tests and probes of that path.
+pub const FP16_ENV: &str = "KP_SM90_FP16";
+
+/// [`FP16_DISPATCHED`], or this process's [`FP16_ENV`] set to `1`.
+pub fn fp16_dispatched() -> bool {
+    FP16_DISPATCHED || std::env::var(FP16_ENV).is_ok_and(|v| v == "1")
+}
+
 /// True when `flash` (the dispatch of `attention::cuda`) runs the wgmma forward
 /// ([`HopperForward`]) for case `c` on a device of architecture `arch` ([`Gpu::arch`]):
-/// compute capability 9.0 (`sm_90a`), bf16, head_dim 64 or 128, a positive finite scale; the
-/// forward alone, or with the wgmma backward ([`HopperBackward`]) after it.
-/// Everything else (fp16, other head dims, other devices) runs the portable sm_80 kernels.
+/// compute capability 9.0 (`sm_90a`), bf16 (and fp16 where [`fp16_dispatched`]), head_dim 64
+/// or 128, a positive finite scale; the forward alone, or with the wgmma backward
+/// ([`HopperBackward`]) after it. Everything else (fp16 for now, other head dims, other
+/// devices) runs the portable sm_80 kernels.
 pub fn takes(arch: &str, c: &AttentionCase) -> bool {
     let scale = c.scale();
     arch == "sm_90a"
-        && c.dtype == Dtype::Bf16
+        && (c.dtype == Dtype::Bf16 || (c.dtype == Dtype::F16 && fp16_dispatched()))
         && (c.head_dim == 64 || c.head_dim == 128)
         && scale > 0.0
         && scale.is_finite()
@@ -40,13 +57,49 @@ pub fn takes(arch: &str, c: &AttentionCase) -> bool {
 pub const WGMMA_SRC: &str = include_str!("../../kernels/attn_wgmma_sm90.cu");
 
 /// The whole source of a module of [`WGMMA_SRC`]'s kernels: [`PRELUDE_SRC`], then the kernel
-/// `entry` alone (each process compiles the one forward it runs), or every kernel for `None`.
+/// `entry` alone (each process compiles the one forward it runs), or every kernel for `None`;
+/// bf16 ([`wgmma_source_for`] takes the dtype).
 pub fn wgmma_source(entry: Option<&str>) -> String {
+    wgmma_source_for(entry, Dtype::Bf16)
+}
+
+/// The line that sets the wgmma kernels' 16-bit type (`KP_WG_BF16`: 1 for bf16, 0 for fp16).
+///
+/// # Panics
+/// For fp32, which the wgmma kernels do not take (the constructors refuse it first).
+fn dtype_define(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::Bf16 => "#define KP_WG_BF16 1",
+        Dtype::F16 => "#define KP_WG_BF16 0",
+        Dtype::F32 => panic!("the wgmma kernels take bf16 or fp16"),
+    }
+}
+
+/// [`wgmma_source`] for `dtype` (bf16 or fp16: the kernels' operands and results).
+///
+/// # Panics
+/// For fp32.
+pub fn wgmma_source_for(entry: Option<&str>, dtype: Dtype) -> String {
     let select = match entry {
         Some(name) => format!("#define KP_SM90_{name}"),
         None => "#define KP_SM90_ALL".to_string(),
     };
-    format!("{PRELUDE_SRC}\n{select}\n{WGMMA_SRC}\n")
+    format!(
+        "{PRELUDE_SRC}\n{}\n{select}\n{WGMMA_SRC}\n",
+        dtype_define(dtype)
+    )
+}
+
+/// The wgmma kernels' 16-bit types, as [`Dtype`]s; anything else is refused.
+fn check_dtype(what: &str, dtype: Dtype) -> Result<(), GpuError> {
+    if matches!(dtype, Dtype::Bf16 | Dtype::F16) {
+        Ok(())
+    } else {
+        Err(GpuError::Config(format!(
+            "the wgmma {what} runs bf16 or fp16, not {}",
+            dtype.as_str()
+        )))
+    }
 }
 
 /// The probe's operand forms.
@@ -271,9 +324,23 @@ unsafe impl DeviceRepr for TmaMap {}
 /// rows; the driver's error for what it refuses.
 pub fn tma_map_bf16(
     ptr: sys::CUdeviceptr,
-    (planes, rows, head_dim): (usize, usize, usize),
+    shape: (usize, usize, usize),
     box_rows: u32,
 ) -> Result<TmaMap, GpuError> {
+    tma_map_16(ptr, shape, box_rows, Dtype::Bf16)
+}
+
+/// [`tma_map_bf16`] for a tensor of 16-bit `dtype` (bf16 or fp16: the map's element type).
+///
+/// # Errors
+/// As [`tma_map_bf16`]; [`GpuError::Config`] for fp32.
+pub fn tma_map_16(
+    ptr: sys::CUdeviceptr,
+    (planes, rows, head_dim): (usize, usize, usize),
+    box_rows: u32,
+    dtype: Dtype,
+) -> Result<TmaMap, GpuError> {
+    check_dtype("tensor map", dtype)?;
     if !head_dim.is_multiple_of(64) || box_rows == 0 || box_rows > 256 {
         return Err(GpuError::Config(format!(
             "tensor map: head_dim {head_dim} must be a multiple of 64 and the box 1..=256 rows \
@@ -282,7 +349,11 @@ pub fn tma_map_bf16(
     }
     tma_map_3d(
         ptr,
-        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        if dtype == Dtype::F16 {
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+        } else {
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+        },
         2,
         (planes, rows, head_dim),
         [64, box_rows],
@@ -366,6 +437,7 @@ pub struct HopperForward {
     smem: u32,
     head_dim: usize,
     version: Sm90Version,
+    dtype: Dtype,
     /// NVRTC compile + load time, s.
     pub compile_s: f64,
 }
@@ -391,6 +463,21 @@ impl HopperForward {
         head_dim: usize,
         version: Sm90Version,
     ) -> Result<HopperForward, GpuError> {
+        HopperForward::with_dtype(gpu, head_dim, version, Dtype::Bf16)
+    }
+
+    /// [`HopperForward::with_version`] for Q, K, V and O of 16-bit `dtype` (bf16 or fp16; the
+    /// same kernels on `f16` operands for fp16).
+    ///
+    /// # Errors
+    /// As [`HopperForward::with_version`]; [`GpuError::Config`] for fp32.
+    pub fn with_dtype(
+        gpu: &Gpu,
+        head_dim: usize,
+        version: Sm90Version,
+        dtype: Dtype,
+    ) -> Result<HopperForward, GpuError> {
+        check_dtype("forward", dtype)?;
         if gpu.arch() != "sm_90a" {
             return Err(GpuError::Config(format!(
                 "the wgmma forward needs compute capability 9.0 (sm_90a), not {}",
@@ -419,13 +506,14 @@ impl HopperForward {
             }
         };
         super::cuda::check_smem(gpu, &name, smem)?;
-        let compiled = gpu.compile("attn_wgmma_sm90.cu", &wgmma_source(Some(&name)))?;
+        let compiled = gpu.compile("attn_wgmma_sm90.cu", &wgmma_source_for(Some(&name), dtype))?;
         let func = gpu.function(&compiled.module, &name, smem)?;
         Ok(HopperForward {
             func,
             smem,
             head_dim,
             version,
+            dtype,
             compile_s: compiled.compile_s,
         })
     }
@@ -502,9 +590,19 @@ impl HopperForward {
             let (kp, _gk) = k.device_ptr(&gpu.stream);
             let (vp, _gv) = v.device_ptr(&gpu.stream);
             let maps = [
-                tma_map_bf16(qp, (batch * heads, seq_len_q, d), 64)?,
-                tma_map_bf16(kp, (batch * kv_heads, seq_len_kv, d), WS_KEYS as u32)?,
-                tma_map_bf16(vp, (batch * kv_heads, seq_len_kv, d), WS_KEYS as u32)?,
+                tma_map_16(qp, (batch * heads, seq_len_q, d), 64, self.dtype)?,
+                tma_map_16(
+                    kp,
+                    (batch * kv_heads, seq_len_kv, d),
+                    WS_KEYS as u32,
+                    self.dtype,
+                )?,
+                tma_map_16(
+                    vp,
+                    (batch * kv_heads, seq_len_kv, d),
+                    WS_KEYS as u32,
+                    self.dtype,
+                )?,
             ];
             let mut l = gpu.stream.launch_builder(&self.func);
             l.arg(&maps[0])
@@ -587,11 +685,22 @@ pub const WGMMA_BWD_SRC: &str = include_str!("../../kernels/attn_wgmma_bwd_sm90.
 /// preprocessing and main kernels; the dQ conversion is always there), or of both head dims for
 /// `None`.
 pub fn bwd_source(head_dim: Option<usize>) -> String {
+    bwd_source_for(head_dim, Dtype::Bf16)
+}
+
+/// [`bwd_source`] for `dtype` (bf16 or fp16).
+///
+/// # Panics
+/// For fp32.
+pub fn bwd_source_for(head_dim: Option<usize>, dtype: Dtype) -> String {
     let select = match head_dim {
         Some(d) => format!("#define KP_SM90_BWD_D{d}"),
         None => "#define KP_SM90_BWD_ALL".to_string(),
     };
-    format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n{select}\n{WGMMA_BWD_SRC}\n")
+    format!(
+        "{PRELUDE_SRC}\n{}\n{WGMMA_SRC}\n{select}\n{WGMMA_BWD_SRC}\n",
+        dtype_define(dtype)
+    )
 }
 
 /// Keys per CTA of the wgmma backward (`BW_BN` in the kernel source).
@@ -623,6 +732,7 @@ pub struct HopperBackward {
     convert: CudaFunction,
     smem: u32,
     head_dim: usize,
+    dtype: Dtype,
     /// D = rowsum(dO ∘ O), fp32 `[batch · heads, seq_len_q padded to a multiple of
     /// bwd_queries(head_dim)]`.
     dsum: CudaSlice<f32>,
@@ -644,8 +754,23 @@ impl HopperBackward {
     pub fn new(
         gpu: &Gpu,
         head_dim: usize,
-        (batch, heads, seq_len_q): (usize, usize, usize),
+        rows: (usize, usize, usize),
     ) -> Result<HopperBackward, GpuError> {
+        HopperBackward::with_dtype(gpu, head_dim, rows, Dtype::Bf16)
+    }
+
+    /// [`HopperBackward::new`] for Q, K, V, dO and the gradients of 16-bit `dtype` (bf16 or
+    /// fp16; the same kernels on `f16` operands for fp16).
+    ///
+    /// # Errors
+    /// As [`HopperBackward::new`]; [`GpuError::Config`] for fp32.
+    pub fn with_dtype(
+        gpu: &Gpu,
+        head_dim: usize,
+        (batch, heads, seq_len_q): (usize, usize, usize),
+        dtype: Dtype,
+    ) -> Result<HopperBackward, GpuError> {
+        check_dtype("backward", dtype)?;
         if gpu.arch() != "sm_90a" {
             return Err(GpuError::Config(format!(
                 "the wgmma backward needs compute capability 9.0 (sm_90a), not {}",
@@ -657,7 +782,7 @@ impl HopperBackward {
                 "the wgmma backward runs head_dim 64 or 128, not {head_dim}"
             )));
         }
-        let src = bwd_source(Some(head_dim));
+        let src = bwd_source_for(Some(head_dim), dtype);
         let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
         let name = format!("attn_bwd_sm90_d{head_dim}");
         // K and V, the Q and dO stages (bm rows), two dS^T buffers (128 × bm bf16), LSE and D
@@ -686,6 +811,7 @@ impl HopperBackward {
             main,
             smem,
             head_dim,
+            dtype,
             // SAFETY: the preprocessing kernel writes all three before the main kernel reads
             // them.
             dsum: unsafe { gpu.stream.alloc::<f32>(padded)? },
@@ -810,10 +936,20 @@ impl HopperBackward {
             let (vp, _gv) = v.device_ptr(&gpu.stream);
             let (dop, _gdo) = dout.device_ptr(&gpu.stream);
             let maps = [
-                tma_map_bf16(qp, (batch * heads, seq_len_q, d), bm as u32)?,
-                tma_map_bf16(kp, (batch * kv_heads, seq_len_kv, d), BWD_KEYS as u32)?,
-                tma_map_bf16(vp, (batch * kv_heads, seq_len_kv, d), BWD_KEYS as u32)?,
-                tma_map_bf16(dop, (batch * heads, seq_len_q, d), bm as u32)?,
+                tma_map_16(qp, (batch * heads, seq_len_q, d), bm as u32, self.dtype)?,
+                tma_map_16(
+                    kp,
+                    (batch * kv_heads, seq_len_kv, d),
+                    BWD_KEYS as u32,
+                    self.dtype,
+                )?,
+                tma_map_16(
+                    vp,
+                    (batch * kv_heads, seq_len_kv, d),
+                    BWD_KEYS as u32,
+                    self.dtype,
+                )?,
+                tma_map_16(dop, (batch * heads, seq_len_q, d), bm as u32, self.dtype)?,
             ];
             // The guard records the kernel's reduce-adds into dqacc on drop.
             let (dqp, _gdq) = self.dqacc.device_ptr_mut(&gpu.stream);
