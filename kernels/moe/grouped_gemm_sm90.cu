@@ -52,7 +52,7 @@
 // the group's rows left (a group's last, or a small group's only, tile) is short: both
 // consumers multiply the first A box, consumer c against B's panel c (two m64n64k16 a k-step),
 // and each stores its 128 x 64 half, so that neither multiplies rows past the group's end
-// while the other works (the stage still brings both A boxes). The tall dW (entry
+// while the other works (the producer brings only the first A box for it). The tall dW (entry
 // grouped_gemm_sm90_dw_tall; run by the variant grouped_wgmma_tall, and by the dispatch with K
 // rows a group once TALL_DW_DISPATCHED in src/moe/sm90.rs says so) is the same tile over K x N:
 // a stage holds four 64-column panels of x (256 of C's rows) and two of dY; consumer c takes
@@ -401,12 +401,18 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
                     const int s = it % GS_ST;
                     if (it >= GS_ST) mbar_wait(empty(s), ((it / GS_ST) + 1) & 1);
                     const u32 sa = base + s * GS_STAGE_BYTES, sb = sa + GS_A_BYTES;
-                    mbar_expect_tx(full(s), GS_STAGE_BYTES);
+                    // A short tall tile (at most GS_BM of the group's rows left: the
+                    // consumers' test below) reads only A's first box, so only that is brought.
+                    const bool short_a = TALL && MODE == 0 && t.rows - t.m0 <= GS_BM;
+                    mbar_expect_tx(full(s), short_a ? GS_STAGE_BYTES - GS_A_BYTES : GS_STAGE_BYTES);
                     const int k0 = ks * GS_BK;
                     if (TALL && MODE == 0) {
-                        // Two 128-row boxes of A, two 64-column panels of B after them.
+                        // Two 128-row boxes of A (one for a short tile), two 64-column panels
+                        // of B after them.
                         tma_load_3d(sa, map_a, full(s), k0, t.row0 + t.m0, 0);
-                        tma_load_3d(sa + GS_A_BYTES, map_a, full(s), k0, t.row0 + t.m0 + GS_BM, 0);
+                        if (!short_a)
+                            tma_load_3d(sa + GS_A_BYTES, map_a, full(s), k0,
+                                        t.row0 + t.m0 + GS_BM, 0);
 #pragma unroll
                         for (int p = 0; p < 2; ++p)
                             tma_load_3d(sb + GS_A_BYTES + p * 8192, map_b, full(s), t.n0 + 64 * p,
