@@ -30,7 +30,9 @@
 //            reach this group's dW.
 // Rows of a forward or dX tile past the group's end are read (they are the next group's) and
 // multiplied but never stored, except that a consumer warpgroup whose rows all lie past the
-// end skips its products (it only waits for each stage and releases it).
+// end skips its products (it only waits for each stage and releases it), and that a tile with
+// at most 64 of the group's rows left and more than 128 columns is split: both consumers
+// multiply those 64 rows, each against half of B's columns (SPLIT, below).
 //
 // Epilogue: each consumer rounds its 64 x 256 accumulators to bf16 and writes them, 64 columns
 // at a time, into one of its two 64 x 64 shared-memory buffers (128-byte swizzled, the layout
@@ -203,11 +205,16 @@ __device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
 // SHORT (the tall forward's tile with at most 128 of the group's rows left): both consumers
 // take the first 128-row box of A, consumer cw B's panel cw (64 columns), as two m64n64k16
 // into acc[0..31] and acc[64..95], so that the two share the tile's products.
-template <int MODE, bool HALF, bool TALL, bool SHORT = false>
+// SPLIT (a wide forward or dX tile with at most 64 of the group's rows left and more than 128
+// columns): both consumers take A's first 64 rows, consumer cw B's columns 128 cw ..
+// 128 cw + 127, on m64n128k16 into acc[0..63], so that the two share the tile's products
+// instead of one multiplying all 256 columns while the other waits.
+template <int MODE, bool HALF, bool TALL, bool SHORT = false, bool SPLIT = false>
 __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, int& it, u32 base,
                                             int cw, int ctid, int lane) {
     static_assert(!TALL || (MODE != 1 && !HALF), "the tall tile is the forward's and dW's");
     static_assert(!SHORT || (TALL && MODE == 0), "the short tile is the tall forward's");
+    static_assert(!SPLIT || (!TALL && !HALF && MODE != 2), "the split tile is a wide fwd or dX");
     auto full = [&](int s) { return base + GS_BARS + 8u * s; };
     auto empty = [&](int s) { return base + GS_BARS + 8u * (GS_ST + s); };
     int prev = -1;
@@ -216,7 +223,8 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
         mbar_wait(full(s), (it / GS_ST) & 1);
         // A stage: A (GS_A_BYTES, 128 rows; TALL: twice that, 256 rows), then B (panels of 64
         // columns at 8 KB).
-        const u32 sa = base + s * GS_STAGE_BYTES + (SHORT ? 0 : cw * (TALL ? 16384 : 8192));
+        const u32 sa =
+            base + s * GS_STAGE_BYTES + (SHORT || SPLIT ? 0 : cw * (TALL ? 16384 : 8192));
         const u32 sb = base + s * GS_STAGE_BYTES + (TALL ? 2 : 1) * GS_A_BYTES;
         if (MODE == 2) {
             const int valid = t.rows - ks * GS_BK;
@@ -245,7 +253,15 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
                                           : smem_desc_sw128(sa + kk * 32, 16, 1024);
             const uint64_t db = MODE == 1 ? smem_desc_sw128(sb + kk * 32, 16, 1024)
                                           : smem_desc_sw128(sb + kk * 2048, 8192, 1024);
-            if constexpr (SHORT) {
+            if constexpr (SPLIT) {
+                // B's columns 128 cw ..: panels 2 cw and 2 cw + 1 of the forward's MN-major B,
+                // rows 128 cw .. of dX's K-major B (one 256-row box); 16 KB on either way.
+                const uint64_t dbs = MODE == 1
+                                         ? smem_desc_sw128(sb + cw * 16384 + kk * 32, 16, 1024)
+                                         : smem_desc_sw128(sb + cw * 16384 + kk * 2048, 8192, 1024);
+                wgmma_m64n128k16<0, MODE == 1 ? 0 : 1>(reinterpret_cast<float(&)[64]>(acc), da,
+                                                       dbs);
+            } else if constexpr (SHORT) {
                 const uint64_t da2 = smem_desc_sw128(sa + 8192 + kk * 32, 16, 1024);
                 const uint64_t dbc = smem_desc_sw128(sb + cw * 8192 + kk * 2048, 8192, 1024);
                 // Attention's m64n64k16 (A K-major, B N-major), accumulating (scale_d 1).
@@ -475,6 +491,16 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
                                            t.n0 + 64 * cw, t.e, row_c, c, ldc, map_c, base, cw,
                                            ctid, stores);
                 }
+                continue;
+            }
+        }
+        if constexpr (!TALL && MODE != 2) {
+            if (left <= 64 && n_lim > GS_BN / 2) {
+                // A split wide tile: the two consumers share its columns (SPLIT above), each
+                // storing its 64 x 128 part.
+                gs_mainloop<MODE, false, false, false, true>(acc, t, it, base, cw, ctid, lane);
+                gs_store_rows<MODE, 2>(acc, 0, left, n_lim - 128 * cw, t.n0 + 128 * cw, t.e,
+                                       t.row0 + t.m0, c, ldc, map_c, base, cw, ctid, stores);
                 continue;
             }
         }
