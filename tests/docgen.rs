@@ -1885,3 +1885,66 @@ fn reproduce_commands_name_the_python_packages_recorded() {
         "{t}"
     );
 }
+
+/// An alternative faster than the default beyond both spreads is a known limitation, unless its
+/// output was not checked against the reference (no accuracy: a ceiling computing something
+/// else, such as MoE's dense GEMM of equal FLOPs), which is then not listed.
+#[test]
+fn only_checked_alternatives_are_listed_as_faster() {
+    use kernelpages::schema::Document;
+    let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: Document = serde_json::from_str(&json).unwrap();
+    // One case with an ok default and an ok alternative: make the alternative 10x faster.
+    let (case, alt) = doc
+        .rows
+        .iter()
+        .filter(|r| !r.default && r.status == Status::Ok && r.accuracy.is_some())
+        .find_map(|r| {
+            doc.rows
+                .iter()
+                .find(|d| d.default && d.status == Status::Ok && d.case == r.case)
+                .map(|_| (r.case.clone(), r.implementation.clone()))
+        })
+        .expect("the fixture has a case with an ok default and an ok alternative");
+    let d_q1 = doc
+        .rows
+        .iter()
+        .find(|d| d.default && d.case == case)
+        .and_then(|d| d.q1_ms)
+        .unwrap();
+    for r in doc
+        .rows
+        .iter_mut()
+        .filter(|r| r.case == case && r.implementation == alt)
+    {
+        r.median_ms = Some(d_q1 / 10.0);
+        r.q1_ms = Some(d_q1 / 11.0);
+        r.q3_ms = Some(d_q1 / 9.0);
+    }
+    let entries = |doc: &Document| -> Vec<String> {
+        let data = tempfile::tempdir().unwrap();
+        fs::write(
+            data.path().join("gpu_attention.json"),
+            serde_json::to_string(doc).unwrap(),
+        )
+        .unwrap();
+        let (_tmp, site) = build_site(data.path(), None);
+        page(&site, "index.html")
+            .select(&sel(".limitations li"))
+            .map(text)
+            .filter(|i| i.contains("faster alternative") && i.contains(&format!("{alt} beats")))
+            .collect()
+    };
+    assert_eq!(entries(&doc).len(), 1, "{alt} made faster is listed");
+    for r in doc
+        .rows
+        .iter_mut()
+        .filter(|r| r.case == case && r.implementation == alt)
+    {
+        r.accuracy = None;
+    }
+    assert!(
+        entries(&doc).is_empty(),
+        "{alt} without a check is not listed"
+    );
+}
