@@ -28,7 +28,9 @@
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid (data/gpu_kernel_sums.json)
 #   bash .carry/device_run.sh moe OUTDIR          # the MoE GPU tests, then the moe grid
-#                                                 # with --compare torch (data/gpu_moe.json)
+#                                                 # with --compare torch (data/gpu_moe.json;
+#                                                 # KP_MOE_TAG, KP_MOE_TESTS and KP_MOE_ARGS
+#                                                 # for one part of a run: README, MoE)
 #   bash .carry/device_run.sh decode OUTDIR [i/n] # the decoding GPU test, then the decoding
 #                                                 # grid or shard i of n (240 rows, 128k-key
 #                                                 # caches: more than one call; try 1/3)
@@ -213,12 +215,18 @@ kernel_sums)
   ;;
 moe)
   # KP_MOE_ARGS: runner arguments (default --compare torch), e.g. "--quick" or
-  # "--filter tokens=16384"; KP_MOE_LIMIT_S: the grid step's limit (default 420 s).
-  step "moe gpu tests" 240 "$out/gpu_moe.tests.log" "$bin/gpu_moe_test" \
-    --include-ignored --test-threads 1 --nocapture
+  # "--filter tokens=16384"; KP_MOE_LIMIT_S: the grid step's limit (default 420 s);
+  # KP_MOE_TAG: names the files gpu_moe_TAG.json and moe_TAG.log (one part of a run split
+  # over calls); KP_MOE_TESTS=0 skips the GPU tests (a later part, the first call ran them;
+  # with the tests the two limits add up to more than a call's 600 s, so give the grid less).
+  if [ "${KP_MOE_TESTS:-1}" != 0 ]; then
+    step "moe gpu tests" 240 "$out/gpu_moe.tests.log" "$bin/gpu_moe_test" \
+      --include-ignored --test-threads 1 --nocapture
+  fi
+  moe_tag=${KP_MOE_TAG:+_$KP_MOE_TAG}
   # shellcheck disable=SC2086
-  step "moe grid" "${KP_MOE_LIMIT_S:-420}" "$out/moe.log" "$bin/moe" \
-    ${KP_MOE_ARGS:---compare torch} --output "$out/gpu_moe.json"
+  step "moe grid" "${KP_MOE_LIMIT_S:-420}" "$out/moe$moe_tag.log" "$bin/moe" \
+    ${KP_MOE_ARGS:---compare torch} --output "$out/gpu_moe$moe_tag.json"
   ;;
 decode)
   step "decode gpu test" 240 "$out/gpu_decode.tests.log" "$bin/gpu_attention_test" \
