@@ -1669,7 +1669,7 @@ fn wgmma_forward_matches_float64() {
     ignore = "needs an NVIDIA GPU and its driver; run on the GPU machine with --include-ignored"
 )]
 fn wgmma_backward_matches_float64() {
-    use kernelpages::attention::sm90::{self, HopperBackward};
+    use kernelpages::attention::sm90::HopperBackward;
     let gpu = gpu();
     if gpu.arch() != "sm_90a" {
         let e = HopperBackward::new(gpu, 128, (1, 1, 64))
@@ -1680,6 +1680,20 @@ fn wgmma_backward_matches_float64() {
         println!("wgmma backward: not a compute capability 9.0 device ({e})");
         return;
     }
+    let cases = wgmma_backward_cases(Dtype::Bf16);
+    assert_eq!(cases.len(), 28);
+    check_wgmma_backward(&cases, 900);
+    for d in [64, 128] {
+        for causal in [false, true] {
+            time_wgmma_fwd_bwd(Dtype::Bf16, d, causal);
+        }
+    }
+}
+
+/// The wgmma backward tests' cases (`dtype`, fwd+bwd, head_dim 64 and 128, both masks): lengths
+/// on and off the 128-key tiles and the query steps, separate query and key lengths both ways,
+/// decoding, GQA 2:1, per-sequence key lengths, a non-default scale.
+fn wgmma_backward_cases(dtype: Dtype) -> Vec<AttentionCase> {
     let mut cases = Vec::new();
     for d in [64, 128] {
         for (tq, tkv, len1, scale) in [
@@ -1698,6 +1712,7 @@ fn wgmma_backward_matches_float64() {
                     seq_len_kv: tkv,
                     causal,
                     scale,
+                    dtype,
                     pass: Pass::FwdBwd,
                     kv_lens: (len1 < tkv).then(|| vec![tkv, len1]),
                     ..AttentionCase::new(2, 4, 1, d)
@@ -1705,43 +1720,53 @@ fn wgmma_backward_matches_float64() {
             }
         }
     }
-    assert_eq!(cases.len(), 28);
-    for c in &cases {
-        assert!(sm90::takes(&gpu.arch(), c), "{c:?}");
+    cases
+}
+
+/// Checks that `flash` runs every case on the wgmma backward (the dispatch takes it), then
+/// every output against float64 (`check_cases`, inputs from `seed`).
+fn check_wgmma_backward(cases: &[AttentionCase], seed: u64) {
+    let gpu = gpu();
+    for c in cases {
+        assert!(kernelpages::attention::sm90::takes(&gpu.arch(), c), "{c:?}");
         let (runner, _) = Runner::new(gpu, Implementation::Flash, c).expect("runner");
         assert!(
             matches!(runner, Runner::Hopper { bwd: Some(_), .. }),
             "not the wgmma backward: {c:?}"
         );
     }
-    check_cases(Implementation::Flash, &cases, 900);
-    for d in [64, 128] {
-        for causal in [false, true] {
-            let c = AttentionCase {
-                causal,
-                pass: Pass::FwdBwd,
-                ..AttentionCase::new(4, 8, 16384, d)
-            };
-            let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
-            let inp = upload(gpu, &c, &Inputs::random(&c, 5)).expect("upload");
-            let mut outs = poisoned_outputs(gpu, &c).expect("alloc");
-            runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
-            gpu.stream.synchronize().unwrap();
-            let t0 = std::time::Instant::now();
-            for _ in 0..5 {
-                runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
-            }
-            gpu.stream.synchronize().unwrap();
-            let ms = t0.elapsed().as_secs_f64() * 1e3 / 5.0;
-            let flops = 3.5 * 4.0 * (4 * 8) as f64 * (16384.0f64).powi(2) * d as f64
-                / if causal { 2.0 } else { 1.0 };
-            println!(
-                "wgmma fwd+bwd B4 H8 T16384 D{d} causal {causal}: {ms:.3} ms, {:.1} TFLOP/s \
-                 (wall clock over 5 calls)",
-                flops / ms / 1e9
-            );
-        }
+    check_cases(Implementation::Flash, cases, seed);
+}
+
+/// A first timing of `flash` forward + backward at B4 H8 T16384 (wall clock over 5 calls,
+/// printed; not a measurement for the pages: the runner's protocol does that).
+fn time_wgmma_fwd_bwd(dtype: Dtype, d: usize, causal: bool) {
+    let gpu = gpu();
+    let c = AttentionCase {
+        causal,
+        dtype,
+        pass: Pass::FwdBwd,
+        ..AttentionCase::new(4, 8, 16384, d)
+    };
+    let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
+    let inp = upload(gpu, &c, &Inputs::random(&c, 5)).expect("upload");
+    let mut outs = poisoned_outputs(gpu, &c).expect("alloc");
+    runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
+    gpu.stream.synchronize().unwrap();
+    let t0 = std::time::Instant::now();
+    for _ in 0..5 {
+        runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
     }
+    gpu.stream.synchronize().unwrap();
+    let ms = t0.elapsed().as_secs_f64() * 1e3 / 5.0;
+    let flops = 3.5 * 4.0 * (4 * 8) as f64 * (16384.0f64).powi(2) * d as f64
+        / if causal { 2.0 } else { 1.0 };
+    println!(
+        "wgmma fwd+bwd {} B4 H8 T16384 D{d} causal {causal}: {ms:.3} ms, {:.1} TFLOP/s (wall \
+         clock over 5 calls)",
+        dtype.as_str(),
+        flops / ms / 1e9
+    );
 }
 
 /// The wgmma forward and backward on fp16 (`sm90::HopperForward::with_dtype`,
@@ -1762,66 +1787,12 @@ fn wgmma_fp16_forward_and_backward_match_float64() {
         println!("wgmma fp16: not a compute capability 9.0 device");
         return;
     }
-    let mut cases = Vec::new();
-    for d in [64, 128] {
-        for (tq, tkv, len1, scale) in [
-            (64, 128, 128, None),
-            (200, 200, 200, None),
-            (1000, 1000, 517, None),
-            (50, 300, 300, None),
-            (300, 100, 100, Some(0.3)),
-            (1, 20, 20, None),
-            (130, 257, 129, None),
-        ] {
-            for causal in [false, true] {
-                cases.push(AttentionCase {
-                    kv_heads: 2,
-                    seq_len_q: tq,
-                    seq_len_kv: tkv,
-                    causal,
-                    scale,
-                    dtype: Dtype::F16,
-                    pass: Pass::FwdBwd,
-                    kv_lens: (len1 < tkv).then(|| vec![tkv, len1]),
-                    ..AttentionCase::new(2, 4, 1, d)
-                });
-            }
-        }
-    }
+    let cases = wgmma_backward_cases(Dtype::F16);
     let dispatched_before = sm90::takes(&gpu.arch(), &cases[0]);
     std::env::set_var(sm90::FP16_ENV, "1");
-    for c in &cases {
-        assert!(sm90::takes(&gpu.arch(), c), "{c:?}");
-        let (runner, _) = Runner::new(gpu, Implementation::Flash, c).expect("runner");
-        assert!(
-            matches!(runner, Runner::Hopper { bwd: Some(_), .. }),
-            "not the wgmma backward: {c:?}"
-        );
-    }
-    check_cases(Implementation::Flash, &cases, 1300);
+    check_wgmma_backward(&cases, 1300);
     for d in [64, 128] {
-        let c = AttentionCase {
-            dtype: Dtype::F16,
-            pass: Pass::FwdBwd,
-            ..AttentionCase::new(4, 8, 16384, d)
-        };
-        let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
-        let inp = upload(gpu, &c, &Inputs::random(&c, 6)).expect("upload");
-        let mut outs = poisoned_outputs(gpu, &c).expect("alloc");
-        runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
-        gpu.stream.synchronize().unwrap();
-        let t0 = std::time::Instant::now();
-        for _ in 0..5 {
-            runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
-        }
-        gpu.stream.synchronize().unwrap();
-        let ms = t0.elapsed().as_secs_f64() * 1e3 / 5.0;
-        let flops = 3.5 * 4.0 * (4 * 8) as f64 * (16384.0f64).powi(2) * d as f64;
-        println!(
-            "wgmma fp16 fwd+bwd B4 H8 T16384 D{d}: {ms:.3} ms, {:.1} TFLOP/s (wall clock over 5 \
-             calls)",
-            flops / ms / 1e9
-        );
+        time_wgmma_fwd_bwd(Dtype::F16, d, false);
     }
     std::env::remove_var(sm90::FP16_ENV);
     // Without the variable the dispatch is back to FP16_DISPATCHED's.

@@ -625,6 +625,72 @@ fn dispatch_and_combine_match_the_reference() {
     }
 }
 
+/// The layer tests' cases: (tokens, experts, top_k, H, F, gate, capacity): Mixtral-like
+/// softmax top-2, many sigmoid-gated experts at F 200, and a capacity that drops assignments.
+/// (tokens, experts, top_k, H, F, gate, capacity).
+type LayerTestCase = (
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    kernelpages::moe::reference::Gate,
+    Option<usize>,
+);
+const LAYER_TEST_CASES: [LayerTestCase; 3] = {
+    use kernelpages::moe::reference::Gate;
+    [
+        (600, 8, 2, 256, 512, Gate::Softmax, None),
+        (1000, 64, 8, 128, 200, Gate::Sigmoid, None),
+        (800, 16, 4, 128, 128, Gate::Softmax, Some(150)),
+    ]
+};
+
+/// A layer's weights from `seed` on: the router `[H, E]` and the experts (gate, up `[E, H, F]`,
+/// down `[E, F, H]`) as host float64 values already rounded to bf16, small enough that the
+/// activations stay where bf16 rounding is relative; and the same on the device (gate and up
+/// side by side, `[E, H, 2F]`).
+fn layer_weights(
+    e: usize,
+    h: usize,
+    f: usize,
+    seed: u64,
+) -> (
+    Vec<f64>,
+    kernelpages::moe::reference::Experts,
+    kernelpages::moe::layer_cuda::DeviceExperts,
+) {
+    let scale = |v: Vec<f64>, by: f64| -> Vec<f64> {
+        v.iter().map(|&a| bf16_value(bf16_bits(a * by))).collect()
+    };
+    let router = scale(inputs(h * e, seed), 0.2);
+    let wg = scale(inputs(e * h * f, seed + 1), (1.0 / h as f64).sqrt());
+    let wu = scale(inputs(e * h * f, seed + 2), (1.0 / h as f64).sqrt());
+    let wd = scale(inputs(e * f * h, seed + 3), (1.0 / f as f64).sqrt());
+    let mut gate_up = Vec::with_capacity(e * h * 2 * f);
+    for row in 0..e * h {
+        gate_up.extend_from_slice(&wg[row * f..(row + 1) * f]);
+        gate_up.extend_from_slice(&wu[row * f..(row + 1) * f]);
+    }
+    let device = kernelpages::moe::layer_cuda::DeviceExperts {
+        experts: e,
+        hidden: h,
+        width: f,
+        router: up(&router),
+        gate_up: up(&gate_up),
+        down: up(&wd),
+    };
+    let experts = kernelpages::moe::reference::Experts {
+        experts: e,
+        hidden: h,
+        width: f,
+        gate: wg,
+        up: wu,
+        down: wd,
+    };
+    (router, experts, device)
+}
+
 /// `MoELayer` on the device (router GEMM, routing, plan, dispatch, the experts' gate-and-up
 /// grouped GEMM, SwiGLU, the down grouped GEMM, combine) against `moe::reference`'s layer in
 /// float64 on the same bf16 inputs, given the device's routing (bf16 router logits can break a
@@ -636,40 +702,14 @@ fn dispatch_and_combine_match_the_reference() {
     ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
 )]
 fn moe_layer_matches_float64() {
-    use kernelpages::moe::layer_cuda::{DeviceExperts, MoeLayer};
-    use kernelpages::moe::reference::{
-        combine, dispatch, plan, swiglu_experts, Experts, Gate, Routing,
-    };
+    use kernelpages::moe::layer_cuda::MoeLayer;
+    use kernelpages::moe::reference::{combine, dispatch, plan, swiglu_experts, Routing};
     let g = &gpu().0;
     let s = &g.stream;
-    for (tokens, e, top_k, h, f, gate, capacity) in [
-        (600, 8, 2, 256, 512, Gate::Softmax, None),
-        (1000, 64, 8, 128, 200, Gate::Sigmoid, None),
-        (800, 16, 4, 128, 128, Gate::Softmax, Some(150)),
-    ] {
+    for (tokens, e, top_k, h, f, gate, capacity) in LAYER_TEST_CASES {
         let layer = MoeLayer::new(g, e, h, f).unwrap();
         let x = inputs(tokens * h, 31);
-        // Small weights keep the activations in a range where bf16 rounding stays relative.
-        let scale = |v: Vec<f64>, by: f64| -> Vec<f64> {
-            v.iter().map(|&a| bf16_value(bf16_bits(a * by))).collect()
-        };
-        let router = scale(inputs(h * e, 32), 0.2);
-        let wg = scale(inputs(e * h * f, 33), (1.0 / h as f64).sqrt());
-        let wu = scale(inputs(e * h * f, 34), (1.0 / h as f64).sqrt());
-        let wd = scale(inputs(e * f * h, 35), (1.0 / f as f64).sqrt());
-        let mut gate_up = Vec::with_capacity(e * h * 2 * f);
-        for row in 0..e * h {
-            gate_up.extend_from_slice(&wg[row * f..(row + 1) * f]);
-            gate_up.extend_from_slice(&wu[row * f..(row + 1) * f]);
-        }
-        let w = DeviceExperts {
-            experts: e,
-            hidden: h,
-            width: f,
-            router: up(&router),
-            gate_up: up(&gate_up),
-            down: up(&wd),
-        };
+        let (_, experts, w) = layer_weights(e, h, f, 32);
         let (out, state) = layer
             .forward(g, &up(&x), tokens, &w, top_k, gate, capacity)
             .unwrap();
@@ -687,14 +727,6 @@ fn moe_layer_matches_float64() {
                 .collect(),
         };
         let p = plan(&routing, e, capacity).unwrap();
-        let experts = Experts {
-            experts: e,
-            hidden: h,
-            width: f,
-            gate: wg,
-            up: wu,
-            down: wd,
-        };
         let ys = swiglu_experts(&dispatch(&x, &p, h).unwrap(), &experts, &p.offsets).unwrap();
         let want = combine(&ys, &p, &routing, h).unwrap();
         let err = rel_max(&got, &want, h, None);
@@ -720,38 +752,15 @@ fn moe_layer_matches_float64() {
     ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
 )]
 fn moe_layer_backward_matches_float64() {
-    use kernelpages::moe::layer_cuda::{DeviceExperts, DeviceLayerGrads, MoeLayer};
-    use kernelpages::moe::reference::{moe_layer_backward_routed, plan, Experts, Gate, Routing};
+    use kernelpages::moe::layer_cuda::{DeviceLayerGrads, MoeLayer};
+    use kernelpages::moe::reference::{moe_layer_backward_routed, plan, Routing};
     let g = &gpu().0;
     let s = &g.stream;
-    for (tokens, e, top_k, h, f, gate, capacity) in [
-        (600, 8, 2, 256, 512, Gate::Softmax, None),
-        (1000, 64, 8, 128, 200, Gate::Sigmoid, None),
-        (800, 16, 4, 128, 128, Gate::Softmax, Some(150)),
-    ] {
+    for (tokens, e, top_k, h, f, gate, capacity) in LAYER_TEST_CASES {
         let layer = MoeLayer::new(g, e, h, f).unwrap();
         let x = inputs(tokens * h, 41);
-        let scale = |v: Vec<f64>, by: f64| -> Vec<f64> {
-            v.iter().map(|&a| bf16_value(bf16_bits(a * by))).collect()
-        };
-        let router = scale(inputs(h * e, 42), 0.2);
-        let wg = scale(inputs(e * h * f, 43), (1.0 / h as f64).sqrt());
-        let wu = scale(inputs(e * h * f, 44), (1.0 / h as f64).sqrt());
-        let wd = scale(inputs(e * f * h, 45), (1.0 / f as f64).sqrt());
+        let (router, experts, w) = layer_weights(e, h, f, 42);
         let dy = inputs(tokens * h, 46);
-        let mut gate_up = Vec::with_capacity(e * h * 2 * f);
-        for row in 0..e * h {
-            gate_up.extend_from_slice(&wg[row * f..(row + 1) * f]);
-            gate_up.extend_from_slice(&wu[row * f..(row + 1) * f]);
-        }
-        let w = DeviceExperts {
-            experts: e,
-            hidden: h,
-            width: f,
-            router: up(&router),
-            gate_up: up(&gate_up),
-            down: up(&wd),
-        };
         let x_dev = up(&x);
         let (_, state) = layer
             .forward(g, &x_dev, tokens, &w, top_k, gate, capacity)
@@ -802,14 +811,6 @@ fn moe_layer_backward_matches_float64() {
             capacity.is_some(),
             "{dropped} assignments dropped"
         );
-        let experts = Experts {
-            experts: e,
-            hidden: h,
-            width: f,
-            gate: wg,
-            up: wu,
-            down: wd,
-        };
         let want = moe_layer_backward_routed(&x, &router, &experts, &routing, gate, capacity, &dy)
             .unwrap();
         let gu = down(&grads.gate_up, e * h * 2 * f);

@@ -649,6 +649,25 @@ mod tests {
         }
     }
 
+    /// The reference's experts from a case's drawn bf16 weights (gate and up split apart).
+    fn experts_of(c: &LayerCase, inp: &LayerInputs) -> Experts {
+        let f = c.width;
+        let v = |b: &[u16]| -> Vec<f64> { b.iter().map(|&x| val(x)).collect() };
+        let (mut gate, mut up) = (Vec::new(), Vec::new());
+        for row in v(&inp.gate_up).chunks(2 * f) {
+            gate.extend_from_slice(&row[..f]);
+            up.extend_from_slice(&row[f..]);
+        }
+        Experts {
+            experts: c.experts,
+            hidden: c.hidden,
+            width: f,
+            gate,
+            up,
+            down: v(&inp.down),
+        }
+    }
+
     #[test]
     fn params_round_trip_and_other_ops_are_refused() {
         let c = case();
@@ -718,20 +737,7 @@ mod tests {
         let inp = LayerInputs::draw(&c, 4);
         let (e, h, f) = (c.experts, c.hidden, c.width);
         let v = |b: &[u16]| -> Vec<f64> { b.iter().map(|&x| val(x)).collect() };
-        let gu = v(&inp.gate_up);
-        let (mut gate, mut up) = (Vec::new(), Vec::new());
-        for row in gu.chunks(2 * f) {
-            gate.extend_from_slice(&row[..f]);
-            up.extend_from_slice(&row[f..]);
-        }
-        let experts = Experts {
-            experts: e,
-            hidden: h,
-            width: f,
-            gate,
-            up,
-            down: v(&inp.down),
-        };
+        let experts = experts_of(&c, &inp);
         let dir = tempfile::tempdir().unwrap();
         let files = write_case(&c, 4, 5, dir.path()).unwrap();
         assert_eq!(files.inputs.last().unwrap().name, "dy");
@@ -784,22 +790,9 @@ mod tests {
     fn output_rows_match_the_reference_layer() {
         let c = case();
         let inp = LayerInputs::draw(&c, 3);
-        let (e, h, f) = (c.experts, c.hidden, c.width);
+        let h = c.hidden;
         let v = |b: &[u16]| -> Vec<f64> { b.iter().map(|&x| val(x)).collect() };
-        let gu = v(&inp.gate_up);
-        let (mut gate, mut up) = (Vec::new(), Vec::new());
-        for row in gu.chunks(2 * f) {
-            gate.extend_from_slice(&row[..f]);
-            up.extend_from_slice(&row[f..]);
-        }
-        let experts = Experts {
-            experts: e,
-            hidden: h,
-            width: f,
-            gate,
-            up,
-            down: v(&inp.down),
-        };
+        let experts = experts_of(&c, &inp);
         let (want, _) = moe_layer(
             &v(&inp.x),
             &v(&inp.router),
