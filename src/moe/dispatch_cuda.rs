@@ -105,22 +105,13 @@ impl MoeDispatch {
     pub fn new(gpu: &Gpu) -> Result<MoeDispatch, GpuError> {
         let compiled = gpu.compile("dispatch.cu", &source())?;
         // moe_scatter's 32 · E ints at E = MAX_EXPERTS: 32 KB, under the default limit.
-        let f = |i: usize| gpu.function(&compiled.module, ENTRY_POINTS[i], 0);
+        let f: Vec<CudaFunction> = ENTRY_POINTS
+            .iter()
+            .map(|name| gpu.function(&compiled.module, name, 0))
+            .collect::<Result<_, _>>()?;
         Ok(MoeDispatch {
-            f: [
-                f(0)?,
-                f(1)?,
-                f(2)?,
-                f(3)?,
-                f(4)?,
-                f(5)?,
-                f(6)?,
-                f(7)?,
-                f(8)?,
-                f(9)?,
-                f(10)?,
-                f(11)?,
-            ],
+            f: f.try_into()
+                .unwrap_or_else(|_| unreachable!("one function per entry point")),
             compile_s: compiled.compile_s,
         })
     }
