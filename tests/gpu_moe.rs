@@ -45,7 +45,7 @@ fn grouped_gemm_sm90_compiles_without_spills() {
     use kernelpages::moe::sm90;
     let entries: Vec<String> = sm90::ENTRY_POINTS
         .iter()
-        .chain([&sm90::TALL_ENTRY, &sm90::TALL_DW_ENTRY])
+        .chain([&sm90::TALL_ENTRY, &sm90::TALL_DW_ENTRY, &sm90::MC_ENTRY])
         .map(|s| s.to_string())
         .collect();
     let reports = spills::compiles_without_spills_on(
@@ -75,7 +75,11 @@ fn gpu() -> &'static (Gpu, Vec<GroupedKernel>) {
                 GroupedKernel::named(&g, "grouped_wgmma", 256)
                     .expect("the wgmma grouped GEMM compiles"),
             );
-            for variant in [moe_cuda::WIDE_VARIANT, moe_cuda::TALL_VARIANT] {
+            for variant in [
+                moe_cuda::WIDE_VARIANT,
+                moe_cuda::TALL_VARIANT,
+                moe_cuda::MC_VARIANT,
+            ] {
                 kernels.push(
                     GroupedKernel::named(&g, variant, 256)
                         .unwrap_or_else(|e| panic!("{variant} compiles: {e}")),
@@ -936,12 +940,16 @@ fn cublas_loop_matches_float64() {
 /// A timing probe for `kernels/TUNING-moe.md`, not a benchmark row: the Hopper kernel's forward
 /// (tall 256 × 128 tiles where its cost model favours them) and its variants on 128 × 256
 /// tiles everywhere (`grouped_wgmma_wide`) and on tall tiles wherever N is an odd multiple of
-/// 128 (`grouped_wgmma_tall`) on balanced synthetic shapes that separate the
+/// 128 (`grouped_wgmma_tall`), and the forward in two-block clusters multicasting the weights
+/// (`grouped_wgmma_mc`), on balanced synthetic shapes that separate the
 /// reduction length K, the width N (whether its last 256-column tile is half empty) and the
 /// group size, and on the grid's skewed routing at 4096 tokens, with `cublas_loop` beside
-/// them; where N is an odd multiple of 128, dW on the wide and the tall tiles too. Prints TFLOP/s (median of 5 samples of 10 calls, no input
+/// them; where N is an odd multiple of 128, dW on the wide and the tall tiles too. Prints
+/// TFLOP/s (median of 5 samples of 10 calls, no input
 /// rotation: every operand is larger than L2; short bursts run cooler than the runner's
-/// samples, so compare the figures with each other, not with documents). Asserts what it can:
+/// samples, so compare the figures with each other, not with documents) and, for the
+/// dispatch, the multicast variant and cuBLAS, NVML's median SM clock over the timing. Asserts
+/// what it can:
 /// sampled elements of each implementation's y and dW match float64. Ignored everywhere (run
 /// it by name with `--ignored` on an sm_90a device), so that the GPU tests stay short.
 #[test]
@@ -961,7 +969,21 @@ fn grouped_wgmma_shape_probe() {
         .iter()
         .find(|k| k.implementation() == moe_cuda::TALL_VARIANT)
         .expect("the tall variant beside the wgmma kernel");
+    let mc = all
+        .iter()
+        .find(|k| k.implementation() == moe_cuda::MC_VARIANT)
+        .expect("the multicast variant beside the wgmma kernel");
     let blas = CublasLoop::new(g).expect("a cuBLAS handle");
+    // NVML's SM clock over each timing (the card's clock moves with its power draw: a kernel's
+    // figure against another's means little without it).
+    let monitor = kernelpages::runner::machine::Monitor::start(None);
+    let clock = |window: [f64; 2]| -> String {
+        monitor
+            .state(window)
+            .and_then(|m| m.sm_clock_mhz)
+            .map_or("no clock".to_string(), |c| format!("{c:.0} MHz"))
+    };
+    let now = kernelpages::runner::protocol::unix_now;
     // (experts, rows per expert, K, N), balanced
     let balanced = [
         (64usize, 2048usize, 2048usize, 1408usize),
@@ -1069,11 +1091,21 @@ fn grouped_wgmma_shape_probe() {
                 }
             }
         };
+        let t0 = now();
         let ours = time(&mut || {
             gg.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
                 .unwrap()
         });
+        let ours_clock = clock([t0, now()]);
         check(&d_y, "grouped_wgmma");
+        d_y = poisoned(m * n);
+        let t0 = now();
+        let ours_mc = time(&mut || {
+            mc.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
+                .unwrap()
+        });
+        let mc_clock = clock([t0, now()]);
+        check(&d_y, moe_cuda::MC_VARIANT);
         d_y = poisoned(m * n);
         let ours_wide = time(&mut || {
             wide.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
@@ -1087,16 +1119,19 @@ fn grouped_wgmma_shape_probe() {
         });
         check(&d_y, moe_cuda::TALL_VARIANT);
         d_y = poisoned(m * n);
+        let t0 = now();
         let cublas = time(&mut || {
             blas.forward(g, &d_x, &d_w, &mut d_y, &offsets, k, n)
                 .unwrap()
         });
+        let cublas_clock = clock([t0, now()]);
         check(&d_y, "cublas_loop");
         println!(
-            "probe: {label}, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s ({}), {} {ours_wide:.0}, {} {ours_tall:.0}, cublas_loop {cublas:.0}",
+            "probe: {label}, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s ({}, {ours_clock}), {} {ours_wide:.0}, {} {ours_tall:.0}, {} {ours_mc:.0} ({mc_clock}), cublas_loop {cublas:.0} ({cublas_clock})",
             if kernelpages::moe::sm90::tall_pays(m, e, n) { "tall tiles" } else { "wide tiles" },
             moe_cuda::WIDE_VARIANT,
-            moe_cuda::TALL_VARIANT
+            moe_cuda::TALL_VARIANT,
+            moe_cuda::MC_VARIANT
         );
         if !kernelpages::moe::sm90::tall_fits(n) {
             continue;

@@ -149,6 +149,69 @@ __device__ __forceinline__ void named_barrier_gs(int id) {
     asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
 
+// Two-block clusters (MC, the forward's multicast variant `grouped_gemm_sm90_fwd_mc`): the two
+// blocks of a cluster take two row tiles of the same group and column band at once; each
+// brings its own A and half of B (two of the four 64-column panels), which TMA multicasts into
+// both blocks' shared memory at the same offset, signalling each block's "full" barrier there.
+// A block's producer overwrites a stage in both blocks, so each "empty" barrier counts the
+// arrivals of both blocks' consumer warps (16: its own 8, and the peer's by remote arrive).
+// The block's rank in its cluster (0 or 1).
+__device__ __forceinline__ u32 gs_cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// Every non-exited thread of both blocks: barrier inits visible cluster-wide before any
+// remote arrive or multicast, and at the end no block leaving while its peer may still write
+// to its shared memory or arrive on its barriers.
+__device__ __forceinline__ void gs_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// Arrives on the barrier at shared-memory offset `bar` of block `rank` of the cluster.
+__device__ __forceinline__ void gs_arrive_peer(u32 bar, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
+                 : "memory");
+}
+// tma_load_3d into the shared memory of every block of `mask` at the same offset `dst`, each
+// block's barrier at offset `bar` counting the bytes.
+__device__ __forceinline__ void gs_tma_load_3d_mc(u32 dst, const TmaMap* map, u32 bar, int c0,
+                                                  int c1, int c2, unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(mask)
+        : "memory");
+}
+// mbar_wait, or with WATCH (the multicast variant, whose protocol spans two blocks) the same
+// with a bound: after 2^26 polls (seconds) it traps, so that a broken protocol fails the
+// launch with an error instead of hanging the process.
+template <bool WATCH>
+__device__ __forceinline__ void gs_wait(u32 bar, u32 parity) {
+    if constexpr (!WATCH) {
+        mbar_wait(bar, parity);
+    } else {
+        u32 done;
+        for (u32 polls = 0;; ++polls) {
+            asm volatile(
+                "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                "selp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(bar), "r"(parity)
+                : "memory");
+            if (done) return;
+            if (polls == (1u << 26)) __trap();
+        }
+    }
+}
+// A consumer warp's release of stage barrier `bar`: its own block's, and with MC the peer's.
+template <bool MC>
+__device__ __forceinline__ void gs_release(u32 bar, u32 peer) {
+    mbar_arrive(bar);
+    if constexpr (MC) gs_arrive_peer(bar, peer);
+}
+
 __device__ __forceinline__ int gs_offset(const int* offsets, int e, int M) {
     return min(max(offsets[e], 0), M);
 }
@@ -167,10 +230,12 @@ struct GsShape {
     static constexpr int BN = TALL ? GS_BN / 2 : GS_BN;
 };
 
-template <int MODE, bool TALL>
+// MC: `tile` numbers pairs of row tiles (a group's last pair may have one), and `rank` picks
+// the block's tile of the pair (the second of a lone one lies past the group's rows).
+template <int MODE, bool TALL, bool MC = false>
 __device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
                                           const int* __restrict__ offsets, int groups, int M,
-                                          int K, int N) {
+                                          int K, int N, int rank = 0) {
     int lo = 0, hi = groups - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
@@ -185,11 +250,15 @@ __device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
     const int c_cols = MODE == 1 ? K : N;
     const int tiles_n = (c_cols + BN - 1) / BN;
     const int tiles_m = (c_rows + BM - 1) / BM;
+    // The units of the row walk: row tiles, or (MC) pairs of them, in bands of GS_BAND rows.
+    const int units_m = MC ? (tiles_m + 1) / 2 : tiles_m;
+    constexpr int BAND = MC ? GS_BAND / 2 : GS_BAND;
     const int local = tile - tiles_before[lo];
-    const int band = local / (GS_BAND * tiles_n);
-    const int band_m = min(GS_BAND, tiles_m - band * GS_BAND);
-    const int in_band = local - band * GS_BAND * tiles_n;
-    t.m0 = (band * GS_BAND + in_band % band_m) * BM;
+    const int band = local / (BAND * tiles_n);
+    const int band_m = min(BAND, units_m - band * BAND);
+    const int in_band = local - band * BAND * tiles_n;
+    const int unit = band * BAND + in_band % band_m;
+    t.m0 = (MC ? 2 * unit + rank : unit) * BM;
     t.n0 = (in_band / band_m) * BN;
     const int red = MODE == 0 ? K : MODE == 1 ? N : t.rows;
     t.steps = (red + GS_BK - 1) / GS_BK;
@@ -209,9 +278,10 @@ __device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
 // columns): both consumers take A's first 64 rows, consumer cw B's columns 128 cw ..
 // 128 cw + 127, on m64n128k16 into acc[0..63], so that the two share the tile's products
 // instead of one multiplying all 256 columns while the other waits.
-template <int MODE, bool HALF, bool TALL, bool SHORT = false, bool SPLIT = false>
+// MC: the multicast variant (stage waits watched, releases to both blocks: peer's rank).
+template <int MODE, bool HALF, bool TALL, bool SHORT = false, bool SPLIT = false, bool MC = false>
 __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, int& it, u32 base,
-                                            int cw, int ctid, int lane) {
+                                            int cw, int ctid, int lane, u32 peer = 0) {
     static_assert(!TALL || (MODE != 1 && !HALF), "the tall tile is the forward's and dW's");
     static_assert(!SHORT || (TALL && MODE == 0), "the short tile is the tall forward's");
     static_assert(!SPLIT || (!TALL && !HALF && MODE != 2), "the split tile is a wide fwd or dX");
@@ -220,7 +290,7 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
     int prev = -1;
     for (int ks = 0; ks < t.steps; ++ks, ++it) {
         const int s = it % GS_ST;
-        mbar_wait(full(s), (it / GS_ST) & 1);
+        gs_wait<MC>(full(s), (it / GS_ST) & 1);
         // A stage: A (GS_A_BYTES, 128 rows; TALL: twice that, 256 rows), then B (panels of 64
         // columns at 8 KB).
         const u32 sa =
@@ -284,22 +354,25 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
         }
         wgmma_commit();
         wgmma_wait<1>();
-        if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
+        if (prev >= 0 && lane == 0) gs_release<MC>(empty(prev), peer);
         prev = s;
     }
     wgmma_wait<0>();
-    if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
+    if (prev >= 0 && lane == 0) gs_release<MC>(empty(prev), peer);
 }
 
 // One tile's steps for a consumer warpgroup none of whose rows the tile stores (consumer 1 of a
 // wide forward or dX tile with at most 64 of the group's rows left; a tall forward tile with at
 // most 128 left is short instead, and dW's rows are K's): it waits for each stage and releases
 // it without multiplying, so the ring stays in step with the producer and the other consumer.
-__device__ __forceinline__ void gs_drain(const GsTile& t, int& it, u32 base, int lane) {
+// MC: as gs_mainloop's (a multicast pair's second tile past its group's rows drains too).
+template <bool MC = false>
+__device__ __forceinline__ void gs_drain(const GsTile& t, int& it, u32 base, int lane,
+                                         u32 peer = 0) {
     for (int ks = 0; ks < t.steps; ++ks, ++it) {
         const int s = it % GS_ST;
-        mbar_wait(base + GS_BARS + 8u * s, (it / GS_ST) & 1);
-        if (lane == 0) mbar_arrive(base + GS_BARS + 8u * (GS_ST + s));
+        gs_wait<MC>(base + GS_BARS + 8u * s, (it / GS_ST) & 1);
+        if (lane == 0) gs_release<MC>(base + GS_BARS + 8u * (GS_ST + s), peer);
     }
 }
 
@@ -361,11 +434,13 @@ __device__ __forceinline__ void gs_store_rows(const float (&acc)[128], int off, 
     }
 }
 
-template <int MODE, bool TALL>
+// MC: the forward's multicast variant (two-block clusters, above; wide tiles only).
+template <int MODE, bool TALL, bool MC = false>
 __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, const TmaMap* map_b,
                                                        const TmaMap* map_c, u16* __restrict__ c,
                                                        const int* __restrict__ offsets,
                                                        int groups, int M, int K, int N) {
+    static_assert(!MC || (MODE == 0 && !TALL), "the multicast variant is the wide forward's");
     const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
     int* tiles_before = reinterpret_cast<int*>(dyn_smem + (base - smem_u32(dyn_smem)) + GS_PREFIX);
     auto full = [&](int s) { return base + GS_BARS + 8u * s; };
@@ -374,6 +449,11 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     constexpr int BM = GsShape<TALL>::BM, BN = GsShape<TALL>::BN;
     const int c_cols = MODE == 1 ? K : N;
     const int tiles_n = (c_cols + BN - 1) / BN;
+    // MC: this block's rank in its cluster, its peer's, and the cluster as the tile walker.
+    const int rank = MC ? (int)gs_cluster_rank() : 0;
+    const u32 peer = (u32)(rank ^ 1);
+    const int walker = MC ? blockIdx.x / 2 : blockIdx.x;
+    const int walkers = MC ? gridDim.x / 2 : gridDim.x;
 
     if (tid < 32) {
         // The tile prefix over groups, in steps of 32 groups.
@@ -386,7 +466,8 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
             if (e < groups) {
                 const int rows =
                     MODE == 2 ? K : max(gs_offset(offsets, e + 1, M) - gs_offset(offsets, e, M), 0);
-                tiles = ((rows + BM - 1) / BM) * tiles_n;
+                const int tiles_m = (rows + BM - 1) / BM;
+                tiles = (MC ? (tiles_m + 1) / 2 : tiles_m) * tiles_n;
             }
             int incl = tiles;
 #pragma unroll
@@ -400,22 +481,24 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     } else if (tid == 32) {
         for (int s = 0; s < GS_ST; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), 8);
+            mbar_init(empty(s), MC ? 16 : 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+    if constexpr (MC) gs_cluster_sync();
     const int total = tiles_before[groups];
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (tid == 0) {
             int it = 0;
-            for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-                const GsTile t = gs_tile<MODE, TALL>(tile, tiles_before, offsets, groups, M, K, N);
+            for (int tile = walker; tile < total; tile += walkers) {
+                const GsTile t =
+                    gs_tile<MODE, TALL, MC>(tile, tiles_before, offsets, groups, M, K, N, rank);
                 for (int ks = 0; ks < t.steps; ++ks, ++it) {
                     const int s = it % GS_ST;
-                    if (it >= GS_ST) mbar_wait(empty(s), ((it / GS_ST) + 1) & 1);
+                    if (it >= GS_ST) gs_wait<MC>(empty(s), ((it / GS_ST) + 1) & 1);
                     const u32 sa = base + s * GS_STAGE_BYTES, sb = sa + GS_A_BYTES;
                     // A short tall tile (at most GS_BM of the group's rows left: the
                     // consumers' test below) reads only A's first box, so only that is brought.
@@ -442,6 +525,15 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
                         for (int p = 0; p < 2; ++p)
                             tma_load_3d(sb + GS_A_BYTES + p * 8192, map_b, full(s), t.n0 + 64 * p,
                                         t.row0 + k0, 0);
+                    } else if (MC) {
+                        // Its own A (past the group's rows for a lone pair's second tile: the
+                        // next group's rows or TMA's zeros, never stored), and B's panels
+                        // 2 rank and 2 rank + 1 into both blocks; the peer brings the other two.
+                        tma_load_3d(sa, map_a, full(s), k0, t.row0 + t.m0, 0);
+#pragma unroll
+                        for (int p = 2 * rank; p < 2 * rank + 2; ++p)
+                            gs_tma_load_3d_mc(sb + p * 8192, map_b, full(s), t.n0 + 64 * p, k0,
+                                              t.e, 0x3);
                     } else if (MODE == 0) {
                         tma_load_3d(sa, map_a, full(s), k0, t.row0 + t.m0, 0);
 #pragma unroll
@@ -473,8 +565,8 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     float acc[128];
     int it = 0;
     int stores = 0;  // TMA stores this consumer issued (its buffer: stores & 1)
-    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const GsTile t = gs_tile<MODE, TALL>(tile, tiles_before, offsets, groups, M, K, N);
+    for (int tile = walker; tile < total; tile += walkers) {
+        const GsTile t = gs_tile<MODE, TALL, MC>(tile, tiles_before, offsets, groups, M, K, N, rank);
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
         const int c_rows = MODE == 2 ? K : t.rows;
@@ -495,18 +587,20 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
             }
         }
         if constexpr (!TALL && MODE != 2) {
-            if (left <= 64 && n_lim > GS_BN / 2) {
+            if (left > 0 && left <= 64 && n_lim > GS_BN / 2) {
                 // A split wide tile: the two consumers share its columns (SPLIT above), each
                 // storing its 64 x 128 part.
-                gs_mainloop<MODE, false, false, false, true>(acc, t, it, base, cw, ctid, lane);
+                gs_mainloop<MODE, false, false, false, true, MC>(acc, t, it, base, cw, ctid, lane,
+                                                                 peer);
                 gs_store_rows<MODE, 2>(acc, 0, left, n_lim - 128 * cw, t.n0 + 128 * cw, t.e,
                                        t.row0 + t.m0, c, ldc, map_c, base, cw, ctid, stores);
                 continue;
             }
         }
-        // This consumer's first row in the tile is past the group's end: nothing to store.
+        // This consumer's first row in the tile is past the group's end (with MC, every row of
+        // a lone pair's second tile): nothing to store.
         if (MODE != 2 && left <= (TALL ? 128 : 64) * cw) {
-            gs_drain(t, it, base, lane);
+            gs_drain<MC>(t, it, base, lane, peer);
             continue;
         }
         if constexpr (TALL) {
@@ -525,15 +619,20 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
         // The width of the products is chosen per tile, outside the loop: a branch between
         // the two wgmma shapes inside it makes ptxas fence every wgmma (warning C7519).
         if (n_lim <= GS_BN / 2)
-            gs_mainloop<MODE, true, false>(acc, t, it, base, cw, ctid, lane);
+            gs_mainloop<MODE, true, false, false, false, MC>(acc, t, it, base, cw, ctid, lane,
+                                                             peer);
         else
-            gs_mainloop<MODE, false, false>(acc, t, it, base, cw, ctid, lane);
+            gs_mainloop<MODE, false, false, false, false, MC>(acc, t, it, base, cw, ctid, lane,
+                                                              peer);
         const int row_c = (MODE == 2 ? 0 : t.row0) + t.m0 + 64 * cw;
         gs_store_rows<MODE, 4>(acc, 0, left - 64 * cw, n_lim, t.n0, t.e, row_c, c, ldc, map_c,
                                base, cw, ctid, stores);
     }
     // Shared memory stays until the last stores have read it.
     if (ctid == 0) gs_bulk_wait_read<0>();
+    // MC: neither block leaves while its peer may still multicast into it or arrive on its
+    // barriers (the producers have exited: exited threads do not hold a cluster barrier).
+    if constexpr (MC) gs_cluster_sync();
 }
 
 #define GS_ENTRY(NAME, MODE, TALL)                                                              \
@@ -553,3 +652,12 @@ GS_ENTRY(grouped_gemm_sm90_dw, 2, false)
 GS_ENTRY(grouped_gemm_sm90_fwd_tall, 0, true)
 // dW on 256 x 128 tiles (256 of K's rows, 128 of N's columns), for the same N.
 GS_ENTRY(grouped_gemm_sm90_dw_tall, 2, true)
+// The forward on 128 x 256 tiles in two-block clusters that multicast B (MC above; the variant
+// grouped_wgmma_mc of src/moe/cuda.rs, not the dispatch's): launched with an even grid.
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GS_THREADS, 1)
+    grouped_gemm_sm90_fwd_mc(const __grid_constant__ TmaMap map_a,
+                             const __grid_constant__ TmaMap map_b,
+                             const __grid_constant__ TmaMap map_c, u16* c, const int* offsets,
+                             int groups, int M, int K, int N) {
+    grouped_gemm_sm90_body<0, false, true>(&map_a, &map_b, &map_c, c, offsets, groups, M, K, N);
+}

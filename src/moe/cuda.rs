@@ -284,6 +284,10 @@ pub const WIDE_VARIANT: &str = "grouped_wgmma_wide";
 /// The Hopper kernel with its forward and dW on 256 × 128 tiles wherever N is an odd multiple of 128
 /// ([`super::sm90::TallUse::Always`], whatever the group sizes): a variant for tests and probes.
 pub const TALL_VARIANT: &str = "grouped_wgmma_tall";
+/// The Hopper kernel with its forward on two-block clusters that multicast the weights
+/// ([`super::sm90::MC_ENTRY`], 128 × 256 tiles whatever N; dX and dW as the dispatch): a variant
+/// for tests and probes.
+pub const MC_VARIANT: &str = "grouped_wgmma_mc";
 
 impl GroupedKernel {
     /// The dispatch: compiles the kernel that runs K × N weights on this device for up to
@@ -307,8 +311,8 @@ impl GroupedKernel {
         }
     }
 
-    /// The kernel by implementation name ([`IMPLEMENTATIONS`], [`WIDE_VARIANT`] or
-    /// [`TALL_VARIANT`]).
+    /// The kernel by implementation name ([`IMPLEMENTATIONS`], [`WIDE_VARIANT`],
+    /// [`TALL_VARIANT`] or [`MC_VARIANT`]).
     ///
     /// # Errors
     /// [`GpuError::Config`] for another name, or a wgmma kernel (`grouped_wgmma` or either
@@ -319,6 +323,9 @@ impl GroupedKernel {
                 gpu, max_groups,
             )?)),
             "grouped_mma_sync" => Ok(GroupedKernel::MmaSync(GroupedGemm::new(gpu, max_groups)?)),
+            MC_VARIANT => Ok(GroupedKernel::Wgmma(
+                super::sm90::HopperGroupedGemm::with_multicast(gpu, max_groups)?,
+            )),
             WIDE_VARIANT | TALL_VARIANT => {
                 let tall_use = if name == WIDE_VARIANT {
                     super::sm90::TallUse::Never
@@ -330,7 +337,7 @@ impl GroupedKernel {
                 ))
             }
             other => Err(GpuError::Config(format!(
-                "no grouped GEMM kernel named `{other}` (kernels: {IMPLEMENTATIONS:?} and the variants {WIDE_VARIANT}, {TALL_VARIANT})"
+                "no grouped GEMM kernel named `{other}` (kernels: {IMPLEMENTATIONS:?} and the variants {WIDE_VARIANT}, {TALL_VARIANT}, {MC_VARIANT})"
             ))),
         }
     }
@@ -338,6 +345,7 @@ impl GroupedKernel {
     /// The implementation's name in documents.
     pub fn implementation(&self) -> &'static str {
         match self {
+            GroupedKernel::Wgmma(k) if k.multicast() => MC_VARIANT,
             GroupedKernel::Wgmma(k) => match k.tall_use() {
                 super::sm90::TallUse::Never => WIDE_VARIANT,
                 super::sm90::TallUse::CostModel => IMPLEMENTATIONS[0],

@@ -47,6 +47,13 @@ pub const TALL_DW_ENTRY: &str = "grouped_gemm_sm90_dw_tall";
 /// tests passed with [`TALL_DW_ENTRY`] (84cbece) and the probe in `kernels/TUNING-moe.md` timed
 /// it 1.01–1.13× faster than the wide tiles at N = 1408 on every shape it ran.
 pub const TALL_DW_DISPATCHED: bool = true;
+/// The forward on 128 × 256 tiles in two-block clusters (`MC` in the kernel): the two blocks of
+/// a cluster take two row tiles of one group and column band, each brings its own A and half
+/// of B, which TMA multicasts into both (`.multicast::cluster`), halving B's reads from L2 (the
+/// weights, re-read by every row tile of a group). Run by the variant `grouped_wgmma_mc`
+/// ([`HopperGroupedGemm::with_multicast`]), not by the dispatch: written after the 8-expert
+/// rows' clocks (`kernels/TUNING-moe.md`), to be measured in the probe first.
+pub const MC_ENTRY: &str = "grouped_gemm_sm90_fwd_mc";
 /// The tall tiles' shape, rows × columns (the forward's and dW's, [`TALL_ENTRY`] and
 /// [`TALL_DW_ENTRY`]).
 pub const TALL_TILE: (usize, usize) = (256, 128);
@@ -144,6 +151,9 @@ pub struct HopperGroupedGemm {
     tall: [cudarc::driver::CudaFunction; 2],
     /// Where the forward and dW run on them.
     tall_use: TallUse,
+    /// The multicast forward ([`MC_ENTRY`]) and whether this instance runs the forward on it.
+    mc: cudarc::driver::CudaFunction,
+    multicast: bool,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
@@ -182,12 +192,31 @@ impl HopperGroupedGemm {
             gpu.function(&compiled.module, TALL_ENTRY, shared_bytes(max_groups))?,
             gpu.function(&compiled.module, TALL_DW_ENTRY, shared_bytes(max_groups))?,
         ];
+        let mc = gpu.function(&compiled.module, MC_ENTRY, shared_bytes(max_groups))?;
         Ok(HopperGroupedGemm {
             compile_s: k.compile_s,
             k,
             tall,
             tall_use: TallUse::CostModel,
+            mc,
+            multicast: false,
         })
+    }
+
+    /// As [`HopperGroupedGemm::new`], with the forward on the multicast kernel ([`MC_ENTRY`],
+    /// 128 × 256 tiles whatever N: the variant `grouped_wgmma_mc`); dX and dW as the dispatch.
+    ///
+    /// # Errors
+    /// As [`HopperGroupedGemm::new`].
+    pub fn with_multicast(gpu: &Gpu, max_groups: usize) -> Result<HopperGroupedGemm, GpuError> {
+        let mut k = HopperGroupedGemm::with_tall_use(gpu, max_groups, TallUse::Never)?;
+        k.multicast = true;
+        Ok(k)
+    }
+
+    /// Whether this instance runs the forward on the multicast kernel.
+    pub fn multicast(&self) -> bool {
+        self.multicast
     }
 
     /// As [`HopperGroupedGemm::new`], with the forward's and dW's tiles chosen by `tall_use` (the
@@ -295,8 +324,19 @@ impl HopperGroupedGemm {
         // The tall forward reads A in the same 128-row boxes (two a stage) and B in the same
         // 64-column panels (two a stage), the tall dW x and dY in the same 64-wide panels (four
         // and two a stage), and both store the same 64 × 64 subtiles: the same maps.
-        let f = tall.unwrap_or_else(|| self.k.of(product));
-        let blocks = tiles.min(self.k.sm_count) as u32;
+        let mc = self.multicast && product == Product::Forward && tall.is_none();
+        let f = if mc {
+            &self.mc
+        } else {
+            tall.unwrap_or_else(|| self.k.of(product))
+        };
+        // The multicast kernel's grid is whole two-block clusters, each walking pairs of row
+        // tiles (at most `tiles` of them).
+        let blocks = if mc {
+            2 * tiles.min(self.k.sm_count / 2).max(1) as u32
+        } else {
+            tiles.min(self.k.sm_count) as u32
+        };
         // Within int32: check_buffers above.
         let (m_i, groups_i, k_i, n_i) = (rows as i32, groups as i32, k as i32, n as i32);
         let mut l = gpu.stream.launch_builder(f);
@@ -314,7 +354,7 @@ impl HopperGroupedGemm {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared_bytes(groups),
         };
-        // SAFETY: grouped_gemm_sm90_<fwd|dx|dw|fwd_tall|dw_tall>(TmaMap map_a, TmaMap map_b,
+        // SAFETY: grouped_gemm_sm90_<fwd|dx|dw|fwd_tall|dw_tall|fwd_mc>(TmaMap map_a, TmaMap map_b,
         // TmaMap map_c, u16* c, const int* offsets, int groups, int M, int K, int N) (the tall
         // ones only for their product where tall_fits(n), over the tall tiles' bound above;
         // dw_tall stores only through map_c): the maps
