@@ -185,7 +185,8 @@ __device__ __forceinline__ void gs_tma_load_3d_mc(u32 dst, const TmaMap* map, u3
         : "memory");
 }
 // mbar_wait, or with WATCH (the multicast variant, whose protocol spans two blocks) the same
-// with a bound: after 2^26 polls (seconds) it traps, so that a broken protocol fails the
+// with a bound: after 2^22 polls (a fraction of a second to seconds: a stage never waits
+// more than microseconds) it traps, so that a broken protocol fails the
 // launch with an error instead of hanging the process.
 template <bool WATCH>
 __device__ __forceinline__ void gs_wait(u32 bar, u32 parity) {
@@ -201,7 +202,7 @@ __device__ __forceinline__ void gs_wait(u32 bar, u32 parity) {
                 : "r"(bar), "r"(parity)
                 : "memory");
             if (done) return;
-            if (polls == (1u << 26)) __trap();
+            if (polls == (1u << 22)) __trap();
         }
     }
 }
