@@ -75,11 +75,18 @@ fn gpu() -> &'static (Gpu, Vec<GroupedKernel>) {
                 GroupedKernel::named(&g, "grouped_wgmma", 256)
                     .expect("the wgmma grouped GEMM compiles"),
             );
+            // KP_MOE_SKIP_MC=1 leaves the multicast variant out (not yet run on a GPU when
+            // written: a trap there ends the context for every later test of this binary).
+            let skip_mc = std::env::var("KP_MOE_SKIP_MC").is_ok_and(|v| v == "1");
             for variant in [
                 moe_cuda::WIDE_VARIANT,
                 moe_cuda::TALL_VARIANT,
                 moe_cuda::MC_VARIANT,
             ] {
+                if skip_mc && variant == moe_cuda::MC_VARIANT {
+                    println!("{variant}: left out (KP_MOE_SKIP_MC=1)");
+                    continue;
+                }
                 kernels.push(
                     GroupedKernel::named(&g, variant, 256)
                         .unwrap_or_else(|e| panic!("{variant} compiles: {e}")),
@@ -969,10 +976,10 @@ fn grouped_wgmma_shape_probe() {
         .iter()
         .find(|k| k.implementation() == moe_cuda::TALL_VARIANT)
         .expect("the tall variant beside the wgmma kernel");
+    // The multicast variant, unless KP_MOE_SKIP_MC=1 left it out.
     let mc = all
         .iter()
-        .find(|k| k.implementation() == moe_cuda::MC_VARIANT)
-        .expect("the multicast variant beside the wgmma kernel");
+        .find(|k| k.implementation() == moe_cuda::MC_VARIANT);
     let blas = CublasLoop::new(g).expect("a cuBLAS handle");
     // NVML's SM clock over each timing (the card's clock moves with its power draw: a kernel's
     // figure against another's means little without it).
@@ -1098,14 +1105,20 @@ fn grouped_wgmma_shape_probe() {
         });
         let ours_clock = clock([t0, now()]);
         check(&d_y, "grouped_wgmma");
-        d_y = poisoned(m * n);
-        let t0 = now();
-        let ours_mc = time(&mut || {
-            mc.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
-                .unwrap()
-        });
-        let mc_clock = clock([t0, now()]);
-        check(&d_y, moe_cuda::MC_VARIANT);
+        let (ours_mc, mc_clock) = match mc {
+            Some(mc) => {
+                d_y = poisoned(m * n);
+                let t0 = now();
+                let tf = time(&mut || {
+                    mc.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
+                        .unwrap()
+                });
+                let c = clock([t0, now()]);
+                check(&d_y, moe_cuda::MC_VARIANT);
+                (tf, c)
+            }
+            None => (f64::NAN, "left out".to_string()),
+        };
         d_y = poisoned(m * n);
         let ours_wide = time(&mut || {
             wide.launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
