@@ -67,7 +67,8 @@
 // wgmma m64n256k16 (m64n128k16 for a tile whose columns end within 128, such as the last of
 // N = 1408). Each stage has a "full" barrier (TMA's transaction bytes) and an "empty"
 // one (one arrival per consumer warp once its products have read the stage). Both roles walk
-// the same tile list (tiles blockIdx.x, + gridDim.x, ...), the groups' tiles one after another,
+// the same tile list (tiles blockIdx.x, + gridDim.x, ...; in the multicast variant MC below,
+// pairs of row tiles from blockIdx.x / 2 by gridDim.x / 2), the groups' tiles one after another,
 // within a group bands of GS_BAND row tiles before moving right (as grouped_gemm.cu); the stage
 // ring runs on across tiles, so the producer fills the next tile's stages while the consumers
 // store the last one.
@@ -185,8 +186,9 @@ __device__ __forceinline__ void gs_tma_load_3d_mc(u32 dst, const TmaMap* map, u3
         : "memory");
 }
 // mbar_wait, or with WATCH (the multicast variant, whose protocol spans two blocks) the same
-// with a bound: after 2^22 polls (a fraction of a second to seconds: a stage never waits
-// more than microseconds) it traps, so that a broken protocol fails the
+// with a bound: after 2^22 polls (each poll's suspension is the hardware's choice: at 0.1 to
+// 1 µs a poll, under a second to a few seconds; a stage never waits more than microseconds) it
+// traps, so that a broken protocol fails the
 // launch with an error instead of hanging the process.
 template <bool WATCH>
 __device__ __forceinline__ void gs_wait(u32 bar, u32 parity) {
@@ -195,8 +197,10 @@ __device__ __forceinline__ void gs_wait(u32 bar, u32 parity) {
     } else {
         u32 done;
         for (u32 polls = 0;; ++polls) {
+            // Acquire at cluster scope: the "empty" barriers take the peer's release arrivals.
             asm volatile(
-                "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                "{\n.reg .pred p;\n"
+                "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
                 "selp.u32 %0, 1, 0, p;\n}\n"
                 : "=r"(done)
                 : "r"(bar), "r"(parity)
@@ -504,7 +508,11 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
                     // A short tall tile (at most GS_BM of the group's rows left: the
                     // consumers' test below) reads only A's first box, so only that is brought.
                     const bool short_a = TALL && MODE == 0 && t.rows - t.m0 <= GS_BM;
-                    mbar_expect_tx(full(s), short_a ? GS_STAGE_BYTES - GS_A_BYTES : GS_STAGE_BYTES);
+                    // MC: a lone pair's second tile only relays its half of B (its consumers
+                    // drain), so it brings no A either.
+                    const bool no_a = MC && t.m0 >= t.rows;
+                    mbar_expect_tx(full(s), short_a || no_a ? GS_STAGE_BYTES - GS_A_BYTES
+                                                            : GS_STAGE_BYTES);
                     const int k0 = ks * GS_BK;
                     if (TALL && MODE == 0) {
                         // Two 128-row boxes of A (one for a short tile), two 64-column panels
@@ -527,10 +535,9 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
                             tma_load_3d(sb + GS_A_BYTES + p * 8192, map_b, full(s), t.n0 + 64 * p,
                                         t.row0 + k0, 0);
                     } else if (MC) {
-                        // Its own A (past the group's rows for a lone pair's second tile: the
-                        // next group's rows or TMA's zeros, never stored), and B's panels
-                        // 2 rank and 2 rank + 1 into both blocks; the peer brings the other two.
-                        tma_load_3d(sa, map_a, full(s), k0, t.row0 + t.m0, 0);
+                        // Its own A (none for a lone pair's second tile), and B's panels 2 rank
+                        // and 2 rank + 1 into both blocks; the peer brings the other two.
+                        if (!no_a) tma_load_3d(sa, map_a, full(s), k0, t.row0 + t.m0, 0);
 #pragma unroll
                         for (int p = 2 * rank; p < 2 * rank + 2; ++p)
                             gs_tma_load_3d_mc(sb + p * 8192, map_b, full(s), t.n0 + 64 * p, k0,
