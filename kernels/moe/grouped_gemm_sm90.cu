@@ -661,7 +661,10 @@ GS_ENTRY(grouped_gemm_sm90_fwd_tall, 0, true)
 // dW on 256 x 128 tiles (256 of K's rows, 128 of N's columns), for the same N.
 GS_ENTRY(grouped_gemm_sm90_dw_tall, 2, true)
 // The forward on 128 x 256 tiles in two-block clusters that multicast B (MC above; the variant
-// grouped_wgmma_mc of src/moe/cuda.rs, not the dispatch's): launched with an even grid.
+// grouped_wgmma_mc of src/moe/cuda.rs, not the dispatch's): launched with an even grid. Only
+// in a module whose source defines GS_WITH_MC (the variant's), so that the dispatch's compile
+// does not pay for it.
+#if defined(GS_WITH_MC)
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GS_THREADS, 1)
     grouped_gemm_sm90_fwd_mc(const __grid_constant__ TmaMap map_a,
                              const __grid_constant__ TmaMap map_b,
@@ -669,3 +672,4 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GS_THREAD
                              int groups, int M, int K, int N) {
     grouped_gemm_sm90_body<0, false, true>(&map_a, &map_b, &map_c, c, offsets, groups, M, K, N);
 }
+#endif

@@ -27,6 +27,13 @@ pub fn source() -> String {
     format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n{GROUPED_GEMM_SM90_SRC}\n")
 }
 
+/// [`source`] with the multicast forward ([`MC_ENTRY`]) too (`GS_WITH_MC`): the variant
+/// `grouped_wgmma_mc`'s module; the dispatch's leaves it out (it would add about a fifth to
+/// every process's compile).
+pub fn source_with_multicast() -> String {
+    format!("#define GS_WITH_MC\n{}", source())
+}
+
 /// The kernels' names: the forward, dX, dW.
 pub const ENTRY_POINTS: [&str; 3] = [
     "grouped_gemm_sm90_fwd",
@@ -151,9 +158,8 @@ pub struct HopperGroupedGemm {
     tall: [cudarc::driver::CudaFunction; 2],
     /// Where the forward and dW run on them.
     tall_use: TallUse,
-    /// The multicast forward ([`MC_ENTRY`]) and whether this instance runs the forward on it.
-    mc: cudarc::driver::CudaFunction,
-    multicast: bool,
+    /// The multicast forward ([`MC_ENTRY`]), where this instance runs the forward on it.
+    mc: Option<cudarc::driver::CudaFunction>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
@@ -192,14 +198,12 @@ impl HopperGroupedGemm {
             gpu.function(&compiled.module, TALL_ENTRY, shared_bytes(max_groups))?,
             gpu.function(&compiled.module, TALL_DW_ENTRY, shared_bytes(max_groups))?,
         ];
-        let mc = gpu.function(&compiled.module, MC_ENTRY, shared_bytes(max_groups))?;
         Ok(HopperGroupedGemm {
             compile_s: k.compile_s,
             k,
             tall,
             tall_use: TallUse::CostModel,
-            mc,
-            multicast: false,
+            mc: None,
         })
     }
 
@@ -210,13 +214,15 @@ impl HopperGroupedGemm {
     /// As [`HopperGroupedGemm::new`].
     pub fn with_multicast(gpu: &Gpu, max_groups: usize) -> Result<HopperGroupedGemm, GpuError> {
         let mut k = HopperGroupedGemm::with_tall_use(gpu, max_groups, TallUse::Never)?;
-        k.multicast = true;
+        let compiled = gpu.compile("grouped_gemm_sm90_mc.cu", &source_with_multicast())?;
+        k.mc = Some(gpu.function(&compiled.module, MC_ENTRY, shared_bytes(max_groups))?);
+        k.compile_s += compiled.compile_s;
         Ok(k)
     }
 
     /// Whether this instance runs the forward on the multicast kernel.
     pub fn multicast(&self) -> bool {
-        self.multicast
+        self.mc.is_some()
     }
 
     /// As [`HopperGroupedGemm::new`], with the forward's and dW's tiles chosen by `tall_use` (the
@@ -324,15 +330,14 @@ impl HopperGroupedGemm {
         // The tall forward reads A in the same 128-row boxes (two a stage) and B in the same
         // 64-column panels (two a stage), the tall dW x and dY in the same 64-wide panels (four
         // and two a stage), and both store the same 64 × 64 subtiles: the same maps.
-        let mc = self.multicast && product == Product::Forward && tall.is_none();
-        let f = if mc {
-            &self.mc
-        } else {
-            tall.unwrap_or_else(|| self.k.of(product))
-        };
+        let mc = self
+            .mc
+            .as_ref()
+            .filter(|_| product == Product::Forward && tall.is_none());
+        let f = mc.unwrap_or_else(|| tall.unwrap_or_else(|| self.k.of(product)));
         // The multicast kernel's grid is whole two-block clusters, each walking pairs of row
         // tiles (at most `tiles` of them).
-        let blocks = if mc {
+        let blocks = if mc.is_some() {
             2 * tiles.min(self.k.sm_count / 2).max(1) as u32
         } else {
             tiles.min(self.k.sm_count) as u32
