@@ -97,6 +97,32 @@ fn config_error(what: String) -> GpuError {
     GpuError::Config(format!("MoE dispatch: {what}"))
 }
 
+/// The SwiGLU kernels' sizes: F positive and even, each buffer `(name, length, columns)`
+/// holding `rows` rows of its columns; returns F and `rows` as int32.
+fn swiglu_shape(
+    f: usize,
+    rows: usize,
+    buffers: &[(&str, usize, usize)],
+) -> Result<(i32, i32), GpuError> {
+    if f == 0 || !f.is_multiple_of(2) {
+        return Err(config_error(format!("F = {f} must be positive and even")));
+    }
+    for &(name, len, cols) in buffers {
+        if len < rows * cols {
+            return Err(config_error(format!(
+                "{name} holds {len} elements; {rows} rows of {cols} need {}",
+                rows * cols
+            )));
+        }
+    }
+    match (i32::try_from(f), i32::try_from(rows)) {
+        (Ok(f_i), Ok(rows_i)) => Ok((f_i, rows_i)),
+        _ => Err(config_error(format!(
+            "F = {f} or {rows} rows above i32::MAX"
+        ))),
+    }
+}
+
 impl MoeDispatch {
     /// Compiles the kernels (once per process).
     ///
@@ -350,24 +376,9 @@ impl MoeDispatch {
         f: usize,
         act: &mut CudaSlice<u16>,
     ) -> Result<(), GpuError> {
-        if f == 0 || !f.is_multiple_of(2) {
-            return Err(config_error(format!("F = {f} must be positive and even")));
-        }
         let rows = plan.max_rows();
-        if gu.len() < rows * 2 * f || act.len() < rows * f {
-            return Err(config_error(format!(
-                "gu holds {} and act {} elements; rows·2F = {}, rows·F = {}",
-                gu.len(),
-                act.len(),
-                rows * 2 * f,
-                rows * f
-            )));
-        }
-        let (Ok(f_i), Ok(rows_i)) = (i32::try_from(f), i32::try_from(rows)) else {
-            return Err(config_error(format!(
-                "F = {f} or {rows} rows above i32::MAX"
-            )));
-        };
+        let (f_i, rows_i) =
+            swiglu_shape(f, rows, &[("gu", gu.len(), 2 * f), ("act", act.len(), f)])?;
         let n_rows = plan.offsets.slice(plan.experts..plan.experts + 1);
         let mut l = gpu.stream.launch_builder(&self.f[6]);
         l.arg(gu).arg(&n_rows).arg(&rows_i).arg(&f_i).arg(act);
@@ -495,25 +506,16 @@ impl MoeDispatch {
         f: usize,
         dgu: &mut CudaSlice<u16>,
     ) -> Result<(), GpuError> {
-        if f == 0 || !f.is_multiple_of(2) {
-            return Err(config_error(format!("F = {f} must be positive and even")));
-        }
         let rows = plan.max_rows();
-        if gu.len() < rows * 2 * f || dgu.len() < rows * 2 * f || dact.len() < rows * f {
-            return Err(config_error(format!(
-                "gu holds {}, dgu {} and dact {} elements; rows·2F = {}, rows·F = {}",
-                gu.len(),
-                dgu.len(),
-                dact.len(),
-                rows * 2 * f,
-                rows * f
-            )));
-        }
-        let (Ok(f_i), Ok(rows_i)) = (i32::try_from(f), i32::try_from(rows)) else {
-            return Err(config_error(format!(
-                "F = {f} or {rows} rows above i32::MAX"
-            )));
-        };
+        let (f_i, rows_i) = swiglu_shape(
+            f,
+            rows,
+            &[
+                ("gu", gu.len(), 2 * f),
+                ("dgu", dgu.len(), 2 * f),
+                ("dact", dact.len(), f),
+            ],
+        )?;
         let n_rows = plan.offsets.slice(plan.experts..plan.experts + 1);
         let mut l = gpu.stream.launch_builder(&self.f[9]);
         l.arg(dact)

@@ -270,19 +270,12 @@ impl LayerInputs {
     /// The layer's output for token `tok` in float64 (H values): its logits x · W_router, the
     /// softmax top-k of [`route`], and the gate-weighted sum of its experts' SwiGLU MLPs.
     pub fn output_row(&self, c: &LayerCase, tok: usize) -> Vec<f64> {
-        let (e, h, f) = (c.experts, c.hidden, c.width);
+        let (h, f) = (c.hidden, c.width);
         let xr: Vec<f64> = self.x[tok * h..(tok + 1) * h]
             .iter()
             .map(|&b| val(b))
             .collect();
-        let mut logits = vec![0.0f64; e];
-        for (i, &xv) in xr.iter().enumerate() {
-            for (l, &w) in logits.iter_mut().zip(&self.router[i * e..(i + 1) * e]) {
-                *l += xv * val(w);
-            }
-        }
-        let routing = route(&logits, 1, e, c.top_k, Gate::Softmax)
-            .expect("finite logits of one token, 1 ≤ top_k ≤ E (validated)");
+        let routing = self.routing_of(c, &xr);
         let mut out = vec![0.0f64; h];
         for (&ex, &gw) in routing.experts.iter().zip(&routing.weights) {
             let mut gu = vec![0.0f64; 2 * f];

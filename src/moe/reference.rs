@@ -231,6 +231,13 @@ pub struct DispatchPlan {
     pub row_of: Vec<Option<usize>>,
 }
 
+impl DispatchPlan {
+    /// Assignments the capacity dropped (no dispatched row).
+    pub fn dropped(&self) -> usize {
+        self.row_of.iter().filter(|r| r.is_none()).count()
+    }
+}
+
 /// Sorts `routing`'s assignments by expert (a stable counting sort: within an expert, token
 /// order), keeping at most `capacity` per expert (`None`: dropless).
 ///
@@ -700,12 +707,7 @@ mod tests {
             };
             let g = moe_layer_backward(&x, &router, &ex, k, gate, capacity, &dy).unwrap();
             let (_, routing) = moe_layer(&x, &router, &ex, k, gate, capacity).unwrap();
-            let dropped = plan(&routing, e, capacity)
-                .unwrap()
-                .row_of
-                .iter()
-                .filter(|r| r.is_none())
-                .count();
+            let dropped = plan(&routing, e, capacity).unwrap().dropped();
             assert_eq!(
                 dropped > 0,
                 capacity.is_some(),
