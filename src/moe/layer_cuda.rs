@@ -124,6 +124,29 @@ impl MoeLayer {
         })
     }
 
+    /// Checks a call's weights against the shape compiled for and the router's offsets
+    /// (`[0, T]`, two values).
+    fn check_call(
+        &self,
+        w: &DeviceExperts,
+        router_offsets: &CudaSlice<i32>,
+    ) -> Result<(), GpuError> {
+        let shape = (w.experts, w.hidden, w.width);
+        if shape != self.shape {
+            return Err(GpuError::Config(format!(
+                "MoE layer compiled for (E, H, F) = {:?}, given weights of {shape:?}",
+                self.shape
+            )));
+        }
+        if router_offsets.len() != 2 {
+            return Err(GpuError::Config(format!(
+                "MoE layer: the router's offsets hold {} values, not 2 ([0, T])",
+                router_offsets.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// The experts' GEMM kernel's name (`grouped_wgmma` or `grouped_mma_sync`).
     pub fn experts_kernel(&self) -> &'static str {
         self.experts_gemm.implementation()
@@ -196,24 +219,12 @@ impl MoeLayer {
         out: &mut CudaSlice<u16>,
     ) -> Result<LayerState, GpuError> {
         let (e, h, f) = (w.experts, w.hidden, w.width);
-        if (e, h, f) != self.shape {
-            return Err(GpuError::Config(format!(
-                "MoE layer compiled for (E, H, F) = {:?}, given weights of {:?}",
-                self.shape,
-                (e, h, f)
-            )));
-        }
+        self.check_call(w, router_offsets)?;
         if tokens == 0 || x.len() != tokens * h || out.len() != tokens * h {
             return Err(GpuError::Config(format!(
                 "MoE layer: x holds {} elements and out {}; T·H = {tokens}·{h}",
                 x.len(),
                 out.len()
-            )));
-        }
-        if router_offsets.len() != 2 {
-            return Err(GpuError::Config(format!(
-                "MoE layer: the router's offsets hold {} values, not 2 ([0, T])",
-                router_offsets.len()
             )));
         }
         let s = &gpu.stream;
@@ -372,19 +383,7 @@ impl MoeLayer {
                 [tokens * h, h * e, e * h * 2 * f, e * f * h]
             )));
         }
-        if router_offsets.len() != 2 {
-            return Err(GpuError::Config(format!(
-                "MoE layer backward: the router's offsets hold {} values, not 2 ([0, T])",
-                router_offsets.len()
-            )));
-        }
-        if (e, h, f) != self.shape {
-            return Err(GpuError::Config(format!(
-                "MoE layer compiled for (E, H, F) = {:?}, given weights of {:?}",
-                self.shape,
-                (e, h, f)
-            )));
-        }
+        self.check_call(w, router_offsets)?;
         if dy.len() != tokens * h || x.len() != tokens * h {
             return Err(GpuError::Config(format!(
                 "MoE layer backward: dy holds {} and x {} elements; T·H = {tokens}·{h}",
