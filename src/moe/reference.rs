@@ -391,12 +391,7 @@ pub fn moe_layer(
     let tokens = x.len() / h;
     check("x", x.len(), tokens * h)?;
     check("router", router.len(), h * e)?;
-    let mut logits = vec![0.0; tokens * e];
-    for t in 0..tokens {
-        for j in 0..e {
-            logits[t * e + j] = (0..h).map(|i| x[t * h + i] * router[i * e + j]).sum();
-        }
-    }
+    let logits = router_logits(x, router, tokens, h, e);
     let routing = route(&logits, tokens, e, top_k, gate)?;
     let plan = plan(&routing, e, capacity)?;
     let xs = dispatch(x, &plan, h)?;
