@@ -9,8 +9,8 @@
 //! - `kp_nvrtc`: NVRTC (`libnvrtc.so.13`) is on the loader path;
 //! - `kp_chromium`: a Chromium binary is on `PATH`;
 //! - `kp_python`: `python3` runs;
-//! - `kp_torch`, `kp_jax`: `python3` imports `torch`, `jax` (on any device: the CPU
-//!   comparison modules and the JAX module's CPU test hook need no GPU);
+//! - `kp_torch`, `kp_jax`, `kp_ott`: `python3` imports `torch`, `jax`, `ott` (ott-jax) (on
+//!   any device: the CPU comparison modules and the JAX module's CPU test hook need no GPU);
 //! - `kp_cxx`: `g++` compiles C++20 with `<ucontext.h>` (the CPU emulation of the
 //!   sequence-mixer and MoE kernels, whose CUDA threads are ucontext fibers:
 //!   `kernels/sequence_mixers/emulate/cuda_shim.h`).
@@ -35,6 +35,7 @@ fn main() {
         "kp_python",
         "kp_torch",
         "kp_jax",
+        "kp_ott",
         "kp_cxx",
     ] {
         println!("cargo::rustc-check-cfg=cfg({flag})");
@@ -57,7 +58,7 @@ fn main() {
         .is_ok_and(|o| o.status.success())
     {
         println!("cargo:rustc-cfg=kp_python");
-        for module in ["torch", "jax"] {
+        for module in ["torch", "jax", "ott"] {
             if Command::new("python3")
                 .args(["-c", &format!("import {module}")])
                 .output()

@@ -3,7 +3,8 @@
 //! implementation and, with `--compare torch,jax`, PyTorch's and JAX's dense formulations
 //! (`runners/compare/torch_kernel_sums.py`: `cdist`, `exp`, matmul / `logsumexp`;
 //! `runners/compare/jax_kernel_sums.py`: the same through a matrix product, jitted; both hold
-//! the N × M matrix), and writes one suite document. The machinery (processes, order, timing
+//! the N × M matrix), with `--compare ott` ott-jax's Sinkhorn solver on the Sinkhorn cases
+//! (`runners/compare/ott_sinkhorn.py`), and writes one suite document. The machinery (processes, order, timing
 //! records, progress, document) is `kernelpages::runner`; this file is the grid, the
 //! implementations, the dispatch table and the counts.
 //!
@@ -14,7 +15,7 @@
 //!
 //! ```text
 //! kernel_sums --compare torch --output data/gpu_kernel_sums.json
-//! kernel_sums --device cpu --compare torch --output data/cpu_kernel_sums.json
+//! kernel_sums --device cpu --compare torch,jax,ott --output data/cpu_kernel_sums.json
 //! kernel_sums --device cpu --quick --ops kernel_lse
 //! ```
 
@@ -89,7 +90,7 @@ const CPU_DIMS: [usize; 2] = [3, 64];
 const GPU_QUICK_SIZES: [usize; 2] = [1000, 10_000];
 
 /// The alternatives `--compare` can add (each module measures on the run's device).
-const ALTERNATIVES: [Alternative; 2] = [
+const ALTERNATIVES: [Alternative; 3] = [
     Alternative {
         name: "torch",
         module: "torch_kernel_sums",
@@ -101,6 +102,12 @@ const ALTERNATIVES: [Alternative; 2] = [
         module: "jax_kernel_sums",
         library: "JAX",
         implementations: &["jax_dense"],
+    },
+    Alternative {
+        name: "ott",
+        module: "ott_sinkhorn",
+        library: "ott-jax",
+        implementations: &sinkhorn::OTT_IMPLEMENTATIONS,
     },
 ];
 
@@ -289,6 +296,12 @@ impl runner::Suite for KernelSums {
         }
     }
 
+    /// ott-jax's implementations compute Sinkhorn only: no rows on the kernel-sum cases.
+    fn applies(&self, p: &Params, implementation: &str) -> bool {
+        !sinkhorn::OTT_IMPLEMENTATIONS.contains(&implementation)
+            || matches!(sinkhorn::SinkhornCase::from_params(p), Ok(Some(_)))
+    }
+
     fn is_default(&self, _p: &Params, implementation: &str) -> bool {
         implementation == CPU_IMPLEMENTATION || implementation == GPU_IMPLEMENTATION
     }
@@ -300,7 +313,8 @@ impl runner::Suite for KernelSums {
                 c.epsilon,
                 c.epsilon.sqrt()
             )];
-            if c.pass == sinkhorn::Pass::Iteration {
+            let own = implementation == CPU_IMPLEMENTATION || implementation == GPU_IMPLEMENTATION;
+            if c.pass == sinkhorn::Pass::Iteration && own {
                 notes.push("the iteration keeps its own centred copy of the points from the first call, so the input rotation does not reach it".into());
             }
             return notes;

@@ -434,3 +434,32 @@ fn a_claim_within_the_noise_says_so() {
     );
     assert!(after[0].contains("within noise in 1"), "{after:?}");
 }
+
+/// The fixture's attention document relabelled as measured on the CPU `name`.
+fn as_cpu(doc: &Loaded, name: &str) -> Loaded {
+    let mut l = doc.clone();
+    l.doc.device.kind = kernelpages::schema::DeviceKind::Cpu;
+    l.doc.device.name = name.into();
+    l
+}
+
+#[test]
+fn cpu_device_names_the_cpu_the_documents_were_measured_on() {
+    let docs = fixture_docs();
+    let src = r#"
+- [{{ cpu_device(suite="attention") }}]
+- {{ measured(suite="attention", device=cpu_device(suite="attention")) }}
+"#;
+    // Only GPU documents: an empty name, on which nothing is measured.
+    assert_eq!(items(&docs, src), ["[]", "false"]);
+    let mut with_cpu = docs.clone();
+    with_cpu.push(as_cpu(&docs[0], "Test CPU"));
+    assert_eq!(items(&with_cpu, src), ["[Test CPU]", "true"]);
+    // CPU documents of one suite from two CPUs: the prose cannot tell which to quote.
+    with_cpu.push(as_cpu(&docs[0], "Other CPU"));
+    let text = failure(&with_cpu, src).to_string();
+    assert!(text.contains("several CPUs: Other CPU, Test CPU"), "{text}");
+    assert!(failure(&docs, r#"{{ cpu_device(suite="x") }}"#)
+        .to_string()
+        .contains("unknown suite `x`"));
+}

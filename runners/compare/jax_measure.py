@@ -83,10 +83,18 @@ def check_outputs(outs, files):
                   "checked": protocol.checked_text(check["checked"], errors)}
 
 
-def measure_jitted(job, fn, notes):
+def measure_jitted(job, fn, notes, check_fn=None, inspect=None, per_call=1):
     """Times the jitted `fn` on the job's inputs (in `files.inputs` order, read by
     `load_input`): (row fields, timing window), or ({"message": ...}, None) when an output
-    fails its check. `notes` (the formulation's) follow the timing and first-call notes."""
+    fails its check. `notes` (the formulation's) follow the timing and first-call notes.
+
+    Options for a call that is not what the row reports (`ott_sinkhorn`'s iterations):
+    - `check_fn`: a jitted function on the same inputs whose outputs are checked instead of
+      `fn`'s (`fn`'s first call still gives the first-call time and the peak memory);
+    - `inspect(outs)`: called with `fn`'s first outputs before they are dropped; what it
+      returns (a message) fails the row like a failed check, None passes;
+    - `per_call`: the row's unit is 1/per_call of a call: times (median, quartiles, host) are
+      divided by it."""
     files, tcfg = job["files"], job["timing"]
     on_cpu = platform_of(job) == "cpu"
     device = jax.devices(platform_of(job))[0]
@@ -107,7 +115,14 @@ def measure_jitted(job, fn, notes):
         peak = peak_stat - base if peak_stat is not None else None
     set_bytes = sum(x.nbytes for x in host)
     out_bytes = sum(int(o.size) * o.dtype.itemsize for o in outs)
-    msg, accuracy = check_outputs(outs, files)
+    msg = inspect(outs) if inspect is not None else None
+    if msg is None and check_fn is not None:
+        checked = check_fn(*set0)
+        jax.block_until_ready(checked)
+        msg, accuracy = check_outputs(checked, files)
+        del checked
+    elif msg is None:
+        msg, accuracy = check_outputs(outs, files)
     del outs
     if msg is not None:
         return {"message": msg}, None
@@ -139,9 +154,10 @@ def measure_jitted(job, fn, notes):
                       temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
     fields = dict(
         timing="wall_clock",
-        median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
+        median_ms=m["median"] / per_call, q1_ms=m["q1"] / per_call,
+        q3_ms=m["q3"] / per_call, inner_calls=m["inner"],
         samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
-        host_ms=None if on_cpu else m["host_ms"], first_call_s=first_call_s,
+        host_ms=None if on_cpu else m["host_ms"] / per_call, first_call_s=first_call_s,
         flops=files.get("flops"), bytes=files.get("bytes"), items=files.get("items"),
         memory=memory, accuracy=accuracy, notes=all_notes)
     return fields, window

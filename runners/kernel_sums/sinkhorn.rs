@@ -234,14 +234,18 @@ pub fn write_case(c: &SinkhornCase, seed: u64, check_rows: usize, dir: &Path) ->
     })
 }
 
-/// Why an implementation has no Sinkhorn row: only the project's CPU path is wired in.
+/// ott-jax's implementations (`runners/compare/ott_sinkhorn.py`, `--compare ott`).
+pub const OTT_IMPLEMENTATIONS: [&str; 2] = ["ott_dense", "ott_online"];
+
+/// Why an implementation has no Sinkhorn row: the dense kernel-sum formulations have no
+/// solver.
 pub fn unsupported(implementation: &str, cpu_implementation: &str) -> Option<String> {
-    if implementation == cpu_implementation {
+    if implementation == cpu_implementation || OTT_IMPLEMENTATIONS.contains(&implementation) {
         return None;
     }
     Some(match implementation {
         "online" => "the GPU runner does not time Sinkhorn yet: its updates copy the potentials through the host, which its CUDA-graph timing cannot capture (sinkhorn_on(Device::Cuda) is written but has not run on a GPU)".into(),
-        _ => "no Sinkhorn in this library; the libraries that have one (ott-jax, geomloss) are not wired into the runner".into(),
+        _ => "no Sinkhorn in this library's dense kernel sums; ott-jax's solver is `--compare ott`".into(),
     })
 }
 
@@ -370,7 +374,7 @@ pub fn measure_cpu(job: &Job, c: SinkhornCase) -> Reply {
 /// How a solve went: status, iterations, the marginal error and the transport cost.
 fn solve_note(t: &Transport) -> String {
     format!(
-        "{} in {} iterations (ε-scaling by {SCALING} from the squared diameter), L1 row-marginal error {:.2e} (tolerance {SOLVE_TOL:e}), transport cost {:.6e}",
+        "{} in {} iterations (ε-scaling by {SCALING} from the squared diameter), L1 row-marginal error {:.2e} (tolerance {SOLVE_TOL:e}), transport cost <P, C> {:.6e} (of the plan rounded onto the marginals: {:.6e})",
         if t.status == Status::Converged {
             "converged"
         } else {
@@ -378,6 +382,7 @@ fn solve_note(t: &Transport) -> String {
         },
         t.iterations,
         t.marginal_error,
+        t.plan_cost,
         t.transport_cost
     )
 }
@@ -436,7 +441,64 @@ mod tests {
             assert!(acc.rel_err <= acc.tolerance, "{pass:?}: {acc:?}");
         }
         let not_ours = unsupported("torch_dense", "cpu_tiled").unwrap();
-        assert!(not_ours.contains("ott-jax"));
+        assert!(unsupported("online", "cpu_tiled").is_some());
+        assert!(not_ours.contains("--compare ott"));
+        assert!(unsupported("ott_dense", "cpu_tiled").is_none());
         assert!(unsupported("cpu_tiled", "cpu_tiled").is_none());
+    }
+
+    /// ott-jax's module on the CPU (`runners/compare/ott_sinkhorn.py`) on the runner's own
+    /// files: one iteration checked against the same float64 reference as `cpu_tiled`'s, a
+    /// solve's row marginal against the weights, times per iteration; `ott_online` is a row
+    /// whatever happens (an `error` with ott's message under JAX 0.10 and 0.11).
+    #[test]
+    #[cfg_attr(
+        not(kp_ott),
+        ignore = "needs ott-jax (and jax) importable by python3 (the CPU build is enough)"
+    )]
+    fn ott_module_measures_both_passes_on_the_cpu() {
+        use kernelpages::runner::process::Server;
+        let runners = kernelpages::runner::locate_runners_dir().expect("runners/compare/");
+        let mut s = Server::start("python3", &runners, "ott_sinkhorn", &[]).unwrap();
+        for pass in [Pass::Iteration, Pass::Solve] {
+            let dir = tempfile::tempdir().unwrap();
+            let c = SinkhornCase {
+                n: 150,
+                dim: 3,
+                pass,
+                epsilon: 1e-2,
+            };
+            let mut j = job(&c, dir.path());
+            j.implementation = "ott_dense".into();
+            let row = s
+                .request(&j, std::time::Duration::from_secs(300))
+                .unwrap()
+                .row;
+            assert_eq!(row.status, RowStatus::Ok, "{pass:?}: {row:?}");
+            let acc = row.accuracy.clone().unwrap();
+            assert!(acc.rel_err <= acc.tolerance, "{pass:?}: {acc:?}");
+            assert!(row.items.unwrap() >= 2.0 * 150.0 * 150.0, "{row:?}");
+            let per_iteration = row
+                .notes
+                .iter()
+                .any(|n| n.contains("times are per iteration"));
+            assert_eq!(per_iteration, pass == Pass::Iteration, "{:?}", row.notes);
+            if pass == Pass::Solve {
+                assert!(
+                    row.notes.iter().any(|n| n.starts_with("converged in ")),
+                    "{:?}",
+                    row.notes
+                );
+            }
+            j.implementation = "ott_online".into();
+            let online = s
+                .request(&j, std::time::Duration::from_secs(300))
+                .unwrap()
+                .row;
+            assert!(
+                online.status == RowStatus::Ok || online.message.is_some(),
+                "{online:?}"
+            );
+        }
     }
 }

@@ -22,6 +22,10 @@
 //!   may be absent.
 //! - `launch_bound(suite, implementation, where)`: the claim that an eager call of the
 //!   implementation is launch-bound in every case kept, with the range of host ÷ device time.
+//! - `cpu_device(suite)`: the device name of the suite's CPU documents, or an empty string
+//!   when there are none (so that `measured(device=...)` on it is false): prose about CPU rows
+//!   follows whichever CPU the documents in `data/` were measured on. CPU documents of one
+//!   suite from two CPUs are an error (the prose would not know which to quote).
 //!
 //! Every function takes an optional `device` (the device name) and `kind` (`grid`, the default,
 //! `decode`: the decoding grid's documents, or `masks`: the masks grid's) to pick documents. A query that
@@ -40,7 +44,7 @@ use tera::{Kwargs, State, Tera, Value};
 use self::query::{ok_value, parse_filter, Field, Filter};
 use super::templates::{Sources, ATTENTION_PROSE, LIMITATIONS_PROSE, MIXERS_PROSE};
 use crate::load::{case_label, Loaded};
-use crate::schema::{Param, Row, Status, Suite};
+use crate::schema::{DeviceKind, Param, Row, Status, Suite};
 
 /// Text that stands in for a failed call while the rest of the file is checked.
 const FAILED: &str = "⟨failed⟩";
@@ -185,6 +189,7 @@ pub fn render_prose(
     register(&mut tera, "values", &data, &failures, values);
     register(&mut tera, "measured", &data, &failures, measured);
     register(&mut tera, "launch_bound", &data, &failures, launch_bound);
+    register(&mut tera, "cpu_device", &data, &failures, cpu_device);
 
     let mut problems = Vec::new();
     let mut out = BTreeMap::new();
@@ -742,6 +747,26 @@ fn launch_bound(docs: &[Loaded], args: &Args) -> Result<Value, String> {
         ran.len(),
         if ran.len() == 1 { "" } else { "s" }
     )))
+}
+
+fn cpu_device(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "kind"])?;
+    let name = args.need("suite")?;
+    if !Suite::ALL.iter().any(|s| s.as_str() == name) {
+        return Err(format!("unknown suite `{name}`"));
+    }
+    let names: std::collections::BTreeSet<&str> = docs
+        .iter()
+        .filter(|l| l.doc.suite.as_str() == name && l.doc.device.kind == DeviceKind::Cpu)
+        .map(|l| l.doc.device.name.as_str())
+        .collect();
+    match names.len() {
+        0 | 1 => Ok(Value::from(names.into_iter().next().unwrap_or(""))),
+        _ => Err(format!(
+            "suite {name} has CPU documents from several CPUs: {}",
+            names.into_iter().collect::<Vec<_>>().join(", ")
+        )),
+    }
 }
 
 fn measured(docs: &[Loaded], args: &Args) -> Result<Value, String> {
