@@ -8,11 +8,16 @@
 #   extensions; runners/mamba_wheel.py packs its Python sources and Triton kernels into a wheel
 #   (`sequence_mixers --compare mamba`: the Triton SSD; the CUDA selective scan stays
 #   unsupported without the extension). packaging, which it imports, travels too.
+#   ott-jax 0.6.0 (`kernel_sums --compare ott`: its Sinkhorn solver) with what it needs beyond
+#   the image's jax, flax and optax: jaxopt, lineax, equinox, jaxtyping, wadler-lindig (all pure
+#   Python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 -d .whl fla-core==0.6.0 packaging==25.0
+  --platform manylinux2014_x86_64 -d .whl fla-core==0.6.0 packaging==25.0 \
+  ott-jax==0.6.0 jaxopt==0.8.5 lineax==0.1.1 equinox==0.13.8 jaxtyping==0.3.11 \
+  wadler-lindig==0.1.8
 sdist=$(mktemp -d)
 trap 'rm -rf "$sdist"' EXIT
 # The source distribution itself (pip download would run its setup.py, which needs torch).

@@ -52,8 +52,8 @@ struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
     /// Operations: `rbf_mv`, `kde`, `kernel_lse`, `kernel_lse_grad` (the log-sum-exp and its
-    /// gradient with respect to X), `sinkhorn` (one iteration and a solve, at dims ≤ 3; the
-    /// CPU only so far) [default: all on the CPU, all but sinkhorn on the GPU].
+    /// gradient with respect to X), `sinkhorn` (one iteration and a solve, at dims ≤ 3; on the
+    /// GPU by default at dim 3, a solve up to N = 10⁵) [default: all].
     #[arg(long, value_delimiter = ',')]
     ops: Option<Vec<String>>,
     /// Point counts N = M [default: 1000,10000,100000,1000000 on the GPU (up to 100000 from
@@ -126,6 +126,9 @@ const OPS: [&str; 5] = [
 /// Largest default N of the Sinkhorn `solve` rows on the CPU (a solve at 16000 points takes
 /// minutes on a few cores: each sample repeats it).
 const CPU_SOLVE_MAX_SIZE: usize = 4000;
+/// Largest default N of the Sinkhorn `solve` rows on the GPU (at 10⁶ points an iteration takes
+/// about a second, and a solve ~100 of them, each sample).
+const GPU_SOLVE_MAX_SIZE: usize = 100_000;
 
 /// How FLOPs are counted (the document's `flop_rule`).
 const FLOP_RULE: &str = "per (x, y) pair: 3·dim for the squared distance, 1 for the exponential, 2·cols for the product with b (rbf_mv, kde) or 2 for the running sum (kernel_lse), 2·dim more for the gradient's Σ p·y; throughput counts kernel evaluations, N·M per call (2·N·M with the gradient)";
@@ -135,7 +138,11 @@ fn main() -> ExitCode {
     let result = match &cli.run.run_case {
         Some(job) => runner::child_main(job, |job| {
             if job.implementation == GPU_IMPLEMENTATION {
-                measure_gpu(job)
+                match sinkhorn::SinkhornCase::from_params(&job.case) {
+                    Ok(Some(c)) => sinkhorn::measure_gpu(job, c),
+                    Ok(None) => measure_gpu(job),
+                    Err(e) => Reply::failed(job, Status::Error, format!("{e:#}")),
+                }
             } else {
                 measure_cpu(job)
             }
@@ -154,12 +161,10 @@ fn main() -> ExitCode {
 /// The cases of the grid (or the quick grid).
 fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     let gpu = cli.run.device == DeviceChoice::Gpu;
-    let ops: Vec<String> = cli.ops.clone().unwrap_or_else(|| {
-        OPS.iter()
-            .filter(|op| !(gpu && **op == sinkhorn::OP))
-            .map(|s| s.to_string())
-            .collect()
-    });
+    let ops: Vec<String> = cli
+        .ops
+        .clone()
+        .unwrap_or_else(|| OPS.iter().map(|s| s.to_string()).collect());
     let sizes: Vec<usize> = match (&cli.sizes, quick, gpu) {
         (Some(s), _, _) => s.clone(),
         (None, true, true) => GPU_QUICK_SIZES.to_vec(),
@@ -175,15 +180,17 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     let mut out = Vec::new();
     for op in &ops {
         if op == sinkhorn::OP {
-            for &dim in dims.iter().filter(|&&d| d <= 3) {
+            // On the GPU by default the 3-D clouds only (the suite's point-cloud case).
+            let default_dim = |d: usize| !gpu || cli.dims.is_some() || d == 3;
+            for &dim in dims.iter().filter(|&&d| d <= 3 && default_dim(d)) {
                 for pass in [sinkhorn::Pass::Iteration, sinkhorn::Pass::Solve] {
                     for &n in &sizes {
-                        let default_sizes = cli.sizes.is_none();
-                        if pass == sinkhorn::Pass::Solve
-                            && default_sizes
-                            && !gpu
-                            && n > CPU_SOLVE_MAX_SIZE
-                        {
+                        let solve_max = if gpu {
+                            GPU_SOLVE_MAX_SIZE
+                        } else {
+                            CPU_SOLVE_MAX_SIZE
+                        };
+                        if pass == sinkhorn::Pass::Solve && cli.sizes.is_none() && n > solve_max {
                             continue;
                         }
                         let c = sinkhorn::SinkhornCase {
@@ -290,7 +297,9 @@ impl runner::Suite for KernelSums {
 
     fn unsupported(&self, p: &Params, implementation: &str) -> Option<String> {
         match sinkhorn::SinkhornCase::from_params(p) {
-            Ok(Some(_)) => sinkhorn::unsupported(implementation, CPU_IMPLEMENTATION),
+            Ok(Some(_)) => {
+                sinkhorn::unsupported(implementation, &[CPU_IMPLEMENTATION, GPU_IMPLEMENTATION])
+            }
             Ok(None) => case_of(p).err().map(|e| format!("{e:#}")),
             Err(e) => Some(format!("{e:#}")),
         }
@@ -605,6 +614,7 @@ fn measure_gpu(job: &Job) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kernelpages::runner::Suite;
 
     #[test]
     fn the_cpu_grid_and_its_selection() {
@@ -652,12 +662,34 @@ mod tests {
                 .unwrap()
         );
         // The GPU grid: the same ops over its own sizes and dims, the feature dims (16, 64)
-        // without 10⁶ points; kde at dims 1 and 3.
+        // without 10⁶ points; kde at dims 1 and 3; Sinkhorn at dim 3 only, a solve up to
+        // GPU_SOLVE_MAX_SIZE.
         let gpu = Cli::try_parse_from(["kernel_sums"]).unwrap();
+        let gpu_cases = cases(&gpu, false).unwrap();
+        let gpu_solves = GPU_SIZES
+            .iter()
+            .filter(|&&n| n <= GPU_SOLVE_MAX_SIZE)
+            .count();
         assert_eq!(
-            cases(&gpu, false).unwrap().len(),
-            3 * (2 * GPU_SIZES.len() + 2 * (GPU_SIZES.len() - 1)) + 2 * GPU_SIZES.len()
+            gpu_cases.len(),
+            3 * (2 * GPU_SIZES.len() + 2 * (GPU_SIZES.len() - 1))
+                + 2 * GPU_SIZES.len()
+                + GPU_SIZES.len()
+                + gpu_solves
         );
+        let suite = KernelSums { check_rows: 16 };
+        for p in &gpu_cases {
+            let sk = sinkhorn::SinkhornCase::from_params(p).unwrap();
+            assert!(sk.is_none_or(|c| c.dim == 3), "{p:?}");
+            // ott-jax has rows on the Sinkhorn cases only; the others everywhere.
+            assert_eq!(suite.applies(p, "ott_dense"), sk.is_some(), "{p:?}");
+            assert!(suite.applies(p, "torch_dense") && suite.applies(p, GPU_IMPLEMENTATION));
+            assert_eq!(
+                suite.unsupported(p, GPU_IMPLEMENTATION),
+                None,
+                "the GPU runs every case: {p:?}"
+            );
+        }
         assert_eq!(
             dispatch_rules(DeviceChoice::Gpu)[0].implementation,
             GPU_IMPLEMENTATION

@@ -368,3 +368,65 @@ fn sinkhorn_on_the_device_matches_the_cpu() {
     eprintln!("S(x, x) on the device at eps 0.1: {:e}", own.value);
     assert!(own.value.abs() <= 1e-6, "{own:?}");
 }
+
+/// Sinkhorn's iteration held on the device (`sinkhorn::device_iterations`): after one step, f
+/// against its float64 definition (`first_step_reference`, the runner's check) within 1e-5 at
+/// ε = 2.5e-3 (the runner's) and 1e-2; then two more steps replayed from a CUDA graph of one
+/// step (the runner's timing: nothing in a step may wait on the host), f and g against the
+/// CPU's `SinkhornIterations` after the same three steps. Clouds of 1000 and 700 points: not
+/// multiples of any tile.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn sinkhorn_iterations_held_on_the_device_match() {
+    use kernelpages::gpu::Device;
+    use kernelpages::kernel_sums::sinkhorn::{
+        device_iterations, first_step_reference, Cloud, SinkhornIterations,
+    };
+    let dim = 3;
+    let (xp, xw) = cloud(1000, dim, 3);
+    let (yp, yw) = cloud(700, dim, 4);
+    let (x, y) = (Cloud::new(&xp, &xw), Cloud::new(&yp, &yw));
+    let rel = |a: &[f64], b: &[f64]| {
+        let num: f64 = a.iter().zip(b).map(|(p, q)| (p - q) * (p - q)).sum();
+        let den: f64 = b.iter().map(|q| q * q).sum();
+        (num / den).sqrt()
+    };
+    let g = gpu();
+    for eps in [2.5e-3, 1e-2] {
+        let mut dev = device_iterations(g, x, y, dim, eps).unwrap();
+        let mut copy = g.poisoned_u16(4 * 1000).unwrap();
+        dev.step(g, Some(&mut copy)).unwrap();
+        let (f1, _) = dev.potentials(g).unwrap();
+        let rows: Vec<usize> = (0..1000).collect();
+        let want = first_step_reference(x, y, dim, eps, &rows);
+        let e1 = rel(&f1, &want);
+        // The copy the runner checks is f itself.
+        let words = g.stream.clone_dtoh(&copy).unwrap();
+        let copied: Vec<f64> = (0..1000)
+            .map(|i| kernelpages::runner::protocol::decode("fp64", &words, i))
+            .collect();
+        assert_eq!(copied, f1, "eps {eps}: the copy is not f");
+        let graph = g
+            .capture(|| dev.step(g, None))
+            .unwrap()
+            .expect("a step records launches");
+        for _ in 0..2 {
+            graph.launch().unwrap();
+        }
+        let (f3, g3) = dev.potentials(g).unwrap();
+        let mut cpu = SinkhornIterations::new(Device::Cpu, x, y, dim, eps).unwrap();
+        for _ in 0..3 {
+            cpu.step().unwrap();
+        }
+        let (cf, cg) = cpu.potentials();
+        let (ef, eg) = (rel(&f3, cf), rel(&g3, cg));
+        eprintln!(
+            "eps {eps:e}: f1 vs float64 {e1:.2e}; after 3 steps f {ef:.2e}, g {eg:.2e} vs the CPU"
+        );
+        assert!(e1 <= 1e-5, "eps {eps}: f1 off by {e1:.2e}");
+        assert!(
+            ef <= 1e-4 && eg <= 1e-4,
+            "eps {eps}: f {ef:.2e}, g {eg:.2e}"
+        );
+    }
+}

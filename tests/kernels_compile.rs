@@ -423,6 +423,13 @@ fn kernel_sums_kernels_compile() {
         assert!(text.contains(&format!(".entry {f}(")), "{f} alone");
         assert_eq!(text.matches(".entry ").count(), 1, "{f} alone");
     }
+    // The Sinkhorn half-step's epilogue (`DeviceSinkhorn`), as the GPU runner compiles it.
+    use kernelpages::kernel_sums::cuda::SINKHORN_UPDATE_SRC;
+    for arch in ["sm_80", "sm_90a"] {
+        let ptx = kernelpages::gpu::nvrtc_compile("sinkhorn_update.cu", SINKHORN_UPDATE_SRC, arch)
+            .unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert!(ptx.to_src().contains(".entry sinkhorn_update("), "{arch}");
+    }
 }
 
 /// Every split-KV decoding instance (`kernels/flash_decode.cu`: each head_dim and 16-bit dtype)

@@ -31,20 +31,23 @@ use std::rc::Rc;
 use anyhow::Result;
 use serde_json::json;
 
+use cudarc::driver::CudaSlice;
 use kernelpages::attention::cpu_flash::read_elements;
 use kernelpages::attention::Dtype;
-use kernelpages::gpu::Device;
+
+use kernelpages::gpu::{Device, Gpu, GpuError};
+use kernelpages::kernel_sums::cuda::DeviceSinkhorn;
 use kernelpages::kernel_sums::files::checked_rows;
 use kernelpages::kernel_sums::sinkhorn::{
-    first_step_reference, sinkhorn_on, Cloud, Params as SolveParams, SinkhornIterations, Status,
-    Transport,
+    device_iterations, first_step_reference, sinkhorn_on, Cloud, Params as SolveParams,
+    SinkhornError, SinkhornIterations, Status, Transport,
 };
 use kernelpages::kernel_sums::{Inputs, KernelSumCase, Op};
 use kernelpages::runner::grid::Params;
-use kernelpages::runner::host;
 use kernelpages::runner::protocol::{
     write_f64, write_u16, CaseFiles, CheckSpec, Job, OutputSpec, Reply, TensorFile,
 };
+use kernelpages::runner::{host, own};
 use kernelpages::schema::{Param, Reference, Status as RowStatus};
 
 /// The op name of the Sinkhorn rows.
@@ -238,15 +241,15 @@ pub fn write_case(c: &SinkhornCase, seed: u64, check_rows: usize, dir: &Path) ->
 pub const OTT_IMPLEMENTATIONS: [&str; 2] = ["ott_dense", "ott_online"];
 
 /// Why an implementation has no Sinkhorn row: the dense kernel-sum formulations have no
-/// solver.
-pub fn unsupported(implementation: &str, cpu_implementation: &str) -> Option<String> {
-    if implementation == cpu_implementation || OTT_IMPLEMENTATIONS.contains(&implementation) {
+/// solver (the project's own, `own`, and ott-jax's have).
+pub fn unsupported(implementation: &str, own: &[&str]) -> Option<String> {
+    if own.contains(&implementation) || OTT_IMPLEMENTATIONS.contains(&implementation) {
         return None;
     }
-    Some(match implementation {
-        "online" => "the GPU runner does not time Sinkhorn yet: its updates copy the potentials through the host, which its CUDA-graph timing cannot capture (sinkhorn_on(Device::Cuda) is written but has not run on a GPU)".into(),
-        _ => "no Sinkhorn in this library's dense kernel sums; ott-jax's solver is `--compare ott`".into(),
-    })
+    Some(
+        "no Sinkhorn in this library's dense kernel sums; ott-jax's solver is `--compare ott`"
+            .into(),
+    )
 }
 
 /// The CPU case process's calls: one iteration or one solve, the output f or the row
@@ -351,24 +354,172 @@ pub fn measure_cpu(job: &Job, c: SinkhornCase) -> Reply {
             last: Rc::clone(&last),
         })
     });
-    if let Some(t) = last.borrow().as_ref() {
-        if t.status != Status::Converged {
-            let why = format!(
-                "not converged: {} iterations left an L1 row-marginal error of {:.2e} above the tolerance {SOLVE_TOL:e}",
-                t.iterations, t.marginal_error
-            );
-            return Reply::failed(job, RowStatus::Error, why);
-        }
-        if reply.row.status == RowStatus::Ok {
-            // A solve's count is known once it has run: its float32 log-sum-exps, N² pairs
-            // each (the first f, then two per iteration). The float64 confirmation and
-            // evaluation passes are in the time but not in the count.
-            reply.row.items = Some((1.0 + 2.0 * t.iterations as f64) * (c.n as f64).powi(2));
-            reply.row.notes.push(solve_note(t));
-            reply.row.notes.push("evaluations counted: the solve's float32 kernel log-sum-exps ((1 + 2 × iterations) × N² pairs); its float64 passes are timed but not counted".into());
+    finish_solve(job, c, &last, &mut reply);
+    reply
+}
+
+/// What the GPU case process runs: the iteration held on the device (graph-captured), or a
+/// whole solve whose kernel sums run on the device ([`sinkhorn_on`] with [`Device::Cuda`]).
+enum GpuWork {
+    Iteration(Box<DeviceSinkhorn>),
+    Solve {
+        x: Vec<f32>,
+        y: Vec<f32>,
+        /// The last solve's result, read after the measurement for the row's notes.
+        last: Rc<RefCell<Option<Transport>>>,
+    },
+}
+
+/// The `online` implementation's calls on a CUDA device.
+struct GpuLaunch {
+    case: SinkhornCase,
+    weights: Vec<f64>,
+    work: GpuWork,
+}
+
+impl own::Launcher for GpuLaunch {
+    /// The points stay where the launcher put them (centred, in its own buffers): the input
+    /// sets carry nothing.
+    type Set = ();
+    fn upload(&self, _gpu: &Gpu, _host: &[Vec<u16>]) -> Result<(), GpuError> {
+        Ok(())
+    }
+    fn replicate(&self, _gpu: &Gpu, _set: &()) -> Result<(), GpuError> {
+        Ok(())
+    }
+    fn launch(
+        &mut self,
+        gpu: &Gpu,
+        _set: &(),
+        outs: &mut [CudaSlice<u16>],
+    ) -> Result<(), GpuError> {
+        let out = &mut outs[0];
+        match &mut self.work {
+            GpuWork::Iteration(it) => it.step(gpu, Some(out)),
+            GpuWork::Solve { x, y, last } => {
+                let p = SolveParams {
+                    tol: SOLVE_TOL,
+                    scaling: SCALING,
+                    ..SolveParams::new(self.case.epsilon)
+                };
+                let (x, y) = (Cloud::new(x, &self.weights), Cloud::new(y, &self.weights));
+                let t = sinkhorn_on(Device::Cuda(gpu), x, y, self.case.dim, &p)
+                    .map_err(|e| GpuError::Config(format!("sinkhorn_on: {e}")))?;
+                let words: Vec<u16> = t
+                    .row_marginal
+                    .iter()
+                    .flat_map(|v| {
+                        let b = v.to_bits();
+                        (0..4).map(move |k| (b >> (16 * k)) as u16)
+                    })
+                    .collect();
+                gpu.stream.memcpy_htod(&words, out)?;
+                *last.borrow_mut() = Some(t);
+                Ok(())
+            }
         }
     }
+    fn temporary_bytes(&self) -> u64 {
+        match &self.work {
+            GpuWork::Iteration(it) => it.device_bytes(),
+            // Two log-sum-exp sessions: both clouds twice, weights and sums per point.
+            GpuWork::Solve { .. } => {
+                let (n, d) = (self.case.n as u64, self.case.dim as u64);
+                2 * (2 * 4 * d * n + 8 * n)
+            }
+        }
+    }
+    fn residual_bytes(&self) -> Option<u64> {
+        None
+    }
+    fn workspace_bytes(&self) -> u64 {
+        0
+    }
+    fn capturable(&self) -> bool {
+        matches!(self.work, GpuWork::Iteration(_))
+    }
+}
+
+/// The case process of a Sinkhorn case on a CUDA device (`online`): an iteration held on the
+/// device ([`device_iterations`]: four launches a step, timed from a CUDA graph), or a solve
+/// ([`sinkhorn_on`] on the device: its kernel sums there, the potentials, the convergence test
+/// and the float64 evaluation on the host, timed eagerly).
+pub fn measure_gpu(job: &Job, c: SinkhornCase) -> Reply {
+    let weights = vec![1.0 / c.n as f64; c.n];
+    let last = Rc::new(RefCell::new(None));
+    let points = (|| -> Result<(Vec<f32>, Vec<f32>)> {
+        anyhow::ensure!(job.files.inputs.len() == 2, "sinkhorn takes x and y");
+        Ok((
+            read_elements(&job.files.inputs[0].path)?,
+            read_elements(&job.files.inputs[1].path)?,
+        ))
+    })();
+    let (x, y) = match points {
+        Ok(p) => p,
+        Err(e) => return Reply::failed(job, RowStatus::Error, format!("{e:#}")),
+    };
+    let mut reply = own::measure(job, |gpu| {
+        let (work, compile_s) = match c.pass {
+            Pass::Iteration => {
+                let it = device_iterations(
+                    gpu,
+                    Cloud::new(&x, &weights),
+                    Cloud::new(&y, &weights),
+                    c.dim,
+                    c.epsilon,
+                )
+                .map_err(|e| match e {
+                    SinkhornError::Device(m) => GpuError::Config(m),
+                    other => GpuError::Config(other.to_string()),
+                })?;
+                let s = it.compile_s;
+                (GpuWork::Iteration(Box::new(it)), s)
+            }
+            Pass::Solve => (
+                GpuWork::Solve {
+                    x: x.clone(),
+                    y: y.clone(),
+                    last: Rc::clone(&last),
+                },
+                0.0,
+            ),
+        };
+        Ok((
+            GpuLaunch {
+                case: c,
+                weights: weights.clone(),
+                work,
+            },
+            compile_s,
+        ))
+    });
+    finish_solve(job, c, &last, &mut reply);
     reply
+}
+
+/// A solve's row after the measurement: an `error` when it did not converge, else its count
+/// of evaluations and the notes on how it went.
+fn finish_solve(job: &Job, c: SinkhornCase, last: &RefCell<Option<Transport>>, reply: &mut Reply) {
+    let last = last.borrow();
+    let Some(t) = last.as_ref() else {
+        return;
+    };
+    if t.status != Status::Converged {
+        let why = format!(
+            "not converged: {} iterations left an L1 row-marginal error of {:.2e} above the tolerance {SOLVE_TOL:e}",
+            t.iterations, t.marginal_error
+        );
+        *reply = Reply::failed(job, RowStatus::Error, why);
+        return;
+    }
+    if reply.row.status == RowStatus::Ok {
+        // A solve's count is known once it has run: its float32 log-sum-exps, N² pairs
+        // each (the first f, then two per iteration). The float64 confirmation and
+        // evaluation passes are in the time but not in the count.
+        reply.row.items = Some((1.0 + 2.0 * t.iterations as f64) * (c.n as f64).powi(2));
+        reply.row.notes.push(solve_note(t));
+        reply.row.notes.push("evaluations counted: the solve's float32 kernel log-sum-exps ((1 + 2 × iterations) × N² pairs); its float64 passes are timed but not counted".into());
+    }
 }
 
 /// How a solve went: status, iterations, the marginal error and the transport cost.
@@ -440,11 +591,11 @@ mod tests {
             let acc = row.accuracy.unwrap();
             assert!(acc.rel_err <= acc.tolerance, "{pass:?}: {acc:?}");
         }
-        let not_ours = unsupported("torch_dense", "cpu_tiled").unwrap();
-        assert!(unsupported("online", "cpu_tiled").is_some());
+        let own = ["cpu_tiled", "online"];
+        let not_ours = unsupported("torch_dense", &own).unwrap();
         assert!(not_ours.contains("--compare ott"));
-        assert!(unsupported("ott_dense", "cpu_tiled").is_none());
-        assert!(unsupported("cpu_tiled", "cpu_tiled").is_none());
+        assert!(unsupported("ott_dense", &own).is_none());
+        assert!(unsupported("online", &own).is_none());
     }
 
     /// ott-jax's module on the CPU (`runners/compare/ott_sinkhorn.py`) on the runner's own

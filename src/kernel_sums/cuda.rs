@@ -391,6 +391,206 @@ impl<'g> LseSession<'g> {
     }
 }
 
+/// The CUDA source of the Sinkhorn half-step epilogue (`sinkhorn_update`).
+pub const SINKHORN_UPDATE_SRC: &str = include_str!("../../kernels/kernel_sums/sinkhorn_update.cu");
+
+/// Threads per block of `sinkhorn_update`.
+const UPDATE_THREADS: u32 = 256;
+
+/// One direction of the iteration: this cloud's points against the other's, with the other
+/// cloud's weights h in `inp.w`.
+struct HalfStep {
+    case: KernelSumCase,
+    runner: Runner,
+    /// X = this cloud, Y = the other, w = the other cloud's h.
+    inp: DeviceInputs,
+    /// log w of this cloud, float64.
+    log_w: CudaSlice<f64>,
+    /// The log-sum-exp, float32, one per point of this cloud.
+    lse: CudaSlice<f32>,
+    /// This cloud's potential, float64.
+    pot: CudaSlice<f64>,
+}
+
+/// Sinkhorn's iteration at one ε held on the device (what the `kernel_sums` runner times per
+/// iteration): the same updates as [`super::sinkhorn::SinkhornIterations`] on the CPU, with
+/// nothing copied through the host, so that a step is four asynchronous launches on
+/// [`Gpu::stream`] that a CUDA graph can capture.
+///
+/// A half-step is one kernel log-sum-exp (this cloud against the other, the other's weights
+/// h_j = pot_j/ε + log w_j, ε' = 2ε: the cost is ‖x − z‖²/2) and `sinkhorn_update`, which
+/// writes this cloud's potential pot_i = −ε·lse_i (float64) and its own h_i. [`DeviceSinkhorn::new`]
+/// ends with f⁰ (the x half-step against g = 0); each [`DeviceSinkhorn::step`] updates g from
+/// f, then f from g (Cuturi 2013, in the log domain).
+///
+/// Memory on the device: both clouds twice (float32, `[n, dim]` and `[m, dim]`), and per point
+/// its log-weight and potential (float64), h and the log-sum-exp (float32).
+pub struct DeviceSinkhorn {
+    /// Rows of x: computes f.
+    on_x: HalfStep,
+    /// Rows of y: computes g.
+    on_y: HalfStep,
+    update: CudaFunction,
+    epsilon: f64,
+    /// NVRTC compile and load time of the three entry points, s (0 for those this process had
+    /// compiled already).
+    pub compile_s: f64,
+}
+
+impl DeviceSinkhorn {
+    /// Uploads the clouds (`x` `[n, dim]`, `y` `[m, dim]`, float32, already centred as the
+    /// caller wants them), their log-weights `log_wx` `[n]` and `log_wy` `[m]`, compiles the
+    /// kernels, and computes f⁰ (the soft-min of g = 0) on the stream.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for clouds that are not whole non-empty point sets of `dim`,
+    /// log-weights of the wrong length, or an ε that is not positive and finite; compile and
+    /// driver errors.
+    pub fn new(
+        gpu: &Gpu,
+        x: &[f32],
+        y: &[f32],
+        dim: usize,
+        log_wx: &[f64],
+        log_wy: &[f64],
+        epsilon: f64,
+    ) -> Result<DeviceSinkhorn, GpuError> {
+        let whole = |c: &[f32], w: &[f64]| {
+            dim > 0 && !c.is_empty() && c.len().is_multiple_of(dim) && c.len() / dim == w.len()
+        };
+        if !(whole(x, log_wx) && whole(y, log_wy) && epsilon > 0.0 && epsilon.is_finite()) {
+            return Err(GpuError::Config(format!(
+                "DeviceSinkhorn: {} and {} coordinates with {} and {} log-weights are not two clouds of dimension {dim}, or epsilon {epsilon} is not > 0",
+                x.len(),
+                y.len(),
+                log_wx.len(),
+                log_wy.len()
+            )));
+        }
+        let (n, m) = (log_wx.len(), log_wy.len());
+        let half = |this: &[f32], other: &[f32], log_w: &[f64], other_log_w: &[f64]| {
+            let case = KernelSumCase::new(Op::KernelLse, this.len() / dim, other.len() / dim, dim);
+            let runner = Runner::new(gpu, &case)?;
+            // The other cloud's h at g = 0 (or f = 0): its log-weights.
+            let h: Vec<f32> = other_log_w.iter().map(|v| *v as f32).collect();
+            Ok::<_, GpuError>(HalfStep {
+                runner,
+                inp: DeviceInputs {
+                    x: gpu.stream.clone_htod(this)?,
+                    y: gpu.stream.clone_htod(other)?,
+                    w: Some(gpu.stream.clone_htod(&h)?),
+                },
+                log_w: gpu.stream.clone_htod(log_w)?,
+                lse: gpu.stream.alloc_zeros::<f32>(case.n)?,
+                pot: gpu.stream.alloc_zeros::<f64>(case.n)?,
+                case,
+            })
+        };
+        let on_x = half(x, y, log_wx, log_wy)?;
+        let on_y = half(y, x, log_wy, log_wx)?;
+        debug_assert_eq!((on_x.case.n, on_y.case.n), (n, m));
+        let compiled = gpu.compile("sinkhorn_update.cu", SINKHORN_UPDATE_SRC)?;
+        let update = gpu.function(&compiled.module, "sinkhorn_update", 0)?;
+        let mut s = DeviceSinkhorn {
+            compile_s: on_x.runner.compile_s + on_y.runner.compile_s + compiled.compile_s,
+            on_x,
+            on_y,
+            update,
+            epsilon,
+        };
+        s.half_step(gpu, true, None)?;
+        Ok(s)
+    }
+
+    /// One half-step: f from g (`on_x`) or g from f; the new h goes into the other
+    /// direction's weights. `copy` also receives the potential.
+    fn half_step(
+        &mut self,
+        gpu: &Gpu,
+        on_x: bool,
+        copy: Option<&mut CudaSlice<u16>>,
+    ) -> Result<(), GpuError> {
+        let (this, other) = if on_x {
+            (&mut self.on_x, &mut self.on_y)
+        } else {
+            (&mut self.on_y, &mut self.on_x)
+        };
+        let s = Scale {
+            sigma: 1.0,
+            epsilon: 2.0 * self.epsilon,
+        };
+        this.runner
+            .launch(gpu, &this.case, s, &this.inp, &mut this.lse)?;
+        let n = this.case.n as i64;
+        if let Some(c) = &copy {
+            if c.len() != 4 * this.case.n {
+                return Err(GpuError::Config(format!(
+                    "the potential's copy holds {} 16-bit words, not 4 × {}",
+                    c.len(),
+                    this.case.n
+                )));
+            }
+        }
+        let h = other.inp.w.as_mut().expect("kernel_lse has weights");
+        let neg_eps = -self.epsilon;
+        let null = 0u64;
+        let cfg = LaunchConfig {
+            grid_dim: ((this.case.n as u32).div_ceil(UPDATE_THREADS), 1, 1),
+            block_dim: (UPDATE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream.launch_builder(&self.update);
+        b.arg(&this.lse)
+            .arg(&this.log_w)
+            .arg(&neg_eps)
+            .arg(&mut this.pot)
+            .arg(h);
+        match copy {
+            Some(c) => b.arg(c),
+            None => b.arg(&null),
+        };
+        b.arg(&n);
+        // SAFETY: sinkhorn_update(const float* lse, const double* log_w, double neg_eps,
+        // double* pot, float* h, double* copy, long long n): lse, log_w and pot hold this
+        // cloud's n points, h (the other direction's weights, `[n]` as its Y has n points)
+        // too, and copy, when given, n float64 values (4n 16-bit words, checked above); one
+        // thread per point, guarded by n.
+        unsafe { b.launch(cfg)? };
+        Ok(())
+    }
+
+    /// One iteration, enqueued on the stream: g from f, then f from g; with `copy`, f is also
+    /// written there (float64 as 16-bit words, `[4n]`).
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for a copy of the wrong length; driver errors from the launches.
+    pub fn step(&mut self, gpu: &Gpu, copy: Option<&mut CudaSlice<u16>>) -> Result<(), GpuError> {
+        self.half_step(gpu, false, None)?;
+        self.half_step(gpu, true, copy)
+    }
+
+    /// The potentials (f `[n]`, g `[m]`), read back after the stream's work (synchronises).
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn potentials(&self, gpu: &Gpu) -> Result<(Vec<f64>, Vec<f64>), GpuError> {
+        let f = gpu.stream.clone_dtoh(&self.on_x.pot)?;
+        let g = gpu.stream.clone_dtoh(&self.on_y.pot)?;
+        gpu.stream.synchronize()?;
+        Ok((f, g))
+    }
+
+    /// Device bytes the iteration holds: both clouds twice, and per point 8 + 8 + 4 + 4.
+    pub fn device_bytes(&self) -> u64 {
+        let (n, m, d) = (
+            self.on_x.case.n as u64,
+            self.on_y.case.n as u64,
+            self.on_x.case.dim as u64,
+        );
+        2 * 4 * d * (n + m) + 24 * (n + m)
+    }
+}
+
 /// Computes case `c` on `inp` with `s` on the device: uploads the inputs, fills the output
 /// with NaN (so an element the kernel never writes shows), launches once, waits and
 /// downloads. The output is laid out as [`KernelSumCase::output_len`] (float32), like

@@ -770,6 +770,41 @@ impl<'g> SinkhornIterations<'g> {
     }
 }
 
+/// [`SinkhornIterations`] held on a CUDA device ([`cuda::DeviceSinkhorn`]): the clouds checked
+/// and centred as [`SinkhornIterations::new`] does, uploaded with their log-weights, and f⁰
+/// computed on the stream; each [`cuda::DeviceSinkhorn::step`] is then four launches with no
+/// host copy (a CUDA graph can capture it), and [`cuda::DeviceSinkhorn::potentials`] reads f
+/// and g back.
+///
+/// # Errors
+/// As [`SinkhornIterations::new`] for the clouds and ε; [`SinkhornError::Device`] for compile
+/// and driver errors.
+pub fn device_iterations(
+    gpu: &crate::gpu::Gpu,
+    x: Cloud,
+    y: Cloud,
+    dim: usize,
+    epsilon: f64,
+) -> Result<cuda::DeviceSinkhorn, SinkhornError> {
+    if dim == 0 {
+        return Err(SinkhornError::ZeroDim);
+    }
+    check_cloud(&x, "x", dim)?;
+    check_cloud(&y, "y", dim)?;
+    check_params(&Params::new(epsilon))?;
+    let (centre, _) = centre_and_extent(&[&x, &y], dim);
+    let (xp, yp) = (prepare(&x, dim, &centre), prepare(&y, dim, &centre));
+    Ok(cuda::DeviceSinkhorn::new(
+        gpu,
+        &xp.centred,
+        &yp.centred,
+        dim,
+        &xp.log_weights,
+        &yp.log_weights,
+        epsilon,
+    )?)
+}
+
 /// The float64 definition of [`SinkhornIterations`] after its first step, at `rows` of x: f¹
 /// from g¹ from f⁰ (f⁰ the soft-min of g = 0), every soft-min a float64 log-sum-exp over all
 /// points (2·n·m pair evaluations, then |rows|·m). Clouds and ε as [`SinkhornIterations::new`],

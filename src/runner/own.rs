@@ -41,6 +41,12 @@ pub trait Launcher {
     fn residual_bytes(&self) -> Option<u64>;
     /// Bytes of library workspace allocated once and held across calls (cuBLAS).
     fn workspace_bytes(&self) -> u64;
+    /// Whether a call can be captured in a CUDA graph: false for a call that waits on the
+    /// host between its launches (a solver that tests convergence), which is then timed
+    /// eagerly between events. True by default.
+    fn capturable(&self) -> bool {
+        true
+    }
 }
 
 /// Replays a captured graph of the case's calls between two events.
@@ -288,15 +294,22 @@ fn measure_inner<L: Launcher>(
     let eager = m;
     let calls = harness::graph_calls(eager.inner, n_sets);
     let mut next = 0usize;
-    let captured = gpu.capture(|| {
-        for _ in 0..calls {
-            let s = &sets[next % sets.len()];
-            next += 1;
-            launcher.launch(&gpu, s, &mut outs)?;
-        }
-        Ok(())
-    });
     let mut notes = Vec::new();
+    if !launcher.capturable() {
+        notes.push("a call waits on the host between its launches, so it is timed eagerly between events, not replayed from a CUDA graph".to_string());
+    }
+    let captured = if !launcher.capturable() {
+        Ok(None)
+    } else {
+        gpu.capture(|| {
+            for _ in 0..calls {
+                let s = &sets[next % sets.len()];
+                next += 1;
+                launcher.launch(&gpu, s, &mut outs)?;
+            }
+            Ok(())
+        })
+    };
     let graph = match captured {
         Ok(Some(graph)) => {
             let mut timer = ReplayTimer { gpu: &gpu, graph };
@@ -314,6 +327,7 @@ fn measure_inner<L: Launcher>(
                 }
             }
         }
+        Ok(None) if !launcher.capturable() => None,
         Ok(None) => {
             notes.push("CUDA graph capture recorded nothing: timed eagerly".to_string());
             None

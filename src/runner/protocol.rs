@@ -152,7 +152,7 @@ pub fn dtype_bytes(dtype: &str) -> u64 {
 }
 
 /// Element `i` of `words` (a tensor's little-endian bytes as 16-bit words, as
-/// [`read_u16`] returns them) in `dtype` (`bf16`, `fp16`, `fp32`), as float64.
+/// [`read_u16`] returns them) in `dtype` (`bf16`, `fp16`, `fp32`, `fp64`), as float64.
 ///
 /// # Panics
 /// For another dtype name.
@@ -163,6 +163,9 @@ pub fn decode(dtype: &str, words: &[u16], i: usize) -> f64 {
         "fp32" | "f32" => {
             f32::from_bits(words[2 * i] as u32 | (words[2 * i + 1] as u32) << 16) as f64
         }
+        "fp64" | "f64" => f64::from_bits(
+            (0..4).fold(0u64, |bits, k| bits | (words[4 * i + k] as u64) << (16 * k)),
+        ),
         other => panic!("decode: unknown dtype `{other}`"),
     }
 }
@@ -456,6 +459,16 @@ mod tests {
         assert_eq!(decode("bf16", &w, 0), 1.5);
         assert_eq!(decode("fp16", &w, 1), 1.5);
         assert_eq!(decode("fp32", &w, 1), 1.5);
+        // float64 as four little-endian words: element 1 of [π, −1/3].
+        let words: Vec<u16> = [std::f64::consts::PI, -1.0 / 3.0]
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect::<Vec<u8>>()
+            .chunks(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        assert_eq!(decode("fp64", &words, 1), -1.0 / 3.0);
+        assert_eq!(decode("fp64", &words, 0), std::f64::consts::PI);
     }
 
     #[test]
