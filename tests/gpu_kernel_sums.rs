@@ -263,6 +263,26 @@ fn log_sum_exp_skips_minus_infinity() {
             "D{dim}: {out:?}"
         );
     }
+    // The split log-sum-exp (few rows, many points): a first part of only −∞ weights, and
+    // every weight −∞ (each part's maximum −∞, merged to −∞, not NaN).
+    let c = KernelSumCase::new(Op::KernelLse, 150, 900, 3);
+    let plan = cuda::entry_point(&c).unwrap();
+    assert!(plan.splits > 1 && plan.split_len <= 400, "{plan:?}");
+    let mut inp = Inputs::random(&c, 7);
+    inp.w[..400].fill(f32::NEG_INFINITY);
+    let s = Scale::of(&c, &inp);
+    let e = error(&c, &inp, s).unwrap_or_else(|e| panic!("split: {e}"));
+    assert!(e <= 1e-5, "split: error {e:.2e}");
+    let c = KernelSumCase::new(Op::KernelLse, 20, 600, 3);
+    assert!(cuda::entry_point(&c).unwrap().splits > 1);
+    let mut inp = Inputs::random(&c, 8);
+    inp.w.fill(f32::NEG_INFINITY);
+    let s = Scale::of(&c, &inp);
+    let out = cuda::compute(gpu(), &c, &inp, s).unwrap();
+    assert!(
+        out.iter().all(|&v| v == f32::NEG_INFINITY),
+        "split: {out:?}"
+    );
 }
 
 /// A runner launched twice into the same output gives the same values: nothing accumulates
@@ -288,7 +308,7 @@ fn repeated_launches_overwrite_the_output() {
     ] {
         let inp = Inputs::random(&c, 9);
         let s = Scale::of(&c, &inp);
-        let runner = cuda::Runner::new(gpu, &c).unwrap();
+        let mut runner = cuda::Runner::new(gpu, &c).unwrap();
         let dev = cuda::upload(gpu, &c, &inp).unwrap();
         let mut out = gpu
             .stream

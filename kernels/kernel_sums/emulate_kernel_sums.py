@@ -46,27 +46,42 @@ def ex2(x):
 
 
 class Consts:
-    def __init__(self, threads, chunk, dn_tile, dn_kd):
+    def __init__(self, threads, chunk, dn_tile, dn_kd, split_target):
         assert threads % chunk == 0 and dn_kd % 4 == 0
         self.T = threads  # KS_THREADS == KS_TILE
         self.CHUNK = chunk  # KS_CHUNK
         self.DT = dn_tile  # KS_DN_TILE
         self.KD = dn_kd  # KS_DN_KD
+        self.SPLIT_TARGET = split_target  # cuda.rs SPLIT_TARGET_BLOCKS
+        self.SPLIT_MIN = 2 * threads  # cuda.rs SPLIT_MIN_POINTS: two tiles
 
 
-REAL = Consts(128, 16, 32, 16)
-SMALL = Consts(8, 4, 3, 8)
+REAL = Consts(128, 16, 32, 16, 1024)
+SMALL = Consts(8, 4, 3, 8, 8)
 
 
-# ---- the host's plan (cuda.rs: entry_point) ----
-def plan(op, n, dim, cols, K):
+# ---- the host's plan (cuda.rs: entry_point, lse_splits) ----
+def splits(K, row_blocks, m):
+    want = -(-K.SPLIT_TARGET // max(row_blocks, 1))
+    most = max(m // K.SPLIT_MIN, 1)
+    parts = min(want, most)
+    if parts <= 1:
+        return 1, m
+    length = -(-(-(-m // parts)) // K.T) * K.T
+    return -(-m // length), length
+
+
+def plan(op, n, dim, cols, K, grad=False, m=0):
+    """(small, column tile, rows per thread, grid, (splits, split_len))."""
     small = dim in (1, 2, 3)
     ct = 1
     if op == "rbf_mv":
         ct = next((t for t in (1, 4, 16, 64) if t >= cols), 64)
     rows_per_thread = 2 if small and ct < 64 else 1
     rows_per_block = K.T * rows_per_thread
-    return small, ct, rows_per_thread, (-(-n // rows_per_block), -(-cols // ct))
+    blocks = -(-n // rows_per_block)
+    split = splits(K, blocks, m) if small and op == "kernel_lse" and not grad else (1, m)
+    return small, ct, rows_per_thread, (blocks, max(-(-cols // ct), split[0])), split
 
 
 # ---- small D: rbf_small<D, CT, R, KDE> ----
@@ -143,15 +158,22 @@ def rbf_small(K, D, CT, R, KDE, X, Y, B, out, N, M, C, k, out_scale, grid):
 
 
 # ---- small D: lse_small<D, R, GRAD> ----
-def lse_small(K, D, R, GRAD, X, Y, G, out, N, M, k, two_over_eps, grid):
+def lse_small(K, D, R, GRAD, X, Y, G, out, N, M, k, two_over_eps, grid, part=None,
+              split_len=0):
+    """lse_small<D, R, GRAD, SPLIT>; SPLIT when `part` (the float2 partials as pairs) is
+    given: block (bx, by) reduces points [by * split_len, min(M, ...)) into part[by * N + i]."""
     T, CH = K.T, K.CHUNK
     s = math.sqrt(k)
-    for bx in range(grid[0]):
+    for bx, by in [(bx, by) for bx in range(grid[0]) for by in range(grid[1])]:
+        jb = by * split_len if part is not None else 0
+        je = min(jb + split_len, M) if part is not None else M
+        if part is None and by > 0:
+            continue
         ys = [(NAN,) * 4] * T
         x, mx, sm, acc, nxt = {}, {}, {}, {}, {}
 
         def fetch(j):
-            if j >= M:
+            if j >= je:
                 return (0.0, 0.0, 0.0, NEG)
             return ks_point(Y, D, j, s, G[j] * LOG2E)
 
@@ -162,9 +184,9 @@ def lse_small(K, D, R, GRAD, X, Y, G, out, N, M, k, two_over_eps, grid):
                 acc[t, r] = [0.0] * D
                 mx[t, r] = NEG
                 sm[t, r] = 0.0
-            nxt[t] = fetch(t)
-        j0 = 0
-        while j0 < M:
+            nxt[t] = fetch(jb + t)
+        j0 = jb
+        while j0 < je:
             for t in range(T):
                 ys[t] = nxt[t]
             for t in range(T):
@@ -190,13 +212,29 @@ def lse_small(K, D, R, GRAD, X, Y, G, out, N, M, k, two_over_eps, grid):
         for t in range(T):
             for r in range(R):
                 i = bx * (T * R) + t + r * T
-                if i < N:
+                if part is not None:
+                    if i < N:
+                        part[by * N + i] = (mx[t, r], sm[t, r])
+                elif i < N:
                     lg = math.log2(sm[t, r]) if sm[t, r] > 0 else NEG
                     out[i] = (mx[t, r] + lg) * LN2
                     if GRAD:
                         inv = 1.0 / (sm[t, r] * s)
                         for a in range(D):
                             out[N + i * D + a] = two_over_eps * (acc[t, r][a] * inv)
+
+
+def lse_combine(K, part, out, N, splits):
+    """kernel_lse_combine: one thread per row, grid ceil(N / T)."""
+    for b in range(-(-N // K.T)):
+        for t in range(K.T):
+            i = b * K.T + t
+            if i >= N:
+                continue
+            m = max(part[q * N + i][0] for q in range(splits))
+            ref = 0.0 if m == NEG else m
+            tot = sum(part[q * N + i][1] * ex2(part[q * N + i][0] - ref) for q in range(splits))
+            out[i] = (m + (math.log2(tot) if tot > 0 else NEG)) * LN2
 
 
 # ---- any D: ks_stage, ks_tile_sq, rbf_dn<CT, KDE>, lse_dn<GRAD> ----
@@ -322,7 +360,7 @@ def lse_dn(K, GRAD, X, Y, G, out, N, M, D, k, two_over_eps, grid):
 
 # ---- one case, as cuda.rs launches it ----
 def run(K, op, grad, X, Y, W, n, m, dim, cols, sigma, eps):
-    small, ct, R, grid = plan(op, n, dim, cols, K)
+    small, ct, R, grid, (nsplit, split_len) = plan(op, n, dim, cols, K, grad, m)
     out_len = n * cols if op == "rbf_mv" else n + (n * dim if grad else 0)
     out = Global("out", [NAN] * out_len)
     Xg, Yg = Global("X", X), Global("Y", Y)
@@ -338,7 +376,12 @@ def run(K, op, grad, X, Y, W, n, m, dim, cols, sigma, eps):
             rbf_dn(K, ct, kde, Xg, Yg, Wg, out, n, m, dim, C, k, norm, grid)
     else:
         k = LOG2E / eps
-        if small:
+        if small and nsplit > 1:
+            part = Global("part", [(NAN, NAN)] * (nsplit * n))
+            lse_small(K, dim, R, grad, Xg, Yg, Wg, None, n, m, k, 2 / eps, grid, part,
+                      split_len)
+            lse_combine(K, part, out, n, nsplit)
+        elif small:
             lse_small(K, dim, R, grad, Xg, Yg, Wg, out, n, m, k, 2 / eps, grid)
         else:
             lse_dn(K, grad, Xg, Yg, Wg, out, n, m, dim, k, 2 / eps, grid)
@@ -443,12 +486,31 @@ def main():
     for dim in (3, 12):
         oks.append(case(SMALL, "kernel_lse", 13, 29, dim, grad=True, seed=8, g_fill=spread))
 
+    # Split over Y (few row blocks, many points): the last split short, a whole split of
+    # -inf weights, and a spread that moves each split's maximum differently.
+    for n, m in [(9, 70), (33, 50), (3, 161)]:
+        assert plan("kernel_lse", n, 3, 1, SMALL, False, m)[4][0] > 1, (n, m)
+        for dim in (1, 2, 3):
+            oks.append(case(SMALL, "kernel_lse", n, m, dim, seed=n + m + dim))
+
+    def first_half_excluded(W):
+        for j in range(len(W) // 2):
+            W[j] = NEG
+
+    oks.append(case(SMALL, "kernel_lse", 9, 70, 3, seed=21, g_fill=first_half_excluded))
+    oks.append(case(SMALL, "kernel_lse", 9, 70, 3, seed=22, g_fill=spread))
+    oks.append(case(SMALL, "kernel_lse", 9, 70, 3, seed=23, g_fill=lambda W: W.__setitem__(
+        slice(None), [NEG] * len(W))))
+
     # The kernel's own constants, one case per template, sizes off every block.
     oks.append(case(REAL, "rbf_mv", 300, 130, 3, 1, seed=11))
     oks.append(case(REAL, "rbf_mv", 130, 129, 2, 3, seed=12))
     oks.append(case(REAL, "rbf_mv", 129, 40, 1, 64, seed=13))
     oks.append(case(REAL, "kde", 257, 131, 3, seed=14))
     oks.append(case(REAL, "kernel_lse", 257, 150, 3, grad=True, seed=15))
+    # The split path with the kernel's constants: 2 row blocks, 1000 points in 3 splits.
+    assert plan("kernel_lse", 257, 3, 1, REAL, False, 1000)[4] == (3, 384)
+    oks.append(case(REAL, "kernel_lse", 257, 1000, 3, seed=19))
     oks.append(case(REAL, "kernel_lse", 140, 70, 17, grad=True, seed=16))
     oks.append(case(REAL, "rbf_mv", 129, 33, 17, 5, seed=17))
     oks.append(case(REAL, "kde", 130, 40, 16, seed=18))

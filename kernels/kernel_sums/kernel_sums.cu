@@ -20,6 +20,9 @@
 //                 long long N, long long M, int D, float k, float norm)
 //   kernel_lse*_ (const float* X, const float* Y, const float* G, float* out,
 //                 long long N, long long M, int D, float k, float two_over_eps)
+//   kernel_lse_split_d* (X, Y, G, float2* part, N, M, D, k, two_over_eps,
+//                 long long split_len), then kernel_lse_combine (const float2* part,
+//                 float* out, long long N, int splits)
 // with k = log2(e) / (2 sigma^2) for rbf_mv and kde, k = log2(e) / eps for kernel_lse: every
 // exponent is computed in base 2 and exponentiated with ex2.approx.ftz.f32: one MUFU.EX2. CUDA's
 // exp2f is the same instruction plus a fix-up for results below 2^-126 (NVRTC 13's SASS), and
@@ -29,8 +32,8 @@
 // kernels take any D >= 1.
 //
 // Launch (src/kernel_sums/cuda.rs): KS_THREADS threads per block; grid.x = ceil(N / rows per
-// block), grid.y = ceil(C / CT) column tiles for rbf_mv (1 otherwise); no dynamic shared
-// memory. Rows per block: KS_THREADS * R for the small-D kernels (R rows per thread,
+// block), grid.y = ceil(C / CT) column tiles for rbf_mv, the number of splits of Y for
+// kernel_lse_split_d* (1 otherwise); no dynamic shared memory. Rows per block: KS_THREADS * R for the small-D kernels (R rows per thread,
 // rows t, t + KS_THREADS, ... of the block so stores stay coalesced), KS_THREADS for _dn.
 // Offsets into X, Y, B and out are 64-bit (N*D and N*C may pass 2^31); any N, M >= 1 works:
 // Y tiles past M are padded with points that contribute exactly 0 (weight 0, or g = -inf), rows
@@ -220,14 +223,24 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
 // rescales its sums (and its sum of p * (y - x)) once if the maximum grew, then accumulates
 // 2^(e - max): D FADD + D FFMA, one FMNMX, one FADD, one MUFU.EX2 and one FADD per pair (+ D
 // FADD + D FFMA for the gradient), and adds the chunk's sums to the totals compensated.
-template <int D, int R, bool GRAD>
+//
+// SPLIT (without the gradient): the block reduces only points [jb, je) of Y, jb = blockIdx.y *
+// split_len, and writes each row's partial (running maximum, sum) as a float2 to
+// part[blockIdx.y * N + i], in the base-2 units of the loop; kernel_lse_combine merges the
+// grid.y partials of a row into out[i]. This fills the SMs when N alone gives few blocks (a
+// Sinkhorn iteration at N = 10^4: 40 blocks of 256 rows on 132 SMs).
+template <int D, int R, bool GRAD, bool SPLIT>
 __device__ __forceinline__ void lse_small(const float* __restrict__ X, const float* __restrict__ Y,
                                           const float* __restrict__ G, float* __restrict__ out,
-                                          long long N, long long M, float k, float two_over_eps) {
+                                          long long N, long long M, float k, float two_over_eps,
+                                          float2* __restrict__ part, long long split_len) {
     __shared__ float4 ys[KS_TILE];
     const int t = threadIdx.x;
     const float s = sqrtf(k);
     const long long row0 = (long long)blockIdx.x * (KS_THREADS * R) + t;
+    // This block's points of Y: [jb, je).
+    const long long jb = SPLIT ? (long long)blockIdx.y * split_len : 0;
+    const long long je = SPLIT ? (jb + split_len < M ? jb + split_len : M) : M;
 
     // Each chunk's terms are summed apart, then added to the row's totals compensated
     // (sum_c, acc_c; ks_kahan_add). The gradient accumulates p (y - x), centred on the row's
@@ -249,17 +262,17 @@ __device__ __forceinline__ void lse_small(const float* __restrict__ X, const flo
         sum_c[r] = 0.f;
     }
 
-    long long j = t;
+    long long j = jb + t;
     float4 next = make_float4(0.f, 0.f, 0.f, KS_NEG_INF);
-    if (j < M) next = ks_point<D>(Y, j, s, G[j] * KS_LOG2E);
+    if (j < je) next = ks_point<D>(Y, j, s, G[j] * KS_LOG2E);
 
-    for (long long j0 = 0; j0 < M; j0 += KS_TILE) {
+    for (long long j0 = jb; j0 < je; j0 += KS_TILE) {
         __syncthreads();
         ys[t] = next;
         __syncthreads();
         j = j0 + KS_TILE + t;
         next = make_float4(0.f, 0.f, 0.f, KS_NEG_INF);
-        if (j < M) next = ks_point<D>(Y, j, s, G[j] * KS_LOG2E);
+        if (j < je) next = ks_point<D>(Y, j, s, G[j] * KS_LOG2E);
 
 #pragma unroll 1
         for (int jc = 0; jc < KS_TILE; jc += KS_CHUNK) {
@@ -317,7 +330,9 @@ __device__ __forceinline__ void lse_small(const float* __restrict__ X, const flo
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const long long i = row0 + (long long)r * KS_THREADS;
-        if (i < N) {
+        if (SPLIT) {
+            if (i < N) part[(long long)blockIdx.y * N + i] = make_float2(mx[r], sum[r]);
+        } else if (i < N) {
             out[i] = (mx[r] + log2f(sum[r])) * KS_LN2;
             if (GRAD) {
                 // acc holds sum_j p (y_j - x) * s: undo the scaling with the normalisation.
@@ -576,13 +591,21 @@ __device__ __forceinline__ void lse_dn(const float* __restrict__ X, const float*
     extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
         kernel_lse_d##D(const float* X, const float* Y, const float* G, float* out,           \
                         long long N, long long M, int Dn, float k, float two_over_eps) {       \
-        lse_small<D, 2, false>(X, Y, G, out, N, M, k, two_over_eps);                           \
+        lse_small<D, 2, false, false>(X, Y, G, out, N, M, k, two_over_eps, nullptr, 0);        \
+    }
+#define KS_LSE_SPLIT_SMALL(D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
+        kernel_lse_split_d##D(const float* X, const float* Y, const float* G, float2* part,   \
+                              long long N, long long M, int Dn, float k, float two_over_eps,   \
+                              long long split_len) {                                          \
+        lse_small<D, 2, false, true>(X, Y, G, nullptr, N, M, k, two_over_eps, part,           \
+                                     split_len);                                              \
     }
 #define KS_LSE_GRAD_SMALL(D)                                                                   \
     extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
         kernel_lse_grad_d##D(const float* X, const float* Y, const float* G, float* out,      \
                              long long N, long long M, int Dn, float k, float two_over_eps) {  \
-        lse_small<D, 2, true>(X, Y, G, out, N, M, k, two_over_eps);                            \
+        lse_small<D, 2, true, false>(X, Y, G, out, N, M, k, two_over_eps, nullptr, 0);         \
     }
 #define KS_RBF_DN(CT)                                                                          \
     extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
@@ -653,6 +676,39 @@ KS_LSE_SMALL(3)
 #endif
 #if KS_ALL || defined(KS_ENTRY_kernel_lse_grad_d3)
 KS_LSE_GRAD_SMALL(3)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_split_d1)
+KS_LSE_SPLIT_SMALL(1)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_split_d2)
+KS_LSE_SPLIT_SMALL(2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_split_d3)
+KS_LSE_SPLIT_SMALL(3)
+#endif
+// Merges the `splits` partials (maximum m_k, sum s_k; base 2) of each row that
+// kernel_lse_split_d* wrote: out[i] = (m + log2(sum_k s_k 2^(m_k - m))) ln 2 with m = max_k m_k,
+// and -inf when every m_k is (as the unsplit kernel gives). One thread per row; grid.x =
+// ceil(N / KS_THREADS). Compiled with each split entry point (the host launches the pair).
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_split_d1) || defined(KS_ENTRY_kernel_lse_split_d2) || \
+    defined(KS_ENTRY_kernel_lse_split_d3)
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    kernel_lse_combine(const float2* __restrict__ part, float* __restrict__ out, long long N,
+                       int splits) {
+    const long long i = (long long)blockIdx.x * KS_THREADS + threadIdx.x;
+    if (i >= N) return;
+    float m = KS_NEG_INF;
+    for (int q = 0; q < splits; ++q) m = fmaxf(m, part[(long long)q * N + i].x);
+    // As in the main loop: a row with no finite term adds 2^(-inf - 0) = 0 and ends at
+    // -inf + log2(0) = -inf; a NaN sum stays NaN. The parts are added compensated.
+    const float ref = m == KS_NEG_INF ? 0.f : m;
+    float sum = 0.f, sum_c = 0.f;
+    for (int q = 0; q < splits; ++q) {
+        const float2 p = part[(long long)q * N + i];
+        ks_kahan_add(sum, sum_c, p.y * ks_ex2(p.x - ref));
+    }
+    out[i] = (m + log2f(sum)) * KS_LN2;
+}
 #endif
 #if KS_ALL || defined(KS_ENTRY_rbf_mv_dn_c1)
 KS_RBF_DN(1)

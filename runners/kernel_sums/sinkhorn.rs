@@ -422,10 +422,14 @@ impl own::Launcher for GpuLaunch {
     fn temporary_bytes(&self) -> u64 {
         match &self.work {
             GpuWork::Iteration(it) => it.device_bytes(),
-            // Two log-sum-exp sessions: both clouds twice, weights and sums per point.
+            // Two log-sum-exp sessions: both clouds twice, weights and sums per point, and
+            // each split log-sum-exp's partials (2 floats per row and split).
             GpuWork::Solve { .. } => {
                 let (n, d) = (self.case.n as u64, self.case.dim as u64);
-                2 * (2 * 4 * d * n + 8 * n)
+                let kc = KernelSumCase::new(Op::KernelLse, self.case.n, self.case.n, self.case.dim);
+                let splits =
+                    kernelpages::kernel_sums::cuda::entry_point(&kc).map_or(1, |p| p.splits as u64);
+                2 * (2 * 4 * d * n + 8 * n + 8 * splits * n)
             }
         }
     }
@@ -441,7 +445,7 @@ impl own::Launcher for GpuLaunch {
 }
 
 /// The case process of a Sinkhorn case on a CUDA device (`online`): an iteration held on the
-/// device ([`device_iterations`]: four launches a step, timed from a CUDA graph), or a solve
+/// device ([`device_iterations`]: four or six launches a step, timed from a CUDA graph), or a solve
 /// ([`sinkhorn_on`] on the device: its kernel sums there, the potentials, the convergence test
 /// and the float64 evaluation on the host, timed eagerly).
 pub fn measure_gpu(job: &Job, c: SinkhornCase) -> Reply {

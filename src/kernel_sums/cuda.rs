@@ -54,6 +54,10 @@ pub fn entry_points() -> Vec<String> {
         v.push(format!("kernel_lse_d{d}"));
         v.push(format!("kernel_lse_grad_d{d}"));
     }
+    for d in SMALL_DIMS {
+        v.push(format!("kernel_lse_split_d{d}"));
+    }
+    v.push(COMBINE.to_string());
     for ct in COLUMN_TILES {
         v.push(format!("rbf_mv_dn_c{ct}"));
     }
@@ -72,8 +76,43 @@ pub struct Plan {
     pub rows_per_block: usize,
     /// Columns of `b` per thread (1 for `kde` and `kernel_lse`).
     pub column_tile: usize,
-    /// Grid: (⌈N / rows_per_block⌉, ⌈C / column_tile⌉, 1); blocks of [`THREADS`].
+    /// Grid: (⌈N / rows_per_block⌉, ⌈C / column_tile⌉ or [`Plan::splits`], 1); blocks of
+    /// [`THREADS`].
     pub grid: (u32, u32, u32),
+    /// Parts Y is split into (`kernel_lse_split_d*`, then [`COMBINE`]); 1 for every other
+    /// entry point.
+    pub splits: usize,
+    /// Points of Y per split (a multiple of the tile, [`TILE`]); M when there is one.
+    pub split_len: usize,
+}
+
+/// The entry point that merges the split log-sum-exp's partials.
+pub const COMBINE: &str = "kernel_lse_combine";
+
+/// Y points per shared-memory tile of the small-dimension kernels (`KS_TILE`).
+pub const TILE: usize = 128;
+
+/// Blocks the split log-sum-exp aims for (about eight per SM of an H100 or H200) before it
+/// stops splitting Y.
+pub const SPLIT_TARGET_BLOCKS: usize = 1024;
+
+/// Fewest points of Y a split takes (two tiles).
+pub const SPLIT_MIN_POINTS: usize = 2 * TILE;
+
+/// How many parts the log-sum-exp (dim ≤ 3, no gradient) of `n` rows over `m` points splits Y
+/// into, and the points per part: none (1, m) when the row blocks alone reach
+/// [`SPLIT_TARGET_BLOCKS`]; else enough parts to reach it, each (but the last, which takes
+/// what remains) at least [`SPLIT_MIN_POINTS`] long and a whole number of tiles. The same rule as
+/// `kernels/kernel_sums/emulate_kernel_sums.py`'s `splits`.
+pub fn lse_splits(row_blocks: usize, m: usize) -> (usize, usize) {
+    let want = SPLIT_TARGET_BLOCKS.div_ceil(row_blocks.max(1));
+    let most = (m / SPLIT_MIN_POINTS).max(1);
+    let parts = want.min(most);
+    if parts <= 1 {
+        return (1, m);
+    }
+    let len = m.div_ceil(parts).div_ceil(TILE) * TILE;
+    (m.div_ceil(len), len)
 }
 
 /// The entry point and launch geometry of case `c`.
@@ -103,16 +142,22 @@ pub fn entry_point(c: &KernelSumCase) -> Result<Plan, GpuError> {
             .unwrap_or(64),
         Op::Kde | Op::KernelLse => 1,
     };
-    let entry = match (c.op, c.grad) {
-        (Op::RbfMv, _) => format!("rbf_mv_{dim}_c{column_tile}"),
-        (Op::Kde, _) => format!("kde_{dim}"),
-        (Op::KernelLse, false) => format!("kernel_lse_{dim}"),
-        (Op::KernelLse, true) => format!("kernel_lse_grad_{dim}"),
-    };
     let rows_per_thread = if small && column_tile < 64 { 2 } else { 1 };
     let rows_per_block = THREADS as usize * rows_per_thread;
     let blocks = c.n.div_ceil(rows_per_block);
-    let tiles = c.cols.div_ceil(column_tile);
+    let (splits, split_len) = if small && c.op == Op::KernelLse && !c.grad {
+        lse_splits(blocks, c.m)
+    } else {
+        (1, c.m)
+    };
+    let entry = match (c.op, c.grad) {
+        (Op::RbfMv, _) => format!("rbf_mv_{dim}_c{column_tile}"),
+        (Op::Kde, _) => format!("kde_{dim}"),
+        (Op::KernelLse, false) if splits > 1 => format!("kernel_lse_split_{dim}"),
+        (Op::KernelLse, false) => format!("kernel_lse_{dim}"),
+        (Op::KernelLse, true) => format!("kernel_lse_grad_{dim}"),
+    };
+    let tiles = c.cols.div_ceil(column_tile).max(splits);
     if blocks > i32::MAX as usize || tiles > 65_535 {
         return Err(GpuError::Config(format!(
             "grid of {blocks} × {tiles} blocks is past CUDA's limits (2³¹ − 1 × 65,535)"
@@ -123,6 +168,8 @@ pub fn entry_point(c: &KernelSumCase) -> Result<Plan, GpuError> {
         rows_per_block,
         column_tile,
         grid: (blocks as u32, tiles as u32, 1),
+        splits,
+        split_len,
     })
 }
 
@@ -203,11 +250,14 @@ pub fn scalars(c: &KernelSumCase, s: Scale) -> Result<(f32, f32), GpuError> {
     Ok((k, second))
 }
 
-/// One case's compiled entry point and launch geometry. Allocates nothing: the caller owns the
-/// inputs ([`upload`]) and the output.
+/// One case's compiled entry point and launch geometry. The caller owns the inputs
+/// ([`upload`]) and the output; a split log-sum-exp ([`Plan::splits`] > 1) also holds its
+/// partials (2·splits·N floats) and the [`COMBINE`] entry point.
 pub struct Runner {
     func: CudaFunction,
     plan: Plan,
+    /// The merge of a split log-sum-exp and its partials (`float2` per row and split).
+    combine: Option<(CudaFunction, CudaSlice<f32>)>,
     /// NVRTC compile and module load time of the entry point, s (0 when this process had
     /// compiled it already).
     pub compile_s: f64,
@@ -226,11 +276,23 @@ impl Runner {
             &entry_source(&plan.entry),
         )?;
         let func = gpu.function(&compiled.module, &plan.entry, 0)?;
+        let combine = if plan.splits > 1 {
+            let part = gpu.stream.alloc_zeros::<f32>(2 * plan.splits * c.n)?;
+            Some((gpu.function(&compiled.module, COMBINE, 0)?, part))
+        } else {
+            None
+        };
         Ok(Runner {
             func,
             plan,
+            combine,
             compile_s: compiled.compile_s,
         })
+    }
+
+    /// Device bytes the runner holds: a split log-sum-exp's partials.
+    pub fn workspace_bytes(&self) -> u64 {
+        self.combine.as_ref().map_or(0, |(_, p)| 4 * p.len() as u64)
     }
 
     /// The launch geometry.
@@ -246,7 +308,7 @@ impl Runner {
     /// [`GpuError::Config`] for buffers of the wrong length, a case other than the runner's
     /// entry point, or a bad σ or ε ([`scalars`]); driver errors from the launch.
     pub fn launch(
-        &self,
+        &mut self,
         gpu: &Gpu,
         c: &KernelSumCase,
         s: Scale,
@@ -279,6 +341,19 @@ impl Runner {
                 out.len()
             )));
         }
+        if let Some((_, part)) = &self.combine {
+            // The partials were sized for the case `new` was given; another N with the same
+            // plan (same row blocks) must not write past them.
+            if part.len() < 2 * self.plan.splits * c.n {
+                return Err(GpuError::Config(format!(
+                    "the runner's partials hold {} floats, {} rows × {} splits need {}",
+                    part.len(),
+                    c.n,
+                    self.plan.splits,
+                    2 * self.plan.splits * c.n
+                )));
+            }
+        }
         let (k, second) = scalars(c, s)?;
         let (n, m) = (c.n as i64, c.m as i64);
         let (d, cols) = (c.dim as i32, c.cols as i32);
@@ -287,12 +362,18 @@ impl Runner {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
+        let split_len = self.plan.split_len as i64;
+        let split = self.combine.is_some();
         let mut b = gpu.stream.launch_builder(&self.func);
         b.arg(&inp.x).arg(&inp.y);
         if let Some(w) = &inp.w {
             b.arg(w);
         }
-        b.arg(&mut *out).arg(&n).arg(&m).arg(&d);
+        match &mut self.combine {
+            Some((_, part)) => b.arg(part),
+            None => b.arg(&mut *out),
+        };
+        b.arg(&n).arg(&m).arg(&d);
         match c.op {
             Op::RbfMv => {
                 b.arg(&cols).arg(&k);
@@ -301,14 +382,35 @@ impl Runner {
                 b.arg(&k).arg(&second);
             }
         }
+        if split {
+            b.arg(&split_len);
+        }
         // SAFETY: the arguments match the entry point's signature in kernel_sums.cu:
         // rbf_mv_* (const float* X, const float* Y, const float* B, float* out, long long N,
         // long long M, int D, int C, float k); kde_* (X, Y, out, N, M, D, k, norm);
         // kernel_lse* (X, Y, G, out, N, M, D, k, two_over_eps). The lengths were checked
         // above: X holds N·D floats, Y M·D, B M·C, G M, out output_len(); the kernels read and
         // write only inside those (64-bit offsets, guarded rows, points and columns), and the
-        // grid is the plan's, which covers every row and column tile.
+        // grid is the plan's, which covers every row and column tile. A split entry point
+        // (kernel_lse_split_d*: X, Y, G, float2* part, N, M, D, k, two_over_eps,
+        // long long split_len) writes part[q·N + i] for its split q < grid.y = splits, whose
+        // points [q·split_len, min(M, (q+1)·split_len)) lie in Y; the partials hold
+        // 2·splits·N floats (allocated in `new` for this case's N).
         unsafe { b.launch(cfg)? };
+        if let Some((combine, part)) = &self.combine {
+            let splits = self.plan.splits as i32;
+            let cfg = LaunchConfig {
+                grid_dim: (c.n.div_ceil(THREADS as usize) as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = gpu.stream.launch_builder(combine);
+            b.arg(part).arg(&mut *out).arg(&n).arg(&splits);
+            // SAFETY: kernel_lse_combine(const float2* part, float* out, long long N,
+            // int splits): part holds splits·N float2 (written by the launch above, on the
+            // same stream), out N floats (checked above); one thread per row, guarded by N.
+            unsafe { b.launch(cfg)? };
+        }
         Ok(())
     }
 }
@@ -414,14 +516,15 @@ struct HalfStep {
 
 /// Sinkhorn's iteration at one ε held on the device (what the `kernel_sums` runner times per
 /// iteration): the same updates as [`super::sinkhorn::SinkhornIterations`] on the CPU, with
-/// nothing copied through the host, so that a step is four asynchronous launches on
+/// nothing copied through the host, so that a step is a few asynchronous launches on
 /// [`Gpu::stream`] that a CUDA graph can capture.
 ///
 /// A half-step is one kernel log-sum-exp (this cloud against the other, the other's weights
 /// h_j = pot_j/ε + log w_j, ε' = 2ε: the cost is ‖x − z‖²/2) and `sinkhorn_update`, which
 /// writes this cloud's potential pot_i = −ε·lse_i (float64) and its own h_i. [`DeviceSinkhorn::new`]
 /// ends with f⁰ (the x half-step against g = 0); each [`DeviceSinkhorn::step`] updates g from
-/// f, then f from g (Cuturi 2013, in the log domain).
+/// f, then f from g (Cuturi 2013, in the log domain): four launches, six when the
+/// log-sum-exps split Y ([`lse_splits`]).
 ///
 /// Memory on the device: both clouds twice (float32, `[n, dim]` and `[m, dim]`), and per point
 /// its log-weight and potential (float64), h and the log-sum-exp (float32).
@@ -519,9 +622,6 @@ impl DeviceSinkhorn {
             sigma: 1.0,
             epsilon: 2.0 * self.epsilon,
         };
-        this.runner
-            .launch(gpu, &this.case, s, &this.inp, &mut this.lse)?;
-        let n = this.case.n as i64;
         if let Some(c) = &copy {
             if c.len() != 4 * this.case.n {
                 return Err(GpuError::Config(format!(
@@ -531,6 +631,9 @@ impl DeviceSinkhorn {
                 )));
             }
         }
+        this.runner
+            .launch(gpu, &this.case, s, &this.inp, &mut this.lse)?;
+        let n = this.case.n as i64;
         let h = other.inp.w.as_mut().expect("kernel_lse has weights");
         let neg_eps = -self.epsilon;
         let null = 0u64;
@@ -580,14 +683,18 @@ impl DeviceSinkhorn {
         Ok((f, g))
     }
 
-    /// Device bytes the iteration holds: both clouds twice, and per point 8 + 8 + 4 + 4.
+    /// Device bytes the iteration holds: both clouds twice, per point 8 + 8 + 4 + 4, and the
+    /// split log-sum-exps' partials.
     pub fn device_bytes(&self) -> u64 {
         let (n, m, d) = (
             self.on_x.case.n as u64,
             self.on_y.case.n as u64,
             self.on_x.case.dim as u64,
         );
-        2 * 4 * d * (n + m) + 24 * (n + m)
+        2 * 4 * d * (n + m)
+            + 24 * (n + m)
+            + self.on_x.runner.workspace_bytes()
+            + self.on_y.runner.workspace_bytes()
     }
 }
 
@@ -601,7 +708,7 @@ impl DeviceSinkhorn {
 /// [`GpuError::Config`] for an invalid case or inputs of the wrong length; compile and driver
 /// errors (the launch's own errors show at the synchronisation).
 pub fn compute(gpu: &Gpu, c: &KernelSumCase, inp: &Inputs, s: Scale) -> Result<Vec<f32>, GpuError> {
-    let runner = Runner::new(gpu, c)?;
+    let mut runner = Runner::new(gpu, c)?;
     let dev = upload(gpu, c, inp)?;
     let mut out = gpu.stream.clone_htod(&vec![f32::NAN; c.output_len()])?;
     runner.launch(gpu, c, s, &dev, &mut out)?;
@@ -625,11 +732,13 @@ mod tests {
     #[test]
     fn every_case_has_an_entry_point_in_the_source() {
         let names = entry_points();
-        assert_eq!(names.len(), 28);
-        // The launch's block size is the one the kernels are written for.
+        assert_eq!(names.len(), 32);
+        // The launch's block size and tile are the ones the kernels are written for.
         assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_THREADS {THREADS}\n")));
-        for name in &names {
-            // Each entry point has its own selection guard (entry_source relies on it).
+        assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_TILE {TILE}\n")));
+        for name in names.iter().filter(|n| *n != COMBINE) {
+            // Each entry point has its own selection guard (entry_source relies on it); the
+            // combine is compiled with every split entry point.
             assert!(
                 KERNEL_SUMS_SRC.contains(&format!("defined(KS_ENTRY_{name})")),
                 "{name} has no KS_ENTRY guard"
@@ -653,6 +762,52 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn small_row_counts_split_the_log_sum_exp() {
+        // Two row blocks over 1000 points: three splits of three tiles (the emulator's case).
+        assert_eq!(lse_splits(2, 1000), (3, 384));
+        // A Sinkhorn iteration at 10⁴ points: 40 row blocks, 20 splits of 512 points.
+        assert_eq!(lse_splits(40, 10_000), (20, 512));
+        // Enough row blocks, or too few points for two tiles per split: no split.
+        assert_eq!(lse_splits(SPLIT_TARGET_BLOCKS, 1_000_000), (1, 1_000_000));
+        assert_eq!(lse_splits(1, 300), (1, 300));
+        for (n, m) in [(10_000, 10_000), (100_000, 100_000), (1000, 700), (7, 5000)] {
+            let p = entry_point(&KernelSumCase::new(Op::KernelLse, n, m, 3)).unwrap();
+            let (splits, len) = lse_splits(n.div_ceil(256), m);
+            assert_eq!((p.splits, p.split_len), (splits, len), "{n} {m}");
+            assert_eq!(p.grid.1 as usize, splits);
+            assert_eq!(
+                p.entry,
+                if splits > 1 {
+                    "kernel_lse_split_d3"
+                } else {
+                    "kernel_lse_d3"
+                }
+            );
+            // Every point of Y in exactly one split, none empty, whole tiles but the last.
+            assert!(len % TILE == 0 || splits == 1);
+            assert!((splits - 1) * len < m && m <= splits * len, "{n} {m} {p:?}");
+            // The gradient and the generic dimensions never split.
+            let g = KernelSumCase {
+                grad: true,
+                ..KernelSumCase::new(Op::KernelLse, n, m, 3)
+            };
+            assert_eq!(entry_point(&g).unwrap().splits, 1);
+            let dn = KernelSumCase::new(Op::KernelLse, n, m, 16);
+            assert_eq!(entry_point(&dn).unwrap().splits, 1);
+        }
+        let combine_guard = KERNEL_SUMS_SRC
+            .split("kernel_lse_combine(")
+            .next()
+            .unwrap()
+            .rsplit("#if ")
+            .next()
+            .unwrap();
+        for d in SMALL_DIMS {
+            assert!(combine_guard.contains(&format!("defined(KS_ENTRY_kernel_lse_split_d{d})")));
         }
     }
 

@@ -772,9 +772,9 @@ impl<'g> SinkhornIterations<'g> {
 
 /// [`SinkhornIterations`] held on a CUDA device ([`cuda::DeviceSinkhorn`]): the clouds checked
 /// and centred as [`SinkhornIterations::new`] does, uploaded with their log-weights, and f⁰
-/// computed on the stream; each [`cuda::DeviceSinkhorn::step`] is then four launches with no
-/// host copy (a CUDA graph can capture it), and [`cuda::DeviceSinkhorn::potentials`] reads f
-/// and g back.
+/// computed on the stream; each [`cuda::DeviceSinkhorn::step`] is then four launches (six
+/// when the log-sum-exps split Y) with no host copy (a CUDA graph can capture it), and
+/// [`cuda::DeviceSinkhorn::potentials`] reads f and g back.
 ///
 /// # Errors
 /// As [`SinkhornIterations::new`] for the clouds and ε; [`SinkhornError::Device`] for compile
