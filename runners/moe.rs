@@ -20,7 +20,7 @@
 //!
 //! ```text
 //! moe --compare torch --output data/gpu_moe.json
-//! moe --device cpu --output data/cpu_moe.json
+//! moe --device cpu --compare torch --output data/cpu_moe.json
 //! moe --quick --filter experts=64
 //! ```
 
@@ -397,7 +397,7 @@ impl runner::Suite for Moe {
             });
         }
         if implementation == CPU_IMPLEMENTATION {
-            notes.push("float32 results (the GPU rows' are bf16); the operands' bf16 values decoded to float32 when loaded, outside the timed call".into());
+            notes.push("float32 results (PyTorch's and the GPU rows' are bf16, so their error against float64 includes the output's rounding); the operands' bf16 values decoded to float32 when loaded, outside the timed call".into());
         }
         notes
     }

@@ -1,5 +1,6 @@
 """PyTorch's alternatives to the project's MoE grouped GEMM (issue 14), measured by the kernelpages
-protocol (`moe --compare torch`; the GPU only: a job whose `device` is `cpu` is `unsupported`).
+protocol (`moe --compare torch`, on the GPU or with `--device cpu` the CPU: the job's `device`
+says which; the whole layer on the GPU only).
 
 The function, from the runner's `files.arguments` (`rows` M = tokens x top_k, `experts` E,
 `hidden` K, `width` N, `counts`: rows per expert, zeros allowed, `offsets`: their E + 1
@@ -110,9 +111,8 @@ def unsupported_reason(case, implementation, device="gpu"):
     if implementation not in IMPLEMENTATIONS:
         return "unknown implementation %r (known: %s)" % (implementation,
                                                           ", ".join(IMPLEMENTATIONS))
-    if device != "gpu":
-        return ("PyTorch's MoE grouped-GEMM alternatives are measured on the GPU only (device "
-                "%r)" % (device,))
+    if device not in ("gpu", "cpu"):
+        return "unknown device %r (gpu or cpu)" % (device,)
     if case.get("op") not in OPS:
         return "op %r is not measured (%s)" % (case.get("op"), ", ".join(OPS))
     if case.get("pass") not in PASSES:
@@ -183,8 +183,23 @@ def grouped_mm_refusal(args, capability, version=None):
     return None
 
 
+# What torch._grouped_mm runs on the CPU (PyTorch 2.15's profile: aten::_grouped_mm, then one
+# aten::mm per group after reading offs with .item()).
+GROUPED_MM_CPU_NOTE = ("torch._grouped_mm on the CPU: PyTorch's CPU implementation, one aten::mm "
+                       "per expert with offs read on the host")
+
+
+def on_cpu_text(note):
+    """A note written for CUDA, said of the CPU (the same calls, the CPU's GEMMs)."""
+    return (note.replace("cuBLAS strided-batched GEMM (torch.bmm)", "torch.bmm")
+            .replace("cuBLAS GEMMs", "CPU GEMMs").replace("cuBLAS GEMM", "CPU GEMM"))
+
+
 def grouped_mm_note(capability):
-    """Which torch._grouped_mm path runs on a device of `capability` (major, minor)."""
+    """Which torch._grouped_mm path runs on a device of `capability` (major, minor; None for
+    the CPU)."""
+    if capability is None:
+        return GROUPED_MM_CPU_NOTE
     sm = "sm_%d%d" % tuple(capability[:2])
     if capability[0] in GROUPED_MM_MAJORS:
         return ("torch._grouped_mm on %s: PyTorch's CUTLASS grouped GEMM (TMA, warp-specialised), "
@@ -256,7 +271,12 @@ def fits_padded(args, free):
 
 def formulation_notes(implementation, args, capability):
     """The row's notes on what `implementation` computes for `args` on a device of
-    `capability`."""
+    `capability` (None: the CPU, whose GEMMs are PyTorch's CPU ones)."""
+    notes = _formulation_notes(implementation, args, capability)
+    return notes if capability is not None else [on_cpu_text(n) for n in notes]
+
+
+def _formulation_notes(implementation, args, capability):
     if implementation == "torch_grouped_mm":
         notes = [grouped_mm_note(capability)]
     elif implementation == "torch_loop":
@@ -371,7 +391,8 @@ def measure(job):
     finally:
         # After the measurement: the version queries must not load anything before the first
         # call is timed.
-        reply["libraries"] = torch_sdpa.libraries()
+        reply["libraries"] = (torch_sdpa.libraries() if job.get("device", "gpu") == "gpu"
+                              else torch_cpu.libraries())
     return reply
 
 
@@ -381,10 +402,11 @@ def _measure_into(job, reply):
     if implementation in torch_moe_layer.IMPLEMENTATIONS:
         torch_moe_layer.measure_into(job, reply, args)
         return
+    on_gpu = job.get("device", "gpu") == "gpu"
     why = unsupported_reason(args, implementation, job.get("device", "gpu")) or IMPORT_ERROR
-    if why is None and not torch.cuda.is_available():
+    if why is None and on_gpu and not torch.cuda.is_available():
         why = "no CUDA device visible to torch"
-    if why is None and implementation == "torch_grouped_mm":
+    if why is None and on_gpu and implementation == "torch_grouped_mm":
         why = grouped_mm_refusal(args, torch.cuda.get_device_capability(),
                                  str(torch.__version__) if hasattr(torch, "_grouped_mm")
                                  else None)
@@ -392,7 +414,7 @@ def _measure_into(job, reply):
         reply["row"] = protocol.make_row(case, implementation, LIBRARY, "unsupported", why)
         return
     try:
-        fields, window = _measure_gpu(job, args)
+        fields, window = (_measure_gpu if on_gpu else _measure_cpu)(job, args)
     except Exception as e:
         status, msg = classify(e)
         if status == "oom" and not isinstance(e, DoesNotFit):
@@ -413,6 +435,21 @@ def _measure_gpu(job, args):
     fit = functools.partial(fits_padded, args) if implementation == "torch_bmm_padded" else None
     check = scan_outputs if implementation == "torch_dense" else torch_outputs.check_outputs
     return torch_outputs.measure_on_gpu(job, call, notes, fit=fit, check=check)
+
+
+def args_for_notes():
+    """Small arguments for the self-test's note checks."""
+    return {"rows": 10, "experts": 4, "hidden": 8, "width": 16, "counts": [3, 0, 5, 2],
+            "offsets": [0, 3, 3, 8, 10], "backward": False}
+
+
+def _measure_cpu(job, args):
+    implementation = job["implementation"]
+    check_inputs(args, job["files"]["inputs"])
+    notes = formulation_notes(implementation, args, None)
+    call = caller(implementation, args, torch.device("cpu"))
+    check = scan_outputs if implementation == "torch_dense" else torch_outputs.check_outputs
+    return torch_outputs.measure_on_cpu(job, call, notes, check=check, grad=backward(args))
 
 
 def _reference(x, w, counts, dy=None):
@@ -459,7 +496,14 @@ def self_test():
               "%s measures the backward" % imp)
     check("bf16" in unsupported_reason(dict(case, dtype="fp16"), "torch_loop"),
           "fp16 is refused")
-    check("GPU" in unsupported_reason(case, "torch_loop", "cpu"), "the CPU is refused")
+    check(unsupported_reason(case, "torch_loop", "cpu") is None, "the CPU is measured")
+    check("unknown device" in unsupported_reason(case, "torch_loop", "tpu"),
+          "other devices are refused")
+    cpu_notes = formulation_notes("torch_loop", dict(args_for_notes(), backward=True), None)
+    check(all("cuBLAS" not in n for n in cpu_notes) and "CPU GEMM" in cpu_notes[0],
+          "CPU notes name the CPU's GEMMs: %r" % cpu_notes)
+    check(formulation_notes("torch_grouped_mm", args_for_notes(), None) == [GROUPED_MM_CPU_NOTE],
+          "grouped_mm's CPU note")
     check("unknown" in unsupported_reason(case, "grouped_mma_sync"), "other names are unknown")
     check("pass" in unsupported_reason(dict(case, **{"pass": "bwd"}), "torch_dense"),
           "unknown passes are refused")

@@ -1,7 +1,7 @@
 """What the PyTorch comparison modules that return whole output tensors share (`torch_kernel_sums`,
 `torch_mixers`, `fla_mixers`, `mamba_mixers`, `torch_moe`): checking the outputs against the
 runner's float64 reference, the notes for timings the case limit cut short, the measurement of
-one call on CUDA, for the Triton libraries their common notes and the library's version in the
+one call on CUDA or on the CPU, for the Triton libraries their common notes and the library's version in the
 reply, and (`empty_compile_caches`, also `torch_flex`'s) the empty compile caches under which a
 `torch.compile` row's first call is timed. Imports torch through `torch_cpu` (None without it)."""
 import contextlib
@@ -114,6 +114,58 @@ def cut_short_notes(measurements, tcfg):
     return ["%s timing: %d of %d samples, the %g s case limit stopped sampling"
             % (what, m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"]))
             for m, what in measurements if m is not None and m["cut_short"]]
+
+
+def measure_on_cpu(job, call, notes, check=check_outputs, grad=False):
+    """Measures `call` (on the job's inputs, in `files.inputs` order, returning a tuple of
+    outputs) on the CPU, as the project's CPU rows are measured: the inputs read, the first
+    call timed by wall clock, the outputs checked (`check`, `check_outputs`'s form), then the
+    shared timing protocol by wall clock over back-to-back calls (`torch_cpu.WallTimer`) on
+    copies of the inputs rotated through the last-level cache. Peak memory: the resident set's
+    high-water mark over the inputs and the first call. Autograd is off unless `grad` (a call
+    that takes gradients). `notes` (the formulation's) follow the timing and thread notes.
+    Returns (row fields, window), or (failed fields, None) when the check fails."""
+    files, tcfg = job["files"], job["timing"]
+    load_before = torch_cpu.load_average()
+    with torch.set_grad_enabled(grad):
+        base = torch_cpu.reset_peak_rss()
+        set0 = tuple(torch_cpu.load_input(t) for t in files["inputs"])
+        t0 = time.perf_counter()
+        results = call(*set0)
+        first_call_s = time.perf_counter() - t0
+        r = torch_cpu.rss_bytes()
+        peak = r[1] - base if (base is not None and r is not None) else None
+        set_bytes = sum(x.numel() * x.element_size() for x in set0)
+        out_bytes = sum(x.numel() * x.element_size() for x in results)
+        failed, accuracy = check(files, results)
+        if failed:
+            return failed, None
+        del results
+
+        n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
+                                            float(tcfg["l2_rotation_factor"]))
+        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
+        window0 = protocol.unix_now()
+        m = timing.measure(torch_cpu.WallTimer(call, sets), tcfg)
+        window = [window0, protocol.unix_now()]
+        del sets
+    all_notes = [torch_cpu.TIMING_NOTE,
+                 "PyTorch intra-op threads: %d" % torch.get_num_threads()] + list(notes)
+    note = torch_cpu.load_note(load_before, torch_cpu.load_average())
+    if note:
+        all_notes.append(note)
+    all_notes += cut_short_notes([(m, "wall-clock")], tcfg)
+    memory = {"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6}
+    if peak is not None:
+        memory.update(peak_mb=max(0, peak) / 1e6, peak_method=torch_cpu.PEAK_METHOD,
+                      temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
+    fields = dict(
+        timing="wall_clock",
+        median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
+        samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
+        first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
+        items=files.get("items"), memory=memory, accuracy=accuracy, notes=all_notes)
+    return fields, window
 
 
 # The peak-memory method when the first call compiles and autotunes (measure_on_gpu's
