@@ -14,7 +14,7 @@ use kernelpages::harness::default_timing;
 use kernelpages::runner::process::Server;
 use kernelpages::runner::protocol::Job;
 use kernelpages::runner::DeviceChoice;
-use kernelpages::schema::{Status, TimingConfig};
+use kernelpages::schema::{Status, TimingConfig, TimingMethod};
 
 fn runners_dir() -> std::path::PathBuf {
     kernelpages::runner::locate_runners_dir().expect("runners/compare/ exists")
@@ -418,10 +418,10 @@ fn mamba_wheel_packs_the_python_sources() {
 }
 
 /// The MoE module (`compare.torch_moe`, PyTorch's grouped-GEMM alternatives): its self-test,
-/// then a CPU job and a GPU job of a skewed case with empty experts, each answered with a row:
-/// the CPU job `unsupported` (the module measures the GPU only), the GPU job `unsupported`
-/// naming torch or CUDA where there is no torch or no device, else measured within the
-/// tolerance with dX and dW checked.
+/// then a CPU job and a GPU job of a skewed case with empty experts (forward and backward),
+/// each answered with a row: `unsupported` naming torch or CUDA where there is no torch (or,
+/// for the GPU job, no device), else measured within the tolerance with dX and dW checked (on
+/// the CPU by wall clock, its note naming the CPU's `_grouped_mm`).
 #[test]
 #[cfg_attr(not(kp_python), ignore = "needs python3")]
 fn moe_module_answers_cpu_and_gpu_jobs() {
@@ -453,9 +453,13 @@ fn moe_module_answers_cpu_and_gpu_jobs() {
         j.files = moe_files::write_case(&c, 3, 16, &sub).unwrap();
         let row = s.request(&j, Duration::from_secs(120)).unwrap().row;
         eprintln!("{device:?}: {:?} {:?}", row.status, row.message);
-        if device == DeviceChoice::Cpu {
-            assert_eq!(row.status, Status::Unsupported, "{row:?}");
-            continue;
+        if device == DeviceChoice::Cpu && cfg!(kp_torch) {
+            assert_eq!(row.status, Status::Ok, "{row:?}");
+            assert_eq!(row.timing, Some(TimingMethod::WallClock), "{row:?}");
+            assert!(row
+                .notes
+                .iter()
+                .any(|n| n.contains("_grouped_mm on the CPU")));
         }
         if row.status == Status::Unsupported {
             let m = row.message.unwrap();

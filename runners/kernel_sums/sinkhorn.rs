@@ -479,14 +479,20 @@ pub fn measure_gpu(job: &Job, c: SinkhornCase) -> Reply {
                 let s = it.compile_s;
                 (GpuWork::Iteration(Box::new(it)), s)
             }
-            Pass::Solve => (
-                GpuWork::Solve {
-                    x: x.clone(),
-                    y: y.clone(),
-                    last: Rc::clone(&last),
-                },
-                0.0,
-            ),
+            Pass::Solve => {
+                // The solve's log-sum-exp entry point, compiled here so that compile_s is its
+                // (the solve's sessions then find it in the process's module cache).
+                let kc = KernelSumCase::new(Op::KernelLse, c.n, c.n, c.dim);
+                let compile_s = kernelpages::kernel_sums::cuda::Runner::new(gpu, &kc)?.compile_s;
+                (
+                    GpuWork::Solve {
+                        x: x.clone(),
+                        y: y.clone(),
+                        last: Rc::clone(&last),
+                    },
+                    compile_s,
+                )
+            }
         };
         Ok((
             GpuLaunch {
