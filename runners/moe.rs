@@ -15,8 +15,9 @@
 //! expert on a persistent grid; a `fwd+bwd` call is the forward, dX and dW (three launches).
 //! Beside them on the GPU, always, the in-process alternative `cublas_loop`
 //! ([`kernelpages::moe::cublas`]: one cublasGemmEx per non-empty expert).
-//! With `--device cpu`, `cpu_grouped` ([`kernelpages::moe::cpu`]): float32 products of the bf16
-//! operands on the host's cores (`data/cpu_moe.json`).
+//! With `--device cpu`, `cpu_grouped`: on a CPU with AVX-512 BF16 the bf16 operands multiplied
+//! as they are ([`kernelpages::moe::cpu_bf16`]), elsewhere float32 products of them decoded
+//! ([`kernelpages::moe::cpu`]), float32 results, on the host's cores (`data/cpu_moe.json`).
 //!
 //! ```text
 //! moe --compare torch --output data/gpu_moe.json
@@ -35,6 +36,7 @@ use kernelpages::attention::cpu_flash::read_elements;
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::moe::case::{GroupedCase, Spread};
 use kernelpages::moe::cpu as moe_cpu;
+use kernelpages::moe::cpu_bf16 as moe_cpu_bf16;
 use kernelpages::moe::cublas::{self, CublasLoop};
 use kernelpages::moe::cuda::{GroupedKernel, Product};
 use kernelpages::moe::files;
@@ -216,13 +218,22 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
 
 fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
     if device == DeviceChoice::Cpu {
-        return vec![DispatchRule {
-            entry_point: "moe::cpu::grouped_matmul_f32, moe::cpu::grouped_matmul_backward_f32".into(),
-            device: "CPU (x86-64 or any other target)".into(),
-            dtype: "bf16 operands decoded to float32 once at load; float32 products and results".into(),
-            rule: format!("always: each expert's rows in blocks of {} over rayon's threads, one gemm-crate product per block; dW per expert in blocks of {} k-rows", moe_cpu::BLOCK_ROWS, moe_cpu::BLOCK_ROWS),
-            implementation: CPU_IMPLEMENTATION.into(),
-        }];
+        return vec![
+            DispatchRule {
+                entry_point: "moe::cpu_bf16::grouped_matmul_bf16, moe::cpu_bf16::grouped_matmul_backward_bf16".into(),
+                device: "x86-64 CPU with AVX-512 BF16 (detected at run time)".into(),
+                dtype: "bf16 operands as they are, float32 accumulation and results; K and N even".into(),
+                rule: format!("each expert's rows in blocks of {} over rayon's threads, {} × {} register tiles of vdpbf16ps over the weights packed once into pair-interleaved panels; dW per expert from x_eᵀ and dY_e packed in the call", moe_cpu_bf16::BLOCK_ROWS, moe_cpu_bf16::MR, moe_cpu_bf16::NR),
+                implementation: CPU_IMPLEMENTATION.into(),
+            },
+            DispatchRule {
+                entry_point: "moe::cpu::grouped_matmul_f32, moe::cpu::grouped_matmul_backward_f32".into(),
+                device: "any other CPU (or K or N odd)".into(),
+                dtype: "bf16 operands decoded to float32 once at load; float32 products and results".into(),
+                rule: format!("each expert's rows in blocks of {} over rayon's threads, one gemm-crate product per block; dW per expert in blocks of {} k-rows", moe_cpu::BLOCK_ROWS, moe_cpu::BLOCK_ROWS),
+                implementation: CPU_IMPLEMENTATION.into(),
+            },
+        ];
     }
     vec![DispatchRule {
         entry_point: "moe::cuda::GroupedKernel::for_shape".into(),
@@ -397,7 +408,12 @@ impl runner::Suite for Moe {
             });
         }
         if implementation == CPU_IMPLEMENTATION {
-            notes.push("float32 results (PyTorch's and the GPU rows' are bf16, so their error against float64 includes the output's rounding); the operands' bf16 values decoded to float32 when loaded, outside the timed call".into());
+            let bf16 = moe_cpu_bf16::runs(c.hidden, c.width);
+            notes.push(if bf16 {
+                "bf16 operands multiplied as they are (AVX-512 BF16, vdpbf16ps), float32 accumulation and results (PyTorch's and the GPU rows' are bf16, so their error against float64 includes the output's rounding); the weights packed once when loaded (and their transpose for dX), outside the timed call, as a library packs parameters; dW's operands (x_eᵀ, dY_e) packed inside it".into()
+            } else {
+                "float32 results (PyTorch's and the GPU rows' are bf16, so their error against float64 includes the output's rounding); the operands' bf16 values decoded to float32 when loaded, outside the timed call (this CPU has no AVX-512 BF16)".into()
+            });
         }
         notes
     }
@@ -637,11 +653,20 @@ fn measure_cublas(job: &Job) -> Reply {
     reply
 }
 
-/// One CPU input set: x, w (and dY) decoded to float32.
-struct CpuSet {
-    x: Vec<f32>,
-    w: Vec<f32>,
-    dy: Vec<f32>,
+/// One CPU input set: x, w (and dY) decoded to float32, or on a CPU with AVX-512 BF16 (K and N
+/// even) x's and dY's bf16 bits with w packed for the bf16 kernels (and, with the backward, wᵀ).
+enum CpuSet {
+    F32 {
+        x: Vec<f32>,
+        w: Vec<f32>,
+        dy: Vec<f32>,
+    },
+    Bf16 {
+        x: Vec<u16>,
+        dy: Vec<u16>,
+        w: std::sync::Arc<moe_cpu_bf16::PackedWeights>,
+        wt: Option<std::sync::Arc<moe_cpu_bf16::PackedWeights>>,
+    },
 }
 
 /// `cpu_grouped` on one case, as the shared CPU case process drives it.
@@ -653,10 +678,18 @@ struct CpuLaunch {
     dw: Vec<f32>,
 }
 
+impl CpuLaunch {
+    /// Whether the products run on bf16 operands ([`moe_cpu_bf16`]): a CPU with AVX-512 BF16,
+    /// K and N even.
+    fn bf16(&self) -> bool {
+        moe_cpu_bf16::runs(self.case.hidden, self.case.width)
+    }
+}
+
 impl host::Launcher for CpuLaunch {
     type Set = CpuSet;
     fn load(&self, inputs: &[TensorFile]) -> Result<CpuSet> {
-        let read = |k: usize| -> Result<Vec<f32>> {
+        let read_bits = |k: usize| -> Result<Vec<half::bf16>> {
             match inputs.get(k) {
                 Some(t) => {
                     anyhow::ensure!(
@@ -665,23 +698,51 @@ impl host::Launcher for CpuLaunch {
                         t.name,
                         t.dtype
                     );
-                    let values: Vec<half::bf16> = read_elements(&t.path)?;
-                    Ok(values.into_iter().map(half::bf16::to_f32).collect())
+                    read_elements(&t.path)
                 }
                 None => Ok(Vec::new()),
             }
         };
-        Ok(CpuSet {
-            x: read(0)?,
-            w: read(1)?,
-            dy: read(2)?,
+        let (x, w, dy) = (read_bits(0)?, read_bits(1)?, read_bits(2)?);
+        if !self.bf16() {
+            let f32s = |v: &[half::bf16]| v.iter().map(|b| b.to_f32()).collect::<Vec<f32>>();
+            return Ok(CpuSet::F32 {
+                x: f32s(&x),
+                w: f32s(&w),
+                dy: f32s(&dy),
+            });
+        }
+        let bits = |v: &[half::bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
+        let c = &self.case;
+        let wb = bits(&w);
+        let packed = moe_cpu_bf16::PackedWeights::new(&wb, c.experts, c.hidden, c.width);
+        let wt = c.backward.then(|| {
+            std::sync::Arc::new(moe_cpu_bf16::PackedWeights::transposed(
+                &wb, c.experts, c.hidden, c.width,
+            ))
+        });
+        Ok(CpuSet::Bf16 {
+            x: bits(&x),
+            dy: bits(&dy),
+            w: std::sync::Arc::new(packed),
+            wt,
         })
     }
     fn replicate(&self, set: &CpuSet) -> CpuSet {
-        CpuSet {
-            x: set.x.clone(),
-            w: set.w.clone(),
-            dy: set.dy.clone(),
+        match set {
+            CpuSet::F32 { x, w, dy } => CpuSet::F32 {
+                x: x.clone(),
+                w: w.clone(),
+                dy: dy.clone(),
+            },
+            // The packed weights are shared (read-only, as a library's parameters), x and dY
+            // copied.
+            CpuSet::Bf16 { x, dy, w, wt } => CpuSet::Bf16 {
+                x: x.clone(),
+                dy: dy.clone(),
+                w: std::sync::Arc::clone(w),
+                wt: wt.clone(),
+            },
         }
     }
     fn poison(&mut self) {
@@ -691,18 +752,35 @@ impl host::Launcher for CpuLaunch {
     }
     fn call(&mut self, set: &CpuSet) -> Result<()> {
         let (k, n) = (self.case.hidden, self.case.width);
-        moe_cpu::grouped_matmul_f32(&set.x, &set.w, &self.offsets, k, n, &mut self.y);
-        if self.case.backward {
-            moe_cpu::grouped_matmul_backward_f32(
-                &set.x,
-                &set.w,
-                &set.dy,
-                &self.offsets,
-                k,
-                n,
-                &mut self.dx,
-                &mut self.dw,
-            );
+        match set {
+            CpuSet::F32 { x, w, dy } => {
+                moe_cpu::grouped_matmul_f32(x, w, &self.offsets, k, n, &mut self.y);
+                if self.case.backward {
+                    moe_cpu::grouped_matmul_backward_f32(
+                        x,
+                        w,
+                        dy,
+                        &self.offsets,
+                        k,
+                        n,
+                        &mut self.dx,
+                        &mut self.dw,
+                    );
+                }
+            }
+            CpuSet::Bf16 { x, dy, w, wt } => {
+                moe_cpu_bf16::grouped_matmul_bf16(x, w, &self.offsets, &mut self.y);
+                if let Some(wt) = wt {
+                    moe_cpu_bf16::grouped_matmul_backward_bf16(
+                        x,
+                        wt,
+                        dy,
+                        &self.offsets,
+                        &mut self.dx,
+                        &mut self.dw,
+                    );
+                }
+            }
         }
         Ok(())
     }

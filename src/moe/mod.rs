@@ -19,6 +19,7 @@
 
 pub mod case;
 pub mod cpu;
+pub mod cpu_bf16;
 pub mod cublas;
 pub mod cuda;
 pub mod dispatch_cuda;
