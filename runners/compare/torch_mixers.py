@@ -57,13 +57,12 @@ protocol.
 """
 import os
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from compare import protocol, timing, torch_cpu, torch_outputs, torch_sdpa  # noqa: E402
+    from compare import protocol, torch_cpu, torch_outputs, torch_sdpa  # noqa: E402
 else:
-    from . import protocol, timing, torch_cpu, torch_outputs, torch_sdpa
+    from . import protocol, torch_cpu, torch_outputs, torch_sdpa
 
 LIBRARY = "PyTorch"
 IMPLEMENTATIONS = ("torch_eager",)
@@ -463,53 +462,13 @@ def _formulation_notes(args):
 
 
 def _measure_cpu(job):
-    files, tcfg = job["files"], job["timing"]
+    files = job["files"]
     args = arguments(job)
     check_inputs(args, files["inputs"])
     physical = host_memory_bytes()
     fits(args, None if physical is None else CPU_MEMORY_FRACTION * physical,
          "half the host's physical memory")
-    call = caller(args)
-    load_before = torch_cpu.load_average()
-    with torch.no_grad():
-        base = torch_cpu.reset_peak_rss()
-        set0 = tuple(torch_cpu.load_input(t) for t in files["inputs"])
-        t0 = time.perf_counter()
-        results = call(*set0)
-        first_call_s = time.perf_counter() - t0
-        r = torch_cpu.rss_bytes()
-        peak = r[1] - base if (base is not None and r is not None) else None
-        set_bytes = sum(x.numel() * x.element_size() for x in set0)
-        out_bytes = sum(x.numel() * x.element_size() for x in results)
-        failed, accuracy = torch_outputs.check_outputs(files, results)
-        if failed:
-            return failed, None
-        del results
-
-        n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
-                                            float(tcfg["l2_rotation_factor"]))
-        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
-        window0 = protocol.unix_now()
-        m = timing.measure(torch_cpu.WallTimer(call, sets), tcfg)
-        window = [window0, protocol.unix_now()]
-        del sets
-    notes = [torch_cpu.TIMING_NOTE, "PyTorch intra-op threads: %d" % torch.get_num_threads()]
-    notes += _formulation_notes(args)
-    note = torch_cpu.load_note(load_before, torch_cpu.load_average())
-    if note:
-        notes.append(note)
-    notes += torch_outputs.cut_short_notes([(m, "wall-clock")], tcfg)
-    memory = {"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6}
-    if peak is not None:
-        memory.update(peak_mb=max(0, peak) / 1e6, peak_method=torch_cpu.PEAK_METHOD,
-                      temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
-    fields = dict(
-        timing="wall_clock",
-        median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
-        samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
-        first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
-        items=files.get("items"), memory=memory, accuracy=accuracy, notes=notes)
-    return fields, window
+    return torch_outputs.measure_on_cpu(job, caller(args), _formulation_notes(args))
 
 
 def _measure_gpu(job):
