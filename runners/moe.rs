@@ -898,6 +898,22 @@ struct LayerLaunch {
     router_grad: Option<CudaSlice<u16>>,
 }
 
+impl LayerLaunch {
+    /// Tokens T, experts E, hidden H, width F and routed rows M = T·top_k, as byte-count
+    /// factors.
+    fn sizes(&self) -> (u64, u64, u64, u64, u64) {
+        let c = &self.case;
+        let t = c.tokens as u64;
+        (
+            t,
+            c.experts as u64,
+            c.hidden as u64,
+            c.width as u64,
+            t * c.top_k as u64,
+        )
+    }
+}
+
 impl own::Launcher for LayerLaunch {
     type Set = LayerSet;
     fn upload(&self, gpu: &Gpu, host: &[Vec<u16>]) -> Result<LayerSet, GpuError> {
@@ -989,13 +1005,7 @@ impl own::Launcher for LayerLaunch {
         // (logits in bf16 and float32, the routing, the dispatched rows, gate and up, the
         // activation, the experts' outputs), the plan's small arrays apart.
         let c = &self.case;
-        let (t, e, h, f) = (
-            c.tokens as u64,
-            c.experts as u64,
-            c.hidden as u64,
-            c.width as u64,
-        );
-        let m = t * c.top_k as u64;
+        let (t, e, h, f, m) = self.sizes();
         if !c.backward {
             return t * e * 6 + m * 8 + 2 * (m * h + m * 2 * f + m * f + m * h);
         }
@@ -1009,13 +1019,7 @@ impl own::Launcher for LayerLaunch {
         // routing and plan, the dispatched rows, gate and up, the activation, the experts'
         // outputs.
         let c = &self.case;
-        let (t, e, h, f) = (
-            c.tokens as u64,
-            c.experts as u64,
-            c.hidden as u64,
-            c.width as u64,
-        );
-        let m = t * c.top_k as u64;
+        let (t, e, h, f, m) = self.sizes();
         c.backward
             .then_some(t * e * 4 + m * 16 + 2 * (m * h + m * 2 * f + m * f + m * h))
     }

@@ -385,14 +385,7 @@ pub fn moe_layer(
     capacity: Option<usize>,
 ) -> Result<(Vec<f64>, Routing), ShapeError> {
     let (e, h) = (experts.experts, experts.hidden);
-    if h == 0 {
-        return Err(ShapeError("hidden width 0".into()));
-    }
-    let tokens = x.len() / h;
-    check("x", x.len(), tokens * h)?;
-    check("router", router.len(), h * e)?;
-    let logits = router_logits(x, router, tokens, h, e);
-    let routing = route(&logits, tokens, e, top_k, gate)?;
+    let routing = layer_routing(x, router, experts, top_k, gate)?;
     let plan = plan(&routing, e, capacity)?;
     let xs = dispatch(x, &plan, h)?;
     let ys = swiglu_experts(&xs, experts, &plan.offsets)?;
@@ -437,6 +430,19 @@ pub fn moe_layer_backward(
     capacity: Option<usize>,
     dy: &[f64],
 ) -> Result<LayerGrads, ShapeError> {
+    let routing = layer_routing(x, router, experts, top_k, gate)?;
+    moe_layer_backward_routed(x, router, experts, &routing, gate, capacity, dy)
+}
+
+/// The layer's routing of x `[T, H]` by the router `[H, E]`: the shapes checked, the logits,
+/// then [`route`] (what [`moe_layer`] and [`moe_layer_backward`] both start with).
+fn layer_routing(
+    x: &[f64],
+    router: &[f64],
+    experts: &Experts,
+    top_k: usize,
+    gate: Gate,
+) -> Result<Routing, ShapeError> {
     let (e, h) = (experts.experts, experts.hidden);
     if h == 0 {
         return Err(ShapeError("hidden width 0".into()));
@@ -445,8 +451,7 @@ pub fn moe_layer_backward(
     check("x", x.len(), tokens * h)?;
     check("router", router.len(), h * e)?;
     let logits = router_logits(x, router, tokens, h, e);
-    let routing = route(&logits, tokens, e, top_k, gate)?;
-    moe_layer_backward_routed(x, router, experts, &routing, gate, capacity, dy)
+    route(&logits, tokens, e, top_k, gate)
 }
 
 /// x · W_router: `[T, E]` from x `[T, H]` and `router` `[H, E]`.
