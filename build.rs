@@ -9,7 +9,8 @@
 //! - `kp_nvrtc`: NVRTC (`libnvrtc.so.13`) is on the loader path;
 //! - `kp_chromium`: a Chromium binary is on `PATH`;
 //! - `kp_python`: `python3` runs;
-//! - `kp_torch`, `kp_jax`, `kp_ott`: `python3` imports `torch`, `jax`, `ott` (ott-jax) (on
+//! - `kp_torch`, `kp_jax`, `kp_ott`, `kp_geomloss`: `python3` imports `torch`, `jax`, `ott`
+//!   (ott-jax), `geomloss` (on
 //!   any device: the CPU comparison modules and the JAX module's CPU test hook need no GPU);
 //! - `kp_cxx`: `g++` compiles C++20 with `<ucontext.h>` (the CPU emulation of the
 //!   sequence-mixer and MoE kernels, whose CUDA threads are ucontext fibers:
@@ -36,6 +37,7 @@ fn main() {
         "kp_torch",
         "kp_jax",
         "kp_ott",
+        "kp_geomloss",
         "kp_cxx",
     ] {
         println!("cargo::rustc-check-cfg=cfg({flag})");
@@ -58,7 +60,7 @@ fn main() {
         .is_ok_and(|o| o.status.success())
     {
         println!("cargo:rustc-cfg=kp_python");
-        for module in ["torch", "jax", "ott"] {
+        for module in ["torch", "jax", "ott", "geomloss"] {
             if Command::new("python3")
                 .args(["-c", &format!("import {module}")])
                 .output()

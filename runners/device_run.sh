@@ -27,7 +27,7 @@
 #                                                 # (the README's run plan)
 #   bash .carry/device_run.sh kernel_sums OUTDIR  # the kernel-sum GPU tests, then the
 #                                                 # kernel_sums grid with --compare
-#                                                 # torch,jax,ott (data/gpu_kernel_sums.json;
+#                                                 # torch,jax,ott,geomloss (data/gpu_kernel_sums.json;
 #                                                 # KP_KS_TAG, KP_KS_TESTS, KP_KS_ARGS and
 #                                                 # KP_KS_LIMIT_S split it over calls)
 #   bash .carry/device_run.sh moe OUTDIR          # the MoE GPU tests, then the moe grid
@@ -211,7 +211,7 @@ mixers_rerun)
   esac
   ;;
 kernel_sums)
-  # KP_KS_ARGS: runner arguments (default --compare torch,jax,ott); KP_KS_TAG names the files
+  # KP_KS_ARGS: runner arguments (default --compare torch,jax,ott,geomloss); KP_KS_TAG names the files
   # gpu_kernel_sums_TAG.json and kernel_sums_TAG.log (one part of a run split over calls);
   # KP_KS_TESTS=0 skips the GPU tests; KP_KS_LIMIT_S caps the grid step (default 300 s).
   install_wheels
@@ -222,7 +222,7 @@ kernel_sums)
   ks_tag=${KP_KS_TAG:+_$KP_KS_TAG}
   # shellcheck disable=SC2086
   step "kernel_sums grid" "${KP_KS_LIMIT_S:-300}" "$out/kernel_sums$ks_tag.log" "$bin/kernel_sums" \
-    ${KP_KS_ARGS:---compare torch,jax,ott} --output "$out/gpu_kernel_sums$ks_tag.json"
+    ${KP_KS_ARGS:---compare torch,jax,ott,geomloss} --output "$out/gpu_kernel_sums$ks_tag.json"
   ;;
 moe)
   # KP_MOE_ARGS: runner arguments (default --compare torch), e.g. "--quick" or

@@ -4,8 +4,9 @@
 //! (`runners/compare/torch_kernel_sums.py`: `cdist`, `exp`, matmul / `logsumexp`;
 //! `runners/compare/jax_kernel_sums.py`: the same through a matrix product, jitted; both hold
 //! the N × M matrix), with `--compare ott` ott-jax's Sinkhorn solver on the Sinkhorn cases
-//! (`runners/compare/ott_sinkhorn.py`), and writes one suite document. The machinery (processes, order, timing
-//! records, progress, document) is `kernelpages::runner`; this file is the grid, the
+//! (`runners/compare/ott_sinkhorn.py`), with `--compare geomloss` geomloss's soft-min on the
+//! Sinkhorn iteration cases (`runners/compare/geomloss_sinkhorn.py`), and writes one suite
+//! document. The machinery (processes, order, timing records, progress, document) is `kernelpages::runner`; this file is the grid, the
 //! implementations, the dispatch table and the counts.
 //!
 //! The project's implementations: `online` on a CUDA device (`kernels/kernel_sums/
@@ -15,7 +16,7 @@
 //!
 //! ```text
 //! kernel_sums --compare torch --output data/gpu_kernel_sums.json
-//! kernel_sums --device cpu --compare torch,jax,ott --output data/cpu_kernel_sums.json
+//! kernel_sums --device cpu --compare torch,jax,ott,geomloss --output data/cpu_kernel_sums.json
 //! kernel_sums --device cpu --quick --ops kernel_lse
 //! ```
 
@@ -90,7 +91,7 @@ const CPU_DIMS: [usize; 2] = [3, 64];
 const GPU_QUICK_SIZES: [usize; 2] = [1000, 10_000];
 
 /// The alternatives `--compare` can add (each module measures on the run's device).
-const ALTERNATIVES: [Alternative; 3] = [
+const ALTERNATIVES: [Alternative; 4] = [
     Alternative {
         name: "torch",
         module: "torch_kernel_sums",
@@ -108,6 +109,12 @@ const ALTERNATIVES: [Alternative; 3] = [
         module: "ott_sinkhorn",
         library: "ott-jax",
         implementations: &sinkhorn::OTT_IMPLEMENTATIONS,
+    },
+    Alternative {
+        name: "geomloss",
+        module: "geomloss_sinkhorn",
+        library: "geomloss",
+        implementations: &sinkhorn::GEOMLOSS_IMPLEMENTATIONS,
     },
 ];
 
@@ -307,9 +314,10 @@ impl runner::Suite for KernelSums {
         }
     }
 
-    /// ott-jax's implementations compute Sinkhorn only: no rows on the kernel-sum cases.
+    /// ott-jax's and geomloss's implementations compute Sinkhorn only: no rows on the
+    /// kernel-sum cases.
     fn applies(&self, p: &Params, implementation: &str) -> bool {
-        !sinkhorn::OTT_IMPLEMENTATIONS.contains(&implementation)
+        !sinkhorn::is_solver_library(implementation)
             || matches!(sinkhorn::SinkhornCase::from_params(p), Ok(Some(_)))
     }
 
@@ -686,6 +694,11 @@ mod tests {
             assert!(sk.is_none_or(|c| c.dim == 3), "{p:?}");
             // ott-jax has rows on the Sinkhorn cases only; the others everywhere.
             assert_eq!(suite.applies(p, "ott_dense"), sk.is_some(), "{p:?}");
+            assert_eq!(
+                suite.applies(p, "geomloss_tensorized"),
+                sk.is_some(),
+                "{p:?}"
+            );
             assert!(suite.applies(p, "torch_dense") && suite.applies(p, GPU_IMPLEMENTATION));
             assert_eq!(
                 suite.unsupported(p, GPU_IMPLEMENTATION),

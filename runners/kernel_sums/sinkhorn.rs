@@ -240,14 +240,27 @@ pub fn write_case(c: &SinkhornCase, seed: u64, check_rows: usize, dir: &Path) ->
 /// ott-jax's implementations (`runners/compare/ott_sinkhorn.py`, `--compare ott`).
 pub const OTT_IMPLEMENTATIONS: [&str; 2] = ["ott_dense", "ott_online"];
 
+/// geomloss's implementations (`runners/compare/geomloss_sinkhorn.py`, `--compare geomloss`):
+/// its soft-min on the `iteration` rows; its `solve` rows are `unsupported` (a fixed annealing
+/// schedule, no tolerance), which the module says.
+pub const GEOMLOSS_IMPLEMENTATIONS: [&str; 2] = ["geomloss_tensorized", "geomloss_online"];
+
+/// Whether `implementation` is a Sinkhorn library's (ott-jax's or geomloss's): rows on the
+/// Sinkhorn cases only.
+pub fn is_solver_library(implementation: &str) -> bool {
+    OTT_IMPLEMENTATIONS.contains(&implementation)
+        || GEOMLOSS_IMPLEMENTATIONS.contains(&implementation)
+}
+
 /// Why an implementation has no Sinkhorn row: the dense kernel-sum formulations have no
-/// solver (the project's own, `own`, and ott-jax's have).
+/// solver (the project's own, `own`, ott-jax's and geomloss's have).
 pub fn unsupported(implementation: &str, own: &[&str]) -> Option<String> {
-    if own.contains(&implementation) || OTT_IMPLEMENTATIONS.contains(&implementation) {
+    if own.contains(&implementation) || is_solver_library(implementation) {
         return None;
     }
     Some(
-        "no Sinkhorn in this library's dense kernel sums; ott-jax's solver is `--compare ott`"
+        "no Sinkhorn in this library's dense kernel sums; ott-jax's solver is `--compare ott`, \
+         geomloss's soft-min `--compare geomloss`"
             .into(),
     )
 }
@@ -606,6 +619,65 @@ mod tests {
         assert!(not_ours.contains("--compare ott"));
         assert!(unsupported("ott_dense", &own).is_none());
         assert!(unsupported("online", &own).is_none());
+    }
+
+    /// geomloss's module on the CPU (`runners/compare/geomloss_sinkhorn.py`) on the runner's
+    /// own files: the tensorized soft-min's iteration checked against the same float64
+    /// reference as `cpu_tiled`'s, times per iteration; its solve is `unsupported` with the
+    /// reason; `geomloss_online` is a row whatever happens (without pykeops: `unsupported`,
+    /// saying so).
+    #[test]
+    #[cfg_attr(
+        not(kp_geomloss),
+        ignore = "needs geomloss (and torch) importable by python3 (the CPU build is enough)"
+    )]
+    fn geomloss_module_measures_the_iteration_on_the_cpu() {
+        use kernelpages::runner::process::Server;
+        let runners = kernelpages::runner::locate_runners_dir().expect("runners/compare/");
+        let mut s = Server::start("python3", &runners, "geomloss_sinkhorn", &[]).unwrap();
+        for pass in [Pass::Iteration, Pass::Solve] {
+            let dir = tempfile::tempdir().unwrap();
+            let c = SinkhornCase {
+                n: 150,
+                dim: 3,
+                pass,
+                epsilon: 1e-2,
+            };
+            let mut j = job(&c, dir.path());
+            j.implementation = "geomloss_tensorized".into();
+            let row = s
+                .request(&j, std::time::Duration::from_secs(300))
+                .unwrap()
+                .row;
+            if pass == Pass::Solve {
+                assert_eq!(row.status, RowStatus::Unsupported, "{row:?}");
+                assert!(
+                    row.message.as_deref().unwrap().contains("no tolerance"),
+                    "{row:?}"
+                );
+                continue;
+            }
+            assert_eq!(row.status, RowStatus::Ok, "{row:?}");
+            let acc = row.accuracy.clone().unwrap();
+            assert!(acc.rel_err <= acc.tolerance, "{acc:?}");
+            assert_eq!(row.items, Some(2.0 * 150.0 * 150.0), "{row:?}");
+            assert!(
+                row.notes
+                    .iter()
+                    .any(|n| n.contains("times are per iteration")),
+                "{:?}",
+                row.notes
+            );
+            j.implementation = "geomloss_online".into();
+            let online = s
+                .request(&j, std::time::Duration::from_secs(300))
+                .unwrap()
+                .row;
+            assert!(
+                online.status == RowStatus::Ok || online.message.is_some(),
+                "{online:?}"
+            );
+        }
     }
 
     /// ott-jax's module on the CPU (`runners/compare/ott_sinkhorn.py`) on the runner's own
