@@ -544,7 +544,12 @@ fn dispatch_rules() -> Vec<DispatchRule> {
         DispatchRule {
             entry_point: ENTRY.into(),
             device: "CUDA, compute capability 9.0 (sm_90a)".into(),
-            dtype: "bf16".into(),
+            dtype: if sm90::FP16_DISPATCHED {
+                "bf16, fp16"
+            } else {
+                "bf16"
+            }
+            .into(),
             rule: format!(
                 "otherwise, at head_dim 64 or 128 with a positive scale, the forward, and for forward + backward the wgmma backward after it: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one; {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise. Kernel: the wgmma backward (kernels/attn_wgmma_bwd_sm90.cu): {}-key tiles per CTA holding dK and dV in registers, Q and dO in steps of {} rows at head_dim 64 and {} at 128 by TMA, dQ summed in fp32 by TMA reduce-adds. The rows of {} measure the portable kernels below on the same cases",
                 sm90::WS_KEYS,

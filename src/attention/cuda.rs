@@ -1525,11 +1525,19 @@ mod tests {
         // A backward configuration matters where a backward runs.
         assert!(!wgmma_path("sm_90a", &bwd, false, true));
         assert!(wgmma_path("sm_90a", &fwd, false, true));
-        // The rest follows sm90::takes: fp16 runs the portable kernels.
+        // The rest follows sm90::takes: fp16 as bf16 (FP16_DISPATCHED), fp32 never.
         let fp16 = AttentionCase {
             dtype: Dtype::F16,
             ..bwd.clone()
         };
-        assert!(!wgmma_path("sm_90a", &fp16, false, false));
+        assert_eq!(
+            wgmma_path("sm_90a", &fp16, false, false),
+            crate::attention::sm90::FP16_DISPATCHED
+        );
+        let fp32 = AttentionCase {
+            dtype: Dtype::F32,
+            ..bwd.clone()
+        };
+        assert!(!wgmma_path("sm_90a", &fp32, false, false));
     }
 }

@@ -20,12 +20,13 @@ use super::cuda::PRELUDE_SRC;
 use super::{AttentionCase, Dtype};
 use crate::gpu::{Gpu, GpuError};
 
-/// Whether the dispatch ([`takes`]) runs fp16 cases on the wgmma kernels too. The kernels
-/// take fp16 ([`HopperForward::with_dtype`], [`HopperBackward::with_dtype`]: the same
-/// instructions on `f16` operands) and NVRTC compiles them, but until their GPU tests have
-/// passed on the device fp16 stays on the portable kernels ([`fp16_dispatched`] says what a
-/// process does).
-pub const FP16_DISPATCHED: bool = false;
+/// Whether the dispatch ([`takes`]) runs fp16 cases on the wgmma kernels too
+/// ([`HopperForward::with_dtype`], [`HopperBackward::with_dtype`]: the same instructions on
+/// `f16` operands). On since their GPU test (`wgmma_fp16_forward_and_backward_match_float64`,
+/// the backward test's 28 cases against float64) passed on the H200 at 64f179b
+/// (`data/logs/gpu_attention_wgmma_fp16_tests_64f179b.log`); `false` puts fp16 back on the
+/// portable kernels ([`fp16_dispatched`] says what a process does).
+pub const FP16_DISPATCHED: bool = true;
 
 /// The environment variable that makes this process dispatch fp16 to the wgmma kernels before
 /// [`FP16_DISPATCHED`] does (value `1`): for the GPU tests and probes of that path.
