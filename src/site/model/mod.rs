@@ -40,7 +40,7 @@ pub const SEQUENCE_MIXERS_COMMAND: &str =
 
 /// Command that produces the GPU kernel-sum document.
 pub const KERNEL_SUMS_COMMAND: &str =
-    "cargo run --release --bin kernel_sums -- --compare torch --output data/gpu_kernel_sums.json";
+    "cargo run --release --bin kernel_sums -- --compare torch,jax,ott,geomloss --output data/gpu_kernel_sums.json";
 
 /// Command that measures the MoE suite on the GPU.
 pub const MOE_COMMAND: &str =
@@ -148,13 +148,15 @@ pub(crate) fn reproduce_commands<'a>(docs: impl Iterator<Item = &'a Loaded>) -> 
 /// distribution), e.g. `Python 3.12.3, torch 2.11.0+cu130, triton 3.6.0, fla-core 0.6.0`; `None`
 /// when the run compared with no Python library.
 pub fn python_packages(l: &Loaded) -> Option<String> {
-    const PIP_NAMES: [(&str, &str); 6] = [
+    const PIP_NAMES: [(&str, &str); 8] = [
         ("torch", "torch"),
         ("triton", "triton"),
         ("fla", "fla-core"),
         ("jax", "jax"),
         ("jaxlib", "jaxlib"),
         ("jax_cuda13_plugin", "jax-cuda13-plugin"),
+        ("ott-jax", "ott-jax"),
+        ("geomloss", "geomloss"),
     ];
     let libs = &l.doc.config.libraries;
     let packages: Vec<String> = PIP_NAMES
