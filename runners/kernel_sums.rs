@@ -251,7 +251,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "fp32".into(),
             rule: format!(
-                "always: one thread per output row ({THREADS} per block), Y streamed through shared memory in tiles, never an N × M matrix; dim {} compiled as constants with 2 rows per thread, any other dim through the generic kernel; the base-2 exponential on the special-function unit (ex2.approx); the log-sum-exp at those dims without the gradient splits Y into parts of whole tiles (at least {} points, but the last) when the row blocks are fewer than {}, and a second kernel merges each row's parts; Sinkhorn's iteration keeps its potentials on the device",
+                "always: one thread per output row ({THREADS} per block), Y streamed through shared memory in tiles, never an N × M matrix; dim {} compiled as constants with 2 rows per thread, any other dim through the generic kernel; the base-2 exponential on the special-function unit (ex2.approx); at those dims the log-sum-exp without the gradient, the KDE and the one-column matvec split Y into parts of whole tiles (at least {} points, but the last) when the row blocks are fewer than {}, and a second kernel merges each row's parts; Sinkhorn's iteration keeps its potentials on the device",
                 dims.join(", "),
                 ks_cuda::SPLIT_MIN_POINTS,
                 ks_cuda::SPLIT_TARGET_BLOCKS
@@ -587,7 +587,7 @@ impl own::Launcher for GpuLaunch {
         Ok(())
     }
     fn temporary_bytes(&self) -> u64 {
-        // The kernel's own output buffer, apart from the runner's, and a split log-sum-exp's
+        // The kernel's own output buffer, apart from the runner's, and a split kernel sum's
         // partials.
         self.case.output_len() as u64 * 4 + self.runner.workspace_bytes()
     }

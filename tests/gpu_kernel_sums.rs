@@ -166,9 +166,10 @@ fn every_op_matches_float64() {
     check_cases(&cases, 1);
 }
 
-/// The entry points and tiles the main grid does not reach: D = 2 (its own kernels), D = 5
-/// and 130 (the generic kernels with a feature chunk cut short, and several chunks), column
-/// counts needing 4-, 16- and several 64-column tiles, and N, M off every tile size.
+/// The entry points and tiles the main grid does not reach: D = 2 (its own kernels, split and
+/// not), D = 5 and 130 (the generic kernels with a feature chunk cut short, and several
+/// chunks), column counts needing 4-, 16- and several 64-column tiles, and N, M off every tile
+/// size.
 #[test]
 #[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
 fn other_dimensions_and_column_tiles() {
@@ -188,6 +189,14 @@ fn other_dimensions_and_column_tiles() {
                 ..KernelSumCase::new(Op::KernelLse, n, m, dim)
             });
         }
+    }
+    // The split matvec and KDE at D = 2 (few row blocks, Y in parts: the main grid's
+    // M = 1025 splits D = 1 and 3), the last part short.
+    for m in [1000, 1300] {
+        let plan = cuda::entry_point(&KernelSumCase::new(Op::Kde, 300, m, 2)).unwrap();
+        assert!(plan.splits > 1, "{plan:?}");
+        cases.push(KernelSumCase::new(Op::RbfMv, 300, m, 2));
+        cases.push(KernelSumCase::new(Op::Kde, 300, m, 2));
     }
     // Rows per block 256 and 128: one past, one short.
     for (n, m) in [(257, 129), (129, 257), (255, 33)] {

@@ -416,23 +416,29 @@ fn kernel_sums_kernels_compile() {
         assert_eq!(r.spill_bytes, 0, "{r:?}");
         assert!(r.registers <= 255, "{r:?}");
     }
-    // Each entry point alone, as the runner compiles it: itself, and for a split log-sum-exp
+    // Each entry point alone, as the runner compiles it: itself, and for a split kernel sum
     // the combine that merges its partials (compiled with it, never alone).
-    use kernelpages::kernel_sums::cuda::COMBINE;
-    for f in names.iter().filter(|f| *f != COMBINE) {
+    use kernelpages::kernel_sums::cuda::{COMBINE, SUM_COMBINE};
+    for f in names.iter().filter(|f| *f != COMBINE && *f != SUM_COMBINE) {
         let ptx = kernelpages::gpu::nvrtc_compile(&format!("{f}.cu"), &entry_source(f), "sm_90a")
             .unwrap_or_else(|e| panic!("{e}"));
         let text = ptx.to_src();
         assert!(text.contains(&format!(".entry {f}(")), "{f} alone");
-        let split = f.starts_with("kernel_lse_split_");
+        let lse_split = f.starts_with("kernel_lse_split_");
+        let sum_split = f.starts_with("rbf_mv_split_") || f.starts_with("kde_split_");
         assert_eq!(
             text.matches(".entry ").count(),
-            1 + split as usize,
+            1 + (lse_split || sum_split) as usize,
             "{f} alone"
         );
         assert_eq!(
             text.contains(&format!(".entry {COMBINE}(")),
-            split,
+            lse_split,
+            "{f} alone"
+        );
+        assert_eq!(
+            text.contains(&format!(".entry {SUM_COMBINE}(")),
+            sum_split,
             "{f} alone"
         );
     }
@@ -630,7 +636,7 @@ fn wgmma_probe_compiles_for_sm_90a() {
         src,
         kernelpages::attention::sm90::wgmma_source_for(None, Dtype::Bf16)
     );
-    // bf16, then fp16 (the same kernels on f16 operands: FP16_DISPATCHED waits for the GPU).
+    // bf16, then fp16 (the same kernels on f16 operands, dispatched with FP16_DISPATCHED).
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let src = kernelpages::attention::sm90::wgmma_source_for(None, dtype);
         let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
@@ -680,7 +686,7 @@ fn wgmma_backward_compiles_for_sm_90a() {
     );
     use kernelpages::attention::Dtype;
     let src = kernelpages::attention::sm90::bwd_source(None);
-    // fp16's kernels (FP16_DISPATCHED waits for the GPU): the same names, no spills, the main
+    // fp16's kernels (dispatched with FP16_DISPATCHED): the same names, no spills, the main
     // kernel at the register cap.
     for d in [64, 128] {
         let f16 = kernelpages::attention::sm90::bwd_source_for(Some(d), Dtype::F16);

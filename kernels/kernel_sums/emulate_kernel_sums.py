@@ -60,7 +60,7 @@ REAL = Consts(128, 16, 32, 16, 1024)
 SMALL = Consts(8, 4, 3, 8, 8)
 
 
-# ---- the host's plan (cuda.rs: entry_point, lse_splits) ----
+# ---- the host's plan (cuda.rs: entry_point, y_splits) ----
 def splits(K, row_blocks, m):
     want = -(-K.SPLIT_TARGET // max(row_blocks, 1))
     most = max(m // K.SPLIT_MIN, 1)
@@ -80,7 +80,8 @@ def plan(op, n, dim, cols, K, grad=False, m=0):
     rows_per_thread = 2 if small and ct < 64 else 1
     rows_per_block = K.T * rows_per_thread
     blocks = -(-n // rows_per_block)
-    split = splits(K, blocks, m) if small and op == "kernel_lse" and not grad else (1, m)
+    splittable = {"kernel_lse": not grad, "kde": True, "rbf_mv": cols == 1}[op]
+    split = splits(K, blocks, m) if small and splittable else (1, m)
     return small, ct, rows_per_thread, (blocks, max(-(-cols // ct), split[0])), split
 
 
@@ -103,12 +104,19 @@ def ks_neg_sq(D, x, p, start):
     return q
 
 
-def rbf_small(K, D, CT, R, KDE, X, Y, B, out, N, M, C, k, out_scale, grid):
+def rbf_small(K, D, CT, R, KDE, X, Y, B, out, N, M, C, k, out_scale, grid, part=None,
+              split_len=0):
+    """rbf_small<D, CT, R, KDE, SPLIT>; SPLIT when `part` is given (CT == 1): block (bx, by)
+    sums points [by * split_len, min(M, ...)) into part[by * N + i], unscaled."""
     T = K.T
     s = math.sqrt(k)
+    split = part is not None
+    assert not split or CT == 1
     for by in range(grid[1]):
         for bx in range(grid[0]):
-            c0 = by * CT
+            c0 = 0 if split else by * CT
+            yb = by * split_len if split else 0
+            ye = min(yb + split_len, M) if split else M
             ys = [(NAN,) * 4] * T  # __shared__ float4 ys[KS_TILE]
             bs = [NAN] * (T * CT)
             x, acc, nxt = {}, {}, {}
@@ -120,14 +128,14 @@ def rbf_small(K, D, CT, R, KDE, X, Y, B, out, N, M, C, k, out_scale, grid):
                     acc[t, r] = [0.0] * CT
 
                 def fetch(j):
-                    if j >= M:
+                    if j >= ye:
                         return (0.0, 0.0, 0.0, 0.0)
                     w = 1.0 if KDE else (B[j * C + c0] if CT == 1 else 0.0)
                     return ks_point(Y, D, j, s, w)
 
-                nxt[t] = fetch(t)
-            j0 = 0
-            while j0 < M:
+                nxt[t] = fetch(yb + t)
+            j0 = yb
+            while j0 < ye:
                 # __syncthreads(); stores; __syncthreads()
                 for t in range(T):
                     ys[t] = nxt[t]
@@ -151,10 +159,23 @@ def rbf_small(K, D, CT, R, KDE, X, Y, B, out, N, M, C, k, out_scale, grid):
             for t in range(T):
                 for r in range(R):
                     i = bx * (T * R) + t + r * T
-                    if i < N:
+                    if split:
+                        if i < N:
+                            part[by * N + i] = acc[t, r][0]
+                    elif i < N:
                         for c in range(CT):
                             if c0 + c < C:
                                 out[i * C + c0 + c] = acc[t, r][c] * out_scale
+
+
+def sum_combine(K, part, out, N, splits, scale):
+    """kernel_sum_combine: one thread per row, grid ceil(N / T)."""
+    for bx in range(-(-N // K.T)):
+        for t in range(K.T):
+            i = bx * K.T + t
+            if i >= N:
+                continue
+            out[i] = sum(part[q * N + i] for q in range(splits)) * scale
 
 
 # ---- small D: lse_small<D, R, GRAD> ----
@@ -370,7 +391,12 @@ def run(K, op, grad, X, Y, W, n, m, dim, cols, sigma, eps):
         norm = (2 * math.pi * sigma * sigma) ** (-dim / 2) / m if op == "kde" else 1.0
         kde = op == "kde"
         C = cols if op == "rbf_mv" else 1
-        if small:
+        if small and nsplit > 1:
+            part = Global("part", [NAN] * (nsplit * n))
+            rbf_small(K, dim, ct, R, kde, Xg, Yg, Wg, None, n, m, C, k, 1.0, grid, part,
+                      split_len)
+            sum_combine(K, part, out, n, nsplit, norm)
+        elif small:
             rbf_small(K, dim, ct, R, kde, Xg, Yg, Wg, out, n, m, C, k, norm, grid)
         else:
             rbf_dn(K, ct, kde, Xg, Yg, Wg, out, n, m, dim, C, k, norm, grid)
@@ -502,6 +528,14 @@ def main():
     oks.append(case(SMALL, "kernel_lse", 9, 70, 3, seed=23, g_fill=lambda W: W.__setitem__(
         slice(None), [NEG] * len(W))))
 
+    # The matvec (one column) and the KDE split the same way; several columns never do.
+    for n, m in [(9, 70), (33, 50), (3, 161)]:
+        assert plan("kde", n, 3, 1, SMALL, False, m)[4][0] > 1, (n, m)
+        assert plan("rbf_mv", n, 3, 3, SMALL, False, m)[4][0] == 1, (n, m)
+        for dim in (1, 2, 3):
+            oks.append(case(SMALL, "rbf_mv", n, m, dim, 1, seed=2 * n + m + dim))
+            oks.append(case(SMALL, "kde", n, m, dim, seed=3 * n + m + dim))
+
     # The kernel's own constants, one case per template, sizes off every block.
     oks.append(case(REAL, "rbf_mv", 300, 130, 3, 1, seed=11))
     oks.append(case(REAL, "rbf_mv", 130, 129, 2, 3, seed=12))
@@ -511,6 +545,9 @@ def main():
     # The split path with the kernel's constants: 2 row blocks, 1000 points in 3 splits.
     assert plan("kernel_lse", 257, 3, 1, REAL, False, 1000)[4] == (3, 384)
     oks.append(case(REAL, "kernel_lse", 257, 1000, 3, seed=19))
+    assert plan("rbf_mv", 257, 3, 1, REAL, False, 1000)[4] == (3, 384)
+    oks.append(case(REAL, "rbf_mv", 257, 1000, 3, 1, seed=24))
+    oks.append(case(REAL, "kde", 257, 1000, 2, seed=25))
     oks.append(case(REAL, "kernel_lse", 140, 70, 17, grad=True, seed=16))
     oks.append(case(REAL, "rbf_mv", 129, 33, 17, 5, seed=17))
     oks.append(case(REAL, "kde", 130, 40, 16, seed=18))

@@ -23,6 +23,10 @@
 //   kernel_lse_split_d* (X, Y, G, float2* part, N, M, D, k, two_over_eps,
 //                 long long split_len), then kernel_lse_combine (const float2* part,
 //                 float* out, long long N, int splits)
+//   rbf_mv_split_d* (X, Y, B, float* part, N, M, D, C = 1, k, long long split_len) and
+//   kde_split_d* (X, Y, float* part, N, M, D, k, norm, long long split_len), then
+//                 kernel_sum_combine (const float* part, float* out, long long N,
+//                 int splits, float scale)
 // with k = log2(e) / (2 sigma^2) for rbf_mv and kde, k = log2(e) / eps for kernel_lse: every
 // exponent is computed in base 2 and exponentiated with ex2.approx.ftz.f32: one MUFU.EX2. CUDA's
 // exp2f is the same instruction plus a fix-up for results below 2^-126 (NVRTC 13's SASS), and
@@ -33,7 +37,7 @@
 //
 // Launch (src/kernel_sums/cuda.rs): KS_THREADS threads per block; grid.x = ceil(N / rows per
 // block), grid.y = ceil(C / CT) column tiles for rbf_mv, the number of splits of Y for
-// kernel_lse_split_d* (1 otherwise); no dynamic shared memory. Rows per block: KS_THREADS * R for the small-D kernels (R rows per thread,
+// the *_split_d* kernels (1 otherwise); no dynamic shared memory. Rows per block: KS_THREADS * R for the small-D kernels (R rows per thread,
 // rows t, t + KS_THREADS, ... of the block so stores stay coalesced), KS_THREADS for _dn.
 // Offsets into X, Y, B and out are 64-bit (N*D and N*C may pass 2^31); any N, M >= 1 works:
 // Y tiles past M are padded with points that contribute exactly 0 (weight 0, or g = -inf), rows
@@ -119,17 +123,28 @@ __device__ __forceinline__ float ks_neg_sq(const float* x, float4 p, float start
 // With CT == 1 the weight b[j, c0] (1 for kde, 0 past M) rides in the point's .w; with CT > 1
 // the tile's weights [KS_TILE][CT] (0 past M or C) are staged in shared memory and read as
 // float4 broadcasts.
-template <int D, int CT, int R, bool KDE>
+//
+// SPLIT (CT == 1 and C == 1 only): grid.y splits Y instead of the columns, as lse_small's
+// split: the block sums points [yb, ye) of Y, yb = blockIdx.y * split_len, and writes each
+// row's compensated partial sum, unscaled, to part[blockIdx.y * N + i]; kernel_sum_combine adds
+// a row's grid.y partials and scales them (the KDE's normalisation). It fills the SMs when N
+// alone gives few blocks (N = 10^4: 40 blocks of 256 rows for 132 SMs).
+template <int D, int CT, int R, bool KDE, bool SPLIT>
 __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const float* __restrict__ Y,
                                           const float* __restrict__ B, float* __restrict__ out,
                                           long long N, long long M, int C, float k,
-                                          float out_scale) {
+                                          float out_scale, float* __restrict__ part,
+                                          long long split_len) {
+    static_assert(!SPLIT || CT == 1, "the split takes one column");
     __shared__ float4 ys[KS_TILE];
     __shared__ __align__(16) float bs[CT > 1 ? KS_TILE * CT : 4];
     const int t = threadIdx.x;
     const float s = sqrtf(k);
     const long long row0 = (long long)blockIdx.x * (KS_THREADS * R) + t;
-    const int c0 = blockIdx.y * CT;
+    const int c0 = SPLIT ? 0 : blockIdx.y * CT;
+    // This block's points of Y: [yb, ye).
+    const long long yb = SPLIT ? (long long)blockIdx.y * split_len : 0;
+    const long long ye = SPLIT ? (yb + split_len < M ? yb + split_len : M) : M;
 
     // Each tile's terms are summed apart (tacc), then added to the row's total (acc),
     // compensated (comp) up to 4 columns; 16 and 64 columns add plainly (the registers of a
@@ -149,11 +164,11 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
     }
 
     // The thread's point of the next tile, loaded while the current one is consumed.
-    long long j = t;
+    long long j = yb + t;
     float4 next = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (j < M) next = ks_point<D>(Y, j, s, KDE ? 1.f : (CT == 1 ? B[j * C + c0] : 0.f));
+    if (j < ye) next = ks_point<D>(Y, j, s, KDE ? 1.f : (CT == 1 ? B[j * C + c0] : 0.f));
 
-    for (long long j0 = 0; j0 < M; j0 += KS_TILE) {
+    for (long long j0 = yb; j0 < ye; j0 += KS_TILE) {
         __syncthreads();  // every thread is done with the previous tile
         ys[t] = next;
         if (CT > 1) {
@@ -166,7 +181,7 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
         __syncthreads();
         j = j0 + KS_TILE + t;
         next = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (j < M) next = ks_point<D>(Y, j, s, KDE ? 1.f : (CT == 1 ? B[j * C + c0] : 0.f));
+        if (j < ye) next = ks_point<D>(Y, j, s, KDE ? 1.f : (CT == 1 ? B[j * C + c0] : 0.f));
 
 #pragma unroll
         for (int r = 0; r < R; ++r)
@@ -210,7 +225,9 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const long long i = row0 + (long long)r * KS_THREADS;
-        if (i < N) {
+        if (SPLIT) {
+            if (i < N) part[(long long)blockIdx.y * N + i] = acc[r][0];
+        } else if (i < N) {
 #pragma unroll
             for (int c = 0; c < CT; ++c)
                 if (c0 + c < C) out[i * C + c0 + c] = acc[r][c] * out_scale;
@@ -579,13 +596,27 @@ __device__ __forceinline__ void lse_dn(const float* __restrict__ X, const float*
     extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
         rbf_mv_d##D##_c##CT(const float* X, const float* Y, const float* B, float* out,       \
                             long long N, long long M, int Dn, int C, float k) {                \
-        rbf_small<D, CT, R, false>(X, Y, B, out, N, M, C, k, 1.f);                             \
+        rbf_small<D, CT, R, false, false>(X, Y, B, out, N, M, C, k, 1.f, nullptr, 0);         \
+    }
+#define KS_RBF_SPLIT_SMALL(D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
+        rbf_mv_split_d##D(const float* X, const float* Y, const float* B, float* part,        \
+                          long long N, long long M, int Dn, int C, float k,                    \
+                          long long split_len) {                                              \
+        rbf_small<D, 1, 2, false, true>(X, Y, B, nullptr, N, M, C, k, 1.f, part, split_len);   \
     }
 #define KS_KDE_SMALL(D)                                                                        \
     extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
         kde_d##D(const float* X, const float* Y, float* out, long long N, long long M, int Dn, \
                  float k, float norm) {                                                        \
-        rbf_small<D, 1, 2, true>(X, Y, nullptr, out, N, M, 1, k, norm);                        \
+        rbf_small<D, 1, 2, true, false>(X, Y, nullptr, out, N, M, 1, k, norm, nullptr, 0);     \
+    }
+#define KS_KDE_SPLIT_SMALL(D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
+        kde_split_d##D(const float* X, const float* Y, float* part, long long N, long long M,  \
+                       int Dn, float k, float norm, long long split_len) {                    \
+        rbf_small<D, 1, 2, true, true>(X, Y, nullptr, nullptr, N, M, 1, k, 1.f, part,          \
+                                       split_len);                                            \
     }
 #define KS_LSE_SMALL(D)                                                                        \
     extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
@@ -708,6 +739,41 @@ extern "C" __global__ void __launch_bounds__(KS_THREADS)
         ks_kahan_add(sum, sum_c, p.y * ks_ex2(p.x - ref));
     }
     out[i] = (m + log2f(sum)) * KS_LN2;
+}
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_split_d1)
+KS_RBF_SPLIT_SMALL(1)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_split_d2)
+KS_RBF_SPLIT_SMALL(2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_split_d3)
+KS_RBF_SPLIT_SMALL(3)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kde_split_d1)
+KS_KDE_SPLIT_SMALL(1)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kde_split_d2)
+KS_KDE_SPLIT_SMALL(2)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kde_split_d3)
+KS_KDE_SPLIT_SMALL(3)
+#endif
+// Adds the `splits` partial sums of each row that rbf_mv_split_d* and kde_split_d* wrote
+// (compensated, in split order) and scales the total: out[i] = scale * sum_q part[q * N + i]
+// (scale 1 for rbf_mv, the KDE's normalisation for kde). One thread per row; grid.x =
+// ceil(N / KS_THREADS). Compiled with each of those entry points (the host launches the pair).
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_split_d1) || defined(KS_ENTRY_rbf_mv_split_d2) ||       \
+    defined(KS_ENTRY_rbf_mv_split_d3) || defined(KS_ENTRY_kde_split_d1) ||                    \
+    defined(KS_ENTRY_kde_split_d2) || defined(KS_ENTRY_kde_split_d3)
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    kernel_sum_combine(const float* __restrict__ part, float* __restrict__ out, long long N,
+                       int splits, float scale) {
+    const long long i = (long long)blockIdx.x * KS_THREADS + threadIdx.x;
+    if (i >= N) return;
+    float sum = 0.f, sum_c = 0.f;
+    for (int q = 0; q < splits; ++q) ks_kahan_add(sum, sum_c, part[(long long)q * N + i]);
+    out[i] = sum * scale;
 }
 #endif
 #if KS_ALL || defined(KS_ENTRY_rbf_mv_dn_c1)

@@ -58,6 +58,13 @@ pub fn entry_points() -> Vec<String> {
         v.push(format!("kernel_lse_split_d{d}"));
     }
     v.push(COMBINE.to_string());
+    for d in SMALL_DIMS {
+        v.push(format!("rbf_mv_split_d{d}"));
+    }
+    for d in SMALL_DIMS {
+        v.push(format!("kde_split_d{d}"));
+    }
+    v.push(SUM_COMBINE.to_string());
     for ct in COLUMN_TILES {
         v.push(format!("rbf_mv_dn_c{ct}"));
     }
@@ -79,8 +86,8 @@ pub struct Plan {
     /// Grid: (⌈N / rows_per_block⌉, ⌈C / column_tile⌉ or [`Plan::splits`], 1); blocks of
     /// [`THREADS`].
     pub grid: (u32, u32, u32),
-    /// Parts Y is split into (`kernel_lse_split_d*`, then [`COMBINE`]); 1 for every other
-    /// entry point.
+    /// Parts Y is split into (`kernel_lse_split_d*`, then [`COMBINE`]; `rbf_mv_split_d*` and
+    /// `kde_split_d*`, then [`SUM_COMBINE`]); 1 for every other entry point.
     pub splits: usize,
     /// Points of Y per split (a multiple of the tile, [`TILE`]); M when there is one.
     pub split_len: usize,
@@ -89,22 +96,40 @@ pub struct Plan {
 /// The entry point that merges the split log-sum-exp's partials.
 pub const COMBINE: &str = "kernel_lse_combine";
 
+/// The entry point that adds the split Gaussian matvec's and KDE's partial sums.
+pub const SUM_COMBINE: &str = "kernel_sum_combine";
+
+impl Plan {
+    /// The entry point that merges this plan's partials ([`COMBINE`] or [`SUM_COMBINE`]), and
+    /// the floats each row and split leaves (2: maximum and sum; 1: a sum); `None` unsplit.
+    pub fn combine(&self) -> Option<(&'static str, usize)> {
+        if self.splits <= 1 {
+            None
+        } else if self.entry.starts_with("kernel_lse_split_") {
+            Some((COMBINE, 2))
+        } else {
+            Some((SUM_COMBINE, 1))
+        }
+    }
+}
+
 /// Y points per shared-memory tile of the small-dimension kernels (`KS_TILE`).
 pub const TILE: usize = 128;
 
-/// Blocks the split log-sum-exp aims for (about eight per SM of an H100 or H200) before it
-/// stops splitting Y.
+/// Blocks a split kernel sum aims for (about eight per SM of an H100 or H200) before it stops
+/// splitting Y.
 pub const SPLIT_TARGET_BLOCKS: usize = 1024;
 
 /// Fewest points of Y a split takes (two tiles).
 pub const SPLIT_MIN_POINTS: usize = 2 * TILE;
 
-/// How many parts the log-sum-exp (dim ≤ 3, no gradient) of `n` rows over `m` points splits Y
-/// into, and the points per part: none (1, m) when the row blocks alone reach
+/// How many parts a kernel sum at dim ≤ 3 (the log-sum-exp without the gradient, the KDE, the
+/// one-column Gaussian matvec) of `row_blocks` blocks of rows over `m` points splits Y into,
+/// and the points per part: none (1, m) when the row blocks alone reach
 /// [`SPLIT_TARGET_BLOCKS`]; else enough parts to reach it, each (but the last, which takes
 /// what remains) at least [`SPLIT_MIN_POINTS`] long and a whole number of tiles. The same rule as
 /// `kernels/kernel_sums/emulate_kernel_sums.py`'s `splits`.
-pub fn lse_splits(row_blocks: usize, m: usize) -> (usize, usize) {
+pub fn y_splits(row_blocks: usize, m: usize) -> (usize, usize) {
     let want = SPLIT_TARGET_BLOCKS.div_ceil(row_blocks.max(1));
     let most = (m / SPLIT_MIN_POINTS).max(1);
     let parts = want.min(most);
@@ -145,13 +170,20 @@ pub fn entry_point(c: &KernelSumCase) -> Result<Plan, GpuError> {
     let rows_per_thread = if small && column_tile < 64 { 2 } else { 1 };
     let rows_per_block = THREADS as usize * rows_per_thread;
     let blocks = c.n.div_ceil(rows_per_block);
-    let (splits, split_len) = if small && c.op == Op::KernelLse && !c.grad {
-        lse_splits(blocks, c.m)
+    let splittable = match c.op {
+        Op::KernelLse => !c.grad,
+        Op::Kde => true,
+        Op::RbfMv => c.cols == 1,
+    };
+    let (splits, split_len) = if small && splittable {
+        y_splits(blocks, c.m)
     } else {
         (1, c.m)
     };
     let entry = match (c.op, c.grad) {
+        (Op::RbfMv, _) if splits > 1 => format!("rbf_mv_split_{dim}"),
         (Op::RbfMv, _) => format!("rbf_mv_{dim}_c{column_tile}"),
+        (Op::Kde, _) if splits > 1 => format!("kde_split_{dim}"),
         (Op::Kde, _) => format!("kde_{dim}"),
         (Op::KernelLse, false) if splits > 1 => format!("kernel_lse_split_{dim}"),
         (Op::KernelLse, false) => format!("kernel_lse_{dim}"),
@@ -251,12 +283,14 @@ pub fn scalars(c: &KernelSumCase, s: Scale) -> Result<(f32, f32), GpuError> {
 }
 
 /// One case's compiled entry point and launch geometry. The caller owns the inputs
-/// ([`upload`]) and the output; a split log-sum-exp ([`Plan::splits`] > 1) also holds its
-/// partials (2·splits·N floats) and the [`COMBINE`] entry point.
+/// ([`upload`]) and the output; a split kernel sum ([`Plan::splits`] > 1) also holds its
+/// partials (2·splits·N floats for the log-sum-exp, splits·N for the others) and the entry
+/// point that merges them ([`Plan::combine`]).
 pub struct Runner {
     func: CudaFunction,
     plan: Plan,
-    /// The merge of a split log-sum-exp and its partials (`float2` per row and split).
+    /// The merge of a split kernel sum and its partials ([`Plan::combine`]'s floats per row and
+    /// split).
     combine: Option<(CudaFunction, CudaSlice<f32>)>,
     /// NVRTC compile and module load time of the entry point, s (0 when this process had
     /// compiled it already).
@@ -276,11 +310,12 @@ impl Runner {
             &entry_source(&plan.entry),
         )?;
         let func = gpu.function(&compiled.module, &plan.entry, 0)?;
-        let combine = if plan.splits > 1 {
-            let part = gpu.stream.alloc_zeros::<f32>(2 * plan.splits * c.n)?;
-            Some((gpu.function(&compiled.module, COMBINE, 0)?, part))
-        } else {
-            None
+        let combine = match plan.combine() {
+            Some((entry, per_row)) => {
+                let part = gpu.stream.alloc_zeros::<f32>(per_row * plan.splits * c.n)?;
+                Some((gpu.function(&compiled.module, entry, 0)?, part))
+            }
+            None => None,
         };
         Ok(Runner {
             func,
@@ -290,7 +325,7 @@ impl Runner {
         })
     }
 
-    /// Device bytes the runner holds: a split log-sum-exp's partials.
+    /// Device bytes the runner holds: a split kernel sum's partials.
     pub fn workspace_bytes(&self) -> u64 {
         self.combine.as_ref().map_or(0, |(_, p)| 4 * p.len() as u64)
     }
@@ -341,16 +376,17 @@ impl Runner {
                 out.len()
             )));
         }
+        let per_row = self.plan.combine().map_or(0, |(_, f)| f);
         if let Some((_, part)) = &self.combine {
             // The partials were sized for the case `new` was given; another N with the same
             // plan (same row blocks) must not write past them.
-            if part.len() < 2 * self.plan.splits * c.n {
+            if part.len() < per_row * self.plan.splits * c.n {
                 return Err(GpuError::Config(format!(
                     "the runner's partials hold {} floats, {} rows × {} splits need {}",
                     part.len(),
                     c.n,
                     self.plan.splits,
-                    2 * self.plan.splits * c.n
+                    per_row * self.plan.splits * c.n
                 )));
             }
         }
@@ -393,9 +429,11 @@ impl Runner {
         // write only inside those (64-bit offsets, guarded rows, points and columns), and the
         // grid is the plan's, which covers every row and column tile. A split entry point
         // (kernel_lse_split_d*: X, Y, G, float2* part, N, M, D, k, two_over_eps,
-        // long long split_len) writes part[q·N + i] for its split q < grid.y = splits, whose
-        // points [q·split_len, min(M, (q+1)·split_len)) lie in Y; the partials hold
-        // 2·splits·N floats (allocated in `new` for this case's N).
+        // long long split_len; rbf_mv_split_d*: X, Y, B, float* part, N, M, D, C = 1, k,
+        // split_len; kde_split_d*: X, Y, float* part, N, M, D, k, norm, split_len) writes
+        // part[q·N + i] for its split q < grid.y = splits, whose points
+        // [q·split_len, min(M, (q+1)·split_len)) lie in Y; the partials hold
+        // per_row·splits·N floats (allocated in `new` for this case's N, checked above).
         unsafe { b.launch(cfg)? };
         if let Some((combine, part)) = &self.combine {
             let splits = self.plan.splits as i32;
@@ -404,11 +442,18 @@ impl Runner {
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
+            // The KDE's normalisation (`second`; 1 for the matvec) scales the merged sums.
             let mut b = gpu.stream.launch_builder(combine);
             b.arg(part).arg(&mut *out).arg(&n).arg(&splits);
+            if per_row == 1 {
+                b.arg(&second);
+            }
             // SAFETY: kernel_lse_combine(const float2* part, float* out, long long N,
-            // int splits): part holds splits·N float2 (written by the launch above, on the
-            // same stream), out N floats (checked above); one thread per row, guarded by N.
+            // int splits) and kernel_sum_combine(const float* part, float* out, long long N,
+            // int splits, float scale): part holds per_row·splits·N floats (written by the
+            // launch above, on the same stream), out at least N floats (checked above: N for
+            // the log-sum-exp and the KDE, N·C with C = 1 for the matvec); one thread per row,
+            // guarded by N.
             unsafe { b.launch(cfg)? };
         }
         Ok(())
@@ -524,7 +569,7 @@ struct HalfStep {
 /// writes this cloud's potential pot_i = −ε·lse_i (float64) and its own h_i. [`DeviceSinkhorn::new`]
 /// ends with f⁰ (the x half-step against g = 0); each [`DeviceSinkhorn::step`] updates g from
 /// f, then f from g (Cuturi 2013, in the log domain): four launches, six when the
-/// log-sum-exps split Y ([`lse_splits`]).
+/// log-sum-exps split Y ([`y_splits`]).
 ///
 /// Memory on the device: both clouds twice (float32, `[n, dim]` and `[m, dim]`), and per point
 /// its log-weight and potential (float64), h and the log-sum-exp (float32).
@@ -732,13 +777,13 @@ mod tests {
     #[test]
     fn every_case_has_an_entry_point_in_the_source() {
         let names = entry_points();
-        assert_eq!(names.len(), 32);
+        assert_eq!(names.len(), 39);
         // The launch's block size and tile are the ones the kernels are written for.
         assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_THREADS {THREADS}\n")));
         assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_TILE {TILE}\n")));
-        for name in names.iter().filter(|n| *n != COMBINE) {
+        for name in names.iter().filter(|n| *n != COMBINE && *n != SUM_COMBINE) {
             // Each entry point has its own selection guard (entry_source relies on it); the
-            // combine is compiled with every split entry point.
+            // combines are compiled with their split entry points.
             assert!(
                 KERNEL_SUMS_SRC.contains(&format!("defined(KS_ENTRY_{name})")),
                 "{name} has no KS_ENTRY guard"
@@ -768,15 +813,15 @@ mod tests {
     #[test]
     fn small_row_counts_split_the_log_sum_exp() {
         // Two row blocks over 1000 points: three splits of three tiles (the emulator's case).
-        assert_eq!(lse_splits(2, 1000), (3, 384));
+        assert_eq!(y_splits(2, 1000), (3, 384));
         // A Sinkhorn iteration at 10⁴ points: 40 row blocks, 20 splits of 512 points.
-        assert_eq!(lse_splits(40, 10_000), (20, 512));
+        assert_eq!(y_splits(40, 10_000), (20, 512));
         // Enough row blocks, or too few points for two tiles per split: no split.
-        assert_eq!(lse_splits(SPLIT_TARGET_BLOCKS, 1_000_000), (1, 1_000_000));
-        assert_eq!(lse_splits(1, 300), (1, 300));
+        assert_eq!(y_splits(SPLIT_TARGET_BLOCKS, 1_000_000), (1, 1_000_000));
+        assert_eq!(y_splits(1, 300), (1, 300));
         for (n, m) in [(10_000, 10_000), (100_000, 100_000), (1000, 700), (7, 5000)] {
             let p = entry_point(&KernelSumCase::new(Op::KernelLse, n, m, 3)).unwrap();
-            let (splits, len) = lse_splits(n.div_ceil(256), m);
+            let (splits, len) = y_splits(n.div_ceil(256), m);
             assert_eq!((p.splits, p.split_len), (splits, len), "{n} {m}");
             assert_eq!(p.grid.1 as usize, splits);
             assert_eq!(
@@ -808,6 +853,53 @@ mod tests {
             .unwrap();
         for d in SMALL_DIMS {
             assert!(combine_guard.contains(&format!("defined(KS_ENTRY_kernel_lse_split_d{d})")));
+        }
+        // The matvec (one column) and the KDE split by the same rule, into SUM_COMBINE; the
+        // matvec with more columns (grid.y is its column tiles) never splits.
+        for (n, m) in [
+            (10_000usize, 10_000),
+            (1000, 700),
+            (7, 5000),
+            (300_000, 300_000),
+        ] {
+            let (splits, len) = y_splits(n.div_ceil(256), m);
+            for (op, cols, entry) in [
+                (Op::RbfMv, 1, "rbf_mv_split_d2"),
+                (Op::Kde, 1, "kde_split_d2"),
+            ] {
+                let c = KernelSumCase {
+                    cols,
+                    ..KernelSumCase::new(op, n, m, 2)
+                };
+                let p = entry_point(&c).unwrap();
+                assert_eq!((p.splits, p.split_len), (splits, len), "{op:?} {n} {m}");
+                assert_eq!(p.grid.1 as usize, splits);
+                if splits > 1 {
+                    assert_eq!(p.entry, entry);
+                    assert_eq!(p.combine(), Some((SUM_COMBINE, 1)));
+                } else {
+                    assert_eq!(p.combine(), None);
+                }
+            }
+            let wide = KernelSumCase {
+                cols: 4,
+                ..KernelSumCase::new(Op::RbfMv, n, m, 2)
+            };
+            assert_eq!(entry_point(&wide).unwrap().splits, 1);
+        }
+        let lse = entry_point(&KernelSumCase::new(Op::KernelLse, 10_000, 10_000, 1)).unwrap();
+        assert_eq!(lse.combine(), Some((COMBINE, 2)));
+        let sum_guard = KERNEL_SUMS_SRC
+            .split("kernel_sum_combine(")
+            .next()
+            .unwrap()
+            .rsplit("#if ")
+            .next()
+            .unwrap();
+        for d in SMALL_DIMS {
+            for op in ["rbf_mv", "kde"] {
+                assert!(sum_guard.contains(&format!("defined(KS_ENTRY_{op}_split_d{d})")));
+            }
         }
     }
 
