@@ -76,7 +76,7 @@ struct Cli {
     /// `--grids masks` flex,flash; cpu_flash with --device cpu]. `flex` runs flex_attention (forward, and backward for fwd+bwd) with
     /// the case's mask: the masks grid's named modification, else causal or none. `flash` runs
     /// what the dispatch picks on the device (on compute capability 9.0 the wgmma forward for
-    /// bf16 at head_dim 64 and 128, and the wgmma backward for fwd+bwd); `flash_sm80` the
+    /// bf16 and fp16 at head_dim 64 and 128, and the wgmma backward for fwd+bwd); `flash_sm80` the
     /// portable kernels on those cases, measured on compute capability 9.0 only (`unsupported`
     /// elsewhere).
     #[arg(long, value_delimiter = ',')]
@@ -544,7 +544,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
         DispatchRule {
             entry_point: ENTRY.into(),
             device: "CUDA, compute capability 9.0 (sm_90a)".into(),
-            dtype: if sm90::FP16_DISPATCHED {
+            dtype: if sm90::fp16_dispatched() {
                 "bf16, fp16"
             } else {
                 "bf16"
@@ -1376,7 +1376,8 @@ mod tests {
             );
         }
         // On compute capability 9.0 the bf16 forward at head_dim 64 and 128 is still `flash`
-        // (its wgmma kernel: the second rule, for that device only); fp16 is not.
+        // (its wgmma kernel: the second rule, for that device only); fp16 as the process
+        // dispatches it, and the rule's dtypes say so.
         assert!(rules[1].device.contains("9.0") && rules[2].device.contains("8.0"));
         assert_eq!(rules[1].implementation, Implementation::Flash.name());
         assert!(sm90::takes("sm_90a", &c) && !sm90::takes("sm_89", &c));
@@ -1385,9 +1386,16 @@ mod tests {
             dtype: Dtype::F16,
             ..c.clone()
         };
-        assert!(!sm90::takes("sm_90a", &fp16));
+        assert_eq!(sm90::takes("sm_90a", &fp16), sm90::fp16_dispatched());
+        assert_eq!(
+            rules[1].dtype.contains("fp16"),
+            sm90::fp16_dispatched(),
+            "{:?}",
+            rules[1].dtype
+        );
         // flash_sm80 runs where flash may run the wgmma kernel, never as the default.
         assert!(!suite.is_default(&c.params(), sm80::IMPLEMENTATION));
-        assert!(sm80::unsupported(&c).is_none() && sm80::unsupported(&fp16).is_some());
+        assert!(sm80::unsupported(&c).is_none());
+        assert_eq!(sm80::unsupported(&fp16).is_none(), sm90::fp16_dispatched());
     }
 }

@@ -463,3 +463,30 @@ fn cpu_device_names_the_cpu_the_documents_were_measured_on() {
         .to_string()
         .contains("unknown suite `x`"));
 }
+
+/// `over_tolerance` is true exactly when a row that ran (of the implementation, kept by the
+/// where-clause) has an error above its tolerance: false on the fixture, true once one row's
+/// error is raised past it, and still false for another implementation or a where-clause that
+/// leaves that row out.
+#[test]
+fn over_tolerance_finds_the_flagged_rows() {
+    let mut docs = fixture_docs();
+    let probe = r#"- {{ over_tolerance(suite="attention", implementation="flash") }}
+- {{ over_tolerance(suite="attention", implementation="flash", where="head_dim = 64") }}
+- {{ over_tolerance(suite="attention", implementation="math") }}"#;
+    assert_eq!(items(&docs, probe), ["false", "false", "false"]);
+    let raised = docs[0]
+        .doc
+        .rows
+        .iter_mut()
+        .find(|r| {
+            r.implementation == "flash"
+                && r.status == Status::Ok
+                && r.accuracy.is_some()
+                && r.int("head_dim") != Some(64)
+        })
+        .expect("an ok flash row with an accuracy, not at head_dim 64");
+    let acc = raised.accuracy.as_mut().unwrap();
+    acc.rel_err = acc.tolerance * 2.0;
+    assert_eq!(items(&docs, probe), ["true", "false", "false"]);
+}

@@ -1,7 +1,7 @@
 //! The `flash_sm80` implementation of the attention runner: the portable flash kernels
 //! (mma.sync, compute capability 8.0 and newer) measured on their own where `flash` runs
 //! another kernel, so that the page compares the two on the same card. Today that is compute
-//! capability 9.0, where `flash` runs the wgmma forward for bf16 at head_dim 64 and 128 (alone,
+//! capability 9.0, where `flash` runs the wgmma forward for bf16 and fp16 at head_dim 64 and 128 (alone,
 //! or with the wgmma backward: [`kernelpages::attention::sm90::takes`], issue 11).
 //! Elsewhere `flash` is this kernel, and the row is `unsupported` with that reason (on another
 //! device, when the case runs).
@@ -23,8 +23,13 @@ pub fn unsupported(c: &AttentionCase) -> Option<String> {
     if !sm90::takes("sm_90a", c) {
         return Some(format!(
             "flash runs this same portable kernel here; {IMPLEMENTATION} is measured where \
-             flash runs the wgmma forward (bf16, head_dim 64 or 128, a positive scale, compute \
-             capability 9.0)"
+             flash runs the wgmma forward (bf16{}, head_dim 64 or 128, a positive scale, \
+             compute capability 9.0)",
+            if sm90::fp16_dispatched() {
+                " or fp16"
+            } else {
+                ""
+            }
         ));
     }
     Implementation::Flash.supports(c).err()
@@ -80,9 +85,14 @@ mod tests {
         };
         assert_eq!(unsupported(&both), None);
         assert!(sm90::takes("sm_90a", &both));
+        let fp16 = AttentionCase {
+            dtype: Dtype::F16,
+            ..c.clone()
+        };
+        assert_eq!(unsupported(&fp16).is_none(), sm90::fp16_dispatched());
         for other in [
             AttentionCase {
-                dtype: Dtype::F16,
+                dtype: Dtype::F32,
                 ..c.clone()
             },
             AttentionCase::new(1, 1, 64, 256),

@@ -12,12 +12,15 @@ only work on the N x M pairs), called as its Sinkhorn loop calls it:
   geomloss's `squared_distances(x, y) / 2` (SamplesLoss's cost for p = 2), held in memory
   (`backend="tensorized"`);
 - `geomloss_online`: `softmin_online` with the KeOps reduction SamplesLoss builds for
-  `backend="online"` (`keops_lse("SqDist(X,Y) / IntCst(2)", dim)`): no N x M matrix. It needs
-  pykeops; without it (or when KeOps fails to compile) the row says why.
+  `backend="online"` on one cloud (`lse_genred(cost_formulas[2], dim)`, the formula
+  `SqDist(X,Y) / IntCst(2)`): no N x M matrix. It needs pykeops; without it (or when KeOps
+  fails to compile) the row says why.
 
 The cost |x - y|^2 / 2 and epsilon = blur^2 are the runner's. One iteration is the runner's: g
-from f, then f from g, with log-weights log(1/N) (geomloss's own loop averages the two
-updates with the previous potentials, which does not change the work).
+from f, then f from g, with log-weights log(1/N). geomloss's own loop differs in two ways the
+rows leave out: it updates f and g together from the previous pair and averages each with its
+previous value (the same two soft-mins), and with `debias=True`, its default, it adds the
+soft-min of each cloud against itself, two more per iteration.
 
 - pass `iteration`: a timed call builds what the backend holds (the two cost matrices, or
   nothing online), then runs ITERATIONS iterations from f = 0; the row's times are the call's
@@ -46,7 +49,7 @@ LIBRARY = "geomloss"
 IMPLEMENTATIONS = ("geomloss_tensorized", "geomloss_online")
 # Iterations per timed call of the `iteration` pass (as ott_sinkhorn's).
 ITERATIONS = 10
-# SamplesLoss's cost for p = 2 on the online backend, as a KeOps formula.
+# SamplesLoss's cost for p = 2 on the online backend (`cost_formulas[2]`), for the notes.
 ONLINE_COST = "SqDist(X,Y) / IntCst(2)"
 
 torch = torch_cpu.torch
@@ -114,7 +117,7 @@ def softmins(implementation, x, y, eps):
         def g_from_f(f):
             return samples.softmin_tensorized(eps, c_yx, a_log + f / eps)
         return f_from_g, g_from_f
-    log_conv = samples.keops_lse(ONLINE_COST, x.shape[1], dtype=str(x.dtype)[6:])
+    log_conv = samples.lse_genred(samples.cost_formulas[2], x.shape[1], dtype=str(x.dtype)[6:])
 
     def f_from_g(g):
         return samples.softmin_online(eps, (x, y), b_log + g / eps, log_conv=log_conv)
@@ -156,6 +159,9 @@ def measure(job):
                               else torch_cpu.libraries())
         if geomloss is not None:
             reply["libraries"]["geomloss"] = getattr(geomloss, "__version__", "unknown")
+        keops = sys.modules.get("pykeops")
+        if keops is not None:
+            reply["libraries"]["pykeops"] = getattr(keops, "__version__", "unknown")
     return reply
 
 
@@ -189,14 +195,21 @@ def _notes(implementation):
             "each timed call builds them and runs %d iterations (g from f, then f from g) "
             "from f = 0; the times are per iteration (the call's / %d); the check is one "
             "iteration from f0 in a separate call" % (ITERATIONS, ITERATIONS),
-            "geomloss's own loop averages each update with the previous potentials "
-            "(symmetric updates): the same soft-mins"]
+            "geomloss's own loop updates f and g together, averaged with the previous pair (the "
+            "same two soft-mins), and by default (debias=True) adds each cloud's soft-min "
+            "against itself, two more per iteration, which these rows leave out"]
 
 
 def _check_first(job, load, first):
-    """torch_outputs' check, on `first`'s one iteration instead of the timed call's outputs."""
+    """torch_outputs' check, on `first`'s one iteration instead of the timed call's outputs;
+    the timed call's f (ITERATIONS iterations) is scanned for non-finite values first."""
 
-    def check(files, _results):
+    def check(files, results):
+        (f,) = results
+        bad = (~torch.isfinite(f)).nonzero()
+        if bad.numel():
+            return {"message": "the timed call's f after %d iterations is not finite at row %d "
+                               "of %d" % (ITERATIONS, int(bad[0, 0]), f.numel())}, None
         inputs = tuple(load(t) for t in files["inputs"])
         return torch_outputs.check_outputs(files, first(*inputs))
     return check

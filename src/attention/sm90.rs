@@ -41,8 +41,8 @@ pub fn fp16_dispatched() -> bool {
 /// ([`HopperForward`]) for case `c` on a device of architecture `arch` ([`Gpu::arch`]):
 /// compute capability 9.0 (`sm_90a`), bf16 (and fp16 where [`fp16_dispatched`]), head_dim 64
 /// or 128, a positive finite scale; the forward alone, or with the wgmma backward
-/// ([`HopperBackward`]) after it. Everything else (fp16 for now, other head dims, other
-/// devices) runs the portable sm_80 kernels.
+/// ([`HopperBackward`]) after it. Everything else (other head dims, other devices, fp32, fp16
+/// when not [`fp16_dispatched`]) runs the portable sm_80 kernels.
 pub fn takes(arch: &str, c: &AttentionCase) -> bool {
     let scale = c.scale();
     arch == "sm_90a"
@@ -1031,9 +1031,15 @@ mod tests {
         assert!(!takes("sm_89", &c));
         assert!(!takes("sm_100", &c));
         assert!(!takes("sm_90a", &AttentionCase::new(1, 2, 100, 256)));
+        // fp16 as the process dispatches it (FP16_DISPATCHED, or KP_SM90_FP16=1).
+        let fp16 = AttentionCase {
+            dtype: Dtype::F16,
+            ..c.clone()
+        };
+        assert_eq!(takes("sm_90a", &fp16), fp16_dispatched());
         for other in [
             AttentionCase {
-                dtype: Dtype::F16,
+                dtype: Dtype::F32,
                 ..c.clone()
             },
             AttentionCase {

@@ -20,6 +20,9 @@
 //! - `measured(suite, where?, implementation?)`: whether any row of the suite (of that
 //!   implementation, among those the where-clause keeps) ran, to guard prose about data that
 //!   may be absent.
+//! - `over_tolerance(suite, where?, implementation?)`: whether any of those rows that ran has
+//!   an error above its tolerance (`accuracy.rel_err > accuracy.tolerance`: the rows the tables
+//!   flag), to guard prose that explains such an error.
 //! - `launch_bound(suite, implementation, where)`: the claim that an eager call of the
 //!   implementation is launch-bound in every case kept, with the range of host ÷ device time.
 //! - `cpu_device(suite)`: the device name of the suite's CPU documents, or an empty string
@@ -188,6 +191,13 @@ pub fn render_prose(
     register(&mut tera, "largest", &data, &failures, largest);
     register(&mut tera, "values", &data, &failures, values);
     register(&mut tera, "measured", &data, &failures, measured);
+    register(
+        &mut tera,
+        "over_tolerance",
+        &data,
+        &failures,
+        over_tolerance,
+    );
     register(&mut tera, "launch_bound", &data, &failures, launch_bound);
     register(&mut tera, "cpu_device", &data, &failures, cpu_device);
 
@@ -770,6 +780,24 @@ fn cpu_device(docs: &[Loaded], args: &Args) -> Result<Value, String> {
 }
 
 fn measured(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    ran_where(docs, args, |_| true)
+}
+
+fn over_tolerance(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    ran_where(docs, args, |row| {
+        row.accuracy
+            .as_ref()
+            .is_some_and(|a| a.rel_err > a.tolerance)
+    })
+}
+
+/// Whether any row that ran (of `implementation`, kept by `where`) satisfies `keep`: `measured`
+/// and `over_tolerance`.
+fn ran_where(
+    docs: &[Loaded],
+    args: &Args,
+    keep: impl Fn(&crate::schema::Row) -> bool,
+) -> Result<Value, String> {
     args.only(&["suite", "device", "where", "implementation"])?;
     let filter = args.filter("where")?;
     let implementation = args.get("implementation");
@@ -783,6 +811,7 @@ fn measured(docs: &[Loaded], args: &Args) -> Result<Value, String> {
         .into_iter()
         .filter(|i| i.row.status == Status::Ok)
         .filter(|i| implementation.is_none_or(|imp| i.row.implementation == imp))
+        .filter(|i| keep(i.row))
         .collect();
     if ok.is_empty() {
         return Ok(Value::from(false));
