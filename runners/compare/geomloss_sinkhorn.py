@@ -42,8 +42,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from compare import dense_kernel_sums, protocol, torch_cpu, torch_outputs  # noqa: E402
     from compare import torch_sdpa  # noqa: E402
+    from compare.sinkhorn_reference import reference_f1  # noqa: E402
 else:
     from . import dense_kernel_sums, protocol, torch_cpu, torch_outputs, torch_sdpa
+    from .sinkhorn_reference import reference_f1
 
 LIBRARY = "geomloss"
 IMPLEMENTATIONS = ("geomloss_tensorized", "geomloss_online")
@@ -246,22 +248,6 @@ def _measure_gpu(job):
         notes.append("timed eagerly: KeOps calls are not captured in a CUDA graph")
     fields, window = torch_outputs.measure_on_gpu(job, timed, notes, check=check, graph=graph)
     return _per_iteration(fields), window
-
-
-def reference_f1(x, y, eps):
-    """The runner's float64 f after one iteration from f0, uniform weights (NumPy, dense)."""
-    import numpy as np
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    c = 0.5 * np.sum((x[:, None, :] - y[None, :, :]) ** 2, axis=2)
-
-    def softmin(h, cost, w):
-        z = (h[None, :] - cost) / eps + np.log(w)[None, :]
-        mx = z.max(axis=1, keepdims=True)
-        return -eps * (mx[:, 0] + np.log(np.exp(z - mx).sum(axis=1)))
-
-    a, b = np.full(x.shape[0], 1.0 / x.shape[0]), np.full(y.shape[0], 1.0 / y.shape[0])
-    f0 = softmin(np.zeros(y.shape[0]), c, b)
-    return softmin(softmin(f0, c.T, a), c, b)
 
 
 def self_test():

@@ -39,8 +39,10 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from compare import jax_attention, jax_measure, protocol  # noqa: E402
+    from compare.sinkhorn_reference import reference_f1  # noqa: E402
 else:
     from . import jax_attention, jax_measure, protocol
+    from .sinkhorn_reference import reference_f1
 
 LIBRARY = "ott-jax"
 IMPLEMENTATIONS = ("ott_dense", "ott_online")
@@ -222,24 +224,6 @@ def _measure(job):
     fields["notes"].append("evaluations counted: 2 x iterations x N x M (its marginal-error "
                            "evaluations are timed but not counted)")
     return fields, window
-
-
-def reference_f1(x, y, eps):
-    """The runner's float64 f after one iteration from f0, uniform weights (NumPy, dense):
-    f0 = softmin_y(0), g1 = softmin_x(f0), f1 = softmin_y(g1), with
-    softmin(h)_i = -eps log sum_j w_j exp((h_j - |x_i - y_j|^2 / 2) / eps)."""
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    c = 0.5 * np.sum((x[:, None, :] - y[None, :, :]) ** 2, axis=2)
-
-    def softmin(h, cost, w):
-        z = (h[None, :] - cost) / eps + np.log(w)[None, :]
-        mx = z.max(axis=1, keepdims=True)
-        return -eps * (mx[:, 0] + np.log(np.exp(z - mx).sum(axis=1)))
-
-    a, b = np.full(x.shape[0], 1.0 / x.shape[0]), np.full(y.shape[0], 1.0 / y.shape[0])
-    f0 = softmin(np.zeros(y.shape[0]), c, b)
-    g1 = softmin(f0, c.T, a)
-    return softmin(g1, c, b)
 
 
 def self_test():

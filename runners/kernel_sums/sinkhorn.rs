@@ -621,6 +621,46 @@ mod tests {
         assert!(unsupported("online", &own).is_none());
     }
 
+    /// The row the comparison module behind server `s` gives `implementation` on the 150-point
+    /// 3-D Sinkhorn case of `pass` (ε = 1e-2), written by the runner's own `write_case`.
+    fn module_row(
+        s: &mut kernelpages::runner::process::Server,
+        pass: Pass,
+        implementation: &str,
+    ) -> kernelpages::schema::Row {
+        let dir = tempfile::tempdir().unwrap();
+        let c = SinkhornCase {
+            n: 150,
+            dim: 3,
+            pass,
+            epsilon: 1e-2,
+        };
+        let mut j = job(&c, dir.path());
+        j.implementation = implementation.into();
+        s.request(&j, std::time::Duration::from_secs(300))
+            .unwrap()
+            .row
+    }
+
+    /// The comparison module `module` started as the runner starts it.
+    fn server(module: &str) -> kernelpages::runner::process::Server {
+        let runners = kernelpages::runner::locate_runners_dir().expect("runners/compare/");
+        kernelpages::runner::process::Server::start("python3", &runners, module, &[]).unwrap()
+    }
+
+    /// An ok row checked within its tolerance, counting at least one iteration's evaluations.
+    fn assert_checked(row: &kernelpages::schema::Row, pass: Pass) {
+        assert_eq!(row.status, RowStatus::Ok, "{pass:?}: {row:?}");
+        let acc = row.accuracy.clone().unwrap();
+        assert!(acc.rel_err <= acc.tolerance, "{pass:?}: {acc:?}");
+        assert!(row.items.unwrap() >= 2.0 * 150.0 * 150.0, "{row:?}");
+        let per_iteration = row
+            .notes
+            .iter()
+            .any(|n| n.contains("times are per iteration"));
+        assert_eq!(per_iteration, pass == Pass::Iteration, "{:?}", row.notes);
+    }
+
     /// geomloss's module on the CPU (`runners/compare/geomloss_sinkhorn.py`) on the runner's
     /// own files: the tensorized soft-min's iteration checked against the same float64
     /// reference as `cpu_tiled`'s, times per iteration; its solve is `unsupported` with the
@@ -632,52 +672,21 @@ mod tests {
         ignore = "needs geomloss (and torch) importable by python3 (the CPU build is enough)"
     )]
     fn geomloss_module_measures_the_iteration_on_the_cpu() {
-        use kernelpages::runner::process::Server;
-        let runners = kernelpages::runner::locate_runners_dir().expect("runners/compare/");
-        let mut s = Server::start("python3", &runners, "geomloss_sinkhorn", &[]).unwrap();
-        for pass in [Pass::Iteration, Pass::Solve] {
-            let dir = tempfile::tempdir().unwrap();
-            let c = SinkhornCase {
-                n: 150,
-                dim: 3,
-                pass,
-                epsilon: 1e-2,
-            };
-            let mut j = job(&c, dir.path());
-            j.implementation = "geomloss_tensorized".into();
-            let row = s
-                .request(&j, std::time::Duration::from_secs(300))
-                .unwrap()
-                .row;
-            if pass == Pass::Solve {
-                assert_eq!(row.status, RowStatus::Unsupported, "{row:?}");
-                assert!(
-                    row.message.as_deref().unwrap().contains("no tolerance"),
-                    "{row:?}"
-                );
-                continue;
-            }
-            assert_eq!(row.status, RowStatus::Ok, "{row:?}");
-            let acc = row.accuracy.clone().unwrap();
-            assert!(acc.rel_err <= acc.tolerance, "{acc:?}");
-            assert_eq!(row.items, Some(2.0 * 150.0 * 150.0), "{row:?}");
-            assert!(
-                row.notes
-                    .iter()
-                    .any(|n| n.contains("times are per iteration")),
-                "{:?}",
-                row.notes
-            );
-            j.implementation = "geomloss_online".into();
-            let online = s
-                .request(&j, std::time::Duration::from_secs(300))
-                .unwrap()
-                .row;
-            assert!(
-                online.status == RowStatus::Ok || online.message.is_some(),
-                "{online:?}"
-            );
-        }
+        let mut s = server("geomloss_sinkhorn");
+        let row = module_row(&mut s, Pass::Iteration, "geomloss_tensorized");
+        assert_checked(&row, Pass::Iteration);
+        assert_eq!(row.items, Some(2.0 * 150.0 * 150.0), "{row:?}");
+        let solve = module_row(&mut s, Pass::Solve, "geomloss_tensorized");
+        assert_eq!(solve.status, RowStatus::Unsupported, "{solve:?}");
+        assert!(
+            solve.message.as_deref().unwrap().contains("no tolerance"),
+            "{solve:?}"
+        );
+        let online = module_row(&mut s, Pass::Iteration, "geomloss_online");
+        assert!(
+            online.status == RowStatus::Ok || online.message.is_some(),
+            "{online:?}"
+        );
     }
 
     /// ott-jax's module on the CPU (`runners/compare/ott_sinkhorn.py`) on the runner's own
@@ -690,32 +699,10 @@ mod tests {
         ignore = "needs ott-jax (and jax) importable by python3 (the CPU build is enough)"
     )]
     fn ott_module_measures_both_passes_on_the_cpu() {
-        use kernelpages::runner::process::Server;
-        let runners = kernelpages::runner::locate_runners_dir().expect("runners/compare/");
-        let mut s = Server::start("python3", &runners, "ott_sinkhorn", &[]).unwrap();
+        let mut s = server("ott_sinkhorn");
         for pass in [Pass::Iteration, Pass::Solve] {
-            let dir = tempfile::tempdir().unwrap();
-            let c = SinkhornCase {
-                n: 150,
-                dim: 3,
-                pass,
-                epsilon: 1e-2,
-            };
-            let mut j = job(&c, dir.path());
-            j.implementation = "ott_dense".into();
-            let row = s
-                .request(&j, std::time::Duration::from_secs(300))
-                .unwrap()
-                .row;
-            assert_eq!(row.status, RowStatus::Ok, "{pass:?}: {row:?}");
-            let acc = row.accuracy.clone().unwrap();
-            assert!(acc.rel_err <= acc.tolerance, "{pass:?}: {acc:?}");
-            assert!(row.items.unwrap() >= 2.0 * 150.0 * 150.0, "{row:?}");
-            let per_iteration = row
-                .notes
-                .iter()
-                .any(|n| n.contains("times are per iteration"));
-            assert_eq!(per_iteration, pass == Pass::Iteration, "{:?}", row.notes);
+            let row = module_row(&mut s, pass, "ott_dense");
+            assert_checked(&row, pass);
             if pass == Pass::Solve {
                 assert!(
                     row.notes.iter().any(|n| n.starts_with("converged in ")),
@@ -723,11 +710,7 @@ mod tests {
                     row.notes
                 );
             }
-            j.implementation = "ott_online".into();
-            let online = s
-                .request(&j, std::time::Duration::from_secs(300))
-                .unwrap()
-                .row;
+            let online = module_row(&mut s, pass, "ott_online");
             assert!(
                 online.status == RowStatus::Ok || online.message.is_some(),
                 "{online:?}"

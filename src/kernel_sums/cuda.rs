@@ -844,13 +844,18 @@ mod tests {
             let dn = KernelSumCase::new(Op::KernelLse, n, m, 16);
             assert_eq!(entry_point(&dn).unwrap().splits, 1);
         }
-        let combine_guard = KERNEL_SUMS_SRC
-            .split("kernel_lse_combine(")
-            .next()
-            .unwrap()
-            .rsplit("#if ")
-            .next()
-            .unwrap();
+        // The `#if` line that selects a combine: the last one before its definition.
+        let guard_of = |combine: &str| {
+            KERNEL_SUMS_SRC
+                .split(&format!("{combine}("))
+                .next()
+                .unwrap()
+                .rsplit("#if ")
+                .next()
+                .unwrap()
+                .to_string()
+        };
+        let combine_guard = guard_of(COMBINE);
         for d in SMALL_DIMS {
             assert!(combine_guard.contains(&format!("defined(KS_ENTRY_kernel_lse_split_d{d})")));
         }
@@ -889,13 +894,7 @@ mod tests {
         }
         let lse = entry_point(&KernelSumCase::new(Op::KernelLse, 10_000, 10_000, 1)).unwrap();
         assert_eq!(lse.combine(), Some((COMBINE, 2)));
-        let sum_guard = KERNEL_SUMS_SRC
-            .split("kernel_sum_combine(")
-            .next()
-            .unwrap()
-            .rsplit("#if ")
-            .next()
-            .unwrap();
+        let sum_guard = guard_of(SUM_COMBINE);
         for d in SMALL_DIMS {
             for op in ["rbf_mv", "kde"] {
                 assert!(sum_guard.contains(&format!("defined(KS_ENTRY_{op}_split_d{d})")));
