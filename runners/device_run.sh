@@ -30,7 +30,8 @@
 #                                                 # torch,jax,ott,geomloss (data/gpu_kernel_sums.json;
 #                                                 # KP_KS_TAG, KP_KS_TESTS, KP_KS_ARGS and
 #                                                 # KP_KS_LIMIT_S split it over calls)
-#   bash .carry/device_run.sh moe OUTDIR          # the MoE GPU tests, then the moe grid
+#   bash .carry/device_run.sh moe OUTDIR          # the MoE GPU tests (the timing probe
+#                                                 # apart, KP_MOE_PROBE=1), then the moe grid
 #                                                 # with --compare torch (data/gpu_moe.json;
 #                                                 # KP_MOE_TAG, KP_MOE_TESTS and KP_MOE_ARGS
 #                                                 # for one part of a run: README, MoE)
@@ -230,10 +231,17 @@ moe)
   # KP_MOE_TAG: names the files gpu_moe_TAG.json and moe_TAG.log (one part of a run split
   # over calls); KP_MOE_TESTS=0 skips the GPU tests (a later part, the first call ran them;
   # with the tests the two limits add up to more than a call's 600 s, so give the grid less);
-  # KP_MOE_TESTS_LIMIT_S: the tests' limit (default 240 s; they include the timing probe).
+  # KP_MOE_TESTS_LIMIT_S: the tests' limit (default 240 s). The timing probe
+  # (grouped_wgmma_shape_probe, over 120 s) runs apart, after the tests and only with
+  # KP_MOE_PROBE=1: on 2026-12-05 it ran first in name order and the 230 s limit stopped the
+  # tests before the MoE layer's.
   if [ "${KP_MOE_TESTS:-1}" != 0 ]; then
     step "moe gpu tests" "${KP_MOE_TESTS_LIMIT_S:-240}" "$out/gpu_moe.tests.log" "$bin/gpu_moe_test" \
-      --include-ignored --test-threads 1 --nocapture
+      --include-ignored --test-threads 1 --nocapture --skip grouped_wgmma_shape_probe
+  fi
+  if [ "${KP_MOE_PROBE:-0}" = 1 ]; then
+    step "moe probe" "${KP_MOE_PROBE_LIMIT_S:-200}" "$out/gpu_moe.probe.log" "$bin/gpu_moe_test" \
+      --ignored --test-threads 1 --nocapture --exact grouped_wgmma_shape_probe
   fi
   moe_tag=${KP_MOE_TAG:+_$KP_MOE_TAG}
   # shellcheck disable=SC2086
