@@ -5,6 +5,10 @@
 # device_verdict.py and grid_shards.sh, and the wheels in .whl/ (runners/fetch_wheels.sh) into
 # .carry/whl/. Build first:
 #   cargo build --release --bin attention --bin kernel_sums --bin sequence_mixers --bin moe --tests
+# The device tool sends at most 64 MiB (the tracked tree, about 36 MiB with site/ and data/, plus
+# what `carry` names), and the whole .carry/ is about 43 MiB: name only what a call needs, e.g.
+# for kernel sums .carry/kernel_sums, .carry/gpu_kernel_sums_test, .carry/device_run.sh,
+# .carry/device_verdict.py, .carry/runners and .carry/whl.
 set -euo pipefail
 dest=${1:-../main}/.carry
 rm -rf "$dest" && mkdir -p "$dest/runners"
