@@ -262,14 +262,10 @@ fn log_sum_exp_skips_minus_infinity() {
         let e = error(&c, &inp, s).unwrap_or_else(|e| panic!("D{dim}: {e}"));
         assert!(e <= 1e-5, "D{dim}: error {e:.2e}");
 
-        let c = KernelSumCase::new(Op::KernelLse, 20, 40, dim);
-        let mut inp = Inputs::random(&c, 6);
-        inp.w.fill(f32::NEG_INFINITY);
-        let s = Scale::of(&c, &inp);
-        let out = cuda::compute(gpu(), &c, &inp, s).unwrap();
-        assert!(
-            out.iter().all(|&v| v == f32::NEG_INFINITY),
-            "D{dim}: {out:?}"
+        all_minus_infinity(
+            &KernelSumCase::new(Op::KernelLse, 20, 40, dim),
+            6,
+            &format!("D{dim}"),
         );
     }
     // The split log-sum-exp (few rows, many points): a first part of only −∞ weights, and
@@ -284,13 +280,18 @@ fn log_sum_exp_skips_minus_infinity() {
     assert!(e <= 1e-5, "split: error {e:.2e}");
     let c = KernelSumCase::new(Op::KernelLse, 20, 600, 3);
     assert!(cuda::entry_point(&c).unwrap().splits > 1);
-    let mut inp = Inputs::random(&c, 8);
+    all_minus_infinity(&c, 8, "split");
+}
+
+/// Log-sum-exp case `c` with every weight −∞ (inputs from `seed`): every output is −∞, not NaN.
+fn all_minus_infinity(c: &KernelSumCase, seed: u64, what: &str) {
+    let mut inp = Inputs::random(c, seed);
     inp.w.fill(f32::NEG_INFINITY);
-    let s = Scale::of(&c, &inp);
-    let out = cuda::compute(gpu(), &c, &inp, s).unwrap();
+    let s = Scale::of(c, &inp);
+    let out = cuda::compute(gpu(), c, &inp, s).unwrap();
     assert!(
         out.iter().all(|&v| v == f32::NEG_INFINITY),
-        "split: {out:?}"
+        "{what}: {out:?}"
     );
 }
 
