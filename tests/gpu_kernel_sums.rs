@@ -167,14 +167,15 @@ fn every_op_matches_float64() {
 }
 
 /// The entry points and tiles the main grid does not reach: D = 2 (its own kernels, split and
-/// not), D = 5 and 130 (the generic kernels with a feature chunk cut short, and several
+/// not), D = 5 and 128 (the tensor-core kernels with the features padded to 8, and at their
+/// largest dimension), D = 130 (the generic kernels with a feature chunk cut short, and several
 /// chunks), column counts needing 4-, 16- and several 64-column tiles, and N, M off every tile
 /// size.
 #[test]
 #[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
 fn other_dimensions_and_column_tiles() {
     let mut cases = Vec::new();
-    for dim in [2, 5, 130] {
+    for dim in [2, 5, 128, 130] {
         let (n, m) = (300, 161);
         for cols in [2, 4, 16, 17, 130] {
             cases.push(KernelSumCase {

@@ -577,6 +577,251 @@ __device__ __forceinline__ void lse_dn(const float* __restrict__ X, const float*
 }
 
 // ---------------------------------------------------------------------------------------------
+// Tensor-core feature path (4 <= D <= KS_TC_DMAX; the host's pick for the forward kernel sums
+// with one column of b): the squared distance expanded as |x|^2 + |y|^2 - 2 x.y, with the cross
+// terms of a block as a GEMM tile on mma.sync m16n8k8 TF32. TF32 keeps 10 of float32's 23
+// mantissa bits, so each operand is split into hi = tf32(v) and lo = tf32(v - hi) and the
+// product taken as hi.hi + hi.lo + lo.hi (the lo.lo term is below float32's rounding): the
+// "3xTF32" emulation of a float32 GEMM, three MMAs per k-step, still several times the CUDA-core
+// rate of the _dn kernels (two instructions per feature per pair).
+//
+// Block: KS_THREADS = 4 warps, KS_TC_ROWS = 64 rows of X (16 per warp: one m16 tile), staged
+// once in shared memory as float32 with a row stride of Dp + 4 floats (Dp = D rounded up to 8):
+// with the stride 4 mod 8 words, the eight rows and four columns an MMA fragment reads fall in
+// 32 distinct banks. Y streams through in tiles of KS_TC_TILE = 64 points, staged already split
+// (hi and lo arrays, same stride), with each point's -k |y|^2 (plus g log2 e for kernel_lse;
+// -inf past M or the split's end) and weight (b_j, 1 for kde, 0 past the end). Each warp
+// computes its 16 x 64 tile of x.y (8 n-tiles of m16n8, D/8 k-steps), then per pair
+//   rbf_mv / kde: e = min(2k x.y - k|y|^2 - k|x|^2, 0) (the clamp is |x - y|^2 >= 0), one
+//                 MUFU.EX2, one FFMA into the row's tile sum (added to the total compensated);
+//   kernel_lse:   e' = 2k x.y - k|y|^2 + g log2 e, an online maximum per tile (reduced over the
+//                 four lanes that share a row), one MUFU.EX2 and one FADD; the row's own
+//                 -k|x|^2 is added once at the end.
+// The expansion cancels when |x - y| << |x|: the exponent's absolute error is about
+// 2^-23 k (|x|^2 + |y|^2), as for cpu.rs's matrix-product distances.
+//
+// Fragments (PTX ISA, mma.m16n8k8 with .tf32; g = lane / 4, q = lane % 4): A (row-major 16 x 8)
+// a0 = (g, q), a1 = (g + 8, q), a2 = (g, q + 4), a3 = (g + 8, q + 4); B (8 x 8, column-major: B[k][n]
+// = y_n[k]) b0 = (q, g), b1 = (q + 4, g); C c0 = (g, 2q), c1 = (g, 2q + 1), c2 = (g + 8, 2q),
+// c3 = (g + 8, 2q + 1).
+//
+// SPLIT: as the small-D split kernels, grid.y splits Y into parts of split_len points; the block
+// writes each row's unscaled partial sum (rbf_mv, kde) or its (maximum, sum) in base 2 (kernel_lse)
+// to part[blockIdx.y * N + i], merged by kernel_sum_combine or kernel_lse_combine.
+// Dynamic shared memory: (KS_TC_ROWS + 2 KS_TC_TILE) (Dp + 4) floats (src/kernel_sums/cuda.rs
+// computes the same, 101,376 bytes at D = 128).
+
+#define KS_TC_DMAX 128
+#define KS_TC_ROWS 64
+#define KS_TC_TILE 64
+
+// The TF32 value nearest x (round to nearest, ties away), as the bits mma.sync takes.
+__device__ __forceinline__ unsigned ks_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// x = hi + lo (to ~22 bits), both TF32.
+__device__ __forceinline__ void ks_split(float x, unsigned& hi, unsigned& lo) {
+    hi = ks_tf32(x);
+    lo = ks_tf32(x - __uint_as_float(hi));
+}
+
+// c += A B for one m16n8k8 TF32 tile (fragments as above).
+__device__ __forceinline__ void ks_mma_tf32(float c[4], const unsigned a[4], unsigned b0,
+                                            unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// OP: 0 rbf_mv (C = 1, W = b), 1 kde (W unused; out_scale the normalisation), 2 kernel_lse
+// (W = g, no gradient). part is a float* (OP 0, 1) or float2* (OP 2) when SPLIT.
+template <int OP, bool SPLIT>
+__device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* __restrict__ Y,
+                                      const float* __restrict__ W, float* __restrict__ out,
+                                      long long N, long long M, int D, float k, float out_scale,
+                                      void* part, long long split_len) {
+    extern __shared__ __align__(16) float ks_dyn[];
+    __shared__ float xn[KS_TC_ROWS];  // -k |x_i|^2
+    __shared__ float yn[KS_TC_TILE];  // -k |y_j|^2 (+ g_j log2 e), -inf past the end (lse)
+    __shared__ float wt[KS_TC_TILE];  // b_j or 1, 0 past the end (rbf_mv, kde)
+    const int Dp = (D + 7) & ~7, S = Dp + 4;
+    float* xs = ks_dyn;
+    unsigned* yh = reinterpret_cast<unsigned*>(xs + KS_TC_ROWS * S);
+    unsigned* yl = yh + KS_TC_TILE * S;
+    const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
+    const long long rb = (long long)blockIdx.x * KS_TC_ROWS;
+    long long jb = 0, je = M;
+    if (SPLIT) {
+        jb = (long long)blockIdx.y * split_len;
+        je = jb + split_len < M ? jb + split_len : M;
+    }
+
+    for (int e = t; e < KS_TC_ROWS * Dp; e += KS_THREADS) {
+        const int r = e / Dp, a = e - r * Dp;
+        const long long i = rb + r;
+        xs[r * S + a] = (i < N && a < D) ? X[i * D + a] : 0.f;
+    }
+    __syncthreads();
+    if (t < KS_TC_ROWS) {
+        float n2 = 0.f;
+        for (int a = 0; a < Dp; ++a) n2 = fmaf(xs[t * S + a], xs[t * S + a], n2);
+        xn[t] = -k * n2;
+    }
+
+    const float two_k = 2.f * k;
+    const float* xw = xs + warp * 16 * S;
+    // Rows g and g + 8 of the warp's 16: tile sums and their compensations (rbf_mv, kde), or
+    // the running maximum and sum (kernel_lse; identical across the four lanes of a row).
+    float acc0 = 0.f, acc1 = 0.f, cmp0 = 0.f, cmp1 = 0.f;
+    float mx0 = KS_NEG_INF, mx1 = KS_NEG_INF;
+
+    for (long long j0 = jb; j0 < je; j0 += KS_TC_TILE) {
+        __syncthreads();  // the previous tile is consumed (and, first time, xn is written)
+        for (int e = t; e < KS_TC_TILE * Dp; e += KS_THREADS) {
+            const int jj = e / Dp, a = e - jj * Dp;
+            const long long j = j0 + jj;
+            unsigned h, l;
+            ks_split((j < je && a < D) ? Y[j * D + a] : 0.f, h, l);
+            yh[jj * S + a] = h;
+            yl[jj * S + a] = l;
+        }
+        {
+            // Two threads per point: |y_j|^2 over alternate features, then summed.
+            const int jj = t >> 1;
+            const long long j = j0 + jj;
+            float n2 = 0.f;
+            if (j < je)
+                for (int a = t & 1; a < D; a += 2) n2 = fmaf(Y[j * D + a], Y[j * D + a], n2);
+            n2 += __shfl_xor_sync(0xffffffffu, n2, 1);
+            if ((t & 1) == 0) {
+                if (OP == 2) {
+                    yn[jj] = j < je ? fmaf(-k, n2, W[j] * KS_LOG2E) : KS_NEG_INF;
+                } else {
+                    yn[jj] = -k * n2;
+                    wt[jj] = j < je ? (OP == 1 ? 1.f : W[j]) : 0.f;
+                }
+            }
+        }
+        __syncthreads();
+
+        float s[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        for (int kk = 0; kk < Dp; kk += 8) {
+            unsigned ah[4], al[4];
+            ks_split(xw[g * S + kk + q], ah[0], al[0]);
+            ks_split(xw[(g + 8) * S + kk + q], ah[1], al[1]);
+            ks_split(xw[g * S + kk + q + 4], ah[2], al[2]);
+            ks_split(xw[(g + 8) * S + kk + q + 4], ah[3], al[3]);
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                const int o = (nt * 8 + g) * S + kk + q;
+                const unsigned bh0 = yh[o], bh1 = yh[o + 4], bl0 = yl[o], bl1 = yl[o + 4];
+                // The small terms first.
+                ks_mma_tf32(s[nt], al, bh0, bh1);
+                ks_mma_tf32(s[nt], ah, bl0, bl1);
+                ks_mma_tf32(s[nt], ah, bh0, bh1);
+            }
+        }
+
+        const float x0 = xn[warp * 16 + g], x1 = xn[warp * 16 + g + 8];
+        if (OP != 2) {
+            float ta0 = 0.f, ta1 = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int jj = nt * 8 + 2 * q + h;
+                    const float yv = yn[jj], w = wt[jj];
+                    const float e0 = fminf(fmaf(two_k, s[nt][h], yv) + x0, 0.f);
+                    const float e1 = fminf(fmaf(two_k, s[nt][2 + h], yv) + x1, 0.f);
+                    ta0 = fmaf(ks_ex2(e0), w, ta0);
+                    ta1 = fmaf(ks_ex2(e1), w, ta1);
+                }
+            }
+            ks_kahan_add(acc0, cmp0, ta0);
+            ks_kahan_add(acc1, cmp1, ta1);
+        } else {
+            float cm0 = KS_NEG_INF, cm1 = KS_NEG_INF;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float yv = yn[nt * 8 + 2 * q + h];
+                    s[nt][h] = fmaf(two_k, s[nt][h], yv);
+                    s[nt][2 + h] = fmaf(two_k, s[nt][2 + h], yv);
+                    cm0 = fmaxf(cm0, s[nt][h]);
+                    cm1 = fmaxf(cm1, s[nt][2 + h]);
+                }
+            }
+#pragma unroll
+            for (int o = 1; o <= 2; o <<= 1) {
+                cm0 = fmaxf(cm0, __shfl_xor_sync(0xffffffffu, cm0, o));
+                cm1 = fmaxf(cm1, __shfl_xor_sync(0xffffffffu, cm1, o));
+            }
+            if (cm0 > mx0) {
+                const float f = ks_ex2(mx0 - cm0);
+                acc0 *= f;
+                cmp0 *= f;
+                mx0 = cm0;
+            }
+            if (cm1 > mx1) {
+                const float f = ks_ex2(mx1 - cm1);
+                acc1 *= f;
+                cmp1 *= f;
+                mx1 = cm1;
+            }
+            const float ref0 = mx0 == KS_NEG_INF ? 0.f : mx0;
+            const float ref1 = mx1 == KS_NEG_INF ? 0.f : mx1;
+            float ts0 = 0.f, ts1 = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    ts0 += ks_ex2(s[nt][h] - ref0);
+                    ts1 += ks_ex2(s[nt][2 + h] - ref1);
+                }
+            }
+            ks_kahan_add(acc0, cmp0, ts0);
+            ks_kahan_add(acc1, cmp1, ts1);
+        }
+    }
+
+    // The four lanes of a row hold a quarter of its columns each.
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+        acc0 += __shfl_xor_sync(0xffffffffu, acc0, o);
+        acc1 += __shfl_xor_sync(0xffffffffu, acc1, o);
+    }
+    if (q != 0) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 + g + 8 * h;
+        const long long i = rb + r;
+        if (i >= N) continue;
+        const float acc = h ? acc1 : acc0;
+        if (OP == 2) {
+            // The row's -k |x|^2, left out of the loop's exponents.
+            const float m = (h ? mx1 : mx0) + xn[r];
+            if (SPLIT)
+                static_cast<float2*>(part)[(long long)blockIdx.y * N + i] = make_float2(m, acc);
+            else
+                out[i] = (m + log2f(acc)) * KS_LN2;
+        } else {
+            if (SPLIT)
+                static_cast<float*>(part)[(long long)blockIdx.y * N + i] = acc;
+            else
+                out[i] = acc * out_scale;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Entry points. Small D: rows per thread R = 2 (1 for 64 columns, whose accumulators fill the
 // registers). Column tiles CT of rbf_mv: 1, 4, 16, 64 (the host takes the smallest >= C, and
 // 64-column tiles past 64).
@@ -722,7 +967,7 @@ KS_LSE_SPLIT_SMALL(3)
 // and -inf when every m_k is (as the unsplit kernel gives). One thread per row; grid.x =
 // ceil(N / KS_THREADS). Compiled with each split entry point (the host launches the pair).
 #if KS_ALL || defined(KS_ENTRY_kernel_lse_split_d1) || defined(KS_ENTRY_kernel_lse_split_d2) || \
-    defined(KS_ENTRY_kernel_lse_split_d3)
+    defined(KS_ENTRY_kernel_lse_split_d3) || defined(KS_ENTRY_kernel_lse_split_tc)
 extern "C" __global__ void __launch_bounds__(KS_THREADS)
     kernel_lse_combine(const float2* __restrict__ part, float* __restrict__ out, long long N,
                        int splits) {
@@ -765,7 +1010,8 @@ KS_KDE_SPLIT_SMALL(3)
 // ceil(N / KS_THREADS). Compiled with each of those entry points (the host launches the pair).
 #if KS_ALL || defined(KS_ENTRY_rbf_mv_split_d1) || defined(KS_ENTRY_rbf_mv_split_d2) ||       \
     defined(KS_ENTRY_rbf_mv_split_d3) || defined(KS_ENTRY_kde_split_d1) ||                    \
-    defined(KS_ENTRY_kde_split_d2) || defined(KS_ENTRY_kde_split_d3)
+    defined(KS_ENTRY_kde_split_d2) || defined(KS_ENTRY_kde_split_d3) ||                      \
+    defined(KS_ENTRY_rbf_mv_split_tc) || defined(KS_ENTRY_kde_split_tc)
 extern "C" __global__ void __launch_bounds__(KS_THREADS)
     kernel_sum_combine(const float* __restrict__ part, float* __restrict__ out, long long N,
                        int splits, float scale) {
@@ -807,5 +1053,49 @@ extern "C" __global__ void __launch_bounds__(KS_THREADS)
     kernel_lse_grad_dn(const float* X, const float* Y, const float* G, float* out, long long N,
                        long long M, int D, float k, float two_over_eps) {
     lse_dn<true>(X, Y, G, out, N, M, D, k, two_over_eps);
+}
+#endif
+// The tensor-core feature path (ks_tc): the same arguments as the _dn and split kernels; C = 1.
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_tc)
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    rbf_mv_tc(const float* X, const float* Y, const float* B, float* out, long long N,
+              long long M, int D, int C, float k) {
+    ks_tc<0, false>(X, Y, B, out, N, M, D, k, 1.f, nullptr, 0);
+}
+#endif
+#if KS_ALL || defined(KS_ENTRY_kde_tc)
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    kde_tc(const float* X, const float* Y, float* out, long long N, long long M, int D, float k,
+           float norm) {
+    ks_tc<1, false>(X, Y, nullptr, out, N, M, D, k, norm, nullptr, 0);
+}
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_tc)
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    kernel_lse_tc(const float* X, const float* Y, const float* G, float* out, long long N,
+                  long long M, int D, float k, float two_over_eps) {
+    ks_tc<2, false>(X, Y, G, out, N, M, D, k, 1.f, nullptr, 0);
+}
+#endif
+#if KS_ALL || defined(KS_ENTRY_rbf_mv_split_tc)
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    rbf_mv_split_tc(const float* X, const float* Y, const float* B, float* part, long long N,
+                    long long M, int D, int C, float k, long long split_len) {
+    ks_tc<0, true>(X, Y, B, nullptr, N, M, D, k, 1.f, part, split_len);
+}
+#endif
+#if KS_ALL || defined(KS_ENTRY_kde_split_tc)
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    kde_split_tc(const float* X, const float* Y, float* part, long long N, long long M, int D,
+                 float k, float norm, long long split_len) {
+    ks_tc<1, true>(X, Y, nullptr, nullptr, N, M, D, k, 1.f, part, split_len);
+}
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_split_tc)
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    kernel_lse_split_tc(const float* X, const float* Y, const float* G, float2* part,
+                        long long N, long long M, int D, float k, float two_over_eps,
+                        long long split_len) {
+    ks_tc<2, true>(X, Y, G, nullptr, N, M, D, k, 1.f, part, split_len);
 }
 #endif

@@ -14,7 +14,12 @@
 //! Entry points ([`entry_point`]): `rbf_mv_d{1,2,3}_c{1,4,16,64}`, `kde_d{1,2,3}`,
 //! `kernel_lse_d{1,2,3}`, `kernel_lse_grad_d{1,2,3}` with the dimension a compile-time
 //! constant (point clouds), and `rbf_mv_dn_c{1,4,16,64}`, `kde_dn`, `kernel_lse_dn`,
-//! `kernel_lse_grad_dn` for any dimension (features). `c{CT}` is the column tile of `rbf_mv`:
+//! `kernel_lse_grad_dn` for any dimension (features). For 4 ≤ D ≤ [`TC_MAX_DIM`] the forward
+//! sums with one column of b run instead on tensor cores (`rbf_mv_tc`, `kde_tc`,
+//! `kernel_lse_tc` and their `_split_tc` forms, [`uses_tensor_cores`]): the squared distance
+//! expanded as ‖x‖² + ‖y‖² − 2 x·y, the cross terms a GEMM tile on `mma.sync` TF32 with each
+//! operand split into two TF32 parts (3 MMAs per product, float32 accuracy; the split follows
+//! the "3xTF32" emulation of float32 GEMMs that CUTLASS ships). `c{CT}` is the column tile of `rbf_mv`:
 //! the smallest of 1, 4, 16, 64 that holds C, and tiles of 64 columns (one grid row each) past
 //! 64. `kernels/TUNING-kernel-sums.md` has the cost model, ptxas's register counts and what is
 //! not measured yet.
@@ -69,7 +74,49 @@ pub fn entry_points() -> Vec<String> {
         v.push(format!("rbf_mv_dn_c{ct}"));
     }
     v.extend(["kde_dn", "kernel_lse_dn", "kernel_lse_grad_dn"].map(String::from));
+    v.extend(
+        [
+            "rbf_mv_tc",
+            "kde_tc",
+            "kernel_lse_tc",
+            "rbf_mv_split_tc",
+            "kde_split_tc",
+            "kernel_lse_split_tc",
+        ]
+        .map(String::from),
+    );
     v
+}
+
+/// Largest dimension the tensor-core feature kernels (`*_tc`) take; past it the `_dn`
+/// kernels run (`KS_TC_DMAX`).
+pub const TC_MAX_DIM: usize = 128;
+
+/// Rows of X per block of the tensor-core kernels (`KS_TC_ROWS`: 16 per warp).
+pub const TC_ROWS: usize = 64;
+
+/// Points of Y per tile of the tensor-core kernels (`KS_TC_TILE`).
+pub const TC_TILE: usize = 64;
+
+/// Whether case `c` runs on the tensor-core feature kernels: 4 ≤ D ≤ [`TC_MAX_DIM`], and the
+/// Gaussian matvec with one column, the KDE, or the log-sum-exp without the gradient (the
+/// gradient and several columns of b stay on the `_dn` kernels).
+pub fn uses_tensor_cores(c: &KernelSumCase) -> bool {
+    !SMALL_DIMS.contains(&c.dim)
+        && c.dim <= TC_MAX_DIM
+        && match c.op {
+            Op::RbfMv => c.cols == 1,
+            Op::Kde => true,
+            Op::KernelLse => !c.grad,
+        }
+}
+
+/// Dynamic shared memory of a tensor-core kernel at dimension `dim`, bytes: X's block as float32
+/// and Y's tile as TF32 high and low parts, each row padded to D rounded up to 8, plus 4
+/// (the layout `ks_tc` in the source describes).
+pub fn tc_smem_bytes(dim: usize) -> u32 {
+    let stride = dim.div_ceil(8) * 8 + 4;
+    ((TC_ROWS + 2 * TC_TILE) * stride * 4) as u32
 }
 
 /// How one case is launched: the entry point, rows of X per block, the column tile and the
@@ -79,7 +126,8 @@ pub struct Plan {
     /// Entry point name in [`KERNEL_SUMS_SRC`].
     pub entry: String,
     /// Rows of X one block computes: 256 for the small-dimension kernels (2 rows per thread)
-    /// except `rbf_mv` with 64-column tiles (128), and 128 for the `_dn` kernels.
+    /// except `rbf_mv` with 64-column tiles (128), 128 for the `_dn` kernels and
+    /// [`TC_ROWS`] for the tensor-core kernels.
     pub rows_per_block: usize,
     /// Columns of `b` per thread (1 for `kde` and `kernel_lse`).
     pub column_tile: usize,
@@ -91,6 +139,9 @@ pub struct Plan {
     pub splits: usize,
     /// Points of Y per split (a multiple of the tile, [`TILE`]); M when there is one.
     pub split_len: usize,
+    /// Dynamic shared memory per block, bytes ([`tc_smem_bytes`] for the tensor-core
+    /// kernels, 0 for the others).
+    pub smem_bytes: u32,
 }
 
 /// The entry point that merges the split log-sum-exp's partials.
@@ -167,20 +218,27 @@ pub fn entry_point(c: &KernelSumCase) -> Result<Plan, GpuError> {
             .unwrap_or(64),
         Op::Kde | Op::KernelLse => 1,
     };
+    let tc = uses_tensor_cores(c);
     let rows_per_thread = if small && column_tile < 64 { 2 } else { 1 };
-    let rows_per_block = THREADS as usize * rows_per_thread;
+    let rows_per_block = if tc {
+        TC_ROWS
+    } else {
+        THREADS as usize * rows_per_thread
+    };
     let blocks = c.n.div_ceil(rows_per_block);
     let splittable = match c.op {
         Op::KernelLse => !c.grad,
         Op::Kde => true,
         Op::RbfMv => c.cols == 1,
     };
-    let (splits, split_len) = if small && splittable {
+    let (splits, split_len) = if (small || tc) && splittable {
         y_splits(blocks, c.m)
     } else {
         (1, c.m)
     };
+    let dim = if tc { "tc".to_string() } else { dim };
     let entry = match (c.op, c.grad) {
+        (Op::RbfMv, _) if tc && splits == 1 => "rbf_mv_tc".to_string(),
         (Op::RbfMv, _) if splits > 1 => format!("rbf_mv_split_{dim}"),
         (Op::RbfMv, _) => format!("rbf_mv_{dim}_c{column_tile}"),
         (Op::Kde, _) if splits > 1 => format!("kde_split_{dim}"),
@@ -202,6 +260,7 @@ pub fn entry_point(c: &KernelSumCase) -> Result<Plan, GpuError> {
         grid: (blocks as u32, tiles as u32, 1),
         splits,
         split_len,
+        smem_bytes: if tc { tc_smem_bytes(c.dim) } else { 0 },
     })
 }
 
@@ -309,7 +368,7 @@ impl Runner {
             &format!("kernel_sums_{}.cu", plan.entry),
             &entry_source(&plan.entry),
         )?;
-        let func = gpu.function(&compiled.module, &plan.entry, 0)?;
+        let func = gpu.function(&compiled.module, &plan.entry, plan.smem_bytes)?;
         let combine = match plan.combine() {
             Some((entry, per_row)) => {
                 let part = gpu.stream.alloc_zeros::<f32>(per_row * plan.splits * c.n)?;
@@ -396,7 +455,7 @@ impl Runner {
         let cfg = LaunchConfig {
             grid_dim: self.plan.grid,
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: self.plan.smem_bytes,
         };
         let split_len = self.plan.split_len as i64;
         let split = self.combine.is_some();
@@ -777,7 +836,7 @@ mod tests {
     #[test]
     fn every_case_has_an_entry_point_in_the_source() {
         let names = entry_points();
-        assert_eq!(names.len(), 39);
+        assert_eq!(names.len(), 45);
         // The launch's block size and tile are the ones the kernels are written for.
         assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_THREADS {THREADS}\n")));
         assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_TILE {TILE}\n")));
@@ -835,14 +894,24 @@ mod tests {
             // Every point of Y in exactly one split, none empty, whole tiles but the last.
             assert!(len % TILE == 0 || splits == 1);
             assert!((splits - 1) * len < m && m <= splits * len, "{n} {m} {p:?}");
-            // The gradient and the generic dimensions never split.
+            // The gradient never splits, nor the generic dimensions past the tensor-core
+            // kernels; those split by the same rule over their 64-row blocks.
             let g = KernelSumCase {
                 grad: true,
                 ..KernelSumCase::new(Op::KernelLse, n, m, 3)
             };
             assert_eq!(entry_point(&g).unwrap().splits, 1);
-            let dn = KernelSumCase::new(Op::KernelLse, n, m, 16);
+            let dn = KernelSumCase::new(Op::KernelLse, n, m, 200);
             assert_eq!(entry_point(&dn).unwrap().splits, 1);
+            let tc = entry_point(&KernelSumCase::new(Op::KernelLse, n, m, 16)).unwrap();
+            let (splits, len) = y_splits(n.div_ceil(TC_ROWS), m);
+            assert_eq!((tc.splits, tc.split_len), (splits, len), "{n} {m}");
+            let want = if splits > 1 {
+                "kernel_lse_split_tc"
+            } else {
+                "kernel_lse_tc"
+            };
+            assert_eq!(tc.entry, want);
         }
         // The `#if` line that selects a combine: the last one before its definition.
         let guard_of = |combine: &str| {
@@ -859,6 +928,7 @@ mod tests {
         for d in SMALL_DIMS {
             assert!(combine_guard.contains(&format!("defined(KS_ENTRY_kernel_lse_split_d{d})")));
         }
+        assert!(combine_guard.contains("defined(KS_ENTRY_kernel_lse_split_tc)"));
         // The matvec (one column) and the KDE split by the same rule, into SUM_COMBINE; the
         // matvec with more columns (grid.y is its column tiles) never splits.
         for (n, m) in [
@@ -895,9 +965,9 @@ mod tests {
         let lse = entry_point(&KernelSumCase::new(Op::KernelLse, 10_000, 10_000, 1)).unwrap();
         assert_eq!(lse.combine(), Some((COMBINE, 2)));
         let sum_guard = guard_of(SUM_COMBINE);
-        for d in SMALL_DIMS {
+        for d in ["d1", "d2", "d3", "tc"] {
             for op in ["rbf_mv", "kde"] {
-                assert!(sum_guard.contains(&format!("defined(KS_ENTRY_{op}_split_d{d})")));
+                assert!(sum_guard.contains(&format!("defined(KS_ENTRY_{op}_split_{d})")));
             }
         }
     }
@@ -913,9 +983,46 @@ mod tests {
         assert_eq!((p.entry.as_str(), p.rows_per_block), ("rbf_mv_d3_c64", 128));
         let p = entry_point(&case(Op::RbfMv, 16, 130, false)).unwrap();
         assert_eq!(
-            (p.entry.as_str(), p.rows_per_block, p.grid),
-            ("rbf_mv_dn_c64", 128, (8, 3, 1))
+            (p.entry.as_str(), p.rows_per_block, p.grid, p.smem_bytes),
+            ("rbf_mv_dn_c64", 128, (8, 3, 1), 0)
         );
+        // One column of b at dimension 4 to 128: the tensor-core kernel, 64 rows per block,
+        // its shared memory for D rounded up to 8 (plus 4 floats a row) over 64 + 2·64 rows.
+        // M = 10 is too short to split.
+        let p = entry_point(&case(Op::RbfMv, 16, 1, false)).unwrap();
+        assert_eq!(
+            (p.entry.as_str(), p.rows_per_block, p.grid, p.smem_bytes),
+            ("rbf_mv_tc", 64, (16, 1, 1), 192 * 20 * 4)
+        );
+        assert_eq!(tc_smem_bytes(5), 192 * 12 * 4);
+        assert_eq!(tc_smem_bytes(TC_MAX_DIM), 101_376);
+        assert_eq!(
+            entry_point(&case(Op::Kde, 64, 1, false)).unwrap().entry,
+            "kde_tc"
+        );
+        assert_eq!(
+            entry_point(&case(Op::KernelLse, 128, 1, false))
+                .unwrap()
+                .entry,
+            "kernel_lse_tc"
+        );
+        assert_eq!(
+            entry_point(&case(Op::KernelLse, 129, 1, false))
+                .unwrap()
+                .entry,
+            "kernel_lse_dn"
+        );
+        // The kernels' own sizes are the host's.
+        for (name, v) in [
+            ("KS_TC_DMAX", TC_MAX_DIM),
+            ("KS_TC_ROWS", TC_ROWS),
+            ("KS_TC_TILE", TC_TILE),
+        ] {
+            assert!(
+                KERNEL_SUMS_SRC.contains(&format!("#define {name} {v}\n")),
+                "{name}"
+            );
+        }
         assert_eq!(
             entry_point(&case(Op::Kde, 2, 1, false)).unwrap().entry,
             "kde_d2"
