@@ -418,19 +418,28 @@ fn kernel_sums_kernels_compile() {
     }
     // Each entry point alone, as the runner compiles it: itself, and for a split kernel sum
     // the combine that merges its partials (compiled with it, never alone).
-    use kernelpages::kernel_sums::cuda::{COMBINE, SUM_COMBINE};
-    for f in names.iter().filter(|f| *f != COMBINE && *f != SUM_COMBINE) {
+    use kernelpages::kernel_sums::cuda::{COMBINE, SUM_COMBINE, TC_CENTER, TC_PREP};
+    let launched_with_others = [COMBINE, SUM_COMBINE, TC_CENTER, TC_PREP];
+    for f in names
+        .iter()
+        .filter(|f| !launched_with_others.contains(&f.as_str()))
+    {
         let ptx = kernelpages::gpu::nvrtc_compile(&format!("{f}.cu"), &entry_source(f), "sm_90a")
             .unwrap_or_else(|e| panic!("{e}"));
         let text = ptx.to_src();
         assert!(text.contains(&format!(".entry {f}(")), "{f} alone");
         let lse_split = f.starts_with("kernel_lse_split_");
         let sum_split = f.starts_with("rbf_mv_split_") || f.starts_with("kde_split_");
+        // The tensor-core kernels come with their two pre-pass kernels.
+        let tc = f.ends_with("_tc");
         assert_eq!(
             text.matches(".entry ").count(),
-            1 + (lse_split || sum_split) as usize,
+            1 + (lse_split || sum_split) as usize + 2 * tc as usize,
             "{f} alone"
         );
+        for pre in [TC_CENTER, TC_PREP] {
+            assert_eq!(text.contains(&format!(".entry {pre}(")), tc, "{f} alone");
+        }
         assert_eq!(
             text.contains(&format!(".entry {COMBINE}(")),
             lse_split,

@@ -578,43 +578,68 @@ __device__ __forceinline__ void lse_dn(const float* __restrict__ X, const float*
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core feature path (4 <= D <= KS_TC_DMAX; the host's pick for the forward kernel sums
-// with one column of b): the squared distance expanded as |x|^2 + |y|^2 - 2 x.y, with the cross
-// terms of a block as a GEMM tile on mma.sync m16n8k8 TF32. TF32 keeps 10 of float32's 23
-// mantissa bits, so each operand is split into hi = tf32(v) and lo = tf32(v - hi) and the
-// product taken as hi.hi + hi.lo + lo.hi (the lo.lo term is below float32's rounding): the
-// "3xTF32" emulation of a float32 GEMM, three MMAs per k-step, still several times the CUDA-core
-// rate of the _dn kernels (two instructions per feature per pair).
+// with one column of b): the squared distance expanded as |x - c|^2 + |y - c|^2 - 2 (x - c).(y - c)
+// around a common centre c, with the cross terms of a block as a GEMM tile on mma.sync m16n8k8
+// TF32. TF32 keeps 10 of float32's 23 mantissa bits, so each operand is split into
+// hi = tf32(v) and lo = tf32(v - hi) and the product taken as hi.hi + hi.lo + lo.hi (lo.lo is
+// below float32's rounding): the "3xTF32" emulation of a float32 GEMM, three MMAs per k-step,
+// still several times the CUDA-core rate of the _dn kernels (two instructions per feature per
+// pair). The expansion cancels when |x - y| << |x - c|: the exponent's absolute error is about
+// 2^-22 k (|x - c|^2 + |y - c|^2), so the centre (the mean of Y's first KS_TC_CENTER points)
+// cuts it about fourfold for a cloud away from the origin (points in the unit cube: |x|^2 ~ D/3,
+// |x - c|^2 ~ D/12).
 //
-// Block: KS_THREADS = 4 warps, KS_TC_ROWS = 64 rows of X (16 per warp: one m16 tile), staged
-// once in shared memory as float32 with a row stride of Dp + 4 floats (Dp = D rounded up to 8):
-// with the stride 4 mod 8 words, the eight rows and four columns an MMA fragment reads fall in
-// 32 distinct banks. Y streams through in tiles of KS_TC_TILE = 64 points, staged already split
-// (hi and lo arrays, same stride), with each point's -k |y|^2 (plus g log2 e for kernel_lse;
-// -inf past M or the split's end) and weight (b_j, 1 for kde, 0 past the end). Each warp
-// computes its 16 x 64 tile of x.y (8 n-tiles of m16n8, D/8 k-steps), then per pair
-//   rbf_mv / kde: e = min(2k x.y - k|y|^2 - k|x|^2, 0) (the clamp is |x - y|^2 >= 0), one
-//                 MUFU.EX2, one FFMA into the row's tile sum (added to the total compensated);
-//   kernel_lse:   e' = 2k x.y - k|y|^2 + g log2 e, an online maximum per tile (reduced over the
-//                 four lanes that share a row), one MUFU.EX2 and one FADD; the row's own
-//                 -k|x|^2 is added once at the end.
-// The expansion cancels when |x - y| << |x|: the exponent's absolute error is about
-// 2^-23 k (|x|^2 + |y|^2), as for cpu.rs's matrix-product distances.
+// Three launches per call (src/kernel_sums/cuda.rs):
+// 1. kernel_sum_tc_center (one block): c[a] = mean of Y[0..min(M, KS_TC_CENTER), a], 0 past D;
+//    Dp = D rounded up to 8 floats.
+// 2. kernel_sum_tc_prep (one thread per point of Y, Mp = M rounded up to KS_TC_TILE): Y - c
+//    split into TF32 parts YH, YL [Mp][Dp] (zeros past M and D), YN[j] = -k |y_j - c|^2 (plus
+//    g_j log2 e for kernel_lse; -inf past M) and WT[j] = b_j (1 for kde; 0 past M). These depend
+//    on Y, b or g and k only, so every row block reads them instead of converting Y again.
+// 3. the entry point: block = KS_THREADS (4 warps), KS_TC_ROWS = 64 rows of X (16 per warp,
+//    one m16 tile) staged once in shared memory as float32 minus c, with a row stride of Dp + 4
+//    floats: with the stride 4 mod 8 words, the eight rows and four columns an MMA fragment reads
+//    fall in 32 distinct banks. Y streams through in tiles of KS_TC_TILE = 64 prepared points,
+//    copied by cp.async into two stages (the next tile lands while this one is computed). Each
+//    warp computes its 16 x 64 tile of (x - c).(y - c) (8 n-tiles of m16n8, Dp / 8 k-steps),
+//    then per pair
+//      rbf_mv / kde: e = min(2k s + YN[j] + XN[i], 0) (the clamp is |x - y|^2 >= 0), one
+//                    MUFU.EX2, one FFMA with WT[j] into the row's tile sum (added to the total
+//                    compensated);
+//      kernel_lse:   e' = 2k s + YN[j], an online maximum per tile (reduced over the four lanes
+//                    that share a row), one MUFU.EX2 and one FADD; the row's own
+//                    XN[i] = -k |x_i - c|^2 is added once at the end.
 //
 // Fragments (PTX ISA, mma.m16n8k8 with .tf32; g = lane / 4, q = lane % 4): A (row-major 16 x 8)
-// a0 = (g, q), a1 = (g + 8, q), a2 = (g, q + 4), a3 = (g + 8, q + 4); B (8 x 8, column-major: B[k][n]
-// = y_n[k]) b0 = (q, g), b1 = (q + 4, g); C c0 = (g, 2q), c1 = (g, 2q + 1), c2 = (g + 8, 2q),
+// a0 = (g, q), a1 = (g + 8, q), a2 = (g, q + 4), a3 = (g + 8, q + 4); B (8 x 8, column-major:
+// B[k][n] = y_n[k]) b0 = (q, g), b1 = (q + 4, g); C c0 = (g, 2q), c1 = (g, 2q + 1), c2 = (g + 8, 2q),
 // c3 = (g + 8, 2q + 1).
 //
-// SPLIT: as the small-D split kernels, grid.y splits Y into parts of split_len points; the block
-// writes each row's unscaled partial sum (rbf_mv, kde) or its (maximum, sum) in base 2 (kernel_lse)
-// to part[blockIdx.y * N + i], merged by kernel_sum_combine or kernel_lse_combine.
-// Dynamic shared memory: (KS_TC_ROWS + 2 KS_TC_TILE) (Dp + 4) floats (src/kernel_sums/cuda.rs
-// computes the same, 101,376 bytes at D = 128).
+// SPLIT: as the small-D split kernels, grid.y splits the Mp prepared points into parts of
+// split_len (a multiple of KS_TC_TILE); the block writes each row's unscaled partial sum
+// (rbf_mv, kde) or its (maximum, sum) in base 2 (kernel_lse) to part[blockIdx.y * N + i], merged
+// by kernel_sum_combine or kernel_lse_combine.
+//
+// Arguments of every *_tc entry point: (const float* X, const float* C, const unsigned* YH,
+// const unsigned* YL, const float* YN, const float* WT, float* out_or_part, long long N,
+// long long Mp, int D, float k, float out_scale, long long split_len); out_scale is the KDE's
+// normalisation (1 otherwise), split_len is ignored unsplit. Dynamic shared memory:
+// (KS_TC_ROWS + 4 KS_TC_TILE) (Dp + 4) + 4 KS_TC_TILE floats (cuda.rs's tc_smem_bytes).
 
 #define KS_TC_DMAX 128
 #define KS_TC_ROWS 64
 #define KS_TC_TILE 64
+#define KS_TC_CENTER 256
 
+#if !defined(KS_ONLY) || defined(KS_ENTRY_rbf_mv_tc) || defined(KS_ENTRY_kde_tc) ||         \
+    defined(KS_ENTRY_kernel_lse_tc) || defined(KS_ENTRY_rbf_mv_split_tc) ||                    \
+    defined(KS_ENTRY_kde_split_tc) || defined(KS_ENTRY_kernel_lse_split_tc)
+#define KS_TC 1
+#else
+#define KS_TC 0
+#endif
+
+#if KS_TC
 // The TF32 value nearest x (round to nearest, ties away), as the bits mma.sync takes.
 __device__ __forceinline__ unsigned ks_tf32(float x) {
     unsigned r;
@@ -638,33 +663,111 @@ __device__ __forceinline__ void ks_mma_tf32(float c[4], const unsigned a[4], uns
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// OP: 0 rbf_mv (C = 1, W = b), 1 kde (W unused; out_scale the normalisation), 2 kernel_lse
-// (W = g, no gradient). part is a float* (OP 0, 1) or float2* (OP 2) when SPLIT.
+// 16 bytes global -> shared, asynchronously (L2 only: the tile is read once per block).
+__device__ __forceinline__ void ks_cp16(void* smem, const void* gmem) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem));
+}
+__device__ __forceinline__ void ks_cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int PENDING>
+__device__ __forceinline__ void ks_cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
+}
+
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    kernel_sum_tc_center(const float* __restrict__ Y, long long M, int D, float* __restrict__ C) {
+    const int Dp = (D + 7) & ~7;
+    const long long cnt = M < KS_TC_CENTER ? M : KS_TC_CENTER;
+    for (int a = threadIdx.x; a < Dp; a += KS_THREADS) {
+        float s = 0.f;
+        if (a < D)
+            for (long long j = 0; j < cnt; ++j) s += Y[j * D + a];
+        C[a] = a < D ? s / (float)cnt : 0.f;
+    }
+}
+
+// OP: 0 rbf_mv (W = b, one column), 1 kde (W unused), 2 kernel_lse (W = g).
+extern "C" __global__ void __launch_bounds__(KS_THREADS)
+    kernel_sum_tc_prep(const float* __restrict__ Y, const float* __restrict__ W,
+                       const float* __restrict__ C, long long M, long long Mp, int D, float k,
+                       int op, unsigned* __restrict__ YH, unsigned* __restrict__ YL,
+                       float* __restrict__ YN, float* __restrict__ WT) {
+    const long long j = (long long)blockIdx.x * KS_THREADS + threadIdx.x;
+    if (j >= Mp) return;
+    const int Dp = (D + 7) & ~7;
+    float n2 = 0.f;
+    for (int a = 0; a < Dp; ++a) {
+        const float v = (j < M && a < D) ? Y[j * D + a] - C[a] : 0.f;
+        n2 = fmaf(v, v, n2);
+        unsigned h, l;
+        ks_split(v, h, l);
+        YH[j * Dp + a] = h;
+        YL[j * Dp + a] = l;
+    }
+    if (op == 2) {
+        YN[j] = j < M ? fmaf(-k, n2, W[j] * KS_LOG2E) : KS_NEG_INF;
+    } else {
+        YN[j] = -k * n2;
+    }
+    WT[j] = j < M ? (op == 0 ? W[j] : 1.f) : 0.f;
+}
+
+// Copies prepared points [j0, j0 + KS_TC_TILE) into stage buffers (16-byte pieces).
+__device__ __forceinline__ void ks_tc_load(unsigned* yh, unsigned* yl, float* yn, float* wt,
+                                           const unsigned* __restrict__ YH,
+                                           const unsigned* __restrict__ YL,
+                                           const float* __restrict__ YN,
+                                           const float* __restrict__ WT, long long j0, int Dp,
+                                           int S) {
+    const int per_row = Dp / 4;
+    for (int e = threadIdx.x; e < KS_TC_TILE * per_row; e += KS_THREADS) {
+        const int jj = e / per_row, a = 4 * (e - jj * per_row);
+        ks_cp16(yh + jj * S + a, YH + (j0 + jj) * Dp + a);
+        ks_cp16(yl + jj * S + a, YL + (j0 + jj) * Dp + a);
+    }
+    if (threadIdx.x < KS_TC_TILE / 4) {
+        ks_cp16(yn + 4 * threadIdx.x, YN + j0 + 4 * threadIdx.x);
+    } else if (threadIdx.x < KS_TC_TILE / 2) {
+        const int o = 4 * (threadIdx.x - KS_TC_TILE / 4);
+        ks_cp16(wt + o, WT + j0 + o);
+    }
+}
+
+// OP: 0 rbf_mv and kde (weights WT), 2 kernel_lse. part is a float* (OP 0) or float2* (OP 2)
+// when SPLIT.
 template <int OP, bool SPLIT>
-__device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* __restrict__ Y,
-                                      const float* __restrict__ W, float* __restrict__ out,
-                                      long long N, long long M, int D, float k, float out_scale,
-                                      void* part, long long split_len) {
+__device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* __restrict__ C,
+                                      const unsigned* __restrict__ YH,
+                                      const unsigned* __restrict__ YL,
+                                      const float* __restrict__ YN,
+                                      const float* __restrict__ WT, float* __restrict__ out,
+                                      long long N, long long Mp, int D, float k, float out_scale,
+                                      long long split_len) {
     extern __shared__ __align__(16) float ks_dyn[];
-    __shared__ float xn[KS_TC_ROWS];  // -k |x_i|^2
-    __shared__ float yn[KS_TC_TILE];  // -k |y_j|^2 (+ g_j log2 e), -inf past the end (lse)
-    __shared__ float wt[KS_TC_TILE];  // b_j or 1, 0 past the end (rbf_mv, kde)
+    __shared__ float xn[KS_TC_ROWS];  // -k |x_i - c|^2
     const int Dp = (D + 7) & ~7, S = Dp + 4;
     float* xs = ks_dyn;
-    unsigned* yh = reinterpret_cast<unsigned*>(xs + KS_TC_ROWS * S);
-    unsigned* yl = yh + KS_TC_TILE * S;
+    // Stage st: high parts [KS_TC_TILE][S], low parts, exponent terms [KS_TC_TILE], weights.
+    unsigned* const stage0 = reinterpret_cast<unsigned*>(xs + KS_TC_ROWS * S);
+    const int stage_words = 2 * KS_TC_TILE * S + 2 * KS_TC_TILE;
+#define KS_TC_YH(st) (stage0 + (st) * stage_words)
+#define KS_TC_YL(st) (KS_TC_YH(st) + KS_TC_TILE * S)
+#define KS_TC_YN(st) reinterpret_cast<float*>(KS_TC_YH(st) + 2 * KS_TC_TILE * S)
+#define KS_TC_WT(st) (KS_TC_YN(st) + KS_TC_TILE)
     const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, q = lane & 3;
     const long long rb = (long long)blockIdx.x * KS_TC_ROWS;
-    long long jb = 0, je = M;
+    long long jb = 0, je = Mp;
     if (SPLIT) {
         jb = (long long)blockIdx.y * split_len;
-        je = jb + split_len < M ? jb + split_len : M;
+        je = jb + split_len < Mp ? jb + split_len : Mp;
     }
 
+    ks_tc_load(KS_TC_YH(0), KS_TC_YL(0), KS_TC_YN(0), KS_TC_WT(0), YH, YL, YN, WT, jb, Dp, S);
+    ks_cp_commit();
     for (int e = t; e < KS_TC_ROWS * Dp; e += KS_THREADS) {
         const int r = e / Dp, a = e - r * Dp;
         const long long i = rb + r;
-        xs[r * S + a] = (i < N && a < D) ? X[i * D + a] : 0.f;
+        xs[r * S + a] = (i < N && a < D) ? X[i * D + a] - C[a] : 0.f;
     }
     __syncthreads();
     if (t < KS_TC_ROWS) {
@@ -680,34 +783,20 @@ __device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* 
     float acc0 = 0.f, acc1 = 0.f, cmp0 = 0.f, cmp1 = 0.f;
     float mx0 = KS_NEG_INF, mx1 = KS_NEG_INF;
 
-    for (long long j0 = jb; j0 < je; j0 += KS_TC_TILE) {
-        __syncthreads();  // the previous tile is consumed (and, first time, xn is written)
-        for (int e = t; e < KS_TC_TILE * Dp; e += KS_THREADS) {
-            const int jj = e / Dp, a = e - jj * Dp;
-            const long long j = j0 + jj;
-            unsigned h, l;
-            ks_split((j < je && a < D) ? Y[j * D + a] : 0.f, h, l);
-            yh[jj * S + a] = h;
-            yl[jj * S + a] = l;
+    int st = 0;
+    for (long long j0 = jb; j0 < je; j0 += KS_TC_TILE, st ^= 1) {
+        if (j0 + KS_TC_TILE < je) {
+            // The other stage was consumed before the barrier that ended the last tile.
+            ks_tc_load(KS_TC_YH(st ^ 1), KS_TC_YL(st ^ 1), KS_TC_YN(st ^ 1), KS_TC_WT(st ^ 1), YH,
+                       YL, YN, WT, j0 + KS_TC_TILE, Dp, S);
+            ks_cp_commit();
+            ks_cp_wait<1>();
+        } else {
+            ks_cp_wait<0>();
         }
-        {
-            // Two threads per point: |y_j|^2 over alternate features, then summed.
-            const int jj = t >> 1;
-            const long long j = j0 + jj;
-            float n2 = 0.f;
-            if (j < je)
-                for (int a = t & 1; a < D; a += 2) n2 = fmaf(Y[j * D + a], Y[j * D + a], n2);
-            n2 += __shfl_xor_sync(0xffffffffu, n2, 1);
-            if ((t & 1) == 0) {
-                if (OP == 2) {
-                    yn[jj] = j < je ? fmaf(-k, n2, W[j] * KS_LOG2E) : KS_NEG_INF;
-                } else {
-                    yn[jj] = -k * n2;
-                    wt[jj] = j < je ? (OP == 1 ? 1.f : W[j]) : 0.f;
-                }
-            }
-        }
-        __syncthreads();
+        __syncthreads();  // this tile's copies (and, first time, xs and xn) are visible
+        const unsigned* bh = KS_TC_YH(st);
+        const unsigned* bl = KS_TC_YL(st);
 
         float s[8][4];
 #pragma unroll
@@ -721,7 +810,7 @@ __device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* 
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
                 const int o = (nt * 8 + g) * S + kk + q;
-                const unsigned bh0 = yh[o], bh1 = yh[o + 4], bl0 = yl[o], bl1 = yl[o + 4];
+                const unsigned bh0 = bh[o], bh1 = bh[o + 4], bl0 = bl[o], bl1 = bl[o + 4];
                 // The small terms first.
                 ks_mma_tf32(s[nt], al, bh0, bh1);
                 ks_mma_tf32(s[nt], ah, bl0, bl1);
@@ -729,15 +818,17 @@ __device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* 
             }
         }
 
+        const float* ynt = KS_TC_YN(st);
+        const float* wtt = KS_TC_WT(st);
         const float x0 = xn[warp * 16 + g], x1 = xn[warp * 16 + g + 8];
-        if (OP != 2) {
+        if (OP == 0) {
             float ta0 = 0.f, ta1 = 0.f;
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int jj = nt * 8 + 2 * q + h;
-                    const float yv = yn[jj], w = wt[jj];
+                    const float yv = ynt[jj], w = wtt[jj];
                     const float e0 = fminf(fmaf(two_k, s[nt][h], yv) + x0, 0.f);
                     const float e1 = fminf(fmaf(two_k, s[nt][2 + h], yv) + x1, 0.f);
                     ta0 = fmaf(ks_ex2(e0), w, ta0);
@@ -752,7 +843,7 @@ __device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* 
             for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const float yv = yn[nt * 8 + 2 * q + h];
+                    const float yv = ynt[nt * 8 + 2 * q + h];
                     s[nt][h] = fmaf(two_k, s[nt][h], yv);
                     s[nt][2 + h] = fmaf(two_k, s[nt][2 + h], yv);
                     cm0 = fmaxf(cm0, s[nt][h]);
@@ -790,7 +881,12 @@ __device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* 
             ks_kahan_add(acc0, cmp0, ts0);
             ks_kahan_add(acc1, cmp1, ts1);
         }
+        __syncthreads();  // this stage is consumed before the next iteration refills it
     }
+#undef KS_TC_YH
+#undef KS_TC_YL
+#undef KS_TC_YN
+#undef KS_TC_WT
 
     // The four lanes of a row hold a quarter of its columns each.
 #pragma unroll
@@ -806,20 +902,22 @@ __device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* 
         if (i >= N) continue;
         const float acc = h ? acc1 : acc0;
         if (OP == 2) {
-            // The row's -k |x|^2, left out of the loop's exponents.
+            // The row's -k |x - c|^2, left out of the loop's exponents.
             const float m = (h ? mx1 : mx0) + xn[r];
             if (SPLIT)
-                static_cast<float2*>(part)[(long long)blockIdx.y * N + i] = make_float2(m, acc);
+                reinterpret_cast<float2*>(out)[(long long)blockIdx.y * N + i] =
+                    make_float2(m, acc);
             else
                 out[i] = (m + log2f(acc)) * KS_LN2;
         } else {
             if (SPLIT)
-                static_cast<float*>(part)[(long long)blockIdx.y * N + i] = acc;
+                out[(long long)blockIdx.y * N + i] = acc;
             else
                 out[i] = acc * out_scale;
         }
     }
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Entry points. Small D: rows per thread R = 2 (1 for 64 columns, whose accumulators fill the
@@ -1055,47 +1153,29 @@ extern "C" __global__ void __launch_bounds__(KS_THREADS)
     lse_dn<true>(X, Y, G, out, N, M, D, k, two_over_eps);
 }
 #endif
-// The tensor-core feature path (ks_tc): the same arguments as the _dn and split kernels; C = 1.
+// The tensor-core feature path (ks_tc): the prepared points of kernel_sum_tc_prep.
+#define KS_TC_ENTRY(NAME, OP, SPLIT)                                                           \
+    extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
+        NAME(const float* X, const float* C, const unsigned* YH, const unsigned* YL,           \
+             const float* YN, const float* WT, float* out, long long N, long long Mp, int D,   \
+             float k, float out_scale, long long split_len) {                                  \
+        ks_tc<OP, SPLIT>(X, C, YH, YL, YN, WT, out, N, Mp, D, k, out_scale, split_len);        \
+    }
 #if KS_ALL || defined(KS_ENTRY_rbf_mv_tc)
-extern "C" __global__ void __launch_bounds__(KS_THREADS)
-    rbf_mv_tc(const float* X, const float* Y, const float* B, float* out, long long N,
-              long long M, int D, int C, float k) {
-    ks_tc<0, false>(X, Y, B, out, N, M, D, k, 1.f, nullptr, 0);
-}
+KS_TC_ENTRY(rbf_mv_tc, 0, false)
 #endif
 #if KS_ALL || defined(KS_ENTRY_kde_tc)
-extern "C" __global__ void __launch_bounds__(KS_THREADS)
-    kde_tc(const float* X, const float* Y, float* out, long long N, long long M, int D, float k,
-           float norm) {
-    ks_tc<1, false>(X, Y, nullptr, out, N, M, D, k, norm, nullptr, 0);
-}
+KS_TC_ENTRY(kde_tc, 0, false)
 #endif
 #if KS_ALL || defined(KS_ENTRY_kernel_lse_tc)
-extern "C" __global__ void __launch_bounds__(KS_THREADS)
-    kernel_lse_tc(const float* X, const float* Y, const float* G, float* out, long long N,
-                  long long M, int D, float k, float two_over_eps) {
-    ks_tc<2, false>(X, Y, G, out, N, M, D, k, 1.f, nullptr, 0);
-}
+KS_TC_ENTRY(kernel_lse_tc, 2, false)
 #endif
 #if KS_ALL || defined(KS_ENTRY_rbf_mv_split_tc)
-extern "C" __global__ void __launch_bounds__(KS_THREADS)
-    rbf_mv_split_tc(const float* X, const float* Y, const float* B, float* part, long long N,
-                    long long M, int D, int C, float k, long long split_len) {
-    ks_tc<0, true>(X, Y, B, nullptr, N, M, D, k, 1.f, part, split_len);
-}
+KS_TC_ENTRY(rbf_mv_split_tc, 0, true)
 #endif
 #if KS_ALL || defined(KS_ENTRY_kde_split_tc)
-extern "C" __global__ void __launch_bounds__(KS_THREADS)
-    kde_split_tc(const float* X, const float* Y, float* part, long long N, long long M, int D,
-                 float k, float norm, long long split_len) {
-    ks_tc<1, true>(X, Y, nullptr, nullptr, N, M, D, k, 1.f, part, split_len);
-}
+KS_TC_ENTRY(kde_split_tc, 0, true)
 #endif
 #if KS_ALL || defined(KS_ENTRY_kernel_lse_split_tc)
-extern "C" __global__ void __launch_bounds__(KS_THREADS)
-    kernel_lse_split_tc(const float* X, const float* Y, const float* G, float2* part,
-                        long long N, long long M, int D, float k, float two_over_eps,
-                        long long split_len) {
-    ks_tc<2, true>(X, Y, G, nullptr, N, M, D, k, 1.f, part, split_len);
-}
+KS_TC_ENTRY(kernel_lse_split_tc, 2, true)
 #endif

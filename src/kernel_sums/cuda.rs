@@ -82,11 +82,21 @@ pub fn entry_points() -> Vec<String> {
             "rbf_mv_split_tc",
             "kde_split_tc",
             "kernel_lse_split_tc",
+            TC_CENTER,
+            TC_PREP,
         ]
         .map(String::from),
     );
     v
 }
+
+/// The entry point that computes the tensor-core kernels' centre (the mean of Y's first
+/// 256 points), launched first and compiled with each `*_tc` entry point.
+pub const TC_CENTER: &str = "kernel_sum_tc_center";
+
+/// The entry point that prepares Y for the tensor-core kernels (centred, split into TF32
+/// parts, with each point's exponent term and weight), launched second.
+pub const TC_PREP: &str = "kernel_sum_tc_prep";
 
 /// Largest dimension the tensor-core feature kernels (`*_tc`) take; past it the `_dn`
 /// kernels run (`KS_TC_DMAX`).
@@ -111,12 +121,32 @@ pub fn uses_tensor_cores(c: &KernelSumCase) -> bool {
         }
 }
 
-/// Dynamic shared memory of a tensor-core kernel at dimension `dim`, bytes: X's block as float32
-/// and Y's tile as TF32 high and low parts, each row padded to D rounded up to 8, plus 4
-/// (the layout `ks_tc` in the source describes).
+/// Dynamic shared memory of a tensor-core kernel at dimension `dim`, bytes: X's block as
+/// float32 and two stages of Y's tile as TF32 high and low parts, each row padded to D rounded
+/// up to 8, plus 4; and per stage the tile's exponent terms and weights (the layout `ks_tc` in
+/// the source describes).
 pub fn tc_smem_bytes(dim: usize) -> u32 {
     let stride = dim.div_ceil(8) * 8 + 4;
-    ((TC_ROWS + 2 * TC_TILE) * stride * 4) as u32
+    (((TC_ROWS + 4 * TC_TILE) * stride + 4 * TC_TILE) * 4) as u32
+}
+
+/// Y prepared for the tensor-core kernels on the device ([`TC_PREP`]): the centre `[Dp]`, the
+/// centred points' TF32 parts `[Mp, Dp]` (Dp = D rounded up to 8, Mp = M rounded up to
+/// [`TC_TILE`]), each point's exponent term and weight `[Mp]`; and the two pre-pass kernels.
+struct TcWork {
+    center: CudaFunction,
+    prep: CudaFunction,
+    c: CudaSlice<f32>,
+    yh: CudaSlice<u32>,
+    yl: CudaSlice<u32>,
+    yn: CudaSlice<f32>,
+    wt: CudaSlice<f32>,
+}
+
+impl TcWork {
+    fn bytes(&self) -> u64 {
+        4 * (self.c.len() + self.yh.len() + self.yl.len() + self.yn.len() + self.wt.len()) as u64
+    }
 }
 
 /// How one case is launched: the entry point, rows of X per block, the column tile and the
@@ -351,6 +381,8 @@ pub struct Runner {
     /// The merge of a split kernel sum and its partials ([`Plan::combine`]'s floats per row and
     /// split).
     combine: Option<(CudaFunction, CudaSlice<f32>)>,
+    /// The tensor-core kernels' prepared Y ([`uses_tensor_cores`]).
+    tc: Option<TcWork>,
     /// NVRTC compile and module load time of the entry point, s (0 when this process had
     /// compiled it already).
     pub compile_s: f64,
@@ -376,17 +408,34 @@ impl Runner {
             }
             None => None,
         };
+        let tc = if uses_tensor_cores(c) {
+            let (dp, mp) = (c.dim.div_ceil(8) * 8, c.m.div_ceil(TC_TILE) * TC_TILE);
+            Some(TcWork {
+                center: gpu.function(&compiled.module, TC_CENTER, 0)?,
+                prep: gpu.function(&compiled.module, TC_PREP, 0)?,
+                c: gpu.stream.alloc_zeros::<f32>(dp)?,
+                yh: gpu.stream.alloc_zeros::<u32>(mp * dp)?,
+                yl: gpu.stream.alloc_zeros::<u32>(mp * dp)?,
+                yn: gpu.stream.alloc_zeros::<f32>(mp)?,
+                wt: gpu.stream.alloc_zeros::<f32>(mp)?,
+            })
+        } else {
+            None
+        };
         Ok(Runner {
             func,
             plan,
             combine,
+            tc,
             compile_s: compiled.compile_s,
         })
     }
 
-    /// Device bytes the runner holds: a split kernel sum's partials.
+    /// Device bytes the runner holds: a split kernel sum's partials and the tensor-core
+    /// kernels' prepared Y (8·Mp·Dp + 8·Mp + 4·Dp bytes).
     pub fn workspace_bytes(&self) -> u64 {
         self.combine.as_ref().map_or(0, |(_, p)| 4 * p.len() as u64)
+            + self.tc.as_ref().map_or(0, TcWork::bytes)
     }
 
     /// The launch geometry.
@@ -451,7 +500,7 @@ impl Runner {
         }
         let (k, second) = scalars(c, s)?;
         let (n, m) = (c.n as i64, c.m as i64);
-        let (d, cols) = (c.dim as i32, c.cols as i32);
+        let d = c.dim as i32;
         let cfg = LaunchConfig {
             grid_dim: self.plan.grid,
             block_dim: (THREADS, 1, 1),
@@ -459,6 +508,110 @@ impl Runner {
         };
         let split_len = self.plan.split_len as i64;
         let split = self.combine.is_some();
+        if let Some(tc) = &mut self.tc {
+            let (dp, mp) = (c.dim.div_ceil(8) * 8, c.m.div_ceil(TC_TILE) * TC_TILE);
+            if tc.c.len() != dp || tc.yn.len() != mp {
+                return Err(GpuError::Config(format!(
+                    "the runner's prepared Y holds {} points of {} floats, {c:?} needs {mp} of {dp}",
+                    tc.yn.len(),
+                    tc.c.len()
+                )));
+            }
+            let one = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = gpu.stream.launch_builder(&tc.center);
+            b.arg(&inp.y).arg(&m).arg(&d).arg(&mut tc.c);
+            // SAFETY: kernel_sum_tc_center(const float* Y, long long M, int D, float* C): Y
+            // holds M·D floats (checked above), C the Dp floats it writes (checked above).
+            unsafe { b.launch(one)? };
+            let op: i32 = match c.op {
+                Op::RbfMv => 0,
+                Op::Kde => 1,
+                Op::KernelLse => 2,
+            };
+            let mp64 = mp as i64;
+            // The KDE reads no weights; Y stands in for the unused pointer.
+            let w = inp.w.as_ref().unwrap_or(&inp.y);
+            let cfg_prep = LaunchConfig {
+                grid_dim: (mp.div_ceil(THREADS as usize) as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = gpu.stream.launch_builder(&tc.prep);
+            b.arg(&inp.y)
+                .arg(w)
+                .arg(&tc.c)
+                .arg(&m)
+                .arg(&mp64)
+                .arg(&d)
+                .arg(&k)
+                .arg(&op)
+                .arg(&mut tc.yh)
+                .arg(&mut tc.yl)
+                .arg(&mut tc.yn)
+                .arg(&mut tc.wt);
+            // SAFETY: kernel_sum_tc_prep(const float* Y, const float* W, const float* C,
+            // long long M, long long Mp, int D, float k, int op, unsigned* YH, unsigned* YL,
+            // float* YN, float* WT): one thread per point j < Mp (guarded), reading Y[j·D + a]
+            // and W[j] only for j < M (W is b with one column or g, M floats, checked above;
+            // the KDE, op 1, never reads it) and C[0..Dp); writing YH, YL [Mp·Dp] and YN, WT
+            // [Mp], the sizes allocated in `new` and checked above.
+            unsafe { b.launch(cfg_prep)? };
+            let out_scale = if c.op == Op::Kde { second } else { 1.0f32 };
+            let mut b = gpu.stream.launch_builder(&self.func);
+            b.arg(&inp.x)
+                .arg(&tc.c)
+                .arg(&tc.yh)
+                .arg(&tc.yl)
+                .arg(&tc.yn)
+                .arg(&tc.wt);
+            match &mut self.combine {
+                Some((_, part)) => b.arg(part),
+                None => b.arg(&mut *out),
+            };
+            b.arg(&n)
+                .arg(&mp64)
+                .arg(&d)
+                .arg(&k)
+                .arg(&out_scale)
+                .arg(&split_len);
+            // SAFETY: every *_tc entry point takes (const float* X, const float* C,
+            // const unsigned* YH, const unsigned* YL, const float* YN, const float* WT,
+            // float* out, long long N, long long Mp, int D, float k, float out_scale,
+            // long long split_len): X holds N·D floats, the prepared Y the sizes above; a block
+            // reads rows [64·blockIdx.x, +64) of X (guarded by N) and prepared points
+            // [blockIdx.y·split_len, min(Mp, +split_len)) in whole 64-point tiles (split_len a
+            // multiple of 128, Mp of 64); it writes out[i] (i < N) unsplit, or
+            // part[blockIdx.y·N + i] (one float, two for the log-sum-exp) split, which holds
+            // per_row·splits·N floats (checked above).
+            unsafe { b.launch(cfg)? };
+        } else {
+            self.launch_cuda_cores(gpu, c, inp, out, (k, second), split)?;
+        }
+        self.launch_combine(gpu, c, out, second, per_row)
+    }
+
+    /// The launch of every entry point but the tensor-core ones (their arguments differ).
+    fn launch_cuda_cores(
+        &mut self,
+        gpu: &Gpu,
+        c: &KernelSumCase,
+        inp: &DeviceInputs,
+        out: &mut CudaSlice<f32>,
+        (k, second): (f32, f32),
+        split: bool,
+    ) -> Result<(), GpuError> {
+        let (n, m) = (c.n as i64, c.m as i64);
+        let (d, cols) = (c.dim as i32, c.cols as i32);
+        let split_len = self.plan.split_len as i64;
+        let cfg = LaunchConfig {
+            grid_dim: self.plan.grid,
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: self.plan.smem_bytes,
+        };
         let mut b = gpu.stream.launch_builder(&self.func);
         b.arg(&inp.x).arg(&inp.y);
         if let Some(w) = &inp.w {
@@ -494,6 +647,19 @@ impl Runner {
         // [q·split_len, min(M, (q+1)·split_len)) lie in Y; the partials hold
         // per_row·splits·N floats (allocated in `new` for this case's N, checked above).
         unsafe { b.launch(cfg)? };
+        Ok(())
+    }
+
+    /// The merge of a split kernel sum's partials into `out` (nothing unsplit).
+    fn launch_combine(
+        &mut self,
+        gpu: &Gpu,
+        c: &KernelSumCase,
+        out: &mut CudaSlice<f32>,
+        second: f32,
+        per_row: usize,
+    ) -> Result<(), GpuError> {
+        let n = c.n as i64;
         if let Some((combine, part)) = &self.combine {
             let splits = self.plan.splits as i32;
             let cfg = LaunchConfig {
@@ -836,11 +1002,15 @@ mod tests {
     #[test]
     fn every_case_has_an_entry_point_in_the_source() {
         let names = entry_points();
-        assert_eq!(names.len(), 45);
+        assert_eq!(names.len(), 47);
         // The launch's block size and tile are the ones the kernels are written for.
         assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_THREADS {THREADS}\n")));
         assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_TILE {TILE}\n")));
-        for name in names.iter().filter(|n| *n != COMBINE && *n != SUM_COMBINE) {
+        let launched_with_others = [COMBINE, SUM_COMBINE, TC_CENTER, TC_PREP];
+        for name in names
+            .iter()
+            .filter(|n| !launched_with_others.contains(&n.as_str()))
+        {
             // Each entry point has its own selection guard (entry_source relies on it); the
             // combines are compiled with their split entry points.
             assert!(
@@ -987,15 +1157,16 @@ mod tests {
             ("rbf_mv_dn_c64", 128, (8, 3, 1), 0)
         );
         // One column of b at dimension 4 to 128: the tensor-core kernel, 64 rows per block,
-        // its shared memory for D rounded up to 8 (plus 4 floats a row) over 64 + 2·64 rows.
+        // its shared memory for D rounded up to 8 (plus 4 floats a row) over 64 + 4·64 rows,
+        // and 4·64 floats of per-point terms.
         // M = 10 is too short to split.
         let p = entry_point(&case(Op::RbfMv, 16, 1, false)).unwrap();
         assert_eq!(
             (p.entry.as_str(), p.rows_per_block, p.grid, p.smem_bytes),
-            ("rbf_mv_tc", 64, (16, 1, 1), 192 * 20 * 4)
+            ("rbf_mv_tc", 64, (16, 1, 1), (320 * 20 + 256) * 4)
         );
-        assert_eq!(tc_smem_bytes(5), 192 * 12 * 4);
-        assert_eq!(tc_smem_bytes(TC_MAX_DIM), 101_376);
+        assert_eq!(tc_smem_bytes(5), (320 * 12 + 256) * 4);
+        assert_eq!(tc_smem_bytes(TC_MAX_DIM), 169_984);
         assert_eq!(
             entry_point(&case(Op::Kde, 64, 1, false)).unwrap().entry,
             "kde_tc"
@@ -1017,6 +1188,7 @@ mod tests {
             ("KS_TC_DMAX", TC_MAX_DIM),
             ("KS_TC_ROWS", TC_ROWS),
             ("KS_TC_TILE", TC_TILE),
+            ("KS_TC_CENTER", 256),
         ] {
             assert!(
                 KERNEL_SUMS_SRC.contains(&format!("#define {name} {v}\n")),
