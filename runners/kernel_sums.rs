@@ -251,10 +251,14 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "fp32".into(),
             rule: format!(
-                "always: one thread per output row ({THREADS} per block), Y streamed through shared memory in tiles, never an N × M matrix; dim {} compiled as constants with 2 rows per thread, any other dim through the generic kernel; the base-2 exponential on the special-function unit (ex2.approx); at those dims the log-sum-exp without the gradient, the KDE and the one-column matvec split Y into parts of whole tiles (at least {} points, but the last) when the row blocks are fewer than {}, and a second kernel merges each row's parts; Sinkhorn's iteration keeps its potentials on the device",
+                "always: Y streamed through shared memory in tiles, never an N × M matrix; the base-2 exponential on the special-function unit (ex2.approx); dim {} compiled as constants, one thread per output row ({THREADS} per block) and 2 rows per thread; dim 4 to {tc_max}: the log-sum-exp without the gradient, the KDE and the one-column matvec on tensor cores (x·y of {tc_rows}-row blocks against {tc_tile}-point tiles on mma.sync TF32, each operand split into two TF32 parts, three products each: about float32's accuracy; Y centred and prepared once per call), the rest through the generic kernel (one thread per output row, distances on CUDA cores); any larger dim through the generic kernel; at dim {} and on tensor cores the log-sum-exp without the gradient, the KDE and the one-column matvec split Y into parts of whole tiles (at least {} points, but the last) when the row blocks are fewer than {}, and a second kernel merges each row's parts; Sinkhorn's iteration keeps its potentials on the device",
+                dims.join(", "),
                 dims.join(", "),
                 ks_cuda::SPLIT_MIN_POINTS,
-                ks_cuda::SPLIT_TARGET_BLOCKS
+                ks_cuda::SPLIT_TARGET_BLOCKS,
+                tc_max = ks_cuda::TC_MAX_DIM,
+                tc_rows = ks_cuda::TC_ROWS,
+                tc_tile = ks_cuda::TC_TILE,
             ),
             implementation: GPU_IMPLEMENTATION.into(),
         }];

@@ -490,3 +490,32 @@ fn over_tolerance_finds_the_flagged_rows() {
     acc.rel_err = acc.tolerance * 2.0;
     assert_eq!(items(&docs, probe), ["true", "false", "false"]);
 }
+
+/// `dispatch_says` reads the documents' dispatch records: true for words of a rule of that
+/// implementation, false for words no rule has, for another implementation's rule, and for a
+/// device with no document; a missing argument is an error.
+#[test]
+fn dispatch_says_reads_the_dispatch_record() {
+    let docs = fixture_docs();
+    let d = docs
+        .iter()
+        .flat_map(|l| l.doc.config.dispatch.iter())
+        .next()
+        .expect("the fixture has a dispatch rule")
+        .clone();
+    let word = d.rule.split_whitespace().next().expect("a rule has words");
+    let probe = format!(
+        r#"- {{{{ dispatch_says(suite="attention", implementation="{imp}", text="{word}") }}}}
+- {{{{ dispatch_says(suite="attention", implementation="{imp}", text="no rule says this") }}}}
+- {{{{ dispatch_says(suite="attention", implementation="not_{imp}", text="{word}") }}}}
+- {{{{ dispatch_says(suite="attention", device="no such device", implementation="{imp}", text="{word}") }}}}"#,
+        imp = d.implementation
+    );
+    assert_eq!(items(&docs, &probe), ["true", "false", "false", "false"]);
+    assert!(failure(
+        &docs,
+        r#"{{ dispatch_says(suite="attention", implementation="flash") }}"#
+    )
+    .to_string()
+    .contains("missing argument `text`"));
+}

@@ -25,6 +25,10 @@
 //!   flag), to guard prose that explains such an error.
 //! - `launch_bound(suite, implementation, where)`: the claim that an eager call of the
 //!   implementation is launch-bound in every case kept, with the range of host ÷ device time.
+//! - `dispatch_says(suite, implementation, text)`: whether a document's dispatch record (what
+//!   runs by default) has a rule for the implementation whose words contain `text`, to guard
+//!   prose about how the measured code works (a run from before a kernel changed keeps its own
+//!   rules); false when there is no such document.
 //! - `cpu_device(suite)`: the device name of the suite's CPU documents, or an empty string
 //!   when there are none (so that `measured(device=...)` on it is false): prose about CPU rows
 //!   follows whichever CPU the documents in `data/` were measured on. CPU documents of one
@@ -200,6 +204,7 @@ pub fn render_prose(
     );
     register(&mut tera, "launch_bound", &data, &failures, launch_bound);
     register(&mut tera, "cpu_device", &data, &failures, cpu_device);
+    register(&mut tera, "dispatch_says", &data, &failures, dispatch_says);
 
     let mut problems = Vec::new();
     let mut out = BTreeMap::new();
@@ -400,6 +405,16 @@ struct Item<'a> {
 ///
 /// Errors: the suite name is unknown, or no document matches.
 fn suite_rows<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<Item<'a>>, String> {
+    Ok(suite_docs(docs, args)?
+        .into_iter()
+        .flat_map(|doc| doc.doc.rows.iter().map(move |row| Item { doc, row }))
+        .collect())
+}
+
+/// The documents of the call's `suite` (and `device`, `kind`).
+///
+/// Errors: an unknown suite or kind; no such document.
+fn suite_docs<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<&'a Loaded>, String> {
     let name = args.need("suite")?;
     let suite = Suite::ALL
         .into_iter()
@@ -434,10 +449,7 @@ fn suite_rows<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<Item<'a>>, Stri
             None => format!("no document of suite {name}"),
         });
     }
-    Ok(picked
-        .into_iter()
-        .flat_map(|doc| doc.doc.rows.iter().map(move |row| Item { doc, row }))
-        .collect())
+    Ok(picked)
 }
 
 /// Keeps the rows of `implementation`.
@@ -777,6 +789,24 @@ fn cpu_device(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             names.into_iter().collect::<Vec<_>>().join(", ")
         )),
     }
+}
+
+fn dispatch_says(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device", "kind", "implementation", "text"])?;
+    let implementation = args.need("implementation")?;
+    let text = args.need("text")?;
+    let picked = match suite_docs(docs, args) {
+        Ok(picked) => picked,
+        Err(e) if e.starts_with("unknown") || e.starts_with("missing") => return Err(e),
+        Err(_) => return Ok(Value::from(false)),
+    };
+    Ok(Value::from(picked.iter().any(|l| {
+        l.doc
+            .config
+            .dispatch
+            .iter()
+            .any(|d| d.implementation == implementation && d.rule.contains(text))
+    })))
 }
 
 fn measured(docs: &[Loaded], args: &Args) -> Result<Value, String> {
