@@ -577,8 +577,8 @@ __device__ __forceinline__ void lse_dn(const float* __restrict__ X, const float*
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core feature path (4 <= D <= KS_TC_DMAX; the host's pick for the forward kernel sums
-// with one column of b): the squared distance expanded as |x - c|^2 + |y - c|^2 - 2 (x - c).(y - c)
+// Tensor-core feature path (4 <= D <= KS_TC_DMAX; the host's pick for the kernel sums with one
+// column of b, and the log-sum-exp with or without its gradient): the squared distance expanded as |x - c|^2 + |y - c|^2 - 2 (x - c).(y - c)
 // around a common centre c, with the cross terms of a block as a GEMM tile on mma.sync m16n8k8
 // TF32. TF32 keeps 10 of float32's 23 mantissa bits, so each operand is split into
 // hi = tf32(v) and lo = tf32(v - hi) and the product taken as hi.hi + hi.lo + lo.hi (lo.lo is
@@ -623,7 +623,7 @@ __device__ __forceinline__ void lse_dn(const float* __restrict__ X, const float*
 // Arguments of every *_tc entry point: (const float* X, const float* C, const unsigned* YH,
 // const unsigned* YL, const float* YN, const float* WT, float* out_or_part, long long N,
 // long long Mp, int D, float k, float out_scale, long long split_len); out_scale is the KDE's
-// normalisation (1 otherwise), split_len is ignored unsplit. Dynamic shared memory:
+// normalisation, 2 / eps for kernel_lse_grad_tc (1 otherwise), split_len is ignored unsplit. Dynamic shared memory:
 // (KS_TC_ROWS + 4 KS_TC_TILE) (Dp + 4) + 4 KS_TC_TILE floats (cuda.rs's tc_smem_bytes).
 
 #define KS_TC_DMAX 128
@@ -633,7 +633,8 @@ __device__ __forceinline__ void lse_dn(const float* __restrict__ X, const float*
 
 #if !defined(KS_ONLY) || defined(KS_ENTRY_rbf_mv_tc) || defined(KS_ENTRY_kde_tc) ||         \
     defined(KS_ENTRY_kernel_lse_tc) || defined(KS_ENTRY_rbf_mv_split_tc) ||                    \
-    defined(KS_ENTRY_kde_split_tc) || defined(KS_ENTRY_kernel_lse_split_tc)
+    defined(KS_ENTRY_kde_split_tc) || defined(KS_ENTRY_kernel_lse_split_tc) ||                 \
+    defined(KS_ENTRY_kernel_lse_grad_tc)
 #define KS_TC 1
 #else
 #define KS_TC 0
@@ -733,9 +734,19 @@ __device__ __forceinline__ void ks_tc_load(unsigned* yh, unsigned* yl, float* yn
     }
 }
 
+// GRAD (kernel_lse only, never SPLIT): also the gradient -(2/eps) (x_i - sum_j p_ij y_j), with
+// sum_j p_ij (y_j - c) a second GEMM per tile on the same instructions: the tile's p (the C
+// fragments of the distance GEMM, split into TF32 parts) times the tile's prepared Y. The
+// points of each k-step are taken in the order 0, 2, 4, 6, 1, 3, 5, 7 (slot q is point 2q,
+// slot q + 4 point 2q + 1), so a lane's C fragment (c0, c1, c2, c3) is its A fragment
+// (a0, a2, a1, a3) as it stands, with no shuffle (the register reuse of FlashAttention-2), and
+// B is read as b0 = (y_(2q) - c)[g], b1 = (y_(2q+1) - c)[g]: with the row stride 4 mod 8 words,
+// 32 distinct banks again. Accumulators: 16 rows x Dp features per warp, Dp / 2 floats per
+// thread (at most 64), rescaled with the sum when the maximum grows; out_scale carries 2 / eps.
+//
 // OP: 0 rbf_mv and kde (weights WT), 2 kernel_lse. part is a float* (OP 0) or float2* (OP 2)
 // when SPLIT.
-template <int OP, bool SPLIT>
+template <int OP, bool SPLIT, bool GRAD>
 __device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* __restrict__ C,
                                       const unsigned* __restrict__ YH,
                                       const unsigned* __restrict__ YL,
@@ -782,6 +793,12 @@ __device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* 
     // the running maximum and sum (kernel_lse; identical across the four lanes of a row).
     float acc0 = 0.f, acc1 = 0.f, cmp0 = 0.f, cmp1 = 0.f;
     float mx0 = KS_NEG_INF, mx1 = KS_NEG_INF;
+    // GRAD: sum_j p_ij (y_j - c) for rows g (elements 0, 1) and g + 8 (2, 3), features
+    // 8 f + 2q and 8 f + 2q + 1 of feature tile f < Dp / 8.
+    constexpr int GT = GRAD ? KS_TC_DMAX / 8 : 1;
+    float gacc[GT][4];
+#pragma unroll
+    for (int f = 0; f < GT; ++f) gacc[f][0] = gacc[f][1] = gacc[f][2] = gacc[f][3] = 0.f;
 
     int st = 0;
     for (long long j0 = jb; j0 < je; j0 += KS_TC_TILE, st ^= 1) {
@@ -860,12 +877,26 @@ __device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* 
                 acc0 *= f;
                 cmp0 *= f;
                 mx0 = cm0;
+                if (GRAD) {
+#pragma unroll
+                    for (int ft = 0; ft < GT; ++ft) {
+                        gacc[ft][0] *= f;
+                        gacc[ft][1] *= f;
+                    }
+                }
             }
             if (cm1 > mx1) {
                 const float f = ks_ex2(mx1 - cm1);
                 acc1 *= f;
                 cmp1 *= f;
                 mx1 = cm1;
+                if (GRAD) {
+#pragma unroll
+                    for (int ft = 0; ft < GT; ++ft) {
+                        gacc[ft][2] *= f;
+                        gacc[ft][3] *= f;
+                    }
+                }
             }
             const float ref0 = mx0 == KS_NEG_INF ? 0.f : mx0;
             const float ref1 = mx1 == KS_NEG_INF ? 0.f : mx1;
@@ -874,12 +905,36 @@ __device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* 
             for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    ts0 += ks_ex2(s[nt][h] - ref0);
-                    ts1 += ks_ex2(s[nt][2 + h] - ref1);
+                    s[nt][h] = ks_ex2(s[nt][h] - ref0);  // now p, unnormalised
+                    s[nt][2 + h] = ks_ex2(s[nt][2 + h] - ref1);
+                    ts0 += s[nt][h];
+                    ts1 += s[nt][2 + h];
                 }
             }
             ks_kahan_add(acc0, cmp0, ts0);
             ks_kahan_add(acc1, cmp1, ts1);
+            if (GRAD) {
+#pragma unroll
+                for (int kt = 0; kt < 8; ++kt) {
+                    unsigned ph[4], pl[4];
+                    ks_split(s[kt][0], ph[0], pl[0]);
+                    ks_split(s[kt][2], ph[1], pl[1]);
+                    ks_split(s[kt][1], ph[2], pl[2]);
+                    ks_split(s[kt][3], ph[3], pl[3]);
+                    const int o0 = (kt * 8 + 2 * q) * S + g;
+#pragma unroll
+                    for (int ft = 0; ft < GT; ++ft) {
+                        if (8 * ft < Dp) {
+                            const int o = o0 + 8 * ft;
+                            const unsigned bh0 = bh[o], bh1 = bh[o + S], bl0 = bl[o],
+                                           bl1 = bl[o + S];
+                            ks_mma_tf32(gacc[ft], pl, bh0, bh1);
+                            ks_mma_tf32(gacc[ft], ph, bl0, bl1);
+                            ks_mma_tf32(gacc[ft], ph, bh0, bh1);
+                        }
+                    }
+                }
+            }
         }
         __syncthreads();  // this stage is consumed before the next iteration refills it
     }
@@ -893,6 +948,26 @@ __device__ __forceinline__ void ks_tc(const float* __restrict__ X, const float* 
     for (int o = 1; o <= 2; o <<= 1) {
         acc0 += __shfl_xor_sync(0xffffffffu, acc0, o);
         acc1 += __shfl_xor_sync(0xffffffffu, acc1, o);
+    }
+    if (GRAD) {
+        // Every lane holds its own features of rows g and g + 8; xs holds x - c.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = warp * 16 + g + 8 * h;
+            const long long i = rb + r;
+            if (i >= N) continue;
+            const float inv = 1.f / (h ? acc1 : acc0);
+            float* grad = out + N + i * D;
+#pragma unroll
+            for (int ft = 0; ft < GT; ++ft) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int a = 8 * ft + 2 * q + e;
+                    if (a < D)
+                        grad[a] = -out_scale * (xs[r * S + a] - gacc[ft][2 * h + e] * inv);
+                }
+            }
+        }
     }
     if (q != 0) return;
 #pragma unroll
@@ -1154,28 +1229,31 @@ extern "C" __global__ void __launch_bounds__(KS_THREADS)
 }
 #endif
 // The tensor-core feature path (ks_tc): the prepared points of kernel_sum_tc_prep.
-#define KS_TC_ENTRY(NAME, OP, SPLIT)                                                           \
+#define KS_TC_ENTRY(NAME, OP, SPLIT, GRAD)                                                     \
     extern "C" __global__ void __launch_bounds__(KS_THREADS)                                  \
         NAME(const float* X, const float* C, const unsigned* YH, const unsigned* YL,           \
              const float* YN, const float* WT, float* out, long long N, long long Mp, int D,   \
              float k, float out_scale, long long split_len) {                                  \
-        ks_tc<OP, SPLIT>(X, C, YH, YL, YN, WT, out, N, Mp, D, k, out_scale, split_len);        \
+        ks_tc<OP, SPLIT, GRAD>(X, C, YH, YL, YN, WT, out, N, Mp, D, k, out_scale, split_len);  \
     }
 #if KS_ALL || defined(KS_ENTRY_rbf_mv_tc)
-KS_TC_ENTRY(rbf_mv_tc, 0, false)
+KS_TC_ENTRY(rbf_mv_tc, 0, false, false)
 #endif
 #if KS_ALL || defined(KS_ENTRY_kde_tc)
-KS_TC_ENTRY(kde_tc, 0, false)
+KS_TC_ENTRY(kde_tc, 0, false, false)
 #endif
 #if KS_ALL || defined(KS_ENTRY_kernel_lse_tc)
-KS_TC_ENTRY(kernel_lse_tc, 2, false)
+KS_TC_ENTRY(kernel_lse_tc, 2, false, false)
 #endif
 #if KS_ALL || defined(KS_ENTRY_rbf_mv_split_tc)
-KS_TC_ENTRY(rbf_mv_split_tc, 0, true)
+KS_TC_ENTRY(rbf_mv_split_tc, 0, true, false)
 #endif
 #if KS_ALL || defined(KS_ENTRY_kde_split_tc)
-KS_TC_ENTRY(kde_split_tc, 0, true)
+KS_TC_ENTRY(kde_split_tc, 0, true, false)
 #endif
 #if KS_ALL || defined(KS_ENTRY_kernel_lse_split_tc)
-KS_TC_ENTRY(kernel_lse_split_tc, 2, true)
+KS_TC_ENTRY(kernel_lse_split_tc, 2, true, false)
+#endif
+#if KS_ALL || defined(KS_ENTRY_kernel_lse_grad_tc)
+KS_TC_ENTRY(kernel_lse_grad_tc, 2, false, true)
 #endif

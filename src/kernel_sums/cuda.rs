@@ -82,6 +82,7 @@ pub fn entry_points() -> Vec<String> {
             "rbf_mv_split_tc",
             "kde_split_tc",
             "kernel_lse_split_tc",
+            "kernel_lse_grad_tc",
             TC_CENTER,
             TC_PREP,
         ]
@@ -109,15 +110,14 @@ pub const TC_ROWS: usize = 64;
 pub const TC_TILE: usize = 64;
 
 /// Whether case `c` runs on the tensor-core feature kernels: 4 ≤ D ≤ [`TC_MAX_DIM`], and the
-/// Gaussian matvec with one column, the KDE, or the log-sum-exp without the gradient (the
-/// gradient and several columns of b stay on the `_dn` kernels).
+/// Gaussian matvec with one column, the KDE, or the log-sum-exp with or without its gradient
+/// (several columns of b stay on the `_dn` kernels).
 pub fn uses_tensor_cores(c: &KernelSumCase) -> bool {
     !SMALL_DIMS.contains(&c.dim)
         && c.dim <= TC_MAX_DIM
         && match c.op {
             Op::RbfMv => c.cols == 1,
-            Op::Kde => true,
-            Op::KernelLse => !c.grad,
+            Op::Kde | Op::KernelLse => true,
         }
 }
 
@@ -560,7 +560,12 @@ impl Runner {
             // the KDE, op 1, never reads it) and C[0..Dp); writing YH, YL [Mp·Dp] and YN, WT
             // [Mp], the sizes allocated in `new` and checked above.
             unsafe { b.launch(cfg_prep)? };
-            let out_scale = if c.op == Op::Kde { second } else { 1.0f32 };
+            // The KDE's normalisation, or 2/ε for the gradient.
+            let out_scale = if c.op == Op::Kde || c.grad {
+                second
+            } else {
+                1.0f32
+            };
             let mut b = gpu.stream.launch_builder(&self.func);
             b.arg(&inp.x)
                 .arg(&tc.c)
@@ -584,7 +589,8 @@ impl Runner {
             // long long split_len): X holds N·D floats, the prepared Y the sizes above; a block
             // reads rows [64·blockIdx.x, +64) of X (guarded by N) and prepared points
             // [blockIdx.y·split_len, min(Mp, +split_len)) in whole 64-point tiles (split_len a
-            // multiple of 128, Mp of 64); it writes out[i] (i < N) unsplit, or
+            // multiple of 128, Mp of 64); it writes out[i] (i < N) unsplit (and, for
+            // kernel_lse_grad_tc, out[N + i·D + a] for a < D: out holds N + N·D floats), or
             // part[blockIdx.y·N + i] (one float, two for the log-sum-exp) split, which holds
             // per_row·splits·N floats (checked above).
             unsafe { b.launch(cfg)? };
@@ -1002,7 +1008,7 @@ mod tests {
     #[test]
     fn every_case_has_an_entry_point_in_the_source() {
         let names = entry_points();
-        assert_eq!(names.len(), 47);
+        assert_eq!(names.len(), 48);
         // The launch's block size and tile are the ones the kernels are written for.
         assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_THREADS {THREADS}\n")));
         assert!(KERNEL_SUMS_SRC.contains(&format!("#define KS_TILE {TILE}\n")));
@@ -1201,6 +1207,12 @@ mod tests {
         );
         assert_eq!(
             entry_point(&case(Op::KernelLse, 64, 1, true))
+                .unwrap()
+                .entry,
+            "kernel_lse_grad_tc"
+        );
+        assert_eq!(
+            entry_point(&case(Op::KernelLse, 200, 1, true))
                 .unwrap()
                 .entry,
             "kernel_lse_grad_dn"
