@@ -452,11 +452,15 @@ fn kernel_sums_kernels_compile() {
         );
     }
     // The Sinkhorn half-step's epilogue (`DeviceSinkhorn`), as the GPU runner compiles it.
-    use kernelpages::kernel_sums::cuda::SINKHORN_UPDATE_SRC;
+    use kernelpages::kernel_sums::cuda::{SINKHORN_EVAL_SRC, SINKHORN_UPDATE_SRC};
     for arch in ["sm_80", "sm_90a"] {
         let ptx = kernelpages::gpu::nvrtc_compile("sinkhorn_update.cu", SINKHORN_UPDATE_SRC, arch)
             .unwrap_or_else(|e| panic!("{arch}: {e}"));
         assert!(ptx.to_src().contains(".entry sinkhorn_update("), "{arch}");
+        // And a solve's float64 evaluation passes (`sinkhorn_row_pass`).
+        let ptx = kernelpages::gpu::nvrtc_compile("sinkhorn_eval.cu", SINKHORN_EVAL_SRC, arch)
+            .unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert!(ptx.to_src().contains(".entry sinkhorn_row_pass("), "{arch}");
     }
 }
 

@@ -769,6 +769,84 @@ impl<'g> LseSession<'g> {
     }
 }
 
+/// The CUDA source of the float64 evaluation of a Sinkhorn plan's rows (`sinkhorn_row_pass`).
+pub const SINKHORN_EVAL_SRC: &str = include_str!("../../kernels/kernel_sums/sinkhorn_eval.cu");
+
+/// Rows per block of `sinkhorn_row_pass` (one warp each).
+const EVAL_ROWS: usize = 4;
+
+/// The float64 row pass of a Sinkhorn plan on the device, for X `[n, dim]` against Z
+/// `[m, dim]` (float32, row-major), β `[m]` and an optional w `[m]` (float64): per row i,
+/// (l_i, pc_i, wc_i) with C_ij = ‖x_i − z_j‖²/2, l_i = log Σ_j exp(β_j − C_ij/ε),
+/// pc_i = Σ_j p_ij C_ij for p_ij = exp(β_j − C_ij/ε − l_i), and wc_i = Σ_j w_j C_ij (0 without
+/// w); (−∞, 0, 0) for a row whose every β_j is −∞. All in float64 (`sinkhorn_eval.cu`), the
+/// values `sinkhorn`'s host pass computes, up to the order of the float64 sums. Synchronises.
+///
+/// # Errors
+/// [`GpuError::Config`] when the lengths disagree or ε is not positive and finite; compile
+/// and driver errors.
+pub fn sinkhorn_row_pass(
+    gpu: &Gpu,
+    x: &[f32],
+    z: &[f32],
+    dim: usize,
+    beta: &[f64],
+    eps: f64,
+    w: Option<&[f64]>,
+) -> Result<Vec<(f64, f64, f64)>, GpuError> {
+    let m = beta.len();
+    if dim == 0
+        || dim > i32::MAX as usize
+        || !x.len().is_multiple_of(dim)
+        || z.len() != m * dim
+        || w.is_some_and(|w| w.len() != m)
+        || !(eps > 0.0 && eps.is_finite())
+    {
+        return Err(GpuError::Config(format!(
+            "sinkhorn_row_pass: x {} and z {} floats, dim {dim}, β {m}, w {:?}, ε {eps}",
+            x.len(),
+            z.len(),
+            w.map(<[f64]>::len)
+        )));
+    }
+    let n = x.len() / dim;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let compiled = gpu.compile("sinkhorn_eval.cu", SINKHORN_EVAL_SRC)?;
+    let func = gpu.function(&compiled.module, "sinkhorn_row_pass", 0)?;
+    let xd = gpu.stream.clone_htod(x)?;
+    let zd = gpu.stream.clone_htod(z)?;
+    let bd = gpu.stream.clone_htod(beta)?;
+    let wd = match w {
+        Some(w) => Some(gpu.stream.clone_htod(w)?),
+        None => None,
+    };
+    let mut out = gpu.stream.alloc_zeros::<f64>(3 * n)?;
+    let (n64, m64, d32) = (n as i64, m as i64, dim as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(EVAL_ROWS) as u32, 1, 1),
+        block_dim: (32 * EVAL_ROWS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream.launch_builder(&func);
+    b.arg(&xd).arg(&zd).arg(&bd);
+    let null: u64 = 0;
+    match &wd {
+        Some(w) => b.arg(w),
+        None => b.arg(&null),
+    };
+    b.arg(&n64).arg(&m64).arg(&d32).arg(&eps).arg(&mut out);
+    // SAFETY: sinkhorn_row_pass(const float* X, const float* Z, const double* beta,
+    // const double* w, long long n, long long m, int dim, double eps, double* out): X holds
+    // n·dim floats, Z m·dim, beta m doubles, w m doubles or is null (a zero pointer, which the
+    // kernel tests before reading), out 3·n doubles (checked above); one warp per row i < n
+    // (guarded), reading points j < m only.
+    unsafe { b.launch(cfg)? };
+    let flat = gpu.stream.clone_dtoh(&out)?;
+    Ok(flat.chunks_exact(3).map(|r| (r[0], r[1], r[2])).collect())
+}
+
 /// The CUDA source of the Sinkhorn half-step epilogue (`sinkhorn_update`).
 pub const SINKHORN_UPDATE_SRC: &str = include_str!("../../kernels/kernel_sums/sinkhorn_update.cu");
 

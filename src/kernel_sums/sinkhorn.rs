@@ -1,10 +1,10 @@
 //! Balanced entropic optimal transport between two weighted point clouds, in the log domain,
 //! on top of the float32 kernel log-sum-exp ([`cpu::kernel_lse`] on the CPU, the CUDA kernels
 //! through [`cuda::LseSession`] on a GPU: never an N × M matrix), and the debiased Sinkhorn
-//! divergence. [`sinkhorn_on`] and [`sinkhorn_divergence_on`] take the device; on CUDA only
-//! the kernel sums move there (the clouds uploaded once, the weights and the results copied
-//! each call), and the float64 potentials, the convergence confirmation and the final float64
-//! evaluation stay on the host.
+//! divergence. [`sinkhorn_on`] and [`sinkhorn_divergence_on`] take the device; on CUDA the
+//! kernel sums move there (the clouds uploaded once, the weights and the results copied each
+//! call) and so do the float64 passes over the pairs (the convergence confirmation and the
+//! final evaluation, [`cuda::sinkhorn_row_pass`]); the float64 potentials stay on the host.
 //!
 //! # The problem
 //! Clouds α = Σ_i a_i δ(x_i) and β = Σ_j b_j δ(y_j): points x `[n, dim]` and y `[m, dim]`
@@ -466,6 +466,23 @@ fn row_error_estimate(a: &[f64], f: &[f64], f_next: &[f64], eps: f64) -> f64 {
         .sum()
 }
 
+/// [`row_pass`] on `device`: the CPU's cores, or the CUDA device's float64
+/// [`cuda::sinkhorn_row_pass`] (the same values up to the order of the float64 sums).
+fn row_pass_on(
+    device: Device,
+    x: &[f32],
+    z: &[f32],
+    dim: usize,
+    beta: &[f64],
+    eps: f64,
+    w: Option<&[f64]>,
+) -> Result<Vec<(f64, f64, f64)>, SinkhornError> {
+    match device {
+        Device::Cpu => Ok(row_pass(x, z, dim, beta, eps, w)),
+        Device::Cuda(gpu) => Ok(cuda::sinkhorn_row_pass(gpu, x, z, dim, beta, eps, w)?),
+    }
+}
+
 /// Per row i, float64: l_i = log Σ_j exp(β_j − C(x_i, z_j)/ε), the softmax-weighted cost
 /// Σ_j p_ij C(x_i, z_j) with p_ij = exp(β_j − C/ε − l_i), and Σ_j w_j C(x_i, z_j) for an
 /// optional `w` `[m]` (0 without). O(m) memory per thread.
@@ -539,9 +556,11 @@ struct Evaluation {
 }
 
 /// Evaluates the plan of (f, g) in float64 and rounds it onto the couplings of (a, b)
-/// (Altschuler et al. 2017, Algorithm 2), never holding it. `first` is a row pass of β
-/// already computed.
+/// (Altschuler et al. 2017, Algorithm 2), never holding it, its row passes on `device`.
+/// `first` is a row pass of β already computed.
+#[allow(clippy::too_many_arguments)]
 fn evaluate(
+    device: Device,
     x: &Prepared,
     y: &Prepared,
     dim: usize,
@@ -549,10 +568,13 @@ fn evaluate(
     g: &[f64],
     eps: f64,
     first: Option<Vec<(f64, f64, f64)>>,
-) -> Evaluation {
+) -> Result<Evaluation, SinkhornError> {
     let alpha = log_scaling(f, &x.log_weights, eps);
     let beta = log_scaling(g, &y.log_weights, eps);
-    let rows = first.unwrap_or_else(|| row_pass(x.points, y.points, dim, &beta, eps, None));
+    let rows = match first {
+        Some(rows) => rows,
+        None => row_pass_on(device, x.points, y.points, dim, &beta, eps, None)?,
+    };
     let r = row_sums(&alpha, &rows);
     let marginal_error = l1_error(&r, &x.weights);
     let mass = r.iter().sum();
@@ -565,7 +587,7 @@ fn evaluate(
         .map(|((al, la), row)| al.min(la - row.0))
         .collect();
     // Columns down to at most b.
-    let cols = row_pass(y.points, x.points, dim, &alpha1, eps, None);
+    let cols = row_pass_on(device, y.points, x.points, dim, &alpha1, eps, None)?;
     let beta1: Vec<f64> = beta
         .iter()
         .zip(&y.log_weights)
@@ -578,7 +600,15 @@ fn evaluate(
         .map(|(c, b)| (b - c).max(0.0))
         .collect();
     // The scaled plan's rows, cost, and Σ_j deficit_j C_ij for the rank-one part.
-    let rows1 = row_pass(x.points, y.points, dim, &beta1, eps, Some(&col_deficit));
+    let rows1 = row_pass_on(
+        device,
+        x.points,
+        y.points,
+        dim,
+        &beta1,
+        eps,
+        Some(&col_deficit),
+    )?;
     let r1 = row_sums(&alpha1, &rows1);
     let mut cost: f64 = r1.iter().zip(&rows1).map(|(ri, row)| ri * row.1).sum();
     let row_deficit: Vec<f64> = r1
@@ -595,14 +625,14 @@ fn evaluate(
             .sum();
         cost += cross / rounding_mass;
     }
-    Evaluation {
+    Ok(Evaluation {
         row_marginal: r,
         marginal_error,
         mass,
         plan_cost,
         transport_cost: cost,
         rounding_mass,
-    }
+    })
 }
 
 /// Log-domain balanced entropic optimal transport between `x` and `y` (dimension `dim`) with
@@ -634,9 +664,10 @@ pub fn sinkhorn(
 
 /// [`sinkhorn`] with its kernel sums on `device`: the CPU's [`cpu::kernel_lse`], or a CUDA
 /// device's kernels through [`cuda::LseSession`] (two sessions, x against y and y against x;
-/// each update copies m or n weights in and n or m sums out). The float64 potentials, the
-/// confirmation of convergence and the final evaluation run on the host either way, so the two
-/// devices agree up to the float32 kernel sums' rounding.
+/// each update copies m or n weights in and n or m sums out). The float64 potentials stay on
+/// the host; the float64 passes over the pairs (the confirmation of convergence and the final
+/// evaluation) run on the device too ([`cuda::sinkhorn_row_pass`], in float64), so the two
+/// devices agree up to the float32 kernel sums' rounding and the order of float64 sums.
 ///
 /// # Errors
 /// As [`sinkhorn`], and [`SinkhornError::Device`] when the CUDA device fails.
@@ -681,7 +712,7 @@ pub fn sinkhorn_on(
         {
             // Confirm in float64: the float32 estimate is off by the kernel sums' rounding.
             let beta = log_scaling(&g, &yp.log_weights, eps);
-            let rows = row_pass(xp.points, yp.points, dim, &beta, eps, None);
+            let rows = row_pass_on(device, xp.points, yp.points, dim, &beta, eps, None)?;
             let alpha = log_scaling(&f, &xp.log_weights, eps);
             if l1_error(&row_sums(&alpha, &rows), &xp.weights) <= params.tol {
                 first_pass = Some(rows);
@@ -694,7 +725,7 @@ pub fn sinkhorn_on(
         }
         std::mem::swap(&mut f, &mut f_next);
     };
-    let ev = evaluate(&xp, &yp, dim, &f, &g, eps, first_pass);
+    let ev = evaluate(device, &xp, &yp, dim, &f, &g, eps, first_pass)?;
     let dual = dot(&xp.weights, &f) + dot(&yp.weights, &g) - eps * (ev.mass - 1.0);
     Ok(Transport {
         f,
@@ -877,7 +908,7 @@ fn self_transport(
             || done
         {
             let beta = log_scaling(&p, &c.log_weights, eps);
-            let rows = row_pass(c.points, c.points, dim, &beta, eps, None);
+            let rows = row_pass_on(device, c.points, c.points, dim, &beta, eps, None)?;
             let err = l1_error(&row_sums(&beta, &rows), &c.weights);
             if iterations >= stages.len() && err <= params.tol {
                 break (Status::Converged, eps, rows);
