@@ -591,8 +591,8 @@ impl own::Launcher for GpuLaunch {
         Ok(())
     }
     fn temporary_bytes(&self) -> u64 {
-        // The kernel's own output buffer, apart from the runner's, and a split kernel sum's
-        // partials.
+        // The kernel's own output buffer, apart from the runner's, a split kernel sum's
+        // partials and the tensor-core kernels' prepared Y.
         self.case.output_len() as u64 * 4 + self.runner.workspace_bytes()
     }
     fn residual_bytes(&self) -> Option<u64> {

@@ -499,9 +499,10 @@ fn dispatch_says_reads_the_dispatch_record() {
     let docs = fixture_docs();
     let d = docs
         .iter()
+        .filter(|l| l.doc.suite.as_str() == "attention")
         .flat_map(|l| l.doc.config.dispatch.iter())
         .next()
-        .expect("the fixture has a dispatch rule")
+        .expect("the fixture's attention document has a dispatch rule")
         .clone();
     let word = d.rule.split_whitespace().next().expect("a rule has words");
     let probe = format!(

@@ -167,8 +167,8 @@ fn every_op_matches_float64() {
 }
 
 /// The entry points and tiles the main grid does not reach: D = 2 (its own kernels, split and
-/// not), D = 5 and 128 (the tensor-core kernels with the features padded to 8, and at their
-/// largest dimension), D = 130 (the generic kernels with a feature chunk cut short, and several
+/// not), D = 5 and 128 (the tensor-core kernels with the features padded to 8, split and not,
+/// and at their largest dimension), D = 130 (the generic kernels with a feature chunk cut short, and several
 /// chunks), column counts needing 4-, 16- and several 64-column tiles, and N, M off every tile
 /// size.
 #[test]
@@ -177,7 +177,7 @@ fn other_dimensions_and_column_tiles() {
     let mut cases = Vec::new();
     for dim in [2, 5, 128, 130] {
         let (n, m) = (300, 161);
-        for cols in [2, 4, 16, 17, 130] {
+        for cols in [1, 2, 4, 16, 17, 130] {
             cases.push(KernelSumCase {
                 cols,
                 ..KernelSumCase::new(Op::RbfMv, n, m, dim)
@@ -205,6 +205,15 @@ fn other_dimensions_and_column_tiles() {
         assert!(plan.splits > 1, "{plan:?}");
         cases.push(KernelSumCase::new(Op::RbfMv, 300, m, 2));
         cases.push(KernelSumCase::new(Op::Kde, 300, m, 2));
+    }
+    // The split tensor-core kernels with the features padded to 8 (D = 5): few row blocks,
+    // Y in parts, the last short.
+    for m in [1000, 1300] {
+        let plan = cuda::entry_point(&KernelSumCase::new(Op::KernelLse, 300, m, 5)).unwrap();
+        assert!(plan.splits > 1 && plan.entry.ends_with("_tc"), "{plan:?}");
+        cases.push(KernelSumCase::new(Op::RbfMv, 300, m, 5));
+        cases.push(KernelSumCase::new(Op::Kde, 300, m, 5));
+        cases.push(KernelSumCase::new(Op::KernelLse, 300, m, 5));
     }
     // Rows per block 256 and 128: one past, one short.
     for (n, m) in [(257, 129), (129, 257), (255, 33)] {

@@ -436,13 +436,15 @@ impl own::Launcher for GpuLaunch {
         match &self.work {
             GpuWork::Iteration(it) => it.device_bytes(),
             // Two log-sum-exp sessions: both clouds twice, weights and sums per point, and
-            // each split log-sum-exp's partials (2 floats per row and split).
+            // each split log-sum-exp's partials (2 floats per row and split); and the largest
+            // float64 row pass (`cuda::sinkhorn_row_pass`, one at a time): both clouds' float32
+            // points, β and the column weights (8 bytes a point each) and 3 doubles a row.
             GpuWork::Solve { .. } => {
                 let (n, d) = (self.case.n as u64, self.case.dim as u64);
                 let kc = KernelSumCase::new(Op::KernelLse, self.case.n, self.case.n, self.case.dim);
                 let splits =
                     kernelpages::kernel_sums::cuda::entry_point(&kc).map_or(1, |p| p.splits as u64);
-                2 * (2 * 4 * d * n + 8 * n + 8 * splits * n)
+                2 * (2 * 4 * d * n + 8 * n + 8 * splits * n) + (2 * 4 * d * n + 16 * n + 24 * n)
             }
         }
     }
@@ -459,8 +461,8 @@ impl own::Launcher for GpuLaunch {
 
 /// The case process of a Sinkhorn case on a CUDA device (`online`): an iteration held on the
 /// device ([`device_iterations`]: four or six launches a step, timed from a CUDA graph), or a solve
-/// ([`sinkhorn_on`] on the device: its kernel sums there, the potentials, the convergence test
-/// and the float64 evaluation on the host, timed eagerly).
+/// ([`sinkhorn_on`] on the device: its kernel sums and its float64 passes over the pairs there,
+/// the potentials and the float32 convergence estimate on the host, timed eagerly).
 pub fn measure_gpu(job: &Job, c: SinkhornCase) -> Reply {
     let weights = vec![1.0 / c.n as f64; c.n];
     let last = Rc::new(RefCell::new(None));

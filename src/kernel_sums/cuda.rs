@@ -14,12 +14,14 @@
 //! Entry points ([`entry_point`]): `rbf_mv_d{1,2,3}_c{1,4,16,64}`, `kde_d{1,2,3}`,
 //! `kernel_lse_d{1,2,3}`, `kernel_lse_grad_d{1,2,3}` with the dimension a compile-time
 //! constant (point clouds), and `rbf_mv_dn_c{1,4,16,64}`, `kde_dn`, `kernel_lse_dn`,
-//! `kernel_lse_grad_dn` for any dimension (features). For 4 ≤ D ≤ [`TC_MAX_DIM`] the forward
-//! sums with one column of b run instead on tensor cores (`rbf_mv_tc`, `kde_tc`,
-//! `kernel_lse_tc` and their `_split_tc` forms, [`uses_tensor_cores`]): the squared distance
-//! expanded as ‖x‖² + ‖y‖² − 2 x·y, the cross terms a GEMM tile on `mma.sync` TF32 with each
-//! operand split into two TF32 parts (3 MMAs per product, float32 accuracy; the split follows
-//! the "3xTF32" emulation of float32 GEMMs that CUTLASS ships). `c{CT}` is the column tile of `rbf_mv`:
+//! `kernel_lse_grad_dn` for any dimension (features). For 4 ≤ D ≤ [`TC_MAX_DIM`] the sums
+//! with one column of b and the log-sum-exp with or without its gradient run instead on
+//! tensor cores (`rbf_mv_tc`, `kde_tc`, `kernel_lse_tc`, `kernel_lse_grad_tc` and the
+//! `_split_tc` forms, [`uses_tensor_cores`]): the squared distance expanded around a centre c
+//! (the mean of Y's first 256 points) as ‖x − c‖² + ‖y − c‖² − 2 (x − c)·(y − c), the cross
+//! terms a GEMM tile on `mma.sync` TF32 with each operand split into two TF32 parts (3 MMAs per
+//! product, about float32's accuracy; the split follows the "3xTF32" emulation of float32 GEMMs
+//! that CUTLASS ships), and the gradient's Σ p·(y − c) a second such product. `c{CT}` is the column tile of `rbf_mv`:
 //! the smallest of 1, 4, 16, 64 that holds C, and tiles of 64 columns (one grid row each) past
 //! 64. `kernels/TUNING-kernel-sums.md` has the cost model, ptxas's register counts and what is
 //! not measured yet.
@@ -374,7 +376,8 @@ pub fn scalars(c: &KernelSumCase, s: Scale) -> Result<(f32, f32), GpuError> {
 /// One case's compiled entry point and launch geometry. The caller owns the inputs
 /// ([`upload`]) and the output; a split kernel sum ([`Plan::splits`] > 1) also holds its
 /// partials (2·splits·N floats for the log-sum-exp, splits·N for the others) and the entry
-/// point that merges them ([`Plan::combine`]).
+/// point that merges them ([`Plan::combine`]); a tensor-core kernel ([`uses_tensor_cores`])
+/// holds Y prepared for it (8·Mp·Dp + 8·Mp + 4·Dp bytes) and its two pre-pass kernels.
 pub struct Runner {
     func: CudaFunction,
     plan: Plan,
@@ -588,7 +591,8 @@ impl Runner {
             // float* out, long long N, long long Mp, int D, float k, float out_scale,
             // long long split_len): X holds N·D floats, the prepared Y the sizes above; a block
             // reads rows [64·blockIdx.x, +64) of X (guarded by N) and prepared points
-            // [blockIdx.y·split_len, min(Mp, +split_len)) in whole 64-point tiles (split_len a
+            // [0, Mp) unsplit, [blockIdx.y·split_len, min(Mp, +split_len)) split, in whole
+            // 64-point tiles (split_len a
             // multiple of 128, Mp of 64); it writes out[i] (i < N) unsplit (and, for
             // kernel_lse_grad_tc, out[N + i·D + a] for a < D: out holds N + N·D floats), or
             // part[blockIdx.y·N + i] (one float, two for the log-sum-exp) split, which holds
@@ -783,8 +787,8 @@ const EVAL_ROWS: usize = 4;
 /// values `sinkhorn`'s host pass computes, up to the order of the float64 sums. Synchronises.
 ///
 /// # Errors
-/// [`GpuError::Config`] when the lengths disagree or ε is not positive and finite; compile
-/// and driver errors.
+/// [`GpuError::Config`] when dim is 0, the lengths disagree or ε is not positive and finite;
+/// compile and driver errors.
 pub fn sinkhorn_row_pass(
     gpu: &Gpu,
     x: &[f32],
