@@ -123,12 +123,18 @@ pub fn uses_tensor_cores(c: &KernelSumCase) -> bool {
         }
 }
 
+/// The tensor-core kernels' padded sizes (Dp, Mp): `dim` rounded up to 8 features and `m`
+/// up to [`TC_TILE`] points (`Dp` and `Mp` in the source).
+fn tc_padded(dim: usize, m: usize) -> (usize, usize) {
+    (dim.div_ceil(8) * 8, m.div_ceil(TC_TILE) * TC_TILE)
+}
+
 /// Dynamic shared memory of a tensor-core kernel at dimension `dim`, bytes: X's block as
 /// float32 and two stages of Y's tile as TF32 high and low parts, each row padded to D rounded
 /// up to 8, plus 4; and per stage the tile's exponent terms and weights (the layout `ks_tc` in
 /// the source describes).
 pub fn tc_smem_bytes(dim: usize) -> u32 {
-    let stride = dim.div_ceil(8) * 8 + 4;
+    let stride = tc_padded(dim, 0).0 + 4;
     (((TC_ROWS + 4 * TC_TILE) * stride + 4 * TC_TILE) * 4) as u32
 }
 
@@ -183,6 +189,16 @@ pub const COMBINE: &str = "kernel_lse_combine";
 pub const SUM_COMBINE: &str = "kernel_sum_combine";
 
 impl Plan {
+    /// The main kernel's launch: the plan's grid, blocks of [`THREADS`], its dynamic shared
+    /// memory.
+    pub fn launch_config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: self.grid,
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: self.smem_bytes,
+        }
+    }
+
     /// The entry point that merges this plan's partials ([`COMBINE`] or [`SUM_COMBINE`]), and
     /// the floats each row and split leaves (2: maximum and sum; 1: a sum); `None` unsplit.
     pub fn combine(&self) -> Option<(&'static str, usize)> {
@@ -412,7 +428,7 @@ impl Runner {
             None => None,
         };
         let tc = if uses_tensor_cores(c) {
-            let (dp, mp) = (c.dim.div_ceil(8) * 8, c.m.div_ceil(TC_TILE) * TC_TILE);
+            let (dp, mp) = tc_padded(c.dim, c.m);
             Some(TcWork {
                 center: gpu.function(&compiled.module, TC_CENTER, 0)?,
                 prep: gpu.function(&compiled.module, TC_PREP, 0)?,
@@ -504,15 +520,11 @@ impl Runner {
         let (k, second) = scalars(c, s)?;
         let (n, m) = (c.n as i64, c.m as i64);
         let d = c.dim as i32;
-        let cfg = LaunchConfig {
-            grid_dim: self.plan.grid,
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: self.plan.smem_bytes,
-        };
+        let cfg = self.plan.launch_config();
         let split_len = self.plan.split_len as i64;
         let split = self.combine.is_some();
         if let Some(tc) = &mut self.tc {
-            let (dp, mp) = (c.dim.div_ceil(8) * 8, c.m.div_ceil(TC_TILE) * TC_TILE);
+            let (dp, mp) = tc_padded(c.dim, c.m);
             if tc.c.len() != dp || tc.yn.len() != mp {
                 return Err(GpuError::Config(format!(
                     "the runner's prepared Y holds {} points of {} floats, {c:?} needs {mp} of {dp}",
@@ -617,11 +629,7 @@ impl Runner {
         let (n, m) = (c.n as i64, c.m as i64);
         let (d, cols) = (c.dim as i32, c.cols as i32);
         let split_len = self.plan.split_len as i64;
-        let cfg = LaunchConfig {
-            grid_dim: self.plan.grid,
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: self.plan.smem_bytes,
-        };
+        let cfg = self.plan.launch_config();
         let mut b = gpu.stream.launch_builder(&self.func);
         b.arg(&inp.x).arg(&inp.y);
         if let Some(w) = &inp.w {
