@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 
 use kernelpages::attention::rel_l2;
 use kernelpages::gpu::{self, Gpu};
-use kernelpages::kernel_sums::{cuda, reference_rows, Inputs, KernelSumCase, Op, Scale};
+use kernelpages::kernel_sums::{self, cuda, reference_rows, Inputs, KernelSumCase, Op, Scale};
 
 /// One device for the whole test binary, so each entry point compiles once.
 fn gpu() -> &'static Gpu {
@@ -229,6 +229,49 @@ fn other_dimensions_and_column_tiles() {
         }
     }
     check_cases(&cases, 2);
+}
+
+/// The public `kde` in the dimensions where the KDE kernels' terms flush to 0 (D = 128, 130 on
+/// 161 points, Scott's bandwidth; D = 3 with a point far from the cloud): the rows it
+/// recomputes through the log-sum-exp match float64 row by row, and `log_kde` matches the
+/// float64 logarithm.
+#[test]
+#[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
+fn kde_recovers_rows_whose_terms_underflow() {
+    let mut failures = Vec::new();
+    for (dim, far) in [(128, false), (130, false), (3, true)] {
+        let c = KernelSumCase::new(Op::Kde, 300, 161, dim);
+        let mut inp = Inputs::random(&c, 40 + dim as u64);
+        if far {
+            // Row 5 moved 3 along every axis, out of the unit cube: each of its terms, and its
+            // density, is far below float32's range; only its logarithm is checked.
+            inp.x[5 * dim..6 * dim].iter_mut().for_each(|v| *v += 3.0);
+        }
+        let s = Scale::of(&c, &inp);
+        let rows = sample_rows(c.n);
+        let want = reference_rows(&c, &inp, s, &rows);
+        let device = gpu::Device::Cuda(gpu());
+        let got = kernel_sums::kde(device, &inp.x, &inp.y, dim, None).unwrap();
+        let logs = kernel_sums::log_kde(device, &inp.x, &inp.y, dim, None).unwrap();
+        let tol = 4.0 * tolerance(&c, s);
+        let (mut worst, mut worst_log) = (0.0f64, 0.0f64);
+        for (&i, w) in rows.iter().zip(&want) {
+            if (*w as f32).is_normal() {
+                worst = worst.max(((got[i] as f64 - w) / w).abs());
+            }
+            worst_log = worst_log.max((logs[i] as f64 - w.ln()).abs() / w.ln().abs().max(1.0));
+        }
+        eprintln!(
+            "kde() D{dim}{}: density {worst:.2e}, log {worst_log:.2e}",
+            if far { " far row" } else { "" }
+        );
+        if !(worst <= tol && worst_log <= tol) {
+            failures.push(format!(
+                "D{dim}: density {worst:.2e}, log {worst_log:.2e} > {tol:.2e}"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// Weights spread over ±1e4: the running maximum keeps every row finite and exact to 1e-6

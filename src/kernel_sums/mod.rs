@@ -368,25 +368,25 @@ pub fn reference_rows(c: &KernelSumCase, inp: &Inputs, s: Scale, rows: &[usize])
     let mut grads = Vec::new();
     for &i in rows {
         match c.op {
-            Op::RbfMv | Op::Kde => {
+            Op::RbfMv => {
                 let mut acc = vec![0.0f64; c.cols];
                 for j in 0..c.m {
                     let k = (-sq(i, j) / (2.0 * s.sigma * s.sigma)).exp();
-                    if c.op == Op::Kde {
-                        acc[0] += k;
-                    } else {
-                        for (a, col) in acc.iter_mut().enumerate() {
-                            *col += k * inp.w[j * c.cols + a] as f64;
-                        }
+                    for (a, col) in acc.iter_mut().enumerate() {
+                        *col += k * inp.w[j * c.cols + a] as f64;
                     }
                 }
-                if c.op == Op::Kde {
-                    let norm = (2.0 * std::f64::consts::PI * s.sigma * s.sigma)
-                        .powf(-(d as f64) / 2.0)
-                        / c.m as f64;
-                    acc[0] *= norm;
-                }
                 vals.extend(acc);
+            }
+            Op::Kde => {
+                // Shifted by the row's largest term, so that rows far from every point of Y
+                // (or many dimensions) do not underflow float64 either.
+                let e: Vec<f64> = (0..c.m)
+                    .map(|j| -sq(i, j) / (2.0 * s.sigma * s.sigma))
+                    .collect();
+                let mx = e.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = e.iter().map(|v| (v - mx).exp()).sum();
+                vals.push((mx + sum.ln() + kde_log_norm(s.sigma, d, c.m)).exp());
             }
             Op::KernelLse => {
                 let e: Vec<f64> = (0..c.m)
@@ -510,9 +510,22 @@ pub fn rbf_kernel_mv(
     )
 }
 
+/// The natural logarithm of the KDE's normalisation, ln((2πσ²)^(−dim/2) / M).
+fn kde_log_norm(sigma: f64, dim: usize, m: usize) -> f64 {
+    -(dim as f64) / 2.0 * (2.0 * std::f64::consts::PI * sigma * sigma).ln() - (m as f64).ln()
+}
+
 /// The Gaussian kernel density of the cloud Y at the points X, `[N]`:
 /// (1/M) Σ_j (2πσ²)^(−dim/2) exp(−‖x_i − y_j‖² / 2σ²), σ given or by Scott's rule
 /// ([`scott_bandwidth`]) when `None`.
+///
+/// The `kde` kernels add the unnormalised float32 terms and scale at the end, which is fast
+/// but loses a row whose terms all fall below float32's smallest normal number (many
+/// dimensions, or a point far from every point of Y): the GPU flushes them to 0. A row whose
+/// sum is below M · 2⁻¹⁰⁶ (where the flushed terms could be more than 2⁻²⁰ of it), or every
+/// row when the normalisation itself is not a normal float32, is recomputed as
+/// exp(log-sum-exp + log normalisation) through [`log_kde`]: the density then comes out
+/// right wherever it is a float32 number (and 0 only where it is below float32's range).
 ///
 /// # Errors
 /// As [`rbf_kernel_mv`].
@@ -526,20 +539,77 @@ pub fn kde(
     let (n, m) = (points(x.len(), dim, "x")?, points(y.len(), dim, "y")?);
     let c = KernelSumCase::new(Op::Kde, n, m, dim);
     let sigma = sigma.unwrap_or_else(|| scott_bandwidth(y, m, dim));
-    let inp = Inputs {
-        x: x.to_vec(),
-        y: y.to_vec(),
-        w: Vec::new(),
+    let log_norm = kde_log_norm(sigma, dim, m);
+    let norm = log_norm.exp() as f32;
+    let mut out = if norm.is_normal() {
+        let inp = Inputs {
+            x: x.to_vec(),
+            y: y.to_vec(),
+            w: Vec::new(),
+        };
+        run_case(
+            device,
+            &c,
+            &inp,
+            Scale {
+                sigma,
+                epsilon: 1.0,
+            },
+        )?
+    } else {
+        // Checks σ before the recomputation below reaches it.
+        if !(sigma > 0.0 && sigma.is_finite()) {
+            return Err(KernelSumError::Invalid(format!(
+                "sigma = {sigma} is not a positive finite number"
+            )));
+        }
+        vec![0.0; n]
     };
-    run_case(
-        device,
-        &c,
-        &inp,
-        Scale {
-            sigma,
-            epsilon: 1.0,
-        },
-    )
+    let floor = m as f64 * (-106f64).exp2();
+    let lost: Vec<usize> = (0..n)
+        .filter(|&i| !norm.is_normal() || (out[i] as f64 / norm as f64) < floor)
+        .collect();
+    if !lost.is_empty() {
+        let xs: Vec<f32> = lost
+            .iter()
+            .flat_map(|&i| x[i * dim..(i + 1) * dim].iter().copied())
+            .collect();
+        let log_density = log_kde(device, &xs, y, dim, Some(sigma))?;
+        for (&i, l) in lost.iter().zip(log_density) {
+            out[i] = (l as f64).exp() as f32;
+        }
+    }
+    Ok(out)
+}
+
+/// The natural logarithm of [`kde`], `[N]`: ln(1/M) − (dim/2)·ln(2πσ²) + log Σ_j
+/// exp(−‖x_i − y_j‖² / 2σ²), computed as the kernel log-sum-exp ([`kernel_logsumexp`]) with
+/// ε = 2σ² and g = 0, so that it never underflows: what to use in many dimensions, where the
+/// density itself is often below float32's range.
+///
+/// # Errors
+/// As [`rbf_kernel_mv`].
+pub fn log_kde(
+    device: crate::gpu::Device,
+    x: &[f32],
+    y: &[f32],
+    dim: usize,
+    sigma: Option<f64>,
+) -> Result<Vec<f32>, KernelSumError> {
+    let m = points(y.len(), dim, "y")?;
+    let sigma = sigma.unwrap_or_else(|| scott_bandwidth(y, m, dim));
+    if !(sigma > 0.0 && sigma.is_finite()) {
+        return Err(KernelSumError::Invalid(format!(
+            "sigma = {sigma} is not a positive finite number"
+        )));
+    }
+    let g = vec![0.0f32; m];
+    let lse = kernel_logsumexp(device, x, y, &g, dim, 2.0 * sigma * sigma, false)?;
+    let log_norm = kde_log_norm(sigma, dim, m);
+    Ok(lse
+        .into_iter()
+        .map(|l| (l as f64 + log_norm) as f32)
+        .collect())
 }
 
 /// The kernel log-sum-exp, `[N]`: out\[i\] = log Σ_j exp(−‖x_i − y_j‖² / ε + g_j), stable for
@@ -653,6 +723,69 @@ mod tests {
         let dens = reference(&c, &inp, s);
         let integral: f64 = dens.iter().sum::<f64>() * 3.0 / (n - 1) as f64;
         assert!((integral - 1.0).abs() < 1e-3, "{integral}");
+    }
+
+    /// 161 uniform points in 128 dimensions with Scott's bandwidth: every term of a row is
+    /// below float32's smallest normal number, although the densities are float32 numbers.
+    /// The kernel alone loses those rows; [`kde`] recovers them through [`log_kde`].
+    #[test]
+    fn kde_recovers_the_rows_whose_terms_underflow() {
+        use crate::gpu::Device;
+        let c = KernelSumCase::new(Op::Kde, 9, 161, 128);
+        let inp = Inputs::random(&c, 11);
+        let s = Scale::of(&c, &inp);
+        let want = reference(&c, &inp, s);
+        assert!(
+            want.iter().all(|&v| (v as f32).is_normal()),
+            "the densities are float32 numbers: {want:?}"
+        );
+        let kernel = run_case(Device::Cpu, &c, &inp, s).unwrap();
+        let lost = kernel
+            .iter()
+            .zip(&want)
+            .filter(|(&k, &w)| ((k as f64 - w) / w).abs() > 1e-3)
+            .count();
+        assert!(lost > 0, "the kernel alone kept every row: {kernel:?}");
+        // The exponents are about 85 here: float32 distances put a few 1e-4 on the density
+        // (the kernel's own rows have the same at this size).
+        let got = kde(Device::Cpu, &inp.x, &inp.y, c.dim, None).unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert!(((*g as f64 - w) / w).abs() < 1e-3, "{g} against {w}");
+        }
+        let logs = log_kde(Device::Cpu, &inp.x, &inp.y, c.dim, None).unwrap();
+        for (l, w) in logs.iter().zip(&want) {
+            assert!(
+                (*l as f64 - w.ln()).abs() < 1e-4 * w.ln().abs(),
+                "{l} against {}",
+                w.ln()
+            );
+        }
+    }
+
+    /// Where the normalisation itself is not a float32 number (here about 10⁻⁴⁰), every row
+    /// goes through the log-sum-exp; densities below float32's range come out 0, not NaN.
+    #[test]
+    fn kde_with_a_normalisation_out_of_float32_range() {
+        use crate::gpu::Device;
+        let c = KernelSumCase::new(Op::Kde, 5, 40, 96);
+        let inp = Inputs::random(&c, 3);
+        let s = Scale {
+            sigma: 1.0,
+            epsilon: 1.0,
+        };
+        assert!(!((kde_log_norm(1.0, 96, 40)).exp() as f32).is_normal());
+        let want = reference(&c, &inp, s);
+        let got = kde(Device::Cpu, &inp.x, &inp.y, c.dim, Some(1.0)).unwrap();
+        let logs = log_kde(Device::Cpu, &inp.x, &inp.y, c.dim, Some(1.0)).unwrap();
+        for ((g, l), w) in got.iter().zip(&logs).zip(&want) {
+            assert!(g.is_finite() && *g >= 0.0);
+            assert!((*g as f64 - w).abs() <= 1e-4 * w + 3e-45, "{g} against {w}");
+            assert!(
+                (*l as f64 - w.ln()).abs() < 1e-5 * w.ln().abs(),
+                "{l} against {}",
+                w.ln()
+            );
+        }
     }
 
     #[test]
