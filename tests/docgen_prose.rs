@@ -491,6 +491,41 @@ fn over_tolerance_finds_the_flagged_rows() {
     assert_eq!(items(&docs, probe), ["true", "false", "false"]);
 }
 
+/// `dispatch_dtypes` quotes the dtypes of the fixture's rule, joined with "and", and is an
+/// error for a device class no rule has.
+#[test]
+fn dispatch_dtypes_quotes_the_rule() {
+    let docs = fixture_docs();
+    let d = docs
+        .iter()
+        .filter(|l| l.doc.suite.as_str() == "attention")
+        .flat_map(|l| l.doc.config.dispatch.iter())
+        .next()
+        .expect("the fixture's attention document has a dispatch rule")
+        .clone();
+    let probe = format!(
+        r#"- {{{{ dispatch_dtypes(suite="attention", implementation="{imp}", on="{on}") }}}}"#,
+        imp = d.implementation,
+        on = d.device
+    );
+    let want = d.dtype.split(',').map(str::trim).collect::<Vec<_>>();
+    let got = items(&docs, &probe);
+    let words: Vec<&str> = got[0]
+        .split([',', ' '])
+        .filter(|w| !w.is_empty() && *w != "and")
+        .collect();
+    assert_eq!(words, want, "{got:?}");
+    assert!(failure(
+        &docs,
+        &format!(
+            r#"{{{{ dispatch_dtypes(suite="attention", implementation="{}", on="no such class") }}}}"#,
+            d.implementation
+        )
+    )
+    .to_string()
+    .contains("no dispatch rule"));
+}
+
 /// `dispatch_says` reads the documents' dispatch records: true for words of a rule of that
 /// implementation, false for words no rule has, for another implementation's rule, and for a
 /// device with no document; a missing argument is an error.

@@ -29,6 +29,10 @@
 //!   runs by default) has a rule for the implementation whose words contain `text`, to guard
 //!   prose about how the measured code works (a run from before a kernel changed keeps its own
 //!   rules); false when there is no such document.
+//! - `dispatch_dtypes(suite, implementation, on)`: the dtypes of the dispatch rule of the
+//!   implementation for the device class that contains `on` (e.g. `9.0`), as `bf16` or
+//!   `bf16 and fp16`, so that a sentence on which dtypes a kernel takes follows the run; an
+//!   error when no document has such a rule or two documents disagree.
 //! - `cpu_device(suite)`: the device name of the suite's CPU documents, or an empty string
 //!   when there are none (so that `measured(device=...)` on it is false): prose about CPU rows
 //!   follows whichever CPU the documents in `data/` were measured on. CPU documents of one
@@ -205,6 +209,13 @@ pub fn render_prose(
     register(&mut tera, "launch_bound", &data, &failures, launch_bound);
     register(&mut tera, "cpu_device", &data, &failures, cpu_device);
     register(&mut tera, "dispatch_says", &data, &failures, dispatch_says);
+    register(
+        &mut tera,
+        "dispatch_dtypes",
+        &data,
+        &failures,
+        dispatch_dtypes,
+    );
 
     let mut problems = Vec::new();
     let mut out = BTreeMap::new();
@@ -807,6 +818,38 @@ fn dispatch_says(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             .iter()
             .any(|d| d.implementation == implementation && d.rule.contains(text))
     })))
+}
+
+fn dispatch_dtypes(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device", "kind", "implementation", "on"])?;
+    let implementation = args.need("implementation")?;
+    let on = args.need("on")?;
+    let mut found: Vec<&str> = suite_docs(docs, args)?
+        .iter()
+        .flat_map(|l| l.doc.config.dispatch.iter())
+        .filter(|d| d.implementation == implementation && d.device.contains(on))
+        .map(|d| d.dtype.as_str())
+        .collect();
+    found.sort_unstable();
+    found.dedup();
+    match found.as_slice() {
+        [] => Err(format!(
+            "no dispatch rule of `{implementation}` for a device class containing `{on}`"
+        )),
+        [one] => {
+            let dtypes: Vec<&str> = one.split(',').map(str::trim).collect();
+            Ok(Value::from(match dtypes.as_slice() {
+                [.., last] if dtypes.len() > 1 => {
+                    format!("{} and {last}", dtypes[..dtypes.len() - 1].join(", "))
+                }
+                _ => one.trim().to_string(),
+            }))
+        }
+        several => Err(format!(
+            "the documents' dispatch rules of `{implementation}` on `{on}` disagree on dtypes: {}",
+            several.join(" / ")
+        )),
+    }
 }
 
 fn measured(docs: &[Loaded], args: &Args) -> Result<Value, String> {
