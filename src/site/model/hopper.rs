@@ -121,7 +121,7 @@ pub struct HopperSuite {
     /// kernels specific to this device and when they run.
     pub rules: Vec<HopperRule>,
     /// Each device-specific implementation against its portable counterpart measured in the
-    /// same document ([`PORTABLE_SUFFIX`]).
+    /// same document ([`portable_counterpart`]).
     pub gains: Vec<PortableGain>,
 }
 
@@ -150,7 +150,7 @@ pub struct HopperRule {
 pub struct PortableGain {
     /// The implementation (what the dispatch runs).
     pub implementation: String,
-    /// Its portable counterpart (`implementation` + [`PORTABLE_SUFFIX`]).
+    /// Its portable counterpart ([`portable_counterpart`]).
     pub portable: String,
     /// Unit of the two value columns (the suite's throughput, or `ms` for medians).
     pub unit: String,
@@ -215,6 +215,34 @@ pub fn is_hopper_rule(r: &DispatchRule) -> bool {
     r.device.contains("capability 9") || r.device.contains("sm_90")
 }
 
+/// The implementation whose rows measure `base`'s portable kernel on the same cases, if any:
+/// `base` + [`PORTABLE_SUFFIX`] when such rows exist (`flash_sm80`), or else an
+/// implementation with rows that `base`'s dispatch rule for other devices names (MoE's
+/// `grouped_matmul` runs "the portable kernel (grouped_gemm.cu), as grouped_mma_sync" off
+/// compute capability 9.0).
+pub fn portable_counterpart(
+    base: &str,
+    names: &BTreeSet<&str>,
+    rules: &[&DispatchRule],
+) -> Option<String> {
+    if base.ends_with(PORTABLE_SUFFIX) {
+        return None;
+    }
+    let suffixed = format!("{base}{PORTABLE_SUFFIX}");
+    if names.contains(suffixed.as_str()) {
+        return Some(suffixed);
+    }
+    rules
+        .iter()
+        .filter(|r| r.implementation == base && !is_hopper_rule(r))
+        .flat_map(|r| {
+            r.rule
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        })
+        .find(|w| *w != base && names.contains(w))
+        .map(str::to_string)
+}
+
 /// The device-specific implementations of `docs` (one suite's Hopper documents) against their
 /// portable counterparts, case by case: `score` ranks rows (higher is better) and `unit` names
 /// it; `ms` marks a median, where the gain is portable ÷ specific.
@@ -227,12 +255,16 @@ fn portable_gains(
         .iter()
         .flat_map(|l| l.doc.rows.iter().map(|r| r.implementation.as_str()))
         .collect();
+    let rules: Vec<&DispatchRule> = docs
+        .iter()
+        .flat_map(|l| l.doc.config.dispatch.iter())
+        .collect();
     let mut out = Vec::new();
-    for portable in names.iter().filter(|n| n.ends_with(PORTABLE_SUFFIX)) {
-        let base = &portable[..portable.len() - PORTABLE_SUFFIX.len()];
-        if !names.contains(base) {
+    for &base in &names {
+        let Some(portable) = portable_counterpart(base, &names, &rules) else {
             continue;
-        }
+        };
+        let portable = portable.as_str();
         let mut cases = Vec::new();
         let mut gains = Vec::new();
         let mut bars = Vec::new();
@@ -640,6 +672,55 @@ mod tests {
         let docs = [&plain];
         let in_suite: Vec<&&Loaded> = docs.iter().collect();
         assert!(portable_gains(&in_suite, &|r: &Row| r.median_ms.map(|m| -m), "ms").is_empty());
+    }
+
+    /// The counterpart is the `_sm80` rows where they exist, else the implementation that
+    /// `base`'s rule for other devices names; never `base` itself, nor a name without rows, nor
+    /// one named only by a Hopper rule.
+    #[test]
+    fn the_portable_counterpart_comes_from_the_suffix_or_the_dispatch_rule() {
+        let rule = |imp: &str, device: &str, words: &str| DispatchRule {
+            entry_point: "moe::grouped_matmul".into(),
+            device: device.into(),
+            dtype: "bf16".into(),
+            rule: words.into(),
+            implementation: imp.into(),
+        };
+        let hopper = rule(
+            "grouped_matmul",
+            "CUDA, compute capability 9.0 (sm_90a)",
+            "the wgmma kernel, unlike grouped_mma_sync",
+        );
+        let other = rule(
+            "grouped_matmul",
+            "CUDA, compute capability 8.0 or newer (other than 9.0)",
+            "always: the portable kernel (grouped_gemm.cu), as grouped_mma_sync",
+        );
+        let names: BTreeSet<&str> = ["grouped_matmul", "grouped_mma_sync", "cublas_loop"].into();
+        assert_eq!(
+            portable_counterpart("grouped_matmul", &names, &[&hopper, &other]).as_deref(),
+            Some("grouped_mma_sync")
+        );
+        assert_eq!(
+            portable_counterpart("grouped_matmul", &names, &[&hopper]),
+            None
+        );
+        let fewer: BTreeSet<&str> = ["grouped_matmul", "cublas_loop"].into();
+        assert_eq!(
+            portable_counterpart("grouped_matmul", &fewer, &[&other]),
+            None
+        );
+        let with_suffix: BTreeSet<&str> = ["flash", "flash_sm80", "grouped_mma_sync"].into();
+        let flash_other = rule(
+            "flash",
+            "CUDA, compute capability 8.0",
+            "as grouped_mma_sync",
+        );
+        assert_eq!(
+            portable_counterpart("flash", &with_suffix, &[&flash_other]).as_deref(),
+            Some("flash_sm80")
+        );
+        assert_eq!(portable_counterpart("flash_sm80", &with_suffix, &[]), None);
     }
 
     #[test]
