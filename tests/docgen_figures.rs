@@ -128,9 +128,16 @@ fn time_figures_label_only_the_measured_x_values() {
     for g in groups {
         let title = text(g.select(&sel("h3")).next().unwrap());
         if title.starts_with("Cases measured at one size") {
-            // One row per case, no figure (a single point draws no line).
+            // One row per case, no line figure (a single point draws no line): at most the bar
+            // chart of the cases against the default.
             single_rows += g.select(&sel("table.results tbody tr")).count();
-            assert_eq!(g.select(&sel("figure")).count(), 0, "{title}");
+            assert!(
+                g.select(&sel("figure img")).all(|i| i
+                    .value()
+                    .attr("src")
+                    .is_some_and(|s| s.ends_with("-cases.svg"))),
+                "{title}"
+            );
             continue;
         }
         // The sizes this group measured: the rows of its results table.
@@ -625,4 +632,71 @@ fn every_figure_text_is_at_least_11_px() {
         }
     }
     assert!(sizes > 100, "{sizes}");
+}
+
+/// The table of cases measured at one size has a bar chart: one bar (or cross) per case where
+/// the default and an accurate alternative ran, each label a case of the table against one of
+/// the table's implementations, every bar starting at the line at 1.
+#[test]
+fn cases_measured_at_one_size_have_a_ratio_chart() {
+    let (_tmp, site) = build_site(&root().join("data"));
+    let attention = page(&site, "attention.html");
+    let group = attention
+        .select(&sel("section.group"))
+        .find(|g| {
+            g.select(&sel("h3"))
+                .next()
+                .is_some_and(|h| text(h).starts_with("Cases measured at one size"))
+        })
+        .expect("the committed attention data has cases measured at one size");
+    let cases: BTreeSet<String> = group
+        .select(&sel("table.results tbody th[scope=row]"))
+        .map(text)
+        .collect();
+    let columns: BTreeSet<String> = group.select(&sel("table thead th")).map(text).collect();
+    let src = group
+        .select(&sel("figure img"))
+        .filter_map(|i| i.value().attr("src"))
+        .find(|s| s.ends_with("-cases.svg"))
+        .expect("a chart of the cases");
+    let doc = svg(&site.join(src));
+    let found = bars(&doc);
+    assert!(!found.is_empty());
+    assert!(
+        found.len() <= cases.len(),
+        "{} bars, {} cases",
+        found.len(),
+        cases.len()
+    );
+    for (left, right, fill) in &found {
+        assert!(left < right, "{left}..{right} {fill}");
+    }
+    let desc: String = doc.select(&sel("desc")).map(text).collect();
+    let mut named = 0;
+    for case in &cases {
+        let key = format!("{case}: vs ");
+        // The first label follows the description's opening words and a colon.
+        let at = |p: &str| {
+            p.find(&key)
+                .filter(|&i| i == 0 || p[..i].ends_with(": "))
+                .map(|i| i + key.len())
+        };
+        for (part, start) in desc.split("; ").filter_map(|p| Some((p, at(p)?))) {
+            let alt = part[start..]
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .trim_end_matches('.');
+            assert!(
+                columns.iter().any(|c| c.starts_with(alt)),
+                "{alt} is not a column: {columns:?}"
+            );
+            named += 1;
+        }
+    }
+    assert_eq!(
+        named,
+        found.len(),
+        "labels naming a case of the table, bars"
+    );
 }

@@ -181,7 +181,12 @@ impl Renderer {
             out.push(file(&chart.file, svg));
         }
         let hopper_charts = model.hopper.iter().flat_map(|h| h.charts.iter());
-        for chart in model.glance_chart.iter().chain(hopper_charts) {
+        for chart in model
+            .glance_chart
+            .iter()
+            .chain(hopper_charts)
+            .chain(&model.case_charts)
+        {
             let svg =
                 figures::glance_chart(chart).with_context(|| format!("drawing {}", chart.file))?;
             out.push(file(&chart.file, svg));

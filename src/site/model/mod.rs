@@ -199,6 +199,9 @@ pub struct SiteModel {
     pub glance_chart: Option<GlanceChart>,
     /// The tile sweeps' bar charts.
     pub tile_charts: Vec<TileChart>,
+    /// The suite pages' bar charts of cases measured at one size (each case's time against
+    /// the default's).
+    pub case_charts: Vec<GlanceChart>,
     /// `tuning.html`, when the kernel tuning notes were found.
     pub tuning: Option<NotesPage>,
 }
@@ -374,13 +377,21 @@ pub fn build_model(
 
     let mut figures = Vec::new();
     let mut tile_charts = Vec::new();
+    let mut case_charts = Vec::new();
     let suite_pages: Vec<SuitePage> = SUITE_PAGES
         .iter()
         .map(|(file, title, suites)| {
             let sections: Vec<SuiteSection> = suites
                 .iter()
                 .map(|s| {
-                    let mut section = suite::suite_section(docs, *s, &base, &colours, &mut figures);
+                    let mut section = suite::suite_section(
+                        docs,
+                        *s,
+                        &base,
+                        &colours,
+                        &mut figures,
+                        &mut case_charts,
+                    );
                     section.tile_sweeps =
                         tiles::tile_sweeps(&sweeps, docs, *s, &base, &mut tile_charts);
                     section.measured |= !section.tile_sweeps.is_empty();
@@ -463,6 +474,7 @@ pub fn build_model(
         figures,
         glance_chart: glance.chart,
         tile_charts,
+        case_charts,
         tuning,
     }
 }

@@ -11,6 +11,7 @@ use super::groups::{
     device_label, doc_id, group_id, group_rows, implementations, param_f64, primary_axis,
     throughput, x_label, Group, ImplHeader,
 };
+use super::overview::{BarOutcome, GlanceBar, GlanceChart, RatioWords};
 use super::{measure_command, CommandView, FigureRef, Layout};
 use crate::load::Loaded;
 use crate::schema::{Document, Row, Status, Suite, Throughput, TimingMethod};
@@ -303,18 +304,20 @@ pub fn toc(sections: &[SuiteSection]) -> Vec<super::TocEntry> {
     out
 }
 
-/// The section of `suite` on its page, its figures pushed onto `figures`.
+/// The section of `suite` on its page, its figures pushed onto `figures` and the bar charts of
+/// its cases measured at one size onto `charts`.
 pub fn suite_section(
     docs: &[Loaded],
     suite: Suite,
     base: &str,
     colours: &BTreeMap<String, String>,
     figures: &mut Vec<FigureSpec>,
+    charts: &mut Vec<GlanceChart>,
 ) -> SuiteSection {
     let documents: Vec<DocSection> = docs
         .iter()
         .filter(|l| l.doc.suite == suite && !l.doc.rows.is_empty())
-        .map(|l| doc_section(l, base, colours, figures))
+        .map(|l| doc_section(l, base, colours, figures, charts))
         .collect();
     SuiteSection {
         title: suite.title().to_string(),
@@ -334,6 +337,7 @@ fn doc_section(
     base: &str,
     colours: &BTreeMap<String, String>,
     figures: &mut Vec<FigureSpec>,
+    charts: &mut Vec<GlanceChart>,
 ) -> DocSection {
     let doc = &loaded.doc;
     let impls = implementations(doc, colours);
@@ -487,6 +491,17 @@ fn doc_section(
         })
         .collect();
     merge_single_cases(loaded, &grouped, &mut groups, axis, &family_of);
+    for g in &mut groups {
+        if g.x_name == "case" && g.ratio_figure.is_none() {
+            if let Some(chart) = single_cases_chart(loaded, &grouped, g) {
+                g.ratio_figure = Some(FigureRef {
+                    src: format!("{base}{}", chart.file),
+                    alt: chart.desc.clone(),
+                });
+                charts.push(chart);
+            }
+        }
+    }
     let mut legend = vec!["median time per call, ms".to_string()];
     legend.extend(decls.iter().map(|d| {
         if d.ceiling.is_some() {
@@ -739,6 +754,124 @@ fn merge_singles(
         details,
         peak_methods,
     }
+}
+
+/// The bar chart of a table of cases measured at one size ([`merge_single_cases`]): for each
+/// case (row of `view`) the fastest alternative that ran within its tolerance, its time ÷ the
+/// default's, with the range from both interquartile ranges, or a cross where the default's
+/// error is above its tolerance. `None` without a default or any such case.
+fn single_cases_chart(
+    loaded: &Loaded,
+    grouped: &[Group<'_>],
+    view: &GroupView,
+) -> Option<GlanceChart> {
+    let default = view
+        .implementations
+        .iter()
+        .find(|h| h.is_default)?
+        .name
+        .clone();
+    // A merged row keeps its group's anchor: find each row's group by it.
+    let by_anchor: BTreeMap<String, &Group<'_>> = grouped
+        .iter()
+        .map(|g| (format!("g-{}", group_id(loaded, g)), g))
+        .collect();
+    let mut bars = Vec::new();
+    for r in &view.rows {
+        let Some(g) = r.anchor.as_ref().and_then(|a| by_anchor.get(a)) else {
+            continue;
+        };
+        let Some((_, by_impl)) = g.by_x.values().next() else {
+            continue;
+        };
+        let Some(d) = by_impl
+            .get(default.as_str())
+            .filter(|d| d.status == Status::Ok && d.median_ms.is_some_and(|m| m > 0.0))
+        else {
+            continue;
+        };
+        let inaccurate = |r: &Row| r.accuracy.as_ref().is_some_and(|a| a.rel_err > a.tolerance);
+        // The fastest accurate alternative whose timing is not launch-bound, as the overview's
+        // chart picks it.
+        let Some((name, a)) = view
+            .implementations
+            .iter()
+            .filter(|h| !h.is_default)
+            .filter_map(|h| Some((h.name.as_str(), *by_impl.get(h.name.as_str())?)))
+            .filter(|(_, a)| a.status == Status::Ok && super::groups::is_accurate(a))
+            .filter(|(_, a)| !super::groups::launch_bound(a, &loaded.doc))
+            .filter(|(_, a)| a.median_ms.is_some_and(|m| m > 0.0))
+            .min_by(|x, y| {
+                x.1.median_ms
+                    .unwrap_or(f64::INFINITY)
+                    .total_cmp(&y.1.median_ms.unwrap_or(f64::INFINITY))
+                    .then_with(|| x.0.cmp(y.0))
+            })
+        else {
+            continue;
+        };
+        let (Some(am), Some(dm)) = (a.median_ms, d.median_ms) else {
+            continue;
+        };
+        let ratio = am / dm;
+        let outcome = if inaccurate(d) {
+            BarOutcome::DefaultInaccurate
+        } else {
+            let range = match (a.q1_ms, a.q3_ms, d.q1_ms, d.q3_ms) {
+                (Some(a1), Some(a3), Some(d1), Some(d3)) if d1 > 0.0 && d3 > 0.0 => {
+                    Some((a1 / d3, a3 / d1))
+                }
+                _ => None,
+            };
+            BarOutcome::Ratio { ratio, range }
+        };
+        bars.push(GlanceBar {
+            label: format!("{}: vs {name}", r.x),
+            outcome,
+        });
+    }
+    if bars.is_empty() {
+        return None;
+    }
+    let doc = &loaded.doc;
+    let file = format!("figures/{}-{}-cases.svg", doc.suite.as_str(), view.anchor);
+    let desc = format!(
+        "Horizontal bars on a log scale, one per case, against the fastest accurate \
+         alternative that ran beside {default}: {}. A bar right of 1 means {default} is \
+         faster; a whisker spans the ratio's \
+         range from the two implementations' quartiles; a cross marks a case where {default}'s \
+         error is above its tolerance.",
+        bars.iter()
+            .map(|b| b.label.clone())
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    let crosses = bars_have_crosses(&bars);
+    Some(GlanceChart {
+        file,
+        title: format!(
+            "{} on {}: fastest accurate alternative time ÷ {default}'s time, {}",
+            doc.suite.title(),
+            doc.device.name,
+            lowercase_first(&view.title)
+        ),
+        desc,
+        bars,
+        words: RatioWords {
+            axis: format!("fastest accurate alternative time ÷ {default}'s time (log scale)"),
+            left: "← alternative faster".to_string(),
+            right: format!("{default} faster →"),
+            above: format!("{default} faster (ratio above 1)"),
+            below: "alternative faster (ratio below 1)".to_string(),
+            crosses,
+        },
+    })
+}
+
+/// Whether any bar is a cross (the legend then explains it).
+fn bars_have_crosses(bars: &[GlanceBar]) -> bool {
+    bars.iter()
+        .any(|b| matches!(b.outcome, BarOutcome::DefaultInaccurate))
 }
 
 /// Why a cell of a case that a run cut off by a time limit (no `finished_at`) was measuring
