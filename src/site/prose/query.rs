@@ -412,6 +412,8 @@ pub enum Field {
     PeakMb,
     /// `temporaries_mb` (memory).
     TemporariesMb,
+    /// `residuals_mb` (memory): what the forward keeps for the backward.
+    ResidualsMb,
     /// `host_ms`: host time to issue one call.
     HostMs,
     /// `eager_median_ms`: the eager figure of a graph-replayed row.
@@ -424,7 +426,7 @@ pub enum Field {
 
 impl Field {
     /// Every field stored in a row, with its name; any other name is a throughput key.
-    pub const STORED: [(&'static str, Field); 11] = [
+    pub const STORED: [(&'static str, Field); 12] = [
         ("median_ms", Field::MedianMs),
         ("q1_ms", Field::Q1Ms),
         ("q3_ms", Field::Q3Ms),
@@ -432,6 +434,7 @@ impl Field {
         ("rel_err", Field::RelErr),
         ("peak_mb", Field::PeakMb),
         ("temporaries_mb", Field::TemporariesMb),
+        ("residuals_mb", Field::ResidualsMb),
         ("host_ms", Field::HostMs),
         ("eager_median_ms", Field::EagerMedianMs),
         ("first_call_s", Field::FirstCallS),
@@ -511,6 +514,7 @@ impl Field {
             Field::RelErr => row.accuracy.as_ref().map(|a| a.rel_err),
             Field::PeakMb => mem.and_then(|m| m.peak_mb),
             Field::TemporariesMb => mem.and_then(|m| m.temporaries_mb),
+            Field::ResidualsMb => mem.and_then(|m| m.residuals_mb),
             Field::HostMs => row.host_ms,
             Field::EagerMedianMs => row.eager_median_ms,
             Field::FirstCallS => row.first_call_s,
@@ -529,7 +533,7 @@ impl Field {
             Field::Throughput(_) => format::sig(x, 3),
             Field::CompileS => format::sig(x, 3),
             Field::RelErr => format::rel_err(x),
-            Field::PeakMb | Field::TemporariesMb => format::mb(x),
+            Field::PeakMb | Field::TemporariesMb | Field::ResidualsMb => format::mb(x),
         }
     }
 }
