@@ -88,7 +88,7 @@ struct Cli {
     /// [default: main,shapes; main with --device cpu].
     #[arg(long, value_delimiter = ',')]
     grids: Option<Vec<String>>,
-    /// Passes: `fwd`, `fwd+bwd` [default: fwd,fwd+bwd; fwd with --device cpu].
+    /// Passes: `fwd`, `fwd+bwd` [default: fwd,fwd+bwd].
     #[arg(long, value_delimiter = ',')]
     passes: Option<Vec<String>>,
     /// Main grid: batch size [default: 4; 2 with --device cpu].
@@ -232,12 +232,15 @@ fn main() -> ExitCode {
 }
 
 fn passes(cli: &Cli) -> Result<Vec<Pass>> {
-    names_or_default(&cli.passes, &["fwd", "fwd+bwd"], &["fwd"], cli.run.device)
-        .iter()
-        .map(|p| {
-            Pass::parse(p).with_context(|| format!("--passes: unknown pass `{p}` (fwd, fwd+bwd)"))
-        })
-        .collect()
+    names_or_default(
+        &cli.passes,
+        &["fwd", "fwd+bwd"],
+        &["fwd", "fwd+bwd"],
+        cli.run.device,
+    )
+    .iter()
+    .map(|p| Pass::parse(p).with_context(|| format!("--passes: unknown pass `{p}` (fwd, fwd+bwd)")))
+    .collect()
 }
 
 fn mask(m: &str) -> Result<bool> {
@@ -828,7 +831,12 @@ fn run(cli: &Cli) -> Result<ExitCode> {
     }
     let gpu_default: &[&str] = match run_kind(cli) {
         // `flash` is not what the API runs on decoding shapes (the split-KV kernel is).
-        RunKind::Decode => &["math", decode::CONTIGUOUS, decode::PAGED],
+        RunKind::Decode => &[
+            "math",
+            decode::CONTIGUOUS,
+            decode::PAGED,
+            decode::PAGED_LARGE,
+        ],
         // Generated masks; flash runs the causal cases.
         RunKind::Masks => &[flex::IMPLEMENTATION, "flash"],
         // flash_sm80 runs by default only where flash runs another kernel (compute
@@ -870,9 +878,10 @@ fn run(cli: &Cli) -> Result<ExitCode> {
                 .map(|i| (i.name(), i.library()))
                 .with_context(|| {
                     format!(
-                        "--implementations: unknown `{n}` (flash, math, {}, {}, {}, {})",
+                        "--implementations: unknown `{n}` (flash, math, {}, {}, {}, {}, {})",
                         decode::CONTIGUOUS,
                         decode::PAGED,
+                        decode::PAGED_LARGE,
                         flex::IMPLEMENTATION,
                         sm80::IMPLEMENTATION
                     )
@@ -1032,20 +1041,22 @@ mod tests {
             .select(cases(&cli, false).unwrap(), cases(&cli, true).unwrap())
             .unwrap();
         assert_eq!(kept.len(), 2 * 2 * 2);
-        // The CPU grid: the main grid only, forward only, bf16 and fp32, batch 2, its own
-        // lengths.
+        // The CPU grid: the main grid only, forward and forward + backward, bf16 and fp32,
+        // batch 2, its own lengths.
         let cli = Cli::try_parse_from(["attention", "--device", "cpu"]).unwrap();
         let grid: Vec<AttentionCase> = cases(&cli, false)
             .unwrap()
             .iter()
             .map(|p| case_of(p).unwrap())
             .collect();
-        assert_eq!(grid.len(), 2 * 2 * 2 * cpu::SEQ_LENS.len());
+        assert_eq!(grid.len(), 2 * 2 * 2 * 2 * cpu::SEQ_LENS.len());
         assert!(grid.iter().any(|c| c.dtype == Dtype::F32));
-        assert!(grid
-            .iter()
-            .all(|c| c.batch == cpu::BATCH && c.pass == Pass::Fwd));
-        assert_eq!(cases(&cli, true).unwrap().len(), 2 * 2 * 2 * 2);
+        assert!(grid.iter().all(|c| c.batch == cpu::BATCH));
+        assert_eq!(
+            grid.iter().filter(|c| c.pass == Pass::FwdBwd).count(),
+            grid.len() / 2
+        );
+        assert_eq!(cases(&cli, true).unwrap().len(), 2 * 2 * 2 * 2 * 2);
         let cli = Cli::try_parse_from(["attention", "--shard", "1/2"]).unwrap();
         assert_eq!(cli.run.shard.unwrap().count, 2);
     }

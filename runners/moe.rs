@@ -90,6 +90,13 @@ const LAYERS: [(usize, usize, usize, usize, &str); 4] = [
     (64, 8, 2048, 1408, "64 small experts, top-8"),
     (128, 8, 2048, 1408, "128 small experts, top-8"),
 ];
+/// The issue's two target points, beside the layers' token sweeps: M = tokens · top_k = 16384
+/// rows of K = 2048, N = 1408, over 8 experts (top-2 of 8192 tokens) and over 64 (top-8 of
+/// 2048 tokens), where `torch._grouped_mm` was measured at 671 and 528 TFLOP/s on the H200.
+/// (experts, top_k, hidden K, expert width N, tokens.) Forward and backward, balanced and
+/// skewed, on the GPU only.
+const TARGETS: [(usize, usize, usize, usize, usize); 2] =
+    [(8, 2, 2048, 1408, 8192), (64, 8, 2048, 1408, 2048)];
 /// Token counts of the forward rows (issue 14's 4k to 128k; until 513d89c the largest was
 /// 65536).
 const FWD_TOKENS: [usize; 3] = [4096, 16384, 131072];
@@ -188,6 +195,26 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
             }
         }
     }
+    // The target points, in the default GPU grid only (not with --tokens or --quick).
+    if cli.run.device == DeviceChoice::Gpu && cli.tokens.is_none() && !quick {
+        for backward in [false, true] {
+            for &(experts, top_k, hidden, width, tokens) in &TARGETS {
+                for spread in [Spread::Balanced, Spread::Zipf] {
+                    let c = GroupedCase {
+                        tokens,
+                        experts,
+                        top_k,
+                        hidden,
+                        width,
+                        spread,
+                        backward,
+                    };
+                    c.validate().map_err(anyhow::Error::msg)?;
+                    out.push(c.params());
+                }
+            }
+        }
+    }
     // The whole layer's forward, then its forward and backward (the GPU only: the CPU
     // implements the grouped GEMM alone).
     if cli.run.device == DeviceChoice::Gpu {
@@ -248,6 +275,18 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
         dtype: "bf16 (float32 accumulation)".into(),
         rule: "always: the portable kernel (grouped_gemm.cu), as grouped_mma_sync".into(),
         implementation: IMPLEMENTATION.into(),
+    },
+    DispatchRule {
+        entry_point: "moe::dispatch_cuda::MoeDispatch::route, plan, dispatch, combine (and their backwards)".into(),
+        device: "CUDA, compute capability 8.0 or newer".into(),
+        dtype: "float32 router logits and gate weights; bf16 rows (the combine sums in float32 and rounds once)".into(),
+        rule: format!(
+            "always: top-k routing, one warp per token (at most {} experts, top_k at most {}; a token's experts by decreasing logit, ties to the lower index), its gates the softmax over the chosen logits (Mixtral) or their sigmoids divided by their sum (DeepSeek-V3); the plan, a stable counting sort of the assignments by expert in chunks of {} (dropless, or at most a capacity per expert, the later assignments in token order dropped); the gather of each kept assignment's row into expert order, no one-hot product; the combine, each token's kept rows times their gate weights; the backward runs through the plan's inverse",
+            kernelpages::moe::dispatch_cuda::MAX_EXPERTS,
+            kernelpages::moe::dispatch_cuda::MAX_TOP_K,
+            kernelpages::moe::dispatch_cuda::CHUNK
+        ),
+        implementation: "moe_dispatch".into(),
     },
     DispatchRule {
         entry_point: "moe::layer_cuda::MoeLayer::forward".into(),
@@ -322,6 +361,11 @@ fn layer_case_of(p: &Params) -> Result<LayerCase> {
 
 /// The layer's description for a case's (experts, top_k, hidden, width) (its row of
 /// [`LAYERS`]).
+/// Whether `c` is one of [`TARGETS`].
+fn is_target(c: &GroupedCase) -> bool {
+    TARGETS.contains(&(c.experts, c.top_k, c.hidden, c.width, c.tokens))
+}
+
 fn layer_name(shape: (usize, usize, usize, usize)) -> Option<&'static str> {
     LAYERS
         .iter()
@@ -395,6 +439,14 @@ impl runner::Suite for Moe {
         )];
         if let Some(name) = layer_name((c.experts, c.top_k, c.hidden, c.width)) {
             notes.push(format!("layer: {name}"));
+        }
+        if is_target(&c) {
+            notes.push(format!(
+                "the issue's target point: M = {} rows, K = {}, N = {}",
+                c.rows(),
+                c.hidden,
+                c.width
+            ));
         }
         if (implementation == IMPLEMENTATION || implementation == PORTABLE) && c.backward {
             notes.push("fwd+bwd: the forward, dX and dW, three launches".into());
@@ -1082,6 +1134,7 @@ mod tests {
         assert_eq!(
             all.len(),
             LAYERS.len() * (2 * (FWD_TOKENS.len() + BWD_TOKENS.len()) + 2 * LAYER_TOKENS.len())
+                + 2 * 2 * TARGETS.len()
         );
         let suite = Moe { check_rows: 8 };
         let (layers, grouped): (Vec<&Params>, Vec<&Params>) = all.iter().partition(|p| is_layer(p));
@@ -1100,9 +1153,16 @@ mod tests {
             assert!(!suite.applies(p, IMPLEMENTATION) && !suite.applies(p, "torch_grouped_mm"));
             assert!(suite.is_default(p, LAYER_IMPLEMENTATION));
         }
+        let mut targets = 0;
         for p in grouped {
             let c = case_of(p).unwrap();
-            assert!(layer_name((c.experts, c.top_k, c.hidden, c.width)).is_some());
+            if is_target(&c) {
+                // M = 16384 rows of K = 2048, N = 1408.
+                assert_eq!((c.rows(), c.hidden, c.width), (16384, 2048, 1408));
+                targets += 1;
+            } else {
+                assert!(layer_name((c.experts, c.top_k, c.hidden, c.width)).is_some());
+            }
             assert!(suite.applies(p, IMPLEMENTATION) && suite.applies(p, "torch_dense"));
             assert!(!suite.applies(p, LAYER_IMPLEMENTATION));
             // K and N are multiples of 64: the dispatch runs the wgmma kernel on sm_90a.
@@ -1110,6 +1170,7 @@ mod tests {
                 "sm_90a", c.experts, c.hidden, c.width
             ));
         }
+        assert_eq!(targets, 2 * 2 * TARGETS.len());
         let quick = Cli::try_parse_from(["moe", "--quick", "--filter", "experts=64"]).unwrap();
         let kept = quick
             .run

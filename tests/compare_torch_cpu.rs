@@ -111,7 +111,18 @@ fn every_job_gets_a_reply_row() {
         )
         .unwrap()
         .row;
-    assert_eq!(row.status, Status::Unsupported);
+    // Forward + backward: O, dQ, dK and dV checked against float64 (torch), or unsupported
+    // naming torch when it is missing.
+    if torch {
+        assert_eq!(row.status, Status::Ok, "{row:?}");
+        let acc = row.accuracy.unwrap();
+        assert!(acc.rel_err < acc.tolerance, "{acc:?}");
+        let checked = acc.checked.unwrap_or_default();
+        assert!(checked.contains("dV"), "{checked}");
+    } else {
+        assert_eq!(row.status, Status::Unsupported);
+        assert!(row.message.unwrap().contains("torch"));
+    }
 }
 
 #[test]

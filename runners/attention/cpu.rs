@@ -12,8 +12,9 @@
 use anyhow::Result;
 
 use kernelpages::attention::cpu_flash::{
-    dot_product_attention_into, read_elements, Element, ElementType, Options, Shape, BLOCK_KV,
-    BLOCK_Q,
+    dot_product_attention_backward_into, dot_product_attention_into,
+    dot_product_attention_lse_into, read_elements, Element, ElementType, Gradients, Options, Shape,
+    BLOCK_KV, BLOCK_Q,
 };
 use kernelpages::attention::{AttentionCase, Pass};
 use kernelpages::runner::grid::Params;
@@ -88,9 +89,6 @@ pub fn dispatch_rules() -> Vec<DispatchRule> {
 /// Why the project's CPU implementation cannot run a case, when it cannot.
 pub fn unsupported(p: &Params) -> Option<String> {
     match case_of(p) {
-        Ok((c, _)) if c.pass != Pass::Fwd => {
-            Some("fwd+bwd is not measured on the CPU yet: the CPU case process times the forward only (attention::cpu_flash::dot_product_attention_vjp is tested, not timed)".into())
-        }
         Ok((c, _)) if c.kv_lens.is_some() => {
             Some("per-sequence key lengths are not implemented in cpu_flash".into())
         }
@@ -99,17 +97,51 @@ pub fn unsupported(p: &Params) -> Option<String> {
     }
 }
 
-/// `cpu_flash` on one case, as the shared CPU case process drives it.
+/// `cpu_flash` on one case, as the shared CPU case process drives it: the forward
+/// ([`dot_product_attention_into`]), or for `fwd+bwd` the forward keeping its log-sum-exp
+/// then the backward for the job's dO ([`dot_product_attention_lse_into`],
+/// [`dot_product_attention_backward_into`]), every result in buffers allocated once.
 struct Launch<T: Element> {
     shape: Shape,
     options: Options,
     out: Vec<T>,
+    /// The forward's natural-log log-sum-exp per query row, and dQ, dK, dV (`fwd+bwd` only).
+    backward: Option<(Vec<f32>, Gradients<T>)>,
+}
+
+impl<T: Element> Launch<T> {
+    fn new(shape: Shape, options: Options, backward: bool) -> Launch<T> {
+        let zero = T::from_f32(0.0);
+        Launch {
+            shape,
+            options,
+            out: vec![zero; shape.q_elems()],
+            backward: backward.then(|| {
+                (
+                    vec![0.0f32; shape.batch * shape.heads * shape.seq_len_q],
+                    Gradients {
+                        dq: vec![zero; shape.q_elems()],
+                        dk: vec![zero; shape.kv_elems()],
+                        dv: vec![zero; shape.kv_elems()],
+                    },
+                )
+            }),
+        }
+    }
 }
 
 impl<T: Element> host::Launcher for Launch<T> {
-    type Set = [Vec<T>; 3];
-    fn load(&self, inputs: &[TensorFile]) -> Result<[Vec<T>; 3]> {
-        anyhow::ensure!(inputs.len() == 3, "expected q, k, v; got {}", inputs.len());
+    /// Q, K, V, and dO for `fwd+bwd`.
+    type Set = Vec<Vec<T>>;
+    fn load(&self, inputs: &[TensorFile]) -> Result<Vec<Vec<T>>> {
+        let want = if self.backward.is_some() { 4 } else { 3 };
+        anyhow::ensure!(
+            inputs.len() == want,
+            "expected {} inputs (q, k, v{}); got {}",
+            want,
+            if want == 4 { ", do" } else { "" },
+            inputs.len()
+        );
         for t in inputs {
             anyhow::ensure!(
                 t.dtype == T::TYPE.as_str(),
@@ -119,27 +151,47 @@ impl<T: Element> host::Launcher for Launch<T> {
                 T::TYPE.as_str()
             );
         }
-        Ok([
-            read_elements(&inputs[0].path)?,
-            read_elements(&inputs[1].path)?,
-            read_elements(&inputs[2].path)?,
-        ])
+        inputs.iter().map(|t| read_elements(&t.path)).collect()
     }
-    fn replicate(&self, set: &[Vec<T>; 3]) -> [Vec<T>; 3] {
+    fn replicate(&self, set: &Vec<Vec<T>>) -> Vec<Vec<T>> {
         set.clone()
     }
     fn poison(&mut self) {
-        self.out.fill(T::from_f32(f32::NAN));
+        let nan = T::from_f32(f32::NAN);
+        self.out.fill(nan);
+        if let Some((_, g)) = &mut self.backward {
+            g.dq.fill(nan);
+            g.dk.fill(nan);
+            g.dv.fill(nan);
+        }
     }
-    fn call(&mut self, set: &[Vec<T>; 3]) -> Result<()> {
-        dot_product_attention_into(
-            &set[0],
-            &set[1],
-            &set[2],
-            &self.shape,
-            &self.options,
-            &mut self.out,
-        )?;
+    fn call(&mut self, set: &Vec<Vec<T>>) -> Result<()> {
+        let (q, k, v) = (&set[0], &set[1], &set[2]);
+        match &mut self.backward {
+            None => dot_product_attention_into(q, k, v, &self.shape, &self.options, &mut self.out)?,
+            Some((lse, g)) => {
+                dot_product_attention_lse_into(
+                    q,
+                    k,
+                    v,
+                    &self.shape,
+                    &self.options,
+                    &mut self.out,
+                    lse,
+                )?;
+                dot_product_attention_backward_into(
+                    q,
+                    k,
+                    v,
+                    &self.out,
+                    &set[3],
+                    lse,
+                    &self.shape,
+                    &self.options,
+                    g,
+                )?;
+            }
+        }
         Ok(())
     }
     fn value(&self, i: usize) -> f64 {
@@ -148,17 +200,48 @@ impl<T: Element> host::Launcher for Launch<T> {
     fn output_len(&self) -> usize {
         self.out.len()
     }
-    /// K and V widened to float32 (16-bit inputs), and per task a float32 copy of its query
-    /// block, its accumulator and one score tile, for as many tasks as threads.
+    /// dQ, dK, dV in the order of the job's `gradients`.
+    fn gradient_value(&self, k: usize, i: usize) -> f64 {
+        match (&self.backward, k) {
+            (Some((_, g)), 0) => g.dq[i].to_f32() as f64,
+            (Some((_, g)), 1) => g.dk[i].to_f32() as f64,
+            (Some((_, g)), 2) => g.dv[i].to_f32() as f64,
+            _ => f64::NAN,
+        }
+    }
+    fn gradient_len(&self, k: usize) -> usize {
+        match (&self.backward, k) {
+            (Some((_, g)), 0) => g.dq.len(),
+            (Some((_, g)), 1) => g.dk.len(),
+            (Some((_, g)), 2) => g.dv.len(),
+            _ => 0,
+        }
+    }
+    /// The forward: K and V widened to float32 (16-bit inputs), and per task a float32 copy
+    /// of its query block, its accumulator and one score tile, for as many tasks as threads.
+    /// With the backward, the larger of that and the backward's: Q, K, V and dO widened to
+    /// float32 (always: the backward copies fp32 too), two floats per query row (the base-2
+    /// log-sum-exp and dO·O), and per task the larger of a dK/dV task's (two key-block
+    /// accumulators, a probability and a dP tile) and a dQ task's (an accumulator and two tiles).
     fn temporary_bytes(&self) -> u64 {
         let s = &self.shape;
+        let threads = rayon::current_num_threads();
         let widened = if T::TYPE == ElementType::F32 {
             0
         } else {
             2 * s.kv_elems() * 4
         };
         let per_task = (2 * BLOCK_Q * s.head_dim + BLOCK_Q * BLOCK_KV + 2 * BLOCK_Q) * 4;
-        (widened + rayon::current_num_threads() * per_task) as u64
+        let forward = widened + threads * per_task;
+        if self.backward.is_none() {
+            return forward as u64;
+        }
+        let rows = s.batch * s.heads * s.seq_len_q;
+        let kv_task = (2 * BLOCK_KV * s.head_dim + 2 * BLOCK_Q * BLOCK_KV) * 4;
+        let q_task = (BLOCK_Q * s.head_dim + 2 * BLOCK_Q * BLOCK_KV) * 4;
+        let backward =
+            (2 * s.q_elems() + 2 * s.kv_elems()) * 4 + 2 * rows * 4 + threads * kv_task.max(q_task);
+        forward.max(backward) as u64
     }
 }
 
@@ -170,13 +253,8 @@ pub fn measure(job: &Job) -> Reply {
             causal: c.causal,
             scale: c.scale,
         };
-        host::measure(job, || {
-            Ok(Launch::<T> {
-                shape,
-                options,
-                out: vec![T::from_f32(0.0); shape.q_elems()],
-            })
-        })
+        let backward = c.pass == Pass::FwdBwd;
+        host::measure(job, || Ok(Launch::<T>::new(shape, options, backward)))
     }
     match case_of(&job.case) {
         Ok((c, ElementType::Bf16)) => run::<half::bf16>(job, &c),
@@ -219,13 +297,13 @@ mod tests {
     }
 
     #[test]
-    fn the_backward_and_key_lengths_are_unsupported_with_a_reason() {
+    fn key_lengths_are_unsupported_with_a_reason() {
         let (c, _) = case_of(&case(ElementType::Bf16)).unwrap();
         let bwd = AttentionCase {
             pass: Pass::FwdBwd,
             ..c.clone()
         };
-        assert!(unsupported(&bwd.params()).unwrap().contains("forward only"));
+        assert!(unsupported(&bwd.params()).is_none());
         let lens = AttentionCase {
             kv_lens: Some(vec![50]),
             ..c.clone()
@@ -236,12 +314,18 @@ mod tests {
 
     #[test]
     fn every_type_measures_ok_against_its_reference() {
-        for e in [ElementType::Bf16, ElementType::F16, ElementType::F32] {
+        for (e, pass) in [ElementType::Bf16, ElementType::F16, ElementType::F32]
+            .into_iter()
+            .flat_map(|e| [(e, Pass::Fwd), (e, Pass::FwdBwd)])
+        {
             let dir = tempfile::tempdir().unwrap();
-            let p = case(e);
-            let (c, _) = case_of(&p).unwrap();
+            let (c, _) = case_of(&case(e)).unwrap();
+            let c = AttentionCase { pass, ..c };
+            let p = c.params();
+            let grads = if pass == Pass::FwdBwd { 3 } else { 0 };
             let files = kernelpages::attention::files::write_case(&c, 3, 16, dir.path()).unwrap();
             assert_eq!(files.inputs[0].dtype, e.as_str());
+            assert_eq!(files.gradients.len(), grads);
             assert_eq!(
                 std::fs::metadata(&files.inputs[0].path).unwrap().len(),
                 (200 * 32 * e.bytes()) as u64
@@ -260,9 +344,9 @@ mod tests {
                 files,
             };
             let row = measure(&job).row;
-            assert_eq!(row.status, Status::Ok, "{row:?}");
+            assert_eq!(row.status, Status::Ok, "{e:?} {pass:?} {row:?}");
             let acc = row.accuracy.unwrap();
-            assert!(acc.rel_err < acc.tolerance / 4.0, "{e:?} {acc:?}");
+            assert!(acc.rel_err < acc.tolerance / 4.0, "{e:?} {pass:?} {acc:?}");
             assert!(row.host_ms.is_none());
         }
     }

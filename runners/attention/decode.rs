@@ -1,9 +1,9 @@
 //! `attention --grids decode`: the decoding grid of issue 10 §2 and the project's split-KV
 //! decoding kernels as implementations ([`kernelpages::attention::decode_gpu`]):
 //! `flash_decode` reads the case's K and V where every implementation reads them
-//! (`[B, KVH, T, D]`, one page per sequence), `flash_decode_paged` reads the same values moved
-//! into vLLM pages of [`PAGE`] keys handed out in reverse order (the rearrangement happens at
-//! upload, outside the timing). Decoding rows carry GB/s
+//! (`[B, KVH, T, D]`, one page per sequence), `flash_decode_paged` and `flash_decode_paged256`
+//! read the same values moved into vLLM pages of [`PAGE`] and [`PAGE_LARGE`] keys handed out in
+//! reverse order (the rearrangement happens at upload, outside the timing). Decoding rows carry GB/s
 //! ([`AttentionCase::bytes_moved`]) besides TFLOP/s.
 
 use kernelpages::attention::decode_gpu::{self, row_blocks, CacheLayout, DecodePlan, Decoder};
@@ -15,19 +15,35 @@ use kernelpages::runner::protocol::{Job, Reply};
 /// The split-KV decoding implementation on the contiguous cache (what `dot_product_attention`
 /// runs for a decoding shape).
 pub const CONTIGUOUS: &str = decode_gpu::IMPLEMENTATION;
-/// The split-KV decoding implementation on a paged cache.
+/// The split-KV decoding implementation on a paged cache of [`PAGE`]-key pages.
 pub const PAGED: &str = "flash_decode_paged";
-/// Both, with their library column.
-pub const IMPLEMENTATIONS: [(&str, &str); 2] =
-    [(CONTIGUOUS, "kernelpages"), (PAGED, "kernelpages")];
+/// The same on pages of [`PAGE_LARGE`] keys (issue 10 asks for pages of 16 to 256 tokens).
+pub const PAGED_LARGE: &str = "flash_decode_paged256";
+/// All three, with their library column.
+pub const IMPLEMENTATIONS: [(&str, &str); 3] = [
+    (CONTIGUOUS, "kernelpages"),
+    (PAGED, "kernelpages"),
+    (PAGED_LARGE, "kernelpages"),
+];
 /// The decoding document's figures are drawn against the cache length.
 pub const AXES: [&str; 1] = ["seq_len_kv"];
-/// True for `flash_decode` and `flash_decode_paged`.
+/// True for `flash_decode` and the paged ones.
 pub fn is_decode(implementation: &str) -> bool {
     IMPLEMENTATIONS.iter().any(|(n, _)| *n == implementation)
 }
 /// Keys per page of `flash_decode_paged` (vLLM's default block size).
 pub const PAGE: usize = 16;
+/// Keys per page of `flash_decode_paged256`.
+pub const PAGE_LARGE: usize = 256;
+
+/// Keys per page of a paged implementation; `None` for the contiguous cache.
+pub fn page_of(implementation: &str) -> Option<usize> {
+    match implementation {
+        PAGED => Some(PAGE),
+        PAGED_LARGE => Some(PAGE_LARGE),
+        _ => None,
+    }
+}
 
 /// The decoding grid: 32 query heads on 8 kv heads, head_dim 128, bf16; 1, 2 and 8 query rows
 /// (causal bottom-right: speculative tokens see the cache and the tokens before them) against
@@ -80,31 +96,32 @@ struct DecodeLaunch {
     case: AttentionCase,
     layout: CacheLayout,
     max_pages: usize,
-    paged: bool,
+    /// Keys per page, or `None` for the contiguous cache.
+    page: Option<usize>,
     lse: cudarc::driver::CudaSlice<f32>,
 }
 
-/// `[B, KVH, T, D]` words moved into pages `[num_pages, PAGE, KVH, D]` handed out in reverse
+/// `[B, KVH, T, D]` words moved into pages `[num_pages, page, KVH, D]` handed out in reverse
 /// order (page `num_pages − 1` first), with the block table `[B, max_pages]`; pages hold only
 /// each sequence's keys (`kv_len(b)`), the rest of a last page zero.
-fn to_pages(c: &AttentionCase, x: &[u16], max_pages: usize) -> (Vec<u16>, Vec<i32>) {
+fn to_pages(c: &AttentionCase, x: &[u16], page: usize, max_pages: usize) -> (Vec<u16>, Vec<i32>) {
     let (kvh, t, d) = (c.kv_heads, c.seq_len_kv, c.head_dim);
-    let n_pages: usize = (0..c.batch).map(|b| c.kv_len(b).div_ceil(PAGE)).sum();
-    let mut pages = vec![0u16; n_pages.max(1) * PAGE * kvh * d];
+    let n_pages: usize = (0..c.batch).map(|b| c.kv_len(b).div_ceil(page)).sum();
+    let mut pages = vec![0u16; n_pages.max(1) * page * kvh * d];
     let mut table = vec![0i32; c.batch * max_pages];
     let mut next = n_pages;
     for b in 0..c.batch {
-        for p in 0..c.kv_len(b).div_ceil(PAGE) {
+        for p in 0..c.kv_len(b).div_ceil(page) {
             next -= 1;
             table[b * max_pages + p] = next as i32;
-            for r in 0..PAGE {
-                let key = p * PAGE + r;
+            for r in 0..page {
+                let key = p * page + r;
                 if key >= c.kv_len(b) {
                     break;
                 }
                 for h in 0..kvh {
                     let src = ((b * kvh + h) * t + key) * d;
-                    let dst = ((next * PAGE + r) * kvh + h) * d;
+                    let dst = ((next * page + r) * kvh + h) * d;
                     pages[dst..dst + d].copy_from_slice(&x[src..src + d]);
                 }
             }
@@ -121,9 +138,9 @@ impl own::Launcher for DecodeLaunch {
         };
         let c = &self.case;
         let lens: Vec<i32> = (0..c.batch).map(|b| c.kv_len(b) as i32).collect();
-        let (k, v, table) = if self.paged {
-            let (kp, table) = to_pages(c, k, self.max_pages);
-            let (vp, _) = to_pages(c, v, self.max_pages);
+        let (k, v, table) = if let Some(page) = self.page {
+            let (kp, table) = to_pages(c, k, page, self.max_pages);
+            let (vp, _) = to_pages(c, v, page, self.max_pages);
             (
                 gpu.stream.clone_htod(&kp)?,
                 gpu.stream.clone_htod(&vp)?,
@@ -186,14 +203,14 @@ impl own::Launcher for DecodeLaunch {
     }
 }
 
-/// The case process of `flash_decode` and `flash_decode_paged`: compile, first call, check
+/// The case process of `flash_decode` and the paged ones: compile, first call, check
 /// and time one case (`own::measure`).
 pub fn measure(job: &Job) -> Reply {
     let c = match super::job_case(job, decode_gpu::unsupported_case) {
         Ok(c) => c,
         Err(reply) => return *reply,
     };
-    let paged = job.implementation == PAGED;
+    let page = page_of(&job.implementation);
     let mut planned: Option<String> = None;
     let mut reply = own::measure(job, |gpu| {
         let sms = gpu.describe()?.sm_count.map_or(1, |n| n as usize);
@@ -202,10 +219,10 @@ pub fn measure(job: &Job) -> Reply {
         planned = Some(note(&c, &job.implementation, plan));
         let dec = Decoder::new(gpu, shape, plan)?;
         let compile_s = dec.compile_s;
-        let (layout, max_pages) = if paged {
+        let (layout, max_pages) = if let Some(page) = page {
             (
-                CacheLayout::paged(PAGE, c.kv_heads, c.head_dim),
-                c.seq_len_kv.div_ceil(PAGE).max(1),
+                CacheLayout::paged(page, c.kv_heads, c.head_dim),
+                c.seq_len_kv.div_ceil(page).max(1),
             )
         } else {
             (
@@ -222,7 +239,7 @@ pub fn measure(job: &Job) -> Reply {
                 case: c.clone(),
                 layout,
                 max_pages,
-                paged,
+                page,
                 lse,
             },
             compile_s,
@@ -236,8 +253,8 @@ pub fn measure(job: &Job) -> Reply {
 
 /// The note on a decoding row: the split `plan` chose and the cache layout.
 pub fn note(c: &AttentionCase, implementation: &str, plan: DecodePlan) -> String {
-    let cache = if implementation == PAGED {
-        format!("vLLM pages of {PAGE} keys, handed out in reverse order")
+    let cache = if let Some(page) = page_of(implementation) {
+        format!("vLLM pages of {page} keys, handed out in reverse order")
     } else {
         "the contiguous [B, KVH, T, D] cache".to_string()
     };
@@ -273,7 +290,7 @@ mod tests {
         let n = c.batch * c.kv_heads * c.seq_len_kv * c.head_dim;
         let x: Vec<u16> = (0..n as u32).map(|i| i as u16).collect();
         let max_pages = 40usize.div_ceil(PAGE);
-        let (pages, table) = to_pages(&c, &x, max_pages);
+        let (pages, table) = to_pages(&c, &x, PAGE, max_pages);
         // 3 + 2 pages; sequence 0's first page is the last one.
         assert_eq!(pages.len(), 5 * PAGE * 2 * 8);
         assert_eq!(&table[..3], &[4, 3, 2]);
@@ -321,5 +338,7 @@ mod tests {
             n.contains("32 splits of 1024 keys") && n.contains("pages of 16 keys"),
             "{n}"
         );
+        assert!(note(&all[0], PAGED_LARGE, plan).contains("pages of 256 keys"));
+        assert_eq!(page_of(CONTIGUOUS), None);
     }
 }

@@ -3,7 +3,8 @@
 
 Implementations: `torch_cpu_flash` (the CPU flash-attention kernel, SDPBackend.FLASH_ATTENTION)
 and `torch_cpu_math` (the reference composition, SDPBackend.MATH), each forced with
-`sdpa_kernel`. For each job, in a fresh process: the runner's Q, K, V bits are read (bf16,
+`sdpa_kernel`; "fwd" and "fwd+bwd" (the forward, then `torch.autograd.grad` of the output
+against the job's dO, timed together; through `torch_outputs.measure_on_cpu`). For each job, in a fresh process: the runner's Q, K, V bits are read (bf16,
 fp16 or fp32); the first call is timed by wall clock (`first_call_s`); its peak memory is the
 resident set's high-water mark (VmHWM, reset through /proc/self/clear_refs before the inputs
 are read) minus the resident set at the reset, the same method as the project's CPU rows; the
@@ -90,8 +91,8 @@ def classify(exc):
 def unsupported_reason(case, implementation):
     if implementation not in BACKENDS:
         return "unknown implementation %r (known: %s)" % (implementation, ", ".join(BACKENDS))
-    if case.get("pass") != "fwd":
-        return "backward not measured on the CPU yet"
+    if case.get("pass") not in ("fwd", "fwd+bwd"):
+        return "unknown pass %r (fwd, fwd+bwd)" % case.get("pass")
     if case.get("dtype") not in DTYPES:
         return "dtype %r is not measured (%s)" % (case.get("dtype"), ", ".join(DTYPES))
     if int(case["heads"]) % int(case.get("kv_heads", case["heads"])) != 0:
@@ -169,7 +170,10 @@ def _measure_into(job, reply):
     try:
         with warnings.catch_warnings(record=True) as recorded:
             warnings.simplefilter("always")
-            fields, window = _measure(job)
+            if case.get("pass") == "fwd+bwd":
+                fields, window = _measure_fwd_bwd(job)
+            else:
+                fields, window = _measure(job)
     except Exception as e:
         status, msg = classify(e)
         if status == "unsupported":
@@ -180,6 +184,33 @@ def _measure_into(job, reply):
         return reply
     protocol.finish_reply(reply, case, implementation, LIBRARY, fields, window)
     return reply
+
+
+def _measure_fwd_bwd(job):
+    """A "fwd+bwd" job: the forward, then torch.autograd.grad of the output against the job's
+    dO (protocol.py), timed together, through torch_outputs.measure_on_cpu (the same reading of
+    inputs, check of O, dQ, dK and dV, timing and resident-set peak)."""
+    if __package__ in (None, ""):
+        from compare import torch_outputs
+    else:
+        from . import torch_outputs
+    case, files = job["case"], job["files"]
+    implementation = job["implementation"]
+    forward = caller(case, files.get("arguments") or {})
+
+    def fwd_bwd(q, k, v, do):
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        out = forward(q, k, v)
+        return (out.detach(),) + tuple(torch.autograd.grad(out, (q, k, v), do))
+
+    notes = []
+    one_row = protocol.one_row_causal_note(
+        dict(files.get("arguments") or {}, causal=case["causal"]))
+    if one_row:
+        notes.append(one_row)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([getattr(SDPBackend, BACKENDS[implementation])]):
+        return torch_outputs.measure_on_cpu(job, fwd_bwd, notes, grad=True)
 
 
 def _measure(job):
@@ -260,8 +291,10 @@ def self_test():
 
     check(unsupported_reason({"pass": "fwd", "dtype": "fp32", "heads": 8, "kv_heads": 2},
                              "torch_cpu_flash") is None, "fp32 GQA is measured")
-    check("backward" in unsupported_reason({"pass": "fwd+bwd", "dtype": "bf16", "heads": 8},
-                                           "torch_cpu_math"), "fwd+bwd is unsupported")
+    check(unsupported_reason({"pass": "fwd+bwd", "dtype": "bf16", "heads": 8},
+                             "torch_cpu_math") is None, "fwd+bwd is measured")
+    check("unknown pass" in unsupported_reason({"pass": "bwd", "dtype": "bf16", "heads": 8},
+                                               "torch_cpu_math"), "an unknown pass is refused")
     check("unknown" in unsupported_reason({}, "torch_flash"), "GPU names are unknown here")
     check(arguments_unsupported({"causal": True, "seq_len_q": 4, "seq_len_kv": 4,
                                  "kv_lens": None}) is None, "square causal is measured")

@@ -510,6 +510,52 @@ pub fn dot_product_attention_backward<T: Element>(
     Ok(g)
 }
 
+/// [`dot_product_attention_backward`] into caller-owned gradients (`g.dq` `[B, H, T_q, D]`,
+/// `g.dk` and `g.dv` `[B, KV, T_kv, D]`, every element overwritten), for callers that run it
+/// repeatedly without allocating the results each time.
+///
+/// # Errors
+/// As [`dot_product_attention_backward`]; gradients of the wrong length.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_product_attention_backward_into<T: Element>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &[T],
+    d_out: &[T],
+    lse: &[f32],
+    shape: &Shape,
+    options: &Options,
+    g: &mut Gradients<T>,
+) -> Result<(), AttentionError> {
+    check_lengths(
+        shape,
+        &[
+            ("q", q.len(), shape.q_elems()),
+            ("k", k.len(), shape.kv_elems()),
+            ("v", v.len(), shape.kv_elems()),
+            ("out", out.len(), shape.q_elems()),
+        ],
+    )?;
+    for (name, got, want) in [
+        ("d_out", d_out.len(), shape.q_elems()),
+        (
+            "lse",
+            lse.len(),
+            shape.batch * shape.heads * shape.seq_len_q,
+        ),
+        ("dq", g.dq.len(), shape.q_elems()),
+        ("dk", g.dk.len(), shape.kv_elems()),
+        ("dv", g.dv.len(), shape.kv_elems()),
+    ] {
+        if got != want {
+            return Err(AttentionError::Length { name, got, want });
+        }
+    }
+    backward(q, k, v, out, d_out, lse, shape, options, g);
+    Ok(())
+}
+
 /// Forward then backward: the output and the gradients for `d_out` (what a training step
 /// runs; the `fwd+bwd` pass of the attention suite).
 ///
