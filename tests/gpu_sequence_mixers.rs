@@ -8,6 +8,8 @@
 //! the finiteness check. Each case prints one line (`--nocapture`); a failing test names every
 //! failing case.
 
+#[path = "gpu_sequence_mixers/api.rs"]
+mod api;
 #[path = "gpu_sequence_mixers/based.rs"]
 mod based;
 #[path = "gpu_sequence_mixers/based_bwd.rs"]

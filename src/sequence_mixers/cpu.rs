@@ -12,6 +12,7 @@
 use rayon::prelude::*;
 
 use super::case::{Mixer, MixerCase, MixerInputs};
+use super::reference::{ScanShape, SsdShape};
 
 /// Channels per selective-scan task.
 pub const SCAN_BLOCK: usize = 16;
@@ -98,24 +99,64 @@ pub fn forward(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) -> Result<(), St
 }
 
 fn ssd(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) {
-    let (t_len, heads, p_dim, n_dim, groups) = (c.seq_len, c.heads, c.head_dim, c.state, c.groups);
+    let args = SsdArgs {
+        x: inp.get("x"),
+        dt: inp.get("dt"),
+        a: inp.get("a"),
+        b: inp.get("b"),
+        c: inp.get("c"),
+        d: Some(inp.get("d")),
+        initial_state: None,
+    };
+    ssd_f32(c.ssd_shape(), &args, y);
+}
+
+/// The float32 inputs of SSD, laid out as [`super::reference::SsdInputs`]: X `[B, T, H, P]`,
+/// Δ `[B, T, H]`, A `[H]`, B and C `[B, T, G, N]`, D `[H]` or none, the initial state
+/// `[B, H, P, N]` or zeros.
+#[derive(Clone, Copy, Debug)]
+pub struct SsdArgs<'a> {
+    /// X.
+    pub x: &'a [f32],
+    /// Δ (after the softplus).
+    pub dt: &'a [f32],
+    /// A.
+    pub a: &'a [f32],
+    /// B.
+    pub b: &'a [f32],
+    /// C.
+    pub c: &'a [f32],
+    /// D, or no skip connection.
+    pub d: Option<&'a [f32]>,
+    /// The state before the first step, or zeros.
+    pub initial_state: Option<&'a [f32]>,
+}
+
+/// SSD's recurrence in float32 on checked lengths: Y into `y` (`[B, T, H, P]`), the final
+/// state returned (`[B, H, P, N]`).
+pub(crate) fn ssd_f32(shape: SsdShape, args: &SsdArgs, y: &mut [f32]) -> Vec<f32> {
+    let SsdShape {
+        batch,
+        seq_len: t_len,
+        heads,
+        head_dim: p_dim,
+        state: n_dim,
+        groups,
+    } = shape;
     let per_group = heads / groups;
-    let (xs, dts, a_h, bs, cs, ds) = (
-        inp.get("x"),
-        inp.get("dt"),
-        inp.get("a"),
-        inp.get("b"),
-        inp.get("c"),
-        inp.get("d"),
-    );
-    let parts: Vec<Vec<f32>> = (0..c.batch * heads)
+    let (xs, dts, a_h, bs, cs) = (args.x, args.dt, args.a, args.b, args.c);
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..batch * heads)
         .into_par_iter()
         .map(|task| {
             let (b, h) = (task / heads, task % heads);
             let g = h / per_group;
-            let mut s = vec![0.0f32; p_dim * n_dim];
+            let per_state = p_dim * n_dim;
+            let mut s = match args.initial_state {
+                Some(s0) => s0[task * per_state..][..per_state].to_vec(),
+                None => vec![0.0f32; per_state],
+            };
             let mut out = vec![0.0f32; t_len * p_dim];
-            let (a, skip) = (a_h[h], ds[h]);
+            let (a, skip) = (a_h[h], args.d.map_or(0.0, |d| d[h]));
             for t in 0..t_len {
                 let bt = b * t_len + t;
                 let dt = dts[bt * heads + h];
@@ -133,36 +174,76 @@ fn ssd(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) {
                     o[p] = dot(row, cv) + skip * x[p];
                 }
             }
-            out
+            (out, s)
         })
         .collect();
-    for (task, part) in parts.iter().enumerate() {
+    let mut final_state = Vec::with_capacity(batch * heads * p_dim * n_dim);
+    for (task, (part, state)) in parts.iter().enumerate() {
         let (b, h) = (task / heads, task % heads);
         for t in 0..t_len {
             let dst = ((b * t_len + t) * heads + h) * p_dim;
             y[dst..dst + p_dim].copy_from_slice(&part[t * p_dim..][..p_dim]);
         }
+        final_state.extend_from_slice(state);
     }
+    final_state
 }
 
 fn scan(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) {
-    let (t_len, channels, n_dim) = (c.seq_len, c.channels, c.state);
+    let args = ScanArgs {
+        u: inp.get("u"),
+        delta: inp.get("delta"),
+        a: inp.get("a"),
+        b: inp.get("b"),
+        c: inp.get("c"),
+        d: Some(inp.get("d")),
+        initial_state: None,
+    };
+    scan_f32(c.scan_shape(), &args, y);
+}
+
+/// The float32 inputs of the selective scan, laid out as [`super::reference::ScanInputs`]:
+/// u and Δ `[B, T, D]`, A `[D, N]`, B and C `[B, T, N]`, D `[D]` or none, the initial state
+/// `[B, D, N]` or zeros.
+#[derive(Clone, Copy, Debug)]
+pub struct ScanArgs<'a> {
+    /// u.
+    pub u: &'a [f32],
+    /// Δ (after the softplus).
+    pub delta: &'a [f32],
+    /// A.
+    pub a: &'a [f32],
+    /// B.
+    pub b: &'a [f32],
+    /// C.
+    pub c: &'a [f32],
+    /// D, or no skip connection.
+    pub d: Option<&'a [f32]>,
+    /// The state before the first step, or zeros.
+    pub initial_state: Option<&'a [f32]>,
+}
+
+/// The selective scan's recurrence in float32 on checked lengths: y into `y` (`[B, T, D]`),
+/// the final state returned (`[B, D, N]`).
+pub(crate) fn scan_f32(shape: ScanShape, args: &ScanArgs, y: &mut [f32]) -> Vec<f32> {
+    let ScanShape {
+        batch,
+        seq_len: t_len,
+        channels,
+        state: n_dim,
+    } = shape;
     let blocks = channels.div_ceil(SCAN_BLOCK);
-    let (us, deltas, a_all, bs, cs, ds) = (
-        inp.get("u"),
-        inp.get("delta"),
-        inp.get("a"),
-        inp.get("b"),
-        inp.get("c"),
-        inp.get("d"),
-    );
-    let parts: Vec<Vec<f32>> = (0..c.batch * blocks)
+    let (us, deltas, a_all, bs, cs) = (args.u, args.delta, args.a, args.b, args.c);
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..batch * blocks)
         .into_par_iter()
         .map(|task| {
             let (b, blk) = (task / blocks, task % blocks);
             let ch0 = blk * SCAN_BLOCK;
             let width = SCAN_BLOCK.min(channels - ch0);
-            let mut h = vec![0.0f32; width * n_dim];
+            let mut h = match args.initial_state {
+                Some(s0) => s0[(b * channels + ch0) * n_dim..][..width * n_dim].to_vec(),
+                None => vec![0.0f32; width * n_dim],
+            };
             let mut out = vec![0.0f32; t_len * width];
             for t in 0..t_len {
                 let bt = b * t_len + t;
@@ -178,13 +259,14 @@ fn scan(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) {
                     for ((hv, &an), &bn) in hs.iter_mut().zip(a).zip(bv) {
                         *hv = (dt * an).exp() * *hv + du * bn;
                     }
-                    out[t * width + k] = dot(hs, cv) + ds[ch] * u;
+                    out[t * width + k] = dot(hs, cv) + args.d.map_or(0.0, |d| d[ch]) * u;
                 }
             }
-            out
+            (out, h)
         })
         .collect();
-    for (task, part) in parts.iter().enumerate() {
+    let mut final_state = vec![0.0f32; batch * channels * n_dim];
+    for (task, (part, state)) in parts.iter().enumerate() {
         let (b, blk) = (task / blocks, task % blocks);
         let ch0 = blk * SCAN_BLOCK;
         let width = SCAN_BLOCK.min(channels - ch0);
@@ -192,7 +274,9 @@ fn scan(c: &MixerCase, inp: &MixerInputs, y: &mut [f32]) {
             let dst = (b * t_len + t) * channels + ch0;
             y[dst..dst + width].copy_from_slice(&part[t * width..][..width]);
         }
+        final_state[(b * channels + ch0) * n_dim..][..width * n_dim].copy_from_slice(state);
     }
+    final_state
 }
 
 #[cfg(test)]

@@ -12,10 +12,14 @@
 //! ([`delta_backward`]).
 //! `kernels/TUNING-sequence-mixers.md` has their designs, predictions and measurements.
 //!
+//! The entry points a user calls, with host tensors, one per mixer: [`api::ssd`],
+//! [`api::selective_scan`], [`api::gated_delta_rule`] and [`api::based`].
+//!
 //! The runner's side: a grid case with its FLOP, byte and token counts and its random inputs
 //! ([`case`]), the protocol files of a case ([`files`]) and the float32 CPU implementation
 //! ([`cpu`]), measured by `runners/sequence_mixers.rs`.
 
+pub mod api;
 pub mod based_backward;
 pub mod based_cuda;
 pub mod based_gradients;
