@@ -13,7 +13,7 @@
 //! `decode` (`runners/attention/decode.rs`) runs alone and writes a document of its own kind
 //! (`config.kind = decode`, `data/gpu_attention_decode.json`): 1, 2 and 8 query rows against
 //! KV caches of 4k to 128k keys, where the split-KV decoding kernels (`flash_decode`,
-//! `flash_decode_paged`) run beside the others and rows carry GB/s.
+//! `flash_decode_paged`, `flash_decode_paged256`) run beside the others and rows carry GB/s.
 //! A third, `tiles`, is the tile sweep behind the defaults: the flash kernel in each
 //! configuration of `FWD_SWEEP` and `BWD_SWEEP`, the configuration a case parameter (`config`);
 //! it runs alone (with `--implementations flash`) and writes a document of its own kind
@@ -72,7 +72,8 @@ struct Cli {
     #[command(flatten)]
     run: RunnerArgs,
     /// Implementations of this project to run [default: flash,math, and flash_sm80 on compute
-    /// capability 9.0; with `--grids decode` math,flash_decode,flash_decode_paged; with
+    /// capability 9.0; with `--grids decode` math,flash_decode,flash_decode_paged,
+    /// flash_decode_paged256; with
     /// `--grids masks` flex,flash; cpu_flash with --device cpu]. `flex` runs flex_attention (forward, and backward for fwd+bwd) with
     /// the case's mask: the masks grid's named modification, else causal or none. `flash` runs
     /// what the dispatch picks on the device (on compute capability 9.0 the wgmma forward for

@@ -359,13 +359,13 @@ fn layer_case_of(p: &Params) -> Result<LayerCase> {
     LayerCase::from_params(p).map_err(anyhow::Error::msg)
 }
 
-/// The layer's description for a case's (experts, top_k, hidden, width) (its row of
-/// [`LAYERS`]).
 /// Whether `c` is one of [`TARGETS`].
 fn is_target(c: &GroupedCase) -> bool {
     TARGETS.contains(&(c.experts, c.top_k, c.hidden, c.width, c.tokens))
 }
 
+/// The layer's description for a case's (experts, top_k, hidden, width) (its row of
+/// [`LAYERS`]).
 fn layer_name(shape: (usize, usize, usize, usize)) -> Option<&'static str> {
     LAYERS
         .iter()

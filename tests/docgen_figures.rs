@@ -634,9 +634,8 @@ fn every_figure_text_is_at_least_11_px() {
     assert!(sizes > 100, "{sizes}");
 }
 
-/// The table of cases measured at one size has a bar chart: one bar (or cross) per case where
-/// the default and an accurate alternative ran, each label a case of the table against one of
-/// the table's implementations, every bar starting at the line at 1.
+/// The table of cases measured at one size has a bar chart: at most one bar per case of the
+/// table, each label a case of the table against one of the table's implementations.
 #[test]
 fn cases_measured_at_one_size_have_a_ratio_chart() {
     let (_tmp, site) = build_site(&root().join("data"));

@@ -508,13 +508,35 @@ fn dispatch_dtypes_quotes_the_rule() {
         imp = d.implementation,
         on = d.device
     );
-    let want = d.dtype.split(',').map(str::trim).collect::<Vec<_>>();
-    let got = items(&docs, &probe);
-    let words: Vec<&str> = got[0]
-        .split([',', ' '])
-        .filter(|w| !w.is_empty() && *w != "and")
-        .collect();
-    assert_eq!(words, want, "{got:?}");
+    let parts: Vec<&str> = d.dtype.split(',').map(str::trim).collect();
+    let want = match parts.as_slice() {
+        [one] => one.to_string(),
+        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+        [] => unreachable!("split gives one part at least"),
+    };
+    assert_eq!(items(&docs, &probe), [want]);
+    // Two documents whose rules for the class disagree are an error.
+    let mut two = fixture_docs();
+    let mut other = two
+        .iter()
+        .find(|l| l.doc.suite.as_str() == "attention")
+        .expect("an attention document")
+        .clone();
+    for r in other.doc.config.dispatch.iter_mut() {
+        r.dtype = "fp8".into();
+    }
+    two.push(other);
+    assert!(failure(&two, &probe).to_string().contains("disagree"));
+    // A class "other than" the one asked for does not match it.
+    let mut excluded = fixture_docs();
+    for l in excluded.iter_mut() {
+        for r in l.doc.config.dispatch.iter_mut() {
+            r.device = format!("any device other than {}", d.device);
+        }
+    }
+    assert!(failure(&excluded, &probe)
+        .to_string()
+        .contains("no dispatch rule"));
     assert!(failure(
         &docs,
         &format!(

@@ -524,8 +524,10 @@ fn kde_log_norm(sigma: f64, dim: usize, m: usize) -> f64 {
 /// dimensions, or a point far from every point of Y): the GPU flushes them to 0. A row whose
 /// sum is below M · 2⁻¹⁰⁶ (where the flushed terms could be more than 2⁻²⁰ of it), or every
 /// row when the normalisation itself is not a normal float32, is recomputed as
-/// exp(log-sum-exp + log normalisation) through [`log_kde`]: the density then comes out
-/// right wherever it is a float32 number (and 0 only where it is below float32's range).
+/// exp(log-sum-exp + log normalisation), the kernel log-sum-exp ([`kernel_logsumexp`], g = 0,
+/// ε = 2σ²) with the normalisation added in float64: the density then comes out right wherever
+/// it is a float32 number (and 0 only where it is below float32's range). [`log_kde`] gives
+/// the logarithm.
 ///
 /// # Errors
 /// As [`rbf_kernel_mv`].
@@ -574,9 +576,12 @@ pub fn kde(
             .iter()
             .flat_map(|&i| x[i * dim..(i + 1) * dim].iter().copied())
             .collect();
-        let log_density = log_kde(device, &xs, y, dim, Some(sigma))?;
-        for (&i, l) in lost.iter().zip(log_density) {
-            out[i] = (l as f64).exp() as f32;
+        // The log-sum-exp's float32 result plus the normalisation's logarithm in float64,
+        // rounded once (log_kde would round the sum to float32 first).
+        let g = vec![0.0f32; m];
+        let lse = kernel_logsumexp(device, &xs, y, &g, dim, 2.0 * sigma * sigma, false)?;
+        for (&i, l) in lost.iter().zip(lse) {
+            out[i] = (l as f64 + log_norm).exp() as f32;
         }
     }
     Ok(out)
@@ -762,8 +767,9 @@ mod tests {
         }
     }
 
-    /// Where the normalisation itself is not a float32 number (here about 10⁻⁴⁰), every row
-    /// goes through the log-sum-exp; densities below float32's range come out 0, not NaN.
+    /// Where the normalisation itself is not a normal float32 number (here about 10⁻⁴⁰), every
+    /// row goes through the log-sum-exp: the densities, subnormal in float32 here, come out as
+    /// float64 rounds them, never NaN.
     #[test]
     fn kde_with_a_normalisation_out_of_float32_range() {
         use crate::gpu::Device;

@@ -30,9 +30,9 @@
 //!   prose about how the measured code works (a run from before a kernel changed keeps its own
 //!   rules); false when there is no such document.
 //! - `dispatch_dtypes(suite, implementation, on)`: the dtypes of the dispatch rule of the
-//!   implementation for the device class that contains `on` (e.g. `9.0`), as `bf16` or
-//!   `bf16 and fp16`, so that a sentence on which dtypes a kernel takes follows the run; an
-//!   error when no document has such a rule or two documents disagree.
+//!   implementation for the device class that names `on` (e.g. `9.0`; a class "other than
+//!   9.0" does not), as `bf16` or `bf16 and fp16`, so that a sentence on which dtypes a kernel
+//!   takes follows the run; an error when no rule matches or the matching rules disagree.
 //! - `cpu_device(suite)`: the device name of the suite's CPU documents, or an empty string
 //!   when there are none (so that `measured(device=...)` on it is false): prose about CPU rows
 //!   follows whichever CPU the documents in `data/` were measured on. CPU documents of one
@@ -827,7 +827,11 @@ fn dispatch_dtypes(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     let mut found: Vec<&str> = suite_docs(docs, args)?
         .iter()
         .flat_map(|l| l.doc.config.dispatch.iter())
-        .filter(|d| d.implementation == implementation && d.device.contains(on))
+        .filter(|d| {
+            d.implementation == implementation
+                && d.device.contains(on)
+                && !d.device.contains(&format!("other than {on}"))
+        })
         .map(|d| d.dtype.as_str())
         .collect();
     found.sort_unstable();
@@ -846,7 +850,7 @@ fn dispatch_dtypes(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             }))
         }
         several => Err(format!(
-            "the documents' dispatch rules of `{implementation}` on `{on}` disagree on dtypes: {}",
+            "the dispatch rules of `{implementation}` on `{on}` disagree on dtypes: {}",
             several.join(" / ")
         )),
     }

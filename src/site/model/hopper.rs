@@ -216,10 +216,10 @@ pub fn is_hopper_rule(r: &DispatchRule) -> bool {
 }
 
 /// The implementation whose rows measure `base`'s portable kernel on the same cases, if any:
-/// `base` + [`PORTABLE_SUFFIX`] when such rows exist (`flash_sm80`), or else an
-/// implementation with rows that `base`'s dispatch rule for other devices names (MoE's
-/// `grouped_matmul` runs "the portable kernel (grouped_gemm.cu), as grouped_mma_sync" off
-/// compute capability 9.0).
+/// `base` + [`PORTABLE_SUFFIX`] when such rows exist (`flash_sm80`), or else, when `base` has a
+/// rule of its own for compute capability 9, an implementation with rows that `base`'s rule for
+/// other devices names (MoE's `grouped_matmul` runs "the portable kernel (grouped_gemm.cu), as
+/// grouped_mma_sync" off compute capability 9.0).
 pub fn portable_counterpart(
     base: &str,
     names: &BTreeSet<&str>,
@@ -231,6 +231,14 @@ pub fn portable_counterpart(
     let suffixed = format!("{base}{PORTABLE_SUFFIX}");
     if names.contains(suffixed.as_str()) {
         return Some(suffixed);
+    }
+    // Only an implementation with a rule of its own for compute capability 9 is
+    // device-specific.
+    if !rules
+        .iter()
+        .any(|r| r.implementation == base && is_hopper_rule(r))
+    {
+        return None;
     }
     rules
         .iter()
@@ -705,9 +713,14 @@ mod tests {
             portable_counterpart("grouped_matmul", &names, &[&hopper]),
             None
         );
+        // Without a Hopper rule of its own, an implementation is not device-specific.
+        assert_eq!(
+            portable_counterpart("grouped_matmul", &names, &[&other]),
+            None
+        );
         let fewer: BTreeSet<&str> = ["grouped_matmul", "cublas_loop"].into();
         assert_eq!(
-            portable_counterpart("grouped_matmul", &fewer, &[&other]),
+            portable_counterpart("grouped_matmul", &fewer, &[&hopper, &other]),
             None
         );
         let with_suffix: BTreeSet<&str> = ["flash", "flash_sm80", "grouped_mma_sync"].into();

@@ -759,7 +759,8 @@ fn merge_singles(
 /// The bar chart of a table of cases measured at one size ([`merge_single_cases`]): for each
 /// case (row of `view`) the fastest alternative that ran within its tolerance, its time ÷ the
 /// default's, with the range from both interquartile ranges, or a cross where the default's
-/// error is above its tolerance. `None` without a default or any such case.
+/// error is above its tolerance; no bar where either timing is launch-bound (as the overview's
+/// chart). `None` without a default or any such case.
 fn single_cases_chart(
     loaded: &Loaded,
     grouped: &[Group<'_>],
@@ -790,6 +791,10 @@ fn single_cases_chart(
         else {
             continue;
         };
+        // A launch-bound default measures the host, not the kernel: no ratio from it.
+        if super::groups::launch_bound(d, &loaded.doc) {
+            continue;
+        }
         let inaccurate = |r: &Row| r.accuracy.as_ref().is_some_and(|a| a.rel_err > a.tolerance);
         // The fastest accurate alternative whose timing is not launch-bound, as the overview's
         // chart picks it.
