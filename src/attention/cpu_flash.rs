@@ -479,34 +479,13 @@ pub fn dot_product_attention_backward<T: Element>(
     shape: &Shape,
     options: &Options,
 ) -> Result<Gradients<T>, AttentionError> {
-    check_lengths(
-        shape,
-        &[
-            ("q", q.len(), shape.q_elems()),
-            ("k", k.len(), shape.kv_elems()),
-            ("v", v.len(), shape.kv_elems()),
-            ("out", out.len(), shape.q_elems()),
-        ],
-    )?;
-    for (name, got, want) in [
-        ("d_out", d_out.len(), shape.q_elems()),
-        (
-            "lse",
-            lse.len(),
-            shape.batch * shape.heads * shape.seq_len_q,
-        ),
-    ] {
-        if got != want {
-            return Err(AttentionError::Length { name, got, want });
-        }
-    }
     let zero = T::from_f32(0.0);
     let mut g = Gradients {
         dq: vec![zero; shape.q_elems()],
         dk: vec![zero; shape.kv_elems()],
         dv: vec![zero; shape.kv_elems()],
     };
-    backward(q, k, v, out, d_out, lse, shape, options, &mut g);
+    dot_product_attention_backward_into(q, k, v, out, d_out, lse, shape, options, &mut g)?;
     Ok(g)
 }
 
