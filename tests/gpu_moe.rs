@@ -613,6 +613,10 @@ fn dispatch_and_combine_match_the_reference() {
         assert_eq!(row_of, p.row_of, "row_of");
         assert_eq!(rows, p.rows, "rows");
         let out = down(&d_out, tokens * h);
+        // The public free functions allocate the same results.
+        let xd2 = kernelpages::moe::dispatch_cuda::moe_dispatch(g, &md, &d_x, &dp, h).unwrap();
+        let out2 = kernelpages::moe::dispatch_cuda::moe_combine(g, &md, &xd2, &dp, &dr, h).unwrap();
+        assert_eq!(down(&out2, tokens * h), out, "moe_dispatch / moe_combine");
         let mut want = vec![0.0; tokens * h];
         for (a, row) in p.row_of.iter().enumerate() {
             if row.is_some() {

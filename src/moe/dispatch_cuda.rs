@@ -268,11 +268,13 @@ impl MoeDispatch {
     }
 
     /// `moe_dispatch`: the tokens' rows of `x` `[T, H]` (bf16) gathered into expert order in
-    /// `xd` (`[plan.max_rows(), H]`, the first `offsets[E]` rows written).
+    /// `xd` (`[plan.max_rows(), H]`, the first `offsets[E]` rows written). [`moe_dispatch`]
+    /// allocates `xd`.
     ///
     /// # Errors
     /// [`GpuError::Config`] for an H that is not a multiple of 8 or lengths that do not fit;
     /// driver errors.
+    #[doc(alias = "moe_dispatch")]
     pub fn dispatch(
         &self,
         gpu: &Gpu,
@@ -315,11 +317,12 @@ impl MoeDispatch {
 
     /// `moe_combine`: out `[T, H]` (bf16) = Σ over each token's kept slots of its gate weight
     /// times its row of `yd` (`[plan.max_rows(), H]`, the experts' outputs in the plan's
-    /// order), summed
-    /// in float32 in slot order and rounded once.
+    /// order), summed in float32 in slot order and rounded once. [`moe_combine`] allocates
+    /// `out`.
     ///
     /// # Errors
     /// [`GpuError::Config`] for an odd H or lengths that do not fit; driver errors.
+    #[doc(alias = "moe_combine")]
     pub fn combine(
         &self,
         gpu: &Gpu,
@@ -634,6 +637,47 @@ impl MoeDispatch {
         unsafe { l.launch(cfg(tokens.div_ceil(4), 128, 0))? };
         Ok(dlogits)
     }
+}
+
+/// Dispatch, the issue's `moe_dispatch`: the rows of `x` `[T, H]` (bf16 bits) that `plan` keeps,
+/// gathered into expert order into a new `[plan.max_rows(), H]` buffer (the first `offsets[E]`
+/// rows written, the rest zero), by a sort's permutation, not a one-hot product
+/// ([`MoeDispatch::dispatch`]). The float64 definition is [`super::reference::dispatch`].
+///
+/// # Errors
+/// As [`MoeDispatch::dispatch`]; an out-of-memory error from the allocation.
+pub fn moe_dispatch(
+    gpu: &Gpu,
+    kernels: &MoeDispatch,
+    x: &CudaSlice<u16>,
+    plan: &DevicePlan,
+    h: usize,
+) -> Result<CudaSlice<u16>, GpuError> {
+    let mut xd = gpu
+        .stream
+        .alloc_zeros::<u16>((plan.max_rows() * h).max(1))?;
+    kernels.dispatch(gpu, x, plan, h, &mut xd)?;
+    Ok(xd)
+}
+
+/// Combine, the issue's `moe_combine`: a new `[T, H]` buffer (bf16 bits) holding, for each
+/// token, the sum over its kept slots of the gate weight times the expert output `yd`\[row\]
+/// (`[plan.max_rows(), H]`, in the plan's order), in float32, rounded once
+/// ([`MoeDispatch::combine`]). The float64 definition is [`super::reference::combine`].
+///
+/// # Errors
+/// As [`MoeDispatch::combine`]; an out-of-memory error from the allocation.
+pub fn moe_combine(
+    gpu: &Gpu,
+    kernels: &MoeDispatch,
+    yd: &CudaSlice<u16>,
+    plan: &DevicePlan,
+    routing: &DeviceRouting,
+    h: usize,
+) -> Result<CudaSlice<u16>, GpuError> {
+    let mut out = gpu.stream.alloc_zeros::<u16>((routing.tokens * h).max(1))?;
+    kernels.combine(gpu, yd, plan, routing, h, &mut out)?;
+    Ok(out)
 }
 
 #[cfg(test)]

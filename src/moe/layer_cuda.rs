@@ -66,7 +66,8 @@ pub struct DeviceLayerGrads {
     pub down: CudaSlice<u16>,
 }
 
-/// The compiled kernels of the layer, for one shape of weights.
+/// The compiled kernels of the layer, for one shape of weights (the issue's `MoELayer`).
+#[doc(alias = "MoELayer")]
 pub struct MoeLayer {
     dispatch: MoeDispatch,
     /// The experts' two grouped GEMMs (the dispatch's pick for K × N = H × 2F and F × H).
