@@ -64,7 +64,10 @@ fn based_case(shape: BasedShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
         Dtype::Bf16 => run!(u16),
     };
     let fin = down(&fin);
-    (rel_l2(&o, &o_ref), rel_l2(&fin, &last_ref.s))
+    (
+        super::rel_l2_with_tail(&o, &o_ref, shape.batch, shape.seq_len),
+        rel_l2(&fin, &last_ref.s),
+    )
 }
 
 #[test]

@@ -81,7 +81,10 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
         Dtype::Bf16 => run!(u16),
     };
     let fin = down(&fin);
-    (rel_l2(&o, &o_ref), rel_l2(&fin, &s_ref))
+    (
+        super::rel_l2_with_tail(&o, &o_ref, shape.batch, shape.seq_len),
+        rel_l2(&fin, &s_ref),
+    )
 }
 
 fn shape(
