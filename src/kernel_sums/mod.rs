@@ -541,8 +541,8 @@ pub fn kde(
     let (n, m) = (points(x.len(), dim, "x")?, points(y.len(), dim, "y")?);
     let c = KernelSumCase::new(Op::Kde, n, m, dim);
     let sigma = sigma.unwrap_or_else(|| scott_bandwidth(y, m, dim));
-    let log_norm = kde_log_norm(sigma, dim, m);
-    let norm = log_norm.exp() as f32;
+    check_sigma(sigma)?;
+    let norm = kde_log_norm(sigma, dim, m).exp() as f32;
     let mut out = if norm.is_normal() {
         let inp = Inputs {
             x: x.to_vec(),
@@ -559,12 +559,6 @@ pub fn kde(
             },
         )?
     } else {
-        // Checks σ before the recomputation below reaches it.
-        if !(sigma > 0.0 && sigma.is_finite()) {
-            return Err(KernelSumError::Invalid(format!(
-                "sigma = {sigma} is not a positive finite number"
-            )));
-        }
         vec![0.0; n]
     };
     let floor = m as f64 * (-106f64).exp2();
@@ -576,12 +570,8 @@ pub fn kde(
             .iter()
             .flat_map(|&i| x[i * dim..(i + 1) * dim].iter().copied())
             .collect();
-        // The log-sum-exp's float32 result plus the normalisation's logarithm in float64,
-        // rounded once (log_kde would round the sum to float32 first).
-        let g = vec![0.0f32; m];
-        let lse = kernel_logsumexp(device, &xs, y, &g, dim, 2.0 * sigma * sigma, false)?;
-        for (&i, l) in lost.iter().zip(lse) {
-            out[i] = (l as f64 + log_norm).exp() as f32;
+        for (&i, l) in lost.iter().zip(log_density(device, &xs, y, dim, m, sigma)?) {
+            out[i] = l.exp() as f32;
         }
     }
     Ok(out)
@@ -603,18 +593,38 @@ pub fn log_kde(
 ) -> Result<Vec<f32>, KernelSumError> {
     let m = points(y.len(), dim, "y")?;
     let sigma = sigma.unwrap_or_else(|| scott_bandwidth(y, m, dim));
-    if !(sigma > 0.0 && sigma.is_finite()) {
-        return Err(KernelSumError::Invalid(format!(
+    check_sigma(sigma)?;
+    Ok(log_density(device, x, y, dim, m, sigma)?
+        .into_iter()
+        .map(|l| l as f32)
+        .collect())
+}
+
+/// σ must be a positive finite number.
+fn check_sigma(sigma: f64) -> Result<(), KernelSumError> {
+    if sigma > 0.0 && sigma.is_finite() {
+        Ok(())
+    } else {
+        Err(KernelSumError::Invalid(format!(
             "sigma = {sigma} is not a positive finite number"
-        )));
+        )))
     }
+}
+
+/// The KDE's log density at each point of `x`, in float64: the float32 kernel log-sum-exp
+/// (g = 0, ε = 2σ²) plus the normalisation's logarithm, for Y of `m` points and a checked σ.
+fn log_density(
+    device: crate::gpu::Device,
+    x: &[f32],
+    y: &[f32],
+    dim: usize,
+    m: usize,
+    sigma: f64,
+) -> Result<Vec<f64>, KernelSumError> {
     let g = vec![0.0f32; m];
     let lse = kernel_logsumexp(device, x, y, &g, dim, 2.0 * sigma * sigma, false)?;
     let log_norm = kde_log_norm(sigma, dim, m);
-    Ok(lse
-        .into_iter()
-        .map(|l| (l as f64 + log_norm) as f32)
-        .collect())
+    Ok(lse.into_iter().map(|l| l as f64 + log_norm).collect())
 }
 
 /// The kernel log-sum-exp, `[N]`: out\[i\] = log Σ_j exp(−‖x_i − y_j‖² / ε + g_j), stable for

@@ -68,6 +68,21 @@ fn lengths(function: &str, checks: &[(&str, usize, usize)]) -> Result<(), MixerE
     Ok(())
 }
 
+/// Reads back a launch's output (the first `len` elements of `y`) and final state.
+fn download(
+    gpu: &Gpu,
+    y: &CudaSlice<f32>,
+    len: usize,
+    final_state: &CudaSlice<f32>,
+) -> Result<MixerOutput, MixerError> {
+    let mut y = gpu.stream.clone_dtoh(y)?;
+    y.truncate(len);
+    Ok(MixerOutput {
+        y,
+        final_state: gpu.stream.clone_dtoh(final_state)?,
+    })
+}
+
 /// Uploads an optional host tensor.
 fn upload_opt(gpu: &Gpu, x: Option<&[f32]>) -> Result<Option<CudaSlice<f32>>, MixerError> {
     Ok(match x {
@@ -148,12 +163,7 @@ pub fn ssd(device: Device, shape: SsdShape, args: SsdArgs) -> Result<MixerOutput
                 &mut y_dev.as_view_mut(),
                 &mut fs,
             )?;
-            let mut y_all = st.clone_dtoh(&y_dev)?;
-            y_all.truncate(y.len());
-            Ok(MixerOutput {
-                y: y_all,
-                final_state: st.clone_dtoh(&fs)?,
-            })
+            download(gpu, &y_dev, y.len(), &fs)
         }
     }
 }
@@ -227,12 +237,7 @@ pub fn selective_scan(
                 &mut y_dev.as_view_mut(),
                 &mut fs,
             )?;
-            let mut y_all = st.clone_dtoh(&y_dev)?;
-            y_all.truncate(y.len());
-            Ok(MixerOutput {
-                y: y_all,
-                final_state: st.clone_dtoh(&fs)?,
-            })
+            download(gpu, &y_dev, y.len(), &fs)
         }
     }
 }
@@ -324,12 +329,7 @@ pub fn gated_delta_rule(
         &mut o.as_view_mut(),
         &mut fs,
     )?;
-    let mut y = st.clone_dtoh(&o)?;
-    y.truncate(o_len);
-    Ok(MixerOutput {
-        y,
-        final_state: st.clone_dtoh(&fs)?,
-    })
+    download(gpu, &o, o_len, &fs)
 }
 
 /// Based (Arora et al., 2024, "Simple linear attention language models balance the
@@ -397,12 +397,7 @@ pub fn based(
         &mut o.as_view_mut(),
         &mut fs,
     )?;
-    let mut y = st.clone_dtoh(&o)?;
-    y.truncate(o_len);
-    Ok(MixerOutput {
-        y,
-        final_state: st.clone_dtoh(&fs)?,
-    })
+    download(gpu, &o, o_len, &fs)
 }
 
 #[cfg(test)]
