@@ -3,11 +3,15 @@
 // - softmax_bwd_rows: dS = P * (dP - D_row), in place over P (the backward);
 // - rowdot: D_row = sum_d dO * O (the backward's preprocessing).
 //
-// S and dP: fp32 [rows, Tkv] with rows = B * H * Tq (S already scaled by the softmax scale in
-// the GEMM that produced it). P, dS, O and dO: the case's dtype (bf16, fp16 or fp32; OUT = 0, 1,
-// 2). Row r is query i = r % Tq of head (r / Tq) % H of batch entry b = r / (Tq * H); that entry
+// S and dP: fp32 [rows, ld] with rows = B * H * Tq (S already scaled by the softmax scale in
+// the GEMM that produced it); P and dS: the case's dtype (bf16, fp16 or fp32; OUT = 0, 1, 2),
+// [rows, ld] likewise; O and dO: [rows, D]. Each row holds Tkv keys followed by ld - Tkv padding
+// columns: ld is Tkv rounded up to a multiple of 8, so that every row of S and P starts on a
+// 16-byte boundary whatever Tkv is (cuBLAS's tensor-core GEMMs over P and the 16-byte loads
+// here need it; an unpadded bf16 P at Tkv = 4092 cost the path about half its throughput).
+// Row r is query i = r % Tq of head (r / Tq) % H of batch entry b = r / (Tq * H); that entry
 // has L = kv_lens[b] valid keys and, with CAUSAL, query i sees key j iff j <= i + L - Tq
-// (bottom-right alignment). One CTA of 256 threads per row; V4: Tkv % 4 == 0, 16-byte loads.
+// (bottom-right alignment). One CTA of 256 threads per row, 16-byte loads of S.
 //
 // No headers: 16-bit values are produced with PTX cvt instructions.
 
@@ -90,80 +94,68 @@ __device__ __forceinline__ int visible(const int* kv_lens, size_t r, int Tq, int
     return CAUSAL ? max(0, min(L, i + L - Tq + 1)) : L;
 }
 
-template <int OUT, bool CAUSAL, bool V4>
+template <int OUT, bool CAUSAL>
 __device__ __forceinline__ void softmax_rows(const float* __restrict__ S, u16* __restrict__ P,
                                              const int* __restrict__ kv_lens, int Tq, int Tkv,
-                                             int H) {
+                                             int ld, int H) {
     __shared__ float scratch[THREADS / 32];
     constexpr int W = OUT == 2 ? 2 : 1;  // 16-bit words per element
     const size_t r = blockIdx.x;
     const int valid = visible<CAUSAL>(kv_lens, r, Tq, H);
-    const float* s = S + r * (size_t)Tkv;
-    u16* p = P + r * (size_t)Tkv * W;
+    const float* s = S + r * (size_t)ld;
+    u16* p = P + r * (size_t)ld * W;
+    const float4* s4 = reinterpret_cast<const float4*>(s);
     if (valid == 0) {
-        for (int j = threadIdx.x; j < Tkv; j += THREADS) store_elem<OUT>(p, j, 0.f);
+        for (int c = threadIdx.x; c * 4 < Tkv; c += THREADS) store4<OUT>(p, c, 0.f, 0.f, 0.f, 0.f);
         return;
     }
+    // The last vector of a row may reach into the padding (read, never used: the `valid`
+    // tests below keep it out).
     float mx = NEG_INF;
-    if (V4) {
-        const float4* s4 = reinterpret_cast<const float4*>(s);
-        for (int c = threadIdx.x; c * 4 < valid; c += THREADS) {
-            const float4 x = s4[c];
-            const int j = c * 4;
-            mx = fmaxf(mx, x.x);
-            if (j + 1 < valid) mx = fmaxf(mx, x.y);
-            if (j + 2 < valid) mx = fmaxf(mx, x.z);
-            if (j + 3 < valid) mx = fmaxf(mx, x.w);
-        }
-    } else {
-        for (int j = threadIdx.x; j < valid; j += THREADS) mx = fmaxf(mx, s[j]);
+    for (int c = threadIdx.x; c * 4 < valid; c += THREADS) {
+        const float4 x = s4[c];
+        const int j = c * 4;
+        mx = fmaxf(mx, x.x);
+        if (j + 1 < valid) mx = fmaxf(mx, x.y);
+        if (j + 2 < valid) mx = fmaxf(mx, x.z);
+        if (j + 3 < valid) mx = fmaxf(mx, x.w);
     }
     mx = block_reduce<true>(mx, scratch);
 
     float sum = 0.f;
-    if (V4) {
-        const float4* s4 = reinterpret_cast<const float4*>(s);
-        for (int c = threadIdx.x; c * 4 < valid; c += THREADS) {
-            const float4 x = s4[c];
-            const int j = c * 4;
-            sum += exp2f((x.x - mx) * LOG2E);
-            if (j + 1 < valid) sum += exp2f((x.y - mx) * LOG2E);
-            if (j + 2 < valid) sum += exp2f((x.z - mx) * LOG2E);
-            if (j + 3 < valid) sum += exp2f((x.w - mx) * LOG2E);
-        }
-    } else {
-        for (int j = threadIdx.x; j < valid; j += THREADS) sum += exp2f((s[j] - mx) * LOG2E);
+    for (int c = threadIdx.x; c * 4 < valid; c += THREADS) {
+        const float4 x = s4[c];
+        const int j = c * 4;
+        sum += exp2f((x.x - mx) * LOG2E);
+        if (j + 1 < valid) sum += exp2f((x.y - mx) * LOG2E);
+        if (j + 2 < valid) sum += exp2f((x.z - mx) * LOG2E);
+        if (j + 3 < valid) sum += exp2f((x.w - mx) * LOG2E);
     }
     sum = block_reduce<false>(sum, scratch);
     const float inv = 1.f / sum;
 
-    if (V4) {
-        const float4* s4 = reinterpret_cast<const float4*>(s);
-        for (int c = threadIdx.x; c * 4 < Tkv; c += THREADS) {
-            const int j = c * 4;
-            const float4 x = s4[c];
-            const float e0 = j < valid ? exp2f((x.x - mx) * LOG2E) * inv : 0.f;
-            const float e1 = j + 1 < valid ? exp2f((x.y - mx) * LOG2E) * inv : 0.f;
-            const float e2 = j + 2 < valid ? exp2f((x.z - mx) * LOG2E) * inv : 0.f;
-            const float e3 = j + 3 < valid ? exp2f((x.w - mx) * LOG2E) * inv : 0.f;
-            store4<OUT>(p, c, e0, e1, e2, e3);
-        }
-    } else {
-        for (int j = threadIdx.x; j < Tkv; j += THREADS) {
-            store_elem<OUT>(p, j, j < valid ? exp2f((s[j] - mx) * LOG2E) * inv : 0.f);
-        }
+    // Columns from `valid` on, the padding of the last vector included, are written as 0.
+    for (int c = threadIdx.x; c * 4 < Tkv; c += THREADS) {
+        const int j = c * 4;
+        const float4 x = s4[c];
+        const float e0 = j < valid ? exp2f((x.x - mx) * LOG2E) * inv : 0.f;
+        const float e1 = j + 1 < valid ? exp2f((x.y - mx) * LOG2E) * inv : 0.f;
+        const float e2 = j + 2 < valid ? exp2f((x.z - mx) * LOG2E) * inv : 0.f;
+        const float e3 = j + 3 < valid ? exp2f((x.w - mx) * LOG2E) * inv : 0.f;
+        store4<OUT>(p, c, e0, e1, e2, e3);
     }
 }
 
 // dS = P * (dP - D_row), written over P. Masked entries have P = 0, so dS = 0 there.
 template <int OUT>
 __device__ __forceinline__ void softmax_bwd_rows(const float* __restrict__ dP, u16* __restrict__ P,
-                                                 const float* __restrict__ Dsum, int Tkv) {
+                                                 const float* __restrict__ Dsum, int Tkv,
+                                                 int ld) {
     constexpr int W = OUT == 2 ? 2 : 1;
     const size_t r = blockIdx.x;
     const float d = Dsum[r];
-    const float* dp = dP + r * (size_t)Tkv;
-    u16* p = P + r * (size_t)Tkv * W;
+    const float* dp = dP + r * (size_t)ld;
+    u16* p = P + r * (size_t)ld * W;
     for (int j = threadIdx.x; j < Tkv; j += THREADS) {
         store_elem<OUT>(p, j, load_elem<OUT>(p, j) * (dp[j] - d));
     }
@@ -185,28 +177,22 @@ __device__ __forceinline__ void rowdot(const u16* __restrict__ O, const u16* __r
     if (lane == 0) Dsum[row] = acc;
 }
 
-#define SOFTMAX(NAME, OUT, CAUSAL, V4)                                                          \
+#define SOFTMAX(NAME, OUT, CAUSAL)                                                              \
     extern "C" __global__ void __launch_bounds__(THREADS)                                      \
-        NAME(const float* S, u16* P, const int* kv_lens, int Tq, int Tkv, int H) {             \
-        softmax_rows<OUT, CAUSAL, V4>(S, P, kv_lens, Tq, Tkv, H);                              \
+        NAME(const float* S, u16* P, const int* kv_lens, int Tq, int Tkv, int ld, int H) {     \
+        softmax_rows<OUT, CAUSAL>(S, P, kv_lens, Tq, Tkv, ld, H);                              \
     }
-SOFTMAX(softmax_rows_bf16_full_v4, 0, false, true)
-SOFTMAX(softmax_rows_bf16_full_v1, 0, false, false)
-SOFTMAX(softmax_rows_bf16_causal_v4, 0, true, true)
-SOFTMAX(softmax_rows_bf16_causal_v1, 0, true, false)
-SOFTMAX(softmax_rows_f16_full_v4, 1, false, true)
-SOFTMAX(softmax_rows_f16_full_v1, 1, false, false)
-SOFTMAX(softmax_rows_f16_causal_v4, 1, true, true)
-SOFTMAX(softmax_rows_f16_causal_v1, 1, true, false)
-SOFTMAX(softmax_rows_f32_full_v4, 2, false, true)
-SOFTMAX(softmax_rows_f32_full_v1, 2, false, false)
-SOFTMAX(softmax_rows_f32_causal_v4, 2, true, true)
-SOFTMAX(softmax_rows_f32_causal_v1, 2, true, false)
+SOFTMAX(softmax_rows_bf16_full, 0, false)
+SOFTMAX(softmax_rows_bf16_causal, 0, true)
+SOFTMAX(softmax_rows_f16_full, 1, false)
+SOFTMAX(softmax_rows_f16_causal, 1, true)
+SOFTMAX(softmax_rows_f32_full, 2, false)
+SOFTMAX(softmax_rows_f32_causal, 2, true)
 
 #define ROWS_BWD(DT, OUT)                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS)                                      \
-        softmax_bwd_rows_##DT(const float* dP, u16* P, const float* Dsum, int Tkv) {           \
-        softmax_bwd_rows<OUT>(dP, P, Dsum, Tkv);                                               \
+        softmax_bwd_rows_##DT(const float* dP, u16* P, const float* Dsum, int Tkv, int ld) {   \
+        softmax_bwd_rows<OUT>(dP, P, Dsum, Tkv, ld);                                           \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(THREADS)                                      \
         rowdot_##DT(const u16* O, const u16* dO, float* Dsum, int rows, int D) {              \

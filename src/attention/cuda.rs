@@ -447,7 +447,7 @@ impl Implementation {
                 b
             }
             Implementation::Math => {
-                let n = rows * c.seq_len_kv as u64;
+                let n = rows * math_row_stride(c.seq_len_kv) as u64;
                 n * 4 + n * c.dtype.bytes() as u64 + if bwd { rows * 4 } else { 0 }
             }
         }
@@ -455,15 +455,28 @@ impl Implementation {
 
     /// Bytes the forward keeps for the backward (forward + backward only): O and the
     /// log-sum-exp for `flash` (the backward recomputes P from them); O and the whole
-    /// probability matrix P (B·H·Tq·Tkv elements of the dtype) for `math`.
+    /// probability matrix P (B·H·Tq rows of [`math_row_stride`]`(Tkv)` elements of the dtype)
+    /// for `math`.
     pub fn residual_bytes(self, c: &AttentionCase) -> u64 {
         let rows = (c.batch * c.heads * c.seq_len_q) as u64;
         let o = (c.q_elems() * c.dtype.bytes()) as u64;
         match self {
             Implementation::Flash => o + rows * 4,
-            Implementation::Math => o + rows * c.seq_len_kv as u64 * c.dtype.bytes() as u64,
+            Implementation::Math => {
+                o + rows * math_row_stride(c.seq_len_kv) as u64 * c.dtype.bytes() as u64
+            }
         }
     }
+}
+
+/// Row stride, in elements, of the `math` path's score matrix S (fp32) and probability matrix
+/// P (the case's dtype): `seq_len_kv` rounded up to a multiple of 8, so that every row starts
+/// on a 16-byte boundary for any key length. cuBLAS's tensor-core GEMMs need that of P's
+/// leading dimension: with P's rows 4092 bf16 apart the path lost about half its throughput
+/// against 4096 on the H200 (data/gpu_attention_fwd_*.json at 7f4664b). The padding columns
+/// are never read by a GEMM (their `k` or `m` is `seq_len_kv`).
+pub fn math_row_stride(seq_len_kv: usize) -> usize {
+    seq_len_kv.div_ceil(8) * 8
 }
 
 fn dtype_tag(d: Dtype) -> &'static str {
@@ -1133,14 +1146,9 @@ impl Runner {
             Implementation::Math => {
                 let compiled = gpu.compile("softmax_rows.cu", SOFTMAX_SRC)?;
                 let dt = dtype_tag(c.dtype);
-                let v = if c.seq_len_kv.is_multiple_of(4) {
-                    "v4"
-                } else {
-                    "v1"
-                };
                 let softmax = gpu.function(
                     &compiled.module,
-                    &format!("softmax_rows_{dt}_{}_{v}", mask_tag(c)),
+                    &format!("softmax_rows_{dt}_{}", mask_tag(c)),
                     0,
                 )?;
                 let blas = CudaBlas::new(gpu.stream.clone())
@@ -1172,7 +1180,7 @@ impl Runner {
                         .map_err(|e| GpuError::Cublas(format!("cublasSetWorkspace: {e:?}")))?;
                     }
                 }
-                let n = rows * c.seq_len_kv;
+                let n = rows * math_row_stride(c.seq_len_kv);
                 // SAFETY: S is fully written by the first GEMM and P by the softmax kernel
                 // before either is read (and dP, dS likewise in the backward).
                 let s = unsafe { gpu.stream.alloc::<f32>(n)? };
@@ -1358,6 +1366,9 @@ impl Runner {
                 let stream = gpu.stream.clone();
                 let (d, g) = (c.head_dim, c.group());
                 let (tq_u, tkv_u) = (c.seq_len_q, c.seq_len_kv);
+                // S and P rows are `ld` apart (Tkv padded to a multiple of 8 elements).
+                let ld = math_row_stride(tkv_u);
+                let ld_i = ld as i32;
                 let batch = c.batch * c.kv_heads;
                 let elem = match c.dtype {
                     Dtype::Bf16 => cudaDataType_t::CUDA_R_16BF,
@@ -1397,14 +1408,14 @@ impl Runner {
                     ldb: d,
                     sb: gq * d,
                     c: sp,
-                    ldc: tkv_u,
-                    sc: gq * tkv_u,
+                    ldc: ld,
+                    sc: gq * ld,
                     batch,
                     ab_type: elem,
                     c_type: f32t,
                 };
                 // O_blk (G·Tq × D) = P_blk V: column-major Oᵀ (D × G·Tq) = Vᵀ Pᵀ, A = V
-                // (D × Tkv, lda D), B = P (Tkv × G·Tq, ldb Tkv).
+                // (D × Tkv, lda D), B = P (Tkv × G·Tq, ldb ld).
                 let o_gemm = |a: u64, c_out: u64, alpha: f32| Gemm {
                     ta: op_n,
                     tb: op_n,
@@ -1416,8 +1427,8 @@ impl Runner {
                     lda: d,
                     sa: tkv_u * d,
                     b: pp,
-                    ldb: tkv_u,
-                    sb: gq * tkv_u,
+                    ldb: ld,
+                    sb: gq * ld,
                     c: c_out,
                     ldc: d,
                     sc: gq * d,
@@ -1426,7 +1437,7 @@ impl Runner {
                     c_type: elem,
                 };
                 // SAFETY: every pointer is a live allocation of the case's sizes (S and P
-                // B·H·Tq·Tkv, inputs and outputs as checked above), strides per (batch, kv
+                // B·H·Tq·ld, inputs and outputs as checked above), strides per (batch, kv
                 // head) block; alpha is a host f32 matching CUBLAS_COMPUTE_32F.
                 unsafe { s_gemm(kp, qp, scale).run(blas)? };
                 let cfg = LaunchConfig {
@@ -1440,10 +1451,11 @@ impl Runner {
                     .arg(&inp.kv_lens)
                     .arg(&tq)
                     .arg(&tkv)
+                    .arg(&ld_i)
                     .arg(&h);
                 // SAFETY: `softmax_rows_*(const float* S, u16* P, const int* kv_lens, int Tq,
-                // int Tkv, int H)` with S and P of B·H·Tq·Tkv elements; one CTA per row; the
-                // v4 instantiation only when Tkv % 4 == 0 (chosen in `new`).
+                // int Tkv, int ld, int H)` with S and P of B·H·Tq·ld elements, ld a multiple of
+                // 8 ≥ Tkv (16-byte aligned rows for its float4 loads); one CTA per row.
                 unsafe { lb.launch(cfg)? };
                 // SAFETY: as for S.
                 unsafe { o_gemm(vp, op, 1.0).run(blas)? };
@@ -1465,7 +1477,7 @@ impl Runner {
                 // with O and dO of rows·D elements and Dsum of rows; one warp per row.
                 unsafe { lb.launch(grid_1d(rows, 8))? };
                 // dV (Tkv × D) = P_blkᵀ dO_blk: column-major dVᵀ (D × Tkv) = dOᵀ (D × G·Tq) ·
-                // P (G·Tq × Tkv): A = dO (lda D), B = P read transposed (ldb Tkv).
+                // P (G·Tq × Tkv): A = dO (lda D), B = P read transposed (ldb ld).
                 let dkv_gemm = |a: u64, b: u64, c_out: u64, alpha: f32| Gemm {
                     ta: op_n,
                     tb: op_t,
@@ -1477,8 +1489,8 @@ impl Runner {
                     lda: d,
                     sa: gq * d,
                     b,
-                    ldb: tkv_u,
-                    sb: gq * tkv_u,
+                    ldb: ld,
+                    sb: gq * ld,
                     c: c_out,
                     ldc: d,
                     sc: tkv_u * d,
@@ -1492,9 +1504,9 @@ impl Runner {
                 // SAFETY: as for S.
                 unsafe { s_gemm(vp, dop, 1.0).run(blas)? };
                 let mut lb = stream.launch_builder(&mb.ds);
-                lb.arg(&sp).arg(&pp).arg(&dsp).arg(&tkv);
+                lb.arg(&sp).arg(&pp).arg(&dsp).arg(&tkv).arg(&ld_i);
                 // SAFETY: `softmax_bwd_rows_*(const float* dP, u16* P, const float* Dsum,
-                // int Tkv)`: dP and P of rows·Tkv elements, Dsum of rows; one CTA per row.
+                // int Tkv, int ld)`: dP and P of rows·ld elements, Dsum of rows; one CTA per row.
                 unsafe { lb.launch(cfg)? };
                 // dQ_blk = scale · dS_blk K (the O product with V → K); dK = scale · dSᵀ Q.
                 // SAFETY: as above; dQ holds B·H·Tq·D, dK B·KVH·Tkv·D elements.
@@ -1509,6 +1521,29 @@ impl Runner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_math_rows_start_on_16_bytes_for_every_key_length() {
+        for tkv in 1..=300 {
+            let ld = math_row_stride(tkv);
+            assert!(ld >= tkv && ld < tkv + 8, "{tkv} -> {ld}");
+            // bf16/fp16 P (2 bytes) and fp32 S (4 bytes) rows.
+            assert_eq!((ld * 2) % 16, 0, "{tkv} -> {ld}");
+        }
+        assert_eq!(math_row_stride(4096), 4096);
+        assert_eq!(math_row_stride(4092), 4096);
+        assert_eq!(math_row_stride(4097), 4104);
+        // Same queries, 4092 against 4096 keys: the same padded S and P.
+        let padded = AttentionCase::new(1, 2, 4096, 64);
+        let c = AttentionCase {
+            seq_len_kv: 4092,
+            ..padded.clone()
+        };
+        assert_eq!(
+            Implementation::Math.temporary_bytes(&c),
+            Implementation::Math.temporary_bytes(&padded)
+        );
+    }
 
     #[test]
     fn a_named_configuration_sends_flash_to_the_portable_kernels() {
