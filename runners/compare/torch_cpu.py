@@ -214,71 +214,32 @@ def _measure_fwd_bwd(job):
 
 
 def _measure(job):
-    case, files, tcfg = job["case"], job["files"], job["timing"]
-    implementation = job["implementation"]
-    call = caller(case, files.get("arguments") or {})
-    load_before = load_average()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    with torch.no_grad(), sdpa_kernel([getattr(SDPBackend, BACKENDS[implementation])]):
-        base = reset_peak_rss()
-        set0 = tuple(load_input(t) for t in files["inputs"])
-        t0 = time.perf_counter()
-        out = call(*set0)
-        first_call_s = time.perf_counter() - t0
-        r = rss_bytes()
-        peak = r[1] - base if (base is not None and r is not None) else None
-        set_bytes = sum(x.numel() * x.element_size() for x in set0)
-        out_bytes = out.numel() * out.element_size()
+    """A "fwd" job through torch_outputs.measure_on_cpu (the same reading of inputs, check,
+    timing and resident-set peak as the fwd+bwd jobs), O scanned with a NaN planted at the
+    index in KP_COMPARE_PLANT_NAN when it is set (the tests' check that one NaN fails a row)."""
+    if __package__ in (None, ""):
+        from compare import torch_outputs
+    else:
+        from . import torch_outputs
+    case, files = job["case"], job["files"]
+    forward = caller(case, files.get("arguments") or {})
 
-        flat = out.contiguous().view(-1)
+    def check(files, results):
         plant = os.environ.get(PLANT_NAN_ENV)
         if plant:
-            flat[int(plant)] = float("nan")
-        bad = (~torch.isfinite(flat)).nonzero()
-        bad_index = int(bad[0, 0]) if bad.numel() else None
-        check = files["check"]
-        idx = torch.tensor(protocol.flat_indices(check["ranges"]), dtype=torch.long)
-        got = flat.index_select(0, idx).double().tolist()
-        reference = protocol.read_f64(check["reference"])
-        msg, rel_err = protocol.check_output(bad_index, flat.numel(), got, reference)
-        del out, flat, idx, got
-        if msg is not None:
-            return {"message": msg}, None
+            out = results[0].contiguous().clone()
+            out.view(-1)[int(plant)] = float("nan")
+            results = (out,) + tuple(results[1:])
+        return torch_outputs.check_outputs(files, results)
 
-        # Rotation over copies of the inputs past the last-level cache (the job's l2_bytes).
-        n_sets, reached = timing.input_sets(set_bytes, int(job["l2_bytes"]),
-                                            float(tcfg["l2_rotation_factor"]))
-        sets = [set0] + [tuple(x.clone() for x in set0) for _ in range(n_sets - 1)]
-        window0 = protocol.unix_now()
-        m = timing.measure(WallTimer(call, sets), tcfg)
-        window = [window0, protocol.unix_now()]
-        del sets
-    notes = [TIMING_NOTE, "PyTorch intra-op threads: %d" % torch.get_num_threads()]
-    note = load_note(load_before, load_average())
-    if note:
-        notes.append(note)
+    notes = []
     one_row = protocol.one_row_causal_note(
         dict(files.get("arguments") or {}, causal=case["causal"]))
     if one_row:
         notes.append(one_row)
-    if m["cut_short"]:
-        notes.append("%d of %d samples: the %g s case limit stopped sampling"
-                     % (m["samples"], int(tcfg["repeats"]), float(tcfg["case_timeout_s"])))
-    memory = {"arguments_mb": set_bytes / 1e6, "outputs_mb": out_bytes / 1e6}
-    if peak is not None:
-        memory.update(peak_mb=max(0, peak) / 1e6, peak_method=PEAK_METHOD,
-                      temporaries_mb=max(0, peak - set_bytes - out_bytes) / 1e6)
-    fields = dict(
-        timing="wall_clock",
-        median_ms=m["median"], q1_ms=m["q1"], q3_ms=m["q3"], inner_calls=m["inner"],
-        samples=m["samples"], input_sets=n_sets, l2_rotation_reached=reached,
-        first_call_s=first_call_s, flops=files.get("flops"), bytes=files.get("bytes"),
-        memory=memory,
-        accuracy={"rel_err": rel_err, "metric": "rel_l2",
-                  "reference": check.get("reference_kind", "float64_cpu"),
-                  "tolerance": check["tolerance"], "checked": check["checked"]},
-        notes=notes)
-    return fields, window
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([getattr(SDPBackend, BACKENDS[job["implementation"]])]):
+        return torch_outputs.measure_on_cpu(job, lambda *x: (forward(*x),), notes, check=check)
 
 
 def self_test():
