@@ -45,6 +45,29 @@ def ex2(x):
     return 2.0 ** x
 
 
+def ex2_f32(x):
+    """ex2 with float32's range at the top: 2^x is inf from x = 128 (ex2.approx.ftz.f32
+    overflows there), NaN for NaN; kernel_lse's lazy step relies on it."""
+    if x != x:
+        return NAN
+    if x >= 128.0:
+        return math.inf
+    return ex2(x)
+
+
+LSE_LAZY_MAX = 2.0 ** 64  # KS_LSE_LAZY_MAX
+FLT_MAX = 3.4028234663852886e38
+
+
+def f32_range(x):
+    """x with float32's overflow: inf past FLT_MAX (the sums of kernel_lse's lazy step)."""
+    return math.inf if x > FLT_MAX else x
+
+# How often kernel_lse's chunks took the lazy step and how often the exact one (main() checks
+# that the cases exercise both).
+lazy_hits, lazy_misses = [0], [0]
+
+
 class Consts:
     def __init__(self, threads, chunk, dn_tile, dn_kd, split_target):
         assert threads % chunk == 0 and dn_kd % 4 == 0
@@ -216,19 +239,32 @@ def lse_small(K, D, R, GRAD, X, Y, G, out, N, M, k, two_over_eps, grid, part=Non
                     e = {(r, c): ks_neg_sq(D, x[t, r], ys[jc + c], ys[jc + c][3])
                          for r in range(R) for c in range(CH)}
                     for r in range(R):
-                        cm = max(e[r, c] for c in range(CH))
-                        if cm > mx[t, r]:
-                            f = ex2(mx[t, r] - cm)
-                            sm[t, r] *= f
-                            acc[t, r] = [a * f for a in acc[t, r]]
-                            mx[t, r] = cm
-                        ref = 0.0 if mx[t, r] == NEG else mx[t, r]
+                        # The lazy step against the maximum as it stood before the chunk.
+                        cs, ca = 0.0, [0.0] * D
                         for c in range(CH):
-                            p = ex2(e[r, c] - ref)
-                            sm[t, r] += p
-                            if GRAD:
-                                for a in range(D):
-                                    acc[t, r][a] += p * (ys[jc + c][a] - x[t, r][a])
+                            p = ex2_f32(e[r, c] - mx[t, r])
+                            cs = f32_range(cs + p)
+                            for a in range(D if GRAD else 0):
+                                ca[a] += p * (ys[jc + c][a] - x[t, r][a])
+                        if not cs <= LSE_LAZY_MAX:
+                            lazy_misses[0] += 1
+                            cm = max(e[r, c] for c in range(CH))
+                            if cm > mx[t, r]:
+                                f = ex2(mx[t, r] - cm)
+                                sm[t, r] *= f
+                                acc[t, r] = [a * f for a in acc[t, r]]
+                                mx[t, r] = cm
+                            ref = 0.0 if mx[t, r] == NEG else mx[t, r]
+                            cs, ca = 0.0, [0.0] * D
+                            for c in range(CH):
+                                p = ex2(e[r, c] - ref)
+                                cs += p
+                                for a in range(D if GRAD else 0):
+                                    ca[a] += p * (ys[jc + c][a] - x[t, r][a])
+                        else:
+                            lazy_hits[0] += 1
+                        sm[t, r] = f32_range(sm[t, r] + cs)
+                        acc[t, r] = [a + b for a, b in zip(acc[t, r], ca)]
             j0 += T
         for t in range(T):
             for r in range(R):
@@ -512,6 +548,15 @@ def main():
     for dim in (3, 12):
         oks.append(case(SMALL, "kernel_lse", 13, 29, dim, grad=True, seed=8, g_fill=spread))
 
+    # A rising g (1.5 nats a point): every chunk's terms pass the stale maximum, but by less
+    # than the lazy step's bound, so the sums hold terms above 1 without a rescale.
+    def ramp(W):
+        for j in range(len(W)):
+            W[j] = 1.5 * j
+
+    for grad in (False, True):
+        oks.append(case(SMALL, "kernel_lse", 11, 37, 3, grad=grad, seed=9, g_fill=ramp))
+
     # Split over Y (few row blocks, many points): the last split short, a whole split of
     # -inf weights, and a spread that moves each split's maximum differently.
     for n, m in [(9, 70), (33, 50), (3, 161)]:
@@ -552,6 +597,10 @@ def main():
     oks.append(case(REAL, "rbf_mv", 129, 33, 17, 5, seed=17))
     oks.append(case(REAL, "kde", 130, 40, 16, seed=18))
 
+    print(f"kernel_lse chunks: {lazy_hits[0]} lazy, {lazy_misses[0]} exact")
+    if not (lazy_hits[0] > 0 and lazy_misses[0] > 0):
+        print("FAIL: the cases do not exercise both of kernel_lse's steps")
+        oks.append(False)
     print("ALL OK" if all(oks) else f"{oks.count(False)} FAILED")
     return all(oks)
 

@@ -51,6 +51,11 @@
 // Y points per online-max step of kernel_lse (small D): the running maximum is updated once
 // per row per chunk.
 #define KS_CHUNK 16
+// The largest chunk sum (in units of 2^running maximum) kernel_lse's lazy step keeps: 2^64. A
+// chunk past it (or inf, or NaN) is taken again exactly against its own maximum. Below it the
+// row's sum stays under M * 2^64, far from float32's 2^128, and terms that flush to 0 against a
+// stale maximum are below 2^-126 of a sum that already holds a term of 1.
+#define KS_LSE_LAZY_MAX 1.8446744073709552e19f
 // Y points per tile and features per chunk of the generic-D kernels.
 #define KS_DN_TILE 32
 #define KS_DN_KD 16
@@ -108,6 +113,14 @@ __device__ __forceinline__ float ks_neg_sq(const float* x, float4 p, float start
         q = fmaf(-d2, d2, q);
     }
     return q;
+}
+
+// ca += p * (y - x) over the first D coordinates (the gradient's running sum, small D).
+template <int D>
+__device__ __forceinline__ void ks_grad_add(float* ca, float p, float4 y, const float* x) {
+    ca[0] = fmaf(p, y.x - x[0], ca[0]);
+    if (D > 1) ca[D > 1 ? 1 : 0] = fmaf(p, y.y - x[D > 1 ? 1 : 0], ca[D > 1 ? 1 : 0]);
+    if (D > 2) ca[D > 2 ? 2 : 0] = fmaf(p, y.z - x[D > 2 ? 2 : 0], ca[D > 2 ? 2 : 0]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -235,11 +248,72 @@ __device__ __forceinline__ void rbf_small(const float* __restrict__ X, const flo
     }
 }
 
+// One chunk of KS_CHUNK points of Y (`ys`, scaled, g log2 e in .w) for R rows, exactly: each
+// row's exponents, their maximum, the row's sums (and its sum of p * (y - x)) rescaled once if
+// the maximum grew, then 2^(e - max) added compensated. D FADD + D FFMA, one FMNMX, one FADD,
+// one MUFU.EX2 and one FADD per pair (+ D FADD + D FFMA for the gradient). acc and acc_c are
+// read only with GRAD.
+template <int D, int R, bool GRAD>
+__device__ __forceinline__ void lse_chunk_exact(const float4* ys, float (*x)[D], float* mx,
+                                                float* sum, float* sum_c, float (*acc)[D],
+                                                float (*acc_c)[D]) {
+    float e[R][KS_CHUNK];
+#pragma unroll
+    for (int c = 0; c < KS_CHUNK; ++c) {
+        const float4 p = ys[c];
+#pragma unroll
+        for (int r = 0; r < R; ++r) e[r][c] = ks_neg_sq<D>(x[r], p, p.w);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        float cm = e[r][0];
+#pragma unroll
+        for (int c = 1; c < KS_CHUNK; ++c) cm = fmaxf(cm, e[r][c]);
+        if (cm > mx[r]) {
+            // 2^(-inf) = 0 when the row had no finite term yet.
+            const float f = ks_ex2(mx[r] - cm);
+            sum[r] *= f;
+            sum_c[r] *= f;
+            if (GRAD) {
+#pragma unroll
+                for (int a = 0; a < D; ++a) {
+                    acc[r][a] *= f;
+                    acc_c[r][a] *= f;
+                }
+            }
+            mx[r] = cm;
+        }
+        // A row whose terms are all -inf so far adds 2^(-inf - 0) = 0, not NaN.
+        const float ref = mx[r] == KS_NEG_INF ? 0.f : mx[r];
+        float cs = 0.f, ca[D];
+#pragma unroll
+        for (int a = 0; a < D; ++a) ca[a] = 0.f;
+#pragma unroll
+        for (int c = 0; c < KS_CHUNK; ++c) {
+            const float p = ks_ex2(e[r][c] - ref);
+            cs += p;
+            if (GRAD) ks_grad_add<D>(ca, p, ys[c], x[r]);
+        }
+        ks_kahan_add(sum[r], sum_c[r], cs);
+        if (GRAD) {
+#pragma unroll
+            for (int a = 0; a < D; ++a) ks_kahan_add(acc[r][a], acc_c[r][a], ca[a]);
+        }
+    }
+}
+
 // kernel_lse (and its gradient): R rows per thread. The point's .w holds g_j log2(e) (-inf
-// past M). Per chunk of KS_CHUNK points a row computes its exponents, takes their maximum,
-// rescales its sums (and its sum of p * (y - x)) once if the maximum grew, then accumulates
-// 2^(e - max): D FADD + D FFMA, one FMNMX, one FADD, one MUFU.EX2 and one FADD per pair (+ D
-// FADD + D FFMA for the gradient), and adds the chunk's sums to the totals compensated.
+// past M). Without the gradient, per chunk of KS_CHUNK points a row sums 2^(e - mx) against
+// its running maximum mx as it stood before the chunk (the lazy step: D FADD + D FFMA, one
+// FADD, one MUFU.EX2 and one FADD per pair, not lse_chunk_exact's FMNMX per pair) and adds the
+// chunk's sum to the total compensated. The sums are in units of 2^mx whatever the terms' own
+// maximum, so the lazy step is exact as long as nothing overflows: a chunk whose sum is not at
+// most KS_LSE_LAZY_MAX (the row's first, where mx = -inf, and any whose terms rose far past
+// mx) is taken again by lse_chunk_exact. The maximum only has to come from a term the sum
+// holds (so that the sum is at least 1): the conditional rescaling described for
+// FlashAttention-4, with the overflow itself as the condition. With the gradient every chunk
+// is exact (the lazy step's second pass would need the gradient's registers twice: 127
+// registers became 183 when tried).
 //
 // SPLIT (without the gradient): the block reduces only points [jb, je) of Y, jb = blockIdx.y *
 // split_len, and writes each row's partial (running maximum, sum) as a float2 to
@@ -293,52 +367,32 @@ __device__ __forceinline__ void lse_small(const float* __restrict__ X, const flo
 
 #pragma unroll 1
         for (int jc = 0; jc < KS_TILE; jc += KS_CHUNK) {
-            float e[R][KS_CHUNK];
+            if (GRAD) {
+                lse_chunk_exact<D, R, GRAD>(ys + jc, x, mx, sum, sum_c, acc, acc_c);
+                continue;
+            }
+            // The lazy step: every term against the row's running maximum as it stood before
+            // the chunk, with no maximum taken per pair.
+            float cs[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) cs[r] = 0.f;
 #pragma unroll
             for (int c = 0; c < KS_CHUNK; ++c) {
-                const float4 p = ys[jc + c];
+                const float4 y = ys[jc + c];
 #pragma unroll
-                for (int r = 0; r < R; ++r) e[r][c] = ks_neg_sq<D>(x[r], p, p.w);
+                for (int r = 0; r < R; ++r) cs[r] += ks_ex2(ks_neg_sq<D>(x[r], y, y.w) - mx[r]);
             }
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                float cm = e[r][0];
-#pragma unroll
-                for (int c = 1; c < KS_CHUNK; ++c) cm = fmaxf(cm, e[r][c]);
-                if (cm > mx[r]) {
-                    // 2^(-inf) = 0 when the row had no finite term yet.
-                    const float f = ks_ex2(mx[r] - cm);
-                    sum[r] *= f;
-                    sum_c[r] *= f;
-                    if (GRAD) {
-#pragma unroll
-                        for (int a = 0; a < D; ++a) {
-                            acc[r][a] *= f;
-                            acc_c[r][a] *= f;
-                        }
-                    }
-                    mx[r] = cm;
-                }
-                // A row whose terms are all -inf so far adds 2^(-inf - 0) = 0, not NaN.
-                const float ref = mx[r] == KS_NEG_INF ? 0.f : mx[r];
-                float cs = 0.f, ca[D];
-#pragma unroll
-                for (int a = 0; a < D; ++a) ca[a] = 0.f;
-#pragma unroll
-                for (int c = 0; c < KS_CHUNK; ++c) {
-                    const float p = ks_ex2(e[r][c] - ref);
-                    cs += p;
-                    if (GRAD) {
-                        const float4 y = ys[jc + c];
-                        ca[0] = fmaf(p, y.x - x[r][0], ca[0]);
-                        if (D > 1) ca[D > 1 ? 1 : 0] = fmaf(p, y.y - x[r][D > 1 ? 1 : 0], ca[D > 1 ? 1 : 0]);
-                        if (D > 2) ca[D > 2 ? 2 : 0] = fmaf(p, y.z - x[r][D > 2 ? 2 : 0], ca[D > 2 ? 2 : 0]);
-                    }
-                }
-                ks_kahan_add(sum[r], sum_c[r], cs);
-                if (GRAD) {
-#pragma unroll
-                    for (int a = 0; a < D; ++a) ks_kahan_add(acc[r][a], acc_c[r][a], ca[a]);
+                if (cs[r] <= KS_LSE_LAZY_MAX) {
+                    ks_kahan_add(sum[r], sum_c[r], cs[r]);
+                } else {
+                    // The exact step, for the rows the lazy one cannot serve: a row's first
+                    // finite chunk (mx = -inf: its terms are 2^inf, or 2^NaN while every term
+                    // is -inf), and a chunk whose terms rose past the running maximum enough to
+                    // overflow or to pass KS_LSE_LAZY_MAX.
+                    lse_chunk_exact<D, 1, false>(ys + jc, &x[r], &mx[r], &sum[r], &sum_c[r],
+                                                 nullptr, nullptr);
                 }
             }
         }
