@@ -291,16 +291,17 @@ fn kde_recovers_rows_whose_terms_underflow() {
 
 /// Weights spread over ±1e4: the running maximum keeps every row finite and exact to 1e-6
 /// relative (a direct exp would overflow), on the point-cloud and the generic kernels, and the
-/// gradient stays finite. Also weights rising by 1 nat a point (700 in all), which the
-/// small-D kernel's lazy step (terms summed against a stale maximum, KS_LSE_LAZY_MAX) serves
-/// for a few chunks at a time before a chunk's sum passes its bound and the exact step
-/// catches up.
+/// gradient stays finite. Also weights rising by 0.1 nat a point (2.3 octaves a chunk of 16),
+/// which the small-D kernel's lazy step (terms summed against a stale maximum, up to
+/// KS_LSE_LAZY_MAX = 2^8) serves for a few chunks at a time before a chunk's sum passes its
+/// bound and the exact step catches up: split over Y at 300 rows, and unsplit (the path of the
+/// grid's largest N) at SPLIT_TARGET_BLOCKS row blocks and more.
 #[test]
 #[cfg_attr(not(kp_cuda), ignore = "needs an NVIDIA GPU (libcuda.so.1)")]
 fn log_sum_exp_survives_a_wide_spread() {
     let fills: [fn(usize) -> f32; 2] = [
         |j| if j % 2 == 0 { 1e4 } else { -1e4 } * (j as f32 / 700.0),
-        |j| j as f32,
+        |j| 0.1 * j as f32,
     ];
     for (dim, grad, fill) in [3, 16]
         .into_iter()
@@ -326,6 +327,25 @@ fn log_sum_exp_survives_a_wide_spread() {
             );
         }
         assert!(out.iter().all(|v| v.is_finite()), "D{dim} grad {grad}");
+    }
+    let n = cuda::SPLIT_TARGET_BLOCKS * 256 + 5;
+    let c = KernelSumCase::new(Op::KernelLse, n, 700, 3);
+    assert_eq!(
+        cuda::y_splits(n.div_ceil(256), c.m).0,
+        1,
+        "the unsplit kernel"
+    );
+    let mut inp = Inputs::random(&c, 4);
+    for (j, g) in inp.w.iter_mut().enumerate() {
+        *g = fills[1](j);
+    }
+    let s = Scale::of(&c, &inp);
+    let out = cuda::compute(gpu(), &c, &inp, s).unwrap();
+    let rows = sample_rows(n);
+    let want = reference_rows(&c, &inp, s, &rows);
+    for (&i, w) in rows.iter().zip(&want) {
+        let g = out[i] as f64;
+        assert!(((g - w) / w).abs() < 1e-6, "unsplit row {i}: {g} vs {w}");
     }
 }
 

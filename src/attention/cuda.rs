@@ -407,7 +407,8 @@ impl Implementation {
 
     /// `Err(reason)` when the implementation rejects the case: an inconsistent case for both;
     /// fp32 ([`FLASH_FP32_REASON`]) and head dims other than [`FLASH_HEAD_DIMS`] for `flash`.
-    /// `math` takes every valid case (memory permitting: it materialises B·H·Tq·Tkv scores).
+    /// `math` takes every valid case (memory permitting: it materialises B·H·Tq·Tkv scores,
+    /// rows padded to [`math_row_stride`]).
     pub fn supports(self, c: &AttentionCase) -> Result<(), String> {
         c.validate()?;
         match self {
@@ -1181,8 +1182,10 @@ impl Runner {
                     }
                 }
                 let n = rows * math_row_stride(c.seq_len_kv);
-                // SAFETY: S is fully written by the first GEMM and P by the softmax kernel
-                // before either is read (and dP, dS likewise in the backward).
+                // SAFETY: S's first Tkv columns are written by the first GEMM and P's by the
+                // softmax kernel before either is read (and dP, dS likewise in the backward);
+                // the padding columns are never read as data (the softmax's last float4 load
+                // may take them in and discards them).
                 let s = unsafe { gpu.stream.alloc::<f32>(n)? };
                 let p = unsafe { gpu.stream.alloc::<u16>(n * c.dtype.words())? };
                 let bwd = if bwd {
