@@ -487,3 +487,54 @@ fn moe_module_answers_cpu_and_gpu_jobs() {
         );
     }
 }
+
+/// `compare/flex_sweep.py` (how many compiles PyTorch's flex_attention under torch.compile
+/// spends on a seq_len sweep in one process) on the CPU with two short lengths: one JSON line
+/// per length and a total per mask whose graph count is the lengths' sum, the first length
+/// compiling at least once, every output finite (the script raises otherwise).
+#[test]
+#[cfg_attr(not(kp_torch), ignore = "needs python3 with torch")]
+fn flex_sweep_counts_the_compiles_of_each_length() {
+    let o = Command::new("python3")
+        .args([
+            "-m",
+            "compare.flex_sweep",
+            "--device",
+            "cpu",
+            "--seq-lens",
+            "64,128",
+            "--masks",
+            "causal",
+            "--calls",
+            "1",
+        ])
+        .env("PYTHONPATH", runners_dir())
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert!(lines[0].get("setup").is_some(), "{stdout}");
+    let rows: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|l| l.get("seq_len").is_some())
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert!(rows[0]["graphs"].as_u64().unwrap() >= 1, "{stdout}");
+    let total = lines.last().unwrap();
+    let sum: u64 = rows.iter().map(|r| r["graphs"].as_u64().unwrap()).sum();
+    assert_eq!(total["graphs"].as_u64(), Some(sum), "{stdout}");
+    assert_eq!(total["lengths"].as_u64(), Some(2), "{stdout}");
+    assert_eq!(
+        total["recompiled_lengths"][0].as_u64(),
+        Some(64),
+        "{stdout}"
+    );
+}
