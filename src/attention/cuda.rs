@@ -472,10 +472,11 @@ impl Implementation {
 
 /// Row stride, in elements, of the `math` path's score matrix S (fp32) and probability matrix
 /// P (the case's dtype): `seq_len_kv` rounded up to a multiple of 8, so that every row starts
-/// on a 16-byte boundary for any key length. cuBLAS's tensor-core GEMMs need that of P's
-/// leading dimension: with P's rows 4092 bf16 apart the path lost about half its throughput
-/// against 4096 on the H200 (data/gpu_attention_fwd_*.json at 7f4664b). The padding columns
-/// are never read by a GEMM (their `k` or `m` is `seq_len_kv`).
+/// on a 16-byte boundary for any key length: the softmax kernels load S by float4 at every
+/// length, and the GEMMs' leading dimensions are 16-byte multiples. The padding columns are
+/// never read as data (every GEMM's `k` or `m` is `seq_len_kv`). Measured on the H200 at
+/// 6a4333b, this did not recover the path's throughput at non-aligned lengths (40–49 % below
+/// 4096 at 4092 and 4097, as before it): the cause is elsewhere (kernels/TUNING.md).
 pub fn math_row_stride(seq_len_kv: usize) -> usize {
     seq_len_kv.div_ceil(8) * 8
 }
