@@ -356,6 +356,30 @@ fn shape_cases(cli: &Cli, quick: bool) -> Result<Vec<AttentionCase>> {
     Ok(out)
 }
 
+/// The case parameter selecting special inputs ([`files::OVERFLOW_INPUTS`]: Q = K = 24).
+const INPUTS_PARAM: &str = "inputs";
+
+/// Issue 9 §2's fp16 inputs whose raw dot products overflow fp16: B1 H8 T1024 head_dim 128
+/// fp16, Q = K = 24 ([`files::write_overflow_case`]), not causal, in every pass of `--passes`.
+/// Part of the shapes grid (not of its `--quick` version).
+fn overflow_cases(cli: &Cli) -> Result<Vec<Params>> {
+    let c = AttentionCase {
+        dtype: Dtype::F16,
+        ..AttentionCase::new(1, 8, 1024, 128)
+    };
+    Ok(passes(cli)?
+        .into_iter()
+        .map(|pass| {
+            let mut p = AttentionCase { pass, ..c.clone() }.params();
+            p.insert(
+                INPUTS_PARAM.into(),
+                Param::Text(files::OVERFLOW_INPUTS.into()),
+            );
+            p
+        })
+        .collect())
+}
+
 /// The cases of `--grids` (their `--quick` versions when `quick`), as document parameters.
 fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
     let mut cases = Vec::new();
@@ -404,6 +428,9 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
                 others.join(", ")
             );
         }
+    }
+    if grids.iter().any(|g| g == "shapes") && !quick {
+        params.extend(overflow_cases(cli)?);
     }
     if grids.iter().any(|g| g == "tiles") {
         params.extend(tile_cases(cli, quick)?);
@@ -654,8 +681,20 @@ impl runner::Suite for Attention {
 
     /// Q, K, V (and dO for forward + backward) as standard normals rounded to the dtype
     /// (seeds `seed` … `seed + 3`), and the float64 reference of up to 4 (batch, head) slices ×
-    /// `check_rows` rows ([`files::write_case`]).
+    /// `check_rows` rows ([`files::write_case`]); Q = K = 24 for the overflow cases
+    /// ([`files::write_overflow_case`]), the masks grid's modification applied to the reference
+    /// for its cases ([`files::write_masked_case`]).
     fn prepare(&self, p: &Params, seed: u64, dir: &Path) -> Result<CaseFiles> {
+        match p.get(INPUTS_PARAM) {
+            None => {}
+            Some(Param::Text(s)) if s == files::OVERFLOW_INPUTS => {
+                return files::write_overflow_case(&case_of(p)?, seed, self.check_rows, dir);
+            }
+            Some(other) => bail!(
+                "case parameter `{INPUTS_PARAM}`: {other:?} is not `{}`",
+                files::OVERFLOW_INPUTS
+            ),
+        }
         match masks::mask_of(p) {
             Some(m) => files::write_masked_case(
                 &case_of(p)?,
@@ -806,6 +845,9 @@ impl runner::Suite for Attention {
                 }
                 if let Some(Param::Text(cfg)) = p.get(CONFIG_PARAM) {
                     s += &format!(" config {cfg}");
+                }
+                if let Some(Param::Text(inputs)) = p.get(INPUTS_PARAM) {
+                    s += &format!(" inputs {inputs}");
                 }
                 s
             }
@@ -1250,6 +1292,60 @@ mod tests {
             .select(cases(&cli, false).unwrap(), cases(&cli, true).unwrap())
             .unwrap();
         assert_eq!(kept.len(), 2 * 2, "decode, full and causal, two passes");
+    }
+
+    #[test]
+    fn the_shapes_grid_holds_the_fp16_overflow_inputs() {
+        let cli = Cli::try_parse_from(["attention", "--grids", "shapes"]).unwrap();
+        let over: Vec<Params> = cases(&cli, false)
+            .unwrap()
+            .into_iter()
+            .filter(|p| p.contains_key(INPUTS_PARAM))
+            .collect();
+        assert_eq!(over.len(), 2, "one per pass");
+        assert!(cases(&cli, true)
+            .unwrap()
+            .iter()
+            .all(|p| !p.contains_key(INPUTS_PARAM)));
+        let suite = Attention {
+            check_rows: 4,
+            device: DeviceChoice::Gpu,
+            sweep_arch: None,
+        };
+        let mut small = over[0].clone();
+        small.insert("seq_len".into(), Param::Int(64));
+        let c = case_of(&small).unwrap();
+        assert_eq!((c.dtype, c.head_dim, c.pass), (Dtype::F16, 128, Pass::Fwd));
+        let dir = tempfile::tempdir().unwrap();
+        let files = suite.prepare(&small, 7, dir.path()).unwrap();
+        let q = kernelpages::runner::protocol::read_u16(&files.inputs[0].path).unwrap();
+        let k = kernelpages::runner::protocol::read_u16(&files.inputs[1].path).unwrap();
+        let bits = Dtype::F16.encode_all(&[24.0])[0];
+        assert!(q.iter().chain(&k).all(|&x| x == bits));
+        assert_eq!(
+            files.arguments.get("inputs"),
+            Some(&serde_json::json!(files::OVERFLOW_INPUTS))
+        );
+        // Every score is equal: each checked row of O is the mean of V over the 64 keys.
+        let v = Dtype::F16
+            .decode_all(&kernelpages::runner::protocol::read_u16(&files.inputs[2].path).unwrap());
+        let reference = kernelpages::runner::protocol::read_f64(&files.check.reference).unwrap();
+        let mut at = 0;
+        for r in &files.check.ranges {
+            for i in r[0]..r[0] + r[1] {
+                let (row, col) = (i as usize / 128, i as usize % 128);
+                let head = row / 64;
+                let mean: f64 = (0..64).map(|j| v[(head * 64 + j) * 128 + col]).sum::<f64>() / 64.0;
+                assert!((reference[at] - mean).abs() < 1e-12, "element {i}");
+                at += 1;
+            }
+        }
+        small.insert(INPUTS_PARAM.into(), Param::Text("zeros".into()));
+        let e = suite
+            .prepare(&small, 7, dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`inputs`") && e.contains("qk_24"), "{e}");
     }
 
     #[test]

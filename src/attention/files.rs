@@ -55,6 +55,39 @@ pub fn write_case(
     write_files(c, &inp, &plan, &refs, dir, arguments(c), c.flops())
 }
 
+/// Every Q and K element of [`write_overflow_case`]: at head_dim 128 each raw dot product
+/// q·k is 24² · 128 = 73,728, past fp16's largest finite value (65,504), while every score is
+/// the same, so the attention output is the mean of V over the visible keys.
+pub const OVERFLOW_QK: f32 = 24.0;
+
+/// The `inputs` argument [`write_overflow_case`] adds (and the runner's case parameter that
+/// selects it).
+pub const OVERFLOW_INPUTS: &str = "qk_24";
+
+/// Like [`write_case`], with every element of Q and K set to [`OVERFLOW_QK`] (V and dO stay
+/// [`Inputs::random`]'s), the float64 reference of those inputs, and the argument `inputs` =
+/// [`OVERFLOW_INPUTS`]: issue 9's fp16 inputs whose raw dot products overflow fp16. A path that
+/// forms q·k in fp16 gets inf and then NaN, which the runner's scan of the whole output turns
+/// into an `error` row; the others give the mean of V.
+///
+/// # Errors
+/// I/O errors, with the path.
+pub fn write_overflow_case(
+    c: &AttentionCase,
+    seed: u64,
+    check_rows: usize,
+    dir: &Path,
+) -> Result<CaseFiles> {
+    let mut inp = Inputs::random(c, seed);
+    inp.q = c.dtype.encode_all(&vec![OVERFLOW_QK; c.q_elems()]);
+    inp.k = c.dtype.encode_all(&vec![OVERFLOW_QK; c.kv_elems()]);
+    let plan = CheckPlan::new(c, check_rows, seed ^ 0x5eed);
+    let refs = reference_values(c, &inp, &plan);
+    let mut args = arguments(c);
+    args.insert("inputs".into(), json!(OVERFLOW_INPUTS));
+    write_files(c, &inp, &plan, &refs, dir, args, c.flops())
+}
+
 /// The FLOP rule of the masks grid's cases ([`write_masked_case`]), in words.
 pub const MASKED_FLOP_RULE: &str = "4·H·D per (query, key) pair the mask leaves visible, counted exactly over the batch, ×3.5 for forward + backward (causal: T(T+1)/2 pairs per head; a score modification adds nothing)";
 
