@@ -8,7 +8,9 @@
 // [rows, ld] likewise; O and dO: [rows, D]. Each row holds Tkv keys followed by ld - Tkv padding
 // columns: ld is Tkv rounded up to a multiple of 8, so that every row of S and P starts on a
 // 16-byte boundary whatever Tkv is (cuBLAS's tensor-core GEMMs over P and the 16-byte loads
-// here need it; an unpadded bf16 P at Tkv = 4092 cost the path about half its throughput).
+// here need it). When Tkv is not a multiple of 8 the GEMMs also run over ld keys, on K and V
+// copied into zero-padded buffers (pad_rows): cuBLAS's aligned kernels want the contiguous
+// extent of each operand, here the key count of P, a multiple of 8 elements too.
 // Row r is query i = r % Tq of head (r / Tq) % H of batch entry b = r / (Tq * H); that entry
 // has L = kv_lens[b] valid keys and, with CAUSAL, query i sees key j iff j <= i + L - Tq
 // (bottom-right alignment). One CTA of 256 threads per row, 16-byte loads of S.
@@ -106,7 +108,7 @@ __device__ __forceinline__ void softmax_rows(const float* __restrict__ S, u16* _
     u16* p = P + r * (size_t)ld * W;
     const float4* s4 = reinterpret_cast<const float4*>(s);
     if (valid == 0) {
-        for (int c = threadIdx.x; c * 4 < Tkv; c += THREADS) store4<OUT>(p, c, 0.f, 0.f, 0.f, 0.f);
+        for (int c = threadIdx.x; c * 4 < ld; c += THREADS) store4<OUT>(p, c, 0.f, 0.f, 0.f, 0.f);
         return;
     }
     // The last vector of a row may reach into the padding (read, never used: the `valid`
@@ -134,8 +136,9 @@ __device__ __forceinline__ void softmax_rows(const float* __restrict__ S, u16* _
     sum = block_reduce<false>(sum, scratch);
     const float inv = 1.f / sum;
 
-    // Columns from `valid` on, the padding of the last vector included, are written as 0.
-    for (int c = threadIdx.x; c * 4 < Tkv; c += THREADS) {
+    // Columns from `valid` on, the padding up to ld included, are written as 0 (P·V may run
+    // over the padded key count).
+    for (int c = threadIdx.x; c * 4 < ld; c += THREADS) {
         const int j = c * 4;
         const float4 x = s4[c];
         const float e0 = j < valid ? exp2f((x.x - mx) * LOG2E) * inv : 0.f;
@@ -188,6 +191,22 @@ SOFTMAX(softmax_rows_f16_full, 1, false)
 SOFTMAX(softmax_rows_f16_causal, 1, true)
 SOFTMAX(softmax_rows_f32_full, 2, false)
 SOFTMAX(softmax_rows_f32_causal, 2, true)
+
+// K or V [heads][Tkv][D] into Kp [heads][ld][D] (16-bit words: W = 1, fp32: W = 2, as
+// 32-bit pairs of words): each head's rows copied, rows Tkv..ld-1 left as they are (zeroed once
+// at allocation). Lets the GEMMs run over ld keys, a multiple of 8, when Tkv is not. A row is
+// row_u32 = D * W / 2 32-bit units (D is even); grid-stride over heads * Tkv * row_u32 units.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    pad_rows(const u32* __restrict__ src, u32* __restrict__ dst, long long heads, int Tkv,
+             int ld, int row_u32) {
+    const long long per_head = (long long)Tkv * row_u32;
+    const long long n = heads * per_head;
+    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < n;
+         i += (long long)gridDim.x * THREADS) {
+        const long long h = i / per_head;
+        dst[h * (long long)ld * row_u32 + (i - h * per_head)] = src[i];
+    }
+}
 
 #define ROWS_BWD(DT, OUT)                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS)                                      \

@@ -435,7 +435,9 @@ impl Implementation {
     /// Bytes of device temporaries one call uses beyond inputs and outputs (the forward's
     /// residuals included): `flash` the log-sum-exp (fp32 per query row), and for the backward
     /// D (fp32 per row) and the fp32 dQ accumulator; `math` the fp32 scores S (reused for dP)
-    /// and the probabilities P (overwritten by dS), and D for the backward.
+    /// and the probabilities P (overwritten by dS), rows [`math_row_stride`] apart, the padded
+    /// copies of K and V when that stride is not `seq_len_kv` ([`MathPad`]), and D for the
+    /// backward.
     pub fn temporary_bytes(self, c: &AttentionCase) -> u64 {
         let rows = (c.batch * c.heads * c.seq_len_q) as u64;
         let bwd = c.pass == Pass::FwdBwd;
@@ -448,8 +450,14 @@ impl Implementation {
                 b
             }
             Implementation::Math => {
-                let n = rows * math_row_stride(c.seq_len_kv) as u64;
-                n * 4 + n * c.dtype.bytes() as u64 + if bwd { rows * 4 } else { 0 }
+                let ld = math_row_stride(c.seq_len_kv);
+                let n = rows * ld as u64;
+                let pad = if ld == c.seq_len_kv {
+                    0
+                } else {
+                    2 * (c.batch * c.kv_heads * ld * c.head_dim * c.dtype.bytes()) as u64
+                };
+                n * 4 + n * c.dtype.bytes() as u64 + pad + if bwd { rows * 4 } else { 0 }
             }
         }
     }
@@ -473,10 +481,13 @@ impl Implementation {
 /// Row stride, in elements, of the `math` path's score matrix S (fp32) and probability matrix
 /// P (the case's dtype): `seq_len_kv` rounded up to a multiple of 8, so that every row starts
 /// on a 16-byte boundary for any key length: the softmax kernels load S by float4 at every
-/// length, and the GEMMs' leading dimensions are 16-byte multiples. The padding columns are
-/// never read as data (every GEMM's `k` or `m` is `seq_len_kv`). Measured on the H200 at
-/// 6a4333b, this did not recover the path's throughput at non-aligned lengths (40–49 % below
-/// 4096 at 4092 and 4097, as before it): the cause is elsewhere (kernels/TUNING.md).
+/// length, and the GEMMs' leading dimensions are 16-byte multiples. Measured on the H200 at
+/// 6a4333b, the stride alone did not recover the path's throughput at non-aligned lengths
+/// (40–49 % below 4096 at 4092 and 4097), so when the stride is not `seq_len_kv` the GEMMs over
+/// keys also run over the stride's keys, on zero-padded copies of K and V ([`MathPad`];
+/// kernels/TUNING.md): the padding columns of S then hold scores of zero keys, which the
+/// softmax masks, and P's are written as 0. The dV and dK products still run over
+/// `seq_len_kv`.
 pub fn math_row_stride(seq_len_kv: usize) -> usize {
     seq_len_kv.div_ceil(8) * 8
 }
@@ -911,7 +922,19 @@ pub enum Runner {
         workspace: CudaSlice<u8>,
         /// The backward (forward + backward cases).
         bwd: Option<Box<MathBwd>>,
+        /// Zero-padded copies of K and V when `seq_len_kv` is not a multiple of 8.
+        pad: Option<Box<MathPad>>,
     },
+}
+
+/// K and V copied to `[B·KVH, ld, D]` with ld = [`math_row_stride`]`(Tkv)` and rows Tkv..ld
+/// zero (`pad_rows` in `kernels/softmax_rows.cu`, each call), so that the `math` path's GEMMs run
+/// over ld keys, a multiple of 8, when Tkv is not: the softmax writes P's padding columns as 0,
+/// so the extra keys add nothing.
+pub struct MathPad {
+    pad_rows: CudaFunction,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
 }
 
 /// The cuBLAS workspace the `math` path gives its handle (`cublasSetWorkspace`): 32 MiB, the
@@ -1189,6 +1212,17 @@ impl Runner {
                 // may take them in and discards them).
                 let s = unsafe { gpu.stream.alloc::<f32>(n)? };
                 let p = unsafe { gpu.stream.alloc::<u16>(n * c.dtype.words())? };
+                let ld = math_row_stride(c.seq_len_kv);
+                let pad = if ld == c.seq_len_kv {
+                    None
+                } else {
+                    let words = c.batch * c.kv_heads * ld * c.head_dim * c.dtype.words();
+                    Some(Box::new(MathPad {
+                        pad_rows: gpu.function(&compiled.module, "pad_rows", 0)?,
+                        k: gpu.stream.alloc_zeros::<u16>(words)?,
+                        v: gpu.stream.alloc_zeros::<u16>(words)?,
+                    }))
+                };
                 let bwd = if bwd {
                     Some(Box::new(MathBwd {
                         rowdot: gpu.function(&compiled.module, &format!("rowdot_{dt}"), 0)?,
@@ -1207,6 +1241,7 @@ impl Runner {
                         p,
                         workspace,
                         bwd,
+                        pad,
                     },
                     compiled.compile_s,
                 ))
@@ -1365,6 +1400,7 @@ impl Runner {
                 s,
                 p,
                 bwd: mb,
+                pad,
                 ..
             } => {
                 let stream = gpu.stream.clone();
@@ -1391,6 +1427,35 @@ impl Runner {
                 let (qp, _g1) = inp.q.device_ptr(&stream);
                 let (kp, _g2) = inp.k.device_ptr(&stream);
                 let (vp, _g3) = inp.v.device_ptr(&stream);
+                // The key count the GEMMs over keys run on, and the K and V they read: ld
+                // and the padded copies when Tkv is not a multiple of 8, else Tkv and the inputs.
+                let (keys, kp, vp, _gk, _gv) = match pad {
+                    Some(pad) => {
+                        let heads = (c.batch * c.kv_heads) as i64;
+                        let (tkv_i, row_u32) = (tkv_u as i32, (d * c.dtype.words() / 2) as i32);
+                        let units = c.batch * c.kv_heads * tkv_u * d * c.dtype.words() / 2;
+                        let cfg = LaunchConfig {
+                            grid_dim: (units.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
+                            block_dim: (256, 1, 1),
+                            shared_mem_bytes: 0,
+                        };
+                        for (src, dst) in [(&inp.k, &mut pad.k), (&inp.v, &mut pad.v)] {
+                            let mut lb = stream.launch_builder(&pad.pad_rows);
+                            lb.arg(src).arg(&mut *dst).arg(&heads).arg(&tkv_i).arg(&ld_i);
+                            lb.arg(&row_u32);
+                            // SAFETY: `pad_rows(const u32* src, u32* dst, long long heads,
+                            // int Tkv, int ld, int row_u32)`: src holds heads·Tkv·D elements of
+                            // the dtype (the case's K or V), dst heads·ld·D (allocated in `new`
+                            // for this case), both 4-byte aligned; a grid-stride loop bounded by
+                            // heads·Tkv·row_u32.
+                            unsafe { lb.launch(cfg)? };
+                        }
+                        let (pk, gk) = pad.k.device_ptr(&stream);
+                        let (pv, gv) = pad.v.device_ptr(&stream);
+                        (ld, pk, pv, Some(gk), Some(gv))
+                    }
+                    None => (tkv_u, kp, vp, None, None),
+                };
                 let (dop, _g4) = inp.dout.device_ptr(&stream);
                 let (sp, _g5) = s.device_ptr_mut(&stream);
                 let (pp, _g6) = p.device_ptr_mut(&stream);
@@ -1401,13 +1466,13 @@ impl Runner {
                 let s_gemm = |a: u64, b: u64, alpha: f32| Gemm {
                     ta: op_t,
                     tb: op_n,
-                    m: tkv_u,
+                    m: keys,
                     n: gq,
                     k: d,
                     alpha,
                     a,
                     lda: d,
-                    sa: tkv_u * d,
+                    sa: keys * d,
                     b,
                     ldb: d,
                     sb: gq * d,
@@ -1425,11 +1490,11 @@ impl Runner {
                     tb: op_n,
                     m: d,
                     n: gq,
-                    k: tkv_u,
+                    k: keys,
                     alpha,
                     a,
                     lda: d,
-                    sa: tkv_u * d,
+                    sa: keys * d,
                     b: pp,
                     ldb: ld,
                     sb: gq * ld,
@@ -1537,7 +1602,8 @@ mod tests {
         assert_eq!(math_row_stride(4096), 4096);
         assert_eq!(math_row_stride(4092), 4096);
         assert_eq!(math_row_stride(4097), 4104);
-        // Same queries, 4092 against 4096 keys: the same padded S and P.
+        // Same queries, 4092 against 4096 keys: the same padded S and P, and at 4092 the
+        // zero-padded copies of K and V (2 × 1·2·4096·64 bf16).
         let padded = AttentionCase::new(1, 2, 4096, 64);
         let c = AttentionCase {
             seq_len_kv: 4092,
@@ -1545,7 +1611,7 @@ mod tests {
         };
         assert_eq!(
             Implementation::Math.temporary_bytes(&c),
-            Implementation::Math.temporary_bytes(&padded)
+            Implementation::Math.temporary_bytes(&padded) + 2 * 2 * 4096 * 64 * 2
         );
     }
 
