@@ -195,7 +195,8 @@ SOFTMAX(softmax_rows_f32_causal, 2, true)
 // K or V [heads][Tkv][D] into Kp [heads][ld][D] (16-bit words: W = 1, fp32: W = 2, as
 // 32-bit pairs of words): each head's rows copied, rows Tkv..ld-1 left as they are (zeroed once
 // at allocation). Lets the GEMMs run over ld keys, a multiple of 8, when Tkv is not. A row is
-// row_u32 = D * W / 2 32-bit units (D is even); grid-stride over heads * Tkv * row_u32 units.
+// row_u32 = D * W / 2 32-bit units (the host calls it only when D * W is even); grid-stride
+// over heads * Tkv * row_u32 units.
 extern "C" __global__ void __launch_bounds__(THREADS)
     pad_rows(const u32* __restrict__ src, u32* __restrict__ dst, long long heads, int Tkv,
              int ld, int row_u32) {

@@ -360,24 +360,24 @@ fn shape_cases(cli: &Cli, quick: bool) -> Result<Vec<AttentionCase>> {
 const INPUTS_PARAM: &str = "inputs";
 
 /// Issue 9 §2's fp16 inputs whose raw dot products overflow fp16: B1 H8 T1024 head_dim 128
-/// fp16, Q = K = 24 ([`files::write_overflow_case`]), not causal, in every pass of `--passes`.
-/// Part of the shapes grid (not of its `--quick` version).
+/// fp16, Q = K = 24 ([`files::write_overflow_case`]), not causal, forward only (when `--passes`
+/// has it). Part of the shapes grid (not of its `--quick` version). Not forward + backward: with
+/// every key equal, the exact dQ is 0 (each row of dS sums to 0), so a relative error of dQ
+/// against float64 divides rounding noise by rounding noise.
 fn overflow_cases(cli: &Cli) -> Result<Vec<Params>> {
-    let c = AttentionCase {
+    if !passes(cli)?.contains(&Pass::Fwd) {
+        return Ok(Vec::new());
+    }
+    let mut p = AttentionCase {
         dtype: Dtype::F16,
         ..AttentionCase::new(1, 8, 1024, 128)
-    };
-    Ok(passes(cli)?
-        .into_iter()
-        .map(|pass| {
-            let mut p = AttentionCase { pass, ..c.clone() }.params();
-            p.insert(
-                INPUTS_PARAM.into(),
-                Param::Text(files::OVERFLOW_INPUTS.into()),
-            );
-            p
-        })
-        .collect())
+    }
+    .params();
+    p.insert(
+        INPUTS_PARAM.into(),
+        Param::Text(files::OVERFLOW_INPUTS.into()),
+    );
+    Ok(vec![p])
 }
 
 /// The cases of `--grids` (their `--quick` versions when `quick`), as document parameters.
@@ -1302,7 +1302,7 @@ mod tests {
             .into_iter()
             .filter(|p| p.contains_key(INPUTS_PARAM))
             .collect();
-        assert_eq!(over.len(), 2, "one per pass");
+        assert_eq!(over.len(), 1, "the forward only");
         assert!(cases(&cli, true)
             .unwrap()
             .iter()

@@ -450,22 +450,19 @@ impl Implementation {
                 b
             }
             Implementation::Math => {
-                let ld = math_row_stride(c.seq_len_kv);
-                let n = rows * ld as u64;
-                let pad = if ld == c.seq_len_kv {
-                    0
-                } else {
-                    2 * (c.batch * c.kv_heads * ld * c.head_dim * c.dtype.bytes()) as u64
-                };
-                n * 4 + n * c.dtype.bytes() as u64 + pad + if bwd { rows * 4 } else { 0 }
+                let n = rows * math_row_stride(c.seq_len_kv) as u64;
+                n * 4
+                    + n * c.dtype.bytes() as u64
+                    + math_pad_bytes(c)
+                    + if bwd { rows * 4 } else { 0 }
             }
         }
     }
 
     /// Bytes the forward keeps for the backward (forward + backward only): O and the
-    /// log-sum-exp for `flash` (the backward recomputes P from them); O and the whole
-    /// probability matrix P (B·H·Tq rows of [`math_row_stride`]`(Tkv)` elements of the dtype)
-    /// for `math`.
+    /// log-sum-exp for `flash` (the backward recomputes P from them); O, the whole probability
+    /// matrix P (B·H·Tq rows of [`math_row_stride`]`(Tkv)` elements of the dtype) and the padded
+    /// K and V copies where there are some ([`math_pads_keys`]) for `math`.
     pub fn residual_bytes(self, c: &AttentionCase) -> u64 {
         let rows = (c.batch * c.heads * c.seq_len_q) as u64;
         let o = (c.q_elems() * c.dtype.bytes()) as u64;
@@ -473,6 +470,7 @@ impl Implementation {
             Implementation::Flash => o + rows * 4,
             Implementation::Math => {
                 o + rows * math_row_stride(c.seq_len_kv) as u64 * c.dtype.bytes() as u64
+                    + math_pad_bytes(c)
             }
         }
     }
@@ -490,6 +488,25 @@ impl Implementation {
 /// `seq_len_kv`.
 pub fn math_row_stride(seq_len_kv: usize) -> usize {
     seq_len_kv.div_ceil(8) * 8
+}
+
+/// Whether the `math` path runs its GEMMs over keys on zero-padded copies of K and V
+/// ([`MathPad`]): when [`math_row_stride`] is not `seq_len_kv`, and a row of K is a whole number
+/// of 32-bit words (`pad_rows` copies in 32-bit units; an odd head_dim in a 16-bit dtype runs
+/// unpadded).
+pub fn math_pads_keys(c: &AttentionCase) -> bool {
+    math_row_stride(c.seq_len_kv) != c.seq_len_kv
+        && (c.head_dim * c.dtype.words()).is_multiple_of(2)
+}
+
+/// Bytes of the padded K and V copies ([`math_pads_keys`]), 0 when there are none.
+fn math_pad_bytes(c: &AttentionCase) -> u64 {
+    if math_pads_keys(c) {
+        2 * (c.batch * c.kv_heads * math_row_stride(c.seq_len_kv) * c.head_dim * c.dtype.bytes())
+            as u64
+    } else {
+        0
+    }
 }
 
 fn dtype_tag(d: Dtype) -> &'static str {
@@ -914,9 +931,11 @@ pub enum Runner {
         blas: Box<CudaBlas>,
         /// Softmax instantiation.
         softmax: CudaFunction,
-        /// fp32 scores, `[B·H·Tq, Tkv]` (dP in the backward).
+        /// fp32 scores, `[B·H·Tq, ld]` with ld = [`math_row_stride`]`(Tkv)` (dP in the
+        /// backward).
         s: CudaSlice<f32>,
-        /// Probabilities in the dtype, `[B·H·Tq, Tkv]` (dS in the backward, in place).
+        /// Probabilities in the dtype, `[B·H·Tq, ld]`, zero past each row's visible keys (dS in
+        /// the backward, in place).
         p: CudaSlice<u16>,
         /// The cuBLAS workspace given to the handle ([`CUBLAS_WORKSPACE_BYTES`]).
         workspace: CudaSlice<u8>,
@@ -1206,14 +1225,14 @@ impl Runner {
                     }
                 }
                 let n = rows * math_row_stride(c.seq_len_kv);
-                // SAFETY: S's first Tkv columns are written by the first GEMM and P's by the
-                // softmax kernel before either is read (and dP, dS likewise in the backward);
-                // the padding columns are never read as data (the softmax's last float4 load
-                // may take them in and discards them).
+                // SAFETY: S is written by the first GEMM over its first `keys` columns (Tkv, or
+                // ld with MathPad) and P by the softmax over all ld columns before either is
+                // read (and dP, dS likewise in the backward). S's unwritten padding (without
+                // MathPad) is only taken in by the softmax's last float4 load and discarded.
                 let s = unsafe { gpu.stream.alloc::<f32>(n)? };
                 let p = unsafe { gpu.stream.alloc::<u16>(n * c.dtype.words())? };
                 let ld = math_row_stride(c.seq_len_kv);
-                let pad = if ld == c.seq_len_kv {
+                let pad = if !math_pads_keys(c) {
                     None
                 } else {
                     let words = c.batch * c.kv_heads * ld * c.head_dim * c.dtype.words();
@@ -1441,7 +1460,11 @@ impl Runner {
                         };
                         for (src, dst) in [(&inp.k, &mut pad.k), (&inp.v, &mut pad.v)] {
                             let mut lb = stream.launch_builder(&pad.pad_rows);
-                            lb.arg(src).arg(&mut *dst).arg(&heads).arg(&tkv_i).arg(&ld_i);
+                            lb.arg(src)
+                                .arg(&mut *dst)
+                                .arg(&heads)
+                                .arg(&tkv_i)
+                                .arg(&ld_i);
                             lb.arg(&row_u32);
                             // SAFETY: `pad_rows(const u32* src, u32* dst, long long heads,
                             // int Tkv, int ld, int row_u32)`: src holds heads·Tkv·D elements of
@@ -1462,7 +1485,7 @@ impl Runner {
                 let (first, grads) = outs.split_at_mut(1);
                 let (op, _g7) = first[0].device_ptr_mut(&stream);
                 // S (row-major G·Tq × Tkv) = scale · Q_blk Kᵀ; column-major: Sᵀ = op(K)=Kᵀ...
-                // i.e. C (Tkv × G·Tq) = Aᵀ B with A = K (D × Tkv, lda D), B = Q (D × G·Tq).
+                // i.e. C (keys × G·Tq) = Aᵀ B with A = K (D × keys, lda D), B = Q (D × G·Tq).
                 let s_gemm = |a: u64, b: u64, alpha: f32| Gemm {
                     ta: op_t,
                     tb: op_n,
@@ -1484,7 +1507,7 @@ impl Runner {
                     c_type: f32t,
                 };
                 // O_blk (G·Tq × D) = P_blk V: column-major Oᵀ (D × G·Tq) = Vᵀ Pᵀ, A = V
-                // (D × Tkv, lda D), B = P (Tkv × G·Tq, ldb ld).
+                // (D × keys, lda D), B = P (keys × G·Tq, ldb ld).
                 let o_gemm = |a: u64, c_out: u64, alpha: f32| Gemm {
                     ta: op_n,
                     tb: op_n,
@@ -1613,6 +1636,17 @@ mod tests {
             Implementation::Math.temporary_bytes(&c),
             Implementation::Math.temporary_bytes(&padded) + 2 * 2 * 4096 * 64 * 2
         );
+        assert!(math_pads_keys(&c) && !math_pads_keys(&padded));
+        // An odd head_dim in a 16-bit dtype is not a whole number of 32-bit words: unpadded.
+        let odd = AttentionCase {
+            head_dim: 65,
+            ..c.clone()
+        };
+        assert!(!math_pads_keys(&odd));
+        assert!(math_pads_keys(&AttentionCase {
+            dtype: Dtype::F32,
+            ..odd
+        }));
     }
 
     #[test]

@@ -68,7 +68,8 @@ pub const OVERFLOW_INPUTS: &str = "qk_24";
 /// [`Inputs::random`]'s), the float64 reference of those inputs, and the argument `inputs` =
 /// [`OVERFLOW_INPUTS`]: issue 9's fp16 inputs whose raw dot products overflow fp16. A path that
 /// forms q·k in fp16 gets inf and then NaN, which the runner's scan of the whole output turns
-/// into an `error` row; the others give the mean of V.
+/// into an `error` row; the others give the mean of V. Meant for the forward: with every key
+/// equal the exact dQ is 0, so a relative error of dQ has nothing to be relative to.
 ///
 /// # Errors
 /// I/O errors, with the path.
