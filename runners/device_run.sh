@@ -6,6 +6,8 @@
 #   bash .carry/device_run.sh smoke OUTDIR        # < 9 min: GPU tests, comparison tests,
 #                                                 # non-aligned lengths and the T=16384 headline
 #   bash .carry/device_run.sh tests OUTDIR        # the GPU and comparison tests only
+#   bash .carry/device_run.sh nonaligned OUTDIR   # math's GPU tests, then flash and math at
+#                                                 # seq_len 4092/4096/4097 beside cuDNN (< 6 min)
 #   bash .carry/device_run.sh mixers OUTDIR       # the sequence-mixer GPU tests (SSD, scan,
 #                                                 # Based, gated delta rule forwards against
 #                                                 # float64); KP_FLA_TEST=1 adds the fla module
@@ -108,6 +110,16 @@ case $mode in
 tests)
   # Optional limits: gpu tests, comparison tests, configuration test (0 skips it), s.
   tests "${3:-300}" "${4:-150}" "${5:-150}"
+  ;;
+nonaligned)
+  # The math path at non-aligned lengths (issue 9: at most 3 % below the aligned length next to
+  # it): math's GPU tests, then B1 H24 D64 at seq_len 4092, 4096 and 4097, fwd and fwd+bwd,
+  # both masks, flash and math beside cuDNN (kernels/TUNING.md, "math: S and P rows padded").
+  step "math gpu tests" 200 "$out/gpu_math.tests.log" "$bin/gpu_attention_test" \
+    --include-ignored --test-threads 1 --nocapture math non_aligned
+  step "non-aligned" 150 "$out/nonaligned.log" "$bin/attention" --compare torch \
+    --exclude torch_math,torch_efficient,torch_flash --filter 'heads=24,seq_len>=4092' \
+    --output "$out/nonaligned.json"
   ;;
 smoke)
   tests 200 90 60
