@@ -338,8 +338,8 @@ pub fn gated_delta_rule(
 /// (through the caller's feature map), v `[B, T, H, V]`, the factor on both branches' scores,
 /// and the initial linear state `[B, H, V, K]` or zeros; returns O `[B, T, H, V]` and the final
 /// linear state, float32. The window's cache of recent keys and values is neither taken nor
-/// returned (the kernels' version 1): a second piece starts with an empty window, so two
-/// halves equal one run only for the linear branch.
+/// returned: a second piece starts with an empty window, so two halves equal one run only for
+/// the linear branch; [`based_with_state`] carries the cache too.
 ///
 /// # Errors
 /// As [`gated_delta_rule`].
@@ -400,6 +400,189 @@ pub fn based(
     download(gpu, &o, o_len, &fs)
 }
 
+/// What [`based_with_state`] carries from one call to the next, float32, laid out as
+/// [`super::reference::BasedState`]: the linear state S `[B, H, V, K]` and the last `cached`
+/// keys `[B, H, cached, K]` and values `[B, H, cached, V]` of each batch entry and head, oldest
+/// first (at most W − 1: the softmax window's cache).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BasedStreamState {
+    /// The linear state, `[B, H, V, K]`.
+    pub s: Vec<f32>,
+    /// The cached keys, `[B, H, cached, K]`.
+    pub keys: Vec<f32>,
+    /// The cached values, `[B, H, cached, V]`.
+    pub values: Vec<f32>,
+    /// How many recent steps the cache holds (≤ W − 1).
+    pub cached: usize,
+}
+
+/// [`based`] with its whole state carried: the linear state and the softmax window's cache of
+/// up to W − 1 recent keys and values, in and out, so that a sequence run in pieces (chunked
+/// inference), each piece given the previous one's state, equals one run over the whole
+/// sequence, both branches included. Shapes and the formula as [`based`] and
+/// [`super::reference::based`]; `initial` `None` is the empty state. Returns O `[B, T, H, V]`
+/// and the state after the last step (`cached` = min(W − 1, initial cached + T)).
+///
+/// How: the cached steps are put in front of the piece (their queries 0, their outputs
+/// dropped), and the linear state handed to the kernel is the initial one less the cached
+/// steps' v kᵀ (summed in float64), which the kernel adds back; the new cache is the last
+/// steps of keys and values. The subtraction costs float32 rounding of the state's size, as
+/// any chunked sum does.
+///
+/// # Errors
+/// As [`based`]; [`MixerError::Invalid`] for a state whose lengths do not fit `shape` or
+/// `cached`, or that caches W or more steps.
+#[allow(clippy::too_many_arguments)]
+pub fn based_with_state(
+    device: Device,
+    shape: BasedShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scale: f32,
+    initial: Option<&BasedStreamState>,
+) -> Result<(Vec<f32>, BasedStreamState), MixerError> {
+    based_pieces(shape, q, k, v, initial, |sh, q2, k2, v2, s0| {
+        based(device, sh, q2, k2, v2, scale, Some(s0)).map(|o| (o.y, o.final_state))
+    })
+}
+
+/// [`based_with_state`]'s rearrangement around `run` (shape, q, k, v, initial linear state →
+/// O and the final linear state), so that a test can run it on the float64 reference.
+fn based_pieces(
+    shape: BasedShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    initial: Option<&BasedStreamState>,
+    run: impl FnOnce(
+        BasedShape,
+        &[f32],
+        &[f32],
+        &[f32],
+        &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>), MixerError>,
+) -> Result<(Vec<f32>, BasedStreamState), MixerError> {
+    let BasedShape {
+        batch: b,
+        seq_len: t,
+        heads: h,
+        key_dim: kd,
+        value_dim: vd,
+        window,
+    } = shape;
+    if b == 0 || h == 0 || kd == 0 || vd == 0 || window == 0 {
+        return Err(MixerError::Invalid(format!(
+            "based_with_state: empty dimension in {shape:?}"
+        )));
+    }
+    let state_len = b * h * vd * kd;
+    let zeros;
+    let st = match initial {
+        Some(st) => st,
+        None => {
+            zeros = BasedStreamState {
+                s: vec![0.0; state_len],
+                keys: Vec::new(),
+                values: Vec::new(),
+                cached: 0,
+            };
+            &zeros
+        }
+    };
+    let c0 = st.cached;
+    if c0 >= window {
+        return Err(MixerError::Invalid(format!(
+            "based_with_state: the state caches {c0} steps, at most window − 1 = {} fit",
+            window - 1
+        )));
+    }
+    let n = b * t * h;
+    lengths(
+        "based_with_state",
+        &[
+            ("q", q.len(), n * kd),
+            ("k", k.len(), n * kd),
+            ("v", v.len(), n * vd),
+            ("state.s", st.s.len(), state_len),
+            ("state.keys", st.keys.len(), b * h * c0 * kd),
+            ("state.values", st.values.len(), b * h * c0 * vd),
+        ],
+    )?;
+    // The piece with the cached steps in front: [B, c0 + T, H, ·].
+    let t2 = c0 + t;
+    let (mut q2, mut k2, mut v2) = (
+        vec![0.0f32; b * t2 * h * kd],
+        vec![0.0f32; b * t2 * h * kd],
+        vec![0.0f32; b * t2 * h * vd],
+    );
+    let mut s0 = st.s.clone();
+    for bi in 0..b {
+        for hi in 0..h {
+            let bh = bi * h + hi;
+            let mut sum = vec![0.0f64; vd * kd];
+            for step in 0..c0 {
+                let ck = &st.keys[(bh * c0 + step) * kd..][..kd];
+                let cv = &st.values[(bh * c0 + step) * vd..][..vd];
+                k2[((bi * t2 + step) * h + hi) * kd..][..kd].copy_from_slice(ck);
+                v2[((bi * t2 + step) * h + hi) * vd..][..vd].copy_from_slice(cv);
+                for (vi, &x) in cv.iter().enumerate() {
+                    for (ki, &y) in ck.iter().enumerate() {
+                        sum[vi * kd + ki] += x as f64 * y as f64;
+                    }
+                }
+            }
+            for (s, d) in s0[bh * vd * kd..][..vd * kd].iter_mut().zip(&sum) {
+                *s = (*s as f64 - d) as f32;
+            }
+            for step in 0..t {
+                let (from, to) = ((bi * t + step) * h + hi, (bi * t2 + c0 + step) * h + hi);
+                q2[to * kd..][..kd].copy_from_slice(&q[from * kd..][..kd]);
+                k2[to * kd..][..kd].copy_from_slice(&k[from * kd..][..kd]);
+                v2[to * vd..][..vd].copy_from_slice(&v[from * vd..][..vd]);
+            }
+        }
+    }
+    let (y2, s_final) = run(
+        BasedShape {
+            seq_len: t2,
+            ..shape
+        },
+        &q2,
+        &k2,
+        &v2,
+        &s0,
+    )?;
+    // The piece's own outputs, and the last c1 steps as the next cache.
+    let c1 = t2.min(window - 1);
+    let mut y = vec![0.0f32; n * vd];
+    let mut keys = vec![0.0f32; b * h * c1 * kd];
+    let mut values = vec![0.0f32; b * h * c1 * vd];
+    for bi in 0..b {
+        for hi in 0..h {
+            for step in 0..t {
+                let (from, to) = ((bi * t2 + c0 + step) * h + hi, (bi * t + step) * h + hi);
+                y[to * vd..][..vd].copy_from_slice(&y2[from * vd..][..vd]);
+            }
+            let bh = bi * h + hi;
+            for j in 0..c1 {
+                let from = (bi * t2 + t2 - c1 + j) * h + hi;
+                keys[(bh * c1 + j) * kd..][..kd].copy_from_slice(&k2[from * kd..][..kd]);
+                values[(bh * c1 + j) * vd..][..vd].copy_from_slice(&v2[from * vd..][..vd]);
+            }
+        }
+    }
+    Ok((
+        y,
+        BasedStreamState {
+            s: s_final,
+            keys,
+            values,
+            cached: c1,
+        },
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -420,6 +603,112 @@ mod tests {
 
     fn wide(x: &[f32]) -> Vec<f64> {
         x.iter().map(|&v| v as f64).collect()
+    }
+
+    /// `based_with_state`'s rearrangement on the float64 reference: a sequence in two pieces,
+    /// each given the previous one's state, equals one run, the softmax window included
+    /// (pieces shorter and longer than the window's cache), and the state matches the
+    /// reference's; a state caching W steps is refused.
+    #[test]
+    fn based_in_pieces_equals_one_run() {
+        let sh = BasedShape {
+            batch: 2,
+            seq_len: 13,
+            heads: 2,
+            key_dim: 4,
+            value_dim: 3,
+            window: 5,
+        };
+        let reference_run = |sh: BasedShape, q: &[f32], k: &[f32], v: &[f32], s0: &[f32]| {
+            let init = reference::BasedState {
+                s: wide(s0),
+                ..reference::BasedState::zeros(sh)
+            };
+            let (qw, kw, vw) = (wide(q), wide(k), wide(v));
+            let (o, st) = reference::based(
+                sh,
+                reference::BasedInputs {
+                    q: &qw,
+                    k: &kw,
+                    v: &vw,
+                    scale: 0.5,
+                    initial_state: Some(&init),
+                },
+            )
+            .map_err(MixerError::Invalid)?;
+            let narrow = |x: &[f64]| x.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+            Ok((narrow(&o), narrow(&st.s)))
+        };
+        let per_step = |dim: usize| sh.heads * dim;
+        let (q, k, v) = (
+            draw(2 * 13 * per_step(4), 1, 0.0, 1.0),
+            draw(2 * 13 * per_step(4), 2, 0.0, 1.0),
+            draw(2 * 13 * per_step(3), 3, -1.0, 1.0),
+        );
+        let (whole, whole_state) = reference_run(sh, &q, &k, &v, &[0.0; 2 * 2 * 3 * 4]).unwrap();
+        // Steps [from, to) of every batch entry.
+        let part = |x: &[f32], dim: usize, from: usize, to: usize| -> Vec<f32> {
+            (0..sh.batch)
+                .flat_map(|b| {
+                    x[(b * 13 + from) * per_step(dim)..(b * 13 + to) * per_step(dim)].to_vec()
+                })
+                .collect()
+        };
+        for split in [2, 6, 11] {
+            let first = BasedShape {
+                seq_len: split,
+                ..sh
+            };
+            let second = BasedShape {
+                seq_len: 13 - split,
+                ..sh
+            };
+            let (y1, st1) = based_pieces(
+                first,
+                &part(&q, 4, 0, split),
+                &part(&k, 4, 0, split),
+                &part(&v, 3, 0, split),
+                None,
+                reference_run,
+            )
+            .unwrap();
+            assert_eq!(st1.cached, split.min(4));
+            let (y2, st2) = based_pieces(
+                second,
+                &part(&q, 4, split, 13),
+                &part(&k, 4, split, 13),
+                &part(&v, 3, split, 13),
+                Some(&st1),
+                reference_run,
+            )
+            .unwrap();
+            assert_eq!(st2.cached, 4);
+            let mut y = Vec::new();
+            for b in 0..sh.batch {
+                y.extend_from_slice(&y1[b * split * per_step(3)..][..split * per_step(3)]);
+                y.extend_from_slice(
+                    &y2[b * (13 - split) * per_step(3)..][..(13 - split) * per_step(3)],
+                );
+            }
+            let err = rel(&y, &wide(&whole));
+            assert!(err < 1e-6, "split {split}: {err}");
+            let err = rel(&st2.s, &wide(&whole_state));
+            assert!(err < 1e-6, "split {split}: state {err}");
+            // The cache is the last 4 steps' keys, [B, H, 4, K].
+            let (bi, hi, j) = (1, 1, 3);
+            assert_eq!(
+                st2.keys[((bi * 2 + hi) * 4 + j) * 4..][..4],
+                k[((bi * 13 + 12) * 2 + hi) * 4..][..4]
+            );
+        }
+        let full = BasedStreamState {
+            s: vec![0.0; 2 * 2 * 3 * 4],
+            keys: vec![0.0; 2 * 2 * 5 * 4],
+            values: vec![0.0; 2 * 2 * 5 * 3],
+            cached: 5,
+        };
+        let e = based_pieces(sh, &q, &k, &v, Some(&full), reference_run).unwrap_err();
+        assert!(e.to_string().contains("at most window − 1 = 4"), "{e}");
     }
 
     fn rel(a: &[f32], b: &[f64]) -> f64 {

@@ -13,7 +13,8 @@
 //! `kernels/TUNING-sequence-mixers.md` has their designs, predictions and measurements.
 //!
 //! The entry points a user calls, with host tensors, one per mixer: [`api::ssd`],
-//! [`api::selective_scan`], [`api::gated_delta_rule`] and [`api::based`].
+//! [`api::selective_scan`], [`api::gated_delta_rule`] and [`api::based`]
+//! ([`api::based_with_state`] carries Based's window cache between pieces too).
 //!
 //! The runner's side: a grid case with its FLOP, byte and token counts and its random inputs
 //! ([`case`]), the protocol files of a case ([`files`]) and the float32 CPU implementation

@@ -245,5 +245,49 @@ fn public_functions_match_float64_from_an_initial_state() {
         "based final linear state",
         rel_l2(&wide(&got.final_state), &state.s),
     );
+    // The same sequence in two pieces (50 + 80 steps) through based_with_state, the window's
+    // cache carried: the pieces' outputs are the one run's, and the state its state.
+    let piece = |from: usize, to: usize, x: &[f32], dim: usize| -> Vec<f32> {
+        x[from * 2 * dim..to * 2 * dim].to_vec()
+    };
+    let first = BasedShape { seq_len: 50, ..sh };
+    let second = BasedShape { seq_len: 80, ..sh };
+    let start = api::BasedStreamState {
+        s: s0.clone(),
+        keys: Vec::new(),
+        values: Vec::new(),
+        cached: 0,
+    };
+    let (y1, st1) = api::based_with_state(
+        dev,
+        first,
+        &piece(0, 50, &q, 64),
+        &piece(0, 50, &k, 64),
+        &piece(0, 50, &v, 64),
+        0.125,
+        Some(&start),
+    )
+    .unwrap();
+    let (y2, st2) = api::based_with_state(
+        dev,
+        second,
+        &piece(50, 130, &q, 64),
+        &piece(50, 130, &k, 64),
+        &piece(50, 130, &v, 64),
+        0.125,
+        Some(&st1),
+    )
+    .unwrap();
+    let y: Vec<f32> = y1.into_iter().chain(y2).collect();
+    check("based in two pieces, o", rel_l2(&wide(&y), &o));
+    check(
+        "based in two pieces, linear state",
+        rel_l2(&wide(&st2.s), &state.s),
+    );
+    check(
+        "based in two pieces, cached keys",
+        rel_l2(&wide(&st2.keys), &state.keys),
+    );
+    assert_eq!(st2.cached, state.cached);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
