@@ -400,6 +400,105 @@ pub fn based(
     download(gpu, &o, o_len, &fs)
 }
 
+/// `x` widened to float64 (the references' element type).
+fn widen(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
+
+/// `x`, if given, widened to float64.
+fn widen_opt(x: Option<&[f32]>) -> Option<Vec<f64>> {
+    x.map(widen)
+}
+
+/// The float64 reference ([`super::reference::ssd`]) of [`ssd`] on the same float32
+/// arguments: Y `[B, T, H, P]` and the final state `[B, H, P, N]`, to check a result against.
+///
+/// # Errors
+/// The reference's message for lengths that do not fit `shape`.
+pub fn ssd_reference(shape: SsdShape, args: SsdArgs) -> Result<(Vec<f64>, Vec<f64>), String> {
+    let (x, dt, a, b, c) = (
+        widen(args.x),
+        widen(args.dt),
+        widen(args.a),
+        widen(args.b),
+        widen(args.c),
+    );
+    let (d, s0) = (widen_opt(args.d), widen_opt(args.initial_state));
+    super::reference::ssd(
+        shape,
+        super::reference::SsdInputs {
+            x: &x,
+            dt: &dt,
+            a: &a,
+            b: &b,
+            c: &c,
+            d: d.as_deref(),
+            initial_state: s0.as_deref(),
+        },
+    )
+}
+
+/// The float64 reference ([`super::reference::selective_scan`]) of [`selective_scan`] on the
+/// same float32 arguments: y `[B, T, D]` and the final state `[B, D, N]`.
+///
+/// # Errors
+/// The reference's message for lengths that do not fit `shape`.
+pub fn selective_scan_reference(
+    shape: ScanShape,
+    args: ScanArgs,
+) -> Result<(Vec<f64>, Vec<f64>), String> {
+    let (u, delta, a, b, c) = (
+        widen(args.u),
+        widen(args.delta),
+        widen(args.a),
+        widen(args.b),
+        widen(args.c),
+    );
+    let (d, s0) = (widen_opt(args.d), widen_opt(args.initial_state));
+    super::reference::selective_scan(
+        shape,
+        super::reference::ScanInputs {
+            u: &u,
+            delta: &delta,
+            a: &a,
+            b: &b,
+            c: &c,
+            d: d.as_deref(),
+            initial_state: s0.as_deref(),
+        },
+    )
+}
+
+/// The float64 reference ([`super::reference::gated_delta_rule`]) of [`gated_delta_rule`] on
+/// the same float32 arguments: O `[B, T, H, V]` and the final state `[B, H, V, K]`.
+///
+/// # Errors
+/// The reference's message for lengths that do not fit `shape`.
+pub fn gated_delta_rule_reference(
+    shape: DeltaShape,
+    args: DeltaArgs,
+) -> Result<(Vec<f64>, Vec<f64>), String> {
+    let (q, k, v, alpha, beta) = (
+        widen(args.q),
+        widen(args.k),
+        widen(args.v),
+        widen(args.alpha),
+        widen(args.beta),
+    );
+    let s0 = widen_opt(args.initial_state);
+    super::reference::gated_delta_rule(
+        shape,
+        super::reference::DeltaInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            alpha: &alpha,
+            beta: &beta,
+            initial_state: s0.as_deref(),
+        },
+    )
+}
+
 /// What [`based_with_state`] carries from one call to the next, float32, laid out as
 /// [`super::reference::BasedState`]: the linear state S `[B, H, V, K]` and the last `cached`
 /// keys `[B, H, cached, K]` and values `[B, H, cached, V]` of each batch entry and head, oldest
@@ -586,7 +685,7 @@ fn based_pieces(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sequence_mixers::reference::{self, ScanInputs, SsdInputs};
+    use crate::sequence_mixers::reference;
 
     /// Deterministic values in [lo, hi).
     fn draw(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
@@ -599,10 +698,6 @@ mod tests {
                 lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)
             })
             .collect()
-    }
-
-    fn wide(x: &[f32]) -> Vec<f64> {
-        x.iter().map(|&v| v as f64).collect()
     }
 
     /// `based_with_state`'s rearrangement on the float64 reference: a sequence in two pieces,
@@ -621,10 +716,10 @@ mod tests {
         };
         let reference_run = |sh: BasedShape, q: &[f32], k: &[f32], v: &[f32], s0: &[f32]| {
             let init = reference::BasedState {
-                s: wide(s0),
+                s: widen(s0),
                 ..reference::BasedState::zeros(sh)
             };
-            let (qw, kw, vw) = (wide(q), wide(k), wide(v));
+            let (qw, kw, vw) = (widen(q), widen(k), widen(v));
             let (o, st) = reference::based(
                 sh,
                 reference::BasedInputs {
@@ -690,9 +785,9 @@ mod tests {
                     &y2[b * (13 - split) * per_step(3)..][..(13 - split) * per_step(3)],
                 );
             }
-            let err = rel(&y, &wide(&whole));
+            let err = rel(&y, &widen(&whole));
             assert!(err < 1e-6, "split {split}: {err}");
-            let err = rel(&st2.s, &wide(&whole_state));
+            let err = rel(&st2.s, &widen(&whole_state));
             assert!(err < 1e-6, "split {split}: state {err}");
             // The cache is the last 4 steps' keys, [B, H, 4, K].
             let (bi, hi, j) = (1, 1, 3);
@@ -747,28 +842,7 @@ mod tests {
             initial_state: Some(&s0),
         };
         let got = ssd(Device::Cpu, shape, args).unwrap();
-        let (xw, dtw, aw, bw, cw, dw, s0w) = (
-            wide(&x),
-            wide(&dt),
-            wide(&a),
-            wide(&b),
-            wide(&c),
-            wide(&d),
-            wide(&s0),
-        );
-        let (want_y, want_s) = reference::ssd(
-            shape,
-            SsdInputs {
-                x: &xw,
-                dt: &dtw,
-                a: &aw,
-                b: &bw,
-                c: &cw,
-                d: Some(&dw),
-                initial_state: Some(&s0w),
-            },
-        )
-        .unwrap();
+        let (want_y, want_s) = ssd_reference(shape, args).unwrap();
         assert!(rel(&got.y, &want_y) < 1e-5, "{}", rel(&got.y, &want_y));
         assert!(rel(&got.final_state, &want_s) < 1e-5);
         // Batch 1 in two halves of 20 steps.
@@ -828,41 +902,17 @@ mod tests {
         let b = draw(bt * 12, 14, -1.0, 1.0);
         let c = draw(bt * 12, 15, -1.0, 1.0);
         let s0 = draw(2 * 37 * 12, 16, -1.0, 1.0);
-        let got = selective_scan(
-            Device::Cpu,
-            shape,
-            ScanArgs {
-                u: &u,
-                delta: &delta,
-                a: &a,
-                b: &b,
-                c: &c,
-                d: None,
-                initial_state: Some(&s0),
-            },
-        )
-        .unwrap();
-        let (uw, dw, aw, bw, cw, sw) = (
-            wide(&u),
-            wide(&delta),
-            wide(&a),
-            wide(&b),
-            wide(&c),
-            wide(&s0),
-        );
-        let (want_y, want_s) = reference::selective_scan(
-            shape,
-            ScanInputs {
-                u: &uw,
-                delta: &dw,
-                a: &aw,
-                b: &bw,
-                c: &cw,
-                d: None,
-                initial_state: Some(&sw),
-            },
-        )
-        .unwrap();
+        let args = ScanArgs {
+            u: &u,
+            delta: &delta,
+            a: &a,
+            b: &b,
+            c: &c,
+            d: None,
+            initial_state: Some(&s0),
+        };
+        let got = selective_scan(Device::Cpu, shape, args).unwrap();
+        let (want_y, want_s) = selective_scan_reference(shape, args).unwrap();
         assert!(rel(&got.y, &want_y) < 1e-5, "{}", rel(&got.y, &want_y));
         assert!(rel(&got.final_state, &want_s) < 1e-5);
     }

@@ -6,8 +6,7 @@ use kernelpages::gpu::Device;
 use kernelpages::sequence_mixers::api::{self, DeltaArgs};
 use kernelpages::sequence_mixers::cpu::{ScanArgs, SsdArgs};
 use kernelpages::sequence_mixers::reference::{
-    self, BasedInputs, BasedShape, BasedState, DeltaInputs, DeltaShape, ScanInputs, ScanShape,
-    SsdInputs, SsdShape,
+    self, BasedInputs, BasedShape, BasedState, DeltaShape, ScanShape, SsdShape,
 };
 use rand::{Rng, SeedableRng};
 
@@ -65,28 +64,7 @@ fn public_functions_match_float64_from_an_initial_state() {
     };
     let got = api::ssd(dev, sh, args).unwrap();
     let cpu = api::ssd(Device::Cpu, sh, args).unwrap();
-    let (xw, dtw, aw, bw, cw, dw, sw) = (
-        wide(&x),
-        wide(&dt),
-        wide(&a),
-        wide(&b),
-        wide(&c),
-        wide(&d),
-        wide(&s0),
-    );
-    let (y, s) = reference::ssd(
-        sh,
-        SsdInputs {
-            x: &xw,
-            dt: &dtw,
-            a: &aw,
-            b: &bw,
-            c: &cw,
-            d: Some(&dw),
-            initial_state: Some(&sw),
-        },
-    )
-    .unwrap();
+    let (y, s) = api::ssd_reference(sh, args).unwrap();
     check("ssd y", rel_l2(&wide(&got.y), &y));
     check("ssd final state", rel_l2(&wide(&got.final_state), &s));
     check(
@@ -123,28 +101,7 @@ fn public_functions_match_float64_from_an_initial_state() {
     };
     let got = api::selective_scan(dev, sh, args).unwrap();
     let cpu = api::selective_scan(Device::Cpu, sh, args).unwrap();
-    let (uw, dlw, aw, bw, cw, dw, sw) = (
-        wide(&u),
-        wide(&delta),
-        wide(&a),
-        wide(&b),
-        wide(&c),
-        wide(&d),
-        wide(&s0),
-    );
-    let (y, s) = reference::selective_scan(
-        sh,
-        ScanInputs {
-            u: &uw,
-            delta: &dlw,
-            a: &aw,
-            b: &bw,
-            c: &cw,
-            d: Some(&dw),
-            initial_state: Some(&sw),
-        },
-    )
-    .unwrap();
+    let (y, s) = api::selective_scan_reference(sh, args).unwrap();
     check("scan y", rel_l2(&wide(&got.y), &y));
     check("scan final state", rel_l2(&wide(&got.final_state), &s));
     check(
@@ -169,39 +126,16 @@ fn public_functions_match_float64_from_an_initial_state() {
     let v = draw(&mut rng, n * 64, -1.0, 1.0);
     let (alpha, beta) = (draw(&mut rng, n, 0.9, 1.0), draw(&mut rng, n, 0.0, 1.0));
     let s0 = draw(&mut rng, 2 * 64 * 64, -0.1, 0.1);
-    let got = api::gated_delta_rule(
-        dev,
-        sh,
-        DeltaArgs {
-            q: &q,
-            k: &k,
-            v: &v,
-            alpha: &alpha,
-            beta: &beta,
-            initial_state: Some(&s0),
-        },
-    )
-    .unwrap();
-    let (qw, kw, vw, aw, bw, sw) = (
-        wide(&q),
-        wide(&k),
-        wide(&v),
-        wide(&alpha),
-        wide(&beta),
-        wide(&s0),
-    );
-    let (o, s) = reference::gated_delta_rule(
-        sh,
-        DeltaInputs {
-            q: &qw,
-            k: &kw,
-            v: &vw,
-            alpha: &aw,
-            beta: &bw,
-            initial_state: Some(&sw),
-        },
-    )
-    .unwrap();
+    let args = DeltaArgs {
+        q: &q,
+        k: &k,
+        v: &v,
+        alpha: &alpha,
+        beta: &beta,
+        initial_state: Some(&s0),
+    };
+    let got = api::gated_delta_rule(dev, sh, args).unwrap();
+    let (o, s) = api::gated_delta_rule_reference(sh, args).unwrap();
     check("gated delta o", rel_l2(&wide(&got.y), &o));
     check(
         "gated delta final state",
