@@ -100,8 +100,28 @@ def _measure_into(job, reply):
     dense_kernel_sums.measure_into(job, reply, LIBRARY, why, _measure, jax_attention.classify)
 
 
+FUSED_NOTE = ("XLA fused the N x M matrix away: the device peak (%.1f MB) is below the %.1f MB "
+              "one float32 N x M matrix needs")
+
+
+def formulation_note(args, peak_mb):
+    """The row's note on the formulation: DENSE_NOTE, or FUSED_NOTE when the measured device
+    peak (MB, None when unknown) is below one float32 N x M matrix (XLA turns the product over
+    dim 1 into an elementwise one and fuses the whole sum, so nothing of N x M is stored)."""
+    dense_mb = dense_bytes(args) / 1e6
+    if peak_mb is not None and peak_mb < dense_mb:
+        return FUSED_NOTE % (peak_mb, dense_mb)
+    return DENSE_NOTE
+
+
 def _measure(job):
-    return jax_measure.measure_jitted(job, build(job["files"]["arguments"]), [DENSE_NOTE])
+    fields, window = jax_measure.measure_jitted(job, build(job["files"]["arguments"]),
+                                                [DENSE_NOTE])
+    if window is not None:
+        peak = fields["memory"].get("peak_mb")
+        note = formulation_note(job["files"]["arguments"], peak)
+        fields["notes"] = [note if n == DENSE_NOTE else n for n in fields["notes"]]
+    return fields, window
 
 
 def self_test():
@@ -121,6 +141,12 @@ def self_test():
     check(platform_of({"device": "cpu"}) == "cpu" and platform_of({}) == "gpu",
           "the job's device picks the platform")
     check(dense_bytes({"n": 1000, "m": 2000}) == 8e6, "dense size")
+    big = {"n": 10 ** 6, "m": 10 ** 6}
+    check(formulation_note(big, 8132.7).startswith("XLA fused"),
+          "a peak below the matrix says it was fused away")
+    check(formulation_note({"n": 1000, "m": 1000}, 101.1) == DENSE_NOTE,
+          "a peak above the matrix keeps the dense note")
+    check(formulation_note(big, None) == DENSE_NOTE, "an unknown peak keeps the dense note")
     if jax is not None and np is not None:
         args = {"op": "kernel_lse", "grad": True, "sigma": 1.0, "epsilon": 2.0, "dim": 2,
                 "m": 1, "n": 1}
