@@ -32,6 +32,8 @@
 #                                                 # torch,jax,ott,geomloss (data/gpu_kernel_sums.json;
 #                                                 # KP_KS_TAG, KP_KS_TESTS, KP_KS_ARGS and
 #                                                 # KP_KS_LIMIT_S split it over calls)
+#   bash .carry/device_run.sh ks_shards OUTDIR BUDGET_S I[:NEED_S] ...  # kernel-sum shards
+#                                                 # I/8 while BUDGET_S allows (README)
 #   bash .carry/device_run.sh moe OUTDIR          # the MoE GPU tests (the timing probe
 #                                                 # apart, KP_MOE_PROBE=1), then the moe grid
 #                                                 # with --compare torch (data/gpu_moe.json;
@@ -236,6 +238,22 @@ kernel_sums)
   # shellcheck disable=SC2086
   step "kernel_sums grid" "${KP_KS_LIMIT_S:-300}" "$out/kernel_sums$ks_tag.log" "$bin/kernel_sums" \
     ${KP_KS_ARGS:---compare torch,jax,ott,geomloss} --output "$out/gpu_kernel_sums$ks_tag.json"
+  ;;
+ks_shards)
+  # The kernel-sum grid in eight shards over several calls (README, Kernel sums):
+  # `ks_shards OUTDIR BUDGET_S I[:NEED_S] ...` runs each shard I/8 through grid_shards.sh while
+  # BUDGET_S allows (NEED_S: the shard's expected time), into gpu_kernel_sums_I.json;
+  # KP_KS_TESTS=1 runs the kernel-sum GPU tests first (inside the budget).
+  install_wheels
+  budget=${3:?budget, s}; shift 3
+  t_ks=$(date +%s)
+  if [ "${KP_KS_TESTS:-0}" = 1 ]; then
+    step "kernel-sum gpu tests" 120 "$out/gpu_kernel_sums.tests.log" "$bin/gpu_kernel_sums_test" \
+      --include-ignored --test-threads 1 --nocapture
+  fi
+  KP_SHARD_RUNNER=kernel_sums KP_SHARD_NAME=gpu_kernel_sums \
+    KP_SHARD_ARGS="--compare torch,jax,ott,geomloss --case-timeout 60" \
+    bash "$here/grid_shards.sh" "$out" 8 $(( budget - ($(date +%s) - t_ks) )) "$@"
   ;;
 moe)
   # KP_MOE_ARGS: runner arguments (default --compare torch), e.g. "--quick" or
