@@ -38,7 +38,7 @@ use kernelpages::moe::case::{GroupedCase, Spread};
 use kernelpages::moe::cpu as moe_cpu;
 use kernelpages::moe::cpu_bf16 as moe_cpu_bf16;
 use kernelpages::moe::cublas::{self, CublasLoop};
-use kernelpages::moe::cuda::{GroupedKernel, Product};
+use kernelpages::moe::cuda::{Dtype, GroupedKernel, Product};
 use kernelpages::moe::files;
 use kernelpages::moe::layer_case::{self, LayerCase};
 use kernelpages::moe::layer_cuda::{DeviceExperts, MoeLayer};
@@ -907,9 +907,9 @@ fn measure_gpu(job: &Job) -> Reply {
     let mut kernel = None;
     let mut reply = own::measure(job, |gpu| {
         let gg = if job.implementation == PORTABLE {
-            GroupedKernel::named(gpu, PORTABLE, case.experts)?
+            GroupedKernel::named(gpu, PORTABLE, case.experts, Dtype::Bf16)?
         } else {
-            GroupedKernel::for_shape(gpu, case.experts, case.hidden, case.width)?
+            GroupedKernel::for_shape(gpu, case.experts, case.hidden, case.width, Dtype::Bf16)?
         };
         kernel = Some(gg.implementation());
         let compile_s = gg.compile_s();

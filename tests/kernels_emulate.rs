@@ -178,20 +178,42 @@ fn emulated_kernel_runs_clean(name: &str, cases: &[String]) {
 /// shim and the sequence-mixer prelude (`-I kernels/sequence_mixers/emulate`,
 /// `-I kernels/sequence_mixers`) beside its suite's kernels (`-I kernels/<suite>`).
 fn emulated_suite_kernel_runs_clean(suite: &str, name: &str, cases: &[String]) {
-    let (_tmp, exe) = build_emulation(suite, name);
+    emulated_suite_kernel_runs_clean_with(suite, name, &[], cases);
+}
+
+/// As [`emulated_suite_kernel_runs_clean`], compiled with the preprocessor definitions
+/// `defines` (`-D` arguments such as `GG_BF16=0`).
+fn emulated_suite_kernel_runs_clean_with(
+    suite: &str,
+    name: &str,
+    defines: &[&str],
+    cases: &[String],
+) {
+    let (_tmp, exe) = build_emulation_with(suite, name, defines);
     assert_all_ok(Command::new(&exe).args(cases), name);
 }
 
 /// Compiles `kernels/<suite>/emulate/<name>.cpp` with g++ into a temporary folder (returned
 /// with the executable's path, so that it lives as long as the caller needs it).
 fn build_emulation(suite: &str, name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    build_emulation_with(suite, name, &[])
+}
+
+/// [`build_emulation`] with the preprocessor definitions `defines` (each passed as `-D`).
+fn build_emulation_with(
+    suite: &str,
+    name: &str,
+    defines: &[&str],
+) -> (tempfile::TempDir, std::path::PathBuf) {
     let kernels = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
     let dir = kernels.join(suite);
     let shared = kernels.join("sequence_mixers");
     let tmp = tempfile::tempdir().unwrap();
     let exe = tmp.path().join(name);
     let built = Command::new("g++")
-        .args(["-std=c++20", "-O1", "-w", "-I"])
+        .args(["-std=c++20", "-O1", "-w"])
+        .args(defines.iter().map(|d| format!("-D{d}")))
+        .arg("-I")
         .arg(&dir)
         .arg("-I")
         .arg(&shared)
@@ -583,8 +605,9 @@ fn based_backward_emulated_matches_the_adjoint() {
     emulated_kernel_runs_clean("based_bwd_check", &cases);
 }
 
-/// The grouped GEMM's three kernels (`kernels/moe/grouped_gemm.cu`: forward, dX, dW) on the
-/// CPU against float64 products of the same bf16 values, every element, outputs poisoned:
+/// The grouped GEMM's three kernels (`kernels/moe/grouped_gemm.cu`: forward, dX, dW), bf16 and
+/// fp16, on the CPU against float64 products of the same 16-bit values, every element, outputs
+/// poisoned:
 /// issue 14's inputs (8 experts with [5, 0, 0, 3, 0, 1, 0, 7] rows, K = N = 256; every count
 /// 0; one token), partial row, column and reduction tiles, a group of more than one band of
 /// row tiles, and the skewed counts `GroupedCase` gives (its last quarter of experts empty);
@@ -619,6 +642,7 @@ fn grouped_gemm_emulated_matches_float64() {
         format!("{},{},4,{}", zipf.hidden, zipf.width, join(&counts)),
     ];
     emulated_suite_kernel_runs_clean("moe", "grouped_gemm_check", &cases);
+    emulated_suite_kernel_runs_clean_with("moe", "grouped_gemm_check", &["GG_BF16=0"], &cases);
 }
 
 /// The MoE routing, plan, gather, combine and SwiGLU kernels (`kernels/moe/dispatch.cu`) and

@@ -4,10 +4,11 @@
 // into padded shared memory, ldmatrix fragments, mma.sync m16n8k16) and a persistent tile
 // scheduler over all groups' tiles (the grouped GEMM of CUTLASS and of Triton's tutorial
 // describe one; the code here is its own). Needs the sequence-mixer prelude before it
-// (u16, u32, pack_bf16, mma_bf16, ldsm_x4 / ldsm_x4_t, cp_async16 and its waits).
+// (u16, u32, pack_bf16 / pack_f16, mma_bf16 / mma_f16, ldsm_x4 / ldsm_x4_t, cp_async16 and its
+// waits).
 //
-// Layouts (row-major, bf16 as u16 bits, float32 accumulation, bf16 results rounded to nearest
-// even): rows in expert order, expert e owning rows offsets[e] .. offsets[e + 1] - 1 (int32,
+// Layouts (row-major, 16-bit values as u16 bits, float32 accumulation, 16-bit results rounded
+// to nearest even; the 16-bit type is GG_BF16's, below): rows in expert order, expert e owning rows offsets[e] .. offsets[e + 1] - 1 (int32,
 // non-decreasing, offsets[0] = 0, offsets[E] = M).
 //   MODE 0, the forward:  y[M, N]      = x[M, K] · w[e][K, N]          for each group's rows
 //   MODE 1, dX:           dx[M, K]     = dy[M, N] · w[e][K, N]ᵀ        for each group's rows
@@ -23,6 +24,19 @@
 // grid is persistent: block b takes tiles b, b + gridDim.x, ... of the launch's tile list, the
 // groups' tiles one after another; within a group, tiles go down bands of GG_BAND row tiles
 // before moving right, so that the blocks in flight share A rows and B columns in L2.
+
+// The 16-bit type of operands and results: bf16 unless the source before this file defines
+// GG_BF16 as 0 (fp16: the host's `moe::cuda::source_for(Dtype::F16)`).
+#ifndef GG_BF16
+#define GG_BF16 1
+#endif
+#if GG_BF16
+#define gg_mma mma_bf16
+#define gg_pack pack_bf16
+#else
+#define gg_mma mma_f16
+#define gg_pack pack_f16
+#endif
 
 #define GG_THREADS 256
 #define GG_BM 128
@@ -148,11 +162,11 @@ __device__ void gg_tile(u16* smem_h, const u16* a, long long lda, const u16* b, 
 #pragma unroll
             for (int i = 0; i < 4; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) mma_bf16(acc[i][j], af[i], bf[j][0], bf[j][1]);
+                for (int j = 0; j < 4; ++j) gg_mma(acc[i][j], af[i], bf[j][0], bf[j][1]);
         }
     }
     cp_async_wait<0>();
-    // The accumulators, rounded to bf16, in pairs along n (n_lim is even).
+    // The accumulators, rounded to the 16-bit type, in pairs along n (n_lim is even).
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -163,7 +177,7 @@ __device__ void gg_tile(u16* smem_h, const u16* a, long long lda, const u16* b, 
                 const int m = wm + i * 16 + g + 8 * h;
                 if (m < m_lim && n < n_lim)
                     *reinterpret_cast<u32*>(c + (long long)m * ldc + n) =
-                        pack_bf16(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+                        gg_pack(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
             }
         }
 }

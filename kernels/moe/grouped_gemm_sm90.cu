@@ -9,7 +9,8 @@
 // the TMA, mbarrier and descriptor helpers are the attention suite's (attn_wgmma_sm90.cu, which
 // the host places before this file, after attn_prelude.cuh).
 //
-// Layouts as grouped_gemm.cu: row-major bf16 as u16 bits, float32 accumulation, bf16 results
+// Layouts as grouped_gemm.cu: row-major 16-bit values as u16 bits (bf16, or fp16 where the host
+// defines KP_WG_BF16 as 0 before attn_wgmma_sm90.cu), float32 accumulation, 16-bit results
 // rounded to nearest even; x [M, K] rows in expert order, w [E, K, N], offsets [E + 1] int32
 // (clamped to [0, M] on the device). The host builds the tensor maps (3-D, innermost first,
 // boxes of 64 columns = 128 bytes, 128-byte swizzle; boxes past a tensor's end read zeros):
@@ -110,7 +111,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
                                                  uint64_t desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "wgmma.mma_async.sync.aligned.m64n256k16" WG_AB
         GS_REGS128 ", %128, %129, p, 1, 1, %131, %132;\n}\n"
         : GS_ACC128(d)
         : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
@@ -123,7 +124,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
                                                  uint64_t desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "wgmma.mma_async.sync.aligned.m64n128k16" WG_AB
         WG_REGS64 ", %64, %65, p, 1, 1, %67, %68;\n}\n"
         : WG_ACC64(d)
         : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
@@ -411,7 +412,7 @@ __device__ __forceinline__ void gs_store_rows(const float (&acc)[128], int off, 
                         const int r = 16 * warp + g + 8 * h;
                         const u32 at = buf + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * t4;
                         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
-                                     "r"(pack2<true>(acc[off + 4 * j + 2 * h],
+                                     "r"(pack2<KP_WG_BF16>(acc[off + 4 * j + 2 * h],
                                                      acc[off + 4 * j + 2 * h + 1]))
                                      : "memory");
                     }
@@ -433,7 +434,7 @@ __device__ __forceinline__ void gs_store_rows(const float (&acc)[128], int off, 
                 const int r = 16 * warp + g + 8 * h;
                 if (r < m_lim && col < n_lim)
                     *reinterpret_cast<u32*>(cp + (long long)r * ldc + col) =
-                        pack2<true>(acc[off + 4 * j + 2 * h], acc[off + 4 * j + 2 * h + 1]);
+                        pack2<KP_WG_BF16>(acc[off + 4 * j + 2 * h], acc[off + 4 * j + 2 * h + 1]);
             }
         }
     }

@@ -49,6 +49,50 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
 }
 #endif
 
+// The fp16 counterparts (the MoE grouped GEMM's fp16 instance): pack_f16 packs two IEEE
+// half-precision values as pack_bf16 does, each rounded to nearest even (one cvt.rn.f16x2.f32
+// on the GPU; values past 65504 round to infinity); mma_f16 is mma_bf16 with fp16 operands
+// (the same fragment layout, float32 accumulation).
+#ifdef KP_EMULATE
+// fp16 bits of v, rounded to nearest even, as cvt.rn.f16.f32 gives them.
+__device__ __forceinline__ u16 to_f16(float v) {
+    const u32 u = __float_as_uint(v), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (u16)(sign | 0x7e00u);  // NaN
+    if (a >= 0x477ff000u) return (u16)(sign | 0x7c00u);  // at or past 65520: infinity
+    if (a >= 0x38800000u) {                              // a normal half: rebias, round
+        u32 r = a - 0x38000000u;
+        r += 0xfffu + ((r >> 13) & 1u);
+        return (u16)(sign | (r >> 13));
+    }
+    // A subnormal half (or zero): the value in units of 2^-24, rounded to nearest even.
+    const u32 e = a >> 23;
+    if (e < 102) return (u16)sign;  // below 2^-25: rounds to zero
+    const u32 mant = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    u32 m = mant >> shift;
+    const u32 rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+    m += (rem > half || (rem == half && (m & 1u))) ? 1u : 0u;
+    return (u16)(sign | m);
+}
+#endif
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+#ifdef KP_EMULATE
+    return (u32)to_f16(lo) | ((u32)to_f16(hi) << 16);
+#else
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+#endif
+}
+#ifndef KP_EMULATE
+__device__ __forceinline__ void mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
+
 // Shared-memory fragment loads and asynchronous copies (sm_80+). ldsm_x4 / ldsm_x4_t: the
 // warp-wide ldmatrix.m8n8.x4 (.trans) of four 8 x 8 bf16 matrices, lane l giving `p`, the
 // address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned); register i of lane

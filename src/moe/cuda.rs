@@ -3,8 +3,9 @@
 //! forward `y = x · w[e]`, and the backward's `dX = dY · w[e]ᵀ` and `dW[e] = x_eᵀ · dY_e`, one
 //! launch each for all experts whatever their row counts (empty groups included). Layouts are
 //! [`super::reference::grouped_matmul`]'s: `x` `[M, K]` rows in expert order, `w` `[E, K, N]`,
-//! `offsets` `[E + 1]` (int32), bf16 operands held as their bits (`u16`), float32
-//! accumulation, bf16 results rounded to nearest even.
+//! `offsets` `[E + 1]` (int32), bf16 or fp16 operands ([`Dtype`], chosen when the kernels are
+//! compiled) held as their bits (`u16`), float32 accumulation, results in the operands' type
+//! rounded to nearest even.
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -14,10 +15,65 @@ use crate::sequence_mixers::cuda::with_prelude;
 /// The kernel source (`kernels/moe/grouped_gemm.cu`).
 pub const GROUPED_GEMM_SRC: &str = include_str!("../../kernels/moe/grouped_gemm.cu");
 
-/// What NVRTC compiles: the sequence-mixer prelude (bf16 packing, mma.sync, ldmatrix,
-/// cp.async), then [`GROUPED_GEMM_SRC`].
+/// What NVRTC compiles for bf16: the sequence-mixer prelude (16-bit packing, mma.sync,
+/// ldmatrix, cp.async), then [`GROUPED_GEMM_SRC`].
 pub fn source() -> String {
     with_prelude(GROUPED_GEMM_SRC)
+}
+
+/// [`source`] for `dtype`: fp16 defines `GG_BF16` as 0 first (the kernels then multiply on
+/// `mma.sync ... .f16.f16` and round their results to fp16).
+pub fn source_for(dtype: Dtype) -> String {
+    match dtype {
+        Dtype::Bf16 => source(),
+        Dtype::F16 => format!("#define GG_BF16 0\n{}", source()),
+    }
+}
+
+/// The 16-bit element type of a grouped GEMM's operands and results, held as their bits
+/// (`u16`); products accumulate in float32 and results are rounded to nearest even.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// bfloat16 (8 exponent bits, 7 mantissa bits).
+    #[default]
+    Bf16,
+    /// IEEE half precision, fp16 (5 exponent bits, 10 mantissa bits; finite up to 65504).
+    F16,
+}
+
+impl Dtype {
+    /// The name in case parameters and documents: `bf16` or `fp16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "fp16",
+        }
+    }
+
+    /// The type named `name` ([`Dtype::name`]), if any.
+    pub fn parse(name: &str) -> Option<Dtype> {
+        match name {
+            "bf16" => Some(Dtype::Bf16),
+            "fp16" => Some(Dtype::F16),
+            _ => None,
+        }
+    }
+
+    /// The bits of `v` in this type, rounded to nearest even.
+    pub fn bits_from_f64(self, v: f64) -> u16 {
+        match self {
+            Dtype::Bf16 => half::bf16::from_f64(v).to_bits(),
+            Dtype::F16 => half::f16::from_f64(v).to_bits(),
+        }
+    }
+
+    /// The value of `bits` in this type (exact).
+    pub fn to_f64(self, bits: u16) -> f64 {
+        match self {
+            Dtype::Bf16 => half::bf16::from_bits(bits).to_f64(),
+            Dtype::F16 => half::f16::from_bits(bits).to_f64(),
+        }
+    }
 }
 
 /// The kernels' names: the forward, dX, dW.
@@ -170,21 +226,23 @@ impl ProductKernels {
 /// The compiled kernels.
 pub struct GroupedGemm {
     k: ProductKernels,
+    /// The operands' and results' type.
+    dtype: Dtype,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
 
 impl GroupedGemm {
-    /// Compiles the kernels (once per process; [`Gpu::compile`] caches) for launches over up to
-    /// `max_groups` groups.
+    /// Compiles the kernels for `dtype` operands (once per process; [`Gpu::compile`] caches)
+    /// for launches over up to `max_groups` groups.
     ///
     /// # Errors
     /// [`GpuError::Compile`] with NVRTC's log; driver errors from loading.
-    pub fn new(gpu: &Gpu, max_groups: usize) -> Result<GroupedGemm, GpuError> {
+    pub fn new(gpu: &Gpu, max_groups: usize, dtype: Dtype) -> Result<GroupedGemm, GpuError> {
         let k = ProductKernels::load(
             gpu,
             "grouped_gemm.cu",
-            &source(),
+            &source_for(dtype),
             ENTRY_POINTS,
             shared_bytes(max_groups),
             max_groups,
@@ -192,6 +250,7 @@ impl GroupedGemm {
         Ok(GroupedGemm {
             compile_s: k.compile_s,
             k,
+            dtype,
         })
     }
 
@@ -290,9 +349,10 @@ pub const TALL_VARIANT: &str = "grouped_wgmma_tall";
 pub const MC_VARIANT: &str = "grouped_wgmma_mc";
 
 impl GroupedKernel {
-    /// The dispatch: compiles the kernel that runs K × N weights on this device for up to
-    /// `max_groups` groups (wgmma on compute capability 9.0 when K and N are multiples of 64
-    /// and the groups at most [`super::sm90::MAX_GROUPS`], mma.sync otherwise).
+    /// The dispatch: compiles the kernel that runs K × N weights of `dtype` on this device for
+    /// up to `max_groups` groups (wgmma on compute capability 9.0 when K and N are multiples of
+    /// 64 and the groups at most [`super::sm90::MAX_GROUPS`], mma.sync otherwise; the same rule
+    /// for bf16 and fp16).
     ///
     /// # Errors
     /// NVRTC's log; driver errors from loading.
@@ -301,30 +361,40 @@ impl GroupedKernel {
         max_groups: usize,
         k: usize,
         n: usize,
+        dtype: Dtype,
     ) -> Result<GroupedKernel, GpuError> {
         if super::sm90::takes(&gpu.arch(), max_groups, k, n) {
             Ok(GroupedKernel::Wgmma(super::sm90::HopperGroupedGemm::new(
-                gpu, max_groups,
+                gpu, max_groups, dtype,
             )?))
         } else {
-            Ok(GroupedKernel::MmaSync(GroupedGemm::new(gpu, max_groups)?))
+            Ok(GroupedKernel::MmaSync(GroupedGemm::new(
+                gpu, max_groups, dtype,
+            )?))
         }
     }
 
     /// The kernel by implementation name ([`IMPLEMENTATIONS`], [`WIDE_VARIANT`],
-    /// [`TALL_VARIANT`] or [`MC_VARIANT`]).
+    /// [`TALL_VARIANT`] or [`MC_VARIANT`]) for `dtype` operands.
     ///
     /// # Errors
     /// [`GpuError::Config`] for another name, or a wgmma kernel (`grouped_wgmma` or either
     /// variant) off compute capability 9.0; NVRTC's log; driver errors.
-    pub fn named(gpu: &Gpu, name: &str, max_groups: usize) -> Result<GroupedKernel, GpuError> {
+    pub fn named(
+        gpu: &Gpu,
+        name: &str,
+        max_groups: usize,
+        dtype: Dtype,
+    ) -> Result<GroupedKernel, GpuError> {
         match name {
             "grouped_wgmma" => Ok(GroupedKernel::Wgmma(super::sm90::HopperGroupedGemm::new(
-                gpu, max_groups,
+                gpu, max_groups, dtype,
             )?)),
-            "grouped_mma_sync" => Ok(GroupedKernel::MmaSync(GroupedGemm::new(gpu, max_groups)?)),
+            "grouped_mma_sync" => Ok(GroupedKernel::MmaSync(GroupedGemm::new(
+                gpu, max_groups, dtype,
+            )?)),
             MC_VARIANT => Ok(GroupedKernel::Wgmma(
-                super::sm90::HopperGroupedGemm::with_multicast(gpu, max_groups)?,
+                super::sm90::HopperGroupedGemm::with_multicast(gpu, max_groups, dtype)?,
             )),
             WIDE_VARIANT | TALL_VARIANT => {
                 let tall_use = if name == WIDE_VARIANT {
@@ -333,7 +403,9 @@ impl GroupedKernel {
                     super::sm90::TallUse::Always
                 };
                 Ok(GroupedKernel::Wgmma(
-                    super::sm90::HopperGroupedGemm::with_tall_use(gpu, max_groups, tall_use)?,
+                    super::sm90::HopperGroupedGemm::with_tall_use(
+                        gpu, max_groups, tall_use, dtype,
+                    )?,
                 ))
             }
             other => Err(GpuError::Config(format!(
@@ -352,6 +424,14 @@ impl GroupedKernel {
                 super::sm90::TallUse::Always => TALL_VARIANT,
             },
             GroupedKernel::MmaSync(_) => IMPLEMENTATIONS[1],
+        }
+    }
+
+    /// The operands' and results' type.
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            GroupedKernel::Wgmma(k) => k.dtype(),
+            GroupedKernel::MmaSync(k) => k.dtype,
         }
     }
 
@@ -389,7 +469,8 @@ impl GroupedKernel {
 }
 
 /// `grouped_matmul` on the device: y `[M, N]` = x `[M, K]` · w\[e\] `[K, N]` for each group's
-/// rows (`offsets` `[E + 1]` int32 on the device, M = `rows`), bf16 operands and result as their
+/// rows (`offsets` `[E + 1]` int32 on the device, M = `rows`), operands and result in the
+/// kernel's [`Dtype`] (bf16 or fp16, [`GroupedKernel::dtype`]) as their
 /// bits, float32 accumulation, by `kernel` (usually [`GroupedKernel::for_shape`]'s pick); y is
 /// allocated on the stream. The float64 definition is [`super::reference::grouped_matmul`].
 ///
@@ -446,6 +527,35 @@ pub fn grouped_matmul_backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dtypes_name_round_and_decode() {
+        for t in [Dtype::Bf16, Dtype::F16] {
+            assert_eq!(Dtype::parse(t.name()), Some(t));
+            assert_eq!(t.to_f64(t.bits_from_f64(1.5)), 1.5);
+        }
+        assert_eq!(Dtype::parse("fp32"), None);
+        // fp16 keeps 10 mantissa bits and overflows past 65504; bf16 keeps 7 and the range.
+        assert_eq!(
+            Dtype::F16.to_f64(Dtype::F16.bits_from_f64(1.0 + 1.0 / 1024.0)),
+            1.0 + 1.0 / 1024.0
+        );
+        assert_eq!(
+            Dtype::Bf16.to_f64(Dtype::Bf16.bits_from_f64(1.0 + 1.0 / 1024.0)),
+            1.0
+        );
+        assert!(Dtype::F16
+            .to_f64(Dtype::F16.bits_from_f64(70000.0))
+            .is_infinite());
+        assert_eq!(
+            Dtype::Bf16.to_f64(Dtype::Bf16.bits_from_f64(65536.0)),
+            65536.0
+        );
+        // The fp16 source defines the kernels' type first; bf16 is the file as it is.
+        assert_eq!(source_for(Dtype::Bf16), source());
+        assert!(source_for(Dtype::F16).starts_with("#define GG_BF16 0\n"));
+        assert!(GROUPED_GEMM_SRC.contains("#define gg_mma mma_f16"));
+    }
 
     #[test]
     fn constants_match_the_kernel_source() {

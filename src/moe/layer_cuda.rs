@@ -9,7 +9,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::cuda::{GroupedKernel, Product};
+use super::cuda::{Dtype, GroupedKernel, Product};
 use super::dispatch_cuda::{DevicePlan, DeviceRouting, MoeDispatch};
 use super::reference::Gate;
 use crate::gpu::{Gpu, GpuError};
@@ -110,11 +110,11 @@ impl MoeLayer {
         let takes_wgmma = super::sm90::takes(&gpu.arch(), experts, hidden, 2 * width)
             && super::sm90::takes(&gpu.arch(), experts, width, hidden);
         let experts_gemm = if takes_wgmma {
-            GroupedKernel::named(gpu, "grouped_wgmma", experts)?
+            GroupedKernel::named(gpu, "grouped_wgmma", experts, Dtype::Bf16)?
         } else {
-            GroupedKernel::named(gpu, "grouped_mma_sync", experts)?
+            GroupedKernel::named(gpu, "grouped_mma_sync", experts, Dtype::Bf16)?
         };
-        let router_gemm = GroupedKernel::named(gpu, "grouped_mma_sync", experts)?;
+        let router_gemm = GroupedKernel::named(gpu, "grouped_mma_sync", experts, Dtype::Bf16)?;
         let compile_s = dispatch.compile_s + experts_gemm.compile_s() + router_gemm.compile_s();
         Ok(MoeLayer {
             dispatch,

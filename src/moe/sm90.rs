@@ -12,7 +12,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::cuda::Product;
+use super::cuda::{Dtype, Product};
 use crate::attention::cuda::PRELUDE_SRC;
 use crate::attention::sm90::{tma_map_bf16, WGMMA_SRC};
 use crate::gpu::{Gpu, GpuError};
@@ -27,11 +27,26 @@ pub fn source() -> String {
     format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n{GROUPED_GEMM_SM90_SRC}\n")
 }
 
+/// [`source`] for `dtype`: fp16 defines `KP_WG_BF16` as 0 first (the wgmma instructions then
+/// take `.f16` operands and the epilogue rounds to fp16; the tensor maps only move 16-bit
+/// elements, so they are the same for both types).
+pub fn source_for(dtype: Dtype) -> String {
+    match dtype {
+        Dtype::Bf16 => source(),
+        Dtype::F16 => format!("#define KP_WG_BF16 0\n{}", source()),
+    }
+}
+
 /// [`source`] with the multicast forward ([`MC_ENTRY`]) too (`GS_WITH_MC`): the variant
 /// `grouped_wgmma_mc`'s module; the dispatch's leaves it out (it would add about a fifth to
 /// every process's compile).
 pub fn source_with_multicast() -> String {
-    format!("#define GS_WITH_MC\n{}", source())
+    source_with_multicast_for(Dtype::Bf16)
+}
+
+/// [`source_with_multicast`] for `dtype` (as [`source_for`]).
+pub fn source_with_multicast_for(dtype: Dtype) -> String {
+    format!("#define GS_WITH_MC\n{}", source_for(dtype))
 }
 
 /// The kernels' names: the forward, dX, dW.
@@ -160,6 +175,8 @@ pub struct HopperGroupedGemm {
     tall_use: TallUse,
     /// The multicast forward ([`MC_ENTRY`]), where this instance runs the forward on it.
     mc: Option<cudarc::driver::CudaFunction>,
+    /// The operands' and results' type.
+    dtype: Dtype,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
     pub compile_s: f64,
 }
@@ -172,7 +189,7 @@ impl HopperGroupedGemm {
     /// # Errors
     /// [`GpuError::Config`] on a device that is not compute capability 9.0 or for more than
     /// [`MAX_GROUPS`] groups; NVRTC's log; driver errors from loading.
-    pub fn new(gpu: &Gpu, max_groups: usize) -> Result<HopperGroupedGemm, GpuError> {
+    pub fn new(gpu: &Gpu, max_groups: usize, dtype: Dtype) -> Result<HopperGroupedGemm, GpuError> {
         if gpu.arch() != "sm_90a" {
             return Err(GpuError::Config(format!(
                 "the wgmma grouped GEMM needs compute capability 9.0 (sm_90a), not {}",
@@ -187,13 +204,13 @@ impl HopperGroupedGemm {
         let k = super::cuda::ProductKernels::load(
             gpu,
             "grouped_gemm_sm90.cu",
-            &source(),
+            &source_for(dtype),
             ENTRY_POINTS,
             shared_bytes(max_groups),
             max_groups,
         )?;
         // The same source: the compile is the cached one.
-        let compiled = gpu.compile("grouped_gemm_sm90.cu", &source())?;
+        let compiled = gpu.compile("grouped_gemm_sm90.cu", &source_for(dtype))?;
         let tall = [
             gpu.function(&compiled.module, TALL_ENTRY, shared_bytes(max_groups))?,
             gpu.function(&compiled.module, TALL_DW_ENTRY, shared_bytes(max_groups))?,
@@ -204,6 +221,7 @@ impl HopperGroupedGemm {
             tall,
             tall_use: TallUse::CostModel,
             mc: None,
+            dtype,
         })
     }
 
@@ -212,12 +230,21 @@ impl HopperGroupedGemm {
     ///
     /// # Errors
     /// As [`HopperGroupedGemm::new`].
-    pub fn with_multicast(gpu: &Gpu, max_groups: usize) -> Result<HopperGroupedGemm, GpuError> {
-        let mut k = HopperGroupedGemm::with_tall_use(gpu, max_groups, TallUse::Never)?;
-        let compiled = gpu.compile("grouped_gemm_sm90_mc.cu", &source_with_multicast())?;
+    pub fn with_multicast(
+        gpu: &Gpu,
+        max_groups: usize,
+        dtype: Dtype,
+    ) -> Result<HopperGroupedGemm, GpuError> {
+        let mut k = HopperGroupedGemm::with_tall_use(gpu, max_groups, TallUse::Never, dtype)?;
+        let compiled = gpu.compile("grouped_gemm_sm90_mc.cu", &source_with_multicast_for(dtype))?;
         k.mc = Some(gpu.function(&compiled.module, MC_ENTRY, shared_bytes(max_groups))?);
         k.compile_s += compiled.compile_s;
         Ok(k)
+    }
+
+    /// The operands' and results' type.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
     }
 
     /// Whether this instance runs the forward on the multicast kernel.
@@ -235,8 +262,9 @@ impl HopperGroupedGemm {
         gpu: &Gpu,
         max_groups: usize,
         tall_use: TallUse,
+        dtype: Dtype,
     ) -> Result<HopperGroupedGemm, GpuError> {
-        let mut k = HopperGroupedGemm::new(gpu, max_groups)?;
+        let mut k = HopperGroupedGemm::new(gpu, max_groups, dtype)?;
         k.tall_use = tall_use;
         Ok(k)
     }

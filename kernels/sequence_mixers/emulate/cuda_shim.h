@@ -260,7 +260,18 @@ template <class F> void launch(dim3 grid, unsigned threads, F kernel, size_t sme
 struct MmaFrags { unsigned a[32][4], b[32][2]; };
 std::vector<std::unique_ptr<MmaFrags>> g_mma;
 inline float bf16_float(unsigned bits16) { return __uint_as_float((bits16 & 0xffffu) << 16); }
-inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+// IEEE half-precision bits (the low 16) as float32, exactly (subnormals, infinities, NaN).
+inline float f16_float(unsigned bits16) {
+    const unsigned h = bits16 & 0xffffu, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    const float v = e == 0 ? std::ldexp((float)m, -24)
+                  : e == 31 ? (m ? NAN : INFINITY)
+                            : std::ldexp((float)(m | 0x400u), (int)e - 25);
+    return (h & 0x8000u) ? -v : v;
+}
+// The product over one warp's fragments whose 16-bit halves DECODE turns into floats:
+// mma_bf16 and mma_f16 (prelude.cuh's mma_f16, the same layout with fp16 operands) below.
+template <float (*DECODE)(unsigned)>
+inline void mma_emulated(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
     Warp& warp = *g_warps[w];
     MmaFrags& f = *g_mma[w];
@@ -272,11 +283,11 @@ inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
         const int g = l / 4, t = l % 4;
         const int rk[4][2] = {{g, 2 * t}, {g + 8, 2 * t}, {g, 8 + 2 * t}, {g + 8, 8 + 2 * t}};
         for (int j = 0; j < 4; ++j) {
-            A[rk[j][0]][rk[j][1]] = bf16_float(f.a[l][j]);
-            A[rk[j][0]][rk[j][1] + 1] = bf16_float(f.a[l][j] >> 16);
+            A[rk[j][0]][rk[j][1]] = DECODE(f.a[l][j]);
+            A[rk[j][0]][rk[j][1] + 1] = DECODE(f.a[l][j] >> 16);
         }
-        B[2 * t][g] = bf16_float(f.b[l][0]); B[2 * t + 1][g] = bf16_float(f.b[l][0] >> 16);
-        B[8 + 2 * t][g] = bf16_float(f.b[l][1]); B[8 + 2 * t + 1][g] = bf16_float(f.b[l][1] >> 16);
+        B[2 * t][g] = DECODE(f.b[l][0]); B[2 * t + 1][g] = DECODE(f.b[l][0] >> 16);
+        B[8 + 2 * t][g] = DECODE(f.b[l][1]); B[8 + 2 * t + 1][g] = DECODE(f.b[l][1] >> 16);
     }
     warp.bar.arrive_and_wait();
     const int g = lane / 4, t = lane % 4;
@@ -286,6 +297,12 @@ inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
         for (int k = 0; k < 16; ++k) acc += (double)A[rn[e][0]][k] * B[k][rn[e][1]];
         c[e] = (float)(c[e] + acc);
     }
+}
+inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    mma_emulated<bf16_float>(c, a, b0, b1);
+}
+inline void mma_f16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    mma_emulated<f16_float>(c, a, b0, b1);
 }
 void g_mma_reset(unsigned warps) {
     g_mma.clear();
