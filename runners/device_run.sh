@@ -243,17 +243,17 @@ ks_shards)
   # The kernel-sum grid in eight shards over several calls (README, Kernel sums):
   # `ks_shards OUTDIR BUDGET_S I[:NEED_S] ...` runs each shard I/8 through grid_shards.sh while
   # BUDGET_S allows (NEED_S: the shard's expected time), into gpu_kernel_sums_I.json;
-  # KP_KS_TESTS=1 runs the kernel-sum GPU tests first (inside the budget).
+  # KP_KS_TESTS=1 runs the kernel-sum GPU tests first (inside the budget, which counts from
+  # this script's start: the wheels' install and nvidia-smi included).
   install_wheels
   budget=${3:?budget, s}; shift 3
-  t_ks=$(date +%s)
   if [ "${KP_KS_TESTS:-0}" = 1 ]; then
     step "kernel-sum gpu tests" 120 "$out/gpu_kernel_sums.tests.log" "$bin/gpu_kernel_sums_test" \
       --include-ignored --test-threads 1 --nocapture
   fi
   KP_SHARD_RUNNER=kernel_sums KP_SHARD_NAME=gpu_kernel_sums \
     KP_SHARD_ARGS="--compare torch,jax,ott,geomloss --case-timeout 60" \
-    bash "$here/grid_shards.sh" "$out" 8 $(( budget - ($(date +%s) - t_ks) )) "$@"
+    bash "$here/grid_shards.sh" "$out" 8 $(( budget - ($(date +%s) - t_start) )) "$@"
   ;;
 moe)
   # KP_MOE_ARGS: runner arguments (default --compare torch), e.g. "--quick" or

@@ -6,8 +6,8 @@
 # A shard starts only when BUDGET_S minus the time spent leaves at least NEED_S (its expected
 # time, when given), else $KP_SHARD_RESERVE_S (default 250 s: a 16th of the attention grid
 # took 103-230 s on an H200) and the longest shard so far plus 20 s. A shard cut off by the
-# budget leaves its document as NAME_I.partial.json. The shards of one build are one run (`config.command` differs
-# only in --shard and --output), so they may span machine calls. Optional: KP_SHARD_FILTER (a
+# budget leaves its document as NAME_I.partial.json. The shards of one build are one run
+# (`config.command` differs only in --shard and --output), so they may span machine calls. Optional: KP_SHARD_FILTER (a
 # `--filter` expression, e.g. `pass=fwd`: the shards then split that part of the grid) and
 # KP_SHARD_NAME (the documents' name before `_I.json`, default gpu_attention). For the
 # kernel-sum grid: KP_SHARD_RUNNER=kernel_sums KP_SHARD_NAME=gpu_kernel_sums
@@ -22,7 +22,8 @@ export PYTHONUNBUFFERED=1
 reserve=${KP_SHARD_RESERVE_S:-250}
 name=${KP_SHARD_NAME:-gpu_attention}
 runner=${KP_SHARD_RUNNER:-attention}
-read -r -a args <<< "${KP_SHARD_ARGS:---compare torch,jax}"
+# An empty KP_SHARD_ARGS passes no arguments; unset, the attention default.
+read -r -a args <<< "${KP_SHARD_ARGS---compare torch,jax}"
 filter=(); [ -n "${KP_SHARD_FILTER:-}" ] && filter=(--filter "$KP_SHARD_FILTER")
 t_start=$(date +%s); longest=0
 for spec in "$@"; do
@@ -30,7 +31,10 @@ for spec in "$@"; do
   left=$(( budget - ($(date +%s) - t_start) ))
   need=$(( longest + 20 > reserve ? longest + 20 : reserve ))
   [ "$spec" != "$i" ] && need=${spec#*:}
-  if [ "$need" -gt "$left" ]; then
+  if ! [[ "$i" =~ ^[0-9]+$ && "$need" =~ ^[0-9]+$ ]]; then
+    echo "shard spec \`$spec\`: not I or I:NEED_S in whole numbers"; exit 2
+  fi
+  if [ "$need" -gt "$left" ] || [ "$left" -le 0 ]; then
     echo "shard $i/$count: not started ($left s left, $need s needed)"; continue
   fi
   t0=$(date +%s)

@@ -34,8 +34,29 @@ fn grouped_gemm_kernels_compile_without_spills() {
     for dtype in [Dtype::Bf16, Dtype::F16] {
         spills::compiles_without_spills("grouped_gemm.cu", &moe_cuda::source_for(dtype), &entries);
     }
-    // The fp16 instance multiplies on fp16 instructions (the define reaches the kernels).
-    assert!(moe_cuda::source_for(Dtype::F16).starts_with("#define GG_BF16 0\n"));
+    // Each instance multiplies and rounds in its own type only: a define that did not reach
+    // the kernels would leave bf16 instructions in the fp16 PTX.
+    for (dtype, ours, other) in [
+        (Dtype::Bf16, ".bf16.bf16", ".f16.f16"),
+        (Dtype::F16, ".f16.f16", ".bf16.bf16"),
+    ] {
+        let ptx = gpu::nvrtc_compile("grouped_gemm.cu", &moe_cuda::source_for(dtype), "sm_80")
+            .unwrap()
+            .to_src();
+        assert!(
+            ptx.contains(ours) && !ptx.contains(other),
+            "{dtype:?}: mma types"
+        );
+        let (cvt_ours, cvt_other) = if dtype == Dtype::F16 {
+            ("cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32")
+        } else {
+            ("cvt.rn.bf16x2.f32", "cvt.rn.f16x2.f32")
+        };
+        assert!(
+            ptx.contains(cvt_ours) && !ptx.contains(cvt_other),
+            "{dtype:?}: rounding"
+        );
+    }
 }
 
 /// The Hopper kernel compiles for sm_90a without spills, at the whole register cap of 384
@@ -55,6 +76,17 @@ fn grouped_gemm_sm90_compiles_without_spills() {
     // The dispatch's module leaves the multicast forward out; the variant's has every kernel.
     assert!(!sm90::source().contains("#define GS_WITH_MC"));
     for dtype in [Dtype::Bf16, Dtype::F16] {
+        let ptx = gpu::nvrtc_compile("grouped_gemm_sm90.cu", &sm90::source_for(dtype), "sm_90a")
+            .unwrap()
+            .to_src();
+        let (ours, other) = match dtype {
+            Dtype::Bf16 => (".f32.bf16.bf16", ".f32.f16.f16"),
+            Dtype::F16 => (".f32.f16.f16", ".f32.bf16.bf16"),
+        };
+        assert!(
+            ptx.contains(ours) && !ptx.contains(other),
+            "{dtype:?}: wgmma types"
+        );
         let reports = spills::compiles_without_spills_on(
             "grouped_gemm_sm90.cu",
             &sm90::source_with_multicast_for(dtype),
@@ -316,9 +348,11 @@ fn fp16_kernels() -> &'static Vec<GroupedKernel> {
 
 /// fp16 operands: issue 14's counts [5, 0, 0, 3, 0, 1, 0, 7] at K = N = 256, and skewed groups
 /// (an empty one, a single row, partial row tiles, N on the tall tiles) at K = 512, N = 384,
-/// the three products of both kernels against float64 within fp16's rounding (1e-3 of the
-/// largest value: 8 times tighter than bf16's bound, so a kernel that read the operands as
-/// bf16 fails), dW of an empty group exactly 0.
+/// the three products of both kernels (the dispatch's two: the portable one and the wgmma one
+/// with its cost-model tiles) against float64 within fp16's rounding (1e-3 of the largest
+/// value), dW of an empty group exactly 0. A kernel that read fp16 bits as bf16 would be off by
+/// whole orders of magnitude, and one that rounded its results to bf16 would miss the bound by
+/// about 2×.
 #[test]
 #[cfg_attr(
     not(kp_cuda),

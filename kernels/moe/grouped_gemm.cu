@@ -7,9 +7,9 @@
 // (u16, u32, pack_bf16 / pack_f16, mma_bf16 / mma_f16, ldsm_x4 / ldsm_x4_t, cp_async16 and its
 // waits).
 //
-// Layouts (row-major, 16-bit values as u16 bits, float32 accumulation, 16-bit results rounded
-// to nearest even; the 16-bit type is GG_BF16's, below): rows in expert order, expert e owning rows offsets[e] .. offsets[e + 1] - 1 (int32,
-// non-decreasing, offsets[0] = 0, offsets[E] = M).
+// Layouts (row-major, 16-bit values as u16 bits, float32 accumulation, 16-bit results rounded to
+// nearest even; the 16-bit type is GG_BF16's, below): rows in expert order, expert e owning rows
+// offsets[e] .. offsets[e + 1] - 1 (int32, non-decreasing, offsets[0] = 0, offsets[E] = M).
 //   MODE 0, the forward:  y[M, N]      = x[M, K] · w[e][K, N]          for each group's rows
 //   MODE 1, dX:           dx[M, K]     = dy[M, N] · w[e][K, N]ᵀ        for each group's rows
 //   MODE 2, dW:           dw[e][K, N]  = x[rows of e, K]ᵀ · dy[rows of e, N]  (zeros for an

@@ -35,14 +35,14 @@
 // at most 64 of the group's rows left and more than 128 columns is split: both consumers
 // multiply those 64 rows, each against half of B's columns (SPLIT, below).
 //
-// Epilogue: each consumer rounds its 64 x 256 accumulators to bf16 and writes them, 64 columns
-// at a time, into one of its two 64 x 64 shared-memory buffers (128-byte swizzled, the layout
-// TMA expects; conflict-free 4-byte stores), from which one thread stores the subtile to global
-// memory with a TMA store (`map_c`: y as (N, M, 1), dX as (K, M, 1), dW as (N, K, E); columns
-// past N and dW rows past K are clipped by the map). The consumers go on to the next tile while
-// the stores drain; a buffer is rewritten only after its previous store has read it. A forward
-// or dX tile whose 64 rows of one consumer run past the group's end (the next group's rows, which
-// the map cannot clip) is stored from registers instead, row by row.
+// Epilogue: each consumer rounds its 64 x 256 accumulators to bf16 (or fp16) and writes them, 64
+// columns at a time, into one of its two 64 x 64 shared-memory buffers (128-byte swizzled, the
+// layout TMA expects; conflict-free 4-byte stores), from which one thread stores the subtile to
+// global memory with a TMA store (`map_c`: y as (N, M, 1), dX as (K, M, 1), dW as (N, K, E);
+// columns past N and dW rows past K are clipped by the map). The consumers go on to the next tile
+// while the stores drain; a buffer is rewritten only after its previous store has read it. A
+// forward or dX tile whose 64 rows of one consumer run past the group's end (the next group's
+// rows, which the map cannot clip) is stored from registers instead, row by row.
 //
 // The tall forward (TALL, entry grouped_gemm_sm90_fwd_tall; the host's dispatch runs it for the
 // forward where N is an odd multiple of 128 and its cost model on the mean group size favours
@@ -83,7 +83,7 @@
 #define GS_A_BYTES (GS_BM * GS_BK * 2)
 #define GS_B_BYTES (GS_BK * GS_BN * 2)
 #define GS_STAGE_BYTES (GS_A_BYTES + GS_B_BYTES)
-// One 64 x 64 bf16 subtile of the epilogue (two buffers per consumer).
+// One 64 x 64 16-bit subtile of the epilogue (two buffers per consumer).
 #define GS_C_BYTES (64 * 64 * 2)
 // From the 1024-aligned base: the stages, the epilogue buffers (consumer 0's two, then consumer
 // 1's), the barriers (full then empty per stage), then the groups' tile prefix ((E + 1) ints).
@@ -382,7 +382,7 @@ __device__ __forceinline__ void gs_drain(const GsTile& t, int& it, u32 base, int
     }
 }
 
-// One consumer's 64 rows of C, rounded to bf16, in pairs along the columns: its accumulators
+// One consumer's 64 rows of C, rounded to the 16-bit type, in pairs along the columns: its accumulators
 // from acc[off] (four per group of 8 columns, as wgmma leaves them), columns n0 ..
 // n0 + 64 NSUB - 1 (those below n0 + n_lim), C's rows row_c .. row_c + 63 (dW: K's rows of
 // group e). When all 64 rows are C's (m_lim >= 64; dW's always, K being a multiple of 64) each

@@ -42,7 +42,7 @@ pub enum Dtype {
 }
 
 impl Dtype {
-    /// The name in case parameters and documents: `bf16` or `fp16`.
+    /// The type's name as case parameters and documents spell dtypes: `bf16` or `fp16`.
     pub fn name(self) -> &'static str {
         match self {
             Dtype::Bf16 => "bf16",
@@ -444,7 +444,8 @@ impl GroupedKernel {
     }
 
     /// One product, as [`GroupedGemm::launch`] (the Hopper kernel also needs K and N multiples
-    /// of 64).
+    /// of 64). The buffers must hold bits of the kernel's [`GroupedKernel::dtype`]: both types
+    /// travel as `u16`, so bits of the other one are not detected (the results are then wrong).
     ///
     /// # Errors
     /// As the kernel's `launch`.
@@ -470,8 +471,8 @@ impl GroupedKernel {
 
 /// `grouped_matmul` on the device: y `[M, N]` = x `[M, K]` · w\[e\] `[K, N]` for each group's
 /// rows (`offsets` `[E + 1]` int32 on the device, M = `rows`), operands and result in the
-/// kernel's [`Dtype`] (bf16 or fp16, [`GroupedKernel::dtype`]) as their
-/// bits, float32 accumulation, by `kernel` (usually [`GroupedKernel::for_shape`]'s pick); y is
+/// kernel's [`Dtype`] (bf16 or fp16, [`GroupedKernel::dtype`]; bits of the other type are not
+/// detected) as their bits, float32 accumulation, by `kernel` (usually [`GroupedKernel::for_shape`]'s pick); y is
 /// allocated on the stream. The float64 definition is [`super::reference::grouped_matmul`].
 ///
 /// # Errors

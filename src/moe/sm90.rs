@@ -6,8 +6,9 @@
 //! multiple of 128 and [`tall_pays`]: [`TALL_ENTRY`], [`TALL_DW_ENTRY`]) on a persistent grid
 //! of one block per SM. Layouts are
 //! [`super::reference::grouped_matmul`]'s: `x` `[M, K]` rows in expert order, `w` `[E, K, N]`,
-//! `offsets` `[E + 1]` int32, bf16 operands as their bits (`u16`), float32 accumulation, bf16
-//! results rounded to nearest even. K and N must be multiples of 64 (the TMA boxes' width);
+//! `offsets` `[E + 1]` int32, bf16 or fp16 operands ([`super::cuda::Dtype`], chosen when the
+//! kernels are compiled) as their bits (`u16`), float32 accumulation, results in the operands'
+//! type rounded to nearest even. K and N must be multiples of 64 (the TMA boxes' width);
 //! [`takes`] says when it runs, and the portable kernel runs everything else.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
@@ -20,9 +21,9 @@ use crate::gpu::{Gpu, GpuError};
 /// The kernel source (`kernels/moe/grouped_gemm_sm90.cu`).
 pub const GROUPED_GEMM_SM90_SRC: &str = include_str!("../../kernels/moe/grouped_gemm_sm90.cu");
 
-/// What NVRTC compiles (for `sm_90a` only): the attention prelude, the Hopper building blocks
-/// of `kernels/attn_wgmma_sm90.cu` (TMA, mbarriers, descriptors; none of its kernels), then
-/// [`GROUPED_GEMM_SM90_SRC`].
+/// What NVRTC compiles for bf16 (for `sm_90a` only): the attention prelude, the Hopper building
+/// blocks of `kernels/attn_wgmma_sm90.cu` (TMA, mbarriers, descriptors; none of its kernels),
+/// then [`GROUPED_GEMM_SM90_SRC`].
 pub fn source() -> String {
     format!("{PRELUDE_SRC}\n{WGMMA_SRC}\n{GROUPED_GEMM_SM90_SRC}\n")
 }
@@ -37,7 +38,7 @@ pub fn source_for(dtype: Dtype) -> String {
     }
 }
 
-/// [`source`] with the multicast forward ([`MC_ENTRY`]) too (`GS_WITH_MC`): the variant
+/// [`source`] (bf16) with the multicast forward ([`MC_ENTRY`]) too (`GS_WITH_MC`): the variant
 /// `grouped_wgmma_mc`'s module; the dispatch's leaves it out (it would add about a fifth to
 /// every process's compile).
 pub fn source_with_multicast() -> String {
@@ -121,12 +122,12 @@ pub const TILE: (usize, usize) = (128, 256);
 const STEP: usize = 64;
 const STAGES: usize = 4;
 
-/// The epilogue's shared-memory buffers: two 64 × 64 bf16 subtiles per consumer warpgroup.
+/// The epilogue's shared-memory buffers: two 64 × 64 16-bit subtiles per consumer warpgroup.
 const EPILOGUE_BYTES: usize = 2 * 2 * 64 * 64 * 2;
 
 /// Dynamic shared memory of a launch over `groups` groups: up to 1023 bytes to align the base
-/// for the 128-byte swizzle, the stages (a 128 × 64 and a 64 × 256 bf16 tile each), the
-/// epilogue's four 64 × 64 bf16 buffers, two mbarriers a stage and the groups' tile prefix
+/// for the 128-byte swizzle, the stages (a 128 × 64 and a 64 × 256 16-bit tile each), the
+/// epilogue's four 64 × 64 16-bit buffers, two mbarriers a stage and the groups' tile prefix
 /// (`groups + 1` int32).
 pub fn shared_bytes(groups: usize) -> u32 {
     let stage = 2 * (TILE.0 * STEP + STEP * TILE.1);
