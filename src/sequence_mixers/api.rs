@@ -503,17 +503,7 @@ pub fn gated_delta_rule_reference(
 /// [`super::reference::BasedState`]: the linear state S `[B, H, V, K]` and the last `cached`
 /// keys `[B, H, cached, K]` and values `[B, H, cached, V]` of each batch entry and head, oldest
 /// first (at most W − 1: the softmax window's cache).
-#[derive(Debug, Clone, PartialEq)]
-pub struct BasedStreamState {
-    /// The linear state, `[B, H, V, K]`.
-    pub s: Vec<f32>,
-    /// The cached keys, `[B, H, cached, K]`.
-    pub keys: Vec<f32>,
-    /// The cached values, `[B, H, cached, V]`.
-    pub values: Vec<f32>,
-    /// How many recent steps the cache holds (≤ W − 1).
-    pub cached: usize,
-}
+pub type BasedStreamState = super::reference::BasedState<f32>;
 
 /// [`based`] with its whole state carried: the linear state and the softmax window's cache of
 /// up to W − 1 recent keys and values, in and out, so that a sequence run in pieces (chunked

@@ -421,17 +421,18 @@ pub struct BasedShape {
     pub window: usize,
 }
 
-/// The state [`based`] carries from one call to the next, float64: the linear branch's state
-/// and the window branch's cache of recent keys and values.
+/// The state [`based`] carries from one call to the next: the linear branch's state and the
+/// window branch's cache of recent keys and values, in float64 here (`T` = `f64`, the
+/// default) and in float32 for the public function ([`super::api::BasedStreamState`]).
 #[derive(Clone, Debug, PartialEq)]
-pub struct BasedState {
+pub struct BasedState<T = f64> {
     /// The linear state S = Σ_s v_s k_sᵀ, `[B, H, V, K]` (value-major, as the delta rule's
     /// state above).
-    pub s: Vec<f64>,
+    pub s: Vec<T>,
     /// The last `cached` keys of each batch entry and head, oldest first, `[B, H, cached, K]`.
-    pub keys: Vec<f64>,
+    pub keys: Vec<T>,
     /// The values that go with `keys`, oldest first, `[B, H, cached, V]`.
-    pub values: Vec<f64>,
+    pub values: Vec<T>,
     /// How many recent steps the cache holds, the same for every batch entry and head: at
     /// most W − 1 (the current key makes the W-th). After a call it is min(W − 1, the initial
     /// state's `cached` + T).
