@@ -62,18 +62,30 @@ IMPORT_ERROR = torch_cpu.IMPORT_ERROR
 geomloss = None
 samples = None
 squared_distances = None
-if IMPORT_ERROR is None:
+
+
+def load_geomloss():
+    """Imports geomloss (once) into this module's globals; returns why it cannot, or None.
+
+    Called in the job's own process, never at module import: geomloss imports pykeops, whose
+    import initialises the CUDA driver (`cuInit`, in KeOps's configuration), and a CUDA driver
+    initialised in the server makes every process it forks fail to initialise CUDA ("CUDA driver
+    initialization failed": all GPU rows were `unsupported` on the H200 at 9a3c050)."""
+    global geomloss, samples, squared_distances, IMPORT_ERROR
+    if IMPORT_ERROR is not None or geomloss is not None:
+        return IMPORT_ERROR
     try:
-        import geomloss
+        import geomloss as module
         try:  # geomloss 0.3 keeps SamplesLoss's solvers under _legacy
             from geomloss._legacy import sinkhorn_samples as samples
             from geomloss._legacy.utils import squared_distances
         except ImportError:  # geomloss 0.2
             from geomloss import sinkhorn_samples as samples
             from geomloss.utils import squared_distances
-    except Exception as _e:
-        geomloss = None
-        IMPORT_ERROR = "geomloss not importable: %s" % protocol.exc_text(_e)
+        geomloss = module
+    except Exception as e:
+        IMPORT_ERROR = "geomloss not importable: %s" % protocol.exc_text(e)
+    return IMPORT_ERROR
 
 
 def keops_problem():
@@ -190,7 +202,7 @@ def measure(job):
 def _measure_into(job, reply):
     case, implementation = job["case"], job["implementation"]
     on_gpu = dense_kernel_sums.on_gpu(job)
-    why = IMPORT_ERROR or unsupported_reason(case, implementation)
+    why = unsupported_reason(case, implementation) or load_geomloss()
     if why is None and on_gpu and not torch.cuda.is_available():
         why = "no CUDA device visible to torch"
     if why is None and implementation == "geomloss_online":
@@ -285,6 +297,10 @@ def self_test():
         if not cond:
             failures.append("geomloss_sinkhorn: " + what)
 
+    # Before anything below imports it: importing this module must not import geomloss (and
+    # with it pykeops, whose import initialises CUDA in the server that forks the jobs).
+    check(geomloss is None and "pykeops" not in sys.modules,
+          "importing the module imported geomloss or pykeops")
     check(unsupported_reason({"op": "sinkhorn", "pass": "iteration"},
                              "geomloss_tensorized") is None, "an iteration is measured")
     check("no tolerance" in unsupported_reason({"op": "sinkhorn", "pass": "solve"},
@@ -294,7 +310,7 @@ def self_test():
           "kernel sums are refused")
     check("unknown" in unsupported_reason({"op": "sinkhorn", "pass": "iteration"}, "keops"),
           "other names are unknown")
-    if torch is not None and geomloss is not None:
+    if torch is not None and load_geomloss() is None:
         import numpy as np
         rng = np.random.default_rng(5)
         x = rng.random((40, 3)).astype(np.float32)
