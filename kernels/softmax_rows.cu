@@ -209,6 +209,30 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     }
 }
 
+// The backward's dK and dV run over ld keys too (their output rows are the keys, P's and dS's
+// contiguous extent), into the padded buffers [heads, ld, D] (pad_rows's dst, free by then):
+// unpad_rows copies each head's first Tkv rows into dst [heads, Tkv, D] and writes zeros over
+// rows Tkv..ld of src, so the next call's pad_rows finds the padding it left (zero keys, zero
+// values) whatever the gradients held. Same units and grid-stride loop as pad_rows, over
+// heads * ld * row_u32 units.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    unpad_rows(u32* __restrict__ src, u32* __restrict__ dst, long long heads, int Tkv, int ld,
+               int row_u32) {
+    const long long per_head = (long long)ld * row_u32;
+    const long long kept = (long long)Tkv * row_u32;
+    const long long n = heads * per_head;
+    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < n;
+         i += (long long)gridDim.x * THREADS) {
+        const long long h = i / per_head;
+        const long long j = i - h * per_head;
+        if (j < kept) {
+            dst[h * kept + j] = src[i];
+        } else {
+            src[i] = 0u;
+        }
+    }
+}
+
 #define ROWS_BWD(DT, OUT)                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS)                                      \
         softmax_bwd_rows_##DT(const float* dP, u16* P, const float* Dsum, int Tkv, int ld) {   \

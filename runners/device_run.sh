@@ -268,9 +268,9 @@ unverified)
   [ "$l" -gt 50 ] && KP_KERNEL_CACHE=$kc step "wgmma tests" $(( l - 20 )) "$out/wgmma.tests.log" \
     "$bin/gpu_attention_test" --include-ignored --test-threads 1 \
     --exact wgmma_forward_matches_float64 wgmma_backward_matches_float64
-  for f in $(find "$kc" -type f | head -40); do
+  for f in $(find "$kc" -type f -name "*.cubin" | head -40); do
     sass=$(/usr/local/cuda/bin/cuobjdump --dump-sass "$f" 2>&1)
-    echo "$(basename "$f"): $(grep -c HGMMA <<< "$sass") HGMMA, $(grep -cE '\b(LDL|STL)\b' <<< "$sass") LDL/STL, $(grep -c 'Function :' <<< "$sass") functions"
+    echo "$(basename "$f"): $(grep -c HGMMA <<< "$sass") HGMMA, $(grep -cE '\b(LDL|STL)\b' <<< "$sass") LDL/STL, $(grep -c 'Function :' <<< "$sass") functions: $(grep -o 'Function : [A-Za-z0-9_]*' <<< "$sass" | cut -d' ' -f3 | tr '\n' ' ')"
   done | tee "$out/sass.txt"
   ;;
 ks_shards)

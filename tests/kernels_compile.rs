@@ -211,6 +211,25 @@ fn softmax_kernels_compile() {
     );
     compile("softmax_rows.cu", SOFTMAX_SRC, "sm_90a");
     compile("softmax_rows.cu", SOFTMAX_SRC, "sm_80");
+    // Every entry point the math runner looks up by name (`Runner::new`, only on a GPU) is in
+    // the machine code: a missing one would fail there, not here, without this.
+    let cubin =
+        kernelpages::gpu::nvrtc_compile_cubin("softmax_rows.cu", SOFTMAX_SRC, "sm_90a").unwrap();
+    let mut names = vec!["pad_rows".to_string(), "unpad_rows".to_string()];
+    for dt in ["bf16", "f16", "f32"] {
+        names.push(format!("rowdot_{dt}"));
+        names.push(format!("softmax_bwd_rows_{dt}"));
+        for mask in ["full", "causal"] {
+            names.push(format!("softmax_rows_{dt}_{mask}"));
+        }
+    }
+    for name in names {
+        let sym = format!("\0{name}\0");
+        assert!(
+            cubin.windows(sym.len()).any(|w| w == sym.as_bytes()),
+            "softmax_rows.cu has no entry point {name}"
+        );
+    }
 }
 
 /// The head-layout kernels `attention::mha` launches on the device.

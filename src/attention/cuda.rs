@@ -484,8 +484,10 @@ impl Implementation {
 /// (40–49 % below 4096 at 4092 and 4097), so when the stride is not `seq_len_kv` the GEMMs over
 /// keys also run over the stride's keys, on zero-padded copies of K and V ([`MathPad`];
 /// kernels/TUNING.md): the padding columns of S then hold scores of zero keys, which the
-/// softmax masks, and P's are written as 0. The dV and dK products still run over
-/// `seq_len_kv`.
+/// softmax masks, and P's are written as 0 (at 9a3c050 the forward then lost 1.6 % at 4092 and
+/// 5.8 % at 4097, forward + backward 17 % and 21 %). The backward's dV and dK products run over
+/// the stride's keys too, into the padded copies, from which `unpad_rows` copies the gradients
+/// out.
 pub fn math_row_stride(seq_len_kv: usize) -> usize {
     seq_len_kv.div_ceil(8) * 8
 }
@@ -952,6 +954,9 @@ pub enum Runner {
 /// so the extra keys add nothing.
 pub struct MathPad {
     pad_rows: CudaFunction,
+    /// The backward's way back: dK and dV, computed over ld keys into `k` and `v`, copied out
+    /// to the case's `[B·KVH, Tkv, D]` gradients, and rows Tkv..ld of `k` and `v` zeroed again.
+    unpad_rows: CudaFunction,
     k: CudaSlice<u16>,
     v: CudaSlice<u16>,
 }
@@ -1238,6 +1243,7 @@ impl Runner {
                     let words = c.batch * c.kv_heads * ld * c.head_dim * c.dtype.words();
                     Some(Box::new(MathPad {
                         pad_rows: gpu.function(&compiled.module, "pad_rows", 0)?,
+                        unpad_rows: gpu.function(&compiled.module, "unpad_rows", 0)?,
                         k: gpu.stream.alloc_zeros::<u16>(words)?,
                         v: gpu.stream.alloc_zeros::<u16>(words)?,
                     }))
@@ -1448,7 +1454,9 @@ impl Runner {
                 let (vp, _g3) = inp.v.device_ptr(&stream);
                 // The key count the GEMMs over keys run on, and the K and V they read: ld
                 // and the padded copies when Tkv is not a multiple of 8, else Tkv and the inputs.
-                let (keys, kp, vp, _gk, _gv) = match pad {
+                // With the padding also how the backward copies dK and dV back (`unpad_rows`, its
+                // arguments and grid).
+                let (keys, kp, vp, _gk, _gv, unpad) = match pad {
                     Some(pad) => {
                         let heads = (c.batch * c.kv_heads) as i64;
                         let (tkv_i, row_u32) = (tkv_u as i32, (d * c.dtype.words() / 2) as i32);
@@ -1475,9 +1483,10 @@ impl Runner {
                         }
                         let (pk, gk) = pad.k.device_ptr(&stream);
                         let (pv, gv) = pad.v.device_ptr(&stream);
-                        (ld, pk, pv, Some(gk), Some(gv))
+                        let unpad = (pad.unpad_rows.clone(), heads, tkv_i, row_u32);
+                        (ld, pk, pv, Some(gk), Some(gv), Some(unpad))
                     }
-                    None => (tkv_u, kp, vp, None, None),
+                    None => (tkv_u, kp, vp, None, None, None),
                 };
                 let (dop, _g4) = inp.dout.device_ptr(&stream);
                 let (sp, _g5) = s.device_ptr_mut(&stream);
@@ -1568,13 +1577,17 @@ impl Runner {
                 // SAFETY: `rowdot_*(const u16* O, const u16* dO, float* Dsum, int rows, int D)`
                 // with O and dO of rows·D elements and Dsum of rows; one warp per row.
                 unsafe { lb.launch(grid_1d(rows, 8))? };
-                // dV (Tkv × D) = P_blkᵀ dO_blk: column-major dVᵀ (D × Tkv) = dOᵀ (D × G·Tq) ·
-                // P (G·Tq × Tkv): A = dO (lda D), B = P read transposed (ldb ld).
+                // dV (keys × D) = P_blkᵀ dO_blk: column-major dVᵀ (D × keys) = dOᵀ (D × G·Tq) ·
+                // P (G·Tq × keys): A = dO (lda D), B = P read transposed (ldb ld). With the
+                // padding the keys are ld (P's contiguous extent, which cuBLAS's aligned kernels
+                // want a multiple of 8, as in the forward) and dK, dV go to the padded buffers,
+                // copied out afterwards; their rows past Tkv come out 0 (P's and dS's padding
+                // columns are).
                 let dkv_gemm = |a: u64, b: u64, c_out: u64, alpha: f32| Gemm {
                     ta: op_n,
                     tb: op_t,
                     m: d,
-                    n: tkv_u,
+                    n: keys,
                     k: gq,
                     alpha,
                     a,
@@ -1585,25 +1598,61 @@ impl Runner {
                     sb: gq * ld,
                     c: c_out,
                     ldc: d,
-                    sc: tkv_u * d,
+                    sc: keys * d,
                     batch,
                     ab_type: elem,
                     c_type: elem,
                 };
-                // SAFETY: as above; dV holds B·KVH·Tkv·D elements.
-                unsafe { dkv_gemm(dop, pp, dvp, 1.0).run(blas)? };
+                // Where dK and dV are written: the padded K and V buffers when there are some
+                // (V's is free once dP below has read it, K's once dQ has), else the outputs.
+                let (dk_to, dv_to) = if unpad.is_some() {
+                    (kp, vp)
+                } else {
+                    (dkp, dvp)
+                };
                 // dP = dO_blk Vᵀ, into S.
                 // SAFETY: as for S.
                 unsafe { s_gemm(vp, dop, 1.0).run(blas)? };
+                // SAFETY: as above; dv_to holds B·KVH·keys·D elements (the output, or the
+                // padded V copy, which dP has already read: the stream orders them).
+                unsafe { dkv_gemm(dop, pp, dv_to, 1.0).run(blas)? };
                 let mut lb = stream.launch_builder(&mb.ds);
                 lb.arg(&sp).arg(&pp).arg(&dsp).arg(&tkv).arg(&ld_i);
                 // SAFETY: `softmax_bwd_rows_*(const float* dP, u16* P, const float* Dsum,
                 // int Tkv, int ld)`: dP and P of rows·ld elements, Dsum of rows; one CTA per row.
                 unsafe { lb.launch(cfg)? };
                 // dQ_blk = scale · dS_blk K (the O product with V → K); dK = scale · dSᵀ Q.
-                // SAFETY: as above; dQ holds B·H·Tq·D, dK B·KVH·Tkv·D elements.
+                // SAFETY: as above; dQ holds B·H·Tq·D, dk_to B·KVH·keys·D elements (the
+                // padded K copy is written after dQ has read it).
                 unsafe { o_gemm(kp, dqp, scale).run(blas)? };
-                unsafe { dkv_gemm(qp, pp, dkp, scale).run(blas)? };
+                unsafe { dkv_gemm(qp, pp, dk_to, scale).run(blas)? };
+                if let Some((unpad_rows, heads, tkv_i, row_u32)) = unpad {
+                    let cfg = LaunchConfig {
+                        grid_dim: (
+                            (heads as usize * ld * row_u32 as usize)
+                                .div_ceil(256)
+                                .clamp(1, 132 * 16) as u32,
+                            1,
+                            1,
+                        ),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    for (src, dst) in [(kp, dkp), (vp, dvp)] {
+                        let mut lb = stream.launch_builder(&unpad_rows);
+                        lb.arg(&src)
+                            .arg(&dst)
+                            .arg(&heads)
+                            .arg(&tkv_i)
+                            .arg(&ld_i)
+                            .arg(&row_u32);
+                        // SAFETY: `unpad_rows(u32* src, u32* dst, long long heads, int Tkv,
+                        // int ld, int row_u32)`: src is the padded K or V buffer, heads·ld·D
+                        // elements of the dtype, dst the case's dK or dV, heads·Tkv·D; both
+                        // 4-byte aligned; a grid-stride loop bounded by heads·ld·row_u32.
+                        unsafe { lb.launch(cfg)? };
+                    }
+                }
                 Ok(())
             }
         }
