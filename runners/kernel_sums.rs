@@ -54,7 +54,8 @@ struct Cli {
     run: RunnerArgs,
     /// Operations: `rbf_mv`, `kde`, `kernel_lse`, `kernel_lse_grad` (the log-sum-exp and its
     /// gradient with respect to X), `sinkhorn` (one iteration and a solve, at dims ≤ 3; on the
-    /// GPU by default at dim 3, a solve up to N = 10⁵) [default: all].
+    /// GPU by default at dim 3, both up to N = 10⁵: one iteration's float64 reference at 10⁶
+    /// would be 2·10¹² pair evaluations on the host) [default: all].
     #[arg(long, value_delimiter = ',')]
     ops: Option<Vec<String>>,
     /// Point counts N = M [default: 1000,10000,100000,1000000 on the GPU (up to 100000 from
@@ -136,6 +137,13 @@ const CPU_SOLVE_MAX_SIZE: usize = 4000;
 /// Largest default N of the Sinkhorn `solve` rows on the GPU (at 10⁶ points an iteration takes
 /// about a second, and a solve ~100 of them, each sample).
 const GPU_SOLVE_MAX_SIZE: usize = 100_000;
+/// Largest default N of the Sinkhorn `iteration` rows on the GPU. Their check is f after one
+/// iteration in float64 on the host ([`sinkhorn::write_case`]): f needs every entry of g, and
+/// each entry of g a sum over all N points, so the reference costs 2·N² float64 pair
+/// evaluations whatever rows are checked. At 10⁶ points that is 2·10¹²: on 2026-12-05 that
+/// case had no row after about 115 s on the H200 machine when the call's time ran out (the
+/// runner writes a case's files, the reference among them, before its first row).
+const GPU_ITERATION_MAX_SIZE: usize = 100_000;
 
 /// How FLOPs are counted (the document's `flop_rule`).
 const FLOP_RULE: &str = "per (x, y) pair: 3·dim for the squared distance, 1 for the exponential, 2·cols for the product with b (rbf_mv, kde) or 2 for the running sum (kernel_lse), 2·dim more for the gradient's Σ p·y; throughput counts kernel evaluations, N·M per call (2·N·M with the gradient)";
@@ -198,6 +206,13 @@ fn cases(cli: &Cli, quick: bool) -> Result<Vec<Params>> {
                             CPU_SOLVE_MAX_SIZE
                         };
                         if pass == sinkhorn::Pass::Solve && cli.sizes.is_none() && n > solve_max {
+                            continue;
+                        }
+                        if pass == sinkhorn::Pass::Iteration
+                            && gpu
+                            && cli.sizes.is_none()
+                            && n > GPU_ITERATION_MAX_SIZE
+                        {
                             continue;
                         }
                         let c = sinkhorn::SinkhornCase {
@@ -677,20 +692,29 @@ mod tests {
                 .unwrap()
         );
         // The GPU grid: the same ops over its own sizes and dims, the feature dims (16, 64)
-        // without 10⁶ points; kde at dims 1 and 3; Sinkhorn at dim 3 only, a solve up to
-        // GPU_SOLVE_MAX_SIZE.
+        // without 10⁶ points; kde at dims 1 and 3; Sinkhorn at dim 3 only, an iteration up to
+        // GPU_ITERATION_MAX_SIZE and a solve up to GPU_SOLVE_MAX_SIZE.
         let gpu = Cli::try_parse_from(["kernel_sums"]).unwrap();
         let gpu_cases = cases(&gpu, false).unwrap();
         let gpu_solves = GPU_SIZES
             .iter()
             .filter(|&&n| n <= GPU_SOLVE_MAX_SIZE)
             .count();
+        let gpu_iterations = GPU_SIZES
+            .iter()
+            .filter(|&&n| n <= GPU_ITERATION_MAX_SIZE)
+            .count();
         assert_eq!(
             gpu_cases.len(),
             3 * (2 * GPU_SIZES.len() + 2 * (GPU_SIZES.len() - 1))
                 + 2 * GPU_SIZES.len()
-                + GPU_SIZES.len()
+                + gpu_iterations
                 + gpu_solves
+        );
+        assert_eq!(
+            gpu_iterations,
+            GPU_SIZES.len() - 1,
+            "no iteration at 10⁶ points"
         );
         let suite = KernelSums { check_rows: 16 };
         for p in &gpu_cases {
