@@ -36,6 +36,12 @@
 //    tiles that recomputes S and dP, costs 7 matrix products per tile pair instead of 5. dK and
 //    dV are written once at the end (dK times the scale).
 // 3. `attn_bwd_sm90_dq_convert`: dQ = scale * dQacc in bf16.
+// With SPLITS > 1 (the host's choice where one CTA per key tile, kv head and batch entry would
+// leave most SMs idle, as with MQA: src/attention/sm90.rs, bwd_head_splits), the query heads of
+// a kv head's group are dealt out to SPLITS CTAs per key tile (grid.y = KVH * SPLITS), each
+// writing its fp32 partial dK (unscaled) and dV to its own slice of dkv_part
+// [SPLITS][2][B * KVH * Tkv * D], and 4. `attn_bwd_sm90_dkv_combine` adds the slices in slice
+// order (a fixed order: dK and dV still repeat bit for bit) into dK (times the scale) and dV.
 
 // 128 keys per CTA, stages of Q/dO/LSE2/Dsum; queries per step: 128 at head_dim 64, 64 at
 // 128 (the registers of S^T and dP^T: 2 x BM / 2 per thread besides dK and dV's D).
@@ -167,7 +173,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                                               const float* __restrict__ dsum,
                                               const int* __restrict__ kv_lens,
                                               u16* __restrict__ dK,
-                                              u16* __restrict__ dV, int Tq, int Tkv, int H, int KVH,
+                                              u16* __restrict__ dV, float* __restrict__ dkv_part,
+                                              int splits, int Tq, int Tkv, int H, int KVH,
                                               int Tq_pad, float scale_log2, float scale) {
     using P = BwPlan<D>;
     constexpr int PANELS = D / 64, DT = D / 8;
@@ -177,8 +184,11 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     auto full = [&](int s) { return base + P::BARS + 8u * (1 + 2 * s); };
     auto empty = [&](int s) { return base + P::BARS + 8u * (2 + 2 * s); };
     const int tid = threadIdx.x, wg = tid >> 7;
-    const int kt = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+    const int kt = blockIdx.x, kvh = blockIdx.y / splits, sp = blockIdx.y % splits;
+    const int b = blockIdx.z;
     const int group = H / KVH;
+    // This CTA's query heads of the group: [h_lo, h_hi) (all of them without a split).
+    const int h_lo = sp * group / splits, h_hi = (sp + 1) * group / splits;
     const int L = min(kv_lens[b], Tkv);
     const int off = L - Tq;  // bottom-right: row i sees keys j <= i + off
     const int k0 = kt * BW_BN;
@@ -186,7 +196,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     const int qt_first = i_min / BM;
     const int n_qt = (Tq + BM - 1) / BM;
     const int per_head = (L > k0 && qt_first < n_qt) ? n_qt - qt_first : 0;
-    const int n_it = per_head * group;
+    const int n_it = per_head * (h_hi - h_lo);
 
     if (tid == 0) {
         mbar_init(bar_kv, 1);
@@ -211,7 +221,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
             for (int it = 0; it < n_it; ++it) {
                 const int s = it % BW_ST;
                 if (it >= BW_ST) mbar_wait(empty(s), ((it / BW_ST) + 1) & 1);
-                const int h = kvh * group + it / per_head;
+                const int h = kvh * group + h_lo + it / per_head;
                 const int q0 = (qt_first + it % per_head) * BM;
                 mbar_expect_tx(full(s), 2 * P::Q_TILE + P::LD_STAGE);
 #pragma unroll
@@ -272,7 +282,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         float(&stf)[SQ / 2] = reinterpret_cast<float(&)[SQ / 2]>(st);
         float(&dpf)[SQ / 2] = reinterpret_cast<float(&)[SQ / 2]>(dpt);
         const int s = it % BW_ST;
-        const int h = kvh * group + it / per_head;
+        const int h = kvh * group + h_lo + it / per_head;
         const int q0 = (qt_first + it % per_head) * BM;
         const u32 sq = base + P::Q + s * P::Q_TILE;
         const u32 sdo = base + P::DO + s * P::Q_TILE;
@@ -417,8 +427,14 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     }
     if (elected) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 
-    // dK (scaled) and dV, this thread's two keys; keys past L hold 0 (no contribution).
+    // dK (scaled) and dV, this thread's two keys; keys past L hold 0 (no contribution). With
+    // a split, this CTA's fp32 partial sums (dK unscaled) to its slice of dkv_part instead,
+    // every key of the tile below Tkv written (zeros where its heads saw none), so that the
+    // combine reads a whole slice.
     const size_t kv_base = (size_t)(b * KVH + kvh) * Tkv * D;
+    const size_t n_kv = (size_t)gridDim.z * KVH * Tkv * D;
+    float* const pk = dkv_part + (size_t)(2 * sp) * n_kv;
+    float* const pv = pk + n_kv;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const int key = key0 + 8 * hf;
@@ -426,9 +442,17 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
 #pragma unroll
             for (int j = 0; j < DT; ++j) {
                 const size_t o = kv_base + (size_t)key * D + 8 * j + 2 * t4;
-                *reinterpret_cast<u32*>(dK + o) =
-                    pack2<KP_WG_BF16>(dk[0][j][2 * hf] * scale, dk[0][j][2 * hf + 1] * scale);
-                *reinterpret_cast<u32*>(dV + o) = pack2<KP_WG_BF16>(dv[0][j][2 * hf], dv[0][j][2 * hf + 1]);
+                if (splits > 1) {
+                    *reinterpret_cast<float2*>(pk + o) =
+                        make_float2(dk[0][j][2 * hf], dk[0][j][2 * hf + 1]);
+                    *reinterpret_cast<float2*>(pv + o) =
+                        make_float2(dv[0][j][2 * hf], dv[0][j][2 * hf + 1]);
+                } else {
+                    *reinterpret_cast<u32*>(dK + o) = pack2<KP_WG_BF16>(
+                        dk[0][j][2 * hf] * scale, dk[0][j][2 * hf + 1] * scale);
+                    *reinterpret_cast<u32*>(dV + o) =
+                        pack2<KP_WG_BF16>(dv[0][j][2 * hf], dv[0][j][2 * hf + 1]);
+                }
             }
         }
     }
@@ -446,14 +470,15 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                    \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,                   \
         const __grid_constant__ TmaMap tdq, const float* lse2, const float* dsum,                \
-        const int* kv_lens, u16* dK, u16* dV, int Tq, int Tkv, int H, int KVH, int Tq_pad,       \
-        float scale_log2, float scale, int causal) {                                             \
+        const int* kv_lens, u16* dK, u16* dV, float* dkv_part, int splits, int Tq, int Tkv,      \
+        int H, int KVH, int Tq_pad, float scale_log2, float scale, int causal) {                 \
         if (causal)                                                                              \
-            attn_bwd_sm90<D, true>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV, Tq,   \
-                                   Tkv, H, KVH, Tq_pad, scale_log2, scale);                      \
+            attn_bwd_sm90<D, true>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV,       \
+                                   dkv_part, splits, Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale); \
         else                                                                                     \
-            attn_bwd_sm90<D, false>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV, Tq,  \
-                                    Tkv, H, KVH, Tq_pad, scale_log2, scale);                     \
+            attn_bwd_sm90<D, false>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV,      \
+                                    dkv_part, splits, Tq, Tkv, H, KVH, Tq_pad, scale_log2,       \
+                                    scale);                                                      \
     }
 
 // The kernels of head_dim D where the source before this defines KP_SM90_BWD_ALL or
@@ -466,6 +491,28 @@ BW_ENTRY(64)
 BW_PRE_ENTRY(128)
 BW_ENTRY(128)
 #endif
+
+// dK = scale * (sum of the slices' partial dK) and dV = sum of theirs, in 16 bits: the slices of
+// dkv_part ([splits][2][n] floats, the main kernel's with splits > 1) added in slice order, two
+// elements per thread (n even: D is).
+extern "C" __global__ void attn_bwd_sm90_dkv_combine(const float* __restrict__ part,
+                                                     u16* __restrict__ dK, u16* __restrict__ dV,
+                                                     unsigned long long n, int splits,
+                                                     float scale) {
+    const size_t i = 2 * ((size_t)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= n) return;
+    float2 k = make_float2(0.f, 0.f), v = make_float2(0.f, 0.f);
+    for (int sp = 0; sp < splits; ++sp) {
+        const float2 a = *reinterpret_cast<const float2*>(part + (size_t)(2 * sp) * n + i);
+        const float2 c = *reinterpret_cast<const float2*>(part + (size_t)(2 * sp + 1) * n + i);
+        k.x += a.x;
+        k.y += a.y;
+        v.x += c.x;
+        v.y += c.y;
+    }
+    *reinterpret_cast<u32*>(dK + i) = pack2<KP_WG_BF16>(k.x * scale, k.y * scale);
+    *reinterpret_cast<u32*>(dV + i) = pack2<KP_WG_BF16>(v.x, v.y);
+}
 
 // dQ = scale * dQacc in bf16 (the prelude's bwd_dq_convert).
 extern "C" __global__ void attn_bwd_sm90_dq_convert(const float* __restrict__ dqacc,

@@ -1022,7 +1022,7 @@ impl own::Launcher for Launch {
         self.runner.launch(gpu, &self.case, set, outs)
     }
     fn temporary_bytes(&self) -> u64 {
-        self.imp.temporary_bytes(&self.case)
+        self.imp.temporary_bytes(&self.case) + self.runner.dispatch_temporary_bytes(&self.case)
     }
     fn residual_bytes(&self) -> Option<u64> {
         (self.case.pass == Pass::FwdBwd).then(|| self.imp.residual_bytes(&self.case))

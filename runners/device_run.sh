@@ -32,9 +32,10 @@
 #                                                 # torch,jax,ott,geomloss (data/gpu_kernel_sums.json;
 #                                                 # KP_KS_TAG, KP_KS_TESTS, KP_KS_ARGS and
 #                                                 # KP_KS_LIMIT_S split it over calls)
-#   bash .carry/device_run.sh unverified OUTDIR   # the GPU tests never run on a GPU yet (fp16
-#                                                 # grouped GEMM, mixer api, math), the
-#                                                 # non-aligned probe and the SASS check
+#   bash .carry/device_run.sh unverified OUTDIR   # the GPU tests never run on a GPU yet (math's
+#                                                 # padded backward, the wgmma backward's
+#                                                 # split heads), the non-aligned and MQA/GQA
+#                                                 # probes and the SASS check
 #   bash .carry/device_run.sh ks_shards OUTDIR BUDGET_S I[:NEED_S] ...  # kernel-sum shards
 #                                                 # I/8 while BUDGET_S allows (README)
 #   bash .carry/device_run.sh moe OUTDIR          # the MoE GPU tests (the timing probe
@@ -243,31 +244,36 @@ kernel_sums)
     ${KP_KS_ARGS:---compare torch,jax,ott,geomloss} --output "$out/gpu_kernel_sums$ks_tag.json"
   ;;
 unverified)
-  # The GPU tests of code that has not run on a GPU yet, then a look at the machine code, each
-  # step only while KP_CALL_BUDGET_S (default 530 s, from this script's start) allows: the fp16
-  # grouped GEMM (issue 14), Based in pieces and the other public mixer functions (issue 12),
-  # math's GPU tests with the keys padded (issue 9) and the non-aligned probe beside cuDNN, then
-  # the wgmma attention tests with their cubins kept (KP_KERNEL_CACHE) and, for every cubin kept
-  # (MoE's included), HGMMA and local-memory (LDL/STL) counts from cuobjdump (issue 11's SASS
-  # check) into OUTDIR/sass.txt.
+  # The GPU tests of code that has not run on a GPU yet, then timings and a look at the machine
+  # code, each step only while KP_CALL_BUDGET_S (default 530 s, from this script's start)
+  # allows: math's GPU tests (its backward over the padded keys, issue 9) and the five-run
+  # repeat test (math's dK, dV; the wgmma backward's split heads, whose dK and dV must repeat
+  # bit for bit), the wgmma attention tests with their cubins kept (KP_KERNEL_CACHE; the split
+  # backward), the non-aligned probe beside cuDNN, the MQA and GQA forward + backward cases of
+  # the main grid (flash, flash_sm80, cuDNN, FlashAttention-2: the split's timing, issue 11),
+  # then for every cubin kept HGMMA and local-memory (LDL/STL) counts and the kernels' names
+  # from cuobjdump into OUTDIR/sass.txt. (The fp16 grouped GEMM and the mixers' public
+  # functions this mode ran first passed at 9a3c050.)
   budget=${KP_CALL_BUDGET_S:-530}; kc=/tmp/kp-kernel-cache; mkdir -p "$kc"
   left() { echo $(( budget - ($(date +%s) - t_start) )); }
-  KP_KERNEL_CACHE=$kc step "fp16 grouped GEMM test" 90 "$out/gpu_moe_fp16.tests.log" \
-    "$bin/gpu_moe_test" --include-ignored --test-threads 1 --nocapture \
-    --exact fp16_grouped_gemm_matches_float64
-  step "mixer api tests" 90 "$out/mixers_api.tests.log" "$bin/gpu_sequence_mixers_test" \
-    --include-ignored --test-threads 1 --nocapture api
+  step "math gpu tests" 200 "$out/gpu_math.tests.log" "$bin/gpu_attention_test" \
+    --include-ignored --test-threads 1 --nocapture math non_aligned outputs_are_bit_identical
   l=$(left)
-  [ "$l" -gt 60 ] && step "math gpu tests" $(( l < 220 ? l - 20 : 200 )) "$out/gpu_math.tests.log" \
-    "$bin/gpu_attention_test" --include-ignored --test-threads 1 --nocapture math non_aligned
+  [ "$l" -gt 50 ] && KP_KERNEL_CACHE=$kc step "wgmma tests" $(( l < 140 ? l - 20 : 120 )) \
+    "$out/wgmma.tests.log" "$bin/gpu_attention_test" --include-ignored --test-threads 1 \
+    --exact wgmma_forward_matches_float64 wgmma_backward_matches_float64
   l=$(left)
   [ "$l" -gt 120 ] && step "non-aligned" $(( l < 170 ? l - 20 : 150 )) "$out/nonaligned.log" \
     "$bin/attention" --compare torch --exclude torch_math,torch_efficient,torch_flash \
     --filter 'heads=24,seq_len>=4092' --output "$out/nonaligned.json"
-  l=$(left)
-  [ "$l" -gt 50 ] && KP_KERNEL_CACHE=$kc step "wgmma tests" $(( l - 20 )) "$out/wgmma.tests.log" \
-    "$bin/gpu_attention_test" --include-ignored --test-threads 1 \
-    --exact wgmma_forward_matches_float64 wgmma_backward_matches_float64
+  for g in 'heads=8,kv_heads=1' 'heads=32,kv_heads=8'; do
+    l=$(left)
+    [ "$l" -gt 80 ] && step "grouped $g" $(( l < 140 ? l - 20 : 120 )) \
+      "$out/grouped_${g//[=,]/_}.log" \
+      "$bin/attention" --grids main --implementations flash,flash_sm80 --compare torch \
+      --exclude torch_math,torch_efficient --filter "$g,pass=fwd+bwd" \
+      --output "$out/grouped_${g//[=,]/_}.json"
+  done
   for f in $(find "$kc" -type f -name "*.cubin" | head -40); do
     sass=$(/usr/local/cuda/bin/cuobjdump --dump-sass "$f" 2>&1)
     echo "$(basename "$f"): $(grep -c HGMMA <<< "$sass") HGMMA, $(grep -cE '\b(LDL|STL)\b' <<< "$sass") LDL/STL, $(grep -c 'Function :' <<< "$sass") functions: $(grep -o 'Function : [A-Za-z0-9_]*' <<< "$sass" | cut -d' ' -f3 | tr '\n' ' ')"

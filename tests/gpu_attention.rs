@@ -1676,7 +1676,8 @@ fn wgmma_forward_matches_float64() {
 /// and its query steps (128 queries at head_dim 64, 64 at 128; last steps of 1 to 64 valid rows
 /// at 64, which run as half steps), separate query and key lengths both ways, decoding, GQA,
 /// per-sequence key lengths (517 of 1000, 129 of 257; the shape suite has 0 and 1), a
-/// non-default scale, both masks; every case runs on the wgmma path. Then a first timing of
+/// non-default scale, both masks, the query heads of a group split over 2, 3 and 4 CTAs and
+/// not split; every case runs on the wgmma path. Then a first timing of
 /// forward + backward at B4 H8 T16384 (wall clock, not a measurement for the pages).
 #[test]
 #[cfg_attr(
@@ -1696,7 +1697,7 @@ fn wgmma_backward_matches_float64() {
         return;
     }
     let cases = wgmma_backward_cases(Dtype::Bf16);
-    assert_eq!(cases.len(), 28);
+    assert_eq!(cases.len(), 40);
     check_wgmma_backward(&cases, 900);
     for d in [64, 128] {
         for causal in [false, true] {
@@ -1731,6 +1732,32 @@ fn wgmma_backward_cases(dtype: Dtype) -> Vec<AttentionCase> {
                     pass: Pass::FwdBwd,
                     kv_lens: (len1 < tkv).then(|| vec![tkv, len1]),
                     ..AttentionCase::new(2, 4, 1, d)
+                });
+            }
+        }
+        // The grids above are small, so their two-head groups are split over 2 CTAs per key
+        // tile (sm90::bwd_head_splits); these run unsplit (no group), 4 ways over MQA's 8 heads
+        // (2 each) and 3 ways over groups of 3 (one each).
+        for (batch, heads, kv_heads, tq, tkv, splits) in [
+            (2, 4, 4, 200, 200, 1),
+            (1, 8, 1, 300, 300, 4),
+            (1, 6, 2, 130, 257, 3),
+        ] {
+            for causal in [false, true] {
+                assert_eq!(
+                    kernelpages::attention::sm90::bwd_head_splits(
+                        batch, heads, kv_heads, tkv, causal
+                    ),
+                    splits
+                );
+                cases.push(AttentionCase {
+                    kv_heads,
+                    seq_len_q: tq,
+                    seq_len_kv: tkv,
+                    causal,
+                    dtype,
+                    pass: Pass::FwdBwd,
+                    ..AttentionCase::new(batch, heads, 1, d)
                 });
             }
         }
@@ -1787,9 +1814,9 @@ fn time_wgmma_fwd_bwd(dtype: Dtype, d: usize, causal: bool) {
 /// The wgmma forward and backward on fp16 (`sm90::HopperForward::with_dtype`,
 /// `HopperBackward::with_dtype`: the same kernels on `f16` operands), through `flash` with this
 /// process dispatching fp16 to them (`sm90::FP16_ENV`, before `sm90::FP16_DISPATCHED` does), on
-/// the bf16 backward test's 28 cases: O, the LSE, dQ, dK and dV against float64 within fp16's
-/// tolerance; then a first timing at B4 H8 T16384 (printed). It passed on the H200 at 64f179b
-/// (445 and 522 TFLOP/s forward + backward at head_dim 64 and 128 by the test's wall clock;
+/// the bf16 backward test's 40 cases: O, the LSE, dQ, dK and dV against float64 within fp16's
+/// tolerance; then a first timing at B4 H8 T16384 (printed). It passed on the H200 at 64f179b, on
+/// the 28 cases before the split ones were added (445 and 522 TFLOP/s forward + backward at head_dim 64 and 128 by the test's wall clock;
 /// `data/logs/gpu_attention_wgmma_fp16_tests_64f179b.log`), after which fp16 went on the
 /// wgmma kernels (`FP16_DISPATCHED`).
 #[test]

@@ -1274,6 +1274,23 @@ impl Runner {
         }
     }
 
+    /// Bytes of device temporaries one call uses beyond [`Implementation::temporary_bytes`]
+    /// that depend on the kernel the dispatch picked for the case: the wgmma backward's split
+    /// buffer ([`super::sm90::bwd_split_bytes`], Hopper forward + backward only), else 0.
+    pub fn dispatch_temporary_bytes(&self, c: &AttentionCase) -> u64 {
+        match self {
+            Runner::Hopper { bwd: Some(_), .. } => super::sm90::bwd_split_bytes(
+                c.batch,
+                c.heads,
+                c.kv_heads,
+                c.seq_len_kv,
+                c.head_dim,
+                c.causal,
+            ),
+            _ => 0,
+        }
+    }
+
     /// Bytes of library workspace held across calls (the cuBLAS workspace of `math`).
     pub fn workspace_bytes(&self) -> u64 {
         match self {

@@ -719,6 +719,69 @@ pub fn bwd_queries(head_dim: usize) -> usize {
 /// Q and dO stages of the wgmma backward (`BW_ST`).
 pub const BWD_STAGES: usize = 2;
 
+/// The SM count [`bwd_head_splits`] plans for: the H200's 132 (one CTA of the wgmma backward
+/// fits per SM). A constant rather than the device's count, so that the temporaries a case
+/// needs ([`bwd_split_bytes`]) follow from its shape alone.
+pub const BWD_SPLIT_SMS: usize = 132;
+/// The most CTAs one (128-key tile, kv head, batch entry) is split into.
+pub const BWD_MAX_SPLITS: usize = 4;
+
+/// How many CTAs the wgmma backward deals each (128-key tile, kv head, batch entry)'s query
+/// heads out to: 1 (every query head of the group in one CTA, dK and dV in its registers)
+/// unless the group has at least 2 heads and the grid is small against [`BWD_SPLIT_SMS`]:
+/// - causal: fewer than two waves (264 CTAs) get enough splits to reach two. The work of a key
+///   tile's CTA grows with the queries that see it, so in one wave the first key tile's CTA
+///   sets the time; MQA is the case: at B4 H8:1 T4096, 32 key tiles × 1 kv head × 4 is 128
+///   CTAs, and the first walks all 4,096 queries of 8 heads while the last walks 128 (measured
+///   0.63× of cuDNN, kernels/TUNING.md). Split 3 ways, each CTA walks 2 or 3 heads.
+/// - not causal (every CTA the same work): as many splits as still fit one wave, so a grid of
+///   128 stays whole (two waves would only add the combine) and one of 32 becomes 128.
+///
+/// At most the group size and [`BWD_MAX_SPLITS`]. Each split's fp32 partial dK and dV go to
+/// their own slice of a buffer ([`bwd_split_bytes`]), summed in slice order by
+/// `attn_bwd_sm90_dkv_combine`, so dK and dV stay deterministic.
+pub fn bwd_head_splits(
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    seq_len_kv: usize,
+    causal: bool,
+) -> usize {
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return 1;
+    }
+    let group = heads / kv_heads;
+    let ctas = seq_len_kv.div_ceil(BWD_KEYS) * kv_heads * batch;
+    if group < 2 || ctas == 0 {
+        return 1;
+    }
+    let splits = if !causal {
+        BWD_SPLIT_SMS / ctas
+    } else if ctas >= 2 * BWD_SPLIT_SMS {
+        1
+    } else {
+        (2 * BWD_SPLIT_SMS).div_ceil(ctas)
+    };
+    splits.clamp(1, group.min(BWD_MAX_SPLITS))
+}
+
+/// Bytes of the wgmma backward's split buffer for a shape: `splits · 2 · batch · kv_heads ·
+/// seq_len_kv · head_dim` fp32 values (a partial dK and dV per split) where
+/// [`bwd_head_splits`] is above 1, else 0.
+pub fn bwd_split_bytes(
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    seq_len_kv: usize,
+    head_dim: usize,
+    causal: bool,
+) -> u64 {
+    match bwd_head_splits(batch, heads, kv_heads, seq_len_kv, causal) {
+        1 => 0,
+        s => (s * 2 * batch * kv_heads * seq_len_kv * head_dim * 4) as u64,
+    }
+}
+
 /// The attention backward on wgmma (issue 11; `kernels/attn_wgmma_bwd_sm90.cu` says how): bf16,
 /// head_dim 64 or 128, the shapes and masks of [`HopperForward`], after a forward that wrote O
 /// and its log-sum-exp (natural log, +∞ for a row that sees no key; either forward). dQ `[batch,
@@ -726,11 +789,18 @@ pub const BWD_STAGES: usize = 2;
 /// gradients of `sum(dO ∘ O)`. FlashAttention-2's algorithm (Dao, 2023) with FlashAttention-3's
 /// warp specialisation (Shah et al., 2024): one CTA per 128 keys keeps dK and dV in registers,
 /// dQ is summed over key tiles in fp32 by TMA reduce-adds (their order, and so possibly dQ's
-/// last bit, varies from run to run; dK and dV do not).
+/// last bit, varies from run to run; dK and dV do not). Where that grid would be small (MQA,
+/// few key tiles) a kv head's query heads are split over up to [`BWD_MAX_SPLITS`] CTAs per key
+/// tile ([`bwd_head_splits`]), their partial dK and dV added in a fixed order by a fourth
+/// kernel.
 pub struct HopperBackward {
     pre: CudaFunction,
     main: CudaFunction,
     convert: CudaFunction,
+    combine: CudaFunction,
+    /// The split buffer ([`bwd_split_bytes`]), allocated by the first launch of a shape that
+    /// splits and kept (grown when a later shape needs more).
+    part: Option<CudaSlice<f32>>,
     smem: u32,
     head_dim: usize,
     dtype: Dtype,
@@ -809,6 +879,8 @@ impl HopperBackward {
                 0,
             )?,
             convert: gpu.function(&compiled.module, "attn_bwd_sm90_dq_convert", 0)?,
+            combine: gpu.function(&compiled.module, "attn_bwd_sm90_dkv_combine", 0)?,
+            part: None,
             main,
             smem,
             head_dim,
@@ -887,8 +959,9 @@ impl HopperBackward {
         }
         // The preprocessing kernel numbers its threads (32 per padded row) in 32 bits, and the
         // main kernel's grid has kv_heads and batch in its y and z dimensions.
+        let splits = bwd_head_splits(batch, heads, kv_heads, seq_len_kv, causal);
         if padded.saturating_mul(32) > u32::MAX as usize
-            || kv_heads > 65_535
+            || kv_heads * splits > 65_535
             || batch > 65_535
             || seq_len_kv > i32::MAX as usize
         {
@@ -956,6 +1029,22 @@ impl HopperBackward {
             let (dqp, _gdq) = self.dqacc.device_ptr_mut(&gpu.stream);
             let dq_map = tma_map_f32(dqp, (batch * heads, seq_len_q, d), 64)?;
             let causal_i = i32::from(causal);
+            // The split buffer where the group's heads are split (never read otherwise: 0).
+            let part_len = splits * 2 * kv_len;
+            if splits > 1 && self.part.as_ref().is_none_or(|p| p.len() < part_len) {
+                // SAFETY: with splits > 1 every CTA writes its slice's values for every key
+                // below seq_len_kv of its tile, so the main kernel writes the whole buffer
+                // before the combine reads it.
+                self.part = Some(unsafe { gpu.stream.alloc::<f32>(part_len)? });
+            }
+            let (part_ptr, _gpart) = match (&mut self.part, splits > 1) {
+                (Some(p), true) => {
+                    let (ptr, g) = p.device_ptr_mut(&gpu.stream);
+                    (ptr, Some(g))
+                }
+                _ => (0u64, None),
+            };
+            let splits_i = splits as i32;
             let mut b = gpu.stream.launch_builder(&self.main);
             b.arg(&maps[0])
                 .arg(&maps[1])
@@ -967,6 +1056,8 @@ impl HopperBackward {
                 .arg(kv_lens)
                 .arg(&mut *dk)
                 .arg(&mut *dv)
+                .arg(&part_ptr)
+                .arg(&splits_i)
                 .arg(&tq)
                 .arg(&tkv)
                 .arg(&h)
@@ -977,21 +1068,46 @@ impl HopperBackward {
                 .arg(&causal_i);
             // SAFETY: `attn_bwd_sm90_d*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap tdo, TmaMap
             // tdq, const float* lse2, const float* dsum, const int* kv_lens, u16* dK, u16* dV,
-            // int Tq, int Tkv, int H, int KVH, int Tq_pad, float scale_log2, float scale, int
-            // causal)`: the maps describe q, k, v, dO and dqacc with the shapes checked above
+            // float* dkv_part, int splits, int Tq, int Tkv, int H, int KVH, int Tq_pad, float
+            // scale_log2, float scale, int causal)`: the maps describe q, k, v, dO and dqacc
+            // with the shapes checked above
             // (TMA reads and reduce-adds inside them only; reads past their ends zero-fill,
             // adds there are skipped), lse2 and dsum hold B·H·Tq_pad floats (whole slices of
             // queries-per-step floats for the bulk copies), dK and dV B·KVH·Tkv·D words,
-            // kv_lens `batch` entries; 3 warpgroups per (128-key tile, kv head, batch entry).
+            // kv_lens `batch` entries, dkv_part (splits > 1 only; 0 and never read otherwise)
+            // splits · 2 · B·KVH·Tkv·D floats; 3 warpgroups per (128-key tile, kv head · splits,
+            // batch entry), splits ≤ the group size (bwd_head_splits).
             unsafe {
                 b.launch(LaunchConfig {
                     grid_dim: (
                         seq_len_kv.div_ceil(BWD_KEYS) as u32,
-                        kv_heads as u32,
+                        (kv_heads * splits) as u32,
                         batch as u32,
                     ),
                     block_dim: (384, 1, 1),
                     shared_mem_bytes: self.smem,
+                })?
+            };
+        }
+        if splits > 1 {
+            let part = self.part.as_ref().expect("allocated above for splits > 1");
+            let (n, splits_i, scale_f) = (kv_len as u64, splits as i32, scale as f32);
+            let mut b = gpu.stream.launch_builder(&self.combine);
+            b.arg(part)
+                .arg(&mut *dk)
+                .arg(&mut *dv)
+                .arg(&n)
+                .arg(&splits_i)
+                .arg(&scale_f);
+            // SAFETY: `attn_bwd_sm90_dkv_combine(const float* part, u16* dK, u16* dV, unsigned
+            // long long n, int splits, float scale)`: part holds at least splits · 2 · n floats
+            // (allocated above), dK and dV n = B·KVH·Tkv·D words (checked), n even (D is); 2
+            // elements per thread.
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (kv_len.div_ceil(2 * 256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
                 })?
             };
         }
@@ -1015,6 +1131,46 @@ impl HopperBackward {
 mod tests {
     use super::*;
     use crate::attention::Pass;
+
+    #[test]
+    fn the_backward_splits_a_group_only_where_its_grid_is_small() {
+        // MQA at B4 H8:1 T4096: 32 key tiles × 1 × 4 = 128 CTAs. Causal: 3 splits reach 384 ≥
+        // 264; not causal: 128 already fills one wave of 132, no split.
+        assert_eq!(bwd_head_splits(4, 8, 1, 4096, true), 3);
+        assert_eq!(
+            bwd_split_bytes(4, 8, 1, 4096, 128, true),
+            3 * 2 * 4 * 4096 * 128 * 4
+        );
+        assert_eq!(bwd_head_splits(4, 8, 1, 4096, false), 1);
+        assert_eq!(bwd_split_bytes(4, 8, 1, 4096, 128, false), 0);
+        // 32 CTAs not causal: 4 splits (128 CTAs, one wave); causal 4 too (at most 4).
+        assert_eq!(bwd_head_splits(1, 8, 1, 4096, false), 4);
+        assert_eq!(bwd_head_splits(1, 8, 1, 4096, true), 4);
+        // GQA H32:8 at T4096, causal: 256 CTAs at batch 1 (2 splits), 1024 at batch 4 (none).
+        assert_eq!(bwd_head_splits(1, 32, 8, 4096, true), 2);
+        assert_eq!(bwd_head_splits(4, 32, 8, 4096, true), 1);
+        assert_eq!(bwd_head_splits(1, 32, 8, 4096, false), 1);
+        // No group to split (H = KVH), or a causal grid of two waves already.
+        assert_eq!(bwd_head_splits(1, 24, 24, 300, true), 1);
+        assert_eq!(bwd_head_splits(4, 8, 1, 128 * 66, true), 1);
+        // At most the group size and BWD_MAX_SPLITS, 1 for shapes the kernels refuse.
+        assert_eq!(bwd_head_splits(1, 2, 1, 1, false), 2);
+        assert_eq!(bwd_head_splits(1, 64, 1, 1, true), BWD_MAX_SPLITS);
+        assert_eq!(bwd_head_splits(1, 8, 3, 100, true), 1);
+        assert_eq!(bwd_head_splits(1, 8, 0, 100, true), 1);
+        // Every split has at least one of the group's heads (the kernel's [h_lo, h_hi)).
+        for group in 1..=16 {
+            for causal in [false, true] {
+                let splits = bwd_head_splits(1, group, 1, 1, causal);
+                for sp in 0..splits {
+                    assert!(
+                        (sp + 1) * group / splits > sp * group / splits,
+                        "{group} {sp}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn the_wgmma_forward_takes_bf16_at_head_dim_64_and_128_on_sm_90a_only() {
