@@ -250,7 +250,7 @@ unverified)
   # repeat test (math's dK, dV; the wgmma backward's split heads, whose dK and dV must repeat
   # bit for bit), the wgmma attention tests with their cubins kept (KP_KERNEL_CACHE; the split
   # backward), the non-aligned probe beside cuDNN, the MQA and GQA forward + backward cases of
-  # the main grid (flash, flash_sm80, cuDNN, FlashAttention-2: the split's timing, issue 11),
+  # the shapes grid (flash, flash_sm80, cuDNN, FlashAttention-2: the split's timing, issue 11),
   # then for every cubin kept HGMMA and local-memory (LDL/STL) counts and the kernels' names
   # from cuobjdump into OUTDIR/sass.txt. (The fp16 grouped GEMM and the mixers' public
   # functions this mode ran first passed at 9a3c050.)
@@ -270,7 +270,7 @@ unverified)
     l=$(left)
     [ "$l" -gt 80 ] && step "grouped $g" $(( l < 140 ? l - 20 : 120 )) \
       "$out/grouped_${g//[=,]/_}.log" \
-      "$bin/attention" --grids main --implementations flash,flash_sm80 --compare torch \
+      "$bin/attention" --grids shapes --implementations flash,flash_sm80 --compare torch \
       --exclude torch_math,torch_efficient --filter "$g,pass=fwd+bwd" \
       --output "$out/grouped_${g//[=,]/_}.json"
   done

@@ -38,8 +38,15 @@ struct Ran {
 
 /// Compiles `imp` for `c`, launches it once on `inp` with poisoned outputs, downloads them.
 fn run(imp: Implementation, c: &AttentionCase, inp: &Inputs) -> Result<Ran, String> {
+    let (mut runner, _) = Runner::new(gpu(), imp, c).map_err(|e| e.to_string())?;
+    run_on(&mut runner, c, inp)
+}
+
+/// Launches `runner` (compiled for `c`) once on `inp` with freshly poisoned outputs and
+/// downloads them: called again on the same runner, what a timed run does (its temporaries and
+/// padding as the previous call left them).
+fn run_on(runner: &mut Runner, c: &AttentionCase, inp: &Inputs) -> Result<Ran, String> {
     let gpu = gpu();
-    let (mut runner, _) = Runner::new(gpu, imp, c).map_err(|e| e.to_string())?;
     let dev = upload(gpu, c, inp).map_err(|e| e.to_string())?;
     let mut outs = poisoned_outputs(gpu, c).map_err(|e| e.to_string())?;
     runner
@@ -328,9 +335,11 @@ fn every_flash_configuration_matches_float64() {
     std::env::remove_var("KP_FLASH_BWD_CONFIG");
 }
 
-/// Five launches on the same inputs give the same bits: O and the LSE of the forward (no
-/// atomics), dK and dV of the flash backward (registers, fixed order), all four outputs of
-/// math (cuBLAS is deterministic on one stream). Flash's dQ is summed by unordered fp32 adds
+/// Five launches of one runner on the same inputs give the same bits (the runner reused, as a
+/// timed run reuses it: math's padded K and V copies and the wgmma backward's split buffer as
+/// the previous call left them): O and the LSE of the forward (no atomics), dK and dV of the
+/// flash backward (registers, fixed order; the split backward adds its slices in a fixed
+/// order), all four outputs of math (cuBLAS is deterministic on one stream). Flash's dQ is summed by unordered fp32 adds
 /// (atomics; TMA reduce-adds in the wgmma backward), so its runs may differ in the last bits:
 /// they must agree to within 1e-3 relative L2.
 #[test]
@@ -362,9 +371,10 @@ fn outputs_are_bit_identical_over_five_runs() {
     for c in &cases {
         let inp = Inputs::random(c, 7);
         for imp in Implementation::ALL {
-            let first = run(imp, c, &inp).expect("runs");
+            let (mut runner, _) = Runner::new(gpu(), imp, c).expect("runner");
+            let first = run_on(&mut runner, c, &inp).expect("runs");
             for r in 1..5 {
-                let again = run(imp, c, &inp).expect("runs");
+                let again = run_on(&mut runner, c, &inp).expect("runs");
                 assert_eq!(again.out.o, first.out.o, "{} O run {r}", imp.name());
                 assert_eq!(again.lse, first.lse, "{} LSE run {r}", imp.name());
                 assert_eq!(again.out.dk, first.out.dk, "{} dK run {r}", imp.name());
@@ -1677,7 +1687,7 @@ fn wgmma_forward_matches_float64() {
 /// at 64, which run as half steps), separate query and key lengths both ways, decoding, GQA,
 /// per-sequence key lengths (517 of 1000, 129 of 257; the shape suite has 0 and 1), a
 /// non-default scale, both masks, the query heads of a group split over 2, 3 and 4 CTAs and
-/// not split; every case runs on the wgmma path. Then a first timing of
+/// not split (a group of 1, and of 2 on a larger grid); every case runs on the wgmma path. Then a first timing of
 /// forward + backward at B4 H8 T16384 (wall clock, not a measurement for the pages).
 #[test]
 #[cfg_attr(
@@ -1697,7 +1707,7 @@ fn wgmma_backward_matches_float64() {
         return;
     }
     let cases = wgmma_backward_cases(Dtype::Bf16);
-    assert_eq!(cases.len(), 40);
+    assert_eq!(cases.len(), 44);
     check_wgmma_backward(&cases, 900);
     for d in [64, 128] {
         for causal in [false, true] {
@@ -1737,13 +1747,19 @@ fn wgmma_backward_cases(dtype: Dtype) -> Vec<AttentionCase> {
         }
         // The grids above are small, so their two-head groups are split over 2 CTAs per key
         // tile (sm90::bwd_head_splits); these run unsplit (no group), 4 ways over MQA's 8 heads
-        // (2 each) and 3 ways over groups of 3 (one each).
+        // (2 each), 3 ways over groups of 3 (one each), and a group of 2 unsplit (not causal)
+        // and split (causal) on a larger grid.
+        // (batch, heads, kv_heads, seq_len_q, seq_len_kv, splits [not causal, causal])
         for (batch, heads, kv_heads, tq, tkv, splits) in [
-            (2, 4, 4, 200, 200, 1),
-            (1, 8, 1, 300, 300, 4),
-            (1, 6, 2, 130, 257, 3),
+            (2, 4, 4, 200, 200, [1, 1]),
+            (1, 8, 1, 300, 300, [4, 4]),
+            (1, 6, 2, 130, 257, [3, 3]),
+            // 18 key tiles × 2 × 2 = 72 CTAs: not causal, a group of 2 in one CTA (no split);
+            // causal, 2 splits.
+            (2, 4, 2, 100, 2200, [1, 2]),
         ] {
             for causal in [false, true] {
+                let splits = splits[usize::from(causal)];
                 assert_eq!(
                     kernelpages::attention::sm90::bwd_head_splits(
                         batch, heads, kv_heads, tkv, causal
@@ -1814,7 +1830,7 @@ fn time_wgmma_fwd_bwd(dtype: Dtype, d: usize, causal: bool) {
 /// The wgmma forward and backward on fp16 (`sm90::HopperForward::with_dtype`,
 /// `HopperBackward::with_dtype`: the same kernels on `f16` operands), through `flash` with this
 /// process dispatching fp16 to them (`sm90::FP16_ENV`, before `sm90::FP16_DISPATCHED` does), on
-/// the bf16 backward test's 40 cases: O, the LSE, dQ, dK and dV against float64 within fp16's
+/// the bf16 backward test's 44 cases: O, the LSE, dQ, dK and dV against float64 within fp16's
 /// tolerance; then a first timing at B4 H8 T16384 (printed). It passed on the H200 at 64f179b, on
 /// the 28 cases before the split ones were added (445 and 522 TFLOP/s forward + backward at head_dim 64 and 128 by the test's wall clock;
 /// `data/logs/gpu_attention_wgmma_fp16_tests_64f179b.log`), after which fp16 went on the

@@ -1498,8 +1498,9 @@ impl Runner {
                             // heads·Tkv·row_u32.
                             unsafe { lb.launch(cfg)? };
                         }
-                        let (pk, gk) = pad.k.device_ptr(&stream);
-                        let (pv, gv) = pad.v.device_ptr(&stream);
+                        // Written below as well (the backward's dK and dV, unpad_rows).
+                        let (pk, gk) = pad.k.device_ptr_mut(&stream);
+                        let (pv, gv) = pad.v.device_ptr_mut(&stream);
                         let unpad = (pad.unpad_rows.clone(), heads, tkv_i, row_u32);
                         (ld, pk, pv, Some(gk), Some(gv), Some(unpad))
                     }

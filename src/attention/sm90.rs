@@ -966,8 +966,9 @@ impl HopperBackward {
             || seq_len_kv > i32::MAX as usize
         {
             return Err(GpuError::Config(format!(
-                "wgmma backward: {padded} padded query rows, {kv_heads} kv heads, batch {batch}, \
-                 seq_len_kv {seq_len_kv}: past the kernels' index and grid limits"
+                "wgmma backward: {padded} padded query rows, {kv_heads} kv heads × {splits} \
+                 splits, batch {batch}, seq_len_kv {seq_len_kv}: past the kernels' index and \
+                 grid limits"
             )));
         }
         let (tq, tkv, h, kvh) = (
