@@ -1104,27 +1104,25 @@ impl HopperBackward {
             // long long n, int splits, float scale)`: part holds at least splits · 2 · n floats
             // (allocated above), dK and dV n = B·KVH·Tkv·D words (checked), n even (D is); 2
             // elements per thread.
-            unsafe {
-                b.launch(LaunchConfig {
-                    grid_dim: (kv_len.div_ceil(2 * 256) as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })?
-            };
+            unsafe { b.launch(two_per_thread(kv_len))? };
         }
         let n = q_len as u64;
         let mut b = gpu.stream.launch_builder(&self.convert);
         b.arg(&self.dqacc).arg(dq).arg(&n).arg(&scale_f);
         // SAFETY: `attn_bwd_sm90_dq_convert(const float* dqacc, u16* dQ, unsigned long long n,
         // float scale)` with n = B·H·Tq·D elements in both; 2 elements per thread.
-        unsafe {
-            b.launch(LaunchConfig {
-                grid_dim: (q_len.div_ceil(2 * 256) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            })?
-        };
+        unsafe { b.launch(two_per_thread(q_len))? };
         Ok(())
+    }
+}
+
+/// The launch of an elementwise kernel over `n` elements, two per thread in blocks of 256
+/// (the backward's dQ conversion and dK/dV combine).
+fn two_per_thread(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(2 * 256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 
