@@ -75,27 +75,62 @@ def seq_len(case):
 
 
 def non_aligned(all_rows):
-    """flash at B1 H24 D64: TFLOP/s at 4092, 4096, 4097 and the loss against 4096."""
+    """flash and math at B1 H24 D64: TFLOP/s at 4092, 4096, 4097 and the loss against 4096."""
     lines = []
     table = {}
     for r in all_rows:
         c = r["case"]
-        if r["implementation"] != "flash" or c.get("heads") != 24 or c.get("head_dim") != 64:
+        if (r["implementation"] not in ("flash", "math") or c.get("heads") != 24
+                or c.get("head_dim") != 64):
             continue
         if seq_len(c) in (4092, 4096, 4097) and "seq_len" in c:
-            table[(c["pass"], c["causal"], c["seq_len"])] = tflops(r)
+            table[(r["implementation"], c["pass"], c["causal"], c["seq_len"])] = tflops(r)
     if not table:
         return lines
-    lines.append("non-aligned, flash B1 H24 D64 bf16 (TFLOP/s; loss vs 4096, issue limit 3%):")
-    lines.append("  pass     mask      4092   4096   4097   loss4092 loss4097")
-    for p in ("fwd", "fwd+bwd"):
-        for causal in (False, True):
-            a, b, c = (table.get((p, causal, t)) for t in (4092, 4096, 4097))
-            if a is None and b is None and c is None:
-                continue
-            loss = lambda x: ("%7.1f%%" % (100 * (1 - x / b))) if x and b else "      -"
-            lines.append("  %-8s %-7s %s %s %s %s %s" % (
-                p, "causal" if causal else "full", fmt(a), fmt(b), fmt(c), loss(a), loss(c)))
+    lines.append("non-aligned, B1 H24 D64 bf16 (TFLOP/s; loss vs 4096, issue limit 3%):")
+    lines.append("  impl  pass     mask      4092   4096   4097   loss4092 loss4097")
+    for imp in ("flash", "math"):
+        for p in ("fwd", "fwd+bwd"):
+            for causal in (False, True):
+                a, b, c = (table.get((imp, p, causal, t)) for t in (4092, 4096, 4097))
+                if a is None and b is None and c is None:
+                    continue
+                loss = lambda x: ("%7.1f%%" % (100 * (1 - x / b))) if x and b else "      -"
+                lines.append("  %-5s %-8s %-7s %s %s %s %s %s" % (
+                    imp, p, "causal" if causal else "full", fmt(a), fmt(b), fmt(c), loss(a),
+                    loss(c)))
+    return lines
+
+
+def grouped(all_rows):
+    """GQA and MQA cases (heads != kv_heads, one query length): TFLOP/s of flash, flash_sm80,
+    cuDNN and FlashAttention-2, and cuDNN's time over flash's (above 1: flash faster)."""
+    imps = ("flash", "flash_sm80", "torch_cudnn", "torch_flash")
+    table = {}
+    for r in all_rows:
+        c = r["case"]
+        if (r["implementation"] not in imps or "seq_len" not in c or "causal" not in c
+                or c.get("kv_heads") in (None, c.get("heads"))):
+            continue
+        key = (c["batch"], c["heads"], c["kv_heads"], c["seq_len"], c["head_dim"], c["pass"],
+               c["causal"])
+        table.setdefault(key, {})[r["implementation"]] = r
+    if not table:
+        return []
+    lines = ["grouped heads (TFLOP/s; cuDNN time / flash time):",
+             "  shape               pass     mask    " + " ".join("%11s" % i for i in imps)
+             + "  cuDNN/flash"]
+    for key in sorted(table):
+        b, h, kvh, t, d, p, causal = key
+        got = table[key]
+        cells = " ".join("%11s" % (fmt(tflops(got[i])).strip() if i in got else "")
+                         for i in imps)
+        ratio = ""
+        f, q = got.get("flash"), got.get("torch_cudnn")
+        if f and q and tflops(f) and tflops(q):
+            ratio = "%.2f" % (q["median_ms"] / f["median_ms"])
+        lines.append("  B%d H%d:%d T%d D%d  %-8s %-7s %s  %s" % (
+            b, h, kvh, t, d, p, "causal" if causal else "full", cells, ratio))
     return lines
 
 
@@ -160,7 +195,8 @@ def main(out):
     all_rows = rows(out)
     lines = ["==== verdict ===="] + tests(out)
     if all_rows:
-        lines += non_aligned(all_rows) + headline(all_rows) + failures(all_rows)
+        lines += (non_aligned(all_rows) + grouped(all_rows) + headline(all_rows)
+                  + failures(all_rows))
     print("\n".join(lines))
     return 0
 
