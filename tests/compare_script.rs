@@ -167,6 +167,50 @@ fn self_test_passes() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// Importing the geomloss module (what the comparison server does before it forks a process
+/// per job) must not import geomloss: geomloss imports pykeops, whose import initialises CUDA,
+/// and the forked jobs then cannot (every geomloss GPU row of the H200 run at 9a3c050 said "no
+/// CUDA device visible to torch"). A stub `geomloss` package on the path records whether it was
+/// imported; `load_geomloss`, which the job calls, does import it.
+#[test]
+#[cfg_attr(not(kp_python), ignore = "needs python3")]
+fn the_geomloss_module_leaves_geomloss_to_the_job() {
+    if !have_python("the_geomloss_module_leaves_geomloss_to_the_job") {
+        return;
+    }
+    let stub = tempfile::tempdir().unwrap();
+    std::fs::create_dir(stub.path().join("geomloss")).unwrap();
+    std::fs::write(
+        stub.path().join("geomloss").join("__init__.py"),
+        "import sys\nsys.modules.setdefault('pykeops', type(sys)('pykeops'))\n",
+    )
+    .unwrap();
+    let path = std::env::join_paths([runners_dir(), stub.path().to_path_buf()]).unwrap();
+    let script = "import sys\n\
+                  import compare.geomloss_sinkhorn as g\n\
+                  print('at import:', 'geomloss' in sys.modules, 'pykeops' in sys.modules)\n\
+                  g.load_geomloss()\n\
+                  print('in the job:', 'geomloss' in sys.modules, g.torch is not None)\n";
+    let o = Command::new("python3")
+        .args(["-c", script])
+        .env("PYTHONPATH", path)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(out.contains("at import: False False"), "{out}");
+    // With torch there, the job's call imports geomloss (the stub); without it, the module
+    // reports torch's import error and never reaches geomloss.
+    assert!(
+        out.contains("in the job: True True") || out.contains("in the job: False False"),
+        "{out}"
+    );
+}
+
 #[test]
 #[cfg_attr(not(kp_python), ignore = "needs python3")]
 fn every_job_gets_a_reply_row() {
