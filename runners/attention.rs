@@ -582,7 +582,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             }
             .into(),
             rule: format!(
-                "otherwise, at head_dim 64 or 128 with a positive scale, the forward, and for forward + backward the wgmma backward after it: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one; {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise. Kernel: the wgmma backward (kernels/attn_wgmma_bwd_sm90.cu): {}-key tiles per CTA holding dK and dV in registers, Q and dO in steps of {} rows at head_dim 64 and {} at 128 by TMA, dQ summed in fp32 by TMA reduce-adds. The rows of {} measure the portable kernels below on the same cases",
+                "otherwise, at head_dim 64 or 128 with a positive scale, the forward, and for forward + backward the wgmma backward after it: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one; {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise. Kernel: the wgmma backward (kernels/attn_wgmma_bwd_sm90.cu): {}-key tiles per CTA holding dK and dV in registers, Q and dO in steps of {} rows at head_dim 64 and {} at 128 by TMA, dQ summed in fp32 by TMA reduce-adds; where (key tiles × kv heads × batch) is small against {} SMs and a kv head has several query heads, those heads are split over up to {} CTAs per key tile (causal: to two waves; not causal: what fits one), their fp32 partial dK and dV added in a fixed order by a fourth kernel. The rows of {} measure the portable kernels below on the same cases",
                 sm90::WS_KEYS,
                 sm90::Sm90Version::V4.rows(),
                 sm90::V4_MIN_QUERIES,
@@ -590,6 +590,8 @@ fn dispatch_rules() -> Vec<DispatchRule> {
                 sm90::BWD_KEYS,
                 sm90::bwd_queries(64),
                 sm90::bwd_queries(128),
+                sm90::BWD_SPLIT_SMS,
+                sm90::BWD_MAX_SPLITS,
                 sm80::IMPLEMENTATION
             ),
             implementation: Implementation::Flash.name().into(),
@@ -801,6 +803,14 @@ impl runner::Suite for Attention {
         }
         if implementation == "math" && c.dtype == Dtype::F32 {
             notes.push(MATH_FP32_NOTE.into());
+        }
+        if implementation == "math" && kernelpages::attention::cuda::math_pads_keys(&c) {
+            notes.push(format!(
+                "seq_len_kv {} is not a multiple of 8: each call copies K and V into zero-padded \
+                 buffers of {} keys (in the temporaries), over which the GEMMs along the keys run",
+                c.seq_len_kv,
+                kernelpages::attention::cuda::math_row_stride(c.seq_len_kv)
+            ));
         }
         if implementation == "flash" && p.contains_key(CONFIG_PARAM) {
             if let Some(note) = self.sweep_arch.as_deref().and_then(|a| sweep_note(a, &c)) {
@@ -1393,6 +1403,16 @@ mod tests {
         assert_eq!(files.arguments["causal_alignment"], "bottom_right");
         assert!(suite.notes(p, "math")[0].contains("useful work"));
         assert!(suite.notes(p, "flash").is_empty());
+        // math says where it pads the keys (seq_len_kv not a multiple of 8), and only there.
+        for (t, padded) in [(4092, true), (4096, false), (4097, true)] {
+            let q = AttentionCase::new(1, 24, t, 64).params();
+            let notes = suite.notes(&q, "math");
+            assert_eq!(
+                notes.iter().any(|n| n.contains("zero-padded")),
+                padded,
+                "{t}: {notes:?}"
+            );
+        }
         assert!(suite.is_default(p, "flash"));
         assert!(suite.unsupported(p, "flash").is_none());
         assert!(suite.unsupported(p, "torch_cudnn").is_none());
