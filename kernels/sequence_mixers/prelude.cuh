@@ -21,38 +21,10 @@ __device__ __forceinline__ void st(u16* p, long long i, float v) { p[i] = to_bf1
 
 typedef unsigned int u32;
 
-// Two bf16 values packed as the tensor cores read them: lo in the low 16 bits, each rounded to
-// nearest even (on the GPU one cvt.rn.bf16x2.f32, which gives the same bits as to_bf16 for
-// finite values).
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-#ifdef KP_EMULATE
-    return (u32)to_bf16(lo) | ((u32)to_bf16(hi) << 16);
-#else
-    u32 d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-#endif
-}
-
-// The warp-wide tensor-core product c += A B (mma.sync m16n8k16, bf16 in, float32 accumulate;
-// sm_80+), g = lane / 4, t = lane % 4: A 16 x 16 row-major from a[0] = (row g, k 2t, 2t+1),
-// a[1] = (g + 8, 2t..), a[2] = (g, 8 + 2t..), a[3] = (g + 8, 8 + 2t..); B 16 x 8 from
-// b0 = (k 2t, 2t+1; column g), b1 = (k 8 + 2t..; column g); c = (g, 2t), (g, 2t + 1),
-// (g + 8, 2t), (g + 8, 2t + 1). The CPU emulation (emulate/cuda_shim.h) defines its own.
-#ifndef KP_EMULATE
-__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-#endif
-
-// The fp16 counterparts (the MoE grouped GEMM's fp16 instance): pack_f16 packs two IEEE
-// half-precision values as pack_bf16 does, each rounded to nearest even (one cvt.rn.f16x2.f32
-// on the GPU; values past 65504 round to infinity); mma_f16 is mma_bf16 with fp16 operands
-// (the same fragment layout, float32 accumulation).
+// Two 16-bit values packed as the tensor cores read them: lo in the low 16 bits, each rounded
+// to nearest even. pack_bf16: bf16 (on the GPU one cvt.rn.bf16x2.f32, which gives the same bits
+// as to_bf16 for finite values); pack_f16: IEEE half precision (cvt.rn.f16x2.f32; values past
+// 65504 round to infinity), for the MoE grouped GEMM's fp16 instance.
 #ifdef KP_EMULATE
 // fp16 bits of v, rounded to nearest even, as cvt.rn.f16.f32 gives them.
 __device__ __forceinline__ u16 to_f16(float v) {
@@ -73,24 +45,39 @@ __device__ __forceinline__ u16 to_f16(float v) {
     m += (rem > half || (rem == half && (m & 1u))) ? 1u : 0u;
     return (u16)(sign | m);
 }
-#endif
-__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
-#ifdef KP_EMULATE
-    return (u32)to_f16(lo) | ((u32)to_f16(hi) << 16);
+#define KP_PACK2(NAME, CVT, TO16)                                                                 \
+    __device__ __forceinline__ u32 NAME(float lo, float hi) {                                    \
+        return (u32)TO16(lo) | ((u32)TO16(hi) << 16);                                            \
+    }
 #else
-    u32 d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
+#define KP_PACK2(NAME, CVT, TO16)                                                                 \
+    __device__ __forceinline__ u32 NAME(float lo, float hi) {                                    \
+        u32 d;                                                                                   \
+        asm(CVT " %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));                                    \
+        return d;                                                                                \
+    }
 #endif
-}
+KP_PACK2(pack_bf16, "cvt.rn.bf16x2.f32", to_bf16)
+KP_PACK2(pack_f16, "cvt.rn.f16x2.f32", to_f16)
+#undef KP_PACK2
+
+// The warp-wide tensor-core product c += A B (mma.sync m16n8k16, 16-bit operands, float32
+// accumulate; sm_80+): mma_bf16 on bf16, mma_f16 on fp16 operands, the same fragment layout.
+// g = lane / 4, t = lane % 4: A 16 x 16 row-major from a[0] = (row g, k 2t, 2t+1),
+// a[1] = (g + 8, 2t..), a[2] = (g, 8 + 2t..), a[3] = (g + 8, 8 + 2t..); B 16 x 8 from
+// b0 = (k 2t, 2t+1; column g), b1 = (k 8 + 2t..; column g); c = (g, 2t), (g, 2t + 1),
+// (g + 8, 2t), (g + 8, 2t + 1). The CPU emulation (emulate/cuda_shim.h) defines its own.
 #ifndef KP_EMULATE
-__device__ __forceinline__ void mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#define KP_MMA16(NAME, T)                                                                         \
+    __device__ __forceinline__ void NAME(float* c, const u32* a, u32 b0, u32 b1) {               \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T ".f32 "                    \
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"           \
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                            \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));            \
+    }
+KP_MMA16(mma_bf16, "bf16")
+KP_MMA16(mma_f16, "f16")
+#undef KP_MMA16
 #endif
 
 // Shared-memory fragment loads and asynchronous copies (sm_80+). ldsm_x4 / ldsm_x4_t: the
