@@ -7,10 +7,10 @@
 # time, when given), else $KP_SHARD_RESERVE_S (default 250 s: a 16th of the attention grid
 # took 103-230 s on an H200) and the longest shard so far plus 20 s. A shard cut off by the
 # budget leaves its document as NAME_I.partial.json. The shards of one build are one run
-# (`config.command` differs only in --shard and --output), so they may span machine calls. Optional: KP_SHARD_FILTER (a
-# `--filter` expression, e.g. `pass=fwd`: the shards then split that part of the grid) and
-# KP_SHARD_NAME (the documents' name before `_I.json`, default gpu_attention). For the
-# kernel-sum grid: KP_SHARD_RUNNER=kernel_sums KP_SHARD_NAME=gpu_kernel_sums
+# (`config.command` differs only in --shard and --output), so they may span machine calls.
+# Optional: KP_SHARD_FILTER (a `--filter` expression, e.g. `pass=fwd`: the shards then split
+# that part of the grid) and KP_SHARD_NAME (the documents' name before `_I.json`, default
+# gpu_attention). For the kernel-sum grid: KP_SHARD_RUNNER=kernel_sums KP_SHARD_NAME=gpu_kernel_sums
 # KP_SHARD_ARGS="--compare torch,jax,ott,geomloss --case-timeout 60" (README, Kernel sums).
 set -uo pipefail
 out=${1:?output folder}; count=${2:?shard count}; budget=${3:?budget, s}; shift 3
