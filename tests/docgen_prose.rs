@@ -464,6 +464,94 @@ fn cpu_device_names_the_cpu_the_documents_were_measured_on() {
         .contains("unknown suite `x`"));
 }
 
+/// `gpu_device` names the card the suite's GPU documents were measured on (prose about them
+/// follows a rerun on another card), is empty without GPU documents, and is an error when two
+/// cards' documents of one suite are in the data.
+#[test]
+fn gpu_device_names_the_card_the_documents_were_measured_on() {
+    let docs = fixture_docs();
+    let card = docs
+        .iter()
+        .find(|l| {
+            l.doc.suite.as_str() == "attention"
+                && l.doc.device.kind == kernelpages::schema::DeviceKind::Gpu
+        })
+        .expect("the fixture has a GPU attention document")
+        .doc
+        .device
+        .name
+        .clone();
+    let src = r#"
+- [{{ gpu_device(suite="attention") }}]
+- {{ measured(suite="attention", device=gpu_device(suite="attention")) }}
+"#;
+    assert_eq!(items(&docs, src), [format!("[{card}]"), "true".into()]);
+    // Only CPU documents: an empty name, on which nothing is measured.
+    let cpu_only: Vec<Loaded> = docs.iter().map(|l| as_cpu(l, "Test CPU")).collect();
+    assert_eq!(items(&cpu_only, src), ["[]", "false"]);
+    // A second card's document of the same suite: the prose cannot tell which to quote.
+    let mut two = docs.clone();
+    let mut other = docs[0].clone();
+    other.doc.device.name = "Other GPU".into();
+    two.push(other);
+    let text = failure(&two, src).to_string();
+    assert!(text.contains("several GPUs: "), "{text}");
+    assert!(text.contains("Other GPU"), "{text}");
+}
+
+/// `failed` is true exactly when a row that did not run (of the implementation, kept by the
+/// where-clause) has a message with the text: false on the fixture, true once one flash row
+/// becomes an `error` with that message, and still false for another implementation, another
+/// text, a where-clause that leaves the row out, or an `ok` row whose message has the text.
+#[test]
+fn failed_finds_the_rows_that_did_not_run_with_a_message() {
+    let mut docs = fixture_docs();
+    let probe = r#"- {{ failed(suite="attention", implementation="flash", text="code generation") }}
+- {{ failed(suite="attention", implementation="math", text="code generation") }}
+- {{ failed(suite="attention", implementation="flash", text="out of memory") }}
+- {{ failed(suite="attention", implementation="flash", text="code generation", where="head_dim = 64") }}
+- {{ failed(suite="attention", text="code generation") }}"#;
+    assert_eq!(
+        items(&docs, probe),
+        ["false", "false", "false", "false", "false"]
+    );
+    let (doc, index) = docs
+        .iter()
+        .enumerate()
+        .find_map(|(d, l)| {
+            l.doc
+                .rows
+                .iter()
+                .position(|r| {
+                    r.implementation == "flash"
+                        && r.status == Status::Ok
+                        && r.int("head_dim") != Some(64)
+                })
+                .map(|i| (d, i))
+        })
+        .expect("an ok flash row not at head_dim 64");
+    // An ok row's message is not a failure.
+    docs[doc].doc.rows[index].message = Some("crashed at code generation".into());
+    assert_eq!(
+        items(&docs, probe),
+        ["false", "false", "false", "false", "false"]
+    );
+    docs[doc].doc.rows[index].status = Status::Error;
+    assert_eq!(
+        items(&docs, probe),
+        ["true", "false", "false", "false", "true"]
+    );
+    assert!(
+        failure(
+            &docs,
+            r#"{{ failed(suite="attention", implementation="flash") }}"#
+        )
+        .to_string()
+        .contains("text"),
+        "`text` is required"
+    );
+}
+
 /// `over_tolerance` is true exactly when a row that ran (of the implementation, kept by the
 /// where-clause) has an error above its tolerance: false on the fixture, true once one row's
 /// error is raised past it, and still false for another implementation or a where-clause that

@@ -37,6 +37,11 @@
 //!   when there are none (so that `measured(device=...)` on it is false): prose about CPU rows
 //!   follows whichever CPU the documents in `data/` were measured on. CPU documents of one
 //!   suite from two CPUs are an error (the prose would not know which to quote).
+//! - `gpu_device(suite)`: the same for the suite's GPU documents (a suite rerun on another
+//!   card is quoted as measured there).
+//! - `failed(suite, text, where?, implementation?)`: whether any row that did not run (of that
+//!   implementation, among those the where-clause keeps) has a message containing `text`, to
+//!   guard prose that says why an alternative has no rows.
 //!
 //! Every function takes an optional `device` (the device name) and `kind` (`grid`, the default,
 //! `decode`: the decoding grid's documents, or `masks`: the masks grid's) to pick documents. A query that
@@ -208,6 +213,8 @@ pub fn render_prose(
     );
     register(&mut tera, "launch_bound", &data, &failures, launch_bound);
     register(&mut tera, "cpu_device", &data, &failures, cpu_device);
+    register(&mut tera, "gpu_device", &data, &failures, gpu_device);
+    register(&mut tera, "failed", &data, &failures, failed);
     register(&mut tera, "dispatch_says", &data, &failures, dispatch_says);
     register(
         &mut tera,
@@ -783,6 +790,16 @@ fn launch_bound(docs: &[Loaded], args: &Args) -> Result<Value, String> {
 }
 
 fn cpu_device(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    device_of_kind(docs, args, DeviceKind::Cpu)
+}
+
+fn gpu_device(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    device_of_kind(docs, args, DeviceKind::Gpu)
+}
+
+/// The one device name of the suite's documents of `kind` (CPU or GPU), or an empty string
+/// when there are none: `cpu_device` and `gpu_device`. Two names are an error.
+fn device_of_kind(docs: &[Loaded], args: &Args, kind: DeviceKind) -> Result<Value, String> {
     args.only(&["suite", "kind"])?;
     let name = args.need("suite")?;
     if !Suite::ALL.iter().any(|s| s.as_str() == name) {
@@ -790,16 +807,46 @@ fn cpu_device(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     }
     let names: std::collections::BTreeSet<&str> = docs
         .iter()
-        .filter(|l| l.doc.suite.as_str() == name && l.doc.device.kind == DeviceKind::Cpu)
+        .filter(|l| l.doc.suite.as_str() == name && l.doc.device.kind == kind)
         .map(|l| l.doc.device.name.as_str())
         .collect();
+    let what = match kind {
+        DeviceKind::Cpu => "CPU",
+        DeviceKind::Gpu => "GPU",
+    };
     match names.len() {
         0 | 1 => Ok(Value::from(names.into_iter().next().unwrap_or(""))),
         _ => Err(format!(
-            "suite {name} has CPU documents from several CPUs: {}",
+            "suite {name} has {what} documents from several {what}s: {}",
             names.into_iter().collect::<Vec<_>>().join(", ")
         )),
     }
+}
+
+/// Whether any row that did not run (`oom`, `unsupported`, `error`, `timeout`) of
+/// `implementation`, among those the where-clause keeps, has a message containing `text`: to
+/// guard prose that explains why an alternative has no rows.
+fn failed(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device", "where", "implementation", "text"])?;
+    let filter = args.filter("where")?;
+    let implementation = args.get("implementation");
+    let text = args.need("text")?;
+    let items = match suite_rows(docs, args) {
+        Ok(items) => items,
+        Err(e) if e.starts_with("unknown") || e.starts_with("missing") => return Err(e),
+        Err(_) => return Ok(Value::from(false)),
+    };
+    let hit: Vec<_> = items
+        .into_iter()
+        .filter(|i| i.row.status != Status::Ok)
+        .filter(|i| implementation.is_none_or(|imp| i.row.implementation == imp))
+        .filter(|i| i.row.message.as_deref().is_some_and(|m| m.contains(text)))
+        .collect();
+    if hit.is_empty() {
+        return Ok(Value::from(false));
+    }
+    let kept = filter.apply(hit, |i| i.row)?;
+    Ok(Value::from(!kept.is_empty()))
 }
 
 fn dispatch_says(docs: &[Loaded], args: &Args) -> Result<Value, String> {
