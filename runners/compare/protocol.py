@@ -415,14 +415,53 @@ def failed_reply(job, library, status, message):
     return {"row": make_row(job["case"], job["implementation"], library, status, message)}
 
 
+# How much of a case process's last output line a failed row quotes.
+LAST_OUTPUT_CHARS = 300
+
+
+def last_output_line(text):
+    """The last non-blank line of a case process's output (stdout and stderr together), cut
+    to LAST_OUTPUT_CHARS, or None: what a row quotes when the process ended without a reply,
+    e.g. the library's last words before a crash in native code."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line:
+            return line if len(line) <= LAST_OUTPUT_CHARS else line[:LAST_OUTPUT_CHARS] + "…"
+    return None
+
+
+def _relay_output(path):
+    """Copies a case process's captured output to this process's stderr (the runner's log)
+    and returns its last non-blank line (None when there is none or it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    text = data.decode("utf-8", errors="replace")
+    if text:
+        sys.stderr.write(text if text.endswith("\n") else text + "\n")
+        sys.stderr.flush()
+    return last_output_line(text)
+
+
 def run_forked(job, measure, library):
-    """Measure `job` in a forked child under the process limit; returns the reply."""
+    """Measure `job` in a forked child under the process limit; returns the reply.
+
+    The child's stdout and stderr go to a file, copied to this process's stderr when the child
+    has ended; a row for a child that ended without a reply (killed by a signal, a bad exit, the
+    time limit) quotes its last output line, which for a crash in native code is often the
+    only word on where it happened."""
     fd, path = tempfile.mkstemp(prefix="kp-reply-", suffix=".json")
     os.close(fd)
+    out_fd, out_path = tempfile.mkstemp(prefix="kp-case-output-", suffix=".log")
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child
         code = 0
         try:
+            os.dup2(out_fd, 2)
+            os.close(out_fd)
             os.dup2(2, 1)  # stdout is the protocol channel: the child writes none of it
             exit_with_parent()
             reply = measure(job)
@@ -440,6 +479,7 @@ def run_forked(job, measure, library):
         finally:
             sys.stderr.flush()
             os._exit(code)
+    os.close(out_fd)
     limit = process_limit_s(job["timing"])
     t0 = time.time()
     status = None
@@ -454,9 +494,11 @@ def run_forked(job, measure, library):
             break
         time.sleep(0.02)
     try:
+        last = _relay_output(out_path)
+        said = "; its last output: %s" % last if last else "; it wrote no output"
         if status is None:
-            return failed_reply(job, library, "timeout",
-                                "killed after %.0f s (limit %.0f s)" % (time.time() - t0, limit))
+            return failed_reply(job, library, "timeout", "killed after %.0f s (limit %.0f s)%s"
+                                % (time.time() - t0, limit, said))
         try:
             with open(path) as f:
                 text = f.read()
@@ -469,12 +511,13 @@ def run_forked(job, measure, library):
         else:
             why = "exit status %d" % os.WEXITSTATUS(status)
         return failed_reply(job, library, "error",
-                            "the case process ended (%s) without a row" % why)
+                            "the case process ended (%s) without a row%s" % (why, said))
     finally:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+        for p in (path, out_path):
+            try:
+                os.remove(p)
+            except OSError:
+                pass
 
 
 def serve(measure, library, stdin=None, stdout=None):
@@ -579,6 +622,32 @@ def self_test():
         check(False, "parse_job accepted a gradient check without reference")
     except JobError:
         pass
+    check(last_output_line("a\n  b c \n\n") == "b c" and last_output_line(" \n") is None,
+          "last_output_line")
+    check(last_output_line("x" * 400).endswith("…"), "a long last line is cut")
+    if hasattr(os, "fork"):
+        # A case process killed by a signal after printing: the row says which signal and
+        # quotes the last line it printed (here on stdout, which the child sends to stderr).
+        def crash(_job):
+            sys.stderr.write("warming up\n")
+            print("Generating code for the reduction ...", flush=True)
+            os.kill(os.getpid(), signal.SIGSEGV)
+            return {}
+
+        def silent_exit(_job):
+            os._exit(7)
+
+        job = parse_job(json.dumps(good))
+        row = run_forked(job, crash, "lib")["row"]
+        check(row["status"] == "error" and "killed by signal %d" % signal.SIGSEGV
+              in row["message"] and row["message"].endswith(
+                  "its last output: Generating code for the reduction ..."),
+              "a crash's row quotes the last output: %r" % row.get("message"))
+        row = run_forked(job, silent_exit, "lib")["row"]
+        check("exit status 7" in row["message"] and "it wrote no output" in row["message"],
+              "a silent exit's row: %r" % row.get("message"))
+        row = run_forked(job, lambda j: {"row": make_row(j["case"], "x", "lib", "ok")}, "lib")
+        check(row["row"]["status"] == "ok", "a reply passes through run_forked")
     for broken in ("{", "[]", json.dumps(dict(good, timing={})),
                    json.dumps({k: v for k, v in good.items() if k != "files"})):
         try:
