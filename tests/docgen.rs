@@ -1948,3 +1948,78 @@ fn only_checked_alternatives_are_listed_as_faster() {
         "{alt} without a check is not listed"
     );
 }
+
+/// The prose follows the card the documents were measured on: the committed data with every
+/// GPU document's device renamed (a rerun on another card) builds pages whose text is the
+/// committed pages' with the new name, no sentence lost or gained. (On 2026-12-05 the kernel
+/// sums, rerun on an H100, lost their whole GPU section, whose templates named the H200, and
+/// kept a sentence saying the kernels had no GPU rows yet; the build passed.)
+#[test]
+fn the_prose_follows_the_card_the_documents_name() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let data = root.join("data");
+    let tmp = tempfile::tempdir().unwrap();
+    let renamed = tmp.path().join("data");
+    fs::create_dir(&renamed).unwrap();
+    // A marker no page has, put inside each GPU name ("NVIDIA H200" → "NVIDIA QqzH200").
+    const MARK: &str = "Qqz";
+    let mut gpu_docs = 0;
+    for entry in fs::read_dir(&data).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("json") {
+            continue;
+        }
+        let text = fs::read_to_string(&path).unwrap();
+        let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+        if doc["device"]["kind"] == "gpu" {
+            let name = doc["device"]["name"].as_str().unwrap().to_string();
+            let new = match name.strip_prefix("NVIDIA ") {
+                Some(rest) => format!("NVIDIA {MARK}{rest}"),
+                None => format!("{MARK}{name}"),
+            };
+            doc["device"]["name"] = serde_json::Value::from(new);
+            gpu_docs += 1;
+        }
+        fs::write(
+            renamed.join(path.file_name().unwrap()),
+            serde_json::to_string(&doc).unwrap(),
+        )
+        .unwrap();
+    }
+    assert!(gpu_docs > 0, "the committed data has GPU documents");
+    let (_a, before) = build_site(&data, None);
+    let (_b, after) = build_site(&renamed, None);
+    let body = Selector::parse("main").unwrap();
+    for name in ["index.html", "attention.html", "mixers.html", "hopper.html"] {
+        let of = |site: &Path| -> String {
+            page(site, name)
+                .select(&body)
+                .map(text)
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let (a, b) = (of(&before), of(&after));
+        assert!(
+            !a.contains(MARK),
+            "{name}: the marker is already on the page"
+        );
+        assert!(
+            b.contains(MARK),
+            "{name}: the renamed card is not on the page"
+        );
+        let b = b.replace(MARK, "");
+        if a != b {
+            let at = a
+                .char_indices()
+                .zip(b.chars())
+                .find(|((_, x), y)| x != y)
+                .map_or(a.len().min(b.len()), |((i, _), _)| i);
+            let start = a.floor_char_boundary(at.saturating_sub(200));
+            panic!(
+                "{name}: the text changes with the card's name at byte {at}:\n committed: {}\n renamed:   {}",
+                &a[start..a.ceil_char_boundary((at + 300).min(a.len()))],
+                &b[b.floor_char_boundary(start)..b.ceil_char_boundary((at + 300).min(b.len()))]
+            );
+        }
+    }
+}
