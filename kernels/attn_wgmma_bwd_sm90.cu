@@ -17,7 +17,8 @@
 //    buffers padded to Tq_pad = BM * ceil(Tq / BM) rows per (batch, head) (padding rows get
 //    LSE2 = +inf, so their P is 0, and Dsum = 0), so that the main kernel brings each BM-row
 //    slice with one bulk copy; dQacc = 0.
-// 2. `attn_bwd_sm90_d*`: one CTA per (128-key tile, kv head, batch entry), 3 warpgroups.
+// 2. `attn_bwd_sm90_d*`: one CTA per (128-key tile, kv head, batch entry), 3 warpgroups, in
+//    the CTA order below.
 //    Warpgroup 0, the producer (setmaxnreg down to 24): one thread brings the K and V tile once,
 //    then per step the BM-row tiles of Q and dO and the BM LSE2 and Dsum values through BW_ST
 //    stages (full/empty mbarriers). Warpgroups 1 and 2, the consumers (setmaxnreg up to 240),
@@ -42,6 +43,14 @@
 // writing its fp32 partial dK (unscaled) and dV to its own slice of dkv_part
 // [SPLITS][2][B * KVH * Tkv * D], and 4. `attn_bwd_sm90_dkv_combine` adds the slices in slice
 // order (a fixed order: dK and dV still repeat bit for bit) into dK (times the scale) and dV.
+// CTA order: the main kernel's grid is 1-D, n_kt key tiles × KVH · SPLITS × B CTAs, and the
+// `order` argument says how a CTA's index maps to its (key tile, kv head · split, batch entry).
+// The hardware starts CTAs in index order as SMs free up, so under the causal mask, where key
+// tile kt is seen by the query tiles from kt on and the first tiles' CTAs have the most work,
+// order matters once the grid is a few waves: 0 runs a (kv head, batch entry)'s key tiles
+// together (tile fastest; their Q and dO reads share L2), 1 starts every CTA of key tile 0
+// before any of tile 1 (longest first: the tail is the shortest CTAs), 2 does that within each
+// batch entry. The host picks (sm90::bwd_cta_order).
 
 // 128 keys per CTA, stages of Q/dO/LSE2/Dsum; queries per step: 128 at head_dim 64, 64 at
 // 128 (the registers of S^T and dP^T: 2 x BM / 2 per thread besides dK and dV's D).
@@ -175,7 +184,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                                               u16* __restrict__ dK,
                                               u16* __restrict__ dV, float* __restrict__ dkv_part,
                                               int splits, int Tq, int Tkv, int H, int KVH,
-                                              int Tq_pad, float scale_log2, float scale) {
+                                              int Tq_pad, float scale_log2, float scale, int B,
+                                              int order) {
     using P = BwPlan<D>;
     constexpr int PANELS = D / 64, DT = D / 8;
     constexpr int BM = P::BM, NQ = BM / 8, DQN = BwShape<D>::DQN;
@@ -184,8 +194,28 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     auto full = [&](int s) { return base + P::BARS + 8u * (1 + 2 * s); };
     auto empty = [&](int s) { return base + P::BARS + 8u * (2 + 2 * s); };
     const int tid = threadIdx.x, wg = tid >> 7;
-    const int kt = blockIdx.x, kvh = blockIdx.y / splits, sp = blockIdx.y % splits;
-    const int b = blockIdx.z;
+    // The CTA's (key tile, kv head · split, batch entry) from its place in a 1-D grid, which
+    // the hardware starts in blockIdx order (the file's header, CTA order): order 0 runs the
+    // key tiles fastest, 1 slowest (longest first under the causal mask), 2 the batch entries
+    // slowest, then the key tiles.
+    int kt, y, b;
+    {
+        const unsigned i = blockIdx.x, n_kt = (Tkv + BW_BN - 1) / BW_BN, n_y = KVH * splits;
+        if (order == 1) {
+            y = i % n_y;
+            b = (i / n_y) % B;
+            kt = i / n_y / B;
+        } else if (order == 2) {
+            y = i % n_y;
+            kt = (i / n_y) % n_kt;
+            b = i / n_y / n_kt;
+        } else {
+            kt = i % n_kt;
+            y = (i / n_kt) % n_y;
+            b = i / n_kt / n_y;
+        }
+    }
+    const int kvh = y / splits, sp = y % splits;
     const int group = H / KVH;
     // This CTA's query heads of the group: [h_lo, h_hi) (all of them without a split).
     const int h_lo = sp * group / splits, h_hi = (sp + 1) * group / splits;
@@ -432,7 +462,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     // every key of the tile below Tkv written (zeros where its heads saw none), so that the
     // combine reads a whole slice.
     const size_t kv_base = (size_t)(b * KVH + kvh) * Tkv * D;
-    const size_t n_kv = (size_t)gridDim.z * KVH * Tkv * D;
+    const size_t n_kv = (size_t)B * KVH * Tkv * D;
     float* const pk = dkv_part + (size_t)(2 * sp) * n_kv;
     float* const pv = pk + n_kv;
 #pragma unroll
@@ -471,14 +501,16 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,                   \
         const __grid_constant__ TmaMap tdq, const float* lse2, const float* dsum,                \
         const int* kv_lens, u16* dK, u16* dV, float* dkv_part, int splits, int Tq, int Tkv,      \
-        int H, int KVH, int Tq_pad, float scale_log2, float scale, int causal) {                 \
+        int H, int KVH, int Tq_pad, float scale_log2, float scale, int causal, int B,             \
+        int order) {                                                                             \
         if (causal)                                                                              \
             attn_bwd_sm90<D, true>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV,       \
-                                   dkv_part, splits, Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale); \
+                                   dkv_part, splits, Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale, \
+                                   B, order);                                                    \
         else                                                                                     \
             attn_bwd_sm90<D, false>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV,      \
                                     dkv_part, splits, Tq, Tkv, H, KVH, Tq_pad, scale_log2,       \
-                                    scale);                                                      \
+                                    scale, B, order);                                            \
     }
 
 // The kernels of head_dim D where the source before this defines KP_SM90_BWD_ALL or

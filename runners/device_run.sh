@@ -249,7 +249,8 @@ unverified)
   # allows: math's GPU tests (its backward over the padded keys, issue 9) and the five-run
   # repeat test (math's dK, dV; the wgmma backward's split heads, whose dK and dV must repeat
   # bit for bit), the wgmma attention tests with their cubins kept (KP_KERNEL_CACHE; the split
-  # backward), the non-aligned probe beside cuDNN, the MQA and GQA forward + backward cases of
+  # backward), the wgmma backward's CTA-order probe (every order's outputs the same, then
+  # forward + backward per order at causal MQA, GQA and MHA), the non-aligned probe beside cuDNN, the MQA and GQA forward + backward cases of
   # the shapes grid (flash, flash_sm80, cuDNN, FlashAttention-2: the split's timing, issue 11),
   # then for every cubin kept HGMMA and local-memory (LDL/STL) counts and the kernels' names
   # from cuobjdump into OUTDIR/sass.txt. (The fp16 grouped GEMM and the mixers' public
@@ -262,6 +263,10 @@ unverified)
   [ "$l" -gt 50 ] && KP_KERNEL_CACHE=$kc step "wgmma tests" $(( l < 140 ? l - 20 : 120 )) \
     "$out/wgmma.tests.log" "$bin/gpu_attention_test" --include-ignored --test-threads 1 \
     --exact wgmma_forward_matches_float64 wgmma_backward_matches_float64
+  l=$(left)
+  [ "$l" -gt 60 ] && step "cta order probe" $(( l < 120 ? l - 20 : 100 )) "$out/cta_order.tests.log" \
+    "$bin/gpu_attention_test" --ignored --test-threads 1 --nocapture --exact \
+    wgmma_backward_cta_order_probe
   l=$(left)
   [ "$l" -gt 120 ] && step "non-aligned" $(( l < 170 ? l - 20 : 150 )) "$out/nonaligned.log" \
     "$bin/attention" --compare torch --exclude torch_math,torch_efficient,torch_flash \

@@ -191,9 +191,20 @@ def failures(all_rows):
     return lines
 
 
+def cta_orders(out):
+    """The wgmma backward's CTA-order probe (cta_order.tests.log): its timing lines, one per
+    (shape, order), as the test printed them."""
+    path = os.path.join(out, "cta_order.tests.log")
+    if not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        found = [line.strip() for line in f if line.startswith("fwd+bwd B")]
+    return ["wgmma backward CTA orders (wall clock over 20 calls):"] + ["  " + x for x in found]
+
+
 def main(out):
     all_rows = rows(out)
-    lines = ["==== verdict ===="] + tests(out)
+    lines = ["==== verdict ===="] + tests(out) + cta_orders(out)
     if all_rows:
         lines += (non_aligned(all_rows) + grouped(all_rows) + headline(all_rows)
                   + failures(all_rows))

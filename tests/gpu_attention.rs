@@ -1716,6 +1716,115 @@ fn wgmma_backward_matches_float64() {
     }
 }
 
+/// The wgmma backward's CTA orders (`sm90::BwdCtaOrder`, the order its main kernel's CTAs
+/// start in): on causal cases that split a group's heads and cases that do not, every order
+/// gives the default's O, dK and dV bit for bit and its dQ within bf16 rounding (the order of
+/// dQ's reduce-adds may change); then forward + backward per order at causal MQA, GQA and
+/// MHA shapes, by wall clock over 20 calls (printed, not asserted: which order the default
+/// rule `sm90::bwd_cta_order` should pick, kernels/TUNING.md). A probe: run it on the GPU
+/// machine with `--ignored`.
+#[test]
+#[ignore = "a GPU probe (timings printed, not asserted): run it on the GPU machine with --ignored"]
+fn wgmma_backward_cta_order_probe() {
+    use kernelpages::attention::sm90::{bwd_cta_order, bwd_head_splits, BwdCtaOrder};
+    let gpu = gpu();
+    if gpu.arch() != "sm_90a" {
+        println!("wgmma backward CTA orders: not a compute capability 9.0 device");
+        return;
+    }
+    fn set(runner: &mut Runner, order: Option<BwdCtaOrder>) {
+        match runner {
+            Runner::Hopper { bwd: Some(b), .. } => b.set_cta_order(order),
+            _ => panic!("not the wgmma backward"),
+        }
+    }
+    let causal = |batch, heads, kv_heads, t, d| AttentionCase {
+        kv_heads,
+        causal: true,
+        pass: Pass::FwdBwd,
+        ..AttentionCase::new(batch, heads, t, d)
+    };
+    for c in [
+        causal(1, 8, 1, 300, 128),
+        causal(2, 4, 2, 1000, 64),
+        causal(4, 8, 1, 1024, 128),
+        causal(2, 4, 4, 700, 64),
+    ] {
+        let inp = Inputs::random(&c, 77);
+        let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
+        let base = run_on(&mut runner, &c, &inp).expect("default order");
+        for order in BwdCtaOrder::ALL {
+            set(&mut runner, Some(order));
+            let r = run_on(&mut runner, &c, &inp).expect("run");
+            assert!(r.out.o == base.out.o, "{order:?}: O differs, {c:?}");
+            assert!(r.out.dk == base.out.dk, "{order:?}: dK differs, {c:?}");
+            assert!(r.out.dv == base.out.dv, "{order:?}: dV differs, {c:?}");
+            let e = kernelpages::attention::rel_l2(
+                &c.dtype.decode_all(&r.out.dq),
+                &c.dtype.decode_all(&base.out.dq),
+            );
+            assert!(
+                e < 4e-3,
+                "{order:?}: dQ off the default's by {e:.2e}, {c:?}"
+            );
+        }
+        println!(
+            "orders agree: B{} H{}:{} T{} D{} causal ({} splits)",
+            c.batch,
+            c.heads,
+            c.kv_heads,
+            c.seq_len_q,
+            c.head_dim,
+            bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, true)
+        );
+    }
+    for c in [
+        causal(4, 8, 1, 4096, 128),
+        causal(4, 8, 1, 4096, 64),
+        causal(4, 32, 8, 4096, 128),
+        causal(1, 16, 16, 16384, 128),
+    ] {
+        let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
+        let inp = upload(gpu, &c, &Inputs::random(&c, 5)).expect("upload");
+        let mut outs = poisoned_outputs(gpu, &c).expect("alloc");
+        let splits = bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, true);
+        let flops = 3.5
+            * 4.0
+            * (c.batch * c.heads) as f64
+            * (c.seq_len_q as f64).powi(2)
+            * c.head_dim as f64
+            / 2.0;
+        for order in BwdCtaOrder::ALL {
+            set(&mut runner, Some(order));
+            for _ in 0..3 {
+                runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
+            }
+            gpu.stream.synchronize().unwrap();
+            let t0 = std::time::Instant::now();
+            for _ in 0..20 {
+                runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
+            }
+            gpu.stream.synchronize().unwrap();
+            let ms = t0.elapsed().as_secs_f64() * 1e3 / 20.0;
+            println!(
+                "fwd+bwd B{} H{}:{} T{} D{} causal, {splits} splits, {order:?}{}: {ms:.3} ms, \
+                 {:.1} TFLOP/s",
+                c.batch,
+                c.heads,
+                c.kv_heads,
+                c.seq_len_q,
+                c.head_dim,
+                if order == bwd_cta_order(splits, true) {
+                    " (default)"
+                } else {
+                    ""
+                },
+                flops / ms / 1e9
+            );
+        }
+    }
+}
+
 /// The wgmma backward tests' cases (`dtype`, fwd+bwd, head_dim 64 and 128, both masks): lengths
 /// on and off the 128-key tiles and the query steps, separate query and key lengths both ways,
 /// decoding, GQA 2:1, per-sequence key lengths, a non-default scale.

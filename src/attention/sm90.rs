@@ -782,6 +782,48 @@ pub fn bwd_split_bytes(
     }
 }
 
+/// The order in which the wgmma backward's CTAs start (`kernels/attn_wgmma_bwd_sm90.cu`, CTA
+/// order): how a CTA's index in its 1-D grid maps to its (128-key tile, kv head · split, batch
+/// entry). The hardware starts CTAs in index order as SMs free up, so under the causal mask,
+/// where the first key tiles' CTAs have the most queries, the order sets how long the grid's
+/// tail is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BwdCtaOrder {
+    /// Key tiles fastest: a (kv head, batch entry)'s CTAs start together and share its Q and dO
+    /// in L2.
+    KeyTilesFastest = 0,
+    /// Key tiles slowest: every CTA of key tile 0 starts before any of tile 1 (longest
+    /// processing time first, the list-scheduling rule whose tail is the shortest jobs).
+    KeyTilesSlowest = 1,
+    /// Batch entries slowest, then key tiles: longest first within each batch entry.
+    BatchThenKeyTiles = 2,
+}
+
+impl BwdCtaOrder {
+    /// Every order, for probes that compare them.
+    pub const ALL: [BwdCtaOrder; 3] = [
+        BwdCtaOrder::KeyTilesFastest,
+        BwdCtaOrder::KeyTilesSlowest,
+        BwdCtaOrder::BatchThenKeyTiles,
+    ];
+}
+
+/// The CTA order the wgmma backward runs by default: [`BwdCtaOrder::KeyTilesSlowest`] where the
+/// causal mask makes the CTAs' work unequal and the grid was split for being small
+/// (`splits > 1`, [`bwd_head_splits`]), else [`BwdCtaOrder::KeyTilesFastest`]. At B4 H8:1
+/// T4096 (3 splits, 384 CTAs) list scheduling in launch order on 132 SMs ends after 184
+/// head-tile steps with key tiles fastest and 133 slowest (the average is 128): on an H100
+/// the split backward ran 0.80× cuDNN there with the first order (kernels/TUNING.md). Larger
+/// causal grids gain less (GQA B4 H32:8: 584 against 516 steps, 12 %) and keep the first order
+/// for L2 locality until a measurement says otherwise.
+pub fn bwd_cta_order(splits: usize, causal: bool) -> BwdCtaOrder {
+    if causal && splits > 1 {
+        BwdCtaOrder::KeyTilesSlowest
+    } else {
+        BwdCtaOrder::KeyTilesFastest
+    }
+}
+
 /// The attention backward on wgmma (issue 11; `kernels/attn_wgmma_bwd_sm90.cu` says how): bf16,
 /// head_dim 64 or 128, the shapes and masks of [`HopperForward`], after a forward that wrote O
 /// and its log-sum-exp (natural log, +∞ for a row that sees no key; either forward). dQ `[batch,
@@ -804,6 +846,9 @@ pub struct HopperBackward {
     smem: u32,
     head_dim: usize,
     dtype: Dtype,
+    /// The CTA order every launch uses instead of [`bwd_cta_order`]'s (probes; `None`: the
+    /// rule's).
+    cta_order: Option<BwdCtaOrder>,
     /// D = rowsum(dO ∘ O), fp32 `[batch · heads, seq_len_q padded to a multiple of
     /// bwd_queries(head_dim)]`.
     dsum: CudaSlice<f32>,
@@ -885,6 +930,7 @@ impl HopperBackward {
             smem,
             head_dim,
             dtype,
+            cta_order: None,
             // SAFETY: the preprocessing kernel writes all three before the main kernel reads
             // them.
             dsum: unsafe { gpu.stream.alloc::<f32>(padded)? },
@@ -897,6 +943,14 @@ impl HopperBackward {
         })
     }
 
+    /// Makes every later launch start its main kernel's CTAs in `order` (`None`: the default,
+    /// [`bwd_cta_order`]), for probes that time the orders against each other. dK and dV do
+    /// not depend on the order (each CTA's sums are its own); dQ's reduce-adds may land in
+    /// another order.
+    pub fn set_cta_order(&mut self, order: Option<BwdCtaOrder>) {
+        self.cta_order = order;
+    }
+
     /// Launches the backward on the stream: `shape` is (batch, heads, kv_heads, seq_len_q,
     /// seq_len_kv) as at [`HopperBackward::new`], `o` and `lse` the forward's, `dout` dO (like
     /// Q), `grads` = dQ, dK, dV.
@@ -904,7 +958,7 @@ impl HopperBackward {
     /// # Errors
     /// [`GpuError::Config`] for a shape other than the one allocated for, an empty dimension,
     /// heads not a multiple of kv_heads, a buffer whose length does not fit, a grid past the
-    /// device's limits (more than 65,535 kv heads or batch entries, 2^27 padded rows), a
+    /// device's limits (more than 2^31 − 1 CTAs, 2^27 padded rows), a
     /// non-positive or non-finite scale; driver errors.
     #[allow(clippy::too_many_arguments)]
     pub fn launch(
@@ -958,19 +1012,25 @@ impl HopperBackward {
             )));
         }
         // The preprocessing kernel numbers its threads (32 per padded row) in 32 bits, and the
-        // main kernel's grid has kv_heads and batch in its y and z dimensions.
+        // main kernel's 1-D grid holds key tiles × kv heads · splits × batch CTAs.
         let splits = bwd_head_splits(batch, heads, kv_heads, seq_len_kv, causal);
+        let ctas = seq_len_kv
+            .div_ceil(BWD_KEYS)
+            .saturating_mul(kv_heads * splits)
+            .saturating_mul(batch);
         if padded.saturating_mul(32) > u32::MAX as usize
-            || kv_heads * splits > 65_535
-            || batch > 65_535
+            || ctas > i32::MAX as usize
             || seq_len_kv > i32::MAX as usize
         {
             return Err(GpuError::Config(format!(
-                "wgmma backward: {padded} padded query rows, {kv_heads} kv heads × {splits} \
-                 splits, batch {batch}, seq_len_kv {seq_len_kv}: past the kernels' index and \
-                 grid limits"
+                "wgmma backward: {padded} padded query rows, {ctas} CTAs ({kv_heads} kv heads × \
+                 {splits} splits, batch {batch}, seq_len_kv {seq_len_kv}): past the kernels' \
+                 index and grid limits"
             )));
         }
+        let order = self
+            .cta_order
+            .unwrap_or_else(|| bwd_cta_order(splits, causal));
         let (tq, tkv, h, kvh) = (
             seq_len_q as i32,
             seq_len_kv as i32,
@@ -1045,7 +1105,7 @@ impl HopperBackward {
                 }
                 _ => (0u64, None),
             };
-            let splits_i = splits as i32;
+            let (splits_i, batch_i, order_i) = (splits as i32, batch as i32, order as i32);
             let mut b = gpu.stream.launch_builder(&self.main);
             b.arg(&maps[0])
                 .arg(&maps[1])
@@ -1066,25 +1126,25 @@ impl HopperBackward {
                 .arg(&tq_pad)
                 .arg(&scale_log2)
                 .arg(&scale_f)
-                .arg(&causal_i);
+                .arg(&causal_i)
+                .arg(&batch_i)
+                .arg(&order_i);
             // SAFETY: `attn_bwd_sm90_d*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap tdo, TmaMap
             // tdq, const float* lse2, const float* dsum, const int* kv_lens, u16* dK, u16* dV,
             // float* dkv_part, int splits, int Tq, int Tkv, int H, int KVH, int Tq_pad, float
-            // scale_log2, float scale, int causal)`: the maps describe q, k, v, dO and dqacc
+            // scale_log2, float scale, int causal, int B, int order)`: the maps describe q, k,
+            // v, dO and dqacc
             // with the shapes checked above
             // (TMA reads and reduce-adds inside them only; reads past their ends zero-fill,
             // adds there are skipped), lse2 and dsum hold B·H·Tq_pad floats (whole slices of
             // queries-per-step floats for the bulk copies), dK and dV B·KVH·Tkv·D words,
             // kv_lens `batch` entries, dkv_part (splits > 1 only; 0 and never read otherwise)
             // splits · 2 · B·KVH·Tkv·D floats; 3 warpgroups per (128-key tile, kv head · splits,
-            // batch entry), splits ≤ the group size (bwd_head_splits).
+            // batch entry) in a 1-D grid of all of them (B = batch; order a BwdCtaOrder), splits
+            // ≤ the group size (bwd_head_splits).
             unsafe {
                 b.launch(LaunchConfig {
-                    grid_dim: (
-                        seq_len_kv.div_ceil(BWD_KEYS) as u32,
-                        (kv_heads * splits) as u32,
-                        batch as u32,
-                    ),
+                    grid_dim: (ctas as u32, 1, 1),
                     block_dim: (384, 1, 1),
                     shared_mem_bytes: self.smem,
                 })?
@@ -1130,6 +1190,74 @@ fn two_per_thread(n: usize) -> LaunchConfig {
 mod tests {
     use super::*;
     use crate::attention::Pass;
+
+    /// The main kernel's decode of its CTA index (`attn_bwd_sm90`'s first lines), mirrored:
+    /// (key tile, kv head · split, batch entry).
+    fn cta_coords(
+        order: BwdCtaOrder,
+        i: usize,
+        (n_kt, n_y, batch): (usize, usize, usize),
+    ) -> (usize, usize, usize) {
+        match order {
+            BwdCtaOrder::KeyTilesFastest => (i % n_kt, (i / n_kt) % n_y, i / n_kt / n_y),
+            BwdCtaOrder::KeyTilesSlowest => (i / n_y / batch, i % n_y, (i / n_y) % batch),
+            BwdCtaOrder::BatchThenKeyTiles => ((i / n_y) % n_kt, i % n_y, i / n_y / n_kt),
+        }
+    }
+
+    /// When the last of `work` (in launch order) ends on `sms` SMs that each take the next CTA
+    /// as they free up (list scheduling, one CTA per SM).
+    fn makespan(work: &[usize], sms: usize) -> usize {
+        let mut free = vec![0usize; sms];
+        for &w in work {
+            let first = (0..sms).min_by_key(|&s| (free[s], s)).unwrap();
+            free[first] += w;
+        }
+        free.into_iter().max().unwrap_or(0)
+    }
+
+    #[test]
+    fn every_cta_order_covers_the_grid_once_and_the_causal_split_one_starts_long_ctas_first() {
+        for dims in [(32, 3, 4), (1, 1, 1), (5, 2, 3), (7, 16, 1)] {
+            let (n_kt, n_y, batch) = dims;
+            for order in BwdCtaOrder::ALL {
+                let mut seen: Vec<_> = (0..n_kt * n_y * batch)
+                    .map(|i| cta_coords(order, i, dims))
+                    .collect();
+                seen.sort_unstable();
+                seen.dedup();
+                assert_eq!(seen.len(), n_kt * n_y * batch, "{order:?} {dims:?}");
+                assert!(seen
+                    .iter()
+                    .all(|&(k, y, b)| k < n_kt && y < n_y && b < batch));
+            }
+            // Longest first: every CTA of key tile 0 before any of tile 1.
+            let first: Vec<_> = (0..n_y * batch)
+                .map(|i| cta_coords(BwdCtaOrder::KeyTilesSlowest, i, dims).0)
+                .collect();
+            assert!(first.iter().all(|&k| k == 0), "{dims:?}");
+        }
+        // Causal MQA at B4 H8:1 T4096: 3 splits of 3, 3 and 2 heads, key tile kt walking
+        // 32 − kt query tiles per head; list scheduling on 132 SMs in each launch order (the
+        // figures bwd_cta_order's doc quotes).
+        let splits = bwd_head_splits(4, 8, 1, 4096, true);
+        assert_eq!(splits, 3);
+        assert_eq!(bwd_cta_order(splits, true), BwdCtaOrder::KeyTilesSlowest);
+        assert_eq!(bwd_cta_order(splits, false), BwdCtaOrder::KeyTilesFastest);
+        assert_eq!(bwd_cta_order(1, true), BwdCtaOrder::KeyTilesFastest);
+        let dims = (32, splits, 4);
+        let steps = |order| {
+            let work: Vec<usize> = (0..32 * splits * 4)
+                .map(|i| {
+                    let (kt, sp, _) = cta_coords(order, i, dims);
+                    (32 - kt) * ((sp + 1) * 8 / splits - sp * 8 / splits)
+                })
+                .collect();
+            makespan(&work, BWD_SPLIT_SMS)
+        };
+        assert_eq!(steps(BwdCtaOrder::KeyTilesFastest), 184);
+        assert_eq!(steps(BwdCtaOrder::KeyTilesSlowest), 133);
+    }
 
     #[test]
     fn the_backward_splits_a_group_only_where_its_grid_is_small() {
