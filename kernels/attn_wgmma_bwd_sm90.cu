@@ -200,7 +200,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     // slowest, then the key tiles.
     int kt, y, b;
     {
-        const unsigned i = blockIdx.x, n_kt = (Tkv + BW_BN - 1) / BW_BN, n_y = KVH * splits;
+        const unsigned i = blockIdx.x, n_y = KVH * splits;
+        const unsigned n_kt = ((unsigned)Tkv + BW_BN - 1) / BW_BN;
         if (order == 1) {
             y = i % n_y;
             b = (i / n_y) % B;

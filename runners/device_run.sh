@@ -65,8 +65,8 @@
 #                                                 # (CUDA_VISIBLE_DEVICES picks the GPU)
 #
 # Leaves in OUTDIR: gpu_attention.tests.log, compare_script.tests.log, and per runner call a
-# document (*.json) and its log (*.log). Every step has a time limit, so the verdict table
-# (runners/device_verdict.py: test results, TFLOP/s at 4092/4096/4097 and at T=16384, failed
+# document (*.json) and its log (*.log), packed into results.tgz past 8 files (pack_results).
+# Every step has a time limit, so the verdict table (runners/device_verdict.py: test results, TFLOP/s at 4092/4096/4097 and at T=16384, failed
 # rows) is always printed last.
 set -uo pipefail
 mode=${1:?smoke, tests or full}
@@ -79,8 +79,9 @@ export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/cuda/
 export KP_RUNNERS_DIR=$here/runners
 export PYTHONUNBUFFERED=1
 t_start=$(date +%s)
-# The files OUTDIR held before this run: pack_results leaves them alone.
-before=$(mktemp); find "$out" -type f | sort > "$before"
+# The files and folders OUTDIR held before this run (relative paths): pack_results leaves them
+# alone.
+before=$(mktemp); find "$out" -mindepth 1 -printf '%P\n' | LC_ALL=C sort > "$before"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv,noheader
 nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader
 
@@ -381,17 +382,29 @@ python3 "$here/device_verdict.py" "$out"
 
 # The device tool returns at most 8 files from its output folder (on 2026-12-05 five of an
 # `unverified` call's ten did not come back): past 8 files, the ones this run wrote go into
-# OUTDIR/results.tgz (`tar -xzf results.tgz` unpacks them), and only those are removed; files
-# that were there before stay. KP_PACK=0 leaves them as they are.
+# OUTDIR/results.tgz (results-2.tgz, ... when that name is taken; `tar -xzf` unpacks them), and
+# only those files, and the folders this run made once empty, are removed. KP_PACK=0 leaves
+# everything as it is.
 pack_results() {
   local new; new=$(mktemp)
-  find "$out" -type f | sort | comm -13 "$before" - > "$new"
+  find "$out" -mindepth 1 -type f -printf '%P\n' | LC_ALL=C sort | LC_ALL=C comm -13 "$before" - \
+    > "$new"
   local n; n=$(wc -l < "$new")
   if [ "${KP_PACK:-1}" = 1 ] && [ "$(find "$out" -type f | wc -l)" -gt 8 ] && [ "$n" -gt 0 ]; then
+    local name=results.tgz i=2
+    while [ -e "$out/$name" ]; do name=results-$i.tgz; i=$(( i + 1 )); done
     local tgz; tgz=$(mktemp --suffix=.tgz)
-    sed "s|^$out/||" "$new" | tar -czf "$tgz" -C "$out" -T - \
-      && xargs -d '\n' rm -f < "$new" && mv "$tgz" "$out/results.tgz" \
-      && echo "packed the $n files this run wrote into $out/results.tgz (tar -xzf to unpack)"
+    if tar -czf "$tgz" -C "$out" --verbatim-files-from -T "$new" && mv "$tgz" "$out/$name"; then
+      (cd "$out" && xargs -d '\n' rm -f -- < "$new")
+      # The folders this run made, deepest first, each removed if it is empty by then.
+      find "$out" -mindepth 1 -type d -printf '%P\n' | LC_ALL=C sort \
+        | LC_ALL=C comm -13 "$before" - | LC_ALL=C sort -r \
+        | (cd "$out" && xargs -r -d '\n' rmdir --ignore-fail-on-non-empty --)
+      echo "packed the $n files this run wrote into $out/$name (tar -xzf to unpack)"
+    else
+      rm -f "$tgz"
+      echo "could not pack the files this run wrote; they are left in $out"
+    fi
   fi
   rm -f "$new"
 }

@@ -486,6 +486,12 @@ fn gpu_device_names_the_card_the_documents_were_measured_on() {
 - {{ measured(suite="attention", device=gpu_device(suite="attention")) }}
 "#;
     assert_eq!(items(&docs, src), [format!("[{card}]"), "true".into()]);
+    // Among the cards the prose names: the card when listed, else empty.
+    let among = format!(
+        r#"- [{{{{ gpu_device(suite="attention", among="Other GPU; {card}") }}}}]
+- [{{{{ gpu_device(suite="attention", among="Other GPU; Third GPU") }}}}]"#
+    );
+    assert_eq!(items(&docs, &among), [format!("[{card}]"), "[]".into()]);
     // Only CPU documents: an empty name, on which nothing is measured.
     let cpu_only: Vec<Loaded> = docs.iter().map(|l| as_cpu(l, "Test CPU")).collect();
     assert_eq!(items(&cpu_only, src), ["[]", "false"]);
@@ -500,9 +506,10 @@ fn gpu_device_names_the_card_the_documents_were_measured_on() {
 }
 
 /// `failed` is true exactly when a row that did not run (of the implementation, kept by the
-/// where-clause) has a message with the text: false on the fixture, true once one flash row
-/// becomes an `error` with that message, and still false for another implementation, another
-/// text, a where-clause that leaves the row out, or an `ok` row whose message has the text.
+/// where-clause) has the status and a message with the text: false on the fixture, true once
+/// one flash row becomes an `error` with that message, and still false for another
+/// implementation, another text or status, a where-clause that leaves the row out, or an `ok`
+/// row whose message has the text; with `every=true` only once every flash row is one.
 #[test]
 fn failed_finds_the_rows_that_did_not_run_with_a_message() {
     let mut docs = fixture_docs();
@@ -547,8 +554,32 @@ fn failed_finds_the_rows_that_did_not_run_with_a_message() {
             r#"{{ failed(suite="attention", implementation="flash") }}"#
         )
         .to_string()
-        .contains("text"),
-        "`text` is required"
+        .contains("`text` or `status`"),
+        "`text` or `status` is required"
+    );
+    // By status, and whether every row kept is a failure.
+    let by_status = r#"- {{ failed(suite="attention", implementation="flash", status="error") }}
+- {{ failed(suite="attention", implementation="flash", status="oom") }}
+- {{ failed(suite="attention", implementation="flash", status="error", every=true) }}
+- {{ failed(suite="attention", implementation="math", status="error", every=true) }}"#;
+    assert_eq!(items(&docs, by_status), ["true", "false", "false", "false"]);
+    let mut all = docs.clone();
+    for l in &mut all {
+        for r in l
+            .doc
+            .rows
+            .iter_mut()
+            .filter(|r| r.implementation == "flash")
+        {
+            r.status = Status::Error;
+            r.message = Some("crashed at code generation".into());
+        }
+    }
+    assert_eq!(items(&all, by_status), ["true", "false", "true", "false"]);
+    assert!(
+        failure(&docs, r#"{{ failed(suite="attention", status="broken") }}"#)
+            .to_string()
+            .contains("unknown status `broken`")
     );
 }
 

@@ -430,31 +430,45 @@ def last_output_line(text):
     return None
 
 
-def _relay_output(path):
-    """Copies a case process's captured output to this process's stderr (the runner's log)
-    and returns its last non-blank line (None when there is none or it cannot be read)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    text = data.decode("utf-8", errors="replace")
-    if text:
-        sys.stderr.write(text if text.endswith("\n") else text + "\n")
-        sys.stderr.flush()
-    return last_output_line(text)
+# How much of a case process's output is kept to find its last line.
+OUTPUT_TAIL_BYTES = 65536
+
+
+class _OutputRelay:
+    """Copies what a case process writes to its output file on to this process's stderr (the
+    runner's log) as it comes, and keeps the last OUTPUT_TAIL_BYTES of it."""
+
+    def __init__(self, path):
+        self.file = open(path, "rb")
+        self.tail = b""
+
+    def pump(self):
+        data = self.file.read()
+        if data:
+            sys.stderr.flush()
+            os.write(2, data)
+            self.tail = (self.tail + data)[-OUTPUT_TAIL_BYTES:]
+
+    def close(self):
+        """The rest of the output, a closing newline if it lacked one; its last line or None."""
+        self.pump()
+        self.file.close()
+        if self.tail and not self.tail.endswith(b"\n"):
+            os.write(2, b"\n")
+        return last_output_line(self.tail.decode("utf-8", errors="replace"))
 
 
 def run_forked(job, measure, library):
     """Measure `job` in a forked child under the process limit; returns the reply.
 
-    The child's stdout and stderr go to a file, copied to this process's stderr when the child
-    has ended; a row for a child that ended without a reply (killed by a signal, a bad exit, the
+    The child's stdout and stderr go to a file, copied on to this process's stderr as they come
+    (_OutputRelay); a row for a child that ended without a reply (killed by a signal, a bad exit, the
     time limit) quotes its last output line, which for a crash in native code is often the
     only word on where it happened."""
     fd, path = tempfile.mkstemp(prefix="kp-reply-", suffix=".json")
     os.close(fd)
     out_fd, out_path = tempfile.mkstemp(prefix="kp-case-output-", suffix=".log")
+    relay = _OutputRelay(out_path)
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child
@@ -483,22 +497,25 @@ def run_forked(job, measure, library):
     limit = process_limit_s(job["timing"])
     t0 = time.time()
     status = None
+    waited = 0.0
     while True:
         done, st = os.waitpid(pid, os.WNOHANG)
         if done:
             status = st
             break
-        if time.time() - t0 > limit:
+        waited = time.time() - t0
+        if waited > limit:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             break
+        relay.pump()
         time.sleep(0.02)
     try:
-        last = _relay_output(out_path)
+        last = relay.close()
         said = "; its last output: %s" % last if last else "; it wrote no output"
         if status is None:
             return failed_reply(job, library, "timeout", "killed after %.0f s (limit %.0f s)%s"
-                                % (time.time() - t0, limit, said))
+                                % (waited, limit, said))
         try:
             with open(path) as f:
                 text = f.read()
@@ -513,6 +530,7 @@ def run_forked(job, measure, library):
         return failed_reply(job, library, "error",
                             "the case process ended (%s) without a row%s" % (why, said))
     finally:
+        relay.file.close()
         for p in (path, out_path):
             try:
                 os.remove(p)
@@ -637,8 +655,17 @@ def self_test():
         def silent_exit(_job):
             os._exit(7)
 
+        def crash_quietly(job):
+            # No core file from the deliberate crash (the test runs in the repository).
+            try:
+                import resource
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            except (ImportError, ValueError, OSError):
+                pass
+            return crash(job)
+
         job = parse_job(json.dumps(good))
-        row = run_forked(job, crash, "lib")["row"]
+        row = run_forked(job, crash_quietly, "lib")["row"]
         check(row["status"] == "error" and "killed by signal %d" % signal.SIGSEGV
               in row["message"] and row["message"].endswith(
                   "its last output: Generating code for the reduction ..."),

@@ -37,11 +37,13 @@
 //!   when there are none (so that `measured(device=...)` on it is false): prose about CPU rows
 //!   follows whichever CPU the documents in `data/` were measured on. CPU documents of one
 //!   suite from two CPUs are an error (the prose would not know which to quote).
-//! - `gpu_device(suite)`: the same for the suite's GPU documents (a suite rerun on another
-//!   card is quoted as measured there).
-//! - `failed(suite, text, where?, implementation?)`: whether any row that did not run (of that
-//!   implementation, among those the where-clause keeps) has a message containing `text`, to
-//!   guard prose that says why an alternative has no rows.
+//! - `gpu_device(suite, among?)`: the same for the suite's GPU documents; with `among` (card
+//!   names separated by `;`), empty unless the card is one of them: the curated prose names
+//!   the cards it was written for, and follows a rerun on any of them.
+//! - `failed(suite, text?, status?, where?, implementation?, every?)`: whether a row that did
+//!   not run (of that implementation, among those the where-clause keeps) has that status and
+//!   a message containing `text`, or with `every=true` whether every row kept is such a row:
+//!   to guard prose that says why an alternative has no rows.
 //!
 //! Every function takes an optional `device` (the device name) and `kind` (`grid`, the default,
 //! `decode`: the decoding grid's documents, or `masks`: the masks grid's) to pick documents. A query that
@@ -432,6 +434,19 @@ fn suite_rows<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<Item<'a>>, Stri
 /// The documents of the call's `suite` (and `device`, `kind`).
 ///
 /// Errors: an unknown suite or kind; no such document.
+/// The kind of run the `kind` argument picks (`grid`, the default, `decode` or `masks`).
+fn run_kind(args: &Args) -> Result<crate::schema::RunKind, String> {
+    use crate::schema::RunKind;
+    match args.get("kind") {
+        None | Some("grid") => Ok(RunKind::Grid),
+        Some("decode") => Ok(RunKind::Decode),
+        Some("masks") => Ok(RunKind::Masks),
+        Some(other) => Err(format!(
+            "unknown kind `{other}` (kinds: grid, decode, masks)"
+        )),
+    }
+}
+
 fn suite_docs<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<&'a Loaded>, String> {
     let name = args.need("suite")?;
     let suite = Suite::ALL
@@ -442,17 +457,7 @@ fn suite_docs<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<&'a Loaded>, St
             format!("unknown suite `{name}` (suites: {})", names.join(", "))
         })?;
     let device = args.get("device");
-    use crate::schema::RunKind;
-    let kind = match args.get("kind") {
-        None | Some("grid") => RunKind::Grid,
-        Some("decode") => RunKind::Decode,
-        Some("masks") => RunKind::Masks,
-        Some(other) => {
-            return Err(format!(
-                "unknown kind `{other}` (kinds: grid, decode, masks)"
-            ))
-        }
-    };
+    let kind = run_kind(args)?;
     let picked: Vec<&Loaded> = docs
         .iter()
         .filter(|l| {
@@ -797,25 +802,40 @@ fn gpu_device(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     device_of_kind(docs, args, DeviceKind::Gpu)
 }
 
-/// The one device name of the suite's documents of `kind` (CPU or GPU), or an empty string
-/// when there are none: `cpu_device` and `gpu_device`. Two names are an error.
+/// The one device name of the suite's documents of `kind` (CPU or GPU) and of the run kind
+/// the `kind` argument picks (`grid` by default), or an empty string when there are none or,
+/// given `among` (names separated by `;`), when it is not one of them: `cpu_device` and
+/// `gpu_device`. Two names are an error.
 fn device_of_kind(docs: &[Loaded], args: &Args, kind: DeviceKind) -> Result<Value, String> {
-    args.only(&["suite", "kind"])?;
+    args.only(&["suite", "kind", "among"])?;
     let name = args.need("suite")?;
     if !Suite::ALL.iter().any(|s| s.as_str() == name) {
         return Err(format!("unknown suite `{name}`"));
     }
+    let run = run_kind(args)?;
     let names: std::collections::BTreeSet<&str> = docs
         .iter()
-        .filter(|l| l.doc.suite.as_str() == name && l.doc.device.kind == kind)
+        .filter(|l| {
+            l.doc.suite.as_str() == name && l.doc.device.kind == kind && l.doc.config.kind == run
+        })
         .map(|l| l.doc.device.name.as_str())
         .collect();
     let what = match kind {
         DeviceKind::Cpu => "CPU",
         DeviceKind::Gpu => "GPU",
     };
+    let among: Option<Vec<&str>> = args.get("among").map(|a| {
+        a.split(';')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .collect()
+    });
     match names.len() {
-        0 | 1 => Ok(Value::from(names.into_iter().next().unwrap_or(""))),
+        0 | 1 => {
+            let name = names.into_iter().next().unwrap_or("");
+            let listed = among.as_ref().is_none_or(|a| a.contains(&name));
+            Ok(Value::from(if listed { name } else { "" }))
+        }
         _ => Err(format!(
             "suite {name} has {what} documents from several {what}s: {}",
             names.into_iter().collect::<Vec<_>>().join(", ")
@@ -823,30 +843,72 @@ fn device_of_kind(docs: &[Loaded], args: &Args, kind: DeviceKind) -> Result<Valu
     }
 }
 
-/// Whether any row that did not run (`oom`, `unsupported`, `error`, `timeout`) of
-/// `implementation`, among those the where-clause keeps, has a message containing `text`: to
-/// guard prose that explains why an alternative has no rows.
+/// Whether a row that did not run, of `implementation` among those the where-clause keeps,
+/// has `status` (`oom`, `unsupported`, `error`, `timeout`; any of them when not given) and a
+/// message containing `text` (any message when not given; one of the two is required): to
+/// guard prose that explains why an alternative has no rows. With `every=true`, whether every
+/// such row of those kept (whatever its status) is one: a sentence about all of them.
 fn failed(docs: &[Loaded], args: &Args) -> Result<Value, String> {
-    args.only(&["suite", "device", "where", "implementation", "text"])?;
+    args.only(&[
+        "suite",
+        "device",
+        "kind",
+        "where",
+        "implementation",
+        "text",
+        "status",
+        "every",
+    ])?;
     let filter = args.filter("where")?;
     let implementation = args.get("implementation");
-    let text = args.need("text")?;
+    let text = args.get("text");
+    let status = match args.get("status") {
+        None => None,
+        Some(s) => Some(
+            [
+                Status::Oom,
+                Status::Unsupported,
+                Status::Error,
+                Status::Timeout,
+            ]
+            .into_iter()
+            .find(|v| v.as_str() == s)
+            .ok_or_else(|| {
+                format!("unknown status `{s}` (statuses that did not run: oom, unsupported, error, timeout)")
+            })?,
+        ),
+    };
+    if text.is_none() && status.is_none() {
+        return Err("failed() needs `text` or `status`".to_string());
+    }
+    let every = match args.get("every") {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(other) => return Err(format!("`every` is true or false, not `{other}`")),
+    };
     let items = match suite_rows(docs, args) {
         Ok(items) => items,
         Err(e) if e.starts_with("unknown") || e.starts_with("missing") => return Err(e),
         Err(_) => return Ok(Value::from(false)),
     };
-    let hit: Vec<_> = items
+    let mine: Vec<_> = items
         .into_iter()
-        .filter(|i| i.row.status != Status::Ok)
         .filter(|i| implementation.is_none_or(|imp| i.row.implementation == imp))
-        .filter(|i| i.row.message.as_deref().is_some_and(|m| m.contains(text)))
         .collect();
-    if hit.is_empty() {
+    if mine.is_empty() {
         return Ok(Value::from(false));
     }
-    let kept = filter.apply(hit, |i| i.row)?;
-    Ok(Value::from(!kept.is_empty()))
+    let kept = filter.apply(mine, |i| i.row)?;
+    let is_failure = |row: &Row| {
+        row.status != Status::Ok
+            && status.is_none_or(|s| row.status == s)
+            && text.is_none_or(|t| row.message.as_deref().is_some_and(|m| m.contains(t)))
+    };
+    Ok(Value::from(if every {
+        !kept.is_empty() && kept.iter().all(|i| is_failure(i.row))
+    } else {
+        kept.iter().any(|i| is_failure(i.row))
+    }))
 }
 
 fn dispatch_says(docs: &[Loaded], args: &Args) -> Result<Value, String> {
