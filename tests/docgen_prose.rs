@@ -503,6 +503,16 @@ fn gpu_device_names_the_card_the_documents_were_measured_on() {
     let text = failure(&two, src).to_string();
     assert!(text.contains("several GPUs: "), "{text}");
     assert!(text.contains("Other GPU"), "{text}");
+    // With `among`, the first listed card that has documents.
+    let prefer = |among: &str| {
+        items(
+            &two,
+            &format!(r#"- [{{{{ gpu_device(suite="attention", among="{among}") }}}}]"#),
+        )
+    };
+    assert_eq!(prefer(&format!("Other GPU; {card}")), ["[Other GPU]"]);
+    assert_eq!(prefer(&format!("{card}; Other GPU")), [format!("[{card}]")]);
+    assert_eq!(prefer("Third GPU"), ["[]"]);
 }
 
 /// `failed` is true exactly when a row that did not run (of the implementation, kept by the

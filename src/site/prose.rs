@@ -38,8 +38,9 @@
 //!   follows whichever CPU the documents in `data/` were measured on. CPU documents of one
 //!   suite from two CPUs are an error (the prose would not know which to quote).
 //! - `gpu_device(suite, among?)`: the same for the suite's GPU documents; with `among` (card
-//!   names separated by `;`), empty unless the card is one of them: the curated prose names
-//!   the cards it was written for, and follows a rerun on any of them.
+//!   names separated by `;`, in order of preference), the first of them the suite has
+//!   documents on, or empty: the curated prose names the cards it was written for, and
+//!   follows a rerun on any of them.
 //! - `failed(suite, text?, status?, where?, implementation?, every?)`: whether a row that did
 //!   not run (of that implementation, among those the where-clause keeps) has that status and
 //!   a message containing `text`, or with `every=true` whether every row kept is such a row:
@@ -803,9 +804,10 @@ fn gpu_device(docs: &[Loaded], args: &Args) -> Result<Value, String> {
 }
 
 /// The one device name of the suite's documents of `kind` (CPU or GPU) and of the run kind
-/// the `kind` argument picks (`grid` by default), or an empty string when there are none or,
-/// given `among` (names separated by `;`), when it is not one of them: `cpu_device` and
-/// `gpu_device`. Two names are an error.
+/// the `kind` argument picks (`grid` by default), or an empty string when there are none:
+/// `cpu_device` and `gpu_device`. Two names are an error, unless `among` (names separated by
+/// `;`, in order of preference) is given: then the first of them that has documents, or an
+/// empty string when none has.
 fn device_of_kind(docs: &[Loaded], args: &Args, kind: DeviceKind) -> Result<Value, String> {
     args.only(&["suite", "kind", "among"])?;
     let name = args.need("suite")?;
@@ -824,18 +826,17 @@ fn device_of_kind(docs: &[Loaded], args: &Args, kind: DeviceKind) -> Result<Valu
         DeviceKind::Cpu => "CPU",
         DeviceKind::Gpu => "GPU",
     };
-    let among: Option<Vec<&str>> = args.get("among").map(|a| {
-        a.split(';')
+    // With `among`, the first listed card that has documents (cards not listed are left to
+    // the tables and figures).
+    if let Some(among) = args.get("among") {
+        let first = among
+            .split(';')
             .map(str::trim)
-            .filter(|n| !n.is_empty())
-            .collect()
-    });
+            .find(|card| !card.is_empty() && names.contains(card));
+        return Ok(Value::from(first.unwrap_or("")));
+    }
     match names.len() {
-        0 | 1 => {
-            let name = names.into_iter().next().unwrap_or("");
-            let listed = among.as_ref().is_none_or(|a| a.contains(&name));
-            Ok(Value::from(if listed { name } else { "" }))
-        }
+        0 | 1 => Ok(Value::from(names.into_iter().next().unwrap_or(""))),
         _ => Err(format!(
             "suite {name} has {what} documents from several {what}s: {}",
             names.into_iter().collect::<Vec<_>>().join(", ")
