@@ -392,7 +392,7 @@ pack_results() {
   local n; n=$(wc -l < "$new")
   if [ "${KP_PACK:-1}" = 1 ] && [ "$(find "$out" -type f | wc -l)" -gt 8 ] && [ "$n" -gt 0 ]; then
     local name=results.tgz i=2
-    while [ -e "$out/$name" ]; do name=results-$i.tgz; i=$(( i + 1 )); done
+    while [ -e "$out/$name" ] || [ -L "$out/$name" ]; do name=results-$i.tgz; i=$(( i + 1 )); done
     local tgz; tgz=$(mktemp --suffix=.tgz)
     if tar -czf "$tgz" -C "$out" --verbatim-files-from -T "$new" && mv "$tgz" "$out/$name"; then
       (cd "$out" && xargs -d '\n' rm -f -- < "$new")

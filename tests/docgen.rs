@@ -2038,3 +2038,62 @@ fn the_prose_follows_the_card_the_documents_name() {
         }
     }
 }
+
+/// A suite measured on a card the curated prose does not list (`cards`) gets its tables and
+/// figures but neither the sentences about that card's rows nor the ones for a suite without
+/// GPU rows ("no rows here yet"): the committed kernel sums renamed to another card.
+#[test]
+fn a_card_the_prose_does_not_list_gets_no_sentences_either_way() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let data = root.join("data");
+    let tmp = tempfile::tempdir().unwrap();
+    let renamed = tmp.path().join("data");
+    fs::create_dir(&renamed).unwrap();
+    const OTHER: &str = "NVIDIA A100-SXM4-80GB";
+    let mut moved = 0;
+    for entry in fs::read_dir(&data).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("json") {
+            continue;
+        }
+        let text = fs::read_to_string(&path).unwrap();
+        let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+        if doc["device"]["kind"] == "gpu" && doc["suite"] == "kernel_sums" {
+            doc["device"]["name"] = serde_json::Value::from(OTHER);
+            moved += 1;
+        }
+        fs::write(
+            renamed.join(path.file_name().unwrap()),
+            serde_json::to_string(&doc).unwrap(),
+        )
+        .unwrap();
+    }
+    assert!(moved > 0, "the committed data has kernel-sum GPU documents");
+    let body = Selector::parse("main").unwrap();
+    let of = |site: &Path, name: &str| -> String {
+        page(site, name)
+            .select(&body)
+            .map(text)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let (_a, before) = build_site(&data, None);
+    let (_b, after) = build_site(&renamed, None);
+    let (mixers_before, mixers) = (of(&before, "mixers.html"), of(&after, "mixers.html"));
+    let index = of(&after, "index.html");
+    assert!(mixers_before.contains("Kernel sums on the H100 80GB HBM3"));
+    assert!(
+        !mixers.contains("Kernel sums on the"),
+        "the curated section stayed"
+    );
+    assert!(mixers.contains(OTHER), "the card's tables are on the page");
+    for sentence in [
+        "have no rows here yet",
+        "Kernel sums are measured on the CPU only",
+    ] {
+        assert!(
+            !mixers.contains(sentence) && !index.contains(sentence),
+            "{sentence:?} on a page while the suite has GPU rows"
+        );
+    }
+}

@@ -445,16 +445,22 @@ class _OutputRelay:
     def pump(self):
         data = self.file.read()
         if data:
-            sys.stderr.flush()
-            os.write(2, data)
             self.tail = (self.tail + data)[-OUTPUT_TAIL_BYTES:]
+            try:
+                sys.stderr.flush()
+                os.write(2, data)
+            except OSError:  # a closed stderr must not stop the case from being timed and reaped
+                pass
 
     def close(self):
         """The rest of the output, a closing newline if it lacked one; its last line or None."""
         self.pump()
         self.file.close()
         if self.tail and not self.tail.endswith(b"\n"):
-            os.write(2, b"\n")
+            try:
+                os.write(2, b"\n")
+            except OSError:
+                pass
         return last_output_line(self.tail.decode("utf-8", errors="replace"))
 
 
@@ -468,49 +474,54 @@ def run_forked(job, measure, library):
     fd, path = tempfile.mkstemp(prefix="kp-reply-", suffix=".json")
     os.close(fd)
     out_fd, out_path = tempfile.mkstemp(prefix="kp-case-output-", suffix=".log")
-    relay = _OutputRelay(out_path)
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child
-        code = 0
-        try:
-            os.dup2(out_fd, 2)
-            os.close(out_fd)
-            os.dup2(2, 1)  # stdout is the protocol channel: the child writes none of it
-            exit_with_parent()
-            reply = measure(job)
-            reply.setdefault("pid", os.getpid())
-            with open(path, "w") as f:
-                json.dump(reply, f, allow_nan=False)
-        except BaseException as e:  # a bug must still give a row
-            traceback.print_exc()
-            try:
-                with open(path, "w") as f:
-                    json.dump(failed_reply(job, library, "error",
-                                           "comparison process failed: %s" % exc_text(e)), f)
-            except Exception:
-                code = 1
-        finally:
-            sys.stderr.flush()
-            os._exit(code)
-    os.close(out_fd)
-    limit = process_limit_s(job["timing"])
-    t0 = time.time()
+    relay = None
+    pid = None
     status = None
-    waited = 0.0
-    while True:
-        done, st = os.waitpid(pid, os.WNOHANG)
-        if done:
-            status = st
-            break
-        waited = time.time() - t0
-        if waited > limit:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            break
-        relay.pump()
-        time.sleep(0.02)
     try:
+        relay = _OutputRelay(out_path)
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 0
+            try:
+                os.dup2(out_fd, 2)
+                os.close(out_fd)
+                os.dup2(2, 1)  # stdout is the protocol channel: the child writes none of it
+                exit_with_parent()
+                reply = measure(job)
+                reply.setdefault("pid", os.getpid())
+                with open(path, "w") as f:
+                    json.dump(reply, f, allow_nan=False)
+            except BaseException as e:  # a bug must still give a row
+                traceback.print_exc()
+                try:
+                    with open(path, "w") as f:
+                        json.dump(failed_reply(job, library, "error",
+                                               "comparison process failed: %s" % exc_text(e)), f)
+                except Exception:
+                    code = 1
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(out_fd)
+        out_fd = None
+        limit = process_limit_s(job["timing"])
+        t0 = time.time()
+        waited = 0.0
+        while True:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = st
+                break
+            waited = time.time() - t0
+            if waited > limit:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pid = None
+                break
+            relay.pump()
+            time.sleep(0.02)
+        pid = None if status is not None else pid
         last = relay.close()
         said = "; its last output: %s" % last if last else "; it wrote no output"
         if status is None:
@@ -530,7 +541,17 @@ def run_forked(job, measure, library):
         return failed_reply(job, library, "error",
                             "the case process ended (%s) without a row%s" % (why, said))
     finally:
-        relay.file.close()
+        # Whatever went wrong here, no child is left running or unreaped, no file open.
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+        if out_fd is not None:
+            os.close(out_fd)
+        if relay is not None:
+            relay.file.close()
         for p in (path, out_path):
             try:
                 os.remove(p)

@@ -38,9 +38,9 @@
 //!   follows whichever CPU the documents in `data/` were measured on. CPU documents of one
 //!   suite from two CPUs are an error (the prose would not know which to quote).
 //! - `gpu_device(suite, among?)`: the same for the suite's GPU documents; with `among` (card
-//!   names separated by `;`, in order of preference), the first of them the suite has
-//!   documents on, or empty: the curated prose names the cards it was written for, and
-//!   follows a rerun on any of them.
+//!   names separated by `;`, in order of preference; `*` for any card), the first of them the
+//!   suite has documents on, or empty: the curated prose names the cards it was written for,
+//!   and follows a rerun on any of them (`among="*"` says whether there is a GPU document).
 //! - `failed(suite, text?, status?, where?, implementation?, every?)`: whether a row that did
 //!   not run (of that implementation, among those the where-clause keeps) has that status and
 //!   a message containing `text`, or with `every=true` whether every row kept is such a row:
@@ -432,9 +432,6 @@ fn suite_rows<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<Item<'a>>, Stri
         .collect())
 }
 
-/// The documents of the call's `suite` (and `device`, `kind`).
-///
-/// Errors: an unknown suite or kind; no such document.
 /// The kind of run the `kind` argument picks (`grid`, the default, `decode` or `masks`).
 fn run_kind(args: &Args) -> Result<crate::schema::RunKind, String> {
     use crate::schema::RunKind;
@@ -448,6 +445,9 @@ fn run_kind(args: &Args) -> Result<crate::schema::RunKind, String> {
     }
 }
 
+/// The documents of the call's `suite` (and `device`, `kind`).
+///
+/// Errors: an unknown suite or kind; no such document.
 fn suite_docs<'a>(docs: &'a [Loaded], args: &Args) -> Result<Vec<&'a Loaded>, String> {
     let name = args.need("suite")?;
     let suite = Suite::ALL
@@ -806,8 +806,8 @@ fn gpu_device(docs: &[Loaded], args: &Args) -> Result<Value, String> {
 /// The one device name of the suite's documents of `kind` (CPU or GPU) and of the run kind
 /// the `kind` argument picks (`grid` by default), or an empty string when there are none:
 /// `cpu_device` and `gpu_device`. Two names are an error, unless `among` (names separated by
-/// `;`, in order of preference) is given: then the first of them that has documents, or an
-/// empty string when none has.
+/// `;`, in order of preference; `*` stands for any card, the first by name) is given: then
+/// the first of them that has documents, or an empty string when none has.
 fn device_of_kind(docs: &[Loaded], args: &Args, kind: DeviceKind) -> Result<Value, String> {
     args.only(&["suite", "kind", "among"])?;
     let name = args.need("suite")?;
@@ -829,10 +829,11 @@ fn device_of_kind(docs: &[Loaded], args: &Args, kind: DeviceKind) -> Result<Valu
     // With `among`, the first listed card that has documents (cards not listed are left to
     // the tables and figures).
     if let Some(among) = args.get("among") {
-        let first = among
-            .split(';')
-            .map(str::trim)
-            .find(|card| !card.is_empty() && names.contains(card));
+        let first = among.split(';').map(str::trim).find_map(|card| match card {
+            "" => None,
+            "*" => names.first().copied(),
+            card => names.contains(&card).then_some(card),
+        });
         return Ok(Value::from(first.unwrap_or("")));
     }
     match names.len() {
