@@ -2040,8 +2040,9 @@ fn the_prose_follows_the_card_the_documents_name() {
 }
 
 /// A suite measured on a card the curated prose does not list (`cards`) gets its tables and
-/// figures but neither the sentences about that card's rows nor the ones for a suite without
-/// GPU rows ("no rows here yet"): the committed kernel sums renamed to another card.
+/// figures and a sentence saying why it has no others, but neither the sentences about that
+/// card's rows nor the ones for a suite without GPU rows ("no rows here yet"): the committed
+/// kernel sums renamed to another card.
 #[test]
 fn a_card_the_prose_does_not_list_gets_no_sentences_either_way() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
@@ -2087,6 +2088,15 @@ fn a_card_the_prose_does_not_list_gets_no_sentences_either_way() {
         "the curated section stayed"
     );
     assert!(mixers.contains(OTHER), "the card's tables are on the page");
+    // What stands in for the sentences says why.
+    assert!(
+        mixers.contains(&format!(
+            "The kernel-sum GPU rows here were measured on the {OTHER}. This page's sentences \
+             about GPU rows are written for the NVIDIA H200 and NVIDIA H100 80GB HBM3"
+        )),
+        "no word on why the section has no sentences"
+    );
+    assert!(!mixers_before.contains("GPU rows here were measured on the"));
     for sentence in [
         "have no rows here yet",
         "Kernel sums are measured on the CPU only",
