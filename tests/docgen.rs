@@ -1949,6 +1949,51 @@ fn only_checked_alternatives_are_listed_as_faster() {
     );
 }
 
+/// A copy of the suite documents in `data` (its top-level `*.json`) in a new temporary folder,
+/// each GPU document's device renamed to `rename(suite, name)` where that gives a name: the
+/// folder (kept alive by the returned guard), the copy's path and how many were renamed.
+fn with_gpus_renamed(
+    data: &Path,
+    rename: impl Fn(&str, &str) -> Option<&'static str>,
+) -> (tempfile::TempDir, PathBuf, usize) {
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = tmp.path().join("data");
+    fs::create_dir(&copy).unwrap();
+    let mut renamed = 0;
+    for entry in fs::read_dir(data).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("json") {
+            continue;
+        }
+        let text = fs::read_to_string(&path).unwrap();
+        let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+        if doc["device"]["kind"] == "gpu" {
+            let suite = doc["suite"].as_str().unwrap_or_default().to_string();
+            let name = doc["device"]["name"].as_str().unwrap().to_string();
+            if let Some(new) = rename(&suite, &name) {
+                doc["device"]["name"] = serde_json::Value::from(new);
+                renamed += 1;
+            }
+        }
+        fs::write(
+            copy.join(path.file_name().unwrap()),
+            serde_json::to_string(&doc).unwrap(),
+        )
+        .unwrap();
+    }
+    (tmp, copy, renamed)
+}
+
+/// The text of a page's `<main>`, white space folded.
+fn main_text(site: &Path, name: &str) -> String {
+    let body = Selector::parse("main").unwrap();
+    page(site, name)
+        .select(&body)
+        .map(text)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// The prose follows the card the documents were measured on, among the cards it was written
 /// for (`cards` in templates/prose/*.md: the H200 and the H100 80GB HBM3): the committed data
 /// with the two cards' names swapped in every GPU document builds the committed pages with the
@@ -1959,46 +2004,17 @@ fn only_checked_alternatives_are_listed_as_faster() {
 fn the_prose_follows_the_card_the_documents_name() {
     const H200: &str = "NVIDIA H200";
     const H100: &str = "NVIDIA H100 80GB HBM3";
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let data = root.join("data");
-    let tmp = tempfile::tempdir().unwrap();
-    let renamed = tmp.path().join("data");
-    fs::create_dir(&renamed).unwrap();
-    let mut swapped = 0;
-    for entry in fs::read_dir(&data).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().and_then(|e| e.to_str()) != Some("json") {
-            continue;
-        }
-        let text = fs::read_to_string(&path).unwrap();
-        let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
-        if doc["device"]["kind"] == "gpu" {
-            let new = match doc["device"]["name"].as_str().unwrap() {
-                H200 => H100,
-                H100 => H200,
-                other => panic!("a GPU document on {other}: add it to the swap"),
-            };
-            doc["device"]["name"] = serde_json::Value::from(new);
-            swapped += 1;
-        }
-        fs::write(
-            renamed.join(path.file_name().unwrap()),
-            serde_json::to_string(&doc).unwrap(),
-        )
-        .unwrap();
-    }
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    let (_tmp, renamed, swapped) = with_gpus_renamed(&data, |_, name| match name {
+        H200 => Some(H100),
+        H100 => Some(H200),
+        other => panic!("a GPU document on {other}: add it to the swap"),
+    });
     assert!(swapped > 0, "the committed data has GPU documents");
     let (_a, before) = build_site(&data, None);
     let (_b, after) = build_site(&renamed, None);
-    let body = Selector::parse("main").unwrap();
     for name in ["index.html", "attention.html", "mixers.html", "hopper.html"] {
-        let of = |site: &Path| -> String {
-            page(site, name)
-                .select(&body)
-                .map(text)
-                .collect::<Vec<_>>()
-                .join(" ")
-        };
+        let of = |site: &Path| main_text(site, name);
         // Lists of both cards come sorted by name, which the swap reverses.
         let unordered = |t: String| {
             t.replace("H100 80GB HBM3, H200", "\u{2}")
@@ -2045,39 +2061,12 @@ fn the_prose_follows_the_card_the_documents_name() {
 /// kernel sums renamed to another card.
 #[test]
 fn a_card_the_prose_does_not_list_gets_no_sentences_either_way() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let data = root.join("data");
-    let tmp = tempfile::tempdir().unwrap();
-    let renamed = tmp.path().join("data");
-    fs::create_dir(&renamed).unwrap();
     const OTHER: &str = "NVIDIA A100-SXM4-80GB";
-    let mut moved = 0;
-    for entry in fs::read_dir(&data).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().and_then(|e| e.to_str()) != Some("json") {
-            continue;
-        }
-        let text = fs::read_to_string(&path).unwrap();
-        let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
-        if doc["device"]["kind"] == "gpu" && doc["suite"] == "kernel_sums" {
-            doc["device"]["name"] = serde_json::Value::from(OTHER);
-            moved += 1;
-        }
-        fs::write(
-            renamed.join(path.file_name().unwrap()),
-            serde_json::to_string(&doc).unwrap(),
-        )
-        .unwrap();
-    }
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    let (_tmp, renamed, moved) =
+        with_gpus_renamed(&data, |suite, _| (suite == "kernel_sums").then_some(OTHER));
     assert!(moved > 0, "the committed data has kernel-sum GPU documents");
-    let body = Selector::parse("main").unwrap();
-    let of = |site: &Path, name: &str| -> String {
-        page(site, name)
-            .select(&body)
-            .map(text)
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
+    let of = main_text;
     let (_a, before) = build_site(&data, None);
     let (_b, after) = build_site(&renamed, None);
     let (mixers_before, mixers) = (of(&before, "mixers.html"), of(&after, "mixers.html"));

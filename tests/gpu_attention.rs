@@ -1796,16 +1796,7 @@ fn wgmma_backward_cta_order_probe() {
             / 2.0;
         for order in BwdCtaOrder::ALL {
             set(&mut runner, Some(order));
-            for _ in 0..3 {
-                runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
-            }
-            gpu.stream.synchronize().unwrap();
-            let t0 = std::time::Instant::now();
-            for _ in 0..20 {
-                runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
-            }
-            gpu.stream.synchronize().unwrap();
-            let ms = t0.elapsed().as_secs_f64() * 1e3 / 20.0;
+            let ms = wall_ms(&mut runner, &c, &inp, &mut outs, 3, 20);
             println!(
                 "fwd+bwd B{} H{}:{} T{} D{} causal, {splits} splits, {order:?}{}: {ms:.3} ms, \
                  {:.1} TFLOP/s",
@@ -1905,6 +1896,29 @@ fn check_wgmma_backward(cases: &[AttentionCase], seed: u64) {
     check_cases(Implementation::Flash, cases, seed);
 }
 
+/// Milliseconds per launch of `runner` by wall clock: `warm` launches, then `n` timed between
+/// two synchronisations (the tests' first timings; the runner's protocol measures the pages').
+fn wall_ms(
+    runner: &mut Runner,
+    c: &AttentionCase,
+    inp: &kernelpages::attention::cuda::DeviceInputs,
+    outs: &mut [cudarc::driver::CudaSlice<u16>],
+    warm: usize,
+    n: usize,
+) -> f64 {
+    let gpu = gpu();
+    for _ in 0..warm {
+        runner.launch(gpu, c, inp, outs).expect("launch");
+    }
+    gpu.stream.synchronize().unwrap();
+    let t0 = std::time::Instant::now();
+    for _ in 0..n {
+        runner.launch(gpu, c, inp, outs).expect("launch");
+    }
+    gpu.stream.synchronize().unwrap();
+    t0.elapsed().as_secs_f64() * 1e3 / n as f64
+}
+
 /// A first timing of `flash` forward + backward at B4 H8 T16384 (wall clock over 5 calls,
 /// printed; not a measurement for the pages: the runner's protocol does that).
 fn time_wgmma_fwd_bwd(dtype: Dtype, d: usize, causal: bool) {
@@ -1918,14 +1932,7 @@ fn time_wgmma_fwd_bwd(dtype: Dtype, d: usize, causal: bool) {
     let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
     let inp = upload(gpu, &c, &Inputs::random(&c, 5)).expect("upload");
     let mut outs = poisoned_outputs(gpu, &c).expect("alloc");
-    runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
-    gpu.stream.synchronize().unwrap();
-    let t0 = std::time::Instant::now();
-    for _ in 0..5 {
-        runner.launch(gpu, &c, &inp, &mut outs).expect("launch");
-    }
-    gpu.stream.synchronize().unwrap();
-    let ms = t0.elapsed().as_secs_f64() * 1e3 / 5.0;
+    let ms = wall_ms(&mut runner, &c, &inp, &mut outs, 1, 5);
     let flops = 3.5 * 4.0 * (4 * 8) as f64 * (16384.0f64).powi(2) * d as f64
         / if causal { 2.0 } else { 1.0 };
     println!(

@@ -420,6 +420,17 @@ struct Item<'a> {
     row: &'a Row,
 }
 
+/// [`suite_rows`] for the functions that answer true or false (`measured`, `over_tolerance`,
+/// `failed`): an unknown suite or a missing argument is an error, while no document of the
+/// suite (on that device) is `None`, "nothing there", not an error.
+fn rows_if_any<'a>(docs: &'a [Loaded], args: &Args) -> Result<Option<Vec<Item<'a>>>, String> {
+    match suite_rows(docs, args) {
+        Ok(items) => Ok(Some(items)),
+        Err(e) if e.starts_with("unknown") || e.starts_with("missing") => Err(e),
+        Err(_) => Ok(None),
+    }
+}
+
 /// The rows of `suite` (on `device` when given) in its documents of run kind `kind` (`grid` when
 /// not given; `decode` for the decoding grid, `masks` for the masks grid): a tile sweep has its own section, generated
 /// whole from its rows, and is never read by prose.
@@ -888,10 +899,8 @@ fn failed(docs: &[Loaded], args: &Args) -> Result<Value, String> {
         Some("true") => true,
         Some(other) => return Err(format!("`every` is true or false, not `{other}`")),
     };
-    let items = match suite_rows(docs, args) {
-        Ok(items) => items,
-        Err(e) if e.starts_with("unknown") || e.starts_with("missing") => return Err(e),
-        Err(_) => return Ok(Value::from(false)),
+    let Some(items) = rows_if_any(docs, args)? else {
+        return Ok(Value::from(false));
     };
     let mine: Vec<_> = items
         .into_iter()
@@ -989,11 +998,8 @@ fn ran_where(
     args.only(&["suite", "device", "where", "implementation"])?;
     let filter = args.filter("where")?;
     let implementation = args.get("implementation");
-    // An unknown suite is an error; an absent document only means "not measured".
-    let items = match suite_rows(docs, args) {
-        Ok(items) => items,
-        Err(e) if e.starts_with("unknown") || e.starts_with("missing") => return Err(e),
-        Err(_) => return Ok(Value::from(false)),
+    let Some(items) = rows_if_any(docs, args)? else {
+        return Ok(Value::from(false));
     };
     let ok: Vec<_> = items
         .into_iter()
