@@ -36,6 +36,8 @@
 #                                                 # padded backward, the wgmma backward's
 #                                                 # split heads), the non-aligned and MQA/GQA
 #                                                 # probes and the SASS check
+#   bash .carry/device_run.sh cta_order OUTDIR    # the wgmma backward's tests, its CTA-order
+#                                                 # probe, MQA/GQA fwd+bwd beside cuDNN, SASS
 #   bash .carry/device_run.sh ks_shards OUTDIR BUDGET_S I[:NEED_S] ...  # kernel-sum shards
 #                                                 # I/8 while BUDGET_S allows (README)
 #   bash .carry/device_run.sh moe OUTDIR          # the MoE GPU tests (the timing probe
@@ -102,6 +104,14 @@ install_wheels() {  # Python packages the image lacks, carried as wheels in .car
       && echo "installed: $(cd "$here/whl" && ls ./*.whl | tr '\n' ' ')" \
       || echo "wheel install failed: the rows of the libraries in $here/whl will say 'not installed'"
   fi
+}
+
+sass_check() {  # sass_check CACHE: HGMMA and local-memory (LDL/STL) counts and the kernels'
+  # names of every cubin kept in CACHE (KP_KERNEL_CACHE), into OUTDIR/sass.txt
+  for f in $(find "$1" -type f -name "*.cubin" | head -40); do
+    sass=$(/usr/local/cuda/bin/cuobjdump --dump-sass "$f" 2>&1)
+    echo "$(basename "$f"): $(grep -c HGMMA <<< "$sass") HGMMA, $(grep -cE '\b(LDL|STL)\b' <<< "$sass") LDL/STL, $(grep -c 'Function :' <<< "$sass") functions: $(grep -o 'Function : [A-Za-z0-9_]*' <<< "$sass" | cut -d' ' -f3 | tr '\n' ' ')"
+  done | tee "$out/sass.txt"
 }
 
 tests() {
@@ -282,10 +292,25 @@ unverified)
       --exclude torch_math,torch_efficient --filter "$g,pass=fwd+bwd" \
       --output "$out/grouped_${g//[=,]/_}.json"
   done
-  for f in $(find "$kc" -type f -name "*.cubin" | head -40); do
-    sass=$(/usr/local/cuda/bin/cuobjdump --dump-sass "$f" 2>&1)
-    echo "$(basename "$f"): $(grep -c HGMMA <<< "$sass") HGMMA, $(grep -cE '\b(LDL|STL)\b' <<< "$sass") LDL/STL, $(grep -c 'Function :' <<< "$sass") functions: $(grep -o 'Function : [A-Za-z0-9_]*' <<< "$sass" | cut -d' ' -f3 | tr '\n' ' ')"
-  done | tee "$out/sass.txt"
+  sass_check "$kc"
+  ;;
+cta_order)
+  # The wgmma backward's CTA order (kernels/TUNING.md, "CTA order"): its float64 tests with the
+  # cubins kept, the order probe (every order's outputs the same, then forward + backward per
+  # order at causal MQA, GQA and MHA), the MQA and GQA forward + backward cases of the shapes
+  # grid beside cuDNN and FlashAttention-2, and the SASS check; under 8 minutes.
+  kc=/tmp/kp-kernel-cache; mkdir -p "$kc"
+  KP_KERNEL_CACHE=$kc step "wgmma backward tests" 150 "$out/wgmma.tests.log" \
+    "$bin/gpu_attention_test" --include-ignored --test-threads 1 --exact \
+    wgmma_backward_matches_float64
+  step "cta order probe" 120 "$out/cta_order.tests.log" "$bin/gpu_attention_test" --ignored \
+    --test-threads 1 --nocapture --exact wgmma_backward_cta_order_probe
+  for g in 'heads=8,kv_heads=1' 'heads=32,kv_heads=8'; do
+    step "grouped $g" 110 "$out/grouped_${g//[=,]/_}.log" "$bin/attention" --grids shapes \
+      --implementations flash,flash_sm80 --compare torch --exclude torch_math,torch_efficient \
+      --filter "$g,pass=fwd+bwd" --output "$out/grouped_${g//[=,]/_}.json"
+  done
+  sass_check "$kc"
   ;;
 ks_shards)
   # The kernel-sum grid in eight shards over several calls (README, Kernel sums):
@@ -374,7 +399,7 @@ full)
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, part, jaxinit, mixers, mixers_grid, mixers_rerun, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
+  echo "unknown mode $mode (smoke, tests, unverified, cta_order, ks_shards, moe, part, jaxinit, mixers, mixers_grid, mixers_rerun, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"
