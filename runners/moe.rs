@@ -634,8 +634,7 @@ impl own::Launcher for Launch {
         self.case.backward.then_some(0)
     }
     fn workspace_bytes(&self) -> u64 {
-        // The Hopper kernel's tail-split partials, allocated once with the kernel.
-        self.gg.workspace_bytes() as u64
+        0
     }
 }
 
@@ -1077,10 +1076,8 @@ impl own::Launcher for LayerLaunch {
             .then_some(t * e * 4 + m * 16 + 2 * (m * h + m * 2 * f + m * f + m * h))
     }
     fn workspace_bytes(&self) -> u64 {
-        // The router's weight gradient (fwd+bwd) and the GEMM kernels' tail-split partials:
-        // allocated once, held across calls.
+        // The router's weight gradient (fwd+bwd): allocated once, held across calls.
         self.router_grad.as_ref().map_or(0, |g| 2 * g.len() as u64)
-            + self.layer.workspace_bytes() as u64
     }
 }
 

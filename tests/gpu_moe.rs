@@ -124,7 +124,6 @@ fn gpu() -> &'static (Gpu, Vec<GroupedKernel>) {
                 moe_cuda::WIDE_VARIANT,
                 moe_cuda::TALL_VARIANT,
                 moe_cuda::MC_VARIANT,
-                moe_cuda::WHOLE_VARIANT,
             ] {
                 if skip_mc && variant == moe_cuda::MC_VARIANT {
                     println!("{variant}: left out (KP_MOE_SKIP_MC=1)");
@@ -387,116 +386,6 @@ fn grouped_gemm_with_empty_experts_matches_float64() {
             assert_within(
                 case(gg, &[5, 0, 0, 3, 0, 1, 0, 7], 256, n, 1),
                 "[5,0,0,3,0,1,0,7]",
-            );
-        }
-    }
-}
-
-/// The tail split (sm_90a; `gs_walk` in kernels/moe/grouped_gemm_sm90.cu): the forward at issue
-/// 14's target point (8 experts of 2048 rows, K = 2048, N = 1408: on 132 SMs five rounds of
-/// tall tiles and 44 tiles cut in thirds) and dX at 8 experts of 128 rows (K = 1024: 32 tiles,
-/// each cut in four). The dispatch's outputs repeat bit for bit over two launches, match
-/// float64 at sampled rows of the last expert (whose tiles are the tail's) and the first, and
-/// stay within bf16 rounding of the whole-tile variant's; where `sm90::tail_split` says the
-/// launch splits, some element must differ from the whole tiles' (the partial sums are added
-/// in another order), which shows that the split ran.
-#[test]
-#[cfg_attr(
-    not(kp_cuda),
-    ignore = "needs an NVIDIA GPU with its CUDA driver (libcuda.so.1)"
-)]
-fn tail_split_matches_whole_tiles_and_repeats() {
-    use kernelpages::moe::sm90;
-    let (g, all) = gpu();
-    let (Some(split), Some(whole)) = (
-        all.iter().find(|k| k.implementation() == "grouped_wgmma"),
-        all.iter()
-            .find(|k| k.implementation() == moe_cuda::WHOLE_VARIANT),
-    ) else {
-        println!("no wgmma kernel on {}: no tail split to test", g.arch());
-        return;
-    };
-    let sms = g.describe().unwrap().sm_count.unwrap_or(1) as usize;
-    for (per, k, n, product) in [
-        (2048usize, 2048usize, 1408usize, Product::Forward),
-        (128, 1024, 1408, Product::Dx),
-    ] {
-        let e = 8;
-        let counts = vec![per; e];
-        let offsets = offsets_of(&counts);
-        let m = offsets[e];
-        let off32: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
-        let d_off = g.stream.clone_htod(&off32).unwrap();
-        let x = inputs(m * k, 11);
-        let w = inputs(e * k * n, 12);
-        let dy = inputs(m * n, 13);
-        let (d_x, d_w, d_dy) = (up(&x), up(&w), up(&dy));
-        let (width, reduction) = match product {
-            Product::Forward => (n, k),
-            _ => (k, n),
-        };
-        let run = |gg: &GroupedKernel| -> Vec<u16> {
-            let mut out = poisoned(m * width);
-            match product {
-                Product::Forward => gg.launch(g, product, &d_x, &d_w, &mut out, &d_off, m, k, n),
-                _ => gg.launch(g, product, &d_dy, &d_w, &mut out, &d_off, m, k, n),
-            }
-            .unwrap();
-            g.stream.clone_dtoh(&out).unwrap()
-        };
-        let (a, b, c) = (run(split), run(split), run(whole));
-        let what = format!("{product:?}, 8 experts x {per} rows, K {k}, N {n}");
-        assert!(
-            a == b,
-            "{what}: the split's outputs differ between two launches"
-        );
-        // The tiles the dispatch runs, and whether the launch splits them.
-        let tiles = match product {
-            Product::Forward if sm90::tall_pays(m, e, n) => e * per.div_ceil(256) * (n / 128),
-            Product::Forward => e * per.div_ceil(128) * n.div_ceil(256),
-            _ => e * per.div_ceil(128) * k.div_ceil(256),
-        };
-        let blocks = (tiles * sm90::SPLIT_MAX).min(sms);
-        let pieces = sm90::tail_split(tiles, blocks, reduction / 64, sm90::SPLIT_MAX);
-        let scale = c.iter().map(|&v| bf16_value(v).abs()).fold(0.0, f64::max);
-        let mut differ = 0usize;
-        for (i, (&s, &t)) in a.iter().zip(&c).enumerate() {
-            let (s, t) = (bf16_value(s), bf16_value(t));
-            assert!(
-                s.is_finite() && (s - t).abs() <= 2.0 * 2f64.powi(-8) * scale.max(t.abs()),
-                "{what}: element {i}: split {s}, whole tiles {t}"
-            );
-            differ += usize::from(s != t);
-        }
-        // float64 at rows of the first and the last expert.
-        let expert_of = |r: usize| offsets.partition_point(|&o| o <= r) - 1;
-        for r in [0, m - per, m - per / 2 - 1, m - 1] {
-            let ex = expert_of(r);
-            for j in [0, width / 2 + 1, width - 1] {
-                let want: f64 = match product {
-                    Product::Forward => {
-                        (0..k).map(|i| x[r * k + i] * w[(ex * k + i) * n + j]).sum()
-                    }
-                    _ => (0..n)
-                        .map(|i| dy[r * n + i] * w[(ex * k + j) * n + i])
-                        .sum(),
-                };
-                let got = bf16_value(a[r * width + j]);
-                assert!(
-                    (got - want).abs() <= BOUND * want.abs().max((reduction as f64).sqrt()),
-                    "{what}: [{r}, {j}] = {got}, float64 {want}"
-                );
-            }
-        }
-        println!(
-            "{what}: {tiles} tiles on {blocks} blocks, tail split {pieces:?}; {differ} of {} \
-             elements differ from whole tiles",
-            a.len()
-        );
-        if pieces.is_some() {
-            assert!(
-                differ > 0,
-                "{what}: the split predicted, but every element as whole tiles"
             );
         }
     }
@@ -1198,10 +1087,6 @@ fn grouped_wgmma_shape_probe() {
     let mc = all
         .iter()
         .find(|k| k.implementation() == moe_cuda::MC_VARIANT);
-    let whole = all
-        .iter()
-        .find(|k| k.implementation() == moe_cuda::WHOLE_VARIANT)
-        .expect("the whole-tile variant beside the wgmma kernel");
     let blas = CublasLoop::new(g).expect("a cuBLAS handle");
     // NVML's SM clock over each timing (the card's clock moves with its power draw: a kernel's
     // figure against another's means little without it).
@@ -1215,7 +1100,8 @@ fn grouped_wgmma_shape_probe() {
     let now = kernelpages::runner::protocol::unix_now;
     // (experts, rows per expert, K, N), balanced
     let balanced = [
-        // Issue 14's two target points first (M = 16384: the tail split's case).
+        // Issue 14's two target points first (M = 16384 rows: 704 tall tiles, 5.33 rounds on
+        // 132 SMs; kernels/TUNING-moe.md, "Waves at the target points").
         (8usize, 2048usize, 2048usize, 1408usize),
         (64, 256, 2048, 1408),
         (64, 2048, 2048, 1408),
@@ -1357,13 +1243,6 @@ fn grouped_wgmma_shape_probe() {
         });
         check(&d_y, moe_cuda::TALL_VARIANT);
         d_y = poisoned(m * n);
-        let ours_whole = time(&mut || {
-            whole
-                .launch(g, Product::Forward, &d_x, &d_w, &mut d_y, &d_off, m, k, n)
-                .unwrap()
-        });
-        check(&d_y, moe_cuda::WHOLE_VARIANT);
-        d_y = poisoned(m * n);
         let t0 = now();
         let cublas = time(&mut || {
             blas.forward(g, &d_x, &d_w, &mut d_y, &offsets, k, n)
@@ -1372,9 +1251,8 @@ fn grouped_wgmma_shape_probe() {
         let cublas_clock = clock([t0, now()]);
         check(&d_y, "cublas_loop");
         println!(
-            "probe: {label}, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s ({}, {ours_clock}), {} {ours_whole:.0}, {} {ours_wide:.0}, {} {ours_tall:.0}, {} {ours_mc:.0} ({mc_clock}), cublas_loop {cublas:.0} ({cublas_clock})",
+            "probe: {label}, K {k}, N {n}: grouped_wgmma {ours:.0} TFLOP/s ({}, {ours_clock}), {} {ours_wide:.0}, {} {ours_tall:.0}, {} {ours_mc:.0} ({mc_clock}), cublas_loop {cublas:.0} ({cublas_clock})",
             if kernelpages::moe::sm90::tall_pays(m, e, n) { "tall tiles" } else { "wide tiles" },
-            moe_cuda::WHOLE_VARIANT,
             moe_cuda::WIDE_VARIANT,
             moe_cuda::TALL_VARIANT,
             moe_cuda::MC_VARIANT

@@ -72,8 +72,7 @@
 // pairs of row tiles from blockIdx.x / 2 by gridDim.x / 2), the groups' tiles one after another,
 // within a group bands of GS_BAND row tiles before moving right (as grouped_gemm.cu); the stage
 // ring runs on across tiles, so the producer fills the next tile's stages while the consumers
-// store the last one. Where the last round of tiles would leave more than half the blocks idle,
-// the forward and dX cut those tiles along the reduction instead (the tail split, below).
+// store the last one.
 
 #define GS_THREADS 384
 #define GS_BM 128
@@ -87,25 +86,10 @@
 // One 64 x 64 16-bit subtile of the epilogue (two buffers per consumer).
 #define GS_C_BYTES (64 * 64 * 2)
 // From the 1024-aligned base: the stages, the epilogue buffers (consumer 0's two, then consumer
-// 1's), the barriers (full then empty per stage), the two consumers' tail-split arrival counts
-// (16 bytes), then the groups' tile prefix ((E + 1) ints).
+// 1's), the barriers (full then empty per stage), then the groups' tile prefix ((E + 1) ints).
 #define GS_CBUF (GS_ST * GS_STAGE_BYTES)
 #define GS_BARS (GS_CBUF + 4 * GS_C_BYTES)
-#define GS_FLAGS (GS_BARS + 16 * GS_ST)
-#define GS_PREFIX (GS_FLAGS + 16)
-// The tail split (Stream-K's hybrid of whole tiles and split-K, Osama et al., 2023): when the
-// launch's last round of tiles fills at most half the grid, each of those tiles is cut along
-// the reduction into S pieces (at most the host's split_max, each of at least GS_PIECE_STEPS
-// steps), one a block, so that the round takes about 1/S of a tile's time instead of a whole
-// one. A piece leaves its float32 accumulators in the workspace (`ws`: per piece and consumer
-// 128 x 128 floats, thread t's registers 4j .. 4j + 3 as float4 j * 128 + t) and counts itself in
-// (`counters`: per tail tile and consumer, zero between launches); the last of a tile's S
-// pieces to arrive adds the S partials in piece order (the same sum whichever arrives last: a
-// run repeats bit for bit), resets the count and stores the tile as a whole one would.
-#define GS_PIECE_STEPS 2
-// float4 loads of each partial in flight at once in the sum (gs_fixup).
-#define GS_SUM_CHUNK 8
-#define GS_PART (128 * 128)
+#define GS_PREFIX (GS_BARS + 16 * GS_ST)
 
 // The accumulator operands of m64n256k16 (128 fp32 registers a thread).
 #define GS_REGS128                                                                               \
@@ -239,111 +223,10 @@ __device__ __forceinline__ int gs_offset(const int* offsets, int e, int M) {
 }
 
 // One tile of the launch's list: its group, the group's first row and row count, the tile's
-// origin in C (m0 rows, n0 columns), and the reduction steps it takes: `steps` of them from
-// step `kb` (0 and all of them for a whole tile; a range for a piece of a split one).
+// origin in C (m0 rows, n0 columns) and its reduction steps.
 struct GsTile {
-    int e, row0, rows, m0, n0, steps, kb;
+    int e, row0, rows, m0, n0, steps;
 };
-
-// The launch's walk with the tail split (GS_PIECE_STEPS above): tiles below `full_end` are
-// taken whole, then `pieces` pieces, S per tile, of the tiles from full_end on. Without a split
-// full_end is the tile count and pieces 0.
-struct GsWalk {
-    int full_end, split, pieces;
-};
-
-// The walk of `total` tiles of `steps` reduction steps each over `walkers` blocks, split
-// into at most `split_max` pieces a tile (1: never).
-__device__ __forceinline__ GsWalk gs_walk(int total, int walkers, int steps, int split_max) {
-    GsWalk w{total, 1, 0};
-    const int tail = total % walkers;
-    if (split_max < 2 || tail == 0 || 2 * tail > walkers) return w;
-    const int split = min(min(walkers / tail, split_max), steps / GS_PIECE_STEPS);
-    if (split < 2) return w;
-    w.full_end = total - tail;
-    w.split = split;
-    w.pieces = tail * split;
-    return w;
-}
-
-// The walk's item `w` (blockIdx.x, then + gridDim.x, ...): false past the walk's end; else its
-// tile and, for a piece, its number among the launch's pieces (`piece`; -1 for a whole tile).
-__device__ __forceinline__ bool gs_item(const GsWalk& wk, int w, int& tile, int& piece) {
-    if (w < wk.full_end) {
-        tile = w;
-        piece = -1;
-        return true;
-    }
-    const int q = w - wk.full_end;
-    if (q >= wk.pieces) return false;
-    tile = wk.full_end + q / wk.split;
-    piece = q;
-    return true;
-}
-
-// Narrows tile `t` to its piece `piece` of `split` (steps p · steps / split .. (p + 1) · steps /
-// split, p = piece % split).
-__device__ __forceinline__ void gs_narrow(GsTile& t, int piece, int split) {
-    const int p = piece % split;
-    const int kb = p * t.steps / split, ke = (p + 1) * t.steps / split;
-    t.kb = kb;
-    t.steps = ke - kb;
-}
-
-// A consumer's part of a piece of a split tile (GS_PIECE_STEPS above): leaves `acc` (its 128
-// accumulators a thread) in the workspace, counts the piece in and returns false, unless it is
-// the last of its tile's pieces to arrive: then `acc` becomes the sum of the tile's partials in
-// piece order, the count goes back to 0 and it returns true (the caller stores the tile).
-// `base`: the block's aligned shared memory (this consumer's word at GS_FLAGS holds the count).
-__device__ __forceinline__ bool gs_fixup(float (&acc)[128], float* __restrict__ ws,
-                                         int* __restrict__ counters, u32 base, int piece,
-                                         int split, int cw, int ctid) {
-    const int tile = piece / split;
-    volatile int* flag =
-        reinterpret_cast<volatile int*>(dyn_smem + (base - smem_u32(dyn_smem)) + GS_FLAGS) + cw;
-    // Thread t's registers 4 j .. 4 j + 3 as the float4 at j * 128 + t: each warp's loads and
-    // stores are 512 contiguous bytes.
-    float4* mine = reinterpret_cast<float4*>(ws + ((long long)piece * 2 + cw) * GS_PART) + ctid;
-#pragma unroll
-    for (int j = 0; j < 32; ++j)
-        __stcg(mine + j * 128, make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]));
-    // Every thread's partial is visible device-wide before the count says it is there (the
-    // fence-then-count of CUDA's threadFenceReduction sample).
-    __threadfence();
-    named_barrier_gs(2 + cw);
-    if (ctid == 0) *flag = atomicAdd(counters + 2 * tile + cw, 1);
-    named_barrier_gs(2 + cw);
-    if (*flag != split - 1) return false;
-    __threadfence();
-    if (ctid == 0) counters[2 * tile + cw] = 0;
-    // The sum in piece order, GS_SUM_CHUNK float4 of each piece at a time: those loads are
-    // independent of each other, so they are in flight together, and few enough that the
-    // accumulators stay in registers (the first version summed each register over the pieces,
-    // a load at a time, and the target point's forward ran at 410 TFLOP/s against 675 with
-    // whole tiles on the H100; with all 32 float4 of a piece at once ptxas spilled;
-    // kernels/TUNING-moe.md).
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    const float4* parts =
-        reinterpret_cast<const float4*>(ws + ((long long)tile * split * 2 + cw) * GS_PART) + ctid;
-#pragma unroll
-    for (int j0 = 0; j0 < 32; j0 += GS_SUM_CHUNK) {
-        for (int p = 0; p < split; ++p) {
-            const float4* part = parts + (long long)p * 2 * (GS_PART / 4);
-            float4 v[GS_SUM_CHUNK];
-#pragma unroll
-            for (int j = 0; j < GS_SUM_CHUNK; ++j) v[j] = __ldcg(part + (j0 + j) * 128);
-#pragma unroll
-            for (int j = 0; j < GS_SUM_CHUNK; ++j) {
-                acc[4 * (j0 + j)] += v[j].x;
-                acc[4 * (j0 + j) + 1] += v[j].y;
-                acc[4 * (j0 + j) + 2] += v[j].z;
-                acc[4 * (j0 + j) + 3] += v[j].w;
-            }
-        }
-    }
-    return true;
-}
 
 // The output tile of a launch: GS_BM x GS_BN, or with TALL (the forward's and dW's tiles for N
 // an odd multiple of 128) 2 GS_BM x GS_BN / 2.
@@ -385,7 +268,6 @@ __device__ __forceinline__ GsTile gs_tile(int tile, const int* tiles_before,
     t.n0 = (in_band / band_m) * BN;
     const int red = MODE == 0 ? K : MODE == 1 ? N : t.rows;
     t.steps = (red + GS_BK - 1) / GS_BK;
-    t.kb = 0;
     return t;
 }
 
@@ -421,7 +303,7 @@ __device__ __forceinline__ void gs_mainloop(float (&acc)[128], const GsTile& t, 
             base + s * GS_STAGE_BYTES + (SHORT || SPLIT ? 0 : cw * (TALL ? 16384 : 8192));
         const u32 sb = base + s * GS_STAGE_BYTES + (TALL ? 2 : 1) * GS_A_BYTES;
         if (MODE == 2) {
-            const int valid = t.rows - (t.kb + ks) * GS_BK;
+            const int valid = t.rows - ks * GS_BK;
             if (valid < GS_BK) {
                 // Zero token rows valid..63: the 128-byte line of each row in this
                 // consumer's A panel and in B's panels 2 cw and 2 cw + 1 (TALL: its two A
@@ -563,9 +445,7 @@ template <int MODE, bool TALL, bool MC = false>
 __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, const TmaMap* map_b,
                                                        const TmaMap* map_c, u16* __restrict__ c,
                                                        const int* __restrict__ offsets,
-                                                       int groups, int M, int K, int N,
-                                                       float* __restrict__ ws,
-                                                       int* __restrict__ counters, int split_max) {
+                                                       int groups, int M, int K, int N) {
     static_assert(!MC || (MODE == 0 && !TALL), "the multicast variant is the wide forward's");
     const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
     int* tiles_before = reinterpret_cast<int*>(dyn_smem + (base - smem_u32(dyn_smem)) + GS_PREFIX);
@@ -614,19 +494,14 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     __syncthreads();
     if constexpr (MC) gs_cluster_sync();
     const int total = tiles_before[groups];
-    // The tail split (GS_PIECE_STEPS) for the forward and dX, whose tiles all take the same
-    // steps (K's or N's); not dW's (a group's rows are its reduction) or the multicast pairs.
-    const GsWalk wk = gs_walk(total, walkers, ((MODE == 0 ? K : N) + GS_BK - 1) / GS_BK,
-                              MODE == 2 || MC ? 1 : split_max);
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (tid == 0) {
-            int it = 0, tile, piece;
-            for (int w = walker; gs_item(wk, w, tile, piece); w += walkers) {
-                GsTile t =
+            int it = 0;
+            for (int tile = walker; tile < total; tile += walkers) {
+                const GsTile t =
                     gs_tile<MODE, TALL, MC>(tile, tiles_before, offsets, groups, M, K, N, rank);
-                if (piece >= 0) gs_narrow(t, piece, wk.split);
                 for (int ks = 0; ks < t.steps; ++ks, ++it) {
                     const int s = it % GS_ST;
                     if (it >= GS_ST) gs_wait<MC>(empty(s), ((it / GS_ST) + 1) & 1);
@@ -639,7 +514,7 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
                     const bool no_a = MC && t.m0 >= t.rows;
                     mbar_expect_tx(full(s), short_a || no_a ? GS_STAGE_BYTES - GS_A_BYTES
                                                             : GS_STAGE_BYTES);
-                    const int k0 = (t.kb + ks) * GS_BK;
+                    const int k0 = ks * GS_BK;
                     if (TALL && MODE == 0) {
                         // Two 128-row boxes of A (one for a short tile), two 64-column panels
                         // of B after them.
@@ -699,14 +574,8 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     float acc[128];
     int it = 0;
     int stores = 0;  // TMA stores this consumer issued (its buffer: stores & 1)
-    int tile, piece;
-    for (int w = walker; gs_item(wk, w, tile, piece); w += walkers) {
-        GsTile t = gs_tile<MODE, TALL, MC>(tile, tiles_before, offsets, groups, M, K, N, rank);
-        if (piece >= 0) gs_narrow(t, piece, wk.split);
-        // A piece of a split tile: only the last of the tile's pieces to finish stores it.
-        auto whole = [&]() {
-            return piece < 0 || gs_fixup(acc, ws, counters, base, piece, wk.split, cw, ctid);
-        };
+    for (int tile = walker; tile < total; tile += walkers) {
+        const GsTile t = gs_tile<MODE, TALL, MC>(tile, tiles_before, offsets, groups, M, K, N, rank);
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
         const int c_rows = MODE == 2 ? K : t.rows;
@@ -716,7 +585,6 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
             if (left <= GS_BM) {
                 // A short tall tile: the two consumers split its 128 columns (SHORT above).
                 gs_mainloop<MODE, false, true, true>(acc, t, it, base, cw, ctid, lane);
-                if (!whole()) continue;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row_c = t.row0 + t.m0 + 64 * h;
@@ -733,7 +601,6 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
                 // storing its 64 x 128 part.
                 gs_mainloop<MODE, false, false, false, true, MC>(acc, t, it, base, cw, ctid, lane,
                                                                  peer);
-                if (!whole()) continue;
                 gs_store_rows<MODE, 2>(acc, 0, left, n_lim - 128 * cw, t.n0 + 128 * cw, t.e,
                                        t.row0 + t.m0, c, ldc, map_c, base, cw, ctid, stores);
                 continue;
@@ -747,7 +614,6 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
         }
         if constexpr (TALL) {
             gs_mainloop<MODE, false, true>(acc, t, it, base, cw, ctid, lane);
-            if (!whole()) continue;
             // Two blocks of 64 rows (acc[0..63], acc[64..127]), 128 columns each.
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -767,7 +633,6 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
         else
             gs_mainloop<MODE, false, false, false, false, MC>(acc, t, it, base, cw, ctid, lane,
                                                               peer);
-        if (!whole()) continue;
         const int row_c = (MODE == 2 ? 0 : t.row0) + t.m0 + 64 * cw;
         gs_store_rows<MODE, 4>(acc, 0, left - 64 * cw, n_lim, t.n0, t.e, row_c, c, ldc, map_c,
                                base, cw, ctid, stores);
@@ -783,9 +648,9 @@ __device__ __forceinline__ void grouped_gemm_sm90_body(const TmaMap* map_a, cons
     extern "C" __global__ void __launch_bounds__(GS_THREADS, 1)                                \
         NAME(const __grid_constant__ TmaMap map_a, const __grid_constant__ TmaMap map_b,        \
              const __grid_constant__ TmaMap map_c, u16* c, const int* offsets, int groups,      \
-             int M, int K, int N, float* ws, int* counters, int split_max) {                    \
+             int M, int K, int N) {                                                             \
         grouped_gemm_sm90_body<MODE, TALL>(&map_a, &map_b, &map_c, c, offsets, groups, M, K,    \
-                                           N, ws, counters, split_max);                         \
+                                           N);                                                  \
     }
 
 GS_ENTRY(grouped_gemm_sm90_fwd, 0, false)
@@ -805,9 +670,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(GS_THREAD
     grouped_gemm_sm90_fwd_mc(const __grid_constant__ TmaMap map_a,
                              const __grid_constant__ TmaMap map_b,
                              const __grid_constant__ TmaMap map_c, u16* c, const int* offsets,
-                             int groups, int M, int K, int N, float* ws, int* counters,
-                             int split_max) {
-    grouped_gemm_sm90_body<0, false, true>(&map_a, &map_b, &map_c, c, offsets, groups, M, K, N,
-                                           ws, counters, split_max);
+                             int groups, int M, int K, int N) {
+    grouped_gemm_sm90_body<0, false, true>(&map_a, &map_b, &map_c, c, offsets, groups, M, K, N);
 }
 #endif

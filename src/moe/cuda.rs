@@ -347,10 +347,6 @@ pub const TALL_VARIANT: &str = "grouped_wgmma_tall";
 /// ([`super::sm90::MC_ENTRY`], 128 × 256 tiles whatever N; dX and dW as the dispatch): a variant
 /// for tests and probes.
 pub const MC_VARIANT: &str = "grouped_wgmma_mc";
-/// The Hopper kernel as the dispatch runs it, but with every tile whole (no tail split:
-/// [`super::sm90::HopperGroupedGemm::set_tail_split`]), the kernel before the split: a variant
-/// for tests and probes.
-pub const WHOLE_VARIANT: &str = "grouped_wgmma_whole";
 
 impl GroupedKernel {
     /// The dispatch: compiles the kernel that runs K × N weights of `dtype` on this device for
@@ -379,7 +375,7 @@ impl GroupedKernel {
     }
 
     /// The kernel by implementation name ([`IMPLEMENTATIONS`], [`WIDE_VARIANT`],
-    /// [`TALL_VARIANT`], [`MC_VARIANT`] or [`WHOLE_VARIANT`]) for `dtype` operands.
+    /// [`TALL_VARIANT`] or [`MC_VARIANT`]) for `dtype` operands.
     ///
     /// # Errors
     /// [`GpuError::Config`] for another name, or a wgmma kernel (`grouped_wgmma` or either
@@ -400,11 +396,6 @@ impl GroupedKernel {
             MC_VARIANT => Ok(GroupedKernel::Wgmma(
                 super::sm90::HopperGroupedGemm::with_multicast(gpu, max_groups, dtype)?,
             )),
-            WHOLE_VARIANT => {
-                let mut k = super::sm90::HopperGroupedGemm::new(gpu, max_groups, dtype)?;
-                k.set_tail_split(false);
-                Ok(GroupedKernel::Wgmma(k))
-            }
             WIDE_VARIANT | TALL_VARIANT => {
                 let tall_use = if name == WIDE_VARIANT {
                     super::sm90::TallUse::Never
@@ -418,7 +409,7 @@ impl GroupedKernel {
                 ))
             }
             other => Err(GpuError::Config(format!(
-                "no grouped GEMM kernel named `{other}` (kernels: {IMPLEMENTATIONS:?} and the variants {WIDE_VARIANT}, {TALL_VARIANT}, {MC_VARIANT}, {WHOLE_VARIANT})"
+                "no grouped GEMM kernel named `{other}` (kernels: {IMPLEMENTATIONS:?} and the variants {WIDE_VARIANT}, {TALL_VARIANT}, {MC_VARIANT})"
             ))),
         }
     }
@@ -427,7 +418,6 @@ impl GroupedKernel {
     pub fn implementation(&self) -> &'static str {
         match self {
             GroupedKernel::Wgmma(k) if k.multicast() => MC_VARIANT,
-            GroupedKernel::Wgmma(k) if !k.tail_split() => WHOLE_VARIANT,
             GroupedKernel::Wgmma(k) => match k.tall_use() {
                 super::sm90::TallUse::Never => WIDE_VARIANT,
                 super::sm90::TallUse::CostModel => IMPLEMENTATIONS[0],
@@ -442,16 +432,6 @@ impl GroupedKernel {
         match self {
             GroupedKernel::Wgmma(k) => k.dtype(),
             GroupedKernel::MmaSync(k) => k.dtype,
-        }
-    }
-
-    /// Device memory the kernel holds apart from its arguments and results, bytes: the Hopper
-    /// kernel's tail-split workspace ([`super::sm90::HopperGroupedGemm::workspace_bytes`]), 0
-    /// for the portable one.
-    pub fn workspace_bytes(&self) -> usize {
-        match self {
-            GroupedKernel::Wgmma(k) => k.workspace_bytes(),
-            GroupedKernel::MmaSync(_) => 0,
         }
     }
 

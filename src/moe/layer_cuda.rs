@@ -153,12 +153,6 @@ impl MoeLayer {
         self.experts_gemm.implementation()
     }
 
-    /// Device memory the layer's GEMM kernels hold across calls, bytes (the Hopper kernel's
-    /// tail-split workspace: [`GroupedKernel::workspace_bytes`]).
-    pub fn workspace_bytes(&self) -> usize {
-        self.experts_gemm.workspace_bytes() + self.router_gemm.workspace_bytes()
-    }
-
     /// The forward on `x` `[T, H]` (bf16): returns out `[T, H]` (bf16) and the routing and
     /// plan. `capacity`: most rows an expert keeps (`None`: dropless). All work is queued on
     /// [`Gpu::stream`]; the host reads nothing back.

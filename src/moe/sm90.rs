@@ -127,42 +127,11 @@ const EPILOGUE_BYTES: usize = 2 * 2 * 64 * 64 * 2;
 
 /// Dynamic shared memory of a launch over `groups` groups: up to 1023 bytes to align the base
 /// for the 128-byte swizzle, the stages (a 128 × 64 and a 64 × 256 16-bit tile each), the
-/// epilogue's four 64 × 64 16-bit buffers, two mbarriers a stage, 16 bytes for the tail split's
-/// arrival counts and the groups' tile prefix (`groups + 1` int32).
+/// epilogue's four 64 × 64 16-bit buffers, two mbarriers a stage and the groups' tile prefix
+/// (`groups + 1` int32).
 pub fn shared_bytes(groups: usize) -> u32 {
     let stage = 2 * (TILE.0 * STEP + STEP * TILE.1);
-    (1024 + STAGES * stage + EPILOGUE_BYTES + 16 * STAGES + 16 + 4 * (groups + 1)) as u32
-}
-
-/// The most pieces the forward and dX cut a tile of their last round into (the kernel's tail
-/// split, `gs_walk` in `kernels/moe/grouped_gemm_sm90.cu`: Stream-K's hybrid of whole tiles
-/// and split-K, Osama et al., 2023). Where the last round of tiles fills at most half the
-/// grid, each of its tiles is cut along the reduction into up to this many pieces of at least
-/// two 64-wide steps, one a block, their float32 partials added in piece order by the last to
-/// finish. At the target point (M = 16384, K = 2048, N = 1408: 704 tall tiles on 132
-/// SMs, five rounds and 44 tiles) the 44 become 132 thirds.
-pub const SPLIT_MAX: usize = 4;
-
-/// The kernel's tail split (`gs_walk`) on the host: how many pieces each tile of the last round
-/// is cut into when `tiles` tiles of `steps` 64-wide reduction steps each run on `blocks`
-/// blocks with at most `split_max` pieces a tile; `None` when every tile stays whole (no last
-/// partial round, one that fills more than half the grid, or too few steps).
-pub fn tail_split(tiles: usize, blocks: usize, steps: usize, split_max: usize) -> Option<usize> {
-    let tail = tiles % blocks.max(1);
-    if split_max < 2 || tail == 0 || 2 * tail > blocks {
-        return None;
-    }
-    let split = (blocks / tail).min(split_max).min(steps / PIECE_STEPS);
-    (split >= 2).then_some(split)
-}
-
-/// The fewest 64-wide reduction steps a piece of a split tile takes (`GS_PIECE_STEPS`).
-const PIECE_STEPS: usize = 2;
-
-/// The tail split's float32 workspace for a grid of `blocks` blocks, bytes: one 128 × 128
-/// partial tile per consumer warpgroup of each piece (at most one piece a block).
-pub fn split_workspace_bytes(blocks: usize) -> usize {
-    blocks * 2 * 128 * 128 * 4
+    (1024 + STAGES * stage + EPILOGUE_BYTES + 16 * STAGES + 4 * (groups + 1)) as u32
 }
 
 /// An upper bound on the output tiles of `product` over `groups` groups holding `rows` rows in
@@ -207,13 +176,6 @@ pub struct HopperGroupedGemm {
     tall_use: TallUse,
     /// The multicast forward ([`MC_ENTRY`]), where this instance runs the forward on it.
     mc: Option<cudarc::driver::CudaFunction>,
-    /// The most pieces the tail split cuts a tile into ([`SPLIT_MAX`]; 1: never split).
-    split_max: usize,
-    /// The tail split's partial tiles ([`split_workspace_bytes`] for one block per SM) and its
-    /// arrival counts (two per tile of the last round, zero between launches: the last piece
-    /// of a tile resets its count).
-    split_ws: CudaSlice<f32>,
-    split_counts: CudaSlice<i32>,
     /// The operands' and results' type.
     dtype: Dtype,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
@@ -254,14 +216,7 @@ impl HopperGroupedGemm {
             gpu.function(&compiled.module, TALL_ENTRY, shared_bytes(max_groups))?,
             gpu.function(&compiled.module, TALL_DW_ENTRY, shared_bytes(max_groups))?,
         ];
-        let split_ws = gpu
-            .stream
-            .alloc_zeros::<f32>(split_workspace_bytes(k.sm_count) / 4)?;
-        let split_counts = gpu.stream.alloc_zeros::<i32>(2 * k.sm_count)?;
         Ok(HopperGroupedGemm {
-            split_max: SPLIT_MAX,
-            split_ws,
-            split_counts,
             compile_s: k.compile_s,
             k,
             tall,
@@ -318,23 +273,6 @@ impl HopperGroupedGemm {
     /// Where this instance runs the forward and dW on the tall tiles.
     pub fn tall_use(&self) -> TallUse {
         self.tall_use
-    }
-
-    /// Turns the tail split off (`false`: every tile whole, the variant `grouped_wgmma_whole`)
-    /// or on ([`SPLIT_MAX`], the default).
-    pub fn set_tail_split(&mut self, on: bool) {
-        self.split_max = if on { SPLIT_MAX } else { 1 };
-    }
-
-    /// Whether the forward and dX split their last round's tiles ([`SPLIT_MAX`]).
-    pub fn tail_split(&self) -> bool {
-        self.split_max > 1
-    }
-
-    /// The device memory this instance holds for the tail split, bytes (allocated once, at
-    /// [`HopperGroupedGemm::new`], whether or not it splits).
-    pub fn workspace_bytes(&self) -> usize {
-        split_workspace_bytes(self.k.sm_count) + 4 * 2 * self.k.sm_count
     }
 
     /// Launches one product (asynchronous on [`Gpu::stream`]), arguments as
@@ -428,19 +366,11 @@ impl HopperGroupedGemm {
         let f = mc.unwrap_or_else(|| tall.unwrap_or_else(|| self.k.of(product)));
         // The multicast kernel's grid is whole two-block clusters, each walking pairs of row
         // tiles (at most `tiles` of them).
-        // With the tail split (forward and dX), a launch of fewer tiles than SMs gets up to
-        // SPLIT_MAX blocks a tile, so that its only round can be split (the blocks past the
-        // walk's end return).
         let blocks = if mc.is_some() {
             2 * tiles.min(self.k.sm_count / 2).max(1) as u32
-        } else if product == Product::Dw {
-            tiles.min(self.k.sm_count) as u32
         } else {
-            (tiles * self.split_max).min(self.k.sm_count) as u32
+            tiles.min(self.k.sm_count) as u32
         };
-        let (ws_ptr, _gw) = self.split_ws.device_ptr(&gpu.stream);
-        let (counts_ptr, _gcount) = self.split_counts.device_ptr(&gpu.stream);
-        let split_i = self.split_max as i32;
         // Within int32: check_buffers above.
         let (m_i, groups_i, k_i, n_i) = (rows as i32, groups as i32, k as i32, n as i32);
         let mut l = gpu.stream.launch_builder(f);
@@ -452,18 +382,14 @@ impl HopperGroupedGemm {
             .arg(&groups_i)
             .arg(&m_i)
             .arg(&k_i)
-            .arg(&n_i)
-            .arg(&ws_ptr)
-            .arg(&counts_ptr)
-            .arg(&split_i);
+            .arg(&n_i);
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared_bytes(groups),
         };
         // SAFETY: grouped_gemm_sm90_<fwd|dx|dw|fwd_tall|dw_tall|fwd_mc>(TmaMap map_a, TmaMap map_b,
-        // TmaMap map_c, u16* c, const int* offsets, int groups, int M, int K, int N, float* ws,
-        // int* counters, int split_max) (the tall
+        // TmaMap map_c, u16* c, const int* offsets, int groups, int M, int K, int N) (the tall
         // ones only for their product where tall_fits(n), over the tall tiles' bound above;
         // dw_tall stores only through map_c): the maps
         // describe `a`, `b`
@@ -474,11 +400,7 @@ impl HopperGroupedGemm {
         // step), so TMA reads nothing through it; the kernels store (through map_c or `c`) only
         // rows below M (forward, dX) or below K in each of the `groups` planes (dW), columns
         // below N (or K for dX); offsets holds groups + 1 ints, each clamped to [0, M]; the
-        // shared memory was raised to shared_bytes(groups_cap) ≥ shared_bytes(groups) in `new`;
-        // the grid is at most sm_count blocks, so a split's pieces (at most one a block) fit
-        // split_ws's sm_count partial pairs, and its tail tiles (at most half the grid) the
-        // 2 · sm_count counts, which this instance alone writes, on this stream, zero between
-        // launches (alloc_zeros; the last piece of a tile resets its count).
+        // shared memory was raised to shared_bytes(groups_cap) ≥ shared_bytes(groups) in `new`.
         unsafe { l.launch(cfg)? };
         Ok(())
     }
@@ -489,30 +411,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_tail_split_cuts_a_thin_last_round() {
-        // The target point on 132 SMs: 704 tall tiles, five rounds and 44 tiles: 132
-        // thirds of K = 2048 (32 steps).
-        assert_eq!(tail_split(704, 132, 32, SPLIT_MAX), Some(3));
-        // A last round over half the grid, none at all, or the split turned off: whole tiles.
-        assert_eq!(tail_split(1024, 132, 32, SPLIT_MAX), None);
-        assert_eq!(tail_split(660, 132, 32, SPLIT_MAX), None);
-        assert_eq!(tail_split(704, 132, 32, 1), None);
-        // Few tiles on a grid given SPLIT_MAX blocks a tile: all of them split, up to the cap,
-        // and never below two steps a piece.
-        assert_eq!(tail_split(10, 40, 32, SPLIT_MAX), Some(4));
-        assert_eq!(tail_split(10, 40, 6, SPLIT_MAX), Some(3));
-        assert_eq!(tail_split(10, 40, 3, SPLIT_MAX), None);
-        // The pieces never outnumber the blocks (one a block, one workspace slot each).
-        for tiles in 1..600 {
-            for blocks in [1, 7, 66, 132] {
-                if let Some(s) = tail_split(tiles, blocks, 32, SPLIT_MAX) {
-                    assert!((tiles % blocks) * s <= blocks, "{tiles} tiles on {blocks}");
-                }
-            }
-        }
-    }
-
-    #[test]
     fn constants_match_the_kernel_source() {
         let def = |name: &str| -> usize {
             crate::moe::source_define(GROUPED_GEMM_SM90_SRC, name)
@@ -521,17 +419,13 @@ mod tests {
         assert_eq!((def("GS_BM"), def("GS_BN")), TILE);
         assert_eq!((def("GS_BK"), def("GS_ST")), (STEP, STAGES));
         assert_eq!(def("GS_THREADS"), THREADS as usize);
-        // tail_split mirrors gs_walk's least piece.
-        assert_eq!(def("GS_PIECE_STEPS"), PIECE_STEPS);
     }
 
     #[test]
     fn shared_memory_fits_one_block_per_sm() {
         // 227 KB of dynamic shared memory per block on Hopper.
         assert!(shared_bytes(MAX_GROUPS) <= 227 * 1024);
-        // The stages, the epilogue's buffers, the barriers, the tail split's two counts (16
-        // bytes) and one prefix entry.
-        assert_eq!(shared_bytes(0), 1024 + 4 * 49152 + 4 * 8192 + 64 + 16 + 4);
+        assert_eq!(shared_bytes(0), 1024 + 4 * 49152 + 4 * 8192 + 64 + 4);
     }
 
     #[test]
