@@ -300,15 +300,17 @@ cta_order)
   # cubins kept, the order probe (every order's outputs the same, then forward + backward per
   # order at causal MQA, GQA and MHA), the MQA and GQA cases of the shapes grid beside cuDNN and
   # FlashAttention-2, forward and forward + backward (the forward alone says how much of a
-  # fwd+bwd gap is the backward's), and the SASS check; under 9 minutes.
+  # fwd+bwd gap is the backward's), and the SASS check: at most 500 s of limits, 540 s with
+  # each step's 10 s to be killed (on 2026-12-05 the first three and fwd+bwd alone took 13, 3
+  # and 42–46 s).
   kc=/tmp/kp-kernel-cache; mkdir -p "$kc"
-  KP_KERNEL_CACHE=$kc step "wgmma backward tests" 150 "$out/wgmma.tests.log" \
+  KP_KERNEL_CACHE=$kc step "wgmma backward tests" 130 "$out/wgmma.tests.log" \
     "$bin/gpu_attention_test" --include-ignored --test-threads 1 --exact \
     wgmma_backward_matches_float64
-  step "cta order probe" 120 "$out/cta_order.tests.log" "$bin/gpu_attention_test" --ignored \
+  step "cta order probe" 90 "$out/cta_order.tests.log" "$bin/gpu_attention_test" --ignored \
     --test-threads 1 --nocapture --exact wgmma_backward_cta_order_probe
   for g in 'heads=8,kv_heads=1' 'heads=32,kv_heads=8'; do
-    step "grouped $g" 150 "$out/grouped_${g//[=,]/_}.log" "$bin/attention" --grids shapes \
+    step "grouped $g" 140 "$out/grouped_${g//[=,]/_}.log" "$bin/attention" --grids shapes \
       --implementations flash,flash_sm80 --compare torch --exclude torch_math,torch_efficient \
       --filter "$g" --output "$out/grouped_${g//[=,]/_}.json"
   done
@@ -401,7 +403,7 @@ full)
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, unverified, cta_order, ks_shards, moe, part, jaxinit, mixers, mixers_grid, mixers_rerun, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
+  echo "unknown mode $mode (smoke, tests, nonaligned, unverified, cta_order, ks_shards, moe, part, jaxinit, mixers, mixers_grid, mixers_rerun, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"
