@@ -37,8 +37,8 @@
 #                                                 # split heads), the non-aligned and MQA/GQA
 #                                                 # probes and the SASS check
 #   bash .carry/device_run.sh cta_order OUTDIR    # the wgmma backward's tests, its CTA-order
-#                                                 # probe, MQA/GQA fwd and fwd+bwd beside
-#                                                 # cuDNN, SASS
+#                                                 # and stage probes, MQA/GQA fwd and fwd+bwd
+#                                                 # beside cuDNN, SASS
 #   bash .carry/device_run.sh ks_shards OUTDIR BUDGET_S I[:NEED_S] ...  # kernel-sum shards
 #                                                 # I/8 while BUDGET_S allows (README)
 #   bash .carry/device_run.sh moe OUTDIR          # the MoE GPU tests (the timing probe
@@ -298,19 +298,22 @@ unverified)
 cta_order)
   # The wgmma backward's CTA order (kernels/TUNING.md, "CTA order"): its float64 tests with the
   # cubins kept, the order probe (every order's outputs the same, then forward + backward per
-  # order at causal MQA, GQA and MHA), the MQA and GQA cases of the shapes grid beside cuDNN and
+  # order at causal MQA, GQA and MHA), the stage probe (the backward's kernels timed apart by
+  # CUDA events, wgmma_backward_stage_probe), the MQA and GQA cases of the shapes grid beside cuDNN and
   # FlashAttention-2, forward and forward + backward (the forward alone says how much of a
-  # fwd+bwd gap is the backward's), and the SASS check: at most 500 s of limits, 540 s with
-  # each step's 10 s to be killed (on 2026-12-05 the first three and fwd+bwd alone took 13, 3
-  # and 42–46 s).
+  # fwd+bwd gap is the backward's), and the SASS check: at most 520 s of limits, 570 s with
+  # each step's 10 s to be killed (on 2026-12-05 the tests, the order probe and the grouped
+  # fwd+bwd cases alone took 13, 3 and 42–46 s).
   kc=/tmp/kp-kernel-cache; mkdir -p "$kc"
   KP_KERNEL_CACHE=$kc step "wgmma backward tests" 130 "$out/wgmma.tests.log" \
     "$bin/gpu_attention_test" --include-ignored --test-threads 1 --exact \
     wgmma_backward_matches_float64
   step "cta order probe" 90 "$out/cta_order.tests.log" "$bin/gpu_attention_test" --ignored \
     --test-threads 1 --nocapture --exact wgmma_backward_cta_order_probe
+  step "stage probe" 60 "$out/stages.tests.log" "$bin/gpu_attention_test" --ignored \
+    --test-threads 1 --nocapture --exact wgmma_backward_stage_probe
   for g in 'heads=8,kv_heads=1' 'heads=32,kv_heads=8'; do
-    step "grouped $g" 140 "$out/grouped_${g//[=,]/_}.log" "$bin/attention" --grids shapes \
+    step "grouped $g" 120 "$out/grouped_${g//[=,]/_}.log" "$bin/attention" --grids shapes \
       --implementations flash,flash_sm80 --compare torch --exclude torch_math,torch_efficient \
       --filter "$g" --output "$out/grouped_${g//[=,]/_}.json"
   done

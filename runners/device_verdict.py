@@ -202,9 +202,22 @@ def cta_orders(out):
     return ["wgmma backward CTA orders (wall clock over 20 calls):"] + ["  " + x for x in found]
 
 
+def stages(out):
+    """The wgmma backward's stage probe (stages.tests.log): one line per case, the median time of
+    each of its kernels over 20 calls, as the test printed them."""
+    path = os.path.join(out, "stages.tests.log")
+    if not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        # The first line follows the harness's "test NAME ... " on the same line.
+        found = [line[line.index("stages B") + len("stages "):].strip() for line in f
+                 if "stages B" in line]
+    return ["wgmma backward stages (CUDA events, medians of 20 calls):"] + ["  " + x for x in found]
+
+
 def main(out):
     all_rows = rows(out)
-    lines = ["==== verdict ===="] + tests(out) + cta_orders(out)
+    lines = ["==== verdict ===="] + tests(out) + cta_orders(out) + stages(out)
     if all_rows:
         lines += (non_aligned(all_rows) + grouped(all_rows) + headline(all_rows)
                   + failures(all_rows))

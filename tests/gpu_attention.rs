@@ -1716,6 +1716,102 @@ fn wgmma_backward_matches_float64() {
     }
 }
 
+/// Where the wgmma backward's time goes (`sm90::HopperBackward::stage_ms`: CUDA events between
+/// its kernels): per case, the median over 20 forward + backward calls of the preprocessing,
+/// the main kernel, the split's combine and dQ's conversion, beside the whole call's wall
+/// clock, at causal MQA (the case furthest behind cuDNN, kernels/TUNING.md), causal GQA and
+/// MHA. Asserted: the events change nothing (dK and dV bit for bit against a call without
+/// them), every stage is timed, and the combine runs exactly where the heads are split. A
+/// probe: run it on the GPU machine with `--ignored`.
+#[test]
+#[ignore = "a GPU probe (timings printed): run it on the GPU machine with --ignored"]
+fn wgmma_backward_stage_probe() {
+    use kernelpages::attention::sm90::{bwd_head_splits, BwdStageMs, HopperBackward};
+    let gpu = gpu();
+    if gpu.arch() != "sm_90a" {
+        println!("wgmma backward stages: not a compute capability 9.0 device");
+        return;
+    }
+    fn bwd(runner: &mut Runner) -> &mut HopperBackward {
+        match runner {
+            Runner::Hopper { bwd: Some(b), .. } => b,
+            _ => panic!("not the wgmma backward"),
+        }
+    }
+    let case = |batch, heads, kv_heads, t, d, causal| AttentionCase {
+        kv_heads,
+        causal,
+        pass: Pass::FwdBwd,
+        ..AttentionCase::new(batch, heads, t, d)
+    };
+    for c in [
+        case(4, 8, 1, 4096, 128, true),
+        case(4, 8, 1, 4096, 64, true),
+        case(4, 8, 1, 4096, 128, false),
+        case(4, 32, 8, 4096, 128, true),
+        case(4, 8, 8, 4096, 128, true),
+    ] {
+        let inp = Inputs::random(&c, 9);
+        let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
+        let plain = run_on(&mut runner, &c, &inp).expect("run without events");
+        bwd(&mut runner)
+            .set_stage_timing(gpu, true)
+            .expect("events");
+        let timed = run_on(&mut runner, &c, &inp).expect("run with events");
+        assert!(
+            timed.out.dk == plain.out.dk && timed.out.dv == plain.out.dv,
+            "{c:?}"
+        );
+        let dev = upload(gpu, &c, &inp).expect("upload");
+        let mut outs = poisoned_outputs(gpu, &c).expect("alloc");
+        let mut stages: Vec<BwdStageMs> = Vec::new();
+        for i in 0..23 {
+            runner.launch(gpu, &c, &dev, &mut outs).expect("launch");
+            let s = bwd(&mut runner)
+                .stage_ms()
+                .expect("events")
+                .expect("timing on");
+            if i >= 3 {
+                stages.push(s);
+            }
+        }
+        let median = |f: fn(&BwdStageMs) -> f32| -> f64 {
+            let mut v: Vec<f64> = stages.iter().map(|s| f64::from(f(s))).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (pre, main, combine, convert) = (
+            median(|s| s.preprocess),
+            median(|s| s.main),
+            median(|s| s.combine),
+            median(|s| s.dq_convert),
+        );
+        bwd(&mut runner)
+            .set_stage_timing(gpu, false)
+            .expect("events off");
+        let wall = wall_ms(&mut runner, &c, &dev, &mut outs, 3, 20);
+        let splits = bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, c.causal);
+        println!(
+            "stages B{} H{}:{} T{} D{} {}, {splits} splits: preprocess {pre:.3} ms, main \
+             {main:.3}, combine {combine:.3}, dQ convert {convert:.3}; backward {:.3}, forward + \
+             backward {wall:.3} (wall clock)",
+            c.batch,
+            c.heads,
+            c.kv_heads,
+            c.seq_len_q,
+            c.head_dim,
+            if c.causal { "causal" } else { "full" },
+            pre + main + combine + convert
+        );
+        assert!(
+            pre > 0.0 && main > 0.0 && convert > 0.0,
+            "{c:?}: a stage untimed"
+        );
+        // Back-to-back events around no kernel measure a few microseconds at most.
+        assert_eq!(combine > 0.005, splits > 1, "{c:?}: combine {combine} ms");
+    }
+}
+
 /// The wgmma backward's CTA orders (`sm90::BwdCtaOrder`, the order its main kernel's CTAs
 /// start in): on causal cases that split a group's heads and cases that do not, every order
 /// gives the default's O, dK and dV bit for bit and its dQ within bf16 rounding (the order of

@@ -849,6 +849,9 @@ pub struct HopperBackward {
     /// The CTA order every launch uses instead of [`bwd_cta_order`]'s (probes; `None`: the
     /// rule's).
     cta_order: Option<BwdCtaOrder>,
+    /// Events recorded around each launch's kernels ([`HopperBackward::set_stage_timing`];
+    /// probes only, `None` otherwise).
+    stage_events: Option<[cudarc::driver::CudaEvent; 5]>,
     /// D = rowsum(dO ∘ O), fp32 `[batch · heads, seq_len_q padded to a multiple of
     /// bwd_queries(head_dim)]`.
     dsum: CudaSlice<f32>,
@@ -931,6 +934,7 @@ impl HopperBackward {
             head_dim,
             dtype,
             cta_order: None,
+            stage_events: None,
             // SAFETY: the preprocessing kernel writes all three before the main kernel reads
             // them.
             dsum: unsafe { gpu.stream.alloc::<f32>(padded)? },
@@ -949,6 +953,51 @@ impl HopperBackward {
     /// another order.
     pub fn set_cta_order(&mut self, order: Option<BwdCtaOrder>) {
         self.cta_order = order;
+    }
+
+    /// Makes every later launch record events before and after each of its kernels (`on`), or
+    /// stop doing so, for probes that ask where the backward's time goes
+    /// ([`HopperBackward::stage_ms`]). Not for a launch captured into a CUDA graph: recording
+    /// these events there would end the capture.
+    ///
+    /// # Errors
+    /// The driver's, creating the events.
+    pub fn set_stage_timing(&mut self, gpu: &Gpu, on: bool) -> Result<(), GpuError> {
+        self.stage_events = if on {
+            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let mut ev = Vec::with_capacity(5);
+            for _ in 0..5 {
+                ev.push(gpu.ctx.new_event(flags)?);
+            }
+            Some(
+                ev.try_into()
+                    .unwrap_or_else(|_| unreachable!("five events")),
+            )
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// The device time of the last launch's kernels, ms, once it has finished (waits for it):
+    /// the preprocessing (D = rowsum(dO ∘ O), LSE scaled, dQ's accumulator zeroed), the main
+    /// kernel (dK, dV, dQ's reduce-adds), the split's combine (0 where the launch did not
+    /// split) and dQ's conversion. `None` unless [`HopperBackward::set_stage_timing`] is on.
+    ///
+    /// # Errors
+    /// The driver's, reading the events (one not recorded yet among them).
+    pub fn stage_ms(&self) -> Result<Option<BwdStageMs>, GpuError> {
+        let Some(ev) = &self.stage_events else {
+            return Ok(None);
+        };
+        ev[4].synchronize()?;
+        let span = |a: usize, b: usize| ev[a].elapsed_ms(&ev[b]);
+        Ok(Some(BwdStageMs {
+            preprocess: span(0, 1)?,
+            main: span(1, 2)?,
+            combine: span(2, 3)?,
+            dq_convert: span(3, 4)?,
+        }))
     }
 
     /// Launches the backward on the stream: `shape` is (batch, heads, kv_heads, seq_len_q,
@@ -1041,6 +1090,13 @@ impl HopperBackward {
         let padded_i = padded as i32;
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         let scale_f = scale as f32;
+        let stage = |i: usize| -> Result<(), GpuError> {
+            if let Some(ev) = &self.stage_events {
+                ev[i].record(&gpu.stream)?;
+            }
+            Ok(())
+        };
+        stage(0)?;
         {
             let mut b = gpu.stream.launch_builder(&self.pre);
             b.arg(o)
@@ -1064,6 +1120,7 @@ impl HopperBackward {
                 })?
             };
         }
+        stage(1)?;
         {
             // The guards live until after the launch (as in HopperForward::launch).
             let (qp, _gq) = q.device_ptr(&gpu.stream);
@@ -1150,6 +1207,7 @@ impl HopperBackward {
                 })?
             };
         }
+        stage(2)?;
         if splits > 1 {
             let part = self.part.as_ref().expect("allocated above for splits > 1");
             let (n, splits_i, scale_f) = (kv_len as u64, splits as i32, scale as f32);
@@ -1166,14 +1224,31 @@ impl HopperBackward {
             // elements per thread.
             unsafe { b.launch(two_per_thread(kv_len))? };
         }
+        stage(3)?;
         let n = q_len as u64;
         let mut b = gpu.stream.launch_builder(&self.convert);
         b.arg(&self.dqacc).arg(dq).arg(&n).arg(&scale_f);
         // SAFETY: `attn_bwd_sm90_dq_convert(const float* dqacc, u16* dQ, unsigned long long n,
         // float scale)` with n = B·H·Tq·D elements in both; 2 elements per thread.
         unsafe { b.launch(two_per_thread(q_len))? };
+        stage(4)?;
         Ok(())
     }
+}
+
+/// Where one launch of [`HopperBackward`] spent its device time, ms (CUDA events between its
+/// kernels: [`HopperBackward::stage_ms`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BwdStageMs {
+    /// `attn_bwd_sm90_pre_d*`: D = rowsum(dO ∘ O), the LSE in base 2, dQ's accumulator zeroed.
+    pub preprocess: f32,
+    /// `attn_bwd_sm90_d*`: dK and dV (or a split's partials) and dQ's fp32 reduce-adds.
+    pub main: f32,
+    /// `attn_bwd_sm90_dkv_combine`: a split's partial dK, dV added and rounded (0 without a
+    /// split).
+    pub combine: f32,
+    /// `attn_bwd_sm90_dq_convert`: dQ scaled and rounded from its fp32 accumulator.
+    pub dq_convert: f32,
 }
 
 /// The launch of an elementwise kernel over `n` elements, two per thread in blocks of 256
