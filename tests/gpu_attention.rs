@@ -1807,8 +1807,8 @@ fn wgmma_backward_stage_probe() {
             pre > 0.0 && main > 0.0 && convert > 0.0,
             "{c:?}: a stage untimed"
         );
-        // Back-to-back events around no kernel measure a few microseconds at most.
-        assert_eq!(combine > 0.005, splits > 1, "{c:?}: combine {combine} ms");
+        // The combine runs (and takes time) exactly where the group's heads are split.
+        assert_eq!(combine > 0.0, splits > 1, "{c:?}: combine {combine} ms");
     }
 }
 

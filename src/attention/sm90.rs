@@ -852,6 +852,10 @@ pub struct HopperBackward {
     /// Events recorded around each launch's kernels ([`HopperBackward::set_stage_timing`];
     /// probes only, `None` otherwise).
     stage_events: Option<[cudarc::driver::CudaEvent; 5]>,
+    /// Whether the last launch recorded all five events (false from its start until its last
+    /// kernel is queued), and whether it split the heads (launched the combine).
+    stage_done: bool,
+    stage_split: bool,
     /// D = rowsum(dO ∘ O), fp32 `[batch · heads, seq_len_q padded to a multiple of
     /// bwd_queries(head_dim)]`.
     dsum: CudaSlice<f32>,
@@ -935,6 +939,8 @@ impl HopperBackward {
             dtype,
             cta_order: None,
             stage_events: None,
+            stage_done: false,
+            stage_split: false,
             // SAFETY: the preprocessing kernel writes all three before the main kernel reads
             // them.
             dsum: unsafe { gpu.stream.alloc::<f32>(padded)? },
@@ -957,8 +963,9 @@ impl HopperBackward {
 
     /// Makes every later launch record events before and after each of its kernels (`on`), or
     /// stop doing so, for probes that ask where the backward's time goes
-    /// ([`HopperBackward::stage_ms`]). Not for a launch captured into a CUDA graph: recording
-    /// these events there would end the capture.
+    /// ([`HopperBackward::stage_ms`]). Not for launches captured into a CUDA graph: events
+    /// recorded during a capture become the graph's dependencies and carry no time, so
+    /// `stage_ms` fails on them (the runner's graph replay never turns this on).
     ///
     /// # Errors
     /// The driver's, creating the events.
@@ -976,26 +983,35 @@ impl HopperBackward {
         } else {
             None
         };
+        self.stage_done = false;
         Ok(())
     }
 
     /// The device time of the last launch's kernels, ms, once it has finished (waits for it):
     /// the preprocessing (D = rowsum(dO ∘ O), LSE scaled, dQ's accumulator zeroed), the main
-    /// kernel (dK, dV, dQ's reduce-adds), the split's combine (0 where the launch did not
-    /// split) and dQ's conversion. `None` unless [`HopperBackward::set_stage_timing`] is on.
+    /// kernel (dK, dV, dQ's reduce-adds), the split's combine (exactly 0 where the launch did
+    /// not split) and dQ's conversion. Each span runs from one event to the next, so it also
+    /// holds any gap between the kernels (the host encodes the tensor maps after the
+    /// preprocessing is queued: hidden while the GPU is busy with earlier work). `None` unless
+    /// [`HopperBackward::set_stage_timing`] is on.
     ///
     /// # Errors
-    /// The driver's, reading the events (one not recorded yet among them).
+    /// [`GpuError::Config`] when no launch since timing was turned on reached its last kernel
+    /// (one that failed midway leaves no times); the driver's, reading the events.
     pub fn stage_ms(&self) -> Result<Option<BwdStageMs>, GpuError> {
         let Some(ev) = &self.stage_events else {
             return Ok(None);
         };
-        ev[4].synchronize()?;
+        if !self.stage_done {
+            return Err(GpuError::Config(
+                "wgmma backward stage times: no launch completed since timing was turned on".into(),
+            ));
+        }
         let span = |a: usize, b: usize| ev[a].elapsed_ms(&ev[b]);
         Ok(Some(BwdStageMs {
             preprocess: span(0, 1)?,
             main: span(1, 2)?,
-            combine: span(2, 3)?,
+            combine: if self.stage_split { span(2, 3)? } else { 0.0 },
             dq_convert: span(3, 4)?,
         }))
     }
@@ -1090,6 +1106,8 @@ impl HopperBackward {
         let padded_i = padded as i32;
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         let scale_f = scale as f32;
+        self.stage_done = false;
+        self.stage_split = splits > 1;
         let stage = |i: usize| -> Result<(), GpuError> {
             if let Some(ev) = &self.stage_events {
                 ev[i].record(&gpu.stream)?;
@@ -1232,6 +1250,7 @@ impl HopperBackward {
         // float scale)` with n = B·H·Tq·D elements in both; 2 elements per thread.
         unsafe { b.launch(two_per_thread(q_len))? };
         stage(4)?;
+        self.stage_done = true;
         Ok(())
     }
 }
@@ -1244,8 +1263,8 @@ pub struct BwdStageMs {
     pub preprocess: f32,
     /// `attn_bwd_sm90_d*`: dK and dV (or a split's partials) and dQ's fp32 reduce-adds.
     pub main: f32,
-    /// `attn_bwd_sm90_dkv_combine`: a split's partial dK, dV added and rounded (0 without a
-    /// split).
+    /// `attn_bwd_sm90_dkv_combine`: a split's partial dK, dV added and rounded (exactly 0
+    /// without a split: nothing launched).
     pub combine: f32,
     /// `attn_bwd_sm90_dq_convert`: dQ scaled and rounded from its fp32 accumulator.
     pub dq_convert: f32,
