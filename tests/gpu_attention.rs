@@ -1716,6 +1716,32 @@ fn wgmma_backward_matches_float64() {
     }
 }
 
+/// The wgmma backward of a `flash` runner on compute capability 9.0 (the probes set its CTA
+/// order and stage timing); panics for any other runner.
+fn hopper_bwd(runner: &mut Runner) -> &mut kernelpages::attention::sm90::HopperBackward {
+    match runner {
+        Runner::Hopper { bwd: Some(b), .. } => b,
+        _ => panic!("not the wgmma backward"),
+    }
+}
+
+/// A forward + backward case with `kv_heads` kv heads (GQA/MQA when fewer than `heads`).
+fn grouped_fwd_bwd(
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    t: usize,
+    d: usize,
+    causal: bool,
+) -> AttentionCase {
+    AttentionCase {
+        kv_heads,
+        causal,
+        pass: Pass::FwdBwd,
+        ..AttentionCase::new(batch, heads, t, d)
+    }
+}
+
 /// Where the wgmma backward's time goes (`sm90::HopperBackward::stage_ms`: CUDA events between
 /// its kernels): per case, the median over 20 forward + backward calls of the preprocessing,
 /// the main kernel, the split's combine and dQ's conversion, beside the whole call's wall
@@ -1726,35 +1752,23 @@ fn wgmma_backward_matches_float64() {
 #[test]
 #[ignore = "a GPU probe (timings printed): run it on the GPU machine with --ignored"]
 fn wgmma_backward_stage_probe() {
-    use kernelpages::attention::sm90::{bwd_head_splits, BwdStageMs, HopperBackward};
+    use kernelpages::attention::sm90::{bwd_head_splits, BwdStageMs};
     let gpu = gpu();
     if gpu.arch() != "sm_90a" {
         println!("wgmma backward stages: not a compute capability 9.0 device");
         return;
     }
-    fn bwd(runner: &mut Runner) -> &mut HopperBackward {
-        match runner {
-            Runner::Hopper { bwd: Some(b), .. } => b,
-            _ => panic!("not the wgmma backward"),
-        }
-    }
-    let case = |batch, heads, kv_heads, t, d, causal| AttentionCase {
-        kv_heads,
-        causal,
-        pass: Pass::FwdBwd,
-        ..AttentionCase::new(batch, heads, t, d)
-    };
     for c in [
-        case(4, 8, 1, 4096, 128, true),
-        case(4, 8, 1, 4096, 64, true),
-        case(4, 8, 1, 4096, 128, false),
-        case(4, 32, 8, 4096, 128, true),
-        case(4, 8, 8, 4096, 128, true),
+        grouped_fwd_bwd(4, 8, 1, 4096, 128, true),
+        grouped_fwd_bwd(4, 8, 1, 4096, 64, true),
+        grouped_fwd_bwd(4, 8, 1, 4096, 128, false),
+        grouped_fwd_bwd(4, 32, 8, 4096, 128, true),
+        grouped_fwd_bwd(4, 8, 8, 4096, 128, true),
     ] {
         let inp = Inputs::random(&c, 9);
         let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
         let plain = run_on(&mut runner, &c, &inp).expect("run without events");
-        bwd(&mut runner)
+        hopper_bwd(&mut runner)
             .set_stage_timing(gpu, true)
             .expect("events");
         let timed = run_on(&mut runner, &c, &inp).expect("run with events");
@@ -1767,7 +1781,7 @@ fn wgmma_backward_stage_probe() {
         let mut stages: Vec<BwdStageMs> = Vec::new();
         for i in 0..23 {
             runner.launch(gpu, &c, &dev, &mut outs).expect("launch");
-            let s = bwd(&mut runner)
+            let s = hopper_bwd(&mut runner)
                 .stage_ms()
                 .expect("events")
                 .expect("timing on");
@@ -1786,7 +1800,7 @@ fn wgmma_backward_stage_probe() {
             median(|s| s.combine),
             median(|s| s.dq_convert),
         );
-        bwd(&mut runner)
+        hopper_bwd(&mut runner)
             .set_stage_timing(gpu, false)
             .expect("events off");
         let wall = wall_ms(&mut runner, &c, &dev, &mut outs, 3, 20);
@@ -1828,18 +1842,7 @@ fn wgmma_backward_cta_order_probe() {
         println!("wgmma backward CTA orders: not a compute capability 9.0 device");
         return;
     }
-    fn set(runner: &mut Runner, order: Option<BwdCtaOrder>) {
-        match runner {
-            Runner::Hopper { bwd: Some(b), .. } => b.set_cta_order(order),
-            _ => panic!("not the wgmma backward"),
-        }
-    }
-    let causal = |batch, heads, kv_heads, t, d| AttentionCase {
-        kv_heads,
-        causal: true,
-        pass: Pass::FwdBwd,
-        ..AttentionCase::new(batch, heads, t, d)
-    };
+    let causal = |batch, heads, kv_heads, t, d| grouped_fwd_bwd(batch, heads, kv_heads, t, d, true);
     for c in [
         causal(1, 8, 1, 300, 128),
         causal(2, 4, 2, 1000, 64),
@@ -1850,7 +1853,7 @@ fn wgmma_backward_cta_order_probe() {
         let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
         let base = run_on(&mut runner, &c, &inp).expect("default order");
         for order in BwdCtaOrder::ALL {
-            set(&mut runner, Some(order));
+            hopper_bwd(&mut runner).set_cta_order(Some(order));
             let r = run_on(&mut runner, &c, &inp).expect("run");
             assert!(r.out.o == base.out.o, "{order:?}: O differs, {c:?}");
             assert!(r.out.dk == base.out.dk, "{order:?}: dK differs, {c:?}");
@@ -1891,7 +1894,7 @@ fn wgmma_backward_cta_order_probe() {
             * c.head_dim as f64
             / 2.0;
         for order in BwdCtaOrder::ALL {
-            set(&mut runner, Some(order));
+            hopper_bwd(&mut runner).set_cta_order(Some(order));
             let ms = wall_ms(&mut runner, &c, &inp, &mut outs, 3, 20);
             println!(
                 "fwd+bwd B{} H{}:{} T{} D{} causal, {splits} splits, {order:?}{}: {ms:.3} ms, \

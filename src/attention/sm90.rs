@@ -812,10 +812,10 @@ impl BwdCtaOrder {
 /// causal mask makes the CTAs' work unequal and the grid was split for being small
 /// (`splits > 1`, [`bwd_head_splits`]), else [`BwdCtaOrder::KeyTilesFastest`]. At B4 H8:1
 /// T4096 (3 splits, 384 CTAs) list scheduling in launch order on 132 SMs ends after 184
-/// head-tile steps with key tiles fastest and 133 slowest (the average is 128): on an H100
-/// the split backward ran 0.80× cuDNN there with the first order (kernels/TUNING.md). Larger
-/// causal grids gain less (GQA B4 H32:8: 584 against 516 steps, 12 %) and keep the first order
-/// for L2 locality until a measurement says otherwise.
+/// head-tile steps with key tiles fastest and 133 slowest (the average is 128); measured on an
+/// H100, forward + backward there went from 1.370 to 1.181 ms (0.80× to 0.87× cuDNN in the
+/// runner; kernels/TUNING.md). Larger causal grids keep the first order for L2 locality: at GQA
+/// B4 H32:8 key tiles slowest measured 13 % slower.
 pub fn bwd_cta_order(splits: usize, causal: bool) -> BwdCtaOrder {
     if causal && splits > 1 {
         BwdCtaOrder::KeyTilesSlowest
@@ -851,7 +851,7 @@ pub struct HopperBackward {
     cta_order: Option<BwdCtaOrder>,
     /// Events recorded around each launch's kernels ([`HopperBackward::set_stage_timing`];
     /// probes only, `None` otherwise).
-    stage_events: Option<[cudarc::driver::CudaEvent; 5]>,
+    stage_events: Option<Vec<cudarc::driver::CudaEvent>>,
     /// Whether the last launch recorded all five events (false from its start until its last
     /// kernel is queued), and whether it split the heads (launched the combine).
     stage_done: bool,
@@ -970,15 +970,13 @@ impl HopperBackward {
     /// # Errors
     /// The driver's, creating the events.
     pub fn set_stage_timing(&mut self, gpu: &Gpu, on: bool) -> Result<(), GpuError> {
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        // Five events: before the preprocessing, then after each of the four kernels.
         self.stage_events = if on {
-            let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let mut ev = Vec::with_capacity(5);
-            for _ in 0..5 {
-                ev.push(gpu.ctx.new_event(flags)?);
-            }
             Some(
-                ev.try_into()
-                    .unwrap_or_else(|_| unreachable!("five events")),
+                (0..5)
+                    .map(|_| gpu.ctx.new_event(flags))
+                    .collect::<Result<_, _>>()?,
             )
         } else {
             None
@@ -1208,8 +1206,7 @@ impl HopperBackward {
             // tdq, const float* lse2, const float* dsum, const int* kv_lens, u16* dK, u16* dV,
             // float* dkv_part, int splits, int Tq, int Tkv, int H, int KVH, int Tq_pad, float
             // scale_log2, float scale, int causal, int B, int order)`: the maps describe q, k,
-            // v, dO and dqacc
-            // with the shapes checked above
+            // v, dO and dqacc with the shapes checked above
             // (TMA reads and reduce-adds inside them only; reads past their ends zero-fill,
             // adds there are skipped), lse2 and dsum hold B·H·Tq_pad floats (whole slices of
             // queries-per-step floats for the bulk copies), dK and dV B·KVH·Tkv·D words,
