@@ -115,6 +115,15 @@ sass_check() {  # sass_check CACHE: HGMMA and local-memory (LDL/STL) counts and 
   done | tee "$out/sass.txt"
 }
 
+grouped() {  # grouped FILTER LIMIT_S [MORE]: the shapes grid's cases matching FILTER (MORE
+  # appended, e.g. ",pass=fwd+bwd"): flash and flash_sm80 beside SDPA's cuDNN and
+  # FlashAttention-2, into OUTDIR/grouped_<FILTER>.json and .log
+  local g=$1 limit=$2 more=${3:-}
+  step "grouped $g" "$limit" "$out/grouped_${g//[=,]/_}.log" "$bin/attention" --grids shapes \
+    --implementations flash,flash_sm80 --compare torch --exclude torch_math,torch_efficient \
+    --filter "$g$more" --output "$out/grouped_${g//[=,]/_}.json"
+}
+
 tests() {
   # Correctness first; the configuration sweep (the heaviest compile) last.
   step "gpu tests" "$1" "$out/gpu_attention.tests.log" "$bin/gpu_attention_test" \
@@ -287,11 +296,7 @@ unverified)
     --filter 'heads=24,seq_len>=4092' --output "$out/nonaligned.json"
   for g in 'heads=8,kv_heads=1' 'heads=32,kv_heads=8'; do
     l=$(left)
-    [ "$l" -gt 80 ] && step "grouped $g" $(( l < 140 ? l - 20 : 120 )) \
-      "$out/grouped_${g//[=,]/_}.log" \
-      "$bin/attention" --grids shapes --implementations flash,flash_sm80 --compare torch \
-      --exclude torch_math,torch_efficient --filter "$g,pass=fwd+bwd" \
-      --output "$out/grouped_${g//[=,]/_}.json"
+    [ "$l" -gt 80 ] && grouped "$g" $(( l < 140 ? l - 20 : 120 )) ",pass=fwd+bwd"
   done
   sass_check "$kc"
   ;;
@@ -313,9 +318,7 @@ cta_order)
   step "stage probe" 60 "$out/stages.tests.log" "$bin/gpu_attention_test" --ignored \
     --test-threads 1 --nocapture --exact wgmma_backward_stage_probe
   for g in 'heads=8,kv_heads=1' 'heads=32,kv_heads=8'; do
-    step "grouped $g" 120 "$out/grouped_${g//[=,]/_}.log" "$bin/attention" --grids shapes \
-      --implementations flash,flash_sm80 --compare torch --exclude torch_math,torch_efficient \
-      --filter "$g" --output "$out/grouped_${g//[=,]/_}.json"
+    grouped "$g" 120
   done
   sass_check "$kc"
   ;;
