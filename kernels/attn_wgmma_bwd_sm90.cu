@@ -50,7 +50,9 @@
 // order matters once the grid is a few waves: 0 runs a (kv head, batch entry)'s key tiles
 // together (tile fastest; their Q and dO reads share L2), 1 starts every CTA of key tile 0
 // before any of tile 1 (longest first: the tail is the shortest CTAs), 2 does that within each
-// batch entry. The host picks (sm90::bwd_cta_order).
+// batch entry, 3 within each chunk of `chunk` (kv head · split, batch entry) pairs, so that
+// only a chunk's Q and dO are read at a time. The host picks (sm90::bwd_cta_order simulates
+// the schedules).
 
 // 128 keys per CTA, stages of Q/dO/LSE2/Dsum; queries per step: 128 at head_dim 64, 64 at
 // 128 (the registers of S^T and dP^T: 2 x BM / 2 per thread besides dK and dV's D).
@@ -185,7 +187,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                                               u16* __restrict__ dV, float* __restrict__ dkv_part,
                                               int splits, int Tq, int Tkv, int H, int KVH,
                                               int Tq_pad, float scale_log2, float scale, int B,
-                                              int order) {
+                                              int order, int chunk) {
     using P = BwPlan<D>;
     constexpr int PANELS = D / 64, DT = D / 8;
     constexpr int BM = P::BM, NQ = BM / 8, DQN = BwShape<D>::DQN;
@@ -197,7 +199,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     // The CTA's (key tile, kv head · split, batch entry) from its place in a 1-D grid, which
     // the hardware starts in blockIdx order (the file's header, CTA order): order 0 runs the
     // key tiles fastest, 1 slowest (longest first under the causal mask), 2 the batch entries
-    // slowest, then the key tiles.
+    // slowest, then the key tiles, 3 key tiles slowest within chunks of `chunk` pairs.
     int kt, y, b;
     {
         const unsigned i = blockIdx.x, n_y = KVH * splits;
@@ -210,6 +212,16 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
             y = i % n_y;
             kt = (i / n_y) % n_kt;
             b = i / n_y / n_kt;
+        } else if (order == 3) {
+            // Pairs p = y + n_y b in chunks of `chunk` (the last may hold fewer), key tiles
+            // slowest within a chunk.
+            const unsigned per = (unsigned)chunk * n_kt;
+            const unsigned first = i / per * chunk, r = i % per;
+            const unsigned here = min((unsigned)chunk, n_y * (unsigned)B - first);
+            const unsigned p = first + r % here;
+            kt = r / here;
+            y = p % n_y;
+            b = p / n_y;
         } else {
             kt = i % n_kt;
             y = (i / n_kt) % n_y;
@@ -418,19 +430,40 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         mbar_arrive(empty(s));
         // The dQ tile to shared memory (boxes of 32 columns, 16-byte chunk k of row r at
         // k ^ (r % 8)), then one TMA reduce-add per box (rows past Tq are out of the tensor
-        // map's bounds: skipped).
+        // map's bounds: skipped). An 8-byte store is served a half-warp at a time, and there
+        // lanes g and g ^ 1 (rows r and r ^ 1) would put the same two columns' chunk at the same
+        // swizzled place: 2-way bank conflicts. So in store j a lane writes the column block
+        // jj = j ^ (g % 4) of its aligned group of four (the same 32-column box): the half-warp's
+        // 8 (row, chunk) pairs then fill 8 distinct chunk places, all 32 banks.
+        {
+            const int sw = g & 3;
 #pragma unroll
-        for (int j = 0; j < DQN / 8; ++j)
+            for (int j = 0; j < DQN / 8; ++j)
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int r = 16 * warp + g + 8 * hf;
-                const int col = 8 * j + 2 * t4, cc = col & 31;
-                const u32 addr = sdq + (col >> 5) * (64 * 128) + r * 128 +
-                                 (((cc >> 2) ^ (r & 7)) << 4) + (cc & 3) * 4;
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr),
-                             "f"(dq[4 * j + 2 * hf]), "f"(dq[4 * j + 2 * hf + 1])
-                             : "memory");
-            }
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int r = 16 * warp + g + 8 * hf;
+                    const int jj = j ^ sw;
+                    const int col = 8 * jj + 2 * t4, cc = col & 31;
+                    const u32 addr = sdq + (col >> 5) * (64 * 128) + r * 128 +
+                                     (((cc >> 2) ^ (r & 7)) << 4) + (cc & 3) * 4;
+                    // dq[4 jj + 2 hf + e] without indexing registers at run time: a select
+                    // over the group's four blocks.
+                    float v[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int o = 4 * (j & ~3) + 2 * hf + e;
+                        const float a0 = dq[o + 4 * (0 ^ (j & 3))];
+                        const float a1 = dq[o + 4 * (1 ^ (j & 3))];
+                        const float a2 = dq[o + 4 * (2 ^ (j & 3))];
+                        const float a3 = dq[o + 4 * (3 ^ (j & 3))];
+                        const float lo = (sw & 1) ? a1 : a0, hi = (sw & 1) ? a3 : a2;
+                        v[e] = (sw & 2) ? hi : lo;
+                    }
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v[0]),
+                                 "f"(v[1])
+                                 : "memory");
+                }
+        }
         fence_proxy_async();
         named_barrier(2 + c, 128);
         if (elected) {
@@ -503,15 +536,15 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         const __grid_constant__ TmaMap tdq, const float* lse2, const float* dsum,                \
         const int* kv_lens, u16* dK, u16* dV, float* dkv_part, int splits, int Tq, int Tkv,      \
         int H, int KVH, int Tq_pad, float scale_log2, float scale, int causal, int B,             \
-        int order) {                                                                             \
+        int order, int chunk) {                                                                  \
         if (causal)                                                                              \
             attn_bwd_sm90<D, true>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV,       \
                                    dkv_part, splits, Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale, \
-                                   B, order);                                                    \
+                                   B, order, chunk);                                             \
         else                                                                                     \
             attn_bwd_sm90<D, false>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV,      \
                                     dkv_part, splits, Tq, Tkv, H, KVH, Tq_pad, scale_log2,       \
-                                    scale, B, order);                                            \
+                                    scale, B, order, chunk);                                     \
     }
 
 // The kernels of head_dim D where the source before this defines KP_SM90_BWD_ALL or

@@ -215,9 +215,22 @@ def stages(out):
     return ["wgmma backward stages (CUDA events, medians of 20 calls):"] + ["  " + x for x in found]
 
 
+def chunks(out):
+    """The wgmma backward's chunk probe (chunks.tests.log): one line per (shape, order, chunk
+    size), wall clock over 20 calls and the simulated makespan, as the test printed them."""
+    path = os.path.join(out, "chunks.tests.log")
+    if not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        # The first line follows the harness's "test NAME ... " on the same line.
+        found = [line[line.index("chunks B") + len("chunks "):].strip() for line in f
+                 if "chunks B" in line]
+    return ["wgmma backward chunk sizes (wall clock over 20 calls):"] + ["  " + x for x in found]
+
+
 def main(out):
     all_rows = rows(out)
-    lines = ["==== verdict ===="] + tests(out) + cta_orders(out) + stages(out)
+    lines = ["==== verdict ===="] + tests(out) + cta_orders(out) + stages(out) + chunks(out)
     if all_rows:
         lines += (non_aligned(all_rows) + grouped(all_rows) + headline(all_rows)
                   + failures(all_rows))

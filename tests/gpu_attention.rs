@@ -1836,7 +1836,7 @@ fn wgmma_backward_stage_probe() {
 #[test]
 #[ignore = "a GPU probe (timings printed, not asserted): run it on the GPU machine with --ignored"]
 fn wgmma_backward_cta_order_probe() {
-    use kernelpages::attention::sm90::{bwd_cta_order, bwd_head_splits, BwdCtaOrder};
+    use kernelpages::attention::sm90::{bwd_chunk, bwd_cta_order, bwd_head_splits, BwdCtaOrder};
     let gpu = gpu();
     if gpu.arch() != "sm_90a" {
         println!("wgmma backward CTA orders: not a compute capability 9.0 device");
@@ -1880,7 +1880,10 @@ fn wgmma_backward_cta_order_probe() {
     for c in [
         causal(4, 8, 1, 4096, 128),
         causal(4, 8, 1, 4096, 64),
+        causal(4, 8, 8, 4096, 128),
+        causal(4, 8, 8, 4096, 64),
         causal(4, 32, 8, 4096, 128),
+        causal(4, 8, 8, 8192, 128),
         causal(1, 16, 16, 16384, 128),
     ] {
         let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
@@ -1904,14 +1907,123 @@ fn wgmma_backward_cta_order_probe() {
                 c.kv_heads,
                 c.seq_len_q,
                 c.head_dim,
-                if order == bwd_cta_order(splits, true) {
-                    " (default)"
-                } else {
-                    ""
+                {
+                    let (default, chunk) = bwd_cta_order(
+                        c.batch,
+                        c.heads,
+                        c.kv_heads,
+                        (c.seq_len_q, c.seq_len_kv),
+                        c.head_dim,
+                        true,
+                    );
+                    let sim = bwd_chunk(
+                        c.batch,
+                        c.heads,
+                        c.kv_heads,
+                        (c.seq_len_q, c.seq_len_kv),
+                        c.head_dim,
+                    );
+                    match (order == default, order) {
+                        (true, BwdCtaOrder::KeyTilesSlowestInChunks) => {
+                            format!(" (default, chunks of {chunk}; simulated {sim:?})")
+                        }
+                        (false, BwdCtaOrder::KeyTilesSlowestInChunks) => {
+                            format!(" (chunks of {}; simulated {sim:?})", sim.0)
+                        }
+                        (true, _) => " (default)".to_string(),
+                        _ => String::new(),
+                    }
                 },
                 flops / ms / 1e9
             );
         }
+    }
+}
+
+/// The chunk size of the wgmma backward's `KeyTilesSlowestInChunks` order swept at causal
+/// shapes of a few waves (the sizes `sm90::bwd_chunk` chooses from, and key tiles fastest and
+/// slowest beside them): forward + backward by wall clock over 20 calls, printed beside the
+/// simulated makespan of each size (not asserted: what the rule `sm90::bwd_cta_order` should
+/// pick, kernels/TUNING.md). A probe: run it on the GPU machine with `--ignored`.
+#[test]
+#[ignore = "a GPU probe (timings printed, not asserted): run it on the GPU machine with --ignored"]
+fn wgmma_backward_chunk_probe() {
+    use kernelpages::attention::sm90::{bwd_cta_coords, bwd_cta_order, bwd_head_splits, makespan};
+    use kernelpages::attention::sm90::{BwdCtaOrder, BWD_SPLIT_SMS};
+    let gpu = gpu();
+    if gpu.arch() != "sm_90a" {
+        println!("wgmma backward chunks: not a compute capability 9.0 device");
+        return;
+    }
+    let causal = |batch, heads, kv_heads, t, d| grouped_fwd_bwd(batch, heads, kv_heads, t, d, true);
+    for c in [
+        causal(4, 8, 8, 4096, 128),
+        causal(4, 8, 8, 4096, 64),
+        causal(4, 32, 8, 4096, 128),
+        causal(4, 8, 8, 2048, 128),
+        causal(4, 8, 8, 8192, 128),
+        causal(1, 24, 24, 4096, 64),
+        causal(2, 16, 16, 4096, 128),
+    ] {
+        let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
+        let inp = upload(gpu, &c, &Inputs::random(&c, 5)).expect("upload");
+        let mut outs = poisoned_outputs(gpu, &c).expect("alloc");
+        let splits = bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, true);
+        let (n_kt, n_y) = (c.seq_len_kv.div_ceil(128), c.kv_heads * splits);
+        let pairs = n_y * c.batch;
+        let bm = if c.head_dim == 64 { 128 } else { 64 };
+        let group = c.heads / c.kv_heads;
+        let sim = |order, chunk| {
+            makespan(
+                (0..n_kt * pairs).map(|i| {
+                    let (kt, y, _) = bwd_cta_coords(order, chunk, i, (n_kt, n_y, c.batch));
+                    let sp = y % splits;
+                    let heads = (sp + 1) * group / splits - sp * group / splits;
+                    (c.seq_len_q.div_ceil(bm) - kt * 128 / bm) * heads + 1
+                }),
+                BWD_SPLIT_SMS,
+            )
+        };
+        let default = bwd_cta_order(
+            c.batch,
+            c.heads,
+            c.kv_heads,
+            (c.seq_len_q, c.seq_len_kv),
+            c.head_dim,
+            true,
+        );
+        let mut runs: Vec<(BwdCtaOrder, usize)> = vec![
+            (BwdCtaOrder::KeyTilesFastest, 1),
+            (BwdCtaOrder::KeyTilesSlowest, 1),
+        ];
+        for chunk in [2, 3, 4, 6, 8, 12, 16, 32] {
+            if chunk < pairs {
+                runs.push((BwdCtaOrder::KeyTilesSlowestInChunks, chunk));
+            }
+        }
+        for (order, chunk) in runs {
+            hopper_bwd(&mut runner).set_cta_order(Some(order));
+            hopper_bwd(&mut runner).set_cta_chunk(Some(chunk));
+            let ms = wall_ms(&mut runner, &c, &inp, &mut outs, 3, 20);
+            println!(
+                "chunks B{} H{}:{} T{} D{} causal, {pairs} pairs: {order:?} {chunk}: {ms:.3} ms, \
+                 simulated {} steps{}",
+                c.batch,
+                c.heads,
+                c.kv_heads,
+                c.seq_len_q,
+                c.head_dim,
+                sim(order, chunk),
+                if (order, chunk) == default
+                    || (order == default.0 && order != BwdCtaOrder::KeyTilesSlowestInChunks)
+                {
+                    " (default)"
+                } else {
+                    ""
+                }
+            );
+        }
+        hopper_bwd(&mut runner).set_cta_chunk(None);
     }
 }
 

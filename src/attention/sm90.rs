@@ -786,43 +786,192 @@ pub fn bwd_split_bytes(
 /// order): how a CTA's index in its 1-D grid maps to its (128-key tile, kv head · split, batch
 /// entry). The hardware starts CTAs in index order as SMs free up, so under the causal mask,
 /// where the first key tiles' CTAs have the most queries, the order sets how long the grid's
-/// tail is.
+/// tail is. A *pair* below is one (kv head · split, batch entry): the CTAs that share its Q
+/// and dO.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BwdCtaOrder {
-    /// Key tiles fastest: a (kv head, batch entry)'s CTAs start together and share its Q and dO
-    /// in L2.
+    /// Key tiles fastest: a pair's CTAs start together and share its Q and dO in L2.
     KeyTilesFastest = 0,
     /// Key tiles slowest: every CTA of key tile 0 starts before any of tile 1 (longest
     /// processing time first, the list-scheduling rule whose tail is the shortest jobs).
     KeyTilesSlowest = 1,
     /// Batch entries slowest, then key tiles: longest first within each batch entry.
     BatchThenKeyTiles = 2,
+    /// Pairs in chunks of [`bwd_chunk`] (the last one may be smaller), the chunks one after
+    /// the other, key tiles slowest within a chunk: longest first where it sets the tail, while
+    /// only a chunk's pairs share L2 at a time.
+    KeyTilesSlowestInChunks = 3,
 }
 
 impl BwdCtaOrder {
     /// Every order, for probes that compare them.
-    pub const ALL: [BwdCtaOrder; 3] = [
+    pub const ALL: [BwdCtaOrder; 4] = [
         BwdCtaOrder::KeyTilesFastest,
         BwdCtaOrder::KeyTilesSlowest,
         BwdCtaOrder::BatchThenKeyTiles,
+        BwdCtaOrder::KeyTilesSlowestInChunks,
     ];
 }
 
-/// The CTA order the wgmma backward runs by default: [`BwdCtaOrder::KeyTilesSlowest`] where the
-/// causal mask makes the CTAs' work unequal and the grid was split for being small
-/// (`splits > 1`, [`bwd_head_splits`]), else [`BwdCtaOrder::KeyTilesFastest`]. At B4 H8:1
-/// T4096 (3 splits, 384 CTAs) list scheduling in launch order on 132 SMs ends after 184
-/// head-tile steps with key tiles fastest and 133 slowest (the average is 128); measured on an
-/// H100, forward + backward there went from 1.370 to 1.181 ms (0.80× to 0.87× cuDNN in the
-/// runner; kernels/TUNING.md). Larger causal grids keep the first order for L2 locality: at GQA
-/// B4 H32:8 key tiles slowest measured 13 % slower.
-pub fn bwd_cta_order(splits: usize, causal: bool) -> BwdCtaOrder {
-    if causal && splits > 1 {
-        BwdCtaOrder::KeyTilesSlowest
-    } else {
-        BwdCtaOrder::KeyTilesFastest
+/// The most CTAs [`bwd_chunk`] simulates a schedule of; larger grids keep
+/// [`BwdCtaOrder::KeyTilesFastest`] (their heaviest CTA is a small part of an SM's share).
+pub const BWD_SCHEDULE_MAX_CTAS: usize = 1 << 15;
+
+/// The work of each CTA of the wgmma backward's main kernel under the causal mask, in (query
+/// head, query step) steps plus one for its K/V load and dK/dV store, indexed `[key tile ·
+/// splits + split]`: every key of the tile valid (seq_len_kv for every batch entry),
+/// bottom-right causal as the kernel masks.
+fn bwd_causal_cta_work(
+    (heads, kv_heads): (usize, usize),
+    (seq_len_q, seq_len_kv): (usize, usize),
+    head_dim: usize,
+    splits: usize,
+) -> Vec<usize> {
+    let bm = bwd_queries(head_dim);
+    let n_kt = seq_len_kv.div_ceil(BWD_KEYS);
+    let n_qt = seq_len_q.div_ceil(bm);
+    let off = seq_len_kv as isize - seq_len_q as isize;
+    let group = heads / kv_heads.max(1);
+    (0..n_kt)
+        .flat_map(|kt| {
+            let i_min = ((kt * BWD_KEYS) as isize - off).max(0) as usize;
+            let per_head = n_qt.saturating_sub(i_min / bm);
+            (0..splits).map(move |sp| {
+                let heads_here = (sp + 1) * group / splits - sp * group / splits;
+                per_head * heads_here + 1
+            })
+        })
+        .collect()
+}
+
+/// When the last CTA of `work` (in launch order) ends on `sms` SMs that each take the next CTA
+/// as they free up (list scheduling, one CTA per SM at a time, as the wgmma backward runs).
+pub fn makespan(work: impl IntoIterator<Item = usize>, sms: usize) -> usize {
+    use std::cmp::Reverse;
+    let mut free: std::collections::BinaryHeap<Reverse<usize>> =
+        (0..sms.max(1)).map(|_| Reverse(0)).collect();
+    for w in work {
+        let Reverse(t) = free.pop().unwrap_or(Reverse(0));
+        free.push(Reverse(t + w));
+    }
+    free.into_iter().map(|Reverse(t)| t).max().unwrap_or(0)
+}
+
+/// The (key tile, kv head · split, batch entry) of CTA `i` of the wgmma backward's main kernel
+/// in `order` (`attn_bwd_sm90`'s first lines, mirrored), for `n_kt` key tiles, `n_y` kv heads ·
+/// splits, `batch` entries and chunks of `chunk` pairs ([`BwdCtaOrder::KeyTilesSlowestInChunks`]
+/// only).
+pub fn bwd_cta_coords(
+    order: BwdCtaOrder,
+    chunk: usize,
+    i: usize,
+    (n_kt, n_y, batch): (usize, usize, usize),
+) -> (usize, usize, usize) {
+    match order {
+        BwdCtaOrder::KeyTilesFastest => (i % n_kt, (i / n_kt) % n_y, i / n_kt / n_y),
+        BwdCtaOrder::KeyTilesSlowest => (i / n_y / batch, i % n_y, (i / n_y) % batch),
+        BwdCtaOrder::BatchThenKeyTiles => ((i / n_y) % n_kt, i % n_y, i / n_y / n_kt),
+        BwdCtaOrder::KeyTilesSlowestInChunks => {
+            let chunk = chunk.max(1);
+            let (ch, r) = (i / (chunk * n_kt), i % (chunk * n_kt));
+            let first = ch * chunk;
+            let here = chunk.min(n_y * batch - first);
+            let p = first + r % here;
+            (r / here, p % n_y, p / n_y)
+        }
     }
 }
+
+/// The fewest pairs in a chunk of [`BwdCtaOrder::KeyTilesSlowestInChunks`] (unless the grid
+/// has fewer): on the H200, B4 H8 T8192 D128 causal forward + backward took 4.046 ms in chunks
+/// of 2 and 3.991 in chunks of 4, whose simulated makespans are equal (1026 and 1025 steps;
+/// on an H100 chunks of 2 were 4 % slower than key tiles fastest there), and at T4096 chunks of
+/// 2, 3 and 6 measured as badly as their simulated makespans say (kernels/TUNING.md).
+pub const BWD_MIN_CHUNK: usize = 4;
+
+/// The chunk size of [`BwdCtaOrder::KeyTilesSlowestInChunks`] for a causal shape `(batch,
+/// heads, kv_heads, seq_len_q, seq_len_kv, head_dim)`, and the simulated makespans (in steps,
+/// [`makespan`] on [`BWD_SPLIT_SMS`] SMs) of that order and of
+/// [`BwdCtaOrder::KeyTilesFastest`]: of the candidate sizes ([`BWD_MIN_CHUNK`], 5, 6, 8, 12,
+/// 16, 24, 32, 48, 64 pairs and all of them) the smallest whose makespan is within 0.5 % of the
+/// best (fewer pairs at a time share L2 better). Grids of more than [`BWD_SCHEDULE_MAX_CTAS`]
+/// CTAs are not simulated: chunks of 1 (the key tiles fastest order), both makespans 0.
+pub fn bwd_chunk(
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    (seq_len_q, seq_len_kv): (usize, usize),
+    head_dim: usize,
+) -> (usize, usize, usize) {
+    let splits = bwd_head_splits(batch, heads, kv_heads, seq_len_kv, true);
+    let n_kt = seq_len_kv.div_ceil(BWD_KEYS);
+    let n_y = kv_heads * splits;
+    let pairs = n_y * batch;
+    if n_kt * pairs > BWD_SCHEDULE_MAX_CTAS || pairs == 0 {
+        return (1, 0, 0);
+    }
+    let work = bwd_causal_cta_work((heads, kv_heads), (seq_len_q, seq_len_kv), head_dim, splits);
+    let dims = (n_kt, n_y, batch);
+    let span = |order, chunk| {
+        makespan(
+            (0..n_kt * pairs).map(|i| {
+                let (kt, y, _) = bwd_cta_coords(order, chunk, i, dims);
+                work[kt * splits + y % splits]
+            }),
+            BWD_SPLIT_SMS,
+        )
+    };
+    let fastest = span(BwdCtaOrder::KeyTilesFastest, 1);
+    let mut candidates: Vec<usize> = [BWD_MIN_CHUNK, 5, 6, 8, 12, 16, 24, 32, 48, 64]
+        .into_iter()
+        .filter(|&c| c < pairs)
+        .collect();
+    candidates.push(pairs);
+    let spans: Vec<(usize, usize)> = candidates
+        .into_iter()
+        .map(|c| (c, span(BwdCtaOrder::KeyTilesSlowestInChunks, c)))
+        .collect();
+    let best = spans.iter().map(|&(_, m)| m).min().unwrap_or(0);
+    let (chunk, m) = spans
+        .into_iter()
+        .find(|&(_, m)| m * 1000 <= best * 1005)
+        .unwrap_or((1, fastest));
+    (chunk, m, fastest)
+}
+
+/// The CTA order and chunk size the wgmma backward runs by default for `(batch, heads,
+/// kv_heads, (seq_len_q, seq_len_kv), head_dim, causal)`: not causal, every CTA has the same
+/// work and [`BwdCtaOrder::KeyTilesFastest`] keeps a pair's CTAs together in L2; causal,
+/// [`BwdCtaOrder::KeyTilesSlowestInChunks`] with [`bwd_chunk`]'s size where its simulated
+/// makespan is at least 2 % under key tiles fastest's, else key tiles fastest. Measured
+/// (kernels/TUNING.md): at causal MQA B4 H8:1 T4096 (3 splits, 384 CTAs) list scheduling ends
+/// after 184 head-tile steps with key tiles fastest and 133 slowest, and forward + backward
+/// went from 1.370 to 1.181 ms on an H100; at GQA B4 H32:8 key tiles slowest (every pair at
+/// once, 256 MB of Q and dO against a 50 MB L2) measured 13 % slower than fastest there, and
+/// chunks of 4 pairs 0.4 % faster than fastest (4.442 against 4.459 ms; on the H200 4.208
+/// against 4.296); in the runner, causal T4096 forward + backward 5–6 % faster than with key
+/// tiles fastest (MHA H8 D128 1.207 → 1.149 ms, D64 0.761 → 0.712, GQA 4.665 → 4.378).
+pub fn bwd_cta_order(
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    lens: (usize, usize),
+    head_dim: usize,
+    causal: bool,
+) -> (BwdCtaOrder, usize) {
+    if !causal {
+        return (BwdCtaOrder::KeyTilesFastest, 1);
+    }
+    let (chunk, chunked, fastest) = bwd_chunk(batch, heads, kv_heads, lens, head_dim);
+    if chunked * 100 <= fastest * 98 {
+        (BwdCtaOrder::KeyTilesSlowestInChunks, chunk)
+    } else {
+        (BwdCtaOrder::KeyTilesFastest, 1)
+    }
+}
+
+/// A backward launch's `(batch, heads, kv_heads, seq_len_q, seq_len_kv, causal)`.
+type BwdShape = (usize, usize, usize, usize, usize, bool);
 
 /// The attention backward on wgmma (issue 11; `kernels/attn_wgmma_bwd_sm90.cu` says how): bf16,
 /// head_dim 64 or 128, the shapes and masks of [`HopperForward`], after a forward that wrote O
@@ -849,6 +998,12 @@ pub struct HopperBackward {
     /// The CTA order every launch uses instead of [`bwd_cta_order`]'s (probes; `None`: the
     /// rule's).
     cta_order: Option<BwdCtaOrder>,
+    /// The chunk size [`BwdCtaOrder::KeyTilesSlowestInChunks`] uses instead of [`bwd_chunk`]'s
+    /// (probes; `None`: the rule's).
+    cta_chunk: Option<usize>,
+    /// The last shape's `(batch, heads, kv_heads, seq_len_q, seq_len_kv, causal)` and its
+    /// default order and chunk size ([`bwd_cta_order`] simulates schedules: once per shape).
+    schedule: Option<(BwdShape, (BwdCtaOrder, usize))>,
     /// Events recorded around each launch's kernels ([`HopperBackward::set_stage_timing`];
     /// probes only, `None` otherwise).
     stage_events: Option<Vec<cudarc::driver::CudaEvent>>,
@@ -938,6 +1093,8 @@ impl HopperBackward {
             head_dim,
             dtype,
             cta_order: None,
+            cta_chunk: None,
+            schedule: None,
             stage_events: None,
             stage_done: false,
             stage_split: false,
@@ -954,11 +1111,19 @@ impl HopperBackward {
     }
 
     /// Makes every later launch start its main kernel's CTAs in `order` (`None`: the default,
-    /// [`bwd_cta_order`]), for probes that time the orders against each other. dK and dV do
-    /// not depend on the order (each CTA's sums are its own); dQ's reduce-adds may land in
-    /// another order.
+    /// [`bwd_cta_order`]), for probes that time the orders against each other
+    /// ([`BwdCtaOrder::KeyTilesSlowestInChunks`] in [`bwd_chunk`]'s chunks). dK and dV do not
+    /// depend on the order (each CTA's sums are its own); dQ's reduce-adds may land in another
+    /// order.
     pub fn set_cta_order(&mut self, order: Option<BwdCtaOrder>) {
         self.cta_order = order;
+    }
+
+    /// Makes [`BwdCtaOrder::KeyTilesSlowestInChunks`], when [`HopperBackward::set_cta_order`]
+    /// picks it, use chunks of `chunk` pairs (`None`: [`bwd_chunk`]'s size; a chunk of more
+    /// pairs than the grid has is one chunk of all), for probes that sweep the size.
+    pub fn set_cta_chunk(&mut self, chunk: Option<usize>) {
+        self.cta_chunk = chunk;
     }
 
     /// Makes every later launch record events before and after each of its kernels (`on`), or
@@ -1091,9 +1256,27 @@ impl HopperBackward {
                  index and grid limits"
             )));
         }
-        let order = self
-            .cta_order
-            .unwrap_or_else(|| bwd_cta_order(splits, causal));
+        let shape = (batch, heads, kv_heads, seq_len_q, seq_len_kv, causal);
+        let (rule, rule_chunk) = match self.schedule {
+            Some((s, rule)) if s == shape => rule,
+            _ => {
+                let rule =
+                    bwd_cta_order(batch, heads, kv_heads, (seq_len_q, seq_len_kv), d, causal);
+                self.schedule = Some((shape, rule));
+                rule
+            }
+        };
+        let (order, chunk) = match self.cta_order {
+            None => (rule, rule_chunk),
+            Some(BwdCtaOrder::KeyTilesSlowestInChunks) => (
+                BwdCtaOrder::KeyTilesSlowestInChunks,
+                match self.cta_chunk {
+                    Some(c) => c.clamp(1, kv_heads * splits * batch),
+                    None => bwd_chunk(batch, heads, kv_heads, (seq_len_q, seq_len_kv), d).0,
+                },
+            ),
+            Some(o) => (o, 1),
+        };
         let (tq, tkv, h, kvh) = (
             seq_len_q as i32,
             seq_len_kv as i32,
@@ -1179,6 +1362,7 @@ impl HopperBackward {
                 _ => (0u64, None),
             };
             let (splits_i, batch_i, order_i) = (splits as i32, batch as i32, order as i32);
+            let chunk_i = chunk.min(i32::MAX as usize) as i32;
             let mut b = gpu.stream.launch_builder(&self.main);
             b.arg(&maps[0])
                 .arg(&maps[1])
@@ -1201,18 +1385,20 @@ impl HopperBackward {
                 .arg(&scale_f)
                 .arg(&causal_i)
                 .arg(&batch_i)
-                .arg(&order_i);
+                .arg(&order_i)
+                .arg(&chunk_i);
             // SAFETY: `attn_bwd_sm90_d*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap tdo, TmaMap
             // tdq, const float* lse2, const float* dsum, const int* kv_lens, u16* dK, u16* dV,
             // float* dkv_part, int splits, int Tq, int Tkv, int H, int KVH, int Tq_pad, float
-            // scale_log2, float scale, int causal, int B, int order)`: the maps describe q, k,
+            // scale_log2, float scale, int causal, int B, int order, int chunk)`: the maps describe q, k,
             // v, dO and dqacc with the shapes checked above
             // (TMA reads and reduce-adds inside them only; reads past their ends zero-fill,
             // adds there are skipped), lse2 and dsum hold B·H·Tq_pad floats (whole slices of
             // queries-per-step floats for the bulk copies), dK and dV B·KVH·Tkv·D words,
             // kv_lens `batch` entries, dkv_part (splits > 1 only; 0 and never read otherwise)
             // splits · 2 · B·KVH·Tkv·D floats; 3 warpgroups per (128-key tile, kv head · splits,
-            // batch entry) in a 1-D grid of all of them (B = batch; order a BwdCtaOrder), splits
+            // batch entry) in a 1-D grid of all of them (B = batch; order a BwdCtaOrder, chunk
+            // ≥ 1 its chunk size), splits
             // ≤ the group size (bwd_head_splits).
             unsafe {
                 b.launch(LaunchConfig {
@@ -1282,72 +1468,104 @@ mod tests {
     use super::*;
     use crate::attention::Pass;
 
-    /// The main kernel's decode of its CTA index (`attn_bwd_sm90`'s first lines), mirrored:
-    /// (key tile, kv head · split, batch entry).
-    fn cta_coords(
-        order: BwdCtaOrder,
-        i: usize,
-        (n_kt, n_y, batch): (usize, usize, usize),
-    ) -> (usize, usize, usize) {
-        match order {
-            BwdCtaOrder::KeyTilesFastest => (i % n_kt, (i / n_kt) % n_y, i / n_kt / n_y),
-            BwdCtaOrder::KeyTilesSlowest => (i / n_y / batch, i % n_y, (i / n_y) % batch),
-            BwdCtaOrder::BatchThenKeyTiles => ((i / n_y) % n_kt, i % n_y, i / n_y / n_kt),
-        }
-    }
-
-    /// When the last of `work` (in launch order) ends on `sms` SMs that each take the next CTA
-    /// as they free up (list scheduling, one CTA per SM).
-    fn makespan(work: &[usize], sms: usize) -> usize {
-        let mut free = vec![0usize; sms];
-        for &w in work {
-            let first = (0..sms).min_by_key(|&s| (free[s], s)).unwrap();
-            free[first] += w;
-        }
-        free.into_iter().max().unwrap_or(0)
-    }
-
     #[test]
     fn every_cta_order_covers_the_grid_once_and_the_causal_split_one_starts_long_ctas_first() {
         for dims in [(32, 3, 4), (1, 1, 1), (5, 2, 3), (7, 16, 1)] {
             let (n_kt, n_y, batch) = dims;
             for order in BwdCtaOrder::ALL {
-                let mut seen: Vec<_> = (0..n_kt * n_y * batch)
-                    .map(|i| cta_coords(order, i, dims))
-                    .collect();
-                seen.sort_unstable();
-                seen.dedup();
-                assert_eq!(seen.len(), n_kt * n_y * batch, "{order:?} {dims:?}");
-                assert!(seen
-                    .iter()
-                    .all(|&(k, y, b)| k < n_kt && y < n_y && b < batch));
+                for chunk in [1, 2, 3, 5, 64] {
+                    let mut seen: Vec<_> = (0..n_kt * n_y * batch)
+                        .map(|i| bwd_cta_coords(order, chunk, i, dims))
+                        .collect();
+                    seen.sort_unstable();
+                    seen.dedup();
+                    assert_eq!(seen.len(), n_kt * n_y * batch, "{order:?} {chunk} {dims:?}");
+                    assert!(seen
+                        .iter()
+                        .all(|&(k, y, b)| k < n_kt && y < n_y && b < batch));
+                }
             }
-            // Longest first: every CTA of key tile 0 before any of tile 1.
+            // Longest first: every CTA of key tile 0 before any of tile 1; in chunks of 2
+            // pairs, the first chunk's tile 0, its tile 1, … then the next chunk's.
             let first: Vec<_> = (0..n_y * batch)
-                .map(|i| cta_coords(BwdCtaOrder::KeyTilesSlowest, i, dims).0)
+                .map(|i| bwd_cta_coords(BwdCtaOrder::KeyTilesSlowest, 1, i, dims).0)
                 .collect();
             assert!(first.iter().all(|&k| k == 0), "{dims:?}");
+            let chunked: Vec<_> = (0..n_kt * n_y * batch)
+                .map(|i| bwd_cta_coords(BwdCtaOrder::KeyTilesSlowestInChunks, 2, i, dims))
+                .collect();
+            let pair = |&(_, y, b): &(usize, usize, usize)| y + n_y * b;
+            let pairs = n_y * batch;
+            assert!(chunked[..n_kt * 2.min(pairs)].iter().all(|c| pair(c) < 2));
+            if pairs >= 2 {
+                assert_eq!(
+                    chunked[..4.min(n_kt * 2)],
+                    [
+                        (0, 0, 0),
+                        (0, 1 % n_y, 1 / n_y),
+                        (1, 0, 0),
+                        (1, 1 % n_y, 1 / n_y)
+                    ][..4.min(n_kt * 2)]
+                );
+            }
         }
-        // Causal MQA at B4 H8:1 T4096: 3 splits of 3, 3 and 2 heads, key tile kt walking
-        // 32 − kt query tiles per head; list scheduling on 132 SMs in each launch order (the
-        // figures bwd_cta_order's doc quotes).
+        // In chunks of 1 pair the order is key tiles fastest; in one chunk of all, slowest.
+        let dims = (5, 2, 3);
+        for i in 0..30 {
+            let c = |o, ch| bwd_cta_coords(o, ch, i, dims);
+            assert_eq!(
+                c(BwdCtaOrder::KeyTilesSlowestInChunks, 1),
+                c(BwdCtaOrder::KeyTilesFastest, 1)
+            );
+            assert_eq!(
+                c(BwdCtaOrder::KeyTilesSlowestInChunks, 6),
+                c(BwdCtaOrder::KeyTilesSlowest, 1)
+            );
+        }
+        // Causal MQA at B4 H8:1 T4096: 3 splits of 2, 3 and 3 heads, key tile kt walking
+        // 64 − 2 kt query tiles of 64 per head at head_dim 128, plus one step per CTA; list
+        // scheduling on 132 SMs: every pair at once (key tiles slowest, what the H100 measured
+        // better than fastest) is the best, 27 % under fastest (184 and 133 steps of 128 queries).
         let splits = bwd_head_splits(4, 8, 1, 4096, true);
         assert_eq!(splits, 3);
-        assert_eq!(bwd_cta_order(splits, true), BwdCtaOrder::KeyTilesSlowest);
-        assert_eq!(bwd_cta_order(splits, false), BwdCtaOrder::KeyTilesFastest);
-        assert_eq!(bwd_cta_order(1, true), BwdCtaOrder::KeyTilesFastest);
-        let dims = (32, splits, 4);
-        let steps = |order| {
-            let work: Vec<usize> = (0..32 * splits * 4)
-                .map(|i| {
-                    let (kt, sp, _) = cta_coords(order, i, dims);
-                    (32 - kt) * ((sp + 1) * 8 / splits - sp * 8 / splits)
-                })
-                .collect();
-            makespan(&work, BWD_SPLIT_SMS)
-        };
-        assert_eq!(steps(BwdCtaOrder::KeyTilesFastest), 184);
-        assert_eq!(steps(BwdCtaOrder::KeyTilesSlowest), 133);
+        let (chunk, chunked, fastest) = bwd_chunk(4, 8, 1, (4096, 4096), 128);
+        assert_eq!((chunk, chunked, fastest), (12, 269, 371));
+        assert_eq!(
+            bwd_cta_order(4, 8, 1, (4096, 4096), 128, true),
+            (BwdCtaOrder::KeyTilesSlowestInChunks, 12)
+        );
+        assert_eq!(
+            bwd_cta_order(4, 8, 1, (4096, 4096), 128, false),
+            (BwdCtaOrder::KeyTilesFastest, 1)
+        );
+        // MHA B4 H8 T4096 and GQA B4 H32:8: 32 pairs, a pair's first key tile the heaviest;
+        // key tiles fastest leaves that CTA of the last pairs for the tail (14 % over the
+        // average); chunks of 4 pairs end within 1 % of it while keeping a fastest order's L2
+        // footprint (about 4 pairs at a time).
+        for (heads, kv) in [(8, 8), (32, 8)] {
+            let (chunk, chunked, fastest) = bwd_chunk(4, heads, kv, (4096, 4096), 128);
+            let average = (0..32)
+                .map(|kt| (64 - 2 * kt) * heads / kv + 1)
+                .sum::<usize>()
+                * 32
+                / 132;
+            assert_eq!(chunk, 4, "H{heads}:{kv}");
+            assert!(chunked * 100 <= average * 101, "{chunked} {average}");
+            assert!(fastest * 100 >= average * 112, "{fastest} {average}");
+        }
+        // T8192: chunks of 2 and of 4 simulate alike; the floor takes 4 (measured faster).
+        assert_eq!(bwd_chunk(4, 8, 8, (8192, 8192), 128).0, BWD_MIN_CHUNK);
+        // Long sequences: the tail is small whatever the order, fastest stays (L2).
+        assert_eq!(
+            bwd_cta_order(4, 8, 8, (16384, 16384), 128, true).0,
+            BwdCtaOrder::KeyTilesFastest
+        );
+        // A grid past the simulation's size: fastest, not simulated.
+        assert_eq!(bwd_chunk(64, 64, 64, (8192, 8192), 128), (1, 0, 0));
+        // makespan: list scheduling.
+        assert_eq!(makespan([4, 3, 3, 2, 2], 2), 8);
+        assert_eq!(makespan([5, 1, 1, 1, 1, 1], 2), 5);
+        assert_eq!(makespan([], 3), 0);
     }
 
     #[test]
