@@ -1995,7 +1995,7 @@ fn main_text(site: &Path, name: &str) -> String {
 }
 
 /// The prose follows the card the documents were measured on, among the cards it was written
-/// for (`cards` in templates/prose/*.md: the H200 and the H100 80GB HBM3): the committed data
+/// for (`cards` in templates/prose/prelude.md: the H200 and the H100 80GB HBM3): the committed data
 /// with the two cards' names swapped in every GPU document builds the committed pages with the
 /// names swapped, no sentence lost or gained and no card named by hand. (On 2026-12-05 the
 /// kernel sums, rerun on an H100, lost their whole GPU section, whose templates named the H200,

@@ -385,6 +385,72 @@ fn prose_about_another_device_is_left_out() {
     assert_eq!(site_prose.limitations, None);
 }
 
+/// `prose/prelude.md` is put before every other prose file: what it sets (the built-in one sets
+/// `cards`) each of them sees, it renders nothing itself, a call's line stays the line in its
+/// own file, and a file that does not parse says the prelude's lines come first.
+#[test]
+fn the_prelude_is_shared_by_every_prose_file() {
+    use kernelpages::site::templates::{
+        Sources, ATTENTION_PROSE, LIMITATIONS_PROSE, MIXERS_PROSE, PROSE_PRELUDE,
+    };
+    let docs = fixture_docs();
+    let built_in = Sources::built_in();
+    assert!(built_in
+        .prose_source(PROSE_PRELUDE)
+        .unwrap()
+        .contains("{% set cards = "));
+    for name in [ATTENTION_PROSE, MIXERS_PROSE, LIMITATIONS_PROSE] {
+        assert!(
+            !built_in.prose_source(name).unwrap().contains("set cards"),
+            "{name} sets its own cards"
+        );
+    }
+    let with = |prelude: &str, body: &str| {
+        let mut s = Sources::built_in();
+        for (name, src) in s.prose.iter_mut() {
+            *src = if *name == PROSE_PRELUDE {
+                prelude.to_string()
+            } else {
+                format!("{body} in {name}\n")
+            };
+        }
+        s
+    };
+    let shared = prose::render_site_prose(
+        &docs,
+        &with("{% set shared = \"from the prelude\" -%}\n", "{{ shared }}"),
+    )
+    .unwrap();
+    for (name, html) in [
+        (ATTENTION_PROSE, shared.attention),
+        (MIXERS_PROSE, shared.mixers),
+        (LIMITATIONS_PROSE, shared.limitations),
+    ] {
+        let html = html.unwrap_or_else(|| panic!("{name} rendered nothing"));
+        assert!(
+            html.contains(&format!("from the prelude in {name}")),
+            "{name}: {html}"
+        );
+    }
+    // A failed call on line 2 of a file is reported at line 2, after a 3-line prelude.
+    let err = prose::render_site_prose(
+        &docs,
+        &with(
+            "{#- one -#}\n{#- two -#}\n{% set x = 1 -%}\n",
+            "text\n{{ value(suite=\"attention\", implementation=\"nope\", case=\"head_dim = 64\", field=\"tflops\") }}",
+        ),
+    )
+    .unwrap_err();
+    assert!(err.problems.iter().all(|p| p.line == Some(2)), "{err}");
+    let err = prose::render_site_prose(&docs, &with("{% set x = 1 -%}\n", "{% if %}")).unwrap_err();
+    assert!(
+        err.problems
+            .iter()
+            .all(|p| p.message.contains("the 1 line of prose/prelude.md")),
+        "{err}"
+    );
+}
+
 /// `build`, `check` and `serve` read the templates folder: prose edited on disk must be what
 /// the next build renders, not the copy compiled into the binary.
 #[test]

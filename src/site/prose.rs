@@ -2,7 +2,8 @@
 //! and states claims the build verifies.
 //!
 //! A prose file is a Tera template rendered with these functions, then turned into HTML by
-//! pulldown-cmark:
+//! pulldown-cmark; the site's prose files start with the text of `prose/prelude.md`
+//! ([`render_prose_after`]: `cards`, the cards the curated prose was written for, set once):
 //!
 //! - `value(suite, implementation, case, field)`: one row's field, formatted as the tables show
 //!   it. `case` is a where-clause ([`query::parse_filter`]) that must match exactly one row.
@@ -61,7 +62,7 @@ use std::sync::{Arc, Mutex};
 use tera::{Kwargs, State, Tera, Value};
 
 use self::query::{ok_value, parse_filter, Field, Filter};
-use super::templates::{Sources, ATTENTION_PROSE, LIMITATIONS_PROSE, MIXERS_PROSE};
+use super::templates::{Sources, ATTENTION_PROSE, LIMITATIONS_PROSE, MIXERS_PROSE, PROSE_PRELUDE};
 use crate::load::{case_label, Loaded};
 use crate::schema::{DeviceKind, Param, Row, Status, Suite};
 
@@ -100,17 +101,20 @@ pub fn render_site_prose(docs: &[Loaded], sources: &Sources) -> Result<SiteProse
         Some(d) => format!("{}/", d.display()),
         None => "(built-in) ".to_string(),
     };
+    let prelude = sources.prose_source(PROSE_PRELUDE).unwrap_or("");
     let pairs: Vec<(&str, &str)> = sources
         .prose
         .iter()
+        .filter(|(n, _)| *n != PROSE_PRELUDE)
         .map(|(n, s)| (*n, s.as_str()))
         .collect();
-    let mut rendered = render_prose(docs, &pairs).map_err(|mut e| {
-        for p in &mut e.problems {
-            p.file = format!("{prefix}{}", p.file);
-        }
-        e
-    })?;
+    let mut rendered =
+        render_prose_after(docs, (PROSE_PRELUDE, prelude), &pairs).map_err(|mut e| {
+            for p in &mut e.problems {
+                p.file = format!("{prefix}{}", p.file);
+            }
+            e
+        })?;
     let mut take = |name: &str| rendered.remove(name).filter(|h| !h.trim().is_empty());
     Ok(SiteProse {
         attention: take(ATTENTION_PROSE),
@@ -197,6 +201,20 @@ pub fn render_prose(
     docs: &[Loaded],
     sources: &[(&str, &str)],
 ) -> Result<BTreeMap<String, String>, ProseError> {
+    render_prose_after(docs, ("", ""), sources)
+}
+
+/// [`render_prose`] with `prelude` (its name and its text: Tera statements, such as `{% set
+/// cards = ... %}`) put before each source, so that every file sees what it sets. Problems
+/// keep the line of the call in the file itself; a template that does not parse says that
+/// Tera's line numbers count the prelude's lines first.
+///
+/// Errors: as [`render_prose`].
+pub fn render_prose_after(
+    docs: &[Loaded],
+    (prelude_name, prelude): (&str, &str),
+    sources: &[(&str, &str)],
+) -> Result<BTreeMap<String, String>, ProseError> {
     let data = Arc::new(docs.to_vec());
     let failures: Arc<Mutex<Vec<Failure>>> = Arc::default();
     let mut tera = Tera::new();
@@ -236,8 +254,18 @@ pub fn render_prose(
             call: String::new(),
             message,
         };
-        if let Err(e) = tera.add_raw_template(name, source) {
-            problems.push(problem(format!("template does not parse: {e}")));
+        let combined = format!("{prelude}{source}");
+        if let Err(e) = tera.add_raw_template(name, &combined) {
+            problems.push(problem(if prelude.is_empty() {
+                format!("template does not parse: {e}")
+            } else {
+                let n = prelude.lines().count();
+                format!(
+                    "template does not parse: {e} (Tera's line numbers count the {n} {} of \
+                     {prelude_name} put before the file)",
+                    if n == 1 { "line" } else { "lines" }
+                )
+            }));
             continue;
         }
         let rendered = tera.render(name, &tera::Context::new());

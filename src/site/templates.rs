@@ -30,10 +30,18 @@ pub const ATTENTION_PROSE: &str = "prose/attention.md";
 pub const MIXERS_PROSE: &str = "prose/mixers.md";
 /// Prose shown under Known limitations on the overview.
 pub const LIMITATIONS_PROSE: &str = "prose/limitations.md";
+/// Tera statements every other prose file starts with ([`super::prose::render_site_prose`] puts
+/// its text before each; it renders nothing itself): what the files share, such as `cards`, the
+/// cards the curated prose was written for.
+pub const PROSE_PRELUDE: &str = "prose/prelude.md";
 
-/// The data-checked prose files ([`super::prose`]), by path under the templates folder, as
-/// built into the binary.
-pub const BUILT_IN_PROSE: [(&str, &str); 3] = [
+/// The data-checked prose files ([`super::prose`]) and their prelude, by path under the
+/// templates folder, as built into the binary.
+pub const BUILT_IN_PROSE: [(&str, &str); 4] = [
+    (
+        PROSE_PRELUDE,
+        include_str!("../../templates/prose/prelude.md"),
+    ),
     (
         ATTENTION_PROSE,
         include_str!("../../templates/prose/attention.md"),
