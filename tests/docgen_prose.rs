@@ -387,7 +387,8 @@ fn prose_about_another_device_is_left_out() {
 
 /// `prose/prelude.md` is put before every other prose file: what it sets (the built-in one sets
 /// `cards`) each of them sees, it renders nothing itself, a call's line stays the line in its
-/// own file, and a file that does not parse says the prelude's lines come first.
+/// own file, the prelude's own problems are reported once under its name, and a file that does
+/// not parse says the prelude's lines come first.
 #[test]
 fn the_prelude_is_shared_by_every_prose_file() {
     use kernelpages::site::templates::{
@@ -442,6 +443,23 @@ fn the_prelude_is_shared_by_every_prose_file() {
     )
     .unwrap_err();
     assert!(err.problems.iter().all(|p| p.line == Some(2)), "{err}");
+    // The prelude's own problems: once, under its name, with the call's line in it.
+    let err = prose::render_site_prose(
+        &docs,
+        &with(
+            "{#- one -#}\n{% set v = value(suite=\"attention\", implementation=\"nope\", case=\"head_dim = 64\", field=\"tflops\") -%}",
+            "text",
+        ),
+    )
+    .unwrap_err();
+    assert_eq!(err.problems.len(), 1, "{err}");
+    assert!(
+        err.problems[0].file.ends_with(PROSE_PRELUDE) && err.problems[0].line == Some(2),
+        "{err}"
+    );
+    let err = prose::render_site_prose(&docs, &with("{% if %}", "text")).unwrap_err();
+    assert_eq!(err.problems.len(), 1, "{err}");
+    assert!(err.problems[0].file.ends_with(PROSE_PRELUDE), "{err}");
     let err = prose::render_site_prose(&docs, &with("{% set x = 1 -%}\n", "{% if %}")).unwrap_err();
     assert!(
         err.problems

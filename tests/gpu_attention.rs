@@ -1828,7 +1828,8 @@ fn wgmma_backward_stage_probe() {
 
 /// The wgmma backward's CTA orders (`sm90::BwdCtaOrder`, the order its main kernel's CTAs
 /// start in): on causal cases that split a group's heads and cases that do not, every order
-/// gives the default's O, dK and dV bit for bit and its dQ within bf16 rounding (the order of
+/// (the chunked one also in chunks of 3, a partial last chunk) gives the default's O, dK and dV
+/// bit for bit and its dQ within bf16 rounding (the order of
 /// dQ's reduce-adds may change); then forward + backward per order at causal MQA, GQA and
 /// MHA shapes, by wall clock over 20 calls (printed, not asserted: which order the default
 /// rule `sm90::bwd_cta_order` should pick, kernels/TUNING.md). A probe: run it on the GPU
@@ -1852,8 +1853,15 @@ fn wgmma_backward_cta_order_probe() {
         let inp = Inputs::random(&c, 77);
         let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
         let base = run_on(&mut runner, &c, &inp).expect("default order");
-        for order in BwdCtaOrder::ALL {
+        // Every order, and the chunked one also in chunks of 3 (a last chunk of fewer pairs
+        // where the grid's pairs are not a multiple of 3).
+        let runs = BwdCtaOrder::ALL
+            .into_iter()
+            .map(|o| (o, None))
+            .chain([(BwdCtaOrder::KeyTilesSlowestInChunks, Some(3))]);
+        for (order, chunk) in runs {
             hopper_bwd(&mut runner).set_cta_order(Some(order));
+            hopper_bwd(&mut runner).set_cta_chunk(chunk);
             let r = run_on(&mut runner, &c, &inp).expect("run");
             assert!(r.out.o == base.out.o, "{order:?}: O differs, {c:?}");
             assert!(r.out.dk == base.out.dk, "{order:?}: dK differs, {c:?}");
@@ -1867,6 +1875,7 @@ fn wgmma_backward_cta_order_probe() {
                 "{order:?}: dQ off the default's by {e:.2e}, {c:?}"
             );
         }
+        hopper_bwd(&mut runner).set_cta_chunk(None);
         println!(
             "orders agree: B{} H{}:{} T{} D{} causal ({} splits)",
             c.batch,
@@ -1948,7 +1957,9 @@ fn wgmma_backward_cta_order_probe() {
 #[test]
 #[ignore = "a GPU probe (timings printed, not asserted): run it on the GPU machine with --ignored"]
 fn wgmma_backward_chunk_probe() {
-    use kernelpages::attention::sm90::{bwd_cta_coords, bwd_cta_order, bwd_head_splits, makespan};
+    use kernelpages::attention::sm90::{
+        bwd_causal_cta_work, bwd_cta_coords, bwd_cta_order, bwd_head_splits, makespan,
+    };
     use kernelpages::attention::sm90::{BwdCtaOrder, BWD_SPLIT_SMS};
     let gpu = gpu();
     if gpu.arch() != "sm_90a" {
@@ -1971,15 +1982,17 @@ fn wgmma_backward_chunk_probe() {
         let splits = bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, true);
         let (n_kt, n_y) = (c.seq_len_kv.div_ceil(128), c.kv_heads * splits);
         let pairs = n_y * c.batch;
-        let bm = if c.head_dim == 64 { 128 } else { 64 };
-        let group = c.heads / c.kv_heads;
+        let work = bwd_causal_cta_work(
+            (c.heads, c.kv_heads),
+            (c.seq_len_q, c.seq_len_kv),
+            c.head_dim,
+            splits,
+        );
         let sim = |order, chunk| {
             makespan(
                 (0..n_kt * pairs).map(|i| {
                     let (kt, y, _) = bwd_cta_coords(order, chunk, i, (n_kt, n_y, c.batch));
-                    let sp = y % splits;
-                    let heads = (sp + 1) * group / splits - sp * group / splits;
-                    (c.seq_len_q.div_ceil(bm) - kt * 128 / bm) * heads + 1
+                    work[kt * splits + y % splits]
                 }),
                 BWD_SPLIT_SMS,
             )

@@ -818,10 +818,13 @@ impl BwdCtaOrder {
 pub const BWD_SCHEDULE_MAX_CTAS: usize = 1 << 15;
 
 /// The work of each CTA of the wgmma backward's main kernel under the causal mask, in (query
-/// head, query step) steps plus one for its K/V load and dK/dV store, indexed `[key tile ·
-/// splits + split]`: every key of the tile valid (seq_len_kv for every batch entry),
-/// bottom-right causal as the kernel masks.
-fn bwd_causal_cta_work(
+/// head, query step) steps of [`bwd_queries`]`(head_dim)` queries (head_dim 64 and 128; other
+/// values count as 128) plus one for its K/V load and dK/dV store, indexed by key tile ·
+/// splits plus split, for `(heads, kv_heads)`, `(seq_len_q, seq_len_kv)` and `splits` splits of
+/// a kv head's query heads: every key of the tile valid (seq_len_kv for every batch entry; per-entry
+/// key lengths are not modelled), bottom-right causal as the kernel masks (a last step of at
+/// most 64 rows at 128 queries per step, which costs the kernel half a step, counts as one).
+pub fn bwd_causal_cta_work(
     (heads, kv_heads): (usize, usize),
     (seq_len_q, seq_len_kv): (usize, usize),
     head_dim: usize,
@@ -860,7 +863,10 @@ pub fn makespan(work: impl IntoIterator<Item = usize>, sms: usize) -> usize {
 /// The (key tile, kv head · split, batch entry) of CTA `i` of the wgmma backward's main kernel
 /// in `order` (`attn_bwd_sm90`'s first lines, mirrored), for `n_kt` key tiles, `n_y` kv heads ·
 /// splits, `batch` entries and chunks of `chunk` pairs ([`BwdCtaOrder::KeyTilesSlowestInChunks`]
-/// only).
+/// only; 0 counts as 1, more than `n_y · batch` as one chunk of all). `i` must be below `n_kt ·
+/// n_y · batch` (all three nonzero): past it the result means nothing (the kernel is never
+/// launched with such a CTA).
+/// The host passes the kernel 1 ≤ chunk ≤ `n_y · batch` (the kernel divides by it).
 pub fn bwd_cta_coords(
     order: BwdCtaOrder,
     chunk: usize,
@@ -889,8 +895,9 @@ pub fn bwd_cta_coords(
 /// 2, 3 and 6 measured as badly as their simulated makespans say (kernels/TUNING.md).
 pub const BWD_MIN_CHUNK: usize = 4;
 
-/// The chunk size of [`BwdCtaOrder::KeyTilesSlowestInChunks`] for a causal shape `(batch,
-/// heads, kv_heads, seq_len_q, seq_len_kv, head_dim)`, and the simulated makespans (in steps,
+/// The chunk size of [`BwdCtaOrder::KeyTilesSlowestInChunks`] for a causal shape (`batch`,
+/// `heads`, `kv_heads`, `(seq_len_q, seq_len_kv)`, `head_dim`), and the simulated makespans (in
+/// steps of [`bwd_causal_cta_work`],
 /// [`makespan`] on [`BWD_SPLIT_SMS`] SMs) of that order and of
 /// [`BwdCtaOrder::KeyTilesFastest`]: of the candidate sizes ([`BWD_MIN_CHUNK`], 5, 6, 8, 12,
 /// 16, 24, 32, 48, 64 pairs and all of them) the smallest whose makespan is within 0.5 % of the
@@ -945,7 +952,8 @@ pub fn bwd_chunk(
 /// [`BwdCtaOrder::KeyTilesSlowestInChunks`] with [`bwd_chunk`]'s size where its simulated
 /// makespan is at least 2 % under key tiles fastest's, else key tiles fastest. Measured
 /// (kernels/TUNING.md): at causal MQA B4 H8:1 T4096 (3 splits, 384 CTAs) list scheduling ends
-/// after 184 head-tile steps with key tiles fastest and 133 slowest, and forward + backward
+/// after 184 head-tile steps of 128 queries with key tiles fastest and 133 slowest (the model
+/// before [`bwd_causal_cta_work`]'s, which counts 371 and 269), and forward + backward
 /// went from 1.370 to 1.181 ms on an H100; at GQA B4 H32:8 key tiles slowest (every pair at
 /// once, 256 MB of Q and dO against a 50 MB L2) measured 13 % slower than fastest there, and
 /// chunks of 4 pairs 0.4 % faster than fastest (4.442 against 4.459 ms; on the H200 4.208
@@ -963,7 +971,8 @@ pub fn bwd_cta_order(
         return (BwdCtaOrder::KeyTilesFastest, 1);
     }
     let (chunk, chunked, fastest) = bwd_chunk(batch, heads, kv_heads, lens, head_dim);
-    if chunked * 100 <= fastest * 98 {
+    // Both makespans are 0 for a grid too large to simulate: key tiles fastest.
+    if fastest > 0 && chunked * 100 <= fastest * 98 {
         (BwdCtaOrder::KeyTilesSlowestInChunks, chunk)
     } else {
         (BwdCtaOrder::KeyTilesFastest, 1)
@@ -1001,9 +1010,10 @@ pub struct HopperBackward {
     /// The chunk size [`BwdCtaOrder::KeyTilesSlowestInChunks`] uses instead of [`bwd_chunk`]'s
     /// (probes; `None`: the rule's).
     cta_chunk: Option<usize>,
-    /// The last shape's `(batch, heads, kv_heads, seq_len_q, seq_len_kv, causal)` and its
-    /// default order and chunk size ([`bwd_cta_order`] simulates schedules: once per shape).
-    schedule: Option<(BwdShape, (BwdCtaOrder, usize))>,
+    /// The last shape's `(batch, heads, kv_heads, seq_len_q, seq_len_kv, causal)`, its default
+    /// order and chunk size, and [`bwd_chunk`]'s size where a probe forced the chunked order
+    /// ([`bwd_cta_order`] and [`bwd_chunk`] simulate schedules: once per shape).
+    schedule: Option<(BwdShape, (BwdCtaOrder, usize), Option<usize>)>,
     /// Events recorded around each launch's kernels ([`HopperBackward::set_stage_timing`];
     /// probes only, `None` otherwise).
     stage_events: Option<Vec<cudarc::driver::CudaEvent>>,
@@ -1257,23 +1267,24 @@ impl HopperBackward {
             )));
         }
         let shape = (batch, heads, kv_heads, seq_len_q, seq_len_kv, causal);
-        let (rule, rule_chunk) = match self.schedule {
-            Some((s, rule)) if s == shape => rule,
-            _ => {
-                let rule =
-                    bwd_cta_order(batch, heads, kv_heads, (seq_len_q, seq_len_kv), d, causal);
-                self.schedule = Some((shape, rule));
-                rule
-            }
+        if !matches!(self.schedule, Some((s, _, _)) if s == shape) {
+            let rule = bwd_cta_order(batch, heads, kv_heads, (seq_len_q, seq_len_kv), d, causal);
+            self.schedule = Some((shape, rule, None));
+        }
+        let Some((_, (rule, rule_chunk), simulated)) = &mut self.schedule else {
+            unreachable!("filled above")
         };
         let (order, chunk) = match self.cta_order {
-            None => (rule, rule_chunk),
+            None => (*rule, *rule_chunk),
             Some(BwdCtaOrder::KeyTilesSlowestInChunks) => (
                 BwdCtaOrder::KeyTilesSlowestInChunks,
                 match self.cta_chunk {
-                    Some(c) => c.clamp(1, kv_heads * splits * batch),
-                    None => bwd_chunk(batch, heads, kv_heads, (seq_len_q, seq_len_kv), d).0,
-                },
+                    Some(c) => c,
+                    None => *simulated.get_or_insert_with(|| {
+                        bwd_chunk(batch, heads, kv_heads, (seq_len_q, seq_len_kv), d).0
+                    }),
+                }
+                .clamp(1, kv_heads * splits * batch),
             ),
             Some(o) => (o, 1),
         };
@@ -1397,8 +1408,8 @@ impl HopperBackward {
             // queries-per-step floats for the bulk copies), dK and dV B·KVH·Tkv·D words,
             // kv_lens `batch` entries, dkv_part (splits > 1 only; 0 and never read otherwise)
             // splits · 2 · B·KVH·Tkv·D floats; 3 warpgroups per (128-key tile, kv head · splits,
-            // batch entry) in a 1-D grid of all of them (B = batch; order a BwdCtaOrder, chunk
-            // ≥ 1 its chunk size), splits
+            // batch entry) in a 1-D grid of all of them (B = batch; order a BwdCtaOrder, 1 ≤
+            // chunk ≤ kv_heads · splits · batch: clamped above), splits
             // ≤ the group size (bwd_head_splits).
             unsafe {
                 b.launch(LaunchConfig {
@@ -1562,6 +1573,10 @@ mod tests {
         );
         // A grid past the simulation's size: fastest, not simulated.
         assert_eq!(bwd_chunk(64, 64, 64, (8192, 8192), 128), (1, 0, 0));
+        assert_eq!(
+            bwd_cta_order(64, 64, 64, (8192, 8192), 128, true),
+            (BwdCtaOrder::KeyTilesFastest, 1)
+        );
         // makespan: list scheduling.
         assert_eq!(makespan([4, 3, 3, 2, 2], 2), 8);
         assert_eq!(makespan([5, 1, 1, 1, 1, 1], 2), 5);

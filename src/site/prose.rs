@@ -205,9 +205,11 @@ pub fn render_prose(
 }
 
 /// [`render_prose`] with `prelude` (its name and its text: Tera statements, such as `{% set
-/// cards = ... %}`) put before each source, so that every file sees what it sets. Problems
-/// keep the line of the call in the file itself; a template that does not parse says that
-/// Tera's line numbers count the prelude's lines first.
+/// cards = ... %}`) put before each source (on a line of its own), so that every file sees what
+/// it sets. The prelude is parsed and rendered alone first: its own problems are reported once,
+/// under its name (a prelude that does not parse stops there); a file's problems keep the line
+/// of the call in the file itself, and a file that does not parse says that Tera's line numbers
+/// count the prelude's lines (named relative to the templates folder) first.
 ///
 /// Errors: as [`render_prose`].
 pub fn render_prose_after(
@@ -247,6 +249,42 @@ pub fn render_prose_after(
 
     let mut problems = Vec::new();
     let mut out = BTreeMap::new();
+    let take_failures = || -> Vec<Failure> {
+        std::mem::take(
+            &mut *failures
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    };
+    let prelude = if prelude.is_empty() || prelude.ends_with('\n') {
+        prelude.to_string()
+    } else {
+        format!("{prelude}\n")
+    };
+    if !prelude.is_empty() {
+        let problem = |message: String| ProseProblem {
+            file: prelude_name.to_string(),
+            line: None,
+            call: String::new(),
+            message,
+        };
+        if let Err(e) = tera.add_raw_template(prelude_name, &prelude) {
+            problems.push(problem(format!("template does not parse: {e}")));
+            return Err(ProseError { problems });
+        }
+        let rendered = tera.render(prelude_name, &tera::Context::new());
+        for f in take_failures() {
+            problems.push(ProseProblem {
+                file: prelude_name.to_string(),
+                line: locate(&prelude, f.function, &f.args),
+                call: f.call(),
+                message: f.message,
+            });
+        }
+        if let Err(e) = rendered {
+            problems.push(problem(format!("template does not render: {e}")));
+        }
+    }
     for (name, source) in sources {
         let problem = |message: String| ProseProblem {
             file: name.to_string(),
@@ -269,15 +307,15 @@ pub fn render_prose_after(
             continue;
         }
         let rendered = tera.render(name, &tera::Context::new());
-        let failed: Vec<Failure> = std::mem::take(
-            &mut *failures
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        );
-        for f in failed {
+        for f in take_failures() {
+            let line = locate(source, f.function, &f.args);
+            if line.is_none() && locate(&prelude, f.function, &f.args).is_some() {
+                // A call of the prelude's, reported once under its name above.
+                continue;
+            }
             problems.push(ProseProblem {
                 file: name.to_string(),
-                line: locate(source, f.function, &f.args),
+                line,
                 call: f.call(),
                 message: f.message,
             });
