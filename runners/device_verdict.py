@@ -202,30 +202,31 @@ def cta_orders(out):
     return ["wgmma backward CTA orders (wall clock over 20 calls):"] + ["  " + x for x in found]
 
 
+def probe_lines(out, log, tag, title):
+    """The lines a probe printed with `tag` ("stages", "chunks") before each case (`TAG B...`) in
+    OUTDIR/`log`, under `title`: [] when the log is absent. The first such line follows the
+    harness's "test NAME ... " on the same line."""
+    path = os.path.join(out, log)
+    if not os.path.exists(path):
+        return []
+    marker = tag + " B"
+    with open(path, errors="replace") as f:
+        found = [line[line.index(marker) + len(tag) + 1:].strip() for line in f if marker in line]
+    return [title] + ["  " + x for x in found]
+
+
 def stages(out):
     """The wgmma backward's stage probe (stages.tests.log): one line per case, the median time of
     each of its kernels over 20 calls, as the test printed them."""
-    path = os.path.join(out, "stages.tests.log")
-    if not os.path.exists(path):
-        return []
-    with open(path, errors="replace") as f:
-        # The first line follows the harness's "test NAME ... " on the same line.
-        found = [line[line.index("stages B") + len("stages "):].strip() for line in f
-                 if "stages B" in line]
-    return ["wgmma backward stages (CUDA events, medians of 20 calls):"] + ["  " + x for x in found]
+    return probe_lines(out, "stages.tests.log", "stages",
+                       "wgmma backward stages (CUDA events, medians of 20 calls):")
 
 
 def chunks(out):
     """The wgmma backward's chunk probe (chunks.tests.log): one line per (shape, order, chunk
     size), wall clock over 20 calls and the simulated makespan, as the test printed them."""
-    path = os.path.join(out, "chunks.tests.log")
-    if not os.path.exists(path):
-        return []
-    with open(path, errors="replace") as f:
-        # The first line follows the harness's "test NAME ... " on the same line.
-        found = [line[line.index("chunks B") + len("chunks "):].strip() for line in f
-                 if "chunks B" in line]
-    return ["wgmma backward chunk sizes (wall clock over 20 calls):"] + ["  " + x for x in found]
+    return probe_lines(out, "chunks.tests.log", "chunks",
+                       "wgmma backward chunk sizes (wall clock over 20 calls):")
 
 
 def main(out):

@@ -1742,6 +1742,29 @@ fn grouped_fwd_bwd(
     }
 }
 
+/// The device when it is compute capability 9.0; otherwise prints that `probe` does not apply
+/// and gives `None` (the probes of the wgmma kernels return then).
+fn hopper_gpu(probe: &str) -> Option<&'static Gpu> {
+    let gpu = gpu();
+    if gpu.arch() == "sm_90a" {
+        Some(gpu)
+    } else {
+        println!("{probe}: not a compute capability 9.0 device");
+        None
+    }
+}
+
+/// A causal [`grouped_fwd_bwd`] case.
+fn causal_grouped(
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    t: usize,
+    d: usize,
+) -> AttentionCase {
+    grouped_fwd_bwd(batch, heads, kv_heads, t, d, true)
+}
+
 /// Where the wgmma backward's time goes (`sm90::HopperBackward::stage_ms`: CUDA events between
 /// its kernels): per case, the median over 20 forward + backward calls of the preprocessing,
 /// the main kernel, the split's combine and dQ's conversion, beside the whole call's wall
@@ -1753,11 +1776,9 @@ fn grouped_fwd_bwd(
 #[ignore = "a GPU probe (timings printed): run it on the GPU machine with --ignored"]
 fn wgmma_backward_stage_probe() {
     use kernelpages::attention::sm90::{bwd_head_splits, BwdStageMs};
-    let gpu = gpu();
-    if gpu.arch() != "sm_90a" {
-        println!("wgmma backward stages: not a compute capability 9.0 device");
+    let Some(gpu) = hopper_gpu("wgmma backward stages") else {
         return;
-    }
+    };
     for c in [
         grouped_fwd_bwd(4, 8, 1, 4096, 128, true),
         grouped_fwd_bwd(4, 8, 1, 4096, 64, true),
@@ -1838,12 +1859,10 @@ fn wgmma_backward_stage_probe() {
 #[ignore = "a GPU probe (timings printed, not asserted): run it on the GPU machine with --ignored"]
 fn wgmma_backward_cta_order_probe() {
     use kernelpages::attention::sm90::{bwd_chunk, bwd_cta_order, bwd_head_splits, BwdCtaOrder};
-    let gpu = gpu();
-    if gpu.arch() != "sm_90a" {
-        println!("wgmma backward CTA orders: not a compute capability 9.0 device");
+    let Some(gpu) = hopper_gpu("wgmma backward CTA orders") else {
         return;
-    }
-    let causal = |batch, heads, kv_heads, t, d| grouped_fwd_bwd(batch, heads, kv_heads, t, d, true);
+    };
+    let causal = causal_grouped;
     for c in [
         causal(1, 8, 1, 300, 128),
         causal(2, 4, 2, 1000, 64),
@@ -1895,9 +1914,7 @@ fn wgmma_backward_cta_order_probe() {
         causal(4, 8, 8, 8192, 128),
         causal(1, 16, 16, 16384, 128),
     ] {
-        let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
-        let inp = upload(gpu, &c, &Inputs::random(&c, 5)).expect("upload");
-        let mut outs = poisoned_outputs(gpu, &c).expect("alloc");
+        let (mut runner, inp, mut outs) = timed_flash(&c);
         let splits = bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, true);
         let flops = 3.5
             * 4.0
@@ -1961,12 +1978,10 @@ fn wgmma_backward_chunk_probe() {
         bwd_causal_cta_work, bwd_cta_coords, bwd_cta_order, bwd_head_splits, makespan,
     };
     use kernelpages::attention::sm90::{BwdCtaOrder, BWD_SPLIT_SMS};
-    let gpu = gpu();
-    if gpu.arch() != "sm_90a" {
-        println!("wgmma backward chunks: not a compute capability 9.0 device");
+    let Some(_) = hopper_gpu("wgmma backward chunks") else {
         return;
-    }
-    let causal = |batch, heads, kv_heads, t, d| grouped_fwd_bwd(batch, heads, kv_heads, t, d, true);
+    };
+    let causal = causal_grouped;
     for c in [
         causal(4, 8, 8, 4096, 128),
         causal(4, 8, 8, 4096, 64),
@@ -1976,9 +1991,7 @@ fn wgmma_backward_chunk_probe() {
         causal(1, 24, 24, 4096, 64),
         causal(2, 16, 16, 4096, 128),
     ] {
-        let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
-        let inp = upload(gpu, &c, &Inputs::random(&c, 5)).expect("upload");
-        let mut outs = poisoned_outputs(gpu, &c).expect("alloc");
+        let (mut runner, inp, mut outs) = timed_flash(&c);
         let splits = bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, true);
         let (n_kt, n_y) = (c.seq_len_kv.div_ceil(128), c.kv_heads * splits);
         let pairs = n_y * c.batch;
@@ -2120,6 +2133,22 @@ fn check_wgmma_backward(cases: &[AttentionCase], seed: u64) {
     check_cases(Implementation::Flash, cases, seed);
 }
 
+/// A `flash` runner for `c` with random inputs (seed 5) on the device and poisoned outputs:
+/// what the timing probes start from.
+fn timed_flash(
+    c: &AttentionCase,
+) -> (
+    Runner,
+    kernelpages::attention::cuda::DeviceInputs,
+    Vec<cudarc::driver::CudaSlice<u16>>,
+) {
+    let gpu = gpu();
+    let (runner, _) = Runner::new(gpu, Implementation::Flash, c).expect("runner");
+    let inp = upload(gpu, c, &Inputs::random(c, 5)).expect("upload");
+    let outs = poisoned_outputs(gpu, c).expect("alloc");
+    (runner, inp, outs)
+}
+
 /// Milliseconds per launch of `runner` by wall clock: `warm` launches, then `n` timed between
 /// two synchronisations (the tests' first timings; the runner's protocol measures the pages').
 fn wall_ms(
@@ -2146,16 +2175,13 @@ fn wall_ms(
 /// A first timing of `flash` forward + backward at B4 H8 T16384 (wall clock over 5 calls,
 /// printed; not a measurement for the pages: the runner's protocol does that).
 fn time_wgmma_fwd_bwd(dtype: Dtype, d: usize, causal: bool) {
-    let gpu = gpu();
     let c = AttentionCase {
         causal,
         dtype,
         pass: Pass::FwdBwd,
         ..AttentionCase::new(4, 8, 16384, d)
     };
-    let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
-    let inp = upload(gpu, &c, &Inputs::random(&c, 5)).expect("upload");
-    let mut outs = poisoned_outputs(gpu, &c).expect("alloc");
+    let (mut runner, inp, mut outs) = timed_flash(&c);
     let ms = wall_ms(&mut runner, &c, &inp, &mut outs, 1, 5);
     let flops = 3.5 * 4.0 * (4 * 8) as f64 * (16384.0f64).powi(2) * d as f64
         / if causal { 2.0 } else { 1.0 };
