@@ -582,7 +582,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             }
             .into(),
             rule: format!(
-                "otherwise, at head_dim 64 or 128 with a positive scale, the forward, and for forward + backward the wgmma backward after it: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one; {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise. Kernel: the wgmma backward (kernels/attn_wgmma_bwd_sm90.cu): {}-key tiles per CTA holding dK and dV in registers, Q and dO in steps of {} rows at head_dim 64 and {} at 128 by TMA, dQ summed in fp32 by TMA reduce-adds; where (key tiles × kv heads × batch) is small against {} SMs and a kv head has several query heads, those heads are split over up to {} CTAs per key tile (causal: to two waves; not causal: what fits one), their fp32 partial dK and dV added in a fixed order by a fourth kernel. The rows of {} measure the portable kernels below on the same cases",
+                "otherwise, at head_dim 64 or 128 with a positive scale, the forward, and for forward + backward the wgmma backward after it: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one; {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise. Kernel: the wgmma backward (kernels/attn_wgmma_bwd_sm90.cu): {}-key tiles per CTA holding dK and dV in registers, Q and dO in steps of {} rows at head_dim 64 and {} at 128 by TMA, dQ summed in fp32 by TMA reduce-adds; where (key tiles × kv heads × batch) is small against {} SMs and a kv head has several query heads, those heads are split over up to {} CTAs per key tile (causal: to two waves; not causal: what fits one), their fp32 partial dK and dV added in a fixed order by a fourth kernel; under the causal mask, where a simulation of the grid on {} SMs puts key tiles fastest at least 2 % behind, the CTAs start longest first (key tiles slowest) within chunks of at least {} (kv head · split, batch entry) pairs, the chunk size from that simulation (grids of up to {} CTAs are simulated). The rows of {} measure the portable kernels below on the same cases",
                 sm90::WS_KEYS,
                 sm90::Sm90Version::V4.rows(),
                 sm90::V4_MIN_QUERIES,
@@ -592,6 +592,9 @@ fn dispatch_rules() -> Vec<DispatchRule> {
                 sm90::bwd_queries(128),
                 sm90::BWD_SPLIT_SMS,
                 sm90::BWD_MAX_SPLITS,
+                sm90::BWD_SPLIT_SMS,
+                sm90::BWD_MIN_CHUNK,
+                sm90::BWD_SCHEDULE_MAX_CTAS,
                 sm80::IMPLEMENTATION
             ),
             implementation: Implementation::Flash.name().into(),
