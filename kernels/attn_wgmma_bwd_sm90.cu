@@ -314,6 +314,16 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     const bool elected = (tid & 127) == 0;
 
     float st[1][NQ][4], dpt[1][NQ][4];
+    // The order of a step's last three products. By default dV, dK and dQ are issued together
+    // after the dS^T barrier and waited for before the dQ tile goes out. With
+    // KP_SM90_BWD_FA3_ORDER (the host defines it where KP_SM90_BWD_ORDER=fa3 asks: an
+    // experiment, not yet measured), FlashAttention-3's order: dV before the dS^T store and
+    // barrier, then dQ and dK, the dQ tile stored while dK runs.
+#ifdef KP_SM90_BWD_FA3_ORDER
+    constexpr bool FA3_ORDER = true;
+#else
+    constexpr bool FA3_ORDER = false;
+#endif
     // One step: the queries [q0, q0 + 8 NS) of step `it` (NS = NQ, or NQ / 2 for a last tile of
     // at most 64 valid rows at BM = 128, which then costs half a step; the second consumer's dQ
     // rows are all at or past Tq there: see the loop below).
@@ -383,6 +393,42 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         u32 pa[SQ / 16][4], dsa[SQ / 16][4];
         pack_p<NS>(sts, pa);
         pack_p<NS>(dps, dsa);
+        // dV += P^T dO and dK += dS^T Q (queries = the reduction; dO and Q MN-major) for k-step
+        // ks, P^T and dS^T as register A operands.
+        auto mma_dv = [&](int ks) {
+            const uint64_t ddo = smem_desc_sw128(sdo + ks * 16 * 128, BM * 128, 1024);
+            if constexpr (D == 128) {
+                wgmma_m64n128k16_rs<1>(dvf, pa[ks], ddo, 1);
+            } else {
+                wgmma_m64n64k16_rs<1>(dvf, pa[ks], ddo, 1);
+            }
+        };
+        auto mma_dk = [&](int ks) {
+            const uint64_t dqo = smem_desc_sw128(sq + ks * 16 * 128, BM * 128, 1024);
+            if constexpr (D == 128) {
+                wgmma_m64n128k16_rs<1>(dkf, dsa[ks], dqo, 1);
+            } else {
+                wgmma_m64n64k16_rs<1>(dkf, dsa[ks], dqo, 1);
+            }
+        };
+        // dQ = dS K (both operands transposed from shared memory).
+        auto mma_dq = [&]() {
+#pragma unroll
+            for (int ks = 0; ks < BW_BN / 16; ++ks) {
+                const uint64_t da =
+                    smem_desc_sw128(sds + sds_off + ks * 16 * 128, 64 * 128, 1024);
+                const uint64_t db = smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
+                wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
+            }
+        };
+        if constexpr (FA3_ORDER) {
+            // dV first: it needs only P^T, so it runs while dS^T goes to shared memory and the
+            // consumers meet at the barrier below.
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < SQ / 16; ++ks) mma_dv(ks);
+            wgmma_commit();
+        }
         // The previous step's reduce-add has read the staging tile before anyone passes the
         // barrier below (and so before the tile is written again).
         if (elected) bulk_wait_read();
@@ -404,30 +450,36 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         fence_proxy_async();
         named_barrier(1, 256);
 
-        // dV += P^T dO, dK += dS^T Q (queries = the reduction; dO and Q MN-major), dQ = dS K
-        // (both operands transposed from shared memory).
         wgmma_fence();
+        if constexpr (FA3_ORDER) {
+            // dQ, then dK, each its own group; wait for dV and dQ only: dK runs while the dQ
+            // tile goes out below, and is waited for before the stage is released.
+            mma_dq();
+            wgmma_commit();
 #pragma unroll
-        for (int ks = 0; ks < SQ / 16; ++ks) {
-            const uint64_t ddo = smem_desc_sw128(sdo + ks * 16 * 128, BM * 128, 1024);
-            const uint64_t dqo = smem_desc_sw128(sq + ks * 16 * 128, BM * 128, 1024);
-            if constexpr (D == 128) {
-                wgmma_m64n128k16_rs<1>(dvf, pa[ks], ddo, 1);
-                wgmma_m64n128k16_rs<1>(dkf, dsa[ks], dqo, 1);
-            } else {
-                wgmma_m64n64k16_rs<1>(dvf, pa[ks], ddo, 1);
-                wgmma_m64n64k16_rs<1>(dkf, dsa[ks], dqo, 1);
+            for (int ks = 0; ks < SQ / 16; ++ks) mma_dk(ks);
+            wgmma_commit();
+            wgmma_wait<1>();
+        } else {
+            // (Written out rather than through mma_dv and mma_dk: the descriptors before both
+            // products, as measured.)
+#pragma unroll
+            for (int ks = 0; ks < SQ / 16; ++ks) {
+                const uint64_t ddo = smem_desc_sw128(sdo + ks * 16 * 128, BM * 128, 1024);
+                const uint64_t dqo = smem_desc_sw128(sq + ks * 16 * 128, BM * 128, 1024);
+                if constexpr (D == 128) {
+                    wgmma_m64n128k16_rs<1>(dvf, pa[ks], ddo, 1);
+                    wgmma_m64n128k16_rs<1>(dkf, dsa[ks], dqo, 1);
+                } else {
+                    wgmma_m64n64k16_rs<1>(dvf, pa[ks], ddo, 1);
+                    wgmma_m64n64k16_rs<1>(dkf, dsa[ks], dqo, 1);
+                }
             }
+            mma_dq();
+            wgmma_commit();
+            wgmma_wait<0>();
+            mbar_arrive(empty(s));
         }
-#pragma unroll
-        for (int ks = 0; ks < BW_BN / 16; ++ks) {
-            const uint64_t da = smem_desc_sw128(sds + sds_off + ks * 16 * 128, 64 * 128, 1024);
-            const uint64_t db = smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
-            wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        mbar_arrive(empty(s));
         // The dQ tile to shared memory (boxes of 32 columns, 16-byte chunk k of row r at
         // k ^ (r % 8)), then one TMA reduce-add per box (rows past Tq are out of the tensor
         // map's bounds: skipped). An 8-byte store is served a half-warp at a time, and there
@@ -472,6 +524,10 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                 tma_reduce_add_3d(tdq, sdq + bx * (64 * 128), dq_c0 + 32 * bx, q0 + dq_r0,
                                   b * H + h);
             bulk_commit();
+        }
+        if constexpr (FA3_ORDER) {
+            wgmma_wait<0>();
+            mbar_arrive(empty(s));
         }
     };
 
