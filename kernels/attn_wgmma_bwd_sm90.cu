@@ -393,24 +393,18 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         u32 pa[SQ / 16][4], dsa[SQ / 16][4];
         pack_p<NS>(sts, pa);
         pack_p<NS>(dps, dsa);
-        // dV += P^T dO and dK += dS^T Q (queries = the reduction; dO and Q MN-major) for k-step
-        // ks, P^T and dS^T as register A operands.
-        auto mma_dv = [&](int ks) {
-            const uint64_t ddo = smem_desc_sw128(sdo + ks * 16 * 128, BM * 128, 1024);
+        // acc += A B for one k-step: dV += P^T dO and dK += dS^T Q (queries = the reduction),
+        // A = P^T or dS^T as register operands, B = dO or Q (MN-major) at descriptor `desc`.
+        auto mma_rs = [&](float(&acc)[D / 2], u32(&a)[4], uint64_t desc) {
             if constexpr (D == 128) {
-                wgmma_m64n128k16_rs<1>(dvf, pa[ks], ddo, 1);
+                wgmma_m64n128k16_rs<1>(acc, a, desc, 1);
             } else {
-                wgmma_m64n64k16_rs<1>(dvf, pa[ks], ddo, 1);
+                wgmma_m64n64k16_rs<1>(acc, a, desc, 1);
             }
         };
-        auto mma_dk = [&](int ks) {
-            const uint64_t dqo = smem_desc_sw128(sq + ks * 16 * 128, BM * 128, 1024);
-            if constexpr (D == 128) {
-                wgmma_m64n128k16_rs<1>(dkf, dsa[ks], dqo, 1);
-            } else {
-                wgmma_m64n64k16_rs<1>(dkf, dsa[ks], dqo, 1);
-            }
-        };
+        // The k-step ks descriptors of dO and Q.
+        auto desc_do = [&](int ks) { return smem_desc_sw128(sdo + ks * 16 * 128, BM * 128, 1024); };
+        auto desc_q = [&](int ks) { return smem_desc_sw128(sq + ks * 16 * 128, BM * 128, 1024); };
         // dQ = dS K (both operands transposed from shared memory).
         auto mma_dq = [&]() {
 #pragma unroll
@@ -426,7 +420,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
             // consumers meet at the barrier below.
             wgmma_fence();
 #pragma unroll
-            for (int ks = 0; ks < SQ / 16; ++ks) mma_dv(ks);
+            for (int ks = 0; ks < SQ / 16; ++ks) mma_rs(dvf, pa[ks], desc_do(ks));
             wgmma_commit();
         }
         // The previous step's reduce-add has read the staging tile before anyone passes the
@@ -457,23 +451,16 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
             mma_dq();
             wgmma_commit();
 #pragma unroll
-            for (int ks = 0; ks < SQ / 16; ++ks) mma_dk(ks);
+            for (int ks = 0; ks < SQ / 16; ++ks) mma_rs(dkf, dsa[ks], desc_q(ks));
             wgmma_commit();
             wgmma_wait<1>();
         } else {
-            // (Written out rather than through mma_dv and mma_dk: the descriptors before both
-            // products, as measured.)
+            // Both descriptors before both products, as measured.
 #pragma unroll
             for (int ks = 0; ks < SQ / 16; ++ks) {
-                const uint64_t ddo = smem_desc_sw128(sdo + ks * 16 * 128, BM * 128, 1024);
-                const uint64_t dqo = smem_desc_sw128(sq + ks * 16 * 128, BM * 128, 1024);
-                if constexpr (D == 128) {
-                    wgmma_m64n128k16_rs<1>(dvf, pa[ks], ddo, 1);
-                    wgmma_m64n128k16_rs<1>(dkf, dsa[ks], dqo, 1);
-                } else {
-                    wgmma_m64n64k16_rs<1>(dvf, pa[ks], ddo, 1);
-                    wgmma_m64n64k16_rs<1>(dkf, dsa[ks], dqo, 1);
-                }
+                const uint64_t ddo = desc_do(ks), dqo = desc_q(ks);
+                mma_rs(dvf, pa[ks], ddo);
+                mma_rs(dkf, dsa[ks], dqo);
             }
             mma_dq();
             wgmma_commit();

@@ -1975,9 +1975,8 @@ fn wgmma_backward_cta_order_probe() {
 #[ignore = "a GPU probe (timings printed, not asserted): run it on the GPU machine with --ignored"]
 fn wgmma_backward_chunk_probe() {
     use kernelpages::attention::sm90::{
-        bwd_causal_cta_work, bwd_cta_coords, bwd_cta_order, bwd_head_splits, makespan,
+        bwd_causal_cta_work, bwd_cta_order, bwd_head_splits, bwd_order_makespan, BwdCtaOrder,
     };
-    use kernelpages::attention::sm90::{BwdCtaOrder, BWD_SPLIT_SMS};
     let Some(_) = hopper_gpu("wgmma backward chunks") else {
         return;
     };
@@ -2001,15 +2000,8 @@ fn wgmma_backward_chunk_probe() {
             c.head_dim,
             splits,
         );
-        let sim = |order, chunk| {
-            makespan(
-                (0..n_kt * pairs).map(|i| {
-                    let (kt, y, _) = bwd_cta_coords(order, chunk, i, (n_kt, n_y, c.batch));
-                    work[kt * splits + y % splits]
-                }),
-                BWD_SPLIT_SMS,
-            )
-        };
+        let sim =
+            |order, chunk| bwd_order_makespan(&work, splits, (n_kt, n_y, c.batch), order, chunk);
         let default = bwd_cta_order(
             c.batch,
             c.heads,

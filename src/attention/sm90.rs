@@ -897,6 +897,27 @@ pub fn bwd_cta_coords(
     }
 }
 
+/// The simulated makespan ([`makespan`] on [`BWD_SPLIT_SMS`] SMs) of the wgmma backward's main
+/// kernel whose CTAs have the work `work` ([`bwd_causal_cta_work`] for `splits` splits) and
+/// start in `order` (chunks of `chunk` pairs for [`BwdCtaOrder::KeyTilesSlowestInChunks`]) on a
+/// grid of `(n_kt, n_y, batch)` ([`bwd_cta_coords`]).
+pub fn bwd_order_makespan(
+    work: &[usize],
+    splits: usize,
+    dims: (usize, usize, usize),
+    order: BwdCtaOrder,
+    chunk: usize,
+) -> usize {
+    let (n_kt, n_y, batch) = dims;
+    makespan(
+        (0..n_kt * n_y * batch).map(|i| {
+            let (kt, y, _) = bwd_cta_coords(order, chunk, i, dims);
+            work[kt * splits + y % splits]
+        }),
+        BWD_SPLIT_SMS,
+    )
+}
+
 /// The fewest pairs in a chunk of [`BwdCtaOrder::KeyTilesSlowestInChunks`] (unless the grid
 /// has fewer): on the H200, B4 H8 T8192 D128 causal forward + backward took 4.046 ms in chunks
 /// of 2 and 3.991 in chunks of 4, whose simulated makespans are equal (1026 and 1025 steps;
@@ -928,15 +949,7 @@ pub fn bwd_chunk(
     }
     let work = bwd_causal_cta_work((heads, kv_heads), (seq_len_q, seq_len_kv), head_dim, splits);
     let dims = (n_kt, n_y, batch);
-    let span = |order, chunk| {
-        makespan(
-            (0..n_kt * pairs).map(|i| {
-                let (kt, y, _) = bwd_cta_coords(order, chunk, i, dims);
-                work[kt * splits + y % splits]
-            }),
-            BWD_SPLIT_SMS,
-        )
-    };
+    let span = |order, chunk| bwd_order_makespan(&work, splits, dims, order, chunk);
     let fastest = span(BwdCtaOrder::KeyTilesFastest, 1);
     let mut candidates: Vec<usize> = [BWD_MIN_CHUNK, 5, 6, 8, 12, 16, 24, 32, 48, 64]
         .into_iter()
