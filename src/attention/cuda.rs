@@ -1001,7 +1001,6 @@ pub(crate) fn check_smem(gpu: &Gpu, what: &str, bytes: u32) -> Result<(), GpuErr
 
 /// One strided-batched GEMM of the math path, column-major as cuBLAS sees it:
 /// C = alpha · op(A) op(B), batch `batch`.
-#[derive(Clone, Debug)]
 pub(crate) struct Gemm {
     pub(crate) ta: cublasOperation_t,
     pub(crate) tb: cublasOperation_t,
@@ -1023,97 +1022,7 @@ pub(crate) struct Gemm {
     pub(crate) c_type: cudaDataType_t,
 }
 
-/// Bytes of one element of a cuBLAS data type the math path uses (fp32, fp16, bf16).
-fn element_bytes(t: cudaDataType_t) -> usize {
-    match t {
-        cudaDataType_t::CUDA_R_32F => 4,
-        _ => 2,
-    }
-}
-
-/// The granularity [`Gemm::tail_split`] splits the math path's GEMMs at: a multiple of every
-/// tile edge cuBLAS's tensor-core kernels use (64 to 256 rows or columns).
-pub const MATH_SPLIT_UNIT: usize = 256;
-/// The longest tail [`Gemm::tail_split`] splits off: past it the tail's own tiles would be
-/// most of a tile anyway.
-pub const MATH_SPLIT_MAX_TAIL: usize = 32;
-
-/// Whether the math path splits its GEMMs' short tails off ([`Gemm::tail_split`]):
-/// `KP_MATH_TAIL_SPLIT=1` in the environment, an experiment (kernels/TUNING.md, "math").
-pub fn math_tail_split() -> bool {
-    std::env::var("KP_MATH_TAIL_SPLIT").is_ok_and(|v| v == "1")
-}
-
 impl Gemm {
-    /// This GEMM as up to three that together write every element of C once, so that
-    /// cuBLAS's tiles cover the bulk exactly: where `m` (or `n`) is past a multiple `m0` of
-    /// `unit` by at most `max_tail`, the rows `m0..m` (columns `n0..n`) are a GEMM of their own.
-    /// The parts are the bulk `m0 × n0`, the row tail `(m − m0) × n` and the column tail
-    /// `m0 × (n − n0)`; the reduction (`k`) is never split, so each element of C is still one
-    /// product over all of `k` by one kernel, and runs repeat bit for bit. Why: at seq_len 4097 the keys and queries are 4104 and 4097, one past
-    /// a tile edge, and a tiled GEMM then runs 33 × 33 tiles where 4096 runs 32 × 32 (+6 %
-    /// work for 0.2 % more output; kernels/TUNING.md, "math").
-    ///
-    /// Pointers move by whole elements: `a`, `b` by [`Gemm::ab_type`]'s size, `c` by
-    /// [`Gemm::c_type`]'s; strides and leading dimensions are unchanged.
-    pub(crate) fn tail_split(&self, unit: usize, max_tail: usize) -> Vec<Gemm> {
-        let cut = |x: usize| -> usize {
-            let tail = x % unit;
-            if x > unit && tail != 0 && tail <= max_tail {
-                x - tail
-            } else {
-                x
-            }
-        };
-        let (m0, n0) = (cut(self.m), cut(self.n));
-        let (ab, cb) = (element_bytes(self.ab_type), element_bytes(self.c_type));
-        let n_op = cublasOperation_t::CUBLAS_OP_N;
-        // op(A) row r starts r elements in (A stored m × k) or r columns in (stored k × m);
-        // op(B) column j starts j columns in (B stored k × n) or j elements in (stored n × k).
-        let a_row = |r: usize| (if self.ta == n_op { r } else { r * self.lda } * ab) as u64;
-        let b_col = |j: usize| (if self.tb == n_op { j * self.ldb } else { j } * ab) as u64;
-        let mut parts = vec![Gemm {
-            m: m0,
-            n: n0,
-            ..self.clone()
-        }];
-        if m0 < self.m {
-            parts.push(Gemm {
-                m: self.m - m0,
-                a: self.a + a_row(m0),
-                c: self.c + (m0 * cb) as u64,
-                ..self.clone()
-            });
-        }
-        if n0 < self.n {
-            parts.push(Gemm {
-                m: m0,
-                n: self.n - n0,
-                b: self.b + b_col(n0),
-                c: self.c + (n0 * self.ldc * cb) as u64,
-                ..self.clone()
-            });
-        }
-        parts
-    }
-
-    /// Runs the GEMM, as [`Gemm::tail_split`]'s parts where [`math_tail_split`] asks.
-    ///
-    /// # Safety
-    /// As [`Gemm::run`].
-    pub(crate) unsafe fn launch(&self, blas: &CudaBlas) -> Result<(), GpuError> {
-        if math_tail_split() {
-            for g in self.tail_split(MATH_SPLIT_UNIT, MATH_SPLIT_MAX_TAIL) {
-                // SAFETY: every part addresses a sub-block of this GEMM's matrices.
-                unsafe { g.run(blas)? };
-            }
-            Ok(())
-        } else {
-            // SAFETY: the caller's.
-            unsafe { self.run(blas) }
-        }
-    }
-
     /// # Safety
     /// `a`, `b` and `c` are live device allocations holding `batch` matrices at the given
     /// strides and leading dimensions, of the given types.
@@ -1649,7 +1558,7 @@ impl Runner {
                 // SAFETY: every pointer is a live allocation of the case's sizes (S and P
                 // B·H·Tq·ld, inputs and outputs as checked above), strides per (batch, kv
                 // head) block; alpha is a host f32 matching CUBLAS_COMPUTE_32F.
-                unsafe { s_gemm(kp, qp, scale).launch(blas)? };
+                unsafe { s_gemm(kp, qp, scale).run(blas)? };
                 let cfg = LaunchConfig {
                     grid_dim: (rows as u32, 1, 1),
                     block_dim: (256, 1, 1),
@@ -1668,7 +1577,7 @@ impl Runner {
                 // 8 ≥ Tkv (16-byte aligned rows for its float4 loads); one CTA per row.
                 unsafe { lb.launch(cfg)? };
                 // SAFETY: as for S.
-                unsafe { o_gemm(vp, op, 1.0).launch(blas)? };
+                unsafe { o_gemm(vp, op, 1.0).run(blas)? };
                 let Some(mb) = mb else {
                     return Ok(());
                 };
@@ -1721,10 +1630,10 @@ impl Runner {
                 };
                 // dP = dO_blk Vᵀ, into S.
                 // SAFETY: as for S.
-                unsafe { s_gemm(vp, dop, 1.0).launch(blas)? };
+                unsafe { s_gemm(vp, dop, 1.0).run(blas)? };
                 // SAFETY: as above; dv_to holds B·KVH·keys·D elements (the output, or the
                 // padded V copy, which dP has already read: the stream orders them).
-                unsafe { dkv_gemm(dop, pp, dv_to, 1.0).launch(blas)? };
+                unsafe { dkv_gemm(dop, pp, dv_to, 1.0).run(blas)? };
                 let mut lb = stream.launch_builder(&mb.ds);
                 lb.arg(&sp).arg(&pp).arg(&dsp).arg(&tkv).arg(&ld_i);
                 // SAFETY: `softmax_bwd_rows_*(const float* dP, u16* P, const float* Dsum,
@@ -1733,8 +1642,8 @@ impl Runner {
                 // dQ_blk = scale · dS_blk K (the O product with V → K); dK = scale · dSᵀ Q.
                 // SAFETY: as above; dQ holds B·H·Tq·D, dk_to B·KVH·keys·D elements (the
                 // padded K copy is written after dQ has read it).
-                unsafe { o_gemm(kp, dqp, scale).launch(blas)? };
-                unsafe { dkv_gemm(qp, pp, dk_to, scale).launch(blas)? };
+                unsafe { o_gemm(kp, dqp, scale).run(blas)? };
+                unsafe { dkv_gemm(qp, pp, dk_to, scale).run(blas)? };
                 if let Some((unpad_rows, heads, tkv_i, row_u32)) = unpad {
                     let cfg = LaunchConfig {
                         grid_dim: (
@@ -1771,142 +1680,6 @@ impl Runner {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// C = alpha op(A) op(B) for each batch entry, column-major, on host arrays addressed by
-    /// the GEMM's byte "pointers" (offsets into `a`, `b`, `c`); counts the writes per element.
-    fn host_gemm(g: &Gemm, a: &[f64], b: &[f64], c: &mut [f64], writes: &mut [u32]) {
-        let (ab, cb) = (element_bytes(g.ab_type), element_bytes(g.c_type));
-        let (a0, b0, c0) = (g.a as usize / ab, g.b as usize / ab, g.c as usize / cb);
-        let n_op = cublasOperation_t::CUBLAS_OP_N;
-        for z in 0..g.batch {
-            for j in 0..g.n {
-                for i in 0..g.m {
-                    let mut acc = 0.0;
-                    for l in 0..g.k {
-                        let ai = if g.ta == n_op {
-                            i + l * g.lda
-                        } else {
-                            l + i * g.lda
-                        };
-                        let bi = if g.tb == n_op {
-                            l + j * g.ldb
-                        } else {
-                            j + l * g.ldb
-                        };
-                        acc += a[a0 + z * g.sa + ai] * b[b0 + z * g.sb + bi];
-                    }
-                    let ci = c0 + z * g.sc + i + j * g.ldc;
-                    c[ci] = g.alpha as f64 * acc;
-                    writes[ci] += 1;
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn a_split_gemm_writes_every_element_once_with_the_same_values() {
-        let (op_n, op_t) = (
-            cublasOperation_t::CUBLAS_OP_N,
-            cublasOperation_t::CUBLAS_OP_T,
-        );
-        let bf = cudaDataType_t::CUDA_R_16BF;
-        let f32t = cudaDataType_t::CUDA_R_32F;
-        // unit 16, tails up to 4: m = 33 (tail 1), 36 (4), 40 (8: unsplit), 16 (aligned).
-        let mut splits_seen = [false; 2];
-        for (ta, tb, m, n, c_type) in [
-            (op_t, op_n, 33, 35, f32t),
-            (op_n, op_n, 36, 17, bf),
-            (op_n, op_t, 40, 33, bf),
-            (op_t, op_t, 16, 49, f32t),
-            (op_n, op_n, 7, 3, bf),
-        ] {
-            let k = 5;
-            let (lda, ldb) = if ta == op_n { (m + 3, 0) } else { (k + 2, 0) };
-            let ldb = if tb == op_n { k + 1 } else { n + ldb + 2 };
-            let ldc = m + 5;
-            let (sa, sb, sc) = (lda * k.max(m) + 7, ldb * k.max(n) + 3, ldc * n + 1);
-            let batch = 2;
-            let g = Gemm {
-                ta,
-                tb,
-                m,
-                n,
-                k,
-                alpha: 0.5,
-                // A and B start a few elements into their buffers, as the padded copies do.
-                a: 3 * 2,
-                lda,
-                sa,
-                b: 5 * 2,
-                ldb,
-                sb,
-                c: 4 * element_bytes(c_type) as u64,
-                ldc,
-                sc,
-                batch,
-                ab_type: bf,
-                c_type,
-            };
-            let a: Vec<f64> = (0..3 + sa * batch)
-                .map(|i| ((i * 37) % 101) as f64 - 50.0)
-                .collect();
-            let b: Vec<f64> = (0..5 + sb * batch)
-                .map(|i| ((i * 53) % 97) as f64 - 48.0)
-                .collect();
-            let len = 4 + sc * batch;
-            let (mut want, mut got) = (vec![f64::NAN; len], vec![f64::NAN; len]);
-            let (mut w1, mut w2) = (vec![0u32; len], vec![0u32; len]);
-            host_gemm(&g, &a, &b, &mut want, &mut w1);
-            let parts = g.tail_split(16, 4);
-            splits_seen[0] |= parts.iter().any(|p| p.m < m && p.n == n);
-            splits_seen[1] |= parts.iter().any(|p| p.n < n);
-            for p in &parts {
-                host_gemm(p, &a, &b, &mut got, &mut w2);
-            }
-            assert_eq!(w1, w2, "{ta:?} {tb:?} m {m} n {n}");
-            assert!(w2.iter().all(|&w| w <= 1));
-            for (x, y) in want.iter().zip(&got) {
-                assert!(
-                    x == y || (x.is_nan() && y.is_nan()),
-                    "{ta:?} {tb:?} m {m} n {n}"
-                );
-            }
-            // Which dimensions split: a tail of 1 to 4 past a multiple of 16 above 16.
-            let split = |x: usize| x > 16 && x % 16 != 0 && x % 16 <= 4;
-            let expect = 1 + split(m) as usize + split(n) as usize;
-            assert_eq!(parts.len(), expect, "m {m} n {n}");
-            // The bulk's edges are whole units when split.
-            assert!(!split(m) || parts[0].m % 16 == 0);
-            assert!(!split(n) || parts[0].n % 16 == 0);
-        }
-        assert_eq!(splits_seen, [true, true]);
-        // The length: keys 4104 (4097 padded), queries 4097 → 4096 × 4096 and tails.
-        let g = Gemm {
-            ta: op_t,
-            tb: op_n,
-            m: 4104,
-            n: 4097,
-            k: 64,
-            alpha: 1.0,
-            a: 0,
-            lda: 64,
-            sa: 4104 * 64,
-            b: 0,
-            ldb: 64,
-            sb: 4097 * 64,
-            c: 0,
-            ldc: 4104,
-            sc: 4097 * 4104,
-            batch: 24,
-            ab_type: bf,
-            c_type: f32t,
-        };
-        let parts = g.tail_split(MATH_SPLIT_UNIT, MATH_SPLIT_MAX_TAIL);
-        let dims: Vec<(usize, usize)> = parts.iter().map(|p| (p.m, p.n)).collect();
-        assert_eq!(dims, [(4096, 4096), (8, 4097), (4096, 1)]);
-        // 4092 queries (a tail of 252) are left whole.
-        assert_eq!(Gemm { n: 4092, ..g }.tail_split(256, 32).len(), 2);
-    }
 
     #[test]
     fn the_math_rows_start_on_16_bytes_for_every_key_length() {
