@@ -54,13 +54,10 @@
 // only a chunk's Q and dO are read at a time. The host picks (sm90::bwd_cta_order simulates
 // the schedules).
 
-// 128 keys per CTA, stages of Q/dO/LSE2/Dsum (2; the host defines 3 where
-// KP_SM90_BWD_STAGES=3 asks, an experiment); queries per step: 128 at head_dim 64, 64 at 128
-// (the registers of S^T and dP^T: 2 x BM / 2 per thread besides dK and dV's D).
+// 128 keys per CTA, stages of Q/dO/LSE2/Dsum; queries per step: 128 at head_dim 64, 64 at
+// 128 (the registers of S^T and dP^T: 2 x BM / 2 per thread besides dK and dV's D).
 #define BW_BN 128
-#ifndef BW_ST
 #define BW_ST 2
-#endif
 template <int D>
 struct BwShape {
     static constexpr int BM = D == 64 ? 128 : 64;  // queries per step

@@ -725,18 +725,8 @@ pub fn bwd_queries(head_dim: usize) -> usize {
         64
     }
 }
-/// Q and dO stages of the wgmma backward (`BW_ST`) by default.
+/// Q and dO stages of the wgmma backward (`BW_ST`).
 pub const BWD_STAGES: usize = 2;
-
-/// Q and dO stages the wgmma backward is compiled with: [`BWD_STAGES`], or 3 where
-/// `KP_SM90_BWD_STAGES=3` is in the environment (an experiment: a third stage of Q, dO, LSE2
-/// and Dsum, 32 KiB more shared memory, 226 KiB in all at head_dim 64 and 128; kernels/TUNING.md).
-pub fn bwd_stages() -> usize {
-    match std::env::var("KP_SM90_BWD_STAGES").as_deref() {
-        Ok("3") => 3,
-        _ => BWD_STAGES,
-    }
-}
 
 /// The SM count [`bwd_head_splits`] plans for: the H200's 132 (one CTA of the wgmma backward
 /// fits per SM). A constant rather than the device's count, so that the temporaries a case
@@ -1106,10 +1096,6 @@ impl HopperBackward {
         if bwd_fa3_order() {
             src = format!("#define KP_SM90_BWD_FA3_ORDER\n{src}");
         }
-        let stages = bwd_stages();
-        if stages != BWD_STAGES {
-            src = format!("#define BW_ST {stages}\n{src}");
-        }
         let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
         let name = format!("attn_bwd_sm90_d{head_dim}");
         // K and V, the Q and dO stages (bm rows), two dS^T buffers (128 × bm bf16), LSE and D
@@ -1119,11 +1105,11 @@ impl HopperBackward {
         let bm = bwd_queries(head_dim);
         let dq_cols = if bm == 64 { head_dim / 2 } else { head_dim };
         let smem = (2 * BWD_KEYS * head_dim * 2
-            + 2 * stages * bm * head_dim * 2
+            + 2 * BWD_STAGES * bm * head_dim * 2
             + 2 * BWD_KEYS * bm * 2
-            + 2 * bm * 4 * stages
+            + 2 * bm * 4 * BWD_STAGES
             + 2 * 64 * dq_cols * 4
-            + 8 * (1 + 2 * stages)
+            + 8 * (1 + 2 * BWD_STAGES)
             + 1024) as u32;
         super::cuda::check_smem(gpu, &name, smem)?;
         let main = gpu.function(&compiled.module, &name, smem)?;
