@@ -314,16 +314,12 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     const bool elected = (tid & 127) == 0;
 
     float st[1][NQ][4], dpt[1][NQ][4];
-    // The order of a step's last three products. By default dV, dK and dQ are issued together
-    // after the dS^T barrier and waited for before the dQ tile goes out. With
-    // KP_SM90_BWD_FA3_ORDER (the host defines it where KP_SM90_BWD_ORDER=fa3 asks: an
-    // experiment, not yet measured), FlashAttention-3's order: dV before the dS^T store and
-    // barrier, then dQ and dK, the dQ tile stored while dK runs.
-#ifdef KP_SM90_BWD_FA3_ORDER
-    constexpr bool FA3_ORDER = true;
-#else
-    constexpr bool FA3_ORDER = false;
-#endif
+    // The order of a step's last three products. At head_dim 128, FlashAttention-3's: dV
+    // before the dS^T store and barrier (it needs only P^T), then dQ and dK, the dQ tile stored
+    // while dK runs. At 64, dV, dK and dQ issued together after the barrier and waited for
+    // before the dQ tile goes out: FlashAttention-3's order measured 2-3 % slower there without
+    // the mask (kernels/TUNING.md, "FlashAttention-3's product order").
+    constexpr bool FA3_ORDER = D == 128;
     // One step: the queries [q0, q0 + 8 NS) of step `it` (NS = NQ, or NQ / 2 for a last tile of
     // at most 64 valid rows at BM = 128, which then costs half a step; the second consumer's dQ
     // rows are all at or past Tq there: see the loop below).

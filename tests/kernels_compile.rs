@@ -731,19 +731,6 @@ fn wgmma_backward_compiles_for_sm_90a() {
         spill_free(&reports, "attn_bwd_sm90_dq_convert");
         spill_free(&reports, "attn_bwd_sm90_dkv_combine");
     }
-    // FlashAttention-3's order of a step's last products (KP_SM90_BWD_ORDER=fa3, an experiment):
-    // no spills and no injected wait either (an injected wait would undo the overlap it is for).
-    for d in [64, 128] {
-        let src = format!(
-            "#define KP_SM90_BWD_FA3_ORDER\n{}",
-            kernelpages::attention::sm90::bwd_source(Some(d))
-        );
-        let reports =
-            kernelpages::gpu::ptxas_report("attn_wgmma_bwd_sm90.cu", &src, "sm_90a").unwrap();
-        let r = spill_free(&reports, &format!("attn_bwd_sm90_d{d}"));
-        assert_eq!(r.registers, 168, "{r:?}");
-        assert!(r.wgmma_advisories.is_empty(), "{r:?}");
-    }
     for d in [64, 128] {
         // The source for one head_dim holds its two kernels, the dQ conversion and the split
         // dK/dV combine, nothing else.

@@ -704,15 +704,6 @@ pub fn bwd_source_for(head_dim: Option<usize>, dtype: Dtype) -> String {
     )
 }
 
-/// Whether the wgmma backward is compiled with FlashAttention-3's order of a step's last three
-/// products (`KP_SM90_BWD_ORDER=fa3` in the environment: dV issued before the dS^T store and
-/// barrier, dK left running while the dQ tile goes out; `kernels/attn_wgmma_bwd_sm90.cu`). An
-/// experiment for the probes to time against the default order, which it replaces only once
-/// measured (kernels/TUNING.md).
-pub fn bwd_fa3_order() -> bool {
-    std::env::var("KP_SM90_BWD_ORDER").is_ok_and(|v| v == "fa3")
-}
-
 /// Keys per CTA of the wgmma backward (`BW_BN` in the kernel source).
 pub const BWD_KEYS: usize = 128;
 /// Query rows per step of the wgmma backward at `head_dim` (`BwShape::BM` in the kernel
@@ -1092,10 +1083,7 @@ impl HopperBackward {
                 "the wgmma backward runs head_dim 64 or 128, not {head_dim}"
             )));
         }
-        let mut src = bwd_source_for(Some(head_dim), dtype);
-        if bwd_fa3_order() {
-            src = format!("#define KP_SM90_BWD_FA3_ORDER\n{src}");
-        }
+        let src = bwd_source_for(Some(head_dim), dtype);
         let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
         let name = format!("attn_bwd_sm90_d{head_dim}");
         // K and V, the Q and dO stages (bm rows), two dS^T buffers (128 × bm bf16), LSE and D
