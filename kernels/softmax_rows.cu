@@ -48,15 +48,6 @@ __device__ __forceinline__ float load_elem(const u16* row, size_t j) {
 }
 
 template <int OUT>
-__device__ __forceinline__ void store_elem(u16* row, size_t j, float x) {
-    if (OUT == 2) {
-        reinterpret_cast<float*>(row)[j] = x;
-    } else {
-        row[j] = (u16)(pack2<OUT>(x, 0.f) & 0xffff);
-    }
-}
-
-template <int OUT>
 __device__ __forceinline__ void store4(u16* row, int c, float a, float b, float x, float y) {
     if (OUT == 2) {
         reinterpret_cast<float4*>(row)[c] = make_float4(a, b, x, y);
@@ -149,7 +140,29 @@ __device__ __forceinline__ void softmax_rows(const float* __restrict__ S, u16* _
     }
 }
 
-// dS = P * (dP - D_row), written over P. Masked entries have P = 0, so dS = 0 there.
+// Elements 4c .. 4c + 3 of a row of the case's dtype, as fp32 (one 16-byte load for fp32,
+// one 8-byte load for 16-bit types; rows start on 16 bytes, ld being a multiple of 8).
+template <int OUT>
+__device__ __forceinline__ float4 load4(const u16* row, int c) {
+    if (OUT == 2) return reinterpret_cast<const float4*>(row)[c];
+    const uint2 w = reinterpret_cast<const uint2*>(row)[c];
+    if (OUT == 0) {
+        return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                           __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
+    }
+    float a, b, x, y;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"((u16)(w.x & 0xffff)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"((u16)(w.x >> 16)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"((u16)(w.y & 0xffff)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"((u16)(w.y >> 16)));
+    return make_float4(a, b, x, y);
+}
+
+// dS = P * (dP - D_row), written over P. Masked entries have P = 0, so dS = 0 there. Vectors
+// of 4 over the whole row, the padding up to ld included, written as 0 past Tkv (P is 0 there
+// already; dP's padding is never read as a value: it may be unwritten where the GEMMs ran over
+// Tkv keys). One 16-byte load of dP and one load and one store of P per vector: the scalar
+// version (2-byte accesses) ran 10 % slower at Tkv = 4092 than at 4096 (kernels/TUNING.md).
 template <int OUT>
 __device__ __forceinline__ void softmax_bwd_rows(const float* __restrict__ dP, u16* __restrict__ P,
                                                  const float* __restrict__ Dsum, int Tkv,
@@ -157,10 +170,21 @@ __device__ __forceinline__ void softmax_bwd_rows(const float* __restrict__ dP, u
     constexpr int W = OUT == 2 ? 2 : 1;
     const size_t r = blockIdx.x;
     const float d = Dsum[r];
-    const float* dp = dP + r * (size_t)ld;
+    const float4* dp4 = reinterpret_cast<const float4*>(dP + r * (size_t)ld);
     u16* p = P + r * (size_t)ld * W;
-    for (int j = threadIdx.x; j < Tkv; j += THREADS) {
-        store_elem<OUT>(p, j, load_elem<OUT>(p, j) * (dp[j] - d));
+    for (int c = threadIdx.x; c * 4 < ld; c += THREADS) {
+        const int j = c * 4;
+        const float4 g = dp4[c];
+        const float4 v = load4<OUT>(p, c);
+        const float a = j < Tkv ? v.x * (g.x - d) : 0.f;
+        const float b = j + 1 < Tkv ? v.y * (g.y - d) : 0.f;
+        const float x = j + 2 < Tkv ? v.z * (g.z - d) : 0.f;
+        const float y = j + 3 < Tkv ? v.w * (g.w - d) : 0.f;
+        if (OUT == 2) {
+            reinterpret_cast<float4*>(p)[c] = make_float4(a, b, x, y);
+        } else {
+            reinterpret_cast<uint2*>(p)[c] = make_uint2(pack2<OUT>(a, b), pack2<OUT>(x, y));
+        }
     }
 }
 
