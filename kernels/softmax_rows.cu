@@ -15,7 +15,9 @@
 // has L = kv_lens[b] valid keys and, with CAUSAL, query i sees key j iff j <= i + L - Tq
 // (bottom-right alignment). One CTA of 256 threads per row, 16-byte loads of S.
 //
-// No headers: 16-bit values are produced with PTX cvt instructions.
+// No headers: 16-bit values are produced with PTX cvt instructions (on the CPU emulation,
+// kernels/emulate/softmax_rows_check.cpp with KP_EMULATE, by the sequence-mixer prelude's
+// rounding functions, which give the same bits).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -27,6 +29,9 @@ typedef unsigned int u32;
 // Two fp32 values as bf16 (OUT 0) or fp16 (OUT 1) bits, `lo` in the low half.
 template <int OUT>
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
+#ifdef KP_EMULATE
+    return OUT == 0 ? pack_bf16(lo, hi) : pack_f16(lo, hi);
+#else
     u32 d;
     if (OUT == 0) {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
@@ -34,6 +39,18 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     }
     return d;
+#endif
+}
+
+// fp16 bits as fp32 (exact).
+__device__ __forceinline__ float half_to_f32(u16 x) {
+#ifdef KP_EMULATE
+    return f16_float(x);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+#endif
 }
 
 // Element j of a row of the case's dtype, as fp32.
@@ -42,9 +59,7 @@ __device__ __forceinline__ float load_elem(const u16* row, size_t j) {
     if (OUT == 2) return reinterpret_cast<const float*>(row)[j];
     const u16 x = row[j];
     if (OUT == 0) return __uint_as_float(((u32)x) << 16);
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-    return f;
+    return half_to_f32(x);
 }
 
 template <int OUT>
@@ -150,12 +165,8 @@ __device__ __forceinline__ float4 load4(const u16* row, int c) {
         return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
                            __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
     }
-    float a, b, x, y;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"((u16)(w.x & 0xffff)));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"((u16)(w.x >> 16)));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"((u16)(w.y & 0xffff)));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"((u16)(w.y >> 16)));
-    return make_float4(a, b, x, y);
+    return make_float4(half_to_f32((u16)(w.x & 0xffff)), half_to_f32((u16)(w.x >> 16)),
+                       half_to_f32((u16)(w.y & 0xffff)), half_to_f32((u16)(w.y >> 16)));
 }
 
 // dS = P * (dP - D_row), written over P. Masked entries have P = 0, so dS = 0 there. Vectors

@@ -665,3 +665,31 @@ fn moe_dispatch_emulated_matches_the_reference() {
     .collect();
     emulated_suite_kernel_runs_clean("moe", "dispatch_check", &cases);
 }
+
+/// The math path's row kernels (`kernels/softmax_rows.cu`, emulated by
+/// `kernels/emulate/softmax_rows_check.cpp` on the sequence-mixer shim) for bf16, fp16 and
+/// fp32 P: the softmax within the dtype's rounding of float64 with every other column up to the
+/// row stride exactly 0, and the backward's dS = P (dP − D) bit for bit, with the padding
+/// columns of S and dP holding NaN beforehand. Key counts that are and are not multiples of 8
+/// (so of the 4-wide vectors), more than one pass of 256 threads over a row, key lengths below
+/// the key count (0 included), bottom-right causal with more queries than keys (rows that see
+/// no key) and fewer.
+#[test]
+#[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
+fn math_row_kernels_emulated_match_float64() {
+    let cases: Vec<String> = [
+        (3, 1, 1, 0),
+        (5, 7, 7, 1),
+        (4, 1030, 1030, 0),
+        (6, 1029, 1000, 1),
+        (5, 64, 64, 1),
+        (4, 9, 0, 0),
+        (2, 5, 5, 1),
+        (5, 2, 2, 1),
+        (3, 8, 3, 0),
+    ]
+    .iter()
+    .map(|&(tq, tkv, l, causal)| format!("{tq},{tkv},{l},{causal}"))
+    .collect();
+    emulated_suite_kernel_runs_clean("", "softmax_rows_check", &cases);
+}

@@ -1,0 +1,135 @@
+// The math path's row kernels (softmax_rows.cu: softmax_rows forward, softmax_bwd_rows)
+// emulated on the CPU (the sequence-mixer shim, cuda_shim.h: a fiber per CUDA thread, blocks one
+// after another) for bf16, fp16 and fp32 P, against float64:
+// - the softmax: P within the dtype's rounding of the float64 softmax over the keys a row sees
+//   (key lengths, bottom-right causal), exactly 0 at every other column up to ld (the padding
+//   included), all 0 for a row that sees no key; S's padding columns hold NaN beforehand (they
+//   may be unwritten on the GPU) and must not leak;
+// - the backward: dS = P (dP - D) over the P the forward wrote, bit for bit the float32 product
+//   rounded to the dtype for every column below Tkv, and 0 at the padding, with dP's padding
+//   NaN.
+// Each argument is one case "Tq,Tkv,L,causal" (one head, one batch entry with L keys; the rows
+// are the Tq queries; ld = Tkv rounded up to a multiple of 8). Prints one line per case, then
+// ALL OK or FAILED.
+#include "cuda_shim.h"
+#include <cstdio>
+#include <random>
+#include <vector>
+#include "prelude.cuh"
+
+// CUDA's vector types, as the kernels use them (16- and 8-byte aligned).
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
+// A kernel's __shared__ array is one per block: blocks run one after another here, so one
+// static array per instantiation serves every fiber of the block.
+#undef __shared__
+#define __shared__ static
+#include "softmax_rows.cu"
+
+// The value of element j of a row of dtype OUT (16-bit words), and v rounded to it.
+template <int OUT>
+static float value(const std::vector<u16>& row, size_t j) {
+    if (OUT == 2) {
+        float f;
+        std::memcpy(&f, &row[2 * j], 4);
+        return f;
+    }
+    return OUT == 0 ? bf16_float(row[j]) : f16_float(row[j]);
+}
+
+template <int OUT>
+static int check(int Tq, int Tkv, int L, bool causal) {
+    constexpr int W = OUT == 2 ? 2 : 1;
+    const int ld = (Tkv + 7) / 8 * 8;
+    // Half an ulp of the dtype, relative (2^-9 for bf16, 2^-12 for fp16, with room for float32's
+    // own exp2f and sum; 1e-5 for fp32), and half of fp16's smallest subnormal, absolute.
+    const double tol = OUT == 0 ? 4.5e-3 : OUT == 1 ? 6e-4 : 1e-5;
+    const double abs_tol = OUT == 1 ? 3.1e-8 : 1e-30;
+    std::mt19937 rng(Tq * 131 + Tkv * 7 + L + causal);
+    std::normal_distribution<float> nd;
+    std::vector<float> S((size_t)Tq * ld, NAN), dP((size_t)Tq * ld, NAN), D(Tq);
+    for (int i = 0; i < Tq; ++i)
+        for (int j = 0; j < Tkv; ++j) {
+            S[(size_t)i * ld + j] = 3.f * nd(rng);
+            dP[(size_t)i * ld + j] = nd(rng);
+        }
+    for (auto& d : D) d = nd(rng);
+    std::vector<u16> P((size_t)Tq * ld * W, 0xffff);  // NaN in every dtype until written
+    const int kv_lens[1] = {L};
+    const int H = 1;
+    launch(dim3{(unsigned)Tq, 1, 1}, THREADS, [&] {
+        if (causal) {
+            softmax_rows<OUT, true>(S.data(), P.data(), kv_lens, Tq, Tkv, ld, H);
+        } else {
+            softmax_rows<OUT, false>(S.data(), P.data(), kv_lens, Tq, Tkv, ld, H);
+        }
+    });
+    int bad = 0;
+    double worst = 0;
+    for (int i = 0; i < Tq; ++i) {
+        const int valid = causal ? std::max(0, std::min(L, i + L - Tq + 1)) : L;
+        double mx = -INFINITY, sum = 0;
+        for (int j = 0; j < valid; ++j) mx = std::max(mx, (double)S[(size_t)i * ld + j]);
+        for (int j = 0; j < valid; ++j) sum += std::exp((double)S[(size_t)i * ld + j] - mx);
+        std::vector<u16> row(P.begin() + (size_t)i * ld * W, P.begin() + (size_t)(i + 1) * ld * W);
+        for (int j = 0; j < ld; ++j) {
+            const double want = j < valid ? std::exp((double)S[(size_t)i * ld + j] - mx) / sum : 0.0;
+            const double got = value<OUT>(row, j);
+            const bool ok = j < valid ? std::fabs(got - want) <= tol * want + abs_tol
+                                      : got == 0.0 && !std::signbit(got);
+            if (j < valid && want > 1e-4) worst = std::max(worst, std::fabs(got - want) / want);
+            if (!ok && bad++ < 3)
+                std::printf("  softmax row %d col %d: %g, want %g\n", i, j, got, want);
+        }
+    }
+    // The backward over the P just written.
+    std::vector<u16> dS = P;
+    launch(dim3{(unsigned)Tq, 1, 1}, THREADS,
+           [&] { softmax_bwd_rows<OUT>(dP.data(), dS.data(), D.data(), Tkv, ld); });
+    for (int i = 0; i < Tq; ++i) {
+        std::vector<u16> prow(P.begin() + (size_t)i * ld * W, P.begin() + (size_t)(i + 1) * ld * W);
+        std::vector<u16> row(dS.begin() + (size_t)i * ld * W, dS.begin() + (size_t)(i + 1) * ld * W);
+        for (int j = 0; j < ld; ++j) {
+            const float p = value<OUT>(prow, j);
+            float want = 0.f;
+            if (j < Tkv) {
+                const float f = p * (dP[(size_t)i * ld + j] - D[i]);
+                want = OUT == 2 ? f : OUT == 0 ? bf16_float(to_bf16(f)) : f16_float(to_f16(f));
+            }
+            const float got = value<OUT>(row, j);
+            if (!(got == want && std::signbit(got) == std::signbit(want)) && bad++ < 6)
+                std::printf("  backward row %d col %d: %g, want %g\n", i, j, got, want);
+        }
+    }
+    std::printf("%s Tq %d Tkv %d (ld %d) L %d %s: softmax worst relative error (P > 1e-4) %.2e, %s\n",
+                OUT == 0 ? "bf16" : OUT == 1 ? "fp16" : "fp32", Tq, Tkv, ld, L,
+                causal ? "causal" : "full", worst, bad ? "FAILED" : "ok");
+    return bad != 0;
+}
+
+int main(int argc, char** argv) {
+    int fails = argc < 2;
+    for (int arg = 1; arg < argc; ++arg) {
+        int Tq, Tkv, L, causal;
+        if (std::sscanf(argv[arg], "%d,%d,%d,%d", &Tq, &Tkv, &L, &causal) != 4 || L > Tkv) {
+            std::printf("bad case %s\n", argv[arg]);
+            ++fails;
+            continue;
+        }
+        fails += check<0>(Tq, Tkv, L, causal != 0);
+        fails += check<1>(Tq, Tkv, L, causal != 0);
+        fails += check<2>(Tq, Tkv, L, causal != 0);
+    }
+    if (g_overrun) {
+        std::printf("shared memory written past its size\n");
+        ++fails;
+    }
+    std::printf(fails ? "FAILED\n" : "ALL OK\n");
+    return fails != 0;
+}
