@@ -13,7 +13,7 @@
 // extent of each operand, here the key count of P, a multiple of 8 elements too.
 // Row r is query i = r % Tq of head (r / Tq) % H of batch entry b = r / (Tq * H); that entry
 // has L = kv_lens[b] valid keys and, with CAUSAL, query i sees key j iff j <= i + L - Tq
-// (bottom-right alignment). One CTA of 256 threads per row, 16-byte loads of S.
+// (bottom-right alignment). One CTA of 256 threads per row, 16-byte loads of S and dP.
 //
 // No headers: 16-bit values are produced with PTX cvt instructions (on the CPU emulation,
 // kernels/emulate/softmax_rows_check.cpp with KP_EMULATE, by the sequence-mixer prelude's

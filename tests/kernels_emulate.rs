@@ -687,6 +687,8 @@ fn math_row_kernels_emulated_match_float64() {
         (2, 5, 5, 1),
         (5, 2, 2, 1),
         (3, 8, 3, 0),
+        // 12 keys: the last 4-wide vector is all padding (4092's case).
+        (3, 12, 12, 0),
     ]
     .iter()
     .map(|&(tq, tkv, l, causal)| format!("{tq},{tkv},{l},{causal}"))

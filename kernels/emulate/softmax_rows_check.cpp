@@ -7,7 +7,7 @@
 //   may be unwritten on the GPU) and must not leak;
 // - the backward: dS = P (dP - D) over the P the forward wrote, bit for bit the float32 product
 //   rounded to the dtype for every column below Tkv, and 0 at the padding, with dP's padding
-//   NaN.
+//   and dS's (P's before the call) NaN.
 // Each argument is one case "Tq,Tkv,L,causal" (one head, one batch entry with L keys; the rows
 // are the Tq queries; ld = Tkv rounded up to a multiple of 8). Prints one line per case, then
 // ALL OK or FAILED.
@@ -47,8 +47,9 @@ template <int OUT>
 static int check(int Tq, int Tkv, int L, bool causal) {
     constexpr int W = OUT == 2 ? 2 : 1;
     const int ld = (Tkv + 7) / 8 * 8;
-    // Half an ulp of the dtype, relative (2^-9 for bf16, 2^-12 for fp16, with room for float32's
-    // own exp2f and sum; 1e-5 for fp32), and half of fp16's smallest subnormal, absolute.
+    // The dtype's unit roundoff, relative (2^-8 for bf16, 2^-11 for fp16, with room for
+    // float32's own exp2f and sum; 1e-5 for fp32), and half of fp16's smallest subnormal,
+    // absolute.
     const double tol = OUT == 0 ? 4.5e-3 : OUT == 1 ? 6e-4 : 1e-5;
     const double abs_tol = OUT == 1 ? 3.1e-8 : 1e-30;
     std::mt19937 rng(Tq * 131 + Tkv * 7 + L + causal);
@@ -88,8 +89,11 @@ static int check(int Tq, int Tkv, int L, bool causal) {
                 std::printf("  softmax row %d col %d: %g, want %g\n", i, j, got, want);
         }
     }
-    // The backward over the P just written.
+    // The backward over the P just written, its padding columns poisoned (NaN in every dtype)
+    // so that the kernel must write them.
     std::vector<u16> dS = P;
+    for (int i = 0; i < Tq; ++i)
+        for (size_t w = (size_t)Tkv * W; w < (size_t)ld * W; ++w) dS[(size_t)i * ld * W + w] = 0xffff;
     launch(dim3{(unsigned)Tq, 1, 1}, THREADS,
            [&] { softmax_bwd_rows<OUT>(dP.data(), dS.data(), D.data(), Tkv, ld); });
     for (int i = 0; i < Tq; ++i) {

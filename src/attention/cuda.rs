@@ -1637,7 +1637,9 @@ impl Runner {
                 let mut lb = stream.launch_builder(&mb.ds);
                 lb.arg(&sp).arg(&pp).arg(&dsp).arg(&tkv).arg(&ld_i);
                 // SAFETY: `softmax_bwd_rows_*(const float* dP, u16* P, const float* Dsum,
-                // int Tkv, int ld)`: dP and P of rows·ld elements, Dsum of rows; one CTA per row.
+                // int Tkv, int ld)`: dP and P of rows·ld elements, ld a multiple of 8 ≥ Tkv
+                // (16-byte aligned rows for its vector loads and stores), Dsum of rows; one CTA
+                // per row.
                 unsafe { lb.launch(cfg)? };
                 // dQ_blk = scale · dS_blk K (the O product with V → K); dK = scale · dSᵀ Q.
                 // SAFETY: as above; dQ holds B·H·Tq·D, dk_to B·KVH·keys·D elements (the
