@@ -1755,6 +1755,15 @@ fn hopper_gpu(probe: &str) -> Option<&'static Gpu> {
 }
 
 /// A causal [`grouped_fwd_bwd`] case.
+/// A probe line's name for `c`: `B4 H8:1 T4096 D128` (batch, query heads : kv heads, seq_len_q,
+/// head_dim).
+fn probe_label(c: &AttentionCase) -> String {
+    format!(
+        "B{} H{}:{} T{} D{}",
+        c.batch, c.heads, c.kv_heads, c.seq_len_q, c.head_dim
+    )
+}
+
 fn causal_grouped(
     batch: usize,
     heads: usize,
@@ -1827,14 +1836,10 @@ fn wgmma_backward_stage_probe() {
         let wall = wall_ms(&mut runner, &c, &dev, &mut outs, 3, 20);
         let splits = bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, c.causal);
         println!(
-            "stages B{} H{}:{} T{} D{} {}, {splits} splits: preprocess {pre:.3} ms, main \
+            "stages {} {}, {splits} splits: preprocess {pre:.3} ms, main \
              {main:.3}, combine {combine:.3}, dQ convert {convert:.3}; backward {:.3}, forward + \
              backward {wall:.3} (wall clock)",
-            c.batch,
-            c.heads,
-            c.kv_heads,
-            c.seq_len_q,
-            c.head_dim,
+            probe_label(&c),
             if c.causal { "causal" } else { "full" },
             pre + main + combine + convert
         );
@@ -1896,12 +1901,8 @@ fn wgmma_backward_cta_order_probe() {
         }
         hopper_bwd(&mut runner).set_cta_chunk(None);
         println!(
-            "orders agree: B{} H{}:{} T{} D{} causal ({} splits)",
-            c.batch,
-            c.heads,
-            c.kv_heads,
-            c.seq_len_q,
-            c.head_dim,
+            "orders agree: {} causal ({} splits)",
+            probe_label(&c),
             bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, true)
         );
     }
@@ -1926,13 +1927,8 @@ fn wgmma_backward_cta_order_probe() {
             hopper_bwd(&mut runner).set_cta_order(Some(order));
             let ms = wall_ms(&mut runner, &c, &inp, &mut outs, 3, 20);
             println!(
-                "fwd+bwd B{} H{}:{} T{} D{} causal, {splits} splits, {order:?}{}: {ms:.3} ms, \
-                 {:.1} TFLOP/s",
-                c.batch,
-                c.heads,
-                c.kv_heads,
-                c.seq_len_q,
-                c.head_dim,
+                "fwd+bwd {} causal, {splits} splits, {order:?}{}: {ms:.3} ms, {:.1} TFLOP/s",
+                probe_label(&c),
                 {
                     let (default, chunk) = bwd_cta_order(
                         c.batch,
@@ -2024,13 +2020,9 @@ fn wgmma_backward_chunk_probe() {
             hopper_bwd(&mut runner).set_cta_chunk(Some(chunk));
             let ms = wall_ms(&mut runner, &c, &inp, &mut outs, 3, 20);
             println!(
-                "chunks B{} H{}:{} T{} D{} causal, {pairs} pairs: {order:?} {chunk}: {ms:.3} ms, \
-                 simulated {} steps{}",
-                c.batch,
-                c.heads,
-                c.kv_heads,
-                c.seq_len_q,
-                c.head_dim,
+                "chunks {} causal, {pairs} pairs: {order:?} {chunk}: {ms:.3} ms, simulated {} \
+                 steps{}",
+                probe_label(&c),
                 sim(order, chunk),
                 if (order, chunk) == default
                     || (order == default.0 && order != BwdCtaOrder::KeyTilesSlowestInChunks)
