@@ -227,46 +227,66 @@ SOFTMAX(softmax_rows_f16_causal, 1, true)
 SOFTMAX(softmax_rows_f32_full, 2, false)
 SOFTMAX(softmax_rows_f32_causal, 2, true)
 
-// K or V [heads][Tkv][D] into Kp [heads][ld][D] (16-bit words: W = 1, fp32: W = 2, as
-// 32-bit pairs of words): each head's rows copied, rows Tkv..ld-1 left as they are (zeroed once
-// at allocation). Lets the GEMMs run over ld keys, a multiple of 8, when Tkv is not. A row is
-// row_u32 = D * W / 2 32-bit units (the host calls it only when D * W is even); grid-stride
-// over heads * Tkv * row_u32 units.
-extern "C" __global__ void __launch_bounds__(THREADS)
-    pad_rows(const u32* __restrict__ src, u32* __restrict__ dst, long long heads, int Tkv,
-             int ld, int row_u32) {
-    const long long per_head = (long long)Tkv * row_u32;
-    const long long n = heads * per_head;
-    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < n;
-         i += (long long)gridDim.x * THREADS) {
-        const long long h = i / per_head;
-        dst[h * (long long)ld * row_u32 + (i - h * per_head)] = src[i];
+// K and V [heads][Tkv][D] into the padded Kp and Vp [heads][ld][D] in one launch (z = 0: K,
+// z = 1: V): each head's Tkv rows copied and rows Tkv..ld-1 written 0, so the GEMMs can run
+// over ld keys, a multiple of 8, when Tkv is not, and whatever the previous call's backward
+// left in the padding rows (its dK and dV go there) is zero again. A row is `row` units of U:
+// 16 bytes (uint4) when a row of K is a multiple of 16 bytes, else 4 (u32; the host calls it
+// only when a row is a whole number of 32-bit words). Blocks stride over heads in y and over a
+// head's ld * row units in x: no 64-bit division per element.
+template <typename U>
+__device__ __forceinline__ void pad_rows_t(const U* __restrict__ k, const U* __restrict__ v,
+                                           U* __restrict__ kp, U* __restrict__ vp,
+                                           long long heads, int Tkv, int ld, int row) {
+    const U* src = blockIdx.z == 0 ? k : v;
+    U* dst = blockIdx.z == 0 ? kp : vp;
+    const long long kept = (long long)Tkv * row, per_head = (long long)ld * row;
+    const U zero{};
+    for (long long h = blockIdx.y; h < heads; h += gridDim.y) {
+        const U* s = src + h * kept;
+        U* d = dst + h * per_head;
+        for (long long j = (long long)blockIdx.x * THREADS + threadIdx.x; j < per_head;
+             j += (long long)gridDim.x * THREADS) {
+            d[j] = j < kept ? s[j] : zero;
+        }
     }
 }
 
 // The backward's dK and dV run over ld keys too (their output rows are the keys, P's and dS's
-// contiguous extent), into the padded buffers [heads, ld, D] (pad_rows's dst, free by then):
-// unpad_rows copies each head's first Tkv rows into dst [heads, Tkv, D] and writes zeros over
-// rows Tkv..ld of src, so the next call's pad_rows finds the padding it left (zero keys, zero
-// values) whatever the gradients held. Same units and grid-stride loop as pad_rows, over
-// heads * ld * row_u32 units.
-extern "C" __global__ void __launch_bounds__(THREADS)
-    unpad_rows(u32* __restrict__ src, u32* __restrict__ dst, long long heads, int Tkv, int ld,
-               int row_u32) {
-    const long long per_head = (long long)ld * row_u32;
-    const long long kept = (long long)Tkv * row_u32;
-    const long long n = heads * per_head;
-    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < n;
-         i += (long long)gridDim.x * THREADS) {
-        const long long h = i / per_head;
-        const long long j = i - h * per_head;
-        if (j < kept) {
-            dst[h * kept + j] = src[i];
-        } else {
-            src[i] = 0u;
+// contiguous extent), into the padded buffers [heads][ld][D] (pad_rows's, free by then):
+// unpad_rows copies each head's first Tkv rows of both into dK and dV [heads][Tkv][D] in one
+// launch (z as in pad_rows). The padding rows are left as they are: the next call's pad_rows
+// zeroes them. Same units and block layout as pad_rows, over each head's Tkv * row units.
+template <typename U>
+__device__ __forceinline__ void unpad_rows_t(const U* __restrict__ kp, const U* __restrict__ vp,
+                                             U* __restrict__ dk, U* __restrict__ dv,
+                                             long long heads, int Tkv, int ld, int row) {
+    const U* src = blockIdx.z == 0 ? kp : vp;
+    U* dst = blockIdx.z == 0 ? dk : dv;
+    const long long kept = (long long)Tkv * row, per_head = (long long)ld * row;
+    for (long long h = blockIdx.y; h < heads; h += gridDim.y) {
+        const U* s = src + h * per_head;
+        U* d = dst + h * kept;
+        for (long long j = (long long)blockIdx.x * THREADS + threadIdx.x; j < kept;
+             j += (long long)gridDim.x * THREADS) {
+            d[j] = s[j];
         }
     }
 }
+
+#define PAD_ROWS(SUFFIX, U)                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+        pad_rows_##SUFFIX(const U* k, const U* v, U* kp, U* vp, long long heads, int Tkv,      \
+                          int ld, int row) {                                                   \
+        pad_rows_t<U>(k, v, kp, vp, heads, Tkv, ld, row);                                      \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+        unpad_rows_##SUFFIX(const U* kp, const U* vp, U* dk, U* dv, long long heads, int Tkv,  \
+                            int ld, int row) {                                                 \
+        unpad_rows_t<U>(kp, vp, dk, dv, heads, Tkv, ld, row);                                  \
+    }
+PAD_ROWS(v16, uint4)
+PAD_ROWS(v4, u32)
 
 #define ROWS_BWD(DT, OUT)                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS)                                      \

@@ -215,7 +215,14 @@ fn softmax_kernels_compile() {
     // the machine code (ptxas reports it): a missing one would fail there, not here, without
     // this.
     let reports = kernelpages::gpu::ptxas_report("softmax_rows.cu", SOFTMAX_SRC, "sm_90a").unwrap();
-    let mut names = vec!["pad_rows".to_string(), "unpad_rows".to_string()];
+    let mut names: Vec<String> = [
+        "pad_rows_v16",
+        "unpad_rows_v16",
+        "pad_rows_v4",
+        "unpad_rows_v4",
+    ]
+    .map(String::from)
+    .into();
     for dt in ["bf16", "f16", "f32"] {
         names.push(format!("rowdot_{dt}"));
         names.push(format!("softmax_bwd_rows_{dt}"));

@@ -8,6 +8,7 @@
 // - the backward: dS = P (dP - D) over the P the forward wrote, bit for bit the float32 product
 //   rounded to the dtype for every column below Tkv, and 0 at the padding, with dP's padding
 //   and dS's (P's before the call) NaN.
+// - the padded copies of K and V (pad_rows_t, unpad_rows_t) in both units, at each case's Tkv.
 // Each argument is one case "Tq,Tkv,L,causal" (one head, one batch entry with L keys; the rows
 // are the Tq queries; ld = Tkv rounded up to a multiple of 8). Prints one line per case, then
 // ALL OK or FAILED.
@@ -117,6 +118,55 @@ static int check(int Tq, int Tkv, int L, bool causal) {
     return bad != 0;
 }
 
+// pad_rows_t and unpad_rows_t over 3 heads of Tkv rows of `words` 16-bit words (U = uint4 for
+// 16 words, 8 to a unit; U = u32 otherwise, 2 to a unit), on a grid smaller than the work (2
+// blocks in x, 2 in y for 3 heads) so that both strides run: K and V copied into buffers that
+// hold NaN beforehand (the padding must be written 0); then the buffers overwritten with a
+// pattern (the backward's dK and dV, padding rows included) and copied out to dK and dV, which
+// must get each head's first Tkv rows and nothing else (their tails hold a sentinel).
+template <typename U>
+static int check_pad(int Tkv, int words) {
+    constexpr int per = sizeof(U) / 2;
+    const int heads = 3, ld = (Tkv + 7) / 8 * 8, row = words / per;
+    const size_t n = (size_t)heads * Tkv * words, np = (size_t)heads * ld * words;
+    std::vector<u16> k(n), v(n), kp(np, 0xffff), vp(np, 0xffff);
+    for (size_t i = 0; i < n; ++i) k[i] = (u16)(i * 7 + 1), v[i] = (u16)(i * 13 + 5);
+    const dim3 grid{2, 2, 2};
+    launch(grid, THREADS, [&] {
+        pad_rows_t<U>((const U*)k.data(), (const U*)v.data(), (U*)kp.data(), (U*)vp.data(), heads,
+                      Tkv, ld, row);
+    });
+    int bad = 0;
+    for (int h = 0; h < heads; ++h)
+        for (int r = 0; r < ld; ++r)
+            for (int w = 0; w < words; ++w) {
+                const size_t at = ((size_t)h * ld + r) * words + w, src = ((size_t)h * Tkv + r) * words + w;
+                const u16 wk = r < Tkv ? k[src] : 0, wv = r < Tkv ? v[src] : 0;
+                if ((kp[at] != wk || vp[at] != wv) && bad++ < 3)
+                    std::printf("  pad head %d row %d word %d: %04x %04x, want %04x %04x\n", h, r, w,
+                                kp[at], vp[at], wk, wv);
+            }
+    for (size_t i = 0; i < np; ++i) kp[i] = (u16)(i * 3 + 2), vp[i] = (u16)(i * 5 + 3);
+    std::vector<u16> dk(n + words, 0xabcd), dv(n + words, 0xabcd);
+    launch(grid, THREADS, [&] {
+        unpad_rows_t<U>((const U*)kp.data(), (const U*)vp.data(), (U*)dk.data(), (U*)dv.data(),
+                        heads, Tkv, ld, row);
+    });
+    for (int h = 0; h < heads; ++h)
+        for (int r = 0; r < Tkv; ++r)
+            for (int w = 0; w < words; ++w) {
+                const size_t at = ((size_t)h * Tkv + r) * words + w, src = ((size_t)h * ld + r) * words + w;
+                if ((dk[at] != kp[src] || dv[at] != vp[src]) && bad++ < 6)
+                    std::printf("  unpad head %d row %d word %d: %04x %04x, want %04x %04x\n", h, r,
+                                w, dk[at], dv[at], kp[src], vp[src]);
+            }
+    for (size_t i = n; i < n + words; ++i)
+        if ((dk[i] != 0xabcd || dv[i] != 0xabcd) && bad++ < 8) std::printf("  unpad wrote past dK or dV\n");
+    std::printf("pad and unpad Tkv %d (ld %d), %d words a row in %d-byte units: %s\n", Tkv, ld,
+                words, (int)sizeof(U), bad ? "FAILED" : "ok");
+    return bad != 0;
+}
+
 int main(int argc, char** argv) {
     int fails = argc < 2;
     for (int arg = 1; arg < argc; ++arg) {
@@ -129,6 +179,8 @@ int main(int argc, char** argv) {
         fails += check<0>(Tq, Tkv, L, causal != 0);
         fails += check<1>(Tq, Tkv, L, causal != 0);
         fails += check<2>(Tq, Tkv, L, causal != 0);
+        fails += check_pad<uint4>(Tkv, 16);
+        fails += check_pad<u32>(Tkv, 6);
     }
     if (g_overrun) {
         std::printf("shared memory written past its size\n");

@@ -486,7 +486,7 @@ impl Implementation {
 /// kernels/TUNING.md): the padding columns of S then hold scores of zero keys, which the
 /// softmax masks, and P's are written as 0 (at 9a3c050 the forward then lost 1.6 % at 4092 and
 /// 5.8 % at 4097, forward + backward 17 % and 21 %). The backward's dV and dK products run over
-/// the stride's keys too, into the padded copies, from which `unpad_rows` copies the gradients
+/// the stride's keys too, into the padded copies, from which `unpad_rows_*` copies the gradients
 /// out.
 pub fn math_row_stride(seq_len_kv: usize) -> usize {
     seq_len_kv.div_ceil(8) * 8
@@ -494,8 +494,8 @@ pub fn math_row_stride(seq_len_kv: usize) -> usize {
 
 /// Whether the `math` path runs its GEMMs over keys on zero-padded copies of K and V
 /// ([`MathPad`]): when [`math_row_stride`] is not `seq_len_kv`, and a row of K is a whole number
-/// of 32-bit words (`pad_rows` copies in 32-bit units; an odd head_dim in a 16-bit dtype runs
-/// unpadded).
+/// of 32-bit words (`pad_rows_*` copies in 16-byte or 32-bit units; an odd head_dim in a 16-bit
+/// dtype runs unpadded).
 pub fn math_pads_keys(c: &AttentionCase) -> bool {
     math_row_stride(c.seq_len_kv) != c.seq_len_kv
         && (c.head_dim * c.dtype.words()).is_multiple_of(2)
@@ -508,6 +508,31 @@ fn math_pad_bytes(c: &AttentionCase) -> u64 {
             as u64
     } else {
         0
+    }
+}
+
+/// The unit `pad_rows_*` and `unpad_rows_*` copy the padded K and V in, and a row of K in
+/// those units: `("v16", …)` (16 bytes) when a row is a multiple of 16 bytes, else `("v4", …)`
+/// (32-bit words; [`math_pads_keys`] holds a row a whole number of them).
+fn math_pad_units(c: &AttentionCase) -> (&'static str, usize) {
+    let row_bytes = c.head_dim * c.dtype.bytes();
+    if row_bytes.is_multiple_of(16) {
+        ("v16", row_bytes / 16)
+    } else {
+        ("v4", row_bytes / 4)
+    }
+}
+
+/// The grid of `pad_rows_*` and `unpad_rows_*`: z = 2 (K and V), y over the heads (at most
+/// 65,535; the kernels stride over the rest), x over a head's `units` (256 threads a block) so
+/// that the whole launch has about 16 blocks per SM of a 132-SM card at most.
+fn pad_launch(heads: usize, units: usize) -> LaunchConfig {
+    let y = heads.clamp(1, 65_535);
+    let x = units.div_ceil(256).clamp(1, (132 * 16 / (2 * y)).max(1));
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, 2),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 
@@ -949,14 +974,18 @@ pub enum Runner {
 }
 
 /// K and V copied to `[B·KVH, ld, D]` with ld = [`math_row_stride`]`(Tkv)` and rows Tkv..ld
-/// zero (`pad_rows` in `kernels/softmax_rows.cu`, each call), so that the `math` path's GEMMs run
-/// over ld keys, a multiple of 8, when Tkv is not: the softmax writes P's padding columns as 0,
-/// so the extra keys add nothing.
+/// zero (`pad_rows_*` in `kernels/softmax_rows.cu`, both in one launch each call), so that the
+/// `math` path's GEMMs run over ld keys, a multiple of 8, when Tkv is not: the softmax writes
+/// P's padding columns as 0, so the extra keys add nothing.
 pub struct MathPad {
+    /// `pad_rows_v16` (16-byte units, when a row of K is a multiple of 16 bytes) or
+    /// `pad_rows_v4` (32-bit units).
     pad_rows: CudaFunction,
-    /// The backward's way back: dK and dV, computed over ld keys into `k` and `v`, copied out
-    /// to the case's `[B·KVH, Tkv, D]` gradients, and rows Tkv..ld of `k` and `v` zeroed again.
+    /// The backward's way back (`unpad_rows_*`, same units): dK and dV, computed over ld keys
+    /// into `k` and `v`, copied out to the case's `[B·KVH, Tkv, D]` gradients.
     unpad_rows: CudaFunction,
+    /// A row of K in the kernels' units (16 or 4 bytes each).
+    row_units: i32,
     k: CudaSlice<u16>,
     v: CudaSlice<u16>,
 }
@@ -1241,11 +1270,19 @@ impl Runner {
                     None
                 } else {
                     let words = c.batch * c.kv_heads * ld * c.head_dim * c.dtype.words();
+                    let (unit, row_units) = math_pad_units(c);
                     Some(Box::new(MathPad {
-                        pad_rows: gpu.function(&compiled.module, "pad_rows", 0)?,
-                        unpad_rows: gpu.function(&compiled.module, "unpad_rows", 0)?,
-                        k: gpu.stream.alloc_zeros::<u16>(words)?,
-                        v: gpu.stream.alloc_zeros::<u16>(words)?,
+                        pad_rows: gpu.function(&compiled.module, &format!("pad_rows_{unit}"), 0)?,
+                        unpad_rows: gpu.function(
+                            &compiled.module,
+                            &format!("unpad_rows_{unit}"),
+                            0,
+                        )?,
+                        row_units: row_units as i32,
+                        // SAFETY: pad_rows writes every element (rows and padding) each call
+                        // before a GEMM reads them.
+                        k: unsafe { gpu.stream.alloc::<u16>(words)? },
+                        v: unsafe { gpu.stream.alloc::<u16>(words)? },
                     }))
                 };
                 let bwd = if bwd {
@@ -1476,32 +1513,29 @@ impl Runner {
                 let (keys, kp, vp, _gk, _gv, unpad) = match pad {
                     Some(pad) => {
                         let heads = (c.batch * c.kv_heads) as i64;
-                        let (tkv_i, row_u32) = (tkv_u as i32, (d * c.dtype.words() / 2) as i32);
-                        let units = c.batch * c.kv_heads * tkv_u * d * c.dtype.words() / 2;
-                        let cfg = LaunchConfig {
-                            grid_dim: (units.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
-                            block_dim: (256, 1, 1),
-                            shared_mem_bytes: 0,
-                        };
-                        for (src, dst) in [(&inp.k, &mut pad.k), (&inp.v, &mut pad.v)] {
-                            let mut lb = stream.launch_builder(&pad.pad_rows);
-                            lb.arg(src)
-                                .arg(&mut *dst)
-                                .arg(&heads)
-                                .arg(&tkv_i)
-                                .arg(&ld_i);
-                            lb.arg(&row_u32);
-                            // SAFETY: `pad_rows(const u32* src, u32* dst, long long heads,
-                            // int Tkv, int ld, int row_u32)`: src holds heads·Tkv·D elements of
-                            // the dtype (the case's K or V), dst heads·ld·D (allocated in `new`
-                            // for this case), both 4-byte aligned; a grid-stride loop bounded by
-                            // heads·Tkv·row_u32.
-                            unsafe { lb.launch(cfg)? };
-                        }
+                        let tkv_i = tkv_u as i32;
+                        let cfg = pad_launch(heads as usize, ld * pad.row_units as usize);
+                        let mut lb = stream.launch_builder(&pad.pad_rows);
+                        lb.arg(&inp.k)
+                            .arg(&inp.v)
+                            .arg(&mut pad.k)
+                            .arg(&mut pad.v)
+                            .arg(&heads)
+                            .arg(&tkv_i)
+                            .arg(&ld_i)
+                            .arg(&pad.row_units);
+                        // SAFETY: `pad_rows_*(const U* k, const U* v, U* kp, U* vp, long long
+                        // heads, int Tkv, int ld, int row)` with U the unit `math_pad_units`
+                        // chose for this case (a row of K is `row` whole units): k and v hold
+                        // heads·Tkv·D elements of the dtype (the case's K and V), kp and vp
+                        // heads·ld·D (allocated in `new` for this case), all allocation starts
+                        // (256-byte aligned); z = 2 picks K or V, y strides over heads and x
+                        // over a head's ld·row units.
+                        unsafe { lb.launch(cfg)? };
                         // Written below as well (the backward's dK and dV, unpad_rows).
                         let (pk, gk) = pad.k.device_ptr_mut(&stream);
                         let (pv, gv) = pad.v.device_ptr_mut(&stream);
-                        let unpad = (pad.unpad_rows.clone(), heads, tkv_i, row_u32);
+                        let unpad = (pad.unpad_rows.clone(), heads, tkv_i, pad.row_units);
                         (ld, pk, pv, Some(gk), Some(gv), Some(unpad))
                     }
                     None => (tkv_u, kp, vp, None, None, None),
@@ -1646,32 +1680,23 @@ impl Runner {
                 // padded K copy is written after dQ has read it).
                 unsafe { o_gemm(kp, dqp, scale).run(blas)? };
                 unsafe { dkv_gemm(qp, pp, dk_to, scale).run(blas)? };
-                if let Some((unpad_rows, heads, tkv_i, row_u32)) = unpad {
-                    let cfg = LaunchConfig {
-                        grid_dim: (
-                            (heads as usize * ld * row_u32 as usize)
-                                .div_ceil(256)
-                                .clamp(1, 132 * 16) as u32,
-                            1,
-                            1,
-                        ),
-                        block_dim: (256, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
-                    for (src, dst) in [(kp, dkp), (vp, dvp)] {
-                        let mut lb = stream.launch_builder(&unpad_rows);
-                        lb.arg(&src)
-                            .arg(&dst)
-                            .arg(&heads)
-                            .arg(&tkv_i)
-                            .arg(&ld_i)
-                            .arg(&row_u32);
-                        // SAFETY: `unpad_rows(u32* src, u32* dst, long long heads, int Tkv,
-                        // int ld, int row_u32)`: src is the padded K or V buffer, heads·ld·D
-                        // elements of the dtype, dst the case's dK or dV, heads·Tkv·D; both
-                        // 4-byte aligned; a grid-stride loop bounded by heads·ld·row_u32.
-                        unsafe { lb.launch(cfg)? };
-                    }
+                if let Some((unpad_rows, heads, tkv_i, row_units)) = unpad {
+                    let cfg = pad_launch(heads as usize, tkv_u * row_units as usize);
+                    let mut lb = stream.launch_builder(&unpad_rows);
+                    lb.arg(&kp)
+                        .arg(&vp)
+                        .arg(&dkp)
+                        .arg(&dvp)
+                        .arg(&heads)
+                        .arg(&tkv_i)
+                        .arg(&ld_i)
+                        .arg(&row_units);
+                    // SAFETY: `unpad_rows_*(const U* kp, const U* vp, U* dk, U* dv, long long
+                    // heads, int Tkv, int ld, int row)`, the units as in pad_rows: kp and vp are
+                    // the padded buffers (heads·ld·D elements of the dtype, holding dK and dV),
+                    // dk and dv the case's gradients (heads·Tkv·D), allocation starts; the
+                    // stream orders it after the dK and dV GEMMs.
+                    unsafe { lb.launch(cfg)? };
                 }
                 Ok(())
             }
