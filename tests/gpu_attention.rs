@@ -10,6 +10,7 @@
 
 use std::sync::OnceLock;
 
+use cudarc::driver::CudaSlice;
 use kernelpages::attention::cpu::{
     check_outputs, forward_f64, reference_values, CheckPlan, Inputs, Outputs,
 };
@@ -1429,9 +1430,8 @@ fn flex_backward_matches_float64() {
                         &mut dv,
                     )
                     .expect("backward");
-                    let get = |x: &cudarc::driver::CudaSlice<u16>| {
-                        dtype.decode_all(&gpu.stream.clone_dtoh(x).unwrap())
-                    };
+                    let get =
+                        |x: &CudaSlice<u16>| dtype.decode_all(&gpu.stream.clone_dtoh(x).unwrap());
                     (get(&dq), get(&dk), get(&dv))
                 };
                 let (dq, dk, dv) = run();
@@ -1638,13 +1638,7 @@ fn wgmma_forward_matches_float64() {
         // A first timing (not a measurement for the pages: the runner's protocol does that).
         {
             let (b, h, t) = (4usize, 8usize, 16384usize);
-            let elems = b * h * t * d;
-            let q = gpu.stream.alloc_zeros::<u16>(elems).unwrap();
-            let k = gpu.stream.alloc_zeros::<u16>(elems).unwrap();
-            let v = gpu.stream.alloc_zeros::<u16>(elems).unwrap();
-            let mut o = gpu.stream.alloc_zeros::<u16>(elems).unwrap();
-            let mut lse = gpu.stream.alloc_zeros::<f32>(b * h * t).unwrap();
-            let lens = gpu.stream.clone_htod(&vec![t as i32; b]).unwrap();
+            let (q, k, v, mut o, mut lse, lens) = zero_fwd_buffers(gpu, b, h, t, d);
             for causal in [false, true] {
                 let mut run = || {
                     fwd.launch(
@@ -1754,6 +1748,36 @@ fn hopper_gpu(probe: &str) -> Option<&'static Gpu> {
     }
 }
 
+/// Device buffers for timing a wgmma forward of B·H heads (H = KVH) of `t` queries and keys at
+/// head_dim `d`: Q, K, V, O (bf16 words) and the LSE zero (values do not change the time; zeros
+/// keep every row finite), and every key length `t`.
+#[allow(clippy::type_complexity)]
+fn zero_fwd_buffers(
+    gpu: &Gpu,
+    b: usize,
+    h: usize,
+    t: usize,
+    d: usize,
+) -> (
+    CudaSlice<u16>,
+    CudaSlice<u16>,
+    CudaSlice<u16>,
+    CudaSlice<u16>,
+    CudaSlice<f32>,
+    CudaSlice<i32>,
+) {
+    let elems = b * h * t * d;
+    let zeros = || gpu.stream.alloc_zeros::<u16>(elems).unwrap();
+    (
+        zeros(),
+        zeros(),
+        zeros(),
+        zeros(),
+        gpu.stream.alloc_zeros::<f32>(b * h * t).unwrap(),
+        gpu.stream.clone_htod(&vec![t as i32; b]).unwrap(),
+    )
+}
+
 /// A probe line's name for `c`: `B4 H8:1 T4096 D128` (batch, query heads : kv heads, seq_len_q,
 /// head_dim).
 fn probe_label(c: &AttentionCase) -> String {
@@ -1795,14 +1819,7 @@ fn wgmma_forward_waves_probe() {
     for version in [Sm90Version::V3, Sm90Version::V4] {
         let fwd = HopperForward::with_version(gpu, d, version).expect("wgmma forward");
         for t in [3840usize, 3968, 4032, 4096, 4160, 4224, 4352, 8192] {
-            let elems = b * h * t * d;
-            // Values do not change the time; zeros keep every row finite.
-            let q = gpu.stream.alloc_zeros::<u16>(elems).unwrap();
-            let k = gpu.stream.alloc_zeros::<u16>(elems).unwrap();
-            let v = gpu.stream.alloc_zeros::<u16>(elems).unwrap();
-            let mut o = gpu.stream.alloc_zeros::<u16>(elems).unwrap();
-            let mut lse = gpu.stream.alloc_zeros::<f32>(b * h * t).unwrap();
-            let lens = gpu.stream.clone_htod(&vec![t as i32; b]).unwrap();
+            let (q, k, v, mut o, mut lse, lens) = zero_fwd_buffers(gpu, b, h, t, d);
             for causal in [false, true] {
                 let mut run = || {
                     fwd.launch(
