@@ -1,7 +1,9 @@
 // Row kernels of the "math" attention path (cuBLAS GEMMs do the matrix products):
 // - softmax_rows: P = softmax(S) row by row with the masks, and rows that see no key set to 0;
 // - softmax_bwd_rows: dS = P * (dP - D_row), in place over P (the backward);
-// - rowdot: D_row = sum_d dO * O (the backward's preprocessing).
+// - rowdot: D_row = sum_d dO * O (the backward's preprocessing);
+// - pad_rows_v16/_v4, unpad_rows_v16/_v4: K and V into zero-padded buffers and dK, dV out of
+//   them (below).
 //
 // S and dP: fp32 [rows, ld] with rows = B * H * Tq (S already scaled by the softmax scale in
 // the GEMM that produced it); P and dS: the case's dtype (bf16, fp16 or fp32; OUT = 0, 1, 2),
@@ -9,7 +11,7 @@
 // columns: ld is Tkv rounded up to a multiple of 8, so that every row of S and P starts on a
 // 16-byte boundary whatever Tkv is (cuBLAS's tensor-core GEMMs over P and the 16-byte loads
 // here need it). When Tkv is not a multiple of 8 the GEMMs also run over ld keys, on K and V
-// copied into zero-padded buffers (pad_rows): cuBLAS's aligned kernels want the contiguous
+// copied into zero-padded buffers (pad_rows_*): cuBLAS's aligned kernels want the contiguous
 // extent of each operand, here the key count of P, a multiple of 8 elements too.
 // Row r is query i = r % Tq of head (r / Tq) % H of batch entry b = r / (Tq * H); that entry
 // has L = kv_lens[b] valid keys and, with CAUSAL, query i sees key j iff j <= i + L - Tq
@@ -276,12 +278,14 @@ __device__ __forceinline__ void unpad_rows_t(const U* __restrict__ kp, const U* 
 
 #define PAD_ROWS(SUFFIX, U)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS)                                      \
-        pad_rows_##SUFFIX(const U* k, const U* v, U* kp, U* vp, long long heads, int Tkv,      \
+        pad_rows_##SUFFIX(const U* __restrict__ k, const U* __restrict__ v,                   \
+                          U* __restrict__ kp, U* __restrict__ vp, long long heads, int Tkv,    \
                           int ld, int row) {                                                   \
         pad_rows_t<U>(k, v, kp, vp, heads, Tkv, ld, row);                                      \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(THREADS)                                      \
-        unpad_rows_##SUFFIX(const U* kp, const U* vp, U* dk, U* dv, long long heads, int Tkv,  \
+        unpad_rows_##SUFFIX(const U* __restrict__ kp, const U* __restrict__ vp,               \
+                            U* __restrict__ dk, U* __restrict__ dv, long long heads, int Tkv,  \
                             int ld, int row) {                                                 \
         unpad_rows_t<U>(kp, vp, dk, dv, heads, Tkv, ld, row);                                  \
     }

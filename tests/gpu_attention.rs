@@ -246,8 +246,9 @@ fn math_matches_float64_on_every_shape() {
             let mut cases = shapes(dtype, pass);
             // Odd head dims (math takes any): 65 keys run on zero-padded K and V copies in
             // fp32 only (`math_pads_keys`: a 16-bit row of 65 elements is not whole 32-bit
-            // words), 72 keys on none.
-            for (t, d) in [(65, 65), (72, 65)] {
+            // words; copied in 4-byte units), 72 keys on none; head_dim 36 pads in 4-byte units
+            // in every dtype (a 72-byte row in bf16 and fp16, 144 bytes in fp32: 16-byte units).
+            for (t, d) in [(65, 65), (72, 65), (65, 36)] {
                 cases.push(AttentionCase {
                     dtype,
                     pass,

@@ -673,7 +673,9 @@ fn moe_dispatch_emulated_matches_the_reference() {
 /// columns of S and dP holding NaN beforehand. Key counts that are and are not multiples of 8
 /// (so of the 4-wide vectors), more than one pass of 256 threads over a row, key lengths below
 /// the key count (0 included), bottom-right causal with more queries than keys (rows that see
-/// no key) and fewer.
+/// no key) and fewer. At each key count also the padded K and V copies (`pad_rows_*`,
+/// `unpad_rows_*`) in 16-byte and 4-byte units on a grid smaller than the work: rows copied,
+/// padding rows written 0 over NaN, dK and dV copied out, nothing written past any buffer.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn math_row_kernels_emulated_match_float64() {

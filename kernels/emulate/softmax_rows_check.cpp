@@ -129,7 +129,8 @@ static int check_pad(int Tkv, int words) {
     constexpr int per = sizeof(U) / 2;
     const int heads = 3, ld = (Tkv + 7) / 8 * 8, row = words / per;
     const size_t n = (size_t)heads * Tkv * words, np = (size_t)heads * ld * words;
-    std::vector<u16> k(n), v(n), kp(np, 0xffff), vp(np, 0xffff);
+    // One row of sentinels past each padded buffer: a write past it is an error.
+    std::vector<u16> k(n), v(n), kp(np + words, 0xffff), vp(np + words, 0xffff);
     for (size_t i = 0; i < n; ++i) k[i] = (u16)(i * 7 + 1), v[i] = (u16)(i * 13 + 5);
     const dim3 grid{2, 2, 2};
     launch(grid, THREADS, [&] {
@@ -146,6 +147,8 @@ static int check_pad(int Tkv, int words) {
                     std::printf("  pad head %d row %d word %d: %04x %04x, want %04x %04x\n", h, r, w,
                                 kp[at], vp[at], wk, wv);
             }
+    for (size_t i = np; i < np + words; ++i)
+        if ((kp[i] != 0xffff || vp[i] != 0xffff) && bad++ < 4) std::printf("  pad wrote past Kp or Vp\n");
     for (size_t i = 0; i < np; ++i) kp[i] = (u16)(i * 3 + 2), vp[i] = (u16)(i * 5 + 3);
     std::vector<u16> dk(n + words, 0xabcd), dv(n + words, 0xabcd);
     launch(grid, THREADS, [&] {

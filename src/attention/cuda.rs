@@ -524,8 +524,9 @@ fn math_pad_units(c: &AttentionCase) -> (&'static str, usize) {
 }
 
 /// The grid of `pad_rows_*` and `unpad_rows_*`: z = 2 (K and V), y over the heads (at most
-/// 65,535; the kernels stride over the rest), x over a head's `units` (256 threads a block) so
-/// that the whole launch has about 16 blocks per SM of a 132-SM card at most.
+/// 65,535; the kernels stride over the rest), x over a head's `units` (256 threads a block),
+/// capped so that x · y · 2 ≤ 2,112 (16 blocks for each SM of a 132-SM card) while heads ≤
+/// 1,056; past that x is 1 and the launch has 2 · y blocks.
 fn pad_launch(heads: usize, units: usize) -> LaunchConfig {
     let y = heads.clamp(1, 65_535);
     let x = units.div_ceil(256).clamp(1, (132 * 16 / (2 * y)).max(1));
@@ -1508,8 +1509,8 @@ impl Runner {
                 let (vp, _g3) = inp.v.device_ptr(&stream);
                 // The key count the GEMMs over keys run on, and the K and V they read: ld
                 // and the padded copies when Tkv is not a multiple of 8, else Tkv and the inputs.
-                // With the padding also how the backward copies dK and dV back (`unpad_rows`, its
-                // arguments and grid).
+                // With the padding also how the backward copies dK and dV back (`unpad_rows_*`,
+                // its function and arguments).
                 let (keys, kp, vp, _gk, _gv, unpad) = match pad {
                     Some(pad) => {
                         let heads = (c.batch * c.kv_heads) as i64;
@@ -1532,7 +1533,7 @@ impl Runner {
                         // (256-byte aligned); z = 2 picks K or V, y strides over heads and x
                         // over a head's ld·row units.
                         unsafe { lb.launch(cfg)? };
-                        // Written below as well (the backward's dK and dV, unpad_rows).
+                        // Written below as well (the backward's dK and dV, unpad_rows_*).
                         let (pk, gk) = pad.k.device_ptr_mut(&stream);
                         let (pv, gv) = pad.v.device_ptr_mut(&stream);
                         let unpad = (pad.unpad_rows.clone(), heads, tkv_i, pad.row_units);
@@ -1707,6 +1708,25 @@ impl Runner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_math_pad_copies_pick_their_units_and_grid() {
+        let case = |d, dtype| AttentionCase {
+            dtype,
+            ..AttentionCase::new(1, 1, 65, d)
+        };
+        assert_eq!(math_pad_units(&case(64, Dtype::Bf16)), ("v16", 8));
+        assert_eq!(math_pad_units(&case(6, Dtype::Bf16)), ("v4", 3));
+        assert_eq!(math_pad_units(&case(36, Dtype::F16)), ("v4", 18));
+        assert_eq!(math_pad_units(&case(4, Dtype::F32)), ("v16", 1));
+        assert_eq!(math_pad_units(&case(65, Dtype::F32)), ("v4", 65));
+        // Heads past the grid's y limit are strided over; x shrinks as heads grow.
+        let g = pad_launch(70_000, 1000).grid_dim;
+        assert_eq!(g, (1, 65_535, 2));
+        assert_eq!(pad_launch(1, 1_000_000).grid_dim, (1056, 1, 2));
+        assert_eq!(pad_launch(24, 4096 * 8).grid_dim, (44, 24, 2));
+        assert_eq!(pad_launch(2, 3).grid_dim, (1, 2, 2));
+    }
 
     #[test]
     fn the_math_rows_start_on_16_bytes_for_every_key_length() {
