@@ -1639,21 +1639,9 @@ fn wgmma_forward_matches_float64() {
         // A first timing (not a measurement for the pages: the runner's protocol does that).
         {
             let (b, h, t) = (4usize, 8usize, 16384usize);
-            let (q, k, v, mut o, mut lse, lens) = zero_fwd_buffers(gpu, b, h, t, d);
+            let mut bufs = ZeroFwd::new(gpu, b, h, t, d);
             for causal in [false, true] {
-                let mut run = || {
-                    fwd.launch(
-                        gpu,
-                        (b, h, h, t, t),
-                        (&q, &k, &v),
-                        &lens,
-                        causal,
-                        (d as f64).powf(-0.5),
-                        &mut o,
-                        &mut lse,
-                    )
-                    .unwrap()
-                };
+                let mut run = || bufs.launch(gpu, &fwd, causal);
                 run();
                 gpu.stream.synchronize().unwrap();
                 let t0 = std::time::Instant::now();
@@ -1752,31 +1740,51 @@ fn hopper_gpu(probe: &str) -> Option<&'static Gpu> {
 /// Device buffers for timing a wgmma forward of B·H heads (H = KVH) of `t` queries and keys at
 /// head_dim `d`: Q, K, V, O (bf16 words) and the LSE zero (values do not change the time; zeros
 /// keep every row finite), and every key length `t`.
-#[allow(clippy::type_complexity)]
-fn zero_fwd_buffers(
-    gpu: &Gpu,
-    b: usize,
-    h: usize,
-    t: usize,
-    d: usize,
-) -> (
-    CudaSlice<u16>,
-    CudaSlice<u16>,
-    CudaSlice<u16>,
-    CudaSlice<u16>,
-    CudaSlice<f32>,
-    CudaSlice<i32>,
-) {
-    let elems = b * h * t * d;
-    let zeros = || gpu.stream.alloc_zeros::<u16>(elems).unwrap();
-    (
-        zeros(),
-        zeros(),
-        zeros(),
-        zeros(),
-        gpu.stream.alloc_zeros::<f32>(b * h * t).unwrap(),
-        gpu.stream.clone_htod(&vec![t as i32; b]).unwrap(),
-    )
+struct ZeroFwd {
+    shape: (usize, usize, usize, usize),
+    q: CudaSlice<u16>,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    o: CudaSlice<u16>,
+    lse: CudaSlice<f32>,
+    lens: CudaSlice<i32>,
+}
+
+impl ZeroFwd {
+    fn new(gpu: &Gpu, b: usize, h: usize, t: usize, d: usize) -> ZeroFwd {
+        let elems = b * h * t * d;
+        let zeros = || gpu.stream.alloc_zeros::<u16>(elems).unwrap();
+        ZeroFwd {
+            shape: (b, h, t, d),
+            q: zeros(),
+            k: zeros(),
+            v: zeros(),
+            o: zeros(),
+            lse: gpu.stream.alloc_zeros::<f32>(b * h * t).unwrap(),
+            lens: gpu.stream.clone_htod(&vec![t as i32; b]).unwrap(),
+        }
+    }
+
+    /// One launch of `fwd` on these buffers (scale 1/√head_dim).
+    fn launch(
+        &mut self,
+        gpu: &Gpu,
+        fwd: &kernelpages::attention::sm90::HopperForward,
+        causal: bool,
+    ) {
+        let (b, h, t, d) = self.shape;
+        fwd.launch(
+            gpu,
+            (b, h, h, t, t),
+            (&self.q, &self.k, &self.v),
+            &self.lens,
+            causal,
+            (d as f64).powf(-0.5),
+            &mut self.o,
+            &mut self.lse,
+        )
+        .unwrap()
+    }
 }
 
 /// A probe line's name for `c`: `B4 H8:1 T4096 D128` (batch, query heads : kv heads, seq_len_q,
@@ -1820,21 +1828,9 @@ fn wgmma_forward_waves_probe() {
     for version in [Sm90Version::V3, Sm90Version::V4] {
         let fwd = HopperForward::with_version(gpu, d, version).expect("wgmma forward");
         for t in [3840usize, 3968, 4032, 4096, 4160, 4224, 4352, 8192] {
-            let (q, k, v, mut o, mut lse, lens) = zero_fwd_buffers(gpu, b, h, t, d);
+            let mut bufs = ZeroFwd::new(gpu, b, h, t, d);
             for causal in [false, true] {
-                let mut run = || {
-                    fwd.launch(
-                        gpu,
-                        (b, h, h, t, t),
-                        (&q, &k, &v),
-                        &lens,
-                        causal,
-                        (d as f64).powf(-0.5),
-                        &mut o,
-                        &mut lse,
-                    )
-                    .unwrap()
-                };
+                let mut run = || bufs.launch(gpu, &fwd, causal);
                 for _ in 0..5 {
                     run();
                 }
