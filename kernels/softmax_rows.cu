@@ -229,51 +229,52 @@ SOFTMAX(softmax_rows_f16_causal, 1, true)
 SOFTMAX(softmax_rows_f32_full, 2, false)
 SOFTMAX(softmax_rows_f32_causal, 2, true)
 
-// K and V [heads][Tkv][D] into the padded Kp and Vp [heads][ld][D] in one launch (z = 0: K,
-// z = 1: V): each head's Tkv rows copied and rows Tkv..ld-1 written 0, so the GEMMs can run
-// over ld keys, a multiple of 8, when Tkv is not, and whatever the previous call's backward
-// left in the padding rows (its dK and dV go there) is zero again. A row is `row` units of U:
-// 16 bytes (uint4) when a row of K is a multiple of 16 bytes, else 4 (u32; the host calls it
-// only when a row is a whole number of 32-bit words). Blocks stride over heads in y and over a
-// head's ld * row units in x: no 64-bit division per element.
+// Each head's rows between [heads][Tkv][D] and the padded [heads][ld][D], K's (z = 0) and V's
+// (z = 1) in one launch, in units of U: 16 bytes (uint4) when a row of K is a multiple of 16
+// bytes, else 4 (u32; the host pads only when a row is a whole number of 32-bit words). Head
+// h's first `kept` units go from src + h * src_head to dst + h * dst_head, and units kept ..
+// filled - 1 of dst's head are written 0. Blocks stride over heads in y and over a head's
+// units in x: no 64-bit division per element.
 template <typename U>
-__device__ __forceinline__ void pad_rows_t(const U* __restrict__ k, const U* __restrict__ v,
-                                           U* __restrict__ kp, U* __restrict__ vp,
-                                           long long heads, int Tkv, int ld, int row) {
+__device__ __forceinline__ void copy_rows_t(const U* __restrict__ k, const U* __restrict__ v,
+                                            U* __restrict__ dk, U* __restrict__ dv,
+                                            long long heads, long long src_head,
+                                            long long dst_head, long long kept,
+                                            long long filled) {
     const U* src = blockIdx.z == 0 ? k : v;
-    U* dst = blockIdx.z == 0 ? kp : vp;
-    const long long kept = (long long)Tkv * row, per_head = (long long)ld * row;
+    U* dst = blockIdx.z == 0 ? dk : dv;
     const U zero{};
     for (long long h = blockIdx.y; h < heads; h += gridDim.y) {
-        const U* s = src + h * kept;
-        U* d = dst + h * per_head;
-        for (long long j = (long long)blockIdx.x * THREADS + threadIdx.x; j < per_head;
+        const U* s = src + h * src_head;
+        U* d = dst + h * dst_head;
+        for (long long j = (long long)blockIdx.x * THREADS + threadIdx.x; j < filled;
              j += (long long)gridDim.x * THREADS) {
             d[j] = j < kept ? s[j] : zero;
         }
     }
 }
 
-// The backward's dK and dV run over ld keys too (their output rows are the keys, P's and dS's
-// contiguous extent), into the padded buffers [heads][ld][D] (pad_rows's, free by then):
-// unpad_rows copies each head's first Tkv rows of both into dK and dV [heads][Tkv][D] in one
-// launch (z as in pad_rows). The padding rows are left as they are: the next call's pad_rows
-// zeroes them. Same units and block layout as pad_rows, over each head's Tkv * row units.
+// pad_rows: K and V into the padded Kp and Vp, rows Tkv..ld-1 written 0, so the GEMMs can run
+// over ld keys, a multiple of 8, when Tkv is not, and whatever the previous call's backward
+// left in the padding rows (its dK and dV go there) is zero again. `row`: units a row.
+template <typename U>
+__device__ __forceinline__ void pad_rows_t(const U* __restrict__ k, const U* __restrict__ v,
+                                           U* __restrict__ kp, U* __restrict__ vp,
+                                           long long heads, int Tkv, int ld, int row) {
+    const long long kept = (long long)Tkv * row, per_head = (long long)ld * row;
+    copy_rows_t<U>(k, v, kp, vp, heads, kept, per_head, kept, per_head);
+}
+
+// unpad_rows: the backward's dK and dV run over ld keys too (their output rows are the keys,
+// P's and dS's contiguous extent), into the padded buffers (pad_rows's, free by then); each
+// head's first Tkv rows of both are copied out to dK and dV [heads][Tkv][D]. The padding rows
+// are left as they are: the next call's pad_rows zeroes them.
 template <typename U>
 __device__ __forceinline__ void unpad_rows_t(const U* __restrict__ kp, const U* __restrict__ vp,
                                              U* __restrict__ dk, U* __restrict__ dv,
                                              long long heads, int Tkv, int ld, int row) {
-    const U* src = blockIdx.z == 0 ? kp : vp;
-    U* dst = blockIdx.z == 0 ? dk : dv;
     const long long kept = (long long)Tkv * row, per_head = (long long)ld * row;
-    for (long long h = blockIdx.y; h < heads; h += gridDim.y) {
-        const U* s = src + h * per_head;
-        U* d = dst + h * kept;
-        for (long long j = (long long)blockIdx.x * THREADS + threadIdx.x; j < kept;
-             j += (long long)gridDim.x * THREADS) {
-            d[j] = s[j];
-        }
-    }
+    copy_rows_t<U>(kp, vp, dk, dv, heads, per_head, kept, kept, kept);
 }
 
 #define PAD_ROWS(SUFFIX, U)                                                                     \
