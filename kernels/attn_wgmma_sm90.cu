@@ -553,6 +553,31 @@ __device__ __forceinline__ void ws_pv(float (&of)[D / 2], const u32 (&pa)[BC / 1
 }
 
 
+// store_rows for one part of a split tile: the output normalised over the part's keys, fp32
+// (o_out: rows of D floats), and its log-sum-exp in the log2 domain (-inf where the part saw
+// no key of the row, the output 0); rows at or past `rows` are not written.
+template <int DT>
+__device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const float (&m_run)[1][2],
+                                               const float (&l_run)[1][2], float* o_out,
+                                               float* lse_out, int row0, int rows, int g, int t4) {
+    constexpr int D = 8 * DT;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_run[0][r];
+        l += __shfl_xor_sync(0xffffffff, l, 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = row0 + g + r * 8;
+        if (row < rows) {
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<float2*>(o_out + (size_t)row * D + dt * 8 + 2 * t4) =
+                    make_float2(o[0][dt][2 * r] * inv, o[0][dt][2 * r + 1] * inv);
+            if (t4 == 0) lse_out[row] = l > 0.f ? m_run[0][r] + log2f(l) : NEG_INF;
+        }
+    }
+}
+
 // Attention forward on wgmma, v2 to v5 (issue 11; bf16, head_dim 64 or 128): 1 + NC
 // warpgroups per 64 NC-row query tile. Warpgroup 0 is the producer: it gives up registers
 // (setmaxnreg) and one of its threads brings Q once and K and V tiles (BC keys) through ST
@@ -577,7 +602,9 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
                                                  const TmaMap* tv, u16* __restrict__ O,
                                                  float* __restrict__ LSE,
                                                  const int* __restrict__ kv_lens, int Tq,
-                                                 int Tkv, int H, int KVH, float scale_log2) {
+                                                 int Tkv, int H, int KVH, float scale_log2,
+                                                 int whole, int parts, float* __restrict__ Opart,
+                                                 float* __restrict__ Lpart) {
     using P = WsPlan<D, BC, ST, NC>;
     constexpr int PANELS = D / 64, DT = D / 8, NT = BC / 8, BR = 64 * NC;
     const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
@@ -587,8 +614,25 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
     auto empty_k = [&](int s) { return base + P::BARS + 8u * (3 + 4 * s); };
     auto empty_v = [&](int s) { return base + P::BARS + 8u * (4 + 4 * s); };
     const int tid = threadIdx.x, wg = tid >> 7;
-    const int qt = PIPE && CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
+    // Tiles are numbered (b * H + h) * qtiles + qt. parts = 0: the grid is (qtiles, H, B).
+    // parts > 0 (the tail split, not causal): a 1-D grid, CTA i < whole takes tile i over all its
+    // keys and CTA whole + j part j % parts of tile whole + j / parts.
+    int qt, h, b, split = -1;
+    if (parts == 0) {
+        qt = PIPE && CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+        h = blockIdx.y;
+        b = blockIdx.z;
+    } else {
+        const int qtiles = (Tq + BR - 1) / BR;
+        int tile = blockIdx.x;
+        if (tile >= whole) {
+            split = tile - whole;
+            tile = whole + split / parts;
+        }
+        qt = tile % qtiles;
+        h = (tile / qtiles) % H;
+        b = tile / (qtiles * H);
+    }
     const int kvh = h / (H / KVH);
     const int L = min(kv_lens[b], Tkv);
     const int off = L - Tq;
@@ -596,6 +640,13 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
     const int rows_cta = min(BR, Tq - q0);
     int n_kt = (L + BC - 1) / BC;
     if (CAUSAL) n_kt = q0 + rows_cta - 1 + off < 0 ? 0 : min(n_kt, (q0 + rows_cta - 1 + off) / BC + 1);
+    // A part of a split tile takes key tiles kt0 .. kt0 + n_kt - 1 (possibly none).
+    int kt0 = 0;
+    if (split >= 0) {
+        const int p = split % parts;
+        kt0 = n_kt * p / parts;
+        n_kt = n_kt * (p + 1) / parts - kt0;
+    }
 
     if (tid == 0) {
         mbar_init(bar_q, 1);
@@ -633,13 +684,13 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
                     tma_load_3d(base + P::K + s * P::KV_TILE + p * BC * 128, tk, full_k(s), 64 * p,
-                                it * BC, b * KVH + kvh);
+                                (kt0 + it) * BC, b * KVH + kvh);
                 if (it >= ST) mbar_wait(empty_v(s), ph);
                 mbar_expect_tx(full_v(s), P::KV_TILE);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p)
                     tma_load_3d(base + P::V + s * P::KV_TILE + p * BC * 128, tv, full_v(s), 64 * p,
-                                it * BC, b * KVH + kvh);
+                                (kt0 + it) * BC, b * KVH + kvh);
             }
         }
         return;
@@ -681,7 +732,8 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             wgmma_commit();
             wgmma_wait<0>();
             mbar_arrive(empty_k(it % ST));
-            ws_mask<NT, CAUSAL>(s, it * BC, L, off, row0, edge_at(it * BC), g, t4);
+            ws_mask<NT, CAUSAL>(s, (kt0 + it) * BC, L, off, row0, edge_at((kt0 + it) * BC), g,
+                                t4);
             ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
             ws_rescale<DT>(o, alpha);
             pack_p<NT>(s, pa);
@@ -700,7 +752,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         wgmma_commit();
         wgmma_wait<0>();
         mbar_arrive(empty_k(0));
-        ws_mask<NT, CAUSAL>(s, 0, L, off, row0, edge_at(0), g, t4);
+        ws_mask<NT, CAUSAL>(s, kt0 * BC, L, off, row0, edge_at(kt0 * BC), g, t4);
         ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
         pack_p<NT>(s, pa);
         for (int it = 1; it < n_kt; ++it) {
@@ -714,7 +766,8 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             wgmma_commit();
             wgmma_wait<1>();  // S of tile it has landed; P V of tile it-1 may be in flight
             mbar_arrive(empty_k(it % ST));
-            ws_mask<NT, CAUSAL>(s, it * BC, L, off, row0, edge_at(it * BC), g, t4);
+            ws_mask<NT, CAUSAL>(s, (kt0 + it) * BC, L, off, row0, edge_at((kt0 + it) * BC), g,
+                                t4);
             ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
             wgmma_wait<0>();  // P V of tile it-1 has landed: O and pa are free
             mbar_arrive(empty_v(prev % ST));
@@ -729,25 +782,81 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         wgmma_wait<0>();
         mbar_arrive(empty_v(last % ST));
     }
-    if (rows_w > 0)
+    if (rows_w > 0 && split >= 0)
+        store_rows_f32<DT>(o, m_run, l_run, Opart + ((size_t)split * BR + 64 * c) * D,
+                           Lpart + (size_t)split * BR + 64 * c, 16 * warp, rows_w, g, t4);
+    else if (rows_w > 0)
         store_rows<1, DT, KP_WG_BF16>(o, m_run, l_run, O + ((size_t)(b * H + h) * Tq + q0w) * D,
                                 LSE + (size_t)(b * H + h) * Tq + q0w, 16 * warp, rows_w, g, t4);
+}
+
+// The tail split's combine (attn_fwd_sm90_ws with parts > 0), one warp per row of the split
+// tiles (tail of them, BR rows each): row r of split tile j (tile whole + j) merges its parts'
+// normalised outputs Opart [tail][parts][BR][D] f32 with weights 2^(Lpart - m) / sum, where
+// Lpart [tail][parts][BR] is each part's log2-domain log-sum-exp (-inf for a part that saw no
+// key of the row) and m their maximum: O (bf16/fp16) and LSE (natural log; O = 0 and LSE = +inf
+// for a row that saw no key), as the unsplit kernel writes them. Rows past Tq are skipped.
+template <int D, int BR>
+__device__ __forceinline__ void fwd_tail_combine(const float* __restrict__ Opart,
+                                                 const float* __restrict__ Lpart,
+                                                 u16* __restrict__ O, float* __restrict__ LSE,
+                                                 int whole, int parts, int tail, int Tq) {
+    constexpr int CPL = D / 32;  // columns per lane: 2 or 4
+    const int wid = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31;
+    if (wid >= tail * BR) return;
+    const int j = wid / BR, r = wid % BR;
+    const int qtiles = (Tq + BR - 1) / BR, tile = whole + j;
+    const int row = (tile % qtiles) * BR + r;
+    if (row >= Tq) return;
+    const size_t out_row = (size_t)(tile / qtiles) * Tq + row;  // (b * H + h) * Tq + row
+    float lp[4], m = NEG_INF;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        lp[p] = p < parts ? Lpart[(size_t)(j * parts + p) * BR + r] : NEG_INF;
+        m = fmaxf(m, lp[p]);
+    }
+    float acc[CPL] = {};
+    float total = 0.f;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const float w = m == NEG_INF || p >= parts ? 0.f : fast_exp2(lp[p] - m);
+        total += w;
+        if (w == 0.f) continue;
+        const float* src = Opart + ((size_t)(j * parts + p) * BR + r) * D + lane * CPL;
+#pragma unroll
+        for (int e = 0; e < CPL; ++e) acc[e] += w * src[e];
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    u16* dst = O + out_row * D + lane * CPL;
+#pragma unroll
+    for (int e = 0; e < CPL; e += 2)
+        *reinterpret_cast<u32*>(dst + e) = pack2<KP_WG_BF16>(acc[e] * inv, acc[e + 1] * inv);
+    if (lane == 0) LSE[out_row] = m == NEG_INF ? POS_INF : (m + log2f(total)) * LN2;
 }
 
 // Keys per tile of attn_fwd_sm90_ws (the host's WS_KEYS agrees).
 #define WS_BC 128
 
+// Each version's entry NAME and its tail split's combine NAME_combine (256 threads a CTA).
 #define WS_ENTRY(NAME, D, NC, ST, PIPE)                                                         \
     extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1)                             \
         NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,              \
              const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens, int Tq, \
-             int Tkv, int H, int KVH, float scale_log2, int causal) {                          \
+             int Tkv, int H, int KVH, float scale_log2, int causal, int whole, int parts,       \
+             float* Opart, float* Lpart) {                                                      \
         if (causal)                                                                             \
             attn_fwd_sm90_ws<D, WS_BC, ST, NC, true, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,      \
-                                                              Tq, Tkv, H, KVH, scale_log2);     \
+                                                              Tq, Tkv, H, KVH, scale_log2,      \
+                                                              whole, parts, Opart, Lpart);      \
         else                                                                                    \
             attn_fwd_sm90_ws<D, WS_BC, ST, NC, false, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,     \
-                                                               Tq, Tkv, H, KVH, scale_log2);    \
+                                                               Tq, Tkv, H, KVH, scale_log2,     \
+                                                               whole, parts, Opart, Lpart);     \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256)                                           \
+        NAME##_combine(const float* Opart, const float* Lpart, u16* O, float* LSE, int whole,   \
+                       int parts, int tail, int Tq) {                                           \
+        fwd_tail_combine<D, 64 * NC>(Opart, Lpart, O, LSE, whole, parts, tail, Tq);             \
     }
 
 // v2: attn_fwd_sm90_ws_d*; v3 (the intra-warpgroup overlap): attn_fwd_sm90_wsp_d*; v4 (v3

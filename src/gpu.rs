@@ -547,6 +547,17 @@ impl Gpu {
         use cudarc::driver::sys::CUdevice_attribute as A;
         Ok(self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as u64)
     }
+
+    /// Streaming multiprocessors on the device (132 on the H100 SXM and the H200).
+    ///
+    /// # Errors
+    /// The driver's, when the attribute cannot be read.
+    pub fn sm_count(&self) -> Result<usize, GpuError> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        Ok(self
+            .ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize)
+    }
 }
 
 /// Environment variable naming a folder that keeps compiled kernels between the processes of

@@ -1579,7 +1579,7 @@ fn wgmma_forward_matches_float64() {
         .chain([(Sm90Version::V4, 64), (Sm90Version::V5, 128)])
         .flat_map(|(v, d)| [(Dtype::Bf16, v, d), (Dtype::F16, v, d)])
     {
-        let fwd = HopperForward::with_dtype(gpu, d, version, dtype).expect("wgmma forward");
+        let mut fwd = HopperForward::with_dtype(gpu, d, version, dtype).expect("wgmma forward");
         for (tq, tkv, len1) in [
             (64, 64, 64),
             (200, 200, 200),
@@ -1641,7 +1641,7 @@ fn wgmma_forward_matches_float64() {
             let (b, h, t) = (4usize, 8usize, 16384usize);
             let mut bufs = ZeroFwd::new(gpu, b, h, t, d);
             for causal in [false, true] {
-                let mut run = || bufs.launch(gpu, &fwd, causal);
+                let mut run = || bufs.launch(gpu, &mut fwd, causal);
                 run();
                 gpu.stream.synchronize().unwrap();
                 let t0 = std::time::Instant::now();
@@ -1769,7 +1769,7 @@ impl ZeroFwd {
     fn launch(
         &mut self,
         gpu: &Gpu,
-        fwd: &kernelpages::attention::sm90::HopperForward,
+        fwd: &mut kernelpages::attention::sm90::HopperForward,
         causal: bool,
     ) {
         let (b, h, t, d) = self.shape;
@@ -1811,10 +1811,13 @@ fn causal_grouped(
 /// there, 1.0–1.05× at 16384): V4's 192-row tiles make 4,096 queries 21⅓ tiles a head, so B4 H8
 /// launches 704 CTAs, 5.33 waves of one CTA per SM on a 132-SM card. The probe times the
 /// forward alone (CUDA events around 20 back-to-back launches, after 5) at B4 H8 D64 for V3
-/// (128-row tiles) and V4 at seq_len 3840 to 4352 and at 8192, full and causal, and prints
-/// TFLOP/s beside the CTA count and waves: if the tiling is the limit, V4's time steps with
-/// ⌈waves⌉ (4032 = 21 whole tiles, 672 CTAs, 5.09 waves, should take about what 4096 takes)
-/// rather than with the work. Printed, not asserted; run on the GPU machine with `--ignored`.
+/// (128-row tiles) and V4 at seq_len 3840 to 4352 and at 8192, and at D128 for V3 at 4096,
+/// 8192 and 16384: full masks without and with the tail split (`sm90::fwd_tail_split`, which
+/// spreads a short last wave's tiles over their keys), causal without. It prints TFLOP/s beside
+/// the CTA count, the waves and the split: if the tiling is the limit, the unsplit time steps
+/// with ⌈waves⌉ (4032 = 21 whole tiles, 672 CTAs, 5.09 waves, should take about what 4096
+/// takes) rather than with the work, and the split recovers most of the difference. Printed,
+/// not asserted; run on the GPU machine with `--ignored`.
 #[test]
 #[ignore = "a GPU probe (timings printed, not asserted): run it on the GPU machine with --ignored"]
 fn wgmma_forward_waves_probe() {
@@ -1822,15 +1825,25 @@ fn wgmma_forward_waves_probe() {
     let Some(gpu) = hopper_gpu("wgmma forward waves") else {
         return;
     };
-    let sms = gpu.describe().unwrap().sm_count.map_or(1, |n| n as usize);
-    let (b, h, d) = (4usize, 8usize, 64usize);
+    let sms = gpu.sm_count().unwrap();
+    let (b, h) = (4usize, 8usize);
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    for version in [Sm90Version::V3, Sm90Version::V4] {
-        let fwd = HopperForward::with_version(gpu, d, version).expect("wgmma forward");
-        for t in [3840usize, 3968, 4032, 4096, 4160, 4224, 4352, 8192] {
+    let d64: &[usize] = &[3840, 3968, 4032, 4096, 4160, 4224, 4352, 8192];
+    for (version, d, lens) in [
+        (Sm90Version::V3, 64usize, d64),
+        (Sm90Version::V4, 64, d64),
+        (Sm90Version::V3, 128, &[4096, 8192, 16384][..]),
+    ] {
+        let mut fwd = HopperForward::with_version(gpu, d, version).expect("wgmma forward");
+        for &t in lens {
             let mut bufs = ZeroFwd::new(gpu, b, h, t, d);
-            for causal in [false, true] {
-                let mut run = || bufs.launch(gpu, &fwd, causal);
+            for (causal, split) in [(false, false), (false, true), (true, false)] {
+                fwd.set_tail_split(split);
+                let plan = fwd.tail_plan((b, h, t, t), causal);
+                if split && plan.is_none() {
+                    continue;
+                }
+                let mut run = || bufs.launch(gpu, &mut fwd, causal);
                 for _ in 0..5 {
                     run();
                 }
@@ -1847,15 +1860,167 @@ fn wgmma_forward_waves_probe() {
                 let flops = 4.0 * (b * h * t * t * d) as f64 / if causal { 2.0 } else { 1.0 };
                 let ctas = t.div_ceil(version.rows()) * b * h;
                 println!(
-                    "forward waves {version:?} B{b} H{h} T{t} D{d} {}: {ms:.4} ms, {:.1} TFLOP/s, \
-                     {ctas} CTAs, {:.2} waves of {sms}",
+                    "forward waves {version:?} B{b} H{h} T{t} D{d} {}{}: {ms:.4} ms, {:.1} \
+                     TFLOP/s, {ctas} CTAs, {:.2} waves of {sms}",
                     if causal { "causal" } else { "full" },
+                    plan.map_or(String::new(), |(whole, parts)| format!(
+                        ", last {} tiles split in {parts}",
+                        ctas - whole
+                    )),
                     flops / ms / 1e9,
                     ctas as f64 / sms as f64
                 );
             }
         }
     }
+}
+
+/// The wgmma forward's tail split (`sm90::fwd_tail_split`: the last wave's tiles split over
+/// their keys, merged by `<kernel>_combine`) against the same kernel unsplit and against float64:
+/// V4 at head_dim 64 and V3 at 64 and 128, bf16 and fp16, 300 queries (partial last query tiles)
+/// against 2000 keys (16 key tiles, the last partial), three batch entries whose key lengths
+/// put the full length, 129 (two key tiles: some parts see no key) and 0 (every part empty: O
+/// = 0, LSE = +∞) in the split tiles; heads chosen so that the device's SM count gives 2, 3 and 4
+/// parts. Outputs poisoned before each call. Asserted: the split ran with that many parts; rows
+/// of whole tiles bit for bit the unsplit kernel's; split rows within bf16/fp16 rounding of it
+/// (rel. L2 ≤ 4e-3), LSE within 1e-5, empty rows exactly 0 and +∞; O and LSE of three slices
+/// (two in the split tiles) against float64 (≤ 1e-2, LSE ≤ 1e-3).
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU and its driver; run on the GPU machine with --include-ignored"
+)]
+fn wgmma_forward_tail_split_matches_unsplit() {
+    use kernelpages::attention::cpu::gather;
+    use kernelpages::attention::sm90::{fwd_tail_split, HopperForward, Sm90Version, WS_KEYS};
+    let Some(gpu) = hopper_gpu("wgmma forward tail split") else {
+        return;
+    };
+    let sms = gpu.sm_count().unwrap();
+    let (tq, tkv, b) = (300usize, 2000usize, 3usize);
+    let mut failed = Vec::new();
+    let mut n = 0;
+    for (version, d, dtype) in [
+        (Sm90Version::V4, 64usize, Dtype::Bf16),
+        (Sm90Version::V3, 128, Dtype::Bf16),
+        (Sm90Version::V3, 64, Dtype::F16),
+    ] {
+        let mut fwd = HopperForward::with_dtype(gpu, d, version, dtype).expect("wgmma forward");
+        let qtiles = tq.div_ceil(version.rows());
+        for parts in 2..=4 {
+            let Some(h) = (1..2048).find(|&h| {
+                fwd_tail_split(qtiles * h * b, sms, tkv.div_ceil(WS_KEYS), false)
+                    .is_some_and(|(_, p)| p == parts)
+            }) else {
+                panic!("no head count gives {parts} parts on {sms} SMs");
+            };
+            for lens in [[tkv, tkv, tkv], [0, 129, tkv], [tkv, 0, 129]] {
+                n += 1;
+                let c = AttentionCase {
+                    seq_len_q: tq,
+                    seq_len_kv: tkv,
+                    kv_lens: Some(lens.to_vec()),
+                    dtype,
+                    ..AttentionCase::new(b, h, 1, d)
+                };
+                let inp = Inputs::random(&c, 300 + n);
+                let dev = upload(gpu, &c, &inp).expect("upload");
+                let shape = (b, h, h, tq, tkv);
+                let mut outs = Vec::new();
+                for split in [true, false] {
+                    fwd.set_tail_split(split);
+                    let mut o = gpu
+                        .stream
+                        .clone_htod(&vec![Dtype::POISON_WORD; c.q_elems()])
+                        .unwrap();
+                    let mut lse = gpu.stream.clone_htod(&vec![f32::NAN; b * h * tq]).unwrap();
+                    fwd.launch(
+                        gpu,
+                        shape,
+                        (&dev.q, &dev.k, &dev.v),
+                        &dev.kv_lens,
+                        false,
+                        c.scale(),
+                        &mut o,
+                        &mut lse,
+                    )
+                    .expect("launch");
+                    outs.push((
+                        gpu.stream.clone_dtoh(&o).unwrap(),
+                        gpu.stream.clone_dtoh(&lse).unwrap(),
+                    ));
+                }
+                fwd.set_tail_split(true);
+                let (whole, got_parts) = fwd.tail_plan((b, h, tq, tkv), false).expect("a split");
+                assert_eq!(got_parts, parts);
+                let ((so, sl), (uo, ul)) = (&outs[0], &outs[1]);
+                let label = format!(
+                    "{version:?} {} d{d} H{h} lens {lens:?}: last {} of {} tiles in {parts} parts",
+                    dtype.as_str(),
+                    qtiles * h * b - whole,
+                    qtiles * h * b
+                );
+                // Rows of whole tiles: bit for bit. Split rows: close, empty rows exact.
+                let (mut diff2, mut ref2, mut lse_worst) = (0.0f64, 0.0f64, 0.0f64);
+                let mut mismatched = 0usize;
+                for bh in 0..b * h {
+                    for i in 0..tq {
+                        let row = bh * tq + i;
+                        let (sw, uw) = (&so[row * d..(row + 1) * d], &uo[row * d..(row + 1) * d]);
+                        if bh * qtiles + i / version.rows() < whole {
+                            mismatched +=
+                                usize::from(sw != uw || sl[row].to_bits() != ul[row].to_bits());
+                            continue;
+                        }
+                        if lens[bh / h] == 0 {
+                            mismatched += usize::from(
+                                sw.iter().any(|&w| w & 0x7fff != 0) || sl[row] != f32::INFINITY,
+                            );
+                            continue;
+                        }
+                        for (&x, &y) in sw.iter().zip(uw) {
+                            let (x, y) = (
+                                f64::from(dtype.decode(&[x], 0)),
+                                f64::from(dtype.decode(&[y], 0)),
+                            );
+                            diff2 += (x - y) * (x - y);
+                            ref2 += y * y;
+                        }
+                        let e = (f64::from(sl[row]) - f64::from(ul[row])).abs()
+                            / f64::from(ul[row]).abs().max(1.0);
+                        lse_worst = lse_worst.max(if e.is_nan() { f64::INFINITY } else { e });
+                    }
+                }
+                let split_err = (diff2 / ref2.max(f64::MIN_POSITIVE)).sqrt();
+                // Against float64: the first head, and the last and the middle head of the last
+                // batch entry (in the split tiles).
+                let plan = CheckPlan::with_slices(
+                    &c,
+                    vec![(0, 0), (b - 1, h / 2), (b - 1, h - 1)],
+                    (0..tq).collect(),
+                    vec![0],
+                );
+                let refs = reference_values(&c, &inp, &plan);
+                let e =
+                    kernelpages::attention::rel_l2(&gather(dtype, so, &plan.ranges(&c)), &refs.o);
+                let lse_e = lse_error(&c, sl, &refs.lse, &plan);
+                println!(
+                    "tail split {label}: vs unsplit {split_err:.1e} (LSE {lse_worst:.1e}), \
+                     {mismatched} whole or empty rows differ; vs float64 {e:.2e} (LSE {lse_e:.1e})"
+                );
+                if !(mismatched == 0
+                    && split_err <= 4e-3
+                    && lse_worst <= 1e-5
+                    && e <= 1e-2
+                    && lse_e <= 1e-3)
+                {
+                    failed.push(label);
+                }
+            }
+        }
+    }
+    assert_eq!(n, 27);
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
 }
 
 /// Where the wgmma backward's time goes (`sm90::HopperBackward::stage_ms`: CUDA events between

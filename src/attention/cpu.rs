@@ -496,7 +496,10 @@ impl CheckPlan {
         )
     }
 
-    fn with_slices(
+    /// The given (batch, head) slices (row-major `[B, H]` indices, every one `< (batch,
+    /// heads)`), query rows and key rows, ascending; the kv slices are those the query slices
+    /// read (`h / group`).
+    pub fn with_slices(
         c: &AttentionCase,
         slices: Vec<(usize, usize)>,
         rows: Vec<usize>,

@@ -1146,11 +1146,17 @@ impl Runner {
                             .is_some(),
                 ) =>
             {
-                let hopper = super::sm90::HopperForward::with_dtype(
+                let mut hopper = super::sm90::HopperForward::with_dtype(
                     gpu,
                     c.head_dim,
                     super::sm90::Sm90Version::for_shape(c.head_dim, c.seq_len_q),
                     c.dtype,
+                )?;
+                // The tail split's workspace now, not inside a captured graph.
+                hopper.reserve_tail(
+                    gpu,
+                    (c.batch, c.heads, c.seq_len_q, c.seq_len_kv),
+                    c.causal,
                 )?;
                 let mut compile_s = hopper.compile_s;
                 // SAFETY: the forward writes every row of the LSE before anything reads it.
@@ -1313,18 +1319,25 @@ impl Runner {
     }
 
     /// Bytes of device temporaries one call uses beyond [`Implementation::temporary_bytes`]
-    /// that depend on the kernel the dispatch picked for the case: the wgmma backward's split
-    /// buffer ([`super::sm90::bwd_split_bytes`], Hopper forward + backward only), else 0.
+    /// that depend on the kernel the dispatch picked for the case: on the wgmma path the
+    /// forward's tail-split workspace ([`super::sm90::HopperForward::tail_bytes`]) and the
+    /// backward's split buffer ([`super::sm90::bwd_split_bytes`], forward + backward), else 0.
     pub fn dispatch_temporary_bytes(&self, c: &AttentionCase) -> u64 {
         match self {
-            Runner::Hopper { bwd: Some(_), .. } => super::sm90::bwd_split_bytes(
-                c.batch,
-                c.heads,
-                c.kv_heads,
-                c.seq_len_kv,
-                c.head_dim,
-                c.causal,
-            ),
+            Runner::Hopper { fwd, bwd, .. } => {
+                let split = fwd.tail_bytes((c.batch, c.heads, c.seq_len_q, c.seq_len_kv), c.causal);
+                split
+                    + bwd.as_ref().map_or(0, |_| {
+                        super::sm90::bwd_split_bytes(
+                            c.batch,
+                            c.heads,
+                            c.kv_heads,
+                            c.seq_len_kv,
+                            c.head_dim,
+                            c.causal,
+                        )
+                    })
+            }
             _ => 0,
         }
     }

@@ -306,6 +306,47 @@ impl Sm90Version {
     }
 }
 
+/// Set to `0`, turns the wgmma forward's tail split ([`fwd_tail_split`]) off in every
+/// [`HopperForward`] the process builds (for timing it against the unsplit kernel).
+pub const TAIL_ENV: &str = "KP_SM90_FWD_TAIL";
+
+/// Largest number of parts [`fwd_tail_split`] cuts a tile's keys into.
+pub const TAIL_MAX_PARTS: usize = 4;
+
+/// Fewest key tiles ([`WS_KEYS`] keys each) per part of a split tile in [`fwd_tail_split`].
+pub const TAIL_MIN_PART_KEY_TILES: usize = 4;
+
+/// The wgmma forward's tail split: for `tiles` query tiles of one CTA each (one CTA per SM, so
+/// `sms` of them make a wave) whose keys span `key_tiles` tiles of [`WS_KEYS`], `Some((whole,
+/// parts))` when the last wave is short and the split pays: tiles `0 .. whole` run over all
+/// their keys, and each of the last `tiles - whole` tiles runs as `parts` CTAs over a slice of
+/// its keys each, which a second kernel merges by their log-sum-exps (flash-decoding's combine,
+/// Dao et al., 2023, applied to the last wave only). The last wave, otherwise `tail = tiles %
+/// sms` CTAs on `sms` SMs, then takes about 1 / parts of a whole tile's time.
+///
+/// `None` for causal masks (their tiles differ in work and run heaviest first: no wave
+/// structure to fix), fewer tiles than SMs (one wave), a whole last wave, and where `parts =
+/// min(sms / tail, TAIL_MAX_PARTS, key_tiles / TAIL_MIN_PART_KEY_TILES)` is below 2 (a tail of
+/// more than half the SMs, or too few key tiles to repay the combine).
+pub fn fwd_tail_split(
+    tiles: usize,
+    sms: usize,
+    key_tiles: usize,
+    causal: bool,
+) -> Option<(usize, usize)> {
+    if causal || sms == 0 || tiles < sms {
+        return None;
+    }
+    let tail = tiles % sms;
+    if tail == 0 {
+        return None;
+    }
+    let parts = (sms / tail)
+        .min(TAIL_MAX_PARTS)
+        .min(key_tiles / TAIL_MIN_PART_KEY_TILES);
+    (parts >= 2).then_some((tiles - tail, parts))
+}
+
 /// A `CUtensorMap` (the driver's 128-byte tensor-map object, 64-byte aligned) as a kernel
 /// argument: the kernels take it by value as a `__grid_constant__` parameter.
 #[repr(C, align(64))]
@@ -433,12 +474,25 @@ fn tma_map_3d(
 /// bottom-right; head_dim 64 or 128. S = Q Kᵀ and O += P V on wgmma, FlashAttention-2's online
 /// softmax in between (Dao, 2023); [`Sm90Version`] says how the tiles are brought and who
 /// computes them.
+///
+/// Non-causal shapes whose last wave of CTAs is short run with [`fwd_tail_split`]'s split
+/// (V2 to V5; [`HopperForward::set_tail_split`] and [`TAIL_ENV`] turn it off): the split
+/// tiles' parts go to an fp32 workspace this type keeps ([`HopperForward::tail_bytes`]), and
+/// the kernel's `_combine` writes their rows of O and LSE.
 pub struct HopperForward {
     func: CudaFunction,
+    /// The tail split's combine (`<kernel>_combine`; V2 to V5).
+    combine: Option<CudaFunction>,
     smem: u32,
     head_dim: usize,
     version: Sm90Version,
     dtype: Dtype,
+    /// SMs on the device: one wave of CTAs.
+    sms: usize,
+    tail_split: bool,
+    /// The split parts' outputs (fp32 `[tail, parts, rows, head_dim]`) and log2-domain
+    /// log-sum-exps (`[tail, parts, rows]`), grown on demand.
+    tail_ws: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// NVRTC compile + load time, s.
     pub compile_s: f64,
 }
@@ -509,25 +563,95 @@ impl HopperForward {
         super::cuda::check_smem(gpu, &name, smem)?;
         let compiled = gpu.compile("attn_wgmma_sm90.cu", &wgmma_source_for(Some(&name), dtype))?;
         let func = gpu.function(&compiled.module, &name, smem)?;
+        let combine = if version == Sm90Version::V1 {
+            None
+        } else {
+            Some(gpu.function(&compiled.module, &format!("{name}_combine"), 0)?)
+        };
         Ok(HopperForward {
             func,
+            combine,
             smem,
             head_dim,
             version,
             dtype,
+            sms: gpu.sm_count()?,
+            tail_split: std::env::var(TAIL_ENV).map_or(true, |v| v != "0"),
+            tail_ws: None,
             compile_s: compiled.compile_s,
         })
     }
 
+    /// Turns the tail split on (the default, unless [`TAIL_ENV`] is `0`) or off.
+    pub fn set_tail_split(&mut self, on: bool) {
+        self.tail_split = on;
+    }
+
+    /// The split [`HopperForward::launch`] runs for `shape` = (batch, heads, seq_len_q,
+    /// seq_len_kv) and `causal`: [`fwd_tail_split`]'s `(whole, parts)` over this version's
+    /// query tiles, `None` when the split is off, V1, or the shape's last wave is not short.
+    pub fn tail_plan(
+        &self,
+        (batch, heads, seq_len_q, seq_len_kv): (usize, usize, usize, usize),
+        causal: bool,
+    ) -> Option<(usize, usize)> {
+        if !self.tail_split || self.combine.is_none() {
+            return None;
+        }
+        let tiles = seq_len_q.div_ceil(self.version.rows()) * heads * batch;
+        fwd_tail_split(tiles, self.sms, seq_len_kv.div_ceil(WS_KEYS), causal)
+    }
+
+    /// Bytes of workspace the tail split needs for `shape` (as [`HopperForward::tail_plan`]):
+    /// fp32 outputs and log-sum-exps of every part's rows; 0 without a split.
+    pub fn tail_bytes(&self, shape: (usize, usize, usize, usize), causal: bool) -> u64 {
+        self.tail_plan(shape, causal).map_or(0, |(whole, parts)| {
+            let tiles = shape.2.div_ceil(self.version.rows()) * shape.1 * shape.0;
+            let rows = (tiles - whole) * parts * self.version.rows();
+            (rows * (self.head_dim + 1) * 4) as u64
+        })
+    }
+
+    /// Allocates the tail split's workspace for `shape` and `causal` now (as
+    /// [`HopperForward::tail_plan`]) rather than in the first launch: before a CUDA graph
+    /// captures the launches.
+    ///
+    /// # Errors
+    /// Allocation errors.
+    pub fn reserve_tail(
+        &mut self,
+        gpu: &Gpu,
+        shape: (usize, usize, usize, usize),
+        causal: bool,
+    ) -> Result<(), GpuError> {
+        let Some((whole, parts)) = self.tail_plan(shape, causal) else {
+            return Ok(());
+        };
+        let tiles = shape.2.div_ceil(self.version.rows()) * shape.1 * shape.0;
+        let rows = (tiles - whole) * parts * self.version.rows();
+        if self.tail_ws.as_ref().is_some_and(|(_, l)| l.len() >= rows) {
+            return Ok(());
+        }
+        // SAFETY: each part writes every row of its slice that the combine reads (rows past
+        // seq_len_q are neither written nor read).
+        let o = unsafe { gpu.stream.alloc::<f32>(rows * self.head_dim)? };
+        // SAFETY: as above.
+        let l = unsafe { gpu.stream.alloc::<f32>(rows)? };
+        self.tail_ws = Some((o, l));
+        Ok(())
+    }
+
     /// Launches one forward on the stream (shapes in the type's documentation; `shape` is
-    /// (batch, heads, kv_heads, seq_len_q, seq_len_kv)).
+    /// (batch, heads, kv_heads, seq_len_q, seq_len_kv)): one kernel, or with the tail split
+    /// ([`HopperForward::tail_plan`]) the kernel and its combine, allocating the split's
+    /// workspace first if [`HopperForward::reserve_tail`] has not.
     ///
     /// # Errors
     /// [`GpuError::Config`] for heads not a multiple of kv_heads, an empty dimension or a buffer
     /// whose length does not fit the shape; driver errors.
     #[allow(clippy::too_many_arguments)]
     pub fn launch(
-        &self,
+        &mut self,
         gpu: &Gpu,
         (batch, heads, kv_heads, seq_len_q, seq_len_kv): (usize, usize, usize, usize, usize),
         (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
@@ -585,6 +709,13 @@ impl HopperForward {
                     self.version
                 )));
             }
+            let plan = self.tail_plan((batch, heads, seq_len_q, seq_len_kv), causal);
+            if plan.is_some() {
+                self.reserve_tail(gpu, (batch, heads, seq_len_q, seq_len_kv), causal)?;
+            }
+            let (whole, parts) = plan.unwrap_or((0, 0));
+            let tiles = seq_len_q.div_ceil(self.version.rows()) * heads * batch;
+            let tail = tiles - whole;
             // The guards live until after the launch: dropping one records the buffer's read
             // on this stream, which must come after the kernel that reads it through TMA.
             let (qp, _gq) = q.device_ptr(&gpu.stream);
@@ -605,37 +736,86 @@ impl HopperForward {
                     self.dtype,
                 )?,
             ];
+            let (whole_i, parts_i, tail_i) = (whole as i32, parts as i32, tail as i32);
+            // The workspace's device addresses (0 without a split: the kernel never reads them).
+            let mut ws_guards = None;
+            let (op, lp) = match (plan, self.tail_ws.as_mut()) {
+                (Some(_), Some((wo, wl))) => {
+                    let (op, go) = wo.device_ptr_mut(&gpu.stream);
+                    let (lp, gl) = wl.device_ptr_mut(&gpu.stream);
+                    ws_guards = Some((go, gl));
+                    (op, lp)
+                }
+                _ => (0, 0),
+            };
             let mut l = gpu.stream.launch_builder(&self.func);
             l.arg(&maps[0])
                 .arg(&maps[1])
                 .arg(&maps[2])
-                .arg(o)
-                .arg(lse)
+                .arg(&mut *o)
+                .arg(&mut *lse)
                 .arg(kv_lens)
                 .arg(&tq)
                 .arg(&tkv)
                 .arg(&h)
                 .arg(&kvh)
                 .arg(&scale_log2)
-                .arg(&causal_i);
+                .arg(&causal_i)
+                .arg(&whole_i)
+                .arg(&parts_i)
+                .arg(&op)
+                .arg(&lp);
+            let grid_dim = if plan.is_some() {
+                ((whole + tail * parts) as u32, 1, 1)
+            } else {
+                (
+                    seq_len_q.div_ceil(self.version.rows()) as u32,
+                    heads as u32,
+                    batch as u32,
+                )
+            };
             // SAFETY: `attn_fwd_sm90_ws_d*(TmaMap tq, TmaMap tk, TmaMap tv, u16* O, float* LSE,
             // const int* kv_lens, int Tq, int Tkv, int H, int KVH, float scale_log2, int
-            // causal)`, 1 + rows / 64 warpgroups per (query tile, head, batch entry); the maps
-            // describe q, k and v with the shapes checked above (TMA reads inside them only,
-            // zero-filling past their ends), o and lse hold those shapes, kv_lens `batch`
-            // entries; q, k and v stay borrowed, and their read events are recorded on this
+            // causal, int whole, int parts, float* Opart, float* Lpart)`, 1 + rows / 64
+            // warpgroups per (query tile, head, batch entry), or without a split (parts 0) per
+            // CTA of the 1-D grid of whole tiles and split parts; the maps describe q, k and v
+            // with the shapes checked above (TMA reads inside them only, zero-filling past their
+            // ends), o and lse hold those shapes, kv_lens `batch` entries, Opart and Lpart (with
+            // a split) the rows of `tail * parts` tiles (reserve_tail sized them for this
+            // shape); q, k and v stay borrowed, and their read events are recorded on this
             // stream after the launch (the guards above), like the other arguments'.
             unsafe {
                 l.launch(LaunchConfig {
-                    grid_dim: (
-                        seq_len_q.div_ceil(self.version.rows()) as u32,
-                        heads as u32,
-                        batch as u32,
-                    ),
+                    grid_dim,
                     block_dim: (128 * (self.version.rows() / 64 + 1) as u32, 1, 1),
                     shared_mem_bytes: self.smem,
                 })?
             };
+            if let (Some(_), Some(combine)) = (plan, self.combine.as_ref()) {
+                let warps = tail * self.version.rows();
+                let mut l = gpu.stream.launch_builder(combine);
+                l.arg(&op)
+                    .arg(&lp)
+                    .arg(o)
+                    .arg(lse)
+                    .arg(&whole_i)
+                    .arg(&parts_i)
+                    .arg(&tail_i)
+                    .arg(&tq);
+                // SAFETY: `<kernel>_combine(const float* Opart, const float* Lpart, u16* O,
+                // float* LSE, int whole, int parts, int tail, int Tq)`, one warp per row of the
+                // `tail` split tiles (8 warps a CTA, extra warps return); it reads the rows the
+                // kernel above wrote to the workspace (same stream, after it) and writes those
+                // rows of o and lse, whose shapes were checked above.
+                unsafe {
+                    l.launch(LaunchConfig {
+                        grid_dim: (warps.div_ceil(8) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    })?
+                };
+            }
+            drop(ws_guards);
             return Ok(());
         }
         let kmaj = (128u32, 16 * d as u32);
@@ -1594,6 +1774,41 @@ mod tests {
         assert_eq!(makespan([4, 3, 3, 2, 2], 2), 8);
         assert_eq!(makespan([5, 1, 1, 1, 1, 1], 2), 5);
         assert_eq!(makespan([], 3), 0);
+    }
+
+    #[test]
+    fn the_forward_splits_a_short_last_wave_only() {
+        // D64 (V4, 192-row tiles) B4 H8 T4096: 22 × 32 = 704 tiles on 132 SMs, a last wave of
+        // 44: 132 / 44 = 3 parts of 32 key tiles.
+        assert_eq!(fwd_tail_split(704, 132, 32, false), Some((660, 3)));
+        // D128 (V3) B4 H8 T16384: 4096 tiles, a last wave of 4: at most TAIL_MAX_PARTS.
+        assert_eq!(fwd_tail_split(4096, 132, 128, false), Some((4092, 4)));
+        // A last wave of more than half the SMs (D128 T4096: 1024 tiles, 100 left), a whole
+        // last wave, one wave or less, causal, too few key tiles: no split.
+        assert_eq!(fwd_tail_split(1024, 132, 32, false), None);
+        assert_eq!(fwd_tail_split(660, 132, 32, false), None);
+        assert_eq!(fwd_tail_split(100, 132, 32, false), None);
+        assert_eq!(fwd_tail_split(704, 132, 32, true), None);
+        assert_eq!(fwd_tail_split(704, 132, 7, false), None);
+        assert_eq!(fwd_tail_split(704, 132, 8, false), Some((660, 2)));
+        assert_eq!(fwd_tail_split(704, 0, 32, false), None);
+        // Every split leaves whole waves before it, fits its parts in one wave and cuts each
+        // tile's keys into 2 to TAIL_MAX_PARTS parts of at least 4 key tiles.
+        for sms in [1, 2, 78, 114, 132] {
+            for tiles in 0..600 {
+                for key_tiles in [1, 8, 13, 64] {
+                    if let Some((whole, parts)) = fwd_tail_split(tiles, sms, key_tiles, false) {
+                        let tail = tiles - whole;
+                        assert!(whole % sms == 0 && whole >= sms && tail > 0 && tail < sms);
+                        assert!(tail * parts <= sms && (2..=TAIL_MAX_PARTS).contains(&parts));
+                        assert!(
+                            key_tiles >= TAIL_MIN_PART_KEY_TILES * parts,
+                            "{tiles} {sms} {key_tiles}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
