@@ -591,7 +591,7 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 // PIPE = false (v2): each tile's S is waited for, then its softmax, then its P V, waited for.
 // PIPE = true (v3, FlashAttention-3's intra-warpgroup overlap): tile j's S = Q K^T and tile
 // j-1's O += P V are issued together, the softmax of tile j runs while P V is in flight, and O
-// is rescaled after it lands; causal query tiles go heaviest first.
+// is rescaled after it lands; causal query tiles go heaviest first over the whole grid.
 // Masks as attn_fwd_sm90: keys at or past kv_lens[b], bottom-right causal; a row that sees no
 // key gets O = 0 and LSE = +inf. Rows and keys past the tensor's end are TMA's zero fill.
 // scale_log2 must be positive (ws_softmax scales each row's raw maximum).
@@ -604,7 +604,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
                                                  const int* __restrict__ kv_lens, int Tq,
                                                  int Tkv, int H, int KVH, float scale_log2,
                                                  int whole, int parts, float* __restrict__ Opart,
-                                                 float* __restrict__ Lpart) {
+                                                 float* __restrict__ Lpart, int chunk) {
     using P = WsPlan<D, BC, ST, NC>;
     constexpr int PANELS = D / 64, DT = D / 8, NT = BC / 8, BR = 64 * NC;
     const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
@@ -617,9 +617,24 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
     // Tiles are numbered (b * H + h) * qtiles + qt. parts = 0: the grid is (qtiles, H, B).
     // parts > 0 (the tail split, not causal): a 1-D grid, CTA i < whole takes tile i over all its
     // keys and CTA whole + j part j % parts of tile whole + j / parts.
+    // PIPE && CAUSAL: the (head, batch entry) pairs b H + h go in chunks of `chunk` (>= 1), and
+    // CTA i (launch order, x fastest) of a chunk of g pairs takes query tile qtiles - 1 - j / g
+    // of its pair j % g, j = i - (the chunk's first CTA): within a chunk the heaviest tiles of
+    // every pair first, the lightest last (sm90::fwd_causal_tile mirrors it; chunk 1 is each
+    // head's tiles heaviest first, a head at a time).
     int qt, h, b, split = -1;
-    if (parts == 0) {
-        qt = PIPE && CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    if (parts == 0 && PIPE && CAUSAL) {
+        const int hb = gridDim.y * gridDim.z, nq = gridDim.x;
+        const int i = blockIdx.x + nq * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int c0 = i / (nq * chunk) * chunk;  // the chunk's first pair
+        const int g = min(chunk, hb - c0);
+        const int j = i - c0 * nq;
+        qt = nq - 1 - j / g;
+        const int pair = c0 + j % g;
+        h = pair % gridDim.y;
+        b = pair / gridDim.y;
+    } else if (parts == 0) {
+        qt = blockIdx.x;
         h = blockIdx.y;
         b = blockIdx.z;
     } else {
@@ -838,25 +853,27 @@ __device__ __forceinline__ void fwd_tail_combine(const float* __restrict__ Opart
 #define WS_BC 128
 
 // Each version's entry NAME and its tail split's combine NAME_combine (256 threads a CTA).
-#define WS_ENTRY(NAME, D, NC, ST, PIPE)                                                         \
-    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1)                             \
-        NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,              \
-             const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens, int Tq, \
-             int Tkv, int H, int KVH, float scale_log2, int causal, int whole, int parts,       \
-             float* Opart, float* Lpart) {                                                      \
-        if (causal)                                                                             \
-            attn_fwd_sm90_ws<D, WS_BC, ST, NC, true, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,      \
-                                                              Tq, Tkv, H, KVH, scale_log2,      \
-                                                              whole, parts, Opart, Lpart);      \
-        else                                                                                    \
-            attn_fwd_sm90_ws<D, WS_BC, ST, NC, false, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,     \
-                                                               Tq, Tkv, H, KVH, scale_log2,     \
-                                                               whole, parts, Opart, Lpart);     \
-    }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256)                                           \
-        NAME##_combine(const float* Opart, const float* Lpart, u16* O, float* LSE, int whole,   \
-                       int parts, int tail, int Tq) {                                           \
-        fwd_tail_combine<D, 64 * NC>(Opart, Lpart, O, LSE, whole, parts, tail, Tq);             \
+#define WS_ENTRY(NAME, D, NC, ST, PIPE)                                                             \
+    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1)                                 \
+        NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                  \
+             const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens, int Tq,     \
+             int Tkv, int H, int KVH, float scale_log2, int causal, int whole, int parts,           \
+             float* Opart, float* Lpart, int chunk) {                                               \
+        if (causal)                                                                                 \
+            attn_fwd_sm90_ws<D, WS_BC, ST, NC, true, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,          \
+                                                              Tq, Tkv, H, KVH, scale_log2,          \
+                                                              whole, parts, Opart, Lpart,           \
+                                                              chunk);                               \
+        else                                                                                        \
+            attn_fwd_sm90_ws<D, WS_BC, ST, NC, false, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,         \
+                                                               Tq, Tkv, H, KVH, scale_log2,         \
+                                                               whole, parts, Opart, Lpart,          \
+                                                               chunk);                              \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                               \
+        NAME##_combine(const float* Opart, const float* Lpart, u16* O, float* LSE, int whole,       \
+                       int parts, int tail, int Tq) {                                               \
+        fwd_tail_combine<D, 64 * NC>(Opart, Lpart, O, LSE, whole, parts, tail, Tq);                 \
     }
 
 // v2: attn_fwd_sm90_ws_d*; v3 (the intra-warpgroup overlap): attn_fwd_sm90_wsp_d*; v4 (v3

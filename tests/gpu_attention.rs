@@ -1813,7 +1813,10 @@ fn causal_grouped(
 /// forward alone (CUDA events around 20 back-to-back launches, after 5) at B4 H8 D64 for V3
 /// (128-row tiles) and V4 at seq_len 3840 to 4352 and at 8192, and at D128 for V3 at 4096,
 /// 8192 and 16384: full masks without and with the tail split (`sm90::fwd_tail_split`, which
-/// spreads a short last wave's tiles over their keys), causal without. It prints TFLOP/s beside
+/// spreads a short last wave's tiles over their keys), causal with the CTAs in chunks of 1
+/// (head, batch) pair (each head's tiles heaviest first, a head at a time: the earlier order),
+/// of all pairs (the whole grid heaviest first) and the default (`sm90::fwd_causal_chunk`). It
+/// prints TFLOP/s beside
 /// the CTA count, the waves and the split: if the tiling is the limit, the unsplit time steps
 /// with ⌈waves⌉ (4032 = 21 whole tiles, 672 CTAs, 5.09 waves, should take about what 4096
 /// takes) rather than with the work, and the split recovers most of the difference. Printed,
@@ -1837,8 +1840,17 @@ fn wgmma_forward_waves_probe() {
         let mut fwd = HopperForward::with_version(gpu, d, version).expect("wgmma forward");
         for &t in lens {
             let mut bufs = ZeroFwd::new(gpu, b, h, t, d);
-            for (causal, split) in [(false, false), (false, true), (true, false)] {
+            // Causal chunks: 1 (a head at a time), all pairs (the whole grid heaviest first),
+            // and the default (sm90::fwd_causal_chunk's).
+            for (causal, split, chunk) in [
+                (false, false, None),
+                (false, true, None),
+                (true, false, Some(1)),
+                (true, false, Some(b * h)),
+                (true, false, None),
+            ] {
                 fwd.set_tail_split(split);
+                fwd.set_causal_chunk(chunk);
                 let plan = fwd.tail_plan((b, h, t, t), causal);
                 if split && plan.is_none() {
                     continue;
@@ -1862,7 +1874,14 @@ fn wgmma_forward_waves_probe() {
                 println!(
                     "forward waves {version:?} B{b} H{h} T{t} D{d} {}{}: {ms:.4} ms, {:.1} \
                      TFLOP/s, {ctas} CTAs, {:.2} waves of {sms}",
-                    if causal { "causal" } else { "full" },
+                    match (causal, chunk) {
+                        (false, _) => "full".to_string(),
+                        (true, Some(c)) => format!("causal, chunks of {c}"),
+                        (true, None) => format!(
+                            "causal, default chunks of {}",
+                            fwd.causal_chunk((b, h, h, t, t))
+                        ),
+                    },
                     plan.map_or(String::new(), |(whole, parts)| format!(
                         ", last {} tiles split in {parts}",
                         ctas - whole

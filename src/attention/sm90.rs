@@ -306,6 +306,9 @@ impl Sm90Version {
     }
 }
 
+/// A forward's (batch, heads, kv_heads, seq_len_q, seq_len_kv).
+pub type FwdShape = (usize, usize, usize, usize, usize);
+
 /// Set to `0`, turns the wgmma forward's tail split ([`fwd_tail_split`]) off in every
 /// [`HopperForward`] the process builds (for timing it against the unsplit kernel).
 pub const TAIL_ENV: &str = "KP_SM90_FWD_TAIL";
@@ -490,6 +493,13 @@ pub struct HopperForward {
     /// SMs on the device: one wave of CTAs.
     sms: usize,
     tail_split: bool,
+    /// Causal (V3 to V5): the chunk size [`HopperForward::set_causal_chunk`] forced, or `None`
+    /// for [`fwd_causal_chunk`]'s.
+    causal_chunk: Option<usize>,
+    /// Half the device's L2 cache, bytes: [`fwd_causal_chunk`]'s budget.
+    l2_budget: usize,
+    /// The last shape's chunk size (a simulation per launch would cost host time).
+    chunk_memo: Option<(FwdShape, usize)>,
     /// The split parts' outputs (fp32 `[tail, parts, rows, head_dim]`) and log2-domain
     /// log-sum-exps (`[tail, parts, rows]`), grown on demand.
     tail_ws: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
@@ -577,6 +587,9 @@ impl HopperForward {
             dtype,
             sms: gpu.sm_count()?,
             tail_split: std::env::var(TAIL_ENV).map_or(true, |v| v != "0"),
+            causal_chunk: None,
+            l2_budget: (gpu.l2_bytes()? / 2) as usize,
+            chunk_memo: None,
             tail_ws: None,
             compile_s: compiled.compile_s,
         })
@@ -585,6 +598,34 @@ impl HopperForward {
     /// Turns the tail split on (the default, unless [`TAIL_ENV`] is `0`) or off.
     pub fn set_tail_split(&mut self, on: bool) {
         self.tail_split = on;
+    }
+
+    /// The causal CTA order of V3 to V5 ([`fwd_causal_tile`]): `None` (the default) in
+    /// [`fwd_causal_chunk`]'s chunks, `Some(c)` in chunks of `c` pairs (at least 1; 1 is each
+    /// head's tiles heaviest first a head at a time, the order before 2026-12-06), to time
+    /// against.
+    pub fn set_causal_chunk(&mut self, chunk: Option<usize>) {
+        self.causal_chunk = chunk.map(|c| c.max(1));
+        self.chunk_memo = None;
+    }
+
+    /// The chunk size the causal forward of `shape` = (batch, heads, kv_heads, seq_len_q,
+    /// seq_len_kv) runs in: the forced one, or [`fwd_causal_chunk`]'s for this device (a pair's
+    /// K and V counted once per query head sharing them).
+    pub fn causal_chunk(
+        &self,
+        (batch, heads, kv_heads, seq_len_q, seq_len_kv): (usize, usize, usize, usize, usize),
+    ) -> usize {
+        self.causal_chunk.unwrap_or_else(|| {
+            let pair_bytes = 2 * seq_len_kv * self.head_dim * 2 * kv_heads.max(1) / heads.max(1);
+            fwd_causal_chunk(
+                (seq_len_q.div_ceil(self.version.rows()), self.version.rows()),
+                heads * batch,
+                (seq_len_q, seq_len_kv),
+                self.sms,
+                (pair_bytes, self.l2_budget),
+            )
+        })
     }
 
     /// The split [`HopperForward::launch`] runs for `shape` = (batch, heads, seq_len_q,
@@ -737,6 +778,16 @@ impl HopperForward {
                 )?,
             ];
             let (whole_i, parts_i, tail_i) = (whole as i32, parts as i32, tail as i32);
+            let shape5 = (batch, heads, kv_heads, seq_len_q, seq_len_kv);
+            let chunk = match self.chunk_memo {
+                _ if !causal => 1,
+                Some((s, c)) if s == shape5 => c,
+                _ => {
+                    let c = self.causal_chunk(shape5);
+                    self.chunk_memo = Some((shape5, c));
+                    c
+                }
+            } as i32;
             // The workspace's device addresses (0 without a split: the kernel never reads them).
             let mut ws_guards = None;
             let (op, lp) = match (plan, self.tail_ws.as_mut()) {
@@ -764,7 +815,8 @@ impl HopperForward {
                 .arg(&whole_i)
                 .arg(&parts_i)
                 .arg(&op)
-                .arg(&lp);
+                .arg(&lp)
+                .arg(&chunk);
             let grid_dim = if plan.is_some() {
                 ((whole + tail * parts) as u32, 1, 1)
             } else {
@@ -776,9 +828,10 @@ impl HopperForward {
             };
             // SAFETY: `attn_fwd_sm90_ws_d*(TmaMap tq, TmaMap tk, TmaMap tv, u16* O, float* LSE,
             // const int* kv_lens, int Tq, int Tkv, int H, int KVH, float scale_log2, int
-            // causal, int whole, int parts, float* Opart, float* Lpart)`, 1 + rows / 64
-            // warpgroups per (query tile, head, batch entry), or without a split (parts 0) per
-            // CTA of the 1-D grid of whole tiles and split parts; the maps describe q, k and v
+            // causal, int whole, int parts, float* Opart, float* Lpart, int chunk)`, 1 +
+            // rows / 64 warpgroups a CTA, one CTA per (query tile, head, batch entry) on a
+            // (qtiles, H, B) grid, or with a split (parts > 0) one per whole tile or split part
+            // on a 1-D grid; the maps describe q, k and v
             // with the shapes checked above (TMA reads inside them only, zero-filling past their
             // ends), o and lse hold those shapes, kv_lens `batch` entries, Opart and Lpart (with
             // a split) the rows of `tail * parts` tiles (reserve_tail sized them for this
@@ -1025,6 +1078,76 @@ pub fn bwd_causal_cta_work(
             })
         })
         .collect()
+}
+
+/// The (query tile, head, batch entry) of CTA `i` (launch order, x fastest) of the causal wgmma
+/// forward V3 to V5 on its (`qtiles`, `heads`, `batch`) grid in chunks of `chunk` (head, batch
+/// entry) pairs, as `attn_fwd_sm90_ws` maps it: the pairs `b · heads + h` in consecutive chunks
+/// (the last may be smaller), and within a chunk the query tiles slowest and from the last (the
+/// most keys under the causal mask) down, so each chunk's heaviest tiles start first and its
+/// lightest last (list scheduling's longest-first rule; [`makespan`] simulates it). `chunk` 1 is
+/// each head's tiles heaviest first, a head at a time; `heads · batch`, the whole grid's
+/// heaviest first. `i` must be below `qtiles · heads · batch` and `chunk` at least 1.
+pub fn fwd_causal_tile(
+    i: usize,
+    (qtiles, heads, batch): (usize, usize, usize),
+    chunk: usize,
+) -> (usize, usize, usize) {
+    let hb = heads * batch;
+    let c0 = i / (qtiles * chunk) * chunk;
+    let g = chunk.min(hb - c0);
+    let j = i - c0 * qtiles;
+    let pair = c0 + j % g;
+    (qtiles - 1 - j / g, pair % heads, pair / heads)
+}
+
+/// The chunk size [`HopperForward`] runs the causal forward in ([`fwd_causal_tile`]) for
+/// `qtiles` query tiles of `rows` rows, `pairs` (head, batch entry) pairs, `(seq_len_q,
+/// seq_len_kv)` (bottom-right causal) on `sms` SMs, where one pair's K and V take `pair_bytes`
+/// and at most `l2_budget` bytes of them should be in flight: of the candidates (1, 2, 3, 4, 6,
+/// 8, 12, 16, 24, 32, 48, 64 and all pairs) that keep `chunk · pair_bytes` within the budget
+/// (1 always), the smallest whose simulated makespan ([`makespan`], a CTA's work its key tiles
+/// plus one for its prologue and epilogue) is within 0.5 % of the best. Measured on an H100
+/// (2026-12-06, kernels/TUNING.md): the whole grid heaviest first took D64 T4096 B4 H8 13 %
+/// under a head at a time, but D128 T16384 36 % over it, 32 heads' K and V (256 MB) streaming
+/// through a 50 MB L2 at once where a head at a time shares its 8 MB. Grids of more than
+/// [`BWD_SCHEDULE_MAX_CTAS`] CTAs are not simulated: the largest chunk the budget allows.
+pub fn fwd_causal_chunk(
+    (qtiles, rows): (usize, usize),
+    pairs: usize,
+    (seq_len_q, seq_len_kv): (usize, usize),
+    sms: usize,
+    (pair_bytes, l2_budget): (usize, usize),
+) -> usize {
+    let fits = |c: usize| c == 1 || c * pair_bytes <= l2_budget;
+    let mut candidates: Vec<usize> = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+        .into_iter()
+        .filter(|&c| c < pairs && fits(c))
+        .collect();
+    if pairs > 0 && fits(pairs) {
+        candidates.push(pairs);
+    }
+    if qtiles * pairs > BWD_SCHEDULE_MAX_CTAS {
+        return candidates.last().copied().unwrap_or(1);
+    }
+    let n_kt = seq_len_kv.div_ceil(WS_KEYS);
+    let off = seq_len_kv as isize - seq_len_q as isize;
+    let work = |q: usize| {
+        let last = (((q + 1) * rows).min(seq_len_q) as isize - 1 + off).max(-1);
+        (((last + 1) as usize).div_ceil(WS_KEYS)).min(n_kt) + 1
+    };
+    let span = |c: usize| {
+        makespan(
+            (0..qtiles * pairs).map(|i| work(fwd_causal_tile(i, (qtiles, pairs, 1), c).0)),
+            sms,
+        )
+    };
+    let spans: Vec<(usize, usize)> = candidates.into_iter().map(|c| (c, span(c))).collect();
+    let best = spans.iter().map(|&(_, m)| m).min().unwrap_or(0);
+    spans
+        .into_iter()
+        .find(|&(_, m)| m * 1000 <= best * 1005)
+        .map_or(1, |(c, _)| c)
 }
 
 /// When the last CTA of `work` (in launch order) ends on `sms` SMs that each take the next CTA
@@ -1774,6 +1897,60 @@ mod tests {
         assert_eq!(makespan([4, 3, 3, 2, 2], 2), 8);
         assert_eq!(makespan([5, 1, 1, 1, 1, 1], 2), 5);
         assert_eq!(makespan([], 3), 0);
+    }
+
+    #[test]
+    fn the_causal_forward_runs_every_tile_once_heaviest_first_in_chunks() {
+        // Every (query tile, head, batch entry) exactly once; within a chunk the tiles never
+        // increase; chunk 1 is each pair's tiles in turn.
+        for (qtiles, heads, batch) in [(1, 1, 1), (22, 8, 4), (3, 5, 2), (7, 1, 3)] {
+            let n = qtiles * heads * batch;
+            for chunk in [1, 2, 3, 7, heads * batch, 100] {
+                let tiles: Vec<_> = (0..n)
+                    .map(|i| fwd_causal_tile(i, (qtiles, heads, batch), chunk))
+                    .collect();
+                let set: std::collections::BTreeSet<_> = tiles.iter().copied().collect();
+                assert_eq!(set.len(), n);
+                assert!(tiles
+                    .iter()
+                    .all(|&(q, h, b)| q < qtiles && h < heads && b < batch));
+                for (c, part) in tiles.chunks(qtiles * chunk).enumerate() {
+                    assert!(part.windows(2).all(|w| w[0].0 >= w[1].0), "{chunk}");
+                    assert!(part.iter().all(|&(_, h, b)| (b * heads + h) / chunk == c));
+                }
+                if chunk == 1 {
+                    assert!(tiles.iter().enumerate().all(|(i, &(q, h, b))| {
+                        q == qtiles - 1 - i % qtiles && b * heads + h == i / qtiles
+                    }));
+                }
+            }
+        }
+        // D64 (V4: 192-row tiles) B4 H8 T4096 causal on 132 SMs, work in key tiles of 128: a
+        // head at a time ends 111 key tiles in, the whole grid heaviest first 94, 1 over the 93.1
+        // of a perfect split.
+        let work = |q: usize| ((q + 1) * 192).min(4096).div_ceil(128);
+        let span = |c| {
+            makespan(
+                (0..704).map(|i| work(fwd_causal_tile(i, (22, 8, 4), c).0)),
+                132,
+            )
+        };
+        assert_eq!((span(1), span(32)), (111, 94));
+        // The chunk: within 0.5 % of the best allowed span, the smallest; the L2 budget caps it.
+        let mb = 1 << 20;
+        let pick = |qt, rows, t, d, budget| {
+            fwd_causal_chunk((qt, rows), 32, (t, t), 132, (2 * t * d * 2, budget))
+        };
+        let c64 = pick(22, 192, 4096, 64, 25 * mb);
+        assert!(c64 > 1 && c64 * 2 * 4096 * 64 * 2 <= 25 * mb, "{c64}");
+        // D128 T16384: a pair's K and V are 8 MiB, so chunks of at most 3 in 25 MiB, and a head
+        // at a time (128 tiles of up to 128 key tiles) is within 0.5 % of the best of them.
+        assert_eq!(pick(128, 128, 16384, 128, 25 * mb), 1);
+        // A budget below one pair: a head at a time.
+        assert_eq!(pick(128, 128, 16384, 128, mb), 1);
+        // Without a budget, D64 T4096 in chunks that balance about as well as the whole grid.
+        let free = fwd_causal_chunk((22, 192), 32, (4096, 4096), 132, (1, usize::MAX));
+        assert!(span(free) * 100 <= span(32) * 103, "{free}: {}", span(free));
     }
 
     #[test]
