@@ -591,7 +591,8 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 // PIPE = false (v2): each tile's S is waited for, then its softmax, then its P V, waited for.
 // PIPE = true (v3, FlashAttention-3's intra-warpgroup overlap): tile j's S = Q K^T and tile
 // j-1's O += P V are issued together, the softmax of tile j runs while P V is in flight, and O
-// is rescaled after it lands; causal query tiles go heaviest first over the whole grid.
+// is rescaled after it lands; causal query tiles go heaviest first within chunks of (head,
+// batch entry) pairs (sm90::fwd_causal_chunk picks the chunk).
 // Masks as attn_fwd_sm90: keys at or past kv_lens[b], bottom-right causal; a row that sees no
 // key gets O = 0 and LSE = +inf. Rows and keys past the tensor's end are TMA's zero fill.
 // scale_log2 must be positive (ws_softmax scales each row's raw maximum).
@@ -805,6 +806,9 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
                                 LSE + (size_t)(b * H + h) * Tq + q0w, 16 * warp, rows_w, g, t4);
 }
 
+// The most parts the host splits a tile into (sm90::TAIL_MAX_PARTS; a unit test compares them).
+#define KP_TAIL_MAX_PARTS 4
+
 // The tail split's combine (attn_fwd_sm90_ws with parts > 0), one warp per row of the split
 // tiles (tail of them, BR rows each): row r of split tile j (tile whole + j) merges its parts'
 // normalised outputs Opart [tail][parts][BR][D] f32 with weights 2^(Lpart - m) / sum, where
@@ -824,16 +828,16 @@ __device__ __forceinline__ void fwd_tail_combine(const float* __restrict__ Opart
     const int row = (tile % qtiles) * BR + r;
     if (row >= Tq) return;
     const size_t out_row = (size_t)(tile / qtiles) * Tq + row;  // (b * H + h) * Tq + row
-    float lp[4], m = NEG_INF;
+    float lp[KP_TAIL_MAX_PARTS], m = NEG_INF;
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
+    for (int p = 0; p < KP_TAIL_MAX_PARTS; ++p) {
         lp[p] = p < parts ? Lpart[(size_t)(j * parts + p) * BR + r] : NEG_INF;
         m = fmaxf(m, lp[p]);
     }
     float acc[CPL] = {};
     float total = 0.f;
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
+    for (int p = 0; p < KP_TAIL_MAX_PARTS; ++p) {
         const float w = m == NEG_INF || p >= parts ? 0.f : fast_exp2(lp[p] - m);
         total += w;
         if (w == 0.f) continue;

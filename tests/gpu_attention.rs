@@ -1898,12 +1898,13 @@ fn wgmma_forward_waves_probe() {
 /// their keys, merged by `<kernel>_combine`) against the same kernel unsplit and against float64:
 /// V4 at head_dim 64 and V3 at 64 and 128, bf16 and fp16, 300 queries (partial last query tiles)
 /// against 2000 keys (16 key tiles, the last partial), three batch entries whose key lengths
-/// put the full length, 129 (two key tiles: some parts see no key) and 0 (every part empty: O
-/// = 0, LSE = +∞) in the split tiles; heads chosen so that the device's SM count gives 2, 3 and 4
-/// parts. Outputs poisoned before each call. Asserted: the split ran with that many parts; rows
-/// of whole tiles bit for bit the unsplit kernel's; split rows within bf16/fp16 rounding of it
+/// rotate the full length, 129 (two key tiles: some parts see no key) and 0 (every part empty:
+/// O = 0, LSE = +∞) through the last entry, whose last heads hold the split tiles; heads chosen
+/// so that the device's SM count gives 2, 3 and 4 parts. Outputs poisoned before each call.
+/// Asserted: the split ran with that many parts, all of them in the last batch entry; rows of
+/// whole tiles bit for bit the unsplit kernel's; split rows within bf16/fp16 rounding of it
 /// (rel. L2 ≤ 4e-3), LSE within 1e-5, empty rows exactly 0 and +∞; O and LSE of three slices
-/// (two in the split tiles) against float64 (≤ 1e-2, LSE ≤ 1e-3).
+/// (the last head of the last entry always split) against float64 (≤ 1e-2, LSE ≤ 1e-3).
 #[test]
 #[cfg_attr(
     not(kp_cuda),
@@ -1933,7 +1934,7 @@ fn wgmma_forward_tail_split_matches_unsplit() {
             }) else {
                 panic!("no head count gives {parts} parts on {sms} SMs");
             };
-            for lens in [[tkv, tkv, tkv], [0, 129, tkv], [tkv, 0, 129]] {
+            for lens in [[tkv, tkv, tkv], [0, 129, tkv], [tkv, 0, 129], [129, tkv, 0]] {
                 n += 1;
                 let c = AttentionCase {
                     seq_len_q: tq,
@@ -1972,6 +1973,10 @@ fn wgmma_forward_tail_split_matches_unsplit() {
                 fwd.set_tail_split(true);
                 let (whole, got_parts) = fwd.tail_plan((b, h, tq, tkv), false).expect("a split");
                 assert_eq!(got_parts, parts);
+                assert!(
+                    whole >= (b - 1) * h * qtiles,
+                    "the split tiles are the last entry's"
+                );
                 let ((so, sl), (uo, ul)) = (&outs[0], &outs[1]);
                 let label = format!(
                     "{version:?} {} d{d} H{h} lens {lens:?}: last {} of {} tiles in {parts} parts",
@@ -2038,7 +2043,98 @@ fn wgmma_forward_tail_split_matches_unsplit() {
             }
         }
     }
-    assert_eq!(n, 27);
+    assert_eq!(n, 36);
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// The causal wgmma forward's CTA order (`sm90::fwd_causal_tile`: heaviest query tiles first
+/// within chunks of (head, batch entry) pairs) changes which CTA computes a tile, never what it
+/// computes: V4 at head_dim 64 and V3 at 128, bf16, B3 H30 (90 pairs, several waves), 1000
+/// queries and keys with key lengths 1000, 517 and 1000, causal; chunks of 7 (a short last
+/// chunk of 6), of all 90 and the default give O and LSE bit for bit those of chunks of 1 (each
+/// head in turn), every element written (outputs poisoned), and chunks of 7 match float64 on
+/// three slices.
+#[test]
+#[cfg_attr(
+    not(kp_cuda),
+    ignore = "needs an NVIDIA GPU and its driver; run on the GPU machine with --include-ignored"
+)]
+fn wgmma_forward_causal_chunks_agree() {
+    use kernelpages::attention::cpu::gather;
+    use kernelpages::attention::sm90::{HopperForward, Sm90Version};
+    let Some(gpu) = hopper_gpu("wgmma forward causal chunks") else {
+        return;
+    };
+    let (b, h, t) = (3usize, 30usize, 1000usize);
+    let mut failed = Vec::new();
+    for (version, d) in [(Sm90Version::V4, 64usize), (Sm90Version::V3, 128)] {
+        let mut fwd = HopperForward::with_version(gpu, d, version).expect("wgmma forward");
+        let c = AttentionCase {
+            causal: true,
+            kv_lens: Some(vec![t, 517, t]),
+            ..AttentionCase::new(b, h, t, d)
+        };
+        let inp = Inputs::random(&c, 77 + d as u64);
+        let dev = upload(gpu, &c, &inp).expect("upload");
+        let mut outs = Vec::new();
+        for chunk in [Some(1), Some(7), Some(b * h), None] {
+            fwd.set_causal_chunk(chunk);
+            let mut o = gpu
+                .stream
+                .clone_htod(&vec![Dtype::POISON_WORD; c.q_elems()])
+                .unwrap();
+            let mut lse = gpu.stream.clone_htod(&vec![f32::NAN; b * h * t]).unwrap();
+            fwd.launch(
+                gpu,
+                (b, h, h, t, t),
+                (&dev.q, &dev.k, &dev.v),
+                &dev.kv_lens,
+                true,
+                c.scale(),
+                &mut o,
+                &mut lse,
+            )
+            .expect("launch");
+            let o = gpu.stream.clone_dtoh(&o).unwrap();
+            let lse = gpu.stream.clone_dtoh(&lse).unwrap();
+            let label = format!(
+                "{version:?} d{d} chunks {}",
+                chunk.map_or(
+                    format!("default ({})", fwd.causal_chunk((b, h, h, t, t))),
+                    |c| c.to_string()
+                )
+            );
+            let unwritten = o.iter().filter(|&&w| w == Dtype::POISON_WORD).count()
+                + lse.iter().filter(|x| x.is_nan()).count();
+            let same = outs.first().is_none_or(|(o1, l1): &(Vec<u16>, Vec<f32>)| {
+                *o1 == o && l1.iter().zip(&lse).all(|(x, y)| x.to_bits() == y.to_bits())
+            });
+            let mut line = format!("{label}: {unwritten} unwritten, same as chunks of 1: {same}");
+            if chunk == Some(7) {
+                let plan = CheckPlan::with_slices(
+                    &c,
+                    vec![(0, 0), (1, 14), (2, 29)],
+                    (0..t).collect(),
+                    vec![0],
+                );
+                let refs = reference_values(&c, &inp, &plan);
+                let e = kernelpages::attention::rel_l2(
+                    &gather(Dtype::Bf16, &o, &plan.ranges(&c)),
+                    &refs.o,
+                );
+                let lse_e = lse_error(&c, &lse, &refs.lse, &plan);
+                line += &format!(", vs float64 {e:.2e} (LSE {lse_e:.1e})");
+                if !(e <= 1e-2 && lse_e <= 1e-3) {
+                    failed.push(line.clone());
+                }
+            }
+            println!("causal chunks {line}");
+            if unwritten > 0 || !same {
+                failed.push(line);
+            }
+            outs.push((o, lse));
+        }
+    }
     assert!(failed.is_empty(), "{}", failed.join("\n"));
 }
 

@@ -313,7 +313,8 @@ pub type FwdShape = (usize, usize, usize, usize, usize);
 /// [`HopperForward`] the process builds (for timing it against the unsplit kernel).
 pub const TAIL_ENV: &str = "KP_SM90_FWD_TAIL";
 
-/// Largest number of parts [`fwd_tail_split`] cuts a tile's keys into.
+/// Largest number of parts [`fwd_tail_split`] cuts a tile's keys into (the combine's
+/// `KP_TAIL_MAX_PARTS` in kernels/attn_wgmma_sm90.cu, which a unit test compares).
 pub const TAIL_MAX_PARTS: usize = 4;
 
 /// Fewest key tiles ([`WS_KEYS`] keys each) per part of a split tile in [`fwd_tail_split`].
@@ -605,7 +606,7 @@ impl HopperForward {
     /// head's tiles heaviest first a head at a time, the order before 2026-12-06), to time
     /// against.
     pub fn set_causal_chunk(&mut self, chunk: Option<usize>) {
-        self.causal_chunk = chunk.map(|c| c.max(1));
+        self.causal_chunk = chunk.map(|c| c.clamp(1, i32::MAX as usize));
         self.chunk_memo = None;
     }
 
@@ -787,7 +788,9 @@ impl HopperForward {
                     self.chunk_memo = Some((shape5, c));
                     c
                 }
-            } as i32;
+            }
+            // At most every pair (the kernel's chunks never exceed the grid), at least 1.
+            .clamp(1, (heads * batch).clamp(1, i32::MAX as usize)) as i32;
             // The workspace's device addresses (0 without a split: the kernel never reads them).
             let mut ws_guards = None;
             let (op, lp) = match (plan, self.tail_ws.as_mut()) {
@@ -1109,8 +1112,9 @@ pub fn fwd_causal_tile(
 /// (1 always), the smallest whose simulated makespan ([`makespan`], a CTA's work its key tiles
 /// plus one for its prologue and epilogue) is within 0.5 % of the best. Measured on an H100
 /// (2026-12-06, kernels/TUNING.md): the whole grid heaviest first took D64 T4096 B4 H8 13 %
-/// under a head at a time, but D128 T16384 36 % over it, 32 heads' K and V (256 MB) streaming
-/// through a 50 MB L2 at once where a head at a time shares its 8 MB. Grids of more than
+/// under a head at a time; at D128 T16384 it once took 36 % over it (not seen again in a
+/// second call), which the L2 budget is there for (32 heads' K and V are 256 MB against a 50 MB
+/// L2, a head at a time 8 MB): a hypothesis, not a measurement. Grids of more than
 /// [`BWD_SCHEDULE_MAX_CTAS`] CTAs are not simulated: the largest chunk the budget allows.
 pub fn fwd_causal_chunk(
     (qtiles, rows): (usize, usize),
@@ -1951,6 +1955,11 @@ mod tests {
         // Without a budget, D64 T4096 in chunks that balance about as well as the whole grid.
         let free = fwd_causal_chunk((22, 192), 32, (4096, 4096), 132, (1, usize::MAX));
         assert!(span(free) * 100 <= span(32) * 103, "{free}: {}", span(free));
+    }
+
+    #[test]
+    fn the_combine_takes_as_many_parts_as_the_host_splits_into() {
+        assert!(WGMMA_SRC.contains(&format!("#define KP_TAIL_MAX_PARTS {TAIL_MAX_PARTS}\n")));
     }
 
     #[test]
