@@ -1606,24 +1606,11 @@ fn wgmma_forward_matches_float64() {
                 let up = |w: &[u16]| gpu.stream.clone_htod(w).unwrap();
                 let (q, k, v) = (up(&inp.q), up(&inp.k), up(&inp.v));
                 let lens = gpu.stream.clone_htod(&[tkv as i32, len1 as i32]).unwrap();
-                let mut o = up(&vec![Dtype::POISON_WORD; c.q_elems()]);
-                let mut lse = gpu.stream.clone_htod(&vec![f32::NAN; 2 * 4 * tq]).unwrap();
-                fwd.launch(
-                    gpu,
-                    (2, 4, 2, tq, tkv),
-                    (&q, &k, &v),
-                    &lens,
-                    causal,
-                    c.scale(),
-                    &mut o,
-                    &mut lse,
-                )
-                .expect("launch");
-                let words = gpu.stream.clone_dtoh(&o).unwrap();
+                let (words, lse) = forward_poisoned(gpu, &mut fwd, &c, (&q, &k, &v), &lens);
                 let got = gather(dtype, &words, &plan.ranges(&c));
                 let finite = got.iter().all(|x| x.is_finite());
                 let e = kernelpages::attention::rel_l2(&got, &refs.o);
-                let lse_e = lse_error(&c, &gpu.stream.clone_dtoh(&lse).unwrap(), &refs.lse, &plan);
+                let lse_e = lse_error(&c, &lse, &refs.lse, &plan);
                 let label = format!(
                     "{version:?} {} d{d} {tq}x{tkv} len1 {len1} causal {causal}",
                     dtype.as_str()
@@ -1735,6 +1722,31 @@ fn hopper_gpu(probe: &str) -> Option<&'static Gpu> {
         println!("{probe}: not a compute capability 9.0 device");
         None
     }
+}
+
+/// One launch of the wgmma forward `fwd` for case `c` (its shape, mask and scale) on Q, K and V
+/// `qkv` with key lengths `lens`, into an O poisoned with [`Dtype::POISON_WORD`] and an LSE of
+/// NaN; both downloaded (words of `c`'s dtype; f32 `[B, H, Tq]`).
+fn forward_poisoned(
+    gpu: &Gpu,
+    fwd: &mut kernelpages::attention::sm90::HopperForward,
+    c: &AttentionCase,
+    qkv: (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+    lens: &CudaSlice<i32>,
+) -> (Vec<u16>, Vec<f32>) {
+    let mut o = gpu
+        .stream
+        .clone_htod(&vec![Dtype::POISON_WORD; c.q_elems()])
+        .unwrap();
+    let rows = c.batch * c.heads * c.seq_len_q;
+    let mut lse = gpu.stream.clone_htod(&vec![f32::NAN; rows]).unwrap();
+    let shape = (c.batch, c.heads, c.kv_heads, c.seq_len_q, c.seq_len_kv);
+    fwd.launch(gpu, shape, qkv, lens, c.causal, c.scale(), &mut o, &mut lse)
+        .expect("launch");
+    (
+        gpu.stream.clone_dtoh(&o).unwrap(),
+        gpu.stream.clone_dtoh(&lse).unwrap(),
+    )
 }
 
 /// Device buffers for timing a wgmma forward of B·H heads (H = KVH) of `t` queries and keys at
@@ -1945,30 +1957,11 @@ fn wgmma_forward_tail_split_matches_unsplit() {
                 };
                 let inp = Inputs::random(&c, 300 + n);
                 let dev = upload(gpu, &c, &inp).expect("upload");
-                let shape = (b, h, h, tq, tkv);
                 let mut outs = Vec::new();
                 for split in [true, false] {
                     fwd.set_tail_split(split);
-                    let mut o = gpu
-                        .stream
-                        .clone_htod(&vec![Dtype::POISON_WORD; c.q_elems()])
-                        .unwrap();
-                    let mut lse = gpu.stream.clone_htod(&vec![f32::NAN; b * h * tq]).unwrap();
-                    fwd.launch(
-                        gpu,
-                        shape,
-                        (&dev.q, &dev.k, &dev.v),
-                        &dev.kv_lens,
-                        false,
-                        c.scale(),
-                        &mut o,
-                        &mut lse,
-                    )
-                    .expect("launch");
-                    outs.push((
-                        gpu.stream.clone_dtoh(&o).unwrap(),
-                        gpu.stream.clone_dtoh(&lse).unwrap(),
-                    ));
+                    let qkv = (&dev.q, &dev.k, &dev.v);
+                    outs.push(forward_poisoned(gpu, &mut fwd, &c, qkv, &dev.kv_lens));
                 }
                 fwd.set_tail_split(true);
                 let (whole, got_parts) = fwd.tail_plan((b, h, tq, tkv), false).expect("a split");
@@ -2079,24 +2072,8 @@ fn wgmma_forward_causal_chunks_agree() {
         let mut outs = Vec::new();
         for chunk in [Some(1), Some(7), Some(b * h), None] {
             fwd.set_causal_chunk(chunk);
-            let mut o = gpu
-                .stream
-                .clone_htod(&vec![Dtype::POISON_WORD; c.q_elems()])
-                .unwrap();
-            let mut lse = gpu.stream.clone_htod(&vec![f32::NAN; b * h * t]).unwrap();
-            fwd.launch(
-                gpu,
-                (b, h, h, t, t),
-                (&dev.q, &dev.k, &dev.v),
-                &dev.kv_lens,
-                true,
-                c.scale(),
-                &mut o,
-                &mut lse,
-            )
-            .expect("launch");
-            let o = gpu.stream.clone_dtoh(&o).unwrap();
-            let lse = gpu.stream.clone_dtoh(&lse).unwrap();
+            let qkv = (&dev.q, &dev.k, &dev.v);
+            let (o, lse) = forward_poisoned(gpu, &mut fwd, &c, qkv, &dev.kv_lens);
             let label = format!(
                 "{version:?} d{d} chunks {}",
                 chunk.map_or(
