@@ -61,6 +61,9 @@
 #                                                 # there) beside flash_sm80 and SDPA, fwd and
 #                                                 # fwd+bwd at T = 4096 and 16384
 #   bash .carry/device_run.sh full OUTDIR [i/n]   # the committed grid (or shard i of n)
+#   bash .carry/device_run.sh grid_gpus OUTDIR [fwd|bwd|all]  # the committed grid's parts
+#                                                 # (gpu_attention_{fwd,bwd}_*.json) over every
+#                                                 # GPU of a multi-GPU host at once
 #   bash .carry/device_run.sh part OUTDIR NAME LIMIT_S FILTER [i/n]
 #                                                 # one part of a run split over calls or GPUs:
 #                                                 # `attention --compare torch,jax --filter
@@ -406,13 +409,43 @@ masks)
     --compare torch_flex,torch --exclude torch_flash,torch_math,torch_efficient "${extra[@]}" \
     --output "$out/gpu_attention_masks.json"
   ;;
+grid_gpus)
+  # The committed grid's parts (data/gpu_attention_{fwd,bwd}_*.json: `--compare torch,jax
+  # --filter pass=fwd --shard i/8` and `--filter pass=fwd+bwd --shard i/16`) on every GPU that
+  # nvidia-smi lists at once, PART (the third argument) `fwd`, `bwd` or `all` (default): the
+  # shards, forward + backward first (the longer), dealt to the GPUs in turn, each GPU running
+  # its shards one after another (CUDA_VISIBLE_DEVICES), KP_GRID_LIMIT_S per shard (default
+  # 300 s). A shard took 103-144 s forward and 121-230 s forward + backward on one H200
+  # (kernels/TUNING.md), so on 8 GPUs `bwd` (2 shards each) and `fwd` (1 each) fit one call
+  # apiece, at one commit.
+  part=${3:-all}
+  ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+  [ "$ngpu" -ge 1 ] || { echo "no GPU listed"; exit 2; }
+  shards=()
+  case $part in bwd|all) for i in $(seq 1 16); do shards+=("bwd:pass=fwd+bwd:$i/16"); done ;; esac
+  case $part in fwd|all) for i in $(seq 1 8); do shards+=("fwd:pass=fwd:$i/8"); done ;; esac
+  [ ${#shards[@]} -gt 0 ] || { echo "part $part: not fwd, bwd or all"; exit 2; }
+  echo "${#shards[@]} shards on $ngpu GPUs"
+  for g in $(seq 0 $((ngpu - 1))); do
+    (
+      for k in $(seq "$g" "$ngpu" $((${#shards[@]} - 1))); do
+        IFS=: read -r kind filter sh <<< "${shards[$k]}"
+        name=gpu_attention_${kind}_${sh%/*}
+        CUDA_VISIBLE_DEVICES=$g step "GPU $g: $name" "${KP_GRID_LIMIT_S:-300}" "$out/$name.log" \
+          "$bin/attention" --compare torch,jax --filter "$filter" --shard "$sh" \
+          --output "$out/$name.json"
+      done
+    ) &
+  done
+  wait
+  ;;
 full)
   extra=(); [ -n "$shard" ] && extra=(--shard "$shard")
   step "full grid" 3600 "$out/run.log" "$bin/attention" --compare torch,jax "${extra[@]}" \
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, nonaligned, unverified, cta_order, ks_shards, moe, part, jaxinit, mixers, mixers_grid, mixers_rerun, kernel_sums, decode, flex, hopper, masks, full)"; exit 2
+  echo "unknown mode $mode (smoke, tests, nonaligned, unverified, cta_order, ks_shards, moe, part, jaxinit, mixers, mixers_grid, mixers_rerun, kernel_sums, decode, flex, hopper, masks, full, grid_gpus)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"
