@@ -518,11 +518,8 @@ impl Gpu {
 
     /// The device's facts for the document.
     pub fn describe(&self) -> Result<schema::Device, GpuError> {
-        use cudarc::driver::sys::CUdevice_attribute as A;
-        let sm = self
-            .ctx
-            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let l2 = self.ctx.attribute(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?;
+        let sm = self.sm_count()?;
+        let l2 = self.l2_bytes()?;
         Ok(schema::Device {
             kind: DeviceKind::Gpu,
             name: self.ctx.name()?,

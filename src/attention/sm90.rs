@@ -640,18 +640,28 @@ impl HopperForward {
         if !self.tail_split || self.combine.is_none() {
             return None;
         }
-        let tiles = seq_len_q.div_ceil(self.version.rows()) * heads * batch;
+        let tiles = self.query_tiles(batch, heads, seq_len_q);
         fwd_tail_split(tiles, self.sms, seq_len_kv.div_ceil(WS_KEYS), causal)
+    }
+
+    /// Query tiles (one CTA each without a split) of `batch · heads` heads of `seq_len_q` rows.
+    fn query_tiles(&self, batch: usize, heads: usize, seq_len_q: usize) -> usize {
+        seq_len_q.div_ceil(self.version.rows()) * heads * batch
+    }
+
+    /// Rows of the tail split's workspace for `shape` and `causal` (every part's rows of every
+    /// split tile; 0 without a split).
+    fn tail_rows(&self, shape: (usize, usize, usize, usize), causal: bool) -> usize {
+        self.tail_plan(shape, causal).map_or(0, |(whole, parts)| {
+            let tiles = self.query_tiles(shape.0, shape.1, shape.2);
+            (tiles - whole) * parts * self.version.rows()
+        })
     }
 
     /// Bytes of workspace the tail split needs for `shape` (as [`HopperForward::tail_plan`]):
     /// fp32 outputs and log-sum-exps of every part's rows; 0 without a split.
     pub fn tail_bytes(&self, shape: (usize, usize, usize, usize), causal: bool) -> u64 {
-        self.tail_plan(shape, causal).map_or(0, |(whole, parts)| {
-            let tiles = shape.2.div_ceil(self.version.rows()) * shape.1 * shape.0;
-            let rows = (tiles - whole) * parts * self.version.rows();
-            (rows * (self.head_dim + 1) * 4) as u64
-        })
+        (self.tail_rows(shape, causal) * (self.head_dim + 1) * 4) as u64
     }
 
     /// Allocates the tail split's workspace for `shape` and `causal` now (as
@@ -666,12 +676,8 @@ impl HopperForward {
         shape: (usize, usize, usize, usize),
         causal: bool,
     ) -> Result<(), GpuError> {
-        let Some((whole, parts)) = self.tail_plan(shape, causal) else {
-            return Ok(());
-        };
-        let tiles = shape.2.div_ceil(self.version.rows()) * shape.1 * shape.0;
-        let rows = (tiles - whole) * parts * self.version.rows();
-        if self.tail_ws.as_ref().is_some_and(|(_, l)| l.len() >= rows) {
+        let rows = self.tail_rows(shape, causal);
+        if rows == 0 || self.tail_ws.as_ref().is_some_and(|(_, l)| l.len() >= rows) {
             return Ok(());
         }
         // SAFETY: each part writes every row of its slice that the combine reads (rows past
@@ -756,8 +762,7 @@ impl HopperForward {
                 self.reserve_tail(gpu, (batch, heads, seq_len_q, seq_len_kv), causal)?;
             }
             let (whole, parts) = plan.unwrap_or((0, 0));
-            let tiles = seq_len_q.div_ceil(self.version.rows()) * heads * batch;
-            let tail = tiles - whole;
+            let tail = self.query_tiles(batch, heads, seq_len_q) - whole;
             // The guards live until after the launch: dropping one records the buffer's read
             // on this stream, which must come after the kernel that reads it through TMA.
             let (qp, _gq) = q.device_ptr(&gpu.stream);
@@ -1147,11 +1152,7 @@ pub fn fwd_causal_chunk(
         )
     };
     let spans: Vec<(usize, usize)> = candidates.into_iter().map(|c| (c, span(c))).collect();
-    let best = spans.iter().map(|&(_, m)| m).min().unwrap_or(0);
-    spans
-        .into_iter()
-        .find(|&(_, m)| m * 1000 <= best * 1005)
-        .map_or(1, |(c, _)| c)
+    smallest_near_best(spans).map_or(1, |(c, _)| c)
 }
 
 /// When the last CTA of `work` (in launch order) ends on `sms` SMs that each take the next CTA
@@ -1258,12 +1259,16 @@ pub fn bwd_chunk(
         .into_iter()
         .map(|c| (c, span(BwdCtaOrder::KeyTilesSlowestInChunks, c)))
         .collect();
-    let best = spans.iter().map(|&(_, m)| m).min().unwrap_or(0);
-    let (chunk, m) = spans
-        .into_iter()
-        .find(|&(_, m)| m * 1000 <= best * 1005)
-        .unwrap_or((1, fastest));
+    let (chunk, m) = smallest_near_best(spans).unwrap_or((1, fastest));
     (chunk, m, fastest)
+}
+
+/// The first of `spans` ((chunk size, simulated makespan), smallest chunk first) whose makespan
+/// is within 0.5 % of the least of them: the smallest chunk that balances about as well as the
+/// best (fewer pairs at a time share L2 better). `None` for no spans.
+fn smallest_near_best(spans: Vec<(usize, usize)>) -> Option<(usize, usize)> {
+    let best = spans.iter().map(|&(_, m)| m).min()?;
+    spans.into_iter().find(|&(_, m)| m * 1000 <= best * 1005)
 }
 
 /// The CTA order and chunk size the wgmma backward runs by default for `(batch, heads,
