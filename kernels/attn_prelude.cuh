@@ -83,12 +83,23 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, u32 addr) {
                  : "r"(addr));
 }
 
+// Byte offset of element (r, c) of a tile (c a multiple of 8: the start of its 16-byte chunk)
+// stored as TMA's 128-byte-swizzled panels of 64 columns and ROWS rows: panel c / 64 at byte
+// (c / 64) * ROWS * 128, row r of it at r * 128, chunk j of the row at chunk j ^ (r % 8) (the
+// tile's base 1024-byte aligned, as the swizzle requires). ldmatrix's 8 row addresses of one
+// column chunk then fall in 8 distinct bank groups without padding.
+template <int ROWS>
+__device__ __forceinline__ u32 sw128_offset(int r, int c) {
+    return (u32)((c >> 6) * (ROWS * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4));
+}
+
 // O += P V over one 16-key step (the k16 of mma.m16n8k16), for each of MT 16-row tiles: P of
 // row tile mt is the S accumulator of its 8-key column tiles 2 kc and 2 kc + 1, s[mt][2 kc]
 // and s[mt][2 kc + 1], whose C layout packed to 16 bits is the A fragment; the 16 V rows are
-// rows row0 .. row0 + 15 of the tile `v` (row stride STR elements) and come by ldmatrix.trans,
-// each V fragment serving every row tile. o[mt][dt] is output column tile dt (DT = D / 8,
-// even).
+// rows row0 .. row0 + 15 of the tile `v` and come by ldmatrix.trans, each V fragment serving
+// every row tile. The tile's rows are padded to STR elements (STR > 0) or, with STR = -R, it
+// is TMA's 128-byte-swizzled panels of R rows (sw128_offset<R>). o[mt][dt] is output column
+// tile dt (DT = D / 8, even).
 template <int MT, int NTILES, int DT, int STR, bool BF16>
 __device__ __forceinline__ void pv_step(float (&o)[MT][DT][4], const float (&s)[MT][NTILES][4],
                                         int kc, const u16* v, int row0, int lane) {
@@ -103,8 +114,13 @@ __device__ __forceinline__ void pv_step(float (&o)[MT][DT][4], const float (&s)[
 #pragma unroll
     for (int dt = 0; dt < DT; dt += 2) {
         u32 vb[4];
-        const u16* p = v + (row0 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
-        ldmatrix_x4_trans(vb, smem_u32(p));
+        if constexpr (STR > 0) {
+            const u16* p = v + (row0 + (lane & 15)) * STR + dt * 8 + (lane >> 4) * 8;
+            ldmatrix_x4_trans(vb, smem_u32(p));
+        } else {
+            ldmatrix_x4_trans(vb, smem_u32(v) + sw128_offset<-STR>(row0 + (lane & 15),
+                                                                   dt * 8 + (lane >> 4) * 8));
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             mma16816<BF16>(o[mt][dt], pa[mt], vb[0], vb[1]);
@@ -255,4 +271,49 @@ __device__ __forceinline__ void load_tile(u16* s, const u16* g, int valid_rows, 
         const bool ok = r < valid_rows;
         cp_async16(smem_u32(s + r * STR + c), ok ? g + (size_t)r * D + c : g, ok);
     }
+}
+
+// Hopper (sm_90) building blocks: TMA tensor copies completing on mbarriers. Device functions
+// are emitted only where a kernel calls them, so the sm_80 kernels compile past them; the
+// wgmma kernels (attn_wgmma_sm90.cu), the grouped GEMM and the decoding kernel's TMA build
+// (flash_decode.cu) use them.
+
+// A CUtensorMap (cuTensorMapEncodeTiled's 128-byte opaque object), passed by value as a
+// __grid_constant__ kernel parameter so that TMA can read it from parameter space.
+struct __align__(64) TmaMap {
+    unsigned long long w[16];
+};
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// The producer's arrival that also announces `bytes` of TMA transactions for this phase.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase with parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// A 3-D tile (box) of the tensor map `map` at element coordinates (c0, c1, c2), innermost
+// first, into shared memory at `dst`; its bytes count towards barrier `bar`'s transactions.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, u32 bar, int c0, int c1,
+                                            int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
 }

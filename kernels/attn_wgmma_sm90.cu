@@ -2,7 +2,8 @@
 // project from the PTX ISA's description of the warpgroup-level matrix instructions
 // (`wgmma.mma_async`, shared-memory matrix descriptors, async-proxy fences), and a probe kernel
 // that checks them on the device before any attention kernel relies on them. Needs
-// attn_prelude.cuh before it (u16, u32, smem_u32, pack2) and `-arch=sm_90a`. It declares a
+// attn_prelude.cuh before it (u16, u32, smem_u32, pack2; TmaMap, the mbarrier and TMA load
+// helpers) and `-arch=sm_90a`. It declares a
 // kernel only where the source before it defines KP_SM90_ALL or KP_SM90_<the kernel's name>
 // (the host compiles the one forward it runs, and the backward's source reuses the helpers
 // without compiling any forward).
@@ -387,52 +388,12 @@ V1_ENTRY(attn_fwd_sm90_d128, 128)
 // between 8-row groups along K and its leading offset the distance between 64-column panels
 // along N (CUTLASS's canonical GMMA layouts name the same two strides).
 
-// A CUtensorMap (cuTensorMapEncodeTiled's 128-byte opaque object), passed by value as a
-// __grid_constant__ kernel parameter so that TMA can read it from parameter space.
-struct __align__(64) TmaMap {
-    unsigned long long w[16];
-};
-
 __device__ __forceinline__ uint64_t smem_desc_sw128(u32 saddr, u32 lead_bytes, u32 stride_bytes) {
     uint64_t d = (uint64_t)((saddr & 0x3FFFF) >> 4);
     d |= (uint64_t)((lead_bytes & 0x3FFFF) >> 4) << 16;
     d |= (uint64_t)((stride_bytes & 0x3FFFF) >> 4) << 32;
     d |= 1ull << 62;
     return d;
-}
-
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// The producer's arrival that also announces `bytes` of TMA transactions for this phase.
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Waits until the phase with parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-// A 3-D tile (box) of the tensor map `map` at element coordinates (c0, c1, c2), innermost
-// first, into shared memory at `dst`; its bytes count towards barrier `bar`'s transactions.
-__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, u32 bar, int c0, int c1,
-                                            int c2) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-        "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-        : "memory");
 }
 
 // D (64 x 128, fp32) += A (64 x 16) * B (16 x 128), both from shared memory, B K-major (S = Q

@@ -67,33 +67,50 @@ def plan(ctas, max_len, sms, forced, D, MT):
     return max(ceil_div(max_len, kps), 1), kps
 
 
-def load_tile(ks, vs, base, K, V, Kb, Vb, table, k0, end, page_size, page_stride, row_stride,
+def decode_offset(table, key, page, within, col, end, page_stride, row_stride):
+    """decode_offset: the chunk's element offset from the kv head's base, 0 past the range."""
+    return table[page] * page_stride + within * row_stride + col if key < end else 0
+
+
+def cursors(table, k0, end, page_size, page_stride, row_stride, D):
+    """decode_cursor for every thread: [key, page, within, off] at the range's first key."""
+    CPR = D // 8
+    out = []
+    for tid in range(NT):
+        key = k0 + tid // CPR
+        page = key // page_size
+        within = key - page * page_size
+        out.append([key, page, within, decode_offset(table, key, page, within, (tid % CPR) * 8,
+                                                     end, page_stride, row_stride)])
+    return out
+
+
+def load_tile(ks, vs, base, K, V, Kb, Vb, table, cur, end, page_size, page_stride, row_stride,
               D):
     """decode_load_tile: `base` is the stage's offset in the shared ring (K tile at base, V
-    tile at base + TILE, both in `ks`/`vs`, the same list); chunk c = tid + NT * i, the page
-    and place in it carried forward from the thread's first key."""
+    tile at base + TILE, both in `ks`/`vs`, the same list); chunk c = tid + NT * i; every
+    thread's cursor `cur[tid]` carried from tile to tile, its offset advanced by KSTEP rows
+    within a page and looked up where a chunk enters a page."""
     STR = D + 8
     CPR = D // 8
     KSTEP = NT // CPR
     for tid in range(NT):
         kr0, col = tid // CPR, (tid % CPR) * 8
-        key = k0 + kr0
-        page = key // page_size
-        within = key - page * page_size
+        c = cur[tid]
         for i in range(KT // KSTEP):
             kr = kr0 + KSTEP * i
-            ok = key < end
-            off = 0
-            if ok:
-                off = table[page] * page_stride + within * row_stride + col
+            ok = c[0] < end
             for e in range(8):
-                ks[base + kr * STR + col + e] = K[Kb + off + e] if ok else 0.0
-                vs[base + KT * STR + kr * STR + col + e] = V[Vb + off + e] if ok else 0.0
-            key += KSTEP
-            within += KSTEP
-            while within >= page_size:
-                within -= page_size
-                page += 1
+                ks[base + kr * STR + col + e] = K[Kb + c[3] + e] if ok else 0.0
+                vs[base + KT * STR + kr * STR + col + e] = V[Vb + c[3] + e] if ok else 0.0
+            c[0] += KSTEP
+            c[2] += KSTEP
+            c[3] += KSTEP * row_stride
+            if c[2] >= page_size:
+                while c[2] >= page_size:
+                    c[2] -= page_size
+                    c[1] += 1
+                c[3] = decode_offset(table, c[0], c[1], c[2], col, end, page_stride, row_stride)
 
 
 def ldmatrix_x4(mem, addr, trans=False):
@@ -169,10 +186,11 @@ def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, coun
                 off = ((b * H + h) * Tq + i) * D + col
             for e in range(8):
                 qs[r * STR + col + e] = Q[off + e] if ok else 0.0
+    cur = cursors(table, start, end, page_size, page_stride, row_stride, D)
     for st in range(NS - 1):
         if st < n_tiles:
-            load_tile(ring, ring, st * 2 * TILE, K, V, Kb, Vb, table, start + st * KT, end,
-                      page_size, page_stride, row_stride, D)
+            load_tile(ring, ring, st * 2 * TILE, K, V, Kb, Vb, table, cur, end, page_size,
+                      page_stride, row_stride, D)
     # Per lane and row tile mt: rows 16 mt + g and 16 mt + g + 8, their key limits, running max
     # and sum, accumulators.
     lim = [[[None, None] for _ in range(MT)] for _ in range(NT)]
@@ -188,8 +206,8 @@ def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, coun
     for t in range(n_tiles):
         nxt = t + NS - 1
         if nxt < n_tiles:
-            load_tile(ring, ring, (nxt % NS) * 2 * TILE, K, V, Kb, Vb, table, start + nxt * KT,
-                      end, page_size, page_stride, row_stride, D)
+            load_tile(ring, ring, (nxt % NS) * 2 * TILE, K, V, Kb, Vb, table, cur, end,
+                      page_size, page_stride, row_stride, D)
         ksb = (t % NS) * 2 * TILE
         vsb = ksb + TILE
         for warp in range(NW):
@@ -211,6 +229,7 @@ def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, coun
                                  [kb[l][1] for l in range(32)])
                         mma16816(acc, qb[mt], [kb[l][2] for l in range(32)],
                                  [kb[l][3] for l in range(32)])
+            alpha = [[[1.0, 1.0] for _ in range(MT)] for _ in range(32)]
             for mt in range(MT):
                 for r in range(2):
                     mx = [NEG] * 32
@@ -230,7 +249,7 @@ def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, coun
                         tid = warp * 32 + l
                         m_new = max(m_run[tid][mt][r], m_q)
                         base = 0.0 if m_new == NEG else m_new
-                        alpha = exp2(m_run[tid][mt][r] - base)
+                        alpha[l][mt][r] = exp2(m_run[tid][mt][r] - base)
                         m_run[tid][mt][r] = m_new
                         total = 0.0
                         for nt in range(2):
@@ -238,10 +257,14 @@ def split_cta(s, y, b, S, RB, Q, K, V, block_table, seq_lens, Opart, Lpart, coun
                                 pv = exp2(sc[l][mt][nt][2 * r + e] - base)
                                 sc[l][mt][nt][2 * r + e] = pv
                                 total += pv
-                        l_run[tid][mt][r] = l_run[tid][mt][r] * alpha + total
+                        l_run[tid][mt][r] = l_run[tid][mt][r] * alpha[l][mt][r] + total
+            # The rescale, skipped by the warp when every lane's alphas are exactly 1.
+            if any(a != 1.0 for l in range(32) for mt in range(MT) for a in alpha[l][mt]):
+                for l in range(32):
+                    for mt in range(MT):
                         for dt in range(DT):
-                            o[tid][mt][dt][2 * r] *= alpha
-                            o[tid][mt][dt][2 * r + 1] *= alpha
+                            for e in range(4):
+                                o[warp * 32 + l][mt][dt][e] *= alpha[l][mt][e // 2]
             pa = [[[(sc[l][mt][0][0], sc[l][mt][0][1]), (sc[l][mt][0][2], sc[l][mt][0][3]),
                     (sc[l][mt][1][0], sc[l][mt][1][1]), (sc[l][mt][1][2], sc[l][mt][1][3])]
                    for l in range(32)] for mt in range(MT)]

@@ -35,59 +35,114 @@
 // sets the counter back to 0 for the next call (threadfence reduction, as in CUDA's
 // threadFenceReduction sample).
 
-// Keys [k0, k0 + KT) of one kv head into the K and V tile buffers `ks`, `vs` (rows padded to
-// D + 8 elements) as 16-byte cp.async (the caller commits); keys at or past `end` are
-// zero-filled and read nothing. Key t is at `Kb`/`Vb` + page_stride * table[t / page_size] +
-// row_stride * (t % page_size). Chunk c = tid + NT * i is key c / (D / 8), column
-// (c % (D / 8)) * 8: a thread's chunks share a column and step NT / (D / 8) keys, so its page
-// and place in the page are divided out once per tile and then carried forward.
+// A thread's place in its range's key stream for the loader below: the key of its next 16-byte
+// chunk, that key's page and place in the page, and the chunk's K and V addresses. The loader
+// carries it from one tile to the next (a thread's chunks of consecutive tiles are consecutive
+// in the stream), so a call divides by the page size once, and the 64-bit offset products run
+// only where a chunk enters a page; within a page both addresses advance by a constant.
+struct DecodeCursor {
+    const u16* k;
+    const u16* v;
+    int key, page, within;
+};
+
+// Points `c` at column `col` of its key (page c.page, row c.within of it) in the kv head's K and
+// V bases `Kb`, `Vb`; a key at or past `end` (whose page the table need not hold) at the bases.
+__device__ __forceinline__ void decode_seek(DecodeCursor& c, const u16* Kb, const u16* Vb,
+                                            const int* table, int col, int end,
+                                            long long page_stride, long long row_stride) {
+    const long long off = c.key < end ? (long long)table[c.page] * page_stride +
+                                            (long long)c.within * row_stride + col
+                                      : 0;
+    c.k = Kb + off;
+    c.v = Vb + off;
+}
+
+// The cursor of thread `tid` at key `k0` (a range's first key): chunk c = tid + NT * i of a tile
+// is key c / (D / 8), column (c % (D / 8)) * 8.
+template <int D>
+__device__ __forceinline__ DecodeCursor decode_cursor(const u16* Kb, const u16* Vb,
+                                                      const int* table, int k0, int end,
+                                                      int page_size, long long page_stride,
+                                                      long long row_stride, int tid) {
+    constexpr int CPR = D / 8;  // 16-byte chunks per key row
+    DecodeCursor c;
+    c.key = k0 + tid / CPR;
+    c.page = c.key / page_size;
+    c.within = c.key - c.page * page_size;
+    decode_seek(c, Kb, Vb, table, (tid % CPR) * 8, end, page_stride, row_stride);
+    return c;
+}
+
+// The next KT keys of the cursor's stream (one kv head) into the K and V tile buffers `ks`, `vs`
+// (rows padded to D + 8 elements) as 16-byte cp.async (the caller commits); keys at or past
+// `end` are zero-filled and read nothing (the copy ignores its source). Key t is at `Kb`/`Vb` +
+// page_stride * table[t / page_size] + row_stride * (t % page_size). A thread's chunks share a
+// column and step KSTEP = NT / (D / 8) keys: within a page the addresses advance by KSTEP *
+// row_stride elements; a chunk that enters a new page looks the page up.
 template <int D, int KT, int NT>
-__device__ __forceinline__ void decode_load_tile(u16* ks, u16* vs, const u16* K, const u16* V,
-                                                 const u16* Kb, const u16* Vb, const int* table,
-                                                 int k0, int end, int page_size,
-                                                 long long page_stride, long long row_stride,
-                                                 int tid) {
+__device__ __forceinline__ void decode_load_tile(u16* ks, u16* vs, const u16* Kb, const u16* Vb,
+                                                 const int* table, DecodeCursor& c, int end,
+                                                 int page_size, long long page_stride,
+                                                 long long row_stride, int tid) {
     constexpr int STR = D + 8;
     constexpr int CPR = D / 8;         // 16-byte chunks per key row
     constexpr int KSTEP = NT / CPR;    // keys between a thread's chunks
     constexpr int PER_THREAD = KT / KSTEP;
     static_assert(NT % CPR == 0 && KT % KSTEP == 0, "whole chunks per thread");
     const int kr0 = tid / CPR, col = (tid % CPR) * 8;
-    int key = k0 + kr0;
-    int page = key / page_size;
-    int within = key - page * page_size;
+    const long long step = (long long)KSTEP * row_stride;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int kr = kr0 + KSTEP * i;
-        const bool ok = key < end;
-        size_t off = 0;
-        if (ok) {
-            off = (size_t)table[page] * page_stride + (size_t)within * row_stride + col;
-        }
-        cp_async16(smem_u32(ks + kr * STR + col), ok ? Kb + off : K, ok);
-        cp_async16(smem_u32(vs + kr * STR + col), ok ? Vb + off : V, ok);
-        key += KSTEP;
-        within += KSTEP;
-        while (within >= page_size) {  // at most once when page_size >= KSTEP
-            within -= page_size;
-            ++page;
+        const bool ok = c.key < end;
+        cp_async16(smem_u32(ks + kr * STR + col), c.k, ok);
+        cp_async16(smem_u32(vs + kr * STR + col), c.v, ok);
+        c.key += KSTEP;
+        c.within += KSTEP;
+        c.k += step;
+        c.v += step;
+        if (c.within >= page_size) {
+            do {  // once when page_size >= KSTEP
+                c.within -= page_size;
+                ++c.page;
+            } while (c.within >= page_size);
+            decode_seek(c, Kb, Vb, table, col, end, page_stride, row_stride);
         }
     }
 }
 
 // Shared memory of the split kernel, bytes: the ring's NS stages of a K and a V tile, then Q
-// (RM = 16 MT rows), all rows padded to D + 8 elements, then one word (the last-CTA flag, in
-// 16 bytes). The warps' partials and the combine's weights reuse the
-// ring at the end.
-template <int D, int MT>
+// (RM = 16 MT rows, padded to D + 8 elements), then (TMA) the stages' mbarriers, then one word
+// (the last-CTA flag, in 16 bytes). The ring's tiles have rows padded to D + 8 elements (cp.async)
+// or are TMA's 128-byte-swizzled panels of 64 columns (sw128_offset<KT>), the ring then placed
+// at the first 1024-byte boundary (BYTES holds the 1 KiB that may cost). The warps' partials
+// and the combine's weights reuse the ring at the end.
+template <int D, int MT, bool TMA>
 struct DecodeSmem {
     static constexpr int KT = 64, RM = 16 * MT, STR = D + 8, NS = D <= 128 ? 3 : 2;
-    static constexpr int TILE = KT * STR;
-    static constexpr int FLAG = (NS * 2 * TILE + RM * STR) * 2;  // byte offset
-    static constexpr int BYTES = FLAG + 16;
+    static constexpr int TILE = TMA ? KT * D : KT * STR;  // elements of one K or V tile
+    static constexpr int Q = NS * 2 * TILE * 2;           // byte offsets
+    static constexpr int BARS = Q + RM * STR * 2;
+    static constexpr int FLAG = BARS + (TMA ? NS * 8 : 0);
+    static constexpr int BYTES = FLAG + 16 + (TMA ? 1024 : 0);
     static constexpr int RING_FLOATS = NS * 2 * TILE / 2;
     static_assert((4 * RM * D + 8 * RM) * 4 <= NS * 2 * TILE * 2, "partials fit the ring");
 };
+
+// Tile `k0` (KT keys) of one kv head's K and V by TMA into the stage at shared address `stage`
+// (K's D / 64 swizzled panels, then V's), completing on mbarrier `bar`: boxes of 64 columns x
+// KT keys of the [planes][T][D] tensor maps at plane `plane`; keys at or past T read zeros.
+template <int D, int KT>
+__device__ __forceinline__ void decode_tma_tile(u32 stage, u32 bar, const TmaMap* tmk,
+                                                const TmaMap* tmv, int k0, int plane) {
+    constexpr int PANEL = KT * 128, NP = D / 64;
+    mbar_expect_tx(bar, 2 * NP * PANEL);
+#pragma unroll
+    for (int p = 0; p < NP; ++p) tma_load_3d(stage + p * PANEL, tmk, bar, 64 * p, k0, plane);
+#pragma unroll
+    for (int p = 0; p < NP; ++p) tma_load_3d(stage + (NP + p) * PANEL, tmv, bar, 64 * p, k0, plane);
+}
 
 // The combine of one CTA's R rows (row r: query head kvh * G + (r0 + r) / Tq, query (r0 + r)
 // % Tq of sequence b) over S partials, by the CTA's 128 threads; `ws` holds RM * S floats.
@@ -149,15 +204,22 @@ __device__ __forceinline__ void decode_combine_rows(const float* __restrict__ Op
 // [B, H, Tq] are the results; Opart, Lpart and counters (B * gridDim.y words, zero before the
 // first call and left zero by every call) serve the combine when gridDim.x > 1, whose S
 // partials of RM rows must fit the ring (RM * S <= RING_FLOATS: the host checks).
-template <int D, int MT, bool BF16>
+//
+// TMA (sm_90, the contiguous cache only: page_size = T keys per plane, one page per sequence,
+// row_stride D): K and V tiles come by TMA tensor copies from `tmk`, `tmv` (tensor maps of
+// [planes][T][D], plane = block_table[b * max_pages] * KVH + kvh), issued by thread 0 and
+// completing on one mbarrier per stage, instead of every thread's cp.async; keys past the range
+// are masked out of S and their V rows zeroed in the last tile (the cache may hold anything
+// there). Q still comes by cp.async.
+template <int D, int MT, bool BF16, bool TMA>
 __device__ __forceinline__ void flash_decode_split(
     const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
     const int* __restrict__ block_table, const int* __restrict__ seq_lens,
     float* __restrict__ Opart, float* __restrict__ Lpart, int* __restrict__ counters,
     u16* __restrict__ O, float* __restrict__ LSE, int Tq, int H, int KVH, int page_size,
     int max_pages, long long page_stride, long long row_stride, long long head_stride,
-    int keys_per_split, float scale_log2, int causal) {
-    using SM = DecodeSmem<D, MT>;
+    int keys_per_split, float scale_log2, int causal, const TmaMap* tmk, const TmaMap* tmv) {
+    using SM = DecodeSmem<D, MT, TMA>;
     constexpr int NT = 128, KT = SM::KT, RM = SM::RM, STR = SM::STR, NS = SM::NS;
     constexpr int TILE = SM::TILE, DT = D / 8, NW = NT / 32;
     static_assert(MT == 1 || (MT == 2 && D <= 128), "two row tiles only at head_dim <= 128");
@@ -176,14 +238,16 @@ __device__ __forceinline__ void flash_decode_split(
     const int n_tiles = end > start ? (end - start + KT - 1) / KT : 0;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    u16* ring = reinterpret_cast<u16*>(smem_raw);  // [NS][K tile, V tile][KT][STR]
-    u16* qs = ring + NS * 2 * TILE;                // [RM][STR]
-    int* last_flag = reinterpret_cast<int*>(smem_raw + SM::FLAG);
+    unsigned char* sbase = smem_raw + (TMA ? (1024 - (smem_u32(smem_raw) & 1023)) & 1023 : 0);
+    u16* ring = reinterpret_cast<u16*>(sbase);  // [NS][K tile, V tile]
+    u16* qs = reinterpret_cast<u16*>(sbase + SM::Q);  // [RM][STR]
+    int* last_flag = reinterpret_cast<int*>(sbase + SM::FLAG);
+    const u32 bars = smem_u32(sbase + SM::BARS);  // TMA: stage st's mbarrier at bars + 8 st
 
     const u16* Kb = K + (size_t)kvh * head_stride;
     const u16* Vb = V + (size_t)kvh * head_stride;
     const int* table = block_table + (size_t)b * max_pages;
-    // Q's rows (zero past R) travel in the first commit group, with tile 0.
+    // Q's rows (zero past R).
     for (int c = tid; c < RM * DT; c += NT) {
         const int r = c / DT, col = (c % DT) * 8;
         const bool ok = r < R;
@@ -194,15 +258,32 @@ __device__ __forceinline__ void flash_decode_split(
         }
         cp_async16(smem_u32(qs + r * STR + col), Q + off, ok);
     }
-    // Q's rows travel in the first commit group, with tile 0.
-#pragma unroll
-    for (int st = 0; st < NS - 1; ++st) {
-        if (st < n_tiles) {
-            decode_load_tile<D, KT, NT>(ring + st * 2 * TILE, ring + st * 2 * TILE + TILE, K, V,
-                                        Kb, Vb, table, start + st * KT, end, page_size,
-                                        page_stride, row_stride, tid);
-        }
+    // Q's rows travel in the first commit group (with tile 0 unless TMA brings the tiles).
+    DecodeCursor cur =
+        decode_cursor<D>(Kb, Vb, table, start, end, page_size, page_stride, row_stride, tid);
+    const int plane = TMA ? table[0] * KVH + kvh : 0;
+    if constexpr (TMA) {
         cp_async_commit();
+        if (tid == 0) {
+            for (int st = 0; st < NS; ++st) mbar_init(bars + 8 * st, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        __syncthreads();
+        if (tid == 0) {
+            for (int st = 0; st < NS - 1 && st < n_tiles; ++st)
+                decode_tma_tile<D, KT>(smem_u32(ring + st * 2 * TILE), bars + 8 * st, tmk, tmv,
+                                       start + st * KT, plane);
+        }
+    } else {
+#pragma unroll
+        for (int st = 0; st < NS - 1; ++st) {
+            if (st < n_tiles) {
+                decode_load_tile<D, KT, NT>(ring + st * 2 * TILE, ring + st * 2 * TILE + TILE, Kb,
+                                            Vb, table, cur, end, page_size, page_stride,
+                                            row_stride, tid);
+            }
+            cp_async_commit();
+        }
     }
 
     // This thread's rows of row tile mt's mma fragments: 16 mt + g and 16 mt + g + 8. Keys at
@@ -227,22 +308,45 @@ __device__ __forceinline__ void flash_decode_split(
     }
 
     for (int t = 0; t < n_tiles; ++t) {
-        cp_async_wait<NS - 2>();  // tile t has landed
-        __syncthreads();          // ... for every thread, and every warp is done with tile t - 1
-        {
-            const int nxt = t + NS - 1;  // into the stage tile t - 1 used
+        const int nxt = t + NS - 1;  // loads into the stage tile t - 1 used
+        if constexpr (TMA) {
+            if (t == 0) cp_async_wait<0>();               // Q
+            mbar_wait(bars + 8 * (t % NS), (t / NS) & 1);  // tile t has landed
+            __syncthreads();  // Q for every thread; every warp is done with tile t - 1
+            if (tid == 0 && nxt < n_tiles)
+                decode_tma_tile<D, KT>(smem_u32(ring + (nxt % NS) * 2 * TILE),
+                                       bars + 8 * (nxt % NS), tmk, tmv, start + nxt * KT, plane);
+        } else {
+            cp_async_wait<NS - 2>();  // tile t has landed
+            __syncthreads();  // ... for every thread, and every warp is done with tile t - 1
             if (nxt < n_tiles) {
                 u16* st = ring + (nxt % NS) * 2 * TILE;
-                decode_load_tile<D, KT, NT>(st, st + TILE, K, V, Kb, Vb, table,
-                                            start + nxt * KT, end, page_size, page_stride,
-                                            row_stride, tid);
+                decode_load_tile<D, KT, NT>(st, st + TILE, Kb, Vb, table, cur, end, page_size,
+                                            page_stride, row_stride, tid);
             }
             cp_async_commit();
         }
         const u16* ks = ring + (t % NS) * 2 * TILE;
-        const u16* vs = ks + TILE;
+        u16* vs = ring + (t % NS) * 2 * TILE + TILE;
         const int kw = start + t * KT + warp * 16;  // this warp's first key
         if (kw >= end) continue;                    // warp-uniform: no key of the warp's 16
+        if constexpr (TMA) {
+            // The range's last tile: the cache's rows past `end` (up to T, or the next
+            // sequence's) may hold anything, NaN included, and P = 0 times NaN is NaN. The warp
+            // zeroes its own V rows past `end` (the K rows' scores are masked below).
+            if (kw + 16 > end) {
+                constexpr int CHUNKS = 16 * (D / 64) * 8;  // 16-byte chunks of the warp's rows
+#pragma unroll
+                for (int i = lane; i < CHUNKS; i += 32) {
+                    const int r = warp * 16 + i / ((D / 64) * 8), p = (i / 8) % (D / 64);
+                    if (kw - warp * 16 + r >= end)
+                        *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(vs) +
+                                                  p * KT * 128 + r * 128 + (i % 8) * 16) =
+                            make_uint4(0u, 0u, 0u, 0u);
+                }
+                __syncwarp();
+            }
+        }
         // S = Q K^T for the warp's 16 keys: per row tile, two 8-key column tiles; each K
         // fragment serves every row tile.
         float sc[MT][2][4];
@@ -263,9 +367,12 @@ __device__ __forceinline__ void flash_decode_split(
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
                 u32 kb[4];
-                const u16* pk = ks + (warp * 16 + nt * 8 + (lane & 7)) * STR + kc * 16 +
-                                (lane >> 3) * 8;
-                ldmatrix_x4(kb, smem_u32(pk));
+                const int kr = warp * 16 + nt * 8 + (lane & 7), kcol = kc * 16 + (lane >> 3) * 8;
+                if constexpr (TMA) {
+                    ldmatrix_x4(kb, smem_u32(ks) + sw128_offset<KT>(kr, kcol));
+                } else {
+                    ldmatrix_x4(kb, smem_u32(ks + kr * STR + kcol));
+                }
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma16816<BF16>(sc[mt][nt], qa[mt], kb[0], kb[1]);
@@ -275,6 +382,7 @@ __device__ __forceinline__ void flash_decode_split(
         }
         // Online softmax per row: element e of column tile nt is row 16 mt + g + 8 (e >> 1),
         // key kw + nt * 8 + 2 * t4 + (e & 1); the row's 16 keys are spread over the quad.
+        float alpha[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -296,7 +404,7 @@ __device__ __forceinline__ void flash_decode_split(
                 const float m_new = fmaxf(m_run[mt][r], mx);
                 // A row with no visible key so far keeps base 0: every exp2 is of -inf, i.e. 0.
                 const float base = m_new == NEG_INF ? 0.f : m_new;
-                const float alpha = fast_exp2(m_run[mt][r] - base);
+                alpha[mt][r] = fast_exp2(m_run[mt][r] - base);
                 m_run[mt][r] = m_new;
                 float sum = 0.f;
 #pragma unroll
@@ -308,21 +416,34 @@ __device__ __forceinline__ void flash_decode_split(
                         sum += p;
                     }
                 }
-                l_run[mt][r] = l_run[mt][r] * alpha + sum;
+                l_run[mt][r] = l_run[mt][r] * alpha[mt][r] + sum;
+            }
+        }
+        // The accumulators' rescale, skipped by the whole warp when no row's maximum moved
+        // (every alpha exactly 1: the products would change nothing). After a cache's first
+        // tiles the running maxima rarely move, and the rescale is DT * 4 * MT multiplies.
+        bool moved = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) moved |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
-                    o[mt][dt][2 * r] *= alpha;
-                    o[mt][dt][2 * r + 1] *= alpha;
+                    o[mt][dt][0] *= alpha[mt][0];
+                    o[mt][dt][1] *= alpha[mt][0];
+                    o[mt][dt][2] *= alpha[mt][1];
+                    o[mt][dt][3] *= alpha[mt][1];
                 }
             }
         }
         // O += P V over the warp's 16 keys (pv_step: P's accumulator layout is the A fragment).
-        pv_step<MT, 2, DT, STR, BF16>(o, sc, 0, vs, warp * 16, lane);
+        pv_step<MT, 2, DT, TMA ? -KT : STR, BF16>(o, sc, 0, vs, warp * 16, lane);
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring is free: it takes the warps' partials
 
-    float* ob = reinterpret_cast<float*>(smem_raw);  // [NW][RM][D]: unnormalised outputs
+    float* ob = reinterpret_cast<float*>(sbase);  // [NW][RM][D]: unnormalised outputs
     float* mw = ob + NW * RM * D;                    // [NW][RM]: running maxima
     float* lw = mw + NW * RM;                        // [NW][RM]: running sums
 #pragma unroll
@@ -386,6 +507,6 @@ __device__ __forceinline__ void flash_decode_split(
     __syncthreads();
     if (!*last_flag) return;
     __threadfence();
-    decode_combine_rows<D, RM, BF16>(Opart, Lpart, O, LSE, reinterpret_cast<float*>(smem_raw), R,
+    decode_combine_rows<D, RM, BF16>(Opart, Lpart, O, LSE, reinterpret_cast<float*>(sbase), R,
                                      b, kvh, r0, G, Tq, H, S, tid);
 }

@@ -903,11 +903,14 @@ struct DecodeCase {
     page: Option<usize>,
     /// Forced number of splits (`None`: the device's plan).
     splits: Option<usize>,
+    /// Keeps the decoder on the cp.async loader where the TMA build would run.
+    portable: bool,
 }
 
-/// Runs `c` on the GPU with O poisoned and LSE NaN, and returns (O as f64, LSE, the float64
-/// reference O, its LSE).
-fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<f64>) {
+/// Runs `c` on the GPU with O poisoned and LSE NaN (and a contiguous cache's keys past each
+/// sequence's length NaN: no kernel may let them into a result), and returns (O as f64, LSE,
+/// the float64 reference O, its LSE, whether the TMA build ran).
+fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<f64>, bool) {
     use kernelpages::attention::decode::{decode_split_kv, PagedCache};
     use kernelpages::attention::decode_gpu::{CacheLayout, DecodePlan, Decoder};
     use rand::{Rng, SeedableRng};
@@ -961,10 +964,25 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
                 PagedCache::from_contiguous(&k, &v, kvh, max_len, d, &lens_full, max_len, &order);
             cache.seq_lens = c.lens.clone();
             let table: Vec<i32> = (0..b as i32).collect();
+            let nan = if s.dtype == Dtype::F16 {
+                0x7e00
+            } else {
+                0x7fc0
+            };
+            let past_len = |mut w: Vec<u16>| {
+                for (i, x) in w.iter_mut().enumerate() {
+                    let key = (i / d) % max_len;
+                    let seq = i / (d * max_len * kvh);
+                    if key >= c.lens[seq] {
+                        *x = nan;
+                    }
+                }
+                w
+            };
             (
                 CacheLayout::contiguous(max_len, kvh, d),
-                bits(&k),
-                bits(&v),
+                past_len(bits(&k)),
+                past_len(bits(&v)),
                 table,
                 1,
                 cache,
@@ -974,6 +992,8 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
     let sms = gpu.describe().unwrap().sm_count.unwrap() as usize;
     let plan = DecodePlan::for_shape(&s, max_len, sms, c.splits);
     let mut dec = Decoder::new(gpu, s, plan).expect("decoder");
+    dec.set_tma(!c.portable);
+    let tma = dec.uses_tma(layout, max_pages);
     let up16 = |x: &[u16]| gpu.stream.clone_htod(x).unwrap();
     let (qd, kd, vd) = (up16(&bits(&q)), up16(&k_dev), up16(&v_dev));
     let table_d = gpu.stream.clone_htod(&table).unwrap();
@@ -1017,7 +1037,7 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
         c.page
     );
     let (ref_o, ref_lse) = decode_split_kv(&q, s.heads, s.seq_len_q, &cache, s.scale, s.causal, 1);
-    (s.dtype.decode_all(&o_words), lse_h, ref_o, ref_lse)
+    (s.dtype.decode_all(&o_words), lse_h, ref_o, ref_lse, tma)
 }
 
 /// Split-KV decoding (issue 10 §2-3) against the float64 one-pass reference: paged caches with
@@ -1026,7 +1046,9 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
 /// head_dim and both 16-bit dtypes, and the contiguous cache of the decoding shape
 /// `[4, 32, 1, 128]` / `[4, 32, 20, 128]`. Every output element must be written (O poisoned,
 /// LSE NaN), rows with no key are 0 with LSE +inf, splits 1, 2, 7 and 64 agree, and a second
-/// call repeats the first bit for bit.
+/// call repeats the first bit for bit. The contiguous cache also runs at every head_dim and
+/// dtype with NaN past each sequence's length, and where the TMA build runs (compute capability
+/// 9.0) it must equal the cp.async loader bit for bit.
 #[test]
 #[cfg_attr(
     not(kp_cuda),
@@ -1068,6 +1090,7 @@ fn split_kv_decoding_matches_float64() {
                                     lens: vec![1000, 1, 300, 0],
                                     page: Some(page),
                                     splits,
+                                    portable: false,
                                 },
                             ));
                         }
@@ -1088,9 +1111,54 @@ fn split_kv_decoding_matches_float64() {
                 lens: vec![1000, 1, 300, 0],
                 page: None,
                 splits,
+                portable: false,
             },
         ));
     }
+    // The contiguous cache at every head_dim and dtype (where the TMA build runs on compute
+    // capability 9.0), lengths ending inside a tile, past which the cache holds NaN.
+    let mut contiguous = Vec::new();
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for d in [64, 128, 256] {
+            for (heads, kvh, tq, causal) in [(32, 8, 1, false), (8, 1, 8, true)] {
+                for splits in [None, Some(1)] {
+                    let shape = DecodeShape {
+                        heads,
+                        kv_heads: kvh,
+                        seq_len_q: tq,
+                        head_dim: d,
+                        dtype,
+                        causal,
+                        scale: (d as f64).powf(-0.5),
+                        ..base
+                    };
+                    contiguous.push((
+                        format!(
+                            "contiguous {} d{d} {heads}:{kvh} tq{tq} causal {causal} splits \
+                             {splits:?}",
+                            dtype.as_str()
+                        ),
+                        DecodeCase {
+                            shape,
+                            lens: vec![1000, 1, 300, 0],
+                            page: None,
+                            splits,
+                            portable: false,
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    cases.extend(contiguous.iter().map(|(n, c)| {
+        (
+            n.clone(),
+            DecodeCase {
+                lens: c.lens.clone(),
+                ..*c
+            },
+        )
+    }));
     cases.push((
         "contiguous [4, 32, 1, 128] / [4, 32, 20, 128]".into(),
         DecodeCase {
@@ -1101,11 +1169,12 @@ fn split_kv_decoding_matches_float64() {
             lens: vec![20; 4],
             page: None,
             splits: None,
+            portable: false,
         },
     ));
     let mut failed = Vec::new();
     for (name, c) in &cases {
-        let (o, lse, ro, rlse) = decode_case(c, 7);
+        let (o, lse, ro, rlse, _) = decode_case(c, 7);
         let err = kernelpages::attention::rel_l2(&o, &ro);
         let d = c.shape.head_dim;
         let mut bad_rows = 0;
@@ -1134,14 +1203,15 @@ fn split_kv_decoding_matches_float64() {
         lens: vec![4096, 1, 1000, 64],
         page: Some(16),
         splits: Some(1),
+        portable: false,
     };
     for splits in [1, 2, 7, 64] {
         let p = kernelpages::attention::decode_gpu::DecodePlan::new(4 * 8, 4096, 264, Some(splits));
         assert_eq!(p.splits, splits, "{p:?}");
     }
-    let (o1, _, ro, _) = decode_case(&one, 11);
+    let (o1, _, ro, _, _) = decode_case(&one, 11);
     for splits in [2, 7, 64] {
-        let (o, _, _, _) = decode_case(
+        let (o, _, _, _, _) = decode_case(
             &DecodeCase {
                 splits: Some(splits),
                 lens: one.lens.clone(),
@@ -1158,6 +1228,35 @@ fn split_kv_decoding_matches_float64() {
             failed.push(line);
         }
     }
+    // Where the TMA build ran, the cp.async loader gives the same bits: the same products in
+    // the same order over the same tile contents (zero rows past the length either way).
+    let mut tma_runs = 0;
+    for (name, c) in &contiguous {
+        let (o, lse, _, _, tma) = decode_case(c, 7);
+        if !tma {
+            continue;
+        }
+        tma_runs += 1;
+        let portable = DecodeCase {
+            lens: c.lens.clone(),
+            portable: true,
+            ..*c
+        };
+        let (po, plse, _, _, ptma) = decode_case(&portable, 7);
+        assert!(!ptma, "{name}: set_tma(false) still ran the TMA build");
+        let same = o.iter().zip(&po).all(|(a, b)| a.to_bits() == b.to_bits())
+            && lse
+                .iter()
+                .zip(&plse)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        println!("{name}: TMA and cp.async loaders identical: {same}");
+        if !same {
+            failed.push(format!(
+                "{name}: the TMA build differs from the cp.async loader"
+            ));
+        }
+    }
+    println!("TMA build compared on {tma_runs} contiguous cases");
     assert!(failed.is_empty(), "failing cases:\n{}", failed.join("\n"));
 }
 

@@ -490,8 +490,8 @@ fn kernel_sums_kernels_compile() {
 }
 
 /// Every split-KV decoding instance (`kernels/flash_decode.cu`: each head_dim and 16-bit dtype)
-/// compiles for Hopper and Ampere, on Hopper keeps its accumulators in registers (no spill),
-/// and asks for no more shared memory than a CTA may have.
+/// compiles for Hopper (with its TMA build) and Ampere, on Hopper keeps its accumulators in
+/// registers (no spill, both builds), and asks for no more shared memory than a CTA may have.
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
@@ -499,7 +499,8 @@ fn kernel_sums_kernels_compile() {
 )]
 fn decode_kernels_compile_without_spills() {
     use kernelpages::attention::decode_gpu::{
-        decode_source, row_tiles, split_smem_bytes, DECODE_HEAD_DIMS, ROW_TILE,
+        decode_source, row_tiles, split_smem_bytes, split_smem_bytes_tma, tma_kernel_name,
+        DECODE_HEAD_DIMS, ROW_TILE,
     };
     assert!(
         nvrtc_present(),
@@ -516,14 +517,21 @@ fn decode_kernels_compile_without_spills() {
         for mt in tiles {
             // The shared memory the host gives must fit the H200's 227 KiB per CTA.
             assert!(
-                split_smem_bytes(d, mt) <= 227 * 1024,
+                split_smem_bytes(d, mt).max(split_smem_bytes_tma(d, mt)) <= 227 * 1024,
                 "head_dim {d}, {mt} tiles"
             );
             for dtype in [Dtype::Bf16, Dtype::F16] {
-                let (split, src) = decode_source(d, mt, dtype);
+                let (split, src) = decode_source(d, mt, dtype, false);
                 compile(&format!("{split}.cu"), &src, "sm_80");
+                let (_, src) = decode_source(d, mt, dtype, true);
                 let reports =
                     kernelpages::gpu::ptxas_report(&format!("{split}.cu"), &src, "sm_90a").unwrap();
+                let names: Vec<&str> = reports.iter().map(|r| r.kernel.as_str()).collect();
+                assert!(
+                    names.contains(&split.as_str())
+                        && names.contains(&tma_kernel_name(&split).as_str()),
+                    "{names:?}"
+                );
                 for rep in &reports {
                     println!(
                         "{}: {} registers, {} bytes spilled",

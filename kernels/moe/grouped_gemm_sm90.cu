@@ -6,8 +6,8 @@
 // producer warpgroup and two consumer warpgroups (warp specialisation with register
 // reallocation), and a persistent tile scheduler. Written for this project from the PTX ISA and
 // the techniques of the FlashAttention-3 paper and CUTLASS's sm_90 grouped GEMM documentation;
-// the TMA, mbarrier and descriptor helpers are the attention suite's (attn_wgmma_sm90.cu, which
-// the host places before this file, after attn_prelude.cuh).
+// the TMA and mbarrier helpers are the attention suite's (attn_prelude.cuh), the descriptor
+// helpers too (attn_wgmma_sm90.cu, which the host places before this file, after the prelude).
 //
 // Layouts as grouped_gemm.cu: row-major 16-bit values as u16 bits (bf16, or fp16 where the host
 // defines KP_WG_BF16 as 0 before attn_wgmma_sm90.cu), float32 accumulation, 16-bit results

@@ -230,6 +230,13 @@ pub fn measure(job: &Job) -> Reply {
                 1,
             )
         };
+        if let Some(n) = planned.as_mut() {
+            n.push_str(if dec.uses_tma(layout, max_pages) {
+                "; K and V tiles by TMA tensor copies (compute capability 9.0)"
+            } else {
+                "; K and V tiles by cp.async"
+            });
+        }
         let lse = gpu
             .stream
             .alloc_zeros::<f32>(c.batch * c.heads * c.seq_len_q)?;

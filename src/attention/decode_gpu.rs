@@ -18,9 +18,10 @@
 //! seq_len_q]` f32, natural log, +∞ for a row that sees no key (its output 0). Causal is
 //! bottom-right: query i of sequence b sees key t when t ≤ i + seq_lens\[b\] − seq_len_q.
 
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::cuda::{DeviceInputs, PRELUDE_SRC};
+use super::sm90::{tma_map_16, TmaMap};
 use super::{AttentionCase, Dtype, Pass};
 use crate::gpu::{Gpu, GpuError};
 
@@ -29,6 +30,10 @@ pub const DECODE_SRC: &str = include_str!("../../kernels/flash_decode.cu");
 
 /// Keys per tile in the split kernel (`KT` in `kernels/flash_decode.cu`).
 pub const KEY_TILE: usize = 64;
+
+/// Set to `0`, keeps every [`Decoder`] the process builds on the cp.async loader even where the
+/// TMA loader applies (for timing one against the other).
+pub const TMA_ENV: &str = "KP_DECODE_TMA";
 
 /// The name of the split-KV kernel on a contiguous cache in documents and in
 /// `api::implementation`: what `dot_product_attention` runs on CUDA for a decoding shape
@@ -170,6 +175,14 @@ impl CacheLayout {
             row_stride: kv_heads * head_dim,
             head_stride: head_dim,
         }
+    }
+
+    /// True for [`CacheLayout::contiguous`]'s layout at `kv_heads` and `head_dim`: each page a
+    /// `[kv_heads, page_size, head_dim]` slab (what the TMA loader's tensor maps describe).
+    pub fn is_contiguous(&self, kv_heads: usize, head_dim: usize) -> bool {
+        self.row_stride == head_dim
+            && self.head_stride == self.page_size * head_dim
+            && self.page_stride == kv_heads * self.page_size * head_dim
     }
 
     /// A contiguous cache `[batch, kv_heads, max_len, head_dim]` (the layout of the rest of
@@ -320,32 +333,60 @@ impl DecodePlan {
 }
 
 /// Name and source of the split kernel for `head_dim`, `row_tiles` (1, or 2 at head_dim ≤ 128)
-/// and `dtype`.
-pub fn decode_source(head_dim: usize, row_tiles: usize, dtype: Dtype) -> (String, String) {
+/// and `dtype`; with `tma` (compute capability 9.0 only, head_dim a multiple of 64) the source
+/// also holds its TMA build, [`tma_kernel_name`] of the name, which takes the tensor maps of K
+/// and V after the portable kernel's arguments.
+pub fn decode_source(
+    head_dim: usize,
+    row_tiles: usize,
+    dtype: Dtype,
+    tma: bool,
+) -> (String, String) {
     let bf = dtype == Dtype::Bf16;
     let dt = dtype.as_str();
     let split = format!("flash_decode_split_{dt}_d{head_dim}_m{row_tiles}");
     let ctas = ctas_per_sm(head_dim, row_tiles);
-    let src = format!(
-        "{PRELUDE_SRC}\n{DECODE_SRC}\n\
-         extern \"C\" __global__ void __launch_bounds__({THREADS}, {ctas}) {split}(const u16* Q, \
-         const u16* K, const u16* V, const int* block_table, const int* seq_lens, float* Opart, \
-         float* Lpart, int* counters, u16* O, float* LSE, int Tq, int H, int KVH, int \
-         page_size, int max_pages, long long page_stride, long long row_stride, long long \
-         head_stride, int keys_per_split, float scale_log2, int causal) {{ \
-         flash_decode_split<{head_dim}, {row_tiles}, {bf}>(Q, K, V, block_table, seq_lens, \
-         Opart, Lpart, counters, O, LSE, Tq, H, KVH, page_size, max_pages, page_stride, \
-         row_stride, head_stride, keys_per_split, scale_log2, causal); }}\n"
+    let params = "const u16* Q, const u16* K, const u16* V, const int* block_table, const int* \
+                  seq_lens, float* Opart, float* Lpart, int* counters, u16* O, float* LSE, int \
+                  Tq, int H, int KVH, int page_size, int max_pages, long long page_stride, long \
+                  long row_stride, long long head_stride, int keys_per_split, float scale_log2, \
+                  int causal";
+    let args = "Q, K, V, block_table, seq_lens, Opart, Lpart, counters, O, LSE, Tq, H, KVH, \
+                page_size, max_pages, page_stride, row_stride, head_stride, keys_per_split, \
+                scale_log2, causal";
+    let kernel = |name: &str, extra: &str, tma: bool, maps: &str| {
+        format!(
+            "extern \"C\" __global__ void __launch_bounds__({THREADS}, {ctas}) {name}({params}\
+             {extra}) {{ flash_decode_split<{head_dim}, {row_tiles}, {bf}, {tma}>({args}, \
+             {maps}); }}\n"
+        )
+    };
+    let mut src = format!(
+        "{PRELUDE_SRC}\n{DECODE_SRC}\n{}",
+        kernel(&split, "", false, "nullptr, nullptr")
     );
+    if tma {
+        src.push_str(&kernel(
+            &tma_kernel_name(&split),
+            ", const __grid_constant__ TmaMap tmk, const __grid_constant__ TmaMap tmv",
+            true,
+            "&tmk, &tmv",
+        ));
+    }
     (split, src)
+}
+
+/// The TMA build's name of split kernel `split` ([`decode_source`] with `tma`).
+pub fn tma_kernel_name(split: &str) -> String {
+    format!("{split}_tma")
 }
 
 /// Most splits one call may have at `head_dim` with `row_tiles` row tiles: the CTA that
 /// combines keeps the weights of its 16 · `row_tiles` rows for every split in the ring's
-/// shared memory (at least 432 at head_dim 64 with two row tiles; a plan for one wave asks
-/// for at most 264 on an H200).
+/// shared memory, whose tiles are unpadded in the TMA build (at least 384 at head_dim 64 with
+/// two row tiles; a plan for one wave asks for at most 264 on an H200).
 pub fn max_splits(head_dim: usize, row_tiles: usize) -> usize {
-    let ring_bytes = ring_stages(head_dim) * 2 * KEY_TILE * (head_dim + 8) * 2;
+    let ring_bytes = ring_stages(head_dim) * 2 * KEY_TILE * head_dim * 2;
     ring_bytes / 4 / (ROW_TILE * row_tiles)
 }
 
@@ -366,6 +407,18 @@ pub fn split_smem_bytes(head_dim: usize, row_tiles: usize) -> usize {
     (ring_stages(head_dim) * 2 * KEY_TILE + ROW_TILE * row_tiles) * (head_dim + 8) * 2 + 16
 }
 
+/// Dynamic shared memory of the split kernel's TMA build, bytes (`DecodeSmem<D, MT, true>::BYTES`):
+/// the ring's stages of unpadded (128-byte-swizzled) K and V tiles, Q's padded rows, an mbarrier
+/// per stage, the combine's flag, and up to 1 KiB to align the ring to 1,024 bytes.
+pub fn split_smem_bytes_tma(head_dim: usize, row_tiles: usize) -> usize {
+    let stages = ring_stages(head_dim);
+    stages * 2 * KEY_TILE * head_dim * 2
+        + ROW_TILE * row_tiles * (head_dim + 8) * 2
+        + stages * 8
+        + 16
+        + 1024
+}
+
 /// Rows of the partial buffers for `rows` query rows under `plan`: one per row and range, or
 /// a single placeholder when one range writes the output itself.
 fn partial_rows(rows: usize, plan: DecodePlan) -> usize {
@@ -382,6 +435,11 @@ pub struct Decoder {
     plan: DecodePlan,
     split: CudaFunction,
     smem: u32,
+    /// The TMA build and its shared memory, on compute capability 9.0 at head_dim 64, 128 and
+    /// 256 unless [`TMA_ENV`] is `0`: what [`Decoder::launch`] runs on a contiguous cache.
+    tma: Option<(CudaFunction, u32)>,
+    /// Whether [`Decoder::launch`] may use the TMA build ([`Decoder::set_tma`]).
+    tma_on: bool,
     /// CTAs per kv head along the grid's y axis ([`row_blocks`]).
     row_blocks: usize,
     opart: CudaSlice<f32>,
@@ -411,11 +469,22 @@ impl Decoder {
                 plan.splits, shape.head_dim
             )));
         }
-        let (split_name, src) = decode_source(shape.head_dim, mt, shape.dtype);
+        let want_tma = gpu.arch() == "sm_90a"
+            && shape.head_dim.is_multiple_of(64)
+            && std::env::var(TMA_ENV).map_or(true, |v| v != "0");
+        let (split_name, src) = decode_source(shape.head_dim, mt, shape.dtype, want_tma);
         let compiled = gpu.compile(&format!("{split_name}.cu"), &src)?;
         let smem = split_smem_bytes(shape.head_dim, mt) as u32;
         super::cuda::check_smem(gpu, &split_name, smem)?;
         let split = gpu.function(&compiled.module, &split_name, smem)?;
+        let tma = if want_tma {
+            let name = tma_kernel_name(&split_name);
+            let bytes = split_smem_bytes_tma(shape.head_dim, mt) as u32;
+            super::cuda::check_smem(gpu, &name, bytes)?;
+            Some((gpu.function(&compiled.module, &name, bytes)?, bytes))
+        } else {
+            None
+        };
         let rows = shape.batch * shape.heads * shape.seq_len_q;
         let blocks = row_blocks(shape.rows(), shape.head_dim);
         Ok(Decoder {
@@ -427,6 +496,8 @@ impl Decoder {
             plan,
             split,
             smem,
+            tma,
+            tma_on: true,
             // One range writes O directly: no partials.
             opart: gpu
                 .stream
@@ -439,6 +510,22 @@ impl Decoder {
     /// The plan the decoder was built for.
     pub fn plan(&self) -> DecodePlan {
         self.plan
+    }
+
+    /// Lets [`Decoder::launch`] use the TMA build where it applies (`true`, the default) or
+    /// keeps it on the cp.async loader (`false`; the GPU test compares the two bit for bit).
+    pub fn set_tma(&mut self, on: bool) {
+        self.tma_on = on;
+    }
+
+    /// True when [`Decoder::launch`] brings K and V by TMA for a cache laid out as `layout`
+    /// with `max_pages` pages per sequence: the TMA build exists (compute capability 9.0, head_dim
+    /// a multiple of 64, [`TMA_ENV`] not `0`) and the cache is contiguous (one page a sequence).
+    pub fn uses_tma(&self, layout: CacheLayout, max_pages: usize) -> bool {
+        self.tma_on
+            && self.tma.is_some()
+            && max_pages == 1
+            && layout.is_contiguous(self.shape.kv_heads, self.shape.head_dim)
     }
 
     /// Bytes of the partials (temporaries of one call).
@@ -480,6 +567,11 @@ impl Decoder {
         let kps = self.plan.keys_per_split as i32;
         let scale_log2 = (s.scale * std::f64::consts::LOG2_E) as f32;
         let causal = i32::from(s.causal);
+        let tma = self.uses_tma(layout, max_pages);
+        let (func, smem) = match (&self.tma, tma) {
+            (Some((f, bytes)), true) => (f, *bytes),
+            _ => (&self.split, self.smem),
+        };
         let cfg = LaunchConfig {
             grid_dim: (
                 self.plan.splits as u32,
@@ -487,9 +579,34 @@ impl Decoder {
                 s.batch as u32,
             ),
             block_dim: (THREADS as u32, 1, 1),
-            shared_mem_bytes: self.smem,
+            shared_mem_bytes: smem,
         };
-        let mut b = gpu.stream.launch_builder(&self.split);
+        // The tensor maps of K and V as [planes][page_size][head_dim] (plane = page · kv_heads +
+        // kv head), boxes of 64 keys; the guards live until after the launch (dropping one
+        // records the buffer's read on this stream, which must follow the kernel's TMA reads).
+        let slab = layout.page_size * s.head_dim;
+        let (kp, _gk) = k.device_ptr(&gpu.stream);
+        let (vp, _gv) = v.device_ptr(&gpu.stream);
+        let maps: Option<[TmaMap; 2]> = if tma {
+            if k.len() < slab || !k.len().is_multiple_of(slab) || v.len() != k.len() {
+                return Err(GpuError::Config(format!(
+                    "decoding: a contiguous cache of {} and {} elements is not whole slabs of {} \
+                     keys x head_dim {}",
+                    k.len(),
+                    v.len(),
+                    layout.page_size,
+                    s.head_dim
+                )));
+            }
+            let dims = (k.len() / slab, layout.page_size, s.head_dim);
+            Some([
+                tma_map_16(kp, dims, KEY_TILE as u32, s.dtype)?,
+                tma_map_16(vp, dims, KEY_TILE as u32, s.dtype)?,
+            ])
+        } else {
+            None
+        };
+        let mut b = gpu.stream.launch_builder(func);
         b.arg(q)
             .arg(k)
             .arg(v)
@@ -511,11 +628,17 @@ impl Decoder {
             .arg(&kps)
             .arg(&scale_log2)
             .arg(&causal);
+        if let Some(maps) = &maps {
+            b.arg(&maps[0]).arg(&maps[1]);
+        }
         // SAFETY: the arguments match `flash_decode_split_*(const u16* Q, const u16* K, const
         // u16* V, const int* block_table, const int* seq_lens, float* Opart, float* Lpart, int*
         // counters, u16* O, float* LSE, int Tq, int H, int KVH, int page_size, int max_pages,
         // long long page_stride, long long row_stride, long long head_stride, int
-        // keys_per_split, float scale_log2, int causal)`; Opart, Lpart and the counters (zero
+        // keys_per_split, float scale_log2, int causal)`, and the `_tma` build's two TmaMap
+        // values after them (maps of K and V, whole slabs: checked above, with the table's
+        // page numbers below k.len() / slab as the caller's layout promises); Opart, Lpart and
+        // the counters (zero
         // between calls: the kernel sets them back) were allocated for this shape and plan
         // (the combine's weights fit its shared memory: `new` checked [`max_splits`]), O holds
         // rows · head_dim words and LSE rows; the caller gives the cache, table and lengths
@@ -590,6 +713,10 @@ mod tests {
         assert_eq!(c.page_size, 20);
         assert_eq!(c.page_stride, 32 * 20 * 128);
         assert_eq!(3 * c.head_stride + 7 * c.row_stride, (3 * 20 + 7) * 128);
+        // Only the contiguous layout is what the TMA build's tensor maps describe.
+        assert!(c.is_contiguous(32, 128));
+        assert!(!c.is_contiguous(8, 128) && !c.is_contiguous(32, 64));
+        assert!(!l.is_contiguous(8, 128));
     }
 
     #[test]
@@ -628,9 +755,17 @@ mod tests {
         assert_eq!(split_smem_bytes(128, 1), (3 * 2 * 64 + 16) * 136 * 2 + 16);
         assert!(2 * (split_smem_bytes(128, 2) + 1024) <= 228 * 1024);
         assert_eq!(split_smem_bytes(256, 1), (2 * 2 * 64 + 16) * 264 * 2 + 16);
-        // The combine's weights: 16 · row tiles rows × splits floats in the ring, which a
-        // one-wave plan never exceeds (264 CTAs on an H200, 1 per kv head and sequence).
-        assert_eq!(max_splits(128, 1), 3 * 2 * 64 * 136 * 2 / 4 / 16);
+        // The TMA build: unpadded tiles, Q padded, three mbarriers, the flag and 1 KiB of
+        // alignment; two CTAs still fit an SM at head_dim 128 with two row tiles.
+        assert_eq!(
+            split_smem_bytes_tma(128, 1),
+            3 * 2 * 64 * 128 * 2 + 16 * 136 * 2 + 3 * 8 + 16 + 1024
+        );
+        assert!(2 * (split_smem_bytes_tma(128, 2) + 1024) <= 228 * 1024);
+        // The combine's weights: 16 · row tiles rows × splits floats in the ring (its smaller,
+        // unpadded TMA form), which a one-wave plan never exceeds (264 CTAs on an H200, 1 per
+        // kv head and sequence).
+        assert_eq!(max_splits(128, 1), 3 * 2 * 64 * 128 * 2 / 4 / 16);
         assert!(DECODE_HEAD_DIMS
             .iter()
             .all(|&d| max_splits(d, row_tiles(32, d)) >= CTAS_PER_SM * 132));
