@@ -144,6 +144,10 @@ __device__ __forceinline__ void decode_tma_tile(u32 stage, u32 bar, const TmaMap
     for (int p = 0; p < NP; ++p) tma_load_3d(stage + (NP + p) * PANEL, tmv, bar, 64 * p, k0, plane);
 }
 
+#ifndef KP_DECODE_COMBINE_UNROLL
+#define KP_DECODE_COMBINE_UNROLL 32
+#endif
+
 // The combine of one CTA's R rows (row r: query head kvh * G + (r0 + r) / Tq, query (r0 + r)
 // % Tq of sequence b) over S partials, by the CTA's 128 threads; `ws` holds RM * S floats.
 // Warp w takes rows w, w + 4, ...: its lanes read the row's S log-sum-exps, reduce max and sum
@@ -161,13 +165,18 @@ __device__ __forceinline__ void decode_combine_rows(const float* __restrict__ Op
     for (int r = warp; r < R; r += NW) {
         const int h = kvh * G + (r0 + r) / Tq, i = (r0 + r) % Tq;
         const size_t row = ((size_t)b * H + h) * Tq + i;
+        // The row's log-sum-exps are read from L2 once, kept in `ws` for the weights.
         float m = NEG_INF;
-        for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(Lpart + row * S + s));
+        for (int s = lane; s < S; s += 32) {
+            const float l = __ldcg(Lpart + row * S + s);
+            ws[r * S + s] = l;
+            m = fmaxf(m, l);
+        }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         float total = 0.f;
         for (int s = lane; s < S; s += 32) {
-            const float w = m == NEG_INF ? 0.f : fast_exp2(__ldcg(Lpart + row * S + s) - m);
+            const float w = m == NEG_INF ? 0.f : fast_exp2(ws[r * S + s] - m);
             ws[r * S + s] = w;
             total += w;
         }
@@ -184,7 +193,9 @@ __device__ __forceinline__ void decode_combine_rows(const float* __restrict__ Op
         const size_t row = ((size_t)b * H + h) * Tq + i;
         const float* op = Opart + row * S * D + c;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
+        // The partials' L2 reads in flight KP_DECODE_COMBINE_UNROLL at a time (32 splits: one
+        // round at batch 1); the sum's order is the splits' whatever the unroll.
+#pragma unroll KP_DECODE_COMBINE_UNROLL
         for (int s = 0; s < S; ++s) {
             const float w = ws[r * S + s];
             const float4 x = __ldcg(reinterpret_cast<const float4*>(op + (size_t)s * D));
