@@ -130,18 +130,39 @@ struct DecodeSmem {
     static_assert((4 * RM * D + 8 * RM) * 4 <= NS * 2 * TILE * 2, "partials fit the ring");
 };
 
-// Tile `k0` (KT keys) of one kv head's K and V by TMA into the stage at shared address `stage`
-// (K's D / 64 swizzled panels, then V's), completing on mbarrier `bar`: boxes of 64 columns x
-// KT keys of the [planes][T][D] tensor maps at plane `plane`; keys at or past T read zeros.
+// Tile `k0` (KT keys) of kv head `kvh`'s K and V by TMA into the stage at shared address
+// `stage` (K's D / 64 swizzled panels of KT rows, then V's), completing on mbarrier `bar`; run by
+// the whole warp 0 (`lane`). Contiguous cache (`rows` 0): one box of 64 columns x KT keys per
+// panel from the [planes][T][D] tensor maps at plane `plane` (keys at or past T read zeros).
+// Paged cache (`rows` > 0: rows = min(page_size, KT), KT a multiple of rows or rows = KT within a
+// page of a multiple of KT keys): the tile's KT / rows chunks of `rows` keys, lane j the j-th,
+// each from its page's rows of the [pages * page_size][KVH][D] tensor maps in boxes of 64 columns
+// x 1 head x rows keys; chunks past `end` are not brought (their rows keep what the stage held:
+// the caller masks those keys' scores and zeroes their V rows).
 template <int D, int KT>
 __device__ __forceinline__ void decode_tma_tile(u32 stage, u32 bar, const TmaMap* tmk,
-                                                const TmaMap* tmv, int k0, int plane) {
+                                                const TmaMap* tmv, int k0, int end, int plane,
+                                                int kvh, const int* table, int page_size,
+                                                int rows, int lane) {
     constexpr int PANEL = KT * 128, NP = D / 64;
-    mbar_expect_tx(bar, 2 * NP * PANEL);
+    const int chunk = rows > 0 ? rows : KT;
+    const int chunks = min(KT / chunk, (end - k0 + chunk - 1) / chunk);
+    if (lane == 0) mbar_expect_tx(bar, 2 * NP * chunks * chunk * 128);
+    __syncwarp();
+    if (lane < chunks) {
+        const int key = k0 + lane * chunk;
+        int c1 = key, c2 = plane;
+        if (rows > 0) {
+            const int page = key / page_size;
+            c1 = kvh;
+            c2 = table[page] * page_size + (key - page * page_size);
+        }
+        const u32 dst = stage + lane * chunk * 128;
 #pragma unroll
-    for (int p = 0; p < NP; ++p) tma_load_3d(stage + p * PANEL, tmk, bar, 64 * p, k0, plane);
+        for (int p = 0; p < NP; ++p) tma_load_3d(dst + p * PANEL, tmk, bar, 64 * p, c1, c2);
 #pragma unroll
-    for (int p = 0; p < NP; ++p) tma_load_3d(stage + (NP + p) * PANEL, tmv, bar, 64 * p, k0, plane);
+        for (int p = 0; p < NP; ++p) tma_load_3d(dst + (NP + p) * PANEL, tmv, bar, 64 * p, c1, c2);
+    }
 }
 
 #ifndef KP_DECODE_COMBINE_UNROLL
@@ -216,12 +237,13 @@ __device__ __forceinline__ void decode_combine_rows(const float* __restrict__ Op
 // first call and left zero by every call) serve the combine when gridDim.x > 1, whose S
 // partials of RM rows must fit the ring (RM * S <= RING_FLOATS: the host checks).
 //
-// TMA (sm_90, the contiguous cache only: page_size = T keys per plane, one page per sequence,
-// row_stride D): K and V tiles come by TMA tensor copies from `tmk`, `tmv` (tensor maps of
-// [planes][T][D], plane = block_table[b * max_pages] * KVH + kvh), issued by thread 0 and
-// completing on one mbarrier per stage, instead of every thread's cp.async; keys past the range
-// are masked out of S and their V rows zeroed in the last tile (the cache may hold anything
-// there). Q still comes by cp.async.
+// TMA (sm_90): K and V tiles come by TMA tensor copies from `tmk`, `tmv`, issued by warp 0 and
+// completing on one mbarrier per stage, instead of every thread's cp.async: with `tma_rows` 0
+// the contiguous cache (one page of T keys per sequence, maps of [planes][T][D], plane =
+// block_table[b * max_pages] * KVH + kvh), else vLLM's pages (maps of [pages * page_size][KVH][D],
+// a copy per `tma_rows` keys of a page: decode_tma_tile). Keys past the range are masked out of
+// S and their V rows zeroed in the last tile (the cache may hold anything there). Q still comes
+// by cp.async.
 template <int D, int MT, bool BF16, bool TMA>
 __device__ __forceinline__ void flash_decode_split(
     const u16* __restrict__ Q, const u16* __restrict__ K, const u16* __restrict__ V,
@@ -229,7 +251,8 @@ __device__ __forceinline__ void flash_decode_split(
     float* __restrict__ Opart, float* __restrict__ Lpart, int* __restrict__ counters,
     u16* __restrict__ O, float* __restrict__ LSE, int Tq, int H, int KVH, int page_size,
     int max_pages, long long page_stride, long long row_stride, long long head_stride,
-    int keys_per_split, float scale_log2, int causal, const TmaMap* tmk, const TmaMap* tmv) {
+    int keys_per_split, float scale_log2, int causal, const TmaMap* tmk, const TmaMap* tmv,
+    int tma_rows) {
     using SM = DecodeSmem<D, MT, TMA>;
     constexpr int NT = 128, KT = SM::KT, RM = SM::RM, STR = SM::STR, NS = SM::NS;
     constexpr int TILE = SM::TILE, DT = D / 8, NW = NT / 32;
@@ -280,10 +303,11 @@ __device__ __forceinline__ void flash_decode_split(
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
         __syncthreads();
-        if (tid == 0) {
+        if (warp == 0) {
             for (int st = 0; st < NS - 1 && st < n_tiles; ++st)
                 decode_tma_tile<D, KT>(smem_u32(ring + st * 2 * TILE), bars + 8 * st, tmk, tmv,
-                                       start + st * KT, plane);
+                                       start + st * KT, end, plane, kvh, table, page_size,
+                                       tma_rows, lane);
         }
     } else {
 #pragma unroll
@@ -324,9 +348,10 @@ __device__ __forceinline__ void flash_decode_split(
             if (t == 0) cp_async_wait<0>();               // Q
             mbar_wait(bars + 8 * (t % NS), (t / NS) & 1);  // tile t has landed
             __syncthreads();  // Q for every thread; every warp is done with tile t - 1
-            if (tid == 0 && nxt < n_tiles)
+            if (warp == 0 && nxt < n_tiles)
                 decode_tma_tile<D, KT>(smem_u32(ring + (nxt % NS) * 2 * TILE),
-                                       bars + 8 * (nxt % NS), tmk, tmv, start + nxt * KT, plane);
+                                       bars + 8 * (nxt % NS), tmk, tmv, start + nxt * KT, end,
+                                       plane, kvh, table, page_size, tma_rows, lane);
         } else {
             cp_async_wait<NS - 2>();  // tile t has landed
             __syncthreads();  // ... for every thread, and every warp is done with tile t - 1

@@ -907,9 +907,10 @@ struct DecodeCase {
     portable: bool,
 }
 
-/// Runs `c` on the GPU with O poisoned and LSE NaN (and a contiguous cache's keys past each
-/// sequence's length NaN: no kernel may let them into a result), and returns (O as f64, LSE,
-/// the float64 reference O, its LSE, whether the TMA build ran).
+/// Runs `c` on the GPU with O poisoned and LSE NaN (and the cache's keys past each sequence's
+/// length NaN, in the contiguous cache and in the pages' last rows: no kernel may let them into
+/// a result), and returns (O as f64, LSE, the float64 reference O, its LSE, whether the TMA
+/// build ran).
 fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<f64>, bool) {
     use kernelpages::attention::decode::{decode_split_kv, PagedCache};
     use kernelpages::attention::decode_gpu::{CacheLayout, DecodePlan, Decoder};
@@ -945,7 +946,26 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
                     table[bi * max_pages + j] = p as i32;
                 }
             }
-            let (kd, vd) = (bits(&cache.k), bits(&cache.v));
+            // A page's rows past its sequence's length hold NaN.
+            let nan = if s.dtype == Dtype::F16 {
+                0x7e00
+            } else {
+                0x7fc0
+            };
+            let past_len = |mut w: Vec<u16>| {
+                for (bi, t) in cache.block_table.iter().enumerate() {
+                    for (j, &p) in t.iter().enumerate() {
+                        for r in 0..page {
+                            if j * page + r >= c.lens[bi] {
+                                let at = (p * page + r) * kvh * d;
+                                w[at..at + kvh * d].fill(nan);
+                            }
+                        }
+                    }
+                }
+                w
+            };
+            let (kd, vd) = (past_len(bits(&cache.k)), past_len(bits(&cache.v)));
             (
                 CacheLayout::paged(page, kvh, d),
                 kd,
@@ -1047,8 +1067,9 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
 /// `[4, 32, 1, 128]` / `[4, 32, 20, 128]`. Every output element must be written (O poisoned,
 /// LSE NaN), rows with no key are 0 with LSE +inf, splits 1, 2, 7 and 64 agree, and a second
 /// call repeats the first bit for bit. The contiguous cache also runs at every head_dim and
-/// dtype with NaN past each sequence's length, and where the TMA build runs (compute capability
-/// 9.0) it must equal the cp.async loader bit for bit.
+/// dtype, NaN past each sequence's length (in the pages' last rows too), and where the TMA
+/// build runs (compute capability 9.0: the contiguous cache and pages of 16 and 256 keys) it
+/// must equal the cp.async loader bit for bit.
 #[test]
 #[cfg_attr(
     not(kp_cuda),
@@ -1150,15 +1171,53 @@ fn split_kv_decoding_matches_float64() {
             }
         }
     }
-    cases.extend(contiguous.iter().map(|(n, c)| {
-        (
-            n.clone(),
-            DecodeCase {
-                lens: c.lens.clone(),
-                ..*c
-            },
-        )
-    }));
+    // Pages of 16 and 256 keys (TMA copies of a page, and of a tile within a page), for the
+    // comparison of the loaders below; the list above holds them already.
+    let mut compared = contiguous;
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for d in [64, 128, 256] {
+            for (heads, kvh, tq, causal) in [(32, 8, 1, false), (8, 1, 8, true)] {
+                for page in [16, 256] {
+                    compared.push((
+                        format!(
+                            "{} d{d} {heads}:{kvh} tq{tq} causal {causal} page {page}",
+                            dtype.as_str()
+                        ),
+                        DecodeCase {
+                            shape: DecodeShape {
+                                heads,
+                                kv_heads: kvh,
+                                seq_len_q: tq,
+                                head_dim: d,
+                                dtype,
+                                causal,
+                                scale: (d as f64).powf(-0.5),
+                                ..base
+                            },
+                            lens: vec![1000, 1, 300, 0],
+                            page: Some(page),
+                            splits: None,
+                            portable: false,
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    cases.extend(
+        compared
+            .iter()
+            .filter(|(_, c)| c.page.is_none())
+            .map(|(n, c)| {
+                (
+                    n.clone(),
+                    DecodeCase {
+                        lens: c.lens.clone(),
+                        ..*c
+                    },
+                )
+            }),
+    );
     cases.push((
         "contiguous [4, 32, 1, 128] / [4, 32, 20, 128]".into(),
         DecodeCase {
@@ -1231,7 +1290,7 @@ fn split_kv_decoding_matches_float64() {
     // Where the TMA build ran, the cp.async loader gives the same bits: the same products in
     // the same order over the same tile contents (zero rows past the length either way).
     let mut tma_runs = 0;
-    for (name, c) in &contiguous {
+    for (name, c) in &compared {
         let (o, lse, _, _, tma) = decode_case(c, 7);
         if !tma {
             continue;
@@ -1256,7 +1315,7 @@ fn split_kv_decoding_matches_float64() {
             ));
         }
     }
-    println!("TMA build compared on {tma_runs} contiguous cases");
+    println!("TMA build compared on {tma_runs} contiguous and paged cases");
     assert!(failed.is_empty(), "failing cases:\n{}", failed.join("\n"));
 }
 

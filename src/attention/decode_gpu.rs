@@ -21,7 +21,7 @@
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::cuda::{DeviceInputs, PRELUDE_SRC};
-use super::sm90::{tma_map_16, TmaMap};
+use super::sm90::{tma_map_16_box, TmaMap};
 use super::{AttentionCase, Dtype, Pass};
 use crate::gpu::{Gpu, GpuError};
 
@@ -185,6 +185,14 @@ impl CacheLayout {
             && self.page_stride == kv_heads * self.page_size * head_dim
     }
 
+    /// True for [`CacheLayout::paged`]'s layout at `kv_heads` and `head_dim` (vLLM's pages
+    /// `[num_pages, page_size, kv_heads, head_dim]`).
+    pub fn is_paged(&self, kv_heads: usize, head_dim: usize) -> bool {
+        self.row_stride == kv_heads * head_dim
+            && self.head_stride == head_dim
+            && self.page_stride == self.page_size * kv_heads * head_dim
+    }
+
     /// A contiguous cache `[batch, kv_heads, max_len, head_dim]` (the layout of the rest of
     /// `crate::attention`): one page of `max_len` keys per sequence, block table `[[b]]`.
     pub fn contiguous(max_len: usize, kv_heads: usize, head_dim: usize) -> CacheLayout {
@@ -335,7 +343,8 @@ impl DecodePlan {
 /// Name and source of the split kernel for `head_dim`, `row_tiles` (1, or 2 at head_dim ≤ 128)
 /// and `dtype`; with `tma` (compute capability 9.0 only, head_dim a multiple of 64) the source
 /// also holds its TMA build, [`tma_kernel_name`] of the name, which takes the tensor maps of K
-/// and V after the portable kernel's arguments.
+/// and V and the paged copies' rows ([`tma_page_rows`]; 0 for the contiguous cache) after the
+/// portable kernel's arguments.
 pub fn decode_source(
     head_dim: usize,
     row_tiles: usize,
@@ -363,17 +372,30 @@ pub fn decode_source(
     };
     let mut src = format!(
         "{PRELUDE_SRC}\n{DECODE_SRC}\n{}",
-        kernel(&split, "", false, "nullptr, nullptr")
+        kernel(&split, "", false, "nullptr, nullptr, 0")
     );
     if tma {
         src.push_str(&kernel(
             &tma_kernel_name(&split),
-            ", const __grid_constant__ TmaMap tmk, const __grid_constant__ TmaMap tmv",
+            ", const __grid_constant__ TmaMap tmk, const __grid_constant__ TmaMap tmv, int tma_rows",
             true,
-            "&tmk, &tmv",
+            "&tmk, &tmv, tma_rows",
         ));
     }
     (split, src)
+}
+
+/// Keys per TMA copy of the TMA build on a paged cache of `page_size`-key pages: the page, for
+/// 8, 16 and 32 (a tile of [`KEY_TILE`] keys is then whole pages), [`KEY_TILE`] for a multiple
+/// of it (a tile lies in one page); `None` for other sizes, which keep the cp.async loader.
+pub fn tma_page_rows(page_size: usize) -> Option<usize> {
+    if matches!(page_size, 8 | 16 | 32) {
+        Some(page_size)
+    } else if page_size.is_multiple_of(KEY_TILE) && page_size > 0 {
+        Some(KEY_TILE)
+    } else {
+        None
+    }
 }
 
 /// The TMA build's name of split kernel `split` ([`decode_source`] with `tma`).
@@ -520,12 +542,26 @@ impl Decoder {
 
     /// True when [`Decoder::launch`] brings K and V by TMA for a cache laid out as `layout`
     /// with `max_pages` pages per sequence: the TMA build exists (compute capability 9.0, head_dim
-    /// a multiple of 64, [`TMA_ENV`] not `0`) and the cache is contiguous (one page a sequence).
+    /// a multiple of 64, [`TMA_ENV`] not `0`, [`Decoder::set_tma`] not off) and the cache is
+    /// contiguous (one page a sequence) or paged with pages of 8, 16, 32 or a multiple of 64
+    /// keys ([`tma_page_rows`]).
     pub fn uses_tma(&self, layout: CacheLayout, max_pages: usize) -> bool {
-        self.tma_on
-            && self.tma.is_some()
-            && max_pages == 1
-            && layout.is_contiguous(self.shape.kv_heads, self.shape.head_dim)
+        self.tma_rows(layout, max_pages).is_some()
+    }
+
+    /// The TMA build's `tma_rows` argument for `layout` (0: contiguous; the paged copies' keys),
+    /// or `None` where the cp.async loader runs ([`Decoder::uses_tma`]).
+    fn tma_rows(&self, layout: CacheLayout, max_pages: usize) -> Option<usize> {
+        let (kvh, d) = (self.shape.kv_heads, self.shape.head_dim);
+        if !self.tma_on || self.tma.is_none() {
+            None
+        } else if max_pages == 1 && layout.is_contiguous(kvh, d) {
+            Some(0)
+        } else if layout.is_paged(kvh, d) {
+            tma_page_rows(layout.page_size)
+        } else {
+            None
+        }
     }
 
     /// Bytes of the partials (temporaries of one call).
@@ -567,9 +603,9 @@ impl Decoder {
         let kps = self.plan.keys_per_split as i32;
         let scale_log2 = (s.scale * std::f64::consts::LOG2_E) as f32;
         let causal = i32::from(s.causal);
-        let tma = self.uses_tma(layout, max_pages);
-        let (func, smem) = match (&self.tma, tma) {
-            (Some((f, bytes)), true) => (f, *bytes),
+        let tma_rows = self.tma_rows(layout, max_pages);
+        let (func, smem) = match (&self.tma, tma_rows) {
+            (Some((f, bytes)), Some(_)) => (f, *bytes),
             _ => (&self.split, self.smem),
         };
         let cfg = LaunchConfig {
@@ -581,31 +617,42 @@ impl Decoder {
             block_dim: (THREADS as u32, 1, 1),
             shared_mem_bytes: smem,
         };
-        // The tensor maps of K and V as [planes][page_size][head_dim] (plane = page · kv_heads +
-        // kv head), boxes of 64 keys; the guards live until after the launch (dropping one
-        // records the buffer's read on this stream, which must follow the kernel's TMA reads).
-        let slab = layout.page_size * s.head_dim;
+        // The tensor maps of K and V: the contiguous cache as [planes][page_size][head_dim]
+        // (plane = page · kv_heads + kv head) in boxes of 64 keys, the paged one as
+        // [pages · page_size][kv_heads][head_dim] in boxes of one head and `rows` keys. The
+        // guards live until after the launch (dropping one records the buffer's read on this
+        // stream, which must follow the kernel's TMA reads).
         let (kp, _gk) = k.device_ptr(&gpu.stream);
         let (vp, _gv) = v.device_ptr(&gpu.stream);
-        let maps: Option<[TmaMap; 2]> = if tma {
+        let maps: Option<[TmaMap; 2]> = if let Some(rows) = tma_rows {
+            let (slab, dims, bx) = if rows == 0 {
+                let slab = layout.page_size * s.head_dim;
+                let dims = (k.len() / slab, layout.page_size, s.head_dim);
+                (slab, dims, [64, KEY_TILE as u32, 1])
+            } else {
+                let slab = layout.page_size * s.kv_heads * s.head_dim;
+                let dims = (k.len() / (s.kv_heads * s.head_dim), s.kv_heads, s.head_dim);
+                (slab, dims, [64, 1, rows as u32])
+            };
             if k.len() < slab || !k.len().is_multiple_of(slab) || v.len() != k.len() {
                 return Err(GpuError::Config(format!(
-                    "decoding: a contiguous cache of {} and {} elements is not whole slabs of {} \
-                     keys x head_dim {}",
+                    "decoding: a cache of {} and {} elements is not whole pages of {} keys x \
+                     {} kv heads x head_dim {}",
                     k.len(),
                     v.len(),
                     layout.page_size,
+                    s.kv_heads,
                     s.head_dim
                 )));
             }
-            let dims = (k.len() / slab, layout.page_size, s.head_dim);
             Some([
-                tma_map_16(kp, dims, KEY_TILE as u32, s.dtype)?,
-                tma_map_16(vp, dims, KEY_TILE as u32, s.dtype)?,
+                tma_map_16_box(kp, dims, bx, s.dtype)?,
+                tma_map_16_box(vp, dims, bx, s.dtype)?,
             ])
         } else {
             None
         };
+        let rows_arg = tma_rows.unwrap_or(0) as i32;
         let mut b = gpu.stream.launch_builder(func);
         b.arg(q)
             .arg(k)
@@ -629,15 +676,16 @@ impl Decoder {
             .arg(&scale_log2)
             .arg(&causal);
         if let Some(maps) = &maps {
-            b.arg(&maps[0]).arg(&maps[1]);
+            b.arg(&maps[0]).arg(&maps[1]).arg(&rows_arg);
         }
         // SAFETY: the arguments match `flash_decode_split_*(const u16* Q, const u16* K, const
         // u16* V, const int* block_table, const int* seq_lens, float* Opart, float* Lpart, int*
         // counters, u16* O, float* LSE, int Tq, int H, int KVH, int page_size, int max_pages,
         // long long page_stride, long long row_stride, long long head_stride, int
         // keys_per_split, float scale_log2, int causal)`, and the `_tma` build's two TmaMap
-        // values after them (maps of K and V, whole slabs: checked above, with the table's
-        // page numbers below k.len() / slab as the caller's layout promises); Opart, Lpart and
+        // values and `int tma_rows` after them (maps of K and V, whole pages: checked above,
+        // with the table's page numbers below k.len() / slab as the caller's layout promises);
+        // Opart, Lpart and
         // the counters (zero
         // between calls: the kernel sets them back) were allocated for this shape and plan
         // (the combine's weights fit its shared memory: `new` checked [`max_splits`]), O holds
@@ -717,6 +765,26 @@ mod tests {
         assert!(c.is_contiguous(32, 128));
         assert!(!c.is_contiguous(8, 128) && !c.is_contiguous(32, 64));
         assert!(!l.is_contiguous(8, 128));
+        assert!(l.is_paged(8, 128) && !l.is_paged(4, 128) && !c.is_paged(32, 128));
+        // TMA copies: a page of 8, 16 or 32 keys each, a 64-key tile of a longer page.
+        let rows: Vec<Option<usize>> = [4, 7, 8, 16, 20, 32, 64, 96, 256]
+            .iter()
+            .map(|&p| tma_page_rows(p))
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                None,
+                None,
+                Some(8),
+                Some(16),
+                None,
+                Some(32),
+                Some(64),
+                None,
+                Some(64)
+            ]
+        );
     }
 
     #[test]

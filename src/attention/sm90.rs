@@ -386,11 +386,34 @@ pub fn tma_map_16(
     box_rows: u32,
     dtype: Dtype,
 ) -> Result<TmaMap, GpuError> {
-    check_dtype("tensor map", dtype)?;
     if !head_dim.is_multiple_of(64) || box_rows == 0 || box_rows > 256 {
         return Err(GpuError::Config(format!(
             "tensor map: head_dim {head_dim} must be a multiple of 64 and the box 1..=256 rows \
              (not {box_rows})"
+        )));
+    }
+    tma_map_16_box(ptr, (planes, rows, head_dim), [64, box_rows, 1], dtype)
+}
+
+/// A tensor map of a 16-bit `dtype` tensor `[planes][rows][cols]` at `ptr` with boxes of
+/// `bx` = [columns, rows, planes] (columns 64: the 128-byte swizzle's width; each at most 256),
+/// 128-byte swizzled in shared memory; boxes past the tensor's end read zeros. The decoding
+/// kernel's paged cache takes boxes of one row (a kv head) across several planes (keys).
+///
+/// # Errors
+/// [`GpuError::Config`] for cols not a multiple of 64, a box not 64 columns wide or of more
+/// than 256 in a dimension, fp32; the driver's error for what it refuses.
+pub fn tma_map_16_box(
+    ptr: sys::CUdeviceptr,
+    (planes, rows, cols): (usize, usize, usize),
+    bx: [u32; 3],
+    dtype: Dtype,
+) -> Result<TmaMap, GpuError> {
+    check_dtype("tensor map", dtype)?;
+    if !cols.is_multiple_of(64) || bx[0] != 64 || bx.iter().any(|&b| b == 0 || b > 256) {
+        return Err(GpuError::Config(format!(
+            "tensor map: {cols} columns must be a multiple of 64 and the box 64 columns by \
+             1..=256 rows and planes (not {bx:?})"
         )));
     }
     tma_map_3d(
@@ -401,8 +424,8 @@ pub fn tma_map_16(
             sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
         },
         2,
-        (planes, rows, head_dim),
-        [64, box_rows],
+        (planes, rows, cols),
+        bx,
     )
 }
 
@@ -429,22 +452,22 @@ pub fn tma_map_f32(
         sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
         4,
         (planes, rows, cols),
-        [32, box_rows],
+        [32, box_rows, 1],
     )
 }
 
 /// A 3-D tiled tensor map (innermost dimension `cols`, 128-byte swizzle, boxes of `bx[0]`
-/// columns × `bx[1]` rows × 1 plane) over elements of `bytes` bytes.
+/// columns × `bx[1]` rows × `bx[2]` planes) over elements of `bytes` bytes.
 fn tma_map_3d(
     ptr: sys::CUdeviceptr,
     dtype: sys::CUtensorMapDataType,
     bytes: usize,
     (planes, rows, cols): (usize, usize, usize),
-    bx: [u32; 2],
+    bx: [u32; 3],
 ) -> Result<TmaMap, GpuError> {
     let dims = [cols as u64, rows as u64, planes as u64];
     let strides = [(cols * bytes) as u64, (rows * cols * bytes) as u64];
-    let boxes = [bx[0], bx[1], 1];
+    let boxes = bx;
     let element_strides = [1u32; 3];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: `map` is a writable CUtensorMap; the arrays hold `rank` (3) entries (strides 2:
