@@ -19,9 +19,10 @@
 //
 // K and V tiles of 64 keys stream through a ring of NS stages (3 at head_dim <= 128, 2 at 256)
 // by 16-byte cp.async, NS - 1 tiles in flight while one is used; keys past the range are
-// zero-filled, so a masked probability never meets garbage. Warp w owns keys 16w..16w+15 of
-// every tile and keeps its own online softmax (running max and sum per row) and output
-// accumulator over them: S = Q K^T (RM rows x 16 keys) and O += P V on the tensor cores
+// zero-filled, so a masked probability never meets garbage. The TMA build (sm_90; see
+// flash_decode_split) brings the same tiles by tensor copies instead. Warp w owns keys
+// 16w..16w+15 of every tile and keeps its own online softmax (running max and sum per row) and
+// output accumulator over them: S = Q K^T (RM rows x 16 keys) and O += P V on the tensor cores
 // (mma.sync m16n8k16, fp32 accumulation; fragments by ldmatrix as in flash_attn_fwd.cu), in
 // the log2 domain (S scaled by scale * log2 e), masked bottom-right when causal (query i of
 // sequence b sees keys t <= i + seq_lens[b] - Tq) and at the range's end. After the last tile
