@@ -1078,22 +1078,23 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
 fn split_kv_decoding_matches_float64() {
     use kernelpages::attention::decode_gpu::DecodeShape;
     let base = DecodeShape::new(4, 32, 8, 1, 128);
+    let shape_at = |dtype, head_dim: usize, heads, kv_heads, seq_len_q, causal| DecodeShape {
+        heads,
+        kv_heads,
+        seq_len_q,
+        head_dim,
+        dtype,
+        causal,
+        scale: (head_dim as f64).powf(-0.5),
+        ..base
+    };
     let mut cases: Vec<(String, DecodeCase)> = Vec::new();
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for d in [64, 128, 256] {
             for (heads, kvh) in [(32, 8), (8, 1)] {
                 for tq in [1, 2, 8] {
                     for causal in [false, true] {
-                        let shape = DecodeShape {
-                            heads,
-                            kv_heads: kvh,
-                            seq_len_q: tq,
-                            head_dim: d,
-                            dtype,
-                            causal,
-                            scale: (d as f64).powf(-0.5),
-                            ..base
-                        };
+                        let shape = shape_at(dtype, d, heads, kvh, tq, causal);
                         if shape.unsupported().is_some() {
                             continue;
                         }
@@ -1137,66 +1138,31 @@ fn split_kv_decoding_matches_float64() {
         ));
     }
     // The contiguous cache at every head_dim and dtype (where the TMA build runs on compute
-    // capability 9.0), lengths ending inside a tile, past which the cache holds NaN.
-    let mut contiguous = Vec::new();
+    // capability 9.0), lengths ending inside a tile, past which the cache holds NaN; with pages
+    // of 16 and 256 keys (TMA copies of a page, and of a tile within a page) the cases the
+    // loaders are compared on below (the list above holds the paged ones already).
+    let mut compared = Vec::new();
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for d in [64, 128, 256] {
             for (heads, kvh, tq, causal) in [(32, 8, 1, false), (8, 1, 8, true)] {
-                for splits in [None, Some(1)] {
-                    let shape = DecodeShape {
-                        heads,
-                        kv_heads: kvh,
-                        seq_len_q: tq,
-                        head_dim: d,
-                        dtype,
-                        causal,
-                        scale: (d as f64).powf(-0.5),
-                        ..base
-                    };
-                    contiguous.push((
-                        format!(
-                            "contiguous {} d{d} {heads}:{kvh} tq{tq} causal {causal} splits \
-                             {splits:?}",
-                            dtype.as_str()
-                        ),
-                        DecodeCase {
-                            shape,
-                            lens: vec![1000, 1, 300, 0],
-                            page: None,
-                            splits,
-                            portable: false,
-                        },
-                    ));
-                }
-            }
-        }
-    }
-    // Pages of 16 and 256 keys (TMA copies of a page, and of a tile within a page), for the
-    // comparison of the loaders below; the list above holds them already.
-    let mut compared = contiguous;
-    for dtype in [Dtype::Bf16, Dtype::F16] {
-        for d in [64, 128, 256] {
-            for (heads, kvh, tq, causal) in [(32, 8, 1, false), (8, 1, 8, true)] {
-                for page in [16, 256] {
+                let cache = [
+                    (None, None),
+                    (None, Some(1)),
+                    (Some(16), None),
+                    (Some(256), None),
+                ];
+                for (page, splits) in cache {
                     compared.push((
                         format!(
-                            "{} d{d} {heads}:{kvh} tq{tq} causal {causal} page {page}",
+                            "{} {} d{d} {heads}:{kvh} tq{tq} causal {causal} splits {splits:?}",
+                            page.map_or("contiguous".to_string(), |p| format!("page {p}")),
                             dtype.as_str()
                         ),
                         DecodeCase {
-                            shape: DecodeShape {
-                                heads,
-                                kv_heads: kvh,
-                                seq_len_q: tq,
-                                head_dim: d,
-                                dtype,
-                                causal,
-                                scale: (d as f64).powf(-0.5),
-                                ..base
-                            },
+                            shape: shape_at(dtype, d, heads, kvh, tq, causal),
                             lens: vec![1000, 1, 300, 0],
-                            page: Some(page),
-                            splits: None,
+                            page,
+                            splits,
                             portable: false,
                         },
                     ));
