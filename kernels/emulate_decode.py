@@ -8,7 +8,9 @@ in shared memory, the per-split partials and the combine by the CTA that counts 
 (CTAs run in a shuffled order; the counters must end at zero). Global arrays are bounds-checked,
 shared buffers start as NaN (a read of a value never written shows up in the result), and the
 output starts as NaN. The 16-bit rounding and the hardware exp2 are not emulated (the GPU test
-checks those). Keep it in step with the kernel.
+checks those), nor is the TMA build (its tensor copies, swizzled panels and the zeroing of V
+rows past a range's end): the GPU test compares it with the cp.async loader bit for bit. Keep it
+in step with the kernel.
 
     python3 kernels/emulate_decode.py      # prints one line per case, "ALL OK" last
 """
@@ -67,8 +69,9 @@ def plan(ctas, max_len, sms, forced, D, MT):
     return max(ceil_div(max_len, kps), 1), kps
 
 
-def decode_offset(table, key, page, within, col, end, page_stride, row_stride):
-    """decode_offset: the chunk's element offset from the kv head's base, 0 past the range."""
+def decode_seek(table, key, page, within, col, end, page_stride, row_stride):
+    """decode_seek: the chunk's element offset from the kv head's base (the CUDA keeps the K
+    and V addresses), 0 past the range."""
     return table[page] * page_stride + within * row_stride + col if key < end else 0
 
 
@@ -80,7 +83,7 @@ def cursors(table, k0, end, page_size, page_stride, row_stride, D):
         key = k0 + tid // CPR
         page = key // page_size
         within = key - page * page_size
-        out.append([key, page, within, decode_offset(table, key, page, within, (tid % CPR) * 8,
+        out.append([key, page, within, decode_seek(table, key, page, within, (tid % CPR) * 8,
                                                      end, page_stride, row_stride)])
     return out
 
@@ -110,7 +113,7 @@ def load_tile(ks, vs, base, K, V, Kb, Vb, table, cur, end, page_size, page_strid
                 while c[2] >= page_size:
                     c[2] -= page_size
                     c[1] += 1
-                c[3] = decode_offset(table, c[0], c[1], c[2], col, end, page_stride, row_stride)
+                c[3] = decode_seek(table, c[0], c[1], c[2], col, end, page_stride, row_stride)
 
 
 def ldmatrix_x4(mem, addr, trans=False):

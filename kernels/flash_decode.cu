@@ -296,7 +296,7 @@ __device__ __forceinline__ void flash_decode_split(
     // Q's rows travel in the first commit group (with tile 0 unless TMA brings the tiles).
     DecodeCursor cur =
         decode_cursor<D>(Kb, Vb, table, start, end, page_size, page_stride, row_stride, tid);
-    const int plane = TMA ? table[0] * KVH + kvh : 0;
+    const int plane = TMA && tma_rows == 0 ? table[0] * KVH + kvh : 0;
     if constexpr (TMA) {
         cp_async_commit();
         if (tid == 0) {
@@ -370,7 +370,10 @@ __device__ __forceinline__ void flash_decode_split(
         if constexpr (TMA) {
             // The range's last tile: the cache's rows past `end` (up to T, or the next
             // sequence's) may hold anything, NaN included, and P = 0 times NaN is NaN. The warp
-            // zeroes its own V rows past `end` (the K rows' scores are masked below).
+            // zeroes its own V rows past `end` (the K rows' scores are masked below). These
+            // generic-proxy writes need no proxy fence only because no later TMA copy lands in
+            // this stage (it is the range's last tile); a ring reused past it would need
+            // fence.proxy.async first.
             if (kw + 16 > end) {
                 constexpr int CHUNKS = 16 * (D / 64) * 8;  // 16-byte chunks of the warp's rows
 #pragma unroll

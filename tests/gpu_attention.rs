@@ -933,6 +933,12 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
     let k = draw(b * kvh * max_len * d);
     let v = draw(b * kvh * max_len * d);
     let bits = |x: &[f64]| -> Vec<u16> { x.iter().map(|&x| s.dtype.to_bits(x as f32)).collect() };
+    // A quiet NaN of the dtype, for the cache's keys past each sequence's length.
+    let nan = if s.dtype == Dtype::F16 {
+        0x7e00
+    } else {
+        0x7fc0
+    };
     let (layout, k_dev, v_dev, table, max_pages, cache) = match c.page {
         Some(page) => {
             // Pages scattered in reverse order, so a kernel that assumed them in order fails.
@@ -947,11 +953,6 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
                 }
             }
             // A page's rows past its sequence's length hold NaN.
-            let nan = if s.dtype == Dtype::F16 {
-                0x7e00
-            } else {
-                0x7fc0
-            };
             let past_len = |mut w: Vec<u16>| {
                 for (bi, t) in cache.block_table.iter().enumerate() {
                     for (j, &p) in t.iter().enumerate() {
@@ -984,11 +985,6 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
                 PagedCache::from_contiguous(&k, &v, kvh, max_len, d, &lens_full, max_len, &order);
             cache.seq_lens = c.lens.clone();
             let table: Vec<i32> = (0..b as i32).collect();
-            let nan = if s.dtype == Dtype::F16 {
-                0x7e00
-            } else {
-                0x7fc0
-            };
             let past_len = |mut w: Vec<u16>| {
                 for (i, x) in w.iter_mut().enumerate() {
                     let key = (i / d) % max_len;
@@ -1013,7 +1009,7 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
     let plan = DecodePlan::for_shape(&s, max_len, sms, c.splits);
     let mut dec = Decoder::new(gpu, s, plan).expect("decoder");
     dec.set_tma(!c.portable);
-    let tma = dec.uses_tma(layout, max_pages);
+    let tma = dec.uses_tma(layout, max_pages, k_dev.len());
     let up16 = |x: &[u16]| gpu.stream.clone_htod(x).unwrap();
     let (qd, kd, vd) = (up16(&bits(&q)), up16(&k_dev), up16(&v_dev));
     let table_d = gpu.stream.clone_htod(&table).unwrap();
@@ -1067,9 +1063,9 @@ fn decode_case(c: &DecodeCase, seed: u64) -> (Vec<f64>, Vec<f32>, Vec<f64>, Vec<
 /// `[4, 32, 1, 128]` / `[4, 32, 20, 128]`. Every output element must be written (O poisoned,
 /// LSE NaN), rows with no key are 0 with LSE +inf, splits 1, 2, 7 and 64 agree, and a second
 /// call repeats the first bit for bit. The contiguous cache also runs at every head_dim and
-/// dtype, NaN past each sequence's length (in the pages' last rows too), and where the TMA
-/// build runs (compute capability 9.0: the contiguous cache and pages of 16 and 256 keys) it
-/// must equal the cp.async loader bit for bit.
+/// dtype, NaN past each sequence's length (in the pages' last rows too), and on compute
+/// capability 9.0 the TMA build must run the contiguous cache and pages of 16, 64 and 256 keys
+/// and equal the cp.async loader there bit for bit.
 #[test]
 #[cfg_attr(
     not(kp_cuda),
@@ -1139,8 +1135,8 @@ fn split_kv_decoding_matches_float64() {
     }
     // The contiguous cache at every head_dim and dtype (where the TMA build runs on compute
     // capability 9.0), lengths ending inside a tile, past which the cache holds NaN; with pages
-    // of 16 and 256 keys (TMA copies of a page, and of a tile within a page) the cases the
-    // loaders are compared on below (the list above holds the paged ones already).
+    // of 16, 64 and 256 keys (TMA copies of a page, and of a tile within a page) the cases the
+    // loaders are compared on below (the list above holds those of 16 and 256 already).
     let mut compared = Vec::new();
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for d in [64, 128, 256] {
@@ -1149,6 +1145,7 @@ fn split_kv_decoding_matches_float64() {
                     (None, None),
                     (None, Some(1)),
                     (Some(16), None),
+                    (Some(64), Some(1)),
                     (Some(256), None),
                 ];
                 for (page, splits) in cache {
@@ -1173,7 +1170,7 @@ fn split_kv_decoding_matches_float64() {
     cases.extend(
         compared
             .iter()
-            .filter(|(_, c)| c.page.is_none())
+            .filter(|(_, c)| !matches!(c.page, Some(16) | Some(256)))
             .map(|(n, c)| {
                 (
                     n.clone(),
@@ -1282,6 +1279,12 @@ fn split_kv_decoding_matches_float64() {
         }
     }
     println!("TMA build compared on {tma_runs} contiguous and paged cases");
+    // On compute capability 9.0 every compared case takes the TMA build (unless the variable
+    // turns it off), so a dispatch that silently fell back would fail here.
+    let tma_env = std::env::var(kernelpages::attention::decode_gpu::TMA_ENV);
+    if gpu().arch() == "sm_90a" && tma_env.map_or(true, |v| v != "0") {
+        assert_eq!(tma_runs, compared.len(), "cases that ran the TMA build");
+    }
     assert!(failed.is_empty(), "failing cases:\n{}", failed.join("\n"));
 }
 

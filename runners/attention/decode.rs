@@ -101,12 +101,27 @@ struct DecodeLaunch {
     lse: cudarc::driver::CudaSlice<f32>,
 }
 
+/// Elements of each of K and V as the case's process uploads them: the pages [`to_pages`] fills
+/// (at least one), or the contiguous `[B, KVH, T, D]` cache.
+fn cache_elems(c: &AttentionCase, page: Option<usize>) -> usize {
+    let row = c.kv_heads * c.head_dim;
+    match page {
+        Some(page) => page_count(c, page).max(1) * page * row,
+        None => c.batch * c.seq_len_kv * row,
+    }
+}
+
+/// Pages of `page` keys that the case's sequences fill.
+fn page_count(c: &AttentionCase, page: usize) -> usize {
+    (0..c.batch).map(|b| c.kv_len(b).div_ceil(page)).sum()
+}
+
 /// `[B, KVH, T, D]` words moved into pages `[num_pages, page, KVH, D]` handed out in reverse
 /// order (page `num_pages − 1` first), with the block table `[B, max_pages]`; pages hold only
 /// each sequence's keys (`kv_len(b)`), the rest of a last page zero.
 fn to_pages(c: &AttentionCase, x: &[u16], page: usize, max_pages: usize) -> (Vec<u16>, Vec<i32>) {
     let (kvh, t, d) = (c.kv_heads, c.seq_len_kv, c.head_dim);
-    let n_pages: usize = (0..c.batch).map(|b| c.kv_len(b).div_ceil(page)).sum();
+    let n_pages = page_count(c, page);
     let mut pages = vec![0u16; n_pages.max(1) * page * kvh * d];
     let mut table = vec![0i32; c.batch * max_pages];
     let mut next = n_pages;
@@ -231,7 +246,7 @@ pub fn measure(job: &Job) -> Reply {
             )
         };
         if let Some(n) = planned.as_mut() {
-            n.push_str(if dec.uses_tma(layout, max_pages) {
+            n.push_str(if dec.uses_tma(layout, max_pages, cache_elems(&c, page)) {
                 "; K and V tiles by TMA tensor copies (compute capability 9.0)"
             } else {
                 "; K and V tiles by cp.async"
@@ -300,6 +315,8 @@ mod tests {
         let (pages, table) = to_pages(&c, &x, PAGE, max_pages);
         // 3 + 2 pages; sequence 0's first page is the last one.
         assert_eq!(pages.len(), 5 * PAGE * 2 * 8);
+        assert_eq!(cache_elems(&c, Some(PAGE)), pages.len());
+        assert_eq!(cache_elems(&c, None), x.len());
         assert_eq!(&table[..3], &[4, 3, 2]);
         assert_eq!(&table[3..5], &[1, 0]);
         for b in 0..2 {

@@ -180,17 +180,13 @@ impl CacheLayout {
     /// True for [`CacheLayout::contiguous`]'s layout at `kv_heads` and `head_dim`: each page a
     /// `[kv_heads, page_size, head_dim]` slab (what the TMA loader's tensor maps describe).
     pub fn is_contiguous(&self, kv_heads: usize, head_dim: usize) -> bool {
-        self.row_stride == head_dim
-            && self.head_stride == self.page_size * head_dim
-            && self.page_stride == kv_heads * self.page_size * head_dim
+        *self == CacheLayout::contiguous(self.page_size, kv_heads, head_dim)
     }
 
     /// True for [`CacheLayout::paged`]'s layout at `kv_heads` and `head_dim` (vLLM's pages
     /// `[num_pages, page_size, kv_heads, head_dim]`).
     pub fn is_paged(&self, kv_heads: usize, head_dim: usize) -> bool {
-        self.row_stride == kv_heads * head_dim
-            && self.head_stride == head_dim
-            && self.page_stride == self.page_size * kv_heads * head_dim
+        *self == CacheLayout::paged(self.page_size, kv_heads, head_dim)
     }
 
     /// A contiguous cache `[batch, kv_heads, max_len, head_dim]` (the layout of the rest of
@@ -386,10 +382,11 @@ pub fn decode_source(
 }
 
 /// Keys per TMA copy of the TMA build on a paged cache of `page_size`-key pages: the page, for
-/// 8, 16 and 32 (a tile of [`KEY_TILE`] keys is then whole pages), [`KEY_TILE`] for a multiple
-/// of it (a tile lies in one page); `None` for other sizes, which keep the cp.async loader.
+/// 16 (a tile of [`KEY_TILE`] keys is then four whole pages), [`KEY_TILE`] for a multiple of it
+/// (a tile lies in one page); `None` for other sizes, which keep the cp.async loader. (Pages of
+/// 8 and 32 keys would take the same copies, a page each, but no GPU test has run them yet.)
 pub fn tma_page_rows(page_size: usize) -> Option<usize> {
-    if matches!(page_size, 8 | 16 | 32) {
+    if page_size == 16 {
         Some(page_size)
     } else if page_size.is_multiple_of(KEY_TILE) && page_size > 0 {
         Some(KEY_TILE)
@@ -458,7 +455,8 @@ pub struct Decoder {
     split: CudaFunction,
     smem: u32,
     /// The TMA build and its shared memory, on compute capability 9.0 at head_dim 64, 128 and
-    /// 256 unless [`TMA_ENV`] is `0`: what [`Decoder::launch`] runs on a contiguous cache.
+    /// 256 unless [`TMA_ENV`] is `0`: what [`Decoder::launch`] runs where
+    /// [`Decoder::uses_tma`] says so (the contiguous cache, pages of [`tma_page_rows`]).
     tma: Option<(CudaFunction, u32)>,
     /// Whether [`Decoder::launch`] may use the TMA build ([`Decoder::set_tma`]).
     tma_on: bool,
@@ -540,20 +538,25 @@ impl Decoder {
         self.tma_on = on;
     }
 
-    /// True when [`Decoder::launch`] brings K and V by TMA for a cache laid out as `layout`
-    /// with `max_pages` pages per sequence: the TMA build exists (compute capability 9.0, head_dim
-    /// a multiple of 64, [`TMA_ENV`] not `0`, [`Decoder::set_tma`] not off) and the cache is
-    /// contiguous (one page a sequence) or paged with pages of 8, 16, 32 or a multiple of 64
-    /// keys ([`tma_page_rows`]).
-    pub fn uses_tma(&self, layout: CacheLayout, max_pages: usize) -> bool {
-        self.tma_rows(layout, max_pages).is_some()
+    /// True when [`Decoder::launch`] brings K and V by TMA for a cache of `cache_elems`
+    /// elements (each of K and V) laid out as `layout` with `max_pages` pages per sequence: the
+    /// TMA build exists (compute capability 9.0, head_dim a multiple of 64, [`TMA_ENV`] not `0`,
+    /// [`Decoder::set_tma`] not off), the cache is contiguous (one page a sequence) or paged
+    /// with pages of [`tma_page_rows`], it holds whole pages, and its key rows fit the tensor
+    /// copies' 32-bit coordinates. Everything else runs the cp.async loader.
+    pub fn uses_tma(&self, layout: CacheLayout, max_pages: usize, cache_elems: usize) -> bool {
+        self.tma_rows(layout, max_pages, cache_elems).is_some()
     }
 
     /// The TMA build's `tma_rows` argument for `layout` (0: contiguous; the paged copies' keys),
     /// or `None` where the cp.async loader runs ([`Decoder::uses_tma`]).
-    fn tma_rows(&self, layout: CacheLayout, max_pages: usize) -> Option<usize> {
+    fn tma_rows(&self, layout: CacheLayout, max_pages: usize, cache_elems: usize) -> Option<usize> {
         let (kvh, d) = (self.shape.kv_heads, self.shape.head_dim);
-        if !self.tma_on || self.tma.is_none() {
+        let page = layout.page_size * kvh * d;
+        let whole = cache_elems >= page && cache_elems.is_multiple_of(page);
+        // The copies address a key row as an int (page · page_size + place).
+        let fits = cache_elems / (kvh * d) <= i32::MAX as usize;
+        if !self.tma_on || self.tma.is_none() || !whole || !fits {
             None
         } else if max_pages == 1 && layout.is_contiguous(kvh, d) {
             Some(0)
@@ -577,7 +580,8 @@ impl Decoder {
     /// `splits · keys_per_split` fall to the last split).
     ///
     /// # Errors
-    /// Driver errors.
+    /// Driver errors, the tensor maps' among them where the TMA build runs
+    /// ([`Decoder::uses_tma`]).
     #[allow(clippy::too_many_arguments)]
     pub fn launch(
         &mut self,
@@ -603,7 +607,11 @@ impl Decoder {
         let kps = self.plan.keys_per_split as i32;
         let scale_log2 = (s.scale * std::f64::consts::LOG2_E) as f32;
         let causal = i32::from(s.causal);
-        let tma_rows = self.tma_rows(layout, max_pages);
+        let tma_rows = if v.len() == k.len() {
+            self.tma_rows(layout, max_pages, k.len())
+        } else {
+            None
+        };
         let (func, smem) = match (&self.tma, tma_rows) {
             (Some((f, bytes)), Some(_)) => (f, *bytes),
             _ => (&self.split, self.smem),
@@ -624,27 +632,16 @@ impl Decoder {
         // stream, which must follow the kernel's TMA reads).
         let (kp, _gk) = k.device_ptr(&gpu.stream);
         let (vp, _gv) = v.device_ptr(&gpu.stream);
+        // (tma_rows said the cache is whole pages and the same size for K and V.)
         let maps: Option<[TmaMap; 2]> = if let Some(rows) = tma_rows {
-            let (slab, dims, bx) = if rows == 0 {
+            let (dims, bx) = if rows == 0 {
                 let slab = layout.page_size * s.head_dim;
                 let dims = (k.len() / slab, layout.page_size, s.head_dim);
-                (slab, dims, [64, KEY_TILE as u32, 1])
+                (dims, [64, KEY_TILE as u32, 1])
             } else {
-                let slab = layout.page_size * s.kv_heads * s.head_dim;
                 let dims = (k.len() / (s.kv_heads * s.head_dim), s.kv_heads, s.head_dim);
-                (slab, dims, [64, 1, rows as u32])
+                (dims, [64, 1, rows as u32])
             };
-            if k.len() < slab || !k.len().is_multiple_of(slab) || v.len() != k.len() {
-                return Err(GpuError::Config(format!(
-                    "decoding: a cache of {} and {} elements is not whole pages of {} keys x \
-                     {} kv heads x head_dim {}",
-                    k.len(),
-                    v.len(),
-                    layout.page_size,
-                    s.kv_heads,
-                    s.head_dim
-                )));
-            }
             Some([
                 tma_map_16_box(kp, dims, bx, s.dtype)?,
                 tma_map_16_box(vp, dims, bx, s.dtype)?,
@@ -683,14 +680,14 @@ impl Decoder {
         // counters, u16* O, float* LSE, int Tq, int H, int KVH, int page_size, int max_pages,
         // long long page_stride, long long row_stride, long long head_stride, int
         // keys_per_split, float scale_log2, int causal)`, and the `_tma` build's two TmaMap
-        // values and `int tma_rows` after them (maps of K and V, whole pages: checked above,
-        // with the table's page numbers below k.len() / slab as the caller's layout promises);
-        // Opart, Lpart and
-        // the counters (zero
-        // between calls: the kernel sets them back) were allocated for this shape and plan
-        // (the combine's weights fit its shared memory: `new` checked [`max_splits`]), O holds
-        // rows · head_dim words and LSE rows; the caller gives the cache, table and lengths
-        // `layout` and `max_pages` describe.
+        // values and `int tma_rows` after them (maps of K and V over whole pages of the
+        // buffers, as tma_rows checked; the table's page numbers below k.len() / (page_size ·
+        // kv_heads · head_dim) as the caller's layout promises, and a tensor copy past a map's
+        // end reads zeros rather than memory); Opart, Lpart and the counters (zero between
+        // calls: the kernel sets them back) were allocated for this shape and plan (the
+        // combine's weights fit its shared memory: `new` checked [`max_splits`]), O holds rows ·
+        // head_dim words and LSE rows; the caller gives the cache, table and lengths `layout`
+        // and `max_pages` describe.
         unsafe { b.launch(cfg)? };
         Ok(())
     }
@@ -766,25 +763,23 @@ mod tests {
         assert!(!c.is_contiguous(8, 128) && !c.is_contiguous(32, 64));
         assert!(!l.is_contiguous(8, 128));
         assert!(l.is_paged(8, 128) && !l.is_paged(4, 128) && !c.is_paged(32, 128));
-        // TMA copies: a page of 8, 16 or 32 keys each, a 64-key tile of a longer page.
+        // TMA copies: a page of 16 keys each, a 64-key tile of a longer page.
         let rows: Vec<Option<usize>> = [4, 7, 8, 16, 20, 32, 64, 96, 256]
             .iter()
             .map(|&p| tma_page_rows(p))
             .collect();
-        assert_eq!(
-            rows,
-            [
-                None,
-                None,
-                Some(8),
-                Some(16),
-                None,
-                Some(32),
-                Some(64),
-                None,
-                Some(64)
-            ]
-        );
+        let want = [
+            None,
+            None,
+            None,
+            Some(16),
+            None,
+            None,
+            Some(64),
+            None,
+            Some(64),
+        ];
+        assert_eq!(rows, want);
     }
 
     #[test]
