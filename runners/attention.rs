@@ -561,7 +561,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
-                "decoding shapes, forward: at most {} query rows against at least {} keys, head_dim {}, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale. Kernels: split-KV (kernels/flash_decode.cu): the keys split into ranges so that one wave of {} CTAs per SM ({} at head_dim 256) is filled, query rows in {}-row mma.sync tiles, {} tiles per CTA at head_dim <= 128 when a GQA group has more rows than one tile, the ranges combined by the last CTA of each (sequence, kv head) to finish",
+                "decoding shapes, forward: at most {} query rows against at least {} keys, head_dim {}, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale. Kernels: split-KV (kernels/flash_decode.cu): the keys split into ranges so that one wave of {} CTAs per SM ({} at head_dim 256) is filled, query rows in {}-row mma.sync tiles, {} tiles per CTA at head_dim <= 128 when a GQA group has more rows than one tile, the ranges combined by the last CTA of each (sequence, kv head) to finish; K and V tiles by TMA tensor copies on compute capability 9.0 at head_dim 64, 128 and 256 (the contiguous cache, and vLLM's pages of 16 keys or a multiple of 64), by cp.async elsewhere",
                 AttentionCase::DECODE_MAX_QUERIES,
                 AttentionCase::DECODE_MIN_KEYS,
                 decode_dims.join(", "),
