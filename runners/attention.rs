@@ -555,20 +555,29 @@ fn dispatch_rules() -> Vec<DispatchRule> {
         })
         .collect();
     let decode_dims: Vec<String> = DECODE_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
+    // The TMA build's head dims: multiples of 64 (decode_gpu::Decoder::new).
+    let tma_dims: Vec<String> = DECODE_HEAD_DIMS
+        .iter()
+        .filter(|d| d.is_multiple_of(64))
+        .map(|d| d.to_string())
+        .collect();
     vec![
         DispatchRule {
             entry_point: "attention::dot_product_attention, attention::mha (Device::Cuda)".into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
-                "decoding shapes, forward: at most {} query rows against at least {} keys, head_dim {}, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale. Kernels: split-KV (kernels/flash_decode.cu): the keys split into ranges so that one wave of {} CTAs per SM ({} at head_dim 256) is filled, query rows in {}-row mma.sync tiles, {} tiles per CTA at head_dim <= 128 when a GQA group has more rows than one tile, the ranges combined by the last CTA of each (sequence, kv head) to finish; K and V tiles by TMA tensor copies on compute capability 9.0 at head_dim 64, 128 and 256 (the contiguous cache, and vLLM's pages of 16 keys or a multiple of 64), by cp.async elsewhere",
+                "decoding shapes, forward: at most {} query rows against at least {} keys, head_dim {}, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA, any scale. Kernels: split-KV (kernels/flash_decode.cu): the keys split into ranges so that one wave of {} CTAs per SM ({} at head_dim 256) is filled, query rows in {}-row mma.sync tiles, {} tiles per CTA at head_dim <= 128 when a GQA group has more rows than one tile, the ranges combined by the last CTA of each (sequence, kv head) to finish; K and V tiles by TMA tensor copies on compute capability 9.0 at head_dim {} (the contiguous cache, and vLLM's pages of {} keys or a multiple of {}), by cp.async elsewhere",
                 AttentionCase::DECODE_MAX_QUERIES,
                 AttentionCase::DECODE_MIN_KEYS,
                 decode_dims.join(", "),
                 decode_gpu::CTAS_PER_SM,
                 decode_gpu::ctas_per_sm(256, 1),
                 decode_gpu::ROW_TILE,
-                decode_gpu::row_tiles(decode_gpu::ROW_TILE + 1, 128)
+                decode_gpu::row_tiles(decode_gpu::ROW_TILE + 1, 128),
+                tma_dims.join(", "),
+                decode_gpu::TMA_SMALL_PAGE,
+                decode_gpu::KEY_TILE
             ),
             implementation: decode::CONTIGUOUS.into(),
         },

@@ -107,7 +107,7 @@ fn cache_elems(c: &AttentionCase, page: Option<usize>) -> usize {
     let row = c.kv_heads * c.head_dim;
     match page {
         Some(page) => page_count(c, page).max(1) * page * row,
-        None => c.batch * c.seq_len_kv * row,
+        None => c.kv_elems(),
     }
 }
 

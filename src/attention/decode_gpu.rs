@@ -381,12 +381,16 @@ pub fn decode_source(
     (split, src)
 }
 
-/// Keys per TMA copy of the TMA build on a paged cache of `page_size`-key pages: the page, for
-/// 16 (a tile of [`KEY_TILE`] keys is then four whole pages), [`KEY_TILE`] for a multiple of it
-/// (a tile lies in one page); `None` for other sizes, which keep the cp.async loader. (Pages of
-/// 8 and 32 keys would take the same copies, a page each, but no GPU test has run them yet.)
+/// The page size below [`KEY_TILE`] whose pages the TMA build copies one each (a tile is then
+/// four whole pages). Pages of 8 and 32 keys would take the same copies, but no GPU test has
+/// run them yet.
+pub const TMA_SMALL_PAGE: usize = 16;
+
+/// Keys per TMA copy of the TMA build on a paged cache of `page_size`-key pages: the page for
+/// [`TMA_SMALL_PAGE`], [`KEY_TILE`] for a multiple of it (a tile lies in one page); `None` for
+/// other sizes, which keep the cp.async loader.
 pub fn tma_page_rows(page_size: usize) -> Option<usize> {
-    if page_size == 16 {
+    if page_size == TMA_SMALL_PAGE {
         Some(page_size)
     } else if page_size.is_multiple_of(KEY_TILE) && page_size > 0 {
         Some(KEY_TILE)
@@ -554,14 +558,15 @@ impl Decoder {
         let (kvh, d) = (self.shape.kv_heads, self.shape.head_dim);
         let page = layout.page_size * kvh * d;
         let whole = cache_elems >= page && cache_elems.is_multiple_of(page);
-        // The copies address a key row as an int (page · page_size + place).
-        let fits = cache_elems / (kvh * d) <= i32::MAX as usize;
-        if !self.tma_on || self.tma.is_none() || !whole || !fits {
+        if !self.tma_on || self.tma.is_none() || !whole {
             None
         } else if max_pages == 1 && layout.is_contiguous(kvh, d) {
-            Some(0)
+            // The copies address a (sequence, kv head) plane as an int.
+            (cache_elems / (layout.page_size * d) <= i32::MAX as usize).then_some(0)
         } else if layout.is_paged(kvh, d) {
-            tma_page_rows(layout.page_size)
+            // The copies address a key row as an int (page · page_size + place).
+            let fits = cache_elems / (kvh * d) <= i32::MAX as usize;
+            tma_page_rows(layout.page_size).filter(|_| fits)
         } else {
             None
         }
