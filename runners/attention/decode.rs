@@ -19,6 +19,17 @@ pub const CONTIGUOUS: &str = decode_gpu::IMPLEMENTATION;
 pub const PAGED: &str = "flash_decode_paged";
 /// The same on pages of [`PAGE_LARGE`] keys (issue 10 asks for pages of 16 to 256 tokens).
 pub const PAGED_LARGE: &str = "flash_decode_paged256";
+
+/// Set to a positive count, forces the number of key ranges of every decoding row the process
+/// measures (a probe of the split against the plan's one wave; the row's note gives the split
+/// that ran). Unset, empty or not a positive count: the plan's.
+pub const SPLITS_ENV: &str = "KP_DECODE_SPLITS";
+
+/// The forced split count [`SPLITS_ENV`]'s value `v` asks for.
+fn forced_splits(v: Option<&str>) -> Option<usize> {
+    v.and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+}
 /// All three, with their library column.
 pub const IMPLEMENTATIONS: [(&str, &str); 3] = [
     (CONTIGUOUS, "kernelpages"),
@@ -230,8 +241,15 @@ pub fn measure(job: &Job) -> Reply {
     let mut reply = own::measure(job, |gpu| {
         let sms = gpu.describe()?.sm_count.map_or(1, |n| n as usize);
         let shape = decode_gpu::shape_of(&c);
-        let plan = DecodePlan::for_shape(&shape, c.seq_len_kv, sms, None);
-        planned = Some(note(&c, &job.implementation, plan));
+        let forced = forced_splits(std::env::var(SPLITS_ENV).ok().as_deref());
+        let plan = DecodePlan::for_shape(&shape, c.seq_len_kv, sms, forced);
+        let mut n = note(&c, &job.implementation, plan);
+        if let Some(k) = forced {
+            n.push_str(&format!(
+                " (the split forced by {SPLITS_ENV}={k}: not what dot_product_attention plans)"
+            ));
+        }
+        planned = Some(n);
         let dec = Decoder::new(gpu, shape, plan)?;
         let compile_s = dec.compile_s;
         let (layout, max_pages) = if let Some(page) = page {
@@ -299,6 +317,15 @@ pub fn note(c: &AttentionCase, implementation: &str, plan: DecodePlan) -> String
 mod tests {
     use super::*;
     use kernelpages::attention::{Dtype, Pass};
+
+    #[test]
+    fn forced_splits_take_positive_counts_only() {
+        assert_eq!(forced_splits(Some("48")), Some(48));
+        assert_eq!(forced_splits(Some(" 16 ")), Some(16));
+        for bad in [Some("0"), Some("-3"), Some("many"), Some(""), None] {
+            assert_eq!(forced_splits(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn pages_hold_each_key_once_in_reverse_order() {
