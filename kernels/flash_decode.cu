@@ -166,10 +166,6 @@ __device__ __forceinline__ void decode_tma_tile(u32 stage, u32 bar, const TmaMap
     }
 }
 
-#ifndef KP_DECODE_COMBINE_UNROLL
-#define KP_DECODE_COMBINE_UNROLL 32
-#endif
-
 // The combine of one CTA's R rows (row r: query head kvh * G + (r0 + r) / Tq, query (r0 + r)
 // % Tq of sequence b) over S partials, by the CTA's 128 threads; `ws` holds RM * S floats.
 // Warp w takes rows w, w + 4, ...: its lanes read the row's S log-sum-exps, reduce max and sum
@@ -215,9 +211,9 @@ __device__ __forceinline__ void decode_combine_rows(const float* __restrict__ Op
         const size_t row = ((size_t)b * H + h) * Tq + i;
         const float* op = Opart + row * S * D + c;
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        // The partials' L2 reads in flight KP_DECODE_COMBINE_UNROLL at a time (32 splits: one
-        // round at batch 1); the sum's order is the splits' whatever the unroll.
-#pragma unroll KP_DECODE_COMBINE_UNROLL
+        // The partials' L2 reads in flight 32 at a time (32 splits: one round at batch 1); the
+        // sum's order is the splits' whatever the unroll.
+#pragma unroll 32
         for (int s = 0; s < S; ++s) {
             const float w = ws[r * S + s];
             const float4 x = __ldcg(reinterpret_cast<const float4*>(op + (size_t)s * D));
@@ -294,8 +290,9 @@ __device__ __forceinline__ void flash_decode_split(
         cp_async16(smem_u32(qs + r * STR + col), Q + off, ok);
     }
     // Q's rows travel in the first commit group (with tile 0 unless TMA brings the tiles).
-    DecodeCursor cur =
-        decode_cursor<D>(Kb, Vb, table, start, end, page_size, page_stride, row_stride, tid);
+    DecodeCursor cur{};  // the cp.async loader's (the TMA build copies by tile coordinates)
+    if constexpr (!TMA)
+        cur = decode_cursor<D>(Kb, Vb, table, start, end, page_size, page_stride, row_stride, tid);
     const int plane = TMA && tma_rows == 0 ? table[0] * KVH + kvh : 0;
     if constexpr (TMA) {
         cp_async_commit();

@@ -636,10 +636,7 @@ impl HopperForward {
     /// The chunk size the causal forward of `shape` = (batch, heads, kv_heads, seq_len_q,
     /// seq_len_kv) runs in: the forced one, or [`fwd_causal_chunk`]'s for this device (a pair's
     /// K and V counted once per query head sharing them).
-    pub fn causal_chunk(
-        &self,
-        (batch, heads, kv_heads, seq_len_q, seq_len_kv): (usize, usize, usize, usize, usize),
-    ) -> usize {
+    pub fn causal_chunk(&self, (batch, heads, kv_heads, seq_len_q, seq_len_kv): FwdShape) -> usize {
         self.causal_chunk.unwrap_or_else(|| {
             let pair_bytes = 2 * seq_len_kv * self.head_dim * 2 * kv_heads.max(1) / heads.max(1);
             fwd_causal_chunk(
