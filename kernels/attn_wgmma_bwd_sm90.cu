@@ -67,11 +67,6 @@ struct BwShape {
     static_assert(DQN == 64, "dQ's product is m64n64 per consumer");
 };
 
-template <bool B>
-struct BoolTag {
-    static constexpr bool value = B;
-};
-
 // Shared-memory plan of attn_bwd_sm90 (bytes from the 1024-aligned base): the K and V tile,
 // BW_ST stages of Q and of dO (BM rows), two dS^T buffers (128 keys x BM queries, BM / 64
 // 128-byte panels), BW_ST stages of LSE2 and Dsum (BM floats each), two fp32 dQ staging tiles,
@@ -320,11 +315,9 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     // before the dQ tile goes out: FlashAttention-3's order measured 2-3 % slower there without
     // the mask (kernels/TUNING.md, "FlashAttention-3's product order").
     constexpr bool FA3_ORDER = D == 128;
-    // One step: the queries [q0, q0 + 8 NS) of step `it` (NS = NQ, or NQ / 2 for a last tile of
-    // at most 64 valid rows at BM = 128, which then costs half a step; the second consumer's dQ
-    // rows are all at or past Tq there: see the loop below).
-    auto step = [&](int it, auto half_tag) {
-        constexpr int NS = decltype(half_tag)::value ? NQ / 2 : NQ;
+    // One step: the queries [q0, q0 + 8 NS) of step `it`.
+    auto step = [&](int it) {
+        constexpr int NS = NQ;
         constexpr int SQ = 8 * NS;  // queries computed
         float(&sts)[1][NS][4] = reinterpret_cast<float(&)[1][NS][4]>(st);
         float(&dps)[1][NS][4] = reinterpret_cast<float(&)[1][NS][4]>(dpt);
@@ -515,19 +508,10 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     };
 
     if (n_it > 0) mbar_wait(bar_kv, 0);
-    for (int it = 0; it < n_it; ++it) {
-        if constexpr (BM == 128) {
-            if (Tq - (qt_first + it % per_head) * BM <= 64) {
-                // The second consumer's dQ rows are all at or past Tq here: it computes them
-                // from the stale half of the dS^T buffer, and the reduce-add skips them (out of
-                // the tensor map's bounds). One instantiation for both consumers keeps the
-                // kernel's code small (a third copy of the step cost 4-6 % at head_dim 64).
-                step(it, BoolTag<true>{});
-                continue;
-            }
-        }
-        step(it, BoolTag<false>{});
-    }
+    // Every step whole, the last partial one too (its rows past Tq are TMA's zeros and add
+    // nothing). A half step for a last tile of at most 64 rows at head_dim 64 (until
+    // 2026-12-06) made ptxas wait after every wgmma of the kernel, the whole steps' too.
+    for (int it = 0; it < n_it; ++it) step(it);
     if (elected) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 
     // dK (scaled) and dV, this thread's two keys; keys past L hold 0 (no contribution). With

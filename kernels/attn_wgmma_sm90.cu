@@ -419,8 +419,8 @@ struct WsPlan {
     static constexpr u32 K = NC * Q_TILE;
     static constexpr u32 V = K + ST * KV_TILE;
     static constexpr u32 BARS = V + ST * KV_TILE;
-    // Q, then per stage: K full, V full, K empty, V empty.
-    static constexpr u32 BYTES = BARS + 8 * (1 + 4 * ST);
+    // Q, then per stage: K full, V full, K empty, V empty; then Q empty.
+    static constexpr u32 BYTES = BARS + 8 * (2 + 4 * ST);
 };
 
 // The score tile of one consumer warpgroup, 64 rows x BC keys, in the accumulator layout:
@@ -559,14 +559,15 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 // scale_log2 must be positive (ws_softmax scales each row's raw maximum).
 // The consumers' setmaxnreg.inc succeeds only if ptxas allocated the whole per-thread cap of
 // the launch bounds (168 registers at NC = 2, 128 at NC = 3): the compile test checks it.
-template <int D, int BC, int ST, int NC, bool CAUSAL, bool PIPE>
+template <int D, int BC, int ST, int NC, bool CAUSAL, bool PIPE, bool PERSIST>
 __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap* tk,
                                                  const TmaMap* tv, u16* __restrict__ O,
                                                  float* __restrict__ LSE,
                                                  const int* __restrict__ kv_lens, int Tq,
                                                  int Tkv, int H, int KVH, float scale_log2,
                                                  int whole, int parts, float* __restrict__ Opart,
-                                                 float* __restrict__ Lpart, int chunk) {
+                                                 float* __restrict__ Lpart, int chunk,
+                                                 int items) {
     using P = WsPlan<D, BC, ST, NC>;
     constexpr int PANELS = D / 64, DT = D / 8, NT = BC / 8, BR = 64 * NC;
     const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
@@ -575,58 +576,80 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
     auto full_v = [&](int s) { return base + P::BARS + 8u * (2 + 4 * s); };
     auto empty_k = [&](int s) { return base + P::BARS + 8u * (3 + 4 * s); };
     auto empty_v = [&](int s) { return base + P::BARS + 8u * (4 + 4 * s); };
+    const u32 empty_q = base + P::BARS + 8u * (1 + 4 * ST);
     const int tid = threadIdx.x, wg = tid >> 7;
-    // Tiles are numbered (b * H + h) * qtiles + qt. parts = 0: the grid is (qtiles, H, B).
-    // parts > 0 (the tail split, not causal): a 1-D grid, CTA i < whole takes tile i over all its
-    // keys and CTA whole + j part j % parts of tile whole + j / parts.
+    // Work items. !PERSIST: one per CTA. Tiles are numbered (b * H + h) * qtiles + qt.
+    // parts = 0: the grid is (qtiles, H, B). parts > 0 (the tail split, not causal): a 1-D
+    // grid, CTA i < whole takes tile i over all its keys and CTA whole + j part j % parts of
+    // tile whole + j / parts.
     // PIPE && CAUSAL: the (head, batch entry) pairs b H + h go in chunks of `chunk` (>= 1), and
     // CTA i (launch order, x fastest) of a chunk of g pairs takes query tile qtiles - 1 - j / g
     // of its pair j % g, j = i - (the chunk's first CTA): within a chunk the heaviest tiles of
     // every pair first, the lightest last (sm90::fwd_causal_tile mirrors it; chunk 1 is each
     // head's tiles heaviest first, a head at a time).
-    int qt, h, b, split = -1;
-    if (parts == 0 && PIPE && CAUSAL) {
-        const int hb = gridDim.y * gridDim.z, nq = gridDim.x;
-        const int i = blockIdx.x + nq * (blockIdx.y + gridDim.y * blockIdx.z);
-        const int c0 = i / (nq * chunk) * chunk;  // the chunk's first pair
-        const int g = min(chunk, hb - c0);
-        const int j = i - c0 * nq;
-        qt = nq - 1 - j / g;
-        const int pair = c0 + j % g;
-        h = pair % gridDim.y;
-        b = pair / gridDim.y;
-    } else if (parts == 0) {
-        qt = blockIdx.x;
-        h = blockIdx.y;
-        b = blockIdx.z;
-    } else {
-        const int qtiles = (Tq + BR - 1) / BR;
-        int tile = blockIdx.x;
-        if (tile >= whole) {
-            split = tile - whole;
-            tile = whole + split / parts;
+    // PERSIST (not causal): a 1-D grid of at most one CTA per SM; CTA c takes items c,
+    // c + gridDim.x, ... below `items`, item i numbered as a CTA of the tail split (parts = 0:
+    // every item a whole tile). The K and V stages run on from one item to the next, and the
+    // producer brings the next item's Q as soon as the consumers' last S = Q K^T of the
+    // current one has landed (the empty_q barrier), so an item's start overlaps the previous
+    // item's last P V and its stores.
+    const int qtiles = (Tq + BR - 1) / BR;
+    struct Item {
+        int qt, h, b, split, kt0, n_kt, L;
+    };
+    auto item_at = [&](int i) {
+        Item w;
+        w.split = -1;
+        if (!PERSIST && PIPE && CAUSAL) {
+            const int hb = gridDim.y * gridDim.z, nq = gridDim.x;
+            const int c = blockIdx.x + nq * (blockIdx.y + gridDim.y * blockIdx.z);
+            const int c0 = c / (nq * chunk) * chunk;  // the chunk's first pair
+            const int g = min(chunk, hb - c0);
+            const int j = c - c0 * nq;
+            w.qt = nq - 1 - j / g;
+            const int pair = c0 + j % g;
+            w.h = pair % gridDim.y;
+            w.b = pair / gridDim.y;
+        } else if (!PERSIST && parts == 0) {
+            w.qt = blockIdx.x;
+            w.h = blockIdx.y;
+            w.b = blockIdx.z;
+        } else {
+            int tile = PERSIST ? i : (int)blockIdx.x;
+            if (parts > 0 && tile >= whole) {
+                w.split = tile - whole;
+                tile = whole + w.split / parts;
+            }
+            w.qt = tile % qtiles;
+            w.h = (tile / qtiles) % H;
+            w.b = tile / (qtiles * H);
         }
-        qt = tile % qtiles;
-        h = (tile / qtiles) % H;
-        b = tile / (qtiles * H);
-    }
-    const int kvh = h / (H / KVH);
-    const int L = min(kv_lens[b], Tkv);
-    const int off = L - Tq;
-    const int q0 = qt * BR;
-    const int rows_cta = min(BR, Tq - q0);
-    int n_kt = (L + BC - 1) / BC;
-    if (CAUSAL) n_kt = q0 + rows_cta - 1 + off < 0 ? 0 : min(n_kt, (q0 + rows_cta - 1 + off) / BC + 1);
-    // A part of a split tile takes key tiles kt0 .. kt0 + n_kt - 1 (possibly none).
-    int kt0 = 0;
-    if (split >= 0) {
-        const int p = split % parts;
-        kt0 = n_kt * p / parts;
-        n_kt = n_kt * (p + 1) / parts - kt0;
-    }
+        w.L = min(kv_lens[w.b], Tkv);
+        const int off = w.L - Tq, q0 = w.qt * BR, rows_cta = min(BR, Tq - q0);
+        w.n_kt = (w.L + BC - 1) / BC;
+        if (CAUSAL)
+            w.n_kt = q0 + rows_cta - 1 + off < 0 ? 0
+                                                 : min(w.n_kt, (q0 + rows_cta - 1 + off) / BC + 1);
+        // A part of a split tile takes key tiles kt0 .. kt0 + n_kt - 1 (possibly none).
+        w.kt0 = 0;
+        if (w.split >= 0) {
+            const int p = w.split % parts;
+            w.kt0 = w.n_kt * p / parts;
+            w.n_kt = w.n_kt * (p + 1) / parts - w.kt0;
+        }
+        return w;
+    };
+    const int first = PERSIST ? (int)blockIdx.x : 0;
+    const int stride = PERSIST ? (int)gridDim.x : 1;
+    const int end = PERSIST ? items : 1;
+    // The first item's coordinates before the barriers' set-up (its key length's load in
+    // flight meanwhile); later items' where they are taken.
+    const Item item0 = item_at(first);
+    auto item = [&](int i) { return !PERSIST || i == first ? item0 : item_at(i); };
 
     if (tid == 0) {
         mbar_init(bar_q, 1);
+        mbar_init(empty_q, 128 * NC);
         for (int s = 0; s < ST; ++s) {
             mbar_init(full_k(s), 1);
             mbar_init(full_v(s), 1);
@@ -646,28 +669,35 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
         }
         if (tid == 0) {
-            mbar_expect_tx(bar_q, NC * P::Q_TILE);
+            int gi = 0, t = 0;  // K/V tiles and items brought so far
+            for (int i = first; i < end; i += stride, ++t) {
+                const Item w = item(i);
+                const int kvh = w.h / (H / KVH);
+                if (PERSIST && t > 0) mbar_wait(empty_q, (t - 1) & 1);
+                mbar_expect_tx(bar_q, NC * P::Q_TILE);
 #pragma unroll
-            for (int w = 0; w < NC; ++w)
+                for (int c = 0; c < NC; ++c)
 #pragma unroll
-                for (int p = 0; p < PANELS; ++p)
-                    tma_load_3d(base + P::Q + w * P::Q_TILE + p * 64 * 128, tq, bar_q, 64 * p,
-                                q0 + 64 * w, b * H + h);
-            for (int it = 0; it < n_kt; ++it) {
-                const int s = it % ST;
-                const u32 ph = ((it / ST) + 1) & 1;
-                if (it >= ST) mbar_wait(empty_k(s), ph);
-                mbar_expect_tx(full_k(s), P::KV_TILE);
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load_3d(base + P::Q + c * P::Q_TILE + p * 64 * 128, tq, bar_q, 64 * p,
+                                    w.qt * BR + 64 * c, w.b * H + w.h);
+                for (int it = 0; it < w.n_kt; ++it, ++gi) {
+                    const int s = gi % ST;
+                    const u32 ph = ((gi / ST) + 1) & 1;
+                    const int key = (w.kt0 + it) * BC, plane = w.b * KVH + kvh;
+                    if (gi >= ST) mbar_wait(empty_k(s), ph);
+                    mbar_expect_tx(full_k(s), P::KV_TILE);
 #pragma unroll
-                for (int p = 0; p < PANELS; ++p)
-                    tma_load_3d(base + P::K + s * P::KV_TILE + p * BC * 128, tk, full_k(s), 64 * p,
-                                (kt0 + it) * BC, b * KVH + kvh);
-                if (it >= ST) mbar_wait(empty_v(s), ph);
-                mbar_expect_tx(full_v(s), P::KV_TILE);
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load_3d(base + P::K + s * P::KV_TILE + p * BC * 128, tk, full_k(s),
+                                    64 * p, key, plane);
+                    if (gi >= ST) mbar_wait(empty_v(s), ph);
+                    mbar_expect_tx(full_v(s), P::KV_TILE);
 #pragma unroll
-                for (int p = 0; p < PANELS; ++p)
-                    tma_load_3d(base + P::V + s * P::KV_TILE + p * BC * 128, tv, full_v(s), 64 * p,
-                                (kt0 + it) * BC, b * KVH + kvh);
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load_3d(base + P::V + s * P::KV_TILE + p * BC * 128, tv, full_v(s),
+                                    64 * p, key, plane);
+                }
             }
         }
         return;
@@ -681,90 +711,124 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
     const int c = wg - 1;                 // consumer warpgroup: query rows 64 c .. 64 c + 63
     const int warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int q0w = q0 + 64 * c;
-    const int rows_w = max(0, min(64, Tq - q0w));
-    const int row0 = q0w + 16 * warp;
     const u32 sq = base + P::Q + c * P::Q_TILE;
-    auto k_at = [&](int it) { return base + P::K + (it % ST) * P::KV_TILE; };
-    auto v_at = [&](int it) { return base + P::V + (it % ST) * P::KV_TILE; };
-    auto edge_at = [&](int k0) { return k0 + BC > L || (CAUSAL && k0 + BC - 1 > q0w + off); };
-
+    auto k_at = [&](int j) { return base + P::K + (j % ST) * P::KV_TILE; };
+    auto v_at = [&](int j) { return base + P::V + (j % ST) * P::KV_TILE; };
     float o[1][DT][4];
     float s[1][NT][4];
-#pragma unroll
-    for (int i = 0; i < DT; ++i) o[0][i][0] = o[0][i][1] = o[0][i][2] = o[0][i][3] = 0.f;
-    float m_run[1][2] = {{NEG_INF, NEG_INF}}, l_run[1][2] = {{0.f, 0.f}};
-    float alpha[2];
     float(&of)[D / 2] = reinterpret_cast<float(&)[D / 2]>(o);
     float(&sf)[BC / 2] = reinterpret_cast<float(&)[BC / 2]>(s);
     u32 pa[BC / 16][4];
+    int gi = 0;  // K/V tiles consumed so far
 
-    mbar_wait(bar_q, 0);
-    if constexpr (!PIPE) {
-        for (int it = 0; it < n_kt; ++it) {
-            const u32 ph = (it / ST) & 1;
-            mbar_wait(full_k(it % ST), ph);
+    for (int i = first; i < end; i += stride) {
+        // Items consumed so far, from i (a register fewer than counting them: V4 is at its
+        // 128 without a spill).
+        const int t = PERSIST ? (i - first) / stride : 0;
+        int L, n_kt, kt0, q0w;
+        {
+            const Item w = item(i);
+            L = w.L;
+            n_kt = w.n_kt;
+            kt0 = w.kt0;
+            q0w = w.qt * BR + 64 * c;
+        }
+        // The tile count (from a load) and the running tile count, broadcast from lane 0 to
+        // tell ptxas that they are the same in every thread: the barrier waits' parities and
+        // the wgmma descriptors' stages then stay uniform. Without the broadcasts ptxas
+        // serialised every wgmma (a wait after each; no advisory), 25 % slower at T = 16384.
+        if constexpr (PERSIST) {
+            n_kt = __shfl_sync(0xffffffffu, n_kt, 0);
+            gi = __shfl_sync(0xffffffffu, gi, 0);
+        }
+        const int off = L - Tq, row0 = q0w + 16 * warp;
+        auto edge_at = [&](int k0) {
+            return k0 + BC > L || (CAUSAL && k0 + BC - 1 > q0w + off);
+        };
+#pragma unroll
+        for (int d = 0; d < DT; ++d) o[0][d][0] = o[0][d][1] = o[0][d][2] = o[0][d][3] = 0.f;
+        float m_run[1][2] = {{NEG_INF, NEG_INF}}, l_run[1][2] = {{0.f, 0.f}};
+        float alpha[2];
+
+        mbar_wait(bar_q, t & 1);
+        if constexpr (!PIPE) {
+            for (int it = 0; it < n_kt; ++it) {
+                const int j = gi + it;
+                const u32 ph = (j / ST) & 1;
+                mbar_wait(full_k(j % ST), ph);
+                wgmma_fence();
+                ws_qk<D, BC>(sf, sq, k_at(j));
+                wgmma_commit();
+                wgmma_wait<0>();
+                mbar_arrive(empty_k(j % ST));
+                ws_mask<NT, CAUSAL>(s, (kt0 + it) * BC, L, off, row0, edge_at((kt0 + it) * BC),
+                                    g, t4);
+                ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
+                ws_rescale<DT>(o, alpha);
+                pack_p<NT>(s, pa);
+                mbar_wait(full_v(j % ST), ph);
+                wgmma_fence();
+                ws_pv<D, BC>(of, pa, v_at(j));
+                wgmma_commit();
+                wgmma_wait<0>();
+                mbar_arrive(empty_v(j % ST));
+            }
+            if constexpr (PERSIST) mbar_arrive(empty_q);
+        } else if (n_kt > 0) {
+            // Tile 0: S alone (O is zero, nothing to rescale).
+            mbar_wait(full_k(gi % ST), (gi / ST) & 1);
             wgmma_fence();
-            ws_qk<D, BC>(sf, sq, k_at(it));
+            ws_qk<D, BC>(sf, sq, k_at(gi));
             wgmma_commit();
             wgmma_wait<0>();
-            mbar_arrive(empty_k(it % ST));
-            ws_mask<NT, CAUSAL>(s, (kt0 + it) * BC, L, off, row0, edge_at((kt0 + it) * BC), g,
-                                t4);
+            mbar_arrive(empty_k(gi % ST));
+            ws_mask<NT, CAUSAL>(s, kt0 * BC, L, off, row0, edge_at(kt0 * BC), g, t4);
             ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
-            ws_rescale<DT>(o, alpha);
             pack_p<NT>(s, pa);
-            mbar_wait(full_v(it % ST), ph);
+            for (int it = 1; it < n_kt; ++it) {
+                const int j = gi + it, prev = j - 1;
+                mbar_wait(full_k(j % ST), (j / ST) & 1);
+                wgmma_fence();
+                ws_qk<D, BC>(sf, sq, k_at(j));
+                wgmma_commit();
+                mbar_wait(full_v(prev % ST), (prev / ST) & 1);
+                ws_pv<D, BC>(of, pa, v_at(prev));
+                wgmma_commit();
+                wgmma_wait<1>();  // S of tile it has landed; P V of tile it-1 may be in flight
+                mbar_arrive(empty_k(j % ST));
+                ws_mask<NT, CAUSAL>(s, (kt0 + it) * BC, L, off, row0, edge_at((kt0 + it) * BC),
+                                    g, t4);
+                ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
+                wgmma_wait<0>();  // P V of tile it-1 has landed: O and pa are free
+                mbar_arrive(empty_v(prev % ST));
+                ws_rescale<DT>(o, alpha);
+                pack_p<NT>(s, pa);
+            }
+            // Every S of this item has landed: Q's buffer is free for the next item.
+            if constexpr (PERSIST) mbar_arrive(empty_q);
+            const int last = gi + n_kt - 1;
+            mbar_wait(full_v(last % ST), (last / ST) & 1);
             wgmma_fence();
-            ws_pv<D, BC>(of, pa, v_at(it));
+            ws_pv<D, BC>(of, pa, v_at(last));
             wgmma_commit();
             wgmma_wait<0>();
-            mbar_arrive(empty_v(it % ST));
+            mbar_arrive(empty_v(last % ST));
+        } else if constexpr (PERSIST) {
+            mbar_arrive(empty_q);
         }
-    } else if (n_kt > 0) {
-        // Tile 0: S alone (O is zero, nothing to rescale).
-        mbar_wait(full_k(0), 0);
-        wgmma_fence();
-        ws_qk<D, BC>(sf, sq, k_at(0));
-        wgmma_commit();
-        wgmma_wait<0>();
-        mbar_arrive(empty_k(0));
-        ws_mask<NT, CAUSAL>(s, kt0 * BC, L, off, row0, edge_at(kt0 * BC), g, t4);
-        ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
-        pack_p<NT>(s, pa);
-        for (int it = 1; it < n_kt; ++it) {
-            const int prev = it - 1;
-            mbar_wait(full_k(it % ST), (it / ST) & 1);
-            wgmma_fence();
-            ws_qk<D, BC>(sf, sq, k_at(it));
-            wgmma_commit();
-            mbar_wait(full_v(prev % ST), (prev / ST) & 1);
-            ws_pv<D, BC>(of, pa, v_at(prev));
-            wgmma_commit();
-            wgmma_wait<1>();  // S of tile it has landed; P V of tile it-1 may be in flight
-            mbar_arrive(empty_k(it % ST));
-            ws_mask<NT, CAUSAL>(s, (kt0 + it) * BC, L, off, row0, edge_at((kt0 + it) * BC), g,
-                                t4);
-            ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
-            wgmma_wait<0>();  // P V of tile it-1 has landed: O and pa are free
-            mbar_arrive(empty_v(prev % ST));
-            ws_rescale<DT>(o, alpha);
-            pack_p<NT>(s, pa);
-        }
-        const int last = n_kt - 1;
-        mbar_wait(full_v(last % ST), (last / ST) & 1);
-        wgmma_fence();
-        ws_pv<D, BC>(of, pa, v_at(last));
-        wgmma_commit();
-        wgmma_wait<0>();
-        mbar_arrive(empty_v(last % ST));
+        gi += n_kt;
+        // A later item's coordinates again rather than kept live through the loop (registers).
+        const Item w = PERSIST ? item_at(i) : item0;
+        const int rows_w = max(0, min(64, Tq - q0w));
+        if (rows_w > 0 && w.split >= 0)
+            store_rows_f32<DT>(o, m_run, l_run, Opart + ((size_t)w.split * BR + 64 * c) * D,
+                               Lpart + (size_t)w.split * BR + 64 * c, 16 * warp, rows_w, g, t4);
+        else if (rows_w > 0)
+            store_rows<1, DT, KP_WG_BF16>(o, m_run, l_run,
+                                          O + ((size_t)(w.b * H + w.h) * Tq + q0w) * D,
+                                          LSE + (size_t)(w.b * H + w.h) * Tq + q0w, 16 * warp,
+                                          rows_w, g, t4);
     }
-    if (rows_w > 0 && split >= 0)
-        store_rows_f32<DT>(o, m_run, l_run, Opart + ((size_t)split * BR + 64 * c) * D,
-                           Lpart + (size_t)split * BR + 64 * c, 16 * warp, rows_w, g, t4);
-    else if (rows_w > 0)
-        store_rows<1, DT, KP_WG_BF16>(o, m_run, l_run, O + ((size_t)(b * H + h) * Tq + q0w) * D,
-                                LSE + (size_t)(b * H + h) * Tq + q0w, 16 * warp, rows_w, g, t4);
 }
 
 // The most parts the host splits a tile into (sm90::TAIL_MAX_PARTS; a unit test compares them).
@@ -818,27 +882,39 @@ __device__ __forceinline__ void fwd_tail_combine(const float* __restrict__ Opart
 #define WS_BC 128
 
 // Each version's entry NAME and its tail split's combine NAME_combine (256 threads a CTA).
-#define WS_ENTRY(NAME, D, NC, ST, PIPE)                                                             \
-    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1)                                 \
-        NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                  \
-             const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens, int Tq,     \
-             int Tkv, int H, int KVH, float scale_log2, int causal, int whole, int parts,           \
-             float* Opart, float* Lpart, int chunk) {                                               \
-        if (causal)                                                                                 \
-            attn_fwd_sm90_ws<D, WS_BC, ST, NC, true, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,          \
-                                                              Tq, Tkv, H, KVH, scale_log2,          \
-                                                              whole, parts, Opart, Lpart,           \
-                                                              chunk);                               \
-        else                                                                                        \
-            attn_fwd_sm90_ws<D, WS_BC, ST, NC, false, PIPE>(&tq, &tk, &tv, O, LSE, kv_lens,         \
-                                                               Tq, Tkv, H, KVH, scale_log2,         \
-                                                               whole, parts, Opart, Lpart,          \
-                                                               chunk);                              \
-    }                                                                                               \
-    extern "C" __global__ void __launch_bounds__(256)                                               \
-        NAME##_combine(const float* Opart, const float* Lpart, u16* O, float* LSE, int whole,       \
-                       int parts, int tail, int Tq) {                                               \
-        fwd_tail_combine<D, 64 * NC>(Opart, Lpart, O, LSE, whole, parts, tail, Tq);                 \
+// causal: one CTA per query tile (heaviest first); otherwise, with items > 0 the persistent
+// grid, else one CTA per query tile or tail-split part. The persistent instantiation is
+// compiled only where the source defines KP_SM90_PERSIST (sm90::HopperForward asks for it: it
+// costs 60 % more compile time and measured no gain by default; the host passes items > 0 only
+// then).
+#ifdef KP_SM90_PERSIST
+#define KP_SM90_PERSIST_ON true
+#else
+#define KP_SM90_PERSIST_ON false
+#endif
+#define WS_ENTRY(NAME, D, NC, ST, PIPE)                                                     \
+    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1)                         \
+        NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,          \
+             const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens,     \
+             int Tq, int Tkv, int H, int KVH, float scale_log2, int causal, int whole,      \
+             int parts, float* Opart, float* Lpart, int chunk, int items) {                 \
+        if (causal)                                                                         \
+            attn_fwd_sm90_ws<D, WS_BC, ST, NC, true, PIPE, false>(                          \
+                &tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole, parts,  \
+                Opart, Lpart, chunk, 0);                                                    \
+        else if (KP_SM90_PERSIST_ON && items > 0)                                           \
+            attn_fwd_sm90_ws<D, WS_BC, ST, NC, false, PIPE, KP_SM90_PERSIST_ON>(            \
+                &tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole, parts,  \
+                Opart, Lpart, chunk, items);                                                \
+        else                                                                                \
+            attn_fwd_sm90_ws<D, WS_BC, ST, NC, false, PIPE, false>(                         \
+                &tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole, parts,  \
+                Opart, Lpart, chunk, 0);                                                    \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                       \
+        NAME##_combine(const float* Opart, const float* Lpart, u16* O, float* LSE, int whole, \
+                       int parts, int tail, int Tq) {                                       \
+        fwd_tail_combine<D, 64 * NC>(Opart, Lpart, O, LSE, whole, parts, tail, Tq);         \
     }
 
 // v2: attn_fwd_sm90_ws_d*; v3 (the intra-warpgroup overlap): attn_fwd_sm90_wsp_d*; v4 (v3

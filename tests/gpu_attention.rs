@@ -1678,7 +1678,8 @@ fn wgmma_probe_matches_float64() {
 /// 64-, 128- and 192-row and 128-key tiles (one query against 20 keys among them), fewer and
 /// more queries than keys (bottom-right causal: rows with no key get O = 0 and LSE = +inf),
 /// GQA 2:1 and a short key length: O and the LSE against the float64 reference, both poisoned
-/// before the call; then a first timing at B4 H8 T16384 (printed, not asserted). On another
+/// before the call; the persistent grid (V2 to V5) bit for bit against one CTA per tile, with
+/// and without the tail split, on a shape where CTAs take several items; then a first timing at B4 H8 T16384 (printed, not asserted). On another
 /// device it refuses to build, with the reason.
 #[test]
 #[cfg_attr(
@@ -1750,6 +1751,52 @@ fn wgmma_forward_matches_float64() {
                 }
             }
         }
+        // The persistent grid against one CTA per tile, bit for bit, where every CTA takes
+        // more than one item: 9 heads of 4000 queries (32 or 21 tiles each), GQA 3:1, the
+        // second batch entry's keys cut to 2100, with the tail split on and off.
+        if version != Sm90Version::V1 {
+            let c = AttentionCase {
+                kv_heads: 3,
+                kv_lens: Some(vec![4000, 2100]),
+                dtype,
+                ..AttentionCase::new(2, 9, 4000, d)
+            };
+            let inp = Inputs::random(&c, 7 + n);
+            let up = |w: &[u16]| gpu.stream.clone_htod(w).unwrap();
+            let (q, k, v) = (up(&inp.q), up(&inp.k), up(&inp.v));
+            let lens = gpu.stream.clone_htod(&[4000i32, 2100]).unwrap();
+            let shape = (c.batch, c.heads, c.seq_len_q, c.seq_len_kv);
+            // The default module (no persistent instantiation) against one compiled with it.
+            let mut pf = HopperForward::with_persistence(gpu, d, version, dtype, true)
+                .expect("persistent wgmma forward");
+            assert!(fwd.set_persistent(true).is_err(), "compiled without it");
+            for split in [true, false] {
+                fwd.set_tail_split(split);
+                pf.set_tail_split(split);
+                let outs = [
+                    forward_poisoned(gpu, &mut fwd, &c, (&q, &k, &v), &lens),
+                    forward_poisoned(gpu, &mut pf, &c, (&q, &k, &v), &lens),
+                ];
+                let (items, ctas) = pf.grid_plan(shape, false);
+                let label = format!(
+                    "{version:?} {} d{d} persistent, split {:?}: {items} items on {ctas} CTAs",
+                    dtype.as_str(),
+                    pf.tail_plan(shape, false)
+                );
+                assert!(items > ctas, "{label}: no CTA takes two items");
+                let same = outs[0].0 == outs[1].0
+                    && outs[0]
+                        .1
+                        .iter()
+                        .zip(&outs[1].1)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                println!("wgmma forward {label}: same as one CTA per item {same}");
+                if !same {
+                    failed.push(format!("{label}: differs from one CTA per item"));
+                }
+            }
+            fwd.set_tail_split(true);
+        }
         // A first timing (not a measurement for the pages: the runner's protocol does that).
         {
             let (b, h, t) = (4usize, 8usize, 16384usize);
@@ -1781,7 +1828,7 @@ fn wgmma_forward_matches_float64() {
 /// The wgmma backward (`flash` forward + backward on compute capability 9.0, bf16, head_dim 64
 /// and 128) against float64: dQ, dK and dV (and O, LSE) on lengths on and off its 128-key tiles
 /// and its query steps (128 queries at head_dim 64, 64 at 128; last steps of 1 to 64 valid rows
-/// at 64, which run as half steps), separate query and key lengths both ways, decoding, GQA,
+/// at 64, which run as whole steps), separate query and key lengths both ways, decoding, GQA,
 /// per-sequence key lengths (517 of 1000, 129 of 257; the shape suite has 0 and 1), a
 /// non-default scale, both masks, the query heads of a group split over 2, 3 and 4 CTAs and
 /// not split (a group of 1, and of 2 on a larger grid); every case runs on the wgmma path. Then a first timing of

@@ -688,6 +688,10 @@ fn wgmma_probe_compiles_for_sm_90a() {
         let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
         wgmma_forwards_fit(&reports);
     }
+    // With the persistent instantiations (KP_SM90_FWD_PERSIST=1) too.
+    let src = kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, true);
+    let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
+    wgmma_forwards_fit(&reports);
 }
 
 /// Every wgmma forward and the probe in `reports` compile without spills, the warp-specialised
@@ -833,5 +837,118 @@ fn each_wgmma_forward_compiles_alone() {
             vec![name.as_str()]
         };
         assert_eq!(kernels, want, "{name}");
+    }
+}
+
+/// Hopper SASS opcodes (the low 12 bits of an instruction's first 64-bit word), as cuobjdump
+/// 13 decodes NVRTC 13.0's sm_90a cubins: `HGMMA` with A from shared memory and from registers,
+/// and `WARPGROUP.ARRIVE` / `WARPGROUP.DEPBAR` (one opcode).
+const SASS_HGMMA_SS: u64 = 0x9f0;
+const SASS_HGMMA_RS: u64 = 0xdf0;
+const SASS_WARPGROUP_SYNC: u64 = 0x9c5;
+
+/// How many instructions of the `.text` sections of the sm_90a ELF `cubin` have each opcode of
+/// `opcodes` (Hopper instructions are 16 bytes; the opcode is the low 12 bits of the first
+/// little-endian word). Panics on a file that is not a 64-bit little-endian ELF.
+fn sass_opcode_counts(cubin: &[u8], opcodes: &[u64]) -> Vec<usize> {
+    let u16_at = |o: usize| u16::from_le_bytes(cubin[o..o + 2].try_into().unwrap()) as usize;
+    let u32_at = |o: usize| u32::from_le_bytes(cubin[o..o + 4].try_into().unwrap()) as usize;
+    let u64_at = |o: usize| u64::from_le_bytes(cubin[o..o + 8].try_into().unwrap());
+    assert!(
+        cubin.starts_with(b"\x7fELF\x02\x01"),
+        "not a 64-bit little-endian ELF"
+    );
+    let (shoff, shentsize) = (u64_at(0x28) as usize, u16_at(0x3a));
+    let (shnum, shstrndx) = (u16_at(0x3c), u16_at(0x3e));
+    let section = |i: usize| {
+        let h = shoff + i * shentsize;
+        // (name offset, file offset, size)
+        (
+            u32_at(h),
+            u64_at(h + 0x18) as usize,
+            u64_at(h + 0x20) as usize,
+        )
+    };
+    let strtab = section(shstrndx).1;
+    let name = |off: usize| {
+        let s = &cubin[strtab + off..];
+        String::from_utf8_lossy(&s[..s.iter().position(|&b| b == 0).unwrap()]).into_owned()
+    };
+    let mut counts = vec![0; opcodes.len()];
+    for i in 0..shnum {
+        let (n, off, size) = section(i);
+        if !name(n).starts_with(".text") {
+            continue;
+        }
+        for at in (off..off + size).step_by(16) {
+            let op = u64_at(at) & 0xfff;
+            if let Some(k) = opcodes.iter().position(|&o| o == op) {
+                counts[k] += 1;
+            }
+        }
+    }
+    counts
+}
+
+/// The warp-specialised wgmma forwards (V2 to V5) and the wgmma backward keep their wgmma
+/// asynchronous: at most one
+/// `WARPGROUP.ARRIVE` or `WARPGROUP.DEPBAR` per two `HGMMA`. When ptxas cannot prove that the
+/// values the wgmma descriptors and barrier waits depend on are the same in every thread, it
+/// waits after every wgmma (one of each per `HGMMA`) without an advisory; the persistent loop
+/// did that on 2026-12-06 until its tile counts were broadcast, 25 % slower on the device.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn wgmma_forwards_keep_their_wgmma_asynchronous() {
+    use kernelpages::attention::sm90::{wgmma_source_with, Sm90Version};
+    use kernelpages::attention::Dtype;
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    for (v, d) in [
+        (Sm90Version::V2, 64),
+        (Sm90Version::V2, 128),
+        (Sm90Version::V3, 64),
+        (Sm90Version::V3, 128),
+        (Sm90Version::V4, 64),
+        (Sm90Version::V5, 128),
+    ] {
+        let name = v.kernel_name(d).unwrap();
+        // The default module (a causal and a non-causal copy of the loop), then the one with
+        // the persistent instantiation (a third copy).
+        for (persistent, copies) in [(false, 2), (true, 3)] {
+            let src = wgmma_source_with(Some(&name), Dtype::Bf16, persistent);
+            let cubin = kernelpages::gpu::nvrtc_compile_cubin("attn_wgmma_sm90.cu", &src, "sm_90a")
+                .unwrap();
+            let c =
+                sass_opcode_counts(&cubin, &[SASS_HGMMA_SS, SASS_HGMMA_RS, SASS_WARPGROUP_SYNC]);
+            let (hgmma, sync) = (c[0] + c[1], c[2]);
+            println!(
+                "{name} (persistent {persistent}): {hgmma} HGMMA, {sync} warpgroup arrive/wait"
+            );
+            // S and P V, several k-steps each, per copy.
+            assert!(hgmma >= 12 * copies, "{name}: {hgmma} HGMMA");
+            assert!(
+                2 * sync <= hgmma,
+                "{name}: {sync} warpgroup arrive/wait for {hgmma} HGMMA"
+            );
+        }
+    }
+    // The wgmma backward's module at each head_dim, likewise.
+    for d in [64, 128] {
+        let src = kernelpages::attention::sm90::bwd_source(Some(d));
+        let cubin = kernelpages::gpu::nvrtc_compile_cubin("attn_wgmma_bwd_sm90.cu", &src, "sm_90a")
+            .unwrap();
+        let c = sass_opcode_counts(&cubin, &[SASS_HGMMA_SS, SASS_HGMMA_RS, SASS_WARPGROUP_SYNC]);
+        let (hgmma, sync) = (c[0] + c[1], c[2]);
+        println!("wgmma backward d{d}: {hgmma} HGMMA, {sync} warpgroup arrive/wait");
+        assert!(hgmma >= 24, "backward d{d}: {hgmma} HGMMA");
+        assert!(
+            2 * sync <= hgmma,
+            "backward d{d}: {sync} warpgroup arrive/wait for {hgmma} HGMMA"
+        );
     }
 }

@@ -81,12 +81,26 @@ fn dtype_define(dtype: Dtype) -> &'static str {
 /// # Panics
 /// For fp32.
 pub fn wgmma_source_for(entry: Option<&str>, dtype: Dtype) -> String {
+    wgmma_source_with(entry, dtype, false)
+}
+
+/// [`wgmma_source_for`], with the warp-specialised forwards' persistent instantiation (V2 to
+/// V5; [`PERSIST_ENV`]) compiled in when `persistent`.
+///
+/// # Panics
+/// For fp32.
+pub fn wgmma_source_with(entry: Option<&str>, dtype: Dtype, persistent: bool) -> String {
     let select = match entry {
         Some(name) => format!("#define KP_SM90_{name}"),
         None => "#define KP_SM90_ALL".to_string(),
     };
+    let persist = if persistent {
+        "#define KP_SM90_PERSIST\n"
+    } else {
+        ""
+    };
     format!(
-        "{PRELUDE_SRC}\n{}\n{select}\n{WGMMA_SRC}\n",
+        "{PRELUDE_SRC}\n{}\n{persist}{select}\n{WGMMA_SRC}\n",
         dtype_define(dtype)
     )
 }
@@ -313,6 +327,36 @@ pub type FwdShape = (usize, usize, usize, usize, usize);
 /// [`HopperForward`] the process builds (for timing it against the unsplit kernel).
 pub const TAIL_ENV: &str = "KP_SM90_FWD_TAIL";
 
+/// The wgmma forward's `(items, ctas)` for `tiles` query tiles, the tail split `split` (`(whole,
+/// parts)`: tiles `whole ..` run as `parts` items each) and `sms` SMs: every tile or part is
+/// an item, and the CTAs are one per item, or with `persistent` at most one per SM (each takes
+/// items `c, c + ctas, …`).
+pub fn fwd_grid(
+    tiles: usize,
+    split: Option<(usize, usize)>,
+    sms: usize,
+    persistent: bool,
+) -> (usize, usize) {
+    let items = split.map_or(tiles, |(whole, parts)| whole + (tiles - whole) * parts);
+    (
+        items,
+        if persistent {
+            items.min(sms.max(1))
+        } else {
+            items
+        },
+    )
+}
+
+/// Set to `1`, every [`HopperForward`] the process builds compiles the persistent instantiation
+/// of its kernel and runs non-causal shapes on it (for timing against the default; off
+/// otherwise): at most one CTA per SM takes the query tiles (or tail-split parts) in turn, each
+/// one's Q and first K and V tiles brought while the previous one ends. Not the default: three
+/// H100 calls on 2026-12-06 measured it within the run-to-run spread of one CTA per tile (D64
+/// T4096 −4.1 %, −2.5 %, +0.5 %; D128 T2048 +2 %), and it costs 60 % more compile time
+/// (kernels/TUNING.md, "The persistent forward").
+pub const PERSIST_ENV: &str = "KP_SM90_FWD_PERSIST";
+
 /// Largest number of parts [`fwd_tail_split`] cuts a tile's keys into (the combine's
 /// `KP_TAIL_MAX_PARTS` in kernels/attn_wgmma_sm90.cu, which a unit test compares).
 pub const TAIL_MAX_PARTS: usize = 4;
@@ -517,6 +561,10 @@ pub struct HopperForward {
     /// SMs on the device: one wave of CTAs.
     sms: usize,
     tail_split: bool,
+    /// Non-causal shapes (V2 to V5) on a persistent grid ([`PERSIST_ENV`]).
+    persistent: bool,
+    /// Whether the module holds the persistent instantiation ([`wgmma_source_with`]).
+    has_persistent: bool,
     /// Causal (V3 to V5): the chunk size [`HopperForward::set_causal_chunk`] forced, or `None`
     /// for [`fwd_causal_chunk`]'s.
     causal_chunk: Option<usize>,
@@ -566,6 +614,33 @@ impl HopperForward {
         version: Sm90Version,
         dtype: Dtype,
     ) -> Result<HopperForward, GpuError> {
+        HopperForward::build(gpu, head_dim, version, dtype, None)
+    }
+
+    /// [`HopperForward::with_dtype`] with the persistent instantiation compiled in (V2 to V5)
+    /// and `on` as the starting choice ([`HopperForward::set_persistent`] switches it).
+    ///
+    /// # Errors
+    /// As [`HopperForward::with_version`].
+    pub fn with_persistence(
+        gpu: &Gpu,
+        head_dim: usize,
+        version: Sm90Version,
+        dtype: Dtype,
+        on: bool,
+    ) -> Result<HopperForward, GpuError> {
+        let mut f = HopperForward::build(gpu, head_dim, version, dtype, Some(true))?;
+        f.persistent = on && f.has_persistent;
+        Ok(f)
+    }
+
+    fn build(
+        gpu: &Gpu,
+        head_dim: usize,
+        version: Sm90Version,
+        dtype: Dtype,
+        persist: Option<bool>,
+    ) -> Result<HopperForward, GpuError> {
         check_dtype("forward", dtype)?;
         if gpu.arch() != "sm_90a" {
             return Err(GpuError::Config(format!(
@@ -586,16 +661,22 @@ impl HopperForward {
         };
         let smem = match version {
             Sm90Version::V1 => ((SM90_ROWS + 4 * SM90_KEYS) * head_dim * 2) as u32,
-            // One 64-row Q tile per consumer, the K and V stages, 8-byte mbarriers (Q, then four per
-            // stage), and up to 1023 bytes to align the base for the 128-byte swizzle.
+            // One 64-row Q tile per consumer, the K and V stages, 8-byte mbarriers (Q full, four
+            // per stage, Q empty), and up to 1023 bytes to align the base for the 128-byte
+            // swizzle.
             _ => {
                 ((version.rows() + 2 * version.stages() * WS_KEYS) * head_dim * 2
-                    + 8 * (1 + 4 * version.stages())
+                    + 8 * (2 + 4 * version.stages())
                     + 1024) as u32
             }
         };
         super::cuda::check_smem(gpu, &name, smem)?;
-        let compiled = gpu.compile("attn_wgmma_sm90.cu", &wgmma_source_for(Some(&name), dtype))?;
+        let persistent = version != Sm90Version::V1
+            && (persist.unwrap_or(false) || std::env::var(PERSIST_ENV).is_ok_and(|v| v == "1"));
+        let compiled = gpu.compile(
+            "attn_wgmma_sm90.cu",
+            &wgmma_source_with(Some(&name), dtype, persistent),
+        )?;
         let func = gpu.function(&compiled.module, &name, smem)?;
         let combine = if version == Sm90Version::V1 {
             None
@@ -611,6 +692,8 @@ impl HopperForward {
             dtype,
             sms: gpu.sm_count()?,
             tail_split: std::env::var(TAIL_ENV).map_or(true, |v| v != "0"),
+            persistent,
+            has_persistent: persistent,
             causal_chunk: None,
             l2_budget: (gpu.l2_bytes()? / 2) as usize,
             chunk_memo: None,
@@ -622,6 +705,36 @@ impl HopperForward {
     /// Turns the tail split on (the default, unless [`TAIL_ENV`] is `0`) or off.
     pub fn set_tail_split(&mut self, on: bool) {
         self.tail_split = on;
+    }
+
+    /// Runs non-causal shapes on the persistent grid or on one CTA per query tile (or split
+    /// part); the default is [`PERSIST_ENV`]'s.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for `on` where the kernel was compiled without its persistent
+    /// instantiation (see [`HopperForward::with_persistence`]).
+    pub fn set_persistent(&mut self, on: bool) -> Result<(), GpuError> {
+        if on && !self.has_persistent {
+            return Err(GpuError::Config(
+                "this wgmma forward was compiled without its persistent grid".into(),
+            ));
+        }
+        self.persistent = on;
+        Ok(())
+    }
+
+    /// The CTAs of a launch of V2 to V5 for `shape` = (batch, heads, seq_len_q, seq_len_kv)
+    /// and `causal`: `(items, ctas)`, the work items (query tiles, or with the tail split its
+    /// whole tiles and parts) and the CTAs that take them; `items = ctas` without the
+    /// persistent grid, else `ctas = min(items, SMs)` (non-causal only).
+    pub fn grid_plan(&self, shape: (usize, usize, usize, usize), causal: bool) -> (usize, usize) {
+        let tiles = self.query_tiles(shape.0, shape.1, shape.2);
+        fwd_grid(
+            tiles,
+            self.tail_plan(shape, causal),
+            self.sms,
+            self.persistent && !causal,
+        )
     }
 
     /// The causal CTA order of V3 to V5 ([`fwd_causal_tile`]): `None` (the default) in
@@ -804,6 +917,15 @@ impl HopperForward {
                 )?,
             ];
             let (whole_i, parts_i, tail_i) = (whole as i32, parts as i32, tail as i32);
+            let (items, ctas) = self.grid_plan((batch, heads, seq_len_q, seq_len_kv), causal);
+            // 0: one CTA per item; else the item count, taken in turn by `ctas` CTAs.
+            let items_i = if self.persistent && !causal {
+                i32::try_from(items).map_err(|_| {
+                    GpuError::Config(format!("wgmma forward: {items} work items overflow i32"))
+                })?
+            } else {
+                0
+            };
             let shape5 = (batch, heads, kv_heads, seq_len_q, seq_len_kv);
             let chunk = match self.chunk_memo {
                 _ if !causal => 1,
@@ -844,8 +966,11 @@ impl HopperForward {
                 .arg(&parts_i)
                 .arg(&op)
                 .arg(&lp)
-                .arg(&chunk);
-            let grid_dim = if plan.is_some() {
+                .arg(&chunk)
+                .arg(&items_i);
+            let grid_dim = if items_i > 0 {
+                (ctas as u32, 1, 1)
+            } else if plan.is_some() {
                 ((whole + tail * parts) as u32, 1, 1)
             } else {
                 (
@@ -856,10 +981,11 @@ impl HopperForward {
             };
             // SAFETY: `attn_fwd_sm90_ws_d*(TmaMap tq, TmaMap tk, TmaMap tv, u16* O, float* LSE,
             // const int* kv_lens, int Tq, int Tkv, int H, int KVH, float scale_log2, int
-            // causal, int whole, int parts, float* Opart, float* Lpart, int chunk)`, 1 +
-            // rows / 64 warpgroups a CTA, one CTA per (query tile, head, batch entry) on a
+            // causal, int whole, int parts, float* Opart, float* Lpart, int chunk, int items)`,
+            // 1 + rows / 64 warpgroups a CTA, one CTA per (query tile, head, batch entry) on a
             // (qtiles, H, B) grid, or with a split (parts > 0) one per whole tile or split part
-            // on a 1-D grid; the maps describe q, k and v
+            // on a 1-D grid, or (items > 0, not causal) `ctas` CTAs taking the `items` work
+            // items (tiles, or whole tiles and split parts) in turn; the maps describe q, k and v
             // with the shapes checked above (TMA reads inside them only, zero-filling past their
             // ends), o and lse hold those shapes, kv_lens `batch` entries, Opart and Lpart (with
             // a split) the rows of `tail * parts` tiles (reserve_tail sized them for this
@@ -1083,8 +1209,8 @@ pub const BWD_SCHEDULE_MAX_CTAS: usize = 1 << 15;
 /// values count as 128) plus one for its K/V load and dK/dV store, indexed by key tile ·
 /// splits plus split, for `(heads, kv_heads)`, `(seq_len_q, seq_len_kv)` and `splits` splits of
 /// a kv head's query heads: every key of the tile valid (seq_len_kv for every batch entry; per-entry
-/// key lengths are not modelled), bottom-right causal as the kernel masks (a last step of at
-/// most 64 rows at 128 queries per step, which costs the kernel half a step, counts as one).
+/// key lengths are not modelled), bottom-right causal as the kernel masks (a last partial step
+/// is a whole step, as in the kernel).
 pub fn bwd_causal_cta_work(
     (heads, kv_heads): (usize, usize),
     (seq_len_q, seq_len_kv): (usize, usize),
@@ -1985,6 +2111,29 @@ mod tests {
     #[test]
     fn the_combine_takes_as_many_parts_as_the_host_splits_into() {
         assert!(WGMMA_SRC.contains(&format!("#define KP_TAIL_MAX_PARTS {TAIL_MAX_PARTS}\n")));
+    }
+
+    #[test]
+    fn the_persistent_forward_runs_every_item_on_at_most_one_cta_per_sm() {
+        // D128 T4096 B4 H8: 1,024 tiles, no split: 132 CTAs take 7 or 8 tiles each.
+        assert_eq!(fwd_grid(1024, None, 132, true), (1024, 132));
+        assert_eq!(fwd_grid(1024, None, 132, false), (1024, 1024));
+        // A split of the last 20 tiles of 152 into 4 parts: 132 + 80 items.
+        assert_eq!(fwd_grid(152, Some((132, 4)), 132, true), (212, 132));
+        assert_eq!(fwd_grid(152, Some((132, 4)), 132, false), (212, 212));
+        // Fewer items than SMs: one CTA each.
+        assert_eq!(fwd_grid(40, None, 132, true), (40, 40));
+        // Each CTA c takes items c, c + ctas, ...: every item exactly once.
+        for (tiles, split) in [(1024, None), (152, Some((132, 4))), (7, None)] {
+            let (items, ctas) = fwd_grid(tiles, split, 132, true);
+            let mut seen = vec![0; items];
+            for c in 0..ctas {
+                for i in (c..items).step_by(ctas) {
+                    seen[i] += 1;
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1));
+        }
     }
 
     #[test]
