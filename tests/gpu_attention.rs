@@ -1678,8 +1678,9 @@ fn wgmma_probe_matches_float64() {
 /// 64-, 128- and 192-row and 128-key tiles (one query against 20 keys among them), fewer and
 /// more queries than keys (bottom-right causal: rows with no key get O = 0 and LSE = +inf),
 /// GQA 2:1 and a short key length: O and the LSE against the float64 reference, both poisoned
-/// before the call; the persistent grid (V2 to V5) bit for bit against one CTA per tile, with
-/// and without the tail split, on a shape where CTAs take several items; then a first timing at B4 H8 T16384 (printed, not asserted). On another
+/// before the call; the persistent grid (V2 to V5, compiled in with `with_persistence`) bit for
+/// bit against the default module's one CTA per tile, with the tail split on and off, on a
+/// shape where CTAs take several items and some items have no key; then a first timing at B4 H8 T16384 (printed, not asserted). On another
 /// device it refuses to build, with the reason.
 #[test]
 #[cfg_attr(
@@ -1752,24 +1753,36 @@ fn wgmma_forward_matches_float64() {
             }
         }
         // The persistent grid against one CTA per tile, bit for bit, where every CTA takes
-        // more than one item: 9 heads of 4000 queries (32 or 21 tiles each), GQA 3:1, the
-        // second batch entry's keys cut to 2100, with the tail split on and off.
-        if version != Sm90Version::V1 {
+        // more than one item: 9 heads of 4000 queries (32 or 21 tiles each), GQA 3:1, batch 2
+        // (keys 4000 and none: items without a key tile) and batch 3 (4000, 2100, none), with
+        // the tail split on and off. The split applies where the last wave is short: on 132
+        // SMs at batch 2 for 128-row tiles (576 tiles), at batch 3 for V4's 192 (567).
+        for key_lens in [vec![4000usize, 0], vec![4000, 2100, 0]] {
+            if version == Sm90Version::V1 {
+                break;
+            }
             let c = AttentionCase {
                 kv_heads: 3,
-                kv_lens: Some(vec![4000, 2100]),
                 dtype,
-                ..AttentionCase::new(2, 9, 4000, d)
+                ..AttentionCase::new(key_lens.len(), 9, 4000, d)
+            };
+            let c = AttentionCase {
+                kv_lens: Some(key_lens.clone()),
+                ..c
             };
             let inp = Inputs::random(&c, 7 + n);
             let up = |w: &[u16]| gpu.stream.clone_htod(w).unwrap();
             let (q, k, v) = (up(&inp.q), up(&inp.k), up(&inp.v));
-            let lens = gpu.stream.clone_htod(&[4000i32, 2100]).unwrap();
+            let lens_i32: Vec<i32> = key_lens.iter().map(|&l| l as i32).collect();
+            let lens = gpu.stream.clone_htod(&lens_i32).unwrap();
             let shape = (c.batch, c.heads, c.seq_len_q, c.seq_len_kv);
             // The default module (no persistent instantiation) against one compiled with it.
             let mut pf = HopperForward::with_persistence(gpu, d, version, dtype, true)
                 .expect("persistent wgmma forward");
-            assert!(fwd.set_persistent(true).is_err(), "compiled without it");
+            if std::env::var(kernelpages::attention::sm90::PERSIST_ENV).as_deref() != Ok("1") {
+                assert!(fwd.set_persistent(true).is_err(), "compiled without it");
+            }
+            fwd.set_persistent(false).unwrap();
             for split in [true, false] {
                 fwd.set_tail_split(split);
                 pf.set_tail_split(split);
@@ -1784,6 +1797,11 @@ fn wgmma_forward_matches_float64() {
                     pf.tail_plan(shape, false)
                 );
                 assert!(items > ctas, "{label}: no CTA takes two items");
+                // Every row written (a row with no key: O = 0, LSE = +inf), so that equal
+                // outputs are not two untouched poisoned buffers.
+                let written = outs[1].0.iter().all(|&w| w != Dtype::POISON_WORD)
+                    && outs[1].1.iter().all(|x| !x.is_nan());
+                assert!(written, "{label}: rows left unwritten");
                 let same = outs[0].0 == outs[1].0
                     && outs[0]
                         .1

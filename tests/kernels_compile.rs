@@ -931,6 +931,8 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
             );
             // S and P V, several k-steps each, per copy.
             assert!(hgmma >= 12 * copies, "{name}: {hgmma} HGMMA");
+            // An arrive and a wait at least per copy: the opcode is the right one.
+            assert!(sync >= 2 * copies, "{name}: {sync} warpgroup arrive/wait");
             assert!(
                 2 * sync <= hgmma,
                 "{name}: {sync} warpgroup arrive/wait for {hgmma} HGMMA"
@@ -946,6 +948,7 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
         let (hgmma, sync) = (c[0] + c[1], c[2]);
         println!("wgmma backward d{d}: {hgmma} HGMMA, {sync} warpgroup arrive/wait");
         assert!(hgmma >= 24, "backward d{d}: {hgmma} HGMMA");
+        assert!(sync >= 2, "backward d{d}: {sync} warpgroup arrive/wait");
         assert!(
             2 * sync <= hgmma,
             "backward d{d}: {sync} warpgroup arrive/wait for {hgmma} HGMMA"
