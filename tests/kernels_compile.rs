@@ -918,40 +918,43 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
     ] {
         let name = v.kernel_name(d).unwrap();
         // The default module (a causal and a non-causal copy of the loop), then the one with
-        // the persistent instantiation (a third copy).
+        // the persistent instantiation (a third copy): S and P V, several k-steps each, and an
+        // arrive and a wait at least, per copy.
         for (persistent, copies) in [(false, 2), (true, 3)] {
             let src = wgmma_source_with(Some(&name), Dtype::Bf16, persistent);
-            let cubin = kernelpages::gpu::nvrtc_compile_cubin("attn_wgmma_sm90.cu", &src, "sm_90a")
-                .unwrap();
-            let c =
-                sass_opcode_counts(&cubin, &[SASS_HGMMA_SS, SASS_HGMMA_RS, SASS_WARPGROUP_SYNC]);
-            let (hgmma, sync) = (c[0] + c[1], c[2]);
-            println!(
-                "{name} (persistent {persistent}): {hgmma} HGMMA, {sync} warpgroup arrive/wait"
-            );
-            // S and P V, several k-steps each, per copy.
-            assert!(hgmma >= 12 * copies, "{name}: {hgmma} HGMMA");
-            // An arrive and a wait at least per copy: the opcode is the right one.
-            assert!(sync >= 2 * copies, "{name}: {sync} warpgroup arrive/wait");
-            assert!(
-                2 * sync <= hgmma,
-                "{name}: {sync} warpgroup arrive/wait for {hgmma} HGMMA"
+            let label = format!("{name} (persistent {persistent})");
+            assert_wgmma_asynchronous(
+                &label,
+                "attn_wgmma_sm90.cu",
+                &src,
+                (12 * copies, 2 * copies),
             );
         }
     }
     // The wgmma backward's module at each head_dim, likewise.
     for d in [64, 128] {
         let src = kernelpages::attention::sm90::bwd_source(Some(d));
-        let cubin = kernelpages::gpu::nvrtc_compile_cubin("attn_wgmma_bwd_sm90.cu", &src, "sm_90a")
-            .unwrap();
-        let c = sass_opcode_counts(&cubin, &[SASS_HGMMA_SS, SASS_HGMMA_RS, SASS_WARPGROUP_SYNC]);
-        let (hgmma, sync) = (c[0] + c[1], c[2]);
-        println!("wgmma backward d{d}: {hgmma} HGMMA, {sync} warpgroup arrive/wait");
-        assert!(hgmma >= 24, "backward d{d}: {hgmma} HGMMA");
-        assert!(sync >= 2, "backward d{d}: {sync} warpgroup arrive/wait");
-        assert!(
-            2 * sync <= hgmma,
-            "backward d{d}: {sync} warpgroup arrive/wait for {hgmma} HGMMA"
+        assert_wgmma_asynchronous(
+            &format!("wgmma backward d{d}"),
+            "attn_wgmma_bwd_sm90.cu",
+            &src,
+            (24, 2),
         );
     }
+}
+
+/// Compiles `src` (file `file`) for sm_90a and checks its cubin: at least `min.0` `HGMMA` and
+/// `min.1` warpgroup arrive/wait instructions (so that the opcodes are the right ones), and at
+/// most one arrive/wait per two `HGMMA` (none serialised); prints the counts under `label`.
+fn assert_wgmma_asynchronous(label: &str, file: &str, src: &str, min: (usize, usize)) {
+    let cubin = kernelpages::gpu::nvrtc_compile_cubin(file, src, "sm_90a").unwrap();
+    let c = sass_opcode_counts(&cubin, &[SASS_HGMMA_SS, SASS_HGMMA_RS, SASS_WARPGROUP_SYNC]);
+    let (hgmma, sync) = (c[0] + c[1], c[2]);
+    println!("{label}: {hgmma} HGMMA, {sync} warpgroup arrive/wait");
+    assert!(hgmma >= min.0, "{label}: {hgmma} HGMMA");
+    assert!(sync >= min.1, "{label}: {sync} warpgroup arrive/wait");
+    assert!(
+        2 * sync <= hgmma,
+        "{label}: {sync} warpgroup arrive/wait for {hgmma} HGMMA"
+    );
 }

@@ -353,8 +353,8 @@ pub fn fwd_grid(
 /// otherwise): at most one CTA per SM takes the query tiles (or tail-split parts) in turn, each
 /// one's Q and first K and V tiles brought while the previous one ends. Not the default: three
 /// H100 calls on 2026-12-06 measured it within the run-to-run spread of one CTA per tile (D64
-/// T4096 −4.1 %, −2.5 %, +0.5 %; D128 T2048 +2 %), and it costs 60 % more compile time
-/// (kernels/TUNING.md, "The persistent forward").
+/// T4096 −4.1 %, −2.5 %, +0.5 %; D128 T2048 +2 %), and it costs 41–49 % more compile time on
+/// the device (kernels/TUNING.md, "The persistent forward").
 pub const PERSIST_ENV: &str = "KP_SM90_FWD_PERSIST";
 
 /// Largest number of parts [`fwd_tail_split`] cuts a tile's keys into (the combine's
@@ -614,7 +614,7 @@ impl HopperForward {
         version: Sm90Version,
         dtype: Dtype,
     ) -> Result<HopperForward, GpuError> {
-        HopperForward::build(gpu, head_dim, version, dtype, None)
+        HopperForward::build(gpu, head_dim, version, dtype, false)
     }
 
     /// [`HopperForward::with_dtype`] with the persistent instantiation compiled in (V2 to V5)
@@ -629,17 +629,19 @@ impl HopperForward {
         dtype: Dtype,
         on: bool,
     ) -> Result<HopperForward, GpuError> {
-        let mut f = HopperForward::build(gpu, head_dim, version, dtype, Some(true))?;
+        let mut f = HopperForward::build(gpu, head_dim, version, dtype, true)?;
         f.persistent = on && f.has_persistent;
         Ok(f)
     }
 
+    /// The constructors' common body: `persist` compiles the persistent instantiation in
+    /// (as [`PERSIST_ENV`] = `1` does) and starts with it on.
     fn build(
         gpu: &Gpu,
         head_dim: usize,
         version: Sm90Version,
         dtype: Dtype,
-        persist: Option<bool>,
+        persist: bool,
     ) -> Result<HopperForward, GpuError> {
         check_dtype("forward", dtype)?;
         if gpu.arch() != "sm_90a" {
@@ -672,7 +674,7 @@ impl HopperForward {
         };
         super::cuda::check_smem(gpu, &name, smem)?;
         let persistent = version != Sm90Version::V1
-            && (persist.unwrap_or(false) || std::env::var(PERSIST_ENV).is_ok_and(|v| v == "1"));
+            && (persist || std::env::var(PERSIST_ENV).is_ok_and(|v| v == "1"));
         let compiled = gpu.compile(
             "attn_wgmma_sm90.cu",
             &wgmma_source_with(Some(&name), dtype, persistent),
