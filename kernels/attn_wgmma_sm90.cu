@@ -559,6 +559,26 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 // scale_log2 must be positive (ws_softmax scales each row's raw maximum).
 // The consumers' setmaxnreg.inc succeeds only if ptxas allocated the whole per-thread cap of
 // the launch bounds (168 registers at NC = 2, 128 at NC = 3): the compile test checks it.
+// FlashAttention-3's ping-pong between the consumer warpgroups (Shah et al., 2024, section
+// 3.1), compiled in where the source defines KP_SM90_PINGPONG (sm90::PINGPONG_ENV; not yet the
+// default): the consumers take turns to issue their wgmma, consumer c waiting on named barrier
+// 1 + c and then arriving on the next one's, so one consumer's softmax runs while the tensor
+// cores work on another's products rather than as the warp schedulers happen to interleave
+// them. Each consumer of a CTA issues the same n_kt + 1 times (S of tile 0, then S of tile j
+// with P V of tile j - 1, then the last P V): the last consumer starts the ring by one
+// arrival and leaves out its last one, so every barrier's arrivals match its waits.
+#ifdef KP_SM90_PINGPONG
+#define KP_SM90_PINGPONG_ON true
+#else
+#define KP_SM90_PINGPONG_ON false
+#endif
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 template <int D, int BC, int ST, int NC, bool CAUSAL, bool PIPE, bool PERSIST>
 __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap* tk,
                                                  const TmaMap* tv, u16* __restrict__ O,
@@ -775,11 +795,25 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             }
             if constexpr (PERSIST) mbar_arrive(empty_q);
         } else if (n_kt > 0) {
+            // The ping-pong's turns (no-ops unless KP_SM90_PINGPONG): wait for this consumer's
+            // turn before issuing, hand it on after.
+            constexpr bool PP = KP_SM90_PINGPONG_ON && !PERSIST;
+            auto turn = [&]() {
+                if constexpr (PP) named_sync(1 + c, 256);
+            };
+            auto hand_on = [&](bool last) {
+                if constexpr (PP)
+                    if (!(last && c == NC - 1)) named_arrive(1 + (c + 1) % NC, 256);
+            };
+            if constexpr (PP)
+                if (c == NC - 1) named_arrive(1, 256);  // consumer 0 goes first
             // Tile 0: S alone (O is zero, nothing to rescale).
             mbar_wait(full_k(gi % ST), (gi / ST) & 1);
+            turn();
             wgmma_fence();
             ws_qk<D, BC>(sf, sq, k_at(gi));
             wgmma_commit();
+            hand_on(false);
             wgmma_wait<0>();
             mbar_arrive(empty_k(gi % ST));
             ws_mask<NT, CAUSAL>(s, kt0 * BC, L, off, row0, edge_at(kt0 * BC), g, t4);
@@ -788,12 +822,14 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             for (int it = 1; it < n_kt; ++it) {
                 const int j = gi + it, prev = j - 1;
                 mbar_wait(full_k(j % ST), (j / ST) & 1);
+                turn();
                 wgmma_fence();
                 ws_qk<D, BC>(sf, sq, k_at(j));
                 wgmma_commit();
                 mbar_wait(full_v(prev % ST), (prev / ST) & 1);
                 ws_pv<D, BC>(of, pa, v_at(prev));
                 wgmma_commit();
+                hand_on(false);
                 wgmma_wait<1>();  // S of tile it has landed; P V of tile it-1 may be in flight
                 mbar_arrive(empty_k(j % ST));
                 ws_mask<NT, CAUSAL>(s, (kt0 + it) * BC, L, off, row0, edge_at((kt0 + it) * BC),
@@ -808,9 +844,11 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             if constexpr (PERSIST) mbar_arrive(empty_q);
             const int last = gi + n_kt - 1;
             mbar_wait(full_v(last % ST), (last / ST) & 1);
+            turn();
             wgmma_fence();
             ws_pv<D, BC>(of, pa, v_at(last));
             wgmma_commit();
+            hand_on(true);
             wgmma_wait<0>();
             mbar_arrive(empty_v(last % ST));
         } else if constexpr (PERSIST) {

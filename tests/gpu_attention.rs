@@ -1814,6 +1814,42 @@ fn wgmma_forward_matches_float64() {
                 }
             }
             fwd.set_tail_split(true);
+            // The ping-pong between consumers (V3 to V5) against the default, bit for bit
+            // (the same products in the same order), causal and not.
+            if matches!(version, Sm90Version::V3 | Sm90Version::V4 | Sm90Version::V5) {
+                let mut pp = HopperForward::with_pingpong(gpu, d, version, dtype)
+                    .expect("ping-pong wgmma forward");
+                for causal in [false, true] {
+                    let c = AttentionCase {
+                        causal,
+                        ..c.clone()
+                    };
+                    let outs = [
+                        forward_poisoned(gpu, &mut fwd, &c, (&q, &k, &v), &lens),
+                        forward_poisoned(gpu, &mut pp, &c, (&q, &k, &v), &lens),
+                    ];
+                    let label = format!(
+                        "{version:?} {} d{d} ping-pong, key lengths {key_lens:?}, causal {causal}",
+                        dtype.as_str()
+                    );
+                    let written = outs[1].0.iter().all(|&w| w != Dtype::POISON_WORD)
+                        && outs[1].1.iter().all(|x| !x.is_nan());
+                    let same = outs[0].0 == outs[1].0
+                        && outs[0]
+                            .1
+                            .iter()
+                            .zip(&outs[1].1)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                    println!(
+                        "wgmma forward {label}: written {written}, same as the default {same}"
+                    );
+                    if !(written && same) {
+                        failed.push(format!(
+                            "{label}: written {written}, same as the default {same}"
+                        ));
+                    }
+                }
+            }
         }
         // A first timing (not a measurement for the pages: the runner's protocol does that).
         {

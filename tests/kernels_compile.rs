@@ -688,10 +688,20 @@ fn wgmma_probe_compiles_for_sm_90a() {
         let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
         wgmma_forwards_fit(&reports);
     }
-    // With the persistent instantiations (KP_SM90_FWD_PERSIST=1) too.
+    // With the persistent instantiations (KP_SM90_FWD_PERSIST=1) too, and with the ping-pong
+    // between consumers (KP_SM90_FWD_PINGPONG=1).
     let src = kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, true);
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
     wgmma_forwards_fit(&reports);
+    let src = pingpong(kernelpages::attention::sm90::wgmma_source(None));
+    let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
+    wgmma_forwards_fit(&reports);
+}
+
+/// `src` as `HopperForward` builds it under `KP_SM90_FWD_PINGPONG=1`.
+fn pingpong(mut src: String) -> String {
+    src.insert_str(0, "#define KP_SM90_PINGPONG\n");
+    src
 }
 
 /// Every wgmma forward and the probe in `reports` compile without spills, the warp-specialised
@@ -930,6 +940,14 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
                 (12 * copies, 2 * copies),
             );
         }
+        // The ping-pong between consumers (the overlapping versions' named-barrier turns).
+        let src = pingpong(wgmma_source_with(Some(&name), Dtype::Bf16, false));
+        assert_wgmma_asynchronous(
+            &format!("{name} (ping-pong)"),
+            "attn_wgmma_sm90.cu",
+            &src,
+            (24, 4),
+        );
     }
     // The wgmma backward's module at each head_dim, likewise.
     for d in [64, 128] {

@@ -357,6 +357,14 @@ pub fn fwd_grid(
 /// the device (kernels/TUNING.md, "The persistent forward").
 pub const PERSIST_ENV: &str = "KP_SM90_FWD_PERSIST";
 
+/// Set to `1`, every [`HopperForward`] the process builds (V3 to V5, the forwards that overlap
+/// within a warpgroup) compiles its kernel with FlashAttention-3's ping-pong between the
+/// consumer warpgroups (Shah et al., 2024, section 3.1): the consumers take turns to issue
+/// their wgmma through named barriers, so one's softmax overlaps another's products by
+/// construction. Off otherwise; for timing against the default (kernels/TUNING.md, "The
+/// ping-pong between consumers").
+pub const PINGPONG_ENV: &str = "KP_SM90_FWD_PINGPONG";
+
 /// Largest number of parts [`fwd_tail_split`] cuts a tile's keys into (the combine's
 /// `KP_TAIL_MAX_PARTS` in kernels/attn_wgmma_sm90.cu, which a unit test compares).
 pub const TAIL_MAX_PARTS: usize = 4;
@@ -614,7 +622,21 @@ impl HopperForward {
         version: Sm90Version,
         dtype: Dtype,
     ) -> Result<HopperForward, GpuError> {
-        HopperForward::build(gpu, head_dim, version, dtype, false)
+        HopperForward::build(gpu, head_dim, version, dtype, false, false)
+    }
+
+    /// [`HopperForward::with_dtype`] compiled with the ping-pong between consumer warpgroups
+    /// ([`PINGPONG_ENV`]; it changes the versions that overlap within a warpgroup, V3 to V5).
+    ///
+    /// # Errors
+    /// As [`HopperForward::with_version`].
+    pub fn with_pingpong(
+        gpu: &Gpu,
+        head_dim: usize,
+        version: Sm90Version,
+        dtype: Dtype,
+    ) -> Result<HopperForward, GpuError> {
+        HopperForward::build(gpu, head_dim, version, dtype, false, true)
     }
 
     /// [`HopperForward::with_dtype`] with the persistent instantiation compiled in (V2 to V5)
@@ -629,19 +651,21 @@ impl HopperForward {
         dtype: Dtype,
         on: bool,
     ) -> Result<HopperForward, GpuError> {
-        let mut f = HopperForward::build(gpu, head_dim, version, dtype, true)?;
+        let mut f = HopperForward::build(gpu, head_dim, version, dtype, true, false)?;
         f.persistent = on && f.has_persistent;
         Ok(f)
     }
 
     /// The constructors' common body: `persist` compiles the persistent instantiation in
-    /// (as [`PERSIST_ENV`] = `1` does) and starts with it on.
+    /// (as [`PERSIST_ENV`] = `1` does) and starts with it on; `pingpong` compiles the
+    /// ping-pong between consumers in (as [`PINGPONG_ENV`] = `1` does).
     fn build(
         gpu: &Gpu,
         head_dim: usize,
         version: Sm90Version,
         dtype: Dtype,
         persist: bool,
+        pingpong: bool,
     ) -> Result<HopperForward, GpuError> {
         check_dtype("forward", dtype)?;
         if gpu.arch() != "sm_90a" {
@@ -675,10 +699,11 @@ impl HopperForward {
         super::cuda::check_smem(gpu, &name, smem)?;
         let persistent = version != Sm90Version::V1
             && (persist || std::env::var(PERSIST_ENV).is_ok_and(|v| v == "1"));
-        let compiled = gpu.compile(
-            "attn_wgmma_sm90.cu",
-            &wgmma_source_with(Some(&name), dtype, persistent),
-        )?;
+        let mut source = wgmma_source_with(Some(&name), dtype, persistent);
+        if pingpong || std::env::var(PINGPONG_ENV).is_ok_and(|v| v == "1") {
+            source.insert_str(0, "#define KP_SM90_PINGPONG\n");
+        }
+        let compiled = gpu.compile("attn_wgmma_sm90.cu", &source)?;
         let func = gpu.function(&compiled.module, &name, smem)?;
         let combine = if version == Sm90Version::V1 {
             None
