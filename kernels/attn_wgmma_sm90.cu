@@ -547,8 +547,9 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 // tile). Warpgroups 1 .. NC are consumers, with more registers, each owning 64 query rows:
 // S = Q K^T on wgmma (both operands from shared memory), FlashAttention-2's online softmax in
 // registers, O += P V on wgmma with P from registers. The consumers run independently, so the
-// scheduler overlaps one's softmax with another's products (no explicit ping-pong). NC = 2 (v2,
-// v3) or 3 (v4, FlashAttention-3's 192-row tile for head_dim 64).
+// scheduler overlaps one's softmax with another's products (by default no explicit ping-pong;
+// KP_SM90_PINGPONG below adds one). NC = 2 (v2, v3) or 3 (v4, FlashAttention-3's 192-row tile
+// for head_dim 64).
 // PIPE = false (v2): each tile's S is waited for, then its softmax, then its P V, waited for.
 // PIPE = true (v3, FlashAttention-3's intra-warpgroup overlap): tile j's S = Q K^T and tile
 // j-1's O += P V are issued together, the softmax of tile j runs while P V is in flight, and O
@@ -566,7 +567,10 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 // cores work on another's products rather than as the warp schedulers happen to interleave
 // them. Each consumer of a CTA issues the same n_kt + 1 times (S of tile 0, then S of tile j
 // with P V of tile j - 1, then the last P V): the last consumer starts the ring by one
-// arrival and leaves out its last one, so every barrier's arrivals match its waits.
+// arrival and leaves out its last one, so every barrier's arrivals match its waits. This needs
+// every consumer of a CTA to walk the same key tiles (item_at gives them per CTA, not per
+// consumer: a per-consumer causal count would deadlock the ring). The persistent
+// instantiation runs without it.
 #ifdef KP_SM90_PINGPONG
 #define KP_SM90_PINGPONG_ON true
 #else

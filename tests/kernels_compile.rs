@@ -940,8 +940,26 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
                 (12 * copies, 2 * copies),
             );
         }
-        // The ping-pong between consumers (the overlapping versions' named-barrier turns).
+        // The ping-pong between consumers: its named-barrier turns in the versions that
+        // overlap within a warpgroup (V3 to V5; four hand-ons in each of the causal and the
+        // non-causal loop, V2 has none), none in the default, and the wgmma still
+        // asynchronous.
         let src = pingpong(wgmma_source_with(Some(&name), Dtype::Bf16, false));
+        let arrives = |src: &str| {
+            let ptx = kernelpages::gpu::nvrtc_compile("attn_wgmma_sm90.cu", src, "sm_90a").unwrap();
+            ptx.to_src().matches("bar.arrive").count()
+        };
+        let (plain, turns) = (
+            arrives(&wgmma_source_with(Some(&name), Dtype::Bf16, false)),
+            arrives(&src),
+        );
+        println!("{name}: bar.arrive in the PTX {plain} (default), {turns} (ping-pong)");
+        assert_eq!(
+            plain, 0,
+            "{name}: named-barrier arrivals in the default build"
+        );
+        let expected = if v == Sm90Version::V2 { 0 } else { 8 };
+        assert_eq!(turns, expected, "{name}: the ping-pong's hand-ons");
         assert_wgmma_asynchronous(
             &format!("{name} (ping-pong)"),
             "attn_wgmma_sm90.cu",

@@ -362,7 +362,8 @@ pub const PERSIST_ENV: &str = "KP_SM90_FWD_PERSIST";
 /// consumer warpgroups (Shah et al., 2024, section 3.1): the consumers take turns to issue
 /// their wgmma through named barriers, so one's softmax overlaps another's products by
 /// construction. Off otherwise; for timing against the default (kernels/TUNING.md, "The
-/// ping-pong between consumers").
+/// ping-pong between consumer warpgroups"). The persistent grid ([`PERSIST_ENV`]) runs
+/// without it.
 pub const PINGPONG_ENV: &str = "KP_SM90_FWD_PINGPONG";
 
 /// Largest number of parts [`fwd_tail_split`] cuts a tile's keys into (the combine's
@@ -626,7 +627,8 @@ impl HopperForward {
     }
 
     /// [`HopperForward::with_dtype`] compiled with the ping-pong between consumer warpgroups
-    /// ([`PINGPONG_ENV`]; it changes the versions that overlap within a warpgroup, V3 to V5).
+    /// ([`PINGPONG_ENV`]; it changes the versions that overlap within a warpgroup, V3 to V5,
+    /// on one CTA per tile or split part, not on the persistent grid).
     ///
     /// # Errors
     /// As [`HopperForward::with_version`].
