@@ -546,9 +546,9 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 // and an "empty" one (every consumer thread arrives when its warpgroup's wgmma has read the
 // tile). Warpgroups 1 .. NC are consumers, with more registers, each owning 64 query rows:
 // S = Q K^T on wgmma (both operands from shared memory), FlashAttention-2's online softmax in
-// registers, O += P V on wgmma with P from registers. The consumers run independently, so the
-// scheduler overlaps one's softmax with another's products (by default no explicit ping-pong;
-// KP_SM90_PINGPONG below adds one). NC = 2 (v2, v3) or 3 (v4, FlashAttention-3's 192-row tile
+// registers, O += P V on wgmma with P from registers. v2's consumers run independently, so
+// the scheduler overlaps one's softmax with another's products; v3 to v5 add an explicit
+// ping-pong between them (below). NC = 2 (v2, v3) or 3 (v4, FlashAttention-3's 192-row tile
 // for head_dim 64).
 // PIPE = false (v2): each tile's S is waited for, then its softmax, then its P V, waited for.
 // PIPE = true (v3, FlashAttention-3's intra-warpgroup overlap): tile j's S = Q K^T and tile
@@ -561,8 +561,9 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 // The consumers' setmaxnreg.inc succeeds only if ptxas allocated the whole per-thread cap of
 // the launch bounds (168 registers at NC = 2, 128 at NC = 3): the compile test checks it.
 // FlashAttention-3's ping-pong between the consumer warpgroups (Shah et al., 2024, section
-// 3.1), compiled in where the source defines KP_SM90_PINGPONG (sm90::PINGPONG_ENV; not yet the
-// default): the consumers take turns to issue their wgmma, consumer c waiting on named barrier
+// 3.1), in the versions with the intra-warpgroup overlap (PIPE) unless the source defines
+// KP_SM90_NO_PINGPONG (sm90::PINGPONG_ENV = 0, for timing against the kernel without it; 1-15 %
+// slower on an H100, kernels/TUNING.md): the consumers take turns to issue their wgmma, consumer c waiting on named barrier
 // 1 + c and then arriving on the next one's, so one consumer's softmax runs while the tensor
 // cores work on another's products rather than as the warp schedulers happen to interleave
 // them. Each consumer of a CTA issues the same n_kt + 1 times (S of tile 0, then S of tile j
@@ -571,10 +572,10 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 // every consumer of a CTA to walk the same key tiles (item_at gives them per CTA, not per
 // consumer: a per-consumer causal count would deadlock the ring). The persistent
 // instantiation runs without it.
-#ifdef KP_SM90_PINGPONG
-#define KP_SM90_PINGPONG_ON true
-#else
+#ifdef KP_SM90_NO_PINGPONG
 #define KP_SM90_PINGPONG_ON false
+#else
+#define KP_SM90_PINGPONG_ON true
 #endif
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
@@ -799,7 +800,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             }
             if constexpr (PERSIST) mbar_arrive(empty_q);
         } else if (n_kt > 0) {
-            // The ping-pong's turns (no-ops unless KP_SM90_PINGPONG): wait for this consumer's
+            // The ping-pong's turns (no-ops under KP_SM90_NO_PINGPONG): wait for this consumer's
             // turn before issuing, hand it on after.
             constexpr bool PP = KP_SM90_PINGPONG_ON && !PERSIST;
             auto turn = [&]() {

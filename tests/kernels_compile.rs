@@ -688,19 +688,19 @@ fn wgmma_probe_compiles_for_sm_90a() {
         let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
         wgmma_forwards_fit(&reports);
     }
-    // With the persistent instantiations (KP_SM90_FWD_PERSIST=1) too, and with the ping-pong
-    // between consumers (KP_SM90_FWD_PINGPONG=1).
+    // With the persistent instantiations (KP_SM90_FWD_PERSIST=1) too, and without the
+    // ping-pong between consumers (KP_SM90_FWD_PINGPONG=0).
     let src = kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, true);
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
     wgmma_forwards_fit(&reports);
-    let src = pingpong(kernelpages::attention::sm90::wgmma_source(None));
+    let src = no_pingpong(kernelpages::attention::sm90::wgmma_source(None));
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
     wgmma_forwards_fit(&reports);
 }
 
-/// `src` as `HopperForward` builds it under `KP_SM90_FWD_PINGPONG=1`.
-fn pingpong(mut src: String) -> String {
-    src.insert_str(0, "#define KP_SM90_PINGPONG\n");
+/// `src` as `HopperForward` builds it under `KP_SM90_FWD_PINGPONG=0`.
+fn no_pingpong(mut src: String) -> String {
+    src.insert_str(0, "#define KP_SM90_NO_PINGPONG\n");
     src
 }
 
@@ -940,28 +940,30 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
                 (12 * copies, 2 * copies),
             );
         }
-        // The ping-pong between consumers: its named-barrier turns in the versions that
-        // overlap within a warpgroup (V3 to V5; four hand-ons in each of the causal and the
-        // non-causal loop, V2 has none), none in the default, and the wgmma still
-        // asynchronous.
-        let src = pingpong(wgmma_source_with(Some(&name), Dtype::Bf16, false));
+        // The ping-pong between consumers: its named-barrier turns in the default build of
+        // the versions that overlap within a warpgroup (V3 to V5; four hand-ons in each of the
+        // causal and the non-causal loop, V2 has none), none without it
+        // (KP_SM90_FWD_PINGPONG=0), and the wgmma asynchronous in both.
+        let src = no_pingpong(wgmma_source_with(Some(&name), Dtype::Bf16, false));
         let arrives = |src: &str| {
             let ptx = kernelpages::gpu::nvrtc_compile("attn_wgmma_sm90.cu", src, "sm_90a").unwrap();
             ptx.to_src().matches("bar.arrive").count()
         };
-        let (plain, turns) = (
+        let (turns, plain) = (
             arrives(&wgmma_source_with(Some(&name), Dtype::Bf16, false)),
             arrives(&src),
         );
-        println!("{name}: bar.arrive in the PTX {plain} (default), {turns} (ping-pong)");
-        assert_eq!(
-            plain, 0,
-            "{name}: named-barrier arrivals in the default build"
+        println!(
+            "{name}: bar.arrive in the PTX {turns} (default), {plain} (without the ping-pong)"
         );
         let expected = if v == Sm90Version::V2 { 0 } else { 8 };
         assert_eq!(turns, expected, "{name}: the ping-pong's hand-ons");
+        assert_eq!(
+            plain, 0,
+            "{name}: named-barrier arrivals without the ping-pong"
+        );
         assert_wgmma_asynchronous(
-            &format!("{name} (ping-pong)"),
+            &format!("{name} (without the ping-pong)"),
             "attn_wgmma_sm90.cu",
             &src,
             (24, 4),
