@@ -562,8 +562,8 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 // the launch bounds (168 registers at NC = 2, 128 at NC = 3): the compile test checks it.
 // FlashAttention-3's ping-pong between the consumer warpgroups (Shah et al., 2024, section
 // 3.1), in the versions with the intra-warpgroup overlap (PIPE) unless the source defines
-// KP_SM90_NO_PINGPONG (sm90::PINGPONG_ENV = 0, for timing against the kernel without it; 1-15 %
-// slower on an H100, kernels/TUNING.md): the consumers take turns to issue their wgmma, consumer c waiting on named barrier
+// KP_SM90_NO_PINGPONG (sm90::PINGPONG_ENV = 0, for timing against the kernel without it; on an
+// H100 the ping-pong saved 1-15 % of the forward's time, kernels/TUNING.md): the consumers take turns to issue their wgmma, consumer c waiting on named barrier
 // 1 + c and then arriving on the next one's, so one consumer's softmax runs while the tensor
 // cores work on another's products rather than as the warp schedulers happen to interleave
 // them. Each consumer of a CTA issues the same n_kt + 1 times (S of tile 0, then S of tile j

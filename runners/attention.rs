@@ -527,12 +527,71 @@ fn default_config_name(c: &AttentionCase) -> Option<String> {
     }
 }
 
+/// The wgmma forward's choices that this process's environment can change
+/// ([`sm90::PINGPONG_ENV`], [`sm90::PERSIST_ENV`], [`sm90::TAIL_ENV`]), in the dispatch rule's
+/// words, so that a document measured with one of them set says what ran (the site reads the
+/// rule's text: "taking turns to issue" for the ping-pong, "last wave" for the tail split).
+struct HopperWords {
+    /// The consumers' turns (the ping-pong), or what ran instead.
+    turns: String,
+    /// The non-causal grid: the tail split, or what ran instead.
+    grid: String,
+}
+
+impl HopperWords {
+    fn from_env() -> HopperWords {
+        let set = |name: &str, value: &str| std::env::var(name).is_ok_and(|v| v == value);
+        HopperWords::new(
+            set(sm90::PINGPONG_ENV, "0"),
+            set(sm90::PERSIST_ENV, "1"),
+            set(sm90::TAIL_ENV, "0"),
+        )
+    }
+
+    /// The words for the ping-pong turned off, the persistent grid on and the tail split off.
+    fn new(no_turns: bool, persistent: bool, no_split: bool) -> HopperWords {
+        let turns = if no_turns {
+            format!(
+                " (in this run without the consumers' turns: {}=0)",
+                sm90::PINGPONG_ENV
+            )
+        } else if persistent {
+            " (the consumers taking turns to issue their products, FlashAttention-3's ping-pong, under the causal mask only in this run: the persistent grid has no turns)".to_string()
+        } else {
+            ", the consumers taking turns to issue their products (FlashAttention-3's ping-pong, on named barriers)".to_string()
+        };
+        let split = format!(
+            "where the query tiles (one CTA each) leave a last wave of at most half the SMs each tile of that wave runs as 2 to {} CTAs over a share of its key tiles (at least {} of seq_len_kv's), whose fp32 partial outputs a second kernel merges by their log-sum-exps",
+            sm90::TAIL_MAX_PARTS,
+            sm90::TAIL_MIN_PART_KEY_TILES
+        );
+        let grid = match (persistent, no_split) {
+            (false, false) => split,
+            (true, false) => format!(
+                "in this run ({}=1) on a persistent grid of at most one CTA per SM taking the query tiles in turn; {split}",
+                sm90::PERSIST_ENV
+            ),
+            (false, true) => format!(
+                "one CTA per query tile (in this run {}=0: the final wave's tiles not split)",
+                sm90::TAIL_ENV
+            ),
+            (true, true) => format!(
+                "in this run ({}=1, {}=0) on a persistent grid of at most one CTA per SM taking the query tiles in turn, none split",
+                sm90::PERSIST_ENV,
+                sm90::TAIL_ENV
+            ),
+        };
+        HopperWords { turns, grid }
+    }
+}
+
 /// What the public entry points (`attention::dot_product_attention` and its vjp, and `mha`)
 /// run on a CUDA device ([`kernelpages::attention::dispatch`]), in words built from the same
 /// constants it reads.
 fn dispatch_rules() -> Vec<DispatchRule> {
     const ENTRY: &str =
         "attention::dot_product_attention, attention::dot_product_attention_vjp (Device::Cuda)";
+    let hopper = HopperWords::from_env();
     let dims: Vec<String> = FLASH_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
     let configs: Vec<String> = FLASH_HEAD_DIMS
         .iter()
@@ -591,13 +650,13 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             }
             .into(),
             rule: format!(
-                "otherwise, at head_dim 64 or 128 with a positive scale, the forward, and for forward + backward the wgmma backward after it: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one, the consumers taking turns to issue their products (FlashAttention-3's ping-pong, on named barriers); {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise; without the causal mask, where the query tiles (one CTA each) leave a last wave of at most half the SMs each tile of that wave runs as 2 to {} CTAs over a share of its key tiles (at least {} of seq_len_kv's), whose fp32 partial outputs a second kernel merges by their log-sum-exps; under the causal mask the CTAs take the query tiles heaviest first within chunks of (head, batch entry) pairs whose K and V fit half the L2, the chunk size from a simulated makespan. Kernel: the wgmma backward (kernels/attn_wgmma_bwd_sm90.cu): {}-key tiles per CTA holding dK and dV in registers, Q and dO in steps of {} rows at head_dim 64 and {} at 128 by TMA, dQ summed in fp32 by TMA reduce-adds; where (key tiles × kv heads × batch) is small against {} SMs and a kv head has several query heads, those heads are split over up to {} CTAs per key tile (causal: to two waves; not causal: what fits one), their fp32 partial dK and dV added in a fixed order by a fourth kernel; under the causal mask, where a simulation of the grid on {} SMs puts key tiles fastest at least 2 % behind, the CTAs start longest first (key tiles slowest) within chunks of at least {} (kv head · split, batch entry) pairs, the chunk size from that simulation (grids of up to {} CTAs are simulated). The rows of {} measure the portable kernels below on the same cases",
+                "otherwise, at head_dim 64 or 128 with a positive scale, the forward, and for forward + backward the wgmma backward after it: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one{}; {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise; without the causal mask, {}; under the causal mask the CTAs take the query tiles heaviest first within chunks of (head, batch entry) pairs whose K and V fit half the L2, the chunk size from a simulated makespan. Kernel: the wgmma backward (kernels/attn_wgmma_bwd_sm90.cu): {}-key tiles per CTA holding dK and dV in registers, Q and dO in steps of {} rows at head_dim 64 and {} at 128 by TMA, dQ summed in fp32 by TMA reduce-adds; where (key tiles × kv heads × batch) is small against {} SMs and a kv head has several query heads, those heads are split over up to {} CTAs per key tile (causal: to two waves; not causal: what fits one), their fp32 partial dK and dV added in a fixed order by a fourth kernel; under the causal mask, where a simulation of the grid on {} SMs puts key tiles fastest at least 2 % behind, the CTAs start longest first (key tiles slowest) within chunks of at least {} (kv head · split, batch entry) pairs, the chunk size from that simulation (grids of up to {} CTAs are simulated). The rows of {} measure the portable kernels below on the same cases",
                 sm90::WS_KEYS,
+                hopper.turns,
                 sm90::Sm90Version::V4.rows(),
                 sm90::V4_MIN_QUERIES,
                 sm90::Sm90Version::V3.rows(),
-                sm90::TAIL_MAX_PARTS,
-                sm90::TAIL_MIN_PART_KEY_TILES,
+                hopper.grid,
                 sm90::BWD_KEYS,
                 sm90::bwd_queries(64),
                 sm90::bwd_queries(128),
@@ -1089,6 +1148,28 @@ fn measure_own(job: &runner::protocol::Job) -> runner::protocol::Reply {
 mod tests {
     use super::*;
     use kernelpages::runner::Suite as _;
+
+    /// The Hopper rule names the ping-pong and the tail split only when they ran: the site's
+    /// limitations read these phrases from a document's dispatch table.
+    #[test]
+    fn hopper_words_say_what_the_environment_changed() {
+        const TURNS: &str = "the consumers taking turns to issue their products (";
+        for no_turns in [false, true] {
+            for persistent in [false, true] {
+                for no_split in [false, true] {
+                    let w = HopperWords::new(no_turns, persistent, no_split);
+                    let label = format!(
+                        "{no_turns} {persistent} {no_split}: {} / {}",
+                        w.turns, w.grid
+                    );
+                    assert_eq!(w.turns.contains(TURNS), !no_turns && !persistent, "{label}");
+                    assert_eq!(w.grid.contains("last wave"), !no_split, "{label}");
+                    assert_eq!(w.grid.contains(sm90::PERSIST_ENV), persistent, "{label}");
+                    assert_eq!(w.turns.contains(sm90::PINGPONG_ENV), no_turns, "{label}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn default_grid_quick_grid_and_filter() {

@@ -958,6 +958,12 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
         );
         let expected = if v == Sm90Version::V2 { 0 } else { 8 };
         assert_eq!(turns, expected, "{name}: the ping-pong's hand-ons");
+        // The persistent instantiation (a third copy of the loop) has none of its own.
+        let persistent = arrives(&wgmma_source_with(Some(&name), Dtype::Bf16, true));
+        assert_eq!(
+            persistent, expected,
+            "{name}: hand-ons with the persistent grid"
+        );
         assert_eq!(
             plain, 0,
             "{name}: named-barrier arrivals without the ping-pong"

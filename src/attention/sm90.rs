@@ -259,7 +259,9 @@ pub enum Sm90Version {
     V2,
     /// V2 with FlashAttention-3's intra-warpgroup overlap: tile j's S = Q Kᵀ and tile j−1's
     /// O += P V issued together, the softmax of tile j while P V is in flight; causal query
-    /// tiles heaviest first.
+    /// tiles heaviest first; and its ping-pong between the consumers, which take turns to
+    /// issue their products on named barriers ([`PINGPONG_ENV`]; not on the persistent grid).
+    /// V4 and V5 inherit both.
     V3,
     /// V3 with three consumer warpgroups (192-row query tiles, 512 threads; registers 32 for
     /// the producer, 160 for each consumer): FlashAttention-3's shape for head_dim 64, the
@@ -629,7 +631,8 @@ impl HopperForward {
 
     /// [`HopperForward::with_dtype`] compiled without the ping-pong between consumer
     /// warpgroups ([`PINGPONG_ENV`] = `0` does the same; it changes the versions that overlap
-    /// within a warpgroup, V3 to V5): for comparing with the default.
+    /// within a warpgroup, V3 to V5, whose persistent grid never has it): for comparing with
+    /// the default.
     ///
     /// # Errors
     /// As [`HopperForward::with_version`].
