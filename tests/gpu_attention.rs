@@ -1803,15 +1803,8 @@ fn wgmma_forward_matches_float64() {
                 assert!(items > ctas, "{label}: no CTA takes two items");
                 // Every row written (a row with no key: O = 0, LSE = +inf), so that equal
                 // outputs are not two untouched poisoned buffers.
-                let written = outs[1].0.iter().all(|&w| w != Dtype::POISON_WORD)
-                    && outs[1].1.iter().all(|x| !x.is_nan());
-                assert!(written, "{label}: rows left unwritten");
-                let same = outs[0].0 == outs[1].0
-                    && outs[0]
-                        .1
-                        .iter()
-                        .zip(&outs[1].1)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(all_written(&outs[1]), "{label}: rows left unwritten");
+                let same = same_bits(&outs[0], &outs[1]);
                 println!("wgmma forward {label}: same as one CTA per item {same}");
                 if !same {
                     failed.push(format!("{label}: differs from one CTA per item"));
@@ -1847,16 +1840,8 @@ fn wgmma_forward_matches_float64() {
                         "{version:?} {} d{d} ping-pong, key lengths {key_lens:?}, causal {causal}",
                         dtype.as_str()
                     );
-                    let written = outs.iter().all(|(o, lse)| {
-                        o.iter().all(|&w| w != Dtype::POISON_WORD)
-                            && lse.iter().all(|x| !x.is_nan())
-                    });
-                    let same = outs[0].0 == outs[1].0
-                        && outs[0]
-                            .1
-                            .iter()
-                            .zip(&outs[1].1)
-                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                    let written = outs.iter().all(all_written);
+                    let same = same_bits(&outs[0], &outs[1]);
                     println!("wgmma forward {label}: written {written}, same as without it {same}");
                     if !(written && same) {
                         failed.push(format!(
@@ -1990,6 +1975,24 @@ fn forward_poisoned(
         gpu.stream.clone_dtoh(&o).unwrap(),
         gpu.stream.clone_dtoh(&lse).unwrap(),
     )
+}
+
+/// Whether [`forward_poisoned`]'s outputs hold no poison: every row of O and the LSE written
+/// (a row with no key: O = 0, LSE = +inf), so that equal outputs are not two untouched
+/// poisoned buffers.
+fn all_written(out: &(Vec<u16>, Vec<f32>)) -> bool {
+    out.0.iter().all(|&w| w != Dtype::POISON_WORD) && out.1.iter().all(|x| !x.is_nan())
+}
+
+/// Whether two [`forward_poisoned`] outputs are the same bit for bit (O's words and the LSE's
+/// bits).
+fn same_bits(a: &(Vec<u16>, Vec<f32>), b: &(Vec<u16>, Vec<f32>)) -> bool {
+    a.0 == b.0
+        && a.1.len() == b.1.len()
+        && a.1
+            .iter()
+            .zip(&b.1)
+            .all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// Device buffers for timing a wgmma forward of B·H heads (H = KVH) of `t` queries and keys at
