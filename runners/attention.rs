@@ -540,12 +540,8 @@ struct HopperWords {
 
 impl HopperWords {
     fn from_env() -> HopperWords {
-        let set = |name: &str, value: &str| std::env::var(name).is_ok_and(|v| v == value);
-        HopperWords::new(
-            set(sm90::PINGPONG_ENV, "0"),
-            set(sm90::PERSIST_ENV, "1"),
-            set(sm90::TAIL_ENV, "0"),
-        )
+        let env = sm90::FwdEnv::read();
+        HopperWords::new(!env.pingpong, env.persistent, !env.tail_split)
     }
 
     /// The words for the ping-pong turned off, the persistent grid on and the tail split off.

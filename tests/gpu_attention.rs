@@ -1783,7 +1783,7 @@ fn wgmma_forward_matches_float64() {
             // The default module (no persistent instantiation) against one compiled with it.
             let mut pf = HopperForward::with_persistence(gpu, d, version, dtype, true)
                 .expect("persistent wgmma forward");
-            if std::env::var(kernelpages::attention::sm90::PERSIST_ENV).as_deref() != Ok("1") {
+            if !kernelpages::attention::sm90::FwdEnv::read().persistent {
                 assert!(fwd.set_persistent(true).is_err(), "compiled without it");
             }
             fwd.set_persistent(false).unwrap();
@@ -1816,8 +1816,7 @@ fn wgmma_forward_matches_float64() {
             // both on the same grid (one CTA per tile, the tail split on). Under
             // KP_SM90_FWD_PINGPONG=0 the default lacks it too, and the comparison would prove
             // nothing: skipped, said so.
-            let pp_off =
-                std::env::var(kernelpages::attention::sm90::PINGPONG_ENV).as_deref() == Ok("0");
+            let pp_off = !kernelpages::attention::sm90::FwdEnv::read().pingpong;
             let overlaps = matches!(version, Sm90Version::V3 | Sm90Version::V4 | Sm90Version::V5);
             if pp_off && overlaps {
                 println!("wgmma forward {version:?} d{d}: ping-pong comparison skipped (KP_SM90_FWD_PINGPONG=0)");

@@ -690,18 +690,12 @@ fn wgmma_probe_compiles_for_sm_90a() {
     }
     // With the persistent instantiations (KP_SM90_FWD_PERSIST=1) too, and without the
     // ping-pong between consumers (KP_SM90_FWD_PINGPONG=0).
-    let src = kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, true);
+    let src = kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, true, true);
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
     wgmma_forwards_fit(&reports);
-    let src = no_pingpong(kernelpages::attention::sm90::wgmma_source(None));
+    let src = kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, false, false);
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
     wgmma_forwards_fit(&reports);
-}
-
-/// `src` as `HopperForward` builds it under `KP_SM90_FWD_PINGPONG=0`.
-fn no_pingpong(mut src: String) -> String {
-    src.insert_str(0, "#define KP_SM90_NO_PINGPONG\n");
-    src
 }
 
 /// Every wgmma forward and the probe in `reports` compile without spills, the warp-specialised
@@ -931,7 +925,7 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
         // the persistent instantiation (a third copy): S and P V, several k-steps each, and an
         // arrive and a wait at least, per copy.
         for (persistent, copies) in [(false, 2), (true, 3)] {
-            let src = wgmma_source_with(Some(&name), Dtype::Bf16, persistent);
+            let src = wgmma_source_with(Some(&name), Dtype::Bf16, persistent, true);
             let label = format!("{name} (persistent {persistent})");
             assert_wgmma_asynchronous(
                 &label,
@@ -944,13 +938,13 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
         // the versions that overlap within a warpgroup (V3 to V5; four hand-ons in each of the
         // causal and the non-causal loop, V2 has none), none without it
         // (KP_SM90_FWD_PINGPONG=0), and the wgmma asynchronous in both.
-        let src = no_pingpong(wgmma_source_with(Some(&name), Dtype::Bf16, false));
+        let src = wgmma_source_with(Some(&name), Dtype::Bf16, false, false);
         let arrives = |src: &str| {
             let ptx = kernelpages::gpu::nvrtc_compile("attn_wgmma_sm90.cu", src, "sm_90a").unwrap();
             ptx.to_src().matches("bar.arrive").count()
         };
         let (turns, plain) = (
-            arrives(&wgmma_source_with(Some(&name), Dtype::Bf16, false)),
+            arrives(&wgmma_source_with(Some(&name), Dtype::Bf16, false, true)),
             arrives(&src),
         );
         println!(
@@ -959,7 +953,7 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
         let expected = if v == Sm90Version::V2 { 0 } else { 8 };
         assert_eq!(turns, expected, "{name}: the ping-pong's hand-ons");
         // The persistent instantiation (a third copy of the loop) has none of its own.
-        let persistent = arrives(&wgmma_source_with(Some(&name), Dtype::Bf16, true));
+        let persistent = arrives(&wgmma_source_with(Some(&name), Dtype::Bf16, true, true));
         assert_eq!(
             persistent, expected,
             "{name}: hand-ons with the persistent grid"

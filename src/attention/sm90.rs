@@ -81,15 +81,21 @@ fn dtype_define(dtype: Dtype) -> &'static str {
 /// # Panics
 /// For fp32.
 pub fn wgmma_source_for(entry: Option<&str>, dtype: Dtype) -> String {
-    wgmma_source_with(entry, dtype, false)
+    wgmma_source_with(entry, dtype, false, true)
 }
 
 /// [`wgmma_source_for`], with the warp-specialised forwards' persistent instantiation (V2 to
-/// V5; [`PERSIST_ENV`]) compiled in when `persistent`.
+/// V5; [`PERSIST_ENV`]) compiled in when `persistent`, and the ping-pong between consumers
+/// (V3 to V5; [`PINGPONG_ENV`]) compiled out unless `pingpong`.
 ///
 /// # Panics
 /// For fp32.
-pub fn wgmma_source_with(entry: Option<&str>, dtype: Dtype, persistent: bool) -> String {
+pub fn wgmma_source_with(
+    entry: Option<&str>,
+    dtype: Dtype,
+    persistent: bool,
+    pingpong: bool,
+) -> String {
     let select = match entry {
         Some(name) => format!("#define KP_SM90_{name}"),
         None => "#define KP_SM90_ALL".to_string(),
@@ -99,8 +105,13 @@ pub fn wgmma_source_with(entry: Option<&str>, dtype: Dtype, persistent: bool) ->
     } else {
         ""
     };
+    let turns = if pingpong {
+        ""
+    } else {
+        "#define KP_SM90_NO_PINGPONG\n"
+    };
     format!(
-        "{PRELUDE_SRC}\n{}\n{persist}{select}\n{WGMMA_SRC}\n",
+        "{PRELUDE_SRC}\n{}\n{persist}{turns}{select}\n{WGMMA_SRC}\n",
         dtype_define(dtype)
     )
 }
@@ -368,6 +379,32 @@ pub const PERSIST_ENV: &str = "KP_SM90_FWD_PERSIST";
 /// "The ping-pong between consumer warpgroups"). The persistent grid ([`PERSIST_ENV`]) runs
 /// without it.
 pub const PINGPONG_ENV: &str = "KP_SM90_FWD_PINGPONG";
+
+/// What this process's environment asks of every [`HopperForward`] it builds: the persistent
+/// grid ([`PERSIST_ENV`] = `1`), the ping-pong ([`PINGPONG_ENV`] = `0` turns it off) and the
+/// tail split ([`TAIL_ENV`] = `0` turns it off). The one place these variables are read, so
+/// that the kernels and the runner's account of them agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FwdEnv {
+    /// Non-causal shapes on the persistent grid.
+    pub persistent: bool,
+    /// The ping-pong between consumers compiled in.
+    pub pingpong: bool,
+    /// The tail split on.
+    pub tail_split: bool,
+}
+
+impl FwdEnv {
+    /// Reads [`PERSIST_ENV`], [`PINGPONG_ENV`] and [`TAIL_ENV`] (unset: the defaults).
+    pub fn read() -> FwdEnv {
+        let is = |name: &str, value: &str| std::env::var(name).is_ok_and(|v| v == value);
+        FwdEnv {
+            persistent: is(PERSIST_ENV, "1"),
+            pingpong: !is(PINGPONG_ENV, "0"),
+            tail_split: !is(TAIL_ENV, "0"),
+        }
+    }
+}
 
 /// Largest number of parts [`fwd_tail_split`] cuts a tile's keys into (the combine's
 /// `KP_TAIL_MAX_PARTS` in kernels/attn_wgmma_sm90.cu, which a unit test compares).
@@ -703,13 +740,12 @@ impl HopperForward {
             }
         };
         super::cuda::check_smem(gpu, &name, smem)?;
-        let persistent = version != Sm90Version::V1
-            && (persist || std::env::var(PERSIST_ENV).is_ok_and(|v| v == "1"));
-        let mut source = wgmma_source_with(Some(&name), dtype, persistent);
-        if !pingpong || std::env::var(PINGPONG_ENV).is_ok_and(|v| v == "0") {
-            source.insert_str(0, "#define KP_SM90_NO_PINGPONG\n");
-        }
-        let compiled = gpu.compile("attn_wgmma_sm90.cu", &source)?;
+        let env = FwdEnv::read();
+        let persistent = version != Sm90Version::V1 && (persist || env.persistent);
+        let compiled = gpu.compile(
+            "attn_wgmma_sm90.cu",
+            &wgmma_source_with(Some(&name), dtype, persistent, pingpong && env.pingpong),
+        )?;
         let func = gpu.function(&compiled.module, &name, smem)?;
         let combine = if version == Sm90Version::V1 {
             None
@@ -724,7 +760,7 @@ impl HopperForward {
             version,
             dtype,
             sms: gpu.sm_count()?,
-            tail_split: std::env::var(TAIL_ENV).map_or(true, |v| v != "0"),
+            tail_split: env.tail_split,
             persistent,
             has_persistent: persistent,
             causal_chunk: None,
