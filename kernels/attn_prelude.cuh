@@ -226,6 +226,12 @@ __device__ __forceinline__ void online_softmax_rows(float (&s)[MT][NT][4],
     }
 }
 
+// The sum of `x` over the quad of lanes 4g .. 4g + 3 (one accumulator row's partial sums).
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
 // The end of a forward tile: the quad's row sums, O = o / l as 16-bit words (rows of the warp
 // starting at `row0` below `rows`, row stride D = 8 DT elements, from `o_out`; g = lane / 4 and
 // t4 = lane % 4 place the thread's fragment elements) and the natural
@@ -240,9 +246,7 @@ __device__ __forceinline__ void store_rows(const float (&o)[MT][DT][4],
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float l = l_run[mt][r];
-            l += __shfl_xor_sync(0xffffffff, l, 1);
-            l += __shfl_xor_sync(0xffffffff, l, 2);
+            const float l = quad_sum(l_run[mt][r]);
             const float inv = l > 0.f ? 1.f / l : 0.f;
             const int row = row0 + mt * 16 + g + r * 8;
             if (row < rows) {
@@ -306,6 +310,21 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
             : "r"(bar), "r"(parity)
             : "memory");
     } while (!done);
+}
+// A 3-D box of shared memory at `src` (laid out as tma_load_3d leaves it) into the tensor map
+// `map`'s tensor at element coordinates (c0, c1, c2), innermost first (TMA writes no element
+// past the tensor's end), in the issuing thread's bulk async-group; then that group's commit and
+// the wait until every committed group has been read out of shared memory (the writes to global
+// memory may still be in flight; they complete before the kernel does).
+__device__ __forceinline__ void tma_store_3d(const TmaMap* map, u32 src, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+            reinterpret_cast<unsigned long long>(map)),
+        "r"(src), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_commit_and_wait_read() {
+    asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 // A 3-D tile (box) of the tensor map `map` at element coordinates (c0, c1, c2), innermost
 // first, into shared memory at `dst`; its bytes count towards barrier `bar`'s transactions.

@@ -524,9 +524,7 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
     constexpr int D = 8 * DT;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float l = l_run[0][r];
-        l += __shfl_xor_sync(0xffffffff, l, 1);
-        l += __shfl_xor_sync(0xffffffff, l, 2);
+        const float l = quad_sum(l_run[0][r]);
         const float inv = l > 0.f ? 1.f / l : 0.f;
         const int row = row0 + g + r * 8;
         if (row < rows) {
@@ -577,6 +575,12 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 #else
 #define KP_SM90_PINGPONG_ON true
 #endif
+// A probe switch (sm90::HopperForward::with_probe): the ping-pong on the persistent grid too.
+#ifdef KP_SM90_PERSIST_PINGPONG
+#define KP_SM90_PERSIST_PP_ON true
+#else
+#define KP_SM90_PERSIST_PP_ON false
+#endif
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
@@ -584,9 +588,96 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// Where a CTA's time goes (a probe; compiled in only where the source defines KP_SM90_TRACE,
+// sm90::HopperForward::with_probe): for each of the first KP_TRACE_CTAS CTAs of a launch (one
+// CTA per item, not the persistent grid), KP_TRACE_EVENTS moments as %globaltimer (ns, words
+// 0 .. 7 of its row) and clock64 (the SM's cycles, words 8 .. 15), and the SM it ran on. The
+// events: 0 the CTA's start, 1 its mbarriers set up, 2 the producer's last load issued, 3
+// consumer 0's Q landed, 4 its first S = Q K^T landed, 5 its last P V landed, 6 its stores of O
+// and LSE issued, 7 the same for the last consumer. An event a CTA does not reach stays 0.
+#define KP_TRACE_CTAS 8192
+#define KP_TRACE_EVENTS 8
+#ifdef KP_SM90_TRACE
+__device__ unsigned long long kp_fwd_trace[KP_TRACE_CTAS * 2 * KP_TRACE_EVENTS];
+__device__ unsigned int kp_fwd_trace_sm[KP_TRACE_CTAS];
+__device__ __forceinline__ void fwd_trace(int event) {
+    const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (cta >= KP_TRACE_CTAS) return;
+    unsigned long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
+    kp_fwd_trace[cta * 2 * KP_TRACE_EVENTS + event] = ns;
+    kp_fwd_trace[cta * 2 * KP_TRACE_EVENTS + KP_TRACE_EVENTS + event] = clock64();
+    if (event == 0) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+        kp_fwd_trace_sm[cta] = sm;
+    }
+}
+#define KP_FWD_TRACE(on, event) \
+    do {                         \
+        if (on) fwd_trace(event); \
+    } while (0)
+#else
+#define KP_FWD_TRACE(on, event) \
+    do {                         \
+        (void)(on);              \
+    } while (0)
+#endif
+
+// The forward's epilogue through TMA (not on the persistent grid, whose producer refills Q's
+// buffer early): consumer c's O (64 rows x D in the accumulator layout) divided by its row sums,
+// as 16-bit words into its own Q tile's shared memory `sq` (free once its last S = Q K^T has
+// landed), laid out as TMA brought Q (64-column panels of 64 rows x 128 bytes, 128-byte
+// swizzle: the 16-byte chunk k of row r at chunk k ^ (r % 8), so the stores of a warp hit 32
+// distinct banks); then, after the async-proxy fence and a barrier of the warpgroup's 128
+// threads (named barrier 4 + c; the ping-pong has 1 .. NC), one thread stores the panels
+// through the tensor map `to` (O's shape, as Q's map) at rows q0 .. q0 + 63 of plane `plane`,
+// where TMA writes no row past Tq, and waits until they have been read. The O words and the
+// LSE (natural log, +inf for a row that saw no key, rows below `rows` only) are store_rows'.
+// On an H100 at B4 H8 D128 T4096 the epilogue from registers (32 four-byte stores a thread,
+// eight rows of 16 bytes a warp instruction) took 2.05 us of a CTA's 54.8 and this one 1.28
+// (the trace probe): the forward 2-5 % faster at D128 T2048 to 16384, about 0.3 % at D64, and
+// 0.2-0.3 us slower where one wave of one-tile CTAs has nothing to overlap it with
+// (kernels/TUNING.md). KP_SM90_NO_TMA_STORE (a probe switch) keeps store_rows.
+#ifdef KP_SM90_NO_TMA_STORE
+#define KP_SM90_TMA_STORE_ON false
+#else
+#define KP_SM90_TMA_STORE_ON true
+#endif
+template <int DT>
+__device__ __forceinline__ void store_o_tma(const float (&o)[1][DT][4],
+                                            const float (&m_run)[1][2],
+                                            const float (&l_run)[1][2], u32 sq,
+                                            const TmaMap* to, float* __restrict__ lse_out,
+                                            int q0, int plane, int rows, int c, int warp, int g,
+                                            int t4) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(l_run[0][r]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = 16 * warp + g + 8 * r;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+            const u32 at = sq + (dt / 8) * (64 * 128) + row * 128 + (((dt % 8) ^ (row % 8)) << 4) +
+                           4 * t4;
+            const u32 v = pack2<KP_WG_BF16>(o[0][dt][2 * r] * inv, o[0][dt][2 * r + 1] * inv);
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
+        }
+        if (t4 == 0 && row < rows) lse_out[row] = l > 0.f ? (m_run[0][r] + log2f(l)) * LN2 : POS_INF;
+    }
+    fence_proxy_async();
+    named_sync(4 + c, 128);
+    if ((threadIdx.x & 127) == 0) {
+#pragma unroll
+        for (int p = 0; p < DT / 8; ++p) tma_store_3d(to, sq + p * 64 * 128, 64 * p, q0, plane);
+        bulk_commit_and_wait_read();
+    }
+}
+
 template <int D, int BC, int ST, int NC, bool CAUSAL, bool PIPE, bool PERSIST>
 __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap* tk,
-                                                 const TmaMap* tv, u16* __restrict__ O,
+                                                 const TmaMap* tv, const TmaMap* to,
+                                                 u16* __restrict__ O,
                                                  float* __restrict__ LSE,
                                                  const int* __restrict__ kv_lens, int Tq,
                                                  int Tkv, int H, int KVH, float scale_log2,
@@ -669,6 +760,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
     const int end = PERSIST ? items : 1;
     // The first item's coordinates before the barriers' set-up (its key length's load in
     // flight meanwhile); later items' where they are taken.
+    KP_FWD_TRACE(!PERSIST && tid == 0, 0);
     const Item item0 = item_at(first);
     auto item = [&](int i) { return !PERSIST || i == first ? item0 : item_at(i); };
 
@@ -684,6 +776,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+    KP_FWD_TRACE(!PERSIST && tid == 0, 1);
 
     if (wg == 0) {
         // 128 x 40 + 256 x 232 (NC = 2) and 128 x 32 + 384 x 160 (NC = 3): at most the 64 K
@@ -724,6 +817,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
                                     64 * p, key, plane);
                 }
             }
+            KP_FWD_TRACE(!PERSIST, 2);
         }
         return;
     }
@@ -776,6 +870,8 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         float alpha[2];
 
         mbar_wait(bar_q, t & 1);
+        const bool traced = !PERSIST && tid == 128;  // consumer 0's first thread
+        KP_FWD_TRACE(traced, 3);
         if constexpr (!PIPE) {
             for (int it = 0; it < n_kt; ++it) {
                 const int j = gi + it;
@@ -802,7 +898,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         } else if (n_kt > 0) {
             // The ping-pong's turns (no-ops under KP_SM90_NO_PINGPONG): wait for this consumer's
             // turn before issuing, hand it on after.
-            constexpr bool PP = KP_SM90_PINGPONG_ON && !PERSIST;
+            constexpr bool PP = KP_SM90_PINGPONG_ON && (!PERSIST || KP_SM90_PERSIST_PP_ON);
             auto turn = [&]() {
                 if constexpr (PP) named_sync(1 + c, 256);
             };
@@ -820,6 +916,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             wgmma_commit();
             hand_on(false);
             wgmma_wait<0>();
+            KP_FWD_TRACE(traced, 4);
             mbar_arrive(empty_k(gi % ST));
             ws_mask<NT, CAUSAL>(s, kt0 * BC, L, off, row0, edge_at(kt0 * BC), g, t4);
             ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
@@ -855,6 +952,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             wgmma_commit();
             hand_on(true);
             wgmma_wait<0>();
+            KP_FWD_TRACE(traced, 5);
             mbar_arrive(empty_v(last % ST));
         } else if constexpr (PERSIST) {
             mbar_arrive(empty_q);
@@ -866,11 +964,16 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         if (rows_w > 0 && w.split >= 0)
             store_rows_f32<DT>(o, m_run, l_run, Opart + ((size_t)w.split * BR + 64 * c) * D,
                                Lpart + (size_t)w.split * BR + 64 * c, 16 * warp, rows_w, g, t4);
+        else if (rows_w > 0 && !PERSIST && KP_SM90_TMA_STORE_ON)
+            store_o_tma<DT>(o, m_run, l_run, sq, to, LSE + (size_t)(w.b * H + w.h) * Tq + q0w,
+                            q0w, w.b * H + w.h, rows_w, c, warp, g, t4);
         else if (rows_w > 0)
             store_rows<1, DT, KP_WG_BF16>(o, m_run, l_run,
                                           O + ((size_t)(w.b * H + w.h) * Tq + q0w) * D,
                                           LSE + (size_t)(w.b * H + w.h) * Tq + q0w, 16 * warp,
                                           rows_w, g, t4);
+        KP_FWD_TRACE(traced, 6);
+        KP_FWD_TRACE(!PERSIST && tid == 128 * NC, 7);
     }
 }
 
@@ -938,21 +1041,22 @@ __device__ __forceinline__ void fwd_tail_combine(const float* __restrict__ Opart
 #define WS_ENTRY(NAME, D, NC, ST, PIPE)                                                     \
     extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1)                         \
         NAME(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,          \
-             const __grid_constant__ TmaMap tv, u16* O, float* LSE, const int* kv_lens,     \
-             int Tq, int Tkv, int H, int KVH, float scale_log2, int causal, int whole,      \
+             const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap to, u16* O,  \
+             float* LSE, const int* kv_lens, int Tq, int Tkv, int H, int KVH,               \
+             float scale_log2, int causal, int whole,                                       \
              int parts, float* Opart, float* Lpart, int chunk, int items) {                 \
         if (causal)                                                                         \
             attn_fwd_sm90_ws<D, WS_BC, ST, NC, true, PIPE, false>(                          \
-                &tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole, parts,  \
-                Opart, Lpart, chunk, 0);                                                    \
+                &tq, &tk, &tv, &to, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole,   \
+                parts, Opart, Lpart, chunk, 0);                                                    \
         else if (KP_SM90_PERSIST_ON && items > 0)                                           \
             attn_fwd_sm90_ws<D, WS_BC, ST, NC, false, PIPE, KP_SM90_PERSIST_ON>(            \
-                &tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole, parts,  \
-                Opart, Lpart, chunk, items);                                                \
+                &tq, &tk, &tv, &to, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole,   \
+                parts, Opart, Lpart, chunk, items);                                                \
         else                                                                                \
             attn_fwd_sm90_ws<D, WS_BC, ST, NC, false, PIPE, false>(                         \
-                &tq, &tk, &tv, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole, parts,  \
-                Opart, Lpart, chunk, 0);                                                    \
+                &tq, &tk, &tv, &to, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole,   \
+                parts, Opart, Lpart, chunk, 0);                                                    \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(256)                                       \
         NAME##_combine(const float* Opart, const float* Lpart, u16* O, float* LSE, int whole, \

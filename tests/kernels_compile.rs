@@ -696,6 +696,17 @@ fn wgmma_probe_compiles_for_sm_90a() {
     let src = kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, false, false);
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
     wgmma_forwards_fit(&reports);
+    // The probe builds (sm90::HopperForward::with_probe): the trace, and the persistent grid
+    // with the ping-pong.
+    for switch in [
+        kernelpages::attention::sm90::TRACE_DEFINE,
+        "KP_SM90_PERSIST_PINGPONG",
+    ] {
+        let src = format!("#define {switch}\n")
+            + &kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, true, true);
+        let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
+        wgmma_forwards_fit(&reports);
+    }
 }
 
 /// Every wgmma forward and the probe in `reports` compile without spills, the warp-specialised
@@ -968,6 +979,36 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
             &src,
             (24, 4),
         );
+        // The epilogue's TMA store of O, gone with its probe switch; the trace's probe build
+        // (sm90::HopperForward::with_probe) compiles, reads the global timer and keeps the
+        // wgmma asynchronous.
+        let default_ptx = ptx_of(&wgmma_source_with(Some(&name), Dtype::Bf16, false, true));
+        let tma_stores = |ptx: &str| ptx.matches("cp.async.bulk.tensor.3d.global.shared").count();
+        assert!(
+            tma_stores(&default_ptx) > 0,
+            "{name}: the epilogue's TMA store"
+        );
+        let switched = |define: &str| {
+            format!("#define {define}\n")
+                + &wgmma_source_with(Some(&name), Dtype::Bf16, false, true)
+        };
+        assert_eq!(
+            tma_stores(&ptx_of(&switched("KP_SM90_NO_TMA_STORE"))),
+            0,
+            "{name}: KP_SM90_NO_TMA_STORE"
+        );
+        let traced = switched(kernelpages::attention::sm90::TRACE_DEFINE);
+        assert!(
+            default_ptx.matches("globaltimer").count() == 0
+                && ptx_of(&traced).contains("globaltimer"),
+            "{name}: the trace only in its probe build"
+        );
+        assert_wgmma_asynchronous(
+            &format!("{name} (traced)"),
+            "attn_wgmma_sm90.cu",
+            &traced,
+            (24, 4),
+        );
     }
     // The wgmma backward's module at each head_dim, likewise.
     for d in [64, 128] {
@@ -979,6 +1020,13 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
             (24, 2),
         );
     }
+}
+
+/// The PTX of the wgmma forward's source `src` for sm_90a.
+fn ptx_of(src: &str) -> String {
+    kernelpages::gpu::nvrtc_compile("attn_wgmma_sm90.cu", src, "sm_90a")
+        .unwrap()
+        .to_src()
 }
 
 /// Compiles `src` (file `file`) for sm_90a and checks its cubin: at least `min.0` `HGMMA` and

@@ -593,7 +593,9 @@ fn tma_map_3d(
 /// key); per-sequence key lengths `kv_lens` `[batch]` i32 on the device; causal aligned
 /// bottom-right; head_dim 64 or 128. S = Q Kᵀ and O += P V on wgmma, FlashAttention-2's online
 /// softmax in between (Dao, 2023); [`Sm90Version`] says how the tiles are brought and who
-/// computes them.
+/// computes them. V2 to V5 write O through shared memory with one TMA store per 64-column
+/// panel where each query tile has its own CTA (from registers on the persistent grid and for
+/// the tail split's parts).
 ///
 /// Non-causal shapes whose last wave of CTAs is short run with [`fwd_tail_split`]'s split
 /// (V2 to V5; [`HopperForward::set_tail_split`] and [`TAIL_ENV`] turn it off): the split
@@ -624,8 +626,48 @@ pub struct HopperForward {
     /// The split parts' outputs (fp32 `[tail, parts, rows, head_dim]`) and log2-domain
     /// log-sum-exps (`[tail, parts, rows]`), grown on demand.
     tail_ws: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    /// The loaded module (read by [`HopperForward::trace`]).
+    module: std::sync::Arc<cudarc::driver::CudaModule>,
     /// NVRTC compile + load time, s.
     pub compile_s: f64,
+}
+
+/// The probe switches [`HopperForward::with_probe`] takes, each `#define`d before the kernel's
+/// source: [`TRACE_DEFINE`] records where each CTA's time goes ([`HopperForward::trace`]);
+/// `KP_SM90_NO_TMA_STORE` writes O from registers rather than through shared memory and TMA;
+/// `KP_SM90_PERSIST` runs non-causal shapes on the persistent grid (as
+/// [`HopperForward::with_persistence`]), and `KP_SM90_PERSIST_PINGPONG` gives that grid the
+/// ping-pong between consumers.
+pub const PROBE_DEFINES: [&str; 4] = [
+    TRACE_DEFINE,
+    "KP_SM90_NO_TMA_STORE",
+    "KP_SM90_PERSIST",
+    "KP_SM90_PERSIST_PINGPONG",
+];
+
+/// The probe switch that compiles the forward's trace in ([`HopperForward::trace`]).
+pub const TRACE_DEFINE: &str = "KP_SM90_TRACE";
+
+/// The most CTAs of one launch the forward's trace holds (the kernel's `KP_TRACE_CTAS`).
+pub const TRACE_CTAS: usize = 8192;
+
+/// Moments of a CTA's life the forward's trace records (the kernel's `KP_TRACE_EVENTS`): its
+/// start, its mbarriers set up, the producer's last load issued, consumer 0's Q landed, its
+/// first S = Q Kᵀ landed, its last P V landed, its stores of O and LSE issued, and the same
+/// for the last consumer.
+pub const TRACE_EVENTS: usize = 8;
+
+/// One CTA of a traced forward launch ([`HopperForward::trace`]): the SM it ran on and, for
+/// each of [`TRACE_EVENTS`] moments, the device's global timer (ns) and the SM's cycle counter
+/// (`clock64`); 0 for a moment the CTA did not reach (a CTA with no key tile has no products).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FwdCtaTrace {
+    /// `%smid`.
+    pub sm: u32,
+    /// `%globaltimer` at each moment, ns.
+    pub ns: [u64; TRACE_EVENTS],
+    /// `clock64()` at each moment, cycles of the CTA's SM.
+    pub cycles: [u64; TRACE_EVENTS],
 }
 
 impl HopperForward {
@@ -663,7 +705,78 @@ impl HopperForward {
         version: Sm90Version,
         dtype: Dtype,
     ) -> Result<HopperForward, GpuError> {
-        HopperForward::build(gpu, head_dim, version, dtype, false, true)
+        HopperForward::build(gpu, head_dim, version, dtype, false, true, &[])
+    }
+
+    /// [`HopperForward::with_dtype`] with probe switches ([`PROBE_DEFINES`]) compiled in: for
+    /// probes that ask where the kernel's time goes or what a change is worth, never for the
+    /// documents.
+    ///
+    /// # Errors
+    /// As [`HopperForward::with_version`]; [`GpuError::Config`] for a switch not in
+    /// [`PROBE_DEFINES`].
+    pub fn with_probe(
+        gpu: &Gpu,
+        head_dim: usize,
+        version: Sm90Version,
+        dtype: Dtype,
+        switches: &[&str],
+    ) -> Result<HopperForward, GpuError> {
+        if let Some(bad) = switches.iter().find(|s| !PROBE_DEFINES.contains(s)) {
+            return Err(GpuError::Config(format!(
+                "the wgmma forward has no probe switch {bad} (it has {PROBE_DEFINES:?})"
+            )));
+        }
+        // The persistent grid's instantiation is wgmma_source_with's to define.
+        let persist = switches.contains(&"KP_SM90_PERSIST");
+        let rest: Vec<&str> = switches
+            .iter()
+            .copied()
+            .filter(|s| *s != "KP_SM90_PERSIST")
+            .collect();
+        let mut f = HopperForward::build(gpu, head_dim, version, dtype, persist, true, &rest)?;
+        f.persistent = persist && f.has_persistent;
+        Ok(f)
+    }
+
+    /// The trace of the last launch of a forward built [`HopperForward::with_probe`] with
+    /// [`TRACE_DEFINE`]: its first `ctas` CTAs (at most [`TRACE_CTAS`]; numbered x fastest,
+    /// then y, then z), once the launch has finished (waits for the stream). The trace is
+    /// cleared after reading, so a moment a later launch does not reach reads 0.
+    ///
+    /// # Errors
+    /// [`GpuError::Config`] for a forward built without the trace or `ctas` past
+    /// [`TRACE_CTAS`]; the driver's.
+    pub fn trace(&self, gpu: &Gpu, ctas: usize) -> Result<Vec<FwdCtaTrace>, GpuError> {
+        if ctas > TRACE_CTAS {
+            return Err(GpuError::Config(format!(
+                "the forward's trace holds {TRACE_CTAS} CTAs, not {ctas}"
+            )));
+        }
+        let missing = |_| {
+            GpuError::Config(format!(
+                "this wgmma forward was built without its trace ({TRACE_DEFINE})"
+            ))
+        };
+        let words = |name: &str| -> Result<Vec<u8>, GpuError> {
+            let mut view = self.module.get_global(name, &gpu.stream).map_err(missing)?;
+            let bytes = gpu.stream.clone_dtoh(&view)?;
+            gpu.stream.memset_zeros(&mut view)?;
+            Ok(bytes)
+        };
+        let (times, sms) = (words("kp_fwd_trace")?, words("kp_fwd_trace_sm")?);
+        let u64_at =
+            |i: usize| u64::from_le_bytes(times[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+        Ok((0..ctas)
+            .map(|c| {
+                let row = c * 2 * TRACE_EVENTS;
+                FwdCtaTrace {
+                    sm: u32::from_le_bytes(sms[4 * c..4 * c + 4].try_into().expect("4 bytes")),
+                    ns: std::array::from_fn(|e| u64_at(row + e)),
+                    cycles: std::array::from_fn(|e| u64_at(row + TRACE_EVENTS + e)),
+                }
+            })
+            .collect())
     }
 
     /// [`HopperForward::with_dtype`] compiled without the ping-pong between consumer
@@ -679,7 +792,7 @@ impl HopperForward {
         version: Sm90Version,
         dtype: Dtype,
     ) -> Result<HopperForward, GpuError> {
-        HopperForward::build(gpu, head_dim, version, dtype, false, false)
+        HopperForward::build(gpu, head_dim, version, dtype, false, false, &[])
     }
 
     /// [`HopperForward::with_dtype`] with the persistent instantiation compiled in (V2 to V5)
@@ -694,14 +807,15 @@ impl HopperForward {
         dtype: Dtype,
         on: bool,
     ) -> Result<HopperForward, GpuError> {
-        let mut f = HopperForward::build(gpu, head_dim, version, dtype, true, true)?;
+        let mut f = HopperForward::build(gpu, head_dim, version, dtype, true, true, &[])?;
         f.persistent = on && f.has_persistent;
         Ok(f)
     }
 
     /// The constructors' common body: `persist` compiles the persistent instantiation in
     /// (as [`PERSIST_ENV`] = `1` does) and starts with it on; `pingpong` false compiles the
-    /// ping-pong between consumers out (as [`PINGPONG_ENV`] = `0` does).
+    /// ping-pong between consumers out (as [`PINGPONG_ENV`] = `0` does); `probe` is
+    /// [`PROBE_DEFINES`]' switches to define.
     fn build(
         gpu: &Gpu,
         head_dim: usize,
@@ -709,6 +823,7 @@ impl HopperForward {
         dtype: Dtype,
         persist: bool,
         pingpong: bool,
+        probe: &[&str],
     ) -> Result<HopperForward, GpuError> {
         check_dtype("forward", dtype)?;
         if gpu.arch() != "sm_90a" {
@@ -742,9 +857,11 @@ impl HopperForward {
         super::cuda::check_smem(gpu, &name, smem)?;
         let env = FwdEnv::read();
         let persistent = version != Sm90Version::V1 && (persist || env.persistent);
+        let switches: String = probe.iter().map(|d| format!("#define {d}\n")).collect();
         let compiled = gpu.compile(
             "attn_wgmma_sm90.cu",
-            &wgmma_source_with(Some(&name), dtype, persistent, pingpong && env.pingpong),
+            &(switches
+                + &wgmma_source_with(Some(&name), dtype, persistent, pingpong && env.pingpong)),
         )?;
         let func = gpu.function(&compiled.module, &name, smem)?;
         let combine = if version == Sm90Version::V1 {
@@ -767,6 +884,7 @@ impl HopperForward {
             l2_budget: (gpu.l2_bytes()? / 2) as usize,
             chunk_memo: None,
             tail_ws: None,
+            module: compiled.module.clone(),
             compile_s: compiled.compile_s,
         })
     }
@@ -970,6 +1088,9 @@ impl HopperForward {
             let (qp, _gq) = q.device_ptr(&gpu.stream);
             let (kp, _gk) = k.device_ptr(&gpu.stream);
             let (vp, _gv) = v.device_ptr(&gpu.stream);
+            // O's address for the kernel's pointer and its tensor map (the epilogue's TMA
+            // store); the guard records the write when it drops, after the launch.
+            let (o_ptr, o_guard) = o.device_ptr_mut(&gpu.stream);
             let maps = [
                 tma_map_16(qp, (batch * heads, seq_len_q, d), 64, self.dtype)?,
                 tma_map_16(
@@ -984,6 +1105,7 @@ impl HopperForward {
                     WS_KEYS as u32,
                     self.dtype,
                 )?,
+                tma_map_16(o_ptr, (batch * heads, seq_len_q, d), 64, self.dtype)?,
             ];
             let (whole_i, parts_i, tail_i) = (whole as i32, parts as i32, tail as i32);
             let (items, ctas) = self.grid_plan((batch, heads, seq_len_q, seq_len_kv), causal);
@@ -1022,7 +1144,8 @@ impl HopperForward {
             l.arg(&maps[0])
                 .arg(&maps[1])
                 .arg(&maps[2])
-                .arg(&mut *o)
+                .arg(&maps[3])
+                .arg(&o_ptr)
                 .arg(&mut *lse)
                 .arg(kv_lens)
                 .arg(&tq)
@@ -1048,15 +1171,17 @@ impl HopperForward {
                     batch as u32,
                 )
             };
-            // SAFETY: `attn_fwd_sm90_ws_d*(TmaMap tq, TmaMap tk, TmaMap tv, u16* O, float* LSE,
-            // const int* kv_lens, int Tq, int Tkv, int H, int KVH, float scale_log2, int
-            // causal, int whole, int parts, float* Opart, float* Lpart, int chunk, int items)`,
+            // SAFETY: `attn_fwd_sm90_ws_d*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap to, u16* O,
+            // float* LSE, const int* kv_lens, int Tq, int Tkv, int H, int KVH, float
+            // scale_log2, int causal, int whole, int parts, float* Opart, float* Lpart, int
+            // chunk, int items)`,
             // 1 + rows / 64 warpgroups a CTA, one CTA per (query tile, head, batch entry) on a
             // (qtiles, H, B) grid, or with a split (parts > 0) one per whole tile or split part
             // on a 1-D grid, or (items > 0, not causal) `ctas` CTAs taking the `items` work
             // items (tiles, or whole tiles and split parts) in turn; the maps describe q, k and v
             // with the shapes checked above (TMA reads inside them only, zero-filling past their
-            // ends), o and lse hold those shapes, kv_lens `batch` entries, Opart and Lpart (with
+            // ends; `to` describes o, which TMA writes inside only), o (`o_ptr`) and lse hold
+            // those shapes, kv_lens `batch` entries, Opart and Lpart (with
             // a split) the rows of `tail * parts` tiles (reserve_tail sized them for this
             // shape); q, k and v stay borrowed, and their read events are recorded on this
             // stream after the launch (the guards above), like the other arguments'.
@@ -1067,6 +1192,8 @@ impl HopperForward {
                     shared_mem_bytes: self.smem,
                 })?
             };
+            // O's write recorded on the stream, after the kernel; the combine borrows o next.
+            drop(o_guard);
             if let (Some(_), Some(combine)) = (plan, self.combine.as_ref()) {
                 let warps = tail * self.version.rows();
                 let mut l = gpu.stream.launch_builder(combine);
