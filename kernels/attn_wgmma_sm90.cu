@@ -637,8 +637,8 @@ __device__ __forceinline__ void fwd_trace(int event) {
 // On an H100 at B4 H8 D128 T4096 the epilogue from registers (32 four-byte stores a thread,
 // eight rows of 16 bytes a warp instruction) took 2.05 us of a CTA's 54.8 and this one 1.28
 // (the trace probe): the forward 2-5 % faster at D128 T2048 to 16384, about 0.3 % at D64, and
-// 0.2-0.3 us slower where one wave of one-tile CTAs has nothing to overlap it with
-// (kernels/TUNING.md). KP_SM90_NO_TMA_STORE (a probe switch) keeps store_rows.
+// 0.14-0.26 us slower where each CTA walks one key tile (kernels/TUNING.md).
+// KP_SM90_NO_TMA_STORE (a probe switch) keeps store_rows.
 #ifdef KP_SM90_NO_TMA_STORE
 #define KP_SM90_TMA_STORE_ON false
 #else

@@ -2187,8 +2187,8 @@ fn event_ms(
 /// from registers (`KP_SM90_NO_TMA_STORE`). Before that the forward's time with each
 /// epilogue, traced, and on the persistent grid with the ping-pong
 /// (`KP_SM90_PERSIST_PINGPONG`), alternated twice; the persistent grid with the ping-pong
-/// checked bit for bit against the default. Printed, not asserted but for that check; run on
-/// the GPU machine with `--ignored`.
+/// checked bit for bit against the default. Printed; asserted: that check, and every CTA
+/// reaching every moment in order. Run on the GPU machine with `--ignored`.
 #[test]
 #[ignore = "a GPU probe (timings printed, not asserted): run it on the GPU machine with --ignored"]
 fn wgmma_forward_trace_probe() {
@@ -2285,6 +2285,18 @@ fn wgmma_forward_trace_probe() {
             let us = |a: u64, z: u64| (z as f64 - a as f64) / 1e3;
             let end = |c: &kernelpages::attention::sm90::FwdCtaTrace| c.ns[6].max(c.ns[7]);
             let unreached = trace.iter().filter(|c| c.ns.contains(&0)).count();
+            // Every CTA of these versions (V3 to V5: every moment recorded) reaches every
+            // moment, in order: start, mbarriers, Q, first S, last P V, stores.
+            assert_eq!(
+                unreached, 0,
+                "B{b} H{h} T{t} D{d} {epilogue}: moments unreached"
+            );
+            assert!(
+                trace.iter().all(|c| [0, 1, 3, 4, 5, 6]
+                    .windows(2)
+                    .all(|w| c.ns[w[0]] <= c.ns[w[1]])),
+                "B{b} H{h} T{t} D{d} {epilogue}: moments out of order"
+            );
             // Gaps between consecutive CTAs on one SM.
             let mut by_sm: std::collections::BTreeMap<u32, Vec<(u64, u64)>> = Default::default();
             for c in &trace {

@@ -696,17 +696,11 @@ fn wgmma_probe_compiles_for_sm_90a() {
     let src = kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, false, false);
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
     wgmma_forwards_fit(&reports);
-    // The probe builds (sm90::HopperForward::with_probe): the trace, and the persistent grid
-    // with the ping-pong.
-    for switch in [
-        kernelpages::attention::sm90::TRACE_DEFINE,
-        "KP_SM90_PERSIST_PINGPONG",
-    ] {
-        let src = format!("#define {switch}\n")
-            + &kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, true, true);
-        let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
-        wgmma_forwards_fit(&reports);
-    }
+    // The trace's probe build (sm90::HopperForward::with_probe).
+    let src = format!("#define {}\n", kernelpages::attention::sm90::TRACE_DEFINE)
+        + &kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, false, true);
+    let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
+    wgmma_forwards_fit(&reports);
 }
 
 /// Every wgmma forward and the probe in `reports` compile without spills, the warp-specialised
@@ -950,21 +944,21 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
         // causal and the non-causal loop, V2 has none), none without it
         // (KP_SM90_FWD_PINGPONG=0), and the wgmma asynchronous in both.
         let src = wgmma_source_with(Some(&name), Dtype::Bf16, false, false);
-        let arrives = |src: &str| {
-            let ptx = kernelpages::gpu::nvrtc_compile("attn_wgmma_sm90.cu", src, "sm_90a").unwrap();
-            ptx.to_src().matches("bar.arrive").count()
-        };
-        let (turns, plain) = (
-            arrives(&wgmma_source_with(Some(&name), Dtype::Bf16, false, true)),
-            arrives(&src),
-        );
+        let default_ptx = ptx_of(&wgmma_source_with(Some(&name), Dtype::Bf16, false, true));
+        let arrives = |ptx: &str| ptx.matches("bar.arrive").count();
+        let (turns, plain) = (arrives(&default_ptx), arrives(&ptx_of(&src)));
         println!(
             "{name}: bar.arrive in the PTX {turns} (default), {plain} (without the ping-pong)"
         );
         let expected = if v == Sm90Version::V2 { 0 } else { 8 };
         assert_eq!(turns, expected, "{name}: the ping-pong's hand-ons");
         // The persistent instantiation (a third copy of the loop) has none of its own.
-        let persistent = arrives(&wgmma_source_with(Some(&name), Dtype::Bf16, true, true));
+        let persistent = arrives(&ptx_of(&wgmma_source_with(
+            Some(&name),
+            Dtype::Bf16,
+            true,
+            true,
+        )));
         assert_eq!(
             persistent, expected,
             "{name}: hand-ons with the persistent grid"
@@ -980,9 +974,7 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
             (24, 4),
         );
         // The epilogue's TMA store of O, gone with its probe switch; the trace's probe build
-        // (sm90::HopperForward::with_probe) compiles, reads the global timer and keeps the
-        // wgmma asynchronous.
-        let default_ptx = ptx_of(&wgmma_source_with(Some(&name), Dtype::Bf16, false, true));
+        // (sm90::HopperForward::with_probe) keeps the wgmma asynchronous.
         let tma_stores = |ptx: &str| ptx.matches("cp.async.bulk.tensor.3d.global.shared").count();
         assert!(
             tma_stores(&default_ptx) > 0,
@@ -997,16 +989,10 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
             0,
             "{name}: KP_SM90_NO_TMA_STORE"
         );
-        let traced = switched(kernelpages::attention::sm90::TRACE_DEFINE);
-        assert!(
-            default_ptx.matches("globaltimer").count() == 0
-                && ptx_of(&traced).contains("globaltimer"),
-            "{name}: the trace only in its probe build"
-        );
         assert_wgmma_asynchronous(
             &format!("{name} (traced)"),
             "attn_wgmma_sm90.cu",
-            &traced,
+            &switched(kernelpages::attention::sm90::TRACE_DEFINE),
             (24, 4),
         );
     }

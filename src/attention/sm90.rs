@@ -659,7 +659,10 @@ pub const TRACE_EVENTS: usize = 8;
 
 /// One CTA of a traced forward launch ([`HopperForward::trace`]): the SM it ran on and, for
 /// each of [`TRACE_EVENTS`] moments, the device's global timer (ns) and the SM's cycle counter
-/// (`clock64`); 0 for a moment the CTA did not reach (a CTA with no key tile has no products).
+/// (`clock64`); 0 for a moment the CTA did not reach (a CTA with no key tile has no products,
+/// and V2, which does not overlap within a warpgroup, records neither its first S nor its last
+/// P V). The stores' moment comes after the TMA store's read of shared memory where O leaves
+/// that way, after the stores' issue where it leaves from registers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FwdCtaTrace {
     /// `%smid`.
@@ -739,32 +742,45 @@ impl HopperForward {
         Ok(f)
     }
 
-    /// The trace of the last launch of a forward built [`HopperForward::with_probe`] with
-    /// [`TRACE_DEFINE`]: its first `ctas` CTAs (at most [`TRACE_CTAS`]; numbered x fastest,
-    /// then y, then z), once the launch has finished (waits for the stream). The trace is
-    /// cleared after reading, so a moment a later launch does not reach reads 0.
+    /// The trace a forward built [`HopperForward::with_probe`] with [`TRACE_DEFINE`] recorded
+    /// since the last read: each moment holds the last launch that reached it (one launch
+    /// between reads gives that launch's trace). Its first `ctas` CTAs (at most
+    /// [`TRACE_CTAS`]; numbered x fastest, then y, then z), once the launches have finished
+    /// (waits for the stream); cleared after reading. Only CTAs of one query tile each record:
+    /// launches on the persistent grid leave the trace as it was.
     ///
     /// # Errors
-    /// [`GpuError::Config`] for a forward built without the trace or `ctas` past
-    /// [`TRACE_CTAS`]; the driver's.
+    /// [`GpuError::Config`] for a forward built without the trace (its module has no
+    /// `kp_fwd_trace`), `ctas` past [`TRACE_CTAS`] or a trace whose size disagrees with
+    /// [`TRACE_CTAS`] and [`TRACE_EVENTS`]; the driver's.
     pub fn trace(&self, gpu: &Gpu, ctas: usize) -> Result<Vec<FwdCtaTrace>, GpuError> {
         if ctas > TRACE_CTAS {
             return Err(GpuError::Config(format!(
                 "the forward's trace holds {TRACE_CTAS} CTAs, not {ctas}"
             )));
         }
-        let missing = |_| {
-            GpuError::Config(format!(
-                "this wgmma forward was built without its trace ({TRACE_DEFINE})"
-            ))
-        };
-        let words = |name: &str| -> Result<Vec<u8>, GpuError> {
-            let mut view = self.module.get_global(name, &gpu.stream).map_err(missing)?;
-            let bytes = gpu.stream.clone_dtoh(&view)?;
+        let words = |name: &str, bytes: usize| -> Result<Vec<u8>, GpuError> {
+            let mut view = self
+                .module
+                .get_global(name, &gpu.stream)
+                .map_err(|e| match e.0 {
+                    sys::CUresult::CUDA_ERROR_NOT_FOUND => GpuError::Config(format!(
+                        "this wgmma forward was built without its trace ({TRACE_DEFINE})"
+                    )),
+                    _ => GpuError::Driver(e),
+                })?;
+            let got = gpu.stream.clone_dtoh(&view)?;
+            if got.len() != bytes {
+                return Err(GpuError::Config(format!(
+                    "the forward's {name} holds {} bytes, not {bytes}",
+                    got.len()
+                )));
+            }
             gpu.stream.memset_zeros(&mut view)?;
-            Ok(bytes)
+            Ok(got)
         };
-        let (times, sms) = (words("kp_fwd_trace")?, words("kp_fwd_trace_sm")?);
+        let times = words("kp_fwd_trace", 8 * TRACE_CTAS * 2 * TRACE_EVENTS)?;
+        let sms = words("kp_fwd_trace_sm", 4 * TRACE_CTAS)?;
         let u64_at =
             |i: usize| u64::from_le_bytes(times[8 * i..8 * i + 8].try_into().expect("8 bytes"));
         Ok((0..ctas)
@@ -2307,6 +2323,13 @@ mod tests {
     #[test]
     fn the_combine_takes_as_many_parts_as_the_host_splits_into() {
         assert!(WGMMA_SRC.contains(&format!("#define KP_TAIL_MAX_PARTS {TAIL_MAX_PARTS}\n")));
+    }
+
+    #[test]
+    fn the_trace_reader_and_the_kernel_agree_on_its_size() {
+        assert!(WGMMA_SRC.contains(&format!("#define KP_TRACE_CTAS {TRACE_CTAS}\n")));
+        assert!(WGMMA_SRC.contains(&format!("#define KP_TRACE_EVENTS {TRACE_EVENTS}\n")));
+        assert!(WGMMA_SRC.contains(&format!("#ifdef {TRACE_DEFINE}\n")));
     }
 
     #[test]
