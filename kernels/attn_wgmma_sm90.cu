@@ -561,7 +561,8 @@ __device__ __forceinline__ void store_rows_f32(const float (&o)[1][DT][4], const
 // FlashAttention-3's ping-pong between the consumer warpgroups (Shah et al., 2024, section
 // 3.1), in the versions with the intra-warpgroup overlap (PIPE) unless the source defines
 // KP_SM90_NO_PINGPONG (sm90::PINGPONG_ENV = 0, for timing against the kernel without it; on an
-// H100 the ping-pong saved 1-15 % of the forward's time, kernels/TUNING.md): the consumers take turns to issue their wgmma, consumer c waiting on named barrier
+// H100 the ping-pong saved 1-15 % of the forward's time, kernels/TUNING.md): the consumers
+// take turns to issue their wgmma, consumer c waiting on named barrier
 // 1 + c and then arriving on the next one's, so one consumer's softmax runs while the tensor
 // cores work on another's products rather than as the warp schedulers happen to interleave
 // them. Each consumer of a CTA issues the same n_kt + 1 times (S of tile 0, then S of tile j
@@ -1047,16 +1048,16 @@ __device__ __forceinline__ void fwd_tail_combine(const float* __restrict__ Opart
              int parts, float* Opart, float* Lpart, int chunk, int items) {                 \
         if (causal)                                                                         \
             attn_fwd_sm90_ws<D, WS_BC, ST, NC, true, PIPE, false>(                          \
-                &tq, &tk, &tv, &to, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole,   \
-                parts, Opart, Lpart, chunk, 0);                                                    \
+                &tq, &tk, &tv, &to, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole,    \
+                parts, Opart, Lpart, chunk, 0);                                             \
         else if (KP_SM90_PERSIST_ON && items > 0)                                           \
             attn_fwd_sm90_ws<D, WS_BC, ST, NC, false, PIPE, KP_SM90_PERSIST_ON>(            \
-                &tq, &tk, &tv, &to, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole,   \
-                parts, Opart, Lpart, chunk, items);                                                \
+                &tq, &tk, &tv, &to, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole,    \
+                parts, Opart, Lpart, chunk, items);                                         \
         else                                                                                \
             attn_fwd_sm90_ws<D, WS_BC, ST, NC, false, PIPE, false>(                         \
-                &tq, &tk, &tv, &to, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole,   \
-                parts, Opart, Lpart, chunk, 0);                                                    \
+                &tq, &tk, &tv, &to, O, LSE, kv_lens, Tq, Tkv, H, KVH, scale_log2, whole,    \
+                parts, Opart, Lpart, chunk, 0);                                             \
     }                                                                                       \
     extern "C" __global__ void __launch_bounds__(256)                                       \
         NAME##_combine(const float* Opart, const float* Lpart, u16* O, float* LSE, int whole, \

@@ -2087,7 +2087,6 @@ fn wgmma_forward_waves_probe() {
     };
     let sms = gpu.sm_count().unwrap();
     let (b, h) = (4usize, 8usize);
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let d64: &[usize] = &[3840, 3968, 4032, 4096, 4160, 4224, 4352, 8192];
     for (version, d, lens) in [
         (Sm90Version::V3, 64usize, d64),
@@ -2112,20 +2111,7 @@ fn wgmma_forward_waves_probe() {
                 if split && plan.is_none() {
                     continue;
                 }
-                let mut run = || bufs.launch(gpu, &mut fwd, causal);
-                for _ in 0..5 {
-                    run();
-                }
-                let (e0, e1) = (
-                    gpu.ctx.new_event(flags).unwrap(),
-                    gpu.ctx.new_event(flags).unwrap(),
-                );
-                e0.record(&gpu.stream).unwrap();
-                for _ in 0..20 {
-                    run();
-                }
-                e1.record(&gpu.stream).unwrap();
-                let ms = f64::from(e0.elapsed_ms(&e1).unwrap()) / 20.0;
+                let ms = event_ms(gpu, &mut fwd, &mut bufs, causal);
                 let flops = 4.0 * (b * h * t * t * d) as f64 / if causal { 2.0 } else { 1.0 };
                 let ctas = t.div_ceil(version.rows()) * b * h;
                 println!(
