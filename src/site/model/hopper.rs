@@ -103,15 +103,18 @@ pub fn device_lines(docs: &[Loaded]) -> Vec<DeviceLine> {
     lines.into_iter().map(|(_, l)| l).collect()
 }
 
-/// Best throughput per implementation in one suite on Hopper.
+/// Best throughput per implementation in one suite on one Hopper device.
 #[derive(Debug, Serialize)]
 pub struct HopperSuite {
     /// Suite title.
     pub title: String,
     /// Anchor (the suite's snake_case name).
     pub anchor: String,
-    /// Devices.
+    /// The device of this section's documents, with its compute capability (a suite
+    /// measured on several Hopper cards has a section per card).
     pub devices: String,
+    /// The commits its documents were measured at (short hashes, comma-separated).
+    pub commits: String,
     /// Unit of the throughput ranked by (the first the documents declare), or empty when they
     /// declare none (the fastest median then ranks).
     pub unit: String,
@@ -366,6 +369,30 @@ fn portable_gains(
     out
 }
 
+/// A device name without its vendor prefix (`H200` for `NVIDIA H200`).
+fn short_name(name: &str) -> &str {
+    name.strip_prefix("NVIDIA ").unwrap_or(name)
+}
+
+/// `name` reduced to lowercase letters, digits and `-`, for anchors and file names
+/// (`nvidia-h100-80gb-hbm3`).
+fn slug(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars() {
+        if c.is_ascii_alphanumeric() {
+            out.push(c.to_ascii_lowercase());
+        } else if !out.is_empty() && !out.ends_with('-') {
+            out.push('-');
+        }
+    }
+    out.trim_end_matches('-').to_string()
+}
+
+/// The first 7 characters of a commit hash (all of a shorter one).
+fn short_commit(commit: &str) -> String {
+    commit.chars().take(7).collect()
+}
+
 /// The page's title, naming the Hopper devices present (`Hopper (H200)`); `None` when no
 /// document comes from one, and then there is no page.
 pub fn title(docs: &[Loaded]) -> Option<String> {
@@ -416,89 +443,106 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
     let mut suites = Vec::new();
     let mut charts = Vec::new();
     for suite in Suite::ALL {
-        let in_suite: Vec<&&Loaded> = hopper.iter().filter(|l| l.doc.suite == suite).collect();
-        let Some(first) = in_suite.first() else {
-            continue;
-        };
-        let decl = first.doc.config.throughput.first();
-        let devices: BTreeSet<String> = in_suite.iter().map(|l| device_label(&l.doc)).collect();
-        // Higher is better for a throughput; for a bare median, lower is.
-        let score = |r: &Row| -> Option<f64> {
-            match decl {
-                Some(d) => throughput(r, d),
-                None => r.median_ms.map(|m| -m),
-            }
-        };
-        let mut by_impl: BTreeMap<&str, Tally<'_>> = BTreeMap::new();
-        for l in &in_suite {
-            for r in &l.doc.rows {
-                let e = by_impl
-                    .entry(r.implementation.as_str())
-                    .or_insert((None, 0, 0, r));
-                e.2 += 1;
-                if r.status == Status::Ok {
-                    e.1 += 1;
-                    if let Some(v) = score(r) {
-                        if e.0.is_none_or(|(b, _)| v > b) {
-                            e.0 = Some((v, r));
+        let of_suite: Vec<&&Loaded> = hopper.iter().filter(|l| l.doc.suite == suite).collect();
+        // One section per device: a best row, a dispatch rule or a gain is a fact about one
+        // card (and one run), never a pooled one.
+        let names: BTreeSet<&str> = of_suite
+            .iter()
+            .map(|l| l.doc.device.name.as_str())
+            .collect();
+        let several = names.len() > 1;
+        for name in names {
+            let in_suite: Vec<&&Loaded> = of_suite
+                .iter()
+                .copied()
+                .filter(|l| l.doc.device.name == name)
+                .collect();
+            let first = in_suite[0];
+            let decl = first.doc.config.throughput.first();
+            // With several Hopper cards in one suite, anchors and figure names carry the card's.
+            let tag = if several {
+                format!("{}-{}", suite.as_str(), slug(name))
+            } else {
+                suite.as_str().to_string()
+            };
+            // Higher is better for a throughput; for a bare median, lower is.
+            let score = |r: &Row| -> Option<f64> {
+                match decl {
+                    Some(d) => throughput(r, d),
+                    None => r.median_ms.map(|m| -m),
+                }
+            };
+            let mut by_impl: BTreeMap<&str, Tally<'_>> = BTreeMap::new();
+            for l in &in_suite {
+                for r in &l.doc.rows {
+                    let e = by_impl
+                        .entry(r.implementation.as_str())
+                        .or_insert((None, 0, 0, r));
+                    e.2 += 1;
+                    if r.status == Status::Ok {
+                        e.1 += 1;
+                        if let Some(v) = score(r) {
+                            if e.0.is_none_or(|(b, _)| v > b) {
+                                e.0 = Some((v, r));
+                            }
                         }
                     }
                 }
             }
-        }
-        let mut implementations: Vec<HopperImpl> = by_impl
-            .into_iter()
-            .map(|(name, (best, ok, total, any))| HopperImpl {
-                name: name.to_string(),
-                library: any.library.clone(),
-                is_default: any.default,
-                best: best
-                    .map(|(v, _)| format::sig(v.abs(), 3))
-                    .unwrap_or_else(|| "—".to_string()),
-                best_case: best
-                    .map(|(_, b)| crate::load::case_label(&b.case))
-                    .unwrap_or_else(|| "—".to_string()),
-                rows_ok: format!("{ok} / {total}"),
-            })
-            .collect();
-        implementations.sort_by(|a, b| {
-            b.is_default
-                .cmp(&a.is_default)
-                .then_with(|| a.name.cmp(&b.name))
-        });
-        let mut rules: Vec<HopperRule> = Vec::new();
-        for r in in_suite
-            .iter()
-            .flat_map(|l| l.doc.config.dispatch.iter())
-            .filter(|r| is_hopper_rule(r))
-        {
-            let rule = HopperRule {
-                entry_point: r.entry_point.clone(),
-                device: r.device.clone(),
-                dtype: r.dtype.clone(),
-                rule: r.rule.clone(),
-                implementation: r.implementation.clone(),
-            };
-            if !rules.contains(&rule) {
-                rules.push(rule);
+            let mut implementations: Vec<HopperImpl> = by_impl
+                .into_iter()
+                .map(|(name, (best, ok, total, any))| HopperImpl {
+                    name: name.to_string(),
+                    library: any.library.clone(),
+                    is_default: any.default,
+                    best: best
+                        .map(|(v, _)| format::sig(v.abs(), 3))
+                        .unwrap_or_else(|| "—".to_string()),
+                    best_case: best
+                        .map(|(_, b)| crate::load::case_label(&b.case))
+                        .unwrap_or_else(|| "—".to_string()),
+                    rows_ok: format!("{ok} / {total}"),
+                })
+                .collect();
+            implementations.sort_by(|a, b| {
+                b.is_default
+                    .cmp(&a.is_default)
+                    .then_with(|| a.name.cmp(&b.name))
+            });
+            let mut rules: Vec<HopperRule> = Vec::new();
+            for r in in_suite
+                .iter()
+                .flat_map(|l| l.doc.config.dispatch.iter())
+                .filter(|r| is_hopper_rule(r))
+            {
+                let rule = HopperRule {
+                    entry_point: r.entry_point.clone(),
+                    device: r.device.clone(),
+                    dtype: r.dtype.clone(),
+                    rule: r.rule.clone(),
+                    implementation: r.implementation.clone(),
+                };
+                if !rules.contains(&rule) {
+                    rules.push(rule);
+                }
             }
-        }
-        let unit = decl.map(|d| d.unit.clone()).unwrap_or_default();
-        let mut gains = Vec::new();
-        for (mut g, bars) in portable_gains(
-            &in_suite,
-            &score,
-            if unit.is_empty() { "ms" } else { &unit },
-        ) {
-            if !bars.is_empty() {
-                let file = format!("figures/hopper-{}-{}.svg", suite.as_str(), g.implementation);
-                let title = format!(
-                    "{} time ÷ {} time, {}",
-                    g.portable,
-                    g.implementation,
-                    suite.title()
-                );
-                let desc = format!(
+            let unit = decl.map(|d| d.unit.clone()).unwrap_or_default();
+            let mut gains = Vec::new();
+            for (mut g, bars) in portable_gains(
+                &in_suite,
+                &score,
+                if unit.is_empty() { "ms" } else { &unit },
+            ) {
+                if !bars.is_empty() {
+                    let file = format!("figures/hopper-{tag}-{}.svg", g.implementation);
+                    let title = format!(
+                        "{} time ÷ {} time, {}, {}",
+                        g.portable,
+                        g.implementation,
+                        suite.title(),
+                        short_name(name)
+                    );
+                    let desc = format!(
                     "Horizontal bars on a log scale, one per case where both ran: {}. A bar right \
                      of 1 means {} (the device-specific kernel) is faster; a whisker spans the \
                      ratio's range from the two implementations' quartiles.",
@@ -508,39 +552,51 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
                         .join("; "),
                     g.implementation
                 );
-                g.figure = Some(FigureRef {
-                    src: format!("{}{file}", layout.base),
-                    alt: desc.clone(),
-                });
-                charts.push(GlanceChart {
-                    file,
-                    title,
-                    desc,
-                    bars,
-                    words: RatioWords {
-                        axis: format!(
-                            "{} time ÷ {} time (log scale)",
-                            g.portable, g.implementation
-                        ),
-                        left: format!("← {} faster", g.portable),
-                        right: format!("{} faster →", g.implementation),
-                        above: format!("{} faster (ratio above 1)", g.implementation),
-                        below: format!("{} faster (ratio below 1)", g.portable),
-                        crosses: false,
-                    },
-                });
+                    g.figure = Some(FigureRef {
+                        src: format!("{}{file}", layout.base),
+                        alt: desc.clone(),
+                    });
+                    charts.push(GlanceChart {
+                        file,
+                        title,
+                        desc,
+                        bars,
+                        words: RatioWords {
+                            axis: format!(
+                                "{} time ÷ {} time (log scale)",
+                                g.portable, g.implementation
+                            ),
+                            left: format!("← {} faster", g.portable),
+                            right: format!("{} faster →", g.implementation),
+                            above: format!("{} faster (ratio above 1)", g.implementation),
+                            below: format!("{} faster (ratio below 1)", g.portable),
+                            crosses: false,
+                        },
+                    });
+                }
+                gains.push(g);
             }
-            gains.push(g);
+            suites.push(HopperSuite {
+                title: if several {
+                    format!("{} on the {}", suite.title(), short_name(name))
+                } else {
+                    suite.title().to_string()
+                },
+                anchor: tag,
+                devices: device_label(&first.doc),
+                commits: in_suite
+                    .iter()
+                    .map(|l| short_commit(&l.doc.config.git_commit))
+                    .collect::<BTreeSet<_>>()
+                    .into_iter()
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                unit,
+                implementations,
+                rules,
+                gains,
+            });
         }
-        suites.push(HopperSuite {
-            title: suite.title().to_string(),
-            anchor: suite.as_str().to_string(),
-            devices: devices.into_iter().collect::<Vec<_>>().join(", "),
-            unit,
-            implementations,
-            rules,
-            gains,
-        });
     }
     HopperPage {
         layout,
@@ -734,6 +790,69 @@ mod tests {
             Some("flash_sm80")
         );
         assert_eq!(portable_counterpart("flash_sm80", &with_suffix, &[]), None);
+    }
+
+    #[test]
+    fn each_hopper_card_gets_its_own_section_anchor_and_figure() {
+        let mut h200 = with_portable_rows();
+        h200.doc.device.name = "NVIDIA H200".into();
+        let mut h100 = with_portable_rows();
+        h100.doc.device.name = "NVIDIA H100 80GB HBM3".into();
+        // The H100's flash twice as fast as the H200's: a pooled table would show its best.
+        for r in h100
+            .doc
+            .rows
+            .iter_mut()
+            .filter(|r| r.implementation == "flash")
+        {
+            r.median_ms = r.median_ms.map(|m| m / 2.0);
+        }
+        let layout = super::super::Layout {
+            title: String::new(),
+            file: "hopper.html".into(),
+            base: String::new(),
+            nav: Vec::new(),
+            nav_unmeasured: Vec::new(),
+            has_data: true,
+            toc: Vec::new(),
+            hand_written: false,
+            defaults_href: String::new(),
+            tuning_href: None,
+        };
+        let docs = [h100.clone(), h200.clone()];
+        let page = hopper_page(&docs, &docs, layout.clone());
+        let anchors: Vec<&str> = page.suites.iter().map(|s| s.anchor.as_str()).collect();
+        assert_eq!(
+            anchors,
+            ["attention-nvidia-h100-80gb-hbm3", "attention-nvidia-h200"]
+        );
+        assert_eq!(page.suites[0].title, "Attention on the H100 80GB HBM3");
+        assert!(page.suites[1].devices.starts_with("NVIDIA H200 "));
+        let best = |i: usize| {
+            page.suites[i]
+                .implementations
+                .iter()
+                .find(|x| x.name == "flash")
+                .map(|x| x.best.clone())
+                .expect("flash")
+        };
+        assert_ne!(best(0), best(1), "each card's own best row");
+        // The H100's flash is 4x its portable kernel, the H200's 2x: never pooled.
+        assert!(page.suites[0].gains[0]
+            .cases
+            .iter()
+            .all(|c| c.gain == "4.00×"));
+        assert!(page.suites[1].gains[0]
+            .cases
+            .iter()
+            .all(|c| c.gain == "2.00×"));
+        let files: BTreeSet<&str> = page.charts.iter().map(|c| c.file.as_str()).collect();
+        assert_eq!(files.len(), 2, "{files:?}");
+        // One card alone keeps the suite's plain anchor and figure name.
+        let page = hopper_page(&docs[1..], &docs[1..], layout);
+        assert_eq!(page.suites[0].anchor, "attention");
+        assert_eq!(page.suites[0].title, "Attention");
+        assert_eq!(page.charts[0].file, "figures/hopper-attention-flash.svg");
     }
 
     #[test]
