@@ -612,6 +612,47 @@ fn gpu_device_names_the_card_the_documents_were_measured_on() {
     assert_eq!(prefer("Third GPU"), ["[]"]);
 }
 
+/// `gpu_cards` lists every card a suite has GPU documents on, sorted (empty without any), and
+/// `commits` the commits of the documents a device picks: what the attention prose says when
+/// its tables show several cards.
+#[test]
+fn gpu_cards_and_commits_name_every_card_and_its_commit() {
+    let docs = fixture_docs();
+    let card = docs
+        .iter()
+        .find(|l| {
+            l.doc.suite.as_str() == "attention"
+                && l.doc.device.kind == kernelpages::schema::DeviceKind::Gpu
+        })
+        .expect("the fixture has a GPU attention document")
+        .clone();
+    let src = format!(
+        r#"- [{{{{ gpu_cards(suite="attention") }}}}]
+- [{{{{ commits(suite="attention", device="{}") }}}}]
+- [{{{{ commits(suite="attention", device="A second card") }}}}]"#,
+        card.doc.device.name
+    );
+    let mut two = docs.clone();
+    let mut other = card.clone();
+    other.doc.device.name = "A second card".into();
+    other.doc.config.git_commit = "0123456789abcdef".into();
+    two.push(other);
+    let short: String = card.doc.config.git_commit.chars().take(7).collect();
+    assert_eq!(
+        items(&two, &src),
+        [
+            format!("[A second card, {}]", card.doc.device.name),
+            format!("[{short}]"),
+            "[0123456]".to_string(),
+        ]
+    );
+    let cpu_only: Vec<Loaded> = docs.iter().map(|l| as_cpu(l, "Test CPU")).collect();
+    assert_eq!(
+        items(&cpu_only, r#"- [{{ gpu_cards(suite="attention") }}]"#),
+        ["[]"]
+    );
+}
+
 /// `failed` is true exactly when a row that did not run (of the implementation, kept by the
 /// where-clause) has the status and a message with the text: false on the fixture, true once
 /// one flash row becomes an `error` with that message, and still false for another

@@ -42,6 +42,11 @@
 //!   names separated by `;`, in order of preference; `*` for any card), the first of them the
 //!   suite has documents on, or empty: the curated prose names the cards it was written for,
 //!   and follows a rerun on any of them (`among="*"` says whether there is a GPU document).
+//! - `gpu_cards(suite)`: the names of every card the suite has GPU documents on (of the run
+//!   kind `kind` picks), sorted, joined with `, `; empty when there are none: to say which card
+//!   the sentences follow where the tables show several.
+//! - `commits(suite, device?)`: the commits (7-character hashes, sorted, joined with `, `) of
+//!   the documents picked: to say which code measured the rows a sentence is about.
 //! - `failed(suite, text?, status?, where?, implementation?, every?)`: whether a row that did
 //!   not run (of that implementation, among those the where-clause keeps) has that status and
 //!   a message containing `text`, or with `every=true` whether every row kept is such a row:
@@ -237,6 +242,8 @@ pub fn render_prose_after(
     register(&mut tera, "launch_bound", &data, &failures, launch_bound);
     register(&mut tera, "cpu_device", &data, &failures, cpu_device);
     register(&mut tera, "gpu_device", &data, &failures, gpu_device);
+    register(&mut tera, "gpu_cards", &data, &failures, gpu_cards);
+    register(&mut tera, "commits", &data, &failures, commits);
     register(&mut tera, "failed", &data, &failures, failed);
     register(&mut tera, "dispatch_says", &data, &failures, dispatch_says);
     register(
@@ -920,6 +927,45 @@ fn device_of_kind(docs: &[Loaded], args: &Args, kind: DeviceKind) -> Result<Valu
             names.into_iter().collect::<Vec<_>>().join(", ")
         )),
     }
+}
+
+/// `gpu_cards(suite, kind?)`: every card name of the suite's GPU documents of the run kind,
+/// sorted and joined with `, ` (empty when there are none).
+fn gpu_cards(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "kind"])?;
+    let name = args.need("suite")?;
+    if !Suite::ALL.iter().any(|s| s.as_str() == name) {
+        return Err(format!("unknown suite `{name}`"));
+    }
+    let run = run_kind(args)?;
+    let names: std::collections::BTreeSet<&str> = docs
+        .iter()
+        .filter(|l| {
+            l.doc.suite.as_str() == name
+                && l.doc.device.kind == DeviceKind::Gpu
+                && l.doc.config.kind == run
+        })
+        .map(|l| l.doc.device.name.as_str())
+        .collect();
+    Ok(Value::from(
+        names.into_iter().collect::<Vec<_>>().join(", "),
+    ))
+}
+
+/// `commits(suite, device?, kind?)`: the short commits of the documents picked, sorted and
+/// joined with `, `.
+///
+/// Errors: no such document.
+fn commits(docs: &[Loaded], args: &Args) -> Result<Value, String> {
+    args.only(&["suite", "device", "kind"])?;
+    let picked = suite_docs(docs, args)?;
+    let hashes: std::collections::BTreeSet<String> = picked
+        .iter()
+        .map(|l| l.doc.config.git_commit.chars().take(7).collect())
+        .collect();
+    Ok(Value::from(
+        hashes.into_iter().collect::<Vec<_>>().join(", "),
+    ))
 }
 
 /// Whether a row that did not run, of `implementation` among those the where-clause keeps,

@@ -276,9 +276,12 @@ fn portable_gains(
             continue;
         };
         let portable = portable.as_str();
-        let mut cases = Vec::new();
         let mut gains = Vec::new();
-        let mut bars = Vec::new();
+        // Per case: its parameters as sort keys (numbers numerically), its table line and its
+        // bar; the table and the chart list the cases in that order, not in the documents'
+        // (shard) order.
+        type Key = Vec<(String, super::groups::ParamKey)>;
+        let mut entries: Vec<(Key, GainCase, GlanceBar)> = Vec::new();
         let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
         for l in docs {
             let by_case: BTreeMap<String, &Row> = l
@@ -326,24 +329,33 @@ fn portable_gains(
                     }
                     _ => None,
                 };
-                bars.push(GlanceBar {
-                    label: crate::load::case_label(&p.case),
-                    outcome: BarOutcome::Ratio { ratio: gain, range },
-                });
-                cases.push(GainCase {
-                    case: crate::load::case_label(&p.case),
-                    specific: format::sig(vb.abs(), 3),
-                    portable: format::sig(vp.abs(), 3),
-                    gain: format!("{}×", format::sig(gain, 3)),
-                });
+                entries.push((
+                    p.case
+                        .iter()
+                        .map(|(k, v)| (k.clone(), super::groups::param_key(v)))
+                        .collect(),
+                    GainCase {
+                        case: crate::load::case_label(&p.case),
+                        specific: format::sig(vb.abs(), 3),
+                        portable: format::sig(vp.abs(), 3),
+                        gain: format!("{}×", format::sig(gain, 3)),
+                    },
+                    GlanceBar {
+                        label: crate::load::case_label(&p.case),
+                        outcome: BarOutcome::Ratio { ratio: gain, range },
+                    },
+                ));
             }
         }
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        let (cases, bars): (Vec<GainCase>, Vec<GlanceBar>) =
+            entries.into_iter().map(|(_, c, b)| (c, b)).unzip();
         let summary = match (
             gains.iter().copied().reduce(f64::min),
             gains.iter().copied().reduce(f64::max),
         ) {
             (Some(lo), Some(hi)) => format!(
-                "{base} is {}–{}× as fast as its portable kernel over {} cases measured in the same run",
+                "{base} is {}–{}× as fast as its portable kernel over {} cases, each pair measured in the same run",
                 format::sig(lo, 3),
                 format::sig(hi, 3),
                 gains.len()
@@ -798,6 +810,8 @@ mod tests {
         h200.doc.device.name = "NVIDIA H200".into();
         let mut h100 = with_portable_rows();
         h100.doc.device.name = "NVIDIA H100 80GB HBM3".into();
+        // Rows in reverse (shard-like) order: the page sorts the cases.
+        h100.doc.rows.reverse();
         // The H100's flash twice as fast as the H200's: a pooled table would show its best.
         for r in h100
             .doc
@@ -846,6 +860,24 @@ mod tests {
             .cases
             .iter()
             .all(|c| c.gain == "2.00×"));
+        // Cases in order of their parameters, seq_len numerically (not the documents' order).
+        let lens: Vec<i64> = page.suites[0].gains[0]
+            .cases
+            .iter()
+            .filter(|c| c.case.contains("head_dim=64") && c.case.contains("causal=false"))
+            .map(|c| {
+                let at = c.case.find("seq_len=").expect("seq_len") + "seq_len=".len();
+                c.case[at..]
+                    .split(',')
+                    .next()
+                    .and_then(|v| v.trim().parse().ok())
+                    .expect("a length")
+            })
+            .collect();
+        assert!(
+            lens.len() > 1 && lens.windows(2).all(|w| w[0] < w[1]),
+            "{lens:?}"
+        );
         let files: BTreeSet<&str> = page.charts.iter().map(|c| c.file.as_str()).collect();
         assert_eq!(files.len(), 2, "{files:?}");
         // One card alone keeps the suite's plain anchor and figure name.

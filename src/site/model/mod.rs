@@ -126,14 +126,17 @@ pub fn reproduce_command(l: &Loaded) -> String {
 /// command that builds the site, pages and figures, from them.
 pub(crate) fn reproduce_commands<'a>(docs: impl Iterator<Item = &'a Loaded>) -> Vec<CommandView> {
     docs.map(|l| CommandView {
-        label: match python_packages(l) {
-            Some(p) => format!(
-                "{} ({}; its comparisons ran with {p})",
-                l.file_name(),
-                l.doc.suite.title()
-            ),
-            None => format!("{} ({})", l.file_name(), l.doc.suite.title()),
-        },
+        // The card and the commit: two runs of one suite on two cards differ in both.
+        label: format!(
+            "{} ({}, on the {} at commit {}{})",
+            l.file_name(),
+            l.doc.suite.title(),
+            l.doc.device.name,
+            l.doc.config.git_commit.chars().take(7).collect::<String>(),
+            python_packages(l)
+                .map(|p| format!("; its comparisons ran with {p}"))
+                .unwrap_or_default()
+        ),
         command: reproduce_command(l),
     })
     .chain(std::iter::once(CommandView {

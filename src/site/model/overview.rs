@@ -245,7 +245,7 @@ pub struct TimingView {
 /// One dispatch rule with its document.
 #[derive(Debug, Serialize)]
 pub struct DispatchView {
-    /// Data file.
+    /// Data file, with the card and the commit it was measured at.
     pub file: String,
     /// Entry point.
     pub entry_point: String,
@@ -569,7 +569,13 @@ pub fn index_page(
             .iter()
             .flat_map(|l| {
                 l.doc.config.dispatch.iter().map(|d| DispatchView {
-                    file: l.file_name(),
+                    // The card and commit: each run records the rules of its own code.
+                    file: format!(
+                        "{} ({}, commit {})",
+                        l.file_name(),
+                        l.doc.device.name,
+                        l.doc.config.git_commit.chars().take(7).collect::<String>()
+                    ),
                     entry_point: d.entry_point.clone(),
                     device: d.device.clone(),
                     dtype: d.dtype.clone(),

@@ -61,6 +61,12 @@ pub struct DocSection {
     pub cell_legend: String,
     /// Set when shards of the run are not in the data folder: which, and what that leaves out.
     pub incomplete: Option<String>,
+    /// The commit the run measured (short): two cards' runs may differ in it.
+    pub commit: String,
+    /// Implementations the suite's other documents of the same kind of run, on a device of the
+    /// same kind (GPU or CPU), have rows of and this run has none of (it did not compare them: its command says why), sorted: a column
+    /// missing from these tables is not a row that failed.
+    pub not_run: Vec<String>,
     /// Groups of rows sharing every parameter but the x parameter.
     pub groups: Vec<GroupView>,
 }
@@ -314,10 +320,32 @@ pub fn suite_section(
     figures: &mut Vec<FigureSpec>,
     charts: &mut Vec<GlanceChart>,
 ) -> SuiteSection {
-    let documents: Vec<DocSection> = docs
+    let of_suite: Vec<&Loaded> = docs
         .iter()
         .filter(|l| l.doc.suite == suite && !l.doc.rows.is_empty())
-        .map(|l| doc_section(l, base, colours, figures, charts))
+        .collect();
+    let documents: Vec<DocSection> = of_suite
+        .iter()
+        .map(|l| {
+            let mut d = doc_section(l, base, colours, figures, charts);
+            let names = |l: &Loaded| -> BTreeSet<String> {
+                l.doc
+                    .rows
+                    .iter()
+                    .map(|r| r.implementation.clone())
+                    .collect()
+            };
+            let own = names(l);
+            let elsewhere: BTreeSet<String> = of_suite
+                .iter()
+                .filter(|o| {
+                    o.doc.config.kind == l.doc.config.kind && o.doc.device.kind == l.doc.device.kind
+                })
+                .flat_map(|o| names(o))
+                .collect();
+            d.not_run = elsewhere.difference(&own).cloned().collect();
+            d
+        })
         .collect();
     SuiteSection {
         title: suite.title().to_string(),
@@ -385,11 +413,25 @@ fn doc_section(
         .iter()
         .zip(&family_of)
         .map(|(g, family)| {
-            let impls: Vec<ImplHeader> = impls
+            // The default is the group's: an implementation the dispatch picks for some other
+            // cases of the document (math for fp32) is not the default of these.
+            let mut impls: Vec<ImplHeader> = impls
                 .iter()
                 .filter(|h| families.get(h.name.as_str()) == Some(family))
                 .cloned()
+                .map(|mut h| {
+                    h.is_default = g
+                        .by_x
+                        .values()
+                        .any(|(_, by)| by.get(h.name.as_str()).is_some_and(|r| r.default));
+                    h
+                })
                 .collect();
+            impls.sort_by(|a, b| {
+                b.is_default
+                    .cmp(&a.is_default)
+                    .then_with(|| a.name.cmp(&b.name))
+            });
             let id = group_id(loaded, g);
             // A case measured at one size has no line to draw: it joins the table of such cases.
             let single = g.by_x.len() < 2;
@@ -521,6 +563,8 @@ fn doc_section(
         },
         cell_legend: legend.join(" · "),
         incomplete: incomplete_run(loaded),
+        commit: doc.config.git_commit.chars().take(7).collect(),
+        not_run: Vec::new(),
         groups,
     }
 }
@@ -1353,4 +1397,81 @@ fn figure_spec(
         reference_lines,
         log_y: metric.log_y(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fixture with `math` the default at head_dim 128 (as the dispatch picks it for fp32
+    /// in the real grid) and `flash` the default at 64.
+    fn two_defaults() -> Loaded {
+        let mut doc: Document = serde_json::from_str(include_str!(
+            "../../../tests/fixtures/valid/gpu_attention.json"
+        ))
+        .expect("fixture");
+        for r in &mut doc.rows {
+            let d128 = r.case.get("head_dim") == Some(&crate::schema::Param::Int(128));
+            match r.implementation.as_str() {
+                "flash" => r.default = !d128,
+                "math" => r.default = d128,
+                _ => {}
+            }
+        }
+        Loaded::new("gpu_attention.json".into(), doc)
+    }
+
+    #[test]
+    fn a_run_names_the_alternatives_it_did_not_compare() {
+        let full = two_defaults();
+        let mut fewer = two_defaults();
+        fewer.doc.device.name = "Another card".into();
+        fewer.doc.rows.retain(|r| r.implementation != "torch_math");
+        let mut cpu = two_defaults();
+        cpu.doc.device.kind = crate::schema::DeviceKind::Cpu;
+        cpu.doc.rows.retain(|r| r.implementation == "flash");
+        let (mut figures, mut charts) = (Vec::new(), Vec::new());
+        let section = suite_section(
+            &[full, fewer, cpu],
+            Suite::Attention,
+            "",
+            &BTreeMap::new(),
+            &mut figures,
+            &mut charts,
+        );
+        let not_run: Vec<&[String]> = section
+            .documents
+            .iter()
+            .map(|d| d.not_run.as_slice())
+            .collect();
+        // The CPU run is held against CPU runs only.
+        assert_eq!(not_run, [&[][..], &["torch_math".to_string()][..], &[][..]]);
+    }
+
+    #[test]
+    fn a_group_marks_its_own_default_only() {
+        let l = two_defaults();
+        let (mut figures, mut charts) = (Vec::new(), Vec::new());
+        let section = doc_section(&l, "", &BTreeMap::new(), &mut figures, &mut charts);
+        let defaults = |g: &GroupView| -> Vec<String> {
+            g.implementations
+                .iter()
+                .filter(|h| h.is_default)
+                .map(|h| h.name.clone())
+                .collect()
+        };
+        let (mut at64, mut at128) = (0, 0);
+        for g in &section.groups {
+            if g.title.contains("head_dim=128") {
+                assert_eq!(defaults(g), ["math"], "{}", g.title);
+                at128 += 1;
+            } else {
+                assert_eq!(defaults(g), ["flash"], "{}", g.title);
+                at64 += 1;
+            }
+            // The default's column comes first.
+            assert!(g.implementations[0].is_default, "{}", g.title);
+        }
+        assert!(at64 > 0 && at128 > 0, "both head dims have groups");
+    }
 }
