@@ -2101,3 +2101,40 @@ fn a_card_the_prose_does_not_list_gets_no_sentences_either_way() {
         );
     }
 }
+
+/// The at-a-glance tables of the committed data: one per (suite, card, axis), so the decoding
+/// grid's seq_len_kv is never a column of the grid's seq_len; cases without the axis (separate
+/// query and key lengths) sit under "other shapes", and no sentence of the page names a size
+/// "—" (on 2026-12-06 the H200's table had a "seq_len —" column and seq_len_kv values under
+/// seq_len).
+#[test]
+fn glance_tables_keep_one_axis_each_and_name_no_missing_size() {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    let (_tmp, site) = build_site(&data, None);
+    let html = page(&site, "index.html");
+    let table = Selector::parse("table.glance").unwrap();
+    let th = Selector::parse("thead th").unwrap();
+    let mut axes = 0;
+    for t in html.select(&table) {
+        let heads: Vec<String> = t.select(&th).skip(2).map(text).collect();
+        let axis = heads
+            .iter()
+            .find(|h| *h != "other shapes")
+            .and_then(|h| h.split_whitespace().next())
+            .expect("a size column")
+            .to_string();
+        for h in &heads {
+            assert!(
+                h == "other shapes" || h.split_whitespace().next() == Some(axis.as_str()),
+                "{h} in a table by {axis}"
+            );
+        }
+        axes += usize::from(axis == "seq_len_kv");
+    }
+    assert!(axes > 0, "the decoding grid has a table of its own");
+    let body = main_text(&site, "index.html");
+    assert!(
+        !body.contains(" —:") && !body.contains("= —"),
+        "a size named —"
+    );
+}

@@ -456,9 +456,10 @@ pub fn glance(docs: &[Loaded], base: &str) -> Glance {
 fn glance_tables(rows: &[GlanceRow]) -> Vec<GlanceTable> {
     let mut tables: Vec<GlanceTable> = Vec::new();
     for r in rows {
+        // A table per axis too: the decoding grid's seq_len_kv is not the grid's seq_len.
         let t = match tables
             .iter_mut()
-            .position(|t| t.suite == r.suite && t.device == r.device)
+            .position(|t| t.suite == r.suite && t.device == r.device && t.axis == r.axis)
         {
             Some(i) => &mut tables[i],
             None => {
@@ -522,9 +523,9 @@ fn glance_tables(rows: &[GlanceRow]) -> Vec<GlanceTable> {
                 .sizes
                 .iter()
                 .map(|x| {
-                    let r = rows
-                        .iter()
-                        .find(|r| r.href == g.href && &r.x == x && r.device == t.device);
+                    let r = rows.iter().find(|r| {
+                        r.href == g.href && &r.x == x && r.device == t.device && r.axis == t.axis
+                    });
                     GlanceCell {
                         ratio_html: r.and_then(|r| r.ratio_html.clone()),
                         alternative: r.and_then(|r| r.alternative.clone()),
@@ -1192,7 +1193,9 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                     g.title()
                 );
                 let detail = if let [(x, ran)] = &sizes[..] {
-                    place.push_str(&format!(", {axis}={x}"));
+                    if x != "—" {
+                        place.push_str(&format!(", {axis}={x}"));
+                    }
                     format!("while {ran} ran")
                 } else {
                     let at: Vec<String> =
@@ -1226,16 +1229,34 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                 let (lo, hi) = ratios.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &q| {
                     (lo.min(q), hi.max(q))
                 });
+                // A group without the axis (separate query and key lengths) is one case: no
+                // size to name.
+                let axisless = g.by_x.keys().all(Option::is_none);
                 let sizes: Vec<String> = cases
                     .iter()
                     .map(|(x, d, r)| {
                         format!(
-                            "{x}: {} ms against the default's {} ms",
+                            "{}{} ms against the default's {} ms",
+                            if axisless {
+                                String::new()
+                            } else {
+                                format!("{x}: ")
+                            },
                             r.median_ms.map(format::ms).unwrap_or_default(),
                             d.median_ms.map(format::ms).unwrap_or_default()
                         )
                     })
                     .collect();
+                let at = if axisless {
+                    format!("in this case ({})", sizes.join("; "))
+                } else {
+                    format!(
+                        "at {} of {} measured {axis} values ({axis} {})",
+                        cases.len(),
+                        g.by_x.len(),
+                        sizes.join("; ")
+                    )
+                };
                 out.push(Limitation {
                     kind: "faster alternative".to_string(),
                     place: format!(
@@ -1246,10 +1267,7 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
                     ),
                     href: href.clone(),
                     detail: format!(
-                        "{alt} beats the default {default} by more than the spread of both (its q3 below the default's q1) at {} of {} measured {axis} values ({axis} {}); {alt}'s time ÷ {default}'s:",
-                        cases.len(),
-                        g.by_x.len(),
-                        sizes.join("; ")
+                        "{alt} beats the default {default} by more than the spread of both (its q3 below the default's q1) {at}; {alt}'s time ÷ {default}'s:"
                     ),
                     ratio_html: Some(format::time_ratio_html(lo, hi, &alt, &default)),
                 });
@@ -1311,7 +1329,12 @@ fn own_failures(l: &Loaded, axis: &str, base: &str) -> Vec<Limitation> {
             href,
             ratio_html: None,
             detail: format!(
-                "{implementation} {what} from {axis} = {size} ({} case{} in all){}",
+                "{implementation} {what} {} ({} case{} in all){}",
+                if size == "—" {
+                    "in this case".to_string()
+                } else {
+                    format!("from {axis} = {size}")
+                },
                 rows.len(),
                 if rows.len() == 1 { "" } else { "s" },
                 first
