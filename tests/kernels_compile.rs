@@ -1,5 +1,7 @@
-//! Every CUDA kernel instantiation the runners can ask for compiles with NVRTC for sm_80 and
-//! sm_90a, and ptxas's resource report (registers, spills) of the defaults is printed
+//! Every CUDA kernel instantiation the runners can ask for compiles with NVRTC, for sm_80 and
+//! sm_90a where the kernel runs on both (a few fp16 instances, bf16's code with the other 16-bit
+//! type, for one of the two: flex and the forward's fast path, to keep CI under ten minutes),
+//! and ptxas's resource report (registers, spills) of the defaults is printed
 //! (`cargo test --test kernels_compile -- --nocapture`; kernels/TUNING.md records it). Needs
 //! only the NVRTC library (no GPU): where build.rs found no `libnvrtc.so.13` the tests are
 //! compiled as ignored, with the reason; `.ci/run` installs NVRTC from PyPI so CI runs them.
@@ -552,9 +554,10 @@ fn decode_kernels_compile_without_spills() {
 }
 
 /// The flex_attention kernels (forward and backward) compile with NVRTC for every modification
-/// the project names, at every head_dim and 16-bit dtype, for sm_80 and sm_90a, without spills
-/// (the forward's and the backward's main kernels at head_dim 128 within 128 bytes), and in shared
-/// memory an sm_80 CTA may have; a bad expression is an NVRTC error that names the file, and a
+/// the project names, at every head_dim and 16-bit dtype (bf16 for sm_90a at every head_dim and
+/// for sm_80 at the smallest; fp16 for sm_90a at the largest, where registers are tightest, and
+/// for sm_80 at the others), without spills on sm_90a (the forward's and the backward's main
+/// kernels at head_dim 128 within 128 bytes), and in shared memory an sm_80 CTA may have; a bad expression is an NVRTC error that names the file, and a
 /// score modification without its derivative has no backward.
 #[test]
 #[cfg_attr(
@@ -578,29 +581,39 @@ fn flex_kernels_compile_without_spills() {
         FlexMod::Alibi,
         FlexMod::SoftCap(50.0),
     ];
-    let mut n = 0;
-    // Every modification at every head_dim in bf16 for Hopper with ptxas's report (the spill
-    // check), and for Ampere at the smallest head_dim; fp16 (the same code with the other
-    // 16-bit type) for Hopper at the largest, where the registers are tightest: half the
-    // compiles of every instance for both, to keep CI under ten minutes.
+    // Every modification at every head_dim and dtype compiles at least once: bf16 for Hopper
+    // with ptxas's report (the spill check) at every head_dim and for Ampere at the smallest;
+    // fp16 (the same code with the other 16-bit type) for Hopper at the largest head_dim, where
+    // the registers are tightest, and for Ampere at the others. Fewer compiles than every
+    // instance for both architectures, to keep CI under ten minutes.
     let (smallest, largest) = (FLEX_HEAD_DIMS[0], FLEX_HEAD_DIMS[FLEX_HEAD_DIMS.len() - 1]);
+    let mut compiled = std::collections::BTreeSet::new();
+    let n_mods = mods.len();
     for m in mods {
         for d in FLEX_HEAD_DIMS {
             assert!(flex_smem_bytes(d) <= 163 * 1024, "head_dim {d}");
             assert!(flex_bwd_smem_bytes(d) <= 163 * 1024, "head_dim {d}");
             for dtype in [Dtype::Bf16, Dtype::F16] {
-                if dtype == Dtype::F16 && d != largest {
-                    continue;
-                }
+                let for_ampere = match dtype {
+                    Dtype::Bf16 => d == smallest,
+                    _ => d != largest,
+                };
+                let for_hopper = dtype == Dtype::Bf16 || d == largest;
                 let (_, fwd, src) = flex_source(&m.spec(), d, dtype);
                 let (names, bwd_src) = flex_bwd_source(&m.spec(), d, dtype).unwrap();
                 for (file, src) in [
                     (format!("{fwd}_{}.cu", m.name()), src),
                     (format!("{}_{}.cu", names[2], m.name()), bwd_src),
                 ] {
-                    if dtype == Dtype::Bf16 && d == smallest {
+                    let instance = format!("{file} d{d} {dtype:?}");
+                    if for_ampere {
                         compile(&file, &src, "sm_80");
+                        compiled.insert(instance.clone());
                     }
+                    if !for_hopper {
+                        continue;
+                    }
+                    compiled.insert(instance);
                     for rep in kernelpages::gpu::ptxas_report(&file, &src, "sm_90a").unwrap() {
                         println!(
                             "{} {}: {} registers, {} bytes spilled",
@@ -629,14 +642,15 @@ fn flex_kernels_compile_without_spills() {
                         );
                     }
                 }
-                n += 1;
             }
         }
     }
+    // Every (modification, head_dim, dtype) instance, forward and backward, for one
+    // architecture at least.
     assert_eq!(
-        n,
-        6 * (FLEX_HEAD_DIMS.len() + 1),
-        "instances compiled: bf16 at every head_dim, fp16 at the largest"
+        compiled.len(),
+        n_mods * FLEX_HEAD_DIMS.len() * 2 * 2,
+        "instances compiled: {compiled:?}"
     );
     let bad = FlexSpec {
         name: "bad".into(),

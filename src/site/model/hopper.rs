@@ -189,7 +189,7 @@ pub struct HopperImpl {
     pub name: String,
     /// Library.
     pub library: String,
-    /// True for the default.
+    /// True when the dispatch picks it for some of the section's cases (any row the default).
     pub is_default: bool,
     /// Best throughput in the suite's unit (or the best median, ms, when none is declared),
     /// or `—`.
@@ -200,9 +200,9 @@ pub struct HopperImpl {
     pub rows_ok: String,
 }
 
-/// Per implementation: its best row with its score, rows ok, rows in all, and any row (for
-/// the library and default flag).
-type Tally<'a> = (Option<(f64, &'a Row)>, usize, usize, &'a Row);
+/// Per implementation: its best row with its score, rows ok, rows in all, any row (for the
+/// library), and whether any of its rows is the default's.
+type Tally<'a> = (Option<(f64, &'a Row)>, usize, usize, &'a Row, bool);
 
 /// True for a document measured on compute capability 9.x.
 pub fn is_hopper(doc: &Document) -> bool {
@@ -489,8 +489,9 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
                 for r in &l.doc.rows {
                     let e = by_impl
                         .entry(r.implementation.as_str())
-                        .or_insert((None, 0, 0, r));
+                        .or_insert((None, 0, 0, r, false));
                     e.2 += 1;
+                    e.4 |= r.default;
                     if r.status == Status::Ok {
                         e.1 += 1;
                         if let Some(v) = score(r) {
@@ -503,10 +504,10 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
             }
             let mut implementations: Vec<HopperImpl> = by_impl
                 .into_iter()
-                .map(|(name, (best, ok, total, any))| HopperImpl {
+                .map(|(name, (best, ok, total, any, default))| HopperImpl {
                     name: name.to_string(),
                     library: any.library.clone(),
-                    is_default: any.default,
+                    is_default: default,
                     best: best
                         .map(|(v, _)| format::sig(v.abs(), 3))
                         .unwrap_or_else(|| "—".to_string()),

@@ -24,7 +24,8 @@ pub struct IndexPage {
     pub pages: Vec<PageLink>,
     /// True when no document was loaded.
     pub empty: bool,
-    /// The same comparisons, one table per (suite, device): a row per group, a column per size.
+    /// The same comparisons, one table per (suite, device, axis): a row per group, a column per
+    /// size.
     pub glance_tables: Vec<GlanceTable>,
     /// Site-relative path of the At a glance chart.
     pub glance_figure: Option<FigureRef>,
@@ -120,7 +121,7 @@ pub struct GlanceRow {
     pub cpu: bool,
 }
 
-/// The at-a-glance comparisons of one (suite, device): a row per group, a column per size.
+/// The at-a-glance comparisons of one (suite, device, axis): a row per group, a column per size.
 #[derive(Debug, Serialize, Clone)]
 pub struct GlanceTable {
     /// Suite title.
@@ -351,7 +352,7 @@ pub enum BarOutcome {
 pub struct Glance {
     /// Every (group, size) with a default.
     pub rows: Vec<GlanceRow>,
-    /// A table per (suite, device).
+    /// A table per (suite, device, axis).
     pub tables: Vec<GlanceTable>,
     /// The chart of the representative rows, when any has a bar.
     pub chart: Option<GlanceChart>,
@@ -451,7 +452,7 @@ pub fn glance(docs: &[Loaded], base: &str) -> Glance {
     }
 }
 
-/// The rows regrouped: a table per (suite, device), a row per group, a column per size. The
+/// The rows regrouped: a table per (suite, device, axis), a row per group, a column per size. The
 /// group label keeps only the parameters that differ between the table's groups.
 fn glance_tables(rows: &[GlanceRow]) -> Vec<GlanceTable> {
     let mut tables: Vec<GlanceTable> = Vec::new();
