@@ -561,23 +561,23 @@ fn cpu_device_names_the_cpu_the_documents_were_measured_on() {
         .contains("unknown suite `x`"));
 }
 
+/// The fixture's GPU attention document.
+fn gpu_attention(docs: &[Loaded]) -> &Loaded {
+    docs.iter()
+        .find(|l| {
+            l.doc.suite.as_str() == "attention"
+                && l.doc.device.kind == kernelpages::schema::DeviceKind::Gpu
+        })
+        .expect("the fixture has a GPU attention document")
+}
+
 /// `gpu_device` names the card the suite's GPU documents were measured on (prose about them
 /// follows a rerun on another card), is empty without GPU documents, and is an error when two
 /// cards' documents of one suite are in the data.
 #[test]
 fn gpu_device_names_the_card_the_documents_were_measured_on() {
     let docs = fixture_docs();
-    let card = docs
-        .iter()
-        .find(|l| {
-            l.doc.suite.as_str() == "attention"
-                && l.doc.device.kind == kernelpages::schema::DeviceKind::Gpu
-        })
-        .expect("the fixture has a GPU attention document")
-        .doc
-        .device
-        .name
-        .clone();
+    let card = gpu_attention(&docs).doc.device.name.clone();
     let src = r#"
 - [{{ gpu_device(suite="attention") }}]
 - {{ measured(suite="attention", device=gpu_device(suite="attention")) }}
@@ -618,14 +618,7 @@ fn gpu_device_names_the_card_the_documents_were_measured_on() {
 #[test]
 fn gpu_cards_and_commits_name_every_card_and_its_commit() {
     let docs = fixture_docs();
-    let card = docs
-        .iter()
-        .find(|l| {
-            l.doc.suite.as_str() == "attention"
-                && l.doc.device.kind == kernelpages::schema::DeviceKind::Gpu
-        })
-        .expect("the fixture has a GPU attention document")
-        .clone();
+    let card = gpu_attention(&docs).clone();
     let src = format!(
         r#"- [{{{{ gpu_cards(suite="attention") }}}}]
 - [{{{{ commits(suite="attention", device="{}") }}}}]

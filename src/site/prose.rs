@@ -894,18 +894,7 @@ fn gpu_device(docs: &[Loaded], args: &Args) -> Result<Value, String> {
 /// the first of them that has documents, or an empty string when none has.
 fn device_of_kind(docs: &[Loaded], args: &Args, kind: DeviceKind) -> Result<Value, String> {
     args.only(&["suite", "kind", "among"])?;
-    let name = args.need("suite")?;
-    if !Suite::ALL.iter().any(|s| s.as_str() == name) {
-        return Err(format!("unknown suite `{name}`"));
-    }
-    let run = run_kind(args)?;
-    let names: std::collections::BTreeSet<&str> = docs
-        .iter()
-        .filter(|l| {
-            l.doc.suite.as_str() == name && l.doc.device.kind == kind && l.doc.config.kind == run
-        })
-        .map(|l| l.doc.device.name.as_str())
-        .collect();
+    let (name, names) = device_names(docs, args, kind)?;
     let what = match kind {
         DeviceKind::Cpu => "CPU",
         DeviceKind::Gpu => "GPU",
@@ -933,23 +922,34 @@ fn device_of_kind(docs: &[Loaded], args: &Args, kind: DeviceKind) -> Result<Valu
 /// sorted and joined with `, ` (empty when there are none).
 fn gpu_cards(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     args.only(&["suite", "kind"])?;
+    let (_, names) = device_names(docs, args, DeviceKind::Gpu)?;
+    Ok(Value::from(
+        names.into_iter().collect::<Vec<_>>().join(", "),
+    ))
+}
+
+/// The call's `suite` and the names of the devices of `kind` (CPU or GPU) its documents of the
+/// run kind (`kind` argument, `grid` by default) were measured on, sorted.
+///
+/// Errors: an unknown suite or run kind.
+fn device_names<'a>(
+    docs: &'a [Loaded],
+    args: &'a Args,
+    kind: DeviceKind,
+) -> Result<(&'a str, std::collections::BTreeSet<&'a str>), String> {
     let name = args.need("suite")?;
     if !Suite::ALL.iter().any(|s| s.as_str() == name) {
         return Err(format!("unknown suite `{name}`"));
     }
     let run = run_kind(args)?;
-    let names: std::collections::BTreeSet<&str> = docs
+    let names = docs
         .iter()
         .filter(|l| {
-            l.doc.suite.as_str() == name
-                && l.doc.device.kind == DeviceKind::Gpu
-                && l.doc.config.kind == run
+            l.doc.suite.as_str() == name && l.doc.device.kind == kind && l.doc.config.kind == run
         })
         .map(|l| l.doc.device.name.as_str())
         .collect();
-    Ok(Value::from(
-        names.into_iter().collect::<Vec<_>>().join(", "),
-    ))
+    Ok((name, names))
 }
 
 /// `commits(suite, device?, kind?)`: the short commits of the documents picked, sorted and
