@@ -89,6 +89,11 @@ pub fn time_ratio_html(lo: f64, hi: f64, other: &str, reference: &str) -> String
     )
 }
 
+/// The first 7 characters of a commit hash (all of a shorter one), as the pages name commits.
+pub fn short_commit(commit: &str) -> String {
+    commit.chars().take(7).collect()
+}
+
 /// `s` with `&`, `<`, `>` and `"` escaped for HTML text and attribute values.
 pub fn html_escape(s: &str) -> String {
     s.replace('&', "&amp;")

@@ -70,8 +70,9 @@ pub fn to_html_with_ids(md: &str) -> (String, Vec<(String, String, u8)>) {
     (html, headings)
 }
 
-/// Lower-case letters and digits of `text`, runs of anything else as one `-`.
-fn slug(text: &str) -> String {
+/// Lower-case letters and digits of `text`, runs of anything else as one `-` (`section` when
+/// nothing is left): heading anchors, and the Hopper page's per-card anchors and figure names.
+pub fn slug(text: &str) -> String {
     let mut out = String::new();
     for c in text.chars() {
         if c.is_alphanumeric() {

@@ -961,7 +961,7 @@ fn commits(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     let picked = suite_docs(docs, args)?;
     let hashes: std::collections::BTreeSet<String> = picked
         .iter()
-        .map(|l| l.doc.config.git_commit.chars().take(7).collect())
+        .map(|l| super::format::short_commit(&l.doc.config.git_commit))
         .collect();
     Ok(Value::from(
         hashes.into_iter().collect::<Vec<_>>().join(", "),

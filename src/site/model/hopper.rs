@@ -386,35 +386,13 @@ fn short_name(name: &str) -> &str {
     name.strip_prefix("NVIDIA ").unwrap_or(name)
 }
 
-/// `name` reduced to lowercase letters, digits and `-`, for anchors and file names
-/// (`nvidia-h100-80gb-hbm3`).
-fn slug(name: &str) -> String {
-    let mut out = String::new();
-    for c in name.chars() {
-        if c.is_ascii_alphanumeric() {
-            out.push(c.to_ascii_lowercase());
-        } else if !out.is_empty() && !out.ends_with('-') {
-            out.push('-');
-        }
-    }
-    out.trim_end_matches('-').to_string()
-}
-
-/// The first 7 characters of a commit hash (all of a shorter one).
-fn short_commit(commit: &str) -> String {
-    commit.chars().take(7).collect()
-}
-
 /// The page's title, naming the Hopper devices present (`Hopper (H200)`); `None` when no
 /// document comes from one, and then there is no page.
 pub fn title(docs: &[Loaded]) -> Option<String> {
     let names: BTreeSet<&str> = docs
         .iter()
         .filter(|l| is_hopper(&l.doc))
-        .map(|l| {
-            let n = l.doc.device.name.as_str();
-            n.strip_prefix("NVIDIA ").unwrap_or(n)
-        })
+        .map(|l| short_name(&l.doc.device.name))
         .collect();
     (!names.is_empty()).then(|| {
         format!(
@@ -473,7 +451,7 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
             let decl = first.doc.config.throughput.first();
             // With several Hopper cards in one suite, anchors and figure names carry the card's.
             let tag = if several {
-                format!("{}-{}", suite.as_str(), slug(name))
+                format!("{}-{}", suite.as_str(), crate::site::markdown::slug(name))
             } else {
                 suite.as_str().to_string()
             };
@@ -599,7 +577,7 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
                 devices: device_label(&first.doc),
                 commits: in_suite
                     .iter()
-                    .map(|l| short_commit(&l.doc.config.git_commit))
+                    .map(|l| format::short_commit(&l.doc.config.git_commit))
                     .collect::<BTreeSet<_>>()
                     .into_iter()
                     .collect::<Vec<_>>()

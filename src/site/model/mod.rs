@@ -132,7 +132,7 @@ pub(crate) fn reproduce_commands<'a>(docs: impl Iterator<Item = &'a Loaded>) -> 
             l.file_name(),
             l.doc.suite.title(),
             l.doc.device.name,
-            l.doc.config.git_commit.chars().take(7).collect::<String>(),
+            super::format::short_commit(&l.doc.config.git_commit),
             python_packages(l)
                 .map(|p| format!("; its comparisons ran with {p}"))
                 .unwrap_or_default()

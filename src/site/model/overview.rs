@@ -576,7 +576,7 @@ pub fn index_page(
                         "{} ({}, commit {})",
                         l.file_name(),
                         l.doc.device.name,
-                        l.doc.config.git_commit.chars().take(7).collect::<String>()
+                        format::short_commit(&l.doc.config.git_commit)
                     ),
                     entry_point: d.entry_point.clone(),
                     device: d.device.clone(),

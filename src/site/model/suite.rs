@@ -563,7 +563,7 @@ fn doc_section(
         },
         cell_legend: legend.join(" · "),
         incomplete: incomplete_run(loaded),
-        commit: doc.config.git_commit.chars().take(7).collect(),
+        commit: format::short_commit(&doc.config.git_commit),
         not_run: Vec::new(),
         groups,
     }
@@ -584,7 +584,7 @@ pub fn incomplete_run(loaded: &Loaded) -> Option<String> {
             } else {
                 "are"
             },
-            super::tiles::short(&loaded.doc.config.git_commit)
+            format::short_commit(&loaded.doc.config.git_commit)
         )
     });
     let stopped = (!loaded.cut_off_cases.is_empty()).then(|| {

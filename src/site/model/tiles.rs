@@ -149,11 +149,6 @@ fn dash() -> String {
     "—".to_string()
 }
 
-/// The first 7 characters of a commit hash.
-pub(super) fn short(commit: &str) -> String {
-    commit.chars().take(7).collect()
-}
-
 /// The notes of `rows`, each once, in the order they first appear.
 fn distinct_notes(rows: &[&Row]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
@@ -187,7 +182,7 @@ fn sweep_section(
         })
         .map(|g| g.doc.config.git_commit.as_str())
         .filter(|c| *c != doc.config.git_commit)
-        .map(short);
+        .map(format::short_commit);
     let mut groups = Vec::new();
     for g in group_rows(doc, TILE_CONFIG_PARAM) {
         // The group's id along its own axis, `config`: distinct from every grid group's.
@@ -331,7 +326,7 @@ fn sweep_section(
         anchor: format!("tiles-{}", doc_id(loaded)),
         file: loaded.file_name(),
         device: device_label(doc),
-        commit: short(&doc.config.git_commit),
+        commit: format::short_commit(&doc.config.git_commit),
         grid_commit,
         unit,
         groups,
