@@ -280,6 +280,43 @@ fn every_figure_has_title_desc_and_a_dark_theme() {
     }
 }
 
+/// Every figure's `<img>` carries the width and height its SVG is drawn at (the page keeps its
+/// place before it loads, and the layout test measures figures against them with images off),
+/// and loads lazily, except the overview's chart at the top of its page.
+#[test]
+fn every_img_has_its_svgs_size_and_loads_lazily_below_the_top() {
+    let (_tmp, site) = build_site(&root().join("data"));
+    let mut checked = 0;
+    for entry in fs::read_dir(&site).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "html") {
+            continue;
+        }
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let doc = Html::parse_document(&fs::read_to_string(&path).unwrap());
+        for (i, img) in doc.select(&sel("img")).enumerate() {
+            let src = img.value().attr("src").unwrap();
+            let root_el = svg(&site.join(src));
+            let svg_el = root_el.select(&sel("svg")).next().unwrap();
+            for dim in ["width", "height"] {
+                assert_eq!(
+                    img.value().attr(dim),
+                    svg_el.value().attr(dim),
+                    "{name}: {src}'s {dim}"
+                );
+            }
+            let top = name == "index.html" && i == 0;
+            assert_eq!(
+                img.value().attr("loading"),
+                (!top).then_some("lazy"),
+                "{name}: {src}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 100, "{checked} figures");
+}
+
 /// The At a glance chart's bars: (left, right) pixel edges and fill.
 fn bars(doc: &Html) -> Vec<(f64, f64, String)> {
     doc.select(&sel("rect"))

@@ -609,13 +609,23 @@ const GLANCE_MAX_LINES: usize = 3;
 /// a sliver whose colour cannot be seen).
 pub const GLANCE_MIN_BAR: i32 = 20;
 
-/// Draws the At a glance chart: per representative comparison, its label on a line of its own
-/// and below it a horizontal bar from 1 to the ratio (at least [`GLANCE_MIN_BAR`] px long) on a
-/// log x axis whose range comes from the data and holds 1 (green where the default is faster, red where the alternative is), a
-/// whisker over the ratio's range from both interquartile ranges, or a cross where the default
-/// is inaccurate; a vertical line at 1; a legend saying what colours, whiskers and crosses
-/// mean.
-pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
+/// Where [`glance_chart`] puts things, px.
+struct GlanceLayout {
+    width: u32,
+    height: u32,
+    title_lines: Vec<String>,
+    /// Above the plot: the title and a gap.
+    top: u32,
+    /// Each bar's label, wrapped to the plot's width (at most [`GLANCE_MAX_LINES`] lines).
+    labels: Vec<Vec<String>>,
+    /// The most lines a label takes (at least 1).
+    label_lines: usize,
+    /// One bar's height with its label.
+    slot: u32,
+    plot_height: u32,
+}
+
+fn glance_layout(chart_spec: &GlanceChart) -> GlanceLayout {
     let n = chart_spec.bars.len();
     let width = GLANCE_WIDTH;
     let title_lines = wrap(&chart_spec.title, (width as usize - 24) / 8);
@@ -634,10 +644,64 @@ pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
         .collect();
     let label_lines = labels.iter().map(Vec::len).max().unwrap_or(1).max(1);
     let slot = GLANCE_SLOT + GLANCE_LINE * (label_lines as u32 - 1);
+    let plot_height = slot * n as u32 + 44;
+    GlanceLayout {
+        width,
+        height: top + plot_height + legend_height + 8,
+        title_lines,
+        top,
+        labels,
+        label_lines,
+        slot,
+        plot_height,
+    }
+}
+
+/// The size [`glance_chart`] draws `chart` at, px (width, height): the `<img>`'s attributes.
+pub fn glance_size(chart: &GlanceChart) -> (u32, u32) {
+    let l = glance_layout(chart);
+    (l.width, l.height)
+}
+
+/// The size [`line_figure`] draws `spec` at, px (width, height).
+pub fn line_figure_size(spec: &FigureSpec) -> (u32, u32) {
+    (WIDTH, line_figure_height(spec))
+}
+
+/// The size [`tile_chart`] draws `spec` at, px (width, height).
+pub fn tile_size(spec: &TileChart) -> (u32, u32) {
+    let (_, top, plot_height) = tile_layout(spec);
+    (WIDTH, top + plot_height + 8)
+}
+
+/// [`tile_chart`]'s title lines, the height above its plot and the plot's height, px.
+fn tile_layout(spec: &TileChart) -> (Vec<String>, u32, u32) {
+    let n = spec.bars.len().max(1);
+    let title_lines = wrap(&spec.title, (WIDTH as usize - 24) / 8);
+    let top = 12 + 20 * title_lines.len() as u32;
+    (title_lines, top, TILE_SLOT * n as u32 + 56)
+}
+
+/// Draws the At a glance chart: per representative comparison, its label on a line of its own
+/// and below it a horizontal bar from 1 to the ratio (at least [`GLANCE_MIN_BAR`] px long) on a
+/// log x axis whose range comes from the data and holds 1 (green where the default is faster, red where the alternative is), a
+/// whisker over the ratio's range from both interquartile ranges, or a cross where the default
+/// is inaccurate; a vertical line at 1; a legend saying what colours, whiskers and crosses
+/// mean.
+pub fn glance_chart(chart_spec: &GlanceChart) -> anyhow::Result<String> {
+    let n = chart_spec.bars.len();
+    let GlanceLayout {
+        width,
+        height,
+        title_lines,
+        top,
+        labels,
+        label_lines,
+        slot,
+        plot_height,
+    } = glance_layout(chart_spec);
     // Slot-relative positions (1 = one slot), from its top: label baselines, the bar's middle.
     let unit = |px: u32| f64::from(px) / f64::from(slot);
-    let plot_height = slot * n as u32 + 44;
-    let height = top + plot_height + legend_height + 8;
     let mut svg = String::new();
     {
         let err = plot_err(&chart_spec.file);
@@ -863,10 +927,8 @@ pub fn tile_bounds(chart: &TileChart) -> f64 {
 pub fn tile_chart(spec: &TileChart) -> anyhow::Result<String> {
     let n = spec.bars.len().max(1);
     let width = WIDTH;
-    let title_lines = wrap(&spec.title, (width as usize - 24) / 8);
-    let top = 12 + 20 * title_lines.len() as u32;
-    let plot_height = TILE_SLOT * n as u32 + 56;
-    let height = top + plot_height + 8;
+    let (title_lines, top, _) = tile_layout(spec);
+    let (_, height) = tile_size(spec);
     let label_width = spec
         .bars
         .iter()

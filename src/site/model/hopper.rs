@@ -543,11 +543,7 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
                         .join("; "),
                     g.implementation
                 );
-                    g.figure = Some(FigureRef {
-                        src: format!("{}{file}", layout.base),
-                        alt: desc.clone(),
-                    });
-                    charts.push(GlanceChart {
+                    let chart = GlanceChart {
                         file,
                         title,
                         desc,
@@ -563,7 +559,9 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
                             below: format!("{} faster (ratio below 1)", g.portable),
                             crosses: false,
                         },
-                    });
+                    };
+                    g.figure = Some(FigureRef::glance(&layout.base, &chart));
+                    charts.push(chart);
                 }
                 gains.push(g);
             }

@@ -280,13 +280,54 @@ pub struct KeyValue {
     pub value: String,
 }
 
-/// Where a figure is and what it shows.
+/// Where a figure is, what it shows and the size it is drawn at (the `<img>`'s width and
+/// height, so that the page keeps the figure's place before it loads, and lazy loading knows
+/// where it is).
 #[derive(Debug, Serialize, Clone)]
 pub struct FigureRef {
     /// Link, base-prefixed.
     pub src: String,
     /// Alternative text.
     pub alt: String,
+    /// Drawn width, px.
+    pub width: u32,
+    /// Drawn height, px.
+    pub height: u32,
+}
+
+impl FigureRef {
+    /// The line figure `spec` ([`super::figures::line_figure`]) under `base`.
+    pub fn line(base: &str, spec: &FigureSpec) -> FigureRef {
+        let (width, height) = super::figures::line_figure_size(spec);
+        FigureRef {
+            src: format!("{base}{}", spec.file),
+            alt: spec.desc.clone(),
+            width,
+            height,
+        }
+    }
+
+    /// The bar chart `chart` ([`super::figures::glance_chart`]) under `base`.
+    pub fn glance(base: &str, chart: &GlanceChart) -> FigureRef {
+        let (width, height) = super::figures::glance_size(chart);
+        FigureRef {
+            src: format!("{base}{}", chart.file),
+            alt: chart.desc.clone(),
+            width,
+            height,
+        }
+    }
+
+    /// The tile sweep chart `chart` ([`super::figures::tile_chart`]) under `base`.
+    pub fn tile(base: &str, chart: &TileChart) -> FigureRef {
+        let (width, height) = super::figures::tile_size(chart);
+        FigureRef {
+            src: format!("{base}{}", chart.file),
+            alt: chart.desc.clone(),
+            width,
+            height,
+        }
+    }
 }
 
 /// A command to show, highlighted when rendered.

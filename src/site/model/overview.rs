@@ -560,10 +560,7 @@ pub fn index_page(
         pages,
         glance_tables: glance.tables.clone(),
         empty: docs.is_empty(),
-        glance_figure: glance.chart.as_ref().map(|c| FigureRef {
-            src: format!("{base}{}", c.file),
-            alt: c.desc.clone(),
-        }),
+        glance_figure: glance.chart.as_ref().map(|c| FigureRef::glance(base, c)),
 
         setup: all_docs.iter().map(setup_doc).collect(),
         methodology: methodology(all_docs),

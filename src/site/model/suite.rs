@@ -382,13 +382,7 @@ fn doc_section(
                 if let Some(spec) = figure_spec(doc, &g, &id, &impls, metric) {
                     let mut shared = g.params.clone();
                     shared.remove(axis);
-                    later.push((
-                        shared,
-                        FigureRef {
-                            src: format!("{base}{}", spec.file),
-                            alt: spec.desc.clone(),
-                        },
-                    ));
+                    later.push((shared, FigureRef::line(base, &spec)));
                     figures.push(spec);
                 }
             }
@@ -478,10 +472,7 @@ fn doc_section(
                     return None;
                 }
                 figure_spec(doc, g, &id, &impls, metric).map(|spec| {
-                    let r = FigureRef {
-                        src: format!("{base}{}", spec.file),
-                        alt: spec.desc.clone(),
-                    };
+                    let r = FigureRef::line(base, &spec);
                     figures.push(spec);
                     r
                 })
@@ -536,10 +527,7 @@ fn doc_section(
     for g in &mut groups {
         if g.x_name == "case" && g.ratio_figure.is_none() {
             if let Some(chart) = single_cases_chart(loaded, &grouped, g) {
-                g.ratio_figure = Some(FigureRef {
-                    src: format!("{base}{}", chart.file),
-                    alt: chart.desc.clone(),
-                });
+                g.ratio_figure = Some(FigureRef::glance(base, &chart));
                 charts.push(chart);
             }
         }

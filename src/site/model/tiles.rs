@@ -291,7 +291,7 @@ fn sweep_section(
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        charts.push(TileChart {
+        let chart = TileChart {
             file: file.clone(),
             title: chart_title,
             desc: desc.clone(),
@@ -309,14 +309,13 @@ fn sweep_section(
                     }
                 })
                 .collect(),
-        });
+        };
+        let figure = FigureRef::tile(base, &chart);
+        charts.push(chart);
         groups.push(TileGroup {
             anchor: format!("t-{id}"),
             title,
-            figure: FigureRef {
-                src: format!("{base}{file}"),
-                alt: desc,
-            },
+            figure,
             verdict,
             notes: distinct_notes(&rows),
             rows: views,
