@@ -720,19 +720,10 @@ fn wgmma_probe_compiles_for_sm_90a() {
         let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
         wgmma_forwards_fit(&reports);
     }
-    // With the persistent instantiations (KP_SM90_FWD_PERSIST=1) too, and without the
-    // ping-pong between consumers (KP_SM90_FWD_PINGPONG=0).
-    let src = kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, true, true);
-    let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
-    wgmma_forwards_fit(&reports);
-    let src = kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, false, false);
-    let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
-    wgmma_forwards_fit(&reports);
-    // The trace's probe build (sm90::HopperForward::with_probe).
-    let src = format!("#define {}\n", kernelpages::attention::sm90::TRACE_DEFINE)
-        + &kernelpages::attention::sm90::wgmma_source_with(None, Dtype::Bf16, false, true);
-    let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
-    wgmma_forwards_fit(&reports);
+    // The persistent instantiations (KP_SM90_FWD_PERSIST=1), the build without the ping-pong
+    // between consumers (KP_SM90_FWD_PINGPONG=0) and the trace's probe build change only the
+    // warp-specialised kernels: wgmma_forwards_keep_their_wgmma_asynchronous compiles each of
+    // those in each build and checks that it fits as here (`forward_fits`).
 }
 
 /// Every wgmma forward and the probe in `reports` compile without spills, the warp-specialised
@@ -749,24 +740,30 @@ fn wgmma_forwards_fit(reports: &[kernelpages::gpu::PtxasReport]) {
         "attn_fwd_sm90_wsp3_d64",
         "attn_fwd_sm90_wsps3_d128",
     ] {
-        if name.contains("_ws") {
-            // The tail split's combine beside each warp-specialised forward.
-            spill_free(reports, &format!("{name}_combine"));
-        }
-        let r = spill_free(reports, name);
-        // The warp-specialised kernels raise their consumers' registers with setmaxnreg.inc,
-        // which waits for registers the producer gave back: it can succeed only when ptxas
-        // allocated the whole per-thread cap of the launch bounds (384 threads: 168, 512: 128).
-        if name.contains("_ws") {
-            let cap = if name.contains("wsp3") { 128 } else { 168 };
-            assert_eq!(r.registers, cap, "{r:?}");
-        }
+        forward_fits(reports, name);
+    }
+}
+
+/// The wgmma forward `name` in `reports` compiles without spills; a warp-specialised one (with
+/// its tail split's combine, also spill-free) at its launch bounds' whole register cap.
+fn forward_fits(reports: &[kernelpages::gpu::PtxasReport], name: &str) {
+    if name.contains("_ws") {
+        // The tail split's combine beside each warp-specialised forward.
+        spill_free(reports, &format!("{name}_combine"));
+    }
+    let r = spill_free(reports, name);
+    // The warp-specialised kernels raise their consumers' registers with setmaxnreg.inc, which
+    // waits for registers the producer gave back: it can succeed only when ptxas allocated the
+    // whole per-thread cap of the launch bounds (384 threads: 168, 512: 128).
+    if name.contains("_ws") {
+        let cap = if name.contains("wsp3") { 128 } else { 168 };
+        assert_eq!(r.registers, cap, "{r:?}");
     }
 }
 
 /// The wgmma backward (`kernels/attn_wgmma_bwd_sm90.cu`) compiles for sm_90a without spills,
-/// its main kernel at the whole register cap of 384 threads (168, what the consumers'
-/// setmaxnreg.inc to 240 needs).
+/// its main kernels (64 or 128 queries per step, and 80 at head_dim 128) at the whole register
+/// cap of 384 threads (168, what the consumers' setmaxnreg.inc to 240 needs).
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
@@ -937,6 +934,8 @@ fn sass_opcode_counts(cubin: &[u8], opcodes: &[u64]) -> Vec<usize> {
 /// values the wgmma descriptors and barrier waits depend on are the same in every thread, it
 /// waits after every wgmma (one of each per `HGMMA`) without an advisory; the persistent loop
 /// did that on 2026-12-06 until its tile counts were broadcast, 25 % slower on the device.
+/// Each forward build (default, persistent, without the ping-pong, traced) also fits: no
+/// spills, the whole register cap (`forward_fits`).
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
@@ -965,23 +964,26 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
         let [default_ptx, persistent_ptx] = [(false, 2), (true, 3)].map(|(persistent, copies)| {
             let src = wgmma_source_with(Some(&name), Dtype::Bf16, persistent, true);
             let label = format!("{name} (persistent {persistent})");
-            assert_wgmma_asynchronous(
+            let (ptx, reports) = asynchronous_with_report(
                 &label,
                 "attn_wgmma_sm90.cu",
                 &src,
                 (12 * copies, 2 * copies),
-            )
+            );
+            forward_fits(&reports, &name);
+            ptx
         });
         // The ping-pong between consumers: its named-barrier turns in the default build of
         // the versions that overlap within a warpgroup (V3 to V5; four hand-ons in each of the
         // causal and the non-causal loop, V2 has none), none without it
         // (KP_SM90_FWD_PINGPONG=0), and the wgmma asynchronous in both.
-        let plain_ptx = assert_wgmma_asynchronous(
+        let (plain_ptx, reports) = asynchronous_with_report(
             &format!("{name} (without the ping-pong)"),
             "attn_wgmma_sm90.cu",
             &wgmma_source_with(Some(&name), Dtype::Bf16, false, false),
             (24, 4),
         );
+        forward_fits(&reports, &name);
         let arrives = |ptx: &str| ptx.matches("bar.arrive").count();
         let (turns, plain) = (arrives(&default_ptx), arrives(&plain_ptx));
         println!(
@@ -1015,12 +1017,13 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
             0,
             "{name}: KP_SM90_NO_TMA_STORE"
         );
-        assert_wgmma_asynchronous(
+        let (_, reports) = asynchronous_with_report(
             &format!("{name} (traced)"),
             "attn_wgmma_sm90.cu",
             &switched(kernelpages::attention::sm90::TRACE_DEFINE),
             (24, 4),
         );
+        forward_fits(&reports, &name);
     }
     // The wgmma backward's module at each head_dim, likewise.
     for d in [64, 128] {
@@ -1046,6 +1049,16 @@ fn ptx_of(src: &str) -> String {
 /// most one arrive/wait per two `HGMMA` (none serialised); prints the counts under `label`.
 /// Returns the PTX of the same compile (one NVRTC run for both checks).
 fn assert_wgmma_asynchronous(label: &str, file: &str, src: &str, min: (usize, usize)) -> String {
+    asynchronous_with_report(label, file, src, min).0
+}
+
+/// [`assert_wgmma_asynchronous`], giving ptxas's report of the same compile as well.
+fn asynchronous_with_report(
+    label: &str,
+    file: &str,
+    src: &str,
+    min: (usize, usize),
+) -> (String, Vec<kernelpages::gpu::PtxasReport>) {
     let out = kernelpages::gpu::compile_with_report(file, src, "sm_90a").unwrap();
     let cubin = out.cubin;
     let c = sass_opcode_counts(&cubin, &[SASS_HGMMA_SS, SASS_HGMMA_RS, SASS_WARPGROUP_SYNC]);
@@ -1057,5 +1070,5 @@ fn assert_wgmma_asynchronous(label: &str, file: &str, src: &str, min: (usize, us
         2 * sync <= hgmma,
         "{label}: {sync} warpgroup arrive/wait for {hgmma} HGMMA"
     );
-    out.ptx
+    (out.ptx, out.reports)
 }
