@@ -54,26 +54,36 @@
 // only a chunk's Q and dO are read at a time. The host picks (sm90::bwd_cta_order simulates
 // the schedules).
 
-// 128 keys per CTA, stages of Q/dO/LSE2/Dsum; queries per step: 128 at head_dim 64, 64 at
-// 128 (the registers of S^T and dP^T: 2 x BM / 2 per thread besides dK and dV's D).
+// 128 keys per CTA, stages of Q/dO/LSE2/Dsum; queries per step (BM): 128 at head_dim 64, 64 at
+// 128 by default (the registers of S^T and dP^T: 2 x BM / 2 per thread besides dK and dV's D),
+// and 80 at 128 as FlashAttention-3 takes without the causal mask (the `_m80` entry).
 #define BW_BN 128
 #define BW_ST 2
-template <int D>
+template <int D, int BM_ = (D == 64 ? 128 : 64)>
 struct BwShape {
-    static constexpr int BM = D == 64 ? 128 : 64;  // queries per step
+    static constexpr int BM = BM_;  // queries per step
+    // BM = 80 is not a multiple of wgmma's 64 rows, so dQ is computed transposed there: dQ^T =
+    // K^T dS (D x BM per step), each consumer 64 of its rows (head_dim columns), dS in shared
+    // memory query-major ([query][key], K-major for the product).
+    static constexpr bool DQT = BM % 64 != 0;
     // dQ of a step per consumer: BM = 64, half of the columns for all 64 rows; BM = 128, all
-    // columns for the consumer's half of the rows (64 each). 64 columns either way.
-    static constexpr int DQN = BM == 64 ? D / 2 : D;
-    static_assert(DQN == 64, "dQ's product is m64n64 per consumer");
+    // columns for the consumer's half of the rows (64 each); BM = 80 (DQT), 64 columns for all
+    // BM rows. 64 columns in every case.
+    static constexpr int DQN = DQT ? 64 : (BM == 64 ? D / 2 : D);
+    static_assert(DQN == 64, "dQ's product is 64 head_dim columns per consumer");
+    static_assert(!DQT || (D == 128 && BM % 16 == 0 && BM <= 256), "dQ^T: head_dim 128, BM % 16");
 };
 
 // Shared-memory plan of attn_bwd_sm90 (bytes from the 1024-aligned base): the K and V tile,
 // BW_ST stages of Q and of dO (BM rows), two dS^T buffers (128 keys x BM queries, BM / 64
-// 128-byte panels), BW_ST stages of LSE2 and Dsum (BM floats each), two fp32 dQ staging tiles,
-// then the mbarriers (K/V, then per stage full and empty).
-template <int D>
+// 128-byte panels; with DQT, dS as BM query rows x 2 panels of 64 keys), BW_ST stages of LSE2
+// and Dsum (BM floats each), two fp32 dQ staging tiles, then the mbarriers (K/V, then per stage
+// full and empty). With DQT the LSE2/Dsum stages (BW_ST x 640 bytes, not a multiple of 1024)
+// follow the staging tiles, which must stay 1024-aligned.
+template <int D, int BM_ = BwShape<D>::BM>
 struct BwPlan {
-    static constexpr int BM = BwShape<D>::BM;
+    static constexpr int BM = BM_;
+    static constexpr bool DQT = BwShape<D, BM>::DQT;
     static constexpr u32 KV_TILE = BW_BN * D * 2;
     static constexpr u32 Q_TILE = BM * D * 2;
     static constexpr u32 DS_TILE = BW_BN * BM * 2;
@@ -83,14 +93,43 @@ struct BwPlan {
     static constexpr u32 Q = 2 * KV_TILE;
     static constexpr u32 DO = Q + BW_ST * Q_TILE;
     static constexpr u32 DS = DO + BW_ST * Q_TILE;
-    static constexpr u32 LD = DS + 2 * DS_TILE;
-    // Each consumer's fp32 dQ tile (64 rows x DQN columns) for the TMA reduce-add, in
-    // boxes of 32 columns (128-byte swizzled rows), 1024-aligned.
-    static constexpr u32 DQ_TILE = 64 * BwShape<D>::DQN * 4;
-    static constexpr u32 DQ = LD + BW_ST * LD_STAGE;
-    static constexpr u32 BARS = DQ + 2 * DQ_TILE;
+    // Each consumer's fp32 dQ tile (64 rows x DQN columns, or with DQT BM rows x 64 columns)
+    // for the TMA reduce-add, in boxes of 32 columns (128-byte swizzled rows), 1024-aligned.
+    static constexpr u32 DQ_TILE = (DQT ? BM : 64) * BwShape<D, BM>::DQN * 4;
+    static constexpr u32 LD = DQT ? DS + 2 * DS_TILE + 2 * DQ_TILE : DS + 2 * DS_TILE;
+    static constexpr u32 DQ = DQT ? DS + 2 * DS_TILE : LD + BW_ST * LD_STAGE;
+    static constexpr u32 BARS = DQT ? LD + BW_ST * LD_STAGE : DQ + 2 * DQ_TILE;
     static constexpr u32 BYTES = BARS + 8 * (1 + 2 * BW_ST);
+    static_assert(DQ % 1024 == 0 && DS % 1024 == 0 && Q_TILE % 1024 == 0, "swizzled tiles");
 };
+
+// D (64 x 80, fp32: 40 accumulators per thread) += A (64 x 16) * B (16 x 80), both from shared
+// memory, A K-major (TRANS_A = 0) or M-major (1), B K-major (TRANS_B = 0) or N-major (1).
+#define WG_REGS40                                                                                \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+    "%38, %39}"
+template <int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n80k16_ss(float (&d)[40], uint64_t desc_a,
+                                                   uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16" WG_AB
+        WG_REGS40 ", %40, %41, p, 1, 1, %43, %44;\n}\n"
+        : WG_ACC32(d), WG_ACC8(d, 32)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+// Four 8 x 8 matrices of 16-bit values from registers (r[i]: this lane's pair of matrix i, in
+// the mma fragment layout: row lane / 4, columns 2 (lane % 4) and + 1) to shared memory
+// transposed: row j of matrix i (column j of the fragment) goes to the 16 bytes at `addr` of
+// lane 8 i + j.
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                     addr),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
 
 // D (64 x 64, fp32) += A (64 x 16) * B (16 x 64), both from shared memory and both MN-major
 // (transposed): A's 64 rows contiguous per k, B's 64 columns contiguous per k.
@@ -171,8 +210,39 @@ __device__ __forceinline__ void attn_bwd_sm90_pre(const u16* __restrict__ O,
     }
 }
 
-// The main kernel (the file's header, 2.).
-template <int D, bool CAUSAL>
+// The (key tile kt, kv head · split y, batch entry b) of the main kernel's CTA i in a 1-D grid
+// of n_kt x n_y x B, which the hardware starts in index order (the file's header, CTA order):
+// order 0 runs the key tiles fastest, 1 slowest (longest first under the causal mask), 2 the
+// batch entries slowest, then the key tiles, 3 key tiles slowest within chunks of `chunk` pairs.
+__device__ __forceinline__ void bwd_cta_coords(unsigned i, int order, int chunk, unsigned n_kt,
+                                               unsigned n_y, int B, int& kt, int& y, int& b) {
+    if (order == 1) {
+        y = i % n_y;
+        b = (i / n_y) % B;
+        kt = i / n_y / B;
+    } else if (order == 2) {
+        y = i % n_y;
+        kt = (i / n_y) % n_kt;
+        b = i / n_y / n_kt;
+    } else if (order == 3) {
+        // Pairs p = y + n_y b in chunks of `chunk` (the last may hold fewer), key tiles slowest
+        // within a chunk.
+        const unsigned per = (unsigned)chunk * n_kt;
+        const unsigned first = i / per * chunk, r = i % per;
+        const unsigned here = min((unsigned)chunk, n_y * (unsigned)B - first);
+        const unsigned p = first + r % here;
+        kt = r / here;
+        y = p % n_y;
+        b = p / n_y;
+    } else {
+        kt = i % n_kt;
+        y = (i / n_kt) % n_y;
+        b = i / n_kt / n_y;
+    }
+}
+
+// The main kernel (the file's header, 2.), BM queries per step (BwShape).
+template <int D, int BM, bool CAUSAL>
 __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
                                               const TmaMap* tdo, const TmaMap* tdq,
                                               const float* __restrict__ lse2,
@@ -182,47 +252,35 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                                               u16* __restrict__ dV, float* __restrict__ dkv_part,
                                               int splits, int Tq, int Tkv, int H, int KVH,
                                               int Tq_pad, float scale_log2, float scale, int B,
-                                              int order, int chunk) {
-    using P = BwPlan<D>;
+                                              int order, int chunk, int tail_whole,
+                                              int tail_parts, float* __restrict__ tail_buf) {
+    using P = BwPlan<D, BM>;
     constexpr int PANELS = D / 64, DT = D / 8;
-    constexpr int BM = P::BM, NQ = BM / 8, DQN = BwShape<D>::DQN;
+    constexpr int NQ = BM / 8, DQN = BwShape<D, BM>::DQN;
+    constexpr bool DQT = P::DQT;
     const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
     const u32 bar_kv = base + P::BARS;
     auto full = [&](int s) { return base + P::BARS + 8u * (1 + 2 * s); };
     auto empty = [&](int s) { return base + P::BARS + 8u * (2 + 2 * s); };
     const int tid = threadIdx.x, wg = tid >> 7;
-    // The CTA's (key tile, kv head · split, batch entry) from its place in a 1-D grid, which
-    // the hardware starts in blockIdx order (the file's header, CTA order): order 0 runs the
-    // key tiles fastest, 1 slowest (longest first under the causal mask), 2 the batch entries
-    // slowest, then the key tiles, 3 key tiles slowest within chunks of `chunk` pairs.
-    int kt, y, b;
-    {
-        const unsigned i = blockIdx.x, n_y = KVH * splits;
-        const unsigned n_kt = ((unsigned)Tkv + BW_BN - 1) / BW_BN;
-        if (order == 1) {
-            y = i % n_y;
-            b = (i / n_y) % B;
-            kt = i / n_y / B;
-        } else if (order == 2) {
-            y = i % n_y;
-            kt = (i / n_y) % n_kt;
-            b = i / n_y / n_kt;
-        } else if (order == 3) {
-            // Pairs p = y + n_y b in chunks of `chunk` (the last may hold fewer), key tiles
-            // slowest within a chunk.
-            const unsigned per = (unsigned)chunk * n_kt;
-            const unsigned first = i / per * chunk, r = i % per;
-            const unsigned here = min((unsigned)chunk, n_y * (unsigned)B - first);
-            const unsigned p = first + r % here;
-            kt = r / here;
-            y = p % n_y;
-            b = p / n_y;
-        } else {
-            kt = i % n_kt;
-            y = (i / n_kt) % n_y;
-            b = i / n_kt / n_y;
-        }
+    // The CTA's (key tile, kv head · split, batch entry) from its place in the 1-D grid
+    // (bwd_cta_coords). The tail split (the host's sm90::bwd_tail_split, without the causal
+    // mask and the head split): CTAs from `tail_whole` on are `tail_parts` parts of each of the
+    // last n_cta - tail_whole CTAs' work (part p of CTA tail_whole + t at tail_whole + p * tail
+    // + t), each over a contiguous share of its steps, writing fp32 partial dK (unscaled) and dV
+    // to tail_buf for the tail combine.
+    const unsigned n_y = KVH * splits;
+    const unsigned n_kt = ((unsigned)Tkv + BW_BN - 1) / BW_BN;
+    unsigned vi = blockIdx.x;
+    int part = 0, tail_t = 0;
+    if (tail_parts > 1 && vi >= (unsigned)tail_whole) {
+        const unsigned tail = n_kt * n_y * (unsigned)B - (unsigned)tail_whole;
+        part = (vi - tail_whole) / tail;
+        tail_t = (vi - tail_whole) % tail;
+        vi = tail_whole + tail_t;
     }
+    int kt, y, b;
+    bwd_cta_coords(vi, order, chunk, n_kt, n_y, B, kt, y, b);
     const int kvh = y / splits, sp = y % splits;
     const int group = H / KVH;
     // This CTA's query heads of the group: [h_lo, h_hi) (all of them without a split).
@@ -234,7 +292,12 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     const int qt_first = i_min / BM;
     const int n_qt = (Tq + BM - 1) / BM;
     const int per_head = (L > k0 && qt_first < n_qt) ? n_qt - qt_first : 0;
-    const int n_it = per_head * (h_hi - h_lo);
+    const int n_all = per_head * (h_hi - h_lo);
+    // This CTA's steps [it_lo, it_lo + n_it) of the n_all its (key tile, kv head, batch entry)
+    // has: all of them unless the tail split cut it into parts.
+    const int nparts = (tail_parts > 1 && blockIdx.x >= (unsigned)tail_whole) ? tail_parts : 1;
+    const int it_lo = (int)((long long)part * n_all / nparts);
+    const int n_it = (int)((long long)(part + 1) * n_all / nparts) - it_lo;
 
     if (tid == 0) {
         mbar_init(bar_kv, 1);
@@ -259,8 +322,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
             for (int it = 0; it < n_it; ++it) {
                 const int s = it % BW_ST;
                 if (it >= BW_ST) mbar_wait(empty(s), ((it / BW_ST) + 1) & 1);
-                const int h = kvh * group + h_lo + it / per_head;
-                const int q0 = (qt_first + it % per_head) * BM;
+                const int h = kvh * group + h_lo + (it_lo + it) / per_head;
+                const int q0 = (qt_first + (it_lo + it) % per_head) * BM;
                 mbar_expect_tx(full(s), 2 * P::Q_TILE + P::LD_STAGE);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p) {
@@ -295,13 +358,15 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     float(&dvf)[D / 2] = reinterpret_cast<float(&)[D / 2]>(dv);
 
     // This consumer's part of a step's dQ: rows [dq_r0, dq_r0 + 64) and columns [dq_c0,
-    // dq_c0 + DQN) of the step's BM x D tile (BwShape), as an m64 accumulator.
-    const int dq_r0 = BM == 64 ? 0 : 64 * c;
-    const int dq_c0 = BM == 64 ? DQN * c : 0;
-    float dq[DQN / 2];
+    // dq_c0 + DQN) of the step's BM x D tile (BwShape), as an m64 accumulator; with DQT, all BM
+    // rows of columns [64 c, 64 c + 64) as the m64nBM accumulator of dQ^T.
+    const int dq_r0 = (BM == 64 || DQT) ? 0 : 64 * c;
+    const int dq_c0 = (BM == 64 || DQT) ? DQN * c : 0;
+    float dq[DQT ? BM / 2 : DQN / 2];
     // dQ's operands: A = dS, the dS^T buffer read transposed (panel c when BM = 128); B = K's
-    // columns [dq_c0, dq_c0 + 64): panel c at head_dim 128, panel 0 at 64.
-    const u32 sds_off = BM == 64 ? 0u : (u32)c * BW_BN * 128;
+    // columns [dq_c0, dq_c0 + 64): panel c at head_dim 128, panel 0 at 64. With DQT, dQ^T's A
+    // is that panel of K read transposed and B the dS buffer (query-major).
+    const u32 sds_off = (BM == 64 || DQT) ? 0u : (u32)c * BW_BN * 128;
     const u32 sk_dq = base + P::K + (dq_c0 / 64) * BW_BN * 128;
     // This consumer's dQ staging tile (fp32, boxes of 32 columns); its elected thread issues
     // the reduce-adds.
@@ -324,8 +389,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         float(&stf)[SQ / 2] = reinterpret_cast<float(&)[SQ / 2]>(st);
         float(&dpf)[SQ / 2] = reinterpret_cast<float(&)[SQ / 2]>(dpt);
         const int s = it % BW_ST;
-        const int h = kvh * group + h_lo + it / per_head;
-        const int q0 = (qt_first + it % per_head) * BM;
+        const int h = kvh * group + h_lo + (it_lo + it) / per_head;
+        const int q0 = (qt_first + (it_lo + it) % per_head) * BM;
         const u32 sq = base + P::Q + s * P::Q_TILE;
         const u32 sdo = base + P::DO + s * P::Q_TILE;
         const u32 sds = base + P::DS + (it & 1) * P::DS_TILE;
@@ -345,6 +410,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                 const uint64_t db = smem_desc_sw128(sb + (ks >> 2) * BM * 128 + koff, 16, 1024);
                 if constexpr (SQ == 128) {
                     wgmma_m64n128k16_ss(acc, da, db, ks > 0);
+                } else if constexpr (SQ == 80) {
+                    wgmma_m64n80k16_ss<0, 0>(acc, da, db, ks > 0);
                 } else {
                     wgmma_m64n64k16_ss<0>(acc, da, db, ks > 0);
                 }
@@ -394,14 +461,27 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         // The k-step ks descriptors of dO and Q.
         auto desc_do = [&](int ks) { return smem_desc_sw128(sdo + ks * 16 * 128, BM * 128, 1024); };
         auto desc_q = [&](int ks) { return smem_desc_sw128(sq + ks * 16 * 128, BM * 128, 1024); };
-        // dQ = dS K (both operands transposed from shared memory).
+        // dQ = dS K (both operands transposed from shared memory), or with DQT dQ^T = K^T dS:
+        // A = K's panel c (keys x 64 columns) read transposed, B = the dS buffer's BM query rows
+        // (K-major: 16-key step ks in panel ks / 4).
         auto mma_dq = [&]() {
+            if constexpr (DQT) {
 #pragma unroll
-            for (int ks = 0; ks < BW_BN / 16; ++ks) {
-                const uint64_t da =
-                    smem_desc_sw128(sds + sds_off + ks * 16 * 128, 64 * 128, 1024);
-                const uint64_t db = smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
-                wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
+                for (int ks = 0; ks < BW_BN / 16; ++ks) {
+                    const uint64_t da = smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
+                    const uint64_t db = smem_desc_sw128(
+                        sds + (ks >> 2) * BM * 128 + (u32)(ks & 3) * 32u, 16, 1024);
+                    wgmma_m64n80k16_ss<1, 0>(dq, da, db, ks > 0);
+                }
+            } else {
+#pragma unroll
+                for (int ks = 0; ks < BW_BN / 16; ++ks) {
+                    const uint64_t da =
+                        smem_desc_sw128(sds + sds_off + ks * 16 * 128, 64 * 128, 1024);
+                    const uint64_t db =
+                        smem_desc_sw128(sk_dq + ks * 16 * 128, BW_BN * 128, 1024);
+                    wgmma_m64n64k16_ss_tt(dq, da, db, ks > 0);
+                }
             }
         };
         if constexpr (FA3_ORDER) {
@@ -416,8 +496,19 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         // barrier below (and so before the tile is written again).
         if (elected) bulk_wait_read();
         // dS^T to its buffer (panels of 64 queries; 128-byte swizzle: 16-byte chunk k of key row
-        // r at k ^ (r % 8)), visible to wgmma and to both consumers.
-        {
+        // r at k ^ (r % 8)), visible to wgmma and to both consumers. With DQT, dS (query rows,
+        // this consumer's 64 keys = panel c) by transposing stores: 8 x 8 block i of 16 keys x
+        // 16 queries kc goes to query rows 16 kc + 8 (i / 2) + j, keys 16 warp + 8 (i % 2) + 0..7,
+        // chunk (2 warp + i % 2) ^ (row % 8): conflict-free.
+        if constexpr (DQT) {
+            const int i = lane >> 3, j = lane & 7;
+            const u32 chunk = (u32)((2 * warp + (i & 1)) ^ j) << 4;
+#pragma unroll
+            for (int kc = 0; kc < NS / 2; ++kc) {
+                const int q = 16 * kc + 8 * (i >> 1) + j;
+                stmatrix_x4_trans(sds + (u32)c * (BM * 128) + (u32)q * 128 + chunk, dsa[kc]);
+            }
+        } else {
             const int r0 = 64 * c + 16 * warp + g;
 #pragma unroll
             for (int j = 0; j < NS; ++j)
@@ -463,7 +554,25 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         // swizzled place: 2-way bank conflicts. So in store j a lane writes the column block
         // jj = j ^ (g % 4) of its aligned group of four (the same 32-column box): the half-warp's
         // 8 (row, chunk) pairs then fill 8 distinct chunk places, all 32 banks.
-        {
+        if constexpr (DQT) {
+            // dQ^T's element (column 16 warp + g + 8 hf of the consumer's 64, query 8 j + 2 t4
+            // + e) at query row q of box (warp / 2), chunk ((column % 32) / 4) ^ (q % 8): 4-byte
+            // stores, the warp's 32 lanes on 32 banks (the chunk is C ^ 2 t4 ^ (g / 4 ^ e) with C
+            // even, word g % 4).
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = 16 * (warp & 1) + g + 8 * hf, q = 8 * j + 2 * t4 + e;
+                        const u32 addr = sdq + (warp >> 1) * (BM * 128) + q * 128 +
+                                         ((((col >> 2) ^ (q & 7))) << 4) + (col & 3) * 4;
+                        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr),
+                                     "f"(dq[4 * j + 2 * hf + e])
+                                     : "memory");
+                    }
+        } else {
             const int sw = g & 3;
 #pragma unroll
             for (int j = 0; j < DQN / 8; ++j)
@@ -497,8 +606,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         if (elected) {
 #pragma unroll
             for (int bx = 0; bx < DQN / 32; ++bx)
-                tma_reduce_add_3d(tdq, sdq + bx * (64 * 128), dq_c0 + 32 * bx, q0 + dq_r0,
-                                  b * H + h);
+                tma_reduce_add_3d(tdq, sdq + bx * ((DQT ? BM : 64) * 128), dq_c0 + 32 * bx,
+                                  q0 + dq_r0, b * H + h);
             bulk_commit();
         }
         if constexpr (FA3_ORDER) {
@@ -518,6 +627,25 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     // a split, this CTA's fp32 partial sums (dK unscaled) to its slice of dkv_part instead,
     // every key of the tile below Tkv written (zeros where its heads saw none), so that the
     // combine reads a whole slice.
+    if (nparts > 1) {
+        // The tail split's partial sums: all 128 keys of the tile (the combine skips those
+        // past Tkv), [key][D] per (tail CTA, part), dK then dV.
+        float* const tk_ = tail_buf + ((size_t)tail_t * nparts + part) * 2 * (BW_BN * D);
+        float* const tv_ = tk_ + BW_BN * D;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int kl = 64 * c + 16 * warp + g + 8 * hf;
+#pragma unroll
+            for (int j = 0; j < DT; ++j) {
+                const int o = kl * D + 8 * j + 2 * t4;
+                *reinterpret_cast<float2*>(tk_ + o) =
+                    make_float2(dk[0][j][2 * hf], dk[0][j][2 * hf + 1]);
+                *reinterpret_cast<float2*>(tv_ + o) =
+                    make_float2(dv[0][j][2 * hf], dv[0][j][2 * hf + 1]);
+            }
+        }
+        return;
+    }
     const size_t kv_base = (size_t)(b * KVH + kvh) * Tkv * D;
     const size_t n_kv = (size_t)B * KVH * Tkv * D;
     float* const pk = dkv_part + (size_t)(2 * sp) * n_kv;
@@ -552,26 +680,30 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         attn_bwd_sm90_pre<D>(O, dO, LSE, dsum, lse2, dqacc, Tq, Tq_pad, rows_pad);              \
     }
 
-#define BW_ENTRY(D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(384, 1) attn_bwd_sm90_d##D(                    \
+// The main kernel of head_dim D and BM queries per step as `attn_bwd_sm90_d<D><SUFFIX>`.
+#define BW_ENTRY_BM(D, BM, SUFFIX)                                                               \
+    extern "C" __global__ void __launch_bounds__(384, 1) attn_bwd_sm90_d##D##SUFFIX(            \
         const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,                    \
         const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,                   \
         const __grid_constant__ TmaMap tdq, const float* lse2, const float* dsum,                \
         const int* kv_lens, u16* dK, u16* dV, float* dkv_part, int splits, int Tq, int Tkv,      \
         int H, int KVH, int Tq_pad, float scale_log2, float scale, int causal, int B,             \
-        int order, int chunk) {                                                                  \
+        int order, int chunk, int tail_whole, int tail_parts, float* tail_buf) {                 \
         if (causal)                                                                              \
-            attn_bwd_sm90<D, true>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV,       \
-                                   dkv_part, splits, Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale, \
-                                   B, order, chunk);                                             \
+            attn_bwd_sm90<D, BM, true>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV,   \
+                                       dkv_part, splits, Tq, Tkv, H, KVH, Tq_pad, scale_log2,    \
+                                       scale, B, order, chunk, tail_whole, tail_parts, tail_buf); \
         else                                                                                     \
-            attn_bwd_sm90<D, false>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV,      \
-                                    dkv_part, splits, Tq, Tkv, H, KVH, Tq_pad, scale_log2,       \
-                                    scale, B, order, chunk);                                     \
+            attn_bwd_sm90<D, BM, false>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, dK, dV,  \
+                                        dkv_part, splits, Tq, Tkv, H, KVH, Tq_pad, scale_log2,   \
+                                        scale, B, order, chunk, tail_whole, tail_parts,          \
+                                        tail_buf);                                               \
     }
+#define BW_ENTRY(D) BW_ENTRY_BM(D, BwShape<D>::BM, )
 
 // The kernels of head_dim D where the source before this defines KP_SM90_BWD_ALL or
-// KP_SM90_BWD_D<D> (the host compiles the head_dim it runs).
+// KP_SM90_BWD_D<D> (the host compiles the head_dim it runs); at head_dim 128 with
+// KP_SM90_BWD_M80 as well, `attn_bwd_sm90_d128_m80`, 80 queries per step.
 #if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_D64)
 BW_PRE_ENTRY(64)
 BW_ENTRY(64)
@@ -579,6 +711,9 @@ BW_ENTRY(64)
 #if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_D128)
 BW_PRE_ENTRY(128)
 BW_ENTRY(128)
+#if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_M80)
+BW_ENTRY_BM(128, 80, _m80)
+#endif
 #endif
 
 // dK = scale * (sum of the slices' partial dK) and dV = sum of theirs, in 16 bits: the slices of
@@ -602,6 +737,50 @@ extern "C" __global__ void attn_bwd_sm90_dkv_combine(const float* __restrict__ p
     *reinterpret_cast<u32*>(dK + i) = pack2<KP_WG_BF16>(k.x * scale, k.y * scale);
     *reinterpret_cast<u32*>(dV + i) = pack2<KP_WG_BF16>(v.x, v.y);
 }
+
+// The tail split's dK (times the scale) and dV: for the CTA tail_whole + t of the main grid
+// (blockIdx.y = t), its parts' partial sums (tail_buf [tail][parts][2][128 x D]) added in part
+// order, in 16 bits, keys below Tkv; two elements per thread, blockIdx.x over the tile's.
+template <int D>
+__device__ __forceinline__ void attn_bwd_sm90_tail_combine(const float* __restrict__ buf,
+                                                           u16* __restrict__ dK,
+                                                           u16* __restrict__ dV, int tail_whole,
+                                                           int parts, int Tkv, int KVH, int B,
+                                                           int order, int chunk, float scale) {
+    const int e = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (e >= BW_BN * D) return;
+    const unsigned n_kt = ((unsigned)Tkv + BW_BN - 1) / BW_BN;
+    int kt, y, b;
+    bwd_cta_coords(tail_whole + blockIdx.y, order, chunk, n_kt, KVH, B, kt, y, b);
+    const int key = kt * BW_BN + e / D;
+    if (key >= Tkv) return;
+    float2 k = make_float2(0.f, 0.f), v = make_float2(0.f, 0.f);
+    const float* p = buf + (size_t)blockIdx.y * parts * 2 * (BW_BN * D) + e;
+    for (int i = 0; i < parts; ++i, p += 2 * (BW_BN * D)) {
+        const float2 a = *reinterpret_cast<const float2*>(p);
+        const float2 c = *reinterpret_cast<const float2*>(p + BW_BN * D);
+        k.x += a.x;
+        k.y += a.y;
+        v.x += c.x;
+        v.y += c.y;
+    }
+    const size_t o = ((size_t)(b * KVH + y) * Tkv + key) * D + e % D;
+    *reinterpret_cast<u32*>(dK + o) = pack2<KP_WG_BF16>(k.x * scale, k.y * scale);
+    *reinterpret_cast<u32*>(dV + o) = pack2<KP_WG_BF16>(v.x, v.y);
+}
+#define BW_TAIL_ENTRY(D)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) attn_bwd_sm90_tail_combine_d##D(          \
+        const float* buf, u16* dK, u16* dV, int tail_whole, int parts, int Tkv, int KVH, int B,  \
+        int order, int chunk, float scale) {                                                     \
+        attn_bwd_sm90_tail_combine<D>(buf, dK, dV, tail_whole, parts, Tkv, KVH, B, order, chunk, \
+                                      scale);                                                    \
+    }
+#if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_D64)
+BW_TAIL_ENTRY(64)
+#endif
+#if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_D128)
+BW_TAIL_ENTRY(128)
+#endif
 
 // dQ = scale * dQacc in bf16 (the prelude's bwd_dq_convert).
 extern "C" __global__ void attn_bwd_sm90_dq_convert(const float* __restrict__ dqacc,

@@ -536,12 +536,19 @@ struct HopperWords {
     turns: String,
     /// The non-causal grid: the tail split, or what ran instead.
     grid: String,
+    /// The backward's non-causal grid: its tail split (with a leading `; `) where
+    /// [`sm90::bwd_tail_on`], else nothing.
+    bwd_grid: String,
 }
 
 impl HopperWords {
     fn from_env() -> HopperWords {
         let env = sm90::FwdEnv::read();
-        HopperWords::new(!env.pingpong, env.persistent, !env.tail_split)
+        let mut words = HopperWords::new(!env.pingpong, env.persistent, !env.tail_split);
+        if !sm90::bwd_tail_on() {
+            words.bwd_grid = String::new();
+        }
+        words
     }
 
     /// The words for the ping-pong turned off, the persistent grid on and the tail split off.
@@ -577,7 +584,16 @@ impl HopperWords {
                 sm90::TAIL_ENV
             ),
         };
-        HopperWords { turns, grid }
+        let bwd_grid = format!(
+            "; without the causal mask, where the grid leaves a last wave of at most half the SMs, each CTA of that wave runs as 2 to {} CTAs over a share of its query steps (at least {} each), their fp32 partial dK and dV added in part order by a combine",
+            sm90::BWD_TAIL_MAX_PARTS,
+            sm90::BWD_TAIL_MIN_STEPS
+        );
+        HopperWords {
+            turns,
+            grid,
+            bwd_grid,
+        }
     }
 }
 
@@ -646,7 +662,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             }
             .into(),
             rule: format!(
-                "otherwise, at head_dim 64 or 128 with a positive scale, the forward, and for forward + backward the wgmma backward after it: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one{}; {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise; without the causal mask, {}; under the causal mask the CTAs take the query tiles heaviest first within chunks of (head, batch entry) pairs whose K and V fit half the L2, the chunk size from a simulated makespan. Kernel: the wgmma backward (kernels/attn_wgmma_bwd_sm90.cu): {}-key tiles per CTA holding dK and dV in registers, Q and dO in steps of {} rows at head_dim 64 and {} at 128 by TMA, dQ summed in fp32 by TMA reduce-adds; where (key tiles × kv heads × batch) is small against {} SMs and a kv head has several query heads, those heads are split over up to {} CTAs per key tile (causal: to two waves; not causal: what fits one), their fp32 partial dK and dV added in a fixed order by a fourth kernel; under the causal mask, where a simulation of the grid on {} SMs puts key tiles fastest at least 2 % behind, the CTAs start longest first (key tiles slowest) within chunks of at least {} (kv head · split, batch entry) pairs, the chunk size from that simulation (grids of up to {} CTAs are simulated). The rows of {} measure the portable kernels below on the same cases",
+                "otherwise, at head_dim 64 or 128 with a positive scale, the forward, and for forward + backward the wgmma backward after it: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one{}; {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise; without the causal mask, {}; under the causal mask the CTAs take the query tiles heaviest first within chunks of (head, batch entry) pairs whose K and V fit half the L2, the chunk size from a simulated makespan. Kernel: the wgmma backward (kernels/attn_wgmma_bwd_sm90.cu): {}-key tiles per CTA holding dK and dV in registers, Q and dO in steps of {} rows at head_dim 64, and at 128 of {} under the causal mask and {} without, by TMA, dQ summed in fp32 by TMA reduce-adds; where (key tiles × kv heads × batch) is small against {} SMs and a kv head has several query heads, those heads are split over up to {} CTAs per key tile (causal: to two waves; not causal: what fits one), their fp32 partial dK and dV added in a fixed order by a fourth kernel{}; under the causal mask, where a simulation of the grid on {} SMs puts key tiles fastest at least 2 % behind, the CTAs start longest first (key tiles slowest) within chunks of at least {} (kv head · split, batch entry) pairs, the chunk size from that simulation (grids of up to {} CTAs are simulated). The rows of {} measure the portable kernels below on the same cases",
                 sm90::WS_KEYS,
                 hopper.turns,
                 sm90::Sm90Version::V4.rows(),
@@ -655,9 +671,11 @@ fn dispatch_rules() -> Vec<DispatchRule> {
                 hopper.grid,
                 sm90::BWD_KEYS,
                 sm90::bwd_queries(64),
-                sm90::bwd_queries(128),
+                sm90::bwd_step_queries(128, true, sm90::bwd_wide_queries()),
+                sm90::bwd_step_queries(128, false, sm90::bwd_wide_queries()),
                 sm90::BWD_SPLIT_SMS,
                 sm90::BWD_MAX_SPLITS,
+                hopper.bwd_grid,
                 sm90::BWD_SPLIT_SMS,
                 sm90::BWD_MIN_CHUNK,
                 sm90::BWD_SCHEDULE_MAX_CTAS,

@@ -1880,11 +1880,12 @@ fn wgmma_forward_matches_float64() {
 
 /// The wgmma backward (`flash` forward + backward on compute capability 9.0, bf16, head_dim 64
 /// and 128) against float64: dQ, dK and dV (and O, LSE) on lengths on and off its 128-key tiles
-/// and its query steps (128 queries at head_dim 64, 64 at 128; last steps of 1 to 64 valid rows
-/// at 64, which run as whole steps), separate query and key lengths both ways, decoding, GQA,
-/// per-sequence key lengths (517 of 1000, 129 of 257; the shape suite has 0 and 1), a
-/// non-default scale, both masks, the query heads of a group split over 2, 3 and 4 CTAs and
-/// not split (a group of 1, and of 2 on a larger grid); every case runs on the wgmma path. Then a first timing of
+/// and its query steps (128 queries at head_dim 64, 64 at 128 or 80 with `sm90::BWD_BM_ENV`;
+/// last steps of 1 to 64 valid rows at 64, which run as whole steps), separate query and key
+/// lengths both ways, decoding, GQA, per-sequence key lengths (517 of 1000, 129 of 257, 0 of
+/// 1100; the shape suite has 1), a non-default scale, both masks, the query heads of a group
+/// split over 2, 3 and 4 CTAs and not split (a group of 1, and of 2 on a larger grid), a short
+/// last wave cut by the tail split; every case runs on the wgmma path. Then a first timing of
 /// forward + backward at B4 H8 T16384 (wall clock, not a measurement for the pages).
 #[test]
 #[cfg_attr(
@@ -1904,7 +1905,7 @@ fn wgmma_backward_matches_float64() {
         return;
     }
     let cases = wgmma_backward_cases(Dtype::Bf16);
-    assert_eq!(cases.len(), 44);
+    assert_eq!(cases.len(), 48);
     check_wgmma_backward(&cases, 900);
     for d in [64, 128] {
         for causal in [false, true] {
@@ -2554,15 +2555,19 @@ fn wgmma_forward_causal_chunks_agree() {
 
 /// Where the wgmma backward's time goes (`sm90::HopperBackward::stage_ms`: CUDA events between
 /// its kernels): per case, the median over 20 forward + backward calls of the preprocessing,
-/// the main kernel, the split's combine and dQ's conversion, beside the whole call's wall
-/// clock, at causal MQA (the case furthest behind cuDNN, kernels/TUNING.md), causal GQA and
-/// MHA. Asserted: the events change nothing (dK and dV bit for bit against a call without
-/// them), every stage is timed, and the combine runs exactly where the heads are split. A
-/// probe: run it on the GPU machine with `--ignored`.
+/// the main kernel, the split's or the tail split's combine and dQ's conversion, beside the
+/// whole call's wall clock, at causal MQA (the case furthest behind cuDNN, kernels/TUNING.md),
+/// causal GQA and MHA, and MHA T16384 without the mask (a tail split). Asserted: the events
+/// change nothing (dK and dV bit for bit against a call without them), every stage is timed,
+/// and a combine runs exactly where the heads or the last wave are split. A probe: run it on
+/// the GPU machine with `--ignored`.
 #[test]
 #[ignore = "a GPU probe (timings printed): run it on the GPU machine with --ignored"]
 fn wgmma_backward_stage_probe() {
-    use kernelpages::attention::sm90::{bwd_head_splits, BwdStageMs};
+    use kernelpages::attention::sm90::{
+        bwd_grid, bwd_head_splits, bwd_step_queries, bwd_tail_on, bwd_tail_split, bwd_wide_queries,
+        BwdStageMs,
+    };
     let Some(gpu) = hopper_gpu("wgmma backward stages") else {
         return;
     };
@@ -2572,6 +2577,7 @@ fn wgmma_backward_stage_probe() {
         grouped_fwd_bwd(4, 8, 1, 4096, 128, false),
         grouped_fwd_bwd(4, 32, 8, 4096, 128, true),
         grouped_fwd_bwd(4, 8, 8, 4096, 128, true),
+        grouped_fwd_bwd(4, 8, 8, 16384, 128, false),
     ] {
         let inp = Inputs::random(&c, 9);
         let (mut runner, _) = Runner::new(gpu, Implementation::Flash, &c).expect("runner");
@@ -2613,8 +2619,18 @@ fn wgmma_backward_stage_probe() {
             .expect("events off");
         let wall = wall_ms(&mut runner, &c, &dev, &mut outs, 3, 20);
         let splits = bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, c.causal);
+        let bm = bwd_step_queries(c.head_dim, c.causal, bwd_wide_queries());
+        let (ctas, steps, _) = bwd_grid(
+            (c.batch, c.heads, c.kv_heads),
+            (c.seq_len_q, c.seq_len_kv),
+            c.causal,
+            bm,
+        );
+        let tail = bwd_tail_on()
+            .then(|| bwd_tail_split(ctas, steps, c.causal, splits))
+            .flatten();
         println!(
-            "stages {} {}, {splits} splits: preprocess {pre:.3} ms, main \
+            "stages {} {}, {bm} queries a step, {splits} splits, tail split {tail:?}: preprocess {pre:.3} ms, main \
              {main:.3}, combine {combine:.3}, dQ convert {convert:.3}; backward {:.3}, forward + \
              backward {wall:.3} (wall clock)",
             probe_label(&c),
@@ -2625,8 +2641,13 @@ fn wgmma_backward_stage_probe() {
             pre > 0.0 && main > 0.0 && convert > 0.0,
             "{c:?}: a stage untimed"
         );
-        // The combine runs (and takes time) exactly where the group's heads are split.
-        assert_eq!(combine > 0.0, splits > 1, "{c:?}: combine {combine} ms");
+        // A combine runs (and takes time) exactly where the group's heads are split or the
+        // last wave is.
+        assert_eq!(
+            combine > 0.0,
+            splits > 1 || tail.is_some(),
+            "{c:?}: combine {combine} ms"
+        );
     }
 }
 
@@ -2876,6 +2897,27 @@ fn wgmma_backward_cases(dtype: Dtype) -> Vec<AttentionCase> {
                 });
             }
         }
+        // The tail split (sm90::bwd_tail_split): B2 H2 T1100 is 9 key tiles × 2 × 2 = 36 CTAs,
+        // one short wave, each cut into 2 or 3 parts without the mask (at every step size:
+        // 128, 64 or 80 queries), the second batch entry with no key (its parts have no step
+        // and write zeros); causal beside it, not split.
+        for causal in [false, true] {
+            let c = AttentionCase {
+                causal,
+                dtype,
+                pass: Pass::FwdBwd,
+                kv_lens: Some(vec![1100, 0]),
+                ..AttentionCase::new(2, 2, 1100, d)
+            };
+            for bm in [128, 64, 80] {
+                let (ctas, steps, splits) =
+                    kernelpages::attention::sm90::bwd_grid((2, 2, 2), (1100, 1100), causal, bm);
+                let split =
+                    kernelpages::attention::sm90::bwd_tail_split(ctas, steps, causal, splits);
+                assert_eq!(split.is_some(), !causal, "{bm} {split:?}");
+            }
+            cases.push(c);
+        }
     }
     cases
 }
@@ -2958,7 +3000,7 @@ fn time_wgmma_fwd_bwd(dtype: Dtype, d: usize, causal: bool) {
 /// The wgmma forward and backward on fp16 (`sm90::HopperForward::with_dtype`,
 /// `HopperBackward::with_dtype`: the same kernels on `f16` operands), through `flash` with this
 /// process dispatching fp16 to them (`sm90::FP16_ENV`, before `sm90::FP16_DISPATCHED` does), on
-/// the bf16 backward test's 44 cases: O, the LSE, dQ, dK and dV against float64 within fp16's
+/// the bf16 backward test's 48 cases: O, the LSE, dQ, dK and dV against float64 within fp16's
 /// tolerance; then a first timing at B4 H8 T16384 (printed). It passed on the H200 at 64f179b, on
 /// the 28 cases before the split ones were added (445 and 522 TFLOP/s forward + backward at head_dim 64 and 128 by the test's wall clock;
 /// `data/logs/gpu_attention_wgmma_fp16_tests_64f179b.log`), after which fp16 went on the

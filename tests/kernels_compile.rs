@@ -781,20 +781,27 @@ fn wgmma_backward_compiles_for_sm_90a() {
     // fp16's kernels (dispatched with FP16_DISPATCHED): the same names, no spills, the main
     // kernel at the register cap.
     for d in [64, 128] {
-        let f16 = kernelpages::attention::sm90::bwd_source_for(Some(d), Dtype::F16);
+        let f16 = kernelpages::attention::sm90::bwd_source_wide(Some(d), Dtype::F16, true);
         let reports =
             kernelpages::gpu::ptxas_report("attn_wgmma_bwd_sm90.cu", &f16, "sm_90a").unwrap();
         assert_eq!(
             spill_free(&reports, &format!("attn_bwd_sm90_d{d}")).registers,
             168
         );
+        // 80 queries per step at head_dim 128 only.
+        let m80 = format!("attn_bwd_sm90_d{d}_m80");
+        if d == 128 {
+            assert_eq!(spill_free(&reports, &m80).registers, 168);
+        } else {
+            assert!(reports.iter().all(|r| r.kernel != m80), "{reports:?}");
+        }
         spill_free(&reports, &format!("attn_bwd_sm90_pre_d{d}"));
         spill_free(&reports, "attn_bwd_sm90_dq_convert");
         spill_free(&reports, "attn_bwd_sm90_dkv_combine");
     }
     for d in [64, 128] {
-        // The source for one head_dim holds its two kernels, the dQ conversion and the split
-        // dK/dV combine, nothing else.
+        // The source for one head_dim holds its two kernels, its tail split's combine, the dQ
+        // conversion and the split dK/dV combine, nothing else.
         let one = kernelpages::attention::sm90::bwd_source(Some(d));
         let reports =
             kernelpages::gpu::ptxas_report("attn_wgmma_bwd_sm90.cu", &one, "sm_90a").unwrap();
@@ -805,6 +812,7 @@ fn wgmma_backward_compiles_for_sm_90a() {
             "attn_bwd_sm90_dkv_combine".to_string(),
             "attn_bwd_sm90_dq_convert".to_string(),
             format!("attn_bwd_sm90_pre_d{d}"),
+            format!("attn_bwd_sm90_tail_combine_d{d}"),
         ];
         assert_eq!(kernels, want.iter().map(String::as_str).collect::<Vec<_>>());
     }
@@ -822,8 +830,11 @@ fn wgmma_backward_compiles_for_sm_90a() {
         "attn_bwd_sm90_pre_d128",
         "attn_bwd_sm90_d64",
         "attn_bwd_sm90_d128",
+        "attn_bwd_sm90_d128_m80",
         "attn_bwd_sm90_dq_convert",
         "attn_bwd_sm90_dkv_combine",
+        "attn_bwd_sm90_tail_combine_d64",
+        "attn_bwd_sm90_tail_combine_d128",
     ] {
         let r = spill_free(&reports, name);
         if !name.contains("pre") && !name.contains("convert") && !name.contains("combine") {

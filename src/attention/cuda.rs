@@ -1321,19 +1321,24 @@ impl Runner {
     /// Bytes of device temporaries one call uses beyond [`Implementation::temporary_bytes`]
     /// that depend on the kernel the dispatch picked for the case: on the wgmma path the
     /// forward's tail-split workspace ([`super::sm90::HopperForward::tail_bytes`]) and the
-    /// backward's split buffer ([`super::sm90::bwd_split_bytes`], forward + backward), else 0.
+    /// backward's split buffers ([`super::sm90::bwd_split_bytes`] and
+    /// [`super::sm90::HopperBackward::tail_bytes`], forward + backward), else 0.
     pub fn dispatch_temporary_bytes(&self, c: &AttentionCase) -> u64 {
         match self {
             Runner::Hopper { fwd, bwd, .. } => {
                 let split = fwd.tail_bytes((c.batch, c.heads, c.seq_len_q, c.seq_len_kv), c.causal);
                 split
-                    + bwd.as_ref().map_or(0, |_| {
+                    + bwd.as_ref().map_or(0, |b| {
                         super::sm90::bwd_split_bytes(
                             c.batch,
                             c.heads,
                             c.kv_heads,
                             c.seq_len_kv,
                             c.head_dim,
+                            c.causal,
+                        ) + b.tail_bytes(
+                            (c.batch, c.heads, c.kv_heads),
+                            (c.seq_len_q, c.seq_len_kv),
                             c.causal,
                         )
                     })

@@ -1293,7 +1293,17 @@ pub fn bwd_source(head_dim: Option<usize>) -> String {
 /// # Panics
 /// For fp32.
 pub fn bwd_source_for(head_dim: Option<usize>, dtype: Dtype) -> String {
+    bwd_source_wide(head_dim, dtype, false)
+}
+
+/// [`bwd_source_for`], with (`m80`, head_dim 128) the main kernel of 80 queries per step as well
+/// (`attn_bwd_sm90_d128_m80`; `None` holds it anyway).
+///
+/// # Panics
+/// For fp32.
+pub fn bwd_source_wide(head_dim: Option<usize>, dtype: Dtype, m80: bool) -> String {
     let select = match head_dim {
+        Some(128) if m80 => "#define KP_SM90_BWD_D128\n#define KP_SM90_BWD_M80".to_string(),
         Some(d) => format!("#define KP_SM90_BWD_D{d}"),
         None => "#define KP_SM90_BWD_ALL".to_string(),
     };
@@ -1315,6 +1325,80 @@ pub fn bwd_queries(head_dim: usize) -> usize {
         64
     }
 }
+/// Set to `80` or `64`: the queries per step of the wgmma backward at head_dim 128 without the
+/// causal mask in every [`HopperBackward`] the process builds (for timing the two against each
+/// other; unset: [`BWD_WIDE_DEFAULT`]); `80c`: 80 under the causal mask too (otherwise 64
+/// there). 80 is FlashAttention-3's choice there (Shah et al.,
+/// 2024; `hopper/flash_bwd_launch_template.h`): a fifth fewer steps, barriers and dQ tiles per
+/// key tile, with dQ computed transposed (the `_m80` kernel).
+pub const BWD_BM_ENV: &str = "KP_SM90_BWD_BM";
+/// The queries per step of the wgmma backward at head_dim 128 without the causal mask when
+/// [`BWD_BM_ENV`] is unset.
+pub const BWD_WIDE_DEFAULT: usize = 64;
+
+/// The queries per step the wgmma backward at head_dim 128 takes in this process, `(without the
+/// causal mask, with it)`: [`BWD_BM_ENV`]'s (`64`: (64, 64), `80`: (80, 64), `80c`: (80, 80)),
+/// else ([`BWD_WIDE_DEFAULT`], 64).
+pub fn bwd_wide_queries() -> (usize, usize) {
+    match std::env::var(BWD_BM_ENV).as_deref() {
+        Ok("80") => (80, 64),
+        Ok("80c") => (80, 80),
+        Ok("64") => (64, 64),
+        _ => (BWD_WIDE_DEFAULT, 64),
+    }
+}
+
+/// Query rows per step of the wgmma backward for `head_dim` and the mask, `wide` being
+/// [`bwd_wide_queries`]: [`bwd_queries`] except at head_dim 128, where it is `wide.0` without
+/// the causal mask and `wide.1` under it (64 or 80 each).
+pub fn bwd_step_queries(head_dim: usize, causal: bool, wide: (usize, usize)) -> usize {
+    match (head_dim, causal) {
+        (128, false) => wide.0,
+        (128, true) => wide.1,
+        _ => bwd_queries(head_dim),
+    }
+}
+
+/// Rows of the wgmma backward's D and LSE buffers for `(batch, heads, seq_len_q)`: the query
+/// rows of each (batch entry, head) padded to a whole number of steps, for every step size a
+/// [`HopperBackward`] of `head_dim` may take (`wide` as in [`bwd_step_queries`]).
+pub fn bwd_padded_rows(
+    (batch, heads, seq_len_q): (usize, usize, usize),
+    head_dim: usize,
+    wide: (usize, usize),
+) -> usize {
+    let per = [true, false]
+        .iter()
+        .map(|&causal| {
+            let bm = bwd_step_queries(head_dim, causal, wide);
+            seq_len_q.div_ceil(bm) * bm
+        })
+        .max()
+        .unwrap_or(0);
+    batch * heads * per
+}
+
+/// Dynamic shared memory of the wgmma backward's main kernel at `head_dim` with `bm` queries per
+/// step, bytes: K and V, the Q and dO stages (bm rows), two dS buffers (128 × bm, 16-bit), LSE
+/// and D per stage (bm floats each), each consumer's fp32 dQ staging tile (64 rows × 64
+/// columns: half the columns at head_dim 128 with 64 queries, half the rows at 64 with 128;
+/// with 80, all 80 rows × 64 columns), the mbarriers, and up to 1023 bytes to align the base
+/// (`BwPlan::BYTES` + 1024 in the kernel source).
+pub fn bwd_smem_bytes(head_dim: usize, bm: usize) -> usize {
+    let dq_tile = match bm {
+        64 => 64 * (head_dim / 2),
+        80 => 80 * 64,
+        _ => 64 * head_dim,
+    };
+    2 * BWD_KEYS * head_dim * 2
+        + 2 * BWD_STAGES * bm * head_dim * 2
+        + 2 * BWD_KEYS * bm * 2
+        + 2 * bm * 4 * BWD_STAGES
+        + 2 * dq_tile * 4
+        + 8 * (1 + 2 * BWD_STAGES)
+        + 1024
+}
+
 /// Q and dO stages of the wgmma backward (`BW_ST`).
 pub const BWD_STAGES: usize = 2;
 
@@ -1362,6 +1446,94 @@ pub fn bwd_head_splits(
         (2 * BWD_SPLIT_SMS).div_ceil(ctas)
     };
     splits.clamp(1, group.min(BWD_MAX_SPLITS))
+}
+
+/// Set to `1` or `0`, turns the wgmma backward's tail split ([`bwd_tail_split`]) on or off in
+/// every [`HopperBackward`] the process builds (for timing it against the unsplit grid; unset:
+/// [`BWD_TAIL_DEFAULT`]).
+pub const BWD_TAIL_ENV: &str = "KP_SM90_BWD_TAIL";
+/// Whether the wgmma backward takes its tail split when [`BWD_TAIL_ENV`] is unset.
+pub const BWD_TAIL_DEFAULT: bool = false;
+
+/// Whether the wgmma backward takes its tail split in this process: [`BWD_TAIL_ENV`] when it is
+/// `1` or `0`, else [`BWD_TAIL_DEFAULT`].
+pub fn bwd_tail_on() -> bool {
+    match std::env::var(BWD_TAIL_ENV).as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => BWD_TAIL_DEFAULT,
+    }
+}
+/// Most parts [`bwd_tail_split`] cuts one CTA's work into.
+pub const BWD_TAIL_MAX_PARTS: usize = 16;
+/// Fewest query steps per part of a CTA [`bwd_tail_split`] cuts.
+pub const BWD_TAIL_MIN_STEPS: usize = 4;
+
+/// The wgmma backward's tail split for a grid of `ctas` CTAs (one per SM, [`BWD_SPLIT_SMS`] a
+/// wave) of `steps` query steps each: `Some((whole, parts))` when the grid is not causal, its
+/// heads are not split (`splits` = 1), its last wave is short (`tail = ctas % sms` CTAs) and
+/// `parts = min(sms / tail, BWD_TAIL_MAX_PARTS, steps / BWD_TAIL_MIN_STEPS)` is at least 2:
+/// CTAs `0 .. whole = ctas - tail` run as before, and each of the last `tail` runs as `parts`
+/// CTAs over a contiguous share of its steps, writing fp32 partial dK and dV that a combine adds
+/// in part order (flash-decoding's split applied to the keys' tiles of the last wave, as
+/// [`fwd_tail_split`] does for the forward's query tiles). `None` otherwise. Under the causal
+/// mask the CTAs differ in work and start longest first, so the tail is short already.
+pub fn bwd_tail_split(
+    ctas: usize,
+    steps: usize,
+    causal: bool,
+    splits: usize,
+) -> Option<(usize, usize)> {
+    let sms = BWD_SPLIT_SMS;
+    let tail = ctas % sms;
+    if causal || splits != 1 || tail == 0 {
+        return None;
+    }
+    let parts = (sms / tail)
+        .min(BWD_TAIL_MAX_PARTS)
+        .min(steps / BWD_TAIL_MIN_STEPS);
+    (parts >= 2).then_some((ctas - tail, parts))
+}
+
+/// The wgmma backward's grid for a shape and `bm` queries per step: `(ctas, steps, splits)`, the
+/// CTAs of one (128-key tile, kv head · split, batch entry) each, the query steps of one CTA
+/// whose keys are all valid without the causal mask, and [`bwd_head_splits`].
+pub fn bwd_grid(
+    (batch, heads, kv_heads): (usize, usize, usize),
+    (seq_len_q, seq_len_kv): (usize, usize),
+    causal: bool,
+    bm: usize,
+) -> (usize, usize, usize) {
+    let splits = bwd_head_splits(batch, heads, kv_heads, seq_len_kv, causal);
+    let ctas = seq_len_kv
+        .div_ceil(BWD_KEYS)
+        .saturating_mul(kv_heads * splits)
+        .saturating_mul(batch);
+    let group = heads / kv_heads.max(1);
+    let steps = seq_len_q.div_ceil(bm.max(1)) * group.div_ceil(splits.max(1));
+    (ctas, steps, splits)
+}
+
+/// Bytes of the wgmma backward's tail-split buffer for a shape at `head_dim` (the partial dK and
+/// dV of every part, fp32, 128 keys × head_dim each) with the split on: 0 where
+/// [`bwd_tail_split`] does not split. `wide` as in [`bwd_step_queries`].
+pub fn bwd_tail_bytes(
+    (batch, heads, kv_heads): (usize, usize, usize),
+    (seq_len_q, seq_len_kv): (usize, usize),
+    head_dim: usize,
+    causal: bool,
+    wide: (usize, usize),
+) -> u64 {
+    let bm = bwd_step_queries(head_dim, causal, wide);
+    let (ctas, steps, splits) = bwd_grid(
+        (batch, heads, kv_heads),
+        (seq_len_q, seq_len_kv),
+        causal,
+        bm,
+    );
+    bwd_tail_split(ctas, steps, causal, splits).map_or(0, |(whole, parts)| {
+        ((ctas - whole) * parts * 2 * BWD_KEYS * head_dim * 4) as u64
+    })
 }
 
 /// Bytes of the wgmma backward's split buffer for a shape: `splits · 2 · batch · kv_heads ·
@@ -1685,6 +1857,16 @@ pub struct HopperBackward {
     /// splits and kept (grown when a later shape needs more).
     part: Option<CudaSlice<f32>>,
     smem: u32,
+    /// The main kernel of 80 queries per step and its shared memory, where this backward takes
+    /// them at head_dim 128 ([`bwd_wide_queries`]).
+    main_m80: Option<(CudaFunction, u32)>,
+    /// [`bwd_wide_queries`] when this backward was built.
+    wide: (usize, usize),
+    /// Whether launches take the tail split ([`bwd_tail_on`]), its combine, and its buffer
+    /// (allocated by the first launch that splits, and kept).
+    tail_on: bool,
+    tail_combine: CudaFunction,
+    tail_buf: Option<CudaSlice<f32>>,
     head_dim: usize,
     dtype: Dtype,
     /// The CTA order every launch uses instead of [`bwd_cta_order`]'s (probes; `None`: the
@@ -1704,8 +1886,8 @@ pub struct HopperBackward {
     /// kernel is queued), and whether it split the heads (launched the combine).
     stage_done: bool,
     stage_split: bool,
-    /// D = rowsum(dO ∘ O), fp32 `[batch · heads, seq_len_q padded to a multiple of
-    /// bwd_queries(head_dim)]`.
+    /// D = rowsum(dO ∘ O), fp32, [`bwd_padded_rows`] long; a launch uses `[batch · heads,
+    /// seq_len_q padded to a multiple of its step]` of it.
     dsum: CudaSlice<f32>,
     /// LSE · log2(e), fp32, padded as `dsum` (+∞ in the padding).
     lse2: CudaSlice<f32>,
@@ -1753,26 +1935,32 @@ impl HopperBackward {
                 "the wgmma backward runs head_dim 64 or 128, not {head_dim}"
             )));
         }
-        let src = bwd_source_for(Some(head_dim), dtype);
+        let wide = bwd_wide_queries();
+        let m80 = head_dim == 128 && (wide.0 == 80 || wide.1 == 80);
+        let src = bwd_source_wide(Some(head_dim), dtype, m80);
         let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
         let name = format!("attn_bwd_sm90_d{head_dim}");
-        // K and V, the Q and dO stages (bm rows), two dS^T buffers (128 × bm bf16), LSE and D
-        // per stage (bm floats each), each consumer's fp32 dQ staging tile (64 rows × 64
-        // columns: half the columns at head_dim 128, where bm is 64; half the rows at 64, where
-        // bm is 128), the mbarriers, and up to 1023 bytes to align the base.
-        let bm = bwd_queries(head_dim);
-        let dq_cols = if bm == 64 { head_dim / 2 } else { head_dim };
-        let smem = (2 * BWD_KEYS * head_dim * 2
-            + 2 * BWD_STAGES * bm * head_dim * 2
-            + 2 * BWD_KEYS * bm * 2
-            + 2 * bm * 4 * BWD_STAGES
-            + 2 * 64 * dq_cols * 4
-            + 8 * (1 + 2 * BWD_STAGES)
-            + 1024) as u32;
+        let smem = bwd_smem_bytes(head_dim, bwd_queries(head_dim)) as u32;
         super::cuda::check_smem(gpu, &name, smem)?;
         let main = gpu.function(&compiled.module, &name, smem)?;
-        let padded = batch * heads * seq_len_q.div_ceil(bm) * bm;
+        let main_m80 = if m80 {
+            let name = format!("{name}_m80");
+            let smem = bwd_smem_bytes(head_dim, 80) as u32;
+            super::cuda::check_smem(gpu, &name, smem)?;
+            Some((gpu.function(&compiled.module, &name, smem)?, smem))
+        } else {
+            None
+        };
+        let padded = bwd_padded_rows((batch, heads, seq_len_q), head_dim, wide);
         Ok(HopperBackward {
+            wide,
+            tail_on: bwd_tail_on(),
+            tail_combine: gpu.function(
+                &compiled.module,
+                &format!("attn_bwd_sm90_tail_combine_d{head_dim}"),
+                0,
+            )?,
+            tail_buf: None,
             pre: gpu.function(
                 &compiled.module,
                 &format!("attn_bwd_sm90_pre_d{head_dim}"),
@@ -1783,6 +1971,7 @@ impl HopperBackward {
             part: None,
             main,
             smem,
+            main_m80,
             head_dim,
             dtype,
             cta_order: None,
@@ -1801,6 +1990,26 @@ impl HopperBackward {
             },
             compile_s: compiled.compile_s,
         })
+    }
+
+    /// Bytes of the tail-split buffer a launch of this backward uses for the shape
+    /// ([`bwd_tail_bytes`]; 0 with the split off).
+    pub fn tail_bytes(
+        &self,
+        (batch, heads, kv_heads): (usize, usize, usize),
+        (seq_len_q, seq_len_kv): (usize, usize),
+        causal: bool,
+    ) -> u64 {
+        if !self.tail_on {
+            return 0;
+        }
+        bwd_tail_bytes(
+            (batch, heads, kv_heads),
+            (seq_len_q, seq_len_kv),
+            self.head_dim,
+            causal,
+            self.wide,
+        )
     }
 
     /// Makes every later launch start its main kernel's CTAs in `order` (`None`: the default,
@@ -1900,8 +2109,13 @@ impl HopperBackward {
     ) -> Result<(), GpuError> {
         let d = self.head_dim;
         let rows = batch * heads * seq_len_q;
-        let bm = bwd_queries(d);
-        let padded = batch * heads * seq_len_q.div_ceil(bm) * bm;
+        let wide = self.wide;
+        let bm = bwd_step_queries(d, causal, wide);
+        let (main, smem) = match (&self.main_m80, bm) {
+            (Some((f, s)), 80) => (f, *s),
+            _ => (&self.main, self.smem),
+        };
+        let padded = bwd_padded_rows((batch, heads, seq_len_q), d, wide);
         let (q_len, kv_len) = (rows * d, batch * kv_heads * seq_len_kv * d);
         if batch == 0
             || heads == 0
@@ -1934,13 +2148,21 @@ impl HopperBackward {
         }
         // The preprocessing kernel numbers its threads (32 per padded row) in 32 bits, and the
         // main kernel's 1-D grid holds key tiles × kv heads · splits × batch CTAs.
-        let splits = bwd_head_splits(batch, heads, kv_heads, seq_len_kv, causal);
-        let ctas = seq_len_kv
-            .div_ceil(BWD_KEYS)
-            .saturating_mul(kv_heads * splits)
-            .saturating_mul(batch);
+        let (ctas, steps, splits) = bwd_grid(
+            (batch, heads, kv_heads),
+            (seq_len_q, seq_len_kv),
+            causal,
+            bm,
+        );
+        // The tail split: CTAs `whole ..` of the grid run as `parts` CTAs each.
+        let tail = if self.tail_on {
+            bwd_tail_split(ctas, steps, causal, splits)
+        } else {
+            None
+        };
+        let grid = tail.map_or(ctas, |(whole, parts)| whole + (ctas - whole) * parts);
         if padded.saturating_mul(32) > u32::MAX as usize
-            || ctas > i32::MAX as usize
+            || grid > i32::MAX as usize
             || seq_len_kv > i32::MAX as usize
         {
             return Err(GpuError::Config(format!(
@@ -1978,11 +2200,13 @@ impl HopperBackward {
             kv_heads as i32,
         );
         let tq_pad = (seq_len_q.div_ceil(bm) * bm) as i32;
-        let padded_i = padded as i32;
+        // The rows this launch's step size pads to (the buffers may hold more: the other size's).
+        let used = batch * heads * seq_len_q.div_ceil(bm) * bm;
+        let padded_i = used as i32;
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         let scale_f = scale as f32;
         self.stage_done = false;
-        self.stage_split = splits > 1;
+        self.stage_split = splits > 1 || tail.is_some();
         let stage = |i: usize| -> Result<(), GpuError> {
             if let Some(ev) = &self.stage_events {
                 ev[i].record(&gpu.stream)?;
@@ -2007,7 +2231,7 @@ impl HopperBackward {
             // one warp per padded row, 8 per 256-thread block.
             unsafe {
                 b.launch(LaunchConfig {
-                    grid_dim: (padded.div_ceil(8) as u32, 1, 1),
+                    grid_dim: (used.div_ceil(8) as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 })?
@@ -2038,7 +2262,9 @@ impl HopperBackward {
             ];
             // The guard records the kernel's reduce-adds into dqacc on drop.
             let (dqp, _gdq) = self.dqacc.device_ptr_mut(&gpu.stream);
-            let dq_map = tma_map_f32(dqp, (batch * heads, seq_len_q, d), 64)?;
+            // Boxes of 64 rows (32 columns), or of all bm rows with 80 queries per step.
+            let dq_rows = if bm == 80 { 80 } else { 64 };
+            let dq_map = tma_map_f32(dqp, (batch * heads, seq_len_q, d), dq_rows)?;
             let causal_i = i32::from(causal);
             // The split buffer where the group's heads are split (never read otherwise: 0).
             let part_len = splits * 2 * kv_len;
@@ -2055,9 +2281,30 @@ impl HopperBackward {
                 }
                 _ => (0u64, None),
             };
+            // The tail split's buffer: every part of every tail CTA writes its whole slot.
+            let tail_len = tail.map_or(0, |(whole, parts)| {
+                (ctas - whole) * parts * 2 * BWD_KEYS * d
+            });
+            if tail_len > 0 && self.tail_buf.as_ref().is_none_or(|p| p.len() < tail_len) {
+                // SAFETY: with the tail split each part CTA writes its partial dK and dV for
+                // all 128 keys of its tile (zeros where it has no step), so the main kernel
+                // writes the used part of the buffer before the tail combine reads it.
+                self.tail_buf = Some(unsafe { gpu.stream.alloc::<f32>(tail_len)? });
+            }
+            let (tail_ptr, _gtail) = match (&mut self.tail_buf, tail_len > 0) {
+                (Some(p), true) => {
+                    let (ptr, g) = p.device_ptr_mut(&gpu.stream);
+                    (ptr, Some(g))
+                }
+                _ => (0u64, None),
+            };
+            let (tail_whole, tail_parts) = match tail {
+                Some((w, p)) => (w as i32, p as i32),
+                None => (ctas as i32, 1),
+            };
             let (splits_i, batch_i, order_i) = (splits as i32, batch as i32, order as i32);
             let chunk_i = chunk.min(i32::MAX as usize) as i32;
-            let mut b = gpu.stream.launch_builder(&self.main);
+            let mut b = gpu.stream.launch_builder(main);
             b.arg(&maps[0])
                 .arg(&maps[1])
                 .arg(&maps[2])
@@ -2080,7 +2327,10 @@ impl HopperBackward {
                 .arg(&causal_i)
                 .arg(&batch_i)
                 .arg(&order_i)
-                .arg(&chunk_i);
+                .arg(&chunk_i)
+                .arg(&tail_whole)
+                .arg(&tail_parts)
+                .arg(&tail_ptr);
             // SAFETY: `attn_bwd_sm90_d*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap tdo, TmaMap
             // tdq, const float* lse2, const float* dsum, const int* kv_lens, u16* dK, u16* dV,
             // float* dkv_part, int splits, int Tq, int Tkv, int H, int KVH, int Tq_pad, float
@@ -2096,9 +2346,9 @@ impl HopperBackward {
             // ≤ the group size (bwd_head_splits).
             unsafe {
                 b.launch(LaunchConfig {
-                    grid_dim: (ctas as u32, 1, 1),
+                    grid_dim: (grid as u32, 1, 1),
                     block_dim: (384, 1, 1),
-                    shared_mem_bytes: self.smem,
+                    shared_mem_bytes: smem,
                 })?
             };
         }
@@ -2118,6 +2368,49 @@ impl HopperBackward {
             // (allocated above), dK and dV n = B·KVH·Tkv·D words (checked), n even (D is); 2
             // elements per thread.
             unsafe { b.launch(two_per_thread(kv_len))? };
+        }
+        if let Some((whole, parts)) = tail {
+            let buf = self
+                .tail_buf
+                .as_ref()
+                .expect("allocated above for the tail split");
+            let (whole_i, parts_i, tkv, kvh, batch_i) = (
+                whole as i32,
+                parts as i32,
+                seq_len_kv as i32,
+                kv_heads as i32,
+                batch as i32,
+            );
+            let (order_i, chunk_i) = (order as i32, chunk.min(i32::MAX as usize) as i32);
+            let mut b = gpu.stream.launch_builder(&self.tail_combine);
+            b.arg(buf)
+                .arg(&mut *dk)
+                .arg(&mut *dv)
+                .arg(&whole_i)
+                .arg(&parts_i)
+                .arg(&tkv)
+                .arg(&kvh)
+                .arg(&batch_i)
+                .arg(&order_i)
+                .arg(&chunk_i)
+                .arg(&scale_f);
+            // SAFETY: `attn_bwd_sm90_tail_combine_d*(const float* buf, u16* dK, u16* dV, int
+            // tail_whole, int parts, int Tkv, int KVH, int B, int order, int chunk, float
+            // scale)`: buf holds (ctas - whole) · parts · 2 · 128 · D floats (allocated above),
+            // the main kernel's order and chunk map each tail CTA to its tile inside dK and dV
+            // (B·KVH·Tkv·D words, checked; splits = 1); blockIdx.y a tail CTA, 2 elements per
+            // thread over its 128 · D.
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (
+                        (BWD_KEYS * d / 2).div_ceil(256) as u32,
+                        (ctas - whole) as u32,
+                        1,
+                    ),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })?
+            };
         }
         stage(3)?;
         let n = q_len as u64;
@@ -2388,6 +2681,69 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_backward_steps_fit_shared_memory_and_pad_for_either_step() {
+        // What the kernel's BwPlan adds up to (K, V, two stages of Q and dO, two dS buffers,
+        // the staging tiles, LSE and D stages, barriers) plus the alignment slack, within the
+        // 227 KiB a block may opt into on compute capability 9.0.
+        assert_eq!(bwd_smem_bytes(128, 64), 198_696);
+        assert_eq!(bwd_smem_bytes(64, 128), 199_720);
+        assert_eq!(bwd_smem_bytes(128, 80), 231_720);
+        for (d, bm) in [(64, 128), (128, 64), (128, 80)] {
+            assert!(bwd_smem_bytes(d, bm) <= 227 * 1024, "{d} {bm}");
+        }
+        // 80 queries a step only at head_dim 128 without the causal mask.
+        assert_eq!(bwd_step_queries(128, false, (80, 64)), 80);
+        assert_eq!(bwd_step_queries(128, true, (80, 64)), 64);
+        assert_eq!(bwd_step_queries(128, true, (80, 80)), 80);
+        assert_eq!(bwd_step_queries(64, false, (80, 80)), 128);
+        assert_eq!(bwd_step_queries(128, false, (64, 64)), 64);
+        // The D and LSE buffers hold the longer padding of the two steps: 1000 queries pad to
+        // 1024 in steps of 64 and 1040 in steps of 80.
+        assert_eq!(bwd_padded_rows((2, 3, 1000), 128, (80, 64)), 6 * 1040);
+        assert_eq!(bwd_padded_rows((2, 3, 1000), 128, (64, 64)), 6 * 1024);
+        assert_eq!(bwd_padded_rows((2, 3, 1025), 128, (80, 64)), 6 * 1088);
+        assert_eq!(bwd_padded_rows((2, 3, 1025), 128, (80, 80)), 6 * 1040);
+        assert_eq!(bwd_padded_rows((1, 1, 1), 64, (80, 80)), 128);
+    }
+
+    #[test]
+    fn the_backward_splits_only_a_short_last_wave_without_the_mask() {
+        // B4 H8 T16384 D128 full: 4,096 CTAs, 31 waves of 132 and 4; 256 steps of 64 queries
+        // each, so the 4 are cut into 16 parts (the cap; 132 / 4 = 33).
+        let (ctas, steps, splits) = bwd_grid((4, 8, 8), (16384, 16384), false, 64);
+        assert_eq!((ctas, steps, splits), (4096, 256, 1));
+        assert_eq!(bwd_tail_split(ctas, steps, false, splits), Some((4092, 16)));
+        assert_eq!(
+            bwd_tail_bytes((4, 8, 8), (16384, 16384), 128, false, (64, 64)),
+            4 * 16 * 2 * 128 * 128 * 4
+        );
+        // Causal, or a group split over CTAs: never.
+        assert_eq!(bwd_tail_split(ctas, steps, true, 1), None);
+        assert_eq!(bwd_tail_split(ctas, steps, false, 2), None);
+        assert_eq!(
+            bwd_tail_bytes((4, 8, 8), (16384, 16384), 128, true, (64, 64)),
+            0
+        );
+        // A last wave of 100 (T4096) or 68 (T8192) of 132 CTAs: parts would be 1.
+        let (c4, s4, _) = bwd_grid((4, 8, 8), (4096, 4096), false, 64);
+        assert_eq!(bwd_tail_split(c4, s4, false, 1), None);
+        let (c8, s8, _) = bwd_grid((4, 8, 8), (8192, 8192), false, 64);
+        assert_eq!((c8, bwd_tail_split(c8, s8, false, 1)), (2048, None));
+        // One short wave: 64 CTAs of 8 steps (128 queries a step at head_dim 64) in halves;
+        // 2 steps each would leave parts of fewer than BWD_TAIL_MIN_STEPS.
+        assert_eq!(bwd_grid((1, 8, 8), (1024, 1024), false, 128).1, 8);
+        assert_eq!(bwd_tail_split(64, 8, false, 1), Some((0, 2)));
+        assert_eq!(bwd_tail_split(64, 7, false, 1), None);
+        // No tail at all.
+        assert_eq!(bwd_tail_split(264, 100, false, 1), None);
+        // 80 queries a step: 205 steps at T16384, GQA heads counted per kv head.
+        assert_eq!(
+            bwd_grid((4, 32, 8), (16384, 16384), false, 80),
+            (4096, 205 * 4, 1)
+        );
     }
 
     #[test]
