@@ -11,8 +11,9 @@
 // Masks as the forwards: keys at or past kv_lens[b], bottom-right causal. Outputs dQ (through the
 // fp32 accumulator dQacc [B, H, Tq, D] and the convert kernel), dK, dV [B, KVH, Tkv, D] (bf16).
 //
-// Three kernels per call. BM, the queries per step, is 128 at head_dim 64 and 64 at 128
-// (BwShape):
+// Three kernels per call (four or five with the splits below). BM, the queries per step, is
+// 128 at head_dim 64 and 64 at 128 (BwShape), or 80 at 128 in the `_m80` entry (dQ then
+// computed transposed, BwShape::DQT):
 // 1. `attn_bwd_sm90_pre_d*`: per query row, Dsum = sum(dO * O) and LSE2 = LSE * log2(e) into
 //    buffers padded to Tq_pad = BM * ceil(Tq / BM) rows per (batch, head) (padding rows get
 //    LSE2 = +inf, so their P is 0, and Dsum = 0), so that the main kernel brings each BM-row
@@ -43,6 +44,9 @@
 // writing its fp32 partial dK (unscaled) and dV to its own slice of dkv_part
 // [SPLITS][2][B * KVH * Tkv * D], and 4. `attn_bwd_sm90_dkv_combine` adds the slices in slice
 // order (a fixed order: dK and dV still repeat bit for bit) into dK (times the scale) and dV.
+// The tail split (sm90::bwd_tail_split, not causal, SPLITS = 1): the CTAs of a short last wave
+// run as parts over shares of their query steps, writing fp32 partial dK and dV that
+// 5. `attn_bwd_sm90_tail_combine_d*` adds in part order.
 // CTA order: the main kernel's grid is 1-D, n_kt key tiles × KVH · SPLITS × B CTAs, and the
 // `order` argument says how a CTA's index maps to its (key tile, kv head · split, batch entry).
 // The hardware starts CTAs in index order as SMs free up, so under the causal mask, where key

@@ -585,7 +585,7 @@ impl HopperWords {
             ),
         };
         let bwd_grid = format!(
-            "; without the causal mask, where the grid leaves a last wave of at most half the SMs, each CTA of that wave runs as 2 to {} CTAs over a share of its query steps (at least {} each), their fp32 partial dK and dV added in part order by a combine",
+            "; without the causal mask, where the grid's final round of CTAs fills at most half the SMs, each CTA of that round runs as 2 to {} CTAs over a share of its query steps (at least {} each), their fp32 partial dK and dV added in part order by a combine",
             sm90::BWD_TAIL_MAX_PARTS,
             sm90::BWD_TAIL_MIN_STEPS
         );
@@ -1178,6 +1178,9 @@ mod tests {
                     );
                     assert_eq!(w.turns.contains(TURNS), !no_turns && !persistent, "{label}");
                     assert_eq!(w.grid.contains("last wave"), !no_split, "{label}");
+                    // The limitations page reads "last wave" anywhere in the rule as the
+                    // forward's split: the backward's own split says it otherwise.
+                    assert!(!w.bwd_grid.contains("last wave"), "{}", w.bwd_grid);
                     assert_eq!(w.grid.contains(sm90::PERSIST_ENV), persistent, "{label}");
                     assert_eq!(w.turns.contains(sm90::PINGPONG_ENV), no_turns, "{label}");
                 }

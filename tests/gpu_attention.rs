@@ -1885,7 +1885,8 @@ fn wgmma_forward_matches_float64() {
 /// lengths both ways, decoding, GQA, per-sequence key lengths (517 of 1000, 129 of 257, 0 of
 /// 1100; the shape suite has 1), a non-default scale, both masks, the query heads of a group
 /// split over 2, 3 and 4 CTAs and not split (a group of 1, and of 2 on a larger grid), a short
-/// last wave cut by the tail split; every case runs on the wgmma path. Then a first timing of
+/// last wave that the tail split cuts when `sm90::BWD_TAIL_ENV` is `1` (off by default: then
+/// unsplit); every case runs on the wgmma path. Then a first timing of
 /// forward + backward at B4 H8 T16384 (wall clock, not a measurement for the pages).
 #[test]
 #[cfg_attr(
@@ -2897,10 +2898,10 @@ fn wgmma_backward_cases(dtype: Dtype) -> Vec<AttentionCase> {
                 });
             }
         }
-        // The tail split (sm90::bwd_tail_split): B2 H2 T1100 is 9 key tiles × 2 × 2 = 36 CTAs,
-        // one short wave, each cut into 2 or 3 parts without the mask (at every step size:
-        // 128, 64 or 80 queries), the second batch entry with no key (its parts have no step
-        // and write zeros); causal beside it, not split.
+        // The tail split (sm90::bwd_tail_split, with KP_SM90_BWD_TAIL=1): B2 H2 T1100 is 9 key
+        // tiles × 2 × 2 = 36 CTAs, one short wave, each cut into 2 or 3 parts without the mask
+        // (at every step size: 128, 64 or 80 queries), the second batch entry with no key (its
+        // parts have no step and write zeros); causal beside it, not split.
         for causal in [false, true] {
             let c = AttentionCase {
                 causal,

@@ -1036,7 +1036,8 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
         );
         forward_fits(&reports, &name);
     }
-    // The wgmma backward's module at each head_dim, likewise.
+    // The wgmma backward's module at each head_dim, likewise (the kernel of 80 queries a step
+    // apart: wgmma_backward_80_queries_keeps_its_wgmma_asynchronous).
     for d in [64, 128] {
         let src = kernelpages::attention::sm90::bwd_source(Some(d));
         assert_wgmma_asynchronous(
@@ -1046,6 +1047,32 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
             (24, 2),
         );
     }
+}
+
+/// The wgmma backward's head_dim 128 module with the kernel of 80 queries a step
+/// (`attn_bwd_sm90_d128_m80`, `KP_SM90_BWD_BM=80`) keeps its wgmma asynchronous, as the default
+/// module does. It does not yet: on 2026-12-06 the module held 132 HGMMA and 152 warpgroup
+/// arrive/wait (ptxas waits after each of the new kernel's wgmma, without an advisory), so the
+/// switch stays off and this test stays ignored until the kernel is fixed (kernels/TUNING.md,
+/// "The wgmma backward: 80 queries a step, and the last wave split").
+#[test]
+#[ignore = "known failure: ptxas serialises the _m80 kernel's wgmma (kernels/TUNING.md); run with --ignored while fixing it"]
+fn wgmma_backward_80_queries_keeps_its_wgmma_asynchronous() {
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    let src = kernelpages::attention::sm90::bwd_source_wide(
+        Some(128),
+        kernelpages::attention::Dtype::Bf16,
+        true,
+    );
+    assert_wgmma_asynchronous(
+        "wgmma backward d128 with _m80",
+        "attn_wgmma_bwd_sm90.cu",
+        &src,
+        (48, 4),
+    );
 }
 
 /// The PTX of the wgmma forward's source `src` for sm_90a.

@@ -2334,7 +2334,8 @@ impl HopperBackward {
             // SAFETY: `attn_bwd_sm90_d*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap tdo, TmaMap
             // tdq, const float* lse2, const float* dsum, const int* kv_lens, u16* dK, u16* dV,
             // float* dkv_part, int splits, int Tq, int Tkv, int H, int KVH, int Tq_pad, float
-            // scale_log2, float scale, int causal, int B, int order, int chunk)`: the maps describe q, k,
+            // scale_log2, float scale, int causal, int B, int order, int chunk, int tail_whole,
+            // int tail_parts, float* tail_buf)`: the maps describe q, k,
             // v, dO and dqacc with the shapes checked above
             // (TMA reads and reduce-adds inside them only; reads past their ends zero-fill,
             // adds there are skipped), lse2 and dsum hold B·H·Tq_pad floats (whole slices of
@@ -2343,7 +2344,9 @@ impl HopperBackward {
             // splits · 2 · B·KVH·Tkv·D floats; 3 warpgroups per (128-key tile, kv head · splits,
             // batch entry) in a 1-D grid of all of them (B = batch; order a BwdCtaOrder, 1 ≤
             // chunk ≤ kv_heads · splits · batch: clamped above), splits
-            // ≤ the group size (bwd_head_splits).
+            // ≤ the group size (bwd_head_splits); with the tail split (splits = 1) the grid is
+            // whole + (ctas − whole) · parts CTAs and tail_buf holds (ctas − whole) · parts · 2 ·
+            // 128 · D floats, else tail_parts = 1 and tail_buf is 0 (never read).
             unsafe {
                 b.launch(LaunchConfig {
                     grid_dim: (grid as u32, 1, 1),
