@@ -670,16 +670,16 @@ pub fn line_figure_size(spec: &FigureSpec) -> (u32, u32) {
 
 /// The size [`tile_chart`] draws `spec` at, px (width, height).
 pub fn tile_size(spec: &TileChart) -> (u32, u32) {
-    let (_, top, plot_height) = tile_layout(spec);
-    (WIDTH, top + plot_height + 8)
+    (WIDTH, tile_layout(spec).2)
 }
 
-/// [`tile_chart`]'s title lines, the height above its plot and the plot's height, px.
+/// [`tile_chart`]'s title lines, the height above its plot and the whole height, px.
 fn tile_layout(spec: &TileChart) -> (Vec<String>, u32, u32) {
     let n = spec.bars.len().max(1);
     let title_lines = wrap(&spec.title, (WIDTH as usize - 24) / 8);
     let top = 12 + 20 * title_lines.len() as u32;
-    (title_lines, top, TILE_SLOT * n as u32 + 56)
+    let plot_height = TILE_SLOT * n as u32 + 56;
+    (title_lines, top, top + plot_height + 8)
 }
 
 /// Draws the At a glance chart: per representative comparison, its label on a line of its own
@@ -927,8 +927,7 @@ pub fn tile_bounds(chart: &TileChart) -> f64 {
 pub fn tile_chart(spec: &TileChart) -> anyhow::Result<String> {
     let n = spec.bars.len().max(1);
     let width = WIDTH;
-    let (title_lines, top, _) = tile_layout(spec);
-    let (_, height) = tile_size(spec);
+    let (title_lines, top, height) = tile_layout(spec);
     let label_width = spec
         .bars
         .iter()
