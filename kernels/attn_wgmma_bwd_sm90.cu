@@ -527,6 +527,11 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         }
         fence_proxy_async();
         named_barrier(1, 256);
+        // With DQT, dV is waited for before dQ^T starts, so that P^T's registers are free
+        // before dQ^T's 40 accumulators are live: with both (128 + 40 + 2 x 20 beside the
+        // addresses) ptxas found too few of the 240 registers and waited after every wgmma of
+        // the kernel (advisory C7512). dV has had the dS^T stores and the barrier to finish.
+        if constexpr (DQT) wgmma_wait<0>();
 
         wgmma_fence();
         if constexpr (FA3_ORDER) {

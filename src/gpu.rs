@@ -746,7 +746,7 @@ pub struct PtxasReport {
     /// Stack frame bytes.
     pub stack_bytes: u32,
     /// ptxas's advisories about wgmma in this kernel (codes C7500 to C7599, e.g. C7519:
-    /// `warpgroup.arrive` injected around a wgmma, or C7510: wgmma serialized), each line as
+    /// `warpgroup.arrive` injected around a wgmma, C7510 or C7512: wgmma serialized), each line as
     /// logged: a kernel whose wgmma pipeline ptxas had to break.
     pub wgmma_advisories: Vec<String>,
 }
@@ -839,12 +839,13 @@ fn parse_ptxas(log: &str) -> Option<Vec<PtxasReport>> {
             }
         }
     }
-    // Advisories name their function ("... in function 'k'") and may come before its entry.
+    // Advisories name their function ("... in function 'k'", C7512: "... for the function
+    // 'k'") and may come before its entry.
     for line in log.lines().filter(|l| l.contains("(C75")) {
-        let Some(i) = line.find("in function '") else {
+        let Some(i) = line.rfind("function '") else {
             continue;
         };
-        let name = line[i + "in function '".len()..]
+        let name = line[i + "function '".len()..]
             .split('\'')
             .next()
             .unwrap_or("");
@@ -937,6 +938,14 @@ mod tests {
             }]
         );
         assert!(super::parse_ptxas("nothing").is_none());
+        // C7512 names its function "for the function 'k'" (ptxas of CUDA 13.0); the advisory
+        // belongs to that kernel, not to the other one in the log.
+        let c7512 = "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'k2'";
+        let log = format!("{c7512}\nptxas info    : Compiling entry function 'k1' for 'sm_90a'\nptxas info    : Used 40 registers\nptxas info    : Compiling entry function 'k2' for 'sm_90a'\nptxas info    : Used 168 registers\n");
+        let r = super::parse_ptxas(&log).unwrap();
+        assert_eq!(r.len(), 2);
+        assert!(r[0].wgmma_advisories.is_empty(), "{r:?}");
+        assert_eq!(r[1].wgmma_advisories, vec![c7512.to_string()]);
     }
 
     #[test]
