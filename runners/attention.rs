@@ -537,7 +537,7 @@ struct HopperWords {
     /// The non-causal grid: the tail split, or what ran instead.
     grid: String,
     /// The backward's non-causal grid: its tail split (with a leading `; `) where
-    /// [`sm90::bwd_tail_on`], else nothing.
+    /// [`sm90::BwdEnv::tail_split`], else nothing.
     bwd_grid: String,
 }
 
@@ -545,7 +545,7 @@ impl HopperWords {
     fn from_env() -> HopperWords {
         let env = sm90::FwdEnv::read();
         let mut words = HopperWords::new(!env.pingpong, env.persistent, !env.tail_split);
-        if !sm90::bwd_tail_on() {
+        if !sm90::BwdEnv::read().tail_split {
             words.bwd_grid = String::new();
         }
         words
@@ -604,6 +604,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
     const ENTRY: &str =
         "attention::dot_product_attention, attention::dot_product_attention_vjp (Device::Cuda)";
     let hopper = HopperWords::from_env();
+    let bwd_wide = sm90::BwdEnv::read().wide;
     let dims: Vec<String> = FLASH_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
     let configs: Vec<String> = FLASH_HEAD_DIMS
         .iter()
@@ -671,8 +672,8 @@ fn dispatch_rules() -> Vec<DispatchRule> {
                 hopper.grid,
                 sm90::BWD_KEYS,
                 sm90::bwd_queries(64),
-                sm90::bwd_step_queries(128, true, sm90::bwd_wide_queries()),
-                sm90::bwd_step_queries(128, false, sm90::bwd_wide_queries()),
+                sm90::bwd_step_queries(128, true, bwd_wide),
+                sm90::bwd_step_queries(128, false, bwd_wide),
                 sm90::BWD_SPLIT_SMS,
                 sm90::BWD_MAX_SPLITS,
                 hopper.bwd_grid,

@@ -2566,8 +2566,7 @@ fn wgmma_forward_causal_chunks_agree() {
 #[ignore = "a GPU probe (timings printed): run it on the GPU machine with --ignored"]
 fn wgmma_backward_stage_probe() {
     use kernelpages::attention::sm90::{
-        bwd_grid, bwd_head_splits, bwd_step_queries, bwd_tail_on, bwd_tail_split, bwd_wide_queries,
-        BwdStageMs,
+        bwd_grid, bwd_head_splits, bwd_step_queries, bwd_tail_split, BwdEnv, BwdStageMs,
     };
     let Some(gpu) = hopper_gpu("wgmma backward stages") else {
         return;
@@ -2620,14 +2619,16 @@ fn wgmma_backward_stage_probe() {
             .expect("events off");
         let wall = wall_ms(&mut runner, &c, &dev, &mut outs, 3, 20);
         let splits = bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, c.causal);
-        let bm = bwd_step_queries(c.head_dim, c.causal, bwd_wide_queries());
+        let env = BwdEnv::read();
+        let bm = bwd_step_queries(c.head_dim, c.causal, env.wide);
         let (ctas, steps, _) = bwd_grid(
             (c.batch, c.heads, c.kv_heads),
             (c.seq_len_q, c.seq_len_kv),
             c.causal,
             bm,
         );
-        let tail = bwd_tail_on()
+        let tail = env
+            .tail_split
             .then(|| bwd_tail_split(ctas, steps, c.causal, splits))
             .flatten();
         println!(

@@ -1336,20 +1336,40 @@ pub const BWD_BM_ENV: &str = "KP_SM90_BWD_BM";
 /// [`BWD_BM_ENV`] is unset.
 pub const BWD_WIDE_DEFAULT: usize = 64;
 
-/// The queries per step the wgmma backward at head_dim 128 takes in this process, `(without the
-/// causal mask, with it)`: [`BWD_BM_ENV`]'s (`64`: (64, 64), `80`: (80, 64), `80c`: (80, 80)),
-/// else ([`BWD_WIDE_DEFAULT`], 64).
-pub fn bwd_wide_queries() -> (usize, usize) {
-    match std::env::var(BWD_BM_ENV).as_deref() {
-        Ok("80") => (80, 64),
-        Ok("80c") => (80, 80),
-        Ok("64") => (64, 64),
-        _ => (BWD_WIDE_DEFAULT, 64),
+/// What this process's environment asks of every [`HopperBackward`] it builds, read in this one
+/// place (as [`FwdEnv`] for the forward), so that the kernels and the runner's account of them
+/// agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BwdEnv {
+    /// The queries per step at head_dim 128, `(without the causal mask, with it)`:
+    /// [`BWD_BM_ENV`]'s (`64`: (64, 64), `80`: (80, 64), `80c`: (80, 80)), else
+    /// ([`BWD_WIDE_DEFAULT`], 64).
+    pub wide: (usize, usize),
+    /// Whether launches take the tail split ([`bwd_tail_split`]): [`BWD_TAIL_ENV`] when it is
+    /// `1` or `0`, else [`BWD_TAIL_DEFAULT`].
+    pub tail_split: bool,
+}
+
+impl BwdEnv {
+    /// Reads [`BWD_BM_ENV`] and [`BWD_TAIL_ENV`] (unset or another value: the defaults).
+    pub fn read() -> BwdEnv {
+        let wide = match std::env::var(BWD_BM_ENV).as_deref() {
+            Ok("80") => (80, 64),
+            Ok("80c") => (80, 80),
+            Ok("64") => (64, 64),
+            _ => (BWD_WIDE_DEFAULT, 64),
+        };
+        let tail_split = match std::env::var(BWD_TAIL_ENV).as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => BWD_TAIL_DEFAULT,
+        };
+        BwdEnv { wide, tail_split }
     }
 }
 
 /// Query rows per step of the wgmma backward for `head_dim` and the mask, `wide` being
-/// [`bwd_wide_queries`]: [`bwd_queries`] except at head_dim 128, where it is `wide.0` without
+/// [`BwdEnv::wide`]: [`bwd_queries`] except at head_dim 128, where it is `wide.0` without
 /// the causal mask and `wide.1` under it (64 or 80 each).
 pub fn bwd_step_queries(head_dim: usize, causal: bool, wide: (usize, usize)) -> usize {
     match (head_dim, causal) {
@@ -1455,15 +1475,6 @@ pub const BWD_TAIL_ENV: &str = "KP_SM90_BWD_TAIL";
 /// Whether the wgmma backward takes its tail split when [`BWD_TAIL_ENV`] is unset.
 pub const BWD_TAIL_DEFAULT: bool = false;
 
-/// Whether the wgmma backward takes its tail split in this process: [`BWD_TAIL_ENV`] when it is
-/// `1` or `0`, else [`BWD_TAIL_DEFAULT`].
-pub fn bwd_tail_on() -> bool {
-    match std::env::var(BWD_TAIL_ENV).as_deref() {
-        Ok("1") => true,
-        Ok("0") => false,
-        _ => BWD_TAIL_DEFAULT,
-    }
-}
 /// Most parts [`bwd_tail_split`] cuts one CTA's work into.
 pub const BWD_TAIL_MAX_PARTS: usize = 16;
 /// Fewest query steps per part of a CTA [`bwd_tail_split`] cuts.
@@ -1858,11 +1869,11 @@ pub struct HopperBackward {
     part: Option<CudaSlice<f32>>,
     smem: u32,
     /// The main kernel of 80 queries per step and its shared memory, where this backward takes
-    /// them at head_dim 128 ([`bwd_wide_queries`]).
+    /// them at head_dim 128 ([`BwdEnv::wide`]).
     main_m80: Option<(CudaFunction, u32)>,
-    /// [`bwd_wide_queries`] when this backward was built.
+    /// [`BwdEnv::wide`] when this backward was built.
     wide: (usize, usize),
-    /// Whether launches take the tail split ([`bwd_tail_on`]), its combine, and its buffer
+    /// Whether launches take the tail split ([`BwdEnv::tail_split`]), its combine, and its buffer
     /// (allocated by the first launch that splits, and kept).
     tail_on: bool,
     tail_combine: CudaFunction,
@@ -1935,7 +1946,8 @@ impl HopperBackward {
                 "the wgmma backward runs head_dim 64 or 128, not {head_dim}"
             )));
         }
-        let wide = bwd_wide_queries();
+        let env = BwdEnv::read();
+        let wide = env.wide;
         let m80 = head_dim == 128 && (wide.0 == 80 || wide.1 == 80);
         let src = bwd_source_wide(Some(head_dim), dtype, m80);
         let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
@@ -1954,7 +1966,7 @@ impl HopperBackward {
         let padded = bwd_padded_rows((batch, heads, seq_len_q), head_dim, wide);
         Ok(HopperBackward {
             wide,
-            tail_on: bwd_tail_on(),
+            tail_on: env.tail_split,
             tail_combine: gpu.function(
                 &compiled.module,
                 &format!("attn_bwd_sm90_tail_combine_d{head_dim}"),
