@@ -2217,6 +2217,13 @@ impl HopperBackward {
         let padded_i = used as i32;
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         let scale_f = scale as f32;
+        // The main kernel's CTA layout, which the tail combine maps back to tiles the same way.
+        let (batch_i, order_i) = (batch as i32, order as i32);
+        let chunk_i = chunk.min(i32::MAX as usize) as i32;
+        let (tail_whole, tail_parts) = match tail {
+            Some((w, p)) => (w as i32, p as i32),
+            None => (ctas as i32, 1),
+        };
         self.stage_done = false;
         self.stage_split = splits > 1 || tail.is_some();
         let stage = |i: usize| -> Result<(), GpuError> {
@@ -2310,12 +2317,7 @@ impl HopperBackward {
                 }
                 _ => (0u64, None),
             };
-            let (tail_whole, tail_parts) = match tail {
-                Some((w, p)) => (w as i32, p as i32),
-                None => (ctas as i32, 1),
-            };
-            let (splits_i, batch_i, order_i) = (splits as i32, batch as i32, order as i32);
-            let chunk_i = chunk.min(i32::MAX as usize) as i32;
+            let splits_i = splits as i32;
             let mut b = gpu.stream.launch_builder(main);
             b.arg(&maps[0])
                 .arg(&maps[1])
@@ -2384,25 +2386,17 @@ impl HopperBackward {
             // elements per thread.
             unsafe { b.launch(two_per_thread(kv_len))? };
         }
-        if let Some((whole, parts)) = tail {
+        if let Some((whole, _)) = tail {
             let buf = self
                 .tail_buf
                 .as_ref()
                 .expect("allocated above for the tail split");
-            let (whole_i, parts_i, tkv, kvh, batch_i) = (
-                whole as i32,
-                parts as i32,
-                seq_len_kv as i32,
-                kv_heads as i32,
-                batch as i32,
-            );
-            let (order_i, chunk_i) = (order as i32, chunk.min(i32::MAX as usize) as i32);
             let mut b = gpu.stream.launch_builder(&self.tail_combine);
             b.arg(buf)
                 .arg(&mut *dk)
                 .arg(&mut *dv)
-                .arg(&whole_i)
-                .arg(&parts_i)
+                .arg(&tail_whole)
+                .arg(&tail_parts)
                 .arg(&tkv)
                 .arg(&kvh)
                 .arg(&batch_i)
