@@ -232,6 +232,12 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// A row's natural log-sum-exp from its running maximum `m` (log2 domain, scaled scores) and
+// its sum `l` over the whole quad: (m + log2 l) ln 2, or +inf for a row that saw no key (l = 0).
+__device__ __forceinline__ float row_lse(float m, float l) {
+    return l > 0.f ? (m + log2f(l)) * LN2 : POS_INF;
+}
+
 // The end of a forward tile: the quad's row sums, O = o / l as 16-bit words (rows of the warp
 // starting at `row0` below `rows`, row stride D = 8 DT elements, from `o_out`; g = lane / 4 and
 // t4 = lane % 4 place the thread's fragment elements) and the natural
@@ -255,7 +261,7 @@ __device__ __forceinline__ void store_rows(const float (&o)[MT][DT][4],
                     u32 v = pack2<BF16>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
                     *reinterpret_cast<u32*>(o_out + (size_t)row * D + dt * 8 + 2 * t4) = v;
                 }
-                if (t4 == 0) lse_out[row] = l > 0.f ? (m_run[mt][r] + log2f(l)) * LN2 : POS_INF;
+                if (t4 == 0) lse_out[row] = row_lse(m_run[mt][r], l);
             }
         }
     }

@@ -664,7 +664,7 @@ __device__ __forceinline__ void store_o_tma(const float (&o)[1][DT][4],
             const u32 v = pack2<KP_WG_BF16>(o[0][dt][2 * r] * inv, o[0][dt][2 * r + 1] * inv);
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
         }
-        if (t4 == 0 && row < rows) lse_out[row] = l > 0.f ? (m_run[0][r] + log2f(l)) * LN2 : POS_INF;
+        if (t4 == 0 && row < rows) lse_out[row] = row_lse(m_run[0][r], l);
     }
     fence_proxy_async();
     named_sync(4 + c, 128);

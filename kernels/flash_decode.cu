@@ -524,7 +524,7 @@ __device__ __forceinline__ void flash_decode_split(
         const float out = l > 0.f ? __fdividef(acc, l) : 0.f;
         if (S == 1) {
             O[row * D + d] = (u16)(pack2<BF16>(out, 0.f) & 0xffff);
-            if (d == 0) LSE[row] = l > 0.f ? (m + log2f(l)) * LN2 : POS_INF;  // as the combine
+            if (d == 0) LSE[row] = row_lse(m, l);  // as the combine
         } else {
             Opart[(row * S + s) * D + d] = out;
             if (d == 0) Lpart[row * S + s] = l > 0.f ? m + __log2f(l) : NEG_INF;
