@@ -13,7 +13,7 @@
 //
 // Three kernels per call (four or five with the splits below). BM, the queries per step, is
 // 128 at head_dim 64 and 64 at 128 (BwShape), or 80 at 128 in the `_m80` entry (dQ then
-// computed transposed, BwShape::DQT):
+// computed transposed, BwShape::DQT), which the host runs at 128 by default (sm90::BwdEnv):
 // 1. `attn_bwd_sm90_pre_d*`: per query row, Dsum = sum(dO * O) and LSE2 = LSE * log2(e) into
 //    buffers padded to Tq_pad = BM * ceil(Tq / BM) rows per (batch, head) (padding rows get
 //    LSE2 = +inf, so their P is 0, and Dsum = 0), so that the main kernel brings each BM-row

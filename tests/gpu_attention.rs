@@ -1880,12 +1880,13 @@ fn wgmma_forward_matches_float64() {
 
 /// The wgmma backward (`flash` forward + backward on compute capability 9.0, bf16, head_dim 64
 /// and 128) against float64: dQ, dK and dV (and O, LSE) on lengths on and off its 128-key tiles
-/// and its query steps (128 queries at head_dim 64, 64 at 128 or 80 with `sm90::BWD_BM_ENV`;
+/// and its query steps (128 queries at head_dim 64; at 128, 80 by default or 64 with
+/// `sm90::BWD_BM_ENV`;
 /// last steps of 1 to 64 valid rows at 64, which run as whole steps), separate query and key
 /// lengths both ways, decoding, GQA, per-sequence key lengths (517 of 1000, 129 of 257, 0 of
 /// 1100; the shape suite has 1), a non-default scale, both masks, the query heads of a group
 /// split over 2, 3 and 4 CTAs and not split (a group of 1, and of 2 on a larger grid), a short
-/// last wave that the tail split cuts when `sm90::BWD_TAIL_ENV` is `1` (off by default: then
+/// last wave that the tail split cuts (on by default; `sm90::BWD_TAIL_ENV` = `0` runs it
 /// unsplit); every case runs on the wgmma path. Then a first timing of
 /// forward + backward at B4 H8 T16384 (wall clock, not a measurement for the pages).
 #[test]
@@ -2899,8 +2900,8 @@ fn wgmma_backward_cases(dtype: Dtype) -> Vec<AttentionCase> {
                 });
             }
         }
-        // The tail split (sm90::bwd_tail_split, with KP_SM90_BWD_TAIL=1): B2 H2 T1100 is 9 key
-        // tiles × 2 × 2 = 36 CTAs, one short wave, each cut into 2 or 3 parts without the mask
+        // The tail split (sm90::bwd_tail_split; on unless KP_SM90_BWD_TAIL=0): B2 H2 T1100 is 9
+        // key tiles × 2 × 2 = 36 CTAs, one short wave, each cut into 2 or 3 parts without the mask
         // (at every step size: 128, 64 or 80 queries), the second batch entry with no key (its
         // parts have no step and write zeros); causal beside it, not split.
         for causal in [false, true] {

@@ -1315,9 +1315,10 @@ pub fn bwd_source_wide(head_dim: Option<usize>, dtype: Dtype, m80: bool) -> Stri
 
 /// Keys per CTA of the wgmma backward (`BW_BN` in the kernel source).
 pub const BWD_KEYS: usize = 128;
-/// Query rows per step of the wgmma backward at `head_dim` (`BwShape::BM` in the kernel
-/// source; the padding of its LSE and D buffers): 128 at head_dim 64, 64 at 128 (where S^T and
-/// dP^T of 128 queries would not fit in the registers beside dK and dV).
+/// Query rows per step of the wgmma backward's `attn_bwd_sm90_d<head_dim>` kernel (`BwShape::BM`
+/// in the kernel source): 128 at head_dim 64, 64 at 128 (where S^T and dP^T of 128 queries would
+/// not fit in the registers beside dK and dV). At 128 the `_m80` kernel's 80 is the default
+/// ([`BwdEnv`], [`bwd_step_queries`]).
 pub fn bwd_queries(head_dim: usize) -> usize {
     if head_dim == 64 {
         128
@@ -1325,16 +1326,18 @@ pub fn bwd_queries(head_dim: usize) -> usize {
         64
     }
 }
-/// Set to `80` or `64`: the queries per step of the wgmma backward at head_dim 128 without the
-/// causal mask in every [`HopperBackward`] the process builds (for timing the two against each
-/// other; unset: [`BWD_WIDE_DEFAULT`]); `80c`: 80 under the causal mask too (otherwise 64
-/// there). 80 is FlashAttention-3's choice there (Shah et al.,
-/// 2024; `hopper/flash_bwd_launch_template.h`): a fifth fewer steps, barriers and dQ tiles per
-/// key tile, with dQ computed transposed (the `_m80` kernel).
+/// Set to `64`, `80` or `80c`: the queries per step of the wgmma backward at head_dim 128 in
+/// every [`HopperBackward`] the process builds (for timing them against each other; unset:
+/// [`BWD_WIDE_DEFAULT`]): `64` under both masks, `80` without the causal mask and 64 under it,
+/// `80c` 80 under both. 80 is FlashAttention-3's choice without the mask (Shah et al., 2024;
+/// `hopper/flash_bwd_launch_template.h`): a fifth fewer steps, barriers and dQ tiles per key
+/// tile, with dQ computed transposed (the `_m80` kernel).
 pub const BWD_BM_ENV: &str = "KP_SM90_BWD_BM";
-/// The queries per step of the wgmma backward at head_dim 128 without the causal mask when
-/// [`BWD_BM_ENV`] is unset.
-pub const BWD_WIDE_DEFAULT: usize = 64;
+/// The queries per step of the wgmma backward at head_dim 128 when [`BWD_BM_ENV`] is unset,
+/// `(without the causal mask, with it)`: 80 under both, measured on an H100 on 2026-12-07 (the
+/// main kernel at B4 H8 T16384 D128 without the mask 21.20 ms at 64, 19.21 at 80; causal T4096
+/// MHA 0.692 and 0.658, GQA 32:8 2.779 and 2.531; kernels/TUNING.md).
+pub const BWD_WIDE_DEFAULT: (usize, usize) = (80, 80);
 
 /// What this process's environment asks of every [`HopperBackward`] it builds, read in this one
 /// place (as [`FwdEnv`] for the forward), so that the kernels and the runner's account of them
@@ -1343,7 +1346,7 @@ pub const BWD_WIDE_DEFAULT: usize = 64;
 pub struct BwdEnv {
     /// The queries per step at head_dim 128, `(without the causal mask, with it)`:
     /// [`BWD_BM_ENV`]'s (`64`: (64, 64), `80`: (80, 64), `80c`: (80, 80)), else
-    /// ([`BWD_WIDE_DEFAULT`], 64).
+    /// [`BWD_WIDE_DEFAULT`].
     pub wide: (usize, usize),
     /// Whether launches take the tail split ([`bwd_tail_split`]): [`BWD_TAIL_ENV`] when it is
     /// `1` or `0`, else [`BWD_TAIL_DEFAULT`].
@@ -1357,7 +1360,7 @@ impl BwdEnv {
             Ok("80") => (80, 64),
             Ok("80c") => (80, 80),
             Ok("64") => (64, 64),
-            _ => (BWD_WIDE_DEFAULT, 64),
+            _ => BWD_WIDE_DEFAULT,
         };
         let tail_split = match std::env::var(BWD_TAIL_ENV).as_deref() {
             Ok("1") => true,
@@ -1472,8 +1475,11 @@ pub fn bwd_head_splits(
 /// every [`HopperBackward`] the process builds (for timing it against the unsplit grid; unset:
 /// [`BWD_TAIL_DEFAULT`]).
 pub const BWD_TAIL_ENV: &str = "KP_SM90_BWD_TAIL";
-/// Whether the wgmma backward takes its tail split when [`BWD_TAIL_ENV`] is unset.
-pub const BWD_TAIL_DEFAULT: bool = false;
+/// Whether the wgmma backward takes its tail split when [`BWD_TAIL_ENV`] is unset: yes,
+/// measured on an H100 on 2026-12-07 (the main kernel at B4 H8 T16384 D128 without the mask,
+/// 16 parts for the last wave's 4 CTAs: 21.20 → 20.47 ms at 64 queries a step, 19.21 → 18.71
+/// at 80; kernels/TUNING.md).
+pub const BWD_TAIL_DEFAULT: bool = true;
 
 /// Most parts [`bwd_tail_split`] cuts one CTA's work into.
 pub const BWD_TAIL_MAX_PARTS: usize = 16;
@@ -2703,7 +2709,8 @@ mod tests {
         for (d, bm) in [(64, 128), (128, 64), (128, 80)] {
             assert!(bwd_smem_bytes(d, bm) <= 227 * 1024, "{d} {bm}");
         }
-        // 80 queries a step only at head_dim 128 without the causal mask.
+        // 80 queries a step only at head_dim 128: without the causal mask with `80`, under both
+        // with `80c` (the default).
         assert_eq!(bwd_step_queries(128, false, (80, 64)), 80);
         assert_eq!(bwd_step_queries(128, true, (80, 64)), 64);
         assert_eq!(bwd_step_queries(128, true, (80, 80)), 80);
