@@ -58,9 +58,10 @@
 // only a chunk's Q and dO are read at a time. The host picks (sm90::bwd_cta_order simulates
 // the schedules).
 
-// 128 keys per CTA, stages of Q/dO/LSE2/Dsum; queries per step (BM): 128 at head_dim 64, 64 at
-// 128 by default (the registers of S^T and dP^T: 2 x BM / 2 per thread besides dK and dV's D),
-// and 80 at 128 as FlashAttention-3 takes without the causal mask (the `_m80` entry).
+// 128 keys per CTA, stages of Q/dO/LSE2/Dsum; queries per step (BM): 128 at head_dim 64; at 128,
+// 80 in the `_m80` entry (FlashAttention-3's step without the causal mask; the host's default
+// under both masks since 2026-12-07) or 64 in the plain entry (KP_SM90_BWD_BM=64; the registers
+// of S^T and dP^T, 2 x BM / 2 per thread beside dK and dV's D, rule out 128).
 #define BW_BN 128
 #define BW_ST 2
 template <int D, int BM_ = (D == 64 ? 128 : 64)>
@@ -712,14 +713,17 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
 
 // The kernels of head_dim D where the source before this defines KP_SM90_BWD_ALL or
 // KP_SM90_BWD_D<D> (the host compiles the head_dim it runs); at head_dim 128 with
-// KP_SM90_BWD_M80 as well, `attn_bwd_sm90_d128_m80`, 80 queries per step.
+// KP_SM90_BWD_M80 as well, `attn_bwd_sm90_d128_m80`, 80 queries per step, and with
+// KP_SM90_BWD_NO_M64 without the kernel of 64 (sm90::bwd_source_wide).
 #if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_D64)
 BW_PRE_ENTRY(64)
 BW_ENTRY(64)
 #endif
 #if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_D128)
 BW_PRE_ENTRY(128)
+#if defined(KP_SM90_BWD_ALL) || !defined(KP_SM90_BWD_NO_M64)
 BW_ENTRY(128)
+#endif
 #if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_M80)
 BW_ENTRY_BM(128, 80, _m80)
 #endif

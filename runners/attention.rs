@@ -537,22 +537,27 @@ struct HopperWords {
     /// The non-causal grid: the tail split, or what ran instead.
     grid: String,
     /// The backward's non-causal grid: its tail split (with a leading `; `) where
-    /// [`sm90::BwdEnv::tail_split`], else nothing.
+    /// [`sm90::BwdEnv::tail_split`], else what ran instead.
     bwd_grid: String,
+    /// After the backward's query steps at head_dim 128: nothing for the default
+    /// ([`sm90::BWD_WIDE_DEFAULT`]), else the [`sm90::BWD_BM_ENV`] setting that changed them.
+    bwd_steps: String,
 }
 
 impl HopperWords {
     fn from_env() -> HopperWords {
         let env = sm90::FwdEnv::read();
-        let mut words = HopperWords::new(!env.pingpong, env.persistent, !env.tail_split);
-        if !sm90::BwdEnv::read().tail_split {
-            words.bwd_grid = String::new();
-        }
-        words
+        HopperWords::new(
+            !env.pingpong,
+            env.persistent,
+            !env.tail_split,
+            sm90::BwdEnv::read(),
+        )
     }
 
-    /// The words for the ping-pong turned off, the persistent grid on and the tail split off.
-    fn new(no_turns: bool, persistent: bool, no_split: bool) -> HopperWords {
+    /// The words for the ping-pong turned off, the persistent grid on and the tail split off,
+    /// and the backward's settings `bwd`.
+    fn new(no_turns: bool, persistent: bool, no_split: bool, bwd: sm90::BwdEnv) -> HopperWords {
         let turns = if no_turns {
             format!(
                 " (in this run without the consumers' turns: {}=0)",
@@ -584,15 +589,33 @@ impl HopperWords {
                 sm90::TAIL_ENV
             ),
         };
-        let bwd_grid = format!(
-            "; without the causal mask, where the grid's final round of CTAs fills at most half the SMs, each CTA of that round runs as 2 to {} CTAs over a share of its query steps (at least {} each), their fp32 partial dK and dV added in part order by a combine",
-            sm90::BWD_TAIL_MAX_PARTS,
-            sm90::BWD_TAIL_MIN_STEPS
-        );
+        let bwd_grid = if bwd.tail_split {
+            format!(
+                "; without the causal mask, where the grid's final round of CTAs fills at most half the SMs, each CTA of that round runs as 2 to {} CTAs over a share of its query steps (at least {} each), their fp32 partial dK and dV added in part order by a combine",
+                sm90::BWD_TAIL_MAX_PARTS,
+                sm90::BWD_TAIL_MIN_STEPS
+            )
+        } else {
+            format!(
+                " (in this run {}=0: the final round of CTAs not split)",
+                sm90::BWD_TAIL_ENV
+            )
+        };
+        let bwd_steps = if bwd.wide == sm90::BWD_WIDE_DEFAULT {
+            String::new()
+        } else {
+            let setting = match bwd.wide {
+                (64, 64) => "64",
+                (80, 64) => "80",
+                _ => "80c",
+            };
+            format!(" (in this run {}={setting})", sm90::BWD_BM_ENV)
+        };
         HopperWords {
             turns,
             grid,
             bwd_grid,
+            bwd_steps,
         }
     }
 }
@@ -663,7 +686,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             }
             .into(),
             rule: format!(
-                "otherwise, at head_dim 64 or 128 with a positive scale, the forward, and for forward + backward the wgmma backward after it: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one{}; {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise; without the causal mask, {}; under the causal mask the CTAs take the query tiles heaviest first within chunks of (head, batch entry) pairs whose K and V fit half the L2, the chunk size from a simulated makespan. Kernel: the wgmma backward (kernels/attn_wgmma_bwd_sm90.cu): {}-key tiles per CTA holding dK and dV in registers, Q and dO in steps of {} rows at head_dim 64, and at 128 of {} under the causal mask and {} without, by TMA, dQ summed in fp32 by TMA reduce-adds; where (key tiles × kv heads × batch) is small against {} SMs and a kv head has several query heads, those heads are split over up to {} CTAs per key tile (causal: to two waves; not causal: what fits one), their fp32 partial dK and dV added in a fixed order by a fourth kernel{}; under the causal mask, where a simulation of the grid on {} SMs puts key tiles fastest at least 2 % behind, the CTAs start longest first (key tiles slowest) within chunks of at least {} (kv head · split, batch entry) pairs, the chunk size from that simulation (grids of up to {} CTAs are simulated). The rows of {} measure the portable kernels below on the same cases",
+                "otherwise, at head_dim 64 or 128 with a positive scale, the forward, and for forward + backward the wgmma backward after it: any seq_len_q and seq_len_kv, causal (bottom-right) or not, per-sequence key lengths, GQA/MQA. Kernel: the wgmma forward (kernels/attn_wgmma_sm90.cu): K and V in {}-key tiles by TMA on mbarriers from a producer warpgroup, consumer warpgroups of 64 query rows on wgmma with the softmax of one key tile overlapped with the P·V product of the previous one{}; {}-row query tiles at head_dim 64 from {} queries, {}-row tiles otherwise; without the causal mask, {}; under the causal mask the CTAs take the query tiles heaviest first within chunks of (head, batch entry) pairs whose K and V fit half the L2, the chunk size from a simulated makespan. Kernel: the wgmma backward (kernels/attn_wgmma_bwd_sm90.cu): {}-key tiles per CTA holding dK and dV in registers, Q and dO in steps of {} rows at head_dim 64, and at 128 of {} under the causal mask and {} without{}, by TMA, dQ summed in fp32 by TMA reduce-adds; where (key tiles × kv heads × batch) is small against {} SMs and a kv head has several query heads, those heads are split over up to {} CTAs per key tile (causal: to two waves; not causal: what fits one), their fp32 partial dK and dV added in a fixed order by a fourth kernel{}; under the causal mask, where a simulation of the grid on {} SMs puts key tiles fastest at least 2 % behind, the CTAs start longest first (key tiles slowest) within chunks of at least {} (kv head · split, batch entry) pairs, the chunk size from that simulation (grids of up to {} CTAs are simulated). The rows of {} measure the portable kernels below on the same cases",
                 sm90::WS_KEYS,
                 hopper.turns,
                 sm90::Sm90Version::V4.rows(),
@@ -674,6 +697,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
                 sm90::bwd_queries(64),
                 sm90::bwd_step_queries(128, true, bwd_wide),
                 sm90::bwd_step_queries(128, false, bwd_wide),
+                hopper.bwd_steps,
                 sm90::BWD_SPLIT_SMS,
                 sm90::BWD_MAX_SPLITS,
                 hopper.bwd_grid,
@@ -1172,7 +1196,7 @@ mod tests {
         for no_turns in [false, true] {
             for persistent in [false, true] {
                 for no_split in [false, true] {
-                    let w = HopperWords::new(no_turns, persistent, no_split);
+                    let w = HopperWords::new(no_turns, persistent, no_split, DEFAULT_BWD);
                     let label = format!(
                         "{no_turns} {persistent} {no_split}: {} / {}",
                         w.turns, w.grid
@@ -1187,7 +1211,32 @@ mod tests {
                 }
             }
         }
+        // The backward's settings: named only where they differ from the defaults.
+        for wide in [(64, 64), (80, 64), (80, 80)] {
+            for tail_split in [false, true] {
+                let bwd = sm90::BwdEnv { wide, tail_split };
+                let w = HopperWords::new(false, false, false, bwd);
+                let label = format!("{bwd:?}: {} / {}", w.bwd_steps, w.bwd_grid);
+                assert_eq!(
+                    w.bwd_steps.contains(sm90::BWD_BM_ENV),
+                    wide != sm90::BWD_WIDE_DEFAULT,
+                    "{label}"
+                );
+                assert_eq!(
+                    w.bwd_grid.contains(sm90::BWD_TAIL_ENV),
+                    tail_split != sm90::BWD_TAIL_DEFAULT,
+                    "{label}"
+                );
+                assert!(!w.bwd_grid.contains("last wave"), "{label}");
+            }
+        }
     }
+
+    /// The backward's settings when the environment sets none.
+    const DEFAULT_BWD: sm90::BwdEnv = sm90::BwdEnv {
+        wide: sm90::BWD_WIDE_DEFAULT,
+        tail_split: sm90::BWD_TAIL_DEFAULT,
+    };
 
     #[test]
     fn default_grid_quick_grid_and_filter() {

@@ -810,7 +810,7 @@ pub fn compile_with_report(
 }
 
 /// Parses `ptxas -v` output: "Compiling entry function 'k'", "N bytes stack frame, N bytes
-/// spill stores", "Used N registers".
+/// spill stores", "Used N registers", and the wgmma advisories (codes C75xx) of each kernel.
 fn parse_ptxas(log: &str) -> Option<Vec<PtxasReport>> {
     let num_before = |line: &str, what: &str| -> Option<u32> {
         let i = line.find(what)?;
@@ -842,15 +842,19 @@ fn parse_ptxas(log: &str) -> Option<Vec<PtxasReport>> {
     // Advisories name their function ("... in function 'k'", C7512: "... for the function
     // 'k'") and may come before its entry.
     for line in log.lines().filter(|l| l.contains("(C75")) {
-        let Some(i) = line.rfind("function '") else {
-            continue;
-        };
-        let name = line[i + "function '".len()..]
-            .split('\'')
-            .next()
-            .unwrap_or("");
-        if let Some(r) = out.iter_mut().find(|r| r.kernel == name) {
-            r.wgmma_advisories.push(line.trim().to_string());
+        let name = line.rfind("function '").map_or("", |i| {
+            line[i + "function '".len()..]
+                .split('\'')
+                .next()
+                .unwrap_or("")
+        });
+        // One that names no kernel of the log (a device function's name, no name, a form not
+        // seen yet) goes to every kernel rather than nowhere.
+        match out.iter_mut().find(|r| r.kernel == name) {
+            Some(r) => r.wgmma_advisories.push(line.trim().to_string()),
+            None => out
+                .iter_mut()
+                .for_each(|r| r.wgmma_advisories.push(line.trim().to_string())),
         }
     }
     (!out.is_empty()).then_some(out)
@@ -946,6 +950,13 @@ mod tests {
         assert_eq!(r.len(), 2);
         assert!(r[0].wgmma_advisories.is_empty(), "{r:?}");
         assert_eq!(r[1].wgmma_advisories, vec![c7512.to_string()]);
+        // An advisory naming no kernel of the log is every kernel's.
+        let other = c7512.replace("'k2'", "'helper'");
+        let r = super::parse_ptxas(&log.replace(c7512, &other)).unwrap();
+        assert!(
+            r.iter().all(|r| r.wgmma_advisories == vec![other.clone()]),
+            "{r:?}"
+        );
     }
 
     #[test]

@@ -2853,6 +2853,8 @@ fn wgmma_backward_cases(dtype: Dtype) -> Vec<AttentionCase> {
             (300, 100, 100, Some(0.3)),
             (1, 20, 20, None),
             (130, 257, 129, None),
+            // Two whole steps of 80 queries (the default at head_dim 128), 2.5 of 64.
+            (160, 160, 160, None),
         ] {
             for causal in [false, true] {
                 cases.push(AttentionCase {

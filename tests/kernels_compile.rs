@@ -781,7 +781,7 @@ fn wgmma_backward_compiles_for_sm_90a() {
     // fp16's kernels (dispatched with FP16_DISPATCHED): the same names, no spills, the main
     // kernel at the register cap.
     for d in [64, 128] {
-        let f16 = kernelpages::attention::sm90::bwd_source_wide(Some(d), Dtype::F16, true);
+        let f16 = kernelpages::attention::sm90::bwd_source_wide(Some(d), Dtype::F16, (80, 64));
         let reports =
             kernelpages::gpu::ptxas_report("attn_wgmma_bwd_sm90.cu", &f16, "sm_90a").unwrap();
         assert_eq!(
@@ -816,6 +816,27 @@ fn wgmma_backward_compiles_for_sm_90a() {
         ];
         assert_eq!(kernels, want.iter().map(String::as_str).collect::<Vec<_>>());
     }
+    // At head_dim 128 with the default steps (80 under both masks) the module holds the kernel
+    // of 80 queries and not the one of 64, which no launch would take.
+    let default = kernelpages::attention::sm90::bwd_source_wide(
+        Some(128),
+        Dtype::Bf16,
+        kernelpages::attention::sm90::BWD_WIDE_DEFAULT,
+    );
+    let reports =
+        kernelpages::gpu::ptxas_report("attn_wgmma_bwd_sm90.cu", &default, "sm_90a").unwrap();
+    let mut kernels: Vec<&str> = reports.iter().map(|r| r.kernel.as_str()).collect();
+    kernels.sort_unstable();
+    assert_eq!(
+        kernels,
+        [
+            "attn_bwd_sm90_d128_m80",
+            "attn_bwd_sm90_dkv_combine",
+            "attn_bwd_sm90_dq_convert",
+            "attn_bwd_sm90_pre_d128",
+            "attn_bwd_sm90_tail_combine_d128",
+        ]
+    );
     assert!(src.contains(WGMMA_SRC) && src.contains(WGMMA_BWD_SRC) && src.contains(PRELUDE_SRC));
     let reports = kernelpages::gpu::ptxas_report("attn_wgmma_bwd_sm90.cu", &src, "sm_90a").unwrap();
     // The forward kernels are not compiled again in the backward's module.
@@ -1036,14 +1057,14 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
         );
         forward_fits(&reports, &name);
     }
-    // The wgmma backward's module at each head_dim, likewise; at 128 with the kernel of 80
-    // queries a step beside the default one (`attn_bwd_sm90_d128_m80`, KP_SM90_BWD_BM=80). As
+    // The wgmma backward's module at each head_dim, likewise; at 128 with both kernels, 80
+    // queries a step (`attn_bwd_sm90_d128_m80`, the default) and 64 (KP_SM90_BWD_BM=64). As
     // first built (2026-12-06) that kernel was serialised: 132 HGMMA and 152 warpgroup
     // arrive/wait in the module, with ptxas's advisory C7512 (too few registers), which this
     // check did not read then; dV is now waited for before dQ^T starts (kernels/TUNING.md, "The
     // wgmma backward: 80 queries a step, and the last wave split").
     for (d, min) in [(64, (24, 2)), (128, (48, 4))] {
-        let src = kernelpages::attention::sm90::bwd_source_wide(Some(d), Dtype::Bf16, d == 128);
+        let src = kernelpages::attention::sm90::bwd_source_wide(Some(d), Dtype::Bf16, (80, 64));
         assert_wgmma_asynchronous(
             &format!("wgmma backward d{d}"),
             "attn_wgmma_bwd_sm90.cu",

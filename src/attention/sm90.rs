@@ -1293,17 +1293,29 @@ pub fn bwd_source(head_dim: Option<usize>) -> String {
 /// # Panics
 /// For fp32.
 pub fn bwd_source_for(head_dim: Option<usize>, dtype: Dtype) -> String {
-    bwd_source_wide(head_dim, dtype, false)
+    bwd_source_wide(head_dim, dtype, (64, 64))
 }
 
-/// [`bwd_source_for`], with (`m80`, head_dim 128) the main kernel of 80 queries per step as well
-/// (`attn_bwd_sm90_d128_m80`; `None` holds it anyway).
+/// [`bwd_source_for`] with, at head_dim 128, the main kernels of the query steps in `wide`
+/// (`(without the causal mask, with it)`, as [`BwdEnv::wide`]): `attn_bwd_sm90_d128_m80` where
+/// either is 80, `attn_bwd_sm90_d128` (64 queries) where either is 64, so that a process
+/// compiles only what it launches. Other head dims ignore `wide`; `None` holds every kernel.
 ///
 /// # Panics
 /// For fp32.
-pub fn bwd_source_wide(head_dim: Option<usize>, dtype: Dtype, m80: bool) -> String {
+pub fn bwd_source_wide(head_dim: Option<usize>, dtype: Dtype, wide: (usize, usize)) -> String {
+    let has = |bm: usize| wide.0 == bm || wide.1 == bm;
     let select = match head_dim {
-        Some(128) if m80 => "#define KP_SM90_BWD_D128\n#define KP_SM90_BWD_M80".to_string(),
+        Some(128) => {
+            let mut s = "#define KP_SM90_BWD_D128".to_string();
+            if has(80) {
+                s.push_str("\n#define KP_SM90_BWD_M80");
+            }
+            if !has(64) {
+                s.push_str("\n#define KP_SM90_BWD_NO_M64");
+            }
+            s
+        }
         Some(d) => format!("#define KP_SM90_BWD_D{d}"),
         None => "#define KP_SM90_BWD_ALL".to_string(),
     };
@@ -1611,7 +1623,9 @@ pub const BWD_SCHEDULE_MAX_CTAS: usize = 1 << 15;
 /// splits plus split, for `(heads, kv_heads)`, `(seq_len_q, seq_len_kv)` and `splits` splits of
 /// a kv head's query heads: every key of the tile valid (seq_len_kv for every batch entry; per-entry
 /// key lengths are not modelled), bottom-right causal as the kernel masks (a last partial step
-/// is a whole step, as in the kernel).
+/// is a whole step, as in the kernel). Known gap: at head_dim 128 the kernel takes steps of 80
+/// by default since 2026-12-07 ([`BWD_WIDE_DEFAULT`]) while this still counts steps of 64; the
+/// orders measured that day were chosen so (kernels/TUNING.md).
 pub fn bwd_causal_cta_work(
     (heads, kv_heads): (usize, usize),
     (seq_len_q, seq_len_kv): (usize, usize),
@@ -1867,13 +1881,14 @@ type BwdShape = (usize, usize, usize, usize, usize, bool);
 /// kernel.
 pub struct HopperBackward {
     pre: CudaFunction,
-    main: CudaFunction,
+    /// The main kernel of [`bwd_queries`] queries per step and its shared memory, where this
+    /// backward takes them (always at head_dim 64; at 128 per [`BwdEnv::wide`]).
+    main: Option<(CudaFunction, u32)>,
     convert: CudaFunction,
     combine: CudaFunction,
     /// The split buffer ([`bwd_split_bytes`]), allocated by the first launch of a shape that
     /// splits and kept (grown when a later shape needs more).
     part: Option<CudaSlice<f32>>,
-    smem: u32,
     /// The main kernel of 80 queries per step and its shared memory, where this backward takes
     /// them at head_dim 128 ([`BwdEnv::wide`]).
     main_m80: Option<(CudaFunction, u32)>,
@@ -1954,13 +1969,18 @@ impl HopperBackward {
         }
         let env = BwdEnv::read();
         let wide = env.wide;
-        let m80 = head_dim == 128 && (wide.0 == 80 || wide.1 == 80);
-        let src = bwd_source_wide(Some(head_dim), dtype, m80);
+        let uses = |bm: usize| (0..2).any(|c| bwd_step_queries(head_dim, c == 1, wide) == bm);
+        let m80 = uses(80);
+        let src = bwd_source_wide(Some(head_dim), dtype, wide);
         let compiled = gpu.compile("attn_wgmma_bwd_sm90.cu", &src)?;
         let name = format!("attn_bwd_sm90_d{head_dim}");
-        let smem = bwd_smem_bytes(head_dim, bwd_queries(head_dim)) as u32;
-        super::cuda::check_smem(gpu, &name, smem)?;
-        let main = gpu.function(&compiled.module, &name, smem)?;
+        let main = if uses(bwd_queries(head_dim)) {
+            let smem = bwd_smem_bytes(head_dim, bwd_queries(head_dim)) as u32;
+            super::cuda::check_smem(gpu, &name, smem)?;
+            Some((gpu.function(&compiled.module, &name, smem)?, smem))
+        } else {
+            None
+        };
         let main_m80 = if m80 {
             let name = format!("{name}_m80");
             let smem = bwd_smem_bytes(head_dim, 80) as u32;
@@ -1988,7 +2008,6 @@ impl HopperBackward {
             combine: gpu.function(&compiled.module, "attn_bwd_sm90_dkv_combine", 0)?,
             part: None,
             main,
-            smem,
             main_m80,
             head_dim,
             dtype,
@@ -2129,9 +2148,9 @@ impl HopperBackward {
         let rows = batch * heads * seq_len_q;
         let wide = self.wide;
         let bm = bwd_step_queries(d, causal, wide);
-        let (main, smem) = match (&self.main_m80, bm) {
-            (Some((f, s)), 80) => (f, *s),
-            _ => (&self.main, self.smem),
+        let (main, smem) = match (&self.main_m80, &self.main, bm) {
+            (Some((f, s)), _, 80) | (_, Some((f, s)), _) => (f, *s),
+            _ => unreachable!("new() loads the kernel of every step size `wide` takes"),
         };
         let padded = bwd_padded_rows((batch, heads, seq_len_q), d, wide);
         let (q_len, kv_len) = (rows * d, batch * kv_heads * seq_len_kv * d);
