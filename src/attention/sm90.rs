@@ -1283,7 +1283,8 @@ pub const WGMMA_BWD_SRC: &str = include_str!("../../kernels/attn_wgmma_bwd_sm90.
 /// The wgmma backward's whole source: [`PRELUDE_SRC`], the helpers of [`WGMMA_SRC`] without any
 /// of its kernels (nothing selects one), [`WGMMA_BWD_SRC`] with the kernels of `head_dim` (the
 /// preprocessing and main kernels; the dQ conversion is always there), or of both head dims for
-/// `None`.
+/// `None`. At head_dim 128 the main kernel is the one of 64 queries a step, which a process at
+/// the default steps does not compile ([`bwd_source_wide`] with [`BWD_WIDE_DEFAULT`]).
 pub fn bwd_source(head_dim: Option<usize>) -> String {
     bwd_source_for(head_dim, Dtype::Bf16)
 }
@@ -2149,7 +2150,8 @@ impl HopperBackward {
         let wide = self.wide;
         let bm = bwd_step_queries(d, causal, wide);
         let (main, smem) = match (&self.main_m80, &self.main, bm) {
-            (Some((f, s)), _, 80) | (_, Some((f, s)), _) => (f, *s),
+            (Some((f, s)), _, 80) => (f, *s),
+            (_, Some((f, s)), b) if b == bwd_queries(d) => (f, *s),
             _ => unreachable!("new() loads the kernel of every step size `wide` takes"),
         };
         let padded = bwd_padded_rows((batch, heads, seq_len_q), d, wide);
