@@ -2732,12 +2732,17 @@ fn wgmma_backward_cta_order_probe() {
                 "fwd+bwd {} causal, {splits} splits, {order:?}{}: {ms:.3} ms, {:.1} TFLOP/s",
                 probe_label(&c),
                 {
+                    let bm = kernelpages::attention::sm90::bwd_step_queries(
+                        c.head_dim,
+                        true,
+                        kernelpages::attention::sm90::BwdEnv::read().wide,
+                    );
                     let (default, chunk) = bwd_cta_order(
                         c.batch,
                         c.heads,
                         c.kv_heads,
                         (c.seq_len_q, c.seq_len_kv),
-                        c.head_dim,
+                        bm,
                         true,
                     );
                     let sim = bwd_chunk(
@@ -2745,7 +2750,7 @@ fn wgmma_backward_cta_order_probe() {
                         c.heads,
                         c.kv_heads,
                         (c.seq_len_q, c.seq_len_kv),
-                        c.head_dim,
+                        bm,
                     );
                     match (order == default, order) {
                         (true, BwdCtaOrder::KeyTilesSlowestInChunks) => {
@@ -2773,7 +2778,8 @@ fn wgmma_backward_cta_order_probe() {
 #[ignore = "a GPU probe (timings printed, not asserted): run it on the GPU machine with --ignored"]
 fn wgmma_backward_chunk_probe() {
     use kernelpages::attention::sm90::{
-        bwd_causal_cta_work, bwd_cta_order, bwd_head_splits, bwd_order_makespan, BwdCtaOrder,
+        bwd_causal_cta_work, bwd_cta_order, bwd_head_splits, bwd_order_makespan, bwd_step_queries,
+        BwdCtaOrder, BwdEnv,
     };
     let Some(_) = hopper_gpu("wgmma backward chunks") else {
         return;
@@ -2792,10 +2798,11 @@ fn wgmma_backward_chunk_probe() {
         let splits = bwd_head_splits(c.batch, c.heads, c.kv_heads, c.seq_len_kv, true);
         let (n_kt, n_y) = (c.seq_len_kv.div_ceil(128), c.kv_heads * splits);
         let pairs = n_y * c.batch;
+        let bm = bwd_step_queries(c.head_dim, true, BwdEnv::read().wide);
         let work = bwd_causal_cta_work(
             (c.heads, c.kv_heads),
             (c.seq_len_q, c.seq_len_kv),
-            c.head_dim,
+            bm,
             splits,
         );
         let sim =
@@ -2805,7 +2812,7 @@ fn wgmma_backward_chunk_probe() {
             c.heads,
             c.kv_heads,
             (c.seq_len_q, c.seq_len_kv),
-            c.head_dim,
+            bm,
             true,
         );
         let mut runs: Vec<(BwdCtaOrder, usize)> = vec![

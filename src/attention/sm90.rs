@@ -1619,21 +1619,23 @@ impl BwdCtaOrder {
 pub const BWD_SCHEDULE_MAX_CTAS: usize = 1 << 15;
 
 /// The work of each CTA of the wgmma backward's main kernel under the causal mask, in (query
-/// head, query step) steps of [`bwd_queries`]`(head_dim)` queries (head_dim 64 and 128; other
-/// values count as 128) plus one for its K/V load and dK/dV store, indexed by key tile ·
+/// head, query step) steps of `bm` queries (the launch's [`bwd_step_queries`]: 128 at head_dim
+/// 64, 80 or 64 at 128) plus one for its K/V load and dK/dV store, indexed by key tile ·
 /// splits plus split, for `(heads, kv_heads)`, `(seq_len_q, seq_len_kv)` and `splits` splits of
 /// a kv head's query heads: every key of the tile valid (seq_len_kv for every batch entry; per-entry
 /// key lengths are not modelled), bottom-right causal as the kernel masks (a last partial step
-/// is a whole step, as in the kernel). Known gap: at head_dim 128 the kernel takes steps of 80
-/// by default since 2026-12-07 ([`BWD_WIDE_DEFAULT`]) while this still counts steps of 64; the
-/// orders measured that day were chosen so (kernels/TUNING.md).
+/// is a whole step, as in the kernel). Until 2026-12-07 this counted steps of 64 at head_dim
+/// 128 whatever the launch took; with steps of 80 the orders of the shapes measured that day
+/// (B4 causal MHA H8 T1024-16384, GQA 32:8 and MQA 8:1 at T4096) are the same either way.
+///
+/// # Panics
+/// For `bm` = 0.
 pub fn bwd_causal_cta_work(
     (heads, kv_heads): (usize, usize),
     (seq_len_q, seq_len_kv): (usize, usize),
-    head_dim: usize,
+    bm: usize,
     splits: usize,
 ) -> Vec<usize> {
-    let bm = bwd_queries(head_dim);
     let n_kt = seq_len_kv.div_ceil(BWD_KEYS);
     let n_qt = seq_len_q.div_ceil(bm);
     let off = seq_len_kv as isize - seq_len_q as isize;
@@ -1787,7 +1789,8 @@ pub fn bwd_order_makespan(
 pub const BWD_MIN_CHUNK: usize = 4;
 
 /// The chunk size of [`BwdCtaOrder::KeyTilesSlowestInChunks`] for a causal shape (`batch`,
-/// `heads`, `kv_heads`, `(seq_len_q, seq_len_kv)`, `head_dim`), and the simulated makespans (in
+/// `heads`, `kv_heads`, `(seq_len_q, seq_len_kv)`, `bm` queries a step), and the simulated
+/// makespans (in
 /// steps of [`bwd_causal_cta_work`],
 /// [`makespan`] on [`BWD_SPLIT_SMS`] SMs) of that order and of
 /// [`BwdCtaOrder::KeyTilesFastest`]: of the candidate sizes ([`BWD_MIN_CHUNK`], 5, 6, 8, 12,
@@ -1799,7 +1802,7 @@ pub fn bwd_chunk(
     heads: usize,
     kv_heads: usize,
     (seq_len_q, seq_len_kv): (usize, usize),
-    head_dim: usize,
+    bm: usize,
 ) -> (usize, usize, usize) {
     let splits = bwd_head_splits(batch, heads, kv_heads, seq_len_kv, true);
     let n_kt = seq_len_kv.div_ceil(BWD_KEYS);
@@ -1808,7 +1811,7 @@ pub fn bwd_chunk(
     if n_kt * pairs > BWD_SCHEDULE_MAX_CTAS || pairs == 0 {
         return (1, 0, 0);
     }
-    let work = bwd_causal_cta_work((heads, kv_heads), (seq_len_q, seq_len_kv), head_dim, splits);
+    let work = bwd_causal_cta_work((heads, kv_heads), (seq_len_q, seq_len_kv), bm, splits);
     let dims = (n_kt, n_y, batch);
     let span = |order, chunk| bwd_order_makespan(&work, splits, dims, order, chunk);
     let fastest = span(BwdCtaOrder::KeyTilesFastest, 1);
@@ -1834,7 +1837,8 @@ fn smallest_near_best(spans: Vec<(usize, usize)>) -> Option<(usize, usize)> {
 }
 
 /// The CTA order and chunk size the wgmma backward runs by default for `(batch, heads,
-/// kv_heads, (seq_len_q, seq_len_kv), head_dim, causal)`: not causal, every CTA has the same
+/// kv_heads, (seq_len_q, seq_len_kv), bm, causal)` (`bm`: the launch's queries a step,
+/// [`bwd_step_queries`]): not causal, every CTA has the same
 /// work and [`BwdCtaOrder::KeyTilesFastest`] keeps a pair's CTAs together in L2; causal,
 /// [`BwdCtaOrder::KeyTilesSlowestInChunks`] with [`bwd_chunk`]'s size where its simulated
 /// makespan is at least 2 % under key tiles fastest's, else key tiles fastest. Measured
@@ -1851,13 +1855,13 @@ pub fn bwd_cta_order(
     heads: usize,
     kv_heads: usize,
     lens: (usize, usize),
-    head_dim: usize,
+    bm: usize,
     causal: bool,
 ) -> (BwdCtaOrder, usize) {
     if !causal {
         return (BwdCtaOrder::KeyTilesFastest, 1);
     }
-    let (chunk, chunked, fastest) = bwd_chunk(batch, heads, kv_heads, lens, head_dim);
+    let (chunk, chunked, fastest) = bwd_chunk(batch, heads, kv_heads, lens, bm);
     // Both makespans are 0 for a grid too large to simulate: key tiles fastest.
     if fastest > 0 && chunked * 100 <= fastest * 98 {
         (BwdCtaOrder::KeyTilesSlowestInChunks, chunk)
@@ -2212,7 +2216,7 @@ impl HopperBackward {
         }
         let shape = (batch, heads, kv_heads, seq_len_q, seq_len_kv, causal);
         if !matches!(self.schedule, Some((s, _, _)) if s == shape) {
-            let rule = bwd_cta_order(batch, heads, kv_heads, (seq_len_q, seq_len_kv), d, causal);
+            let rule = bwd_cta_order(batch, heads, kv_heads, (seq_len_q, seq_len_kv), bm, causal);
             self.schedule = Some((shape, rule, None));
         }
         let Some((_, (rule, rule_chunk), simulated)) = &mut self.schedule else {
@@ -2225,7 +2229,7 @@ impl HopperBackward {
                 match self.cta_chunk {
                     Some(c) => c,
                     None => *simulated.get_or_insert_with(|| {
-                        bwd_chunk(batch, heads, kv_heads, (seq_len_q, seq_len_kv), d).0
+                        bwd_chunk(batch, heads, kv_heads, (seq_len_q, seq_len_kv), bm).0
                     }),
                 }
                 .clamp(1, kv_heads * splits * batch),
@@ -2545,20 +2549,21 @@ mod tests {
                 c(BwdCtaOrder::KeyTilesSlowest, 1)
             );
         }
+        // Steps of 64 queries (head_dim 128 before 2026-12-07) below.
         // Causal MQA at B4 H8:1 T4096: 3 splits of 2, 3 and 3 heads, key tile kt walking
         // 64 − 2 kt query tiles of 64 per head at head_dim 128, plus one step per CTA; list
         // scheduling on 132 SMs: every pair at once (key tiles slowest, what the H100 measured
         // better than fastest) is the best, 27 % under fastest (184 and 133 steps of 128 queries).
         let splits = bwd_head_splits(4, 8, 1, 4096, true);
         assert_eq!(splits, 3);
-        let (chunk, chunked, fastest) = bwd_chunk(4, 8, 1, (4096, 4096), 128);
+        let (chunk, chunked, fastest) = bwd_chunk(4, 8, 1, (4096, 4096), 64);
         assert_eq!((chunk, chunked, fastest), (12, 269, 371));
         assert_eq!(
-            bwd_cta_order(4, 8, 1, (4096, 4096), 128, true),
+            bwd_cta_order(4, 8, 1, (4096, 4096), 64, true),
             (BwdCtaOrder::KeyTilesSlowestInChunks, 12)
         );
         assert_eq!(
-            bwd_cta_order(4, 8, 1, (4096, 4096), 128, false),
+            bwd_cta_order(4, 8, 1, (4096, 4096), 64, false),
             (BwdCtaOrder::KeyTilesFastest, 1)
         );
         // MHA B4 H8 T4096 and GQA B4 H32:8: 32 pairs, a pair's first key tile the heaviest;
@@ -2566,7 +2571,7 @@ mod tests {
         // average); chunks of 4 pairs end within 1 % of it while keeping a fastest order's L2
         // footprint (about 4 pairs at a time).
         for (heads, kv) in [(8, 8), (32, 8)] {
-            let (chunk, chunked, fastest) = bwd_chunk(4, heads, kv, (4096, 4096), 128);
+            let (chunk, chunked, fastest) = bwd_chunk(4, heads, kv, (4096, 4096), 64);
             let average = (0..32)
                 .map(|kt| (64 - 2 * kt) * heads / kv + 1)
                 .sum::<usize>()
@@ -2577,18 +2582,34 @@ mod tests {
             assert!(fastest * 100 >= average * 112, "{fastest} {average}");
         }
         // T8192: chunks of 2 and of 4 simulate alike; the floor takes 4 (measured faster).
-        assert_eq!(bwd_chunk(4, 8, 8, (8192, 8192), 128).0, BWD_MIN_CHUNK);
+        assert_eq!(bwd_chunk(4, 8, 8, (8192, 8192), 64).0, BWD_MIN_CHUNK);
         // Long sequences: the tail is small whatever the order, fastest stays (L2).
         assert_eq!(
-            bwd_cta_order(4, 8, 8, (16384, 16384), 128, true).0,
+            bwd_cta_order(4, 8, 8, (16384, 16384), 64, true).0,
             BwdCtaOrder::KeyTilesFastest
         );
         // A grid past the simulation's size: fastest, not simulated.
-        assert_eq!(bwd_chunk(64, 64, 64, (8192, 8192), 128), (1, 0, 0));
+        assert_eq!(bwd_chunk(64, 64, 64, (8192, 8192), 64), (1, 0, 0));
         assert_eq!(
-            bwd_cta_order(64, 64, 64, (8192, 8192), 128, true),
+            bwd_cta_order(64, 64, 64, (8192, 8192), 64, true),
             (BwdCtaOrder::KeyTilesFastest, 1)
         );
+        // Steps of 80 (head_dim 128's default since 2026-12-07) order the shapes measured with
+        // the model of 64 as it did: the measurements hold for both.
+        for (heads, kv, lens) in [
+            (8, 8, (4096, 4096)),
+            (8, 8, (16384, 16384)),
+            (8, 8, (1024, 4096)),
+            (8, 8, (4096, 1024)),
+            (8, 1, (4096, 4096)),
+            (32, 8, (4096, 4096)),
+        ] {
+            assert_eq!(
+                bwd_cta_order(4, heads, kv, lens, 80, true),
+                bwd_cta_order(4, heads, kv, lens, 64, true),
+                "H{heads}:{kv} {lens:?}"
+            );
+        }
         // makespan: list scheduling.
         assert_eq!(makespan([4, 3, 3, 2, 2], 2), 8);
         assert_eq!(makespan([5, 1, 1, 1, 1, 1], 2), 5);
