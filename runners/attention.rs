@@ -539,6 +539,8 @@ struct HopperWords {
     /// The backward's non-causal grid: its tail split (with a leading `; `) where
     /// [`sm90::BwdEnv::tail_split`], else what ran instead.
     bwd_grid: String,
+    /// The backward's queries per step at head_dim 128 ([`sm90::BwdEnv::wide`]).
+    bwd_wide: (usize, usize),
     /// After the backward's query steps at head_dim 128: nothing for the default
     /// ([`sm90::BWD_WIDE_DEFAULT`]), else the [`sm90::BWD_BM_ENV`] setting that changed them.
     bwd_steps: String,
@@ -615,6 +617,7 @@ impl HopperWords {
             turns,
             grid,
             bwd_grid,
+            bwd_wide: bwd.wide,
             bwd_steps,
         }
     }
@@ -627,7 +630,6 @@ fn dispatch_rules() -> Vec<DispatchRule> {
     const ENTRY: &str =
         "attention::dot_product_attention, attention::dot_product_attention_vjp (Device::Cuda)";
     let hopper = HopperWords::from_env();
-    let bwd_wide = sm90::BwdEnv::read().wide;
     let dims: Vec<String> = FLASH_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
     let configs: Vec<String> = FLASH_HEAD_DIMS
         .iter()
@@ -695,8 +697,8 @@ fn dispatch_rules() -> Vec<DispatchRule> {
                 hopper.grid,
                 sm90::BWD_KEYS,
                 sm90::bwd_queries(64),
-                sm90::bwd_step_queries(128, true, bwd_wide),
-                sm90::bwd_step_queries(128, false, bwd_wide),
+                sm90::bwd_step_queries(128, true, hopper.bwd_wide),
+                sm90::bwd_step_queries(128, false, hopper.bwd_wide),
                 hopper.bwd_steps,
                 sm90::BWD_SPLIT_SMS,
                 sm90::BWD_MAX_SPLITS,

@@ -1561,9 +1561,16 @@ pub fn bwd_tail_bytes(
         causal,
         bm,
     );
-    bwd_tail_split(ctas, steps, causal, splits).map_or(0, |(whole, parts)| {
-        ((ctas - whole) * parts * 2 * BWD_KEYS * head_dim * 4) as u64
+    bwd_tail_split(ctas, steps, causal, splits).map_or(0, |split| {
+        (bwd_tail_floats(ctas, split, head_dim) * 4) as u64
     })
+}
+
+/// fp32 values of the tail-split buffer for a grid of `ctas` CTAs split as `(whole, parts)`
+/// ([`bwd_tail_split`]): every part of every tail CTA's partial dK and dV, 128 keys × head_dim
+/// each.
+fn bwd_tail_floats(ctas: usize, (whole, parts): (usize, usize), head_dim: usize) -> usize {
+    (ctas - whole) * parts * 2 * BWD_KEYS * head_dim
 }
 
 /// Bytes of the wgmma backward's split buffer for a shape: `splits · 2 · batch · kv_heads ·
@@ -2332,9 +2339,7 @@ impl HopperBackward {
                 _ => (0u64, None),
             };
             // The tail split's buffer: every part of every tail CTA writes its whole slot.
-            let tail_len = tail.map_or(0, |(whole, parts)| {
-                (ctas - whole) * parts * 2 * BWD_KEYS * d
-            });
+            let tail_len = tail.map_or(0, |split| bwd_tail_floats(ctas, split, d));
             if tail_len > 0 && self.tail_buf.as_ref().is_none_or(|p| p.len() < tail_len) {
                 // SAFETY: with the tail split each part CTA writes its partial dK and dV for
                 // all 128 keys of its tile (zeros where it has no step), so the main kernel

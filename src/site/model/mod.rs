@@ -298,32 +298,39 @@ pub struct FigureRef {
 impl FigureRef {
     /// The line figure `spec` ([`super::figures::line_figure`]) under `base`.
     pub fn line(base: &str, spec: &FigureSpec) -> FigureRef {
-        let (width, height) = super::figures::line_figure_size(spec);
-        FigureRef {
-            src: format!("{base}{}", spec.file),
-            alt: spec.desc.clone(),
-            width,
-            height,
-        }
+        FigureRef::new(
+            base,
+            &spec.file,
+            &spec.desc,
+            super::figures::line_figure_size(spec),
+        )
     }
 
     /// The bar chart `chart` ([`super::figures::glance_chart`]) under `base`.
     pub fn glance(base: &str, chart: &GlanceChart) -> FigureRef {
-        let (width, height) = super::figures::glance_size(chart);
-        FigureRef {
-            src: format!("{base}{}", chart.file),
-            alt: chart.desc.clone(),
-            width,
-            height,
-        }
+        FigureRef::new(
+            base,
+            &chart.file,
+            &chart.desc,
+            super::figures::glance_size(chart),
+        )
     }
 
     /// The tile sweep chart `chart` ([`super::figures::tile_chart`]) under `base`.
     pub fn tile(base: &str, chart: &TileChart) -> FigureRef {
-        let (width, height) = super::figures::tile_size(chart);
+        FigureRef::new(
+            base,
+            &chart.file,
+            &chart.desc,
+            super::figures::tile_size(chart),
+        )
+    }
+
+    /// The figure file `file` under `base`, described by `desc`, drawn at `(width, height)` px.
+    fn new(base: &str, file: &str, desc: &str, (width, height): (u32, u32)) -> FigureRef {
         FigureRef {
-            src: format!("{base}{}", chart.file),
-            alt: chart.desc.clone(),
+            src: format!("{base}{file}"),
+            alt: desc.to_string(),
             width,
             height,
         }
