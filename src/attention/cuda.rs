@@ -1322,7 +1322,8 @@ impl Runner {
     /// that depend on the kernel the dispatch picked for the case: on the wgmma path the
     /// forward's tail-split workspace ([`super::sm90::HopperForward::tail_bytes`]) and the
     /// backward's split buffers ([`super::sm90::bwd_split_bytes`] and
-    /// [`super::sm90::HopperBackward::tail_bytes`], forward + backward), else 0.
+    /// [`super::sm90::HopperBackward::tail_bytes`]) and its padded D and LSE rows
+    /// ([`super::sm90::HopperBackward::row_bytes`]), forward + backward; else 0.
     pub fn dispatch_temporary_bytes(&self, c: &AttentionCase) -> u64 {
         match self {
             Runner::Hopper { fwd, bwd, .. } => {
@@ -1340,7 +1341,7 @@ impl Runner {
                             (c.batch, c.heads, c.kv_heads),
                             (c.seq_len_q, c.seq_len_kv),
                             c.causal,
-                        )
+                        ) + b.row_bytes((c.batch, c.heads, c.seq_len_q))
                     })
             }
             _ => 0,

@@ -1414,6 +1414,18 @@ pub fn bwd_padded_rows(
     batch * heads * per
 }
 
+/// Bytes of the wgmma backward's per-row fp32 buffers beyond one D per query row: D padded to
+/// [`bwd_padded_rows`] and the padded copy of LSE · log2(e) the main kernel reads, for
+/// `(batch, heads, seq_len_q)` at `head_dim` with the query steps `wide` ([`BwdEnv::wide`]).
+pub fn bwd_row_bytes(
+    (batch, heads, seq_len_q): (usize, usize, usize),
+    head_dim: usize,
+    wide: (usize, usize),
+) -> u64 {
+    let padded = bwd_padded_rows((batch, heads, seq_len_q), head_dim, wide) as u64;
+    (2 * padded - (batch * heads * seq_len_q) as u64) * 4
+}
+
 /// Dynamic shared memory of the wgmma backward's main kernel at `head_dim` with `bm` queries per
 /// step, bytes: K and V, the Q and dO stages (bm rows), two dS buffers (128 × bm, 16-bit), LSE
 /// and D per stage (bm floats each), each consumer's fp32 dQ staging tile (64 rows × 64
@@ -2039,6 +2051,14 @@ impl HopperBackward {
             },
             compile_s: compiled.compile_s,
         })
+    }
+
+    /// Bytes of the per-row buffers this backward holds beyond the `seq_len_q` rows of D that
+    /// [`super::cuda::Implementation::temporary_bytes`] counts for every backward: D's padding
+    /// to whole query steps ([`bwd_padded_rows`]) and the padded copy of LSE · log2(e), both
+    /// fp32, for `(batch, heads, seq_len_q)`.
+    pub fn row_bytes(&self, rows: (usize, usize, usize)) -> u64 {
+        bwd_row_bytes(rows, self.head_dim, self.wide)
     }
 
     /// Bytes of the tail-split buffer a launch of this backward uses for the shape
@@ -2770,6 +2790,10 @@ mod tests {
         assert_eq!(bwd_padded_rows((2, 3, 1025), 128, (80, 64)), 6 * 1088);
         assert_eq!(bwd_padded_rows((2, 3, 1025), 128, (80, 80)), 6 * 1040);
         assert_eq!(bwd_padded_rows((1, 1, 1), 64, (80, 80)), 128);
+        // Reported beyond the 6,000 rows of D every backward counts: D's 240 padding rows and
+        // the 6,240 of LSE · log2(e), 4 bytes each.
+        assert_eq!(bwd_row_bytes((2, 3, 1000), 128, (80, 80)), (240 + 6240) * 4);
+        assert_eq!(bwd_row_bytes((2, 3, 1024), 128, (64, 64)), 6144 * 4);
     }
 
     #[test]
