@@ -214,9 +214,11 @@ pub struct TimingView {
     /// Alternatives (rows with a `first_call_s`) whose rows also record a `compile_s` (a JIT
     /// compiler on their first call, e.g. `torch.compile`), or empty.
     pub alternative_compiles: String,
-    /// Rows whose reported time is launch-bound, as `N of M`.
+    /// Rows whose reported time is launch-bound, as `N of M rows`, followed by each card's
+    /// `N of M` when the documents come from more than one card.
     pub launch_bound_rows: String,
-    /// Rows reported from graph replay whose eager calls were launch-bound, as `N`.
+    /// Rows reported from graph replay whose eager calls were launch-bound, as `N`, followed
+    /// by each card's count when the documents come from more than one card.
     pub eager_launch_bound_rows: String,
     /// Timed samples.
     pub repeats: String,
@@ -958,21 +960,40 @@ fn timing_view(
             }
         }
     }
-    let ok_rows = docs
-        .iter()
-        .flat_map(|l| l.doc.rows.iter())
-        .filter(|r| r.status == Status::Ok)
-        .count();
-    let launch_bound = docs
-        .iter()
-        .flat_map(|l| l.doc.rows.iter().map(move |r| (l, r)))
-        .filter(|(l, r)| super::groups::launch_bound(r, &l.doc))
-        .count();
-    let eager_launch_bound = docs
-        .iter()
-        .flat_map(|l| l.doc.rows.iter().map(move |r| (l, r)))
-        .filter(|(l, r)| super::groups::eager_launch_bound(r, &l.doc))
-        .count();
+    // Per card (device name, in the order the documents come), then pooled.
+    let mut per_card: Vec<(&str, usize, usize, usize)> = Vec::new();
+    for l in docs {
+        let name = l.doc.device.name.as_str();
+        let i = match per_card.iter().position(|c| c.0 == name) {
+            Some(i) => i,
+            None => {
+                per_card.push((name, 0, 0, 0));
+                per_card.len() - 1
+            }
+        };
+        for r in &l.doc.rows {
+            per_card[i].1 += usize::from(r.status == Status::Ok);
+            per_card[i].2 += usize::from(super::groups::launch_bound(r, &l.doc));
+            per_card[i].3 += usize::from(super::groups::eager_launch_bound(r, &l.doc));
+        }
+    }
+    let ok_rows: usize = per_card.iter().map(|c| c.1).sum();
+    let launch_bound: usize = per_card.iter().map(|c| c.2).sum();
+    let eager_launch_bound: usize = per_card.iter().map(|c| c.3).sum();
+    let by_card = |count: fn(&(&str, usize, usize, usize)) -> String| {
+        if per_card.len() < 2 {
+            String::new()
+        } else {
+            format!(
+                ": {}",
+                per_card
+                    .iter()
+                    .map(|c| format!("{} on the {}", count(c), c.0))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    };
     let graph_replayed: BTreeSet<&str> = docs
         .iter()
         .flat_map(|l| l.doc.rows.iter())
@@ -1033,8 +1054,11 @@ fn timing_view(
                 .collect::<Vec<_>>()
                 .join(", "),
         ),
-        launch_bound_rows: format!("{launch_bound} of {ok_rows}"),
-        eager_launch_bound_rows: eager_launch_bound.to_string(),
+        launch_bound_rows: format!(
+            "{launch_bound} of {ok_rows} rows{}",
+            by_card(|c| format!("{} of {}", c.2, c.1))
+        ),
+        eager_launch_bound_rows: format!("{eager_launch_bound}{}", by_card(|c| c.3.to_string())),
         repeats: t.repeats.to_string(),
         min_sample_ms: format::sig(t.min_sample_ms, 3),
         max_inner: t.max_inner.to_string(),
