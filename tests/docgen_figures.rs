@@ -510,6 +510,44 @@ fn shards_of_one_device_merge_into_one_page() {
     assert!(index.contains("--shard 1/2") && index.contains("--shard 2/2"));
 }
 
+#[test]
+fn merged_shards_take_shares_of_the_highest_ceiling_they_measured() {
+    let ceiling = |doc: &mut Value, v: f64| {
+        doc["config"]["throughput"][0]["ceiling"] =
+            serde_json::json!({"value": v, "source": "a GEMM at the start of this run"});
+    };
+    let mut parts = shards(2);
+    ceiling(&mut parts[0], 500.0);
+    ceiling(&mut parts[1], 600.0);
+    let data = write_docs(&BTreeMap::from([
+        ("gpu_attention.json", parts[0].clone()),
+        ("gpu_attention.shard2.json", parts[1].clone()),
+    ]));
+    let mut whole = valid_json();
+    ceiling(&mut whole, 600.0);
+    let whole_data = write_docs(&BTreeMap::from([("gpu_attention.json", whole)]));
+    let (_a, merged) = build_site(data.path());
+    let (_b, whole) = build_site(whole_data.path());
+    // Every share is of 600, as in one run that measured 600, and the tables say so.
+    assert_eq!(tables(&merged), tables(&whole));
+    let attention = text(
+        page(&merged, "attention.html")
+            .select(&sel("main"))
+            .next()
+            .unwrap(),
+    );
+    assert!(attention.contains("share of 600 TFLOP/s"), "{attention}");
+    assert!(tables(&merged).values().any(|t| t.contains('%')));
+    let svgs: String = figures(&merged)
+        .iter()
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .collect();
+    assert!(
+        svgs.contains("the highest of the 2 parts") && svgs.contains("500 to 600"),
+        "no figure names the parts' range"
+    );
+}
+
 /// The text of every missing cell of the Attention page built from two shards, `parts[0]` and
 /// `parts[1]`.
 fn missing_cells_of_two_shards(parts: &[Value]) -> Vec<String> {

@@ -233,8 +233,9 @@ pub fn above_tolerance(row: &Row) -> bool {
 /// runner's `--shard i/n` or run on several GPUs of one model) merged into one: the rows of all,
 /// in file order, with the first document's device and configuration (without `finished_at`
 /// when any shard lacks it: the run was cut off), the cut-off shards' cases, and a `rel_path`
-/// that lists every file (`a.json + b.json`). Documents alone under their key are borrowed as
-/// they are. The loader has already refused rows repeated across files.
+/// that lists every file (`a.json + b.json`), and each throughput's ceiling the highest the
+/// parts measured (its source says so and gives the range). Documents alone under their key are
+/// borrowed as they are. The loader has already refused rows repeated across files.
 pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
     let key = |l: &Loaded| (l.doc.suite, l.doc.device.name.clone(), l.doc.config.kind);
     let keys: BTreeSet<(Suite, String, crate::schema::RunKind)> = docs.iter().map(key).collect();
@@ -267,6 +268,40 @@ pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
     }
     for (m, n) in merged.iter_mut().zip(names) {
         m.rel_path = n.join(" + ");
+    }
+    // Each part measured its own ceiling (a GEMM or a copy at the start of its run): the merged
+    // run's shares are taken of the highest, so that no row's share is overstated.
+    for m in &mut merged {
+        let parts: Vec<&Loaded> = docs.iter().filter(|l| key(l) == key(m)).collect();
+        if parts.len() < 2 {
+            continue;
+        }
+        for t in &mut m.doc.config.throughput {
+            let values: Vec<f64> = parts
+                .iter()
+                .filter_map(|l| {
+                    let d = l.doc.config.throughput.iter().find(|d| d.key == t.key)?;
+                    Some(d.ceiling.as_ref()?.value)
+                })
+                .collect();
+            let (lo, hi) = values
+                .iter()
+                .fold((f64::INFINITY, 0.0_f64), |(lo, hi), &v| {
+                    (lo.min(v), hi.max(v))
+                });
+            if let Some(c) = t.ceiling.as_mut() {
+                if values.len() > 1 && hi > lo {
+                    c.value = hi;
+                    c.source = format!(
+                        "{}; the highest of the {} parts' measurements ({} to {})",
+                        c.source,
+                        values.len(),
+                        format::sig(lo, 3),
+                        format::sig(hi, 3)
+                    );
+                }
+            }
+        }
     }
     std::borrow::Cow::Owned(merged)
 }

@@ -534,8 +534,13 @@ fn doc_section(
     }
     let mut legend = vec!["median time per call, ms".to_string()];
     legend.extend(decls.iter().map(|d| {
-        if d.ceiling.is_some() {
-            format!("{} (share of the device's peak)", d.unit)
+        if let Some(c) = &d.ceiling {
+            format!(
+                "{} (share of {} {}, the device's peak as measured in the run)",
+                d.unit,
+                format::sig(c.value, 3),
+                d.unit
+            )
         } else {
             d.unit.clone()
         }
