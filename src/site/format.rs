@@ -42,8 +42,9 @@ pub fn ratio(x: f64) -> String {
 /// The site's one direction for a ratio of times: the other implementation's time ÷ the
 /// reference's (the reference is the default whenever the default is one of the two), in
 /// words: above 1 the reference is faster. `lo..=hi` is a range of such ratios (equal for one).
-/// Returns e.g. `flash 1.61× slower` (ratio 0.62) or `flash faster` (ratios of 2.01 to 7.51:
-/// the value itself says by how much).
+/// Returns e.g. `flash 1.61× slower` (ratio 0.62), `flash faster` (ratios of 2.01 to 7.51:
+/// the value itself says by how much), `flash as fast` (ratios of 1 to under 1.005) or
+/// `flash 1.004× slower` (slower by under 0.5 %: three decimals).
 pub fn time_ratio_words(lo: f64, hi: f64, reference: &str) -> String {
     let (lo, hi) = (lo.min(hi), lo.max(hi));
     let span = |a: f64, b: f64| {
@@ -60,6 +61,10 @@ pub fn time_ratio_words(lo: f64, hi: f64, reference: &str) -> String {
         }
         format!("{reference} faster")
     } else if hi <= 1.0 {
+        // Slower by less than 0.5 %: three decimals, not `1.00× slower`.
+        if ratio(1.0 / lo) == ratio(1.0) {
+            return format!("{reference} {:.3}× slower", 1.0 / lo);
+        }
         format!("{reference} {} slower", span(1.0 / hi, 1.0 / lo))
     } else {
         format!(
@@ -185,6 +190,11 @@ mod tests {
             "flash 1.32× to 2.17× slower"
         );
         assert_eq!(time_ratio_words(1.0, 1.0, "flash"), "flash as fast");
+        // 0.00624 ms against 0.00627: slower by 0.5 %, not `1.00× slower`.
+        assert_eq!(
+            time_ratio_words(0.00624 / 0.00627, 0.00624 / 0.00627, "flash"),
+            "flash 1.005× slower"
+        );
         let html = time_ratio_html(0.5, 0.5, "torch_cudnn", "flash");
         assert!(html.starts_with("<span class=\"ratio\""), "{html}");
         assert!(
