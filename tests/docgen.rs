@@ -1256,6 +1256,37 @@ fn methodology_says_kernels_compile_once_per_run_only_when_recorded() {
     assert!(!methodology(None).contains(said));
 }
 
+#[test]
+fn methodology_lists_each_sampling_once_without_the_rows_errors() {
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    // Six shapes' samplings, each row's note ending in its own errors.
+    for (i, row) in doc["rows"].as_array_mut().unwrap().iter_mut().enumerate() {
+        if let Some(a) = row.get_mut("accuracy").filter(|a| a.is_object()) {
+            a["checked"] = serde_json::json!(format!(
+                "2 of 64 slices x {} query rows; rel_l2 O {i}.5e-3; largest O",
+                100 + i % 6
+            ));
+        }
+    }
+    let data = tempfile::tempdir().unwrap();
+    fs::write(data.path().join("gpu_attention.json"), doc.to_string()).unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let m = text(
+        page(&site, "index.html")
+            .select(&sel("#methodology"))
+            .next()
+            .unwrap(),
+    );
+    assert!(!m.contains("rel_l2 O") && !m.contains("largest O"), "{m}");
+    // The first four in natural order, then the count of the other two.
+    for n in 100..104 {
+        assert_eq!(m.matches(&format!("x {n} query rows")).count(), 1, "{m}");
+    }
+    assert!(!m.contains("x 104 query rows"), "{m}");
+    assert!(m.contains("and 2 more samplings"), "{m}");
+}
+
 /// A decoding document (`config.kind = decode`, rows with `bytes`, GB/s declared, drawn
 /// against `seq_len_kv`) loads beside the grid of the same suite and device and gets its own
 /// groups with a GB/s figure; every ok row of it must carry `bytes`.

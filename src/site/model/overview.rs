@@ -234,7 +234,8 @@ pub struct TimingView {
     pub input_sets: String,
     /// References seen in the rows.
     pub references: String,
-    /// Samples the accuracy checks covered, as recorded.
+    /// Samples the accuracy checks covered, as recorded: each distinct description once (the
+    /// rows' own errors left out), the first few in natural order and the count of the rest.
     pub checked: String,
     /// How `peak_mb` was read, each method with the implementations that used it.
     pub peak_methods: String,
@@ -906,13 +907,21 @@ fn timing_view(
         .flat_map(|l| l.doc.rows.iter().filter_map(|r| r.accuracy.as_ref()))
         .map(|a| reference_label(a.reference))
         .collect();
-    let checked: BTreeSet<&str> = docs
+    // The samplings, without the per-row errors some notes append (`rel_l2 …`, `largest …`):
+    // each distinct description once.
+    let checked: BTreeSet<String> = docs
         .iter()
         .flat_map(|l| {
             l.doc
                 .rows
                 .iter()
                 .filter_map(|r| r.accuracy.as_ref()?.checked.as_deref())
+        })
+        .map(|c| {
+            c.split("; ")
+                .filter(|part| !part.starts_with("rel_l2 ") && !part.starts_with("largest "))
+                .collect::<Vec<_>>()
+                .join("; ")
         })
         .collect();
     let mut methods: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
@@ -939,7 +948,7 @@ fn timing_view(
         .iter()
         .filter_map(|l| l.doc.config.flop_rule.as_deref())
         .collect();
-    let mut checked: Vec<&str> = checked.into_iter().collect();
+    let mut checked: Vec<String> = checked.into_iter().collect();
     // Natural order: by the numbers in the text (2 of 32 ... 512 before 1024).
     checked.sort_by_key(|c| {
         c.split(|ch: char| !ch.is_ascii_digit())
@@ -1070,10 +1079,14 @@ fn timing_view(
         } else {
             refs.into_iter().collect::<Vec<_>>().join("; ")
         },
-        checked: if checked.is_empty() {
-            "every output element".to_string()
-        } else {
-            md_text(&checked.join("; "))
+        checked: match checked.len() {
+            0 => "every output element".to_string(),
+            n if n <= CHECKED_SHOWN => md_text(&checked.join(" | ")),
+            n => md_text(&format!(
+                "{} | and {} more samplings of other shapes (each row's accuracy note names its own)",
+                checked[..CHECKED_SHOWN].join(" | "),
+                n - CHECKED_SHOWN
+            )),
         },
     }
 }
@@ -1097,6 +1110,10 @@ fn methodology(docs: &[Loaded]) -> Vec<TimingView> {
         .map(|((t, p), v)| timing_view(t, *p, v))
         .collect()
 }
+
+/// How many of a methodology block's distinct accuracy samplings are written out; the rest are
+/// counted.
+const CHECKED_SHOWN: usize = 4;
 
 /// One size at which an alternative beat the default: (x label, default row, alternative row).
 type FasterAt<'a> = (String, &'a Row, &'a Row);
