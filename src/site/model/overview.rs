@@ -226,6 +226,8 @@ pub struct TimingView {
     pub min_sample_ms: String,
     /// Cap on calls per sample.
     pub max_inner: String,
+    /// False when the runs time one input copy (an L2 rotation factor of 0).
+    pub inputs_rotated: bool,
     /// L2 rotation factor.
     pub l2_rotation_factor: String,
     /// Case timeout, s.
@@ -1072,6 +1074,7 @@ fn timing_view(
         min_sample_ms: format::sig(t.min_sample_ms, 3),
         max_inner: t.max_inner.to_string(),
         l2_rotation_factor: format::sig(t.l2_rotation_factor, 3),
+        inputs_rotated: t.l2_rotation_factor > 0.0,
         case_timeout_s: format::sig(t.case_timeout_s, 3),
         input_sets,
         references: if refs.is_empty() {
