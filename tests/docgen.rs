@@ -846,6 +846,40 @@ fn missing_shards_of_a_run_are_named_on_the_pages() {
 }
 
 #[test]
+fn the_hopper_table_says_in_how_many_rows_an_implementation_is_the_default() {
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    let rows = doc["rows"].as_array_mut().unwrap();
+    let defaults: Vec<String> = rows
+        .iter()
+        .filter(|r| r["default"] == true)
+        .map(|r| r["implementation"].as_str().unwrap().to_string())
+        .collect();
+    let name = defaults
+        .first()
+        .expect("the fixture has default rows")
+        .clone();
+    let total = rows.iter().filter(|r| r["implementation"] == name).count();
+    assert!(total > 1);
+    // Only the first of its rows stays the default.
+    let mut first = true;
+    for r in rows.iter_mut().filter(|r| r["implementation"] == name) {
+        r["default"] = serde_json::json!(first);
+        first = false;
+    }
+    let data = tempfile::tempdir().unwrap();
+    fs::write(data.path().join("gpu_attention.json"), doc.to_string()).unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let hopper = page(&site, "hopper.html");
+    let badges: Vec<String> = hopper.select(&sel("td span.badge")).map(text).collect();
+    assert!(
+        badges.contains(&format!("default in 1 of {total} rows")),
+        "{badges:?}"
+    );
+    assert!(!badges.contains(&"default".to_string()), "{badges:?}");
+}
+
+#[test]
 fn schema_subcommand_writes_json_schema() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("schema.json");

@@ -191,6 +191,9 @@ pub struct HopperImpl {
     pub library: String,
     /// True when the dispatch picks it for some of the section's cases (any row the default).
     pub is_default: bool,
+    /// `default` when every row of it is the default's, `default in N of M rows` when some
+    /// are, else `None`.
+    pub default_label: Option<String>,
     /// Best throughput in the suite's unit (or the best median, ms, when none is declared),
     /// or `—`.
     pub best: String,
@@ -202,7 +205,7 @@ pub struct HopperImpl {
 
 /// Per implementation: its best row with its score, rows ok, rows in all, any row (for the
 /// library), and whether any of its rows is the default's.
-type Tally<'a> = (Option<(f64, &'a Row)>, usize, usize, &'a Row, bool);
+type Tally<'a> = (Option<(f64, &'a Row)>, usize, usize, &'a Row, usize);
 
 /// True for a document measured on compute capability 9.x.
 pub fn is_hopper(doc: &Document) -> bool {
@@ -467,9 +470,9 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
                 for r in &l.doc.rows {
                     let e = by_impl
                         .entry(r.implementation.as_str())
-                        .or_insert((None, 0, 0, r, false));
+                        .or_insert((None, 0, 0, r, 0));
                     e.2 += 1;
-                    e.4 |= r.default;
+                    e.4 += usize::from(r.default);
                     if r.status == Status::Ok {
                         e.1 += 1;
                         if let Some(v) = score(r) {
@@ -485,7 +488,12 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
                 .map(|(name, (best, ok, total, any, default))| HopperImpl {
                     name: name.to_string(),
                     library: any.library.clone(),
-                    is_default: default,
+                    is_default: default > 0,
+                    default_label: match default {
+                        0 => None,
+                        d if d == total => Some("default".to_string()),
+                        d => Some(format!("default in {d} of {total} rows")),
+                    },
                     best: best
                         .map(|(v, _)| format::sig(v.abs(), 3))
                         .unwrap_or_else(|| "—".to_string()),
