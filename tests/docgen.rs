@@ -1375,6 +1375,50 @@ fn a_decoding_document_is_drawn_in_gb_per_s_beside_the_grid() {
     assert!(err.contains("`bytes` is missing"), "{err}");
 }
 
+/// Single cases merged into one table (decoding shapes that differ in batch, one cache length
+/// each) list each implementation's peak-memory method once, though the method's own text holds
+/// `; ` (it was repeated once per case).
+#[test]
+fn merged_single_cases_name_each_peak_method_once() {
+    let data = tempfile::tempdir().unwrap();
+    let source = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&source).unwrap();
+    doc["config"]["kind"] = serde_json::json!("decode");
+    doc["config"]["axes"] = serde_json::json!(["seq_len_kv"]);
+    let template: Vec<serde_json::Value> = doc["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["status"] == "ok" && r["memory"].is_object())
+        .cloned()
+        .collect();
+    let method = "pool high-water mark; workspaces apart";
+    let mut rows = Vec::new();
+    for batch in [1u64, 2, 4] {
+        for r in template.iter().take(2) {
+            let mut r = r.clone();
+            r["case"] = serde_json::json!({"batch": batch, "causal": true, "dtype": "bf16",
+                "head_dim": 128, "heads": 32, "kv_heads": 8, "pass": "fwd",
+                "seq_len_q": 1, "seq_len_kv": 32768});
+            r["memory"]["peak_method"] = serde_json::json!(method);
+            rows.push(r);
+        }
+    }
+    doc["rows"] = serde_json::json!(rows);
+    fs::write(
+        data.path().join("gpu_attention_decode.json"),
+        doc.to_string(),
+    )
+    .unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let html = page(&site, "attention.html");
+    let items: Vec<String> = html.select(&sel("ul.methods li")).map(text).collect();
+    assert!(!items.is_empty(), "no peak methods listed");
+    for item in &items {
+        assert_eq!(item.matches(method).count(), 1, "{item}");
+    }
+}
+
 /// A run split over several calls by `--filter` (one machine call each) is one run: its parts
 /// load together; the same parts from two commits do not.
 #[test]

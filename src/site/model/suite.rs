@@ -105,6 +105,10 @@ pub struct GroupView {
     pub peak_methods: Vec<KeyText>,
 }
 
+/// Between two ways an implementation's peak memory was read, in a group's list (a method's
+/// own text may hold `; `).
+const PEAK_METHODS_SEP: &str = " | ";
+
 /// An implementation and a text about it.
 #[derive(Debug, Serialize)]
 pub struct KeyText {
@@ -502,7 +506,11 @@ fn doc_section(
                 if !methods.is_empty() {
                     peak_methods.push(KeyText {
                         implementation: h.name.clone(),
-                        text: methods.into_iter().collect::<Vec<_>>().join("; "),
+                        // A method's own text may hold `; `: methods are set apart by ` | `.
+                        text: methods
+                            .into_iter()
+                            .collect::<Vec<_>>()
+                            .join(PEAK_METHODS_SEP),
                     });
                 }
             }
@@ -740,10 +748,16 @@ fn merge_singles(
                 .iter_mut()
                 .find(|k| k.implementation == m.implementation)
             {
-                Some(k) if !k.text.split("; ").any(|t| t == m.text) => {
-                    k.text = format!("{}; {}", k.text, m.text)
+                Some(k) => {
+                    // Each method once: the texts are whole methods set apart by the separator.
+                    let mut all: Vec<&str> = k.text.split(PEAK_METHODS_SEP).collect();
+                    for t in m.text.split(PEAK_METHODS_SEP) {
+                        if !all.contains(&t) {
+                            all.push(t);
+                        }
+                    }
+                    k.text = all.join(PEAK_METHODS_SEP);
                 }
-                Some(_) => {}
                 None => peak_methods.push(m),
             }
         }
