@@ -1530,6 +1530,30 @@ fn a_tile_sweep_names_the_grids_commit_not_another_kinds() {
         t.contains("2222222") && t.contains("0000000") && !t.contains("4444444"),
         "the sweep names its own commit and the grid's: {t}"
     );
+    // The grid has no flash_sm80 rows: flash is the kernel the sweep measured.
+    assert!(!t.contains("the portable kernel's"), "{t}");
+    // Once the grid runs flash_sm80 beside flash, the sweep is said to be the portable kernel's.
+    let mut grid: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap())
+            .unwrap();
+    let rows = grid["rows"].as_array_mut().unwrap();
+    let mut portable = rows
+        .iter()
+        .find(|r| r["implementation"] == "flash")
+        .unwrap()
+        .clone();
+    portable["implementation"] = serde_json::json!("flash_sm80");
+    portable["default"] = serde_json::json!(false);
+    rows.push(portable);
+    fs::write(data.path().join("gpu_attention.json"), grid.to_string()).unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let attention = page(&site, "attention.html");
+    let section = attention.select(&sel("section.tile-sweep")).next().unwrap();
+    let t = text(section);
+    assert!(
+        t.contains("these configurations are the portable kernel's, flash_sm80"),
+        "{t}"
+    );
 }
 
 #[test]

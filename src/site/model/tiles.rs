@@ -24,6 +24,10 @@ pub struct TileSweepSection {
     pub commit: String,
     /// When the suite's grid on the same device ran at another commit: that commit, short.
     pub grid_commit: Option<String>,
+    /// When that grid also has rows of the sweep's implementation with `_sm80` appended (the
+    /// portable kernel, run beside a device-specific default): that name, for the page to say
+    /// that the sweep's configurations are the portable kernel's.
+    pub portable_name: Option<String>,
     /// The unit of `value` (the document's first declared throughput, else `ms`).
     pub unit: String,
     /// One entry per shape.
@@ -183,6 +187,18 @@ fn sweep_section(
         .map(|g| g.doc.config.git_commit.as_str())
         .filter(|c| *c != doc.config.git_commit)
         .map(format::short_commit);
+    let portable_name = doc.rows.first().and_then(|r| {
+        let name = format!("{}_sm80", r.implementation);
+        grids
+            .iter()
+            .filter(|g| {
+                g.doc.suite == doc.suite
+                    && g.doc.device.name == doc.device.name
+                    && g.doc.config.kind == RunKind::Grid
+            })
+            .any(|g| g.doc.rows.iter().any(|x| x.implementation == name))
+            .then_some(name)
+    });
     let mut groups = Vec::new();
     for g in group_rows(doc, TILE_CONFIG_PARAM) {
         // The group's id along its own axis, `config`: distinct from every grid group's.
@@ -327,6 +343,7 @@ fn sweep_section(
         device: device_label(doc),
         commit: format::short_commit(&doc.config.git_commit),
         grid_commit,
+        portable_name,
         unit,
         groups,
     }
