@@ -511,6 +511,37 @@ fn shards_of_one_device_merge_into_one_page() {
 }
 
 #[test]
+fn a_group_has_no_column_for_an_implementation_without_rows_in_it() {
+    let mut doc = valid_json();
+    let rows = doc["rows"].as_array_mut().unwrap();
+    let in_group = |r: &Value| r["case"]["head_dim"] == 64 && r["case"]["causal"] == false;
+    rows.retain(|r| !(r["implementation"] == "torch_efficient" && in_group(r)));
+    let data = write_docs(&BTreeMap::from([("gpu_attention.json", doc)]));
+    let (_a, site) = build_site(data.path());
+    let attention = page(&site, "attention.html");
+    let mut with = 0;
+    let mut without = 0;
+    for g in attention.select(&sel("section.group")) {
+        let title = text(g.select(&sel("h3")).next().unwrap());
+        let has = g
+            .select(&sel("table.results td[data-impl=\"torch_efficient\"]"))
+            .next()
+            .is_some();
+        if title.contains("head_dim=64") && title.contains("causal=false") {
+            assert!(
+                !has,
+                "{title}: a column of cells that could only say `not measured`"
+            );
+            without += 1;
+        } else {
+            assert!(has, "{title}");
+            with += 1;
+        }
+    }
+    assert!(with > 0 && without > 0, "{with} {without}");
+}
+
+#[test]
 fn merged_shards_take_shares_of_the_highest_ceiling_they_measured() {
     let ceiling = |doc: &mut Value, v: f64| {
         doc["config"]["throughput"][0]["ceiling"] =

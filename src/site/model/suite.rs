@@ -413,9 +413,26 @@ fn doc_section(
         .map(|(g, family)| {
             // The default is the group's: an implementation the dispatch picks for some other
             // cases of the document (math for fp32) is not the default of these.
+            // A column of the family is left out where the implementation has no row of the
+            // group's cases (a library that runs only some of the suite's operations, or one a
+            // part of the run left out: the page's commands say which), unless the run was cut
+            // off in one of them (its cells say it may have been measured later).
+            let cut_off = g.by_x.values().any(|(_, by)| {
+                by.values().next().is_some_and(|r| {
+                    loaded
+                        .cut_off_cases
+                        .contains(&crate::load::case_key(&r.case))
+                })
+            });
             let mut impls: Vec<ImplHeader> = impls
                 .iter()
                 .filter(|h| families.get(h.name.as_str()) == Some(family))
+                .filter(|h| {
+                    g.by_x
+                        .values()
+                        .any(|(_, by)| by.contains_key(h.name.as_str()))
+                        || cut_off
+                })
                 .cloned()
                 .map(|mut h| {
                     h.is_default = g
