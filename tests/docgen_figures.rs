@@ -511,6 +511,111 @@ fn shards_of_one_device_merge_into_one_page() {
 }
 
 #[test]
+fn cases_merged_into_one_table_keep_each_cell_under_its_column() {
+    let mut doc = valid_json();
+    let rows = doc["rows"].as_array_mut().unwrap();
+    let len = rows[0]["case"]["seq_len"].clone();
+    // One size per group: every group is a single case, merged into one table.
+    rows.retain(|r| r["case"]["seq_len"] == len);
+    // math is the default at head_dim 128 (it sorts first there), flash at 64; torch_efficient
+    // has no row at head_dim 64.
+    for r in rows.iter_mut() {
+        let d128 = r["case"]["head_dim"] == 128;
+        let imp = r["implementation"].as_str().unwrap().to_string();
+        r["default"] = serde_json::json!((imp == "math" && d128) || (imp == "flash" && !d128));
+    }
+    rows.retain(|r| !(r["implementation"] == "torch_efficient" && r["case"]["head_dim"] == 64));
+    let data = write_docs(&BTreeMap::from([("gpu_attention.json", doc)]));
+    let (_a, site) = build_site(data.path());
+    let attention = page(&site, "attention.html");
+    let table = attention
+        .select(&sel("section.group"))
+        .find(|g| {
+            text(g.select(&sel("h3")).next().unwrap()).starts_with("Cases measured at one size")
+        })
+        .expect("a table of single cases");
+    // Each column's implementation: the first text of its header cell.
+    let header: Vec<String> = table
+        .select(&sel("table.results thead th[scope=col]"))
+        .skip(1)
+        .map(|h| {
+            h.text()
+                .map(str::trim)
+                .find(|t| !t.is_empty())
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert!(
+        header.contains(&"torch_efficient".to_string()),
+        "{header:?}"
+    );
+    let mut n = 0;
+    for row in table.select(&sel("table.results tbody tr")) {
+        let cells: Vec<&str> = row
+            .select(&sel("td"))
+            .map(|c| c.value().attr("data-impl").unwrap())
+            .collect();
+        assert_eq!(cells.len(), header.len(), "{cells:?} under {header:?}");
+        for (c, h) in cells.iter().zip(&header) {
+            assert_eq!(c, h, "{cells:?} under {header:?}");
+        }
+        n += 1;
+    }
+    assert!(n >= 4, "{n} rows");
+}
+
+#[test]
+fn a_column_a_part_of_the_run_left_out_stays_and_says_so() {
+    // Two parts split by --filter: the causal part ran without torch_efficient.
+    let whole = valid_json();
+    let base = whole["config"]["command"].as_array().unwrap().clone();
+    let part = |causal: bool| {
+        let mut doc = whole.clone();
+        let rows: Vec<Value> = whole["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["case"]["causal"] == causal)
+            .filter(|r| !(causal && r["implementation"] == "torch_efficient"))
+            .cloned()
+            .collect();
+        doc["rows"] = Value::from(rows);
+        let mut c = base.clone();
+        c.push(Value::from("--filter"));
+        c.push(Value::from(format!("causal={causal}")));
+        doc["config"]["command"] = Value::from(c);
+        doc
+    };
+    let data = write_docs(&BTreeMap::from([
+        ("a.json", part(false)),
+        ("b.json", part(true)),
+    ]));
+    let (_a, site) = build_site(data.path());
+    let attention = page(&site, "attention.html");
+    let mut causal_groups = 0;
+    for g in attention.select(&sel("section.group")) {
+        let title = text(g.select(&sel("h3")).next().unwrap());
+        if !title.contains("causal=true") {
+            continue;
+        }
+        causal_groups += 1;
+        let cells: Vec<String> = g
+            .select(&sel("table.results td[data-impl=\"torch_efficient\"]"))
+            .map(text)
+            .collect();
+        assert!(!cells.is_empty(), "{title}: the column was dropped");
+        assert!(
+            cells
+                .iter()
+                .all(|c| c.contains("measured no case with this implementation")),
+            "{cells:?}"
+        );
+    }
+    assert!(causal_groups > 0);
+}
+
+#[test]
 fn a_group_has_no_column_for_an_implementation_without_rows_in_it() {
     let mut doc = valid_json();
     let rows = doc["rows"].as_array_mut().unwrap();
@@ -574,7 +679,8 @@ fn merged_shards_take_shares_of_the_highest_ceiling_they_measured() {
         .map(|p| std::fs::read_to_string(p).unwrap())
         .collect();
     assert!(
-        svgs.contains("the highest of the 2 parts") && svgs.contains("500 to 600"),
+        svgs.contains("the highest of the 2 measurements of the 2 parts")
+            && svgs.contains("500 to 600"),
         "no figure names the parts' range"
     );
 }

@@ -43,8 +43,9 @@ pub fn ratio(x: f64) -> String {
 /// reference's (the reference is the default whenever the default is one of the two), in
 /// words: above 1 the reference is faster. `lo..=hi` is a range of such ratios (equal for one).
 /// Returns e.g. `flash 1.61× slower` (ratio 0.62), `flash faster` (ratios of 2.01 to 7.51:
-/// the value itself says by how much), `flash as fast` (ratios of 1 to under 1.005) or
-/// `flash 1.004× slower` (slower by under 0.5 %: three decimals).
+/// the value itself says by how much), `flash as fast` (ratios of 1 to under 1.005, or
+/// slower by under 0.05 %) or `flash 1.004× slower` (slower by under 0.5 %: three decimals; a
+/// slower reference is not called as fast by rounding).
 pub fn time_ratio_words(lo: f64, hi: f64, reference: &str) -> String {
     let (lo, hi) = (lo.min(hi), lo.max(hi));
     let span = |a: f64, b: f64| {
@@ -61,8 +62,12 @@ pub fn time_ratio_words(lo: f64, hi: f64, reference: &str) -> String {
         }
         format!("{reference} faster")
     } else if hi <= 1.0 {
-        // Slower by less than 0.5 %: three decimals, not `1.00× slower`.
+        // Slower by less than 0.5 %: three decimals, not `1.00× slower` (a slower reference is
+        // called as fast only within 0.05 %).
         if ratio(1.0 / lo) == ratio(1.0) {
+            if 1.0 / lo < 1.0005 {
+                return format!("{reference} as fast");
+            }
             return format!("{reference} {:.3}× slower", 1.0 / lo);
         }
         format!("{reference} {} slower", span(1.0 / hi, 1.0 / lo))

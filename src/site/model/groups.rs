@@ -289,13 +289,25 @@ pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
                 .fold((f64::INFINITY, 0.0_f64), |(lo, hi), &v| {
                     (lo.min(v), hi.max(v))
                 });
+            // The first part may have measured none (the runner leaves a failed measurement
+            // out): the ceiling and its source are then the highest part's.
+            if t.ceiling.is_none() {
+                t.ceiling = parts
+                    .iter()
+                    .filter_map(|l| {
+                        let d = l.doc.config.throughput.iter().find(|d| d.key == t.key)?;
+                        d.ceiling.clone()
+                    })
+                    .max_by(|a, b| a.value.total_cmp(&b.value));
+            }
             if let Some(c) = t.ceiling.as_mut() {
                 if values.len() > 1 && hi > lo {
                     c.value = hi;
                     c.source = format!(
-                        "{}; the highest of the {} parts' measurements ({} to {})",
+                        "{}; the highest of the {} measurements of the {} parts ({} to {})",
                         c.source,
                         values.len(),
+                        parts.len(),
                         format::sig(lo, 3),
                         format::sig(hi, 3)
                     );

@@ -204,7 +204,7 @@ pub struct HopperImpl {
 }
 
 /// Per implementation: its best row with its score, rows ok, rows in all, any row (for the
-/// library), and whether any of its rows is the default's.
+/// library), and how many of its rows are the default's.
 type Tally<'a> = (Option<(f64, &'a Row)>, usize, usize, &'a Row, usize);
 
 /// True for a document measured on compute capability 9.x.

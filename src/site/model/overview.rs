@@ -214,11 +214,11 @@ pub struct TimingView {
     /// Alternatives (rows with a `first_call_s`) whose rows also record a `compile_s` (a JIT
     /// compiler on their first call, e.g. `torch.compile`), or empty.
     pub alternative_compiles: String,
-    /// Rows whose reported time is launch-bound, as `N of M rows`, followed by each card's
-    /// `N of M` when the documents come from more than one card.
+    /// Rows whose reported time is launch-bound, as `N of M rows`, followed by each device's
+    /// `N of M` in parentheses when the documents come from more than one device and N > 0.
     pub launch_bound_rows: String,
     /// Rows reported from graph replay whose eager calls were launch-bound, as `N`, followed
-    /// by each card's count when the documents come from more than one card.
+    /// by each device's count in parentheses as for `launch_bound_rows`.
     pub eager_launch_bound_rows: String,
     /// Timed samples.
     pub repeats: String,
@@ -971,7 +971,7 @@ fn timing_view(
             }
         }
     }
-    // Per card (device name, in the order the documents come), then pooled.
+    // Per device (its name, in the order the documents come), then pooled.
     let mut per_card: Vec<(&str, usize, usize, usize)> = Vec::new();
     for l in docs {
         let name = l.doc.device.name.as_str();
@@ -991,12 +991,14 @@ fn timing_view(
     let ok_rows: usize = per_card.iter().map(|c| c.1).sum();
     let launch_bound: usize = per_card.iter().map(|c| c.2).sum();
     let eager_launch_bound: usize = per_card.iter().map(|c| c.3).sum();
-    let by_card = |count: fn(&(&str, usize, usize, usize)) -> String| {
-        if per_card.len() < 2 {
+    // Each device's share, in parentheses, where the documents come from several devices and
+    // the total is not 0.
+    let by_device = |total: usize, count: fn(&(&str, usize, usize, usize)) -> String| {
+        if per_card.len() < 2 || total == 0 {
             String::new()
         } else {
             format!(
-                ": {}",
+                " ({})",
                 per_card
                     .iter()
                     .map(|c| format!("{} on the {}", count(c), c.0))
@@ -1067,9 +1069,12 @@ fn timing_view(
         ),
         launch_bound_rows: format!(
             "{launch_bound} of {ok_rows} rows{}",
-            by_card(|c| format!("{} of {}", c.2, c.1))
+            by_device(launch_bound, |c| format!("{} of {}", c.2, c.1))
         ),
-        eager_launch_bound_rows: format!("{eager_launch_bound}{}", by_card(|c| c.3.to_string())),
+        eager_launch_bound_rows: format!(
+            "{eager_launch_bound}{}",
+            by_device(eager_launch_bound, |c| c.3.to_string())
+        ),
         repeats: t.repeats.to_string(),
         min_sample_ms: format::sig(t.min_sample_ms, 3),
         max_inner: t.max_inner.to_string(),
@@ -1086,7 +1091,7 @@ fn timing_view(
             0 => "every output element".to_string(),
             n if n <= CHECKED_SHOWN => md_text(&checked.join(" | ")),
             n => md_text(&format!(
-                "{} | and {} more samplings of other shapes (each row's accuracy note names its own)",
+                "{} | and {} more samplings (each row's accuracy note names its own)",
                 checked[..CHECKED_SHOWN].join(" | "),
                 n - CHECKED_SHOWN
             )),

@@ -414,16 +414,22 @@ fn doc_section(
             // The default is the group's: an implementation the dispatch picks for some other
             // cases of the document (math for fp32) is not the default of these.
             // A column of the family is left out where the implementation has no row of the
-            // group's cases (a library that runs only some of the suite's operations, or one a
-            // part of the run left out: the page's commands say which), unless the run was cut
-            // off in one of them (its cells say it may have been measured later).
-            let cut_off = g.by_x.values().any(|(_, by)| {
-                by.values().next().is_some_and(|r| {
-                    loaded
-                        .cut_off_cases
-                        .contains(&crate::load::case_key(&r.case))
+            // group's cases though the parts that measured them ran it elsewhere (a library that
+            // runs only some of the suite's operations), where its cells could say only `not
+            // measured`. It stays where a part left it out or the run was cut off in one of the
+            // cases: its cells say so.
+            let explained = |name: &str| {
+                g.by_x.values().any(|(_, by)| {
+                    by.values().next().is_some_and(|r| {
+                        let k = crate::load::case_key(&r.case);
+                        loaded.cut_off_cases.contains(&k)
+                            || loaded
+                                .case_parts
+                                .get(&k)
+                                .is_some_and(|p| !p.implementations.contains(name))
+                    })
                 })
-            });
+            };
             let mut impls: Vec<ImplHeader> = impls
                 .iter()
                 .filter(|h| families.get(h.name.as_str()) == Some(family))
@@ -431,7 +437,7 @@ fn doc_section(
                     g.by_x
                         .values()
                         .any(|(_, by)| by.contains_key(h.name.as_str()))
-                        || cut_off
+                        || explained(&h.name)
                 })
                 .cloned()
                 .map(|mut h| {
@@ -739,12 +745,23 @@ fn merge_singles(
             .collect();
         parts.join(", ")
     };
-    // The groups are of one family, so they have the same columns.
-    let impls = taken[singles[0]]
-        .as_ref()
-        .expect("each group once")
-        .implementations
-        .clone();
+    // The columns: every group's (groups of one family may differ, by the implementations
+    // with rows in them and by which is the default, which sorts first), the default of any
+    // group first, then by name; each row's cells are placed under their implementation's.
+    let mut impls: Vec<ImplHeader> = Vec::new();
+    for &i in singles {
+        for h in &taken[i].as_ref().expect("each group once").implementations {
+            match impls.iter_mut().find(|k| k.name == h.name) {
+                Some(k) => k.is_default |= h.is_default,
+                None => impls.push(h.clone()),
+            }
+        }
+    }
+    impls.sort_by(|a, b| {
+        b.is_default
+            .cmp(&a.is_default)
+            .then_with(|| a.name.cmp(&b.name))
+    });
     let mut rows = Vec::new();
     let mut details = Vec::new();
     let mut peak_methods: Vec<KeyText> = Vec::new();
@@ -754,6 +771,30 @@ fn merge_singles(
         for mut r in g.rows {
             r.x = case.clone();
             r.anchor = Some(g.anchor.clone());
+            let mut cells: Vec<Option<Cell>> = r.cells.into_iter().map(Some).collect();
+            r.cells = impls
+                .iter()
+                .map(|h| {
+                    cells
+                        .iter_mut()
+                        .find(|c| c.as_ref().is_some_and(|c| c.implementation == h.name))
+                        .and_then(Option::take)
+                        // No row of this case (its group had no such column).
+                        .unwrap_or_else(|| {
+                            let key = grouped[i]
+                                .by_x
+                                .values()
+                                .flat_map(|(_, by)| by.values())
+                                .next()
+                                .map(|r| crate::load::case_key(&r.case));
+                            let part = key.as_ref().and_then(|k| loaded.case_parts.get(k));
+                            let cut_off = key
+                                .as_ref()
+                                .is_some_and(|k| loaded.cut_off_cases.contains(k));
+                            cell(&h.name, None, &loaded.doc, cut_off, part.map(|p| &**p))
+                        })
+                })
+                .collect();
             rows.push(r);
         }
         for mut d in g.details {
@@ -951,6 +992,12 @@ fn bars_have_crosses(bars: &[GlanceBar]) -> bool {
 /// has no row.
 pub const CUT_OFF: &str = "the run was cut off (its document has no finished_at) before this row";
 
+/// Why a cell has no row when the part of the run that measured its case has rows of the
+/// implementation in other cases only (a library that runs only some of the suite's operations
+/// or shapes; its documents record no row for this case).
+pub const ELSEWHERE_ONLY: &str =
+    "the part of the run that measured this case ran this implementation on other cases only";
+
 /// Why a cell has no row when the part of the run that measured its case has no row of the
 /// implementation in any case (parts of one run may compare different alternatives; a part cut
 /// off before its first row of an implementation reads the same, and its command shows whether
@@ -992,7 +1039,8 @@ fn cell(
                 c.message = Some(left_out(p));
             }
             _ if cut_off => c.message = Some(CUT_OFF.to_string()),
-            _ => {}
+            Some(_) => c.message = Some(ELSEWHERE_ONLY.to_string()),
+            None => {}
         }
         return c;
     };
