@@ -277,13 +277,15 @@ pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
             continue;
         }
         for t in &mut m.doc.config.throughput {
-            let values: Vec<f64> = parts
+            // The ceilings the parts measured for this throughput.
+            let measured: Vec<&crate::schema::Ceiling> = parts
                 .iter()
                 .filter_map(|l| {
                     let d = l.doc.config.throughput.iter().find(|d| d.key == t.key)?;
-                    Some(d.ceiling.as_ref()?.value)
+                    d.ceiling.as_ref()
                 })
                 .collect();
+            let values: Vec<f64> = measured.iter().map(|c| c.value).collect();
             let (lo, hi) = values
                 .iter()
                 .fold((f64::INFINITY, 0.0_f64), |(lo, hi), &v| {
@@ -292,13 +294,10 @@ pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
             // The first part may have measured none (the runner leaves a failed measurement
             // out): the ceiling and its source are then the highest part's.
             if t.ceiling.is_none() {
-                t.ceiling = parts
-                    .iter()
-                    .filter_map(|l| {
-                        let d = l.doc.config.throughput.iter().find(|d| d.key == t.key)?;
-                        d.ceiling.clone()
-                    })
-                    .max_by(|a, b| a.value.total_cmp(&b.value));
+                t.ceiling = measured
+                    .into_iter()
+                    .max_by(|a, b| a.value.total_cmp(&b.value))
+                    .cloned();
             }
             if let Some(c) = t.ceiling.as_mut() {
                 if values.len() > 1 && hi > lo {

@@ -420,14 +420,8 @@ fn doc_section(
             // cases: its cells say so.
             let explained = |name: &str| {
                 g.by_x.values().any(|(_, by)| {
-                    by.values().next().is_some_and(|r| {
-                        let k = crate::load::case_key(&r.case);
-                        loaded.cut_off_cases.contains(&k)
-                            || loaded
-                                .case_parts
-                                .get(&k)
-                                .is_some_and(|p| !p.implementations.contains(name))
-                    })
+                    let (cut_off, part) = case_context(loaded, by.values().next().copied());
+                    cut_off || part.is_some_and(|p| !p.implementations.contains(name))
                 })
             };
             let mut impls: Vec<ImplHeader> = impls
@@ -448,11 +442,7 @@ fn doc_section(
                     h
                 })
                 .collect();
-            impls.sort_by(|a, b| {
-                b.is_default
-                    .cmp(&a.is_default)
-                    .then_with(|| a.name.cmp(&b.name))
-            });
+            sort_columns(&mut impls);
             let id = group_id(loaded, g);
             // A case measured at one size has no line to draw: it joins the table of such cases.
             let single = g.by_x.len() < 2;
@@ -466,19 +456,13 @@ fn doc_section(
                         // A missing cell of a case the run was cut off in is a row never
                         // reached, unless the part of the run that measured the case never
                         // ran that implementation.
-                        let key = by_impl
-                            .values()
-                            .next()
-                            .map(|r| crate::load::case_key(&r.case));
-                        let cut_off = key
-                            .as_ref()
-                            .is_some_and(|k| loaded.cut_off_cases.contains(k));
-                        let part = key.as_ref().and_then(|k| loaded.case_parts.get(k));
+                        let (cut_off, part) =
+                            case_context(loaded, by_impl.values().next().copied());
                         impls
                             .iter()
                             .map(|h| {
                                 let row = by_impl.get(h.name.as_str()).copied();
-                                cell(&h.name, row, doc, cut_off, part.map(|p| &**p))
+                                cell(&h.name, row, doc, cut_off, part)
                             })
                             .collect()
                     },
@@ -757,11 +741,7 @@ fn merge_singles(
             }
         }
     }
-    impls.sort_by(|a, b| {
-        b.is_default
-            .cmp(&a.is_default)
-            .then_with(|| a.name.cmp(&b.name))
-    });
+    sort_columns(&mut impls);
     let mut rows = Vec::new();
     let mut details = Vec::new();
     let mut peak_methods: Vec<KeyText> = Vec::new();
@@ -781,17 +761,9 @@ fn merge_singles(
                         .and_then(Option::take)
                         // No row of this case (its group had no such column).
                         .unwrap_or_else(|| {
-                            let key = grouped[i]
-                                .by_x
-                                .values()
-                                .flat_map(|(_, by)| by.values())
-                                .next()
-                                .map(|r| crate::load::case_key(&r.case));
-                            let part = key.as_ref().and_then(|k| loaded.case_parts.get(k));
-                            let cut_off = key
-                                .as_ref()
-                                .is_some_and(|k| loaded.cut_off_cases.contains(k));
-                            cell(&h.name, None, &loaded.doc, cut_off, part.map(|p| &**p))
+                            let any = grouped[i].by_x.values().flat_map(|(_, by)| by.values());
+                            let (cut_off, part) = case_context(loaded, any.copied().next());
+                            cell(&h.name, None, &loaded.doc, cut_off, part)
                         })
                 })
                 .collect();
@@ -1008,6 +980,31 @@ pub fn left_out(part: &crate::load::CasePart) -> String {
          implementation (its command: `{}`)",
         part.command
     )
+}
+
+/// Where the run stood for a case, from any of its rows: whether the run was cut off in it
+/// ([`crate::load::Loaded::cut_off_cases`]) and the part of the run that measured it
+/// ([`crate::load::Loaded::case_parts`]); `(false, None)` without a row.
+fn case_context<'a>(
+    loaded: &'a Loaded,
+    row: Option<&Row>,
+) -> (bool, Option<&'a crate::load::CasePart>) {
+    let Some(k) = row.map(|r| crate::load::case_key(&r.case)) else {
+        return (false, None);
+    };
+    (
+        loaded.cut_off_cases.contains(&k),
+        loaded.case_parts.get(&k).map(|p| &**p),
+    )
+}
+
+/// Column order of a results table: the default(s) first, then by name.
+fn sort_columns(impls: &mut [ImplHeader]) {
+    impls.sort_by(|a, b| {
+        b.is_default
+            .cmp(&a.is_default)
+            .then_with(|| a.name.cmp(&b.name))
+    });
 }
 
 /// The table cell of `implementation`'s `row` (missing: `None`); `cut_off` when the case
