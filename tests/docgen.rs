@@ -2275,3 +2275,106 @@ fn glance_tables_keep_one_axis_each_and_name_no_missing_size() {
         assert!(!body.contains(named), "a size named — ({named:?})");
     }
 }
+
+/// Every kernel tuning notes file beside the templates folder becomes a page (a missing one
+/// none); the navigation has one entry for them, current on each, and each notes page names
+/// its file and links the others; prose and notes that name a published notes file in a code
+/// span link its page, and one not published stays plain.
+#[test]
+fn each_tuning_notes_file_is_a_page_and_prose_links_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    fs::create_dir_all(root.join("templates/prose")).unwrap();
+    fs::create_dir_all(root.join("kernels")).unwrap();
+    fs::write(
+        root.join("templates/prose/limitations.md"),
+        "- See `kernels/TUNING-moe.md`, and `kernels/TUNING-kernel-sums.md`.\n",
+    )
+    .unwrap();
+    fs::write(
+        root.join("kernels/TUNING.md"),
+        "# Attention notes\n\n## v1 tiles\n\nThe grouped GEMM is in `kernels/TUNING-moe.md`.\n",
+    )
+    .unwrap();
+    fs::write(
+        root.join("kernels/TUNING-moe.md"),
+        "# MoE notes\n\n## v1 grouped\n\nOne CTA per expert tile.\n",
+    )
+    .unwrap();
+    let out = root.join("site");
+    site::build(&BuildOptions {
+        data_dir: valid_dir(),
+        out_dir: out.clone(),
+        base_url: None,
+        templates_dir: Some(root.join("templates")),
+    })
+    .unwrap_or_else(|e| panic!("build failed: {e:#}"));
+    assert!(out.join("tuning.html").is_file());
+    assert!(out.join("tuning-moe.html").is_file());
+    assert!(!out.join("tuning-kernel-sums.html").exists());
+    assert!(!out.join("tuning-sequence-mixers.html").exists());
+    let nav = sel("nav[aria-label=Pages] a");
+    for (file, source, title) in [
+        ("tuning.html", "kernels/TUNING.md", "Attention"),
+        ("tuning-moe.html", "kernels/TUNING-moe.md", "MoE"),
+    ] {
+        let html = page(&out, file);
+        let notes: Vec<_> = html
+            .select(&nav)
+            .filter(|a| text(*a) == "Kernel tuning notes")
+            .collect();
+        assert_eq!(notes.len(), 1, "{file}: one navigation entry for the notes");
+        assert_eq!(notes[0].value().attr("href"), Some("tuning.html"));
+        assert_eq!(
+            notes[0].value().attr("aria-current"),
+            Some("page"),
+            "{file}"
+        );
+        let notice = html.select(&sel("p.notice code")).next().map(text);
+        assert_eq!(notice.as_deref(), Some(source), "{file}");
+        let switch = html.select(&sel("nav.notes-pages")).next().expect(file);
+        let current: Vec<String> = switch
+            .select(&sel("[aria-current=page]"))
+            .map(text)
+            .collect();
+        assert_eq!(current, [title], "{file}");
+        let others: Vec<(String, String)> = switch
+            .select(&sel("a"))
+            .map(|a| (text(a), a.value().attr("href").unwrap().to_string()))
+            .collect();
+        assert_eq!(others.len(), 1, "{file}: {others:?}");
+        assert_ne!(others[0].0, title);
+        let title_tag = html.select(&sel("title")).next().map(text).unwrap();
+        assert!(title_tag.contains(title), "{file}: {title_tag}");
+    }
+    let code_link = sel("a > code");
+    let linked = |html: &Html| -> Vec<(String, String)> {
+        html.select(&code_link)
+            .map(|c| {
+                let a = ElementRef::wrap(c.parent().unwrap()).unwrap();
+                (text(c), a.value().attr("href").unwrap().to_string())
+            })
+            .collect()
+    };
+    let attention_notes = page(&out, "tuning.html");
+    assert!(linked(&attention_notes).contains(&(
+        "kernels/TUNING-moe.md".to_string(),
+        "tuning-moe.html".to_string()
+    )));
+    let index = page(&out, "index.html");
+    let links = linked(&index);
+    assert!(
+        links.contains(&(
+            "kernels/TUNING-moe.md".to_string(),
+            "tuning-moe.html".to_string()
+        )),
+        "{links:?}"
+    );
+    assert!(
+        !links
+            .iter()
+            .any(|(c, _)| c == "kernels/TUNING-kernel-sums.md"),
+        "a notes file without a page stays plain: {links:?}"
+    );
+    assert!(main_text(&out, "index.html").contains("kernels/TUNING-kernel-sums.md"));
+}

@@ -70,6 +70,48 @@ pub fn to_html_with_ids(md: &str) -> (String, Vec<(String, String, u8)>) {
     (html, headings)
 }
 
+/// `html` (rendered by [`to_html`]) with every code span whose whole text is one of `links`'
+/// names (`<code>kernels/TUNING.md</code>`) made a link to its target, unless it already sits
+/// inside a link: prose names a repository file, and the site links the page that publishes it.
+pub fn link_code_spans(html: &str, links: &[(String, String)]) -> String {
+    let mut out = html.to_string();
+    for (name, href) in links {
+        let code = format!("<code>{}</code>", escape_html(name));
+        let mut result = String::with_capacity(out.len());
+        let mut rest = out.as_str();
+        while let Some(at) = rest.find(&code) {
+            let (before, after) = rest.split_at(at);
+            result.push_str(before);
+            if inside_link(&result) {
+                result.push_str(&code);
+            } else {
+                result.push_str(&format!("<a href=\"{}\">{code}</a>", escape_html(href)));
+            }
+            rest = &after[code.len()..];
+        }
+        result.push_str(rest);
+        out = result;
+    }
+    out
+}
+
+/// True when the HTML before a point leaves an `<a …>` open.
+fn inside_link(before: &str) -> bool {
+    match (before.rfind("<a "), before.rfind("</a>")) {
+        (Some(open), Some(close)) => open > close,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
+/// `&`, `<`, `>` and `"` as HTML entities.
+fn escape_html(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
 /// Lower-case letters and digits of `text`, runs of anything else as one `-` (`section` when
 /// nothing is left): heading anchors, and the Hopper page's per-card anchors and figure names.
 pub fn slug(text: &str) -> String {
@@ -120,6 +162,42 @@ mod tests {
         assert_eq!(h[2].0, "v1-mma-sync-2");
         assert_eq!(h[1].2, 2);
         assert!(html.contains("<h2 id=\"v1-mma-sync\">"), "{html}");
+    }
+
+    #[test]
+    fn code_spans_naming_a_file_link_its_page() {
+        let links = vec![
+            (
+                "kernels/TUNING.md".to_string(),
+                "/d/tuning.html".to_string(),
+            ),
+            (
+                "kernels/TUNING-moe.md".to_string(),
+                "/d/tuning-moe.html".to_string(),
+            ),
+        ];
+        let html = to_html(
+            "See `kernels/TUNING.md` and `kernels/TUNING-moe.md`, not `kernels/TUNING.md.bak`, \
+             nor [`kernels/TUNING.md`](x.html), nor kernels/TUNING.md.",
+        );
+        let linked = link_code_spans(&html, &links);
+        assert!(
+            linked.contains(
+                "See <a href=\"/d/tuning.html\"><code>kernels/TUNING.md</code></a> and \
+                 <a href=\"/d/tuning-moe.html\"><code>kernels/TUNING-moe.md</code></a>"
+            ),
+            "{linked}"
+        );
+        assert!(
+            linked.contains("<code>kernels/TUNING.md.bak</code>,"),
+            "{linked}"
+        );
+        assert!(
+            linked.contains("<a href=\"x.html\"><code>kernels/TUNING.md</code></a>"),
+            "{linked}"
+        );
+        assert_eq!(linked.matches("tuning.html").count(), 1, "{linked}");
+        assert_eq!(link_code_spans(&html, &[]), html);
     }
 
     #[test]

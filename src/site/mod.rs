@@ -122,14 +122,15 @@ pub fn build(opts: &BuildOptions) -> anyhow::Result<BuildSummary> {
             .filter(|f| f.path.starts_with("figures/"))
             .count(),
         files: files.len() + 1,
-        notes: match (&sources.dir, &sources.tuning_notes) {
-            (_, Some(_)) => Vec::new(),
-            (Some(d), None) => vec![format!(
-                "no kernel tuning notes ({}) beside {}: the site has no tuning page",
-                templates::TUNING_NOTES,
+        notes: match (&sources.dir, sources.tuning_notes.is_empty()) {
+            // Some notes found: each becomes a page; a missing one is not worth a line.
+            (_, false) => Vec::new(),
+            (Some(d), true) => vec![format!(
+                "no kernel tuning notes ({}) beside {}: the site has no tuning pages",
+                templates::TUNING_NOTES.map(|n| n.path).join(", "),
                 d.display()
             )],
-            (None, None) => vec![format!(
+            (None, true) => vec![format!(
                 "built with the templates built into docgen (no {} folder here): the site has no \
                  kernel tuning notes page; run from the repository root, or pass --templates",
                 templates::DEFAULT_DIR
@@ -215,8 +216,18 @@ pub fn render_files_with(
     docs: &[Loaded],
     base_url: Option<&str>,
 ) -> anyhow::Result<Vec<render::OutputFile>> {
-    let model = model::build_model(docs, base_url, sources.tuning_notes.as_deref());
-    let prose = prose::render_site_prose(docs, sources)?;
+    let model = model::build_model(docs, base_url, &sources.tuning_notes);
+    let mut prose = prose::render_site_prose(docs, sources)?;
+    for html in [
+        &mut prose.attention,
+        &mut prose.mixers,
+        &mut prose.limitations,
+    ]
+    .into_iter()
+    .flatten()
+    {
+        *html = markdown::link_code_spans(html, &model.notes_links);
+    }
     renderer.render_site(&model, &prose)
 }
 

@@ -165,7 +165,7 @@ impl Renderer {
                 self.render("hopper.html", hopper)?,
             ));
         }
-        if let Some(notes) = &model.tuning {
+        for notes in &model.tuning {
             out.push(file(&notes.layout.file, self.render("notes.html", notes)?));
         }
         for (spec, svg) in model

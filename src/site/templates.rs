@@ -59,9 +59,43 @@ pub const BUILT_IN_PROSE: [(&str, &str); 4] = [
 /// The default templates folder, used when it exists and `--templates` is not given.
 pub const DEFAULT_DIR: &str = "templates";
 
-/// The kernel tuning notes, relative to the folder that holds the templates folder (the
-/// repository root): rendered as the site's tuning page when present.
-pub const TUNING_NOTES: &str = "kernels/TUNING.md";
+/// One suite's kernel tuning notes: a hand-written Markdown file of the repository, rendered as
+/// a page of the site when present.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NotesSource {
+    /// The Markdown file, relative to the folder that holds the templates folder (the
+    /// repository root), e.g. `kernels/TUNING.md`.
+    pub path: &'static str,
+    /// The page it becomes, e.g. `tuning.html`.
+    pub file: &'static str,
+    /// What the notes cover, for links between the notes pages (e.g. `Attention`).
+    pub title: &'static str,
+}
+
+/// The kernel tuning notes, one file per suite family, in the order the site lists them: the
+/// first present one is the page the navigation links to.
+pub const TUNING_NOTES: [NotesSource; 4] = [
+    NotesSource {
+        path: "kernels/TUNING.md",
+        file: "tuning.html",
+        title: "Attention",
+    },
+    NotesSource {
+        path: "kernels/TUNING-sequence-mixers.md",
+        file: "tuning-sequence-mixers.html",
+        title: "Sequence mixers",
+    },
+    NotesSource {
+        path: "kernels/TUNING-kernel-sums.md",
+        file: "tuning-kernel-sums.html",
+        title: "Kernel sums",
+    },
+    NotesSource {
+        path: "kernels/TUNING-moe.md",
+        file: "tuning-moe.html",
+        title: "MoE",
+    },
+];
 
 /// Every source a build renders with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,8 +108,9 @@ pub struct Sources {
     pub prose: Vec<(&'static str, String)>,
     /// Where they came from: the folder, or `None` for the built-in copies.
     pub dir: Option<PathBuf>,
-    /// The kernel tuning notes ([`TUNING_NOTES`] beside the templates folder), when present.
-    pub tuning_notes: Option<String>,
+    /// The kernel tuning notes found beside the templates folder ([`TUNING_NOTES`], in that
+    /// order), each with its Markdown.
+    pub tuning_notes: Vec<(NotesSource, String)>,
 }
 
 impl Sources {
@@ -92,13 +127,13 @@ impl Sources {
                 .map(|(n, s)| (*n, s.to_string()))
                 .collect(),
             dir: None,
-            tuning_notes: None,
+            tuning_notes: Vec::new(),
         }
     }
 
     /// Every template, the stylesheet and the prose read from `dir`, each file that `dir` lacks
     /// taken from the built-in copy (so a folder holding only `style.css` restyles the site);
-    /// and the kernel tuning notes from [`TUNING_NOTES`] beside `dir`, when there.
+    /// and the kernel tuning notes of [`TUNING_NOTES`] beside `dir`, those that are there.
     ///
     /// Errors: `dir` is not a folder, or a file in it cannot be read; the error names it.
     pub fn from_dir(dir: &Path) -> anyhow::Result<Sources> {
@@ -119,17 +154,17 @@ impl Sources {
                 .map(|(name, built_in)| Ok((*name, read(name, built_in)?)))
                 .collect::<anyhow::Result<Vec<_>>>()
         };
-        let notes = dir
-            .parent()
-            .map(|root| root.join(TUNING_NOTES))
-            .filter(|p| p.is_file());
-        let tuning_notes = match notes {
-            Some(p) => Some(
-                std::fs::read_to_string(&p)
-                    .with_context(|| format!("cannot read {}", p.display()))?,
-            ),
-            None => None,
-        };
+        let mut tuning_notes = Vec::new();
+        if let Some(root) = dir.parent() {
+            for notes in TUNING_NOTES {
+                let p = root.join(notes.path);
+                if p.is_file() {
+                    let md = std::fs::read_to_string(&p)
+                        .with_context(|| format!("cannot read {}", p.display()))?;
+                    tuning_notes.push((notes, md));
+                }
+            }
+        }
         Ok(Sources {
             templates: pairs(&BUILT_IN_TEMPLATES)?,
             style_css: read("style.css", BUILT_IN_STYLE)?,
@@ -170,9 +205,11 @@ impl Sources {
         }
         h.update(b"style.css\0");
         h.update(self.style_css.as_bytes());
-        if let Some(notes) = &self.tuning_notes {
+        for (notes, md) in &self.tuning_notes {
             h.update(b"\0tuning notes\0");
-            h.update(notes.as_bytes());
+            h.update(notes.path.as_bytes());
+            h.update([0]);
+            h.update(md.as_bytes());
         }
         hex(&h.finalize())
     }

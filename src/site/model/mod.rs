@@ -27,6 +27,7 @@ pub use self::suite::{
 };
 pub use self::tiles::{TileBar, TileChart, TileGroup, TileRow, TileSweepSection};
 use super::format;
+use super::templates::NotesSource;
 use crate::load::Loaded;
 use crate::schema::{Document, Suite};
 
@@ -205,12 +206,16 @@ pub struct SiteModel {
     /// The suite pages' bar charts of cases measured at one size (each case's time against
     /// the default's).
     pub case_charts: Vec<GlanceChart>,
-    /// `tuning.html`, when the kernel tuning notes were found.
-    pub tuning: Option<NotesPage>,
+    /// One page per kernel tuning notes file found ([`TUNING_NOTES`] order; `tuning.html` for
+    /// the attention notes).
+    pub tuning: Vec<NotesPage>,
+    /// Where each notes file found is published: its repository path (`kernels/TUNING.md`)
+    /// and its page's link, so that prose naming the file links to the page.
+    pub notes_links: Vec<(String, String)>,
 }
 
-/// File of the kernel tuning notes page.
-pub const TUNING_FILE: &str = "tuning.html";
+/// The navigation's label for the kernel tuning notes pages, and their titles' first words.
+pub const NOTES_LABEL: &str = "Kernel tuning notes";
 
 /// Links and names shared by every page.
 #[derive(Debug, Serialize, Clone)]
@@ -262,11 +267,15 @@ pub struct TocEntry {
     pub depth: u8,
 }
 
-/// The kernel tuning notes, rendered as a page of the site.
+/// One file of kernel tuning notes, rendered as a page of the site.
 #[derive(Debug, Serialize)]
 pub struct NotesPage {
     /// Layout.
     pub layout: Layout,
+    /// The Markdown file it comes from, relative to the repository root (`kernels/TUNING.md`).
+    pub source: String,
+    /// Every notes page of the site, this one marked `current`, for moving between them.
+    pub siblings: Vec<NavLink>,
     /// The notes as HTML, headings with ids.
     pub html: String,
 }
@@ -347,14 +356,15 @@ pub struct CommandView {
 }
 
 /// Builds the whole model. `base` is the link prefix: empty for relative links, or a base URL.
-/// `tuning_notes_md`, the kernel tuning notes (Markdown), becomes the tuning page when given.
+/// Each of `tuning_notes` (a notes file and its Markdown) becomes a notes page; the navigation
+/// links the first.
 ///
 /// Setup, methodology and reproduction commands are per file; tables, figures, the At a glance
 /// comparison, dispatch rules and limitations use the documents merged by [`merge_shards`].
 pub fn build_model(
     all_docs: &[Loaded],
     base_url: Option<&str>,
-    tuning_notes_md: Option<&str>,
+    tuning_notes: &[(NotesSource, String)],
 ) -> SiteModel {
     let merged = merge_shards(all_docs);
     // Tile sweeps have their own section on their suite's page; every table, figure, comparison
@@ -388,12 +398,11 @@ pub fn build_model(
     if let Some(t) = &hopper_title {
         pages.push((HOPPER_FILE.to_string(), t.clone(), true));
     }
-    if tuning_notes_md.is_some() {
-        pages.push((
-            TUNING_FILE.to_string(),
-            "Kernel tuning notes".to_string(),
-            true,
-        ));
+    // The navigation has one entry for the notes: the first page, current on any of them.
+    let notes_files: Vec<&str> = tuning_notes.iter().map(|(n, _)| n.file).collect();
+    let tuning_href = notes_files.first().map(|f| format!("{base}{f}"));
+    if let Some(first) = notes_files.first() {
+        pages.push((first.to_string(), NOTES_LABEL.to_string(), true));
     }
     let layout = |file: &str, title: &str, toc: Vec<TocEntry>| {
         let has_data = pages
@@ -407,7 +416,8 @@ pub fn build_model(
                 .map(|(f, t, has)| NavLink {
                     href: format!("{base}{f}"),
                     label: t.clone(),
-                    current: f == file,
+                    current: f == file
+                        || (notes_files.contains(&f.as_str()) && notes_files.contains(&file)),
                     measured: *has,
                 })
                 .collect()
@@ -416,11 +426,11 @@ pub fn build_model(
             title: title.to_string(),
             file: file.to_string(),
             base: base.clone(),
-            has_data: has_data && file != TUNING_FILE,
-            hand_written: file == TUNING_FILE,
+            has_data: has_data && !notes_files.contains(&file),
+            hand_written: notes_files.contains(&file),
             toc,
             defaults_href: format!("{base}index.html#what-runs-by-default"),
-            tuning_href: tuning_notes_md.map(|_| format!("{base}{TUNING_FILE}")),
+            tuning_href: tuning_href.clone(),
             nav: links(true),
             nav_unmeasured: links(false),
         }
@@ -491,7 +501,7 @@ pub fn build_model(
         page_links,
         &glance,
     );
-    index.tuning_href = tuning_notes_md.map(|_| format!("{base}{TUNING_FILE}"));
+    index.tuning_href = tuning_href.clone();
     let hopper = hopper_title.as_deref().map(|t| {
         let page = hopper::hopper_page(docs, all_docs, layout(HOPPER_FILE, t, Vec::new()));
         HopperPage {
@@ -502,22 +512,44 @@ pub fn build_model(
             ..page
         }
     });
-    let tuning = tuning_notes_md.map(|md| {
-        let (html, headings) = super::markdown::to_html_with_ids(md);
-        let toc = headings
-            .into_iter()
-            .filter(|(_, _, level)| *level == 2)
-            .map(|(id, label, _)| TocEntry {
-                href: format!("#{id}"),
-                label,
-                depth: 1,
+    let notes_links: Vec<(String, String)> = tuning_notes
+        .iter()
+        .map(|(n, _)| (n.path.to_string(), format!("{base}{}", n.file)))
+        .collect();
+    let siblings = |current: &str| -> Vec<NavLink> {
+        tuning_notes
+            .iter()
+            .map(|(n, _)| NavLink {
+                href: format!("{base}{}", n.file),
+                label: n.title.to_string(),
+                current: n.file == current,
+                measured: false,
             })
-            .collect();
-        NotesPage {
-            layout: layout(TUNING_FILE, "Kernel tuning notes", toc),
-            html,
-        }
-    });
+            .collect()
+    };
+    let tuning = tuning_notes
+        .iter()
+        .map(|(notes, md)| {
+            let (html, headings) = super::markdown::to_html_with_ids(md);
+            // One notes file naming another links its page.
+            let html = super::markdown::link_code_spans(&html, &notes_links);
+            let toc = headings
+                .into_iter()
+                .filter(|(_, _, level)| *level == 2)
+                .map(|(id, label, _)| TocEntry {
+                    href: format!("#{id}"),
+                    label,
+                    depth: 1,
+                })
+                .collect();
+            NotesPage {
+                layout: layout(notes.file, &format!("{NOTES_LABEL}: {}", notes.title), toc),
+                source: notes.path.to_string(),
+                siblings: siblings(notes.file),
+                html,
+            }
+        })
+        .collect();
     SiteModel {
         index,
         suite_pages,
@@ -527,6 +559,7 @@ pub fn build_model(
         tile_charts,
         case_charts,
         tuning,
+        notes_links,
     }
 }
 
