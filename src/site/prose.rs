@@ -1206,6 +1206,8 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     // q1, for times), within it, not comparable (a launch-bound timing), or against the claim.
     let time = matches!(field, Field::MedianMs);
     let mut supported: Vec<(f64, bool)> = Vec::new();
+    // The cases counted as measured (supported, within noise or launch-bound), for the words.
+    let mut compared: Vec<&BTreeMap<String, Param>> = Vec::new();
     let mut within_noise = 0usize;
     let mut launch_bound = 0usize;
     let mut left_out = 0usize;
@@ -1222,6 +1224,7 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             left_out += 1;
             continue;
         };
+        compared.push(&x.row.case);
         if time
             && (super::model::groups::launch_bound(x.row, &x.doc.doc)
                 || super::model::groups::launch_bound(y.row, &y.doc.doc))
@@ -1291,6 +1294,17 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     let (other, reference) = if b_is_reference { (a, b) } else { (b, a) };
     let detail = ratio_html(&field, lo, hi, other, reference);
     let n = supported.len();
+    // Published, the cases are named by the values they hold (`head_dim 64 or 128`), not by
+    // the clause that picked them (`head_dim >= 64, head_dim <= 128, head_dim != 96`).
+    let statement = if where_text.is_empty() {
+        statement
+    } else {
+        statement.replacen(
+            &where_text,
+            &format!(" with {}", filter.describe_values(&compared)),
+            1,
+        )
+    };
     let statement = if within_noise + launch_bound == 0 {
         statement
     } else {

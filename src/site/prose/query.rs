@@ -380,6 +380,51 @@ impl Filter {
         parts.join(" and ")
     }
 
+    /// The cases a claim compared, described by the values they hold of each parameter the
+    /// filter names (in the filter's order): `head_dim 64 or 128, seq_len 1024 to 4096 and
+    /// the default scale` where the filter said `head_dim >= 64, head_dim <= 128, head_dim !=
+    /// 96, seq_len >= 1024, seq_len <= 4096, scale = none`. One value reads `name = value`,
+    /// two or three `name a, b or c`, more `name lo to hi`; a parameter no case has
+    /// reads `the default name`. Empty when the filter names nothing.
+    pub fn describe_values(&self, cases: &[&std::collections::BTreeMap<String, Param>]) -> String {
+        let parts: Vec<String> = self
+            .params()
+            .into_iter()
+            .map(|name| {
+                let mut values: Vec<&Param> = Vec::new();
+                let mut absent = false;
+                for c in cases {
+                    match c.get(name) {
+                        Some(v) => {
+                            if !values.iter().any(|w| param_order(w, v) == Ordering::Equal) {
+                                values.push(v);
+                            }
+                        }
+                        None => absent = true,
+                    }
+                }
+                values.sort_by(|a, b| param_order(a, b));
+                let shown: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+                let mut words = match shown.as_slice() {
+                    [] => return format!("the default {name}"),
+                    [one] => format!("{name} = {one}"),
+                    [a, b] => format!("{name} {a} or {b}"),
+                    [a, b, c] => format!("{name} {a}, {b} or {c}"),
+                    [first, .., last] => format!("{name} {first} to {last}"),
+                };
+                if absent {
+                    words.push_str(&format!(" (or the default {name})"));
+                }
+                words
+            })
+            .collect();
+        match parts.as_slice() {
+            [] => String::new(),
+            [one] => one.clone(),
+            [init @ .., last] => format!("{} and {last}", init.join(", ")),
+        }
+    }
+
     /// Parameter names the filter mentions, in order, each once.
     pub fn params(&self) -> Vec<&str> {
         let mut out: Vec<&str> = Vec::new();
@@ -568,6 +613,43 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+
+    #[test]
+    fn compared_cases_are_named_by_their_values() {
+        let f = parse_filter(
+            "pass = fwd, head_dim >= 64, head_dim <= 128, head_dim != 96, seq_len >= 1024, \
+             scale = none",
+        )
+        .unwrap();
+        let case = |d: i64, t: i64| {
+            BTreeMap::from([
+                ("pass".to_string(), Param::Text("fwd".to_string())),
+                ("head_dim".to_string(), Param::Int(d)),
+                ("seq_len".to_string(), Param::Int(t)),
+            ])
+        };
+        let cases: Vec<_> = [(128, 4096), (64, 1024), (64, 2048), (128, 16384)]
+            .into_iter()
+            .map(|(d, t)| case(d, t))
+            .collect();
+        let refs: Vec<_> = cases.iter().collect();
+        assert_eq!(
+            f.describe_values(&refs),
+            "pass = fwd, head_dim 64 or 128, seq_len 1024 to 16384 and the default scale"
+        );
+        assert_eq!(
+            f.describe_values(&refs[..3]),
+            "pass = fwd, head_dim 64 or 128, seq_len 1024, 2048 or 4096 and the default scale"
+        );
+        let mut scaled = case(64, 1024);
+        scaled.insert("scale".to_string(), Param::Float(0.3));
+        let one = parse_filter("scale != 2").unwrap();
+        assert_eq!(
+            one.describe_values(&[&scaled, &cases[0]]),
+            "scale = 0.3 (or the default scale)"
+        );
+        assert_eq!(Filter::default().describe_values(&refs), "");
+    }
 
     fn row(seq_len: i64, causal: bool) -> Row {
         let mut case = BTreeMap::new();
