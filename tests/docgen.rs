@@ -823,8 +823,9 @@ fn missing_shards_of_a_run_are_named_on_the_pages() {
         if site.join(name).exists() {
             let t = text_of(&site, name);
             for (at, _) in t.match_indices("--output ") {
-                let rest = t[at + "--output ".len()..].trim_start_matches('\'');
-                let path = rest.split(['\'', ' ']).next().unwrap_or_default();
+                // Quoted singly, or doubly in the loop over a part's shards.
+                let rest = t[at + "--output ".len()..].trim_start_matches(['\'', '"']);
+                let path = rest.split(['\'', '"', ' ']).next().unwrap_or_default();
                 let after = &rest[path.len()..];
                 assert!(
                     path.ends_with(".json") && !after.starts_with(" + "),
@@ -838,6 +839,38 @@ fn missing_shards_of_a_run_are_named_on_the_pages() {
         site.join("hopper.html").exists(),
         "the fixture is a compute capability 9.0 run"
     );
+    // The shards of the part share one command under How to reproduce, a loop over those
+    // present.
+    let reproduce = |site: &Path| -> Vec<(String, String)> {
+        let html = page(site, "index.html");
+        let section = html.select(&sel("#how-to-reproduce")).next().unwrap();
+        let labels: Vec<String> = section.select(&sel("p")).map(text).collect();
+        let commands: Vec<String> = section.select(&sel("pre")).map(text).collect();
+        assert_eq!(labels.len(), commands.len());
+        labels.into_iter().zip(commands).collect()
+    };
+    let loops: Vec<_> = reproduce(&site)
+        .into_iter()
+        .filter(|(l, _)| l.contains("gpu_attention_"))
+        .collect();
+    assert_eq!(loops.len(), 1, "{loops:?}");
+    assert!(
+        loops[0].0.starts_with(
+            "To produce gpu_attention_1.json to gpu_attention_3.json (shards 1, 3 of 4 of one \
+             part of the run; Attention, on the "
+        ),
+        "{loops:?}"
+    );
+    assert!(loops[0]
+        .1
+        .starts_with("for i in 1 3; do cargo run --release --bin attention -- "));
+    assert!(
+        loops[0].1.ends_with(
+            "--output \"data/gpu_attention_$i.json\" --note 'fixture run'\\''s note' --filter \
+             pass=fwd --shard=$i/4; done"
+        ),
+        "{loops:?}"
+    );
     write_shard(&mut doc, 2);
     write_shard(&mut doc, 4);
     let (_tmp, site) = build_site(data.path(), None);
@@ -848,6 +881,19 @@ fn missing_shards_of_a_run_are_named_on_the_pages() {
             "{t}"
         );
     }
+    let all = reproduce(&site);
+    let whole: Vec<_> = all
+        .iter()
+        .filter(|(l, _)| l.contains("gpu_attention_"))
+        .collect();
+    assert_eq!(whole.len(), 1, "{all:?}");
+    assert!(whole[0]
+        .0
+        .contains("gpu_attention_4.json (the 4 shards of one part of the run;"));
+    assert!(
+        whole[0].1.starts_with("for i in $(seq 1 4); do "),
+        "{whole:?}"
+    );
 }
 
 #[test]

@@ -123,28 +123,199 @@ pub fn reproduce_command(l: &Loaded) -> String {
     format::shell_join(&out)
 }
 
-/// The commands that reproduce `docs` (one per document, [`reproduce_command`]) followed by the
-/// command that builds the site, pages and figures, from them.
+/// The commands that reproduce `docs`, followed by the command that builds the site, pages and
+/// figures, from them: one per document ([`reproduce_command`]), except that the shards of one
+/// part of a run ([`shard_loop`]) share one command, a shell loop over their numbers.
 pub(crate) fn reproduce_commands<'a>(docs: impl Iterator<Item = &'a Loaded>) -> Vec<CommandView> {
-    docs.map(|l| CommandView {
-        // The card and the commit: two runs of one suite on two cards differ in both.
-        label: format!(
-            "{} ({}, on the {} at commit {}{})",
-            l.file_name(),
-            l.doc.suite.title(),
-            l.doc.device.name,
-            super::format::short_commit(&l.doc.config.git_commit),
-            python_packages(l)
-                .map(|p| format!("; its comparisons ran with {p}"))
-                .unwrap_or_default()
-        ),
-        command: reproduce_command(l),
-    })
-    .chain(std::iter::once(CommandView {
+    let docs: Vec<&Loaded> = docs.collect();
+    let mut taken = vec![false; docs.len()];
+    let mut out = Vec::new();
+    for (k, l) in docs.iter().enumerate() {
+        if taken[k] {
+            continue;
+        }
+        let mut group = vec![*l];
+        for (j, other) in docs.iter().enumerate().skip(k + 1) {
+            if !taken[j] && same_part(l, other) {
+                taken[j] = true;
+                group.push(*other);
+            }
+        }
+        match shard_loop(&group) {
+            Some(view) => out.push(view),
+            None => out.extend(group.iter().map(|l| CommandView {
+                label: format!("{} ({})", l.file_name(), run_words(&[*l])),
+                command: reproduce_command(l),
+            })),
+        }
+    }
+    out.push(CommandView {
         label: "the site, pages and figures".to_string(),
         command: DOCGEN_COMMAND.to_string(),
-    }))
-    .collect()
+    });
+    out
+}
+
+/// The suite, the card, the commit and the Python packages of `l`'s run, for a label: two runs
+/// of one suite on two cards differ in the card and the commit.
+/// For the shards of one part, the packages are those any of them recorded (a shard records
+/// the libraries its cases loaded).
+fn run_words(group: &[&Loaded]) -> String {
+    let l = group[0];
+    let mut libs = BTreeMap::new();
+    for g in group {
+        for (k, v) in &g.doc.config.libraries {
+            libs.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
+    format!(
+        "{}, on the {} at commit {}{}",
+        l.doc.suite.title(),
+        l.doc.device.name,
+        super::format::short_commit(&l.doc.config.git_commit),
+        packages_of(&libs)
+            .map(|p| format!("; its comparisons ran with {p}"))
+            .unwrap_or_default()
+    )
+}
+
+/// `command` without `--shard` and `--output` and their values.
+fn without_shard_and_output(command: &[String]) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut skip = false;
+    for a in command {
+        if std::mem::take(&mut skip) {
+            continue;
+        }
+        if a == "--shard" || a == "--output" {
+            skip = true;
+        } else if !a.starts_with("--shard=") && !a.starts_with("--output=") {
+            out.push(a.as_str());
+        }
+    }
+    out
+}
+
+/// True when `a` and `b` are shards of one part of a run: one suite, card and commit, and one
+/// command line but for `--shard i/n` (the same n) and `--output`.
+fn same_part(a: &Loaded, b: &Loaded) -> bool {
+    let (ca, cb) = (&a.doc.config, &b.doc.config);
+    let shards = match (
+        crate::load::shard_of(&ca.command),
+        crate::load::shard_of(&cb.command),
+    ) {
+        (Some((i, n)), Some((j, m))) => n == m && i != j,
+        _ => false,
+    };
+    shards
+        && a.doc.suite == b.doc.suite
+        && a.doc.device.name == b.doc.device.name
+        && ca.git_commit == cb.git_commit
+        && without_shard_and_output(&ca.command) == without_shard_and_output(&cb.command)
+}
+
+/// One command for the shards of one part of a run (`group`, [`same_part`], more than one):
+/// `for i in $(seq 1 16); do cargo run ... --shard $i/16 --output "data/gpu_attention_bwd_$i.json"; done`
+/// (the shards present, when not all of them), labelled with the first and last file. `None`
+/// when the group is one document, or its files are not named alike but for the shard's number
+/// (`gpu_attention_bwd_7.json`), or a name would need more than double quotes.
+fn shard_loop(group: &[&Loaded]) -> Option<CommandView> {
+    if group.len() < 2 {
+        return None;
+    }
+    let mut shards: Vec<(u32, &Loaded)> = group
+        .iter()
+        .map(|l| Some((crate::load::shard_of(&l.doc.config.command)?.0, *l)))
+        .collect::<Option<_>>()?;
+    shards.sort_by_key(|s| s.0);
+    let (_, count) = crate::load::shard_of(&shards[0].1.doc.config.command)?;
+    // The file name around the shard's number: the last run of digits that is the number.
+    let first = shards[0].1.file_name();
+    let number = shards[0].0.to_string();
+    let at = first
+        .rmatch_indices(number.as_str())
+        .map(|(i, _)| i)
+        .find(|&i| {
+            let before = first[..i].chars().next_back();
+            let after = first[i + number.len()..].chars().next();
+            !before.is_some_and(|c| c.is_ascii_digit())
+                && !after.is_some_and(|c| c.is_ascii_digit())
+        })?;
+    let (prefix, suffix) = (&first[..at], &first[at + number.len()..]);
+    let named_alike = shards
+        .iter()
+        .all(|(i, l)| l.file_name() == format!("{prefix}{i}{suffix}"));
+    let plain = |s: &str| !s.contains(['"', '$', '`', '\\', '\n']);
+    if !named_alike || !plain(prefix) || !plain(suffix) {
+        return None;
+    }
+    // The first shard's command, its shard and output made the loop's.
+    let mut words: Vec<String> = Vec::new();
+    let mut args = shards[0].1.doc.config.command.iter();
+    match args.next() {
+        Some(bin) if *bin == shards[0].1.doc.config.runner => {
+            words.extend(
+                ["cargo", "run", "--release", "--bin", bin.as_str(), "--"]
+                    .map(|w| super::format::shell_join(&[w.to_string()])),
+            );
+        }
+        Some(other) => words.push(super::format::shell_join(std::slice::from_ref(other))),
+        None => return None,
+    }
+    let shard = format!("$i/{count}");
+    let output = format!("\"data/{prefix}$i{suffix}\"");
+    let mut next: Option<&str> = None;
+    for a in args {
+        if let Some(option) = next.take() {
+            words.push(if option == "--shard" {
+                shard.clone()
+            } else {
+                output.clone()
+            });
+            continue;
+        }
+        if a == "--shard" || a == "--output" {
+            next = Some(a.as_str());
+            words.push(a.clone());
+        } else if a.starts_with("--shard=") {
+            words.push(format!("--shard={shard}"));
+        } else if a.starts_with("--output=") {
+            words.push(format!("--output={output}"));
+        } else {
+            words.push(super::format::shell_join(std::slice::from_ref(a)));
+        }
+    }
+    let numbers: Vec<u32> = shards.iter().map(|s| s.0).collect();
+    let whole = numbers.len() == count as usize && numbers.iter().copied().eq(1..=count);
+    let list = if whole {
+        format!("$(seq 1 {count})")
+    } else {
+        numbers
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let which = if whole {
+        format!("the {count} shards of one part of the run")
+    } else {
+        format!(
+            "shards {} of {count} of one part of the run",
+            numbers
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
+    let last = shards[shards.len() - 1].1.file_name();
+    Some(CommandView {
+        label: format!(
+            "{first} to {last} ({which}; {})",
+            run_words(&shards.iter().map(|s| s.1).collect::<Vec<_>>())
+        ),
+        command: format!("for i in {list}; do {}; done", words.join(" ")),
+    })
 }
 
 /// The Python packages document `l`'s comparison scripts ran with, as recorded in its
@@ -152,6 +323,11 @@ pub(crate) fn reproduce_commands<'a>(docs: impl Iterator<Item = &'a Loaded>) -> 
 /// distribution), e.g. `Python 3.12.3, torch 2.11.0+cu130, triton 3.6.0, fla-core 0.6.0`; `None`
 /// when the run compared with no Python library.
 pub fn python_packages(l: &Loaded) -> Option<String> {
+    packages_of(&l.doc.config.libraries)
+}
+
+/// [`python_packages`] of a `config.libraries` map.
+fn packages_of(libs: &BTreeMap<String, String>) -> Option<String> {
     const PIP_NAMES: [(&str, &str); 8] = [
         ("torch", "torch"),
         ("triton", "triton"),
@@ -162,7 +338,6 @@ pub fn python_packages(l: &Loaded) -> Option<String> {
         ("ott-jax", "ott-jax"),
         ("geomloss", "geomloss"),
     ];
-    let libs = &l.doc.config.libraries;
     let packages: Vec<String> = PIP_NAMES
         .iter()
         .filter_map(|(key, pip)| libs.get(*key).map(|v| format!("{pip} {v}")))
