@@ -216,7 +216,8 @@ fn file(path: &str, text: String) -> OutputFile {
 }
 
 /// A small grammar for the one-line shell commands the site shows (environment assignments,
-/// the program, `--options`, quoted strings, `$VARIABLES`, comments), with the standard scope
+/// the program, `--options`, quoted strings, `$VARIABLES`, comments, and the one-line `for i in
+/// ...; do ...; done` that runs a part's shards), with the standard scope
 /// names the themes colour. syntect's full Bash grammar compiles ~60 ms of regexes on first
 /// use, most of a build's time; these few compile in well under a millisecond.
 const COMMAND_SYNTAX: &str = r#"%YAML 1.2
@@ -234,6 +235,20 @@ contexts:
     - match: '"'
       scope: punctuation.definition.string.begin.shell
       push: double_quoted
+    - match: '^\s*(for)\s+([A-Za-z_][A-Za-z0-9_]*)\s+(in)\b'
+      captures:
+        1: keyword.control.loop.shell
+        2: variable.other.readwrite.shell
+        3: keyword.control.loop.shell
+    - match: '(;)\s*(do)\s+([\w./-]+)'
+      captures:
+        1: keyword.operator.shell
+        2: keyword.control.loop.shell
+        3: variable.function.shell
+    - match: '(;)\s*(done)\b'
+      captures:
+        1: keyword.operator.shell
+        2: keyword.control.loop.shell
     - match: '\$\{?[A-Za-z_][A-Za-z0-9_]*\}?'
       scope: variable.other.readwrite.shell
     - match: '\b([A-Za-z_][A-Za-z0-9_]*)(=)'
