@@ -64,6 +64,33 @@ fn failure(docs: &[Loaded], source: &str) -> ProseError {
     }
 }
 
+/// A ratio of two times whose quartiles overlap names no faster side: it says `within noise`,
+/// by the rule the claims and tables use (the faster side's q3 below the other's q1).
+#[test]
+fn a_ratio_within_noise_says_so() {
+    let mut docs = fixture_docs();
+    let src = r#"- {{ ratio(suite="attention", num="flash", den="torch_cudnn", case="head_dim=128, seq_len=2048, causal=false") }}"#;
+    let before = items(&docs, src);
+    assert!(!before[0].contains("within noise"), "{before:?}");
+    let flash = row(&docs, "flash", 128, false, 2048).clone();
+    let r = row(&docs, "torch_cudnn", 128, false, 2048)
+        .median_ms
+        .unwrap()
+        / flash.median_ms.unwrap();
+    // The alternative's first quartile moved below the default's third.
+    for l in &mut docs {
+        for row in &mut l.doc.rows {
+            if row.implementation == "torch_cudnn" && row.case == flash.case {
+                let (lo, hi) = (flash.median_ms.unwrap(), row.median_ms.unwrap());
+                row.q1_ms = Some(lo.min(hi) * 0.99);
+                row.q3_ms = Some(lo.max(hi) * 1.01);
+            }
+        }
+    }
+    let after = items(&docs, src);
+    assert_eq!(after, [format!("{} (within noise)", format::ratio(r))]);
+}
+
 #[test]
 fn values_and_ratios_are_the_fixture_numbers() {
     let docs = fixture_docs();
@@ -158,12 +185,22 @@ fn a_claim_that_holds_says_how_many_cases_it_covers() {
         [a, .., z] => format!("seq_len {a} to {z}"),
         [] => unreachable!(),
     };
-    assert_eq!(
-        got,
-        [format!(
-            "flash is faster than math in every measured case with {named} ({both} cases; \
-             {range} ({words}); {left_out} cases where either did not run are left out)"
-        )]
+    // The count, with what the cases vary in beyond the filter (head_dim, causal, ...) when
+    // they do, then the ratios.
+    assert_eq!(got.len(), 1);
+    let head =
+        format!("flash is faster than math in every measured case with {named} ({both} cases");
+    assert!(got[0].starts_with(&head), "{got:?}");
+    let rest = &got[0][head.len()..];
+    assert!(
+        rest.starts_with("; ") || rest.starts_with(" across "),
+        "{rest}"
+    );
+    assert!(
+        rest.ends_with(&format!(
+            "{range} ({words}); {left_out} cases where either did not run are left out)"
+        )),
+        "{rest}"
     );
 }
 

@@ -99,6 +99,17 @@ pub fn time_ratio_html(lo: f64, hi: f64, other: &str, reference: &str) -> String
     )
 }
 
+/// A ratio from [`time_ratio_html`] whose two times are within noise of each other (their
+/// quartiles overlap): the words naming a faster side become `within noise`.
+pub fn within_noise_html(ratio_html: &str) -> String {
+    match ratio_html.rfind(" (") {
+        Some(at) if ratio_html.ends_with(')') => {
+            format!("{} (within noise)", &ratio_html[..at])
+        }
+        _ => ratio_html.to_string(),
+    }
+}
+
 /// The first 7 characters of a commit hash (all of a shorter one), as the pages name commits.
 pub fn short_commit(commit: &str) -> String {
     commit.chars().take(7).collect()

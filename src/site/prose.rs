@@ -680,13 +680,36 @@ fn ratio(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             case_label(&reference.row.case)
         ));
     }
-    Ok(Value::safe_string(&ratio_html(
+    // A time within noise (the faster side's q3 not below the other's q1, the rule of the
+    // claims and the tables) says so instead of naming a faster side.
+    let within_noise = matches!(field, Field::MedianMs)
+        && match (
+            other.row.q1_ms,
+            other.row.q3_ms,
+            reference.row.q1_ms,
+            reference.row.q3_ms,
+        ) {
+            (Some(oq1), Some(oq3), Some(rq1), Some(rq3)) => {
+                if o < r {
+                    oq3 >= rq1
+                } else {
+                    rq3 >= oq1
+                }
+            }
+            _ => false,
+        };
+    let html = ratio_html(
         &field,
         o / r,
         o / r,
         &other.row.implementation,
         &reference.row.implementation,
-    )))
+    );
+    Ok(Value::safe_string(&if within_noise {
+        super::format::within_noise_html(&html)
+    } else {
+        html
+    }))
 }
 
 /// A ratio `other ÷ reference` of `field` (or a range of them) as the site shows every ratio:
@@ -1305,6 +1328,9 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             1,
         )
     };
+    // What the cases vary in beyond the filter (GQA beside MHA, say), said beside the count,
+    // so that a range is not read as the filter's cases alone.
+    let varying = filter.describe_varying(&compared);
     let statement = if within_noise + launch_bound == 0 {
         statement
     } else {
@@ -1331,8 +1357,20 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
         k => notes.push(format!("{k} cases where either did not run are left out")),
     }
     let notes: String = notes.iter().map(|n| format!("; {n}")).collect();
+    // `in 11 of 12 measured cases` already counts them.
+    let count = if within_noise + launch_bound == 0 {
+        format!("{n} {cases}")
+    } else {
+        String::new()
+    };
+    let scope = match (count.is_empty(), varying.is_empty()) {
+        (false, true) => format!("{count}; "),
+        (false, false) => format!("{count} across {varying}; "),
+        (true, false) => format!("across {varying}; "),
+        (true, true) => String::new(),
+    };
     Ok(Value::safe_string(&format!(
-        "{statement} ({n} {cases}; {detail}{notes})"
+        "{statement} ({scope}{detail}{notes})"
     )))
 }
 

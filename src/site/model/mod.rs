@@ -215,7 +215,7 @@ fn same_part(a: &Loaded, b: &Loaded) -> bool {
 }
 
 /// One command for the shards of one part of a run (`group`, [`same_part`], more than one):
-/// `for i in $(seq 1 16); do cargo run ... --shard $i/16 --output "data/gpu_attention_bwd_$i.json"; done`
+/// `for i in $(seq 1 16); do cargo run ... --shard $i/16 --output "data/gpu_attention_bwd_$i.json" || break; done`
 /// (the shards present, when not all of them), labelled with the first and last file. `None`
 /// when the group is one document, or its files are not named alike but for the shard's number
 /// (`gpu_attention_bwd_7.json`), or a name would need more than double quotes.
@@ -297,10 +297,10 @@ fn shard_loop(group: &[&Loaded]) -> Option<CommandView> {
             .join(" ")
     };
     let which = if whole {
-        format!("the {count} shards of one part of the run")
+        format!("all {count} shards of this command")
     } else {
         format!(
-            "shards {} of {count} of one part of the run",
+            "shards {} of {count} of this command, those in the data",
             numbers
                 .iter()
                 .map(u32::to_string)
@@ -314,7 +314,7 @@ fn shard_loop(group: &[&Loaded]) -> Option<CommandView> {
             "{first} to {last} ({which}; {})",
             run_words(&shards.iter().map(|s| s.1).collect::<Vec<_>>())
         ),
-        command: format!("for i in {list}; do {}; done", words.join(" ")),
+        command: format!("for i in {list}; do {} || break; done", words.join(" ")),
     })
 }
 

@@ -377,7 +377,7 @@ impl Filter {
                 format!("{} {relation} the {extreme}", c.param)
             })
             .collect();
-        parts.join(" and ")
+        join_words(&parts)
     }
 
     /// The cases a claim compared, described by the values they hold of each parameter the
@@ -387,44 +387,86 @@ impl Filter {
     /// two or three `name a, b or c`, more `name lo to hi`; a parameter no case has
     /// reads `the default name`. Empty when the filter names nothing.
     pub fn describe_values(&self, cases: &[&std::collections::BTreeMap<String, Param>]) -> String {
-        let parts: Vec<String> = self
-            .params()
-            .into_iter()
-            .map(|name| {
-                let mut values: Vec<&Param> = Vec::new();
-                let mut absent = false;
-                for c in cases {
-                    match c.get(name) {
-                        Some(v) => {
-                            if !values.iter().any(|w| param_order(w, v) == Ordering::Equal) {
-                                values.push(v);
-                            }
-                        }
-                        None => absent = true,
-                    }
-                }
-                values.sort_by(|a, b| param_order(a, b));
-                let shown: Vec<String> = values.iter().map(|v| v.to_string()).collect();
-                let mut words = match shown.as_slice() {
-                    [] => return format!("the default {name}"),
-                    [one] => format!("{name} = {one}"),
-                    [a, b] => format!("{name} {a} or {b}"),
-                    [a, b, c] => format!("{name} {a}, {b} or {c}"),
-                    [first, .., last] => format!("{name} {first} to {last}"),
-                };
-                if absent {
-                    words.push_str(&format!(" (or the default {name})"));
-                }
-                words
-            })
-            .collect();
-        match parts.as_slice() {
-            [] => String::new(),
-            [one] => one.clone(),
-            [init @ .., last] => format!("{} and {last}", init.join(", ")),
-        }
+        describe_params(&self.params(), cases)
     }
 
+    /// The parameters that `cases` hold two values or more of, other than those the filter
+    /// names, described as [`Filter::describe_values`] does (`causal false or true and
+    /// kv_heads 1, 2 or 8`): what a claim's cases vary in beyond what its filter says. Empty
+    /// when they vary in nothing else.
+    pub fn describe_varying(&self, cases: &[&std::collections::BTreeMap<String, Param>]) -> String {
+        let named = self.params();
+        let mut varying: Vec<&str> = Vec::new();
+        for c in cases {
+            for key in c.keys() {
+                if named.contains(&key.as_str()) || varying.contains(&key.as_str()) {
+                    continue;
+                }
+                // Two values or more; one value where other cases lack the parameter is a
+                // parameter of some operations only (`cols` of a matrix product), not a range.
+                let mut values = cases.iter().filter_map(|o| o.get(key));
+                let first = values.next();
+                let differs =
+                    first.is_some_and(|f| values.any(|v| param_order(v, f) != Ordering::Equal));
+                if differs {
+                    varying.push(key);
+                }
+            }
+        }
+        varying.sort_unstable();
+        describe_params(&varying, cases)
+    }
+}
+
+/// [`Filter::describe_values`] for the parameters `names`.
+fn describe_params(names: &[&str], cases: &[&std::collections::BTreeMap<String, Param>]) -> String {
+    let parts: Vec<String> = names
+        .iter()
+        .map(|&name| {
+            let mut values: Vec<&Param> = Vec::new();
+            let mut absent = false;
+            for c in cases {
+                match c.get(name) {
+                    Some(v) => {
+                        if !values.iter().any(|w| param_order(w, v) == Ordering::Equal) {
+                            values.push(v);
+                        }
+                    }
+                    None => absent = true,
+                }
+            }
+            values.sort_by(|a, b| param_order(a, b));
+            let shown: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+            let mut words = match shown.as_slice() {
+                [] => return format!("the default {name}"),
+                [one] => format!("{name} = {one}"),
+                [a, b] => format!("{name} {a} or {b}"),
+                [a, b, c] => format!("{name} {a}, {b} or {c}"),
+                // Numbers as a range; names (a mask, an operation) each.
+                [first, .., last] if values.iter().all(|v| num(v).is_some()) => {
+                    format!("{name} {first} to {last}")
+                }
+                [init @ .., last] => format!("{name} {} or {last}", init.join(", ")),
+            };
+            if absent {
+                words.push_str(&format!(" (or the default {name})"));
+            }
+            words
+        })
+        .collect();
+    join_words(&parts)
+}
+
+/// `a`, `a and b`, `a, b and c`.
+fn join_words(parts: &[String]) -> String {
+    match parts {
+        [] => String::new(),
+        [one] => one.clone(),
+        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+    }
+}
+
+impl Filter {
     /// Parameter names the filter mentions, in order, each once.
     pub fn params(&self) -> Vec<&str> {
         let mut out: Vec<&str> = Vec::new();
@@ -649,6 +691,32 @@ mod tests {
             "scale = 0.3 (or the default scale)"
         );
         assert_eq!(Filter::default().describe_values(&refs), "");
+        // Beyond the filter: what varies, names listed each, a parameter only some cases have
+        // left out.
+        let mut grid: Vec<BTreeMap<String, Param>> = Vec::new();
+        for (mask, kv) in [
+            ("causal", 8),
+            ("alibi", 1),
+            ("document", 8),
+            ("softcap(30)", 8),
+        ] {
+            let mut c = case(64, 1024);
+            c.insert("mask".to_string(), Param::Text(mask.to_string()));
+            c.insert("kv_heads".to_string(), Param::Int(kv));
+            grid.push(c);
+        }
+        grid[0].insert("window".to_string(), Param::Int(64));
+        let refs: Vec<_> = grid.iter().collect();
+        assert_eq!(
+            parse_filter("pass = fwd").unwrap().describe_varying(&refs),
+            "kv_heads 1 or 8 and mask alibi, causal, document or softcap(30)"
+        );
+        assert_eq!(
+            parse_filter("kv_heads >= 1, mask != x")
+                .unwrap()
+                .describe_varying(&refs),
+            ""
+        );
     }
 
     fn row(seq_len: i64, causal: bool) -> Row {
