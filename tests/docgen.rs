@@ -2400,6 +2400,10 @@ fn each_tuning_notes_file_is_a_page_and_prose_links_it() {
         assert_ne!(others[0].0, title);
         let title_tag = html.select(&sel("title")).next().map(text).unwrap();
         assert!(title_tag.contains(title), "{file}: {title_tag}");
+        // The notes' own title (`# MoE notes`) gives way to the page's: one h1.
+        let h1: Vec<String> = html.select(&sel("h1")).map(text).collect();
+        assert_eq!(h1, [title_tag.clone()], "{file}");
+        assert!(html.select(&sel("h2")).any(|h| text(h).starts_with("v1 ")));
     }
     let code_link = sel("a > code");
     let linked = |html: &Html| -> Vec<(String, String)> {

@@ -705,6 +705,11 @@ pub fn build_model(
     let tuning = tuning_notes
         .iter()
         .map(|(notes, md)| {
+            // The page's own title stands for the notes' first heading when it is a title.
+            let md = match md.trim_start().strip_prefix("# ") {
+                Some(rest) => rest.split_once('\n').map_or("", |(_, body)| body),
+                None => md.as_str(),
+            };
             let (html, headings) = super::markdown::to_html_with_ids(md);
             // One notes file naming another links its page.
             let html = super::markdown::link_code_spans(&html, &notes_links);
