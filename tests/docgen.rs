@@ -868,6 +868,18 @@ fn missing_shards_of_a_run_are_named_on_the_pages() {
     assert!(loops[0]
         .1
         .starts_with("for i in 1 3; do cargo run --release --bin attention -- "));
+    // And one setup block, their rows summed.
+    let index = page(&site, "index.html");
+    let setups: Vec<String> = index.select(&sel("#setup h3")).map(text).collect();
+    let ours: Vec<_> = setups
+        .iter()
+        .filter(|h| h.contains("gpu_attention_"))
+        .collect();
+    assert_eq!(
+        ours,
+        ["gpu_attention_1.json to gpu_attention_3.json (2 shards) (Attention)"],
+        "{setups:?}"
+    );
     assert!(
         loops[0].1.ends_with(
             "--output \"data/gpu_attention_$i.json\" --note 'fixture run'\\''s note' --filter \

@@ -128,19 +128,8 @@ pub fn reproduce_command(l: &Loaded) -> String {
 /// part of a run ([`shard_loop`]) share one command, a shell loop over their numbers.
 pub(crate) fn reproduce_commands<'a>(docs: impl Iterator<Item = &'a Loaded>) -> Vec<CommandView> {
     let docs: Vec<&Loaded> = docs.collect();
-    let mut taken = vec![false; docs.len()];
     let mut out = Vec::new();
-    for (k, l) in docs.iter().enumerate() {
-        if taken[k] {
-            continue;
-        }
-        let mut group = vec![*l];
-        for (j, other) in docs.iter().enumerate().skip(k + 1) {
-            if !taken[j] && same_part(l, other) {
-                taken[j] = true;
-                group.push(*other);
-            }
-        }
+    for group in shard_groups(&docs) {
         match shard_loop(&group) {
             Some(view) => out.push(view),
             None => out.extend(group.iter().map(|l| CommandView {
@@ -154,6 +143,43 @@ pub(crate) fn reproduce_commands<'a>(docs: impl Iterator<Item = &'a Loaded>) -> 
         command: DOCGEN_COMMAND.to_string(),
     });
     out
+}
+
+/// `docs` in groups, each the shards of one part of a run ([`same_part`], in shard order) or
+/// one document, in the order of each group's first document.
+pub(crate) fn shard_groups<'a>(docs: &[&'a Loaded]) -> Vec<Vec<&'a Loaded>> {
+    let mut taken = vec![false; docs.len()];
+    let mut out = Vec::new();
+    for (k, l) in docs.iter().enumerate() {
+        if taken[k] {
+            continue;
+        }
+        let mut group = vec![*l];
+        for (j, other) in docs.iter().enumerate().skip(k + 1) {
+            if !taken[j] && same_part(l, other) {
+                taken[j] = true;
+                group.push(*other);
+            }
+        }
+        group.sort_by_key(|l| crate::load::shard_of(&l.doc.config.command).map(|s| s.0));
+        out.push(group);
+    }
+    out
+}
+
+/// The files of a group from [`shard_groups`]: `a.json`, or `a_1.json to a_16.json (16
+/// shards)`.
+pub(crate) fn group_files(group: &[&Loaded]) -> String {
+    match group {
+        [one] => one.file_name(),
+        [first, .., last] => format!(
+            "{} to {} ({} shards)",
+            first.file_name(),
+            last.file_name(),
+            group.len()
+        ),
+        [] => String::new(),
+    }
 }
 
 /// The suite, the card, the commit and the Python packages of `l`'s run, for a label: two runs

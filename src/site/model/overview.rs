@@ -567,7 +567,10 @@ pub fn index_page(
         empty: docs.is_empty(),
         glance_figure: glance.chart.as_ref().map(|c| FigureRef::glance(base, c)),
 
-        setup: all_docs.iter().map(setup_doc).collect(),
+        setup: super::shard_groups(&all_docs.iter().collect::<Vec<_>>())
+            .iter()
+            .map(|g| setup_doc(g))
+            .collect(),
         methodology: methodology(all_docs),
         dispatch: docs
             .iter()
@@ -776,71 +779,157 @@ fn mark_representatives(rows: &mut [GlanceRow]) {
     }
 }
 
-fn setup_doc(l: &Loaded) -> SetupDoc {
-    let d = &l.doc.device;
+/// The setup of one document, or of the shards of one part of a run ([`super::shard_groups`])
+/// together: a fact the shards recorded differently (two machines of one kind, a driver
+/// updated between sessions) lists each value; rows and flags are summed, times span them.
+fn setup_doc(group: &[&Loaded]) -> SetupDoc {
+    let l = group[0];
     let kv = |k: &str, v: String| KeyValue {
         key: k.to_string(),
         value: v,
     };
-    let mut device = vec![
-        kv("Name", d.name.clone()),
-        kv("Kind", format!("{:?}", d.kind).to_lowercase()),
-    ];
     let opt = |v: Option<String>| v.unwrap_or_else(|| "—".to_string());
-    device.push(kv("Compute capability", opt(d.compute_capability.clone())));
-    device.push(kv("SMs", opt(d.sm_count.map(|v| v.to_string()))));
-    device.push(kv("Memory (MB)", opt(d.memory_mb.map(format::mb))));
-    device.push(kv("L2 (MB)", opt(d.l2_mb.map(format::mb))));
-    device.push(kv("Driver", opt(d.driver_version.clone())));
-    device.push(kv("CUDA", opt(d.cuda_version.clone())));
-    device.push(kv("NVRTC target architecture", opt(d.nvrtc_arch.clone())));
+    // Each shard's value, the distinct ones in shard order.
+    let each = |f: &dyn Fn(&Loaded) -> String| -> String {
+        let mut seen: Vec<String> = Vec::new();
+        for g in group {
+            let v = f(g);
+            if !seen.contains(&v) {
+                seen.push(v);
+            }
+        }
+        seen.join("; ")
+    };
     let mhz = |v: Option<f64>| v.map(|v| format!("{} MHz", format::sig(v, 4)));
-    device.push(kv("Max SM clock", opt(mhz(d.max_sm_clock_mhz))));
-    device.push(kv("Max memory clock", opt(mhz(d.max_mem_clock_mhz))));
-    device.push(kv(
-        "Power limit",
-        opt(d.power_limit_w.map(|w| format!("{} W", format::sig(w, 3)))),
-    ));
-    device.push(kv("Host CPU", opt(d.host_cpu.clone())));
-    if let Some(t) = d.cpu_threads {
-        device.push(kv("CPU threads", t.to_string()));
+    let mut device = vec![
+        kv("Name", each(&|g| g.doc.device.name.clone())),
+        kv(
+            "Kind",
+            each(&|g| format!("{:?}", g.doc.device.kind).to_lowercase()),
+        ),
+        kv(
+            "Compute capability",
+            each(&|g| opt(g.doc.device.compute_capability.clone())),
+        ),
+        kv(
+            "SMs",
+            each(&|g| opt(g.doc.device.sm_count.map(|v| v.to_string()))),
+        ),
+        kv(
+            "Memory (MB)",
+            each(&|g| opt(g.doc.device.memory_mb.map(format::mb))),
+        ),
+        kv(
+            "L2 (MB)",
+            each(&|g| opt(g.doc.device.l2_mb.map(format::mb))),
+        ),
+        kv(
+            "Driver",
+            each(&|g| opt(g.doc.device.driver_version.clone())),
+        ),
+        kv("CUDA", each(&|g| opt(g.doc.device.cuda_version.clone()))),
+        kv(
+            "NVRTC target architecture",
+            each(&|g| opt(g.doc.device.nvrtc_arch.clone())),
+        ),
+        kv(
+            "Max SM clock",
+            each(&|g| opt(mhz(g.doc.device.max_sm_clock_mhz))),
+        ),
+        kv(
+            "Max memory clock",
+            each(&|g| opt(mhz(g.doc.device.max_mem_clock_mhz))),
+        ),
+        kv(
+            "Power limit",
+            each(&|g| {
+                opt(g
+                    .doc
+                    .device
+                    .power_limit_w
+                    .map(|w| format!("{} W", format::sig(w, 3))))
+            }),
+        ),
+        kv("Host CPU", each(&|g| opt(g.doc.device.host_cpu.clone()))),
+    ];
+    if group.iter().any(|g| g.doc.device.cpu_threads.is_some()) {
+        device.push(kv(
+            "CPU threads",
+            each(&|g| opt(g.doc.device.cpu_threads.map(|t| t.to_string()))),
+        ));
     }
-    device.push(kv("OS", opt(d.os.clone())));
+    device.push(kv("OS", each(&|g| opt(g.doc.device.os.clone()))));
     let c = &l.doc.config;
+    let rows: Vec<&crate::schema::Row> = group.iter().flat_map(|g| g.doc.rows.iter()).collect();
     // What the rows say of the machine while they ran.
-    let rows_with =
-        |f: &dyn Fn(&crate::schema::Row) -> bool| l.doc.rows.iter().filter(|r| f(r)).count();
-    let throttled = rows_with(&|r| {
-        super::groups::machine_flags(r)
-            .iter()
-            .any(|f| f.starts_with("throttled"))
-    });
-    let shared = rows_with(&|r| {
-        r.machine
-            .as_ref()
-            .is_some_and(|m| !m.other_processes.is_empty())
-    });
-    let clocks: Vec<f64> = l
-        .doc
-        .rows
+    let throttled = rows
+        .iter()
+        .filter(|r| {
+            super::groups::machine_flags(r)
+                .iter()
+                .any(|f| f.starts_with("throttled"))
+        })
+        .count();
+    let shared = rows
+        .iter()
+        .filter(|r| {
+            r.machine
+                .as_ref()
+                .is_some_and(|m| !m.other_processes.is_empty())
+        })
+        .count();
+    let clocks: Vec<f64> = rows
         .iter()
         .filter_map(|r| r.machine.as_ref()?.sm_clock_mhz)
         .collect();
+    // Every library any shard recorded, each with its versions.
+    let mut names: Vec<&String> = group
+        .iter()
+        .flat_map(|g| g.doc.config.libraries.keys())
+        .collect();
+    names.sort();
+    names.dedup();
+    let libraries = names
+        .into_iter()
+        .map(|k| {
+            kv(
+                k,
+                each(&|g| {
+                    g.doc
+                        .config
+                        .libraries
+                        .get(k)
+                        .map(|v| format::library_version(k, v))
+                        .unwrap_or_else(|| "—".to_string())
+                })
+                .split("; ")
+                .filter(|v| *v != "—")
+                .collect::<Vec<_>>()
+                .join("; "),
+            )
+        })
+        .collect();
+    let amendments: Vec<String> = group
+        .iter()
+        .flat_map(|g| g.doc.config.amendments.iter())
+        .map(|a| format!("{}: {} ({})", a.when, a.what, a.why))
+        .collect();
+    let started = group.iter().map(|g| g.doc.config.started_at.clone()).min();
+    let finished = group
+        .iter()
+        .filter_map(|g| g.doc.config.finished_at.clone())
+        .max();
     SetupDoc {
-        file: l.file_name(),
+        file: super::group_files(group),
         suite: l.doc.suite.title().to_string(),
         device,
-        libraries: c
-            .libraries
-            .iter()
-            .map(|(k, v)| kv(k, format::library_version(k, v)))
-            .collect(),
+        libraries,
         run: vec![
             kv("Runner", format!("{} {}", c.runner, c.runner_version)),
             kv("Git commit", c.git_commit.clone()),
-            kv("Started", c.started_at.clone()),
-            kv("Finished", opt(c.finished_at.clone())),
-            kv("Rows", l.doc.rows.len().to_string()),
+            kv("Started", opt(started)),
+            kv("Finished", opt(finished)),
+            kv("Rows", rows.len().to_string()),
             kv(
                 "Shards not in the data folder",
                 l.missing_shards_text()
@@ -862,14 +951,10 @@ fn setup_doc(l: &Loaded) -> SetupDoc {
             kv("Rows with another process on the GPU", shared.to_string()),
             kv(
                 "Changed after the run",
-                if c.amendments.is_empty() {
+                if amendments.is_empty() {
                     "no".to_string()
                 } else {
-                    c.amendments
-                        .iter()
-                        .map(|a| format!("{}: {} ({})", a.when, a.what, a.why))
-                        .collect::<Vec<_>>()
-                        .join("; ")
+                    amendments.join("; ")
                 },
             ),
         ],
@@ -1025,9 +1110,9 @@ fn timing_view(
         throughputs: md_text(&throughputs.join("; ")),
         flop_rules: md_text(&flop_rules.into_iter().collect::<Vec<_>>().join("; ")),
         peak_methods: md_text(&peak_methods),
-        files: docs
+        files: super::shard_groups(docs)
             .iter()
-            .map(|l| l.file_name())
+            .map(|g| super::group_files(g))
             .collect::<Vec<_>>()
             .join(", "),
         warmup_ms: format::sig(t.warmup_ms, 3),
