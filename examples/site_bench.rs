@@ -62,7 +62,7 @@ fn phases(data: &Path, out: &Path) -> anyhow::Result<()> {
     };
     let docs = kernelpages::load::load_dir(data)?;
     lap("load");
-    let m = model::build_model(&docs, None, None);
+    let m = model::build_model(&docs, None, &[]);
     lap("model");
     let sources = Sources::find(None)?;
     let p = prose::render_site_prose(&docs, &sources)?;

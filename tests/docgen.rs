@@ -2414,7 +2414,7 @@ fn each_tuning_notes_file_is_a_page_and_prose_links_it() {
         assert!(title_tag.contains(title), "{file}: {title_tag}");
         // The notes' own title (`# MoE notes`) gives way to the page's: one h1.
         let h1: Vec<String> = html.select(&sel("h1")).map(text).collect();
-        assert_eq!(h1, [title_tag.clone()], "{file}");
+        assert_eq!(h1, std::slice::from_ref(&title_tag), "{file}");
         assert!(html.select(&sel("h2")).any(|h| text(h).starts_with("v1 ")));
     }
     let code_link = sel("a > code");

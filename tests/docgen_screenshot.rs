@@ -153,7 +153,7 @@ fn at_a_glance_chart_renders_in_chromium() {
     let bars = kernelpages::site::model::build_model(
         &kernelpages::load::load_dir(&data).unwrap(),
         None,
-        None,
+        &[],
     )
     .glance_chart
     .map_or(0, |c| c.bars.len());
