@@ -150,6 +150,7 @@ fn a_claim_that_holds_says_how_many_cases_it_covers() {
     let (mut both, mut left_out) = (0, 0);
     let mut ratios = Vec::new();
     let mut lengths = std::collections::BTreeSet::new();
+    let mut compared = Vec::new();
     for f in rows(&docs)
         .into_iter()
         .filter(|r| r.implementation == "flash" && r.int("seq_len").unwrap() >= 1024)
@@ -162,6 +163,7 @@ fn a_claim_that_holds_says_how_many_cases_it_covers() {
                 both += 1;
                 ratios.push(m.median_ms.unwrap() / f.median_ms.unwrap());
                 lengths.insert(f.int("seq_len").unwrap());
+                compared.push(f.case.clone());
             }
             _ => left_out += 1,
         }
@@ -192,10 +194,19 @@ fn a_claim_that_holds_says_how_many_cases_it_covers() {
         format!("flash is faster than math in every measured case with {named} ({both} cases");
     assert!(got[0].starts_with(&head), "{got:?}");
     let rest = &got[0][head.len()..];
-    assert!(
-        rest.starts_with("; ") || rest.starts_with(" across "),
-        "{rest}"
-    );
+    // What else the compared cases vary in (every parameter but seq_len, the filter's).
+    let varying: Vec<&String> = compared[0]
+        .keys()
+        .filter(|k| *k != "seq_len" && compared.iter().any(|c| c.get(*k) != compared[0].get(*k)))
+        .collect();
+    if varying.is_empty() {
+        assert!(rest.starts_with("; "), "{rest}");
+    } else {
+        assert!(rest.starts_with(" across "), "{rest}");
+        for k in &varying {
+            assert!(rest.contains(k.as_str()), "{k} in {rest}");
+        }
+    }
     assert!(
         rest.ends_with(&format!(
             "{range} ({words}); {left_out} cases where either did not run are left out)"

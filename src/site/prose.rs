@@ -1324,13 +1324,16 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     } else {
         statement.replacen(
             &where_text,
-            &format!(" with {}", filter.describe_values(&compared)),
+            &format!(
+                " with {}",
+                super::format::html_escape(&filter.describe_values(&compared))
+            ),
             1,
         )
     };
     // What the cases vary in beyond the filter (GQA beside MHA, say), said beside the count,
     // so that a range is not read as the filter's cases alone.
-    let varying = filter.describe_varying(&compared);
+    let varying = super::format::html_escape(&filter.describe_varying(&compared));
     let statement = if within_noise + launch_bound == 0 {
         statement
     } else {

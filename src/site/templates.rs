@@ -243,4 +243,23 @@ mod tests {
         assert_ne!(s.sha256(), Sources::built_in().sha256());
         assert!(Sources::from_dir(&dir.path().join("missing")).is_err());
     }
+
+    /// Every tuning notes file of the repository has a page: a new `kernels/TUNING*.md` must be
+    /// listed in [`TUNING_NOTES`], or the site would silently leave it out.
+    #[test]
+    fn every_tuning_notes_file_is_listed() {
+        let kernels = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+        let mut found: Vec<String> = std::fs::read_dir(&kernels)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("TUNING") && n.ends_with(".md"))
+            .map(|n| format!("kernels/{n}"))
+            .collect();
+        found.sort();
+        let mut listed: Vec<String> = TUNING_NOTES.iter().map(|n| n.path.to_string()).collect();
+        listed.sort();
+        assert_eq!(found, listed);
+        let files: std::collections::BTreeSet<&str> = TUNING_NOTES.iter().map(|n| n.file).collect();
+        assert_eq!(files.len(), TUNING_NOTES.len(), "two notes on one page");
+    }
 }

@@ -600,8 +600,8 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
         suites,
         devices: device_lines(docs),
         charts,
-        // One command per document as measured (each shard and part its own `--output`), not
-        // per merged run.
+        // From the documents as measured (each shard and part its own `--output`), not the
+        // merged run: one command per document, one loop per part's shards.
         reproduce: reproduce_commands(parts.iter().filter(|l| is_hopper(&l.doc))),
     }
 }

@@ -167,18 +167,27 @@ pub(crate) fn shard_groups<'a>(docs: &[&'a Loaded]) -> Vec<Vec<&'a Loaded>> {
     out
 }
 
-/// The files of a group from [`shard_groups`]: `a.json`, or `a_1.json to a_16.json (16
-/// shards)`.
+/// The files of a group from [`shard_groups`]: `a.json`; `a_1.json to a_16.json (16 shards)`
+/// when the shards' numbers run without a gap; else each file (`a_1.json, a_3.json`).
 pub(crate) fn group_files(group: &[&Loaded]) -> String {
+    let numbers: Vec<u32> = group
+        .iter()
+        .filter_map(|l| crate::load::shard_of(&l.doc.config.command).map(|s| s.0))
+        .collect();
+    let consecutive = numbers.len() == group.len() && numbers.windows(2).all(|w| w[1] == w[0] + 1);
     match group {
         [one] => one.file_name(),
-        [first, .., last] => format!(
+        [first, .., last] if consecutive => format!(
             "{} to {} ({} shards)",
             first.file_name(),
             last.file_name(),
             group.len()
         ),
-        [] => String::new(),
+        _ => group
+            .iter()
+            .map(|l| l.file_name())
+            .collect::<Vec<_>>()
+            .join(", "),
     }
 }
 
@@ -188,12 +197,20 @@ pub(crate) fn group_files(group: &[&Loaded]) -> String {
 /// the libraries its cases loaded).
 fn run_words(group: &[&Loaded]) -> String {
     let l = group[0];
-    let mut libs = BTreeMap::new();
+    // Each library's versions, every one a shard recorded (`2.11.0 / 2.12.0` if they differ).
+    let mut versions: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for g in group {
         for (k, v) in &g.doc.config.libraries {
-            libs.entry(k.clone()).or_insert_with(|| v.clone());
+            let seen = versions.entry(k.clone()).or_default();
+            if !seen.contains(v) {
+                seen.push(v.clone());
+            }
         }
     }
+    let libs: BTreeMap<String, String> = versions
+        .into_iter()
+        .map(|(k, v)| (k, v.join(" / ")))
+        .collect();
     format!(
         "{}, on the {} at commit {}{}",
         l.doc.suite.title(),
@@ -271,7 +288,8 @@ fn shard_loop(group: &[&Loaded]) -> Option<CommandView> {
     let named_alike = shards
         .iter()
         .all(|(i, l)| l.file_name() == format!("{prefix}{i}{suffix}"));
-    let plain = |s: &str| !s.contains(['"', '$', '`', '\\', '\n']);
+    // Inside double quotes nothing of the name may expand (`!` does in an interactive bash).
+    let plain = |s: &str| !s.contains(['"', '$', '`', '\\', '\n', '!']);
     if !named_alike || !plain(prefix) || !plain(suffix) {
         return None;
     }
@@ -310,6 +328,13 @@ fn shard_loop(group: &[&Loaded]) -> Option<CommandView> {
         } else {
             words.push(super::format::shell_join(std::slice::from_ref(a)));
         }
+    }
+    // Without its own output file each shard would print its document: no loop then.
+    if !words
+        .iter()
+        .any(|w| w == "--output" || w.starts_with("--output="))
+    {
+        return None;
     }
     let numbers: Vec<u32> = shards.iter().map(|s| s.0).collect();
     let whole = numbers.len() == count as usize && numbers.iter().copied().eq(1..=count);
@@ -560,7 +585,8 @@ pub struct CommandView {
 /// Each of `tuning_notes` (a notes file and its Markdown) becomes a notes page; the navigation
 /// links the first.
 ///
-/// Setup, methodology and reproduction commands are per file; tables, figures, the At a glance
+/// Setup, methodology and reproduction commands are per file (the shards of one part of a run
+/// together, [`shard_groups`]); tables, figures, the At a glance
 /// comparison, dispatch rules and limitations use the documents merged by [`merge_shards`].
 pub fn build_model(
     all_docs: &[Loaded],

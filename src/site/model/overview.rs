@@ -167,7 +167,8 @@ pub struct GlanceCell {
 /// What one document says about its machine and software.
 #[derive(Debug, Serialize)]
 pub struct SetupDoc {
-    /// Data file name.
+    /// Data file name, or the files of the shards of one part of a run
+    /// ([`super::group_files`]).
     pub file: String,
     /// Suite title.
     pub suite: String,
@@ -550,7 +551,8 @@ fn glance_tables(rows: &[GlanceRow]) -> Vec<GlanceTable> {
     tables
 }
 
-/// The overview page. `all_docs` as loaded (setup, methodology and commands are per file),
+/// The overview page. `all_docs` as loaded (setup, methodology and commands are per file, the
+/// shards of one part together),
 /// `docs` with shards merged (comparisons).
 pub fn index_page(
     all_docs: &[Loaded],
@@ -909,16 +911,20 @@ fn setup_doc(group: &[&Loaded]) -> SetupDoc {
             )
         })
         .collect();
-    let amendments: Vec<String> = group
-        .iter()
-        .flat_map(|g| g.doc.config.amendments.iter())
-        .map(|a| format!("{}: {} ({})", a.when, a.what, a.why))
-        .collect();
+    let mut amendments: Vec<String> = Vec::new();
+    for a in group.iter().flat_map(|g| g.doc.config.amendments.iter()) {
+        let a = format!("{}: {} ({})", a.when, a.what, a.why);
+        if !amendments.contains(&a) {
+            amendments.push(a);
+        }
+    }
     let started = group.iter().map(|g| g.doc.config.started_at.clone()).min();
+    // The last shard's end, unless one recorded none (it did not finish).
     let finished = group
         .iter()
-        .filter_map(|g| g.doc.config.finished_at.clone())
-        .max();
+        .map(|g| g.doc.config.finished_at.clone())
+        .collect::<Option<Vec<_>>>()
+        .and_then(|f| f.into_iter().max());
     SetupDoc {
         file: super::group_files(group),
         suite: l.doc.suite.title().to_string(),

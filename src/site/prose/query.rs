@@ -387,7 +387,15 @@ impl Filter {
     /// two or three `name a, b or c`, more `name lo to hi`; a parameter no case has
     /// reads `the default name`. Empty when the filter names nothing.
     pub fn describe_values(&self, cases: &[&std::collections::BTreeMap<String, Param>]) -> String {
-        describe_params(&self.params(), cases)
+        // A parameter the filter excludes a value of (`head_dim != 96`) lists its values: a
+        // range would cover the excluded one.
+        let listed: Vec<&str> = self
+            .conds
+            .iter()
+            .filter(|c| c.op == Op::Ne)
+            .map(|c| c.param.as_str())
+            .collect();
+        describe_params(&self.params(), cases, &listed)
     }
 
     /// The parameters that `cases` hold two values or more of, other than those the filter
@@ -414,12 +422,17 @@ impl Filter {
             }
         }
         varying.sort_unstable();
-        describe_params(&varying, cases)
+        describe_params(&varying, cases, &[])
     }
 }
 
-/// [`Filter::describe_values`] for the parameters `names`.
-fn describe_params(names: &[&str], cases: &[&std::collections::BTreeMap<String, Param>]) -> String {
+/// [`Filter::describe_values`] for the parameters `names`, those in `listed` by their values
+/// however many (never as a range).
+fn describe_params(
+    names: &[&str],
+    cases: &[&std::collections::BTreeMap<String, Param>],
+    listed: &[&str],
+) -> String {
     let parts: Vec<String> = names
         .iter()
         .map(|&name| {
@@ -443,7 +456,9 @@ fn describe_params(names: &[&str], cases: &[&std::collections::BTreeMap<String, 
                 [a, b] => format!("{name} {a} or {b}"),
                 [a, b, c] => format!("{name} {a}, {b} or {c}"),
                 // Numbers as a range; names (a mask, an operation) each.
-                [first, .., last] if values.iter().all(|v| num(v).is_some()) => {
+                [first, .., last]
+                    if !listed.contains(&name) && values.iter().all(|v| num(v).is_some()) =>
+                {
                     format!("{name} {first} to {last}")
                 }
                 [init @ .., last] => format!("{name} {} or {last}", init.join(", ")),
@@ -691,6 +706,24 @@ mod tests {
             "scale = 0.3 (or the default scale)"
         );
         assert_eq!(Filter::default().describe_values(&refs), "");
+        // Four values read as a range, unless the filter left one out in between.
+        let dims: Vec<_> = [32, 64, 128, 256]
+            .into_iter()
+            .map(|d| case(d, 1024))
+            .collect();
+        let dims: Vec<_> = dims.iter().collect();
+        assert_eq!(
+            parse_filter("head_dim >= 32")
+                .unwrap()
+                .describe_values(&dims),
+            "head_dim 32 to 256"
+        );
+        assert_eq!(
+            parse_filter("head_dim != 96")
+                .unwrap()
+                .describe_values(&dims),
+            "head_dim 32, 64, 128 or 256"
+        );
         // Beyond the filter: what varies, names listed each, a parameter only some cases have
         // left out.
         let mut grid: Vec<BTreeMap<String, Param>> = Vec::new();
