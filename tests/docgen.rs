@@ -910,6 +910,14 @@ fn missing_shards_of_a_run_are_named_on_the_pages() {
         whole[0].1.starts_with("for i in $(seq 1 4); do "),
         "{whole:?}"
     );
+    // Named alike and without a gap, the four read as a range in the setup and the heading.
+    let index = page(&site, "index.html");
+    assert!(index
+        .select(&sel("#setup h3"))
+        .map(text)
+        .any(|h| h == "gpu_attention_1.json to gpu_attention_4.json (4 shards) (Attention)"));
+    assert!(text_of(&site, "attention.html")
+        .contains("(gpu_attention_1.json to gpu_attention_4.json (4 shards); commit"));
 }
 
 #[test]

@@ -488,7 +488,9 @@ fn shards_of_one_device_merge_into_one_page() {
         .collect();
     assert_eq!(headings.len(), 1, "{headings:?}");
     assert!(
-        headings[0].contains("gpu_attention.json + gpu_attention.shard2.json"),
+        // The two shards of one command, not named alike: each file (shards named alike but
+        // for their numbers read `a_1.json to a_2.json (2 shards)`).
+        headings[0].contains("(gpu_attention.json, gpu_attention.shard2.json;"),
         "{headings:?}"
     );
     // The At a glance table is the whole one; each shard's command is listed to reproduce it.

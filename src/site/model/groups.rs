@@ -233,7 +233,8 @@ pub fn above_tolerance(row: &Row) -> bool {
 /// runner's `--shard i/n` or run on several GPUs of one model) merged into one: the rows of all,
 /// in file order, with the first document's device and configuration (without `finished_at`
 /// when any shard lacks it: the run was cut off), the cut-off shards' cases, and a `rel_path`
-/// that lists every file (`a.json + b.json`), and each throughput's ceiling the highest the
+/// that lists every file (`a.json + b.json`; a part's shards named alike as `a_1.json to
+/// a_16.json (16 shards)`), and each throughput's ceiling the highest the
 /// parts measured (its source says so and gives the range). Documents alone under their key are
 /// borrowed as they are. The loader has already refused rows repeated across files.
 pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
@@ -267,7 +268,17 @@ pub fn merge_shards(docs: &[Loaded]) -> std::borrow::Cow<'_, [Loaded]> {
         }
     }
     for (m, n) in merged.iter_mut().zip(names) {
-        m.rel_path = n.join(" + ");
+        // The shards of one part named together (`a_1.json to a_16.json (16 shards)`).
+        let parts: Vec<&Loaded> = docs.iter().filter(|l| key(l) == key(m)).collect();
+        m.rel_path = if n.len() > 1 {
+            super::shard_groups(&parts)
+                .iter()
+                .map(|g| super::group_files(g))
+                .collect::<Vec<_>>()
+                .join(" + ")
+        } else {
+            n.join(" + ")
+        };
     }
     // Each part measured its own ceiling (a GEMM or a copy at the start of its run): the merged
     // run's shares are taken of the highest, so that no row's share is overstated.

@@ -168,13 +168,17 @@ pub(crate) fn shard_groups<'a>(docs: &[&'a Loaded]) -> Vec<Vec<&'a Loaded>> {
 }
 
 /// The files of a group from [`shard_groups`]: `a.json`; `a_1.json to a_16.json (16 shards)`
-/// when the shards' numbers run without a gap; else each file (`a_1.json, a_3.json`).
+/// when the shards are named alike and their numbers run without a gap; else each file
+/// (`a_1.json, a_3.json`).
 pub(crate) fn group_files(group: &[&Loaded]) -> String {
-    let numbers: Vec<u32> = group
+    let shards: Vec<(u32, &Loaded)> = group
         .iter()
-        .filter_map(|l| crate::load::shard_of(&l.doc.config.command).map(|s| s.0))
+        .filter_map(|l| Some((crate::load::shard_of(&l.doc.config.command)?.0, *l)))
         .collect();
-    let consecutive = numbers.len() == group.len() && numbers.windows(2).all(|w| w[1] == w[0] + 1);
+    // A range reads right only for files named alike whose numbers run without a gap.
+    let consecutive = shards.len() == group.len()
+        && shards.windows(2).all(|w| w[1].0 == w[0].0 + 1)
+        && name_pattern(&shards).is_some();
     match group {
         [one] => one.file_name(),
         [first, .., last] if consecutive => format!(
@@ -257,6 +261,29 @@ fn same_part(a: &Loaded, b: &Loaded) -> bool {
         && without_shard_and_output(&ca.command) == without_shard_and_output(&cb.command)
 }
 
+/// The file name of `shards` (number, document; sorted) around their numbers, when every
+/// one is named alike but for it (`gpu_attention_bwd_` and `.json` for
+/// `gpu_attention_bwd_7.json`): the number is the last run of digits in the first name that
+/// is the first shard's.
+fn name_pattern(shards: &[(u32, &Loaded)]) -> Option<(String, String)> {
+    let first = shards.first()?.1.file_name();
+    let number = shards[0].0.to_string();
+    let at = first
+        .rmatch_indices(number.as_str())
+        .map(|(i, _)| i)
+        .find(|&i| {
+            let before = first[..i].chars().next_back();
+            let after = first[i + number.len()..].chars().next();
+            !before.is_some_and(|c| c.is_ascii_digit())
+                && !after.is_some_and(|c| c.is_ascii_digit())
+        })?;
+    let (prefix, suffix) = (&first[..at], &first[at + number.len()..]);
+    shards
+        .iter()
+        .all(|(i, l)| l.file_name() == format!("{prefix}{i}{suffix}"))
+        .then(|| (prefix.to_string(), suffix.to_string()))
+}
+
 /// One command for the shards of one part of a run (`group`, [`same_part`], more than one):
 /// `for i in $(seq 1 16); do cargo run ... --shard $i/16 --output "data/gpu_attention_bwd_$i.json" || break; done`
 /// (the shards present, when not all of them), labelled with the first and last file. `None`
@@ -272,25 +299,12 @@ fn shard_loop(group: &[&Loaded]) -> Option<CommandView> {
         .collect::<Option<_>>()?;
     shards.sort_by_key(|s| s.0);
     let (_, count) = crate::load::shard_of(&shards[0].1.doc.config.command)?;
-    // The file name around the shard's number: the last run of digits that is the number.
+    let (prefix, suffix) = name_pattern(&shards)?;
+    let (prefix, suffix) = (prefix.as_str(), suffix.as_str());
     let first = shards[0].1.file_name();
-    let number = shards[0].0.to_string();
-    let at = first
-        .rmatch_indices(number.as_str())
-        .map(|(i, _)| i)
-        .find(|&i| {
-            let before = first[..i].chars().next_back();
-            let after = first[i + number.len()..].chars().next();
-            !before.is_some_and(|c| c.is_ascii_digit())
-                && !after.is_some_and(|c| c.is_ascii_digit())
-        })?;
-    let (prefix, suffix) = (&first[..at], &first[at + number.len()..]);
-    let named_alike = shards
-        .iter()
-        .all(|(i, l)| l.file_name() == format!("{prefix}{i}{suffix}"));
     // Inside double quotes nothing of the name may expand (`!` does in an interactive bash).
     let plain = |s: &str| !s.contains(['"', '$', '`', '\\', '\n', '!']);
-    if !named_alike || !plain(prefix) || !plain(suffix) {
+    if !plain(prefix) || !plain(suffix) {
         return None;
     }
     // The first shard's command, its shard and output made the loop's.
