@@ -1121,18 +1121,23 @@ const PART_OPTIONS: [&str; 5] = ["--shard", "--filter", "--compare", "--exclude"
 
 /// The command line without its [`PART_OPTIONS`]: equal for the parts of one run.
 fn command_without_shard(command: &[String]) -> Vec<&str> {
+    command_without(command, &PART_OPTIONS)
+}
+
+/// The command line without the `options` given (`--shard`, ...) and their values, whether
+/// written `--shard 1/4` or `--shard=1/4`.
+pub fn command_without<'a>(command: &'a [String], options: &[&str]) -> Vec<&'a str> {
     let mut out = Vec::new();
     let mut skip = false;
     for a in command {
-        if skip {
-            skip = false;
+        if std::mem::take(&mut skip) {
             continue;
         }
-        if PART_OPTIONS.contains(&a.as_str()) {
+        if options.contains(&a.as_str()) {
             skip = true;
             continue;
         }
-        if PART_OPTIONS.iter().any(|o| a.starts_with(&format!("{o}="))) {
+        if options.iter().any(|o| a.starts_with(&format!("{o}="))) {
             continue;
         }
         out.push(a.as_str());

@@ -76,7 +76,7 @@ pub fn to_html_with_ids(md: &str) -> (String, Vec<(String, String, u8)>) {
 pub fn link_code_spans(html: &str, links: &[(String, String)]) -> String {
     let mut out = html.to_string();
     for (name, href) in links {
-        let code = format!("<code>{}</code>", escape_html(name));
+        let code = format!("<code>{}</code>", super::format::html_escape(name));
         let mut result = String::with_capacity(out.len());
         let mut rest = out.as_str();
         while let Some(at) = rest.find(&code) {
@@ -85,7 +85,10 @@ pub fn link_code_spans(html: &str, links: &[(String, String)]) -> String {
             if inside_link(&result) {
                 result.push_str(&code);
             } else {
-                result.push_str(&format!("<a href=\"{}\">{code}</a>", escape_html(href)));
+                result.push_str(&format!(
+                    "<a href=\"{}\">{code}</a>",
+                    super::format::html_escape(href)
+                ));
             }
             rest = &after[code.len()..];
         }
@@ -102,14 +105,6 @@ fn inside_link(before: &str) -> bool {
         (Some(_), None) => true,
         _ => false,
     }
-}
-
-/// `&`, `<`, `>` and `"` as HTML entities.
-fn escape_html(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
 }
 
 /// Lower-case letters and digits of `text`, runs of anything else as one `-` (`section` when

@@ -682,22 +682,8 @@ fn ratio(docs: &[Loaded], args: &Args) -> Result<Value, String> {
     }
     // A time within noise (the faster side's q3 not below the other's q1, the rule of the
     // claims and the tables) says so instead of naming a faster side.
-    let within_noise = matches!(field, Field::MedianMs)
-        && match (
-            other.row.q1_ms,
-            other.row.q3_ms,
-            reference.row.q1_ms,
-            reference.row.q3_ms,
-        ) {
-            (Some(oq1), Some(oq3), Some(rq1), Some(rq3)) => {
-                if o < r {
-                    oq3 >= rq1
-                } else {
-                    rq3 >= oq1
-                }
-            }
-            _ => false,
-        };
+    let within_noise =
+        matches!(field, Field::MedianMs) && !times_separate(other.row, o, reference.row, r);
     let html = ratio_html(
         &field,
         o / r,
@@ -1150,6 +1136,22 @@ fn ran_where(
     Ok(Value::from(!kept.is_empty()))
 }
 
+/// Whether two rows' times `ta` and `tb` differ beyond the noise: the faster one's q3 below
+/// the slower one's q1 (true when either row lacks its quartiles). The rule of the claims and
+/// the ratios alike.
+fn times_separate(a: &Row, ta: f64, b: &Row, tb: f64) -> bool {
+    match (a.q1_ms, a.q3_ms, b.q1_ms, b.q3_ms) {
+        (Some(aq1), Some(aq3), Some(bq1), Some(bq3)) => {
+            if ta < tb {
+                aq3 < bq1
+            } else {
+                bq3 < aq1
+            }
+        }
+        _ => true,
+    }
+}
+
 /// How a claim compares the two implementations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Relation {
@@ -1260,17 +1262,7 @@ fn claim(docs: &[Loaded], args: &Args) -> Result<Value, String> {
             Relation::Slower | Relation::Higher => vx > vy,
         };
         // For times, "faster" must hold beyond both interquartile ranges.
-        let beyond = !time
-            || match (x.row.q1_ms, x.row.q3_ms, y.row.q1_ms, y.row.q3_ms) {
-                (Some(xq1), Some(xq3), Some(yq1), Some(yq3)) => {
-                    if vx < vy {
-                        xq3 < yq1
-                    } else {
-                        yq3 < xq1
-                    }
-                }
-                _ => true,
-            };
+        let beyond = !time || times_separate(x.row, vx, y.row, vy);
         if !beyond {
             within_noise += 1;
             continue;

@@ -195,13 +195,9 @@ pub(crate) fn group_files(group: &[&Loaded]) -> String {
     }
 }
 
-/// The suite, the card, the commit and the Python packages of `l`'s run, for a label: two runs
-/// of one suite on two cards differ in the card and the commit.
-/// For the shards of one part, the packages are those any of them recorded (a shard records
-/// the libraries its cases loaded).
-fn run_words(group: &[&Loaded]) -> String {
-    let l = group[0];
-    // Each library's versions, every one a shard recorded (`2.11.0 / 2.12.0` if they differ).
+/// Every library the documents of `group` recorded, with each distinct version in the order the
+/// documents give them (the shards of one part may have run on machines set up differently).
+pub(crate) fn library_versions(group: &[&Loaded]) -> BTreeMap<String, Vec<String>> {
     let mut versions: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for g in group {
         for (k, v) in &g.doc.config.libraries {
@@ -211,7 +207,17 @@ fn run_words(group: &[&Loaded]) -> String {
             }
         }
     }
-    let libs: BTreeMap<String, String> = versions
+    versions
+}
+
+/// The suite, the card, the commit and the Python packages of `l`'s run, for a label: two runs
+/// of one suite on two cards differ in the card and the commit.
+/// For the shards of one part, the packages are those any of them recorded (a shard records
+/// the libraries its cases loaded).
+fn run_words(group: &[&Loaded]) -> String {
+    let l = group[0];
+    // Each library's versions (`2.11.0 / 2.12.0` where the shards differ).
+    let libs: BTreeMap<String, String> = library_versions(group)
         .into_iter()
         .map(|(k, v)| (k, v.join(" / ")))
         .collect();
@@ -224,23 +230,6 @@ fn run_words(group: &[&Loaded]) -> String {
             .map(|p| format!("; its comparisons ran with {p}"))
             .unwrap_or_default()
     )
-}
-
-/// `command` without `--shard` and `--output` and their values.
-fn without_shard_and_output(command: &[String]) -> Vec<&str> {
-    let mut out = Vec::new();
-    let mut skip = false;
-    for a in command {
-        if std::mem::take(&mut skip) {
-            continue;
-        }
-        if a == "--shard" || a == "--output" {
-            skip = true;
-        } else if !a.starts_with("--shard=") && !a.starts_with("--output=") {
-            out.push(a.as_str());
-        }
-    }
-    out
 }
 
 /// True when `a` and `b` are shards of one part of a run: one suite, card and commit, and one
@@ -258,7 +247,8 @@ fn same_part(a: &Loaded, b: &Loaded) -> bool {
         && a.doc.suite == b.doc.suite
         && a.doc.device.name == b.doc.device.name
         && ca.git_commit == cb.git_commit
-        && without_shard_and_output(&ca.command) == without_shard_and_output(&cb.command)
+        && crate::load::command_without(&ca.command, &["--shard", "--output"])
+            == crate::load::command_without(&cb.command, &["--shard", "--output"])
 }
 
 /// The file name of `shards` (number, document; sorted) around their numbers, when every

@@ -885,30 +885,14 @@ fn setup_doc(group: &[&Loaded]) -> SetupDoc {
         .filter_map(|r| r.machine.as_ref()?.sm_clock_mhz)
         .collect();
     // Every library any shard recorded, each with its versions.
-    let mut names: Vec<&String> = group
-        .iter()
-        .flat_map(|g| g.doc.config.libraries.keys())
-        .collect();
-    names.sort();
-    names.dedup();
-    let libraries = names
+    let libraries = super::library_versions(group)
         .into_iter()
-        .map(|k| {
-            kv(
-                k,
-                each(&|g| {
-                    g.doc
-                        .config
-                        .libraries
-                        .get(k)
-                        .map(|v| format::library_version(k, v))
-                        .unwrap_or_else(|| "—".to_string())
-                })
-                .split("; ")
-                .filter(|v| *v != "—")
-                .collect::<Vec<_>>()
-                .join("; "),
-            )
+        .map(|(k, versions)| {
+            let shown: Vec<String> = versions
+                .iter()
+                .map(|v| format::library_version(&k, v))
+                .collect();
+            kv(&k, shown.join("; "))
         })
         .collect();
     let mut amendments: Vec<String> = Vec::new();
