@@ -675,7 +675,27 @@ __device__ __forceinline__ void store_o_tma(const float (&o)[1][DT][4],
     }
 }
 
-template <int D, int BC, int ST, int NC, bool CAUSAL, bool PIPE, bool PERSIST>
+// The flex_attention hooks of attn_fwd_sm90_ws (kernels/flex_attn_fwd_sm90.cu defines the
+// generated ones): the dense kernels take NoFlex, whose ON is false, and an empty FlexTiles.
+// With ON, a CTA walks its query tile's list of key tiles from flex_block_mask (count[tile]
+// tiles, their indices in index[tile * n_kt_all ..], full[...] = 1 for a tile the mask leaves
+// whole), FX::tile applies the mask to a partial tile (and with FX::SCORE the score
+// modification to every tile), and everything else is the dense kernel's.
+struct FlexTiles {
+    const int* count;
+    const int* index;
+    const unsigned char* full;
+    const int* aux;
+    float scale;
+};
+struct NoFlex {
+    enum { ON = 0 };  // an enum: a static constexpr member would leave a symbol in the cubin
+    template <int NT>
+    __device__ static void tile(float (&)[1][NT][4], int, int, int, bool, int, int, int, int,
+                                int, const FlexTiles&, int, int) {}
+};
+
+template <int D, int BC, int ST, int NC, bool CAUSAL, bool PIPE, bool PERSIST, class FX = NoFlex>
 __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap* tk,
                                                  const TmaMap* tv, const TmaMap* to,
                                                  u16* __restrict__ O,
@@ -684,8 +704,9 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
                                                  int Tkv, int H, int KVH, float scale_log2,
                                                  int whole, int parts, float* __restrict__ Opart,
                                                  float* __restrict__ Lpart, int chunk,
-                                                 int items) {
+                                                 int items, const FlexTiles& fx = FlexTiles{}) {
     using P = WsPlan<D, BC, ST, NC>;
+    static_assert(!FX::ON || (!CAUSAL && PIPE && !PERSIST), "flex: the one-CTA-per-tile grid");
     constexpr int PANELS = D / 64, DT = D / 8, NT = BC / 8, BR = 64 * NC;
     const u32 base = (smem_u32(dyn_smem) + 1023u) & ~1023u;
     const u32 bar_q = base + P::BARS;
@@ -713,6 +734,11 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
     const int qtiles = (Tq + BR - 1) / BR;
     struct Item {
         int qt, h, b, split, kt0, n_kt, L;
+    };
+    // flex: the first word of a query tile's list of key tiles.
+    const int n_kt_all = (Tkv + BC - 1) / BC;
+    auto list_at = [&](const Item& w) {
+        return (size_t)((w.b * H + w.h) * qtiles + w.qt) * n_kt_all;
     };
     auto item_at = [&](int i) {
         Item w;
@@ -743,7 +769,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         }
         w.L = min(kv_lens[w.b], Tkv);
         const int off = w.L - Tq, q0 = w.qt * BR, rows_cta = min(BR, Tq - q0);
-        w.n_kt = (w.L + BC - 1) / BC;
+        w.n_kt = FX::ON ? fx.count[list_at(w) / n_kt_all] : (w.L + BC - 1) / BC;
         if (CAUSAL)
             w.n_kt = q0 + rows_cta - 1 + off < 0 ? 0
                                                  : min(w.n_kt, (q0 + rows_cta - 1 + off) / BC + 1);
@@ -803,7 +829,8 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
                 for (int it = 0; it < w.n_kt; ++it, ++gi) {
                     const int s = gi % ST;
                     const u32 ph = ((gi / ST) + 1) & 1;
-                    const int key = (w.kt0 + it) * BC, plane = w.b * KVH + kvh;
+                    const int key = (FX::ON ? fx.index[list_at(w) + it] : w.kt0 + it) * BC,
+                              plane = w.b * KVH + kvh;
                     if (gi >= ST) mbar_wait(empty_k(s), ph);
                     mbar_expect_tx(full_k(s), P::KV_TILE);
 #pragma unroll
@@ -861,9 +888,35 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             n_kt = __shfl_sync(0xffffffffu, n_kt, 0);
             gi = __shfl_sync(0xffffffffu, gi, 0);
         }
+        if constexpr (FX::ON) n_kt = __shfl_sync(0xffffffffu, n_kt, 0);  // from a load too
         const int off = L - Tq, row0 = q0w + 16 * warp;
         auto edge_at = [&](int k0) {
             return k0 + BC > L || (CAUSAL && k0 + BC - 1 > q0w + off);
+        };
+        // Key tile `it` of the item: flex reads its first key and whether it is partial from
+        // the tile list (`flex_at`, loaded before the wait for the tile's S so that the load's
+        // latency hides behind it); `mask_tile` masks the score tile, or applies flex's hooks.
+        struct FlexAt {
+            int k0;
+            bool partial;
+        };
+        auto flex_at = [&](int it) {
+            FlexAt f{0, false};
+            if constexpr (FX::ON) {
+                const size_t at = list_at(item0) + it;
+                f.k0 = fx.index[at] * BC;
+                f.partial = !fx.full[at];
+            }
+            return f;
+        };
+        auto mask_tile = [&](int it, FlexAt f) {
+            if constexpr (FX::ON) {
+                FX::template tile<NT>(s, f.k0, L, row0, f.partial, item0.b, item0.h, Tq, Tkv, H,
+                                      fx, g, t4);
+            } else {
+                const int k0 = (kt0 + it) * BC;
+                ws_mask<NT, CAUSAL>(s, k0, L, off, row0, edge_at(k0), g, t4);
+            }
         };
 #pragma unroll
         for (int d = 0; d < DT; ++d) o[0][d][0] = o[0][d][1] = o[0][d][2] = o[0][d][3] = 0.f;
@@ -877,14 +930,14 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             for (int it = 0; it < n_kt; ++it) {
                 const int j = gi + it;
                 const u32 ph = (j / ST) & 1;
+                const FlexAt fa = flex_at(it);
                 mbar_wait(full_k(j % ST), ph);
                 wgmma_fence();
                 ws_qk<D, BC>(sf, sq, k_at(j));
                 wgmma_commit();
                 wgmma_wait<0>();
                 mbar_arrive(empty_k(j % ST));
-                ws_mask<NT, CAUSAL>(s, (kt0 + it) * BC, L, off, row0, edge_at((kt0 + it) * BC),
-                                    g, t4);
+                mask_tile(it, fa);
                 ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
                 ws_rescale<DT>(o, alpha);
                 pack_p<NT>(s, pa);
@@ -910,6 +963,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             if constexpr (PP)
                 if (c == NC - 1) named_arrive(1, 256);  // consumer 0 goes first
             // Tile 0: S alone (O is zero, nothing to rescale).
+            const FlexAt fa0 = flex_at(0);
             mbar_wait(full_k(gi % ST), (gi / ST) & 1);
             turn();
             wgmma_fence();
@@ -919,11 +973,12 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
             wgmma_wait<0>();
             KP_FWD_TRACE(traced, 4);
             mbar_arrive(empty_k(gi % ST));
-            ws_mask<NT, CAUSAL>(s, kt0 * BC, L, off, row0, edge_at(kt0 * BC), g, t4);
+            mask_tile(0, fa0);
             ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
             pack_p<NT>(s, pa);
             for (int it = 1; it < n_kt; ++it) {
                 const int j = gi + it, prev = j - 1;
+                const FlexAt fa = flex_at(it);
                 mbar_wait(full_k(j % ST), (j / ST) & 1);
                 turn();
                 wgmma_fence();
@@ -935,8 +990,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
                 hand_on(false);
                 wgmma_wait<1>();  // S of tile it has landed; P V of tile it-1 may be in flight
                 mbar_arrive(empty_k(j % ST));
-                ws_mask<NT, CAUSAL>(s, (kt0 + it) * BC, L, off, row0, edge_at((kt0 + it) * BC),
-                                    g, t4);
+                mask_tile(it, fa);
                 ws_softmax<NT>(s, m_run, l_run, alpha, scale_log2);
                 wgmma_wait<0>();  // P V of tile it-1 has landed: O and pa are free
                 mbar_arrive(empty_v(prev % ST));

@@ -53,6 +53,7 @@ use kernelpages::attention::cuda::{
     FLASH_HEAD_DIMS, FWD_SWEEP, MATH_FP32_NOTE,
 };
 use kernelpages::attention::decode_gpu::{self, DECODE_HEAD_DIMS};
+use kernelpages::attention::flex::{FlexKernel, FLEX_BWD_KEYS, FLEX_BWD_ROWS, FLEX_HEAD_DIMS};
 use kernelpages::attention::{cpu::Inputs, files, AttentionCase, Dtype, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::runner::grid::Params;
@@ -652,6 +653,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
         })
         .collect();
     let decode_dims: Vec<String> = DECODE_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
+    let flex_dims: Vec<String> = FLEX_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
     // The TMA build's head dims: multiples of 64 (decode_gpu::Decoder::new).
     let tma_dims: Vec<String> = DECODE_HEAD_DIMS
         .iter()
@@ -728,6 +730,30 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             dtype: "bf16, fp16, fp32".into(),
             rule: "otherwise: fp32 (cuBLAS SGEMM, no TF32) or another head_dim; every shape, forward and forward + backward".into(),
             implementation: Implementation::Math.name().into(),
+        },
+        DispatchRule {
+            entry_point: "attention::api::flex_attention, attention::api::flex_attention_vjp (Device::Cuda)".into(),
+            device: "CUDA, compute capability 9.0 (sm_90a)".into(),
+            dtype: "bf16, fp16".into(),
+            rule: format!(
+                "head_dim {} with a positive scale: the forward on {}, the mask evaluated in partial tiles only and tiles it empties never loaded; the backward as below",
+                flex_dims.join(" or "),
+                FlexKernel::Wgmma.describe()
+            ),
+            implementation: flex::IMPLEMENTATION.into(),
+        },
+        DispatchRule {
+            entry_point: "attention::api::flex_attention, attention::api::flex_attention_vjp (Device::Cuda)".into(),
+            device: "CUDA, compute capability 8.0 or newer".into(),
+            dtype: "bf16, fp16".into(),
+            rule: format!(
+                "otherwise, head_dim {}: the forward on {}; the backward (kernels/flex_attn_bwd.cu, FlashAttention-2's over a transposed block mask of {}-row query steps and {}-key tiles, dQ summed with fp32 atomics) on every device",
+                flex_dims.join(" or "),
+                FlexKernel::Portable.describe(),
+                FLEX_BWD_ROWS,
+                FLEX_BWD_KEYS
+            ),
+            implementation: flex::IMPLEMENTATION.into(),
         },
         DispatchRule {
             entry_point: "attention::mha (Device::Cuda)".into(),

@@ -1295,7 +1295,8 @@ fn split_kv_decoding_matches_float64() {
 /// bottom-right mask empties: output 0 and LSE +inf, not NaN), a key length below seq_len_kv,
 /// GQA 2:1, head_dim 64 and 128, bf16 and fp16; a key length past seq_len_kv is refused. The device's block mask must
 /// equal the host's, O is poisoned before the call, and a second call repeats the first bit for
-/// bit.
+/// bit. On compute capability 9.0 every case runs on both forward kernels (the wgmma one, what
+/// the dispatch picks there, with its 128 × 128 tiles, and the portable one).
 #[test]
 #[cfg_attr(
     not(kp_cuda),
@@ -1303,7 +1304,7 @@ fn split_kv_decoding_matches_float64() {
 )]
 fn flex_attention_matches_float64() {
     use kernelpages::attention::flex::{
-        block_mask_host, flex_reference, FlexAttention, FlexMod, FlexShape,
+        block_mask_host_tiled, flex_reference, FlexAttention, FlexKernel, FlexMod, FlexShape,
     };
     use rand::{Rng, SeedableRng};
     let gpu = gpu();
@@ -1323,12 +1324,21 @@ fn flex_attention_matches_float64() {
         (200, 200, 200),
         (20, 300, 300),
         (130, 70, 70),
+        (520, 520, 390),
     ];
+    let kernels = if gpu.arch() == "sm_90a" {
+        vec![FlexKernel::Wgmma, FlexKernel::Portable]
+    } else {
+        vec![FlexKernel::Portable]
+    };
     let mut failed = Vec::new();
     let mut n = 0;
     for m in mods {
         for &(tq, tkv, len1) in &lengths {
-            for (d, dtype) in [(64, Dtype::Bf16), (128, Dtype::F16), (128, Dtype::Bf16)] {
+            for ((d, dtype), &kernel) in [(64, Dtype::Bf16), (128, Dtype::F16), (128, Dtype::Bf16)]
+                .into_iter()
+                .flat_map(|dd| kernels.iter().map(move |k| (dd, k)))
+            {
                 let shape = FlexShape {
                     batch: 2,
                     heads: 4,
@@ -1360,16 +1370,17 @@ fn flex_attention_matches_float64() {
                 };
                 let up = |x: &[f64]| gpu.stream.clone_htod(&bits(x)).unwrap();
                 let (qd, kd, vd) = (up(&q), up(&k), up(&v));
-                let flex = FlexAttention::new(gpu, shape, &m.spec(), &lens, &aux).expect("flex");
+                let flex = FlexAttention::with_kernel(gpu, shape, &m.spec(), &lens, &aux, kernel)
+                    .expect("flex");
                 let label = format!(
-                    "{} {}x{} len1 {len1} d{d} {}",
+                    "{} {}x{} len1 {len1} d{d} {} {kernel:?}",
                     m.name(),
                     tq,
                     tkv,
                     dtype.as_str()
                 );
                 let dev_mask = flex.block_mask(gpu).unwrap();
-                let host_mask = block_mask_host(&shape, &m, &lens, &aux);
+                let host_mask = block_mask_host_tiled(&shape, &m, &lens, &aux, kernel.tile());
                 let kt = flex.key_tiles();
                 let same = dev_mask.count == host_mask.count
                     && dev_mask.count.iter().enumerate().all(|(i, &c)| {
@@ -1461,6 +1472,17 @@ fn flex_attention_matches_float64() {
         .expect("kv_lens past seq_len_kv refused")
         .to_string();
     assert!(e.contains("at most seq_len_kv"), "{e}");
+    // What the dispatch picks: the wgmma forward on compute capability 9.0 (unless switched
+    // off for a comparison), the portable one elsewhere.
+    let picked = FlexAttention::new(gpu, shape, &FlexMod::Causal.spec(), &[8], &[])
+        .expect("flex")
+        .kernel();
+    let switched_off = std::env::var(kernelpages::attention::flex::SM90_ENV).is_ok();
+    if gpu.arch() == "sm_90a" && !switched_off {
+        assert_eq!(picked, FlexKernel::Wgmma);
+    } else if gpu.arch() != "sm_90a" {
+        assert_eq!(picked, FlexKernel::Portable);
+    }
     assert!(
         failed.is_empty(),
         "{} of {n} cases failed:\n{}",

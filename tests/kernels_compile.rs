@@ -1081,6 +1081,54 @@ fn ptx_of(src: &str) -> String {
         .to_src()
 }
 
+/// flex_attention's forward on the wgmma kernel (`kernels/flex_attn_fwd_sm90.cu`) compiles for
+/// sm_90a for every named modification at head_dim 64 and 128 (bf16; fp16 at 128 with a mask
+/// and with a score modification), with its wgmma asynchronous, no spills and the whole
+/// register cap of 384 threads (168: the consumers' setmaxnreg.inc needs it), its block-mask
+/// kernel spill-free; and the dense modules it is built on select no kernel of their own.
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn flex_wgmma_forward_keeps_its_wgmma_asynchronous() {
+    use kernelpages::attention::flex::{flex_sm90_source, FlexMod, FLEX_HEAD_DIMS};
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    let mods = [
+        FlexMod::Causal,
+        FlexMod::SlidingWindow(256),
+        FlexMod::Document,
+        FlexMod::PrefixLm(128),
+        FlexMod::Alibi,
+        FlexMod::SoftCap(50.0),
+    ];
+    let mut instances = Vec::new();
+    for m in mods {
+        for d in FLEX_HEAD_DIMS {
+            instances.push((m, d, Dtype::Bf16));
+        }
+    }
+    instances.push((FlexMod::Causal, 128, Dtype::F16));
+    instances.push((FlexMod::SoftCap(50.0), 128, Dtype::F16));
+    for (m, d, dtype) in instances {
+        let (block, fwd, src) = flex_sm90_source(&m.spec(), d, dtype);
+        let label = format!("{fwd} {}", m.name());
+        // One copy of the loop (no causal or persistent instantiation): S and P V of several
+        // k-steps each, an arrive and a wait at least.
+        let (ptx, reports) =
+            asynchronous_with_report(&label, &format!("{fwd}_{}.cu", m.name()), &src, (12, 2));
+        let r = spill_free(&reports, &fwd);
+        assert_eq!(r.registers, 168, "{label}: {r:?}");
+        spill_free(&reports, &block);
+        // The two kernels and nothing of the dense forwards'.
+        let entries = ptx.matches(".entry ").count();
+        assert_eq!(entries, 2, "{label}: {entries} kernels in the module");
+    }
+}
+
 /// Compiles `src` (file `file`) for sm_90a and checks its cubin: at least `min.0` `HGMMA` and
 /// `min.1` warpgroup arrive/wait instructions (so that the opcodes are the right ones), and at
 /// most one arrive/wait per two `HGMMA` (none serialised); prints the counts under `label`.

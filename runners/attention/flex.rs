@@ -1,6 +1,7 @@
-//! The `flex` implementation of the attention runner: the flex_attention forward
-//! (`kernels/flex_attn_fwd.cu`, issue 10 §1) and, for forward + backward, its backward
-//! (`kernels/flex_attn_bwd.cu`). On a masks-grid case it runs the modification
+//! The `flex` implementation of the attention runner: the flex_attention forward (issue 10 §1;
+//! `kernels/flex_attn_fwd_sm90.cu` on compute capability 9.0, `kernels/flex_attn_fwd.cu`
+//! elsewhere: [`kernelpages::attention::flex::FlexKernel`]) and, for forward + backward, its
+//! backward (`kernels/flex_attn_bwd.cu`). On a masks-grid case it runs the modification
 //! the case names (its `mask` parameter, with the document ids of
 //! [`kernelpages::attention::flex::document_lengths`] for `document`); on the other grids' cases
 //! the case's own mask: bottom-right causal (`FlexMod::Causal`, the same mask as every other
@@ -146,10 +147,11 @@ pub fn measure(job: &Job) -> Reply {
         }
         let (listed, whole, all) = flex.block_mask(gpu)?.tiles(flex.key_tiles());
         noted = Some(format!(
-            "flex_attention with mask `{}` ({}): the block mask lists {listed} of {all} tiles, \
-             {whole} of them whole (no mask evaluated)",
+            "flex_attention with mask `{}` ({}), forward on {}: the block mask lists {listed} of \
+             {all} tiles, {whole} of them whole (no mask evaluated)",
             spec.name,
-            spec.mask.as_deref().unwrap_or("none")
+            spec.mask.as_deref().unwrap_or("none"),
+            flex.kernel().describe()
         ));
         let compile_s = flex.compile_s;
         let lse = gpu

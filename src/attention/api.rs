@@ -276,7 +276,9 @@ fn flex_checks<T: Element>(
 /// type, layouts as [`dot_product_attention`]. `aux` is what the expressions may index (for
 /// [`FlexMod::Document`], the document of every position, `[B, T_kv]`); a query that sees no key
 /// gets a zero row. On CUDA (bf16 or fp16, head_dim 64 or 128) the modifications are compiled
-/// into `kernels/flex_attn_fwd.cu` once per (modification, head_dim, dtype), and the block mask
+/// into the forward once per (modification, head_dim, dtype): on compute capability 9.0 with a
+/// positive scale the wgmma kernel (`kernels/flex_attn_fwd_sm90.cu`), elsewhere the portable one
+/// (`kernels/flex_attn_fwd.cu`; [`super::flex::FlexKernel`]), and the block mask
 /// is computed on every call (keep a [`super::flex::FlexAttention`] to reuse it); on the CPU a
 /// named modification runs the float64 reference.
 ///
@@ -352,7 +354,8 @@ pub fn flex_attention<T: Element>(
 /// pairs; a score modification's derivative scales dS: ALiBi's is 1, soft-capping's
 /// 1 − tanh²(score / cap); a custom one needs [`super::flex::FlexSpec::score_grad`]). `aux` as in
 /// [`flex_attention`] (the document mask's `[B, T_kv]` document ids). On CUDA (bf16 or fp16,
-/// head_dim 64 or 128), `kernels/flex_attn_bwd.cu` (FlashAttention-2's backward over a
+/// head_dim 64 or 128), the forward as [`flex_attention`]'s, then `kernels/flex_attn_bwd.cu`
+/// on every device (FlashAttention-2's backward over a
 /// transposed block mask; dQ summed with fp32 atomics, so its last bit may vary from run to
 /// run); on the CPU a named modification runs the float64 reference.
 ///

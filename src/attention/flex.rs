@@ -19,6 +19,13 @@
 //! words); LSE `[batch, heads, seq_len_q]` f32, natural log, +∞ for a row that sees no key (its
 //! output is 0, never NaN); `kv_lens` `[batch]` i32 (keys at or past it are never visible).
 //! head_dim 64 or 128.
+//!
+//! The forward runs one of two kernels ([`FlexKernel`]): on compute capability 9.0 with a
+//! positive scale, the modifications inside the wgmma forward (`kernels/flex_attn_fwd_sm90.cu`
+//! on `kernels/attn_wgmma_sm90.cu`: 128 × 128 tiles by TMA, warp-specialised, FlashAttention-3's
+//! overlaps); elsewhere the portable mma.sync kernel (`kernels/flex_attn_fwd.cu`, 128 × 64
+//! tiles). The block mask is computed at the forward kernel's tiles. The backward is the
+//! portable kernel on every device.
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -45,6 +52,69 @@ pub const FLEX_KEYS: usize = 64;
 const THREADS: usize = 32 * FLEX_WARPS;
 /// Head dimensions the forward is instantiated for.
 pub const FLEX_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Source of the flex forward on the wgmma kernel (after the wgmma source with no dense kernel
+/// selected, the generated functions and [`FLEX_SRC`]).
+pub const FLEX_SM90_SRC: &str = include_str!("../../kernels/flex_attn_fwd_sm90.cu");
+
+/// Set to `0`, keeps flex's forward on the portable kernel on compute capability 9.0 too (to
+/// time the two against each other).
+pub const SM90_ENV: &str = "KP_FLEX_SM90";
+
+/// The forward kernel a [`FlexAttention`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlexKernel {
+    /// `kernels/flex_attn_fwd.cu`: FlashAttention-2's forward on mma.sync (compute capability
+    /// 8.0 or newer), [`FLEX_ROWS`] × [`FLEX_KEYS`] tiles, any scale.
+    Portable,
+    /// `kernels/flex_attn_fwd_sm90.cu`: the wgmma forward's version 3 (compute capability 9.0
+    /// only; `sm90::Sm90Version::V3`), [`super::sm90::WS_ROWS`] × [`super::sm90::WS_KEYS`]
+    /// tiles, a positive scale.
+    Wgmma,
+}
+
+impl FlexKernel {
+    /// The kernel [`FlexAttention::new`] picks on a device of architecture `arch` (e.g.
+    /// `sm_90a`) for `shape`: the wgmma kernel on `sm_90a` with a positive finite scale unless
+    /// [`SM90_ENV`] is `0`, the portable one otherwise.
+    pub fn for_call(arch: &str, shape: &FlexShape) -> FlexKernel {
+        let off = std::env::var(SM90_ENV).is_ok_and(|v| v.trim() == "0");
+        if arch == "sm_90a" && shape.scale > 0.0 && shape.scale.is_finite() && !off {
+            FlexKernel::Wgmma
+        } else {
+            FlexKernel::Portable
+        }
+    }
+
+    /// (query rows, keys) per tile of the forward, also its block mask's granularity.
+    pub fn tile(self) -> (usize, usize) {
+        match self {
+            FlexKernel::Portable => (FLEX_ROWS, FLEX_KEYS),
+            FlexKernel::Wgmma => (super::sm90::WS_ROWS, super::sm90::WS_KEYS),
+        }
+    }
+
+    /// Threads per CTA of the forward: 4 warps, or a producer and two consumer warpgroups.
+    fn threads(self) -> usize {
+        match self {
+            FlexKernel::Portable => THREADS,
+            FlexKernel::Wgmma => 128 * (1 + super::sm90::WS_ROWS / 64),
+        }
+    }
+
+    /// The kernel in a row's note, e.g. `the wgmma forward (kernels/flex_attn_fwd_sm90.cu)`.
+    pub fn describe(self) -> String {
+        let (rows, keys) = self.tile();
+        match self {
+            FlexKernel::Portable => format!(
+                "the portable mma.sync forward (kernels/flex_attn_fwd.cu, {rows} × {keys} tiles)"
+            ),
+            FlexKernel::Wgmma => format!(
+                "the wgmma forward (kernels/flex_attn_fwd_sm90.cu, {rows} × {keys} tiles by TMA)"
+            ),
+        }
+    }
+}
 
 /// The modifications this project names, each as CUDA C for the kernel and as the float64
 /// function the reference applies. `Causal` and the masks built on it align bottom-right (query
@@ -350,12 +420,14 @@ impl FlexShape {
         )
     }
 
-    fn query_tiles(&self) -> usize {
-        self.seq_len_q.div_ceil(FLEX_ROWS)
+    /// Query tiles of `rows` rows.
+    fn query_tiles(&self, rows: usize) -> usize {
+        self.seq_len_q.div_ceil(rows)
     }
 
-    fn key_tiles(&self) -> usize {
-        self.seq_len_kv.div_ceil(FLEX_KEYS)
+    /// Key tiles of `keys` keys.
+    fn key_tiles(&self, keys: usize) -> usize {
+        self.seq_len_kv.div_ceil(keys)
     }
 }
 
@@ -381,6 +453,50 @@ pub fn flex_source(spec: &FlexSpec, head_dim: usize, dtype: Dtype) -> (String, S
         generated = generated_functions(spec)
     );
     (block, fwd, src)
+}
+
+/// The names of the block-mask and forward kernels of the wgmma flex forward
+/// ([`FlexKernel::Wgmma`]) and their source for `spec` at `head_dim` and `dtype` (bf16 or fp16):
+/// the wgmma source with no dense kernel selected, the generated functions, [`FLEX_SRC`] (for
+/// its block-mask template, here at the wgmma kernel's tiles) and [`FLEX_SM90_SRC`].
+///
+/// # Panics
+/// For fp32 (the flex shapes refuse it first).
+pub fn flex_sm90_source(
+    spec: &FlexSpec,
+    head_dim: usize,
+    dtype: Dtype,
+) -> (String, String, String) {
+    let has_score = spec.score.is_some();
+    let (rows, keys) = FlexKernel::Wgmma.tile();
+    let threads = FlexKernel::Wgmma.threads();
+    let block = "flex_block_mask_sm90_kernel".to_string();
+    let fwd = format!("flex_fwd_sm90_{}_d{head_dim}", dtype.as_str());
+    // `KP_SM90_flex` selects no dense kernel: the module holds the two below.
+    let wgmma = super::sm90::wgmma_source_with(Some("flex"), dtype, false, true);
+    let src = format!(
+        "{wgmma}\n{generated}\n{FLEX_SRC}\n{FLEX_SM90_SRC}\n\
+         extern \"C\" __global__ void __launch_bounds__({THREADS}) {block}(const int* kv_lens, \
+         const int* aux, int* kv_count, int* kv_index, unsigned char* kv_full, int Tq, int Tkv, \
+         int H) {{ flex_block_mask<{rows}, {keys}>(kv_lens, aux, kv_count, kv_index, kv_full, Tq, \
+         Tkv, H); }}\n\
+         extern \"C\" __global__ void __launch_bounds__({threads}, 1) {fwd}(const \
+         __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk, const \
+         __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap to, u16* O, float* LSE, \
+         const int* kv_lens, const int* aux, const int* kv_count, const int* kv_index, const \
+         unsigned char* kv_full, int Tq, int Tkv, int H, int KVH, float scale, float \
+         scale_log2) {{ flex_fwd_sm90<{head_dim}, {has_score}>(&tq, &tk, &tv, &to, O, LSE, \
+         kv_lens, aux, kv_count, kv_index, kv_full, Tq, Tkv, H, KVH, scale, scale_log2); }}\n",
+        generated = generated_functions(spec)
+    );
+    (block, fwd, src)
+}
+
+/// Dynamic shared memory of the wgmma flex forward, bytes: the dense version 3's (two 64-row Q
+/// tiles, two stages of K and V tiles, the mbarriers, up to 1023 bytes of alignment).
+pub fn flex_sm90_smem_bytes(head_dim: usize) -> usize {
+    use super::sm90::{WS_KEYS, WS_ROWS, WS_STAGES};
+    (WS_ROWS + 2 * WS_STAGES * WS_KEYS) * head_dim * 2 + 8 * (2 + 4 * WS_STAGES) + 1024
 }
 
 /// The generated device functions of `spec`: `kp_mask`, `kp_score` and `kp_score_grad` (1 when
@@ -510,8 +626,9 @@ impl BlockMask {
     }
 }
 
-/// The block mask of `m` over `shape` computed on the host (what `flex_block_mask` computes on
-/// the device), for tests and for the page's sparsity figures.
+/// The block mask of `m` over `shape` at the portable forward's tiles computed on the host
+/// (what `flex_block_mask` computes on the device), for tests and for the page's sparsity
+/// figures.
 ///
 /// # Panics
 /// When `kv_lens` does not hold one length per batch entry.
@@ -521,12 +638,28 @@ pub fn block_mask_host(
     kv_lens: &[usize],
     aux: &[i32],
 ) -> BlockMask {
+    block_mask_host_tiled(shape, m, kv_lens, aux, FlexKernel::Portable.tile())
+}
+
+/// [`block_mask_host`] at tiles of (`tile_rows` query rows, `tile_keys` keys), e.g. a
+/// [`FlexKernel::tile`].
+///
+/// # Panics
+/// When `kv_lens` does not hold one length per batch entry, or for an empty tile.
+pub fn block_mask_host_tiled(
+    shape: &FlexShape,
+    m: &FlexMod,
+    kv_lens: &[usize],
+    aux: &[i32],
+    (tile_rows, tile_keys): (usize, usize),
+) -> BlockMask {
     assert_eq!(
         kv_lens.len(),
         shape.batch,
         "kv_lens: one length per batch entry"
     );
-    let (nq, nk) = (shape.query_tiles(), shape.key_tiles());
+    assert!(tile_rows > 0 && tile_keys > 0, "an empty tile");
+    let (nq, nk) = (shape.query_tiles(tile_rows), shape.key_tiles(tile_keys));
     let lists = shape.batch * shape.heads * nq;
     let mut bm = BlockMask {
         count: vec![0; lists],
@@ -537,9 +670,9 @@ pub fn block_mask_host(
         for h in 0..shape.heads {
             for qt in 0..nq {
                 let list = (b * shape.heads + h) * nq + qt;
-                let rows = (qt * FLEX_ROWS)..((qt + 1) * FLEX_ROWS).min(shape.seq_len_q);
+                let rows = (qt * tile_rows)..((qt + 1) * tile_rows).min(shape.seq_len_q);
                 for kt in 0..nk {
-                    let keys = (kt * FLEX_KEYS)..((kt + 1) * FLEX_KEYS).min(len);
+                    let keys = (kt * tile_keys)..((kt + 1) * tile_keys).min(len);
                     let (mut any, mut all) = (false, true);
                     for q in rows.clone() {
                         for kv in keys.clone() {
@@ -551,7 +684,7 @@ pub fn block_mask_host(
                     if any {
                         let n = bm.count[list] as usize;
                         bm.index[list * nk + n] = kt as i32;
-                        bm.full[list * nk + n] = u8::from(all && keys.len() == FLEX_KEYS);
+                        bm.full[list * nk + n] = u8::from(all && keys.len() == tile_keys);
                         bm.count[list] += 1;
                     }
                 }
@@ -794,6 +927,7 @@ pub struct FlexAttention {
     spec: FlexSpec,
     bwd: Option<FlexBwd>,
     fwd: CudaFunction,
+    kernel: FlexKernel,
     smem: u32,
     aux: CudaSlice<i32>,
     kv_lens: CudaSlice<i32>,
@@ -805,10 +939,10 @@ pub struct FlexAttention {
 }
 
 impl FlexAttention {
-    /// Compiles `spec` for `shape`, uploads the batch entries' key lengths `kv_lens` (one per
-    /// entry, each at most seq_len_kv; every call uses them) and `aux` (as given; one zero word
-    /// when empty: an expression that reads `aux` must be given what it reads), and computes
-    /// the block mask on the device.
+    /// Compiles `spec` for `shape` with [`FlexKernel::for_call`]'s forward kernel, uploads the
+    /// batch entries' key lengths `kv_lens` (one per entry, each at most seq_len_kv; every call
+    /// uses them) and `aux` (as given; one zero word when empty: an expression that reads `aux`
+    /// must be given what it reads), and computes the block mask on the device.
     ///
     /// # Errors
     /// [`GpuError::Config`] for an unsupported shape, key lengths that do not fit it, or a
@@ -821,6 +955,33 @@ impl FlexAttention {
         kv_lens: &[usize],
         aux: &[i32],
     ) -> Result<FlexAttention, GpuError> {
+        let kernel = FlexKernel::for_call(&gpu.arch(), &shape);
+        FlexAttention::with_kernel(gpu, shape, spec, kv_lens, aux, kernel)
+    }
+
+    /// [`FlexAttention::new`] with the forward kernel given.
+    ///
+    /// # Errors
+    /// As [`FlexAttention::new`]; [`GpuError::Config`] for [`FlexKernel::Wgmma`] on a device
+    /// other than compute capability 9.0 or with a scale that is not positive.
+    pub fn with_kernel(
+        gpu: &Gpu,
+        shape: FlexShape,
+        spec: &FlexSpec,
+        kv_lens: &[usize],
+        aux: &[i32],
+        kernel: FlexKernel,
+    ) -> Result<FlexAttention, GpuError> {
+        if kernel == FlexKernel::Wgmma
+            && (gpu.arch() != "sm_90a" || !(shape.scale > 0.0 && shape.scale.is_finite()))
+        {
+            return Err(GpuError::Config(format!(
+                "flex's wgmma forward needs compute capability 9.0 (sm_90a, not {}) and a \
+                 positive scale (not {})",
+                gpu.arch(),
+                shape.scale
+            )));
+        }
         if let Some(why) = shape.unsupported() {
             return Err(GpuError::Config(why));
         }
@@ -833,16 +994,23 @@ impl FlexAttention {
         }
         let lens_i: Vec<i32> = kv_lens.iter().map(|&l| l as i32).collect();
         let kv_lens = gpu.stream.clone_htod(&lens_i)?;
-        let (block_name, fwd_name, src) = flex_source(spec, shape.head_dim, shape.dtype);
+        let (block_name, fwd_name, src) = match kernel {
+            FlexKernel::Portable => flex_source(spec, shape.head_dim, shape.dtype),
+            FlexKernel::Wgmma => flex_sm90_source(spec, shape.head_dim, shape.dtype),
+        };
         let compiled = gpu.compile(&format!("{fwd_name}_{}.cu", spec.name), &src)?;
-        let smem = flex_smem_bytes(shape.head_dim) as u32;
+        let smem = match kernel {
+            FlexKernel::Portable => flex_smem_bytes(shape.head_dim),
+            FlexKernel::Wgmma => flex_sm90_smem_bytes(shape.head_dim),
+        } as u32;
         super::cuda::check_smem(gpu, &fwd_name, smem)?;
         let fwd = gpu.function(&compiled.module, &fwd_name, smem)?;
         let block = gpu.function(&compiled.module, &block_name, 0)?;
         let aux_d = gpu
             .stream
             .clone_htod(if aux.is_empty() { &[0][..] } else { aux })?;
-        let (nq, nk) = (shape.query_tiles(), shape.key_tiles());
+        let (rows, keys) = kernel.tile();
+        let (nq, nk) = (shape.query_tiles(rows), shape.key_tiles(keys));
         // Per query tile the key tiles with a visible pair.
         let (kv_count, kv_index, kv_full) =
             tile_lists(gpu, &block, &shape, (&kv_lens, &aux_d), (nq, nk), THREADS)?;
@@ -851,6 +1019,7 @@ impl FlexAttention {
             spec: spec.clone(),
             bwd: None,
             fwd,
+            kernel,
             smem,
             aux: aux_d,
             kv_lens,
@@ -1046,7 +1215,12 @@ impl FlexAttention {
 
     /// Key tiles per query tile's list (the block mask's row length).
     pub fn key_tiles(&self) -> usize {
-        self.shape.key_tiles()
+        self.shape.key_tiles(self.kernel.tile().1)
+    }
+
+    /// The forward kernel this call runs.
+    pub fn kernel(&self) -> FlexKernel {
+        self.kernel
     }
 
     /// Launches the forward on the stream: O and LSE (shapes in the module's documentation)
@@ -1076,6 +1250,9 @@ impl FlexAttention {
             ],
         )?;
         let (tq, tkv, h, kvh, scale) = s.kernel_args();
+        if self.kernel == FlexKernel::Wgmma {
+            return self.launch_wgmma(gpu, (q, k, v), o, lse);
+        }
         let mut l = gpu.stream.launch_builder(&self.fwd);
         l.arg(q)
             .arg(k)
@@ -1099,8 +1276,84 @@ impl FlexAttention {
         // caller's buffers hold the shapes in the module's documentation.
         unsafe {
             l.launch(LaunchConfig {
-                grid_dim: (s.query_tiles() as u32, s.heads as u32, s.batch as u32),
+                grid_dim: (
+                    s.query_tiles(FLEX_ROWS) as u32,
+                    s.heads as u32,
+                    s.batch as u32,
+                ),
                 block_dim: (THREADS as u32, 1, 1),
+                shared_mem_bytes: self.smem,
+            })?
+        };
+        Ok(())
+    }
+
+    /// [`FlexAttention::launch`] on the wgmma kernel (lengths checked there): Q, K, V and O
+    /// through tensor maps as the dense wgmma forward takes them.
+    fn launch_wgmma(
+        &self,
+        gpu: &Gpu,
+        (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        o: &mut CudaSlice<u16>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        use super::sm90::{tma_map_16, WS_KEYS};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let s = &self.shape;
+        let (tq, tkv, h, kvh, scale) = s.kernel_args();
+        // With a score modification the kernel scores in natural units (kp_score's) and the
+        // softmax takes log2 e; without one it scales the raw products as the dense kernel does.
+        let scale_log2 = if self.spec.score.is_some() {
+            std::f32::consts::LOG2_E
+        } else {
+            (s.scale * std::f64::consts::LOG2_E) as f32
+        };
+        let (rows, _) = self.kernel.tile();
+        let d = s.head_dim;
+        // The guards live until after the launch: dropping one records the buffer's use on this
+        // stream, which must come after the kernel that reads or writes it through TMA.
+        let (qp, _gq) = q.device_ptr(&gpu.stream);
+        let (kp, _gk) = k.device_ptr(&gpu.stream);
+        let (vp, _gv) = v.device_ptr(&gpu.stream);
+        let (op, _go) = o.device_ptr_mut(&gpu.stream);
+        let (planes_q, planes_kv) = (s.batch * s.heads, s.batch * s.kv_heads);
+        let maps = [
+            tma_map_16(qp, (planes_q, s.seq_len_q, d), 64, s.dtype)?,
+            tma_map_16(kp, (planes_kv, s.seq_len_kv, d), WS_KEYS as u32, s.dtype)?,
+            tma_map_16(vp, (planes_kv, s.seq_len_kv, d), WS_KEYS as u32, s.dtype)?,
+            tma_map_16(op, (planes_q, s.seq_len_q, d), 64, s.dtype)?,
+        ];
+        let mut l = gpu.stream.launch_builder(&self.fwd);
+        l.arg(&maps[0])
+            .arg(&maps[1])
+            .arg(&maps[2])
+            .arg(&maps[3])
+            .arg(&op)
+            .arg(lse)
+            .arg(&self.kv_lens)
+            .arg(&self.aux)
+            .arg(&self.kv_count)
+            .arg(&self.kv_index)
+            .arg(&self.kv_full)
+            .arg(&tq)
+            .arg(&tkv)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&scale)
+            .arg(&scale_log2);
+        // SAFETY: `flex_fwd_sm90_*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap to, u16* O, float*
+        // LSE, const int* kv_lens, const int* aux, const int* kv_count, const int* kv_index,
+        // const unsigned char* kv_full, int Tq, int Tkv, int H, int KVH, float scale, float
+        // scale_log2)`, one CTA of a producer and two consumer warpgroups per (query tile of
+        // `rows`, head, batch entry) with the block mask `with_kernel` computed at this
+        // kernel's tiles for this shape; the maps describe q, k, v and o with the shapes
+        // `launch` checked (TMA reads inside them only, zero-filling past their ends, and
+        // writes inside o only); lse holds batch · heads · seq_len_q floats; the guards record
+        // the buffers' use on this stream after the launch.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (s.query_tiles(rows) as u32, s.heads as u32, s.batch as u32),
+                block_dim: (self.kernel.threads() as u32, 1, 1),
                 shared_mem_bytes: self.smem,
             })?
         };
