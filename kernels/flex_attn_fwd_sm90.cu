@@ -25,20 +25,41 @@ struct FlexHooks {
     __device__ static void tile(float (&s)[1][NT][4], int k0, int L, int row0, bool partial,
                                 int b, int h, int Tq, int Tkv, int H, const FlexTiles& fx, int g,
                                 int t4) {
-        if (!SCORE && !partial) return;
+        // kp_score and kp_mask see in-bounds pairs only (an expression may index aux by them).
+        if constexpr (SCORE) {
+            if (row0 + 15 < Tq && k0 + NT * 8 <= L) {
+                // Every pair of the warp's 16 rows is in bounds: the modification runs as
+                // straight-line code, where the compiler computes its parts that do not depend
+                // on the pair (ALiBi's slope) once rather than behind each pair's guard.
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s[0][nt][e] = kp_score(s[0][nt][e] * fx.scale, b, h,
+                                               row0 + g + (e >> 1) * 8,
+                                               k0 + nt * 8 + 2 * t4 + (e & 1), H, Tq, Tkv, fx.aux);
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = row0 + g + (e >> 1) * 8;
+                        const int col = k0 + nt * 8 + 2 * t4 + (e & 1);
+                        if (row < Tq && col < L)
+                            s[0][nt][e] = kp_score(s[0][nt][e] * fx.scale, b, h, row, col, H, Tq,
+                                                   Tkv, fx.aux);
+                    }
+            }
+        }
+        if (!partial) return;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int row = row0 + g + (e >> 1) * 8;
                 const int col = k0 + nt * 8 + 2 * t4 + (e & 1);
-                // kp_score and kp_mask see in-bounds pairs only (an expression may index aux
-                // by them).
-                const bool in = row < Tq && col < L;
-                float x = s[0][nt][e];
-                if (SCORE && in) x = kp_score(x * fx.scale, b, h, row, col, H, Tq, Tkv, fx.aux);
-                if (partial && (!in || !kp_mask(b, h, row, col, H, Tq, Tkv, fx.aux))) x = NEG_INF;
-                s[0][nt][e] = x;
+                if (row >= Tq || col >= L || !kp_mask(b, h, row, col, H, Tq, Tkv, fx.aux))
+                    s[0][nt][e] = NEG_INF;
             }
     }
 };
