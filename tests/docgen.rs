@@ -2461,3 +2461,57 @@ fn each_tuning_notes_file_is_a_page_and_prose_links_it() {
     );
     assert!(main_text(&out, "index.html").contains("kernels/TUNING-kernel-sums.md"));
 }
+
+/// A tile sweep names its own suite's notes file and links its page only where that file is a
+/// page: with only another suite's notes beside the templates, the attention sweep names
+/// `kernels/TUNING.md` unlinked rather than linking the other suite's page.
+#[test]
+fn a_tile_sweep_links_its_own_suites_notes() {
+    let data = tempfile::tempdir().unwrap();
+    fs::copy(
+        valid_dir().join("gpu_attention.json"),
+        data.path().join("gpu_attention.json"),
+    )
+    .unwrap();
+    fs::write(
+        data.path().join("gpu_attention_tiles.json"),
+        tile_sweep("2222222222222222222222222222222222222222").to_string(),
+    )
+    .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    fs::create_dir_all(root.join("templates")).unwrap();
+    fs::create_dir_all(root.join("kernels")).unwrap();
+    fs::write(root.join("kernels/TUNING-moe.md"), "# MoE notes\n\n## v1\n").unwrap();
+    let build = |out: &Path| {
+        site::build(&BuildOptions {
+            data_dir: data.path().to_path_buf(),
+            out_dir: out.to_path_buf(),
+            base_url: None,
+            templates_dir: Some(root.join("templates")),
+        })
+        .unwrap_or_else(|e| panic!("build failed: {e:#}"));
+        let html = page(out, "attention.html");
+        let section = html.select(&sel("section.tile-sweep")).next().unwrap();
+        let codes: Vec<String> = section.select(&sel("p code")).map(text).collect();
+        let links: Vec<String> = section
+            .select(&sel("p a"))
+            .filter_map(|a| a.value().attr("href").map(str::to_string))
+            .collect();
+        (codes, links)
+    };
+    let (codes, links) = build(&root.join("site1"));
+    assert!(codes.iter().any(|c| c == "kernels/TUNING.md"), "{codes:?}");
+    assert!(
+        !links.iter().any(|l| l.starts_with("tuning")),
+        "no notes page of attention: {links:?}"
+    );
+    fs::write(
+        root.join("kernels/TUNING.md"),
+        "# Attention notes\n\n## v1\n",
+    )
+    .unwrap();
+    let (_, links) = build(&root.join("site2"));
+    assert!(links.iter().any(|l| l == "tuning.html"), "{links:?}");
+    assert!(!links.iter().any(|l| l == "tuning-moe.html"), "{links:?}");
+}

@@ -70,6 +70,8 @@ pub struct NotesSource {
     pub file: &'static str,
     /// What the notes cover, for links between the notes pages (e.g. `Attention`).
     pub title: &'static str,
+    /// The suite whose kernels they tune (a tile sweep of that suite points to them).
+    pub suite: crate::schema::Suite,
 }
 
 /// The kernel tuning notes, one file per suite family, in the order the site lists them: the
@@ -79,21 +81,25 @@ pub const TUNING_NOTES: [NotesSource; 4] = [
         path: "kernels/TUNING.md",
         file: "tuning.html",
         title: "Attention",
+        suite: crate::schema::Suite::Attention,
     },
     NotesSource {
         path: "kernels/TUNING-sequence-mixers.md",
         file: "tuning-sequence-mixers.html",
         title: "Sequence mixers",
+        suite: crate::schema::Suite::SequenceMixers,
     },
     NotesSource {
         path: "kernels/TUNING-kernel-sums.md",
         file: "tuning-kernel-sums.html",
         title: "Kernel sums",
+        suite: crate::schema::Suite::KernelSums,
     },
     NotesSource {
         path: "kernels/TUNING-moe.md",
         file: "tuning-moe.html",
         title: "MoE",
+        suite: crate::schema::Suite::Moe,
     },
 ];
 

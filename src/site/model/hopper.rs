@@ -816,7 +816,6 @@ mod tests {
             toc: Vec::new(),
             hand_written: false,
             defaults_href: String::new(),
-            tuning_href: None,
         };
         let docs = [h100.clone(), h200.clone()];
         let page = hopper_page(&docs, &docs, layout.clone());

@@ -27,7 +27,7 @@ pub use self::suite::{
 };
 pub use self::tiles::{TileBar, TileChart, TileGroup, TileRow, TileSweepSection};
 use super::format;
-use super::templates::NotesSource;
+use super::templates::{NotesSource, TUNING_NOTES};
 use crate::load::Loaded;
 use crate::schema::{Document, Suite};
 
@@ -469,8 +469,6 @@ pub struct Layout {
     pub hand_written: bool,
     /// Link to "What runs by default" on the overview, for the `default` badges.
     pub defaults_href: String,
-    /// Link to the kernel tuning notes page, when the site has one.
-    pub tuning_href: Option<String>,
 }
 
 /// One navigation link.
@@ -661,7 +659,6 @@ pub fn build_model(
             hand_written: notes_files.contains(&file),
             toc,
             defaults_href: format!("{base}index.html#what-runs-by-default"),
-            tuning_href: tuning_href.clone(),
             nav: links(true),
             nav_unmeasured: links(false),
         }
@@ -686,6 +683,15 @@ pub fn build_model(
                     );
                     section.tile_sweeps =
                         tiles::tile_sweeps(&sweeps, docs, *s, &base, &mut tile_charts);
+                    // Each sweep names its suite's notes, and links them where they are a page.
+                    let notes = TUNING_NOTES.iter().find(|n| n.suite == *s);
+                    let present = tuning_notes.iter().any(|(n, _)| Some(n) == notes);
+                    for t in &mut section.tile_sweeps {
+                        t.notes_path = notes.map(|n| n.path.to_string());
+                        t.notes_href = notes
+                            .filter(|_| present)
+                            .map(|n| format!("{base}{}", n.file));
+                    }
                     section.measured |= !section.tile_sweeps.is_empty();
                     section
                 })

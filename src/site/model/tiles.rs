@@ -32,6 +32,11 @@ pub struct TileSweepSection {
     pub unit: String,
     /// One entry per shape.
     pub groups: Vec<TileGroup>,
+    /// The tuning notes of the sweep's suite (e.g. `kernels/TUNING.md`), when it has a notes
+    /// file; set by the page's builder.
+    pub notes_path: Option<String>,
+    /// The page those notes became, when the site has it; set by the page's builder.
+    pub notes_href: Option<String>,
 }
 
 /// The configurations of one shape.
@@ -346,6 +351,8 @@ fn sweep_section(
         portable_name,
         unit,
         groups,
+        notes_path: None,
+        notes_href: None,
     }
 }
 
