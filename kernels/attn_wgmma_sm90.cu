@@ -737,9 +737,8 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
     };
     // flex: the first word of a query tile's list of key tiles.
     const int n_kt_all = (Tkv + BC - 1) / BC;
-    auto list_at = [&](const Item& w) {
-        return (size_t)((w.b * H + w.h) * qtiles + w.qt) * n_kt_all;
-    };
+    auto tile_at = [&](const Item& w) { return (w.b * H + w.h) * qtiles + w.qt; };
+    auto list_at = [&](const Item& w) { return (size_t)tile_at(w) * n_kt_all; };
     auto item_at = [&](int i) {
         Item w;
         w.split = -1;
@@ -769,7 +768,7 @@ __device__ __forceinline__ void attn_fwd_sm90_ws(const TmaMap* tq, const TmaMap*
         }
         w.L = min(kv_lens[w.b], Tkv);
         const int off = w.L - Tq, q0 = w.qt * BR, rows_cta = min(BR, Tq - q0);
-        w.n_kt = FX::ON ? fx.count[list_at(w) / n_kt_all] : (w.L + BC - 1) / BC;
+        w.n_kt = FX::ON ? fx.count[tile_at(w)] : (w.L + BC - 1) / BC;
         if (CAUSAL)
             w.n_kt = q0 + rows_cta - 1 + off < 0 ? 0
                                                  : min(w.n_kt, (q0 + rows_cta - 1 + off) / BC + 1);

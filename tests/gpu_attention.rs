@@ -1324,6 +1324,9 @@ fn flex_attention_matches_float64() {
         (200, 200, 200),
         (20, 300, 300),
         (130, 70, 70),
+        // Under the masks the first 230 query rows see no key: a 128-row query tile with an
+        // empty list of key tiles on the wgmma kernel.
+        (300, 70, 70),
         (520, 520, 390),
     ];
     let kernels = if gpu.arch() == "sm_90a" {
@@ -1477,7 +1480,8 @@ fn flex_attention_matches_float64() {
     let picked = FlexAttention::new(gpu, shape, &FlexMod::Causal.spec(), &[8], &[])
         .expect("flex")
         .kernel();
-    let switched_off = std::env::var(kernelpages::attention::flex::SM90_ENV).is_ok();
+    let switched_off =
+        std::env::var(kernelpages::attention::flex::SM90_ENV).is_ok_and(|v| v.trim() == "0");
     if gpu.arch() == "sm_90a" && !switched_off {
         assert_eq!(picked, FlexKernel::Wgmma);
     } else if gpu.arch() != "sm_90a" {

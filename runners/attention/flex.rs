@@ -125,7 +125,8 @@ impl own::Launcher for FlexLaunch {
 }
 
 /// The case process of `flex`: compile, block mask, first call, check and time one case
-/// (`own::measure`); the row's note names the modification and the block mask's tiles.
+/// (`own::measure`); the row's note names the modification, the forward kernel and the block
+/// mask's tiles.
 pub fn measure(job: &Job) -> Reply {
     let c = match super::job_case(job, unsupported) {
         Ok(c) => c,

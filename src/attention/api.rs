@@ -277,7 +277,8 @@ fn flex_checks<T: Element>(
 /// [`FlexMod::Document`], the document of every position, `[B, T_kv]`); a query that sees no key
 /// gets a zero row. On CUDA (bf16 or fp16, head_dim 64 or 128) the modifications are compiled
 /// into the forward once per (modification, head_dim, dtype): on compute capability 9.0 with a
-/// positive scale the wgmma kernel (`kernels/flex_attn_fwd_sm90.cu`), elsewhere the portable one
+/// positive scale the wgmma kernel (`kernels/flex_attn_fwd_sm90.cu`; the environment variable
+/// `KP_FLEX_SM90=0` keeps the portable one there too), elsewhere the portable one
 /// (`kernels/flex_attn_fwd.cu`; [`super::flex::FlexKernel`]), and the block mask
 /// is computed on every call (keep a [`super::flex::FlexAttention`] to reuse it); on the CPU a
 /// named modification runs the float64 reference.

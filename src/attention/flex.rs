@@ -1,8 +1,9 @@
 //! Attention with generated masks and score modifications on the GPU (issue 10 §1): the
 //! `flex_attention(q, k, v, score_mod, mask_mod)` interface of FlexAttention (He, Guessous,
 //! Liang, Zhang and others, 2024), with the modifications given as small CUDA C expressions that
-//! are generated into `kernels/flex_attn_fwd.cu` and compiled by NVRTC, and a float64 reference
-//! that applies the same modification densely.
+//! are generated into the forward (`kernels/flex_attn_fwd_sm90.cu` or `kernels/flex_attn_fwd.cu`:
+//! [`FlexKernel`]) and the backward and compiled by NVRTC, and a float64 reference that applies
+//! the same modification densely.
 //!
 //! A mask expression is a `bool` of `b, h, q_idx, kv_idx` (batch entry, query head, query
 //! position, key position) and of `num_heads, seq_len_q, seq_len_kv` and `aux` (a `const int*`
@@ -68,8 +69,9 @@ pub enum FlexKernel {
     /// 8.0 or newer), [`FLEX_ROWS`] × [`FLEX_KEYS`] tiles, any scale.
     Portable,
     /// `kernels/flex_attn_fwd_sm90.cu`: the wgmma forward's version 3 (compute capability 9.0
-    /// only; `sm90::Sm90Version::V3`), [`super::sm90::WS_ROWS`] × [`super::sm90::WS_KEYS`]
-    /// tiles, a positive scale.
+    /// only; `sm90::Sm90Version::V3`), always with its ping-pong between consumers (the dense
+    /// kernel's `KP_SM90_FWD_PINGPONG` switch does not reach it), one CTA per query tile,
+    /// [`super::sm90::WS_ROWS`] × [`super::sm90::WS_KEYS`] tiles, a positive scale.
     Wgmma,
 }
 
@@ -627,8 +629,7 @@ impl BlockMask {
 }
 
 /// The block mask of `m` over `shape` at the portable forward's tiles computed on the host
-/// (what `flex_block_mask` computes on the device), for tests and for the page's sparsity
-/// figures.
+/// (what `flex_block_mask` computes on the device), for tests.
 ///
 /// # Panics
 /// When `kv_lens` does not hold one length per batch entry.
@@ -1348,8 +1349,10 @@ impl FlexAttention {
         // `rows`, head, batch entry) with the block mask `with_kernel` computed at this
         // kernel's tiles for this shape; the maps describe q, k, v and o with the shapes
         // `launch` checked (TMA reads inside them only, zero-filling past their ends, and
-        // writes inside o only); lse holds batch · heads · seq_len_q floats; the guards record
-        // the buffers' use on this stream after the launch.
+        // writes inside o only); lse holds batch · heads · seq_len_q floats, kv_lens `batch`
+        // entries (each at most seq_len_kv, checked in `with_kernel`) and aux what the
+        // expressions read (the caller's contract, as for the portable kernel); the guards
+        // record the buffers' use on this stream after the launch.
         unsafe {
             l.launch(LaunchConfig {
                 grid_dim: (s.query_tiles(rows) as u32, s.heads as u32, s.batch as u32),
