@@ -1884,6 +1884,49 @@ fn a_glance_cell_without_a_ratio_says_which_reason() {
     );
 }
 
+/// An at-a-glance cell with no comparison tells a size the group's grid has no case of (`no case
+/// of this size`) from one whose case has rows but no default among them (`not measured`).
+#[test]
+fn a_glance_cell_tells_a_missing_size_from_a_missing_default() {
+    use kernelpages::schema::{Document, Param};
+    let json = fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap();
+    let mut doc: Document = serde_json::from_str(&json).unwrap();
+    let group = |r: &Row, t: i64| {
+        r.case.get("head_dim") == Some(&Param::Int(64))
+            && r.case.get("causal") == Some(&Param::Bool(false))
+            && r.case.get("pass") == Some(&Param::Text("fwd".into()))
+            && r.case.get("seq_len") == Some(&Param::Int(t))
+    };
+    let sizes: BTreeSet<i64> = doc
+        .rows
+        .iter()
+        .filter_map(|r| match r.case.get("seq_len") {
+            Some(Param::Int(t)) if group(r, *t) => Some(*t),
+            _ => None,
+        })
+        .collect();
+    let (&small, &large) = (sizes.first().unwrap(), sizes.last().unwrap());
+    assert!(small < large, "{sizes:?}");
+    let whole = glance_of(&doc);
+    assert!(
+        !whole.contains("not measured") && !whole.contains("no case of this size"),
+        "{whole}"
+    );
+    // The smallest size: no row of the group at all; the largest: its rows, but none default.
+    let before = doc.rows.len();
+    doc.rows.retain(|r| !group(r, small));
+    assert!(doc.rows.len() < before);
+    let mut undefaulted = 0;
+    for r in doc.rows.iter_mut().filter(|r| group(r, large) && r.default) {
+        r.default = false;
+        undefaulted += 1;
+    }
+    assert!(undefaulted >= 1);
+    let glance = glance_of(&doc);
+    assert!(glance.contains("no case of this size"), "{glance}");
+    assert!(glance.contains("not measured"), "{glance}");
+}
+
 /// An alternative faster than the one an at-a-glance cell compares with, but left out for its
 /// error, is named in the cell.
 #[test]

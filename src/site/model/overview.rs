@@ -368,7 +368,7 @@ pub struct Glance {
 pub fn glance(docs: &[Loaded], base: &str) -> Glance {
     let mut glance = glance_rows(docs, base);
     mark_representatives(&mut glance);
-    let tables = glance_tables(&glance);
+    let tables = glance_tables(&glance, &group_sizes(docs, base));
     let picked: Vec<&GlanceRow> = glance.iter().filter(|g| g.representative).collect();
     // Parameters shared by every bar are said once in the title, not on each bar.
     let parts = |g: &GlanceRow| -> Vec<String> {
@@ -458,9 +458,26 @@ pub fn glance(docs: &[Loaded], base: &str) -> Glance {
     }
 }
 
+/// Every (group link, size) that `docs` hold a case of, whether or not a default ran there:
+/// what tells a size the group's grid lacks from one where nothing could be compared.
+fn group_sizes(docs: &[Loaded], base: &str) -> BTreeSet<(String, String)> {
+    let mut out = BTreeSet::new();
+    for l in docs {
+        for g in group_rows(&l.doc, primary_axis(&l.doc)) {
+            let href = format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, &g));
+            for (x, _) in g.by_x.values() {
+                out.insert((href.clone(), x_label(*x)));
+            }
+        }
+    }
+    out
+}
+
 /// The rows regrouped: a table per (suite, device, axis), a row per group, a column per size. The
-/// group label keeps only the parameters that differ between the table's groups.
-fn glance_tables(rows: &[GlanceRow]) -> Vec<GlanceTable> {
+/// group label keeps only the parameters that differ between the table's groups. A cell
+/// without a row says `no case of this size` where the group's grid has no case there
+/// (`present`: [`group_sizes`]), `not measured` otherwise.
+fn glance_tables(rows: &[GlanceRow], present: &BTreeSet<(String, String)>) -> Vec<GlanceTable> {
     let mut tables: Vec<GlanceTable> = Vec::new();
     for r in rows {
         // A table per axis too: the decoding grid's seq_len_kv is not the grid's seq_len.
@@ -538,6 +555,9 @@ fn glance_tables(rows: &[GlanceRow]) -> Vec<GlanceTable> {
                         alternative: r.and_then(|r| r.alternative.clone()),
                         note: match r {
                             Some(r) => r.note.clone(),
+                            None if !present.contains(&(g.href.clone(), x.clone())) => {
+                                Some("no case of this size".to_string())
+                            }
                             None => Some("not measured".to_string()),
                         },
                         representative: r.is_some_and(|r| r.representative),
