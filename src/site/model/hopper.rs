@@ -195,7 +195,9 @@ pub struct HopperImpl {
     /// are, else `None`.
     pub default_label: Option<String>,
     /// Best throughput in the suite's unit (or the best median, ms, when none is declared),
-    /// or `—`.
+    /// or `—`: among the rows where it is the default when it is the default anywhere (what
+    /// the device's dispatch reaches, not a case where another implementation runs by
+    /// default), among all its rows otherwise.
     pub best: String,
     /// Case of the best row.
     pub best_case: String,
@@ -204,8 +206,15 @@ pub struct HopperImpl {
 }
 
 /// Per implementation: its best row with its score, rows ok, rows in all, any row (for the
-/// library), and how many of its rows are the default's.
-type Tally<'a> = (Option<(f64, &'a Row)>, usize, usize, &'a Row, usize);
+/// library), how many of its rows are the default's, and its best row among those.
+type Tally<'a> = (
+    Option<(f64, &'a Row)>,
+    usize,
+    usize,
+    &'a Row,
+    usize,
+    Option<(f64, &'a Row)>,
+);
 
 /// True for a document measured on compute capability 9.x.
 pub fn is_hopper(doc: &Document) -> bool {
@@ -470,7 +479,7 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
                 for r in &l.doc.rows {
                     let e = by_impl
                         .entry(r.implementation.as_str())
-                        .or_insert((None, 0, 0, r, 0));
+                        .or_insert((None, 0, 0, r, 0, None));
                     e.2 += 1;
                     e.4 += usize::from(r.default);
                     if r.status == Status::Ok {
@@ -479,29 +488,37 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
                             if e.0.is_none_or(|(b, _)| v > b) {
                                 e.0 = Some((v, r));
                             }
+                            if r.default && e.5.is_none_or(|(b, _)| v > b) {
+                                e.5 = Some((v, r));
+                            }
                         }
                     }
                 }
             }
             let mut implementations: Vec<HopperImpl> = by_impl
                 .into_iter()
-                .map(|(name, (best, ok, total, any, default))| HopperImpl {
-                    name: name.to_string(),
-                    library: any.library.clone(),
-                    is_default: default > 0,
-                    default_label: match default {
-                        0 => None,
-                        d if d == total => Some("default".to_string()),
-                        d => Some(format!("default in {d} of {total} rows")),
+                .map(
+                    |(name, (best_any, ok, total, any, default, best_default))| {
+                        let best = if default > 0 { best_default } else { best_any };
+                        HopperImpl {
+                            name: name.to_string(),
+                            library: any.library.clone(),
+                            is_default: default > 0,
+                            default_label: match default {
+                                0 => None,
+                                d if d == total => Some("default".to_string()),
+                                d => Some(format!("default in {d} of {total} rows")),
+                            },
+                            best: best
+                                .map(|(v, _)| format::sig(v.abs(), 3))
+                                .unwrap_or_else(|| "—".to_string()),
+                            best_case: best
+                                .map(|(_, b)| crate::load::case_label(&b.case))
+                                .unwrap_or_else(|| "—".to_string()),
+                            rows_ok: format!("{ok} / {total}"),
+                        }
                     },
-                    best: best
-                        .map(|(v, _)| format::sig(v.abs(), 3))
-                        .unwrap_or_else(|| "—".to_string()),
-                    best_case: best
-                        .map(|(_, b)| crate::load::case_label(&b.case))
-                        .unwrap_or_else(|| "—".to_string()),
-                    rows_ok: format!("{ok} / {total}"),
-                })
+                )
                 .collect();
             implementations.sort_by(|a, b| {
                 b.is_default
@@ -835,6 +852,49 @@ mod tests {
                 .expect("flash")
         };
         assert_ne!(best(0), best(1), "each card's own best row");
+        // An implementation that is the default somewhere shows its best row among those: a
+        // faster row where it is not the default (a masks grid's hand-written causal mask
+        // beside flex, say) is not what the dispatch reaches.
+        let mut mixed = h100.clone();
+        let flash_rows: Vec<usize> = mixed
+            .doc
+            .rows
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.implementation == "flash" && r.status == Status::Ok)
+            .map(|(i, _)| i)
+            .collect();
+        assert!(flash_rows.len() >= 2);
+        for &i in &flash_rows {
+            mixed.doc.rows[i].default = true;
+        }
+        let fast = flash_rows[0];
+        mixed.doc.rows[fast].default = false;
+        mixed.doc.rows[fast].median_ms = mixed.doc.rows[fast].median_ms.map(|m| m / 100.0);
+        let mixed_page = hopper_page(
+            std::slice::from_ref(&mixed),
+            std::slice::from_ref(&mixed),
+            layout.clone(),
+        );
+        let flash = mixed_page.suites[0]
+            .implementations
+            .iter()
+            .find(|x| x.name == "flash")
+            .expect("flash");
+        assert!(
+            flash
+                .default_label
+                .as_deref()
+                .unwrap()
+                .starts_with("default in"),
+            "{:?}",
+            flash.default_label
+        );
+        let fast_case = crate::load::case_label(&mixed.doc.rows[fast].case);
+        assert_ne!(
+            flash.best_case, fast_case,
+            "the row where flash is not the default"
+        );
         // The H100's flash is 4x its portable kernel, the H200's 2x: never pooled.
         assert!(page.suites[0].gains[0]
             .cases
