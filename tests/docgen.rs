@@ -2144,6 +2144,16 @@ fn reproduce_commands_name_the_python_packages_recorded() {
         t.contains("its comparisons ran with Python 3.12.3, torch 2.11.0+cu130, fla-core 0.6.0"),
         "{t}"
     );
+    // The cuDNN that torch brought, beside torch.
+    let libs = doc["config"]["libraries"].as_object_mut().unwrap();
+    libs.insert("cudnn".into(), serde_json::json!("91900"));
+    fs::write(data.path().join("gpu_attention.json"), doc.to_string()).unwrap();
+    let (_tmp3, site) = build_site(data.path(), None);
+    let t = text_of(&site, "attention.html");
+    assert!(
+        t.contains("torch 2.11.0+cu130 (cuDNN 9.19.0), fla-core 0.6.0"),
+        "{t}"
+    );
 }
 
 /// An alternative faster than the default beyond both spreads is a known limitation, unless its

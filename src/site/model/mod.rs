@@ -393,9 +393,19 @@ fn packages_of(libs: &BTreeMap<String, String>) -> Option<String> {
         ("ott-jax", "ott-jax"),
         ("geomloss", "geomloss"),
     ];
+    // torch's wheels bring their cuDNN, whose version the cuDNN backend's rows depend on.
+    let cudnn = libs
+        .get("cudnn")
+        .map(|v| format!(" (cuDNN {})", super::format::library_version("cudnn", v)))
+        .unwrap_or_default();
     let packages: Vec<String> = PIP_NAMES
         .iter()
-        .filter_map(|(key, pip)| libs.get(*key).map(|v| format!("{pip} {v}")))
+        .filter_map(|(key, pip)| {
+            libs.get(*key).map(|v| {
+                let extra = if *key == "torch" { cudnn.as_str() } else { "" };
+                format!("{pip} {v}{extra}")
+            })
+        })
         .collect();
     if packages.is_empty() {
         return None;
