@@ -53,7 +53,9 @@ use kernelpages::attention::cuda::{
     FLASH_HEAD_DIMS, FWD_SWEEP, MATH_FP32_NOTE,
 };
 use kernelpages::attention::decode_gpu::{self, DECODE_HEAD_DIMS};
-use kernelpages::attention::flex::{FlexKernel, FLEX_BWD_KEYS, FLEX_BWD_ROWS, FLEX_HEAD_DIMS};
+use kernelpages::attention::flex::{
+    FlexKernel, FLEX_BWD_KEYS, FLEX_BWD_ROWS, FLEX_HEAD_DIMS, SM90_ENV,
+};
 use kernelpages::attention::{cpu::Inputs, files, AttentionCase, Dtype, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
 use kernelpages::runner::grid::Params;
@@ -660,7 +662,7 @@ fn dispatch_rules() -> Vec<DispatchRule> {
         .filter(|d| d.is_multiple_of(64))
         .map(|d| d.to_string())
         .collect();
-    vec![
+    let mut rules = vec![
         DispatchRule {
             entry_point: "attention::dot_product_attention, attention::mha (Device::Cuda)".into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
@@ -733,17 +735,6 @@ fn dispatch_rules() -> Vec<DispatchRule> {
         },
         DispatchRule {
             entry_point: "attention::api::flex_attention, attention::api::flex_attention_vjp (Device::Cuda)".into(),
-            device: "CUDA, compute capability 9.0 (sm_90a)".into(),
-            dtype: "bf16, fp16".into(),
-            rule: format!(
-                "head_dim {} with a positive scale: the forward on {}, the mask evaluated in partial tiles only and tiles it empties never loaded; the backward as below",
-                flex_dims.join(" or "),
-                FlexKernel::Wgmma.describe()
-            ),
-            implementation: flex::IMPLEMENTATION.into(),
-        },
-        DispatchRule {
-            entry_point: "attention::api::flex_attention, attention::api::flex_attention_vjp (Device::Cuda)".into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
             dtype: "bf16, fp16".into(),
             rule: format!(
@@ -769,7 +760,31 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             rule: "always".into(),
             implementation: "cpu_reference".into(),
         },
-    ]
+    ];
+    // flex's wgmma forward, unless this process keeps flex on the portable kernel
+    // (KP_FLEX_SM90=0): the rule states what the rows ran.
+    let flex_sm90_off = std::env::var(SM90_ENV).is_ok_and(|v| v.trim() == "0");
+    if !flex_sm90_off {
+        let at = rules
+            .iter()
+            .position(|r| r.implementation == flex::IMPLEMENTATION)
+            .expect("flex's portable rule");
+        rules.insert(
+            at,
+DispatchRule {
+                entry_point: "attention::api::flex_attention, attention::api::flex_attention_vjp (Device::Cuda)".into(),
+                device: "CUDA, compute capability 9.0 (sm_90a)".into(),
+                dtype: "bf16, fp16".into(),
+                rule: format!(
+                    "head_dim {} with a positive scale: the forward on {}, the mask evaluated in partial tiles only and tiles it empties never loaded; the backward as below",
+                    flex_dims.join(" or "),
+                    FlexKernel::Wgmma.describe()
+                ),
+                implementation: flex::IMPLEMENTATION.into(),
+            },
+        );
+    }
+    rules
 }
 
 struct Attention {

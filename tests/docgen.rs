@@ -1922,9 +1922,38 @@ fn a_glance_cell_tells_a_missing_size_from_a_missing_default() {
         undefaulted += 1;
     }
     assert!(undefaulted >= 1);
-    let glance = glance_of(&doc);
-    assert!(glance.contains("no case of this size"), "{glance}");
-    assert!(glance.contains("not measured"), "{glance}");
+    // The group's own row of the table: the cell at the smallest size and at the largest.
+    let data = tempfile::tempdir().unwrap();
+    fs::write(
+        data.path().join("gpu_attention.json"),
+        serde_json::to_string(&doc).unwrap(),
+    )
+    .unwrap();
+    let (_tmp, site) = build_site(data.path(), None);
+    let index = page(&site, "index.html");
+    let table = index.select(&sel("table.glance")).next().unwrap();
+    let heads: Vec<String> = table.select(&sel("thead th")).map(text).collect();
+    let column = |t: i64| {
+        heads
+            .iter()
+            .position(|h| h.trim() == format!("seq_len {t}"))
+            .unwrap_or_else(|| panic!("no column {t}: {heads:?}"))
+    };
+    let row = table
+        .select(&sel("tbody tr"))
+        .find(|tr| {
+            let label = tr.select(&sel("th")).next().map(text).unwrap_or_default();
+            label.contains("head_dim=64")
+                && label.contains("causal=false")
+                && !label.contains("fwd+bwd")
+        })
+        .expect("the group's row");
+    let cells: Vec<String> = row.select(&sel("th, td")).map(text).collect();
+    assert!(
+        cells[column(small)].contains("no case of this size"),
+        "{cells:?}"
+    );
+    assert!(cells[column(large)].contains("not measured"), "{cells:?}");
 }
 
 /// An alternative faster than the one an at-a-glance cell compares with, but left out for its

@@ -195,9 +195,9 @@ pub struct HopperImpl {
     /// are, else `None`.
     pub default_label: Option<String>,
     /// Best throughput in the suite's unit (or the best median, ms, when none is declared),
-    /// or `—`: among the rows where it is the default when it is the default anywhere (what
-    /// the device's dispatch reaches, not a case where another implementation runs by
-    /// default), among all its rows otherwise.
+    /// or `—`: among the rows where it is the default when it is the default anywhere and one
+    /// of those has a score (what the device's dispatch reaches, not a case where another
+    /// implementation runs by default), among all its rows otherwise.
     pub best: String,
     /// Case of the best row.
     pub best_case: String,
@@ -499,7 +499,12 @@ pub fn hopper_page(docs: &[Loaded], parts: &[Loaded], layout: Layout) -> HopperP
                 .into_iter()
                 .map(
                     |(name, (best_any, ok, total, any, default, best_default))| {
-                        let best = if default > 0 { best_default } else { best_any };
+                        // A default none of whose default rows has a score keeps its best row.
+                        let best = if default > 0 && best_default.is_some() {
+                            best_default
+                        } else {
+                            best_any
+                        };
                         HopperImpl {
                             name: name.to_string(),
                             library: any.library.clone(),
