@@ -566,21 +566,14 @@ fn decode_kernels_compile_without_spills() {
 )]
 fn flex_kernels_compile_without_spills() {
     use kernelpages::attention::flex::{
-        flex_bwd_smem_bytes, flex_bwd_source, flex_smem_bytes, flex_source, FlexMod, FlexSpec,
+        flex_bwd_smem_bytes, flex_bwd_source, flex_smem_bytes, flex_source, FlexSpec,
         FLEX_HEAD_DIMS,
     };
     assert!(
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    let mods = [
-        FlexMod::Causal,
-        FlexMod::SlidingWindow(256),
-        FlexMod::Document,
-        FlexMod::PrefixLm(128),
-        FlexMod::Alibi,
-        FlexMod::SoftCap(50.0),
-    ];
+    let mods = compiled_mods();
     // Every modification at every head_dim and dtype compiles at least once: bf16 for Hopper
     // with ptxas's report (the spill check) at every head_dim and for Ampere at the smallest;
     // fp16 (the same code with the other 16-bit type) for Hopper at the largest head_dim, where
@@ -1081,6 +1074,20 @@ fn ptx_of(src: &str) -> String {
         .to_src()
 }
 
+/// The flex modifications the compile tests instantiate: every one the project names, with
+/// arguments that give partial and whole tiles.
+fn compiled_mods() -> [kernelpages::attention::flex::FlexMod; 6] {
+    use kernelpages::attention::flex::FlexMod;
+    [
+        FlexMod::Causal,
+        FlexMod::SlidingWindow(256),
+        FlexMod::Document,
+        FlexMod::PrefixLm(128),
+        FlexMod::Alibi,
+        FlexMod::SoftCap(50.0),
+    ]
+}
+
 /// flex_attention's forward on the wgmma kernel (`kernels/flex_attn_fwd_sm90.cu`) compiles for
 /// sm_90a for every named modification at head_dim 64 and 128 (bf16; fp16 at 128 with a mask
 /// and with a score modification), with its wgmma asynchronous, no spills and the whole
@@ -1097,14 +1104,7 @@ fn flex_wgmma_forward_keeps_its_wgmma_asynchronous() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    let mods = [
-        FlexMod::Causal,
-        FlexMod::SlidingWindow(256),
-        FlexMod::Document,
-        FlexMod::PrefixLm(128),
-        FlexMod::Alibi,
-        FlexMod::SoftCap(50.0),
-    ];
+    let mods = compiled_mods();
     let mut instances = Vec::new();
     for m in mods {
         for d in FLEX_HEAD_DIMS {
