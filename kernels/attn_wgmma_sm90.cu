@@ -679,8 +679,8 @@ __device__ __forceinline__ void store_o_tma(const float (&o)[1][DT][4],
 // generated ones): the dense kernels take NoFlex, whose ON is false, and an empty FlexTiles.
 // With ON, a CTA walks its query tile's list of key tiles from flex_block_mask (count[tile]
 // tiles, their indices in index[tile * n_kt_all ..], full[...] = 1 for a tile the mask leaves
-// whole), FX::tile applies the mask to a partial tile (and with FX::SCORE the score
-// modification to every tile), and everything else is the dense kernel's.
+// whole), FX::tile applies the mask to a partial tile (and a score modification, where the
+// hooks have one, to every tile), and everything else is the dense kernel's.
 struct FlexTiles {
     const int* count;
     const int* index;
@@ -688,11 +688,9 @@ struct FlexTiles {
     const int* aux;
     float scale;
 };
+// NoFlex needs no `tile`: its calls sit in branches `if constexpr (FX::ON)` discards.
 struct NoFlex {
     enum { ON = 0 };  // an enum: a static constexpr member would leave a symbol in the cubin
-    template <int NT>
-    __device__ static void tile(float (&)[1][NT][4], int, int, int, bool, int, int, int, int,
-                                int, const FlexTiles&, int, int) {}
 };
 
 template <int D, int BC, int ST, int NC, bool CAUSAL, bool PIPE, bool PERSIST, class FX = NoFlex>

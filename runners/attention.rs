@@ -655,7 +655,6 @@ fn dispatch_rules() -> Vec<DispatchRule> {
         })
         .collect();
     let decode_dims: Vec<String> = DECODE_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
-    let flex_dims: Vec<String> = FLEX_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
     // The TMA build's head dims: multiples of 64 (decode_gpu::Decoder::new).
     let tma_dims: Vec<String> = DECODE_HEAD_DIMS
         .iter()
@@ -733,19 +732,9 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             rule: "otherwise: fp32 (cuBLAS SGEMM, no TF32) or another head_dim; every shape, forward and forward + backward".into(),
             implementation: Implementation::Math.name().into(),
         },
-        DispatchRule {
-            entry_point: "attention::api::flex_attention, attention::api::flex_attention_vjp (Device::Cuda)".into(),
-            device: "CUDA, compute capability 8.0 or newer".into(),
-            dtype: "bf16, fp16".into(),
-            rule: format!(
-                "otherwise, head_dim {}: the forward on {}; the backward (kernels/flex_attn_bwd.cu, FlashAttention-2's over a transposed block mask of {}-row query steps and {}-key tiles, dQ summed with fp32 atomics) on every device",
-                flex_dims.join(" or "),
-                FlexKernel::Portable.describe(),
-                FLEX_BWD_ROWS,
-                FLEX_BWD_KEYS
-            ),
-            implementation: flex::IMPLEMENTATION.into(),
-        },
+    ];
+    rules.extend(flex_dispatch_rules());
+    rules.extend([
         DispatchRule {
             entry_point: "attention::mha (Device::Cuda)".into(),
             device: "CUDA, compute capability 8.0 or newer".into(),
@@ -760,31 +749,43 @@ fn dispatch_rules() -> Vec<DispatchRule> {
             rule: "always".into(),
             implementation: "cpu_reference".into(),
         },
-    ];
-    // flex's wgmma forward, unless this process keeps flex on the portable kernel
-    // (KP_FLEX_SM90=0): the rule states what the rows ran.
-    let flex_sm90_off = std::env::var(SM90_ENV).is_ok_and(|v| v.trim() == "0");
-    if !flex_sm90_off {
-        let at = rules
-            .iter()
-            .position(|r| r.implementation == flex::IMPLEMENTATION)
-            .expect("flex's portable rule");
-        rules.insert(
-            at,
-DispatchRule {
-                entry_point: "attention::api::flex_attention, attention::api::flex_attention_vjp (Device::Cuda)".into(),
-                device: "CUDA, compute capability 9.0 (sm_90a)".into(),
-                dtype: "bf16, fp16".into(),
-                rule: format!(
-                    "head_dim {} with a positive scale: the forward on {}, the mask evaluated in partial tiles only and tiles it empties never loaded; the backward as below",
-                    flex_dims.join(" or "),
-                    FlexKernel::Wgmma.describe()
-                ),
-                implementation: flex::IMPLEMENTATION.into(),
-            },
-        );
-    }
+    ]);
     rules
+}
+
+/// flex_attention's rules on a CUDA device: the wgmma forward on compute capability 9.0, unless
+/// this process keeps flex on the portable kernel ([`SM90_ENV`] `0`: the rules state what the
+/// rows ran), then the portable kernels.
+fn flex_dispatch_rules() -> Vec<DispatchRule> {
+    const ENTRY: &str =
+        "attention::api::flex_attention, attention::api::flex_attention_vjp (Device::Cuda)";
+    let flex_dims: Vec<String> = FLEX_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
+    let sm90_off = std::env::var(SM90_ENV).is_ok_and(|v| v.trim() == "0");
+    let sm90 = (!sm90_off).then(|| DispatchRule {
+        entry_point: ENTRY.into(),
+        device: "CUDA, compute capability 9.0 (sm_90a)".into(),
+        dtype: "bf16, fp16".into(),
+        rule: format!(
+            "head_dim {} with a positive scale: the forward on {}, the mask evaluated in partial tiles only and tiles it empties never loaded; the backward as below",
+            flex_dims.join(" or "),
+            FlexKernel::Wgmma.describe()
+        ),
+        implementation: flex::IMPLEMENTATION.into(),
+    });
+    let portable = DispatchRule {
+        entry_point: ENTRY.into(),
+        device: "CUDA, compute capability 8.0 or newer".into(),
+        dtype: "bf16, fp16".into(),
+        rule: format!(
+            "otherwise, head_dim {}: the forward on {}; the backward (kernels/flex_attn_bwd.cu, FlashAttention-2's over a transposed block mask of {}-row query steps and {}-key tiles, dQ summed with fp32 atomics) on every device",
+            flex_dims.join(" or "),
+            FlexKernel::Portable.describe(),
+            FLEX_BWD_ROWS,
+            FLEX_BWD_KEYS
+        ),
+        implementation: flex::IMPLEMENTATION.into(),
+    };
+    sm90.into_iter().chain([portable]).collect()
 }
 
 struct Attention {

@@ -1250,26 +1250,13 @@ impl FlexAttention {
                 ("lse", lse.len(), s.batch * s.heads * s.seq_len_q),
             ],
         )?;
-        let (tq, tkv, h, kvh, scale) = s.kernel_args();
         if self.kernel == FlexKernel::Wgmma {
             return self.launch_wgmma(gpu, (q, k, v), o, lse);
         }
+        let scalars = s.kernel_args();
         let mut l = gpu.stream.launch_builder(&self.fwd);
-        l.arg(q)
-            .arg(k)
-            .arg(v)
-            .arg(o)
-            .arg(lse)
-            .arg(&self.kv_lens)
-            .arg(&self.aux)
-            .arg(&self.kv_count)
-            .arg(&self.kv_index)
-            .arg(&self.kv_full)
-            .arg(&tq)
-            .arg(&tkv)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&scale);
+        l.arg(q).arg(k).arg(v).arg(o).arg(lse);
+        self.push_mask_args(&mut l, &scalars);
         // SAFETY: `flex_fwd_*(const u16* Q, const u16* K, const u16* V, u16* O, float* LSE,
         // const int* kv_lens, const int* aux, const int* kv_count, const int* kv_index, const
         // unsigned char* kv_full, int Tq, int Tkv, int H, int KVH, float scale)`, one CTA per
@@ -1289,6 +1276,26 @@ impl FlexAttention {
         Ok(())
     }
 
+    /// The arguments both forward kernels take after O and LSE: the key lengths, `aux`, the
+    /// block mask's counts, indices and whole-tile flags, then Tq, Tkv, H, KVH and the scale
+    /// ([`FlexShape::kernel_args`]).
+    fn push_mask_args<'a>(
+        &'a self,
+        l: &mut cudarc::driver::LaunchArgs<'a>,
+        (tq, tkv, h, kvh, scale): &'a (i32, i32, i32, i32, f32),
+    ) {
+        l.arg(&self.kv_lens)
+            .arg(&self.aux)
+            .arg(&self.kv_count)
+            .arg(&self.kv_index)
+            .arg(&self.kv_full)
+            .arg(tq)
+            .arg(tkv)
+            .arg(h)
+            .arg(kvh)
+            .arg(scale);
+    }
+
     /// [`FlexAttention::launch`] on the wgmma kernel (lengths checked there): Q, K, V and O
     /// through tensor maps as the dense wgmma forward takes them.
     fn launch_wgmma(
@@ -1301,7 +1308,7 @@ impl FlexAttention {
         use super::sm90::{tma_map_16, WS_KEYS};
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         let s = &self.shape;
-        let (tq, tkv, h, kvh, scale) = s.kernel_args();
+        let scalars = s.kernel_args();
         // With a score modification the kernel scores in natural units (kp_score's) and the
         // softmax takes log2 e; without one it scales the raw products as the dense kernel does.
         let scale_log2 = if self.spec.score.is_some() {
@@ -1330,18 +1337,9 @@ impl FlexAttention {
             .arg(&maps[2])
             .arg(&maps[3])
             .arg(&op)
-            .arg(lse)
-            .arg(&self.kv_lens)
-            .arg(&self.aux)
-            .arg(&self.kv_count)
-            .arg(&self.kv_index)
-            .arg(&self.kv_full)
-            .arg(&tq)
-            .arg(&tkv)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&scale)
-            .arg(&scale_log2);
+            .arg(lse);
+        self.push_mask_args(&mut l, &scalars);
+        l.arg(&scale_log2);
         // SAFETY: `flex_fwd_sm90_*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap to, u16* O, float*
         // LSE, const int* kv_lens, const int* aux, const int* kv_count, const int* kv_index,
         // const unsigned char* kv_full, int Tq, int Tkv, int H, int KVH, float scale, float

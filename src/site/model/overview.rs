@@ -458,13 +458,18 @@ pub fn glance(docs: &[Loaded], base: &str) -> Glance {
     }
 }
 
+/// The link to group `g` of `l`'s table on its suite's page.
+fn group_href(base: &str, l: &Loaded, g: &super::groups::Group<'_>) -> String {
+    format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, g))
+}
+
 /// Every (group link, size) that `docs` hold a case of, whether or not a default ran there:
 /// what tells a size the group's grid lacks from one where nothing could be compared.
 fn group_sizes(docs: &[Loaded], base: &str) -> BTreeSet<(String, String)> {
     let mut out = BTreeSet::new();
     for l in docs {
         for g in group_rows(&l.doc, primary_axis(&l.doc)) {
-            let href = format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, &g));
+            let href = group_href(base, l, &g);
             for (x, _) in g.by_x.values() {
                 out.insert((href.clone(), x_label(*x)));
             }
@@ -645,7 +650,7 @@ fn glance_rows(docs: &[Loaded], base: &str) -> Vec<GlanceRow> {
     let mut out = Vec::new();
     for l in docs {
         for g in group_rows(&l.doc, primary_axis(&l.doc)) {
-            let href = format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, &g));
+            let href = group_href(base, l, &g);
             for (x, by_impl) in g.by_x.values() {
                 let Some(default) = by_impl.values().find(|r| r.default) else {
                     continue;
@@ -1245,7 +1250,7 @@ fn limitations(docs: &[Loaded], base: &str) -> Vec<Limitation> {
         }
         out.extend(own_failures(l, axis, base));
         for g in group_rows(&l.doc, axis) {
-            let href = format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, &g));
+            let href = group_href(base, l, &g);
             // Faster alternatives, gathered over the group's sizes: (size, default, alternative).
             let mut faster: BTreeMap<(String, String), Vec<FasterAt>> = BTreeMap::new();
             // Sizes where the default did not run while an alternative did, gathered over the
@@ -1449,7 +1454,7 @@ fn own_failures(l: &Loaded, axis: &str, base: &str) -> Vec<Limitation> {
             g.params == params
         });
         let href = match &g {
-            Some(g) => format!("{base}{}#g-{}", page_of(l.doc.suite), group_id(l, g)),
+            Some(g) => group_href(base, l, g),
             None => format!("{base}{}", page_of(l.doc.suite)),
         };
         let size = x_label(first.case.get(axis));
