@@ -50,13 +50,14 @@ def cast_float(e):
 
 def translate(expr):
     """A generated CUDA C expression as Python: &&, ||, !, float literals and casts, exp2f,
-    tanhf. Anything else the expressions use is Python already (names, [], + - * / < <= ==)."""
+    tanhf and kp_tanh (exact here). Anything else the expressions use is Python already (names, [], + - * / < <= ==)."""
     e = expr
     e = re.sub(r"(\d+\.\d*(?:e[-+]?\d+)?)f\b", r"\1", e)
     e = e.replace("&&", " and ").replace("||", " or ")
     e = re.sub(r"!(?!=)", " not ", e)
     e = cast_float(e)
     e = e.replace("exp2f(", "exp2(").replace("tanhf(", "math.tanh(")
+    e = e.replace("kp_tanh(", "math.tanh(")
     return e
 
 

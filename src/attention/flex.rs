@@ -8,7 +8,8 @@
 //! A mask expression is a `bool` of `b, h, q_idx, kv_idx` (batch entry, query head, query
 //! position, key position) and of `num_heads, seq_len_q, seq_len_kv` and `aux` (a `const int*`
 //! the caller fills, e.g. document ids); a score expression is a `float` of `score` (the scaled
-//! dot product q·k · scale, natural units) and the same names. Both are compiled once per
+//! dot product q·k · scale, natural units) and the same names. Either may call CUDA's math
+//! functions and `kp_tanh` (an approximate tanh on the multi-function unit). Both are compiled once per
 //! (expressions, head_dim, dtype): the lengths are kernel arguments, so a sweep over seq_len
 //! compiles once. The block mask (which key tiles each query tile needs, and which of them the
 //! mask leaves whole) is computed on the device once per (mask, shape, `aux`, `kv_lens`) by
@@ -236,11 +237,15 @@ impl FlexMod {
                 ),
                 Some("1.0f".to_string()),
             ),
+            // tanh on the multi-function unit (kp_tanh): one instruction per score instead of
+            // tanhf's exponential, reciprocal and branch. The division by the cap stays: as a
+            // product by its float reciprocal it pushed the portable forward's spills at
+            // head_dim 128 from 124 to 148 bytes, past tests/kernels_compile.rs's bound.
             FlexMod::SoftCap(c) => (
                 None,
-                Some(format!("{c:?}f * tanhf(score / {c:?}f)")),
+                Some(format!("{c:?}f * kp_tanh(score / {c:?}f)")),
                 Some(format!(
-                    "1.0f - tanhf(score / {c:?}f) * tanhf(score / {c:?}f)"
+                    "1.0f - kp_tanh(score / {c:?}f) * kp_tanh(score / {c:?}f)"
                 )),
             ),
         };
@@ -501,8 +506,15 @@ pub fn flex_sm90_smem_bytes(head_dim: usize) -> usize {
     (WS_ROWS + 2 * WS_STAGES * WS_KEYS) * head_dim * 2 + 8 * (2 + 4 * WS_STAGES) + 1024
 }
 
-/// The generated device functions of `spec`: `kp_mask`, `kp_score` and `kp_score_grad` (1 when
-/// no gradient expression is given).
+/// `kp_tanh(x)`, the helper the expressions may call: tanh on the multi-function unit (PTX
+/// `tanh.approx.f32`, compute capability 7.5 and later), one instruction where `tanhf` takes an
+/// exponential, a reciprocal and a branch; its relative error is about 2⁻¹¹ (PTX ISA), far below
+/// a bf16 output's 2⁻⁸. Soft-capping uses it.
+const KP_TANH: &str = "__device__ __forceinline__ float kp_tanh(float x) { float y; \
+                       asm(\"tanh.approx.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x)); return y; }\n";
+
+/// The generated device functions of `spec`: `kp_tanh` ([`KP_TANH`]), `kp_mask`, `kp_score` and
+/// `kp_score_grad` (1 when no gradient expression is given).
 fn generated_functions(spec: &FlexSpec) -> String {
     let mask = spec.mask.as_deref().unwrap_or("true");
     let score = spec.score.as_deref().unwrap_or("score");
@@ -511,6 +523,7 @@ fn generated_functions(spec: &FlexSpec) -> String {
                  seq_len_kv, const int* aux";
     format!(
         "// Generated: the mask and score modification of `{name}`.\n\
+         {KP_TANH}\
          __device__ __forceinline__ bool kp_mask({names}) {{ return ({mask}); }}\n\
          __device__ __forceinline__ float kp_score(float score, {names}) {{ return ({score}); }}\n\
          __device__ __forceinline__ float kp_score_grad(float score, {names}) {{ return ({grad}); }}\n",
