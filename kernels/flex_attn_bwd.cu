@@ -196,9 +196,7 @@ __device__ __forceinline__ void flex_bwd(
                         x = kp_score(x, b, h, row, key, H, Tq, Tkv, aux);
                     }
                     float pe = fast_exp2((x - l_s[ql]) * LOG2E);
-                    if (partial && (key >= L || row >= Tq ||
-                                    !kp_mask(b, h, row, key, H, Tq, Tkv, aux)))
-                        pe = 0.f;
+                    if (partial && !flex_visible(b, h, row, key, H, Tq, Tkv, L, aux)) pe = 0.f;
                     p[nt][e] = pe;
                     ds[nt][e] = pe * (ds[nt][e] - d_s[ql]) * grad;
                 }

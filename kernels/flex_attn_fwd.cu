@@ -168,8 +168,7 @@ __device__ __forceinline__ void flex_fwd(const u16* __restrict__ Q, const u16* _
                         if (SCORE && row < Tq && col < L)
                             x = kp_score(x, b, h, row, col, H, Tq, Tkv, aux);
                         x *= LOG2E;
-                        if (partial && (col >= L || row >= Tq ||
-                                        !kp_mask(b, h, row, col, H, Tq, Tkv, aux)))
+                        if (partial && !flex_visible(b, h, row, col, H, Tq, Tkv, L, aux))
                             x = NEG_INF;
                         s[mt][nt][e] = x;
                     }

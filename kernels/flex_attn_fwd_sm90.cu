@@ -52,14 +52,17 @@ struct FlexHooks {
             }
         }
         if (!partial) return;
+        // The mask of every pair without a branch: kp_mask sees the pair's indices clamped into
+        // bounds (a tile is listed only where L >= 1) and the bounds tests are combined with
+        // `&`, so an expression's loads from aux (the document mask's) are issued together for
+        // the whole tile rather than one pair at a time behind each pair's guard.
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int row = row0 + g + (e >> 1) * 8;
                 const int col = k0 + nt * 8 + 2 * t4 + (e & 1);
-                if (row >= Tq || col >= L || !kp_mask(b, h, row, col, H, Tq, Tkv, fx.aux))
-                    s[0][nt][e] = NEG_INF;
+                if (!flex_visible(b, h, row, col, H, Tq, Tkv, L, fx.aux)) s[0][nt][e] = NEG_INF;
             }
     }
 };

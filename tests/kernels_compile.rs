@@ -617,7 +617,7 @@ fn flex_kernels_compile_without_spills() {
                         );
                         // At head_dim 128 the backward's main kernel holds 128 fp32 dK and dV
                         // accumulators per thread, as flash_bwd does (which spills 16-24
-                        // bytes): 24-40 bytes with a mask, 72 with soft-capping's kp_tanh; the
+                        // bytes): 20-84 bytes with a mask, 72 with soft-capping's kp_tanh; the
                         // forward's two 16-row groups per warp spill 88-124 bytes and still
                         // measured faster than one (kernels/TUNING.md, flex v1.2). A bound of
                         // 128 bytes for those two kernels there, none elsewhere.

@@ -219,10 +219,14 @@ impl FlexMod {
                 None,
                 None,
             ),
+            // `&`, not `&&`: both sides are evaluated, so the two loads from aux are not
+            // behind a branch on the causal test and a tile's loads can be issued together
+            // (with `&&` each pair's loads waited in turn: kernels/TUNING.md, "The document
+            // mask's partial tiles").
             FlexMod::Document => (
                 Some(format!(
-                    "{CAUSAL} && aux[b * seq_len_kv + kv_idx] == aux[b * seq_len_kv + q_idx + \
-                     (seq_len_kv - seq_len_q)]"
+                    "({CAUSAL}) & (aux[b * seq_len_kv + kv_idx] == aux[b * seq_len_kv + q_idx + \
+                     (seq_len_kv - seq_len_q)])"
                 )),
                 None,
                 None,
@@ -513,8 +517,21 @@ pub fn flex_sm90_smem_bytes(head_dim: usize) -> usize {
 const KP_TANH: &str = "__device__ __forceinline__ float kp_tanh(float x) { float y; \
                        asm(\"tanh.approx.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x)); return y; }\n";
 
-/// The generated device functions of `spec`: `kp_tanh` ([`KP_TANH`]), `kp_mask`, `kp_score` and
-/// `kp_score_grad` (1 when no gradient expression is given).
+/// `flex_visible(b, h, row, col, num_heads, seq_len_q, seq_len_kv, L, aux)`, the kernels' mask
+/// test in a partial tile: the pair is in bounds (row below seq_len_q, col below the batch
+/// entry's key length L) and `kp_mask` allows it. Without a branch: `kp_mask` sees the indices
+/// clamped into bounds (an expression may index `aux` by them; a tile is listed only where L
+/// is at least 1) and the tests are combined with `&`, so that the loads of a tile's pairs (the
+/// document mask's two from `aux`) are issued together instead of one pair at a time behind
+/// each pair's guard (kernels/TUNING.md, "The document mask's partial tiles").
+const FLEX_VISIBLE: &str = "__device__ __forceinline__ bool flex_visible(int b, int h, int row, \
+    int col, int num_heads, int seq_len_q, int seq_len_kv, int L, const int* aux) { return \
+    (row < seq_len_q) & (col < L) & kp_mask(b, h, min(row, seq_len_q - 1), min(col, L - 1), \
+    num_heads, seq_len_q, seq_len_kv, aux); }\n";
+
+/// The generated device functions of `spec`: `kp_tanh` ([`KP_TANH`]), `kp_mask`, `kp_score`,
+/// `kp_score_grad` (1 when no gradient expression is given) and `flex_visible`
+/// ([`FLEX_VISIBLE`]).
 fn generated_functions(spec: &FlexSpec) -> String {
     let mask = spec.mask.as_deref().unwrap_or("true");
     let score = spec.score.as_deref().unwrap_or("score");
@@ -526,7 +543,8 @@ fn generated_functions(spec: &FlexSpec) -> String {
          {KP_TANH}\
          __device__ __forceinline__ bool kp_mask({names}) {{ return ({mask}); }}\n\
          __device__ __forceinline__ float kp_score(float score, {names}) {{ return ({score}); }}\n\
-         __device__ __forceinline__ float kp_score_grad(float score, {names}) {{ return ({grad}); }}\n",
+         __device__ __forceinline__ float kp_score_grad(float score, {names}) {{ return ({grad}); }}\n\
+         {FLEX_VISIBLE}",
         name = spec.name
     )
 }
