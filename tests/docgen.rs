@@ -2597,3 +2597,33 @@ fn a_tile_sweep_links_its_own_suites_notes() {
     assert!(links.iter().any(|l| l == "tuning.html"), "{links:?}");
     assert!(!links.iter().any(|l| l == "tuning-moe.html"), "{links:?}");
 }
+
+/// The committed data's masks grids: the H100's ran flex's forward on the wgmma kernel, so the
+/// Attention page states that card's ratios against PyTorch's flex (checked claims) rather than
+/// pointing at its tables, and the overview lists flex's portable backward under the card whose
+/// masks grid has flex's forward + backward rows; without the H100's documents (the top level
+/// only, where the H200's masks grid predates flex's backward) that item goes.
+#[test]
+fn flex_wgmma_rows_get_claims_and_the_portable_backward_a_limitation() {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    let (_tmp, site) = build_site(&data, None);
+    let attention = main_text(&site, "attention.html");
+    let index = main_text(&site, "index.html");
+    assert!(
+        attention.contains("ran flex's forward on the wgmma kernel. There, forward,"),
+        "no claims for the wgmma-forward masks grid"
+    );
+    assert!(!attention.contains("each mask's ratio is in its tables"));
+    let item = "flex's backward is the portable kernel on every device.";
+    assert!(index.contains(item), "the portable backward is not listed");
+    assert!(
+        index.contains("So on the NVIDIA H100 80GB HBM3, forward + backward, torch_flex"),
+        "the item names the card whose rows it quotes"
+    );
+    let (_c, top_level, _) = with_gpus_renamed(&data, |_, _| None);
+    let (_b, without) = build_site(&top_level, None);
+    assert!(
+        !main_text(&without, "index.html").contains(item),
+        "listed with no card's flex forward + backward rows"
+    );
+}
