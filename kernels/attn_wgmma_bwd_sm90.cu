@@ -246,8 +246,15 @@ __device__ __forceinline__ void bwd_cta_coords(unsigned i, int order, int chunk,
     }
 }
 
-// The main kernel (the file's header, 2.), BM queries per step (BwShape).
-template <int D, int BM, bool CAUSAL>
+// The main kernel (the file's header, 2.), BM queries per step (BwShape). FX: the dense
+// kernels take NoFlex (attn_wgmma_sm90.cu); flex_attn_bwd_sm90.cu passes hooks whose ON is true
+// and the transposed block mask in `fx` (FlexTiles: count[(b H + h) n_kt + kt] query tiles
+// listed for key tile kt, at index[((b H + h) n_kt + kt) n_qt ..], full[...] = 1 where the mask
+// leaves the tile whole). A CTA then walks, head after head of its group, the listed query
+// tiles only; FX::prob gives P^T (the mask in partial tiles, the score modification where the
+// hooks have one) and the derivative dS^T takes; everything else is the dense kernel's, with
+// one CTA per (key tile, kv head, batch entry): no head split, no tail split.
+template <int D, int BM, bool CAUSAL, class FX = NoFlex>
 __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk, const TmaMap* tv,
                                               const TmaMap* tdo, const TmaMap* tdq,
                                               const float* __restrict__ lse2,
@@ -258,8 +265,10 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                                               int splits, int Tq, int Tkv, int H, int KVH,
                                               int Tq_pad, float scale_log2, float scale, int B,
                                               int order, int chunk, int tail_whole,
-                                              int tail_parts, float* __restrict__ tail_buf) {
+                                              int tail_parts, float* __restrict__ tail_buf,
+                                              const FlexTiles& fx = FlexTiles{}) {
     using P = BwPlan<D, BM>;
+    static_assert(!FX::ON || !CAUSAL, "flex: the mask is the generated one");
     constexpr int PANELS = D / 64, DT = D / 8;
     constexpr int NQ = BM / 8, DQN = BwShape<D, BM>::DQN;
     constexpr bool DQT = P::DQT;
@@ -297,7 +306,35 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
     const int qt_first = i_min / BM;
     const int n_qt = (Tq + BM - 1) / BM;
     const int per_head = (L > k0 && qt_first < n_qt) ? n_qt - qt_first : 0;
-    const int n_all = per_head * (h_hi - h_lo);
+    int n_all = per_head * (h_hi - h_lo);
+    if constexpr (FX::ON) {
+        n_all = 0;
+        for (int hh = h_lo; hh < h_hi; ++hh)
+            n_all += fx.count[((size_t)b * H + kvh * group + hh) * n_kt + kt];
+    }
+    // flex: the next listed step of the producer's walker (head hh of the group, its list's
+    // entry i): its head, first query row and whether the mask leaves the tile whole. Called
+    // only for a step that exists, so the loop over empty lists ends. The producer hands the
+    // three to the consumers through shared memory past the dense plan (8 bytes a stage at
+    // flex_info, written before the stage's arrive, read after its wait; the host allocates
+    // them), so that the consumers hold no walker and load no list.
+    struct FlexWalk {
+        int hh, i;
+    };
+    const u32 flex_info = base + P::BYTES;
+    auto flex_step = [&](FlexWalk& w, int& h, int& q0, bool& whole) {
+        size_t cell = ((size_t)b * H + kvh * group + w.hh) * n_kt + kt;
+        while (fx.count[cell] <= w.i) {
+            ++w.hh;
+            w.i = 0;
+            cell += n_kt;
+        }
+        h = kvh * group + w.hh;
+        const size_t at = cell * n_qt + w.i;
+        q0 = fx.index[at] * BM;
+        whole = fx.full[at] != 0;
+        ++w.i;
+    };
     // This CTA's steps [it_lo, it_lo + n_it) of the n_all its (key tile, kv head, batch entry)
     // has: all of them unless the tail split cut it into parts.
     const int nparts = (tail_parts > 1 && blockIdx.x >= (unsigned)tail_whole) ? tail_parts : 1;
@@ -324,11 +361,21 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                 tma_load_3d(base + P::K + p * BW_BN * 128, tk, bar_kv, 64 * p, k0, b * KVH + kvh);
                 tma_load_3d(base + P::V + p * BW_BN * 128, tv, bar_kv, 64 * p, k0, b * KVH + kvh);
             }
+            FlexWalk walk{h_lo, 0};
             for (int it = 0; it < n_it; ++it) {
                 const int s = it % BW_ST;
                 if (it >= BW_ST) mbar_wait(empty(s), ((it / BW_ST) + 1) & 1);
-                const int h = kvh * group + h_lo + (it_lo + it) / per_head;
-                const int q0 = (qt_first + (it_lo + it) % per_head) * BM;
+                int h, q0;
+                if constexpr (FX::ON) {
+                    bool whole;
+                    flex_step(walk, h, q0, whole);
+                    asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(flex_info + 8 * s),
+                                 "r"(h), "r"(2 * q0 + (whole ? 1 : 0))
+                                 : "memory");
+                } else {
+                    h = kvh * group + h_lo + (it_lo + it) / per_head;
+                    q0 = (qt_first + (it_lo + it) % per_head) * BM;
+                }
                 mbar_expect_tx(full(s), 2 * P::Q_TILE + P::LD_STAGE);
 #pragma unroll
                 for (int p = 0; p < PANELS; ++p) {
@@ -394,8 +441,12 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         float(&stf)[SQ / 2] = reinterpret_cast<float(&)[SQ / 2]>(st);
         float(&dpf)[SQ / 2] = reinterpret_cast<float(&)[SQ / 2]>(dpt);
         const int s = it % BW_ST;
-        const int h = kvh * group + h_lo + (it_lo + it) / per_head;
-        const int q0 = (qt_first + (it_lo + it) % per_head) * BM;
+        int h = 0, q0 = 0;
+        bool whole = true;
+        if constexpr (!FX::ON) {
+            h = kvh * group + h_lo + (it_lo + it) / per_head;
+            q0 = (qt_first + (it_lo + it) % per_head) * BM;
+        }
         const u32 sq = base + P::Q + s * P::Q_TILE;
         const u32 sdo = base + P::DO + s * P::Q_TILE;
         const u32 sds = base + P::DS + (it & 1) * P::DS_TILE;
@@ -403,6 +454,16 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                                                           P::LD + s * P::LD_STAGE);
         const float* d_s = l_s + BM;
         mbar_wait(full(s), (it / BW_ST) & 1);
+        if constexpr (FX::ON) {
+            u32 hh, qw;
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                         : "=r"(hh), "=r"(qw)
+                         : "r"(base + P::BYTES + 8 * s)
+                         : "memory");
+            h = (int)hh;
+            q0 = (int)(qw >> 1);
+            whole = qw & 1;
+        }
 
         // S^T = K Q^T and dP^T = V dO^T (64 keys x SQ queries each), two commit groups.
         auto kq = [&](float(&acc)[SQ / 2], u32 sa, u32 sb) {
@@ -426,31 +487,50 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
         kq(stf, sk, sq);
         kq(dpf, sv, sdo);
 
-        // P^T = 2^(S^T scale log2(e) - LSE2), masked (keys at or past L, bottom-right causal),
-        // while dP^T is in flight.
-        wgmma_wait<1>();
-        const bool edge = kc0 + 64 > L || (CAUSAL && kc0 + 63 > q0 + off);
+        if constexpr (FX::ON) {
+            // flex: P^T from FX::prob and dS^T = P^T (dP^T - Dsum) times the score
+            // modification's derivative in one pass once both products are in (with dP^T's
+            // accumulators in flight as well, the mask's partial tiles spilled at head_dim 64).
+            wgmma_wait<0>();
 #pragma unroll
-        for (int j = 0; j < NS; ++j)
+            for (int j = 0; j < NS; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int ql = 8 * j + 2 * t4 + (e & 1);
-                float x = fast_exp2(fmaf(sts[0][j][e], scale_log2, -l_s[ql]));
-                if (edge) {
-                    const int key = key0 + (e >> 1) * 8;
-                    if (key >= L || (CAUSAL && key > q0 + ql + off)) x = 0.f;
+                for (int e = 0; e < 4; ++e) {
+                    const int ql = 8 * j + 2 * t4 + (e & 1);
+                    float grad;
+                    const float x =
+                        FX::prob(sts[0][j][e], l_s[ql], !whole, b, h, q0 + ql,
+                                 key0 + (e >> 1) * 8, Tq, Tkv, H, L, scale_log2, fx, grad);
+                    sts[0][j][e] = x;
+                    dps[0][j][e] = x * (dps[0][j][e] - d_s[ql]) * grad;
                 }
-                sts[0][j][e] = x;
-            }
-        wgmma_wait<0>();
-        // dS^T = P^T (dP^T - Dsum), both rounded to bf16 as register A operands.
-#pragma unroll
-        for (int j = 0; j < NS; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int ql = 8 * j + 2 * t4 + (e & 1);
-                dps[0][j][e] = sts[0][j][e] * (dps[0][j][e] - d_s[ql]);
-            }
+        } else {
+            // P^T = 2^(S^T scale log2(e) - LSE2), masked (keys at or past L, bottom-right causal),
+            // while dP^T is in flight.
+            wgmma_wait<1>();
+            const bool edge = kc0 + 64 > L || (CAUSAL && kc0 + 63 > q0 + off);
+    #pragma unroll
+            for (int j = 0; j < NS; ++j)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int ql = 8 * j + 2 * t4 + (e & 1);
+                    float x = fast_exp2(fmaf(sts[0][j][e], scale_log2, -l_s[ql]));
+                    if (edge) {
+                        const int key = key0 + (e >> 1) * 8;
+                        if (key >= L || (CAUSAL && key > q0 + ql + off)) x = 0.f;
+                    }
+                    sts[0][j][e] = x;
+                }
+            wgmma_wait<0>();
+            // dS^T = P^T (dP^T - Dsum), both rounded to bf16 as register A operands.
+    #pragma unroll
+            for (int j = 0; j < NS; ++j)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int ql = 8 * j + 2 * t4 + (e & 1);
+                    dps[0][j][e] = sts[0][j][e] * (dps[0][j][e] - d_s[ql]);
+                }
+        }
         u32 pa[SQ / 16][4], dsa[SQ / 16][4];
         pack_p<NS>(sts, pa);
         pack_p<NS>(dps, dsa);
@@ -714,14 +794,17 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
 // The kernels of head_dim D where the source before this defines KP_SM90_BWD_ALL or
 // KP_SM90_BWD_D<D> (the host compiles the head_dim it runs); at head_dim 128 with
 // KP_SM90_BWD_M80 as well, `attn_bwd_sm90_d128_m80`, 80 queries per step, and with
-// KP_SM90_BWD_NO_M64 without the kernel of 64 (sm90::bwd_source_wide).
+// KP_SM90_BWD_NO_M64 without the kernel of 64 (sm90::bwd_source_wide); with KP_SM90_BWD_NO_MAIN
+// without a dense main kernel (flex's module: src/attention/flex.rs).
 #if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_D64)
 BW_PRE_ENTRY(64)
+#if !defined(KP_SM90_BWD_NO_MAIN)
 BW_ENTRY(64)
+#endif
 #endif
 #if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_D128)
 BW_PRE_ENTRY(128)
-#if defined(KP_SM90_BWD_ALL) || !defined(KP_SM90_BWD_NO_M64)
+#if defined(KP_SM90_BWD_ALL) || !(defined(KP_SM90_BWD_NO_M64) || defined(KP_SM90_BWD_NO_MAIN))
 BW_ENTRY(128)
 #endif
 #if defined(KP_SM90_BWD_ALL) || defined(KP_SM90_BWD_M80)

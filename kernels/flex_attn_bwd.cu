@@ -10,11 +10,8 @@
 //
 // d kp_score / d score at `score` (1 without a score modification).
 //
-// flex_block_mask_t: the block mask transposed, for the backward: one CTA of 128 threads per
-// (key tile of BC keys, head, batch entry) evaluates kp_mask over every (row, key) pair of every
-// query tile of BR rows and lists the query tiles with a visible pair, increasing:
-// q_count[b][h][kt], q_index[b][h][kt][0 ..], q_full[...] = 1 when every pair is visible, the
-// tile has BR rows below Tq and the key tile BC keys below kv_lens[b].
+// flex_block_mask_t (flex_attn_fwd.cu, beside flex_block_mask) lists, per key tile, the query
+// tiles with a visible pair.
 //
 // flex_bwd: one CTA per (key tile of BC = 16 * NW keys, kv head, batch entry), as flash_bwd:
 // K and V stay in shared memory; the CTA walks, for each query head of the kv head's group, the
@@ -24,45 +21,6 @@
 // dS^T = P^T * (dP^T - D), with SCORE times kp_score_grad(x); dV += P^T dO, dK += dS^T Q in
 // registers; dQ += dS K through fp32 atomics (as flash_bwd). dK is written times scale and dQ
 // converted times scale (d x / d K = scale Q). Tiles the mask empties are never loaded.
-
-template <int BR, int BC>
-__device__ __forceinline__ void flex_block_mask_t(const int* __restrict__ kv_lens,
-                                                  const int* __restrict__ aux,
-                                                  int* __restrict__ q_count,
-                                                  int* __restrict__ q_index,
-                                                  unsigned char* __restrict__ q_full, int Tq,
-                                                  int Tkv, int H) {
-    const int kt = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
-    const int n_qt = (Tq + BR - 1) / BR;
-    const int L = min(kv_lens[b], Tkv);
-    const int k0 = kt * BC;
-    const int avail = L - k0;
-    const bool whole_keys = avail >= BC;  // its own comparison: see flex_block_mask
-    const int keys = whole_keys ? BC : max(avail, 0);
-    const size_t list = (((size_t)b * H + h) * gridDim.x + kt) * n_qt;
-    int count = 0;  // thread 0's
-    for (int qt = 0; qt < n_qt; ++qt) {
-        const int q0 = qt * BR;
-        const int rows = min(BR, Tq - q0);
-        int any = 0, all = 1;
-        for (int e = tid; e < BR * BC; e += blockDim.x) {
-            const int r = e / BC, c = e % BC;
-            if (r < rows && c < keys) {
-                const bool v = kp_mask(b, h, q0 + r, k0 + c, H, Tq, Tkv, aux);
-                any |= v;
-                all &= v;
-            }
-        }
-        any = __syncthreads_or(any);
-        all = __syncthreads_and(all);
-        if (tid == 0 && any) {
-            q_index[list + count] = qt;
-            q_full[list + count] = all && whole_keys && rows == BR;
-            ++count;
-        }
-    }
-    if (tid == 0) q_count[((size_t)b * H + h) * gridDim.x + kt] = count;
-}
 
 template <int D, int NW, int BR, bool BF16, bool SCORE>
 __device__ __forceinline__ void flex_bwd(

@@ -54,7 +54,7 @@ use kernelpages::attention::cuda::{
 };
 use kernelpages::attention::decode_gpu::{self, DECODE_HEAD_DIMS};
 use kernelpages::attention::flex::{
-    FlexKernel, FLEX_BWD_KEYS, FLEX_BWD_ROWS, FLEX_HEAD_DIMS, SM90_ENV,
+    FlexKernel, BWD_SM90_ENV, FLEX_BWD_KEYS, FLEX_BWD_ROWS, FLEX_HEAD_DIMS, SM90_ENV,
 };
 use kernelpages::attention::{cpu::Inputs, files, AttentionCase, Dtype, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
@@ -761,14 +761,27 @@ fn flex_dispatch_rules() -> Vec<DispatchRule> {
         "attention::api::flex_attention, attention::api::flex_attention_vjp (Device::Cuda)";
     let flex_dims: Vec<String> = FLEX_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
     let sm90_off = std::env::var(SM90_ENV).is_ok_and(|v| v.trim() == "0");
-    let sm90 = (!sm90_off).then(|| DispatchRule {
+    let bwd_sm90_on = std::env::var(BWD_SM90_ENV).is_ok_and(|v| v.trim() == "1");
+    let sm90 = (!sm90_off || bwd_sm90_on).then(|| DispatchRule {
         entry_point: ENTRY.into(),
         device: "CUDA, compute capability 9.0 (sm_90a)".into(),
         dtype: "bf16, fp16".into(),
         rule: format!(
-            "head_dim {} with a positive scale: the forward on {}, the mask evaluated in partial tiles only and tiles it empties never loaded; the backward as below",
+            "head_dim {} with a positive scale: the forward on {}; the backward {}",
             flex_dims.join(" or "),
-            FlexKernel::Wgmma.describe()
+            if sm90_off {
+                "the portable kernel as below".to_string()
+            } else {
+                format!(
+                    "{}, the mask evaluated in partial tiles only and tiles it empties never loaded",
+                    FlexKernel::Wgmma.describe()
+                )
+            },
+            if bwd_sm90_on {
+                "on the wgmma backward (kernels/flex_attn_bwd_sm90.cu, TMA, warp specialisation, dQ by fp32 TMA reduce-adds; KP_FLEX_BWD_SM90=1)"
+            } else {
+                "as below"
+            }
         ),
         implementation: flex::IMPLEMENTATION.into(),
     });
@@ -777,11 +790,12 @@ fn flex_dispatch_rules() -> Vec<DispatchRule> {
         device: "CUDA, compute capability 8.0 or newer".into(),
         dtype: "bf16, fp16".into(),
         rule: format!(
-            "otherwise, head_dim {}: the forward on {}; the backward (kernels/flex_attn_bwd.cu, FlashAttention-2's over a transposed block mask of {}-row query steps and {}-key tiles, dQ summed with fp32 atomics) on every device",
+            "otherwise, head_dim {}: the forward on {}; the backward (kernels/flex_attn_bwd.cu, FlashAttention-2's over a transposed block mask of {}-row query steps and {}-key tiles, dQ summed with fp32 atomics) {}",
             flex_dims.join(" or "),
             FlexKernel::Portable.describe(),
             FLEX_BWD_ROWS,
-            FLEX_BWD_KEYS
+            FLEX_BWD_KEYS,
+            if bwd_sm90_on { "on other devices" } else { "on every device" }
         ),
         implementation: flex::IMPLEMENTATION.into(),
     };

@@ -1501,7 +1501,9 @@ fn flex_attention_matches_float64() {
 /// queries than keys (rows the mask empties: zero gradients), a key length below seq_len_kv,
 /// GQA 2:1, head_dim 64 and 128, bf16 and fp16; gradients poisoned before the call; a score
 /// modification's derivative (ALiBi, soft-capping) included. dK and dV must repeat bit for bit
-/// (no atomics); dQ within its tolerance (fp32 atomics).
+/// (no atomics); dQ within its tolerance (fp32 atomics, or TMA reduce-adds). Both backward
+/// kernels on compute capability 9.0 (the wgmma one whatever `KP_FLEX_BWD_SM90` says), the
+/// portable one elsewhere; a length past two of the wgmma kernel's steps of 128 queries.
 #[test]
 #[cfg_attr(
     not(kp_cuda),
@@ -1509,8 +1511,15 @@ fn flex_attention_matches_float64() {
 )]
 fn flex_backward_matches_float64() {
     use kernelpages::attention::cpu::modified_reference_values;
-    use kernelpages::attention::flex::{FlexAttention, FlexMod, FlexRule, FlexShape};
+    use kernelpages::attention::flex::{
+        FlexAttention, FlexBwdKernel, FlexMod, FlexRule, FlexShape,
+    };
     let gpu = gpu();
+    let kernels: &[FlexBwdKernel] = if gpu.arch() == "sm_90a" {
+        &[FlexBwdKernel::Portable, FlexBwdKernel::Wgmma]
+    } else {
+        &[FlexBwdKernel::Portable]
+    };
     let mods = [
         FlexMod::Causal,
         FlexMod::SlidingWindow(40),
@@ -1519,100 +1528,110 @@ fn flex_backward_matches_float64() {
         FlexMod::Alibi,
         FlexMod::SoftCap(5.0),
     ];
-    let lengths = [(65, 65, 40), (200, 200, 200), (20, 300, 300), (130, 70, 70)];
+    let lengths = [
+        (65, 65, 40),
+        (200, 200, 200),
+        (20, 300, 300),
+        (130, 70, 70),
+        (300, 290, 170),
+    ];
     let mut failed = Vec::new();
     let mut n = 0u64;
     for m in mods {
         for &(tq, tkv, len1) in &lengths {
             for (d, dtype) in [(64, Dtype::Bf16), (128, Dtype::F16), (128, Dtype::Bf16)] {
-                n += 1;
-                let c = AttentionCase {
-                    kv_heads: 2,
-                    seq_len_q: tq,
-                    seq_len_kv: tkv,
-                    dtype,
-                    pass: Pass::FwdBwd,
-                    kv_lens: (len1 < tkv).then(|| vec![tkv, len1]),
-                    ..AttentionCase::new(2, 4, 1, d)
-                };
-                let inp = Inputs::random(&c, 40 + n);
-                let aux: Vec<i32> = (0..2 * tkv)
-                    .map(|i| ((i % tkv) / if i < tkv { 37 } else { 130 }) as i32)
-                    .collect();
-                let rule = FlexRule {
-                    m: Some(m),
-                    heads: 4,
-                    seq_len_q: tq,
-                    seq_len_kv: tkv,
-                    aux: &aux,
-                };
-                let refs = modified_reference_values(&c, &inp, &CheckPlan::full(&c), &rule);
-                let shape = FlexShape {
-                    batch: 2,
-                    heads: 4,
-                    kv_heads: 2,
-                    seq_len_q: tq,
-                    seq_len_kv: tkv,
-                    head_dim: d,
-                    dtype,
-                    scale: c.scale(),
-                };
-                let mut flex =
-                    FlexAttention::new(gpu, shape, &m.spec(), &[tkv, len1], &aux).expect("flex");
-                flex.enable_backward(gpu).expect("flex backward");
-                let up = |w: &[u16]| gpu.stream.clone_htod(w).unwrap();
-                let (q, k, v, dout) = (up(&inp.q), up(&inp.k), up(&inp.v), up(&inp.dout));
-                let poison = |len: usize| up(&vec![Dtype::POISON_WORD; len]);
-                let mut o = poison(c.q_elems());
-                let mut lse = gpu.stream.alloc_zeros::<f32>(2 * 4 * tq).unwrap();
-                flex.launch(gpu, &q, &k, &v, &mut o, &mut lse)
-                    .expect("forward");
-                let mut run = || {
-                    let (mut dq, mut dk, mut dv) = (
-                        poison(c.q_elems()),
-                        poison(c.kv_elems()),
-                        poison(c.kv_elems()),
+                for &kernel in kernels {
+                    n += 1;
+                    let c = AttentionCase {
+                        kv_heads: 2,
+                        seq_len_q: tq,
+                        seq_len_kv: tkv,
+                        dtype,
+                        pass: Pass::FwdBwd,
+                        kv_lens: (len1 < tkv).then(|| vec![tkv, len1]),
+                        ..AttentionCase::new(2, 4, 1, d)
+                    };
+                    let inp = Inputs::random(&c, 40 + n);
+                    let aux: Vec<i32> = (0..2 * tkv)
+                        .map(|i| ((i % tkv) / if i < tkv { 37 } else { 130 }) as i32)
+                        .collect();
+                    let rule = FlexRule {
+                        m: Some(m),
+                        heads: 4,
+                        seq_len_q: tq,
+                        seq_len_kv: tkv,
+                        aux: &aux,
+                    };
+                    let refs = modified_reference_values(&c, &inp, &CheckPlan::full(&c), &rule);
+                    let shape = FlexShape {
+                        batch: 2,
+                        heads: 4,
+                        kv_heads: 2,
+                        seq_len_q: tq,
+                        seq_len_kv: tkv,
+                        head_dim: d,
+                        dtype,
+                        scale: c.scale(),
+                    };
+                    let mut flex = FlexAttention::new(gpu, shape, &m.spec(), &[tkv, len1], &aux)
+                        .expect("flex");
+                    flex.enable_backward_with(gpu, kernel)
+                        .expect("flex backward");
+                    let up = |w: &[u16]| gpu.stream.clone_htod(w).unwrap();
+                    let (q, k, v, dout) = (up(&inp.q), up(&inp.k), up(&inp.v), up(&inp.dout));
+                    let poison = |len: usize| up(&vec![Dtype::POISON_WORD; len]);
+                    let mut o = poison(c.q_elems());
+                    let mut lse = gpu.stream.alloc_zeros::<f32>(2 * 4 * tq).unwrap();
+                    flex.launch(gpu, &q, &k, &v, &mut o, &mut lse)
+                        .expect("forward");
+                    let mut run = || {
+                        let (mut dq, mut dk, mut dv) = (
+                            poison(c.q_elems()),
+                            poison(c.kv_elems()),
+                            poison(c.kv_elems()),
+                        );
+                        flex.launch_backward(
+                            gpu,
+                            (&q, &k, &v),
+                            &o,
+                            &lse,
+                            &dout,
+                            &mut dq,
+                            &mut dk,
+                            &mut dv,
+                        )
+                        .expect("backward");
+                        let get = |x: &CudaSlice<u16>| {
+                            dtype.decode_all(&gpu.stream.clone_dtoh(x).unwrap())
+                        };
+                        (get(&dq), get(&dk), get(&dv))
+                    };
+                    let (dq, dk, dv) = run();
+                    let (_, dk2, dv2) = run();
+                    let repeat = dk.iter().zip(&dk2).all(|(a, b)| a.to_bits() == b.to_bits())
+                        && dv.iter().zip(&dv2).all(|(a, b)| a.to_bits() == b.to_bits());
+                    let finite = [&dq, &dk, &dv]
+                        .iter()
+                        .all(|x| x.iter().all(|v| v.is_finite()));
+                    let err = |got: &[f64], want: &[f64]| kernelpages::attention::rel_l2(got, want);
+                    let (eq, ek, ev) = (err(&dq, &refs.dq), err(&dk, &refs.dk), err(&dv, &refs.dv));
+                    let label = format!(
+                        "{} {tq}x{tkv} len1 {len1} d{d} {} {kernel:?}",
+                        m.name(),
+                        dtype.as_str()
                     );
-                    flex.launch_backward(
-                        gpu,
-                        (&q, &k, &v),
-                        &o,
-                        &lse,
-                        &dout,
-                        &mut dq,
-                        &mut dk,
-                        &mut dv,
-                    )
-                    .expect("backward");
-                    let get =
-                        |x: &CudaSlice<u16>| dtype.decode_all(&gpu.stream.clone_dtoh(x).unwrap());
-                    (get(&dq), get(&dk), get(&dv))
-                };
-                let (dq, dk, dv) = run();
-                let (_, dk2, dv2) = run();
-                let repeat = dk.iter().zip(&dk2).all(|(a, b)| a.to_bits() == b.to_bits())
-                    && dv.iter().zip(&dv2).all(|(a, b)| a.to_bits() == b.to_bits());
-                let finite = [&dq, &dk, &dv]
-                    .iter()
-                    .all(|x| x.iter().all(|v| v.is_finite()));
-                let err = |got: &[f64], want: &[f64]| kernelpages::attention::rel_l2(got, want);
-                let (eq, ek, ev) = (err(&dq, &refs.dq), err(&dk, &refs.dk), err(&dv, &refs.dv));
-                let label = format!(
-                    "{} {tq}x{tkv} len1 {len1} d{d} {}",
-                    m.name(),
-                    dtype.as_str()
-                );
-                println!("{label}: dQ {eq:.2e}, dK {ek:.2e}, dV {ev:.2e}, repeat {repeat}");
-                let tol = dtype.tolerance();
-                if !(finite && repeat && eq <= tol && ek <= tol && ev <= tol) {
-                    failed.push(format!(
+                    println!("{label}: dQ {eq:.2e}, dK {ek:.2e}, dV {ev:.2e}, repeat {repeat}");
+                    let tol = dtype.tolerance();
+                    if !(finite && repeat && eq <= tol && ek <= tol && ev <= tol) {
+                        failed.push(format!(
                         "{label}: dQ {eq:.2e} dK {ek:.2e} dV {ev:.2e} finite {finite} repeat {repeat}"
                     ));
+                    }
                 }
             }
         }
     }
-    assert_eq!(n, 6 * 4 * 3);
+    assert_eq!(n, 6 * 5 * 3 * kernels.len() as u64);
     assert!(
         failed.is_empty(),
         "{} of {n} cases failed:\n{}",

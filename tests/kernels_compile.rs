@@ -909,6 +909,9 @@ fn each_wgmma_forward_compiles_alone() {
 const SASS_HGMMA_SS: u64 = 0x9f0;
 const SASS_HGMMA_RS: u64 = 0xdf0;
 const SASS_WARPGROUP_SYNC: u64 = 0x9c5;
+/// Stores to and loads from local memory (`STL`, `LDL`: where ptxas spills).
+const SASS_STL: u64 = 0x387;
+const SASS_LDL: u64 = 0x983;
 
 /// How many instructions of the `.text` sections of the sm_90a ELF `cubin` have each opcode of
 /// `opcodes` (Hopper instructions are 16 bytes; the opcode is the low 12 bits of the first
@@ -1129,6 +1132,72 @@ fn flex_wgmma_forward_keeps_its_wgmma_asynchronous() {
     }
 }
 
+/// flex_attention's backward on the wgmma backward (`kernels/flex_attn_bwd_sm90.cu`) compiles
+/// for sm_90a for every named modification at head_dim 64 and 128 (bf16; fp16 at 128 with a
+/// mask and with a score modification) with its wgmma asynchronous (ptxas's serialisation
+/// advisories read too), its main kernel and the transposed block mask's spill-free, and none
+/// of the dense backward's main kernels in the module (its preprocessing and dQ conversion are
+/// this backward's).
+#[test]
+#[cfg_attr(
+    not(kp_nvrtc),
+    ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
+)]
+fn flex_wgmma_backward_keeps_its_wgmma_asynchronous() {
+    use kernelpages::attention::flex::{flex_bwd_sm90_source, FlexMod, FLEX_HEAD_DIMS};
+    assert!(
+        nvrtc_present(),
+        "libnvrtc.so.13 not found on the loader path"
+    );
+    let mut instances = Vec::new();
+    for m in compiled_mods() {
+        for d in FLEX_HEAD_DIMS {
+            instances.push((m, d, Dtype::Bf16));
+        }
+    }
+    instances.push((FlexMod::Causal, 128, Dtype::F16));
+    instances.push((FlexMod::SoftCap(50.0), 128, Dtype::F16));
+    for (m, d, dtype) in instances {
+        let (names, src) = flex_bwd_sm90_source(&m.spec(), d, dtype).unwrap();
+        let label = format!("{} {}", names[2], m.name());
+        // At least the dense d64 module's counts (one main kernel there too).
+        let min = (24, 2);
+        let out = asynchronous_compile(&label, &format!("{}_{}.cu", names[2], m.name()), &src, min);
+        let (ptx, reports) = (out.ptx, out.reports);
+        spill_free(&reports, &names[0]);
+        // The main kernel spill-free, except the document mask's at head_dim 64 (its 34 loads
+        // from aux per partial tile beside S^T, dP^T, dK and dV), which keeps one value in 4
+        // bytes of local memory: nvdisasm (2026-12-07) showed one store at the kernel's start
+        // and one load in its epilogue, nothing in the loop. Allowed as exactly that: at most 8
+        // bytes, and one STL and one LDL in the whole module.
+        let r = reports.iter().find(|r| r.kernel == names[2]).unwrap();
+        if r.spill_bytes > 0 {
+            let [stl, ldl] = sass_opcode_counts(&out.cubin, &[SASS_STL, SASS_LDL])[..] else {
+                unreachable!()
+            };
+            assert!(
+                m == FlexMod::Document && d == 64 && r.spill_bytes <= 8 && stl <= 1 && ldl <= 1,
+                "{label}: {r:?}, {stl} STL, {ldl} LDL"
+            );
+        }
+        for dense in [
+            format!("attn_bwd_sm90_d{d}("),
+            format!("attn_bwd_sm90_d{d}_m80("),
+        ] {
+            assert!(
+                !ptx.contains(&format!(".entry {dense}")),
+                "{label}: the dense main kernel {dense} in the module"
+            );
+        }
+        for name in &names {
+            assert!(
+                ptx.contains(&format!(".entry {name}(")),
+                "{label}: no kernel {name}"
+            );
+        }
+    }
+}
+
 /// Compiles `src` (file `file`) for sm_90a and checks its cubin: at least `min.0` `HGMMA` and
 /// `min.1` warpgroup arrive/wait instructions (so that the opcodes are the right ones), and at
 /// most one arrive/wait per two `HGMMA` (none serialised); prints the counts under `label`.
@@ -1144,9 +1213,22 @@ fn asynchronous_with_report(
     src: &str,
     min: (usize, usize),
 ) -> (String, Vec<kernelpages::gpu::PtxasReport>) {
+    let out = asynchronous_compile(label, file, src, min);
+    (out.ptx, out.reports)
+}
+
+/// [`assert_wgmma_asynchronous`], giving the whole compile (PTX, cubin, ptxas's report).
+fn asynchronous_compile(
+    label: &str,
+    file: &str,
+    src: &str,
+    min: (usize, usize),
+) -> kernelpages::gpu::CompiledWithReport {
     let out = kernelpages::gpu::compile_with_report(file, src, "sm_90a").unwrap();
-    let cubin = out.cubin;
-    let c = sass_opcode_counts(&cubin, &[SASS_HGMMA_SS, SASS_HGMMA_RS, SASS_WARPGROUP_SYNC]);
+    let c = sass_opcode_counts(
+        &out.cubin,
+        &[SASS_HGMMA_SS, SASS_HGMMA_RS, SASS_WARPGROUP_SYNC],
+    );
     let (hgmma, sync) = (c[0] + c[1], c[2]);
     println!("{label}: {hgmma} HGMMA, {sync} warpgroup arrive/wait");
     // ptxas says why when it can (e.g. C7512: too few registers); the counts below catch the
@@ -1168,5 +1250,5 @@ fn asynchronous_with_report(
         2 * sync <= hgmma,
         "{label}: {sync} warpgroup arrive/wait for {hgmma} HGMMA"
     );
-    (out.ptx, out.reports)
+    out
 }

@@ -148,15 +148,18 @@ pub fn measure(job: &Job) -> Reply {
         }
         let (listed, whole, all) = flex.block_mask(gpu)?.tiles(flex.key_tiles());
         noted = Some(format!(
-            "flex_attention with mask `{}` ({}{}), forward on {}: the block mask lists {listed} \
-             of {all} tiles, {whole} of them whole (no mask evaluated)",
+            "flex_attention with mask `{}` ({}{}), forward on {}{}: the block mask lists \
+             {listed} of {all} tiles, {whole} of them whole (no mask evaluated)",
             spec.name,
             spec.mask.as_deref().unwrap_or("none"),
             spec.score
                 .as_deref()
                 .map(|s| format!("; score {s}"))
                 .unwrap_or_default(),
-            flex.kernel().describe()
+            flex.kernel().describe(),
+            flex.backward_kernel()
+                .map(|k| format!(", backward on {}", k.describe(c.head_dim)))
+                .unwrap_or_default()
         ));
         let compile_s = flex.compile_s;
         let lse = gpu

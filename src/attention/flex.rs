@@ -26,8 +26,11 @@
 //! positive scale, the modifications inside the wgmma forward (`kernels/flex_attn_fwd_sm90.cu`
 //! on `kernels/attn_wgmma_sm90.cu`: 128 × 128 tiles by TMA, warp-specialised, FlashAttention-3's
 //! overlaps); elsewhere the portable mma.sync kernel (`kernels/flex_attn_fwd.cu`, 128 × 64
-//! tiles). The block mask is computed at the forward kernel's tiles. The backward is the
-//! portable kernel on every device.
+//! tiles). The block mask is computed at the forward kernel's tiles. The backward
+//! ([`FlexBwdKernel`]) is the portable mma.sync kernel (`kernels/flex_attn_bwd.cu`) by default;
+//! on compute capability 9.0 the modifications inside the wgmma backward
+//! (`kernels/flex_attn_bwd_sm90.cu` on `kernels/attn_wgmma_bwd_sm90.cu`) where
+//! [`BWD_SM90_ENV`] asks for it, until its GPU test has passed on a device.
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -117,6 +120,117 @@ impl FlexKernel {
             ),
         }
     }
+}
+
+/// Set to `1`: [`FlexAttention::enable_backward`] picks the wgmma backward
+/// ([`FlexBwdKernel::Wgmma`]) where it applies. Off by default until its GPU test has passed on
+/// a device (written 2026-12-07, compiled and checked for spills and asynchronous wgmma on the
+/// development machine only; kernels/TUNING.md, "Flex's backward on the wgmma kernel").
+pub const BWD_SM90_ENV: &str = "KP_FLEX_BWD_SM90";
+
+/// The backward kernel a [`FlexAttention`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlexBwdKernel {
+    /// `kernels/flex_attn_bwd.cu`: FlashAttention-2's backward on mma.sync (compute capability
+    /// 8.0 or newer) over a transposed block mask of [`FLEX_BWD_ROWS`]-row query steps and
+    /// [`FLEX_BWD_KEYS`]-key tiles, dQ summed with fp32 atomics.
+    Portable,
+    /// `kernels/flex_attn_bwd_sm90.cu` inside the wgmma backward (`attn_wgmma_bwd_sm90.cu`;
+    /// compute capability 9.0 only): TMA loads, warp specialisation, dK and dV in registers,
+    /// dQ by fp32 TMA reduce-adds; query steps of [`super::sm90::bwd_queries`] rows and 128-key
+    /// tiles; a positive scale.
+    Wgmma,
+}
+
+impl FlexBwdKernel {
+    /// The backward [`FlexAttention::enable_backward`] picks on a device of architecture
+    /// `arch` for `shape`: the wgmma one on `sm_90a` with a positive finite scale where
+    /// [`BWD_SM90_ENV`] is `1`, the portable one otherwise.
+    pub fn for_call(arch: &str, shape: &FlexShape) -> FlexBwdKernel {
+        let on = std::env::var(BWD_SM90_ENV).is_ok_and(|v| v.trim() == "1");
+        if on && arch == "sm_90a" && shape.scale > 0.0 && shape.scale.is_finite() {
+            FlexBwdKernel::Wgmma
+        } else {
+            FlexBwdKernel::Portable
+        }
+    }
+
+    /// (query rows, keys) per step of the backward, also its transposed block mask's tiles.
+    pub fn tile(self, head_dim: usize) -> (usize, usize) {
+        match self {
+            FlexBwdKernel::Portable => (FLEX_BWD_ROWS, FLEX_BWD_KEYS),
+            FlexBwdKernel::Wgmma => (super::sm90::bwd_queries(head_dim), super::sm90::BWD_KEYS),
+        }
+    }
+
+    /// The kernel in a row's note, at `head_dim`.
+    pub fn describe(self, head_dim: usize) -> String {
+        let (rows, keys) = self.tile(head_dim);
+        match self {
+            FlexBwdKernel::Portable => format!(
+                "the portable mma.sync backward (kernels/flex_attn_bwd.cu, {rows}-query steps, \
+                 {keys}-key tiles)"
+            ),
+            FlexBwdKernel::Wgmma => format!(
+                "the wgmma backward (kernels/flex_attn_bwd_sm90.cu, {rows}-query steps, {keys}-key \
+                 tiles by TMA)"
+            ),
+        }
+    }
+}
+
+/// Source of the flex backward on the wgmma kernel (after the wgmma backward's source without a
+/// dense main kernel, the generated functions and [`FLEX_SRC`]).
+pub const FLEX_BWD_SM90_SRC: &str = include_str!("../../kernels/flex_attn_bwd_sm90.cu");
+
+/// The names of the wgmma flex backward's kernels (transposed block mask, preprocessing, main,
+/// dQ conversion) and their source for `spec` at `head_dim` and `dtype` (bf16 or fp16).
+///
+/// # Errors
+/// A score modification without its derivative (as [`flex_bwd_source`]).
+///
+/// # Panics
+/// For fp32 (the flex shapes refuse it first).
+pub fn flex_bwd_sm90_source(
+    spec: &FlexSpec,
+    head_dim: usize,
+    dtype: Dtype,
+) -> Result<([String; 4], String), String> {
+    if spec.score.is_some() && spec.score_grad.is_none() {
+        return Err(format!(
+            "flex `{}`: a score modification needs its derivative (score_grad) for the backward",
+            spec.name
+        ));
+    }
+    let has_score = spec.score.is_some();
+    let (rows, keys) = FlexBwdKernel::Wgmma.tile(head_dim);
+    let names = [
+        "flex_block_mask_t_sm90_kernel".to_string(),
+        format!("attn_bwd_sm90_pre_d{head_dim}"),
+        format!("flex_bwd_sm90_{}_d{head_dim}", dtype.as_str()),
+        "attn_bwd_sm90_dq_convert".to_string(),
+    ];
+    // The wgmma backward's preprocessing and dQ conversion, without its dense main kernels.
+    let bwd = super::sm90::bwd_source_for(Some(head_dim), dtype);
+    let src = format!(
+        "#define KP_SM90_BWD_NO_MAIN\n{bwd}\n{generated}\n{FLEX_SRC}\n{FLEX_BWD_SM90_SRC}\n\
+         extern \"C\" __global__ void __launch_bounds__({BWD_MASK_THREADS}) {block}(const int* \
+         kv_lens, const int* aux, int* q_count, int* q_index, unsigned char* q_full, int Tq, int \
+         Tkv, int H) {{ flex_block_mask_t<{rows}, {keys}>(kv_lens, aux, q_count, q_index, \
+         q_full, Tq, Tkv, H); }}\n\
+         extern \"C\" __global__ void __launch_bounds__(384, 1) {main}(const __grid_constant__ \
+         TmaMap tq, const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv, const \
+         __grid_constant__ TmaMap tdo, const __grid_constant__ TmaMap tdq, const float* lse2, \
+         const float* dsum, const int* kv_lens, const int* aux, const int* q_count, const int* \
+         q_index, const unsigned char* q_full, u16* dK, u16* dV, int Tq, int Tkv, int H, int \
+         KVH, int Tq_pad, float scale_log2, float scale, int B) {{ flex_bwd_sm90<{head_dim}, \
+         {has_score}>(&tq, &tk, &tv, &tdo, &tdq, lse2, dsum, kv_lens, aux, q_count, q_index, \
+         q_full, dK, dV, Tq, Tkv, H, KVH, Tq_pad, scale_log2, scale, B); }}\n",
+        generated = generated_functions(spec),
+        block = names[0],
+        main = names[2],
+    );
+    Ok((names, src))
 }
 
 /// The modifications this project names, each as CUDA C for the kernel and as the float64
@@ -549,8 +663,9 @@ fn generated_functions(spec: &FlexSpec) -> String {
     )
 }
 
-/// Source of the flex backward kernel (after the prelude, the generated functions and
-/// `kernels/flash_attn_bwd.cu`, whose helpers it uses).
+/// Source of the flex backward kernel (after the prelude, the generated functions, [`FLEX_SRC`]
+/// for its transposed block-mask template and `kernels/flash_attn_bwd.cu`, whose helpers it
+/// uses).
 pub const FLEX_BWD_SRC: &str = include_str!("../../kernels/flex_attn_bwd.cu");
 
 /// Query rows per step of the backward (`BR`).
@@ -589,7 +704,7 @@ pub fn flex_bwd_source(
         format!("flex_bwd_dq_{dt}"),
     ];
     let src = format!(
-        "{PRELUDE_SRC}\n{generated}\n{FLASH_BWD_SRC}\n{FLEX_BWD_SRC}\n\
+        "{PRELUDE_SRC}\n{generated}\n{FLEX_SRC}\n{FLASH_BWD_SRC}\n{FLEX_BWD_SRC}\n\
          extern \"C\" __global__ void __launch_bounds__({BWD_MASK_THREADS}) {mask}(const int* \
          kv_lens, const int* aux, int* q_count, int* q_index, unsigned char* q_full, int Tq, int \
          Tkv, int H) {{ flex_block_mask_t<{FLEX_BWD_ROWS}, {FLEX_BWD_KEYS}>(kv_lens, aux, \
@@ -940,8 +1055,134 @@ fn tile_lists(
     Ok((count, index, full))
 }
 
+/// [`FlexAttention::launch_backward`] on the wgmma backward (lengths checked there): the wgmma
+/// backward's preprocessing (D, LSE · log2 e, dQacc zeroed), the flex main kernel with Q, K, V,
+/// dO and dQacc through tensor maps as the dense wgmma backward takes them, dQ converted.
+#[allow(clippy::type_complexity)]
+fn launch_backward_wgmma(
+    gpu: &Gpu,
+    fb: &mut FlexBwd,
+    (s, kv_lens, aux): (&FlexShape, &CudaSlice<i32>, &CudaSlice<i32>),
+    (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+    (o, lse, dout): (&CudaSlice<u16>, &CudaSlice<f32>, &CudaSlice<u16>),
+    (dq, dk, dv): (
+        &mut CudaSlice<u16>,
+        &mut CudaSlice<u16>,
+        &mut CudaSlice<u16>,
+    ),
+) -> Result<(), GpuError> {
+    use super::sm90::{tma_map_16, tma_map_f32, BWD_KEYS};
+    use cudarc::driver::{DevicePtr, DevicePtrMut};
+    let d = s.head_dim;
+    let (bm, _) = FlexBwdKernel::Wgmma.tile(d);
+    let tq_pad = s.seq_len_q.div_ceil(bm) * bm;
+    let padded = s.batch * s.heads * tq_pad;
+    let (tq, tkv, h, kvh, scale) = s.kernel_args();
+    let (tq_pad_i, padded_i, batch_i) = (tq_pad as i32, padded as i32, s.batch as i32);
+    let scale_log2 = (s.scale * std::f64::consts::LOG2_E) as f32;
+    let lse2 = fb
+        .lse2
+        .as_mut()
+        .expect("the wgmma backward allocates lse2 in enable_backward_with");
+    let mut l = gpu.stream.launch_builder(&fb.pre);
+    l.arg(o)
+        .arg(dout)
+        .arg(lse)
+        .arg(&mut fb.dsum)
+        .arg(&mut *lse2)
+        .arg(&mut fb.dqacc)
+        .arg(&tq)
+        .arg(&tq_pad_i)
+        .arg(&padded_i);
+    // SAFETY: `attn_bwd_sm90_pre_d*(const u16* O, const u16* dO, const float* LSE, float* dsum,
+    // float* lse2, float* dqacc, int Tq, int Tq_pad, int rows_pad)`: O and dO hold rows · D
+    // words, LSE rows, dsum and lse2 rows_pad floats (allocated so), dqacc rows · D; one warp
+    // per padded row, 8 per 256-thread block.
+    unsafe {
+        l.launch(LaunchConfig {
+            grid_dim: (padded.div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        })?
+    };
+    {
+        // The guards live until after the launch (as in the forward's launch_wgmma).
+        let (qp, _gq) = q.device_ptr(&gpu.stream);
+        let (kp, _gk) = k.device_ptr(&gpu.stream);
+        let (vp, _gv) = v.device_ptr(&gpu.stream);
+        let (dop, _gdo) = dout.device_ptr(&gpu.stream);
+        let (planes_q, planes_kv) = (s.batch * s.heads, s.batch * s.kv_heads);
+        let maps = [
+            tma_map_16(qp, (planes_q, s.seq_len_q, d), bm as u32, s.dtype)?,
+            tma_map_16(kp, (planes_kv, s.seq_len_kv, d), BWD_KEYS as u32, s.dtype)?,
+            tma_map_16(vp, (planes_kv, s.seq_len_kv, d), BWD_KEYS as u32, s.dtype)?,
+            tma_map_16(dop, (planes_q, s.seq_len_q, d), bm as u32, s.dtype)?,
+        ];
+        let (dqp, _gdq) = fb.dqacc.device_ptr_mut(&gpu.stream);
+        // Boxes of 64 rows of 32 columns (the steps of 64 and 128 queries, as the dense kernel).
+        let dq_map = tma_map_f32(dqp, (planes_q, s.seq_len_q, d), 64)?;
+        let lse2 = fb.lse2.as_ref().expect("allocated in enable_backward_with");
+        let mut l = gpu.stream.launch_builder(&fb.main);
+        l.arg(&maps[0])
+            .arg(&maps[1])
+            .arg(&maps[2])
+            .arg(&maps[3])
+            .arg(&dq_map)
+            .arg(lse2)
+            .arg(&fb.dsum)
+            .arg(kv_lens)
+            .arg(aux)
+            .arg(&fb.q_count)
+            .arg(&fb.q_index)
+            .arg(&fb.q_full)
+            .arg(&mut *dk)
+            .arg(&mut *dv)
+            .arg(&tq)
+            .arg(&tkv)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&tq_pad_i)
+            .arg(&scale_log2)
+            .arg(&scale)
+            .arg(&batch_i);
+        let ctas = s.seq_len_kv.div_ceil(BWD_KEYS) * s.kv_heads * s.batch;
+        // SAFETY: `flex_bwd_sm90_*(TmaMap tq, TmaMap tk, TmaMap tv, TmaMap tdo, TmaMap tdq, const
+        // float* lse2, const float* dsum, const int* kv_lens, const int* aux, const int*
+        // q_count, const int* q_index, const unsigned char* q_full, u16* dK, u16* dV, int Tq,
+        // int Tkv, int H, int KVH, int Tq_pad, float scale_log2, float scale, int B)`: the maps
+        // describe q, k, v, dO and dQacc with the shapes launch_backward checked (TMA reads and
+        // reduce-adds inside them only; reads past their ends zero-fill, adds there are
+        // skipped); lse2 and dsum hold B·H·Tq_pad floats written by the preprocessing above;
+        // the transposed block mask was computed at (bm, 128) tiles for this shape by
+        // enable_backward_with; kv_lens `batch` entries (each at most seq_len_kv) and aux what
+        // the expressions read; dK and dV B·KVH·Tkv·D words; 3 warpgroups per (128-key tile,
+        // kv head, batch entry) in a 1-D grid, key tiles fastest.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (ctas as u32, 1, 1),
+                block_dim: (384, 1, 1),
+                shared_mem_bytes: fb.smem,
+            })?
+        };
+    }
+    let n = (s.batch * s.heads * s.seq_len_q * d) as u64;
+    let mut l = gpu.stream.launch_builder(&fb.convert);
+    l.arg(&fb.dqacc).arg(&mut *dq).arg(&n).arg(&scale);
+    // SAFETY: `attn_bwd_sm90_dq_convert(const float* dqacc, u16* dQ, unsigned long long n, float
+    // scale)` with n = B·H·Tq·D elements in both; 2 elements per thread.
+    unsafe {
+        l.launch(LaunchConfig {
+            grid_dim: ((n as usize).div_ceil(512).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        })?
+    };
+    Ok(())
+}
+
 /// The compiled backward kernels, the transposed block mask and the scratch of one flex call.
 struct FlexBwd {
+    kernel: FlexBwdKernel,
     pre: CudaFunction,
     main: CudaFunction,
     convert: CudaFunction,
@@ -949,7 +1190,11 @@ struct FlexBwd {
     q_count: CudaSlice<i32>,
     q_index: CudaSlice<i32>,
     q_full: CudaSlice<u8>,
+    /// D = rowsum(dO ∘ O): one per query row, or for the wgmma backward per row padded to whole
+    /// steps (as `lse2`).
     dsum: CudaSlice<f32>,
+    /// The wgmma backward's LSE · log2(e), padded to whole steps (+∞ in the padding).
+    lse2: Option<CudaSlice<f32>>,
     dqacc: CudaSlice<f32>,
 }
 
@@ -1072,19 +1317,55 @@ impl FlexAttention {
     /// [`GpuError::Config`] for a score modification without its derivative or a device
     /// without the shared memory; NVRTC and driver errors.
     pub fn enable_backward(&mut self, gpu: &Gpu) -> Result<(), GpuError> {
-        if self.bwd.is_some() {
+        let kernel = FlexBwdKernel::for_call(&gpu.arch(), &self.shape);
+        self.enable_backward_with(gpu, kernel)
+    }
+
+    /// [`FlexAttention::enable_backward`] with the backward kernel given (a later call with
+    /// another kernel replaces the first's).
+    ///
+    /// # Errors
+    /// As [`FlexAttention::enable_backward`]; [`GpuError::Config`] for
+    /// [`FlexBwdKernel::Wgmma`] on a device other than compute capability 9.0 or with a scale
+    /// that is not positive.
+    pub fn enable_backward_with(
+        &mut self,
+        gpu: &Gpu,
+        kernel: FlexBwdKernel,
+    ) -> Result<(), GpuError> {
+        if self.bwd.as_ref().is_some_and(|b| b.kernel == kernel) {
             return Ok(());
         }
         let s = self.shape;
-        let (names, src) =
-            flex_bwd_source(&self.spec, s.head_dim, s.dtype).map_err(GpuError::Config)?;
+        let wgmma = kernel == FlexBwdKernel::Wgmma;
+        if wgmma && (gpu.arch() != "sm_90a" || !(s.scale > 0.0 && s.scale.is_finite())) {
+            return Err(GpuError::Config(format!(
+                "flex's wgmma backward needs compute capability 9.0 (sm_90a, not {}) and a \
+                 positive scale (not {})",
+                gpu.arch(),
+                s.scale
+            )));
+        }
+        let (names, src) = if wgmma {
+            flex_bwd_sm90_source(&self.spec, s.head_dim, s.dtype)
+        } else {
+            flex_bwd_source(&self.spec, s.head_dim, s.dtype)
+        }
+        .map_err(GpuError::Config)?;
         let compiled = gpu.compile(&format!("{}_{}.cu", names[2], self.spec.name), &src)?;
-        let smem = flex_bwd_smem_bytes(s.head_dim) as u32;
+        let (rows_per_step, keys) = kernel.tile(s.head_dim);
+        // The wgmma kernel's plan and 8 bytes a stage past it, where its producer hands each
+        // step's head, first query row and whole-tile flag to the consumers.
+        let smem = if wgmma {
+            super::sm90::bwd_smem_bytes(s.head_dim, rows_per_step) + 8 * super::sm90::BWD_STAGES
+        } else {
+            flex_bwd_smem_bytes(s.head_dim)
+        } as u32;
         super::cuda::check_smem(gpu, &names[2], smem)?;
         let mask = gpu.function(&compiled.module, &names[0], 0)?;
         let (nq, nk) = (
-            s.seq_len_q.div_ceil(FLEX_BWD_ROWS),
-            s.seq_len_kv.div_ceil(FLEX_BWD_KEYS),
+            s.seq_len_q.div_ceil(rows_per_step),
+            s.seq_len_kv.div_ceil(keys),
         );
         // Per key tile (the outer axis here) the query tiles with a visible pair.
         let (q_count, q_index, q_full) = tile_lists(
@@ -1096,7 +1377,10 @@ impl FlexAttention {
             BWD_MASK_THREADS,
         )?;
         let rows = s.batch * s.heads * s.seq_len_q;
+        // The wgmma backward's per-row buffers hold whole steps of rows per (batch, head).
+        let padded = s.batch * s.heads * nq * rows_per_step;
         self.bwd = Some(FlexBwd {
+            kernel,
             pre: gpu.function(&compiled.module, &names[1], 0)?,
             main: gpu.function(&compiled.module, &names[2], smem)?,
             convert: gpu.function(&compiled.module, &names[3], 0)?,
@@ -1104,18 +1388,31 @@ impl FlexAttention {
             q_count,
             q_index,
             q_full,
-            dsum: gpu.stream.alloc_zeros::<f32>(rows)?,
+            dsum: gpu
+                .stream
+                .alloc_zeros::<f32>(if wgmma { padded } else { rows })?,
+            lse2: if wgmma {
+                Some(gpu.stream.alloc_zeros::<f32>(padded)?)
+            } else {
+                None
+            },
             dqacc: gpu.stream.alloc_zeros::<f32>(rows * s.head_dim)?,
         });
         self.compile_s += compiled.compile_s;
         Ok(())
     }
 
+    /// The backward kernel [`FlexAttention::enable_backward`] compiled (`None` before it).
+    pub fn backward_kernel(&self) -> Option<FlexBwdKernel> {
+        self.bwd.as_ref().map(|b| b.kernel)
+    }
+
     /// Device bytes of the backward's transposed block mask and scratch (0 before
     /// [`FlexAttention::enable_backward`]).
     pub fn backward_bytes(&self) -> u64 {
         self.bwd.as_ref().map_or(0, |b| {
-            ((b.q_count.len() + b.q_index.len() + b.dsum.len() + b.dqacc.len()) * 4
+            let lse2 = b.lse2.as_ref().map_or(0, |l| l.len());
+            ((b.q_count.len() + b.q_index.len() + b.dsum.len() + lse2 + b.dqacc.len()) * 4
                 + b.q_full.len()) as u64
         })
     }
@@ -1163,6 +1460,16 @@ impl FlexAttention {
                 "flex backward: call enable_backward first".into(),
             ));
         };
+        if fb.kernel == FlexBwdKernel::Wgmma {
+            return launch_backward_wgmma(
+                gpu,
+                fb,
+                (&s, &self.kv_lens, &self.aux),
+                (q, k, v),
+                (o, lse, dout),
+                (dq, dk, dv),
+            );
+        }
         let rows = s.batch * s.heads * s.seq_len_q;
         let one_d = |n: usize, per: usize| LaunchConfig {
             grid_dim: (n.div_ceil(per).max(1) as u32, 1, 1),
