@@ -2614,7 +2614,7 @@ fn flex_wgmma_rows_get_claims_and_the_portable_backward_a_limitation() {
         "no claims for the wgmma-forward masks grid"
     );
     assert!(!attention.contains("each mask's ratio is in its tables"));
-    let item = "flex's backward is the portable kernel on every device.";
+    let item = "flex's backward in the masks rows is the portable kernel.";
     assert!(index.contains(item), "the portable backward is not listed");
     assert!(
         index.contains("So on the NVIDIA H100 80GB HBM3, forward + backward, torch_flex"),
