@@ -358,9 +358,9 @@ pub fn flex_attention<T: Element>(
 /// head_dim 64 or 128), the forward as [`flex_attention`]'s, then the backward
 /// [`super::flex::FlexBwdKernel::for_call`] picks: `kernels/flex_attn_bwd.cu` by default
 /// (FlashAttention-2's backward over a transposed block mask; dQ summed with fp32 atomics, so
-/// its last bit may vary from run to run), the wgmma one on compute capability 9.0 where
-/// [`super::flex::BWD_SM90_ENV`] is `1`; on the CPU a named modification runs the float64
-/// reference.
+/// its last bit may vary from run to run), the wgmma one on compute capability 9.0 with a
+/// positive finite scale where [`super::flex::BWD_SM90_ENV`] is `1`; on the CPU a named
+/// modification runs the float64 reference.
 ///
 /// # Errors
 /// As [`flex_attention`]; `d_out` of the wrong length; [`Error::Unsupported`] for a custom score

@@ -336,11 +336,15 @@ impl FlexMod {
             // `&`, not `&&`: both sides are evaluated, so the two loads from aux are not
             // behind a branch on the causal test and a tile's loads can be issued together
             // (with `&&` each pair's loads waited in turn: kernels/TUNING.md, "The document
-            // mask's partial tiles").
+            // mask's partial tiles"). Evaluated always, the query's index into aux is clamped at
+            // 0: with more queries than keys the first rows' positions are negative (they see
+            // no key: the causal test is false there whatever aux holds, so an entry's row may
+            // read the previous entry's ids). Clamping the position alone instead spilled 4-44
+            // bytes in the wgmma forward.
             FlexMod::Document => (
                 Some(format!(
-                    "({CAUSAL}) & (aux[b * seq_len_kv + kv_idx] == aux[b * seq_len_kv + q_idx + \
-                     (seq_len_kv - seq_len_q)])"
+                    "({CAUSAL}) & (aux[b * seq_len_kv + kv_idx] == aux[max(b * seq_len_kv + \
+                     q_idx + (seq_len_kv - seq_len_q), 0)])"
                 )),
                 None,
                 None,
@@ -1307,11 +1311,13 @@ impl FlexAttention {
         })
     }
 
-    /// Compiles the backward (a second NVRTC module; its time is added to `compile_s`),
-    /// computes the transposed block mask on the device (per (batch entry, head, key tile of
-    /// [`FLEX_BWD_KEYS`]) the query tiles of [`FLEX_BWD_ROWS`] rows with a visible pair) and
-    /// allocates the backward's scratch (D and the fp32 dQ accumulator, 4·B·H·Tq·(D + 1)
-    /// bytes). Idempotent.
+    /// Compiles the backward [`FlexBwdKernel::for_call`] picks (a second NVRTC module; its time
+    /// is added to `compile_s`), computes the transposed block mask on the device (per (batch
+    /// entry, head, key tile) the query tiles with a visible pair, at the kernel's
+    /// [`FlexBwdKernel::tile`]) and allocates the backward's scratch (D and the fp32 dQ
+    /// accumulator, 4·B·H·Tq·(D + 1) bytes for the portable kernel; D padded to whole steps
+    /// and a padded LSE · log2 e besides for the wgmma one: [`FlexAttention::backward_bytes`]).
+    /// A second call with the same kernel does nothing.
     ///
     /// # Errors
     /// [`GpuError::Config`] for a score modification without its derivative or a device
