@@ -458,7 +458,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
             u32 hh, qw;
             asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
                          : "=r"(hh), "=r"(qw)
-                         : "r"(base + P::BYTES + 8 * s)
+                         : "r"(flex_info + 8 * s)
                          : "memory");
             h = (int)hh;
             q0 = (int)(qw >> 1);
@@ -509,9 +509,9 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
             // while dP^T is in flight.
             wgmma_wait<1>();
             const bool edge = kc0 + 64 > L || (CAUSAL && kc0 + 63 > q0 + off);
-    #pragma unroll
+#pragma unroll
             for (int j = 0; j < NS; ++j)
-    #pragma unroll
+#pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int ql = 8 * j + 2 * t4 + (e & 1);
                     float x = fast_exp2(fmaf(sts[0][j][e], scale_log2, -l_s[ql]));
@@ -523,9 +523,9 @@ __device__ __forceinline__ void attn_bwd_sm90(const TmaMap* tq, const TmaMap* tk
                 }
             wgmma_wait<0>();
             // dS^T = P^T (dP^T - Dsum), both rounded to bf16 as register A operands.
-    #pragma unroll
+#pragma unroll
             for (int j = 0; j < NS; ++j)
-    #pragma unroll
+#pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int ql = 8 * j + 2 * t4 + (e & 1);
                     dps[0][j][e] = sts[0][j][e] * (dps[0][j][e] - d_s[ql]);

@@ -196,12 +196,7 @@ pub fn flex_bwd_sm90_source(
     head_dim: usize,
     dtype: Dtype,
 ) -> Result<([String; 4], String), String> {
-    if spec.score.is_some() && spec.score_grad.is_none() {
-        return Err(format!(
-            "flex `{}`: a score modification needs its derivative (score_grad) for the backward",
-            spec.name
-        ));
-    }
+    check_derivative(spec)?;
     let has_score = spec.score.is_some();
     let (rows, keys) = FlexBwdKernel::Wgmma.tile(head_dim);
     let names = [
@@ -681,6 +676,18 @@ pub const FLEX_BWD_KEYS: usize = 16 * FLEX_BWD_WARPS;
 /// Threads of the backward's block-mask kernel.
 const BWD_MASK_THREADS: usize = 128;
 
+/// Both backwards' check of `spec`: a score modification needs its derivative.
+fn check_derivative(spec: &FlexSpec) -> Result<(), String> {
+    if spec.score.is_some() && spec.score_grad.is_none() {
+        return Err(format!(
+            "flex_attention `{}`: the backward needs the score modification's derivative \
+             (FlexSpec::score_grad)",
+            spec.name
+        ));
+    }
+    Ok(())
+}
+
 /// The kernels of the flex backward: (transposed block mask, preprocessing, main, dQ
 /// conversion) names and their source for `spec` at `head_dim` and `dtype`.
 ///
@@ -691,13 +698,7 @@ pub fn flex_bwd_source(
     head_dim: usize,
     dtype: Dtype,
 ) -> Result<([String; 4], String), String> {
-    if spec.score.is_some() && spec.score_grad.is_none() {
-        return Err(format!(
-            "flex_attention `{}`: the backward needs the score modification's derivative \
-             (FlexSpec::score_grad)",
-            spec.name
-        ));
-    }
+    check_derivative(spec)?;
     let bf = dtype == Dtype::Bf16;
     let has_score = spec.score.is_some();
     let dt = dtype.as_str();
