@@ -53,6 +53,10 @@
 #   bash .carry/device_run.sh flex OUTDIR         # the flex GPU tests, then flex beside flash
 #                                                 # and PyTorch's SDPA backends on the main
 #                                                 # grid's bf16 forward cases at head_dim 128
+#   bash .carry/device_run.sh flex_bwd OUTDIR     # flex's backward GPU test (both backward
+#                                                 # kernels on sm_90a), then flex fwd+bwd on
+#                                                 # the masks grid with the wgmma backward
+#                                                 # (KP_FLEX_BWD_SM90=1) and the portable one
 #   bash .carry/device_run.sh masks OUTDIR [i/n]  # the flex GPU tests and PyTorch flex module
 #                                                 # test, then the masks grid (or shard i of
 #                                                 # n): flex, flash, torch_flex, torch_cudnn
@@ -400,11 +404,25 @@ hopper)
     --filter "head_dim<=128,dtype=bf16,seq_len>=4096,seq_len!=8192" \
     --output "$out/gpu_attention_sm90.json"
   ;;
+flex_bwd)
+  # Flex's backward inside the wgmma backward is opt-in (KP_FLEX_BWD_SM90=1) until this passes:
+  # its GPU test, then the masks grid's forward + backward rows of flex on each backward (the
+  # forward the same), one after the other on the same card.
+  step "flex backward gpu test" 300 "$out/gpu_flex_bwd.tests.log" "$bin/gpu_attention_test" \
+    --include-ignored --test-threads 1 --nocapture flex_backward_matches_float64
+  step "flex wgmma backward" 150 "$out/flex_bwd_sm90.log" env KP_FLEX_BWD_SM90=1 \
+    "$bin/attention" --grids masks --implementations flex --filter pass=fwd+bwd \
+    --output "$out/flex_bwd_sm90.json"
+  step "flex portable backward" 150 "$out/flex_bwd_portable.log" "$bin/attention" \
+    --grids masks --implementations flex --filter pass=fwd+bwd \
+    --output "$out/flex_bwd_portable.json"
+  ;;
 masks)
-  # KP_MASKS_TESTS=0 skips the GPU tests (a second shard's call).
+  # KP_MASKS_TESTS=0 skips the GPU tests (a second shard's call): flex's forward and backward
+  # tests (flex_attention_matches_float64, flex_backward_matches_float64).
   if [ "${KP_MASKS_TESTS:-1}" != 0 ]; then
-    step "flex gpu tests" 200 "$out/gpu_flex.tests.log" "$bin/gpu_attention_test" \
-      --include-ignored --test-threads 1 --nocapture flex_attention
+    step "flex gpu tests" 300 "$out/gpu_flex.tests.log" "$bin/gpu_attention_test" \
+      --include-ignored --test-threads 1 --nocapture flex_
     step "torch_flex module test" 200 "$out/compare_flex.tests.log" "$bin/compare_script_test" \
       --include-ignored --test-threads 1 --nocapture flex_module
   fi
@@ -449,7 +467,7 @@ full)
     --output "$out/gpu_attention.json"
   ;;
 *)
-  echo "unknown mode $mode (smoke, tests, nonaligned, unverified, cta_order, ks_shards, moe, part, jaxinit, mixers, mixers_grid, mixers_rerun, kernel_sums, decode, flex, hopper, masks, full, grid_gpus)"; exit 2
+  echo "unknown mode $mode (smoke, tests, nonaligned, unverified, cta_order, ks_shards, moe, part, jaxinit, mixers, mixers_grid, mixers_rerun, kernel_sums, decode, flex, flex_bwd, hopper, masks, full, grid_gpus)"; exit 2
   ;;
 esac
 echo "total: $(( $(date +%s) - t_start )) s"
