@@ -1580,8 +1580,9 @@ fn tile_sweep(commit: &str) -> serde_json::Value {
     doc
 }
 
-#[test]
-fn a_tile_sweep_names_the_grids_commit_not_another_kinds() {
+/// A new data folder with the valid fixture's attention grid (`gpu_attention.json`) and a tile
+/// sweep at `commit` beside it (`gpu_attention_tiles.json`).
+fn grid_and_tile_sweep(commit: &str) -> tempfile::TempDir {
     let data = tempfile::tempdir().unwrap();
     fs::copy(
         valid_dir().join("gpu_attention.json"),
@@ -1590,9 +1591,15 @@ fn a_tile_sweep_names_the_grids_commit_not_another_kinds() {
     .unwrap();
     fs::write(
         data.path().join("gpu_attention_tiles.json"),
-        tile_sweep("2222222222222222222222222222222222222222").to_string(),
+        tile_sweep(commit).to_string(),
     )
     .unwrap();
+    data
+}
+
+#[test]
+fn a_tile_sweep_names_the_grids_commit_not_another_kinds() {
+    let data = grid_and_tile_sweep("2222222222222222222222222222222222222222");
     // A masks grid at a third commit whose file sorts before the grid's.
     let mut other: serde_json::Value =
         serde_json::from_str(&fs::read_to_string(valid_dir().join("gpu_attention.json")).unwrap())
@@ -1642,18 +1649,8 @@ fn a_tile_sweep_names_the_grids_commit_not_another_kinds() {
 
 #[test]
 fn a_tile_sweep_is_a_run_of_its_own_with_its_own_section() {
-    let data = tempfile::tempdir().unwrap();
-    fs::copy(
-        valid_dir().join("gpu_attention.json"),
-        data.path().join("gpu_attention.json"),
-    )
-    .unwrap();
     let sweep_commit = "2222222222222222222222222222222222222222";
-    fs::write(
-        data.path().join("gpu_attention_tiles.json"),
-        tile_sweep(sweep_commit).to_string(),
-    )
-    .unwrap();
+    let data = grid_and_tile_sweep(sweep_commit);
     // Another commit than the grid's, yet not a second run of the grid.
     assert_eq!(load::load_dir(data.path()).unwrap().len(), 2);
     let (_tmp, site) = build_site(data.path(), None);
@@ -2549,17 +2546,7 @@ fn each_tuning_notes_file_is_a_page_and_prose_links_it() {
 /// `kernels/TUNING.md` unlinked rather than linking the other suite's page.
 #[test]
 fn a_tile_sweep_links_its_own_suites_notes() {
-    let data = tempfile::tempdir().unwrap();
-    fs::copy(
-        valid_dir().join("gpu_attention.json"),
-        data.path().join("gpu_attention.json"),
-    )
-    .unwrap();
-    fs::write(
-        data.path().join("gpu_attention_tiles.json"),
-        tile_sweep("2222222222222222222222222222222222222222").to_string(),
-    )
-    .unwrap();
+    let data = grid_and_tile_sweep("2222222222222222222222222222222222222222");
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     fs::create_dir_all(root.join("templates")).unwrap();

@@ -66,6 +66,22 @@ pub const FLEX_SM90_SRC: &str = include_str!("../../kernels/flex_attn_fwd_sm90.c
 /// time the two against each other).
 pub const SM90_ENV: &str = "KP_FLEX_SM90";
 
+/// Whether this process's [`SM90_ENV`] keeps flex's forward on the portable kernel (`0`).
+pub fn sm90_forward_off() -> bool {
+    std::env::var(SM90_ENV).is_ok_and(|v| v.trim() == "0")
+}
+
+/// Whether this process's [`BWD_SM90_ENV`] asks for flex's wgmma backward (`1`).
+pub fn sm90_backward_on() -> bool {
+    std::env::var(BWD_SM90_ENV).is_ok_and(|v| v.trim() == "1")
+}
+
+/// Whether flex's wgmma kernels (forward and backward) can run `shape` on a device of
+/// architecture `arch`: compute capability 9.0 (`sm_90a`) and a positive finite scale.
+fn wgmma_applies(arch: &str, shape: &FlexShape) -> bool {
+    arch == "sm_90a" && shape.scale > 0.0 && shape.scale.is_finite()
+}
+
 /// The forward kernel a [`FlexAttention`] runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlexKernel {
@@ -84,8 +100,7 @@ impl FlexKernel {
     /// `sm_90a`) for `shape`: the wgmma kernel on `sm_90a` with a positive finite scale unless
     /// [`SM90_ENV`] is `0`, the portable one otherwise.
     pub fn for_call(arch: &str, shape: &FlexShape) -> FlexKernel {
-        let off = std::env::var(SM90_ENV).is_ok_and(|v| v.trim() == "0");
-        if arch == "sm_90a" && shape.scale > 0.0 && shape.scale.is_finite() && !off {
+        if wgmma_applies(arch, shape) && !sm90_forward_off() {
             FlexKernel::Wgmma
         } else {
             FlexKernel::Portable
@@ -147,8 +162,7 @@ impl FlexBwdKernel {
     /// `arch` for `shape`: the wgmma one on `sm_90a` with a positive finite scale where
     /// [`BWD_SM90_ENV`] is `1`, the portable one otherwise.
     pub fn for_call(arch: &str, shape: &FlexShape) -> FlexBwdKernel {
-        let on = std::env::var(BWD_SM90_ENV).is_ok_and(|v| v.trim() == "1");
-        if on && arch == "sm_90a" && shape.scale > 0.0 && shape.scale.is_finite() {
+        if sm90_backward_on() && wgmma_applies(arch, shape) {
             FlexBwdKernel::Wgmma
         } else {
             FlexBwdKernel::Portable
@@ -1254,9 +1268,7 @@ impl FlexAttention {
         aux: &[i32],
         kernel: FlexKernel,
     ) -> Result<FlexAttention, GpuError> {
-        if kernel == FlexKernel::Wgmma
-            && (gpu.arch() != "sm_90a" || !(shape.scale > 0.0 && shape.scale.is_finite()))
-        {
+        if kernel == FlexKernel::Wgmma && !wgmma_applies(&gpu.arch(), &shape) {
             return Err(GpuError::Config(format!(
                 "flex's wgmma forward needs compute capability 9.0 (sm_90a, not {}) and a \
                  positive scale (not {})",
@@ -1345,7 +1357,7 @@ impl FlexAttention {
         }
         let s = self.shape;
         let wgmma = kernel == FlexBwdKernel::Wgmma;
-        if wgmma && (gpu.arch() != "sm_90a" || !(s.scale > 0.0 && s.scale.is_finite())) {
+        if wgmma && !wgmma_applies(&gpu.arch(), &s) {
             return Err(GpuError::Config(format!(
                 "flex's wgmma backward needs compute capability 9.0 (sm_90a, not {}) and a \
                  positive scale (not {})",
