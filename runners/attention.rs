@@ -54,7 +54,7 @@ use kernelpages::attention::cuda::{
 };
 use kernelpages::attention::decode_gpu::{self, DECODE_HEAD_DIMS};
 use kernelpages::attention::flex::{
-    sm90_backward_on, sm90_forward_off, FlexKernel, FLEX_BWD_KEYS, FLEX_BWD_ROWS, FLEX_HEAD_DIMS,
+    sm90_backward_off, sm90_forward_off, FlexKernel, FLEX_BWD_KEYS, FLEX_BWD_ROWS, FLEX_HEAD_DIMS,
 };
 use kernelpages::attention::{cpu::Inputs, files, AttentionCase, Dtype, Pass};
 use kernelpages::gpu::{Gpu, GpuError};
@@ -754,14 +754,14 @@ fn dispatch_rules() -> Vec<DispatchRule> {
 }
 
 /// flex_attention's rules on a CUDA device: the wgmma forward on compute capability 9.0, unless
-/// this process keeps flex on the portable kernel (`KP_FLEX_SM90=0`), and the wgmma backward
-/// where it asks for it (`KP_FLEX_BWD_SM90=1`): the rules state what the rows ran; then the
-/// portable kernels.
+/// this process keeps flex's forward on the portable kernel (`KP_FLEX_SM90=0`), and the wgmma
+/// backward unless it keeps the backward there (`KP_FLEX_BWD_SM90=0`): the rules state what the
+/// rows ran; then the portable kernels.
 fn flex_dispatch_rules() -> Vec<DispatchRule> {
     const ENTRY: &str =
         "attention::api::flex_attention, attention::api::flex_attention_vjp (Device::Cuda)";
     let flex_dims: Vec<String> = FLEX_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
-    let (sm90_off, bwd_sm90_on) = (sm90_forward_off(), sm90_backward_on());
+    let (sm90_off, bwd_sm90_on) = (sm90_forward_off(), !sm90_backward_off());
     let sm90 = (!sm90_off || bwd_sm90_on).then(|| DispatchRule {
         entry_point: ENTRY.into(),
         device: "CUDA, compute capability 9.0 (sm_90a)".into(),
@@ -778,7 +778,7 @@ fn flex_dispatch_rules() -> Vec<DispatchRule> {
                 )
             },
             if bwd_sm90_on {
-                "on the wgmma backward (kernels/flex_attn_bwd_sm90.cu, TMA, warp specialisation, dQ by fp32 TMA reduce-adds; KP_FLEX_BWD_SM90=1)"
+                "on the wgmma backward (kernels/flex_attn_bwd_sm90.cu, TMA, warp specialisation, dQ by fp32 TMA reduce-adds)"
             } else {
                 "as below"
             }

@@ -56,7 +56,8 @@
 #   bash .carry/device_run.sh flex_bwd OUTDIR     # flex's backward GPU test (both backward
 #                                                 # kernels on sm_90a), then flex fwd+bwd on
 #                                                 # the masks grid with the wgmma backward
-#                                                 # (KP_FLEX_BWD_SM90=1) and the portable one
+#                                                 # (the default) and the portable one
+#                                                 # (KP_FLEX_BWD_SM90=0)
 #   bash .carry/device_run.sh masks OUTDIR [i/n]  # the flex GPU tests and PyTorch flex module
 #                                                 # test, then the masks grid (or shard i of
 #                                                 # n): flex, flash, torch_flex, torch_cudnn
@@ -405,15 +406,16 @@ hopper)
     --output "$out/gpu_attention_sm90.json"
   ;;
 flex_bwd)
-  # Flex's backward inside the wgmma backward is opt-in (KP_FLEX_BWD_SM90=1) until this passes:
-  # its GPU test, then the masks grid's forward + backward rows of flex on each backward (the
-  # forward the same), one after the other on the same card.
+  # Flex's backward inside the wgmma backward (the default on sm_90a; KP_FLEX_BWD_SM90=0 keeps
+  # the portable one): its GPU test, then the masks grid's forward + backward rows of flex on
+  # each backward (the forward the same), one after the other on the same card.
   step "flex backward gpu test" 300 "$out/gpu_flex_bwd.tests.log" "$bin/gpu_attention_test" \
     --include-ignored --test-threads 1 --nocapture flex_backward_matches_float64
   step "flex wgmma backward" 150 "$out/flex_bwd_sm90.log" env KP_FLEX_BWD_SM90=1 \
     "$bin/attention" --grids masks --implementations flex --filter pass=fwd+bwd \
     --output "$out/flex_bwd_sm90.json"
-  step "flex portable backward" 150 "$out/flex_bwd_portable.log" "$bin/attention" \
+  step "flex portable backward" 150 "$out/flex_bwd_portable.log" env KP_FLEX_BWD_SM90=0 \
+    "$bin/attention" \
     --grids masks --implementations flex --filter pass=fwd+bwd \
     --output "$out/flex_bwd_portable.json"
   ;;

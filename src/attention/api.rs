@@ -356,11 +356,11 @@ pub fn flex_attention<T: Element>(
 /// 1 − tanh²(score / cap); a custom one needs [`super::flex::FlexSpec::score_grad`]). `aux` as in
 /// [`flex_attention`] (the document mask's `[B, T_kv]` document ids). On CUDA (bf16 or fp16,
 /// head_dim 64 or 128), the forward as [`flex_attention`]'s, then the backward
-/// [`super::flex::FlexBwdKernel::for_call`] picks: `kernels/flex_attn_bwd.cu` by default
-/// (FlashAttention-2's backward over a transposed block mask; dQ summed with fp32 atomics, so
-/// its last bit may vary from run to run), the wgmma one on compute capability 9.0 with a
-/// positive finite scale where [`super::flex::BWD_SM90_ENV`] is `1`; on the CPU a named
-/// modification runs the float64 reference.
+/// [`super::flex::FlexBwdKernel::for_call`] picks: the wgmma one on compute capability 9.0 with
+/// a positive finite scale unless [`super::flex::BWD_SM90_ENV`] is `0` (dQ by fp32 TMA
+/// reduce-adds), `kernels/flex_attn_bwd.cu` otherwise (FlashAttention-2's backward over a
+/// transposed block mask; dQ summed with fp32 atomics); either way dQ's last bit may vary from
+/// run to run. On the CPU a named modification runs the float64 reference.
 ///
 /// # Errors
 /// As [`flex_attention`]; `d_out` of the wrong length; [`Error::Unsupported`] for a custom score

@@ -27,10 +27,10 @@
 //! on `kernels/attn_wgmma_sm90.cu`: 128 × 128 tiles by TMA, warp-specialised, FlashAttention-3's
 //! overlaps); elsewhere the portable mma.sync kernel (`kernels/flex_attn_fwd.cu`, 128 × 64
 //! tiles). The block mask is computed at the forward kernel's tiles. The backward
-//! ([`FlexBwdKernel`]) is the portable mma.sync kernel (`kernels/flex_attn_bwd.cu`) by default;
-//! on compute capability 9.0 the modifications inside the wgmma backward
-//! (`kernels/flex_attn_bwd_sm90.cu` on `kernels/attn_wgmma_bwd_sm90.cu`) where
-//! [`BWD_SM90_ENV`] asks for it, until its GPU test has passed on a device.
+//! ([`FlexBwdKernel`]) follows: on compute capability 9.0 with a positive scale, the
+//! modifications inside the wgmma backward (`kernels/flex_attn_bwd_sm90.cu` on
+//! `kernels/attn_wgmma_bwd_sm90.cu`) unless [`BWD_SM90_ENV`] is `0`; elsewhere the portable
+//! mma.sync kernel (`kernels/flex_attn_bwd.cu`).
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -71,9 +71,9 @@ pub fn sm90_forward_off() -> bool {
     std::env::var(SM90_ENV).is_ok_and(|v| v.trim() == "0")
 }
 
-/// Whether this process's [`BWD_SM90_ENV`] asks for flex's wgmma backward (`1`).
-pub fn sm90_backward_on() -> bool {
-    std::env::var(BWD_SM90_ENV).is_ok_and(|v| v.trim() == "1")
+/// Whether this process's [`BWD_SM90_ENV`] keeps flex's backward on the portable kernel (`0`).
+pub fn sm90_backward_off() -> bool {
+    std::env::var(BWD_SM90_ENV).is_ok_and(|v| v.trim() == "0")
 }
 
 /// Whether flex's wgmma kernels (forward and backward) can run `shape` on a device of
@@ -137,10 +137,8 @@ impl FlexKernel {
     }
 }
 
-/// Set to `1`: [`FlexAttention::enable_backward`] picks the wgmma backward
-/// ([`FlexBwdKernel::Wgmma`]) where it applies. Off by default until its GPU test has passed on
-/// a device (written 2026-12-07, compiled and checked for spills and asynchronous wgmma on the
-/// development machine only; kernels/TUNING.md, "Flex's backward on the wgmma kernel").
+/// Set to `0`, keeps flex's backward on the portable kernel on compute capability 9.0 too (to
+/// time the two against each other; kernels/TUNING.md, "Flex's backward on the wgmma kernel").
 pub const BWD_SM90_ENV: &str = "KP_FLEX_BWD_SM90";
 
 /// The backward kernel a [`FlexAttention`] runs.
@@ -159,10 +157,10 @@ pub enum FlexBwdKernel {
 
 impl FlexBwdKernel {
     /// The backward [`FlexAttention::enable_backward`] picks on a device of architecture
-    /// `arch` for `shape`: the wgmma one on `sm_90a` with a positive finite scale where
-    /// [`BWD_SM90_ENV`] is `1`, the portable one otherwise.
+    /// `arch` for `shape`: the wgmma one on `sm_90a` with a positive finite scale unless
+    /// [`BWD_SM90_ENV`] is `0`, the portable one otherwise.
     pub fn for_call(arch: &str, shape: &FlexShape) -> FlexBwdKernel {
-        if sm90_backward_on() && wgmma_applies(arch, shape) {
+        if wgmma_applies(arch, shape) && !sm90_backward_off() {
             FlexBwdKernel::Wgmma
         } else {
             FlexBwdKernel::Portable
