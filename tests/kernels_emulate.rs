@@ -376,7 +376,7 @@ fn based_kernels_emulated_match_the_recurrence() {
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn gated_delta_kernels_emulated_match_the_recurrence() {
     use kernelpages::sequence_mixers::cuda::Dtype;
-    use kernelpages::sequence_mixers::delta_cuda::{shared_bytes, tc_shared_bytes};
+    use kernelpages::sequence_mixers::delta_cuda::{shared_bytes, tc_shared_bytes, StateWalk};
     use kernelpages::sequence_mixers::reference::DeltaShape;
     let cases: Vec<String> = [
         (1, 150, 2, 16, 8),
@@ -387,9 +387,11 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         (1, 100, 1, 33, 50),
         (1, 65, 1, 72, 24),
         // The tensor-core path: K = 32 (one column tile per warp), V ≠ K, a state row block
-        // per 16 values.
+        // per 16 values; a walk of 32 rows a block (V = 96: three blocks) over more chunks
+        // than its ring has stages.
         (1, 200, 2, 32, 48),
         (2, 100, 1, 64, 32),
+        (1, 300, 2, 32, 96),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, key_dim, value_dim)| {
@@ -402,18 +404,20 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         };
         let [prep, pass, out] = shared_bytes(shape);
         let [tp, ts, to] = tc_shared_bytes(shape, Dtype::Bf16).unwrap_or([0; 3]);
+        let groups = StateWalk::for_shape(shape).row_groups;
         format!(
-            "{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{out},{tp},{ts},{to}"
+            "{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{out},{tp},{ts},{to},{groups}"
         )
     })
     .collect();
     // The tensor-core kernels ran where the host would take them: K = V = 64 and 128, and the
-    // two shapes above.
+    // three shapes above; two of them walk 32 rows a block.
     assert_eq!(
-        cases.iter().filter(|c| !c.ends_with(",0,0,0")).count(),
-        4,
+        cases.iter().filter(|c| !c.contains(",0,0,0,")).count(),
+        5,
         "{cases:?}"
     );
+    assert_eq!(cases.iter().filter(|c| c.ends_with(",2")).count(), 2);
     emulated_kernel_runs_clean("gdn_check", &cases);
 }
 

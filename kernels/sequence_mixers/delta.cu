@@ -254,10 +254,11 @@ GDN_ENTRIES(bf16, u16)
 // Version 3 for bf16 (tensor cores: mma.sync m16n8k16, bf16 operands, float32 accumulation;
 // the operands by cp.async and ldmatrix, prelude.cuh's tile helpers): 1'. gdn_prepare_tc
 // (below: the chunk's products and its inverse on tensor cores, W as bf16); then
-// 2'. gdn_state_tc: a block of 4 warps per GDN_TC_ROWS rows of the state (value indices), head
-//     and batch entry holds its rows in the warps' mma accumulators (float32; warp w owns a
-//     quarter of the K columns) and walks the chunks in order, their W, k, U~ columns and g
-//     brought a chunk ahead (2 stages): the entering state to `states` (bf16) and to shared
+// 2'. gdn_state_tc_r<RG>_s<STAGES>: a block of RG groups of 4 warps, each group GDN_TC_ROWS
+//     rows of the state (value indices), per head and batch entry, holds its rows in the warps'
+//     mma accumulators (float32; a warp owns a quarter of the K columns of its group's rows) and
+//     walks the chunks in order, their W, k, U~ columns and g brought STAGES - 1 chunks ahead
+//     (version 4; version 3 was RG = 1 and 2 stages): the entering state to `states` (bf16) and to shared
 //     memory; U = U~ - W S^T (16 steps per warp) to `u` (bf16, for the output kernel) and,
 //     decayed by exp(g_last - g_j), to shared memory; then S <- exp(g_last) S + U_decᵀ k.
 //     The float32 state after the last chunk is the final state.
@@ -268,14 +269,16 @@ GDN_ENTRIES(bf16, u16)
 // Needs K a multiple of 32 and V of 16, both at most GDN_MAX_DIM (the host checks). Scratch of
 // this path: W [B, H, n_chunks, L, K] and U [B, H, n_chunks, L, V] bf16, U~ and g float32 as
 // above, states [B, H, n_chunks, V, K] bf16. Dynamic shared memory, bytes (the host computes
-// it): state 2 (L 2 (K + 8) 2 + L (ROWS + 4) 4 + L 4) + ROWS (K + 8) 2 + L (ROWS + 8) 2;
+// it), R = GDN_TC_ROWS RG: state STAGES (L 2 (K + 8) 2 + L (R + 4) 4 + L 4) + R (K + 8) 2 +
+// L (R + 8) 2;
 // output L 4 + (2 L (K + 8) + L (V + 8) + V (K + 8) + L (L + 8)) 2.
+// A row group of the state walk: GDN_TC_ROWS rows of the state, GDN_TC_THREADS threads.
 #define GDN_TC_THREADS 128
 #define GDN_TC_ROWS 16
-#define GDN_TC_STAGES 2
 
-// The loads of chunk c into stage `st` of gdn_state_tc's ring: W and k rows, this block's 16
-// columns of U~, g; zeros past a short last chunk.
+// The loads of chunk c into one stage of gdn_state_tc's ring (NT threads): W and k rows, the
+// block's R columns of U~ from r0, g; zeros past a short last chunk.
+template <int NT, int R>
 __device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
                                                const u16* __restrict__ w_in,
                                                const float* __restrict__ u_in,
@@ -283,49 +286,57 @@ __device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
                                                float* ut, float* gs, int c, long long bh, int b,
                                                int h, int r0, int T_len, int heads, int K, int V,
                                                int n_chunks) {
-    const int KS = K + 8, UTS = GDN_TC_ROWS + 4;
+    const int KS = K + 8, UTS = R + 4;
     const long long t0 = (long long)b * T_len + (long long)c * GDN_CHUNK;
     const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
     const long long base = bh * n_chunks + c;
     const int pk = K / 8;
-    for (int e = threadIdx.x; e < GDN_CHUNK * pk; e += GDN_TC_THREADS) {
+    for (int e = threadIdx.x; e < GDN_CHUNK * pk; e += NT) {
         const int i = e / pk, q = (e % pk) * 8;
         const bool ok = i < l;
         cp_async16(ws + i * KS + q, w_in + (base * GDN_CHUNK + (ok ? i : 0)) * K + q, ok);
         cp_async16(ks + i * KS + q, k + ((t0 + (ok ? i : 0)) * heads + h) * K + q, ok);
     }
-    for (int e = threadIdx.x; e < GDN_CHUNK * 4; e += GDN_TC_THREADS) {
-        const int i = e / 4, q = (e % 4) * 4;
+    for (int e = threadIdx.x; e < GDN_CHUNK * (R / 4); e += NT) {
+        const int i = e / (R / 4), q = (e % (R / 4)) * 4;
         const bool ok = i < l;
         cp_async16(ut + i * UTS + q, u_in + (base * GDN_CHUNK + (ok ? i : 0)) * V + r0 + q, ok);
     }
-    for (int i = threadIdx.x; i < GDN_CHUNK; i += GDN_TC_THREADS)
+    for (int i = threadIdx.x; i < GDN_CHUNK; i += NT)
         cp_async4(gs + i, g_in + base * GDN_CHUNK + (i < l ? i : 0), i < l);
 }
 
-extern "C" __global__ void __launch_bounds__(GDN_TC_THREADS)
-gdn_state_tc(const u16* __restrict__ k, const u16* __restrict__ w_in,
-             const float* __restrict__ u_in, const float* __restrict__ g_in,
-             const float* __restrict__ initial_state, int has_initial, u16* __restrict__ states,
-             u16* __restrict__ u_out, float* __restrict__ final_state, int T_len, int heads,
-             int K, int V, int n_chunks) {
+// Kernel 2' (gdn_state_tc_r<R>_s<STAGES>): a block of RG groups of 4 warps per R = 16 RG rows
+// of the state, head and batch entry; group rg owns rows 16 rg .. 16 rg + 15 of the block's,
+// warp w of a group a quarter of the K columns. Chunk c + STAGES - 1's loads are issued while
+// chunk c is worked on (a ring of STAGES stages). Version 3 was RG = 1 with 2 stages; version 4
+// (the host's choice, src/sequence_mixers/delta_cuda.rs) takes RG = 2 where V allows, so the
+// block's W and k tiles serve 32 rows, and 4 stages.
+template <int RG, int STAGES>
+__device__ __forceinline__ void gdn_state_tc_body(
+    const u16* __restrict__ k, const u16* __restrict__ w_in, const float* __restrict__ u_in,
+    const float* __restrict__ g_in, const float* __restrict__ initial_state, int has_initial,
+    u16* __restrict__ states, u16* __restrict__ u_out, float* __restrict__ final_state, int T_len,
+    int heads, int K, int V, int n_chunks) {
+    constexpr int R = GDN_TC_ROWS * RG, NT = GDN_TC_THREADS * RG;
     extern __shared__ float smem[];
-    const int r0 = blockIdx.x * GDN_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
+    const int r0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z;
     const long long bh = (long long)b * heads + h;
-    const int KS = K + 8, UTS = GDN_TC_ROWS + 4, RS = GDN_TC_ROWS + 8;
+    const int KS = K + 8, UTS = R + 4, RS = R + 8;
     // Per stage: g [L], U~ [L][UTS] (float32), W [L][KS], k [L][KS] (bf16).
     const int stage_floats = GDN_CHUNK + GDN_CHUNK * UTS + GDN_CHUNK * KS;  // 2 bf16 arrays
     float* ring = smem;
-    u16* ss = reinterpret_cast<u16*>(ring + GDN_TC_STAGES * stage_floats);  // [ROWS][KS]: S
-    u16* ud = ss + GDN_TC_ROWS * KS;                                        // [L][RS]: U dec.
+    u16* ss = reinterpret_cast<u16*>(ring + STAGES * stage_floats);  // [R][KS]: S
+    u16* ud = ss + R * KS;                                           // [L][RS]: U decayed
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
-    const int tiles = K / 32, n0 = warp * (K / 4);
+    const int rg = warp / 4, wq = warp % 4, rr = 16 * rg;  // the warp's rows in the block
+    const int tiles = K / 32, n0 = wq * (K / 4);
     float acc[4][4];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int r = r0 + gi + (e >= 2 ? 8 : 0), col = n0 + nt * 8 + 2 * ti + (e & 1);
+            const int r = r0 + rr + gi + (e >= 2 ? 8 : 0), col = n0 + nt * 8 + 2 * ti + (e & 1);
             acc[nt][e] = (nt < tiles && has_initial) ? initial_state[(bh * V + r) * K + col] : 0.f;
         }
     auto stage_ptrs = [&](int st, u16*& ws, u16*& ks, float*& ut, float*& gs) {
@@ -334,55 +345,60 @@ gdn_state_tc(const u16* __restrict__ k, const u16* __restrict__ w_in,
         ws = reinterpret_cast<u16*>(ut + GDN_CHUNK * UTS);
         ks = ws + GDN_CHUNK * KS;
     };
-    {
-        u16 *ws, *ks;
-        float *ut, *gs;
-        stage_ptrs(0, ws, ks, ut, gs);
-        gdn_state_load(k, w_in, u_in, g_in, ws, ks, ut, gs, 0, bh, b, h, r0, T_len, heads, K, V,
-                       n_chunks);
+    // The first STAGES - 1 chunks' loads, a commit group each (empty past the last chunk).
+#pragma unroll
+    for (int p = 0; p < STAGES - 1; ++p) {
+        if (p < n_chunks) {
+            u16 *ws, *ks;
+            float *ut, *gs;
+            stage_ptrs(p, ws, ks, ut, gs);
+            gdn_state_load<NT, R>(k, w_in, u_in, g_in, ws, ks, ut, gs, p, bh, b, h, r0, T_len,
+                                  heads, K, V, n_chunks);
+        }
         cp_async_commit();
     }
     for (int c = 0; c < n_chunks; ++c) {
-        cp_async_wait<0>();
-        __syncthreads();
-        if (c + 1 < n_chunks) {
+        cp_async_wait<STAGES - 2>();  // chunk c's group landed (later ones may be in flight)
+        __syncthreads();              // ... for every thread; chunk c - 1's stage is free
+        if (c + STAGES - 1 < n_chunks) {
             u16 *ws, *ks;
             float *ut, *gs;
-            stage_ptrs((c + 1) % GDN_TC_STAGES, ws, ks, ut, gs);
-            gdn_state_load(k, w_in, u_in, g_in, ws, ks, ut, gs, c + 1, bh, b, h, r0, T_len,
-                           heads, K, V, n_chunks);
+            stage_ptrs((c + STAGES - 1) % STAGES, ws, ks, ut, gs);
+            gdn_state_load<NT, R>(k, w_in, u_in, g_in, ws, ks, ut, gs, c + STAGES - 1, bh, b,
+                                  h, r0, T_len, heads, K, V, n_chunks);
         }
         cp_async_commit();
         u16 *ws, *ks;
         float *ut, *gs;
-        stage_ptrs(c % GDN_TC_STAGES, ws, ks, ut, gs);
+        stage_ptrs(c % STAGES, ws, ks, ut, gs);
         const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
         const float last = gs[l - 1];
         // The entering state, bf16: to `states` and to shared memory for U's product.
-        u16* out = states + ((bh * n_chunks + c) * V + r0) * K;
+        u16* out = states + ((bh * n_chunks + c) * V + r0 + rr) * K;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
             if (nt < tiles) {
                 const int col = n0 + nt * 8 + 2 * ti;
                 const u32 lo = pack_bf16(acc[nt][0], acc[nt][1]), hi = pack_bf16(acc[nt][2], acc[nt][3]);
-                *reinterpret_cast<u32*>(ss + gi * KS + col) = lo;
-                *reinterpret_cast<u32*>(ss + (gi + 8) * KS + col) = hi;
+                *reinterpret_cast<u32*>(ss + (rr + gi) * KS + col) = lo;
+                *reinterpret_cast<u32*>(ss + (rr + gi + 8) * KS + col) = hi;
                 *reinterpret_cast<u32*>(out + gi * K + col) = lo;
                 *reinterpret_cast<u32*>(out + (gi + 8) * K + col) = hi;
             }
         }
         __syncthreads();
         {
-            // U = U~ - W S^T: warp w steps 16 w .. 16 w + 15, the block's 16 rows as columns.
-            const int j0 = warp * 16;
+            // U = U~ - W S^T: warp (rg, wq) steps 16 wq .. 16 wq + 15, rows rr .. rr + 15 of
+            // the block's as columns.
+            const int j0 = wq * 16;
             float ua[2][4] = {};
-            mma_rows<2>(ua, ws, KS, j0, ss, KS, 0, K / 16);
+            mma_rows<2>(ua, ws, KS, j0, ss + rr * KS, KS, 0, K / 16);
             u16* uo = u_out + (bh * n_chunks + c) * GDN_CHUNK * V + r0;
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const int j = j0 + gi + 8 * half, r = nt * 8 + 2 * ti;
+                    const int j = j0 + gi + 8 * half, r = rr + nt * 8 + 2 * ti;
                     const float u0 = ut[j * UTS + r] - ua[nt][2 * half];
                     const float u1 = ut[j * UTS + r + 1] - ua[nt][2 * half + 1];
                     if (j < l) *reinterpret_cast<u32*>(uo + (long long)j * V + r) = pack_bf16(u0, u1);
@@ -401,7 +417,7 @@ gdn_state_tc(const u16* __restrict__ k, const u16* __restrict__ w_in,
         for (int kb = 0; kb < GDN_CHUNK / 16; ++kb) {
             u32 af[4];
             const int mi = lane / 8;
-            ldsm_x4_t(af, ud + (kb * 16 + lane % 8 + (mi >= 2 ? 8 : 0)) * RS + (mi & 1) * 8);
+            ldsm_x4_t(af, ud + (kb * 16 + lane % 8 + (mi >= 2 ? 8 : 0)) * RS + rr + (mi & 1) * 8);
             mma_k_block<4>(acc, af, ks, KS, kb, n0, tiles);
         }
     }
@@ -409,10 +425,25 @@ gdn_state_tc(const u16* __restrict__ k, const u16* __restrict__ w_in,
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int r = r0 + gi + (e >= 2 ? 8 : 0), col = n0 + nt * 8 + 2 * ti + (e & 1);
+            const int r = r0 + rr + gi + (e >= 2 ? 8 : 0), col = n0 + nt * 8 + 2 * ti + (e & 1);
             if (nt < tiles) final_state[(bh * V + r) * K + col] = acc[nt][e];
         }
 }
+
+// The state walk's entry points: rows per block and stages (gdn_state_tc_body).
+#define GDN_STATE_TC(RG, STAGES)                                                               \
+    extern "C" __global__ void __launch_bounds__(GDN_TC_THREADS * RG)                                    \
+        gdn_state_tc_r##RG##_s##STAGES(                                                        \
+            const u16* __restrict__ k, const u16* __restrict__ w_in,                           \
+            const float* __restrict__ u_in, const float* __restrict__ g_in,                    \
+            const float* __restrict__ initial_state, int has_initial, u16* __restrict__ states, \
+            u16* __restrict__ u_out, float* __restrict__ final_state, int T_len, int heads,     \
+            int K, int V, int n_chunks) {                                                      \
+        gdn_state_tc_body<RG, STAGES>(k, w_in, u_in, g_in, initial_state, has_initial, states, \
+                                      u_out, final_state, T_len, heads, K, V, n_chunks);       \
+    }
+GDN_STATE_TC(1, 4)
+GDN_STATE_TC(2, 4)
 
 extern "C" __global__ void __launch_bounds__(GDN_THREADS)
 gdn_output_tc(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ u,

@@ -48,22 +48,74 @@ const MAX_SHARED: u32 = 227 * 1024;
 /// The kernels of [`DELTA_SRC`] for one dtype tag (`f32`, `bf16`), in launch order.
 const KERNELS: [&str; 3] = ["gdn_prepare", "gdn_state_pass", "gdn_output"];
 
-/// The tensor-core kernels (version 3, bf16), in launch order.
-const TC_KERNELS: [&str; 3] = ["gdn_prepare_tc", "gdn_state_tc", "gdn_output_tc"];
+/// The tensor-core preparation and output kernels (version 3, bf16); the state walk between
+/// them is one of [`TC_STATE_WALKS`] ([`StateWalk::for_shape`]).
+const TC_KERNELS: [&str; 2] = ["gdn_prepare_tc", "gdn_output_tc"];
 
-/// Threads per block of `gdn_state_tc` (`GDN_TC_THREADS`).
+/// Threads per row group of `gdn_state_tc_r<G>_s<S>` (`GDN_TC_THREADS`).
 const TC_STATE_THREADS: u32 = 128;
 
-/// Rows of the state per block of `gdn_state_tc` (`GDN_TC_ROWS`).
-const TC_ROWS: usize = 16;
+/// Rows of the state per row group of `gdn_state_tc_r<G>_s<S>` (`GDN_TC_ROWS`).
+pub const TC_ROWS: usize = 16;
+
+/// Stages of the tensor-core state walk's ring ([`StateWalk::for_shape`]).
+pub const TC_STATE_STAGES: usize = 4;
+
+/// The tensor-core state walks the source instantiates: (row groups, stages).
+const TC_STATE_WALKS: [(usize, usize); 2] = [(1, TC_STATE_STAGES), (2, TC_STATE_STAGES)];
+
+/// How `gdn_state_tc_r<G>_s<S>` walks the state: `row_groups` groups of [`TC_ROWS`] rows (and
+/// [`TC_STATE_THREADS`] threads) per block, the chunks' loads `stages − 1` chunks ahead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateWalk {
+    /// Row groups per block (1 or 2).
+    pub row_groups: usize,
+    /// Stages of the ring of W, k, U~ and g tiles.
+    pub stages: usize,
+}
+
+impl StateWalk {
+    /// The walk for `shape` (version 4): two row groups (32 rows, 8 warps: the W and k tiles a
+    /// block loads serve twice the rows) where V is a multiple of 32 above 64, one otherwise
+    /// (V = 64 keeps 4 blocks per head and batch entry); 4 stages. Version 3 was one row group
+    /// and 2 stages.
+    pub fn for_shape(shape: DeltaShape) -> StateWalk {
+        let v = shape.value_dim;
+        let row_groups = if v.is_multiple_of(32) && v > 64 { 2 } else { 1 };
+        StateWalk {
+            row_groups,
+            stages: TC_STATE_STAGES,
+        }
+    }
+
+    /// Rows of the state per block.
+    pub fn rows(self) -> usize {
+        TC_ROWS * self.row_groups
+    }
+
+    /// Threads per block.
+    pub fn threads(self) -> u32 {
+        TC_STATE_THREADS * self.row_groups as u32
+    }
+
+    /// The entry point, e.g. `gdn_state_tc_r2_s4`.
+    pub fn entry_point(self) -> String {
+        format!("gdn_state_tc_r{}_s{}", self.row_groups, self.stages)
+    }
+}
 
 /// Every entry point of [`DELTA_SRC`]: `gdn_prepare_<t>`, `gdn_state_pass_<t>` and
-/// `gdn_output_<t>` for `f32` and `bf16`, then the tensor-core kernels.
+/// `gdn_output_<t>` for `f32` and `bf16`, then the tensor-core kernels (the state walks
+/// between the preparation and the output).
 pub fn entry_points() -> Vec<String> {
+    let walks =
+        TC_STATE_WALKS.map(|(row_groups, stages)| StateWalk { row_groups, stages }.entry_point());
     [Dtype::F32, Dtype::Bf16]
         .into_iter()
         .flat_map(|d| KERNELS.iter().map(move |k| format!("{k}_{}", d.tag())))
-        .chain(TC_KERNELS.iter().map(|k| k.to_string()))
+        .chain([TC_KERNELS[0].to_string()])
+        .chain(walks)
+        .chain([TC_KERNELS[1].to_string()])
         .collect()
 }
 
@@ -71,19 +123,21 @@ pub fn entry_points() -> Vec<String> {
 /// launch order, or `None` when the shape does not fit them (K a multiple of 32, V of 16; the
 /// float32 kernels run the others): the preparation's k and v (L rows of K + 8 and V + 8 bf16),
 /// A and T (L × (L + 1) floats each; T in bf16 over A later), g, β and α (L floats each); the
-/// state walk's
-/// two stages of g (L floats), its 16 columns of U~ (L rows of 20 floats) and W and k (L rows
-/// of K + 8 bf16 each), then its rows of the state (16 × (K + 8) bf16) and the decayed U
-/// (L × 24 bf16); the output's g (L floats) and bf16 rows: q and k L × (K + 8), U L × (V + 8),
-/// the entering state V × (K + 8), M L × (L + 8).
+/// state walk's ([`StateWalk::for_shape`], R rows per block) stages, each of g (L floats), its
+/// R columns of U~ (L rows of R + 4 floats) and W and k (L rows of K + 8 bf16 each), then its
+/// rows of the state (R × (K + 8) bf16) and the decayed U (L × (R + 8) bf16); the output's g
+/// (L floats) and bf16 rows: q and k L × (K + 8), U L × (V + 8), the entering state
+/// V × (K + 8), M L × (L + 8).
 pub fn tc_shared_bytes(shape: DeltaShape, dtype: Dtype) -> Option<[u32; 3]> {
     let (l, k, v) = (CHUNK, shape.key_dim, shape.value_dim);
     if dtype != Dtype::Bf16 || !k.is_multiple_of(32) || !v.is_multiple_of(16) {
         return None;
     }
     let ks = k + 8;
-    let stage = l * 4 + l * (TC_ROWS + 4) * 4 + 2 * l * ks * 2;
-    let state = 2 * stage + TC_ROWS * ks * 2 + l * (TC_ROWS + 8) * 2;
+    let walk = StateWalk::for_shape(shape);
+    let r = walk.rows();
+    let stage = l * 4 + l * (r + 4) * 4 + 2 * l * ks * 2;
+    let state = walk.stages * stage + r * ks * 2 + l * (r + 8) * 2;
     let output = l * 4 + (2 * l * ks + l * (v + 8) + v * ks + l * (l + 8)) * 2;
     let prepare = l * ((k + 8) + (v + 8)) * 2 + (2 * l * (l + 1) + 3 * l) * 4;
     Some([prepare as u32, state as u32, output as u32])
@@ -187,7 +241,14 @@ impl GatedDelta {
         let tag = dtype.tag();
         let tc = tc_shared_bytes(s, dtype);
         let (names, smem) = match tc {
-            Some(bytes) => (TC_KERNELS.map(String::from), bytes),
+            Some(bytes) => (
+                [
+                    TC_KERNELS[0].to_string(),
+                    StateWalk::for_shape(s).entry_point(),
+                    TC_KERNELS[1].to_string(),
+                ],
+                bytes,
+            ),
             None => (KERNELS.map(|k| format!("{k}_{tag}")), smem),
         };
         let function = |i: usize| gpu.function(&compiled.module, &names[i], smem[i]);
@@ -291,9 +352,9 @@ impl GatedDelta {
             shared_mem_bytes: smem,
         };
         let per_chunk = (n_chunks as u32, s.heads as u32, s.batch as u32);
-        // Version 3.1 (tensor cores) keeps W, U and the entering states in bf16 and walks the
-        // state TC_ROWS rows per block of TC_STATE_THREADS; version 2 all in float32, ROWS rows
-        // per block of THREADS. The launches are otherwise the same.
+        // The tensor-core path keeps W, U and the entering states in bf16 and walks the state
+        // as StateWalk::for_shape says; version 2 all in float32, ROWS rows per block of
+        // THREADS. The launches are otherwise the same.
         let tc = self.tensor_cores;
         let mut l = gpu.stream.launch_builder(&self.kernels[0]);
         l.arg(k).arg(v).arg(alpha).arg(beta);
@@ -337,7 +398,8 @@ impl GatedDelta {
             .arg(&vd)
             .arg(&chunks);
         let (rows, threads) = if tc {
-            (TC_ROWS, TC_STATE_THREADS)
+            let walk = StateWalk::for_shape(s);
+            (walk.rows(), walk.threads())
         } else {
             (ROWS, THREADS)
         };
@@ -348,12 +410,13 @@ impl GatedDelta {
         );
         // SAFETY: gdn_state_pass_<t>(const T* k, const float* w, float* u, const float* g,
         // const float* initial_state, int has_initial, float* states, float* final_state,
-        // int T_len, int heads, int K, int V, int n_chunks), or gdn_state_tc(const u16* k,
+        // int T_len, int heads, int K, int V, int n_chunks), or gdn_state_tc_r<G>_s<S>(const u16* k,
         // const u16* w, const float* u, const float* g, const float* initial_state,
         // int has_initial, u16* states, u16* u_out, float* final_state, int T_len, int heads,
         // int K, int V, int n_chunks): blocks (⌈V / rows⌉ row blocks, head, batch entry) own
         // disjoint rows of the state, of U and of the states scratch (V a multiple of 16 and K
-        // of 32 on the tensor-core path, `tc_shared_bytes`); the scratch is what the launch
+        // of 32 on the tensor-core path, `tc_shared_bytes`, and of the walk's rows:
+        // StateWalk::for_shape takes 32 only where V is a multiple of 32); the scratch is what the launch
         // before filled (same stream); the initial state is read only when has_initial is 1,
         // and then holds B·H·V·K floats.
         unsafe { l.launch(cfg(row_blocks, threads, smem[1]))? };
@@ -410,12 +473,18 @@ mod tests {
         assert!(shared_bytes(shape(MAX_DIM, MAX_DIM))
             .iter()
             .all(|&b| b <= MAX_SHARED));
-        // The tensor-core path at K = V = 128: two stages of 64 floats, 64 rows of 20 floats
-        // and 2 × 64 rows of 136 halves, then 16 + 64 rows; the output's 64 floats and rows.
+        // The tensor-core path at K = V = 128: a walk of 32 rows, four stages of 64 floats,
+        // 64 rows of 36 floats and 2 × 64 rows of 136 halves, then 32 + 64 rows; the output's
+        // 64 floats and rows.
         let tc = tc_shared_bytes(shape(128, 128), Dtype::Bf16).unwrap();
         assert_eq!(
             tc[1],
-            (2 * (64 * 4 + 64 * 20 * 4 + 2 * 64 * 136 * 2) + 16 * 136 * 2 + 64 * 24 * 2) as u32
+            (4 * (64 * 4 + 64 * 36 * 4 + 2 * 64 * 136 * 2) + 32 * 136 * 2 + 64 * 40 * 2) as u32
+        );
+        // V = 64: 16 rows a block.
+        assert_eq!(
+            tc_shared_bytes(shape(128, 64), Dtype::Bf16).unwrap()[1],
+            (4 * (64 * 4 + 64 * 20 * 4 + 2 * 64 * 136 * 2) + 16 * 136 * 2 + 64 * 24 * 2) as u32
         );
         assert_eq!(
             tc[2],
@@ -440,12 +509,16 @@ mod tests {
                 "gdn_state_pass_bf16",
                 "gdn_output_bf16",
                 "gdn_prepare_tc",
-                "gdn_state_tc",
+                "gdn_state_tc_r1_s4",
+                "gdn_state_tc_r2_s4",
                 "gdn_output_tc"
             ]
         );
         for k in TC_KERNELS {
             assert!(DELTA_SRC.contains(&format!("{k}(")), "{k}");
+        }
+        for (g, s) in TC_STATE_WALKS {
+            assert!(DELTA_SRC.contains(&format!("GDN_STATE_TC({g}, {s})")));
         }
         assert!(DELTA_SRC.contains(&format!("#define GDN_TC_ROWS {TC_ROWS}")));
         assert!(DELTA_SRC.contains(&format!("#define GDN_TC_THREADS {TC_STATE_THREADS}")));

@@ -116,6 +116,9 @@ fn gated_delta_rule_matches_float64_on_every_shape() {
         shape(2, 200, 2, 64, 128),
         shape(1, 130, 3, 128, 32),
         shape(2, 77, 2, 16, 24),
+        // The tensor-core state walk of 32 rows a block over 16 chunks, 4 times its stages
+        // (V = 96: three blocks a head).
+        shape(1, 1000, 2, 32, 96),
         // Issue 12's lengths around the chunk of 64 and past 65,536.
         shape(1, 63, 2, 16, 16),
         shape(1, 65, 2, 16, 16),

@@ -6,9 +6,11 @@
 // "B,T,H,K,V,PREP_BYTES,PASS_BYTES,OUT_BYTES": the shape and the kernels' dynamic shared memory
 // as the host computes it (tests/kernels_emulate.rs passes
 // src/sequence_mixers/delta_cuda.rs's shared_bytes), then ",TC_PREP,TC_STATE,TC_OUT": the
-// tensor-core kernels' (tc_shared_bytes; zeros where the host would not take them). Where they
+// tensor-core kernels' (tc_shared_bytes; zeros where the host would not take them), then
+// ",ROW_GROUPS": the tensor-core state walk's row groups per block (StateWalk::for_shape; its
+// 4 stages are the only ones instantiated). Where they
 // are given, the case runs a second time on q, k and v rounded to bf16 through gdn_prepare_tc,
-// gdn_state_tc and gdn_output_tc, against the recurrence on the rounded values (bound 1e-2: W,
+// gdn_state_tc_r<ROW_GROUPS>_s4 and gdn_output_tc, against the recurrence on the rounded values (bound 1e-2: W,
 // the entering states and U are rounded to bf16 inside, and O itself). Prints one line per
 // run, then ALL OK or FAILED.
 #include "cuda_shim.h"
@@ -21,8 +23,9 @@ int main(int argc, char** argv) {
     for (int arg = 1; arg < argc; ++arg) {
         int B, T, H, K, V;
         size_t prep, pass, out, tprep, tpass, tout;
-        if (std::sscanf(argv[arg], "%d,%d,%d,%d,%d,%zu,%zu,%zu,%zu,%zu,%zu", &B, &T, &H, &K, &V,
-                        &prep, &pass, &out, &tprep, &tpass, &tout) != 11) {
+        int rg;
+        if (std::sscanf(argv[arg], "%d,%d,%d,%d,%d,%zu,%zu,%zu,%zu,%zu,%zu,%d", &B, &T, &H, &K, &V,
+                        &prep, &pass, &out, &tprep, &tpass, &tout, &rg) != 12 || (rg != 1 && rg != 2)) {
             std::printf("bad case %s\n", argv[arg]);
             ++fails;
             continue;
@@ -52,7 +55,10 @@ int main(int argc, char** argv) {
             for (size_t i = 0; i < v.size(); ++i) { vb[i] = to_bf16(v[i]); v[i] = ld(vb.data(), i); }
             std::vector<u16> w16((size_t)B*H*nc*L*K, 0xffff), u16v((size_t)B*H*nc*L*V, 0xffff), st16((size_t)B*H*nc*V*K, 0xffff);
             launch(chunks, GDN_THREADS, [&] { gdn_prepare_tc(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V); }, tprep / 4);
-            launch(dim3{(unsigned)(V / GDN_TC_ROWS), (unsigned)H, (unsigned)B}, GDN_TC_THREADS, [&] { gdn_state_tc(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc); }, tpass / 4);
+            launch(dim3{(unsigned)(V / (GDN_TC_ROWS * rg)), (unsigned)H, (unsigned)B}, GDN_TC_THREADS * rg, [&] {
+                if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
+                else gdn_state_tc_r1_s4(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
+            }, tpass / 4);
             launch(chunks, GDN_THREADS, [&] { gdn_output_tc(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V); }, tout / 4);
             for (size_t i = 0; i < o.size(); ++i) o[i] = ld(ob.data(), i);
         } else {
