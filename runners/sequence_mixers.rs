@@ -348,13 +348,14 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (q, k, v, o; α, β and states fp32)".into(),
                 rule: format!(
-                    "always (K and V up to {}): the chunked WY form in chunks of {} steps, three kernels: every chunk's triangular solve at once (W and U~), the V × K state walked from chunk to chunk {} of its rows per block, every chunk's output at once. bf16 with K a multiple of 32 and V of 16: version 3.1, the products on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation; K Kᵀ, W and U~ from the inverted triangular matrix, U = U~ − W Sᵀ and the state update, the output's products), the inverse in float32 by blocks of 16 rows, W, U and the entering states stored as bf16; the state walked {} rows per block where V is a multiple of 32 above 64, {} otherwise, its tiles loaded {} chunks ahead. Otherwise version 2, float32 arithmetic on CUDA cores",
+                    "always (K and V up to {}): the chunked WY form in chunks of {} steps, three kernels: every chunk's triangular solve at once (W and U~), the V × K state walked from chunk to chunk {} of its rows per block, every chunk's output at once. bf16 with K a multiple of 32 and V of 16: version 3.1, the products on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation; K Kᵀ, W and U~ from the inverted triangular matrix, U = U~ − W Sᵀ and the state update, the output's products), the inverse in float32 by blocks of 16 rows, W, U and the entering states stored as bf16; the state walked {} rows per block, its tiles loaded {} chunks ahead, where V is a multiple of 32 above 64, otherwise {} rows and {} chunk ahead. Otherwise version 2, float32 arithmetic on CUDA cores",
                     delta_cuda::MAX_DIM,
                     delta_cuda::CHUNK,
                     delta_cuda::ROWS,
-                    2 * delta_cuda::TC_ROWS,
-                    delta_cuda::TC_ROWS,
-                    delta_cuda::TC_STATE_STAGES - 1
+                    delta_cuda::TC_ROWS * delta_cuda::TC_STATE_WALKS[1].0,
+                    delta_cuda::TC_STATE_WALKS[1].1 - 1,
+                    delta_cuda::TC_ROWS * delta_cuda::TC_STATE_WALKS[0].0,
+                    delta_cuda::TC_STATE_WALKS[0].1 - 1
                 ),
                 implementation: GPU_IMPLEMENTATION.into(),
             },

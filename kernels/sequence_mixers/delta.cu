@@ -309,8 +309,8 @@ __device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
 // Kernel 2' (gdn_state_tc_r<R>_s<STAGES>): a block of RG groups of 4 warps per R = 16 RG rows
 // of the state, head and batch entry; group rg owns rows 16 rg .. 16 rg + 15 of the block's,
 // warp w of a group a quarter of the K columns. Chunk c + STAGES - 1's loads are issued while
-// chunk c is worked on (a ring of STAGES stages). Version 3 was RG = 1 with 2 stages; version 4
-// (the host's choice, src/sequence_mixers/delta_cuda.rs) takes RG = 2 where V allows, so the
+// chunk c is worked on (a ring of STAGES stages). Version 3 is RG = 1 with 2 stages; version 4
+// (where V allows: the host's StateWalk, src/sequence_mixers/delta_cuda.rs) RG = 2, so the
 // block's W and k tiles serve 32 rows, and 4 stages.
 template <int RG, int STAGES>
 __device__ __forceinline__ void gdn_state_tc_body(
@@ -442,7 +442,7 @@ __device__ __forceinline__ void gdn_state_tc_body(
         gdn_state_tc_body<RG, STAGES>(k, w_in, u_in, g_in, initial_state, has_initial, states, \
                                       u_out, final_state, T_len, heads, K, V, n_chunks);       \
     }
-GDN_STATE_TC(1, 4)
+GDN_STATE_TC(1, 2)
 GDN_STATE_TC(2, 4)
 
 extern "C" __global__ void __launch_bounds__(GDN_THREADS)

@@ -7,10 +7,10 @@
 // as the host computes it (tests/kernels_emulate.rs passes
 // src/sequence_mixers/delta_cuda.rs's shared_bytes), then ",TC_PREP,TC_STATE,TC_OUT": the
 // tensor-core kernels' (tc_shared_bytes; zeros where the host would not take them), then
-// ",ROW_GROUPS": the tensor-core state walk's row groups per block (StateWalk::for_shape; its
-// 4 stages are the only ones instantiated). Where they
+// ",ROW_GROUPS": the tensor-core state walk's row groups per block (StateWalk::for_shape: 1
+// with 2 stages, 2 with 4, the two instantiated). Where they
 // are given, the case runs a second time on q, k and v rounded to bf16 through gdn_prepare_tc,
-// gdn_state_tc_r<ROW_GROUPS>_s4 and gdn_output_tc, against the recurrence on the rounded values (bound 1e-2: W,
+// gdn_state_tc_r1_s2 or _r2_s4 and gdn_output_tc, against the recurrence on the rounded values (bound 1e-2: W,
 // the entering states and U are rounded to bf16 inside, and O itself). Prints one line per
 // run, then ALL OK or FAILED.
 #include "cuda_shim.h"
@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
             launch(chunks, GDN_THREADS, [&] { gdn_prepare_tc(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V); }, tprep / 4);
             launch(dim3{(unsigned)(V / (GDN_TC_ROWS * rg)), (unsigned)H, (unsigned)B}, GDN_TC_THREADS * rg, [&] {
                 if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
-                else gdn_state_tc_r1_s4(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
+                else gdn_state_tc_r1_s2(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
             }, tpass / 4);
             launch(chunks, GDN_THREADS, [&] { gdn_output_tc(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V); }, tout / 4);
             for (size_t i = 0; i < o.size(); ++i) o[i] = ld(ob.data(), i);
