@@ -445,11 +445,18 @@ __device__ __forceinline__ void gdn_state_tc_body(
 GDN_STATE_TC(1, 2)
 GDN_STATE_TC(2, 4)
 
-extern "C" __global__ void __launch_bounds__(GDN_THREADS)
-gdn_output_tc(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ u,
-              const float* __restrict__ g_in, const u16* __restrict__ states,
-              u16* __restrict__ o, int T_len, int heads, int K, int V) {
+// Kernel 3' (gdn_output_tc), with K and V read from the arguments (KT = VT = 0) or compiled
+// in as constants (the entry points below).
+template <int KT, int VT>
+__device__ __forceinline__ void gdn_output_tc_body(const u16* __restrict__ q,
+                                                   const u16* __restrict__ k,
+                                                   const u16* __restrict__ u,
+                                                   const float* __restrict__ g_in,
+                                                   const u16* __restrict__ states,
+                                                   u16* __restrict__ o, int T_len, int heads,
+                                                   int K_arg, int V_arg) {
     extern __shared__ float smem[];
+    const int K = KT > 0 ? KT : K_arg, V = VT > 0 ? VT : V_arg;
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int n_chunks = gridDim.x;
     const long long t0 = (long long)b * T_len + (long long)c * GDN_CHUNK;
@@ -524,6 +531,21 @@ gdn_output_tc(const u16* __restrict__ q, const u16* __restrict__ k, const u16* _
         }
     }
 }
+
+// The entry points of kernel 3': any K and V the tensor-core path takes (gdn_output_tc), and the
+// grid's sizes as constants (suffixes _k64v64 and _k128v128: the index arithmetic folds and
+// the loops unroll, as SSD's chunk scan, ssd.cu, version 4.1); the host picks by shape
+// (src/sequence_mixers/delta_cuda.rs, `output_suffix`) and passes K and V to all.
+#define GDN_OUTPUT_TC(SUFFIX, KT, VT)                                                          \
+    extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_output_tc##SUFFIX(          \
+        const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ u,       \
+        const float* __restrict__ g_in, const u16* __restrict__ states, u16* __restrict__ o,   \
+        int T_len, int heads, int K, int V) {                                                  \
+        gdn_output_tc_body<KT, VT>(q, k, u, g_in, states, o, T_len, heads, K, V);              \
+    }
+GDN_OUTPUT_TC(, 0, 0)
+GDN_OUTPUT_TC(_k64v64, 64, 64)
+GDN_OUTPUT_TC(_k128v128, 128, 128)
 
 // T = (I + A)⁻¹ for a strictly lower triangular A [GDN_CHUNK][ap] (float32, shared memory)
 // into t [GDN_CHUNK][ap], by blocks of 16 rows (as flash-linear-attention's solve does): first

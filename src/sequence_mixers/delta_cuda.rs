@@ -49,8 +49,24 @@ const MAX_SHARED: u32 = 227 * 1024;
 const KERNELS: [&str; 3] = ["gdn_prepare", "gdn_state_pass", "gdn_output"];
 
 /// The tensor-core preparation and output kernels (version 3, bf16); the state walk between
-/// them is one of [`TC_STATE_WALKS`] ([`StateWalk::for_shape`]).
+/// them is one of [`TC_STATE_WALKS`] ([`StateWalk::for_shape`]), the output one of
+/// [`OUTPUT_SUFFIXES`] ([`output_suffix`]).
 const TC_KERNELS: [&str; 2] = ["gdn_prepare_tc", "gdn_output_tc"];
+
+/// The suffixes of the tensor-core output kernel's entry points: any K and V, then K and V
+/// compiled in as constants (the grid's sizes).
+const OUTPUT_SUFFIXES: [&str; 3] = ["", "_k64v64", "_k128v128"];
+
+/// The suffix of the tensor-core output kernel `shape` runs: `_k64v64` or `_k128v128` where K
+/// and V are those sizes (compiled in as constants: the index arithmetic folds, the loops
+/// unroll), "" (K and V read from the arguments) otherwise.
+pub fn output_suffix(shape: DeltaShape) -> &'static str {
+    match (shape.key_dim, shape.value_dim) {
+        (64, 64) => OUTPUT_SUFFIXES[1],
+        (128, 128) => OUTPUT_SUFFIXES[2],
+        _ => OUTPUT_SUFFIXES[0],
+    }
+}
 
 /// Threads per row group of `gdn_state_tc_r<G>_s<S>` (`GDN_TC_THREADS`).
 const TC_STATE_THREADS: u32 = 128;
@@ -116,7 +132,7 @@ pub fn entry_points() -> Vec<String> {
         .flat_map(|d| KERNELS.iter().map(move |k| format!("{k}_{}", d.tag())))
         .chain([TC_KERNELS[0].to_string()])
         .chain(walks)
-        .chain([TC_KERNELS[1].to_string()])
+        .chain(OUTPUT_SUFFIXES.map(|x| format!("{}{x}", TC_KERNELS[1])))
         .collect()
 }
 
@@ -246,7 +262,7 @@ impl GatedDelta {
                 [
                     TC_KERNELS[0].to_string(),
                     StateWalk::for_shape(s).entry_point(),
-                    TC_KERNELS[1].to_string(),
+                    format!("{}{}", TC_KERNELS[1], output_suffix(s)),
                 ],
                 bytes,
             ),
@@ -430,7 +446,7 @@ impl GatedDelta {
         }
         l.arg(&mut *o).arg(&t_len).arg(&heads).arg(&kd).arg(&vd);
         // SAFETY: gdn_output_<t>(const T* q, const T* k, const float* u, const float* g,
-        // const float* states, T* o, int T_len, int heads, int K, int V), or gdn_output_tc, the
+        // const float* states, T* o, int T_len, int heads, int K, int V), or gdn_output_tc[suffix], the
         // same with bf16 q, k, o and u16* u and states: blocks (chunk, head, batch entry) read
         // the scratch the two launches before wrote for their chunk and write their chunk's
         // rows of o below T.
@@ -512,12 +528,18 @@ mod tests {
                 "gdn_prepare_tc",
                 "gdn_state_tc_r1_s2",
                 "gdn_state_tc_r2_s4",
-                "gdn_output_tc"
+                "gdn_output_tc",
+                "gdn_output_tc_k64v64",
+                "gdn_output_tc_k128v128"
             ]
         );
-        for k in TC_KERNELS {
-            assert!(DELTA_SRC.contains(&format!("{k}(")), "{k}");
+        assert!(DELTA_SRC.contains(&format!("{}(", TC_KERNELS[0])));
+        for x in OUTPUT_SUFFIXES {
+            assert!(DELTA_SRC.contains(&format!("GDN_OUTPUT_TC({x},")), "{x}");
         }
+        assert_eq!(output_suffix(shape(128, 128)), "_k128v128");
+        assert_eq!(output_suffix(shape(64, 64)), "_k64v64");
+        assert_eq!(output_suffix(shape(64, 128)), "");
         for (g, s) in TC_STATE_WALKS {
             assert!(DELTA_SRC.contains(&format!("GDN_STATE_TC({g}, {s})")));
         }

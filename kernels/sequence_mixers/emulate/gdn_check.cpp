@@ -59,7 +59,13 @@ int main(int argc, char** argv) {
                 if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
                 else gdn_state_tc_r1_s2(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
             }, tpass / 4);
-            launch(chunks, GDN_THREADS, [&] { gdn_output_tc(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V); }, tout / 4);
+            // The output kernel the host picks (delta_cuda.rs, output_suffix): K and V as
+            // constants at 64 and 128.
+            launch(chunks, GDN_THREADS, [&] {
+                if (K == 64 && V == 64) gdn_output_tc_k64v64(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
+                else if (K == 128 && V == 128) gdn_output_tc_k128v128(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
+                else gdn_output_tc(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
+            }, tout / 4);
             for (size_t i = 0; i < o.size(); ++i) o[i] = ld(ob.data(), i);
         } else {
         launch(chunks, GDN_THREADS, [&] { gdn_prepare<float>(k.data(), v.data(), al.data(), be.data(), w.data(), u.data(), g.data(), T, H, K, V); }, prep / 4);
