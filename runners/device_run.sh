@@ -15,6 +15,13 @@
 #                                                 # 2026-12-02: Triton autotunes every shape)
 #   bash .carry/device_run.sh jaxinit OUTDIR      # where a JAX row's start-up goes
 #                                                 # (runners/jax_init_probe.py, < 1 min)
+#   bash .carry/device_run.sh gdn OUTDIR          # the gated delta rule forward's GPU test,
+#                                                 # its bf16 forward rows up to T16384 and ncu's
+#                                                 # time per kernel at T16384, for
+#                                                 # .carry/sequence_mixers and, where present,
+#                                                 # the build of another commit in
+#                                                 # .carry/mix_old/ (< 3 min; TUNING-sequence-
+#                                                 # mixers.md, the gated delta rule's entries)
 #   bash .carry/device_run.sh mixers_grid OUTDIR [i/n]  # the sequence_mixers grid (or shard i
 #                                                 # of n) with --compare torch,fla (fla-core
 #                                                 # from .carry/whl/, see runners/carry.sh;
@@ -194,6 +201,24 @@ mixers)
     step "fla module test" 300 "$out/fla_mixers.tests.log" "$bin/compare_script_test" \
       --include-ignored --exact fla_module_runs_on_the_gpu --nocapture
   fi
+  ;;
+gdn)
+  step "gated delta gpu test" 150 "$out/gdn.tests.log" "$bin/gpu_sequence_mixers_test" \
+    --include-ignored --test-threads 1 --nocapture gated_delta_rule_matches
+  labels=(carry); [ -x "$here/mix_old/sequence_mixers" ] && labels+=(mix_old)
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for label in "${labels[@]}"; do
+    r=$bin/sequence_mixers; [ "$label" = mix_old ] && r=$here/mix_old/sequence_mixers
+    name=gdn_$label
+    step "gated delta rows ($r)" 90 "$out/$name.log" "$r" \
+      --filter "mixer=gated_delta,dtype=bf16,pass=fwd,seq_len<=16384" --output "$out/$name.json"
+    for d in 64 128; do
+      step "ncu d$d ($r)" 60 "$out/${name}_ncu_d$d.log" "$ncu" --target-processes all \
+        --metrics gpu__time_duration.sum -k regex:gdn -c 3 "$r" --warmup-ms 1 \
+        --filter "mixer=gated_delta,dtype=bf16,pass=fwd,seq_len=16384,head_dim=$d" \
+        --output "/tmp/${name}_ncu_d$d.json"
+    done
+  done
   ;;
 mixers_grid)
   # The sequence-mixer grid, or shard $3 (e.g. 1/2) of it; KP_MIXERS_LIMIT_S caps the step,
