@@ -552,9 +552,10 @@ GDN_OUTPUT_TC(_k128v128, 128, 128)
 // the four diagonal blocks by forward substitution, each column by 4 lanes (a chain of 16 rows,
 // not 64); then the blocks below the diagonal, one block row at a time,
 // T_bi,bj = -T_bi,bi sum_{bj <= k < bi} A_bi,k T_k,bj (from (I + A) T = I, block row bi),
-// the sum first into the block row's own place in t, then the product with T_bi,bi through
-// registers. Zeros above the diagonal. Every thread of the block (GDN_THREADS = 256) calls it;
-// t is complete after the caller's next barrier.
+// both products on tensor cores in tf32 (version 3.3; 3.1 summed them element by element on
+// CUDA cores, the shared-memory traffic that bound the kernel), the sum parked in the block
+// row's own place in t. Zeros above the diagonal. Every thread of the block (GDN_THREADS = 256,
+// 8 warps) calls it; t is complete after the caller's next barrier.
 __device__ __forceinline__ void gdn_unit_lower_inverse(const float* a, float* t, int ap) {
     {
         const int col = threadIdx.x / 4, part = threadIdx.x % 4, cb = col & ~15;
@@ -573,49 +574,47 @@ __device__ __forceinline__ void gdn_unit_lower_inverse(const float* a, float* t,
             __syncwarp();
         }
     }
+    // The blocks below the diagonal on tensor cores (tf32 operands, float32 accumulation:
+    // finer than the bf16 that T is rounded to for W and U~). Block row bi: warp 2 bj + half
+    // (bj < bi, half the 8-column half) owns columns 16 bj + 8 half .. + 7 of the block row.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     for (int bi = 1; bi < GDN_CHUNK / 16; ++bi) {
         __syncthreads();
-        const int width = 16 * bi, n = 16 * width;  // rows 16 bi .. 16 bi + 15, cols < width
-        // X = sum_k A_bi,k T_k,bj into t's block row bi (those places are T's later).
-        float x[GDN_CHUNK / 16 - 1];
-#pragma unroll
-        for (int s = 0; s < GDN_CHUNK / 16 - 1; ++s) {
-            const int e = threadIdx.x + s * GDN_THREADS;
-            x[s] = 0.f;
-            if (e < n) {
-                const int i = width + e / width, col = e % width;
-                for (int kb = col / 16; kb < bi; ++kb) {
-#pragma unroll
-                    for (int jj = 0; jj < 16; ++jj) {
-                        const int j = 16 * kb + jj;
-                        x[s] += a[i * ap + j] * t[j * ap + col];
-                    }
-                }
+        const int bj = warp / 2, c0 = 16 * bj + 8 * (warp % 2), r0 = 16 * bi;
+        if (bj < bi) {
+            // X = sum_{bj <= k < bi} A_bi,k T_k,bj (16 x 8), into t's block row bi.
+            float x[4] = {};
+            for (int k8 = 2 * bj; k8 < 2 * bi; ++k8) {
+                const int j = 8 * k8;
+                const u32 fa[4] = {to_tf32(a[(r0 + g) * ap + j + q]),
+                                   to_tf32(a[(r0 + g + 8) * ap + j + q]),
+                                   to_tf32(a[(r0 + g) * ap + j + q + 4]),
+                                   to_tf32(a[(r0 + g + 8) * ap + j + q + 4])};
+                mma_tf32(x, fa, to_tf32(t[(j + q) * ap + c0 + g]),
+                         to_tf32(t[(j + q + 4) * ap + c0 + g]));
             }
-        }
+            t[(r0 + g) * ap + c0 + 2 * q] = x[0];
+            t[(r0 + g) * ap + c0 + 2 * q + 1] = x[1];
+            t[(r0 + g + 8) * ap + c0 + 2 * q] = x[2];
+            t[(r0 + g + 8) * ap + c0 + 2 * q + 1] = x[3];
+            __syncwarp();
+            // T_bi,bj = -T_bi,bi X: X's columns are this warp's alone, read before written.
+            float y[4] = {};
 #pragma unroll
-        for (int s = 0; s < GDN_CHUNK / 16 - 1; ++s) {
-            const int e = threadIdx.x + s * GDN_THREADS;
-            if (e < n) t[(width + e / width) * ap + e % width] = x[s];
-        }
-        __syncthreads();
-        // T_bi,bj = -T_bi,bi X: row r of the block needs X's rows 0..r.
-#pragma unroll
-        for (int s = 0; s < GDN_CHUNK / 16 - 1; ++s) {
-            const int e = threadIdx.x + s * GDN_THREADS;
-            x[s] = 0.f;
-            if (e < n) {
-                const int r = e / width, col = e % width;
-#pragma unroll
-                for (int m = 0; m < 16; ++m)
-                    if (m <= r) x[s] -= t[(width + r) * ap + width + m] * t[(width + m) * ap + col];
+            for (int s8 = 0; s8 < 2; ++s8) {
+                const int j = 8 * s8;
+                const u32 fa[4] = {to_tf32(t[(r0 + g) * ap + r0 + j + q]),
+                                   to_tf32(t[(r0 + g + 8) * ap + r0 + j + q]),
+                                   to_tf32(t[(r0 + g) * ap + r0 + j + q + 4]),
+                                   to_tf32(t[(r0 + g + 8) * ap + r0 + j + q + 4])};
+                mma_tf32(y, fa, to_tf32(t[(r0 + j + q) * ap + c0 + g]),
+                         to_tf32(t[(r0 + j + q + 4) * ap + c0 + g]));
             }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int s = 0; s < GDN_CHUNK / 16 - 1; ++s) {
-            const int e = threadIdx.x + s * GDN_THREADS;
-            if (e < n) t[(width + e / width) * ap + e % width] = x[s];
+            __syncwarp();
+            t[(r0 + g) * ap + c0 + 2 * q] = -y[0];
+            t[(r0 + g) * ap + c0 + 2 * q + 1] = -y[1];
+            t[(r0 + g + 8) * ap + c0 + 2 * q] = -y[2];
+            t[(r0 + g + 8) * ap + c0 + 2 * q + 1] = -y[3];
         }
     }
 }

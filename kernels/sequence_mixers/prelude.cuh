@@ -80,6 +80,26 @@ KP_MMA16(mma_f16, "f16")
 #undef KP_MMA16
 #endif
 
+// The warp-wide tf32 product c += A B (mma.sync m16n8k8, tf32 operands as 32-bit words from
+// to_tf32, float32 accumulate; sm_80+). g = lane / 4, t = lane % 4: A 16 x 8 row-major from
+// a[0] = (row g, k t), a[1] = (g + 8, t), a[2] = (g, t + 4), a[3] = (g + 8, t + 4); B 8 x 8 from
+// b0 = (k t, column g), b1 = (k t + 4, column g); c as mma_bf16's. to_tf32 rounds a float to
+// tf32 (10 explicit mantissa bits, to nearest, ties away: cvt.rna). The CPU emulation
+// (emulate/cuda_shim.h) defines its own.
+#ifndef KP_EMULATE
+__device__ __forceinline__ u32 to_tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void mma_tf32(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
+
 // Shared-memory fragment loads and asynchronous copies (sm_80+). ldsm_x4 / ldsm_x4_t: the
 // warp-wide ldmatrix.m8n8.x4 (.trans) of four 8 x 8 bf16 matrices, lane l giving `p`, the
 // address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned); register i of lane

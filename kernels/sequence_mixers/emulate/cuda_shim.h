@@ -304,6 +304,39 @@ inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
 inline void mma_f16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     mma_emulated<f16_float>(c, a, b0, b1);
 }
+// tf32 (prelude.cuh's to_tf32): the float rounded to 10 explicit mantissa bits, to nearest with
+// ties away from zero (cvt.rna), as its 32-bit pattern (infinities and NaN kept).
+inline unsigned to_tf32(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7f800000u) == 0x7f800000u) return u;
+    u += 0x1000u;  // half of the 13 dropped bits: ties go away from zero in magnitude
+    return u & 0xffffe000u;
+}
+// mma.sync m16n8k8 tf32 -> float32 (prelude.cuh's mma_tf32, whose comment gives the layout):
+// as mma_emulated, on the fragments' tf32 values in float64.
+inline void mma_tf32(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    Warp& warp = *g_warps[w];
+    MmaFrags& f = *g_mma[w];
+    for (int j = 0; j < 4; ++j) f.a[lane][j] = a[j];
+    f.b[lane][0] = b0; f.b[lane][1] = b1;
+    warp.bar.arrive_and_wait();
+    float A[16][8], B[8][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, t = l % 4;
+        A[g][t] = __uint_as_float(f.a[l][0]); A[g + 8][t] = __uint_as_float(f.a[l][1]);
+        A[g][t + 4] = __uint_as_float(f.a[l][2]); A[g + 8][t + 4] = __uint_as_float(f.a[l][3]);
+        B[t][g] = __uint_as_float(f.b[l][0]); B[t + 4][g] = __uint_as_float(f.b[l][1]);
+    }
+    warp.bar.arrive_and_wait();
+    const int g = lane / 4, t = lane % 4;
+    const int rn[4][2] = {{g, 2 * t}, {g, 2 * t + 1}, {g + 8, 2 * t}, {g + 8, 2 * t + 1}};
+    for (int e = 0; e < 4; ++e) {
+        double acc = 0;
+        for (int k = 0; k < 8; ++k) acc += (double)A[rn[e][0]][k] * B[k][rn[e][1]];
+        c[e] = (float)(c[e] + acc);
+    }
+}
 void g_mma_reset(unsigned warps) {
     g_mma.clear();
     for (unsigned w = 0; w < warps; ++w) g_mma.push_back(std::make_unique<MmaFrags>());
