@@ -268,16 +268,34 @@ inline float f16_float(unsigned bits16) {
                             : std::ldexp((float)(m | 0x400u), (int)e - 25);
     return (h & 0x8000u) ? -v : v;
 }
+// Every lane of the calling warp deposits its fragments; returns the warp's once all have.
+inline MmaFrags& mma_gather(const unsigned* a, unsigned b0, unsigned b1) {
+    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    MmaFrags& f = *g_mma[w];
+    for (int j = 0; j < 4; ++j) f.a[lane][j] = a[j];
+    f.b[lane][0] = b0; f.b[lane][1] = b1;
+    g_warps[w]->bar.arrive_and_wait();
+    return f;
+}
+// After every lane has decoded the whole A (16 x K) and B (K x 8) from the gathered fragments:
+// the calling lane's four outputs c += A B, in float64 rounded once to float32.
+template <int K>
+inline void mma_outputs(float* c, const float (&A)[16][K], const float (&B)[K][8]) {
+    const unsigned lane = threadIdx.x % 32;
+    g_warps[threadIdx.x / 32]->bar.arrive_and_wait();
+    const int g = lane / 4, t = lane % 4;
+    const int rn[4][2] = {{g, 2 * t}, {g, 2 * t + 1}, {g + 8, 2 * t}, {g + 8, 2 * t + 1}};
+    for (int e = 0; e < 4; ++e) {
+        double acc = 0;
+        for (int k = 0; k < K; ++k) acc += (double)A[rn[e][0]][k] * B[k][rn[e][1]];
+        c[e] = (float)(c[e] + acc);
+    }
+}
 // The product over one warp's fragments whose 16-bit halves DECODE turns into floats:
 // mma_bf16 and mma_f16 (prelude.cuh's mma_f16, the same layout with fp16 operands) below.
 template <float (*DECODE)(unsigned)>
 inline void mma_emulated(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
-    Warp& warp = *g_warps[w];
-    MmaFrags& f = *g_mma[w];
-    for (int j = 0; j < 4; ++j) f.a[lane][j] = a[j];
-    f.b[lane][0] = b0; f.b[lane][1] = b1;
-    warp.bar.arrive_and_wait();
+    const MmaFrags& f = mma_gather(a, b0, b1);
     float A[16][16], B[16][8];
     for (int l = 0; l < 32; ++l) {
         const int g = l / 4, t = l % 4;
@@ -289,14 +307,7 @@ inline void mma_emulated(float* c, const unsigned* a, unsigned b0, unsigned b1) 
         B[2 * t][g] = DECODE(f.b[l][0]); B[2 * t + 1][g] = DECODE(f.b[l][0] >> 16);
         B[8 + 2 * t][g] = DECODE(f.b[l][1]); B[8 + 2 * t + 1][g] = DECODE(f.b[l][1] >> 16);
     }
-    warp.bar.arrive_and_wait();
-    const int g = lane / 4, t = lane % 4;
-    const int rn[4][2] = {{g, 2 * t}, {g, 2 * t + 1}, {g + 8, 2 * t}, {g + 8, 2 * t + 1}};
-    for (int e = 0; e < 4; ++e) {
-        double acc = 0;
-        for (int k = 0; k < 16; ++k) acc += (double)A[rn[e][0]][k] * B[k][rn[e][1]];
-        c[e] = (float)(c[e] + acc);
-    }
+    mma_outputs<16>(c, A, B);
 }
 inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     mma_emulated<bf16_float>(c, a, b0, b1);
@@ -315,12 +326,7 @@ inline unsigned to_tf32(float x) {
 // mma.sync m16n8k8 tf32 -> float32 (prelude.cuh's mma_tf32, whose comment gives the layout):
 // as mma_emulated, on the fragments' tf32 values in float64.
 inline void mma_tf32(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    const unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32;
-    Warp& warp = *g_warps[w];
-    MmaFrags& f = *g_mma[w];
-    for (int j = 0; j < 4; ++j) f.a[lane][j] = a[j];
-    f.b[lane][0] = b0; f.b[lane][1] = b1;
-    warp.bar.arrive_and_wait();
+    const MmaFrags& f = mma_gather(a, b0, b1);
     float A[16][8], B[8][8];
     for (int l = 0; l < 32; ++l) {
         const int g = l / 4, t = l % 4;
@@ -328,14 +334,7 @@ inline void mma_tf32(float* c, const unsigned* a, unsigned b0, unsigned b1) {
         A[g][t + 4] = __uint_as_float(f.a[l][2]); A[g + 8][t + 4] = __uint_as_float(f.a[l][3]);
         B[t][g] = __uint_as_float(f.b[l][0]); B[t + 4][g] = __uint_as_float(f.b[l][1]);
     }
-    warp.bar.arrive_and_wait();
-    const int g = lane / 4, t = lane % 4;
-    const int rn[4][2] = {{g, 2 * t}, {g, 2 * t + 1}, {g + 8, 2 * t}, {g + 8, 2 * t + 1}};
-    for (int e = 0; e < 4; ++e) {
-        double acc = 0;
-        for (int k = 0; k < 8; ++k) acc += (double)A[rn[e][0]][k] * B[k][rn[e][1]];
-        c[e] = (float)(c[e] + acc);
-    }
+    mma_outputs<8>(c, A, B);
 }
 void g_mma_reset(unsigned warps) {
     g_mma.clear();
