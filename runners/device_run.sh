@@ -436,8 +436,7 @@ flex_bwd)
   # each backward (the forward the same), one after the other on the same card.
   step "flex backward gpu test" 300 "$out/gpu_flex_bwd.tests.log" "$bin/gpu_attention_test" \
     --include-ignored --test-threads 1 --nocapture flex_backward_matches_float64
-  step "flex wgmma backward" 150 "$out/flex_bwd_sm90.log" env KP_FLEX_BWD_SM90=1 \
-    "$bin/attention" --grids masks --implementations flex --filter pass=fwd+bwd \
+  step "flex wgmma backward" 150 "$out/flex_bwd_sm90.log" "$bin/attention" --grids masks --implementations flex --filter pass=fwd+bwd \
     --output "$out/flex_bwd_sm90.json"
   step "flex portable backward" 150 "$out/flex_bwd_portable.log" env KP_FLEX_BWD_SM90=0 \
     "$bin/attention" \

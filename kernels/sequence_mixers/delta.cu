@@ -1,7 +1,7 @@
 // The gated delta rule forward (Gated DeltaNet; Yang, Kautz and Hatamizadeh, 2024, "Gated
 // Delta Networks: Improving Mamba2 with Delta Rule"). Two paths, chosen by the host
-// (src/sequence_mixers/delta_cuda.rs, `tc_shared_bytes`): version 3.1 for bf16 with K a multiple
-// of 32 and V of 16, on tensor cores (kernels 1'-3', described before their code below); every
+// (src/sequence_mixers/delta_cuda.rs, `tc_shared_bytes`): version 3 (3.1 to 4) for bf16 with K a
+// multiple of 32 and V of 16, on tensor cores (kernels 1'-3', described before their code below); every
 // other case version 2, on CUDA cores in float32, described here: the
 // chunked WY form of src/sequence_mixers/chunked.rs (its docstring derives it; Yang et al.,
 // 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", section
@@ -276,7 +276,7 @@ GDN_ENTRIES(bf16, u16)
 #define GDN_TC_THREADS 128
 #define GDN_TC_ROWS 16
 
-// The loads of chunk c into one stage of gdn_state_tc's ring (NT threads): W and k rows, the
+// The loads of chunk c into one stage of gdn_state_tc_r<RG>_s<STAGES>'s ring (NT threads): W and k rows, the
 // block's R columns of U~ from r0, g; zeros past a short last chunk.
 template <int NT, int R>
 __device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
@@ -649,8 +649,8 @@ __device__ __forceinline__ void gdn_t_times(Out* out, long long row0, const u16*
 // Kernel 1' (gdn_prepare_tc), a block of 8 warps per (chunk, head, batch entry): g by a warp
 // scan of the floored ln α; A = β_i exp(g_i - g_j) (k_i . k_j) (j < i) from K Kᵀ on tensor
 // cores (float32 in shared memory); T = (I + A)⁻¹ by blocks of 16 rows
-// (gdn_unit_lower_inverse, version 3.1; version 3 ran one forward substitution down all 64
-// rows, 4 lanes per column); then W = T (β γ K) and
+// (gdn_unit_lower_inverse, version 3.3: its blocks below the diagonal on tf32 tensor cores;
+// version 3 ran one forward substitution down all 64 rows, 4 lanes per column); then W = T (β γ K) and
 // U~ = T (β V) on tensor cores with T and the scaled rows rounded to bf16, as
 // flash-linear-attention's chunked WY form does. W to `w` as bf16, U~ and g as float32.
 // Dynamic shared memory: L ((K + 8) + (V + 8)) bf16 + 2 L (L + 1) + 3 L floats (the host

@@ -7,9 +7,11 @@
 //! once (W and U~ into scratch); the state then walks the chunks in order, [`ROWS`] of its rows
 //! per block (U = U~ − W Sᵀ, the next state, and the state entering each chunk into scratch);
 //! every chunk then computes its output at once. bf16 with K a multiple of 32 and V of 16
-//! ([`tc_shared_bytes`]) takes version 3.1, the products on tensor cores (mma.sync, bf16
-//! operands, float32 accumulation) and the inverse by blocks of 16 rows; every other case takes
-//! version 2, plain float32 loops over shared memory on CUDA cores.
+//! ([`tc_shared_bytes`]) takes the tensor-core kernels: the products on mma.sync (bf16
+//! operands, float32 accumulation), the inverse by blocks of 16 rows (those below the diagonal
+//! on tf32 mma.sync), the state walk as [`StateWalk::for_shape`] says and the output with K and V
+//! compiled in at 64 and 128 ([`output_suffix`]); every other case takes version 2, plain
+//! float32 loops over shared memory on CUDA cores.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
