@@ -2437,7 +2437,8 @@ fn glance_tables_keep_one_axis_each_and_name_no_missing_size() {
 /// Every kernel tuning notes file beside the templates folder becomes a page (a missing one
 /// none); the navigation has one entry for them, current on each, and each notes page names
 /// its file and links the others; prose and notes that name a published notes file in a code
-/// span link its page, and one not published stays plain.
+/// span link its page, and one not published stays plain; the overview's pointer to the notes
+/// links every notes page.
 #[test]
 fn each_tuning_notes_file_is_a_page_and_prose_links_it() {
     let tmp = tempfile::tempdir().unwrap();
@@ -2539,6 +2540,22 @@ fn each_tuning_notes_file_is_a_page_and_prose_links_it() {
         "a notes file without a page stays plain: {links:?}"
     );
     assert!(main_text(&out, "index.html").contains("kernels/TUNING-kernel-sums.md"));
+    // The limitations' pointer names every notes page present, not the first alone.
+    let why = index
+        .select(&sel("p"))
+        .find(|p| text(*p).contains("Why the kernels stand where they do"))
+        .expect("the pointer to the notes");
+    let notes: Vec<(String, String)> = why
+        .select(&sel("a"))
+        .map(|a| (text(a), a.value().attr("href").unwrap().to_string()))
+        .collect();
+    assert_eq!(
+        notes,
+        [
+            ("Attention".to_string(), "tuning.html".to_string()),
+            ("MoE".to_string(), "tuning-moe.html".to_string())
+        ]
+    );
 }
 
 /// A tile sweep names its own suite's notes file and links its page only where that file is a

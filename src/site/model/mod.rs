@@ -639,7 +639,6 @@ pub fn build_model(
     }
     // The navigation has one entry for the notes: the first page, current on any of them.
     let notes_files: Vec<&str> = tuning_notes.iter().map(|(n, _)| n.file).collect();
-    let tuning_href = notes_files.first().map(|f| format!("{base}{f}"));
     if let Some(first) = notes_files.first() {
         pages.push((first.to_string(), NOTES_LABEL.to_string(), true));
     }
@@ -748,7 +747,6 @@ pub fn build_model(
         page_links,
         &glance,
     );
-    index.tuning_href = tuning_href.clone();
     let hopper = hopper_title.as_deref().map(|t| {
         let page = hopper::hopper_page(docs, all_docs, layout(HOPPER_FILE, t, Vec::new()));
         HopperPage {
@@ -774,6 +772,7 @@ pub fn build_model(
             })
             .collect()
     };
+    index.tuning_notes = siblings("");
     let tuning = tuning_notes
         .iter()
         .map(|(notes, md)| {

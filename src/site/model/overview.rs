@@ -39,8 +39,9 @@ pub struct IndexPage {
     pub limitations: Vec<Limitation>,
     /// Commands that reproduce the data, then the site.
     pub reproduce: Vec<CommandView>,
-    /// Link to the kernel tuning notes page, when there is one.
-    pub tuning_href: Option<String>,
+    /// The kernel tuning notes pages, one per suite family whose notes file is present, in the
+    /// site's order (none current).
+    pub tuning_notes: Vec<super::NavLink>,
 }
 
 /// The overview's table of contents: its fixed sections.
@@ -626,7 +627,7 @@ pub fn index_page(
                 command: FIGURES_COMMAND.to_string(),
             }))
             .collect(),
-        tuning_href: None,
+        tuning_notes: Vec::new(),
     }
 }
 
