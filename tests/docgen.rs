@@ -2694,3 +2694,24 @@ fn flex_wgmma_rows_get_claims_and_the_portable_backward_a_limitation() {
         "listed with no card's flex forward + backward rows"
     );
 }
+
+/// The committed sequence-mixer documents' SSD rule is an earlier forward's, so the overview
+/// lists the rows as predating the kernels' later versions; the same documents whose rule is
+/// the runner's current one (the walks of chunks) do not get the item.
+#[test]
+fn sequence_mixer_rows_older_than_the_runners_kernels_are_a_limitation() {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data");
+    let item = "sequence-mixer rows predate the kernels' later versions.";
+    let (_tmp, site) = build_site(&data, None);
+    assert!(main_text(&site, "index.html").contains(item));
+    let (_c, current) = data_with_edits(&data, "gpu_sequence_mixers", |doc| {
+        for rule in doc["config"]["dispatch"].as_array_mut().unwrap() {
+            if rule["entry_point"] == "sequence_mixers::cuda::Ssd" {
+                let text = rule["rule"].as_str().unwrap().to_string();
+                rule["rule"] = format!("{text}; the walks' states passed from walk to walk").into();
+            }
+        }
+    });
+    let (_d, site) = build_site(&current, None);
+    assert!(!main_text(&site, "index.html").contains(item));
+}
