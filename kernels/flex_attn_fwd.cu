@@ -28,6 +28,28 @@
 // flash_fwd (mma.sync m16n8k16, ldmatrix; FlashAttention-2's guard for rows that have seen no
 // key). No atomics: outputs are bit-identical from run to run.
 
+// Whether any and whether every (row, key) pair of the tile at query row q0 and key k0 is
+// visible (kp_mask), over its first `rows` rows and `keys` keys of BR x BC; the CTA's threads
+// share the pairs and every thread gets both answers (two barriers: every thread calls it).
+template <int BR, int BC>
+__device__ __forceinline__ void flex_tile_visible(int b, int h, int q0, int k0, int rows,
+                                                  int keys, int H, int Tq, int Tkv,
+                                                  const int* __restrict__ aux, int& any,
+                                                  int& all) {
+    any = 0;
+    all = 1;
+    for (int e = threadIdx.x; e < BR * BC; e += blockDim.x) {
+        const int r = e / BC, c = e % BC;
+        if (r < rows && c < keys) {
+            const bool v = kp_mask(b, h, q0 + r, k0 + c, H, Tq, Tkv, aux);
+            any |= v;
+            all &= v;
+        }
+    }
+    any = __syncthreads_or(any);
+    all = __syncthreads_and(all);
+}
+
 template <int BR, int BCT>
 __device__ __forceinline__ void flex_block_mask(const int* __restrict__ kv_lens,
                                                 const int* __restrict__ aux,
@@ -51,17 +73,8 @@ __device__ __forceinline__ void flex_block_mask(const int* __restrict__ kv_lens,
         const int avail = L - k0;
         const bool whole_keys = avail >= BCT;
         const int keys = whole_keys ? BCT : max(avail, 0);
-        int any = 0, all = 1;
-        for (int e = tid; e < BR * BCT; e += blockDim.x) {
-            const int r = e / BCT, c = e % BCT;
-            if (r < rows && c < keys) {
-                const bool v = kp_mask(b, h, q0 + r, k0 + c, H, Tq, Tkv, aux);
-                any |= v;
-                all &= v;
-            }
-        }
-        any = __syncthreads_or(any);
-        all = __syncthreads_and(all);
+        int any, all;
+        flex_tile_visible<BR, BCT>(b, h, q0, k0, rows, keys, H, Tq, Tkv, aux, any, all);
         if (tid == 0 && any) {
             kv_index[list + count] = kt;
             kv_full[list + count] = all && whole_keys;
@@ -97,17 +110,8 @@ __device__ __forceinline__ void flex_block_mask_t(const int* __restrict__ kv_len
     for (int qt = 0; qt < n_qt; ++qt) {
         const int q0 = qt * BR;
         const int rows = min(BR, Tq - q0);
-        int any = 0, all = 1;
-        for (int e = tid; e < BR * BC; e += blockDim.x) {
-            const int r = e / BC, c = e % BC;
-            if (r < rows && c < keys) {
-                const bool v = kp_mask(b, h, q0 + r, k0 + c, H, Tq, Tkv, aux);
-                any |= v;
-                all &= v;
-            }
-        }
-        any = __syncthreads_or(any);
-        all = __syncthreads_and(all);
+        int any, all;
+        flex_tile_visible<BR, BC>(b, h, q0, k0, rows, keys, H, Tq, Tkv, aux, any, all);
         if (tid == 0 && any) {
             q_index[list + count] = qt;
             q_full[list + count] = all && whole_keys && rows == BR;
