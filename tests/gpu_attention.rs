@@ -1288,6 +1288,26 @@ fn split_kv_decoding_matches_float64() {
     assert!(failed.is_empty(), "failing cases:\n{}", failed.join("\n"));
 }
 
+/// The flex GPU tests' shape: batch 2, 4 query heads on 2 KV heads (GQA 2:1), the given
+/// lengths, head_dim, dtype and softmax scale.
+fn flex_test_shape(
+    (seq_len_q, seq_len_kv): (usize, usize),
+    head_dim: usize,
+    dtype: Dtype,
+    scale: f64,
+) -> kernelpages::attention::flex::FlexShape {
+    kernelpages::attention::flex::FlexShape {
+        batch: 2,
+        heads: 4,
+        kv_heads: 2,
+        seq_len_q,
+        seq_len_kv,
+        head_dim,
+        dtype,
+        scale,
+    }
+}
+
 /// flex_attention (issue 10 §1, §3) against the float64 reference with the same modification
 /// applied densely: every modification the project names, query and key lengths that are and
 /// are not multiples of the 64-row and 64-key tiles (documents of 130 positions hold whole
@@ -1342,16 +1362,7 @@ fn flex_attention_matches_float64() {
                 .into_iter()
                 .flat_map(|dd| kernels.iter().map(move |k| (dd, k)))
             {
-                let shape = FlexShape {
-                    batch: 2,
-                    heads: 4,
-                    kv_heads: 2,
-                    seq_len_q: tq,
-                    seq_len_kv: tkv,
-                    head_dim: d,
-                    dtype,
-                    scale: (d as f64).powf(-0.5),
-                };
+                let shape = flex_test_shape((tq, tkv), d, dtype, (d as f64).powf(-0.5));
                 let mut rng = rand::rngs::StdRng::seed_from_u64(n as u64);
                 let mut draw = |len: usize| -> Vec<f64> {
                     (0..len)
@@ -1511,9 +1522,7 @@ fn flex_attention_matches_float64() {
 )]
 fn flex_backward_matches_float64() {
     use kernelpages::attention::cpu::modified_reference_values;
-    use kernelpages::attention::flex::{
-        FlexAttention, FlexBwdKernel, FlexMod, FlexRule, FlexShape,
-    };
+    use kernelpages::attention::flex::{FlexAttention, FlexBwdKernel, FlexMod, FlexRule};
     let gpu = gpu();
     let kernels: &[FlexBwdKernel] = if gpu.arch() == "sm_90a" {
         &[FlexBwdKernel::Portable, FlexBwdKernel::Wgmma]
@@ -1563,16 +1572,7 @@ fn flex_backward_matches_float64() {
                         aux: &aux,
                     };
                     let refs = modified_reference_values(&c, &inp, &CheckPlan::full(&c), &rule);
-                    let shape = FlexShape {
-                        batch: 2,
-                        heads: 4,
-                        kv_heads: 2,
-                        seq_len_q: tq,
-                        seq_len_kv: tkv,
-                        head_dim: d,
-                        dtype,
-                        scale: c.scale(),
-                    };
+                    let shape = flex_test_shape((tq, tkv), d, dtype, c.scale());
                     let mut flex = FlexAttention::new(gpu, shape, &m.spec(), &[tkv, len1], &aux)
                         .expect("flex");
                     flex.enable_backward_with(gpu, kernel)

@@ -1095,33 +1095,20 @@ fn launch_backward_wgmma(
     let tq_pad = s.seq_len_q.div_ceil(bm) * bm;
     let padded = s.batch * s.heads * tq_pad;
     let (tq, tkv, h, kvh, scale) = s.kernel_args();
-    let (tq_pad_i, padded_i, batch_i) = (tq_pad as i32, padded as i32, s.batch as i32);
+    let (tq_pad_i, batch_i) = (tq_pad as i32, s.batch as i32);
     let scale_log2 = (s.scale * std::f64::consts::LOG2_E) as f32;
     let lse2 = fb
         .lse2
         .as_mut()
         .expect("the wgmma backward allocates lse2 in enable_backward_with");
-    let mut l = gpu.stream.launch_builder(&fb.pre);
-    l.arg(o)
-        .arg(dout)
-        .arg(lse)
-        .arg(&mut fb.dsum)
-        .arg(&mut *lse2)
-        .arg(&mut fb.dqacc)
-        .arg(&tq)
-        .arg(&tq_pad_i)
-        .arg(&padded_i);
-    // SAFETY: `attn_bwd_sm90_pre_d*(const u16* O, const u16* dO, const float* LSE, float* dsum,
-    // float* lse2, float* dqacc, int Tq, int Tq_pad, int rows_pad)`: O and dO hold rows · D
-    // words, LSE rows, dsum and lse2 rows_pad floats (allocated so), dqacc rows · D; one warp
-    // per padded row, 8 per 256-thread block.
-    unsafe {
-        l.launch(LaunchConfig {
-            grid_dim: (padded.div_ceil(8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        })?
-    };
+    // dsum and lse2 were allocated with `padded` rows (enable_backward_with).
+    super::sm90::launch_bwd_pre(
+        gpu,
+        &fb.pre,
+        (o, dout, lse),
+        (&mut fb.dsum, lse2, &mut fb.dqacc),
+        (tq, tq_pad_i, padded),
+    )?;
     {
         // The guards live until after the launch (as in the forward's launch_wgmma).
         let (qp, _gq) = q.device_ptr(&gpu.stream);

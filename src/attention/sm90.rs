@@ -469,6 +469,51 @@ pub fn tma_map_bf16(
     tma_map_16(ptr, shape, box_rows, Dtype::Bf16)
 }
 
+/// Launches the wgmma backward's preprocessing (`attn_bwd_sm90_pre_d*`, `pre`), shared by the
+/// dense backward and flex's: from O, dO (bf16 or fp16 words, `[rows, D]`) and the forward's
+/// LSE (`[rows]`, natural log), Dsum = rowsum(dO ∘ O) and LSE in base 2 for each of the
+/// `rows_pad` padded rows (float32, `rows_pad` each; the padding rows get values that empty
+/// them: LSE2 = +inf, Dsum = 0), and dQ's float32 accumulator zeroed (`[rows, D]`). `(tq, tq_pad, rows_pad)`: the query
+/// length, the length padded to the step's queries, and batch · heads · tq_pad.
+///
+/// # Errors
+/// Driver errors.
+pub(super) fn launch_bwd_pre(
+    gpu: &Gpu,
+    pre: &CudaFunction,
+    (o, dout, lse): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<f32>),
+    (dsum, lse2, dqacc): (
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+    ),
+    (tq, tq_pad, rows_pad): (i32, i32, usize),
+) -> Result<(), GpuError> {
+    let rows_pad_i = rows_pad as i32;
+    let mut b = gpu.stream.launch_builder(pre);
+    b.arg(o)
+        .arg(dout)
+        .arg(lse)
+        .arg(dsum)
+        .arg(lse2)
+        .arg(dqacc)
+        .arg(&tq)
+        .arg(&tq_pad)
+        .arg(&rows_pad_i);
+    // SAFETY: `attn_bwd_sm90_pre_d*(const u16* O, const u16* dO, const float* LSE, float* dsum,
+    // float* lse2, float* dqacc, int Tq, int Tq_pad, int rows_pad)`: the callers allocate O and
+    // dO with rows · D words, LSE rows, dsum and lse2 at least rows_pad floats, dqacc rows · D;
+    // one warp per padded row, 8 per 256-thread block.
+    unsafe {
+        b.launch(LaunchConfig {
+            grid_dim: (rows_pad.div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        })?
+    };
+    Ok(())
+}
+
 /// [`tma_map_bf16`] for a tensor of 16-bit `dtype` (bf16 or fp16: the map's element type).
 ///
 /// # Errors
@@ -2272,7 +2317,6 @@ impl HopperBackward {
         let tq_pad = (seq_len_q.div_ceil(bm) * bm) as i32;
         // The rows this launch's step size pads to (the buffers may hold more: the other size's).
         let used = batch * heads * seq_len_q.div_ceil(bm) * bm;
-        let padded_i = used as i32;
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         let scale_f = scale as f32;
         // The main kernel's CTA layout, which the tail combine maps back to tiles the same way.
@@ -2291,29 +2335,13 @@ impl HopperBackward {
             Ok(())
         };
         stage(0)?;
-        {
-            let mut b = gpu.stream.launch_builder(&self.pre);
-            b.arg(o)
-                .arg(dout)
-                .arg(lse)
-                .arg(&mut self.dsum)
-                .arg(&mut self.lse2)
-                .arg(&mut self.dqacc)
-                .arg(&tq)
-                .arg(&tq_pad)
-                .arg(&padded_i);
-            // SAFETY: `attn_bwd_sm90_pre_d*(const u16* O, const u16* dO, const float* LSE,
-            // float* dsum, float* lse2, float* dqacc, int Tq, int Tq_pad, int rows_pad)`: O and
-            // dO hold rows · D words, LSE rows, dsum and lse2 rows_pad floats, dqacc rows · D;
-            // one warp per padded row, 8 per 256-thread block.
-            unsafe {
-                b.launch(LaunchConfig {
-                    grid_dim: (used.div_ceil(8) as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })?
-            };
-        }
+        launch_bwd_pre(
+            gpu,
+            &self.pre,
+            (o, dout, lse),
+            (&mut self.dsum, &mut self.lse2, &mut self.dqacc),
+            (tq, tq_pad, used),
+        )?;
         stage(1)?;
         {
             // The guards live until after the launch (as in HopperForward::launch).
