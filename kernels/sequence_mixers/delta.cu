@@ -312,13 +312,14 @@ __device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
 // chunk c is worked on (a ring of STAGES stages). Version 3 is RG = 1 with 2 stages; version 4
 // (where V allows: the host's StateWalk, src/sequence_mixers/delta_cuda.rs) RG = 2, so the
 // block's W and k tiles serve 32 rows, and 4 stages.
-template <int RG, int STAGES>
+template <int RG, int STAGES, int KT, int VT>
 __device__ __forceinline__ void gdn_state_tc_body(
     const u16* __restrict__ k, const u16* __restrict__ w_in, const float* __restrict__ u_in,
     const float* __restrict__ g_in, const float* __restrict__ initial_state, int has_initial,
     u16* __restrict__ states, u16* __restrict__ u_out, float* __restrict__ final_state, int T_len,
-    int heads, int K, int V, int n_chunks) {
+    int heads, int K_arg, int V_arg, int n_chunks) {
     constexpr int R = GDN_TC_ROWS * RG, NT = GDN_TC_THREADS * RG;
+    const int K = KT > 0 ? KT : K_arg, V = VT > 0 ? VT : V_arg;
     extern __shared__ float smem[];
     const int r0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z;
     const long long bh = (long long)b * heads + h;
@@ -430,20 +431,25 @@ __device__ __forceinline__ void gdn_state_tc_body(
         }
 }
 
-// The state walk's entry points: rows per block and stages (gdn_state_tc_body).
-#define GDN_STATE_TC(RG, STAGES)                                                               \
-    extern "C" __global__ void __launch_bounds__(GDN_TC_THREADS * RG)                                    \
-        gdn_state_tc_r##RG##_s##STAGES(                                                        \
+// The state walk's entry points: rows per block and stages (gdn_state_tc_body), K and V read
+// from the arguments (KT = VT = 0) or compiled in (suffixes _k64v64 and _k128v128, version 4.1,
+// as the output kernel's below); the host picks (src/sequence_mixers/delta_cuda.rs, StateWalk).
+#define GDN_STATE_TC(RG, STAGES, SUFFIX, KT, VT)                                               \
+    extern "C" __global__ void __launch_bounds__(GDN_TC_THREADS * RG)                          \
+        gdn_state_tc_r##RG##_s##STAGES##SUFFIX(                                                \
             const u16* __restrict__ k, const u16* __restrict__ w_in,                           \
             const float* __restrict__ u_in, const float* __restrict__ g_in,                    \
             const float* __restrict__ initial_state, int has_initial, u16* __restrict__ states, \
             u16* __restrict__ u_out, float* __restrict__ final_state, int T_len, int heads,     \
             int K, int V, int n_chunks) {                                                      \
-        gdn_state_tc_body<RG, STAGES>(k, w_in, u_in, g_in, initial_state, has_initial, states, \
-                                      u_out, final_state, T_len, heads, K, V, n_chunks);       \
+        gdn_state_tc_body<RG, STAGES, KT, VT>(k, w_in, u_in, g_in, initial_state, has_initial, \
+                                              states, u_out, final_state, T_len, heads, K, V,  \
+                                              n_chunks);                                       \
     }
-GDN_STATE_TC(1, 2)
-GDN_STATE_TC(2, 4)
+GDN_STATE_TC(1, 2, , 0, 0)
+GDN_STATE_TC(2, 4, , 0, 0)
+GDN_STATE_TC(1, 2, _k64v64, 64, 64)
+GDN_STATE_TC(2, 4, _k128v128, 128, 128)
 
 // Kernel 3' (gdn_output_tc), with K and V read from the arguments (KT = VT = 0) or compiled
 // in as constants (the entry points below).
@@ -535,7 +541,7 @@ __device__ __forceinline__ void gdn_output_tc_body(const u16* __restrict__ q,
 // The entry points of kernel 3': any K and V the tensor-core path takes (gdn_output_tc), and the
 // grid's sizes as constants (suffixes _k64v64 and _k128v128: the index arithmetic folds and
 // the loops unroll, as SSD's chunk scan, ssd.cu, version 4.1); the host picks by shape
-// (src/sequence_mixers/delta_cuda.rs, `output_suffix`) and passes K and V to all.
+// (src/sequence_mixers/delta_cuda.rs, `dims_suffix`) and passes K and V to all.
 #define GDN_OUTPUT_TC(SUFFIX, KT, VT)                                                          \
     extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_output_tc##SUFFIX(          \
         const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ u,       \
@@ -655,12 +661,13 @@ __device__ __forceinline__ void gdn_t_times(Out* out, long long row0, const u16*
 // flash-linear-attention's chunked WY form does. W to `w` as bf16, U~ and g as float32.
 // Dynamic shared memory: L ((K + 8) + (V + 8)) bf16 + 2 L (L + 1) + 3 L floats (the host
 // computes it: src/sequence_mixers/delta_cuda.rs).
-extern "C" __global__ void __launch_bounds__(GDN_THREADS)
-gdn_prepare_tc(const u16* __restrict__ k, const u16* __restrict__ v,
-               const float* __restrict__ alpha, const float* __restrict__ beta,
-               u16* __restrict__ w_out, float* __restrict__ u_out, float* __restrict__ g_out,
-               int T_len, int heads, int K, int V) {
+template <int KT, int VT>
+__device__ __forceinline__ void gdn_prepare_tc_body(
+    const u16* __restrict__ k, const u16* __restrict__ v, const float* __restrict__ alpha,
+    const float* __restrict__ beta, u16* __restrict__ w_out, float* __restrict__ u_out,
+    float* __restrict__ g_out, int T_len, int heads, int K_arg, int V_arg) {
     extern __shared__ float smem[];
+    const int K = KT > 0 ? KT : K_arg, V = VT > 0 ? VT : V_arg;
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const long long t0 = (long long)b * T_len + (long long)c * GDN_CHUNK;
     const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
@@ -742,3 +749,16 @@ gdn_prepare_tc(const u16* __restrict__ k, const u16* __restrict__ v,
     gdn_t_times(u_out, base * GDN_CHUNK, tb, TS, vs, VS, V, r0, warp / 4, l);
     for (int i = threadIdx.x; i < l; i += GDN_THREADS) g_out[base * GDN_CHUNK + i] = gs[i];
 }
+
+// The entry points of kernel 1': K and V from the arguments (gdn_prepare_tc) or compiled in
+// (_k64v64, _k128v128; version 4.1), picked as the output kernel's (dims_suffix).
+#define GDN_PREPARE_TC(SUFFIX, KT, VT)                                                         \
+    extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_prepare_tc##SUFFIX(         \
+        const u16* __restrict__ k, const u16* __restrict__ v, const float* __restrict__ alpha, \
+        const float* __restrict__ beta, u16* __restrict__ w_out, float* __restrict__ u_out,    \
+        float* __restrict__ g_out, int T_len, int heads, int K, int V) {                       \
+        gdn_prepare_tc_body<KT, VT>(k, v, alpha, beta, w_out, u_out, g_out, T_len, heads, K, V); \
+    }
+GDN_PREPARE_TC(, 0, 0)
+GDN_PREPARE_TC(_k64v64, 64, 64)
+GDN_PREPARE_TC(_k128v128, 128, 128)

@@ -9,8 +9,8 @@
 //! every chunk then computes its output at once. bf16 with K a multiple of 32 and V of 16
 //! ([`tc_shared_bytes`]) takes the tensor-core kernels: the products on mma.sync (bf16
 //! operands, float32 accumulation), the inverse by blocks of 16 rows (those below the diagonal
-//! on tf32 mma.sync), the state walk as [`StateWalk::for_shape`] says and the output with K and V
-//! compiled in at 64 and 128 ([`output_suffix`]); every other case takes version 2, plain
+//! on tf32 mma.sync), the state walk as [`StateWalk::for_shape`] says, all three with K and V
+//! compiled in at 64 and 128 ([`dims_suffix`]); every other case takes version 2, plain
 //! float32 loops over shared memory on CUDA cores.
 
 use cudarc::driver::{
@@ -51,22 +51,23 @@ const MAX_SHARED: u32 = 227 * 1024;
 const KERNELS: [&str; 3] = ["gdn_prepare", "gdn_state_pass", "gdn_output"];
 
 /// The tensor-core preparation and output kernels (version 3, bf16); the state walk between
-/// them is one of [`TC_STATE_WALKS`] ([`StateWalk::for_shape`]), the output one of
-/// [`OUTPUT_SUFFIXES`] ([`output_suffix`]).
+/// them is one of [`TC_STATE_WALKS`] ([`StateWalk::for_shape`]); each with one of
+/// [`DIMS_SUFFIXES`] ([`dims_suffix`]).
 const TC_KERNELS: [&str; 2] = ["gdn_prepare_tc", "gdn_output_tc"];
 
-/// The suffixes of the tensor-core output kernel's entry points: any K and V, then K and V
-/// compiled in as constants (the grid's sizes).
-const OUTPUT_SUFFIXES: [&str; 3] = ["", "_k64v64", "_k128v128"];
+/// The suffixes of the tensor-core kernels' entry points: any K and V, then K and V compiled
+/// in as constants (the grid's sizes).
+const DIMS_SUFFIXES: [&str; 3] = ["", "_k64v64", "_k128v128"];
 
-/// The suffix of the tensor-core output kernel `shape` runs: `_k64v64` or `_k128v128` where K
-/// and V are those sizes (compiled in as constants: the index arithmetic folds, the loops
-/// unroll), "" (K and V read from the arguments) otherwise.
-pub fn output_suffix(shape: DeltaShape) -> &'static str {
+/// The suffix of the tensor-core kernels `shape` runs: `_k64v64` or `_k128v128` where K and V
+/// are those sizes (compiled in as constants: the index arithmetic folds, the loops unroll;
+/// the output since version 3.2, the preparation and the state walk since 4.1), "" (K and V
+/// read from the arguments) otherwise.
+pub fn dims_suffix(shape: DeltaShape) -> &'static str {
     match (shape.key_dim, shape.value_dim) {
-        (64, 64) => OUTPUT_SUFFIXES[1],
-        (128, 128) => OUTPUT_SUFFIXES[2],
-        _ => OUTPUT_SUFFIXES[0],
+        (64, 64) => DIMS_SUFFIXES[1],
+        (128, 128) => DIMS_SUFFIXES[2],
+        _ => DIMS_SUFFIXES[0],
     }
 }
 
@@ -123,18 +124,24 @@ impl StateWalk {
     }
 }
 
+/// The state walks the source instantiates with K and V compiled in: the walk
+/// [`StateWalk::for_shape`] takes at K = V = 64 (one row group, 2 stages) and at 128 (two, 4),
+/// with [`dims_suffix`]'s suffix.
+const TC_STATE_WALK_DIMS: [((usize, usize), &str); 2] =
+    [((1, 2), DIMS_SUFFIXES[1]), ((2, 4), DIMS_SUFFIXES[2])];
+
 /// Every entry point of [`DELTA_SRC`]: `gdn_prepare_<t>`, `gdn_state_pass_<t>` and
-/// `gdn_output_<t>` for `f32` and `bf16`, then the tensor-core kernels (the state walks
-/// between the preparation and the output).
+/// `gdn_output_<t>` for `f32` and `bf16`, then the tensor-core kernels: the preparations,
+/// the state walks (any K and V, then the constant sizes') and the outputs.
 pub fn entry_points() -> Vec<String> {
-    let walks =
-        TC_STATE_WALKS.map(|(row_groups, stages)| StateWalk { row_groups, stages }.entry_point());
+    let walk = |(row_groups, stages)| StateWalk { row_groups, stages }.entry_point();
     [Dtype::F32, Dtype::Bf16]
         .into_iter()
         .flat_map(|d| KERNELS.iter().map(move |k| format!("{k}_{}", d.tag())))
-        .chain([TC_KERNELS[0].to_string()])
-        .chain(walks)
-        .chain(OUTPUT_SUFFIXES.map(|x| format!("{}{x}", TC_KERNELS[1])))
+        .chain(DIMS_SUFFIXES.map(|x| format!("{}{x}", TC_KERNELS[0])))
+        .chain(TC_STATE_WALKS.map(walk))
+        .chain(TC_STATE_WALK_DIMS.map(|(w, x)| format!("{}{x}", walk(w))))
+        .chain(DIMS_SUFFIXES.map(|x| format!("{}{x}", TC_KERNELS[1])))
         .collect()
 }
 
@@ -262,9 +269,13 @@ impl GatedDelta {
         let (names, smem) = match tc {
             Some(bytes) => (
                 [
-                    TC_KERNELS[0].to_string(),
-                    StateWalk::for_shape(s).entry_point(),
-                    format!("{}{}", TC_KERNELS[1], output_suffix(s)),
+                    format!("{}{}", TC_KERNELS[0], dims_suffix(s)),
+                    format!(
+                        "{}{}",
+                        StateWalk::for_shape(s).entry_point(),
+                        dims_suffix(s)
+                    ),
+                    format!("{}{}", TC_KERNELS[1], dims_suffix(s)),
                 ],
                 bytes,
             ),
@@ -528,22 +539,40 @@ mod tests {
                 "gdn_state_pass_bf16",
                 "gdn_output_bf16",
                 "gdn_prepare_tc",
+                "gdn_prepare_tc_k64v64",
+                "gdn_prepare_tc_k128v128",
                 "gdn_state_tc_r1_s2",
                 "gdn_state_tc_r2_s4",
+                "gdn_state_tc_r1_s2_k64v64",
+                "gdn_state_tc_r2_s4_k128v128",
                 "gdn_output_tc",
                 "gdn_output_tc_k64v64",
                 "gdn_output_tc_k128v128"
             ]
         );
-        assert!(DELTA_SRC.contains(&format!("{}(", TC_KERNELS[0])));
-        for x in OUTPUT_SUFFIXES {
+        for x in DIMS_SUFFIXES {
+            assert!(DELTA_SRC.contains(&format!("GDN_PREPARE_TC({x},")), "{x}");
             assert!(DELTA_SRC.contains(&format!("GDN_OUTPUT_TC({x},")), "{x}");
         }
-        assert_eq!(output_suffix(shape(128, 128)), "_k128v128");
-        assert_eq!(output_suffix(shape(64, 64)), "_k64v64");
-        assert_eq!(output_suffix(shape(64, 128)), "");
+        assert_eq!(dims_suffix(shape(128, 128)), "_k128v128");
+        assert_eq!(dims_suffix(shape(64, 64)), "_k64v64");
+        assert_eq!(dims_suffix(shape(64, 128)), "");
         for (g, s) in TC_STATE_WALKS {
-            assert!(DELTA_SRC.contains(&format!("GDN_STATE_TC({g}, {s})")));
+            assert!(DELTA_SRC.contains(&format!("GDN_STATE_TC({g}, {s}, , 0, 0)")));
+        }
+        for ((g, s), x) in TC_STATE_WALK_DIMS {
+            let d = if x == DIMS_SUFFIXES[1] { 64 } else { 128 };
+            assert!(DELTA_SRC.contains(&format!("GDN_STATE_TC({g}, {s}, {x}, {d}, {d})")));
+        }
+        // Every shape with a constant-size suffix finds its walk instantiated with it.
+        for d in [64, 128] {
+            let s = shape(d, d);
+            let name = format!(
+                "{}{}",
+                StateWalk::for_shape(s).entry_point(),
+                dims_suffix(s)
+            );
+            assert!(e.contains(&name), "{name}");
         }
         assert!(DELTA_SRC.contains(&format!("#define GDN_TC_ROWS {TC_ROWS}")));
         assert!(DELTA_SRC.contains(&format!("#define GDN_TC_THREADS {TC_STATE_THREADS}")));

@@ -11,7 +11,8 @@
 // with 2 stages, 2 with 4, the two instantiated). Where they
 // are given, the case runs a second time on q, k and v rounded to bf16 through gdn_prepare_tc,
 // gdn_state_tc_r1_s2 or _r2_s4 and gdn_output_tc, against the recurrence on the rounded values (bound 1e-2: W,
-// the entering states and U are rounded to bf16 inside, and O itself). Prints one line per
+// the entering states and U are rounded to bf16 inside, and O itself); at K = V = 64 and 128 the
+// three kernels' constant-size entry points (dims_suffix). Prints one line per
 // run, then ALL OK or FAILED.
 #include "cuda_shim.h"
 #include <cstdio>
@@ -54,16 +55,23 @@ int main(int argc, char** argv) {
             for (size_t i = 0; i < k.size(); ++i) { kb[i] = to_bf16(k[i]); k[i] = ld(kb.data(), i); }
             for (size_t i = 0; i < v.size(); ++i) { vb[i] = to_bf16(v[i]); v[i] = ld(vb.data(), i); }
             std::vector<u16> w16((size_t)B*H*nc*L*K, 0xffff), u16v((size_t)B*H*nc*L*V, 0xffff), st16((size_t)B*H*nc*V*K, 0xffff);
-            launch(chunks, GDN_THREADS, [&] { gdn_prepare_tc(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V); }, tprep / 4);
+            // The kernels the host picks (delta_cuda.rs, dims_suffix): K and V as constants at
+            // 64 and 128 (with the walk StateWalk::for_shape takes there), else the arguments.
+            const bool d64 = K == 64 && V == 64, d128 = K == 128 && V == 128;
+            launch(chunks, GDN_THREADS, [&] {
+                if (d64) gdn_prepare_tc_k64v64(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V);
+                else if (d128) gdn_prepare_tc_k128v128(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V);
+                else gdn_prepare_tc(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V);
+            }, tprep / 4);
             launch(dim3{(unsigned)(V / (GDN_TC_ROWS * rg)), (unsigned)H, (unsigned)B}, GDN_TC_THREADS * rg, [&] {
-                if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
+                if (d64 && rg == 1) gdn_state_tc_r1_s2_k64v64(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
+                else if (d128 && rg == 2) gdn_state_tc_r2_s4_k128v128(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
+                else if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
                 else gdn_state_tc_r1_s2(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
             }, tpass / 4);
-            // The output kernel the host picks (delta_cuda.rs, output_suffix): K and V as
-            // constants at 64 and 128.
             launch(chunks, GDN_THREADS, [&] {
-                if (K == 64 && V == 64) gdn_output_tc_k64v64(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
-                else if (K == 128 && V == 128) gdn_output_tc_k128v128(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
+                if (d64) gdn_output_tc_k64v64(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
+                else if (d128) gdn_output_tc_k128v128(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
                 else gdn_output_tc(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
             }, tout / 4);
             for (size_t i = 0; i < o.size(); ++i) o[i] = ld(ob.data(), i);
