@@ -19,8 +19,8 @@
 #                                                 # its bf16 forward rows up to T16384 and ncu's
 #                                                 # time per kernel at T16384, for
 #                                                 # .carry/sequence_mixers and, where present,
-#                                                 # the build of another commit in
-#                                                 # .carry/mix_old/, then ncu's sections (stall
+#                                                 # the builds of other commits in
+#                                                 # .carry/mix_*/ (e.g. mix_old/), then ncu's sections (stall
 #                                                 # reasons, traffic) of each kernel at K = V =
 #                                                 # 128 for the carried one (< 5 min; TUNING-sequence-
 #                                                 # mixers.md, the gated delta rule's entries)
@@ -207,10 +207,11 @@ mixers)
 gdn)
   step "gated delta gpu test" 150 "$out/gdn.tests.log" "$bin/gpu_sequence_mixers_test" \
     --include-ignored --test-threads 1 --nocapture gated_delta_rule_matches
-  labels=(carry); [ -x "$here/mix_old/sequence_mixers" ] && labels+=(mix_old)
+  labels=(carry)
+  for d in "$here"/mix_*/; do [ -x "$d/sequence_mixers" ] && labels+=("$(basename "$d")"); done
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for label in "${labels[@]}"; do
-    r=$bin/sequence_mixers; [ "$label" = mix_old ] && r=$here/mix_old/sequence_mixers
+    r=$bin/sequence_mixers; [ "$label" != carry ] && r=$here/$label/sequence_mixers
     name=gdn_$label
     step "gated delta rows ($r)" 90 "$out/$name.log" "$r" \
       --filter "mixer=gated_delta,dtype=bf16,pass=fwd,seq_len<=16384" --output "$out/$name.json"

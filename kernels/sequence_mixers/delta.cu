@@ -553,8 +553,8 @@ GDN_OUTPUT_TC(, 0, 0)
 GDN_OUTPUT_TC(_k64v64, 64, 64)
 GDN_OUTPUT_TC(_k128v128, 128, 128)
 
-// T = (I + A)⁻¹ for a strictly lower triangular A [GDN_CHUNK][ap] (float32, shared memory)
-// into t [GDN_CHUNK][ap], by blocks of 16 rows (as flash-linear-attention's solve does): first
+// T = (I + A)⁻¹ for a strictly lower triangular A [GDN_CHUNK][ap] (float32, shared memory;
+// ap even, t 8-byte aligned: pairs of T are stored as float2) into t [GDN_CHUNK][ap], by blocks of 16 rows (as flash-linear-attention's solve does): first
 // the four diagonal blocks by forward substitution, each column by 4 lanes (a chain of 16 rows,
 // not 64); then the blocks below the diagonal, one block row at a time,
 // T_bi,bj = -T_bi,bi sum_{bj <= k < bi} A_bi,k T_k,bj (from (I + A) T = I, block row bi),
@@ -599,10 +599,8 @@ __device__ __forceinline__ void gdn_unit_lower_inverse(const float* a, float* t,
                 mma_tf32(x, fa, to_tf32(t[(j + q) * ap + c0 + g]),
                          to_tf32(t[(j + q + 4) * ap + c0 + g]));
             }
-            t[(r0 + g) * ap + c0 + 2 * q] = x[0];
-            t[(r0 + g) * ap + c0 + 2 * q + 1] = x[1];
-            t[(r0 + g + 8) * ap + c0 + 2 * q] = x[2];
-            t[(r0 + g + 8) * ap + c0 + 2 * q + 1] = x[3];
+            *reinterpret_cast<float2*>(t + (r0 + g) * ap + c0 + 2 * q) = make_float2(x[0], x[1]);
+            *reinterpret_cast<float2*>(t + (r0 + g + 8) * ap + c0 + 2 * q) = make_float2(x[2], x[3]);
             __syncwarp();
             // T_bi,bj = -T_bi,bi X: X's columns are this warp's alone, read before written.
             float y[4] = {};
@@ -617,10 +615,8 @@ __device__ __forceinline__ void gdn_unit_lower_inverse(const float* a, float* t,
                          to_tf32(t[(r0 + j + q + 4) * ap + c0 + g]));
             }
             __syncwarp();
-            t[(r0 + g) * ap + c0 + 2 * q] = -y[0];
-            t[(r0 + g) * ap + c0 + 2 * q + 1] = -y[1];
-            t[(r0 + g + 8) * ap + c0 + 2 * q] = -y[2];
-            t[(r0 + g + 8) * ap + c0 + 2 * q + 1] = -y[3];
+            *reinterpret_cast<float2*>(t + (r0 + g) * ap + c0 + 2 * q) = make_float2(-y[0], -y[1]);
+            *reinterpret_cast<float2*>(t + (r0 + g + 8) * ap + c0 + 2 * q) = make_float2(-y[2], -y[3]);
         }
     }
 }
@@ -659,7 +655,7 @@ __device__ __forceinline__ void gdn_t_times(Out* out, long long row0, const u16*
 // version 3 ran one forward substitution down all 64 rows, 4 lanes per column); then W = T (β γ K) and
 // U~ = T (β V) on tensor cores with T and the scaled rows rounded to bf16, as
 // flash-linear-attention's chunked WY form does. W to `w` as bf16, U~ and g as float32.
-// Dynamic shared memory: L ((K + 8) + (V + 8)) bf16 + 2 L (L + 1) + 3 L floats (the host
+// Dynamic shared memory: L ((K + 8) + (V + 8)) bf16 + 2 L (L + 4) + 3 L floats (the host
 // computes it: src/sequence_mixers/delta_cuda.rs).
 template <int KT, int VT>
 __device__ __forceinline__ void gdn_prepare_tc_body(
@@ -672,7 +668,11 @@ __device__ __forceinline__ void gdn_prepare_tc_body(
     const long long t0 = (long long)b * T_len + (long long)c * GDN_CHUNK;
     const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
     const long long base = ((long long)b * heads + h) * gridDim.x + c;
-    const int KS = K + 8, VS = V + 8, AP = GDN_CHUNK + 1, TS = GDN_CHUNK + 8;
+    // A's and T's rows GDN_CHUNK + 4 floats apart (version 4.2; + 1 before): the tf32 fragment
+    // loads of A (row g, column q of a lane) fall in bank 4 g + q, all 32 distinct, and T's
+    // (row q, column g) at most 2-way; rows an even number of floats apart let T's conversion
+    // to bf16 read float2.
+    const int KS = K + 8, VS = V + 8, AP = GDN_CHUNK + 4, TS = GDN_CHUNK + 8;
     float* af = smem;                                 // [L][AP]: A, then T in bf16 ([L][TS])
     float* tf = af + GDN_CHUNK * AP;                  // [L][AP]: T
     float* gs = tf + GDN_CHUNK * AP;                  // [L]: g
@@ -719,9 +719,13 @@ __device__ __forceinline__ void gdn_prepare_tc_body(
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = r0 + gi + (e >= 2 ? 8 : 0), j = c0 + nt * 8 + 2 * ti + (e & 1);
-                af[i * AP + j] = j < i ? bs[i] * __expf(gs[i] - gs[j]) * acc[nt][e] : 0.f;
+            for (int half = 0; half < 2; ++half) {
+                const int i = r0 + gi + 8 * half, j = c0 + nt * 8 + 2 * ti;
+                const float beta_i = bs[i], g_i = gs[i];
+                float2 x;
+                x.x = j < i ? beta_i * __expf(g_i - gs[j]) * acc[nt][2 * half] : 0.f;
+                x.y = j + 1 < i ? beta_i * __expf(g_i - gs[j + 1]) * acc[nt][2 * half + 1] : 0.f;
+                *reinterpret_cast<float2*>(af + i * AP + j) = x;
             }
     }
     __syncthreads();
@@ -730,7 +734,8 @@ __device__ __forceinline__ void gdn_prepare_tc_body(
     // T to bf16 (over A); the right-hand sides scaled in place: beta gamma k and beta v.
     for (int e = threadIdx.x; e < GDN_CHUNK * GDN_CHUNK / 2; e += GDN_THREADS) {
         const int i = e / (GDN_CHUNK / 2), j = 2 * (e % (GDN_CHUNK / 2));
-        *reinterpret_cast<u32*>(tb + i * TS + j) = pack_bf16(tf[i * AP + j], tf[i * AP + j + 1]);
+        const float2 x = *reinterpret_cast<const float2*>(tf + i * AP + j);
+        *reinterpret_cast<u32*>(tb + i * TS + j) = pack_bf16(x.x, x.y);
     }
     for (int e = threadIdx.x; e < GDN_CHUNK * (K / 2); e += GDN_THREADS) {
         const int i = e / (K / 2), q = 2 * (e % (K / 2));

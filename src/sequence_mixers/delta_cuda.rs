@@ -148,7 +148,7 @@ pub fn entry_points() -> Vec<String> {
 /// Dynamic shared memory of the tensor-core kernels (version 3, bf16) for `shape`, bytes, in
 /// launch order, or `None` when the shape does not fit them (K a multiple of 32, V of 16; the
 /// float32 kernels run the others): the preparation's k and v (L rows of K + 8 and V + 8 bf16),
-/// A and T (L × (L + 1) floats each; T in bf16 over A later), g, β and α (L floats each); the
+/// A and T (L × (L + 4) floats each; T in bf16 over A later), g, β and α (L floats each); the
 /// state walk's ([`StateWalk::for_shape`], R rows per block) stages, each of g (L floats), its
 /// R columns of U~ (L rows of R + 4 floats) and W and k (L rows of K + 8 bf16 each), then its
 /// rows of the state (R × (K + 8) bf16) and the decayed U (L × (R + 8) bf16); the output's g
@@ -165,7 +165,7 @@ pub fn tc_shared_bytes(shape: DeltaShape, dtype: Dtype) -> Option<[u32; 3]> {
     let stage = l * 4 + l * (r + 4) * 4 + 2 * l * ks * 2;
     let state = walk.stages * stage + r * ks * 2 + l * (r + 8) * 2;
     let output = l * 4 + (2 * l * ks + l * (v + 8) + v * ks + l * (l + 8)) * 2;
-    let prepare = l * ((k + 8) + (v + 8)) * 2 + (2 * l * (l + 1) + 3 * l) * 4;
+    let prepare = l * ((k + 8) + (v + 8)) * 2 + (2 * l * (l + 4) + 3 * l) * 4;
     Some([prepare as u32, state as u32, output as u32])
 }
 
