@@ -371,7 +371,7 @@ fn based_kernels_emulated_match_the_recurrence() {
 /// float64 recurrence, with the host's shared-memory sizes
 /// (`sequence_mixers::delta_cuda::shared_bytes`), shared memory poisoned and guarded past them:
 /// partial chunks, one step, K ≠ V both ways, V not a multiple of the state pass's rows per
-/// block, odd K, K = V = 128.
+/// block, odd K, K = V = 128, and on tensor cores (bf16) every walk the host takes.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn gated_delta_kernels_emulated_match_the_recurrence() {
@@ -392,6 +392,9 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         (1, 200, 2, 32, 48),
         (2, 100, 1, 64, 32),
         (1, 300, 2, 32, 96),
+        // The whole-row walk at K = V = 64 over more chunks than its ring has stages, with a
+        // short last chunk.
+        (1, 300, 2, 64, 64),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, key_dim, value_dim)| {
@@ -404,20 +407,24 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         };
         let [prep, pass, out] = shared_bytes(shape);
         let [tp, ts, to] = tc_shared_bytes(shape, Dtype::Bf16).unwrap_or([0; 3]);
-        let groups = StateWalk::for_shape(shape).row_groups;
+        let walk = StateWalk::for_shape(shape);
+        let (groups, whole) = (walk.row_groups, u8::from(walk.whole_rows));
         format!(
-            "{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{out},{tp},{ts},{to},{groups}"
+            "{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{out},{tp},{ts},{to},{groups},{whole}"
         )
     })
     .collect();
-    // The tensor-core kernels ran where the host would take them: K = V = 64 and 128, and the
-    // three shapes above; two of them walk 32 rows a block.
+    // The tensor-core kernels ran where the host would take them: K = V = 64 (twice) and 128
+    // (the whole-row walks, one warp and two), and the three shapes above (one walks 32 rows
+    // a block in two groups of 4 warps).
     assert_eq!(
         cases.iter().filter(|c| !c.contains(",0,0,0,")).count(),
-        5,
+        6,
         "{cases:?}"
     );
-    assert_eq!(cases.iter().filter(|c| c.ends_with(",2")).count(), 2);
+    assert_eq!(cases.iter().filter(|c| c.ends_with(",1")).count(), 3);
+    assert_eq!(cases.iter().filter(|c| c.ends_with(",1,1")).count(), 2);
+    assert_eq!(cases.iter().filter(|c| c.ends_with(",2,0")).count(), 1);
     emulated_kernel_runs_clean("gdn_check", &cases);
 }
 

@@ -451,6 +451,159 @@ GDN_STATE_TC(2, 4, , 0, 0)
 GDN_STATE_TC(1, 2, _k64v64, 64, 64)
 GDN_STATE_TC(2, 4, _k128v128, 128, 128)
 
+// Kernel 2'' (gdn_state_w<WARPS>_s<STAGES>_k<K>v<V>, version 5): the state walk with each warp
+// owning 16 whole rows of the state (all K columns in its mma accumulators, C layout: row
+// g / g + 8, columns 8 nt + 2 t and + 1), WARPS warps (R = 16 WARPS rows) per block, per head
+// and batch entry. A chunk's products need no exchange between warps: the accumulators of two
+// adjacent 8-column tiles are, rounded to bf16, the A fragment of a 16-column k step (the
+// layouts of mma.sync m16n8k16's C and A agree), so
+//   Uᵀ (16 rows x L steps) = S Wᵀ          (A: S from registers, B: W's rows by ldmatrix),
+//   U = U~ - (S Wᵀ)ᵀ, decayed by exp(g_last - g_j) (C layout: row, step),
+//   S <- exp(g_last) S + U_decᵀ k          (A: U_decᵀ from registers, B: k by ldmatrix.trans),
+// and one barrier a chunk (the ring of STAGES stages of W, k, U~'s R columns and g, loaded
+// STAGES - 1 chunks ahead by every thread) where version 4 had three and two round trips
+// through shared memory. The entering state (bf16) and U (bf16) go to `states` and `u` as
+// version 4's. K and V compiled in (the grid's sizes; the host, StateWalk::for_shape, takes it
+// at K = V = 64 and 128). Dynamic shared memory: STAGES (L 2 (K + 8) 2 + L (R + 4) 4 + L 4).
+template <int WARPS, int STAGES, int K, int V>
+__device__ __forceinline__ void gdn_state_w_body(
+    const u16* __restrict__ k, const u16* __restrict__ w_in, const float* __restrict__ u_in,
+    const float* __restrict__ g_in, const float* __restrict__ initial_state, int has_initial,
+    u16* __restrict__ states, u16* __restrict__ u_out, float* __restrict__ final_state, int T_len,
+    int heads, int n_chunks) {
+    constexpr int R = 16 * WARPS, NT = 32 * WARPS, KS = K + 8, UTS = R + 4, KN = K / 8;
+    constexpr int LN = GDN_CHUNK / 8;  // 8-step tiles of a chunk
+    extern __shared__ float smem[];
+    const int r0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z;
+    const long long bh = (long long)b * heads + h;
+    const int stage_floats = GDN_CHUNK + GDN_CHUNK * UTS + GDN_CHUNK * KS;  // 2 bf16 arrays
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
+    const int rr = 16 * warp, mi = lane >> 3;
+    float acc[KN][4];
+#pragma unroll
+    for (int nt = 0; nt < KN; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = r0 + rr + gi + (e >= 2 ? 8 : 0), col = nt * 8 + 2 * ti + (e & 1);
+            acc[nt][e] = has_initial ? initial_state[(bh * V + r) * K + col] : 0.f;
+        }
+    auto stage_ptrs = [&](int st, u16*& ws, u16*& ks, float*& ut, float*& gs) {
+        gs = smem + st * stage_floats;
+        ut = gs + GDN_CHUNK;
+        ws = reinterpret_cast<u16*>(ut + GDN_CHUNK * UTS);
+        ks = ws + GDN_CHUNK * KS;
+    };
+#pragma unroll
+    for (int p = 0; p < STAGES - 1; ++p) {
+        if (p < n_chunks) {
+            u16 *ws, *ks;
+            float *ut, *gs;
+            stage_ptrs(p, ws, ks, ut, gs);
+            gdn_state_load<NT, R>(k, w_in, u_in, g_in, ws, ks, ut, gs, p, bh, b, h, r0, T_len,
+                                  heads, K, V, n_chunks);
+        }
+        cp_async_commit();
+    }
+    for (int c = 0; c < n_chunks; ++c) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // chunk c landed for every thread; chunk c - 1's stage is free
+        if (c + STAGES - 1 < n_chunks) {
+            u16 *ws, *ks;
+            float *ut, *gs;
+            stage_ptrs((c + STAGES - 1) % STAGES, ws, ks, ut, gs);
+            gdn_state_load<NT, R>(k, w_in, u_in, g_in, ws, ks, ut, gs, c + STAGES - 1, bh, b,
+                                  h, r0, T_len, heads, K, V, n_chunks);
+        }
+        cp_async_commit();
+        u16 *ws, *ks;
+        float *ut, *gs;
+        stage_ptrs(c % STAGES, ws, ks, ut, gs);
+        const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
+        const float last = gs[l - 1];
+        // The entering state in bf16: sp[nt] = (row g, row g + 8) pairs of tile nt, stored to
+        // `states` and, two tiles at a time, the A fragments of S Wᵀ.
+        u32 sp[KN][2];
+        u16* out = states + ((bh * n_chunks + c) * V + r0 + rr) * K;
+#pragma unroll
+        for (int nt = 0; nt < KN; ++nt) {
+            sp[nt][0] = pack_bf16(acc[nt][0], acc[nt][1]);
+            sp[nt][1] = pack_bf16(acc[nt][2], acc[nt][3]);
+            const int col = nt * 8 + 2 * ti;
+            *reinterpret_cast<u32*>(out + gi * K + col) = sp[nt][0];
+            *reinterpret_cast<u32*>(out + (gi + 8) * K + col) = sp[nt][1];
+        }
+        // Uᵀ = S Wᵀ: tile jt holds steps 8 jt .. 8 jt + 7 (W's rows).
+        float ua[LN][4] = {};
+#pragma unroll
+        for (int ks8 = 0; ks8 < K / 16; ++ks8) {
+            const u32 f[4] = {sp[2 * ks8][0], sp[2 * ks8][1], sp[2 * ks8 + 1][0],
+                              sp[2 * ks8 + 1][1]};
+#pragma unroll
+            for (int jt = 0; jt < LN; jt += 2) {
+                u32 bf[4];
+                ldsm_x4(bf, ws + ((mi >= 2 ? jt + 1 : jt) * 8 + (lane & 7)) * KS + ks8 * 16 +
+                                (mi & 1) * 8);
+                mma_bf16(ua[jt], f, bf[0], bf[1]);
+                mma_bf16(ua[jt + 1], f, bf[2], bf[3]);
+            }
+        }
+        // U = U~ - (S Wᵀ)ᵀ to `u` (bf16; steps past a short last chunk not written), then
+        // decayed into the A fragments of U_decᵀ k (ud[jt]: row g, row g + 8 pairs).
+        u16* uo = u_out + (bh * n_chunks + c) * GDN_CHUNK * V + r0 + rr;
+        u32 ud[LN][2];
+#pragma unroll
+        for (int jt = 0; jt < LN; ++jt) {
+            const int j = jt * 8 + 2 * ti;
+            const float d0 = j < l ? __expf(last - gs[j]) : 0.f;
+            const float d1 = j + 1 < l ? __expf(last - gs[j + 1]) : 0.f;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = gi + 8 * half;
+                const float u0 = ut[j * UTS + rr + r] - ua[jt][2 * half];
+                const float u1 = ut[(j + 1) * UTS + rr + r] - ua[jt][2 * half + 1];
+                if (j < l) uo[(long long)j * V + r] = to_bf16(u0);
+                if (j + 1 < l) uo[(long long)(j + 1) * V + r] = to_bf16(u1);
+                ud[jt][half] = pack_bf16(d0 * u0, d1 * u1);
+            }
+        }
+        // S <- exp(g_last) S + U_decᵀ k: k's rows are the k steps (ldmatrix.trans).
+        const float keep = __expf(last);
+#pragma unroll
+        for (int nt = 0; nt < KN; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][e] *= keep;
+#pragma unroll
+        for (int kb = 0; kb < GDN_CHUNK / 16; ++kb) {
+            const u32 f[4] = {ud[2 * kb][0], ud[2 * kb][1], ud[2 * kb + 1][0], ud[2 * kb + 1][1]};
+            mma_k_block<KN>(acc, f, ks, KS, kb, 0, KN);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < KN; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = r0 + rr + gi + (e >= 2 ? 8 : 0), col = nt * 8 + 2 * ti + (e & 1);
+            final_state[(bh * V + r) * K + col] = acc[nt][e];
+        }
+}
+
+// Version 5's entry points (the arguments of gdn_state_tc_r<RG>_s<STAGES>; K and V must be the
+// compiled-in sizes, which the host guarantees).
+#define GDN_STATE_W(WARPS, STAGES, KT, VT)                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                   \
+        gdn_state_w##WARPS##_s##STAGES##_k##KT##v##VT(                                         \
+            const u16* __restrict__ k, const u16* __restrict__ w_in,                           \
+            const float* __restrict__ u_in, const float* __restrict__ g_in,                    \
+            const float* __restrict__ initial_state, int has_initial, u16* __restrict__ states, \
+            u16* __restrict__ u_out, float* __restrict__ final_state, int T_len, int heads,     \
+            int K, int V, int n_chunks) {                                                      \
+        gdn_state_w_body<WARPS, STAGES, KT, VT>(k, w_in, u_in, g_in, initial_state,            \
+                                                has_initial, states, u_out, final_state, T_len, \
+                                                heads, n_chunks);                              \
+    }
+GDN_STATE_W(1, 4, 64, 64)
+GDN_STATE_W(2, 4, 128, 128)
+
 // Kernel 3' (gdn_output_tc), with K and V read from the arguments (KT = VT = 0) or compiled
 // in as constants (the entry points below).
 template <int KT, int VT>

@@ -81,31 +81,54 @@ pub const TC_ROWS: usize = 16;
 /// [`StateWalk::for_shape`]: 16 rows a block with 2 stages, 32 rows with 4.
 pub const TC_STATE_WALKS: [(usize, usize); 2] = [(1, 2), (2, 4)];
 
-/// How `gdn_state_tc_r<G>_s<S>` walks the state: `row_groups` groups of [`TC_ROWS`] rows (and
-/// [`TC_STATE_THREADS`] threads) per block, the chunks' loads `stages − 1` chunks ahead.
+/// The whole-row state walks (version 5, `gdn_state_w<W>_s<S>_k<K>v<V>`) the source
+/// instantiates, (warps, stages, K = V): one warp of 16 rows at 64 (4 blocks per head and
+/// batch entry), two at 128, 4 stages each.
+pub const TC_WHOLE_ROW_WALKS: [(usize, usize, usize); 2] = [(1, 4, 64), (2, 4, 128)];
+
+/// How the state walk runs: `row_groups` groups of [`TC_ROWS`] rows per block, the chunks'
+/// loads `stages − 1` chunks ahead; a group is 4 warps sharing the rows' K columns
+/// (`gdn_state_tc_r<G>_s<S>`, versions 3 and 4) or, with `whole_rows`, one warp holding all of
+/// them (`gdn_state_w<G>_s<S>_k<K>v<V>`, version 5: no exchange between warps within a
+/// chunk; K and V compiled in).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StateWalk {
     /// Row groups per block (1 or 2).
     pub row_groups: usize,
     /// Stages of the ring of W, k, U~ and g tiles.
     pub stages: usize,
+    /// Version 5: a row group is one warp with all K columns of its rows.
+    pub whole_rows: bool,
 }
 
 impl StateWalk {
-    /// The walk for `shape`: where V is a multiple of 32 above 64, version 4, two row groups
-    /// (32 rows, 8 warps: the W and k tiles a block loads serve twice the rows) and 4 stages;
-    /// otherwise version 3, one row group (V = 64 keeps 4 blocks per head and batch entry) and
-    /// 2 stages. Measured on an H100 at B4 H8 T16384 bf16 (kernels/TUNING-sequence-mixers.md,
-    /// "Gated delta rule state walk version 4"): the walk 8 % faster at K = V = 128, while 4
-    /// stages at 16 rows made it 11 % slower at K = V = 64.
+    /// The walk for `shape`: at K = V = 64 and 128, version 5 ([`TC_WHOLE_ROW_WALKS`]); else
+    /// where V is a multiple of 32 above 64, version 4, two row groups (32 rows, 8 warps: the
+    /// W and k tiles a block loads serve twice the rows) and 4 stages; otherwise version 3,
+    /// one row group and 2 stages. Measured on an H100 at B4 H8 T16384 bf16
+    /// (kernels/TUNING-sequence-mixers.md, "Gated delta rule state walk version 4"): version 4
+    /// 8 % faster than 3 at K = V = 128, while 4 stages at 16 rows made it 11 % slower at
+    /// K = V = 64.
     pub fn for_shape(shape: DeltaShape) -> StateWalk {
-        let v = shape.value_dim;
+        let (k, v) = (shape.key_dim, shape.value_dim);
+        if let Some(&(warps, stages, _)) = TC_WHOLE_ROW_WALKS.iter().find(|w| w.2 == k && w.2 == v)
+        {
+            return StateWalk {
+                row_groups: warps,
+                stages,
+                whole_rows: true,
+            };
+        }
         let (row_groups, stages) = if v.is_multiple_of(32) && v > 64 {
             TC_STATE_WALKS[1]
         } else {
             TC_STATE_WALKS[0]
         };
-        StateWalk { row_groups, stages }
+        StateWalk {
+            row_groups,
+            stages,
+            whole_rows: false,
+        }
     }
 
     /// Rows of the state per block.
@@ -115,12 +138,22 @@ impl StateWalk {
 
     /// Threads per block.
     pub fn threads(self) -> u32 {
-        TC_STATE_THREADS * self.row_groups as u32
+        let group = if self.whole_rows {
+            32
+        } else {
+            TC_STATE_THREADS
+        };
+        group * self.row_groups as u32
     }
 
-    /// The entry point, e.g. `gdn_state_tc_r2_s4`.
+    /// The entry point before [`dims_suffix`]'s suffix, e.g. `gdn_state_tc_r2_s4` or
+    /// `gdn_state_w2_s4` (whose entry point always has the suffix).
     pub fn entry_point(self) -> String {
-        format!("gdn_state_tc_r{}_s{}", self.row_groups, self.stages)
+        if self.whole_rows {
+            format!("gdn_state_w{}_s{}", self.row_groups, self.stages)
+        } else {
+            format!("gdn_state_tc_r{}_s{}", self.row_groups, self.stages)
+        }
     }
 }
 
@@ -134,13 +167,21 @@ const TC_STATE_WALK_DIMS: [((usize, usize), &str); 2] =
 /// `gdn_output_<t>` for `f32` and `bf16`, then the tensor-core kernels: the preparations,
 /// the state walks (any K and V, then the constant sizes') and the outputs.
 pub fn entry_points() -> Vec<String> {
-    let walk = |(row_groups, stages)| StateWalk { row_groups, stages }.entry_point();
+    let walk = |(row_groups, stages)| {
+        StateWalk {
+            row_groups,
+            stages,
+            whole_rows: false,
+        }
+        .entry_point()
+    };
     [Dtype::F32, Dtype::Bf16]
         .into_iter()
         .flat_map(|d| KERNELS.iter().map(move |k| format!("{k}_{}", d.tag())))
         .chain(DIMS_SUFFIXES.map(|x| format!("{}{x}", TC_KERNELS[0])))
         .chain(TC_STATE_WALKS.map(walk))
         .chain(TC_STATE_WALK_DIMS.map(|(w, x)| format!("{}{x}", walk(w))))
+        .chain(TC_WHOLE_ROW_WALKS.map(|(w, s, d)| format!("gdn_state_w{w}_s{s}_k{d}v{d}")))
         .chain(DIMS_SUFFIXES.map(|x| format!("{}{x}", TC_KERNELS[1])))
         .collect()
 }
@@ -150,8 +191,9 @@ pub fn entry_points() -> Vec<String> {
 /// float32 kernels run the others): the preparation's k and v (L rows of K + 8 and V + 8 bf16),
 /// A and T (L × (L + 4) floats each; T in bf16 over A later), g, β and α (L floats each); the
 /// state walk's ([`StateWalk::for_shape`], R rows per block) stages, each of g (L floats), its
-/// R columns of U~ (L rows of R + 4 floats) and W and k (L rows of K + 8 bf16 each), then its
-/// rows of the state (R × (K + 8) bf16) and the decayed U (L × (R + 8) bf16); the output's g
+/// R columns of U~ (L rows of R + 4 floats) and W and k (L rows of K + 8 bf16 each), then
+/// (versions 3 and 4, not the whole-row walk) its rows of the state (R × (K + 8) bf16) and the
+/// decayed U (L × (R + 8) bf16); the output's g
 /// (L floats) and bf16 rows: q and k L × (K + 8), U L × (V + 8), the entering state
 /// V × (K + 8), M L × (L + 8).
 pub fn tc_shared_bytes(shape: DeltaShape, dtype: Dtype) -> Option<[u32; 3]> {
@@ -163,7 +205,12 @@ pub fn tc_shared_bytes(shape: DeltaShape, dtype: Dtype) -> Option<[u32; 3]> {
     let walk = StateWalk::for_shape(shape);
     let r = walk.rows();
     let stage = l * 4 + l * (r + 4) * 4 + 2 * l * ks * 2;
-    let state = walk.stages * stage + r * ks * 2 + l * (r + 8) * 2;
+    let exchange = if walk.whole_rows {
+        0
+    } else {
+        r * ks * 2 + l * (r + 8) * 2
+    };
+    let state = walk.stages * stage + exchange;
     let output = l * 4 + (2 * l * ks + l * (v + 8) + v * ks + l * (l + 8)) * 2;
     let prepare = l * ((k + 8) + (v + 8)) * 2 + (2 * l * (l + 4) + 3 * l) * 4;
     Some([prepare as u32, state as u32, output as u32])
@@ -503,13 +550,18 @@ mod tests {
         assert!(shared_bytes(shape(MAX_DIM, MAX_DIM))
             .iter()
             .all(|&b| b <= MAX_SHARED));
-        // The tensor-core path at K = V = 128: a walk of 32 rows, four stages of 64 floats,
-        // 64 rows of 36 floats and 2 × 64 rows of 136 halves, then 32 + 64 rows; the output's
-        // 64 floats and rows.
+        // The tensor-core path at K = V = 128: the whole-row walk of 32 rows, four stages of 64
+        // floats, 64 rows of 36 floats and 2 × 64 rows of 136 halves, nothing else; the
+        // output's 64 floats and rows.
         let tc = tc_shared_bytes(shape(128, 128), Dtype::Bf16).unwrap();
         assert_eq!(
             tc[1],
-            (4 * (64 * 4 + 64 * 36 * 4 + 2 * 64 * 136 * 2) + 32 * 136 * 2 + 64 * 40 * 2) as u32
+            (4 * (64 * 4 + 64 * 36 * 4 + 2 * 64 * 136 * 2)) as u32
+        );
+        // K = 64, V = 128: version 4's walk, its state rows and decayed U after the stages.
+        assert_eq!(
+            tc_shared_bytes(shape(64, 128), Dtype::Bf16).unwrap()[1],
+            (4 * (64 * 4 + 64 * 36 * 4 + 2 * 64 * 72 * 2) + 32 * 72 * 2 + 64 * 40 * 2) as u32
         );
         // V = 64: 16 rows a block, two stages.
         assert_eq!(
@@ -545,6 +597,8 @@ mod tests {
                 "gdn_state_tc_r2_s4",
                 "gdn_state_tc_r1_s2_k64v64",
                 "gdn_state_tc_r2_s4_k128v128",
+                "gdn_state_w1_s4_k64v64",
+                "gdn_state_w2_s4_k128v128",
                 "gdn_output_tc",
                 "gdn_output_tc_k64v64",
                 "gdn_output_tc_k128v128"
@@ -563,6 +617,9 @@ mod tests {
         for ((g, s), x) in TC_STATE_WALK_DIMS {
             let d = if x == DIMS_SUFFIXES[1] { 64 } else { 128 };
             assert!(DELTA_SRC.contains(&format!("GDN_STATE_TC({g}, {s}, {x}, {d}, {d})")));
+        }
+        for (w, s, d) in TC_WHOLE_ROW_WALKS {
+            assert!(DELTA_SRC.contains(&format!("GDN_STATE_W({w}, {s}, {d}, {d})")));
         }
         // Every shape with a constant-size suffix finds its walk instantiated with it.
         for d in [64, 128] {

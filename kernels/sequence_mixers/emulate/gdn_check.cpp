@@ -7,8 +7,10 @@
 // as the host computes it (tests/kernels_emulate.rs passes
 // src/sequence_mixers/delta_cuda.rs's shared_bytes), then ",TC_PREP,TC_STATE,TC_OUT": the
 // tensor-core kernels' (tc_shared_bytes; zeros where the host would not take them), then
-// ",ROW_GROUPS": the tensor-core state walk's row groups per block (StateWalk::for_shape: 1
-// with 2 stages, 2 with 4, the two instantiated). Where they
+// ",ROW_GROUPS,WHOLE_ROWS": the tensor-core state walk's row groups per block and whether they
+// are whole-row warps (StateWalk::for_shape: version 5, gdn_state_w1_s4_k64v64 and
+// gdn_state_w2_s4_k128v128, at K = V = 64 and 128; else 1 group of 4 warps with 2 stages or 2
+// with 4). Where they
 // are given, the case runs a second time on q, k and v rounded to bf16 through gdn_prepare_tc,
 // gdn_state_tc_r1_s2 or _r2_s4 and gdn_output_tc, against the recurrence on the rounded values (bound 1e-2: W,
 // the entering states and U are rounded to bf16 inside, and O itself); at K = V = 64 and 128 the
@@ -24,9 +26,9 @@ int main(int argc, char** argv) {
     for (int arg = 1; arg < argc; ++arg) {
         int B, T, H, K, V;
         size_t prep, pass, out, tprep, tpass, tout;
-        int rg;
-        if (std::sscanf(argv[arg], "%d,%d,%d,%d,%d,%zu,%zu,%zu,%zu,%zu,%zu,%d", &B, &T, &H, &K, &V,
-                        &prep, &pass, &out, &tprep, &tpass, &tout, &rg) != 12 || (rg != 1 && rg != 2)) {
+        int rg, whole;
+        if (std::sscanf(argv[arg], "%d,%d,%d,%d,%d,%zu,%zu,%zu,%zu,%zu,%zu,%d,%d", &B, &T, &H, &K, &V,
+                        &prep, &pass, &out, &tprep, &tpass, &tout, &rg, &whole) != 13 || (rg != 1 && rg != 2)) {
             std::printf("bad case %s\n", argv[arg]);
             ++fails;
             continue;
@@ -63,8 +65,11 @@ int main(int argc, char** argv) {
                 else if (d128) gdn_prepare_tc_k128v128(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V);
                 else gdn_prepare_tc(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V);
             }, tprep / 4);
-            launch(dim3{(unsigned)(V / (GDN_TC_ROWS * rg)), (unsigned)H, (unsigned)B}, GDN_TC_THREADS * rg, [&] {
-                if (d64 && rg == 1) gdn_state_tc_r1_s2_k64v64(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
+            launch(dim3{(unsigned)(V / (GDN_TC_ROWS * rg)), (unsigned)H, (unsigned)B}, (whole ? 32 : GDN_TC_THREADS) * rg, [&] {
+                if (whole && d64 && rg == 1) gdn_state_w1_s4_k64v64(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
+                else if (whole && d128 && rg == 2) gdn_state_w2_s4_k128v128(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
+                else if (whole) { std::printf("no whole-row walk for K%d V%d with %d warps\n", K, V, rg); ++fails; }
+                else if (d64 && rg == 1) gdn_state_tc_r1_s2_k64v64(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
                 else if (d128 && rg == 2) gdn_state_tc_r2_s4_k128v128(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
                 else if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
                 else gdn_state_tc_r1_s2(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
