@@ -306,6 +306,70 @@ __device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
         cp_async4(gs + i, g_in + base * GDN_CHUNK + (i < l ? i : 0), i < l);
 }
 
+// Stage st of the state walks' ring (versions 4 and 5) from `ring` in shared memory: g [L],
+// the block's R columns of U~ [L][R + 4] (float32), then W and k [L][K + 8] (bf16).
+struct GdnStage {
+    float *gs, *ut;
+    u16 *ws, *ks;
+};
+__device__ __forceinline__ GdnStage gdn_stage(float* ring, int st, int R, int K) {
+    const int UTS = R + 4, KS = K + 8;
+    GdnStage s;
+    s.gs = ring + st * (GDN_CHUNK + GDN_CHUNK * UTS + GDN_CHUNK * KS);  // 2 bf16 arrays
+    s.ut = s.gs + GDN_CHUNK;
+    s.ws = reinterpret_cast<u16*>(s.ut + GDN_CHUNK * UTS);
+    s.ks = s.ws + GDN_CHUNK * KS;
+    return s;
+}
+
+// Chunk c's loads (gdn_state_load) into its stage of a ring of STAGES, as one commit group
+// (empty past the last chunk, so that cp_async_wait<STAGES - 2> counts the same in the tail).
+template <int NT, int R, int STAGES>
+__device__ __forceinline__ void gdn_ring_fill(float* ring, int c, const u16* __restrict__ k,
+                                              const u16* __restrict__ w_in,
+                                              const float* __restrict__ u_in,
+                                              const float* __restrict__ g_in, long long bh,
+                                              int b, int h, int r0, int T_len, int heads, int K,
+                                              int V, int n_chunks) {
+    if (c < n_chunks) {
+        const GdnStage s = gdn_stage(ring, c % STAGES, R, K);
+        gdn_state_load<NT, R>(k, w_in, u_in, g_in, s.ws, s.ks, s.ut, s.gs, c, bh, b, h, r0,
+                              T_len, heads, K, V, n_chunks);
+    }
+    cp_async_commit();
+}
+
+// The ring's first STAGES - 1 chunks' loads (gdn_ring_fill), before the walk's loop.
+template <int NT, int R, int STAGES>
+__device__ __forceinline__ void gdn_ring_start(float* ring, const u16* __restrict__ k,
+                                               const u16* __restrict__ w_in,
+                                               const float* __restrict__ u_in,
+                                               const float* __restrict__ g_in, long long bh,
+                                               int b, int h, int r0, int T_len, int heads,
+                                               int K, int V, int n_chunks) {
+#pragma unroll
+    for (int p = 0; p < STAGES - 1; ++p)
+        gdn_ring_fill<NT, R, STAGES>(ring, p, k, w_in, u_in, g_in, bh, b, h, r0, T_len, heads,
+                                     K, V, n_chunks);
+}
+
+// Chunk c's turn in the walk's loop: waits until its stage has landed for every thread (so
+// the stage chunk c - 1 used is free), issues chunk c + STAGES - 1's loads into that stage and
+// returns chunk c's.
+template <int NT, int R, int STAGES>
+__device__ __forceinline__ GdnStage gdn_ring_next(float* ring, int c, const u16* __restrict__ k,
+                                                  const u16* __restrict__ w_in,
+                                                  const float* __restrict__ u_in,
+                                                  const float* __restrict__ g_in, long long bh,
+                                                  int b, int h, int r0, int T_len, int heads,
+                                                  int K, int V, int n_chunks) {
+    cp_async_wait<STAGES - 2>();  // chunk c's group landed (later ones may be in flight)
+    __syncthreads();              // ... for every thread; chunk c - 1's stage is free
+    gdn_ring_fill<NT, R, STAGES>(ring, c + STAGES - 1, k, w_in, u_in, g_in, bh, b, h, r0, T_len,
+                                 heads, K, V, n_chunks);
+    return gdn_stage(ring, c % STAGES, R, K);
+}
+
 // Kernel 2' (gdn_state_tc_r<R>_s<STAGES>): a block of RG groups of 4 warps per R = 16 RG rows
 // of the state, head and batch entry; group rg owns rows 16 rg .. 16 rg + 15 of the block's,
 // warp w of a group a quarter of the K columns. Chunk c + STAGES - 1's loads are issued while
@@ -340,38 +404,13 @@ __device__ __forceinline__ void gdn_state_tc_body(
             const int r = r0 + rr + gi + (e >= 2 ? 8 : 0), col = n0 + nt * 8 + 2 * ti + (e & 1);
             acc[nt][e] = (nt < tiles && has_initial) ? initial_state[(bh * V + r) * K + col] : 0.f;
         }
-    auto stage_ptrs = [&](int st, u16*& ws, u16*& ks, float*& ut, float*& gs) {
-        gs = ring + st * stage_floats;
-        ut = gs + GDN_CHUNK;
-        ws = reinterpret_cast<u16*>(ut + GDN_CHUNK * UTS);
-        ks = ws + GDN_CHUNK * KS;
-    };
-    // The first STAGES - 1 chunks' loads, a commit group each (empty past the last chunk).
-#pragma unroll
-    for (int p = 0; p < STAGES - 1; ++p) {
-        if (p < n_chunks) {
-            u16 *ws, *ks;
-            float *ut, *gs;
-            stage_ptrs(p, ws, ks, ut, gs);
-            gdn_state_load<NT, R>(k, w_in, u_in, g_in, ws, ks, ut, gs, p, bh, b, h, r0, T_len,
-                                  heads, K, V, n_chunks);
-        }
-        cp_async_commit();
-    }
+    gdn_ring_start<NT, R, STAGES>(ring, k, w_in, u_in, g_in, bh, b, h, r0, T_len, heads, K, V,
+                                  n_chunks);
     for (int c = 0; c < n_chunks; ++c) {
-        cp_async_wait<STAGES - 2>();  // chunk c's group landed (later ones may be in flight)
-        __syncthreads();              // ... for every thread; chunk c - 1's stage is free
-        if (c + STAGES - 1 < n_chunks) {
-            u16 *ws, *ks;
-            float *ut, *gs;
-            stage_ptrs((c + STAGES - 1) % STAGES, ws, ks, ut, gs);
-            gdn_state_load<NT, R>(k, w_in, u_in, g_in, ws, ks, ut, gs, c + STAGES - 1, bh, b,
-                                  h, r0, T_len, heads, K, V, n_chunks);
-        }
-        cp_async_commit();
-        u16 *ws, *ks;
-        float *ut, *gs;
-        stage_ptrs(c % STAGES, ws, ks, ut, gs);
+        const GdnStage st = gdn_ring_next<NT, R, STAGES>(ring, c, k, w_in, u_in, g_in, bh, b, h,
+                                                         r0, T_len, heads, K, V, n_chunks);
+        u16 *ws = st.ws, *ks = st.ks;
+        float *ut = st.ut, *gs = st.gs;
         const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
         const float last = gs[l - 1];
         // The entering state, bf16: to `states` and to shared memory for U's product.
@@ -476,7 +515,6 @@ __device__ __forceinline__ void gdn_state_w_body(
     extern __shared__ float smem[];
     const int r0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z;
     const long long bh = (long long)b * heads + h;
-    const int stage_floats = GDN_CHUNK + GDN_CHUNK * UTS + GDN_CHUNK * KS;  // 2 bf16 arrays
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
     const int rr = 16 * warp, mi = lane >> 3;
     float acc[KN][4];
@@ -487,37 +525,13 @@ __device__ __forceinline__ void gdn_state_w_body(
             const int r = r0 + rr + gi + (e >= 2 ? 8 : 0), col = nt * 8 + 2 * ti + (e & 1);
             acc[nt][e] = has_initial ? initial_state[(bh * V + r) * K + col] : 0.f;
         }
-    auto stage_ptrs = [&](int st, u16*& ws, u16*& ks, float*& ut, float*& gs) {
-        gs = smem + st * stage_floats;
-        ut = gs + GDN_CHUNK;
-        ws = reinterpret_cast<u16*>(ut + GDN_CHUNK * UTS);
-        ks = ws + GDN_CHUNK * KS;
-    };
-#pragma unroll
-    for (int p = 0; p < STAGES - 1; ++p) {
-        if (p < n_chunks) {
-            u16 *ws, *ks;
-            float *ut, *gs;
-            stage_ptrs(p, ws, ks, ut, gs);
-            gdn_state_load<NT, R>(k, w_in, u_in, g_in, ws, ks, ut, gs, p, bh, b, h, r0, T_len,
-                                  heads, K, V, n_chunks);
-        }
-        cp_async_commit();
-    }
+    gdn_ring_start<NT, R, STAGES>(smem, k, w_in, u_in, g_in, bh, b, h, r0, T_len, heads, K, V,
+                                  n_chunks);
     for (int c = 0; c < n_chunks; ++c) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // chunk c landed for every thread; chunk c - 1's stage is free
-        if (c + STAGES - 1 < n_chunks) {
-            u16 *ws, *ks;
-            float *ut, *gs;
-            stage_ptrs((c + STAGES - 1) % STAGES, ws, ks, ut, gs);
-            gdn_state_load<NT, R>(k, w_in, u_in, g_in, ws, ks, ut, gs, c + STAGES - 1, bh, b,
-                                  h, r0, T_len, heads, K, V, n_chunks);
-        }
-        cp_async_commit();
-        u16 *ws, *ks;
-        float *ut, *gs;
-        stage_ptrs(c % STAGES, ws, ks, ut, gs);
+        const GdnStage st = gdn_ring_next<NT, R, STAGES>(smem, c, k, w_in, u_in, g_in, bh, b, h,
+                                                         r0, T_len, heads, K, V, n_chunks);
+        u16 *ws = st.ws, *ks = st.ks;
+        float *ut = st.ut, *gs = st.gs;
         const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
         const float last = gs[l - 1];
         // The entering state in bf16: sp[nt] = (row g, row g + 8) pairs of tile nt, stored to
