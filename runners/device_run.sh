@@ -22,7 +22,7 @@
 #                                                 # the builds of other commits in
 #                                                 # .carry/mix_*/ (e.g. mix_old/), then ncu's sections (stall
 #                                                 # reasons, traffic) of each kernel at K = V =
-#                                                 # 128 for the carried one (< 5 min; TUNING-sequence-
+#                                                 # 128 for the carried one (about 1 min a build; TUNING-sequence-
 #                                                 # mixers.md, the gated delta rule's entries)
 #   bash .carry/device_run.sh mixers_grid OUTDIR [i/n]  # the sequence_mixers grid (or shard i
 #                                                 # of n) with --compare torch,fla (fla-core

@@ -369,8 +369,8 @@ fn based_kernels_emulated_match_the_recurrence() {
 /// The gated delta rule's three kernels (`delta.cu`: every chunk's triangular solve, the state
 /// pass over the chunks by blocks of state rows, every chunk's output) on the CPU against the
 /// float64 recurrence, with the host's shared-memory sizes
-/// (`sequence_mixers::delta_cuda::shared_bytes`), shared memory poisoned and guarded past them:
-/// partial chunks, one step, K ≠ V both ways, V not a multiple of the state pass's rows per
+/// (`sequence_mixers::delta_cuda::shared_bytes` and `tc_shared_bytes`), shared memory
+/// poisoned and guarded past them: partial chunks, one step, K ≠ V both ways, V not a multiple of the state pass's rows per
 /// block, odd K, K = V = 128, and on tensor cores (bf16) every walk the host takes.
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
@@ -392,9 +392,10 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         (1, 200, 2, 32, 48),
         (2, 100, 1, 64, 32),
         (1, 300, 2, 32, 96),
-        // The whole-row walk at K = V = 64 over more chunks than its ring has stages, with a
-        // short last chunk.
+        // The whole-row walks over more chunks than their ring has stages, with a short last
+        // chunk: one warp a block at K = V = 64, two at 128 (one barrier a chunk between them).
         (1, 300, 2, 64, 64),
+        (1, 300, 1, 128, 128),
     ]
     .iter()
     .map(|&(batch, seq_len, heads, key_dim, value_dim)| {
@@ -414,15 +415,15 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         )
     })
     .collect();
-    // The tensor-core kernels ran where the host would take them: K = V = 64 (twice) and 128
-    // (the whole-row walks, one warp and two), and the three shapes above (one walks 32 rows
-    // a block in two groups of 4 warps).
+    // The tensor-core kernels ran where the host would take them: K = V = 64 and 128, twice
+    // each (the whole-row walks, one warp and two), and the three shapes above (one walks 32
+    // rows a block in two groups of 4 warps).
     assert_eq!(
         cases.iter().filter(|c| !c.contains(",0,0,0,")).count(),
-        6,
+        7,
         "{cases:?}"
     );
-    assert_eq!(cases.iter().filter(|c| c.ends_with(",1")).count(), 3);
+    assert_eq!(cases.iter().filter(|c| c.ends_with(",1")).count(), 4);
     assert_eq!(cases.iter().filter(|c| c.ends_with(",1,1")).count(), 2);
     assert_eq!(cases.iter().filter(|c| c.ends_with(",2,0")).count(), 1);
     emulated_kernel_runs_clean("gdn_check", &cases);

@@ -1,6 +1,6 @@
 // The gated delta rule forward (Gated DeltaNet; Yang, Kautz and Hatamizadeh, 2024, "Gated
 // Delta Networks: Improving Mamba2 with Delta Rule"). Two paths, chosen by the host
-// (src/sequence_mixers/delta_cuda.rs, `tc_shared_bytes`): version 3 (3.1 to 4) for bf16 with K a
+// (src/sequence_mixers/delta_cuda.rs, `tc_shared_bytes`): version 3 (3.1 to 5) for bf16 with K a
 // multiple of 32 and V of 16, on tensor cores (kernels 1'-3', described before their code below); every
 // other case version 2, on CUDA cores in float32, described here: the
 // chunked WY form of src/sequence_mixers/chunked.rs (its docstring derives it; Yang et al.,
@@ -262,6 +262,9 @@ GDN_ENTRIES(bf16, u16)
 //     memory; U = U~ - W S^T (16 steps per warp) to `u` (bf16, for the output kernel) and,
 //     decayed by exp(g_last - g_j), to shared memory; then S <- exp(g_last) S + U_decᵀ k.
 //     The float32 state after the last chunk is the final state.
+// 2''. gdn_state_w<WARPS>_s<STAGES>_k<K>v<V> (version 5, at K = V = 64 and 128 instead of 2'):
+//     the same walk with each warp holding 16 whole rows (all K columns), no exchange between
+//     warps within a chunk (described before its code below).
 // 3'. gdn_output_tc: SSD's chunk scan (ssd.cu, kernel B) with C = q, B = k, x = U, no dt and
 //     no D: M = (Q Kᵀ) masked to j <= i < l and scaled by exp(g_i - g_j) into shared memory as
 //     bf16, then O = M U + exp(g_i) Q S_inᵀ, each of the 8 warps 16 rows and half of the V
@@ -270,7 +273,7 @@ GDN_ENTRIES(bf16, u16)
 // this path: W [B, H, n_chunks, L, K] and U [B, H, n_chunks, L, V] bf16, U~ and g float32 as
 // above, states [B, H, n_chunks, V, K] bf16. Dynamic shared memory, bytes (the host computes
 // it), R = GDN_TC_ROWS RG: state STAGES (L 2 (K + 8) 2 + L (R + 4) 4 + L 4) + R (K + 8) 2 +
-// L (R + 8) 2;
+// L (R + 8) 2 (version 5: the stages alone);
 // output L 4 + (2 L (K + 8) + L (V + 8) + V (K + 8) + L (L + 8)) 2.
 // A row group of the state walk: GDN_TC_ROWS rows of the state, GDN_TC_THREADS threads.
 #define GDN_TC_THREADS 128
@@ -376,14 +379,13 @@ __device__ __forceinline__ GdnStage gdn_ring_next(float* ring, int c, const u16*
 // chunk c is worked on (a ring of STAGES stages). Version 3 is RG = 1 with 2 stages; version 4
 // (where V allows: the host's StateWalk, src/sequence_mixers/delta_cuda.rs) RG = 2, so the
 // block's W and k tiles serve 32 rows, and 4 stages.
-template <int RG, int STAGES, int KT, int VT>
+template <int RG, int STAGES>
 __device__ __forceinline__ void gdn_state_tc_body(
     const u16* __restrict__ k, const u16* __restrict__ w_in, const float* __restrict__ u_in,
     const float* __restrict__ g_in, const float* __restrict__ initial_state, int has_initial,
     u16* __restrict__ states, u16* __restrict__ u_out, float* __restrict__ final_state, int T_len,
-    int heads, int K_arg, int V_arg, int n_chunks) {
+    int heads, int K, int V, int n_chunks) {
     constexpr int R = GDN_TC_ROWS * RG, NT = GDN_TC_THREADS * RG;
-    const int K = KT > 0 ? KT : K_arg, V = VT > 0 ? VT : V_arg;
     extern __shared__ float smem[];
     const int r0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z;
     const long long bh = (long long)b * heads + h;
@@ -470,25 +472,21 @@ __device__ __forceinline__ void gdn_state_tc_body(
         }
 }
 
-// The state walk's entry points: rows per block and stages (gdn_state_tc_body), K and V read
-// from the arguments (KT = VT = 0) or compiled in (suffixes _k64v64 and _k128v128, version 4.1,
-// as the output kernel's below); the host picks (src/sequence_mixers/delta_cuda.rs, StateWalk).
-#define GDN_STATE_TC(RG, STAGES, SUFFIX, KT, VT)                                               \
+// The state walk's entry points (versions 3 and 4): rows per block and stages
+// (gdn_state_tc_body); the host picks (src/sequence_mixers/delta_cuda.rs, StateWalk).
+#define GDN_STATE_TC(RG, STAGES)                                                               \
     extern "C" __global__ void __launch_bounds__(GDN_TC_THREADS * RG)                          \
-        gdn_state_tc_r##RG##_s##STAGES##SUFFIX(                                                \
+        gdn_state_tc_r##RG##_s##STAGES(                                                        \
             const u16* __restrict__ k, const u16* __restrict__ w_in,                           \
             const float* __restrict__ u_in, const float* __restrict__ g_in,                    \
             const float* __restrict__ initial_state, int has_initial, u16* __restrict__ states, \
             u16* __restrict__ u_out, float* __restrict__ final_state, int T_len, int heads,     \
             int K, int V, int n_chunks) {                                                      \
-        gdn_state_tc_body<RG, STAGES, KT, VT>(k, w_in, u_in, g_in, initial_state, has_initial, \
-                                              states, u_out, final_state, T_len, heads, K, V,  \
-                                              n_chunks);                                       \
+        gdn_state_tc_body<RG, STAGES>(k, w_in, u_in, g_in, initial_state, has_initial, states, \
+                                      u_out, final_state, T_len, heads, K, V, n_chunks);       \
     }
-GDN_STATE_TC(1, 2, , 0, 0)
-GDN_STATE_TC(2, 4, , 0, 0)
-GDN_STATE_TC(1, 2, _k64v64, 64, 64)
-GDN_STATE_TC(2, 4, _k128v128, 128, 128)
+GDN_STATE_TC(1, 2)
+GDN_STATE_TC(2, 4)
 
 // Kernel 2'' (gdn_state_w<WARPS>_s<STAGES>_k<K>v<V>, version 5): the state walk with each warp
 // owning 16 whole rows of the state (all K columns in its mma accumulators, C layout: row
@@ -575,8 +573,14 @@ __device__ __forceinline__ void gdn_state_w_body(
                 const int r = gi + 8 * half;
                 const float u0 = ut[j * UTS + rr + r] - ua[jt][2 * half];
                 const float u1 = ut[(j + 1) * UTS + rr + r] - ua[jt][2 * half + 1];
-                if (j < l) uo[(long long)j * V + r] = to_bf16(u0);
-                if (j + 1 < l) uo[(long long)(j + 1) * V + r] = to_bf16(u1);
+                // To `u` in pairs of rows (u32 stores): lanes of rows r and r ^ 1 (4 lanes
+                // apart) trade, the even row's lane storing step j, the odd row's step j + 1.
+                const bool odd = gi & 1;
+                const float got = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 4);
+                const int js = odd ? j + 1 : j;
+                if (js < l)
+                    *reinterpret_cast<u32*>(uo + (long long)js * V + (odd ? r - 1 : r)) =
+                        odd ? pack_bf16(got, u1) : pack_bf16(u0, got);
                 ud[jt][half] = pack_bf16(d0 * u0, d1 * u1);
             }
         }

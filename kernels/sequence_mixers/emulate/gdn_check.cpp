@@ -57,8 +57,9 @@ int main(int argc, char** argv) {
             for (size_t i = 0; i < k.size(); ++i) { kb[i] = to_bf16(k[i]); k[i] = ld(kb.data(), i); }
             for (size_t i = 0; i < v.size(); ++i) { vb[i] = to_bf16(v[i]); v[i] = ld(vb.data(), i); }
             std::vector<u16> w16((size_t)B*H*nc*L*K, 0xffff), u16v((size_t)B*H*nc*L*V, 0xffff), st16((size_t)B*H*nc*V*K, 0xffff);
-            // The kernels the host picks (delta_cuda.rs, dims_suffix): K and V as constants at
-            // 64 and 128 (with the walk StateWalk::for_shape takes there), else the arguments.
+            // The kernels the host picks (delta_cuda.rs, dims_suffix and StateWalk::for_shape):
+            // K and V as constants at 64 and 128 (the walk there version 5's), else the
+            // arguments.
             const bool d64 = K == 64 && V == 64, d128 = K == 128 && V == 128;
             launch(chunks, GDN_THREADS, [&] {
                 if (d64) gdn_prepare_tc_k64v64(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V);
@@ -69,8 +70,6 @@ int main(int argc, char** argv) {
                 if (whole && d64 && rg == 1) gdn_state_w1_s4_k64v64(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
                 else if (whole && d128 && rg == 2) gdn_state_w2_s4_k128v128(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
                 else if (whole) { std::printf("no whole-row walk for K%d V%d with %d warps\n", K, V, rg); ++fails; }
-                else if (d64 && rg == 1) gdn_state_tc_r1_s2_k64v64(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
-                else if (d128 && rg == 2) gdn_state_tc_r2_s4_k128v128(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
                 else if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
                 else gdn_state_tc_r1_s2(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
             }, tpass / 4);
