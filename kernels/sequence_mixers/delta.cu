@@ -1,8 +1,8 @@
 // The gated delta rule forward (Gated DeltaNet; Yang, Kautz and Hatamizadeh, 2024, "Gated
 // Delta Networks: Improving Mamba2 with Delta Rule"). Two paths, chosen by the host
-// (src/sequence_mixers/delta_cuda.rs, `tc_shared_bytes`): version 3 (3.1 to 5) for bf16 with K a
-// multiple of 32 and V of 16, on tensor cores (kernels 1'-3', described before their code below); every
-// other case version 2, on CUDA cores in float32, described here: the
+// (src/sequence_mixers/delta_cuda.rs, `tc_shared_bytes`): version 3 (3.1 to 5) for bf16 with
+// K a multiple of 32 and V of 16, on tensor cores (kernels 1'-3', described before their code
+// below); every other case version 2, on CUDA cores in float32, described here: the
 // chunked WY form of src/sequence_mixers/chunked.rs (its docstring derives it; Yang et al.,
 // 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", section
 // 3) in three kernels, so that only the state walks the chunks in order. Per chunk of l steps
@@ -279,8 +279,8 @@ GDN_ENTRIES(bf16, u16)
 #define GDN_TC_THREADS 128
 #define GDN_TC_ROWS 16
 
-// The loads of chunk c into one stage of gdn_state_tc_r<RG>_s<STAGES>'s ring (NT threads): W and k rows, the
-// block's R columns of U~ from r0, g; zeros past a short last chunk.
+// The loads of chunk c into one stage of a state walk's ring (NT threads; gdn_ring_fill): W
+// and k rows, the block's R columns of U~ from r0, g; zeros past a short last chunk.
 template <int NT, int R>
 __device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
                                                const u16* __restrict__ w_in,
@@ -307,6 +307,36 @@ __device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
     }
     for (int i = threadIdx.x; i < GDN_CHUNK; i += NT)
         cp_async4(gs + i, g_in + base * GDN_CHUNK + (i < l ? i : 0), i < l);
+}
+
+// A warp's NT tiles of 8 state columns from n0 (the first `tiles` of them) for its 16 rows
+// from row (mma C layout: row g / g + 8, columns 8 nt + 2 t and + 1), of a state [V][K]
+// (float32, from `s`, value-major): read into acc, zeros where has_initial is 0 or past
+// `tiles` (gdn_state_frags_load), or written from acc (gdn_state_frags_store).
+template <int NT>
+__device__ __forceinline__ void gdn_state_frags_load(float (*acc)[4], const float* s,
+                                                     int has_initial, int row, int n0, int tiles,
+                                                     int K) {
+    const int gi = (threadIdx.x % 32) / 4, ti = threadIdx.x % 4;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = row + gi + (e >= 2 ? 8 : 0), col = n0 + nt * 8 + 2 * ti + (e & 1);
+            acc[nt][e] = (nt < tiles && has_initial) ? s[(long long)r * K + col] : 0.f;
+        }
+}
+template <int NT>
+__device__ __forceinline__ void gdn_state_frags_store(float (*acc)[4], float* s, int row, int n0,
+                                                      int tiles, int K) {
+    const int gi = (threadIdx.x % 32) / 4, ti = threadIdx.x % 4;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = row + gi + (e >= 2 ? 8 : 0), col = n0 + nt * 8 + 2 * ti + (e & 1);
+            if (nt < tiles) s[(long long)r * K + col] = acc[nt][e];
+        }
 }
 
 // Stage st of the state walks' ring (versions 4 and 5) from `ring` in shared memory: g [L],
@@ -399,13 +429,7 @@ __device__ __forceinline__ void gdn_state_tc_body(
     const int rg = warp / 4, wq = warp % 4, rr = 16 * rg;  // the warp's rows in the block
     const int tiles = K / 32, n0 = wq * (K / 4);
     float acc[4][4];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int r = r0 + rr + gi + (e >= 2 ? 8 : 0), col = n0 + nt * 8 + 2 * ti + (e & 1);
-            acc[nt][e] = (nt < tiles && has_initial) ? initial_state[(bh * V + r) * K + col] : 0.f;
-        }
+    gdn_state_frags_load<4>(acc, initial_state + bh * V * K, has_initial, r0 + rr, n0, tiles, K);
     gdn_ring_start<NT, R, STAGES>(ring, k, w_in, u_in, g_in, bh, b, h, r0, T_len, heads, K, V,
                                   n_chunks);
     for (int c = 0; c < n_chunks; ++c) {
@@ -463,13 +487,7 @@ __device__ __forceinline__ void gdn_state_tc_body(
             mma_k_block<4>(acc, af, ks, KS, kb, n0, tiles);
         }
     }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int r = r0 + rr + gi + (e >= 2 ? 8 : 0), col = n0 + nt * 8 + 2 * ti + (e & 1);
-            if (nt < tiles) final_state[(bh * V + r) * K + col] = acc[nt][e];
-        }
+    gdn_state_frags_store<4>(acc, final_state + bh * V * K, r0 + rr, n0, tiles, K);
 }
 
 // The state walk's entry points (versions 3 and 4): rows per block and stages
@@ -516,13 +534,7 @@ __device__ __forceinline__ void gdn_state_w_body(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
     const int rr = 16 * warp, mi = lane >> 3;
     float acc[KN][4];
-#pragma unroll
-    for (int nt = 0; nt < KN; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int r = r0 + rr + gi + (e >= 2 ? 8 : 0), col = nt * 8 + 2 * ti + (e & 1);
-            acc[nt][e] = has_initial ? initial_state[(bh * V + r) * K + col] : 0.f;
-        }
+    gdn_state_frags_load<KN>(acc, initial_state + bh * V * K, has_initial, r0 + rr, 0, KN, K);
     gdn_ring_start<NT, R, STAGES>(smem, k, w_in, u_in, g_in, bh, b, h, r0, T_len, heads, K, V,
                                   n_chunks);
     for (int c = 0; c < n_chunks; ++c) {
@@ -596,13 +608,7 @@ __device__ __forceinline__ void gdn_state_w_body(
             mma_k_block<KN>(acc, f, ks, KS, kb, 0, KN);
         }
     }
-#pragma unroll
-    for (int nt = 0; nt < KN; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int r = r0 + rr + gi + (e >= 2 ? 8 : 0), col = nt * 8 + 2 * ti + (e & 1);
-            final_state[(bh * V + r) * K + col] = acc[nt][e];
-        }
+    gdn_state_frags_store<KN>(acc, final_state + bh * V * K, r0 + rr, 0, KN, K);
 }
 
 // Version 5's entry points (the arguments of gdn_state_tc_r<RG>_s<STAGES>; K and V must be the
@@ -725,7 +731,8 @@ GDN_OUTPUT_TC(_k64v64, 64, 64)
 GDN_OUTPUT_TC(_k128v128, 128, 128)
 
 // T = (I + A)⁻¹ for a strictly lower triangular A [GDN_CHUNK][ap] (float32, shared memory;
-// ap even, t 8-byte aligned: pairs of T are stored as float2) into t [GDN_CHUNK][ap], by blocks of 16 rows (as flash-linear-attention's solve does): first
+// ap even, t 8-byte aligned: pairs of T are stored as float2) into t [GDN_CHUNK][ap], by
+// blocks of 16 rows (as flash-linear-attention's solve does): first
 // the four diagonal blocks by forward substitution, each column by 4 lanes (a chain of 16 rows,
 // not 64); then the blocks below the diagonal, one block row at a time,
 // T_bi,bj = -T_bi,bi sum_{bj <= k < bi} A_bi,k T_k,bj (from (I + A) T = I, block row bi),
