@@ -61,8 +61,8 @@ const DIMS_SUFFIXES: [&str; 3] = ["", "_k64v64", "_k128v128"];
 
 /// The suffix of the tensor-core kernels `shape` runs: `_k64v64` or `_k128v128` where K and V
 /// are those sizes (compiled in as constants: the index arithmetic folds, the loops unroll;
-/// the output since version 3.2, the preparation and the state walk since 4.1), "" (K and V
-/// read from the arguments) otherwise.
+/// the output since version 3.2, the preparation since 4.1, the state walk's version 5 only
+/// at these sizes), "" (K and V read from the arguments) otherwise.
 pub fn dims_suffix(shape: DeltaShape) -> &'static str {
     match (shape.key_dim, shape.value_dim) {
         (64, 64) => DIMS_SUFFIXES[1],
