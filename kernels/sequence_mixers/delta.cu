@@ -253,13 +253,14 @@ GDN_ENTRIES(bf16, u16)
 
 // Version 3 for bf16 (tensor cores: mma.sync m16n8k16, bf16 operands, float32 accumulation;
 // the operands by cp.async and ldmatrix, prelude.cuh's tile helpers): 1'. gdn_prepare_tc
-// (below: the chunk's products and its inverse on tensor cores, W as bf16); then
+// (below: the chunk's products and its inverse on tensor cores, W and U~ as bf16); then
 // 2'. gdn_state_tc_r<RG>_s<STAGES>: a block of RG groups of 4 warps, each group GDN_TC_ROWS
 //     rows of the state (value indices), per head and batch entry, holds its rows in the warps'
 //     mma accumulators (float32; a warp owns a quarter of the K columns of its group's rows) and
 //     walks the chunks in order, their W, k, U~ columns and g brought STAGES - 1 chunks ahead
 //     (version 4; version 3 was RG = 1 and 2 stages): the entering state to `states` (bf16) and to shared
-//     memory; U = U~ - W S^T (16 steps per warp) to `u` (bf16, for the output kernel) and,
+//     memory; U = U~ - W S^T (16 steps per warp) over U~ in `u` (bf16, for the output
+//     kernel; a block reads and writes only its own columns, a chunk's U~ before its U) and,
 //     decayed by exp(g_last - g_j), to shared memory; then S <- exp(g_last) S + U_decᵀ k.
 //     The float32 state after the last chunk is the final state.
 // 2''. gdn_state_w<WARPS>_s<STAGES>_k<K>v<V> (version 5, at K = V = 64 and 128 instead of 2'):
@@ -270,9 +271,10 @@ GDN_ENTRIES(bf16, u16)
 //     bf16, then O = M U + exp(g_i) Q S_inᵀ, each of the 8 warps 16 rows and half of the V
 //     columns.
 // Needs K a multiple of 32 and V of 16, both at most GDN_MAX_DIM (the host checks). Scratch of
-// this path: W [B, H, n_chunks, L, K] and U [B, H, n_chunks, L, V] bf16, U~ and g float32 as
-// above, states [B, H, n_chunks, V, K] bf16. Dynamic shared memory, bytes (the host computes
-// it), R = GDN_TC_ROWS RG: state STAGES (L 2 (K + 8) 2 + L (R + 4) 4 + L 4) + R (K + 8) 2 +
+// this path: W [B, H, n_chunks, L, K] and U~, then U [B, H, n_chunks, L, V] bf16 (version 6;
+// U~ was float32 in a buffer of its own before), g float32 as above, states
+// [B, H, n_chunks, V, K] bf16. Dynamic shared memory, bytes (the host computes it),
+// R = GDN_TC_ROWS RG: state STAGES (L 2 (K + 8) 2 + L (R + 8) 2 + L 4) + R (K + 8) 2 +
 // L (R + 8) 2 (version 5: the stages alone);
 // output L 4 + (2 L (K + 8) + L (V + 8) + V (K + 8) + L (L + 8)) 2.
 // A row group of the state walk: GDN_TC_ROWS rows of the state, GDN_TC_THREADS threads.
@@ -280,16 +282,15 @@ GDN_ENTRIES(bf16, u16)
 #define GDN_TC_ROWS 16
 
 // The loads of chunk c into one stage of a state walk's ring (NT threads; gdn_ring_fill): W
-// and k rows, the block's R columns of U~ from r0, g; zeros past a short last chunk.
+// and k rows, the block's R columns of U~ (bf16) from r0, g; zeros past a short last chunk.
 template <int NT, int R>
 __device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
-                                               const u16* __restrict__ w_in,
-                                               const float* __restrict__ u_in,
+                                               const u16* __restrict__ w_in, const u16* u_in,
                                                const float* __restrict__ g_in, u16* ws, u16* ks,
-                                               float* ut, float* gs, int c, long long bh, int b,
+                                               u16* ut, float* gs, int c, long long bh, int b,
                                                int h, int r0, int T_len, int heads, int K, int V,
                                                int n_chunks) {
-    const int KS = K + 8, UTS = R + 4;
+    const int KS = K + 8, UTS = R + 8;
     const long long t0 = (long long)b * T_len + (long long)c * GDN_CHUNK;
     const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
     const long long base = bh * n_chunks + c;
@@ -300,8 +301,8 @@ __device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
         cp_async16(ws + i * KS + q, w_in + (base * GDN_CHUNK + (ok ? i : 0)) * K + q, ok);
         cp_async16(ks + i * KS + q, k + ((t0 + (ok ? i : 0)) * heads + h) * K + q, ok);
     }
-    for (int e = threadIdx.x; e < GDN_CHUNK * (R / 4); e += NT) {
-        const int i = e / (R / 4), q = (e % (R / 4)) * 4;
+    for (int e = threadIdx.x; e < GDN_CHUNK * (R / 8); e += NT) {
+        const int i = e / (R / 8), q = (e % (R / 8)) * 8;
         const bool ok = i < l;
         cp_async16(ut + i * UTS + q, u_in + (base * GDN_CHUNK + (ok ? i : 0)) * V + r0 + q, ok);
     }
@@ -339,19 +340,21 @@ __device__ __forceinline__ void gdn_state_frags_store(float (*acc)[4], float* s,
         }
 }
 
-// Stage st of the state walks' ring (versions 4 and 5) from `ring` in shared memory: g [L],
-// the block's R columns of U~ [L][R + 4] (float32), then W and k [L][K + 8] (bf16).
+// Stage st of the state walks' ring (versions 4 and 5) from `ring` in shared memory: g [L]
+// (float32), then the block's R columns of U~ [L][R + 8], W and k [L][K + 8] (bf16).
 struct GdnStage {
-    float *gs, *ut;
-    u16 *ws, *ks;
+    float* gs;
+    u16 *ut, *ws, *ks;
 };
+__device__ __forceinline__ int gdn_stage_floats(int R, int K) {
+    return GDN_CHUNK + GDN_CHUNK * (R + 8) / 2 + GDN_CHUNK * (K + 8);  // 3 bf16 arrays
+}
 __device__ __forceinline__ GdnStage gdn_stage(float* ring, int st, int R, int K) {
-    const int UTS = R + 4, KS = K + 8;
     GdnStage s;
-    s.gs = ring + st * (GDN_CHUNK + GDN_CHUNK * UTS + GDN_CHUNK * KS);  // 2 bf16 arrays
-    s.ut = s.gs + GDN_CHUNK;
-    s.ws = reinterpret_cast<u16*>(s.ut + GDN_CHUNK * UTS);
-    s.ks = s.ws + GDN_CHUNK * KS;
+    s.gs = ring + st * gdn_stage_floats(R, K);
+    s.ut = reinterpret_cast<u16*>(s.gs + GDN_CHUNK);
+    s.ws = s.ut + GDN_CHUNK * (R + 8);
+    s.ks = s.ws + GDN_CHUNK * (K + 8);
     return s;
 }
 
@@ -360,7 +363,7 @@ __device__ __forceinline__ GdnStage gdn_stage(float* ring, int st, int R, int K)
 template <int NT, int R, int STAGES>
 __device__ __forceinline__ void gdn_ring_fill(float* ring, int c, const u16* __restrict__ k,
                                               const u16* __restrict__ w_in,
-                                              const float* __restrict__ u_in,
+                                              const u16* u_in,
                                               const float* __restrict__ g_in, long long bh,
                                               int b, int h, int r0, int T_len, int heads, int K,
                                               int V, int n_chunks) {
@@ -376,7 +379,7 @@ __device__ __forceinline__ void gdn_ring_fill(float* ring, int c, const u16* __r
 template <int NT, int R, int STAGES>
 __device__ __forceinline__ void gdn_ring_start(float* ring, const u16* __restrict__ k,
                                                const u16* __restrict__ w_in,
-                                               const float* __restrict__ u_in,
+                                               const u16* u_in,
                                                const float* __restrict__ g_in, long long bh,
                                                int b, int h, int r0, int T_len, int heads,
                                                int K, int V, int n_chunks) {
@@ -392,7 +395,7 @@ __device__ __forceinline__ void gdn_ring_start(float* ring, const u16* __restric
 template <int NT, int R, int STAGES>
 __device__ __forceinline__ GdnStage gdn_ring_next(float* ring, int c, const u16* __restrict__ k,
                                                   const u16* __restrict__ w_in,
-                                                  const float* __restrict__ u_in,
+                                                  const u16* u_in,
                                                   const float* __restrict__ g_in, long long bh,
                                                   int b, int h, int r0, int T_len, int heads,
                                                   int K, int V, int n_chunks) {
@@ -411,32 +414,31 @@ __device__ __forceinline__ GdnStage gdn_ring_next(float* ring, int c, const u16*
 // block's W and k tiles serve 32 rows, and 4 stages.
 template <int RG, int STAGES>
 __device__ __forceinline__ void gdn_state_tc_body(
-    const u16* __restrict__ k, const u16* __restrict__ w_in, const float* __restrict__ u_in,
+    const u16* __restrict__ k, const u16* __restrict__ w_in, u16* u,
     const float* __restrict__ g_in, const float* __restrict__ initial_state, int has_initial,
-    u16* __restrict__ states, u16* __restrict__ u_out, float* __restrict__ final_state, int T_len,
+    u16* __restrict__ states, float* __restrict__ final_state, int T_len,
     int heads, int K, int V, int n_chunks) {
     constexpr int R = GDN_TC_ROWS * RG, NT = GDN_TC_THREADS * RG;
     extern __shared__ float smem[];
     const int r0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z;
     const long long bh = (long long)b * heads + h;
-    const int KS = K + 8, UTS = R + 4, RS = R + 8;
-    // Per stage: g [L], U~ [L][UTS] (float32), W [L][KS], k [L][KS] (bf16).
-    const int stage_floats = GDN_CHUNK + GDN_CHUNK * UTS + GDN_CHUNK * KS;  // 2 bf16 arrays
+    const int KS = K + 8, UTS = R + 8, RS = R + 8;
+    // Per stage (gdn_stage): g [L] (float32), U~ [L][UTS], W [L][KS], k [L][KS] (bf16).
     float* ring = smem;
-    u16* ss = reinterpret_cast<u16*>(ring + STAGES * stage_floats);  // [R][KS]: S
+    u16* ss = reinterpret_cast<u16*>(ring + STAGES * gdn_stage_floats(R, K));  // [R][KS]: S
     u16* ud = ss + R * KS;                                           // [L][RS]: U decayed
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
     const int rg = warp / 4, wq = warp % 4, rr = 16 * rg;  // the warp's rows in the block
     const int tiles = K / 32, n0 = wq * (K / 4);
     float acc[4][4];
     gdn_state_frags_load<4>(acc, initial_state + bh * V * K, has_initial, r0 + rr, n0, tiles, K);
-    gdn_ring_start<NT, R, STAGES>(ring, k, w_in, u_in, g_in, bh, b, h, r0, T_len, heads, K, V,
+    gdn_ring_start<NT, R, STAGES>(ring, k, w_in, u, g_in, bh, b, h, r0, T_len, heads, K, V,
                                   n_chunks);
     for (int c = 0; c < n_chunks; ++c) {
-        const GdnStage st = gdn_ring_next<NT, R, STAGES>(ring, c, k, w_in, u_in, g_in, bh, b, h,
+        const GdnStage st = gdn_ring_next<NT, R, STAGES>(ring, c, k, w_in, u, g_in, bh, b, h,
                                                          r0, T_len, heads, K, V, n_chunks);
-        u16 *ws = st.ws, *ks = st.ks;
-        float *ut = st.ut, *gs = st.gs;
+        const u16 *ws = st.ws, *ks = st.ks, *ut = st.ut;
+        const float* gs = st.gs;
         const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
         const float last = gs[l - 1];
         // The entering state, bf16: to `states` and to shared memory for U's product.
@@ -459,14 +461,15 @@ __device__ __forceinline__ void gdn_state_tc_body(
             const int j0 = wq * 16;
             float ua[2][4] = {};
             mma_rows<2>(ua, ws, KS, j0, ss + rr * KS, KS, 0, K / 16);
-            u16* uo = u_out + (bh * n_chunks + c) * GDN_CHUNK * V + r0;
+            u16* uo = u + (bh * n_chunks + c) * GDN_CHUNK * V + r0;
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int j = j0 + gi + 8 * half, r = rr + nt * 8 + 2 * ti;
-                    const float u0 = ut[j * UTS + r] - ua[nt][2 * half];
-                    const float u1 = ut[j * UTS + r + 1] - ua[nt][2 * half + 1];
+                    const u32 tp = *reinterpret_cast<const u32*>(ut + j * UTS + r);
+                    const float u0 = __uint_as_float(tp << 16) - ua[nt][2 * half];
+                    const float u1 = __uint_as_float(tp & 0xffff0000u) - ua[nt][2 * half + 1];
                     if (j < l) *reinterpret_cast<u32*>(uo + (long long)j * V + r) = pack_bf16(u0, u1);
                     const float dec = j < l ? __expf(last - gs[j]) : 0.f;
                     *reinterpret_cast<u32*>(ud + j * RS + r) = pack_bf16(dec * u0, dec * u1);
@@ -496,12 +499,11 @@ __device__ __forceinline__ void gdn_state_tc_body(
     extern "C" __global__ void __launch_bounds__(GDN_TC_THREADS * RG)                          \
         gdn_state_tc_r##RG##_s##STAGES(                                                        \
             const u16* __restrict__ k, const u16* __restrict__ w_in,                           \
-            const float* __restrict__ u_in, const float* __restrict__ g_in,                    \
-            const float* __restrict__ initial_state, int has_initial, u16* __restrict__ states, \
-            u16* __restrict__ u_out, float* __restrict__ final_state, int T_len, int heads,     \
-            int K, int V, int n_chunks) {                                                      \
-        gdn_state_tc_body<RG, STAGES>(k, w_in, u_in, g_in, initial_state, has_initial, states, \
-                                      u_out, final_state, T_len, heads, K, V, n_chunks);       \
+            u16* u, const float* __restrict__ g_in, const float* __restrict__ initial_state,    \
+            int has_initial, u16* __restrict__ states, float* __restrict__ final_state,         \
+            int T_len, int heads, int K, int V, int n_chunks) {                                \
+        gdn_state_tc_body<RG, STAGES>(k, w_in, u, g_in, initial_state, has_initial, states,    \
+                                      final_state, T_len, heads, K, V, n_chunks);              \
     }
 GDN_STATE_TC(1, 2)
 GDN_STATE_TC(2, 4)
@@ -522,11 +524,11 @@ GDN_STATE_TC(2, 4)
 // at K = V = 64 and 128). Dynamic shared memory: STAGES (L 2 (K + 8) 2 + L (R + 4) 4 + L 4).
 template <int WARPS, int STAGES, int K, int V>
 __device__ __forceinline__ void gdn_state_w_body(
-    const u16* __restrict__ k, const u16* __restrict__ w_in, const float* __restrict__ u_in,
+    const u16* __restrict__ k, const u16* __restrict__ w_in, u16* u,
     const float* __restrict__ g_in, const float* __restrict__ initial_state, int has_initial,
-    u16* __restrict__ states, u16* __restrict__ u_out, float* __restrict__ final_state, int T_len,
+    u16* __restrict__ states, float* __restrict__ final_state, int T_len,
     int heads, int n_chunks) {
-    constexpr int R = 16 * WARPS, NT = 32 * WARPS, KS = K + 8, UTS = R + 4, KN = K / 8;
+    constexpr int R = 16 * WARPS, NT = 32 * WARPS, KS = K + 8, UTS = R + 8, KN = K / 8;
     constexpr int LN = GDN_CHUNK / 8;  // 8-step tiles of a chunk
     extern __shared__ float smem[];
     const int r0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z;
@@ -535,13 +537,13 @@ __device__ __forceinline__ void gdn_state_w_body(
     const int rr = 16 * warp, mi = lane >> 3;
     float acc[KN][4];
     gdn_state_frags_load<KN>(acc, initial_state + bh * V * K, has_initial, r0 + rr, 0, KN, K);
-    gdn_ring_start<NT, R, STAGES>(smem, k, w_in, u_in, g_in, bh, b, h, r0, T_len, heads, K, V,
+    gdn_ring_start<NT, R, STAGES>(smem, k, w_in, u, g_in, bh, b, h, r0, T_len, heads, K, V,
                                   n_chunks);
     for (int c = 0; c < n_chunks; ++c) {
-        const GdnStage st = gdn_ring_next<NT, R, STAGES>(smem, c, k, w_in, u_in, g_in, bh, b, h,
+        const GdnStage st = gdn_ring_next<NT, R, STAGES>(smem, c, k, w_in, u, g_in, bh, b, h,
                                                          r0, T_len, heads, K, V, n_chunks);
-        u16 *ws = st.ws, *ks = st.ks;
-        float *ut = st.ut, *gs = st.gs;
+        const u16 *ws = st.ws, *ks = st.ks, *ut = st.ut;
+        const float* gs = st.gs;
         const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
         const float last = gs[l - 1];
         // The entering state in bf16: sp[nt] = (row g, row g + 8) pairs of tile nt, stored to
@@ -573,7 +575,7 @@ __device__ __forceinline__ void gdn_state_w_body(
         }
         // U = U~ - (S Wᵀ)ᵀ to `u` (bf16; steps past a short last chunk not written), then
         // decayed into the A fragments of U_decᵀ k (ud[jt]: row g, row g + 8 pairs).
-        u16* uo = u_out + (bh * n_chunks + c) * GDN_CHUNK * V + r0 + rr;
+        u16* uo = u + (bh * n_chunks + c) * GDN_CHUNK * V + r0 + rr;
         u32 ud[LN][2];
 #pragma unroll
         for (int jt = 0; jt < LN; ++jt) {
@@ -583,8 +585,8 @@ __device__ __forceinline__ void gdn_state_w_body(
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = gi + 8 * half;
-                const float u0 = ut[j * UTS + rr + r] - ua[jt][2 * half];
-                const float u1 = ut[(j + 1) * UTS + rr + r] - ua[jt][2 * half + 1];
+                const float u0 = ld(ut, j * UTS + rr + r) - ua[jt][2 * half];
+                const float u1 = ld(ut, (j + 1) * UTS + rr + r) - ua[jt][2 * half + 1];
                 // To `u` in pairs of rows (u32 stores): lanes of rows r and r ^ 1 (4 lanes
                 // apart) trade, the even row's lane storing step j, the odd row's step j + 1.
                 const bool odd = gi & 1;
@@ -617,13 +619,11 @@ __device__ __forceinline__ void gdn_state_w_body(
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                   \
         gdn_state_w##WARPS##_s##STAGES##_k##KT##v##VT(                                         \
             const u16* __restrict__ k, const u16* __restrict__ w_in,                           \
-            const float* __restrict__ u_in, const float* __restrict__ g_in,                    \
-            const float* __restrict__ initial_state, int has_initial, u16* __restrict__ states, \
-            u16* __restrict__ u_out, float* __restrict__ final_state, int T_len, int heads,     \
-            int K, int V, int n_chunks) {                                                      \
-        gdn_state_w_body<WARPS, STAGES, KT, VT>(k, w_in, u_in, g_in, initial_state,            \
-                                                has_initial, states, u_out, final_state, T_len, \
-                                                heads, n_chunks);                              \
+            u16* u, const float* __restrict__ g_in, const float* __restrict__ initial_state,    \
+            int has_initial, u16* __restrict__ states, float* __restrict__ final_state,         \
+            int T_len, int heads, int K, int V, int n_chunks) {                                \
+        gdn_state_w_body<WARPS, STAGES, KT, VT>(k, w_in, u, g_in, initial_state, has_initial,  \
+                                                states, final_state, T_len, heads, n_chunks);  \
     }
 GDN_STATE_W(1, 4, 64, 64)
 GDN_STATE_W(2, 4, 128, 128)
@@ -802,9 +802,8 @@ __device__ __forceinline__ void gdn_unit_lower_inverse(const float* a, float* t,
 // out rows row0 + r0 .. row0 + r0 + 15 (of `width` columns; the chunk's first l rows only) =
 // rows r0 .. r0 + 15 of T (bf16 [GDN_CHUNK][ts], lower triangular: the product stops at the
 // rows' own 16-step block) times x (bf16 [GDN_CHUNK][xs]), the calling warp's half `half` of
-// the columns, on tensor cores; out is bf16 (W) or float32 (U~), stored in pairs.
-template <typename Out>
-__device__ __forceinline__ void gdn_t_times(Out* out, long long row0, const u16* tb, int ts,
+// the columns, on tensor cores; out (W or U~) is bf16, stored in pairs.
+__device__ __forceinline__ void gdn_t_times(u16* out, long long row0, const u16* tb, int ts,
                                             const u16* x, int xs, int width, int r0, int half,
                                             int l) {
     const int lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
@@ -832,13 +831,14 @@ __device__ __forceinline__ void gdn_t_times(Out* out, long long row0, const u16*
 // (gdn_unit_lower_inverse, version 3.3: its blocks below the diagonal on tf32 tensor cores;
 // version 3 ran one forward substitution down all 64 rows, 4 lanes per column); then W = T (β γ K) and
 // U~ = T (β V) on tensor cores with T and the scaled rows rounded to bf16, as
-// flash-linear-attention's chunked WY form does. W to `w` as bf16, U~ and g as float32.
+// flash-linear-attention's chunked WY form does. W to `w` and U~ to `u` as bf16 (U~ as
+// float32 before version 6), g as float32.
 // Dynamic shared memory: L ((K + 8) + (V + 8)) bf16 + 2 L (L + 4) + 3 L floats (the host
 // computes it: src/sequence_mixers/delta_cuda.rs).
 template <int KT, int VT>
 __device__ __forceinline__ void gdn_prepare_tc_body(
     const u16* __restrict__ k, const u16* __restrict__ v, const float* __restrict__ alpha,
-    const float* __restrict__ beta, u16* __restrict__ w_out, float* __restrict__ u_out,
+    const float* __restrict__ beta, u16* __restrict__ w_out, u16* __restrict__ u_out,
     float* __restrict__ g_out, int T_len, int heads, int K_arg, int V_arg) {
     extern __shared__ float smem[];
     const int K = KT > 0 ? KT : K_arg, V = VT > 0 ? VT : V_arg;
@@ -938,7 +938,7 @@ __device__ __forceinline__ void gdn_prepare_tc_body(
 #define GDN_PREPARE_TC(SUFFIX, KT, VT)                                                         \
     extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_prepare_tc##SUFFIX(         \
         const u16* __restrict__ k, const u16* __restrict__ v, const float* __restrict__ alpha, \
-        const float* __restrict__ beta, u16* __restrict__ w_out, float* __restrict__ u_out,    \
+        const float* __restrict__ beta, u16* __restrict__ w_out, u16* __restrict__ u_out,      \
         float* __restrict__ g_out, int T_len, int heads, int K, int V) {                       \
         gdn_prepare_tc_body<KT, VT>(k, v, alpha, beta, w_out, u_out, g_out, T_len, heads, K, V); \
     }

@@ -10,7 +10,8 @@
 //! ([`tc_shared_bytes`]) takes the tensor-core kernels: the products on mma.sync (bf16
 //! operands, float32 accumulation), the inverse by blocks of 16 rows (those below the diagonal
 //! on tf32 mma.sync), the state walk as [`StateWalk::for_shape`] says, all three with K and V
-//! compiled in at 64 and 128 ([`dims_suffix`]); every other case takes version 2, plain
+//! compiled in at 64 and 128 ([`dims_suffix`]), W, U~ and U in bf16 (U written over U~);
+//! every other case takes version 2, plain
 //! float32 loops over shared memory on CUDA cores.
 
 use cudarc::driver::{
@@ -196,7 +197,7 @@ pub fn entry_points() -> Vec<String> {
 /// float32 kernels run the others): the preparation's k and v (L rows of K + 8 and V + 8 bf16),
 /// A and T (L × (L + 4) floats each; T in bf16 over A later), g, β and α (L floats each); the
 /// state walk's ([`StateWalk::for_shape`], R rows per block) stages, each of g (L floats), its
-/// R columns of U~ (L rows of R + 4 floats) and W and k (L rows of K + 8 bf16 each), then
+/// R columns of U~ (L rows of R + 8 bf16) and W and k (L rows of K + 8 bf16 each), then
 /// (versions 3 and 4, not the whole-row walk) its rows of the state (R × (K + 8) bf16) and the
 /// decayed U (L × (R + 8) bf16); the output's g
 /// (L floats) and bf16 rows: q and k L × (K + 8), U L × (V + 8), the entering state
@@ -209,7 +210,7 @@ pub fn tc_shared_bytes(shape: DeltaShape, dtype: Dtype) -> Option<[u32; 3]> {
     let ks = k + 8;
     let walk = StateWalk::for_shape(shape);
     let r = walk.rows();
-    let stage = l * 4 + l * (r + 4) * 4 + 2 * l * ks * 2;
+    let stage = l * 4 + l * (r + 8) * 2 + 2 * l * ks * 2;
     let exchange = if walk.whole_rows {
         0
     } else {
@@ -271,9 +272,10 @@ pub(crate) fn check_shape(s: DeltaShape) -> Result<(), GpuError> {
 /// (float32): W `[B, H, n_chunks, L, K]`, U `[B, H, n_chunks, L, V]`, the chunks' cumulative log
 /// decays `[B, H, n_chunks, L]` and the state entering each chunk `[B, H, n_chunks, V, K]`.
 ///
-/// The tensor-core path (version 3, [`tc_shared_bytes`]) keeps W, the entering states and the
-/// final U as bf16 (`w16`, `states16`, `u16`), U~ and g as float32; the other buffers are then
-/// one-element placeholders, as are the bf16 ones on the float32 path.
+/// The tensor-core path (version 3, [`tc_shared_bytes`]) keeps W, the entering states and U~
+/// (then U, which the state walk writes over it) as bf16 (`w16`, `states16`, `u16`) and g as
+/// float32; the other buffers are then one-element placeholders, as are the bf16 ones on the
+/// float32 path.
 pub struct GatedDelta {
     shape: DeltaShape,
     dtype: Dtype,
@@ -353,7 +355,7 @@ impl GatedDelta {
             smem,
             tensor_cores: t,
             w: alloc(on(!t, w_len))?,
-            u: alloc(u_len.max(1))?,
+            u: alloc(on(!t, u_len))?,
             g: alloc(g_len.max(1))?,
             states: alloc(on(!t, state_len))?,
             w16: alloc16(on(t, w_len))?,
@@ -365,9 +367,9 @@ impl GatedDelta {
     }
 
     /// Bytes of scratch one call uses beyond its inputs and outputs: W, U, the log decays and
-    /// the chunks' entering states (float32; on the tensor-core path W, the states and the
-    /// final U in bf16 besides U~ and g in float32), every buffer allocated counted (the
-    /// other path's one-element placeholders too).
+    /// the chunks' entering states (float32; on the tensor-core path W, the states and U~,
+    /// then U over it, in bf16 and g in float32), every buffer allocated counted (the other
+    /// path's one-element placeholders too).
     pub fn temporary_bytes(&self) -> u64 {
         (self.w.len() + self.u.len() + self.g.len() + self.states.len()) as u64 * 4
             + (self.w16.len() + self.u16.len() + self.states16.len()) as u64 * 2
@@ -441,27 +443,22 @@ impl GatedDelta {
         let mut l = gpu.stream.launch_builder(&self.kernels[0]);
         l.arg(k).arg(v).arg(alpha).arg(beta);
         if tc {
-            l.arg(&mut self.w16);
+            l.arg(&mut self.w16).arg(&mut self.u16);
         } else {
-            l.arg(&mut self.w);
+            l.arg(&mut self.w).arg(&mut self.u);
         }
-        l.arg(&mut self.u)
-            .arg(&mut self.g)
-            .arg(&t_len)
-            .arg(&heads)
-            .arg(&kd)
-            .arg(&vd);
+        l.arg(&mut self.g).arg(&t_len).arg(&heads).arg(&kd).arg(&vd);
         // SAFETY: gdn_prepare_<t>(const T* k, const T* v, const float* alpha,
         // const float* beta, float* w, float* u, float* g, int T_len, int heads, int K,
-        // int V), or gdn_prepare_tc, the same with bf16 k, v (T is 2 bytes, checked above) and
-        // u16* w: blocks (chunk, head, batch entry) read their chunk's rows below T of the
+        // int V), or gdn_prepare_tc[suffix], the same with bf16 k, v (T is 2 bytes, checked
+        // above) and u16* w, u: blocks (chunk, head, batch entry) read their chunk's rows below T of the
         // checked inputs and write their chunk's slots of the scratch, which `new` sized for
         // this shape; K, V ≤ MAX_DIM and the shared memory is what `new` raised the limit to.
         unsafe { l.launch(cfg(per_chunk, THREADS, smem[0]))? };
         let mut l = gpu.stream.launch_builder(&self.kernels[1]);
         l.arg(k);
         if tc {
-            l.arg(&self.w16).arg(&self.u);
+            l.arg(&self.w16).arg(&mut self.u16);
         } else {
             l.arg(&self.w).arg(&mut self.u);
         }
@@ -469,7 +466,7 @@ impl GatedDelta {
             .arg(initial_state.unwrap_or(&self.unused))
             .arg(&has_initial);
         if tc {
-            l.arg(&mut self.states16).arg(&mut self.u16);
+            l.arg(&mut self.states16);
         } else {
             l.arg(&mut self.states);
         }
@@ -493,8 +490,8 @@ impl GatedDelta {
         // SAFETY: gdn_state_pass_<t>(const T* k, const float* w, float* u, const float* g,
         // const float* initial_state, int has_initial, float* states, float* final_state,
         // int T_len, int heads, int K, int V, int n_chunks), or gdn_state_tc_r<G>_s<S>(const u16* k,
-        // const u16* w, const float* u, const float* g, const float* initial_state,
-        // int has_initial, u16* states, u16* u_out, float* final_state, int T_len, int heads,
+        // const u16* w, u16* u (U~ in, U out), const float* g, const float* initial_state,
+        // int has_initial, u16* states, float* final_state, int T_len, int heads,
         // int K, int V, int n_chunks), or gdn_state_w<G>_s<S>_k<K>v<V> with the same arguments
         // (StateWalk::for_shape takes it only where K and V are its compiled-in sizes): blocks (⌈V / rows⌉ row blocks, head, batch entry) own
         // disjoint rows of the state, of U and of the states scratch (V a multiple of 16 and K
@@ -557,22 +554,22 @@ mod tests {
             .iter()
             .all(|&b| b <= MAX_SHARED));
         // The tensor-core path at K = V = 128: the whole-row walk of 32 rows, four stages of 64
-        // floats, 64 rows of 36 floats and 2 × 64 rows of 136 halves, nothing else; the
+        // floats, 3 × 64 rows of 40, 136 and 136 halves, nothing else; the
         // output's 64 floats and rows.
         let tc = tc_shared_bytes(shape(128, 128), Dtype::Bf16).unwrap();
         assert_eq!(
             tc[1],
-            (4 * (64 * 4 + 64 * 36 * 4 + 2 * 64 * 136 * 2)) as u32
+            (4 * (64 * 4 + 64 * 40 * 2 + 2 * 64 * 136 * 2)) as u32
         );
         // K = 64, V = 128: version 4's walk, its state rows and decayed U after the stages.
         assert_eq!(
             tc_shared_bytes(shape(64, 128), Dtype::Bf16).unwrap()[1],
-            (4 * (64 * 4 + 64 * 36 * 4 + 2 * 64 * 72 * 2) + 32 * 72 * 2 + 64 * 40 * 2) as u32
+            (4 * (64 * 4 + 64 * 40 * 2 + 2 * 64 * 72 * 2) + 32 * 72 * 2 + 64 * 40 * 2) as u32
         );
         // V = 64: 16 rows a block, two stages.
         assert_eq!(
             tc_shared_bytes(shape(128, 64), Dtype::Bf16).unwrap()[1],
-            (2 * (64 * 4 + 64 * 20 * 4 + 2 * 64 * 136 * 2) + 16 * 136 * 2 + 64 * 24 * 2) as u32
+            (2 * (64 * 4 + 64 * 24 * 2 + 2 * 64 * 136 * 2) + 16 * 136 * 2 + 64 * 24 * 2) as u32
         );
         assert_eq!(
             tc[2],

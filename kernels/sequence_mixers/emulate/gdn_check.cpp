@@ -62,16 +62,16 @@ int main(int argc, char** argv) {
             // arguments.
             const bool d64 = K == 64 && V == 64, d128 = K == 128 && V == 128;
             launch(chunks, GDN_THREADS, [&] {
-                if (d64) gdn_prepare_tc_k64v64(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V);
-                else if (d128) gdn_prepare_tc_k128v128(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V);
-                else gdn_prepare_tc(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u.data(), g.data(), T, H, K, V);
+                if (d64) gdn_prepare_tc_k64v64(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), g.data(), T, H, K, V);
+                else if (d128) gdn_prepare_tc_k128v128(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), g.data(), T, H, K, V);
+                else gdn_prepare_tc(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), g.data(), T, H, K, V);
             }, tprep / 4);
             launch(dim3{(unsigned)(V / (GDN_TC_ROWS * rg)), (unsigned)H, (unsigned)B}, (whole ? 32 : GDN_TC_THREADS) * rg, [&] {
-                if (whole && d64 && rg == 1) gdn_state_w1_s4_k64v64(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
-                else if (whole && d128 && rg == 2) gdn_state_w2_s4_k128v128(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
+                if (whole && d64 && rg == 1) gdn_state_w1_s4_k64v64(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
+                else if (whole && d128 && rg == 2) gdn_state_w2_s4_k128v128(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
                 else if (whole) { std::printf("no whole-row walk for K%d V%d with %d warps\n", K, V, rg); ++fails; }
-                else if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
-                else gdn_state_tc_r1_s2(kb.data(), w16.data(), u.data(), g.data(), init.data(), 1, st16.data(), u16v.data(), fin.data(), T, H, K, V, nc);
+                else if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
+                else gdn_state_tc_r1_s2(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
             }, tpass / 4);
             launch(chunks, GDN_THREADS, [&] {
                 if (d64) gdn_output_tc_k64v64(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
