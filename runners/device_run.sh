@@ -20,7 +20,8 @@
 #                                                 # time per kernel at T16384, for
 #                                                 # .carry/sequence_mixers and, where present,
 #                                                 # the builds of other commits in
-#                                                 # .carry/mix_*/ (e.g. mix_old/), then ncu's sections (stall
+#                                                 # .carry/mix_*/ (e.g. mix_old/; with its GPU test
+#                                                 # where gpu_sequence_mixers_test is there too), then ncu's sections (stall
 #                                                 # reasons, traffic) of each kernel at K = V =
 #                                                 # 128 for the carried one (about 1 min a build; TUNING-sequence-
 #                                                 # mixers.md, the gated delta rule's entries)
@@ -213,6 +214,11 @@ gdn)
   for label in "${labels[@]}"; do
     r=$bin/sequence_mixers; [ "$label" != carry ] && r=$here/$label/sequence_mixers
     name=gdn_$label
+    if [ "$label" != carry ] && [ -x "$here/$label/gpu_sequence_mixers_test" ]; then
+      step "gated delta gpu test ($label)" 150 "$out/$name.tests.log" \
+        "$here/$label/gpu_sequence_mixers_test" --include-ignored --test-threads 1 --nocapture \
+        gated_delta_rule_matches
+    fi
     step "gated delta rows ($r)" 90 "$out/$name.log" "$r" \
       --filter "mixer=gated_delta,dtype=bf16,pass=fwd,seq_len<=16384" --output "$out/$name.json"
     for d in 64 128; do
