@@ -730,34 +730,48 @@ GDN_OUTPUT_TC(, 0, 0)
 GDN_OUTPUT_TC(_k64v64, 64, 64)
 GDN_OUTPUT_TC(_k128v128, 128, 128)
 
-// T = (I + A)⁻¹ for a strictly lower triangular A [GDN_CHUNK][ap] (float32, shared memory;
-// ap even, t 8-byte aligned: pairs of T are stored as float2) into t [GDN_CHUNK][ap], by
-// blocks of 16 rows (as flash-linear-attention's solve does): first
-// the four diagonal blocks by forward substitution, each column by 4 lanes (a chain of 16 rows,
-// not 64); then the blocks below the diagonal, one block row at a time,
+// The four diagonal 16 x 16 blocks of T = (I + A)⁻¹ for a strictly lower triangular A
+// [GDN_CHUNK][ap] (float32, shared memory; ap a multiple of 4, a 16-byte aligned: rows are read
+// as float4) into t [GDN_CHUNK][ap], by forward substitution in registers (version 7): warp w
+// (0 or 1), half h = lane / 16, takes block 2 w + h and lane c = lane % 16 its column c,
+// t_ic = [i == c] - sum_{j < i} a_ij t_jc with t_jc = 0 for j < c, A's rows read as float4
+// broadcasts within the half-warp (version 3.3 had every thread of the block on it, 4 lanes
+// to a column, summing over shared memory with two shuffles a row). Zeros above the diagonal
+// within the block. Warps 0 and 1 call it; t's blocks are complete after the caller's next
+// barrier.
+__device__ __forceinline__ void gdn_diagonal_inverse(const float* a, float* t, int ap) {
+    const int lane = threadIdx.x % 32, c = lane % 16;
+    const int cb = 16 * (2 * (threadIdx.x / 32) + lane / 16);
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const float* row = a + (cb + i) * ap + cb;
+        // Two partial sums: half the dependent chain of additions.
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+        for (int j4 = 0; j4 < i; j4 += 4) {
+            const float4 r = *reinterpret_cast<const float4*>(row + j4);
+            s0 += r.x * x[j4];
+            if (j4 + 1 < i) s1 += r.y * x[j4 + 1];
+            if (j4 + 2 < i) s0 += r.z * x[j4 + 2];
+            if (j4 + 3 < i) s1 += r.w * x[j4 + 3];
+        }
+        x[i] = i < c ? 0.f : (i == c ? 1.f : -(s0 + s1));
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) t[(cb + i) * ap + cb + c] = x[i];
+}
+
+// The blocks of T = (I + A)⁻¹ below the diagonal (A and t as gdn_diagonal_inverse's, ap even,
+// t 8-byte aligned: pairs of T are stored as float2), once the diagonal blocks are in t, one
+// block row at a time (as flash-linear-attention's solve does),
 // T_bi,bj = -T_bi,bi sum_{bj <= k < bi} A_bi,k T_k,bj (from (I + A) T = I, block row bi),
 // both products on tensor cores in tf32 (version 3.3; 3.1 summed them element by element on
 // CUDA cores, the shared-memory traffic that bound the kernel), the sum parked in the block
-// row's own place in t. Zeros above the diagonal. Every thread of the block (GDN_THREADS = 256,
-// 8 warps) calls it; t is complete after the caller's next barrier.
-__device__ __forceinline__ void gdn_unit_lower_inverse(const float* a, float* t, int ap) {
-    {
-        const int col = threadIdx.x / 4, part = threadIdx.x % 4, cb = col & ~15;
-        for (int i = part; i < cb; i += 4) t[i * ap + col] = 0.f;
-        for (int r = 0; r < 16; ++r) {
-            const int i = cb + r;
-            float sum = 0.f;
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const int j = cb + part + 4 * m;
-                if (j >= col && j < i) sum += a[i * ap + j] * t[j * ap + col];
-            }
-            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
-            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
-            if (part == 0) t[i * ap + col] = i < col ? 0.f : (i == col ? 1.f : -sum);
-            __syncwarp();
-        }
-    }
+// row's own place in t. Blocks above the diagonal are neither written nor read. Every thread
+// of the block (GDN_THREADS = 256, 8 warps) calls it, its first barrier ordering the diagonal
+// blocks' stores before their reads; t is complete after the caller's next barrier.
+__device__ __forceinline__ void gdn_lower_blocks(const float* a, float* t, int ap) {
     // The blocks below the diagonal on tensor cores (tf32 operands, float32 accumulation:
     // finer than the bf16 that T is rounded to for W and U~). Block row bi: warp 2 bj + half
     // (bj < bi, half the 8-column half) owns columns 16 bj + 8 half .. + 7 of the block row.
@@ -828,8 +842,9 @@ __device__ __forceinline__ void gdn_t_times(u16* out, long long row0, const u16*
 // Kernel 1' (gdn_prepare_tc), a block of 8 warps per (chunk, head, batch entry): g by a warp
 // scan of the floored ln α; A = β_i exp(g_i - g_j) (k_i . k_j) (j < i) from K Kᵀ on tensor
 // cores (float32 in shared memory); T = (I + A)⁻¹ by blocks of 16 rows
-// (gdn_unit_lower_inverse, version 3.3: its blocks below the diagonal on tf32 tensor cores;
-// version 3 ran one forward substitution down all 64 rows, 4 lanes per column); then W = T (β γ K) and
+// (gdn_diagonal_inverse, in registers since version 7, then gdn_lower_blocks: version 3.3's
+// blocks below the diagonal on tf32 tensor cores; version 3 ran one forward substitution down
+// all 64 rows, 4 lanes per column); then W = T (β γ K) and
 // U~ = T (β V) on tensor cores with T and the scaled rows rounded to bf16, as
 // flash-linear-attention's chunked WY form does. W to `w` and U~ to `u` as bf16 (U~ as
 // float32 before version 6), g as float32.
@@ -907,24 +922,32 @@ __device__ __forceinline__ void gdn_prepare_tc_body(
             }
     }
     __syncthreads();
-    gdn_unit_lower_inverse(af, tf, AP);
+    if (warp < 2) {
+        gdn_diagonal_inverse(af, tf, AP);
+    } else {
+        // Meanwhile (version 7) the other 6 warps scale the right-hand sides in place (K Kᵀ
+        // is done): beta gamma k and beta v.
+        constexpr int NS = GDN_THREADS - 64;
+        for (int e = threadIdx.x - 64; e < GDN_CHUNK * (K / 2); e += NS) {
+            const int i = e / (K / 2), q = 2 * (e % (K / 2));
+            const float f = bs[i] * __expf(gs[i]);
+            u32* p = reinterpret_cast<u32*>(ks + i * KS + q);
+            *p = scale_pair(*p, f, f);
+        }
+        for (int e = threadIdx.x - 64; e < GDN_CHUNK * (V / 2); e += NS) {
+            const int i = e / (V / 2), q = 2 * (e % (V / 2));
+            u32* p = reinterpret_cast<u32*>(vs + i * VS + q);
+            *p = scale_pair(*p, bs[i], bs[i]);
+        }
+    }
+    gdn_lower_blocks(af, tf, AP);
     __syncthreads();
-    // T to bf16 (over A); the right-hand sides scaled in place: beta gamma k and beta v.
+    // T to bf16 (over A; the lower blocks only, all that W's and U~'s products read).
     for (int e = threadIdx.x; e < GDN_CHUNK * GDN_CHUNK / 2; e += GDN_THREADS) {
         const int i = e / (GDN_CHUNK / 2), j = 2 * (e % (GDN_CHUNK / 2));
+        if (j / 16 > i / 16) continue;
         const float2 x = *reinterpret_cast<const float2*>(tf + i * AP + j);
         *reinterpret_cast<u32*>(tb + i * TS + j) = pack_bf16(x.x, x.y);
-    }
-    for (int e = threadIdx.x; e < GDN_CHUNK * (K / 2); e += GDN_THREADS) {
-        const int i = e / (K / 2), q = 2 * (e % (K / 2));
-        const float f = bs[i] * __expf(gs[i]);
-        u32* p = reinterpret_cast<u32*>(ks + i * KS + q);
-        *p = scale_pair(*p, f, f);
-    }
-    for (int e = threadIdx.x; e < GDN_CHUNK * (V / 2); e += GDN_THREADS) {
-        const int i = e / (V / 2), q = 2 * (e % (V / 2));
-        u32* p = reinterpret_cast<u32*>(vs + i * VS + q);
-        *p = scale_pair(*p, bs[i], bs[i]);
     }
     __syncthreads();
     // W = T (beta gamma K) and U~ = T (beta V): warp rows r0, half of the columns.

@@ -36,6 +36,8 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 // CUDA's 8-byte vector of two floats (8-byte loads and stores) and its constructor.
 struct alignas(8) float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return {x, y}; }
+// CUDA's 16-byte vector of four floats (16-byte loads).
+struct alignas(16) float4 { float x, y, z, w; };
 dim3 threadIdx, blockIdx, gridDim, blockDim;
 // A barrier of `n` fibers: the last to arrive opens it (a new generation); every fiber that
 // arrives yields to the scheduler in `launch`, the others until the generation they wait on
