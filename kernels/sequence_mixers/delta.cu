@@ -950,9 +950,21 @@ __device__ __forceinline__ void gdn_prepare_tc_body(
         *reinterpret_cast<u32*>(tb + i * TS + j) = pack_bf16(x.x, x.y);
     }
     __syncthreads();
-    // W = T (beta gamma K) and U~ = T (beta V): warp rows r0, half of the columns.
-    gdn_t_times(w_out, base * GDN_CHUNK, tb, TS, ks, KS, K, r0, warp / 4, l);
-    gdn_t_times(u_out, base * GDN_CHUNK, tb, TS, vs, VS, V, r0, warp / 4, l);
+    // W = T (beta gamma K) and U~ = T (beta V), the same work for every warp (version 7.1):
+    // warp w takes one product (w / 4: W, then U~), half of its columns ((w / 2) % 2) and the
+    // blocks of 16 rows p = w % 2 and 3 - p, whose products over T's lower blocks take p + 1
+    // and 4 - p k steps, 5 in all (before, warp w took both products for rows 16 (w % 4):
+    // from 2 k steps for the first rows to 8 for the last).
+    {
+        const int half = (warp / 2) % 2, p = warp % 2;
+        for (int n = 0; n < 2; ++n) {
+            const int rows = 16 * (n ? 3 - p : p);
+            if (warp < 4)
+                gdn_t_times(w_out, base * GDN_CHUNK, tb, TS, ks, KS, K, rows, half, l);
+            else
+                gdn_t_times(u_out, base * GDN_CHUNK, tb, TS, vs, VS, V, rows, half, l);
+        }
+    }
     for (int i = threadIdx.x; i < l; i += GDN_THREADS) g_out[base * GDN_CHUNK + i] = gs[i];
 }
 
