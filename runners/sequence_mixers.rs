@@ -348,19 +348,17 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (q, k, v, o; α, β and states fp32)".into(),
                 rule: format!(
-                    "always (K and V up to {}): the chunked WY form in chunks of {} steps, three kernels: every chunk's triangular solve at once (W and U~), the V × K state walked from chunk to chunk {} of its rows per block, every chunk's output at once. bf16 with K a multiple of 32 and V of 16: version 3, the products on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation; K Kᵀ, W and U~ from the inverted triangular matrix, U = U~ − W Sᵀ and the state update, the output's products, the three kernels compiled for K = V = {} and {} as constants), the inverse by blocks of 16 rows (the diagonal blocks by substitution in float32, the blocks below them by tf32 mma.sync m16n8k8 with float32 accumulation), W, U and the entering states stored as bf16; at K = V = {} and {} the state walked by warps that each hold {} whole rows (all K columns in the mma accumulators, no exchange between warps within a chunk), {} and {} rows per block, tiles loaded {} and {} chunks ahead; else {} rows per block, its tiles loaded {} chunks ahead, where V is a multiple of 32 above 64, otherwise {} rows and {} chunk ahead. Otherwise version 2, float32 arithmetic on CUDA cores",
+                    "always (K and V up to {}): the chunked WY form in chunks of {} steps, three kernels: every chunk's triangular solve at once (W and U~), the V × K state walked from chunk to chunk {} of its rows per block, every chunk's output at once. bf16 with K a multiple of 32 and V of 16: version 3, the products on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation; K Kᵀ, W and U~ from the inverted triangular matrix, U = U~ − W Sᵀ and the state update, the output's products), the inverse by blocks of 16 rows (the diagonal blocks by substitution in float32 registers, the blocks below them by tf32 mma.sync m16n8k8 with float32 accumulation), W, U~, U and the entering states stored as bf16; at K = V = {} and {} two kernels, compiled for those sizes: the solve also writes each chunk's decayed Q Kᵀ (bf16), and the state walk computes the output itself, by warps that each hold {} whole rows (all K columns in the mma accumulators, no exchange between warps within a chunk), {} and {} rows per block, tiles loaded {} and {} chunks ahead, with no entering states stored; else {} rows per block, its tiles loaded {} chunks ahead, where V is a multiple of 32 above 64, otherwise {} rows and {} chunk ahead. Otherwise version 2, float32 arithmetic on CUDA cores",
                     delta_cuda::MAX_DIM,
                     delta_cuda::CHUNK,
                     delta_cuda::ROWS,
-                    delta_cuda::TC_WHOLE_ROW_WALKS[0].2,
-                    delta_cuda::TC_WHOLE_ROW_WALKS[1].2,
-                    delta_cuda::TC_WHOLE_ROW_WALKS[0].2,
-                    delta_cuda::TC_WHOLE_ROW_WALKS[1].2,
+                    delta_cuda::FUSED_WALKS[0].2,
+                    delta_cuda::FUSED_WALKS[1].2,
                     delta_cuda::TC_ROWS,
-                    delta_cuda::TC_ROWS * delta_cuda::TC_WHOLE_ROW_WALKS[0].0,
-                    delta_cuda::TC_ROWS * delta_cuda::TC_WHOLE_ROW_WALKS[1].0,
-                    delta_cuda::TC_WHOLE_ROW_WALKS[0].1 - 1,
-                    delta_cuda::TC_WHOLE_ROW_WALKS[1].1 - 1,
+                    delta_cuda::TC_ROWS * delta_cuda::FUSED_WALKS[0].0,
+                    delta_cuda::TC_ROWS * delta_cuda::FUSED_WALKS[1].0,
+                    delta_cuda::FUSED_WALKS[0].1 - 1,
+                    delta_cuda::FUSED_WALKS[1].1 - 1,
                     delta_cuda::TC_ROWS * delta_cuda::TC_STATE_WALKS[1].0,
                     delta_cuda::TC_STATE_WALKS[1].1 - 1,
                     delta_cuda::TC_ROWS * delta_cuda::TC_STATE_WALKS[0].0,
@@ -795,7 +793,7 @@ enum Kernels {
     /// SSD's forward, then its backward (a fwd+bwd case), and the buffer the backward writes
     /// the initial state's gradient to (not an output of the case).
     SsdBwd(Box<(Ssd, SsdBackward, CudaSlice<f32>)>),
-    Delta(GatedDelta),
+    Delta(Box<GatedDelta>),
     /// The gated delta rule's forward, then its backward (a fwd+bwd case), and the buffer the
     /// backward writes the initial state's gradient to (not an output of the case).
     DeltaBwd(Box<(GatedDelta, DeltaBackward, CudaSlice<f32>)>),
@@ -1165,7 +1163,9 @@ fn measure_gpu(job: &Job) -> Reply {
                     d_initial,
                 )))
             }
-            Mixer::GatedDelta => Kernels::Delta(GatedDelta::new(gpu, case.delta_shape(), dtype)?),
+            Mixer::GatedDelta => {
+                Kernels::Delta(Box::new(GatedDelta::new(gpu, case.delta_shape(), dtype)?))
+            }
             Mixer::Based if case.pass == MixerPass::FwdBwd => {
                 let d_initial = gpu
                     .stream

@@ -409,7 +409,7 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         let [prep, pass, out] = shared_bytes(shape);
         let [tp, ts, to] = tc_shared_bytes(shape, Dtype::Bf16).unwrap_or([0; 3]);
         let walk = StateWalk::for_shape(shape);
-        let (groups, whole) = (walk.row_groups, u8::from(walk.whole_rows));
+        let (groups, whole) = (walk.row_groups, u8::from(walk.fused));
         format!(
             "{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{out},{tp},{ts},{to},{groups},{whole}"
         )

@@ -263,9 +263,10 @@ GDN_ENTRIES(bf16, u16)
 //     kernel; a block reads and writes only its own columns, a chunk's U~ before its U) and,
 //     decayed by exp(g_last - g_j), to shared memory; then S <- exp(g_last) S + U_decᵀ k.
 //     The float32 state after the last chunk is the final state.
-// 2''. gdn_state_w<WARPS>_s<STAGES>_k<K>v<V> (version 5, at K = V = 64 and 128 instead of 2'):
-//     the same walk with each warp holding 16 whole rows (all K columns), no exchange between
-//     warps within a chunk (described before its code below).
+// 2''. gdn_walk_out_w<WARPS>_s<STAGES>_k<K>v<V> (version 8, at K = V = 64 and 128 instead of
+//     2' and 3', after gdn_prepare_tcm_k<K>v<V>, which also writes M): the same walk with each
+//     warp holding 16 whole rows (all K columns; version 5), no exchange between warps within
+//     a chunk, and the output computed in it (described before its code below).
 // 3'. gdn_output_tc: SSD's chunk scan (ssd.cu, kernel B) with C = q, B = k, x = U, no dt and
 //     no D: M = (Q Kᵀ) masked to j <= i < l and scaled by exp(g_i - g_j) into shared memory as
 //     bf16, then O = M U + exp(g_i) Q S_inᵀ, each of the 8 warps 16 rows and half of the V
@@ -273,42 +274,14 @@ GDN_ENTRIES(bf16, u16)
 // Needs K a multiple of 32 and V of 16, both at most GDN_MAX_DIM (the host checks). Scratch of
 // this path: W [B, H, n_chunks, L, K] and U~, then U [B, H, n_chunks, L, V] bf16 (version 6;
 // U~ was float32 in a buffer of its own before), g float32 as above, states
-// [B, H, n_chunks, V, K] bf16. Dynamic shared memory, bytes (the host computes it),
-// R = GDN_TC_ROWS RG: state STAGES (L 2 (K + 8) 2 + L (R + 8) 2 + L 4) + R (K + 8) 2 +
-// L (R + 8) 2 (version 5: the stages alone);
+// [B, H, n_chunks, V, K] bf16; the fused walk instead M [B, H, n_chunks, L, L] bf16, and no
+// states (U~ is then read, not written over). Dynamic shared memory, bytes (the host computes
+// it), R = GDN_TC_ROWS RG: state STAGES (L 2 (K + 8) 2 + L (R + 8) 2 + L 4) + R (K + 8) 2 +
+// L (R + 8) 2; fused walk STAGES (L 3 (K + 8) 2 + L (R + 8) 2 + L (L + 8) 2 + L 4);
 // output L 4 + (2 L (K + 8) + L (V + 8) + V (K + 8) + L (L + 8)) 2.
 // A row group of the state walk: GDN_TC_ROWS rows of the state, GDN_TC_THREADS threads.
 #define GDN_TC_THREADS 128
 #define GDN_TC_ROWS 16
-
-// The loads of chunk c into one stage of a state walk's ring (NT threads; gdn_ring_fill): W
-// and k rows, the block's R columns of U~ (bf16) from r0, g; zeros past a short last chunk.
-template <int NT, int R>
-__device__ __forceinline__ void gdn_state_load(const u16* __restrict__ k,
-                                               const u16* __restrict__ w_in, const u16* u_in,
-                                               const float* __restrict__ g_in, u16* ws, u16* ks,
-                                               u16* ut, float* gs, int c, long long bh, int b,
-                                               int h, int r0, int T_len, int heads, int K, int V,
-                                               int n_chunks) {
-    const int KS = K + 8, UTS = R + 8;
-    const long long t0 = (long long)b * T_len + (long long)c * GDN_CHUNK;
-    const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
-    const long long base = bh * n_chunks + c;
-    const int pk = K / 8;
-    for (int e = threadIdx.x; e < GDN_CHUNK * pk; e += NT) {
-        const int i = e / pk, q = (e % pk) * 8;
-        const bool ok = i < l;
-        cp_async16(ws + i * KS + q, w_in + (base * GDN_CHUNK + (ok ? i : 0)) * K + q, ok);
-        cp_async16(ks + i * KS + q, k + ((t0 + (ok ? i : 0)) * heads + h) * K + q, ok);
-    }
-    for (int e = threadIdx.x; e < GDN_CHUNK * (R / 8); e += NT) {
-        const int i = e / (R / 8), q = (e % (R / 8)) * 8;
-        const bool ok = i < l;
-        cp_async16(ut + i * UTS + q, u_in + (base * GDN_CHUNK + (ok ? i : 0)) * V + r0 + q, ok);
-    }
-    for (int i = threadIdx.x; i < GDN_CHUNK; i += NT)
-        cp_async4(gs + i, g_in + base * GDN_CHUNK + (i < l ? i : 0), i < l);
-}
 
 // A warp's NT tiles of 8 state columns from n0 (the first `tiles` of them) for its 16 rows
 // from row (mma C layout: row g / g + 8, columns 8 nt + 2 t and + 1), of a state [V][K]
@@ -340,70 +313,102 @@ __device__ __forceinline__ void gdn_state_frags_store(float (*acc)[4], float* s,
         }
 }
 
-// Stage st of the state walks' ring (versions 4 and 5) from `ring` in shared memory: g [L]
-// (float32), then the block's R columns of U~ [L][R + 8], W and k [L][K + 8] (bf16).
+// What a state walk's ring loads (gdn_ring_fill): k [B, T, H, K] and the preparation's W, U~
+// (bf16) and g; for the fused walk (version 8, F) also q [B, T, H, K] and M (bf16
+// [B, H, n_chunks, L, L]). The block's batch entry b, head h and first row r0; bh = b H + h.
+struct GdnWalkSrc {
+    const u16 *k, *w, *u, *q, *m;
+    const float* g;
+    long long bh;
+    int b, h, r0, T_len, heads, n_chunks;
+};
+
+// Stage st of a state walk's ring (versions 4, 5 and 8) from `ring` in shared memory: g [L]
+// (float32), then the block's R columns of U~ [L][R + 8], W and k [L][K + 8] and, with F,
+// q [L][K + 8] and M [L][L + 8] (bf16).
 struct GdnStage {
     float* gs;
-    u16 *ut, *ws, *ks;
+    u16 *ut, *ws, *ks, *qs, *ms;
 };
+template <bool F>
 __device__ __forceinline__ int gdn_stage_floats(int R, int K) {
-    return GDN_CHUNK + GDN_CHUNK * (R + 8) / 2 + GDN_CHUNK * (K + 8);  // 3 bf16 arrays
+    return GDN_CHUNK + GDN_CHUNK * (R + 8) / 2 + GDN_CHUNK * (K + 8) * (F ? 3 : 2) / 2 +
+           (F ? GDN_CHUNK * (GDN_CHUNK + 8) / 2 : 0);
 }
+template <bool F>
 __device__ __forceinline__ GdnStage gdn_stage(float* ring, int st, int R, int K) {
     GdnStage s;
-    s.gs = ring + st * gdn_stage_floats(R, K);
+    s.gs = ring + st * gdn_stage_floats<F>(R, K);
     s.ut = reinterpret_cast<u16*>(s.gs + GDN_CHUNK);
     s.ws = s.ut + GDN_CHUNK * (R + 8);
     s.ks = s.ws + GDN_CHUNK * (K + 8);
+    s.qs = s.ks + GDN_CHUNK * (K + 8);
+    s.ms = s.qs + GDN_CHUNK * (K + 8);
     return s;
+}
+
+// The loads of chunk c into stage s (NT threads; gdn_ring_fill): W, k and (F) q rows, the
+// block's R columns of U~ from r0, (F) M's rows, g; zeros past a short last chunk.
+template <int NT, int R, bool F>
+__device__ __forceinline__ void gdn_state_load(const GdnWalkSrc& src, const GdnStage& s, int c,
+                                               int K, int V) {
+    const int KS = K + 8, UTS = R + 8, MS = GDN_CHUNK + 8;
+    const long long t0 = (long long)src.b * src.T_len + (long long)c * GDN_CHUNK;
+    const int l = min(GDN_CHUNK, src.T_len - c * GDN_CHUNK);
+    const long long base = src.bh * src.n_chunks + c;
+    const int pk = K / 8;
+    for (int e = threadIdx.x; e < GDN_CHUNK * pk; e += NT) {
+        const int i = e / pk, q8 = (e % pk) * 8;
+        const bool ok = i < l;
+        const long long at = ((t0 + (ok ? i : 0)) * src.heads + src.h) * K + q8;
+        cp_async16(s.ws + i * KS + q8, src.w + (base * GDN_CHUNK + (ok ? i : 0)) * K + q8, ok);
+        cp_async16(s.ks + i * KS + q8, src.k + at, ok);
+        if (F) cp_async16(s.qs + i * KS + q8, src.q + at, ok);
+    }
+    for (int e = threadIdx.x; e < GDN_CHUNK * (R / 8); e += NT) {
+        const int i = e / (R / 8), q8 = (e % (R / 8)) * 8;
+        const bool ok = i < l;
+        cp_async16(s.ut + i * UTS + q8,
+                   src.u + (base * GDN_CHUNK + (ok ? i : 0)) * V + src.r0 + q8, ok);
+    }
+    if (F)
+        for (int e = threadIdx.x; e < GDN_CHUNK * (GDN_CHUNK / 8); e += NT) {
+            const int i = e / (GDN_CHUNK / 8), q8 = (e % (GDN_CHUNK / 8)) * 8;
+            const bool ok = i < l;
+            cp_async16(s.ms + i * MS + q8, src.m + (base * GDN_CHUNK + (ok ? i : 0)) * GDN_CHUNK + q8,
+                       ok);
+        }
+    for (int i = threadIdx.x; i < GDN_CHUNK; i += NT)
+        cp_async4(s.gs + i, src.g + base * GDN_CHUNK + (i < l ? i : 0), i < l);
 }
 
 // Chunk c's loads (gdn_state_load) into its stage of a ring of STAGES, as one commit group
 // (empty past the last chunk, so that cp_async_wait<STAGES - 2> counts the same in the tail).
-template <int NT, int R, int STAGES>
-__device__ __forceinline__ void gdn_ring_fill(float* ring, int c, const u16* __restrict__ k,
-                                              const u16* __restrict__ w_in,
-                                              const u16* u_in,
-                                              const float* __restrict__ g_in, long long bh,
-                                              int b, int h, int r0, int T_len, int heads, int K,
-                                              int V, int n_chunks) {
-    if (c < n_chunks) {
-        const GdnStage s = gdn_stage(ring, c % STAGES, R, K);
-        gdn_state_load<NT, R>(k, w_in, u_in, g_in, s.ws, s.ks, s.ut, s.gs, c, bh, b, h, r0,
-                              T_len, heads, K, V, n_chunks);
-    }
+template <int NT, int R, int STAGES, bool F>
+__device__ __forceinline__ void gdn_ring_fill(float* ring, int c, const GdnWalkSrc& src, int K,
+                                              int V) {
+    if (c < src.n_chunks)
+        gdn_state_load<NT, R, F>(src, gdn_stage<F>(ring, c % STAGES, R, K), c, K, V);
     cp_async_commit();
 }
 
 // The ring's first STAGES - 1 chunks' loads (gdn_ring_fill), before the walk's loop.
-template <int NT, int R, int STAGES>
-__device__ __forceinline__ void gdn_ring_start(float* ring, const u16* __restrict__ k,
-                                               const u16* __restrict__ w_in,
-                                               const u16* u_in,
-                                               const float* __restrict__ g_in, long long bh,
-                                               int b, int h, int r0, int T_len, int heads,
-                                               int K, int V, int n_chunks) {
+template <int NT, int R, int STAGES, bool F>
+__device__ __forceinline__ void gdn_ring_start(float* ring, const GdnWalkSrc& src, int K, int V) {
 #pragma unroll
-    for (int p = 0; p < STAGES - 1; ++p)
-        gdn_ring_fill<NT, R, STAGES>(ring, p, k, w_in, u_in, g_in, bh, b, h, r0, T_len, heads,
-                                     K, V, n_chunks);
+    for (int p = 0; p < STAGES - 1; ++p) gdn_ring_fill<NT, R, STAGES, F>(ring, p, src, K, V);
 }
 
 // Chunk c's turn in the walk's loop: waits until its stage has landed for every thread (so
 // the stage chunk c - 1 used is free), issues chunk c + STAGES - 1's loads into that stage and
 // returns chunk c's.
-template <int NT, int R, int STAGES>
-__device__ __forceinline__ GdnStage gdn_ring_next(float* ring, int c, const u16* __restrict__ k,
-                                                  const u16* __restrict__ w_in,
-                                                  const u16* u_in,
-                                                  const float* __restrict__ g_in, long long bh,
-                                                  int b, int h, int r0, int T_len, int heads,
-                                                  int K, int V, int n_chunks) {
+template <int NT, int R, int STAGES, bool F>
+__device__ __forceinline__ GdnStage gdn_ring_next(float* ring, int c, const GdnWalkSrc& src,
+                                                  int K, int V) {
     cp_async_wait<STAGES - 2>();  // chunk c's group landed (later ones may be in flight)
     __syncthreads();              // ... for every thread; chunk c - 1's stage is free
-    gdn_ring_fill<NT, R, STAGES>(ring, c + STAGES - 1, k, w_in, u_in, g_in, bh, b, h, r0, T_len,
-                                 heads, K, V, n_chunks);
-    return gdn_stage(ring, c % STAGES, R, K);
+    gdn_ring_fill<NT, R, STAGES, F>(ring, c + STAGES - 1, src, K, V);
+    return gdn_stage<F>(ring, c % STAGES, R, K);
 }
 
 // Kernel 2' (gdn_state_tc_r<R>_s<STAGES>): a block of RG groups of 4 warps per R = 16 RG rows
@@ -422,21 +427,20 @@ __device__ __forceinline__ void gdn_state_tc_body(
     extern __shared__ float smem[];
     const int r0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z;
     const long long bh = (long long)b * heads + h;
+    const GdnWalkSrc src{k, w_in, u, nullptr, nullptr, g_in, bh, b, h, r0, T_len, heads, n_chunks};
     const int KS = K + 8, UTS = R + 8, RS = R + 8;
     // Per stage (gdn_stage): g [L] (float32), U~ [L][UTS], W [L][KS], k [L][KS] (bf16).
     float* ring = smem;
-    u16* ss = reinterpret_cast<u16*>(ring + STAGES * gdn_stage_floats(R, K));  // [R][KS]: S
+    u16* ss = reinterpret_cast<u16*>(ring + STAGES * gdn_stage_floats<false>(R, K));  // [R][KS]: S
     u16* ud = ss + R * KS;                                           // [L][RS]: U decayed
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
     const int rg = warp / 4, wq = warp % 4, rr = 16 * rg;  // the warp's rows in the block
     const int tiles = K / 32, n0 = wq * (K / 4);
     float acc[4][4];
     gdn_state_frags_load<4>(acc, initial_state + bh * V * K, has_initial, r0 + rr, n0, tiles, K);
-    gdn_ring_start<NT, R, STAGES>(ring, k, w_in, u, g_in, bh, b, h, r0, T_len, heads, K, V,
-                                  n_chunks);
+    gdn_ring_start<NT, R, STAGES, false>(ring, src, K, V);
     for (int c = 0; c < n_chunks; ++c) {
-        const GdnStage st = gdn_ring_next<NT, R, STAGES>(ring, c, k, w_in, u, g_in, bh, b, h,
-                                                         r0, T_len, heads, K, V, n_chunks);
+        const GdnStage st = gdn_ring_next<NT, R, STAGES, false>(ring, c, src, K, V);
         const u16 *ws = st.ws, *ks = st.ks, *ut = st.ut;
         const float* gs = st.gs;
         const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
@@ -508,94 +512,125 @@ __device__ __forceinline__ void gdn_state_tc_body(
 GDN_STATE_TC(1, 2)
 GDN_STATE_TC(2, 4)
 
-// Kernel 2'' (gdn_state_w<WARPS>_s<STAGES>_k<K>v<V>, version 5): the state walk with each warp
-// owning 16 whole rows of the state (all K columns in its mma accumulators, C layout: row
-// g / g + 8, columns 8 nt + 2 t and + 1), WARPS warps (R = 16 WARPS rows) per block, per head
-// and batch entry. A chunk's products need no exchange between warps: the accumulators of two
-// adjacent 8-column tiles are, rounded to bf16, the A fragment of a 16-column k step (the
-// layouts of mma.sync m16n8k16's C and A agree), so
-//   Uᵀ (16 rows x L steps) = S Wᵀ          (A: S from registers, B: W's rows by ldmatrix),
-//   U = U~ - (S Wᵀ)ᵀ, decayed by exp(g_last - g_j) (C layout: row, step),
-//   S <- exp(g_last) S + U_decᵀ k          (A: U_decᵀ from registers, B: k by ldmatrix.trans),
-// and one barrier a chunk (the ring of STAGES stages of W, k, U~'s R columns and g, loaded
-// STAGES - 1 chunks ahead by every thread) where version 4 had three and two round trips
-// through shared memory. The entering state (bf16) and U (bf16) go to `states` and `u` as
-// version 4's. K and V compiled in (the grid's sizes; the host, StateWalk::for_shape, takes it
-// at K = V = 64 and 128). Dynamic shared memory: STAGES (L 2 (K + 8) 2 + L (R + 4) 4 + L 4).
+// Kernel 2'' (gdn_walk_out_w<WARPS>_s<STAGES>_k<K>v<V>, version 8, at K = V = 64 and 128): the
+// state walk with the output computed in it, so that neither the chunks' entering states nor
+// U go to global memory and kernel 3' is not launched. Each warp owns 16 whole rows of the
+// state (value indices; all K columns in its mma accumulators, C layout: row g / g + 8,
+// columns 8 nt + 2 t and + 1; version 5's layout), WARPS warps (R = 16 WARPS rows) per block,
+// per head and batch entry. The accumulators of two adjacent 8-column tiles, rounded to bf16,
+// are the A fragment of a 16-column k step (mma.sync m16n8k16's C and A layouts agree, as
+// FlashAttention-2 uses for P V), so per chunk, with S the entering state in bf16:
+//   Uᵀ (16 rows x L steps) = S Wᵀ and Oᵀ = S Qᵀ   (A: S from registers, B: W's and q's rows),
+//   U = U~ - (S Wᵀ)ᵀ,
+//   Oᵀ <- Oᵀ diag(exp(g_i)) + Uᵀ Mᵀ               (A: Uᵀ in bf16 from registers, B: M's
+//                                                  rows i, its blocks j <= i only),
+//   S <- exp(g_last) S + U_decᵀ k                  (A: Uᵀ decayed by exp(g_last - g_j),
+//                                                  B: k by ldmatrix.trans),
+// O = Oᵀᵀ to `o` in pairs of value columns (lanes of rows r and r ^ 1 trade a value). M
+// (M_ij = exp(g_i - g_j) (q_i . k_j), j <= i, bf16) comes from the preparation (kernel 1'
+// with q), so every block of the head reads it instead of computing it. The output equals
+// kernel 3''s up to the order of its sums: the same S, U and M in bf16. One barrier a chunk
+// (the ring of STAGES stages of W, k, q, U~'s R columns, M and g, loaded STAGES - 1 chunks
+// ahead by every thread). K and V compiled in (the host, StateWalk::for_shape, takes it at
+// K = V = 64 and 128). Dynamic shared memory: STAGES (L 3 (K + 8) 2 + L (R + 8) 2 +
+// L (L + 8) 2 + L 4).
 template <int WARPS, int STAGES, int K, int V>
-__device__ __forceinline__ void gdn_state_w_body(
-    const u16* __restrict__ k, const u16* __restrict__ w_in, u16* u,
-    const float* __restrict__ g_in, const float* __restrict__ initial_state, int has_initial,
-    u16* __restrict__ states, float* __restrict__ final_state, int T_len,
-    int heads, int n_chunks) {
+__device__ __forceinline__ void gdn_walk_out_body(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ w_in,
+    const u16* __restrict__ u, const u16* __restrict__ m, const float* __restrict__ g_in,
+    const float* __restrict__ initial_state, int has_initial, u16* __restrict__ o,
+    float* __restrict__ final_state, int T_len, int heads, int n_chunks) {
     constexpr int R = 16 * WARPS, NT = 32 * WARPS, KS = K + 8, UTS = R + 8, KN = K / 8;
-    constexpr int LN = GDN_CHUNK / 8;  // 8-step tiles of a chunk
+    constexpr int MS = GDN_CHUNK + 8, LN = GDN_CHUNK / 8;  // 8-step tiles of a chunk
     extern __shared__ float smem[];
     const int r0 = blockIdx.x * R, h = blockIdx.y, b = blockIdx.z;
     const long long bh = (long long)b * heads + h;
+    const GdnWalkSrc src{k, w_in, u, q, m, g_in, bh, b, h, r0, T_len, heads, n_chunks};
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, ti = lane % 4;
     const int rr = 16 * warp, mi = lane >> 3;
+    const bool odd = gi & 1;  // the lane's row pair: it stores step + 1 of rows r - 1 and r
     float acc[KN][4];
     gdn_state_frags_load<KN>(acc, initial_state + bh * V * K, has_initial, r0 + rr, 0, KN, K);
-    gdn_ring_start<NT, R, STAGES>(smem, k, w_in, u, g_in, bh, b, h, r0, T_len, heads, K, V,
-                                  n_chunks);
+    gdn_ring_start<NT, R, STAGES, true>(smem, src, K, V);
     for (int c = 0; c < n_chunks; ++c) {
-        const GdnStage st = gdn_ring_next<NT, R, STAGES>(smem, c, k, w_in, u, g_in, bh, b, h,
-                                                         r0, T_len, heads, K, V, n_chunks);
-        const u16 *ws = st.ws, *ks = st.ks, *ut = st.ut;
+        const GdnStage st = gdn_ring_next<NT, R, STAGES, true>(smem, c, src, K, V);
+        const u16 *ws = st.ws, *ks = st.ks, *qs = st.qs, *ms = st.ms, *ut = st.ut;
         const float* gs = st.gs;
         const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
         const float last = gs[l - 1];
-        // The entering state in bf16: sp[nt] = (row g, row g + 8) pairs of tile nt, stored to
-        // `states` and, two tiles at a time, the A fragments of S Wᵀ.
-        u32 sp[KN][2];
-        u16* out = states + ((bh * n_chunks + c) * V + r0 + rr) * K;
-#pragma unroll
-        for (int nt = 0; nt < KN; ++nt) {
-            sp[nt][0] = pack_bf16(acc[nt][0], acc[nt][1]);
-            sp[nt][1] = pack_bf16(acc[nt][2], acc[nt][3]);
-            const int col = nt * 8 + 2 * ti;
-            *reinterpret_cast<u32*>(out + gi * K + col) = sp[nt][0];
-            *reinterpret_cast<u32*>(out + (gi + 8) * K + col) = sp[nt][1];
-        }
-        // Uᵀ = S Wᵀ: tile jt holds steps 8 jt .. 8 jt + 7 (W's rows).
-        float ua[LN][4] = {};
+        // Uᵀ = S Wᵀ and Oᵀ = S Qᵀ, S the entering state in bf16 (sp[nt]: (row g, row g + 8)
+        // pairs of tile nt, two tiles the A fragment of a k step); tile jt: steps 8 jt .. + 7.
+        float ua[LN][4] = {}, oa[LN][4] = {};
 #pragma unroll
         for (int ks8 = 0; ks8 < K / 16; ++ks8) {
-            const u32 f[4] = {sp[2 * ks8][0], sp[2 * ks8][1], sp[2 * ks8 + 1][0],
-                              sp[2 * ks8 + 1][1]};
+            const u32 f[4] = {pack_bf16(acc[2 * ks8][0], acc[2 * ks8][1]),
+                              pack_bf16(acc[2 * ks8][2], acc[2 * ks8][3]),
+                              pack_bf16(acc[2 * ks8 + 1][0], acc[2 * ks8 + 1][1]),
+                              pack_bf16(acc[2 * ks8 + 1][2], acc[2 * ks8 + 1][3])};
 #pragma unroll
             for (int jt = 0; jt < LN; jt += 2) {
-                u32 bf[4];
-                ldsm_x4(bf, ws + ((mi >= 2 ? jt + 1 : jt) * 8 + (lane & 7)) * KS + ks8 * 16 +
-                                (mi & 1) * 8);
-                mma_bf16(ua[jt], f, bf[0], bf[1]);
-                mma_bf16(ua[jt + 1], f, bf[2], bf[3]);
+                const int at = ((mi >= 2 ? jt + 1 : jt) * 8 + (lane & 7)) * KS + ks8 * 16 +
+                               (mi & 1) * 8;
+                u32 bw[4], bq[4];
+                ldsm_x4(bw, ws + at);
+                ldsm_x4(bq, qs + at);
+                mma_bf16(ua[jt], f, bw[0], bw[1]);
+                mma_bf16(ua[jt + 1], f, bw[2], bw[3]);
+                mma_bf16(oa[jt], f, bq[0], bq[1]);
+                mma_bf16(oa[jt + 1], f, bq[2], bq[3]);
             }
         }
-        // U = U~ - (S Wᵀ)ᵀ to `u` (bf16; steps past a short last chunk not written), then
-        // decayed into the A fragments of U_decᵀ k (ud[jt]: row g, row g + 8 pairs).
-        u16* uo = u + (bh * n_chunks + c) * GDN_CHUNK * V + r0 + rr;
-        u32 ud[LN][2];
+        // U = U~ - (S Wᵀ)ᵀ, as the A fragments of Uᵀ Mᵀ (uf) and, decayed, of U_decᵀ k (ud);
+        // Oᵀ's columns (steps i) scaled by exp(g_i).
+        u32 uf[LN][2], ud[LN][2];
 #pragma unroll
         for (int jt = 0; jt < LN; ++jt) {
             const int j = jt * 8 + 2 * ti;
             const float d0 = j < l ? __expf(last - gs[j]) : 0.f;
             const float d1 = j + 1 < l ? __expf(last - gs[j + 1]) : 0.f;
+            const float e0 = __expf(gs[j]), e1 = __expf(gs[j + 1]);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = rr + gi + 8 * half;
+                const float u0 = ld(ut, j * UTS + r) - ua[jt][2 * half];
+                const float u1 = ld(ut, (j + 1) * UTS + r) - ua[jt][2 * half + 1];
+                uf[jt][half] = pack_bf16(u0, u1);
+                ud[jt][half] = pack_bf16(d0 * u0, d1 * u1);
+                oa[jt][2 * half] *= e0;
+                oa[jt][2 * half + 1] *= e1;
+            }
+        }
+        // Oᵀ += Uᵀ Mᵀ: column tiles it, it + 1 (steps i 8 it .. 8 it + 15) need the steps
+        // j < 8 it + 16 only (M is lower triangular), k blocks 0 .. it / 2.
+#pragma unroll
+        for (int it = 0; it < LN; it += 2) {
+#pragma unroll
+            for (int kb = 0; kb <= it / 2; ++kb) {
+                const u32 f[4] = {uf[2 * kb][0], uf[2 * kb][1], uf[2 * kb + 1][0],
+                                  uf[2 * kb + 1][1]};
+                u32 bf[4];
+                ldsm_x4(bf, ms + ((mi >= 2 ? it + 1 : it) * 8 + (lane & 7)) * MS + kb * 16 +
+                                (mi & 1) * 8);
+                mma_bf16(oa[it], f, bf[0], bf[1]);
+                mma_bf16(oa[it + 1], f, bf[2], bf[3]);
+            }
+        }
+        // O to `o` (bf16; steps past a short last chunk not written) in u32 pairs of value
+        // columns: lanes of rows r and r ^ 1 (4 lanes apart) trade, the even row's lane
+        // storing step i, the odd row's step i + 1.
+        u16* ob = o + (((long long)b * T_len + (long long)c * GDN_CHUNK) * heads + h) * V + r0 + rr;
+#pragma unroll
+        for (int jt = 0; jt < LN; ++jt) {
+            const int i = jt * 8 + 2 * ti;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = gi + 8 * half;
-                const float u0 = ld(ut, j * UTS + rr + r) - ua[jt][2 * half];
-                const float u1 = ld(ut, (j + 1) * UTS + rr + r) - ua[jt][2 * half + 1];
-                // To `u` in pairs of rows (u32 stores): lanes of rows r and r ^ 1 (4 lanes
-                // apart) trade, the even row's lane storing step j, the odd row's step j + 1.
-                const bool odd = gi & 1;
-                const float got = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 4);
-                const int js = odd ? j + 1 : j;
-                if (js < l)
-                    *reinterpret_cast<u32*>(uo + (long long)js * V + (odd ? r - 1 : r)) =
-                        odd ? pack_bf16(got, u1) : pack_bf16(u0, got);
-                ud[jt][half] = pack_bf16(d0 * u0, d1 * u1);
+                const float o0 = oa[jt][2 * half], o1 = oa[jt][2 * half + 1];
+                const float got = __shfl_xor_sync(FULL_MASK, odd ? o0 : o1, 4);
+                const int is = odd ? i + 1 : i;
+                if (is < l)
+                    *reinterpret_cast<u32*>(ob + (long long)is * heads * V + (odd ? r - 1 : r)) =
+                        odd ? pack_bf16(got, o1) : pack_bf16(o0, got);
             }
         }
         // S <- exp(g_last) S + U_decᵀ k: k's rows are the k steps (ldmatrix.trans).
@@ -613,23 +648,24 @@ __device__ __forceinline__ void gdn_state_w_body(
     gdn_state_frags_store<KN>(acc, final_state + bh * V * K, r0 + rr, 0, KN, K);
 }
 
-// Version 5's entry points (the arguments of gdn_state_tc_r<RG>_s<STAGES>; K and V must be the
-// compiled-in sizes, which the host guarantees).
-#define GDN_STATE_W(WARPS, STAGES, KT, VT)                                                     \
+// Version 8's entry points (the host passes K and V, equal to the compiled-in sizes).
+#define GDN_WALK_OUT(WARPS, STAGES, KT, VT)                                                    \
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                   \
-        gdn_state_w##WARPS##_s##STAGES##_k##KT##v##VT(                                         \
-            const u16* __restrict__ k, const u16* __restrict__ w_in,                           \
-            u16* u, const float* __restrict__ g_in, const float* __restrict__ initial_state,    \
-            int has_initial, u16* __restrict__ states, float* __restrict__ final_state,         \
-            int T_len, int heads, int K, int V, int n_chunks) {                                \
-        gdn_state_w_body<WARPS, STAGES, KT, VT>(k, w_in, u, g_in, initial_state, has_initial,  \
-                                                states, final_state, T_len, heads, n_chunks);  \
+        gdn_walk_out_w##WARPS##_s##STAGES##_k##KT##v##VT(                                      \
+            const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ w_in, \
+            const u16* __restrict__ u, const u16* __restrict__ m,                              \
+            const float* __restrict__ g_in, const float* __restrict__ initial_state,           \
+            int has_initial, u16* __restrict__ o, float* __restrict__ final_state, int T_len,  \
+            int heads, int K, int V, int n_chunks) {                                           \
+        gdn_walk_out_body<WARPS, STAGES, KT, VT>(q, k, w_in, u, m, g_in, initial_state,        \
+                                                 has_initial, o, final_state, T_len, heads,    \
+                                                 n_chunks);                                    \
     }
-GDN_STATE_W(1, 4, 64, 64)
-GDN_STATE_W(2, 4, 128, 128)
+GDN_WALK_OUT(1, 4, 64, 64)
+GDN_WALK_OUT(2, 3, 128, 128)
 
-// Kernel 3' (gdn_output_tc), with K and V read from the arguments (KT = VT = 0) or compiled
-// in as constants (the entry points below).
+// Kernel 3' (gdn_output_tc), with K and V read from the arguments (KT = VT = 0, its entry
+// point below) or compiled in as constants (versions 3.2 to 7 at K = V = 64 and 128).
 template <int KT, int VT>
 __device__ __forceinline__ void gdn_output_tc_body(const u16* __restrict__ q,
                                                    const u16* __restrict__ k,
@@ -715,20 +751,16 @@ __device__ __forceinline__ void gdn_output_tc_body(const u16* __restrict__ q,
     }
 }
 
-// The entry points of kernel 3': any K and V the tensor-core path takes (gdn_output_tc), and the
-// grid's sizes as constants (suffixes _k64v64 and _k128v128: the index arithmetic folds and
-// the loops unroll, as SSD's chunk scan, ssd.cu, version 4.1); the host picks by shape
-// (src/sequence_mixers/delta_cuda.rs, `dims_suffix`) and passes K and V to all.
-#define GDN_OUTPUT_TC(SUFFIX, KT, VT)                                                          \
-    extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_output_tc##SUFFIX(          \
-        const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ u,       \
-        const float* __restrict__ g_in, const u16* __restrict__ states, u16* __restrict__ o,   \
-        int T_len, int heads, int K, int V) {                                                  \
-        gdn_output_tc_body<KT, VT>(q, k, u, g_in, states, o, T_len, heads, K, V);              \
-    }
-GDN_OUTPUT_TC(, 0, 0)
-GDN_OUTPUT_TC(_k64v64, 64, 64)
-GDN_OUTPUT_TC(_k128v128, 128, 128)
+// Kernel 3''s entry point, for any K and V the tensor-core path takes outside the fused walk's
+// sizes (K and V from the arguments; versions 3.2 to 7 also had K = V = 64 and 128 compiled
+// in, the index arithmetic folded and the loops unrolled, until the fused walk 2'' took those
+// sizes in version 8).
+extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_output_tc(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ u,
+    const float* __restrict__ g_in, const u16* __restrict__ states, u16* __restrict__ o,
+    int T_len, int heads, int K, int V) {
+    gdn_output_tc_body<0, 0>(q, k, u, g_in, states, o, T_len, heads, K, V);
+}
 
 // The four diagonal 16 x 16 blocks of T = (I + A)⁻¹ for a strictly lower triangular A
 // [GDN_CHUNK][ap] (float32, shared memory; ap a multiple of 4, a 16-byte aligned: rows are read
@@ -847,14 +879,18 @@ __device__ __forceinline__ void gdn_t_times(u16* out, long long row0, const u16*
 // all 64 rows, 4 lanes per column); then W = T (β γ K) and
 // U~ = T (β V) on tensor cores with T and the scaled rows rounded to bf16, as
 // flash-linear-attention's chunked WY form does. W to `w` and U~ to `u` as bf16 (U~ as
-// float32 before version 6), g as float32.
+// float32 before version 6), g as float32. With MO (version 8, for the fused walk 2'') also
+// M = exp(g_i - g_j) (q_i . k_j) for j <= i < l (0 elsewhere; output kernel 3''s M) to `m`
+// as bf16 [B, H, n_chunks, L, L], from q loaded over T's place before the inverse; the 16 x 16
+// blocks above the diagonal are not written (the walk reads none).
 // Dynamic shared memory: L ((K + 8) + (V + 8)) bf16 + 2 L (L + 4) + 3 L floats (the host
-// computes it: src/sequence_mixers/delta_cuda.rs).
-template <int KT, int VT>
+// computes it: src/sequence_mixers/delta_cuda.rs; q's L (K + 8) bf16 fit in T's place).
+template <int KT, int VT, bool MO>
 __device__ __forceinline__ void gdn_prepare_tc_body(
-    const u16* __restrict__ k, const u16* __restrict__ v, const float* __restrict__ alpha,
-    const float* __restrict__ beta, u16* __restrict__ w_out, u16* __restrict__ u_out,
-    float* __restrict__ g_out, int T_len, int heads, int K_arg, int V_arg) {
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+    const float* __restrict__ alpha, const float* __restrict__ beta, u16* __restrict__ w_out,
+    u16* __restrict__ u_out, u16* __restrict__ m_out, float* __restrict__ g_out, int T_len,
+    int heads, int K_arg, int V_arg) {
     extern __shared__ float smem[];
     const int K = KT > 0 ? KT : K_arg, V = VT > 0 ? VT : V_arg;
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -874,11 +910,14 @@ __device__ __forceinline__ void gdn_prepare_tc_body(
     u16* ks = reinterpret_cast<u16*>(la + GDN_CHUNK); // [L][KS]: k, then beta gamma k
     u16* vs = ks + GDN_CHUNK * KS;                    // [L][VS]: v, then beta v
     u16* tb = reinterpret_cast<u16*>(af);             // [L][TS]: T in bf16 (over A)
+    u16* qs = reinterpret_cast<u16*>(tf);             // [L][KS]: q (MO), before T
     const int pk = K / 8, pv = V / 8;
     for (int e = threadIdx.x; e < GDN_CHUNK * pk; e += GDN_THREADS) {
-        const int i = e / pk, q = (e % pk) * 8;
+        const int i = e / pk, q8 = (e % pk) * 8;
         const bool ok = i < l;
-        cp_async16(ks + i * KS + q, k + ((t0 + (ok ? i : 0)) * heads + h) * K + q, ok);
+        const long long at = ((t0 + (ok ? i : 0)) * heads + h) * K + q8;
+        cp_async16(ks + i * KS + q8, k + at, ok);
+        if (MO) cp_async16(qs + i * KS + q8, q + at, ok);
     }
     for (int e = threadIdx.x; e < GDN_CHUNK * pv; e += GDN_THREADS) {
         const int i = e / pv, q = (e % pv) * 8;
@@ -920,6 +959,22 @@ __device__ __forceinline__ void gdn_prepare_tc_body(
                 x.y = j + 1 < i ? beta_i * __expf(g_i - gs[j + 1]) * acc[nt][2 * half + 1] : 0.f;
                 *reinterpret_cast<float2*>(af + i * AP + j) = x;
             }
+        if (MO && c0 <= r0 + 15) {
+            // M = Q Kᵀ masked to j <= i < l and scaled by exp(g_i - g_j), the same block.
+            float mq[4][4] = {};
+            mma_rows<4>(mq, qs, KS, r0, ks, KS, c0, K / 16);
+            u16* mb = m_out + base * GDN_CHUNK * GDN_CHUNK;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int i = r0 + gi + 8 * half, j = c0 + nt * 8 + 2 * ti;
+                    const float v0 = j <= i && i < l ? mq[nt][2 * half] * __expf(gs[i] - gs[j]) : 0.f;
+                    const float v1 =
+                        j + 1 <= i && i < l ? mq[nt][2 * half + 1] * __expf(gs[i] - gs[j + 1]) : 0.f;
+                    *reinterpret_cast<u32*>(mb + i * GDN_CHUNK + j) = pack_bf16(v0, v1);
+                }
+        }
     }
     __syncthreads();
     if (warp < 2) {
@@ -968,15 +1023,24 @@ __device__ __forceinline__ void gdn_prepare_tc_body(
     for (int i = threadIdx.x; i < l; i += GDN_THREADS) g_out[base * GDN_CHUNK + i] = gs[i];
 }
 
-// The entry points of kernel 1': K and V from the arguments (gdn_prepare_tc) or compiled in
-// (_k64v64, _k128v128; version 4.1), picked as the output kernel's (dims_suffix).
-#define GDN_PREPARE_TC(SUFFIX, KT, VT)                                                         \
-    extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_prepare_tc##SUFFIX(         \
-        const u16* __restrict__ k, const u16* __restrict__ v, const float* __restrict__ alpha, \
-        const float* __restrict__ beta, u16* __restrict__ w_out, u16* __restrict__ u_out,      \
+// The entry points of kernel 1': K and V from the arguments (gdn_prepare_tc), or compiled in
+// with M for the fused walk (gdn_prepare_tcm_k64v64, _k128v128; version 8: their q and m
+// arguments first and after u), picked as the walk's (src/sequence_mixers/delta_cuda.rs).
+extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_prepare_tc(
+    const u16* __restrict__ k, const u16* __restrict__ v, const float* __restrict__ alpha,
+    const float* __restrict__ beta, u16* __restrict__ w_out, u16* __restrict__ u_out,
+    float* __restrict__ g_out, int T_len, int heads, int K, int V) {
+    gdn_prepare_tc_body<0, 0, false>(nullptr, k, v, alpha, beta, w_out, u_out, nullptr, g_out,
+                                     T_len, heads, K, V);
+}
+#define GDN_PREPARE_TCM(SUFFIX, KT, VT)                                                        \
+    extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_prepare_tcm##SUFFIX(        \
+        const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,       \
+        const float* __restrict__ alpha, const float* __restrict__ beta,                       \
+        u16* __restrict__ w_out, u16* __restrict__ u_out, u16* __restrict__ m_out,             \
         float* __restrict__ g_out, int T_len, int heads, int K, int V) {                       \
-        gdn_prepare_tc_body<KT, VT>(k, v, alpha, beta, w_out, u_out, g_out, T_len, heads, K, V); \
+        gdn_prepare_tc_body<KT, VT, true>(q, k, v, alpha, beta, w_out, u_out, m_out, g_out,    \
+                                          T_len, heads, K, V);                                 \
     }
-GDN_PREPARE_TC(, 0, 0)
-GDN_PREPARE_TC(_k64v64, 64, 64)
-GDN_PREPARE_TC(_k128v128, 128, 128)
+GDN_PREPARE_TCM(_k64v64, 64, 64)
+GDN_PREPARE_TCM(_k128v128, 128, 128)

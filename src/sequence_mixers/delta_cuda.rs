@@ -51,19 +51,25 @@ const MAX_SHARED: u32 = 227 * 1024;
 /// The kernels of [`DELTA_SRC`] for one dtype tag (`f32`, `bf16`), in launch order.
 const KERNELS: [&str; 3] = ["gdn_prepare", "gdn_state_pass", "gdn_output"];
 
-/// The tensor-core preparation and output kernels (version 3, bf16), each with one of
-/// [`DIMS_SUFFIXES`] ([`dims_suffix`]); the state walk between them is one of
-/// [`TC_STATE_WALKS`] or [`TC_WHOLE_ROW_WALKS`] ([`StateWalk::for_shape`]).
+/// The tensor-core preparation and output kernels (version 3, bf16) for any K and V, around
+/// one of [`TC_STATE_WALKS`]; at [`FUSED_WALKS`]' sizes the preparation is
+/// [`TC_FUSED_PREPARE`] with [`dims_suffix`]'s suffix, then the fused walk, and no output
+/// kernel ([`StateWalk::for_shape`]).
 const TC_KERNELS: [&str; 2] = ["gdn_prepare_tc", "gdn_output_tc"];
 
-/// The suffixes of the tensor-core kernels' entry points: any K and V, then K and V compiled
-/// in as constants (the grid's sizes).
+/// The preparation that also writes M for the fused walk (version 8), with K and V compiled
+/// in ([`dims_suffix`]).
+const TC_FUSED_PREPARE: &str = "gdn_prepare_tcm";
+
+/// The suffixes of the entry points with K and V compiled in as constants: none (any K and V),
+/// then the grid's sizes.
 const DIMS_SUFFIXES: [&str; 3] = ["", "_k64v64", "_k128v128"];
 
-/// The suffix of the tensor-core kernels `shape` runs: `_k64v64` or `_k128v128` where K and V
-/// are those sizes (compiled in as constants: the index arithmetic folds, the loops unroll;
-/// the output since version 3.2, the preparation since 4.1, the state walk's version 5 only
-/// at these sizes), "" (K and V read from the arguments) otherwise.
+/// The suffix of the kernels `shape` runs with K and V compiled in: `_k64v64` or `_k128v128`
+/// where K and V are those sizes (the index arithmetic folds, the loops unroll; the output
+/// since version 3.2, the preparation since 4.1, the whole-row walks since version 5; since
+/// version 8 the fused preparation and walk only), "" (K and V read from the arguments)
+/// otherwise.
 pub fn dims_suffix(shape: DeltaShape) -> &'static str {
     match (shape.key_dim, shape.value_dim) {
         (64, 64) => DIMS_SUFFIXES[1],
@@ -83,43 +89,45 @@ pub const TC_ROWS: usize = 16;
 /// sizes: 16 rows a block with 2 stages, 32 rows with 4.
 pub const TC_STATE_WALKS: [(usize, usize); 2] = [(1, 2), (2, 4)];
 
-/// The whole-row state walks (version 5, `gdn_state_w<W>_s<S>_k<K>v<V>`) the source
-/// instantiates, (warps, stages, K = V): one warp of 16 rows at 64 (4 blocks per head and
-/// batch entry), two at 128, 4 stages each.
-pub const TC_WHOLE_ROW_WALKS: [(usize, usize, usize); 2] = [(1, 4, 64), (2, 4, 128)];
+/// The fused walks (version 8, `gdn_walk_out_w<W>_s<S>_k<K>v<V>`: whole rows per warp, as
+/// version 5's walks were, and the output computed in the walk) the source instantiates,
+/// (warps, stages, K = V): one warp of 16 rows at 64 (4 blocks per head and batch entry) with
+/// 4 stages, two at 128 with 3 (the stages of W, k, q, U~ and M: 196 KB).
+pub const FUSED_WALKS: [(usize, usize, usize); 2] = [(1, 4, 64), (2, 3, 128)];
 
 /// How the state walk runs: `row_groups` groups of [`TC_ROWS`] rows per block, the chunks'
 /// loads `stages − 1` chunks ahead; a group is 4 warps sharing the rows' K columns
-/// (`gdn_state_tc_r<G>_s<S>`, versions 3 and 4) or, with `whole_rows`, one warp holding all of
-/// them (`gdn_state_w<G>_s<S>_k<K>v<V>`, version 5: no exchange between warps within a
-/// chunk; K and V compiled in).
+/// (`gdn_state_tc_r<G>_s<S>`, versions 3 and 4) or, with `fused`, one warp holding all of
+/// them and computing the output too (`gdn_walk_out_w<G>_s<S>_k<K>v<V>`, version 8: no
+/// exchange between warps within a chunk, no output kernel; K and V compiled in).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StateWalk {
     /// Row groups per block (1 or 2).
     pub row_groups: usize,
-    /// Stages of the ring of W, k, U~ and g tiles.
+    /// Stages of the ring of W, k, U~ and g tiles (and q and M, `fused`).
     pub stages: usize,
-    /// Version 5: a row group is one warp with all K columns of its rows.
-    pub whole_rows: bool,
+    /// Version 8: a row group is one warp with all K columns of its rows, the output computed
+    /// in the walk (the preparation writes M; two launches, not three).
+    pub fused: bool,
 }
 
 impl StateWalk {
-    /// The walk for `shape`: at K = V = 64 and 128, version 5 ([`TC_WHOLE_ROW_WALKS`]); else
+    /// The walk for `shape`: at K = V = 64 and 128, version 8 ([`FUSED_WALKS`]); else
     /// where V is a multiple of 32 above 64, version 4, two row groups (32 rows, 8 warps: the
     /// W and k tiles a block loads serve twice the rows) and 4 stages; otherwise version 3,
     /// one row group and 2 stages. Measured on an H100 at B4 H8 T16384 bf16
     /// (kernels/TUNING-sequence-mixers.md, "Gated delta rule state walk version 4"): version 4
     /// 8 % faster than 3 at K = V = 128, while 4 stages at 16 rows made it 11 % slower at
-    /// K = V = 64 (4 warps sharing the rows' columns). Version 5 is emulated but not yet run
-    /// on a GPU (the notes' "state walk version 5" entry: its prediction and how to run it).
+    /// K = V = 64 (4 warps sharing the rows' columns). Versions 5 to 8 are emulated but not
+    /// yet run on a GPU (the notes' entries from "state walk version 5": their predictions and
+    /// how to run them).
     pub fn for_shape(shape: DeltaShape) -> StateWalk {
         let (k, v) = (shape.key_dim, shape.value_dim);
-        if let Some(&(warps, stages, _)) = TC_WHOLE_ROW_WALKS.iter().find(|w| w.2 == k && w.2 == v)
-        {
+        if let Some(&(warps, stages, _)) = FUSED_WALKS.iter().find(|w| w.2 == k && w.2 == v) {
             return StateWalk {
                 row_groups: warps,
                 stages,
-                whole_rows: true,
+                fused: true,
             };
         }
         let (row_groups, stages) = if v.is_multiple_of(32) && v > 64 {
@@ -130,7 +138,7 @@ impl StateWalk {
         StateWalk {
             row_groups,
             stages,
-            whole_rows: false,
+            fused: false,
         }
     }
 
@@ -141,19 +149,15 @@ impl StateWalk {
 
     /// Threads per block.
     pub fn threads(self) -> u32 {
-        let group = if self.whole_rows {
-            32
-        } else {
-            TC_STATE_THREADS
-        };
+        let group = if self.fused { 32 } else { TC_STATE_THREADS };
         group * self.row_groups as u32
     }
 
     /// The entry point before [`dims_suffix`]'s suffix, e.g. `gdn_state_tc_r2_s4` or
-    /// `gdn_state_w2_s4` (whose entry point always has the suffix).
+    /// `gdn_walk_out_w2_s3` (whose entry point always has the suffix).
     pub fn entry_point(self) -> String {
-        if self.whole_rows {
-            format!("gdn_state_w{}_s{}", self.row_groups, self.stages)
+        if self.fused {
+            format!("gdn_walk_out_w{}_s{}", self.row_groups, self.stages)
         } else {
             format!("gdn_state_tc_r{}_s{}", self.row_groups, self.stages)
         }
@@ -161,9 +165,9 @@ impl StateWalk {
 }
 
 /// Every entry point of [`DELTA_SRC`]: `gdn_prepare_<t>`, `gdn_state_pass_<t>` and
-/// `gdn_output_<t>` for `f32` and `bf16`, then the tensor-core kernels: the preparations,
-/// the state walks (versions 3 and 4 for any K and V, then version 5's at its sizes) and the
-/// outputs.
+/// `gdn_output_<t>` for `f32` and `bf16`, then the tensor-core kernels: the preparations
+/// (any K and V, then the fused walks' with M), the state walks (versions 3 and 4 for any K
+/// and V, then version 8's fused walks at their sizes) and the output.
 pub fn entry_points() -> Vec<String> {
     let square = |d: usize| {
         dims_suffix(DeltaShape {
@@ -178,17 +182,22 @@ pub fn entry_points() -> Vec<String> {
         StateWalk {
             row_groups,
             stages,
-            whole_rows: false,
+            fused: false,
         }
         .entry_point()
     };
     [Dtype::F32, Dtype::Bf16]
         .into_iter()
         .flat_map(|d| KERNELS.iter().map(move |k| format!("{k}_{}", d.tag())))
-        .chain(DIMS_SUFFIXES.map(|x| format!("{}{x}", TC_KERNELS[0])))
+        .chain([TC_KERNELS[0].to_string()])
+        .chain(
+            DIMS_SUFFIXES[1..]
+                .iter()
+                .map(|x| format!("{TC_FUSED_PREPARE}{x}")),
+        )
         .chain(TC_STATE_WALKS.map(walk))
-        .chain(TC_WHOLE_ROW_WALKS.map(|(w, s, d)| format!("gdn_state_w{w}_s{s}{}", square(d))))
-        .chain(DIMS_SUFFIXES.map(|x| format!("{}{x}", TC_KERNELS[1])))
+        .chain(FUSED_WALKS.map(|(w, s, d)| format!("gdn_walk_out_w{w}_s{s}{}", square(d))))
+        .chain([TC_KERNELS[1].to_string()])
         .collect()
 }
 
@@ -197,11 +206,11 @@ pub fn entry_points() -> Vec<String> {
 /// float32 kernels run the others): the preparation's k and v (L rows of K + 8 and V + 8 bf16),
 /// A and T (L × (L + 4) floats each; T in bf16 over A later), g, β and α (L floats each); the
 /// state walk's ([`StateWalk::for_shape`], R rows per block) stages, each of g (L floats), its
-/// R columns of U~ (L rows of R + 8 bf16) and W and k (L rows of K + 8 bf16 each), then
-/// (versions 3 and 4, not the whole-row walk) its rows of the state (R × (K + 8) bf16) and the
-/// decayed U (L × (R + 8) bf16); the output's g
-/// (L floats) and bf16 rows: q and k L × (K + 8), U L × (V + 8), the entering state
-/// V × (K + 8), M L × (L + 8).
+/// R columns of U~ (L rows of R + 8 bf16) and W and k (L rows of K + 8 bf16 each; the fused
+/// walk also q, L rows of K + 8, and M, L rows of L + 8 bf16), then (versions 3 and 4, not the
+/// fused walk) its rows of the state (R × (K + 8) bf16) and the decayed U (L × (R + 8) bf16);
+/// the output's g (L floats) and bf16 rows: q and k L × (K + 8), U L × (V + 8), the entering
+/// state V × (K + 8), M L × (L + 8), or 0 where the fused walk leaves no output kernel.
 pub fn tc_shared_bytes(shape: DeltaShape, dtype: Dtype) -> Option<[u32; 3]> {
     let (l, k, v) = (CHUNK, shape.key_dim, shape.value_dim);
     if dtype != Dtype::Bf16 || !k.is_multiple_of(32) || !v.is_multiple_of(16) {
@@ -210,14 +219,20 @@ pub fn tc_shared_bytes(shape: DeltaShape, dtype: Dtype) -> Option<[u32; 3]> {
     let ks = k + 8;
     let walk = StateWalk::for_shape(shape);
     let r = walk.rows();
-    let stage = l * 4 + l * (r + 8) * 2 + 2 * l * ks * 2;
-    let exchange = if walk.whole_rows {
-        0
+    let (stage, exchange, output) = if walk.fused {
+        (
+            l * 4 + l * (r + 8) * 2 + (3 * l * ks + l * (l + 8)) * 2,
+            0,
+            0,
+        )
     } else {
-        r * ks * 2 + l * (r + 8) * 2
+        (
+            l * 4 + l * (r + 8) * 2 + 2 * l * ks * 2,
+            r * ks * 2 + l * (r + 8) * 2,
+            l * 4 + (2 * l * ks + l * (v + 8) + v * ks + l * (l + 8)) * 2,
+        )
     };
     let state = walk.stages * stage + exchange;
-    let output = l * 4 + (2 * l * ks + l * (v + 8) + v * ks + l * (l + 8)) * 2;
     let prepare = l * ((k + 8) + (v + 8)) * 2 + (2 * l * (l + 4) + 3 * l) * 4;
     Some([prepare as u32, state as u32, output as u32])
 }
@@ -274,15 +289,18 @@ pub(crate) fn check_shape(s: DeltaShape) -> Result<(), GpuError> {
 ///
 /// The tensor-core path (version 3, [`tc_shared_bytes`]) keeps W, the entering states and U~
 /// (then U, which the state walk writes over it) as bf16 (`w16`, `states16`, `u16`) and g as
-/// float32; the other buffers are then one-element placeholders, as are the bf16 ones on the
-/// float32 path.
+/// float32; with the fused walk ([`StateWalk::fused`]) W, U~ and M `[B, H, n_chunks, L, L]`
+/// (`m16`) as bf16 and no entering states. The other buffers are then one-element
+/// placeholders, as are the bf16 ones on the float32 path.
 pub struct GatedDelta {
     shape: DeltaShape,
     dtype: Dtype,
-    kernels: [CudaFunction; 3],
-    /// Shared memory of the three kernels chosen, bytes.
+    /// The preparation, the state walk and (unless `fused`) the output kernel.
+    kernels: Vec<CudaFunction>,
+    /// Shared memory of the kernels chosen, bytes (the third 0 when `fused`).
     smem: [u32; 3],
     tensor_cores: bool,
+    fused: bool,
     w: CudaSlice<f32>,
     u: CudaSlice<f32>,
     g: CudaSlice<f32>,
@@ -290,6 +308,7 @@ pub struct GatedDelta {
     w16: CudaSlice<u16>,
     u16: CudaSlice<u16>,
     states16: CudaSlice<u16>,
+    m16: CudaSlice<u16>,
     /// Stands in for the initial state when none is given (never read).
     unused: CudaSlice<f32>,
     /// NVRTC compile and module load time, s (0 when this process had compiled the source).
@@ -320,23 +339,31 @@ impl GatedDelta {
         let compiled = gpu.compile("delta.cu", &source())?;
         let tag = dtype.tag();
         let tc = tc_shared_bytes(s, dtype);
+        let fused = tc.is_some() && StateWalk::for_shape(s).fused;
         let (names, smem) = match tc {
-            Some(bytes) => (
-                [
-                    format!("{}{}", TC_KERNELS[0], dims_suffix(s)),
-                    format!(
-                        "{}{}",
-                        StateWalk::for_shape(s).entry_point(),
-                        dims_suffix(s)
-                    ),
-                    format!("{}{}", TC_KERNELS[1], dims_suffix(s)),
-                ],
-                bytes,
-            ),
-            None => (KERNELS.map(|k| format!("{k}_{tag}")), smem),
+            Some(bytes) => {
+                let walk = StateWalk::for_shape(s);
+                let names = if fused {
+                    vec![
+                        format!("{TC_FUSED_PREPARE}{}", dims_suffix(s)),
+                        format!("{}{}", walk.entry_point(), dims_suffix(s)),
+                    ]
+                } else {
+                    vec![
+                        TC_KERNELS[0].to_string(),
+                        walk.entry_point(),
+                        TC_KERNELS[1].to_string(),
+                    ]
+                };
+                (names, bytes)
+            }
+            None => (KERNELS.map(|k| format!("{k}_{tag}")).to_vec(), smem),
         };
-        let function = |i: usize| gpu.function(&compiled.module, &names[i], smem[i]);
-        let kernels = [function(0)?, function(1)?, function(2)?];
+        let kernels = names
+            .iter()
+            .zip(smem)
+            .map(|(name, bytes)| gpu.function(&compiled.module, name, bytes))
+            .collect::<Result<Vec<_>, _>>()?;
         let rows = s.batch * s.heads * s.seq_len.div_ceil(CHUNK);
         let (w_len, u_len, g_len) = (
             rows * CHUNK * s.key_dim,
@@ -348,19 +375,22 @@ impl GatedDelta {
         let alloc = |n: usize| gpu.stream.alloc_zeros::<f32>(n);
         let alloc16 = |n: usize| gpu.stream.alloc_zeros::<u16>(n);
         let t = tc.is_some();
+        let m_len = rows * CHUNK * CHUNK;
         Ok(GatedDelta {
             shape,
             dtype,
             kernels,
             smem,
             tensor_cores: t,
+            fused,
             w: alloc(on(!t, w_len))?,
             u: alloc(on(!t, u_len))?,
             g: alloc(g_len.max(1))?,
             states: alloc(on(!t, state_len))?,
             w16: alloc16(on(t, w_len))?,
             u16: alloc16(on(t, u_len))?,
-            states16: alloc16(on(t, state_len))?,
+            states16: alloc16(on(t && !fused, state_len))?,
+            m16: alloc16(on(fused, m_len))?,
             unused: alloc(1)?,
             compile_s: compiled.compile_s,
         })
@@ -368,11 +398,11 @@ impl GatedDelta {
 
     /// Bytes of scratch one call uses beyond its inputs and outputs: W, U, the log decays and
     /// the chunks' entering states (float32; on the tensor-core path W, the states and U~,
-    /// then U over it, in bf16 and g in float32), every buffer allocated counted (the other
-    /// path's one-element placeholders too).
+    /// then U over it, in bf16 and g in float32; with the fused walk W, U~ and M in bf16, no
+    /// states), every buffer allocated counted (the other paths' one-element placeholders too).
     pub fn temporary_bytes(&self) -> u64 {
         (self.w.len() + self.u.len() + self.g.len() + self.states.len()) as u64 * 4
-            + (self.w16.len() + self.u16.len() + self.states16.len()) as u64 * 2
+            + (self.w16.len() + self.u16.len() + self.states16.len() + self.m16.len()) as u64 * 2
     }
 
     /// Whether the kernels are version 3's tensor-core ones ([`tc_shared_bytes`]).
@@ -436,6 +466,52 @@ impl GatedDelta {
             shared_mem_bytes: smem,
         };
         let per_chunk = (n_chunks as u32, s.heads as u32, s.batch as u32);
+        if self.fused {
+            let mut l = gpu.stream.launch_builder(&self.kernels[0]);
+            l.arg(q).arg(k).arg(v).arg(alpha).arg(beta);
+            l.arg(&mut self.w16).arg(&mut self.u16).arg(&mut self.m16);
+            l.arg(&mut self.g).arg(&t_len).arg(&heads).arg(&kd).arg(&vd);
+            // SAFETY: gdn_prepare_tcm_k<K>v<V>(const u16* q, const u16* k, const u16* v,
+            // const float* alpha, const float* beta, u16* w, u16* u, u16* m, float* g,
+            // int T_len, int heads, int K, int V), K and V the compiled-in sizes
+            // (StateWalk::for_shape takes the fused walk only there; T is 2 bytes, checked
+            // above): blocks (chunk, head, batch entry) read their chunk's rows below T of the
+            // checked inputs and write their chunk's slots of the scratch `new` sized for this
+            // shape; the shared memory is what `new` raised the limit to.
+            unsafe { l.launch(cfg(per_chunk, THREADS, smem[0]))? };
+            let walk = StateWalk::for_shape(s);
+            let mut l = gpu.stream.launch_builder(&self.kernels[1]);
+            l.arg(q)
+                .arg(k)
+                .arg(&self.w16)
+                .arg(&self.u16)
+                .arg(&self.m16)
+                .arg(&self.g);
+            l.arg(initial_state.unwrap_or(&self.unused))
+                .arg(&has_initial)
+                .arg(&mut *o)
+                .arg(&mut *final_state)
+                .arg(&t_len)
+                .arg(&heads)
+                .arg(&kd)
+                .arg(&vd)
+                .arg(&chunks);
+            let row_blocks = (
+                s.value_dim.div_ceil(walk.rows()) as u32,
+                s.heads as u32,
+                s.batch as u32,
+            );
+            // SAFETY: gdn_walk_out_w<G>_s<S>_k<K>v<V>(const u16* q, const u16* k,
+            // const u16* w, const u16* u, const u16* m, const float* g,
+            // const float* initial_state, int has_initial, u16* o, float* final_state,
+            // int T_len, int heads, int K, int V, int n_chunks): blocks (V / rows row blocks,
+            // head, batch entry; V a multiple of the rows at these sizes) own disjoint columns
+            // of o and rows of the final state and read the scratch the launch before filled
+            // (same stream); the initial state is read only when has_initial is 1, and then
+            // holds B·H·V·K floats.
+            unsafe { l.launch(cfg(row_blocks, walk.threads(), smem[1]))? };
+            return Ok(());
+        }
         // The tensor-core path keeps W, U and the entering states in bf16 and walks the state
         // as StateWalk::for_shape says; version 2 all in float32, ROWS rows per block of
         // THREADS. The launches are otherwise the same.
@@ -450,7 +526,7 @@ impl GatedDelta {
         l.arg(&mut self.g).arg(&t_len).arg(&heads).arg(&kd).arg(&vd);
         // SAFETY: gdn_prepare_<t>(const T* k, const T* v, const float* alpha,
         // const float* beta, float* w, float* u, float* g, int T_len, int heads, int K,
-        // int V), or gdn_prepare_tc[suffix], the same with bf16 k, v (T is 2 bytes, checked
+        // int V), or gdn_prepare_tc, the same with bf16 k, v (T is 2 bytes, checked
         // above) and u16* w, u: blocks (chunk, head, batch entry) read their chunk's rows below T of the
         // checked inputs and write their chunk's slots of the scratch, which `new` sized for
         // this shape; K, V ≤ MAX_DIM and the shared memory is what `new` raised the limit to.
@@ -492,8 +568,7 @@ impl GatedDelta {
         // int T_len, int heads, int K, int V, int n_chunks), or gdn_state_tc_r<G>_s<S>(const u16* k,
         // const u16* w, u16* u (U~ in, U out), const float* g, const float* initial_state,
         // int has_initial, u16* states, float* final_state, int T_len, int heads,
-        // int K, int V, int n_chunks), or gdn_state_w<G>_s<S>_k<K>v<V> with the same arguments
-        // (StateWalk::for_shape takes it only where K and V are its compiled-in sizes): blocks (⌈V / rows⌉ row blocks, head, batch entry) own
+        // int K, int V, int n_chunks): blocks (⌈V / rows⌉ row blocks, head, batch entry) own
         // disjoint rows of the state, of U and of the states scratch (V a multiple of 16 and K
         // of 32 on the tensor-core path, `tc_shared_bytes`, and of the walk's rows:
         // StateWalk::for_shape takes 32 only where V is a multiple of 32); the scratch is what the launch
@@ -509,7 +584,7 @@ impl GatedDelta {
         }
         l.arg(&mut *o).arg(&t_len).arg(&heads).arg(&kd).arg(&vd);
         // SAFETY: gdn_output_<t>(const T* q, const T* k, const float* u, const float* g,
-        // const float* states, T* o, int T_len, int heads, int K, int V), or gdn_output_tc[suffix], the
+        // const float* states, T* o, int T_len, int heads, int K, int V), or gdn_output_tc, the
         // same with bf16 q, k, o and u16* u and states: blocks (chunk, head, batch entry) read
         // the scratch the two launches before wrote for their chunk and write their chunk's
         // rows of o below T.
@@ -553,13 +628,19 @@ mod tests {
         assert!(shared_bytes(shape(MAX_DIM, MAX_DIM))
             .iter()
             .all(|&b| b <= MAX_SHARED));
-        // The tensor-core path at K = V = 128: the whole-row walk of 32 rows, four stages of 64
-        // floats, 3 × 64 rows of 40, 136 and 136 halves, nothing else; the
-        // output's 64 floats and rows.
+        // The tensor-core path at K = V = 128: the fused walk of 32 rows, three stages of 64
+        // floats, 64 rows of 40 halves (U~), 3 × 64 of 136 (W, k, q) and 64 of 72 (M),
+        // nothing else, and no output kernel.
         let tc = tc_shared_bytes(shape(128, 128), Dtype::Bf16).unwrap();
         assert_eq!(
             tc[1],
-            (4 * (64 * 4 + 64 * 40 * 2 + 2 * 64 * 136 * 2)) as u32
+            (3 * (64 * 4 + 64 * 40 * 2 + 3 * 64 * 136 * 2 + 64 * 72 * 2)) as u32
+        );
+        assert_eq!(tc[2], 0);
+        // At 64: 16 rows, four stages.
+        assert_eq!(
+            tc_shared_bytes(shape(64, 64), Dtype::Bf16).unwrap()[1],
+            (4 * (64 * 4 + 64 * 24 * 2 + 3 * 64 * 72 * 2 + 64 * 72 * 2)) as u32
         );
         // K = 64, V = 128: version 4's walk, its state rows and decayed U after the stages.
         assert_eq!(
@@ -571,9 +652,11 @@ mod tests {
             tc_shared_bytes(shape(128, 64), Dtype::Bf16).unwrap()[1],
             (2 * (64 * 4 + 64 * 24 * 2 + 2 * 64 * 136 * 2) + 16 * 136 * 2 + 64 * 24 * 2) as u32
         );
+        // The output kernel where it runs, K = 128 and V = 96: g, q and k, U, the entering
+        // state and M.
         assert_eq!(
-            tc[2],
-            (64 * 4 + (2 * 64 * 136 + 64 * 136 + 128 * 136 + 64 * 72) * 2) as u32
+            tc_shared_bytes(shape(128, 96), Dtype::Bf16).unwrap()[2],
+            (64 * 4 + (2 * 64 * 136 + 64 * 104 + 96 * 136 + 64 * 72) * 2) as u32
         );
         assert!(tc.iter().all(|&b| b <= MAX_SHARED));
         assert_eq!(tc_shared_bytes(shape(128, 128), Dtype::F32), None);
@@ -594,20 +677,17 @@ mod tests {
                 "gdn_state_pass_bf16",
                 "gdn_output_bf16",
                 "gdn_prepare_tc",
-                "gdn_prepare_tc_k64v64",
-                "gdn_prepare_tc_k128v128",
+                "gdn_prepare_tcm_k64v64",
+                "gdn_prepare_tcm_k128v128",
                 "gdn_state_tc_r1_s2",
                 "gdn_state_tc_r2_s4",
-                "gdn_state_w1_s4_k64v64",
-                "gdn_state_w2_s4_k128v128",
-                "gdn_output_tc",
-                "gdn_output_tc_k64v64",
-                "gdn_output_tc_k128v128"
+                "gdn_walk_out_w1_s4_k64v64",
+                "gdn_walk_out_w2_s3_k128v128",
+                "gdn_output_tc"
             ]
         );
-        for x in DIMS_SUFFIXES {
-            assert!(DELTA_SRC.contains(&format!("GDN_PREPARE_TC({x},")), "{x}");
-            assert!(DELTA_SRC.contains(&format!("GDN_OUTPUT_TC({x},")), "{x}");
+        for x in &DIMS_SUFFIXES[1..] {
+            assert!(DELTA_SRC.contains(&format!("GDN_PREPARE_TCM({x},")), "{x}");
         }
         assert_eq!(dims_suffix(shape(128, 128)), "_k128v128");
         assert_eq!(dims_suffix(shape(64, 64)), "_k64v64");
@@ -615,8 +695,8 @@ mod tests {
         for (g, s) in TC_STATE_WALKS {
             assert!(DELTA_SRC.contains(&format!("GDN_STATE_TC({g}, {s})")));
         }
-        for (w, s, d) in TC_WHOLE_ROW_WALKS {
-            assert!(DELTA_SRC.contains(&format!("GDN_STATE_W({w}, {s}, {d}, {d})")));
+        for (w, s, d) in FUSED_WALKS {
+            assert!(DELTA_SRC.contains(&format!("GDN_WALK_OUT({w}, {s}, {d}, {d})")));
         }
         // Every shape with a constant-size suffix finds its walk instantiated with it.
         for d in [64, 128] {
@@ -627,7 +707,10 @@ mod tests {
                 dims_suffix(s)
             );
             assert!(e.contains(&name), "{name}");
+            assert!(e.contains(&format!("{TC_FUSED_PREPARE}{}", dims_suffix(s))));
+            assert!(StateWalk::for_shape(s).fused);
         }
+        assert!(!StateWalk::for_shape(shape(128, 96)).fused);
         assert!(DELTA_SRC.contains(&format!("#define GDN_TC_ROWS {TC_ROWS}")));
         assert!(DELTA_SRC.contains(&format!("#define GDN_TC_THREADS {TC_STATE_THREADS}")));
         for k in KERNELS {
