@@ -392,8 +392,9 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         (1, 200, 2, 32, 48),
         (2, 100, 1, 64, 32),
         (1, 300, 2, 32, 96),
-        // The whole-row walks over more chunks than their ring has stages, with a short last
-        // chunk: one warp a block at K = V = 64, two at 128 (one barrier a chunk between them).
+        // The fused walks (whole rows a warp, the output in the walk) over more chunks than
+        // their ring has stages, with a short last chunk: one warp a block at K = V = 64, two
+        // at 128 (one barrier a chunk between them).
         (1, 300, 2, 64, 64),
         (1, 300, 1, 128, 128),
     ]
@@ -416,7 +417,7 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
     })
     .collect();
     // The tensor-core kernels ran where the host would take them: K = V = 64 and 128, twice
-    // each (the whole-row walks, one warp and two), and the three shapes above (one walks 32
+    // each (the fused walks, one warp and two), and the three shapes above (one walks 32
     // rows a block in two groups of 4 warps).
     assert_eq!(
         cases.iter().filter(|c| !c.contains(",0,0,0,")).count(),

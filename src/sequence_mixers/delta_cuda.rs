@@ -85,7 +85,7 @@ const TC_STATE_THREADS: u32 = 128;
 pub const TC_ROWS: usize = 16;
 
 /// The tensor-core state walks of versions 3 and 4 the source instantiates for any K and V,
-/// (row groups, stages), [`StateWalk::for_shape`]'s choices outside [`TC_WHOLE_ROW_WALKS`]'
+/// (row groups, stages), [`StateWalk::for_shape`]'s choices outside [`FUSED_WALKS`]'
 /// sizes: 16 rows a block with 2 stages, 32 rows with 4.
 pub const TC_STATE_WALKS: [(usize, usize); 2] = [(1, 2), (2, 4)];
 
