@@ -1,6 +1,6 @@
 // The gated delta rule forward (Gated DeltaNet; Yang, Kautz and Hatamizadeh, 2024, "Gated
 // Delta Networks: Improving Mamba2 with Delta Rule"). Two paths, chosen by the host
-// (src/sequence_mixers/delta_cuda.rs, `tc_shared_bytes`): version 3 (3.1 to 5) for bf16 with
+// (src/sequence_mixers/delta_cuda.rs, `tc_shared_bytes`): version 3 (3.1 to 8) for bf16 with
 // K a multiple of 32 and V of 16, on tensor cores (kernels 1'-3', described before their code
 // below); every other case version 2, on CUDA cores in float32, described here: the
 // chunked WY form of src/sequence_mixers/chunked.rs (its docstring derives it; Yang et al.,
@@ -881,8 +881,10 @@ __device__ __forceinline__ void gdn_t_times(u16* out, long long row0, const u16*
 // flash-linear-attention's chunked WY form does. W to `w` and U~ to `u` as bf16 (U~ as
 // float32 before version 6), g as float32. With MO (version 8, for the fused walk 2'') also
 // M = exp(g_i - g_j) (q_i . k_j) for j <= i < l (0 elsewhere; output kernel 3''s M) to `m`
-// as bf16 [B, H, n_chunks, L, L], from q loaded over T's place before the inverse; the 16 x 16
-// blocks above the diagonal are not written (the walk reads none).
+// as bf16 [B, H, n_chunks, L, L], from q loaded over T's place before the inverse (L (K + 8)
+// bf16 fit in L (L + 4) floats for K <= 128: the host's unit test checks it); of the 16 x 16
+// blocks above the diagonal only those inside a warp's 16 x 32 block are written (zeros),
+// the other four not (the walk reads none).
 // Dynamic shared memory: L ((K + 8) + (V + 8)) bf16 + 2 L (L + 4) + 3 L floats (the host
 // computes it: src/sequence_mixers/delta_cuda.rs; q's L (K + 8) bf16 fit in T's place).
 template <int KT, int VT, bool MO>

@@ -9,10 +9,11 @@
 //! every chunk then computes its output at once. bf16 with K a multiple of 32 and V of 16
 //! ([`tc_shared_bytes`]) takes the tensor-core kernels: the products on mma.sync (bf16
 //! operands, float32 accumulation), the inverse by blocks of 16 rows (those below the diagonal
-//! on tf32 mma.sync), the state walk as [`StateWalk::for_shape`] says, all three with K and V
-//! compiled in at 64 and 128 ([`dims_suffix`]), W, U~ and U in bf16 (U written over U~);
-//! every other case takes version 2, plain
-//! float32 loops over shared memory on CUDA cores.
+//! on tf32 mma.sync), the state walk as [`StateWalk::for_shape`] says, W, U~ and U in bf16 (U
+//! written over U~); at K = V = 64 and 128 in two launches, compiled for those sizes
+//! ([`dims_suffix`]): the solve also writes each chunk's decayed Q Kᵀ (M) and the state walk
+//! computes the output itself, with no entering states or U in scratch (version 8). Every
+//! other case takes version 2, plain float32 loops over shared memory on CUDA cores.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -637,6 +638,10 @@ mod tests {
             (3 * (64 * 4 + 64 * 40 * 2 + 3 * 64 * 136 * 2 + 64 * 72 * 2)) as u32
         );
         assert_eq!(tc[2], 0);
+        // The fused preparation loads q ([L][K + 8] bf16) over T's place ([L][L + 4] floats).
+        for (_, _, d) in FUSED_WALKS {
+            assert!(CHUNK * (d + 8) * 2 <= CHUNK * (CHUNK + 4) * 4, "K = {d}");
+        }
         // At 64: 16 rows, four stages.
         assert_eq!(
             tc_shared_bytes(shape(64, 64), Dtype::Bf16).unwrap()[1],

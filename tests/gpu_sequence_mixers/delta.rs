@@ -2,7 +2,9 @@
 //! float64 recurrence `reference::gated_delta_rule`, and its source compiled by NVRTC.
 
 use kernelpages::sequence_mixers::cuda::Dtype;
-use kernelpages::sequence_mixers::delta_cuda::{entry_points, source, tc_shared_bytes, GatedDelta};
+use kernelpages::sequence_mixers::delta_cuda::{
+    entry_points, source, tc_shared_bytes, GatedDelta, StateWalk,
+};
 use kernelpages::sequence_mixers::reference::{self, DeltaInputs, DeltaShape};
 
 use super::{
@@ -44,16 +46,25 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
     let mut fin = poisoned::<f32>(state_len);
     let mut gdn = GatedDelta::new(g, shape, dtype).unwrap();
     // Scratch: W, U, the log decays and the entering states of every chunk, float32, with
-    // one-element bf16 placeholders; on the tensor-core path W, the states and U in bf16 too,
-    // U~ and g float32, one-element float32 placeholders for W and the states (each buffer at
-    // least one element).
+    // one-element bf16 placeholders (W, U, the states, M); on the tensor-core path g float32
+    // with one-element float32 placeholders for W, U and the states, and W and U~ (then U) in
+    // bf16 with the entering states, or with the fused walk (K = V = 64 and 128) M
+    // [rows, 64, 64] instead, the other a one-element placeholder (each buffer at least one
+    // element).
     let rows = shape.batch * shape.heads * shape.seq_len.div_ceil(64);
     let n = |n: usize| n.max(1) as u64;
     let (w, u, gl, st) = (rows * 64 * kd, rows * 64 * vd, rows * 64, rows * vd * kd);
-    let want = if tc_shared_bytes(shape, dtype).is_some() {
-        (1 + n(u) + n(gl) + 1) * 4 + (n(w) + n(u) + n(st)) * 2
+    let tc = tc_shared_bytes(shape, dtype).is_some();
+    let fused = tc && StateWalk::for_shape(shape).fused;
+    let want = if tc {
+        let last = if fused {
+            1 + n(rows * 64 * 64)
+        } else {
+            n(st) + 1
+        };
+        3 * 4 + n(gl) * 4 + (n(w) + n(u) + last) * 2
     } else {
-        (n(w) + n(u) + n(gl) + n(st)) * 4 + 3 * 2
+        (n(w) + n(u) + n(gl) + n(st)) * 4 + 4 * 2
     };
     assert_eq!(gdn.temporary_bytes(), want);
     // The dtype-typed tensors, launched and read back as `$t` (f32, or u16 holding bf16).

@@ -59,7 +59,8 @@ int main(int argc, char** argv) {
             // The kernels the host picks (delta_cuda.rs, dims_suffix and StateWalk::for_shape):
             // at K = V = 64 and 128 the fused preparation (with M) and walk (with the output),
             // K and V compiled in; else the three kernels for any K and V. M's blocks above the
-            // diagonal stay poisoned (neither written nor read).
+            // diagonal outside the preparation's 16 x 32 warp blocks stay poisoned (neither
+            // written nor read).
             const bool d64 = K == 64 && V == 64, d128 = K == 128 && V == 128;
             std::vector<u16> m16((size_t)B*H*nc*L*L, 0xffff);
             launch(chunks, GDN_THREADS, [&] {
