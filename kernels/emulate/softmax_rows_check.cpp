@@ -18,10 +18,7 @@
 #include <vector>
 #include "prelude.cuh"
 
-// CUDA's vector types, as the kernels use them (16- and 8-byte aligned).
-struct alignas(16) float4 {
-    float x, y, z, w;
-};
+// CUDA's vector types, as the kernels use them (16- and 8-byte aligned; float4 is the shim's).
 struct alignas(8) uint2 {
     unsigned x, y;
 };
