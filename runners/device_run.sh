@@ -15,7 +15,8 @@
 #                                                 # 2026-12-02: Triton autotunes every shape)
 #   bash .carry/device_run.sh jaxinit OUTDIR      # where a JAX row's start-up goes
 #                                                 # (runners/jax_init_probe.py, < 1 min)
-#   bash .carry/device_run.sh gdn OUTDIR          # the gated delta rule forward's GPU test,
+#   bash .carry/device_run.sh gdn OUTDIR          # (carry: runners/mix_carry.sh) the gated
+#                                                 # delta rule forward's GPU test,
 #                                                 # its bf16 forward rows up to T16384 and ncu's
 #                                                 # time per kernel at T16384, for
 #                                                 # .carry/sequence_mixers and, where present,
@@ -206,6 +207,8 @@ mixers)
   fi
   ;;
 gdn)
+  # runners/mix_carry.sh packs the builds as bins.tar.xz beside this script.
+  if [ -f "$here/bins.tar.xz" ]; then tar xJf "$here/bins.tar.xz" -C "$here"; fi
   step "gated delta gpu test" 150 "$out/gdn.tests.log" "$bin/gpu_sequence_mixers_test" \
     --include-ignored --test-threads 1 --nocapture gated_delta_rule_matches
   labels=(carry)
