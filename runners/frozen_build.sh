@@ -26,15 +26,7 @@ fi
 # One target folder for every frozen build: the dependencies build once.
 export CARGO_TARGET_DIR=$repo/target/frozen
 (cd "$tree" && cargo build --locked --release --bin attention)
-# The test binary's path from cargo itself (the newest file in deps/ may be another commit's).
-test_bin=$(cd "$tree" && cargo test --locked --release --test gpu_attention --no-run \
-  --message-format=json | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu_attention":
-        print(m["executable"])')
-[ -n "$test_bin" ] || { echo "no gpu_attention test binary from cargo" >&2; exit 1; }
+test_bin=$(cd "$tree" && bash "$repo/runners/test_binary.sh" gpu_attention)
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/runners"

@@ -35,15 +35,7 @@ build() {
   mkdir -p "$2"
   cp "$CARGO_TARGET_DIR/release/sequence_mixers" "$2/"
   if [ "$3" = 1 ]; then
-    # The test binary's path from cargo itself (deps/ holds other commits' too).
-    exe=$(cd "$tree" && cargo test --locked --release --test gpu_sequence_mixers --no-run \
-      --message-format=json | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu_sequence_mixers":
-        print(m["executable"])')
-    [ -n "$exe" ] || { echo "no gpu_sequence_mixers test binary from cargo at $commit" >&2; exit 1; }
+    exe=$(cd "$tree" && bash "$repo/runners/test_binary.sh" gpu_sequence_mixers)
     cp "$exe" "$2/gpu_sequence_mixers_test"
   fi
   command -v strip > /dev/null && strip "$2"/*

@@ -664,18 +664,14 @@ __device__ __forceinline__ void gdn_walk_out_body(
 GDN_WALK_OUT(1, 4, 64, 64)
 GDN_WALK_OUT(2, 3, 128, 128)
 
-// Kernel 3' (gdn_output_tc), with K and V read from the arguments (KT = VT = 0, its entry
-// point below) or compiled in as constants (versions 3.2 to 7 at K = V = 64 and 128).
-template <int KT, int VT>
-__device__ __forceinline__ void gdn_output_tc_body(const u16* __restrict__ q,
-                                                   const u16* __restrict__ k,
-                                                   const u16* __restrict__ u,
-                                                   const float* __restrict__ g_in,
-                                                   const u16* __restrict__ states,
-                                                   u16* __restrict__ o, int T_len, int heads,
-                                                   int K_arg, int V_arg) {
+// Kernel 3' (gdn_output_tc), for any K and V the tensor-core path takes outside the fused
+// walk's sizes, read from the arguments (versions 3.2 to 7 also had K = V = 64 and 128 compiled
+// in, until the fused walk 2'' took those sizes in version 8).
+extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_output_tc(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ u,
+    const float* __restrict__ g_in, const u16* __restrict__ states, u16* __restrict__ o,
+    int T_len, int heads, int K, int V) {
     extern __shared__ float smem[];
-    const int K = KT > 0 ? KT : K_arg, V = VT > 0 ? VT : V_arg;
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int n_chunks = gridDim.x;
     const long long t0 = (long long)b * T_len + (long long)c * GDN_CHUNK;
@@ -751,16 +747,6 @@ __device__ __forceinline__ void gdn_output_tc_body(const u16* __restrict__ q,
     }
 }
 
-// Kernel 3''s entry point, for any K and V the tensor-core path takes outside the fused walk's
-// sizes (K and V from the arguments; versions 3.2 to 7 also had K = V = 64 and 128 compiled
-// in, the index arithmetic folded and the loops unrolled, until the fused walk 2'' took those
-// sizes in version 8).
-extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_output_tc(
-    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ u,
-    const float* __restrict__ g_in, const u16* __restrict__ states, u16* __restrict__ o,
-    int T_len, int heads, int K, int V) {
-    gdn_output_tc_body<0, 0>(q, k, u, g_in, states, o, T_len, heads, K, V);
-}
 
 // The four diagonal 16 x 16 blocks of T = (I + A)⁻¹ for a strictly lower triangular A
 // [GDN_CHUNK][ap] (float32, shared memory; ap a multiple of 4, a 16-byte aligned: rows are read
