@@ -1,7 +1,8 @@
-//! Every CUDA kernel instantiation the runners can ask for compiles with NVRTC, for sm_80 and
-//! sm_90a where the kernel runs on both (a few fp16 instances, bf16's code with the other 16-bit
-//! type, for one of the two: flex and the forward's fast path, to keep CI under ten minutes),
-//! and ptxas's resource report (registers, spills) of the defaults is printed
+//! Every CUDA kernel instantiation the runners can ask for compiles with NVRTC, for sm_90a to
+//! machine code and for sm_80, where the kernel runs on both, to PTX (`spills::ptx_for_ampere`:
+//! without ptxas; a few fp16 instances, bf16's code with the other 16-bit type, for one of the
+//! two: flex and the forward's fast path; both to keep CI under ten minutes), and ptxas's
+//! resource report (registers, spills) of the defaults is printed
 //! (`cargo test --test kernels_compile -- --nocapture`; kernels/TUNING.md records it). Needs
 //! only the NVRTC library (no GPU): where build.rs found no `libnvrtc.so.13` the tests are
 //! compiled as ignored, with the reason; `.ci/run` installs NVRTC from PyPI so CI runs them.
@@ -10,6 +11,10 @@
 //! architecture), as fast as NVRTC allows; a failing one is named in the compiler's log.
 
 use std::collections::BTreeMap;
+
+#[path = "common/spills.rs"]
+mod spills;
+use spills::ptx_for_ampere;
 
 use kernelpages::attention::cuda::{
     flash_bwd_wrappers, flash_wrapper, BwdConfig, FlashConfig, BWD_SWEEP, FLASH_BWD_SRC,
@@ -114,19 +119,11 @@ fn every_flash_instantiation_compiles() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    // The defaults for every dtype, head dim and mask, for Ampere, and for Hopper with
+    // The defaults for every dtype, head dim and mask, for Ampere (PTX), and for Hopper with
     // ptxas's report (the same compile, reporting): printed for kernels/TUNING.md, and no
     // kernel may need more than the 255 registers a thread has or spill more than a few words.
-    compile(
-        "flash_fwd_defaults.cu",
-        &fwd_source(&defaults_fwd()),
-        "sm_80",
-    );
-    compile(
-        "flash_bwd_defaults.cu",
-        &bwd_source(&defaults_bwd()),
-        "sm_80",
-    );
+    ptx_for_ampere("flash_fwd_defaults.cu", &fwd_source(&defaults_fwd()));
+    ptx_for_ampere("flash_bwd_defaults.cu", &bwd_source(&defaults_bwd()));
     let (fwd, bwd) = (defaults_fwd(), defaults_bwd());
     let mut reports =
         kernelpages::gpu::ptxas_report("fwd.cu", &fwd_source(&fwd), "sm_90a").unwrap();
@@ -211,11 +208,10 @@ fn softmax_kernels_compile() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    compile("softmax_rows.cu", SOFTMAX_SRC, "sm_90a");
-    compile("softmax_rows.cu", SOFTMAX_SRC, "sm_80");
+    ptx_for_ampere("softmax_rows.cu", SOFTMAX_SRC);
     // Every entry point the math runner looks up by name (`Runner::new`, only on a GPU) is in
-    // the machine code (ptxas reports it): a missing one would fail there, not here, without
-    // this.
+    // the sm_90a machine code (ptxas reports it): a missing one would fail there, not here,
+    // without this.
     let reports = kernelpages::gpu::ptxas_report("softmax_rows.cu", SOFTMAX_SRC, "sm_90a").unwrap();
     let mut names: Vec<String> = [
         "pad_rows_v16",
@@ -253,9 +249,13 @@ fn heads_layout_kernels_compile() {
     );
     let src = kernelpages::attention::api::HEADS_LAYOUT_SRC;
     for arch in ["sm_90a", "sm_80"] {
-        let ptx = kernelpages::gpu::nvrtc_compile("heads_layout.cu", src, arch)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let text = ptx.to_src();
+        let text = if arch == "sm_80" {
+            ptx_for_ampere("heads_layout.cu", src)
+        } else {
+            kernelpages::gpu::nvrtc_compile("heads_layout.cu", src, arch)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .to_src()
+        };
         for f in [
             "split_heads_w1",
             "split_heads_w2",
@@ -354,9 +354,9 @@ fn the_fast_path_forward_compiles() {
                     assert_eq!(flash_even(&c, fc), seq_len == 256, "{c:?}");
                     let (name, src) = flash_fast_instance(&c, fc);
                     // fp16 is bf16's code with the other 16-bit type: Hopper's report (the
-                    // spill check) for both, Ampere's compile for bf16 (CI's time).
+                    // spill check) for both, Ampere's PTX for bf16 (CI's time).
                     if dtype == Dtype::Bf16 {
-                        compile(&format!("{name}.cu"), &src, "sm_80");
+                        ptx_for_ampere(&format!("{name}.cu"), &src);
                     }
                     let reports =
                         kernelpages::gpu::ptxas_report(&format!("{name}.cu"), &src, "sm_90a")
@@ -416,9 +416,7 @@ fn kernel_sums_kernels_compile() {
     );
     use kernelpages::kernel_sums::cuda::{entry_points, entry_source, KERNEL_SUMS_SRC};
     let names = entry_points();
-    let ptx = kernelpages::gpu::nvrtc_compile("kernel_sums.cu", KERNEL_SUMS_SRC, "sm_80")
-        .unwrap_or_else(|e| panic!("{e}"));
-    let text = ptx.to_src();
+    let text = ptx_for_ampere("kernel_sums.cu", KERNEL_SUMS_SRC);
     for f in &names {
         // `.entry name(`: a bare substring test would take rbf_mv_d1_c16 for rbf_mv_d1_c1.
         assert!(
@@ -448,15 +446,18 @@ fn kernel_sums_kernels_compile() {
         assert!(r.registers <= 255, "{r:?}");
     }
     // Each entry point alone, as the runner compiles it: itself, and for a split kernel sum
-    // the combine that merges its partials (compiled with it, never alone).
+    // the combine that merges its partials (compiled with it, never alone). Which entry points
+    // a module holds is in its PTX: compute_90a, no ptxas (the whole file's machine code is
+    // checked above).
     use kernelpages::kernel_sums::cuda::{COMBINE, SUM_COMBINE, TC_CENTER, TC_PREP};
     let launched_with_others = [COMBINE, SUM_COMBINE, TC_CENTER, TC_PREP];
     for f in names
         .iter()
         .filter(|f| !launched_with_others.contains(&f.as_str()))
     {
-        let ptx = kernelpages::gpu::nvrtc_compile(&format!("{f}.cu"), &entry_source(f), "sm_90a")
-            .unwrap_or_else(|e| panic!("{e}"));
+        let ptx =
+            kernelpages::gpu::nvrtc_compile(&format!("{f}.cu"), &entry_source(f), "compute_90a")
+                .unwrap_or_else(|e| panic!("{e}"));
         let text = ptx.to_src();
         assert!(text.contains(&format!(".entry {f}(")), "{f} alone");
         let lse_split = f.starts_with("kernel_lse_split_");
@@ -484,7 +485,7 @@ fn kernel_sums_kernels_compile() {
     }
     // The Sinkhorn half-step's epilogue (`DeviceSinkhorn`), as the GPU runner compiles it.
     use kernelpages::kernel_sums::cuda::{SINKHORN_EVAL_SRC, SINKHORN_UPDATE_SRC};
-    for arch in ["sm_80", "sm_90a"] {
+    for arch in ["compute_80", "sm_90a"] {
         let ptx = kernelpages::gpu::nvrtc_compile("sinkhorn_update.cu", SINKHORN_UPDATE_SRC, arch)
             .unwrap_or_else(|e| panic!("{arch}: {e}"));
         assert!(ptx.to_src().contains(".entry sinkhorn_update("), "{arch}");
@@ -528,7 +529,7 @@ fn decode_kernels_compile_without_spills() {
             );
             for dtype in [Dtype::Bf16, Dtype::F16] {
                 let (split, src) = decode_source(d, mt, dtype, false);
-                compile(&format!("{split}.cu"), &src, "sm_80");
+                ptx_for_ampere(&format!("{split}.cu"), &src);
                 let (_, src) = decode_source(d, mt, dtype, true);
                 let reports =
                     kernelpages::gpu::ptxas_report(&format!("{split}.cu"), &src, "sm_90a").unwrap();
@@ -600,7 +601,7 @@ fn flex_kernels_compile_without_spills() {
                 ] {
                     let instance = format!("{file} d{d} {dtype:?}");
                     if for_ampere {
-                        compile(&file, &src, "sm_80");
+                        ptx_for_ampere(&file, &src);
                         compiled.insert(instance.clone());
                     }
                     if !for_hopper {
@@ -862,7 +863,9 @@ fn wgmma_backward_compiles_for_sm_90a() {
 
 /// Each process compiles the one wgmma forward it runs: the source `HopperForward` compiles for
 /// every version and head_dim it accepts (and the probe's) holds that kernel, with its tail
-/// split's combine for the warp-specialised versions (V2 to V5), and no other.
+/// split's combine for the warp-specialised versions (V2 to V5), and no other. Checked here in
+/// the PTX (`compute_90a`) for the probe and V1; for V2 to V5 in the machine code that
+/// `wgmma_forwards_keep_their_wgmma_asynchronous` compiles from the same source.
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
@@ -874,13 +877,11 @@ fn each_wgmma_forward_compiles_alone() {
         nvrtc_present(),
         "libnvrtc.so.13 not found on the loader path"
     );
-    let mut names = vec!["wgmma_probe".to_string()];
-    for v in [Sm90Version::V1, Sm90Version::V2, Sm90Version::V3] {
-        names.push(v.kernel_name(64).unwrap());
-        names.push(v.kernel_name(128).unwrap());
-    }
-    names.push(Sm90Version::V4.kernel_name(64).unwrap());
-    names.push(Sm90Version::V5.kernel_name(128).unwrap());
+    let names = [
+        "wgmma_probe".to_string(),
+        Sm90Version::V1.kernel_name(64).unwrap(),
+        Sm90Version::V1.kernel_name(128).unwrap(),
+    ];
     for (v, d) in [
         (Sm90Version::V4, 128),
         (Sm90Version::V5, 64),
@@ -889,17 +890,9 @@ fn each_wgmma_forward_compiles_alone() {
         assert_eq!(v.kernel_name(d), None, "{v:?} d{d}");
     }
     for name in &names {
-        let src = wgmma_source(Some(name));
-        let reports = kernelpages::gpu::ptxas_report("attn_wgmma_sm90.cu", &src, "sm_90a").unwrap();
-        let mut kernels: Vec<&str> = reports.iter().map(|r| r.kernel.as_str()).collect();
-        kernels.sort_unstable();
-        let combine = format!("{name}_combine");
-        let want: Vec<&str> = if name.contains("_ws") {
-            vec![name.as_str(), combine.as_str()]
-        } else {
-            vec![name.as_str()]
-        };
-        assert_eq!(kernels, want, "{name}");
+        let ptx = ptx_of(&wgmma_source(Some(name)));
+        assert!(ptx.contains(&format!(".entry {name}(")), "{name}");
+        assert_eq!(ptx.matches(".entry ").count(), 1, "{name}");
     }
 }
 
@@ -970,7 +963,7 @@ fn sass_opcode_counts(cubin: &[u8], opcodes: &[u64]) -> Vec<usize> {
     ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
 )]
 fn wgmma_forwards_keep_their_wgmma_asynchronous() {
-    use kernelpages::attention::sm90::{wgmma_source_with, Sm90Version};
+    use kernelpages::attention::sm90::{wgmma_source, wgmma_source_with, Sm90Version};
     use kernelpages::attention::Dtype;
     assert!(
         nvrtc_present(),
@@ -999,6 +992,14 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
                 (12 * copies, 2 * copies),
             );
             forward_fits(&reports, &name);
+            if !persistent {
+                // The module a process running this forward compiles (`wgmma_source`): the
+                // kernel and its tail split's combine, no other.
+                assert_eq!(src, wgmma_source(Some(&name)));
+                let mut kernels: Vec<String> = reports.iter().map(|r| r.kernel.clone()).collect();
+                kernels.sort_unstable();
+                assert_eq!(kernels, [name.clone(), format!("{name}_combine")], "{name}");
+            }
             ptx
         });
         // The ping-pong between consumers: its named-barrier turns in the default build of
@@ -1070,9 +1071,9 @@ fn wgmma_forwards_keep_their_wgmma_asynchronous() {
     }
 }
 
-/// The PTX of the wgmma forward's source `src` for sm_90a.
+/// The PTX of the wgmma forward's source `src` for sm_90a (`compute_90a`: no ptxas).
 fn ptx_of(src: &str) -> String {
-    kernelpages::gpu::nvrtc_compile("attn_wgmma_sm90.cu", src, "sm_90a")
+    kernelpages::gpu::nvrtc_compile("attn_wgmma_sm90.cu", src, "compute_90a")
         .unwrap()
         .to_src()
 }
