@@ -283,7 +283,7 @@ fn every_figure_has_title_desc_and_a_dark_theme() {
 /// Every figure's `<img>` carries the width and height its SVG is drawn at (the page keeps its
 /// place before it loads, and the layout test measures figures against them with images off),
 /// and loads lazily, except the overview's chart at the top of its page. Checked on the
-/// committed site (`docgen_check.rs` fails when it is not what the data builds).
+/// committed site (`tests/docgen/check.rs` fails when it is not what the data builds).
 #[test]
 fn every_img_has_its_svgs_size_and_loads_lazily_below_the_top() {
     let site = root().join("site");
@@ -843,7 +843,7 @@ fn conflicting_shards_name_both_files() {
 }
 
 /// Text in every figure is at least 11 px at the size the page shows it (figures are shown at
-/// the size they are drawn: tests/docgen_layout.rs).
+/// the size they are drawn: tests/docgen/layout.rs).
 #[test]
 fn every_figure_text_is_at_least_11_px() {
     let (_tmp, site) = build_site(&root().join("data"));

@@ -1,6 +1,18 @@
 //! End-to-end tests of `docgen build`: a site is built from the fixture documents into a
 //! temporary folder and its pages and figures are parsed (scraper), not grepped.
 
+// The site's other integration tests, one module per concern, in this one test binary: one
+// link instead of ten, and CI's two cores run the tests of all of them side by side.
+mod check;
+mod figures;
+mod fixtures;
+mod layout;
+mod loading;
+mod output;
+mod prose;
+mod screenshot;
+mod serve;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};

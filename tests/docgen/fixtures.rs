@@ -1,7 +1,7 @@
 //! Generates the synthetic test fixture `tests/fixtures/valid/gpu_attention.json`.
 //!
 //! The numbers are made up by a formula: this is a TEST FIXTURE, not a measurement. Regenerate
-//! with `cargo test --test docgen_fixtures -- --ignored`; the non-ignored test checks that the
+//! with `cargo test --test docgen fixtures:: -- --ignored`; the non-ignored test checks that the
 //! committed file is what the generator produces.
 
 use std::collections::BTreeMap;
@@ -243,6 +243,6 @@ fn fixture_matches_generator() {
     assert_eq!(
         on_disk,
         rendered(),
-        "run `cargo test --test docgen_fixtures -- --ignored` to regenerate"
+        "run `cargo test --test docgen fixtures:: -- --ignored` to regenerate"
     );
 }

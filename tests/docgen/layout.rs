@@ -2,7 +2,7 @@
 //! than the window; wide tables, code and figures scroll inside their own box; and no figure
 //! is drawn smaller than its own size, so its text keeps the size it was drawn at (tick labels
 //! 13 px, legends 12 px: `figures.rs`). A figure's own size is its `<img>`'s width and height
-//! attributes, which docgen writes from the size it draws the SVG at (`docgen_figures.rs`
+//! attributes, which docgen writes from the size it draws the SVG at (`figures.rs`
 //! checks that they match the SVG files), so the browser lays the pages out with images off: loading
 //! the site's ~800 figures took over 40 s of the test's 52 on two cores, laying the pages out
 //! without them about 3.
