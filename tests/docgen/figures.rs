@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 
 use kernelpages::load;
 use kernelpages::site::{self, BuildOptions};
-use scraper::{ElementRef, Html, Selector};
+use scraper::{ElementRef, Html};
+
+use super::{page, sel, text};
 use serde_json::Value;
 
 fn root() -> PathBuf {
@@ -32,24 +34,8 @@ fn build_site(data: &Path) -> (tempfile::TempDir, PathBuf) {
     (tmp, out)
 }
 
-fn sel(s: &str) -> Selector {
-    Selector::parse(s).unwrap()
-}
-
-fn text(e: ElementRef<'_>) -> String {
-    e.text()
-        .collect::<String>()
-        .split_whitespace()
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 fn svg(path: &Path) -> Html {
     Html::parse_fragment(&fs::read_to_string(path).unwrap())
-}
-
-fn page(site: &Path, name: &str) -> Html {
-    Html::parse_document(&fs::read_to_string(site.join(name)).unwrap())
 }
 
 /// Every `<text>` of an SVG.

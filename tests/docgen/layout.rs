@@ -13,21 +13,14 @@
 //! Chromium: without it the test is compiled as ignored (build.rs sets `kp_chromium`).
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use kernelpages::site::{self, BuildOptions};
 
-const WIDTHS: [u32; 2] = [390, 1280];
+use super::{chromium, CHROMIUM_FLAGS};
 
-fn chromium() -> PathBuf {
-    let path = std::env::var_os("PATH").expect("PATH");
-    ["chromium", "chromium-browser", "google-chrome"]
-        .iter()
-        .flat_map(|name| std::env::split_paths(&path).map(move |d| d.join(name)))
-        .find(|p| p.is_file())
-        .expect("chromium on PATH")
-}
+const WIDTHS: [u32; 2] = [390, 1280];
 
 /// The harness: one iframe per (page, width); once all have loaded, the title holds one line
 /// per frame, `page width scrollWidth clientWidth shrunk-figures offenders`.
@@ -96,16 +89,9 @@ fn no_page_is_wider_than_the_window() {
     let harness_path = out.join("zz-layout-harness.html");
     fs::write(&harness_path, harness(&pages)).unwrap();
     let profile = tempfile::tempdir().unwrap();
-    let output = Command::new(chromium())
+    let output = Command::new(chromium().expect("chromium on PATH"))
+        .args(CHROMIUM_FLAGS)
         .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
             "--allow-file-access-from-files",
             "--blink-settings=imagesEnabled=false",
             "--window-size=1400,900",

@@ -45,6 +45,30 @@ fn build_site(data: &Path, base_url: Option<&str>) -> (tempfile::TempDir, PathBu
     (tmp, out)
 }
 
+/// Headless Chromium on `PATH` (`chromium`, `chromium-browser` or `google-chrome`), for the
+/// layout and screenshot tests (build.rs's `kp_chromium` says whether there is one).
+fn chromium() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    ["chromium", "chromium-browser", "google-chrome"]
+        .iter()
+        .flat_map(|name| std::env::split_paths(&path).map(move |d| d.join(name)))
+        .find(|p| p.is_file())
+}
+
+/// The flags both browser tests start Chromium with: headless, without a sandbox, the GPU or
+/// anything fetched from the network.
+const CHROMIUM_FLAGS: [&str; 8] = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+];
+
+/// The page `name` of the site in `site`, parsed.
 fn page(site: &Path, name: &str) -> Html {
     let text = fs::read_to_string(site.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
     Html::parse_document(&text)

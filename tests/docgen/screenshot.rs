@@ -13,36 +13,21 @@ use std::time::{Duration, Instant};
 
 use kernelpages::site::{self, BuildOptions};
 
+use super::{chromium, CHROMIUM_FLAGS};
+
 /// Bar colours of the At a glance chart (`figures::DEFAULT_FASTER`, `ALTERNATIVE_FASTER`).
 const BAR_COLOURS: [[u8; 3]; 2] = [[0x00, 0x72, 0xb2], [0xe6, 0x9f, 0x00]];
-
-fn chromium() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    ["chromium", "chromium-browser", "google-chrome"]
-        .iter()
-        .flat_map(|name| std::env::split_paths(&path).map(move |d| d.join(name)))
-        .find(|p| p.is_file())
-}
 
 /// Screenshot of `page` (a file), 1280 px wide and `height` px tall; `dark` forces the dark
 /// colour scheme.
 fn screenshot(browser: &Path, page: &Path, png: &Path, dark: bool, height: usize) {
     let profile = tempfile::tempdir().unwrap();
     let mut cmd = Command::new(browser);
-    cmd.args([
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--hide-scrollbars",
-    ])
-    .arg(format!("--window-size=1280,{height}"))
-    .arg(format!("--user-data-dir={}", profile.path().display()))
-    .arg(format!("--screenshot={}", png.display()));
+    cmd.args(CHROMIUM_FLAGS)
+        .arg("--hide-scrollbars")
+        .arg(format!("--window-size=1280,{height}"))
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .arg(format!("--screenshot={}", png.display()));
     if dark {
         cmd.arg("--force-dark-mode");
     }
