@@ -1,8 +1,11 @@
 //! Every CUDA kernel instantiation the runners can ask for compiles with NVRTC, for sm_90a to
 //! machine code and for sm_80, where the kernel runs on both, to PTX (`spills::ptx_for_ampere`:
-//! without ptxas; a few fp16 instances, bf16's code with the other 16-bit type, for one of the
-//! two: flex and the forward's fast path; both to keep CI under ten minutes), and ptxas's
-//! resource report (registers, spills) of the defaults is printed
+//! without ptxas, the PTX scanned for Hopper-only instructions; a few fp16 instances, bf16's
+//! code with the other 16-bit type, for one of the two: flex and the forward's fast path; both
+//! to keep CI under ten minutes). Checks of which entry points a module holds, and of the
+//! wgmma forward's build without its TMA store, read `compute_90a` PTX without ptxas (the
+//! files' default builds go through ptxas for sm_90a in the other tests). ptxas's resource
+//! report (registers, spills) of the defaults is printed
 //! (`cargo test --test kernels_compile -- --nocapture`; kernels/TUNING.md records it). Needs
 //! only the NVRTC library (no GPU): where build.rs found no `libnvrtc.so.13` the tests are
 //! compiled as ignored, with the reason; `.ci/run` installs NVRTC from PyPI so CI runs them.
@@ -893,6 +896,9 @@ fn each_wgmma_forward_compiles_alone() {
         let ptx = ptx_of(&wgmma_source(Some(name)));
         assert!(ptx.contains(&format!(".entry {name}(")), "{name}");
         assert_eq!(ptx.matches(".entry ").count(), 1, "{name}");
+        // The scan `ptx_for_ampere` runs on sm_80's PTX finds these kernels' Hopper
+        // instructions (wgmma, mbarrier waits, TMA copies).
+        assert!(!spills::hopper_only(&ptx).is_empty(), "{name}");
     }
 }
 

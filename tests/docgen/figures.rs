@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use kernelpages::load;
 use kernelpages::site::{self, BuildOptions};
 use scraper::{ElementRef, Html};
+use serde_json::Value;
 
 use super::{page, sel, text};
-use serde_json::Value;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

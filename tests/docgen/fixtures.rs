@@ -234,7 +234,12 @@ fn rendered() -> String {
 #[test]
 #[ignore = "writes the fixture; run explicitly to regenerate it"]
 fn regenerate_fixture() {
-    std::fs::write(fixture_path(), rendered()).unwrap();
+    // Written beside it, then renamed over it: the tests of this binary that read the fixture
+    // (with `--include-ignored`) see the old file or the new one, never half of one.
+    let path = fixture_path();
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, rendered()).unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
 }
 
 #[test]

@@ -147,8 +147,8 @@ fn based_with_no_step_returns_the_initial_state() {
     assert_eq!(es, 0.0);
 }
 
-/// Every entry point compiles for sm_90a and sm_80 (to PTX, and to machine code as the runner
-/// loads it), and ptxas reports no spills on sm_90a.
+/// Every entry point compiles for sm_90a (to PTX, and to machine code as the runner loads it)
+/// and sm_80 (to PTX, `ptx_for_ampere`), and ptxas reports no spills on sm_90a.
 #[test]
 #[cfg_attr(
     not(kp_nvrtc),
