@@ -24,7 +24,9 @@
 #                                                 # .carry/mix_*/ (e.g. mix_old/; with its GPU test
 #                                                 # where gpu_sequence_mixers_test is there too), then ncu's sections (stall
 #                                                 # reasons, traffic) of each kernel at K = V =
-#                                                 # 128 for the carried one (about 1 min a build; TUNING-sequence-
+#                                                 # 128 and 64 for the carried one (about 1 min
+#                                                 # a build; packs its own results.tgz: append
+#                                                 # nothing that writes there; TUNING-sequence-
 #                                                 # mixers.md, the gated delta rule's entries)
 #   bash .carry/device_run.sh mixers_grid OUTDIR [i/n]  # the sequence_mixers grid (or shard i
 #                                                 # of n) with --compare torch,fla (fla-core
@@ -231,15 +233,18 @@ gdn)
         --output "/tmp/${name}_ncu_d$d.json"
     done
   done
-  # Where each kernel of the carried runner's forward spends its time (K = V = 128, T16384):
-  # throughput against the card's peaks, warp stall reasons, memory traffic, occupancy.
-  step "ncu details d128" 120 "$out/gdn_carry_ncu_details_d128.log" "$ncu" --target-processes all \
-    --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
-    --section Occupancy --section LaunchStats --section SchedulerStats \
-    --metrics dram__bytes_read.sum,dram__bytes_write.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
-    -k regex:gdn -c 3 "$bin/sequence_mixers" --warmup-ms 1 \
-    --filter "mixer=gated_delta,dtype=bf16,pass=fwd,seq_len=16384,head_dim=128" \
-    --output /tmp/gdn_ncu_details.json
+  # Where each kernel of the carried runner's forward spends its time (K = V = 128 and 64,
+  # T16384): throughput against the card's peaks, warp stall reasons, memory traffic,
+  # occupancy.
+  for d in 128 64; do
+    step "ncu details d$d" 120 "$out/gdn_carry_ncu_details_d$d.log" "$ncu" --target-processes all \
+      --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats --section SchedulerStats \
+      --metrics dram__bytes_read.sum,dram__bytes_write.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
+      -k regex:gdn -c 3 "$bin/sequence_mixers" --warmup-ms 1 \
+      --filter "mixer=gated_delta,dtype=bf16,pass=fwd,seq_len=16384,head_dim=$d" \
+      --output "/tmp/gdn_ncu_details_d$d.json"
+  done
   ;;
 mixers_grid)
   # The sequence-mixer grid, or shard $3 (e.g. 1/2) of it; KP_MIXERS_LIMIT_S caps the step,
