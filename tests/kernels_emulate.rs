@@ -392,9 +392,10 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         (1, 200, 2, 32, 48),
         (2, 100, 1, 64, 32),
         (1, 300, 2, 32, 96),
-        // The fused walks (whole rows a warp, the output in the walk) over more chunks than
-        // their ring has stages, with a short last chunk: one warp a block at K = V = 64, two
-        // at 128 (one barrier a chunk between them).
+        // The whole-row walks over more chunks than their ring has stages, with a short last
+        // chunk: one warp a block at K = V = 64 (version 9: U and the entering states written
+        // for the output kernel), two at 128 (version 8: the output in the walk; one barrier a
+        // chunk between them).
         (1, 300, 2, 64, 64),
         (1, 300, 1, 128, 128),
     ]
@@ -410,22 +411,29 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         let [prep, pass, out] = shared_bytes(shape);
         let [tp, ts, to] = tc_shared_bytes(shape, Dtype::Bf16).unwrap_or([0; 3]);
         let walk = StateWalk::for_shape(shape);
-        let (groups, whole) = (walk.row_groups, u8::from(walk.fused));
+        // The walk's kind: 0 shared rows (versions 3 and 4), 1 fused, 2 whole rows then the
+        // output kernel.
+        let groups = walk.row_groups;
+        let whole = if walk.fused {
+            1
+        } else {
+            2 * u8::from(walk.whole_rows)
+        };
         format!(
             "{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{out},{tp},{ts},{to},{groups},{whole}"
         )
     })
     .collect();
     // The tensor-core kernels ran where the host would take them: K = V = 64 and 128, twice
-    // each (the fused walks, one warp and two), and the three shapes above (one walks 32
-    // rows a block in two groups of 4 warps).
+    // each (the whole-row walks: one warp without the output, two with it), and the three
+    // shapes above (one walks 32 rows a block in two groups of 4 warps).
     assert_eq!(
         cases.iter().filter(|c| !c.contains(",0,0,0,")).count(),
         7,
         "{cases:?}"
     );
-    assert_eq!(cases.iter().filter(|c| c.ends_with(",1")).count(), 4);
-    assert_eq!(cases.iter().filter(|c| c.ends_with(",1,1")).count(), 2);
+    assert_eq!(cases.iter().filter(|c| c.ends_with(",1,2")).count(), 2);
+    assert_eq!(cases.iter().filter(|c| c.ends_with(",2,1")).count(), 2);
     assert_eq!(cases.iter().filter(|c| c.ends_with(",2,0")).count(), 1);
     emulated_kernel_runs_clean("gdn_check", &cases);
 }

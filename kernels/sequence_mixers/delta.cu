@@ -263,10 +263,12 @@ GDN_ENTRIES(bf16, u16)
 //     kernel; a block reads and writes only its own columns, a chunk's U~ before its U) and,
 //     decayed by exp(g_last - g_j), to shared memory; then S <- exp(g_last) S + U_decᵀ k.
 //     The float32 state after the last chunk is the final state.
-// 2''. gdn_walk_out_w<WARPS>_s<STAGES>_k<K>v<V> (version 8, at K = V = 64 and 128 instead of
-//     2' and 3', after gdn_prepare_tcm_k<K>v<V>, which also writes M): the same walk with each
-//     warp holding 16 whole rows (all K columns; version 5), no exchange between warps within
-//     a chunk, and the output computed in it (described before its code below).
+// 2''. gdn_walk_out_w<WARPS>_s<STAGES>_k<K>v<V> (version 8, at K = V = 128 instead of 2' and
+//     3', after gdn_prepare_tcm_k<K>v<V>, which also writes M): the same walk with each warp
+//     holding 16 whole rows (all K columns; version 5), no exchange between warps within a
+//     chunk, and the output computed in it (described before its code below). At K = V = 64,
+//     gdn_state_w1_s4_k64v64 (version 9) is that walk without the output, between
+//     gdn_prepare_tc_k64v64 and gdn_output_tc_k64v64.
 // 3'. gdn_output_tc: SSD's chunk scan (ssd.cu, kernel B) with C = q, B = k, x = U, no dt and
 //     no D: M = (Q Kᵀ) masked to j <= i < l and scaled by exp(g_i - g_j) into shared memory as
 //     bf16, then O = M U + exp(g_i) Q S_inᵀ, each of the 8 warps 16 rows and half of the V
@@ -512,7 +514,7 @@ __device__ __forceinline__ void gdn_state_tc_body(
 GDN_STATE_TC(1, 2)
 GDN_STATE_TC(2, 4)
 
-// Kernel 2'' (gdn_walk_out_w<WARPS>_s<STAGES>_k<K>v<V>, version 8, at K = V = 64 and 128): the
+// Kernel 2'' (gdn_walk_out_w<WARPS>_s<STAGES>_k<K>v<V>, version 8, at K = V = 128): the
 // state walk with the output computed in it, so that neither the chunks' entering states nor
 // U go to global memory and kernel 3' is not launched. Each warp owns 16 whole rows of the
 // state (value indices; all K columns in its mma accumulators, C layout: row g / g + 8,
@@ -532,14 +534,17 @@ GDN_STATE_TC(2, 4)
 // kernel 3''s up to the order of its sums: the same S, U and M in bf16. One barrier a chunk
 // (the ring of STAGES stages of W, k, q, U~'s R columns, M and g, loaded STAGES - 1 chunks
 // ahead by every thread). K and V compiled in (the host, StateWalk::for_shape, takes it at
-// K = V = 64 and 128). Dynamic shared memory: STAGES (L 3 (K + 8) 2 + L (R + 8) 2 +
-// L (L + 8) 2 + L 4).
-template <int WARPS, int STAGES, int K, int V>
+// K = V = 128). Dynamic shared memory: STAGES (L 3 (K + 8) 2 + L (R + 8) 2 + L (L + 8) 2 +
+// L 4). Without OUT (version 9's gdn_state_w, below): no q, M or O; U written over U~ and
+// each chunk's entering state (bf16) to `states`, for kernel 3'; stages of L 2 (K + 8) 2 +
+// L (R + 8) 2 + L 4 bytes.
+template <int WARPS, int STAGES, int K, int V, bool OUT>
 __device__ __forceinline__ void gdn_walk_out_body(
-    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ w_in,
-    const u16* __restrict__ u, const u16* __restrict__ m, const float* __restrict__ g_in,
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ w_in, u16* u,
+    const u16* __restrict__ m, const float* __restrict__ g_in,
     const float* __restrict__ initial_state, int has_initial, u16* __restrict__ o,
-    float* __restrict__ final_state, int T_len, int heads, int n_chunks) {
+    u16* __restrict__ states, float* __restrict__ final_state, int T_len, int heads,
+    int n_chunks) {
     constexpr int R = 16 * WARPS, NT = 32 * WARPS, KS = K + 8, UTS = R + 8, KN = K / 8;
     constexpr int MS = GDN_CHUNK + 8, LN = GDN_CHUNK / 8;  // 8-step tiles of a chunk
     extern __shared__ float smem[];
@@ -551,38 +556,52 @@ __device__ __forceinline__ void gdn_walk_out_body(
     const bool odd = gi & 1;  // the lane's row pair: it stores step + 1 of rows r - 1 and r
     float acc[KN][4];
     gdn_state_frags_load<KN>(acc, initial_state + bh * V * K, has_initial, r0 + rr, 0, KN, K);
-    gdn_ring_start<NT, R, STAGES, true>(smem, src, K, V);
+    gdn_ring_start<NT, R, STAGES, OUT>(smem, src, K, V);
     for (int c = 0; c < n_chunks; ++c) {
-        const GdnStage st = gdn_ring_next<NT, R, STAGES, true>(smem, c, src, K, V);
+        const GdnStage st = gdn_ring_next<NT, R, STAGES, OUT>(smem, c, src, K, V);
         const u16 *ws = st.ws, *ks = st.ks, *qs = st.qs, *ms = st.ms, *ut = st.ut;
         const float* gs = st.gs;
         const int l = min(GDN_CHUNK, T_len - c * GDN_CHUNK);
         const float last = gs[l - 1];
-        // Uᵀ = S Wᵀ and Oᵀ = S Qᵀ, S the entering state in bf16 (sp[nt]: (row g, row g + 8)
-        // pairs of tile nt, two tiles the A fragment of a k step); tile jt: steps 8 jt .. + 7.
+        // Uᵀ = S Wᵀ and (OUT) Oᵀ = S Qᵀ, S the entering state in bf16 (f: (row g, row g + 8)
+        // pairs of tiles 2 ks8 and 2 ks8 + 1, the A fragment of a k step; without OUT also
+        // stored to `states` for kernel 3'); tile jt: steps 8 jt .. + 7.
         float ua[LN][4] = {}, oa[LN][4] = {};
+        u16* so = OUT ? nullptr : states + ((bh * n_chunks + c) * V + r0 + rr) * K;
 #pragma unroll
         for (int ks8 = 0; ks8 < K / 16; ++ks8) {
             const u32 f[4] = {pack_bf16(acc[2 * ks8][0], acc[2 * ks8][1]),
                               pack_bf16(acc[2 * ks8][2], acc[2 * ks8][3]),
                               pack_bf16(acc[2 * ks8 + 1][0], acc[2 * ks8 + 1][1]),
                               pack_bf16(acc[2 * ks8 + 1][2], acc[2 * ks8 + 1][3])};
+            if constexpr (!OUT) {
+                const int col = ks8 * 16 + 2 * ti;
+                *reinterpret_cast<u32*>(so + gi * K + col) = f[0];
+                *reinterpret_cast<u32*>(so + (gi + 8) * K + col) = f[1];
+                *reinterpret_cast<u32*>(so + gi * K + col + 8) = f[2];
+                *reinterpret_cast<u32*>(so + (gi + 8) * K + col + 8) = f[3];
+            }
 #pragma unroll
             for (int jt = 0; jt < LN; jt += 2) {
                 const int at = ((mi >= 2 ? jt + 1 : jt) * 8 + (lane & 7)) * KS + ks8 * 16 +
                                (mi & 1) * 8;
                 u32 bw[4], bq[4];
                 ldsm_x4(bw, ws + at);
-                ldsm_x4(bq, qs + at);
+                if constexpr (OUT) ldsm_x4(bq, qs + at);
                 mma_bf16(ua[jt], f, bw[0], bw[1]);
                 mma_bf16(ua[jt + 1], f, bw[2], bw[3]);
-                mma_bf16(oa[jt], f, bq[0], bq[1]);
-                mma_bf16(oa[jt + 1], f, bq[2], bq[3]);
+                if constexpr (OUT) {
+                    mma_bf16(oa[jt], f, bq[0], bq[1]);
+                    mma_bf16(oa[jt + 1], f, bq[2], bq[3]);
+                }
             }
         }
         // U = U~ - (S Wᵀ)ᵀ, as the A fragments of Uᵀ Mᵀ (uf) and, decayed, of U_decᵀ k (ud);
-        // Oᵀ's columns (steps i) scaled by exp(g_i).
+        // Oᵀ's columns (steps i) scaled by exp(g_i). Without OUT, U to `u` over U~ (bf16;
+        // steps past a short last chunk not written) in u32 pairs of rows: lanes of rows r and
+        // r ^ 1 (4 lanes apart) trade, the even row's lane storing step j, the odd row's j + 1.
         u32 uf[LN][2], ud[LN][2];
+        u16* uo = u + (bh * n_chunks + c) * GDN_CHUNK * V + r0 + rr;
 #pragma unroll
         for (int jt = 0; jt < LN; ++jt) {
             const int j = jt * 8 + 2 * ti;
@@ -596,14 +615,23 @@ __device__ __forceinline__ void gdn_walk_out_body(
                 const float u1 = ld(ut, (j + 1) * UTS + r) - ua[jt][2 * half + 1];
                 uf[jt][half] = pack_bf16(u0, u1);
                 ud[jt][half] = pack_bf16(d0 * u0, d1 * u1);
-                oa[jt][2 * half] *= e0;
-                oa[jt][2 * half + 1] *= e1;
+                if constexpr (OUT) {
+                    oa[jt][2 * half] *= e0;
+                    oa[jt][2 * half + 1] *= e1;
+                } else {
+                    const int rl = gi + 8 * half;
+                    const float got = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 4);
+                    const int js = odd ? j + 1 : j;
+                    if (js < l)
+                        *reinterpret_cast<u32*>(uo + (long long)js * V + (odd ? rl - 1 : rl)) =
+                            odd ? pack_bf16(got, u1) : pack_bf16(u0, got);
+                }
             }
         }
         // Oᵀ += Uᵀ Mᵀ: column tiles it, it + 1 (steps i 8 it .. 8 it + 15) need the steps
         // j < 8 it + 16 only (M is lower triangular), k blocks 0 .. it / 2.
 #pragma unroll
-        for (int it = 0; it < LN; it += 2) {
+        for (int it = 0; it < (OUT ? LN : 0); it += 2) {
 #pragma unroll
             for (int kb = 0; kb <= it / 2; ++kb) {
                 const u32 f[4] = {uf[2 * kb][0], uf[2 * kb][1], uf[2 * kb + 1][0],
@@ -620,7 +648,7 @@ __device__ __forceinline__ void gdn_walk_out_body(
         // storing step i, the odd row's step i + 1.
         u16* ob = o + (((long long)b * T_len + (long long)c * GDN_CHUNK) * heads + h) * V + r0 + rr;
 #pragma unroll
-        for (int jt = 0; jt < LN; ++jt) {
+        for (int jt = 0; jt < (OUT ? LN : 0); ++jt) {
             const int i = jt * 8 + 2 * ti;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -657,20 +685,41 @@ __device__ __forceinline__ void gdn_walk_out_body(
             const float* __restrict__ g_in, const float* __restrict__ initial_state,           \
             int has_initial, u16* __restrict__ o, float* __restrict__ final_state, int T_len,  \
             int heads, int K, int V, int n_chunks) {                                           \
-        gdn_walk_out_body<WARPS, STAGES, KT, VT>(q, k, w_in, u, m, g_in, initial_state,        \
-                                                 has_initial, o, final_state, T_len, heads,    \
-                                                 n_chunks);                                    \
+        gdn_walk_out_body<WARPS, STAGES, KT, VT, true>(q, k, w_in, const_cast<u16*>(u), m, g_in, \
+                                                       initial_state, has_initial, o, nullptr, \
+                                                       final_state, T_len, heads, n_chunks);   \
     }
-GDN_WALK_OUT(1, 4, 64, 64)
 GDN_WALK_OUT(2, 3, 128, 128)
 
-// Kernel 3' (gdn_output_tc), for any K and V the tensor-core path takes outside the fused
-// walk's sizes, read from the arguments (versions 3.2 to 7 also had K = V = 64 and 128 compiled
-// in, until the fused walk 2'' took those sizes in version 8).
-extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_output_tc(
+// Version 5's whole-row walk again (version 9, at K = V = 64; the arguments of
+// gdn_state_tc_r<RG>_s<STAGES>): gdn_walk_out_body without the output, writing U over U~ and
+// each chunk's entering state for kernel 3'. At 64 the walk is one warp a block, and version
+// 8's output on that warp's chain cost more than kernel 3' running every chunk at once
+// (kernels/TUNING-sequence-mixers.md, "Versions 5 to 8 on an H100").
+#define GDN_STATE_W(WARPS, STAGES, KT, VT)                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS)                                   \
+        gdn_state_w##WARPS##_s##STAGES##_k##KT##v##VT(                                         \
+            const u16* __restrict__ k, const u16* __restrict__ w_in, u16* u,                   \
+            const float* __restrict__ g_in, const float* __restrict__ initial_state,           \
+            int has_initial, u16* __restrict__ states, float* __restrict__ final_state,         \
+            int T_len, int heads, int K, int V, int n_chunks) {                                \
+        gdn_walk_out_body<WARPS, STAGES, KT, VT, false>(nullptr, k, w_in, u, nullptr, g_in,    \
+                                                        initial_state, has_initial, nullptr,   \
+                                                        states, final_state, T_len, heads,     \
+                                                        n_chunks);                             \
+    }
+GDN_STATE_W(1, 4, 64, 64)
+
+// Kernel 3' (gdn_output_tc), with K and V read from the arguments (KT = VT = 0), for any K and
+// V the tensor-core path takes outside the fused walk's size, or compiled in at K = V = 64
+// (gdn_output_tc_k64v64, after version 9's walk; versions 3.2 to 7 had 64 and 128 so, until
+// the fused walk 2'' took those sizes in version 8).
+template <int KT, int VT>
+__device__ __forceinline__ void gdn_output_tc_body(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ u,
     const float* __restrict__ g_in, const u16* __restrict__ states, u16* __restrict__ o,
-    int T_len, int heads, int K, int V) {
+    int T_len, int heads, int K_arg, int V_arg) {
+    const int K = KT > 0 ? KT : K_arg, V = VT > 0 ? VT : V_arg;
     extern __shared__ float smem[];
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int n_chunks = gridDim.x;
@@ -746,6 +795,15 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_output_tc(
         }
     }
 }
+#define GDN_OUTPUT_TC(SUFFIX, KT, VT)                                                          \
+    extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_output_tc##SUFFIX(          \
+        const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ u,       \
+        const float* __restrict__ g_in, const u16* __restrict__ states, u16* __restrict__ o,   \
+        int T_len, int heads, int K, int V) {                                                  \
+        gdn_output_tc_body<KT, VT>(q, k, u, g_in, states, o, T_len, heads, K, V);              \
+    }
+GDN_OUTPUT_TC(, 0, 0)
+GDN_OUTPUT_TC(_k64v64, 64, 64)
 
 
 // The four diagonal 16 x 16 blocks of T = (I + A)⁻¹ for a strictly lower triangular A
@@ -1014,13 +1072,16 @@ __device__ __forceinline__ void gdn_prepare_tc_body(
 // The entry points of kernel 1': K and V from the arguments (gdn_prepare_tc), or compiled in
 // with M for the fused walk (gdn_prepare_tcm_k64v64, _k128v128; version 8: their q and m
 // arguments first and after u), picked as the walk's (src/sequence_mixers/delta_cuda.rs).
-extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_prepare_tc(
-    const u16* __restrict__ k, const u16* __restrict__ v, const float* __restrict__ alpha,
-    const float* __restrict__ beta, u16* __restrict__ w_out, u16* __restrict__ u_out,
-    float* __restrict__ g_out, int T_len, int heads, int K, int V) {
-    gdn_prepare_tc_body<0, 0, false>(nullptr, k, v, alpha, beta, w_out, u_out, nullptr, g_out,
-                                     T_len, heads, K, V);
-}
+#define GDN_PREPARE_TC(SUFFIX, KT, VT)                                                         \
+    extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_prepare_tc##SUFFIX(         \
+        const u16* __restrict__ k, const u16* __restrict__ v, const float* __restrict__ alpha, \
+        const float* __restrict__ beta, u16* __restrict__ w_out, u16* __restrict__ u_out,      \
+        float* __restrict__ g_out, int T_len, int heads, int K, int V) {                       \
+        gdn_prepare_tc_body<KT, VT, false>(nullptr, k, v, alpha, beta, w_out, u_out, nullptr,  \
+                                           g_out, T_len, heads, K, V);                         \
+    }
+GDN_PREPARE_TC(, 0, 0)
+GDN_PREPARE_TC(_k64v64, 64, 64)
 #define GDN_PREPARE_TCM(SUFFIX, KT, VT)                                                        \
     extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_prepare_tcm##SUFFIX(        \
         const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,       \
@@ -1030,5 +1091,4 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_prepare_tc(
         gdn_prepare_tc_body<KT, VT, true>(q, k, v, alpha, beta, w_out, u_out, m_out, g_out,    \
                                           T_len, heads, K, V);                                 \
     }
-GDN_PREPARE_TCM(_k64v64, 64, 64)
 GDN_PREPARE_TCM(_k128v128, 128, 128)

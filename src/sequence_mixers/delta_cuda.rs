@@ -10,10 +10,11 @@
 //! ([`tc_shared_bytes`]) takes the tensor-core kernels: the products on mma.sync (bf16
 //! operands, float32 accumulation), the inverse by blocks of 16 rows (those below the diagonal
 //! on tf32 mma.sync), the state walk as [`StateWalk::for_shape`] says, W, U~ and U in bf16 (U
-//! written over U~); at K = V = 64 and 128 in two launches, compiled for those sizes
-//! ([`dims_suffix`]): the solve also writes each chunk's decayed Q Kᵀ (M) and the state walk
-//! computes the output itself, with no entering states or U in scratch (version 8). Every
-//! other case takes version 2, plain float32 loops over shared memory on CUDA cores.
+//! written over U~); at K = V = 128 in two launches, compiled for that size ([`dims_suffix`]):
+//! the solve also writes each chunk's decayed Q Kᵀ (M) and the state walk computes the output
+//! itself, with no entering states or U in scratch (version 8); at K = V = 64 the three
+//! kernels compiled for that size, the walk by one warp a block holding whole rows (version
+//! 9). Every other case takes version 2, plain float32 loops over shared memory on CUDA cores.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -53,9 +54,9 @@ const MAX_SHARED: u32 = 227 * 1024;
 const KERNELS: [&str; 3] = ["gdn_prepare", "gdn_state_pass", "gdn_output"];
 
 /// The tensor-core preparation and output kernels (version 3, bf16) for any K and V, around
-/// one of [`TC_STATE_WALKS`]; at [`FUSED_WALKS`]' sizes the preparation is
-/// [`TC_FUSED_PREPARE`] with [`dims_suffix`]'s suffix, then the fused walk, and no output
-/// kernel ([`StateWalk::for_shape`]).
+/// one of [`TC_STATE_WALKS`], and with [`dims_suffix`]'s suffix around a walk of
+/// [`WHOLE_ROW_WALKS`]; at [`FUSED_WALKS`]' sizes the preparation is [`TC_FUSED_PREPARE`] with
+/// the suffix, then the fused walk, and no output kernel ([`StateWalk::for_shape`]).
 const TC_KERNELS: [&str; 2] = ["gdn_prepare_tc", "gdn_output_tc"];
 
 /// The preparation that also writes M for the fused walk (version 8), with K and V compiled
@@ -68,9 +69,9 @@ const DIMS_SUFFIXES: [&str; 3] = ["", "_k64v64", "_k128v128"];
 
 /// The suffix of the kernels `shape` runs with K and V compiled in: `_k64v64` or `_k128v128`
 /// where K and V are those sizes (the index arithmetic folds, the loops unroll; the output
-/// since version 3.2, the preparation since 4.1, the whole-row walks since version 5; since
-/// version 8 the fused preparation and walk only), "" (K and V read from the arguments)
-/// otherwise.
+/// since version 3.2, the preparation since 4.1, the whole-row walks since version 5; in
+/// version 8 the fused preparation and walk only; since version 9 those at 128 and the three
+/// kernels at 64), "" (K and V read from the arguments) otherwise.
 pub fn dims_suffix(shape: DeltaShape) -> &'static str {
     match (shape.key_dim, shape.value_dim) {
         (64, 64) => DIMS_SUFFIXES[1],
@@ -92,28 +93,38 @@ pub const TC_STATE_WALKS: [(usize, usize); 2] = [(1, 2), (2, 4)];
 
 /// The fused walks (version 8, `gdn_walk_out_w<W>_s<S>_k<K>v<V>`: whole rows per warp, as
 /// version 5's walks were, and the output computed in the walk) the source instantiates,
+/// (warps, stages, K = V): two warps of 16 rows at 128 with 3 stages (the stages of W, k, q,
+/// U~ and M: 196 KB).
+pub const FUSED_WALKS: [(usize, usize, usize); 1] = [(2, 3, 128)];
+
+/// The whole-row walks without the output (version 9, `gdn_state_w<W>_s<S>_k<K>v<V>`, version
+/// 5's walk again, then the output kernel with K and V compiled in) the source instantiates,
 /// (warps, stages, K = V): one warp of 16 rows at 64 (4 blocks per head and batch entry) with
-/// 4 stages, two at 128 with 3 (the stages of W, k, q, U~ and M: 196 KB).
-pub const FUSED_WALKS: [(usize, usize, usize); 2] = [(1, 4, 64), (2, 3, 128)];
+/// 4 stages, where version 8's fused walk was slower (one warp a block).
+pub const WHOLE_ROW_WALKS: [(usize, usize, usize); 1] = [(1, 4, 64)];
 
 /// How the state walk runs: `row_groups` groups of [`TC_ROWS`] rows per block, the chunks'
 /// loads `stages − 1` chunks ahead; a group is 4 warps sharing the rows' K columns
-/// (`gdn_state_tc_r<G>_s<S>`, versions 3 and 4) or, with `fused`, one warp holding all of
-/// them and computing the output too (`gdn_walk_out_w<G>_s<S>_k<K>v<V>`, version 8: no
-/// exchange between warps within a chunk, no output kernel; K and V compiled in).
+/// (`gdn_state_tc_r<G>_s<S>`, versions 3 and 4) or, with `whole_rows`, one warp holding all
+/// of them (no exchange between warps within a chunk; K and V compiled in): computing the
+/// output too with `fused` (`gdn_walk_out_w<G>_s<S>_k<K>v<V>`, version 8: no output kernel),
+/// else writing U and the entering states for it (`gdn_state_w<G>_s<S>_k<K>v<V>`, version 9).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StateWalk {
     /// Row groups per block (1 or 2).
     pub row_groups: usize,
     /// Stages of the ring of W, k, U~ and g tiles (and q and M, `fused`).
     pub stages: usize,
-    /// Version 8: a row group is one warp with all K columns of its rows, the output computed
-    /// in the walk (the preparation writes M; two launches, not three).
+    /// A row group is one warp with all K columns of its rows (versions 8 and 9).
+    pub whole_rows: bool,
+    /// Version 8: a whole-row walk computing the output too (the preparation writes M; two
+    /// launches, not three).
     pub fused: bool,
 }
 
 impl StateWalk {
-    /// The walk for `shape`: at K = V = 64 and 128, version 8 ([`FUSED_WALKS`]); else
+    /// The walk for `shape`: at K = V = 128, version 8 ([`FUSED_WALKS`]); at 64, version 9
+    /// ([`WHOLE_ROW_WALKS`]); else
     /// where V is a multiple of 32 above 64, version 4, two row groups (32 rows, 8 warps: the
     /// W and k tiles a block loads serve twice the rows) and 4 stages; otherwise version 3,
     /// one row group and 2 stages. Measured on an H100 at B4 H8 T16384 bf16
@@ -122,16 +133,19 @@ impl StateWalk {
     /// K = V = 64 (4 warps sharing the rows' columns). Version 8 measured on an H100 at that
     /// shape (the notes' "Versions 5 to 8 on an H100"): 1.281 ms at K = V = 128 against
     /// version 7.1's 1.433 (a whole-row walk and a separate output kernel), but 1.017 ms at 64
-    /// against 7.1's 0.872, where the walk is one warp a block: the fused walk stays the
-    /// choice at 64 only until 7.1's pair comes back for that size (not yet written).
+    /// against 7.1's 0.872, where the walk is one warp a block: version 9 brings 7.1's pair
+    /// back at 64 (emulated, not yet run on a GPU).
     pub fn for_shape(shape: DeltaShape) -> StateWalk {
         let (k, v) = (shape.key_dim, shape.value_dim);
-        if let Some(&(warps, stages, _)) = FUSED_WALKS.iter().find(|w| w.2 == k && w.2 == v) {
-            return StateWalk {
-                row_groups: warps,
-                stages,
-                fused: true,
-            };
+        for (walks, fused) in [(&FUSED_WALKS[..], true), (&WHOLE_ROW_WALKS[..], false)] {
+            if let Some(&(warps, stages, _)) = walks.iter().find(|w| w.2 == k && w.2 == v) {
+                return StateWalk {
+                    row_groups: warps,
+                    stages,
+                    whole_rows: true,
+                    fused,
+                };
+            }
         }
         let (row_groups, stages) = if v.is_multiple_of(32) && v > 64 {
             TC_STATE_WALKS[1]
@@ -141,6 +155,7 @@ impl StateWalk {
         StateWalk {
             row_groups,
             stages,
+            whole_rows: false,
             fused: false,
         }
     }
@@ -152,7 +167,11 @@ impl StateWalk {
 
     /// Threads per block.
     pub fn threads(self) -> u32 {
-        let group = if self.fused { 32 } else { TC_STATE_THREADS };
+        let group = if self.whole_rows {
+            32
+        } else {
+            TC_STATE_THREADS
+        };
         group * self.row_groups as u32
     }
 
@@ -161,6 +180,8 @@ impl StateWalk {
     pub fn entry_point(self) -> String {
         if self.fused {
             format!("gdn_walk_out_w{}_s{}", self.row_groups, self.stages)
+        } else if self.whole_rows {
+            format!("gdn_state_w{}_s{}", self.row_groups, self.stages)
         } else {
             format!("gdn_state_tc_r{}_s{}", self.row_groups, self.stages)
         }
@@ -169,8 +190,9 @@ impl StateWalk {
 
 /// Every entry point of [`DELTA_SRC`]: `gdn_prepare_<t>`, `gdn_state_pass_<t>` and
 /// `gdn_output_<t>` for `f32` and `bf16`, then the tensor-core kernels: the preparations
-/// (any K and V, then the fused walks' with M), the state walks (versions 3 and 4 for any K
-/// and V, then version 8's fused walks at their sizes) and the output.
+/// (any K and V, the whole-row walks' sizes, then the fused walks' with M), the state walks
+/// (versions 3 and 4 for any K and V, then versions 9 and 8 at their sizes) and the outputs
+/// (any K and V, then the whole-row walks' sizes).
 pub fn entry_points() -> Vec<String> {
     let square = |d: usize| {
         dims_suffix(DeltaShape {
@@ -185,6 +207,7 @@ pub fn entry_points() -> Vec<String> {
         StateWalk {
             row_groups,
             stages,
+            whole_rows: false,
             fused: false,
         }
         .entry_point()
@@ -193,14 +216,13 @@ pub fn entry_points() -> Vec<String> {
         .into_iter()
         .flat_map(|d| KERNELS.iter().map(move |k| format!("{k}_{}", d.tag())))
         .chain([TC_KERNELS[0].to_string()])
-        .chain(
-            DIMS_SUFFIXES[1..]
-                .iter()
-                .map(|x| format!("{TC_FUSED_PREPARE}{x}")),
-        )
+        .chain(WHOLE_ROW_WALKS.map(|w| format!("{}{}", TC_KERNELS[0], square(w.2))))
+        .chain(FUSED_WALKS.map(|w| format!("{TC_FUSED_PREPARE}{}", square(w.2))))
         .chain(TC_STATE_WALKS.map(walk))
+        .chain(WHOLE_ROW_WALKS.map(|(w, s, d)| format!("gdn_state_w{w}_s{s}{}", square(d))))
         .chain(FUSED_WALKS.map(|(w, s, d)| format!("gdn_walk_out_w{w}_s{s}{}", square(d))))
         .chain([TC_KERNELS[1].to_string()])
+        .chain(WHOLE_ROW_WALKS.map(|w| format!("{}{}", TC_KERNELS[1], square(w.2))))
         .collect()
 }
 
@@ -222,17 +244,20 @@ pub fn tc_shared_bytes(shape: DeltaShape, dtype: Dtype) -> Option<[u32; 3]> {
     let ks = k + 8;
     let walk = StateWalk::for_shape(shape);
     let r = walk.rows();
+    let output = l * 4 + (2 * l * ks + l * (v + 8) + v * ks + l * (l + 8)) * 2;
     let (stage, exchange, output) = if walk.fused {
         (
             l * 4 + l * (r + 8) * 2 + (3 * l * ks + l * (l + 8)) * 2,
             0,
             0,
         )
+    } else if walk.whole_rows {
+        (l * 4 + l * (r + 8) * 2 + 2 * l * ks * 2, 0, output)
     } else {
         (
             l * 4 + l * (r + 8) * 2 + 2 * l * ks * 2,
             r * ks * 2 + l * (r + 8) * 2,
-            l * 4 + (2 * l * ks + l * (v + 8) + v * ks + l * (l + 8)) * 2,
+            output,
         )
     };
     let state = walk.stages * stage + exchange;
@@ -352,10 +377,13 @@ impl GatedDelta {
                         format!("{}{}", walk.entry_point(), dims_suffix(s)),
                     ]
                 } else {
+                    // The whole-row walk's size also has its preparation and output with K
+                    // and V compiled in (dims_suffix; "" for the generic walks' shapes).
+                    let x = if walk.whole_rows { dims_suffix(s) } else { "" };
                     vec![
-                        TC_KERNELS[0].to_string(),
-                        walk.entry_point(),
-                        TC_KERNELS[1].to_string(),
+                        format!("{}{x}", TC_KERNELS[0]),
+                        format!("{}{x}", walk.entry_point()),
+                        format!("{}{x}", TC_KERNELS[1]),
                     ]
                 };
                 (names, bytes)
@@ -644,10 +672,13 @@ mod tests {
         for (_, _, d) in FUSED_WALKS {
             assert!(CHUNK * (d + 8) * 2 <= CHUNK * (CHUNK + 4) * 4, "K = {d}");
         }
-        // At 64: 16 rows, four stages.
+        // At 64 version 9's walk: 16 rows, four stages of g, U~'s 16 columns, W and k, and
+        // nothing after them; then the output kernel (g, q and k, U, the entering state, M).
+        let [_, walk, output] = tc_shared_bytes(shape(64, 64), Dtype::Bf16).unwrap();
+        assert_eq!(walk, (4 * (64 * 4 + 64 * 24 * 2 + 2 * 64 * 72 * 2)) as u32);
         assert_eq!(
-            tc_shared_bytes(shape(64, 64), Dtype::Bf16).unwrap()[1],
-            (4 * (64 * 4 + 64 * 24 * 2 + 3 * 64 * 72 * 2 + 64 * 72 * 2)) as u32
+            output,
+            (64 * 4 + (2 * 64 * 72 + 64 * 72 + 64 * 72 + 64 * 72) * 2) as u32
         );
         // K = 64, V = 128: version 4's walk, its state rows and decayed U after the stages.
         assert_eq!(
@@ -684,17 +715,20 @@ mod tests {
                 "gdn_state_pass_bf16",
                 "gdn_output_bf16",
                 "gdn_prepare_tc",
-                "gdn_prepare_tcm_k64v64",
+                "gdn_prepare_tc_k64v64",
                 "gdn_prepare_tcm_k128v128",
                 "gdn_state_tc_r1_s2",
                 "gdn_state_tc_r2_s4",
-                "gdn_walk_out_w1_s4_k64v64",
+                "gdn_state_w1_s4_k64v64",
                 "gdn_walk_out_w2_s3_k128v128",
-                "gdn_output_tc"
+                "gdn_output_tc",
+                "gdn_output_tc_k64v64"
             ]
         );
-        for x in &DIMS_SUFFIXES[1..] {
-            assert!(DELTA_SRC.contains(&format!("GDN_PREPARE_TCM({x},")), "{x}");
+        assert!(DELTA_SRC.contains("GDN_PREPARE_TCM(_k128v128,"));
+        for x in ["_k64v64,", ","] {
+            assert!(DELTA_SRC.contains(&format!("GDN_PREPARE_TC({x}")), "{x}");
+            assert!(DELTA_SRC.contains(&format!("GDN_OUTPUT_TC({x}")), "{x}");
         }
         assert_eq!(dims_suffix(shape(128, 128)), "_k128v128");
         assert_eq!(dims_suffix(shape(64, 64)), "_k64v64");
@@ -705,19 +739,32 @@ mod tests {
         for (w, s, d) in FUSED_WALKS {
             assert!(DELTA_SRC.contains(&format!("GDN_WALK_OUT({w}, {s}, {d}, {d})")));
         }
-        // Every shape with a constant-size suffix finds its walk instantiated with it.
-        for d in [64, 128] {
+        for (w, s, d) in WHOLE_ROW_WALKS {
+            assert!(DELTA_SRC.contains(&format!("GDN_STATE_W({w}, {s}, {d}, {d})")));
+        }
+        // Every shape with a constant-size suffix finds its walk instantiated with it: the
+        // fused walk and its preparation with M at 128, version 9's walk with the preparation
+        // and output compiled for it at 64.
+        for (d, fused) in [(64, false), (128, true)] {
             let s = shape(d, d);
-            let name = format!(
-                "{}{}",
-                StateWalk::for_shape(s).entry_point(),
-                dims_suffix(s)
-            );
+            let walk = StateWalk::for_shape(s);
+            let name = format!("{}{}", walk.entry_point(), dims_suffix(s));
             assert!(e.contains(&name), "{name}");
-            assert!(e.contains(&format!("{TC_FUSED_PREPARE}{}", dims_suffix(s))));
-            assert!(StateWalk::for_shape(s).fused);
+            assert!(walk.whole_rows);
+            assert_eq!(walk.fused, fused);
+            let prepare = if fused {
+                TC_FUSED_PREPARE
+            } else {
+                TC_KERNELS[0]
+            };
+            assert!(e.contains(&format!("{prepare}{}", dims_suffix(s))));
+            assert_eq!(
+                e.contains(&format!("{}{}", TC_KERNELS[1], dims_suffix(s))),
+                !fused
+            );
         }
         assert!(!StateWalk::for_shape(shape(128, 96)).fused);
+        assert!(!StateWalk::for_shape(shape(128, 96)).whole_rows);
         assert!(DELTA_SRC.contains(&format!("#define GDN_TC_ROWS {TC_ROWS}")));
         assert!(DELTA_SRC.contains(&format!("#define GDN_TC_THREADS {TC_STATE_THREADS}")));
         for k in KERNELS {

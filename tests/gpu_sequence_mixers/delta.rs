@@ -48,7 +48,7 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
     // Scratch: W, U, the log decays and the entering states of every chunk, float32, with
     // one-element bf16 placeholders (W, U, the states, M); on the tensor-core path g float32
     // with one-element float32 placeholders for W, U and the states, and W and U~ (then U) in
-    // bf16 with the entering states, or with the fused walk (K = V = 64 and 128) M
+    // bf16 with the entering states, or with the fused walk (K = V = 128) M
     // [rows, 64, 64] instead, the other a one-element placeholder (each buffer at least one
     // element).
     let rows = shape.batch * shape.heads * shape.seq_len.div_ceil(64);

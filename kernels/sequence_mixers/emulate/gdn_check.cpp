@@ -7,12 +7,13 @@
 // as the host computes it (tests/kernels_emulate.rs passes
 // src/sequence_mixers/delta_cuda.rs's shared_bytes), then ",TC_PREP,TC_STATE,TC_OUT": the
 // tensor-core kernels' (tc_shared_bytes; zeros where the host would not take them), then
-// ",ROW_GROUPS,FUSED": the tensor-core state walk's row groups per block and whether it is the
-// fused walk (StateWalk::for_shape: version 8, gdn_prepare_tcm_k<K>v<V> then
-// gdn_walk_out_w1_s4_k64v64 or gdn_walk_out_w2_s3_k128v128, at K = V = 64 and 128; else 1
-// group of 4 warps with 2 stages or 2 with 4). Where they are given, the case runs a second
-// time on q, k and v rounded to bf16 through those two kernels, or gdn_prepare_tc,
-// gdn_state_tc_r1_s2 or _r2_s4 and gdn_output_tc, against the recurrence on the rounded values
+// ",ROW_GROUPS,WALK": the tensor-core state walk's row groups per block and its kind
+// (StateWalk::for_shape): 1 the fused walk (version 8, gdn_prepare_tcm_k128v128 then
+// gdn_walk_out_w2_s3_k128v128, at K = V = 128), 2 the whole-row walk then the output
+// (version 9, gdn_prepare_tc_k64v64, gdn_state_w1_s4_k64v64 and gdn_output_tc_k64v64, at
+// K = V = 64), 0 the others (gdn_prepare_tc, gdn_state_tc_r1_s2 or _r2_s4 and gdn_output_tc:
+// 1 group of 4 warps with 2 stages or 2 with 4). Where they are given, the case runs a second
+// time on q, k and v rounded to bf16 through those kernels, against the recurrence on the rounded values
 // (bound 1e-2: W, U~, U, M and the entering states are rounded to bf16 inside, and O itself).
 // Prints one line per run, then ALL OK or FAILED.
 #include "cuda_shim.h"
@@ -27,7 +28,7 @@ int main(int argc, char** argv) {
         size_t prep, pass, out, tprep, tpass, tout;
         int rg, whole;
         if (std::sscanf(argv[arg], "%d,%d,%d,%d,%d,%zu,%zu,%zu,%zu,%zu,%zu,%d,%d", &B, &T, &H, &K, &V,
-                        &prep, &pass, &out, &tprep, &tpass, &tout, &rg, &whole) != 13 || (rg != 1 && rg != 2)) {
+                        &prep, &pass, &out, &tprep, &tpass, &tout, &rg, &whole) != 13 || (rg != 1 && rg != 2) || whole < 0 || whole > 2) {
             std::printf("bad case %s\n", argv[arg]);
             ++fails;
             continue;
@@ -57,27 +58,28 @@ int main(int argc, char** argv) {
             for (size_t i = 0; i < v.size(); ++i) { vb[i] = to_bf16(v[i]); v[i] = ld(vb.data(), i); }
             std::vector<u16> w16((size_t)B*H*nc*L*K, 0xffff), u16v((size_t)B*H*nc*L*V, 0xffff), st16((size_t)B*H*nc*V*K, 0xffff);
             // The kernels the host picks (delta_cuda.rs, dims_suffix and StateWalk::for_shape):
-            // at K = V = 64 and 128 the fused preparation (with M) and walk (with the output),
-            // K and V compiled in; else the three kernels for any K and V. M's blocks above the
-            // diagonal outside the preparation's 16 x 32 warp blocks stay poisoned (neither
-            // written nor read).
+            // at K = V = 128 the fused preparation (with M) and walk (with the output), at 64
+            // the whole-row walk between a preparation and an output with K and V compiled in;
+            // else the three kernels for any K and V. M's blocks above the diagonal outside
+            // the preparation's 16 x 32 warp blocks stay poisoned (neither written nor read).
             const bool d64 = K == 64 && V == 64, d128 = K == 128 && V == 128;
             std::vector<u16> m16((size_t)B*H*nc*L*L, 0xffff);
             launch(chunks, GDN_THREADS, [&] {
-                if (whole && d64) gdn_prepare_tcm_k64v64(qb.data(), kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), m16.data(), g.data(), T, H, K, V);
-                else if (whole && d128) gdn_prepare_tcm_k128v128(qb.data(), kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), m16.data(), g.data(), T, H, K, V);
+                if (whole == 2 && d64) gdn_prepare_tc_k64v64(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), g.data(), T, H, K, V);
+                else if (whole == 1 && d128) gdn_prepare_tcm_k128v128(qb.data(), kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), m16.data(), g.data(), T, H, K, V);
                 else gdn_prepare_tc(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), g.data(), T, H, K, V);
             }, tprep / 4);
             launch(dim3{(unsigned)(V / (GDN_TC_ROWS * rg)), (unsigned)H, (unsigned)B}, (whole ? 32 : GDN_TC_THREADS) * rg, [&] {
-                if (whole && d64 && rg == 1) gdn_walk_out_w1_s4_k64v64(qb.data(), kb.data(), w16.data(), u16v.data(), m16.data(), g.data(), init.data(), 1, ob.data(), fin.data(), T, H, K, V, nc);
-                else if (whole && d128 && rg == 2) gdn_walk_out_w2_s3_k128v128(qb.data(), kb.data(), w16.data(), u16v.data(), m16.data(), g.data(), init.data(), 1, ob.data(), fin.data(), T, H, K, V, nc);
-                else if (whole) { std::printf("no fused walk for K%d V%d with %d warps\n", K, V, rg); ++fails; }
+                if (whole == 2 && d64 && rg == 1) gdn_state_w1_s4_k64v64(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
+                else if (whole == 1 && d128 && rg == 2) gdn_walk_out_w2_s3_k128v128(qb.data(), kb.data(), w16.data(), u16v.data(), m16.data(), g.data(), init.data(), 1, ob.data(), fin.data(), T, H, K, V, nc);
+                else if (whole) { std::printf("no whole-row walk %d for K%d V%d with %d warps\n", whole, K, V, rg); ++fails; }
                 else if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
                 else gdn_state_tc_r1_s2(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
             }, tpass / 4);
-            if (!whole)
+            if (whole != 1)
                 launch(chunks, GDN_THREADS, [&] {
-                    gdn_output_tc(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
+                    if (whole == 2 && d64) gdn_output_tc_k64v64(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
+                    else gdn_output_tc(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
                 }, tout / 4);
             for (size_t i = 0; i < o.size(); ++i) o[i] = ld(ob.data(), i);
         } else {
