@@ -279,7 +279,8 @@ GDN_ENTRIES(bf16, u16)
 // [B, H, n_chunks, V, K] bf16; the fused walk instead M [B, H, n_chunks, L, L] bf16, and no
 // states (U~ is then read, not written over). Dynamic shared memory, bytes (the host computes
 // it), R = GDN_TC_ROWS RG: state STAGES (L 2 (K + 8) 2 + L (R + 8) 2 + L 4) + R (K + 8) 2 +
-// L (R + 8) 2; fused walk STAGES (L 3 (K + 8) 2 + L (R + 8) 2 + L (L + 8) 2 + L 4);
+// L (R + 8) 2; whole-row walk (version 9) STAGES (L 2 (K + 8) 2 + L (R + 8) 2 + L 4), R = 16
+// WARPS; fused walk STAGES (L 3 (K + 8) 2 + L (R + 8) 2 + L (L + 8) 2 + L 4);
 // output L 4 + (2 L (K + 8) + L (V + 8) + V (K + 8) + L (L + 8)) 2.
 // A row group of the state walk: GDN_TC_ROWS rows of the state, GDN_TC_THREADS threads.
 #define GDN_TC_THREADS 128
@@ -646,7 +647,9 @@ __device__ __forceinline__ void gdn_walk_out_body(
         // O to `o` (bf16; steps past a short last chunk not written) in u32 pairs of value
         // columns: lanes of rows r and r ^ 1 (4 lanes apart) trade, the even row's lane
         // storing step i, the odd row's step i + 1.
-        u16* ob = o + (((long long)b * T_len + (long long)c * GDN_CHUNK) * heads + h) * V + r0 + rr;
+        u16* ob = OUT ? o + (((long long)b * T_len + (long long)c * GDN_CHUNK) * heads + h) * V +
+                            r0 + rr
+                      : nullptr;
 #pragma unroll
         for (int jt = 0; jt < (OUT ? LN : 0); ++jt) {
             const int i = jt * 8 + 2 * ti;
@@ -1069,9 +1072,10 @@ __device__ __forceinline__ void gdn_prepare_tc_body(
     for (int i = threadIdx.x; i < l; i += GDN_THREADS) g_out[base * GDN_CHUNK + i] = gs[i];
 }
 
-// The entry points of kernel 1': K and V from the arguments (gdn_prepare_tc), or compiled in
-// with M for the fused walk (gdn_prepare_tcm_k64v64, _k128v128; version 8: their q and m
-// arguments first and after u), picked as the walk's (src/sequence_mixers/delta_cuda.rs).
+// The entry points of kernel 1': K and V from the arguments (gdn_prepare_tc) or compiled in
+// for version 9's whole-row walk (gdn_prepare_tc_k64v64), or compiled in with M for the fused
+// walk (gdn_prepare_tcm_k128v128; version 8: its q and m arguments first and after u), picked
+// as the walk's (src/sequence_mixers/delta_cuda.rs).
 #define GDN_PREPARE_TC(SUFFIX, KT, VT)                                                         \
     extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_prepare_tc##SUFFIX(         \
         const u16* __restrict__ k, const u16* __restrict__ v, const float* __restrict__ alpha, \

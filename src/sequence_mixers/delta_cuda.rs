@@ -87,8 +87,8 @@ const TC_STATE_THREADS: u32 = 128;
 pub const TC_ROWS: usize = 16;
 
 /// The tensor-core state walks of versions 3 and 4 the source instantiates for any K and V,
-/// (row groups, stages), [`StateWalk::for_shape`]'s choices outside [`FUSED_WALKS`]'
-/// sizes: 16 rows a block with 2 stages, 32 rows with 4.
+/// (row groups, stages), [`StateWalk::for_shape`]'s choices outside [`FUSED_WALKS`]' and
+/// [`WHOLE_ROW_WALKS`]' sizes: 16 rows a block with 2 stages, 32 rows with 4.
 pub const TC_STATE_WALKS: [(usize, usize); 2] = [(1, 2), (2, 4)];
 
 /// The fused walks (version 8, `gdn_walk_out_w<W>_s<S>_k<K>v<V>`: whole rows per warp, as
@@ -599,7 +599,9 @@ impl GatedDelta {
         // int T_len, int heads, int K, int V, int n_chunks), or gdn_state_tc_r<G>_s<S>(const u16* k,
         // const u16* w, u16* u (U~ in, U out), const float* g, const float* initial_state,
         // int has_initial, u16* states, float* final_state, int T_len, int heads,
-        // int K, int V, int n_chunks): blocks (⌈V / rows⌉ row blocks, head, batch entry) own
+        // int K, int V, int n_chunks), or gdn_state_w<G>_s<S>_k<K>v<V> with the same
+        // arguments, K and V the compiled-in sizes (StateWalk::for_shape takes it only there):
+        // blocks (⌈V / rows⌉ row blocks, head, batch entry) own
         // disjoint rows of the state, of U and of the states scratch (V a multiple of 16 and K
         // of 32 on the tensor-core path, `tc_shared_bytes`, and of the walk's rows:
         // StateWalk::for_shape takes 32 only where V is a multiple of 32); the scratch is what the launch
@@ -615,7 +617,8 @@ impl GatedDelta {
         }
         l.arg(&mut *o).arg(&t_len).arg(&heads).arg(&kd).arg(&vd);
         // SAFETY: gdn_output_<t>(const T* q, const T* k, const float* u, const float* g,
-        // const float* states, T* o, int T_len, int heads, int K, int V), or gdn_output_tc, the
+        // const float* states, T* o, int T_len, int heads, int K, int V), or gdn_output_tc (or
+        // gdn_output_tc_k<K>v<V> after a whole-row walk, K and V its compiled-in sizes), the
         // same with bf16 q, k, o and u16* u and states: blocks (chunk, head, batch entry) read
         // the scratch the two launches before wrote for their chunk and write their chunk's
         // rows of o below T.
