@@ -251,14 +251,13 @@ fn heads_layout_kernels_compile() {
         "libnvrtc.so.13 not found on the loader path"
     );
     let src = kernelpages::attention::api::HEADS_LAYOUT_SRC;
-    for arch in ["sm_90a", "sm_80"] {
-        let text = if arch == "sm_80" {
-            ptx_for_ampere("heads_layout.cu", src)
-        } else {
-            kernelpages::gpu::nvrtc_compile("heads_layout.cu", src, arch)
-                .unwrap_or_else(|e| panic!("{e}"))
-                .to_src()
-        };
+    let hopper = kernelpages::gpu::nvrtc_compile("heads_layout.cu", src, "sm_90a")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_src();
+    for (arch, text) in [
+        ("sm_90a", hopper),
+        ("sm_80", ptx_for_ampere("heads_layout.cu", src)),
+    ] {
         for f in [
             "split_heads_w1",
             "split_heads_w2",

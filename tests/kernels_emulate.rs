@@ -414,13 +414,13 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         // The walk's kind: 0 shared rows (versions 3 and 4), 1 fused, 2 whole rows then the
         // output kernel.
         let groups = walk.row_groups;
-        let whole = if walk.fused {
+        let kind = if walk.fused {
             1
         } else {
             2 * u8::from(walk.whole_rows)
         };
         format!(
-            "{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{out},{tp},{ts},{to},{groups},{whole}"
+            "{batch},{seq_len},{heads},{key_dim},{value_dim},{prep},{pass},{out},{tp},{ts},{to},{groups},{kind}"
         )
     })
     .collect();

@@ -26,9 +26,9 @@ int main(int argc, char** argv) {
     for (int arg = 1; arg < argc; ++arg) {
         int B, T, H, K, V;
         size_t prep, pass, out, tprep, tpass, tout;
-        int rg, whole;
+        int rg, kind;
         if (std::sscanf(argv[arg], "%d,%d,%d,%d,%d,%zu,%zu,%zu,%zu,%zu,%zu,%d,%d", &B, &T, &H, &K, &V,
-                        &prep, &pass, &out, &tprep, &tpass, &tout, &rg, &whole) != 13 || (rg != 1 && rg != 2) || whole < 0 || whole > 2) {
+                        &prep, &pass, &out, &tprep, &tpass, &tout, &rg, &kind) != 13 || (rg != 1 && rg != 2) || kind < 0 || kind > 2) {
             std::printf("bad case %s\n", argv[arg]);
             ++fails;
             continue;
@@ -65,20 +65,20 @@ int main(int argc, char** argv) {
             const bool d64 = K == 64 && V == 64, d128 = K == 128 && V == 128;
             std::vector<u16> m16((size_t)B*H*nc*L*L, 0xffff);
             launch(chunks, GDN_THREADS, [&] {
-                if (whole == 2 && d64) gdn_prepare_tc_k64v64(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), g.data(), T, H, K, V);
-                else if (whole == 1 && d128) gdn_prepare_tcm_k128v128(qb.data(), kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), m16.data(), g.data(), T, H, K, V);
+                if (kind == 2 && d64) gdn_prepare_tc_k64v64(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), g.data(), T, H, K, V);
+                else if (kind == 1 && d128) gdn_prepare_tcm_k128v128(qb.data(), kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), m16.data(), g.data(), T, H, K, V);
                 else gdn_prepare_tc(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), g.data(), T, H, K, V);
             }, tprep / 4);
-            launch(dim3{(unsigned)(V / (GDN_TC_ROWS * rg)), (unsigned)H, (unsigned)B}, (whole ? 32 : GDN_TC_THREADS) * rg, [&] {
-                if (whole == 2 && d64 && rg == 1) gdn_state_w1_s4_k64v64(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
-                else if (whole == 1 && d128 && rg == 2) gdn_walk_out_w2_s3_k128v128(qb.data(), kb.data(), w16.data(), u16v.data(), m16.data(), g.data(), init.data(), 1, ob.data(), fin.data(), T, H, K, V, nc);
-                else if (whole) { std::printf("no whole-row walk %d for K%d V%d with %d warps\n", whole, K, V, rg); ++fails; }
+            launch(dim3{(unsigned)(V / (GDN_TC_ROWS * rg)), (unsigned)H, (unsigned)B}, (kind ? 32 : GDN_TC_THREADS) * rg, [&] {
+                if (kind == 2 && d64 && rg == 1) gdn_state_w1_s4_k64v64(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
+                else if (kind == 1 && d128 && rg == 2) gdn_walk_out_w2_s3_k128v128(qb.data(), kb.data(), w16.data(), u16v.data(), m16.data(), g.data(), init.data(), 1, ob.data(), fin.data(), T, H, K, V, nc);
+                else if (kind) { std::printf("no whole-row walk %d for K%d V%d with %d warps\n", kind, K, V, rg); ++fails; }
                 else if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
                 else gdn_state_tc_r1_s2(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
             }, tpass / 4);
-            if (whole != 1)
+            if (kind != 1)
                 launch(chunks, GDN_THREADS, [&] {
-                    if (whole == 2 && d64) gdn_output_tc_k64v64(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
+                    if (kind == 2 && d64) gdn_output_tc_k64v64(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
                     else gdn_output_tc(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
                 }, tout / 4);
             for (size_t i = 0; i < o.size(); ++i) o[i] = ld(ob.data(), i);
