@@ -300,7 +300,7 @@ fn gpu_arithmetic_note(c: &MixerCase) -> String {
                 ),
             }
         }
-        Mixer::GatedDelta if delta_cuda::tc_shared_bytes(c.delta_shape(), dtype).is_some() => {
+        Mixer::GatedDelta if delta_cuda::tensor_core_path(c.delta_shape(), dtype) => {
             "bf16 products on tensor cores (K Kᵀ, W and U~ from the inverted triangular matrix, the state's update, the output's q·kᵀ and read-out; that matrix, βγk and βv, W, U~, U and its decayed copy, the masked decayed q·kᵀ and the states entering each chunk rounded to bf16; float32 accumulation, triangular solve and state carried between chunks)".to_string()
         }
         _ => "float32 arithmetic".to_string(),

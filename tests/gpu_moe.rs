@@ -91,6 +91,7 @@ fn grouped_gemm_sm90_compiles_without_spills() {
             "grouped_gemm_sm90.cu",
             &sm90::source_with_multicast_for(dtype),
             &entries,
+            &[],
             &["sm_90a"],
         );
         for r in reports {

@@ -27,7 +27,7 @@ mod spills;
 #[path = "gpu_sequence_mixers/ssd_bwd.rs"]
 mod ssd_bwd;
 
-pub(crate) use spills::compiles_without_spills;
+pub(crate) use spills::{compiles_without_spills, compiles_without_spills_on};
 
 use std::sync::OnceLock;
 

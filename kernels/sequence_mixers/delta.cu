@@ -713,6 +713,296 @@ GDN_WALK_OUT(2, 3, 128, 128)
     }
 GDN_STATE_W(1, 4, 64, 64)
 
+// ---------------------------------------------------------------------------------------------
+// Kernel 2''' (gdn_walk_wg_r<BV>_s<STAGES>_k<K>v<V>, version 10, Hopper only: sm_90a's
+// warpgroup matrix instructions, so compiled only where NVRTC defines
+// __CUDA_ARCH_FEAT_SM90_ALL): the fused walk (version 8's arguments and output: no entering
+// states or U in scratch, no output kernel) on wgmma. One warpgroup (128 threads) per BV value
+// columns of the state, head and batch entry (FlashLinearAttention's split of the state by value
+// columns: the columns evolve independently). The state is held transposed, Sᵀ (K x BV: key
+// index x value column), in fp32 wgmma accumulators: K / 64 m64nBV tiles, thread t of warp w
+// holding rows 16 w + g (+ 8) of each and columns 8 j + 2 t4 (+ 1) (the accumulator layout of
+// kernels/attn_wgmma_sm90.cu). Per chunk of L = 64 steps, with W, q, k (L x K), M (L x L) and
+// the block's BV columns of U~ in a ring of STAGES stages (cp.async, STAGES - 1 chunks ahead):
+//   U = U~ - W Sᵀ and P = Q Sᵀ          (m64nBV, A = W or q K-major, B = Sᵀ in bf16 N-major),
+//   O = diag(exp(g_i)) P + M U           (A = M K-major, B = U in bf16 N-major),
+//   Sᵀ <- exp(g_last) Sᵀ + Kᵀ U_dec      (A = k read M-major: Kᵀ; B = U_j exp(g_last - g_j)),
+// each product a warpgroup's asynchronous wgmma over shared memory, against versions 5 to 9's
+// one or two warps a block holding 16 rows each on mma.sync: there each SM had one or two of
+// its four schedulers' tensor cores at work, here all four. Shared operands in the no-swizzle
+// core-matrix layout (gdn_core: 8 x 8 blocks of 128 contiguous bytes, row-block-major), the
+// descriptors' leading offset the distance between core matrices along the reduction
+// dimension and the stride along M or N (as attention's probe established for K- and N-major
+// operands; kernels/attn_wgmma_sm90.cu). M's blocks above the diagonal (which the preparation
+// does not write) are zeroed once and never loaded. Dynamic shared memory: STAGES (3 L K 2 +
+// L L 2 + L (BV + 8) 2 + L 4) + K BV 2 + 2 L BV 2 bytes (gdn_wg_smem).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+typedef unsigned long long u64;
+
+// Byte offset of element (r, c) of a 16-bit tile with `cols` columns in the core-matrix layout.
+__device__ __forceinline__ u32 gdn_core(int r, int c, int cols) {
+    return (u32)((((r >> 3) * (cols >> 3) + (c >> 3)) << 7) + ((r & 7) << 4) + ((c & 7) << 1));
+}
+
+// A shared-memory matrix descriptor without swizzling: address, leading and stride byte offsets.
+__device__ __forceinline__ u64 gdn_desc(const void* p, u32 lead, u32 stride) {
+    return (u64)((smem_addr(p) & 0x3FFFF) >> 4) | ((u64)((lead & 0x3FFFF) >> 4) << 16) |
+           ((u64)((stride & 0x3FFFF) >> 4) << 32);
+}
+
+// D (64 x N, fp32, N / 2 per thread) (+)= A (64 x 16) B (16 x N), bf16 from shared memory: A
+// K-major (TA = 0) or M-major (TA = 1), B N-major; `acc` 0 overwrites D.
+#define GDN_WG_N16 "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define GDN_WG_N32                                                                             \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define GDN_WG_D8(d, i)                                                                        \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+        "+f"(d[i + 6]), "+f"(d[i + 7])
+template <int N, int TA>
+__device__ __forceinline__ void gdn_wgmma(float (&d)[N / 2], u64 da, u64 db, int acc) {
+    if constexpr (N == 16) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " GDN_WG_N16
+            ", %8, %9, p, 1, 1, %11, 1;\n}\n"
+            : GDN_WG_D8(d, 0)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA));
+    } else {
+        static_assert(N == 32, "m64n16 or m64n32");
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " GDN_WG_N32
+            ", %16, %17, p, 1, 1, %19, 1;\n}\n"
+            : GDN_WG_D8(d, 0), GDN_WG_D8(d, 8)
+            : "l"(da), "l"(db), "r"(acc), "n"(TA));
+    }
+}
+__device__ __forceinline__ void gdn_fence_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void gdn_wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void gdn_wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void gdn_wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Pins accumulator registers in program order (an empty asm that reads and writes each): after
+// a wait, so that no read of a product is moved above it; before gdn_wg_fence, so that the
+// arithmetic on them (a scale) is not moved after it, where ptxas would have to serialise the
+// products (warpgroup.arrive injected: the C7519 advisory).
+template <int N>
+__device__ __forceinline__ void gdn_wg_pin(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Chunk c's loads into stage `st` of the ring (128 threads; empty past the last chunk, one
+// commit group either way): W, q, k and M's blocks on or below the diagonal in the core-matrix
+// layout, the block's BV columns of U~ as rows of BV + 8, g; zeros past a short last chunk.
+template <int BV, int K, int V>
+__device__ __forceinline__ void gdn_wg_fill(unsigned char* st, const GdnWalkSrc& src, int c) {
+    constexpr int L = GDN_CHUNK, TILE = L * K * 2, UTS = BV + 8;
+    if (c < src.n_chunks) {
+        unsigned char *ws = st, *qs = st + TILE, *ks = st + 2 * TILE, *ms = st + 3 * TILE;
+        u16* ut = reinterpret_cast<u16*>(ms + L * L * 2);
+        float* gs = reinterpret_cast<float*>(ut + L * UTS);
+        const long long t0 = (long long)src.b * src.T_len + (long long)c * L;
+        const int l = min(L, src.T_len - c * L);
+        const long long base = src.bh * src.n_chunks + c;
+        for (int e = threadIdx.x; e < L * (K / 8); e += 128) {
+            const int i = e / (K / 8), c8 = (e % (K / 8)) * 8;
+            const bool ok = i < l;
+            const int ii = ok ? i : 0;
+            const long long at = ((t0 + ii) * src.heads + src.h) * K + c8;
+            const u32 to = gdn_core(i, c8, K);
+            cp_async16(ws + to, src.w + (base * L + ii) * K + c8, ok);
+            cp_async16(qs + to, src.q + at, ok);
+            cp_async16(ks + to, src.k + at, ok);
+        }
+        for (int e = threadIdx.x; e < L * (L / 8); e += 128) {
+            const int i = e / (L / 8), c8 = (e % (L / 8)) * 8;
+            if (c8 / 16 > i / 16) continue;  // above the diagonal blocks: zeros, never loaded
+            const bool ok = i < l;
+            cp_async16(ms + gdn_core(i, c8, L), src.m + (base * L + (ok ? i : 0)) * L + c8, ok);
+        }
+        for (int e = threadIdx.x; e < L * (BV / 8); e += 128) {
+            const int i = e / (BV / 8), c8 = (e % (BV / 8)) * 8;
+            const bool ok = i < l;
+            cp_async16(ut + i * UTS + c8, src.u + (base * L + (ok ? i : 0)) * V + src.r0 + c8, ok);
+        }
+        for (int i = threadIdx.x; i < L; i += 128)
+            cp_async4(gs + i, src.g + base * L + (i < l ? i : 0), i < l);
+    }
+    cp_async_commit();
+}
+
+template <int BV, int STAGES, int K, int V>
+__device__ __forceinline__ void gdn_walk_wg_body(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ w_in,
+    const u16* __restrict__ u, const u16* __restrict__ m, const float* __restrict__ g_in,
+    const float* __restrict__ initial_state, int has_initial, u16* __restrict__ o,
+    float* __restrict__ final_state, int T_len, int heads, int n_chunks) {
+    constexpr int L = GDN_CHUNK, NA = BV / 2, MB = K / 64, TILE = L * K * 2, UTS = BV + 8;
+    constexpr int STAGE = 3 * TILE + L * L * 2 + L * UTS * 2 + L * 4;
+    extern __shared__ float smem[];
+    unsigned char* ring = reinterpret_cast<unsigned char*>(smem);
+    unsigned char* s_st = ring + STAGES * STAGE;  // Sᵀ in bf16, K x BV, N-major
+    unsigned char* s_u = s_st + K * BV * 2;       // U, L x BV
+    unsigned char* s_d = s_u + L * BV * 2;        // U_dec, L x BV
+    const int v0 = blockIdx.x * BV, h = blockIdx.y, b = blockIdx.z;
+    const long long bh = (long long)b * heads + h;
+    const GdnWalkSrc src{k, w_in, u, q, m, g_in, bh, b, h, v0, T_len, heads, n_chunks};
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gi = lane / 4, t4 = lane % 4;
+    const int i0 = 16 * warp + gi;  // the thread's accumulator rows: i0 and i0 + 8
+    // M's blocks above the diagonal, zero in every stage (the fills never write them).
+    for (int st = 0; st < STAGES; ++st)
+        for (int e = threadIdx.x; e < L * (L / 8); e += 128) {
+            const int i = e / (L / 8), c8 = (e % (L / 8)) * 8;
+            if (c8 / 16 > i / 16)
+                *reinterpret_cast<uint4*>(ring + st * STAGE + 3 * TILE + gdn_core(i, c8, L)) =
+                    uint4{0, 0, 0, 0};
+        }
+#pragma unroll
+    for (int p = 0; p < STAGES - 1; ++p) gdn_wg_fill<BV, K, V>(ring + p * STAGE, src, p);
+    // Sᵀ: element (key x, value column y) of accumulator tile mb, d[4 j + e]: x = 64 mb + i0
+    // (+ 8 for e >= 2), y = 8 j + 2 t4 + (e & 1).
+    float sa[MB][NA];
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int r = 0; r < NA; ++r) {
+            const int x = 64 * mb + i0 + ((r & 2) ? 8 : 0), y = 8 * (r / 4) + 2 * t4 + (r & 1);
+            sa[mb][r] = has_initial ? initial_state[(bh * V + v0 + y) * K + x] : 0.f;
+        }
+    const u32 rows8 = 16 * K;  // bytes between the 8-row blocks of an [L][K] tile
+    for (int c = 0; c < n_chunks; ++c) {
+        // Sᵀ entering the chunk, bf16, to shared memory (B of U's and P's products).
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+            for (int j = 0; j < NA / 4; ++j)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf)
+                    *reinterpret_cast<u32*>(s_st + gdn_core(64 * mb + i0 + 8 * hf, 8 * j + 2 * t4, BV)) =
+                        pack_bf16(sa[mb][4 * j + 2 * hf], sa[mb][4 * j + 2 * hf + 1]);
+        cp_async_wait<STAGES - 2>();  // chunk c's loads landed (for this thread)
+        gdn_fence_async();            // ... and the generic writes above, for wgmma
+        __syncthreads();              // ... for every thread; chunk c - 1's stage is free
+        gdn_wg_fill<BV, K, V>(ring + ((c + STAGES - 1) % STAGES) * STAGE, src, c + STAGES - 1);
+        const unsigned char* st = ring + (c % STAGES) * STAGE;
+        const unsigned char *ws = st, *qs = st + TILE, *ks = st + 2 * TILE, *ms = st + 3 * TILE;
+        const u16* ut = reinterpret_cast<const u16*>(ms + L * L * 2);
+        const float* gs = reinterpret_cast<const float*>(ut + L * UTS);
+        const int l = min(L, T_len - c * L);
+        float ua[NA], oa[NA];
+        gdn_wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk) {
+            const u64 db = gdn_desc(s_st + gdn_core(16 * kk, 0, BV), 16 * BV, 128);
+            gdn_wgmma<BV, 0>(ua, gdn_desc(ws + gdn_core(0, 16 * kk, K), 128, rows8), db, kk);
+            gdn_wgmma<BV, 0>(oa, gdn_desc(qs + gdn_core(0, 16 * kk, K), 128, rows8), db, kk);
+        }
+        gdn_wg_commit();
+        // While the products run: the rows' decays (zero past a short last chunk).
+        const float last = gs[l - 1];
+        float eg[2], dec[2];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int i = i0 + 8 * hf;
+            eg[hf] = __expf(gs[i]);
+            dec[hf] = i < l ? __expf(last - gs[i]) : 0.f;
+        }
+        const float keep = __expf(last);
+        gdn_wg_wait<0>();
+        gdn_wg_pin(ua);
+        gdn_wg_pin(oa);
+        // U = U~ - W Sᵀ and U_dec to shared memory (bf16, N-major: B of the next products);
+        // P's rows scaled by exp(g_i).
+#pragma unroll
+        for (int j = 0; j < NA / 4; ++j)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = i0 + 8 * hf, y = 8 * j + 2 * t4, r = 4 * j + 2 * hf;
+                const u32 tp = *reinterpret_cast<const u32*>(ut + i * UTS + y);
+                const float u0 = __uint_as_float(tp << 16) - ua[r];
+                const float u1 = __uint_as_float(tp & 0xffff0000u) - ua[r + 1];
+                *reinterpret_cast<u32*>(s_u + gdn_core(i, y, BV)) = pack_bf16(u0, u1);
+                *reinterpret_cast<u32*>(s_d + gdn_core(i, y, BV)) =
+                    pack_bf16(dec[hf] * u0, dec[hf] * u1);
+                oa[r] *= eg[hf];
+                oa[r + 1] *= eg[hf];
+            }
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+            for (int r = 0; r < NA; ++r) sa[mb][r] *= keep;
+        gdn_wg_pin(oa);
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) gdn_wg_pin(sa[mb]);
+        gdn_fence_async();
+        __syncthreads();  // every warp's rows of U and U_dec
+        gdn_wg_fence();
+        // O += M U (the first group), then Sᵀ += Kᵀ U_dec (k M-major: Kᵀ's 64-row tiles mb).
+#pragma unroll
+        for (int kb = 0; kb < L / 16; ++kb)
+            gdn_wgmma<BV, 0>(oa, gdn_desc(ms + gdn_core(0, 16 * kb, L), 128, 16 * L),
+                             gdn_desc(s_u + gdn_core(16 * kb, 0, BV), 16 * BV, 128), 1);
+        gdn_wg_commit();
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+            for (int kb = 0; kb < L / 16; ++kb)
+                gdn_wgmma<BV, 1>(sa[mb], gdn_desc(ks + gdn_core(16 * kb, 64 * mb, K), rows8, 128),
+                                 gdn_desc(s_d + gdn_core(16 * kb, 0, BV), 16 * BV, 128), 1);
+        gdn_wg_commit();
+        gdn_wg_wait<1>();  // O's group done; the state's may still run
+        gdn_wg_pin(oa);
+        u16* ob = o + (((long long)b * T_len + (long long)c * L) * heads + h) * V + v0;
+#pragma unroll
+        for (int j = 0; j < NA / 4; ++j)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = i0 + 8 * hf, r = 4 * j + 2 * hf;
+                if (i < l)
+                    *reinterpret_cast<u32*>(ob + (long long)i * heads * V + 8 * j + 2 * t4) =
+                        pack_bf16(oa[r], oa[r + 1]);
+            }
+        gdn_wg_wait<0>();
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) gdn_wg_pin(sa[mb]);
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int r = 0; r < NA; ++r) {
+            const int x = 64 * mb + i0 + ((r & 2) ? 8 : 0), y = 8 * (r / 4) + 2 * t4 + (r & 1);
+            final_state[(bh * V + v0 + y) * K + x] = sa[mb][r];
+        }
+}
+
+// Version 10's entry points (version 8's arguments; the host passes K and V, equal to the
+// compiled-in sizes, and launches V / BV blocks of 128 threads per head and batch entry).
+#define GDN_WALK_WG(BV, STAGES, KT, VT)                                                        \
+    extern "C" __global__ void __launch_bounds__(128, 1)                                       \
+        gdn_walk_wg_r##BV##_s##STAGES##_k##KT##v##VT(                                          \
+            const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ w_in, \
+            const u16* __restrict__ u, const u16* __restrict__ m,                              \
+            const float* __restrict__ g_in, const float* __restrict__ initial_state,           \
+            int has_initial, u16* __restrict__ o, float* __restrict__ final_state, int T_len,  \
+            int heads, int K, int V, int n_chunks) {                                           \
+        gdn_walk_wg_body<BV, STAGES, KT, VT>(q, k, w_in, u, m, g_in, initial_state,            \
+                                             has_initial, o, final_state, T_len, heads,        \
+                                             n_chunks);                                        \
+    }
+GDN_WALK_WG(32, 3, 128, 128)
+GDN_WALK_WG(16, 4, 64, 64)
+#endif
+
 // Kernel 3' (gdn_output_tc), with K and V read from the arguments (KT = VT = 0), for any K and
 // V the tensor-core path takes outside the fused walk's size, or compiled in at K = V = 64
 // (gdn_output_tc_k64v64, after version 9's walk; versions 3.2 to 7 had 64 and 128 so, until
@@ -1095,4 +1385,5 @@ GDN_PREPARE_TC(_k64v64, 64, 64)
         gdn_prepare_tc_body<KT, VT, true>(q, k, v, alpha, beta, w_out, u_out, m_out, g_out,    \
                                           T_len, heads, K, V);                                 \
     }
+GDN_PREPARE_TCM(_k64v64, 64, 64)
 GDN_PREPARE_TCM(_k128v128, 128, 128)

@@ -63,6 +63,10 @@ const TC_KERNELS: [&str; 2] = ["gdn_prepare_tc", "gdn_output_tc"];
 /// in ([`dims_suffix`]).
 const TC_FUSED_PREPARE: &str = "gdn_prepare_tcm";
 
+/// The sizes (K = V) [`TC_FUSED_PREPARE`] is compiled for: those of [`WGMMA_WALKS`] and
+/// [`FUSED_WALKS`].
+const FUSED_PREPARE_SIZES: [usize; 2] = [64, 128];
+
 /// The suffixes of the entry points with K and V compiled in as constants: none (any K and V),
 /// then the grid's sizes.
 const DIMS_SUFFIXES: [&str; 3] = ["", "_k64v64", "_k128v128"];
@@ -103,6 +107,14 @@ pub const FUSED_WALKS: [(usize, usize, usize); 1] = [(2, 3, 128)];
 /// 4 stages, where version 8's fused walk was slower (one warp a block).
 pub const WHOLE_ROW_WALKS: [(usize, usize, usize); 1] = [(1, 4, 64)];
 
+/// The fused walks on Hopper's warpgroup matrix instructions (version 10,
+/// `gdn_walk_wg_r<BV>_s<S>_k<K>v<V>`, compiled only for sm_90a) the source instantiates,
+/// (value columns per block, stages, K = V): one warpgroup of 128 threads per BV columns of the
+/// state, head and batch entry (4 blocks a head at both sizes), three stages at 128 (200 KB of
+/// shared memory), four at 64. [`StateWalk::for_shape`] takes them on a compute capability 9.0
+/// device, before [`FUSED_WALKS`] and [`WHOLE_ROW_WALKS`].
+pub const WGMMA_WALKS: [(usize, usize, usize); 2] = [(32, 3, 128), (16, 4, 64)];
+
 /// How the state walk runs: `row_groups` groups of [`TC_ROWS`] rows per block, the chunks'
 /// loads `stages − 1` chunks ahead; a group is 4 warps sharing the rows' K columns
 /// (`gdn_state_tc_r<G>_s<S>`, versions 3 and 4) or, with `whole_rows`, one warp holding all
@@ -118,8 +130,11 @@ pub struct StateWalk {
     /// A row group is one warp with all K columns of its rows (versions 8 and 9).
     pub whole_rows: bool,
     /// Version 8: a whole-row walk computing the output too (the preparation writes M; two
-    /// launches, not three).
+    /// launches, not three); version 10 with `wgmma`.
     pub fused: bool,
+    /// Version 10: the fused walk on wgmma, one warpgroup per 16 `row_groups` value columns
+    /// ([`WGMMA_WALKS`]; sm_90a only).
+    pub wgmma: bool,
 }
 
 impl StateWalk {
@@ -134,16 +149,29 @@ impl StateWalk {
     /// shape (the notes' "Versions 5 to 8 on an H100"): 1.281 ms at K = V = 128 against
     /// version 7.1's 1.433 (a whole-row walk and a separate output kernel), but 1.017 ms at 64
     /// against 7.1's 0.872, where the walk is one warp a block: version 9 brings 7.1's pair
-    /// back at 64 (emulated, not yet run on a GPU).
-    pub fn for_shape(shape: DeltaShape) -> StateWalk {
+    /// back at 64 (emulated, not yet run on a GPU). With `hopper` (a compute capability 9.0
+    /// device, where the source is compiled for sm_90a) version 10 ([`WGMMA_WALKS`]) at its
+    /// sizes first.
+    pub fn for_shape(shape: DeltaShape, hopper: bool) -> StateWalk {
         let (k, v) = (shape.key_dim, shape.value_dim);
+        let fits = |w: &&(usize, usize, usize)| w.2 == k && w.2 == v;
+        if let Some(&(columns, stages, _)) = WGMMA_WALKS.iter().find(fits).filter(|_| hopper) {
+            return StateWalk {
+                row_groups: columns / TC_ROWS,
+                stages,
+                whole_rows: false,
+                fused: true,
+                wgmma: true,
+            };
+        }
         for (walks, fused) in [(&FUSED_WALKS[..], true), (&WHOLE_ROW_WALKS[..], false)] {
-            if let Some(&(warps, stages, _)) = walks.iter().find(|w| w.2 == k && w.2 == v) {
+            if let Some(&(warps, stages, _)) = walks.iter().find(fits) {
                 return StateWalk {
                     row_groups: warps,
                     stages,
                     whole_rows: true,
                     fused,
+                    wgmma: false,
                 };
             }
         }
@@ -157,16 +185,20 @@ impl StateWalk {
             stages,
             whole_rows: false,
             fused: false,
+            wgmma: false,
         }
     }
 
-    /// Rows of the state per block.
+    /// Rows of the state per block (value columns of the state, version 10).
     pub fn rows(self) -> usize {
         TC_ROWS * self.row_groups
     }
 
     /// Threads per block.
     pub fn threads(self) -> u32 {
+        if self.wgmma {
+            return 128;
+        }
         let group = if self.whole_rows {
             32
         } else {
@@ -178,7 +210,9 @@ impl StateWalk {
     /// The entry point before [`dims_suffix`]'s suffix, e.g. `gdn_state_tc_r2_s4` or
     /// `gdn_walk_out_w2_s3` (whose entry point always has the suffix).
     pub fn entry_point(self) -> String {
-        if self.fused {
+        if self.wgmma {
+            format!("gdn_walk_wg_r{}_s{}", self.rows(), self.stages)
+        } else if self.fused {
             format!("gdn_walk_out_w{}_s{}", self.row_groups, self.stages)
         } else if self.whole_rows {
             format!("gdn_state_w{}_s{}", self.row_groups, self.stages)
@@ -209,6 +243,7 @@ pub fn entry_points() -> Vec<String> {
             stages,
             whole_rows: false,
             fused: false,
+            wgmma: false,
         }
         .entry_point()
     };
@@ -217,13 +252,35 @@ pub fn entry_points() -> Vec<String> {
         .flat_map(|d| KERNELS.iter().map(move |k| format!("{k}_{}", d.tag())))
         .chain([TC_KERNELS[0].to_string()])
         .chain(WHOLE_ROW_WALKS.map(|w| format!("{}{}", TC_KERNELS[0], square(w.2))))
-        .chain(FUSED_WALKS.map(|w| format!("{TC_FUSED_PREPARE}{}", square(w.2))))
+        .chain(FUSED_PREPARE_SIZES.map(|d| format!("{TC_FUSED_PREPARE}{}", square(d))))
         .chain(TC_STATE_WALKS.map(walk))
         .chain(WHOLE_ROW_WALKS.map(|(w, s, d)| format!("gdn_state_w{w}_s{s}{}", square(d))))
         .chain(FUSED_WALKS.map(|(w, s, d)| format!("gdn_walk_out_w{w}_s{s}{}", square(d))))
+        .chain(hopper_entry_points())
         .chain([TC_KERNELS[1].to_string()])
         .chain(WHOLE_ROW_WALKS.map(|w| format!("{}{}", TC_KERNELS[1], square(w.2))))
         .collect()
+}
+
+/// Whether `shape` and `dtype` take the tensor-core kernels (version 3 on: bf16, K a multiple
+/// of 32 and V of 16), on any device ([`tc_shared_bytes`] is `Some`).
+pub fn tensor_core_path(shape: DeltaShape, dtype: Dtype) -> bool {
+    tc_shared_bytes(shape, dtype, false).is_some()
+}
+
+/// The entry points of [`entry_points`] compiled only for sm_90a (version 10's walks; the
+/// source guards them with `__CUDA_ARCH_FEAT_SM90_ALL`).
+pub fn hopper_entry_points() -> Vec<String> {
+    let suffix = |d: usize| {
+        if d == 64 {
+            DIMS_SUFFIXES[1]
+        } else {
+            DIMS_SUFFIXES[2]
+        }
+    };
+    WGMMA_WALKS
+        .map(|(c, s, d)| format!("gdn_walk_wg_r{c}_s{s}{}", suffix(d)))
+        .to_vec()
 }
 
 /// Dynamic shared memory of the tensor-core kernels (version 3, bf16) for `shape`, bytes, in
@@ -236,16 +293,25 @@ pub fn entry_points() -> Vec<String> {
 /// fused walk) its rows of the state (R × (K + 8) bf16) and the decayed U (L × (R + 8) bf16);
 /// the output's g (L floats) and bf16 rows: q and k L × (K + 8), U L × (V + 8), the entering
 /// state V × (K + 8), M L × (L + 8), or 0 where the fused walk leaves no output kernel.
-pub fn tc_shared_bytes(shape: DeltaShape, dtype: Dtype) -> Option<[u32; 3]> {
+/// Version 10's walk (`hopper`, [`WGMMA_WALKS`]' sizes) has stages of W, q and k (L × K bf16
+/// each, no padding: wgmma's core-matrix layout), M (L × L), its BV columns of U~ (L × (BV +
+/// 8)) and g, then the state (K × BV) and U and the decayed U (L × BV each), bf16.
+pub fn tc_shared_bytes(shape: DeltaShape, dtype: Dtype, hopper: bool) -> Option<[u32; 3]> {
     let (l, k, v) = (CHUNK, shape.key_dim, shape.value_dim);
     if dtype != Dtype::Bf16 || !k.is_multiple_of(32) || !v.is_multiple_of(16) {
         return None;
     }
     let ks = k + 8;
-    let walk = StateWalk::for_shape(shape);
+    let walk = StateWalk::for_shape(shape, hopper);
     let r = walk.rows();
     let output = l * 4 + (2 * l * ks + l * (v + 8) + v * ks + l * (l + 8)) * 2;
-    let (stage, exchange, output) = if walk.fused {
+    let (stage, exchange, output) = if walk.wgmma {
+        (
+            l * 4 + l * (r + 8) * 2 + (3 * l * k + l * l) * 2,
+            (k * r + 2 * l * r) * 2,
+            0,
+        )
+    } else if walk.fused {
         (
             l * 4 + l * (r + 8) * 2 + (3 * l * ks + l * (l + 8)) * 2,
             0,
@@ -329,6 +395,8 @@ pub struct GatedDelta {
     smem: [u32; 3],
     tensor_cores: bool,
     fused: bool,
+    /// The state walk on the tensor-core path ([`StateWalk::for_shape`] for this device).
+    walk: StateWalk,
     w: CudaSlice<f32>,
     u: CudaSlice<f32>,
     g: CudaSlice<f32>,
@@ -366,11 +434,12 @@ impl GatedDelta {
         }
         let compiled = gpu.compile("delta.cu", &source())?;
         let tag = dtype.tag();
-        let tc = tc_shared_bytes(s, dtype);
-        let fused = tc.is_some() && StateWalk::for_shape(s).fused;
+        let hopper = gpu.cc == (9, 0);
+        let tc = tc_shared_bytes(s, dtype, hopper);
+        let walk = StateWalk::for_shape(s, hopper);
+        let fused = tc.is_some() && walk.fused;
         let (names, smem) = match tc {
             Some(bytes) => {
-                let walk = StateWalk::for_shape(s);
                 let names = if fused {
                     vec![
                         format!("{TC_FUSED_PREPARE}{}", dims_suffix(s)),
@@ -414,6 +483,7 @@ impl GatedDelta {
             smem,
             tensor_cores: t,
             fused,
+            walk,
             w: alloc(on(!t, w_len))?,
             u: alloc(on(!t, u_len))?,
             g: alloc(g_len.max(1))?,
@@ -439,6 +509,12 @@ impl GatedDelta {
     /// Whether the kernels are version 3's tensor-core ones ([`tc_shared_bytes`]).
     pub fn uses_tensor_cores(&self) -> bool {
         self.tensor_cores
+    }
+
+    /// The state walk the tensor-core path runs ([`StateWalk::for_shape`] for the device the
+    /// kernels were compiled for), or `None` on the float32 path.
+    pub fn state_walk(&self) -> Option<StateWalk> {
+        self.tensor_cores.then_some(self.walk)
     }
 
     /// Launches one gated-delta-rule forward: O and the final state from q and k
@@ -510,7 +586,7 @@ impl GatedDelta {
             // checked inputs and write their chunk's slots of the scratch `new` sized for this
             // shape; the shared memory is what `new` raised the limit to.
             unsafe { l.launch(cfg(per_chunk, THREADS, smem[0]))? };
-            let walk = StateWalk::for_shape(s);
+            let walk = self.walk;
             let mut l = gpu.stream.launch_builder(&self.kernels[1]);
             l.arg(q)
                 .arg(k)
@@ -584,8 +660,7 @@ impl GatedDelta {
             .arg(&vd)
             .arg(&chunks);
         let (rows, threads) = if tc {
-            let walk = StateWalk::for_shape(s);
-            (walk.rows(), walk.threads())
+            (self.walk.rows(), self.walk.threads())
         } else {
             (ROWS, THREADS)
         };
@@ -665,7 +740,7 @@ mod tests {
         // The tensor-core path at K = V = 128: the fused walk of 32 rows, three stages of 64
         // floats, 64 rows of 40 halves (U~), 3 × 64 of 136 (W, k, q) and 64 of 72 (M),
         // nothing else, and no output kernel.
-        let tc = tc_shared_bytes(shape(128, 128), Dtype::Bf16).unwrap();
+        let tc = tc_shared_bytes(shape(128, 128), Dtype::Bf16, false).unwrap();
         assert_eq!(
             tc[1],
             (3 * (64 * 4 + 64 * 40 * 2 + 3 * 64 * 136 * 2 + 64 * 72 * 2)) as u32
@@ -677,7 +752,7 @@ mod tests {
         }
         // At 64 version 9's walk: 16 rows, four stages of g, U~'s 16 columns, W and k, and
         // nothing after them; then the output kernel (g, q and k, U, the entering state, M).
-        let [_, walk, output] = tc_shared_bytes(shape(64, 64), Dtype::Bf16).unwrap();
+        let [_, walk, output] = tc_shared_bytes(shape(64, 64), Dtype::Bf16, false).unwrap();
         assert_eq!(walk, (4 * (64 * 4 + 64 * 24 * 2 + 2 * 64 * 72 * 2)) as u32);
         assert_eq!(
             output,
@@ -685,24 +760,33 @@ mod tests {
         );
         // K = 64, V = 128: version 4's walk, its state rows and decayed U after the stages.
         assert_eq!(
-            tc_shared_bytes(shape(64, 128), Dtype::Bf16).unwrap()[1],
+            tc_shared_bytes(shape(64, 128), Dtype::Bf16, false).unwrap()[1],
             (4 * (64 * 4 + 64 * 40 * 2 + 2 * 64 * 72 * 2) + 32 * 72 * 2 + 64 * 40 * 2) as u32
         );
         // V = 64: 16 rows a block, two stages.
         assert_eq!(
-            tc_shared_bytes(shape(128, 64), Dtype::Bf16).unwrap()[1],
+            tc_shared_bytes(shape(128, 64), Dtype::Bf16, false).unwrap()[1],
             (2 * (64 * 4 + 64 * 24 * 2 + 2 * 64 * 136 * 2) + 16 * 136 * 2 + 64 * 24 * 2) as u32
         );
         // The output kernel where it runs, K = 128 and V = 96: g, q and k, U, the entering
         // state and M.
         assert_eq!(
-            tc_shared_bytes(shape(128, 96), Dtype::Bf16).unwrap()[2],
+            tc_shared_bytes(shape(128, 96), Dtype::Bf16, false).unwrap()[2],
             (64 * 4 + (2 * 64 * 136 + 64 * 104 + 96 * 136 + 64 * 72) * 2) as u32
         );
         assert!(tc.iter().all(|&b| b <= MAX_SHARED));
-        assert_eq!(tc_shared_bytes(shape(128, 128), Dtype::F32), None);
-        assert_eq!(tc_shared_bytes(shape(48, 64), Dtype::Bf16), None);
-        assert_eq!(tc_shared_bytes(shape(64, 40), Dtype::Bf16), None);
+        // Version 10 on Hopper: stages of g, U~'s BV + 8 halves, W, q and k (L × K) and M
+        // (L × L), then the state (K × BV) and U and U_dec (L × BV); under 227 KiB.
+        for (bv, stages, d) in WGMMA_WALKS {
+            let [_, walk, output] = tc_shared_bytes(shape(d, d), Dtype::Bf16, true).unwrap();
+            let stage = 64 * 4 + 64 * (bv + 8) * 2 + (3 * 64 * d + 64 * 64) * 2;
+            assert_eq!(walk, (stages * stage + (d * bv + 2 * 64 * bv) * 2) as u32);
+            assert!(walk <= MAX_SHARED);
+            assert_eq!(output, 0);
+        }
+        assert_eq!(tc_shared_bytes(shape(128, 128), Dtype::F32, false), None);
+        assert_eq!(tc_shared_bytes(shape(48, 64), Dtype::Bf16, false), None);
+        assert_eq!(tc_shared_bytes(shape(64, 40), Dtype::Bf16, false), None);
     }
 
     #[test]
@@ -719,16 +803,28 @@ mod tests {
                 "gdn_output_bf16",
                 "gdn_prepare_tc",
                 "gdn_prepare_tc_k64v64",
+                "gdn_prepare_tcm_k64v64",
                 "gdn_prepare_tcm_k128v128",
                 "gdn_state_tc_r1_s2",
                 "gdn_state_tc_r2_s4",
                 "gdn_state_w1_s4_k64v64",
                 "gdn_walk_out_w2_s3_k128v128",
+                "gdn_walk_wg_r32_s3_k128v128",
+                "gdn_walk_wg_r16_s4_k64v64",
                 "gdn_output_tc",
                 "gdn_output_tc_k64v64"
             ]
         );
-        assert!(DELTA_SRC.contains("GDN_PREPARE_TCM(_k128v128,"));
+        for d in FUSED_PREPARE_SIZES {
+            assert!(DELTA_SRC.contains(&format!("GDN_PREPARE_TCM(_k{d}v{d},")));
+        }
+        for (_, _, d) in FUSED_WALKS.iter().chain(&WGMMA_WALKS) {
+            assert!(FUSED_PREPARE_SIZES.contains(d), "{d}");
+        }
+        for (c, s, d) in WGMMA_WALKS {
+            assert!(DELTA_SRC.contains(&format!("GDN_WALK_WG({c}, {s}, {d}, {d})")));
+            assert_eq!(d / c, 4, "four blocks a head");
+        }
         for x in ["_k64v64,", ","] {
             assert!(DELTA_SRC.contains(&format!("GDN_PREPARE_TC({x}")), "{x}");
             assert!(DELTA_SRC.contains(&format!("GDN_OUTPUT_TC({x}")), "{x}");
@@ -750,7 +846,7 @@ mod tests {
         // and output compiled for it at 64.
         for (d, fused) in [(64, false), (128, true)] {
             let s = shape(d, d);
-            let walk = StateWalk::for_shape(s);
+            let walk = StateWalk::for_shape(s, false);
             let name = format!("{}{}", walk.entry_point(), dims_suffix(s));
             assert!(e.contains(&name), "{name}");
             assert!(walk.whole_rows);
@@ -766,8 +862,21 @@ mod tests {
                 !fused
             );
         }
-        assert!(!StateWalk::for_shape(shape(128, 96)).fused);
-        assert!(!StateWalk::for_shape(shape(128, 96)).whole_rows);
+        // On Hopper both sizes take version 10 (with the preparation that writes M); other
+        // shapes the same walks as elsewhere.
+        for d in [64, 128] {
+            let s = shape(d, d);
+            let walk = StateWalk::for_shape(s, true);
+            assert!(walk.wgmma && walk.fused && !walk.whole_rows);
+            assert_eq!((walk.threads(), d / walk.rows()), (128, 4));
+            let name = format!("{}{}", walk.entry_point(), dims_suffix(s));
+            assert!(e.contains(&name), "{name}");
+            assert!(e.contains(&format!("{TC_FUSED_PREPARE}{}", dims_suffix(s))));
+        }
+        for hopper in [false, true] {
+            let walk = StateWalk::for_shape(shape(128, 96), hopper);
+            assert!(!walk.fused && !walk.whole_rows && !walk.wgmma);
+        }
         assert!(DELTA_SRC.contains(&format!("#define GDN_TC_ROWS {TC_ROWS}")));
         assert!(DELTA_SRC.contains(&format!("#define GDN_TC_THREADS {TC_STATE_THREADS}")));
         for k in KERNELS {

@@ -3,13 +3,13 @@
 
 use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::delta_cuda::{
-    entry_points, source, tc_shared_bytes, GatedDelta, StateWalk,
+    entry_points, hopper_entry_points, source, tensor_core_path, GatedDelta,
 };
 use kernelpages::sequence_mixers::reference::{self, DeltaInputs, DeltaShape};
 
 use super::{
-    compiles_without_spills, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform, unit_keys,
-    up,
+    compiles_without_spills_on, down, gpu, poisoned, rel_l2, rounded, rounded_f32, uniform,
+    unit_keys, up,
 };
 
 /// One gated-delta-rule case on the device against the float64 recurrence on the same
@@ -54,8 +54,9 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
     let rows = shape.batch * shape.heads * shape.seq_len.div_ceil(64);
     let n = |n: usize| n.max(1) as u64;
     let (w, u, gl, st) = (rows * 64 * kd, rows * 64 * vd, rows * 64, rows * vd * kd);
-    let tc = tc_shared_bytes(shape, dtype).is_some();
-    let fused = tc && StateWalk::for_shape(shape).fused;
+    let walk = gdn.state_walk();
+    let tc = walk.is_some();
+    let fused = walk.is_some_and(|w| w.fused);
     let want = if tc {
         let last = if fused {
             1 + n(rows * 64 * 64)
@@ -130,6 +131,10 @@ fn gated_delta_rule_matches_float64_on_every_shape() {
         // The tensor-core state walk of 32 rows a block over 16 chunks, 4 times its stages
         // (V = 96: three blocks a head).
         shape(1, 1000, 2, 32, 96),
+        // The fused walks (on Hopper version 10's, on wgmma) over 16 and 11 chunks, several
+        // turns of their rings, the last chunk partial.
+        shape(1, 1000, 2, 128, 128),
+        shape(1, 700, 2, 64, 64),
         // Issue 12's lengths around the chunk of 64 and past 65,536.
         shape(1, 63, 2, 16, 16),
         shape(1, 65, 2, 16, 16),
@@ -146,10 +151,10 @@ fn gated_delta_rule_matches_float64_on_every_shape() {
                 // grow (the kernel's source run on the CPU in float32 gave ≤ 5e-7 on these
                 // cases). bf16 output rounding (2⁻⁹ relative): 1e-2 for O; the state 1e-4
                 // from the float32 kernels, 1e-2 from the tensor-core ones (version 3, where
-                // `tc_shared_bytes` takes them: W, the entering states and U are rounded to bf16
+                // `tensor_core_path` takes them: W, the entering states and U are rounded to bf16
                 // inside).
                 let tol = if dtype == Dtype::F32 { 1e-4 } else { 1e-2 };
-                let state_tol = if tc_shared_bytes(s, dtype).is_some() {
+                let state_tol = if tensor_core_path(s, dtype) {
                     1e-2
                 } else {
                     1e-4
@@ -237,5 +242,11 @@ fn gated_delta_rule_refuses_bad_shapes_and_buffers() {
     ignore = "needs NVRTC 13 (libnvrtc.so.13) on the loader path; .ci/run installs it"
 )]
 fn delta_kernels_compile_without_spills() {
-    compiles_without_spills("delta.cu", &source(), &entry_points());
+    compiles_without_spills_on(
+        "delta.cu",
+        &source(),
+        &entry_points(),
+        &hopper_entry_points(),
+        &["sm_90a", "sm_80"],
+    );
 }
