@@ -409,8 +409,9 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
             value_dim,
         };
         let [prep, pass, out] = shared_bytes(shape);
-        let [tp, ts, to] = tc_shared_bytes(shape, Dtype::Bf16).unwrap_or([0; 3]);
-        let walk = StateWalk::for_shape(shape);
+        // The walks of any sm_80+ device (version 10's wgmma walk is not emulated).
+        let [tp, ts, to] = tc_shared_bytes(shape, Dtype::Bf16, false).unwrap_or([0; 3]);
+        let walk = StateWalk::for_shape(shape, false);
         // The walk's kind: 0 shared rows (versions 3 and 4), 1 fused, 2 whole rows then the
         // output kernel.
         let groups = walk.row_groups;
