@@ -14,7 +14,10 @@
 //! the solve also writes each chunk's decayed Q Kᵀ (M) and the state walk computes the output
 //! itself, with no entering states or U in scratch (version 8); at K = V = 64 the three
 //! kernels compiled for that size, the walk by one warp a block holding whole rows (version
-//! 9). Every other case takes version 2, plain float32 loops over shared memory on CUDA cores.
+//! 9). On a Hopper GPU (compute capability 9.0, compiled for sm_90a) both sizes take the two
+//! launches of version 10 instead: the fused walk on wgmma, one warpgroup per 32 or 16 value
+//! columns of the state. Every other case takes version 2, plain float32 loops over shared
+//! memory on CUDA cores.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -608,7 +611,9 @@ impl GatedDelta {
                 s.heads as u32,
                 s.batch as u32,
             );
-            // SAFETY: gdn_walk_out_w<G>_s<S>_k<K>v<V>(const u16* q, const u16* k,
+            // SAFETY: gdn_walk_out_w<G>_s<S>_k<K>v<V>, or on Hopper gdn_walk_wg_r<BV>_s<S>_k<K>v<V>
+            // (version 10, the same arguments; rows() = BV value columns a block, 128 threads),
+            // (const u16* q, const u16* k,
             // const u16* w, const u16* u, const u16* m, const float* g,
             // const float* initial_state, int has_initial, u16* o, float* final_state,
             // int T_len, int heads, int K, int V, int n_chunks): blocks (V / rows row blocks,
