@@ -679,15 +679,18 @@ __device__ __forceinline__ void gdn_walk_out_body(
     gdn_state_frags_store<KN>(acc, final_state + bh * V * K, r0 + rr, 0, KN, K);
 }
 
-// Version 8's entry points (the host passes K and V, equal to the compiled-in sizes).
+// The fused walks' parameters (versions 8 and 10; the host passes K and V, equal to the
+// compiled-in sizes).
+#define GDN_FUSED_WALK_PARAMS                                                                  \
+    const u16 *__restrict__ q, const u16 *__restrict__ k, const u16 *__restrict__ w_in,        \
+        const u16 *__restrict__ u, const u16 *__restrict__ m, const float *__restrict__ g_in,  \
+        const float *__restrict__ initial_state, int has_initial, u16 *__restrict__ o,         \
+        float *__restrict__ final_state, int T_len, int heads, int K, int V, int n_chunks
+
+// Version 8's entry points.
 #define GDN_WALK_OUT(WARPS, STAGES, KT, VT)                                                    \
     extern "C" __global__ void __launch_bounds__(32 * WARPS)                                   \
-        gdn_walk_out_w##WARPS##_s##STAGES##_k##KT##v##VT(                                      \
-            const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ w_in, \
-            const u16* __restrict__ u, const u16* __restrict__ m,                              \
-            const float* __restrict__ g_in, const float* __restrict__ initial_state,           \
-            int has_initial, u16* __restrict__ o, float* __restrict__ final_state, int T_len,  \
-            int heads, int K, int V, int n_chunks) {                                           \
+        gdn_walk_out_w##WARPS##_s##STAGES##_k##KT##v##VT(GDN_FUSED_WALK_PARAMS) {              \
         gdn_walk_out_body<WARPS, STAGES, KT, VT, true>(q, k, w_in, const_cast<u16*>(u), m, g_in, \
                                                        initial_state, has_initial, o, nullptr, \
                                                        final_state, T_len, heads, n_chunks);   \
@@ -985,16 +988,11 @@ __device__ __forceinline__ void gdn_walk_wg_body(
         }
 }
 
-// Version 10's entry points (version 8's arguments; the host passes K and V, equal to the
-// compiled-in sizes, and launches V / BV blocks of 128 threads per head and batch entry).
+// Version 10's entry points (version 8's parameters; the host launches V / BV blocks of 128
+// threads per head and batch entry).
 #define GDN_WALK_WG(BV, STAGES, KT, VT)                                                        \
     extern "C" __global__ void __launch_bounds__(128, 1)                                       \
-        gdn_walk_wg_r##BV##_s##STAGES##_k##KT##v##VT(                                          \
-            const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ w_in, \
-            const u16* __restrict__ u, const u16* __restrict__ m,                              \
-            const float* __restrict__ g_in, const float* __restrict__ initial_state,           \
-            int has_initial, u16* __restrict__ o, float* __restrict__ final_state, int T_len,  \
-            int heads, int K, int V, int n_chunks) {                                           \
+        gdn_walk_wg_r##BV##_s##STAGES##_k##KT##v##VT(GDN_FUSED_WALK_PARAMS) {                  \
         gdn_walk_wg_body<BV, STAGES, KT, VT>(q, k, w_in, u, m, g_in, initial_state,            \
                                              has_initial, o, final_state, T_len, heads,        \
                                              n_chunks);                                        \
