@@ -209,7 +209,10 @@ mixers)
   fi
   ;;
 gdn)
-  # runners/mix_carry.sh packs the builds as bins.tar.xz beside this script.
+  # runners/mix_carry.sh packs the builds as bins.tar.xz beside this script. Every build that
+  # has version 10's walks takes them on a Hopper GPU (src/sequence_mixers/delta_cuda.rs,
+  # WGMMA_ENV) unless the caller sets KP_GDN_WGMMA=0; the GPU test runs both walks anyway.
+  export KP_GDN_WGMMA=${KP_GDN_WGMMA:-1}
   if [ -f "$here/bins.tar.xz" ]; then tar xJf "$here/bins.tar.xz" -C "$here"; fi
   step "gated delta gpu test" 150 "$out/gdn.tests.log" "$bin/gpu_sequence_mixers_test" \
     --include-ignored --test-threads 1 --nocapture gated_delta_rule_matches

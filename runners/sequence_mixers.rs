@@ -315,6 +315,27 @@ fn device_dtype(d: MixerDtype) -> DeviceDtype {
     }
 }
 
+/// The gated delta rule's dispatch on Hopper where this process takes version 10's walks
+/// ([`delta_cuda::wgmma_dispatched`]): a sentence for its rule, else nothing.
+fn wgmma_walk_rule() -> String {
+    if !delta_cuda::wgmma_dispatched() {
+        return String::new();
+    }
+    let walks = delta_cuda::WGMMA_WALKS
+        .iter()
+        .map(|(columns, stages, d)| {
+            format!(
+                "at K = V = {d} one warpgroup per {columns} value columns of the state, tiles loaded {} chunks ahead",
+                stages - 1
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        " On compute capability 9.0, instead, version 10 where its sizes fit: the solve that also writes the decayed Q Kᵀ, then the state walked on wgmma (bf16 operands from shared memory, float32 accumulation; the state held transposed in the accumulators, the output computed in the walk): {walks}."
+    )
+}
+
 /// What the entry points run: the CUDA kernels' versions, or the CPU recurrence.
 fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
     if device == DeviceChoice::Gpu {
@@ -348,7 +369,7 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                 device: "CUDA, compute capability 8.0 or newer".into(),
                 dtype: "fp32, bf16 (q, k, v, o; α, β and states fp32)".into(),
                 rule: format!(
-                    "always (K and V up to {}): the chunked WY form in chunks of {} steps, three kernels: every chunk's triangular solve at once (W and U~), the V × K state walked from chunk to chunk {} of its rows per block, every chunk's output at once. bf16 with K a multiple of 32 and V of 16: version 3, the products on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation; K Kᵀ, W and U~ from the inverted triangular matrix, U = U~ − W Sᵀ and the state update, the output's products), the inverse by blocks of 16 rows (the diagonal blocks by substitution in float32 registers, the blocks below them by tf32 mma.sync m16n8k8 with float32 accumulation), W, U~, U and the entering states stored as bf16; at K = V = {} two kernels, compiled for that size: the solve also writes each chunk's decayed Q Kᵀ (bf16), and the state walk computes the output itself, by warps that each hold {} whole rows (all K columns in the mma accumulators, no exchange between warps within a chunk), {} rows per block, tiles loaded {} chunks ahead, with no entering states or U stored; at K = V = {} the three kernels compiled for that size, the state walked by one warp per block holding {} whole rows, tiles loaded {} chunks ahead; else {} rows per block, its tiles loaded {} chunks ahead, where V is a multiple of 32 above 64, otherwise {} rows and {} chunk ahead. Otherwise version 2, float32 arithmetic on CUDA cores",
+                    "always (K and V up to {}): the chunked WY form in chunks of {} steps, three kernels: every chunk's triangular solve at once (W and U~), the V × K state walked from chunk to chunk {} of its rows per block, every chunk's output at once. bf16 with K a multiple of 32 and V of 16: version 3, the products on tensor cores (mma.sync m16n8k16, bf16 operands, float32 accumulation; K Kᵀ, W and U~ from the inverted triangular matrix, U = U~ − W Sᵀ and the state update, the output's products), the inverse by blocks of 16 rows (the diagonal blocks by substitution in float32 registers, the blocks below them by tf32 mma.sync m16n8k8 with float32 accumulation), W, U~, U and the entering states stored as bf16; at K = V = {} two kernels, compiled for that size: the solve also writes each chunk's decayed Q Kᵀ (bf16), and the state walk computes the output itself, by warps that each hold {} whole rows (all K columns in the mma accumulators, no exchange between warps within a chunk), {} rows per block, tiles loaded {} chunks ahead, with no entering states or U stored; at K = V = {} the three kernels compiled for that size, the state walked by one warp per block holding {} whole rows, tiles loaded {} chunks ahead; else {} rows per block, its tiles loaded {} chunks ahead, where V is a multiple of 32 above 64, otherwise {} rows and {} chunk ahead.{} Otherwise version 2, float32 arithmetic on CUDA cores",
                     delta_cuda::MAX_DIM,
                     delta_cuda::CHUNK,
                     delta_cuda::ROWS,
@@ -362,7 +383,8 @@ fn dispatch_rules(device: DeviceChoice) -> Vec<DispatchRule> {
                     delta_cuda::TC_ROWS * delta_cuda::TC_STATE_WALKS[1].0,
                     delta_cuda::TC_STATE_WALKS[1].1 - 1,
                     delta_cuda::TC_ROWS * delta_cuda::TC_STATE_WALKS[0].0,
-                    delta_cuda::TC_STATE_WALKS[0].1 - 1
+                    delta_cuda::TC_STATE_WALKS[0].1 - 1,
+                    wgmma_walk_rule()
                 ),
                 implementation: GPU_IMPLEMENTATION.into(),
             },

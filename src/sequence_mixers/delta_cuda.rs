@@ -14,7 +14,8 @@
 //! the solve also writes each chunk's decayed Q Kᵀ (M) and the state walk computes the output
 //! itself, with no entering states or U in scratch (version 8); at K = V = 64 the three
 //! kernels compiled for that size, the walk by one warp a block holding whole rows (version
-//! 9). On a Hopper GPU (compute capability 9.0, compiled for sm_90a) both sizes take the two
+//! 9). On a Hopper GPU (compute capability 9.0, compiled for sm_90a), where
+//! [`wgmma_dispatched`] (not yet by default: no GPU has run it), both sizes take the two
 //! launches of version 10 instead: the fused walk on wgmma, one warpgroup per 32 or 16 value
 //! columns of the state. Every other case takes version 2, plain float32 loops over shared
 //! memory on CUDA cores.
@@ -118,6 +119,22 @@ pub const WHOLE_ROW_WALKS: [(usize, usize, usize); 1] = [(1, 4, 64)];
 /// device, before [`FUSED_WALKS`] and [`WHOLE_ROW_WALKS`].
 pub const WGMMA_WALKS: [(usize, usize, usize); 2] = [(32, 3, 128), (16, 4, 64)];
 
+/// Whether [`GatedDelta::new`] takes version 10's walks ([`WGMMA_WALKS`]) on a compute
+/// capability 9.0 device: off until their GPU test (`gated_delta_rule_matches_float64_on_every_shape`,
+/// which runs both walks on a Hopper GPU whatever this says) has passed there; written
+/// 2026-12-08 in a session the device lent no GPU to. [`wgmma_dispatched`] says what a process
+/// does.
+pub const WGMMA_DISPATCHED: bool = false;
+
+/// The environment variable that makes this process take version 10's walks before
+/// [`WGMMA_DISPATCHED`] does (value `1`): for measuring them (`runners/device_run.sh gdn`).
+pub const WGMMA_ENV: &str = "KP_GDN_WGMMA";
+
+/// [`WGMMA_DISPATCHED`], or this process's [`WGMMA_ENV`] set to `1`.
+pub fn wgmma_dispatched() -> bool {
+    WGMMA_DISPATCHED || std::env::var(WGMMA_ENV).is_ok_and(|v| v == "1")
+}
+
 /// How the state walk runs: `row_groups` groups of [`TC_ROWS`] rows per block, the chunks'
 /// loads `stages − 1` chunks ahead; a group is 4 warps sharing the rows' K columns
 /// (`gdn_state_tc_r<G>_s<S>`, versions 3 and 4) or, with `whole_rows`, one warp holding all
@@ -153,8 +170,9 @@ impl StateWalk {
     /// version 7.1's 1.433 (a whole-row walk and a separate output kernel), but 1.017 ms at 64
     /// against 7.1's 0.872, where the walk is one warp a block: version 9 brings 7.1's pair
     /// back at 64 (emulated, not yet run on a GPU). With `hopper` (a compute capability 9.0
-    /// device, where the source is compiled for sm_90a) version 10 ([`WGMMA_WALKS`]) at its
-    /// sizes first.
+    /// device, where the source is compiled for sm_90a; [`GatedDelta::new`] asks for it only
+    /// where [`wgmma_dispatched`]) version 10 ([`WGMMA_WALKS`]) at its sizes first (not yet run
+    /// on a GPU).
     pub fn for_shape(shape: DeltaShape, hopper: bool) -> StateWalk {
         let (k, v) = (shape.key_dim, shape.value_dim);
         let fits = |w: &&(usize, usize, usize)| w.2 == k && w.2 == v;
@@ -424,6 +442,28 @@ impl GatedDelta {
     /// the NVRTC log; driver errors (out of memory, a device whose blocks cannot have
     /// [`shared_bytes`]).
     pub fn new(gpu: &Gpu, shape: DeltaShape, dtype: Dtype) -> Result<GatedDelta, GpuError> {
+        Self::with_walks(gpu, shape, dtype, gpu.cc == (9, 0) && wgmma_dispatched())
+    }
+
+    /// As [`GatedDelta::new`], with version 10's walks at their sizes when `hopper`
+    /// ([`StateWalk::for_shape`]; the GPU test runs both).
+    ///
+    /// # Errors
+    /// As [`GatedDelta::new`]'s, and [`GpuError::Config`] for `hopper` on a device other than
+    /// compute capability 9.0 (the walks are compiled only for sm_90a).
+    pub fn with_walks(
+        gpu: &Gpu,
+        shape: DeltaShape,
+        dtype: Dtype,
+        hopper: bool,
+    ) -> Result<GatedDelta, GpuError> {
+        if hopper && gpu.cc != (9, 0) {
+            return Err(GpuError::Config(format!(
+                "gated_delta_rule: version 10's walks need compute capability 9.0 (sm_90a), \
+                 this device has {}.{}",
+                gpu.cc.0, gpu.cc.1
+            )));
+        }
         let s = shape;
         check_shape(s)?;
         let smem = shared_bytes(s);
@@ -437,7 +477,6 @@ impl GatedDelta {
         }
         let compiled = gpu.compile("delta.cu", &source())?;
         let tag = dtype.tag();
-        let hopper = gpu.cc == (9, 0);
         let tc = tc_shared_bytes(s, dtype, hopper);
         let walk = StateWalk::for_shape(s, hopper);
         let fused = tc.is_some() && walk.fused;

@@ -13,8 +13,9 @@ use super::{
 };
 
 /// One gated-delta-rule case on the device against the float64 recurrence on the same
-/// (rounded) inputs: returns (error of O, error of the final state).
-fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, f64) {
+/// (rounded) inputs, with version 10's walks where `hopper` ([`GatedDelta::with_walks`]):
+/// returns (error of O, error of the final state).
+fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, hopper: bool, seed: u64) -> (f64, f64) {
     let g = gpu();
     let n = shape.batch * shape.seq_len * shape.heads;
     let (kd, vd) = (shape.key_dim, shape.value_dim);
@@ -44,7 +45,7 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, seed: u64) -> (f64, 
     .unwrap();
     let (a_d, b_d, s0_d) = (up::<f32>(&alpha), up::<f32>(&beta), up::<f32>(&s0));
     let mut fin = poisoned::<f32>(state_len);
-    let mut gdn = GatedDelta::new(g, shape, dtype).unwrap();
+    let mut gdn = GatedDelta::with_walks(g, shape, dtype, hopper).unwrap();
     // Scratch: W, U, the log decays and the entering states of every chunk, float32, with
     // one-element bf16 placeholders (W, U, the states, M); on the tensor-core path g float32
     // with one-element float32 placeholders for W, U and the states, and W and U~ (then U) in
@@ -141,10 +142,17 @@ fn gated_delta_rule_matches_float64_on_every_shape() {
         shape(1, 65_537, 1, 16, 16),
     ];
     let mut failures = Vec::new();
+    // On a Hopper GPU every case also with version 10's walks (where its sizes take them,
+    // else the same kernels again), whether or not the dispatch takes them yet.
+    let hopper_too = gpu().cc == (9, 0);
+    let walks: &[bool] = if hopper_too { &[false, true] } else { &[false] };
     for (n, &s) in cases.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::Bf16] {
-            for start in [false, true] {
-                let (eo, es) = delta_case(s, dtype, start, 300 + n as u64);
+            for (start, &hopper) in [false, true]
+                .into_iter()
+                .flat_map(|x| walks.iter().map(move |w| (x, w)))
+            {
+                let (eo, es) = delta_case(s, dtype, start, hopper, 300 + n as u64);
                 // float32 arithmetic on exact inputs: 1e-4 for O and the state. The float32
                 // triangular solve needs no looser bound: unit keys and β < 1 keep |A_ij| < 1,
                 // and the substitution replays the recurrence, whose steps (I − β k kᵀ) do not
@@ -160,11 +168,11 @@ fn gated_delta_rule_matches_float64_on_every_shape() {
                     1e-4
                 };
                 println!(
-                    "gated_delta_rule {s:?} {dtype:?} initial {start}: O {eo:.2e} state {es:.2e}"
+                    "gated_delta_rule {s:?} {dtype:?} initial {start} hopper walks {hopper}: O {eo:.2e} state {es:.2e}"
                 );
                 if !(eo <= tol && es <= state_tol) {
                     failures.push(format!(
-                        "{s:?} {dtype:?} initial {start}: O {eo:.2e}, state {es:.2e}"
+                        "{s:?} {dtype:?} initial {start} hopper walks {hopper}: O {eo:.2e}, state {es:.2e}"
                     ));
                 }
             }
@@ -178,7 +186,7 @@ fn gated_delta_rule_matches_float64_on_every_shape() {
 fn gated_delta_rule_with_no_step_returns_the_initial_state() {
     let s = shape(1, 0, 2, 8, 4);
     for start in [false, true] {
-        let (_, es) = delta_case(s, Dtype::F32, start, 9);
+        let (_, es) = delta_case(s, Dtype::F32, start, false, 9);
         // Zeros against zeros give 0/0: rel_l2 divides by max(‖want‖², 1e-300).
         assert_eq!(es, 0.0, "initial {start}");
     }
