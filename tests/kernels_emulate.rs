@@ -371,7 +371,8 @@ fn based_kernels_emulated_match_the_recurrence() {
 /// float64 recurrence, with the host's shared-memory sizes
 /// (`sequence_mixers::delta_cuda::shared_bytes` and `tc_shared_bytes`), shared memory
 /// poisoned and guarded past them: partial chunks, one step, K ≠ V both ways, V not a multiple of the state pass's rows per
-/// block, odd K, K = V = 128, and on tensor cores (bf16) every walk the host takes.
+/// block, odd K, K = V = 128, and on tensor cores (bf16) every walk the host takes (version
+/// 10's on wgmma, which the shim emulates, as on a compute capability 9.0 device).
 #[test]
 #[cfg_attr(not(kp_cxx), ignore = "needs g++ with C++20 and <ucontext.h>")]
 fn gated_delta_kernels_emulated_match_the_recurrence() {
@@ -400,7 +401,11 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         (1, 300, 1, 128, 128),
     ]
     .iter()
-    .map(|&(batch, seq_len, heads, key_dim, value_dim)| {
+    .map(|&(b, t, h, k, v)| (b, t, h, k, v, false))
+    // Version 10's walks on wgmma (Hopper's; wgmma emulated by cuda_shim.h) at both sizes, over
+    // more chunks than their rings have stages, with a short last chunk.
+    .chain([(1, 300, 2, 64, 64, true), (1, 300, 1, 128, 128, true)])
+    .map(|(batch, seq_len, heads, key_dim, value_dim, hopper)| {
         let shape = DeltaShape {
             batch,
             seq_len,
@@ -409,13 +414,16 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
             value_dim,
         };
         let [prep, pass, out] = shared_bytes(shape);
-        // The walks of any sm_80+ device (version 10's wgmma walk is not emulated).
-        let [tp, ts, to] = tc_shared_bytes(shape, Dtype::Bf16, false).unwrap_or([0; 3]);
-        let walk = StateWalk::for_shape(shape, false);
+        // The walks of any sm_80+ device, or with `hopper` those of a compute capability 9.0
+        // one.
+        let [tp, ts, to] = tc_shared_bytes(shape, Dtype::Bf16, hopper).unwrap_or([0; 3]);
+        let walk = StateWalk::for_shape(shape, hopper);
         // The walk's kind: 0 shared rows (versions 3 and 4), 1 fused, 2 whole rows then the
-        // output kernel.
+        // output kernel, 3 fused on wgmma.
         let groups = walk.row_groups;
-        let kind = if walk.fused {
+        let kind = if walk.wgmma {
+            3
+        } else if walk.fused {
             1
         } else {
             2 * u8::from(walk.whole_rows)
@@ -430,9 +438,10 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
     // shapes above (one walks 32 rows a block in two groups of 4 warps).
     assert_eq!(
         cases.iter().filter(|c| !c.contains(",0,0,0,")).count(),
-        7,
+        9,
         "{cases:?}"
     );
+    assert_eq!(cases.iter().filter(|c| c.ends_with(",3")).count(), 2);
     assert_eq!(cases.iter().filter(|c| c.ends_with(",1,2")).count(), 2);
     assert_eq!(cases.iter().filter(|c| c.ends_with(",2,1")).count(), 2);
     assert_eq!(cases.iter().filter(|c| c.ends_with(",2,0")).count(), 1);

@@ -719,7 +719,7 @@ GDN_STATE_W(1, 4, 64, 64)
 // ---------------------------------------------------------------------------------------------
 // Kernel 2''' (gdn_walk_wg_r<BV>_s<STAGES>_k<K>v<V>, version 10, Hopper only: sm_90a's
 // warpgroup matrix instructions, so compiled only where NVRTC defines
-// __CUDA_ARCH_FEAT_SM90_ALL): the fused walk (version 8's arguments and output: no entering
+// __CUDA_ARCH_FEAT_SM90_ALL, and in the CPU emulation, which emulates them): the fused walk (version 8's arguments and output: no entering
 // states or U in scratch, no output kernel) on wgmma. One warpgroup (128 threads) per BV value
 // columns of the state, head and batch entry (FlashLinearAttention's split of the state by value
 // columns: the columns evolve independently). The state is held transposed, Sᵀ (K x BV: key
@@ -739,7 +739,7 @@ GDN_STATE_W(1, 4, 64, 64)
 // operands; kernels/attn_wgmma_sm90.cu). M's blocks above the diagonal (which the preparation
 // does not write) are zeroed once and never loaded. Dynamic shared memory: STAGES (3 L K 2 +
 // L L 2 + L (BV + 8) 2 + L 4) + K BV 2 + 2 L BV 2 bytes (gdn_wg_smem).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KP_EMULATE)
 typedef unsigned long long u64;
 
 // Byte offset of element (r, c) of a 16-bit tile with `cols` columns in the core-matrix layout.
@@ -754,7 +754,21 @@ __device__ __forceinline__ u64 gdn_desc(const void* p, u32 lead, u32 stride) {
 }
 
 // D (64 x N, fp32, N / 2 per thread) (+)= A (64 x 16) B (16 x N), bf16 from shared memory: A
-// K-major (TA = 0) or M-major (TA = 1), B N-major; `acc` 0 overwrites D.
+// K-major (TA = 0) or M-major (TA = 1), B N-major; `acc` 0 overwrites D. The CPU emulation
+// (emulate/cuda_shim.h) computes it at issue and has nothing to fence, wait for or pin.
+#ifdef KP_EMULATE
+template <int N, int TA>
+inline void gdn_wgmma(float (&d)[N / 2], u64 da, u64 db, int acc) {
+    wgmma_emulated<N>(d, da, db, acc, TA, true);
+}
+inline void gdn_fence_async() {}
+inline void gdn_wg_fence() {}
+inline void gdn_wg_commit() {}
+template <int N>
+inline void gdn_wg_wait() {}
+template <int N>
+inline void gdn_wg_pin(float (&)[N]) {}
+#else
 #define GDN_WG_N16 "{%0, %1, %2, %3, %4, %5, %6, %7}"
 #define GDN_WG_N32                                                                             \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
@@ -802,6 +816,7 @@ __device__ __forceinline__ void gdn_wg_pin(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+#endif
 
 // Chunk c's loads into stage `st` of the ring (128 threads; empty past the last chunk, one
 // commit group either way): W, q, k and M's blocks on or below the diagonal in the core-matrix

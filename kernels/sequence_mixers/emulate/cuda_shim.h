@@ -167,6 +167,48 @@ template <int N> inline void cp_async_wait() {}
 #define __shared__
 #define __align__(x)
 alignas(16) float smem[1 << 17];
+// A shared-memory address as the GPU's: the byte offset into the block's shared memory
+// (`smem`), which wgmma's matrix descriptors carry.
+inline unsigned smem_addr(const void* p) {
+    return (unsigned)(static_cast<const char*>(p) - reinterpret_cast<const char*>(smem));
+}
+// Element (mn, k) of a wgmma operand in shared memory through its descriptor without swizzling
+// (start address, leading byte offset: between the 8 x 16-byte core matrices along K, stride
+// byte offset: along M or N; each stored >> 4 in bits 0-13, 16-29 and 32-45): a core matrix
+// holds 8 rows of 16 contiguous bytes, the 8 elements of a row along K (K-major) or along M or
+// N (`mn_major`), as the PTX ISA lays the no-swizzle operand out.
+inline float wgmma_operand(unsigned long long desc, int mn, int k, bool mn_major) {
+    const unsigned start = (unsigned)(desc & 0x3FFF) << 4;
+    const unsigned lead = (unsigned)((desc >> 16) & 0x3FFF) << 4;
+    const unsigned stride = (unsigned)((desc >> 32) & 0x3FFF) << 4;
+    const unsigned off = mn_major
+        ? start + (k / 8) * lead + (k % 8) * 16 + (mn / 8) * stride + (mn % 8) * 2
+        : start + (mn / 8) * stride + (mn % 8) * 16 + (k / 8) * lead + (k % 8) * 2;
+    if (off + 2 > sizeof(smem)) { std::fprintf(stderr, "wgmma: operand past shared memory\n"); std::abort(); }
+    unsigned short bits;
+    std::memcpy(&bits, reinterpret_cast<const char*>(smem) + off, 2);
+    const unsigned u = (unsigned)bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+// wgmma.mma_async.m64nNk16 with bf16 A (64 x 16; K-major, or M-major with ta) and B (16 x N;
+// K-major, or N-major with tb) from shared memory and float32 D, by each thread of the
+// warpgroup for its own accumulators (thread t: warp w = t / 32 % 4, g = t % 32 / 4,
+// t4 = t % 4; d[4 j + e] is row 16 w + g + 8 (e / 2), column 8 j + 2 t4 + e % 2), at issue: the
+// operands are read then, not up to the wait as on the GPU. `acc` 0 overwrites D.
+template <int N>
+inline void wgmma_emulated(float* d, unsigned long long da, unsigned long long db, int acc,
+                           bool ta, bool tb) {
+    const unsigned t = threadIdx.x % 128, w = t / 32, g = (t % 32) / 4, t4 = t % 4;
+    for (int j = 0; j < N / 8; ++j)
+        for (int e = 0; e < 4; ++e) {
+            const int row = 16 * w + g + 8 * (e / 2), col = 8 * j + 2 * t4 + e % 2;
+            float sum = acc ? d[4 * j + e] : 0.f;
+            for (int k = 0; k < 16; ++k) sum += wgmma_operand(da, row, k, ta) * wgmma_operand(db, col, k, tb);
+            d[4 * j + e] = sum;
+        }
+}
 inline float __expf(float x) { return std::exp(x); }
 // The threads of a block are fibers of one host thread (blocks one after another): an add.
 inline float atomicAdd(float* p, float v) { const float old = *p; *p = old + v; return old; }

@@ -11,8 +11,11 @@
 // (StateWalk::for_shape): 1 the fused walk (version 8, gdn_prepare_tcm_k128v128 then
 // gdn_walk_out_w2_s3_k128v128, at K = V = 128), 2 the whole-row walk then the output
 // (version 9, gdn_prepare_tc_k64v64, gdn_state_w1_s4_k64v64 and gdn_output_tc_k64v64, at
-// K = V = 64), 0 the others (gdn_prepare_tc, gdn_state_tc_r1_s2 or _r2_s4 and gdn_output_tc:
-// 1 group of 4 warps with 2 stages or 2 with 4). Where they are given, the case runs a second
+// K = V = 64), 3 the fused walk on wgmma (version 10, Hopper's: gdn_prepare_tcm_k<K>v<V> then
+// gdn_walk_wg_r<16 ROW_GROUPS>_s<S>_k<K>v<V>, one warpgroup per 16 ROW_GROUPS value columns,
+// at K = V = 64 and 128; wgmma as cuda_shim.h emulates it), 0 the others (gdn_prepare_tc,
+// gdn_state_tc_r1_s2 or _r2_s4 and gdn_output_tc: 1 group of 4 warps with 2 stages or 2 with
+// 4). Where they are given, the case runs a second
 // time on q, k and v rounded to bf16 through those kernels, against the recurrence on the rounded values
 // (bound 1e-2: W, U~, U, M and the entering states are rounded to bf16 inside, and O itself).
 // Prints one line per run, then ALL OK or FAILED.
@@ -28,7 +31,7 @@ int main(int argc, char** argv) {
         size_t prep, pass, out, tprep, tpass, tout;
         int rg, kind;
         if (std::sscanf(argv[arg], "%d,%d,%d,%d,%d,%zu,%zu,%zu,%zu,%zu,%zu,%d,%d", &B, &T, &H, &K, &V,
-                        &prep, &pass, &out, &tprep, &tpass, &tout, &rg, &kind) != 13 || (rg != 1 && rg != 2) || kind < 0 || kind > 2) {
+                        &prep, &pass, &out, &tprep, &tpass, &tout, &rg, &kind) != 13 || (rg != 1 && rg != 2) || kind < 0 || kind > 3) {
             std::printf("bad case %s\n", argv[arg]);
             ++fails;
             continue;
@@ -66,17 +69,21 @@ int main(int argc, char** argv) {
             std::vector<u16> m16((size_t)B*H*nc*L*L, 0xffff);
             launch(chunks, GDN_THREADS, [&] {
                 if (kind == 2 && d64) gdn_prepare_tc_k64v64(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), g.data(), T, H, K, V);
-                else if (kind == 1 && d128) gdn_prepare_tcm_k128v128(qb.data(), kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), m16.data(), g.data(), T, H, K, V);
+                else if (kind == 3 && d64) gdn_prepare_tcm_k64v64(qb.data(), kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), m16.data(), g.data(), T, H, K, V);
+                else if ((kind == 1 || kind == 3) && d128) gdn_prepare_tcm_k128v128(qb.data(), kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), m16.data(), g.data(), T, H, K, V);
                 else gdn_prepare_tc(kb.data(), vb.data(), al.data(), be.data(), w16.data(), u16v.data(), g.data(), T, H, K, V);
             }, tprep / 4);
-            launch(dim3{(unsigned)(V / (GDN_TC_ROWS * rg)), (unsigned)H, (unsigned)B}, (kind ? 32 : GDN_TC_THREADS) * rg, [&] {
-                if (kind == 2 && d64 && rg == 1) gdn_state_w1_s4_k64v64(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
+            const unsigned walk_threads = kind == 3 ? 128 : (kind ? 32 : GDN_TC_THREADS) * rg;
+            launch(dim3{(unsigned)(V / (GDN_TC_ROWS * rg)), (unsigned)H, (unsigned)B}, walk_threads, [&] {
+                if (kind == 3 && d64 && rg == 1) gdn_walk_wg_r16_s4_k64v64(qb.data(), kb.data(), w16.data(), u16v.data(), m16.data(), g.data(), init.data(), 1, ob.data(), fin.data(), T, H, K, V, nc);
+                else if (kind == 3 && d128 && rg == 2) gdn_walk_wg_r32_s3_k128v128(qb.data(), kb.data(), w16.data(), u16v.data(), m16.data(), g.data(), init.data(), 1, ob.data(), fin.data(), T, H, K, V, nc);
+                else if (kind == 2 && d64 && rg == 1) gdn_state_w1_s4_k64v64(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
                 else if (kind == 1 && d128 && rg == 2) gdn_walk_out_w2_s3_k128v128(qb.data(), kb.data(), w16.data(), u16v.data(), m16.data(), g.data(), init.data(), 1, ob.data(), fin.data(), T, H, K, V, nc);
                 else if (kind) { std::printf("no whole-row walk %d for K%d V%d with %d warps\n", kind, K, V, rg); ++fails; }
                 else if (rg == 2) gdn_state_tc_r2_s4(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
                 else gdn_state_tc_r1_s2(kb.data(), w16.data(), u16v.data(), g.data(), init.data(), 1, st16.data(), fin.data(), T, H, K, V, nc);
             }, tpass / 4);
-            if (kind != 1)
+            if (kind != 1 && kind != 3)
                 launch(chunks, GDN_THREADS, [&] {
                     if (kind == 2 && d64) gdn_output_tc_k64v64(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
                     else gdn_output_tc(qb.data(), kb.data(), u16v.data(), g.data(), st16.data(), ob.data(), T, H, K, V);
@@ -109,7 +116,7 @@ int main(int argc, char** argv) {
             for (int e = 0; e < V*K; ++e) { double got = fin[(b*H+h)*V*K+e], want = S[e]; fnum += (got-want)*(got-want); fden += want*want; if (!std::isfinite(got)) fnum = INFINITY; }
         }
         const double e1 = std::sqrt(num/den), e2 = std::sqrt(fnum/fden);
-        std::printf("gated delta%s B%d T%d H%d K%d V%d: o %.3g final %.3g\n", tc ? " tensor cores (bf16)" : "", B, T, H, K, V, e1, e2);
+        std::printf("gated delta%s B%d T%d H%d K%d V%d: o %.3g final %.3g\n", tc ? (kind == 3 ? " tensor cores (bf16), wgmma walk" : " tensor cores (bf16)") : "", B, T, H, K, V, e1, e2);
         const double bound = tc ? 1e-2 : 1e-5;
         if (!(e1 < bound && e2 < bound) || g_overrun) ++fails;
         }
