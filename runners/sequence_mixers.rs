@@ -325,7 +325,7 @@ fn wgmma_walk_rule() -> String {
         .iter()
         .map(|(columns, stages, d)| {
             format!(
-                "at K = V = {d} one warpgroup per {columns} value columns of the state, tiles loaded {} chunks ahead",
+                "at K = V = {d} one warpgroup per {columns} rows of the state, tiles loaded {} chunks ahead",
                 stages - 1
             )
         })

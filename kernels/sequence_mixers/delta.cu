@@ -719,11 +719,12 @@ GDN_STATE_W(1, 4, 64, 64)
 // ---------------------------------------------------------------------------------------------
 // Kernel 2''' (gdn_walk_wg_r<BV>_s<STAGES>_k<K>v<V>, version 10, Hopper only: sm_90a's
 // warpgroup matrix instructions, so compiled only where NVRTC defines
-// __CUDA_ARCH_FEAT_SM90_ALL, and in the CPU emulation, which emulates them): the fused walk (version 8's arguments and output: no entering
-// states or U in scratch, no output kernel) on wgmma. One warpgroup (128 threads) per BV value
-// columns of the state, head and batch entry (FlashLinearAttention's split of the state by value
-// columns: the columns evolve independently). The state is held transposed, Sᵀ (K x BV: key
-// index x value column), in fp32 wgmma accumulators: K / 64 m64nBV tiles, thread t of warp w
+// __CUDA_ARCH_FEAT_SM90_ALL, and in the CPU emulation, which emulates them): the fused walk
+// (version 8's arguments and output: no entering states or U in scratch, no output kernel) on
+// wgmma. One warpgroup (128 threads) per BV rows of the state (value indices), head and batch
+// entry (FlashLinearAttention's split of the state by value index: its rows evolve
+// independently). The state is held transposed, Sᵀ (K x BV: key index x value index), in fp32
+// wgmma accumulators: K / 64 m64nBV tiles, thread t of warp w
 // holding rows 16 w + g (+ 8) of each and columns 8 j + 2 t4 (+ 1) (the accumulator layout of
 // kernels/attn_wgmma_sm90.cu). Per chunk of L = 64 steps, with W, q, k (L x K), M (L x L) and
 // the block's BV columns of U~ in a ring of STAGES stages (cp.async, STAGES - 1 chunks ahead):
@@ -886,7 +887,7 @@ __device__ __forceinline__ void gdn_walk_wg_body(
         }
 #pragma unroll
     for (int p = 0; p < STAGES - 1; ++p) gdn_wg_fill<BV, K, V>(ring + p * STAGE, src, p);
-    // Sᵀ: element (key x, value column y) of accumulator tile mb, d[4 j + e]: x = 64 mb + i0
+    // Sᵀ: element (key x, value index y) of accumulator tile mb, d[4 j + e]: x = 64 mb + i0
     // (+ 8 for e >= 2), y = 8 j + 2 t4 + (e & 1).
     float sa[MB][NA];
 #pragma unroll

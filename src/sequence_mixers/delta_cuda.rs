@@ -16,8 +16,8 @@
 //! kernels compiled for that size, the walk by one warp a block holding whole rows (version
 //! 9). On a Hopper GPU (compute capability 9.0, compiled for sm_90a), where
 //! [`wgmma_dispatched`] (not yet by default: no GPU has run it), both sizes take the two
-//! launches of version 10 instead: the fused walk on wgmma, one warpgroup per 32 or 16 value
-//! columns of the state. Every other case takes version 2, plain float32 loops over shared
+//! launches of version 10 instead: the fused walk on wgmma, one warpgroup per 32 or 16 rows
+//! of the state (value indices). Every other case takes version 2, plain float32 loops over shared
 //! memory on CUDA cores.
 
 use cudarc::driver::{
@@ -113,8 +113,8 @@ pub const WHOLE_ROW_WALKS: [(usize, usize, usize); 1] = [(1, 4, 64)];
 
 /// The fused walks on Hopper's warpgroup matrix instructions (version 10,
 /// `gdn_walk_wg_r<BV>_s<S>_k<K>v<V>`, compiled only for sm_90a) the source instantiates,
-/// (value columns per block, stages, K = V): one warpgroup of 128 threads per BV columns of the
-/// state, head and batch entry (4 blocks a head at both sizes), three stages at 128 (200 KB of
+/// (rows of the state per block, stages, K = V): one warpgroup of 128 threads per BV rows of the
+/// state (value indices), head and batch entry (4 blocks a head at both sizes), three stages at 128 (200 KB of
 /// shared memory), four at 64. [`StateWalk::for_shape`] takes them on a compute capability 9.0
 /// device, before [`FUSED_WALKS`] and [`WHOLE_ROW_WALKS`].
 pub const WGMMA_WALKS: [(usize, usize, usize); 2] = [(32, 3, 128), (16, 4, 64)];
@@ -152,8 +152,8 @@ pub struct StateWalk {
     /// Version 8: a whole-row walk computing the output too (the preparation writes M; two
     /// launches, not three); version 10 with `wgmma`.
     pub fused: bool,
-    /// Version 10: the fused walk on wgmma, one warpgroup per 16 `row_groups` value columns
-    /// ([`WGMMA_WALKS`]; sm_90a only).
+    /// Version 10: the fused walk on wgmma, one warpgroup per 16 `row_groups` rows of the
+    /// state ([`WGMMA_WALKS`]; sm_90a only).
     pub wgmma: bool,
 }
 
@@ -210,7 +210,7 @@ impl StateWalk {
         }
     }
 
-    /// Rows of the state per block (value columns of the state, version 10).
+    /// Rows of the state (value indices) per block.
     pub fn rows(self) -> usize {
         TC_ROWS * self.row_groups
     }
@@ -651,7 +651,7 @@ impl GatedDelta {
                 s.batch as u32,
             );
             // SAFETY: gdn_walk_out_w<G>_s<S>_k<K>v<V>, or on Hopper gdn_walk_wg_r<BV>_s<S>_k<K>v<V>
-            // (version 10, the same arguments; rows() = BV value columns a block, 128 threads),
+            // (version 10, the same arguments; rows() = BV rows of the state a block, 128 threads),
             // (const u16* q, const u16* k,
             // const u16* w, const u16* u, const u16* m, const float* g,
             // const float* initial_state, int has_initial, u16* o, float* final_state,
