@@ -331,8 +331,17 @@ fn wgmma_walk_rule() -> String {
         })
         .collect::<Vec<_>>()
         .join(", ");
+    let (major, minor) = delta_cuda::WGMMA_CC;
+    let opt_in = if delta_cuda::WGMMA_DISPATCHED {
+        String::new()
+    } else {
+        format!(
+            " (this run opted in with {}=1; not yet the library's default)",
+            delta_cuda::WGMMA_ENV
+        )
+    };
     format!(
-        " On compute capability 9.0, instead, version 10 where its sizes fit: the solve that also writes the decayed Q Kᵀ, then the state walked on wgmma (bf16 operands from shared memory, float32 accumulation; the state held transposed in the accumulators, the output computed in the walk): {walks}."
+        " On compute capability {major}.{minor}, instead, version 10 where its sizes fit{opt_in}: the solve that also writes the decayed Q Kᵀ, then the state walked on wgmma (bf16 operands from shared memory, float32 accumulation; the state held transposed in the accumulators, the output computed in the walk): {walks}."
     )
 }
 

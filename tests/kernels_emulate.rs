@@ -433,9 +433,10 @@ fn gated_delta_kernels_emulated_match_the_recurrence() {
         )
     })
     .collect();
-    // The tensor-core kernels ran where the host would take them: K = V = 64 and 128, twice
-    // each (the whole-row walks: one warp without the output, two with it), and the three
-    // shapes above (one walks 32 rows a block in two groups of 4 warps).
+    // The tensor-core kernels ran where the host would take them: K = V = 64 and 128, three
+    // times each (the first shapes; the whole-row walks: one warp without the output, two with
+    // it; version 10's on wgmma), and the three shapes above (one walks 32 rows a block in two
+    // groups of 4 warps).
     assert_eq!(
         cases.iter().filter(|c| !c.contains(",0,0,0,")).count(),
         9,

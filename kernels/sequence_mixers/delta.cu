@@ -737,9 +737,12 @@ GDN_STATE_W(1, 4, 64, 64)
 // core-matrix layout (gdn_core: 8 x 8 blocks of 128 contiguous bytes, row-block-major), the
 // descriptors' leading offset the distance between core matrices along the reduction
 // dimension and the stride along M or N (as attention's probe established for K- and N-major
-// operands; kernels/attn_wgmma_sm90.cu). M's blocks above the diagonal (which the preparation
-// does not write) are zeroed once and never loaded. Dynamic shared memory: STAGES (3 L K 2 +
-// L L 2 + L (BV + 8) 2 + L 4) + K BV 2 + 2 L BV 2 bytes (gdn_wg_smem).
+// operands; kernels/attn_wgmma_sm90.cu). M's 16 x 16 blocks above the diagonal (which the
+// preparation leaves partly unwritten) are zeroed once and never loaded. The fills give 8
+// consecutive threads the 8 rows of one core matrix (128 contiguous bytes of shared memory, no
+// bank conflict; 64 contiguous bytes of each global row per warp). Dynamic shared memory:
+// STAGES (3 L K 2 + L L 2 + L (BV + 8) 2 + L 4) + K BV 2 + 2 L BV 2 bytes (the host's
+// tc_shared_bytes).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KP_EMULATE)
 typedef unsigned long long u64;
 
@@ -832,8 +835,9 @@ __device__ __forceinline__ void gdn_wg_fill(unsigned char* st, const GdnWalkSrc&
         const long long t0 = (long long)src.b * src.T_len + (long long)c * L;
         const int l = min(L, src.T_len - c * L);
         const long long base = src.bh * src.n_chunks + c;
+        // Thread e: row 8 (e / K) + e % 8, 8 columns from 8 ((e / 8) % (K / 8)).
         for (int e = threadIdx.x; e < L * (K / 8); e += 128) {
-            const int i = e / (K / 8), c8 = (e % (K / 8)) * 8;
+            const int i = 8 * (e / K) + e % 8, c8 = ((e / 8) % (K / 8)) * 8;
             const bool ok = i < l;
             const int ii = ok ? i : 0;
             const long long at = ((t0 + ii) * src.heads + src.h) * K + c8;
@@ -843,7 +847,7 @@ __device__ __forceinline__ void gdn_wg_fill(unsigned char* st, const GdnWalkSrc&
             cp_async16(ks + to, src.k + at, ok);
         }
         for (int e = threadIdx.x; e < L * (L / 8); e += 128) {
-            const int i = e / (L / 8), c8 = (e % (L / 8)) * 8;
+            const int i = 8 * (e / L) + e % 8, c8 = ((e / 8) % (L / 8)) * 8;
             if (c8 / 16 > i / 16) continue;  // above the diagonal blocks: zeros, never loaded
             const bool ok = i < l;
             cp_async16(ms + gdn_core(i, c8, L), src.m + (base * L + (ok ? i : 0)) * L + c8, ok);

@@ -126,6 +126,9 @@ pub const WGMMA_WALKS: [(usize, usize, usize); 2] = [(32, 3, 128), (16, 4, 64)];
 /// does.
 pub const WGMMA_DISPATCHED: bool = false;
 
+/// The compute capability version 10's walks run on (sm_90a: Hopper's wgmma).
+pub const WGMMA_CC: (i32, i32) = (9, 0);
+
 /// The environment variable that makes this process take version 10's walks before
 /// [`WGMMA_DISPATCHED`] does (value `1`): for measuring them (`runners/device_run.sh gdn`).
 pub const WGMMA_ENV: &str = "KP_GDN_WGMMA";
@@ -249,15 +252,7 @@ impl StateWalk {
 /// (versions 3 and 4 for any K and V, then versions 9 and 8 at their sizes) and the outputs
 /// (any K and V, then the whole-row walks' sizes).
 pub fn entry_points() -> Vec<String> {
-    let square = |d: usize| {
-        dims_suffix(DeltaShape {
-            batch: 1,
-            seq_len: 1,
-            heads: 1,
-            key_dim: d,
-            value_dim: d,
-        })
-    };
+    let square = square_suffix;
     let walk = |(row_groups, stages)| {
         StateWalk {
             row_groups,
@@ -292,16 +287,20 @@ pub fn tensor_core_path(shape: DeltaShape, dtype: Dtype) -> bool {
 /// The entry points of [`entry_points`] compiled only for sm_90a (version 10's walks; the
 /// source guards them with `__CUDA_ARCH_FEAT_SM90_ALL`).
 pub fn hopper_entry_points() -> Vec<String> {
-    let suffix = |d: usize| {
-        if d == 64 {
-            DIMS_SUFFIXES[1]
-        } else {
-            DIMS_SUFFIXES[2]
-        }
-    };
     WGMMA_WALKS
-        .map(|(c, s, d)| format!("gdn_walk_wg_r{c}_s{s}{}", suffix(d)))
+        .map(|(c, s, d)| format!("gdn_walk_wg_r{c}_s{s}{}", square_suffix(d)))
         .to_vec()
+}
+
+/// [`dims_suffix`] of the shape K = V = `d`.
+fn square_suffix(d: usize) -> &'static str {
+    dims_suffix(DeltaShape {
+        batch: 1,
+        seq_len: 1,
+        heads: 1,
+        key_dim: d,
+        value_dim: d,
+    })
 }
 
 /// Dynamic shared memory of the tensor-core kernels (version 3, bf16) for `shape`, bytes, in
@@ -442,7 +441,7 @@ impl GatedDelta {
     /// the NVRTC log; driver errors (out of memory, a device whose blocks cannot have
     /// [`shared_bytes`]).
     pub fn new(gpu: &Gpu, shape: DeltaShape, dtype: Dtype) -> Result<GatedDelta, GpuError> {
-        Self::with_walks(gpu, shape, dtype, gpu.cc == (9, 0) && wgmma_dispatched())
+        Self::with_walks(gpu, shape, dtype, gpu.cc == WGMMA_CC && wgmma_dispatched())
     }
 
     /// As [`GatedDelta::new`], with version 10's walks at their sizes when `hopper`
@@ -457,11 +456,11 @@ impl GatedDelta {
         dtype: Dtype,
         hopper: bool,
     ) -> Result<GatedDelta, GpuError> {
-        if hopper && gpu.cc != (9, 0) {
+        if hopper && gpu.cc != WGMMA_CC {
             return Err(GpuError::Config(format!(
-                "gated_delta_rule: version 10's walks need compute capability 9.0 (sm_90a), \
-                 this device has {}.{}",
-                gpu.cc.0, gpu.cc.1
+                "gated_delta_rule: version 10's walks need compute capability {}.{} \
+                 (sm_90a), this device has {}.{}",
+                WGMMA_CC.0, WGMMA_CC.1, gpu.cc.0, gpu.cc.1
             )));
         }
         let s = shape;

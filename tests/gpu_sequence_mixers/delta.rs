@@ -3,7 +3,7 @@
 
 use kernelpages::sequence_mixers::cuda::Dtype;
 use kernelpages::sequence_mixers::delta_cuda::{
-    entry_points, hopper_entry_points, source, tensor_core_path, GatedDelta,
+    entry_points, hopper_entry_points, source, tensor_core_path, GatedDelta, StateWalk, WGMMA_CC,
 };
 use kernelpages::sequence_mixers::reference::{self, DeltaInputs, DeltaShape};
 
@@ -142,12 +142,14 @@ fn gated_delta_rule_matches_float64_on_every_shape() {
         shape(1, 65_537, 1, 16, 16),
     ];
     let mut failures = Vec::new();
-    // On a Hopper GPU every case also with version 10's walks (where its sizes take them,
-    // else the same kernels again), whether or not the dispatch takes them yet.
-    let hopper_too = gpu().cc == (9, 0);
-    let walks: &[bool] = if hopper_too { &[false, true] } else { &[false] };
+    // On a Hopper GPU the cases version 10's walks take also run with them, whether or not
+    // the dispatch takes them yet.
+    let on_hopper = gpu().cc == WGMMA_CC;
     for (n, &s) in cases.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::Bf16] {
+            let wgmma =
+                on_hopper && tensor_core_path(s, dtype) && StateWalk::for_shape(s, true).wgmma;
+            let walks: &[bool] = if wgmma { &[false, true] } else { &[false] };
             for (start, &hopper) in [false, true]
                 .into_iter()
                 .flat_map(|x| walks.iter().map(move |w| (x, w)))
