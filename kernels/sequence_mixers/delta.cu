@@ -894,13 +894,15 @@ __device__ __forceinline__ void gdn_walk_wg_body(
     // Sᵀ: element (key x, value index y) of accumulator tile mb, d[4 j + e]: x = 64 mb + i0
     // (+ 8 for e >= 2), y = 8 j + 2 t4 + (e & 1).
     float sa[MB][NA];
+    // The offset of accumulator sa[mb][r] in a [B, H, V, K] state.
+    auto at = [&](int mb, int r) {
+        const int x = 64 * mb + i0 + ((r & 2) ? 8 : 0), y = 8 * (r / 4) + 2 * t4 + (r & 1);
+        return (bh * V + v0 + y) * K + x;
+    };
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-        for (int r = 0; r < NA; ++r) {
-            const int x = 64 * mb + i0 + ((r & 2) ? 8 : 0), y = 8 * (r / 4) + 2 * t4 + (r & 1);
-            sa[mb][r] = has_initial ? initial_state[(bh * V + v0 + y) * K + x] : 0.f;
-        }
+        for (int r = 0; r < NA; ++r) sa[mb][r] = has_initial ? initial_state[at(mb, r)] : 0.f;
     const u32 rows8 = 16 * K;  // bytes between the 8-row blocks of an [L][K] tile
     for (int c = 0; c < n_chunks; ++c) {
         // Sᵀ entering the chunk, bf16, to shared memory (B of U's and P's products).
@@ -1002,10 +1004,7 @@ __device__ __forceinline__ void gdn_walk_wg_body(
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-        for (int r = 0; r < NA; ++r) {
-            const int x = 64 * mb + i0 + ((r & 2) ? 8 : 0), y = 8 * (r / 4) + 2 * t4 + (r & 1);
-            final_state[(bh * V + v0 + y) * K + x] = sa[mb][r];
-        }
+        for (int r = 0; r < NA; ++r) final_state[at(mb, r)] = sa[mb][r];
 }
 
 // Version 10's entry points (version 8's parameters; the host launches V / BV blocks of 128

@@ -414,7 +414,6 @@ pub struct GatedDelta {
     /// Shared memory of the kernels chosen, bytes (the third 0 when `fused`).
     smem: [u32; 3],
     tensor_cores: bool,
-    fused: bool,
     /// The state walk on the tensor-core path ([`StateWalk::for_shape`] for this device).
     walk: StateWalk,
     w: CudaSlice<f32>,
@@ -523,7 +522,6 @@ impl GatedDelta {
             kernels,
             smem,
             tensor_cores: t,
-            fused,
             walk,
             w: alloc(on(!t, w_len))?,
             u: alloc(on(!t, u_len))?,
@@ -550,6 +548,11 @@ impl GatedDelta {
     /// Whether the kernels are version 3's tensor-core ones ([`tc_shared_bytes`]).
     pub fn uses_tensor_cores(&self) -> bool {
         self.tensor_cores
+    }
+
+    /// Whether the tensor-core path runs a fused walk (two launches, no output kernel).
+    fn fused(&self) -> bool {
+        self.tensor_cores && self.walk.fused
     }
 
     /// The state walk the tensor-core path runs ([`StateWalk::for_shape`] for the device the
@@ -614,7 +617,7 @@ impl GatedDelta {
             shared_mem_bytes: smem,
         };
         let per_chunk = (n_chunks as u32, s.heads as u32, s.batch as u32);
-        if self.fused {
+        if self.fused() {
             let mut l = gpu.stream.launch_builder(&self.kernels[0]);
             l.arg(q).arg(k).arg(v).arg(alpha).arg(beta);
             l.arg(&mut self.w16).arg(&mut self.u16).arg(&mut self.m16);
