@@ -49,8 +49,8 @@ fn delta_case(shape: DeltaShape, dtype: Dtype, start: bool, hopper: bool, seed: 
     // Scratch: W, U, the log decays and the entering states of every chunk, float32, with
     // one-element bf16 placeholders (W, U, the states, M); on the tensor-core path g float32
     // with one-element float32 placeholders for W, U and the states, and W and U~ (then U) in
-    // bf16 with the entering states, or with the fused walk (K = V = 128) M
-    // [rows, 64, 64] instead, the other a one-element placeholder (each buffer at least one
+    // bf16 with the entering states, or with a fused walk (K = V = 128, and 64 too with
+    // version 10's walks on Hopper) M [rows, 64, 64] instead, the other a one-element placeholder (each buffer at least one
     // element).
     let rows = shape.batch * shape.heads * shape.seq_len.div_ceil(64);
     let n = |n: usize| n.max(1) as u64;
@@ -132,8 +132,8 @@ fn gated_delta_rule_matches_float64_on_every_shape() {
         // The tensor-core state walk of 32 rows a block over 16 chunks, 4 times its stages
         // (V = 96: three blocks a head).
         shape(1, 1000, 2, 32, 96),
-        // The fused walks (on Hopper version 10's, on wgmma) over 16 and 11 chunks, several
-        // turns of their rings, the last chunk partial.
+        // K = V = 128 and 64 over 16 and 11 chunks (versions 8's and 9's walks, on Hopper
+        // version 10's too), several turns of their rings, the last chunk partial.
         shape(1, 1000, 2, 128, 128),
         shape(1, 700, 2, 64, 64),
         // Issue 12's lengths around the chunk of 64 and past 65,536.
